@@ -1,0 +1,3 @@
+#!/bin/sh
+echo "bazel coverage is not supported in colod's offline build" >&2
+exit 1

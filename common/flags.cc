@@ -1,0 +1,96 @@
+#include "common/flags.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/version.h"
+
+namespace colod {
+namespace {
+
+bool IsOwnFlag(absl::string_view filename) {
+  return !absl::StartsWith(filename, "absl/") && !absl::StrContains(filename, "/absl/");
+}
+
+// Abseil flag names use '_'; colod's command lines use '-' (--data-dir). Both work.
+std::string DashedName(absl::string_view name) {
+  std::string out(name);
+  std::replace(out.begin(), out.end(), '_', '-');
+  return out;
+}
+
+void PrintHelp(absl::string_view usage) {
+  std::string out(usage);
+  if (!out.empty() && out.back() != '\n') out.push_back('\n');
+  std::vector<absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (IsOwnFlag(flag->Filename())) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(),
+            [](auto* a, auto* b) { return a->Name() < b->Name(); });
+  absl::StrAppend(&out, "\nFlags:\n");
+  for (absl::CommandLineFlag* f : flags) {
+    absl::StrAppend(&out, "  --", DashedName(f->Name()));
+    std::string def = f->DefaultValue();
+    if (!def.empty()) absl::StrAppend(&out, " (default: ", def, ")");
+    absl::StrAppend(&out, "\n      ", f->Help(), "\n");
+  }
+  absl::StrAppend(&out, "  --help, -h\n      Show this help and exit.\n");
+  absl::StrAppend(&out, "  --version\n      Print the colod version and exit.\n");
+  std::fputs(out.c_str(), stdout);
+}
+
+}  // namespace
+
+std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage) {
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = IsOwnFlag;
+  config.contains_helpshort_flags = IsOwnFlag;
+  config.version_string = [] { return absl::StrCat("colod ", kVersion, "\n"); };
+  absl::SetFlagsUsageConfig(config);
+  absl::SetProgramUsageMessage(usage);
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--") == 0) break;
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0 ||
+        std::strcmp(argv[i], "-help") == 0 || std::strcmp(argv[i], "--helpfull") == 0) {
+      PrintHelp(usage);
+      std::exit(0);
+    }
+    if (std::strcmp(argv[i], "--version") == 0 || std::strcmp(argv[i], "-version") == 0) {
+      std::printf("colod %s\n", kVersion);
+      std::exit(0);
+    }
+  }
+  // Rewrite --data-dir[=x] to --data_dir[=x] for Abseil; positional arguments
+  // and everything after "--" stay as they are.
+  std::vector<std::string> storage(argv, argv + argc);
+  for (size_t i = 1; i < storage.size(); ++i) {
+    std::string& a = storage[i];
+    if (a == "--") break;
+    if (a.size() < 2 || a[0] != '-') continue;
+    size_t start = a.find_first_not_of('-');
+    size_t end = std::min(a.find('='), a.size());
+    if (start == std::string::npos || start >= end) continue;
+    std::replace(a.begin() + start, a.begin() + end, '-', '_');
+  }
+  std::vector<char*> normalized;
+  for (std::string& a : storage) normalized.push_back(a.data());
+  // Exits 1 with "ERROR: ..." on an unknown or malformed flag.
+  std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(normalized.size()), normalized.data());
+  std::vector<std::string> out;
+  for (size_t i = 1; i < positional.size(); ++i) out.emplace_back(positional[i]);
+  // `storage` dies here; `out` holds copies.
+  return out;
+}
+
+}  // namespace colod

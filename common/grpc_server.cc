@@ -1,0 +1,66 @@
+#include "common/grpc_server.h"
+
+#include <signal.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/net.h"
+#include "common/status_macros.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+
+namespace colod {
+
+absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
+                                                  const std::vector<grpc::Service*>& services) {
+  ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(listen, "--listen", /*allow_zero_port=*/true));
+  // Both are process-wide switches that must be set before a builder is made.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(hp.ToString(), grpc::InsecureServerCredentials(), &port);
+  for (grpc::Service* service : services) builder.RegisterService(service);
+  StartedGrpcServer out;
+  out.server = builder.BuildAndStart();
+  if (out.server == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", hp.ToString(),
+                                               " (address in use or not local?)"));
+  }
+  out.port = port;
+  hp.port = port;
+  out.address = hp.ToString();
+  return out;
+}
+
+void SetServing(grpc::Server& server, absl::string_view service, bool serving) {
+  grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
+  if (health != nullptr) health->SetServingStatus(std::string(service), serving);
+}
+
+namespace {
+sigset_t ShutdownSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  return set;
+}
+}  // namespace
+
+void BlockShutdownSignals() {
+  sigset_t set = ShutdownSignals();
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int WaitForShutdownSignal() {
+  sigset_t set = ShutdownSignals();
+  int sig = 0;
+  while (sigwait(&set, &sig) != 0) {
+  }
+  return sig;
+}
+
+}  // namespace colod

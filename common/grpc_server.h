@@ -1,0 +1,43 @@
+// Starting a daemon's gRPC server the same way everywhere: health, reflection,
+// port 0, and shutdown on SIGTERM/SIGINT.
+#ifndef COLOD_COMMON_GRPC_SERVER_H_
+#define COLOD_COMMON_GRPC_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "grpcpp/server.h"
+#include "grpcpp/impl/codegen/service_type.h"
+
+namespace colod {
+
+struct StartedGrpcServer {
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  // HOST:PORT with the bound port.
+  std::string address;
+};
+
+// Builds and starts a server on `listen` (HOST:PORT; port 0 picks a free
+// port) with `services`, the grpc.health.v1 service and server reflection.
+// The overall health ("") is SERVING; each named service starts NOT_SERVING
+// until the caller marks it ready with SetServing. Insecure transport.
+absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
+                                                  const std::vector<grpc::Service*>& services);
+
+// Sets the health status of `service` (a full name like "colod.v1.WorkerService").
+void SetServing(grpc::Server& server, absl::string_view service, bool serving);
+
+// Blocks SIGTERM and SIGINT in the calling thread and every thread it starts
+// afterwards. Call first thing in main, then WaitForShutdownSignal().
+void BlockShutdownSignals();
+
+// Waits for SIGTERM or SIGINT (blocked beforehand) and returns its number.
+int WaitForShutdownSignal();
+
+}  // namespace colod
+
+#endif  // COLOD_COMMON_GRPC_SERVER_H_

@@ -1,0 +1,42 @@
+// Prometheus /metrics endpoint shared by every daemon.
+#ifndef COLOD_COMMON_METRICS_H_
+#define COLOD_COMMON_METRICS_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "prometheus/exposer.h"
+#include "prometheus/registry.h"
+
+namespace colod {
+
+// Serves a registry's metrics over HTTP at /metrics (prometheus-cpp's civetweb
+// exposer). Start() binds immediately; port 0 picks a free port, reported by
+// port(). Thread-safe; metrics are read on the exposer's own threads.
+class MetricsServer {
+ public:
+  // `listen` is HOST:PORT. UNAVAILABLE if the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
+      absl::string_view listen, std::shared_ptr<prometheus::Registry> registry);
+
+  int port() const { return port_; }
+  // HOST:PORT with the bound port.
+  const std::string& address() const { return address_; }
+
+ private:
+  MetricsServer() = default;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  int port_ = 0;
+  std::string address_;
+};
+
+// Adds colod_build_info{component, version, cuda} = 1 to `registry`.
+// `cuda` says whether the binary was built with CUDA.
+void AddBuildInfo(prometheus::Registry& registry, absl::string_view component);
+
+}  // namespace colod
+
+#endif  // COLOD_COMMON_METRICS_H_

@@ -1,0 +1,30 @@
+// Network address parsing shared by flags and RPC validation.
+#ifndef COLOD_COMMON_NET_H_
+#define COLOD_COMMON_NET_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace colod {
+
+struct HostPort {
+  std::string host;  // name, IPv4 literal, or IPv6 literal without brackets
+  int port = 0;
+  // "host:port", with brackets around an IPv6 literal.
+  std::string ToString() const;
+};
+
+// Parses "HOST:PORT" or "[V6]:PORT". INVALID_ARGUMENT, naming `what`, for an
+// empty host, a missing or non-numeric port, or a port outside
+// [allow_zero_port ? 0 : 1, 65535].
+absl::StatusOr<HostPort> ParseHostPort(absl::string_view text, absl::string_view what,
+                                       bool allow_zero_port);
+
+// This machine's host name (gethostname), or "localhost" if it has none.
+std::string LocalHostName();
+
+}  // namespace colod
+
+#endif  // COLOD_COMMON_NET_H_

@@ -1,0 +1,152 @@
+#include "server/coordinator.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <system_error>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "prometheus/gauge.h"
+
+namespace colod {
+namespace {
+
+constexpr char kServiceName[] = "colod.v1.CoordinatorService";
+
+// Creates `dir` and takes an exclusive flock on dir/LOCK; returns the fd.
+absl::StatusOr<int> LockDataDir(const std::string& dir) {
+  if (dir.empty()) return absl::InvalidArgumentError("--data-dir: required");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--data-dir: cannot create '", dir, "': ", ec.message()));
+  }
+  const std::string lock_path = dir + "/LOCK";
+  int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--data-dir: cannot open '", lock_path, "': ", std::strerror(errno)));
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--data-dir: '", dir, "' is in use by another coordinator (", lock_path, " is locked)"));
+  }
+  std::string pid = absl::StrCat(::getpid(), "\n");
+  if (::ftruncate(fd, 0) != 0 || ::write(fd, pid.data(), pid.size()) < 0) {
+    COLOD_LOG(WARNING) << "cannot record the pid in " << lock_path;
+  }
+  return fd;
+}
+
+}  // namespace
+
+Coordinator::Coordinator(Options options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options) {
+  if (options.heartbeat_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--heartbeat-interval: must be > 0");
+  }
+  if (options.lease_duration <= options.heartbeat_interval) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lease-duration (", absl::FormatDuration(options.lease_duration),
+        ") must be longer than --heartbeat-interval (",
+        absl::FormatDuration(options.heartbeat_interval), ")"));
+  }
+  std::unique_ptr<Coordinator> c(new Coordinator(options));
+  ASSIGN_OR_RETURN(c->lock_fd_, LockDataDir(options.data_dir));
+
+  c->registry_ = std::make_shared<prometheus::Registry>();
+  AddBuildInfo(*c->registry_, "coordinator");
+  c->workers_gauge_ = &prometheus::BuildGauge()
+                           .Name("colod_workers")
+                           .Help("Registered workers by state.")
+                           .Register(*c->registry_);
+  c->jobs_gauge_ = &prometheus::BuildGauge()
+                        .Name("colod_jobs")
+                        .Help("Jobs known to the coordinator, by state.")
+                        .Register(*c->registry_);
+
+  WorkerRegistry::Options wo;
+  wo.heartbeat_interval = options.heartbeat_interval;
+  wo.lease_duration = options.lease_duration;
+  wo.clock = options.clock;
+  c->workers_ = std::make_unique<WorkerRegistry>(wo);
+  c->jobs_ = std::make_unique<JobManager>(options.clock);
+  c->store_ = std::make_unique<RendezvousStore>();
+  c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(),
+                                                          c->store_.get(), c->registry_.get());
+  c->UpdateGauges();
+
+  ASSIGN_OR_RETURN(c->metrics_, MetricsServer::Start(options.metrics_listen, c->registry_));
+  ASSIGN_OR_RETURN(c->grpc_, StartGrpcServer(options.listen, {c->service_.get()}));
+  SetServing(*c->grpc_.server, kServiceName, true);
+  c->sweeper_ = std::thread([raw = c.get()] { raw->SweepLoop(); });
+  COLOD_LOG(INFO) << "coordinator serving gRPC on " << c->address() << ", metrics on http://"
+                  << c->metrics_address() << "/metrics, data dir " << options.data_dir;
+  return c;
+}
+
+void Coordinator::UpdateGauges() {
+  for (const auto& [state, n] : workers_->CountByState()) {
+    workers_gauge_->Add({{"state", state}}).Set(n);
+  }
+  for (const auto& [state, n] : jobs_->CountByState()) {
+    jobs_gauge_->Add({{"state", state}}).Set(n);
+  }
+}
+
+void Coordinator::SweepLoop() {
+  const absl::Duration period = std::min(options_.heartbeat_interval, absl::Seconds(1));
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
+    if (stopping_) break;
+    mu_.Unlock();
+    for (const std::string& id : workers_->Sweep()) {
+      COLOD_LOG(WARNING) << "worker " << id << " lost: no heartbeat within "
+                         << absl::FormatDuration(options_.lease_duration);
+    }
+    UpdateGauges();
+    mu_.Lock();
+  }
+}
+
+void Coordinator::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
+    stopping_ = true;
+  }
+  COLOD_LOG(INFO) << "coordinator shutting down";
+  SetServing(*grpc_.server, kServiceName, false);
+  store_->Close();  // wakes KvWait/Barrier handlers
+  grpc_.server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  grpc_.server->Wait();
+  if (sweeper_.joinable()) sweeper_.join();
+  metrics_.reset();
+  if (lock_fd_ >= 0) {
+    ::flock(lock_fd_, LOCK_UN);
+    ::close(lock_fd_);
+    lock_fd_ = -1;
+  }
+}
+
+Coordinator::~Coordinator() {
+  bool started = grpc_.server != nullptr;
+  if (started) {
+    Shutdown();
+  } else if (lock_fd_ >= 0) {
+    ::close(lock_fd_);
+  }
+}
+
+}  // namespace colod

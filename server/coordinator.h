@@ -1,0 +1,81 @@
+// The coordinator daemon as a handle: started with Start(), stopped with
+// Shutdown() or destruction. The binary (main.cc) and the tests use it alike.
+#ifndef COLOD_SERVER_COORDINATOR_H_
+#define COLOD_SERVER_COORDINATOR_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "common/grpc_server.h"
+#include "common/metrics.h"
+#include "server/coordinator_service.h"
+#include "server/job_manager.h"
+#include "server/rendezvous_store.h"
+#include "server/worker_registry.h"
+
+namespace colod {
+
+// Thread-safe. Shutdown() may be called from any thread, more than once.
+class Coordinator {
+ public:
+  struct Options {
+    // gRPC address; port 0 picks a free port.
+    std::string listen = "127.0.0.1:0";
+    // Prometheus /metrics address; port 0 picks a free port.
+    std::string metrics_listen = "127.0.0.1:0";
+    // State directory; created if missing and locked against a second
+    // coordinator. Required.
+    std::string data_dir;
+    absl::Duration heartbeat_interval = absl::Seconds(2);
+    absl::Duration lease_duration = absl::Seconds(10);
+    Clock* clock = Clock::Real();
+  };
+
+  // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION if the data dir is
+  // locked by another coordinator, UNAVAILABLE if an address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<Coordinator>> Start(Options options);
+  ~Coordinator();
+
+  // Stops accepting calls, ends streams and waits, and releases the data dir.
+  void Shutdown();
+
+  int port() const { return grpc_.port; }
+  const std::string& address() const { return grpc_.address; }
+  int metrics_port() const { return metrics_->port(); }
+  const std::string& metrics_address() const { return metrics_->address(); }
+
+  WorkerRegistry& workers() { return *workers_; }
+  JobManager& jobs() { return *jobs_; }
+
+ private:
+  explicit Coordinator(Options options);
+  void SweepLoop();
+  void UpdateGauges();
+
+  const Options options_;
+  int lock_fd_ = -1;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<WorkerRegistry> workers_;
+  std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<RendezvousStore> store_;
+  std::unique_ptr<CoordinatorServiceImpl> service_;
+  prometheus::Family<prometheus::Gauge>* workers_gauge_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* jobs_gauge_ = nullptr;
+  std::unique_ptr<MetricsServer> metrics_;
+  StartedGrpcServer grpc_;
+  std::thread sweeper_;
+
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_SERVER_COORDINATOR_H_

@@ -1,0 +1,197 @@
+#include "server/coordinator_service.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/grpc_status.h"
+#include "common/status_macros.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace colod {
+namespace {
+
+using google::protobuf::util::TimeUtil;
+
+absl::Duration FromProto(const google::protobuf::Duration& d) {
+  return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+}
+
+google::protobuf::Duration ToProto(absl::Duration d) {
+  return TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(d));
+}
+
+absl::Status RequireId(absl::string_view field, absl::string_view value) {
+  if (value.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));
+  return absl::OkStatus();
+}
+
+// Buckets from 100us to ~100s, for RPCs from KvGet to long KvWaits.
+const prometheus::Histogram::BucketBoundaries& RpcBuckets() {
+  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
+      0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100};
+  return *buckets;
+}
+
+}  // namespace
+
+CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs,
+                                               RendezvousStore* store,
+                                               prometheus::Registry* metrics)
+    : workers_(workers),
+      jobs_(jobs),
+      store_(store),
+      rpc_duration_(&prometheus::BuildHistogram()
+                         .Name("colod_rpc_duration_seconds")
+                         .Help("Coordinator RPC handling time, by method and status code.")
+                         .Register(*metrics)) {}
+
+template <typename Fn>
+grpc::Status CoordinatorServiceImpl::Instrument(const char* method, Fn&& fn) {
+  const absl::Time start = absl::Now();
+  absl::Status status = fn();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  rpc_duration_->Add({{"method", method}, {"code", absl::StatusCodeToString(status.code())}},
+                     RpcBuckets())
+      .Observe(seconds);
+  return ToGrpcStatus(status);
+}
+
+grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext*,
+                                                    const v1::RegisterWorkerRequest* req,
+                                                    v1::RegisterWorkerResponse* resp) {
+  return Instrument("RegisterWorker", [&]() -> absl::Status {
+    if (!req->has_worker()) return absl::InvalidArgumentError("worker: required");
+    ASSIGN_OR_RETURN(WorkerRegistry::Registration reg, workers_->Register(req->worker()));
+    resp->set_worker_id(reg.worker_id);
+    *resp->mutable_heartbeat_interval() = ToProto(reg.heartbeat_interval);
+    *resp->mutable_lease_duration() = ToProto(reg.lease_duration);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+                                               v1::HeartbeatResponse* resp) {
+  return Instrument("Heartbeat", [&]() -> absl::Status {
+    RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
+    ASSIGN_OR_RETURN(absl::Time expiry, workers_->Heartbeat(req->worker_id(), req->status()));
+    *resp->mutable_lease_expire_time() = TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(expiry));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::ListWorkers(grpc::ServerContext*,
+                                                 const v1::ListWorkersRequest* req,
+                                                 v1::ListWorkersResponse* resp) {
+  return Instrument("ListWorkers", [&]() -> absl::Status {
+    for (v1::Worker& w : workers_->List(req->include_lost())) *resp->add_workers() = std::move(w);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* req,
+                                               v1::SubmitJobResponse* resp) {
+  return Instrument("SubmitJob", [&]() -> absl::Status {
+    if (!req->has_spec()) return absl::InvalidArgumentError("spec: required");
+    ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Submit(req->spec(), req->request_id()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* req,
+                                            v1::GetJobResponse* resp) {
+  return Instrument("GetJob", [&]() -> absl::Status {
+    RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
+    ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Get(req->job_id()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* req,
+                                              v1::ListJobsResponse* resp) {
+  return Instrument("ListJobs", [&]() -> absl::Status {
+    std::vector<v1::JobState> states;
+    for (int s : req->states()) states.push_back(static_cast<v1::JobState>(s));
+    for (v1::Job& j : jobs_->List(states)) *resp->add_jobs() = std::move(j);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* req,
+                                               v1::CancelJobResponse* resp) {
+  return Instrument("CancelJob", [&]() -> absl::Status {
+    RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
+    ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Cancel(req->job_id(), req->reason()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
+                                              grpc::ServerWriter<v1::JobEvent>* writer) {
+  return Instrument("WatchJob", [&]() -> absl::Status {
+    RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
+    int64_t next = std::max<int64_t>(req->from_sequence(), 1);
+    // Poll in short waits so that a cancelled client or a server shutdown
+    // ends the stream promptly.
+    while (!ctx->IsCancelled()) {
+      ASSIGN_OR_RETURN(JobManager::Events batch,
+                       jobs_->WaitForEvents(req->job_id(), next, absl::Milliseconds(250)));
+      for (const v1::JobEvent& ev : batch.events) {
+        if (!writer->Write(ev)) return absl::CancelledError("client went away");
+        next = ev.sequence() + 1;
+      }
+      if (batch.finished) return absl::OkStatus();
+    }
+    return absl::CancelledError("watch cancelled");
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::GetMesh(grpc::ServerContext*, const v1::GetMeshRequest* req,
+                                             v1::GetMeshResponse* resp) {
+  return Instrument("GetMesh", [&]() -> absl::Status {
+    RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
+    ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(req->job_id()));
+    if (job.mesh().ranks_size() == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job '", req->job_id(), "' has no ranks assigned yet (state ",
+                       JobStateName(job.state()), ")"));
+    }
+    *resp->mutable_mesh() = job.mesh();
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::KvSet(grpc::ServerContext*, const v1::KvSetRequest* req,
+                                           v1::KvSetResponse*) {
+  return Instrument("KvSet", [&] { return store_->Set(req->scope(), req->key(), req->value()); });
+}
+
+grpc::Status CoordinatorServiceImpl::KvGet(grpc::ServerContext*, const v1::KvGetRequest* req,
+                                           v1::KvGetResponse* resp) {
+  return Instrument("KvGet", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(*resp->mutable_value(), store_->Get(req->scope(), req->key()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::KvWait(grpc::ServerContext*, const v1::KvWaitRequest* req,
+                                            v1::KvWaitResponse* resp) {
+  return Instrument("KvWait", [&]() -> absl::Status {
+    if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
+    std::vector<std::string> keys(req->keys().begin(), req->keys().end());
+    ASSIGN_OR_RETURN(std::vector<std::string> values,
+                     store_->Wait(req->scope(), keys, FromProto(req->timeout())));
+    for (std::string& v : values) resp->add_values(std::move(v));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::Barrier(grpc::ServerContext*, const v1::BarrierRequest* req,
+                                             v1::BarrierResponse*) {
+  return Instrument("Barrier", [&]() -> absl::Status {
+    if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
+    return store_->Barrier(req->scope(), req->name(), req->rank(), req->world_size(),
+                           FromProto(req->timeout()));
+  });
+}
+
+}  // namespace colod

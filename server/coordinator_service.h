@@ -1,0 +1,59 @@
+// The thin gRPC adaptor of the coordinator: request validation that is about
+// the wire (missing ids, durations), status conversion, and RPC metrics. The
+// logic lives in WorkerRegistry, JobManager and RendezvousStore.
+#ifndef COLOD_SERVER_COORDINATOR_SERVICE_H_
+#define COLOD_SERVER_COORDINATOR_SERVICE_H_
+
+#include "colod/v1/coordinator.grpc.pb.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "server/job_manager.h"
+#include "server/rendezvous_store.h"
+#include "server/worker_registry.h"
+
+namespace colod {
+
+// Thread-safe: gRPC calls the handlers concurrently; every member it touches
+// is thread-safe. The pointed-to objects must outlive the service.
+class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
+ public:
+  CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs, RendezvousStore* store,
+                         prometheus::Registry* metrics);
+
+  grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest*,
+                              v1::RegisterWorkerResponse*) override;
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*,
+                         v1::HeartbeatResponse*) override;
+  grpc::Status ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+                           v1::ListWorkersResponse*) override;
+  grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest*,
+                         v1::SubmitJobResponse*) override;
+  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest*, v1::GetJobResponse*) override;
+  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
+                        v1::ListJobsResponse*) override;
+  grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest*,
+                         v1::CancelJobResponse*) override;
+  grpc::Status WatchJob(grpc::ServerContext*, const v1::WatchJobRequest*,
+                        grpc::ServerWriter<v1::JobEvent>*) override;
+  grpc::Status GetMesh(grpc::ServerContext*, const v1::GetMeshRequest*,
+                       v1::GetMeshResponse*) override;
+  grpc::Status KvSet(grpc::ServerContext*, const v1::KvSetRequest*, v1::KvSetResponse*) override;
+  grpc::Status KvGet(grpc::ServerContext*, const v1::KvGetRequest*, v1::KvGetResponse*) override;
+  grpc::Status KvWait(grpc::ServerContext*, const v1::KvWaitRequest*, v1::KvWaitResponse*) override;
+  grpc::Status Barrier(grpc::ServerContext*, const v1::BarrierRequest*,
+                       v1::BarrierResponse*) override;
+
+ private:
+  // Runs `fn`, converts its status and records colod_rpc_duration_seconds.
+  template <typename Fn>
+  grpc::Status Instrument(const char* method, Fn&& fn);
+
+  WorkerRegistry* const workers_;
+  JobManager* const jobs_;
+  RendezvousStore* const store_;
+  prometheus::Family<prometheus::Histogram>* const rpc_duration_;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_SERVER_COORDINATOR_SERVICE_H_

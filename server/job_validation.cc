@@ -1,0 +1,154 @@
+#include "server/job_validation.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace colod {
+namespace {
+
+constexpr int kMaxWorldSize = 65536;
+
+absl::Status Invalid(absl::string_view path, absl::string_view field, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ".", field, ": ", why));
+}
+
+// Returns r if r^k == n for an integer r >= 1, else 0.
+int IntegerRoot(int n, int k) {
+  for (int r = 1;; ++r) {
+    long long p = 1;
+    for (int i = 0; i < k; ++i) p *= r;
+    if (p == n) return r;
+    if (p > n) return 0;
+  }
+}
+
+absl::Status ValidateModel(const v1::ModelSpec& model, absl::string_view path) {
+  if (model.config_json().empty()) {
+    return Invalid(path, "config_json", "required: the content of the model's config.json");
+  }
+  nlohmann::json config = nlohmann::json::parse(model.config_json(), nullptr, /*allow_exceptions=*/false);
+  if (config.is_discarded()) return Invalid(path, "config_json", "is not valid JSON");
+  if (!config.is_object()) return Invalid(path, "config_json", "must be a JSON object");
+  auto it = config.find("model_type");
+  if (it == config.end() || !it->is_string() || it->get<std::string>().empty()) {
+    return Invalid(path, "config_json", "has no string field \"model_type\"");
+  }
+  if (!model.weights_path().empty() && !model.upload_id().empty()) {
+    return Invalid(path, "weights_path", "set either weights_path or upload_id, not both");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shard,
+                           absl::string_view path) {
+  if (t.steps() < 1) return Invalid(path, "steps", absl::StrCat("must be >= 1, got ", t.steps()));
+  if (t.batch_size() < 1) {
+    return Invalid(path, "batch_size", absl::StrCat("must be >= 1, got ", t.batch_size()));
+  }
+  const int dp = shard.data_parallel_size();
+  if (t.batch_size() % dp != 0) {
+    return Invalid(path, "batch_size",
+                   absl::StrCat(t.batch_size(), " is not divisible by data_parallel_size ", dp));
+  }
+  if (t.seq_len() < 1) return Invalid(path, "seq_len", absl::StrCat("must be >= 1, got ", t.seq_len()));
+  if (!(t.learning_rate() > 0) || !std::isfinite(t.learning_rate())) {
+    return Invalid(path, "learning_rate", absl::StrCat("must be a finite number > 0, got ", t.learning_rate()));
+  }
+  if (!(t.weight_decay() >= 0) || !std::isfinite(t.weight_decay())) {
+    return Invalid(path, "weight_decay", "must be a finite number >= 0");
+  }
+  if (!(t.momentum() >= 0 && t.momentum() < 1)) return Invalid(path, "momentum", "must be in [0, 1)");
+  if (t.warmup_steps() < 0) return Invalid(path, "warmup_steps", "must be >= 0");
+  if (!(t.grad_clip_norm() >= 0) || !std::isfinite(t.grad_clip_norm())) {
+    return Invalid(path, "grad_clip_norm", "must be a finite number >= 0 (0 disables clipping)");
+  }
+  if (t.micro_batches() < 0) return Invalid(path, "micro_batches", "must be >= 0");
+  if (t.micro_batches() > 1 && (t.batch_size() / dp) % t.micro_batches() != 0) {
+    return Invalid(path, "micro_batches",
+                   absl::StrCat("the per-rank batch ", t.batch_size() / dp,
+                                " is not divisible by micro_batches ", t.micro_batches()));
+  }
+  if (t.data_path().empty()) return Invalid(path, "data_path", "required for TRAIN jobs");
+  if (t.checkpoint_every() < 0) return Invalid(path, "checkpoint_every", "must be >= 0");
+  if (t.checkpoint_every() > 0 && t.checkpoint_dir().empty()) {
+    return Invalid(path, "checkpoint_dir", "required when checkpoint_every > 0");
+  }
+  if (!v1::Optimizer_IsValid(t.optimizer())) return Invalid(path, "optimizer", "unknown value");
+  if (!v1::Precision_IsValid(t.precision())) return Invalid(path, "precision", "unknown value");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateShardConfig(const v1::ShardConfig& s, absl::string_view path) {
+  const int tp = s.tensor_parallel_size();
+  const int dp = s.data_parallel_size();
+  if (tp < 1) return Invalid(path, "tensor_parallel_size", absl::StrCat("must be >= 1, got ", tp));
+  if (dp < 1) return Invalid(path, "data_parallel_size", absl::StrCat("must be >= 1, got ", dp));
+  if (static_cast<long long>(tp) * dp > kMaxWorldSize) {
+    return Invalid(path, "data_parallel_size",
+                   absl::StrCat("tp * dp = ", static_cast<long long>(tp) * dp, " exceeds ", kMaxWorldSize));
+  }
+  const int depth = s.depth();
+  switch (s.tensor_parallel_mode()) {
+    case v1::TENSOR_PARALLEL_MODE_UNSPECIFIED:
+    case v1::TENSOR_PARALLEL_MODE_1D:
+      if (depth != 0) return Invalid(path, "depth", "is only used by 2.5d; must be 0");
+      break;
+    case v1::TENSOR_PARALLEL_MODE_2D:
+      if (depth != 0) return Invalid(path, "depth", "is only used by 2.5d; must be 0");
+      if (IntegerRoot(tp, 2) == 0) {
+        return Invalid(path, "tensor_parallel_size",
+                       absl::StrCat("2d needs a square tp = q*q, got ", tp));
+      }
+      break;
+    case v1::TENSOR_PARALLEL_MODE_2P5D:
+      if (depth < 1) return Invalid(path, "depth", absl::StrCat("2.5d needs depth >= 1, got ", depth));
+      if (tp % depth != 0 || IntegerRoot(tp / depth, 2) == 0) {
+        return Invalid(path, "tensor_parallel_size",
+                       absl::StrCat("2.5d needs tp = depth*q*q, got tp ", tp, " with depth ", depth));
+      }
+      break;
+    case v1::TENSOR_PARALLEL_MODE_3D:
+      if (depth != 0) return Invalid(path, "depth", "is only used by 2.5d; must be 0");
+      if (IntegerRoot(tp, 3) == 0) {
+        return Invalid(path, "tensor_parallel_size",
+                       absl::StrCat("3d needs a cube tp = q*q*q, got ", tp));
+      }
+      break;
+    default:
+      return Invalid(path, "tensor_parallel_mode", absl::StrCat("unknown value ", s.tensor_parallel_mode()));
+  }
+  if (s.sequence_parallel() && s.tensor_parallel_mode() != v1::TENSOR_PARALLEL_MODE_1D &&
+      s.tensor_parallel_mode() != v1::TENSOR_PARALLEL_MODE_UNSPECIFIED) {
+    return Invalid(path, "sequence_parallel", "is supported with tensor_parallel_mode 1d only");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  RETURN_IF_ERROR(ValidateShardConfig(spec.shard(), "spec.shard"));
+  switch (spec.kind()) {
+    case v1::JOB_KIND_TRAIN:
+      RETURN_IF_ERROR(ValidateModel(spec.model(), "spec.model"));
+      RETURN_IF_ERROR(ValidateTrain(spec.train(), spec.shard(), "spec.train"));
+      if (spec.shard().inference_only()) {
+        return Invalid("spec", "shard.inference_only", "must be false for TRAIN jobs");
+      }
+      break;
+    case v1::JOB_KIND_FORWARD:
+      RETURN_IF_ERROR(ValidateModel(spec.model(), "spec.model"));
+      break;
+    case v1::JOB_KIND_TENSOR:
+      break;
+    default:
+      return Invalid("spec", "kind", "required: TRAIN, FORWARD or TENSOR");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace colod

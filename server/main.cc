@@ -1,0 +1,78 @@
+// colod-coordinator: registers workers, runs jobs, serves the rendezvous store.
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/time/time.h"
+#include "common/flags.h"
+#include "common/grpc_server.h"
+#include "common/logging.h"
+#include "common/ready_file.h"
+#include "server/coordinator.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:7070",
+          "HOST:PORT for the gRPC API (CoordinatorService, health, reflection). Port 0 picks a "
+          "free port; the chosen port is logged.");
+ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9470",
+          "HOST:PORT for Prometheus /metrics. Port 0 picks a free port.");
+ABSL_FLAG(std::string, data_dir, "",
+          "Directory for the coordinator's state (required). Created if missing; locked so that "
+          "two coordinators never share it.");
+ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(2),
+          "How often workers are told to heartbeat, e.g. 2s or 500ms.");
+ABSL_FLAG(absl::Duration, lease_duration, absl::Seconds(10),
+          "A worker without a heartbeat for this long is marked lost.");
+ABSL_FLAG(std::string, ready_file, "",
+          "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
+          "file (atomically), for scripts that start the daemon with port 0.");
+
+namespace {
+
+constexpr char kUsage[] =
+    "colod-coordinator: the colod control plane.\n"
+    "\n"
+    "Registers worker daemons and watches their heartbeats, validates and queues jobs,\n"
+    "builds process-group meshes, and serves the rendezvous store that Gloo and NCCL\n"
+    "use to connect. Serves grpc.health.v1 and server reflection on --listen and\n"
+    "Prometheus metrics on --metrics-listen. Stops cleanly on SIGTERM or SIGINT.\n"
+    "\n"
+    "Usage:\n"
+    "  colod-coordinator --data-dir DIR [--listen HOST:PORT] [--metrics-listen HOST:PORT]\n"
+    "\n"
+    "Example (loopback, free ports):\n"
+    "  colod-coordinator --data-dir /tmp/colod --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  colod::BlockShutdownSignals();
+  std::vector<std::string> args = colod::ParseFlags(argc, argv, kUsage);
+  if (!args.empty()) {
+    COLOD_LOG(ERROR) << "unexpected argument '" << args[0] << "' (see --help)";
+    return 2;
+  }
+  colod::Coordinator::Options options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.data_dir = absl::GetFlag(FLAGS_data_dir);
+  options.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
+  options.lease_duration = absl::GetFlag(FLAGS_lease_duration);
+  auto coordinator = colod::Coordinator::Start(options);
+  if (!coordinator.ok()) {
+    COLOD_LOG(ERROR) << "cannot start: " << coordinator.status().message();
+    return 1;
+  }
+  const std::string ready = absl::GetFlag(FLAGS_ready_file);
+  if (!ready.empty()) {
+    absl::Status s = colod::WriteReadyFile(
+        ready, {{"grpc", (*coordinator)->address()}, {"metrics", (*coordinator)->metrics_address()}});
+    if (!s.ok()) {
+      COLOD_LOG(ERROR) << s.message();
+      return 1;
+    }
+  }
+  int sig = colod::WaitForShutdownSignal();
+  COLOD_LOG(INFO) << "received signal " << sig;
+  (*coordinator)->Shutdown();
+  COLOD_LOG(INFO) << "coordinator stopped";
+  return 0;
+}

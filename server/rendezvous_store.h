@@ -1,0 +1,65 @@
+// The rendezvous key-value store and barriers that Gloo and NCCL use to find
+// each other (addresses, unique ids), scoped per job and generation.
+#ifndef COLOD_SERVER_RENDEZVOUS_STORE_H_
+#define COLOD_SERVER_RENDEZVOUS_STORE_H_
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace colod {
+
+// Thread-safe. Waits block the calling thread (one gRPC handler thread each)
+// until the keys arrive, the timeout passes, or Close() is called.
+class RendezvousStore {
+ public:
+  // Limits that keep a misbehaving client from exhausting the coordinator.
+  static constexpr size_t kMaxKeyBytes = 1024;
+  static constexpr size_t kMaxValueBytes = 4 << 20;
+  static constexpr absl::Duration kMaxTimeout = absl::Minutes(30);
+
+  absl::Status Set(absl::string_view scope, absl::string_view key, std::string value);
+  // NOT_FOUND if unset.
+  absl::StatusOr<std::string> Get(absl::string_view scope, absl::string_view key);
+  // The values of `keys` once all are set. DEADLINE_EXCEEDED after `timeout`
+  // naming the missing keys; CANCELLED after Close().
+  absl::StatusOr<std::vector<std::string>> Wait(absl::string_view scope,
+                                                const std::vector<std::string>& keys,
+                                                absl::Duration timeout);
+  // Returns once `world_size` distinct ranks entered barrier `name` of
+  // `scope`. A barrier name is single-use: once released, later arrivals
+  // return at once. INVALID_ARGUMENT for a rank outside [0, world_size) or a
+  // world_size that differs from the first caller's.
+  absl::Status Barrier(absl::string_view scope, absl::string_view name, int rank, int world_size,
+                       absl::Duration timeout);
+  // Drops every key and barrier of `scope` (a job generation that ended).
+  void DeleteScope(absl::string_view scope);
+  // Wakes every waiter with CANCELLED; later waits fail at once.
+  void Close();
+
+ private:
+  struct BarrierState {
+    int world_size = 0;
+    std::set<int> arrived;
+    bool released = false;
+    // Callers blocked in this barrier; DeleteScope keeps a barrier until it is 0.
+    int waiters = 0;
+  };
+  static absl::Status ValidateScopeKey(absl::string_view scope, absl::string_view key);
+
+  absl::Mutex mu_;
+  // (scope, key) -> value.
+  std::map<std::pair<std::string, std::string>, std::string> kv_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, BarrierState> barriers_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_SERVER_RENDEZVOUS_STORE_H_

@@ -1,0 +1,145 @@
+#include "server/worker_registry.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/net.h"
+#include "common/status_macros.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace colod {
+namespace {
+
+google::protobuf::Timestamp ToTimestamp(absl::Time t) {
+  return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(t));
+}
+
+}  // namespace
+
+WorkerRegistry::WorkerRegistry(Options options) : options_(options) {}
+
+absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::WorkerInfo& info) {
+  if (!info.worker_id().empty()) {
+    return absl::InvalidArgumentError(
+        "worker.worker_id: must be empty; the coordinator assigns worker ids");
+  }
+  RETURN_IF_ERROR(ParseHostPort(info.address(), "worker.address", /*allow_zero_port=*/false).status());
+  if (!info.metrics_address().empty()) {
+    RETURN_IF_ERROR(
+        ParseHostPort(info.metrics_address(), "worker.metrics_address", /*allow_zero_port=*/false).status());
+  }
+  if (info.device_ordinal() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker.device_ordinal: must be >= 0, got ", info.device_ordinal()));
+  }
+  if (info.memory_bytes() < 0) {
+    return absl::InvalidArgumentError("worker.memory_bytes: must be >= 0");
+  }
+
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = options_.clock->Now();
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    if (it->second.info.address() == info.address()) {
+      it = workers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  Entry e;
+  e.info = info;
+  e.info.set_worker_id(absl::StrFormat("worker-%06d", next_id_++));
+  if (e.info.host().empty()) {
+    e.info.set_host(ParseHostPort(info.address(), "", false)->host);
+  }
+  e.status.set_state(v1::WORKER_STATE_IDLE);
+  e.register_time = now;
+  e.last_heartbeat = now;
+  Registration out{e.info.worker_id(), options_.heartbeat_interval, options_.lease_duration};
+  workers_.emplace(e.info.worker_id(), std::move(e));
+  return out;
+}
+
+absl::StatusOr<absl::Time> WorkerRegistry::Heartbeat(absl::string_view worker_id,
+                                                     const v1::WorkerStatus& status) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = options_.clock->Now();
+  SweepLocked(now);
+  auto it = workers_.find(std::string(worker_id));
+  if (it == workers_.end()) {
+    return absl::NotFoundError(absl::StrCat("unknown worker '", worker_id, "': register again"));
+  }
+  if (it->second.lost) {
+    workers_.erase(it);
+    return absl::NotFoundError(absl::StrCat("worker '", worker_id,
+                                            "' lost its lease: register again"));
+  }
+  it->second.last_heartbeat = now;
+  it->second.status = status;
+  if (it->second.status.state() == v1::WORKER_STATE_UNSPECIFIED ||
+      it->second.status.state() == v1::WORKER_STATE_LOST) {
+    it->second.status.set_state(v1::WORKER_STATE_IDLE);
+  }
+  return now + options_.lease_duration;
+}
+
+std::vector<v1::Worker> WorkerRegistry::List(bool include_lost) {
+  absl::MutexLock lock(&mu_);
+  SweepLocked(options_.clock->Now());
+  std::vector<v1::Worker> out;
+  for (const auto& [id, e] : workers_) {
+    if (e.lost && !include_lost) continue;
+    out.push_back(ToProto(e));
+  }
+  return out;
+}
+
+std::vector<std::string> WorkerRegistry::Sweep() {
+  absl::MutexLock lock(&mu_);
+  return SweepLocked(options_.clock->Now());
+}
+
+std::vector<std::string> WorkerRegistry::SweepLocked(absl::Time now) {
+  std::vector<std::string> newly_lost;
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    Entry& e = it->second;
+    const absl::Duration silent = now - e.last_heartbeat;
+    if (e.lost && silent > options_.lease_duration + options_.forget_after) {
+      it = workers_.erase(it);
+      continue;
+    }
+    if (!e.lost && silent > options_.lease_duration) {
+      e.lost = true;
+      newly_lost.push_back(it->first);
+    }
+    ++it;
+  }
+  return newly_lost;
+}
+
+std::map<std::string, int> WorkerRegistry::CountByState() {
+  absl::MutexLock lock(&mu_);
+  SweepLocked(options_.clock->Now());
+  std::map<std::string, int> counts = {{"idle", 0}, {"busy", 0}, {"lost", 0}};
+  for (const auto& [id, e] : workers_) {
+    if (e.lost) {
+      ++counts["lost"];
+    } else if (e.status.state() == v1::WORKER_STATE_BUSY) {
+      ++counts["busy"];
+    } else {
+      ++counts["idle"];
+    }
+  }
+  return counts;
+}
+
+v1::Worker WorkerRegistry::ToProto(const Entry& e) const {
+  v1::Worker w;
+  *w.mutable_info() = e.info;
+  *w.mutable_status() = e.status;
+  w.set_state(e.lost ? v1::WORKER_STATE_LOST : e.status.state());
+  if (e.lost) w.mutable_status()->set_state(v1::WORKER_STATE_LOST);
+  *w.mutable_register_time() = ToTimestamp(e.register_time);
+  *w.mutable_last_heartbeat_time() = ToTimestamp(e.last_heartbeat);
+  return w;
+}
+
+}  // namespace colod

@@ -1,0 +1,84 @@
+// The coordinator's view of the cluster: registered workers and their leases.
+#ifndef COLOD_SERVER_WORKER_REGISTRY_H_
+#define COLOD_SERVER_WORKER_REGISTRY_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "colod/v1/worker.pb.h"
+#include "common/clock.h"
+
+namespace colod {
+
+// Registered workers. A worker holds a lease that each heartbeat renews; a
+// worker whose lease expired is LOST, and its next heartbeat is NOT_FOUND so
+// that it registers again (its communicators must be rebuilt anyway). LOST
+// workers stay listed for `forget_after` and are then dropped.
+//
+// Thread-safe. Time comes from the injected clock, so leases are testable.
+class WorkerRegistry {
+ public:
+  struct Options {
+    absl::Duration heartbeat_interval = absl::Seconds(2);
+    absl::Duration lease_duration = absl::Seconds(10);
+    absl::Duration forget_after = absl::Minutes(10);
+    Clock* clock = Clock::Real();
+  };
+
+  explicit WorkerRegistry(Options options);
+
+  struct Registration {
+    std::string worker_id;
+    absl::Duration heartbeat_interval;
+    absl::Duration lease_duration;
+  };
+
+  // Validates `info` (address HOST:PORT with port 1..65535, device_ordinal >= 0,
+  // worker_id empty) and adds the worker. A registration with the address of a
+  // known worker replaces it (the daemon restarted). INVALID_ARGUMENT naming
+  // the field otherwise.
+  absl::StatusOr<Registration> Register(const v1::WorkerInfo& info);
+
+  // Renews the lease and records `status`; returns the new expiry. NOT_FOUND
+  // for an unknown worker or one whose lease already expired.
+  absl::StatusOr<absl::Time> Heartbeat(absl::string_view worker_id, const v1::WorkerStatus& status);
+
+  // Workers sorted by id; LOST ones only if include_lost.
+  std::vector<v1::Worker> List(bool include_lost);
+
+  // Marks expired leases LOST and forgets long-lost workers. Returns the ids
+  // that became LOST in this call. Called periodically by the coordinator;
+  // List and Heartbeat also apply expiry, so callers never see a stale state.
+  std::vector<std::string> Sweep();
+
+  // Number of workers per state, e.g. {"idle": 2, "busy": 0, "lost": 1}.
+  std::map<std::string, int> CountByState();
+
+ private:
+  struct Entry {
+    v1::WorkerInfo info;
+    v1::WorkerStatus status;
+    bool lost = false;
+    absl::Time register_time;
+    absl::Time last_heartbeat;
+  };
+  std::vector<std::string> SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::Worker ToProto(const Entry& e) const;
+
+  const Options options_;
+  absl::Mutex mu_;
+  // Keyed by worker id; std::map keeps List() sorted.
+  std::map<std::string, Entry> workers_ ABSL_GUARDED_BY(mu_);
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_SERVER_WORKER_REGISTRY_H_
