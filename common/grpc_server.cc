@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/net.h"
 #include "common/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -38,6 +39,15 @@ absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
 void SetServing(grpc::Server& server, absl::string_view service, bool serving) {
   grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
   if (health != nullptr) health->SetServingStatus(std::string(service), serving);
+}
+
+void StopGrpcServer(grpc::Server& server, absl::Duration grace) {
+  // The health service's own pending calls would otherwise hold Shutdown()
+  // until the grace period ends.
+  grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
+  if (health != nullptr) health->Shutdown();
+  server.Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  server.Wait();
 }
 
 namespace {

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "grpcpp/impl/codegen/service_type.h"
 
@@ -30,6 +31,10 @@ absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
 
 // Sets the health status of `service` (a full name like "colod.v1.WorkerService").
 void SetServing(grpc::Server& server, absl::string_view service, bool serving);
+
+// Marks every service NOT_SERVING, then stops the server: in-flight calls get
+// up to `grace` to finish and are cancelled after it. Returns once stopped.
+void StopGrpcServer(grpc::Server& server, absl::Duration grace);
 
 // Blocks SIGTERM and SIGINT in the calling thread and every thread it starts
 // afterwards. Call first thing in main, then WaitForShutdownSignal().

@@ -127,11 +127,10 @@ void Coordinator::Shutdown() {
     stopping_ = true;
   }
   COLOD_LOG(INFO) << "coordinator shutting down";
-  SetServing(*grpc_.server, kServiceName, false);
   store_->Close();  // wakes KvWait/Barrier handlers
-  grpc_.server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-  grpc_.server->Wait();
+  StopGrpcServer(*grpc_.server, absl::Seconds(2));
   if (sweeper_.joinable()) sweeper_.join();
+  // civetweb's listener polls in 2 s quanta, so this can take up to 2 s.
   metrics_.reset();
   if (lock_fd_ >= 0) {
     ::flock(lock_fd_, LOCK_UN);

@@ -1,0 +1,53 @@
+// C++ client library for the coordinator. Every call carries a deadline.
+#ifndef COLOD_CLIENT_COORDINATOR_CLIENT_H_
+#define COLOD_CLIENT_COORDINATOR_CLIENT_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "colod/v1/coordinator.grpc.pb.h"
+
+namespace colod {
+
+// Thread-safe: calls may be made concurrently from several threads.
+class CoordinatorClient {
+ public:
+  struct Options {
+    // Deadline of each call.
+    absl::Duration timeout = absl::Seconds(10);
+  };
+
+  // `address` is HOST:PORT; INVALID_ARGUMENT if malformed. Connects lazily:
+  // an unreachable coordinator shows up as UNAVAILABLE on the first call.
+  static absl::StatusOr<std::unique_ptr<CoordinatorClient>> Create(const std::string& address,
+                                                                   Options options);
+  static absl::StatusOr<std::unique_ptr<CoordinatorClient>> Create(const std::string& address) {
+    return Create(address, Options());
+  }
+
+  absl::StatusOr<std::vector<v1::Worker>> ListWorkers(bool include_lost);
+  absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(const v1::WorkerInfo& info);
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const std::string& worker_id,
+                                                  const v1::WorkerStatus& status);
+  absl::StatusOr<v1::Job> SubmitJob(const v1::JobSpec& spec, const std::string& request_id = "");
+  absl::StatusOr<v1::Job> GetJob(const std::string& job_id);
+
+  const std::string& address() const { return address_; }
+  v1::CoordinatorService::Stub& stub() { return *stub_; }
+
+ private:
+  CoordinatorClient(std::string address, Options options,
+                    std::unique_ptr<v1::CoordinatorService::Stub> stub);
+  void SetDeadline(grpc::ClientContext& ctx) const;
+
+  const std::string address_;
+  const Options options_;
+  const std::unique_ptr<v1::CoordinatorService::Stub> stub_;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_CLIENT_COORDINATOR_CLIENT_H_

@@ -1,0 +1,79 @@
+#include "kernels/device.h"
+
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+
+#ifdef COLOD_WITH_CUDA
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#endif
+
+namespace colod::kernels {
+
+bool BuiltWithCuda() {
+#ifdef COLOD_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int CudaDeviceCount() {
+#ifdef COLOD_WITH_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver/no device" error
+    return 0;
+  }
+  return n;
+#else
+  return 0;
+#endif
+}
+
+absl::StatusOr<CudaDeviceInfo> GetCudaDeviceInfo(int ordinal) {
+#ifdef COLOD_WITH_CUDA
+  const int n = CudaDeviceCount();
+  if (ordinal < 0 || ordinal >= n) {
+    return absl::NotFoundError(absl::StrCat("no CUDA device ", ordinal, " (", n, " visible)"));
+  }
+  cudaDeviceProp prop;
+  cudaError_t err = cudaGetDeviceProperties(&prop, ordinal);
+  if (err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cudaGetDeviceProperties(", ordinal,
+                                            "): ", cudaGetErrorString(err)));
+  }
+  CudaDeviceInfo info;
+  info.name = prop.name;
+  info.memory_bytes = static_cast<int64_t>(prop.totalGlobalMem);
+  info.compute_major = prop.major;
+  info.compute_minor = prop.minor;
+  return info;
+#else
+  (void)ordinal;
+  return absl::UnimplementedError("this colod build has no CUDA support");
+#endif
+}
+
+absl::StatusOr<int> NcclVersion() {
+#ifdef COLOD_WITH_CUDA
+  int version = 0;
+  ncclResult_t r = ncclGetVersion(&version);
+  if (r != ncclSuccess) {
+    return absl::InternalError(absl::StrCat("ncclGetVersion: ", ncclGetErrorString(r)));
+  }
+  return version;
+#else
+  return absl::UnimplementedError("this colod build has no CUDA/NCCL support");
+#endif
+}
+
+int64_t HostMemoryBytes() {
+  long pages = ::sysconf(_SC_PHYS_PAGES);
+  long page_size = ::sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page_size <= 0) return 0;
+  return static_cast<int64_t>(pages) * page_size;
+}
+
+}  // namespace colod::kernels

@@ -1,0 +1,37 @@
+// What compute devices this process can use.
+#ifndef COLOD_KERNELS_DEVICE_H_
+#define COLOD_KERNELS_DEVICE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace colod::kernels {
+
+// True when this binary was built with the CUDA toolkit (see bazel/cuda.bzl).
+bool BuiltWithCuda();
+
+// Number of CUDA devices visible to this process; 0 when built without CUDA,
+// without a driver, or without a GPU. Never fails.
+int CudaDeviceCount();
+
+struct CudaDeviceInfo {
+  std::string name;
+  int64_t memory_bytes = 0;
+  int compute_major = 0;
+  int compute_minor = 0;
+};
+
+// NOT_FOUND for an ordinal without a device; UNIMPLEMENTED without CUDA.
+absl::StatusOr<CudaDeviceInfo> GetCudaDeviceInfo(int ordinal);
+
+// NCCL's runtime version code (e.g. 22703 for 2.27.3); UNIMPLEMENTED without CUDA.
+absl::StatusOr<int> NcclVersion();
+
+// Physical memory of this host in bytes (sysconf), for CPU workers.
+int64_t HostMemoryBytes();
+
+}  // namespace colod::kernels
+
+#endif  // COLOD_KERNELS_DEVICE_H_

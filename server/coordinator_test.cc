@@ -1,0 +1,261 @@
+// The coordinator over real gRPC on loopback: health, reflection, the worker
+// registry, jobs, the rendezvous store and /metrics.
+#include "server/coordinator.h"
+
+#include <cstdlib>
+#include <thread>
+
+#include "client/coordinator_client.h"
+#include "gtest/gtest.h"
+#include "tests/testing/grpc_probe.h"
+#include "tests/testing/prometheus_text.h"
+
+namespace colod {
+namespace {
+
+using ::colod::testing::ServingStatus;
+
+std::string TempDir(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  return std::string(base ? base : "/tmp") + "/" + name;
+}
+
+class CoordinatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Coordinator::Options o;
+    o.data_dir = TempDir("coord");
+    o.heartbeat_interval = absl::Milliseconds(100);
+    o.lease_duration = absl::Seconds(30);
+    auto c = Coordinator::Start(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    coordinator_ = std::move(*c);
+    auto client = CoordinatorClient::Create(coordinator_->address());
+    ASSERT_TRUE(client.ok());
+    client_ = std::move(*client);
+  }
+
+  std::unique_ptr<Coordinator> coordinator_;
+  std::unique_ptr<CoordinatorClient> client_;
+};
+
+TEST_F(CoordinatorTest, BindsPortZeroAndServesHealthAndReflection) {
+  EXPECT_GT(coordinator_->port(), 0);
+  EXPECT_GT(coordinator_->metrics_port(), 0);
+  EXPECT_EQ(*testing::HealthCheck(coordinator_->address(), ""), ServingStatus::kServing);
+  EXPECT_EQ(*testing::HealthCheck(coordinator_->address(), "colod.v1.CoordinatorService"),
+            ServingStatus::kServing);
+  EXPECT_EQ(testing::HealthCheck(coordinator_->address(), "no.such.Service").status().code(),
+            absl::StatusCode::kNotFound);
+  auto services = testing::ListServicesByReflection(coordinator_->address());
+  ASSERT_TRUE(services.ok()) << services.status();
+  EXPECT_NE(std::find(services->begin(), services->end(), "colod.v1.CoordinatorService"),
+            services->end());
+  EXPECT_NE(std::find(services->begin(), services->end(),
+                      "grpc.reflection.v1alpha.ServerReflection"),
+            services->end());
+}
+
+TEST_F(CoordinatorTest, RegistersHeartbeatsAndListsWorkers) {
+  v1::WorkerInfo info;
+  info.set_address("127.0.0.1:7071");
+  info.set_device_kind(v1::DEVICE_KIND_CPU);
+  auto reg = client_->RegisterWorker(info);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  EXPECT_FALSE(reg->worker_id().empty());
+  EXPECT_EQ(reg->heartbeat_interval().nanos(), 100000000);
+  EXPECT_EQ(reg->lease_duration().seconds(), 30);
+  ASSERT_TRUE(client_->Heartbeat(reg->worker_id(), v1::WorkerStatus()).ok());
+  auto workers = client_->ListWorkers(false);
+  ASSERT_TRUE(workers.ok());
+  ASSERT_EQ(workers->size(), 1u);
+  EXPECT_EQ((*workers)[0].info().worker_id(), reg->worker_id());
+  EXPECT_EQ((*workers)[0].info().address(), "127.0.0.1:7071");
+  EXPECT_EQ(client_->Heartbeat("worker-424242", v1::WorkerStatus()).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Heartbeat("", v1::WorkerStatus()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CoordinatorTest, MalformedRegisterWorkerIsInvalidArgument) {
+  for (const char* address : {"", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:99999", "127.0.0.1:x"}) {
+    v1::WorkerInfo info;
+    info.set_address(address);
+    auto reg = client_->RegisterWorker(info);
+    EXPECT_EQ(reg.status().code(), absl::StatusCode::kInvalidArgument) << address;
+    EXPECT_NE(reg.status().message().find("worker.address"), absl::string_view::npos);
+  }
+  // A request without the worker message at all.
+  grpc::ClientContext ctx;
+  v1::RegisterWorkerResponse resp;
+  EXPECT_EQ(client_->stub().RegisterWorker(&ctx, v1::RegisterWorkerRequest(), &resp).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(client_->ListWorkers(true)->empty());
+}
+
+TEST_F(CoordinatorTest, JobsAreValidatedAndWatchable) {
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TENSOR);
+  spec.mutable_shard()->set_tensor_parallel_size(3);
+  spec.mutable_shard()->set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+  spec.mutable_shard()->set_data_parallel_size(1);
+  auto bad = client_->SubmitJob(spec);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("spec.shard.tensor_parallel_size"), absl::string_view::npos);
+
+  spec.mutable_shard()->set_tensor_parallel_size(4);
+  auto job = client_->SubmitJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->state(), v1::JOB_STATE_PENDING);
+
+  {  // No ranks yet: the mesh is not there to read.
+    grpc::ClientContext ctx;
+    v1::GetMeshRequest req;
+    req.set_job_id(job->job_id());
+    v1::GetMeshResponse resp;
+    EXPECT_EQ(client_->stub().GetMesh(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    grpc::ClientContext ctx;
+    v1::CancelJobRequest req;
+    req.set_job_id(job->job_id());
+    req.set_reason("test");
+    v1::CancelJobResponse resp;
+    EXPECT_TRUE(client_->stub().CancelJob(&ctx, req, &resp).ok());
+  });
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  v1::WatchJobRequest req;
+  req.set_job_id(job->job_id());
+  auto reader = client_->stub().WatchJob(&ctx, req);
+  std::vector<v1::JobEvent> events;
+  v1::JobEvent ev;
+  while (reader->Read(&ev)) events.push_back(ev);
+  grpc::Status st = reader->Finish();
+  canceller.join();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(events.size(), 2u);  // the stream ends after the final state
+  EXPECT_EQ(events[0].state_change().state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(events[1].state_change().state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(events[1].sequence(), 2);
+
+  grpc::ClientContext ctx2;
+  req.set_job_id("job-999999");
+  auto missing = client_->stub().WatchJob(&ctx2, req);
+  while (missing->Read(&ev)) {
+  }
+  EXPECT_EQ(missing->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(CoordinatorTest, RendezvousStoreOverGrpc) {
+  auto& stub = client_->stub();
+  std::thread setter([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    grpc::ClientContext ctx;
+    v1::KvSetRequest req;
+    req.set_scope("job-1/gen-1");
+    req.set_key("nccl_id");
+    req.set_value(std::string("\x00\x01\x02", 3));
+    v1::KvSetResponse resp;
+    EXPECT_TRUE(stub.KvSet(&ctx, req, &resp).ok());
+  });
+  grpc::ClientContext ctx;
+  v1::KvWaitRequest req;
+  req.set_scope("job-1/gen-1");
+  req.add_keys("nccl_id");
+  req.mutable_timeout()->set_seconds(20);
+  v1::KvWaitResponse resp;
+  grpc::Status st = stub.KvWait(&ctx, req, &resp);
+  setter.join();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(resp.values_size(), 1);
+  EXPECT_EQ(resp.values(0), std::string("\x00\x01\x02", 3));
+
+  grpc::ClientContext ctx2;
+  req.set_scope("job-1/gen-2");
+  req.mutable_timeout()->set_seconds(0);
+  req.mutable_timeout()->set_nanos(50000000);
+  EXPECT_EQ(stub.KvWait(&ctx2, req, &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+
+  grpc::ClientContext ctx3;
+  v1::KvGetRequest get;
+  get.set_scope("job-1/gen-2");
+  get.set_key("nccl_id");
+  v1::KvGetResponse got;
+  EXPECT_EQ(stub.KvGet(&ctx3, get, &got).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  std::vector<grpc::Status> barrier(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      grpc::ClientContext c;
+      v1::BarrierRequest b;
+      b.set_scope("job-1/gen-1");
+      b.set_name("init");
+      b.set_rank(r);
+      b.set_world_size(2);
+      b.mutable_timeout()->set_seconds(20);
+      v1::BarrierResponse br;
+      barrier[r] = stub.Barrier(&c, b, &br);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_TRUE(barrier[0].ok() && barrier[1].ok());
+}
+
+TEST_F(CoordinatorTest, ServesParseableMetrics) {
+  v1::WorkerInfo info;
+  info.set_address("127.0.0.1:7071");
+  ASSERT_TRUE(client_->RegisterWorker(info).ok());
+  auto body = testing::HttpGet(coordinator_->metrics_address(), "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  auto families = testing::ParsePrometheusText(*body);
+  ASSERT_TRUE(families.ok()) << families.status() << "\n" << *body;
+  const auto& info_family = families->at("colod_build_info");
+  EXPECT_EQ(info_family.type, "gauge");
+  ASSERT_EQ(info_family.samples.size(), 1u);
+  EXPECT_EQ(info_family.samples[0].value, 1);
+  EXPECT_EQ(info_family.samples[0].labels.at("component"), "coordinator");
+  const auto& rpc = families->at("colod_rpc_duration_seconds");
+  EXPECT_EQ(rpc.type, "histogram");
+  bool saw_register = false;
+  for (const auto& s : rpc.samples) {
+    if (s.name == "colod_rpc_duration_seconds_count" && s.labels.at("method") == "RegisterWorker" &&
+        s.labels.at("code") == "OK") {
+      saw_register = s.value >= 1;
+    }
+  }
+  EXPECT_TRUE(saw_register) << *body;
+  EXPECT_EQ(families->at("colod_workers").type, "gauge");
+}
+
+TEST(CoordinatorStart, RefusesASharedDataDirAndBadOptions) {
+  Coordinator::Options o;
+  o.data_dir = TempDir("shared");
+  auto first = Coordinator::Start(o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = Coordinator::Start(o);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(second.status().message().find("in use by another coordinator"), absl::string_view::npos);
+  (*first)->Shutdown();
+  auto third = Coordinator::Start(o);  // the lock is released on shutdown
+  EXPECT_TRUE(third.ok()) << third.status();
+
+  Coordinator::Options no_dir;
+  EXPECT_EQ(Coordinator::Start(no_dir).status().code(), absl::StatusCode::kInvalidArgument);
+  Coordinator::Options bad_listen;
+  bad_listen.data_dir = TempDir("bad_listen");
+  bad_listen.listen = "127.0.0.1";
+  EXPECT_EQ(Coordinator::Start(bad_listen).status().code(), absl::StatusCode::kInvalidArgument);
+  Coordinator::Options bad_lease;
+  bad_lease.data_dir = TempDir("bad_lease");
+  bad_lease.lease_duration = absl::Seconds(1);
+  bad_lease.heartbeat_interval = absl::Seconds(2);
+  EXPECT_EQ(Coordinator::Start(bad_lease).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace colod

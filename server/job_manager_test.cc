@@ -1,0 +1,185 @@
+#include "server/job_manager.h"
+
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "server/job_validation.h"
+
+namespace colod {
+namespace {
+
+v1::JobSpec TrainSpec() {
+  v1::JobSpec s;
+  s.set_name("gpt2-tiny");
+  s.set_kind(v1::JOB_KIND_TRAIN);
+  s.mutable_model()->set_config_json(R"({"model_type": "gpt2", "n_embd": 64})");
+  s.mutable_shard()->set_tensor_parallel_size(2);
+  s.mutable_shard()->set_data_parallel_size(2);
+  auto* t = s.mutable_train();
+  t->set_steps(10);
+  t->set_batch_size(8);
+  t->set_seq_len(32);
+  t->set_learning_rate(1e-3);
+  t->set_data_path("/usr/share/common-licenses/GPL-3");
+  return s;
+}
+
+void ExpectInvalid(const v1::JobSpec& spec, const std::string& field) {
+  absl::Status s = ValidateJobSpec(spec);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << field;
+  EXPECT_EQ(s.message().substr(0, field.size()), field) << s;
+}
+
+TEST(ValidateJobSpec, AcceptsAWellFormedSpecInEveryMode) {
+  EXPECT_TRUE(ValidateJobSpec(TrainSpec()).ok()) << ValidateJobSpec(TrainSpec());
+  struct Mode {
+    v1::TensorParallelMode mode;
+    int tp;
+    int depth;
+  };
+  for (Mode m : {Mode{v1::TENSOR_PARALLEL_MODE_1D, 3, 0}, Mode{v1::TENSOR_PARALLEL_MODE_2D, 4, 0},
+                 Mode{v1::TENSOR_PARALLEL_MODE_2D, 9, 0}, Mode{v1::TENSOR_PARALLEL_MODE_2P5D, 8, 2},
+                 Mode{v1::TENSOR_PARALLEL_MODE_3D, 8, 0}, Mode{v1::TENSOR_PARALLEL_MODE_3D, 27, 0}}) {
+    v1::JobSpec s = TrainSpec();
+    s.mutable_shard()->set_tensor_parallel_mode(m.mode);
+    s.mutable_shard()->set_tensor_parallel_size(m.tp);
+    s.mutable_shard()->set_depth(m.depth);
+    EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+  }
+}
+
+TEST(ValidateJobSpec, RejectsBadFieldsByName) {
+  v1::JobSpec s = TrainSpec();
+  s.set_kind(v1::JOB_KIND_UNSPECIFIED);
+  ExpectInvalid(s, "spec.kind");
+
+  s = TrainSpec();
+  s.mutable_shard()->set_tensor_parallel_size(0);
+  ExpectInvalid(s, "spec.shard.tensor_parallel_size");
+
+  s = TrainSpec();
+  s.mutable_shard()->set_data_parallel_size(-1);
+  ExpectInvalid(s, "spec.shard.data_parallel_size");
+
+  s = TrainSpec();
+  s.mutable_shard()->set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+  s.mutable_shard()->set_tensor_parallel_size(8);
+  ExpectInvalid(s, "spec.shard.tensor_parallel_size");
+
+  s = TrainSpec();
+  s.mutable_shard()->set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_3D);
+  s.mutable_shard()->set_tensor_parallel_size(4);
+  ExpectInvalid(s, "spec.shard.tensor_parallel_size");
+
+  s = TrainSpec();
+  s.mutable_shard()->set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2P5D);
+  s.mutable_shard()->set_tensor_parallel_size(8);
+  s.mutable_shard()->set_depth(0);
+  ExpectInvalid(s, "spec.shard.depth");
+
+  s = TrainSpec();
+  s.mutable_shard()->set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2P5D);
+  s.mutable_shard()->set_tensor_parallel_size(6);
+  s.mutable_shard()->set_depth(2);
+  ExpectInvalid(s, "spec.shard.tensor_parallel_size");
+
+  s = TrainSpec();
+  s.mutable_shard()->set_depth(2);
+  ExpectInvalid(s, "spec.shard.depth");
+
+  s = TrainSpec();
+  s.mutable_shard()->set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+  s.mutable_shard()->set_tensor_parallel_size(4);
+  s.mutable_shard()->set_sequence_parallel(true);
+  ExpectInvalid(s, "spec.shard.sequence_parallel");
+
+  s = TrainSpec();
+  s.mutable_model()->set_config_json("");
+  ExpectInvalid(s, "spec.model.config_json");
+  s.mutable_model()->set_config_json("{not json");
+  ExpectInvalid(s, "spec.model.config_json");
+  s.mutable_model()->set_config_json(R"({"n_embd": 64})");
+  ExpectInvalid(s, "spec.model.config_json");
+
+  s = TrainSpec();
+  s.mutable_train()->set_batch_size(6);
+  s.mutable_shard()->set_data_parallel_size(4);
+  ExpectInvalid(s, "spec.train.batch_size");
+
+  s = TrainSpec();
+  s.mutable_train()->set_learning_rate(0);
+  ExpectInvalid(s, "spec.train.learning_rate");
+
+  s = TrainSpec();
+  s.mutable_train()->set_steps(0);
+  ExpectInvalid(s, "spec.train.steps");
+
+  s = TrainSpec();
+  s.mutable_train()->set_micro_batches(3);
+  ExpectInvalid(s, "spec.train.micro_batches");
+
+  s = TrainSpec();
+  s.mutable_train()->set_checkpoint_every(5);
+  ExpectInvalid(s, "spec.train.checkpoint_dir");
+
+  s = TrainSpec();
+  s.mutable_train()->clear_data_path();
+  ExpectInvalid(s, "spec.train.data_path");
+}
+
+TEST(JobManager, SubmitGetListCancel) {
+  FakeClock clock;
+  JobManager jobs(&clock);
+  auto a = jobs.Submit(TrainSpec(), "");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->job_id(), "job-000001");
+  EXPECT_EQ(a->state(), v1::JOB_STATE_PENDING);
+  auto b = jobs.Submit(TrainSpec(), "req-1");
+  auto b_again = jobs.Submit(TrainSpec(), "req-1");
+  ASSERT_TRUE(b.ok() && b_again.ok());
+  EXPECT_EQ(b->job_id(), b_again->job_id());  // idempotent retry
+  EXPECT_EQ(jobs.List({}).size(), 2u);
+
+  auto cancelled = jobs.Cancel(a->job_id(), "");
+  ASSERT_TRUE(cancelled.ok());
+  EXPECT_EQ(cancelled->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(jobs.Cancel(a->job_id(), "").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(jobs.Cancel("job-999", "").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(jobs.Get("job-999").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(jobs.List({v1::JOB_STATE_PENDING}).size(), 1u);
+  EXPECT_EQ(jobs.CountByState()["cancelled"], 1);
+  EXPECT_EQ(jobs.CountByState()["pending"], 1);
+
+  v1::JobSpec bad = TrainSpec();
+  bad.mutable_shard()->set_tensor_parallel_size(0);
+  EXPECT_EQ(jobs.Submit(bad, "").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(jobs.List({}).size(), 2u);  // nothing half-created
+}
+
+TEST(JobManager, WaitForEventsDeliversInOrderAndFinishes) {
+  JobManager jobs;
+  auto a = jobs.Submit(TrainSpec(), "");
+  ASSERT_TRUE(a.ok());
+  auto first = jobs.WaitForEvents(a->job_id(), 0, absl::Milliseconds(10));
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first->events.size(), 1u);
+  EXPECT_EQ(first->events[0].sequence(), 1);
+  EXPECT_EQ(first->events[0].state_change().state(), v1::JOB_STATE_PENDING);
+  EXPECT_FALSE(first->finished);
+
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(30));
+    ASSERT_TRUE(jobs.Cancel(a->job_id(), "operator").ok());
+  });
+  auto next = jobs.WaitForEvents(a->job_id(), 2, absl::Seconds(10));
+  canceller.join();
+  ASSERT_TRUE(next.ok());
+  ASSERT_EQ(next->events.size(), 1u);
+  EXPECT_EQ(next->events[0].sequence(), 2);
+  EXPECT_EQ(next->events[0].state_change().state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(next->events[0].state_change().reason(), "operator");
+  EXPECT_TRUE(next->finished);
+}
+
+}  // namespace
+}  // namespace colod

@@ -1,0 +1,89 @@
+#include "server/rendezvous_store.h"
+
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace colod {
+namespace {
+
+TEST(RendezvousStore, SetGetAndScopes) {
+  RendezvousStore s;
+  ASSERT_TRUE(s.Set("job-1/gen-1", "addr/0", "10.0.0.1:1234").ok());
+  EXPECT_EQ(*s.Get("job-1/gen-1", "addr/0"), "10.0.0.1:1234");
+  EXPECT_EQ(s.Get("job-1/gen-2", "addr/0").status().code(), absl::StatusCode::kNotFound);
+  s.DeleteScope("job-1/gen-1");
+  EXPECT_EQ(s.Get("job-1/gen-1", "addr/0").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(s.Set("", "k", "v").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.Set("s", "", "v").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.Set("s", "k", std::string(RendezvousStore::kMaxValueBytes + 1, 'x')).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(RendezvousStore, WaitReturnsOnceAnotherThreadSetsEveryKey) {
+  RendezvousStore s;
+  std::thread setter([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    ASSERT_TRUE(s.Set("sc", "b", "2").ok());
+    absl::SleepFor(absl::Milliseconds(20));
+    ASSERT_TRUE(s.Set("sc", "a", "1").ok());
+  });
+  auto values = s.Wait("sc", {"a", "b"}, absl::Seconds(10));
+  setter.join();
+  ASSERT_TRUE(values.ok()) << values.status();
+  EXPECT_EQ(*values, (std::vector<std::string>{"1", "2"}));
+}
+
+TEST(RendezvousStore, WaitTimesOutNamingTheMissingKeys) {
+  RendezvousStore s;
+  ASSERT_TRUE(s.Set("sc", "a", "1").ok());
+  auto r = s.Wait("sc", {"a", "nccl_id", "addr/3"}, absl::Milliseconds(50));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(r.status().message().find("nccl_id, addr/3"), absl::string_view::npos) << r.status();
+  EXPECT_EQ(s.Wait("sc", {}, absl::Seconds(1)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.Wait("sc", {"a"}, absl::ZeroDuration()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(RendezvousStore, BarrierReleasesAllRanksTogether) {
+  RendezvousStore s;
+  constexpr int kWorld = 4;
+  std::vector<absl::Status> results(kWorld);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kWorld; ++r) {
+    ranks.emplace_back([&, r] { results[r] = s.Barrier("sc", "init", r, kWorld, absl::Seconds(10)); });
+  }
+  for (auto& t : ranks) t.join();
+  for (const auto& st : results) EXPECT_TRUE(st.ok()) << st;
+  // Single-use: a late arrival returns at once.
+  EXPECT_TRUE(s.Barrier("sc", "init", 2, kWorld, absl::Milliseconds(1)).ok());
+}
+
+TEST(RendezvousStore, BarrierTimesOutNamingTheMissingRanks) {
+  RendezvousStore s;
+  std::thread r0([&] { (void)s.Barrier("sc", "b", 0, 3, absl::Milliseconds(200)); });
+  absl::Status st = s.Barrier("sc", "b", 2, 3, absl::Milliseconds(100));
+  r0.join();
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(st.message().find("ranks still missing: 1"), absl::string_view::npos) << st;
+  EXPECT_EQ(s.Barrier("sc", "c", 3, 3, absl::Seconds(1)).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(s.Barrier("sc", "d", 0, 1, absl::Seconds(1)).ok());
+  EXPECT_EQ(s.Barrier("sc", "d", 0, 2, absl::Seconds(1)).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(RendezvousStore, CloseWakesWaiters) {
+  RendezvousStore s;
+  std::thread closer([&] {
+    absl::SleepFor(absl::Milliseconds(30));
+    s.Close();
+  });
+  const absl::Time start = absl::Now();
+  auto r = s.Wait("sc", {"never"}, absl::Seconds(30));
+  closer.join();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+}  // namespace
+}  // namespace colod

@@ -1,0 +1,131 @@
+#include "server/worker_registry.h"
+
+#include "gtest/gtest.h"
+
+namespace colod {
+namespace {
+
+v1::WorkerInfo Info(const std::string& address) {
+  v1::WorkerInfo i;
+  i.set_address(address);
+  i.set_device_kind(v1::DEVICE_KIND_CPU);
+  return i;
+}
+
+class WorkerRegistryTest : public ::testing::Test {
+ protected:
+  WorkerRegistryTest() : registry_(Opts(&clock_)) {}
+  static WorkerRegistry::Options Opts(FakeClock* clock) {
+    WorkerRegistry::Options o;
+    o.heartbeat_interval = absl::Seconds(1);
+    o.lease_duration = absl::Seconds(5);
+    o.forget_after = absl::Seconds(60);
+    o.clock = clock;
+    return o;
+  }
+  FakeClock clock_;
+  WorkerRegistry registry_;
+};
+
+TEST_F(WorkerRegistryTest, RegistersAndListsSortedWithLease) {
+  auto a = registry_.Register(Info("10.0.0.2:7071"));
+  auto b = registry_.Register(Info("10.0.0.1:7071"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(a->worker_id, b->worker_id);
+  EXPECT_EQ(a->lease_duration, absl::Seconds(5));
+  auto list = registry_.List(false);
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_LT(list[0].info().worker_id(), list[1].info().worker_id());
+  EXPECT_EQ(list[0].info().address(), "10.0.0.2:7071");
+  EXPECT_EQ(list[0].info().host(), "10.0.0.2");  // defaulted from the address
+  EXPECT_EQ(list[0].state(), v1::WORKER_STATE_IDLE);
+}
+
+TEST_F(WorkerRegistryTest, RejectsMalformedRegistrationsNamingTheField) {
+  struct Case {
+    v1::WorkerInfo info;
+    std::string field;
+  };
+  std::vector<Case> cases;
+  cases.push_back({Info(""), "worker.address"});
+  cases.push_back({Info("host"), "worker.address"});
+  cases.push_back({Info("host:0"), "worker.address"});
+  cases.push_back({Info("host:70000"), "worker.address"});
+  cases.push_back({Info("host:port"), "worker.address"});
+  v1::WorkerInfo with_id = Info("h:1");
+  with_id.set_worker_id("mine");
+  cases.push_back({with_id, "worker.worker_id"});
+  v1::WorkerInfo neg = Info("h:1");
+  neg.set_device_ordinal(-1);
+  cases.push_back({neg, "worker.device_ordinal"});
+  v1::WorkerInfo metrics = Info("h:1");
+  metrics.set_metrics_address("h:");
+  cases.push_back({metrics, "worker.metrics_address"});
+  for (const Case& c : cases) {
+    auto r = registry_.Register(c.info);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.info.ShortDebugString();
+    EXPECT_NE(r.status().message().find(c.field), absl::string_view::npos) << r.status();
+  }
+  EXPECT_TRUE(registry_.List(true).empty());
+}
+
+TEST_F(WorkerRegistryTest, LeaseExpiryMarksLostAndForcesReRegistration) {
+  auto a = registry_.Register(Info("h:1"));
+  ASSERT_TRUE(a.ok());
+  clock_.Advance(absl::Seconds(4));
+  auto expiry = registry_.Heartbeat(a->worker_id, v1::WorkerStatus());
+  ASSERT_TRUE(expiry.ok());
+  EXPECT_EQ(*expiry, clock_.Now() + absl::Seconds(5));
+  clock_.Advance(absl::Seconds(4));
+  EXPECT_EQ(registry_.List(false).size(), 1u);  // renewed lease still valid
+  clock_.Advance(absl::Seconds(2));             // 6s since the heartbeat
+  EXPECT_EQ(registry_.Sweep(), std::vector<std::string>{a->worker_id});
+  EXPECT_TRUE(registry_.List(false).empty());
+  auto all = registry_.List(true);
+  ASSERT_EQ(all.size(), 1u);
+  EXPECT_EQ(all[0].state(), v1::WORKER_STATE_LOST);
+  EXPECT_EQ(registry_.CountByState()["lost"], 1);
+  auto late = registry_.Heartbeat(a->worker_id, v1::WorkerStatus());
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry_.List(true).empty());  // dropped: it must register again
+}
+
+TEST_F(WorkerRegistryTest, LostWorkersAreForgottenEventually) {
+  ASSERT_TRUE(registry_.Register(Info("h:1")).ok());
+  clock_.Advance(absl::Seconds(6));
+  EXPECT_EQ(registry_.List(true).size(), 1u);
+  clock_.Advance(absl::Seconds(60));
+  EXPECT_TRUE(registry_.List(true).empty());
+}
+
+TEST_F(WorkerRegistryTest, UnknownHeartbeatIsNotFound) {
+  EXPECT_EQ(registry_.Heartbeat("worker-999", v1::WorkerStatus()).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(WorkerRegistryTest, ReRegistrationFromTheSameAddressReplacesTheOldEntry) {
+  auto a = registry_.Register(Info("h:1"));
+  auto b = registry_.Register(Info("h:1"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto list = registry_.List(true);
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].info().worker_id(), b->worker_id);
+  EXPECT_EQ(registry_.Heartbeat(a->worker_id, v1::WorkerStatus()).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(WorkerRegistryTest, HeartbeatStatusIsReported) {
+  auto a = registry_.Register(Info("h:1"));
+  ASSERT_TRUE(a.ok());
+  v1::WorkerStatus busy;
+  busy.set_state(v1::WORKER_STATE_BUSY);
+  busy.set_job_id("job-000001");
+  ASSERT_TRUE(registry_.Heartbeat(a->worker_id, busy).ok());
+  auto list = registry_.List(false);
+  EXPECT_EQ(list[0].state(), v1::WORKER_STATE_BUSY);
+  EXPECT_EQ(list[0].status().job_id(), "job-000001");
+  EXPECT_EQ(registry_.CountByState()["busy"], 1);
+}
+
+}  // namespace
+}  // namespace colod

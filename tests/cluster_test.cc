@@ -1,0 +1,177 @@
+// The three real binaries as separate processes on loopback: a coordinator,
+// two workers and coloctl, exactly as the README's demo runs them.
+#include <signal.h>
+
+#include <cstdlib>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/coordinator_client.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/subprocess.h"
+#include "tests/testing/grpc_probe.h"
+#include "tests/testing/prometheus_text.h"
+
+namespace colod {
+namespace {
+
+using testing::RunCommand;
+using testing::Subprocess;
+
+std::string Runfile(const std::string& path) {
+  return absl::StrCat(std::getenv("TEST_SRCDIR"), "/colod/", path);
+}
+
+std::string Tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
+
+const std::string kCoordinator = "server/colod-coordinator";
+const std::string kWorker = "worker/daemon/colod-worker";
+const std::string kColoctl = "client/coloctl";
+
+struct Daemon {
+  std::unique_ptr<Subprocess> process;
+  std::string grpc;
+  std::string metrics;
+  std::string log;
+};
+
+Daemon StartDaemon(const std::string& binary, const std::string& name, std::vector<std::string> flags) {
+  Daemon d;
+  const std::string ready = Tmp(name + ".ready");
+  d.log = Tmp(name + ".log");
+  std::vector<std::string> argv = {Runfile(binary), "--listen", "127.0.0.1:0", "--metrics-listen",
+                                   "127.0.0.1:0", "--ready-file", ready};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  d.process = std::make_unique<Subprocess>(argv, "", d.log);
+  d.grpc = testing::ReadyValue(ready, "grpc", absl::Seconds(30)).value_or("");
+  d.metrics = testing::ReadyValue(ready, "metrics", absl::Seconds(30)).value_or("");
+  return d;
+}
+
+void ExpectHealthyDaemon(const Daemon& d, const std::string& service, const std::string& component) {
+  ASSERT_FALSE(d.grpc.empty()) << testing::ReadFile(d.log);
+  EXPECT_EQ(*testing::HealthCheck(d.grpc, service), testing::ServingStatus::kServing);
+  auto services = testing::ListServicesByReflection(d.grpc);
+  ASSERT_TRUE(services.ok()) << services.status();
+  EXPECT_NE(std::find(services->begin(), services->end(), service), services->end());
+  auto body = testing::HttpGet(d.metrics, "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  auto families = testing::ParsePrometheusText(*body);
+  ASSERT_TRUE(families.ok()) << families.status();
+  const auto& info = families->at("colod_build_info");
+  ASSERT_EQ(info.samples.size(), 1u);
+  EXPECT_EQ(info.samples[0].labels.at("component"), component);
+  EXPECT_EQ(info.samples[0].value, 1);
+}
+
+TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
+  Daemon coordinator = StartDaemon(kCoordinator, "coordinator",
+                                   {"--data-dir", Tmp("data"), "--heartbeat-interval", "100ms"});
+  ASSERT_FALSE(coordinator.grpc.empty()) << testing::ReadFile(coordinator.log);
+  Daemon w1 = StartDaemon(kWorker, "w1", {"--coordinator", coordinator.grpc, "--device", "cpu"});
+  Daemon w2 = StartDaemon(kWorker, "w2", {"--coordinator", coordinator.grpc, "--device", "cpu"});
+
+  auto client = CoordinatorClient::Create(coordinator.grpc);
+  ASSERT_TRUE(client.ok());
+  std::vector<v1::Worker> workers;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    auto list = (*client)->ListWorkers(false);
+    ASSERT_TRUE(list.ok()) << list.status();
+    workers = *list;
+    if (workers.size() == 2) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_EQ(workers.size(), 2u) << testing::ReadFile(w1.log) << testing::ReadFile(w2.log);
+  std::set<std::string> addresses = {workers[0].info().address(), workers[1].info().address()};
+  EXPECT_EQ(addresses, (std::set<std::string>{w1.grpc, w2.grpc}));
+
+  ExpectHealthyDaemon(coordinator, "colod.v1.CoordinatorService", "coordinator");
+  ExpectHealthyDaemon(w1, "colod.v1.WorkerService", "worker");
+  ExpectHealthyDaemon(w2, "colod.v1.WorkerService", "worker");
+
+  // coloctl, table and JSON.
+  auto table = RunCommand({Runfile(kColoctl), "--coordinator", coordinator.grpc, "workers"}, Tmp(""));
+  ASSERT_EQ(table.code, 0) << table.err;
+  std::vector<std::string> lines = absl::StrSplit(table.out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 3u) << table.out;
+  EXPECT_TRUE(absl::StartsWith(lines[0], "ID ")) << lines[0];
+  EXPECT_TRUE(absl::StrContains(table.out, w1.grpc) && absl::StrContains(table.out, w2.grpc));
+
+  auto json = RunCommand(
+      {Runfile(kColoctl), "--coordinator", coordinator.grpc, "workers", "--output", "json"}, Tmp(""));
+  ASSERT_EQ(json.code, 0) << json.err;
+  nlohmann::json parsed = nlohmann::json::parse(json.out, nullptr, false);
+  ASSERT_FALSE(parsed.is_discarded()) << json.out;
+  ASSERT_EQ(parsed["workers"].size(), 2u);
+  std::set<std::string> json_addresses;
+  for (const auto& w : parsed["workers"]) {
+    json_addresses.insert(w["info"]["address"].get<std::string>());
+    EXPECT_EQ(w["state"], "WORKER_STATE_IDLE");
+    EXPECT_EQ(w["info"]["deviceKind"], "DEVICE_KIND_CPU");
+  }
+  EXPECT_EQ(json_addresses, addresses);
+
+  // A stopped worker exits 0 on SIGTERM, and the coordinator on SIGINT.
+  w1.process->Signal(SIGTERM);
+  EXPECT_EQ(w1.process->Wait(absl::Seconds(20)), 0) << testing::ReadFile(w1.log);
+  w2.process->Signal(SIGINT);
+  EXPECT_EQ(w2.process->Wait(absl::Seconds(20)), 0) << testing::ReadFile(w2.log);
+  coordinator.process->Signal(SIGTERM);
+  EXPECT_EQ(coordinator.process->Wait(absl::Seconds(20)), 0) << testing::ReadFile(coordinator.log);
+  EXPECT_TRUE(absl::StrContains(testing::ReadFile(coordinator.log), "coordinator stopped"));
+}
+
+TEST(Cluster, BinariesHelpAndRejectBadInput) {
+  for (const std::string& bin : {kCoordinator, kWorker, kColoctl}) {
+    auto help = RunCommand({Runfile(bin), "--help"}, Tmp(""));
+    EXPECT_EQ(help.code, 0) << bin;
+    EXPECT_TRUE(absl::StrContains(help.out, "Usage:")) << help.out;
+    EXPECT_TRUE(absl::StrContains(help.out, "--")) << help.out;
+    EXPECT_FALSE(absl::StrContains(help.out, "--flagfile")) << "Abseil's own flags leak into --help";
+    auto version = RunCommand({Runfile(bin), "--version"}, Tmp(""));
+    EXPECT_EQ(version.code, 0);
+    EXPECT_TRUE(absl::StartsWith(version.out, "colod ")) << version.out;
+  }
+  auto coord_help = RunCommand({Runfile(kCoordinator), "--help"}, Tmp(""));
+  for (const char* flag : {"--listen", "--metrics-listen", "--data-dir"}) {
+    EXPECT_TRUE(absl::StrContains(coord_help.out, flag)) << flag;
+  }
+  auto worker_help = RunCommand({Runfile(kWorker), "--help"}, Tmp(""));
+  EXPECT_TRUE(absl::StrContains(worker_help.out, "--coordinator"));
+
+  auto no_dir = RunCommand({Runfile(kCoordinator), "--listen", "127.0.0.1:0", "--metrics-listen",
+                            "127.0.0.1:0"},
+                           Tmp(""));
+  EXPECT_EQ(no_dir.code, 1);
+  EXPECT_TRUE(absl::StrContains(no_dir.err, "--data-dir")) << no_dir.err;
+
+  auto bad_listen = RunCommand({Runfile(kWorker), "--listen", "nowhere", "--metrics-listen", "127.0.0.1:0"},
+                               Tmp(""));
+  EXPECT_EQ(bad_listen.code, 1);
+  EXPECT_TRUE(absl::StrContains(bad_listen.err, "--listen")) << bad_listen.err;
+
+  auto unknown_flag = RunCommand({Runfile(kColoctl), "--bogus", "workers"}, Tmp(""));
+  EXPECT_NE(unknown_flag.code, 0);
+  auto unknown_cmd = RunCommand({Runfile(kColoctl), "frobnicate"}, Tmp(""));
+  EXPECT_EQ(unknown_cmd.code, 2);
+  EXPECT_TRUE(absl::StrContains(unknown_cmd.err, "unknown command")) << unknown_cmd.err;
+  auto bad_output = RunCommand({Runfile(kColoctl), "workers", "--output", "yaml"}, Tmp(""));
+  EXPECT_EQ(bad_output.code, 2);
+
+  // Nothing listens on port 1: a clear UNAVAILABLE naming the address, exit 1.
+  auto down = RunCommand({Runfile(kColoctl), "--coordinator", "127.0.0.1:1", "--timeout", "2s",
+                          "workers"},
+                         Tmp(""));
+  EXPECT_EQ(down.code, 1);
+  EXPECT_TRUE(absl::StrContains(down.err, "UNAVAILABLE")) << down.err;
+  EXPECT_TRUE(absl::StrContains(down.err, "127.0.0.1:1")) << down.err;
+}
+
+}  // namespace
+}  // namespace colod

@@ -1,0 +1,97 @@
+#include "tests/subprocess.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+
+namespace colod::testing {
+
+Subprocess::Subprocess(std::vector<std::string> argv, const std::string& stdout_path,
+                       const std::string& stderr_path) {
+  pid_ = ::fork();
+  if (pid_ == 0) {
+    // Child: the test runner may block signals; the daemon must see them.
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    if (!stdout_path.empty()) {
+      int out = ::open(stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(out, 1);
+    }
+    int err = ::open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(err, 2);
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    _exit(127);
+  }
+}
+
+Subprocess::~Subprocess() {
+  if (pid_ > 0 && !status_) {
+    ::kill(pid_, SIGKILL);
+    Wait(absl::Seconds(10));
+  }
+}
+
+void Subprocess::Signal(int sig) {
+  if (pid_ > 0 && !status_) ::kill(pid_, sig);
+}
+
+std::optional<int> Subprocess::Wait(absl::Duration timeout) {
+  if (status_) return status_;
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    int st = 0;
+    pid_t r = ::waitpid(pid_, &st, WNOHANG);
+    if (r == pid_) {
+      status_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      return status_;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return std::nullopt;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+CommandResult RunCommand(std::vector<std::string> argv, const std::string& tmpdir,
+                         absl::Duration timeout) {
+  static int counter = 0;
+  const std::string out = absl::StrCat(tmpdir, "/cmd", ++counter, ".out");
+  const std::string err = absl::StrCat(tmpdir, "/cmd", counter, ".err");
+  Subprocess p(std::move(argv), out, err);
+  std::optional<int> code = p.Wait(timeout);
+  return {code.value_or(-1), ReadFile(out), ReadFile(err)};
+}
+
+std::optional<std::string> ReadyValue(const std::string& path, const std::string& key,
+                                      absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (::access(path.c_str(), R_OK) == 0) {
+      for (absl::string_view line : absl::StrSplit(ReadFile(path), '\n')) {
+        std::pair<std::string, std::string> kv = absl::StrSplit(line, absl::MaxSplits('=', 1));
+        if (kv.first == key) return kv.second;
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return std::nullopt;
+}
+
+}  // namespace colod::testing

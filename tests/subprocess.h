@@ -1,0 +1,54 @@
+// Child processes for integration tests: started with fork/exec, stderr to a
+// file, always reaped (the destructor kills a child that is still running).
+#ifndef COLOD_TESTS_SUBPROCESS_H_
+#define COLOD_TESTS_SUBPROCESS_H_
+
+#include <sys/types.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace colod::testing {
+
+class Subprocess {
+ public:
+  // Starts argv[0] with argv; stdout goes to `stdout_path` (if non-empty) and
+  // stderr to `stderr_path`.
+  Subprocess(std::vector<std::string> argv, const std::string& stdout_path,
+             const std::string& stderr_path);
+  ~Subprocess();
+  Subprocess(const Subprocess&) = delete;
+  Subprocess& operator=(const Subprocess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  void Signal(int sig);
+  // The exit code, 128+signal if killed by one, or nullopt after `timeout`.
+  std::optional<int> Wait(absl::Duration timeout);
+
+ private:
+  pid_t pid_ = -1;
+  std::optional<int> status_;
+};
+
+struct CommandResult {
+  int code = -1;  // -1 if it did not finish in time
+  std::string out;
+  std::string err;
+};
+
+// Runs a command to completion.
+CommandResult RunCommand(std::vector<std::string> argv, const std::string& tmpdir,
+                                       absl::Duration timeout = absl::Seconds(60));
+
+// Reads KEY=VALUE lines of a --ready-file, waiting up to `timeout` for it.
+std::optional<std::string> ReadyValue(const std::string& path, const std::string& key,
+                                      absl::Duration timeout);
+
+std::string ReadFile(const std::string& path);
+
+}  // namespace colod::testing
+
+#endif  // COLOD_TESTS_SUBPROCESS_H_

@@ -1,0 +1,80 @@
+// colod-worker: one per GPU (or CPU slot). Hosts ColoTensors and runs ranks.
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "common/flags.h"
+#include "common/grpc_server.h"
+#include "common/logging.h"
+#include "common/ready_file.h"
+#include "worker/daemon/worker_daemon.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:7071",
+          "HOST:PORT for the worker's gRPC API (WorkerService, health, reflection). Port 0 picks a "
+          "free port; the chosen port is logged and registered.");
+ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9471",
+          "HOST:PORT for Prometheus /metrics. Port 0 picks a free port.");
+ABSL_FLAG(std::string, coordinator, "",
+          "Coordinator HOST:PORT to register with and heartbeat. Empty runs standalone.");
+ABSL_FLAG(std::string, advertise_host, "",
+          "Host the coordinator and peers use to reach this worker. Default: the --listen host, "
+          "or this machine's host name when --listen is a wildcard (0.0.0.0 or [::]).");
+ABSL_FLAG(std::string, device, "auto",
+          "auto (CUDA when built with CUDA and the GPU exists, else CPU), cpu, or cuda.");
+ABSL_FLAG(int, device_ordinal, 0, "GPU index this worker uses (one worker per GPU).");
+ABSL_FLAG(std::string, ready_file, "",
+          "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
+          "file (atomically), for scripts that start the daemon with port 0.");
+
+namespace {
+
+constexpr char kUsage[] =
+    "colod-worker: a colod worker daemon, one per GPU (or CPU slot).\n"
+    "\n"
+    "Serves WorkerService, grpc.health.v1 and server reflection on --listen and Prometheus\n"
+    "metrics on --metrics-listen. With --coordinator it registers, heartbeats, and\n"
+    "re-registers if the coordinator forgets it; colod.v1.WorkerService reports SERVING\n"
+    "once registered. Computes with CUDA + NCCL on a GPU, OpenBLAS + Gloo on a CPU.\n"
+    "Stops cleanly on SIGTERM or SIGINT.\n"
+    "\n"
+    "Usage:\n"
+    "  colod-worker --coordinator HOST:PORT [--listen HOST:PORT] [--metrics-listen HOST:PORT]\n"
+    "\n"
+    "Example (loopback, free ports):\n"
+    "  colod-worker --coordinator 127.0.0.1:7070 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  colod::BlockShutdownSignals();
+  std::vector<std::string> args = colod::ParseFlags(argc, argv, kUsage);
+  if (!args.empty()) {
+    COLOD_LOG(ERROR) << "unexpected argument '" << args[0] << "' (see --help)";
+    return 2;
+  }
+  colod::WorkerDaemon::Options options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
+  options.device = absl::GetFlag(FLAGS_device);
+  options.device_ordinal = absl::GetFlag(FLAGS_device_ordinal);
+  auto worker = colod::WorkerDaemon::Start(options);
+  if (!worker.ok()) {
+    COLOD_LOG(ERROR) << "cannot start: " << worker.status().message();
+    return 1;
+  }
+  const std::string ready = absl::GetFlag(FLAGS_ready_file);
+  if (!ready.empty()) {
+    absl::Status s = colod::WriteReadyFile(
+        ready, {{"grpc", (*worker)->address()}, {"metrics", (*worker)->metrics_address()}});
+    if (!s.ok()) {
+      COLOD_LOG(ERROR) << s.message();
+      return 1;
+    }
+  }
+  int sig = colod::WaitForShutdownSignal();
+  COLOD_LOG(INFO) << "received signal " << sig;
+  (*worker)->Shutdown();
+  COLOD_LOG(INFO) << "worker stopped";
+  return 0;
+}

@@ -1,0 +1,226 @@
+#include "worker/daemon/worker_daemon.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/net.h"
+#include "common/status_macros.h"
+#include "common/version.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "kernels/device.h"
+
+namespace colod {
+namespace {
+
+constexpr char kServiceName[] = "colod.v1.WorkerService";
+
+absl::Duration FromProto(const google::protobuf::Duration& d) {
+  return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+}
+
+bool IsWildcard(const std::string& host) {
+  return host == "0.0.0.0" || host == "::" || host == "*";
+}
+
+// Fills device fields of `info` from --device / --device-ordinal.
+absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info) {
+  if (o.device_ordinal < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device-ordinal: must be >= 0, got ", o.device_ordinal));
+  }
+  bool use_cuda;
+  if (o.device == "cpu") {
+    use_cuda = false;
+  } else if (o.device == "cuda") {
+    if (!kernels::BuiltWithCuda()) {
+      return absl::InvalidArgumentError("--device=cuda: this colod build has no CUDA support");
+    }
+    use_cuda = true;
+  } else if (o.device == "auto") {
+    use_cuda = kernels::CudaDeviceCount() > o.device_ordinal;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device: '", o.device, "' is not one of auto, cpu, cuda"));
+  }
+  info.set_device_ordinal(o.device_ordinal);
+  if (use_cuda) {
+    ASSIGN_OR_RETURN(kernels::CudaDeviceInfo dev, kernels::GetCudaDeviceInfo(o.device_ordinal));
+    info.set_device_kind(v1::DEVICE_KIND_CUDA);
+    info.set_device_name(dev.name);
+    info.set_memory_bytes(dev.memory_bytes);
+  } else {
+    info.set_device_kind(v1::DEVICE_KIND_CPU);
+    info.set_device_name("cpu");
+    info.set_memory_bytes(kernels::HostMemoryBytes());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+WorkerDaemon::WorkerDaemon(Options options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options options) {
+  ASSIGN_OR_RETURN(HostPort listen, ParseHostPort(options.listen, "--listen", true));
+  if (!options.coordinator.empty()) {
+    RETURN_IF_ERROR(ParseHostPort(options.coordinator, "--coordinator", false).status());
+  }
+  std::unique_ptr<WorkerDaemon> w(new WorkerDaemon(options));
+  RETURN_IF_ERROR(DescribeDevice(options, w->info_));
+
+  w->registry_ = std::make_shared<prometheus::Registry>();
+  AddBuildInfo(*w->registry_, "worker");
+  ASSIGN_OR_RETURN(w->metrics_, MetricsServer::Start(options.metrics_listen, w->registry_));
+  WorkerDaemon* raw = w.get();
+  w->service_ = std::make_unique<WorkerServiceImpl>([raw] { return raw->Info(); },
+                                                    [raw] { return raw->Status(); });
+  ASSIGN_OR_RETURN(w->grpc_, StartGrpcServer(options.listen, {w->service_.get()}));
+
+  HostPort advertise = listen;
+  advertise.port = w->grpc_.port;
+  if (!options.advertise_host.empty()) {
+    advertise.host = options.advertise_host;
+  } else if (IsWildcard(listen.host)) {
+    advertise.host = LocalHostName();
+  }
+  HostPort metrics_advertise = advertise;
+  metrics_advertise.port = w->metrics_->port();
+  w->info_.set_address(advertise.ToString());
+  w->info_.set_metrics_address(metrics_advertise.ToString());
+  w->info_.set_host(LocalHostName());
+  w->info_.set_version(kVersion);
+
+  if (options.coordinator.empty()) {
+    SetServing(*w->grpc_.server, kServiceName, true);
+    COLOD_LOG(INFO) << "worker serving on " << w->address() << " (standalone, no --coordinator)";
+  } else {
+    // Not ready for work until registered; say so rather than "unknown service".
+    SetServing(*w->grpc_.server, kServiceName, false);
+    w->coordinator_ = v1::CoordinatorService::NewStub(
+        grpc::CreateChannel(options.coordinator, grpc::InsecureChannelCredentials()));
+    w->loop_ = std::thread([raw] { raw->CoordinatorLoop(); });
+    COLOD_LOG(INFO) << "worker serving on " << w->address() << ", registering with "
+                    << options.coordinator;
+  }
+  COLOD_LOG(INFO) << "worker device " << w->info_.device_name() << " (ordinal "
+                  << w->info_.device_ordinal() << "), metrics on http://" << w->metrics_address()
+                  << "/metrics";
+  return w;
+}
+
+v1::WorkerInfo WorkerDaemon::Info() const {
+  v1::WorkerInfo info = info_;
+  info.set_worker_id(worker_id());
+  return info;
+}
+
+v1::WorkerStatus WorkerDaemon::Status() const {
+  v1::WorkerStatus s;
+  s.set_state(v1::WORKER_STATE_IDLE);
+  return s;
+}
+
+std::string WorkerDaemon::worker_id() const {
+  absl::MutexLock lock(&mu_);
+  return worker_id_;
+}
+
+int64_t WorkerDaemon::heartbeats_acked() const {
+  absl::MutexLock lock(&mu_);
+  return heartbeats_acked_;
+}
+
+bool WorkerDaemon::WaitRegistered(absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  auto registered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !worker_id_.empty(); };
+  return mu_.AwaitWithTimeout(absl::Condition(&registered), timeout);
+}
+
+absl::Status WorkerDaemon::RegisterOnce() {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  v1::RegisterWorkerRequest req;
+  *req.mutable_worker() = info_;
+  v1::RegisterWorkerResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(coordinator_->RegisterWorker(&ctx, req, &resp)));
+  absl::MutexLock lock(&mu_);
+  worker_id_ = resp.worker_id();
+  heartbeat_interval_ = std::max(FromProto(resp.heartbeat_interval()), absl::Milliseconds(10));
+  return absl::OkStatus();
+}
+
+absl::Status WorkerDaemon::HeartbeatOnce() {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  v1::HeartbeatRequest req;
+  req.set_worker_id(worker_id());
+  *req.mutable_status() = Status();
+  v1::HeartbeatResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(coordinator_->Heartbeat(&ctx, req, &resp)));
+  absl::MutexLock lock(&mu_);
+  ++heartbeats_acked_;
+  return absl::OkStatus();
+}
+
+void WorkerDaemon::CoordinatorLoop() {
+  absl::Duration backoff = options_.initial_backoff;
+  int failures = 0;
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    const bool registered = !worker_id_.empty();
+    mu_.Unlock();
+    absl::Status s = registered ? HeartbeatOnce() : RegisterOnce();
+    mu_.Lock();
+    if (stopping_) break;
+    absl::Duration wait;
+    if (s.ok()) {
+      if (!registered) {
+        COLOD_LOG(INFO) << "registered with coordinator " << options_.coordinator << " as "
+                        << worker_id_;
+        mu_.Unlock();
+        SetServing(*grpc_.server, kServiceName, true);
+        mu_.Lock();
+      }
+      failures = 0;
+      backoff = options_.initial_backoff;
+      wait = heartbeat_interval_;
+    } else if (registered && s.code() == absl::StatusCode::kNotFound) {
+      // The coordinator forgot us (restart or lost lease): register afresh.
+      COLOD_LOG(WARNING) << "coordinator: " << s.message();
+      worker_id_.clear();
+      wait = absl::ZeroDuration();
+    } else {
+      // Log the first failure and then every tenth, so a down coordinator
+      // does not flood the log.
+      if (failures++ % 10 == 0) {
+        COLOD_LOG(WARNING) << (registered ? "heartbeat" : "registration") << " to "
+                           << options_.coordinator << " failed: " << s;
+      }
+      wait = registered ? heartbeat_interval_ : backoff;
+      backoff = std::min(backoff * 2, options_.max_backoff);
+    }
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), wait);
+  }
+}
+
+void WorkerDaemon::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
+    stopping_ = true;
+  }
+  COLOD_LOG(INFO) << "worker shutting down";
+  if (loop_.joinable()) loop_.join();
+  StopGrpcServer(*grpc_.server, absl::Seconds(2));
+  metrics_.reset();
+}
+
+WorkerDaemon::~WorkerDaemon() {
+  if (grpc_.server != nullptr) Shutdown();
+}
+
+}  // namespace colod

@@ -1,0 +1,89 @@
+// The worker daemon as a handle: serves WorkerService, registers with the
+// coordinator and keeps its lease alive with heartbeats.
+#ifndef COLOD_WORKER_DAEMON_WORKER_DAEMON_H_
+#define COLOD_WORKER_DAEMON_WORKER_DAEMON_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "colod/v1/coordinator.grpc.pb.h"
+#include "common/grpc_server.h"
+#include "common/metrics.h"
+#include "worker/daemon/worker_service.h"
+
+namespace colod {
+
+// Thread-safe. Shutdown() may be called from any thread, more than once.
+class WorkerDaemon {
+ public:
+  struct Options {
+    // WorkerService address; port 0 picks a free port.
+    std::string listen = "127.0.0.1:0";
+    std::string metrics_listen = "127.0.0.1:0";
+    // Coordinator HOST:PORT; empty runs standalone (no registration).
+    std::string coordinator;
+    // Host name or address the coordinator and peers use to reach this
+    // worker. Empty: the --listen host, or this machine's host name when
+    // --listen binds a wildcard (0.0.0.0 or ::).
+    std::string advertise_host;
+    // "auto" (CUDA if built with CUDA and the GPU exists, else CPU), "cpu" or "cuda".
+    std::string device = "auto";
+    int device_ordinal = 0;
+    // Deadline of each call to the coordinator.
+    absl::Duration rpc_timeout = absl::Seconds(5);
+    // Registration retries back off from this up to max_backoff.
+    absl::Duration initial_backoff = absl::Milliseconds(100);
+    absl::Duration max_backoff = absl::Seconds(5);
+  };
+
+  // INVALID_ARGUMENT for bad options (addresses, device), UNAVAILABLE if an
+  // address cannot be bound. Returns once serving; registration proceeds in
+  // the background, retried until it succeeds or the daemon stops.
+  static absl::StatusOr<std::unique_ptr<WorkerDaemon>> Start(Options options);
+  ~WorkerDaemon();
+
+  void Shutdown();
+
+  int port() const { return grpc_.port; }
+  const std::string& address() const { return grpc_.address; }
+  const std::string& metrics_address() const { return metrics_->address(); }
+  // The id the coordinator assigned; empty until registered.
+  std::string worker_id() const;
+  // Blocks until registered or `timeout`; false on timeout.
+  bool WaitRegistered(absl::Duration timeout) const;
+  // Heartbeats the coordinator accepted since start.
+  int64_t heartbeats_acked() const;
+
+ private:
+  explicit WorkerDaemon(Options options);
+  void CoordinatorLoop();
+  absl::Status RegisterOnce();
+  absl::Status HeartbeatOnce();
+  v1::WorkerInfo Info() const;
+  v1::WorkerStatus Status() const;
+
+  const Options options_;
+  v1::WorkerInfo info_;  // fixed after Start (worker_id excepted, kept in worker_id_)
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<WorkerServiceImpl> service_;
+  std::unique_ptr<MetricsServer> metrics_;
+  StartedGrpcServer grpc_;
+  std::unique_ptr<v1::CoordinatorService::Stub> coordinator_;
+  std::thread loop_;
+
+  mutable absl::Mutex mu_;
+  std::string worker_id_ ABSL_GUARDED_BY(mu_);
+  absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(2);
+  int64_t heartbeats_acked_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_DAEMON_WORKER_DAEMON_H_

@@ -1,0 +1,165 @@
+// A worker daemon against a real coordinator over loopback gRPC.
+#include "worker/daemon/worker_daemon.h"
+
+#include <cstdlib>
+
+#include "client/coordinator_client.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "gtest/gtest.h"
+#include "server/coordinator.h"
+#include "tests/testing/grpc_probe.h"
+#include "tests/testing/prometheus_text.h"
+
+namespace colod {
+namespace {
+
+using ::colod::testing::ServingStatus;
+
+std::string TempDir(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  return std::string(base ? base : "/tmp") + "/" + name;
+}
+
+std::unique_ptr<Coordinator> StartCoordinator(const std::string& listen, const std::string& dir) {
+  Coordinator::Options o;
+  o.listen = listen;
+  o.data_dir = TempDir(dir);
+  o.heartbeat_interval = absl::Milliseconds(50);
+  o.lease_duration = absl::Seconds(30);
+  auto c = Coordinator::Start(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+TEST(WorkerDaemon, RegistersHeartbeatsAndBecomesServing) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c1");
+  ASSERT_NE(coordinator, nullptr);
+  WorkerDaemon::Options o;
+  o.coordinator = coordinator->address();
+  o.device = "cpu";
+  auto worker = WorkerDaemon::Start(o);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  ASSERT_TRUE((*worker)->WaitRegistered(absl::Seconds(20)));
+  const absl::Time start = absl::Now();
+  while ((*worker)->heartbeats_acked() < 3 && absl::Now() - start < absl::Seconds(20)) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_GE((*worker)->heartbeats_acked(), 3);
+  EXPECT_EQ(*testing::HealthCheck((*worker)->address(), "colod.v1.WorkerService"),
+            ServingStatus::kServing);
+
+  auto workers = coordinator->workers().List(false);
+  ASSERT_EQ(workers.size(), 1u);
+  EXPECT_EQ(workers[0].info().worker_id(), (*worker)->worker_id());
+  EXPECT_EQ(workers[0].info().address(), (*worker)->address());
+  EXPECT_EQ(workers[0].info().device_kind(), v1::DEVICE_KIND_CPU);
+  EXPECT_GT(workers[0].info().memory_bytes(), 0);
+
+  auto services = testing::ListServicesByReflection((*worker)->address());
+  ASSERT_TRUE(services.ok()) << services.status();
+  EXPECT_NE(std::find(services->begin(), services->end(), "colod.v1.WorkerService"), services->end());
+
+  auto body = testing::HttpGet((*worker)->metrics_address(), "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  auto families = testing::ParsePrometheusText(*body);
+  ASSERT_TRUE(families.ok()) << families.status();
+  EXPECT_EQ(families->at("colod_build_info").samples.at(0).labels.at("component"), "worker");
+}
+
+TEST(WorkerDaemon, ReRegistersWhenTheCoordinatorForgetsIt) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c2");
+  ASSERT_NE(coordinator, nullptr);
+  const std::string address = coordinator->address();
+  WorkerDaemon::Options o;
+  o.coordinator = address;
+  o.device = "cpu";
+  o.initial_backoff = absl::Milliseconds(20);
+  o.max_backoff = absl::Milliseconds(100);
+  auto worker = WorkerDaemon::Start(o);
+  ASSERT_TRUE(worker.ok());
+  ASSERT_TRUE((*worker)->WaitRegistered(absl::Seconds(20)));
+  const std::string first_id = (*worker)->worker_id();
+
+  // A restarted coordinator (same address, empty registry) answers the next
+  // heartbeat with NOT_FOUND; the worker registers again.
+  coordinator->Shutdown();
+  coordinator.reset();
+  coordinator = StartCoordinator(address, "c2b");
+  ASSERT_NE(coordinator, nullptr);
+  const absl::Time start = absl::Now();
+  while (coordinator->workers().List(false).empty() && absl::Now() - start < absl::Seconds(30)) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  auto workers = coordinator->workers().List(false);
+  ASSERT_EQ(workers.size(), 1u);
+  EXPECT_EQ(workers[0].info().address(), (*worker)->address());
+}
+
+TEST(WorkerDaemon, WaitsNotServingUntilACoordinatorAppears) {
+  // Reserve a port by starting and stopping a coordinator, then point the
+  // worker at it before anything listens there.
+  auto probe = StartCoordinator("127.0.0.1:0", "c3");
+  ASSERT_NE(probe, nullptr);
+  const std::string address = probe->address();
+  probe->Shutdown();
+  probe.reset();
+
+  WorkerDaemon::Options o;
+  o.coordinator = address;
+  o.device = "cpu";
+  o.initial_backoff = absl::Milliseconds(20);
+  o.max_backoff = absl::Milliseconds(100);
+  auto worker = WorkerDaemon::Start(o);
+  ASSERT_TRUE(worker.ok());
+  EXPECT_FALSE((*worker)->WaitRegistered(absl::Milliseconds(300)));
+  EXPECT_EQ(*testing::HealthCheck((*worker)->address(), "colod.v1.WorkerService"),
+            ServingStatus::kNotServing);
+  EXPECT_EQ(*testing::HealthCheck((*worker)->address(), ""), ServingStatus::kServing);
+
+  auto coordinator = StartCoordinator(address, "c3b");
+  ASSERT_NE(coordinator, nullptr);
+  ASSERT_TRUE((*worker)->WaitRegistered(absl::Seconds(30)));
+  EXPECT_EQ(*testing::HealthCheck((*worker)->address(), "colod.v1.WorkerService"),
+            ServingStatus::kServing);
+}
+
+TEST(WorkerDaemon, GetStatusAndUnsupportedCallsSayWhat) {
+  WorkerDaemon::Options o;
+  o.device = "cpu";
+  auto worker = WorkerDaemon::Start(o);
+  ASSERT_TRUE(worker.ok());
+  auto stub = v1::WorkerService::NewStub(
+      grpc::CreateChannel((*worker)->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::GetStatusResponse status;
+  ASSERT_TRUE(stub->GetStatus(&ctx, v1::GetStatusRequest(), &status).ok());
+  EXPECT_EQ(status.status().state(), v1::WORKER_STATE_IDLE);
+  EXPECT_EQ(status.info().address(), (*worker)->address());
+  EXPECT_EQ(status.info().device_kind(), v1::DEVICE_KIND_CPU);
+
+  grpc::ClientContext ctx2;
+  v1::AbortJobRequest abort;
+  abort.set_job_id("job-000001");
+  v1::AbortJobResponse ar;
+  EXPECT_EQ(stub->AbortJob(&ctx2, abort, &ar).error_code(), grpc::StatusCode::NOT_FOUND);
+  grpc::ClientContext ctx3;
+  v1::AssignJobRequest assign;
+  v1::AssignJobResponse asr;
+  EXPECT_EQ(stub->AssignJob(&ctx3, assign, &asr).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST(WorkerDaemon, RejectsBadOptions) {
+  WorkerDaemon::Options o;
+  o.device = "tpu";
+  EXPECT_EQ(WorkerDaemon::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.device = "cpu";
+  o.device_ordinal = -1;
+  EXPECT_EQ(WorkerDaemon::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.device_ordinal = 0;
+  o.coordinator = "nowhere";
+  EXPECT_EQ(WorkerDaemon::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace colod

@@ -1,0 +1,36 @@
+#include "worker/daemon/worker_service.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace colod {
+
+WorkerServiceImpl::WorkerServiceImpl(std::function<v1::WorkerInfo()> info_fn,
+                                     std::function<v1::WorkerStatus()> status_fn)
+    : info_fn_(std::move(info_fn)), status_fn_(std::move(status_fn)) {}
+
+grpc::Status WorkerServiceImpl::AssignJob(grpc::ServerContext*, const v1::AssignJobRequest* req,
+                                          v1::AssignJobResponse*) {
+  if (req->job_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required");
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                      "this colod worker cannot run jobs yet (job execution is not built in)");
+}
+
+grpc::Status WorkerServiceImpl::AbortJob(grpc::ServerContext*, const v1::AbortJobRequest* req,
+                                         v1::AbortJobResponse*) {
+  if (req->job_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required");
+  v1::WorkerStatus status = status_fn_();
+  if (status.job_id() != req->job_id()) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("this worker does not run job '", req->job_id(), "'"));
+  }
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "job execution is not built in");
+}
+
+grpc::Status WorkerServiceImpl::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+                                          v1::GetStatusResponse* resp) {
+  *resp->mutable_info() = info_fn_();
+  *resp->mutable_status() = status_fn_();
+  return grpc::Status::OK;
+}
+
+}  // namespace colod

@@ -1,0 +1,38 @@
+// The worker's gRPC adaptor (WorkerService).
+#ifndef COLOD_WORKER_DAEMON_WORKER_SERVICE_H_
+#define COLOD_WORKER_DAEMON_WORKER_SERVICE_H_
+
+#include <functional>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "colod/v1/worker.grpc.pb.h"
+
+namespace colod {
+
+// Thread-safe: `info` is fixed at construction; the status is read through
+// `status_fn`, which must itself be thread-safe.
+class WorkerServiceImpl final : public v1::WorkerService::Service {
+ public:
+  WorkerServiceImpl(std::function<v1::WorkerInfo()> info_fn,
+                    std::function<v1::WorkerStatus()> status_fn);
+
+  // Job execution arrives with the training engine; until then a worker
+  // runs no job and says so (UNIMPLEMENTED), rather than accepting work it
+  // would silently drop.
+  grpc::Status AssignJob(grpc::ServerContext*, const v1::AssignJobRequest*,
+                         v1::AssignJobResponse*) override;
+  // NOT_FOUND unless the worker runs that job.
+  grpc::Status AbortJob(grpc::ServerContext*, const v1::AbortJobRequest*,
+                        v1::AbortJobResponse*) override;
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+                         v1::GetStatusResponse*) override;
+
+ private:
+  const std::function<v1::WorkerInfo()> info_fn_;
+  const std::function<v1::WorkerStatus()> status_fn_;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_DAEMON_WORKER_SERVICE_H_
