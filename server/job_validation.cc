@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -16,15 +17,6 @@ absl::Status Invalid(absl::string_view path, absl::string_view field, absl::stri
   return absl::InvalidArgumentError(absl::StrCat(path, ".", field, ": ", why));
 }
 
-// Returns r if r^k == n for an integer r >= 1, else 0.
-int IntegerRoot(int n, int k) {
-  for (int r = 1;; ++r) {
-    long long p = 1;
-    for (int i = 0; i < k; ++i) p *= r;
-    if (p == n) return r;
-    if (p > n) return 0;
-  }
-}
 
 absl::Status ValidateModel(const v1::ModelSpec& model, absl::string_view path) {
   if (model.config_json().empty()) {
