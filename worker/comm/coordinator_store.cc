@@ -1,0 +1,50 @@
+#include "worker/comm/coordinator_store.h"
+
+#include "absl/time/clock.h"
+#include "common/grpc_status.h"
+#include "common/status_macros.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace colod {
+
+CoordinatorStore::CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubInterface> stub,
+                                   std::string scope, absl::Duration rpc_timeout)
+    : stub_(std::move(stub)), scope_(std::move(scope)), rpc_timeout_(rpc_timeout) {}
+
+absl::Status CoordinatorStore::Set(absl::string_view key, std::string value) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
+  v1::KvSetRequest req;
+  req.set_scope(scope_);
+  req.set_key(std::string(key));
+  req.set_value(std::move(value));
+  v1::KvSetResponse resp;
+  return FromGrpcStatus(stub_->KvSet(&ctx, req, &resp));
+}
+
+absl::StatusOr<std::string> CoordinatorStore::Get(absl::string_view key) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
+  v1::KvGetRequest req;
+  req.set_scope(scope_);
+  req.set_key(std::string(key));
+  v1::KvGetResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->KvGet(&ctx, req, &resp)));
+  return std::move(*resp.mutable_value());
+}
+
+absl::StatusOr<std::vector<std::string>> CoordinatorStore::Wait(const std::vector<std::string>& keys,
+                                                                absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout + rpc_timeout_));
+  v1::KvWaitRequest req;
+  req.set_scope(scope_);
+  for (const std::string& k : keys) req.add_keys(k);
+  *req.mutable_timeout() =
+      google::protobuf::util::TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(timeout));
+  v1::KvWaitResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->KvWait(&ctx, req, &resp)));
+  return std::vector<std::string>(resp.values().begin(), resp.values().end());
+}
+
+}  // namespace colod

@@ -1,0 +1,36 @@
+// The Store of worker daemons: the coordinator's rendezvous KV over gRPC,
+// scoped to one job generation.
+#ifndef COLOD_WORKER_COMM_COORDINATOR_STORE_H_
+#define COLOD_WORKER_COMM_COORDINATOR_STORE_H_
+
+#include <memory>
+#include <string>
+
+#include "colod/v1/coordinator.grpc.pb.h"
+#include "worker/comm/store.h"
+
+namespace colod {
+
+// Thread-safe (gRPC stubs are).
+class CoordinatorStore final : public Store {
+ public:
+  // `scope` is the job generation's rendezvous scope (AssignJobRequest.
+  // rendezvous_scope). Each Set/Get carries `rpc_timeout`; a Wait carries its
+  // own timeout plus `rpc_timeout` of slack for the transport.
+  CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubInterface> stub, std::string scope,
+                   absl::Duration rpc_timeout = absl::Seconds(10));
+
+  absl::Status Set(absl::string_view key, std::string value) override;
+  absl::StatusOr<std::string> Get(absl::string_view key) override;
+  absl::StatusOr<std::vector<std::string>> Wait(const std::vector<std::string>& keys,
+                                                absl::Duration timeout) override;
+
+ private:
+  const std::shared_ptr<v1::CoordinatorService::StubInterface> stub_;
+  const std::string scope_;
+  const absl::Duration rpc_timeout_;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_COMM_COORDINATOR_STORE_H_

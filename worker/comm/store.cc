@@ -1,0 +1,132 @@
+#include "worker/comm/store.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <system_error>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "server/rendezvous_store.h"
+
+namespace colod {
+namespace {
+
+absl::Status ValidateKey(absl::string_view key) {
+  if (key.empty()) return absl::InvalidArgumentError("key: must not be empty");
+  if (key.size() > RendezvousStore::kMaxKeyBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("key: longer than ", RendezvousStore::kMaxKeyBytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+InMemoryStore::InMemoryStore() : InMemoryStore(std::make_shared<RendezvousStore>(), "default") {}
+
+InMemoryStore::InMemoryStore(std::shared_ptr<RendezvousStore> shared, std::string scope)
+    : store_(std::move(shared)), scope_(std::move(scope)) {}
+
+InMemoryStore::~InMemoryStore() = default;
+
+absl::Status InMemoryStore::Set(absl::string_view key, std::string value) {
+  return store_->Set(scope_, key, std::move(value));
+}
+
+absl::StatusOr<std::string> InMemoryStore::Get(absl::string_view key) {
+  return store_->Get(scope_, key);
+}
+
+absl::StatusOr<std::vector<std::string>> InMemoryStore::Wait(const std::vector<std::string>& keys,
+                                                             absl::Duration timeout) {
+  return store_->Wait(scope_, keys, timeout);
+}
+
+absl::StatusOr<std::unique_ptr<FileStore>> FileStore::Open(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec || !std::filesystem::is_directory(dir)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("file store: cannot create directory '", dir, "': ", ec.message()));
+  }
+  return std::unique_ptr<FileStore>(new FileStore(dir));
+}
+
+std::string FileStore::PathOf(absl::string_view key) const {
+  // Hex keeps any key (slashes, dots, bytes) a flat, valid file name.
+  return absl::StrCat(dir_, "/", absl::BytesToHexString(key));
+}
+
+absl::Status FileStore::Set(absl::string_view key, std::string value) {
+  RETURN_IF_ERROR(ValidateKey(key));
+  const std::string path = PathOf(key);
+  static std::atomic<uint64_t> counter{0};
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out.write(value.data(), static_cast<std::streamsize>(value.size()));
+    out.flush();
+    if (!out) {
+      std::remove(tmp.c_str());
+      return absl::UnavailableError(absl::StrCat("file store: cannot write '", tmp, "'"));
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string err = std::strerror(errno);
+    std::remove(tmp.c_str());
+    return absl::UnavailableError(absl::StrCat("file store: cannot rename to '", path, "': ", err));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> FileStore::Get(absl::string_view key) {
+  RETURN_IF_ERROR(ValidateKey(key));
+  std::ifstream in(PathOf(key), std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("key '", key, "' is not set in ", dir_));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+absl::StatusOr<std::vector<std::string>> FileStore::Wait(const std::vector<std::string>& keys,
+                                                         absl::Duration timeout) {
+  if (keys.empty()) return absl::InvalidArgumentError("keys: at least one key is required");
+  for (const std::string& k : keys) RETURN_IF_ERROR(ValidateKey(k));
+  if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("timeout: must be > 0");
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Duration backoff = absl::Milliseconds(1);
+  for (;;) {
+    std::vector<std::string> values;
+    std::vector<std::string> missing;
+    for (const std::string& k : keys) {
+      auto v = Get(k);
+      if (v.ok()) {
+        values.push_back(*std::move(v));
+      } else {
+        missing.push_back(k);
+      }
+    }
+    if (missing.empty()) return values;
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("after ", absl::FormatDuration(timeout),
+                                                      " still missing in ", dir_, ": ",
+                                                      absl::StrJoin(missing, ", ")));
+    }
+    absl::SleepFor(std::min(backoff, deadline - now));
+    backoff = std::min(backoff * 2, absl::Milliseconds(50));
+  }
+}
+
+}  // namespace colod

@@ -1,0 +1,135 @@
+// One contract, three Stores: in-memory, file and the coordinator's KV over
+// gRPC. Ranks are threads.
+#include "worker/comm/store.h"
+
+#include <cstdlib>
+#include <thread>
+
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "gtest/gtest.h"
+#include "server/coordinator.h"
+#include "worker/comm/coordinator_store.h"
+
+namespace colod {
+namespace {
+
+std::string TempDir(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  return std::string(base ? base : "/tmp") + "/" + name;
+}
+
+// Makes stores that all see the same keys (one per rank).
+class StoreFactory {
+ public:
+  virtual ~StoreFactory() = default;
+  virtual std::unique_ptr<Store> Make() = 0;
+};
+
+class InMemoryFactory : public StoreFactory {
+ public:
+  std::unique_ptr<Store> Make() override { return std::make_unique<InMemoryStore>(shared_, "job-1/gen-1"); }
+
+ private:
+  std::shared_ptr<RendezvousStore> shared_ = std::make_shared<RendezvousStore>();
+};
+
+class FileFactory : public StoreFactory {
+ public:
+  FileFactory() {
+    static int n = 0;
+    dir_ = TempDir("filestore" + std::to_string(n++));
+  }
+  std::unique_ptr<Store> Make() override { return *FileStore::Open(dir_); }
+
+ private:
+  std::string dir_;
+};
+
+class CoordinatorFactory : public StoreFactory {
+ public:
+  CoordinatorFactory() {
+    static int n = 0;
+    Coordinator::Options o;
+    o.data_dir = TempDir("coord" + std::to_string(n++));
+    coordinator_ = *Coordinator::Start(o);
+  }
+  std::unique_ptr<Store> Make() override {
+    std::shared_ptr<v1::CoordinatorService::StubInterface> stub = v1::CoordinatorService::NewStub(
+        grpc::CreateChannel(coordinator_->address(), grpc::InsecureChannelCredentials()));
+    return std::make_unique<CoordinatorStore>(stub, "job-1/gen-1");
+  }
+
+ private:
+  std::unique_ptr<Coordinator> coordinator_;
+};
+
+template <typename F>
+class StoreContract : public ::testing::Test {
+ protected:
+  F factory_;
+};
+
+using Factories = ::testing::Types<InMemoryFactory, FileFactory, CoordinatorFactory>;
+TYPED_TEST_SUITE(StoreContract, Factories);
+
+TYPED_TEST(StoreContract, SetGetOverwriteAndBinaryValues) {
+  auto store = this->factory_.Make();
+  const std::string id("\x00nccl\xff\x01", 7);
+  ASSERT_TRUE(store->Set("nccl/unique_id", id).ok());
+  EXPECT_EQ(*store->Get("nccl/unique_id"), id);
+  ASSERT_TRUE(store->Set("nccl/unique_id", "second").ok());
+  EXPECT_EQ(*store->Get("nccl/unique_id"), "second");
+  EXPECT_EQ(store->Get("absent").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Set("", "v").code(), absl::StatusCode::kInvalidArgument);
+  // Another handle (another rank) sees the same keys.
+  EXPECT_EQ(*this->factory_.Make()->Get("nccl/unique_id"), "second");
+}
+
+TYPED_TEST(StoreContract, RanksExchangeAddressesThroughWait) {
+  constexpr int kRanks = 4;
+  std::vector<std::vector<std::string>> seen(kRanks);
+  std::vector<absl::Status> errors(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      auto store = this->factory_.Make();
+      absl::SleepFor(absl::Milliseconds(10 * (kRanks - r)));  // arrive out of order
+      errors[r] = store->Set("addr/" + std::to_string(r), "127.0.0." + std::to_string(r + 1));
+      std::vector<std::string> keys;
+      for (int i = 0; i < kRanks; ++i) keys.push_back("addr/" + std::to_string(i));
+      auto values = store->Wait(keys, absl::Seconds(20));
+      if (!values.ok()) {
+        errors[r] = values.status();
+        return;
+      }
+      seen[r] = *values;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(errors[r].ok()) << errors[r];
+    EXPECT_EQ(seen[r], (std::vector<std::string>{"127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"}));
+  }
+}
+
+TYPED_TEST(StoreContract, AMissingRankIsDeadlineExceededWithinTheTimeout) {
+  auto store = this->factory_.Make();
+  ASSERT_TRUE(store->Set("addr/0", "x").ok());
+  const absl::Duration timeout = absl::Milliseconds(200);
+  const absl::Time start = absl::Now();
+  auto r = store->Wait({"addr/0", "addr/1"}, timeout);
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_NE(r.status().message().find("addr/1"), absl::string_view::npos) << r.status();
+  EXPECT_GE(took, timeout);
+  EXPECT_LT(took, timeout + absl::Seconds(1));
+}
+
+TEST(FileStore, RefusesAnUncreatableDirectory) {
+  EXPECT_EQ(FileStore::Open("/proc/colod-cannot-create").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace colod
