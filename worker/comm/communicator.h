@@ -1,0 +1,71 @@
+// The collective-communication interface (c10d's Backend and Work, in
+// colod's terms). Backends: gloo/ (CPU tensors over TCP) and nccl/ (CUDA).
+#ifndef COLOD_WORKER_COMM_COMMUNICATOR_H_
+#define COLOD_WORKER_COMM_COMMUNICATOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "worker/tensor/dtype.h"
+
+namespace colod {
+
+enum class ReduceOp { kSum, kAvg, kMax, kMin };
+
+// One submitted collective. Thread-safe.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Waits for completion: OK, the op's error, or DEADLINE_EXCEEDED after
+  // `timeout` (the op may still be running; the communicator's own timeout
+  // ends it). Never waits forever.
+  virtual absl::Status Wait(absl::Duration timeout) = 0;
+  virtual bool IsCompleted() = 0;
+};
+
+// A group of `size()` ranks. Collectives are asynchronous: each returns a Work
+// at once and runs in submission order, so every rank must submit the same
+// collectives in the same order (as with NCCL). Buffers must stay valid and
+// untouched until the Work completes. Counts are elements, not bytes.
+//
+// Thread-safe: submission from several threads is serialized, but the order
+// then depends on the threads, so ranks usually submit from one thread.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "gloo" or "nccl": named in every error the backend returns.
+  virtual std::string backend() const = 0;
+
+  // data[i] <- reduce over ranks of data[i]. kAvg on integers truncates.
+  virtual std::shared_ptr<Work> AllReduce(void* data, int64_t count, DType dtype, ReduceOp op) = 0;
+  // out = concatenation over ranks of in (count elements each); out holds size()*count.
+  virtual std::shared_ptr<Work> AllGather(const void* in, void* out, int64_t count, DType dtype) = 0;
+  // in holds size()*count elements; out (count) <- this rank's chunk of the reduction.
+  virtual std::shared_ptr<Work> ReduceScatter(const void* in, void* out, int64_t count, DType dtype,
+                                              ReduceOp op) = 0;
+  // data <- root's data.
+  virtual std::shared_ptr<Work> Broadcast(void* data, int64_t count, DType dtype, int root) = 0;
+  // in and out hold size()*count elements; out chunk j <- rank j's in chunk rank().
+  virtual std::shared_ptr<Work> AllToAll(const void* in, void* out, int64_t count, DType dtype) = 0;
+  // Point to point; `tag` pairs a Send with its Recv.
+  virtual std::shared_ptr<Work> Send(const void* data, int64_t count, DType dtype, int dst, uint32_t tag) = 0;
+  virtual std::shared_ptr<Work> Recv(void* data, int64_t count, DType dtype, int src, uint32_t tag) = 0;
+  virtual std::shared_ptr<Work> Barrier() = 0;
+
+  // Fails every collective not yet started with `reason` (ABORTED) and every
+  // later one. The collective in flight ends at the backend's timeout.
+  virtual void Abort(const absl::Status& reason) = 0;
+  // The first error any collective hit, or OK: errors are sticky, because
+  // ranks that disagree about a failed collective cannot continue together.
+  virtual absl::Status AsyncError() = 0;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_COMM_COMMUNICATOR_H_

@@ -1,0 +1,420 @@
+#include "worker/comm/gloo/gloo_communicator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "gloo/allgather.h"
+#include "gloo/allreduce.h"
+#include "gloo/alltoall.h"
+#include "gloo/barrier.h"
+#include "gloo/broadcast.h"
+#include "gloo/common/error.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/rendezvous/store.h"
+#include "gloo/transport/tcp/device.h"
+#include "gloo/types.h"
+
+namespace colod {
+namespace {
+
+std::chrono::milliseconds ToMillis(absl::Duration d) {
+  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
+}
+
+// Gloo reports failures as exceptions; this is the one place they become a
+// Status. Timeouts are DEADLINE_EXCEEDED, anything else (a peer that closed
+// its connection, a refused connect) UNAVAILABLE.
+absl::Status FromGlooException(const std::exception& e, absl::string_view op) {
+  const std::string msg = e.what();
+  const bool timeout = absl::StrContains(msg, "Timed out") || absl::StrContains(msg, "timed out") ||
+                       absl::StrContains(msg, "DEADLINE_EXCEEDED");
+  return absl::Status(timeout ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kUnavailable,
+                      absl::StrCat("gloo ", op, ": ", msg));
+}
+
+// colod's Store seen through Gloo's rendezvous interface. Errors are thrown,
+// as Gloo expects, with the Status text (which names missing keys).
+class StoreAdapter final : public gloo::rendezvous::Store {
+ public:
+  StoreAdapter(colod::Store& store, std::string prefix, absl::Duration timeout)
+      : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    absl::Status s = store_.Set(Key(key), std::string(data.begin(), data.end()));
+    if (!s.ok()) throw gloo::IoException(s.ToString());
+  }
+  std::vector<char> get(const std::string& key) override {
+    auto v = store_.Wait({Key(key)}, timeout_);
+    if (!v.ok()) throw gloo::IoException(v.status().ToString());
+    return std::vector<char>((*v)[0].begin(), (*v)[0].end());
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, ToMillis(timeout_)); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> full;
+    for (const auto& k : keys) full.push_back(Key(k));
+    auto v = store_.Wait(full, absl::Milliseconds(timeout.count()));
+    if (!v.ok()) throw gloo::IoException(v.status().ToString());
+  }
+
+ private:
+  std::string Key(const std::string& k) const { return absl::StrCat(prefix_, "/", k); }
+  colod::Store& store_;
+  const std::string prefix_;
+  const absl::Duration timeout_;
+};
+
+// Calls fn with a null pointer of the element type Gloo moves for `dtype`.
+// f16 and bf16 travel as 16-bit words and are reduced by our own functions.
+template <typename Fn>
+void WithStorageType(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kF32: fn(static_cast<float*>(nullptr)); return;
+    case DType::kBF16:
+    case DType::kF16: fn(static_cast<uint16_t*>(nullptr)); return;
+    case DType::kI32: fn(static_cast<int32_t*>(nullptr)); return;
+    case DType::kI64: fn(static_cast<int64_t*>(nullptr)); return;
+  }
+}
+
+template <typename T, typename Op>
+gloo::AllreduceOptions::Func Elementwise(Op op) {
+  return [op](void* c, const void* a, const void* b, size_t n) {
+    T* cc = static_cast<T*>(c);
+    const T* aa = static_cast<const T*>(a);
+    const T* bb = static_cast<const T*>(b);
+    for (size_t i = 0; i < n; ++i) cc[i] = op(aa[i], bb[i]);  // vectorized by the compiler
+  };
+}
+
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float), typename Op>
+gloo::AllreduceOptions::Func Elementwise16(Op op) {
+  return [op](void* c, const void* a, const void* b, size_t n) {
+    uint16_t* cc = static_cast<uint16_t*>(c);
+    const uint16_t* aa = static_cast<const uint16_t*>(a);
+    const uint16_t* bb = static_cast<const uint16_t*>(b);
+    for (size_t i = 0; i < n; ++i) cc[i] = FromF(op(ToF(aa[i]), ToF(bb[i])));
+  };
+}
+
+template <typename Op>
+gloo::AllreduceOptions::Func ReduceFunction(DType dtype, Op op) {
+  switch (dtype) {
+    case DType::kF32: return Elementwise<float>(op);
+    case DType::kBF16: return Elementwise16<BF16ToFloat, FloatToBF16>(op);
+    case DType::kF16: return Elementwise16<F16ToFloat, FloatToF16>(op);
+    case DType::kI32: return Elementwise<int32_t>(op);
+    case DType::kI64: return Elementwise<int64_t>(op);
+  }
+  return nullptr;
+}
+
+gloo::AllreduceOptions::Func ReduceFunction(DType dtype, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return ReduceFunction(dtype, [](auto x, auto y) { return x + y; });
+    case ReduceOp::kMax:
+      return ReduceFunction(dtype, [](auto x, auto y) { return x > y ? x : y; });
+    case ReduceOp::kMin:
+      return ReduceFunction(dtype, [](auto x, auto y) { return x < y ? x : y; });
+  }
+  return nullptr;
+}
+
+// data[i] /= n, for kAvg after the sum.
+void DivideInPlace(void* data, int64_t count, DType dtype, int n) {
+  switch (dtype) {
+    case DType::kF32: {
+      float* p = static_cast<float*>(data);
+      for (int64_t i = 0; i < count; ++i) p[i] /= static_cast<float>(n);
+      return;
+    }
+    case DType::kBF16:
+    case DType::kF16: {
+      uint16_t* p = static_cast<uint16_t*>(data);
+      const bool bf = dtype == DType::kBF16;
+      for (int64_t i = 0; i < count; ++i) {
+        const float v = (bf ? BF16ToFloat(p[i]) : F16ToFloat(p[i])) / static_cast<float>(n);
+        p[i] = bf ? FloatToBF16(v) : FloatToF16(v);
+      }
+      return;
+    }
+    case DType::kI32: {
+      int32_t* p = static_cast<int32_t*>(data);
+      for (int64_t i = 0; i < count; ++i) p[i] /= n;
+      return;
+    }
+    case DType::kI64: {
+      int64_t* p = static_cast<int64_t*>(data);
+      for (int64_t i = 0; i < count; ++i) p[i] /= n;
+      return;
+    }
+  }
+}
+
+// Slot prefix for user point-to-point tags (collectives use their own prefixes).
+constexpr uint8_t kP2PSlotPrefix = 0x5c;
+
+}  // namespace
+
+class GlooCommunicator::GlooWork final : public Work {
+ public:
+  absl::Status Wait(absl::Duration timeout) override {
+    absl::MutexLock lock(&mu_);
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("gloo ", op_, ": not complete after ", absl::FormatDuration(timeout)));
+    }
+    return status_;
+  }
+  bool IsCompleted() override {
+    absl::MutexLock lock(&mu_);
+    return done_;
+  }
+  void Complete(absl::Status status) {
+    absl::MutexLock lock(&mu_);
+    status_ = std::move(status);
+    done_ = true;
+  }
+  void set_op(std::string op) { op_ = std::move(op); }
+
+ private:
+  absl::Mutex mu_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::string op_;  // set before the work is shared
+};
+
+GlooCommunicator::GlooCommunicator(int rank, int size, Options options)
+    : rank_(rank), size_(size), options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store& store, int rank,
+                                                                          int size, Options options) {
+  if (size < 1) return absl::InvalidArgumentError(absl::StrCat("gloo: size ", size, " must be >= 1"));
+  if (rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(absl::StrCat("gloo: rank ", rank, " is outside [0, ", size, ")"));
+  }
+  if (options.timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("gloo: timeout must be > 0");
+  std::unique_ptr<GlooCommunicator> c(new GlooCommunicator(rank, size, options));
+  try {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = options.hostname;
+    c->device_ = gloo::transport::tcp::CreateDevice(attr);
+    auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    context->setTimeout(ToMillis(options.timeout));
+    StoreAdapter adapter(store, options.prefix, options.timeout);
+    context->connectFullMesh(adapter, c->device_);
+    c->context_ = std::move(context);
+  } catch (const std::exception& e) {
+    return FromGlooException(e, absl::StrCat("rendezvous of rank ", rank, "/", size));
+  }
+  c->thread_ = std::thread([raw = c.get()] { raw->Loop(); });
+  return c;
+}
+
+GlooCommunicator::~GlooCommunicator() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+std::shared_ptr<Work> GlooCommunicator::Failed(absl::Status status) {
+  auto w = std::make_shared<GlooWork>();
+  w->Complete(std::move(status));
+  return w;
+}
+
+std::shared_ptr<Work> GlooCommunicator::Submit(const char* op, std::function<void(uint32_t)> fn) {
+  auto w = std::make_shared<GlooWork>();
+  w->set_op(op);
+  absl::MutexLock lock(&mu_);
+  if (stopping_) {
+    w->Complete(absl::FailedPreconditionError("gloo: communicator is shutting down"));
+    return w;
+  }
+  queue_.push_back(Task{op, std::move(fn), w});
+  return w;
+}
+
+void GlooCommunicator::Loop() {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
+    mu_.Await(absl::Condition(&ready));
+    if (queue_.empty()) return;  // stopping, and drained
+    Task task = std::move(queue_.front());
+    queue_.pop_front();
+    const absl::Status sticky = error_;
+    const uint32_t tag = next_tag_++;
+    mu_.Unlock();
+    absl::Status status;
+    if (!sticky.ok()) {
+      status = absl::Status(sticky.code() == absl::StatusCode::kAborted ? sticky.code()
+                                                                         : absl::StatusCode::kAborted,
+                            absl::StrCat("gloo ", task.op, ": not run after an earlier error: ",
+                                         sticky.message()));
+    } else {
+      try {
+        task.fn(tag);
+      } catch (const std::exception& e) {
+        status = FromGlooException(e, task.op);
+      }
+    }
+    mu_.Lock();
+    // Record the sticky error before the waiter can observe the failure.
+    if (!status.ok() && error_.ok()) error_ = status;
+    mu_.Unlock();
+    task.work->Complete(status);
+    mu_.Lock();
+  }
+}
+
+void GlooCommunicator::Abort(const absl::Status& reason) {
+  absl::MutexLock lock(&mu_);
+  if (error_.ok()) error_ = absl::AbortedError(absl::StrCat("gloo: aborted: ", reason.message()));
+}
+
+absl::Status GlooCommunicator::AsyncError() {
+  absl::MutexLock lock(&mu_);
+  return error_;
+}
+
+std::shared_ptr<Work> GlooCommunicator::AllReduce(void* data, int64_t count, DType dtype, ReduceOp op) {
+  if (count < 0) return Failed(absl::InvalidArgumentError("gloo AllReduce: count must be >= 0"));
+  return Submit("AllReduce", [=](uint32_t tag) {
+    if (count == 0) return;
+    gloo::AllreduceOptions opts(context_);
+    WithStorageType(dtype, [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      opts.setOutput(static_cast<T*>(data), static_cast<size_t>(count));
+    });
+    opts.setReduceFunction(ReduceFunction(dtype, op));
+    opts.setTag(tag);
+    opts.setTimeout(ToMillis(options_.timeout));
+    opts.setMaxSegmentSize(options_.max_segment_bytes);
+    gloo::allreduce(opts);
+    if (op == ReduceOp::kAvg) DivideInPlace(data, count, dtype, size_);
+  });
+}
+
+std::shared_ptr<Work> GlooCommunicator::AllGather(const void* in, void* out, int64_t count, DType dtype) {
+  if (count < 0) return Failed(absl::InvalidArgumentError("gloo AllGather: count must be >= 0"));
+  return Submit("AllGather", [=](uint32_t tag) {
+    if (count == 0) return;
+    gloo::AllgatherOptions opts(context_);
+    WithStorageType(dtype, [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      opts.setInput(const_cast<T*>(static_cast<const T*>(in)), static_cast<size_t>(count));
+      opts.setOutput(static_cast<T*>(out), static_cast<size_t>(count) * size_);
+    });
+    opts.setTag(tag);
+    opts.setTimeout(ToMillis(options_.timeout));
+    gloo::allgather(opts);
+  });
+}
+
+std::shared_ptr<Work> GlooCommunicator::ReduceScatter(const void* in, void* out, int64_t count,
+                                                      DType dtype, ReduceOp op) {
+  if (count < 0) return Failed(absl::InvalidArgumentError("gloo ReduceScatter: count must be >= 0"));
+  // This Gloo has no reduce-scatter in its options API: all-reduce a copy and
+  // keep this rank's chunk (2x the optimal traffic).
+  return Submit("ReduceScatter", [=](uint32_t tag) {
+    if (count == 0) return;
+    const size_t chunk = static_cast<size_t>(count) * SizeOf(dtype);
+    std::vector<char> buf(chunk * size_);
+    std::memcpy(buf.data(), in, buf.size());
+    gloo::AllreduceOptions opts(context_);
+    WithStorageType(dtype, [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      opts.setOutput(reinterpret_cast<T*>(buf.data()), static_cast<size_t>(count) * size_);
+    });
+    opts.setReduceFunction(ReduceFunction(dtype, op));
+    opts.setTag(tag);
+    opts.setTimeout(ToMillis(options_.timeout));
+    opts.setMaxSegmentSize(options_.max_segment_bytes);
+    gloo::allreduce(opts);
+    std::memcpy(out, buf.data() + chunk * rank_, chunk);
+    if (op == ReduceOp::kAvg) DivideInPlace(out, count, dtype, size_);
+  });
+}
+
+std::shared_ptr<Work> GlooCommunicator::Broadcast(void* data, int64_t count, DType dtype, int root) {
+  if (count < 0) return Failed(absl::InvalidArgumentError("gloo Broadcast: count must be >= 0"));
+  if (root < 0 || root >= size_) {
+    return Failed(absl::InvalidArgumentError(
+        absl::StrCat("gloo Broadcast: root ", root, " is outside [0, ", size_, ")")));
+  }
+  return Submit("Broadcast", [=](uint32_t tag) {
+    if (count == 0) return;
+    gloo::BroadcastOptions opts(context_);
+    WithStorageType(dtype, [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      opts.setOutput(static_cast<T*>(data), static_cast<size_t>(count));
+    });
+    opts.setRoot(root);
+    opts.setTag(tag);
+    opts.setTimeout(ToMillis(options_.timeout));
+    gloo::broadcast(opts);
+  });
+}
+
+std::shared_ptr<Work> GlooCommunicator::AllToAll(const void* in, void* out, int64_t count, DType dtype) {
+  if (count < 0) return Failed(absl::InvalidArgumentError("gloo AllToAll: count must be >= 0"));
+  return Submit("AllToAll", [=](uint32_t tag) {
+    if (count == 0) return;
+    gloo::AlltoallOptions opts(context_);
+    WithStorageType(dtype, [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      opts.setInput(const_cast<T*>(static_cast<const T*>(in)), static_cast<size_t>(count) * size_);
+      opts.setOutput(static_cast<T*>(out), static_cast<size_t>(count) * size_);
+    });
+    opts.setTag(tag);
+    opts.setTimeout(ToMillis(options_.timeout));
+    gloo::alltoall(opts);
+  });
+}
+
+std::shared_ptr<Work> GlooCommunicator::Send(const void* data, int64_t count, DType dtype, int dst,
+                                             uint32_t tag) {
+  if (count < 0 || dst < 0 || dst >= size_ || dst == rank_) {
+    return Failed(absl::InvalidArgumentError(
+        absl::StrCat("gloo Send: need count >= 0 and a peer in [0, ", size_, ") other than ", rank_)));
+  }
+  return Submit("Send", [=](uint32_t) {
+    auto buf = context_->createUnboundBuffer(const_cast<void*>(data), count * SizeOf(dtype));
+    buf->send(dst, gloo::Slot::build(kP2PSlotPrefix, tag));
+    buf->waitSend(ToMillis(options_.timeout));
+  });
+}
+
+std::shared_ptr<Work> GlooCommunicator::Recv(void* data, int64_t count, DType dtype, int src,
+                                             uint32_t tag) {
+  if (count < 0 || src < 0 || src >= size_ || src == rank_) {
+    return Failed(absl::InvalidArgumentError(
+        absl::StrCat("gloo Recv: need count >= 0 and a peer in [0, ", size_, ") other than ", rank_)));
+  }
+  return Submit("Recv", [=](uint32_t) {
+    auto buf = context_->createUnboundBuffer(data, count * SizeOf(dtype));
+    buf->recv(src, gloo::Slot::build(kP2PSlotPrefix, tag));
+    buf->waitRecv(ToMillis(options_.timeout));
+  });
+}
+
+std::shared_ptr<Work> GlooCommunicator::Barrier() {
+  return Submit("Barrier", [=](uint32_t tag) {
+    gloo::BarrierOptions opts(context_);
+    opts.setTag(tag);
+    opts.setTimeout(ToMillis(options_.timeout));
+    gloo::barrier(opts);
+  });
+}
+
+}  // namespace colod

@@ -1,0 +1,96 @@
+// The Gloo backend: CPU collectives over TCP (Debian's libgloo).
+#ifndef COLOD_WORKER_COMM_GLOO_GLOO_COMMUNICATOR_H_
+#define COLOD_WORKER_COMM_GLOO_GLOO_COMMUNICATOR_H_
+
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/store.h"
+
+namespace gloo {
+class Context;
+namespace transport {
+class Device;
+}  // namespace transport
+}  // namespace gloo
+
+namespace colod {
+
+// Collectives run one at a time on the communicator's own thread, in
+// submission order. Thread-safe.
+class GlooCommunicator final : public Communicator {
+ public:
+  struct Options {
+    // Address this rank listens on and advertises to its peers.
+    std::string hostname = "127.0.0.1";
+    // Rendezvous and per-collective timeout.
+    absl::Duration timeout = absl::Seconds(60);
+    // Key prefix in the store, so several groups can share one store.
+    std::string prefix = "gloo";
+    // Segment size of the pipelined all-reduce.
+    size_t max_segment_bytes = 4 << 20;
+  };
+
+  // Connects `size` ranks through `store` (every rank calls it with the same
+  // prefix). DEADLINE_EXCEEDED naming the missing ranks if some never join
+  // within options.timeout; INVALID_ARGUMENT for a bad rank or size.
+  static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(Store& store, int rank, int size,
+                                                                  Options options);
+  // Finishes every submitted collective, then closes the connections. Peers
+  // should pass a final Barrier before any rank destroys its communicator.
+  ~GlooCommunicator() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "gloo"; }
+
+  std::shared_ptr<Work> AllReduce(void* data, int64_t count, DType dtype, ReduceOp op) override;
+  std::shared_ptr<Work> AllGather(const void* in, void* out, int64_t count, DType dtype) override;
+  std::shared_ptr<Work> ReduceScatter(const void* in, void* out, int64_t count, DType dtype,
+                                      ReduceOp op) override;
+  std::shared_ptr<Work> Broadcast(void* data, int64_t count, DType dtype, int root) override;
+  std::shared_ptr<Work> AllToAll(const void* in, void* out, int64_t count, DType dtype) override;
+  std::shared_ptr<Work> Send(const void* data, int64_t count, DType dtype, int dst, uint32_t tag) override;
+  std::shared_ptr<Work> Recv(void* data, int64_t count, DType dtype, int src, uint32_t tag) override;
+  std::shared_ptr<Work> Barrier() override;
+  void Abort(const absl::Status& reason) override;
+  absl::Status AsyncError() override;
+
+ private:
+  class GlooWork;
+  GlooCommunicator(int rank, int size, Options options);
+  // Queues `fn` (run on the communicator thread, exceptions converted).
+  std::shared_ptr<Work> Submit(const char* op, std::function<void(uint32_t tag)> fn);
+  // A Work that failed before running (bad arguments).
+  std::shared_ptr<Work> Failed(absl::Status status);
+  void Loop();
+
+  const int rank_;
+  const int size_;
+  const Options options_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::shared_ptr<gloo::Context> context_;
+  std::thread thread_;
+
+  struct Task {
+    std::string op;
+    std::function<void(uint32_t)> fn;
+    std::shared_ptr<GlooWork> work;
+  };
+  absl::Mutex mu_;
+  std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint32_t next_tag_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_COMM_GLOO_GLOO_COMMUNICATOR_H_

@@ -1,0 +1,258 @@
+// Real ranks (threads) over real Gloo on loopback, rendezvous through an
+// in-memory store. Every result is checked against the closed form computed
+// here from the same inputs.
+#include "worker/comm/gloo/gloo_communicator.h"
+
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server/rendezvous_store.h"
+
+namespace colod {
+namespace {
+
+constexpr absl::Duration kWait = absl::Seconds(30);
+
+// Starts `n` ranks, runs body(rank, comm) on each, then a final barrier; keeps
+// every communicator alive until all ranks are done (Gloo teardown rule).
+void RunRanks(int n, const std::function<void(int, Communicator&)>& body,
+              absl::Duration timeout = absl::Seconds(30)) {
+  auto shared = std::make_shared<RendezvousStore>();
+  std::vector<std::unique_ptr<GlooCommunicator>> comms(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      InMemoryStore store(shared, "test");
+      GlooCommunicator::Options o;
+      o.timeout = timeout;
+      auto c = GlooCommunicator::Create(store, r, n, o);
+      ASSERT_TRUE(c.ok()) << c.status();
+      comms[r] = std::move(*c);
+      body(r, *comms[r]);
+      ASSERT_TRUE(comms[r]->Barrier()->Wait(kWait).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Element i of rank r: small integers, exact in every dtype, never all zero.
+double Value(int rank, int64_t i) { return static_cast<double>((rank + 1) * (i % 7) - 3 + rank); }
+
+std::vector<char> Encode(const std::vector<double>& v, DType t) {
+  std::vector<char> out(v.size() * SizeOf(t));
+  for (size_t i = 0; i < v.size(); ++i) {
+    char* p = out.data() + i * SizeOf(t);
+    switch (t) {
+      case DType::kF32: { float x = static_cast<float>(v[i]); std::memcpy(p, &x, 4); break; }
+      case DType::kBF16: { uint16_t x = FloatToBF16(static_cast<float>(v[i])); std::memcpy(p, &x, 2); break; }
+      case DType::kF16: { uint16_t x = FloatToF16(static_cast<float>(v[i])); std::memcpy(p, &x, 2); break; }
+      case DType::kI32: { int32_t x = static_cast<int32_t>(v[i]); std::memcpy(p, &x, 4); break; }
+      case DType::kI64: { int64_t x = static_cast<int64_t>(v[i]); std::memcpy(p, &x, 8); break; }
+    }
+  }
+  return out;
+}
+
+std::vector<double> Decode(const std::vector<char>& b, DType t) {
+  std::vector<double> out(b.size() / SizeOf(t));
+  for (size_t i = 0; i < out.size(); ++i) {
+    const char* p = b.data() + i * SizeOf(t);
+    switch (t) {
+      case DType::kF32: { float x; std::memcpy(&x, p, 4); out[i] = x; break; }
+      case DType::kBF16: { uint16_t x; std::memcpy(&x, p, 2); out[i] = BF16ToFloat(x); break; }
+      case DType::kF16: { uint16_t x; std::memcpy(&x, p, 2); out[i] = F16ToFloat(x); break; }
+      case DType::kI32: { int32_t x; std::memcpy(&x, p, 4); out[i] = x; break; }
+      case DType::kI64: { int64_t x; std::memcpy(&x, p, 8); out[i] = static_cast<double>(x); break; }
+    }
+  }
+  return out;
+}
+
+// What reducing the ranks' values gives in dtype t (integers are exact, so
+// only kAvg rounds: once, like the implementation).
+double Expected(int n, int64_t i, ReduceOp op, DType t) {
+  double sum = 0, mx = -1e300, mn = 1e300;
+  for (int r = 0; r < n; ++r) {
+    sum += Value(r, i);
+    mx = std::max(mx, Value(r, i));
+    mn = std::min(mn, Value(r, i));
+  }
+  switch (op) {
+    case ReduceOp::kSum: return sum;
+    case ReduceOp::kMax: return mx;
+    case ReduceOp::kMin: return mn;
+    case ReduceOp::kAvg:
+      if (t == DType::kI32 || t == DType::kI64) return static_cast<double>(static_cast<int64_t>(sum) / n);
+      return Decode(Encode({static_cast<double>(static_cast<float>(sum) / static_cast<float>(n))}, t), t)[0];
+  }
+  return 0;
+}
+
+const DType kDTypes[] = {DType::kF32, DType::kBF16, DType::kF16, DType::kI32, DType::kI64};
+
+class GlooRanks : public ::testing::TestWithParam<int> {};
+
+TEST_P(GlooRanks, AllReduceEveryDTypeAndOp) {
+  const int n = GetParam();
+  const int64_t count = 1003;  // not a multiple of anything convenient
+  RunRanks(n, [&](int rank, Communicator& comm) {
+    for (DType t : kDTypes) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+        std::vector<double> mine(count);
+        for (int64_t i = 0; i < count; ++i) mine[i] = Value(rank, i);
+        std::vector<char> buf = Encode(mine, t);
+        ASSERT_TRUE(comm.AllReduce(buf.data(), count, t, op)->Wait(kWait).ok());
+        std::vector<double> got = Decode(buf, t);
+        for (int64_t i = 0; i < count; ++i) {
+          ASSERT_EQ(got[i], Expected(n, i, op, t))
+              << DTypeName(t) << " op " << static_cast<int>(op) << " i " << i << " rank " << rank;
+        }
+      }
+    }
+  });
+}
+
+TEST_P(GlooRanks, AllGatherReduceScatterBroadcastAllToAll) {
+  const int n = GetParam();
+  const int64_t count = 37;
+  RunRanks(n, [&](int rank, Communicator& comm) {
+    for (DType t : kDTypes) {
+      std::vector<double> mine(count);
+      for (int64_t i = 0; i < count; ++i) mine[i] = Value(rank, i);
+      std::vector<char> in = Encode(mine, t);
+
+      std::vector<char> gathered(in.size() * n);
+      ASSERT_TRUE(comm.AllGather(in.data(), gathered.data(), count, t)->Wait(kWait).ok());
+      std::vector<double> g = Decode(gathered, t);
+      for (int r = 0; r < n; ++r) {
+        for (int64_t i = 0; i < count; ++i) ASSERT_EQ(g[r * count + i], Value(r, i)) << DTypeName(t);
+      }
+
+      // Reduce-scatter of n chunks: element (c, i) of rank r is Value(r, c*count + i).
+      std::vector<double> big(count * n);
+      for (int64_t j = 0; j < count * n; ++j) big[j] = Value(rank, j);
+      std::vector<char> big_in = Encode(big, t);
+      std::vector<char> chunk(in.size());
+      ASSERT_TRUE(comm.ReduceScatter(big_in.data(), chunk.data(), count, t, ReduceOp::kSum)->Wait(kWait).ok());
+      std::vector<double> rs = Decode(chunk, t);
+      for (int64_t i = 0; i < count; ++i) {
+        ASSERT_EQ(rs[i], Expected(n, rank * count + i, ReduceOp::kSum, t)) << DTypeName(t);
+      }
+
+      const int root = n - 1;
+      std::vector<char> b = in;
+      ASSERT_TRUE(comm.Broadcast(b.data(), count, t, root)->Wait(kWait).ok());
+      std::vector<double> bd = Decode(b, t);
+      for (int64_t i = 0; i < count; ++i) ASSERT_EQ(bd[i], Value(root, i));
+
+      // All-to-all: rank r sends chunk d (elements Value(r, d*count + i)) to rank d.
+      std::vector<char> a2a(big_in.size());
+      ASSERT_TRUE(comm.AllToAll(big_in.data(), a2a.data(), count, t)->Wait(kWait).ok());
+      std::vector<double> at = Decode(a2a, t);
+      for (int src = 0; src < n; ++src) {
+        for (int64_t i = 0; i < count; ++i) ASSERT_EQ(at[src * count + i], Value(src, rank * count + i));
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GlooRanks, ::testing::Values(2, 3, 4));
+
+TEST(Gloo, SendRecvRing) {
+  const int n = 3;
+  RunRanks(n, [&](int rank, Communicator& comm) {
+    std::vector<int64_t> out(100), in(100);
+    for (int i = 0; i < 100; ++i) out[i] = rank * 1000 + i;
+    const int next = (rank + 1) % n, prev = (rank + n - 1) % n;
+    // Even ranks send first, odd ranks receive first, so no pair waits on itself.
+    std::shared_ptr<Work> a, b;
+    if (rank % 2 == 0) {
+      ASSERT_TRUE(comm.Send(out.data(), 100, DType::kI64, next, 7)->Wait(kWait).ok());
+      ASSERT_TRUE(comm.Recv(in.data(), 100, DType::kI64, prev, 7)->Wait(kWait).ok());
+    } else {
+      ASSERT_TRUE(comm.Recv(in.data(), 100, DType::kI64, prev, 7)->Wait(kWait).ok());
+      ASSERT_TRUE(comm.Send(out.data(), 100, DType::kI64, next, 7)->Wait(kWait).ok());
+    }
+    for (int i = 0; i < 100; ++i) ASSERT_EQ(in[i], prev * 1000 + i);
+  });
+}
+
+TEST(Gloo, AMissingRankFailsRendezvousWithDeadlineExceeded) {
+  auto shared = std::make_shared<RendezvousStore>();
+  const absl::Duration timeout = absl::Milliseconds(500);
+  std::vector<absl::Status> st(2);
+  std::vector<absl::Duration> took(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {  // rank 2 of 3 never joins
+    threads.emplace_back([&, r] {
+      InMemoryStore store(shared, "test");
+      GlooCommunicator::Options o;
+      o.timeout = timeout;
+      const absl::Time start = absl::Now();
+      st[r] = GlooCommunicator::Create(store, r, 3, o).status();
+      took[r] = absl::Now() - start;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(st[r].code(), absl::StatusCode::kDeadlineExceeded) << st[r];
+    EXPECT_NE(st[r].message().find("gloo/2"), absl::string_view::npos) << st[r];
+    EXPECT_LT(took[r], timeout + absl::Seconds(1));
+  }
+}
+
+TEST(Gloo, ACollectiveAPeerNeverJoinsTimesOutAndPoisonsTheCommunicator) {
+  auto shared = std::make_shared<RendezvousStore>();
+  const absl::Duration timeout = absl::Milliseconds(500);
+  std::vector<std::unique_ptr<GlooCommunicator>> comms(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      InMemoryStore store(shared, "test");
+      GlooCommunicator::Options o;
+      o.timeout = timeout;
+      auto c = GlooCommunicator::Create(store, r, 2, o);
+      ASSERT_TRUE(c.ok()) << c.status();
+      comms[r] = std::move(*c);
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::vector<float> x(16, 1.0f);
+  const absl::Time start = absl::Now();
+  absl::Status s = comms[0]->AllReduce(x.data(), 16, DType::kF32, ReduceOp::kSum)->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_LT(absl::Now() - start, timeout + absl::Seconds(1));
+  EXPECT_EQ(comms[0]->AsyncError().code(), absl::StatusCode::kDeadlineExceeded);
+  absl::Status later = comms[0]->Barrier()->Wait(kWait);
+  EXPECT_EQ(later.code(), absl::StatusCode::kAborted) << later;
+}
+
+TEST(Gloo, AbortFailsQueuedWorkAndBadArgumentsFailAtOnce) {
+  RunRanks(2, [&](int rank, Communicator& comm) {
+    std::vector<float> x(4, 1.0f);
+    EXPECT_EQ(comm.Broadcast(x.data(), 4, DType::kF32, 5)->Wait(kWait).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(comm.Send(x.data(), 4, DType::kF32, rank, 1)->Wait(kWait).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(comm.backend(), "gloo");
+  });
+  auto shared = std::make_shared<RendezvousStore>();
+  InMemoryStore store(shared, "solo");
+  auto solo = GlooCommunicator::Create(store, 0, 1, GlooCommunicator::Options());
+  ASSERT_TRUE(solo.ok()) << solo.status();
+  std::vector<float> x(4, 2.0f);
+  ASSERT_TRUE((*solo)->AllReduce(x.data(), 4, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());
+  EXPECT_EQ(x[0], 2.0f);  // one rank: the sum is itself
+  (*solo)->Abort(absl::CancelledError("job cancelled"));
+  absl::Status s = (*solo)->AllReduce(x.data(), 4, DType::kF32, ReduceOp::kSum)->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted);
+  EXPECT_NE(s.message().find("job cancelled"), absl::string_view::npos) << s;
+  EXPECT_EQ(GlooCommunicator::Create(store, 1, 1, GlooCommunicator::Options()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace colod
