@@ -7,6 +7,7 @@
 
 #include "client/coordinator_client.h"
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/prometheus_text.h"
 
@@ -15,16 +16,11 @@ namespace {
 
 using ::colod::testing::ServingStatus;
 
-std::string TempDir(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  return std::string(base ? base : "/tmp") + "/" + name;
-}
-
 class CoordinatorTest : public ::testing::Test {
  protected:
   void SetUp() override {
     Coordinator::Options o;
-    o.data_dir = TempDir("coord");
+    o.data_dir = testing::TempPath("coord");
     o.heartbeat_interval = absl::Milliseconds(100);
     o.lease_duration = absl::Seconds(30);
     auto c = Coordinator::Start(o);
@@ -234,7 +230,7 @@ TEST_F(CoordinatorTest, ServesParseableMetrics) {
 
 TEST(CoordinatorStart, RefusesASharedDataDirAndBadOptions) {
   Coordinator::Options o;
-  o.data_dir = TempDir("shared");
+  o.data_dir = testing::TempPath("shared");
   auto first = Coordinator::Start(o);
   ASSERT_TRUE(first.ok()) << first.status();
   auto second = Coordinator::Start(o);
@@ -247,11 +243,11 @@ TEST(CoordinatorStart, RefusesASharedDataDirAndBadOptions) {
   Coordinator::Options no_dir;
   EXPECT_EQ(Coordinator::Start(no_dir).status().code(), absl::StatusCode::kInvalidArgument);
   Coordinator::Options bad_listen;
-  bad_listen.data_dir = TempDir("bad_listen");
+  bad_listen.data_dir = testing::TempPath("bad_listen");
   bad_listen.listen = "127.0.0.1";
   EXPECT_EQ(Coordinator::Start(bad_listen).status().code(), absl::StatusCode::kInvalidArgument);
   Coordinator::Options bad_lease;
-  bad_lease.data_dir = TempDir("bad_lease");
+  bad_lease.data_dir = testing::TempPath("bad_lease");
   bad_lease.lease_duration = absl::Seconds(1);
   bad_lease.heartbeat_interval = absl::Seconds(2);
   EXPECT_EQ(Coordinator::Start(bad_lease).status().code(), absl::StatusCode::kInvalidArgument);

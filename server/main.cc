@@ -6,7 +6,7 @@
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/logging.h"
-#include "common/ready_file.h"
+#include "common/serve.h"
 #include "server/coordinator.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:7070",
@@ -61,18 +61,7 @@ int main(int argc, char** argv) {
     COLOD_LOG(ERROR) << "cannot start: " << coordinator.status().message();
     return 1;
   }
-  const std::string ready = absl::GetFlag(FLAGS_ready_file);
-  if (!ready.empty()) {
-    absl::Status s = colod::WriteReadyFile(
-        ready, {{"grpc", (*coordinator)->address()}, {"metrics", (*coordinator)->metrics_address()}});
-    if (!s.ok()) {
-      COLOD_LOG(ERROR) << s.message();
-      return 1;
-    }
-  }
-  int sig = colod::WaitForShutdownSignal();
-  COLOD_LOG(INFO) << "received signal " << sig;
-  (*coordinator)->Shutdown();
-  COLOD_LOG(INFO) << "coordinator stopped";
-  return 0;
+  auto& daemon = **coordinator;
+  return colod::ServeUntilSignal("coordinator", absl::GetFlag(FLAGS_ready_file), daemon.address(),
+                                 daemon.metrics_address(), [&daemon] { daemon.Shutdown(); });
 }

@@ -8,16 +8,12 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 #include "server/coordinator.h"
 #include "worker/comm/coordinator_store.h"
 
 namespace colod {
 namespace {
-
-std::string TempDir(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  return std::string(base ? base : "/tmp") + "/" + name;
-}
 
 // Makes stores that all see the same keys (one per rank).
 class StoreFactory {
@@ -38,7 +34,7 @@ class FileFactory : public StoreFactory {
  public:
   FileFactory() {
     static int n = 0;
-    dir_ = TempDir("filestore" + std::to_string(n++));
+    dir_ = testing::TempPath("filestore" + std::to_string(n++));
   }
   std::unique_ptr<Store> Make() override { return *FileStore::Open(dir_); }
 
@@ -51,7 +47,7 @@ class CoordinatorFactory : public StoreFactory {
   CoordinatorFactory() {
     static int n = 0;
     Coordinator::Options o;
-    o.data_dir = TempDir("coord" + std::to_string(n++));
+    o.data_dir = testing::TempPath("coord" + std::to_string(n++));
     coordinator_ = *Coordinator::Start(o);
   }
   std::unique_ptr<Store> Make() override {

@@ -5,7 +5,7 @@
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/logging.h"
-#include "common/ready_file.h"
+#include "common/serve.h"
 #include "worker/daemon/worker_daemon.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:7071",
@@ -63,18 +63,7 @@ int main(int argc, char** argv) {
     COLOD_LOG(ERROR) << "cannot start: " << worker.status().message();
     return 1;
   }
-  const std::string ready = absl::GetFlag(FLAGS_ready_file);
-  if (!ready.empty()) {
-    absl::Status s = colod::WriteReadyFile(
-        ready, {{"grpc", (*worker)->address()}, {"metrics", (*worker)->metrics_address()}});
-    if (!s.ok()) {
-      COLOD_LOG(ERROR) << s.message();
-      return 1;
-    }
-  }
-  int sig = colod::WaitForShutdownSignal();
-  COLOD_LOG(INFO) << "received signal " << sig;
-  (*worker)->Shutdown();
-  COLOD_LOG(INFO) << "worker stopped";
-  return 0;
+  auto& daemon = **worker;
+  return colod::ServeUntilSignal("worker", absl::GetFlag(FLAGS_ready_file), daemon.address(),
+                                 daemon.metrics_address(), [&daemon] { daemon.Shutdown(); });
 }

@@ -7,6 +7,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 #include "server/coordinator.h"
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/prometheus_text.h"
@@ -16,20 +17,25 @@ namespace {
 
 using ::colod::testing::ServingStatus;
 
-std::string TempDir(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  return std::string(base ? base : "/tmp") + "/" + name;
-}
-
 std::unique_ptr<Coordinator> StartCoordinator(const std::string& listen, const std::string& dir) {
   Coordinator::Options o;
   o.listen = listen;
-  o.data_dir = TempDir(dir);
+  o.data_dir = testing::TempPath(dir);
   o.heartbeat_interval = absl::Milliseconds(50);
   o.lease_duration = absl::Seconds(30);
   auto c = Coordinator::Start(o);
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? std::move(*c) : nullptr;
+}
+
+// A CPU worker for `coordinator` that retries registration quickly.
+WorkerDaemon::Options FastRetryOptions(const std::string& coordinator) {
+  WorkerDaemon::Options o;
+  o.coordinator = coordinator;
+  o.device = "cpu";
+  o.initial_backoff = absl::Milliseconds(20);
+  o.max_backoff = absl::Milliseconds(100);
+  return o;
 }
 
 TEST(WorkerDaemon, RegistersHeartbeatsAndBecomesServing) {
@@ -71,15 +77,9 @@ TEST(WorkerDaemon, ReRegistersWhenTheCoordinatorForgetsIt) {
   auto coordinator = StartCoordinator("127.0.0.1:0", "c2");
   ASSERT_NE(coordinator, nullptr);
   const std::string address = coordinator->address();
-  WorkerDaemon::Options o;
-  o.coordinator = address;
-  o.device = "cpu";
-  o.initial_backoff = absl::Milliseconds(20);
-  o.max_backoff = absl::Milliseconds(100);
-  auto worker = WorkerDaemon::Start(o);
+  auto worker = WorkerDaemon::Start(FastRetryOptions(address));
   ASSERT_TRUE(worker.ok());
   ASSERT_TRUE((*worker)->WaitRegistered(absl::Seconds(20)));
-  const std::string first_id = (*worker)->worker_id();
 
   // A restarted coordinator (same address, empty registry) answers the next
   // heartbeat with NOT_FOUND; the worker registers again.
@@ -105,12 +105,7 @@ TEST(WorkerDaemon, WaitsNotServingUntilACoordinatorAppears) {
   probe->Shutdown();
   probe.reset();
 
-  WorkerDaemon::Options o;
-  o.coordinator = address;
-  o.device = "cpu";
-  o.initial_backoff = absl::Milliseconds(20);
-  o.max_backoff = absl::Milliseconds(100);
-  auto worker = WorkerDaemon::Start(o);
+  auto worker = WorkerDaemon::Start(FastRetryOptions(address));
   ASSERT_TRUE(worker.ok());
   EXPECT_FALSE((*worker)->WaitRegistered(absl::Milliseconds(300)));
   EXPECT_EQ(*testing::HealthCheck((*worker)->address(), "colod.v1.WorkerService"),
