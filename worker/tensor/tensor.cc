@@ -1,0 +1,420 @@
+#include "worker/tensor/tensor.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "kernels/philox.h"
+
+namespace colod {
+namespace {
+
+std::vector<int64_t> RowMajorStrides(const Shape& shape) {
+  std::vector<int64_t> s(shape.size());
+  int64_t acc = 1;
+  for (int64_t i = static_cast<int64_t>(shape.size()) - 1; i >= 0; --i) {
+    s[i] = acc;
+    acc *= shape[i];
+  }
+  return s;
+}
+
+absl::Status ValidateShape(const Shape& shape) {
+  for (int64_t d : shape) {
+    if (d < 0) return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " has a negative dimension"));
+  }
+  return absl::OkStatus();
+}
+
+float LoadFloat(const char* p, DType t) {
+  switch (t) {
+    case DType::kF32: { float v; std::memcpy(&v, p, 4); return v; }
+    case DType::kBF16: { uint16_t v; std::memcpy(&v, p, 2); return BF16ToFloat(v); }
+    case DType::kF16: { uint16_t v; std::memcpy(&v, p, 2); return F16ToFloat(v); }
+    case DType::kI32: { int32_t v; std::memcpy(&v, p, 4); return static_cast<float>(v); }
+    case DType::kI64: { int64_t v; std::memcpy(&v, p, 8); return static_cast<float>(v); }
+  }
+  return 0;
+}
+
+void StoreFloat(char* p, DType t, float f) {
+  switch (t) {
+    case DType::kF32: std::memcpy(p, &f, 4); return;
+    case DType::kBF16: { uint16_t v = FloatToBF16(f); std::memcpy(p, &v, 2); return; }
+    case DType::kF16: { uint16_t v = FloatToF16(f); std::memcpy(p, &v, 2); return; }
+    case DType::kI32: { int32_t v = static_cast<int32_t>(f); std::memcpy(p, &v, 4); return; }
+    case DType::kI64: { int64_t v = static_cast<int64_t>(f); std::memcpy(p, &v, 8); return; }
+  }
+}
+
+int64_t LoadInt(const char* p, DType t) {
+  switch (t) {
+    case DType::kI32: { int32_t v; std::memcpy(&v, p, 4); return v; }
+    case DType::kI64: { int64_t v; std::memcpy(&v, p, 8); return v; }
+    default: return static_cast<int64_t>(LoadFloat(p, t));
+  }
+}
+
+void StoreInt(char* p, DType t, int64_t v) {
+  switch (t) {
+    case DType::kI32: { int32_t x = static_cast<int32_t>(v); std::memcpy(p, &x, 4); return; }
+    case DType::kI64: std::memcpy(p, &v, 8); return;
+    default: StoreFloat(p, t, static_cast<float>(v));
+  }
+}
+
+bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+}  // namespace
+
+int64_t NumElements(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string ShapeToString(const Shape& shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
+
+Tensor::Tensor() : Tensor(std::make_shared<std::vector<char>>(), DType::kF32, {0}, {1}, 0) {}
+
+Tensor::Tensor(std::shared_ptr<std::vector<char>> storage, DType dtype, Shape shape,
+               std::vector<int64_t> strides, int64_t offset)
+    : storage_(std::move(storage)),
+      dtype_(dtype),
+      shape_(std::move(shape)),
+      strides_(std::move(strides)),
+      offset_(offset) {}
+
+absl::StatusOr<Tensor> Tensor::Empty(const Shape& shape, DType dtype) {
+  RETURN_IF_ERROR(ValidateShape(shape));
+  auto storage = std::make_shared<std::vector<char>>(NumElements(shape) * SizeOf(dtype));
+  return Tensor(std::move(storage), dtype, shape, RowMajorStrides(shape), 0);
+}
+
+absl::StatusOr<Tensor> Tensor::Zeros(const Shape& shape, DType dtype) {
+  return Empty(shape, dtype);  // std::vector<char> value-initializes to zero bytes
+}
+
+absl::StatusOr<Tensor> Tensor::FromFloats(const Shape& shape, absl::Span<const float> values, DType dtype) {
+  ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
+  if (static_cast<int64_t>(values.size()) != t.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat(values.size(), " values do not fill shape ",
+                                                   ShapeToString(shape), " (", t.numel(), " elements)"));
+  }
+  char* p = t.storage_->data();
+  for (size_t i = 0; i < values.size(); ++i) StoreFloat(p + i * SizeOf(dtype), dtype, values[i]);
+  return t;
+}
+
+absl::StatusOr<Tensor> Tensor::FromInt64s(const Shape& shape, absl::Span<const int64_t> values, DType dtype) {
+  ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
+  if (static_cast<int64_t>(values.size()) != t.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat(values.size(), " values do not fill shape ",
+                                                   ShapeToString(shape), " (", t.numel(), " elements)"));
+  }
+  char* p = t.storage_->data();
+  for (size_t i = 0; i < values.size(); ++i) StoreInt(p + i * SizeOf(dtype), dtype, values[i]);
+  return t;
+}
+
+absl::StatusOr<Tensor> Tensor::FromBytes(const Shape& shape, DType dtype, absl::string_view bytes) {
+  ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
+  if (static_cast<int64_t>(bytes.size()) != t.nbytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(bytes.size(), " bytes given for ", DTypeName(dtype),
+                                                   ShapeToString(shape), ", which needs ", t.nbytes()));
+  }
+  if (!bytes.empty()) std::memcpy(t.storage_->data(), bytes.data(), bytes.size());
+  return t;
+}
+
+absl::StatusOr<Tensor> Tensor::RandomNormal(const Shape& shape, uint64_t seed, DType dtype) {
+  if (!IsFloat(dtype)) return absl::InvalidArgumentError("RandomNormal: dtype must be f32, bf16 or f16");
+  ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
+  char* p = t.storage_->data();
+  for (int64_t i = 0; i < t.numel(); ++i) StoreFloat(p + i * SizeOf(dtype), dtype, kernels::PhiloxNormal(seed, i));
+  return t;
+}
+
+absl::StatusOr<Tensor> Tensor::RandomUniform(const Shape& shape, uint64_t seed, DType dtype) {
+  if (!IsFloat(dtype)) return absl::InvalidArgumentError("RandomUniform: dtype must be f32, bf16 or f16");
+  ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
+  char* p = t.storage_->data();
+  for (int64_t i = 0; i < t.numel(); ++i) StoreFloat(p + i * SizeOf(dtype), dtype, kernels::PhiloxUniform(seed, i));
+  return t;
+}
+
+bool Tensor::is_contiguous() const { return strides_ == RowMajorStrides(shape_); }
+
+absl::StatusOr<int64_t> Tensor::NormalizeDim(int64_t d) const {
+  const int64_t n = dim();
+  if (d < -n || d >= n) {
+    return absl::InvalidArgumentError(absl::StrCat("dim ", d, " is out of range for a ", n,
+                                                   "-d tensor of shape ", ShapeToString(shape_)));
+  }
+  return d < 0 ? d + n : d;
+}
+
+absl::StatusOr<int64_t> Tensor::Size(int64_t d) const {
+  ASSIGN_OR_RETURN(int64_t nd, NormalizeDim(d));
+  return shape_[nd];
+}
+
+absl::StatusOr<Tensor> Tensor::Narrow(int64_t d, int64_t start, int64_t length) const {
+  ASSIGN_OR_RETURN(int64_t nd, NormalizeDim(d));
+  if (start < 0 || length < 0 || start + length > shape_[nd]) {
+    return absl::InvalidArgumentError(absl::StrCat("narrow [", start, ", ", start + length, ") of dim ", nd,
+                                                   " with size ", shape_[nd]));
+  }
+  Shape shape = shape_;
+  shape[nd] = length;
+  return Tensor(storage_, dtype_, std::move(shape), strides_, offset_ + start * strides_[nd]);
+}
+
+absl::StatusOr<Tensor> Tensor::Chunk(int64_t d, int64_t parts, int64_t index) const {
+  ASSIGN_OR_RETURN(int64_t nd, NormalizeDim(d));
+  if (parts < 1 || index < 0 || index >= parts) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk ", index, " of ", parts, " is out of range"));
+  }
+  if (shape_[nd] % parts != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("dim ", nd, " of size ", shape_[nd],
+                                                   " is not divisible into ", parts, " equal parts"));
+  }
+  const int64_t len = shape_[nd] / parts;
+  return Narrow(nd, index * len, len);
+}
+
+absl::StatusOr<Tensor> Tensor::Transpose(int64_t d0, int64_t d1) const {
+  ASSIGN_OR_RETURN(int64_t a, NormalizeDim(d0));
+  ASSIGN_OR_RETURN(int64_t b, NormalizeDim(d1));
+  Shape shape = shape_;
+  std::vector<int64_t> strides = strides_;
+  std::swap(shape[a], shape[b]);
+  std::swap(strides[a], strides[b]);
+  return Tensor(storage_, dtype_, std::move(shape), std::move(strides), offset_);
+}
+
+template <typename Fn>
+void Tensor::ForEachOffset(Fn&& fn) const {
+  const int64_t n = numel();
+  if (n == 0) return;
+  if (is_contiguous()) {
+    for (int64_t i = 0; i < n; ++i) fn(offset_ + i);
+    return;
+  }
+  std::vector<int64_t> idx(shape_.size(), 0);
+  int64_t off = offset_;
+  for (int64_t i = 0; i < n; ++i) {
+    fn(off);
+    for (int64_t d = dim() - 1; d >= 0; --d) {  // odometer
+      if (++idx[d] < shape_[d]) {
+        off += strides_[d];
+        break;
+      }
+      off -= strides_[d] * (shape_[d] - 1);
+      idx[d] = 0;
+    }
+  }
+}
+
+Tensor Tensor::Clone() const {
+  Tensor out = *Empty(shape_, dtype_);
+  const size_t es = SizeOf(dtype_);
+  if (is_contiguous()) {
+    if (nbytes() > 0) std::memcpy(out.storage_->data(), storage_->data() + offset_ * es, nbytes());
+    return out;
+  }
+  char* dst = out.storage_->data();
+  const char* src = storage_->data();
+  ForEachOffset([&](int64_t off) {
+    std::memcpy(dst, src + off * es, es);
+    dst += es;
+  });
+  return out;
+}
+
+Tensor Tensor::Contiguous() const { return is_contiguous() ? *this : Clone(); }
+
+absl::StatusOr<Tensor> Tensor::Reshape(const Shape& shape) const {
+  RETURN_IF_ERROR(ValidateShape(shape));
+  if (NumElements(shape) != numel()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot reshape ", ShapeToString(shape_), " (", numel(),
+                                                   " elements) to ", ShapeToString(shape)));
+  }
+  Tensor c = Contiguous();
+  return Tensor(c.storage_, dtype_, shape, RowMajorStrides(shape), c.offset_);
+}
+
+absl::StatusOr<Tensor> Tensor::ToDType(DType dtype) const {
+  if (dtype == dtype_) return Clone();
+  ASSIGN_OR_RETURN(Tensor out, Empty(shape_, dtype));
+  const size_t es = SizeOf(dtype_), eo = SizeOf(dtype);
+  char* dst = out.storage_->data();
+  const char* src = storage_->data();
+  const bool ints = !IsFloat(dtype_) && !IsFloat(dtype);
+  ForEachOffset([&](int64_t off) {
+    if (ints) {
+      StoreInt(dst, dtype, LoadInt(src + off * es, dtype_));
+    } else {
+      StoreFloat(dst, dtype, LoadFloat(src + off * es, dtype_));
+    }
+    dst += eo;
+  });
+  return out;
+}
+
+absl::StatusOr<Tensor> Tensor::Cat(const std::vector<Tensor>& parts, int64_t d) {
+  if (parts.empty()) return absl::InvalidArgumentError("cat: no tensors");
+  ASSIGN_OR_RETURN(int64_t nd, parts[0].NormalizeDim(d));
+  Shape shape = parts[0].shape();
+  int64_t total = 0;
+  for (const Tensor& p : parts) {
+    if (p.dtype() != parts[0].dtype() || p.dim() != parts[0].dim()) {
+      return absl::InvalidArgumentError("cat: tensors differ in dtype or rank");
+    }
+    for (int64_t i = 0; i < p.dim(); ++i) {
+      if (i != nd && p.shape()[i] != shape[i]) {
+        return absl::InvalidArgumentError(absl::StrCat("cat along dim ", nd, ": shapes ", ShapeToString(shape),
+                                                       " and ", ShapeToString(p.shape()), " differ elsewhere"));
+      }
+    }
+    total += p.shape()[nd];
+  }
+  shape[nd] = total;
+  ASSIGN_OR_RETURN(Tensor out, Empty(shape, parts[0].dtype()));
+  int64_t at = 0;
+  for (const Tensor& p : parts) {
+    ASSIGN_OR_RETURN(Tensor slot, out.Narrow(nd, at, p.shape()[nd]));
+    RETURN_IF_ERROR(slot.CopyFrom(p));
+    at += p.shape()[nd];
+  }
+  return out;
+}
+
+absl::Status Tensor::CopyFrom(const Tensor& src) {
+  if (src.shape() != shape_ || src.dtype() != dtype_) {
+    return absl::InvalidArgumentError(absl::StrCat("copy from ", DTypeName(src.dtype()), ShapeToString(src.shape()),
+                                                   " into ", DTypeName(dtype_), ShapeToString(shape_)));
+  }
+  Tensor s = src.Contiguous();
+  const size_t es = SizeOf(dtype_);
+  const char* from = s.storage_->data() + s.offset_ * es;
+  if (is_contiguous()) {
+    if (nbytes() > 0) std::memmove(storage_->data() + offset_ * es, from, nbytes());
+    return absl::OkStatus();
+  }
+  char* base = storage_->data();
+  ForEachOffset([&](int64_t off) {
+    std::memcpy(base + off * es, from, es);
+    from += es;
+  });
+  return absl::OkStatus();
+}
+
+std::vector<float> Tensor::ToFloats() const {
+  std::vector<float> out;
+  out.reserve(numel());
+  const size_t es = SizeOf(dtype_);
+  ForEachOffset([&](int64_t off) { out.push_back(LoadFloat(storage_->data() + off * es, dtype_)); });
+  return out;
+}
+
+std::vector<int64_t> Tensor::ToInt64s() const {
+  std::vector<int64_t> out;
+  out.reserve(numel());
+  const size_t es = SizeOf(dtype_);
+  ForEachOffset([&](int64_t off) { out.push_back(LoadInt(storage_->data() + off * es, dtype_)); });
+  return out;
+}
+
+std::string Tensor::ToBytes() const {
+  Tensor c = Contiguous();
+  return std::string(c.storage_->data() + c.offset_ * SizeOf(dtype_), nbytes());
+}
+
+void* Tensor::raw_data() { return storage_->data() + offset_ * SizeOf(dtype_); }
+const void* Tensor::raw_data() const { return storage_->data() + offset_ * SizeOf(dtype_); }
+
+namespace {
+
+absl::Status SameShape(const Tensor& a, const Tensor& b, absl::string_view op) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", DTypeName(a.dtype()), ShapeToString(a.shape()),
+                                                   " and ", DTypeName(b.dtype()), ShapeToString(b.shape()),
+                                                   " differ"));
+  }
+  return absl::OkStatus();
+}
+
+template <typename Op>
+absl::StatusOr<Tensor> Binary(const Tensor& a, const Tensor& b, absl::string_view name, Op op) {
+  RETURN_IF_ERROR(SameShape(a, b, name));
+  Tensor ca = a.Contiguous(), cb = b.Contiguous();
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), a.dtype()));
+  const int64_t n = a.numel();
+  switch (a.dtype()) {
+    case DType::kF32: {
+      const float* x = ca.data<float>();
+      const float* y = cb.data<float>();
+      float* z = out.data<float>();
+      for (int64_t i = 0; i < n; ++i) z[i] = op(x[i], y[i]);
+      break;
+    }
+    case DType::kI32: {
+      const int32_t* x = ca.data<int32_t>();
+      const int32_t* y = cb.data<int32_t>();
+      int32_t* z = out.data<int32_t>();
+      for (int64_t i = 0; i < n; ++i) z[i] = op(x[i], y[i]);
+      break;
+    }
+    case DType::kI64: {
+      const int64_t* x = ca.data<int64_t>();
+      const int64_t* y = cb.data<int64_t>();
+      int64_t* z = out.data<int64_t>();
+      for (int64_t i = 0; i < n; ++i) z[i] = op(x[i], y[i]);
+      break;
+    }
+    case DType::kBF16:
+    case DType::kF16: {
+      std::vector<float> x = ca.ToFloats(), y = cb.ToFloats(), z(n);
+      for (int64_t i = 0; i < n; ++i) z[i] = op(x[i], y[i]);
+      return Tensor::FromFloats(a.shape(), z, a.dtype());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> Add(const Tensor& a, const Tensor& b) {
+  return Binary(a, b, "add", [](auto x, auto y) { return x + y; });
+}
+absl::StatusOr<Tensor> Sub(const Tensor& a, const Tensor& b) {
+  return Binary(a, b, "sub", [](auto x, auto y) { return x - y; });
+}
+absl::StatusOr<Tensor> Mul(const Tensor& a, const Tensor& b) {
+  return Binary(a, b, "mul", [](auto x, auto y) { return x * y; });
+}
+
+absl::StatusOr<Tensor> Scale(const Tensor& a, float s) {
+  if (!IsFloat(a.dtype())) return absl::InvalidArgumentError("scale: float dtypes only");
+  std::vector<float> v = a.ToFloats();
+  for (float& x : v) x *= s;
+  return Tensor::FromFloats(a.shape(), v, a.dtype());
+}
+
+absl::Status AddInPlace(Tensor& a, const Tensor& b) {
+  RETURN_IF_ERROR(SameShape(a, b, "add_"));
+  if (!a.is_contiguous()) return absl::InvalidArgumentError("add_: the destination must be contiguous");
+  ASSIGN_OR_RETURN(Tensor sum, Add(a, b));
+  return a.CopyFrom(sum);
+}
+
+double SumAll(const Tensor& a) {
+  double s = 0;
+  for (float v : a.ToFloats()) s += v;
+  return s;
+}
+
+}  // namespace colod

@@ -1,0 +1,131 @@
+// Tensor: a typed, strided view of a shared byte buffer.
+//
+// A Tensor is a cheap handle: copies share the storage (like torch.Tensor).
+// Views (Narrow, Chunk, Transpose) share it too; Contiguous/Clone copy.
+// Storage lives on the CPU here; CUDA storage plugs in behind the same type.
+//
+// Thread-safety: a Tensor handle may be read from several threads; writing the
+// same storage from several threads needs outside synchronization.
+#ifndef COLOD_WORKER_TENSOR_TENSOR_H_
+#define COLOD_WORKER_TENSOR_TENSOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "worker/tensor/dtype.h"
+
+namespace colod {
+
+using Shape = std::vector<int64_t>;
+
+// Number of elements of a shape (1 for a scalar []).
+int64_t NumElements(const Shape& shape);
+std::string ShapeToString(const Shape& shape);
+
+class Tensor {
+ public:
+  // An empty f32 tensor of shape [0].
+  Tensor();
+
+  // Uninitialized / zero-filled / constant tensors. INVALID_ARGUMENT for a
+  // negative dimension.
+  static absl::StatusOr<Tensor> Empty(const Shape& shape, DType dtype);
+  static absl::StatusOr<Tensor> Zeros(const Shape& shape, DType dtype);
+  // Values converted to `dtype` (rounded for bf16/f16, truncated for ints).
+  static absl::StatusOr<Tensor> FromFloats(const Shape& shape, absl::Span<const float> values,
+                                           DType dtype = DType::kF32);
+  static absl::StatusOr<Tensor> FromInt64s(const Shape& shape, absl::Span<const int64_t> values,
+                                           DType dtype = DType::kI64);
+  // Row-major little-endian bytes, exactly NumElements(shape) * SizeOf(dtype).
+  static absl::StatusOr<Tensor> FromBytes(const Shape& shape, DType dtype, absl::string_view bytes);
+  // Seeded initialization from the Philox streams (kernels/philox.h):
+  // element i (row-major) of the global tensor is PhiloxNormal(seed, i) or
+  // PhiloxUniform(seed, i), so a tensor made from the same seed is the same on
+  // every rank and device. Float dtypes only.
+  static absl::StatusOr<Tensor> RandomNormal(const Shape& shape, uint64_t seed, DType dtype = DType::kF32);
+  static absl::StatusOr<Tensor> RandomUniform(const Shape& shape, uint64_t seed, DType dtype = DType::kF32);
+
+  DType dtype() const { return dtype_; }
+  const Shape& shape() const { return shape_; }
+  const std::vector<int64_t>& strides() const { return strides_; }  // in elements
+  int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
+  int64_t numel() const { return NumElements(shape_); }
+  int64_t nbytes() const { return numel() * static_cast<int64_t>(SizeOf(dtype_)); }
+  bool is_contiguous() const;
+  // True when both handles view the same bytes with the same layout.
+  bool SharesStorageWith(const Tensor& other) const { return storage_ == other.storage_; }
+
+  // Size of dimension d; negative d counts from the end. INVALID_ARGUMENT
+  // naming d and the rank when out of range.
+  absl::StatusOr<int64_t> Size(int64_t d) const;
+  absl::StatusOr<int64_t> NormalizeDim(int64_t d) const;
+
+  // Views (share storage).
+  // Elements [start, start+length) of dimension d.
+  absl::StatusOr<Tensor> Narrow(int64_t d, int64_t start, int64_t length) const;
+  // Part `index` of `parts` equal parts along d. INVALID_ARGUMENT, naming the
+  // dim, its size and the part count, when the size is not divisible.
+  absl::StatusOr<Tensor> Chunk(int64_t d, int64_t parts, int64_t index) const;
+  absl::StatusOr<Tensor> Transpose(int64_t d0, int64_t d1) const;
+
+  // Copies.
+  Tensor Contiguous() const;  // a handle to this tensor if already contiguous
+  Tensor Clone() const;       // always a fresh copy
+  // Same elements, new shape; the copy is made only if not contiguous.
+  absl::StatusOr<Tensor> Reshape(const Shape& shape) const;
+  absl::StatusOr<Tensor> ToDType(DType dtype) const;
+  // Concatenation along d; shapes must agree elsewhere and dtypes match.
+  static absl::StatusOr<Tensor> Cat(const std::vector<Tensor>& parts, int64_t d);
+
+  // Element values as float / int64 (row-major), any dtype. For tests and I/O.
+  std::vector<float> ToFloats() const;
+  std::vector<int64_t> ToInt64s() const;
+  // Row-major bytes of a contiguous copy.
+  std::string ToBytes() const;
+
+  // Raw access for kernels: the first element of a view. Only for the dtype
+  // and layout the caller checked.
+  void* raw_data();
+  const void* raw_data() const;
+  template <typename T>
+  T* data() { return static_cast<T*>(raw_data()); }
+  template <typename T>
+  const T* data() const { return static_cast<const T*>(raw_data()); }
+
+  // Copies `src` (same shape and dtype) into this tensor's elements, which
+  // may be a view: writing through a Narrow writes into the parent.
+  absl::Status CopyFrom(const Tensor& src);
+
+ private:
+  Tensor(std::shared_ptr<std::vector<char>> storage, DType dtype, Shape shape,
+         std::vector<int64_t> strides, int64_t offset);
+  // Calls fn(element_index_in_storage) for every element in row-major order.
+  template <typename Fn>
+  void ForEachOffset(Fn&& fn) const;
+
+  std::shared_ptr<std::vector<char>> storage_;
+  DType dtype_ = DType::kF32;
+  Shape shape_;
+  std::vector<int64_t> strides_;
+  int64_t offset_ = 0;  // in elements
+};
+
+// Elementwise ops on tensors of equal shape and dtype (computed in f32 for
+// bf16/f16), returning new contiguous tensors. INVALID_ARGUMENT naming both
+// shapes otherwise.
+absl::StatusOr<Tensor> Add(const Tensor& a, const Tensor& b);
+absl::StatusOr<Tensor> Sub(const Tensor& a, const Tensor& b);
+absl::StatusOr<Tensor> Mul(const Tensor& a, const Tensor& b);
+absl::StatusOr<Tensor> Scale(const Tensor& a, float s);
+// a += b in place (gradient accumulation); a must be contiguous.
+absl::Status AddInPlace(Tensor& a, const Tensor& b);
+// Sum of all elements, accumulated in double.
+double SumAll(const Tensor& a);
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_TENSOR_TENSOR_H_

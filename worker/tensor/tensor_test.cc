@@ -1,0 +1,122 @@
+#include "worker/tensor/tensor.h"
+
+#include <numeric>
+
+#include "gtest/gtest.h"
+#include "kernels/philox.h"
+
+namespace colod {
+namespace {
+
+Tensor Iota(const Shape& shape, DType dtype = DType::kF32) {
+  std::vector<float> v(NumElements(shape));
+  std::iota(v.begin(), v.end(), 1.0f);
+  return *Tensor::FromFloats(shape, v, dtype);
+}
+
+TEST(Tensor, LayoutOfANewTensor) {
+  Tensor t = Iota({2, 3, 4});
+  EXPECT_EQ(t.numel(), 24);
+  EXPECT_EQ(t.nbytes(), 96);
+  EXPECT_EQ(t.strides(), (std::vector<int64_t>{12, 4, 1}));
+  EXPECT_TRUE(t.is_contiguous());
+  EXPECT_EQ(*t.Size(-1), 4);
+  EXPECT_EQ(t.Size(3).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Tensor::Empty({2, -1}, DType::kF32).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Tensor::FromFloats({2, 2}, {1, 2, 3}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Tensor, NarrowIsAViewThatWritesThrough) {
+  Tensor t = Iota({4, 5});
+  Tensor col = *t.Narrow(1, 2, 2);  // columns 2..3
+  EXPECT_FALSE(col.is_contiguous());
+  EXPECT_TRUE(col.SharesStorageWith(t));
+  // Element (r, c) of t is 1 + 5r + c.
+  EXPECT_EQ(col.ToFloats(), (std::vector<float>{3, 4, 8, 9, 13, 14, 18, 19}));
+  ASSERT_TRUE(col.CopyFrom(*Tensor::FromFloats({4, 2}, {0, 0, 0, 0, 0, 0, 0, 0})).ok());
+  EXPECT_EQ(t.ToFloats()[2], 0.0f);
+  EXPECT_EQ(t.ToFloats()[1], 2.0f);
+  EXPECT_EQ(t.Narrow(1, 4, 2).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Tensor, ChunkAndCatAreInverse) {
+  Tensor t = Iota({6, 10});
+  for (int64_t d : {0, 1}) {
+    std::vector<Tensor> parts;
+    for (int i = 0; i < 2; ++i) parts.push_back(*t.Chunk(d, 2, i));
+    Tensor back = *Tensor::Cat(parts, d);
+    EXPECT_EQ(back.shape(), t.shape());
+    EXPECT_EQ(back.ToFloats(), t.ToFloats());
+  }
+  auto bad = t.Chunk(1, 3, 0);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("dim 1 of size 10"), absl::string_view::npos) << bad.status();
+  EXPECT_NE(bad.status().message().find("3 equal parts"), absl::string_view::npos);
+}
+
+TEST(Tensor, TransposeThenContiguousMatchesIndexArithmetic) {
+  Tensor t = Iota({3, 4, 5});
+  Tensor tt = t.Transpose(0, 2)->Contiguous();  // shape [5, 4, 3]
+  ASSERT_EQ(tt.shape(), (Shape{5, 4, 3}));
+  std::vector<float> v = tt.ToFloats();
+  for (int a = 0; a < 5; ++a)
+    for (int b = 0; b < 4; ++b)
+      for (int c = 0; c < 3; ++c) ASSERT_EQ(v[(a * 4 + b) * 3 + c], 1 + c * 20 + b * 5 + a);
+  Tensor r = *t.Transpose(0, 1)->Reshape({12, 5});
+  EXPECT_EQ(r.ToFloats()[5], 21.0f);  // row 1 of the transposed [4,3,5] is t[1,0,:]
+  EXPECT_EQ(t.Reshape({7}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Tensor, DTypesConvertAndRoundOnce) {
+  Tensor t = *Tensor::FromFloats({3}, {1.0f, 1.0f + 1.0f / 256, 65504.0f});
+  EXPECT_EQ(t.ToDType(DType::kBF16)->ToFloats(), (std::vector<float>{1.0f, 1.0f, 65536.0f}));
+  EXPECT_EQ(t.ToDType(DType::kF16)->ToFloats(), (std::vector<float>{1.0f, 1.00390625f, 65504.0f}));
+  Tensor ids = *Tensor::FromInt64s({2}, {int64_t{1} << 40, -7});
+  EXPECT_EQ(ids.ToInt64s(), (std::vector<int64_t>{int64_t{1} << 40, -7}));
+  EXPECT_EQ(ids.ToDType(DType::kI32)->ToInt64s()[1], -7);
+  Tensor raw = *Tensor::FromBytes({2}, DType::kI32, t.Narrow(0, 0, 2)->ToBytes());
+  EXPECT_EQ(raw.ToBytes(), t.Narrow(0, 0, 2)->ToBytes());
+  EXPECT_EQ(Tensor::FromBytes({3}, DType::kI32, "abc").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Tensor, SeededInitIsThePhiloxStreamInRowMajorOrder) {
+  Tensor g = *Tensor::RandomNormal({2, 3, 1}, 0);
+  std::vector<float> v = g.ToFloats();
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(v[i], kernels::PhiloxNormal(0, i));
+  // A shard of the global tensor is the matching slice of the same stream.
+  Tensor shard = *g.Chunk(1, 3, 2);
+  EXPECT_EQ(shard.ToFloats(), (std::vector<float>{v[2], v[5]}));
+  EXPECT_EQ(Tensor::RandomNormal({2}, 0)->ToFloats(), Tensor::RandomNormal({2}, 0)->ToFloats());
+  EXPECT_NE(Tensor::RandomNormal({2}, 0)->ToFloats(), Tensor::RandomNormal({2}, 1)->ToFloats());
+  Tensor u = *Tensor::RandomUniform({1000}, 9, DType::kBF16);
+  for (float x : u.ToFloats()) ASSERT_TRUE(x >= 0.0f && x <= 1.0f);
+  EXPECT_FALSE(Tensor::RandomNormal({2}, 0, DType::kI64).ok());
+}
+
+TEST(Tensor, ElementwiseOpsAgainstScalarLoops) {
+  Tensor a = *Tensor::RandomNormal({7, 9}, 1);
+  Tensor b = *Tensor::RandomNormal({7, 9}, 2);
+  std::vector<float> x = a.ToFloats(), y = b.ToFloats();
+  std::vector<float> sum = Add(a, b)->ToFloats(), diff = Sub(a, b)->ToFloats(), prod = Mul(a, b)->ToFloats();
+  double total = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_EQ(sum[i], x[i] + y[i]);
+    EXPECT_EQ(diff[i], x[i] - y[i]);
+    EXPECT_EQ(prod[i], x[i] * y[i]);
+    total += x[i];
+  }
+  EXPECT_DOUBLE_EQ(SumAll(a), total);
+  Tensor acc = a.Clone();
+  ASSERT_TRUE(AddInPlace(acc, b).ok());
+  EXPECT_EQ(acc.ToFloats(), sum);
+  EXPECT_EQ(a.ToFloats(), x);  // the clone did not alias
+  EXPECT_EQ(Scale(a, 2.0f)->ToFloats()[3], 2.0f * x[3]);
+  auto mismatch = Add(a, *Tensor::Zeros({9, 7}, DType::kF32));
+  EXPECT_EQ(mismatch.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(mismatch.status().message().find("[7, 9]"), absl::string_view::npos);
+  Tensor i = *Tensor::FromInt64s({3}, {1, 2, 3});
+  EXPECT_EQ(Mul(i, i)->ToInt64s(), (std::vector<int64_t>{1, 4, 9}));
+}
+
+}  // namespace
+}  // namespace colod
