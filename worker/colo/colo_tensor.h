@@ -1,0 +1,73 @@
+// ColoTensor: a global tensor whose payload is distributed over a process
+// group mesh according to a DistSpec (ColossalAI's ColoTensor; Partial as in
+// DTensor). Each rank holds its local shard; conversions between specs run
+// the collectives of DESIGN.md section 3:
+//
+//   R -> S(d)   local slice              S(d) -> R   all-gather
+//   P -> R      all-reduce               P -> S(d)   reduce-scatter
+//   R -> P      keep on local rank 0 (sum) / keep (avg, max, min)
+//   S(a) -> S(b), S -> P, P -> P'        via R (two steps)
+//
+// Forward only for now: recording conversions on the autograd tape arrives
+// with the tape.
+#ifndef COLOD_WORKER_COLO_COLO_TENSOR_H_
+#define COLOD_WORKER_COLO_COLO_TENSOR_H_
+
+#include "absl/status/statusor.h"
+#include "worker/colo/dist_spec.h"
+#include "worker/colo/process_group.h"
+#include "worker/tensor/tensor.h"
+
+namespace colod {
+
+// The compute pattern a parameter is used with (picks the layer kernels).
+enum class ComputePattern { kNone, kTP1D, kTP2D, kTP2P5D, kTP3D };
+
+// A handle; not thread-safe for concurrent mutation (SetDistSpec).
+class ColoTensor {
+ public:
+  // This rank's shard of `global` under `spec` (a local slice; no
+  // communication). INVALID_ARGUMENT for a spec that does not fit the mesh or
+  // the shape (naming the dim and the degree).
+  static absl::StatusOr<ColoTensor> FromGlobal(const Tensor& global, DistSpec spec, ProcessGroup* pg);
+  // `local` is this rank's shard under `spec`; the global shape follows.
+  static absl::StatusOr<ColoTensor> FromLocal(const Tensor& local, DistSpec spec, ProcessGroup* pg);
+
+  const Tensor& local() const { return local_; }
+  const Shape& global_shape() const { return global_shape_; }
+  const DistSpec& spec() const { return spec_; }
+  ProcessGroup* process_group() const { return pg_; }
+  ComputePattern compute_pattern() const { return compute_pattern_; }
+  void set_compute_pattern(ComputePattern p) { compute_pattern_ = p; }
+
+  // The same global tensor under `target`. Collective: every rank of the
+  // affected groups must call it.
+  absl::StatusOr<ColoTensor> Redistribute(const DistSpec& target) const;
+  absl::StatusOr<ColoTensor> ToReplicate() const { return Redistribute(DistSpec::Replicate()); }
+  // Redistribute in place.
+  absl::Status SetDistSpec(const DistSpec& target);
+
+ private:
+  ColoTensor(Tensor local, Shape global_shape, DistSpec spec, ProcessGroup* pg)
+      : local_(std::move(local)), global_shape_(std::move(global_shape)), spec_(std::move(spec)), pg_(pg) {}
+
+  Tensor local_;
+  Shape global_shape_;
+  DistSpec spec_;
+  ProcessGroup* pg_;
+  ComputePattern compute_pattern_ = ComputePattern::kNone;
+};
+
+// A ColoTensor that a module owns and an optimizer updates.
+class ColoParameter : public ColoTensor {
+ public:
+  explicit ColoParameter(ColoTensor t, std::string name = "") : ColoTensor(std::move(t)), name_(std::move(name)) {}
+  const std::string& name() const { return name_; }
+
+ private:
+  std::string name_;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_COLO_COLO_TENSOR_H_

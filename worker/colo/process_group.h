@@ -1,0 +1,68 @@
+// One rank's view of a device mesh, with a communicator per axis.
+#ifndef COLOD_WORKER_COLO_PROCESS_GROUP_H_
+#define COLOD_WORKER_COLO_PROCESS_GROUP_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "worker/colo/mesh.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/gloo/gloo_communicator.h"
+#include "worker/comm/store.h"
+
+namespace colod {
+
+// For rank `rank` of `mesh`: the communicator of its group along each axis,
+// created on first use and cached (each group's communicator exists once).
+// Every rank of a group must first use an axis at the same point of its
+// program, as collectives require anyway.
+//
+// Thread-safe.
+class ProcessGroup {
+ public:
+  // Creates the communicator of one group: `prefix` names the group uniquely
+  // in the rendezvous store; `rank` is the local rank in a group of `size`.
+  using CommFactory = std::function<absl::StatusOr<std::unique_ptr<Communicator>>(
+      const std::string& prefix, int rank, int size)>;
+
+  // INVALID_ARGUMENT for a rank outside the mesh.
+  static absl::StatusOr<std::unique_ptr<ProcessGroup>> Create(DeviceMesh mesh, int rank,
+                                                              CommFactory factory,
+                                                              absl::Duration timeout = absl::Minutes(5));
+  // Gloo communicators rendezvousing through `store` (which must outlive the group).
+  static CommFactory GlooFactory(Store* store, GlooCommunicator::Options options);
+
+  const DeviceMesh& mesh() const { return mesh_; }
+  int rank() const { return rank_; }
+  // How long a collective may take before it is DEADLINE_EXCEEDED.
+  absl::Duration timeout() const { return timeout_; }
+  absl::StatusOr<int> LocalRank(const std::string& axis) const { return mesh_.LocalRank(axis, rank_); }
+  absl::StatusOr<int> AxisSize(const std::string& axis) const { return mesh_.AxisSize(axis); }
+  // ColossalAI's names: rank % tp and rank / tp on a {dp, tp} mesh.
+  absl::StatusOr<int> tp_local_rank() const { return LocalRank("tp"); }
+  absl::StatusOr<int> dp_local_rank() const { return LocalRank("dp"); }
+
+  // The communicator of this rank's group along `axis`.
+  absl::StatusOr<Communicator*> Comm(const std::string& axis);
+
+ private:
+  ProcessGroup(DeviceMesh mesh, int rank, CommFactory factory, absl::Duration timeout)
+      : mesh_(std::move(mesh)), rank_(rank), factory_(std::move(factory)), timeout_(timeout) {}
+
+  const DeviceMesh mesh_;
+  const int rank_;
+  const CommFactory factory_;
+  const absl::Duration timeout_;
+  absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<Communicator>> comms_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_COLO_PROCESS_GROUP_H_
