@@ -347,38 +347,28 @@ absl::Status SameShape(const Tensor& a, const Tensor& b, absl::string_view op) {
   return absl::OkStatus();
 }
 
+template <typename T, typename Op>
+void BinaryLoop(const Tensor& a, const Tensor& b, Tensor& out, Op op) {
+  const T* x = a.data<T>();
+  const T* y = b.data<T>();
+  T* z = out.data<T>();
+  const int64_t n = out.numel();
+  for (int64_t i = 0; i < n; ++i) z[i] = op(x[i], y[i]);  // vectorized by the compiler
+}
+
 template <typename Op>
 absl::StatusOr<Tensor> Binary(const Tensor& a, const Tensor& b, absl::string_view name, Op op) {
   RETURN_IF_ERROR(SameShape(a, b, name));
   Tensor ca = a.Contiguous(), cb = b.Contiguous();
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), a.dtype()));
-  const int64_t n = a.numel();
   switch (a.dtype()) {
-    case DType::kF32: {
-      const float* x = ca.data<float>();
-      const float* y = cb.data<float>();
-      float* z = out.data<float>();
-      for (int64_t i = 0; i < n; ++i) z[i] = op(x[i], y[i]);
-      break;
-    }
-    case DType::kI32: {
-      const int32_t* x = ca.data<int32_t>();
-      const int32_t* y = cb.data<int32_t>();
-      int32_t* z = out.data<int32_t>();
-      for (int64_t i = 0; i < n; ++i) z[i] = op(x[i], y[i]);
-      break;
-    }
-    case DType::kI64: {
-      const int64_t* x = ca.data<int64_t>();
-      const int64_t* y = cb.data<int64_t>();
-      int64_t* z = out.data<int64_t>();
-      for (int64_t i = 0; i < n; ++i) z[i] = op(x[i], y[i]);
-      break;
-    }
+    case DType::kF32: BinaryLoop<float>(ca, cb, out, op); break;
+    case DType::kI32: BinaryLoop<int32_t>(ca, cb, out, op); break;
+    case DType::kI64: BinaryLoop<int64_t>(ca, cb, out, op); break;
     case DType::kBF16:
-    case DType::kF16: {
-      std::vector<float> x = ca.ToFloats(), y = cb.ToFloats(), z(n);
-      for (int64_t i = 0; i < n; ++i) z[i] = op(x[i], y[i]);
+    case DType::kF16: {  // computed in f32, rounded once
+      std::vector<float> x = ca.ToFloats(), y = cb.ToFloats(), z(x.size());
+      for (size_t i = 0; i < z.size(); ++i) z[i] = op(x[i], y[i]);
       return Tensor::FromFloats(a.shape(), z, a.dtype());
     }
   }
