@@ -1,0 +1,187 @@
+#include "worker/tensor/autograd.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace colod {
+
+struct AutogradNode {
+  std::string name;
+  int64_t sequence = 0;  // recording order on its thread
+  std::vector<std::shared_ptr<Variable::Impl>> inputs;
+  BackwardFn backward;
+};
+
+struct Variable::Impl {
+  Tensor value;
+  bool requires_grad = false;
+  std::optional<Tensor> grad;
+  std::shared_ptr<AutogradNode> node;  // null for leaves
+};
+
+struct AutogradAccess {
+  static const std::shared_ptr<Variable::Impl>& impl(const Variable& v) { return v.impl_; }
+  static Variable Make(std::shared_ptr<Variable::Impl> impl) {
+    Variable v;
+    v.impl_ = std::move(impl);
+    return v;
+  }
+};
+
+namespace {
+thread_local bool grad_enabled = true;
+thread_local int64_t next_sequence = 0;
+}  // namespace
+
+Variable::Variable() : Variable(Tensor(), false) {}
+Variable::Variable(Tensor value, bool requires_grad) : impl_(std::make_shared<Impl>()) {
+  impl_->value = std::move(value);
+  impl_->requires_grad = requires_grad;
+}
+const Tensor& Variable::value() const { return impl_->value; }
+bool Variable::requires_grad() const { return impl_->requires_grad; }
+bool Variable::is_leaf() const { return impl_->node == nullptr; }
+std::optional<Tensor> Variable::grad() const { return impl_->grad; }
+void Variable::ZeroGrad() { impl_->grad.reset(); }
+std::string Variable::op_name() const { return impl_->node ? impl_->node->name : ""; }
+
+NoGradScope::NoGradScope() : previous_(grad_enabled) { grad_enabled = false; }
+NoGradScope::~NoGradScope() { grad_enabled = previous_; }
+bool GradEnabled() { return grad_enabled; }
+
+Variable RecordOp(std::string name, const std::vector<Variable>& inputs, Tensor output, BackwardFn backward) {
+  Variable out(std::move(output), false);
+  const bool needs = grad_enabled && std::any_of(inputs.begin(), inputs.end(),
+                                                 [](const Variable& v) { return v.requires_grad(); });
+  if (!needs) return out;
+  auto node = std::make_shared<AutogradNode>();
+  node->name = std::move(name);
+  node->sequence = next_sequence++;
+  for (const Variable& v : inputs) node->inputs.push_back(AutogradAccess::impl(v));
+  node->backward = std::move(backward);
+  auto& impl = AutogradAccess::impl(out);
+  impl->requires_grad = true;
+  impl->node = std::move(node);
+  return out;
+}
+
+absl::Status Backward(const Variable& root) {
+  if (root.value().numel() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("Backward needs a scalar root or an explicit gradient; the root has shape ",
+                                                   ShapeToString(root.value().shape())));
+  }
+  ASSIGN_OR_RETURN(Tensor one, Tensor::FromFloats(root.value().shape(), {1.0f}, root.value().dtype()));
+  return Backward(root, one);
+}
+
+absl::Status Backward(const Variable& root, const Tensor& grad) {
+  if (grad.shape() != root.value().shape()) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient shape ", ShapeToString(grad.shape()),
+                                                   " differs from the root's ", ShapeToString(root.value().shape())));
+  }
+  if (!root.requires_grad()) return absl::FailedPreconditionError("the root does not require grad");
+  using ImplPtr = std::shared_ptr<Variable::Impl>;
+  // Collect the graph behind the root, then visit its nodes from the newest.
+  std::map<Variable::Impl*, Tensor> grads;
+  std::map<int64_t, ImplPtr, std::greater<int64_t>> pending;  // node sequence -> the Variable it produced
+  std::set<Variable::Impl*> seen;
+  std::vector<ImplPtr> stack = {AutogradAccess::impl(root)};
+  while (!stack.empty()) {
+    ImplPtr v = stack.back();
+    stack.pop_back();
+    if (!seen.insert(v.get()).second) continue;
+    if (v->node) {
+      pending[v->node->sequence] = v;
+      for (const ImplPtr& in : v->node->inputs) stack.push_back(in);
+    }
+  }
+  grads[AutogradAccess::impl(root).get()] = grad.Clone();
+  auto accumulate = [&](const ImplPtr& v, const Tensor& g) -> absl::Status {
+    auto it = grads.find(v.get());
+    if (it == grads.end()) {
+      grads.emplace(v.get(), g);
+      return absl::OkStatus();
+    }
+    ASSIGN_OR_RETURN(it->second, Add(it->second, g));
+    return absl::OkStatus();
+  };
+  for (const auto& [seq, v] : pending) {
+    auto it = grads.find(v.get());
+    if (it == grads.end()) continue;  // nothing flows into this op
+    const AutogradNode& node = *v->node;
+    auto in_grads = node.backward(it->second);
+    if (!in_grads.ok()) {
+      return absl::Status(in_grads.status().code(),
+                          absl::StrCat("backward of ", node.name, ": ", in_grads.status().message()));
+    }
+    if (in_grads->size() != node.inputs.size()) {
+      return absl::InternalError(absl::StrCat("backward of ", node.name, " returned ", in_grads->size(),
+                                              " gradients for ", node.inputs.size(), " inputs"));
+    }
+    for (size_t i = 0; i < node.inputs.size(); ++i) {
+      if (!(*in_grads)[i] || !node.inputs[i]->requires_grad) continue;
+      RETURN_IF_ERROR(accumulate(node.inputs[i], *(*in_grads)[i]));
+    }
+  }
+  for (Variable::Impl* v : seen) {
+    if (v->node || !v->requires_grad) continue;
+    auto it = grads.find(v);
+    if (it == grads.end()) continue;
+    if (v->grad) {
+      RETURN_IF_ERROR(AddInPlace(*v->grad, it->second));
+    } else {
+      v->grad = it->second.Contiguous().Clone();
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Variable> Add(const Variable& a, const Variable& b) {
+  ASSIGN_OR_RETURN(Tensor out, Add(a.value(), b.value()));
+  return RecordOp("add", {a, b}, std::move(out), [](const Tensor& g) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+    return std::vector<std::optional<Tensor>>{g, g};
+  });
+}
+
+absl::StatusOr<Variable> Sub(const Variable& a, const Variable& b) {
+  ASSIGN_OR_RETURN(Tensor out, Sub(a.value(), b.value()));
+  return RecordOp("sub", {a, b}, std::move(out), [](const Tensor& g) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+    ASSIGN_OR_RETURN(Tensor neg, Scale(g, -1.0f));
+    return std::vector<std::optional<Tensor>>{g, neg};
+  });
+}
+
+absl::StatusOr<Variable> Mul(const Variable& a, const Variable& b) {
+  ASSIGN_OR_RETURN(Tensor out, Mul(a.value(), b.value()));
+  Tensor av = a.value(), bv = b.value();
+  return RecordOp("mul", {a, b}, std::move(out), [av, bv](const Tensor& g) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+    ASSIGN_OR_RETURN(Tensor ga, Mul(g, bv));
+    ASSIGN_OR_RETURN(Tensor gb, Mul(g, av));
+    return std::vector<std::optional<Tensor>>{ga, gb};
+  });
+}
+
+absl::StatusOr<Variable> Scale(const Variable& a, float s) {
+  ASSIGN_OR_RETURN(Tensor out, Scale(a.value(), s));
+  return RecordOp("scale", {a}, std::move(out), [s](const Tensor& g) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+    ASSIGN_OR_RETURN(Tensor ga, Scale(g, s));
+    return std::vector<std::optional<Tensor>>{ga};
+  });
+}
+
+absl::StatusOr<Variable> Sum(const Variable& a) {
+  ASSIGN_OR_RETURN(Tensor out, Tensor::FromFloats({}, {static_cast<float>(SumAll(a.value()))}));
+  const Shape shape = a.value().shape();
+  const DType dtype = a.value().dtype();
+  return RecordOp("sum", {a}, std::move(out), [shape, dtype](const Tensor& g) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+    std::vector<float> ones(NumElements(shape), g.ToFloats()[0]);
+    ASSIGN_OR_RETURN(Tensor ga, Tensor::FromFloats(shape, ones, dtype));
+    return std::vector<std::optional<Tensor>>{ga};
+  });
+}
+
+}  // namespace colod

@@ -1,0 +1,88 @@
+// Reverse-mode autograd over Tensors.
+//
+// Each differentiable op records a node (its inputs and a backward function)
+// when grad mode is on and an input requires grad. Backward(root) replays the
+// recorded nodes that lead to `root` in reverse recording order (the tape),
+// so every rank running the same program calls the backward collectives of
+// communication ops in the same order, and accumulates gradients into the
+// leaves that require grad (repeated Backward calls add up, as in PyTorch).
+//
+// Thread-safety: recording order and grad mode are per thread (each rank
+// thread has its own tape); a Variable must not be used from two threads at
+// once.
+#ifndef COLOD_WORKER_TENSOR_AUTOGRAD_H_
+#define COLOD_WORKER_TENSOR_AUTOGRAD_H_
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/tensor/tensor.h"
+
+namespace colod {
+
+struct AutogradNode;
+
+class Variable {
+ public:
+  Variable();
+  explicit Variable(Tensor value, bool requires_grad = false);
+
+  const Tensor& value() const;
+  bool requires_grad() const;
+  // True for a Variable no op produced (a parameter or input).
+  bool is_leaf() const;
+  // The gradient accumulated by Backward, for leaves that require grad.
+  std::optional<Tensor> grad() const;
+  void ZeroGrad();
+  // The name of the op that produced this Variable ("" for a leaf).
+  std::string op_name() const;
+
+  struct Impl;  // opaque; defined in autograd.cc
+
+ private:
+  friend struct AutogradAccess;
+  std::shared_ptr<Impl> impl_;
+};
+
+// Returns the gradient for each input given the output's gradient; an entry
+// may be nullopt for an input that gets none.
+using BackwardFn =
+    std::function<absl::StatusOr<std::vector<std::optional<Tensor>>>(const Tensor& grad_output)>;
+
+// Wraps `output` = op(inputs) into a Variable, recording `backward` when grad
+// mode is on and some input requires grad.
+Variable RecordOp(std::string name, const std::vector<Variable>& inputs, Tensor output, BackwardFn backward);
+
+// Back-propagates from a scalar (one element) root with gradient 1.
+absl::Status Backward(const Variable& root);
+// Back-propagates `grad` (same shape as root) from any root.
+absl::Status Backward(const Variable& root, const Tensor& grad);
+
+// While alive, ops on this thread record nothing (evaluation, optimizer steps).
+class NoGradScope {
+ public:
+  NoGradScope();
+  ~NoGradScope();
+  NoGradScope(const NoGradScope&) = delete;
+  NoGradScope& operator=(const NoGradScope&) = delete;
+
+ private:
+  bool previous_;
+};
+bool GradEnabled();
+
+// Differentiable elementwise ops and the full sum.
+absl::StatusOr<Variable> Add(const Variable& a, const Variable& b);
+absl::StatusOr<Variable> Sub(const Variable& a, const Variable& b);
+absl::StatusOr<Variable> Mul(const Variable& a, const Variable& b);
+absl::StatusOr<Variable> Scale(const Variable& a, float s);
+// A one-element f32 tensor of shape [] holding the sum of all elements.
+absl::StatusOr<Variable> Sum(const Variable& a);
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_TENSOR_AUTOGRAD_H_

@@ -1,0 +1,84 @@
+#include "worker/tensor/autograd.h"
+
+#include "gtest/gtest.h"
+
+namespace colod {
+namespace {
+
+Variable Leaf(const Shape& shape, uint64_t seed) { return Variable(*Tensor::RandomNormal(shape, seed), true); }
+
+TEST(Autograd, GradientsMatchTheClosedForm) {
+  // f = sum(3 * (x*y + x) - y): df/dx = 3(y + 1), df/dy = 3x - 1.
+  Variable x = Leaf({4, 5}, 1), y = Leaf({4, 5}, 2);
+  Variable xy = *Mul(x, y);
+  Variable f = *Sum(*Sub(*Scale(*Add(xy, x), 3.0f), y));
+  EXPECT_EQ(f.op_name(), "sum");
+  ASSERT_TRUE(Backward(f).ok());
+  std::vector<float> xv = x.value().ToFloats(), yv = y.value().ToFloats();
+  std::vector<float> gx = x.grad()->ToFloats(), gy = y.grad()->ToFloats();
+  for (size_t i = 0; i < xv.size(); ++i) {
+    // fp32: the tape computes 3y + 3, the closed form 3(y + 1).
+    EXPECT_NEAR(gx[i], 3.0f * (yv[i] + 1.0f), 1e-5f);
+    EXPECT_NEAR(gy[i], 3.0f * xv[i] - 1.0f, 1e-5f);
+  }
+  // A second backward accumulates.
+  Variable f2 = *Sum(*Mul(x, x));  // d/dx = 2x
+  ASSERT_TRUE(Backward(f2).ok());
+  for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(x.grad()->ToFloats()[i], 3.0f * (yv[i] + 1.0f) + 2.0f * xv[i], 1e-5f);
+  x.ZeroGrad();
+  EXPECT_FALSE(x.grad().has_value());
+}
+
+TEST(Autograd, AVariableUsedTwiceGetsBothContributions) {
+  Variable x = Leaf({3}, 4);
+  Variable f = *Sum(*Add(*Scale(x, 2.0f), *Scale(x, 5.0f)));
+  ASSERT_TRUE(Backward(f).ok());
+  for (float g : x.grad()->ToFloats()) EXPECT_FLOAT_EQ(g, 7.0f);
+}
+
+TEST(Autograd, NoGradScopeRecordsNothing) {
+  Variable x = Leaf({3}, 4);
+  {
+    NoGradScope no_grad;
+    EXPECT_FALSE(GradEnabled());
+    Variable y = *Scale(x, 2.0f);
+    EXPECT_FALSE(y.requires_grad());
+    EXPECT_TRUE(y.is_leaf());
+  }
+  EXPECT_TRUE(GradEnabled());
+  Variable constant(*Tensor::RandomNormal({3}, 5));  // requires no grad
+  Variable y = *Mul(x, constant);
+  EXPECT_TRUE(y.requires_grad());
+  ASSERT_TRUE(Backward(*Sum(y)).ok());
+  EXPECT_FALSE(constant.grad().has_value());
+  EXPECT_EQ(x.grad()->ToFloats(), constant.value().ToFloats());
+}
+
+TEST(Autograd, RootsMustBeScalarOrSeeded) {
+  Variable x = Leaf({2, 2}, 1);
+  Variable y = *Scale(x, 2.0f);
+  EXPECT_EQ(Backward(y).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(Backward(y, *Tensor::FromFloats({2, 2}, {1, 2, 3, 4})).ok());
+  EXPECT_EQ(x.grad()->ToFloats(), (std::vector<float>{2, 4, 6, 8}));
+  EXPECT_EQ(Backward(Variable(*Tensor::Zeros({}, DType::kF32))).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(Autograd, BackwardRunsNodesInReverseRecordingOrder) {
+  std::vector<std::string> order;
+  Variable x = Leaf({1}, 1);
+  auto op = [&](const std::string& name, const Variable& in) {
+    return RecordOp(name, {in}, in.value().Clone(), [&order, name](const Tensor& g) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+      order.push_back(name);
+      return std::vector<std::optional<Tensor>>{g};
+    });
+  };
+  Variable a = op("first", x);
+  Variable b = op("second", x);
+  Variable c = *Add(a, b);
+  Variable d = op("third", c);
+  ASSERT_TRUE(Backward(*Sum(d)).ok());
+  EXPECT_EQ(order, (std::vector<std::string>{"third", "second", "first"}));
+}
+
+}  // namespace
+}  // namespace colod
