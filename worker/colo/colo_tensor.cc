@@ -73,16 +73,11 @@ absl::StatusOr<Tensor> Gather(const Tensor& local, const Placement& from, Commun
   return out;
 }
 
-absl::StatusOr<Tensor> ConvertAxis(const Tensor& local, const Placement& from, const Placement& to,
+// One direct conversion step on an axis (no two-step cases; see Steps).
+absl::StatusOr<Tensor> ConvertStep(const Tensor& local, const Placement& from, const Placement& to,
                                    Communicator& comm, int local_rank, const ProcessGroup& pg) {
   using K = Placement::Kind;
   if (from == to) return local;
-  // Two-step conversions go through Replicate.
-  if ((from.kind == K::kShard && to.kind != K::kReplicate) ||
-      (from.kind == K::kPartial && to.kind == K::kPartial)) {
-    ASSIGN_OR_RETURN(Tensor r, ConvertAxis(local, from, Placement::Replicate(), comm, local_rank, pg));
-    return ConvertAxis(r, Placement::Replicate(), to, comm, local_rank, pg);
-  }
   if (from.kind == K::kReplicate && to.kind == K::kShard) {
     ASSIGN_OR_RETURN(Tensor block, ShardBlock(local, to, local_rank));
     return block.Contiguous();
@@ -114,12 +109,36 @@ absl::StatusOr<Tensor> ConvertAxis(const Tensor& local, const Placement& from, c
     if (to.op == ReduceOp::kSum && local_rank != 0) return Tensor::Zeros(local.shape(), local.dtype());
     return local.Clone();
   }
-  return absl::InternalError(absl::StrCat("no conversion ", from.ToString(), " -> ", to.ToString()));
+  return absl::InternalError(absl::StrCat("no direct conversion ", from.ToString(), " -> ", to.ToString()));
+}
+
+// The direct steps from `from` to `to`: S(a) -> S(b), S -> P and P -> P' go
+// through Replicate.
+std::vector<std::pair<Placement, Placement>> Steps(const Placement& from, const Placement& to) {
+  using K = Placement::Kind;
+  if (from == to) return {};
+  if ((from.kind == K::kShard && to.kind != K::kReplicate) || (from.kind == K::kPartial && to.kind == K::kPartial)) {
+    return {{from, Placement::Replicate()}, {Placement::Replicate(), to}};
+  }
+  return {{from, to}};
+}
+
+// The gradient of a step's input from the gradient of its output.
+absl::StatusOr<Tensor> BackwardStep(const Tensor& grad, const Placement& from, const Placement& to,
+                                    Communicator& comm, int local_rank, const ProcessGroup& pg) {
+  using K = Placement::Kind;
+  if (to.kind == K::kPartial) return grad;  // R -> P: identity
+  if (from.kind == K::kPartial) {
+    if (to.kind == K::kReplicate) return grad;                                   // P -> R: identity
+    return ConvertStep(grad, to, Placement::Replicate(), comm, local_rank, pg);  // P -> S: all-gather
+  }
+  return ConvertStep(grad, to, from, comm, local_rank, pg);  // R <-> S: the reverse step
 }
 
 }  // namespace
 
-absl::StatusOr<ColoTensor> ColoTensor::FromGlobal(const Tensor& global, DistSpec spec, ProcessGroup* pg) {
+absl::StatusOr<ColoTensor> ColoTensor::FromGlobal(const Tensor& global, DistSpec spec, ProcessGroup* pg,
+                                                  bool requires_grad) {
   ASSIGN_OR_RETURN(DistSpec norm, Normalize(spec, *pg, global.dim()));
   Tensor local = global;
   for (const auto& [axis, p] : norm.placements()) {
@@ -134,17 +153,21 @@ absl::StatusOr<ColoTensor> ColoTensor::FromGlobal(const Tensor& global, DistSpec
       ASSIGN_OR_RETURN(local, Tensor::Zeros(local.shape(), local.dtype()));
     }
   }
-  return ColoTensor(local.Contiguous(), global.shape(), std::move(norm), pg);
+  return ColoTensor(Variable(local.Clone(), requires_grad), global.shape(), std::move(norm), pg);
 }
 
 absl::StatusOr<ColoTensor> ColoTensor::FromLocal(const Tensor& local, DistSpec spec, ProcessGroup* pg) {
-  ASSIGN_OR_RETURN(DistSpec norm, Normalize(spec, *pg, local.dim()));
-  Shape global = local.shape();
+  return FromLocal(Variable(local.Contiguous()), std::move(spec), pg);
+}
+
+absl::StatusOr<ColoTensor> ColoTensor::FromLocal(const Variable& local, DistSpec spec, ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(DistSpec norm, Normalize(spec, *pg, local.value().dim()));
+  Shape global = local.value().shape();
   for (const auto& [axis, p] : norm.placements()) {
     if (p.kind != Placement::Kind::kShard) continue;
     for (size_t i = 0; i < p.dims.size(); ++i) global[p.dims[i]] *= p.num_partitions[i];
   }
-  return ColoTensor(local.Contiguous(), std::move(global), std::move(norm), pg);
+  return ColoTensor(local, std::move(global), std::move(norm), pg);
 }
 
 absl::StatusOr<ColoTensor> ColoTensor::Redistribute(const DistSpec& target) const {
@@ -171,13 +194,22 @@ absl::StatusOr<ColoTensor> ColoTensor::Redistribute(const DistSpec& target) cons
     auto rank_of = [&](const std::string& x) { return to.Get(x).kind == Placement::Kind::kShard ? 1 : 0; };
     return rank_of(a) < rank_of(b);
   });
-  Tensor local = local_;
+  Variable local = local_;
   for (const std::string& axis : axes) {
     const Placement from = spec_.Get(axis), dest = to.Get(axis);
     if (from == dest) continue;
     ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm(axis));
     ASSIGN_OR_RETURN(int k, pg_->LocalRank(axis));
-    ASSIGN_OR_RETURN(local, ConvertAxis(local, from, dest, *comm, k, *pg_));
+    for (const auto& [a, b] : Steps(from, dest)) {
+      ASSIGN_OR_RETURN(Tensor next, ConvertStep(local.value(), a, b, *comm, k, *pg_));
+      ProcessGroup* pg = pg_;
+      local = RecordOp(absl::StrCat("redistribute ", axis, " ", a.ToString(), "->", b.ToString()), {local},
+                       std::move(next),
+                       [a = a, b = b, comm, k, pg](const Tensor& g) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+                         ASSIGN_OR_RETURN(Tensor gi, BackwardStep(g, a, b, *comm, k, *pg));
+                         return std::vector<std::optional<Tensor>>{gi};
+                       });
+    }
   }
   ColoTensor out(std::move(local), global_shape_, std::move(to), pg_);
   out.compute_pattern_ = compute_pattern_;

@@ -8,14 +8,17 @@
 //   R -> P      keep on local rank 0 (sum) / keep (avg, max, min)
 //   S(a) -> S(b), S -> P, P -> P'        via R (two steps)
 //
-// Forward only for now: recording conversions on the autograd tape arrives
-// with the tape.
+// Every conversion step is an autograd op when the local Variable requires
+// grad; its backward runs the reverse collective (DESIGN.md's table):
+// R -> S backward all-gather, S -> R backward slice, P -> R backward identity,
+// P -> S backward all-gather, R -> P backward identity.
 #ifndef COLOD_WORKER_COLO_COLO_TENSOR_H_
 #define COLOD_WORKER_COLO_COLO_TENSOR_H_
 
 #include "absl/status/statusor.h"
 #include "worker/colo/dist_spec.h"
 #include "worker/colo/process_group.h"
+#include "worker/tensor/autograd.h"
 #include "worker/tensor/tensor.h"
 
 namespace colod {
@@ -29,11 +32,16 @@ class ColoTensor {
   // This rank's shard of `global` under `spec` (a local slice; no
   // communication). INVALID_ARGUMENT for a spec that does not fit the mesh or
   // the shape (naming the dim and the degree).
-  static absl::StatusOr<ColoTensor> FromGlobal(const Tensor& global, DistSpec spec, ProcessGroup* pg);
+  // The shard is a new leaf (it requires grad if `requires_grad`).
+  static absl::StatusOr<ColoTensor> FromGlobal(const Tensor& global, DistSpec spec, ProcessGroup* pg,
+                                               bool requires_grad = false);
   // `local` is this rank's shard under `spec`; the global shape follows.
   static absl::StatusOr<ColoTensor> FromLocal(const Tensor& local, DistSpec spec, ProcessGroup* pg);
+  // As above, keeping `local`'s place in the autograd graph.
+  static absl::StatusOr<ColoTensor> FromLocal(const Variable& local, DistSpec spec, ProcessGroup* pg);
 
-  const Tensor& local() const { return local_; }
+  const Tensor& local() const { return local_.value(); }
+  const Variable& variable() const { return local_; }
   const Shape& global_shape() const { return global_shape_; }
   const DistSpec& spec() const { return spec_; }
   ProcessGroup* process_group() const { return pg_; }
@@ -48,10 +56,10 @@ class ColoTensor {
   absl::Status SetDistSpec(const DistSpec& target);
 
  private:
-  ColoTensor(Tensor local, Shape global_shape, DistSpec spec, ProcessGroup* pg)
+  ColoTensor(Variable local, Shape global_shape, DistSpec spec, ProcessGroup* pg)
       : local_(std::move(local)), global_shape_(std::move(global_shape)), spec_(std::move(spec)), pg_(pg) {}
 
-  Tensor local_;
+  Variable local_;
   Shape global_shape_;
   DistSpec spec_;
   ProcessGroup* pg_;

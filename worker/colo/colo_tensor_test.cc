@@ -108,6 +108,59 @@ TEST_P(ColoConversions, EveryConversionMatchesTheGlobalTensor) {
   });
 }
 
+// loss = sum(out ⊙ w) on every rank; the gradient of the summed loss with
+// respect to the unsharded input is known in closed form (W or a slice of it).
+Tensor LossGrad(const ColoTensor& out, const Tensor& w, const Variable& input) {
+  Variable loss = *Sum(*Mul(out.variable(), Variable(w)));
+  absl::Status s = Backward(loss);
+  EXPECT_TRUE(s.ok()) << s;
+  return input.grad().value_or(Tensor());
+}
+
+TEST_P(ColoConversions, BackwardRunsTheReverseCollective) {
+  const int n = GetParam();
+  const Shape shape = {12, 12, 5};
+  RunMesh(TpMesh(n), [&](int rank, ProcessGroup& pg) {
+    const Tensor x = *Tensor::RandomNormal(shape, 1);
+    const Tensor w = *Tensor::RandomNormal(shape, 2);  // the same on every rank
+    const int k = *pg.tp_local_rank();
+    const Tensor w0 = *w.Chunk(0, n, k), w1 = *w.Chunk(1, n, k);
+
+    // S(0) -> R (all-gather); backward slices: the shard's gradient is W's slice.
+    Variable xs(x.Chunk(0, n, k)->Clone(), true);
+    auto r = ColoTensor::FromLocal(xs, Tp(Placement::Shard({0}, {n})), &pg)->ToReplicate();
+    ASSERT_TRUE(r.ok()) << r.status();
+    ExpectSame(LossGrad(*r, w, xs), w0, "S -> R backward");
+
+    // R -> S(1) (slice); backward all-gathers: the replicated input's gradient is W.
+    Variable xr(x.Clone(), true);
+    auto s1 = ColoTensor::FromLocal(xr, DistSpec(), &pg)->Redistribute(Tp(Placement::Shard({1}, {n})));
+    ASSERT_TRUE(s1.ok());
+    ExpectSame(LossGrad(*s1, w1, xr), w, "R -> S backward");
+
+    // S(0) -> S(1), through R: two recorded steps, reversed in backward.
+    Variable xs2(x.Chunk(0, n, k)->Clone(), true);
+    auto moved = ColoTensor::FromLocal(xs2, Tp(Placement::Shard({0}, {n})), &pg)
+                     ->Redistribute(Tp(Placement::Shard({1}, {n})));
+    ASSERT_TRUE(moved.ok());
+    EXPECT_EQ(moved->variable().op_name(), "redistribute tp R->S(1|" + std::to_string(n) + ")");
+    ExpectSame(LossGrad(*moved, w1, xs2), w0, "S(0) -> S(1) backward");
+
+    // P -> S(1) (reduce-scatter); backward all-gathers: each operand's gradient is W.
+    Variable xp(*Scale(x, static_cast<float>(k + 1)), true);
+    auto ps = ColoTensor::FromLocal(xp, Tp(Placement::Partial()), &pg)->Redistribute(Tp(Placement::Shard({1}, {n})));
+    ASSERT_TRUE(ps.ok());
+    ExpectSame(LossGrad(*ps, w1, xp), w, "P -> S backward");
+
+    // P -> R (all-reduce); backward is the identity.
+    Variable xp2(*Scale(x, static_cast<float>(k + 1)), true);
+    auto pr = ColoTensor::FromLocal(xp2, Tp(Placement::Partial()), &pg)->ToReplicate();
+    ASSERT_TRUE(pr.ok());
+    ExpectSame(LossGrad(*pr, w, xp2), w, "P -> R backward");
+    (void)rank;
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, ColoConversions, ::testing::Values(2, 3, 4));
 
 TEST(ColoTensor, TwoDimShardGivesRowMajorBlocks) {
