@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/proto_time.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace colod {
@@ -17,8 +18,7 @@ std::string EnumSuffix(const std::string& name, const std::string& prefix) {
 
 std::string Age(const google::protobuf::Timestamp& ts, absl::Time now) {
   if (ts.seconds() == 0 && ts.nanos() == 0) return "-";
-  absl::Time t = absl::FromUnixSeconds(ts.seconds()) + absl::Nanoseconds(ts.nanos());
-  absl::Duration d = now - t;
+  absl::Duration d = now - FromProtoTimestamp(ts);
   if (d < absl::ZeroDuration()) d = absl::ZeroDuration();
   return absl::StrFormat("%.1fs ago", absl::ToDoubleSeconds(d));
 }

@@ -4,21 +4,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
+#include "common/proto_time.h"
 #include "common/status_macros.h"
-#include "google/protobuf/util/time_util.h"
 
 namespace colod {
 namespace {
-
-using google::protobuf::util::TimeUtil;
-
-absl::Duration FromProto(const google::protobuf::Duration& d) {
-  return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
-}
-
-google::protobuf::Duration ToProto(absl::Duration d) {
-  return TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(d));
-}
 
 absl::Status RequireId(absl::string_view field, absl::string_view value) {
   if (value.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));
@@ -63,8 +53,8 @@ grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext*,
     if (!req->has_worker()) return absl::InvalidArgumentError("worker: required");
     ASSIGN_OR_RETURN(WorkerRegistry::Registration reg, workers_->Register(req->worker()));
     resp->set_worker_id(reg.worker_id);
-    *resp->mutable_heartbeat_interval() = ToProto(reg.heartbeat_interval);
-    *resp->mutable_lease_duration() = ToProto(reg.lease_duration);
+    *resp->mutable_heartbeat_interval() = ToProtoDuration(reg.heartbeat_interval);
+    *resp->mutable_lease_duration() = ToProtoDuration(reg.lease_duration);
     return absl::OkStatus();
   });
 }
@@ -74,7 +64,7 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext*, const v1::H
   return Instrument("Heartbeat", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
     ASSIGN_OR_RETURN(absl::Time expiry, workers_->Heartbeat(req->worker_id(), req->status()));
-    *resp->mutable_lease_expire_time() = TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(expiry));
+    *resp->mutable_lease_expire_time() = ToProtoTimestamp(expiry);
     return absl::OkStatus();
   });
 }
@@ -179,7 +169,7 @@ grpc::Status CoordinatorServiceImpl::KvWait(grpc::ServerContext*, const v1::KvWa
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
     ASSIGN_OR_RETURN(std::vector<std::string> values,
-                     store_->Wait(req->scope(), keys, FromProto(req->timeout())));
+                     store_->Wait(req->scope(), keys, FromProtoDuration(req->timeout())));
     for (std::string& v : values) resp->add_values(std::move(v));
     return absl::OkStatus();
   });
@@ -190,7 +180,7 @@ grpc::Status CoordinatorServiceImpl::Barrier(grpc::ServerContext*, const v1::Bar
   return Instrument("Barrier", [&]() -> absl::Status {
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
     return store_->Barrier(req->scope(), req->name(), req->rank(), req->world_size(),
-                           FromProto(req->timeout()));
+                           FromProtoDuration(req->timeout()));
   });
 }
 

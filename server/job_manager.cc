@@ -5,18 +5,11 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/proto_time.h"
 #include "common/status_macros.h"
-#include "google/protobuf/util/time_util.h"
 #include "server/job_validation.h"
 
 namespace colod {
-namespace {
-
-google::protobuf::Timestamp ToTimestamp(absl::Time t) {
-  return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(t));
-}
-
-}  // namespace
 
 std::string JobStateName(v1::JobState state) {
   std::string name = v1::JobState_Name(state);
@@ -36,11 +29,11 @@ void JobManager::AppendStateChangeLocked(Entry& e, v1::JobState state, absl::str
   const absl::Time now = clock_->Now();
   e.job.set_state(state);
   e.job.set_reason(std::string(reason));
-  *e.job.mutable_update_time() = ToTimestamp(now);
+  *e.job.mutable_update_time() = ToProtoTimestamp(now);
   v1::JobEvent ev;
   ev.set_job_id(e.job.job_id());
   ev.set_sequence(static_cast<int64_t>(e.events.size()) + 1);
-  *ev.mutable_time() = ToTimestamp(now);
+  *ev.mutable_time() = ToProtoTimestamp(now);
   ev.mutable_state_change()->set_state(state);
   ev.mutable_state_change()->set_reason(std::string(reason));
   e.events.push_back(std::move(ev));
@@ -56,7 +49,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   Entry e;
   e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
   *e.job.mutable_spec() = spec;
-  *e.job.mutable_create_time() = ToTimestamp(clock_->Now());
+  *e.job.mutable_create_time() = ToProtoTimestamp(clock_->Now());
   AppendStateChangeLocked(e, v1::JOB_STATE_PENDING, "waiting for workers");
   const std::string id = e.job.job_id();
   if (!request_id.empty()) job_by_request_id_[std::string(request_id)] = id;

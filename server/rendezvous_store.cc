@@ -15,6 +15,14 @@ absl::Status RendezvousStore::ValidateScopeKey(absl::string_view scope, absl::st
   return absl::OkStatus();
 }
 
+absl::Status RendezvousStore::ValidateTimeout(absl::Duration timeout) {
+  if (timeout <= absl::ZeroDuration() || timeout > kMaxTimeout) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout: must be in (0, ", absl::FormatDuration(kMaxTimeout), "]"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RendezvousStore::Set(absl::string_view scope, absl::string_view key, std::string value) {
   RETURN_IF_ERROR(ValidateScopeKey(scope, key));
   if (value.size() > kMaxValueBytes) {
@@ -41,10 +49,7 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
                                                                absl::Duration timeout) {
   if (keys.empty()) return absl::InvalidArgumentError("keys: at least one key is required");
   for (const std::string& k : keys) RETURN_IF_ERROR(ValidateScopeKey(scope, k));
-  if (timeout <= absl::ZeroDuration() || timeout > kMaxTimeout) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("timeout: must be in (0, ", absl::FormatDuration(kMaxTimeout), "]"));
-  }
+  RETURN_IF_ERROR(ValidateTimeout(timeout));
   const std::string s(scope);
   auto all_set = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (closed_) return true;
@@ -82,10 +87,7 @@ absl::Status RendezvousStore::Barrier(absl::string_view scope, absl::string_view
     return absl::InvalidArgumentError(
         absl::StrCat("rank: ", rank, " is outside [0, ", world_size, ")"));
   }
-  if (timeout <= absl::ZeroDuration() || timeout > kMaxTimeout) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("timeout: must be in (0, ", absl::FormatDuration(kMaxTimeout), "]"));
-  }
+  RETURN_IF_ERROR(ValidateTimeout(timeout));
   absl::MutexLock lock(&mu_);
   if (closed_) return absl::CancelledError("rendezvous store is shutting down");
   BarrierState& b = barriers_[{std::string(scope), std::string(name)}];

@@ -52,6 +52,7 @@ class RendezvousStore {
     int waiters = 0;
   };
   static absl::Status ValidateScopeKey(absl::string_view scope, absl::string_view key);
+  static absl::Status ValidateTimeout(absl::Duration timeout);
 
   absl::Mutex mu_;
   // (scope, key) -> value.

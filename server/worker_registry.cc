@@ -3,17 +3,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/net.h"
+#include "common/proto_time.h"
 #include "common/status_macros.h"
-#include "google/protobuf/util/time_util.h"
 
 namespace colod {
-namespace {
-
-google::protobuf::Timestamp ToTimestamp(absl::Time t) {
-  return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(t));
-}
-
-}  // namespace
 
 WorkerRegistry::WorkerRegistry(Options options) : options_(options) {}
 
@@ -137,8 +130,8 @@ v1::Worker WorkerRegistry::ToProto(const Entry& e) const {
   *w.mutable_status() = e.status;
   w.set_state(e.lost ? v1::WORKER_STATE_LOST : e.status.state());
   if (e.lost) w.mutable_status()->set_state(v1::WORKER_STATE_LOST);
-  *w.mutable_register_time() = ToTimestamp(e.register_time);
-  *w.mutable_last_heartbeat_time() = ToTimestamp(e.last_heartbeat);
+  *w.mutable_register_time() = ToProtoTimestamp(e.register_time);
+  *w.mutable_last_heartbeat_time() = ToProtoTimestamp(e.last_heartbeat);
   return w;
 }
 

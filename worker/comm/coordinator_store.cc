@@ -2,8 +2,8 @@
 
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
+#include "common/proto_time.h"
 #include "common/status_macros.h"
-#include "google/protobuf/util/time_util.h"
 
 namespace colod {
 
@@ -40,8 +40,7 @@ absl::StatusOr<std::vector<std::string>> CoordinatorStore::Wait(const std::vecto
   v1::KvWaitRequest req;
   req.set_scope(scope_);
   for (const std::string& k : keys) req.add_keys(k);
-  *req.mutable_timeout() =
-      google::protobuf::util::TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(timeout));
+  *req.mutable_timeout() = ToProtoDuration(timeout);
   v1::KvWaitResponse resp;
   RETURN_IF_ERROR(FromGrpcStatus(stub_->KvWait(&ctx, req, &resp)));
   return std::vector<std::string>(resp.values().begin(), resp.values().end());

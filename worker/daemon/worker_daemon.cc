@@ -6,6 +6,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/net.h"
+#include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "common/version.h"
 #include "grpcpp/create_channel.h"
@@ -16,10 +17,6 @@ namespace colod {
 namespace {
 
 constexpr char kServiceName[] = "colod.v1.WorkerService";
-
-absl::Duration FromProto(const google::protobuf::Duration& d) {
-  return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
-}
 
 bool IsWildcard(const std::string& host) {
   return host == "0.0.0.0" || host == "::" || host == "*";
@@ -148,7 +145,7 @@ absl::Status WorkerDaemon::RegisterOnce() {
   RETURN_IF_ERROR(FromGrpcStatus(coordinator_->RegisterWorker(&ctx, req, &resp)));
   absl::MutexLock lock(&mu_);
   worker_id_ = resp.worker_id();
-  heartbeat_interval_ = std::max(FromProto(resp.heartbeat_interval()), absl::Milliseconds(10));
+  heartbeat_interval_ = std::max(FromProtoDuration(resp.heartbeat_interval()), absl::Milliseconds(10));
   return absl::OkStatus();
 }
 

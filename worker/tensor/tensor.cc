@@ -65,6 +65,14 @@ void StoreInt(char* p, DType t, int64_t v) {
   }
 }
 
+absl::Status CheckFills(size_t n, const Tensor& t) {
+  if (static_cast<int64_t>(n) != t.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat(n, " values do not fill shape ", ShapeToString(t.shape()),
+                                                   " (", t.numel(), " elements)"));
+  }
+  return absl::OkStatus();
+}
+
 bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
 
 }  // namespace
@@ -99,10 +107,7 @@ absl::StatusOr<Tensor> Tensor::Zeros(const Shape& shape, DType dtype) {
 
 absl::StatusOr<Tensor> Tensor::FromFloats(const Shape& shape, absl::Span<const float> values, DType dtype) {
   ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
-  if (static_cast<int64_t>(values.size()) != t.numel()) {
-    return absl::InvalidArgumentError(absl::StrCat(values.size(), " values do not fill shape ",
-                                                   ShapeToString(shape), " (", t.numel(), " elements)"));
-  }
+  RETURN_IF_ERROR(CheckFills(values.size(), t));
   char* p = t.storage_->data();
   for (size_t i = 0; i < values.size(); ++i) StoreFloat(p + i * SizeOf(dtype), dtype, values[i]);
   return t;
@@ -110,10 +115,7 @@ absl::StatusOr<Tensor> Tensor::FromFloats(const Shape& shape, absl::Span<const f
 
 absl::StatusOr<Tensor> Tensor::FromInt64s(const Shape& shape, absl::Span<const int64_t> values, DType dtype) {
   ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
-  if (static_cast<int64_t>(values.size()) != t.numel()) {
-    return absl::InvalidArgumentError(absl::StrCat(values.size(), " values do not fill shape ",
-                                                   ShapeToString(shape), " (", t.numel(), " elements)"));
-  }
+  RETURN_IF_ERROR(CheckFills(values.size(), t));
   char* p = t.storage_->data();
   for (size_t i = 0; i < values.size(); ++i) StoreInt(p + i * SizeOf(dtype), dtype, values[i]);
   return t;
