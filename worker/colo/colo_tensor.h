@@ -1,23 +1,22 @@
 // ColoTensor: a global tensor whose payload is distributed over a process
 // group mesh according to a DistSpec (ColossalAI's ColoTensor; Partial as in
 // DTensor). Each rank holds its local shard; conversions between specs run
-// the collectives of DESIGN.md section 3:
-//
-//   R -> S(d)   local slice              S(d) -> R   all-gather
-//   P -> R      all-reduce               P -> S(d)   reduce-scatter
-//   R -> P      keep on local rank 0 (sum) / keep (avg, max, min)
-//   S(a) -> S(b), S -> P, P -> P'        via R (two steps)
+// the collectives of DESIGN.md section 3, planned by cost in
+// worker/colo/redistribute.h (all-to-all for S(a) -> S(b), reduce-scatter
+// for P -> S, nested shards of one dim across axes).
 //
 // Every conversion step is an autograd op when the local Variable requires
 // grad; its backward runs the reverse collective (DESIGN.md's table):
 // R -> S backward all-gather, S -> R backward slice, P -> R backward identity,
-// P -> S backward all-gather, R -> P backward identity.
+// P -> S backward all-gather, R -> P backward identity, S(a) -> S(b) backward
+// all-to-all S(b) -> S(a).
 #ifndef COLOD_WORKER_COLO_COLO_TENSOR_H_
 #define COLOD_WORKER_COLO_COLO_TENSOR_H_
 
 #include "absl/status/statusor.h"
 #include "worker/colo/dist_spec.h"
 #include "worker/colo/process_group.h"
+#include "worker/colo/redistribute.h"
 #include "worker/tensor/autograd.h"
 #include "worker/tensor/tensor.h"
 
@@ -51,6 +50,8 @@ class ColoTensor {
   // The same global tensor under `target`. Collective: every rank of the
   // affected groups must call it.
   absl::StatusOr<ColoTensor> Redistribute(const DistSpec& target) const;
+  // The steps Redistribute(target) would run, with their estimated bytes.
+  absl::StatusOr<std::vector<RedistributeStep>> Plan(const DistSpec& target) const;
   absl::StatusOr<ColoTensor> ToReplicate() const { return Redistribute(DistSpec::Replicate()); }
   // Redistribute in place.
   absl::Status SetDistSpec(const DistSpec& target);

@@ -138,12 +138,13 @@ TEST_P(ColoConversions, BackwardRunsTheReverseCollective) {
     ASSERT_TRUE(s1.ok());
     ExpectSame(LossGrad(*s1, w1, xr), w, "R -> S backward");
 
-    // S(0) -> S(1), through R: two recorded steps, reversed in backward.
+    // S(0) -> S(1): one all-to-all, reversed (S(1) -> S(0)) in backward.
     Variable xs2(x.Chunk(0, n, k)->Clone(), true);
     auto moved = ColoTensor::FromLocal(xs2, Tp(Placement::Shard({0}, {n})), &pg)
                      ->Redistribute(Tp(Placement::Shard({1}, {n})));
     ASSERT_TRUE(moved.ok());
-    EXPECT_EQ(moved->variable().op_name(), "redistribute tp R->S(1|" + std::to_string(n) + ")");
+    const std::string ns = std::to_string(n);
+    EXPECT_EQ(moved->variable().op_name(), "redistribute tp S(0|" + ns + ")->S(1|" + ns + ")");
     ExpectSame(LossGrad(*moved, w1, xs2), w0, "S(0) -> S(1) backward");
 
     // P -> S(1) (reduce-scatter); backward all-gathers: each operand's gradient is W.
@@ -188,6 +189,111 @@ TEST(ColoTensor, ShardsOnTwoAxesOfATpDpMesh) {
     auto moved = t->Redistribute(DistSpec().Set("dp", Placement::Shard({0}, {2})));
     ASSERT_TRUE(moved.ok()) << moved.status();
     ExpectSame(moved->local(), *global.Chunk(0, 2, rank / 2), "dp shard of dim 0");
+  });
+}
+
+// Replaces Partial by Replicate: the gradient of a partial operand is the
+// gradient of the value.
+DistSpec GradSpec(const DistSpec& spec) {
+  DistSpec out;
+  for (const auto& [axis, p] : spec.placements()) {
+    out.Set(axis, p.kind == Placement::Kind::kPartial ? Placement::Replicate() : p);
+  }
+  return out;
+}
+
+// Every pair (a, b) of `specs`: Redistribute(a -> b) equals slicing the
+// global tensor under b (forward), and the input's gradient equals W sliced
+// under a when each rank's loss is sum(out ⊙ W sliced under b) (backward).
+void SweepAllPairs(const DeviceMesh& mesh, const Shape& shape, const std::vector<DistSpec>& specs) {
+  RunMesh(mesh, [&](int rank, ProcessGroup& pg) {
+    const Tensor x = IntTensor(shape, 5);
+    const Tensor w = IntTensor(shape, 2);
+    for (const DistSpec& a : specs) {
+      for (const DistSpec& b : specs) {
+        const std::string what = a.ToString() + " -> " + b.ToString() + " on rank " + std::to_string(rank);
+        auto src = ColoTensor::FromGlobal(x, a, &pg, /*requires_grad=*/true);
+        ASSERT_TRUE(src.ok()) << what << ": " << src.status();
+        auto got = src->Redistribute(b);
+        ASSERT_TRUE(got.ok()) << what << ": " << got.status();
+        ExpectSame(got->local(), ColoTensor::FromGlobal(x, b, &pg)->local(), what);
+        EXPECT_EQ(got->global_shape(), shape);
+        const Tensor wb = ColoTensor::FromGlobal(w, GradSpec(b), &pg)->local();
+        const Variable input = src->variable();
+        ExpectSame(LossGrad(*got, wb, input), ColoTensor::FromGlobal(w, GradSpec(a), &pg)->local(),
+                   what + " (gradient)");
+      }
+    }
+  });
+}
+
+TEST(ColoTensor, AllPairsOnADpTpMeshIncludingNestedShards) {
+  using P = Placement;
+  auto spec = [](std::initializer_list<std::pair<std::string, Placement>> l) {
+    DistSpec s;
+    for (const auto& [axis, p] : l) s.Set(axis, p);
+    return s;
+  };
+  const std::vector<DistSpec> specs = {
+      DistSpec(),
+      spec({{"tp", P::Shard({0}, {2})}}),
+      spec({{"tp", P::Shard({1}, {2})}}),
+      spec({{"dp", P::Shard({0}, {2})}}),
+      spec({{"dp", P::Shard({0}, {2})}, {"tp", P::Shard({0}, {2})}}),  // dim 0 in quarters
+      spec({{"tp", P::Shard({0}, {2})}, {"dp", P::Shard({0}, {2})}}),  // the same, listed the other way
+      spec({{"dp", P::Shard({0}, {2})}, {"tp", P::Shard({1}, {2})}}),
+      spec({{"dp", P::Shard({1}, {2})}, {"tp", P::Shard({1}, {2})}}),
+      spec({{"tp", P::Partial()}}),
+      spec({{"dp", P::Partial()}, {"tp", P::Shard({0}, {2})}}),
+      spec({{"dp", P::Shard({1}, {2})}, {"tp", P::Partial()}}),
+  };
+  SweepAllPairs(TpMesh(2, 2), {12, 20, 3}, specs);
+}
+
+TEST(ColoTensor, AllPairsOnATwoDimensionalTensorParallelMesh) {
+  // dp=2 and 2D tp (tp_col x tp_row = 2 x 2): 8 ranks, three axes.
+  v1::ShardConfig s;
+  s.set_tensor_parallel_size(4);
+  s.set_data_parallel_size(2);
+  s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+  using P = Placement;
+  auto spec = [](std::initializer_list<std::pair<std::string, Placement>> l) {
+    DistSpec d;
+    for (const auto& [axis, p] : l) d.Set(axis, p);
+    return d;
+  };
+  const std::vector<DistSpec> specs = {
+      DistSpec(),
+      spec({{"tp_col", P::Shard({0}, {2})}, {"tp_row", P::Shard({1}, {2})}}),  // SUMMA blocks
+      spec({{"tp_row", P::Shard({0}, {2})}, {"tp_col", P::Shard({1}, {2})}}),  // transposed blocks
+      spec({{"tp", P::Shard({0, 1}, {2, 2})}}),
+      spec({{"dp", P::Shard({0}, {2})}, {"tp_col", P::Shard({0}, {2})}, {"tp_row", P::Shard({0}, {2})}}),
+      spec({{"dp", P::Shard({1}, {2})}, {"tp_row", P::Partial()}}),
+  };
+  SweepAllPairs(*DeviceMesh::FromShardConfig(s), {24, 6}, specs);
+}
+
+TEST(ColoTensor, NestedShardsHoldMeshOrderedBlocks) {
+  // {dp: S(0|2), tp: S(0|2)}: dp takes the half, tp the quarter inside it,
+  // whatever order the spec lists them in; rank r holds quarter r.
+  RunMesh(TpMesh(2, 2), [](int rank, ProcessGroup& pg) {
+    const Tensor global = IntTensor({8, 3});
+    for (bool dp_first : {true, false}) {
+      DistSpec s;
+      if (dp_first) s.Set("dp", Placement::Shard({0}, {2}));
+      s.Set("tp", Placement::Shard({0}, {2}));
+      if (!dp_first) s.Set("dp", Placement::Shard({0}, {2}));
+      auto t = ColoTensor::FromGlobal(global, s, &pg);
+      ASSERT_TRUE(t.ok()) << t.status();
+      ExpectSame(t->local(), *global.Narrow(0, 2 * rank, 2), "quarter");
+    }
+    auto odd = ColoTensor::FromGlobal(IntTensor({6, 3}), DistSpec()
+                                                             .Set("dp", Placement::Shard({0}, {2}))
+                                                             .Set("tp", Placement::Shard({0}, {2})),
+                                      &pg);
+    EXPECT_EQ(odd.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(odd.status().message().find("dim 0 of size 6 is not divisible by 4"), absl::string_view::npos)
+        << odd.status();
   });
 }
 

@@ -58,6 +58,13 @@ Placement DistSpec::Get(const std::string& axis) const {
   return Placement::Replicate();
 }
 
+bool DistSpec::Has(const std::string& axis) const {
+  for (const auto& [a, p] : placements_) {
+    if (a == axis) return true;
+  }
+  return false;
+}
+
 std::string DistSpec::ToString() const {
   std::vector<std::string> parts;
   for (const auto& [a, p] : placements_) parts.push_back(absl::StrCat(a, ":", p.ToString()));

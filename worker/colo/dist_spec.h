@@ -41,6 +41,7 @@ class DistSpec {
   DistSpec& Set(const std::string& axis, Placement p);
   // The placement on `axis` (Replicate if unset).
   Placement Get(const std::string& axis) const;
+  bool Has(const std::string& axis) const;
   const std::vector<std::pair<std::string, Placement>>& placements() const { return placements_; }
   std::string ToString() const;
 

@@ -70,10 +70,12 @@ class DeviceMesh {
   // no rank assignments.
   v1::MeshSpec ToProto() const;
 
+  // Indices into axes() that `axis` names (several for a split "tp"), in
+  // increasing order; NOT_FOUND for an unknown axis.
+  absl::StatusOr<std::vector<int>> AxisIndices(absl::string_view axis) const;
+
  private:
   explicit DeviceMesh(std::vector<MeshAxis> axes);
-  // Indices into axes_ that `axis` names (several for a split "tp").
-  absl::StatusOr<std::vector<int>> AxisIndices(absl::string_view axis) const;
   absl::StatusOr<std::vector<std::vector<int>>> GroupsOver(const std::vector<int>& dims) const;
 
   std::vector<MeshAxis> axes_;
