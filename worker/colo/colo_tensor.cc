@@ -20,7 +20,7 @@ absl::StatusOr<ColoTensor> ColoTensor::FromGlobal(const Tensor& global, DistSpec
     if (p.kind == Placement::Kind::kShard) {
       ASSIGN_OR_RETURN(local, ShardBlock(local, p, k));
     } else if (p.kind == Placement::Kind::kPartial && p.op == ReduceOp::kSum && k != 0) {
-      ASSIGN_OR_RETURN(local, Tensor::Zeros(local.shape(), local.dtype()));
+      ASSIGN_OR_RETURN(local, Tensor::Zeros(local.shape(), local.dtype(), local.device()));
     }
   }
   return ColoTensor(Variable(local.Clone(), requires_grad), global.shape(), std::move(norm), pg);

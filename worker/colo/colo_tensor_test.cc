@@ -297,6 +297,54 @@ TEST(ColoTensor, NestedShardsHoldMeshOrderedBlocks) {
   });
 }
 
+TEST(ProcessGroup, InitAxesMakesEachGroupsCommunicatorOnce) {
+  // dp=2 with 2D tp (tp_col x tp_row = 2 x 2): groups are made for dp,
+  // tp_col, tp_row and the whole tp, once each, with ColossalAI's layout.
+  v1::ShardConfig s;
+  s.set_tensor_parallel_size(4);
+  s.set_data_parallel_size(2);
+  s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+  const DeviceMesh mesh = *DeviceMesh::FromShardConfig(s);
+  auto shared = std::make_shared<RendezvousStore>();
+  std::vector<std::unique_ptr<InMemoryStore>> stores(8);
+  std::vector<std::vector<ProcessGroup::GroupInfo>> made(8);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 8; ++r) {
+    stores[r] = std::make_unique<InMemoryStore>(shared, "init");
+    threads.emplace_back([&, r] {
+      GlooCommunicator::Options o;
+      o.timeout = absl::Seconds(30);
+      auto gloo = ProcessGroup::GlooFactory(stores[r].get(), o);
+      auto counting = [&, r, gloo](const ProcessGroup::GroupInfo& g) {
+        made[r].push_back(g);
+        return gloo(g);
+      };
+      auto pg = ProcessGroup::Create(mesh, r, counting);
+      ASSERT_TRUE(pg.ok());
+      ASSERT_TRUE((*pg)->InitAxes().ok());
+      Communicator* row = *(*pg)->Comm("tp_row");
+      EXPECT_EQ(*(*pg)->Comm("tp_row"), row);
+      EXPECT_EQ(row->size(), 2);
+      // Every rank shares the group's collectives.
+      float one = 1.0f;
+      ASSERT_TRUE((*(*pg)->Comm("tp"))->AllReduce(&one, 1, DType::kF32, ReduceOp::kSum)->Wait(absl::Seconds(30)).ok());
+      EXPECT_EQ(one, 4.0f);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 8; ++r) {
+    ASSERT_EQ(made[r].size(), 4u) << "rank " << r;
+    EXPECT_EQ(made[r][0].axis, "dp");
+    EXPECT_EQ(made[r][0].color, r % 4);  // dp groups {0,4}, {1,5}, ...
+    EXPECT_EQ(made[r][0].rank, r / 4);
+    EXPECT_EQ(made[r][3].axis, "tp");
+    EXPECT_EQ(made[r][3].color, r / 4);  // tp groups {0..3}, {4..7}
+    EXPECT_EQ(made[r][3].rank, r % 4);
+    EXPECT_EQ(made[r][3].size, 4);
+  }
+  EXPECT_EQ(made[5][0].prefix, "dp/1_5");
+}
+
 TEST(ColoTensor, BadSpecsAreInvalidArgumentNamingTheProblem) {
   RunMesh(TpMesh(4), [](int rank, ProcessGroup& pg) {
     const Tensor global = IntTensor({6, 8});

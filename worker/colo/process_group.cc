@@ -19,11 +19,10 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Create(DeviceMesh me
 }
 
 ProcessGroup::CommFactory ProcessGroup::GlooFactory(Store* store, GlooCommunicator::Options options) {
-  return [store, options](const std::string& prefix, int rank,
-                          int size) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+  return [store, options](const GroupInfo& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
     GlooCommunicator::Options o = options;
-    o.prefix = absl::StrCat(options.prefix, "/", prefix);
-    ASSIGN_OR_RETURN(std::unique_ptr<GlooCommunicator> c, GlooCommunicator::Create(*store, rank, size, o));
+    o.prefix = absl::StrCat(options.prefix, "/", g.prefix);
+    ASSIGN_OR_RETURN(std::unique_ptr<GlooCommunicator> c, GlooCommunicator::Create(*store, g.rank, g.size, o));
     return std::unique_ptr<Communicator>(std::move(c));
   };
 }
@@ -32,15 +31,33 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
   absl::MutexLock lock(&mu_);
   auto it = comms_.find(axis);
   if (it != comms_.end()) return it->second.get();
-  ASSIGN_OR_RETURN(std::vector<int> group, mesh_.GroupOf(axis, rank_));
-  const int local = static_cast<int>(std::find(group.begin(), group.end(), rank_) - group.begin());
-  // The member list names the group uniquely, whatever the axis is called.
-  const std::string prefix = absl::StrCat(axis, "/", absl::StrJoin(group, "_"));
-  ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c,
-                   factory_(prefix, local, static_cast<int>(group.size())));
+  ASSIGN_OR_RETURN(auto groups, mesh_.Groups(axis));
+  GroupInfo info;
+  info.axis = axis;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const std::vector<int>& group = groups[i];
+    auto at = std::find(group.begin(), group.end(), rank_);
+    if (at == group.end()) continue;
+    info.rank = static_cast<int>(at - group.begin());
+    info.size = static_cast<int>(group.size());
+    info.color = static_cast<int>(i);
+    // The member list names the group uniquely, whatever the axis is called.
+    info.prefix = absl::StrCat(axis, "/", absl::StrJoin(group, "_"));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, factory_(info));
   Communicator* raw = c.get();
   comms_.emplace(axis, std::move(c));
   return raw;
+}
+
+absl::Status ProcessGroup::InitAxes(std::vector<std::string> axes) {
+  if (axes.empty()) {
+    for (const MeshAxis& a : mesh_.axes()) axes.push_back(a.name);
+    auto tp = mesh_.AxisIndices("tp");
+    if (tp.ok() && tp->size() > 1) axes.push_back("tp");  // the whole split tp group
+  }
+  for (const std::string& axis : axes) RETURN_IF_ERROR(Comm(axis).status());
+  return absl::OkStatus();
 }
 
 }  // namespace colod

@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -21,15 +22,22 @@ namespace colod {
 // For rank `rank` of `mesh`: the communicator of its group along each axis,
 // created on first use and cached (each group's communicator exists once).
 // Every rank of a group must first use an axis at the same point of its
-// program, as collectives require anyway.
+// program, as collectives require anyway; with NCCL (worker/colo/
+// nccl_process_group.h) the first use of an axis splits the world
+// communicator and so is collective over the whole mesh: call InitAxes.
 //
 // Thread-safe.
 class ProcessGroup {
  public:
-  // Creates the communicator of one group: `prefix` names the group uniquely
-  // in the rendezvous store; `rank` is the local rank in a group of `size`.
-  using CommFactory = std::function<absl::StatusOr<std::unique_ptr<Communicator>>(
-      const std::string& prefix, int rank, int size)>;
+  // The group a communicator is made for.
+  struct GroupInfo {
+    std::string axis;
+    std::string prefix;  // names the group uniquely in a rendezvous store
+    int rank = 0;        // local rank in the group
+    int size = 1;
+    int color = 0;       // the group's index among the axis' groups
+  };
+  using CommFactory = std::function<absl::StatusOr<std::unique_ptr<Communicator>>(const GroupInfo& group)>;
 
   // INVALID_ARGUMENT for a rank outside the mesh.
   static absl::StatusOr<std::unique_ptr<ProcessGroup>> Create(DeviceMesh mesh, int rank,
@@ -50,6 +58,9 @@ class ProcessGroup {
 
   // The communicator of this rank's group along `axis`.
   absl::StatusOr<Communicator*> Comm(const std::string& axis);
+  // Creates the communicators of `axes` now, in order (all of the mesh's
+  // axes, and "tp" where it is split, when empty). Collective.
+  absl::Status InitAxes(std::vector<std::string> axes = {});
 
  private:
   ProcessGroup(DeviceMesh mesh, int rank, CommFactory factory, absl::Duration timeout)
@@ -57,7 +68,7 @@ class ProcessGroup {
 
   const DeviceMesh mesh_;
   const int rank_;
-  const CommFactory factory_;
+  const CommFactory factory_;  // destroyed after comms_ (NCCL splits before their world)
   const absl::Duration timeout_;
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Communicator>> comms_ ABSL_GUARDED_BY(mu_);

@@ -66,11 +66,11 @@ absl::StatusOr<Tensor> GatherShards(const Tensor& local, const Placement& from, 
                                     absl::Duration timeout) {
   const int n = comm.size();
   Tensor in = local.Contiguous();
-  ASSIGN_OR_RETURN(Tensor flat, Tensor::Empty({n * in.numel()}, in.dtype()));
+  ASSIGN_OR_RETURN(Tensor flat, Tensor::Empty({n * in.numel()}, in.dtype(), in.device()));
   RETURN_IF_ERROR(WaitFor(comm.AllGather(in.raw_data(), flat.raw_data(), in.numel(), in.dtype()), timeout));
   Shape full = in.shape();
   for (size_t i = 0; i < from.dims.size(); ++i) full[from.dims[i]] *= from.num_partitions[i];
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(full, in.dtype()));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(full, in.dtype(), in.device()));
   for (int j = 0; j < n; ++j) {
     ASSIGN_OR_RETURN(Tensor piece, flat.Narrow(0, j * in.numel(), in.numel()));
     ASSIGN_OR_RETURN(piece, piece.Reshape(in.shape()));
@@ -93,14 +93,14 @@ absl::StatusOr<Tensor> AllToAllShards(const Tensor& local, const Placement& from
     pieces.push_back(std::move(piece));
   }
   ASSIGN_OR_RETURN(Tensor send, Tensor::Cat(pieces, 0));
-  ASSIGN_OR_RETURN(Tensor recv, Tensor::Empty(send.shape(), send.dtype()));
+  ASSIGN_OR_RETURN(Tensor recv, Tensor::Empty(send.shape(), send.dtype(), send.device()));
   const int64_t count = send.numel() / n;
   RETURN_IF_ERROR(WaitFor(comm.AllToAll(send.raw_data(), recv.raw_data(), count, send.dtype()), timeout));
   ASSIGN_OR_RETURN(Tensor first, local.Chunk(b, n, 0));
   const Shape piece_shape = first.shape();
   Shape out_shape = piece_shape;
   out_shape[a] *= n;
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_shape, local.dtype()));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_shape, local.dtype(), local.device()));
   for (int k = 0; k < n; ++k) {
     ASSIGN_OR_RETURN(Tensor piece, recv.Narrow(0, k * count, count));
     ASSIGN_OR_RETURN(piece, piece.Reshape(piece_shape));
@@ -110,9 +110,19 @@ absl::StatusOr<Tensor> AllToAllShards(const Tensor& local, const Placement& from
   return out;
 }
 
+// Gloo moves host buffers and NCCL device buffers.
+absl::Status CheckBackend(const Tensor& t, const Communicator& comm) {
+  const bool wants_cuda = comm.backend() == "nccl";
+  if (t.device().is_cuda() == wants_cuda) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("a ", t.device().ToString(), " tensor cannot move over a ",
+                                                    comm.backend(), " communicator; use ",
+                                                    wants_cuda ? "a gloo" : "an nccl", " process group"));
+}
+
 absl::StatusOr<Tensor> Convert(const Tensor& local, const Placement& from, const Placement& to,
                                Communicator& comm, int local_rank, absl::Duration timeout) {
   if (from == to) return local;
+  RETURN_IF_ERROR(CheckBackend(local, comm));
   if (from.kind == K::kReplicate && to.kind == K::kShard) {
     ASSIGN_OR_RETURN(Tensor block, ShardBlock(local, to, local_rank));
     return block.Contiguous();
@@ -134,7 +144,7 @@ absl::StatusOr<Tensor> Convert(const Tensor& local, const Placement& from, const
     }
     ASSIGN_OR_RETURN(Tensor staged, Tensor::Cat(blocks, 0));
     ASSIGN_OR_RETURN(Tensor mine, ShardBlock(local, to, local_rank));
-    ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(mine.shape(), local.dtype()));
+    ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(mine.shape(), local.dtype(), local.device()));
     RETURN_IF_ERROR(
         WaitFor(comm.ReduceScatter(staged.raw_data(), out.raw_data(), out.numel(), out.dtype(), from.op), timeout));
     return out;
@@ -142,7 +152,7 @@ absl::StatusOr<Tensor> Convert(const Tensor& local, const Placement& from, const
   if (from.kind == K::kReplicate && to.kind == K::kPartial) {
     // A sum of the group's operands must equal the value: rank 0 keeps it.
     // Avg, max and min of identical copies are the value itself.
-    if (to.op == ReduceOp::kSum && local_rank != 0) return Tensor::Zeros(local.shape(), local.dtype());
+    if (to.op == ReduceOp::kSum && local_rank != 0) return Tensor::Zeros(local.shape(), local.dtype(), local.device());
     return local.Clone();
   }
   if (AllToAllable(from, to)) return AllToAllShards(local, from, to, comm, timeout);

@@ -75,6 +75,7 @@ absl::Status Backward(const Variable& root) {
                                                    ShapeToString(root.value().shape())));
   }
   ASSIGN_OR_RETURN(Tensor one, Tensor::FromFloats(root.value().shape(), {1.0f}, root.value().dtype()));
+  ASSIGN_OR_RETURN(one, one.To(root.value().device()));
   return Backward(root, one);
 }
 
@@ -174,12 +175,15 @@ absl::StatusOr<Variable> Scale(const Variable& a, float s) {
 }
 
 absl::StatusOr<Variable> Sum(const Variable& a) {
+  const Device device = a.value().device();
   ASSIGN_OR_RETURN(Tensor out, Tensor::FromFloats({}, {static_cast<float>(SumAll(a.value()))}));
+  ASSIGN_OR_RETURN(out, out.To(device));
   const Shape shape = a.value().shape();
   const DType dtype = a.value().dtype();
-  return RecordOp("sum", {a}, std::move(out), [shape, dtype](const Tensor& g) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+  return RecordOp("sum", {a}, std::move(out), [shape, dtype, device](const Tensor& g) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
     std::vector<float> ones(NumElements(shape), g.ToFloats()[0]);
     ASSIGN_OR_RETURN(Tensor ga, Tensor::FromFloats(shape, ones, dtype));
+    ASSIGN_OR_RETURN(ga, ga.To(device));
     return std::vector<std::optional<Tensor>>{ga};
   });
 }

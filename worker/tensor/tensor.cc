@@ -1,15 +1,68 @@
 #include "worker/tensor/tensor.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/philox.h"
 
+#ifdef COLOD_WITH_CUDA
+#include "kernels/cuda/tensor_ops.h"
+#endif
+
 namespace colod {
+
+class Storage {
+ public:
+  // Host bytes are 64-byte aligned; `zero` fills them with zero bytes.
+  static absl::StatusOr<std::shared_ptr<Storage>> Allocate(size_t nbytes, Device device, bool zero);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  char* data() const { return data_; }
+  Device device() const { return device_; }
+
+ private:
+  Storage(char* data, Device device) : data_(data), device_(device) {}
+  char* const data_;
+  const Device device_;
+};
+
 namespace {
+
+#ifdef COLOD_WITH_CUDA
+namespace cu = kernels::cuda;
+static_assert(static_cast<int>(cu::ElemType::kI64) == static_cast<int>(DType::kI64), "ElemType follows DType");
+cu::ElemType Elem(DType t) { return static_cast<cu::ElemType>(t); }
+#endif
+
+absl::Status NoCuda(Device d) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      d.ToString(), ": this binary was built without CUDA (bazel/cuda.bzl found no toolkit); "
+                    "only cpu tensors are available"));
+}
+
+// The infallible calls stop the process on a CUDA failure, as on a failed
+// host allocation.
+template <typename T>
+T OrDie(absl::StatusOr<T> v, const char* what) {
+  if (!v.ok()) {
+    COLOD_LOG(ERROR) << what << ": " << v.status();
+    std::abort();
+  }
+  return *std::move(v);
+}
+void OrDie(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    COLOD_LOG(ERROR) << what << ": " << s;
+    std::abort();
+  }
+}
 
 std::vector<int64_t> RowMajorStrides(const Shape& shape) {
   std::vector<int64_t> s(shape.size());
@@ -85,30 +138,65 @@ int64_t NumElements(const Shape& shape) {
 
 std::string ShapeToString(const Shape& shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
 
-Tensor::Tensor() : Tensor(std::make_shared<std::vector<char>>(), DType::kF32, {0}, {1}, 0) {}
+absl::StatusOr<std::shared_ptr<Storage>> Storage::Allocate(size_t nbytes, Device device, bool zero) {
+  if (device.is_cuda()) {
+#ifdef COLOD_WITH_CUDA
+    ASSIGN_OR_RETURN(void* p, cu::Malloc(device.index, nbytes));
+    std::shared_ptr<Storage> s(new Storage(static_cast<char*>(p), device));
+    if (zero) RETURN_IF_ERROR(cu::Memset0(device.index, p, nbytes));
+    return s;
+#else
+    return NoCuda(device);
+#endif
+  }
+  constexpr size_t kAlign = 64;
+  const size_t rounded = (nbytes + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
+  if (p == nullptr) return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", nbytes, " host bytes"));
+  if (zero) std::memset(p, 0, nbytes);
+  return std::shared_ptr<Storage>(new Storage(static_cast<char*>(p), device));
+}
 
-Tensor::Tensor(std::shared_ptr<std::vector<char>> storage, DType dtype, Shape shape,
-               std::vector<int64_t> strides, int64_t offset)
+Storage::~Storage() {
+  if (device_.is_cuda()) {
+#ifdef COLOD_WITH_CUDA
+    cu::Free(device_.index, data_);
+#endif
+    return;
+  }
+  std::free(data_);
+}
+
+Tensor::Tensor() : Tensor(OrDie(Storage::Allocate(0, Device::Cpu(), false), "tensor"), DType::kF32, {0}, {1}, 0) {}
+
+Tensor::Tensor(std::shared_ptr<Storage> storage, DType dtype, Shape shape, std::vector<int64_t> strides,
+               int64_t offset)
     : storage_(std::move(storage)),
       dtype_(dtype),
       shape_(std::move(shape)),
       strides_(std::move(strides)),
       offset_(offset) {}
 
-absl::StatusOr<Tensor> Tensor::Empty(const Shape& shape, DType dtype) {
+Device Tensor::device() const { return storage_->device(); }
+
+char* Tensor::base() const { return storage_->data(); }
+
+absl::StatusOr<Tensor> Tensor::Empty(const Shape& shape, DType dtype, Device device) {
   RETURN_IF_ERROR(ValidateShape(shape));
-  auto storage = std::make_shared<std::vector<char>>(NumElements(shape) * SizeOf(dtype));
+  ASSIGN_OR_RETURN(auto storage, Storage::Allocate(NumElements(shape) * SizeOf(dtype), device, false));
   return Tensor(std::move(storage), dtype, shape, RowMajorStrides(shape), 0);
 }
 
-absl::StatusOr<Tensor> Tensor::Zeros(const Shape& shape, DType dtype) {
-  return Empty(shape, dtype);  // std::vector<char> value-initializes to zero bytes
+absl::StatusOr<Tensor> Tensor::Zeros(const Shape& shape, DType dtype, Device device) {
+  RETURN_IF_ERROR(ValidateShape(shape));
+  ASSIGN_OR_RETURN(auto storage, Storage::Allocate(NumElements(shape) * SizeOf(dtype), device, true));
+  return Tensor(std::move(storage), dtype, shape, RowMajorStrides(shape), 0);
 }
 
 absl::StatusOr<Tensor> Tensor::FromFloats(const Shape& shape, absl::Span<const float> values, DType dtype) {
   ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
   RETURN_IF_ERROR(CheckFills(values.size(), t));
-  char* p = t.storage_->data();
+  char* p = t.base();
   for (size_t i = 0; i < values.size(); ++i) StoreFloat(p + i * SizeOf(dtype), dtype, values[i]);
   return t;
 }
@@ -116,7 +204,7 @@ absl::StatusOr<Tensor> Tensor::FromFloats(const Shape& shape, absl::Span<const f
 absl::StatusOr<Tensor> Tensor::FromInt64s(const Shape& shape, absl::Span<const int64_t> values, DType dtype) {
   ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
   RETURN_IF_ERROR(CheckFills(values.size(), t));
-  char* p = t.storage_->data();
+  char* p = t.base();
   for (size_t i = 0; i < values.size(); ++i) StoreInt(p + i * SizeOf(dtype), dtype, values[i]);
   return t;
 }
@@ -127,22 +215,34 @@ absl::StatusOr<Tensor> Tensor::FromBytes(const Shape& shape, DType dtype, absl::
     return absl::InvalidArgumentError(absl::StrCat(bytes.size(), " bytes given for ", DTypeName(dtype),
                                                    ShapeToString(shape), ", which needs ", t.nbytes()));
   }
-  if (!bytes.empty()) std::memcpy(t.storage_->data(), bytes.data(), bytes.size());
+  if (!bytes.empty()) std::memcpy(t.base(), bytes.data(), bytes.size());
   return t;
 }
 
-absl::StatusOr<Tensor> Tensor::RandomNormal(const Shape& shape, uint64_t seed, DType dtype) {
+absl::StatusOr<Tensor> Tensor::RandomNormal(const Shape& shape, uint64_t seed, DType dtype, Device device) {
   if (!IsFloat(dtype)) return absl::InvalidArgumentError("RandomNormal: dtype must be f32, bf16 or f16");
-  ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
-  char* p = t.storage_->data();
+  ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype, device));
+#ifdef COLOD_WITH_CUDA
+  if (device.is_cuda()) {
+    RETURN_IF_ERROR(cu::FillRandom(device.index, t.base(), Elem(dtype), t.numel(), seed, /*normal=*/true));
+    return t;
+  }
+#endif
+  char* p = t.base();
   for (int64_t i = 0; i < t.numel(); ++i) StoreFloat(p + i * SizeOf(dtype), dtype, kernels::PhiloxNormal(seed, i));
   return t;
 }
 
-absl::StatusOr<Tensor> Tensor::RandomUniform(const Shape& shape, uint64_t seed, DType dtype) {
+absl::StatusOr<Tensor> Tensor::RandomUniform(const Shape& shape, uint64_t seed, DType dtype, Device device) {
   if (!IsFloat(dtype)) return absl::InvalidArgumentError("RandomUniform: dtype must be f32, bf16 or f16");
-  ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
-  char* p = t.storage_->data();
+  ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype, device));
+#ifdef COLOD_WITH_CUDA
+  if (device.is_cuda()) {
+    RETURN_IF_ERROR(cu::FillRandom(device.index, t.base(), Elem(dtype), t.numel(), seed, /*normal=*/false));
+    return t;
+  }
+#endif
+  char* p = t.base();
   for (int64_t i = 0; i < t.numel(); ++i) StoreFloat(p + i * SizeOf(dtype), dtype, kernels::PhiloxUniform(seed, i));
   return t;
 }
@@ -221,14 +321,18 @@ void Tensor::ForEachOffset(Fn&& fn) const {
 }
 
 Tensor Tensor::Clone() const {
-  Tensor out = *Empty(shape_, dtype_);
+  Tensor out = OrDie(Empty(shape_, dtype_, device()), "Tensor::Clone");
   const size_t es = SizeOf(dtype_);
-  if (is_contiguous()) {
-    if (nbytes() > 0) std::memcpy(out.storage_->data(), storage_->data() + offset_ * es, nbytes());
+  if (device().is_cuda()) {
+    OrDie(out.CopyFrom(*this), "Tensor::Clone");
     return out;
   }
-  char* dst = out.storage_->data();
-  const char* src = storage_->data();
+  if (is_contiguous()) {
+    if (nbytes() > 0) std::memcpy(out.base(), base() + offset_ * es, nbytes());
+    return out;
+  }
+  char* dst = out.base();
+  const char* src = base();
   ForEachOffset([&](int64_t off) {
     std::memcpy(dst, src + off * es, es);
     dst += es;
@@ -248,12 +352,51 @@ absl::StatusOr<Tensor> Tensor::Reshape(const Shape& shape) const {
   return Tensor(c.storage_, dtype_, shape, RowMajorStrides(shape), c.offset_);
 }
 
+#ifdef COLOD_WITH_CUDA
+namespace {
+cu::Layout LayoutOf(const Tensor& t) {
+  cu::Layout l;
+  l.ndim = static_cast<int>(t.dim());
+  for (int d = 0; d < l.ndim; ++d) {
+    l.shape[d] = t.shape()[d];
+    l.strides[d] = t.strides()[d];
+  }
+  return l;
+}
+
+// dst[...] <- convert(src[...]) on one CUDA device; a contiguous pair of any
+// rank is copied as one flat run.
+absl::Status CudaCopy(const Tensor& src, Tensor& dst) {
+  const int device = dst.device().index;
+  if (src.is_contiguous() && dst.is_contiguous()) {
+    if (src.dtype() == dst.dtype()) return cu::Memcpy(device, dst.raw_data(), src.raw_data(), dst.nbytes());
+    cu::Layout flat;
+    flat.ndim = 1;
+    flat.shape[0] = src.numel();
+    flat.strides[0] = 1;
+    return cu::StridedCopy(device, src.raw_data(), flat, Elem(src.dtype()), dst.raw_data(), flat, Elem(dst.dtype()));
+  }
+  if (src.dim() > cu::kMaxDims) {
+    return absl::UnimplementedError(absl::StrCat("strided CUDA copies of more than ", cu::kMaxDims, " dims"));
+  }
+  return cu::StridedCopy(device, src.raw_data(), LayoutOf(src), Elem(src.dtype()), dst.raw_data(), LayoutOf(dst),
+                         Elem(dst.dtype()));
+}
+}  // namespace
+#endif
+
 absl::StatusOr<Tensor> Tensor::ToDType(DType dtype) const {
   if (dtype == dtype_) return Clone();
-  ASSIGN_OR_RETURN(Tensor out, Empty(shape_, dtype));
+  ASSIGN_OR_RETURN(Tensor out, Empty(shape_, dtype, device()));
+#ifdef COLOD_WITH_CUDA
+  if (device().is_cuda()) {
+    RETURN_IF_ERROR(CudaCopy(*this, out));
+    return out;
+  }
+#endif
   const size_t es = SizeOf(dtype_), eo = SizeOf(dtype);
-  char* dst = out.storage_->data();
-  const char* src = storage_->data();
+  char* dst = out.base();
+  const char* src = base();
   const bool ints = !IsFloat(dtype_) && !IsFloat(dtype);
   ForEachOffset([&](int64_t off) {
     if (ints) {
@@ -264,6 +407,20 @@ absl::StatusOr<Tensor> Tensor::ToDType(DType dtype) const {
     dst += eo;
   });
   return out;
+}
+
+absl::StatusOr<Tensor> Tensor::To(Device device) const {
+  if (device == this->device()) return *this;
+  const Tensor c = Contiguous();
+  ASSIGN_OR_RETURN(Tensor out, Empty(shape_, dtype_, device));
+#ifdef COLOD_WITH_CUDA
+  // cudaMemcpyDefault tells host from device pointers (unified addressing).
+  const int ordinal = device.is_cuda() ? device.index : c.device().index;
+  RETURN_IF_ERROR(cu::Memcpy(ordinal, out.raw_data(), c.raw_data(), out.nbytes()));
+  return out;
+#else
+  return NoCuda(device.is_cuda() ? device : c.device());
+#endif
 }
 
 absl::StatusOr<Tensor> Tensor::Cat(const std::vector<Tensor>& parts, int64_t d) {
@@ -284,7 +441,7 @@ absl::StatusOr<Tensor> Tensor::Cat(const std::vector<Tensor>& parts, int64_t d) 
     total += p.shape()[nd];
   }
   shape[nd] = total;
-  ASSIGN_OR_RETURN(Tensor out, Empty(shape, parts[0].dtype()));
+  ASSIGN_OR_RETURN(Tensor out, Empty(shape, parts[0].dtype(), parts[0].device()));
   int64_t at = 0;
   for (const Tensor& p : parts) {
     ASSIGN_OR_RETURN(Tensor slot, out.Narrow(nd, at, p.shape()[nd]));
@@ -299,51 +456,69 @@ absl::Status Tensor::CopyFrom(const Tensor& src) {
     return absl::InvalidArgumentError(absl::StrCat("copy from ", DTypeName(src.dtype()), ShapeToString(src.shape()),
                                                    " into ", DTypeName(dtype_), ShapeToString(shape_)));
   }
-  Tensor s = src.Contiguous();
+  if (device().is_cuda()) {
+#ifdef COLOD_WITH_CUDA
+    // The source, on this device and not overlapping the destination.
+    Tensor s = src;
+    if (src.device() != device()) {
+      ASSIGN_OR_RETURN(s, src.To(device()));
+    } else if (src.SharesStorageWith(*this)) {
+      s = src.Clone();
+    }
+    return CudaCopy(s, *this);
+#else
+    return NoCuda(device());
+#endif
+  }
+  ASSIGN_OR_RETURN(Tensor s, src.To(device()));
+  s = s.Contiguous();
   const size_t es = SizeOf(dtype_);
-  const char* from = s.storage_->data() + s.offset_ * es;
+  const char* from = s.base() + s.offset_ * es;
   if (is_contiguous()) {
-    if (nbytes() > 0) std::memmove(storage_->data() + offset_ * es, from, nbytes());
+    if (nbytes() > 0) std::memmove(base() + offset_ * es, from, nbytes());
     return absl::OkStatus();
   }
-  char* base = storage_->data();
+  char* dst_base = base();
   ForEachOffset([&](int64_t off) {
-    std::memcpy(base + off * es, from, es);
+    std::memcpy(dst_base + off * es, from, es);
     from += es;
   });
   return absl::OkStatus();
 }
 
 std::vector<float> Tensor::ToFloats() const {
+  if (device().is_cuda()) return OrDie(To(Device::Cpu()), "Tensor::ToFloats").ToFloats();
   std::vector<float> out;
   out.reserve(numel());
   const size_t es = SizeOf(dtype_);
-  ForEachOffset([&](int64_t off) { out.push_back(LoadFloat(storage_->data() + off * es, dtype_)); });
+  ForEachOffset([&](int64_t off) { out.push_back(LoadFloat(base() + off * es, dtype_)); });
   return out;
 }
 
 std::vector<int64_t> Tensor::ToInt64s() const {
+  if (device().is_cuda()) return OrDie(To(Device::Cpu()), "Tensor::ToInt64s").ToInt64s();
   std::vector<int64_t> out;
   out.reserve(numel());
   const size_t es = SizeOf(dtype_);
-  ForEachOffset([&](int64_t off) { out.push_back(LoadInt(storage_->data() + off * es, dtype_)); });
+  ForEachOffset([&](int64_t off) { out.push_back(LoadInt(base() + off * es, dtype_)); });
   return out;
 }
 
 std::string Tensor::ToBytes() const {
-  Tensor c = Contiguous();
-  return std::string(c.storage_->data() + c.offset_ * SizeOf(dtype_), nbytes());
+  Tensor c = OrDie(To(Device::Cpu()), "Tensor::ToBytes").Contiguous();
+  return std::string(c.base() + c.offset_ * SizeOf(dtype_), nbytes());
 }
 
-void* Tensor::raw_data() { return storage_->data() + offset_ * SizeOf(dtype_); }
-const void* Tensor::raw_data() const { return storage_->data() + offset_ * SizeOf(dtype_); }
+void* Tensor::raw_data() { return base() + offset_ * SizeOf(dtype_); }
+const void* Tensor::raw_data() const { return base() + offset_ * SizeOf(dtype_); }
 
 namespace {
 
 absl::Status SameShape(const Tensor& a, const Tensor& b, absl::string_view op) {
-  if (a.shape() != b.shape() || a.dtype() != b.dtype()) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", DTypeName(a.dtype()), ShapeToString(a.shape()),
-                                                   " and ", DTypeName(b.dtype()), ShapeToString(b.shape()),
+  if (a.shape() != b.shape() || a.dtype() != b.dtype() || a.device() != b.device()) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", DTypeName(a.dtype()), ShapeToString(a.shape()), " on ",
+                                                   a.device().ToString(), " and ", DTypeName(b.dtype()),
+                                                   ShapeToString(b.shape()), " on ", b.device().ToString(),
                                                    " differ"));
   }
   return absl::OkStatus();
@@ -359,10 +534,20 @@ void BinaryLoop(const Tensor& a, const Tensor& b, Tensor& out, Op op) {
 }
 
 template <typename Op>
-absl::StatusOr<Tensor> Binary(const Tensor& a, const Tensor& b, absl::string_view name, Op op) {
+absl::StatusOr<Tensor> Binary(const Tensor& a, const Tensor& b, absl::string_view name, int cuda_op, Op op) {
   RETURN_IF_ERROR(SameShape(a, b, name));
   Tensor ca = a.Contiguous(), cb = b.Contiguous();
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), a.dtype()));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), a.dtype(), a.device()));
+  if (a.device().is_cuda()) {
+#ifdef COLOD_WITH_CUDA
+    RETURN_IF_ERROR(cu::Binary(a.device().index, static_cast<cu::BinaryOp>(cuda_op), Elem(a.dtype()), ca.raw_data(),
+                               cb.raw_data(), out.raw_data(), out.numel()));
+    return out;
+#else
+    (void)cuda_op;
+    return NoCuda(a.device());
+#endif
+  }
   switch (a.dtype()) {
     case DType::kF32: BinaryLoop<float>(ca, cb, out, op); break;
     case DType::kI32: BinaryLoop<int32_t>(ca, cb, out, op); break;
@@ -380,17 +565,25 @@ absl::StatusOr<Tensor> Binary(const Tensor& a, const Tensor& b, absl::string_vie
 }  // namespace
 
 absl::StatusOr<Tensor> Add(const Tensor& a, const Tensor& b) {
-  return Binary(a, b, "add", [](auto x, auto y) { return x + y; });
+  return Binary(a, b, "add", 0, [](auto x, auto y) { return x + y; });
 }
 absl::StatusOr<Tensor> Sub(const Tensor& a, const Tensor& b) {
-  return Binary(a, b, "sub", [](auto x, auto y) { return x - y; });
+  return Binary(a, b, "sub", 1, [](auto x, auto y) { return x - y; });
 }
 absl::StatusOr<Tensor> Mul(const Tensor& a, const Tensor& b) {
-  return Binary(a, b, "mul", [](auto x, auto y) { return x * y; });
+  return Binary(a, b, "mul", 2, [](auto x, auto y) { return x * y; });
 }
 
 absl::StatusOr<Tensor> Scale(const Tensor& a, float s) {
   if (!IsFloat(a.dtype())) return absl::InvalidArgumentError("scale: float dtypes only");
+#ifdef COLOD_WITH_CUDA
+  if (a.device().is_cuda()) {
+    const Tensor ca = a.Contiguous();
+    ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), a.dtype(), a.device()));
+    RETURN_IF_ERROR(cu::Scale(a.device().index, Elem(a.dtype()), ca.raw_data(), s, out.raw_data(), out.numel()));
+    return out;
+  }
+#endif
   std::vector<float> v = a.ToFloats();
   for (float& x : v) x *= s;
   return Tensor::FromFloats(a.shape(), v, a.dtype());
@@ -404,6 +597,12 @@ absl::Status AddInPlace(Tensor& a, const Tensor& b) {
 }
 
 double SumAll(const Tensor& a) {
+#ifdef COLOD_WITH_CUDA
+  if (a.device().is_cuda()) {
+    const Tensor ca = a.Contiguous();
+    return OrDie(cu::Sum(a.device().index, Elem(a.dtype()), ca.raw_data(), ca.numel()), "SumAll");
+  }
+#endif
   double s = 0;
   for (float v : a.ToFloats()) s += v;
   return s;

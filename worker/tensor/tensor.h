@@ -2,7 +2,15 @@
 //
 // A Tensor is a cheap handle: copies share the storage (like torch.Tensor).
 // Views (Narrow, Chunk, Transpose) share it too; Contiguous/Clone copy.
-// Storage lives on the CPU here; CUDA storage plugs in behind the same type.
+//
+// Storage lives in host memory (64-byte aligned) or on a CUDA device; every
+// operation below works on both and keeps the device of its inputs. CUDA work
+// goes through kernels/cuda/tensor_ops.h and is synchronous for now. A build
+// without CUDA answers FAILED_PRECONDITION for CUDA tensors. The infallible
+// calls (Clone, Contiguous, ToFloats, ...) treat a failed CUDA allocation or
+// launch like a failed host allocation: the process stops with the CUDA error.
+// Binary ops need both operands on one device (INVALID_ARGUMENT otherwise);
+// To() moves between devices.
 //
 // Thread-safety: a Tensor handle may be read from several threads; writing the
 // same storage from several threads needs outside synchronization.
@@ -16,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "worker/tensor/device.h"
 #include "worker/tensor/dtype.h"
 
 namespace colod {
@@ -26,16 +35,20 @@ using Shape = std::vector<int64_t>;
 int64_t NumElements(const Shape& shape);
 std::string ShapeToString(const Shape& shape);
 
+// Bytes on one device, freed with the last handle. Thread-safe.
+class Storage;
+
 class Tensor {
  public:
   // An empty f32 tensor of shape [0].
   Tensor();
 
-  // Uninitialized / zero-filled / constant tensors. INVALID_ARGUMENT for a
-  // negative dimension.
-  static absl::StatusOr<Tensor> Empty(const Shape& shape, DType dtype);
-  static absl::StatusOr<Tensor> Zeros(const Shape& shape, DType dtype);
-  // Values converted to `dtype` (rounded for bf16/f16, truncated for ints).
+  // Uninitialized / zero-filled tensors. INVALID_ARGUMENT for a negative
+  // dimension; FAILED_PRECONDITION for a CUDA device this process cannot use.
+  static absl::StatusOr<Tensor> Empty(const Shape& shape, DType dtype, Device device = Device::Cpu());
+  static absl::StatusOr<Tensor> Zeros(const Shape& shape, DType dtype, Device device = Device::Cpu());
+  // Host tensors from values (To() moves them to a device), converted to
+  // `dtype` (rounded for bf16/f16, truncated for ints).
   static absl::StatusOr<Tensor> FromFloats(const Shape& shape, absl::Span<const float> values,
                                            DType dtype = DType::kF32);
   static absl::StatusOr<Tensor> FromInt64s(const Shape& shape, absl::Span<const int64_t> values,
@@ -46,10 +59,13 @@ class Tensor {
   // element i (row-major) of the global tensor is PhiloxNormal(seed, i) or
   // PhiloxUniform(seed, i), so a tensor made from the same seed is the same on
   // every rank and device. Float dtypes only.
-  static absl::StatusOr<Tensor> RandomNormal(const Shape& shape, uint64_t seed, DType dtype = DType::kF32);
-  static absl::StatusOr<Tensor> RandomUniform(const Shape& shape, uint64_t seed, DType dtype = DType::kF32);
+  static absl::StatusOr<Tensor> RandomNormal(const Shape& shape, uint64_t seed, DType dtype = DType::kF32,
+                                             Device device = Device::Cpu());
+  static absl::StatusOr<Tensor> RandomUniform(const Shape& shape, uint64_t seed, DType dtype = DType::kF32,
+                                              Device device = Device::Cpu());
 
   DType dtype() const { return dtype_; }
+  Device device() const;
   const Shape& shape() const { return shape_; }
   const std::vector<int64_t>& strides() const { return strides_; }  // in elements
   int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
@@ -78,17 +94,20 @@ class Tensor {
   // Same elements, new shape; the copy is made only if not contiguous.
   absl::StatusOr<Tensor> Reshape(const Shape& shape) const;
   absl::StatusOr<Tensor> ToDType(DType dtype) const;
+  // A contiguous copy on `device`, or this handle if it is already there.
+  absl::StatusOr<Tensor> To(Device device) const;
   // Concatenation along d; shapes must agree elsewhere and dtypes match.
   static absl::StatusOr<Tensor> Cat(const std::vector<Tensor>& parts, int64_t d);
 
-  // Element values as float / int64 (row-major), any dtype. For tests and I/O.
+  // Element values as float / int64 (row-major), any dtype and device. For
+  // tests and I/O.
   std::vector<float> ToFloats() const;
   std::vector<int64_t> ToInt64s() const;
   // Row-major bytes of a contiguous copy.
   std::string ToBytes() const;
 
-  // Raw access for kernels: the first element of a view. Only for the dtype
-  // and layout the caller checked.
+  // Raw access for kernels: the first element of a view (a device pointer
+  // for CUDA tensors). Only for the dtype, layout and device the caller checked.
   void* raw_data();
   const void* raw_data() const;
   template <typename T>
@@ -96,27 +115,29 @@ class Tensor {
   template <typename T>
   const T* data() const { return static_cast<const T*>(raw_data()); }
 
-  // Copies `src` (same shape and dtype) into this tensor's elements, which
-  // may be a view: writing through a Narrow writes into the parent.
+  // Copies `src` (same shape and dtype, any device) into this tensor's
+  // elements, which may be a view: writing through a Narrow writes into the
+  // parent.
   absl::Status CopyFrom(const Tensor& src);
 
  private:
-  Tensor(std::shared_ptr<std::vector<char>> storage, DType dtype, Shape shape,
-         std::vector<int64_t> strides, int64_t offset);
+  Tensor(std::shared_ptr<Storage> storage, DType dtype, Shape shape, std::vector<int64_t> strides,
+         int64_t offset);
+  char* base() const;  // the storage's first byte
   // Calls fn(element_index_in_storage) for every element in row-major order.
   template <typename Fn>
   void ForEachOffset(Fn&& fn) const;
 
-  std::shared_ptr<std::vector<char>> storage_;
+  std::shared_ptr<Storage> storage_;
   DType dtype_ = DType::kF32;
   Shape shape_;
   std::vector<int64_t> strides_;
   int64_t offset_ = 0;  // in elements
 };
 
-// Elementwise ops on tensors of equal shape and dtype (computed in f32 for
-// bf16/f16), returning new contiguous tensors. INVALID_ARGUMENT naming both
-// shapes otherwise.
+// Elementwise ops on tensors of equal shape, dtype and device (computed in
+// f32 for bf16/f16), returning new contiguous tensors on that device.
+// INVALID_ARGUMENT naming both otherwise.
 absl::StatusOr<Tensor> Add(const Tensor& a, const Tensor& b);
 absl::StatusOr<Tensor> Sub(const Tensor& a, const Tensor& b);
 absl::StatusOr<Tensor> Mul(const Tensor& a, const Tensor& b);

@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include "gtest/gtest.h"
+#include "kernels/device.h"
 #include "kernels/philox.h"
 
 namespace colod {
@@ -116,6 +117,39 @@ TEST(Tensor, ElementwiseOpsAgainstScalarLoops) {
   EXPECT_NE(mismatch.status().message().find("[7, 9]"), absl::string_view::npos);
   Tensor i = *Tensor::FromInt64s({3}, {1, 2, 3});
   EXPECT_EQ(Mul(i, i)->ToInt64s(), (std::vector<int64_t>{1, 4, 9}));
+}
+
+TEST(Tensor, HostStorageIsAlignedAndZerosAreZero) {
+  for (int64_t n : {1, 3, 17, 1000}) {
+    Tensor t = *Tensor::Zeros({n}, DType::kF32);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t.raw_data()) % 64, 0u);
+    EXPECT_EQ(SumAll(t), 0.0);
+    EXPECT_EQ(t.device(), Device::Cpu());
+  }
+}
+
+TEST(Tensor, CudaTensorsWithoutAUsableDeviceAreAClearError) {
+  if (kernels::CudaDeviceCount() > 0) GTEST_SKIP() << "a CUDA device is present; cuda_tensor_test covers it";
+  auto t = Tensor::Zeros({4}, DType::kF32, Device::Cuda(0));
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition) << t.status();
+  EXPECT_NE(t.status().message().find(kernels::BuiltWithCuda() ? "cuda" : "built without CUDA"),
+            absl::string_view::npos)
+      << t.status();
+  EXPECT_EQ(Tensor::RandomNormal({4}, 1, DType::kF32, Device::Cuda(0)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Tensor::FromFloats({1}, {1.0f})->To(Device::Cuda(0)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(Device, ParsesAndPrints) {
+  EXPECT_EQ(ParseDevice("cpu")->ToString(), "cpu");
+  EXPECT_EQ(*ParseDevice("cuda"), Device::Cuda(0));
+  EXPECT_EQ(ParseDevice("cuda:3")->ToString(), "cuda:3");
+  for (const char* bad : {"gpu", "cuda:", "cuda:-1", "cuda:x"}) {
+    auto d = ParseDevice(bad);
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(d.status().message().find(bad), absl::string_view::npos) << d.status();
+  }
 }
 
 }  // namespace

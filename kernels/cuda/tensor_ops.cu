@@ -1,0 +1,267 @@
+#include "kernels/cuda/tensor_ops.h"
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "kernels/philox.h"
+
+namespace colod::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 4096;
+
+absl::Status Check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  const std::string msg = std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || e == cudaErrorInvalidDevice ||
+      e == cudaErrorMemoryAllocation) {
+    return absl::FailedPreconditionError(msg);
+  }
+  return absl::InternalError(msg);
+}
+
+#define RETURN_IF_CUDA(call)                        \
+  do {                                              \
+    absl::Status colod_s_ = Check((call), #call);   \
+    if (!colod_s_.ok()) return colod_s_;            \
+  } while (0)
+
+// Launch geometry for n elements with a grid-stride loop.
+unsigned Blocks(int64_t n) {
+  const int64_t b = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
+}
+
+absl::Status Finish(const char* what) {
+  RETURN_IF_CUDA(cudaGetLastError());
+  return Check(cudaStreamSynchronize(cudaStreamPerThread), what);
+}
+
+__host__ __device__ __forceinline__ uint16_t FloatToBF16Bits(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+__device__ __forceinline__ float LoadF(const char* p, int64_t i, ElemType t) {
+  switch (t) {
+    case ElemType::kF32: return reinterpret_cast<const float*>(p)[i];
+    case ElemType::kBF16: return __uint_as_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16);
+    case ElemType::kF16: return __half2float(__ushort_as_half(reinterpret_cast<const uint16_t*>(p)[i]));
+    case ElemType::kI32: return static_cast<float>(reinterpret_cast<const int32_t*>(p)[i]);
+    case ElemType::kI64: return static_cast<float>(reinterpret_cast<const int64_t*>(p)[i]);
+  }
+  return 0;
+}
+
+__device__ __forceinline__ void StoreF(char* p, int64_t i, ElemType t, float v) {
+  switch (t) {
+    case ElemType::kF32: reinterpret_cast<float*>(p)[i] = v; return;
+    case ElemType::kBF16: reinterpret_cast<uint16_t*>(p)[i] = FloatToBF16Bits(v); return;
+    case ElemType::kF16: reinterpret_cast<uint16_t*>(p)[i] = __half_as_ushort(__float2half_rn(v)); return;
+    case ElemType::kI32: reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); return;
+    case ElemType::kI64: reinterpret_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); return;
+  }
+}
+
+__device__ __forceinline__ int64_t LoadI(const char* p, int64_t i, ElemType t) {
+  return t == ElemType::kI32 ? reinterpret_cast<const int32_t*>(p)[i] : reinterpret_cast<const int64_t*>(p)[i];
+}
+
+__device__ __forceinline__ void StoreI(char* p, int64_t i, ElemType t, int64_t v) {
+  if (t == ElemType::kI32) {
+    reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
+  } else {
+    reinterpret_cast<int64_t*>(p)[i] = v;
+  }
+}
+
+__host__ __device__ __forceinline__ int ElemSize(ElemType t) {
+  return (t == ElemType::kBF16 || t == ElemType::kF16) ? 2 : (t == ElemType::kI64 ? 8 : 4);
+}
+
+__host__ __device__ __forceinline__ bool IsInt(ElemType t) { return t == ElemType::kI32 || t == ElemType::kI64; }
+
+__global__ void StridedCopyKernel(const char* src, Layout sl, ElemType st, char* dst, Layout dl, ElemType dt,
+                                  int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t rem = i, so = 0, dof = 0;
+    for (int d = sl.ndim - 1; d >= 0; --d) {
+      const int64_t idx = rem % sl.shape[d];
+      rem /= sl.shape[d];
+      so += idx * sl.strides[d];
+      dof += idx * dl.strides[d];
+    }
+    if (st == dt) {
+      const int es = ElemSize(st);
+      for (int b = 0; b < es; ++b) dst[dof * es + b] = src[so * es + b];
+    } else if (IsInt(st) && IsInt(dt)) {
+      StoreI(dst, dof, dt, LoadI(src, so, st));
+    } else {
+      StoreF(dst, dof, dt, LoadF(src, so, st));
+    }
+  }
+}
+
+__global__ void FillRandomKernel(char* p, ElemType t, int64_t n, uint64_t seed, bool normal) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = normal ? PhiloxNormal(seed, static_cast<uint64_t>(i)) : PhiloxUniform(seed, static_cast<uint64_t>(i));
+    StoreF(p, i, t, v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T Apply(BinaryOp op, T x, T y) {
+  switch (op) {
+    case BinaryOp::kAdd: return x + y;
+    case BinaryOp::kSub: return x - y;
+    case BinaryOp::kMul: return x * y;
+  }
+  return x;
+}
+
+__global__ void BinaryKernel(BinaryOp op, ElemType t, const char* a, const char* b, char* out, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (t == ElemType::kI32) {
+      reinterpret_cast<int32_t*>(out)[i] =
+          Apply(op, reinterpret_cast<const int32_t*>(a)[i], reinterpret_cast<const int32_t*>(b)[i]);
+    } else if (t == ElemType::kI64) {
+      reinterpret_cast<int64_t*>(out)[i] =
+          Apply(op, reinterpret_cast<const int64_t*>(a)[i], reinterpret_cast<const int64_t*>(b)[i]);
+    } else {
+      StoreF(out, i, t, Apply(op, LoadF(a, i, t), LoadF(b, i, t)));
+    }
+  }
+}
+
+__global__ void ScaleKernel(ElemType t, const char* a, float s, char* out, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    StoreF(out, i, t, LoadF(a, i, t) * s);
+  }
+}
+
+// Pass 1: block b sums the elements b*kThreads + t + k*gridDim*kThreads in a
+// fixed order and tree; pass 2 sums the partials in block order.
+__global__ void SumPartialsKernel(ElemType t, const char* a, int64_t n, double* partials) {
+  __shared__ double acc[kThreads];
+  double s = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    s += IsInt(t) ? static_cast<double>(LoadI(a, i, t)) : static_cast<double>(LoadF(a, i, t));
+  }
+  acc[threadIdx.x] = s;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) acc[threadIdx.x] += acc[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc[0];
+}
+
+__global__ void SumFinalKernel(const double* partials, int count, double* out) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    double s = 0;
+    for (int i = 0; i < count; ++i) s += partials[i];
+    *out = s;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<void*> Malloc(int device, size_t nbytes) {
+  RETURN_IF_CUDA(cudaSetDevice(device));
+  void* p = nullptr;
+  RETURN_IF_CUDA(cudaMalloc(&p, nbytes == 0 ? 1 : nbytes));
+  return p;
+}
+
+void Free(int device, void* p) {
+  if (p == nullptr) return;
+  if (cudaSetDevice(device) == cudaSuccess) cudaFree(p);
+}
+
+absl::Status Memset0(int device, void* p, size_t nbytes) {
+  if (nbytes == 0) return absl::OkStatus();
+  RETURN_IF_CUDA(cudaSetDevice(device));
+  RETURN_IF_CUDA(cudaMemsetAsync(p, 0, nbytes, cudaStreamPerThread));
+  return Finish("cudaMemsetAsync");
+}
+
+absl::Status Memcpy(int device, void* dst, const void* src, size_t nbytes) {
+  if (nbytes == 0) return absl::OkStatus();
+  RETURN_IF_CUDA(cudaSetDevice(device));
+  RETURN_IF_CUDA(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, cudaStreamPerThread));
+  return Finish("cudaMemcpyAsync");
+}
+
+absl::Status StridedCopy(int device, const void* src, const Layout& src_layout, ElemType src_type, void* dst,
+                         const Layout& dst_layout, ElemType dst_type) {
+  if (src_layout.ndim != dst_layout.ndim || src_layout.ndim > kMaxDims) {
+    return absl::InvalidArgumentError("StridedCopy: layouts differ in rank or exceed kMaxDims");
+  }
+  int64_t n = 1;
+  for (int d = 0; d < src_layout.ndim; ++d) {
+    if (src_layout.shape[d] != dst_layout.shape[d]) return absl::InvalidArgumentError("StridedCopy: shapes differ");
+    n *= src_layout.shape[d];
+  }
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_CUDA(cudaSetDevice(device));
+  StridedCopyKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(
+      static_cast<const char*>(src), src_layout, src_type, static_cast<char*>(dst), dst_layout, dst_type, n);
+  return Finish("StridedCopyKernel");
+}
+
+absl::Status FillRandom(int device, void* p, ElemType type, int64_t n, uint64_t seed, bool normal) {
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_CUDA(cudaSetDevice(device));
+  FillRandomKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(static_cast<char*>(p), type, n, seed, normal);
+  return Finish("FillRandomKernel");
+}
+
+absl::Status Binary(int device, BinaryOp op, ElemType type, const void* a, const void* b, void* out, int64_t n) {
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_CUDA(cudaSetDevice(device));
+  BinaryKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(
+      op, type, static_cast<const char*>(a), static_cast<const char*>(b), static_cast<char*>(out), n);
+  return Finish("BinaryKernel");
+}
+
+absl::Status Scale(int device, ElemType type, const void* a, float s, void* out, int64_t n) {
+  if (IsInt(type)) return absl::InvalidArgumentError("Scale: float types only");
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_CUDA(cudaSetDevice(device));
+  ScaleKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(type, static_cast<const char*>(a), s,
+                                                               static_cast<char*>(out), n);
+  return Finish("ScaleKernel");
+}
+
+absl::StatusOr<double> Sum(int device, ElemType type, const void* a, int64_t n) {
+  if (n == 0) return 0.0;
+  RETURN_IF_CUDA(cudaSetDevice(device));
+  const unsigned blocks = Blocks(n);
+  double* buf = nullptr;
+  RETURN_IF_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&buf), (blocks + 1) * sizeof(double), cudaStreamPerThread));
+  SumPartialsKernel<<<blocks, kThreads, 0, cudaStreamPerThread>>>(type, static_cast<const char*>(a), n, buf);
+  SumFinalKernel<<<1, 1, 0, cudaStreamPerThread>>>(buf, static_cast<int>(blocks), buf + blocks);
+  double result = 0;
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) {
+    e = cudaMemcpyAsync(&result, buf + blocks, sizeof(double), cudaMemcpyDeviceToHost, cudaStreamPerThread);
+  }
+  cudaFreeAsync(buf, cudaStreamPerThread);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamPerThread);
+  RETURN_IF_CUDA(e);
+  return result;
+}
+
+}  // namespace colod::kernels::cuda

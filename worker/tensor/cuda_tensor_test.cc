@@ -1,0 +1,115 @@
+// CUDA tensors against their CPU twins. Runs where a GPU is present and skips
+// elsewhere; built only where the toolkit is (bazel/cuda.bzl).
+#include <cmath>
+#include <cstring>
+
+#include "gtest/gtest.h"
+#include "kernels/device.h"
+#include "worker/tensor/autograd.h"
+#include "worker/tensor/tensor.h"
+
+namespace colod {
+namespace {
+
+class CudaTensor : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+  const Device gpu_ = Device::Cuda(0);
+};
+
+uint32_t Bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+TEST_F(CudaTensor, SeededUniformIsBitwiseTheSameOnBothDevices) {
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    const Shape shape = {1031, 1017};  // not a multiple of any block size
+    auto cpu = Tensor::RandomUniform(shape, 42, t);
+    auto gpu = Tensor::RandomUniform(shape, 42, t, gpu_);
+    ASSERT_TRUE(cpu.ok() && gpu.ok()) << gpu.status();
+    EXPECT_EQ(gpu->device(), gpu_);
+    EXPECT_EQ(gpu->ToBytes(), cpu->ToBytes()) << DTypeName(t);
+  }
+}
+
+TEST_F(CudaTensor, SeededNormalMatchesTheHostToTheLastBit) {
+  // Box-Muller in double rounded once to float: the device's double log/cos
+  // may differ from glibc's by an ulp of a double, which changes the float
+  // only at a rounding tie; allow one float ulp and expect almost all exact.
+  const Shape shape = {1 << 20};
+  std::vector<float> cpu = Tensor::RandomNormal(shape, 7)->ToFloats();
+  std::vector<float> gpu = Tensor::RandomNormal(shape, 7, DType::kF32, gpu_)->ToFloats();
+  ASSERT_EQ(cpu.size(), gpu.size());
+  int64_t exact = 0;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    const int64_t d = static_cast<int64_t>(Bits(cpu[i])) - static_cast<int64_t>(Bits(gpu[i]));
+    ASSERT_LE(std::llabs(d), 1) << "element " << i << ": " << cpu[i] << " vs " << gpu[i];
+    exact += d == 0;
+  }
+  EXPECT_GE(exact, static_cast<int64_t>(cpu.size()) - 16);
+}
+
+TEST_F(CudaTensor, ViewsCopiesAndConversionsMatchTheHost) {
+  const Tensor host = *Tensor::RandomNormal({6, 10, 7}, 3);
+  auto dev = host.To(gpu_);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  // A strided view made contiguous on the device.
+  const Tensor hv = *host.Transpose(0, 2)->Narrow(1, 3, 5);
+  const Tensor dv = *dev->Transpose(0, 2)->Narrow(1, 3, 5);
+  EXPECT_FALSE(dv.is_contiguous());
+  EXPECT_EQ(dv.Contiguous().ToFloats(), hv.ToFloats());
+  EXPECT_EQ(dv.Contiguous().device(), gpu_);
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16, DType::kI32, DType::kI64}) {
+    Tensor scaled = *Scale(host, 100.0f);
+    auto want = scaled.Transpose(1, 2)->ToDType(t);
+    auto got = scaled.To(gpu_)->Transpose(1, 2)->ToDType(t);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->device(), gpu_);
+    EXPECT_EQ(got->ToBytes(), want->ToBytes()) << DTypeName(t);
+  }
+  // Writing through a view on the device writes into the parent.
+  Tensor target = *Tensor::Zeros({6, 10, 7}, DType::kF32, gpu_);
+  Tensor slot = *target.Narrow(1, 2, 4);
+  ASSERT_TRUE(slot.CopyFrom(*host.Narrow(1, 0, 4)).ok());  // host -> device view
+  Tensor want = *Tensor::Zeros({6, 10, 7}, DType::kF32);
+  ASSERT_TRUE(want.Narrow(1, 2, 4)->CopyFrom(*host.Narrow(1, 0, 4)).ok());
+  EXPECT_EQ(target.ToFloats(), want.ToFloats());
+  // Cat on the device.
+  auto cat = Tensor::Cat({*dev, *dev->Narrow(0, 1, 2)}, 0);
+  ASSERT_TRUE(cat.ok()) << cat.status();
+  EXPECT_EQ(cat->ToFloats(), Tensor::Cat({host, *host.Narrow(0, 1, 2)}, 0)->ToFloats());
+}
+
+TEST_F(CudaTensor, ElementwiseOpsAndSumsMatchTheHost) {
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    const Tensor a = *Tensor::RandomNormal({333, 77}, 1, t), b = *Tensor::RandomNormal({333, 77}, 2, t);
+    const Tensor da = *a.To(gpu_), db = *b.To(gpu_);
+    EXPECT_EQ(Add(da, db)->ToBytes(), Add(a, b)->ToBytes()) << DTypeName(t);
+    EXPECT_EQ(Sub(da, db)->ToBytes(), Sub(a, b)->ToBytes()) << DTypeName(t);
+    EXPECT_EQ(Mul(da, db)->ToBytes(), Mul(a, b)->ToBytes()) << DTypeName(t);
+    EXPECT_EQ(Scale(da, -0.37f)->ToBytes(), Scale(a, -0.37f)->ToBytes()) << DTypeName(t);
+    EXPECT_NEAR(SumAll(da), SumAll(a), 1e-9 * 333 * 77);
+  }
+  const Tensor i = *Tensor::FromInt64s({4}, {1LL << 40, -3, 7, 9});
+  EXPECT_EQ(Mul(*i.To(gpu_), *i.To(gpu_))->ToInt64s(), Mul(i, i)->ToInt64s());
+  auto mixed = Add(*Tensor::Zeros({2}, DType::kF32), *Tensor::Zeros({2}, DType::kF32, gpu_));
+  EXPECT_EQ(mixed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(mixed.status().message().find("cuda:0"), absl::string_view::npos) << mixed.status();
+}
+
+TEST_F(CudaTensor, AutogradRunsOnTheDevice) {
+  const Tensor x = *Tensor::RandomNormal({5, 9}, 4), w = *Tensor::RandomNormal({5, 9}, 5);
+  Variable vx(*x.To(gpu_), true);
+  Variable loss = *Sum(*Mul(vx, Variable(*w.To(gpu_))));
+  ASSERT_TRUE(Backward(loss).ok());
+  ASSERT_TRUE(vx.grad().has_value());
+  EXPECT_EQ(vx.grad()->device(), gpu_);
+  EXPECT_EQ(vx.grad()->ToFloats(), w.ToFloats());  // d/dx sum(x*w) = w
+}
+
+}  // namespace
+}  // namespace colod
