@@ -64,7 +64,7 @@ absl::StatusOr<ColoTensor> ColoTensor::Redistribute(const DistSpec& target) cons
                      });
   }
   ColoTensor out(std::move(local), global_shape_, std::move(to), pg_);
-  out.compute_pattern_ = compute_pattern_;
+  out.compute_spec_ = compute_spec_;
   return out;
 }
 

@@ -25,6 +25,14 @@ namespace colod {
 // The compute pattern a parameter is used with (picks the layer kernels).
 enum class ComputePattern { kNone, kTP1D, kTP2D, kTP2P5D, kTP3D };
 
+// How a tensor is used in compute (ColossalAI's ComputeSpec): `pattern` picks
+// a layer's parallel algorithm; `output_replicate` asks the layer to return
+// its output replicated rather than sharded.
+struct ComputeSpec {
+  ComputePattern pattern = ComputePattern::kNone;
+  bool output_replicate = true;
+};
+
 // A handle; not thread-safe for concurrent mutation (SetDistSpec).
 class ColoTensor {
  public:
@@ -44,8 +52,8 @@ class ColoTensor {
   const Shape& global_shape() const { return global_shape_; }
   const DistSpec& spec() const { return spec_; }
   ProcessGroup* process_group() const { return pg_; }
-  ComputePattern compute_pattern() const { return compute_pattern_; }
-  void set_compute_pattern(ComputePattern p) { compute_pattern_ = p; }
+  const ComputeSpec& compute_spec() const { return compute_spec_; }
+  void set_compute_spec(ComputeSpec c) { compute_spec_ = c; }
 
   // The same global tensor under `target`. Collective: every rank of the
   // affected groups must call it.
@@ -64,7 +72,7 @@ class ColoTensor {
   Shape global_shape_;
   DistSpec spec_;
   ProcessGroup* pg_;
-  ComputePattern compute_pattern_ = ComputePattern::kNone;
+  ComputeSpec compute_spec_;
 };
 
 // A ColoTensor that a module owns and an optimizer updates.
