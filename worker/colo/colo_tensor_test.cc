@@ -7,35 +7,14 @@
 
 #include "gtest/gtest.h"
 #include "server/rendezvous_store.h"
+#include "worker/colo/testing.h"
 
 namespace colod {
 namespace {
 
-// Runs body(rank, pg) on every rank of `mesh`; the groups outlive all ranks.
-void RunMesh(const DeviceMesh& mesh, const std::function<void(int, ProcessGroup&)>& body) {
-  auto shared = std::make_shared<RendezvousStore>();
-  const int n = mesh.world_size();
-  std::vector<std::unique_ptr<InMemoryStore>> stores(n);
-  std::vector<std::unique_ptr<ProcessGroup>> groups(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    stores[r] = std::make_unique<InMemoryStore>(shared, "colo");
-    GlooCommunicator::Options o;
-    o.timeout = absl::Seconds(30);
-    auto pg = ProcessGroup::Create(mesh, r, ProcessGroup::GlooFactory(stores[r].get(), o), absl::Seconds(30));
-    ASSERT_TRUE(pg.ok()) << pg.status();
-    groups[r] = std::move(*pg);
-  }
-  for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { body(r, *groups[r]); });
-  for (auto& t : threads) t.join();
-}
+using ::colod::testing::RunMesh;
 
-DeviceMesh TpMesh(int tp, int dp = 1) {
-  v1::ShardConfig s;
-  s.set_tensor_parallel_size(tp);
-  s.set_data_parallel_size(dp);
-  return *DeviceMesh::FromShardConfig(s);
-}
+DeviceMesh TpMesh(int tp, int dp = 1) { return ::colod::testing::TpDpMesh(tp, dp); }
 
 // Small integers: every sum below is exact in f32.
 Tensor IntTensor(const Shape& shape, int salt = 0) {

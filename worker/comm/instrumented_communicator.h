@@ -1,0 +1,57 @@
+// A Communicator decorator that counts every collective and the bytes it
+// moves, per op: what the worker's colod_collective_* metrics and the layer
+// tests ("one all-reduce per MLP forward") read.
+#ifndef COLOD_WORKER_COMM_INSTRUMENTED_COMMUNICATOR_H_
+#define COLOD_WORKER_COMM_INSTRUMENTED_COMMUNICATOR_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "worker/comm/communicator.h"
+
+namespace colod {
+
+// Thread-safe.
+class InstrumentedCommunicator final : public Communicator {
+ public:
+  struct OpStats {
+    int64_t calls = 0;
+    int64_t bytes = 0;  // the op's input payload on this rank
+  };
+
+  explicit InstrumentedCommunicator(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+
+  // Ops are "all_reduce", "all_gather", "reduce_scatter", "broadcast",
+  // "all_to_all", "send", "recv", "barrier".
+  OpStats Stats(const std::string& op) const;
+  std::map<std::string, OpStats> AllStats() const;
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string backend() const override { return inner_->backend(); }
+  std::shared_ptr<Work> AllReduce(void* data, int64_t count, DType dtype, ReduceOp op) override;
+  std::shared_ptr<Work> AllGather(const void* in, void* out, int64_t count, DType dtype) override;
+  std::shared_ptr<Work> ReduceScatter(const void* in, void* out, int64_t count, DType dtype, ReduceOp op) override;
+  std::shared_ptr<Work> Broadcast(void* data, int64_t count, DType dtype, int root) override;
+  std::shared_ptr<Work> AllToAll(const void* in, void* out, int64_t count, DType dtype) override;
+  std::shared_ptr<Work> Send(const void* data, int64_t count, DType dtype, int dst, uint32_t tag) override;
+  std::shared_ptr<Work> Recv(void* data, int64_t count, DType dtype, int src, uint32_t tag) override;
+  std::shared_ptr<Work> Barrier() override;
+  void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
+  absl::Status AsyncError() override { return inner_->AsyncError(); }
+
+ private:
+  void Count(const char* op, int64_t elements, DType dtype);
+
+  const std::unique_ptr<Communicator> inner_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, OpStats> stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_COMM_INSTRUMENTED_COMMUNICATOR_H_

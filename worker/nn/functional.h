@@ -1,0 +1,36 @@
+// Differentiable layer math on Variables: each op computes with kernels/ops.h
+// and records its backward on the autograd tape (worker/tensor/autograd.h).
+// Communication ops that are not DistSpec conversions live here too.
+//
+// Thread-safety: as autograd (one tape per thread).
+#ifndef COLOD_WORKER_NN_FUNCTIONAL_H_
+#define COLOD_WORKER_NN_FUNCTIONAL_H_
+
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/ops.h"
+#include "worker/comm/communicator.h"
+#include "worker/tensor/autograd.h"
+
+namespace colod::nn {
+
+// y = x @ w^T (+ b), torch.nn.Linear's layout: x [..., in], w [out, in],
+// b [out]. Backward: dx = dy @ w, dw = dy^T @ x over all rows, db = sum dy.
+absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b);
+// x + b over the last dim.
+absl::StatusOr<Variable> BiasAdd(const Variable& x, const Variable& b);
+absl::StatusOr<Variable> Gelu(const Variable& x, kernels::GeluApprox approx);
+// LayerNorm over the last dim with affine gamma and beta.
+absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps);
+
+// Forward: the identity. Backward: the gradient all-reduced (sum) over
+// `comm`. Used where a tensor replicated over a group feeds rank-local math,
+// so that each rank's gradient is one term of the true one (Megatron's
+// copy-to-tensor-parallel-region; a Linear1D_Col input).
+absl::StatusOr<Variable> ReduceGradient(const Variable& x, Communicator* comm, absl::Duration timeout);
+
+}  // namespace colod::nn
+
+#endif  // COLOD_WORKER_NN_FUNCTIONAL_H_

@@ -1,0 +1,103 @@
+#include "worker/nn/linear1d.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/nn/functional.h"
+
+namespace colod::nn {
+namespace {
+
+absl::StatusOr<ColoParameter> Param(const Tensor& full, DistSpec spec, ProcessGroup* pg, const char* name,
+                                    ComputePattern pattern) {
+  auto t = ColoTensor::FromGlobal(full, std::move(spec), pg, /*requires_grad=*/true);
+  if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", t.status().message()));
+  t->set_compute_spec({pattern, true});
+  return ColoParameter(*std::move(t), name);
+}
+
+absl::Status CheckMatrix(const Tensor& w, const std::optional<Tensor>& b, int64_t bias_size, const char* layer) {
+  if (w.dim() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(layer, ": weight must be [out, in], got ", ShapeToString(w.shape())));
+  }
+  if (b.has_value() && b->shape() != Shape{bias_size}) {
+    return absl::InvalidArgumentError(absl::StrCat(layer, ": bias must be [", bias_size, "], got ",
+                                                   ShapeToString(b->shape())));
+  }
+  return absl::OkStatus();
+}
+
+std::optional<Variable> BiasVar(const std::optional<ColoParameter>& b) {
+  if (!b.has_value()) return std::nullopt;
+  return b->variable();
+}
+
+}  // namespace
+
+DistSpec WithTp(const DistSpec& spec, Placement p) {
+  DistSpec out = spec;
+  out.Set("tp", std::move(p));
+  return out;
+}
+
+absl::StatusOr<Linear1DCol> Linear1DCol::FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
+                                                    ProcessGroup* pg, Options options) {
+  RETURN_IF_ERROR(CheckMatrix(weight, bias, weight.dim() == 2 ? weight.shape()[0] : 0, "Linear1D_Col"));
+  ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
+  ASSIGN_OR_RETURN(ColoParameter w, Param(weight, WithTp({}, Placement::Shard({0}, {p})), pg, "weight",
+                                          ComputePattern::kTP1D));
+  std::optional<ColoParameter> b;
+  if (bias.has_value()) {
+    ASSIGN_OR_RETURN(b, Param(*bias, WithTp({}, Placement::Shard({0}, {p})), pg, "bias", ComputePattern::kTP1D));
+  }
+  return Linear1DCol(std::move(w), std::move(b), pg, options);
+}
+
+absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x) const {
+  ColoTensor in = x;
+  if (!(x.spec().Get("tp") == Placement::Replicate())) {
+    ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), Placement::Replicate())));
+  }
+  ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm("tp"));
+  ASSIGN_OR_RETURN(int p, pg_->AxisSize("tp"));
+  ASSIGN_OR_RETURN(Variable xr, ReduceGradient(in.variable(), comm, pg_->timeout()));
+  ASSIGN_OR_RETURN(Variable y, Linear(xr, weight_.variable(), BiasVar(bias_)));
+  const int64_t last = static_cast<int64_t>(in.global_shape().size()) - 1;
+  ASSIGN_OR_RETURN(ColoTensor out, ColoTensor::FromLocal(y, WithTp(in.spec(), Placement::Shard({last}, {p})), pg_));
+  if (options_.gather_output) return out.Redistribute(WithTp(out.spec(), Placement::Replicate()));
+  return out;
+}
+
+absl::StatusOr<Linear1DRow> Linear1DRow::FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
+                                                    ProcessGroup* pg, Options options) {
+  RETURN_IF_ERROR(CheckMatrix(weight, bias, weight.dim() == 2 ? weight.shape()[0] : 0, "Linear1D_Row"));
+  ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
+  ASSIGN_OR_RETURN(ColoParameter w, Param(weight, WithTp({}, Placement::Shard({1}, {p})), pg, "weight",
+                                          ComputePattern::kTP1D));
+  std::optional<ColoParameter> b;
+  if (bias.has_value()) {
+    ASSIGN_OR_RETURN(b, Param(*bias, DistSpec(), pg, "bias", ComputePattern::kTP1D));
+  }
+  return Linear1DRow(std::move(w), std::move(b), pg, options);
+}
+
+absl::StatusOr<ColoTensor> Linear1DRow::Forward(const ColoTensor& x) const {
+  ASSIGN_OR_RETURN(int p, pg_->AxisSize("tp"));
+  const int64_t last = static_cast<int64_t>(x.global_shape().size()) - 1;
+  const Placement sharded = Placement::Shard({last}, {p});
+  ColoTensor in = x;
+  if (!(x.spec().Get("tp") == sharded)) {
+    if (options_.parallel_input) {
+      return absl::InvalidArgumentError(absl::StrCat("Linear1D_Row with parallel_input expects its input sharded on "
+                                                     "the last dim over tp, got ", x.spec().ToString()));
+    }
+    ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), sharded)));
+  }
+  ASSIGN_OR_RETURN(Variable partial, Linear(in.variable(), weight_.variable(), std::nullopt));
+  ASSIGN_OR_RETURN(ColoTensor out, ColoTensor::FromLocal(partial, WithTp(in.spec(), Placement::Partial()), pg_));
+  ASSIGN_OR_RETURN(out, out.Redistribute(WithTp(out.spec(), Placement::Replicate())));
+  if (!bias_.has_value()) return out;
+  ASSIGN_OR_RETURN(Variable y, BiasAdd(out.variable(), bias_->variable()));
+  return ColoTensor::FromLocal(y, out.spec(), pg_);
+}
+
+}  // namespace colod::nn

@@ -1,0 +1,78 @@
+// 1D (Megatron) tensor-parallel linear layers over the "tp" axis of a
+// ProcessGroup, holding ColoParameters and mapping ColoTensors to
+// ColoTensors (DESIGN.md section 3):
+//
+//   Linear1DCol  weight [out/p, in] = tp: S(0), bias [out/p] = tp: S(0).
+//                Input replicated over tp; forward is local, backward
+//                all-reduces the input gradient. Output tp: S(-1), or
+//                replicated with gather_output (an all-gather, sliced back in
+//                backward).
+//   Linear1DRow  weight [out, in/p] = tp: S(1), bias [out] replicated and
+//                added after the reduce. Input tp: S(-1) (parallel_input) or
+//                replicated and sliced here; the partial output is
+//                all-reduced in forward, identity in backward.
+//
+// A Col -> Row MLP thus runs one all-reduce forward and one backward.
+// Placements on other axes (a batch sharded over dp) pass through.
+//
+// Thread-safety: a layer is used by one rank thread at a time.
+#ifndef COLOD_WORKER_NN_LINEAR1D_H_
+#define COLOD_WORKER_NN_LINEAR1D_H_
+
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "worker/colo/colo_tensor.h"
+
+namespace colod::nn {
+
+class Linear1DCol {
+ public:
+  struct Options {
+    bool gather_output = false;
+  };
+  // This rank's shards of the full `weight` [out, in] and `bias` [out];
+  // INVALID_ARGUMENT naming the dim when out is not divisible by tp.
+  static absl::StatusOr<Linear1DCol> FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
+                                                ProcessGroup* pg, Options options);
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
+
+  const ColoParameter& weight() const { return weight_; }
+  const std::optional<ColoParameter>& bias() const { return bias_; }
+
+ private:
+  Linear1DCol(ColoParameter w, std::optional<ColoParameter> b, ProcessGroup* pg, Options o)
+      : weight_(std::move(w)), bias_(std::move(b)), pg_(pg), options_(o) {}
+  ColoParameter weight_;
+  std::optional<ColoParameter> bias_;
+  ProcessGroup* pg_;
+  Options options_;
+};
+
+class Linear1DRow {
+ public:
+  struct Options {
+    bool parallel_input = true;
+  };
+  static absl::StatusOr<Linear1DRow> FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
+                                                ProcessGroup* pg, Options options);
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
+
+  const ColoParameter& weight() const { return weight_; }
+  const std::optional<ColoParameter>& bias() const { return bias_; }
+
+ private:
+  Linear1DRow(ColoParameter w, std::optional<ColoParameter> b, ProcessGroup* pg, Options o)
+      : weight_(std::move(w)), bias_(std::move(b)), pg_(pg), options_(o) {}
+  ColoParameter weight_;
+  std::optional<ColoParameter> bias_;
+  ProcessGroup* pg_;
+  Options options_;
+};
+
+// `spec` with its tp placement replaced by `p`.
+DistSpec WithTp(const DistSpec& spec, Placement p);
+
+}  // namespace colod::nn
+
+#endif  // COLOD_WORKER_NN_LINEAR1D_H_

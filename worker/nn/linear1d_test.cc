@@ -1,0 +1,134 @@
+// 1D tensor-parallel layers on 2 and 4 ranks (threads over Gloo on loopback)
+// against the unsharded computation from the same full tensors.
+#include "worker/nn/linear1d.h"
+
+#include <cmath>
+
+#include "gtest/gtest.h"
+#include "worker/colo/testing.h"
+#include "worker/nn/functional.h"
+
+namespace colod::nn {
+namespace {
+
+using ::colod::testing::RunMesh;
+using ::colod::testing::Stats;
+using ::colod::testing::TpDpMesh;
+
+void ExpectClose(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const std::vector<float> g = got.ToFloats(), w = want.ToFloats();
+  for (size_t i = 0; i < g.size(); ++i) {
+    ASSERT_NEAR(g[i], w[i], 1e-5 + 1e-5 * std::fabs(w[i])) << what << " at " << i;
+  }
+}
+
+struct Mlp {
+  Tensor x, w1, b1, w2, b2, r;  // r weighs the output in the loss
+};
+
+Mlp MakeMlp(int64_t hidden, int64_t ffn) {
+  return {*Tensor::RandomNormal({3, 5, hidden}, 1), *Scale(*Tensor::RandomNormal({ffn, hidden}, 2), 0.3f),
+          *Tensor::RandomNormal({ffn}, 3), *Scale(*Tensor::RandomNormal({hidden, ffn}, 4), 0.2f),
+          *Tensor::RandomNormal({hidden}, 5), *Tensor::RandomNormal({3, 5, hidden}, 6)};
+}
+
+struct Reference {
+  Tensor y, dx, dw1, db1, dw2, db2;
+};
+
+// loss = sum(Linear(Gelu(Linear(x, w1, b1)), w2, b2) * r), on one rank.
+Reference Unsharded(const Mlp& m) {
+  Variable x(m.x, true), w1(m.w1, true), b1(m.b1, true), w2(m.w2, true), b2(m.b2, true);
+  Variable h = *Gelu(*Linear(x, w1, b1), kernels::GeluApprox::kTanh);
+  Variable y = *Linear(h, w2, b2);
+  EXPECT_TRUE(Backward(*Sum(*Mul(y, Variable(m.r)))).ok());
+  return {y.value(), *x.grad(), *w1.grad(), *b1.grad(), *w2.grad(), *b2.grad()};
+}
+
+class Linear1D : public ::testing::TestWithParam<int> {};
+
+TEST_P(Linear1D, ColThenRowMlpMatchesTheUnshardedModelWithOneAllReduceEachWay) {
+  const int p = GetParam();
+  const Mlp m = MakeMlp(12, 36);  // 36 = 3 * 12: not a power of two
+  const Reference ref = Unsharded(m);
+  RunMesh(
+      TpDpMesh(p),
+      [&](int rank, ProcessGroup& pg) {
+        const int k = *pg.tp_local_rank();
+        auto col = Linear1DCol::FromGlobal(m.w1, m.b1, &pg, {});
+        auto row = Linear1DRow::FromGlobal(m.w2, m.b2, &pg, {});
+        ASSERT_TRUE(col.ok() && row.ok()) << col.status() << row.status();
+        EXPECT_EQ(col->weight().local().shape(), (Shape{36 / p, 12}));
+        EXPECT_EQ(row->weight().local().shape(), (Shape{12, 36 / p}));
+        auto x = ColoTensor::FromGlobal(m.x, DistSpec(), &pg, /*requires_grad=*/true);
+        ASSERT_TRUE(x.ok());
+        auto h = col->Forward(*x);
+        ASSERT_TRUE(h.ok()) << h.status();
+        EXPECT_EQ(h->local().shape(), (Shape{3, 5, 36 / p}));
+        auto act = ColoTensor::FromLocal(*Gelu(h->variable(), kernels::GeluApprox::kTanh), h->spec(), &pg);
+        auto y = row->Forward(*act);
+        ASSERT_TRUE(y.ok()) << y.status();
+        EXPECT_EQ(Stats(pg, "tp", "all_reduce").calls, 1) << "forward";
+        EXPECT_EQ(Stats(pg, "tp", "all_reduce").bytes, 3 * 5 * 12 * 4) << "the [3, 5, 12] f32 output";
+        ExpectClose(y->local(), ref.y, "output");
+
+        ASSERT_TRUE(Backward(*Sum(*Mul(y->variable(), Variable(m.r)))).ok());
+        EXPECT_EQ(Stats(pg, "tp", "all_reduce").calls, 2) << "forward + backward";
+        EXPECT_EQ(Stats(pg, "tp", "all_gather").calls, 0);
+        ExpectClose(*x->variable().grad(), ref.dx, "input gradient");
+        ExpectClose(*col->weight().variable().grad(), *ref.dw1.Chunk(0, p, k), "col weight gradient");
+        ExpectClose(*col->bias()->variable().grad(), *ref.db1.Chunk(0, p, k), "col bias gradient");
+        ExpectClose(*row->weight().variable().grad(), *ref.dw2.Chunk(1, p, k), "row weight gradient");
+        ExpectClose(*row->bias()->variable().grad(), ref.db2, "row bias gradient");
+        (void)rank;
+      },
+      /*instrument=*/true);
+}
+
+TEST_P(Linear1D, GatherOutputAndReplicatedRowInputMatchTheUnshardedLayers) {
+  const int p = GetParam();
+  const Mlp m = MakeMlp(12, 36);
+  // Col with gather_output, then Row slicing its replicated input itself.
+  Variable x0(m.x, true), w1(m.w1, true), w2(m.w2, true);
+  Variable ref_h = *Linear(x0, w1, std::nullopt);
+  Variable ref_y = *Linear(ref_h, w2, std::nullopt);
+  ASSERT_TRUE(Backward(*Sum(*Mul(ref_y, Variable(m.r)))).ok());
+  RunMesh(TpDpMesh(p), [&](int, ProcessGroup& pg) {
+    const int k = *pg.tp_local_rank();
+    auto col = Linear1DCol::FromGlobal(m.w1, std::nullopt, &pg, {.gather_output = true});
+    auto row = Linear1DRow::FromGlobal(m.w2, std::nullopt, &pg, {.parallel_input = false});
+    auto x = ColoTensor::FromGlobal(m.x, DistSpec(), &pg, true);
+    auto h = col->Forward(*x);
+    ASSERT_TRUE(h.ok()) << h.status();
+    EXPECT_EQ(h->spec().Get("tp"), Placement::Replicate());
+    ExpectClose(h->local(), ref_h.value(), "gathered output");
+    auto y = row->Forward(*h);
+    ASSERT_TRUE(y.ok()) << y.status();
+    ExpectClose(y->local(), ref_y.value(), "output");
+    ASSERT_TRUE(Backward(*Sum(*Mul(y->variable(), Variable(m.r)))).ok());
+    ExpectClose(*x->variable().grad(), *x0.grad(), "input gradient");
+    ExpectClose(*col->weight().variable().grad(), *w1.grad()->Chunk(0, p, k), "col weight gradient");
+    ExpectClose(*row->weight().variable().grad(), *w2.grad()->Chunk(1, p, k), "row weight gradient");
+    // A Row layer with parallel_input refuses a replicated input.
+    auto strict = Linear1DRow::FromGlobal(m.w2, std::nullopt, &pg, {});
+    EXPECT_EQ(strict->Forward(*h).status().code(), absl::StatusCode::kInvalidArgument);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Linear1D, ::testing::Values(2, 4));
+
+TEST(Linear1DErrors, IndivisibleOrMisshapedWeightsAreInvalidArgument) {
+  RunMesh(TpDpMesh(4), [](int, ProcessGroup& pg) {
+    auto odd = Linear1DCol::FromGlobal(*Tensor::Zeros({6, 8}, DType::kF32), std::nullopt, &pg, {});
+    EXPECT_EQ(odd.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(odd.status().message().find("weight"), absl::string_view::npos) << odd.status();
+    EXPECT_NE(odd.status().message().find("dim 0 of size 6"), absl::string_view::npos) << odd.status();
+    auto bias = Linear1DRow::FromGlobal(*Tensor::Zeros({8, 8}, DType::kF32), *Tensor::Zeros({7}, DType::kF32), &pg, {});
+    EXPECT_EQ(bias.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(bias.status().message().find("bias must be [8]"), absl::string_view::npos) << bias.status();
+  });
+}
+
+}  // namespace
+}  // namespace colod::nn
