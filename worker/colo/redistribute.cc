@@ -51,6 +51,7 @@ struct Edge {
 std::optional<Edge> Direct(const Placement& from, const Placement& to, int n) {
   const double frac = n > 0 ? static_cast<double>(n - 1) / n : 0;
   if (from == to) return std::nullopt;
+  if (n == 1) return Edge{Collective::kNone, 0};  // one rank: every placement holds the whole tensor
   if (from.kind == K::kReplicate) return Edge{Collective::kNone, 0};  // slice or keep
   if (to.kind == K::kReplicate) {
     return from.kind == K::kShard ? Edge{Collective::kAllGather, frac} : Edge{Collective::kAllReduce, 2 * frac};
@@ -335,6 +336,7 @@ absl::StatusOr<std::vector<RedistributeStep>> PlanRedistribute(const DistSpec& f
 
 absl::StatusOr<Tensor> RunStep(const Tensor& local, const RedistributeStep& step, Communicator& comm,
                                int local_rank, absl::Duration timeout) {
+  if (comm.size() == 1) return local;
   return Convert(local, step.from, step.to, comm, local_rank, timeout);
 }
 
@@ -342,6 +344,7 @@ absl::StatusOr<Tensor> RunStepBackward(const Tensor& grad, const RedistributeSte
                                        int local_rank, absl::Duration timeout) {
   const Placement& from = step.from;
   const Placement& to = step.to;
+  if (comm.size() == 1) return grad;
   if (to.kind == K::kPartial) return grad;  // R -> P: identity
   if (from.kind == K::kPartial) {
     if (to.kind == K::kReplicate) return grad;                                           // P -> R: identity

@@ -86,6 +86,13 @@ TEST(PlanRedistribute, NestedShardsGatherInnermostFirstAndSliceOutermostFirst) {
             (V{"tp:all_to_all"}));
 }
 
+TEST(PlanRedistribute, OneRankAxesMoveNoBytes) {
+  const DeviceMesh mesh = Mesh(1, 2);
+  auto plan = PlanOrDie(Tp(Placement::Partial()), Tp(Placement::Shard({0}, {1})), {6, 4}, mesh);
+  EXPECT_EQ(Names(plan), (V{"tp:local"}));
+  EXPECT_EQ(plan[0].bytes_per_rank, 0);
+}
+
 TEST(NormalizeSpec, RejectsOverlappingAxesAndRepeatedDims) {
   const DeviceMesh mesh = Mesh(4, 1, v1::TENSOR_PARALLEL_MODE_2D);
   auto overlap = NormalizeSpec(

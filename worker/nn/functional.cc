@@ -67,6 +67,7 @@ absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& gamma, con
 
 absl::StatusOr<Variable> ReduceGradient(const Variable& x, Communicator* comm, absl::Duration timeout) {
   return RecordOp("reduce_gradient", {x}, x.value(), [comm, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
+    if (comm->size() == 1) return Grads{dy};
     Tensor g = dy.Clone();
     RETURN_IF_ERROR(comm->AllReduce(g.raw_data(), g.numel(), g.dtype(), ReduceOp::kSum)->Wait(timeout));
     return Grads{g};
