@@ -52,6 +52,65 @@ struct LayerNormGrads {
 absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                                                  const Tensor& mean, const Tensor& rstd);
 
+// RMSNorm over the last dim (LLaMA): y = x * rstd * gamma, rstd =
+// 1 / sqrt(mean(x^2) + eps); rstd ([rows], f32) is kept for the backward.
+struct RmsNormResult {
+  Tensor y, rstd;
+};
+absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, float eps);
+struct RmsNormGrads {
+  Tensor dx, dgamma;
+};
+absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                             const Tensor& rstd);
+
+// Softmax over the last dim. With `causal`, x is [..., Q, K] attention scores
+// and key j is masked for query i when j > i + (K - Q) (a query sees the keys
+// up to its own position, counting a cached prefix of K - Q keys).
+absl::StatusOr<Tensor> Softmax(const Tensor& x, bool causal);
+// dx = y * (dy - sum(dy * y)) over the last dim, from the softmax output y.
+absl::StatusOr<Tensor> SoftmaxBackward(const Tensor& dy, const Tensor& y);
+
+// Inverted dropout with a counter-based mask: element i is kept when
+// PhiloxUniform(seed, offset + i) >= p and scaled by 1 / (1 - p). The same
+// (seed, offset) gives the same mask on every device; the backward
+// regenerates it, so no mask is stored. p in [0, 1).
+absl::StatusOr<Tensor> Dropout(const Tensor& x, float p, uint64_t seed, uint64_t offset);
+absl::StatusOr<Tensor> DropoutBackward(const Tensor& dy, float p, uint64_t seed, uint64_t offset);
+
+// Rows of `table` [rows, H] for integer `ids` [...] -> [..., H]. The table
+// holds vocabulary rows [row_offset, row_offset + rows); with
+// `mask_out_of_range` an id outside them gives a zero row (a vocab-parallel
+// shard), otherwise it is INVALID_ARGUMENT naming the id.
+absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t row_offset = 0,
+                                 bool mask_out_of_range = false);
+// The table gradient: dy rows scatter-added into [rows, H] (masked ids skipped).
+absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t rows, int64_t row_offset = 0);
+
+// Cross-entropy per row of logits [N, V] against integer labels [N], with
+// label smoothing s: the target is (1 - s) * onehot + s / V. A label equal to
+// `ignore_index` contributes loss 0 and no gradient; any other label outside
+// [0, V) is INVALID_ARGUMENT. Returns the per-row loss [N] (f32).
+absl::StatusOr<Tensor> CrossEntropy(const Tensor& logits, const Tensor& labels, float label_smoothing = 0,
+                                    int64_t ignore_index = -100);
+// dlogits = dloss[n] * (softmax(logits) - target).
+absl::StatusOr<Tensor> CrossEntropyBackward(const Tensor& dloss, const Tensor& logits, const Tensor& labels,
+                                            float label_smoothing = 0, int64_t ignore_index = -100);
+
+// Rotary position embedding, HF LLaMA's rotate_half convention, on x
+// [B, S, heads, D] (D even): for i < D/2 with angle = (position_offset + s) *
+// theta^(-2i/D), (x_i, x_{i+D/2}) turns by the angle. The backward turns dy
+// by minus the angle.
+absl::StatusOr<Tensor> Rope(const Tensor& x, float theta, int64_t position_offset = 0);
+absl::StatusOr<Tensor> RopeBackward(const Tensor& dy, float theta, int64_t position_offset = 0);
+
+// One fused AdamW step in place on f32 `param`, `m`, `v` (same shape as
+// `grad`): decoupled weight decay, bias correction with `step` (1-based).
+struct AdamWOptions {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.01f;
+};
+absl::Status AdamW(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, int64_t step, const AdamWOptions& o);
+
 }  // namespace colod::kernels
 
 #endif  // COLOD_KERNELS_OPS_H_

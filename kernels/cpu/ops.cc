@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/ops.h"
+#include "kernels/philox.h"
 
 namespace colod::kernels {
 namespace {
@@ -249,6 +250,339 @@ absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor&
   ASSIGN_OR_RETURN(dgamma, Back(dgamma, gamma.dtype()));
   ASSIGN_OR_RETURN(dbeta, Back(dbeta, gamma.dtype()));
   return LayerNormGrads{std::move(dx), std::move(dgamma), std::move(dbeta)};
+}
+
+absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, float eps) {
+  const int64_t n = LastDim(x);
+  if (x.dim() == 0 || gamma.shape() != Shape{n}) {
+    return absl::InvalidArgumentError(absl::StrCat("rms_norm: gamma ", ShapeToString(gamma.shape()), " must be [", n,
+                                                   "] for input ", ShapeToString(x.shape())));
+  }
+  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "rms_norm"));
+  ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "rms_norm"));
+  const int64_t rows = n == 0 ? 0 : fx.numel() / n;
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), DType::kF32));
+  ASSIGN_OR_RETURN(Tensor rstd, Tensor::Empty({rows}, DType::kF32));
+  const float* px = fx.data<float>();
+  const float* g = fg.data<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t j = 0; j < n; ++j) ss += static_cast<double>(px[r * n + j]) * px[r * n + j];
+    const float rs = static_cast<float>(1.0 / std::sqrt(ss / n + eps));
+    for (int64_t j = 0; j < n; ++j) y.data<float>()[r * n + j] = px[r * n + j] * rs * g[j];
+    rstd.data<float>()[r] = rs;
+  }
+  ASSIGN_OR_RETURN(y, Back(y, x.dtype()));
+  return RmsNormResult{std::move(y), std::move(rstd)};
+}
+
+absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                             const Tensor& rstd) {
+  RETURN_IF_ERROR(SameShapes(dy, x, "rms_norm_backward"));
+  const int64_t n = LastDim(x), rows = n == 0 ? 0 : x.numel() / n;
+  if (gamma.shape() != Shape{n} || rstd.shape() != Shape{rows}) {
+    return absl::InvalidArgumentError("rms_norm_backward: gamma or rstd does not match the input");
+  }
+  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "rms_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "rms_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "rms_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor fr, AsF32(rstd, "rms_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), DType::kF32));
+  std::vector<double> dg(n, 0.0);
+  const float* px = fx.data<float>();
+  const float* pd = fd.data<float>();
+  const float* g = fg.data<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float rs = fr.data<float>()[r];
+    // y = x * rs * g; dx = rs * (dy*g - x * rs^2 * mean(dy*g*x)).
+    double dot = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      dot += static_cast<double>(pd[r * n + j]) * g[j] * px[r * n + j];
+      dg[j] += static_cast<double>(pd[r * n + j]) * px[r * n + j] * rs;
+    }
+    const float c = static_cast<float>(dot / n) * rs * rs;
+    for (int64_t j = 0; j < n; ++j) dx.data<float>()[r * n + j] = rs * (pd[r * n + j] * g[j] - px[r * n + j] * c);
+  }
+  ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, DType::kF32));
+  for (int64_t j = 0; j < n; ++j) dgamma.data<float>()[j] = static_cast<float>(dg[j]);
+  ASSIGN_OR_RETURN(dx, Back(dx, x.dtype()));
+  ASSIGN_OR_RETURN(dgamma, Back(dgamma, gamma.dtype()));
+  return RmsNormGrads{std::move(dx), std::move(dgamma)};
+}
+
+absl::StatusOr<Tensor> Softmax(const Tensor& x, bool causal) {
+  if (x.dim() == 0 || (causal && x.dim() < 2)) {
+    return absl::InvalidArgumentError(absl::StrCat("softmax: input ", ShapeToString(x.shape()),
+                                                   causal ? " must be [..., Q, K]" : " needs a last dim"));
+  }
+  ASSIGN_OR_RETURN(Tensor f, AsF32(x, "softmax"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32));
+  const int64_t k = LastDim(f), rows = k == 0 ? 0 : f.numel() / k;
+  const int64_t q = causal ? x.shape()[x.dim() - 2] : 1;
+  const int64_t prefix = causal ? k - q : 0;
+  if (causal && prefix < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("softmax: causal scores ", ShapeToString(x.shape()),
+                                                   " have more queries than keys"));
+  }
+  const float* p = f.data<float>();
+  float* o = out.data<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = causal ? (r % q) + prefix + 1 : k;
+    const float* row = p + r * k;
+    float* orow = o + r * k;
+    float mx = row[0];
+    for (int64_t j = 1; j < visible; ++j) mx = std::max(mx, row[j]);
+    double sum = 0;
+    for (int64_t j = 0; j < visible; ++j) {
+      orow[j] = std::exp(row[j] - mx);
+      sum += orow[j];
+    }
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int64_t j = 0; j < visible; ++j) orow[j] *= inv;
+    for (int64_t j = visible; j < k; ++j) orow[j] = 0.0f;
+  }
+  return Back(out, x.dtype());
+}
+
+absl::StatusOr<Tensor> SoftmaxBackward(const Tensor& dy, const Tensor& y) {
+  RETURN_IF_ERROR(SameShapes(dy, y, "softmax_backward"));
+  ASSIGN_OR_RETURN(Tensor fy, AsF32(y, "softmax_backward"));
+  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "softmax_backward"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(y.shape(), DType::kF32));
+  const int64_t k = LastDim(fy), rows = k == 0 ? 0 : fy.numel() / k;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* py = fy.data<float>() + r * k;
+    const float* pd = fd.data<float>() + r * k;
+    double dot = 0;
+    for (int64_t j = 0; j < k; ++j) dot += static_cast<double>(pd[j]) * py[j];
+    for (int64_t j = 0; j < k; ++j) out.data<float>()[r * k + j] = py[j] * (pd[j] - static_cast<float>(dot));
+  }
+  return Back(out, y.dtype());
+}
+
+namespace {
+
+absl::StatusOr<Tensor> ApplyDropout(const Tensor& x, float p, uint64_t seed, uint64_t offset, const char* op) {
+  if (!(p >= 0.0f && p < 1.0f)) return absl::InvalidArgumentError(absl::StrCat(op, ": p = ", p, " is not in [0, 1)"));
+  ASSIGN_OR_RETURN(Tensor f, AsF32(x, op));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32));
+  const float scale = 1.0f / (1.0f - p);
+  const float* px = f.data<float>();
+  float* o = out.data<float>();
+  for (int64_t i = 0; i < f.numel(); ++i) {
+    o[i] = PhiloxUniform(seed, offset + static_cast<uint64_t>(i)) >= p ? px[i] * scale : 0.0f;
+  }
+  return Back(out, x.dtype());
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> Dropout(const Tensor& x, float p, uint64_t seed, uint64_t offset) {
+  return ApplyDropout(x, p, seed, offset, "dropout");
+}
+
+absl::StatusOr<Tensor> DropoutBackward(const Tensor& dy, float p, uint64_t seed, uint64_t offset) {
+  return ApplyDropout(dy, p, seed, offset, "dropout_backward");
+}
+
+namespace {
+
+absl::StatusOr<std::vector<int64_t>> Ids(const Tensor& ids, const char* op) {
+  RETURN_IF_ERROR(HostOnly(ids, op));
+  if (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ids must be i32 or i64, got ", DTypeName(ids.dtype())));
+  }
+  return ids.ToInt64s();
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t row_offset, bool mask_out_of_range) {
+  if (table.dim() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("embedding: table must be [rows, H], got ",
+                                                   ShapeToString(table.shape())));
+  }
+  ASSIGN_OR_RETURN(std::vector<int64_t> idv, Ids(ids, "embedding"));
+  ASSIGN_OR_RETURN(Tensor ft, AsF32(table, "embedding"));
+  const int64_t rows = table.shape()[0], h = table.shape()[1];
+  Shape shape = ids.shape();
+  shape.push_back(h);
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros(shape, DType::kF32));
+  for (size_t i = 0; i < idv.size(); ++i) {
+    const int64_t local = idv[i] - row_offset;
+    if (local < 0 || local >= rows) {
+      if (mask_out_of_range) continue;
+      return absl::InvalidArgumentError(absl::StrCat("embedding: id ", idv[i], " at position ", i,
+                                                     " is outside the vocabulary [", row_offset, ", ",
+                                                     row_offset + rows, ")"));
+    }
+    std::copy(ft.data<float>() + local * h, ft.data<float>() + (local + 1) * h, out.data<float>() + i * h);
+  }
+  return Back(out, table.dtype());
+}
+
+absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t rows, int64_t row_offset) {
+  ASSIGN_OR_RETURN(std::vector<int64_t> idv, Ids(ids, "embedding_backward"));
+  const int64_t h = LastDim(dy);
+  if (dy.dim() != ids.dim() + 1 || static_cast<int64_t>(idv.size()) * h != dy.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat("embedding_backward: dy ", ShapeToString(dy.shape()),
+                                                   " does not match ids ", ShapeToString(ids.shape())));
+  }
+  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "embedding_backward"));
+  std::vector<double> acc(rows * h, 0.0);
+  for (size_t i = 0; i < idv.size(); ++i) {
+    const int64_t local = idv[i] - row_offset;
+    if (local < 0 || local >= rows) continue;
+    for (int64_t j = 0; j < h; ++j) acc[local * h + j] += fd.data<float>()[i * h + j];
+  }
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({rows, h}, DType::kF32));
+  for (int64_t i = 0; i < rows * h; ++i) out.data<float>()[i] = static_cast<float>(acc[i]);
+  return Back(out, dy.dtype());
+}
+
+namespace {
+
+struct CeInputs {
+  Tensor logits;
+  std::vector<int64_t> labels;
+  int64_t n, v;
+};
+
+absl::StatusOr<CeInputs> CheckCe(const Tensor& logits, const Tensor& labels, int64_t ignore_index, const char* op) {
+  if (logits.dim() != 2 || labels.dim() != 1 || labels.shape()[0] != logits.shape()[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": logits ", ShapeToString(logits.shape()), " and labels ",
+                                                   ShapeToString(labels.shape()), " must be [N, V] and [N]"));
+  }
+  ASSIGN_OR_RETURN(std::vector<int64_t> lab, Ids(labels, op));
+  const int64_t v = logits.shape()[1];
+  for (size_t i = 0; i < lab.size(); ++i) {
+    if (lab[i] != ignore_index && (lab[i] < 0 || lab[i] >= v)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": label ", lab[i], " at row ", i, " is outside the vocabulary [0, ", v, ")"));
+    }
+  }
+  ASSIGN_OR_RETURN(Tensor f, AsF32(logits, op));
+  return CeInputs{f, std::move(lab), logits.shape()[0], v};
+}
+
+// log(sum(exp(row))) in double.
+double LogSumExp(const float* row, int64_t v) {
+  float mx = row[0];
+  for (int64_t j = 1; j < v; ++j) mx = std::max(mx, row[j]);
+  double s = 0;
+  for (int64_t j = 0; j < v; ++j) s += std::exp(static_cast<double>(row[j]) - mx);
+  return mx + std::log(s);
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> CrossEntropy(const Tensor& logits, const Tensor& labels, float label_smoothing,
+                                    int64_t ignore_index) {
+  ASSIGN_OR_RETURN(CeInputs in, CheckCe(logits, labels, ignore_index, "cross_entropy"));
+  ASSIGN_OR_RETURN(Tensor loss, Tensor::Zeros({in.n}, DType::kF32));
+  for (int64_t r = 0; r < in.n; ++r) {
+    if (in.labels[r] == ignore_index) continue;
+    const float* row = in.logits.data<float>() + r * in.v;
+    const double lse = LogSumExp(row, in.v);
+    double mean_logit = 0;
+    for (int64_t j = 0; j < in.v; ++j) mean_logit += row[j];
+    mean_logit /= in.v;
+    loss.data<float>()[r] = static_cast<float>(lse - (1.0 - label_smoothing) * row[in.labels[r]] -
+                                               label_smoothing * mean_logit);
+  }
+  return loss;
+}
+
+absl::StatusOr<Tensor> CrossEntropyBackward(const Tensor& dloss, const Tensor& logits, const Tensor& labels,
+                                            float label_smoothing, int64_t ignore_index) {
+  ASSIGN_OR_RETURN(CeInputs in, CheckCe(logits, labels, ignore_index, "cross_entropy_backward"));
+  if (dloss.shape() != Shape{in.n}) {
+    return absl::InvalidArgumentError(absl::StrCat("cross_entropy_backward: dloss ", ShapeToString(dloss.shape()),
+                                                   " must be [", in.n, "]"));
+  }
+  const std::vector<float> dl = dloss.ToFloats();
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros({in.n, in.v}, DType::kF32));
+  for (int64_t r = 0; r < in.n; ++r) {
+    if (in.labels[r] == ignore_index) continue;
+    const float* row = in.logits.data<float>() + r * in.v;
+    float* o = out.data<float>() + r * in.v;
+    const double lse = LogSumExp(row, in.v);
+    for (int64_t j = 0; j < in.v; ++j) {
+      const double target = label_smoothing / in.v + (j == in.labels[r] ? 1.0 - label_smoothing : 0.0);
+      o[j] = static_cast<float>(dl[r] * (std::exp(row[j] - lse) - target));
+    }
+  }
+  return Back(out, logits.dtype());
+}
+
+namespace {
+
+absl::StatusOr<Tensor> Rotate(const Tensor& x, float theta, int64_t position_offset, float sign, const char* op) {
+  if (x.dim() != 4 || x.shape()[3] % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": input ", ShapeToString(x.shape()),
+                                                   " must be [B, S, heads, D] with D even"));
+  }
+  ASSIGN_OR_RETURN(Tensor f, AsF32(x, op));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32));
+  const int64_t b = x.shape()[0], s = x.shape()[1], heads = x.shape()[2], d = x.shape()[3], half = d / 2;
+  std::vector<float> inv_freq(half);
+  for (int64_t i = 0; i < half; ++i) {
+    inv_freq[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(d));
+  }
+  std::vector<float> cosv(half), sinv(half);
+  for (int64_t t = 0; t < s; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(position_offset + t) * inv_freq[i];
+      cosv[i] = std::cos(angle);
+      sinv[i] = sign * std::sin(angle);
+    }
+    for (int64_t bi = 0; bi < b; ++bi) {
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const int64_t base = ((bi * s + t) * heads + hh) * d;
+        const float* px = f.data<float>() + base;
+        float* o = out.data<float>() + base;
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = px[i] * cosv[i] - px[i + half] * sinv[i];
+          o[i + half] = px[i + half] * cosv[i] + px[i] * sinv[i];
+        }
+      }
+    }
+  }
+  return Back(out, x.dtype());
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> Rope(const Tensor& x, float theta, int64_t position_offset) {
+  return Rotate(x, theta, position_offset, 1.0f, "rope");
+}
+
+absl::StatusOr<Tensor> RopeBackward(const Tensor& dy, float theta, int64_t position_offset) {
+  return Rotate(dy, theta, position_offset, -1.0f, "rope_backward");
+}
+
+absl::Status AdamW(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, int64_t step, const AdamWOptions& o) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
+    RETURN_IF_ERROR(HostOnly(*t, "adamw"));
+    if (t->dtype() != DType::kF32 || t->shape() != param.shape() || !t->is_contiguous()) {
+      return absl::InvalidArgumentError(absl::StrCat("adamw: param, grad, m and v must be contiguous f32 of shape ",
+                                                     ShapeToString(param.shape())));
+    }
+  }
+  if (step < 1) return absl::InvalidArgumentError("adamw: step counts from 1");
+  const float bc1 = 1.0f - std::pow(o.beta1, static_cast<float>(step));
+  const float bc2 = 1.0f - std::pow(o.beta2, static_cast<float>(step));
+  float* p = param.data<float>();
+  const float* g = grad.data<float>();
+  float* pm = m.data<float>();
+  float* pv = v.data<float>();
+  for (int64_t i = 0; i < param.numel(); ++i) {
+    p[i] -= o.lr * o.weight_decay * p[i];
+    pm[i] = o.beta1 * pm[i] + (1.0f - o.beta1) * g[i];
+    pv[i] = o.beta2 * pv[i] + (1.0f - o.beta2) * g[i] * g[i];
+    p[i] -= o.lr * (pm[i] / bc1) / (std::sqrt(pv[i] / bc2) + o.eps);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace colod::kernels

@@ -7,6 +7,7 @@
 #include <functional>
 
 #include "gtest/gtest.h"
+#include "kernels/philox.h"
 
 namespace colod::kernels {
 namespace {
@@ -160,6 +161,231 @@ TEST(CpuKernels, LayerNormForwardAndBackwardAgainstFiniteDifferences) {
   ExpectNear(grads->dgamma.ToFloats(), want_dg, 1e-4, 1e-4, "dgamma");
   ExpectNear(grads->dbeta.ToFloats(), want_db, 1e-5, 1e-5, "dbeta");
   EXPECT_EQ(LayerNorm(x, Random({n + 1}, 1), b, 1e-5f).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Central differences of a scalar function of a float vector, in double.
+std::vector<double> NumericGrad(const std::vector<float>& x0, const std::function<double(const std::vector<double>&)>& f,
+                                double h = 1e-6) {
+  std::vector<double> x(x0.begin(), x0.end()), g(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double keep = x[i];
+    x[i] = keep + h;
+    const double up = f(x);
+    x[i] = keep - h;
+    const double down = f(x);
+    x[i] = keep;
+    g[i] = (up - down) / (2 * h);
+  }
+  return g;
+}
+
+TEST(CpuKernels, RmsNormForwardAndBackward) {
+  const int64_t n = 13;
+  const Tensor x = Random({4, n}, 20, 2.0f), g = Random({n}, 21), dy = Random({4, n}, 22);
+  const double eps = 1e-6;
+  auto fwd = [&](const std::vector<double>& xv, const std::vector<double>& gv) {
+    std::vector<double> y(xv.size());
+    for (int64_t r = 0; r < 4; ++r) {
+      double ss = 0;
+      for (int64_t j = 0; j < n; ++j) ss += xv[r * n + j] * xv[r * n + j];
+      const double rs = 1 / std::sqrt(ss / n + eps);
+      for (int64_t j = 0; j < n; ++j) y[r * n + j] = xv[r * n + j] * rs * gv[j];
+    }
+    return y;
+  };
+  const std::vector<float> xv = x.ToFloats(), gv = g.ToFloats(), dv = dy.ToFloats();
+  const std::vector<double> gd(gv.begin(), gv.end()), xd(xv.begin(), xv.end());
+  auto out = RmsNorm(x, g, static_cast<float>(eps));
+  ASSERT_TRUE(out.ok());
+  ExpectNear(out->y.ToFloats(), fwd(xd, gd), 1e-5, 1e-6, "rms_norm");
+  auto loss_x = [&](const std::vector<double>& v) {
+    const auto y = fwd(v, gd);
+    double l = 0;
+    for (size_t i = 0; i < y.size(); ++i) l += dv[i] * y[i];
+    return l;
+  };
+  auto loss_g = [&](const std::vector<double>& v) {
+    const auto y = fwd(xd, v);
+    double l = 0;
+    for (size_t i = 0; i < y.size(); ++i) l += dv[i] * y[i];
+    return l;
+  };
+  auto grads = RmsNormBackward(dy, x, g, out->rstd);
+  ASSERT_TRUE(grads.ok());
+  ExpectNear(grads->dx.ToFloats(), NumericGrad(xv, loss_x), 1e-4, 1e-4, "dx");
+  ExpectNear(grads->dgamma.ToFloats(), NumericGrad(gv, loss_g), 1e-4, 1e-4, "dgamma");
+}
+
+TEST(CpuKernels, CausalSoftmaxMasksTheFutureAndDifferentiates) {
+  // [2 heads, 3 queries, 5 keys]: a cached prefix of 2 keys.
+  const Tensor x = Random({2, 3, 5}, 23, 3.0f), dy = Random({2, 3, 5}, 24);
+  const std::vector<float> xv = x.ToFloats(), dv = dy.ToFloats();
+  auto fwd = [&](const std::vector<double>& v) {
+    std::vector<double> y(v.size(), 0.0);
+    for (int64_t r = 0; r < 6; ++r) {
+      const int64_t visible = (r % 3) + 2 + 1;
+      double s = 0;
+      for (int64_t j = 0; j < visible; ++j) s += std::exp(v[r * 5 + j]);
+      for (int64_t j = 0; j < visible; ++j) y[r * 5 + j] = std::exp(v[r * 5 + j]) / s;
+    }
+    return y;
+  };
+  auto y = Softmax(x, /*causal=*/true);
+  ASSERT_TRUE(y.ok()) << y.status();
+  ExpectNear(y->ToFloats(), fwd(std::vector<double>(xv.begin(), xv.end())), 1e-5, 1e-7, "softmax");
+  EXPECT_EQ(y->ToFloats()[4], 0.0f);  // query 0 cannot see key 4
+  auto dx = SoftmaxBackward(dy, *y);
+  ASSERT_TRUE(dx.ok());
+  ExpectNear(dx->ToFloats(), NumericGrad(xv, [&](const std::vector<double>& v) {
+               const auto p = fwd(v);
+               double l = 0;
+               for (size_t i = 0; i < p.size(); ++i) l += dv[i] * p[i];
+               return l;
+             }),
+             1e-4, 1e-5, "softmax backward");
+  // Plain softmax rows sum to one.
+  const std::vector<float> plain = Softmax(x, false)->ToFloats();
+  for (int r = 0; r < 6; ++r) {
+    double s = 0;
+    for (int j = 0; j < 5; ++j) s += plain[r * 5 + j];
+    EXPECT_NEAR(s, 1.0, 1e-6);
+  }
+}
+
+TEST(CpuKernels, DropoutMaskIsThePhiloxStreamAndBackwardReusesIt) {
+  const Tensor x = Random({64, 33}, 25);
+  const float p = 0.3f;
+  auto y = Dropout(x, p, /*seed=*/99, /*offset=*/1000);
+  ASSERT_TRUE(y.ok());
+  const std::vector<float> xv = x.ToFloats(), yv = y->ToFloats();
+  int64_t kept = 0;
+  for (size_t i = 0; i < xv.size(); ++i) {
+    const bool keep = PhiloxUniform(99, 1000 + i) >= p;
+    ASSERT_EQ(yv[i], keep ? xv[i] * (1.0f / (1.0f - p)) : 0.0f) << i;
+    kept += keep;
+  }
+  // 2112 Bernoulli(0.7) draws: within 5 standard deviations (~105) of 1478.
+  EXPECT_NEAR(static_cast<double>(kept), 0.7 * xv.size(), 5 * std::sqrt(0.21 * xv.size()));
+  const Tensor ones = *Tensor::FromFloats({64, 33}, std::vector<float>(64 * 33, 1.0f));
+  const std::vector<float> mask = DropoutBackward(ones, p, 99, 1000)->ToFloats();
+  for (size_t i = 0; i < xv.size(); ++i) ASSERT_EQ(mask[i] != 0.0f, yv[i] != 0.0f || xv[i] == 0.0f) << i;
+  EXPECT_NE(Dropout(x, p, 99, 1001)->ToFloats(), yv);  // another offset, another mask
+  EXPECT_EQ(Dropout(x, 1.0f, 1, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CpuKernels, EmbeddingGathersMasksAndScatterAdds) {
+  const Tensor table = Random({6, 4}, 26);
+  const Tensor ids = *Tensor::FromInt64s({2, 3}, {0, 5, 2, 2, 7, 3});
+  EXPECT_EQ(Embedding(table, ids).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(Embedding(table, ids).status().message().find("id 7"), absl::string_view::npos);
+  // As the shard holding vocabulary rows [2, 8): ids 0 and 1 are masked.
+  auto y = Embedding(table, ids, /*row_offset=*/2, /*mask_out_of_range=*/true);
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(y->shape(), (Shape{2, 3, 4}));
+  const std::vector<float> t = table.ToFloats(), yv = y->ToFloats();
+  const int64_t local[6] = {-1, 3, 0, 0, 5, 1};
+  for (int i = 0; i < 6; ++i) {
+    for (int j = 0; j < 4; ++j) EXPECT_EQ(yv[i * 4 + j], local[i] < 0 ? 0.0f : t[local[i] * 4 + j]);
+  }
+  const Tensor dy = Random({2, 3, 4}, 27);
+  const std::vector<float> dv = dy.ToFloats(), dt = EmbeddingBackward(dy, ids, 6, 2)->ToFloats();
+  std::vector<double> want(24, 0.0);
+  for (int i = 0; i < 6; ++i) {
+    if (local[i] >= 0) {
+      for (int j = 0; j < 4; ++j) want[local[i] * 4 + j] += dv[i * 4 + j];
+    }
+  }
+  ExpectNear(dt, want, 1e-6, 1e-6, "embedding backward");  // row 0 got two ids' gradients
+}
+
+TEST(CpuKernels, CrossEntropyWithLabelSmoothingAndIgnoredRows) {
+  const int64_t n = 5, v = 11;
+  const Tensor logits = Random({n, v}, 28, 2.0f);
+  const Tensor labels = *Tensor::FromInt64s({n}, {3, 0, -100, 10, 7});
+  const std::vector<float> lv = logits.ToFloats();
+  const std::vector<float> dloss = {0.5f, -1.0f, 2.0f, 1.5f, 0.25f};
+  for (float s : {0.0f, 0.1f}) {
+    auto loss_of = [&](const std::vector<double>& z, int64_t r) {
+      if (r == 2) return 0.0;
+      const int64_t label = labels.ToInt64s()[r];
+      double mx = z[r * v], sum = 0;
+      for (int64_t j = 0; j < v; ++j) mx = std::max(mx, z[r * v + j]);
+      for (int64_t j = 0; j < v; ++j) sum += std::exp(z[r * v + j] - mx);
+      double l = 0;
+      for (int64_t j = 0; j < v; ++j) {
+        const double logp = z[r * v + j] - mx - std::log(sum);
+        l -= (s / v + (j == label ? 1 - s : 0)) * logp;
+      }
+      return l;
+    };
+    std::vector<double> want(n);
+    const std::vector<double> ld(lv.begin(), lv.end());
+    for (int64_t r = 0; r < n; ++r) want[r] = loss_of(ld, r);
+    auto loss = CrossEntropy(logits, labels, s);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    ExpectNear(loss->ToFloats(), want, 1e-5, 1e-6, "cross entropy");
+    auto dl = CrossEntropyBackward(*Tensor::FromFloats({n}, dloss), logits, labels, s);
+    ASSERT_TRUE(dl.ok());
+    ExpectNear(dl->ToFloats(), NumericGrad(lv, [&](const std::vector<double>& z) {
+                 double total = 0;
+                 for (int64_t r = 0; r < n; ++r) total += dloss[r] * loss_of(z, r);
+                 return total;
+               }),
+               1e-4, 1e-5, "cross entropy backward");
+  }
+  auto bad = CrossEntropy(logits, *Tensor::FromInt64s({n}, {3, 0, 1, 11, 7}));
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("label 11 at row 3"), absl::string_view::npos) << bad.status();
+}
+
+TEST(CpuKernels, RopeRotatesPairsHalfADimensionApart) {
+  const int64_t b = 2, s = 3, heads = 2, d = 8;
+  const float theta = 10000.0f;
+  const Tensor x = Random({b, s, heads, d}, 29);
+  auto y = Rope(x, theta, /*position_offset=*/5);
+  ASSERT_TRUE(y.ok()) << y.status();
+  const std::vector<float> xv = x.ToFloats(), yv = y->ToFloats();
+  for (int64_t bi = 0; bi < b; ++bi) {
+    for (int64_t t = 0; t < s; ++t) {
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const int64_t base = ((bi * s + t) * heads + hh) * d;
+        for (int64_t i = 0; i < d / 2; ++i) {
+          const double angle = (5.0 + t) * std::pow(10000.0, -2.0 * i / d);
+          const double x1 = xv[base + i], x2 = xv[base + i + d / 2];
+          EXPECT_NEAR(yv[base + i], x1 * std::cos(angle) - x2 * std::sin(angle), 2e-5);
+          EXPECT_NEAR(yv[base + i + d / 2], x2 * std::cos(angle) + x1 * std::sin(angle), 2e-5);
+        }
+      }
+    }
+  }
+  // The backward is the transpose: <Rope(x), dy> == <x, RopeBackward(dy)>.
+  const Tensor dy = Random({b, s, heads, d}, 30);
+  EXPECT_NEAR(SumAll(*Mul(*y, dy)), SumAll(*Mul(x, *RopeBackward(dy, theta, 5))), 1e-4);
+  EXPECT_EQ(Rope(Random({2, 3, 4}, 1), theta).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CpuKernels, AdamWMatchesTheDoublePrecisionUpdate) {
+  const Tensor p0 = Random({7, 5}, 31), g = Random({7, 5}, 32);
+  Tensor p = p0.Clone(), m = *Tensor::Zeros({7, 5}, DType::kF32), v = *Tensor::Zeros({7, 5}, DType::kF32);
+  AdamWOptions o;
+  o.lr = 0.01f;
+  o.weight_decay = 0.1f;
+  const std::vector<float> p0v = p0.ToFloats();
+  std::vector<double> pd(p0v.begin(), p0v.end()), md(35, 0.0), vd(35, 0.0);
+  const std::vector<float> gv = g.ToFloats();
+  for (int step = 1; step <= 3; ++step) {
+    ASSERT_TRUE(AdamW(p, g, m, v, step, o).ok());
+    for (int i = 0; i < 35; ++i) {
+      pd[i] -= 0.01 * 0.1 * pd[i];
+      md[i] = 0.9 * md[i] + 0.1 * gv[i];
+      vd[i] = 0.999 * vd[i] + 0.001 * gv[i] * gv[i];
+      const double mh = md[i] / (1 - std::pow(0.9, step)), vh = vd[i] / (1 - std::pow(0.999, step));
+      pd[i] -= 0.01 * mh / (std::sqrt(vh) + 1e-8);
+    }
+  }
+  ExpectNear(p.ToFloats(), pd, 1e-5, 1e-6, "adamw");
+  Tensor wrong = *Tensor::Zeros({5, 7}, DType::kF32);
+  EXPECT_EQ(AdamW(p, g, wrong, v, 4, o).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
