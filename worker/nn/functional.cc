@@ -65,6 +65,33 @@ absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& gamma, con
                   });
 }
 
+absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& gamma, float eps) {
+  ASSIGN_OR_RETURN(kernels::RmsNormResult r, kernels::RmsNorm(x.value(), gamma.value(), eps));
+  const Tensor xv = x.value(), gv = gamma.value(), rstd = r.rstd;
+  return RecordOp("rms_norm", {x, gamma}, std::move(r.y), [xv, gv, rstd](const Tensor& dy) -> absl::StatusOr<Grads> {
+    ASSIGN_OR_RETURN(kernels::RmsNormGrads g, kernels::RmsNormBackward(dy, xv, gv, rstd));
+    return Grads{g.dx, g.dgamma};
+  });
+}
+
+absl::StatusOr<Variable> Dropout(const Variable& x, float p, uint64_t seed, uint64_t offset) {
+  ASSIGN_OR_RETURN(Tensor y, kernels::Dropout(x.value(), p, seed, offset));
+  return RecordOp("dropout", {x}, std::move(y), [p, seed, offset](const Tensor& dy) -> absl::StatusOr<Grads> {
+    ASSIGN_OR_RETURN(Tensor dx, kernels::DropoutBackward(dy, p, seed, offset));
+    return Grads{dx};
+  });
+}
+
+absl::StatusOr<Variable> Embedding(const Variable& table, const Tensor& ids, int64_t row_offset,
+                                   bool mask_out_of_range) {
+  ASSIGN_OR_RETURN(Tensor y, kernels::Embedding(table.value(), ids, row_offset, mask_out_of_range));
+  const int64_t rows = table.value().shape()[0];
+  return RecordOp("embedding", {table}, std::move(y), [ids, rows, row_offset](const Tensor& dy) -> absl::StatusOr<Grads> {
+    ASSIGN_OR_RETURN(Tensor dt, kernels::EmbeddingBackward(dy, ids, rows, row_offset));
+    return Grads{dt};
+  });
+}
+
 absl::StatusOr<Variable> ReduceGradient(const Variable& x, Communicator* comm, absl::Duration timeout) {
   return RecordOp("reduce_gradient", {x}, x.value(), [comm, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
     if (comm->size() == 1) return Grads{dy};

@@ -25,6 +25,14 @@ absl::StatusOr<Variable> Gelu(const Variable& x, kernels::GeluApprox approx);
 // LayerNorm over the last dim with affine gamma and beta.
 absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps);
 
+absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& gamma, float eps);
+// Inverted dropout with the Philox mask of (seed, offset); see kernels/ops.h.
+absl::StatusOr<Variable> Dropout(const Variable& x, float p, uint64_t seed, uint64_t offset);
+// Rows of `table` for `ids`, as kernels::Embedding (the table's gradient is a
+// scatter-add; ids get none).
+absl::StatusOr<Variable> Embedding(const Variable& table, const Tensor& ids, int64_t row_offset = 0,
+                                   bool mask_out_of_range = false);
+
 // Forward: the identity. Backward: the gradient all-reduced (sum) over
 // `comm`. Used where a tensor replicated over a group feeds rank-local math,
 // so that each rank's gradient is one term of the true one (Megatron's

@@ -1,0 +1,73 @@
+#include "worker/nn/embedding1d.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/nn/functional.h"
+#include "worker/nn/linear1d.h"
+
+namespace colod::nn {
+
+absl::Status CheckIds(const Tensor& ids, int64_t vocab_size) {
+  if (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32) {
+    return absl::InvalidArgumentError(absl::StrCat("ids must be i32 or i64, got ", DTypeName(ids.dtype())));
+  }
+  const std::vector<int64_t> v = ids.ToInt64s();
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i] < 0 || v[i] >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("token id ", v[i], " at position ", i,
+                                                     " is outside the vocabulary [0, ", vocab_size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<VocabParallelEmbedding1D> VocabParallelEmbedding1D::FromGlobal(const Tensor& table, ProcessGroup* pg,
+                                                                              Options options) {
+  if (table.dim() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("VocabParallelEmbedding1D: the table must be [V, H], got ",
+                                                   ShapeToString(table.shape())));
+  }
+  if (options.pad_to_multiple_of < 1) {
+    return absl::InvalidArgumentError("VocabParallelEmbedding1D: pad_to_multiple_of must be >= 1");
+  }
+  ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
+  const int64_t v = table.shape()[0], multiple = options.pad_to_multiple_of * p;
+  const int64_t vp = (v + multiple - 1) / multiple * multiple;
+  ASSIGN_OR_RETURN(Tensor padded, Tensor::Zeros({vp, table.shape()[1]}, table.dtype(), table.device()));
+  ASSIGN_OR_RETURN(Tensor top, padded.Narrow(0, 0, v));
+  RETURN_IF_ERROR(top.CopyFrom(table));
+  ASSIGN_OR_RETURN(ColoTensor w, ColoTensor::FromGlobal(padded, WithTp({}, Placement::Shard({0}, {p})), pg, true));
+  w.set_compute_spec({ComputePattern::kTP1D, true});
+  ASSIGN_OR_RETURN(int k, pg->tp_local_rank());
+  return VocabParallelEmbedding1D(ColoParameter(std::move(w), "weight"), pg, v, vp, k * (vp / p));
+}
+
+absl::StatusOr<ColoTensor> VocabParallelEmbedding1D::Forward(const Tensor& ids) const {
+  RETURN_IF_ERROR(CheckIds(ids, vocab_size_));
+  ASSIGN_OR_RETURN(Variable partial, Embedding(weight_.variable(), ids, vocab_start_, /*mask_out_of_range=*/true));
+  ASSIGN_OR_RETURN(ColoTensor out, ColoTensor::FromLocal(partial, WithTp({}, Placement::Partial()), pg_));
+  return out.Redistribute(DistSpec());
+}
+
+absl::StatusOr<Embedding1D> Embedding1D::FromGlobal(const Tensor& table, ProcessGroup* pg) {
+  if (table.dim() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("Embedding1D: the table must be [V, H], got ",
+                                                   ShapeToString(table.shape())));
+  }
+  ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
+  auto w = ColoTensor::FromGlobal(table, WithTp({}, Placement::Shard({1}, {p})), pg, true);
+  if (!w.ok()) return absl::InvalidArgumentError(absl::StrCat("Embedding1D weight: ", w.status().message()));
+  w->set_compute_spec({ComputePattern::kTP1D, true});
+  return Embedding1D(ColoParameter(*std::move(w), "weight"), pg);
+}
+
+absl::StatusOr<ColoTensor> Embedding1D::Forward(const Tensor& ids) const {
+  RETURN_IF_ERROR(CheckIds(ids, weight_.global_shape()[0]));
+  ASSIGN_OR_RETURN(int p, pg_->AxisSize("tp"));
+  ASSIGN_OR_RETURN(Variable piece, Embedding(weight_.variable(), ids));
+  ASSIGN_OR_RETURN(ColoTensor out,
+                   ColoTensor::FromLocal(piece, WithTp({}, Placement::Shard({ids.dim()}, {p})), pg_));
+  return out.Redistribute(DistSpec());
+}
+
+}  // namespace colod::nn

@@ -1,0 +1,141 @@
+// 1D embeddings, vocab-parallel cross-entropy and tensor-parallel dropout on
+// 2 and 4 ranks (threads over Gloo on loopback) against the unsharded kernels
+// on the same full tensors.
+#include <cmath>
+#include <mutex>
+
+#include "gtest/gtest.h"
+#include "kernels/ops.h"
+#include "worker/colo/testing.h"
+#include "worker/nn/dropout.h"
+#include "worker/nn/embedding1d.h"
+#include "worker/nn/functional.h"
+#include "worker/nn/vocab_cross_entropy.h"
+
+namespace colod::nn {
+namespace {
+
+using ::colod::testing::RunMesh;
+using ::colod::testing::Stats;
+using ::colod::testing::TpDpMesh;
+
+void ExpectClose(const Tensor& got, const Tensor& want, const std::string& what, double tol = 1e-5) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const std::vector<float> g = got.ToFloats(), w = want.ToFloats();
+  for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], w[i], tol + tol * std::fabs(w[i])) << what << " at " << i;
+}
+
+// Ids that hit every shard of a 64-row padded vocabulary, and its edges.
+Tensor Ids() { return *Tensor::FromInt64s({2, 5}, {0, 15, 16, 31, 32, 49, 47, 3, 16, 48}); }
+
+class Layers1D : public ::testing::TestWithParam<int> {};
+
+TEST_P(Layers1D, VocabParallelEmbeddingMatchesTheFullTableWithPadding) {
+  const int p = GetParam();
+  const Tensor table = *Tensor::RandomNormal({50, 12}, 1), r = *Tensor::RandomNormal({2, 5, 12}, 2);
+  // Reference: lookup and the table's gradient for loss = sum(out * r).
+  Variable full(table, true);
+  Variable ref = *Embedding(full, Ids());
+  ASSERT_TRUE(Backward(*Sum(*Mul(ref, Variable(r)))).ok());
+  const Tensor padded_grad = *Tensor::Cat({*full.grad(), *Tensor::Zeros({14, 12}, DType::kF32)}, 0);
+  RunMesh(TpDpMesh(p), [&](int, ProcessGroup& pg) {
+    const int k = *pg.tp_local_rank();
+    auto emb = VocabParallelEmbedding1D::FromGlobal(table, &pg, {.pad_to_multiple_of = 16 / p});
+    ASSERT_TRUE(emb.ok()) << emb.status();
+    EXPECT_EQ(emb->padded_vocab_size(), 64);  // 50 -> a multiple of 16
+    EXPECT_EQ(emb->weight().local().shape(), (Shape{64 / p, 12}));
+    EXPECT_EQ(emb->vocab_start(), k * 64 / p);
+    auto out = emb->Forward(Ids());
+    ASSERT_TRUE(out.ok()) << out.status();
+    ExpectClose(out->local(), ref.value(), "lookup");
+    ASSERT_TRUE(Backward(*Sum(*Mul(out->variable(), Variable(r)))).ok());
+    ExpectClose(*emb->weight().variable().grad(), *padded_grad.Chunk(0, p, k), "table gradient");
+    auto bad = emb->Forward(*Tensor::FromInt64s({2}, {3, 50}));
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(bad.status().message().find("token id 50 at position 1"), absl::string_view::npos) << bad.status();
+  });
+}
+
+TEST_P(Layers1D, Embedding1DGathersTheHiddenShards) {
+  const int p = GetParam();
+  const Tensor table = *Tensor::RandomNormal({50, 12}, 3), r = *Tensor::RandomNormal({2, 5, 12}, 4);
+  Variable full(table, true);
+  Variable ref = *Embedding(full, Ids());
+  ASSERT_TRUE(Backward(*Sum(*Mul(ref, Variable(r)))).ok());
+  RunMesh(TpDpMesh(p), [&](int, ProcessGroup& pg) {
+    const int k = *pg.tp_local_rank();
+    auto emb = Embedding1D::FromGlobal(table, &pg);
+    ASSERT_TRUE(emb.ok()) << emb.status();
+    auto out = emb->Forward(Ids());
+    ASSERT_TRUE(out.ok()) << out.status();
+    ExpectClose(out->local(), ref.value(), "lookup");
+    ASSERT_TRUE(Backward(*Sum(*Mul(out->variable(), Variable(r)))).ok());
+    ExpectClose(*emb->weight().variable().grad(), *full.grad()->Chunk(1, p, k), "table gradient");
+  });
+}
+
+TEST_P(Layers1D, VocabParallelCrossEntropyEqualsTheUnshardedLoss) {
+  const int p = GetParam();
+  const int64_t n = 7, v = 50, vp = 64;
+  const Tensor logits = *Scale(*Tensor::RandomNormal({n, vp}, 5), 3.0f);
+  const Tensor labels = *Tensor::FromInt64s({n}, {0, 49, 16, -100, 31, 32, 15});
+  const Tensor dloss = *Tensor::RandomNormal({n}, 6);
+  const Tensor real = logits.Narrow(1, 0, v)->Contiguous();
+  for (float s : {0.0f, 0.1f}) {
+    const Tensor want = *kernels::CrossEntropy(real, labels, s);
+    const Tensor want_grad =
+        *Tensor::Cat({*kernels::CrossEntropyBackward(dloss, real, labels, s), *Tensor::Zeros({n, vp - v}, DType::kF32)},
+                     1);
+    RunMesh(
+        TpDpMesh(p),
+        [&](int, ProcessGroup& pg) {
+          const int k = *pg.tp_local_rank();
+          auto z = ColoTensor::FromGlobal(logits, DistSpec().Set("tp", Placement::Shard({1}, {p})), &pg, true);
+          auto loss = VocabParallelCrossEntropy(*z, labels, v, s);
+          ASSERT_TRUE(loss.ok()) << loss.status();
+          EXPECT_EQ(Stats(pg, "tp", "all_reduce").calls, 2);
+          ExpectClose(loss->value(), want, "loss");
+          ASSERT_TRUE(Backward(*loss, dloss).ok());
+          EXPECT_EQ(Stats(pg, "tp", "all_reduce").calls, 2) << "the backward is local";
+          ExpectClose(*z->variable().grad(), *want_grad.Chunk(1, p, k), "logits gradient");
+          auto bad = VocabParallelCrossEntropy(*z, *Tensor::FromInt64s({n}, {0, 1, 2, 3, 50, 5, 6}), v, s);
+          EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+          EXPECT_NE(bad.status().message().find("label 50 at row 4"), absl::string_view::npos) << bad.status();
+        },
+        /*instrument=*/true);
+  }
+}
+
+TEST_P(Layers1D, DropoutMasksDifferForParallelInputAndMatchForReplicatedInput) {
+  const int p = GetParam();
+  const Tensor x = *Tensor::RandomNormal({8, 9}, 7);
+  std::mutex mu;
+  std::vector<std::vector<float>> parallel(p), replicated(p), second(p);
+  RunMesh(TpDpMesh(p), [&](int rank, ProcessGroup& pg) {
+    auto t = ColoTensor::FromGlobal(x, DistSpec(), &pg);
+    auto par = TensorParallelDropout::Create(0.5f, 1234, TensorParallelDropout::Input::kParallel);
+    auto rep = TensorParallelDropout::Create(0.5f, 1234, TensorParallelDropout::Input::kReplicated);
+    ASSERT_TRUE(par.ok() && rep.ok());
+    auto a = par->Forward(*t);
+    auto b = rep->Forward(*t);
+    auto c = rep->Forward(*t);  // the next call draws a fresh mask
+    ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+    EXPECT_EQ(rep->Forward(*t, /*train=*/false)->local().ToFloats(), x.ToFloats());
+    std::lock_guard<std::mutex> lock(mu);
+    parallel[rank] = a->local().ToFloats();
+    replicated[rank] = b->local().ToFloats();
+    second[rank] = c->local().ToFloats();
+  });
+  for (int r = 1; r < p; ++r) {
+    EXPECT_NE(parallel[r], parallel[0]) << "rank " << r;
+    EXPECT_EQ(replicated[r], replicated[0]) << "rank " << r;
+  }
+  EXPECT_NE(second[0], replicated[0]);
+  EXPECT_EQ(TensorParallelDropout::Create(1.0f, 1, TensorParallelDropout::Input::kParallel).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Layers1D, ::testing::Values(2, 4));
+
+}  // namespace
+}  // namespace colod::nn

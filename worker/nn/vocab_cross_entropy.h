@@ -1,0 +1,27 @@
+// Cross-entropy over logits sharded on the vocabulary (Megatron's
+// vocab-parallel cross-entropy): the loss of every row without gathering the
+// logits. Forward runs two all-reduces over tp (the row max; then the sum of
+// exponentials, the target logit and, for label smoothing, the sum of
+// logits, packed into one); backward is local.
+#ifndef COLOD_WORKER_NN_VOCAB_CROSS_ENTROPY_H_
+#define COLOD_WORKER_NN_VOCAB_CROSS_ENTROPY_H_
+
+#include "absl/status/statusor.h"
+#include "worker/colo/colo_tensor.h"
+#include "worker/tensor/autograd.h"
+
+namespace colod::nn {
+
+// `logits` is [..., V_pad] sharded tp: S(-1); the columns from `vocab_size`
+// on are padding and take no part. `labels` holds one integer per row
+// (the leading dims flattened), the same on every tp rank. Returns the loss
+// per row, [rows] f32, replicated over tp, on the tape: the target is
+// (1 - s) * onehot + s / vocab_size, a row labelled `ignore_index` has loss 0
+// and no gradient, and any other label outside [0, vocab_size) is
+// INVALID_ARGUMENT (found before any collective).
+absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, const Tensor& labels, int64_t vocab_size,
+                                                   float label_smoothing = 0, int64_t ignore_index = -100);
+
+}  // namespace colod::nn
+
+#endif  // COLOD_WORKER_NN_VOCAB_CROSS_ENTROPY_H_
