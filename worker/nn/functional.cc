@@ -1,5 +1,6 @@
 #include "worker/nn/functional.h"
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace colod::nn {
@@ -35,6 +36,15 @@ absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std:
       g.push_back(db);
     }
     return g;
+  });
+}
+
+absl::StatusOr<Variable> Reshape(const Variable& x, const Shape& shape) {
+  ASSIGN_OR_RETURN(Tensor y, x.value().Reshape(shape));
+  const Shape original = x.value().shape();
+  return RecordOp("reshape", {x}, std::move(y), [original](const Tensor& dy) -> absl::StatusOr<Grads> {
+    ASSIGN_OR_RETURN(Tensor dx, dy.Reshape(original));
+    return Grads{dx};
   });
 }
 
@@ -90,6 +100,97 @@ absl::StatusOr<Variable> Embedding(const Variable& table, const Tensor& ids, int
     ASSIGN_OR_RETURN(Tensor dt, kernels::EmbeddingBackward(dy, ids, rows, row_offset));
     return Grads{dt};
   });
+}
+
+namespace {
+
+// [B, S, H, D] -> [B, H, S, D], contiguous, so that each (b, h) is an [S, D] matrix.
+absl::StatusOr<Tensor> HeadsFirst(const Tensor& t) {
+  ASSIGN_OR_RETURN(Tensor v, t.Transpose(1, 2));
+  return v.Contiguous();
+}
+
+absl::StatusOr<Tensor> HeadMatrix(const Tensor& heads_first, int64_t b, int64_t h) {
+  ASSIGN_OR_RETURN(Tensor m, heads_first.Narrow(0, b, 1));
+  ASSIGN_OR_RETURN(m, m.Narrow(1, h, 1));
+  return m.Reshape({heads_first.shape()[2], heads_first.shape()[3]});
+}
+
+}  // namespace
+
+absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, const Variable& v, float scale) {
+  const Shape& qs = q.value().shape();
+  const Shape& ks = k.value().shape();
+  if (qs.size() != 4 || ks.size() != 4 || ks != v.value().shape() || qs[0] != ks[0] || qs[1] != ks[1] ||
+      qs[3] != ks[3] || ks[2] == 0 || qs[2] % ks[2] != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention: q ", ShapeToString(qs), ", k ", ShapeToString(ks), ", v ", ShapeToString(v.value().shape()),
+        " must be [B, S, Hq, D] and [B, S, Hkv, D] with Hq a multiple of Hkv"));
+  }
+  const int64_t batch = qs[0], seq = qs[1], hq = qs[2], hkv = ks[2], d = qs[3], group = hq / hkv;
+  ASSIGN_OR_RETURN(Tensor qh, HeadsFirst(q.value()));
+  ASSIGN_OR_RETURN(Tensor kh, HeadsFirst(k.value()));
+  ASSIGN_OR_RETURN(Tensor vh, HeadsFirst(v.value()));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({batch, hq, seq, d}, DType::kF32));
+  // The probabilities of every (b, h), kept for the backward: [B, Hq, S, S].
+  ASSIGN_OR_RETURN(Tensor probs, Tensor::Empty({batch, hq, seq, seq}, DType::kF32));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < hq; ++h) {
+      ASSIGN_OR_RETURN(Tensor qm, HeadMatrix(qh, b, h));
+      ASSIGN_OR_RETURN(Tensor km, HeadMatrix(kh, b, h / group));
+      ASSIGN_OR_RETURN(Tensor vm, HeadMatrix(vh, b, h / group));
+      ASSIGN_OR_RETURN(Tensor scores, kernels::MatMul(qm, km, false, true));
+      ASSIGN_OR_RETURN(scores, Scale(scores, scale));
+      ASSIGN_OR_RETURN(Tensor pm, kernels::Softmax(scores, /*causal=*/true));
+      ASSIGN_OR_RETURN(Tensor om, kernels::MatMul(pm, vm));
+      ASSIGN_OR_RETURN(Tensor slot, HeadMatrix(out, b, h));
+      RETURN_IF_ERROR(slot.CopyFrom(om));
+      ASSIGN_OR_RETURN(Tensor pslot, HeadMatrix(probs, b, h));
+      RETURN_IF_ERROR(pslot.CopyFrom(pm));
+    }
+  }
+  ASSIGN_OR_RETURN(Tensor y, out.Transpose(1, 2));
+  const DType dtype = q.value().dtype();
+  ASSIGN_OR_RETURN(y, y.Contiguous().ToDType(dtype));
+  return RecordOp(
+      "causal_attention", {q, k, v}, std::move(y),
+      [qh, kh, vh, probs, batch, seq, hq, hkv, d, group, scale, dtype](const Tensor& dy) -> absl::StatusOr<Grads> {
+        ASSIGN_OR_RETURN(Tensor dyh, HeadsFirst(dy));
+        ASSIGN_OR_RETURN(dyh, dyh.ToDType(DType::kF32));
+        ASSIGN_OR_RETURN(Tensor dq, Tensor::Zeros({batch, hq, seq, d}, DType::kF32));
+        ASSIGN_OR_RETURN(Tensor dk, Tensor::Zeros({batch, hkv, seq, d}, DType::kF32));
+        ASSIGN_OR_RETURN(Tensor dv, Tensor::Zeros({batch, hkv, seq, d}, DType::kF32));
+        for (int64_t b = 0; b < batch; ++b) {
+          for (int64_t h = 0; h < hq; ++h) {
+            ASSIGN_OR_RETURN(Tensor qm, HeadMatrix(qh, b, h));
+            ASSIGN_OR_RETURN(Tensor km, HeadMatrix(kh, b, h / group));
+            ASSIGN_OR_RETURN(Tensor vm, HeadMatrix(vh, b, h / group));
+            ASSIGN_OR_RETURN(Tensor pm, HeadMatrix(probs, b, h));
+            ASSIGN_OR_RETURN(Tensor dom, HeadMatrix(dyh, b, h));
+            ASSIGN_OR_RETURN(Tensor dp, kernels::MatMul(dom, vm, false, true));  // dO v^T
+            ASSIGN_OR_RETURN(Tensor dvm, kernels::MatMul(pm, dom, true));       // P^T dO
+            ASSIGN_OR_RETURN(Tensor ds, kernels::SoftmaxBackward(dp, pm));
+            ASSIGN_OR_RETURN(ds, Scale(ds, scale));
+            ASSIGN_OR_RETURN(Tensor dqm, kernels::MatMul(ds, km));        // dS k
+            ASSIGN_OR_RETURN(Tensor dkm, kernels::MatMul(ds, qm, true));  // dS^T q
+            ASSIGN_OR_RETURN(Tensor dq_slot, HeadMatrix(dq, b, h));
+            RETURN_IF_ERROR(dq_slot.CopyFrom(dqm));
+            ASSIGN_OR_RETURN(Tensor dk_slot, HeadMatrix(dk, b, h / group));
+            ASSIGN_OR_RETURN(Tensor dk_sum, Add(dk_slot, dkm));
+            RETURN_IF_ERROR(dk_slot.CopyFrom(dk_sum));
+            ASSIGN_OR_RETURN(Tensor dv_slot, HeadMatrix(dv, b, h / group));
+            ASSIGN_OR_RETURN(Tensor dv_sum, Add(dv_slot, dvm));
+            RETURN_IF_ERROR(dv_slot.CopyFrom(dv_sum));
+          }
+        }
+        Grads g;
+        for (Tensor* t : {&dq, &dk, &dv}) {
+          ASSIGN_OR_RETURN(Tensor back, t->Transpose(1, 2));
+          ASSIGN_OR_RETURN(back, back.Contiguous().ToDType(dtype));
+          g.push_back(back);
+        }
+        return g;
+      });
 }
 
 absl::StatusOr<Variable> ReduceGradient(const Variable& x, Communicator* comm, absl::Duration timeout) {

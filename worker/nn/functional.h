@@ -19,6 +19,8 @@ namespace colod::nn {
 // y = x @ w^T (+ b), torch.nn.Linear's layout: x [..., in], w [out, in],
 // b [out]. Backward: dx = dy @ w, dw = dy^T @ x over all rows, db = sum dy.
 absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b);
+// The same elements in a new shape (a view when x is contiguous).
+absl::StatusOr<Variable> Reshape(const Variable& x, const Shape& shape);
 // x + b over the last dim.
 absl::StatusOr<Variable> BiasAdd(const Variable& x, const Variable& b);
 absl::StatusOr<Variable> Gelu(const Variable& x, kernels::GeluApprox approx);
@@ -32,6 +34,12 @@ absl::StatusOr<Variable> Dropout(const Variable& x, float p, uint64_t seed, uint
 // scatter-add; ids get none).
 absl::StatusOr<Variable> Embedding(const Variable& table, const Tensor& ids, int64_t row_offset = 0,
                                    bool mask_out_of_range = false);
+
+// Causal scaled-dot-product attention, per batch and head: q [B, S, Hq, D],
+// k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query attention:
+// query head h reads kv head h / (Hq / Hkv)); out [B, S, Hq, D] =
+// softmax(q k^T * scale, causal) v. INVALID_ARGUMENT for mismatched shapes.
+absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, const Variable& v, float scale);
 
 // Forward: the identity. Backward: the gradient all-reduced (sum) over
 // `comm`. Used where a tensor replicated over a group feeds rank-local math,

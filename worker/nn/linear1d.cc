@@ -39,15 +39,33 @@ DistSpec WithTp(const DistSpec& spec, Placement p) {
   return out;
 }
 
+absl::StatusOr<Tensor> Conv1DToLinear(const Tensor& conv1d_weight) {
+  if (conv1d_weight.dim() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("a Conv1D weight must be [in, out], got ",
+                                                   ShapeToString(conv1d_weight.shape())));
+  }
+  ASSIGN_OR_RETURN(Tensor t, conv1d_weight.Transpose(0, 1));
+  return t.Contiguous();
+}
+
 absl::StatusOr<Linear1DCol> Linear1DCol::FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
                                                     ProcessGroup* pg, Options options) {
   RETURN_IF_ERROR(CheckMatrix(weight, bias, weight.dim() == 2 ? weight.shape()[0] : 0, "Linear1D_Col"));
+  const int64_t out = weight.shape()[0], in = weight.shape()[1], n = options.fused;
+  if (n < 1 || out % n != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Linear1D_Col: ", out, " outputs cannot be split into fused = ", n, " projections"));
+  }
   ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
-  ASSIGN_OR_RETURN(ColoParameter w, Param(weight, WithTp({}, Placement::Shard({0}, {p})), pg, "weight",
+  // Unfused: [out, in] on dim 0. Fused: [n, out/n, in] on dim 1.
+  const int64_t dim = n == 1 ? 0 : 1;
+  ASSIGN_OR_RETURN(Tensor w_full, n == 1 ? weight : weight.Reshape({n, out / n, in}));
+  ASSIGN_OR_RETURN(ColoParameter w, Param(w_full, WithTp({}, Placement::Shard({dim}, {p})), pg, "weight",
                                           ComputePattern::kTP1D));
   std::optional<ColoParameter> b;
   if (bias.has_value()) {
-    ASSIGN_OR_RETURN(b, Param(*bias, WithTp({}, Placement::Shard({0}, {p})), pg, "bias", ComputePattern::kTP1D));
+    ASSIGN_OR_RETURN(Tensor b_full, n == 1 ? *bias : bias->Reshape({n, out / n}));
+    ASSIGN_OR_RETURN(b, Param(b_full, WithTp({}, Placement::Shard({dim}, {p})), pg, "bias", ComputePattern::kTP1D));
   }
   return Linear1DCol(std::move(w), std::move(b), pg, options);
 }
@@ -60,11 +78,33 @@ absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x) const {
   ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm("tp"));
   ASSIGN_OR_RETURN(int p, pg_->AxisSize("tp"));
   ASSIGN_OR_RETURN(Variable xr, ReduceGradient(in.variable(), comm, pg_->timeout()));
-  ASSIGN_OR_RETURN(Variable y, Linear(xr, weight_.variable(), BiasVar(bias_)));
-  const int64_t last = static_cast<int64_t>(in.global_shape().size()) - 1;
+  const int64_t n = options_.fused;
+  const Shape& wl = weight_.local().shape();
+  Variable w = weight_.variable();
+  std::optional<Variable> b = BiasVar(bias_);
+  if (n > 1) {  // [n, o, in] -> [n*o, in], and the bias alike
+    ASSIGN_OR_RETURN(w, Reshape(w, {wl[0] * wl[1], wl[2]}));
+    if (b.has_value()) {
+      ASSIGN_OR_RETURN(b, Reshape(*b, {wl[0] * wl[1]}));
+    }
+  }
+  ASSIGN_OR_RETURN(Variable y, Linear(xr, w, b));
+  if (n > 1) {  // [..., n*o] -> [..., n, o]
+    Shape local_shape = y.value().shape();
+    local_shape.back() = wl[1];
+    local_shape.insert(local_shape.end() - 1, n);
+    ASSIGN_OR_RETURN(y, Reshape(y, local_shape));
+  }
+  const int64_t last = y.value().dim() - 1;
   ASSIGN_OR_RETURN(ColoTensor out, ColoTensor::FromLocal(y, WithTp(in.spec(), Placement::Shard({last}, {p})), pg_));
-  if (options_.gather_output) return out.Redistribute(WithTp(out.spec(), Placement::Replicate()));
-  return out;
+  if (!options_.gather_output) return out;
+  ASSIGN_OR_RETURN(ColoTensor gathered, out.Redistribute(WithTp(out.spec(), Placement::Replicate())));
+  if (n == 1) return gathered;
+  Shape flat = gathered.global_shape();
+  flat.pop_back();
+  flat.back() *= gathered.global_shape().back();
+  ASSIGN_OR_RETURN(Variable merged, Reshape(gathered.variable(), flat));
+  return ColoTensor::FromLocal(merged, gathered.spec(), pg_);
 }
 
 absl::StatusOr<Linear1DRow> Linear1DRow::FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,

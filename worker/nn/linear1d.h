@@ -6,7 +6,11 @@
 //                Input replicated over tp; forward is local, backward
 //                all-reduces the input gradient. Output tp: S(-1), or
 //                replicated with gather_output (an all-gather, sliced back in
-//                backward).
+//                backward). With `fused` = n (a fused QKV projection, n = 3),
+//                the weight is held as [n, out/n, in] sharded on dim 1, so
+//                each rank holds its part of q, of k and of v; the output is
+//                [..., n, out/n] sharded on the last dim, and gathered it is
+//                [..., out] in q|k|v order.
 //   Linear1DRow  weight [out, in/p] = tp: S(1), bias [out] replicated and
 //                added after the reduce. Input tp: S(-1) (parallel_input) or
 //                replicated and sliced here; the partial output is
@@ -30,6 +34,7 @@ class Linear1DCol {
  public:
   struct Options {
     bool gather_output = false;
+    int fused = 1;  // projections fused along the output dim (3 for q|k|v)
   };
   // This rank's shards of the full `weight` [out, in] and `bias` [out];
   // INVALID_ARGUMENT naming the dim when out is not divisible by tp.
@@ -69,6 +74,10 @@ class Linear1DRow {
   ProcessGroup* pg_;
   Options options_;
 };
+
+// A GPT-2 Conv1D weight [in, out] (y = x W + b) in torch Linear's layout
+// [out, in].
+absl::StatusOr<Tensor> Conv1DToLinear(const Tensor& conv1d_weight);
 
 // `spec` with its tp placement replaced by `p`.
 DistSpec WithTp(const DistSpec& spec, Placement p);

@@ -247,7 +247,16 @@ absl::StatusOr<Tensor> Tensor::RandomUniform(const Shape& shape, uint64_t seed, 
   return t;
 }
 
-bool Tensor::is_contiguous() const { return strides_ == RowMajorStrides(shape_); }
+bool Tensor::is_contiguous() const {
+  // Row-major, ignoring the stride of any dim of size 1 (it is never stepped).
+  int64_t expected = 1;
+  for (int64_t d = dim() - 1; d >= 0; --d) {
+    if (shape_[d] == 1) continue;
+    if (strides_[d] != expected) return false;
+    expected *= shape_[d];
+  }
+  return true;
+}
 
 absl::StatusOr<int64_t> Tensor::NormalizeDim(int64_t d) const {
   const int64_t n = dim();

@@ -71,6 +71,7 @@ class Tensor {
   int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
   int64_t numel() const { return NumElements(shape_); }
   int64_t nbytes() const { return numel() * static_cast<int64_t>(SizeOf(dtype_)); }
+  // Row-major without gaps (dims of size 1 may have any stride).
   bool is_contiguous() const;
   // True when both handles view the same bytes with the same layout.
   bool SharesStorageWith(const Tensor& other) const { return storage_ == other.storage_; }

@@ -119,6 +119,17 @@ TEST(Tensor, ElementwiseOpsAgainstScalarLoops) {
   EXPECT_EQ(Mul(i, i)->ToInt64s(), (std::vector<int64_t>{1, 4, 9}));
 }
 
+TEST(Tensor, ASizeOneSliceOfAContiguousTensorIsContiguousAndWritesThrough) {
+  Tensor t = Iota({3, 4, 5});
+  Tensor slice = *t.Narrow(0, 1, 1)->Narrow(1, 2, 1);  // [1, 1, 5] with the parent's strides
+  EXPECT_TRUE(slice.is_contiguous());
+  Tensor flat = *slice.Reshape({5});
+  EXPECT_TRUE(flat.SharesStorageWith(t));
+  ASSERT_TRUE(flat.CopyFrom(*Tensor::FromFloats({5}, {0, 0, 0, 0, 0})).ok());
+  EXPECT_EQ(SumAll(*t.Narrow(0, 1, 1)->Narrow(1, 2, 1)), 0.0);
+  EXPECT_FALSE(t.Narrow(2, 0, 2)->is_contiguous());
+}
+
 TEST(Tensor, HostStorageIsAlignedAndZerosAreZero) {
   for (int64_t n : {1, 3, 17, 1000}) {
     Tensor t = *Tensor::Zeros({n}, DType::kF32);
