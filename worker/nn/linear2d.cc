@@ -1,0 +1,253 @@
+#include "worker/nn/linear2d.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/ops.h"
+#include "worker/nn/functional.h"
+
+namespace colod::nn {
+namespace {
+
+using Grads = std::vector<std::optional<Tensor>>;
+
+absl::Status Wait(const std::shared_ptr<Work>& w, absl::Duration timeout) { return w->Wait(timeout); }
+
+// t as a contiguous matrix [rows, last dim].
+absl::StatusOr<Tensor> Matrix(const Tensor& t) {
+  const int64_t last = t.shape().back();
+  return t.Contiguous().Reshape({last == 0 ? 0 : t.numel() / last, last});
+}
+
+// `mine` on the group's local rank `root`, received elsewhere.
+absl::StatusOr<Tensor> BroadcastFrom(const Tensor& mine, int root, Communicator* comm, absl::Duration timeout) {
+  Tensor buf = comm->rank() == root ? mine.Clone() : *Tensor::Empty(mine.shape(), mine.dtype(), mine.device());
+  RETURN_IF_ERROR(Wait(comm->Broadcast(buf.raw_data(), buf.numel(), buf.dtype(), root), timeout));
+  return buf;
+}
+
+// parts[t] summed over the group and delivered to local rank t: this rank's sum.
+absl::StatusOr<Tensor> ReduceToOwners(const std::vector<Tensor>& parts, Communicator* comm, absl::Duration timeout) {
+  std::vector<Tensor> flat;
+  for (const Tensor& p : parts) {
+    ASSIGN_OR_RETURN(Tensor f, p.Reshape({p.numel()}));
+    flat.push_back(std::move(f));
+  }
+  ASSIGN_OR_RETURN(Tensor staged, Tensor::Cat(flat, 0));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(parts[0].shape(), parts[0].dtype(), parts[0].device()));
+  RETURN_IF_ERROR(Wait(comm->ReduceScatter(staged.raw_data(), out.raw_data(), out.numel(), out.dtype(), ReduceOp::kSum),
+                       timeout));
+  return out;
+}
+
+absl::StatusOr<ColoParameter> Param(const Tensor& full, DistSpec spec, ProcessGroup* pg, const char* name) {
+  auto t = ColoTensor::FromGlobal(full, std::move(spec), pg, /*requires_grad=*/true);
+  if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", t.status().message()));
+  t->set_compute_spec({ComputePattern::kTP2D, false});
+  return ColoParameter(*std::move(t), name);
+}
+
+struct Comms2D {
+  Communicator* row;  // ranks (i, *), local rank j
+  Communicator* col;  // ranks (*, j), local rank i
+  int q;
+};
+
+absl::StatusOr<Comms2D> Get2D(ProcessGroup* pg) {
+  auto row = pg->Comm("tp_row");
+  auto col = pg->Comm("tp_col");
+  if (!row.ok() || !col.ok()) {
+    return absl::FailedPreconditionError(
+        "2D tensor parallelism needs a mesh with tp_col and tp_row axes (tensor_parallel_mode 2d)");
+  }
+  return Comms2D{*row, *col, (*row)->size()};
+}
+
+// Brings x into the 2D activation spec.
+absl::StatusOr<ColoTensor> As2D(const ColoTensor& x, int q) {
+  const DistSpec want = Activation2D(static_cast<int64_t>(x.global_shape().size()), q);
+  if (x.spec().Get("tp_col") == want.Get("tp_col") && x.spec().Get("tp_row") == want.Get("tp_row")) return x;
+  return x.Redistribute(want);
+}
+
+}  // namespace
+
+DistSpec Activation2D(int64_t ndim, int q) {
+  return DistSpec().Set("tp_col", Placement::Shard({ndim - 2}, {q})).Set("tp_row", Placement::Shard({ndim - 1}, {q}));
+}
+
+absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicator* row, Communicator* col,
+                               absl::Duration timeout) {
+  const int q = row->size();
+  ASSIGN_OR_RETURN(Tensor xm, Matrix(x.value()));
+  const Tensor am = a.value().Contiguous();
+  if (am.dim() != 2 || xm.shape()[1] != am.shape()[0]) {
+    return absl::InvalidArgumentError(absl::StrCat("SUMMA: blocks ", ShapeToString(x.value().shape()), " and ",
+                                                   ShapeToString(am.shape()), " do not multiply"));
+  }
+  const int64_t r = xm.shape()[0], n = am.shape()[1];
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Zeros({r, n}, DType::kF32));
+  for (int t = 0; t < q; ++t) {
+    ASSIGN_OR_RETURN(Tensor xt, BroadcastFrom(xm, t, row, timeout));
+    ASSIGN_OR_RETURN(Tensor at, BroadcastFrom(am, t, col, timeout));
+    ASSIGN_OR_RETURN(Tensor part, kernels::MatMul(xt, at));
+    ASSIGN_OR_RETURN(part, part.ToDType(DType::kF32));
+    RETURN_IF_ERROR(AddInPlace(y, part));
+  }
+  Shape out_shape = x.value().shape();
+  out_shape.back() = n;
+  ASSIGN_OR_RETURN(y, y.Reshape(out_shape));
+  ASSIGN_OR_RETURN(y, y.ToDType(x.value().dtype()));
+  return RecordOp("summa", {x, a}, std::move(y),
+                  [xm, am, row, col, q, timeout](const Tensor& dy_full) -> absl::StatusOr<Grads> {
+                    ASSIGN_OR_RETURN(Tensor dy, Matrix(dy_full));
+                    std::vector<Tensor> dx_parts, da_parts;
+                    for (int t = 0; t < q; ++t) {
+                      // dX_it gets dY_ij A_tj^T from every j; dA_tj gets X_it^T dY_ij from every i.
+                      ASSIGN_OR_RETURN(Tensor at, BroadcastFrom(am, t, col, timeout));
+                      ASSIGN_OR_RETURN(Tensor p, kernels::MatMul(dy, at, false, true));
+                      dx_parts.push_back(std::move(p));
+                      ASSIGN_OR_RETURN(Tensor xt, BroadcastFrom(xm, t, row, timeout));
+                      ASSIGN_OR_RETURN(Tensor g, kernels::MatMul(xt, dy, true));
+                      da_parts.push_back(std::move(g));
+                    }
+                    ASSIGN_OR_RETURN(Tensor dx, ReduceToOwners(dx_parts, row, timeout));
+                    ASSIGN_OR_RETURN(Tensor da, ReduceToOwners(da_parts, col, timeout));
+                    Shape x_shape = dy_full.shape();
+                    x_shape.back() = xm.shape()[1];
+                    ASSIGN_OR_RETURN(dx, dx.Reshape(x_shape));
+                    return Grads{dx, da};
+                  });
+}
+
+absl::StatusOr<Linear2D> Linear2D::FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
+                                              ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(Comms2D c, Get2D(pg));
+  if (weight.dim() != 2 || (bias.has_value() && bias->shape() != Shape{weight.shape()[1]})) {
+    return absl::InvalidArgumentError(absl::StrCat("Linear2D: weight must be [in, out] and bias [out], got ",
+                                                   ShapeToString(weight.shape()), " and ",
+                                                   bias.has_value() ? ShapeToString(bias->shape()) : "none"));
+  }
+  ASSIGN_OR_RETURN(ColoParameter w, Param(weight,
+                                          DistSpec()
+                                              .Set("tp_col", Placement::Shard({0}, {c.q}))
+                                              .Set("tp_row", Placement::Shard({1}, {c.q})),
+                                          pg, "weight"));
+  std::optional<ColoParameter> b;
+  if (bias.has_value()) {
+    ASSIGN_OR_RETURN(b, Param(*bias, DistSpec().Set("tp_row", Placement::Shard({0}, {c.q})), pg, "bias"));
+  }
+  return Linear2D(std::move(w), std::move(b), pg, c.q);
+}
+
+absl::StatusOr<ColoTensor> Linear2D::Forward(const ColoTensor& x) const {
+  ASSIGN_OR_RETURN(Comms2D c, Get2D(pg_));
+  ASSIGN_OR_RETURN(ColoTensor in, As2D(x, q_));
+  ASSIGN_OR_RETURN(Variable y, Summa(in.variable(), weight_.variable(), c.row, c.col, pg_->timeout()));
+  if (bias_.has_value()) {
+    // The bias is replicated over tp_col: each row block adds a gradient term.
+    ASSIGN_OR_RETURN(Variable b, ReduceGradient(bias_->variable(), c.col, pg_->timeout()));
+    ASSIGN_OR_RETURN(y, BiasAdd(y, b));
+  }
+  return ColoTensor::FromLocal(y, Activation2D(y.value().dim(), q_), pg_);
+}
+
+absl::StatusOr<LayerNorm2D> LayerNorm2D::FromGlobal(const Tensor& gamma, const Tensor& beta, float eps,
+                                                    ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(Comms2D c, Get2D(pg));
+  if (gamma.dim() != 1 || gamma.shape() != beta.shape()) {
+    return absl::InvalidArgumentError(absl::StrCat("LayerNorm2D: gamma ", ShapeToString(gamma.shape()), " and beta ",
+                                                   ShapeToString(beta.shape()), " must be the same [hidden]"));
+  }
+  const DistSpec spec = DistSpec().Set("tp_row", Placement::Shard({0}, {c.q}));
+  ASSIGN_OR_RETURN(ColoParameter g, Param(gamma, spec, pg, "gamma"));
+  ASSIGN_OR_RETURN(ColoParameter b, Param(beta, spec, pg, "beta"));
+  return LayerNorm2D(std::move(g), std::move(b), eps, pg, c.q);
+}
+
+absl::StatusOr<ColoTensor> LayerNorm2D::Forward(const ColoTensor& x) const {
+  ASSIGN_OR_RETURN(Comms2D c, Get2D(pg_));
+  ASSIGN_OR_RETURN(ColoTensor in, As2D(x, q_));
+  const absl::Duration timeout = pg_->timeout();
+  ASSIGN_OR_RETURN(Tensor xm, Matrix(in.local()));
+  ASSIGN_OR_RETURN(xm, xm.ToDType(DType::kF32));
+  const int64_t rows = xm.shape()[0], hl = xm.shape()[1], h = hl * q_;
+  const float* px = xm.data<float>();
+  // Two passes over the whole hidden dim, each one all-reduce along the row group.
+  std::vector<float> mean(rows, 0.0f), var(rows, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    double s = 0;
+    for (int64_t j = 0; j < hl; ++j) s += px[r * hl + j];
+    mean[r] = static_cast<float>(s);
+  }
+  RETURN_IF_ERROR(Wait(c.row->AllReduce(mean.data(), rows, DType::kF32, ReduceOp::kSum), timeout));
+  for (int64_t r = 0; r < rows; ++r) {
+    mean[r] /= static_cast<float>(h);
+    double s = 0;
+    for (int64_t j = 0; j < hl; ++j) s += static_cast<double>(px[r * hl + j] - mean[r]) * (px[r * hl + j] - mean[r]);
+    var[r] = static_cast<float>(s);
+  }
+  RETURN_IF_ERROR(Wait(c.row->AllReduce(var.data(), rows, DType::kF32, ReduceOp::kSum), timeout));
+  ASSIGN_OR_RETURN(Tensor xhat, Tensor::Empty({rows, hl}, DType::kF32));
+  std::vector<float> rstd(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    rstd[r] = static_cast<float>(1.0 / std::sqrt(var[r] / h + eps_));
+    for (int64_t j = 0; j < hl; ++j) xhat.data<float>()[r * hl + j] = (px[r * hl + j] - mean[r]) * rstd[r];
+  }
+  ASSIGN_OR_RETURN(Tensor g32, gamma_.local().ToDType(DType::kF32));
+  ASSIGN_OR_RETURN(Tensor b32, beta_.local().ToDType(DType::kF32));
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty({rows, hl}, DType::kF32));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < hl; ++j) {
+      y.data<float>()[r * hl + j] = xhat.data<float>()[r * hl + j] * g32.data<float>()[j] + b32.data<float>()[j];
+    }
+  }
+  ASSIGN_OR_RETURN(y, y.Reshape(in.local().shape()));
+  ASSIGN_OR_RETURN(y, y.ToDType(in.local().dtype()));
+  Communicator* row = c.row;
+  Communicator* col = c.col;
+  const Shape x_shape = in.local().shape();
+  const DType dtype = in.local().dtype();
+  Variable out = RecordOp(
+      "layer_norm_2d", {in.variable(), gamma_.variable(), beta_.variable()}, std::move(y),
+      [xhat, rstd, g32, rows, hl, h, row, col, timeout, x_shape, dtype](const Tensor& dy_full) -> absl::StatusOr<Grads> {
+        ASSIGN_OR_RETURN(Tensor dy, Matrix(dy_full));
+        ASSIGN_OR_RETURN(dy, dy.ToDType(DType::kF32));
+        const float* pd = dy.data<float>();
+        const float* xh = xhat.data<float>();
+        const float* g = g32.data<float>();
+        // [sum dxhat | sum dxhat * xhat] per row over the whole hidden dim.
+        std::vector<float> sums(2 * rows, 0.0f);
+        std::vector<float> dgb(2 * hl, 0.0f);  // [dgamma | dbeta] of this block's rows
+        for (int64_t r = 0; r < rows; ++r) {
+          double a = 0, b = 0;
+          for (int64_t j = 0; j < hl; ++j) {
+            const float dxh = pd[r * hl + j] * g[j];
+            a += dxh;
+            b += static_cast<double>(dxh) * xh[r * hl + j];
+            dgb[j] += pd[r * hl + j] * xh[r * hl + j];
+            dgb[hl + j] += pd[r * hl + j];
+          }
+          sums[r] = static_cast<float>(a);
+          sums[rows + r] = static_cast<float>(b);
+        }
+        RETURN_IF_ERROR(Wait(row->AllReduce(sums.data(), 2 * rows, DType::kF32, ReduceOp::kSum), timeout));
+        RETURN_IF_ERROR(Wait(col->AllReduce(dgb.data(), 2 * hl, DType::kF32, ReduceOp::kSum), timeout));
+        ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty({rows, hl}, DType::kF32));
+        for (int64_t r = 0; r < rows; ++r) {
+          const float a = sums[r] / h, b = sums[rows + r] / h;
+          for (int64_t j = 0; j < hl; ++j) {
+            dx.data<float>()[r * hl + j] = rstd[r] * (pd[r * hl + j] * g[j] - a - xh[r * hl + j] * b);
+          }
+        }
+        ASSIGN_OR_RETURN(dx, dx.Reshape(x_shape));
+        ASSIGN_OR_RETURN(dx, dx.ToDType(dtype));
+        ASSIGN_OR_RETURN(Tensor dgamma, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data(), hl)));
+        ASSIGN_OR_RETURN(Tensor dbeta, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data() + hl, hl)));
+        return Grads{dx, dgamma, dbeta};
+      });
+  return ColoTensor::FromLocal(out, in.spec(), pg_);
+}
+
+}  // namespace colod::nn

@@ -1,0 +1,80 @@
+// 2D (SUMMA) tensor parallelism, ColossalAI's legacy layout, on the tp_col x
+// tp_row sub-axes of a 2D mesh (q x q ranks; worker/colo/mesh.h). Processor
+// (i, j) has tp_col coordinate i and tp_row coordinate j, so its tp local
+// rank is i*q + j. Activations X [.., rows, hidden] and weights A [in, out]
+// (y = x A, ColossalAI's Linear2D layout) are split into q x q blocks, block
+// (i, j) on processor (i, j):
+//
+//   activations  {tp_col: S(rows), tp_row: S(hidden)}   ([16,256] -> [8,128] at q=2)
+//   weight       {tp_col: S(0),    tp_row: S(1)}        ([256,1024] -> [128,512])
+//   bias, gamma  {tp_row: S(0)}, replicated over tp_col
+//
+// Linear2D forward is SUMMA: for t = 0..q-1, X_it is broadcast along the
+// row group, A_tj along the column group, and Y_ij += X_it A_tj. Backward
+// runs the same q broadcasts for dX_it = sum_j dY_ij A_tj^T and dA_tj =
+// sum_i X_it^T dY_ij, with the q partial products of each reduced to their
+// owners by one reduce-scatter (along the row group for dX, the column group
+// for dA). LayerNorm2D all-reduces its row statistics along the row group.
+// Parameters replicated over tp_col get their gradients all-reduced over it.
+//
+// Thread-safety: a layer is used by one rank thread at a time.
+#ifndef COLOD_WORKER_NN_LINEAR2D_H_
+#define COLOD_WORKER_NN_LINEAR2D_H_
+
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "worker/colo/colo_tensor.h"
+
+namespace colod::nn {
+
+// The 2D activation spec for a tensor of rank `ndim` (rows = the
+// second-to-last dim, after flattening leading dims is not needed: dim
+// ndim-2 is split over tp_col, dim ndim-1 over tp_row).
+DistSpec Activation2D(int64_t ndim, int q);
+
+class Linear2D {
+ public:
+  // `weight` is the full [in, out]; `bias` [out]. INVALID_ARGUMENT naming
+  // the dim when in or out is not divisible by q.
+  static absl::StatusOr<Linear2D> FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
+                                             ProcessGroup* pg);
+  // x in the 2D activation spec; returns y in the same spec.
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
+  const ColoParameter& weight() const { return weight_; }
+  const std::optional<ColoParameter>& bias() const { return bias_; }
+
+ private:
+  Linear2D(ColoParameter w, std::optional<ColoParameter> b, ProcessGroup* pg, int q)
+      : weight_(std::move(w)), bias_(std::move(b)), pg_(pg), q_(q) {}
+  ColoParameter weight_;
+  std::optional<ColoParameter> bias_;
+  ProcessGroup* pg_;
+  int q_;
+};
+
+class LayerNorm2D {
+ public:
+  static absl::StatusOr<LayerNorm2D> FromGlobal(const Tensor& gamma, const Tensor& beta, float eps, ProcessGroup* pg);
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
+  const ColoParameter& gamma() const { return gamma_; }
+  const ColoParameter& beta() const { return beta_; }
+
+ private:
+  LayerNorm2D(ColoParameter g, ColoParameter b, float eps, ProcessGroup* pg, int q)
+      : gamma_(std::move(g)), beta_(std::move(b)), eps_(eps), pg_(pg), q_(q) {}
+  ColoParameter gamma_, beta_;
+  float eps_;
+  ProcessGroup* pg_;
+  int q_;
+};
+
+// The SUMMA product on this rank's blocks: x_local [.., r, k/q] and
+// a_local [k/q, n/q] -> y_local [.., r, n/q], on the tape. `row` is the
+// tp_row communicator (ranks (i, *)), `col` the tp_col one (ranks (*, j)).
+absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicator* row, Communicator* col,
+                               absl::Duration timeout);
+
+}  // namespace colod::nn
+
+#endif  // COLOD_WORKER_NN_LINEAR2D_H_
