@@ -44,14 +44,17 @@ absl::StatusOr<Tensor> ReduceToOwners(const std::vector<Tensor>& parts, Communic
 absl::StatusOr<ColoParameter> Param(const Tensor& full, DistSpec spec, ProcessGroup* pg, const char* name) {
   auto t = ColoTensor::FromGlobal(full, std::move(spec), pg, /*requires_grad=*/true);
   if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", t.status().message()));
-  t->set_compute_spec({ComputePattern::kTP2D, false});
+  const bool depth = pg->mesh().AxisIndices("tp_dep").ok();
+  t->set_compute_spec({depth ? ComputePattern::kTP2P5D : ComputePattern::kTP2D, false});
   return ColoParameter(*std::move(t), name);
 }
 
 struct Comms2D {
   Communicator* row;  // ranks (i, *), local rank j
   Communicator* col;  // ranks (*, j), local rank i
+  Communicator* dep;  // the depth group of 2.5D; nullptr on a 2D mesh
   int q;
+  int depth;
 };
 
 absl::StatusOr<Comms2D> Get2D(ProcessGroup* pg) {
@@ -59,22 +62,41 @@ absl::StatusOr<Comms2D> Get2D(ProcessGroup* pg) {
   auto col = pg->Comm("tp_col");
   if (!row.ok() || !col.ok()) {
     return absl::FailedPreconditionError(
-        "2D tensor parallelism needs a mesh with tp_col and tp_row axes (tensor_parallel_mode 2d)");
+        "2D and 2.5D tensor parallelism need a mesh with tp_col and tp_row axes (tensor_parallel_mode 2d or 2.5d)");
   }
-  return Comms2D{*row, *col, (*row)->size()};
+  Comms2D c{*row, *col, nullptr, (*row)->size(), 1};
+  if (pg->mesh().AxisIndices("tp_dep").ok()) {
+    ASSIGN_OR_RETURN(c.dep, pg->Comm("tp_dep"));
+    c.depth = c.dep->size();
+  }
+  return c;
 }
 
-// Brings x into the 2D activation spec.
-absl::StatusOr<ColoTensor> As2D(const ColoTensor& x, int q) {
-  const DistSpec want = Activation2D(static_cast<int64_t>(x.global_shape().size()), q);
-  if (x.spec().Get("tp_col") == want.Get("tp_col") && x.spec().Get("tp_row") == want.Get("tp_row")) return x;
+// Brings x into the activation spec.
+absl::StatusOr<ColoTensor> As2D(const ColoTensor& x, const Comms2D& c) {
+  const DistSpec want = Activation2D(static_cast<int64_t>(x.global_shape().size()), c.q, c.depth);
+  bool same = true;
+  for (const char* axis : {"tp_dep", "tp_col", "tp_row"}) same = same && x.spec().Get(axis) == want.Get(axis);
+  if (same) return x;
   return x.Redistribute(want);
+}
+
+// A parameter replicated over the column (and depth) groups: each of those
+// ranks adds a term to its gradient.
+absl::StatusOr<Variable> SumGradOverReplicas(const Variable& p, const Comms2D& c, absl::Duration timeout) {
+  ASSIGN_OR_RETURN(Variable v, ReduceGradient(p, c.col, timeout));
+  if (c.dep != nullptr) {
+    ASSIGN_OR_RETURN(v, ReduceGradient(v, c.dep, timeout));
+  }
+  return v;
 }
 
 }  // namespace
 
-DistSpec Activation2D(int64_t ndim, int q) {
-  return DistSpec().Set("tp_col", Placement::Shard({ndim - 2}, {q})).Set("tp_row", Placement::Shard({ndim - 1}, {q}));
+DistSpec Activation2D(int64_t ndim, int q, int depth) {
+  DistSpec s;
+  if (depth > 1) s.Set("tp_dep", Placement::Shard({ndim - 2}, {depth}));
+  return s.Set("tp_col", Placement::Shard({ndim - 2}, {q})).Set("tp_row", Placement::Shard({ndim - 1}, {q}));
 }
 
 absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicator* row, Communicator* col,
@@ -143,14 +165,19 @@ absl::StatusOr<Linear2D> Linear2D::FromGlobal(const Tensor& weight, const std::o
 
 absl::StatusOr<ColoTensor> Linear2D::Forward(const ColoTensor& x) const {
   ASSIGN_OR_RETURN(Comms2D c, Get2D(pg_));
-  ASSIGN_OR_RETURN(ColoTensor in, As2D(x, q_));
-  ASSIGN_OR_RETURN(Variable y, Summa(in.variable(), weight_.variable(), c.row, c.col, pg_->timeout()));
+  ASSIGN_OR_RETURN(ColoTensor in, As2D(x, c));
+  // 2.5D: the weight is replicated over depth, so its gradient sums the layers'.
+  Variable w = weight_.variable();
+  if (c.dep != nullptr) {
+    ASSIGN_OR_RETURN(w, ReduceGradient(w, c.dep, pg_->timeout()));
+  }
+  ASSIGN_OR_RETURN(Variable y, Summa(in.variable(), w, c.row, c.col, pg_->timeout()));
   if (bias_.has_value()) {
-    // The bias is replicated over tp_col: each row block adds a gradient term.
-    ASSIGN_OR_RETURN(Variable b, ReduceGradient(bias_->variable(), c.col, pg_->timeout()));
+    // The bias is replicated over tp_col (and depth): each row block adds a gradient term.
+    ASSIGN_OR_RETURN(Variable b, SumGradOverReplicas(bias_->variable(), c, pg_->timeout()));
     ASSIGN_OR_RETURN(y, BiasAdd(y, b));
   }
-  return ColoTensor::FromLocal(y, Activation2D(y.value().dim(), q_), pg_);
+  return ColoTensor::FromLocal(y, Activation2D(y.value().dim(), q_, c.depth), pg_);
 }
 
 absl::StatusOr<LayerNorm2D> LayerNorm2D::FromGlobal(const Tensor& gamma, const Tensor& beta, float eps,
@@ -168,7 +195,7 @@ absl::StatusOr<LayerNorm2D> LayerNorm2D::FromGlobal(const Tensor& gamma, const T
 
 absl::StatusOr<ColoTensor> LayerNorm2D::Forward(const ColoTensor& x) const {
   ASSIGN_OR_RETURN(Comms2D c, Get2D(pg_));
-  ASSIGN_OR_RETURN(ColoTensor in, As2D(x, q_));
+  ASSIGN_OR_RETURN(ColoTensor in, As2D(x, c));
   const absl::Duration timeout = pg_->timeout();
   ASSIGN_OR_RETURN(Tensor xm, Matrix(in.local()));
   ASSIGN_OR_RETURN(xm, xm.ToDType(DType::kF32));
@@ -207,11 +234,13 @@ absl::StatusOr<ColoTensor> LayerNorm2D::Forward(const ColoTensor& x) const {
   ASSIGN_OR_RETURN(y, y.ToDType(in.local().dtype()));
   Communicator* row = c.row;
   Communicator* col = c.col;
+  Communicator* dep = c.dep;
   const Shape x_shape = in.local().shape();
   const DType dtype = in.local().dtype();
   Variable out = RecordOp(
       "layer_norm_2d", {in.variable(), gamma_.variable(), beta_.variable()}, std::move(y),
-      [xhat, rstd, g32, rows, hl, h, row, col, timeout, x_shape, dtype](const Tensor& dy_full) -> absl::StatusOr<Grads> {
+      [xhat, rstd, g32, rows, hl, h, row, col, dep, timeout, x_shape,
+       dtype](const Tensor& dy_full) -> absl::StatusOr<Grads> {
         ASSIGN_OR_RETURN(Tensor dy, Matrix(dy_full));
         ASSIGN_OR_RETURN(dy, dy.ToDType(DType::kF32));
         const float* pd = dy.data<float>();
@@ -233,7 +262,11 @@ absl::StatusOr<ColoTensor> LayerNorm2D::Forward(const ColoTensor& x) const {
           sums[rows + r] = static_cast<float>(b);
         }
         RETURN_IF_ERROR(Wait(row->AllReduce(sums.data(), 2 * rows, DType::kF32, ReduceOp::kSum), timeout));
+        // gamma and beta are replicated over tp_col (and depth).
         RETURN_IF_ERROR(Wait(col->AllReduce(dgb.data(), 2 * hl, DType::kF32, ReduceOp::kSum), timeout));
+        if (dep != nullptr) {
+          RETURN_IF_ERROR(Wait(dep->AllReduce(dgb.data(), 2 * hl, DType::kF32, ReduceOp::kSum), timeout));
+        }
         ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty({rows, hl}, DType::kF32));
         for (int64_t r = 0; r < rows; ++r) {
           const float a = sums[r] / h, b = sums[rows + r] / h;

@@ -17,6 +17,14 @@
 // for dA). LayerNorm2D all-reduces its row statistics along the row group.
 // Parameters replicated over tp_col get their gradients all-reduced over it.
 //
+// 2.5D (Tesseract; mesh tp_dep x tp_col x tp_row = d x q x q, local rank
+// row + q*col + q*q*dep): the same layers on a mesh with a tp_dep axis. The
+// rows of an activation are split d ways over tp_dep and, inside each depth
+// layer's slab, q ways over tp_col ({tp_dep: S(rows), tp_col: S(rows),
+// tp_row: S(hidden)}: [16,256] -> [4,128] at d = q = 2); weights are
+// replicated over depth, each depth layer runs SUMMA on its slab, and the
+// weight gradients are all-reduced over tp_dep (the depth reduction).
+//
 // Thread-safety: a layer is used by one rank thread at a time.
 #ifndef COLOD_WORKER_NN_LINEAR2D_H_
 #define COLOD_WORKER_NN_LINEAR2D_H_
@@ -28,10 +36,9 @@
 
 namespace colod::nn {
 
-// The 2D activation spec for a tensor of rank `ndim` (rows = the
-// second-to-last dim, after flattening leading dims is not needed: dim
-// ndim-2 is split over tp_col, dim ndim-1 over tp_row).
-DistSpec Activation2D(int64_t ndim, int q);
+// The activation spec for a tensor of rank `ndim`: dim ndim-2 (rows) split
+// over tp_dep (when depth > 1) and tp_col, dim ndim-1 over tp_row.
+DistSpec Activation2D(int64_t ndim, int q, int depth = 1);
 
 class Linear2D {
  public:
@@ -74,6 +81,10 @@ class LayerNorm2D {
 // tp_row communicator (ranks (i, *)), `col` the tp_col one (ranks (*, j)).
 absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicator* row, Communicator* col,
                                absl::Duration timeout);
+
+// The 2.5D layers are the 2D ones on a mesh with a tp_dep axis.
+using Linear2p5D = Linear2D;
+using LayerNorm2p5D = LayerNorm2D;
 
 }  // namespace colod::nn
 

@@ -1,6 +1,7 @@
-// 2D (SUMMA) layers on 4 ranks (q = 2, threads over Gloo on loopback): the
-// reference document's MLP 256 -> 1024 -> 256 with its partition shapes, and
-// a LayerNorm2D in front, against the unsharded computation.
+// 2D (SUMMA) layers on 4 ranks (q = 2) and 2.5D on 8 (q = 2, d = 2), threads
+// over Gloo on loopback: the reference document's MLP 256 -> 1024 -> 256 with
+// its partition shapes, and a LayerNorm in front, against the unsharded
+// computation.
 #include "worker/nn/linear2d.h"
 
 #include <cmath>
@@ -15,11 +16,13 @@ namespace {
 using ::colod::testing::RunMesh;
 using ::colod::testing::Stats;
 
-DeviceMesh Mesh2D(int q) {
+// q x q (2D), or d x q x q (2.5D) when depth > 1.
+DeviceMesh Mesh2D(int q, int depth = 1) {
   v1::ShardConfig s;
-  s.set_tensor_parallel_size(q * q);
+  s.set_tensor_parallel_size(depth * q * q);
   s.set_data_parallel_size(1);
-  s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+  s.set_tensor_parallel_mode(depth > 1 ? v1::TENSOR_PARALLEL_MODE_2P5D : v1::TENSOR_PARALLEL_MODE_2D);
+  if (depth > 1) s.set_depth(depth);
   return *DeviceMesh::FromShardConfig(s);
 }
 
@@ -36,8 +39,18 @@ Tensor T(const Tensor& m) { return m.Transpose(0, 1)->Contiguous(); }
 // Block (i, j) of a matrix split q x q.
 Tensor Block(const Tensor& m, int q, int i, int j) { return m.Chunk(0, q, i)->Chunk(1, q, j)->Contiguous(); }
 
-TEST(Linear2D, ReferenceMlpShapesAndValuesOnFourRanks) {
-  const int q = 2;
+struct MlpCase {
+  int q, depth;
+};
+
+class Mlp2D : public ::testing::TestWithParam<MlpCase> {};
+
+// 2D on 4 ranks: input [16,256] -> [8,128], weights [128,512] and [512,128],
+// outputs [8,512] and [8,128]. 2.5D on 8 ranks (d = 2): the rows split once
+// more, so [4,128], [4,512] and [4,128], with the same weight blocks.
+TEST_P(Mlp2D, ReferenceMlpShapesAndValues) {
+  const auto [q, depth] = GetParam();
+  const int64_t rows = 16 / (q * depth);
   const Tensor x = *Tensor::RandomNormal({16, 256}, 1), gamma = *Tensor::RandomNormal({256}, 2),
                beta = *Tensor::RandomNormal({256}, 3), a1 = *Scale(*Tensor::RandomNormal({256, 1024}, 4), 0.05f),
                b1 = *Tensor::RandomNormal({1024}, 5), a2 = *Scale(*Tensor::RandomNormal({1024, 256}, 6), 0.03f),
@@ -51,36 +64,41 @@ TEST(Linear2D, ReferenceMlpShapesAndValuesOnFourRanks) {
   const Tensor da1 = T(*va1.grad()), da2 = T(*va2.grad());
 
   RunMesh(
-      Mesh2D(q),
+      Mesh2D(q, depth),
       [&](int rank, ProcessGroup& pg) {
-        const int i = rank / q, j = rank % q;  // tp_col and tp_row coordinates
+        // tp_dep, tp_col and tp_row coordinates (local rank row + q*col + q*q*dep).
+        const int dep = rank / (q * q), i = (rank / q) % q, j = rank % q;
         ASSERT_EQ(*pg.LocalRank("tp_col"), i);
         ASSERT_EQ(*pg.LocalRank("tp_row"), j);
+        // Activation block: row slab dep*q + i of d*q, column block j of q.
+        auto act_block = [&](const Tensor& m) {
+          return m.Chunk(0, depth * q, dep * q + i)->Chunk(1, q, j)->Contiguous();
+        };
         auto norm = LayerNorm2D::FromGlobal(gamma, beta, 1e-5f, &pg);
         auto l1 = Linear2D::FromGlobal(a1, b1, &pg);
         auto l2 = Linear2D::FromGlobal(a2, b2, &pg);
         ASSERT_TRUE(norm.ok() && l1.ok() && l2.ok()) << l1.status();
         EXPECT_EQ(l1->weight().local().shape(), (Shape{128, 512}));
         EXPECT_EQ(l2->weight().local().shape(), (Shape{512, 128}));
-        auto in = ColoTensor::FromGlobal(x, Activation2D(2, q), &pg, true);
-        ASSERT_TRUE(in.ok());
-        EXPECT_EQ(in->local().shape(), (Shape{8, 128}));
+        auto in = ColoTensor::FromGlobal(x, Activation2D(2, q, depth), &pg, true);
+        ASSERT_TRUE(in.ok()) << in.status();
+        EXPECT_EQ(in->local().shape(), (Shape{rows, 128}));
         auto hn = norm->Forward(*in);
         ASSERT_TRUE(hn.ok()) << hn.status();
         auto o1 = l1->Forward(*hn);
         ASSERT_TRUE(o1.ok()) << o1.status();
-        EXPECT_EQ(o1->local().shape(), (Shape{8, 512}));
+        EXPECT_EQ(o1->local().shape(), (Shape{rows, 512}));
         auto act = ColoTensor::FromLocal(*Gelu(o1->variable(), kernels::GeluApprox::kTanh), o1->spec(), &pg);
         auto o2 = l2->Forward(*act);
         ASSERT_TRUE(o2.ok()) << o2.status();
-        EXPECT_EQ(o2->local().shape(), (Shape{8, 128}));
-        ExpectClose(o2->local(), Block(y.value(), q, i, j), "output block");
+        EXPECT_EQ(o2->local().shape(), (Shape{rows, 128}));
+        ExpectClose(o2->local(), act_block(y.value()), "output block");
         // SUMMA: q broadcasts of X along the row and q of A along the column, per layer.
         EXPECT_EQ(Stats(pg, "tp_row", "broadcast").calls, 2 * q);
         EXPECT_EQ(Stats(pg, "tp_col", "broadcast").calls, 2 * q);
 
-        ASSERT_TRUE(Backward(*Sum(*Mul(o2->variable(), Variable(Block(r, q, i, j))))).ok());
-        ExpectClose(*in->variable().grad(), Block(*vx.grad(), q, i, j), "input gradient");
+        ASSERT_TRUE(Backward(*Sum(*Mul(o2->variable(), Variable(act_block(r))))).ok());
+        ExpectClose(*in->variable().grad(), act_block(*vx.grad()), "input gradient");
         ExpectClose(*l1->weight().variable().grad(), Block(da1, q, i, j), "A1 gradient");
         ExpectClose(*l2->weight().variable().grad(), Block(da2, q, i, j), "A2 gradient");
         ExpectClose(*l1->bias()->variable().grad(), *vb1.grad()->Chunk(0, q, j), "b1 gradient");
@@ -90,6 +108,9 @@ TEST(Linear2D, ReferenceMlpShapesAndValuesOnFourRanks) {
       },
       /*instrument=*/true);
 }
+
+INSTANTIATE_TEST_SUITE_P(Modes, Mlp2D, ::testing::Values(MlpCase{2, 1}, MlpCase{2, 2}),
+                         [](const auto& info) { return info.param.depth == 1 ? "2d_q2" : "2p5d_q2_d2"; });
 
 TEST(Linear2D, NeedsATwoDimensionalMeshAndDivisibleWeights) {
   RunMesh(::colod::testing::TpDpMesh(4), [](int, ProcessGroup& pg) {
