@@ -1,5 +1,7 @@
 #include "worker/nn/functional.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -192,6 +194,101 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
         return g;
       });
 }
+
+namespace {
+absl::Status Wait(const std::shared_ptr<Work>& w, absl::Duration timeout) { return w->Wait(timeout); }
+}  // namespace
+
+absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps,
+                                          Communicator* hidden, const std::vector<Communicator*>& replicas,
+                                          absl::Duration timeout) {
+  const Tensor& xv = x.value();
+  if (xv.dim() == 0 || gamma.value().shape() != Shape{xv.shape().back()} || beta.value().shape() != gamma.value().shape()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer norm: gamma ", ShapeToString(gamma.value().shape()),
+                                                   " and beta must be [", xv.dim() ? xv.shape().back() : 0,
+                                                   "] for the local input ", ShapeToString(xv.shape())));
+  }
+  ASSIGN_OR_RETURN(Tensor xm, Rows(xv.Contiguous()));
+  ASSIGN_OR_RETURN(xm, xm.ToDType(DType::kF32));
+  const int64_t rows = xm.shape()[0], hl = xm.shape()[1], h = hl * hidden->size();
+  Communicator* row = hidden;
+  const float* px = xm.data<float>();
+  // Two passes over the whole hidden dim, each one all-reduce along the row group.
+  std::vector<float> mean(rows, 0.0f), var(rows, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    double s = 0;
+    for (int64_t j = 0; j < hl; ++j) s += px[r * hl + j];
+    mean[r] = static_cast<float>(s);
+  }
+  RETURN_IF_ERROR(Wait(row->AllReduce(mean.data(), rows, DType::kF32, ReduceOp::kSum), timeout));
+  for (int64_t r = 0; r < rows; ++r) {
+    mean[r] /= static_cast<float>(h);
+    double s = 0;
+    for (int64_t j = 0; j < hl; ++j) s += static_cast<double>(px[r * hl + j] - mean[r]) * (px[r * hl + j] - mean[r]);
+    var[r] = static_cast<float>(s);
+  }
+  RETURN_IF_ERROR(Wait(row->AllReduce(var.data(), rows, DType::kF32, ReduceOp::kSum), timeout));
+  ASSIGN_OR_RETURN(Tensor xhat, Tensor::Empty({rows, hl}, DType::kF32));
+  std::vector<float> rstd(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    rstd[r] = static_cast<float>(1.0 / std::sqrt(var[r] / h + eps));
+    for (int64_t j = 0; j < hl; ++j) xhat.data<float>()[r * hl + j] = (px[r * hl + j] - mean[r]) * rstd[r];
+  }
+  ASSIGN_OR_RETURN(Tensor g32, gamma.value().ToDType(DType::kF32));
+  ASSIGN_OR_RETURN(Tensor b32, beta.value().ToDType(DType::kF32));
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty({rows, hl}, DType::kF32));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < hl; ++j) {
+      y.data<float>()[r * hl + j] = xhat.data<float>()[r * hl + j] * g32.data<float>()[j] + b32.data<float>()[j];
+    }
+  }
+  ASSIGN_OR_RETURN(y, y.Reshape(xv.shape()));
+  ASSIGN_OR_RETURN(y, y.ToDType(xv.dtype()));
+  const Shape x_shape = xv.shape();
+  const DType dtype = xv.dtype();
+  return RecordOp(
+      "sharded_layer_norm", {x, gamma, beta}, std::move(y),
+      [xhat, rstd, g32, rows, hl, h, row, replicas, timeout, x_shape,
+       dtype](const Tensor& dy_full) -> absl::StatusOr<Grads> {
+        ASSIGN_OR_RETURN(Tensor dy, Rows(dy_full.Contiguous()));
+        ASSIGN_OR_RETURN(dy, dy.ToDType(DType::kF32));
+        const float* pd = dy.data<float>();
+        const float* xh = xhat.data<float>();
+        const float* g = g32.data<float>();
+        // [sum dxhat | sum dxhat * xhat] per row over the whole hidden dim.
+        std::vector<float> sums(2 * rows, 0.0f);
+        std::vector<float> dgb(2 * hl, 0.0f);  // [dgamma | dbeta] of this block's rows
+        for (int64_t r = 0; r < rows; ++r) {
+          double a = 0, b = 0;
+          for (int64_t j = 0; j < hl; ++j) {
+            const float dxh = pd[r * hl + j] * g[j];
+            a += dxh;
+            b += static_cast<double>(dxh) * xh[r * hl + j];
+            dgb[j] += pd[r * hl + j] * xh[r * hl + j];
+            dgb[hl + j] += pd[r * hl + j];
+          }
+          sums[r] = static_cast<float>(a);
+          sums[rows + r] = static_cast<float>(b);
+        }
+        RETURN_IF_ERROR(Wait(row->AllReduce(sums.data(), 2 * rows, DType::kF32, ReduceOp::kSum), timeout));
+        for (Communicator* replica : replicas) {
+          RETURN_IF_ERROR(Wait(replica->AllReduce(dgb.data(), 2 * hl, DType::kF32, ReduceOp::kSum), timeout));
+        }
+        ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty({rows, hl}, DType::kF32));
+        for (int64_t r = 0; r < rows; ++r) {
+          const float a = sums[r] / h, b = sums[rows + r] / h;
+          for (int64_t j = 0; j < hl; ++j) {
+            dx.data<float>()[r * hl + j] = rstd[r] * (pd[r * hl + j] * g[j] - a - xh[r * hl + j] * b);
+          }
+        }
+        ASSIGN_OR_RETURN(dx, dx.Reshape(x_shape));
+        ASSIGN_OR_RETURN(dx, dx.ToDType(dtype));
+        ASSIGN_OR_RETURN(Tensor dgamma, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data(), hl)));
+        ASSIGN_OR_RETURN(Tensor dbeta, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data() + hl, hl)));
+        return Grads{dx, dgamma, dbeta};
+      });
+}
+
 
 absl::StatusOr<Variable> ReduceGradient(const Variable& x, Communicator* comm, absl::Duration timeout) {
   return RecordOp("reduce_gradient", {x}, x.value(), [comm, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {

@@ -7,6 +7,7 @@
 #define COLOD_WORKER_NN_FUNCTIONAL_H_
 
 #include <optional>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -40,6 +41,16 @@ absl::StatusOr<Variable> Embedding(const Variable& table, const Tensor& ids, int
 // query head h reads kv head h / (Hq / Hkv)); out [B, S, Hq, D] =
 // softmax(q k^T * scale, causal) v. INVALID_ARGUMENT for mismatched shapes.
 absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, const Variable& v, float scale);
+
+// LayerNorm over a hidden dim split across `hidden` (x [.., h/n] and gamma,
+// beta [h/n] on each of its n ranks): the row statistics are all-reduced
+// over `hidden` (two passes: the mean, then the centred squares), and the
+// gamma/beta gradients over each of `replicas`, the groups over which gamma
+// and beta are replicated while the rows differ. Used by the 2D, 2.5D and 3D
+// layer norms.
+absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps,
+                                          Communicator* hidden, const std::vector<Communicator*>& replicas,
+                                          absl::Duration timeout);
 
 // Forward: the identity. Backward: the gradient all-reduced (sum) over
 // `comm`. Used where a tensor replicated over a group feeds rank-local math,

@@ -196,91 +196,12 @@ absl::StatusOr<LayerNorm2D> LayerNorm2D::FromGlobal(const Tensor& gamma, const T
 absl::StatusOr<ColoTensor> LayerNorm2D::Forward(const ColoTensor& x) const {
   ASSIGN_OR_RETURN(Comms2D c, Get2D(pg_));
   ASSIGN_OR_RETURN(ColoTensor in, As2D(x, c));
-  const absl::Duration timeout = pg_->timeout();
-  ASSIGN_OR_RETURN(Tensor xm, Matrix(in.local()));
-  ASSIGN_OR_RETURN(xm, xm.ToDType(DType::kF32));
-  const int64_t rows = xm.shape()[0], hl = xm.shape()[1], h = hl * q_;
-  const float* px = xm.data<float>();
-  // Two passes over the whole hidden dim, each one all-reduce along the row group.
-  std::vector<float> mean(rows, 0.0f), var(rows, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    double s = 0;
-    for (int64_t j = 0; j < hl; ++j) s += px[r * hl + j];
-    mean[r] = static_cast<float>(s);
-  }
-  RETURN_IF_ERROR(Wait(c.row->AllReduce(mean.data(), rows, DType::kF32, ReduceOp::kSum), timeout));
-  for (int64_t r = 0; r < rows; ++r) {
-    mean[r] /= static_cast<float>(h);
-    double s = 0;
-    for (int64_t j = 0; j < hl; ++j) s += static_cast<double>(px[r * hl + j] - mean[r]) * (px[r * hl + j] - mean[r]);
-    var[r] = static_cast<float>(s);
-  }
-  RETURN_IF_ERROR(Wait(c.row->AllReduce(var.data(), rows, DType::kF32, ReduceOp::kSum), timeout));
-  ASSIGN_OR_RETURN(Tensor xhat, Tensor::Empty({rows, hl}, DType::kF32));
-  std::vector<float> rstd(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    rstd[r] = static_cast<float>(1.0 / std::sqrt(var[r] / h + eps_));
-    for (int64_t j = 0; j < hl; ++j) xhat.data<float>()[r * hl + j] = (px[r * hl + j] - mean[r]) * rstd[r];
-  }
-  ASSIGN_OR_RETURN(Tensor g32, gamma_.local().ToDType(DType::kF32));
-  ASSIGN_OR_RETURN(Tensor b32, beta_.local().ToDType(DType::kF32));
-  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty({rows, hl}, DType::kF32));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < hl; ++j) {
-      y.data<float>()[r * hl + j] = xhat.data<float>()[r * hl + j] * g32.data<float>()[j] + b32.data<float>()[j];
-    }
-  }
-  ASSIGN_OR_RETURN(y, y.Reshape(in.local().shape()));
-  ASSIGN_OR_RETURN(y, y.ToDType(in.local().dtype()));
-  Communicator* row = c.row;
-  Communicator* col = c.col;
-  Communicator* dep = c.dep;
-  const Shape x_shape = in.local().shape();
-  const DType dtype = in.local().dtype();
-  Variable out = RecordOp(
-      "layer_norm_2d", {in.variable(), gamma_.variable(), beta_.variable()}, std::move(y),
-      [xhat, rstd, g32, rows, hl, h, row, col, dep, timeout, x_shape,
-       dtype](const Tensor& dy_full) -> absl::StatusOr<Grads> {
-        ASSIGN_OR_RETURN(Tensor dy, Matrix(dy_full));
-        ASSIGN_OR_RETURN(dy, dy.ToDType(DType::kF32));
-        const float* pd = dy.data<float>();
-        const float* xh = xhat.data<float>();
-        const float* g = g32.data<float>();
-        // [sum dxhat | sum dxhat * xhat] per row over the whole hidden dim.
-        std::vector<float> sums(2 * rows, 0.0f);
-        std::vector<float> dgb(2 * hl, 0.0f);  // [dgamma | dbeta] of this block's rows
-        for (int64_t r = 0; r < rows; ++r) {
-          double a = 0, b = 0;
-          for (int64_t j = 0; j < hl; ++j) {
-            const float dxh = pd[r * hl + j] * g[j];
-            a += dxh;
-            b += static_cast<double>(dxh) * xh[r * hl + j];
-            dgb[j] += pd[r * hl + j] * xh[r * hl + j];
-            dgb[hl + j] += pd[r * hl + j];
-          }
-          sums[r] = static_cast<float>(a);
-          sums[rows + r] = static_cast<float>(b);
-        }
-        RETURN_IF_ERROR(Wait(row->AllReduce(sums.data(), 2 * rows, DType::kF32, ReduceOp::kSum), timeout));
-        // gamma and beta are replicated over tp_col (and depth).
-        RETURN_IF_ERROR(Wait(col->AllReduce(dgb.data(), 2 * hl, DType::kF32, ReduceOp::kSum), timeout));
-        if (dep != nullptr) {
-          RETURN_IF_ERROR(Wait(dep->AllReduce(dgb.data(), 2 * hl, DType::kF32, ReduceOp::kSum), timeout));
-        }
-        ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty({rows, hl}, DType::kF32));
-        for (int64_t r = 0; r < rows; ++r) {
-          const float a = sums[r] / h, b = sums[rows + r] / h;
-          for (int64_t j = 0; j < hl; ++j) {
-            dx.data<float>()[r * hl + j] = rstd[r] * (pd[r * hl + j] * g[j] - a - xh[r * hl + j] * b);
-          }
-        }
-        ASSIGN_OR_RETURN(dx, dx.Reshape(x_shape));
-        ASSIGN_OR_RETURN(dx, dx.ToDType(dtype));
-        ASSIGN_OR_RETURN(Tensor dgamma, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data(), hl)));
-        ASSIGN_OR_RETURN(Tensor dbeta, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data() + hl, hl)));
-        return Grads{dx, dgamma, dbeta};
-      });
-  return ColoTensor::FromLocal(out, in.spec(), pg_);
+  // Hidden split along the row group; gamma and beta replicated over tp_col (and depth).
+  std::vector<Communicator*> replicas = {c.col};
+  if (c.dep != nullptr) replicas.push_back(c.dep);
+  ASSIGN_OR_RETURN(Variable y, ShardedLayerNorm(in.variable(), gamma_.variable(), beta_.variable(), eps_, c.row,
+                                                replicas, pg_->timeout()));
+  return ColoTensor::FromLocal(y, in.spec(), pg_);
 }
 
 }  // namespace colod::nn
