@@ -52,6 +52,13 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
                                           Communicator* hidden, const std::vector<Communicator*>& replicas,
                                           absl::Duration timeout);
 
+// Sequence parallelism's two region boundaries (Megatron): all-gather along
+// `dim` forward and reduce-scatter the gradient along it backward; and the
+// reverse. `comm` is the tp group; the dim must split evenly.
+absl::StatusOr<Variable> GatherAlongDim(const Variable& x, int64_t dim, Communicator* comm, absl::Duration timeout);
+absl::StatusOr<Variable> ReduceScatterAlongDim(const Variable& x, int64_t dim, Communicator* comm,
+                                               absl::Duration timeout);
+
 // Forward: the identity. Backward: the gradient all-reduced (sum) over
 // `comm`. Used where a tensor replicated over a group feeds rank-local math,
 // so that each rank's gradient is one term of the true one (Megatron's

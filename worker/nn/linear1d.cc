@@ -71,13 +71,24 @@ absl::StatusOr<Linear1DCol> Linear1DCol::FromGlobal(const Tensor& weight, const 
 }
 
 absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x) const {
-  ColoTensor in = x;
-  if (!(x.spec().Get("tp") == Placement::Replicate())) {
-    ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), Placement::Replicate())));
-  }
   ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm("tp"));
   ASSIGN_OR_RETURN(int p, pg_->AxisSize("tp"));
-  ASSIGN_OR_RETURN(Variable xr, ReduceGradient(in.variable(), comm, pg_->timeout()));
+  ColoTensor in = x;
+  Variable xr;
+  if (options_.sequence_parallel) {
+    const int64_t seq = static_cast<int64_t>(x.global_shape().size()) - 2;
+    if (seq < 0) return absl::InvalidArgumentError("Linear1D_Col with sequence_parallel needs [.., seq, hidden] input");
+    if (!(x.spec().Get("tp") == Placement::Shard({seq}, {p}))) {
+      ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), Placement::Shard({seq}, {p}))));
+    }
+    ASSIGN_OR_RETURN(xr, GatherAlongDim(in.variable(), seq, comm, pg_->timeout()));
+    ASSIGN_OR_RETURN(in, ColoTensor::FromLocal(xr, WithTp(in.spec(), Placement::Replicate()), pg_));
+  } else {
+    if (!(x.spec().Get("tp") == Placement::Replicate())) {
+      ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), Placement::Replicate())));
+    }
+    ASSIGN_OR_RETURN(xr, ReduceGradient(in.variable(), comm, pg_->timeout()));
+  }
   const int64_t n = options_.fused;
   const Shape& wl = weight_.local().shape();
   Variable w = weight_.variable();
@@ -133,10 +144,24 @@ absl::StatusOr<ColoTensor> Linear1DRow::Forward(const ColoTensor& x) const {
     ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), sharded)));
   }
   ASSIGN_OR_RETURN(Variable partial, Linear(in.variable(), weight_.variable(), std::nullopt));
-  ASSIGN_OR_RETURN(ColoTensor out, ColoTensor::FromLocal(partial, WithTp(in.spec(), Placement::Partial()), pg_));
-  ASSIGN_OR_RETURN(out, out.Redistribute(WithTp(out.spec(), Placement::Replicate())));
+  ColoTensor out = in;
+  Variable bias = bias_.has_value() ? bias_->variable() : Variable();
+  if (options_.sequence_parallel) {
+    const int64_t seq = last - 1;
+    if (seq < 0) return absl::InvalidArgumentError("Linear1D_Row with sequence_parallel needs [.., seq, hidden] input");
+    ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm("tp"));
+    ASSIGN_OR_RETURN(Variable y, ReduceScatterAlongDim(partial, seq, comm, pg_->timeout()));
+    ASSIGN_OR_RETURN(out, ColoTensor::FromLocal(y, WithTp(in.spec(), Placement::Shard({seq}, {p})), pg_));
+    // Each rank adds the bias to its own rows: their gradients sum over tp.
+    if (bias_.has_value()) {
+      ASSIGN_OR_RETURN(bias, ReduceGradient(bias, comm, pg_->timeout()));
+    }
+  } else {
+    ASSIGN_OR_RETURN(out, ColoTensor::FromLocal(partial, WithTp(in.spec(), Placement::Partial()), pg_));
+    ASSIGN_OR_RETURN(out, out.Redistribute(WithTp(out.spec(), Placement::Replicate())));
+  }
   if (!bias_.has_value()) return out;
-  ASSIGN_OR_RETURN(Variable y, BiasAdd(out.variable(), bias_->variable()));
+  ASSIGN_OR_RETURN(Variable y, BiasAdd(out.variable(), bias));
   return ColoTensor::FromLocal(y, out.spec(), pg_);
 }
 

@@ -17,6 +17,13 @@
 //                all-reduced in forward, identity in backward.
 //
 // A Col -> Row MLP thus runs one all-reduce forward and one backward.
+//
+// Sequence parallelism (sequence_parallel, Megatron's): outside the
+// column/row pair, activations are split along the sequence dim (ndim-2)
+// over tp. Col then all-gathers its input along it forward and
+// reduce-scatters the input gradient backward; Row reduce-scatters its
+// partial output along it forward (out tp: S(ndim-2)) and all-gathers the
+// gradient backward; Row's bias gradient is all-reduced over tp.
 // Placements on other axes (a batch sharded over dp) pass through.
 //
 // Thread-safety: a layer is used by one rank thread at a time.
@@ -35,6 +42,7 @@ class Linear1DCol {
   struct Options {
     bool gather_output = false;
     int fused = 1;  // projections fused along the output dim (3 for q|k|v)
+    bool sequence_parallel = false;
   };
   // This rank's shards of the full `weight` [out, in] and `bias` [out];
   // INVALID_ARGUMENT naming the dim when out is not divisible by tp.
@@ -58,6 +66,7 @@ class Linear1DRow {
  public:
   struct Options {
     bool parallel_input = true;
+    bool sequence_parallel = false;
   };
   static absl::StatusOr<Linear1DRow> FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
                                                 ProcessGroup* pg, Options options);

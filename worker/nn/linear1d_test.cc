@@ -7,6 +7,7 @@
 #include "gtest/gtest.h"
 #include "worker/colo/testing.h"
 #include "worker/nn/functional.h"
+#include "worker/nn/norm.h"
 
 namespace colod::nn {
 namespace {
@@ -114,6 +115,57 @@ TEST_P(Linear1D, GatherOutputAndReplicatedRowInputMatchTheUnshardedLayers) {
     auto strict = Linear1DRow::FromGlobal(m.w2, std::nullopt, &pg, {});
     EXPECT_EQ(strict->Forward(*h).status().code(), absl::StatusCode::kInvalidArgument);
   });
+}
+
+TEST_P(Linear1D, SequenceParallelNormAndMlpMatchTheUnshardedBlock) {
+  const int p = GetParam();
+  const int64_t batch = 2, seq = 8, hidden = 12, ffn = 36;
+  const Tensor x = *Tensor::RandomNormal({batch, seq, hidden}, 11), gamma = *Tensor::RandomNormal({hidden}, 12),
+               beta = *Tensor::RandomNormal({hidden}, 13), w1 = *Scale(*Tensor::RandomNormal({ffn, hidden}, 14), 0.3f),
+               b1 = *Tensor::RandomNormal({ffn}, 15), w2 = *Scale(*Tensor::RandomNormal({hidden, ffn}, 16), 0.2f),
+               b2 = *Tensor::RandomNormal({hidden}, 17), r = *Tensor::RandomNormal({batch, seq, hidden}, 18);
+  for (Norm1D::Kind kind : {Norm1D::Kind::kLayerNorm, Norm1D::Kind::kRmsNorm}) {
+    const bool ln = kind == Norm1D::Kind::kLayerNorm;
+    Variable vx(x, true), vg(gamma, true), vb(beta, true), vw1(w1, true), vb1(b1, true), vw2(w2, true), vb2(b2, true);
+    Variable h = ln ? *LayerNorm(vx, vg, vb, 1e-5f) : *RmsNorm(vx, vg, 1e-5f);
+    Variable y = *Linear(*Gelu(*Linear(h, vw1, vb1), kernels::GeluApprox::kTanh), vw2, vb2);
+    ASSERT_TRUE(Backward(*Sum(*Mul(y, Variable(r)))).ok());
+    RunMesh(
+        TpDpMesh(p),
+        [&](int, ProcessGroup& pg) {
+          const int k = *pg.tp_local_rank();
+          auto norm = Norm1D::FromGlobal(gamma, ln ? std::optional<Tensor>(beta) : std::nullopt, &pg,
+                                         {.kind = kind, .sequence_parallel = true});
+          auto col = Linear1DCol::FromGlobal(w1, b1, &pg, {.sequence_parallel = true});
+          auto row = Linear1DRow::FromGlobal(w2, b2, &pg, {.sequence_parallel = true});
+          ASSERT_TRUE(norm.ok() && col.ok() && row.ok()) << norm.status();
+          auto in = ColoTensor::FromGlobal(x, DistSpec().Set("tp", Placement::Shard({1}, {p})), &pg, true);
+          EXPECT_EQ(in->local().shape(), (Shape{batch, seq / p, hidden}));
+          auto hn = norm->Forward(*in);
+          ASSERT_TRUE(hn.ok()) << hn.status();
+          auto mid = col->Forward(*hn);
+          ASSERT_TRUE(mid.ok()) << mid.status();
+          auto act = ColoTensor::FromLocal(*Gelu(mid->variable(), kernels::GeluApprox::kTanh), mid->spec(), &pg);
+          auto out = row->Forward(*act);
+          ASSERT_TRUE(out.ok()) << out.status();
+          EXPECT_EQ(out->spec().Get("tp"), Placement::Shard({1}, {p}));
+          ExpectClose(out->local(), *y.value().Chunk(1, p, k), "output rows");
+          // Forward: one all-gather into the tp region and one reduce-scatter out of it.
+          EXPECT_EQ(Stats(pg, "tp", "all_gather").calls, 1);
+          EXPECT_EQ(Stats(pg, "tp", "reduce_scatter").calls, 1);
+          EXPECT_EQ(Stats(pg, "tp", "all_reduce").calls, 0);
+          ASSERT_TRUE(Backward(*Sum(*Mul(out->variable(), Variable(*r.Chunk(1, p, k))))).ok());
+          EXPECT_EQ(Stats(pg, "tp", "all_gather").calls, 2);
+          EXPECT_EQ(Stats(pg, "tp", "reduce_scatter").calls, 2);
+          ExpectClose(*in->variable().grad(), *vx.grad()->Chunk(1, p, k), "input gradient");
+          ExpectClose(*norm->gamma().variable().grad(), *vg.grad(), "gamma gradient");
+          if (ln) ExpectClose(*norm->beta()->variable().grad(), *vb.grad(), "beta gradient");
+          ExpectClose(*col->weight().variable().grad(), *vw1.grad()->Chunk(0, p, k), "col weight gradient");
+          ExpectClose(*row->weight().variable().grad(), *vw2.grad()->Chunk(1, p, k), "row weight gradient");
+          ExpectClose(*row->bias()->variable().grad(), *vb2.grad(), "row bias gradient");
+        },
+        /*instrument=*/true);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, Linear1D, ::testing::Values(2, 4));
