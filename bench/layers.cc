@@ -4,13 +4,15 @@
 //
 //   bazel run -c opt //bench:layers [-- --json] [-- --steps N] [-- --tokens T --hidden H]
 //
-// Rows: tp=1 with 1 and 2 BLAS threads in this process, and tp=2 as two
-// processes (this binary re-executed with --rank) with one thread each,
-// talking Gloo over loopback through a file store. Step time is the median of
-// --steps timed steps after one warm-up, each started after a barrier; for
-// tp=2 it is the slower rank's. Communication is the payload this rank's
-// collectives carried per step, next to the 1D cost formula (Megatron: one
-// all-reduce of the [T, H] activations forward and one backward).
+// Rows: 1d with tp=1 (1 and 2 BLAS threads in this process) and tp=2, then
+// 2d (q=2, 4 ranks), 2.5d (q=2, d=2, 8 ranks) and 3d (q=2, 8 ranks): the same
+// block built from Linear2D / Linear3D. Multi-rank rows run this binary as
+// rank processes (re-executed with --rank) with one thread each, talking Gloo
+// over loopback through a file store. Step time is the median of --steps
+// timed steps after one warm-up, each started after a barrier, of the slowest
+// rank. Communication is the payload this rank's collectives carried per step
+// (all groups), next to the payload the layers' algorithm implies (the cost
+// formulas; docs/PERFORMANCE.md derives them).
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -26,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/flags.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 #include "kernels/ops.h"
 #include "server/rendezvous_store.h"
@@ -34,6 +37,8 @@
 #include "worker/comm/store.h"
 #include "worker/nn/functional.h"
 #include "worker/nn/linear1d.h"
+#include "worker/nn/linear2d.h"
+#include "worker/nn/linear3d.h"
 
 ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
 ABSL_FLAG(int, steps, 3, "Timed steps per row (after one warm-up).");
@@ -41,6 +46,8 @@ ABSL_FLAG(int, tokens, 2048, "Tokens (rows) per step.");
 ABSL_FLAG(int, hidden, 1024, "Hidden size; the MLP's inner size is 4x this.");
 ABSL_FLAG(int, rank, -1, "Internal: run as rank N of a multi-process row.");
 ABSL_FLAG(int, world, 2, "Internal: ranks of a multi-process row.");
+ABSL_FLAG(std::string, mode, "1d", "Internal: the tensor-parallel mode of a multi-process row.");
+ABSL_FLAG(bool, all_modes, true, "Also run the 2d, 2.5d and 3d rows (8 processes at most).");
 ABSL_FLAG(std::string, store_dir, "", "Internal: the file store of a multi-process row.");
 
 extern char** environ;
@@ -72,66 +79,180 @@ double SgemmPeak(int threads, int64_t t, int64_t h) {
   return best / 1e9;
 }
 
-absl::StatusOr<BlockResult> RunBlock(int rank, int world, int threads, Store* store) {
-  kernels::SetBlasThreads(threads);
-  const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);
+absl::StatusOr<v1::ShardConfig> ShardFor(const std::string& mode, int world) {
   v1::ShardConfig shard;
   shard.set_tensor_parallel_size(world);
   shard.set_data_parallel_size(1);
+  if (mode == "1d") {
+    shard.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_1D);
+  } else if (mode == "2d") {
+    shard.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+  } else if (mode == "2.5d") {
+    shard.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2P5D);
+    shard.set_depth(2);
+  } else if (mode == "3d") {
+    shard.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_3D);
+  } else {
+    return absl::InvalidArgumentError("mode must be 1d, 2d, 2.5d or 3d");
+  }
+  return shard;
+}
+
+// One step of the block: forward through two linears with GELU between,
+// backward from a fixed output gradient.
+class Block {
+ public:
+  virtual ~Block() = default;
+  virtual absl::Status Step() = 0;
+  virtual std::vector<ColoParameter> Params() const = 0;
+};
+
+template <typename L1, typename L2>
+class LayerBlock final : public Block {
+ public:
+  LayerBlock(L1 l1, L2 l2, Tensor x, DistSpec x_spec, Tensor dy_full, ProcessGroup* pg)
+      : l1_(std::move(l1)), l2_(std::move(l2)), x_(std::move(x)), x_spec_(std::move(x_spec)),
+        dy_full_(std::move(dy_full)), pg_(pg) {}
+  absl::Status Step() override {
+    ASSIGN_OR_RETURN(ColoTensor x, ColoTensor::FromGlobal(x_, x_spec_, pg_, /*requires_grad=*/true));
+    ASSIGN_OR_RETURN(ColoTensor mid, l1_.Forward(x));
+    ASSIGN_OR_RETURN(Variable act, nn::Gelu(mid.variable(), kernels::GeluApprox::kTanh));
+    ASSIGN_OR_RETURN(ColoTensor a, ColoTensor::FromLocal(act, mid.spec(), pg_));
+    ASSIGN_OR_RETURN(ColoTensor y, l2_.Forward(a));
+    if (!dy_.has_value()) {
+      ASSIGN_OR_RETURN(dy_, ColoTensor::FromGlobal(dy_full_, y.spec(), pg_));
+    }
+    RETURN_IF_ERROR(Backward(y.variable(), dy_->local()));
+    for (const ColoParameter& p : Params()) {
+      Variable v = p.variable();
+      v.ZeroGrad();
+    }
+    return absl::OkStatus();
+  }
+  std::vector<ColoParameter> Params() const override {
+    return {l1_.weight(), *l1_.bias(), l2_.weight(), *l2_.bias()};
+  }
+
+ private:
+  L1 l1_;
+  L2 l2_;
+  Tensor x_;
+  DistSpec x_spec_;
+  Tensor dy_full_;
+  std::optional<ColoTensor> dy_;
+  ProcessGroup* pg_;
+};
+
+absl::StatusOr<std::unique_ptr<Block>> MakeBlock(const std::string& mode, ProcessGroup* pg, int64_t t, int64_t h) {
+  // Full tensors from fixed seeds: every rank takes its shards of the same model.
+  ASSIGN_OR_RETURN(Tensor w1, Tensor::RandomNormal({4 * h, h}, 11));  // [out, in]
+  ASSIGN_OR_RETURN(Tensor w2, Tensor::RandomNormal({h, 4 * h}, 12));
+  ASSIGN_OR_RETURN(w1, Scale(w1, 0.02f));
+  ASSIGN_OR_RETURN(w2, Scale(w2, 0.02f));
+  ASSIGN_OR_RETURN(Tensor b1, Tensor::RandomNormal({4 * h}, 13));
+  ASSIGN_OR_RETURN(Tensor b2, Tensor::RandomNormal({h}, 14));
+  ASSIGN_OR_RETURN(Tensor x, Tensor::RandomNormal({t, h}, 15));
+  ASSIGN_OR_RETURN(Tensor dy, Tensor::RandomNormal({t, h}, 16));
+  if (mode == "1d") {
+    ASSIGN_OR_RETURN(nn::Linear1DCol col, nn::Linear1DCol::FromGlobal(w1, b1, pg, {}));
+    ASSIGN_OR_RETURN(nn::Linear1DRow row, nn::Linear1DRow::FromGlobal(w2, b2, pg, {}));
+    return std::unique_ptr<Block>(new LayerBlock<nn::Linear1DCol, nn::Linear1DRow>(
+        std::move(col), std::move(row), x, DistSpec(), dy, pg));
+  }
+  // 2D, 2.5D and 3D take weights as [in, out].
+  ASSIGN_OR_RETURN(Tensor a1, w1.Transpose(0, 1));
+  ASSIGN_OR_RETURN(Tensor a2, w2.Transpose(0, 1));
+  a1 = a1.Contiguous();
+  a2 = a2.Contiguous();
+  if (mode == "3d") {
+    ASSIGN_OR_RETURN(nn::Linear3D l1, nn::Linear3D::FromGlobal(a1, b1, pg, {}));
+    ASSIGN_OR_RETURN(nn::Linear3D l2, nn::Linear3D::FromGlobal(a2, b2, pg, {.swap = true}));
+    DistSpec spec = l1.InputSpec(2);
+    return std::unique_ptr<Block>(
+        new LayerBlock<nn::Linear3D, nn::Linear3D>(std::move(l1), std::move(l2), x, spec, dy, pg));
+  }
+  ASSIGN_OR_RETURN(nn::Linear2D l1, nn::Linear2D::FromGlobal(a1, b1, pg));
+  ASSIGN_OR_RETURN(nn::Linear2D l2, nn::Linear2D::FromGlobal(a2, b2, pg));
+  const int q = mode == "2d" ? IntegerRoot(pg->mesh().world_size(), 2) : IntegerRoot(pg->mesh().world_size() / 2, 2);
+  const DistSpec spec = nn::Activation2D(2, q, mode == "2d" ? 1 : 2);
+  return std::unique_ptr<Block>(
+      new LayerBlock<nn::Linear2D, nn::Linear2D>(std::move(l1), std::move(l2), x, spec, dy, pg));
+}
+
+// Payload bytes per rank per step the block's algorithm implies (in the
+// conventions InstrumentedCommunicator counts: all_reduce/all_gather/
+// broadcast their count, reduce_scatter its input).
+int64_t FormulaBytes(const std::string& mode, int world, int64_t t, int64_t h) {
+  const int64_t f = 4;  // bytes per f32
+  if (world == 1) return 0;
+  if (mode == "1d") return 2 * t * h * f;  // one all-reduce of [T, H] forward, one backward
+  // A linear layer in -> out.
+  auto layer = [&](int64_t in, int64_t out) -> int64_t {
+    if (mode == "3d") {
+      const int64_t q = 2;  // the bench runs q = 2
+      const int64_t x = t / (q * q) * in / q, a = in / q * out / (q * q), y = t / (q * q) * out / q;
+      // fwd: gather X, gather A, reduce-scatter q*Y; bwd: gather dY, reduce-scatter q*dX and q*dA;
+      // bias: all-reduce over R and over C.
+      return x + a + q * y + y + q * x + q * a + 2 * (out / q);
+    }
+    const int64_t d = mode == "2.5d" ? 2 : 1, q = 2;
+    const int64_t x = t / (d * q) * in / q, a = in / q * out / q;
+    // SUMMA: q broadcasts of X and of A forward, again backward, and the
+    // reduce-scatters of q partial dX and q partial dA; depth: all-reduce of
+    // dA; bias: all-reduce over tp_col (and depth).
+    return 2 * q * (x + a) + q * x + q * a + (d > 1 ? a : 0) + (out / q) * d;
+  };
+  return (layer(h, 4 * h) + layer(4 * h, h)) * f;
+}
+
+absl::StatusOr<BlockResult> RunBlock(const std::string& mode, int rank, int world, int threads, Store* store) {
+  kernels::SetBlasThreads(threads);
+  const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);
+  ASSIGN_OR_RETURN(v1::ShardConfig shard, ShardFor(mode, world));
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(shard));
   GlooCommunicator::Options o;
   o.timeout = absl::Minutes(5);
   ProcessGroup::CommFactory gloo = ProcessGroup::GlooFactory(store, o);
-  auto factory = [gloo](const ProcessGroup::GroupInfo& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+  std::vector<InstrumentedCommunicator*> counted;
+  auto factory = [gloo, &counted](const ProcessGroup::GroupInfo& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
     ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, gloo(g));
-    return std::unique_ptr<Communicator>(new InstrumentedCommunicator(std::move(c)));
+    auto* inst = new InstrumentedCommunicator(std::move(c));
+    counted.push_back(inst);
+    return std::unique_ptr<Communicator>(inst);
   };
   ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> pg, ProcessGroup::Create(mesh, rank, factory, absl::Minutes(5)));
-  ASSIGN_OR_RETURN(Communicator * tp, pg->Comm("tp"));
-  auto* counted = static_cast<InstrumentedCommunicator*>(tp);
-
-  ASSIGN_OR_RETURN(Tensor w1, Tensor::RandomNormal({4 * h, h}, 11));
-  ASSIGN_OR_RETURN(Tensor w2, Tensor::RandomNormal({h, 4 * h}, 12));
-  ASSIGN_OR_RETURN(Tensor b1, Tensor::RandomNormal({4 * h}, 13));
-  ASSIGN_OR_RETURN(Tensor b2, Tensor::RandomNormal({h}, 14));
-  ASSIGN_OR_RETURN(nn::Linear1DCol col, nn::Linear1DCol::FromGlobal(*Scale(w1, 0.02f), b1, pg.get(), {}));
-  ASSIGN_OR_RETURN(nn::Linear1DRow row, nn::Linear1DRow::FromGlobal(*Scale(w2, 0.02f), b2, pg.get(), {}));
-  ASSIGN_OR_RETURN(Tensor xt, Tensor::RandomNormal({t, h}, 15));
-  ASSIGN_OR_RETURN(Tensor dy, Tensor::RandomNormal({t, h}, 16));
-
-  auto step = [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(ColoTensor x, ColoTensor::FromGlobal(xt, DistSpec(), pg.get(), /*requires_grad=*/true));
-    ASSIGN_OR_RETURN(ColoTensor mid, col.Forward(x));
-    ASSIGN_OR_RETURN(Variable act, nn::Gelu(mid.variable(), kernels::GeluApprox::kTanh));
-    ASSIGN_OR_RETURN(ColoTensor a, ColoTensor::FromLocal(act, mid.spec(), pg.get()));
-    ASSIGN_OR_RETURN(ColoTensor y, row.Forward(a));
-    RETURN_IF_ERROR(Backward(y.variable(), dy));
-    for (const ColoParameter* p : {&col.weight(), &*col.bias(), &row.weight(), &*row.bias()}) {
-      Variable v = p->variable();
-      v.ZeroGrad();
+  RETURN_IF_ERROR(pg->InitAxes());
+  ASSIGN_OR_RETURN(Communicator * all, pg->Comm(mesh.AxisIndices("tp").ok() ? "tp" : mesh.axes().back().name));
+  ASSIGN_OR_RETURN(std::unique_ptr<Block> block, MakeBlock(mode, pg.get(), t, h));
+  auto bytes = [&] {
+    int64_t b = 0;
+    for (InstrumentedCommunicator* c : counted) {
+      for (const auto& [op, st] : c->AllStats()) {
+        if (op != "barrier") b += st.bytes;
+      }
     }
-    return absl::OkStatus();
+    return b;
   };
-  RETURN_IF_ERROR(step());  // warm-up: connections, page faults
-  const int64_t bytes_before = counted->Stats("all_reduce").bytes;
+  RETURN_IF_ERROR(block->Step());  // warm-up: connections, page faults
+  const int64_t bytes_before = bytes();
   const int steps = std::max(1, absl::GetFlag(FLAGS_steps));
   std::vector<double> times;
   for (int i = 0; i < steps; ++i) {
-    RETURN_IF_ERROR(tp->Barrier()->Wait(absl::Minutes(5)));
+    RETURN_IF_ERROR(all->Barrier()->Wait(absl::Minutes(5)));
     const absl::Time t0 = absl::Now();
-    RETURN_IF_ERROR(step());
+    RETURN_IF_ERROR(block->Step());
     times.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
   }
-  RETURN_IF_ERROR(tp->Barrier()->Wait(absl::Minutes(5)));
+  RETURN_IF_ERROR(all->Barrier()->Wait(absl::Minutes(5)));
   std::sort(times.begin(), times.end());
   BlockResult r;
   r.step_seconds = times[times.size() / 2];
-  r.comm_bytes_per_step = (counted->Stats("all_reduce").bytes - bytes_before) / steps;
+  r.comm_bytes_per_step = (bytes() - bytes_before) / steps;
   return r;
 }
 
 // Runs `world` copies of this binary as ranks; the slowest rank's result.
-absl::StatusOr<BlockResult> RunProcesses(int world) {
+absl::StatusOr<BlockResult> RunProcesses(const std::string& mode, int world) {
   char dir_template[] = "/tmp/colod-bench-layers-XXXXXX";
   if (mkdtemp(dir_template) == nullptr) return absl::InternalError("mkdtemp failed");
   const std::string dir = dir_template;
@@ -140,6 +261,7 @@ absl::StatusOr<BlockResult> RunProcesses(int world) {
     std::vector<std::string> args = {"/proc/self/exe",
                                      absl::StrCat("--rank=", r),
                                      absl::StrCat("--world=", world),
+                                     "--mode=" + mode,
                                      "--store_dir=" + dir,
                                      absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
                                      absl::StrCat("--tokens=", absl::GetFlag(FLAGS_tokens)),
@@ -180,7 +302,7 @@ int RankMain() {
     std::fprintf(stderr, "rank %d: %s\n", rank, store.status().ToString().c_str());
     return 1;
   }
-  auto r = RunBlock(rank, world, 1, store->get());
+  auto r = RunBlock(absl::GetFlag(FLAGS_mode), rank, world, 1, store->get());
   if (!r.ok()) {
     std::fprintf(stderr, "rank %d: %s\n", rank, r.status().ToString().c_str());
     return 1;
@@ -202,52 +324,58 @@ int main(int argc, char** argv) {
   const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);
   const double flops = colod::BlockFlops(t, h);
   const double peak1 = colod::SgemmPeak(1, t, h), peak2 = colod::SgemmPeak(2, t, h);
-  // The 1D formula: one all-reduce of [T, H] f32 forward and one backward.
-  const int64_t formula_bytes = 2 * t * h * 4;
   if (!json) {
     std::printf("MLP block (Linear1D_Col -> GELU -> Linear1D_Row), f32, tokens %lld, hidden %lld, inner %lld: "
                 "%.1f GFLOP per step (fwd+bwd)\nOpenBLAS sgemm peak, same run, [T,H]x[H,4H]: 1 thread %.1f "
                 "GFLOP/s, 2 threads %.1f GFLOP/s\n\n",
                 static_cast<long long>(t), static_cast<long long>(h), static_cast<long long>(4 * h), flops / 1e9,
                 peak1, peak2);
-    std::printf("%4s  %3s  %-22s  %9s  %8s  %9s  %16s  %16s  %10s\n", "mode", "tp", "ranks x threads", "step (ms)",
-                "GFLOP/s", "% of peak", "comm B/rank/step", "1D formula B", "vs tp=1x1");
+    std::printf("%4s  %5s  %-22s  %9s  %8s  %9s  %16s  %16s  %10s\n", "mode", "ranks", "layout", "step (ms)",
+                "GFLOP/s", "% of peak", "comm B/rank/step", "formula B", "vs tp=1x1");
   }
   double base = 0;
   struct Config {
-    int tp, threads;
+    std::string mode;
+    int ranks, threads;
     const char* layout;
   };
-  for (Config c : {Config{1, 1, "1 process x 1 thread"}, Config{1, 2, "1 process x 2 threads"},
-                   Config{2, 1, "2 processes x 1 thread"}}) {
+  std::vector<Config> configs = {{"1d", 1, 1, "1 process x 1 thread"},
+                                 {"1d", 1, 2, "1 process x 2 threads"},
+                                 {"1d", 2, 1, "2 processes x 1 thread"}};
+  if (absl::GetFlag(FLAGS_all_modes)) {
+    configs.push_back({"2d", 4, 1, "4 processes x 1 thread"});
+    configs.push_back({"2.5d", 8, 1, "8 processes x 1 thread"});
+    configs.push_back({"3d", 8, 1, "8 processes x 1 thread"});
+  }
+  for (const Config& c : configs) {
     absl::StatusOr<colod::BlockResult> r;
-    if (c.tp == 1) {
+    if (c.ranks == 1) {
       auto shared = std::make_shared<colod::RendezvousStore>();
       colod::InMemoryStore store(shared, "bench");
-      r = colod::RunBlock(0, 1, c.threads, &store);
+      r = colod::RunBlock(c.mode, 0, 1, c.threads, &store);
     } else {
-      r = colod::RunProcesses(c.tp);
+      r = colod::RunProcesses(c.mode, c.ranks);
     }
     if (!r.ok()) {
-      std::fprintf(stderr, "tp=%d: %s\n", c.tp, r.status().ToString().c_str());
+      std::fprintf(stderr, "%s on %d ranks: %s\n", c.mode.c_str(), c.ranks, r.status().ToString().c_str());
       return 1;
     }
-    if (c.tp == 1 && c.threads == 1) base = r->step_seconds;
-    // Work per rank is flops / tp; peak is per rank with its thread count.
-    const double achieved = flops / c.tp / r->step_seconds / 1e9;
+    if (c.ranks == 1 && c.threads == 1) base = r->step_seconds;
+    // Work per rank is flops / ranks; peak is per rank with its thread count.
+    const double achieved = flops / c.ranks / r->step_seconds / 1e9;
     const double peak = c.threads == 1 ? peak1 : peak2;
-    const int64_t formula = c.tp == 1 ? 0 : formula_bytes;
+    const int64_t formula = colod::FormulaBytes(c.mode, c.ranks, t, h);
     if (json) {
-      std::printf("{\"bench\":\"mlp_block\",\"mode\":\"1d\",\"dtype\":\"f32\",\"tokens\":%lld,\"hidden\":%lld,"
-                  "\"tp\":%d,\"threads_per_rank\":%d,\"step_seconds\":%.6f,\"gflops_per_rank\":%.3f,"
+      std::printf("{\"bench\":\"mlp_block\",\"mode\":\"%s\",\"dtype\":\"f32\",\"tokens\":%lld,\"hidden\":%lld,"
+                  "\"ranks\":%d,\"threads_per_rank\":%d,\"step_seconds\":%.6f,\"gflops_per_rank\":%.3f,"
                   "\"sgemm_peak_gflops\":%.3f,\"fraction_of_peak\":%.4f,\"comm_bytes_per_rank_step\":%lld,"
                   "\"formula_bytes\":%lld,\"step_vs_tp1_1thread\":%.4f}\n",
-                  static_cast<long long>(t), static_cast<long long>(h), c.tp, c.threads, r->step_seconds, achieved,
-                  peak, achieved / peak, static_cast<long long>(r->comm_bytes_per_step),
+                  c.mode.c_str(), static_cast<long long>(t), static_cast<long long>(h), c.ranks, c.threads,
+                  r->step_seconds, achieved, peak, achieved / peak, static_cast<long long>(r->comm_bytes_per_step),
                   static_cast<long long>(formula), r->step_seconds / base);
     } else {
-      std::printf("%4s  %3d  %-22s  %9.1f  %8.1f  %8.1f%%  %16lld  %16lld  %9.2fx\n", "1d", c.tp, c.layout,
-                  r->step_seconds * 1e3, achieved, 100 * achieved / peak,
+      std::printf("%4s  %5d  %-22s  %9.1f  %8.1f  %8.1f%%  %16lld  %16lld  %9.2fx\n", c.mode.c_str(), c.ranks,
+                  c.layout, r->step_seconds * 1e3, achieved, 100 * achieved / peak,
                   static_cast<long long>(r->comm_bytes_per_step), static_cast<long long>(formula),
                   r->step_seconds / base);
     }

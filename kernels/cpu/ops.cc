@@ -2,7 +2,10 @@
 #include <cblas.h>
 
 #include <atomic>
+#include <algorithm>
 #include <cmath>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -13,6 +16,26 @@ namespace colod::kernels {
 namespace {
 
 std::atomic<int> blas_threads{1};
+
+// Runs fn(begin, end) over [0, n) split across BlasThreads() threads (the
+// calling one included) when n is large enough to pay for the threads.
+template <typename Fn>
+void ParallelFor(int64_t n, Fn fn) {
+  constexpr int64_t kMinPerThread = 1 << 16;
+  const int threads = static_cast<int>(std::min<int64_t>(blas_threads.load(), n / kMinPerThread));
+  if (threads <= 1) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t chunk = (n + threads - 1) / threads;
+  for (int t = 1; t < threads; ++t) {
+    const int64_t b = t * chunk, e = std::min(n, b + chunk);
+    if (b < e) pool.emplace_back([=] { fn(b, e); });
+  }
+  fn(int64_t{0}, std::min(n, chunk));
+  for (auto& th : pool) th.join();
+}
 
 absl::Status HostOnly(const Tensor& t, const char* op) {
   if (!t.device().is_cuda()) return absl::OkStatus();
@@ -103,9 +126,9 @@ absl::StatusOr<Tensor> BiasAdd(const Tensor& x, const Tensor& bias) {
   const float* px = fx.data<float>();
   const float* pb = fb.data<float>();
   float* po = out.data<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < n; ++j) po[r * n + j] = px[r * n + j] + pb[j];
-  }
+  ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) po[i] = px[i] + pb[i % n];
+  });
   return Back(out, x.dtype());
 }
 
@@ -129,14 +152,16 @@ absl::StatusOr<Tensor> Gelu(const Tensor& x, GeluApprox approx) {
   const float* p = f.data<float>();
   float* o = out.data<float>();
   const int64_t n = f.numel();
-  if (approx == GeluApprox::kTanh) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = p[i];
-      o[i] = 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + kGeluC * v * v * v)));
+  ParallelFor(n, [&](int64_t begin, int64_t end) {
+    if (approx == GeluApprox::kTanh) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float v = p[i];
+        o[i] = 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + kGeluC * v * v * v)));
+      }
+    } else {
+      for (int64_t i = begin; i < end; ++i) o[i] = 0.5f * p[i] * (1.0f + std::erf(p[i] * kInvSqrt2));
     }
-  } else {
-    for (int64_t i = 0; i < n; ++i) o[i] = 0.5f * p[i] * (1.0f + std::erf(p[i] * kInvSqrt2));
-  }
+  });
   return Back(out, x.dtype());
 }
 
@@ -149,22 +174,24 @@ absl::StatusOr<Tensor> GeluBackward(const Tensor& dy, const Tensor& x, GeluAppro
   const float* d = fd.data<float>();
   float* o = out.data<float>();
   const int64_t n = fx.numel();
-  if (approx == GeluApprox::kTanh) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = p[i];
-      const float u = kSqrt2OverPi * (v + kGeluC * v * v * v);
-      const float t = std::tanh(u);
-      const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluC * v * v);
-      o[i] = d[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+  ParallelFor(n, [&](int64_t begin, int64_t end) {
+    if (approx == GeluApprox::kTanh) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float v = p[i];
+        const float u = kSqrt2OverPi * (v + kGeluC * v * v * v);
+        const float t = std::tanh(u);
+        const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluC * v * v);
+        o[i] = d[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+      }
+    } else {
+      for (int64_t i = begin; i < end; ++i) {
+        const float v = p[i];
+        const float cdf = 0.5f * (1.0f + std::erf(v * kInvSqrt2));
+        const float pdf = kInvSqrt2Pi * std::exp(-0.5f * v * v);
+        o[i] = d[i] * (cdf + v * pdf);
+      }
     }
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = p[i];
-      const float cdf = 0.5f * (1.0f + std::erf(v * kInvSqrt2));
-      const float pdf = kInvSqrt2Pi * std::exp(-0.5f * v * v);
-      o[i] = d[i] * (cdf + v * pdf);
-    }
-  }
+  });
   return Back(out, x.dtype());
 }
 

@@ -75,6 +75,18 @@ TEST(CpuKernels, MatMulKeepsLeadingDimsAndTakesViewsAndHalfTypes) {
   EXPECT_NE(bad.status().message().find("inner dims 8 and 7"), absl::string_view::npos) << bad.status();
 }
 
+TEST(CpuKernels, ThreadedLoopsGiveTheSameBitsAsOneThread) {
+  const Tensor x = Random({1 << 9, 1 << 9}, 40), dy = Random({1 << 9, 1 << 9}, 41), b = Random({1 << 9}, 42);
+  SetBlasThreads(1);
+  const std::string g1 = Gelu(x, GeluApprox::kTanh)->ToBytes(), d1 = GeluBackward(dy, x, GeluApprox::kNone)->ToBytes(),
+                    b1 = BiasAdd(x, b)->ToBytes();
+  SetBlasThreads(3);
+  EXPECT_EQ(Gelu(x, GeluApprox::kTanh)->ToBytes(), g1);
+  EXPECT_EQ(GeluBackward(dy, x, GeluApprox::kNone)->ToBytes(), d1);
+  EXPECT_EQ(BiasAdd(x, b)->ToBytes(), b1);
+  SetBlasThreads(1);
+}
+
 TEST(CpuKernels, BiasAddAndItsGradient) {
   const Tensor x = Random({4, 3, 7}, 7), b = Random({7}, 8);
   const std::vector<float> xv = x.ToFloats(), bv = b.ToFloats();
