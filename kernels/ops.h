@@ -1,8 +1,10 @@
 // The dense math of colod's layers: one host API over Tensors, computed on
-// the tensor's device. On the CPU, GEMM goes through OpenBLAS (f32; bf16 and
-// f16 inputs are converted and accumulated in f32) and the other kernels are
-// plain loops the compiler vectorizes. CUDA versions (cuBLAS and kernels/
-// cuda) follow; until then a CUDA tensor gets UNIMPLEMENTED naming the op.
+// the tensor's device. On the CPU (kernels/cpu/ops.cc), GEMM goes through
+// OpenBLAS (f32; bf16 and f16 inputs are converted and accumulated in f32)
+// and the other kernels are plain loops the compiler vectorizes. On a CUDA
+// device (kernels/cuda/layer_ops.cu), GEMM goes through cuBLAS (f32 with
+// TF32 off; bf16 and f16 with f32 accumulation) and the rest through colod's
+// kernels; every operand must be on the same device.
 //
 // Inputs may be strided views (they are made contiguous); outputs are new
 // contiguous tensors of the input's dtype and device. Shape errors are

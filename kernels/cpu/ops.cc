@@ -12,6 +12,10 @@
 #include "kernels/ops.h"
 #include "kernels/philox.h"
 
+#ifdef COLOD_WITH_CUDA
+#include "kernels/cuda/layer_ops.h"
+#endif
+
 namespace colod::kernels {
 namespace {
 
@@ -37,16 +41,35 @@ void ParallelFor(int64_t n, Fn fn) {
   for (auto& th : pool) th.join();
 }
 
-absl::Status HostOnly(const Tensor& t, const char* op) {
-  if (!t.device().is_cuda()) return absl::OkStatus();
-  return absl::UnimplementedError(absl::StrCat(op, " on ", t.device().ToString(), " is not implemented yet"));
+#ifdef COLOD_WITH_CUDA
+namespace gpu = ::colod::kernels::cuda;
+gpu::ElemType Elem(DType t) { return static_cast<gpu::ElemType>(t); }
+#define COLOD_GPU(call) RETURN_IF_ERROR(call)
+#else
+// A build without CUDA has no CUDA tensors, so these branches never run.
+#define COLOD_GPU(call) return absl::InternalError("CUDA kernels are not built in")
+#endif
+
+// INVALID_ARGUMENT unless every tensor is on `dev`.
+absl::Status SameDevice(const char* op, Device dev, std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts) {
+    if (t->device() != dev) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": operands on ", dev.ToString(), " and ",
+                                                     t->device().ToString()));
+    }
+  }
+  return absl::OkStatus();
 }
+
+template <typename T>
+const T* P(const Tensor& t) { return t.data<T>(); }
+template <typename T>
+T* P(Tensor& t) { return t.data<T>(); }
 
 bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
 
 // A contiguous f32 view or copy of a float tensor.
 absl::StatusOr<Tensor> AsF32(const Tensor& t, const char* op) {
-  RETURN_IF_ERROR(HostOnly(t, op));
   if (!IsFloat(t.dtype())) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": float tensors only, got ", DTypeName(t.dtype())));
   }
@@ -83,13 +106,19 @@ void SetBlasThreads(int n) {
 int BlasThreads() { return blas_threads; }
 
 absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
+  const Device dev = a.device();
   if (b.dim() != 2 || a.dim() < 2 || (trans_a && a.dim() != 2)) {
     return absl::InvalidArgumentError(absl::StrCat("matmul: ", ShapeToString(a.shape()), " @ ",
                                                    ShapeToString(b.shape()),
                                                    " needs b a matrix and a a matrix (or rows [..., K] untransposed)"));
   }
-  ASSIGN_OR_RETURN(Tensor fa, AsF32(a, "matmul"));
-  ASSIGN_OR_RETURN(Tensor fb, AsF32(b, "matmul"));
+  RETURN_IF_ERROR(SameDevice("matmul", dev, {&b}));
+  if (dev.is_cuda() && a.dtype() != b.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("matmul: ", DTypeName(a.dtype()), " and ", DTypeName(b.dtype())));
+  }
+  // cuBLAS takes bf16/f16 operands as they are; the CPU converts them to f32.
+  ASSIGN_OR_RETURN(Tensor fa, dev.is_cuda() && IsFloat(a.dtype()) ? a.Contiguous() : AsF32(a, "matmul"));
+  ASSIGN_OR_RETURN(Tensor fb, dev.is_cuda() && IsFloat(b.dtype()) ? b.Contiguous() : AsF32(b, "matmul"));
   const int64_t a_rows = fa.numel() / LastDim(fa), a_cols = LastDim(fa);
   const int64_t m = trans_a ? a_cols : a_rows, k = trans_a ? a_rows : a_cols;
   const int64_t kb = trans_b ? b.shape()[1] : b.shape()[0], n = trans_b ? b.shape()[0] : b.shape()[1];
@@ -103,9 +132,15 @@ absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a, bo
     out_shape = a.shape();
     out_shape.back() = n;
   }
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_shape, DType::kF32));
+  if (k == 0) return Tensor::Zeros(out_shape, a.dtype(), dev);
+  if (dev.is_cuda()) {
+    ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_shape, a.dtype(), dev));
+    COLOD_GPU(gpu::Gemm(dev.index, Elem(a.dtype()), trans_a, trans_b, m, n, k, fa.raw_data(), fb.raw_data(),
+                        out.raw_data()));
+    return out;
+  }
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_shape, DType::kF32, dev));
   if (m > 0 && n > 0) {
-    if (k == 0) return Tensor::Zeros(out_shape, a.dtype());
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
                 static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1.0f, fa.data<float>(),
                 static_cast<int>(a_cols), fb.data<float>(), static_cast<int>(fb.shape()[1]), 0.0f, out.data<float>(),
@@ -115,14 +150,20 @@ absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a, bo
 }
 
 absl::StatusOr<Tensor> BiasAdd(const Tensor& x, const Tensor& bias) {
+  const Device dev = x.device();
   if (bias.dim() != 1 || LastDim(x) != bias.shape()[0] || x.dim() == 0) {
     return absl::InvalidArgumentError(absl::StrCat("bias_add: bias ", ShapeToString(bias.shape()),
                                                    " does not match the last dim of ", ShapeToString(x.shape())));
   }
   ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "bias_add"));
   ASSIGN_OR_RETURN(Tensor fb, AsF32(bias, "bias_add"));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32));
+  RETURN_IF_ERROR(SameDevice("bias_add", dev, {&bias}));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
   const int64_t n = LastDim(fx), rows = fx.numel() / std::max<int64_t>(n, 1);
+  if (dev.is_cuda()) {
+    COLOD_GPU(gpu::BiasAdd(dev.index, P<float>(fx), P<float>(fb), P<float>(out), rows, n));
+    return Back(out, x.dtype());
+  }
   const float* px = fx.data<float>();
   const float* pb = fb.data<float>();
   float* po = out.data<float>();
@@ -133,25 +174,36 @@ absl::StatusOr<Tensor> BiasAdd(const Tensor& x, const Tensor& bias) {
 }
 
 absl::StatusOr<Tensor> BiasGrad(const Tensor& dy) {
+  const Device dev = dy.device();
   if (dy.dim() == 0) return absl::InvalidArgumentError("bias_grad: dy must have a last dim");
   ASSIGN_OR_RETURN(Tensor f, AsF32(dy, "bias_grad"));
   const int64_t n = LastDim(f), rows = n == 0 ? 0 : f.numel() / n;
+  if (dev.is_cuda()) {
+    ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({n}, DType::kF32, dev));
+    COLOD_GPU(gpu::BiasGrad(dev.index, P<float>(f), P<float>(out), rows, n));
+    return Back(out, dy.dtype());
+  }
   std::vector<double> acc(n, 0.0);
   const float* p = f.data<float>();
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < n; ++j) acc[j] += p[r * n + j];
   }
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({n}, DType::kF32));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({n}, DType::kF32, dev));
   for (int64_t j = 0; j < n; ++j) out.data<float>()[j] = static_cast<float>(acc[j]);
   return Back(out, dy.dtype());
 }
 
 absl::StatusOr<Tensor> Gelu(const Tensor& x, GeluApprox approx) {
+  const Device dev = x.device();
   ASSIGN_OR_RETURN(Tensor f, AsF32(x, "gelu"));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
+  const int64_t n = f.numel();
+  if (dev.is_cuda()) {
+    COLOD_GPU(gpu::Gelu(dev.index, P<float>(f), P<float>(out), n, approx == GeluApprox::kTanh));
+    return Back(out, x.dtype());
+  }
   const float* p = f.data<float>();
   float* o = out.data<float>();
-  const int64_t n = f.numel();
   ParallelFor(n, [&](int64_t begin, int64_t end) {
     if (approx == GeluApprox::kTanh) {
       for (int64_t i = begin; i < end; ++i) {
@@ -166,14 +218,20 @@ absl::StatusOr<Tensor> Gelu(const Tensor& x, GeluApprox approx) {
 }
 
 absl::StatusOr<Tensor> GeluBackward(const Tensor& dy, const Tensor& x, GeluApprox approx) {
+  const Device dev = x.device();
   RETURN_IF_ERROR(SameShapes(dy, x, "gelu_backward"));
   ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "gelu_backward"));
   ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "gelu_backward"));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
+  RETURN_IF_ERROR(SameDevice("gelu_backward", dev, {&dy}));
+  const int64_t n = fx.numel();
+  if (dev.is_cuda()) {
+    COLOD_GPU(gpu::GeluBackward(dev.index, P<float>(fd), P<float>(fx), P<float>(out), n, approx == GeluApprox::kTanh));
+    return Back(out, x.dtype());
+  }
   const float* p = fx.data<float>();
   const float* d = fd.data<float>();
   float* o = out.data<float>();
-  const int64_t n = fx.numel();
   ParallelFor(n, [&](int64_t begin, int64_t end) {
     if (approx == GeluApprox::kTanh) {
       for (int64_t i = begin; i < end; ++i) {
@@ -196,6 +254,7 @@ absl::StatusOr<Tensor> GeluBackward(const Tensor& dy, const Tensor& x, GeluAppro
 }
 
 absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps) {
+  const Device dev = x.device();
   const int64_t n = LastDim(x);
   if (x.dim() == 0 || gamma.shape() != Shape{n} || beta.shape() != Shape{n}) {
     return absl::InvalidArgumentError(absl::StrCat("layer_norm: gamma ", ShapeToString(gamma.shape()), " and beta ",
@@ -206,9 +265,16 @@ absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, 
   ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "layer_norm"));
   ASSIGN_OR_RETURN(Tensor fb, AsF32(beta, "layer_norm"));
   const int64_t rows = n == 0 ? 0 : fx.numel() / n;
-  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), DType::kF32));
-  ASSIGN_OR_RETURN(Tensor mean, Tensor::Empty({rows}, DType::kF32));
-  ASSIGN_OR_RETURN(Tensor rstd, Tensor::Empty({rows}, DType::kF32));
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(Tensor mean, Tensor::Empty({rows}, DType::kF32, dev));
+  ASSIGN_OR_RETURN(Tensor rstd, Tensor::Empty({rows}, DType::kF32, dev));
+  RETURN_IF_ERROR(SameDevice("layer_norm", dev, {&gamma, &beta}));
+  if (dev.is_cuda()) {
+    COLOD_GPU(gpu::LayerNorm(dev.index, P<float>(fx), P<float>(fg), P<float>(fb), eps, P<float>(y), P<float>(mean),
+                             P<float>(rstd), rows, n));
+    ASSIGN_OR_RETURN(y, Back(y, x.dtype()));
+    return LayerNormResult{std::move(y), std::move(mean), std::move(rstd)};
+  }
   const float* px = fx.data<float>();
   const float* g = fg.data<float>();
   const float* b = fb.data<float>();
@@ -232,6 +298,7 @@ absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, 
 
 absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                                                  const Tensor& mean, const Tensor& rstd) {
+  const Device dev = x.device();
   RETURN_IF_ERROR(SameShapes(dy, x, "layer_norm_backward"));
   const int64_t n = LastDim(x), rows = n == 0 ? 0 : x.numel() / n;
   if (gamma.shape() != Shape{n} || mean.shape() != Shape{rows} || rstd.shape() != Shape{rows}) {
@@ -242,7 +309,18 @@ absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor&
   ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "layer_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fm, AsF32(mean, "layer_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fr, AsF32(rstd, "layer_norm_backward"));
-  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), DType::kF32));
+  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), DType::kF32, dev));
+  RETURN_IF_ERROR(SameDevice("layer_norm_backward", dev, {&dy, &gamma, &mean, &rstd}));
+  if (dev.is_cuda()) {
+    ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, DType::kF32, dev));
+    ASSIGN_OR_RETURN(Tensor dbeta, Tensor::Empty({n}, DType::kF32, dev));
+    COLOD_GPU(gpu::LayerNormBackward(dev.index, P<float>(fd), P<float>(fx), P<float>(fg), P<float>(fm), P<float>(fr),
+                                     P<float>(dx), P<float>(dgamma), P<float>(dbeta), rows, n));
+    ASSIGN_OR_RETURN(dx, Back(dx, x.dtype()));
+    ASSIGN_OR_RETURN(dgamma, Back(dgamma, gamma.dtype()));
+    ASSIGN_OR_RETURN(dbeta, Back(dbeta, gamma.dtype()));
+    return LayerNormGrads{std::move(dx), std::move(dgamma), std::move(dbeta)};
+  }
   std::vector<double> dg(n, 0.0), db(n, 0.0);
   const float* px = fx.data<float>();
   const float* pd = fd.data<float>();
@@ -267,8 +345,8 @@ absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor&
       dx.data<float>()[r * n + j] = rs * (drow[j] * g[j] - a - xhat * c);
     }
   }
-  ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, DType::kF32));
-  ASSIGN_OR_RETURN(Tensor dbeta, Tensor::Empty({n}, DType::kF32));
+  ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, DType::kF32, dev));
+  ASSIGN_OR_RETURN(Tensor dbeta, Tensor::Empty({n}, DType::kF32, dev));
   for (int64_t j = 0; j < n; ++j) {
     dgamma.data<float>()[j] = static_cast<float>(dg[j]);
     dbeta.data<float>()[j] = static_cast<float>(db[j]);
@@ -280,6 +358,7 @@ absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor&
 }
 
 absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, float eps) {
+  const Device dev = x.device();
   const int64_t n = LastDim(x);
   if (x.dim() == 0 || gamma.shape() != Shape{n}) {
     return absl::InvalidArgumentError(absl::StrCat("rms_norm: gamma ", ShapeToString(gamma.shape()), " must be [", n,
@@ -288,8 +367,14 @@ absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, floa
   ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "rms_norm"));
   ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "rms_norm"));
   const int64_t rows = n == 0 ? 0 : fx.numel() / n;
-  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), DType::kF32));
-  ASSIGN_OR_RETURN(Tensor rstd, Tensor::Empty({rows}, DType::kF32));
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(Tensor rstd, Tensor::Empty({rows}, DType::kF32, dev));
+  RETURN_IF_ERROR(SameDevice("rms_norm", dev, {&gamma}));
+  if (dev.is_cuda()) {
+    COLOD_GPU(gpu::RmsNorm(dev.index, P<float>(fx), P<float>(fg), eps, P<float>(y), P<float>(rstd), rows, n));
+    ASSIGN_OR_RETURN(y, Back(y, x.dtype()));
+    return RmsNormResult{std::move(y), std::move(rstd)};
+  }
   const float* px = fx.data<float>();
   const float* g = fg.data<float>();
   for (int64_t r = 0; r < rows; ++r) {
@@ -305,6 +390,7 @@ absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, floa
 
 absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                                              const Tensor& rstd) {
+  const Device dev = x.device();
   RETURN_IF_ERROR(SameShapes(dy, x, "rms_norm_backward"));
   const int64_t n = LastDim(x), rows = n == 0 ? 0 : x.numel() / n;
   if (gamma.shape() != Shape{n} || rstd.shape() != Shape{rows}) {
@@ -314,7 +400,16 @@ absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, 
   ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "rms_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "rms_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fr, AsF32(rstd, "rms_norm_backward"));
-  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), DType::kF32));
+  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), DType::kF32, dev));
+  RETURN_IF_ERROR(SameDevice("rms_norm_backward", dev, {&dy, &gamma, &rstd}));
+  if (dev.is_cuda()) {
+    ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, DType::kF32, dev));
+    COLOD_GPU(gpu::RmsNormBackward(dev.index, P<float>(fd), P<float>(fx), P<float>(fg), P<float>(fr), P<float>(dx),
+                                   P<float>(dgamma), rows, n));
+    ASSIGN_OR_RETURN(dx, Back(dx, x.dtype()));
+    ASSIGN_OR_RETURN(dgamma, Back(dgamma, gamma.dtype()));
+    return RmsNormGrads{std::move(dx), std::move(dgamma)};
+  }
   std::vector<double> dg(n, 0.0);
   const float* px = fx.data<float>();
   const float* pd = fd.data<float>();
@@ -330,7 +425,7 @@ absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, 
     const float c = static_cast<float>(dot / n) * rs * rs;
     for (int64_t j = 0; j < n; ++j) dx.data<float>()[r * n + j] = rs * (pd[r * n + j] * g[j] - px[r * n + j] * c);
   }
-  ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, DType::kF32));
+  ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, DType::kF32, dev));
   for (int64_t j = 0; j < n; ++j) dgamma.data<float>()[j] = static_cast<float>(dg[j]);
   ASSIGN_OR_RETURN(dx, Back(dx, x.dtype()));
   ASSIGN_OR_RETURN(dgamma, Back(dgamma, gamma.dtype()));
@@ -338,18 +433,23 @@ absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, 
 }
 
 absl::StatusOr<Tensor> Softmax(const Tensor& x, bool causal) {
+  const Device dev = x.device();
   if (x.dim() == 0 || (causal && x.dim() < 2)) {
     return absl::InvalidArgumentError(absl::StrCat("softmax: input ", ShapeToString(x.shape()),
                                                    causal ? " must be [..., Q, K]" : " needs a last dim"));
   }
   ASSIGN_OR_RETURN(Tensor f, AsF32(x, "softmax"));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
   const int64_t k = LastDim(f), rows = k == 0 ? 0 : f.numel() / k;
   const int64_t q = causal ? x.shape()[x.dim() - 2] : 1;
   const int64_t prefix = causal ? k - q : 0;
   if (causal && prefix < 0) {
     return absl::InvalidArgumentError(absl::StrCat("softmax: causal scores ", ShapeToString(x.shape()),
                                                    " have more queries than keys"));
+  }
+  if (dev.is_cuda()) {
+    COLOD_GPU(gpu::Softmax(dev.index, P<float>(f), P<float>(out), rows, k, causal ? q : 0));
+    return Back(out, x.dtype());
   }
   const float* p = f.data<float>();
   float* o = out.data<float>();
@@ -372,11 +472,17 @@ absl::StatusOr<Tensor> Softmax(const Tensor& x, bool causal) {
 }
 
 absl::StatusOr<Tensor> SoftmaxBackward(const Tensor& dy, const Tensor& y) {
+  const Device dev = y.device();
   RETURN_IF_ERROR(SameShapes(dy, y, "softmax_backward"));
   ASSIGN_OR_RETURN(Tensor fy, AsF32(y, "softmax_backward"));
   ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "softmax_backward"));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(y.shape(), DType::kF32));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(y.shape(), DType::kF32, dev));
   const int64_t k = LastDim(fy), rows = k == 0 ? 0 : fy.numel() / k;
+  RETURN_IF_ERROR(SameDevice("softmax_backward", dev, {&dy}));
+  if (dev.is_cuda()) {
+    COLOD_GPU(gpu::SoftmaxBackward(dev.index, P<float>(fd), P<float>(fy), P<float>(out), rows, k));
+    return Back(out, y.dtype());
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const float* py = fy.data<float>() + r * k;
     const float* pd = fd.data<float>() + r * k;
@@ -390,9 +496,14 @@ absl::StatusOr<Tensor> SoftmaxBackward(const Tensor& dy, const Tensor& y) {
 namespace {
 
 absl::StatusOr<Tensor> ApplyDropout(const Tensor& x, float p, uint64_t seed, uint64_t offset, const char* op) {
+  const Device dev = x.device();
   if (!(p >= 0.0f && p < 1.0f)) return absl::InvalidArgumentError(absl::StrCat(op, ": p = ", p, " is not in [0, 1)"));
   ASSIGN_OR_RETURN(Tensor f, AsF32(x, op));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
+  if (dev.is_cuda()) {
+    COLOD_GPU(gpu::Dropout(dev.index, P<float>(f), P<float>(out), f.numel(), p, seed, offset));
+    return Back(out, x.dtype());
+  }
   const float scale = 1.0f / (1.0f - p);
   const float* px = f.data<float>();
   float* o = out.data<float>();
@@ -415,7 +526,6 @@ absl::StatusOr<Tensor> DropoutBackward(const Tensor& dy, float p, uint64_t seed,
 namespace {
 
 absl::StatusOr<std::vector<int64_t>> Ids(const Tensor& ids, const char* op) {
-  RETURN_IF_ERROR(HostOnly(ids, op));
   if (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": ids must be i32 or i64, got ", DTypeName(ids.dtype())));
   }
@@ -425,6 +535,7 @@ absl::StatusOr<std::vector<int64_t>> Ids(const Tensor& ids, const char* op) {
 }  // namespace
 
 absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t row_offset, bool mask_out_of_range) {
+  const Device dev = table.device();
   if (table.dim() != 2) {
     return absl::InvalidArgumentError(absl::StrCat("embedding: table must be [rows, H], got ",
                                                    ShapeToString(table.shape())));
@@ -434,7 +545,23 @@ absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t
   const int64_t rows = table.shape()[0], h = table.shape()[1];
   Shape shape = ids.shape();
   shape.push_back(h);
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros(shape, DType::kF32));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros(shape, DType::kF32, dev));
+  if (!mask_out_of_range) {
+    for (size_t i = 0; i < idv.size(); ++i) {
+      if (idv[i] < row_offset || idv[i] >= row_offset + rows) {
+        return absl::InvalidArgumentError(absl::StrCat("embedding: id ", idv[i], " at position ", i,
+                                                       " is outside the vocabulary [", row_offset, ", ",
+                                                       row_offset + rows, ")"));
+      }
+    }
+  }
+  if (dev.is_cuda()) {
+    RETURN_IF_ERROR(SameDevice("embedding", dev, {&ids}));
+    ASSIGN_OR_RETURN(Tensor id64, ids.ToDType(DType::kI64));
+    COLOD_GPU(gpu::Embedding(dev.index, P<float>(ft), P<int64_t>(id64), P<float>(out),
+                             static_cast<int64_t>(idv.size()), rows, h, row_offset));
+    return Back(out, table.dtype());
+  }
   for (size_t i = 0; i < idv.size(); ++i) {
     const int64_t local = idv[i] - row_offset;
     if (local < 0 || local >= rows) {
@@ -449,6 +576,7 @@ absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t
 }
 
 absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t rows, int64_t row_offset) {
+  const Device dev = dy.device();
   ASSIGN_OR_RETURN(std::vector<int64_t> idv, Ids(ids, "embedding_backward"));
   const int64_t h = LastDim(dy);
   if (dy.dim() != ids.dim() + 1 || static_cast<int64_t>(idv.size()) * h != dy.numel()) {
@@ -456,13 +584,21 @@ absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, in
                                                    " does not match ids ", ShapeToString(ids.shape())));
   }
   ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "embedding_backward"));
+  if (dev.is_cuda()) {
+    RETURN_IF_ERROR(SameDevice("embedding_backward", dev, {&ids}));
+    ASSIGN_OR_RETURN(Tensor id64, ids.ToDType(DType::kI64));
+    ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({rows, h}, DType::kF32, dev));
+    COLOD_GPU(gpu::EmbeddingBackward(dev.index, P<float>(fd), P<int64_t>(id64), P<float>(out),
+                                     static_cast<int64_t>(idv.size()), rows, h, row_offset));
+    return Back(out, dy.dtype());
+  }
   std::vector<double> acc(rows * h, 0.0);
   for (size_t i = 0; i < idv.size(); ++i) {
     const int64_t local = idv[i] - row_offset;
     if (local < 0 || local >= rows) continue;
     for (int64_t j = 0; j < h; ++j) acc[local * h + j] += fd.data<float>()[i * h + j];
   }
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({rows, h}, DType::kF32));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({rows, h}, DType::kF32, dev));
   for (int64_t i = 0; i < rows * h; ++i) out.data<float>()[i] = static_cast<float>(acc[i]);
   return Back(out, dy.dtype());
 }
@@ -505,8 +641,16 @@ double LogSumExp(const float* row, int64_t v) {
 
 absl::StatusOr<Tensor> CrossEntropy(const Tensor& logits, const Tensor& labels, float label_smoothing,
                                     int64_t ignore_index) {
+  const Device dev = logits.device();
   ASSIGN_OR_RETURN(CeInputs in, CheckCe(logits, labels, ignore_index, "cross_entropy"));
-  ASSIGN_OR_RETURN(Tensor loss, Tensor::Zeros({in.n}, DType::kF32));
+  ASSIGN_OR_RETURN(Tensor loss, Tensor::Zeros({in.n}, DType::kF32, dev));
+  if (dev.is_cuda()) {
+    RETURN_IF_ERROR(SameDevice("cross_entropy", dev, {&labels}));
+    ASSIGN_OR_RETURN(Tensor l64, labels.ToDType(DType::kI64));
+    COLOD_GPU(gpu::CrossEntropy(dev.index, P<float>(in.logits), P<int64_t>(l64), P<float>(loss), in.n, in.v,
+                                label_smoothing, ignore_index));
+    return loss;
+  }
   for (int64_t r = 0; r < in.n; ++r) {
     if (in.labels[r] == ignore_index) continue;
     const float* row = in.logits.data<float>() + r * in.v;
@@ -522,13 +666,22 @@ absl::StatusOr<Tensor> CrossEntropy(const Tensor& logits, const Tensor& labels, 
 
 absl::StatusOr<Tensor> CrossEntropyBackward(const Tensor& dloss, const Tensor& logits, const Tensor& labels,
                                             float label_smoothing, int64_t ignore_index) {
+  const Device dev = logits.device();
   ASSIGN_OR_RETURN(CeInputs in, CheckCe(logits, labels, ignore_index, "cross_entropy_backward"));
   if (dloss.shape() != Shape{in.n}) {
     return absl::InvalidArgumentError(absl::StrCat("cross_entropy_backward: dloss ", ShapeToString(dloss.shape()),
                                                    " must be [", in.n, "]"));
   }
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros({in.n, in.v}, DType::kF32, dev));
+  if (dev.is_cuda()) {
+    RETURN_IF_ERROR(SameDevice("cross_entropy_backward", dev, {&labels, &dloss}));
+    ASSIGN_OR_RETURN(Tensor l64, labels.ToDType(DType::kI64));
+    ASSIGN_OR_RETURN(Tensor dl32, AsF32(dloss, "cross_entropy_backward"));
+    COLOD_GPU(gpu::CrossEntropyBackward(dev.index, P<float>(dl32), P<float>(in.logits), P<int64_t>(l64), P<float>(out),
+                                        in.n, in.v, label_smoothing, ignore_index));
+    return Back(out, logits.dtype());
+  }
   const std::vector<float> dl = dloss.ToFloats();
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros({in.n, in.v}, DType::kF32));
   for (int64_t r = 0; r < in.n; ++r) {
     if (in.labels[r] == ignore_index) continue;
     const float* row = in.logits.data<float>() + r * in.v;
@@ -545,13 +698,18 @@ absl::StatusOr<Tensor> CrossEntropyBackward(const Tensor& dloss, const Tensor& l
 namespace {
 
 absl::StatusOr<Tensor> Rotate(const Tensor& x, float theta, int64_t position_offset, float sign, const char* op) {
+  const Device dev = x.device();
   if (x.dim() != 4 || x.shape()[3] % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": input ", ShapeToString(x.shape()),
                                                    " must be [B, S, heads, D] with D even"));
   }
   ASSIGN_OR_RETURN(Tensor f, AsF32(x, op));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
   const int64_t b = x.shape()[0], s = x.shape()[1], heads = x.shape()[2], d = x.shape()[3], half = d / 2;
+  if (dev.is_cuda()) {
+    COLOD_GPU(gpu::Rope(dev.index, P<float>(f), P<float>(out), b, s, heads, d, theta, position_offset, sign));
+    return Back(out, x.dtype());
+  }
   std::vector<float> inv_freq(half);
   for (int64_t i = 0; i < half; ++i) {
     inv_freq[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(d));
@@ -590,7 +748,7 @@ absl::StatusOr<Tensor> RopeBackward(const Tensor& dy, float theta, int64_t posit
 
 absl::Status AdamW(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, int64_t step, const AdamWOptions& o) {
   for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
-    RETURN_IF_ERROR(HostOnly(*t, "adamw"));
+    RETURN_IF_ERROR(SameDevice("adamw", param.device(), {t}));
     if (t->dtype() != DType::kF32 || t->shape() != param.shape() || !t->is_contiguous()) {
       return absl::InvalidArgumentError(absl::StrCat("adamw: param, grad, m and v must be contiguous f32 of shape ",
                                                      ShapeToString(param.shape())));
@@ -599,6 +757,11 @@ absl::Status AdamW(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, int6
   if (step < 1) return absl::InvalidArgumentError("adamw: step counts from 1");
   const float bc1 = 1.0f - std::pow(o.beta1, static_cast<float>(step));
   const float bc2 = 1.0f - std::pow(o.beta2, static_cast<float>(step));
+  if (param.device().is_cuda()) {
+    COLOD_GPU(gpu::AdamW(param.device().index, P<float>(param), P<float>(grad), P<float>(m), P<float>(v),
+                         param.numel(), o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, bc1, bc2));
+    return absl::OkStatus();
+  }
   float* p = param.data<float>();
   const float* g = grad.data<float>();
   float* pm = m.data<float>();

@@ -133,9 +133,10 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
   ASSIGN_OR_RETURN(Tensor qh, HeadsFirst(q.value()));
   ASSIGN_OR_RETURN(Tensor kh, HeadsFirst(k.value()));
   ASSIGN_OR_RETURN(Tensor vh, HeadsFirst(v.value()));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({batch, hq, seq, d}, DType::kF32));
+  const Device dev = q.value().device();
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({batch, hq, seq, d}, DType::kF32, dev));
   // The probabilities of every (b, h), kept for the backward: [B, Hq, S, S].
-  ASSIGN_OR_RETURN(Tensor probs, Tensor::Empty({batch, hq, seq, seq}, DType::kF32));
+  ASSIGN_OR_RETURN(Tensor probs, Tensor::Empty({batch, hq, seq, seq}, DType::kF32, dev));
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < hq; ++h) {
       ASSIGN_OR_RETURN(Tensor qm, HeadMatrix(qh, b, h));
@@ -156,12 +157,12 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
   ASSIGN_OR_RETURN(y, y.Contiguous().ToDType(dtype));
   return RecordOp(
       "causal_attention", {q, k, v}, std::move(y),
-      [qh, kh, vh, probs, batch, seq, hq, hkv, d, group, scale, dtype](const Tensor& dy) -> absl::StatusOr<Grads> {
+      [qh, kh, vh, probs, batch, seq, hq, hkv, d, group, scale, dtype, dev](const Tensor& dy) -> absl::StatusOr<Grads> {
         ASSIGN_OR_RETURN(Tensor dyh, HeadsFirst(dy));
         ASSIGN_OR_RETURN(dyh, dyh.ToDType(DType::kF32));
-        ASSIGN_OR_RETURN(Tensor dq, Tensor::Zeros({batch, hq, seq, d}, DType::kF32));
-        ASSIGN_OR_RETURN(Tensor dk, Tensor::Zeros({batch, hkv, seq, d}, DType::kF32));
-        ASSIGN_OR_RETURN(Tensor dv, Tensor::Zeros({batch, hkv, seq, d}, DType::kF32));
+        ASSIGN_OR_RETURN(Tensor dq, Tensor::Zeros({batch, hq, seq, d}, DType::kF32, dev));
+        ASSIGN_OR_RETURN(Tensor dk, Tensor::Zeros({batch, hkv, seq, d}, DType::kF32, dev));
+        ASSIGN_OR_RETURN(Tensor dv, Tensor::Zeros({batch, hkv, seq, d}, DType::kF32, dev));
         for (int64_t b = 0; b < batch; ++b) {
           for (int64_t h = 0; h < hq; ++h) {
             ASSIGN_OR_RETURN(Tensor qm, HeadMatrix(qh, b, h));
@@ -203,6 +204,9 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
                                           Communicator* hidden, const std::vector<Communicator*>& replicas,
                                           absl::Duration timeout) {
   const Tensor& xv = x.value();
+  if (xv.device().is_cuda()) {
+    return absl::UnimplementedError("the sharded layer norm (2D/2.5D/3D) runs on host tensors only for now");
+  }
   if (xv.dim() == 0 || gamma.value().shape() != Shape{xv.shape().back()} || beta.value().shape() != gamma.value().shape()) {
     return absl::InvalidArgumentError(absl::StrCat("layer norm: gamma ", ShapeToString(gamma.value().shape()),
                                                    " and beta must be [", xv.dim() ? xv.shape().back() : 0,

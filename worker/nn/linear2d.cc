@@ -109,7 +109,7 @@ absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicato
                                                    ShapeToString(am.shape()), " do not multiply"));
   }
   const int64_t r = xm.shape()[0], n = am.shape()[1];
-  ASSIGN_OR_RETURN(Tensor y, Tensor::Zeros({r, n}, DType::kF32));
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Zeros({r, n}, DType::kF32, xm.device()));
   for (int t = 0; t < q; ++t) {
     ASSIGN_OR_RETURN(Tensor xt, BroadcastFrom(xm, t, row, timeout));
     ASSIGN_OR_RETURN(Tensor at, BroadcastFrom(am, t, col, timeout));

@@ -10,6 +10,9 @@ namespace colod::nn {
 
 absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, const Tensor& labels, int64_t vocab_size,
                                                    float label_smoothing, int64_t ignore_index) {
+  if (logits.local().device().is_cuda()) {
+    return absl::UnimplementedError("vocab-parallel cross-entropy runs on host tensors only for now");
+  }
   ProcessGroup* pg = logits.process_group();
   ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
   ASSIGN_OR_RETURN(int k, pg->tp_local_rank());

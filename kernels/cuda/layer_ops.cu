@@ -1,0 +1,473 @@
+#include "kernels/cuda/layer_ops.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+
+#include "kernels/philox.h"
+
+namespace colod::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 4096;
+
+absl::Status CudaCheck(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+absl::Status CublasCheck(cublasStatus_t s, const char* what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(std::string(what) + ": cuBLAS status " + std::to_string(static_cast<int>(s)));
+}
+
+#define RETURN_IF(expr)                    \
+  do {                                     \
+    absl::Status colod_s_ = (expr);        \
+    if (!colod_s_.ok()) return colod_s_;   \
+  } while (0)
+
+unsigned Blocks(int64_t n) {
+  const int64_t b = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
+}
+
+unsigned RowBlocks(int64_t rows) { return static_cast<unsigned>(rows < 1 ? 1 : (rows > 65535 ? 65535 : rows)); }
+
+absl::Status Begin(int device) { return CudaCheck(cudaSetDevice(device), "cudaSetDevice"); }
+
+absl::Status Finish(const char* what) {
+  RETURN_IF(CudaCheck(cudaGetLastError(), what));
+  return CudaCheck(cudaStreamSynchronize(cudaStreamPerThread), what);
+}
+
+#define GRID_STRIDE(i, n)                                                            \
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); \
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+// Sum of v over the block's threads (blockDim.x == kThreads), returned to all.
+__device__ float BlockSum(float v, float* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s /= 2) {
+    if (threadIdx.x < s) shared[threadIdx.x] += shared[threadIdx.x + s];
+    __syncthreads();
+  }
+  const float total = shared[0];
+  __syncthreads();
+  return total;
+}
+
+__device__ float BlockMax(float v, float* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s /= 2) {
+    if (threadIdx.x < s) shared[threadIdx.x] = fmaxf(shared[threadIdx.x], shared[threadIdx.x + s]);
+    __syncthreads();
+  }
+  const float total = shared[0];
+  __syncthreads();
+  return total;
+}
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluC = 0.044715f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+__global__ void BiasAddKernel(const float* x, const float* b, float* y, int64_t total, int64_t n) {
+  GRID_STRIDE(i, total) { y[i] = x[i] + b[i % n]; }
+}
+
+__global__ void ColumnSumKernel(const float* dy, float* db, int64_t rows, int64_t n) {
+  GRID_STRIDE(j, n) {
+    double s = 0;
+    for (int64_t r = 0; r < rows; ++r) s += dy[r * n + j];
+    db[j] = static_cast<float>(s);
+  }
+}
+
+__global__ void GeluKernel(const float* x, float* y, int64_t n, bool tanh_approx) {
+  GRID_STRIDE(i, n) {
+    const float v = x[i];
+    y[i] = tanh_approx ? 0.5f * v * (1.0f + tanhf(kSqrt2OverPi * (v + kGeluC * v * v * v)))
+                       : 0.5f * v * (1.0f + erff(v * kInvSqrt2));
+  }
+}
+
+__global__ void GeluBackwardKernel(const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx) {
+  GRID_STRIDE(i, n) {
+    const float v = x[i];
+    if (tanh_approx) {
+      const float t = tanhf(kSqrt2OverPi * (v + kGeluC * v * v * v));
+      const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluC * v * v);
+      dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+    } else {
+      dx[i] = dy[i] * (0.5f * (1.0f + erff(v * kInvSqrt2)) + v * kInvSqrt2Pi * expf(-0.5f * v * v));
+    }
+  }
+}
+
+__global__ void LayerNormKernel(const float* x, const float* g, const float* b, float eps, float* y, float* mean,
+                                float* rstd, int64_t rows, int64_t n) {
+  __shared__ float shared[kThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* row = x + r * n;
+    float s = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += row[j];
+    const float mu = BlockSum(s, shared) / n;
+    float v = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) v += (row[j] - mu) * (row[j] - mu);
+    const float rs = rsqrtf(BlockSum(v, shared) / n + eps);
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) y[r * n + j] = (row[j] - mu) * rs * g[j] + b[j];
+    if (threadIdx.x == 0) {
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+  }
+}
+
+__global__ void LayerNormBackwardKernel(const float* dy, const float* x, const float* g, const float* mean,
+                                        const float* rstd, float* dx, int64_t rows, int64_t n) {
+  __shared__ float shared[kThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float m = mean[r], rs = rstd[r];
+    float a = 0, c = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      const float xhat = (x[r * n + j] - m) * rs, dxhat = dy[r * n + j] * g[j];
+      a += dxhat;
+      c += dxhat * xhat;
+    }
+    a = BlockSum(a, shared) / n;
+    c = BlockSum(c, shared) / n;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      const float xhat = (x[r * n + j] - m) * rs;
+      dx[r * n + j] = rs * (dy[r * n + j] * g[j] - a - xhat * c);
+    }
+  }
+}
+
+// dgamma[j] = sum_r dy * xhat, dbeta[j] = sum_r dy (xhat from mean/rstd, or
+// x * rstd for RMSNorm when mean is null).
+__global__ void NormParamGradKernel(const float* dy, const float* x, const float* mean, const float* rstd, float* dg,
+                                    float* db, int64_t rows, int64_t n) {
+  GRID_STRIDE(j, n) {
+    double sg = 0, sb = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float xhat = (x[r * n + j] - (mean ? mean[r] : 0.0f)) * rstd[r];
+      sg += static_cast<double>(dy[r * n + j]) * xhat;
+      sb += dy[r * n + j];
+    }
+    dg[j] = static_cast<float>(sg);
+    if (db) db[j] = static_cast<float>(sb);
+  }
+}
+
+__global__ void RmsNormKernel(const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
+                              int64_t n) {
+  __shared__ float shared[kThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    float s = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += x[r * n + j] * x[r * n + j];
+    const float rs = rsqrtf(BlockSum(s, shared) / n + eps);
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) y[r * n + j] = x[r * n + j] * rs * g[j];
+    if (threadIdx.x == 0) rstd[r] = rs;
+  }
+}
+
+__global__ void RmsNormBackwardKernel(const float* dy, const float* x, const float* g, const float* rstd, float* dx,
+                                      int64_t rows, int64_t n) {
+  __shared__ float shared[kThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float rs = rstd[r];
+    float dot = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) dot += dy[r * n + j] * g[j] * x[r * n + j];
+    const float c = BlockSum(dot, shared) / n * rs * rs;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) dx[r * n + j] = rs * (dy[r * n + j] * g[j] - x[r * n + j] * c);
+  }
+}
+
+__global__ void SoftmaxKernel(const float* x, float* y, int64_t rows, int64_t k, int64_t causal_q) {
+  __shared__ float shared[kThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t visible = causal_q > 0 ? (r % causal_q) + (k - causal_q) + 1 : k;
+    const float* row = x + r * k;
+    float m = -INFINITY;
+    for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) m = fmaxf(m, row[j]);
+    m = BlockMax(m, shared);
+    float s = 0;
+    for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) s += expf(row[j] - m);
+    const float inv = 1.0f / BlockSum(s, shared);
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) y[r * k + j] = j < visible ? expf(row[j] - m) * inv : 0.0f;
+  }
+}
+
+__global__ void SoftmaxBackwardKernel(const float* dy, const float* y, float* dx, int64_t rows, int64_t k) {
+  __shared__ float shared[kThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    float dot = 0;
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) dot += dy[r * k + j] * y[r * k + j];
+    dot = BlockSum(dot, shared);
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) dx[r * k + j] = y[r * k + j] * (dy[r * k + j] - dot);
+  }
+}
+
+__global__ void DropoutKernel(const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset) {
+  const float scale = 1.0f / (1.0f - p);
+  GRID_STRIDE(i, n) { y[i] = PhiloxUniform(seed, offset + static_cast<uint64_t>(i)) >= p ? x[i] * scale : 0.0f; }
+}
+
+__global__ void EmbeddingKernel(const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows,
+                                int64_t h, int64_t row_offset) {
+  GRID_STRIDE(i, count * h) {
+    const int64_t local = ids[i / h] - row_offset;
+    out[i] = (local >= 0 && local < rows) ? table[local * h + i % h] : 0.0f;
+  }
+}
+
+__global__ void EmbeddingBackwardKernel(const float* dy, const int64_t* ids, float* dtable, int64_t count,
+                                        int64_t rows, int64_t h, int64_t row_offset) {
+  GRID_STRIDE(i, count * h) {
+    const int64_t local = ids[i / h] - row_offset;
+    if (local >= 0 && local < rows) atomicAdd(dtable + local * h + i % h, dy[i]);
+  }
+}
+
+// One block per row: lse, target logit and mean logit.
+__device__ void RowStats(const float* row, int64_t v, float* shared, float* lse, float* mean_logit) {
+  float m = -INFINITY, total = 0;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+    m = fmaxf(m, row[j]);
+    total += row[j];
+  }
+  m = BlockMax(m, shared);
+  *mean_logit = BlockSum(total, shared) / v;
+  float s = 0;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) s += expf(row[j] - m);
+  *lse = m + logf(BlockSum(s, shared));
+}
+
+__global__ void CrossEntropyKernel(const float* logits, const int64_t* labels, float* loss, int64_t n, int64_t v,
+                                   float smoothing, int64_t ignore_index) {
+  __shared__ float shared[kThreads];
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    float lse, mean_logit;
+    RowStats(logits + r * v, v, shared, &lse, &mean_logit);
+    if (threadIdx.x == 0) {
+      const int64_t label = labels[r];
+      loss[r] = label == ignore_index
+                    ? 0.0f
+                    : lse - (1.0f - smoothing) * logits[r * v + label] - smoothing * mean_logit;
+    }
+  }
+}
+
+__global__ void CrossEntropyBackwardKernel(const float* dloss, const float* logits, const int64_t* labels,
+                                           float* dlogits, int64_t n, int64_t v, float smoothing,
+                                           int64_t ignore_index) {
+  __shared__ float shared[kThreads];
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    float lse, mean_logit;
+    RowStats(logits + r * v, v, shared, &lse, &mean_logit);
+    const int64_t label = labels[r];
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+      const float target = smoothing / v + (j == label ? 1.0f - smoothing : 0.0f);
+      dlogits[r * v + j] = label == ignore_index ? 0.0f : dloss[r] * (expf(logits[r * v + j] - lse) - target);
+    }
+  }
+}
+
+__global__ void RopeKernel(const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d, float theta,
+                           int64_t position_offset, float sign) {
+  const int64_t half = d / 2;
+  GRID_STRIDE(idx, b * s * heads * half) {
+    const int64_t i = idx % half, row = idx / half;  // row = (bi * s + t) * heads + hh
+    const int64_t t = (row / heads) % s;
+    const float inv_freq = 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(d));
+    const float angle = static_cast<float>(position_offset + t) * inv_freq;
+    const float c = cosf(angle), sn = sign * sinf(angle);
+    const float x1 = x[row * d + i], x2 = x[row * d + i + half];
+    y[row * d + i] = x1 * c - x2 * sn;
+    y[row * d + i + half] = x2 * c + x1 * sn;
+  }
+}
+
+__global__ void AdamWKernel(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+                            float beta2, float eps, float wd, float bc1, float bc2) {
+  GRID_STRIDE(i, n) {
+    p[i] -= lr * wd * p[i];
+    m[i] = beta1 * m[i] + (1.0f - beta1) * g[i];
+    v[i] = beta2 * v[i] + (1.0f - beta2) * g[i] * g[i];
+    p[i] -= lr * (m[i] / bc1) / (sqrtf(v[i] / bc2) + eps);
+  }
+}
+
+// One cuBLAS handle per (thread, device), bound to the thread's default stream.
+absl::StatusOr<cublasHandle_t> Handle(int device) {
+  thread_local std::map<int, cublasHandle_t> handles;
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  cublasHandle_t h = nullptr;
+  RETURN_IF(CublasCheck(cublasCreate(&h), "cublasCreate"));
+  RETURN_IF(CublasCheck(cublasSetStream(h, cudaStreamPerThread), "cublasSetStream"));
+  RETURN_IF(CublasCheck(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode"));  // no TF32
+  handles[device] = h;
+  return h;
+}
+
+cudaDataType_t CudaType(ElemType t) {
+  switch (t) {
+    case ElemType::kBF16: return CUDA_R_16BF;
+    case ElemType::kF16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+}  // namespace
+
+absl::Status Gemm(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                  const void* a, const void* b, void* c) {
+  if (type != ElemType::kF32 && type != ElemType::kBF16 && type != ElemType::kF16) {
+    return absl::InvalidArgumentError("Gemm: f32, bf16 or f16 only");
+  }
+  if (m == 0 || n == 0) return absl::OkStatus();
+  RETURN_IF(Begin(device));
+  absl::StatusOr<cublasHandle_t> h = Handle(device);
+  if (!h.ok()) return h.status();
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
+  const float one = 1.0f, zero = 0.0f;
+  const int lda = static_cast<int>(trans_a ? m : k), ldb = static_cast<int>(trans_b ? k : n);
+  RETURN_IF(CublasCheck(
+      cublasGemmEx(*h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
+                   static_cast<int>(m), static_cast<int>(k), &one, b, CudaType(type), ldb, a, CudaType(type), lda,
+                   &zero, c, CudaType(type), static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx"));
+  return Finish("cublasGemmEx");
+}
+
+absl::Status BiasAdd(int device, const float* x, const float* bias, float* out, int64_t rows, int64_t n) {
+  RETURN_IF(Begin(device));
+  BiasAddKernel<<<Blocks(rows * n), kThreads, 0, cudaStreamPerThread>>>(x, bias, out, rows * n, n);
+  return Finish("BiasAddKernel");
+}
+
+absl::Status BiasGrad(int device, const float* dy, float* db, int64_t rows, int64_t n) {
+  RETURN_IF(Begin(device));
+  ColumnSumKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(dy, db, rows, n);
+  return Finish("ColumnSumKernel");
+}
+
+absl::Status Gelu(int device, const float* x, float* y, int64_t n, bool tanh_approx) {
+  RETURN_IF(Begin(device));
+  GeluKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(x, y, n, tanh_approx);
+  return Finish("GeluKernel");
+}
+
+absl::Status GeluBackward(int device, const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx) {
+  RETURN_IF(Begin(device));
+  GeluBackwardKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(dy, x, dx, n, tanh_approx);
+  return Finish("GeluBackwardKernel");
+}
+
+absl::Status LayerNorm(int device, const float* x, const float* g, const float* b, float eps, float* y, float* mean,
+                       float* rstd, int64_t rows, int64_t n) {
+  RETURN_IF(Begin(device));
+  LayerNormKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(x, g, b, eps, y, mean, rstd, rows, n);
+  return Finish("LayerNormKernel");
+}
+
+absl::Status LayerNormBackward(int device, const float* dy, const float* x, const float* g, const float* mean,
+                               const float* rstd, float* dx, float* dg, float* db, int64_t rows, int64_t n) {
+  RETURN_IF(Begin(device));
+  LayerNormBackwardKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(dy, x, g, mean, rstd, dx, rows, n);
+  NormParamGradKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(dy, x, mean, rstd, dg, db, rows, n);
+  return Finish("LayerNormBackwardKernel");
+}
+
+absl::Status RmsNorm(int device, const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
+                     int64_t n) {
+  RETURN_IF(Begin(device));
+  RmsNormKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(x, g, eps, y, rstd, rows, n);
+  return Finish("RmsNormKernel");
+}
+
+absl::Status RmsNormBackward(int device, const float* dy, const float* x, const float* g, const float* rstd,
+                             float* dx, float* dg, int64_t rows, int64_t n) {
+  RETURN_IF(Begin(device));
+  RmsNormBackwardKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(dy, x, g, rstd, dx, rows, n);
+  NormParamGradKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(dy, x, nullptr, rstd, dg, nullptr, rows, n);
+  return Finish("RmsNormBackwardKernel");
+}
+
+absl::Status Softmax(int device, const float* x, float* y, int64_t rows, int64_t k, int64_t causal_q) {
+  RETURN_IF(Begin(device));
+  SoftmaxKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(x, y, rows, k, causal_q);
+  return Finish("SoftmaxKernel");
+}
+
+absl::Status SoftmaxBackward(int device, const float* dy, const float* y, float* dx, int64_t rows, int64_t k) {
+  RETURN_IF(Begin(device));
+  SoftmaxBackwardKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(dy, y, dx, rows, k);
+  return Finish("SoftmaxBackwardKernel");
+}
+
+absl::Status Dropout(int device, const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset) {
+  RETURN_IF(Begin(device));
+  DropoutKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(x, y, n, p, seed, offset);
+  return Finish("DropoutKernel");
+}
+
+absl::Status Embedding(int device, const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows,
+                       int64_t h, int64_t row_offset) {
+  RETURN_IF(Begin(device));
+  EmbeddingKernel<<<Blocks(count * h), kThreads, 0, cudaStreamPerThread>>>(table, ids, out, count, rows, h,
+                                                                            row_offset);
+  return Finish("EmbeddingKernel");
+}
+
+absl::Status EmbeddingBackward(int device, const float* dy, const int64_t* ids, float* dtable, int64_t count,
+                               int64_t rows, int64_t h, int64_t row_offset) {
+  RETURN_IF(Begin(device));
+  RETURN_IF(CudaCheck(cudaMemsetAsync(dtable, 0, rows * h * sizeof(float), cudaStreamPerThread), "cudaMemsetAsync"));
+  EmbeddingBackwardKernel<<<Blocks(count * h), kThreads, 0, cudaStreamPerThread>>>(dy, ids, dtable, count, rows, h,
+                                                                                    row_offset);
+  return Finish("EmbeddingBackwardKernel");
+}
+
+absl::Status CrossEntropy(int device, const float* logits, const int64_t* labels, float* loss, int64_t n, int64_t v,
+                          float smoothing, int64_t ignore_index) {
+  RETURN_IF(Begin(device));
+  CrossEntropyKernel<<<RowBlocks(n), kThreads, 0, cudaStreamPerThread>>>(logits, labels, loss, n, v, smoothing,
+                                                                          ignore_index);
+  return Finish("CrossEntropyKernel");
+}
+
+absl::Status CrossEntropyBackward(int device, const float* dloss, const float* logits, const int64_t* labels,
+                                  float* dlogits, int64_t n, int64_t v, float smoothing, int64_t ignore_index) {
+  RETURN_IF(Begin(device));
+  CrossEntropyBackwardKernel<<<RowBlocks(n), kThreads, 0, cudaStreamPerThread>>>(dloss, logits, labels, dlogits, n, v,
+                                                                                  smoothing, ignore_index);
+  return Finish("CrossEntropyBackwardKernel");
+}
+
+absl::Status Rope(int device, const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d, float theta,
+                  int64_t position_offset, float sign) {
+  RETURN_IF(Begin(device));
+  RopeKernel<<<Blocks(b * s * heads * (d / 2)), kThreads, 0, cudaStreamPerThread>>>(x, y, b, s, heads, d, theta,
+                                                                                     position_offset, sign);
+  return Finish("RopeKernel");
+}
+
+absl::Status AdamW(int device, float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
+                   float beta2, float eps, float weight_decay, float bias_correction1, float bias_correction2) {
+  RETURN_IF(Begin(device));
+  AdamWKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(param, grad, m, v, n, lr, beta1, beta2, eps,
+                                                                weight_decay, bias_correction1, bias_correction2);
+  return Finish("AdamWKernel");
+}
+
+}  // namespace colod::kernels::cuda

@@ -1,0 +1,111 @@
+// Every layer kernel on a CUDA tensor against its CPU twin on random, never
+// zero, inputs (DESIGN.md section 7). Skipped without a GPU.
+#include <cmath>
+
+#include "gtest/gtest.h"
+#include "kernels/device.h"
+#include "kernels/ops.h"
+
+namespace colod::kernels {
+namespace {
+
+class CudaLayerOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+  Tensor Dev(const Tensor& t) { return *t.To(Device::Cuda(0)); }
+};
+
+// Random normal shifted away from zero.
+Tensor R(const Shape& shape, uint64_t seed, float scale = 1.0f) {
+  Tensor t = *Tensor::RandomNormal(shape, seed);
+  std::vector<float> v = t.ToFloats();
+  for (float& x : v) x = scale * (x + (x >= 0 ? 0.1f : -0.1f));
+  return *Tensor::FromFloats(shape, v);
+}
+
+void ExpectNear(const Tensor& gpu, const Tensor& cpu, double tol, const std::string& what) {
+  ASSERT_EQ(gpu.device(), Device::Cuda(0)) << what;
+  ASSERT_EQ(gpu.shape(), cpu.shape()) << what;
+  const std::vector<float> g = gpu.ToFloats(), c = cpu.ToFloats();
+  for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], c[i], tol * (1 + std::fabs(c[i]))) << what << " at " << i;
+}
+
+TEST_F(CudaLayerOps, GemmInEveryLayoutAndType) {
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      const Tensor a = R(ta ? Shape{67, 45} : Shape{45, 67}, 1), b = R(tb ? Shape{33, 67} : Shape{67, 33}, 2);
+      ExpectNear(*MatMul(Dev(a), Dev(b), ta, tb), *MatMul(a, b, ta, tb), 1e-5, "f32 gemm");  // TF32 off
+    }
+  }
+  const Tensor a = *R({64, 96}, 3).ToDType(DType::kBF16), b = *R({96, 32}, 4).ToDType(DType::kBF16);
+  ExpectNear(*MatMul(Dev(a), Dev(b)), *MatMul(a, b), 1e-2, "bf16 gemm");
+  const Tensor ah = *R({64, 96}, 5).ToDType(DType::kF16), bh = *R({96, 32}, 6).ToDType(DType::kF16);
+  ExpectNear(*MatMul(Dev(ah), Dev(bh)), *MatMul(ah, bh), 1e-3, "f16 gemm");
+}
+
+TEST_F(CudaLayerOps, ElementwiseAndNormsMatchTheCpu) {
+  const Tensor x = R({37, 129}, 7), dy = R({37, 129}, 8), g = R({129}, 9), b = R({129}, 10);
+  ExpectNear(*BiasAdd(Dev(x), Dev(b)), *BiasAdd(x, b), 1e-6, "bias_add");
+  ExpectNear(*BiasGrad(Dev(dy)), *BiasGrad(dy), 1e-5, "bias_grad");
+  for (GeluApprox a : {GeluApprox::kNone, GeluApprox::kTanh}) {
+    ExpectNear(*Gelu(Dev(x), a), *Gelu(x, a), 1e-5, "gelu");
+    ExpectNear(*GeluBackward(Dev(dy), Dev(x), a), *GeluBackward(dy, x, a), 1e-5, "gelu backward");
+  }
+  auto ln = LayerNorm(x, g, b, 1e-5f);
+  auto dln = LayerNorm(Dev(x), Dev(g), Dev(b), 1e-5f);
+  ASSERT_TRUE(dln.ok()) << dln.status();
+  ExpectNear(dln->y, ln->y, 1e-5, "layer_norm");
+  auto lg = LayerNormBackward(dy, x, g, ln->mean, ln->rstd);
+  auto dlg = LayerNormBackward(Dev(dy), Dev(x), Dev(g), dln->mean, dln->rstd);
+  ASSERT_TRUE(dlg.ok()) << dlg.status();
+  ExpectNear(dlg->dx, lg->dx, 1e-4, "layer_norm dx");
+  ExpectNear(dlg->dgamma, lg->dgamma, 1e-4, "layer_norm dgamma");
+  ExpectNear(dlg->dbeta, lg->dbeta, 1e-4, "layer_norm dbeta");
+  auto rn = RmsNorm(x, g, 1e-6f);
+  auto drn = RmsNorm(Dev(x), Dev(g), 1e-6f);
+  ExpectNear(drn->y, rn->y, 1e-5, "rms_norm");
+  auto rg = RmsNormBackward(dy, x, g, rn->rstd);
+  auto drg = RmsNormBackward(Dev(dy), Dev(x), Dev(g), drn->rstd);
+  ExpectNear(drg->dx, rg->dx, 1e-4, "rms_norm dx");
+  ExpectNear(drg->dgamma, rg->dgamma, 1e-4, "rms_norm dgamma");
+}
+
+TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
+  const Tensor s = R({3, 5, 9}, 11, 2.0f), ds = R({3, 5, 9}, 12);
+  for (bool causal : {false, true}) {
+    ExpectNear(*Softmax(Dev(s), causal), *Softmax(s, causal), 1e-6, "softmax");
+  }
+  const Tensor y = *Softmax(s, true);
+  ExpectNear(*SoftmaxBackward(Dev(ds), Dev(y)), *SoftmaxBackward(ds, y), 1e-6, "softmax backward");
+  // The same (seed, offset) gives the same mask on both devices, bit for bit.
+  const Tensor x = R({33, 65}, 13);
+  EXPECT_EQ(Dropout(Dev(x), 0.25f, 7, 1000)->ToBytes(), Dropout(x, 0.25f, 7, 1000)->ToBytes());
+  const Tensor table = R({50, 16}, 14), ids = *Tensor::FromInt64s({2, 3}, {0, 17, 49, 17, 3, 31});
+  ExpectNear(*Embedding(Dev(table), Dev(ids)), *Embedding(table, ids), 0, "embedding");
+  ExpectNear(*Embedding(Dev(table), Dev(ids), 16, true), *Embedding(table, ids, 16, true), 0, "masked embedding");
+  const Tensor de = R({2, 3, 16}, 15);
+  ExpectNear(*EmbeddingBackward(Dev(de), Dev(ids), 50), *EmbeddingBackward(de, ids, 50), 1e-6, "embedding backward");
+  const Tensor logits = R({6, 40}, 16, 3.0f), labels = *Tensor::FromInt64s({6}, {0, 39, -100, 7, 7, 20});
+  const Tensor dloss = R({6}, 17);
+  for (float sm : {0.0f, 0.1f}) {
+    ExpectNear(*CrossEntropy(Dev(logits), Dev(labels), sm), *CrossEntropy(logits, labels, sm), 1e-5, "cross entropy");
+    ExpectNear(*CrossEntropyBackward(Dev(dloss), Dev(logits), Dev(labels), sm),
+               *CrossEntropyBackward(dloss, logits, labels, sm), 1e-5, "cross entropy backward");
+  }
+  const Tensor q = R({2, 7, 3, 8}, 18);
+  ExpectNear(*Rope(Dev(q), 10000.0f, 4), *Rope(q, 10000.0f, 4), 1e-5, "rope");
+  ExpectNear(*RopeBackward(Dev(q), 10000.0f, 4), *RopeBackward(q, 10000.0f, 4), 1e-5, "rope backward");
+  Tensor p = R({129}, 19), m = *Tensor::Zeros({129}, DType::kF32), v = *Tensor::Zeros({129}, DType::kF32);
+  Tensor dp = Dev(p), dm = Dev(m), dv = Dev(v);
+  const Tensor grad = R({129}, 20);
+  for (int step = 1; step <= 3; ++step) {
+    ASSERT_TRUE(AdamW(p, grad, m, v, step, {}).ok());
+    ASSERT_TRUE(AdamW(dp, Dev(grad), dm, dv, step, {}).ok());
+  }
+  ExpectNear(dp, p, 1e-5, "adamw");
+}
+
+}  // namespace
+}  // namespace colod::kernels
