@@ -7,18 +7,13 @@
 #include <map>
 #include <string>
 
+#include "kernels/cuda/launch.h"
 #include "kernels/philox.h"
 
 namespace colod::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kMaxBlocks = 4096;
-
-absl::Status CudaCheck(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
-}
+absl::Status CudaCheck(cudaError_t e, const char* what) { return CudaStatus(e, what); }
 
 absl::Status CublasCheck(cublasStatus_t s, const char* what) {
   if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
@@ -31,19 +26,7 @@ absl::Status CublasCheck(cublasStatus_t s, const char* what) {
     if (!colod_s_.ok()) return colod_s_;   \
   } while (0)
 
-unsigned Blocks(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
-}
-
 unsigned RowBlocks(int64_t rows) { return static_cast<unsigned>(rows < 1 ? 1 : (rows > 65535 ? 65535 : rows)); }
-
-absl::Status Begin(int device) { return CudaCheck(cudaSetDevice(device), "cudaSetDevice"); }
-
-absl::Status Finish(const char* what) {
-  RETURN_IF(CudaCheck(cudaGetLastError(), what));
-  return CudaCheck(cudaStreamSynchronize(cudaStreamPerThread), what);
-}
 
 #define GRID_STRIDE(i, n)                                                            \
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); \

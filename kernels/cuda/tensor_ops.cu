@@ -6,40 +6,13 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/launch.h"
 #include "kernels/philox.h"
 
 namespace colod::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kMaxBlocks = 4096;
-
-absl::Status Check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  const std::string msg = std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
-  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || e == cudaErrorInvalidDevice ||
-      e == cudaErrorMemoryAllocation) {
-    return absl::FailedPreconditionError(msg);
-  }
-  return absl::InternalError(msg);
-}
-
-#define RETURN_IF_CUDA(call)                        \
-  do {                                              \
-    absl::Status colod_s_ = Check((call), #call);   \
-    if (!colod_s_.ok()) return colod_s_;            \
-  } while (0)
-
-// Launch geometry for n elements with a grid-stride loop.
-unsigned Blocks(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
-}
-
-absl::Status Finish(const char* what) {
-  RETURN_IF_CUDA(cudaGetLastError());
-  return Check(cudaStreamSynchronize(cudaStreamPerThread), what);
-}
+#define RETURN_IF_CUDA(call) COLOD_RETURN_IF_CUDA(call)
 
 __host__ __device__ __forceinline__ uint16_t FloatToBF16Bits(float f) {
   uint32_t bits;

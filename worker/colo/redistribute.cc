@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/colo/tensor_collectives.h"
 
 namespace colod {
 namespace {
@@ -61,22 +62,15 @@ std::optional<Edge> Direct(const Placement& from, const Placement& to, int n) {
   return std::nullopt;
 }
 
-absl::Status WaitFor(const std::shared_ptr<Work>& w, absl::Duration timeout) { return w->Wait(timeout); }
-
 absl::StatusOr<Tensor> GatherShards(const Tensor& local, const Placement& from, Communicator& comm,
                                     absl::Duration timeout) {
-  const int n = comm.size();
-  Tensor in = local.Contiguous();
-  ASSIGN_OR_RETURN(Tensor flat, Tensor::Empty({n * in.numel()}, in.dtype(), in.device()));
-  RETURN_IF_ERROR(WaitFor(comm.AllGather(in.raw_data(), flat.raw_data(), in.numel(), in.dtype()), timeout));
-  Shape full = in.shape();
+  ASSIGN_OR_RETURN(std::vector<Tensor> pieces, AllGatherPieces(local, comm, timeout));
+  Shape full = local.shape();
   for (size_t i = 0; i < from.dims.size(); ++i) full[from.dims[i]] *= from.num_partitions[i];
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(full, in.dtype(), in.device()));
-  for (int j = 0; j < n; ++j) {
-    ASSIGN_OR_RETURN(Tensor piece, flat.Narrow(0, j * in.numel(), in.numel()));
-    ASSIGN_OR_RETURN(piece, piece.Reshape(in.shape()));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(full, local.dtype(), local.device()));
+  for (int j = 0; j < comm.size(); ++j) {
     ASSIGN_OR_RETURN(Tensor slot, ShardBlock(out, from, j));
-    RETURN_IF_ERROR(slot.CopyFrom(piece));
+    RETURN_IF_ERROR(slot.CopyFrom(pieces[j]));
   }
   return out;
 }
@@ -96,7 +90,7 @@ absl::StatusOr<Tensor> AllToAllShards(const Tensor& local, const Placement& from
   ASSIGN_OR_RETURN(Tensor send, Tensor::Cat(pieces, 0));
   ASSIGN_OR_RETURN(Tensor recv, Tensor::Empty(send.shape(), send.dtype(), send.device()));
   const int64_t count = send.numel() / n;
-  RETURN_IF_ERROR(WaitFor(comm.AllToAll(send.raw_data(), recv.raw_data(), count, send.dtype()), timeout));
+  RETURN_IF_ERROR(comm.AllToAll(send.raw_data(), recv.raw_data(), count, send.dtype())->Wait(timeout));
   ASSIGN_OR_RETURN(Tensor first, local.Chunk(b, n, 0));
   const Shape piece_shape = first.shape();
   Shape out_shape = piece_shape;
@@ -131,24 +125,17 @@ absl::StatusOr<Tensor> Convert(const Tensor& local, const Placement& from, const
   if (from.kind == K::kShard && to.kind == K::kReplicate) return GatherShards(local, from, comm, timeout);
   if (from.kind == K::kPartial && to.kind == K::kReplicate) {
     Tensor out = local.Clone();
-    RETURN_IF_ERROR(WaitFor(comm.AllReduce(out.raw_data(), out.numel(), out.dtype(), from.op), timeout));
+    RETURN_IF_ERROR(comm.AllReduce(out.raw_data(), out.numel(), out.dtype(), from.op)->Wait(timeout));
     return out;
   }
   if (from.kind == K::kPartial && to.kind == K::kShard) {
-    // Lay the blocks out in rank order, then reduce-scatter: block k lands on rank k.
-    const int n = comm.size();
+    // Block k of the reduction lands on rank k.
     std::vector<Tensor> blocks;
-    for (int j = 0; j < n; ++j) {
+    for (int j = 0; j < comm.size(); ++j) {
       ASSIGN_OR_RETURN(Tensor b, ShardBlock(local, to, j));
-      ASSIGN_OR_RETURN(b, b.Reshape({b.numel()}));
       blocks.push_back(std::move(b));
     }
-    ASSIGN_OR_RETURN(Tensor staged, Tensor::Cat(blocks, 0));
-    ASSIGN_OR_RETURN(Tensor mine, ShardBlock(local, to, local_rank));
-    ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(mine.shape(), local.dtype(), local.device()));
-    RETURN_IF_ERROR(
-        WaitFor(comm.ReduceScatter(staged.raw_data(), out.raw_data(), out.numel(), out.dtype(), from.op), timeout));
-    return out;
+    return ReduceScatterBlocks(blocks, comm, timeout, from.op);
   }
   if (from.kind == K::kReplicate && to.kind == K::kPartial) {
     // A sum of the group's operands must equal the value: rank 0 keeps it.

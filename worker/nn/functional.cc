@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/colo/tensor_collectives.h"
 
 namespace colod::nn {
 namespace {
@@ -294,50 +295,11 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
 }
 
 
-namespace {
-
-// All-gather of `t` along `dim`: rank j's block lands at block j.
-absl::StatusOr<Tensor> AllGatherDim(const Tensor& t, int64_t dim, Communicator* comm, absl::Duration timeout) {
-  const int n = comm->size();
-  const Tensor in = t.Contiguous();
-  ASSIGN_OR_RETURN(Tensor flat, Tensor::Empty({n * in.numel()}, in.dtype(), in.device()));
-  RETURN_IF_ERROR(Wait(comm->AllGather(in.raw_data(), flat.raw_data(), in.numel(), in.dtype()), timeout));
-  Shape full = in.shape();
-  full[dim] *= n;
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(full, in.dtype(), in.device()));
-  for (int j = 0; j < n; ++j) {
-    ASSIGN_OR_RETURN(Tensor piece, flat.Narrow(0, j * in.numel(), in.numel()));
-    ASSIGN_OR_RETURN(piece, piece.Reshape(in.shape()));
-    ASSIGN_OR_RETURN(Tensor slot, out.Chunk(dim, n, j));
-    RETURN_IF_ERROR(slot.CopyFrom(piece));
-  }
-  return out;
-}
-
-// Sum over the group of `t`, this rank's block along `dim`.
-absl::StatusOr<Tensor> ReduceScatterDim(const Tensor& t, int64_t dim, Communicator* comm, absl::Duration timeout) {
-  const int n = comm->size();
-  std::vector<Tensor> blocks;
-  for (int j = 0; j < n; ++j) {
-    ASSIGN_OR_RETURN(Tensor b, t.Chunk(dim, n, j));
-    ASSIGN_OR_RETURN(b, b.Reshape({b.numel()}));
-    blocks.push_back(std::move(b));
-  }
-  ASSIGN_OR_RETURN(Tensor staged, Tensor::Cat(blocks, 0));
-  ASSIGN_OR_RETURN(Tensor first, t.Chunk(dim, n, 0));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(first.shape(), t.dtype(), t.device()));
-  RETURN_IF_ERROR(
-      Wait(comm->ReduceScatter(staged.raw_data(), out.raw_data(), out.numel(), t.dtype(), ReduceOp::kSum), timeout));
-  return out;
-}
-
-}  // namespace
-
 absl::StatusOr<Variable> GatherAlongDim(const Variable& x, int64_t dim, Communicator* comm, absl::Duration timeout) {
   ASSIGN_OR_RETURN(int64_t d, x.value().NormalizeDim(dim));
-  ASSIGN_OR_RETURN(Tensor y, AllGatherDim(x.value(), d, comm, timeout));
+  ASSIGN_OR_RETURN(Tensor y, AllGatherDim(x.value(), d, *comm, timeout));
   return RecordOp("gather_along_dim", {x}, std::move(y), [d, comm, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(Tensor dx, ReduceScatterDim(dy, d, comm, timeout));
+    ASSIGN_OR_RETURN(Tensor dx, ReduceScatterDim(dy, d, *comm, timeout));
     return Grads{dx};
   });
 }
@@ -349,10 +311,10 @@ absl::StatusOr<Variable> ReduceScatterAlongDim(const Variable& x, int64_t dim, C
     return absl::InvalidArgumentError(absl::StrCat("dim ", d, " of size ", x.value().shape()[d],
                                                    " is not divisible by ", comm->size()));
   }
-  ASSIGN_OR_RETURN(Tensor y, ReduceScatterDim(x.value(), d, comm, timeout));
+  ASSIGN_OR_RETURN(Tensor y, ReduceScatterDim(x.value(), d, *comm, timeout));
   return RecordOp("reduce_scatter_along_dim", {x}, std::move(y),
                   [d, comm, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
-                    ASSIGN_OR_RETURN(Tensor dx, AllGatherDim(dy, d, comm, timeout));
+                    ASSIGN_OR_RETURN(Tensor dx, AllGatherDim(dy, d, *comm, timeout));
                     return Grads{dx};
                   });
 }

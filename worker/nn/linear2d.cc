@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/ops.h"
+#include "worker/colo/tensor_collectives.h"
 #include "worker/nn/functional.h"
 
 namespace colod::nn {
@@ -12,33 +13,11 @@ namespace {
 
 using Grads = std::vector<std::optional<Tensor>>;
 
-absl::Status Wait(const std::shared_ptr<Work>& w, absl::Duration timeout) { return w->Wait(timeout); }
 
 // t as a contiguous matrix [rows, last dim].
 absl::StatusOr<Tensor> Matrix(const Tensor& t) {
   const int64_t last = t.shape().back();
   return t.Contiguous().Reshape({last == 0 ? 0 : t.numel() / last, last});
-}
-
-// `mine` on the group's local rank `root`, received elsewhere.
-absl::StatusOr<Tensor> BroadcastFrom(const Tensor& mine, int root, Communicator* comm, absl::Duration timeout) {
-  Tensor buf = comm->rank() == root ? mine.Clone() : *Tensor::Empty(mine.shape(), mine.dtype(), mine.device());
-  RETURN_IF_ERROR(Wait(comm->Broadcast(buf.raw_data(), buf.numel(), buf.dtype(), root), timeout));
-  return buf;
-}
-
-// parts[t] summed over the group and delivered to local rank t: this rank's sum.
-absl::StatusOr<Tensor> ReduceToOwners(const std::vector<Tensor>& parts, Communicator* comm, absl::Duration timeout) {
-  std::vector<Tensor> flat;
-  for (const Tensor& p : parts) {
-    ASSIGN_OR_RETURN(Tensor f, p.Reshape({p.numel()}));
-    flat.push_back(std::move(f));
-  }
-  ASSIGN_OR_RETURN(Tensor staged, Tensor::Cat(flat, 0));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(parts[0].shape(), parts[0].dtype(), parts[0].device()));
-  RETURN_IF_ERROR(Wait(comm->ReduceScatter(staged.raw_data(), out.raw_data(), out.numel(), out.dtype(), ReduceOp::kSum),
-                       timeout));
-  return out;
 }
 
 absl::StatusOr<ColoParameter> Param(const Tensor& full, DistSpec spec, ProcessGroup* pg, const char* name) {
@@ -111,8 +90,8 @@ absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicato
   const int64_t r = xm.shape()[0], n = am.shape()[1];
   ASSIGN_OR_RETURN(Tensor y, Tensor::Zeros({r, n}, DType::kF32, xm.device()));
   for (int t = 0; t < q; ++t) {
-    ASSIGN_OR_RETURN(Tensor xt, BroadcastFrom(xm, t, row, timeout));
-    ASSIGN_OR_RETURN(Tensor at, BroadcastFrom(am, t, col, timeout));
+    ASSIGN_OR_RETURN(Tensor xt, BroadcastFrom(xm, t, *row, timeout));
+    ASSIGN_OR_RETURN(Tensor at, BroadcastFrom(am, t, *col, timeout));
     ASSIGN_OR_RETURN(Tensor part, kernels::MatMul(xt, at));
     ASSIGN_OR_RETURN(part, part.ToDType(DType::kF32));
     RETURN_IF_ERROR(AddInPlace(y, part));
@@ -127,15 +106,15 @@ absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicato
                     std::vector<Tensor> dx_parts, da_parts;
                     for (int t = 0; t < q; ++t) {
                       // dX_it gets dY_ij A_tj^T from every j; dA_tj gets X_it^T dY_ij from every i.
-                      ASSIGN_OR_RETURN(Tensor at, BroadcastFrom(am, t, col, timeout));
+                      ASSIGN_OR_RETURN(Tensor at, BroadcastFrom(am, t, *col, timeout));
                       ASSIGN_OR_RETURN(Tensor p, kernels::MatMul(dy, at, false, true));
                       dx_parts.push_back(std::move(p));
-                      ASSIGN_OR_RETURN(Tensor xt, BroadcastFrom(xm, t, row, timeout));
+                      ASSIGN_OR_RETURN(Tensor xt, BroadcastFrom(xm, t, *row, timeout));
                       ASSIGN_OR_RETURN(Tensor g, kernels::MatMul(xt, dy, true));
                       da_parts.push_back(std::move(g));
                     }
-                    ASSIGN_OR_RETURN(Tensor dx, ReduceToOwners(dx_parts, row, timeout));
-                    ASSIGN_OR_RETURN(Tensor da, ReduceToOwners(da_parts, col, timeout));
+                    ASSIGN_OR_RETURN(Tensor dx, ReduceScatterBlocks(dx_parts, *row, timeout));
+                    ASSIGN_OR_RETURN(Tensor da, ReduceScatterBlocks(da_parts, *col, timeout));
                     Shape x_shape = dy_full.shape();
                     x_shape.back() = xm.shape()[1];
                     ASSIGN_OR_RETURN(dx, dx.Reshape(x_shape));

@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/ops.h"
+#include "worker/colo/tensor_collectives.h"
 #include "worker/nn/functional.h"
 
 namespace colod::nn {
@@ -11,55 +12,10 @@ namespace {
 using Grads = std::vector<std::optional<Tensor>>;
 constexpr char kR[] = "tp_output";
 
-absl::Status Wait(const std::shared_ptr<Work>& w, absl::Duration timeout) { return w->Wait(timeout); }
 
 absl::StatusOr<Tensor> Matrix(const Tensor& t) {
   const int64_t last = t.shape().back();
   return t.Contiguous().Reshape({last == 0 ? 0 : t.numel() / last, last});
-}
-
-// [r, c] on each rank -> [n*r, c], rank blocks stacked by local rank.
-absl::StatusOr<Tensor> GatherRows(const Tensor& m, Communicator* comm, absl::Duration timeout) {
-  const int n = comm->size();
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({n * m.shape()[0], m.shape()[1]}, m.dtype(), m.device()));
-  RETURN_IF_ERROR(Wait(comm->AllGather(m.raw_data(), out.raw_data(), m.numel(), m.dtype()), timeout));
-  return out;
-}
-
-// [r, c] on each rank -> [r, n*c], rank blocks side by side.
-absl::StatusOr<Tensor> GatherCols(const Tensor& m, Communicator* comm, absl::Duration timeout) {
-  const int n = comm->size();
-  const int64_t r = m.shape()[0], c = m.shape()[1];
-  ASSIGN_OR_RETURN(Tensor stacked, GatherRows(m, comm, timeout));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({r, n * c}, m.dtype(), m.device()));
-  for (int j = 0; j < n; ++j) {
-    ASSIGN_OR_RETURN(Tensor slot, out.Narrow(1, j * c, c));
-    ASSIGN_OR_RETURN(Tensor piece, stacked.Narrow(0, j * r, r));
-    RETURN_IF_ERROR(slot.CopyFrom(piece));
-  }
-  return out;
-}
-
-// [n*r, c] partials -> this rank's [r, c] block of their sum.
-absl::StatusOr<Tensor> ReduceScatterRows(const Tensor& m, Communicator* comm, absl::Duration timeout) {
-  const int n = comm->size();
-  const Tensor c = m.Contiguous();
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({c.shape()[0] / n, c.shape()[1]}, c.dtype(), c.device()));
-  RETURN_IF_ERROR(
-      Wait(comm->ReduceScatter(c.raw_data(), out.raw_data(), out.numel(), c.dtype(), ReduceOp::kSum), timeout));
-  return out;
-}
-
-// [r, n*c] partials -> this rank's [r, c] column block of their sum.
-absl::StatusOr<Tensor> ReduceScatterCols(const Tensor& m, Communicator* comm, absl::Duration timeout) {
-  const int n = comm->size();
-  std::vector<Tensor> blocks;
-  for (int j = 0; j < n; ++j) {
-    ASSIGN_OR_RETURN(Tensor b, m.Chunk(1, n, j));
-    blocks.push_back(b.Contiguous());
-  }
-  ASSIGN_OR_RETURN(Tensor staged, Tensor::Cat(blocks, 0));
-  return ReduceScatterRows(staged, comm, timeout);
 }
 
 struct Roles {
@@ -97,10 +53,10 @@ absl::StatusOr<ColoTensor> Into(const ColoTensor& x, const DistSpec& want) {
 absl::StatusOr<Variable> Matmul3D(const Variable& x, const Variable& a, const Roles& g, absl::Duration timeout) {
   ASSIGN_OR_RETURN(Tensor xm, Matrix(x.value()));
   const Tensor am = a.value().Contiguous();
-  ASSIGN_OR_RETURN(Tensor xg, GatherRows(xm, g.k, timeout));  // X_RC
-  ASSIGN_OR_RETURN(Tensor ag, GatherCols(am, g.r, timeout));  // A_CK
+  ASSIGN_OR_RETURN(Tensor xg, AllGatherDim(xm, 0, *g.k, timeout));  // X_RC
+  ASSIGN_OR_RETURN(Tensor ag, AllGatherDim(am, 1, *g.r, timeout));  // A_CK
   ASSIGN_OR_RETURN(Tensor partial, kernels::MatMul(xg, ag));
-  ASSIGN_OR_RETURN(Tensor y, ReduceScatterRows(partial, g.c, timeout));
+  ASSIGN_OR_RETURN(Tensor y, ReduceScatterDim(partial, 0, *g.c, timeout));
   Shape out_shape = x.value().shape();
   out_shape.back() = y.shape()[1];
   ASSIGN_OR_RETURN(y, y.Reshape(out_shape));
@@ -108,11 +64,11 @@ absl::StatusOr<Variable> Matmul3D(const Variable& x, const Variable& a, const Ro
   return RecordOp("matmul_3d", {x, a}, std::move(y),
                   [xg, ag, g, timeout, x_shape](const Tensor& dy_full) -> absl::StatusOr<Grads> {
                     ASSIGN_OR_RETURN(Tensor dy, Matrix(dy_full));
-                    ASSIGN_OR_RETURN(Tensor dyg, GatherRows(dy, g.c, timeout));  // dY_RK
+                    ASSIGN_OR_RETURN(Tensor dyg, AllGatherDim(dy, 0, *g.c, timeout));  // dY_RK
                     ASSIGN_OR_RETURN(Tensor dxg, kernels::MatMul(dyg, ag, false, true));
-                    ASSIGN_OR_RETURN(Tensor dx, ReduceScatterRows(dxg, g.k, timeout));
+                    ASSIGN_OR_RETURN(Tensor dx, ReduceScatterDim(dxg, 0, *g.k, timeout));
                     ASSIGN_OR_RETURN(Tensor dag, kernels::MatMul(xg, dyg, true));
-                    ASSIGN_OR_RETURN(Tensor da, ReduceScatterCols(dag, g.r, timeout));
+                    ASSIGN_OR_RETURN(Tensor da, ReduceScatterDim(dag, 1, *g.r, timeout));
                     ASSIGN_OR_RETURN(dx, dx.Reshape(x_shape));
                     return Grads{dx, da};
                   });

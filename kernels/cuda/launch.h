@@ -1,0 +1,54 @@
+// Shared by colod's .cu files: CUDA error to Status, launch geometry for
+// grid-stride loops, and the synchronous finish every host entry point ends
+// with (work runs on the calling thread's default stream).
+#ifndef COLOD_KERNELS_CUDA_LAUNCH_H_
+#define COLOD_KERNELS_CUDA_LAUNCH_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace colod::kernels::cuda {
+
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 4096;
+
+// FAILED_PRECONDITION for a missing or unusable device, INTERNAL otherwise,
+// naming `what` and the CUDA error.
+inline absl::Status CudaStatus(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  const std::string msg = std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || e == cudaErrorInvalidDevice ||
+      e == cudaErrorMemoryAllocation) {
+    return absl::FailedPreconditionError(msg);
+  }
+  return absl::InternalError(msg);
+}
+
+#define COLOD_RETURN_IF_CUDA(call)                                                  \
+  do {                                                                              \
+    absl::Status colod_cuda_s_ = ::colod::kernels::cuda::CudaStatus((call), #call); \
+    if (!colod_cuda_s_.ok()) return colod_cuda_s_;                                  \
+  } while (0)
+
+// Blocks for n elements handled by a grid-stride loop of kThreads threads.
+inline unsigned Blocks(int64_t n) {
+  const int64_t b = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
+}
+
+// Selects `device` for the calling thread.
+inline absl::Status Begin(int device) { return CudaStatus(cudaSetDevice(device), "cudaSetDevice"); }
+
+// Checks the launch and waits for the thread's default stream.
+inline absl::Status Finish(const char* what) {
+  COLOD_RETURN_IF_CUDA(cudaGetLastError());
+  return CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), what);
+}
+
+}  // namespace colod::kernels::cuda
+
+#endif  // COLOD_KERNELS_CUDA_LAUNCH_H_

@@ -1,0 +1,60 @@
+#include "worker/colo/tensor_collectives.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace colod {
+
+absl::StatusOr<std::vector<Tensor>> AllGatherPieces(const Tensor& t, Communicator& comm, absl::Duration timeout) {
+  const int n = comm.size();
+  const Tensor in = t.Contiguous();
+  ASSIGN_OR_RETURN(Tensor flat, Tensor::Empty({n * in.numel()}, in.dtype(), in.device()));
+  RETURN_IF_ERROR(comm.AllGather(in.raw_data(), flat.raw_data(), in.numel(), in.dtype())->Wait(timeout));
+  std::vector<Tensor> pieces;
+  for (int j = 0; j < n; ++j) {
+    ASSIGN_OR_RETURN(Tensor piece, flat.Narrow(0, j * in.numel(), in.numel()));
+    ASSIGN_OR_RETURN(piece, piece.Reshape(in.shape()));
+    pieces.push_back(std::move(piece));
+  }
+  return pieces;
+}
+
+absl::StatusOr<Tensor> AllGatherDim(const Tensor& t, int64_t dim, Communicator& comm, absl::Duration timeout) {
+  ASSIGN_OR_RETURN(std::vector<Tensor> pieces, AllGatherPieces(t, comm, timeout));
+  return Tensor::Cat(pieces, dim);
+}
+
+absl::StatusOr<Tensor> ReduceScatterBlocks(const std::vector<Tensor>& blocks, Communicator& comm,
+                                           absl::Duration timeout, ReduceOp op) {
+  if (static_cast<int>(blocks.size()) != comm.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reduce-scatter: ", blocks.size(), " blocks for a group of ", comm.size()));
+  }
+  std::vector<Tensor> flat;
+  for (const Tensor& b : blocks) {
+    ASSIGN_OR_RETURN(Tensor f, b.Reshape({b.numel()}));
+    flat.push_back(std::move(f));
+  }
+  ASSIGN_OR_RETURN(Tensor staged, Tensor::Cat(flat, 0));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(blocks[0].shape(), blocks[0].dtype(), blocks[0].device()));
+  RETURN_IF_ERROR(comm.ReduceScatter(staged.raw_data(), out.raw_data(), out.numel(), out.dtype(), op)->Wait(timeout));
+  return out;
+}
+
+absl::StatusOr<Tensor> ReduceScatterDim(const Tensor& t, int64_t dim, Communicator& comm, absl::Duration timeout,
+                                        ReduceOp op) {
+  std::vector<Tensor> blocks;
+  for (int j = 0; j < comm.size(); ++j) {
+    ASSIGN_OR_RETURN(Tensor b, t.Chunk(dim, comm.size(), j));
+    blocks.push_back(std::move(b));
+  }
+  return ReduceScatterBlocks(blocks, comm, timeout, op);
+}
+
+absl::StatusOr<Tensor> BroadcastFrom(const Tensor& t, int root, Communicator& comm, absl::Duration timeout) {
+  Tensor buf = t.Clone();
+  RETURN_IF_ERROR(comm.Broadcast(buf.raw_data(), buf.numel(), buf.dtype(), root)->Wait(timeout));
+  return buf;
+}
+
+}  // namespace colod
