@@ -87,6 +87,18 @@ absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& gamma, float
   });
 }
 
+absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Tensor& labels, float label_smoothing,
+                                      int64_t ignore_index) {
+  ASSIGN_OR_RETURN(Tensor loss, kernels::CrossEntropy(logits.value(), labels, label_smoothing, ignore_index));
+  const Tensor z = logits.value();
+  return RecordOp("cross_entropy", {logits}, std::move(loss),
+                  [z, labels, label_smoothing, ignore_index](const Tensor& dloss) -> absl::StatusOr<Grads> {
+                    ASSIGN_OR_RETURN(Tensor dz,
+                                     kernels::CrossEntropyBackward(dloss, z, labels, label_smoothing, ignore_index));
+                    return Grads{dz};
+                  });
+}
+
 absl::StatusOr<Variable> Dropout(const Variable& x, float p, uint64_t seed, uint64_t offset) {
   ASSIGN_OR_RETURN(Tensor y, kernels::Dropout(x.value(), p, seed, offset));
   return RecordOp("dropout", {x}, std::move(y), [p, seed, offset](const Tensor& dy) -> absl::StatusOr<Grads> {

@@ -36,6 +36,11 @@ absl::StatusOr<Variable> Dropout(const Variable& x, float p, uint64_t seed, uint
 absl::StatusOr<Variable> Embedding(const Variable& table, const Tensor& ids, int64_t row_offset = 0,
                                    bool mask_out_of_range = false);
 
+// Per-row cross-entropy of logits [N, V] against integer labels [N]
+// (kernels::CrossEntropy); the loss [N] is on the tape.
+absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Tensor& labels, float label_smoothing = 0,
+                                      int64_t ignore_index = -100);
+
 // Causal scaled-dot-product attention, per batch and head: q [B, S, Hq, D],
 // k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query attention:
 // query head h reads kv head h / (Hq / Hkv)); out [B, S, Hq, D] =

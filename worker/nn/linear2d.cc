@@ -74,8 +74,8 @@ absl::StatusOr<Variable> SumGradOverReplicas(const Variable& p, const Comms2D& c
 
 DistSpec Activation2D(int64_t ndim, int q, int depth) {
   DistSpec s;
-  if (depth > 1) s.Set("tp_dep", Placement::Shard({ndim - 2}, {depth}));
-  return s.Set("tp_col", Placement::Shard({ndim - 2}, {q})).Set("tp_row", Placement::Shard({ndim - 1}, {q}));
+  if (depth > 1) s.Set("tp_dep", Placement::Shard({0}, {depth}));
+  return s.Set("tp_col", Placement::Shard({0}, {q})).Set("tp_row", Placement::Shard({ndim - 1}, {q}));
 }
 
 absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicator* row, Communicator* col,

@@ -5,7 +5,8 @@
 // (y = x A, ColossalAI's Linear2D layout) are split into q x q blocks, block
 // (i, j) on processor (i, j):
 //
-//   activations  {tp_col: S(rows), tp_row: S(hidden)}   ([16,256] -> [8,128] at q=2)
+//   activations  {tp_col: S(0), tp_row: S(hidden)}      ([16,256] -> [8,128] at q=2;
+//                                                        [B,S,H] -> [B/q,S,H/q])
 //   weight       {tp_col: S(0),    tp_row: S(1)}        ([256,1024] -> [128,512])
 //   bias, gamma  {tp_row: S(0)}, replicated over tp_col
 //
@@ -36,8 +37,10 @@
 
 namespace colod::nn {
 
-// The activation spec for a tensor of rank `ndim`: dim ndim-2 (rows) split
-// over tp_dep (when depth > 1) and tp_col, dim ndim-1 over tp_row.
+// The activation spec for a tensor of rank `ndim` ([rows, hidden] or
+// [batch, seq, hidden]): dim 0 split over tp_dep (when depth > 1) and tp_col,
+// so that every rank holds whole sequences (attention stays local), and the
+// last dim over tp_row.
 DistSpec Activation2D(int64_t ndim, int q, int depth = 1);
 
 class Linear2D {

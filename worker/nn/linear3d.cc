@@ -78,8 +78,8 @@ absl::StatusOr<Variable> Matmul3D(const Variable& x, const Variable& a, const Ro
 
 DistSpec Activation3D(int64_t ndim, int q, const std::string& k_axis, const std::string& c_axis) {
   return DistSpec()
-      .Set(kR, Placement::Shard({ndim - 2}, {q}))
-      .Set(k_axis, Placement::Shard({ndim - 2}, {q}))
+      .Set(kR, Placement::Shard({0}, {q}))
+      .Set(k_axis, Placement::Shard({0}, {q}))
       .Set(c_axis, Placement::Shard({ndim - 1}, {q}));
 }
 

@@ -7,8 +7,9 @@
 //   R = tp_output always; K and C are tp_input and tp_weight, swapped from
 //   one layer to the next (Linear3D::Options::swap), as ColossalAI swaps its
 //   input and output groups between consecutive layers.
-//   input X [.., rows, in]   rows split q*q ways, R outer and K inner; in
-//                            split over C          ([16,256] -> [4,128])
+//   input X [rows, in] or [batch, seq, in]: dim 0 split q*q ways, R outer
+//                            and K inner (whole sequences stay on a rank);
+//                            in split over C       ([16,256] -> [4,128])
 //   weight A [in, out]       in split over C; out split q*q ways, K outer
 //                            and R inner. Held as the view [in, q, out/q]
 //                            with {C: S(0), K: S(1), R: S(2)}; its local
@@ -37,8 +38,8 @@
 
 namespace colod::nn {
 
-// The 3D activation spec of a tensor of rank `ndim` whose rows are split
-// (tp_output, k_axis) and last dim over c_axis.
+// The 3D activation spec of a tensor of rank `ndim`: dim 0 split
+// (tp_output, k_axis), the last dim over c_axis.
 DistSpec Activation3D(int64_t ndim, int q, const std::string& k_axis, const std::string& c_axis);
 
 class Linear3D {

@@ -1,0 +1,91 @@
+#include "worker/nn/embedding2d.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/nn/embedding1d.h"
+#include "worker/nn/functional.h"
+#include "worker/nn/linear2d.h"
+
+namespace colod::nn {
+namespace {
+
+struct Groups2D {
+  Communicator *row, *col, *dep;  // dep is null on a 2D mesh
+  int q, depth;
+};
+
+absl::StatusOr<Groups2D> Get(ProcessGroup* pg) {
+  auto row = pg->Comm("tp_row");
+  auto col = pg->Comm("tp_col");
+  if (!row.ok() || !col.ok()) {
+    return absl::FailedPreconditionError("Embedding2D needs a mesh with tp_col and tp_row axes");
+  }
+  Groups2D g{*row, *col, nullptr, (*row)->size(), 1};
+  if (pg->mesh().AxisIndices("tp_dep").ok()) {
+    ASSIGN_OR_RETURN(g.dep, pg->Comm("tp_dep"));
+    g.depth = g.dep->size();
+  }
+  return g;
+}
+
+// The table, with its gradient summed over the batch blocks.
+absl::StatusOr<Variable> SharedTable(const ColoParameter& w, const Groups2D& g, absl::Duration timeout) {
+  ASSIGN_OR_RETURN(Variable t, ReduceGradient(w.variable(), g.col, timeout));
+  if (g.dep != nullptr) {
+    ASSIGN_OR_RETURN(t, ReduceGradient(t, g.dep, timeout));
+  }
+  return t;
+}
+
+}  // namespace
+
+absl::StatusOr<Embedding2D> Embedding2D::FromGlobal(const Tensor& table, ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(Groups2D g, Get(pg));
+  if (table.dim() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("Embedding2D: the table must be [V, H], got ",
+                                                   ShapeToString(table.shape())));
+  }
+  auto w = ColoTensor::FromGlobal(table, DistSpec().Set("tp_row", Placement::Shard({1}, {g.q})), pg, true);
+  if (!w.ok()) return absl::InvalidArgumentError(absl::StrCat("Embedding2D weight: ", w.status().message()));
+  w->set_compute_spec({g.depth > 1 ? ComputePattern::kTP2P5D : ComputePattern::kTP2D, false});
+  return Embedding2D(ColoParameter(*std::move(w), "weight"), pg);
+}
+
+absl::StatusOr<ColoTensor> Embedding2D::Forward(const Tensor& ids) const {
+  ASSIGN_OR_RETURN(Groups2D g, Get(pg_));
+  RETURN_IF_ERROR(CheckIds(ids, weight_.global_shape()[0]));
+  if (ids.dim() < 1 || ids.shape()[0] % (g.q * g.depth) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("Embedding2D: the batch of ids ", ShapeToString(ids.shape()),
+                                                   " must divide into ", g.q * g.depth, " blocks"));
+  }
+  // This rank's batch block: depth layer first, then the column.
+  ASSIGN_OR_RETURN(int i, pg_->LocalRank("tp_col"));
+  int dep = 0;
+  if (g.dep != nullptr) {
+    ASSIGN_OR_RETURN(dep, pg_->LocalRank("tp_dep"));
+  }
+  ASSIGN_OR_RETURN(Tensor mine, ids.Chunk(0, g.q * g.depth, dep * g.q + i));
+  ASSIGN_OR_RETURN(Variable table, SharedTable(weight_, g, pg_->timeout()));
+  ASSIGN_OR_RETURN(Variable out, Embedding(table, mine.Contiguous()));
+  return ColoTensor::FromLocal(out, Activation2D(out.value().dim(), g.q, g.depth), pg_);
+}
+
+absl::StatusOr<ColoTensor> Embedding2D::TiedLogits(const ColoTensor& h) const {
+  ASSIGN_OR_RETURN(Groups2D g, Get(pg_));
+  const int64_t ndim = static_cast<int64_t>(h.global_shape().size());
+  const DistSpec act = Activation2D(ndim, g.q, g.depth);
+  ColoTensor in = h;
+  if (!(h.spec().Get("tp_row") == act.Get("tp_row") && h.spec().Get("tp_col") == act.Get("tp_col"))) {
+    ASSIGN_OR_RETURN(in, h.Redistribute(act));
+  }
+  ASSIGN_OR_RETURN(Variable table, SharedTable(weight_, g, pg_->timeout()));
+  // [.., H/q] @ [V, H/q]^T: a partial sum over the row group's hidden blocks.
+  ASSIGN_OR_RETURN(Variable partial, Linear(in.variable(), table, std::nullopt));
+  DistSpec spec = act;
+  spec.Set("tp_row", Placement::Partial());
+  ASSIGN_OR_RETURN(ColoTensor logits, ColoTensor::FromLocal(partial, spec, pg_));
+  spec.Set("tp_row", Placement::Replicate());
+  return logits.Redistribute(spec);
+}
+
+}  // namespace colod::nn
