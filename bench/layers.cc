@@ -30,6 +30,7 @@
 #include "common/flags.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
+#include "kernels/device.h"
 #include "kernels/ops.h"
 #include "server/rendezvous_store.h"
 #include "worker/colo/process_group.h"
@@ -143,16 +144,19 @@ class LayerBlock final : public Block {
   ProcessGroup* pg_;
 };
 
-absl::StatusOr<std::unique_ptr<Block>> MakeBlock(const std::string& mode, ProcessGroup* pg, int64_t t, int64_t h) {
+absl::StatusOr<std::unique_ptr<Block>> MakeBlock(const std::string& mode, ProcessGroup* pg, int64_t t, int64_t h,
+                                                 Device device, DType dtype) {
   // Full tensors from fixed seeds: every rank takes its shards of the same model.
-  ASSIGN_OR_RETURN(Tensor w1, Tensor::RandomNormal({4 * h, h}, 11));  // [out, in]
-  ASSIGN_OR_RETURN(Tensor w2, Tensor::RandomNormal({h, 4 * h}, 12));
-  ASSIGN_OR_RETURN(w1, Scale(w1, 0.02f));
-  ASSIGN_OR_RETURN(w2, Scale(w2, 0.02f));
-  ASSIGN_OR_RETURN(Tensor b1, Tensor::RandomNormal({4 * h}, 13));
-  ASSIGN_OR_RETURN(Tensor b2, Tensor::RandomNormal({h}, 14));
-  ASSIGN_OR_RETURN(Tensor x, Tensor::RandomNormal({t, h}, 15));
-  ASSIGN_OR_RETURN(Tensor dy, Tensor::RandomNormal({t, h}, 16));
+  auto make = [&](const Shape& shape, uint64_t seed, float scale) -> absl::StatusOr<Tensor> {
+    ASSIGN_OR_RETURN(Tensor v, Tensor::RandomNormal(shape, seed, dtype, device));
+    return Scale(v, scale);
+  };
+  ASSIGN_OR_RETURN(Tensor w1, make({4 * h, h}, 11, 0.02f));  // [out, in]
+  ASSIGN_OR_RETURN(Tensor w2, make({h, 4 * h}, 12, 0.02f));
+  ASSIGN_OR_RETURN(Tensor b1, make({4 * h}, 13, 1.0f));
+  ASSIGN_OR_RETURN(Tensor b2, make({h}, 14, 1.0f));
+  ASSIGN_OR_RETURN(Tensor x, make({t, h}, 15, 1.0f));
+  ASSIGN_OR_RETURN(Tensor dy, make({t, h}, 16, 1.0f));
   if (mode == "1d") {
     ASSIGN_OR_RETURN(nn::Linear1DCol col, nn::Linear1DCol::FromGlobal(w1, b1, pg, {}));
     ASSIGN_OR_RETURN(nn::Linear1DRow row, nn::Linear1DRow::FromGlobal(w2, b2, pg, {}));
@@ -205,7 +209,8 @@ int64_t FormulaBytes(const std::string& mode, int world, int64_t t, int64_t h) {
   return (layer(h, 4 * h) + layer(4 * h, h)) * f;
 }
 
-absl::StatusOr<BlockResult> RunBlock(const std::string& mode, int rank, int world, int threads, Store* store) {
+absl::StatusOr<BlockResult> RunBlock(const std::string& mode, int rank, int world, int threads, Store* store,
+                                     Device device = Device::Cpu(), DType dtype = DType::kF32) {
   kernels::SetBlasThreads(threads);
   const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);
   ASSIGN_OR_RETURN(v1::ShardConfig shard, ShardFor(mode, world));
@@ -223,7 +228,7 @@ absl::StatusOr<BlockResult> RunBlock(const std::string& mode, int rank, int worl
   ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> pg, ProcessGroup::Create(mesh, rank, factory, absl::Minutes(5)));
   RETURN_IF_ERROR(pg->InitAxes());
   ASSIGN_OR_RETURN(Communicator * all, pg->Comm(mesh.AxisIndices("tp").ok() ? "tp" : mesh.axes().back().name));
-  ASSIGN_OR_RETURN(std::unique_ptr<Block> block, MakeBlock(mode, pg.get(), t, h));
+  ASSIGN_OR_RETURN(std::unique_ptr<Block> block, MakeBlock(mode, pg.get(), t, h, device, dtype));
   auto bytes = [&] {
     int64_t b = 0;
     for (InstrumentedCommunicator* c : counted) {
@@ -380,6 +385,39 @@ int main(int argc, char** argv) {
                   r->step_seconds / base);
     }
     std::fflush(stdout);
+  }
+  // Where a GPU is present: the tp=1 block in bf16 on cuda:0 against cuBLAS's
+  // bf16 GEMM on the same shape.
+  if (colod::kernels::CudaDeviceCount() == 0) {
+    if (!json) std::printf("\nno CUDA device: the GPU bf16 row is skipped\n");
+    return 0;
+  }
+  const colod::Device gpu = colod::Device::Cuda(0);
+  auto a = colod::Tensor::RandomNormal({t, h}, 1, colod::DType::kBF16, gpu);
+  auto b = colod::Tensor::RandomNormal({h, 4 * h}, 2, colod::DType::kBF16, gpu);
+  double gpu_peak = 0;
+  for (int i = 0; a.ok() && b.ok() && i < 20; ++i) {
+    const absl::Time t0 = absl::Now();
+    if (!colod::kernels::MatMul(*a, *b).ok()) break;
+    gpu_peak = std::max(gpu_peak, colod::MatMulFlops(t, h, 4 * h) / absl::ToDoubleSeconds(absl::Now() - t0) / 1e12);
+  }
+  auto shared = std::make_shared<colod::RendezvousStore>();
+  colod::InMemoryStore store(shared, "bench-gpu");
+  auto r = colod::RunBlock("1d", 0, 1, 1, &store, gpu, colod::DType::kBF16);
+  if (!r.ok()) {
+    std::fprintf(stderr, "GPU row: %s\n", r.status().ToString().c_str());
+    return 1;
+  }
+  const double achieved = flops / r->step_seconds / 1e12;
+  if (json) {
+    std::printf("{\"bench\":\"mlp_block\",\"mode\":\"1d\",\"dtype\":\"bf16\",\"device\":\"cuda:0\",\"tokens\":%lld,"
+                "\"hidden\":%lld,\"ranks\":1,\"step_seconds\":%.6f,\"tflops\":%.3f,\"cublas_bf16_peak_tflops\":%.3f,"
+                "\"fraction_of_peak\":%.4f}\n",
+                static_cast<long long>(t), static_cast<long long>(h), r->step_seconds, achieved, gpu_peak,
+                achieved / gpu_peak);
+  } else {
+    std::printf("\nGPU (cuda:0), bf16, tp=1: step %.2f ms, %.1f TFLOP/s = %.1f%% of cuBLAS bf16 GEMM %.1f TFLOP/s (same run)\n",
+                r->step_seconds * 1e3, achieved, 100 * achieved / gpu_peak, gpu_peak);
   }
   return 0;
 }
