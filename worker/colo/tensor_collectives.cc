@@ -51,6 +51,22 @@ absl::StatusOr<Tensor> ReduceScatterDim(const Tensor& t, int64_t dim, Communicat
   return ReduceScatterBlocks(blocks, comm, timeout, op);
 }
 
+absl::Status AllReduceValues(std::vector<float>& values, ReduceOp op, Communicator& comm, Device device,
+                             absl::Duration timeout) {
+  const int64_t n = static_cast<int64_t>(values.size());
+  if (comm.backend() != "nccl") {
+    return comm.AllReduce(values.data(), n, DType::kF32, op)->Wait(timeout);
+  }
+  if (!device.is_cuda()) {
+    return absl::FailedPreconditionError("an NCCL communicator needs the values staged on a CUDA device");
+  }
+  ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({n}, values));
+  ASSIGN_OR_RETURN(Tensor buf, host.To(device));
+  RETURN_IF_ERROR(comm.AllReduce(buf.raw_data(), n, DType::kF32, op)->Wait(timeout));
+  values = buf.ToFloats();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Tensor> BroadcastFrom(const Tensor& t, int root, Communicator& comm, absl::Duration timeout) {
   Tensor buf = t.Clone();
   RETURN_IF_ERROR(comm.Broadcast(buf.raw_data(), buf.numel(), buf.dtype(), root)->Wait(timeout));

@@ -27,6 +27,12 @@ absl::StatusOr<Tensor> ReduceScatterBlocks(const std::vector<Tensor>& blocks, Co
 absl::StatusOr<Tensor> ReduceScatterDim(const Tensor& t, int64_t dim, Communicator& comm, absl::Duration timeout,
                                         ReduceOp op = ReduceOp::kSum);
 
+// All-reduces a host vector of f32 values (row statistics and the like). With
+// an NCCL communicator the values travel through a buffer on `device` (the
+// CUDA device the rank computes on); with Gloo they stay in host memory.
+absl::Status AllReduceValues(std::vector<float>& values, ReduceOp op, Communicator& comm, Device device,
+                             absl::Duration timeout);
+
 // Local rank `root`'s `t` on every rank (`t` gives the shape elsewhere).
 absl::StatusOr<Tensor> BroadcastFrom(const Tensor& t, int root, Communicator& comm, absl::Duration timeout);
 

@@ -209,17 +209,13 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
       });
 }
 
-namespace {
-absl::Status Wait(const std::shared_ptr<Work>& w, absl::Duration timeout) { return w->Wait(timeout); }
-}  // namespace
-
 absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps,
                                           Communicator* hidden, const std::vector<Communicator*>& replicas,
                                           absl::Duration timeout) {
-  const Tensor& xv = x.value();
-  if (xv.device().is_cuda()) {
-    return absl::UnimplementedError("the sharded layer norm (2D/2.5D/3D) runs on host tensors only for now");
-  }
+  // The statistics are computed on host copies (the values cross devices
+  // once each way); the collectives run where the communicator wants them.
+  const Device dev = x.value().device();
+  ASSIGN_OR_RETURN(const Tensor xv, x.value().To(Device::Cpu()));
   if (xv.dim() == 0 || gamma.value().shape() != Shape{xv.shape().back()} || beta.value().shape() != gamma.value().shape()) {
     return absl::InvalidArgumentError(absl::StrCat("layer norm: gamma ", ShapeToString(gamma.value().shape()),
                                                    " and beta must be [", xv.dim() ? xv.shape().back() : 0,
@@ -237,22 +233,24 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
     for (int64_t j = 0; j < hl; ++j) s += px[r * hl + j];
     mean[r] = static_cast<float>(s);
   }
-  RETURN_IF_ERROR(Wait(row->AllReduce(mean.data(), rows, DType::kF32, ReduceOp::kSum), timeout));
+  RETURN_IF_ERROR(AllReduceValues(mean, ReduceOp::kSum, *row, dev, timeout));
   for (int64_t r = 0; r < rows; ++r) {
     mean[r] /= static_cast<float>(h);
     double s = 0;
     for (int64_t j = 0; j < hl; ++j) s += static_cast<double>(px[r * hl + j] - mean[r]) * (px[r * hl + j] - mean[r]);
     var[r] = static_cast<float>(s);
   }
-  RETURN_IF_ERROR(Wait(row->AllReduce(var.data(), rows, DType::kF32, ReduceOp::kSum), timeout));
+  RETURN_IF_ERROR(AllReduceValues(var, ReduceOp::kSum, *row, dev, timeout));
   ASSIGN_OR_RETURN(Tensor xhat, Tensor::Empty({rows, hl}, DType::kF32));
   std::vector<float> rstd(rows);
   for (int64_t r = 0; r < rows; ++r) {
     rstd[r] = static_cast<float>(1.0 / std::sqrt(var[r] / h + eps));
     for (int64_t j = 0; j < hl; ++j) xhat.data<float>()[r * hl + j] = (px[r * hl + j] - mean[r]) * rstd[r];
   }
-  ASSIGN_OR_RETURN(Tensor g32, gamma.value().ToDType(DType::kF32));
-  ASSIGN_OR_RETURN(Tensor b32, beta.value().ToDType(DType::kF32));
+  ASSIGN_OR_RETURN(Tensor g32, gamma.value().To(Device::Cpu()));
+  ASSIGN_OR_RETURN(g32, g32.ToDType(DType::kF32));
+  ASSIGN_OR_RETURN(Tensor b32, beta.value().To(Device::Cpu()));
+  ASSIGN_OR_RETURN(b32, b32.ToDType(DType::kF32));
   ASSIGN_OR_RETURN(Tensor y, Tensor::Empty({rows, hl}, DType::kF32));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < hl; ++j) {
@@ -261,13 +259,15 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
   }
   ASSIGN_OR_RETURN(y, y.Reshape(xv.shape()));
   ASSIGN_OR_RETURN(y, y.ToDType(xv.dtype()));
+  ASSIGN_OR_RETURN(y, y.To(dev));
   const Shape x_shape = xv.shape();
   const DType dtype = xv.dtype();
   return RecordOp(
       "sharded_layer_norm", {x, gamma, beta}, std::move(y),
-      [xhat, rstd, g32, rows, hl, h, row, replicas, timeout, x_shape,
-       dtype](const Tensor& dy_full) -> absl::StatusOr<Grads> {
-        ASSIGN_OR_RETURN(Tensor dy, Rows(dy_full.Contiguous()));
+      [xhat, rstd, g32, rows, hl, h, row, replicas, timeout, x_shape, dtype,
+       dev](const Tensor& dy_full) -> absl::StatusOr<Grads> {
+        ASSIGN_OR_RETURN(Tensor dy_host, dy_full.To(Device::Cpu()));
+        ASSIGN_OR_RETURN(Tensor dy, Rows(dy_host.Contiguous()));
         ASSIGN_OR_RETURN(dy, dy.ToDType(DType::kF32));
         const float* pd = dy.data<float>();
         const float* xh = xhat.data<float>();
@@ -287,9 +287,9 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
           sums[r] = static_cast<float>(a);
           sums[rows + r] = static_cast<float>(b);
         }
-        RETURN_IF_ERROR(Wait(row->AllReduce(sums.data(), 2 * rows, DType::kF32, ReduceOp::kSum), timeout));
+        RETURN_IF_ERROR(AllReduceValues(sums, ReduceOp::kSum, *row, dev, timeout));
         for (Communicator* replica : replicas) {
-          RETURN_IF_ERROR(Wait(replica->AllReduce(dgb.data(), 2 * hl, DType::kF32, ReduceOp::kSum), timeout));
+          RETURN_IF_ERROR(AllReduceValues(dgb, ReduceOp::kSum, *replica, dev, timeout));
         }
         ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty({rows, hl}, DType::kF32));
         for (int64_t r = 0; r < rows; ++r) {
@@ -300,8 +300,11 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
         }
         ASSIGN_OR_RETURN(dx, dx.Reshape(x_shape));
         ASSIGN_OR_RETURN(dx, dx.ToDType(dtype));
+        ASSIGN_OR_RETURN(dx, dx.To(dev));
         ASSIGN_OR_RETURN(Tensor dgamma, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data(), hl)));
         ASSIGN_OR_RETURN(Tensor dbeta, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data() + hl, hl)));
+        ASSIGN_OR_RETURN(dgamma, dgamma.To(dev));
+        ASSIGN_OR_RETURN(dbeta, dbeta.To(dev));
         return Grads{dx, dgamma, dbeta};
       });
 }

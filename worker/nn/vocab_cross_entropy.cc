@@ -5,14 +5,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/colo/tensor_collectives.h"
 
 namespace colod::nn {
 
 absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, const Tensor& labels, int64_t vocab_size,
                                                    float label_smoothing, int64_t ignore_index) {
-  if (logits.local().device().is_cuda()) {
-    return absl::UnimplementedError("vocab-parallel cross-entropy runs on host tensors only for now");
-  }
   ProcessGroup* pg = logits.process_group();
   ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
   ASSIGN_OR_RETURN(int k, pg->tp_local_rank());
@@ -41,7 +39,11 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
   ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("tp"));
   const int64_t start = k * local_v;
   const int64_t real = std::clamp<int64_t>(vocab_size - start, 0, local_v);  // real columns held here
-  ASSIGN_OR_RETURN(Tensor z, logits.local().ToDType(DType::kF32));
+  // Computed on a host copy of the shard; the collectives run where the
+  // communicator wants them (worker/colo/tensor_collectives.h).
+  const Device dev = logits.local().device();
+  ASSIGN_OR_RETURN(Tensor z, logits.local().To(Device::Cpu()));
+  ASSIGN_OR_RETURN(z, z.ToDType(DType::kF32));
   ASSIGN_OR_RETURN(z, z.Reshape({rows, local_v}));
   const float* pz = z.data<float>();
 
@@ -49,7 +51,7 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < real; ++j) mx[r] = std::max(mx[r], pz[r * local_v + j]);
   }
-  RETURN_IF_ERROR(comm->AllReduce(mx.data(), rows, DType::kF32, ReduceOp::kMax)->Wait(pg->timeout()));
+  RETURN_IF_ERROR(AllReduceValues(mx, ReduceOp::kMax, *comm, dev, pg->timeout()));
   // [sum exp(z - max) | target logit | sum of logits], one all-reduce.
   std::vector<float> sums(3 * rows, 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
@@ -63,7 +65,7 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
     const int64_t t = lab[r] - start;
     if (lab[r] != ignore_index && t >= 0 && t < real) sums[rows + r] = pz[r * local_v + t];
   }
-  RETURN_IF_ERROR(comm->AllReduce(sums.data(), 3 * rows, DType::kF32, ReduceOp::kSum)->Wait(pg->timeout()));
+  RETURN_IF_ERROR(AllReduceValues(sums, ReduceOp::kSum, *comm, dev, pg->timeout()));
 
   ASSIGN_OR_RETURN(Tensor loss, Tensor::Zeros({rows}, DType::kF32));
   auto lse = std::make_shared<std::vector<float>>(rows);
@@ -75,9 +77,10 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
   }
   const Shape local_shape = logits.local().shape();
   const DType dtype = logits.local().dtype();
+  ASSIGN_OR_RETURN(loss, loss.To(dev));
   return RecordOp("vocab_parallel_cross_entropy", {logits.variable()}, std::move(loss),
                   [z, lse, lab, start, real, rows, local_v, vocab_size, label_smoothing, ignore_index, local_shape,
-                   dtype](const Tensor& dloss) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+                   dtype, dev](const Tensor& dloss) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
                     const std::vector<float> dl = dloss.ToFloats();
                     ASSIGN_OR_RETURN(Tensor dz, Tensor::Zeros({rows, local_v}, DType::kF32));
                     const float* pz = z.data<float>();
@@ -94,6 +97,7 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
                     if (dtype != DType::kF32) {
                       ASSIGN_OR_RETURN(dz, dz.ToDType(dtype));
                     }
+                    ASSIGN_OR_RETURN(dz, dz.To(dev));
                     return std::vector<std::optional<Tensor>>{dz};
                   });
 }
