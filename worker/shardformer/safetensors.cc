@@ -1,0 +1,253 @@
+#include "worker/shardformer/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace colod::shardformer {
+namespace {
+
+constexpr int64_t kMaxHeaderBytes = 100 << 20;  // as the reference implementation
+
+absl::Status Invalid(const std::string& path, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": not a valid safetensors file: ", what));
+}
+
+absl::Status Errno(const std::string& what, const std::string& path) {
+  const int e = errno;
+  const std::string msg = absl::StrCat(what, " ", path, ": ", std::strerror(e));
+  if (e == ENOENT) return absl::NotFoundError(msg);
+  if (e == EACCES) return absl::PermissionDeniedError(msg);
+  return absl::InternalError(msg);
+}
+
+// Copies the block [starts, starts + lengths) of a row-major array with
+// element size `es` and shape `shape` from `src` to the contiguous `dst`.
+void CopyBlock(const char* src, const Shape& shape, size_t es, const std::vector<int64_t>& starts,
+               const std::vector<int64_t>& lengths, size_t d, char*& dst) {
+  int64_t stride = static_cast<int64_t>(es);  // bytes per step of dim d
+  for (size_t k = d + 1; k < shape.size(); ++k) stride *= shape[k];
+  // From the first dim on which the block is the whole dim onwards, the rows are contiguous.
+  bool rest_whole = true;
+  for (size_t k = d + 1; k < shape.size(); ++k) rest_whole = rest_whole && starts[k] == 0 && lengths[k] == shape[k];
+  if (d + 1 == shape.size() || rest_whole) {
+    const size_t bytes = static_cast<size_t>(lengths[d] * stride);
+    std::memcpy(dst, src + starts[d] * stride, bytes);
+    dst += bytes;
+    return;
+  }
+  for (int64_t i = 0; i < lengths[d]; ++i) {
+    CopyBlock(src + (starts[d] + i) * stride, shape, es, starts, lengths, d + 1, dst);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<DType> ParseSafetensorsDType(const std::string& name) {
+  if (name == "F32") return DType::kF32;
+  if (name == "F16") return DType::kF16;
+  if (name == "BF16") return DType::kBF16;
+  if (name == "I64") return DType::kI64;
+  if (name == "I32") return DType::kI32;
+  return absl::InvalidArgumentError(absl::StrCat("dtype ", name, " is not one of F32, F16, BF16, I64, I32"));
+}
+
+const char* SafetensorsDTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "F32";
+    case DType::kF16: return "F16";
+    case DType::kBF16: return "BF16";
+    case DType::kI64: return "I64";
+    case DType::kI32: return "I32";
+  }
+  return "?";
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Errno("cannot open", path);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    absl::Status s = Errno("cannot stat", path);
+    ::close(fd);
+    return s;
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size < 8) {
+    ::close(fd);
+    return Invalid(path, absl::StrCat("the file has ", size, " bytes, fewer than the 8-byte header length"));
+  }
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) return Errno("cannot map", path);
+  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile(path, static_cast<const char*>(map), size));
+
+  uint64_t n = 0;
+  std::memcpy(&n, f->map_, 8);  // little-endian, as the format and x86/arm64 are
+  if (n > static_cast<uint64_t>(kMaxHeaderBytes) || n > size - 8) {
+    return Invalid(path, absl::StrCat("the header length ", n, " does not fit the file of ", size, " bytes"));
+  }
+  f->data_start_ = 8 + static_cast<int64_t>(n);
+  nlohmann::json header = nlohmann::json::parse(f->map_ + 8, f->map_ + 8 + n, nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object()) return Invalid(path, "the header is not a JSON object");
+  const int64_t buffer = static_cast<int64_t>(size) - f->data_start_;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& name = it.key();
+    const nlohmann::json& e = it.value();
+    if (name == "__metadata__") {
+      if (!e.is_object()) return Invalid(path, "__metadata__ is not an object");
+      for (auto m = e.begin(); m != e.end(); ++m) {
+        if (!m.value().is_string()) return Invalid(path, absl::StrCat("__metadata__ value of ", m.key(), " is not a string"));
+        f->metadata_[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets") ||
+        !e["dtype"].is_string() || !e["shape"].is_array() || !e["data_offsets"].is_array() ||
+        e["data_offsets"].size() != 2) {
+      return Invalid(path, absl::StrCat("tensor ", name, ": the entry needs dtype, shape and two data_offsets"));
+    }
+    TensorInfo info;
+    auto dtype = ParseSafetensorsDType(e["dtype"].get<std::string>());
+    if (!dtype.ok()) return Invalid(path, absl::StrCat("tensor ", name, ": ", dtype.status().message()));
+    info.dtype = *dtype;
+    int64_t elements = 1;
+    for (const auto& d : e["shape"]) {
+      if (!d.is_number_unsigned()) return Invalid(path, absl::StrCat("tensor ", name, ": a shape entry is not a size"));
+      const int64_t v = d.get<int64_t>();
+      if (v < 0 || (v > 0 && elements > (int64_t{1} << 50) / v)) {
+        return Invalid(path, absl::StrCat("tensor ", name, ": the shape is too large"));
+      }
+      info.shape.push_back(v);
+      elements *= v;
+    }
+    for (const auto& o : e["data_offsets"]) {
+      if (!o.is_number_unsigned()) return Invalid(path, absl::StrCat("tensor ", name, ": an offset is not a size"));
+    }
+    info.begin = e["data_offsets"][0].get<int64_t>();
+    info.end = e["data_offsets"][1].get<int64_t>();
+    if (info.begin > info.end || info.end > buffer) {
+      return Invalid(path, absl::StrCat("tensor ", name, ": data_offsets [", info.begin, ", ", info.end,
+                                        ") are outside the ", buffer, "-byte data buffer"));
+    }
+    const int64_t want = elements * static_cast<int64_t>(SizeOf(info.dtype));
+    if (info.end - info.begin != want) {
+      return Invalid(path, absl::StrCat("tensor ", name, ": ", e["dtype"].get<std::string>(), ShapeToString(info.shape),
+                                        " needs ", want, " bytes but data_offsets span ", info.end - info.begin));
+    }
+    ranges.emplace_back(info.begin, info.end);
+    f->tensors_[name] = std::move(info);
+  }
+  // The offsets must tile the buffer: sorted, each starting where the last ended.
+  std::sort(ranges.begin(), ranges.end());
+  int64_t at = 0;
+  for (const auto& [b, e] : ranges) {
+    if (b < at) return Invalid(path, absl::StrCat("two tensors overlap at byte ", b, " of the data buffer"));
+    if (b > at) return Invalid(path, absl::StrCat("bytes [", at, ", ", b, ") of the data buffer belong to no tensor"));
+    at = e;
+  }
+  if (at != buffer) {
+    return Invalid(path, absl::StrCat("bytes [", at, ", ", buffer, ") of the data buffer belong to no tensor"));
+  }
+  return f;
+}
+
+SafetensorsFile::~SafetensorsFile() { ::munmap(const_cast<char*>(map_), size_); }
+
+absl::StatusOr<TensorInfo> SafetensorsFile::Info(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) return absl::NotFoundError(absl::StrCat(path_, " has no tensor ", name));
+  return it->second;
+}
+
+absl::StatusOr<Tensor> SafetensorsFile::Read(const std::string& name) const {
+  ASSIGN_OR_RETURN(TensorInfo info, Info(name));
+  return ReadSlice(name, std::vector<int64_t>(info.shape.size(), 0), info.shape);
+}
+
+absl::StatusOr<Tensor> SafetensorsFile::ReadSlice(const std::string& name, const std::vector<int64_t>& starts,
+                                                  const std::vector<int64_t>& lengths) const {
+  ASSIGN_OR_RETURN(TensorInfo info, Info(name));
+  if (starts.size() != info.shape.size() || lengths.size() != info.shape.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("slice of ", name, ": ", starts.size(), " ranges for a ",
+                                                   info.shape.size(), "-d tensor"));
+  }
+  for (size_t d = 0; d < info.shape.size(); ++d) {
+    if (starts[d] < 0 || lengths[d] < 0 || starts[d] + lengths[d] > info.shape[d]) {
+      return absl::InvalidArgumentError(absl::StrCat("slice of ", name, ": [", starts[d], ", ", starts[d] + lengths[d],
+                                                     ") is outside dim ", d, " of size ", info.shape[d]));
+    }
+  }
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(Shape(lengths.begin(), lengths.end()), info.dtype));
+  if (out.numel() == 0) return out;
+  char* dst = static_cast<char*>(out.raw_data());
+  const char* src = map_ + data_start_ + info.begin;
+  if (info.shape.empty()) {
+    std::memcpy(dst, src, SizeOf(info.dtype));
+  } else {
+    CopyBlock(src, info.shape, SizeOf(info.dtype), starts, lengths, 0, dst);
+  }
+  return out;
+}
+
+absl::Status WriteSafetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::set<std::string> names;
+  std::vector<std::string> payloads;
+  int64_t at = 0;
+  for (const auto& [name, t] : tensors) {
+    if (name.empty() || name == "__metadata__" || !names.insert(name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor name '", name, "' is empty, reserved or repeated"));
+    }
+    std::string bytes = t.ToBytes();
+    header[name] = {{"dtype", SafetensorsDTypeName(t.dtype())},
+                    {"shape", t.shape()},
+                    {"data_offsets", {at, at + static_cast<int64_t>(bytes.size())}}};
+    at += static_cast<int64_t>(bytes.size());
+    payloads.push_back(std::move(bytes));
+  }
+  std::string json = header.dump();
+  json.append((8 - json.size() % 8) % 8, ' ');
+  const uint64_t n = json.size();
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Errno("cannot create", tmp);
+  auto write_all = [&](const char* p, size_t len) -> absl::Status {
+    while (len > 0) {
+      const ssize_t w = ::write(fd, p, len);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        return Errno("cannot write", tmp);
+      }
+      p += w;
+      len -= static_cast<size_t>(w);
+    }
+    return absl::OkStatus();
+  };
+  absl::Status s = write_all(reinterpret_cast<const char*>(&n), 8);
+  if (s.ok()) s = write_all(json.data(), json.size());
+  for (const std::string& p : payloads) {
+    if (s.ok()) s = write_all(p.data(), p.size());
+  }
+  if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", tmp);
+  ::close(fd);
+  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) s = Errno("cannot rename to", path);
+  if (!s.ok()) ::unlink(tmp.c_str());
+  return s;
+}
+
+}  // namespace colod::shardformer

@@ -1,0 +1,86 @@
+// The safetensors format (https://huggingface.co/docs/safetensors): an 8-byte
+// little-endian header length N, N bytes of JSON, then the data buffer.
+// The header maps each tensor name to {"dtype", "shape", "data_offsets":
+// [begin, end)} relative to the buffer, plus an optional "__metadata__"
+// object of strings.
+//
+// SafetensorsFile memory-maps a file and validates its header strictly
+// before anything is read: the length fits the file, the JSON is an object
+// of well-formed entries, every dtype is one colod reads (F32, F16, BF16,
+// I64, I32), dtype size x shape = the entry's byte length, and the offsets
+// tile the buffer exactly (in bounds, no overlap, no hole, as the format
+// requires). Any violation is INVALID_ARGUMENT naming the file, the tensor
+// and the rule. Reads copy only the bytes asked for, so a rank that loads
+// its shard of a tensor touches only that shard's pages.
+//
+// Thread-safety: a SafetensorsFile is immutable after Open; reads may run
+// concurrently.
+#ifndef COLOD_WORKER_SHARDFORMER_SAFETENSORS_H_
+#define COLOD_WORKER_SHARDFORMER_SAFETENSORS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/tensor/tensor.h"
+
+namespace colod::shardformer {
+
+struct TensorInfo {
+  DType dtype = DType::kF32;
+  Shape shape;
+  int64_t begin = 0;  // byte offsets in the data buffer
+  int64_t end = 0;
+};
+
+// "F32" <-> DType::kF32 and so on; INVALID_ARGUMENT for other dtypes.
+absl::StatusOr<DType> ParseSafetensorsDType(const std::string& name);
+const char* SafetensorsDTypeName(DType dtype);
+
+class SafetensorsFile {
+ public:
+  // NOT_FOUND when the file does not exist; INVALID_ARGUMENT when it is not
+  // a valid safetensors file.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  bool Has(const std::string& name) const { return tensors_.count(name) > 0; }
+  // NOT_FOUND naming the tensor and the file.
+  absl::StatusOr<TensorInfo> Info(const std::string& name) const;
+
+  // The whole tensor, as a host tensor.
+  absl::StatusOr<Tensor> Read(const std::string& name) const;
+  // The block [starts[d], starts[d] + lengths[d]) of every dim, copying only
+  // those bytes. INVALID_ARGUMENT for a range outside the shape.
+  absl::StatusOr<Tensor> ReadSlice(const std::string& name, const std::vector<int64_t>& starts,
+                                   const std::vector<int64_t>& lengths) const;
+
+ private:
+  SafetensorsFile(std::string path, const char* map, size_t size) : path_(std::move(path)), map_(map), size_(size) {}
+  const std::string path_;
+  const char* const map_;
+  const size_t size_;
+  int64_t data_start_ = 0;
+  std::map<std::string, TensorInfo> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// Writes `tensors` (in the given order; names unique) and `metadata` as a
+// safetensors file: header padded with spaces to a multiple of 8 bytes, data
+// contiguous. The file appears atomically (written to a temporary name,
+// fsync'ed, renamed), so a crash never leaves a partial file at `path`.
+absl::Status WriteSafetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                              const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace colod::shardformer
+
+#endif  // COLOD_WORKER_SHARDFORMER_SAFETENSORS_H_

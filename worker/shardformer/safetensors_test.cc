@@ -1,0 +1,114 @@
+// safetensors files built byte by byte from the format's description, files
+// from the writer, and every header rule the reader enforces.
+#include "worker/shardformer/safetensors.h"
+
+#include <cstring>
+#include <fstream>
+
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+
+namespace colod::shardformer {
+namespace {
+
+using ::colod::testing::TempPath;
+
+// An 8-byte little-endian length, the header, then `data`.
+std::string Raw(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + header + data;
+}
+
+std::string Floats(std::initializer_list<float> v) {
+  std::string s(v.size() * 4, '\0');
+  std::memcpy(s.data(), v.begin(), s.size());
+  return s;
+}
+
+std::string WriteFile(const std::string& name, const std::string& bytes) {
+  const std::string path = TempPath(name);
+  std::ofstream(path, std::ios::binary) << bytes;
+  return path;
+}
+
+TEST(Safetensors, ReadsAFileBuiltFromTheSpecification) {
+  const std::string path = WriteFile(
+      "spec.safetensors",
+      Raw(R"({"__metadata__":{"format":"pt"},"b":{"dtype":"I64","shape":[2],"data_offsets":[16,32]},)"
+          R"("w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})",
+          Floats({1, 2, 3, 4}) + std::string("\x07\0\0\0\0\0\0\0\xfe\xff\xff\xff\xff\xff\xff\xff", 16)));
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->metadata().at("format"), "pt");
+  auto w = (*f)->Read("w");
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->shape(), (Shape{2, 2}));
+  EXPECT_EQ(w->ToFloats(), (std::vector<float>{1, 2, 3, 4}));
+  EXPECT_EQ((*f)->Read("b")->ToInt64s(), (std::vector<int64_t>{7, -2}));
+  EXPECT_EQ((*f)->Read("missing").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(Safetensors, WriterRoundTripsEveryDTypeAndSlicesReadOnlyTheirBlock) {
+  const Tensor a = *Tensor::RandomNormal({6, 10, 3}, 1);
+  const Tensor h = *Tensor::RandomNormal({5, 4}, 2, DType::kBF16);
+  const Tensor g = *Tensor::RandomNormal({7}, 3, DType::kF16);
+  const Tensor i = *Tensor::FromInt64s({3}, {1, -5, 1LL << 40});
+  const std::string path = TempPath("round.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {{"a", a}, {"h", h}, {"g", g}, {"i", i}}, {{"k", "v"}}).ok());
+  std::ifstream in(path, std::ios::binary);
+  uint64_t n = 0;
+  in.read(reinterpret_cast<char*>(&n), 8);
+  EXPECT_EQ(n % 8, 0u) << "the header is padded to 8 bytes";
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->Read("a")->ToBytes(), a.ToBytes());
+  EXPECT_EQ((*f)->Read("h")->ToBytes(), h.ToBytes());
+  EXPECT_EQ((*f)->Read("h")->dtype(), DType::kBF16);
+  EXPECT_EQ((*f)->Read("g")->ToBytes(), g.ToBytes());
+  EXPECT_EQ((*f)->Read("i")->ToInt64s(), i.ToInt64s());
+  EXPECT_EQ((*f)->metadata().at("k"), "v");
+  // A block in the middle of every dim, and a row block (one contiguous run).
+  auto block = (*f)->ReadSlice("a", {2, 3, 1}, {3, 4, 2});
+  ASSERT_TRUE(block.ok()) << block.status();
+  EXPECT_EQ(block->ToFloats(), a.Narrow(0, 2, 3)->Narrow(1, 3, 4)->Narrow(2, 1, 2)->ToFloats());
+  EXPECT_EQ((*f)->ReadSlice("a", {4, 0, 0}, {2, 10, 3})->ToFloats(), a.Narrow(0, 4, 2)->ToFloats());
+  EXPECT_EQ((*f)->ReadSlice("a", {0, 0, 0}, {7, 1, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(WriteSafetensors(path, {{"a", a}, {"a", a}}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Safetensors, MalformedFilesAreInvalidArgumentNamingTheRule) {
+  const std::string w16 = Floats({1, 2, 3, 4});
+  struct Case {
+    const char* name;
+    std::string bytes;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"short", std::string("\x10\0\0", 3), "fewer than the 8-byte header length"},
+      {"long_header", Raw("{}", "").replace(0, 1, "\x7f"), "does not fit the file"},
+      {"not_json", Raw("{\"w\":", w16), "not a JSON object"},
+      {"array", Raw("[1,2]", ""), "not a JSON object"},
+      {"no_offsets", Raw(R"({"w":{"dtype":"F32","shape":[2,2]}})", w16), "needs dtype, shape and two data_offsets"},
+      {"dtype", Raw(R"({"w":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}})", w16), "dtype F64"},
+      {"size", Raw(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,16]}})", w16), "needs 24 bytes"},
+      {"bounds", Raw(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[8,24]}})", w16), "outside the 16-byte"},
+      {"overlap",
+       Raw(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[3],"data_offsets":[4,16]}})",
+           w16),
+       "overlap"},
+      {"hole", Raw(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", w16), "belong to no tensor"},
+      {"negative", Raw(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", w16), "not a size"},
+      {"metadata", Raw(R"({"__metadata__":{"a":1}})", ""), "is not a string"},
+  };
+  for (const Case& c : cases) {
+    auto f = SafetensorsFile::Open(WriteFile(std::string(c.name) + ".safetensors", c.bytes));
+    EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument) << c.name << ": " << f.status();
+    EXPECT_NE(f.status().message().find(c.message), absl::string_view::npos) << c.name << ": " << f.status();
+  }
+  EXPECT_EQ(SafetensorsFile::Open(TempPath("absent.safetensors")).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace colod::shardformer
