@@ -1,0 +1,163 @@
+#include "worker/tensor/npy.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/status_macros.h"
+
+namespace colod {
+namespace {
+
+constexpr char kMagic[] = "\x93NUMPY";
+
+absl::Status Bad(const std::string& what, const std::string& why) {
+  return absl::InvalidArgumentError(absl::StrCat(what, ": not a supported .npy array: ", why));
+}
+
+// The value of 'key' in the header dict, as text (a quoted string, a word or
+// a parenthesized tuple).
+absl::StatusOr<std::string> DictValue(absl::string_view dict, absl::string_view key, const std::string& what) {
+  const std::string quoted = absl::StrCat("'", key, "'");
+  size_t at = dict.find(quoted);
+  if (at == absl::string_view::npos) return Bad(what, absl::StrCat("the header has no ", quoted));
+  at = dict.find(':', at + quoted.size());
+  if (at == absl::string_view::npos) return Bad(what, absl::StrCat("no value for ", quoted));
+  absl::string_view rest = absl::StripLeadingAsciiWhitespace(dict.substr(at + 1));
+  if (absl::ConsumePrefix(&rest, "'")) {
+    const size_t end = rest.find('\'');
+    if (end == absl::string_view::npos) return Bad(what, "an unterminated string");
+    return std::string(rest.substr(0, end));
+  }
+  if (absl::ConsumePrefix(&rest, "(")) {
+    const size_t end = rest.find(')');
+    if (end == absl::string_view::npos) return Bad(what, "an unterminated shape tuple");
+    return std::string(rest.substr(0, end));
+  }
+  const size_t end = rest.find_first_of(",}");
+  return std::string(absl::StripAsciiWhitespace(rest.substr(0, end)));
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& what) {
+  if (bytes.size() < 10 || bytes.compare(0, 6, kMagic, 6) != 0) return Bad(what, "no \\x93NUMPY magic");
+  const int major = static_cast<unsigned char>(bytes[6]);
+  size_t header_len = 0, offset = 0;
+  if (major == 1) {
+    header_len = static_cast<unsigned char>(bytes[8]) | static_cast<size_t>(static_cast<unsigned char>(bytes[9])) << 8;
+    offset = 10;
+  } else if (major == 2 || major == 3) {
+    if (bytes.size() < 12) return Bad(what, "a truncated header");
+    for (int i = 0; i < 4; ++i) header_len |= static_cast<size_t>(static_cast<unsigned char>(bytes[8 + i])) << (8 * i);
+    offset = 12;
+  } else {
+    return Bad(what, absl::StrCat("format version ", major, " is not 1, 2 or 3"));
+  }
+  if (offset + header_len > bytes.size()) return Bad(what, "the header runs past the end of the file");
+  const absl::string_view dict(bytes.data() + offset, header_len);
+  ASSIGN_OR_RETURN(std::string descr, DictValue(dict, "descr", what));
+  ASSIGN_OR_RETURN(std::string fortran, DictValue(dict, "fortran_order", what));
+  ASSIGN_OR_RETURN(std::string shape_text, DictValue(dict, "shape", what));
+  if (fortran != "False") return Bad(what, "fortran_order arrays are not supported; save in C order");
+  Shape shape;
+  for (absl::string_view part : absl::StrSplit(shape_text, ',', absl::SkipWhitespace())) {
+    int64_t d = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &d) || d < 0) {
+      return Bad(what, absl::StrCat("the shape (", shape_text, ") is not a tuple of sizes"));
+    }
+    shape.push_back(d);
+  }
+  const absl::string_view data(bytes.data() + offset + header_len, bytes.size() - offset - header_len);
+  const int64_t n = NumElements(shape);
+  auto expect = [&](size_t es) -> absl::Status {
+    if (data.size() != static_cast<size_t>(n) * es) {
+      return Bad(what, absl::StrCat("shape (", shape_text, ") of ", descr, " needs ", n * es, " bytes, the file has ",
+                                    data.size()));
+    }
+    return absl::OkStatus();
+  };
+  if (descr == "<f4" || descr == "<f2" || descr == "<i8" || descr == "<i4") {
+    const DType t = descr == "<f4" ? DType::kF32 : descr == "<f2" ? DType::kF16 : descr == "<i8" ? DType::kI64 : DType::kI32;
+    RETURN_IF_ERROR(expect(SizeOf(t)));
+    return Tensor::FromBytes(shape, t, data);
+  }
+  if (descr == "<u2" || descr == "<u4") {
+    const size_t es = descr == "<u2" ? 2 : 4;
+    RETURN_IF_ERROR(expect(es));
+    std::vector<int64_t> v(n);
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t x = 0;
+      std::memcpy(&x, data.data() + i * es, es);
+      v[i] = x;
+    }
+    return Tensor::FromInt64s(shape, v);
+  }
+  return Bad(what, absl::StrCat("dtype '", descr, "' is not one of <f4, <f2, <i8, <i4, <u2, <u4"));
+}
+
+absl::StatusOr<Tensor> ReadNpy(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no such file: ", path));
+    return absl::FailedPreconditionError(absl::StrCat("cannot read ", path, ": ", std::strerror(errno)));
+  }
+  std::ostringstream buf;
+  buf << in.rdbuf();
+  return ParseNpy(buf.str(), path);
+}
+
+absl::StatusOr<std::string> SerializeNpy(const Tensor& t) {
+  const char* descr = nullptr;
+  switch (t.dtype()) {
+    case DType::kF32: descr = "<f4"; break;
+    case DType::kF16: descr = "<f2"; break;
+    case DType::kI64: descr = "<i8"; break;
+    case DType::kI32: descr = "<i4"; break;
+    case DType::kBF16: return absl::InvalidArgumentError(".npy has no bf16; convert to f32 first");
+  }
+  std::string shape = absl::StrJoin(t.shape(), ", ");
+  if (t.dim() == 1) shape += ",";
+  std::string dict = absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (", shape, "), }");
+  // Magic (6) + version (2) + length (2) + dict + padding + '\n' is a multiple of 64.
+  const size_t total = 10 + dict.size() + 1;
+  dict.append((64 - total % 64) % 64, ' ');
+  dict.push_back('\n');
+  std::string out(kMagic, 6);
+  out.push_back('\x01');
+  out.push_back('\x00');
+  out.push_back(static_cast<char>(dict.size() & 0xff));
+  out.push_back(static_cast<char>((dict.size() >> 8) & 0xff));
+  out += dict;
+  out += t.ToBytes();
+  return out;
+}
+
+absl::Status WriteNpy(const std::string& path, const Tensor& t) {
+  ASSIGN_OR_RETURN(std::string bytes, SerializeNpy(t));
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    if (!out) return absl::FailedPreconditionError(absl::StrCat("cannot write ", tmp, ": ", std::strerror(errno)));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = errno;
+    std::remove(tmp.c_str());
+    return absl::FailedPreconditionError(absl::StrCat("cannot rename to ", path, ": ", std::strerror(e)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace colod

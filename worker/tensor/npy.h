@@ -1,0 +1,28 @@
+// NumPy .npy files (format versions 1.0, 2.0 and 3.0): a magic string, the
+// version, a header dict {'descr', 'fortran_order', 'shape'} and the raw
+// array. colod reads little-endian f4, f2, i8, i4 (kept as they are), u2 and
+// u4 (token files; read as i64), and b1/u1 are refused; C order only. It
+// writes f4, f2, i8 and i4 in version 1.0.
+//
+// Thread-safe (no shared state).
+#ifndef COLOD_WORKER_TENSOR_NPY_H_
+#define COLOD_WORKER_TENSOR_NPY_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "worker/tensor/tensor.h"
+
+namespace colod {
+
+// NOT_FOUND for a missing file; INVALID_ARGUMENT, naming the file and the
+// problem, for anything that is not a supported .npy array.
+absl::StatusOr<Tensor> ReadNpy(const std::string& path);
+absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& what = "npy");
+// f32, f16, i64 or i32 host tensors; the file appears atomically.
+absl::Status WriteNpy(const std::string& path, const Tensor& t);
+absl::StatusOr<std::string> SerializeNpy(const Tensor& t);
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_TENSOR_NPY_H_

@@ -1,0 +1,73 @@
+// .npy files as NumPy writes them (bytes spelled out from the format
+// description), and the writer's output read back.
+#include "worker/tensor/npy.h"
+
+#include <cstring>
+
+#include "gtest/gtest.h"
+
+namespace colod {
+namespace {
+
+// A version-1.0 file with `dict` (padded as NumPy pads) and `data`.
+std::string Npy(std::string dict, const std::string& data) {
+  const size_t total = 10 + dict.size() + 1;
+  dict.append((64 - total % 64) % 64, ' ');
+  dict.push_back('\n');
+  std::string out("\x93NUMPY\x01\x00", 8);
+  out.push_back(static_cast<char>(dict.size() & 0xff));
+  out.push_back(static_cast<char>(dict.size() >> 8));
+  return out + dict + data;
+}
+
+template <typename T>
+std::string Bytes(std::initializer_list<T> v) {
+  std::string s(v.size() * sizeof(T), '\0');
+  std::memcpy(s.data(), v.begin(), s.size());
+  return s;
+}
+
+TEST(Npy, ReadsWhatNumPyWrites) {
+  auto ids = ParseNpy(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (2, 3), }",
+                          Bytes<int64_t>({1, 2, 3, 40000, 5, 6})));
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(ids->shape(), (Shape{2, 3}));
+  EXPECT_EQ(ids->ToInt64s(), (std::vector<int64_t>{1, 2, 3, 40000, 5, 6}));
+  auto vec = ParseNpy(Npy("{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }", Bytes<float>({1.5f, -2, 0})));
+  ASSERT_TRUE(vec.ok()) << vec.status();
+  EXPECT_EQ(vec->ToFloats(), (std::vector<float>{1.5f, -2, 0}));
+  // uint16 token files (nanoGPT's .bin as an array) read as i64.
+  auto tokens = ParseNpy(Npy("{'descr': '<u2', 'fortran_order': False, 'shape': (3,), }", Bytes<uint16_t>({65535, 0, 7})));
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  EXPECT_EQ(tokens->dtype(), DType::kI64);
+  EXPECT_EQ(tokens->ToInt64s(), (std::vector<int64_t>{65535, 0, 7}));
+  auto scalar = ParseNpy(Npy("{'descr': '<f4', 'fortran_order': False, 'shape': (), }", Bytes<float>({3})));
+  ASSERT_TRUE(scalar.ok());
+  EXPECT_EQ(scalar->shape(), Shape{});
+}
+
+TEST(Npy, WriterOutputReadsBackAndIsAlignedLikeNumPys) {
+  const Tensor t = *Tensor::RandomNormal({2, 3, 5}, 9);
+  auto bytes = SerializeNpy(t);
+  ASSERT_TRUE(bytes.ok());
+  const size_t header_len = static_cast<unsigned char>((*bytes)[8]) | static_cast<unsigned char>((*bytes)[9]) << 8;
+  EXPECT_EQ((10 + header_len) % 64, 0u);
+  EXPECT_EQ(ParseNpy(*bytes)->ToBytes(), t.ToBytes());
+  const Tensor ids = *Tensor::FromInt64s({4}, {1, 2, 3, 4});
+  EXPECT_EQ(ParseNpy(*SerializeNpy(ids))->ToInt64s(), ids.ToInt64s());
+  EXPECT_EQ(SerializeNpy(*t.ToDType(DType::kBF16)).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Npy, RejectsWhatItCannotRead) {
+  EXPECT_EQ(ParseNpy("not numpy").status().code(), absl::StatusCode::kInvalidArgument);
+  auto fortran = ParseNpy(Npy("{'descr': '<f4', 'fortran_order': True, 'shape': (1,), }", Bytes<float>({1})));
+  EXPECT_NE(fortran.status().message().find("fortran_order"), absl::string_view::npos) << fortran.status();
+  auto f8 = ParseNpy(Npy("{'descr': '<f8', 'fortran_order': False, 'shape': (1,), }", Bytes<double>({1})));
+  EXPECT_NE(f8.status().message().find("'<f8'"), absl::string_view::npos) << f8.status();
+  auto short_data = ParseNpy(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (2, 2), }", Bytes<int64_t>({1})));
+  EXPECT_NE(short_data.status().message().find("needs 32 bytes"), absl::string_view::npos) << short_data.status();
+  EXPECT_EQ(ReadNpy("/nonexistent/ids.npy").status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace colod
