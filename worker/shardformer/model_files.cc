@@ -1,0 +1,115 @@
+#include "worker/shardformer/model_files.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "worker/colo/redistribute.h"
+
+namespace colod::shardformer {
+
+absl::StatusOr<std::unique_ptr<ModelFiles>> ModelFiles::Open(const std::string& dir) {
+  std::unique_ptr<ModelFiles> m(new ModelFiles(dir));
+  const std::string single = dir + "/model.safetensors", index = dir + "/model.safetensors.index.json";
+  std::ifstream in(index);
+  if (!in) {
+    auto f = SafetensorsFile::Open(single);
+    if (absl::IsNotFound(f.status())) {
+      return absl::NotFoundError(absl::StrCat(dir, " has neither model.safetensors nor model.safetensors.index.json"));
+    }
+    if (!f.ok()) return f.status();
+    for (const auto& [name, info] : (*f)->tensors()) m->where_[name] = "model.safetensors";
+    m->files_["model.safetensors"] = *std::move(f);
+    return m;
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(index, ": not a JSON object with a weight_map object"));
+  }
+  for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+    if (!it.value().is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(index, ": the file of ", it.key(), " is not a string"));
+    }
+    const std::string file = it.value().get<std::string>();
+    if (file.empty() || file.find('/') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(index, ": ", it.key(), " names the file '", file,
+                                                     "'; shard files must sit beside the index"));
+    }
+    if (!m->files_.count(file)) {
+      auto f = SafetensorsFile::Open(dir + "/" + file);
+      if (!f.ok()) return absl::InvalidArgumentError(absl::StrCat(index, ": ", f.status().message()));
+      m->files_[file] = *std::move(f);
+    }
+    if (!m->files_[file]->Has(it.key())) {
+      return absl::InvalidArgumentError(absl::StrCat(index, ": ", file, " has no tensor ", it.key()));
+    }
+    m->where_[it.key()] = file;
+  }
+  return m;
+}
+
+std::vector<std::string> ModelFiles::Names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, file] : where_) out.push_back(name);
+  return out;
+}
+
+absl::StatusOr<const SafetensorsFile*> ModelFiles::FileOf(const std::string& name) const {
+  auto it = where_.find(name);
+  if (it == where_.end()) return absl::NotFoundError(absl::StrCat(dir_, " has no tensor ", name));
+  return files_.at(it->second).get();
+}
+
+absl::StatusOr<TensorInfo> ModelFiles::Info(const std::string& name) const {
+  ASSIGN_OR_RETURN(const SafetensorsFile* f, FileOf(name));
+  return f->Info(name);
+}
+
+absl::StatusOr<Tensor> ModelFiles::Read(const std::string& name) const {
+  ASSIGN_OR_RETURN(const SafetensorsFile* f, FileOf(name));
+  return f->Read(name);
+}
+
+absl::StatusOr<Tensor> ModelFiles::ReadSlice(const std::string& name, const std::vector<int64_t>& starts,
+                                             const std::vector<int64_t>& lengths) const {
+  ASSIGN_OR_RETURN(const SafetensorsFile* f, FileOf(name));
+  return f->ReadSlice(name, starts, lengths);
+}
+
+absl::StatusOr<ColoTensor> ModelFiles::ReadShard(const std::string& name, const DistSpec& spec, ProcessGroup* pg,
+                                                 DType dtype, bool requires_grad) const {
+  ASSIGN_OR_RETURN(TensorInfo info, Info(name));
+  const int64_t ndim = static_cast<int64_t>(info.shape.size());
+  auto norm = NormalizeSpec(spec, pg->mesh(), ndim);
+  if (!norm.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", norm.status().message()));
+  auto divisible = CheckDivisible(*norm, info.shape);
+  if (!divisible.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", divisible.message()));
+  // This rank's block, narrowing the ranges axis by axis in mesh order (nesting).
+  std::vector<int64_t> starts(ndim, 0), lengths(info.shape.begin(), info.shape.end());
+  for (const std::string& axis : AxesInMeshOrder(*norm, pg->mesh())) {
+    const Placement p = norm->Get(axis);
+    if (p.kind == Placement::Kind::kPartial) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": a checkpoint tensor cannot load as Partial"));
+    }
+    if (p.kind != Placement::Kind::kShard) continue;
+    ASSIGN_OR_RETURN(int k, pg->LocalRank(axis));
+    const std::vector<int64_t> coords = BlockCoordinates(k, p.num_partitions);
+    for (size_t i = 0; i < p.dims.size(); ++i) {
+      const int64_t d = p.dims[i];
+      lengths[d] /= p.num_partitions[i];
+      starts[d] += coords[i] * lengths[d];
+    }
+  }
+  ASSIGN_OR_RETURN(Tensor local, ReadSlice(name, starts, lengths));
+  if (local.dtype() != dtype) {
+    ASSIGN_OR_RETURN(local, local.ToDType(dtype));
+  }
+  ASSIGN_OR_RETURN(ColoTensor t, ColoTensor::FromLocal(Variable(local, requires_grad), *norm, pg));
+  return t;
+}
+
+}  // namespace colod::shardformer

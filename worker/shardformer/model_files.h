@@ -1,0 +1,50 @@
+// A Hugging Face-style model directory's weights: `model.safetensors`, or
+// `model.safetensors.index.json` whose weight_map names the shard file of
+// every tensor. Each rank reads only its block of a tensor (ReadShard).
+//
+// Thread-safety: immutable after Open; reads may run concurrently.
+#ifndef COLOD_WORKER_SHARDFORMER_MODEL_FILES_H_
+#define COLOD_WORKER_SHARDFORMER_MODEL_FILES_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/colo/colo_tensor.h"
+#include "worker/shardformer/safetensors.h"
+
+namespace colod::shardformer {
+
+class ModelFiles {
+ public:
+  // NOT_FOUND when the directory has neither file; INVALID_ARGUMENT for a
+  // malformed index (not JSON, no weight_map, a shard file that does not
+  // exist or lacks a tensor the index names) or safetensors file.
+  static absl::StatusOr<std::unique_ptr<ModelFiles>> Open(const std::string& dir);
+
+  std::vector<std::string> Names() const;
+  bool Has(const std::string& name) const { return where_.count(name) > 0; }
+  // NOT_FOUND naming the tensor and the directory.
+  absl::StatusOr<TensorInfo> Info(const std::string& name) const;
+  absl::StatusOr<Tensor> Read(const std::string& name) const;
+  absl::StatusOr<Tensor> ReadSlice(const std::string& name, const std::vector<int64_t>& starts,
+                                   const std::vector<int64_t>& lengths) const;
+  // This rank's shard of `name` under `spec` (Replicate and Shard
+  // placements), reading only its bytes, as a ColoTensor of dtype `dtype`.
+  absl::StatusOr<ColoTensor> ReadShard(const std::string& name, const DistSpec& spec, ProcessGroup* pg,
+                                       DType dtype = DType::kF32, bool requires_grad = true) const;
+
+ private:
+  explicit ModelFiles(std::string dir) : dir_(std::move(dir)) {}
+  absl::StatusOr<const SafetensorsFile*> FileOf(const std::string& name) const;
+
+  const std::string dir_;
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;  // by file name
+  std::map<std::string, std::string> where_;                       // tensor -> file name
+};
+
+}  // namespace colod::shardformer
+
+#endif  // COLOD_WORKER_SHARDFORMER_MODEL_FILES_H_

@@ -1,0 +1,67 @@
+// Model directories (one file, or an index with shards) and per-rank shard
+// reads checked against slicing the full tensors.
+#include "worker/shardformer/model_files.h"
+
+#include <sys/stat.h>
+
+#include <fstream>
+
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/colo/testing.h"
+
+namespace colod::shardformer {
+namespace {
+
+using ::colod::testing::TempPath;
+
+std::string Dir(const std::string& name) {
+  const std::string d = TempPath(name);
+  ::mkdir(d.c_str(), 0755);
+  return d;
+}
+
+TEST(ModelFiles, ShardedDirectoryThroughItsIndex) {
+  const std::string dir = Dir("sharded");
+  const Tensor a = *Tensor::RandomNormal({8, 6}, 1), b = *Tensor::RandomNormal({6}, 2), c = *Tensor::RandomNormal({4, 2}, 3);
+  ASSERT_TRUE(WriteSafetensors(dir + "/model-00001-of-00002.safetensors", {{"a", a}, {"b", b}}).ok());
+  ASSERT_TRUE(WriteSafetensors(dir + "/model-00002-of-00002.safetensors", {{"c", c}}).ok());
+  std::ofstream(dir + "/model.safetensors.index.json")
+      << R"({"metadata":{"total_size":264},"weight_map":{"a":"model-00001-of-00002.safetensors",)"
+      << R"("b":"model-00001-of-00002.safetensors","c":"model-00002-of-00002.safetensors"}})";
+  auto m = ModelFiles::Open(dir);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->Names(), (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_EQ((*m)->Read("c")->ToFloats(), c.ToFloats());
+  EXPECT_EQ((*m)->Read("zz").status().code(), absl::StatusCode::kNotFound);
+  // Each rank of tp=2 x dp=2 reads its block of `a`: rows over tp, columns over dp.
+  ::colod::testing::RunMesh(::colod::testing::TpDpMesh(2, 2), [&](int rank, ProcessGroup& pg) {
+    DistSpec spec = DistSpec().Set("tp", Placement::Shard({0}, {2})).Set("dp", Placement::Shard({1}, {2}));
+    auto shard = (*m)->ReadShard("a", spec, &pg);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    EXPECT_EQ(shard->global_shape(), (Shape{8, 6}));
+    EXPECT_EQ(shard->local().ToFloats(), a.Narrow(0, 4 * (rank % 2), 4)->Narrow(1, 3 * (rank / 2), 3)->ToFloats());
+    EXPECT_TRUE(shard->variable().requires_grad());
+    auto odd = (*m)->ReadShard("b", DistSpec().Set("tp", Placement::Shard({0}, {4})), &pg);
+    EXPECT_EQ(odd.status().code(), absl::StatusCode::kInvalidArgument);
+  });
+}
+
+TEST(ModelFiles, SingleFileMissingDirectoryAndBrokenIndex) {
+  const std::string one = Dir("single");
+  const Tensor w = *Tensor::RandomNormal({3, 3}, 4);
+  ASSERT_TRUE(WriteSafetensors(one + "/model.safetensors", {{"w", w}}).ok());
+  auto m = ModelFiles::Open(one);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->Read("w")->ToFloats(), w.ToFloats());
+  EXPECT_EQ(ModelFiles::Open(Dir("empty")).status().code(), absl::StatusCode::kNotFound);
+  const std::string broken = Dir("broken");
+  ASSERT_TRUE(WriteSafetensors(broken + "/part.safetensors", {{"w", w}}).ok());
+  std::ofstream(broken + "/model.safetensors.index.json") << R"({"weight_map":{"v":"part.safetensors"}})";
+  auto bad = ModelFiles::Open(broken);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("has no tensor v"), absl::string_view::npos) << bad.status();
+}
+
+}  // namespace
+}  // namespace colod::shardformer
