@@ -1,0 +1,70 @@
+// config.json of each family as Hugging Face writes it, and every error.
+#include "worker/shardformer/model_config.h"
+
+#include "gtest/gtest.h"
+
+namespace colod::shardformer {
+namespace {
+
+TEST(ModelConfig, ParsesGpt2LlamaAndBert) {
+  auto gpt2 = ParseModelConfig(R"({"model_type":"gpt2","vocab_size":50257,"n_positions":1024,"n_embd":768,
+      "n_layer":12,"n_head":12,"n_inner":null,"layer_norm_epsilon":1e-05,"activation_function":"gelu_new"})");
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  EXPECT_EQ(gpt2->hidden_size, 768);
+  EXPECT_EQ(gpt2->intermediate_size, 3072);  // n_inner null: 4 * n_embd
+  EXPECT_EQ(gpt2->head_dim(), 64);
+  EXPECT_TRUE(gpt2->tie_word_embeddings);
+  auto llama = ParseModelConfig(R"({"model_type":"llama","vocab_size":32000,"hidden_size":4096,
+      "intermediate_size":11008,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,
+      "rms_norm_eps":1e-05,"rope_theta":500000.0,"tie_word_embeddings":false,"hidden_act":"silu"})");
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  EXPECT_EQ(llama->num_kv_heads, 8);
+  EXPECT_EQ(llama->rope_theta, 500000.0);
+  EXPECT_FALSE(llama->tie_word_embeddings);
+  auto bert = ParseModelConfig(R"({"model_type":"bert","vocab_size":30522,"hidden_size":768,
+      "num_hidden_layers":12,"num_attention_heads":12,"intermediate_size":3072,"type_vocab_size":2})");
+  ASSERT_TRUE(bert.ok()) << bert.status();
+  EXPECT_EQ(bert->norm_eps, 1e-12);
+}
+
+TEST(ModelConfig, ErrorsNameTheField) {
+  struct Case {
+    const char* json;
+    const char* message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"[]", "not a JSON object"},
+           {R"({"vocab_size":3})", "model_type is missing"},
+           {R"({"model_type":"t5"})", "'t5' is not one of gpt2, llama, bert"},
+           {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":2})", "n_head is missing"},
+           {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":"2","n_head":4})",
+            "n_layer must be a positive integer"},
+           {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":18,"n_layer":2,"n_head":4})",
+            "hidden size 18 is not divisible by the 4 attention heads"},
+           {R"({"model_type":"llama","vocab_size":10,"hidden_size":16,"intermediate_size":32,
+               "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":3})",
+            "not divisible by num_key_value_heads 3"},
+       }) {
+    auto r = ParseModelConfig(c.json);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.json;
+    EXPECT_NE(r.status().message().find(c.message), absl::string_view::npos) << r.status();
+  }
+}
+
+TEST(ModelConfig, ShardabilityNamesTheNumbers) {
+  auto c = ParseModelConfig(R"({"model_type":"llama","vocab_size":64,"hidden_size":64,"intermediate_size":96,
+      "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2})");
+  ASSERT_TRUE(c.ok());
+  v1::ShardConfig s;
+  s.set_tensor_parallel_size(2);
+  EXPECT_TRUE(CheckShardable(*c, s).ok());
+  s.set_tensor_parallel_size(4);  // 2 kv heads cannot split 4 ways
+  auto bad = CheckShardable(*c, s);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("2 key/value heads"), absl::string_view::npos) << bad;
+  s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);  // q = 2 divides 64, 96 and 4 heads
+  EXPECT_TRUE(CheckShardable(*c, s).ok());
+}
+
+}  // namespace
+}  // namespace colod::shardformer
