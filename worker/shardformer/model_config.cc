@@ -126,7 +126,9 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
       if (config.model_type == "bert") {
         return absl::InvalidArgumentError("the bert policy supports tensor_parallel_mode 1d only");
       }
-      auto mesh = DeviceMesh::FromShardConfig(shard);
+      v1::ShardConfig tp_only = shard;  // the data-parallel degree does not matter here
+      tp_only.set_data_parallel_size(1);
+      auto mesh = DeviceMesh::FromShardConfig(tp_only);
       if (!mesh.ok()) return mesh.status();
       auto axis = mesh->AxisSize(shard.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_3D ? "tp_weight" : "tp_row");
       if (!axis.ok()) return axis.status();
