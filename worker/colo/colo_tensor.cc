@@ -74,4 +74,12 @@ absl::Status ColoTensor::SetDistSpec(const DistSpec& target) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<ColoParameter> ColoParameter::Create(const Tensor& value, DistSpec spec, ProcessGroup* pg,
+                                                   std::string name, ComputeSpec compute) {
+  auto t = ColoTensor::FromGlobal(value, std::move(spec), pg, /*requires_grad=*/true);
+  if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", t.status().message()));
+  t->set_compute_spec(compute);
+  return ColoParameter(*std::move(t), std::move(name));
+}
+
 }  // namespace colod

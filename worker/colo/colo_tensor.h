@@ -79,6 +79,10 @@ class ColoTensor {
 class ColoParameter : public ColoTensor {
  public:
   explicit ColoParameter(ColoTensor t, std::string name = "") : ColoTensor(std::move(t)), name_(std::move(name)) {}
+  // This rank's shard of the full `value` under `spec`, requiring grad, used
+  // with `compute`. INVALID_ARGUMENT (as FromGlobal's) prefixed with `name`.
+  static absl::StatusOr<ColoParameter> Create(const Tensor& value, DistSpec spec, ProcessGroup* pg, std::string name,
+                                              ComputeSpec compute);
   const std::string& name() const { return name_; }
 
  private:

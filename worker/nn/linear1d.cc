@@ -7,13 +7,7 @@
 namespace colod::nn {
 namespace {
 
-absl::StatusOr<ColoParameter> Param(const Tensor& full, DistSpec spec, ProcessGroup* pg, const char* name,
-                                    ComputePattern pattern) {
-  auto t = ColoTensor::FromGlobal(full, std::move(spec), pg, /*requires_grad=*/true);
-  if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", t.status().message()));
-  t->set_compute_spec({pattern, true});
-  return ColoParameter(*std::move(t), name);
-}
+constexpr ComputeSpec kCompute = {ComputePattern::kTP1D, true};
 
 absl::Status CheckMatrix(const Tensor& w, const std::optional<Tensor>& b, int64_t bias_size, const char* layer) {
   if (w.dim() != 2) {
@@ -60,12 +54,12 @@ absl::StatusOr<Linear1DCol> Linear1DCol::FromGlobal(const Tensor& weight, const 
   // Unfused: [out, in] on dim 0. Fused: [n, out/n, in] on dim 1.
   const int64_t dim = n == 1 ? 0 : 1;
   ASSIGN_OR_RETURN(Tensor w_full, n == 1 ? weight : weight.Reshape({n, out / n, in}));
-  ASSIGN_OR_RETURN(ColoParameter w, Param(w_full, WithTp({}, Placement::Shard({dim}, {p})), pg, "weight",
-                                          ComputePattern::kTP1D));
+  ASSIGN_OR_RETURN(ColoParameter w,
+                   ColoParameter::Create(w_full, WithTp({}, Placement::Shard({dim}, {p})), pg, "weight", kCompute));
   std::optional<ColoParameter> b;
   if (bias.has_value()) {
     ASSIGN_OR_RETURN(Tensor b_full, n == 1 ? *bias : bias->Reshape({n, out / n}));
-    ASSIGN_OR_RETURN(b, Param(b_full, WithTp({}, Placement::Shard({dim}, {p})), pg, "bias", ComputePattern::kTP1D));
+    ASSIGN_OR_RETURN(b, ColoParameter::Create(b_full, WithTp({}, Placement::Shard({dim}, {p})), pg, "bias", kCompute));
   }
   return Linear1DCol(std::move(w), std::move(b), pg, options);
 }
@@ -122,11 +116,11 @@ absl::StatusOr<Linear1DRow> Linear1DRow::FromGlobal(const Tensor& weight, const 
                                                     ProcessGroup* pg, Options options) {
   RETURN_IF_ERROR(CheckMatrix(weight, bias, weight.dim() == 2 ? weight.shape()[0] : 0, "Linear1D_Row"));
   ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
-  ASSIGN_OR_RETURN(ColoParameter w, Param(weight, WithTp({}, Placement::Shard({1}, {p})), pg, "weight",
-                                          ComputePattern::kTP1D));
+  ASSIGN_OR_RETURN(ColoParameter w,
+                   ColoParameter::Create(weight, WithTp({}, Placement::Shard({1}, {p})), pg, "weight", kCompute));
   std::optional<ColoParameter> b;
   if (bias.has_value()) {
-    ASSIGN_OR_RETURN(b, Param(*bias, DistSpec(), pg, "bias", ComputePattern::kTP1D));
+    ASSIGN_OR_RETURN(b, ColoParameter::Create(*bias, DistSpec(), pg, "bias", kCompute));
   }
   return Linear1DRow(std::move(w), std::move(b), pg, options);
 }

@@ -20,12 +20,9 @@ absl::StatusOr<Tensor> Matrix(const Tensor& t) {
   return t.Contiguous().Reshape({last == 0 ? 0 : t.numel() / last, last});
 }
 
-absl::StatusOr<ColoParameter> Param(const Tensor& full, DistSpec spec, ProcessGroup* pg, const char* name) {
-  auto t = ColoTensor::FromGlobal(full, std::move(spec), pg, /*requires_grad=*/true);
-  if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", t.status().message()));
-  const bool depth = pg->mesh().AxisIndices("tp_dep").ok();
-  t->set_compute_spec({depth ? ComputePattern::kTP2P5D : ComputePattern::kTP2D, false});
-  return ColoParameter(*std::move(t), name);
+// 2.5D where the mesh has a depth axis.
+ComputeSpec Compute2D(ProcessGroup* pg) {
+  return {pg->mesh().AxisIndices("tp_dep").ok() ? ComputePattern::kTP2P5D : ComputePattern::kTP2D, false};
 }
 
 struct Comms2D {
@@ -130,14 +127,15 @@ absl::StatusOr<Linear2D> Linear2D::FromGlobal(const Tensor& weight, const std::o
                                                    ShapeToString(weight.shape()), " and ",
                                                    bias.has_value() ? ShapeToString(bias->shape()) : "none"));
   }
-  ASSIGN_OR_RETURN(ColoParameter w, Param(weight,
-                                          DistSpec()
-                                              .Set("tp_col", Placement::Shard({0}, {c.q}))
-                                              .Set("tp_row", Placement::Shard({1}, {c.q})),
-                                          pg, "weight"));
+  ASSIGN_OR_RETURN(
+      ColoParameter w,
+      ColoParameter::Create(
+          weight, DistSpec().Set("tp_col", Placement::Shard({0}, {c.q})).Set("tp_row", Placement::Shard({1}, {c.q})),
+          pg, "weight", Compute2D(pg)));
   std::optional<ColoParameter> b;
   if (bias.has_value()) {
-    ASSIGN_OR_RETURN(b, Param(*bias, DistSpec().Set("tp_row", Placement::Shard({0}, {c.q})), pg, "bias"));
+    ASSIGN_OR_RETURN(b, ColoParameter::Create(*bias, DistSpec().Set("tp_row", Placement::Shard({0}, {c.q})), pg, "bias",
+                                              Compute2D(pg)));
   }
   return Linear2D(std::move(w), std::move(b), pg, c.q);
 }
@@ -167,8 +165,8 @@ absl::StatusOr<LayerNorm2D> LayerNorm2D::FromGlobal(const Tensor& gamma, const T
                                                    ShapeToString(beta.shape()), " must be the same [hidden]"));
   }
   const DistSpec spec = DistSpec().Set("tp_row", Placement::Shard({0}, {c.q}));
-  ASSIGN_OR_RETURN(ColoParameter g, Param(gamma, spec, pg, "gamma"));
-  ASSIGN_OR_RETURN(ColoParameter b, Param(beta, spec, pg, "beta"));
+  ASSIGN_OR_RETURN(ColoParameter g, ColoParameter::Create(gamma, spec, pg, "gamma", Compute2D(pg)));
+  ASSIGN_OR_RETURN(ColoParameter b, ColoParameter::Create(beta, spec, pg, "beta", Compute2D(pg)));
   return LayerNorm2D(std::move(g), std::move(b), eps, pg, c.q);
 }
 

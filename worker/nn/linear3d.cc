@@ -11,7 +11,7 @@ namespace {
 
 using Grads = std::vector<std::optional<Tensor>>;
 constexpr char kR[] = "tp_output";
-
+constexpr ComputeSpec kCompute = {ComputePattern::kTP3D, false};
 
 absl::StatusOr<Tensor> Matrix(const Tensor& t) {
   const int64_t last = t.shape().back();
@@ -32,13 +32,6 @@ absl::StatusOr<Roles> GetRoles(ProcessGroup* pg, const std::string& k, const std
         "3D tensor parallelism needs a mesh with tp_output, tp_input and tp_weight axes (tensor_parallel_mode 3d)");
   }
   return Roles{*r, *kk, *cc, (*r)->size()};
-}
-
-absl::StatusOr<ColoParameter> Param(const Tensor& full, DistSpec spec, ProcessGroup* pg, const char* name) {
-  auto t = ColoTensor::FromGlobal(full, std::move(spec), pg, /*requires_grad=*/true);
-  if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", t.status().message()));
-  t->set_compute_spec({ComputePattern::kTP3D, false});
-  return ColoParameter(*std::move(t), name);
 }
 
 absl::StatusOr<ColoTensor> Into(const ColoTensor& x, const DistSpec& want) {
@@ -94,16 +87,17 @@ absl::StatusOr<Linear3D> Linear3D::FromGlobal(const Tensor& weight, const std::o
   }
   const int64_t in = weight.shape()[0], out = weight.shape()[1];
   ASSIGN_OR_RETURN(Tensor view, weight.Reshape({in, q, out / q}));
-  ASSIGN_OR_RETURN(ColoParameter w, Param(view,
-                                          DistSpec()
-                                              .Set(c, Placement::Shard({0}, {q}))
-                                              .Set(k, Placement::Shard({1}, {q}))
-                                              .Set(kR, Placement::Shard({2}, {q})),
-                                          pg, "weight"));
+  ASSIGN_OR_RETURN(ColoParameter w, ColoParameter::Create(view,
+                                                          DistSpec()
+                                                              .Set(c, Placement::Shard({0}, {q}))
+                                                              .Set(k, Placement::Shard({1}, {q}))
+                                                              .Set(kR, Placement::Shard({2}, {q})),
+                                                          pg, "weight", kCompute));
   std::optional<ColoParameter> b;
   if (bias.has_value()) {
     ASSIGN_OR_RETURN(Tensor bview, bias->Reshape({q, out / q}));
-    ASSIGN_OR_RETURN(b, Param(bview, DistSpec().Set(k, Placement::Shard({0}, {q})), pg, "bias"));
+    ASSIGN_OR_RETURN(b,
+                     ColoParameter::Create(bview, DistSpec().Set(k, Placement::Shard({0}, {q})), pg, "bias", kCompute));
   }
   return Linear3D(std::move(w), std::move(b), pg, q, k, c);
 }
@@ -133,8 +127,8 @@ absl::StatusOr<LayerNorm3D> LayerNorm3D::FromGlobal(const Tensor& gamma, const T
                                                    ShapeToString(beta.shape()), " must be the same [hidden]"));
   }
   const DistSpec spec = DistSpec().Set(c_axis, Placement::Shard({0}, {g.q}));
-  ASSIGN_OR_RETURN(ColoParameter gp, Param(gamma, spec, pg, "gamma"));
-  ASSIGN_OR_RETURN(ColoParameter bp, Param(beta, spec, pg, "beta"));
+  ASSIGN_OR_RETURN(ColoParameter gp, ColoParameter::Create(gamma, spec, pg, "gamma", kCompute));
+  ASSIGN_OR_RETURN(ColoParameter bp, ColoParameter::Create(beta, spec, pg, "beta", kCompute));
   return LayerNorm3D(std::move(gp), std::move(bp), eps, pg, g.q, k_axis, c_axis);
 }
 
