@@ -7,40 +7,9 @@
 #include "worker/nn/linear2d.h"
 
 namespace colod::nn {
-namespace {
-
-struct Groups2D {
-  Communicator *row, *col, *dep;  // dep is null on a 2D mesh
-  int q, depth;
-};
-
-absl::StatusOr<Groups2D> Get(ProcessGroup* pg) {
-  auto row = pg->Comm("tp_row");
-  auto col = pg->Comm("tp_col");
-  if (!row.ok() || !col.ok()) {
-    return absl::FailedPreconditionError("Embedding2D needs a mesh with tp_col and tp_row axes");
-  }
-  Groups2D g{*row, *col, nullptr, (*row)->size(), 1};
-  if (pg->mesh().AxisIndices("tp_dep").ok()) {
-    ASSIGN_OR_RETURN(g.dep, pg->Comm("tp_dep"));
-    g.depth = g.dep->size();
-  }
-  return g;
-}
-
-// The table, with its gradient summed over the batch blocks.
-absl::StatusOr<Variable> SharedTable(const ColoParameter& w, const Groups2D& g, absl::Duration timeout) {
-  ASSIGN_OR_RETURN(Variable t, ReduceGradient(w.variable(), g.col, timeout));
-  if (g.dep != nullptr) {
-    ASSIGN_OR_RETURN(t, ReduceGradient(t, g.dep, timeout));
-  }
-  return t;
-}
-
-}  // namespace
 
 absl::StatusOr<Embedding2D> Embedding2D::FromGlobal(const Tensor& table, ProcessGroup* pg) {
-  ASSIGN_OR_RETURN(Groups2D g, Get(pg));
+  ASSIGN_OR_RETURN(Groups2D g, GetGroups2D(pg));
   if (table.dim() != 2) {
     return absl::InvalidArgumentError(absl::StrCat("Embedding2D: the table must be [V, H], got ",
                                                    ShapeToString(table.shape())));
@@ -52,7 +21,7 @@ absl::StatusOr<Embedding2D> Embedding2D::FromGlobal(const Tensor& table, Process
 }
 
 absl::StatusOr<ColoTensor> Embedding2D::Forward(const Tensor& ids) const {
-  ASSIGN_OR_RETURN(Groups2D g, Get(pg_));
+  ASSIGN_OR_RETURN(Groups2D g, GetGroups2D(pg_));
   RETURN_IF_ERROR(CheckIds(ids, weight_.global_shape()[0]));
   if (ids.dim() < 1 || ids.shape()[0] % (g.q * g.depth) != 0) {
     return absl::InvalidArgumentError(absl::StrCat("Embedding2D: the batch of ids ", ShapeToString(ids.shape()),
@@ -65,23 +34,18 @@ absl::StatusOr<ColoTensor> Embedding2D::Forward(const Tensor& ids) const {
     ASSIGN_OR_RETURN(dep, pg_->LocalRank("tp_dep"));
   }
   ASSIGN_OR_RETURN(Tensor mine, ids.Chunk(0, g.q * g.depth, dep * g.q + i));
-  ASSIGN_OR_RETURN(Variable table, SharedTable(weight_, g, pg_->timeout()));
+  ASSIGN_OR_RETURN(Variable table, SumGradOverReplicas(weight_.variable(), g, pg_->timeout()));
   ASSIGN_OR_RETURN(Variable out, Embedding(table, mine.Contiguous()));
   return ColoTensor::FromLocal(out, Activation2D(out.value().dim(), g.q, g.depth), pg_);
 }
 
 absl::StatusOr<ColoTensor> Embedding2D::TiedLogits(const ColoTensor& h) const {
-  ASSIGN_OR_RETURN(Groups2D g, Get(pg_));
-  const int64_t ndim = static_cast<int64_t>(h.global_shape().size());
-  const DistSpec act = Activation2D(ndim, g.q, g.depth);
-  ColoTensor in = h;
-  if (!(h.spec().Get("tp_row") == act.Get("tp_row") && h.spec().Get("tp_col") == act.Get("tp_col"))) {
-    ASSIGN_OR_RETURN(in, h.Redistribute(act));
-  }
-  ASSIGN_OR_RETURN(Variable table, SharedTable(weight_, g, pg_->timeout()));
+  ASSIGN_OR_RETURN(Groups2D g, GetGroups2D(pg_));
+  ASSIGN_OR_RETURN(ColoTensor in, ToActivation2D(h, g));
+  DistSpec spec = in.spec();
+  ASSIGN_OR_RETURN(Variable table, SumGradOverReplicas(weight_.variable(), g, pg_->timeout()));
   // [.., H/q] @ [V, H/q]^T: a partial sum over the row group's hidden blocks.
   ASSIGN_OR_RETURN(Variable partial, Linear(in.variable(), table, std::nullopt));
-  DistSpec spec = act;
   spec.Set("tp_row", Placement::Partial());
   ASSIGN_OR_RETURN(ColoTensor logits, ColoTensor::FromLocal(partial, spec, pg_));
   spec.Set("tp_row", Placement::Replicate());

@@ -25,22 +25,16 @@ ComputeSpec Compute2D(ProcessGroup* pg) {
   return {pg->mesh().AxisIndices("tp_dep").ok() ? ComputePattern::kTP2P5D : ComputePattern::kTP2D, false};
 }
 
-struct Comms2D {
-  Communicator* row;  // ranks (i, *), local rank j
-  Communicator* col;  // ranks (*, j), local rank i
-  Communicator* dep;  // the depth group of 2.5D; nullptr on a 2D mesh
-  int q;
-  int depth;
-};
+}  // namespace
 
-absl::StatusOr<Comms2D> Get2D(ProcessGroup* pg) {
+absl::StatusOr<Groups2D> GetGroups2D(ProcessGroup* pg) {
   auto row = pg->Comm("tp_row");
   auto col = pg->Comm("tp_col");
   if (!row.ok() || !col.ok()) {
     return absl::FailedPreconditionError(
         "2D and 2.5D tensor parallelism need a mesh with tp_col and tp_row axes (tensor_parallel_mode 2d or 2.5d)");
   }
-  Comms2D c{*row, *col, nullptr, (*row)->size(), 1};
+  Groups2D c{*row, *col, nullptr, (*row)->size(), 1};
   if (pg->mesh().AxisIndices("tp_dep").ok()) {
     ASSIGN_OR_RETURN(c.dep, pg->Comm("tp_dep"));
     c.depth = c.dep->size();
@@ -48,8 +42,7 @@ absl::StatusOr<Comms2D> Get2D(ProcessGroup* pg) {
   return c;
 }
 
-// Brings x into the activation spec.
-absl::StatusOr<ColoTensor> As2D(const ColoTensor& x, const Comms2D& c) {
+absl::StatusOr<ColoTensor> ToActivation2D(const ColoTensor& x, const Groups2D& c) {
   const DistSpec want = Activation2D(static_cast<int64_t>(x.global_shape().size()), c.q, c.depth);
   bool same = true;
   for (const char* axis : {"tp_dep", "tp_col", "tp_row"}) same = same && x.spec().Get(axis) == want.Get(axis);
@@ -57,17 +50,13 @@ absl::StatusOr<ColoTensor> As2D(const ColoTensor& x, const Comms2D& c) {
   return x.Redistribute(want);
 }
 
-// A parameter replicated over the column (and depth) groups: each of those
-// ranks adds a term to its gradient.
-absl::StatusOr<Variable> SumGradOverReplicas(const Variable& p, const Comms2D& c, absl::Duration timeout) {
+absl::StatusOr<Variable> SumGradOverReplicas(const Variable& p, const Groups2D& c, absl::Duration timeout) {
   ASSIGN_OR_RETURN(Variable v, ReduceGradient(p, c.col, timeout));
   if (c.dep != nullptr) {
     ASSIGN_OR_RETURN(v, ReduceGradient(v, c.dep, timeout));
   }
   return v;
 }
-
-}  // namespace
 
 DistSpec Activation2D(int64_t ndim, int q, int depth) {
   DistSpec s;
@@ -121,7 +110,7 @@ absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicato
 
 absl::StatusOr<Linear2D> Linear2D::FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
                                               ProcessGroup* pg) {
-  ASSIGN_OR_RETURN(Comms2D c, Get2D(pg));
+  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg));
   if (weight.dim() != 2 || (bias.has_value() && bias->shape() != Shape{weight.shape()[1]})) {
     return absl::InvalidArgumentError(absl::StrCat("Linear2D: weight must be [in, out] and bias [out], got ",
                                                    ShapeToString(weight.shape()), " and ",
@@ -141,8 +130,8 @@ absl::StatusOr<Linear2D> Linear2D::FromGlobal(const Tensor& weight, const std::o
 }
 
 absl::StatusOr<ColoTensor> Linear2D::Forward(const ColoTensor& x) const {
-  ASSIGN_OR_RETURN(Comms2D c, Get2D(pg_));
-  ASSIGN_OR_RETURN(ColoTensor in, As2D(x, c));
+  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg_));
+  ASSIGN_OR_RETURN(ColoTensor in, ToActivation2D(x, c));
   // 2.5D: the weight is replicated over depth, so its gradient sums the layers'.
   Variable w = weight_.variable();
   if (c.dep != nullptr) {
@@ -159,7 +148,7 @@ absl::StatusOr<ColoTensor> Linear2D::Forward(const ColoTensor& x) const {
 
 absl::StatusOr<LayerNorm2D> LayerNorm2D::FromGlobal(const Tensor& gamma, const Tensor& beta, float eps,
                                                     ProcessGroup* pg) {
-  ASSIGN_OR_RETURN(Comms2D c, Get2D(pg));
+  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg));
   if (gamma.dim() != 1 || gamma.shape() != beta.shape()) {
     return absl::InvalidArgumentError(absl::StrCat("LayerNorm2D: gamma ", ShapeToString(gamma.shape()), " and beta ",
                                                    ShapeToString(beta.shape()), " must be the same [hidden]"));
@@ -171,8 +160,8 @@ absl::StatusOr<LayerNorm2D> LayerNorm2D::FromGlobal(const Tensor& gamma, const T
 }
 
 absl::StatusOr<ColoTensor> LayerNorm2D::Forward(const ColoTensor& x) const {
-  ASSIGN_OR_RETURN(Comms2D c, Get2D(pg_));
-  ASSIGN_OR_RETURN(ColoTensor in, As2D(x, c));
+  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg_));
+  ASSIGN_OR_RETURN(ColoTensor in, ToActivation2D(x, c));
   // Hidden split along the row group; gamma and beta replicated over tp_col (and depth).
   std::vector<Communicator*> replicas = {c.col};
   if (c.dep != nullptr) replicas.push_back(c.dep);

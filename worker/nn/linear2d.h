@@ -85,6 +85,22 @@ class LayerNorm2D {
 absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicator* row, Communicator* col,
                                absl::Duration timeout);
 
+// This rank's 2D (or 2.5D) groups.
+struct Groups2D {
+  Communicator* row;  // ranks (i, *), local rank j
+  Communicator* col;  // ranks (*, j), local rank i
+  Communicator* dep;  // the depth group of 2.5D; nullptr on a 2D mesh
+  int q;
+  int depth;
+};
+// FAILED_PRECONDITION on a mesh without tp_col and tp_row axes.
+absl::StatusOr<Groups2D> GetGroups2D(ProcessGroup* pg);
+// `x` in the activation spec (redistributed if it is not).
+absl::StatusOr<ColoTensor> ToActivation2D(const ColoTensor& x, const Groups2D& g);
+// `p` for a parameter replicated over the column (and depth) groups: its
+// gradient is all-reduced over them, since each of those ranks adds a term.
+absl::StatusOr<Variable> SumGradOverReplicas(const Variable& p, const Groups2D& g, absl::Duration timeout);
+
 // The 2.5D layers are the 2D ones on a mesh with a tp_dep axis.
 using Linear2p5D = Linear2D;
 using LayerNorm2p5D = LayerNorm2D;
