@@ -11,13 +11,12 @@ namespace {
 
 using Grads = std::vector<std::optional<Tensor>>;
 
-// t as a matrix [rows, last dim].
+}  // namespace
+
 absl::StatusOr<Tensor> Rows(const Tensor& t) {
   const int64_t last = t.shape().back();
   return t.Reshape({last == 0 ? 0 : t.numel() / last, last});
 }
-
-}  // namespace
 
 absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b) {
   ASSIGN_OR_RETURN(Tensor y, kernels::MatMul(x.value(), w.value(), false, /*trans_b=*/true));
@@ -221,7 +220,7 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
                                                    " and beta must be [", xv.dim() ? xv.shape().back() : 0,
                                                    "] for the local input ", ShapeToString(xv.shape())));
   }
-  ASSIGN_OR_RETURN(Tensor xm, Rows(xv.Contiguous()));
+  ASSIGN_OR_RETURN(Tensor xm, Rows(xv));
   ASSIGN_OR_RETURN(xm, xm.ToDType(DType::kF32));
   const int64_t rows = xm.shape()[0], hl = xm.shape()[1], h = hl * hidden->size();
   Communicator* row = hidden;
@@ -267,7 +266,7 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
       [xhat, rstd, g32, rows, hl, h, row, replicas, timeout, x_shape, dtype,
        dev](const Tensor& dy_full) -> absl::StatusOr<Grads> {
         ASSIGN_OR_RETURN(Tensor dy_host, dy_full.To(Device::Cpu()));
-        ASSIGN_OR_RETURN(Tensor dy, Rows(dy_host.Contiguous()));
+        ASSIGN_OR_RETURN(Tensor dy, Rows(dy_host));
         ASSIGN_OR_RETURN(dy, dy.ToDType(DType::kF32));
         const float* pd = dy.data<float>();
         const float* xh = xhat.data<float>();

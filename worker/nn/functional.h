@@ -17,6 +17,10 @@
 
 namespace colod::nn {
 
+// `t` as a contiguous matrix [rows, last dim] (leading dims flattened; a
+// view when `t` is contiguous).
+absl::StatusOr<Tensor> Rows(const Tensor& t);
+
 // y = x @ w^T (+ b), torch.nn.Linear's layout: x [..., in], w [out, in],
 // b [out]. Backward: dx = dy @ w, dw = dy^T @ x over all rows, db = sum dy.
 absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b);

@@ -14,12 +14,6 @@ namespace {
 using Grads = std::vector<std::optional<Tensor>>;
 
 
-// t as a contiguous matrix [rows, last dim].
-absl::StatusOr<Tensor> Matrix(const Tensor& t) {
-  const int64_t last = t.shape().back();
-  return t.Contiguous().Reshape({last == 0 ? 0 : t.numel() / last, last});
-}
-
 // 2.5D where the mesh has a depth axis.
 ComputeSpec Compute2D(ProcessGroup* pg) {
   return {pg->mesh().AxisIndices("tp_dep").ok() ? ComputePattern::kTP2P5D : ComputePattern::kTP2D, false};
@@ -67,7 +61,7 @@ DistSpec Activation2D(int64_t ndim, int q, int depth) {
 absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicator* row, Communicator* col,
                                absl::Duration timeout) {
   const int q = row->size();
-  ASSIGN_OR_RETURN(Tensor xm, Matrix(x.value()));
+  ASSIGN_OR_RETURN(Tensor xm, Rows(x.value()));
   const Tensor am = a.value().Contiguous();
   if (am.dim() != 2 || xm.shape()[1] != am.shape()[0]) {
     return absl::InvalidArgumentError(absl::StrCat("SUMMA: blocks ", ShapeToString(x.value().shape()), " and ",
@@ -88,7 +82,7 @@ absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicato
   ASSIGN_OR_RETURN(y, y.ToDType(x.value().dtype()));
   return RecordOp("summa", {x, a}, std::move(y),
                   [xm, am, row, col, q, timeout](const Tensor& dy_full) -> absl::StatusOr<Grads> {
-                    ASSIGN_OR_RETURN(Tensor dy, Matrix(dy_full));
+                    ASSIGN_OR_RETURN(Tensor dy, Rows(dy_full));
                     std::vector<Tensor> dx_parts, da_parts;
                     for (int t = 0; t < q; ++t) {
                       // dX_it gets dY_ij A_tj^T from every j; dA_tj gets X_it^T dY_ij from every i.

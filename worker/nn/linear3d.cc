@@ -13,11 +13,6 @@ using Grads = std::vector<std::optional<Tensor>>;
 constexpr char kR[] = "tp_output";
 constexpr ComputeSpec kCompute = {ComputePattern::kTP3D, false};
 
-absl::StatusOr<Tensor> Matrix(const Tensor& t) {
-  const int64_t last = t.shape().back();
-  return t.Contiguous().Reshape({last == 0 ? 0 : t.numel() / last, last});
-}
-
 struct Roles {
   Communicator *r, *k, *c;
   int q;
@@ -44,7 +39,7 @@ absl::StatusOr<ColoTensor> Into(const ColoTensor& x, const DistSpec& want) {
 // The 3D product on this rank's blocks: x [.., rows/q^2, in/q] and
 // a [in/q, out/q^2] -> y [.., rows/q^2, out/q], on the tape.
 absl::StatusOr<Variable> Matmul3D(const Variable& x, const Variable& a, const Roles& g, absl::Duration timeout) {
-  ASSIGN_OR_RETURN(Tensor xm, Matrix(x.value()));
+  ASSIGN_OR_RETURN(Tensor xm, Rows(x.value()));
   const Tensor am = a.value().Contiguous();
   ASSIGN_OR_RETURN(Tensor xg, AllGatherDim(xm, 0, *g.k, timeout));  // X_RC
   ASSIGN_OR_RETURN(Tensor ag, AllGatherDim(am, 1, *g.r, timeout));  // A_CK
@@ -56,7 +51,7 @@ absl::StatusOr<Variable> Matmul3D(const Variable& x, const Variable& a, const Ro
   const Shape x_shape = x.value().shape();
   return RecordOp("matmul_3d", {x, a}, std::move(y),
                   [xg, ag, g, timeout, x_shape](const Tensor& dy_full) -> absl::StatusOr<Grads> {
-                    ASSIGN_OR_RETURN(Tensor dy, Matrix(dy_full));
+                    ASSIGN_OR_RETURN(Tensor dy, Rows(dy_full));
                     ASSIGN_OR_RETURN(Tensor dyg, AllGatherDim(dy, 0, *g.c, timeout));  // dY_RK
                     ASSIGN_OR_RETURN(Tensor dxg, kernels::MatMul(dyg, ag, false, true));
                     ASSIGN_OR_RETURN(Tensor dx, ReduceScatterDim(dxg, 0, *g.k, timeout));
