@@ -545,7 +545,6 @@ absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t
   const int64_t rows = table.shape()[0], h = table.shape()[1];
   Shape shape = ids.shape();
   shape.push_back(h);
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros(shape, DType::kF32, dev));
   if (!mask_out_of_range) {
     for (size_t i = 0; i < idv.size(); ++i) {
       if (idv[i] < row_offset || idv[i] >= row_offset + rows) {
@@ -555,6 +554,7 @@ absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t
       }
     }
   }
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros(shape, DType::kF32, dev));
   if (dev.is_cuda()) {
     RETURN_IF_ERROR(SameDevice("embedding", dev, {&ids}));
     ASSIGN_OR_RETURN(Tensor id64, ids.ToDType(DType::kI64));
@@ -564,12 +564,7 @@ absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t
   }
   for (size_t i = 0; i < idv.size(); ++i) {
     const int64_t local = idv[i] - row_offset;
-    if (local < 0 || local >= rows) {
-      if (mask_out_of_range) continue;
-      return absl::InvalidArgumentError(absl::StrCat("embedding: id ", idv[i], " at position ", i,
-                                                     " is outside the vocabulary [", row_offset, ", ",
-                                                     row_offset + rows, ")"));
-    }
+    if (local < 0 || local >= rows) continue;  // masked: another shard's row
     std::copy(ft.data<float>() + local * h, ft.data<float>() + (local + 1) * h, out.data<float>() + i * h);
   }
   return Back(out, table.dtype());

@@ -68,7 +68,9 @@ absl::Status AllReduceValues(std::vector<float>& values, ReduceOp op, Communicat
 }
 
 absl::StatusOr<Tensor> BroadcastFrom(const Tensor& t, int root, Communicator& comm, absl::Duration timeout) {
-  Tensor buf = t.Clone();
+  // The root sends a copy of its data; elsewhere `t` only gives the shape.
+  ASSIGN_OR_RETURN(Tensor buf,
+                   comm.rank() == root ? t.Clone() : Tensor::Empty(t.shape(), t.dtype(), t.device()));
   RETURN_IF_ERROR(comm.Broadcast(buf.raw_data(), buf.numel(), buf.dtype(), root)->Wait(timeout));
   return buf;
 }
