@@ -1,5 +1,6 @@
 #include "worker/colo/testing.h"
 
+#include <cmath>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -42,6 +43,14 @@ InstrumentedCommunicator::OpStats Stats(ProcessGroup& pg, const std::string& axi
   auto* inst = comm.ok() ? dynamic_cast<InstrumentedCommunicator*>(*comm) : nullptr;
   EXPECT_NE(inst, nullptr) << "RunMesh(..., instrument = true) makes instrumented communicators";
   return inst == nullptr ? InstrumentedCommunicator::OpStats() : inst->Stats(op);
+}
+
+void ExpectAllClose(const Tensor& got, const Tensor& want, const std::string& what, double tol) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const std::vector<float> g = got.ToFloats(), w = want.ToFloats();
+  for (size_t i = 0; i < g.size(); ++i) {
+    ASSERT_NEAR(g[i], w[i], tol + tol * std::fabs(w[i])) << what << " at " << i;
+  }
 }
 
 DeviceMesh TpDpMesh(int tp, int dp) {

@@ -7,6 +7,7 @@
 #include "worker/colo/mesh.h"
 #include "worker/colo/process_group.h"
 #include "worker/comm/instrumented_communicator.h"
+#include "worker/tensor/tensor.h"
 
 namespace colod::testing {
 
@@ -19,6 +20,10 @@ void RunMesh(const DeviceMesh& mesh, const std::function<void(int rank, ProcessG
 // The collective counts of this rank's group along `axis` (RunMesh with
 // instrument = true).
 InstrumentedCommunicator::OpStats Stats(ProcessGroup& pg, const std::string& axis, const std::string& op);
+
+// Element by element, |got - want| <= tol + tol * |want| (and equal shapes),
+// reporting `what` and the first index that is not.
+void ExpectAllClose(const Tensor& got, const Tensor& want, const std::string& what, double tol);
 
 // The mesh of tp x dp in 1D mode.
 DeviceMesh TpDpMesh(int tp, int dp = 1);

@@ -15,6 +15,11 @@ namespace {
 
 using ::colod::testing::RunMesh;
 using ::colod::testing::Stats;
+using ::colod::testing::ExpectAllClose;
+
+// DESIGN.md section 7 allows rtol/atol 1e-5 for 1D and 1e-3/1e-2 for the SUMMA
+// family; these sums are short enough to hold the tighter bound.
+constexpr double kTol = 1e-4;
 
 // q x q (2D), or d x q x q (2.5D) when depth > 1.
 DeviceMesh Mesh2D(int q, int depth = 1) {
@@ -24,14 +29,6 @@ DeviceMesh Mesh2D(int q, int depth = 1) {
   s.set_tensor_parallel_mode(depth > 1 ? v1::TENSOR_PARALLEL_MODE_2P5D : v1::TENSOR_PARALLEL_MODE_2D);
   if (depth > 1) s.set_depth(depth);
   return *DeviceMesh::FromShardConfig(s);
-}
-
-// DESIGN.md section 7: rtol 1e-3, atol 1e-2 for the SUMMA family; these
-// sums are short enough to hold 1e-4.
-void ExpectClose(const Tensor& got, const Tensor& want, const std::string& what) {
-  ASSERT_EQ(got.shape(), want.shape()) << what;
-  const std::vector<float> g = got.ToFloats(), w = want.ToFloats();
-  for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], w[i], 1e-4 + 1e-4 * std::fabs(w[i])) << what << " at " << i;
 }
 
 Tensor T(const Tensor& m) { return m.Transpose(0, 1)->Contiguous(); }
@@ -92,19 +89,19 @@ TEST_P(Mlp2D, ReferenceMlpShapesAndValues) {
         auto o2 = l2->Forward(*act);
         ASSERT_TRUE(o2.ok()) << o2.status();
         EXPECT_EQ(o2->local().shape(), (Shape{rows, 128}));
-        ExpectClose(o2->local(), act_block(y.value()), "output block");
+        ExpectAllClose(o2->local(), act_block(y.value()), "output block", kTol);
         // SUMMA: q broadcasts of X along the row and q of A along the column, per layer.
         EXPECT_EQ(Stats(pg, "tp_row", "broadcast").calls, 2 * q);
         EXPECT_EQ(Stats(pg, "tp_col", "broadcast").calls, 2 * q);
 
         ASSERT_TRUE(Backward(*Sum(*Mul(o2->variable(), Variable(act_block(r))))).ok());
-        ExpectClose(*in->variable().grad(), act_block(*vx.grad()), "input gradient");
-        ExpectClose(*l1->weight().variable().grad(), Block(da1, q, i, j), "A1 gradient");
-        ExpectClose(*l2->weight().variable().grad(), Block(da2, q, i, j), "A2 gradient");
-        ExpectClose(*l1->bias()->variable().grad(), *vb1.grad()->Chunk(0, q, j), "b1 gradient");
-        ExpectClose(*l2->bias()->variable().grad(), *vb2.grad()->Chunk(0, q, j), "b2 gradient");
-        ExpectClose(*norm->gamma().variable().grad(), *vg.grad()->Chunk(0, q, j), "gamma gradient");
-        ExpectClose(*norm->beta().variable().grad(), *vb.grad()->Chunk(0, q, j), "beta gradient");
+        ExpectAllClose(*in->variable().grad(), act_block(*vx.grad()), "input gradient", kTol);
+        ExpectAllClose(*l1->weight().variable().grad(), Block(da1, q, i, j), "A1 gradient", kTol);
+        ExpectAllClose(*l2->weight().variable().grad(), Block(da2, q, i, j), "A2 gradient", kTol);
+        ExpectAllClose(*l1->bias()->variable().grad(), *vb1.grad()->Chunk(0, q, j), "b1 gradient", kTol);
+        ExpectAllClose(*l2->bias()->variable().grad(), *vb2.grad()->Chunk(0, q, j), "b2 gradient", kTol);
+        ExpectAllClose(*norm->gamma().variable().grad(), *vg.grad()->Chunk(0, q, j), "gamma gradient", kTol);
+        ExpectAllClose(*norm->beta().variable().grad(), *vb.grad()->Chunk(0, q, j), "beta gradient", kTol);
       },
       /*instrument=*/true);
 }
