@@ -82,4 +82,40 @@ absl::StatusOr<ColoParameter> ColoParameter::Create(const Tensor& value, DistSpe
   return ColoParameter(*std::move(t), std::move(name));
 }
 
+absl::StatusOr<Block> LocalBlock(const DistSpec& spec, const Shape& global, ProcessGroup* pg) {
+  const int64_t ndim = static_cast<int64_t>(global.size());
+  ASSIGN_OR_RETURN(DistSpec norm, NormalizeSpec(spec, pg->mesh(), ndim));
+  RETURN_IF_ERROR(CheckDivisible(norm, global));
+  Block b{std::vector<int64_t>(ndim, 0), std::vector<int64_t>(global.begin(), global.end())};
+  for (const std::string& axis : AxesInMeshOrder(norm, pg->mesh())) {
+    const Placement p = norm.Get(axis);
+    if (p.kind == Placement::Kind::kPartial) {
+      return absl::InvalidArgumentError(absl::StrCat("a Partial placement (axis ", axis, ") has no block"));
+    }
+    if (p.kind != Placement::Kind::kShard) continue;
+    ASSIGN_OR_RETURN(int k, pg->LocalRank(axis));
+    const std::vector<int64_t> coords = BlockCoordinates(k, p.num_partitions);
+    for (size_t i = 0; i < p.dims.size(); ++i) {
+      const int64_t d = p.dims[i];
+      b.lengths[d] /= p.num_partitions[i];
+      b.starts[d] += coords[i] * b.lengths[d];
+    }
+  }
+  return b;
+}
+
+absl::Status CheckSpec(const ColoTensor& t, const DistSpec& want, const std::string& what) {
+  auto norm = NormalizeSpec(want, t.process_group()->mesh(), static_cast<int64_t>(t.global_shape().size()));
+  if (!norm.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", norm.status().message()));
+  bool same = true;
+  for (const DistSpec* spec : {static_cast<const DistSpec*>(&*norm), &t.spec()}) {
+    for (const auto& [axis, p] : spec->placements()) same = same && norm->Get(axis) == t.spec().Get(axis);
+  }
+  if (!same) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " must be ", norm->ToString(), ", got ", t.spec().ToString()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace colod

@@ -89,6 +89,20 @@ class ColoParameter : public ColoTensor {
   std::string name_;
 };
 
+// This rank's block of a tensor of shape `global` under `spec`: the start
+// and length along each dim (nested shards narrow axis by axis in mesh
+// order). INVALID_ARGUMENT for a spec that does not fit the mesh or shape,
+// or that holds Partial.
+struct Block {
+  std::vector<int64_t> starts;
+  std::vector<int64_t> lengths;
+};
+absl::StatusOr<Block> LocalBlock(const DistSpec& spec, const Shape& global, ProcessGroup* pg);
+
+// OK when `t`'s spec is `want` (normalized on t's mesh and rank);
+// INVALID_ARGUMENT naming `what` and both specs otherwise.
+absl::Status CheckSpec(const ColoTensor& t, const DistSpec& want, const std::string& what);
+
 }  // namespace colod
 
 #endif  // COLOD_WORKER_COLO_COLO_TENSOR_H_

@@ -27,19 +27,46 @@ absl::StatusOr<VocabParallelEmbedding1D> VocabParallelEmbedding1D::FromGlobal(co
     return absl::InvalidArgumentError(absl::StrCat("VocabParallelEmbedding1D: the table must be [V, H], got ",
                                                    ShapeToString(table.shape())));
   }
+  const int64_t v = table.shape()[0];
+  ASSIGN_OR_RETURN(const int64_t vp, PaddedVocab(v, pg, options));
+  ASSIGN_OR_RETURN(Tensor padded, Tensor::Zeros({vp, table.shape()[1]}, table.dtype(), table.device()));
+  ASSIGN_OR_RETURN(Tensor top, padded.Narrow(0, 0, v));
+  RETURN_IF_ERROR(top.CopyFrom(table));
+  ASSIGN_OR_RETURN(DistSpec spec, Spec(pg));
+  ASSIGN_OR_RETURN(ColoTensor w, ColoTensor::FromGlobal(padded, spec, pg, true));
+  return FromParameters(ColoParameter(std::move(w), "weight"), v, pg, options);
+}
+
+absl::StatusOr<int64_t> VocabParallelEmbedding1D::PaddedVocab(int64_t vocab_size, ProcessGroup* pg,
+                                                              const Options& options) {
   if (options.pad_to_multiple_of < 1) {
     return absl::InvalidArgumentError("VocabParallelEmbedding1D: pad_to_multiple_of must be >= 1");
   }
   ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
-  const int64_t v = table.shape()[0], multiple = options.pad_to_multiple_of * p;
-  const int64_t vp = (v + multiple - 1) / multiple * multiple;
-  ASSIGN_OR_RETURN(Tensor padded, Tensor::Zeros({vp, table.shape()[1]}, table.dtype(), table.device()));
-  ASSIGN_OR_RETURN(Tensor top, padded.Narrow(0, 0, v));
-  RETURN_IF_ERROR(top.CopyFrom(table));
-  ASSIGN_OR_RETURN(ColoTensor w, ColoTensor::FromGlobal(padded, WithTp({}, Placement::Shard({0}, {p})), pg, true));
-  w.set_compute_spec({ComputePattern::kTP1D, true});
+  const int64_t multiple = options.pad_to_multiple_of * p;
+  return (vocab_size + multiple - 1) / multiple * multiple;
+}
+
+absl::StatusOr<DistSpec> VocabParallelEmbedding1D::Spec(ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
+  return WithTp({}, Placement::Shard({0}, {p}));
+}
+
+absl::StatusOr<VocabParallelEmbedding1D> VocabParallelEmbedding1D::FromParameters(ColoParameter table,
+                                                                                  int64_t vocab_size,
+                                                                                  ProcessGroup* pg, Options options) {
+  ASSIGN_OR_RETURN(const int64_t vp, PaddedVocab(vocab_size, pg, options));
+  if (table.global_shape().size() != 2 || table.global_shape()[0] != vp) {
+    return absl::InvalidArgumentError(absl::StrCat("VocabParallelEmbedding1D: the table must be [", vp,
+                                                   ", H] (vocabulary ", vocab_size, " padded), got ",
+                                                   ShapeToString(table.global_shape())));
+  }
+  ASSIGN_OR_RETURN(DistSpec spec, Spec(pg));
+  RETURN_IF_ERROR(CheckSpec(table, spec, "VocabParallelEmbedding1D table"));
+  table.set_compute_spec({ComputePattern::kTP1D, true});
+  ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
   ASSIGN_OR_RETURN(int k, pg->tp_local_rank());
-  return VocabParallelEmbedding1D(ColoParameter(std::move(w), "weight"), pg, v, vp, k * (vp / p));
+  return VocabParallelEmbedding1D(std::move(table), pg, vocab_size, vp, k * (vp / p));
 }
 
 absl::StatusOr<ColoTensor> VocabParallelEmbedding1D::Forward(const Tensor& ids) const {

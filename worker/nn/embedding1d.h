@@ -27,6 +27,14 @@ class VocabParallelEmbedding1D {
   };
   // `table` is the full [V, H] embedding.
   static absl::StatusOr<VocabParallelEmbedding1D> FromGlobal(const Tensor& table, ProcessGroup* pg, Options options);
+  // V_pad for a vocabulary of `vocab_size` on `pg`'s tp axis.
+  static absl::StatusOr<int64_t> PaddedVocab(int64_t vocab_size, ProcessGroup* pg, const Options& options);
+  // The table's spec: [V_pad, H] tp: S(0).
+  static absl::StatusOr<DistSpec> Spec(ProcessGroup* pg);
+  // From this rank's rows of the padded table [V_pad, H] (rows from
+  // `vocab_size` on must be zero); INVALID_ARGUMENT for another shape or spec.
+  static absl::StatusOr<VocabParallelEmbedding1D> FromParameters(ColoParameter table, int64_t vocab_size,
+                                                                 ProcessGroup* pg, Options options);
   absl::StatusOr<ColoTensor> Forward(const Tensor& ids) const;
 
   const ColoParameter& weight() const { return weight_; }

@@ -9,15 +9,31 @@
 namespace colod::nn {
 
 absl::StatusOr<Embedding2D> Embedding2D::FromGlobal(const Tensor& table, ProcessGroup* pg) {
-  ASSIGN_OR_RETURN(Groups2D g, GetGroups2D(pg));
   if (table.dim() != 2) {
     return absl::InvalidArgumentError(absl::StrCat("Embedding2D: the table must be [V, H], got ",
                                                    ShapeToString(table.shape())));
   }
-  auto w = ColoTensor::FromGlobal(table, DistSpec().Set("tp_row", Placement::Shard({1}, {g.q})), pg, true);
+  ASSIGN_OR_RETURN(const DistSpec spec, Spec(pg));
+  auto w = ColoTensor::FromGlobal(table, spec, pg, true);
   if (!w.ok()) return absl::InvalidArgumentError(absl::StrCat("Embedding2D weight: ", w.status().message()));
-  w->set_compute_spec({g.depth > 1 ? ComputePattern::kTP2P5D : ComputePattern::kTP2D, false});
-  return Embedding2D(ColoParameter(*std::move(w), "weight"), pg);
+  return FromParameters(ColoParameter(*std::move(w), "weight"), pg);
+}
+
+absl::StatusOr<DistSpec> Embedding2D::Spec(ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(Groups2D g, GetGroups2D(pg));
+  return DistSpec().Set("tp_row", Placement::Shard({1}, {g.q}));
+}
+
+absl::StatusOr<Embedding2D> Embedding2D::FromParameters(ColoParameter table, ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(Groups2D g, GetGroups2D(pg));
+  if (table.global_shape().size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("Embedding2D: the table must be [V, H], got ",
+                                                   ShapeToString(table.global_shape())));
+  }
+  ASSIGN_OR_RETURN(const DistSpec spec, Spec(pg));
+  RETURN_IF_ERROR(CheckSpec(table, spec, "Embedding2D table"));
+  table.set_compute_spec({g.depth > 1 ? ComputePattern::kTP2P5D : ComputePattern::kTP2D, false});
+  return Embedding2D(std::move(table), pg);
 }
 
 absl::StatusOr<ColoTensor> Embedding2D::Forward(const Tensor& ids) const {

@@ -22,6 +22,9 @@ namespace colod::nn {
 class Embedding2D {
  public:
   static absl::StatusOr<Embedding2D> FromGlobal(const Tensor& table, ProcessGroup* pg);
+  // The table's spec: [V, H] {tp_row: S(1)}.
+  static absl::StatusOr<DistSpec> Spec(ProcessGroup* pg);
+  static absl::StatusOr<Embedding2D> FromParameters(ColoParameter table, ProcessGroup* pg);
   // `ids` is the full [B, S] (every rank passes the same); INVALID_ARGUMENT
   // for an id outside the vocabulary, before any collective.
   absl::StatusOr<ColoTensor> Forward(const Tensor& ids) const;

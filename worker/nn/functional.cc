@@ -50,6 +50,44 @@ absl::StatusOr<Variable> Reshape(const Variable& x, const Shape& shape) {
   });
 }
 
+absl::StatusOr<Variable> Narrow(const Variable& x, int64_t dim, int64_t start, int64_t length) {
+  const Tensor xv = x.value();
+  if (dim < 0) dim += xv.dim();
+  ASSIGN_OR_RETURN(Tensor view, xv.Narrow(dim, start, length));
+  const Shape shape = xv.shape();
+  const DType dtype = xv.dtype();
+  const Device device = xv.device();
+  return RecordOp("narrow", {x}, view.Contiguous(),
+                  [shape, dtype, device, dim, start, length](const Tensor& dy) -> absl::StatusOr<Grads> {
+                    ASSIGN_OR_RETURN(Tensor dx, Tensor::Zeros(shape, dtype, device));
+                    ASSIGN_OR_RETURN(Tensor place, dx.Narrow(dim, start, length));
+                    RETURN_IF_ERROR(place.CopyFrom(dy));
+                    return Grads{dx};
+                  });
+}
+
+absl::StatusOr<Variable> Cat(const std::vector<Variable>& parts, int64_t dim) {
+  if (parts.empty()) return absl::InvalidArgumentError("Cat of no tensors");
+  std::vector<Tensor> values;
+  std::vector<int64_t> sizes;
+  if (dim < 0) dim += parts[0].value().dim();
+  for (const Variable& p : parts) {
+    values.push_back(p.value());
+    sizes.push_back(p.value().dim() > dim ? p.value().shape()[dim] : 0);
+  }
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Cat(values, dim));
+  return RecordOp("cat", parts, std::move(y), [sizes, dim](const Tensor& dy) -> absl::StatusOr<Grads> {
+    Grads g;
+    int64_t start = 0;
+    for (int64_t s : sizes) {
+      ASSIGN_OR_RETURN(Tensor piece, dy.Narrow(dim, start, s));
+      g.push_back(piece.Contiguous());
+      start += s;
+    }
+    return g;
+  });
+}
+
 absl::StatusOr<Variable> BiasAdd(const Variable& x, const Variable& b) {
   ASSIGN_OR_RETURN(Tensor y, kernels::BiasAdd(x.value(), b.value()));
   return RecordOp("bias_add", {x, b}, std::move(y), [](const Tensor& dy) -> absl::StatusOr<Grads> {

@@ -26,6 +26,11 @@ absl::StatusOr<Tensor> Rows(const Tensor& t);
 absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b);
 // The same elements in a new shape (a view when x is contiguous).
 absl::StatusOr<Variable> Reshape(const Variable& x, const Shape& shape);
+// x[.., start:start+length, ..] along `dim` (a copy); the backward puts
+// the gradient back in place, zeros elsewhere.
+absl::StatusOr<Variable> Narrow(const Variable& x, int64_t dim, int64_t start, int64_t length);
+// Concatenation along `dim`; the backward narrows the gradient.
+absl::StatusOr<Variable> Cat(const std::vector<Variable>& parts, int64_t dim);
 // x + b over the last dim.
 absl::StatusOr<Variable> BiasAdd(const Variable& x, const Variable& b);
 absl::StatusOr<Variable> Gelu(const Variable& x, kernels::GeluApprox approx);

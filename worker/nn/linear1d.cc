@@ -42,6 +42,13 @@ absl::StatusOr<Tensor> Conv1DToLinear(const Tensor& conv1d_weight) {
   return t.Contiguous();
 }
 
+absl::StatusOr<ParamSpecs> Linear1DCol::Specs(ProcessGroup* pg, const Options& options) {
+  ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
+  // Unfused: [out, in] on dim 0. Fused: [n, out/n, in] on dim 1.
+  const DistSpec spec = WithTp({}, Placement::Shard({options.fused == 1 ? 0 : 1}, {p}));
+  return ParamSpecs{spec, spec};
+}
+
 absl::StatusOr<Linear1DCol> Linear1DCol::FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
                                                     ProcessGroup* pg, Options options) {
   RETURN_IF_ERROR(CheckMatrix(weight, bias, weight.dim() == 2 ? weight.shape()[0] : 0, "Linear1D_Col"));
@@ -50,18 +57,37 @@ absl::StatusOr<Linear1DCol> Linear1DCol::FromGlobal(const Tensor& weight, const 
     return absl::InvalidArgumentError(
         absl::StrCat("Linear1D_Col: ", out, " outputs cannot be split into fused = ", n, " projections"));
   }
-  ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
-  // Unfused: [out, in] on dim 0. Fused: [n, out/n, in] on dim 1.
-  const int64_t dim = n == 1 ? 0 : 1;
+  ASSIGN_OR_RETURN(ParamSpecs specs, Specs(pg, options));
   ASSIGN_OR_RETURN(Tensor w_full, n == 1 ? weight : weight.Reshape({n, out / n, in}));
-  ASSIGN_OR_RETURN(ColoParameter w,
-                   ColoParameter::Create(w_full, WithTp({}, Placement::Shard({dim}, {p})), pg, "weight", kCompute));
+  ASSIGN_OR_RETURN(ColoParameter w, ColoParameter::Create(w_full, specs.weight, pg, "weight", kCompute));
   std::optional<ColoParameter> b;
   if (bias.has_value()) {
     ASSIGN_OR_RETURN(Tensor b_full, n == 1 ? *bias : bias->Reshape({n, out / n}));
-    ASSIGN_OR_RETURN(b, ColoParameter::Create(b_full, WithTp({}, Placement::Shard({dim}, {p})), pg, "bias", kCompute));
+    ASSIGN_OR_RETURN(b, ColoParameter::Create(b_full, specs.bias, pg, "bias", kCompute));
   }
   return Linear1DCol(std::move(w), std::move(b), pg, options);
+}
+
+absl::StatusOr<Linear1DCol> Linear1DCol::FromParameters(ColoParameter weight, std::optional<ColoParameter> bias,
+                                                        ProcessGroup* pg, Options options) {
+  ASSIGN_OR_RETURN(ParamSpecs specs, Specs(pg, options));
+  const size_t w_dims = options.fused == 1 ? 2 : 3;
+  if (weight.global_shape().size() != w_dims ||
+      (options.fused > 1 && weight.global_shape()[0] != options.fused)) {
+    return absl::InvalidArgumentError(absl::StrCat("Linear1D_Col: weight must be ",
+                                                   options.fused == 1 ? "[out, in]" : "[fused, out/fused, in]",
+                                                   ", got ", ShapeToString(weight.global_shape())));
+  }
+  RETURN_IF_ERROR(CheckSpec(weight, specs.weight, "Linear1D_Col weight"));
+  if (bias.has_value()) {
+    const Shape want(weight.global_shape().begin(), weight.global_shape().end() - 1);
+    if (bias->global_shape() != want) {
+      return absl::InvalidArgumentError(absl::StrCat("Linear1D_Col: bias must be ", ShapeToString(want), ", got ",
+                                                     ShapeToString(bias->global_shape())));
+    }
+    RETURN_IF_ERROR(CheckSpec(*bias, specs.bias, "Linear1D_Col bias"));
+  }
+  return Linear1DCol(std::move(weight), std::move(bias), pg, options);
 }
 
 absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x) const {
@@ -112,17 +138,37 @@ absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x) const {
   return ColoTensor::FromLocal(merged, gathered.spec(), pg_);
 }
 
+absl::StatusOr<ParamSpecs> Linear1DRow::Specs(ProcessGroup* pg, const Options&) {
+  ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
+  return ParamSpecs{WithTp({}, Placement::Shard({1}, {p})), DistSpec()};
+}
+
 absl::StatusOr<Linear1DRow> Linear1DRow::FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
                                                     ProcessGroup* pg, Options options) {
   RETURN_IF_ERROR(CheckMatrix(weight, bias, weight.dim() == 2 ? weight.shape()[0] : 0, "Linear1D_Row"));
-  ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
-  ASSIGN_OR_RETURN(ColoParameter w,
-                   ColoParameter::Create(weight, WithTp({}, Placement::Shard({1}, {p})), pg, "weight", kCompute));
+  ASSIGN_OR_RETURN(ParamSpecs specs, Specs(pg, options));
+  ASSIGN_OR_RETURN(ColoParameter w, ColoParameter::Create(weight, specs.weight, pg, "weight", kCompute));
   std::optional<ColoParameter> b;
   if (bias.has_value()) {
-    ASSIGN_OR_RETURN(b, ColoParameter::Create(*bias, DistSpec(), pg, "bias", kCompute));
+    ASSIGN_OR_RETURN(b, ColoParameter::Create(*bias, specs.bias, pg, "bias", kCompute));
   }
   return Linear1DRow(std::move(w), std::move(b), pg, options);
+}
+
+absl::StatusOr<Linear1DRow> Linear1DRow::FromParameters(ColoParameter weight, std::optional<ColoParameter> bias,
+                                                        ProcessGroup* pg, Options options) {
+  ASSIGN_OR_RETURN(ParamSpecs specs, Specs(pg, options));
+  if (weight.global_shape().size() != 2 ||
+      (bias.has_value() && bias->global_shape() != Shape{weight.global_shape()[0]})) {
+    return absl::InvalidArgumentError(absl::StrCat("Linear1D_Row: weight must be [out, in] and bias [out], got ",
+                                                   ShapeToString(weight.global_shape()), " and ",
+                                                   bias.has_value() ? ShapeToString(bias->global_shape()) : "none"));
+  }
+  RETURN_IF_ERROR(CheckSpec(weight, specs.weight, "Linear1D_Row weight"));
+  if (bias.has_value()) {
+    RETURN_IF_ERROR(CheckSpec(*bias, specs.bias, "Linear1D_Row bias"));
+  }
+  return Linear1DRow(std::move(weight), std::move(bias), pg, options);
 }
 
 absl::StatusOr<ColoTensor> Linear1DRow::Forward(const ColoTensor& x) const {

@@ -37,6 +37,13 @@
 
 namespace colod::nn {
 
+// The specs a layer holds its weight and bias under (for reading shards
+// straight from a checkpoint; nn::*::FromParameters checks them).
+struct ParamSpecs {
+  DistSpec weight;
+  DistSpec bias;
+};
+
 class Linear1DCol {
  public:
   struct Options {
@@ -48,6 +55,12 @@ class Linear1DCol {
   // INVALID_ARGUMENT naming the dim when out is not divisible by tp.
   static absl::StatusOr<Linear1DCol> FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
                                                 ProcessGroup* pg, Options options);
+  // Weight [out, in] (fused: [n, out/n, in]) tp: S(0) (fused: S(1)); bias alike.
+  static absl::StatusOr<ParamSpecs> Specs(ProcessGroup* pg, const Options& options);
+  // From this rank's shards (read from a checkpoint, or a tied embedding's
+  // table); INVALID_ARGUMENT when a spec is not Specs()'s.
+  static absl::StatusOr<Linear1DCol> FromParameters(ColoParameter weight, std::optional<ColoParameter> bias,
+                                                    ProcessGroup* pg, Options options);
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
 
   const ColoParameter& weight() const { return weight_; }
@@ -70,6 +83,10 @@ class Linear1DRow {
   };
   static absl::StatusOr<Linear1DRow> FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
                                                 ProcessGroup* pg, Options options);
+  // Weight [out, in] tp: S(1); bias replicated.
+  static absl::StatusOr<ParamSpecs> Specs(ProcessGroup* pg, const Options& options);
+  static absl::StatusOr<Linear1DRow> FromParameters(ColoParameter weight, std::optional<ColoParameter> bias,
+                                                    ProcessGroup* pg, Options options);
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
 
   const ColoParameter& weight() const { return weight_; }

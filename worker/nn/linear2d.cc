@@ -110,17 +110,38 @@ absl::StatusOr<Linear2D> Linear2D::FromGlobal(const Tensor& weight, const std::o
                                                    ShapeToString(weight.shape()), " and ",
                                                    bias.has_value() ? ShapeToString(bias->shape()) : "none"));
   }
-  ASSIGN_OR_RETURN(
-      ColoParameter w,
-      ColoParameter::Create(
-          weight, DistSpec().Set("tp_col", Placement::Shard({0}, {c.q})).Set("tp_row", Placement::Shard({1}, {c.q})),
-          pg, "weight", Compute2D(pg)));
+  ASSIGN_OR_RETURN(ParamSpecs specs, Specs(pg));
+  ASSIGN_OR_RETURN(ColoParameter w, ColoParameter::Create(weight, specs.weight, pg, "weight", Compute2D(pg)));
   std::optional<ColoParameter> b;
   if (bias.has_value()) {
-    ASSIGN_OR_RETURN(b, ColoParameter::Create(*bias, DistSpec().Set("tp_row", Placement::Shard({0}, {c.q})), pg, "bias",
-                                              Compute2D(pg)));
+    ASSIGN_OR_RETURN(b, ColoParameter::Create(*bias, specs.bias, pg, "bias", Compute2D(pg)));
   }
   return Linear2D(std::move(w), std::move(b), pg, c.q);
+}
+
+absl::StatusOr<ParamSpecs> Linear2D::Specs(ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg));
+  return ParamSpecs{DistSpec().Set("tp_col", Placement::Shard({0}, {c.q})).Set("tp_row", Placement::Shard({1}, {c.q})),
+                    DistSpec().Set("tp_row", Placement::Shard({0}, {c.q}))};
+}
+
+absl::StatusOr<Linear2D> Linear2D::FromParameters(ColoParameter weight, std::optional<ColoParameter> bias,
+                                                  ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg));
+  ASSIGN_OR_RETURN(ParamSpecs specs, Specs(pg));
+  if (weight.global_shape().size() != 2 ||
+      (bias.has_value() && bias->global_shape() != Shape{weight.global_shape()[1]})) {
+    return absl::InvalidArgumentError(absl::StrCat("Linear2D: weight must be [in, out] and bias [out], got ",
+                                                   ShapeToString(weight.global_shape()), " and ",
+                                                   bias.has_value() ? ShapeToString(bias->global_shape()) : "none"));
+  }
+  RETURN_IF_ERROR(CheckSpec(weight, specs.weight, "Linear2D weight"));
+  weight.set_compute_spec(Compute2D(pg));
+  if (bias.has_value()) {
+    RETURN_IF_ERROR(CheckSpec(*bias, specs.bias, "Linear2D bias"));
+    bias->set_compute_spec(Compute2D(pg));
+  }
+  return Linear2D(std::move(weight), std::move(bias), pg, c.q);
 }
 
 absl::StatusOr<ColoTensor> Linear2D::Forward(const ColoTensor& x) const {
@@ -147,10 +168,29 @@ absl::StatusOr<LayerNorm2D> LayerNorm2D::FromGlobal(const Tensor& gamma, const T
     return absl::InvalidArgumentError(absl::StrCat("LayerNorm2D: gamma ", ShapeToString(gamma.shape()), " and beta ",
                                                    ShapeToString(beta.shape()), " must be the same [hidden]"));
   }
-  const DistSpec spec = DistSpec().Set("tp_row", Placement::Shard({0}, {c.q}));
+  ASSIGN_OR_RETURN(const DistSpec spec, Spec(pg));
   ASSIGN_OR_RETURN(ColoParameter g, ColoParameter::Create(gamma, spec, pg, "gamma", Compute2D(pg)));
   ASSIGN_OR_RETURN(ColoParameter b, ColoParameter::Create(beta, spec, pg, "beta", Compute2D(pg)));
   return LayerNorm2D(std::move(g), std::move(b), eps, pg, c.q);
+}
+
+absl::StatusOr<DistSpec> LayerNorm2D::Spec(ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg));
+  return DistSpec().Set("tp_row", Placement::Shard({0}, {c.q}));
+}
+
+absl::StatusOr<LayerNorm2D> LayerNorm2D::FromParameters(ColoParameter gamma, ColoParameter beta, float eps,
+                                                        ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg));
+  if (gamma.global_shape().size() != 1 || gamma.global_shape() != beta.global_shape()) {
+    return absl::InvalidArgumentError(absl::StrCat("LayerNorm2D: gamma ", ShapeToString(gamma.global_shape()),
+                                                   " and beta ", ShapeToString(beta.global_shape()),
+                                                   " must be the same [hidden]"));
+  }
+  ASSIGN_OR_RETURN(const DistSpec spec, Spec(pg));
+  RETURN_IF_ERROR(CheckSpec(gamma, spec, "LayerNorm2D gamma"));
+  RETURN_IF_ERROR(CheckSpec(beta, spec, "LayerNorm2D beta"));
+  return LayerNorm2D(std::move(gamma), std::move(beta), eps, pg, c.q);
 }
 
 absl::StatusOr<ColoTensor> LayerNorm2D::Forward(const ColoTensor& x) const {

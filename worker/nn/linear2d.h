@@ -34,6 +34,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/colo/colo_tensor.h"
+#include "worker/nn/linear1d.h"
 
 namespace colod::nn {
 
@@ -49,6 +50,11 @@ class Linear2D {
   // the dim when in or out is not divisible by q.
   static absl::StatusOr<Linear2D> FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
                                              ProcessGroup* pg);
+  // Weight [in, out] {tp_col: S(0), tp_row: S(1)}; bias [out] {tp_row: S(0)}.
+  static absl::StatusOr<ParamSpecs> Specs(ProcessGroup* pg);
+  // From this rank's blocks; INVALID_ARGUMENT for other shapes or specs.
+  static absl::StatusOr<Linear2D> FromParameters(ColoParameter weight, std::optional<ColoParameter> bias,
+                                                 ProcessGroup* pg);
   // x in the 2D activation spec; returns y in the same spec.
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
   const ColoParameter& weight() const { return weight_; }
@@ -66,6 +72,10 @@ class Linear2D {
 class LayerNorm2D {
  public:
   static absl::StatusOr<LayerNorm2D> FromGlobal(const Tensor& gamma, const Tensor& beta, float eps, ProcessGroup* pg);
+  // gamma and beta [hidden] {tp_row: S(0)}.
+  static absl::StatusOr<DistSpec> Spec(ProcessGroup* pg);
+  static absl::StatusOr<LayerNorm2D> FromParameters(ColoParameter gamma, ColoParameter beta, float eps,
+                                                    ProcessGroup* pg);
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
   const ColoParameter& gamma() const { return gamma_; }
   const ColoParameter& beta() const { return beta_; }

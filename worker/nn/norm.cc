@@ -23,6 +23,22 @@ absl::StatusOr<Norm1D> Norm1D::FromGlobal(const Tensor& gamma, const std::option
   return Norm1D(ColoParameter(std::move(g), "weight"), std::move(b), pg, options);
 }
 
+absl::StatusOr<Norm1D> Norm1D::FromParameters(ColoParameter gamma, std::optional<ColoParameter> beta,
+                                              ProcessGroup* pg, Options options) {
+  const bool layer_norm = options.kind == Kind::kLayerNorm;
+  if (gamma.global_shape().size() != 1 || layer_norm != beta.has_value() ||
+      (beta.has_value() && beta->global_shape() != gamma.global_shape())) {
+    return absl::InvalidArgumentError(absl::StrCat(layer_norm ? "LayerNorm needs gamma and beta" : "RMSNorm needs gamma only",
+                                                   " of one shape [hidden]; got gamma ",
+                                                   ShapeToString(gamma.global_shape())));
+  }
+  RETURN_IF_ERROR(CheckSpec(gamma, DistSpec(), "Norm1D gamma"));
+  if (beta.has_value()) {
+    RETURN_IF_ERROR(CheckSpec(*beta, DistSpec(), "Norm1D beta"));
+  }
+  return Norm1D(std::move(gamma), std::move(beta), pg, options);
+}
+
 absl::StatusOr<ColoTensor> Norm1D::Forward(const ColoTensor& x) const {
   ColoTensor in = x;
   Variable g = gamma_.variable();

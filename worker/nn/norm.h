@@ -26,6 +26,9 @@ class Norm1D {
   // `beta` is required for LayerNorm and must be absent for RMSNorm.
   static absl::StatusOr<Norm1D> FromGlobal(const Tensor& gamma, const std::optional<Tensor>& beta, ProcessGroup* pg,
                                            Options options);
+  // From replicated gamma (and beta) [hidden]; INVALID_ARGUMENT otherwise.
+  static absl::StatusOr<Norm1D> FromParameters(ColoParameter gamma, std::optional<ColoParameter> beta,
+                                               ProcessGroup* pg, Options options);
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
   const ColoParameter& gamma() const { return gamma_; }
   const std::optional<ColoParameter>& beta() const { return beta_; }

@@ -58,58 +58,45 @@ std::vector<std::string> ModelFiles::Names() const {
   return out;
 }
 
+std::string ModelFiles::Stored(const std::string& name) const {
+  if (!strip_prefix_.empty() && name.compare(0, strip_prefix_.size(), strip_prefix_) == 0) {
+    return name.substr(strip_prefix_.size());
+  }
+  return name;
+}
+
 absl::StatusOr<const SafetensorsFile*> ModelFiles::FileOf(const std::string& name) const {
-  auto it = where_.find(name);
+  auto it = where_.find(Stored(name));
   if (it == where_.end()) return absl::NotFoundError(absl::StrCat(dir_, " has no tensor ", name));
   return files_.at(it->second).get();
 }
 
 absl::StatusOr<TensorInfo> ModelFiles::Info(const std::string& name) const {
   ASSIGN_OR_RETURN(const SafetensorsFile* f, FileOf(name));
-  return f->Info(name);
+  return f->Info(Stored(name));
 }
 
 absl::StatusOr<Tensor> ModelFiles::Read(const std::string& name) const {
   ASSIGN_OR_RETURN(const SafetensorsFile* f, FileOf(name));
-  return f->Read(name);
+  return f->Read(Stored(name));
 }
 
 absl::StatusOr<Tensor> ModelFiles::ReadSlice(const std::string& name, const std::vector<int64_t>& starts,
                                              const std::vector<int64_t>& lengths) const {
   ASSIGN_OR_RETURN(const SafetensorsFile* f, FileOf(name));
-  return f->ReadSlice(name, starts, lengths);
+  return f->ReadSlice(Stored(name), starts, lengths);
 }
 
 absl::StatusOr<ColoTensor> ModelFiles::ReadShard(const std::string& name, const DistSpec& spec, ProcessGroup* pg,
                                                  DType dtype, bool requires_grad) const {
   ASSIGN_OR_RETURN(TensorInfo info, Info(name));
-  const int64_t ndim = static_cast<int64_t>(info.shape.size());
-  auto norm = NormalizeSpec(spec, pg->mesh(), ndim);
-  if (!norm.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", norm.status().message()));
-  auto divisible = CheckDivisible(*norm, info.shape);
-  if (!divisible.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", divisible.message()));
-  // This rank's block, narrowing the ranges axis by axis in mesh order (nesting).
-  std::vector<int64_t> starts(ndim, 0), lengths(info.shape.begin(), info.shape.end());
-  for (const std::string& axis : AxesInMeshOrder(*norm, pg->mesh())) {
-    const Placement p = norm->Get(axis);
-    if (p.kind == Placement::Kind::kPartial) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": a checkpoint tensor cannot load as Partial"));
-    }
-    if (p.kind != Placement::Kind::kShard) continue;
-    ASSIGN_OR_RETURN(int k, pg->LocalRank(axis));
-    const std::vector<int64_t> coords = BlockCoordinates(k, p.num_partitions);
-    for (size_t i = 0; i < p.dims.size(); ++i) {
-      const int64_t d = p.dims[i];
-      lengths[d] /= p.num_partitions[i];
-      starts[d] += coords[i] * lengths[d];
-    }
-  }
-  ASSIGN_OR_RETURN(Tensor local, ReadSlice(name, starts, lengths));
+  auto block = LocalBlock(spec, info.shape, pg);
+  if (!block.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", block.status().message()));
+  ASSIGN_OR_RETURN(Tensor local, ReadSlice(name, block->starts, block->lengths));
   if (local.dtype() != dtype) {
     ASSIGN_OR_RETURN(local, local.ToDType(dtype));
   }
-  ASSIGN_OR_RETURN(ColoTensor t, ColoTensor::FromLocal(Variable(local, requires_grad), *norm, pg));
-  return t;
+  return ColoTensor::FromLocal(Variable(local, requires_grad), spec, pg);
 }
 
 }  // namespace colod::shardformer

@@ -25,7 +25,10 @@ class ModelFiles {
   static absl::StatusOr<std::unique_ptr<ModelFiles>> Open(const std::string& dir);
 
   std::vector<std::string> Names() const;
-  bool Has(const std::string& name) const { return where_.count(name) > 0; }
+  bool Has(const std::string& name) const { return where_.count(Stored(name)) > 0; }
+  // Names asked for with this prefix are looked up without it (a bare
+  // model's checkpoint read as the LM model's).
+  void set_strip_prefix(std::string prefix) { strip_prefix_ = std::move(prefix); }
   // NOT_FOUND naming the tensor and the directory.
   absl::StatusOr<TensorInfo> Info(const std::string& name) const;
   absl::StatusOr<Tensor> Read(const std::string& name) const;
@@ -39,10 +42,12 @@ class ModelFiles {
  private:
   explicit ModelFiles(std::string dir) : dir_(std::move(dir)) {}
   absl::StatusOr<const SafetensorsFile*> FileOf(const std::string& name) const;
+  std::string Stored(const std::string& name) const;
 
   const std::string dir_;
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;  // by file name
   std::map<std::string, std::string> where_;                       // tensor -> file name
+  std::string strip_prefix_;
 };
 
 }  // namespace colod::shardformer

@@ -1,0 +1,215 @@
+// GPT2LMHeadModel (transformers/models/gpt2/modeling_gpt2.py), evaluation
+// semantics (dropout off): token + position embeddings, pre-norm blocks of
+// causal self-attention (fused c_attn Conv1D, q|k|v) and an MLP (c_fc,
+// gelu_new, c_proj), final ln_f, and an LM head tied to wte.
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/nn/functional.h"
+#include "worker/nn/linear1d.h"
+#include "worker/shardformer/models.h"
+
+namespace colod::shardformer {
+namespace {
+
+using Kind = LayerDecl::Kind;
+
+std::unique_ptr<Module> Leaf(Kind kind, const std::string& prefix, int64_t in, int64_t out, bool bias = true,
+                             float eps = 1e-5f) {
+  LayerDecl d;
+  d.kind = kind;
+  d.prefix = prefix;
+  d.in = in;
+  d.out = out;
+  d.bias = bias;
+  d.eps = eps;
+  return Module::Leaf(std::move(d));
+}
+
+absl::StatusOr<ColoTensor> WithLocal(const Variable& v, const ColoTensor& like) {
+  return ColoTensor::FromLocal(v, like.spec(), like.process_group());
+}
+
+// GPT2Attention: q|k|v from c_attn, causal attention over this rank's
+// num_heads heads (the policy divides the attribute by the tp degree), the
+// heads merged into the spec c_proj wants, then c_proj.
+absl::StatusOr<ColoTensor> AttentionForward(Module& self, const ColoTensor& x) {
+  ASSIGN_OR_RETURN(int64_t heads, self.IntAttr("num_heads"));
+  ASSIGN_OR_RETURN(int64_t head_dim, self.IntAttr("head_dim"));
+  ASSIGN_OR_RETURN(ColoTensor qkv, self.Call("c_attn", x));
+  const Shape& local = qkv.local().shape();
+  const int64_t b = local[0], s = local[1];
+  if (qkv.local().numel() != b * s * 3 * heads * head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("c_attn gave ", ShapeToString(local), " locally, not ", heads,
+                                                   " heads of q, k and v"));
+  }
+  ASSIGN_OR_RETURN(Variable split, nn::Reshape(qkv.variable(), {b, s, 3, heads, head_dim}));
+  Variable qkv_parts[3];
+  for (int i = 0; i < 3; ++i) {
+    ASSIGN_OR_RETURN(Variable part, nn::Narrow(split, 2, i, 1));
+    ASSIGN_OR_RETURN(qkv_parts[i], nn::Reshape(part, {b, s, heads, head_dim}));
+  }
+  ASSIGN_OR_RETURN(Variable att, nn::CausalAttention(qkv_parts[0], qkv_parts[1], qkv_parts[2],
+                                                     1.0f / std::sqrt(static_cast<float>(head_dim))));
+  ASSIGN_OR_RETURN(att, nn::Reshape(att, {b, s, heads * head_dim}));
+  ASSIGN_OR_RETURN(Module * proj, self.Get("c_proj"));
+  if (proj->layer() == nullptr) return absl::FailedPreconditionError("c_proj has no weights loaded");
+  ASSIGN_OR_RETURN(DistSpec merged, proj->layer()->InputSpec(3));
+  ASSIGN_OR_RETURN(ColoTensor heads_out, ColoTensor::FromLocal(att, merged, x.process_group()));
+  return proj->Forward(heads_out);
+}
+
+absl::StatusOr<ColoTensor> MlpForward(Module& self, const ColoTensor& x) {
+  ASSIGN_OR_RETURN(ColoTensor h, self.Call("c_fc", x));
+  ASSIGN_OR_RETURN(int64_t tanh, self.IntAttr("gelu_tanh"));
+  ASSIGN_OR_RETURN(Variable g, nn::Gelu(h.variable(), tanh ? kernels::GeluApprox::kTanh : kernels::GeluApprox::kNone));
+  ASSIGN_OR_RETURN(ColoTensor act, WithLocal(g, h));
+  return self.Call("c_proj", act);
+}
+
+absl::StatusOr<ColoTensor> BlockForward(Module& self, const ColoTensor& x) {
+  ASSIGN_OR_RETURN(ColoTensor h, self.Call("ln_1", x));
+  ASSIGN_OR_RETURN(ColoTensor a, self.Call("attn", h));
+  ASSIGN_OR_RETURN(ColoTensor x1, AddActivations(x, a));
+  ASSIGN_OR_RETURN(ColoTensor h2, self.Call("ln_2", x1));
+  ASSIGN_OR_RETURN(ColoTensor m, self.Call("mlp", h2));
+  return AddActivations(x1, m);
+}
+
+// GPT2Model; with sequence_parallel (the policy's forward replacement) the
+// embeddings are split along the sequence over tp before the blocks.
+Module::ForwardFn ModelForward(bool sequence_parallel) {
+  return [sequence_parallel](Module& self, const ColoTensor& ids) -> absl::StatusOr<ColoTensor> {
+    const Shape& shape = ids.local().shape();
+    std::vector<int64_t> positions(ids.local().numel());
+    for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int64_t>(i) % shape[1];
+    ASSIGN_OR_RETURN(Tensor pos, Tensor::FromInt64s(shape, positions));
+    ASSIGN_OR_RETURN(ColoTensor pos_ids, ColoTensor::FromLocal(pos, ids.spec(), ids.process_group()));
+    ASSIGN_OR_RETURN(ColoTensor tok, self.Call("wte", ids));
+    ASSIGN_OR_RETURN(ColoTensor where, self.Call("wpe", pos_ids));
+    ASSIGN_OR_RETURN(ColoTensor x, AddActivations(tok, where));
+    if (sequence_parallel) {
+      ASSIGN_OR_RETURN(int p, ids.process_group()->AxisSize("tp"));
+      ASSIGN_OR_RETURN(x, x.Redistribute(nn::WithTp(x.spec(), Placement::Shard({1}, {p}))));
+    }
+    ASSIGN_OR_RETURN(Module * blocks, self.Get("h"));
+    for (int64_t i = 0;; ++i) {
+      Module* block = blocks->Find(absl::StrCat(i));
+      if (block == nullptr) break;
+      ASSIGN_OR_RETURN(x, block->Forward(x));
+    }
+    return self.Call("ln_f", x);
+  };
+}
+
+absl::StatusOr<ColoTensor> LmHeadModelForward(Module& self, const ColoTensor& ids) {
+  ASSIGN_OR_RETURN(ColoTensor h, self.Call("transformer", ids));
+  return self.Call("lm_head", h);
+}
+
+absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
+  if (c.activation != "gelu_new" && c.activation != "gelu" && c.activation != "gelu_pytorch_tanh") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("activation_function \"", c.activation, "\" is not one of gelu_new, gelu_pytorch_tanh, gelu"));
+  }
+  const int64_t h = c.hidden_size;
+  const float eps = static_cast<float>(c.norm_eps);
+  auto root = std::make_unique<Module>("GPT2LMHeadModel", LmHeadModelForward);
+  Module* model = root->Add("transformer", std::make_unique<Module>("GPT2Model", ModelForward(false)));
+  model->Add("wte", Leaf(Kind::kEmbedding, "transformer.wte", c.vocab_size, h));
+  model->Add("wpe", Leaf(Kind::kEmbedding, "transformer.wpe", c.max_positions, h));
+  Module* blocks = model->Add("h", std::make_unique<Module>("ModuleList", nullptr));
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = absl::StrCat("transformer.h.", i);
+    Module* block = blocks->Add(absl::StrCat(i), std::make_unique<Module>("GPT2Block", BlockForward));
+    block->Add("ln_1", Leaf(Kind::kLayerNorm, p + ".ln_1", 0, h, true, eps));
+    Module* attn = block->Add("attn", std::make_unique<Module>("GPT2Attention", AttentionForward));
+    attn->SetAttr("num_heads", static_cast<double>(c.num_heads));
+    attn->SetAttr("head_dim", static_cast<double>(c.head_dim()));
+    attn->Add("c_attn", Leaf(Kind::kConv1D, p + ".attn.c_attn", h, 3 * h));
+    attn->Add("c_proj", Leaf(Kind::kConv1D, p + ".attn.c_proj", h, h));
+    block->Add("ln_2", Leaf(Kind::kLayerNorm, p + ".ln_2", 0, h, true, eps));
+    Module* mlp = block->Add("mlp", std::make_unique<Module>("GPT2MLP", MlpForward));
+    mlp->SetAttr("gelu_tanh", c.activation == "gelu" ? 0 : 1);
+    mlp->Add("c_fc", Leaf(Kind::kConv1D, p + ".mlp.c_fc", h, c.intermediate_size));
+    mlp->Add("c_proj", Leaf(Kind::kConv1D, p + ".mlp.c_proj", c.intermediate_size, h));
+  }
+  model->Add("ln_f", Leaf(Kind::kLayerNorm, "transformer.ln_f", 0, h, true, eps));
+  std::unique_ptr<Module> head = Leaf(Kind::kLinear, "lm_head", h, c.vocab_size, /*bias=*/false);
+  LayerDecl tied = *head->decl();
+  tied.tied_to = "transformer.wte";
+  root->Add("lm_head", Module::Leaf(std::move(tied)));
+  return root;
+}
+
+// ShardFormer's GPT2Policy: 1D (Megatron) with optional sequence
+// parallelism, and 2D / 2.5D.
+class Gpt2Policy : public Policy {
+ public:
+  absl::Status Preprocess(const ModelConfig& config, ShardConfig& shard) override {
+    RETURN_IF_ERROR(CheckShardable(config, shard.layout));
+    const auto mode = shard.layout.tensor_parallel_mode();
+    if (mode == v1::TENSOR_PARALLEL_MODE_3D) {
+      return absl::InvalidArgumentError("the gpt2 policy supports tensor_parallel_mode 1d, 2d and 2.5d");
+    }
+    if (shard.sequence_parallel() && shard.is_2d()) {
+      return absl::InvalidArgumentError("sequence_parallel applies to tensor_parallel_mode 1d only");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
+                                                                              const ShardConfig& shard) override {
+    std::map<std::string, ModulePolicyDescription> policy;
+    ModulePolicyDescription& model = policy["GPT2Model"];
+    ModulePolicyDescription& block = policy["GPT2Block"];
+    if (shard.is_2d()) {
+      const int depth = shard.layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2P5D
+                            ? std::max(1, shard.layout.depth())
+                            : 1;
+      const int q = static_cast<int>(std::lround(std::sqrt(shard.tp() / depth)));
+      model.sub_module_replacement = {{"wte", "Embedding2D"}, {"wpe", "Embedding2D"}, {"ln_f", "LayerNorm2D"}};
+      block.attribute_replacement = {{"attn.num_heads", static_cast<double>(config.num_heads / q)}};
+      block.sub_module_replacement = {
+          {"ln_1", "LayerNorm2D"},   {"attn.c_attn", "Linear2D", {{"n_fused", 3}}},
+          {"attn.c_proj", "Linear2D"}, {"ln_2", "LayerNorm2D"},
+          {"mlp.c_fc", "Linear2D"},  {"mlp.c_proj", "Linear2D"},
+      };
+      return policy;
+    }
+    const int tp = shard.tp();
+    model.sub_module_replacement = {{"wte", "VocabParallelEmbedding1D"}};
+    block.attribute_replacement = {{"attn.num_heads", static_cast<double>(config.num_heads / tp)}};
+    block.sub_module_replacement = {
+        {"attn.c_attn", "Linear1D_Col", {{"n_fused", 3}}},
+        {"attn.c_proj", "Linear1D_Row"},
+        {"mlp.c_fc", "Linear1D_Col"},
+        {"mlp.c_proj", "Linear1D_Row"},
+    };
+    if (shard.sequence_parallel()) {
+      model.sub_module_replacement.push_back({"ln_f", "Norm1D"});
+      model.method_replacement = ModelForward(true);
+      block.sub_module_replacement.push_back({"ln_1", "Norm1D"});
+      block.sub_module_replacement.push_back({"ln_2", "Norm1D"});
+    }
+    return policy;
+  }
+
+  absl::Status Postprocess(Module& model, const ModelConfig&, const ShardConfig&) override {
+    return TieLmHeads(model);
+  }
+};
+
+}  // namespace
+
+ModelFamily Gpt2Family() {
+  ModelFamily f;
+  f.base_model_prefix = "transformer";
+  f.build = Build;
+  f.policy = [] { return std::unique_ptr<Policy>(new Gpt2Policy()); };
+  return f;
+}
+
+}  // namespace colod::shardformer

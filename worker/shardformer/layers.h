@@ -1,0 +1,83 @@
+// The layers a policy can put in a model's leaves, by name (ShardFormer's
+// target modules), each built from a LayerDecl and the checkpoint, every
+// rank reading only its block of each tensor:
+//
+//   native                the original layer, parameters replicated
+//   Linear1D_Col          worker/nn/linear1d.h; kwargs n_fused (3 for a
+//                         fused q|k|v), gather_output
+//   Linear1D_Row          worker/nn/linear1d.h
+//   VocabParallelEmbedding1D   worker/nn/embedding1d.h (vocabulary padded to
+//                         a multiple of make_vocab_size_divisible_by * tp)
+//   VocabParallelLMHead1D an untied LM head [V_pad, H] as a Linear1D_Col
+//   Norm1D                LayerNorm or RMSNorm (worker/nn/norm.h)
+//   Linear2D              worker/nn/linear2d.h (2D and 2.5D); kwargs n_fused
+//   LayerNorm2D           worker/nn/linear2d.h
+//   Embedding2D           worker/nn/embedding2d.h
+//   LMHead2D              an untied LM head [V, H] computed as Embedding2D's
+//                         tied logits
+//
+// Sequence parallelism comes from the ShardConfig. Users add their own
+// layers with LayerRegistry::Register.
+//
+// Thread-safety: the registry is thread-safe; a layer belongs to one rank thread.
+#ifndef COLOD_WORKER_SHARDFORMER_LAYERS_H_
+#define COLOD_WORKER_SHARDFORMER_LAYERS_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "colod/v1/job.pb.h"
+#include "worker/shardformer/model_files.h"
+#include "worker/shardformer/module.h"
+
+namespace colod::shardformer {
+
+// ShardFormer's ShardConfig: the layout (tp/dp sizes, mode, depth,
+// sequence_parallel, gather_output as in the proto) and the vocabulary
+// padding.
+struct ShardConfig {
+  v1::ShardConfig layout;
+  int64_t make_vocab_size_divisible_by = 64;
+
+  int tp() const { return layout.tensor_parallel_size() < 1 ? 1 : layout.tensor_parallel_size(); }
+  bool is_2d() const;  // 2D or 2.5D
+  bool sequence_parallel() const { return layout.sequence_parallel(); }
+};
+
+// What a layer factory gets besides the declaration.
+struct LayerContext {
+  const ModelFiles* files = nullptr;
+  ProcessGroup* pg = nullptr;
+  const ShardConfig* shard = nullptr;
+  std::map<std::string, double> kwargs;  // from the SubModuleReplacementDescription
+};
+using LayerFactory =
+    std::function<absl::StatusOr<std::unique_ptr<Layer>>(const LayerDecl& decl, const LayerContext& context)>;
+
+class LayerRegistry {
+ public:
+  // The process-wide registry, holding the layers above.
+  static LayerRegistry& Global();
+  // ALREADY_EXISTS for a taken name.
+  absl::Status Register(const std::string& name, LayerFactory factory);
+  // NOT_FOUND naming the known layers.
+  absl::StatusOr<LayerFactory> Get(const std::string& name) const;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::map<std::string, LayerFactory> factories_ ABSL_GUARDED_BY(mu_);
+};
+
+// The checkpoint tensors of a declaration's weight and bias, as stored.
+HfTensor WeightTensor(const LayerDecl& decl);
+std::optional<HfTensor> BiasTensor(const LayerDecl& decl);
+
+}  // namespace colod::shardformer
+
+#endif  // COLOD_WORKER_SHARDFORMER_LAYERS_H_

@@ -1,0 +1,18 @@
+// The model families colod shards out of the box (registered in
+// ModelRegistry::Global()): each builds the Hugging Face model's module tree
+// with its tensor names and forward semantics, and brings its policy.
+//
+//   gpt2   GPT2LMHeadModel: 1d (fused c_attn as Linear1D_Col with n_fused = 3,
+//          vocab-parallel wte and tied head), sequence_parallel, 2d and 2.5d.
+#ifndef COLOD_WORKER_SHARDFORMER_MODELS_H_
+#define COLOD_WORKER_SHARDFORMER_MODELS_H_
+
+#include "worker/shardformer/shardformer.h"
+
+namespace colod::shardformer {
+
+ModelFamily Gpt2Family();
+
+}  // namespace colod::shardformer
+
+#endif  // COLOD_WORKER_SHARDFORMER_MODELS_H_

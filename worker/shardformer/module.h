@@ -1,0 +1,127 @@
+// The native model representation ShardFormer rewrites: a tree of modules
+// named like the Hugging Face model's (`transformer.h.0.attn.c_attn`), each
+// with a class name (`GPT2Attention`), numeric attributes (`num_heads`) and a
+// forward function; the leaves are layers (Linear, Conv1D, Embedding,
+// LayerNorm, RMSNorm) that a policy replaces with tensor-parallel ones.
+//
+// Forward functions see ColoTensors and use each tensor's *local* shape, so
+// the same model code runs unsharded and sharded once a policy has replaced
+// the leaves and adjusted the attributes (ShardFormer's approach: the
+// attention forward reads `num_heads`, which the policy divides by tp).
+//
+// Thread-safety: a model belongs to one rank thread.
+#ifndef COLOD_WORKER_SHARDFORMER_MODULE_H_
+#define COLOD_WORKER_SHARDFORMER_MODULE_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/colo/colo_tensor.h"
+#include "worker/shardformer/hf_tensor.h"
+
+namespace colod::shardformer {
+
+// What a leaf is in the original model (before any replacement).
+struct LayerDecl {
+  enum class Kind { kLinear, kConv1D, kEmbedding, kLayerNorm, kRmsNorm };
+  Kind kind = Kind::kLinear;
+  std::string prefix;  // checkpoint name prefix: "transformer.h.0.attn.c_attn"
+  // Linear/Conv1D: in and out features; Embedding: rows (in) and dim (out);
+  // norms: the normalized size (out).
+  int64_t in = 0, out = 0;
+  bool bias = true;  // Linear/Conv1D bias; LayerNorm beta
+  float eps = 1e-5f;
+  std::string tied_to;  // an LM head sharing this embedding module's table
+};
+// "Linear", "Conv1D", "Embedding", "LayerNorm", "RMSNorm".
+const char* KindName(LayerDecl::Kind kind);
+
+// A parameter of a layer and where it lives in the checkpoint.
+// The parameter is a handle sharing its tensor and gradient with the layer.
+struct BoundParam {
+  std::string name;  // in the layer: "weight", "bias"
+  ColoParameter param;
+  HfTensor hf;
+};
+
+// A leaf module's computation (native or tensor-parallel).
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual std::string type() const = 0;  // "Linear1D_Col", "native Linear", ...
+  virtual absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) = 0;
+  // The spec this layer wants a rank-`ndim` input in; where a forward
+  // rebuilds an activation from local pieces (attention heads), it uses this.
+  virtual absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const = 0;
+  // The parameters this layer owns (a tied head owns none).
+  virtual std::vector<BoundParam> Params() = 0;
+  // For embeddings: an LM head computing h E^T with this table.
+  virtual absl::StatusOr<std::unique_ptr<Layer>> TiedHead() {
+    return absl::UnimplementedError(absl::StrCat(type(), " cannot serve as a tied LM head"));
+  }
+};
+
+class Module {
+ public:
+  using ForwardFn = std::function<absl::StatusOr<ColoTensor>(Module& self, const ColoTensor& x)>;
+
+  Module(std::string cls, ForwardFn forward) : cls_(std::move(cls)), forward_(std::move(forward)) {}
+  // A leaf whose class is KindName(decl.kind); it computes once a layer is set.
+  static std::unique_ptr<Module> Leaf(LayerDecl decl);
+
+  const std::string& cls() const { return cls_; }
+  Module* Add(const std::string& name, std::unique_ptr<Module> child);
+  // The descendant at a dotted path ("attn.c_attn"); nullptr when absent.
+  Module* Find(const std::string& path);
+  // NOT_FOUND naming the path and this module's class.
+  absl::StatusOr<Module*> Get(const std::string& path);
+  // This module ("") and its descendants with their dotted paths, depth
+  // first, children in the order added.
+  std::vector<std::pair<std::string, Module*>> Modules();
+
+  // Numeric attributes (head counts, sizes).
+  void SetAttr(const std::string& name, double value) { attrs_[name] = value; }
+  absl::StatusOr<double> Attr(const std::string& name) const;
+  absl::StatusOr<int64_t> IntAttr(const std::string& name) const;
+  bool HasAttr(const std::string& name) const { return attrs_.count(name) > 0; }
+
+  const std::optional<LayerDecl>& decl() const { return decl_; }
+  Layer* layer() { return layer_.get(); }
+  void set_layer(std::unique_ptr<Layer> layer) { layer_ = std::move(layer); }
+  void set_forward(ForwardFn forward) { forward_ = std::move(forward); }
+
+  // The layer's forward for a leaf (FAILED_PRECONDITION before it is
+  // loaded), the forward function otherwise.
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x);
+  // Get(path)->Forward(x).
+  absl::StatusOr<ColoTensor> Call(const std::string& path, const ColoTensor& x);
+
+ private:
+  std::string cls_;
+  ForwardFn forward_;
+  std::vector<std::pair<std::string, std::unique_ptr<Module>>> children_;
+  std::map<std::string, double> attrs_;
+  std::optional<LayerDecl> decl_;
+  std::unique_ptr<Layer> layer_;
+};
+
+// A parameter of a model with its full name: the owning module's path and
+// the layer's name ("transformer.h.0.attn.c_attn.weight").
+struct NamedParam {
+  std::string name;
+  BoundParam bound;
+};
+
+// `a` + `b` for two activations of one spec (residual connections);
+// INVALID_ARGUMENT naming both specs otherwise.
+absl::StatusOr<ColoTensor> AddActivations(const ColoTensor& a, const ColoTensor& b);
+
+}  // namespace colod::shardformer
+
+#endif  // COLOD_WORKER_SHARDFORMER_MODULE_H_

@@ -1,0 +1,267 @@
+#include "worker/shardformer/shardformer.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "worker/colo/tensor_collectives.h"
+#include "worker/nn/functional.h"
+#include "worker/nn/vocab_cross_entropy.h"
+#include "worker/shardformer/models.h"
+
+namespace colod::shardformer {
+
+absl::Status TieLmHeads(Module& model) {
+  for (auto& [path, m] : model.Modules()) {
+    if (!m->decl().has_value() || m->decl()->tied_to.empty()) continue;
+    ASSIGN_OR_RETURN(Module * source, model.Get(m->decl()->tied_to));
+    if (source->layer() == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, " is tied to ", m->decl()->tied_to, ", which has no weights loaded"));
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<Layer> head, source->layer()->TiedHead());
+    m->set_layer(std::move(head));
+  }
+  return absl::OkStatus();
+}
+
+ModelRegistry& ModelRegistry::Global() {
+  static ModelRegistry* registry = [] {
+    auto* r = new ModelRegistry();
+    r->Register("gpt2", Gpt2Family());
+    return r;
+  }();
+  return *registry;
+}
+
+void ModelRegistry::Register(const std::string& model_type, ModelFamily family) {
+  absl::MutexLock lock(&mu_);
+  families_[model_type] = std::move(family);
+}
+
+absl::StatusOr<ModelFamily> ModelRegistry::Get(const std::string& model_type) const {
+  absl::MutexLock lock(&mu_);
+  auto it = families_.find(model_type);
+  if (it == families_.end()) {
+    std::vector<std::string> known;
+    for (const auto& [name, f] : families_) known.push_back(name);
+    return absl::InvalidArgumentError(absl::StrCat("model_type \"", model_type, "\" has no registered policy; known: ",
+                                                   absl::StrJoin(known, ", ")));
+  }
+  return it->second;
+}
+
+absl::Status ModelSharder::Apply(Module& module, const std::string& path,
+                                 const ModulePolicyDescription& description) {
+  const std::string where = path.empty() ? module.cls() : path;
+  for (const auto& [name, value] : description.attribute_replacement) {
+    const size_t dot = name.rfind('.');
+    Module* target = dot == std::string::npos ? &module : module.Find(name.substr(0, dot));
+    if (target == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("the policy sets ", name, " but ", where, " has no such module"));
+    }
+    target->SetAttr(dot == std::string::npos ? name : name.substr(dot + 1), value);
+  }
+  for (const SubModuleReplacementDescription& d : description.sub_module_replacement) {
+    Module* leaf = module.Find(d.suffix);
+    if (leaf == nullptr) {
+      if (d.ignore_if_not_exist) continue;
+      return absl::InvalidArgumentError(
+          absl::StrCat("the policy replaces ", d.suffix, " but ", where, " has no such sub-module"));
+    }
+    if (!leaf->decl().has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the policy replaces ", where, ".", d.suffix, ", which is a ", leaf->cls(), ", not a layer"));
+    }
+    ASSIGN_OR_RETURN(LayerFactory factory, LayerRegistry::Global().Get(d.target_module));
+    LayerContext context{files_, pg_, &shard_, d.kwargs};
+    ASSIGN_OR_RETURN(std::unique_ptr<Layer> layer, factory(*leaf->decl(), context));
+    leaf->set_layer(std::move(layer));
+  }
+  for (const auto& replace : description.param_replacement) {
+    RETURN_IF_ERROR(replace(module));
+  }
+  if (description.method_replacement) module.set_forward(description.method_replacement);
+  return absl::OkStatus();
+}
+
+absl::Status ModelSharder::Shard() {
+  RETURN_IF_ERROR(policy_.Preprocess(config_, shard_));
+  if (shard_.tp() > 1) {
+    ASSIGN_OR_RETURN(auto module_policy, policy_.ModulePolicy(config_, shard_));
+    for (auto& [path, m] : model_.Modules()) {
+      auto it = module_policy.find(m->cls());
+      if (it != module_policy.end()) RETURN_IF_ERROR(Apply(*m, path, it->second));
+    }
+  }
+  ASSIGN_OR_RETURN(LayerFactory native, LayerRegistry::Global().Get("native"));
+  LayerContext context{files_, pg_, &shard_, {}};
+  for (auto& [path, m] : model_.Modules()) {
+    if (!m->decl().has_value() || m->layer() != nullptr || !m->decl()->tied_to.empty()) continue;
+    ASSIGN_OR_RETURN(std::unique_ptr<Layer> layer, native(*m->decl(), context));
+    m->set_layer(std::move(layer));
+  }
+  RETURN_IF_ERROR(policy_.Postprocess(model_, config_, shard_));
+  for (auto& [path, m] : model_.Modules()) {
+    if (m->decl().has_value() && m->layer() == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path, " has no layer after the policy's postprocess", m->decl()->tied_to.empty() ? "" : " (is it tied?)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids) {
+  if (ids.dim() != 2 || (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token ids must be integers [batch, seq], got ", ShapeToString(ids.shape())));
+  }
+  if (ids.shape()[1] > config_.max_positions) {
+    return absl::InvalidArgumentError(absl::StrCat("sequences of ", ids.shape()[1], " tokens exceed the model's ",
+                                                   config_.max_positions, " positions"));
+  }
+  ASSIGN_OR_RETURN(Tensor i64, ids.dtype() == DType::kI64 ? ids.Contiguous() : ids.ToDType(DType::kI64));
+  ASSIGN_OR_RETURN(ColoTensor input, ColoTensor::FromLocal(i64, DistSpec(), pg_));
+  return root_->Forward(input);
+}
+
+absl::StatusOr<LmLoss> ShardedModel::NextTokenLoss(const ColoTensor& logits, const Tensor& ids) {
+  if (ids.dim() != 2 || logits.global_shape().size() != 3 || logits.global_shape()[0] != ids.shape()[0] ||
+      logits.global_shape()[1] != ids.shape()[1]) {
+    return absl::InvalidArgumentError(absl::StrCat("logits ", ShapeToString(logits.global_shape()),
+                                                   " do not match ids ", ShapeToString(ids.shape())));
+  }
+  const int64_t batch = ids.shape()[0], seq = ids.shape()[1], vocab = config_.vocab_size;
+  const std::vector<int64_t> all = ids.ToInt64s();
+  std::vector<int64_t> next(all.size(), -100);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t s = 0; s + 1 < seq; ++s) next[b * seq + s] = all[b * seq + s + 1];
+  }
+  ASSIGN_OR_RETURN(Tensor labels, Tensor::FromInt64s({batch, seq}, next));
+  // The logits' rows this rank holds (placements on the batch and sequence
+  // dims), and whether the vocabulary is split.
+  DistSpec rows;
+  std::vector<std::string> row_axes;
+  bool vocab_split = false;
+  for (const auto& [axis, p] : logits.spec().placements()) {
+    if (p.kind == Placement::Kind::kPartial) {
+      return absl::InvalidArgumentError("the logits must not be partial sums");
+    }
+    if (p.kind != Placement::Kind::kShard) continue;
+    const bool on_vocab = std::find(p.dims.begin(), p.dims.end(), 2) != p.dims.end();
+    if (on_vocab && p.dims.size() > 1) return absl::InvalidArgumentError("the logits' vocab dim is split with others");
+    if (on_vocab) {
+      if (axis != "tp") return absl::InvalidArgumentError(absl::StrCat("vocab split over ", axis, ", not tp"));
+      vocab_split = true;
+    } else {
+      rows.Set(axis, p);
+      row_axes.push_back(axis);
+    }
+  }
+  ASSIGN_OR_RETURN(Block block, LocalBlock(rows, {batch, seq}, pg_));
+  Tensor mine = labels;
+  for (int d = 0; d < 2; ++d) {
+    ASSIGN_OR_RETURN(mine, mine.Narrow(d, block.starts[d], block.lengths[d]));
+  }
+  ASSIGN_OR_RETURN(mine, mine.Contiguous().Reshape({block.lengths[0] * block.lengths[1]}));
+  Variable per_row;
+  if (vocab_split) {
+    ASSIGN_OR_RETURN(per_row, nn::VocabParallelCrossEntropy(logits, mine, vocab));
+  } else {
+    const int64_t width = logits.local().shape().back();
+    ASSIGN_OR_RETURN(Variable flat, nn::Reshape(logits.variable(), {mine.numel(), width}));
+    if (width > vocab) {
+      ASSIGN_OR_RETURN(flat, nn::Narrow(flat, 1, 0, vocab));
+    }
+    ASSIGN_OR_RETURN(per_row, nn::CrossEntropy(flat, mine));
+  }
+  ASSIGN_OR_RETURN(Variable sum, Sum(per_row));
+  int64_t count = 0;
+  for (int64_t l : mine.ToInt64s()) count += l != -100;
+  std::vector<float> totals = {sum.value().ToFloats()[0], static_cast<float>(count)};
+  if (pg_->mesh().AxisIndices("dp").ok() && *pg_->AxisSize("dp") > 1) row_axes.push_back("dp");
+  for (const std::string& axis : row_axes) {
+    ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm(axis));
+    RETURN_IF_ERROR(AllReduceValues(totals, ReduceOp::kSum, *comm, Device::Cpu(), pg_->timeout()));
+  }
+  LmLoss out;
+  out.tokens = static_cast<int64_t>(totals[1]);
+  if (out.tokens == 0) return absl::InvalidArgumentError("no token has a next token (sequences of length 1)");
+  out.value = totals[0] / totals[1];
+  ASSIGN_OR_RETURN(out.loss, Scale(sum, 1.0f / totals[1]));
+  return out;
+}
+
+absl::StatusOr<Tensor> ShardedModel::GatherLogits(const ColoTensor& logits) {
+  NoGradScope no_grad;
+  ASSIGN_OR_RETURN(ColoTensor full, logits.ToReplicate());
+  Tensor t = full.local();
+  if (t.shape().back() > config_.vocab_size) {
+    ASSIGN_OR_RETURN(t, t.Narrow(t.dim() - 1, 0, config_.vocab_size));
+  }
+  ASSIGN_OR_RETURN(t, t.To(Device::Cpu()));
+  return t.dtype() == DType::kF32 ? t.Contiguous() : t.ToDType(DType::kF32);
+}
+
+std::vector<NamedParam> ShardedModel::Parameters() {
+  std::vector<NamedParam> out;
+  for (auto& [path, m] : root_->Modules()) {
+    if (m->layer() == nullptr) continue;
+    for (BoundParam& b : m->layer()->Params()) {
+      out.push_back(NamedParam{path.empty() ? b.name : absl::StrCat(path, ".", b.name), b});
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::map<std::string, Tensor>> ShardedModel::GatherHf(bool gradients) {
+  NoGradScope no_grad;
+  std::map<std::string, Tensor> out;
+  for (const NamedParam& p : Parameters()) {
+    const ColoParameter& param = p.bound.param;
+    Tensor local = param.local();
+    if (gradients) {
+      std::optional<Tensor> g = param.variable().grad();
+      if (!g.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
+      local = *g;
+    }
+    ASSIGN_OR_RETURN(ColoTensor t, ColoTensor::FromLocal(local, param.spec(), pg_));
+    ASSIGN_OR_RETURN(ColoTensor full, t.ToReplicate());
+    ASSIGN_OR_RETURN(Tensor host, full.local().To(Device::Cpu()));
+    ASSIGN_OR_RETURN(Tensor slice, LayerToHf(p.bound.hf, host));
+    auto it = out.find(p.bound.hf.name);
+    if (it == out.end()) {
+      ASSIGN_OR_RETURN(Tensor zeros, Tensor::Zeros(p.bound.hf.shape, slice.dtype()));
+      it = out.emplace(p.bound.hf.name, zeros).first;
+    }
+    RETURN_IF_ERROR(PlaceInHf(p.bound.hf, slice, it->second));
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Optimize(std::unique_ptr<Module> model,
+                                                                    const ModelConfig& config,
+                                                                    const ModelFiles& files, Policy& policy) {
+  ModelSharder sharder(*model, policy, config, shard_, &files, pg_);
+  RETURN_IF_ERROR(sharder.Shard());
+  return std::make_unique<ShardedModel>(std::move(model), config, sharder.shard_config(), pg_);
+}
+
+absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::string& dir) {
+  ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
+  RETURN_IF_ERROR(CheckShardable(config, shard_.layout));
+  ASSIGN_OR_RETURN(ModelFamily family, ModelRegistry::Global().Get(config.model_type));
+  ASSIGN_OR_RETURN(std::unique_ptr<ModelFiles> files, ModelFiles::Open(dir));
+  ASSIGN_OR_RETURN(std::unique_ptr<Module> model, family.build(config));
+  std::unique_ptr<Policy> policy = family.policy();
+  // Checkpoints of the bare model (GPT2Model) lack the LM model's prefix
+  // ("transformer."); Hugging Face loads both, and so does colod.
+  if (!family.base_model_prefix.empty()) {
+    bool prefixed = false;
+    for (const std::string& name : files->Names()) prefixed = prefixed || absl::StartsWith(name, family.base_model_prefix + ".");
+    if (!prefixed) files->set_strip_prefix(family.base_model_prefix + ".");
+  }
+  return Optimize(std::move(model), config, *files, *policy);
+}
+
+}  // namespace colod::shardformer

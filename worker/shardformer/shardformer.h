@@ -1,0 +1,181 @@
+// ShardFormer (../shared/reference/shardformer.md), native: a policy says,
+// per module class, which attributes change, which sub-modules become which
+// tensor-parallel layers, and which forwards are replaced; ModelSharder
+// applies it to a model's module tree (worker/shardformer/module.h) while
+// each rank reads its blocks of the checkpoint; the ShardFormer facade loads
+// a Hugging Face-style directory with the policy of its model_type.
+//
+//   ShardFormer sf(shard_config, &pg);
+//   ASSIGN_OR_RETURN(auto model, sf.Load("/models/gpt2"));
+//   ASSIGN_OR_RETURN(ColoTensor logits, model->Forward(ids));
+//   ASSIGN_OR_RETURN(LmLoss loss, model->NextTokenLoss(logits, ids));
+//
+// Users shard their own models by registering a family (a builder for the
+// module tree and a policy) with ModelRegistry, or by passing a policy to
+// ShardFormer::Optimize; docs/SHARDFORMER.md walks through an example.
+//
+// Thread-safety: the registries are thread-safe; a ShardedModel belongs to
+// one rank thread.
+#ifndef COLOD_WORKER_SHARDFORMER_SHARDFORMER_H_
+#define COLOD_WORKER_SHARDFORMER_SHARDFORMER_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "worker/shardformer/layers.h"
+#include "worker/shardformer/model_config.h"
+#include "worker/shardformer/model_files.h"
+#include "worker/shardformer/module.h"
+
+namespace colod::shardformer {
+
+// Replace the leaf at `suffix` (relative to the described module) with the
+// registered layer `target_module` built with `kwargs`.
+struct SubModuleReplacementDescription {
+  std::string suffix;
+  std::string target_module;
+  std::map<std::string, double> kwargs;
+  bool ignore_if_not_exist = false;
+};
+
+// What changes in every module of one class.
+struct ModulePolicyDescription {
+  // Attributes of the module or its descendants ("attn.num_heads") set to new values.
+  std::map<std::string, double> attribute_replacement;
+  // Functions run on the module after its sub-modules are replaced.
+  std::vector<std::function<absl::Status(Module& module)>> param_replacement;
+  std::vector<SubModuleReplacementDescription> sub_module_replacement;
+  // The module's new forward; empty keeps the original.
+  Module::ForwardFn method_replacement;
+};
+
+class Policy {
+ public:
+  virtual ~Policy() = default;
+  // Checks (and adjusts the ShardConfig) before anything is built.
+  virtual absl::Status Preprocess(const ModelConfig& config, ShardConfig& shard) { return absl::OkStatus(); }
+  // Module class name -> what to do to each module of that class.
+  virtual absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
+                                                                                      const ShardConfig& shard) = 0;
+  // After every leaf is loaded: e.g. tie the LM head to the embedding.
+  virtual absl::Status Postprocess(Module& model, const ModelConfig& config, const ShardConfig& shard) {
+    return absl::OkStatus();
+  }
+};
+
+// Makes every leaf whose declaration says it is tied to an embedding
+// (LayerDecl::tied_to) that embedding layer's TiedHead.
+absl::Status TieLmHeads(Module& model);
+
+// A model family: its native module tree and its policy.
+struct ModelFamily {
+  // The bare model's name inside the LM model ("transformer" for GPT-2):
+  // checkpoints of the bare model lack it and load all the same.
+  std::string base_model_prefix;
+  std::function<absl::StatusOr<std::unique_ptr<Module>>(const ModelConfig& config)> build;
+  std::function<std::unique_ptr<Policy>()> policy;
+};
+
+class ModelRegistry {
+ public:
+  // Holds gpt2, llama and bert.
+  static ModelRegistry& Global();
+  // Adds or replaces the family of `model_type`.
+  void Register(const std::string& model_type, ModelFamily family);
+  // INVALID_ARGUMENT naming the model type and the known ones.
+  absl::StatusOr<ModelFamily> Get(const std::string& model_type) const;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::map<std::string, ModelFamily> families_ ABSL_GUARDED_BY(mu_);
+};
+
+// Applies a policy to a module tree and loads its leaves. With tp = 1 the
+// module policy is skipped and every leaf stays native.
+class ModelSharder {
+ public:
+  ModelSharder(Module& model, Policy& policy, const ModelConfig& config, ShardConfig shard, const ModelFiles* files,
+               ProcessGroup* pg)
+      : model_(model), policy_(policy), config_(config), shard_(std::move(shard)), files_(files), pg_(pg) {}
+  absl::Status Shard();
+  const ShardConfig& shard_config() const { return shard_; }
+
+ private:
+  absl::Status Apply(Module& module, const std::string& path, const ModulePolicyDescription& description);
+
+  Module& model_;
+  Policy& policy_;
+  const ModelConfig& config_;
+  ShardConfig shard_;
+  const ModelFiles* files_;
+  ProcessGroup* pg_;
+};
+
+// The per-token loss of a causal LM over this rank's batch.
+struct LmLoss {
+  Variable loss;       // this rank's term of the mean, on the tape: Backward(loss) gives d(mean)
+  double value = 0;    // the mean over every token of the batch (all dp ranks)
+  int64_t tokens = 0;  // how many tokens it averages
+};
+
+class ShardedModel {
+ public:
+  ShardedModel(std::unique_ptr<Module> root, ModelConfig config, ShardConfig shard, ProcessGroup* pg)
+      : root_(std::move(root)), config_(std::move(config)), shard_(std::move(shard)), pg_(pg) {}
+
+  Module& root() { return *root_; }
+  const ModelConfig& config() const { return config_; }
+  const ShardConfig& shard_config() const { return shard_; }
+  ProcessGroup* process_group() const { return pg_; }
+
+  // Logits for int64 token ids [B, S], the batch of this rank's dp replica
+  // (the same on every rank of its tp group). INVALID_ARGUMENT for ids
+  // outside the vocabulary or longer than max positions.
+  absl::StatusOr<ColoTensor> Forward(const Tensor& ids);
+  // Mean next-token cross-entropy of `logits` for `ids` (position s
+  // predicts ids[s + 1]); collective over the ranks that split the batch.
+  absl::StatusOr<LmLoss> NextTokenLoss(const ColoTensor& logits, const Tensor& ids);
+  // The logits as a full f32 [B, S, vocab_size] tensor (padding removed) on
+  // every rank of the dp replica. Collective.
+  absl::StatusOr<Tensor> GatherLogits(const ColoTensor& logits);
+
+  // Every parameter, in module order, with its checkpoint name.
+  std::vector<NamedParam> Parameters();
+  // The full checkpoint tensors, by name, of the parameters (or of their
+  // gradients: FAILED_PRECONDITION naming a parameter that has none).
+  // Collective over the model's ranks.
+  absl::StatusOr<std::map<std::string, Tensor>> GatherHf(bool gradients);
+
+ private:
+  std::unique_ptr<Module> root_;
+  ModelConfig config_;
+  ShardConfig shard_;
+  ProcessGroup* pg_;
+};
+
+class ShardFormer {
+ public:
+  ShardFormer(ShardConfig shard, ProcessGroup* pg) : shard_(std::move(shard)), pg_(pg) {}
+  // config.json and weights from `dir`, sharded with the registered policy
+  // of its model_type. INVALID_ARGUMENT naming the field or tensor for
+  // an unknown model_type, a layout the model cannot take (heads not
+  // divisible by tp, ...), a missing or misshaped tensor.
+  absl::StatusOr<std::unique_ptr<ShardedModel>> Load(const std::string& dir);
+  // Shards `model` with `policy`, loading from `files`.
+  absl::StatusOr<std::unique_ptr<ShardedModel>> Optimize(std::unique_ptr<Module> model, const ModelConfig& config,
+                                                         const ModelFiles& files, Policy& policy);
+
+ private:
+  ShardConfig shard_;
+  ProcessGroup* pg_;
+};
+
+}  // namespace colod::shardformer
+
+#endif  // COLOD_WORKER_SHARDFORMER_SHARDFORMER_H_

@@ -1,0 +1,51 @@
+// Test helpers (testonly): tiny random Hugging Face-style model directories
+// and independent, unsharded reference implementations of the model
+// families, written straight from the transformers modeling code with the
+// functional ops, to compare sharded models against.
+#ifndef COLOD_WORKER_SHARDFORMER_TESTING_H_
+#define COLOD_WORKER_SHARDFORMER_TESTING_H_
+
+#include <map>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "worker/shardformer/model_config.h"
+#include "worker/tensor/tensor.h"
+
+namespace colod::shardformer::testing {
+
+struct TinyOptions {
+  int64_t vocab = 50;  // not a multiple of 64: the 1D vocabulary gets padding
+  int64_t hidden = 64;
+  int64_t layers = 2;
+  int64_t heads = 4;
+  int64_t positions = 16;
+  uint64_t seed = 1;
+  // GPT-2: names with the LM model's "transformer." prefix, or the bare
+  // model's names as on the hub.
+  bool prefixed = true;
+};
+
+struct TinyModel {
+  std::string dir;
+  ModelConfig config;
+  std::map<std::string, Tensor> tensors;  // as written, by checkpoint name
+};
+
+// Creates `dir` with config.json and model.safetensors of a random GPT-2.
+absl::StatusOr<TinyModel> WriteTinyGpt2(const std::string& dir, const TinyOptions& options = {});
+
+// The unsharded model's results for int64 ids [B, S].
+struct Reference {
+  Tensor logits;                          // [B, S, V]
+  double loss = 0;                        // mean next-token cross-entropy
+  std::map<std::string, Tensor> grads;    // d loss / d tensor, by checkpoint name
+};
+absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& model, const Tensor& ids);
+
+// Deterministic ids in [0, vocab).
+Tensor TokenIds(int64_t batch, int64_t seq, int64_t vocab, uint64_t salt);
+
+}  // namespace colod::shardformer::testing
+
+#endif  // COLOD_WORKER_SHARDFORMER_TESTING_H_
