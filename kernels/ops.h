@@ -40,6 +40,9 @@ absl::StatusOr<Tensor> BiasGrad(const Tensor& dy);
 enum class GeluApprox { kNone, kTanh };
 absl::StatusOr<Tensor> Gelu(const Tensor& x, GeluApprox approx);
 absl::StatusOr<Tensor> GeluBackward(const Tensor& dy, const Tensor& x, GeluApprox approx);
+// SiLU (swish): x * sigmoid(x); backward dy * s * (1 + x * (1 - s)).
+absl::StatusOr<Tensor> Silu(const Tensor& x);
+absl::StatusOr<Tensor> SiluBackward(const Tensor& dy, const Tensor& x);
 
 // LayerNorm over the last dim: y = (x - mean) * rstd * gamma + beta, with
 // rstd = 1 / sqrt(var + eps) (biased variance). mean and rstd ([rows], f32)

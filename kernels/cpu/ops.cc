@@ -217,6 +217,47 @@ absl::StatusOr<Tensor> Gelu(const Tensor& x, GeluApprox approx) {
   return Back(out, x.dtype());
 }
 
+absl::StatusOr<Tensor> Silu(const Tensor& x) {
+  const Device dev = x.device();
+  ASSIGN_OR_RETURN(Tensor f, AsF32(x, "silu"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
+  const int64_t n = f.numel();
+  if (dev.is_cuda()) {
+    COLOD_GPU(gpu::Silu(dev.index, P<float>(f), P<float>(out), n));
+    return Back(out, x.dtype());
+  }
+  const float* p = f.data<float>();
+  float* o = out.data<float>();
+  ParallelFor(n, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) o[i] = p[i] / (1.0f + std::exp(-p[i]));
+  });
+  return Back(out, x.dtype());
+}
+
+absl::StatusOr<Tensor> SiluBackward(const Tensor& dy, const Tensor& x) {
+  const Device dev = x.device();
+  RETURN_IF_ERROR(SameShapes(dy, x, "silu_backward"));
+  RETURN_IF_ERROR(SameDevice("silu_backward", dev, {&dy}));
+  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "silu_backward"));
+  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "silu_backward"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
+  const int64_t n = fx.numel();
+  if (dev.is_cuda()) {
+    COLOD_GPU(gpu::SiluBackward(dev.index, P<float>(fd), P<float>(fx), P<float>(out), n));
+    return Back(out, x.dtype());
+  }
+  const float* p = fx.data<float>();
+  const float* d = fd.data<float>();
+  float* o = out.data<float>();
+  ParallelFor(n, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float s = 1.0f / (1.0f + std::exp(-p[i]));
+      o[i] = d[i] * s * (1.0f + p[i] * (1.0f - s));
+    }
+  });
+  return Back(out, x.dtype());
+}
+
 absl::StatusOr<Tensor> GeluBackward(const Tensor& dy, const Tensor& x, GeluApprox approx) {
   const Device dev = x.device();
   RETURN_IF_ERROR(SameShapes(dy, x, "gelu_backward"));

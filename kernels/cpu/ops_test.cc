@@ -119,6 +119,21 @@ TEST(CpuKernels, GeluForwardAndBackwardBothApproximations) {
   }
 }
 
+TEST(CpuKernels, SiluForwardAndBackwardAgainstTheClosedForm) {
+  const Tensor x = Random({3, 29}, 16, 4.0f), dy = Random({3, 29}, 17);
+  const std::vector<float> xv = x.ToFloats(), dv = dy.ToFloats();
+  auto silu = [](double v) { return v / (1 + std::exp(-v)); };
+  std::vector<double> y(xv.size()), dx(xv.size());
+  for (size_t i = 0; i < xv.size(); ++i) {
+    y[i] = silu(xv[i]);
+    const double h = 1e-5;
+    dx[i] = dv[i] * (silu(xv[i] + h) - silu(xv[i] - h)) / (2 * h);
+  }
+  ExpectNear(Silu(x)->ToFloats(), y, 1e-5, 1e-6, "silu");
+  ExpectNear(SiluBackward(dy, x)->ToFloats(), dx, 1e-4, 1e-5, "silu backward");
+  EXPECT_EQ(SiluBackward(Random({3, 28}, 1), x).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // LayerNorm of one row in double.
 std::vector<double> LayerNormRow(const std::vector<double>& x, const std::vector<double>& g,
                                  const std::vector<double>& b, double eps) {

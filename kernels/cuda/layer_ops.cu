@@ -95,6 +95,17 @@ __global__ void GeluBackwardKernel(const float* dy, const float* x, float* dx, i
   }
 }
 
+__global__ void SiluKernel(const float* x, float* y, int64_t n) {
+  GRID_STRIDE(i, n) { y[i] = x[i] / (1.0f + expf(-x[i])); }
+}
+
+__global__ void SiluBackwardKernel(const float* dy, const float* x, float* dx, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const float s = 1.0f / (1.0f + expf(-x[i]));
+    dx[i] = dy[i] * s * (1.0f + x[i] * (1.0f - s));
+  }
+}
+
 __global__ void LayerNormKernel(const float* x, const float* g, const float* b, float eps, float* y, float* mean,
                                 float* rstd, int64_t rows, int64_t n) {
   __shared__ float shared[kThreads];
@@ -354,6 +365,18 @@ absl::Status GeluBackward(int device, const float* dy, const float* x, float* dx
   RETURN_IF(Begin(device));
   GeluBackwardKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(dy, x, dx, n, tanh_approx);
   return Finish("GeluBackwardKernel");
+}
+
+absl::Status Silu(int device, const float* x, float* y, int64_t n) {
+  RETURN_IF(Begin(device));
+  SiluKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(x, y, n);
+  return Finish("SiluKernel");
+}
+
+absl::Status SiluBackward(int device, const float* dy, const float* x, float* dx, int64_t n) {
+  RETURN_IF(Begin(device));
+  SiluBackwardKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(dy, x, dx, n);
+  return Finish("SiluBackwardKernel");
 }
 
 absl::Status LayerNorm(int device, const float* x, const float* g, const float* b, float eps, float* y, float* mean,

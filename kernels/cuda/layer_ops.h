@@ -25,6 +25,8 @@ absl::Status BiasAdd(int device, const float* x, const float* bias, float* out, 
 absl::Status BiasGrad(int device, const float* dy, float* db, int64_t rows, int64_t n);
 absl::Status Gelu(int device, const float* x, float* y, int64_t n, bool tanh_approx);
 absl::Status GeluBackward(int device, const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx);
+absl::Status Silu(int device, const float* x, float* y, int64_t n);
+absl::Status SiluBackward(int device, const float* dy, const float* x, float* dx, int64_t n);
 
 // Per row of [rows, n]: mean and rstd out; y = (x - mean) * rstd * g + b.
 absl::Status LayerNorm(int device, const float* x, const float* g, const float* b, float eps, float* y, float* mean,

@@ -53,6 +53,8 @@ TEST_F(CudaLayerOps, ElementwiseAndNormsMatchTheCpu) {
     ExpectNear(*Gelu(Dev(x), a), *Gelu(x, a), 1e-5, "gelu");
     ExpectNear(*GeluBackward(Dev(dy), Dev(x), a), *GeluBackward(dy, x, a), 1e-5, "gelu backward");
   }
+  ExpectNear(*Silu(Dev(x)), *Silu(x), 1e-5, "silu");
+  ExpectNear(*SiluBackward(Dev(dy), Dev(x)), *SiluBackward(dy, x), 1e-5, "silu backward");
   auto ln = LayerNorm(x, g, b, 1e-5f);
   auto dln = LayerNorm(Dev(x), Dev(g), Dev(b), 1e-5f);
   ASSERT_TRUE(dln.ok()) << dln.status();

@@ -88,6 +88,23 @@ absl::StatusOr<Variable> Cat(const std::vector<Variable>& parts, int64_t dim) {
   });
 }
 
+absl::StatusOr<Variable> Silu(const Variable& x) {
+  ASSIGN_OR_RETURN(Tensor y, kernels::Silu(x.value()));
+  const Tensor xv = x.value();
+  return RecordOp("silu", {x}, std::move(y), [xv](const Tensor& dy) -> absl::StatusOr<Grads> {
+    ASSIGN_OR_RETURN(Tensor dx, kernels::SiluBackward(dy, xv));
+    return Grads{dx};
+  });
+}
+
+absl::StatusOr<Variable> Rope(const Variable& x, float theta, int64_t position_offset) {
+  ASSIGN_OR_RETURN(Tensor y, kernels::Rope(x.value(), theta, position_offset));
+  return RecordOp("rope", {x}, std::move(y), [theta, position_offset](const Tensor& dy) -> absl::StatusOr<Grads> {
+    ASSIGN_OR_RETURN(Tensor dx, kernels::RopeBackward(dy, theta, position_offset));
+    return Grads{dx};
+  });
+}
+
 absl::StatusOr<Variable> BiasAdd(const Variable& x, const Variable& b) {
   ASSIGN_OR_RETURN(Tensor y, kernels::BiasAdd(x.value(), b.value()));
   return RecordOp("bias_add", {x, b}, std::move(y), [](const Tensor& dy) -> absl::StatusOr<Grads> {
@@ -246,16 +263,22 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
       });
 }
 
-absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps,
-                                          Communicator* hidden, const std::vector<Communicator*>& replicas,
-                                          absl::Duration timeout) {
+namespace {
+
+// LayerNorm (with beta) or RMSNorm (without) over a hidden dim split across
+// `hidden`; see ShardedLayerNorm.
+absl::StatusOr<Variable> ShardedNorm(const Variable& x, const Variable& gamma, const std::optional<Variable>& beta,
+                                     float eps, Communicator* hidden, const std::vector<Communicator*>& replicas,
+                                     absl::Duration timeout) {
+  const bool rms = !beta.has_value();
   // The statistics are computed on host copies (the values cross devices
   // once each way); the collectives run where the communicator wants them.
   const Device dev = x.value().device();
   ASSIGN_OR_RETURN(const Tensor xv, x.value().To(Device::Cpu()));
-  if (xv.dim() == 0 || gamma.value().shape() != Shape{xv.shape().back()} || beta.value().shape() != gamma.value().shape()) {
-    return absl::InvalidArgumentError(absl::StrCat("layer norm: gamma ", ShapeToString(gamma.value().shape()),
-                                                   " and beta must be [", xv.dim() ? xv.shape().back() : 0,
+  if (xv.dim() == 0 || gamma.value().shape() != Shape{xv.shape().back()} ||
+      (!rms && beta->value().shape() != gamma.value().shape())) {
+    return absl::InvalidArgumentError(absl::StrCat("sharded norm: gamma ", ShapeToString(gamma.value().shape()),
+                                                   rms ? "" : " and beta", " must be [", xv.dim() ? xv.shape().back() : 0,
                                                    "] for the local input ", ShapeToString(xv.shape())));
   }
   ASSIGN_OR_RETURN(Tensor xm, Rows(xv));
@@ -263,14 +286,17 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
   const int64_t rows = xm.shape()[0], hl = xm.shape()[1], h = hl * hidden->size();
   Communicator* row = hidden;
   const float* px = xm.data<float>();
-  // Two passes over the whole hidden dim, each one all-reduce along the row group.
+  // Two passes over the whole hidden dim (one for RMSNorm, whose mean is
+  // zero), each one all-reduce along the row group.
   std::vector<float> mean(rows, 0.0f), var(rows, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    double s = 0;
-    for (int64_t j = 0; j < hl; ++j) s += px[r * hl + j];
-    mean[r] = static_cast<float>(s);
+  if (!rms) {
+    for (int64_t r = 0; r < rows; ++r) {
+      double s = 0;
+      for (int64_t j = 0; j < hl; ++j) s += px[r * hl + j];
+      mean[r] = static_cast<float>(s);
+    }
+    RETURN_IF_ERROR(AllReduceValues(mean, ReduceOp::kSum, *row, dev, timeout));
   }
-  RETURN_IF_ERROR(AllReduceValues(mean, ReduceOp::kSum, *row, dev, timeout));
   for (int64_t r = 0; r < rows; ++r) {
     mean[r] /= static_cast<float>(h);
     double s = 0;
@@ -286,8 +312,11 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
   }
   ASSIGN_OR_RETURN(Tensor g32, gamma.value().To(Device::Cpu()));
   ASSIGN_OR_RETURN(g32, g32.ToDType(DType::kF32));
-  ASSIGN_OR_RETURN(Tensor b32, beta.value().To(Device::Cpu()));
-  ASSIGN_OR_RETURN(b32, b32.ToDType(DType::kF32));
+  ASSIGN_OR_RETURN(Tensor b32, Tensor::Zeros({hl}, DType::kF32));
+  if (!rms) {
+    ASSIGN_OR_RETURN(b32, beta->value().To(Device::Cpu()));
+    ASSIGN_OR_RETURN(b32, b32.ToDType(DType::kF32));
+  }
   ASSIGN_OR_RETURN(Tensor y, Tensor::Empty({rows, hl}, DType::kF32));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < hl; ++j) {
@@ -299,10 +328,12 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
   ASSIGN_OR_RETURN(y, y.To(dev));
   const Shape x_shape = xv.shape();
   const DType dtype = xv.dtype();
+  std::vector<Variable> inputs = {x, gamma};
+  if (!rms) inputs.push_back(*beta);
   return RecordOp(
-      "sharded_layer_norm", {x, gamma, beta}, std::move(y),
-      [xhat, rstd, g32, rows, hl, h, row, replicas, timeout, x_shape, dtype,
-       dev](const Tensor& dy_full) -> absl::StatusOr<Grads> {
+      rms ? "sharded_rms_norm" : "sharded_layer_norm", inputs, std::move(y),
+      [xhat, rstd, g32, rows, hl, h, row, replicas, timeout, x_shape, dtype, dev,
+       rms](const Tensor& dy_full) -> absl::StatusOr<Grads> {
         ASSIGN_OR_RETURN(Tensor dy_host, dy_full.To(Device::Cpu()));
         ASSIGN_OR_RETURN(Tensor dy, Rows(dy_host));
         ASSIGN_OR_RETURN(dy, dy.ToDType(DType::kF32));
@@ -330,7 +361,7 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
         }
         ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty({rows, hl}, DType::kF32));
         for (int64_t r = 0; r < rows; ++r) {
-          const float a = sums[r] / h, b = sums[rows + r] / h;
+          const float a = rms ? 0.0f : sums[r] / h, b = sums[rows + r] / h;
           for (int64_t j = 0; j < hl; ++j) {
             dx.data<float>()[r * hl + j] = rstd[r] * (pd[r * hl + j] * g[j] - a - xh[r * hl + j] * b);
           }
@@ -341,9 +372,23 @@ absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gam
         ASSIGN_OR_RETURN(Tensor dgamma, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data(), hl)));
         ASSIGN_OR_RETURN(Tensor dbeta, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data() + hl, hl)));
         ASSIGN_OR_RETURN(dgamma, dgamma.To(dev));
+        if (rms) return Grads{dx, dgamma};
         ASSIGN_OR_RETURN(dbeta, dbeta.To(dev));
         return Grads{dx, dgamma, dbeta};
       });
+}
+
+}  // namespace
+
+absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps,
+                                          Communicator* hidden, const std::vector<Communicator*>& replicas,
+                                          absl::Duration timeout) {
+  return ShardedNorm(x, gamma, beta, eps, hidden, replicas, timeout);
+}
+
+absl::StatusOr<Variable> ShardedRmsNorm(const Variable& x, const Variable& gamma, float eps, Communicator* hidden,
+                                        const std::vector<Communicator*>& replicas, absl::Duration timeout) {
+  return ShardedNorm(x, gamma, std::nullopt, eps, hidden, replicas, timeout);
 }
 
 

@@ -34,6 +34,9 @@ absl::StatusOr<Variable> Cat(const std::vector<Variable>& parts, int64_t dim);
 // x + b over the last dim.
 absl::StatusOr<Variable> BiasAdd(const Variable& x, const Variable& b);
 absl::StatusOr<Variable> Gelu(const Variable& x, kernels::GeluApprox approx);
+absl::StatusOr<Variable> Silu(const Variable& x);
+// Rotary position embedding (kernels::Rope) of x [B, S, heads, D].
+absl::StatusOr<Variable> Rope(const Variable& x, float theta, int64_t position_offset = 0);
 // LayerNorm over the last dim with affine gamma and beta.
 absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps);
 
@@ -65,6 +68,11 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
 absl::StatusOr<Variable> ShardedLayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps,
                                           Communicator* hidden, const std::vector<Communicator*>& replicas,
                                           absl::Duration timeout);
+
+// The same for RMSNorm (no mean, no beta): one all-reduce of the row sums of
+// squares forward.
+absl::StatusOr<Variable> ShardedRmsNorm(const Variable& x, const Variable& gamma, float eps, Communicator* hidden,
+                                        const std::vector<Communicator*>& replicas, absl::Duration timeout);
 
 // Sequence parallelism's two region boundaries (Megatron): all-gather along
 // `dim` forward and reduce-scatter the gradient along it backward; and the

@@ -204,4 +204,24 @@ absl::StatusOr<ColoTensor> LayerNorm2D::Forward(const ColoTensor& x) const {
   return ColoTensor::FromLocal(y, in.spec(), pg_);
 }
 
+absl::StatusOr<RmsNorm2D> RmsNorm2D::FromParameters(ColoParameter gamma, float eps, ProcessGroup* pg) {
+  if (gamma.global_shape().size() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("RmsNorm2D: gamma must be [hidden], got ",
+                                                   ShapeToString(gamma.global_shape())));
+  }
+  ASSIGN_OR_RETURN(const DistSpec spec, LayerNorm2D::Spec(pg));
+  RETURN_IF_ERROR(CheckSpec(gamma, spec, "RmsNorm2D gamma"));
+  gamma.set_compute_spec(Compute2D(pg));
+  return RmsNorm2D(std::move(gamma), eps, pg);
+}
+
+absl::StatusOr<ColoTensor> RmsNorm2D::Forward(const ColoTensor& x) const {
+  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg_));
+  ASSIGN_OR_RETURN(ColoTensor in, ToActivation2D(x, c));
+  std::vector<Communicator*> replicas = {c.col};
+  if (c.dep != nullptr) replicas.push_back(c.dep);
+  ASSIGN_OR_RETURN(Variable y, ShardedRmsNorm(in.variable(), gamma_.variable(), eps_, c.row, replicas, pg_->timeout()));
+  return ColoTensor::FromLocal(y, in.spec(), pg_);
+}
+
 }  // namespace colod::nn

@@ -89,6 +89,21 @@ class LayerNorm2D {
   int q_;
 };
 
+// RMSNorm with gamma split like LayerNorm2D's (LLaMA in 2D): one all-reduce
+// of the row sums of squares along the row group.
+class RmsNorm2D {
+ public:
+  static absl::StatusOr<RmsNorm2D> FromParameters(ColoParameter gamma, float eps, ProcessGroup* pg);
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
+  const ColoParameter& gamma() const { return gamma_; }
+
+ private:
+  RmsNorm2D(ColoParameter g, float eps, ProcessGroup* pg) : gamma_(std::move(g)), eps_(eps), pg_(pg) {}
+  ColoParameter gamma_;
+  float eps_;
+  ProcessGroup* pg_;
+};
+
 // The SUMMA product on this rank's blocks: x_local [.., r, k/q] and
 // a_local [k/q, n/q] -> y_local [.., r, n/q], on the tape. `row` is the
 // tp_row communicator (ranks (i, *)), `col` the tp_col one (ranks (*, j)).

@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
-#include "worker/nn/linear1d.h"
 #include "worker/shardformer/models.h"
 
 namespace colod::shardformer {
@@ -18,18 +17,7 @@ using Kind = LayerDecl::Kind;
 
 std::unique_ptr<Module> Leaf(Kind kind, const std::string& prefix, int64_t in, int64_t out, bool bias = true,
                              float eps = 1e-5f) {
-  LayerDecl d;
-  d.kind = kind;
-  d.prefix = prefix;
-  d.in = in;
-  d.out = out;
-  d.bias = bias;
-  d.eps = eps;
-  return Module::Leaf(std::move(d));
-}
-
-absl::StatusOr<ColoTensor> WithLocal(const Variable& v, const ColoTensor& like) {
-  return ColoTensor::FromLocal(v, like.spec(), like.process_group());
+  return Module::Leaf(LayerDecl::Of(kind, prefix, in, out, bias, eps));
 }
 
 // GPT2Attention: q|k|v from c_attn, causal attention over this rank's
@@ -54,18 +42,14 @@ absl::StatusOr<ColoTensor> AttentionForward(Module& self, const ColoTensor& x) {
   ASSIGN_OR_RETURN(Variable att, nn::CausalAttention(qkv_parts[0], qkv_parts[1], qkv_parts[2],
                                                      1.0f / std::sqrt(static_cast<float>(head_dim))));
   ASSIGN_OR_RETURN(att, nn::Reshape(att, {b, s, heads * head_dim}));
-  ASSIGN_OR_RETURN(Module * proj, self.Get("c_proj"));
-  if (proj->layer() == nullptr) return absl::FailedPreconditionError("c_proj has no weights loaded");
-  ASSIGN_OR_RETURN(DistSpec merged, proj->layer()->InputSpec(3));
-  ASSIGN_OR_RETURN(ColoTensor heads_out, ColoTensor::FromLocal(att, merged, x.process_group()));
-  return proj->Forward(heads_out);
+  return CallWithLocal(self, "c_proj", att, x.process_group());
 }
 
 absl::StatusOr<ColoTensor> MlpForward(Module& self, const ColoTensor& x) {
   ASSIGN_OR_RETURN(ColoTensor h, self.Call("c_fc", x));
   ASSIGN_OR_RETURN(int64_t tanh, self.IntAttr("gelu_tanh"));
-  ASSIGN_OR_RETURN(Variable g, nn::Gelu(h.variable(), tanh ? kernels::GeluApprox::kTanh : kernels::GeluApprox::kNone));
-  ASSIGN_OR_RETURN(ColoTensor act, WithLocal(g, h));
+  const auto approx = tanh ? kernels::GeluApprox::kTanh : kernels::GeluApprox::kNone;
+  ASSIGN_OR_RETURN(ColoTensor act, MapLocal(h, [approx](const Variable& v) { return nn::Gelu(v, approx); }));
   return self.Call("c_proj", act);
 }
 
@@ -91,15 +75,10 @@ Module::ForwardFn ModelForward(bool sequence_parallel) {
     ASSIGN_OR_RETURN(ColoTensor where, self.Call("wpe", pos_ids));
     ASSIGN_OR_RETURN(ColoTensor x, AddActivations(tok, where));
     if (sequence_parallel) {
-      ASSIGN_OR_RETURN(int p, ids.process_group()->AxisSize("tp"));
-      ASSIGN_OR_RETURN(x, x.Redistribute(nn::WithTp(x.spec(), Placement::Shard({1}, {p}))));
+      ASSIGN_OR_RETURN(x, SplitSequence(x));
     }
     ASSIGN_OR_RETURN(Module * blocks, self.Get("h"));
-    for (int64_t i = 0;; ++i) {
-      Module* block = blocks->Find(absl::StrCat(i));
-      if (block == nullptr) break;
-      ASSIGN_OR_RETURN(x, block->Forward(x));
-    }
+    ASSIGN_OR_RETURN(x, RunSequential(*blocks, x));
     return self.Call("ln_f", x);
   };
 }
@@ -146,32 +125,18 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
 
 // ShardFormer's GPT2Policy: 1D (Megatron) with optional sequence
 // parallelism, and 2D / 2.5D.
-class Gpt2Policy : public Policy {
+class Gpt2Policy : public CausalLmPolicy {
  public:
-  absl::Status Preprocess(const ModelConfig& config, ShardConfig& shard) override {
-    RETURN_IF_ERROR(CheckShardable(config, shard.layout));
-    const auto mode = shard.layout.tensor_parallel_mode();
-    if (mode == v1::TENSOR_PARALLEL_MODE_3D) {
-      return absl::InvalidArgumentError("the gpt2 policy supports tensor_parallel_mode 1d, 2d and 2.5d");
-    }
-    if (shard.sequence_parallel() && shard.is_2d()) {
-      return absl::InvalidArgumentError("sequence_parallel applies to tensor_parallel_mode 1d only");
-    }
-    return absl::OkStatus();
-  }
+  Gpt2Policy() : CausalLmPolicy("gpt2") {}
 
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
     std::map<std::string, ModulePolicyDescription> policy;
     ModulePolicyDescription& model = policy["GPT2Model"];
     ModulePolicyDescription& block = policy["GPT2Block"];
+    block.attribute_replacement = {{"attn.num_heads", static_cast<double>(config.num_heads / shard.head_split())}};
     if (shard.is_2d()) {
-      const int depth = shard.layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2P5D
-                            ? std::max(1, shard.layout.depth())
-                            : 1;
-      const int q = static_cast<int>(std::lround(std::sqrt(shard.tp() / depth)));
       model.sub_module_replacement = {{"wte", "Embedding2D"}, {"wpe", "Embedding2D"}, {"ln_f", "LayerNorm2D"}};
-      block.attribute_replacement = {{"attn.num_heads", static_cast<double>(config.num_heads / q)}};
       block.sub_module_replacement = {
           {"ln_1", "LayerNorm2D"},   {"attn.c_attn", "Linear2D", {{"n_fused", 3}}},
           {"attn.c_proj", "Linear2D"}, {"ln_2", "LayerNorm2D"},
@@ -179,9 +144,7 @@ class Gpt2Policy : public Policy {
       };
       return policy;
     }
-    const int tp = shard.tp();
     model.sub_module_replacement = {{"wte", "VocabParallelEmbedding1D"}};
-    block.attribute_replacement = {{"attn.num_heads", static_cast<double>(config.num_heads / tp)}};
     block.sub_module_replacement = {
         {"attn.c_attn", "Linear1D_Col", {{"n_fused", 3}}},
         {"attn.c_proj", "Linear1D_Row"},
@@ -195,10 +158,6 @@ class Gpt2Policy : public Policy {
       block.sub_module_replacement.push_back({"ln_2", "Norm1D"});
     }
     return policy;
-  }
-
-  absl::Status Postprocess(Module& model, const ModelConfig&, const ShardConfig&) override {
-    return TieLmHeads(model);
   }
 };
 

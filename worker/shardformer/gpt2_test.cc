@@ -53,37 +53,7 @@ TEST_P(Gpt2Sharded, LogitsLossAndEveryGradientMatchTheUnshardedModel) {
   const Tensor ids = testing::TokenIds(batch, seq, model->config.vocab_size, 3);
   auto ref = testing::ReferenceGpt2(*model, ids);
   ASSERT_TRUE(ref.ok()) << ref.status();
-  const ShardConfig shard = Layout(c.tp, c.dp, c.mode, c.sp);
-  RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int rank, ProcessGroup& pg) {
-    ShardFormer sf(shard, &pg);
-    auto sharded = sf.Load(model->dir);
-    ASSERT_TRUE(sharded.ok()) << sharded.status();
-    // Each dp replica runs its rows of the batch.
-    const int dp_rank = *pg.dp_local_rank();
-    const int64_t rows = batch / c.dp;
-    const Tensor mine = ids.Narrow(0, dp_rank * rows, rows)->Contiguous();
-    auto logits = (*sharded)->Forward(mine);
-    ASSERT_TRUE(logits.ok()) << logits.status();
-    auto full = (*sharded)->GatherLogits(*logits);
-    ASSERT_TRUE(full.ok()) << full.status();
-    ExpectAllClose(*full, ref->logits.Narrow(0, dp_rank * rows, rows)->Contiguous(), "logits", kTol);
-    auto loss = (*sharded)->NextTokenLoss(*logits, mine);
-    ASSERT_TRUE(loss.ok()) << loss.status();
-    EXPECT_NEAR(loss->value, ref->loss, 1e-5 * std::fabs(ref->loss)) << "rank " << rank;
-    EXPECT_EQ(loss->tokens, batch * (seq - 1));
-    ASSERT_TRUE(Backward(loss->loss).ok());
-    auto grads = (*sharded)->GatherHf(/*gradients=*/true);
-    ASSERT_TRUE(grads.ok()) << grads.status();
-    // Every tensor of the checkpoint is a parameter, and with one replica its
-    // gradient is the whole gradient (with dp, each replica's share).
-    EXPECT_EQ(grads->size(), ref->grads.size());
-    if (c.dp == 1) {
-      for (const auto& [name, want] : ref->grads) {
-        ASSERT_EQ(grads->count(name), 1u) << name;
-        ExpectAllClose(grads->at(name), want, name + " gradient", kTol);
-      }
-    }
-  });
+  testing::ExpectShardedMatchesReference(*model, *ref, Layout(c.tp, c.dp, c.mode, c.sp), ids, kTol);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -105,14 +75,8 @@ TEST(Gpt2, TheBareModelsNamesLoadTheSame) {
   const Tensor ids = testing::TokenIds(2, 8, model->config.vocab_size, 5);
   auto ref = testing::ReferenceGpt2(*model, ids);
   ASSERT_TRUE(ref.ok()) << ref.status();
-  const ShardConfig shard = Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D);
-  RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
-    auto sharded = ShardFormer(shard, &pg).Load(model->dir);
-    ASSERT_TRUE(sharded.ok()) << sharded.status();
-    auto logits = (*sharded)->Forward(ids);
-    ASSERT_TRUE(logits.ok()) << logits.status();
-    ExpectAllClose(*(*sharded)->GatherLogits(*logits), ref->logits, "logits", kTol);
-  });
+  testing::ExpectShardedMatchesReference(*model, *ref, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D), ids, kTol,
+                                         "transformer.");
 }
 
 TEST(Gpt2, EachRankHoldsOnlyItsShard) {

@@ -1,5 +1,8 @@
 #include "worker/shardformer/layers.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
@@ -433,6 +436,31 @@ class LayerNorm2DLayer : public Layer {
   nn::Groups2D groups_;
 };
 
+class RmsNorm2DLayer : public Layer {
+ public:
+  RmsNorm2DLayer(nn::RmsNorm2D layer, BoundParam g, nn::Groups2D groups)
+      : layer_(std::move(layer)), g_(std::move(g)), groups_(groups) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c) {
+    RETURN_IF_ERROR(Expect(d.kind == Kind::kRmsNorm, d, "RMSNorm2D"));
+    ASSIGN_OR_RETURN(nn::Groups2D groups, nn::GetGroups2D(c.pg));
+    ASSIGN_OR_RETURN(DistSpec spec, nn::LayerNorm2D::Spec(c.pg));
+    ASSIGN_OR_RETURN(BoundParam g, Load(c, "weight", WeightTensor(d), {d.out}, spec));
+    ASSIGN_OR_RETURN(nn::RmsNorm2D layer, nn::RmsNorm2D::FromParameters(g.param, d.eps, c.pg));
+    return LayerPtr(new RmsNorm2DLayer(std::move(layer), std::move(g), groups));
+  }
+  std::string type() const override { return "RMSNorm2D"; }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override { return layer_.Forward(x); }
+  absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override {
+    return nn::Activation2D(ndim, groups_.q, groups_.depth);
+  }
+  std::vector<BoundParam> Params() override { return {g_}; }
+
+ private:
+  nn::RmsNorm2D layer_;
+  BoundParam g_;
+  nn::Groups2D groups_;
+};
+
 class Embedding2DLayer : public Layer {
  public:
   // `head`: this layer computes the logits of an LM head with the table.
@@ -482,6 +510,12 @@ bool ShardConfig::is_2d() const {
          layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2P5D;
 }
 
+int ShardConfig::head_split() const {
+  if (!is_2d()) return tp();
+  const int depth = layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2P5D ? std::max(1, layout.depth()) : 1;
+  return static_cast<int>(std::lround(std::sqrt(tp() / depth)));
+}
+
 HfTensor WeightTensor(const LayerDecl& d) {
   HfTensor hf;
   hf.name = absl::StrCat(d.prefix, ".weight");
@@ -514,6 +548,7 @@ LayerRegistry& LayerRegistry::Global() {
     (void)r->Register("Norm1D", Norm1DLayer::Create);
     (void)r->Register("Linear2D", Linear2DLayer::Create);
     (void)r->Register("LayerNorm2D", LayerNorm2DLayer::Create);
+    (void)r->Register("RMSNorm2D", RmsNorm2DLayer::Create);
     (void)r->Register("Embedding2D", [](const LayerDecl& d, const LayerContext& c) {
       return Embedding2DLayer::Create(d, c, false);
     });

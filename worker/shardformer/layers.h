@@ -11,7 +11,7 @@
 //   VocabParallelLMHead1D an untied LM head [V_pad, H] as a Linear1D_Col
 //   Norm1D                LayerNorm or RMSNorm (worker/nn/norm.h)
 //   Linear2D              worker/nn/linear2d.h (2D and 2.5D); kwargs n_fused
-//   LayerNorm2D           worker/nn/linear2d.h
+//   LayerNorm2D, RMSNorm2D  worker/nn/linear2d.h
 //   Embedding2D           worker/nn/embedding2d.h
 //   LMHead2D              an untied LM head [V, H] computed as Embedding2D's
 //                         tied logits
@@ -47,6 +47,8 @@ struct ShardConfig {
 
   int tp() const { return layout.tensor_parallel_size() < 1 ? 1 : layout.tensor_parallel_size(); }
   bool is_2d() const;  // 2D or 2.5D
+  // How many ways attention heads split: tp in 1D, q in 2D and 2.5D.
+  int head_split() const;
   bool sequence_parallel() const { return layout.sequence_parallel(); }
 };
 

@@ -133,10 +133,12 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
       auto axis = mesh->AxisSize(shard.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_3D ? "tp_weight" : "tp_row");
       if (!axis.ok()) return axis.status();
       const int64_t q = *axis;
-      if (config.hidden_size % q != 0 || config.intermediate_size % q != 0 || config.num_heads % q != 0) {
+      if (config.hidden_size % q != 0 || config.intermediate_size % q != 0 || config.num_heads % q != 0 ||
+          config.num_kv_heads % q != 0) {
         return absl::InvalidArgumentError(absl::StrCat("hidden_size ", config.hidden_size, ", intermediate_size ",
-                                                       config.intermediate_size, " and the ", config.num_heads,
-                                                       " heads must be divisible by q = ", q));
+                                                       config.intermediate_size, ", the ", config.num_heads,
+                                                       " heads and the ", config.num_kv_heads,
+                                                       " key/value heads must be divisible by q = ", q));
       }
       return absl::OkStatus();
     }

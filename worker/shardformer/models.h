@@ -4,6 +4,9 @@
 //
 //   gpt2   GPT2LMHeadModel: 1d (fused c_attn as Linear1D_Col with n_fused = 3,
 //          vocab-parallel wte and tied head), sequence_parallel, 2d and 2.5d.
+//   llama  LlamaForCausalLM: 1d (q/k/v, gate/up column-parallel, o/down
+//          row-parallel, grouped-query heads split over tp, vocab-parallel
+//          embedding and LM head), sequence_parallel, 2d and 2.5d.
 #ifndef COLOD_WORKER_SHARDFORMER_MODELS_H_
 #define COLOD_WORKER_SHARDFORMER_MODELS_H_
 
@@ -12,6 +15,7 @@
 namespace colod::shardformer {
 
 ModelFamily Gpt2Family();
+ModelFamily LlamaFamily();
 
 }  // namespace colod::shardformer
 

@@ -90,6 +90,47 @@ absl::StatusOr<ColoTensor> Module::Call(const std::string& path, const ColoTenso
   return m->Forward(x);
 }
 
+LayerDecl LayerDecl::Of(Kind kind, std::string prefix, int64_t in, int64_t out, bool bias, float eps) {
+  LayerDecl d;
+  d.kind = kind;
+  d.prefix = std::move(prefix);
+  d.in = in;
+  d.out = out;
+  d.bias = bias;
+  d.eps = eps;
+  return d;
+}
+
+absl::StatusOr<ColoTensor> RunSequential(Module& list, ColoTensor x) {
+  for (int64_t i = 0;; ++i) {
+    Module* m = list.Find(absl::StrCat(i));
+    if (m == nullptr) return x;
+    ASSIGN_OR_RETURN(x, m->Forward(x));
+  }
+}
+
+absl::StatusOr<ColoTensor> SplitSequence(const ColoTensor& x) {
+  ASSIGN_OR_RETURN(int p, x.process_group()->AxisSize("tp"));
+  DistSpec spec = x.spec();
+  spec.Set("tp", Placement::Shard({1}, {p}));
+  return x.Redistribute(spec);
+}
+
+absl::StatusOr<ColoTensor> CallWithLocal(Module& self, const std::string& path, const Variable& local,
+                                         ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(Module * m, self.Get(path));
+  if (m->layer() == nullptr) return absl::FailedPreconditionError(absl::StrCat(path, " has no weights loaded"));
+  ASSIGN_OR_RETURN(DistSpec spec, m->layer()->InputSpec(local.value().dim()));
+  ASSIGN_OR_RETURN(ColoTensor in, ColoTensor::FromLocal(local, spec, pg));
+  return m->Forward(in);
+}
+
+absl::StatusOr<ColoTensor> MapLocal(const ColoTensor& x,
+                                    const std::function<absl::StatusOr<Variable>(const Variable&)>& op) {
+  ASSIGN_OR_RETURN(Variable y, op(x.variable()));
+  return ColoTensor::FromLocal(y, x.spec(), x.process_group());
+}
+
 absl::StatusOr<ColoTensor> AddActivations(const ColoTensor& a, const ColoTensor& b) {
   if (a.global_shape() != b.global_shape()) {
     return absl::InvalidArgumentError(absl::StrCat("cannot add activations of shapes ",

@@ -29,6 +29,7 @@ namespace colod::shardformer {
 
 // What a leaf is in the original model (before any replacement).
 struct LayerDecl {
+
   enum class Kind { kLinear, kConv1D, kEmbedding, kLayerNorm, kRmsNorm };
   Kind kind = Kind::kLinear;
   std::string prefix;  // checkpoint name prefix: "transformer.h.0.attn.c_attn"
@@ -38,6 +39,8 @@ struct LayerDecl {
   bool bias = true;  // Linear/Conv1D bias; LayerNorm beta
   float eps = 1e-5f;
   std::string tied_to;  // an LM head sharing this embedding module's table
+
+  static LayerDecl Of(Kind kind, std::string prefix, int64_t in, int64_t out, bool bias = true, float eps = 1e-5f);
 };
 // "Linear", "Conv1D", "Embedding", "LayerNorm", "RMSNorm".
 const char* KindName(LayerDecl::Kind kind);
@@ -117,6 +120,21 @@ struct NamedParam {
   std::string name;
   BoundParam bound;
 };
+
+// Forward helpers shared by the model families.
+//
+// Runs the children "0", "1", ... of a ModuleList in order.
+absl::StatusOr<ColoTensor> RunSequential(Module& list, ColoTensor x);
+// x (replicated over tp) split along the sequence dim (1) over tp: where
+// sequence-parallel models enter the split region. Backward all-gathers.
+absl::StatusOr<ColoTensor> SplitSequence(const ColoTensor& x);
+// Calls the layer at `path` on a tensor rebuilt from this rank's `local`
+// piece (e.g. attention heads merged back) in the spec that layer wants.
+absl::StatusOr<ColoTensor> CallWithLocal(Module& self, const std::string& path, const Variable& local,
+                                         ProcessGroup* pg);
+// `op`(x) on the local values, in x's spec.
+absl::StatusOr<ColoTensor> MapLocal(const ColoTensor& x,
+                                    const std::function<absl::StatusOr<Variable>(const Variable&)>& op);
 
 // `a` + `b` for two activations of one spec (residual connections);
 // INVALID_ARGUMENT naming both specs otherwise.

@@ -25,10 +25,27 @@ absl::Status TieLmHeads(Module& model) {
   return absl::OkStatus();
 }
 
+absl::Status CausalLmPolicy::Preprocess(const ModelConfig& config, ShardConfig& shard) {
+  RETURN_IF_ERROR(CheckShardable(config, shard.layout));
+  if (shard.layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_3D) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the ", family_, " policy supports tensor_parallel_mode 1d, 2d and 2.5d"));
+  }
+  if (shard.sequence_parallel() && shard.is_2d()) {
+    return absl::InvalidArgumentError("sequence_parallel applies to tensor_parallel_mode 1d only");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CausalLmPolicy::Postprocess(Module& model, const ModelConfig&, const ShardConfig&) {
+  return TieLmHeads(model);
+}
+
 ModelRegistry& ModelRegistry::Global() {
   static ModelRegistry* registry = [] {
     auto* r = new ModelRegistry();
     r->Register("gpt2", Gpt2Family());
+    r->Register("llama", LlamaFamily());
     return r;
   }();
   return *registry;

@@ -69,6 +69,19 @@ class Policy {
   }
 };
 
+// The common part of the causal-LM policies (GPT-2, LLaMA): preprocess
+// accepts 1d (with or without sequence parallelism), 2d and 2.5d and checks
+// the model's sizes against the layout; postprocess ties LM heads.
+class CausalLmPolicy : public Policy {
+ public:
+  explicit CausalLmPolicy(std::string family) : family_(std::move(family)) {}
+  absl::Status Preprocess(const ModelConfig& config, ShardConfig& shard) override;
+  absl::Status Postprocess(Module& model, const ModelConfig& config, const ShardConfig& shard) override;
+
+ private:
+  std::string family_;
+};
+
 // Makes every leaf whose declaration says it is tied to an embedding
 // (LayerDecl::tied_to) that embedding layer's TiedHead.
 absl::Status TieLmHeads(Module& model);

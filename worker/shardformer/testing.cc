@@ -9,7 +9,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
+#include "gtest/gtest.h"
+#include "worker/colo/testing.h"
 #include "worker/shardformer/safetensors.h"
+#include "worker/shardformer/shardformer.h"
 
 namespace colod::shardformer::testing {
 namespace {
@@ -26,12 +29,23 @@ absl::StatusOr<Tensor> Transposed(const Tensor& t) {
   return v.Contiguous();
 }
 
-absl::Status WriteDir(const std::string& dir, const std::string& config,
-                      const std::vector<std::pair<std::string, Tensor>>& tensors) {
-  ::mkdir(dir.c_str(), 0755);
-  std::ofstream(dir + "/config.json") << config;
-  return WriteSafetensors(dir + "/model.safetensors", tensors);
-}
+// Collects a tiny model's random tensors (in order) and writes its directory.
+struct Writer {
+  TinyModel& m;
+  uint64_t seed;
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  absl::Status Add(const std::string& name, const Shape& shape, float scale, float mean = 0) {
+    ASSIGN_OR_RETURN(Tensor t, Random(shape, ++seed, scale, mean));
+    tensors.emplace_back(name, t);
+    m.tensors[name] = t;
+    return absl::OkStatus();
+  }
+  absl::Status Write(const std::string& config) {
+    ::mkdir(m.dir.c_str(), 0755);
+    std::ofstream(m.dir + "/config.json") << config;
+    return WriteSafetensors(m.dir + "/model.safetensors", tensors);
+  }
+};
 
 }  // namespace
 
@@ -51,13 +65,9 @@ absl::StatusOr<TinyModel> WriteTinyGpt2(const std::string& dir, const TinyOption
   ASSIGN_OR_RETURN(m.config, ParseModelConfig(config));
   const std::string p = o.prefixed ? "transformer." : "";
   const int64_t h = o.hidden, f = 4 * o.hidden;
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  uint64_t seed = o.seed * 1000;
-  auto add = [&](const std::string& name, const Shape& shape, float scale, float mean = 0) -> absl::Status {
-    ASSIGN_OR_RETURN(Tensor t, Random(shape, ++seed, scale, mean));
-    tensors.emplace_back(name, t);
-    m.tensors[name] = t;
-    return absl::OkStatus();
+  Writer w{m, o.seed * 1000, {}};
+  auto add = [&w](const std::string& name, const Shape& shape, float scale, float mean = 0) {
+    return w.Add(name, shape, scale, mean);
   };
   RETURN_IF_ERROR(add(p + "wte.weight", {o.vocab, h}, 0.5f));
   RETURN_IF_ERROR(add(p + "wpe.weight", {o.positions, h}, 0.1f));
@@ -78,8 +88,139 @@ absl::StatusOr<TinyModel> WriteTinyGpt2(const std::string& dir, const TinyOption
   }
   RETURN_IF_ERROR(add(p + "ln_f.weight", {h}, 0.1f, 1.0f));
   RETURN_IF_ERROR(add(p + "ln_f.bias", {h}, 0.1f));
-  RETURN_IF_ERROR(WriteDir(dir, config, tensors));
+  RETURN_IF_ERROR(w.Write(config));
   return m;
+}
+
+absl::StatusOr<TinyModel> WriteTinyLlama(const std::string& dir, const TinyOptions& o) {
+  TinyModel m;
+  m.dir = dir;
+  const std::string config = absl::StrCat(
+      R"({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": )", o.vocab,
+      R"(, "hidden_size": )", o.hidden, R"(, "num_hidden_layers": )", o.layers, R"(, "num_attention_heads": )",
+      o.heads, R"(, "num_key_value_heads": )", o.kv_heads, R"(, "intermediate_size": )", o.intermediate,
+      R"(, "max_position_embeddings": )", o.positions,
+      R"(, "rms_norm_eps": 1e-6, "rope_theta": 500.0, "hidden_act": "silu", "tie_word_embeddings": )",
+      o.tie ? "true" : "false", "}");
+  ASSIGN_OR_RETURN(m.config, ParseModelConfig(config));
+  const std::string p = o.prefixed ? "model." : "";
+  const int64_t h = o.hidden, kv = o.kv_heads * (o.hidden / o.heads), f = o.intermediate;
+  Writer w{m, o.seed * 1000 + 500, {}};
+  auto add = [&w](const std::string& name, const Shape& shape, float scale, float mean = 0) {
+    return w.Add(name, shape, scale, mean);
+  };
+  RETURN_IF_ERROR(add(p + "embed_tokens.weight", {o.vocab, h}, 0.5f));
+  for (int64_t i = 0; i < o.layers; ++i) {
+    const std::string b = absl::StrCat(p, "layers.", i, ".");
+    RETURN_IF_ERROR(add(b + "input_layernorm.weight", {h}, 0.1f, 1.0f));
+    RETURN_IF_ERROR(add(b + "self_attn.q_proj.weight", {h, h}, 0.15f));
+    RETURN_IF_ERROR(add(b + "self_attn.k_proj.weight", {kv, h}, 0.15f));
+    RETURN_IF_ERROR(add(b + "self_attn.v_proj.weight", {kv, h}, 0.15f));
+    RETURN_IF_ERROR(add(b + "self_attn.o_proj.weight", {h, h}, 0.1f));
+    RETURN_IF_ERROR(add(b + "post_attention_layernorm.weight", {h}, 0.1f, 1.0f));
+    RETURN_IF_ERROR(add(b + "mlp.gate_proj.weight", {f, h}, 0.15f));
+    RETURN_IF_ERROR(add(b + "mlp.up_proj.weight", {f, h}, 0.15f));
+    RETURN_IF_ERROR(add(b + "mlp.down_proj.weight", {h, f}, 0.1f));
+  }
+  RETURN_IF_ERROR(add(p + "norm.weight", {h}, 0.1f, 1.0f));
+  if (!o.tie) {
+    RETURN_IF_ERROR(add("lm_head.weight", {o.vocab, h}, 0.3f));
+  }
+  RETURN_IF_ERROR(w.Write(config));
+  return m;
+}
+
+namespace {
+
+// Leaf Variables of a model's tensors, created on first use.
+class Leaves {
+ public:
+  explicit Leaves(const TinyModel& m) : m_(m) {}
+  absl::StatusOr<Variable> operator()(const std::string& name) {
+    auto it = leaves_.find(name);
+    if (it != leaves_.end()) return it->second;
+    auto t = m_.tensors.find(name);
+    if (t == m_.tensors.end()) return absl::NotFoundError(name);
+    return leaves_.emplace(name, Variable(t->second, true)).first->second;
+  }
+  // The gradients by name (every leaf must have one).
+  absl::StatusOr<std::map<std::string, Tensor>> Grads() const {
+    std::map<std::string, Tensor> out;
+    for (const auto& [name, v] : leaves_) {
+      if (!v.grad().has_value()) return absl::InternalError(absl::StrCat(name, " got no gradient"));
+      out[name] = *v.grad();
+    }
+    return out;
+  }
+
+ private:
+  const TinyModel& m_;
+  std::map<std::string, Variable> leaves_;
+};
+
+// Mean next-token cross-entropy of logits [B, S, V]; back-propagated.
+absl::StatusOr<double> NextTokenLossBackward(const Variable& logits, const Tensor& ids) {
+  const int64_t batch = ids.shape()[0], seq = ids.shape()[1], vocab = logits.value().shape()[2];
+  ASSIGN_OR_RETURN(Variable shifted, nn::Narrow(logits, 1, 0, seq - 1));
+  ASSIGN_OR_RETURN(shifted, nn::Reshape(shifted, {batch * (seq - 1), vocab}));
+  ASSIGN_OR_RETURN(Tensor next, ids.Narrow(1, 1, seq - 1));
+  ASSIGN_OR_RETURN(Tensor labels, next.Contiguous().Reshape({batch * (seq - 1)}));
+  ASSIGN_OR_RETURN(Variable ce, nn::CrossEntropy(shifted, labels));
+  ASSIGN_OR_RETURN(Variable total, Sum(ce));
+  ASSIGN_OR_RETURN(Variable loss, Scale(total, 1.0f / static_cast<float>(batch * (seq - 1))));
+  RETURN_IF_ERROR(Backward(loss));
+  return loss.value().ToFloats()[0];
+}
+
+}  // namespace
+
+absl::StatusOr<Reference> ReferenceLlama(const TinyModel& m, const Tensor& ids) {
+  const ModelConfig& c = m.config;
+  const std::string p = m.tensors.count("embed_tokens.weight") ? "" : "model.";
+  Leaves leaf(m);
+  const int64_t batch = ids.shape()[0], seq = ids.shape()[1], h = c.hidden_size, d = c.head_dim();
+  const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
+  auto linear = [&](const Variable& x, const std::string& name) -> absl::StatusOr<Variable> {
+    ASSIGN_OR_RETURN(Variable w, leaf(name + ".weight"));  // nn.Linear [out, in], no bias
+    return nn::Linear(x, w, std::nullopt);
+  };
+  auto rms = [&](const Variable& x, const std::string& name) -> absl::StatusOr<Variable> {
+    ASSIGN_OR_RETURN(Variable g, leaf(name + ".weight"));
+    return nn::RmsNorm(x, g, eps);
+  };
+  ASSIGN_OR_RETURN(Variable table, leaf(p + "embed_tokens.weight"));
+  ASSIGN_OR_RETURN(Variable x, nn::Embedding(table, ids));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string b = absl::StrCat(p, "layers.", l, ".");
+    ASSIGN_OR_RETURN(Variable hn, rms(x, b + "input_layernorm"));
+    ASSIGN_OR_RETURN(Variable q, linear(hn, b + "self_attn.q_proj"));
+    ASSIGN_OR_RETURN(Variable k, linear(hn, b + "self_attn.k_proj"));
+    ASSIGN_OR_RETURN(Variable v, linear(hn, b + "self_attn.v_proj"));
+    ASSIGN_OR_RETURN(q, nn::Reshape(q, {batch, seq, c.num_heads, d}));
+    ASSIGN_OR_RETURN(k, nn::Reshape(k, {batch, seq, c.num_kv_heads, d}));
+    ASSIGN_OR_RETURN(v, nn::Reshape(v, {batch, seq, c.num_kv_heads, d}));
+    ASSIGN_OR_RETURN(q, nn::Rope(q, theta));
+    ASSIGN_OR_RETURN(k, nn::Rope(k, theta));
+    ASSIGN_OR_RETURN(Variable att, nn::CausalAttention(q, k, v, 1.0f / std::sqrt(float(d))));
+    ASSIGN_OR_RETURN(att, nn::Reshape(att, {batch, seq, h}));
+    ASSIGN_OR_RETURN(Variable o, linear(att, b + "self_attn.o_proj"));
+    ASSIGN_OR_RETURN(x, Add(x, o));
+    ASSIGN_OR_RETURN(Variable hn2, rms(x, b + "post_attention_layernorm"));
+    ASSIGN_OR_RETURN(Variable gate, linear(hn2, b + "mlp.gate_proj"));
+    ASSIGN_OR_RETURN(Variable up, linear(hn2, b + "mlp.up_proj"));
+    ASSIGN_OR_RETURN(Variable act, nn::Silu(gate));
+    ASSIGN_OR_RETURN(Variable prod, Mul(act, up));
+    ASSIGN_OR_RETURN(Variable down, linear(prod, b + "mlp.down_proj"));
+    ASSIGN_OR_RETURN(x, Add(x, down));
+  }
+  ASSIGN_OR_RETURN(x, rms(x, p + "norm"));
+  ASSIGN_OR_RETURN(Variable head, leaf(c.tie_word_embeddings ? p + "embed_tokens.weight" : "lm_head.weight"));
+  ASSIGN_OR_RETURN(Variable logits, nn::Linear(x, head, std::nullopt));
+  Reference r;
+  ASSIGN_OR_RETURN(r.loss, NextTokenLossBackward(logits, ids));
+  r.logits = logits.value();
+  ASSIGN_OR_RETURN(r.grads, leaf.Grads());
+  return r;
 }
 
 absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& m, const Tensor& ids) {
@@ -162,6 +303,43 @@ absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& m, const Tensor& ids) {
     r.grads[name] = g;
   }
   return r;
+}
+
+void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref, const ShardConfig& shard,
+                                   const Tensor& ids, double tol, const std::string& prefix) {
+  using ::colod::testing::ExpectAllClose;
+  const int64_t batch = ids.shape()[0], seq = ids.shape()[1];
+  const int dp = shard.layout.data_parallel_size();
+  ::colod::testing::RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int rank, ProcessGroup& pg) {
+    auto sharded = ShardFormer(shard, &pg).Load(model.dir);
+    ASSERT_TRUE(sharded.ok()) << sharded.status();
+    // Each dp replica runs its rows of the batch.
+    const int dp_rank = *pg.dp_local_rank();
+    const int64_t rows = batch / dp;
+    const Tensor mine = ids.Narrow(0, dp_rank * rows, rows)->Contiguous();
+    auto logits = (*sharded)->Forward(mine);
+    ASSERT_TRUE(logits.ok()) << logits.status();
+    auto full = (*sharded)->GatherLogits(*logits);
+    ASSERT_TRUE(full.ok()) << full.status();
+    ExpectAllClose(*full, ref.logits.Narrow(0, dp_rank * rows, rows)->Contiguous(), "logits", tol);
+    auto loss = (*sharded)->NextTokenLoss(*logits, mine);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    EXPECT_NEAR(loss->value, ref.loss, 1e-5 * std::fabs(ref.loss)) << "rank " << rank;
+    EXPECT_EQ(loss->tokens, batch * (seq - 1));
+    ASSERT_TRUE(Backward(loss->loss).ok());
+    auto grads = (*sharded)->GatherHf(/*gradients=*/true);
+    ASSERT_TRUE(grads.ok()) << grads.status();
+    // Every tensor of the checkpoint is a parameter, and with one replica its
+    // gradient is the whole gradient (with dp, each replica's share).
+    EXPECT_EQ(grads->size(), ref.grads.size());
+    if (dp == 1) {
+      for (const auto& [bare, want] : ref.grads) {
+        const std::string name = bare.rfind("lm_head.", 0) == 0 ? bare : prefix + bare;
+        ASSERT_EQ(grads->count(name), 1u) << name;
+        ExpectAllClose(grads->at(name), want, name + " gradient", tol);
+      }
+    }
+  });
 }
 
 }  // namespace colod::shardformer::testing

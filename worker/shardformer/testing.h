@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "worker/shardformer/layers.h"
 #include "worker/shardformer/model_config.h"
 #include "worker/tensor/tensor.h"
 
@@ -24,6 +25,10 @@ struct TinyOptions {
   // GPT-2: names with the LM model's "transformer." prefix, or the bare
   // model's names as on the hub.
   bool prefixed = true;
+  // LLaMA: key/value heads (grouped-query attention), MLP size, tied head.
+  int64_t kv_heads = 2;
+  int64_t intermediate = 96;
+  bool tie = false;
 };
 
 struct TinyModel {
@@ -35,6 +40,9 @@ struct TinyModel {
 // Creates `dir` with config.json and model.safetensors of a random GPT-2.
 absl::StatusOr<TinyModel> WriteTinyGpt2(const std::string& dir, const TinyOptions& options = {});
 
+// Creates `dir` with config.json and model.safetensors of a random LLaMA.
+absl::StatusOr<TinyModel> WriteTinyLlama(const std::string& dir, const TinyOptions& options = {});
+
 // The unsharded model's results for int64 ids [B, S].
 struct Reference {
   Tensor logits;                          // [B, S, V]
@@ -42,6 +50,16 @@ struct Reference {
   std::map<std::string, Tensor> grads;    // d loss / d tensor, by checkpoint name
 };
 absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& model, const Tensor& ids);
+absl::StatusOr<Reference> ReferenceLlama(const TinyModel& model, const Tensor& ids);
+
+// Loads `model` sharded as `shard` on a mesh of threads over Gloo and
+// checks, with gtest, that every rank's logits (each dp replica running its
+// rows of `ids`), the mean next-token loss and, with dp = 1, the gradient of
+// every checkpoint tensor equal `ref`'s within `tol`. The sharded model
+// names tensors as the LM model saves them: `prefix` + the reference's name
+// for a bare model's checkpoint.
+void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref, const ShardConfig& shard,
+                                   const Tensor& ids, double tol, const std::string& prefix = "");
 
 // Deterministic ids in [0, vocab).
 Tensor TokenIds(int64_t batch, int64_t seq, int64_t vocab, uint64_t salt);
