@@ -1,41 +1,25 @@
 #include "worker/colo/testing.h"
 
 #include <cmath>
-#include <memory>
-#include <thread>
-#include <vector>
 
 #include "common/status_macros.h"
 #include "gtest/gtest.h"
-#include "server/rendezvous_store.h"
-#include "worker/comm/store.h"
+#include "worker/colo/local_mesh.h"
 
 namespace colod::testing {
 
 void RunMesh(const DeviceMesh& mesh, const std::function<void(int, ProcessGroup&)>& body, bool instrument) {
-  auto shared = std::make_shared<RendezvousStore>();
-  const int n = mesh.world_size();
-  std::vector<std::unique_ptr<InMemoryStore>> stores(n);
-  std::vector<std::unique_ptr<ProcessGroup>> groups(n);
-  for (int r = 0; r < n; ++r) {
-    stores[r] = std::make_unique<InMemoryStore>(shared, "colo");
-    GlooCommunicator::Options o;
-    o.timeout = absl::Seconds(30);
-    ProcessGroup::CommFactory gloo = ProcessGroup::GlooFactory(stores[r].get(), o);
-    ProcessGroup::CommFactory factory = gloo;
-    if (instrument) {
-      factory = [gloo](const ProcessGroup::GroupInfo& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
-        ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, gloo(g));
-        return std::unique_ptr<Communicator>(new InstrumentedCommunicator(std::move(c)));
-      };
-    }
-    auto pg = ProcessGroup::Create(mesh, r, factory, absl::Seconds(30));
-    ASSERT_TRUE(pg.ok()) << pg.status();
-    groups[r] = std::move(*pg);
-  }
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { body(r, *groups[r]); });
-  for (auto& t : threads) t.join();
+  LocalMeshOptions options;
+  options.timeout = absl::Seconds(30);
+  options.instrument = instrument;
+  const absl::Status s = RunLocalMesh(
+      mesh,
+      [&body](int rank, ProcessGroup& pg) {
+        body(rank, pg);
+        return absl::OkStatus();
+      },
+      options);
+  ASSERT_TRUE(s.ok()) << s;
 }
 
 InstrumentedCommunicator::OpStats Stats(ProcessGroup& pg, const std::string& axis, const std::string& op) {

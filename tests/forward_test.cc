@@ -1,0 +1,112 @@
+// `coloctl forward` as a user runs it: a tiny GPT-2 directory and an ids
+// .npy file in, logits .npy and the loss out, at several layouts, against
+// the unsharded reference; and the errors a user can make.
+#include <cmath>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/subprocess.h"
+#include "worker/colo/testing.h"
+#include "worker/shardformer/testing.h"
+#include "worker/tensor/npy.h"
+
+namespace colod {
+namespace {
+
+using ::colod::testing::RunCommand;
+
+std::string Runfile(const std::string& path) {
+  return absl::StrCat(std::getenv("TEST_SRCDIR"), "/colod/", path);
+}
+std::string Tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
+
+class Forward : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto m = shardformer::testing::WriteTinyGpt2(Tmp("gpt2"));
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = *m;
+    ids_ = shardformer::testing::TokenIds(4, 8, model_.config.vocab_size, 11);
+    ASSERT_TRUE(WriteNpy(Tmp("ids.npy"), ids_).ok());
+    auto ref = shardformer::testing::ReferenceGpt2(model_, ids_);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    ref_ = *ref;
+  }
+  testing::CommandResult Coloctl(std::vector<std::string> args) {
+    args.insert(args.begin(), Runfile("client/coloctl"));
+    return RunCommand(args, std::getenv("TEST_TMPDIR"), absl::Seconds(120));
+  }
+  shardformer::testing::TinyModel model_;
+  Tensor ids_;
+  shardformer::testing::Reference ref_;
+};
+
+TEST_F(Forward, LogitsAndLossMatchTheUnshardedModelAtEveryLayout) {
+  const std::vector<std::vector<std::string>> layouts = {
+      {"--tp", "1", "--dp", "1", "--mode", "1d"},
+      {"--tp", "2", "--dp", "2", "--mode", "1d"},
+      {"--tp", "4", "--dp", "1", "--mode", "1d", "--sequence-parallel"},
+      {"--tp", "4", "--dp", "1", "--mode", "2d"},
+  };
+  for (const auto& layout : layouts) {
+    const std::string what = absl::StrJoin(layout, " ");
+    std::vector<std::string> args = {"forward", "--model", model_.dir, "--input", Tmp("ids.npy"),
+                                     "--logits", Tmp("logits.npy"), "--output", "json"};
+    args.insert(args.end(), layout.begin(), layout.end());
+    const auto r = Coloctl(args);
+    ASSERT_EQ(r.code, 0) << what << ": " << r.err;
+    const auto out = nlohmann::json::parse(r.out, nullptr, false);
+    ASSERT_TRUE(out.is_object()) << r.out;
+    EXPECT_NEAR(out["loss"].get<double>(), ref_.loss, 1e-5 * ref_.loss) << what;
+    EXPECT_EQ(out["tokens"].get<int64_t>(), 4 * 7) << what;
+    EXPECT_EQ(out["shape"], nlohmann::json::array({4, 8, model_.config.vocab_size})) << what;
+    auto logits = ReadNpy(Tmp("logits.npy"));
+    ASSERT_TRUE(logits.ok()) << logits.status();
+    EXPECT_EQ(logits->dtype(), DType::kF32);
+    ::colod::testing::ExpectAllClose(*logits, ref_.logits, "logits " + what, 2e-4);
+  }
+  // The human-readable form names the loss and the file.
+  const auto r = Coloctl({"forward", "--model", model_.dir, "--input", Tmp("ids.npy"), "--logits", Tmp("l.npy")});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("loss "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("l.npy"), std::string::npos) << r.out;
+}
+
+TEST_F(Forward, MistakesAreReportedWithWhatIsWrong) {
+  struct Bad {
+    std::vector<std::string> args;
+    int code;
+    std::string says;
+  };
+  // An unknown model type and a config whose heads tp cannot split.
+  ASSERT_EQ(::system(absl::StrCat("mkdir -p ", Tmp("t5"), " && cp ", model_.dir, "/model.safetensors ", Tmp("t5"))
+                         .c_str()),
+            0);
+  std::ofstream(Tmp("t5") + "/config.json") << R"({"model_type": "t5", "vocab_size": 50})";
+  ASSERT_TRUE(WriteNpy(Tmp("floats.npy"), *Tensor::Zeros({2, 3}, DType::kF32)).ok());
+  ASSERT_TRUE(WriteNpy(Tmp("big.npy"), *Tensor::FromInt64s({1, 3}, std::vector<int64_t>{1, 2, 999})).ok());
+  const std::vector<Bad> cases = {
+      {{"forward", "--input", Tmp("ids.npy")}, 2, "--model is required"},
+      {{"forward", "--model", model_.dir}, 2, "--input is required"},
+      {{"forward", "--model", model_.dir, "--input", Tmp("ids.npy"), "--mode", "4d"}, 2, "'4d'"},
+      {{"forward", "--model", model_.dir, "--input", Tmp("ids.npy"), "--tp", "3"}, 1, "attention heads"},
+      {{"forward", "--model", model_.dir, "--input", Tmp("ids.npy"), "--dp", "3"}, 1, "data_parallel_size 3"},
+      {{"forward", "--model", model_.dir, "--input", Tmp("ids.npy"), "--tp", "8", "--mode", "3d"}, 1, "1d, 2d"},
+      {{"forward", "--model", Tmp("t5"), "--input", Tmp("ids.npy")}, 1, "t5"},
+      {{"forward", "--model", Tmp("nowhere"), "--input", Tmp("ids.npy")}, 1, "NOT_FOUND"},
+      {{"forward", "--model", model_.dir, "--input", Tmp("floats.npy")}, 1, "integer token ids"},
+      {{"forward", "--model", model_.dir, "--input", Tmp("big.npy")}, 1, "999"},
+  };
+  for (const Bad& b : cases) {
+    const auto r = Coloctl(b.args);
+    const std::string what = absl::StrJoin(b.args, " ");
+    EXPECT_EQ(r.code, b.code) << what << "\n" << r.err;
+    EXPECT_NE(r.err.find(b.says), std::string::npos) << what << "\n" << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace colod

@@ -1,0 +1,34 @@
+// One forward pass of a model directory on a local mesh of ranks (threads
+// over Gloo on loopback): what `coloctl forward` runs. Until jobs run on
+// the worker daemons, this is how a user checks a sharded model end to end.
+#ifndef COLOD_WORKER_SHARDFORMER_RUN_FORWARD_H_
+#define COLOD_WORKER_SHARDFORMER_RUN_FORWARD_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "worker/shardformer/layers.h"
+#include "worker/tensor/tensor.h"
+
+namespace colod::shardformer {
+
+struct ForwardRequest {
+  std::string model_dir;
+  Tensor ids;  // integer token ids [batch, seq]; the batch splits over dp
+  ShardConfig shard;
+};
+
+struct ForwardResult {
+  Tensor logits;      // f32 [batch, seq, vocab_size], vocabulary padding removed
+  double loss = 0;    // mean next-token cross-entropy
+  int64_t tokens = 0; // how many predictions it averages: batch * (seq - 1)
+};
+
+// INVALID_ARGUMENT, before any rank starts, for ids that are not an integer
+// [batch, seq] array, a batch the dp degree does not divide, or a layout the
+// model cannot take; errors of the model directory as ShardFormer::Load.
+absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request);
+
+}  // namespace colod::shardformer
+
+#endif  // COLOD_WORKER_SHARDFORMER_RUN_FORWARD_H_
