@@ -14,6 +14,7 @@
 #include "common/flags.h"
 #include "common/version.h"
 #include "nlohmann/json.hpp"
+#include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/tensor/npy.h"
 
@@ -29,6 +30,8 @@ ABSL_FLAG(int32_t, tp, 1, "forward: tensor-parallel size.");
 ABSL_FLAG(int32_t, dp, 1, "forward: data-parallel size (splits the batch).");
 ABSL_FLAG(std::string, mode, "1d", "forward: tensor-parallel mode: 1d, 2d, 2.5d or 3d.");
 ABSL_FLAG(int32_t, depth, 0, "forward: depth of 2.5d (tp = depth * q * q).");
+ABSL_FLAG(std::string, checkpoint, "", "consolidate: the sharded checkpoint directory.");
+ABSL_FLAG(std::string, out, "", "consolidate: the Hugging Face directory to write.");
 ABSL_FLAG(bool, sequence_parallel, false, "forward: split activations along the sequence over tp (1d).");
 
 namespace {
@@ -52,6 +55,9 @@ constexpr char kUsage[] =
     "              integers [batch, seq]; the logits are written as f32 [batch, seq, vocab]\n"
     "              without vocabulary padding. --output json prints one JSON object with\n"
     "              loss, tokens, logits and shape.\n"
+    "  consolidate Assemble a sharded checkpoint (one file per rank + colod_checkpoint.json)\n"
+    "              into a Hugging Face directory (config.json + model.safetensors) that\n"
+    "              loads at any layout: --checkpoint DIR --out DIR.\n"
     "\n"
     "Exit status: 0 on success, 1 when the command fails (the status code, e.g. the\n"
     "coordinator's gRPC code, and the message are printed), 2 for a usage error.\n"
@@ -143,6 +149,16 @@ int Forward(bool json) {
   return 0;
 }
 
+int Consolidate() {
+  const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint), out = absl::GetFlag(FLAGS_out);
+  if (checkpoint.empty()) return Usage("consolidate: --checkpoint is required");
+  if (out.empty()) return Usage("consolidate: --out is required");
+  const absl::Status s = colod::shardformer::ConsolidateCheckpoint(checkpoint, out);
+  if (!s.ok()) return Fail(s);
+  std::printf("wrote %s/model.safetensors and %s/config.json\n", out.c_str(), out.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -156,6 +172,10 @@ int main(int argc, char** argv) {
   if (cmd == "version") {
     std::printf("colod %s\n", colod::kVersion);
     return 0;
+  }
+  if (cmd == "consolidate") {
+    if (args.size() > 1) return Usage(absl::StrCat("unexpected argument '", args[1], "'"));
+    return Consolidate();
   }
   if (cmd == "forward") {
     if (args.size() > 1) return Usage(absl::StrCat("unexpected argument '", args[1], "'"));

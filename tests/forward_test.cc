@@ -10,6 +10,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/subprocess.h"
 #include "worker/colo/testing.h"
+#include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/testing.h"
 #include "worker/tensor/npy.h"
 
@@ -73,6 +74,29 @@ TEST_F(Forward, LogitsAndLossMatchTheUnshardedModelAtEveryLayout) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("loss "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("l.npy"), std::string::npos) << r.out;
+}
+
+TEST_F(Forward, ACheckpointSavedAtTp2ConsolidatesAndRunsAt2d) {
+  shardformer::ShardConfig shard;
+  shard.layout.set_tensor_parallel_size(2);
+  shard.layout.set_data_parallel_size(1);
+  ::colod::testing::RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
+    auto model = shardformer::ShardFormer(shard, &pg).Load(model_.dir);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_TRUE(shardformer::SaveShardedCheckpoint(**model, Tmp("sharded")).ok());
+  });
+  auto r = Coloctl({"consolidate", "--checkpoint", Tmp("sharded"), "--out", Tmp("hf")});
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = Coloctl({"forward", "--model", Tmp("hf"), "--input", Tmp("ids.npy"), "--logits", Tmp("hf_logits.npy"), "--tp",
+               "4", "--mode", "2d"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto logits = ReadNpy(Tmp("hf_logits.npy"));
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  ::colod::testing::ExpectAllClose(*logits, ref_.logits, "logits", 2e-4);
+  r = Coloctl({"consolidate", "--checkpoint", Tmp("nowhere"), "--out", Tmp("hf2")});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("NOT_FOUND"), std::string::npos) << r.err;
+  EXPECT_EQ(Coloctl({"consolidate", "--out", Tmp("hf2")}).code, 2);
 }
 
 TEST_F(Forward, MistakesAreReportedWithWhatIsWrong) {

@@ -83,17 +83,21 @@ absl::StatusOr<ColoParameter> ColoParameter::Create(const Tensor& value, DistSpe
 }
 
 absl::StatusOr<Block> LocalBlock(const DistSpec& spec, const Shape& global, ProcessGroup* pg) {
+  return LocalBlock(spec, global, pg->mesh(), pg->rank());
+}
+
+absl::StatusOr<Block> LocalBlock(const DistSpec& spec, const Shape& global, const DeviceMesh& mesh, int rank) {
   const int64_t ndim = static_cast<int64_t>(global.size());
-  ASSIGN_OR_RETURN(DistSpec norm, NormalizeSpec(spec, pg->mesh(), ndim));
+  ASSIGN_OR_RETURN(DistSpec norm, NormalizeSpec(spec, mesh, ndim));
   RETURN_IF_ERROR(CheckDivisible(norm, global));
   Block b{std::vector<int64_t>(ndim, 0), std::vector<int64_t>(global.begin(), global.end())};
-  for (const std::string& axis : AxesInMeshOrder(norm, pg->mesh())) {
+  for (const std::string& axis : AxesInMeshOrder(norm, mesh)) {
     const Placement p = norm.Get(axis);
     if (p.kind == Placement::Kind::kPartial) {
       return absl::InvalidArgumentError(absl::StrCat("a Partial placement (axis ", axis, ") has no block"));
     }
     if (p.kind != Placement::Kind::kShard) continue;
-    ASSIGN_OR_RETURN(int k, pg->LocalRank(axis));
+    ASSIGN_OR_RETURN(int k, mesh.LocalRank(axis, rank));
     const std::vector<int64_t> coords = BlockCoordinates(k, p.num_partitions);
     for (size_t i = 0; i < p.dims.size(); ++i) {
       const int64_t d = p.dims[i];

@@ -98,6 +98,8 @@ struct Block {
   std::vector<int64_t> lengths;
 };
 absl::StatusOr<Block> LocalBlock(const DistSpec& spec, const Shape& global, ProcessGroup* pg);
+// The block of rank `rank` of `mesh`.
+absl::StatusOr<Block> LocalBlock(const DistSpec& spec, const Shape& global, const DeviceMesh& mesh, int rank);
 
 // OK when `t`'s spec is `want` (normalized on t's mesh and rank);
 // INVALID_ARGUMENT naming `what` and both specs otherwise.

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/atomic_file.h"
 #include "common/status_macros.h"
 #include "server/rendezvous_store.h"
 
@@ -71,22 +72,8 @@ std::string FileStore::PathOf(absl::string_view key) const {
 absl::Status FileStore::Set(absl::string_view key, std::string value) {
   RETURN_IF_ERROR(ValidateKey(key));
   const std::string path = PathOf(key);
-  static std::atomic<uint64_t> counter{0};
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(value.data(), static_cast<std::streamsize>(value.size()));
-    out.flush();
-    if (!out) {
-      std::remove(tmp.c_str());
-      return absl::UnavailableError(absl::StrCat("file store: cannot write '", tmp, "'"));
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string err = std::strerror(errno);
-    std::remove(tmp.c_str());
-    return absl::UnavailableError(absl::StrCat("file store: cannot rename to '", path, "': ", err));
-  }
+  const absl::Status s = WriteFileAtomically(path, value);
+  if (!s.ok()) return absl::UnavailableError(absl::StrCat("file store: ", s.message()));
   return absl::OkStatus();
 }
 

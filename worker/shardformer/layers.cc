@@ -365,14 +365,16 @@ class Linear2DLayer : public Layer {
         hf.narrow_dim = conv ? 1 : 0;
         hf.narrow_start = k * o;
       }
-      ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight", hf, {d.in, o}, specs.weight));
+      // Fused parts are "weight[k]" and "bias[k]": each holds a slice of the tensor.
+      const std::string part = n > 1 ? absl::StrCat("[", k, "]") : "";
+      ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight" + part, hf, {d.in, o}, specs.weight));
       std::optional<BoundParam> b;
       if (auto bias = BiasTensor(d)) {
         if (n > 1) {
           bias->narrow_dim = 0;
           bias->narrow_start = k * o;
         }
-        ASSIGN_OR_RETURN(b, Load(c, "bias", *bias, {o}, specs.bias));
+        ASSIGN_OR_RETURN(b, Load(c, "bias" + part, *bias, {o}, specs.bias));
       }
       ASSIGN_OR_RETURN(nn::Linear2D layer, nn::Linear2D::FromParameters(w.param, ParamOf(b), c.pg));
       parts.push_back(Part{std::move(layer), std::move(w), std::move(b)});

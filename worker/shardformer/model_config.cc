@@ -46,6 +46,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(what, ": not a JSON object"));
   if (!j.contains("model_type") || !j["model_type"].is_string()) return Field(what, "model_type", "is missing");
   ModelConfig c;
+  c.json = json_text;
   c.model_type = j["model_type"].get<std::string>();
   if (c.model_type == "gpt2") {
     ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));

@@ -26,6 +26,7 @@ struct ModelConfig {
   std::string activation;     // "gelu_new", "silu", "gelu"
   bool tie_word_embeddings = true;
   int64_t type_vocab_size = 0;  // BERT
+  std::string json;             // the config.json text it was parsed from
 
   int64_t head_dim() const { return num_heads == 0 ? 0 : hidden_size / num_heads; }
 };

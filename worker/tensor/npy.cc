@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/atomic_file.h"
 #include "common/status_macros.h"
 
 namespace colod {
@@ -145,19 +146,7 @@ absl::StatusOr<std::string> SerializeNpy(const Tensor& t) {
 
 absl::Status WriteNpy(const std::string& path, const Tensor& t) {
   ASSIGN_OR_RETURN(std::string bytes, SerializeNpy(t));
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) return absl::FailedPreconditionError(absl::StrCat("cannot write ", tmp, ": ", std::strerror(errno)));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int e = errno;
-    std::remove(tmp.c_str());
-    return absl::FailedPreconditionError(absl::StrCat("cannot rename to ", path, ": ", std::strerror(e)));
-  }
-  return absl::OkStatus();
+  return WriteFileAtomically(path, bytes);
 }
 
 }  // namespace colod

@@ -1,0 +1,58 @@
+#include "common/atomic_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace colod {
+namespace {
+
+absl::Status Errno(const std::string& what, const std::string& path) {
+  return absl::FailedPreconditionError(absl::StrCat(what, " '", path, "': ", std::strerror(errno)));
+}
+
+}  // namespace
+
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
+  static std::atomic<uint64_t> counter{0};
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Errno("cannot create", tmp);
+  absl::Status s;
+  const char* p = contents.data();
+  size_t left = contents.size();
+  while (s.ok() && left > 0) {
+    const ssize_t w = ::write(fd, p, left);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      s = Errno("cannot write", tmp);
+      break;
+    }
+    p += w;
+    left -= static_cast<size_t>(w);
+  }
+  if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", tmp);
+  if (::close(fd) != 0 && s.ok()) s = Errno("cannot close", tmp);
+  if (s.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) s = Errno("cannot rename to", path);
+  if (!s.ok()) {
+    std::remove(tmp.c_str());
+    return s;
+  }
+  // The rename is durable once the directory is.
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace colod

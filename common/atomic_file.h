@@ -1,0 +1,20 @@
+#ifndef COLOD_COMMON_ATOMIC_FILE_H_
+#define COLOD_COMMON_ATOMIC_FILE_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace colod {
+
+// Writes `contents` to `path` so that readers see the old file or the whole
+// new one, never a part, even across a crash: a unique temporary name in the
+// same directory, fsync, rename over `path`, fsync of the directory.
+// FAILED_PRECONDITION naming the path and the errno text on failure (the
+// temporary file is removed). Thread-safe.
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
+
+}  // namespace colod
+
+#endif  // COLOD_COMMON_ATOMIC_FILE_H_

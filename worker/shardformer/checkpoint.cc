@@ -1,0 +1,246 @@
+#include "worker/shardformer/checkpoint.h"
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/atomic_file.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "worker/shardformer/safetensors.h"
+
+namespace colod::shardformer {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr char kFormat[] = "colod-sharded-checkpoint/1";
+
+std::string RankFile(int rank, int world) { return absl::StrFormat("rank-%05d-of-%05d.safetensors", rank, world); }
+
+// Whether `rank` writes a parameter of `spec`: the rank at coordinate 0 of
+// every mesh axis the parameter is not split over.
+absl::StatusOr<bool> Owns(const DistSpec& spec, const DeviceMesh& mesh, int rank) {
+  std::set<int> split;
+  for (const auto& [axis, p] : spec.placements()) {
+    if (p.kind == Placement::Kind::kPartial) {
+      return absl::FailedPreconditionError(absl::StrCat("a parameter is a partial sum over ", axis));
+    }
+    if (p.kind != Placement::Kind::kShard) continue;
+    ASSIGN_OR_RETURN(std::vector<int> indices, mesh.AxisIndices(axis));
+    split.insert(indices.begin(), indices.end());
+  }
+  const std::vector<int> coords = mesh.Coordinates(rank);
+  for (size_t i = 0; i < coords.size(); ++i) {
+    if (!split.count(static_cast<int>(i)) && coords[i] != 0) return false;
+  }
+  return true;
+}
+
+// Every rank has passed this point on every rank once it returns: a barrier
+// along each mesh axis in turn covers the whole mesh.
+absl::Status BarrierAll(ProcessGroup* pg) {
+  for (const MeshAxis& axis : pg->mesh().axes()) {
+    ASSIGN_OR_RETURN(Communicator * comm, pg->Comm(axis.name));
+    RETURN_IF_ERROR(comm->Barrier()->Wait(pg->timeout()));
+  }
+  return absl::OkStatus();
+}
+
+Json PlacementsJson(const DistSpec& spec) {
+  Json out = Json::array();
+  for (const auto& [axis, p] : spec.placements()) {
+    Json j = {{"axis", axis}};
+    switch (p.kind) {
+      case Placement::Kind::kReplicate: j["kind"] = "replicate"; break;
+      case Placement::Kind::kShard:
+        j["kind"] = "shard";
+        j["dims"] = p.dims;
+        j["num_partitions"] = p.num_partitions;
+        break;
+      case Placement::Kind::kPartial: j["kind"] = "partial"; break;
+    }
+    out.push_back(j);
+  }
+  return out;
+}
+
+absl::StatusOr<Json> IndexOf(ShardedModel& model) {
+  const DeviceMesh& mesh = model.process_group()->mesh();
+  const int world = mesh.world_size();
+  Json axes = Json::array();
+  for (const MeshAxis& a : mesh.axes()) axes.push_back({{"name", a.name}, {"size", a.size}});
+  const v1::ShardConfig& layout = model.shard_config().layout;
+  Json index = {
+      {"format", kFormat},
+      {"model_type", model.config().model_type},
+      {"world_size", world},
+      {"mesh", axes},
+      {"shard_config",
+       {{"tensor_parallel_size", layout.tensor_parallel_size()},
+        {"data_parallel_size", layout.data_parallel_size()},
+        {"tensor_parallel_mode", v1::TensorParallelMode_Name(layout.tensor_parallel_mode())},
+        {"depth", layout.depth()},
+        {"sequence_parallel", layout.sequence_parallel()}}},
+  };
+  Json tensors = Json::object();
+  for (const NamedParam& p : model.Parameters()) {
+    const ColoParameter& param = p.bound.param;
+    const HfTensor& hf = p.bound.hf;
+    Json blocks = Json::array();
+    for (int r = 0; r < world; ++r) {
+      ASSIGN_OR_RETURN(bool owns, Owns(param.spec(), mesh, r));
+      if (!owns) continue;
+      ASSIGN_OR_RETURN(Block b, LocalBlock(param.spec(), param.global_shape(), mesh, r));
+      blocks.push_back({{"file", RankFile(r, world)}, {"starts", b.starts}, {"lengths", b.lengths}});
+    }
+    tensors[p.name] = {
+        {"global_shape", param.global_shape()},
+        {"dtype", SafetensorsDTypeName(param.local().dtype())},
+        {"dist_spec", param.spec().ToString()},
+        {"placements", PlacementsJson(param.spec())},
+        {"hf",
+         {{"name", hf.name},
+          {"shape", hf.shape},
+          {"transpose", hf.transpose},
+          {"narrow_dim", hf.narrow_dim},
+          {"narrow_start", hf.narrow_start},
+          {"valid_rows", hf.valid_rows}}},
+        {"blocks", blocks},
+    };
+  }
+  index["tensors"] = tensors;
+  return index;
+}
+
+absl::StatusOr<std::string> ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+absl::Status Damaged(const std::string& dir, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("checkpoint ", dir, ": ", what));
+}
+
+}  // namespace
+
+absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) {
+  ProcessGroup* pg = model.process_group();
+  const DeviceMesh& mesh = pg->mesh();
+  const int rank = pg->rank(), world = mesh.world_size();
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  NoGradScope no_grad;
+  std::vector<std::pair<std::string, Tensor>> mine;
+  std::set<std::string> names;
+  for (const NamedParam& p : model.Parameters()) {
+    if (!names.insert(p.name).second) return absl::InternalError(absl::StrCat("two parameters are named ", p.name));
+    ASSIGN_OR_RETURN(bool owns, Owns(p.bound.param.spec(), mesh, rank));
+    if (!owns) continue;
+    ASSIGN_OR_RETURN(Tensor host, p.bound.param.local().To(Device::Cpu()));
+    mine.emplace_back(p.name, host.Contiguous());
+  }
+  RETURN_IF_ERROR(WriteSafetensors(absl::StrCat(dir, "/", RankFile(rank, world)), mine));
+  RETURN_IF_ERROR(BarrierAll(pg));
+  if (rank == 0) {
+    ASSIGN_OR_RETURN(Json index, IndexOf(model));
+    RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", model.config().json));
+    RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(dir, "/", kCheckpointIndex), index.dump(1)));
+  }
+  return BarrierAll(pg);  // the index exists when any rank returns
+}
+
+absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir) {
+  ASSIGN_OR_RETURN(std::string text, ReadText(absl::StrCat(dir, "/", kCheckpointIndex)));
+  const Json index = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (index.is_discarded() || !index.is_object() || index.value("format", "") != kFormat ||
+      !index.contains("tensors") || !index["tensors"].is_object()) {
+    return Damaged(dir, absl::StrCat(kCheckpointIndex, " is not a ", kFormat, " index"));
+  }
+  ASSIGN_OR_RETURN(std::string config, ReadText(dir + "/config.json"));
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
+  std::map<std::string, Tensor> out;
+  std::map<std::string, int64_t> filled;  // elements of each checkpoint tensor written
+  std::map<std::string, Shape> hf_shapes;
+  try {
+    for (const auto& [name, t] : index["tensors"].items()) {
+      const Shape global = t.at("global_shape").get<std::vector<int64_t>>();
+      ASSIGN_OR_RETURN(Tensor whole, Tensor::Zeros(global, DType::kF32));
+      int64_t covered = 0;
+      for (const Json& b : t.at("blocks")) {
+        const std::string file = b.at("file").get<std::string>();
+        const std::vector<int64_t> starts = b.at("starts"), lengths = b.at("lengths");
+        if (starts.size() != global.size() || lengths.size() != global.size()) {
+          return Damaged(dir, absl::StrCat("a block of ", name, " does not match its rank"));
+        }
+        auto& f = files[file];
+        if (f == nullptr) {
+          auto opened = SafetensorsFile::Open(absl::StrCat(dir, "/", file));
+          if (!opened.ok()) return Damaged(dir, std::string(opened.status().message()));
+          f = *std::move(opened);
+        }
+        if (!f->Has(name)) return Damaged(dir, absl::StrCat(file, " lacks ", name));
+        ASSIGN_OR_RETURN(Tensor piece, f->Read(name));
+        if (piece.shape() != Shape(lengths.begin(), lengths.end())) {
+          return Damaged(dir, absl::StrCat(file, " holds ", name, " as ", ShapeToString(piece.shape()),
+                                           ", the index says ", ShapeToString(Shape(lengths.begin(), lengths.end()))));
+        }
+        Tensor dest = whole;
+        for (size_t d = 0; d < global.size(); ++d) {
+          auto narrowed = dest.Narrow(static_cast<int64_t>(d), starts[d], lengths[d]);
+          if (!narrowed.ok()) return Damaged(dir, absl::StrCat("a block of ", name, " lies outside it"));
+          dest = *narrowed;
+        }
+        ASSIGN_OR_RETURN(piece, piece.ToDType(DType::kF32));
+        RETURN_IF_ERROR(dest.CopyFrom(piece));
+        covered += piece.numel();
+      }
+      if (covered != whole.numel()) {
+        return Damaged(dir, absl::StrCat("the blocks of ", name, " cover ", covered, " of its ", whole.numel(),
+                                         " elements"));
+      }
+      const Json& h = t.at("hf");
+      HfTensor hf;
+      hf.name = h.at("name").get<std::string>();
+      hf.shape = h.at("shape").get<std::vector<int64_t>>();
+      hf.transpose = h.at("transpose").get<bool>();
+      hf.narrow_dim = h.at("narrow_dim").get<int64_t>();
+      hf.narrow_start = h.at("narrow_start").get<int64_t>();
+      hf.valid_rows = h.at("valid_rows").get<int64_t>();
+      ASSIGN_OR_RETURN(Tensor slice, LayerToHf(hf, whole));
+      auto it = out.find(hf.name);
+      if (it == out.end()) {
+        ASSIGN_OR_RETURN(Tensor zeros, Tensor::Zeros(hf.shape, DType::kF32));
+        it = out.emplace(hf.name, zeros).first;
+        hf_shapes[hf.name] = hf.shape;
+      }
+      RETURN_IF_ERROR(PlaceInHf(hf, slice, it->second));
+      filled[hf.name] += slice.numel();
+    }
+  } catch (const Json::exception& e) {
+    return Damaged(dir, absl::StrCat(kCheckpointIndex, ": ", e.what()));
+  }
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const auto& [name, t] : out) {
+    if (filled[name] != t.numel()) {
+      return Damaged(dir, absl::StrCat("the parameters cover ", filled[name], " of the ", t.numel(), " elements of ",
+                                       name));
+    }
+    tensors.emplace_back(name, t);
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", out_dir, ": ", ec.message()));
+  RETURN_IF_ERROR(WriteSafetensors(out_dir + "/model.safetensors", tensors, {{"format", "pt"}}));
+  return WriteFileAtomically(out_dir + "/config.json", config);
+}
+
+}  // namespace colod::shardformer

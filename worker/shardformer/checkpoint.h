@@ -1,0 +1,46 @@
+// Sharded checkpoints of a ShardedModel, and their consolidation into a
+// Hugging Face directory that loads at any other layout.
+//
+// A sharded checkpoint directory holds
+//   config.json                        the model's config.json
+//   rank-00000-of-00004.safetensors    the parameter blocks rank 0 owns, in the
+//                                      layers' layouts, named like
+//                                      ShardedModel::Parameters()
+//   colod_checkpoint.json              the index: the layout (mesh axes, shard
+//                                      config) and, per parameter, its global
+//                                      shape, dtype, dist spec, the checkpoint
+//                                      tensor it maps to (HfTensor) and where
+//                                      each of its blocks is
+// A parameter replicated over some axes is written once, by the rank at
+// coordinate 0 on each of them. The index is written last and atomically
+// (as is every file), after every rank's file: a directory with an index is
+// complete.
+//
+// Thread-safety: free functions; SaveShardedCheckpoint is collective.
+#ifndef COLOD_WORKER_SHARDFORMER_CHECKPOINT_H_
+#define COLOD_WORKER_SHARDFORMER_CHECKPOINT_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "worker/shardformer/shardformer.h"
+
+namespace colod::shardformer {
+
+inline constexpr char kCheckpointIndex[] = "colod_checkpoint.json";
+
+// Every rank of the model calls it with the same `dir` (created if needed,
+// on a file system all ranks share).
+absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir);
+
+// Assembles the sharded checkpoint in `dir` into `out_dir` (created if
+// needed): config.json and one model.safetensors with every tensor under its
+// Hugging Face name and shape. Runs on one process, no ranks. NOT_FOUND for
+// a directory without an index; INVALID_ARGUMENT naming the file or tensor
+// for a damaged or incomplete checkpoint (a missing rank file, a block whose
+// shape does not match the index, blocks that do not cover a tensor).
+absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir);
+
+}  // namespace colod::shardformer
+
+#endif  // COLOD_WORKER_SHARDFORMER_CHECKPOINT_H_

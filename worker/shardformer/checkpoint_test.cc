@@ -1,0 +1,158 @@
+// Sharded checkpoints: saved at one layout, consolidated into a Hugging Face
+// directory whose tensors are the model's, and loaded again at other layouts
+// with the unsharded reference's logits, loss and gradients; damaged
+// checkpoints are refused with what is wrong.
+#include "worker/shardformer/checkpoint.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/temp_dir.h"
+#include "worker/colo/testing.h"
+#include "worker/shardformer/testing.h"
+
+namespace colod::shardformer {
+namespace {
+
+using ::colod::testing::RunMesh;
+using ::colod::testing::TempPath;
+
+ShardConfig Layout(int tp, int dp, v1::TensorParallelMode mode, bool sp = false) {
+  ShardConfig s;
+  s.layout.set_tensor_parallel_size(tp);
+  s.layout.set_data_parallel_size(dp);
+  s.layout.set_tensor_parallel_mode(mode);
+  s.layout.set_sequence_parallel(sp);
+  return s;
+}
+
+// Loads `dir` at `shard` and saves it to `checkpoint`, every rank.
+void Save(const std::string& dir, const ShardConfig& shard, const std::string& checkpoint) {
+  RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
+    auto model = ShardFormer(shard, &pg).Load(dir);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const absl::Status saved = SaveShardedCheckpoint(**model, checkpoint);
+    ASSERT_TRUE(saved.ok()) << saved;
+  });
+}
+
+// The consolidated directory holds exactly the original tensors.
+void ExpectSameTensors(const std::string& dir, const testing::TinyModel& original) {
+  auto files = ModelFiles::Open(dir);
+  ASSERT_TRUE(files.ok()) << files.status();
+  EXPECT_EQ((*files)->Names().size(), original.tensors.size());
+  for (const auto& [name, t] : original.tensors) {
+    auto got = (*files)->Read(name);
+    ASSERT_TRUE(got.ok()) << name << ": " << got.status();
+    EXPECT_EQ(got->shape(), t.shape()) << name;
+    EXPECT_EQ(got->ToFloats(), t.ToFloats()) << name;
+  }
+}
+
+nlohmann::json Index(const std::string& checkpoint) {
+  std::ifstream in(checkpoint + "/" + kCheckpointIndex);
+  return nlohmann::json::parse(in);
+}
+
+TEST(Checkpoint, Gpt2SavedAt1dWithDpReloadsAtOtherLayouts) {
+  auto model = testing::WriteTinyGpt2(TempPath("ck_gpt2"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::string checkpoint = TempPath("ck_gpt2_sharded"), out = TempPath("ck_gpt2_hf");
+  Save(model->dir, Layout(2, 2, v1::TENSOR_PARALLEL_MODE_1D), checkpoint);
+  // One file per rank; a replicated tensor once, a tp-split one in two blocks
+  // (written by the dp = 0 ranks).
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(std::filesystem::exists(checkpoint + "/rank-0000" + std::to_string(r) + "-of-00004.safetensors"));
+  }
+  const nlohmann::json index = Index(checkpoint);
+  EXPECT_EQ(index["world_size"], 4);
+  const auto& wpe = index["tensors"]["transformer.wpe.weight"];
+  EXPECT_EQ(wpe["blocks"].size(), 1u);
+  EXPECT_EQ(wpe["dist_spec"], "{}");
+  const auto& qkv = index["tensors"]["transformer.h.0.attn.c_attn.weight"];
+  EXPECT_EQ(qkv["global_shape"], nlohmann::json::array({3, 64, 64}));
+  EXPECT_EQ(qkv["dist_spec"], "{tp:S(1|2)}");
+  ASSERT_EQ(qkv["blocks"].size(), 2u);
+  EXPECT_EQ(qkv["blocks"][1]["file"], "rank-00001-of-00004.safetensors");
+  EXPECT_EQ(qkv["blocks"][1]["starts"], nlohmann::json::array({0, 32, 0}));
+
+  ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, out).ok());
+  ExpectSameTensors(out, *model);
+  testing::TinyModel reloaded = *model;
+  reloaded.dir = out;
+  const Tensor ids = testing::TokenIds(4, 8, model->config.vocab_size, 2);
+  auto ref = testing::ReferenceGpt2(*model, ids);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  testing::ExpectShardedMatchesReference(reloaded, *ref, Layout(4, 1, v1::TENSOR_PARALLEL_MODE_1D), ids, 2e-4);
+  testing::ExpectShardedMatchesReference(reloaded, *ref, Layout(4, 1, v1::TENSOR_PARALLEL_MODE_2D), ids, 2e-4);
+}
+
+TEST(Checkpoint, FusedAndTwoDimensionalLayoutsConsolidateExactly) {
+  auto gpt2 = testing::WriteTinyGpt2(TempPath("ck2_gpt2"));
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  Save(gpt2->dir, Layout(4, 1, v1::TENSOR_PARALLEL_MODE_2D), TempPath("ck2_gpt2_sharded"));
+  ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ck2_gpt2_sharded"), TempPath("ck2_gpt2_hf")).ok());
+  ExpectSameTensors(TempPath("ck2_gpt2_hf"), *gpt2);
+
+  auto llama = testing::WriteTinyLlama(TempPath("ck2_llama"));
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  Save(llama->dir, Layout(4, 1, v1::TENSOR_PARALLEL_MODE_2D), TempPath("ck2_llama_sharded"));
+  ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ck2_llama_sharded"), TempPath("ck2_llama_hf")).ok());
+  ExpectSameTensors(TempPath("ck2_llama_hf"), *llama);
+  // ... and the 2D checkpoint runs again as 1D with sequence parallelism.
+  testing::TinyModel reloaded = *llama;
+  reloaded.dir = TempPath("ck2_llama_hf");
+  const Tensor ids = testing::TokenIds(2, 8, llama->config.vocab_size, 4);
+  auto ref = testing::ReferenceLlama(*llama, ids);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  testing::ExpectShardedMatchesReference(reloaded, *ref, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D, true), ids, 2e-4);
+}
+
+TEST(Checkpoint, SavesTheCurrentValuesNotTheSource) {
+  auto model = testing::WriteTinyGpt2(TempPath("ck3_gpt2"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  const ShardConfig shard = Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D);
+  RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
+    auto sharded = ShardFormer(shard, &pg).Load(model->dir);
+    ASSERT_TRUE(sharded.ok()) << sharded.status();
+    for (NamedParam& p : (*sharded)->Parameters()) {  // as an optimizer step would
+      if (p.name != "transformer.ln_f.bias") continue;
+      Tensor local = p.bound.param.local();
+      for (int64_t i = 0; i < local.numel(); ++i) local.data<float>()[i] += 1.0f;
+    }
+    ASSERT_TRUE(SaveShardedCheckpoint(**sharded, TempPath("ck3_sharded")).ok());
+  });
+  ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ck3_sharded"), TempPath("ck3_hf")).ok());
+  auto files = ModelFiles::Open(TempPath("ck3_hf"));
+  ASSERT_TRUE(files.ok());
+  std::vector<float> want = model->tensors.at("transformer.ln_f.bias").ToFloats();
+  for (float& v : want) v += 1.0f;
+  EXPECT_EQ((*files)->Read("transformer.ln_f.bias")->ToFloats(), want);
+  EXPECT_EQ((*files)->Read("transformer.ln_f.weight")->ToFloats(),
+            model->tensors.at("transformer.ln_f.weight").ToFloats());
+}
+
+TEST(Checkpoint, DamagedCheckpointsAreRefusedNamingWhatIsWrong) {
+  auto model = testing::WriteTinyGpt2(TempPath("ck4_gpt2"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::string checkpoint = TempPath("ck4_sharded");
+  Save(model->dir, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D), checkpoint);
+  EXPECT_EQ(ConsolidateCheckpoint(TempPath("ck4_nowhere"), TempPath("ck4_out")).code(), absl::StatusCode::kNotFound);
+  // A rank file cut short (as by a crash while copying it).
+  const std::string rank1 = checkpoint + "/rank-00001-of-00002.safetensors";
+  std::filesystem::resize_file(rank1, std::filesystem::file_size(rank1) / 2);
+  absl::Status s = ConsolidateCheckpoint(checkpoint, TempPath("ck4_out"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("rank-00001-of-00002"), std::string::npos) << s;
+  // A missing rank file.
+  std::filesystem::remove(rank1);
+  s = ConsolidateCheckpoint(checkpoint, TempPath("ck4_out"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("rank-00001-of-00002"), std::string::npos) << s;
+  EXPECT_FALSE(std::filesystem::exists(TempPath("ck4_out") + "/model.safetensors"));
+}
+
+}  // namespace
+}  // namespace colod::shardformer
