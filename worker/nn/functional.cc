@@ -188,6 +188,10 @@ absl::StatusOr<Tensor> HeadMatrix(const Tensor& heads_first, int64_t b, int64_t 
 }  // namespace
 
 absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, const Variable& v, float scale) {
+  return Attention(q, k, v, scale, /*causal=*/true);
+}
+
+absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const Variable& v, float scale, bool causal) {
   const Shape& qs = q.value().shape();
   const Shape& ks = k.value().shape();
   if (qs.size() != 4 || ks.size() != 4 || ks != v.value().shape() || qs[0] != ks[0] || qs[1] != ks[1] ||
@@ -211,7 +215,7 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
       ASSIGN_OR_RETURN(Tensor vm, HeadMatrix(vh, b, h / group));
       ASSIGN_OR_RETURN(Tensor scores, kernels::MatMul(qm, km, false, true));
       ASSIGN_OR_RETURN(scores, Scale(scores, scale));
-      ASSIGN_OR_RETURN(Tensor pm, kernels::Softmax(scores, /*causal=*/true));
+      ASSIGN_OR_RETURN(Tensor pm, kernels::Softmax(scores, causal));
       ASSIGN_OR_RETURN(Tensor om, kernels::MatMul(pm, vm));
       ASSIGN_OR_RETURN(Tensor slot, HeadMatrix(out, b, h));
       RETURN_IF_ERROR(slot.CopyFrom(om));
@@ -223,7 +227,7 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
   const DType dtype = q.value().dtype();
   ASSIGN_OR_RETURN(y, y.Contiguous().ToDType(dtype));
   return RecordOp(
-      "causal_attention", {q, k, v}, std::move(y),
+      causal ? "causal_attention" : "attention", {q, k, v}, std::move(y),
       [qh, kh, vh, probs, batch, seq, hq, hkv, d, group, scale, dtype, dev](const Tensor& dy) -> absl::StatusOr<Grads> {
         ASSIGN_OR_RETURN(Tensor dyh, HeadsFirst(dy));
         ASSIGN_OR_RETURN(dyh, dyh.ToDType(DType::kF32));

@@ -58,6 +58,8 @@ absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Tensor& labe
 // query head h reads kv head h / (Hq / Hkv)); out [B, S, Hq, D] =
 // softmax(q k^T * scale, causal) v. INVALID_ARGUMENT for mismatched shapes.
 absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, const Variable& v, float scale);
+// The same with or without the causal mask (BERT's attention is bidirectional).
+absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const Variable& v, float scale, bool causal);
 
 // LayerNorm over a hidden dim split across `hidden` (x [.., h/n] and gamma,
 // beta [h/n] on each of its n ranks): the row statistics are all-reduced

@@ -10,26 +10,27 @@
 namespace colod::nn {
 namespace {
 
-// out[b,s,h,:] = sum_t softmax_t(q[b,s,h] . k[b,t,g] * scale, t <= s) v[b,t,g], g = h / group.
+// out[b,s,h,:] = sum_t softmax_t(q[b,s,h] . k[b,t,g] * scale, t <= s if causal) v[b,t,g], g = h / group.
 std::vector<double> NaiveAttention(const std::vector<double>& q, const std::vector<double>& k,
                                    const std::vector<double>& v, int64_t batch, int64_t seq, int64_t hq, int64_t hkv,
-                                   int64_t d, double scale) {
+                                   int64_t d, double scale, bool causal) {
   std::vector<double> out(batch * seq * hq * d, 0.0);
   const int64_t group = hq / hkv;
   auto at = [&](int64_t b, int64_t s, int64_t h, int64_t heads) { return ((b * seq + s) * heads + h) * d; };
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < hq; ++h) {
       for (int64_t s = 0; s < seq; ++s) {
-        std::vector<double> w(s + 1);
+        const int64_t last = causal ? s : seq - 1;
+        std::vector<double> w(last + 1);
         double mx = -1e300, sum = 0;
-        for (int64_t t = 0; t <= s; ++t) {
+        for (int64_t t = 0; t <= last; ++t) {
           double dot = 0;
           for (int64_t j = 0; j < d; ++j) dot += q[at(b, s, h, hq) + j] * k[at(b, t, h / group, hkv) + j];
           w[t] = dot * scale;
           mx = std::max(mx, w[t]);
         }
-        for (int64_t t = 0; t <= s; ++t) sum += (w[t] = std::exp(w[t] - mx));
-        for (int64_t t = 0; t <= s; ++t) {
+        for (int64_t t = 0; t <= last; ++t) sum += (w[t] = std::exp(w[t] - mx));
+        for (int64_t t = 0; t <= last; ++t) {
           for (int64_t j = 0; j < d; ++j) out[at(b, s, h, hq) + j] += w[t] / sum * v[at(b, t, h / group, hkv) + j];
         }
       }
@@ -43,21 +44,25 @@ std::vector<double> D(const Tensor& t) {
   return std::vector<double>(f.begin(), f.end());
 }
 
-TEST(Functional, CausalGroupedQueryAttentionMatchesTheNaiveLoopsAndItsGradients) {
+class AttentionTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(AttentionTest, GroupedQueryAttentionMatchesTheNaiveLoopsAndItsGradients) {
+  const bool causal = GetParam();
   const int64_t batch = 2, seq = 4, hq = 4, hkv = 2, d = 3;
   const double scale = 1 / std::sqrt(3.0);
   const Tensor q = *Tensor::RandomNormal({batch, seq, hq, d}, 1), k = *Tensor::RandomNormal({batch, seq, hkv, d}, 2),
                v = *Tensor::RandomNormal({batch, seq, hkv, d}, 3), r = *Tensor::RandomNormal({batch, seq, hq, d}, 4);
   Variable vq(q, true), vk(k, true), vv(v, true);
-  auto out = CausalAttention(vq, vk, vv, static_cast<float>(scale));
+  auto out = causal ? CausalAttention(vq, vk, vv, static_cast<float>(scale))
+                    : Attention(vq, vk, vv, static_cast<float>(scale), false);
   ASSERT_TRUE(out.ok()) << out.status();
-  const std::vector<double> want = NaiveAttention(D(q), D(k), D(v), batch, seq, hq, hkv, d, scale);
+  const std::vector<double> want = NaiveAttention(D(q), D(k), D(v), batch, seq, hq, hkv, d, scale, causal);
   const std::vector<float> got = out->value().ToFloats();
   for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-5) << i;
   ASSERT_TRUE(Backward(*Sum(*Mul(*out, Variable(r)))).ok());
   const std::vector<double> rd = D(r);
   auto loss = [&](const std::vector<double>& qq, const std::vector<double>& kk, const std::vector<double>& vvv) {
-    const std::vector<double> o = NaiveAttention(qq, kk, vvv, batch, seq, hq, hkv, d, scale);
+    const std::vector<double> o = NaiveAttention(qq, kk, vvv, batch, seq, hq, hkv, d, scale, causal);
     double l = 0;
     for (size_t i = 0; i < o.size(); ++i) l += o[i] * rd[i];
     return l;
@@ -80,6 +85,9 @@ TEST(Functional, CausalGroupedQueryAttentionMatchesTheNaiveLoopsAndItsGradients)
                 .code(),
             absl::StatusCode::kInvalidArgument);  // 4 query heads over 3 kv heads
 }
+
+INSTANTIATE_TEST_SUITE_P(Masks, AttentionTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "causal" : "bidirectional"; });
 
 TEST(Functional, ReshapeAndLinearGradients) {
   const Tensor x = *Tensor::RandomNormal({3, 4}, 5), w = *Tensor::RandomNormal({2, 4}, 6);

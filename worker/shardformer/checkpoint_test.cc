@@ -101,7 +101,15 @@ TEST(Checkpoint, FusedAndTwoDimensionalLayoutsConsolidateExactly) {
   Save(llama->dir, Layout(4, 1, v1::TENSOR_PARALLEL_MODE_2D), TempPath("ck2_llama_sharded"));
   ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ck2_llama_sharded"), TempPath("ck2_llama_hf")).ok());
   ExpectSameTensors(TempPath("ck2_llama_hf"), *llama);
-  // ... and the 2D checkpoint runs again as 1D with sequence parallelism.
+  // BERT's decoder bias is padded and split like the vocabulary.
+  auto bert = testing::WriteTinyBert(TempPath("ck2_bert"));
+  ASSERT_TRUE(bert.ok()) << bert.status();
+  Save(bert->dir, Layout(4, 1, v1::TENSOR_PARALLEL_MODE_1D), TempPath("ck2_bert_sharded"));
+  EXPECT_EQ(Index(TempPath("ck2_bert_sharded"))["tensors"]["cls.predictions.bias.bias"]["global_shape"],
+            nlohmann::json::array({256}));
+  ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ck2_bert_sharded"), TempPath("ck2_bert_hf")).ok());
+  ExpectSameTensors(TempPath("ck2_bert_hf"), *bert);
+  // ... and the 2D LLaMA checkpoint runs again as 1D with sequence parallelism.
   testing::TinyModel reloaded = *llama;
   reloaded.dir = TempPath("ck2_llama_hf");
   const Tensor ids = testing::TokenIds(2, 8, llama->config.vocab_size, 4);

@@ -74,7 +74,12 @@ absl::StatusOr<Tensor> ReadLayerBlock(const HfTensor& hf, const Shape& layer_sha
     Tensor piece;
     bool padding = false;  // the whole run is padding rows: stays zero
     if (!matrix) {
-      ASSIGN_OR_RETURN(piece, hf_read({f0}, {len}));
+      const int64_t valid = hf.valid_rows < 0 ? f0 + len : std::min(f0 + len, hf.valid_rows);
+      padding = valid <= f0;
+      if (!padding) {
+        ASSIGN_OR_RETURN(piece, hf_read({f0}, {valid - f0}));
+        ASSIGN_OR_RETURN(dest, dest.Narrow(run_dim, 0, valid - f0));
+      }
     } else if (hf.transpose) {
       ASSIGN_OR_RETURN(Tensor t, hf_read({starts[nd - 1], f0}, {lengths[nd - 1], len}));
       ASSIGN_OR_RETURN(t, t.Transpose(0, 1));
@@ -111,7 +116,13 @@ absl::StatusOr<ColoParameter> LoadParameter(const HfTensor& hf, const Shape& lay
 
 absl::StatusOr<Tensor> LayerToHf(const HfTensor& hf, const Tensor& layer_global) {
   Tensor t = layer_global.Contiguous();
-  if (hf.shape.size() == 1) return t.Reshape({t.numel()});
+  if (hf.shape.size() == 1) {
+    ASSIGN_OR_RETURN(t, t.Reshape({t.numel()}));
+    if (hf.valid_rows >= 0) {
+      ASSIGN_OR_RETURN(t, t.Narrow(0, 0, hf.valid_rows));
+    }
+    return t.Contiguous();
+  }
   const int64_t last = t.shape().back();
   ASSIGN_OR_RETURN(t, t.Reshape({t.numel() / last, last}));
   if (hf.valid_rows >= 0) {

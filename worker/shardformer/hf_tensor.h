@@ -33,7 +33,7 @@ struct HfTensor {
   bool transpose = false;    // the layer holds the slice transposed (2-D checkpoint tensors)
   int64_t narrow_dim = -1;   // the layer holds a slice along this checkpoint dim...
   int64_t narrow_start = 0;  // ...from here (its length is the layer's)
-  int64_t valid_rows = -1;   // flattened layer rows from here on are zero padding
+  int64_t valid_rows = -1;   // flattened layer rows (elements, for a vector) from here on are zero padding
 };
 
 // Reads [starts, starts + lengths) of the checkpoint tensor (its coordinates).

@@ -30,6 +30,7 @@ TEST(HfTensor, BlocksMatchTheWholeLayerTensorAndConvertBack) {
       {{"transposed [12, 6]", {"w", {6, 12}, true}, {12, 6}, {4, 3}, {4, 3}}, conv},
       {{"padded table [8, 4]", {"t", {5, 4}, false, -1, 0, 5}, {8, 4}, {4, 0}, {4, 4}}, table},
       {{"fused bias [3, 4]", {"b", {12}}, {3, 4}, {0, 1}, {3, 2}}, bias},
+      {{"padded vocabulary bias [16]", {"b", {12}, false, -1, 0, 12}, {16}, {8}, {8}}, bias},
       {{"k of a Conv1D, as [6, 4]", {"w", {6, 12}, false, 1, 4}, {6, 4}, {2, 0}, {2, 4}}, conv},
   };
   for (const auto& [c, source] : cases) {

@@ -161,7 +161,51 @@ class NativeNorm : public Layer {
   float eps_;
 };
 
+// A bias over the last dim: replicated (native), or split like a
+// vocab-parallel LM head's logits (VocabParallelBias1D: [V_pad] tp: S(0),
+// zero padding from V on).
+class BiasLayer : public Layer {
+ public:
+  BiasLayer(BoundParam b, bool vocab_parallel, int p) : b_(std::move(b)), vocab_parallel_(vocab_parallel), p_(p) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c, bool vocab_parallel) {
+    RETURN_IF_ERROR(Expect(d.kind == Kind::kBias, d, vocab_parallel ? "VocabParallelBias1D" : "native Bias"));
+    if (!vocab_parallel) {
+      ASSIGN_OR_RETURN(BoundParam b, Load(c, "bias", WeightTensor(d), {d.out}, DistSpec()));
+      return LayerPtr(new BiasLayer(std::move(b), false, 1));
+    }
+    nn::VocabParallelEmbedding1D::Options o{c.shard->make_vocab_size_divisible_by};
+    ASSIGN_OR_RETURN(int64_t padded, nn::VocabParallelEmbedding1D::PaddedVocab(d.out, c.pg, o));
+    ASSIGN_OR_RETURN(int p, c.pg->AxisSize("tp"));
+    HfTensor hf = WeightTensor(d);
+    hf.valid_rows = d.out;
+    ASSIGN_OR_RETURN(BoundParam b, Load(c, "bias", hf, {padded}, TpShard(0, p), {ComputePattern::kTP1D, true}));
+    return LayerPtr(new BiasLayer(std::move(b), true, p));
+  }
+  std::string type() const override { return vocab_parallel_ ? "VocabParallelBias1D" : "native Bias"; }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
+    const int64_t last = static_cast<int64_t>(x.global_shape().size()) - 1;
+    if (vocab_parallel_) {
+      RETURN_IF_ERROR(CheckSpec(x, nn::WithTp(x.spec(), Placement::Shard({last}, {p_})), type() + " input"));
+    } else {
+      RETURN_IF_ERROR(NoShardedLastDim(x, type()));
+    }
+    ASSIGN_OR_RETURN(Variable y, nn::BiasAdd(x.variable(), b_.param.variable()));
+    return SameSpec(y, x);
+  }
+  absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override {
+    return vocab_parallel_ ? TpShard(ndim - 1, p_) : DistSpec();
+  }
+  std::vector<BoundParam> Params() override { return {b_}; }
+
+ private:
+  static DistSpec TpShard(int64_t dim, int p) { return nn::WithTp({}, Placement::Shard({dim}, {p})); }
+  BoundParam b_;
+  bool vocab_parallel_;
+  int p_;
+};
+
 absl::StatusOr<LayerPtr> CreateNative(const LayerDecl& d, const LayerContext& c) {
+  if (d.kind == Kind::kBias) return BiasLayer::Create(d, c, false);
   if (IsMatrix(d)) return NativeLinear::Create(d, c);
   if (d.kind == Kind::kEmbedding) return NativeEmbedding::Create(d, c);
   return NativeNorm::Create(d, c);
@@ -520,19 +564,20 @@ int ShardConfig::head_split() const {
 
 HfTensor WeightTensor(const LayerDecl& d) {
   HfTensor hf;
-  hf.name = absl::StrCat(d.prefix, ".weight");
+  hf.name = absl::StrCat(d.prefix, d.kind == Kind::kBias ? ".bias" : ".weight");
   switch (d.kind) {
     case Kind::kLinear: hf.shape = {d.out, d.in}; break;
     case Kind::kConv1D: hf.shape = {d.in, d.out}; break;
     case Kind::kEmbedding: hf.shape = {d.in, d.out}; break;
     case Kind::kLayerNorm:
-    case Kind::kRmsNorm: hf.shape = {d.out}; break;
+    case Kind::kRmsNorm:
+    case Kind::kBias: hf.shape = {d.out}; break;
   }
   return hf;
 }
 
 std::optional<HfTensor> BiasTensor(const LayerDecl& d) {
-  if (!d.bias || d.kind == Kind::kEmbedding || d.kind == Kind::kRmsNorm) return std::nullopt;
+  if (!d.bias || d.kind == Kind::kEmbedding || d.kind == Kind::kRmsNorm || d.kind == Kind::kBias) return std::nullopt;
   HfTensor hf;
   hf.name = absl::StrCat(d.prefix, ".bias");
   hf.shape = {d.out};
@@ -548,6 +593,9 @@ LayerRegistry& LayerRegistry::Global() {
     (void)r->Register("VocabParallelEmbedding1D", VocabEmbedding1D::Create);
     (void)r->Register("VocabParallelLMHead1D", CreateVocabLmHead1D);
     (void)r->Register("Norm1D", Norm1DLayer::Create);
+    (void)r->Register("VocabParallelBias1D", [](const LayerDecl& d, const LayerContext& c) {
+      return BiasLayer::Create(d, c, true);
+    });
     (void)r->Register("Linear2D", Linear2DLayer::Create);
     (void)r->Register("LayerNorm2D", LayerNorm2DLayer::Create);
     (void)r->Register("RMSNorm2D", RmsNorm2DLayer::Create);

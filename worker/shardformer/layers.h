@@ -9,6 +9,7 @@
 //   VocabParallelEmbedding1D   worker/nn/embedding1d.h (vocabulary padded to
 //                         a multiple of make_vocab_size_divisible_by * tp)
 //   VocabParallelLMHead1D an untied LM head [V_pad, H] as a Linear1D_Col
+//   VocabParallelBias1D   a bias added to vocab-parallel logits ([V_pad] tp: S(0))
 //   Norm1D                LayerNorm or RMSNorm (worker/nn/norm.h)
 //   Linear2D              worker/nn/linear2d.h (2D and 2.5D); kwargs n_fused
 //   LayerNorm2D, RMSNorm2D  worker/nn/linear2d.h

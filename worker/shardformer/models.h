@@ -7,6 +7,9 @@
 //   llama  LlamaForCausalLM: 1d (q/k/v, gate/up column-parallel, o/down
 //          row-parallel, grouped-query heads split over tp, vocab-parallel
 //          embedding and LM head), sequence_parallel, 2d and 2.5d.
+//   bert   BertForMaskedLM: 1d (column-parallel q/k/v and intermediate,
+//          row-parallel outputs, vocab-parallel word embeddings, tied decoder
+//          and its bias).
 #ifndef COLOD_WORKER_SHARDFORMER_MODELS_H_
 #define COLOD_WORKER_SHARDFORMER_MODELS_H_
 
@@ -16,6 +19,7 @@ namespace colod::shardformer {
 
 ModelFamily Gpt2Family();
 ModelFamily LlamaFamily();
+ModelFamily BertFamily();
 
 }  // namespace colod::shardformer
 

@@ -15,6 +15,7 @@ const char* KindName(LayerDecl::Kind kind) {
     case LayerDecl::Kind::kEmbedding: return "Embedding";
     case LayerDecl::Kind::kLayerNorm: return "LayerNorm";
     case LayerDecl::Kind::kRmsNorm: return "RMSNorm";
+    case LayerDecl::Kind::kBias: return "Bias";
   }
   return "?";
 }

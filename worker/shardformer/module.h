@@ -30,11 +30,13 @@ namespace colod::shardformer {
 // What a leaf is in the original model (before any replacement).
 struct LayerDecl {
 
-  enum class Kind { kLinear, kConv1D, kEmbedding, kLayerNorm, kRmsNorm };
+  // kBias: a vector added to the last dim (BERT's MLM decoder bias), named
+  // "<prefix>.bias".
+  enum class Kind { kLinear, kConv1D, kEmbedding, kLayerNorm, kRmsNorm, kBias };
   Kind kind = Kind::kLinear;
   std::string prefix;  // checkpoint name prefix: "transformer.h.0.attn.c_attn"
   // Linear/Conv1D: in and out features; Embedding: rows (in) and dim (out);
-  // norms: the normalized size (out).
+  // norms and biases: the size (out).
   int64_t in = 0, out = 0;
   bool bias = true;  // Linear/Conv1D bias; LayerNorm beta
   float eps = 1e-5f;
@@ -42,7 +44,7 @@ struct LayerDecl {
 
   static LayerDecl Of(Kind kind, std::string prefix, int64_t in, int64_t out, bool bias = true, float eps = 1e-5f);
 };
-// "Linear", "Conv1D", "Embedding", "LayerNorm", "RMSNorm".
+// "Linear", "Conv1D", "Embedding", "LayerNorm", "RMSNorm", "Bias".
 const char* KindName(LayerDecl::Kind kind);
 
 // A parameter of a layer and where it lives in the checkpoint.

@@ -46,6 +46,7 @@ ModelRegistry& ModelRegistry::Global() {
     auto* r = new ModelRegistry();
     r->Register("gpt2", Gpt2Family());
     r->Register("llama", LlamaFamily());
+    r->Register("bert", BertFamily());
     return r;
   }();
   return *registry;
@@ -148,13 +149,23 @@ absl::StatusOr<LmLoss> ShardedModel::NextTokenLoss(const ColoTensor& logits, con
     return absl::InvalidArgumentError(absl::StrCat("logits ", ShapeToString(logits.global_shape()),
                                                    " do not match ids ", ShapeToString(ids.shape())));
   }
-  const int64_t batch = ids.shape()[0], seq = ids.shape()[1], vocab = config_.vocab_size;
+  const int64_t batch = ids.shape()[0], seq = ids.shape()[1];
   const std::vector<int64_t> all = ids.ToInt64s();
   std::vector<int64_t> next(all.size(), -100);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t s = 0; s + 1 < seq; ++s) next[b * seq + s] = all[b * seq + s + 1];
   }
   ASSIGN_OR_RETURN(Tensor labels, Tensor::FromInt64s({batch, seq}, next));
+  return TokenLoss(logits, labels);
+}
+
+absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const Tensor& labels) {
+  if (labels.dim() != 2 || logits.global_shape().size() != 3 || logits.global_shape()[0] != labels.shape()[0] ||
+      logits.global_shape()[1] != labels.shape()[1]) {
+    return absl::InvalidArgumentError(absl::StrCat("logits ", ShapeToString(logits.global_shape()),
+                                                   " do not match labels ", ShapeToString(labels.shape())));
+  }
+  const int64_t batch = labels.shape()[0], seq = labels.shape()[1], vocab = config_.vocab_size;
   // The logits' rows this rank holds (placements on the batch and sequence
   // dims), and whether the vocabulary is split.
   DistSpec rows;
@@ -176,7 +187,7 @@ absl::StatusOr<LmLoss> ShardedModel::NextTokenLoss(const ColoTensor& logits, con
     }
   }
   ASSIGN_OR_RETURN(Block block, LocalBlock(rows, {batch, seq}, pg_));
-  Tensor mine = labels;
+  ASSIGN_OR_RETURN(Tensor mine, labels.dtype() == DType::kI64 ? labels : labels.ToDType(DType::kI64));
   for (int d = 0; d < 2; ++d) {
     ASSIGN_OR_RETURN(mine, mine.Narrow(d, block.starts[d], block.lengths[d]));
   }
@@ -203,7 +214,7 @@ absl::StatusOr<LmLoss> ShardedModel::NextTokenLoss(const ColoTensor& logits, con
   }
   LmLoss out;
   out.tokens = static_cast<int64_t>(totals[1]);
-  if (out.tokens == 0) return absl::InvalidArgumentError("no token has a next token (sequences of length 1)");
+  if (out.tokens == 0) return absl::InvalidArgumentError("no position has a label (all are -100)");
   out.value = totals[0] / totals[1];
   ASSIGN_OR_RETURN(out.loss, Scale(sum, 1.0f / totals[1]));
   return out;

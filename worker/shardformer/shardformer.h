@@ -154,6 +154,9 @@ class ShardedModel {
   // Mean next-token cross-entropy of `logits` for `ids` (position s
   // predicts ids[s + 1]); collective over the ranks that split the batch.
   absl::StatusOr<LmLoss> NextTokenLoss(const ColoTensor& logits, const Tensor& ids);
+  // Mean cross-entropy of `logits` against integer `labels` [B, S] (a masked
+  // LM's targets), positions labelled -100 left out.
+  absl::StatusOr<LmLoss> TokenLoss(const ColoTensor& logits, const Tensor& labels);
   // The logits as a full f32 [B, S, vocab_size] tensor (padding removed) on
   // every rank of the dp replica. Collective.
   absl::StatusOr<Tensor> GatherLogits(const ColoTensor& logits);

@@ -92,6 +92,59 @@ absl::StatusOr<TinyModel> WriteTinyGpt2(const std::string& dir, const TinyOption
   return m;
 }
 
+Tensor MaskedLabels(const Tensor& ids) {
+  std::vector<int64_t> v = ids.ToInt64s();
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i % 3 != 1) v[i] = -100;
+  }
+  return *Tensor::FromInt64s(ids.shape(), v);
+}
+
+absl::StatusOr<TinyModel> WriteTinyBert(const std::string& dir, const TinyOptions& o) {
+  TinyModel m;
+  m.dir = dir;
+  const int64_t h = o.hidden, f = 2 * o.hidden;
+  const std::string config = absl::StrCat(
+      R"({"model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": )", o.vocab,
+      R"(, "hidden_size": )", h, R"(, "num_hidden_layers": )", o.layers, R"(, "num_attention_heads": )", o.heads,
+      R"(, "intermediate_size": )", f, R"(, "max_position_embeddings": )", o.positions,
+      R"(, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "hidden_act": "gelu"})");
+  ASSIGN_OR_RETURN(m.config, ParseModelConfig(config));
+  const std::string p = o.prefixed ? "bert." : "";
+  Writer w{m, o.seed * 1000 + 700, {}};
+  auto add = [&w](const std::string& name, const Shape& shape, float scale, float mean = 0) {
+    return w.Add(name, shape, scale, mean);
+  };
+  auto linear = [&](const std::string& name, int64_t in, int64_t out, float scale) -> absl::Status {
+    RETURN_IF_ERROR(add(name + ".weight", {out, in}, scale));
+    return add(name + ".bias", {out}, 0.1f);
+  };
+  auto norm = [&](const std::string& name) -> absl::Status {
+    RETURN_IF_ERROR(add(name + ".weight", {h}, 0.1f, 1.0f));
+    return add(name + ".bias", {h}, 0.1f);
+  };
+  RETURN_IF_ERROR(add(p + "embeddings.word_embeddings.weight", {o.vocab, h}, 0.5f));
+  RETURN_IF_ERROR(add(p + "embeddings.position_embeddings.weight", {o.positions, h}, 0.1f));
+  RETURN_IF_ERROR(add(p + "embeddings.token_type_embeddings.weight", {2, h}, 0.1f));
+  RETURN_IF_ERROR(norm(p + "embeddings.LayerNorm"));
+  for (int64_t i = 0; i < o.layers; ++i) {
+    const std::string b = absl::StrCat(p, "encoder.layer.", i, ".");
+    for (const char* name : {"query", "key", "value"}) {
+      RETURN_IF_ERROR(linear(b + "attention.self." + name, h, h, 0.15f));
+    }
+    RETURN_IF_ERROR(linear(b + "attention.output.dense", h, h, 0.1f));
+    RETURN_IF_ERROR(norm(b + "attention.output.LayerNorm"));
+    RETURN_IF_ERROR(linear(b + "intermediate.dense", h, f, 0.1f));
+    RETURN_IF_ERROR(linear(b + "output.dense", f, h, 0.08f));
+    RETURN_IF_ERROR(norm(b + "output.LayerNorm"));
+  }
+  RETURN_IF_ERROR(linear("cls.predictions.transform.dense", h, h, 0.1f));
+  RETURN_IF_ERROR(norm("cls.predictions.transform.LayerNorm"));
+  RETURN_IF_ERROR(add("cls.predictions.bias", {o.vocab}, 0.1f));
+  RETURN_IF_ERROR(w.Write(config));
+  return m;
+}
+
 absl::StatusOr<TinyModel> WriteTinyLlama(const std::string& dir, const TinyOptions& o) {
   TinyModel m;
   m.dir = dir;
@@ -132,30 +185,63 @@ absl::StatusOr<TinyModel> WriteTinyLlama(const std::string& dir, const TinyOptio
 
 namespace {
 
-// Leaf Variables of a model's tensors, created on first use.
+// Leaf Variables of a model's tensors, created on first use, and the layers
+// of the reference implementations on them.
 class Leaves {
  public:
   explicit Leaves(const TinyModel& m) : m_(m) {}
-  absl::StatusOr<Variable> operator()(const std::string& name) {
-    auto it = leaves_.find(name);
-    if (it != leaves_.end()) return it->second;
-    auto t = m_.tensors.find(name);
-    if (t == m_.tensors.end()) return absl::NotFoundError(name);
-    return leaves_.emplace(name, Variable(t->second, true)).first->second;
+  absl::StatusOr<Variable> operator()(const std::string& name) { return Get(name, false); }
+  // y = x W^T + b, W [out, in] as nn.Linear stores it.
+  absl::StatusOr<Variable> Linear(const Variable& x, const std::string& name, bool bias = true) {
+    ASSIGN_OR_RETURN(Variable w, Get(name + ".weight", false));
+    return Affine(x, w, name, bias);
   }
-  // The gradients by name (every leaf must have one).
+  // y = x W + b, W [in, out] as GPT-2's Conv1D stores it (held transposed).
+  absl::StatusOr<Variable> Conv1D(const Variable& x, const std::string& name) {
+    ASSIGN_OR_RETURN(Variable w, Get(name + ".weight", true));
+    return Affine(x, w, name, true);
+  }
+  absl::StatusOr<Variable> LayerNorm(const Variable& x, const std::string& name, double eps) {
+    ASSIGN_OR_RETURN(Variable g, Get(name + ".weight", false));
+    ASSIGN_OR_RETURN(Variable b, Get(name + ".bias", false));
+    return nn::LayerNorm(x, g, b, static_cast<float>(eps));
+  }
+  // The gradients by name, in the checkpoint's layout (every leaf must have one).
   absl::StatusOr<std::map<std::string, Tensor>> Grads() const {
     std::map<std::string, Tensor> out;
     for (const auto& [name, v] : leaves_) {
       if (!v.grad().has_value()) return absl::InternalError(absl::StrCat(name, " got no gradient"));
-      out[name] = *v.grad();
+      Tensor g = *v.grad();
+      if (transposed_.count(name)) {
+        ASSIGN_OR_RETURN(g, Transposed(g));
+      }
+      out[name] = g;
     }
     return out;
   }
 
  private:
+  absl::StatusOr<Variable> Get(const std::string& name, bool transpose) {
+    auto it = leaves_.find(name);
+    if (it != leaves_.end()) return it->second;
+    auto t = m_.tensors.find(name);
+    if (t == m_.tensors.end()) return absl::NotFoundError(name);
+    Tensor value = t->second;
+    if (transpose) {
+      ASSIGN_OR_RETURN(value, Transposed(value));
+      transposed_.insert(name);
+    }
+    return leaves_.emplace(name, Variable(value, true)).first->second;
+  }
+  absl::StatusOr<Variable> Affine(const Variable& x, const Variable& w, const std::string& name, bool bias) {
+    if (!bias) return nn::Linear(x, w, std::nullopt);
+    ASSIGN_OR_RETURN(Variable b, Get(name + ".bias", false));
+    return nn::Linear(x, w, b);
+  }
+
   const TinyModel& m_;
   std::map<std::string, Variable> leaves_;
+  std::set<std::string> transposed_;
 };
 
 // Mean next-token cross-entropy of logits [B, S, V]; back-propagated.
@@ -174,16 +260,75 @@ absl::StatusOr<double> NextTokenLossBackward(const Variable& logits, const Tenso
 
 }  // namespace
 
+absl::StatusOr<Reference> ReferenceBert(const TinyModel& m, const Tensor& ids, const Tensor& labels) {
+  const ModelConfig& c = m.config;
+  const std::string p = m.tensors.count("embeddings.word_embeddings.weight") ? "" : "bert.";
+  Leaves leaf(m);
+  const int64_t batch = ids.shape()[0], seq = ids.shape()[1], h = c.hidden_size, nh = c.num_heads,
+                d = c.head_dim();
+  auto linear = [&](const Variable& x, const std::string& name) { return leaf.Linear(x, name); };
+  auto norm = [&](const Variable& x, const std::string& name) { return leaf.LayerNorm(x, name, c.norm_eps); };
+  std::vector<int64_t> pos(batch * seq);
+  for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int64_t>(i) % seq;
+  ASSIGN_OR_RETURN(Tensor positions, Tensor::FromInt64s({batch, seq}, pos));
+  ASSIGN_OR_RETURN(Tensor types, Tensor::Zeros({batch, seq}, DType::kI64));
+  ASSIGN_OR_RETURN(Variable words, leaf(p + "embeddings.word_embeddings.weight"));
+  ASSIGN_OR_RETURN(Variable wpos, leaf(p + "embeddings.position_embeddings.weight"));
+  ASSIGN_OR_RETURN(Variable wtype, leaf(p + "embeddings.token_type_embeddings.weight"));
+  ASSIGN_OR_RETURN(Variable x, nn::Embedding(words, ids));
+  ASSIGN_OR_RETURN(Variable e2, nn::Embedding(wpos, positions));
+  ASSIGN_OR_RETURN(Variable e3, nn::Embedding(wtype, types));
+  ASSIGN_OR_RETURN(x, Add(x, e2));
+  ASSIGN_OR_RETURN(x, Add(x, e3));
+  ASSIGN_OR_RETURN(x, norm(x, p + "embeddings.LayerNorm"));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string b = absl::StrCat(p, "encoder.layer.", l, ".");
+    Variable qkv[3];
+    const char* names[] = {"query", "key", "value"};
+    for (int i = 0; i < 3; ++i) {
+      ASSIGN_OR_RETURN(Variable t, linear(x, b + "attention.self." + names[i]));
+      ASSIGN_OR_RETURN(qkv[i], nn::Reshape(t, {batch, seq, nh, d}));
+    }
+    ASSIGN_OR_RETURN(Variable ctx, nn::Attention(qkv[0], qkv[1], qkv[2], 1.0f / std::sqrt(float(d)), false));
+    ASSIGN_OR_RETURN(ctx, nn::Reshape(ctx, {batch, seq, h}));
+    ASSIGN_OR_RETURN(Variable ao, linear(ctx, b + "attention.output.dense"));
+    ASSIGN_OR_RETURN(ao, Add(ao, x));
+    ASSIGN_OR_RETURN(Variable attended, norm(ao, b + "attention.output.LayerNorm"));
+    ASSIGN_OR_RETURN(Variable inner, linear(attended, b + "intermediate.dense"));
+    ASSIGN_OR_RETURN(inner, nn::Gelu(inner, kernels::GeluApprox::kNone));
+    ASSIGN_OR_RETURN(Variable out, linear(inner, b + "output.dense"));
+    ASSIGN_OR_RETURN(out, Add(out, attended));
+    ASSIGN_OR_RETURN(x, norm(out, b + "output.LayerNorm"));
+  }
+  ASSIGN_OR_RETURN(Variable t, linear(x, "cls.predictions.transform.dense"));
+  ASSIGN_OR_RETURN(t, nn::Gelu(t, kernels::GeluApprox::kNone));
+  ASSIGN_OR_RETURN(t, norm(t, "cls.predictions.transform.LayerNorm"));
+  ASSIGN_OR_RETURN(Variable bias, leaf("cls.predictions.bias"));
+  ASSIGN_OR_RETURN(Variable logits, nn::Linear(t, words, bias));  // decoder tied to the word embeddings
+  ASSIGN_OR_RETURN(Variable flat, nn::Reshape(logits, {batch * seq, c.vocab_size}));
+  ASSIGN_OR_RETURN(Tensor flat_labels, labels.Reshape({batch * seq}));
+  ASSIGN_OR_RETURN(Variable ce, nn::CrossEntropy(flat, flat_labels));
+  int64_t count = 0;
+  for (int64_t l : labels.ToInt64s()) count += l != -100;
+  ASSIGN_OR_RETURN(Variable total, Sum(ce));
+  ASSIGN_OR_RETURN(Variable loss, Scale(total, 1.0f / static_cast<float>(count)));
+  RETURN_IF_ERROR(Backward(loss));
+  Reference r;
+  r.loss = loss.value().ToFloats()[0];
+  r.logits = logits.value();
+  r.labels = labels;
+  r.tokens = count;
+  ASSIGN_OR_RETURN(r.grads, leaf.Grads());
+  return r;
+}
+
 absl::StatusOr<Reference> ReferenceLlama(const TinyModel& m, const Tensor& ids) {
   const ModelConfig& c = m.config;
   const std::string p = m.tensors.count("embed_tokens.weight") ? "" : "model.";
   Leaves leaf(m);
   const int64_t batch = ids.shape()[0], seq = ids.shape()[1], h = c.hidden_size, d = c.head_dim();
   const float eps = static_cast<float>(c.norm_eps), theta = static_cast<float>(c.rope_theta);
-  auto linear = [&](const Variable& x, const std::string& name) -> absl::StatusOr<Variable> {
-    ASSIGN_OR_RETURN(Variable w, leaf(name + ".weight"));  // nn.Linear [out, in], no bias
-    return nn::Linear(x, w, std::nullopt);
-  };
+  auto linear = [&](const Variable& x, const std::string& name) { return leaf.Linear(x, name, /*bias=*/false); };
   auto rms = [&](const Variable& x, const std::string& name) -> absl::StatusOr<Variable> {
     ASSIGN_OR_RETURN(Variable g, leaf(name + ".weight"));
     return nn::RmsNorm(x, g, eps);
@@ -218,6 +363,7 @@ absl::StatusOr<Reference> ReferenceLlama(const TinyModel& m, const Tensor& ids) 
   ASSIGN_OR_RETURN(Variable logits, nn::Linear(x, head, std::nullopt));
   Reference r;
   ASSIGN_OR_RETURN(r.loss, NextTokenLossBackward(logits, ids));
+  r.tokens = batch * (seq - 1);
   r.logits = logits.value();
   ASSIGN_OR_RETURN(r.grads, leaf.Grads());
   return r;
@@ -227,30 +373,9 @@ absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& m, const Tensor& ids) {
   const ModelConfig& c = m.config;
   // Checkpoint names with or without the "transformer." prefix.
   const std::string p = m.tensors.count("wte.weight") ? "" : "transformer.";
-  std::map<std::string, Variable> leaves;
-  std::set<std::string> conv1d;  // held transposed: x @ W = Linear(x, W^T)
-  auto leaf = [&](const std::string& name) -> absl::StatusOr<Variable> {
-    auto it = leaves.find(name);
-    if (it != leaves.end()) return it->second;
-    auto t = m.tensors.find(name);
-    if (t == m.tensors.end()) return absl::NotFoundError(name);
-    Tensor value = t->second;
-    if (conv1d.count(name)) {
-      ASSIGN_OR_RETURN(value, Transposed(value));
-    }
-    return leaves.emplace(name, Variable(value, true)).first->second;
-  };
-  auto conv = [&](const Variable& x, const std::string& name) -> absl::StatusOr<Variable> {
-    conv1d.insert(name + ".weight");
-    ASSIGN_OR_RETURN(Variable w, leaf(name + ".weight"));
-    ASSIGN_OR_RETURN(Variable b, leaf(name + ".bias"));
-    return nn::Linear(x, w, b);
-  };
-  auto norm = [&](const Variable& x, const std::string& name) -> absl::StatusOr<Variable> {
-    ASSIGN_OR_RETURN(Variable g, leaf(name + ".weight"));
-    ASSIGN_OR_RETURN(Variable b, leaf(name + ".bias"));
-    return nn::LayerNorm(x, g, b, static_cast<float>(c.norm_eps));
-  };
+  Leaves leaf(m);
+  auto conv = [&](const Variable& x, const std::string& name) { return leaf.Conv1D(x, name); };
+  auto norm = [&](const Variable& x, const std::string& name) { return leaf.LayerNorm(x, name, c.norm_eps); };
   const int64_t batch = ids.shape()[0], seq = ids.shape()[1], h = c.hidden_size, nh = c.num_heads,
                 d = c.head_dim();
   std::vector<int64_t> pos(batch * seq);
@@ -282,33 +407,18 @@ absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& m, const Tensor& ids) {
   }
   ASSIGN_OR_RETURN(x, norm(x, p + "ln_f"));
   ASSIGN_OR_RETURN(Variable logits, nn::Linear(x, wte, std::nullopt));  // tied head
-  // Mean next-token loss: positions 0..S-2 predict ids 1..S-1.
-  ASSIGN_OR_RETURN(Variable shifted, nn::Narrow(logits, 1, 0, seq - 1));
-  ASSIGN_OR_RETURN(shifted, nn::Reshape(shifted, {batch * (seq - 1), c.vocab_size}));
-  ASSIGN_OR_RETURN(Tensor next, ids.Narrow(1, 1, seq - 1));
-  ASSIGN_OR_RETURN(Tensor labels, next.Contiguous().Reshape({batch * (seq - 1)}));
-  ASSIGN_OR_RETURN(Variable ce, nn::CrossEntropy(shifted, labels));
-  ASSIGN_OR_RETURN(Variable total, Sum(ce));
-  ASSIGN_OR_RETURN(Variable loss, Scale(total, 1.0f / static_cast<float>(batch * (seq - 1))));
-  RETURN_IF_ERROR(Backward(loss));
   Reference r;
+  ASSIGN_OR_RETURN(r.loss, NextTokenLossBackward(logits, ids));
+  r.tokens = batch * (seq - 1);
   r.logits = logits.value();
-  r.loss = loss.value().ToFloats()[0];
-  for (const auto& [name, v] : leaves) {
-    if (!v.grad().has_value()) return absl::InternalError(absl::StrCat(name, " got no gradient"));
-    Tensor g = *v.grad();
-    if (conv1d.count(name)) {
-      ASSIGN_OR_RETURN(g, Transposed(g));
-    }
-    r.grads[name] = g;
-  }
+  ASSIGN_OR_RETURN(r.grads, leaf.Grads());
   return r;
 }
 
 void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref, const ShardConfig& shard,
                                    const Tensor& ids, double tol, const std::string& prefix) {
   using ::colod::testing::ExpectAllClose;
-  const int64_t batch = ids.shape()[0], seq = ids.shape()[1];
+  const int64_t batch = ids.shape()[0];
   const int dp = shard.layout.data_parallel_size();
   ::colod::testing::RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int rank, ProcessGroup& pg) {
     auto sharded = ShardFormer(shard, &pg).Load(model.dir);
@@ -322,10 +432,12 @@ void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref,
     auto full = (*sharded)->GatherLogits(*logits);
     ASSERT_TRUE(full.ok()) << full.status();
     ExpectAllClose(*full, ref.logits.Narrow(0, dp_rank * rows, rows)->Contiguous(), "logits", tol);
-    auto loss = (*sharded)->NextTokenLoss(*logits, mine);
+    auto loss = !ref.labels.has_value()
+                    ? (*sharded)->NextTokenLoss(*logits, mine)
+                    : (*sharded)->TokenLoss(*logits, ref.labels->Narrow(0, dp_rank * rows, rows)->Contiguous());
     ASSERT_TRUE(loss.ok()) << loss.status();
     EXPECT_NEAR(loss->value, ref.loss, 1e-5 * std::fabs(ref.loss)) << "rank " << rank;
-    EXPECT_EQ(loss->tokens, batch * (seq - 1));
+    EXPECT_EQ(loss->tokens, ref.tokens);
     ASSERT_TRUE(Backward(loss->loss).ok());
     auto grads = (*sharded)->GatherHf(/*gradients=*/true);
     ASSERT_TRUE(grads.ok()) << grads.status();
@@ -334,7 +446,8 @@ void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref,
     EXPECT_EQ(grads->size(), ref.grads.size());
     if (dp == 1) {
       for (const auto& [bare, want] : ref.grads) {
-        const std::string name = bare.rfind("lm_head.", 0) == 0 ? bare : prefix + bare;
+        // Heads (lm_head, cls) live outside the bare model and keep their names.
+        const std::string name = grads->count(bare) ? bare : prefix + bare;
         ASSERT_EQ(grads->count(name), 1u) << name;
         ExpectAllClose(grads->at(name), want, name + " gradient", tol);
       }

@@ -6,6 +6,7 @@
 #define COLOD_WORKER_SHARDFORMER_TESTING_H_
 
 #include <map>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -43,14 +44,22 @@ absl::StatusOr<TinyModel> WriteTinyGpt2(const std::string& dir, const TinyOption
 // Creates `dir` with config.json and model.safetensors of a random LLaMA.
 absl::StatusOr<TinyModel> WriteTinyLlama(const std::string& dir, const TinyOptions& options = {});
 
+// Creates `dir` with config.json and model.safetensors of a random
+// BertForMaskedLM (intermediate size 2 * hidden).
+absl::StatusOr<TinyModel> WriteTinyBert(const std::string& dir, const TinyOptions& options = {});
+
 // The unsharded model's results for int64 ids [B, S].
 struct Reference {
   Tensor logits;                          // [B, S, V]
   double loss = 0;                        // mean next-token cross-entropy
   std::map<std::string, Tensor> grads;    // d loss / d tensor, by checkpoint name
+  std::optional<Tensor> labels;           // a masked LM's targets (-100: none); none for next-token
+  int64_t tokens = 0;                     // how many predictions the loss averages
 };
 absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& model, const Tensor& ids);
 absl::StatusOr<Reference> ReferenceLlama(const TinyModel& model, const Tensor& ids);
+// The masked-LM loss against `labels` [B, S] (-100 where nothing is predicted).
+absl::StatusOr<Reference> ReferenceBert(const TinyModel& model, const Tensor& ids, const Tensor& labels);
 
 // Loads `model` sharded as `shard` on a mesh of threads over Gloo and
 // checks, with gtest, that every rank's logits (each dp replica running its
@@ -63,6 +72,8 @@ void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref,
 
 // Deterministic ids in [0, vocab).
 Tensor TokenIds(int64_t batch, int64_t seq, int64_t vocab, uint64_t salt);
+// Masked-LM targets: ids at every third position, -100 elsewhere.
+Tensor MaskedLabels(const Tensor& ids);
 
 }  // namespace colod::shardformer::testing
 

@@ -1,0 +1,99 @@
+// Every validation error of ShardFormer::Load, as a user meets it: the
+// layout against the config, the model type, and the checkpoint's tensors.
+// Each is found before any rank communicates (2D layers excepted), so one
+// rank's view suffices.
+#include <fstream>
+
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/colo/testing.h"
+#include "worker/shardformer/safetensors.h"
+#include "worker/shardformer/shardformer.h"
+#include "worker/shardformer/testing.h"
+
+namespace colod::shardformer {
+namespace {
+
+using ::colod::testing::TempPath;
+
+// Loads `dir` as rank 0 of `shard`'s mesh; any collective would fail.
+absl::Status LoadAsRank0(const std::string& dir, const ShardConfig& shard) {
+  auto mesh = DeviceMesh::FromShardConfig(shard.layout);
+  if (!mesh.ok()) return mesh.status();
+  auto pg = ProcessGroup::Create(*mesh, 0, [](const ProcessGroup::GroupInfo& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    return absl::InternalError("validation must not communicate");
+  });
+  if (!pg.ok()) return pg.status();
+  return ShardFormer(shard, pg->get()).Load(dir).status();
+}
+
+ShardConfig Layout(int tp, v1::TensorParallelMode mode) {
+  ShardConfig s;
+  s.layout.set_tensor_parallel_size(tp);
+  s.layout.set_data_parallel_size(1);
+  s.layout.set_tensor_parallel_mode(mode);
+  return s;
+}
+
+void ExpectInvalid(const absl::Status& s, const std::string& names) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find(names), std::string::npos) << "'" << names << "' not in: " << s;
+}
+
+// Rewrites `dir`'s checkpoint with `edit` applied to its tensors.
+void EditTensors(const testing::TinyModel& m, const std::function<void(std::map<std::string, Tensor>&)>& edit) {
+  std::map<std::string, Tensor> tensors = m.tensors;
+  edit(tensors);
+  std::vector<std::pair<std::string, Tensor>> list(tensors.begin(), tensors.end());
+  ASSERT_TRUE(WriteSafetensors(m.dir + "/model.safetensors", list).ok());
+}
+
+TEST(Validation, LayoutsTheModelCannotTake) {
+  auto gpt2 = testing::WriteTinyGpt2(TempPath("v_gpt2"));  // 4 heads, hidden 64
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  ExpectInvalid(LoadAsRank0(gpt2->dir, Layout(3, v1::TENSOR_PARALLEL_MODE_1D)), "4 attention heads");
+  ExpectInvalid(LoadAsRank0(gpt2->dir, Layout(9, v1::TENSOR_PARALLEL_MODE_2D)), "hidden_size 64");
+  ExpectInvalid(LoadAsRank0(gpt2->dir, Layout(8, v1::TENSOR_PARALLEL_MODE_3D)), "1d, 2d and 2.5d");
+  testing::TinyOptions o;
+  o.hidden = 48;  // 6 query heads of 8, 3 key/value heads: tp = 2 (and q = 2) divide the former only
+  o.heads = 6;
+  o.kv_heads = 3;
+  auto llama = testing::WriteTinyLlama(TempPath("v_llama"), o);
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  ExpectInvalid(LoadAsRank0(llama->dir, Layout(2, v1::TENSOR_PARALLEL_MODE_1D)), "3 key/value heads");
+  ExpectInvalid(LoadAsRank0(llama->dir, Layout(4, v1::TENSOR_PARALLEL_MODE_2D)), "3 key/value heads");
+}
+
+TEST(Validation, AnUnknownModelType) {
+  auto gpt2 = testing::WriteTinyGpt2(TempPath("v_t5"));
+  ASSERT_TRUE(gpt2.ok());
+  std::ofstream(gpt2->dir + "/config.json") << R"({"model_type": "t5", "vocab_size": 50, "d_model": 64})";
+  const absl::Status s = LoadAsRank0(gpt2->dir, Layout(2, v1::TENSOR_PARALLEL_MODE_1D));
+  ExpectInvalid(s, "'t5'");
+  ExpectInvalid(s, "model_type");
+}
+
+TEST(Validation, MissingAndMisshapedTensorsAreNamed) {
+  for (int tp : {1, 2}) {
+    auto gpt2 = testing::WriteTinyGpt2(TempPath("v_missing_" + std::to_string(tp)));
+    ASSERT_TRUE(gpt2.ok());
+    EditTensors(*gpt2, [](auto& t) { t.erase("transformer.h.1.mlp.c_fc.bias"); });
+    ExpectInvalid(LoadAsRank0(gpt2->dir, Layout(tp, v1::TENSOR_PARALLEL_MODE_1D)), "transformer.h.1.mlp.c_fc.bias");
+    EditTensors(*gpt2, [](auto& t) { t["transformer.h.0.attn.c_attn.weight"] = *Tensor::Zeros({64, 64}, DType::kF32); });
+    const absl::Status s = LoadAsRank0(gpt2->dir, Layout(tp, v1::TENSOR_PARALLEL_MODE_1D));
+    ExpectInvalid(s, "transformer.h.0.attn.c_attn.weight");
+    ExpectInvalid(s, "[64, 192]");  // what config.json implies
+  }
+  auto llama = testing::WriteTinyLlama(TempPath("v_llama_head"));
+  ASSERT_TRUE(llama.ok());
+  EditTensors(*llama, [](auto& t) { t.erase("lm_head.weight"); });  // untied: the head is required
+  ExpectInvalid(LoadAsRank0(llama->dir, Layout(2, v1::TENSOR_PARALLEL_MODE_1D)), "lm_head.weight");
+  // 2D layers build their communicators while loading: every rank runs.
+  const ShardConfig two_d = Layout(4, v1::TENSOR_PARALLEL_MODE_2D);
+  ::colod::testing::RunMesh(*DeviceMesh::FromShardConfig(two_d.layout), [&](int, ProcessGroup& pg) {
+    ExpectInvalid(ShardFormer(two_d, &pg).Load(llama->dir).status(), "lm_head.weight");
+  });
+}
+
+}  // namespace
+}  // namespace colod::shardformer
