@@ -22,7 +22,7 @@ absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request) {
     return absl::InvalidArgumentError(
         absl::StrCat("the batch of ", batch, " sequences does not split over data_parallel_size ", dp));
   }
-  ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(request.model_dir));
+  ASSIGN_OR_RETURN(ModelConfig config, LoadConfig(request.model_dir));
   RETURN_IF_ERROR(CheckShardable(config, request.shard.layout));
 
   ForwardResult result;

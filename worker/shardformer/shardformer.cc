@@ -1,9 +1,13 @@
 #include "worker/shardformer/shardformer.h"
 
+#include <fstream>
+#include <sstream>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "nlohmann/json.hpp"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/nn/functional.h"
 #include "worker/nn/vocab_cross_entropy.h"
@@ -63,7 +67,7 @@ absl::StatusOr<ModelFamily> ModelRegistry::Get(const std::string& model_type) co
   if (it == families_.end()) {
     std::vector<std::string> known;
     for (const auto& [name, f] : families_) known.push_back(name);
-    return absl::InvalidArgumentError(absl::StrCat("model_type \"", model_type, "\" has no registered policy; known: ",
+    return absl::InvalidArgumentError(absl::StrCat("model_type '", model_type, "' has no registered policy; known: ",
                                                    absl::StrJoin(known, ", ")));
   }
   return it->second;
@@ -275,9 +279,25 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Optimize(std::unique_
   return std::make_unique<ShardedModel>(std::move(model), config, sharder.shard_config(), pg_);
 }
 
+absl::StatusOr<ModelConfig> LoadConfig(const std::string& dir) {
+  const std::string path = dir + "/config.json";
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("no config.json in ", dir));
+  std::stringstream text;
+  text << in.rdbuf();
+  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  if (!j.contains("model_type") || !j["model_type"].is_string()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": model_type is missing"));
+  }
+  auto family = ModelRegistry::Global().Get(j["model_type"].get<std::string>());
+  if (!family.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", family.status().message()));
+  if (family->parse) return family->parse(text.str(), path);
+  return ParseModelConfig(text.str(), path);
+}
+
 absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::string& dir) {
-  ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
-  RETURN_IF_ERROR(CheckShardable(config, shard_.layout));
+  ASSIGN_OR_RETURN(ModelConfig config, LoadConfig(dir));
   ASSIGN_OR_RETURN(ModelFamily family, ModelRegistry::Global().Get(config.model_type));
   ASSIGN_OR_RETURN(std::unique_ptr<ModelFiles> files, ModelFiles::Open(dir));
   ASSIGN_OR_RETURN(std::unique_ptr<Module> model, family.build(config));

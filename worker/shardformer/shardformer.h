@@ -91,6 +91,9 @@ struct ModelFamily {
   // The bare model's name inside the LM model ("transformer" for GPT-2):
   // checkpoints of the bare model lack it and load all the same.
   std::string base_model_prefix;
+  // Parses config.json's text; empty means ParseModelConfig (gpt2, llama,
+  // bert). A family of your own reads its own fields here.
+  std::function<absl::StatusOr<ModelConfig>(const std::string& json_text, const std::string& what)> parse;
   std::function<absl::StatusOr<std::unique_ptr<Module>>(const ModelConfig& config)> build;
   std::function<std::unique_ptr<Policy>()> policy;
 };
@@ -108,6 +111,11 @@ class ModelRegistry {
   mutable absl::Mutex mu_;
   std::map<std::string, ModelFamily> families_ ABSL_GUARDED_BY(mu_);
 };
+
+// DIR/config.json parsed by the registered family of its model_type.
+// NOT_FOUND without the file; INVALID_ARGUMENT naming the field for a
+// missing or unregistered model_type or a bad field.
+absl::StatusOr<ModelConfig> LoadConfig(const std::string& dir);
 
 // Applies a policy to a module tree and loads its leaves. With tp = 1 the
 // module policy is skipped and every leaf stays native.

@@ -4,7 +4,10 @@
 // unsharded computation.
 #include <sys/stat.h>
 
+#include <fstream>
+
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "common/status_macros.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/colo/testing.h"
@@ -59,6 +62,28 @@ class MyMlpPolicy : public Policy {
   int replaced = 0;
 };
 
+// A family of its own, so that ShardFormer::Load serves it from a directory.
+void RegisterMyMlp() {
+  ModelFamily family;
+  family.parse = [](const std::string& text, const std::string& what) -> absl::StatusOr<ModelConfig> {
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (!j.is_object() || !j.contains("hidden") || !j.contains("inner")) {
+      return absl::InvalidArgumentError(what + ": hidden and inner are required");
+    }
+    ModelConfig c;
+    c.model_type = "my_mlp";
+    c.hidden_size = j["hidden"].get<int64_t>();
+    c.intermediate_size = j["inner"].get<int64_t>();
+    c.json = text;
+    return c;
+  };
+  family.build = [](const ModelConfig& c) -> absl::StatusOr<std::unique_ptr<Module>> {
+    return BuildMlp(c.hidden_size, c.intermediate_size);
+  };
+  family.policy = [] { return std::unique_ptr<Policy>(new MyMlpPolicy()); };
+  ModelRegistry::Global().Register("my_mlp", family);
+}
+
 // ---------------------------------------------------------------------------
 
 TEST(UserPolicy, ACustomModelShardsWithItsOwnPolicy) {
@@ -97,6 +122,18 @@ TEST(UserPolicy, ACustomModelShardsWithItsOwnPolicy) {
     ExpectAllClose(grads->at("fc1.weight"), *vw1.grad(), "fc1 weight gradient", 1e-5);
     // Rank k holds rows k*8..k*8+7 of fc1.
     EXPECT_EQ((*model)->Parameters()[0].bound.param.local().ToFloats(), w1.Narrow(0, rank * 8, 8)->Contiguous().ToFloats());
+  });
+
+  // The same through a registered family and a config.json.
+  RegisterMyMlp();
+  std::ofstream(dir + "/config.json") << R"({"model_type": "my_mlp", "hidden": 8, "inner": 16})";
+  RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
+    auto model = ShardFormer(shard, &pg).Load(dir);
+    ASSERT_TRUE(model.ok()) << model.status();
+    EXPECT_EQ((*model)->root().Find("fc2")->layer()->type(), "Linear1D_Row");
+    auto y = (*model)->root().Forward(*ColoTensor::FromLocal(Variable(x), DistSpec(), &pg));
+    ASSERT_TRUE(y.ok()) << y.status();
+    ExpectAllClose(y->local(), want.value(), "output through Load", 1e-5);
   });
 }
 
