@@ -16,6 +16,7 @@
 #include "nlohmann/json.hpp"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/run_forward.h"
+#include "worker/train/trainer.h"
 #include "worker/tensor/npy.h"
 
 ABSL_FLAG(std::string, coordinator, "",
@@ -32,6 +33,21 @@ ABSL_FLAG(std::string, mode, "1d", "forward: tensor-parallel mode: 1d, 2d, 2.5d 
 ABSL_FLAG(int32_t, depth, 0, "forward: depth of 2.5d (tp = depth * q * q).");
 ABSL_FLAG(std::string, checkpoint, "", "consolidate: the sharded checkpoint directory.");
 ABSL_FLAG(std::string, out, "", "consolidate: the Hugging Face directory to write.");
+ABSL_FLAG(std::string, data, "", "train: the corpus: a .bin of uint16 tokens, a .npy, or UTF-8 text (byte-level).");
+ABSL_FLAG(std::string, data_format, "auto", "train: auto, uint16, uint32, npy or text.");
+ABSL_FLAG(int64_t, steps, 10, "train: optimizer steps.");
+ABSL_FLAG(int64_t, batch_size, 8, "train: sequences per step over all dp replicas.");
+ABSL_FLAG(int64_t, seq_len, 64, "train: tokens per sequence.");
+ABSL_FLAG(int64_t, micro_batches, 1, "train: gradient accumulation passes per step.");
+ABSL_FLAG(double, lr, 1e-3, "train: peak learning rate.");
+ABSL_FLAG(double, min_lr, -1, "train: the cosine schedule's floor (default lr / 10).");
+ABSL_FLAG(int64_t, warmup_steps, 0, "train: linear warm-up steps.");
+ABSL_FLAG(std::string, optimizer, "adamw", "train: adamw or sgd.");
+ABSL_FLAG(double, weight_decay, 0.0, "train: AdamW's decoupled weight decay (SGD: L2 on the gradient).");
+ABSL_FLAG(double, momentum, 0.9, "train: SGD momentum.");
+ABSL_FLAG(double, clip_norm, 1.0, "train: clip the global gradient norm to this (0: no clipping).");
+ABSL_FLAG(uint64_t, seed, 1, "train: the data sampler's seed.");
+ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
 ABSL_FLAG(bool, sequence_parallel, false, "forward: split activations along the sequence over tp (1d).");
 
 namespace {
@@ -55,6 +71,13 @@ constexpr char kUsage[] =
     "              integers [batch, seq]; the logits are written as f32 [batch, seq, vocab]\n"
     "              without vocabulary padding. --output json prints one JSON object with\n"
     "              loss, tokens, logits and shape.\n"
+    "  train       Train a model directory on tp * dp local ranks and print one line per\n"
+    "              step (--output json: one JSON object per line with step, loss, lr,\n"
+    "              grad_norm, tokens_per_second and the bytes of parameters, gradients and\n"
+    "              optimizer state on rank 0). --model DIR --data FILE [--steps N]\n"
+    "              [--batch-size B] [--seq-len L] [--lr LR] [--optimizer adamw|sgd]\n"
+    "              [--tp T] [--dp D] [--mode ...] [--micro-batches M] [--warmup-steps W]\n"
+    "              [--clip-norm C] [--seed S] [--final DIR].\n"
     "  consolidate Assemble a sharded checkpoint (one file per rank + colod_checkpoint.json)\n"
     "              into a Hugging Face directory (config.json + model.safetensors) that\n"
     "              loads at any layout: --checkpoint DIR --out DIR.\n"
@@ -65,7 +88,9 @@ constexpr char kUsage[] =
     "Examples:\n"
     "  coloctl --coordinator 127.0.0.1:7070 workers\n"
     "  COLOD_COORDINATOR=10.0.0.5:7070 coloctl workers --output json\n"
-    "  coloctl forward --model ./gpt2 --input ids.npy --logits logits.npy --tp 2 --dp 1 --mode 1d\n";
+    "  coloctl forward --model ./gpt2 --input ids.npy --logits logits.npy --tp 2 --dp 1 --mode 1d\n"
+    "  coloctl train --model ./gpt2 --data train.bin --steps 100 --batch-size 16 --seq-len 256 \\\n"
+    "      --lr 3e-4 --optimizer adamw --tp 2 --dp 2 --mode 1d --output json\n";
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "coloctl: error: %s: %s\n", absl::StatusCodeToString(s.code()).c_str(),
@@ -110,20 +135,79 @@ absl::StatusOr<colod::v1::TensorParallelMode> ParseMode(const std::string& mode)
   return absl::InvalidArgumentError(absl::StrCat("--mode: '", mode, "' is not one of 1d, 2d, 2.5d, 3d"));
 }
 
+// --tp, --dp, --mode, --depth, --sequence-parallel.
+absl::StatusOr<colod::shardformer::ShardConfig> ShardFromFlags() {
+  auto mode = ParseMode(absl::GetFlag(FLAGS_mode));
+  if (!mode.ok()) return mode.status();
+  colod::shardformer::ShardConfig shard;
+  shard.layout.set_tensor_parallel_size(absl::GetFlag(FLAGS_tp));
+  shard.layout.set_data_parallel_size(absl::GetFlag(FLAGS_dp));
+  shard.layout.set_tensor_parallel_mode(*mode);
+  shard.layout.set_depth(absl::GetFlag(FLAGS_depth));
+  shard.layout.set_sequence_parallel(absl::GetFlag(FLAGS_sequence_parallel));
+  return shard;
+}
+
+int Train(bool json) {
+  colod::train::TrainOptions o;
+  o.model_dir = absl::GetFlag(FLAGS_model);
+  o.data_path = absl::GetFlag(FLAGS_data);
+  if (o.model_dir.empty()) return Usage("train: --model is required");
+  if (o.data_path.empty()) return Usage("train: --data is required");
+  auto shard = ShardFromFlags();
+  if (!shard.ok()) return Usage(std::string(shard.status().message()));
+  o.shard = *shard;
+  auto format = colod::train::ParseDataFormat(absl::GetFlag(FLAGS_data_format));
+  if (!format.ok()) return Usage(std::string(format.status().message()));
+  o.data_format = *format;
+  auto kind = colod::train::ParseOptimizer(absl::GetFlag(FLAGS_optimizer));
+  if (!kind.ok()) return Usage(std::string(kind.status().message()));
+  o.optimizer.kind = *kind;
+  o.optimizer.weight_decay = absl::GetFlag(FLAGS_weight_decay);
+  o.optimizer.momentum = absl::GetFlag(FLAGS_momentum);
+  o.steps = absl::GetFlag(FLAGS_steps);
+  o.batch_size = absl::GetFlag(FLAGS_batch_size);
+  o.seq_len = absl::GetFlag(FLAGS_seq_len);
+  o.micro_batches = absl::GetFlag(FLAGS_micro_batches);
+  o.lr = absl::GetFlag(FLAGS_lr);
+  o.min_lr = absl::GetFlag(FLAGS_min_lr) < 0 ? o.lr / 10 : absl::GetFlag(FLAGS_min_lr);
+  o.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
+  o.clip_norm = absl::GetFlag(FLAGS_clip_norm);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.final_dir = absl::GetFlag(FLAGS_final);
+  const absl::Status s = colod::train::Train(o, [&](const colod::train::StepStats& st) {
+    if (json) {
+      const nlohmann::json line = {{"step", st.step},
+                                   {"loss", st.loss},
+                                   {"lr", st.lr},
+                                   {"grad_norm", st.grad_norm},
+                                   {"tokens_per_second", st.tokens_per_second},
+                                   {"param_bytes", st.param_bytes},
+                                   {"grad_bytes", st.grad_bytes},
+                                   {"optimizer_bytes", st.optimizer_bytes}};
+      std::printf("%s\n", line.dump().c_str());
+    } else {
+      std::printf("step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f\n",
+                  static_cast<long long>(st.step), static_cast<long long>(o.steps), st.loss, st.lr, st.grad_norm,
+                  st.tokens_per_second);
+    }
+    std::fflush(stdout);
+  });
+  if (!s.ok()) return Fail(s);
+  if (!o.final_dir.empty() && !json) std::printf("wrote the trained model to %s\n", o.final_dir.c_str());
+  return 0;
+}
+
 int Forward(bool json) {
   const std::string model = absl::GetFlag(FLAGS_model), input = absl::GetFlag(FLAGS_input),
                     logits_path = absl::GetFlag(FLAGS_logits);
   if (model.empty()) return Usage("forward: --model is required");
   if (input.empty()) return Usage("forward: --input is required");
-  auto mode = ParseMode(absl::GetFlag(FLAGS_mode));
-  if (!mode.ok()) return Usage(std::string(mode.status().message()));
   colod::shardformer::ForwardRequest request;
   request.model_dir = model;
-  request.shard.layout.set_tensor_parallel_size(absl::GetFlag(FLAGS_tp));
-  request.shard.layout.set_data_parallel_size(absl::GetFlag(FLAGS_dp));
-  request.shard.layout.set_tensor_parallel_mode(*mode);
-  request.shard.layout.set_depth(absl::GetFlag(FLAGS_depth));
-  request.shard.layout.set_sequence_parallel(absl::GetFlag(FLAGS_sequence_parallel));
+  auto shard = ShardFromFlags();
+  if (!shard.ok()) return Usage(std::string(shard.status().message()));
+  request.shard = *shard;
   auto ids = colod::ReadNpy(input);
   if (!ids.ok()) return Fail(ids.status());
   request.ids = *ids;
@@ -176,6 +260,10 @@ int main(int argc, char** argv) {
   if (cmd == "consolidate") {
     if (args.size() > 1) return Usage(absl::StrCat("unexpected argument '", args[1], "'"));
     return Consolidate();
+  }
+  if (cmd == "train") {
+    if (args.size() > 1) return Usage(absl::StrCat("unexpected argument '", args[1], "'"));
+    return Train(output == "json");
   }
   if (cmd == "forward") {
     if (args.size() > 1) return Usage(absl::StrCat("unexpected argument '", args[1], "'"));

@@ -21,6 +21,7 @@ struct Variable::Impl {
   bool requires_grad = false;
   std::optional<Tensor> grad;
   std::shared_ptr<AutogradNode> node;  // null for leaves
+  std::function<void()> grad_ready;    // leaves: called when Backward completes grad
 };
 
 struct AutogradAccess {
@@ -47,6 +48,7 @@ bool Variable::requires_grad() const { return impl_->requires_grad; }
 bool Variable::is_leaf() const { return impl_->node == nullptr; }
 std::optional<Tensor> Variable::grad() const { return impl_->grad; }
 void Variable::ZeroGrad() { impl_->grad.reset(); }
+void Variable::SetGradReadyHook(std::function<void()> hook) { impl_->grad_ready = std::move(hook); }
 std::string Variable::op_name() const { return impl_->node ? impl_->node->name : ""; }
 
 NoGradScope::NoGradScope() : previous_(grad_enabled) { grad_enabled = false; }
@@ -100,7 +102,34 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
       for (const ImplPtr& in : v->node->inputs) stack.push_back(in);
     }
   }
+  // For each leaf that requires grad, how many recorded ops consume it: its
+  // gradient is complete once they have all run (or been skipped).
+  std::map<Variable::Impl*, int> consumers;
+  for (Variable::Impl* v : seen) {
+    if (!v->node && v->requires_grad) consumers[v] = 0;
+  }
+  for (const auto& [seq, v] : pending) {
+    std::set<Variable::Impl*> distinct;
+    for (const ImplPtr& in : v->node->inputs) distinct.insert(in.get());
+    for (Variable::Impl* in : distinct) {
+      auto c = consumers.find(in);
+      if (c != consumers.end()) ++c->second;
+    }
+  }
   grads[AutogradAccess::impl(root).get()] = grad.Clone();
+  auto finish_leaf = [&](Variable::Impl* v) -> absl::Status {
+    auto it = grads.find(v);
+    if (it != grads.end()) {
+      if (v->grad) {
+        RETURN_IF_ERROR(AddInPlace(*v->grad, it->second));
+      } else {
+        v->grad = it->second.Contiguous().Clone();
+      }
+      grads.erase(it);
+    }
+    if (v->grad_ready) v->grad_ready();
+    return absl::OkStatus();
+  };
   auto accumulate = [&](const ImplPtr& v, const Tensor& g) -> absl::Status {
     auto it = grads.find(v.get());
     if (it == grads.end()) {
@@ -110,10 +139,24 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
     ASSIGN_OR_RETURN(it->second, Add(it->second, g));
     return absl::OkStatus();
   };
+  // Leaves complete in the order of the op's inputs (never of addresses), so
+  // every rank runs the hooks in the same order.
+  auto consumed = [&](const AutogradNode& node) -> absl::Status {
+    std::set<Variable::Impl*> distinct;
+    for (const ImplPtr& in : node.inputs) {
+      if (!distinct.insert(in.get()).second) continue;
+      auto c = consumers.find(in.get());
+      if (c != consumers.end() && --c->second == 0) RETURN_IF_ERROR(finish_leaf(in.get()));
+    }
+    return absl::OkStatus();
+  };
   for (const auto& [seq, v] : pending) {
     auto it = grads.find(v.get());
-    if (it == grads.end()) continue;  // nothing flows into this op
     const AutogradNode& node = *v->node;
+    if (it == grads.end()) {  // nothing flows into this op
+      RETURN_IF_ERROR(consumed(node));
+      continue;
+    }
     auto in_grads = node.backward(it->second);
     if (!in_grads.ok()) {
       return absl::Status(in_grads.status().code(),
@@ -127,16 +170,12 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
       if (!(*in_grads)[i] || !node.inputs[i]->requires_grad) continue;
       RETURN_IF_ERROR(accumulate(node.inputs[i], *(*in_grads)[i]));
     }
+    grads.erase(it);  // this op's output gradient is spent
+    RETURN_IF_ERROR(consumed(node));
   }
-  for (Variable::Impl* v : seen) {
-    if (v->node || !v->requires_grad) continue;
-    auto it = grads.find(v);
-    if (it == grads.end()) continue;
-    if (v->grad) {
-      RETURN_IF_ERROR(AddInPlace(*v->grad, it->second));
-    } else {
-      v->grad = it->second.Contiguous().Clone();
-    }
+  // A leaf root (no op consumes it) completes last.
+  for (auto& [v, count] : consumers) {
+    if (count == 0 && grads.count(v)) RETURN_IF_ERROR(finish_leaf(v));
   }
   return absl::OkStatus();
 }

@@ -38,6 +38,12 @@ class Variable {
   // The gradient accumulated by Backward, for leaves that require grad.
   std::optional<Tensor> grad() const;
   void ZeroGrad();
+  // For a leaf: called by Backward on its thread as soon as this leaf's
+  // gradient is complete (accumulated into grad()), while the rest of the
+  // graph is still being differentiated; data-parallel training starts
+  // reducing gradients from here. Called once per Backward that reaches the
+  // leaf, even when no gradient flowed to it.
+  void SetGradReadyHook(std::function<void()> hook);
   // The name of the op that produced this Variable ("" for a leaf).
   std::string op_name() const;
 

@@ -82,3 +82,28 @@ TEST(Autograd, BackwardRunsNodesInReverseRecordingOrder) {
 
 }  // namespace
 }  // namespace colod
+
+namespace colod {
+namespace {
+
+TEST(Autograd, GradReadyHooksFireAsSoonAsALeafIsComplete) {
+  Variable w1(*Tensor::FromFloats({2}, {1, 2}), true), w2(*Tensor::FromFloats({2}, {3, 4}), true);
+  const Variable x(*Tensor::FromFloats({2}, {5, 6}));
+  std::vector<std::string> log;
+  w1.SetGradReadyHook([&] { log.push_back("w1 " + std::to_string(w1.grad()->ToFloats()[1])); });
+  w2.SetGradReadyHook([&] { log.push_back("w2 " + std::to_string(w2.grad()->ToFloats()[1])); });
+  // a = w1 * x through an op that logs its backward; loss = sum(a * w2 + w2).
+  Variable a = RecordOp("logged_mul", {w1}, Mul(w1, x)->value().Clone(), [&](const Tensor& dy) {
+    log.push_back("op1");
+    return absl::StatusOr<std::vector<std::optional<Tensor>>>(std::vector<std::optional<Tensor>>{*Mul(dy, x.value())});
+  });
+  Variable loss = *Sum(*Add(*Mul(a, w2), w2));
+  ASSERT_TRUE(Backward(loss).ok());
+  // w2 (consumed by the last two ops) is complete before op1's backward runs.
+  EXPECT_EQ(log, (std::vector<std::string>{"w2 " + std::to_string(13.0f), "op1", "w1 " + std::to_string(24.0f)}));
+  EXPECT_EQ(w2.grad()->ToFloats(), (std::vector<float>{6, 13}));  // a + 1 = w1 * x + 1
+  EXPECT_EQ(w1.grad()->ToFloats(), (std::vector<float>{15, 24}));  // x * w2
+}
+
+}  // namespace
+}  // namespace colod

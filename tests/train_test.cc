@@ -1,0 +1,88 @@
+// `coloctl train` as a user runs it: a tiny GPT-2 trained on the GPL's text
+// at two layouts with the same losses, one JSON object per step, the final
+// model written as a Hugging Face directory that `coloctl forward` runs.
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/subprocess.h"
+#include "worker/shardformer/testing.h"
+#include "worker/tensor/npy.h"
+
+namespace colod {
+namespace {
+
+using ::colod::testing::RunCommand;
+
+std::string Runfile(const std::string& path) { return absl::StrCat(std::getenv("TEST_SRCDIR"), "/colod/", path); }
+std::string Tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
+
+testing::CommandResult Coloctl(std::vector<std::string> args) {
+  args.insert(args.begin(), Runfile("client/coloctl"));
+  return RunCommand(args, std::getenv("TEST_TMPDIR"), absl::Seconds(240));
+}
+
+std::vector<nlohmann::json> Lines(const std::string& out) {
+  std::vector<nlohmann::json> lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line, nullptr, false));
+  return lines;
+}
+
+TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;  // byte-level text
+  o.positions = 32;
+  auto model = shardformer::testing::WriteTinyGpt2(Tmp("gpt2"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<std::string> common = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
+                                           "--steps", "5", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
+                                           "--optimizer", "adamw", "--seed", "3", "--output", "json"};
+  std::vector<std::string> single = common, sharded = common;
+  single.insert(single.end(), {"--tp", "1", "--dp", "1", "--mode", "1d"});
+  sharded.insert(sharded.end(), {"--tp", "2", "--dp", "2", "--mode", "1d", "--final", Tmp("trained")});
+  const auto a = Coloctl(single), b = Coloctl(sharded);
+  ASSERT_EQ(a.code, 0) << a.err;
+  ASSERT_EQ(b.code, 0) << b.err;
+  const auto la = Lines(a.out), lb = Lines(b.out);
+  ASSERT_EQ(la.size(), 5u) << a.out;
+  ASSERT_EQ(lb.size(), 5u) << b.out;
+  for (size_t i = 0; i < 5; ++i) {
+    for (const char* key : {"step", "loss", "lr", "grad_norm", "tokens_per_second", "param_bytes"}) {
+      ASSERT_TRUE(la[i].contains(key)) << key << " missing from " << la[i];
+    }
+    EXPECT_EQ(la[i]["step"], i + 1);
+    EXPECT_NEAR(lb[i]["loss"].get<double>(), la[i]["loss"].get<double>(), 1e-4 * la[i]["loss"].get<double>());
+  }
+  EXPECT_LT(la[4]["loss"].get<double>(), la[0]["loss"].get<double>());
+  // Parameters split over tp = 2: rank 0 holds about half of them.
+  EXPECT_LT(lb[0]["param_bytes"].get<int64_t>(), la[0]["param_bytes"].get<int64_t>());
+  EXPECT_EQ(la[0]["optimizer_bytes"].get<int64_t>(), 2 * la[0]["param_bytes"].get<int64_t>());  // AdamW: m and v
+
+  // The trained model loads again, at another layout, and is not the initial one.
+  ASSERT_TRUE(WriteNpy(Tmp("ids.npy"), shardformer::testing::TokenIds(2, 16, 257, 1)).ok());
+  const auto before = Coloctl({"forward", "--model", model->dir, "--input", Tmp("ids.npy"), "--output", "json"});
+  const auto after = Coloctl({"forward", "--model", Tmp("trained"), "--input", Tmp("ids.npy"), "--tp", "4",
+                              "--mode", "2d", "--output", "json"});
+  ASSERT_EQ(before.code, 0) << before.err;
+  ASSERT_EQ(after.code, 0) << after.err;
+  EXPECT_NE(Lines(before.out)[0]["loss"], Lines(after.out)[0]["loss"]);
+
+  // Text output, and usage errors.
+  std::vector<std::string> text = common;
+  text.resize(text.size() - 2);  // no --output json
+  text[6] = "2";                 // --steps 2
+  const auto t = Coloctl(text);
+  ASSERT_EQ(t.code, 0) << t.err;
+  EXPECT_NE(t.out.find("step 2/2  loss "), std::string::npos) << t.out;
+  EXPECT_EQ(Coloctl({"train", "--model", model->dir}).code, 2);
+  EXPECT_EQ(Coloctl({"train", "--model", model->dir, "--data", "x", "--optimizer", "lion"}).code, 2);
+  const auto bad = Coloctl({"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
+                            "--dp", "3", "--batch-size", "4", "--seq-len", "32"});
+  EXPECT_EQ(bad.code, 1);
+  EXPECT_NE(bad.err.find("data_parallel_size 3"), std::string::npos) << bad.err;
+}
+
+}  // namespace
+}  // namespace colod

@@ -1,0 +1,91 @@
+// Training data: a token corpus and the seeded sampler that cuts batches
+// from it.
+//
+// Corpora come as
+//   .bin   a flat little-endian array of uint16 tokens (nanoGPT's layout), or
+//          uint32 with DataFormat::kU32; memory-mapped, not read into memory
+//   .npy   an integer array (int64, int32, uint16, uint32), flattened
+//   text   anything else: UTF-8 bytes, tokenized byte-level (token = byte,
+//          0..255) with <|endoftext|> = 256 appended; vocabulary 257
+//
+// BatchSampler draws each step's global batch of windows of seq_len + 1
+// tokens at offsets that depend only on (seed, step, row), so a run that
+// resumes at step k sees exactly the batches the uninterrupted run saw. The
+// global batch splits over dp: replica d takes rows [d*B/dp, (d+1)*B/dp);
+// the tp ranks of a replica take the same rows.
+//
+// Thread-safety: TokenCorpus is immutable after Open (concurrent reads are
+// fine); BatchSampler is a value type.
+#ifndef COLOD_WORKER_TRAIN_DATA_H_
+#define COLOD_WORKER_TRAIN_DATA_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/tensor/tensor.h"
+
+namespace colod::train {
+
+inline constexpr int64_t kByteVocab = 257;  // 256 bytes + <|endoftext|>
+inline constexpr int64_t kEndOfText = 256;
+
+enum class DataFormat { kAuto, kU16, kU32, kNpy, kText };
+// "auto", "uint16", "uint32", "npy", "text".
+absl::StatusOr<DataFormat> ParseDataFormat(const std::string& name);
+
+class TokenCorpus {
+ public:
+  // kAuto picks by extension (.bin: uint16, .npy, else text). NOT_FOUND for a
+  // missing file; INVALID_ARGUMENT for a .bin whose size is not a multiple of
+  // the token size, a malformed .npy, or a non-integer array.
+  static absl::StatusOr<std::unique_ptr<TokenCorpus>> Open(const std::string& path,
+                                                           DataFormat format = DataFormat::kAuto);
+  ~TokenCorpus();
+  TokenCorpus(const TokenCorpus&) = delete;
+  TokenCorpus& operator=(const TokenCorpus&) = delete;
+
+  int64_t size() const { return size_; }
+  int64_t token(int64_t i) const;
+  DataFormat format() const { return format_; }
+  // Tokens [start, start + length) as int64 [length].
+  absl::StatusOr<Tensor> Window(int64_t start, int64_t length) const;
+
+ private:
+  TokenCorpus() = default;
+  DataFormat format_ = DataFormat::kText;
+  int64_t size_ = 0;
+  const void* map_ = nullptr;  // mmap of a .bin
+  size_t map_bytes_ = 0;
+  std::vector<int64_t> owned_;  // .npy and text
+};
+
+class BatchSampler {
+ public:
+  // INVALID_ARGUMENT when the corpus has fewer than seq_len + 1 tokens or
+  // the batch does not split over dp.
+  static absl::StatusOr<BatchSampler> Create(int64_t corpus_tokens, int64_t seq_len, int64_t global_batch, int dp,
+                                             uint64_t seed);
+  // The corpus offsets of the global batch of `step` (0-based).
+  std::vector<int64_t> Starts(int64_t step) const;
+  // Replica `replica`'s rows of step `step`: inputs [B/dp, seq_len] and
+  // next-token labels [B/dp, seq_len] (int64).
+  absl::Status Batch(const TokenCorpus& corpus, int64_t step, int replica, Tensor* inputs, Tensor* labels) const;
+
+  int64_t seq_len() const { return seq_len_; }
+  int64_t global_batch() const { return global_batch_; }
+  uint64_t seed() const { return seed_; }
+
+ private:
+  BatchSampler(int64_t n, int64_t seq_len, int64_t batch, int dp, uint64_t seed)
+      : corpus_tokens_(n), seq_len_(seq_len), global_batch_(batch), dp_(dp), seed_(seed) {}
+  int64_t corpus_tokens_, seq_len_, global_batch_;
+  int dp_;
+  uint64_t seed_;
+};
+
+}  // namespace colod::train
+
+#endif  // COLOD_WORKER_TRAIN_DATA_H_

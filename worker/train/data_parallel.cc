@@ -1,0 +1,105 @@
+#include "worker/train/data_parallel.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace colod::train {
+
+using shardformer::NamedParam;
+
+absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Create(std::vector<NamedParam> params, ProcessGroup* pg,
+                                                           int64_t bucket_bytes) {
+  std::unique_ptr<GradSync> s(new GradSync(std::move(params), pg));
+  ASSIGN_OR_RETURN(int dp, pg->AxisSize("dp"));
+  if (dp == 1) return s;
+  ASSIGN_OR_RETURN(s->dp_, pg->Comm("dp"));
+  const int n = static_cast<int>(s->params_.size());
+  s->bucket_of_.assign(n, -1);
+  int64_t bytes = 0;
+  for (int i = n - 1; i >= 0; --i) {
+    const int64_t size = s->params_[i].bound.param.local().nbytes();
+    if (s->buckets_.empty() || (bytes > 0 && bytes + size > bucket_bytes)) {
+      s->buckets_.emplace_back();
+      bytes = 0;
+    }
+    s->buckets_.back().params.push_back(i);
+    s->bucket_of_[i] = static_cast<int>(s->buckets_.size()) - 1;
+    bytes += size;
+  }
+  GradSync* self = s.get();
+  for (int i = 0; i < n; ++i) {
+    Variable v = s->params_[i].bound.param.variable();
+    const int b = s->bucket_of_[i];
+    v.SetGradReadyHook([self, b] { self->OnReady(b); });
+  }
+  return s;
+}
+
+GradSync::~GradSync() {
+  for (NamedParam& p : params_) {
+    Variable v = p.bound.param.variable();
+    v.SetGradReadyHook(nullptr);
+  }
+  for (Bucket& b : buckets_) {
+    if (b.work != nullptr) (void)b.work->Wait(pg_->timeout());
+  }
+}
+
+absl::Status GradSync::Start(Bucket& b) {
+  std::vector<Tensor> pieces;
+  for (int i : b.params) {
+    const ColoParameter& p = params_[i].bound.param;
+    std::optional<Tensor> g = p.variable().grad();
+    if (!g.has_value()) return absl::FailedPreconditionError(absl::StrCat(params_[i].name, " has no gradient"));
+    ASSIGN_OR_RETURN(Tensor flat, g->Contiguous().Reshape({g->numel()}));
+    pieces.push_back(flat);
+  }
+  ASSIGN_OR_RETURN(b.flat, Tensor::Cat(pieces, 0));
+  b.work = dp_->AllReduce(b.flat.raw_data(), b.flat.numel(), b.flat.dtype(), ReduceOp::kSum);
+  return absl::OkStatus();
+}
+
+void GradSync::OnReady(int bucket) {
+  if (!enabled_ || !error_.ok()) return;
+  Bucket& b = buckets_[bucket];
+  if (++b.ready < static_cast<int>(b.params.size()) || b.work != nullptr) return;
+  error_ = Start(b);
+  if (error_.ok()) ++started_during_backward_;
+}
+
+absl::Status GradSync::Finish() {
+  if (dp_ == nullptr) return absl::OkStatus();
+  absl::Status status = error_;
+  error_ = absl::OkStatus();
+  for (Bucket& b : buckets_) {
+    if (status.ok() && b.work == nullptr) status = Start(b);
+  }
+  for (Bucket& b : buckets_) {
+    if (b.work != nullptr) {
+      const absl::Status waited = b.work->Wait(pg_->timeout());
+      if (status.ok()) status = waited;
+    }
+  }
+  if (status.ok()) {
+    for (Bucket& b : buckets_) {
+      int64_t offset = 0;
+      for (int i : b.params) {
+        Tensor g = *params_[i].bound.param.variable().grad();
+        auto piece = b.flat.Narrow(0, offset, g.numel());
+        if (!piece.ok()) return piece.status();
+        auto shaped = piece->Reshape(g.shape());
+        if (!shaped.ok()) return shaped.status();
+        RETURN_IF_ERROR(g.CopyFrom(*shaped));
+        offset += g.numel();
+      }
+    }
+  }
+  for (Bucket& b : buckets_) {
+    b.ready = 0;
+    b.work = nullptr;
+  }
+  started_during_backward_ = 0;
+  return status;
+}
+
+}  // namespace colod::train

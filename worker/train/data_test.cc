@@ -1,0 +1,76 @@
+// Token corpora in each format and the sampler's batches.
+#include "worker/train/data.h"
+
+#include <fstream>
+#include <set>
+
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/tensor/npy.h"
+
+namespace colod::train {
+namespace {
+
+using ::colod::testing::TempPath;
+
+TEST(TokenCorpus, EveryFormat) {
+  // uint16 and uint32 .bin, little-endian.
+  const std::string u16 = TempPath("tokens.bin"), u32 = TempPath("tokens32.bin");
+  {
+    std::ofstream(u16, std::ios::binary).write("\x01\x00\x34\x12\xff\xff", 6);
+    std::ofstream(u32, std::ios::binary).write("\x01\x00\x00\x00\x78\x56\x34\x12", 8);
+  }
+  auto a = TokenCorpus::Open(u16);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ((*a)->size(), 3);
+  EXPECT_EQ((*a)->Window(0, 3)->ToInt64s(), (std::vector<int64_t>{1, 0x1234, 0xffff}));
+  auto b = TokenCorpus::Open(u32, DataFormat::kU32);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ((*b)->Window(0, 2)->ToInt64s(), (std::vector<int64_t>{1, 0x12345678}));
+  EXPECT_EQ(TokenCorpus::Open(u16, DataFormat::kU32).status().code(), absl::StatusCode::kInvalidArgument);  // 6 bytes
+  // .npy of any integer type.
+  ASSERT_TRUE(WriteNpy(TempPath("tokens.npy"), *Tensor::FromInt64s({2, 2}, std::vector<int64_t>{5, 6, 7, 8})).ok());
+  auto c = TokenCorpus::Open(TempPath("tokens.npy"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)->Window(1, 3)->ToInt64s(), (std::vector<int64_t>{6, 7, 8}));
+  ASSERT_TRUE(WriteNpy(TempPath("floats.npy"), *Tensor::Zeros({3}, DType::kF32)).ok());
+  EXPECT_EQ(TokenCorpus::Open(TempPath("floats.npy")).status().code(), absl::StatusCode::kInvalidArgument);
+  // Text: bytes, then <|endoftext|>.
+  std::ofstream(TempPath("text.txt")) << "h\xc3\xa9";
+  auto d = TokenCorpus::Open(TempPath("text.txt"));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ((*d)->Window(0, 4)->ToInt64s(), (std::vector<int64_t>{'h', 0xc3, 0xa9, kEndOfText}));
+  EXPECT_EQ(TokenCorpus::Open(TempPath("missing.bin")).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*d)->Window(2, 5).status().code(), absl::StatusCode::kOutOfRange);
+}
+
+TEST(BatchSampler, SeededDisjointReplicasAndNextTokenLabels) {
+  std::vector<int64_t> tokens(1000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>(i);
+  ASSERT_TRUE(WriteNpy(TempPath("count.npy"), *Tensor::FromInt64s({1000}, tokens)).ok());
+  auto corpus = TokenCorpus::Open(TempPath("count.npy"));
+  ASSERT_TRUE(corpus.ok());
+  auto s = BatchSampler::Create(1000, 16, 8, 2, 42);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::vector<int64_t> starts = s->Starts(3);
+  EXPECT_EQ(starts, s->Starts(3));                              // a function of (seed, step)
+  EXPECT_NE(starts, s->Starts(4));                              // another step, other windows
+  EXPECT_NE(starts, BatchSampler::Create(1000, 16, 8, 2, 43)->Starts(3));  // another seed
+  for (int64_t st : starts) EXPECT_LE(st + 17, 1000);
+  // Replica d takes rows [4d, 4d + 4); labels are the inputs shifted by one.
+  for (int replica = 0; replica < 2; ++replica) {
+    Tensor in, out;
+    ASSERT_TRUE(s->Batch(**corpus, 3, replica, &in, &out).ok());
+    ASSERT_EQ(in.shape(), (Shape{4, 16}));
+    const std::vector<int64_t> x = in.ToInt64s(), y = out.ToInt64s();
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(x[r * 16], starts[replica * 4 + r]);
+      for (int j = 0; j < 16; ++j) EXPECT_EQ(y[r * 16 + j], x[r * 16 + j] + 1);
+    }
+  }
+  EXPECT_EQ(BatchSampler::Create(1000, 16, 7, 2, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BatchSampler::Create(10, 16, 8, 1, 1).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace colod::train

@@ -1,0 +1,147 @@
+#include "worker/train/optimizer.h"
+
+#include <cmath>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/ops.h"
+#include "worker/colo/tensor_collectives.h"
+
+namespace colod::train {
+
+using shardformer::NamedParam;
+
+absl::StatusOr<OptimizerOptions::Kind> ParseOptimizer(const std::string& name) {
+  if (name == "adamw") return OptimizerOptions::Kind::kAdamW;
+  if (name == "sgd") return OptimizerOptions::Kind::kSgd;
+  return absl::InvalidArgumentError(absl::StrCat("optimizer '", name, "' is not one of adamw, sgd"));
+}
+
+absl::StatusOr<Optimizer> Optimizer::Create(std::vector<NamedParam> params, OptimizerOptions options) {
+  Optimizer o(std::move(params), options);
+  for (const NamedParam& p : o.params_) {
+    const Tensor& t = p.bound.param.local();
+    if (t.dtype() != DType::kF32) {
+      return absl::InvalidArgumentError(absl::StrCat(p.name, " is ", DTypeName(t.dtype()), "; the optimizer keeps f32"));
+    }
+    ASSIGN_OR_RETURN(Tensor m, Tensor::Zeros(t.shape(), DType::kF32, t.device()));
+    o.m_.push_back(m);
+    if (options.kind == OptimizerOptions::Kind::kAdamW) {
+      ASSIGN_OR_RETURN(Tensor v, Tensor::Zeros(t.shape(), DType::kF32, t.device()));
+      o.v_.push_back(v);
+    }
+  }
+  return o;
+}
+
+absl::Status Optimizer::Step(double lr) {
+  ++steps_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const NamedParam& p = params_[i];
+    Tensor param = p.bound.param.local();
+    std::optional<Tensor> grad = p.bound.param.variable().grad();
+    if (!grad.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
+    if (options_.kind == OptimizerOptions::Kind::kAdamW) {
+      kernels::AdamWOptions o;
+      o.lr = static_cast<float>(lr);
+      o.beta1 = static_cast<float>(options_.beta1);
+      o.beta2 = static_cast<float>(options_.beta2);
+      o.eps = static_cast<float>(options_.eps);
+      o.weight_decay = static_cast<float>(options_.weight_decay);
+      RETURN_IF_ERROR(kernels::AdamW(param, *grad, m_[i], v_[i], steps_, o));
+      continue;
+    }
+    // SGD: g' = g + wd * p; buf = momentum * buf + g' (buf = g' at first); p -= lr * buf.
+    Tensor g = *grad;
+    if (options_.weight_decay != 0) {
+      ASSIGN_OR_RETURN(Tensor decay, Scale(param, static_cast<float>(options_.weight_decay)));
+      ASSIGN_OR_RETURN(g, Add(g, decay));
+    }
+    Tensor buf = g;
+    if (steps_ > 1) {
+      ASSIGN_OR_RETURN(Tensor kept, Scale(m_[i], static_cast<float>(options_.momentum)));
+      ASSIGN_OR_RETURN(buf, Add(kept, g));
+    }
+    RETURN_IF_ERROR(m_[i].CopyFrom(buf));
+    ASSIGN_OR_RETURN(Tensor delta, Scale(buf, static_cast<float>(lr)));
+    ASSIGN_OR_RETURN(Tensor updated, Sub(param, delta));
+    RETURN_IF_ERROR(param.CopyFrom(updated));
+  }
+  return absl::OkStatus();
+}
+
+void Optimizer::ZeroGrad() {
+  for (NamedParam& p : params_) {
+    Variable v = p.bound.param.variable();
+    v.ZeroGrad();
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> Optimizer::State() {
+  std::vector<std::pair<std::string, Tensor>> out;
+  const bool adam = options_.kind == OptimizerOptions::Kind::kAdamW;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back(params_[i].name + (adam ? ".exp_avg" : ".momentum_buffer"), m_[i]);
+    if (adam) out.emplace_back(params_[i].name + ".exp_avg_sq", v_[i]);
+  }
+  return out;
+}
+
+int64_t Optimizer::state_bytes() const {
+  int64_t n = 0;
+  for (const Tensor& t : m_) n += t.nbytes();
+  for (const Tensor& t : v_) n += t.nbytes();
+  return n;
+}
+
+absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, ProcessGroup* pg) {
+  const DeviceMesh& mesh = pg->mesh();
+  const std::vector<int> coords = mesh.Coordinates(pg->rank());
+  ASSIGN_OR_RETURN(std::vector<int> dp_axes, mesh.AxisIndices("dp"));
+  double local = 0;
+  for (const NamedParam& p : params) {
+    const ColoParameter& param = p.bound.param;
+    std::set<int> split(dp_axes.begin(), dp_axes.end());  // dp replicas are equal: not counted again
+    for (const auto& [axis, placement] : param.spec().placements()) {
+      if (placement.kind != Placement::Kind::kShard) continue;
+      ASSIGN_OR_RETURN(std::vector<int> indices, mesh.AxisIndices(axis));
+      split.insert(indices.begin(), indices.end());
+    }
+    bool counts = true;
+    for (size_t i = 0; i < coords.size(); ++i) counts = counts && (split.count(static_cast<int>(i)) || coords[i] == 0);
+    if (!counts) continue;
+    std::optional<Tensor> g = param.variable().grad();
+    if (!g.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
+    ASSIGN_OR_RETURN(Tensor sq, Mul(*g, *g));
+    local += SumAll(sq);
+  }
+  std::vector<float> total = {static_cast<float>(local)};
+  ASSIGN_OR_RETURN(int tp, pg->AxisSize("tp"));
+  if (tp > 1) {
+    ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("tp"));
+    RETURN_IF_ERROR(AllReduceValues(total, ReduceOp::kSum, *comm, Device::Cpu(), pg->timeout()));
+  }
+  return std::sqrt(static_cast<double>(total[0]));
+}
+
+absl::StatusOr<double> ClipGradNorm(const std::vector<NamedParam>& params, double max_norm, ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(double norm, GlobalGradNorm(params, pg));
+  if (max_norm <= 0 || norm <= max_norm) return norm;
+  const float factor = static_cast<float>(max_norm / (norm + 1e-6));
+  for (const NamedParam& p : params) {
+    Tensor g = *p.bound.param.variable().grad();
+    ASSIGN_OR_RETURN(Tensor scaled, Scale(g, factor));
+    RETURN_IF_ERROR(g.CopyFrom(scaled));
+  }
+  return norm;
+}
+
+double LearningRate(int64_t step, double lr, int64_t warmup, int64_t total, double min_lr) {
+  if (step < warmup) return lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  if (step >= total || total <= warmup) return total <= warmup ? lr : min_lr;
+  const double progress = static_cast<double>(step - warmup) / static_cast<double>(total - warmup);
+  return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+}  // namespace colod::train

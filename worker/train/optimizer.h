@@ -1,0 +1,78 @@
+// Optimizers over a sharded model's parameters, global gradient-norm
+// clipping and the learning-rate schedule.
+//
+// Each rank updates its own shards: the update is elementwise, so sharded
+// parameters need no communication, and replicated ones stay equal because
+// their gradients are (the layers sum them over the replicas). The global
+// gradient norm counts every element of the model once: a shard on the ranks
+// that hold it, a parameter replicated over some tp axes on the rank at
+// coordinate 0 of those axes; the squares are then summed over the tp group.
+// Gradients are identical across dp replicas when it runs (after the dp
+// reduction), so dp is not summed over.
+//
+// Thread-safety: an optimizer belongs to one rank thread.
+#ifndef COLOD_WORKER_TRAIN_OPTIMIZER_H_
+#define COLOD_WORKER_TRAIN_OPTIMIZER_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/shardformer/module.h"
+
+namespace colod::train {
+
+struct OptimizerOptions {
+  enum class Kind { kAdamW, kSgd };
+  Kind kind = Kind::kAdamW;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // AdamW
+  double momentum = 0.9;                          // SGD
+  // AdamW: decoupled (p -= lr * wd * p); SGD: added to the gradient (torch's).
+  double weight_decay = 0.0;
+};
+// "adamw" or "sgd".
+absl::StatusOr<OptimizerOptions::Kind> ParseOptimizer(const std::string& name);
+
+class Optimizer {
+ public:
+  // f32 parameters only; INVALID_ARGUMENT naming another.
+  static absl::StatusOr<Optimizer> Create(std::vector<shardformer::NamedParam> params, OptimizerOptions options);
+  // One update with learning rate `lr` from the current gradients
+  // (FAILED_PRECONDITION naming a parameter without one). AdamW is
+  // torch.optim.AdamW; SGD is torch.optim.SGD with momentum (the first
+  // step's buffer is the gradient).
+  absl::Status Step(double lr);
+  void ZeroGrad();
+  int64_t steps() const { return steps_; }
+  void set_steps(int64_t steps) { steps_ = steps; }
+
+  // The state tensors (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer)
+  // of each parameter, named "<param>.<state>", for checkpoints.
+  std::vector<std::pair<std::string, Tensor>> State();
+  int64_t state_bytes() const;
+  const std::vector<shardformer::NamedParam>& params() const { return params_; }
+
+ private:
+  Optimizer(std::vector<shardformer::NamedParam> params, OptimizerOptions options)
+      : params_(std::move(params)), options_(options) {}
+  std::vector<shardformer::NamedParam> params_;
+  OptimizerOptions options_;
+  std::vector<Tensor> m_, v_;  // AdamW moments, or SGD momentum in m_
+  int64_t steps_ = 0;
+};
+
+// The global L2 norm of the gradients (see the file comment). Collective
+// over the tp group of `pg`.
+absl::StatusOr<double> GlobalGradNorm(const std::vector<shardformer::NamedParam>& params, ProcessGroup* pg);
+// Scales every gradient by max_norm / (norm + 1e-6) when norm > max_norm
+// (torch.nn.utils.clip_grad_norm_); returns the norm before clipping.
+absl::StatusOr<double> ClipGradNorm(const std::vector<shardformer::NamedParam>& params, double max_norm,
+                                    ProcessGroup* pg);
+
+// Linear warm-up over `warmup` steps to `lr`, then cosine decay to `min_lr`
+// at `total` steps (and `min_lr` after). `step` counts from 0.
+double LearningRate(int64_t step, double lr, int64_t warmup, int64_t total, double min_lr);
+
+}  // namespace colod::train
+
+#endif  // COLOD_WORKER_TRAIN_OPTIMIZER_H_

@@ -1,0 +1,90 @@
+#include "worker/train/trainer.h"
+
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "worker/colo/local_mesh.h"
+#include "worker/shardformer/checkpoint.h"
+#include "worker/shardformer/shardformer.h"
+#include "worker/train/data_parallel.h"
+
+namespace colod::train {
+
+using shardformer::NamedParam;
+
+absl::Status Train(const TrainOptions& o, const std::function<void(const StepStats&)>& on_step) {
+  if (o.steps < 1 || o.micro_batches < 1) return absl::InvalidArgumentError("steps and micro_batches must be >= 1");
+  ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(o.shard.layout));
+  ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
+  ASSIGN_OR_RETURN(shardformer::ModelConfig config, shardformer::LoadConfig(o.model_dir));
+  RETURN_IF_ERROR(shardformer::CheckShardable(config, o.shard.layout));
+  if (o.seq_len > config.max_positions) {
+    return absl::InvalidArgumentError(absl::StrCat("seq_len ", o.seq_len, " exceeds the model's ",
+                                                   config.max_positions, " positions"));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<TokenCorpus> corpus, TokenCorpus::Open(o.data_path, o.data_format));
+  ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(corpus->size(), o.seq_len, o.batch_size, dp, o.seed));
+  const int64_t rows = o.batch_size / dp;
+  if (rows % o.micro_batches != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("each replica's ", rows, " sequences do not split into ",
+                                                   o.micro_batches, " micro-batches"));
+  }
+  const int64_t micro_rows = rows / o.micro_batches;
+
+  return RunLocalMesh(mesh, [&](int rank, ProcessGroup& pg) -> absl::Status {
+    ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
+                     shardformer::ShardFormer(o.shard, &pg).Load(o.model_dir));
+    std::vector<NamedParam> params = model->Parameters();
+    ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer));
+    ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(params, &pg, o.bucket_bytes));
+    ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
+    for (int64_t step = 0; step < o.steps; ++step) {
+      const absl::Time start = absl::Now();
+      optimizer.ZeroGrad();
+      Tensor inputs, labels;
+      RETURN_IF_ERROR(sampler.Batch(*corpus, step, replica, &inputs, &labels));
+      double loss = 0;
+      for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
+        ASSIGN_OR_RETURN(Tensor in, inputs.Narrow(0, mb * micro_rows, micro_rows));
+        ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, mb * micro_rows, micro_rows));
+        sync->set_enabled(mb + 1 == o.micro_batches);  // accumulate, then reduce once
+        ASSIGN_OR_RETURN(ColoTensor logits, model->Forward(in.Contiguous()));
+        ASSIGN_OR_RETURN(shardformer::LmLoss l, model->TokenLoss(logits, want.Contiguous()));
+        ASSIGN_OR_RETURN(Variable scaled, Scale(l.loss, 1.0f / static_cast<float>(o.micro_batches)));
+        RETURN_IF_ERROR(Backward(scaled));
+        loss += l.value / static_cast<double>(o.micro_batches);
+      }
+      RETURN_IF_ERROR(sync->Finish());
+      ASSIGN_OR_RETURN(double norm, ClipGradNorm(params, o.clip_norm, &pg));
+      const double lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
+      RETURN_IF_ERROR(optimizer.Step(lr));
+      if (rank == 0 && on_step) {
+        StepStats s;
+        s.step = step + 1;
+        s.loss = loss;
+        s.lr = lr;
+        s.grad_norm = norm;
+        const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+        s.tokens_per_second = seconds > 0 ? static_cast<double>(o.batch_size * o.seq_len) / seconds : 0;
+        for (const NamedParam& p : params) {
+          s.param_bytes += p.bound.param.local().nbytes();
+          if (auto g = p.bound.param.variable().grad()) s.grad_bytes += g->nbytes();
+        }
+        s.optimizer_bytes = optimizer.state_bytes();
+        on_step(s);
+      }
+    }
+    if (o.final_dir.empty()) return absl::OkStatus();
+    const std::string sharded = o.final_dir + "/.sharded";
+    RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(*model, sharded));
+    if (rank != 0) return absl::OkStatus();
+    RETURN_IF_ERROR(shardformer::ConsolidateCheckpoint(sharded, o.final_dir));
+    std::error_code ec;
+    std::filesystem::remove_all(sharded, ec);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace colod::train

@@ -1,0 +1,61 @@
+// The training loop: a model directory sharded by ShardFormer on a local
+// mesh of ranks (threads over Gloo on loopback; the daemons run the same
+// loop once jobs run on them), fed by the seeded sampler, with gradient
+// accumulation, bucketed dp gradient sync overlapping backward, global
+// gradient-norm clipping, AdamW or SGD and a warm-up + cosine schedule.
+//
+// Losses are reported as the mean next-token cross-entropy of the whole
+// global batch. Dropout is not modelled (the model families run their
+// evaluation semantics), so a run is deterministic for a given seed and
+// layout, and runs at different layouts agree up to fp32 rounding.
+#ifndef COLOD_WORKER_TRAIN_TRAINER_H_
+#define COLOD_WORKER_TRAIN_TRAINER_H_
+
+#include <functional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "worker/shardformer/layers.h"
+#include "worker/train/data.h"
+#include "worker/train/optimizer.h"
+
+namespace colod::train {
+
+struct TrainOptions {
+  std::string model_dir;
+  std::string data_path;
+  DataFormat data_format = DataFormat::kAuto;
+  int64_t steps = 10;
+  int64_t batch_size = 8;     // sequences per step, over all dp replicas
+  int64_t seq_len = 64;
+  int64_t micro_batches = 1;  // gradient accumulation: each replica's rows in this many passes
+  double lr = 1e-3;
+  double min_lr = 0;          // the cosine schedule's floor
+  int64_t warmup_steps = 0;
+  OptimizerOptions optimizer;
+  double clip_norm = 1.0;     // 0: no clipping (the norm is still reported)
+  uint64_t seed = 1;
+  shardformer::ShardConfig shard;
+  int64_t bucket_bytes = 25 << 20;
+  std::string final_dir;      // if set, the trained model as a Hugging Face directory
+};
+
+// What each step reports (from rank 0; the memory figures are rank 0's).
+struct StepStats {
+  int64_t step = 0;  // 1-based
+  double loss = 0;
+  double lr = 0;
+  double grad_norm = 0;  // before clipping
+  double tokens_per_second = 0;
+  int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+};
+
+// INVALID_ARGUMENT, before any rank starts, for options that do not fit
+// (a batch dp and the micro-batches do not split, a sequence longer than the
+// model's positions, an empty corpus, ...); then the errors of loading and
+// of the ranks.
+absl::Status Train(const TrainOptions& options, const std::function<void(const StepStats&)>& on_step);
+
+}  // namespace colod::train
+
+#endif  // COLOD_WORKER_TRAIN_TRAINER_H_
