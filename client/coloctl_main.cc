@@ -16,6 +16,7 @@
 #include "nlohmann/json.hpp"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/run_forward.h"
+#include "worker/train/checkpoint.h"
 #include "worker/train/trainer.h"
 #include "worker/tensor/npy.h"
 
@@ -47,6 +48,10 @@ ABSL_FLAG(double, weight_decay, 0.0, "train: AdamW's decoupled weight decay (SGD
 ABSL_FLAG(double, momentum, 0.9, "train: SGD momentum.");
 ABSL_FLAG(double, clip_norm, 1.0, "train: clip the global gradient norm to this (0: no clipping).");
 ABSL_FLAG(uint64_t, seed, 1, "train: the data sampler's seed.");
+ABSL_FLAG(std::string, save, "", "train: write a training checkpoint here every --save-every steps and at the end.");
+ABSL_FLAG(int64_t, save_every, 0, "train: steps between checkpoints (with --save).");
+ABSL_FLAG(std::string, resume, "", "train: continue from the newest complete checkpoint in this directory.");
+ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run to --resume later).");
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
 ABSL_FLAG(bool, sequence_parallel, false, "forward: split activations along the sequence over tp (1d).");
 
@@ -77,7 +82,9 @@ constexpr char kUsage[] =
     "              optimizer state on rank 0). --model DIR --data FILE [--steps N]\n"
     "              [--batch-size B] [--seq-len L] [--lr LR] [--optimizer adamw|sgd]\n"
     "              [--tp T] [--dp D] [--mode ...] [--micro-batches M] [--warmup-steps W]\n"
-    "              [--clip-norm C] [--seed S] [--final DIR].\n"
+    "              [--clip-norm C] [--seed S] [--final DIR] [--save DIR --save-every K]\n"
+    "              [--resume DIR] [--stop-after N]. A resumed run continues from the\n"
+    "              newest complete checkpoint with the losses the uninterrupted run has.\n"
     "  consolidate Assemble a sharded checkpoint (one file per rank + colod_checkpoint.json)\n"
     "              into a Hugging Face directory (config.json + model.safetensors) that\n"
     "              loads at any layout: --checkpoint DIR --out DIR.\n"
@@ -175,6 +182,18 @@ int Train(bool json) {
   o.clip_norm = absl::GetFlag(FLAGS_clip_norm);
   o.seed = absl::GetFlag(FLAGS_seed);
   o.final_dir = absl::GetFlag(FLAGS_final);
+  o.save_dir = absl::GetFlag(FLAGS_save);
+  o.save_every = absl::GetFlag(FLAGS_save_every);
+  o.resume_dir = absl::GetFlag(FLAGS_resume);
+  o.stop_after = absl::GetFlag(FLAGS_stop_after);
+  if (!o.save_dir.empty() && o.save_every < 1) return Usage("train: --save needs --save-every K (K >= 1)");
+  if (!o.resume_dir.empty()) {
+    std::vector<std::string> skipped;
+    auto latest = colod::train::LatestCheckpoint(o.resume_dir, &skipped);
+    for (const std::string& s : skipped) std::fprintf(stderr, "coloctl: skipping damaged checkpoint %s\n", s.c_str());
+    if (!latest.ok()) return Fail(latest.status());
+    std::fprintf(stderr, "coloctl: resuming from %s\n", latest->c_str());
+  }
   const absl::Status s = colod::train::Train(o, [&](const colod::train::StepStats& st) {
     if (json) {
       const nlohmann::json line = {{"step", st.step},

@@ -69,6 +69,25 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   ASSERT_EQ(after.code, 0) << after.err;
   EXPECT_NE(Lines(before.out)[0]["loss"], Lines(after.out)[0]["loss"]);
 
+  // Saved every 2 steps and stopped after 3; resumed, steps 3 (from the
+  // step-2 checkpoint), 4 and 5 repeat the uninterrupted losses.
+  std::vector<std::string> cut = single;
+  cut.insert(cut.end(), {"--save", Tmp("ck"), "--save-every", "2", "--stop-after", "3"});
+  const auto c = Coloctl(cut);
+  ASSERT_EQ(c.code, 0) << c.err;
+  ASSERT_EQ(Lines(c.out).size(), 3u);
+  std::vector<std::string> resume = single;
+  resume.insert(resume.end(), {"--resume", Tmp("ck")});
+  const auto r = Coloctl(resume);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("resuming from " + Tmp("ck") + "/step-000002"), std::string::npos) << r.err;
+  const auto lr = Lines(r.out);
+  ASSERT_EQ(lr.size(), 3u) << r.out;
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(lr[i]["step"], i + 3);
+    EXPECT_EQ(lr[i]["loss"], la[i + 2]["loss"]);
+  }
+
   // Text output, and usage errors.
   std::vector<std::string> text = common;
   text.resize(text.size() - 2);  // no --output json

@@ -50,6 +50,14 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
   return raw;
 }
 
+absl::Status ProcessGroup::Barrier() {
+  for (const MeshAxis& axis : mesh_.axes()) {
+    ASSIGN_OR_RETURN(Communicator * comm, Comm(axis.name));
+    RETURN_IF_ERROR(comm->Barrier()->Wait(timeout_));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ProcessGroup::InitAxes(std::vector<std::string> axes) {
   if (axes.empty()) {
     for (const MeshAxis& a : mesh_.axes()) axes.push_back(a.name);

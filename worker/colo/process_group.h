@@ -61,6 +61,9 @@ class ProcessGroup {
   // Creates the communicators of `axes` now, in order (all of the mesh's
   // axes, and "tp" where it is split, when empty). Collective.
   absl::Status InitAxes(std::vector<std::string> axes = {});
+  // Returns once every rank of the mesh has called it: a barrier along each
+  // mesh axis in turn. Collective over the whole mesh.
+  absl::Status Barrier();
 
  private:
   ProcessGroup(DeviceMesh mesh, int rank, CommFactory factory, absl::Duration timeout)

@@ -41,16 +41,6 @@ absl::StatusOr<bool> Owns(const DistSpec& spec, const DeviceMesh& mesh, int rank
   return true;
 }
 
-// Every rank has passed this point on every rank once it returns: a barrier
-// along each mesh axis in turn covers the whole mesh.
-absl::Status BarrierAll(ProcessGroup* pg) {
-  for (const MeshAxis& axis : pg->mesh().axes()) {
-    ASSIGN_OR_RETURN(Communicator * comm, pg->Comm(axis.name));
-    RETURN_IF_ERROR(comm->Barrier()->Wait(pg->timeout()));
-  }
-  return absl::OkStatus();
-}
-
 Json PlacementsJson(const DistSpec& spec) {
   Json out = Json::array();
   for (const auto& [axis, p] : spec.placements()) {
@@ -149,13 +139,13 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) 
     mine.emplace_back(p.name, host.Contiguous());
   }
   RETURN_IF_ERROR(WriteSafetensors(absl::StrCat(dir, "/", RankFile(rank, world)), mine));
-  RETURN_IF_ERROR(BarrierAll(pg));
+  RETURN_IF_ERROR(pg->Barrier());
   if (rank == 0) {
     ASSIGN_OR_RETURN(Json index, IndexOf(model));
     RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", model.config().json));
     RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(dir, "/", kCheckpointIndex), index.dump(1)));
   }
-  return BarrierAll(pg);  // the index exists when any rank returns
+  return pg->Barrier();  // the index exists when any rank returns
 }
 
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir) {

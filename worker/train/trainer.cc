@@ -8,6 +8,7 @@
 #include "worker/colo/local_mesh.h"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/shardformer.h"
+#include "worker/train/checkpoint.h"
 #include "worker/train/data_parallel.h"
 
 namespace colod::train {
@@ -24,8 +25,15 @@ absl::Status Train(const TrainOptions& o, const std::function<void(const StepSta
     return absl::InvalidArgumentError(absl::StrCat("seq_len ", o.seq_len, " exceeds the model's ",
                                                    config.max_positions, " positions"));
   }
+  std::string resume;
+  uint64_t seed = o.seed;
+  if (!o.resume_dir.empty()) {
+    ASSIGN_OR_RETURN(resume, LatestCheckpoint(o.resume_dir));
+    ASSIGN_OR_RETURN(Resumed state, ReadTrainState(resume));
+    seed = state.seed;  // the sampler continues the stream it was on
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<TokenCorpus> corpus, TokenCorpus::Open(o.data_path, o.data_format));
-  ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(corpus->size(), o.seq_len, o.batch_size, dp, o.seed));
+  ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(corpus->size(), o.seq_len, o.batch_size, dp, seed));
   const int64_t rows = o.batch_size / dp;
   if (rows % o.micro_batches != 0) {
     return absl::InvalidArgumentError(absl::StrCat("each replica's ", rows, " sequences do not split into ",
@@ -40,7 +48,12 @@ absl::Status Train(const TrainOptions& o, const std::function<void(const StepSta
     ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer));
     ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(params, &pg, o.bucket_bytes));
     ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
-    for (int64_t step = 0; step < o.steps; ++step) {
+    int64_t first = 0;
+    if (!resume.empty()) {
+      ASSIGN_OR_RETURN(Resumed r, RestoreTrainingCheckpoint(resume, *model, optimizer));
+      first = r.step;
+    }
+    for (int64_t step = first; step < o.steps; ++step) {
       const absl::Time start = absl::Now();
       optimizer.ZeroGrad();
       Tensor inputs, labels;
@@ -75,6 +88,11 @@ absl::Status Train(const TrainOptions& o, const std::function<void(const StepSta
         s.optimizer_bytes = optimizer.state_bytes();
         on_step(s);
       }
+      const bool last = step + 1 == o.steps;
+      if (!o.save_dir.empty() && o.save_every > 0 && ((step + 1) % o.save_every == 0 || last)) {
+        RETURN_IF_ERROR(SaveTrainingCheckpoint(*model, optimizer, o.save_dir, step + 1, seed));
+      }
+      if (step + 1 == o.stop_after) return absl::OkStatus();
     }
     if (o.final_dir.empty()) return absl::OkStatus();
     const std::string sharded = o.final_dir + "/.sharded";

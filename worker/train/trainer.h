@@ -38,6 +38,10 @@ struct TrainOptions {
   shardformer::ShardConfig shard;
   int64_t bucket_bytes = 25 << 20;
   std::string final_dir;      // if set, the trained model as a Hugging Face directory
+  std::string save_dir;       // if set, a training checkpoint every `save_every` steps
+  int64_t save_every = 0;     //   (and after the last step)
+  std::string resume_dir;     // if set, continue from its newest complete checkpoint
+  int64_t stop_after = 0;     // if > 0, stop after this step (as an interruption would)
 };
 
 // What each step reports (from rank 0; the memory figures are rank 0's).
@@ -52,8 +56,10 @@ struct StepStats {
 
 // INVALID_ARGUMENT, before any rank starts, for options that do not fit
 // (a batch dp and the micro-batches do not split, a sequence longer than the
-// model's positions, an empty corpus, ...); then the errors of loading and
-// of the ranks.
+// model's positions, an empty corpus, ...), NOT_FOUND for a resume directory
+// without a complete checkpoint; then the errors of loading and of the ranks.
+// Resuming continues with the checkpoint's seed and the step after its own,
+// and reports exactly the losses the uninterrupted run would have.
 absl::Status Train(const TrainOptions& options, const std::function<void(const StepStats&)>& on_step);
 
 }  // namespace colod::train

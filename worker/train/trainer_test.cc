@@ -5,10 +5,12 @@
 #include "worker/train/trainer.h"
 
 #include <cmath>
+#include <filesystem>
 
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/shardformer/testing.h"
+#include "worker/train/checkpoint.h"
 
 namespace colod::train {
 namespace {
@@ -106,6 +108,56 @@ TEST(Trainer, ClippingIsTheSameAcrossLayouts) {
   TrainOptions unclipped = tight;
   unclipped.clip_norm = 0;
   EXPECT_NE(Losses(unclipped)[2].loss, base[2].loss);
+}
+
+TEST(Trainer, AnInterruptedRunResumesWithTheSameLossesBitwise) {
+  const std::string model = TinyModel("train_resume");
+  TrainOptions full = Options(model, 2, 2);
+  full.save_dir = TempPath("ck_full");
+  full.save_every = 5;
+  const std::vector<StepStats> want = Losses(full);
+  ASSERT_EQ(want.size(), 10u);
+  // Stopped after step 6 (its last checkpoint is step 5), then resumed.
+  TrainOptions cut = full;
+  cut.save_dir = TempPath("ck_cut");
+  cut.stop_after = 6;
+  const std::vector<StepStats> first = Losses(cut);
+  ASSERT_EQ(first.size(), 6u);
+  EXPECT_FALSE(std::filesystem::exists(TempPath("ck_cut") + "/step-000006"));
+  TrainOptions resumed = full;
+  resumed.save_dir = TempPath("ck_cut");
+  resumed.resume_dir = TempPath("ck_cut");
+  resumed.seed = 99;  // the checkpoint's seed wins: the sampler continues its stream
+  const std::vector<StepStats> rest = Losses(resumed);
+  ASSERT_EQ(rest.size(), 5u);
+  for (size_t i = 0; i < rest.size(); ++i) {
+    EXPECT_EQ(rest[i].step, static_cast<int64_t>(i + 6));
+    EXPECT_EQ(rest[i].loss, want[i + 5].loss) << "step " << i + 6;
+    EXPECT_EQ(rest[i].lr, want[i + 5].lr);
+  }
+  // A checkpoint cut short mid-write, and a crashed attempt's temporary
+  // directory: the previous complete one is used.
+  const std::string damaged = TempPath("ck_full") + "/step-000010/rank-00001-of-00004.safetensors";
+  std::filesystem::resize_file(damaged, std::filesystem::file_size(damaged) - 100);
+  std::filesystem::create_directories(TempPath("ck_full") + "/step-000015.tmp");
+  std::vector<std::string> skipped;
+  auto latest = LatestCheckpoint(TempPath("ck_full"), &skipped);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, TempPath("ck_full") + "/step-000005");
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_NE(skipped[0].find("rank-00001-of-00004"), std::string::npos) << skipped[0];
+  TrainOptions again = full;
+  again.save_dir.clear();
+  again.resume_dir = TempPath("ck_full");
+  const std::vector<StepStats> redo = Losses(again);
+  ASSERT_EQ(redo.size(), 5u);
+  for (size_t i = 0; i < redo.size(); ++i) EXPECT_EQ(redo[i].loss, want[i + 5].loss) << "step " << i + 6;
+  // Another layout cannot resume it; no checkpoint at all is NOT_FOUND.
+  TrainOptions other = again;
+  other.shard.layout.set_tensor_parallel_size(1);
+  EXPECT_EQ(Train(other, nullptr).code(), absl::StatusCode::kFailedPrecondition);
+  other.resume_dir = TempPath("ck_none");
+  EXPECT_EQ(Train(other, nullptr).code(), absl::StatusCode::kNotFound);
 }
 
 TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
