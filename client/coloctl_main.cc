@@ -48,6 +48,9 @@ ABSL_FLAG(double, weight_decay, 0.0, "train: AdamW's decoupled weight decay (SGD
 ABSL_FLAG(double, momentum, 0.9, "train: SGD momentum.");
 ABSL_FLAG(double, clip_norm, 1.0, "train: clip the global gradient norm to this (0: no clipping).");
 ABSL_FLAG(uint64_t, seed, 1, "train: the data sampler's seed.");
+ABSL_FLAG(std::string, precision, "fp32",
+          "train: fp32, or bf16 / fp16 mixed precision (parameters and compute in 16 bits, f32 master weights "
+          "and optimizer state).");
 ABSL_FLAG(std::string, save, "", "train: write a training checkpoint here every --save-every steps and at the end.");
 ABSL_FLAG(int64_t, save_every, 0, "train: steps between checkpoints (with --save).");
 ABSL_FLAG(std::string, resume, "", "train: continue from the newest complete checkpoint in this directory.");
@@ -82,7 +85,8 @@ constexpr char kUsage[] =
     "              optimizer state on rank 0). --model DIR --data FILE [--steps N]\n"
     "              [--batch-size B] [--seq-len L] [--lr LR] [--optimizer adamw|sgd]\n"
     "              [--tp T] [--dp D] [--mode ...] [--micro-batches M] [--warmup-steps W]\n"
-    "              [--clip-norm C] [--seed S] [--final DIR] [--save DIR --save-every K]\n"
+    "              [--clip-norm C] [--seed S] [--precision fp32|bf16|fp16] [--final DIR]\n"
+    "              [--save DIR --save-every K]\n"
     "              [--resume DIR] [--stop-after N]. A resumed run continues from the\n"
     "              newest complete checkpoint with the losses the uninterrupted run has.\n"
     "  consolidate Assemble a sharded checkpoint (one file per rank + colod_checkpoint.json)\n"
@@ -182,6 +186,14 @@ int Train(bool json) {
   o.clip_norm = absl::GetFlag(FLAGS_clip_norm);
   o.seed = absl::GetFlag(FLAGS_seed);
   o.final_dir = absl::GetFlag(FLAGS_final);
+  const std::string precision = absl::GetFlag(FLAGS_precision);
+  if (precision == "bf16") {
+    o.shard.param_dtype = colod::DType::kBF16;
+  } else if (precision == "fp16") {
+    o.shard.param_dtype = colod::DType::kF16;
+  } else if (precision != "fp32") {
+    return Usage(absl::StrCat("--precision: '", precision, "' is not one of fp32, bf16, fp16"));
+  }
   o.save_dir = absl::GetFlag(FLAGS_save);
   o.save_every = absl::GetFlag(FLAGS_save_every);
   o.resume_dir = absl::GetFlag(FLAGS_resume);

@@ -201,9 +201,13 @@ absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const V
         " must be [B, S, Hq, D] and [B, S, Hkv, D] with Hq a multiple of Hkv"));
   }
   const int64_t batch = qs[0], seq = qs[1], hq = qs[2], hkv = ks[2], d = qs[3], group = hq / hkv;
+  // Computed in f32 whatever the inputs' dtype (bf16 under mixed precision).
   ASSIGN_OR_RETURN(Tensor qh, HeadsFirst(q.value()));
   ASSIGN_OR_RETURN(Tensor kh, HeadsFirst(k.value()));
   ASSIGN_OR_RETURN(Tensor vh, HeadsFirst(v.value()));
+  ASSIGN_OR_RETURN(qh, qh.ToDType(DType::kF32));
+  ASSIGN_OR_RETURN(kh, kh.ToDType(DType::kF32));
+  ASSIGN_OR_RETURN(vh, vh.ToDType(DType::kF32));
   const Device dev = q.value().device();
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({batch, hq, seq, d}, DType::kF32, dev));
   // The probabilities of every (b, h), kept for the backward: [B, Hq, S, S].

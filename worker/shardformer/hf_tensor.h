@@ -54,7 +54,7 @@ absl::StatusOr<Tensor> ReadLayerBlock(const HfTensor& hf, const Shape& layer_sha
 // a leaf that requires grad, named `name`.
 absl::StatusOr<ColoParameter> LoadParameter(const HfTensor& hf, const Shape& layer_shape, const DistSpec& spec,
                                             ProcessGroup* pg, const HfReader& read, const std::string& name,
-                                            ComputeSpec compute = {});
+                                            ComputeSpec compute = {}, DType dtype = DType::kF32);
 
 // The checkpoint slice a full (gathered) layer tensor holds: padding rows
 // dropped, transposed back.

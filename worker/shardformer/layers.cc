@@ -41,7 +41,8 @@ absl::StatusOr<HfReader> Reader(const LayerContext& c, const HfTensor& hf) {
 absl::StatusOr<BoundParam> Load(const LayerContext& c, const std::string& name, const HfTensor& hf,
                                 const Shape& layer_shape, const DistSpec& spec, ComputeSpec compute = {}) {
   ASSIGN_OR_RETURN(HfReader read, Reader(c, hf));
-  ASSIGN_OR_RETURN(ColoParameter p, LoadParameter(hf, layer_shape, spec, c.pg, read, name, compute));
+  ASSIGN_OR_RETURN(ColoParameter p,
+                   LoadParameter(hf, layer_shape, spec, c.pg, read, name, compute, c.shard->param_dtype));
   return BoundParam{name, std::move(p), hf};
 }
 

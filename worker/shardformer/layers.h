@@ -45,6 +45,9 @@ namespace colod::shardformer {
 struct ShardConfig {
   v1::ShardConfig layout;
   int64_t make_vocab_size_divisible_by = 64;
+  // The dtype parameters are held and computed in: f32, or bf16 / f16 for
+  // mixed precision (the optimizer then keeps f32 master weights).
+  DType param_dtype = DType::kF32;
 
   int tp() const { return layout.tensor_parallel_size() < 1 ? 1 : layout.tensor_parallel_size(); }
   bool is_2d() const;  // 2D or 2.5D

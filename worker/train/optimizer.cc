@@ -22,9 +22,17 @@ absl::StatusOr<Optimizer> Optimizer::Create(std::vector<NamedParam> params, Opti
   Optimizer o(std::move(params), options);
   for (const NamedParam& p : o.params_) {
     const Tensor& t = p.bound.param.local();
-    if (t.dtype() != DType::kF32) {
-      return absl::InvalidArgumentError(absl::StrCat(p.name, " is ", DTypeName(t.dtype()), "; the optimizer keeps f32"));
+    if (t.dtype() != DType::kF32 && t.dtype() != DType::kBF16 && t.dtype() != DType::kF16) {
+      return absl::InvalidArgumentError(absl::StrCat(p.name, " is ", DTypeName(t.dtype()), ", not a float"));
     }
+    const bool mixed = t.dtype() != DType::kF32;
+    o.mixed_.push_back(mixed);
+    Tensor master;
+    if (mixed) {
+      ASSIGN_OR_RETURN(master, t.ToDType(DType::kF32));
+      master = master.Contiguous().Clone();
+    }
+    o.master_.push_back(master);
     ASSIGN_OR_RETURN(Tensor m, Tensor::Zeros(t.shape(), DType::kF32, t.device()));
     o.m_.push_back(m);
     if (options.kind == OptimizerOptions::Kind::kAdamW) {
@@ -39,9 +47,13 @@ absl::Status Optimizer::Step(double lr) {
   ++steps_;
   for (size_t i = 0; i < params_.size(); ++i) {
     const NamedParam& p = params_[i];
-    Tensor param = p.bound.param.local();
+    Tensor held = p.bound.param.local();
+    Tensor param = mixed_[i] ? master_[i] : held;  // the f32 weights the update runs on
     std::optional<Tensor> grad = p.bound.param.variable().grad();
     if (!grad.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
+    if (mixed_[i]) {
+      ASSIGN_OR_RETURN(grad, grad->ToDType(DType::kF32));
+    }
     if (options_.kind == OptimizerOptions::Kind::kAdamW) {
       kernels::AdamWOptions o;
       o.lr = static_cast<float>(lr);
@@ -50,25 +62,34 @@ absl::Status Optimizer::Step(double lr) {
       o.eps = static_cast<float>(options_.eps);
       o.weight_decay = static_cast<float>(options_.weight_decay);
       RETURN_IF_ERROR(kernels::AdamW(param, *grad, m_[i], v_[i], steps_, o));
-      continue;
+    } else {
+      RETURN_IF_ERROR(SgdStep(param, *grad, m_[i], lr));
     }
-    // SGD: g' = g + wd * p; buf = momentum * buf + g' (buf = g' at first); p -= lr * buf.
-    Tensor g = *grad;
-    if (options_.weight_decay != 0) {
-      ASSIGN_OR_RETURN(Tensor decay, Scale(param, static_cast<float>(options_.weight_decay)));
-      ASSIGN_OR_RETURN(g, Add(g, decay));
+    if (mixed_[i]) {
+      ASSIGN_OR_RETURN(Tensor rounded, param.ToDType(held.dtype()));
+      RETURN_IF_ERROR(held.CopyFrom(rounded));
     }
-    Tensor buf = g;
-    if (steps_ > 1) {
-      ASSIGN_OR_RETURN(Tensor kept, Scale(m_[i], static_cast<float>(options_.momentum)));
-      ASSIGN_OR_RETURN(buf, Add(kept, g));
-    }
-    RETURN_IF_ERROR(m_[i].CopyFrom(buf));
-    ASSIGN_OR_RETURN(Tensor delta, Scale(buf, static_cast<float>(lr)));
-    ASSIGN_OR_RETURN(Tensor updated, Sub(param, delta));
-    RETURN_IF_ERROR(param.CopyFrom(updated));
   }
   return absl::OkStatus();
+}
+
+// torch.optim.SGD: g' = g + wd * p; buf = momentum * buf + g' (buf = g' at
+// the first step); p -= lr * buf.
+absl::Status Optimizer::SgdStep(Tensor& param, const Tensor& grad, Tensor& buffer, double lr) {
+  Tensor g = grad;
+  if (options_.weight_decay != 0) {
+    ASSIGN_OR_RETURN(Tensor decay, Scale(param, static_cast<float>(options_.weight_decay)));
+    ASSIGN_OR_RETURN(g, Add(g, decay));
+  }
+  Tensor buf = g;
+  if (steps_ > 1) {
+    ASSIGN_OR_RETURN(Tensor kept, Scale(buffer, static_cast<float>(options_.momentum)));
+    ASSIGN_OR_RETURN(buf, Add(kept, g));
+  }
+  RETURN_IF_ERROR(buffer.CopyFrom(buf));
+  ASSIGN_OR_RETURN(Tensor delta, Scale(buf, static_cast<float>(lr)));
+  ASSIGN_OR_RETURN(Tensor updated, Sub(param, delta));
+  return param.CopyFrom(updated);
 }
 
 void Optimizer::ZeroGrad() {
@@ -84,6 +105,7 @@ std::vector<std::pair<std::string, Tensor>> Optimizer::State() {
   for (size_t i = 0; i < params_.size(); ++i) {
     out.emplace_back(params_[i].name + (adam ? ".exp_avg" : ".momentum_buffer"), m_[i]);
     if (adam) out.emplace_back(params_[i].name + ".exp_avg_sq", v_[i]);
+    if (mixed_[i]) out.emplace_back(params_[i].name + ".master", master_[i]);
   }
   return out;
 }
@@ -92,6 +114,7 @@ int64_t Optimizer::state_bytes() const {
   int64_t n = 0;
   for (const Tensor& t : m_) n += t.nbytes();
   for (const Tensor& t : v_) n += t.nbytes();
+  for (size_t i = 0; i < master_.size(); ++i) n += mixed_[i] ? master_[i].nbytes() : 0;
   return n;
 }
 

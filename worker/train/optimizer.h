@@ -35,7 +35,9 @@ absl::StatusOr<OptimizerOptions::Kind> ParseOptimizer(const std::string& name);
 
 class Optimizer {
  public:
-  // f32 parameters only; INVALID_ARGUMENT naming another.
+  // Parameters held in bf16 or f16 (mixed precision) get f32 master
+  // weights: the update runs on them in f32 with f32 state, and the
+  // parameters are then rounded from them.
   static absl::StatusOr<Optimizer> Create(std::vector<shardformer::NamedParam> params, OptimizerOptions options);
   // One update with learning rate `lr` from the current gradients
   // (FAILED_PRECONDITION naming a parameter without one). AdamW is
@@ -46,18 +48,22 @@ class Optimizer {
   int64_t steps() const { return steps_; }
   void set_steps(int64_t steps) { steps_ = steps; }
 
-  // The state tensors (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer)
-  // of each parameter, named "<param>.<state>", for checkpoints.
+  // The state tensors (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer;
+  // "master" with mixed precision) of each parameter, named
+  // "<param>.<state>", for checkpoints.
   std::vector<std::pair<std::string, Tensor>> State();
   int64_t state_bytes() const;
   const std::vector<shardformer::NamedParam>& params() const { return params_; }
 
  private:
+  absl::Status SgdStep(Tensor& param, const Tensor& grad, Tensor& buffer, double lr);
   Optimizer(std::vector<shardformer::NamedParam> params, OptimizerOptions options)
       : params_(std::move(params)), options_(options) {}
   std::vector<shardformer::NamedParam> params_;
   OptimizerOptions options_;
   std::vector<Tensor> m_, v_;  // AdamW moments, or SGD momentum in m_
+  std::vector<Tensor> master_;  // f32 copies of low-precision parameters (else empty tensors)
+  std::vector<bool> mixed_;
   int64_t steps_ = 0;
 };
 

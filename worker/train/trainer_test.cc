@@ -160,6 +160,25 @@ TEST(Trainer, AnInterruptedRunResumesWithTheSameLossesBitwise) {
   EXPECT_EQ(Train(other, nullptr).code(), absl::StatusCode::kNotFound);
 }
 
+TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
+  const std::string model = TinyModel("train_bf16");
+  const std::vector<StepStats> f32 = Losses(Options(model, 2, 2));
+  TrainOptions mixed = Options(model, 2, 2);
+  mixed.shard.param_dtype = DType::kBF16;
+  const std::vector<StepStats> bf16 = Losses(mixed);
+  ASSERT_EQ(bf16.size(), f32.size());
+  for (size_t i = 0; i < f32.size(); ++i) {
+    // bf16 keeps 8 bits of mantissa: the losses stay within a few percent.
+    EXPECT_NEAR(bf16[i].loss, f32[i].loss, 0.03 * f32[i].loss) << "step " << i + 1;
+  }
+  EXPECT_LT(bf16.back().loss, bf16[0].loss - 0.5);
+  // Parameters and gradients take half the bytes; the optimizer holds f32
+  // moments and f32 master weights.
+  EXPECT_EQ(bf16[0].param_bytes * 2, f32[0].param_bytes);
+  EXPECT_EQ(bf16[0].grad_bytes * 2, f32[0].grad_bytes);
+  EXPECT_EQ(bf16[0].optimizer_bytes, f32[0].optimizer_bytes * 3 / 2);
+}
+
 TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
   const std::string model = TinyModel("train_bad");
   TrainOptions o = Options(model, 1, 2);
