@@ -51,6 +51,7 @@ ABSL_FLAG(uint64_t, seed, 1, "train: the data sampler's seed.");
 ABSL_FLAG(std::string, precision, "fp32",
           "train: fp32, or bf16 / fp16 mixed precision (parameters and compute in 16 bits, f32 master weights "
           "and optimizer state).");
+ABSL_FLAG(double, bucket_mb, 25, "train: MiB of gradients per dp all-reduce bucket.");
 ABSL_FLAG(std::string, save, "", "train: write a training checkpoint here every --save-every steps and at the end.");
 ABSL_FLAG(int64_t, save_every, 0, "train: steps between checkpoints (with --save).");
 ABSL_FLAG(std::string, resume, "", "train: continue from the newest complete checkpoint in this directory.");
@@ -186,6 +187,8 @@ int Train(bool json) {
   o.clip_norm = absl::GetFlag(FLAGS_clip_norm);
   o.seed = absl::GetFlag(FLAGS_seed);
   o.final_dir = absl::GetFlag(FLAGS_final);
+  if (absl::GetFlag(FLAGS_bucket_mb) <= 0) return Usage("train: --bucket-mb must be positive");
+  o.bucket_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20));
   const std::string precision = absl::GetFlag(FLAGS_precision);
   if (precision == "bf16") {
     o.shard.param_dtype = colod::DType::kBF16;

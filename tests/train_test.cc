@@ -1,9 +1,13 @@
 // `coloctl train` as a user runs it: a tiny GPT-2 trained on the GPL's text
 // at two layouts with the same losses, one JSON object per step, the final
 // model written as a Hugging Face directory that `coloctl forward` runs.
+#include <signal.h>
+
+#include <filesystem>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/subprocess.h"
@@ -101,6 +105,47 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
                             "--dp", "3", "--batch-size", "4", "--seq-len", "32"});
   EXPECT_EQ(bad.code, 1);
   EXPECT_NE(bad.err.find("data_parallel_size 3"), std::string::npos) << bad.err;
+}
+
+// A run killed with SIGKILL while it checkpoints every step resumes from its
+// newest complete checkpoint with the uninterrupted run's losses.
+TEST(Train, KilledMidRunResumesFromTheNewestCompleteCheckpoint) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  o.positions = 32;
+  auto model = shardformer::testing::WriteTinyGpt2(Tmp("gpt2_kill"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<std::string> args = {Runfile("client/coloctl"), "train", "--model", model->dir, "--data",
+                                         "/usr/share/common-licenses/GPL-3", "--steps", "40", "--batch-size", "4",
+                                         "--seq-len", "32", "--tp", "2", "--dp", "2", "--seed", "5", "--output", "json"};
+  const auto full = Coloctl(std::vector<std::string>(args.begin() + 1, args.end()));
+  ASSERT_EQ(full.code, 0) << full.err;
+  const auto want = Lines(full.out);
+  ASSERT_EQ(want.size(), 40u);
+  std::vector<std::string> saving = args;
+  saving.insert(saving.end(), {"--save", Tmp("ck_kill"), "--save-every", "1"});
+  {
+    testing::Subprocess run(saving, Tmp("kill.out"), Tmp("kill.err"));
+    // Kill it once a few checkpoints exist, most likely in the middle of writing one.
+    const absl::Time deadline = absl::Now() + absl::Seconds(120);
+    while (!std::filesystem::exists(Tmp("ck_kill") + "/step-000004") && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    run.Signal(SIGKILL);
+    ASSERT_TRUE(run.Wait(absl::Seconds(30)).has_value());
+  }
+  std::vector<std::string> resume(args.begin() + 1, args.end());
+  resume.insert(resume.end(), {"--resume", Tmp("ck_kill")});
+  const auto r = Coloctl(resume);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto got = Lines(r.out);
+  ASSERT_FALSE(got.empty()) << r.err;
+  ASSERT_LE(got.size(), 37u);  // at least steps 1-3 were done and checkpointed
+  for (const auto& line : got) {
+    const int step = line["step"].get<int>();
+    EXPECT_EQ(line["loss"], want[step - 1]["loss"]) << "step " << step;
+  }
+  EXPECT_EQ(got.back()["step"], 40);
 }
 
 }  // namespace
