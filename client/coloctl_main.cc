@@ -57,6 +57,8 @@ ABSL_FLAG(int64_t, save_every, 0, "train: steps between checkpoints (with --save
 ABSL_FLAG(std::string, resume, "", "train: continue from the newest complete checkpoint in this directory.");
 ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run to --resume later).");
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
+ABSL_FLAG(std::string, device, "cpu",
+          "forward, train: cpu (ranks as threads over Gloo) or cuda (rank r on CUDA device r, over NCCL).");
 ABSL_FLAG(bool, sequence_parallel, false, "forward: split activations along the sequence over tp (1d).");
 
 namespace {
@@ -76,7 +78,8 @@ constexpr char kUsage[] =
     "              local ranks (threads talking Gloo over loopback) and print the mean\n"
     "              next-token cross-entropy; does not need a coordinator.\n"
     "              --model DIR --input IDS.npy [--logits OUT.npy] [--tp T] [--dp D]\n"
-    "              [--mode 1d|2d|2.5d|3d] [--depth D] [--sequence-parallel]. The ids are\n"
+    "              [--mode 1d|2d|2.5d|3d] [--depth D] [--sequence-parallel]\n"
+    "              [--device cpu|cuda]. The ids are\n"
     "              integers [batch, seq]; the logits are written as f32 [batch, seq, vocab]\n"
     "              without vocabulary padding. --output json prints one JSON object with\n"
     "              loss, tokens, logits and shape.\n"
@@ -86,7 +89,8 @@ constexpr char kUsage[] =
     "              optimizer state on rank 0). --model DIR --data FILE [--steps N]\n"
     "              [--batch-size B] [--seq-len L] [--lr LR] [--optimizer adamw|sgd]\n"
     "              [--tp T] [--dp D] [--mode ...] [--micro-batches M] [--warmup-steps W]\n"
-    "              [--clip-norm C] [--seed S] [--precision fp32|bf16|fp16] [--final DIR]\n"
+    "              [--clip-norm C] [--seed S] [--precision fp32|bf16|fp16] [--device cpu|cuda]\n"
+    "              [--final DIR]\n"
     "              [--save DIR --save-every K]\n"
     "              [--resume DIR] [--stop-after N]. A resumed run continues from the\n"
     "              newest complete checkpoint with the losses the uninterrupted run has.\n"
@@ -160,6 +164,14 @@ absl::StatusOr<colod::shardformer::ShardConfig> ShardFromFlags() {
   return shard;
 }
 
+// --device: false for cpu, true for cuda.
+absl::StatusOr<bool> CudaFromFlags() {
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device == "cpu") return false;
+  if (device == "cuda") return true;
+  return absl::InvalidArgumentError(absl::StrCat("--device: '", device, "' is not one of cpu, cuda"));
+}
+
 int Train(bool json) {
   colod::train::TrainOptions o;
   o.model_dir = absl::GetFlag(FLAGS_model);
@@ -169,6 +181,9 @@ int Train(bool json) {
   auto shard = ShardFromFlags();
   if (!shard.ok()) return Usage(std::string(shard.status().message()));
   o.shard = *shard;
+  auto cuda = CudaFromFlags();
+  if (!cuda.ok()) return Usage(std::string(cuda.status().message()));
+  o.cuda = *cuda;
   auto format = colod::train::ParseDataFormat(absl::GetFlag(FLAGS_data_format));
   if (!format.ok()) return Usage(std::string(format.status().message()));
   o.data_format = *format;
@@ -242,6 +257,9 @@ int Forward(bool json) {
   auto shard = ShardFromFlags();
   if (!shard.ok()) return Usage(std::string(shard.status().message()));
   request.shard = *shard;
+  auto cuda = CudaFromFlags();
+  if (!cuda.ok()) return Usage(std::string(cuda.status().message()));
+  request.cuda = *cuda;
   auto ids = colod::ReadNpy(input);
   if (!ids.ok()) return Fail(ids.status());
   request.ids = *ids;

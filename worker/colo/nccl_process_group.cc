@@ -1,6 +1,11 @@
 #include "worker/colo/nccl_process_group.h"
 
 #include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/device.h"
 
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
@@ -31,6 +36,40 @@ ProcessGroup::CommFactory NcclFactory(Store* store, NcclCommunicator::Options op
     ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> split, world->comm->Split(g.color, g.rank));
     return std::unique_ptr<Communicator>(std::move(split));
   };
+}
+
+absl::Status RunLocalNcclMesh(const DeviceMesh& mesh, const std::function<absl::Status(int, ProcessGroup&)>& body,
+                              absl::Duration timeout) {
+  const int n = mesh.world_size();
+  const int devices = kernels::CudaDeviceCount();
+  if (devices < n) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(n, " ranks need ", n, " CUDA devices (NCCL puts one rank on a device); found ", devices));
+  }
+  InMemoryStore store;
+  std::vector<absl::Status> results(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      NcclCommunicator::Options o;
+      o.device = r;
+      o.timeout = timeout;
+      auto pg = ProcessGroup::Create(mesh, r, NcclFactory(&store, o, r, n), timeout);
+      if (!pg.ok()) {
+        results[r] = pg.status();
+        return;
+      }
+      results[r] = (*pg)->InitAxes();
+      if (results[r].ok()) results[r] = body(r, **pg);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    if (!results[r].ok()) {
+      return absl::Status(results[r].code(), absl::StrCat("rank ", r, ": ", results[r].message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace colod

@@ -4,6 +4,8 @@
 #ifndef COLOD_WORKER_COLO_NCCL_PROCESS_GROUP_H_
 #define COLOD_WORKER_COLO_NCCL_PROCESS_GROUP_H_
 
+#include <functional>
+
 #include "worker/colo/process_group.h"
 #include "worker/comm/nccl/nccl_communicator.h"
 #include "worker/comm/store.h"
@@ -18,6 +20,14 @@ namespace colod {
 // is collective over the world. Thread-safe.
 ProcessGroup::CommFactory NcclFactory(Store* store, NcclCommunicator::Options options, int world_rank,
                                       int world_size);
+
+// RunLocalMesh (worker/colo/local_mesh.h) over NCCL: rank r of `mesh` is a
+// thread on CUDA device r (FAILED_PRECONDITION when there are fewer devices
+// than ranks); its process group has every axis initialized before `body`
+// runs. Returns OK or the lowest failing rank's error.
+absl::Status RunLocalNcclMesh(const DeviceMesh& mesh,
+                              const std::function<absl::Status(int rank, ProcessGroup& pg)>& body,
+                              absl::Duration timeout = absl::Seconds(60));
 
 }  // namespace colod
 

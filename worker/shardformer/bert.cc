@@ -31,7 +31,8 @@ absl::StatusOr<ColoTensor> EmbeddingsForward(Module& self, const ColoTensor& ids
   std::vector<int64_t> positions(ids.local().numel());
   for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int64_t>(i) % shape[1];
   ASSIGN_OR_RETURN(Tensor pos, Tensor::FromInt64s(shape, positions));
-  ASSIGN_OR_RETURN(Tensor types, Tensor::Zeros(shape, DType::kI64));  // token_type_ids default to 0
+  ASSIGN_OR_RETURN(pos, pos.To(ids.local().device()));
+  ASSIGN_OR_RETURN(Tensor types, Tensor::Zeros(shape, DType::kI64, ids.local().device()));  // token_type_ids: 0
   ASSIGN_OR_RETURN(ColoTensor pos_ids, ColoTensor::FromLocal(pos, ids.spec(), ids.process_group()));
   ASSIGN_OR_RETURN(ColoTensor type_ids, ColoTensor::FromLocal(types, ids.spec(), ids.process_group()));
   ASSIGN_OR_RETURN(ColoTensor words, self.Call("word_embeddings", ids));

@@ -70,6 +70,7 @@ Module::ForwardFn ModelForward(bool sequence_parallel) {
     std::vector<int64_t> positions(ids.local().numel());
     for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int64_t>(i) % shape[1];
     ASSIGN_OR_RETURN(Tensor pos, Tensor::FromInt64s(shape, positions));
+    ASSIGN_OR_RETURN(pos, pos.To(ids.local().device()));
     ASSIGN_OR_RETURN(ColoTensor pos_ids, ColoTensor::FromLocal(pos, ids.spec(), ids.process_group()));
     ASSIGN_OR_RETURN(ColoTensor tok, self.Call("wte", ids));
     ASSIGN_OR_RETURN(ColoTensor where, self.Call("wpe", pos_ids));

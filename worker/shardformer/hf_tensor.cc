@@ -105,12 +105,15 @@ absl::StatusOr<Tensor> ReadLayerBlock(const HfTensor& hf, const Shape& layer_sha
 
 absl::StatusOr<ColoParameter> LoadParameter(const HfTensor& hf, const Shape& layer_shape, const DistSpec& spec,
                                             ProcessGroup* pg, const HfReader& read, const std::string& name,
-                                            ComputeSpec compute, DType dtype) {
+                                            ComputeSpec compute, DType dtype, Device device) {
   auto block = LocalBlock(spec, layer_shape, pg);
   if (!block.ok()) return absl::InvalidArgumentError(absl::StrCat(hf.name, ": ", block.status().message()));
   ASSIGN_OR_RETURN(Tensor local, ReadLayerBlock(hf, layer_shape, block->starts, block->lengths, read));
   if (dtype != DType::kF32) {
     ASSIGN_OR_RETURN(local, local.ToDType(dtype));
+  }
+  if (device != Device::Cpu()) {
+    ASSIGN_OR_RETURN(local, local.To(device));
   }
   ASSIGN_OR_RETURN(ColoTensor t, ColoTensor::FromLocal(Variable(local, /*requires_grad=*/true), spec, pg));
   t.set_compute_spec(compute);

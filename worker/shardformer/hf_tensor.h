@@ -54,7 +54,8 @@ absl::StatusOr<Tensor> ReadLayerBlock(const HfTensor& hf, const Shape& layer_sha
 // a leaf that requires grad, named `name`.
 absl::StatusOr<ColoParameter> LoadParameter(const HfTensor& hf, const Shape& layer_shape, const DistSpec& spec,
                                             ProcessGroup* pg, const HfReader& read, const std::string& name,
-                                            ComputeSpec compute = {}, DType dtype = DType::kF32);
+                                            ComputeSpec compute = {}, DType dtype = DType::kF32,
+                                            Device device = Device::Cpu());
 
 // The checkpoint slice a full (gathered) layer tensor holds: padding rows
 // dropped, transposed back.

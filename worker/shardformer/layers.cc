@@ -42,7 +42,8 @@ absl::StatusOr<BoundParam> Load(const LayerContext& c, const std::string& name, 
                                 const Shape& layer_shape, const DistSpec& spec, ComputeSpec compute = {}) {
   ASSIGN_OR_RETURN(HfReader read, Reader(c, hf));
   ASSIGN_OR_RETURN(ColoParameter p,
-                   LoadParameter(hf, layer_shape, spec, c.pg, read, name, compute, c.shard->param_dtype));
+                   LoadParameter(hf, layer_shape, spec, c.pg, read, name, compute, c.shard->param_dtype,
+                                 c.shard->device));
   return BoundParam{name, std::move(p), hf};
 }
 

@@ -48,6 +48,9 @@ struct ShardConfig {
   // The dtype parameters are held and computed in: f32, or bf16 / f16 for
   // mixed precision (the optimizer then keeps f32 master weights).
   DType param_dtype = DType::kF32;
+  // Where this rank's parameters and activations live (a CUDA device runs
+  // over NCCL process groups).
+  Device device = Device::Cpu();
 
   int tp() const { return layout.tensor_parallel_size() < 1 ? 1 : layout.tensor_parallel_size(); }
   bool is_2d() const;  // 2D or 2.5D

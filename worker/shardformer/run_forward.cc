@@ -4,9 +4,29 @@
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "worker/colo/local_mesh.h"
+#ifdef COLOD_WITH_CUDA
+#include "worker/colo/nccl_process_group.h"
+#endif
 #include "worker/shardformer/shardformer.h"
 
 namespace colod::shardformer {
+
+absl::Status RunOnLocalRanks(const ShardConfig& shard, bool cuda,
+                             const std::function<absl::Status(int, ProcessGroup&, const ShardConfig&)>& body) {
+  ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(shard.layout));
+  if (!cuda) {
+    return RunLocalMesh(mesh, [&](int rank, ProcessGroup& pg) { return body(rank, pg, shard); });
+  }
+#ifdef COLOD_WITH_CUDA
+  return RunLocalNcclMesh(mesh, [&](int rank, ProcessGroup& pg) {
+    ShardConfig mine = shard;
+    mine.device = Device::Cuda(rank);
+    return body(rank, pg, mine);
+  });
+#else
+  return absl::FailedPreconditionError("this build has no CUDA: run on the CPU (without --device cuda)");
+#endif
+}
 
 absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request) {
   const Tensor& ids = request.ids;
@@ -16,7 +36,7 @@ absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request) {
   }
   const int64_t batch = ids.shape()[0], seq = ids.shape()[1];
   if (seq < 2) return absl::InvalidArgumentError("sequences need at least 2 tokens for a next-token loss");
-  ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(request.shard.layout));
+  RETURN_IF_ERROR(DeviceMesh::FromShardConfig(request.shard.layout).status());
   const int dp = std::max(1, request.shard.layout.data_parallel_size());
   if (batch % dp != 0) {
     return absl::InvalidArgumentError(
@@ -29,9 +49,10 @@ absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request) {
   ASSIGN_OR_RETURN(result.logits, Tensor::Zeros({batch, seq, config.vocab_size}, DType::kF32));
   absl::Mutex mu;
   const int64_t rows = batch / dp;
-  RETURN_IF_ERROR(RunLocalMesh(mesh, [&](int rank, ProcessGroup& pg) -> absl::Status {
+  RETURN_IF_ERROR(RunOnLocalRanks(request.shard, request.cuda, [&](int, ProcessGroup& pg, const ShardConfig& shard)
+                                                                     -> absl::Status {
     NoGradScope no_grad;  // a forward pass: no tape, no gradients
-    ASSIGN_OR_RETURN(std::unique_ptr<ShardedModel> model, ShardFormer(request.shard, &pg).Load(request.model_dir));
+    ASSIGN_OR_RETURN(std::unique_ptr<ShardedModel> model, ShardFormer(shard, &pg).Load(request.model_dir));
     ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
     ASSIGN_OR_RETURN(Tensor mine, ids.Narrow(0, replica * rows, rows));
     mine = mine.Contiguous();

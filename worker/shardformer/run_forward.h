@@ -4,6 +4,7 @@
 #ifndef COLOD_WORKER_SHARDFORMER_RUN_FORWARD_H_
 #define COLOD_WORKER_SHARDFORMER_RUN_FORWARD_H_
 
+#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -12,10 +13,18 @@
 
 namespace colod::shardformer {
 
+// Runs body(rank, pg, shard) on every rank of `shard`'s mesh as threads of
+// this process: over Gloo on loopback with host tensors, or with `cuda`
+// over NCCL, rank r on CUDA device r (`shard.device` set accordingly;
+// FAILED_PRECONDITION in a build without CUDA or with too few devices).
+absl::Status RunOnLocalRanks(const ShardConfig& shard, bool cuda,
+                             const std::function<absl::Status(int rank, ProcessGroup& pg, const ShardConfig& shard)>& body);
+
 struct ForwardRequest {
   std::string model_dir;
   Tensor ids;  // integer token ids [batch, seq]; the batch splits over dp
   ShardConfig shard;
+  bool cuda = false;  // one rank per CUDA device, over NCCL
 };
 
 struct ForwardResult {

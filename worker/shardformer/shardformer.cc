@@ -143,6 +143,7 @@ absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids) {
                                                    config_.max_positions, " positions"));
   }
   ASSIGN_OR_RETURN(Tensor i64, ids.dtype() == DType::kI64 ? ids.Contiguous() : ids.ToDType(DType::kI64));
+  ASSIGN_OR_RETURN(i64, i64.To(shard_.device));
   ASSIGN_OR_RETURN(ColoTensor input, ColoTensor::FromLocal(i64, DistSpec(), pg_));
   return root_->Forward(input);
 }
@@ -196,6 +197,7 @@ absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const T
     ASSIGN_OR_RETURN(mine, mine.Narrow(d, block.starts[d], block.lengths[d]));
   }
   ASSIGN_OR_RETURN(mine, mine.Contiguous().Reshape({block.lengths[0] * block.lengths[1]}));
+  ASSIGN_OR_RETURN(mine, mine.To(logits.local().device()));
   Variable per_row;
   if (vocab_split) {
     ASSIGN_OR_RETURN(per_row, nn::VocabParallelCrossEntropy(logits, mine, vocab));
@@ -214,7 +216,7 @@ absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const T
   if (pg_->mesh().AxisIndices("dp").ok() && *pg_->AxisSize("dp") > 1) row_axes.push_back("dp");
   for (const std::string& axis : row_axes) {
     ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm(axis));
-    RETURN_IF_ERROR(AllReduceValues(totals, ReduceOp::kSum, *comm, Device::Cpu(), pg_->timeout()));
+    RETURN_IF_ERROR(AllReduceValues(totals, ReduceOp::kSum, *comm, logits.local().device(), pg_->timeout()));
   }
   LmLoss out;
   out.tokens = static_cast<int64_t>(totals[1]);

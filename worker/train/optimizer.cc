@@ -143,7 +143,9 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
   ASSIGN_OR_RETURN(int tp, pg->AxisSize("tp"));
   if (tp > 1) {
     ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("tp"));
-    RETURN_IF_ERROR(AllReduceValues(total, ReduceOp::kSum, *comm, Device::Cpu(), pg->timeout()));
+    // Staged where the communicator works (the parameters' device).
+    const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
+    RETURN_IF_ERROR(AllReduceValues(total, ReduceOp::kSum, *comm, device, pg->timeout()));
   }
   return std::sqrt(static_cast<double>(total[0]));
 }

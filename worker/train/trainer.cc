@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
-#include "worker/colo/local_mesh.h"
+#include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/shardformer.h"
 #include "worker/train/checkpoint.h"
@@ -41,9 +41,10 @@ absl::Status Train(const TrainOptions& o, const std::function<void(const StepSta
   }
   const int64_t micro_rows = rows / o.micro_batches;
 
-  return RunLocalMesh(mesh, [&](int rank, ProcessGroup& pg) -> absl::Status {
+  return shardformer::RunOnLocalRanks(o.shard, o.cuda, [&](int rank, ProcessGroup& pg,
+                                                           const shardformer::ShardConfig& shard) -> absl::Status {
     ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
-                     shardformer::ShardFormer(o.shard, &pg).Load(o.model_dir));
+                     shardformer::ShardFormer(shard, &pg).Load(o.model_dir));
     std::vector<NamedParam> params = model->Parameters();
     ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer));
     ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(params, &pg, o.bucket_bytes));

@@ -42,6 +42,7 @@ struct TrainOptions {
   int64_t save_every = 0;     //   (and after the last step)
   std::string resume_dir;     // if set, continue from its newest complete checkpoint
   int64_t stop_after = 0;     // if > 0, stop after this step (as an interruption would)
+  bool cuda = false;          // one rank per CUDA device over NCCL (else host tensors over Gloo)
 };
 
 // What each step reports (from rank 0; the memory figures are rank 0's).

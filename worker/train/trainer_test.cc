@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "gtest/gtest.h"
+#include "kernels/device.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/shardformer/testing.h"
 #include "worker/train/checkpoint.h"
@@ -179,6 +180,25 @@ TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
   EXPECT_EQ(bf16[0].optimizer_bytes, f32[0].optimizer_bytes * 3 / 2);
 }
 
+TEST(Trainer, OnGpusTheRunMatchesTheCpuRun) {
+  const int gpus = kernels::CudaDeviceCount();
+  if (gpus < 1) GTEST_SKIP() << "no CUDA device";
+  const std::string model = TinyModel("train_gpu");
+  const std::vector<StepStats> cpu = Losses(Options(model, 1, 1));
+  TrainOptions one = Options(model, 1, 1);
+  one.cuda = true;
+  ExpectSameLosses(Losses(one), cpu, 1e-4, "1 GPU");
+  TrainOptions bf16 = one;
+  bf16.shard.param_dtype = DType::kBF16;
+  const std::vector<StepStats> mixed = Losses(bf16);
+  ASSERT_EQ(mixed.size(), cpu.size());
+  for (size_t i = 0; i < cpu.size(); ++i) EXPECT_NEAR(mixed[i].loss, cpu[i].loss, 0.03 * cpu[i].loss) << i;
+  if (gpus < 4) return;
+  TrainOptions four = Options(model, 2, 2);
+  four.cuda = true;
+  ExpectSameLosses(Losses(four), cpu, 1e-4, "tp=2 dp=2 on 4 GPUs");
+}
+
 TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
   const std::string model = TinyModel("train_bad");
   TrainOptions o = Options(model, 1, 2);
@@ -193,6 +213,11 @@ TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
   o = Options(model, 1, 1);
   o.data_path = TempPath("no_such_corpus.bin");
   EXPECT_EQ(Train(o, nullptr).code(), absl::StatusCode::kNotFound);
+  if (kernels::CudaDeviceCount() < 2) {  // two ranks, one per device
+    o = Options(model, 2, 1);
+    o.cuda = true;
+    EXPECT_EQ(Train(o, nullptr).code(), absl::StatusCode::kFailedPrecondition);
+  }
 }
 
 }  // namespace
