@@ -1,0 +1,186 @@
+// Control-plane throughput and latency of the coordinator, in-process over
+// loopback gRPC (issue 7's targets on the 2-core machine):
+//
+//   bazel run -c opt //bench:control_plane [-- --json] [-- --seconds S]
+//
+//   register   1,000 simulated workers call RegisterWorker (8 client threads)
+//              target: all in under 1 s
+//   mesh       rank assignment for a 1,024-rank mesh (tp 8 x dp 128) on
+//              128 hosts of 8 devices, with every process group listed
+//   heartbeat  p50/p99 latency of Heartbeat at a steady 2,000 calls/s
+//              target: p99 under 5 ms
+//   floor      the same for GetJob of an unknown job: a unary call that does
+//              almost no work, the transport's floor on this machine
+#include <algorithm>
+#include <filesystem>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "client/coordinator_client.h"
+#include "common/flags.h"
+#include "server/coordinator.h"
+#include "server/placement.h"
+
+ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
+ABSL_FLAG(double, seconds, 3, "Duration of each steady-rate latency run.");
+ABSL_FLAG(int, workers, 1000, "Simulated workers that register.");
+ABSL_FLAG(int, rate, 2000, "Calls per second of the latency runs.");
+
+namespace colod {
+namespace {
+
+struct Row {
+  std::string name, value, target;
+  bool ok = true;
+};
+
+v1::WorkerInfo Sim(int i) {
+  v1::WorkerInfo w;
+  w.set_address(absl::StrCat("127.0.0.1:", 20000 + i));
+  w.set_host(absl::StrCat("sim-host-", i / 8));
+  w.set_device_ordinal(i % 8);
+  w.set_device_kind(v1::DEVICE_KIND_CPU);
+  return w;
+}
+
+// `threads` clients each making calls at rate/threads per second for
+// `seconds`, open loop (a late call does not delay the schedule); returns
+// the latencies in ms, sorted.
+std::vector<double> SteadyRate(const std::string& address, int rate, double seconds, int threads,
+                               const std::function<void(CoordinatorClient&, int)>& call) {
+  std::vector<double> all;
+  absl::Mutex mu;
+  std::vector<std::thread> pool;
+  const absl::Duration period = absl::Seconds(static_cast<double>(threads) / rate);
+  const int calls = static_cast<int>(rate * seconds / threads);
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      auto client = CoordinatorClient::Create(address);
+      std::vector<double> mine;
+      absl::Time next = absl::Now();
+      for (int i = 0; i < calls; ++i) {
+        absl::SleepFor(next - absl::Now());
+        const absl::Time start = absl::Now();
+        call(**client, t * calls + i);
+        mine.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
+        next += period;
+      }
+      absl::MutexLock lock(&mu);
+      all.insert(all.end(), mine.begin(), mine.end());
+    });
+  }
+  for (auto& th : pool) th.join();
+  std::sort(all.begin(), all.end());
+  return all;
+}
+
+double Quantile(const std::vector<double>& sorted, double q) {
+  if (sorted.empty()) return 0;
+  return sorted[std::min(sorted.size() - 1, static_cast<size_t>(q * sorted.size()))];
+}
+
+int Run() {
+  const int n = absl::GetFlag(FLAGS_workers), rate = absl::GetFlag(FLAGS_rate);
+  const double seconds = absl::GetFlag(FLAGS_seconds);
+  Coordinator::Options o;
+  o.data_dir = absl::StrCat("/tmp/colod-bench-control-plane-", getpid());
+  o.lease_duration = absl::Minutes(10);
+  auto coordinator = Coordinator::Start(o);
+  if (!coordinator.ok()) {
+    std::fprintf(stderr, "coordinator: %s\n", coordinator.status().ToString().c_str());
+    return 1;
+  }
+  const std::string address = (*coordinator)->address();
+  std::vector<Row> rows;
+
+  // 1. Registrations.
+  std::vector<std::string> ids(n);
+  const int threads = 8;
+  const absl::Time t0 = absl::Now();
+  {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        auto client = CoordinatorClient::Create(address);
+        for (int i = t; i < n; i += threads) {
+          auto r = (*client)->RegisterWorker(Sim(i));
+          if (r.ok()) ids[i] = r->worker_id();
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+  }
+  const double reg_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
+  const int registered = static_cast<int>(std::count_if(ids.begin(), ids.end(), [](auto& s) { return !s.empty(); }));
+  rows.push_back({absl::StrFormat("register %d workers (%d ok)", n, registered),
+                  absl::StrFormat("%.0f ms (%.0f/s)", reg_ms, n / reg_ms * 1e3), "< 1000 ms",
+                  reg_ms < 1000 && registered == n});
+
+  // 2. Rank assignment for 1,024 ranks.
+  {
+    std::vector<v1::WorkerInfo> infos;
+    for (int i = 0; i < 1024; ++i) {
+      infos.push_back(Sim(i));
+      infos.back().set_worker_id(absl::StrCat("w", i));
+    }
+    v1::ShardConfig s;
+    s.set_tensor_parallel_size(8);
+    s.set_data_parallel_size(128);
+    std::vector<double> ms;
+    for (int rep = 0; rep < 5; ++rep) {
+      const absl::Time start = absl::Now();
+      auto mesh = DeviceMesh::FromShardConfig(s);
+      auto spec = AssignRanks(*mesh, infos);
+      ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
+      if (!spec.ok()) return 1;
+    }
+    std::sort(ms.begin(), ms.end());
+    rows.push_back({"mesh + placement, 1,024 ranks (tp 8 x dp 128)", absl::StrFormat("%.2f ms (median of 5)", ms[2]),
+                    "-", true});
+  }
+
+  // 3. Heartbeat latency at a steady rate, and the unary-call floor.
+  const auto hb = SteadyRate(address, rate, seconds, 4, [&](CoordinatorClient& c, int i) {
+    (void)c.Heartbeat(ids[i % n], v1::WorkerStatus());
+  });
+  rows.push_back({absl::StrFormat("Heartbeat p50 / p99 at %d/s (%zu calls)", rate, hb.size()),
+                  absl::StrFormat("%.3f / %.3f ms", Quantile(hb, 0.5), Quantile(hb, 0.99)), "p99 < 5 ms",
+                  Quantile(hb, 0.99) < 5});
+  const auto floor = SteadyRate(address, rate, seconds, 4, [](CoordinatorClient& c, int) { (void)c.GetJob("none"); });
+  rows.push_back({absl::StrFormat("floor: GetJob(unknown) p50 / p99 at %d/s", rate),
+                  absl::StrFormat("%.3f / %.3f ms", Quantile(floor, 0.5), Quantile(floor, 0.99)), "(transport)",
+                  true});
+  (*coordinator)->Shutdown();
+  std::error_code ec;
+  std::filesystem::remove_all(o.data_dir, ec);
+
+  if (absl::GetFlag(FLAGS_json)) {
+    for (const Row& r : rows) {
+      std::printf("{\"measurement\": \"%s\", \"value\": \"%s\", \"target\": \"%s\", \"met\": %s}\n", r.name.c_str(),
+                  r.value.c_str(), r.target.c_str(), r.ok ? "true" : "false");
+    }
+  } else {
+    std::printf("%-52s %-28s %-12s %s\n", "measurement", "value", "target", "met");
+    for (const Row& r : rows) {
+      std::printf("%-52s %-28s %-12s %s\n", r.name.c_str(), r.value.c_str(), r.target.c_str(), r.ok ? "yes" : "NO");
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace colod
+
+int main(int argc, char** argv) {
+  colod::ParseFlags(argc, argv,
+                    "control_plane: coordinator registration throughput, mesh build time and Heartbeat latency.\n");
+  return colod::Run();
+}
