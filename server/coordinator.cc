@@ -73,6 +73,10 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
                         .Name("colod_jobs")
                         .Help("Jobs known to the coordinator, by state.")
                         .Register(*c->registry_);
+  c->heartbeat_age_ = &prometheus::BuildGauge()
+                           .Name("colod_worker_heartbeat_age_seconds")
+                           .Help("Seconds since each registered worker's last heartbeat (updated every second).")
+                           .Register(*c->registry_);
 
   WorkerRegistry::Options wo;
   wo.heartbeat_interval = options.heartbeat_interval;
@@ -98,6 +102,19 @@ void Coordinator::UpdateGauges() {
   for (const auto& [state, n] : workers_->CountByState()) {
     workers_gauge_->Add({{"state", state}}).Set(n);
   }
+  const absl::Time now = options_.clock->Now();
+  std::map<std::string, prometheus::Gauge*> ages;
+  for (const v1::Worker& w : workers_->List(/*include_lost=*/true)) {
+    const absl::Time last = absl::FromUnixSeconds(w.last_heartbeat_time().seconds()) +
+                            absl::Nanoseconds(w.last_heartbeat_time().nanos());
+    prometheus::Gauge* g = &heartbeat_age_->Add({{"worker", w.info().worker_id()}});
+    g->Set(absl::ToDoubleSeconds(now - last));
+    ages[w.info().worker_id()] = g;
+  }
+  for (auto& [id, g] : heartbeat_ages_) {
+    if (!ages.count(id)) heartbeat_age_->Remove(g);  // forgotten workers leave no series
+  }
+  heartbeat_ages_ = std::move(ages);
   for (const auto& [state, n] : jobs_->CountByState()) {
     jobs_gauge_->Add({{"state", state}}).Set(n);
   }

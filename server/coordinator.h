@@ -3,6 +3,7 @@
 #ifndef COLOD_SERVER_COORDINATOR_H_
 #define COLOD_SERVER_COORDINATOR_H_
 
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -67,6 +68,9 @@ class Coordinator {
   std::unique_ptr<CoordinatorServiceImpl> service_;
   prometheus::Family<prometheus::Gauge>* workers_gauge_ = nullptr;
   prometheus::Family<prometheus::Gauge>* jobs_gauge_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* heartbeat_age_ = nullptr;
+  // The age series by worker id; touched by Start, then only by the sweeper thread.
+  std::map<std::string, prometheus::Gauge*> heartbeat_ages_;
   std::unique_ptr<MetricsServer> metrics_;
   StartedGrpcServer grpc_;
   std::thread sweeper_;

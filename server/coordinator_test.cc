@@ -226,6 +226,22 @@ TEST_F(CoordinatorTest, ServesParseableMetrics) {
   }
   EXPECT_TRUE(saw_register) << *body;
   EXPECT_EQ(families->at("colod_workers").type, "gauge");
+  // The sweeper (every 100 ms here) publishes each worker's heartbeat age.
+  bool saw_age = false;
+  for (int i = 0; i < 50 && !saw_age; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    auto again = testing::ParsePrometheusText(*testing::HttpGet(coordinator_->metrics_address(), "/metrics"));
+    ASSERT_TRUE(again.ok());
+    auto it = again->find("colod_worker_heartbeat_age_seconds");
+    if (it == again->end() || it->second.samples.empty()) continue;
+    EXPECT_EQ(it->second.type, "gauge");
+    ASSERT_EQ(it->second.samples.size(), 1u);
+    EXPECT_FALSE(it->second.samples[0].labels.at("worker").empty());
+    EXPECT_GE(it->second.samples[0].value, 0);
+    EXPECT_LT(it->second.samples[0].value, 30);
+    saw_age = true;
+  }
+  EXPECT_TRUE(saw_age) << "no colod_worker_heartbeat_age_seconds series";
 }
 
 TEST(CoordinatorStart, RefusesASharedDataDirAndBadOptions) {
