@@ -1,4 +1,6 @@
 // coloctl: the colod command line.
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -10,6 +12,8 @@
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
 #include "client/format.h"
+#include "client/local_cluster.h"
+#include "common/grpc_server.h"
 #include "colod/v1/coordinator.pb.h"
 #include "common/flags.h"
 #include "common/version.h"
@@ -32,6 +36,10 @@ ABSL_FLAG(int32_t, tp, 1, "forward: tensor-parallel size.");
 ABSL_FLAG(int32_t, dp, 1, "forward: data-parallel size (splits the batch).");
 ABSL_FLAG(std::string, mode, "1d", "forward: tensor-parallel mode: 1d, 2d, 2.5d or 3d.");
 ABSL_FLAG(int32_t, depth, 0, "forward: depth of 2.5d (tp = depth * q * q).");
+ABSL_FLAG(int, workers, 2, "local: CPU workers to start.");
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "local: the coordinator's gRPC address (port 0 picks one).");
+ABSL_FLAG(std::string, data_dir, "",
+          "local: coordinator state and worker logs (default: a temporary directory removed on exit).");
 ABSL_FLAG(std::string, checkpoint, "", "consolidate: the sharded checkpoint directory.");
 ABSL_FLAG(std::string, out, "", "consolidate: the Hugging Face directory to write.");
 ABSL_FLAG(std::string, data, "", "train: the corpus: a .bin of uint16 tokens, a .npy, or UTF-8 text (byte-level).");
@@ -74,6 +82,11 @@ constexpr char kUsage[] =
     "              device, state and heartbeat age. --all includes lost workers;\n"
     "              --output json prints the ListWorkersResponse as proto3 JSON.\n"
     "  version     Print the colod version.\n"
+    "  local       Run an embedded cluster on this machine: a coordinator on --listen\n"
+    "              (127.0.0.1:7070) and --workers N CPU workers as child processes on\n"
+    "              loopback. Prints the coordinator's address once every worker has\n"
+    "              registered, stays in the foreground, and stops everything on Ctrl-C or\n"
+    "              SIGTERM. --data-dir keeps the coordinator's state and the worker logs.\n"
     "  forward     Run one forward pass of a Hugging Face-style model directory on tp * dp\n"
     "              local ranks (threads talking Gloo over loopback) and print the mean\n"
     "              next-token cross-entropy; does not need a coordinator.\n"
@@ -285,6 +298,42 @@ int Forward(bool json) {
   return 0;
 }
 
+int Local() {
+  colod::BlockShutdownSignals();  // before any thread starts; the children unblock
+  colod::LocalCluster::Options o;
+  o.workers = absl::GetFlag(FLAGS_workers);
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.data_dir = absl::GetFlag(FLAGS_data_dir);
+  char exe[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  const std::string self = n > 0 ? std::string(exe, n) : "coloctl";
+  auto coordinator = colod::FindDaemonBinary(self, "colod-coordinator");
+  if (!coordinator.ok()) return Fail(coordinator.status());
+  auto worker = colod::FindDaemonBinary(self, "colod-worker");
+  if (!worker.ok()) return Fail(worker.status());
+  o.coordinator_binary = *coordinator;
+  o.worker_binary = *worker;
+  if (o.workers < 1) return Usage("local: --workers must be at least 1");
+  auto cluster = colod::LocalCluster::Start(o);
+  if (!cluster.ok()) return Fail(cluster.status());
+  std::printf("coordinator %s (metrics http://%s/metrics), data dir %s\n", (*cluster)->address().c_str(),
+              (*cluster)->metrics_address().c_str(), (*cluster)->data_dir().c_str());
+  const auto listed = (*cluster)->workers();
+  if (!listed.ok()) return Fail(listed.status());
+  const std::vector<colod::v1::Worker>& workers = *listed;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    std::printf("worker %s at %s (metrics http://%s/metrics)\n", workers[i].info().worker_id().c_str(),
+                workers[i].info().address().c_str(), workers[i].info().metrics_address().c_str());
+  }
+  std::printf("ready: %zu workers registered; export COLOD_COORDINATOR=%s; Ctrl-C stops the cluster\n",
+              workers.size(), (*cluster)->address().c_str());
+  std::fflush(stdout);
+  const int sig = colod::WaitForShutdownSignal();
+  std::fprintf(stderr, "coloctl: signal %d: stopping the local cluster\n", sig);
+  (*cluster)->Stop();
+  return 0;
+}
+
 int Consolidate() {
   const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint), out = absl::GetFlag(FLAGS_out);
   if (checkpoint.empty()) return Usage("consolidate: --checkpoint is required");
@@ -305,6 +354,10 @@ int main(int argc, char** argv) {
     return Usage(absl::StrCat("--output: '", output, "' is not one of table, json"));
   }
   const std::string& cmd = args[0];
+  if (cmd == "local") {
+    if (args.size() > 1) return Usage(absl::StrCat("unexpected argument '", args[1], "'"));
+    return Local();
+  }
   if (cmd == "version") {
     std::printf("colod %s\n", colod::kVersion);
     return 0;

@@ -1,0 +1,165 @@
+#include "client/local_cluster.h"
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/coordinator_client.h"
+#include "common/status_macros.h"
+
+namespace colod {
+namespace {
+
+// Starts `argv` with stdout and stderr to `log`, dying with this process.
+absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log) {
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (std::freopen(log.c_str(), "w", stderr) == nullptr || std::freopen("/dev/null", "w", stdout) == nullptr) {
+      std::_Exit(126);
+    }
+    // The daemons wait for SIGTERM; the signal mask of a coloctl that blocked
+    // it would otherwise carry over.
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::execv(args[0], args.data());
+    std::_Exit(127);
+  }
+  return pid;
+}
+
+// KEY=VALUE of a ready file, once it exists.
+std::string ReadyValue(const std::string& path, const std::string& key) {
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    if (absl::StartsWith(line, key + "=")) return line.substr(key.size() + 1);
+  }
+  return "";
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> FindDaemonBinary(const std::string& self, const std::string& name) {
+  const std::filesystem::path dir = std::filesystem::path(self).parent_path();
+  std::vector<std::filesystem::path> tried = {dir / name, dir / ".." / "server" / name,
+                                              dir / ".." / "worker" / "daemon" / name};
+  const char* path = std::getenv("PATH");
+  for (absl::string_view p : absl::StrSplit(path != nullptr ? path : "", ':', absl::SkipEmpty())) {
+    tried.push_back(std::filesystem::path(std::string(p)) / name);
+  }
+  for (const auto& t : tried) {
+    if (::access(t.c_str(), X_OK) == 0) return std::filesystem::weakly_canonical(t).string();
+  }
+  return absl::NotFoundError(absl::StrCat("cannot find ", name, " next to ", self, ", in ../server, ../worker/daemon or on $PATH"));
+}
+
+absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options options) {
+  if (options.workers < 1) return absl::InvalidArgumentError("a local cluster needs at least 1 worker");
+  if (options.coordinator_binary.empty() || options.worker_binary.empty()) {
+    return absl::InvalidArgumentError("the daemon binaries are required");
+  }
+  std::unique_ptr<LocalCluster> c(new LocalCluster());
+  c->data_dir_ = options.data_dir;
+  if (c->data_dir_.empty()) {
+    char tmpl[] = "/tmp/colod-local-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) return absl::InternalError("cannot create a temporary directory");
+    c->data_dir_ = tmpl;
+    c->temporary_ = true;
+  } else {
+    std::error_code ec;
+    std::filesystem::create_directories(c->data_dir_, ec);
+  }
+  const std::string ready = c->data_dir_ + "/coordinator.ready";
+  std::filesystem::remove(ready);
+  auto fail = [&c](absl::Status s) {
+    c->temporary_ = false;  // keep the logs
+    c->Stop();
+    return absl::Status(s.code(), absl::StrCat(s.message(), "; logs in ", c->data_dir_));
+  };
+  auto coordinator = Spawn({options.coordinator_binary, "--data-dir", c->data_dir_ + "/coordinator", "--listen",
+                            options.listen, "--metrics-listen", options.metrics_listen, "--ready-file", ready},
+                           c->data_dir_ + "/coordinator.log");
+  if (!coordinator.ok()) return fail(coordinator.status());
+  c->pids_.push_back(*coordinator);
+  const absl::Time deadline = absl::Now() + options.ready_timeout;
+  while ((c->address_ = ReadyValue(ready, "grpc")).empty()) {
+    int status = 0;
+    if (::waitpid(*coordinator, &status, WNOHANG) == *coordinator) {
+      c->pids_.clear();
+      return fail(absl::UnavailableError("the coordinator exited at start (is --listen in use?)"));
+    }
+    if (absl::Now() > deadline) return fail(absl::DeadlineExceededError("the coordinator did not start"));
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  c->metrics_address_ = ReadyValue(ready, "metrics");
+  for (int i = 0; i < options.workers; ++i) {
+    auto pid = Spawn({options.worker_binary, "--coordinator", c->address_, "--listen", "127.0.0.1:0",
+                      "--metrics-listen", "127.0.0.1:0", "--device", "cpu", "--device-ordinal", absl::StrCat(i)},
+                     absl::StrCat(c->data_dir_, "/worker-", i, ".log"));
+    if (!pid.ok()) return fail(pid.status());
+    c->pids_.push_back(*pid);
+  }
+  while (true) {
+    auto workers = c->workers();
+    if (workers.ok() && static_cast<int>(workers->size()) >= options.workers) break;
+    if (absl::Now() > deadline) {
+      return fail(absl::DeadlineExceededError(absl::StrCat("the local workers did not register within ",
+                                                           absl::FormatDuration(options.ready_timeout))));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return c;
+}
+
+absl::StatusOr<std::vector<v1::Worker>> LocalCluster::workers() const {
+  ASSIGN_OR_RETURN(auto client, CoordinatorClient::Create(address_));
+  return client->ListWorkers(/*include_lost=*/false);
+}
+
+LocalCluster::~LocalCluster() { Stop(); }
+
+void LocalCluster::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  // The workers together first (their last calls reach a live coordinator),
+  // then the coordinator; SIGKILL whatever is still running after 10 s.
+  auto stop = [](const std::vector<pid_t>& pids) {
+    for (pid_t pid : pids) ::kill(pid, SIGTERM);
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    for (pid_t pid : pids) {
+      int status = 0;
+      while (::waitpid(pid, &status, WNOHANG) == 0) {
+        if (absl::Now() > deadline) {
+          ::kill(pid, SIGKILL);
+          ::waitpid(pid, &status, 0);
+          break;
+        }
+        absl::SleepFor(absl::Milliseconds(10));
+      }
+    }
+  };
+  if (pids_.size() > 1) stop(std::vector<pid_t>(pids_.begin() + 1, pids_.end()));
+  if (!pids_.empty()) stop({pids_[0]});
+  if (temporary_) {
+    std::error_code ec;
+    std::filesystem::remove_all(data_dir_, ec);
+  }
+}
+
+}  // namespace colod

@@ -1,0 +1,74 @@
+// An embedded colod cluster on this machine (`coloctl local`): the
+// colod-coordinator and N CPU colod-worker daemons as child processes on
+// loopback. The children die with this process (PR_SET_PDEATHSIG), so a
+// killed coloctl leaves no daemons behind.
+//
+// Thread-safety: Stop() may be called from any thread, more than once.
+#ifndef COLOD_CLIENT_LOCAL_CLUSTER_H_
+#define COLOD_CLIENT_LOCAL_CLUSTER_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "colod/v1/worker.pb.h"
+
+namespace colod {
+
+class LocalCluster {
+ public:
+  struct Options {
+    int workers = 2;
+    std::string listen = "127.0.0.1:0";  // the coordinator's gRPC address
+    std::string metrics_listen = "127.0.0.1:0";
+    // Coordinator state and worker logs; empty: a fresh directory under
+    // /tmp, removed by Stop.
+    std::string data_dir;
+    // The daemon binaries; FindDaemonBinary looks next to coloctl.
+    std::string coordinator_binary;
+    std::string worker_binary;
+    absl::Duration ready_timeout = absl::Seconds(60);
+  };
+
+  // Starts everything and waits until every worker registered.
+  // INVALID_ARGUMENT for bad options; UNAVAILABLE if an address cannot be
+  // bound; DEADLINE_EXCEEDED (cluster stopped) if the workers do not register
+  // in time, naming the worker logs.
+  static absl::StatusOr<std::unique_ptr<LocalCluster>> Start(Options options);
+  ~LocalCluster();
+
+  const std::string& address() const { return address_; }
+  const std::string& metrics_address() const { return metrics_address_; }
+  const std::string& data_dir() const { return data_dir_; }
+  // The coordinator's pid first, then the workers'.
+  const std::vector<pid_t>& pids() const { return pids_; }
+  // The registered workers, sorted by id.
+  absl::StatusOr<std::vector<v1::Worker>> workers() const;
+
+  // SIGTERM to the workers, then the coordinator (SIGKILL after 10 s),
+  // reaps them and removes a temporary data dir.
+  void Stop();
+
+ private:
+  LocalCluster() = default;
+  std::string address_, metrics_address_;
+  std::vector<pid_t> pids_;
+  std::string data_dir_;
+  bool temporary_ = false;
+  absl::Mutex mu_;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// `name` (colod-coordinator, colod-worker) next to `self` (the running
+// coloctl), in the build tree's layout (../server/, ../worker/daemon/), or on
+// $PATH; NOT_FOUND naming the places tried.
+absl::StatusOr<std::string> FindDaemonBinary(const std::string& self, const std::string& name);
+
+}  // namespace colod
+
+#endif  // COLOD_CLIENT_LOCAL_CLUSTER_H_

@@ -1,0 +1,87 @@
+// `coloctl local`: an embedded cluster of a coordinator and N CPU workers as
+// child processes, announced once every worker registered, stopped by
+// SIGTERM, and gone with coloctl even when coloctl is killed.
+#include <signal.h>
+
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/subprocess.h"
+#include "tests/testing/grpc_probe.h"
+
+namespace colod {
+namespace {
+
+using ::colod::testing::RunCommand;
+using ::colod::testing::Subprocess;
+
+std::string Runfile(const std::string& path) { return absl::StrCat(std::getenv("TEST_SRCDIR"), "/colod/", path); }
+std::string Tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
+
+// The coordinator address from the "ready:" line, once printed.
+std::string WaitReady(const std::string& out) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline) {
+    std::ifstream in(out);
+    for (std::string line; std::getline(in, line);) {
+      const std::string key = "export COLOD_COORDINATOR=";
+      const size_t at = line.find(key);
+      if (line.rfind("ready:", 0) == 0 && at != std::string::npos) {
+        const std::string rest = line.substr(at + key.size());
+        return rest.substr(0, rest.find(';'));
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return "";
+}
+
+bool Reachable(const std::string& address) {
+  return testing::HealthCheck(address, "").ok();
+}
+
+TEST(Local, AnnouncesServesAndStopsItsCluster) {
+  Subprocess local({Runfile("client/coloctl"), "local", "--workers", "3", "--listen", "127.0.0.1:0"},
+                   Tmp("local.out"), Tmp("local.err"));
+  const std::string address = WaitReady(Tmp("local.out"));
+  ASSERT_FALSE(address.empty()) << testing::ReadFile(Tmp("local.err"));
+  const auto r = RunCommand({Runfile("client/coloctl"), "--coordinator", address, "workers", "--output", "json"},
+                            std::getenv("TEST_TMPDIR"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto listed = nlohmann::json::parse(r.out);
+  ASSERT_EQ(listed["workers"].size(), 3u) << r.out;
+  std::vector<std::string> workers;
+  for (const auto& w : listed["workers"]) {
+    EXPECT_EQ(w["state"], "WORKER_STATE_IDLE");
+    workers.push_back(w["info"]["address"]);
+    EXPECT_TRUE(Reachable(workers.back()));
+  }
+  local.Signal(SIGTERM);
+  const auto code = local.Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 0) << testing::ReadFile(Tmp("local.err"));
+  EXPECT_FALSE(Reachable(address));
+  for (const std::string& w : workers) EXPECT_FALSE(Reachable(w)) << w;
+}
+
+TEST(Local, ItsDaemonsDieWithAKilledColoctl) {
+  Subprocess local({Runfile("client/coloctl"), "local", "--workers", "2", "--listen", "127.0.0.1:0"},
+                   Tmp("killed.out"), Tmp("killed.err"));
+  const std::string address = WaitReady(Tmp("killed.out"));
+  ASSERT_FALSE(address.empty()) << testing::ReadFile(Tmp("killed.err"));
+  local.Signal(SIGKILL);
+  ASSERT_TRUE(local.Wait(absl::Seconds(10)).has_value());
+  bool gone = false;
+  for (int i = 0; i < 100 && !gone; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    gone = !Reachable(address);
+  }
+  EXPECT_TRUE(gone) << "the coordinator outlived coloctl";
+  EXPECT_EQ(RunCommand({Runfile("client/coloctl"), "local", "--workers", "0"}, std::getenv("TEST_TMPDIR")).code, 2);
+}
+
+}  // namespace
+}  // namespace colod
