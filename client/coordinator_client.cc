@@ -1,5 +1,7 @@
 #include "client/coordinator_client.h"
 
+#include "common/auth.h"
+
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/net.h"
@@ -40,6 +42,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(con
 
 void CoordinatorClient::SetDeadline(grpc::ClientContext& ctx) const {
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  AddAuthToken(ctx, options_.auth_token);
 }
 
 absl::StatusOr<std::vector<v1::Worker>> CoordinatorClient::ListWorkers(bool include_lost) {

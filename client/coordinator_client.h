@@ -18,6 +18,8 @@ class CoordinatorClient {
   struct Options {
     // Deadline of each call.
     absl::Duration timeout = absl::Seconds(10);
+    // Bearer token sent with every call (--auth-token-file); empty: none.
+    std::string auth_token;
   };
 
   // `address` is HOST:PORT; INVALID_ARGUMENT if malformed. Connects lazily:

@@ -85,8 +85,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   c->workers_ = std::make_unique<WorkerRegistry>(wo);
   c->jobs_ = std::make_unique<JobManager>(options.clock);
   c->store_ = std::make_unique<RendezvousStore>();
-  c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(),
-                                                          c->store_.get(), c->registry_.get());
+  c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),
+                                                          c->registry_.get(), TokenAuth(options.auth_token));
   c->UpdateGauges();
 
   ASSIGN_OR_RETURN(c->metrics_, MetricsServer::Start(options.metrics_listen, c->registry_));

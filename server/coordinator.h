@@ -36,6 +36,8 @@ class Coordinator {
     absl::Duration heartbeat_interval = absl::Seconds(2);
     absl::Duration lease_duration = absl::Seconds(10);
     Clock* clock = Clock::Real();
+    // Bearer token every CoordinatorService call must carry; empty: none.
+    std::string auth_token;
   };
 
   // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION if the data dir is

@@ -26,19 +26,21 @@ const prometheus::Histogram::BucketBoundaries& RpcBuckets() {
 
 CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs,
                                                RendezvousStore* store,
-                                               prometheus::Registry* metrics)
+                                               prometheus::Registry* metrics, TokenAuth auth)
     : workers_(workers),
       jobs_(jobs),
       store_(store),
       rpc_duration_(&prometheus::BuildHistogram()
                          .Name("colod_rpc_duration_seconds")
                          .Help("Coordinator RPC handling time, by method and status code.")
-                         .Register(*metrics)) {}
+                         .Register(*metrics)),
+      auth_(std::move(auth)) {}
 
 template <typename Fn>
-grpc::Status CoordinatorServiceImpl::Instrument(const char* method, Fn&& fn) {
+grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const char* method, Fn&& fn) {
   const absl::Time start = absl::Now();
-  absl::Status status = fn();
+  absl::Status status = auth_.Check(*ctx);
+  if (status.ok()) status = fn();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   rpc_duration_->Add({{"method", method}, {"code", absl::StatusCodeToString(status.code())}},
                      RpcBuckets())
@@ -46,10 +48,10 @@ grpc::Status CoordinatorServiceImpl::Instrument(const char* method, Fn&& fn) {
   return ToGrpcStatus(status);
 }
 
-grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext*,
+grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,
                                                     const v1::RegisterWorkerRequest* req,
                                                     v1::RegisterWorkerResponse* resp) {
-  return Instrument("RegisterWorker", [&]() -> absl::Status {
+  return Instrument(ctx, "RegisterWorker", [&]() -> absl::Status {
     if (!req->has_worker()) return absl::InvalidArgumentError("worker: required");
     ASSIGN_OR_RETURN(WorkerRegistry::Registration reg, workers_->Register(req->worker()));
     resp->set_worker_id(reg.worker_id);
@@ -59,9 +61,9 @@ grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext*,
   });
 }
 
-grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                                                v1::HeartbeatResponse* resp) {
-  return Instrument("Heartbeat", [&]() -> absl::Status {
+  return Instrument(ctx, "Heartbeat", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
     ASSIGN_OR_RETURN(absl::Time expiry, workers_->Heartbeat(req->worker_id(), req->status()));
     *resp->mutable_lease_expire_time() = ToProtoTimestamp(expiry);
@@ -69,36 +71,36 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext*, const v1::H
   });
 }
 
-grpc::Status CoordinatorServiceImpl::ListWorkers(grpc::ServerContext*,
+grpc::Status CoordinatorServiceImpl::ListWorkers(grpc::ServerContext* ctx,
                                                  const v1::ListWorkersRequest* req,
                                                  v1::ListWorkersResponse* resp) {
-  return Instrument("ListWorkers", [&]() -> absl::Status {
+  return Instrument(ctx, "ListWorkers", [&]() -> absl::Status {
     for (v1::Worker& w : workers_->List(req->include_lost())) *resp->add_workers() = std::move(w);
     return absl::OkStatus();
   });
 }
 
-grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* req,
+grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
                                                v1::SubmitJobResponse* resp) {
-  return Instrument("SubmitJob", [&]() -> absl::Status {
+  return Instrument(ctx, "SubmitJob", [&]() -> absl::Status {
     if (!req->has_spec()) return absl::InvalidArgumentError("spec: required");
     ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Submit(req->spec(), req->request_id()));
     return absl::OkStatus();
   });
 }
 
-grpc::Status CoordinatorServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* req,
+grpc::Status CoordinatorServiceImpl::GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
                                             v1::GetJobResponse* resp) {
-  return Instrument("GetJob", [&]() -> absl::Status {
+  return Instrument(ctx, "GetJob", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Get(req->job_id()));
     return absl::OkStatus();
   });
 }
 
-grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* req,
+grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
                                               v1::ListJobsResponse* resp) {
-  return Instrument("ListJobs", [&]() -> absl::Status {
+  return Instrument(ctx, "ListJobs", [&]() -> absl::Status {
     std::vector<v1::JobState> states;
     for (int s : req->states()) states.push_back(static_cast<v1::JobState>(s));
     for (v1::Job& j : jobs_->List(states)) *resp->add_jobs() = std::move(j);
@@ -106,9 +108,9 @@ grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext*, const v1::Li
   });
 }
 
-grpc::Status CoordinatorServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* req,
+grpc::Status CoordinatorServiceImpl::CancelJob(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
                                                v1::CancelJobResponse* resp) {
-  return Instrument("CancelJob", [&]() -> absl::Status {
+  return Instrument(ctx, "CancelJob", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Cancel(req->job_id(), req->reason()));
     return absl::OkStatus();
@@ -117,7 +119,7 @@ grpc::Status CoordinatorServiceImpl::CancelJob(grpc::ServerContext*, const v1::C
 
 grpc::Status CoordinatorServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
                                               grpc::ServerWriter<v1::JobEvent>* writer) {
-  return Instrument("WatchJob", [&]() -> absl::Status {
+  return Instrument(ctx, "WatchJob", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     int64_t next = std::max<int64_t>(req->from_sequence(), 1);
     // Poll in short waits so that a cancelled client or a server shutdown
@@ -135,9 +137,9 @@ grpc::Status CoordinatorServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1
   });
 }
 
-grpc::Status CoordinatorServiceImpl::GetMesh(grpc::ServerContext*, const v1::GetMeshRequest* req,
+grpc::Status CoordinatorServiceImpl::GetMesh(grpc::ServerContext* ctx, const v1::GetMeshRequest* req,
                                              v1::GetMeshResponse* resp) {
-  return Instrument("GetMesh", [&]() -> absl::Status {
+  return Instrument(ctx, "GetMesh", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(req->job_id()));
     if (job.mesh().ranks_size() == 0) {
@@ -150,22 +152,22 @@ grpc::Status CoordinatorServiceImpl::GetMesh(grpc::ServerContext*, const v1::Get
   });
 }
 
-grpc::Status CoordinatorServiceImpl::KvSet(grpc::ServerContext*, const v1::KvSetRequest* req,
+grpc::Status CoordinatorServiceImpl::KvSet(grpc::ServerContext* ctx, const v1::KvSetRequest* req,
                                            v1::KvSetResponse*) {
-  return Instrument("KvSet", [&] { return store_->Set(req->scope(), req->key(), req->value()); });
+  return Instrument(ctx, "KvSet", [&] { return store_->Set(req->scope(), req->key(), req->value()); });
 }
 
-grpc::Status CoordinatorServiceImpl::KvGet(grpc::ServerContext*, const v1::KvGetRequest* req,
+grpc::Status CoordinatorServiceImpl::KvGet(grpc::ServerContext* ctx, const v1::KvGetRequest* req,
                                            v1::KvGetResponse* resp) {
-  return Instrument("KvGet", [&]() -> absl::Status {
+  return Instrument(ctx, "KvGet", [&]() -> absl::Status {
     ASSIGN_OR_RETURN(*resp->mutable_value(), store_->Get(req->scope(), req->key()));
     return absl::OkStatus();
   });
 }
 
-grpc::Status CoordinatorServiceImpl::KvWait(grpc::ServerContext*, const v1::KvWaitRequest* req,
+grpc::Status CoordinatorServiceImpl::KvWait(grpc::ServerContext* ctx, const v1::KvWaitRequest* req,
                                             v1::KvWaitResponse* resp) {
-  return Instrument("KvWait", [&]() -> absl::Status {
+  return Instrument(ctx, "KvWait", [&]() -> absl::Status {
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
     ASSIGN_OR_RETURN(std::vector<std::string> values,
@@ -175,9 +177,9 @@ grpc::Status CoordinatorServiceImpl::KvWait(grpc::ServerContext*, const v1::KvWa
   });
 }
 
-grpc::Status CoordinatorServiceImpl::Barrier(grpc::ServerContext*, const v1::BarrierRequest* req,
+grpc::Status CoordinatorServiceImpl::Barrier(grpc::ServerContext* ctx, const v1::BarrierRequest* req,
                                              v1::BarrierResponse*) {
-  return Instrument("Barrier", [&]() -> absl::Status {
+  return Instrument(ctx, "Barrier", [&]() -> absl::Status {
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
     return store_->Barrier(req->scope(), req->name(), req->rank(), req->world_size(),
                            FromProtoDuration(req->timeout()));

@@ -4,6 +4,7 @@
 #ifndef COLOD_SERVER_COORDINATOR_SERVICE_H_
 #define COLOD_SERVER_COORDINATOR_SERVICE_H_
 
+#include "common/auth.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
@@ -17,8 +18,9 @@ namespace colod {
 // is thread-safe. The pointed-to objects must outlive the service.
 class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
  public:
+  // Every call is checked against `auth` first (UNAUTHENTICATED).
   CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs, RendezvousStore* store,
-                         prometheus::Registry* metrics);
+                         prometheus::Registry* metrics, TokenAuth auth = TokenAuth());
 
   grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest*,
                               v1::RegisterWorkerResponse*) override;
@@ -44,14 +46,16 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
                        v1::BarrierResponse*) override;
 
  private:
-  // Runs `fn`, converts its status and records colod_rpc_duration_seconds.
+  // Checks the token, runs `fn`, converts its status and records
+  // colod_rpc_duration_seconds.
   template <typename Fn>
-  grpc::Status Instrument(const char* method, Fn&& fn);
+  grpc::Status Instrument(grpc::ServerContext* ctx, const char* method, Fn&& fn);
 
   WorkerRegistry* const workers_;
   JobManager* const jobs_;
   RendezvousStore* const store_;
   prometheus::Family<prometheus::Histogram>* const rpc_duration_;
+  const TokenAuth auth_;
 };
 
 }  // namespace colod

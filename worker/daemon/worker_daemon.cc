@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/auth.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/net.h"
@@ -73,7 +74,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
   ASSIGN_OR_RETURN(w->metrics_, MetricsServer::Start(options.metrics_listen, w->registry_));
   WorkerDaemon* raw = w.get();
   w->service_ = std::make_unique<WorkerServiceImpl>([raw] { return raw->Info(); },
-                                                    [raw] { return raw->Status(); });
+                                                    [raw] { return raw->Status(); }, TokenAuth(options.auth_token));
   ASSIGN_OR_RETURN(w->grpc_, StartGrpcServer(options.listen, {w->service_.get()}));
 
   HostPort advertise = listen;
@@ -139,6 +140,7 @@ bool WorkerDaemon::WaitRegistered(absl::Duration timeout) const {
 absl::Status WorkerDaemon::RegisterOnce() {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  AddAuthToken(ctx, options_.auth_token);
   v1::RegisterWorkerRequest req;
   *req.mutable_worker() = info_;
   v1::RegisterWorkerResponse resp;
@@ -152,6 +154,7 @@ absl::Status WorkerDaemon::RegisterOnce() {
 absl::Status WorkerDaemon::HeartbeatOnce() {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  AddAuthToken(ctx, options_.auth_token);
   v1::HeartbeatRequest req;
   req.set_worker_id(worker_id());
   *req.mutable_status() = Status();

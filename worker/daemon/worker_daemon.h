@@ -39,6 +39,9 @@ class WorkerDaemon {
     // Registration retries back off from this up to max_backoff.
     absl::Duration initial_backoff = absl::Milliseconds(100);
     absl::Duration max_backoff = absl::Seconds(5);
+    // Bearer token for the coordinator's calls and required on this
+    // worker's WorkerService; empty: none.
+    std::string auth_token;
   };
 
   // INVALID_ARGUMENT for bad options (addresses, device), UNAVAILABLE if an

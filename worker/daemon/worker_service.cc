@@ -1,22 +1,25 @@
 #include "worker/daemon/worker_service.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
 
 namespace colod {
 
 WorkerServiceImpl::WorkerServiceImpl(std::function<v1::WorkerInfo()> info_fn,
-                                     std::function<v1::WorkerStatus()> status_fn)
-    : info_fn_(std::move(info_fn)), status_fn_(std::move(status_fn)) {}
+                                     std::function<v1::WorkerStatus()> status_fn, TokenAuth auth)
+    : info_fn_(std::move(info_fn)), status_fn_(std::move(status_fn)), auth_(std::move(auth)) {}
 
-grpc::Status WorkerServiceImpl::AssignJob(grpc::ServerContext*, const v1::AssignJobRequest* req,
+grpc::Status WorkerServiceImpl::AssignJob(grpc::ServerContext* ctx, const v1::AssignJobRequest* req,
                                           v1::AssignJobResponse*) {
+  if (absl::Status a = auth_.Check(*ctx); !a.ok()) return ToGrpcStatus(a);
   if (req->job_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required");
   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
                       "this colod worker cannot run jobs yet (job execution is not built in)");
 }
 
-grpc::Status WorkerServiceImpl::AbortJob(grpc::ServerContext*, const v1::AbortJobRequest* req,
+grpc::Status WorkerServiceImpl::AbortJob(grpc::ServerContext* ctx, const v1::AbortJobRequest* req,
                                          v1::AbortJobResponse*) {
+  if (absl::Status a = auth_.Check(*ctx); !a.ok()) return ToGrpcStatus(a);
   if (req->job_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required");
   v1::WorkerStatus status = status_fn_();
   if (status.job_id() != req->job_id()) {
@@ -26,8 +29,9 @@ grpc::Status WorkerServiceImpl::AbortJob(grpc::ServerContext*, const v1::AbortJo
   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "job execution is not built in");
 }
 
-grpc::Status WorkerServiceImpl::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+grpc::Status WorkerServiceImpl::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
                                           v1::GetStatusResponse* resp) {
+  if (absl::Status a = auth_.Check(*ctx); !a.ok()) return ToGrpcStatus(a);
   *resp->mutable_info() = info_fn_();
   *resp->mutable_status() = status_fn_();
   return grpc::Status::OK;

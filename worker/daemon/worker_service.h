@@ -4,6 +4,7 @@
 
 #include <functional>
 
+#include "common/auth.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "colod/v1/worker.grpc.pb.h"
@@ -14,8 +15,9 @@ namespace colod {
 // `status_fn`, which must itself be thread-safe.
 class WorkerServiceImpl final : public v1::WorkerService::Service {
  public:
-  WorkerServiceImpl(std::function<v1::WorkerInfo()> info_fn,
-                    std::function<v1::WorkerStatus()> status_fn);
+  // Every call is checked against `auth` first (UNAUTHENTICATED).
+  WorkerServiceImpl(std::function<v1::WorkerInfo()> info_fn, std::function<v1::WorkerStatus()> status_fn,
+                    TokenAuth auth = TokenAuth());
 
   // Job execution arrives with the training engine; until then a worker
   // runs no job and says so (UNIMPLEMENTED), rather than accepting work it
@@ -31,6 +33,7 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
  private:
   const std::function<v1::WorkerInfo()> info_fn_;
   const std::function<v1::WorkerStatus()> status_fn_;
+  const TokenAuth auth_;
 };
 
 }  // namespace colod
