@@ -35,8 +35,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(con
   if (options.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("timeout: must be > 0");
   }
-  auto stub = v1::CoordinatorService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, MakeChannelCredentials(options.tls));
+  auto stub = v1::CoordinatorService::NewStub(grpc::CreateChannel(address, credentials));
   return std::unique_ptr<CoordinatorClient>(new CoordinatorClient(address, options, std::move(stub)));
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/auth.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.grpc.pb.h"
@@ -20,6 +21,8 @@ class CoordinatorClient {
     absl::Duration timeout = absl::Seconds(10);
     // Bearer token sent with every call (--auth-token-file); empty: none.
     std::string auth_token;
+    // TLS to the coordinator (its CA, and our cert + key for mutual TLS).
+    TlsFiles tls;
   };
 
   // `address` is HOST:PORT; INVALID_ARGUMENT if malformed. Connects lazily:

@@ -5,6 +5,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace colod {
 
@@ -34,6 +35,55 @@ absl::Status TokenAuth::Check(const grpc::ServerContext& ctx) const {
 
 void AddAuthToken(grpc::ClientContext& ctx, const std::string& token) {
   if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+}
+
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot read '", path, "'"));
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+absl::Status CheckPair(const TlsFiles& tls) {
+  if (tls.cert.empty() != tls.key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& tls) {
+  if (!tls.enabled()) return grpc::InsecureServerCredentials();
+  RETURN_IF_ERROR(CheckPair(tls));
+  if (tls.cert.empty()) return absl::InvalidArgumentError("a TLS server needs --tls-cert and --tls-key");
+  grpc::SslServerCredentialsOptions o(tls.ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                                     : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  ASSIGN_OR_RETURN(pair.private_key, ReadPem(tls.key, "--tls-key"));
+  ASSIGN_OR_RETURN(pair.cert_chain, ReadPem(tls.cert, "--tls-cert"));
+  o.pem_key_cert_pairs.push_back(pair);
+  if (!tls.ca.empty()) {
+    ASSIGN_OR_RETURN(o.pem_root_certs, ReadPem(tls.ca, "--tls-ca"));
+  }
+  return grpc::SslServerCredentials(o);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsFiles& tls) {
+  if (!tls.enabled()) return grpc::InsecureChannelCredentials();
+  RETURN_IF_ERROR(CheckPair(tls));
+  grpc::SslCredentialsOptions o;
+  if (!tls.ca.empty()) {
+    ASSIGN_OR_RETURN(o.pem_root_certs, ReadPem(tls.ca, "--tls-ca"));
+  }
+  if (!tls.cert.empty()) {
+    ASSIGN_OR_RETURN(o.pem_private_key, ReadPem(tls.key, "--tls-key"));
+    ASSIGN_OR_RETURN(o.pem_cert_chain, ReadPem(tls.cert, "--tls-cert"));
+  }
+  return grpc::SslCredentials(o);
 }
 
 }  // namespace colod

@@ -11,6 +11,8 @@
 
 #include "absl/status/statusor.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_context.h"
 
 namespace colod {
@@ -33,6 +35,20 @@ class TokenAuth {
 
 // Adds the token (if any) to an outgoing call.
 void AddAuthToken(grpc::ClientContext& ctx, const std::string& token);
+
+// TLS files (PEM) of a daemon or client: --tls-cert, --tls-key, --tls-ca.
+// All empty: plaintext. cert + key: the server side of TLS. With ca too, a
+// server requires and verifies client certificates signed by it (mutual
+// TLS), and a client verifies the server against it and presents its own
+// cert + key when given.
+struct TlsFiles {
+  std::string cert, key, ca;
+  bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
+};
+// INVALID_ARGUMENT naming the flag for a cert without a key (or the other
+// way round); NOT_FOUND for a file that cannot be read.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& tls);
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsFiles& tls);
 
 }  // namespace colod
 

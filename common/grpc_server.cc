@@ -14,7 +14,8 @@
 namespace colod {
 
 absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
-                                                  const std::vector<grpc::Service*>& services) {
+                                                  const std::vector<grpc::Service*>& services,
+                                                  std::shared_ptr<grpc::ServerCredentials> credentials) {
   ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(listen, "--listen", /*allow_zero_port=*/true));
   // Both are process-wide switches that must be set before a builder is made.
   grpc::EnableDefaultHealthCheckService(true);
@@ -22,7 +23,8 @@ absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
 
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(hp.ToString(), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(hp.ToString(), credentials != nullptr ? credentials : grpc::InsecureServerCredentials(),
+                           &port);
   for (grpc::Service* service : services) builder.RegisterService(service);
   StartedGrpcServer out;
   out.server = builder.BuildAndStart();

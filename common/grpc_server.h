@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/impl/codegen/service_type.h"
 
@@ -26,8 +27,10 @@ struct StartedGrpcServer {
 // port) with `services`, the grpc.health.v1 service and server reflection.
 // The overall health ("") is SERVING; each named service starts NOT_SERVING
 // until the caller marks it ready with SetServing. Insecure transport.
+// `credentials` null means plaintext (MakeServerCredentials builds TLS ones).
 absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
-                                                  const std::vector<grpc::Service*>& services);
+                                                  const std::vector<grpc::Service*>& services,
+                                                  std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
 
 // Sets the health status of `service` (a full name like "colod.v1.WorkerService").
 void SetServing(grpc::Server& server, absl::string_view service, bool serving);

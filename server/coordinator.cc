@@ -90,7 +90,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   c->UpdateGauges();
 
   ASSIGN_OR_RETURN(c->metrics_, MetricsServer::Start(options.metrics_listen, c->registry_));
-  ASSIGN_OR_RETURN(c->grpc_, StartGrpcServer(options.listen, {c->service_.get()}));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials, MakeServerCredentials(options.tls));
+  ASSIGN_OR_RETURN(c->grpc_, StartGrpcServer(options.listen, {c->service_.get()}, credentials));
   SetServing(*c->grpc_.server, kServiceName, true);
   c->sweeper_ = std::thread([raw = c.get()] { raw->SweepLoop(); });
   COLOD_LOG(INFO) << "coordinator serving gRPC on " << c->address() << ", metrics on http://"

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/auth.h"
 #include "common/clock.h"
 #include "common/grpc_server.h"
 #include "common/metrics.h"
@@ -38,6 +39,8 @@ class Coordinator {
     Clock* clock = Clock::Real();
     // Bearer token every CoordinatorService call must carry; empty: none.
     std::string auth_token;
+    // TLS (mutual with tls.ca) on the gRPC port; empty: plaintext.
+    TlsFiles tls;
   };
 
   // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION if the data dir is

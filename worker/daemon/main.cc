@@ -22,6 +22,11 @@ ABSL_FLAG(std::string, advertise_host, "",
 ABSL_FLAG(std::string, device, "auto",
           "auto (CUDA when built with CUDA and the GPU exists, else CPU), cpu, or cuda.");
 ABSL_FLAG(int, device_ordinal, 0, "GPU index this worker uses (one worker per GPU).");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate (chain) of this daemon; with --tls-key turns on TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA that signs the cluster's certificates: peers must present one (mutual TLS), and the "
+          "coordinator's is checked against it.");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding the bearer token every colod call must carry (health and reflection stay open). "
           "Empty: no authentication.");
@@ -62,6 +67,7 @@ int main(int argc, char** argv) {
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.device = absl::GetFlag(FLAGS_device);
   options.device_ordinal = absl::GetFlag(FLAGS_device_ordinal);
+  options.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)};
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
     auto token = colod::ReadAuthToken(absl::GetFlag(FLAGS_auth_token_file));
     if (!token.ok()) {

@@ -75,7 +75,10 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
   WorkerDaemon* raw = w.get();
   w->service_ = std::make_unique<WorkerServiceImpl>([raw] { return raw->Info(); },
                                                     [raw] { return raw->Status(); }, TokenAuth(options.auth_token));
-  ASSIGN_OR_RETURN(w->grpc_, StartGrpcServer(options.listen, {w->service_.get()}));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> server_credentials, MakeServerCredentials(options.tls));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> channel_credentials,
+                   MakeChannelCredentials(options.tls));
+  ASSIGN_OR_RETURN(w->grpc_, StartGrpcServer(options.listen, {w->service_.get()}, server_credentials));
 
   HostPort advertise = listen;
   advertise.port = w->grpc_.port;
@@ -97,8 +100,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
   } else {
     // Not ready for work until registered; say so rather than "unknown service".
     SetServing(*w->grpc_.server, kServiceName, false);
-    w->coordinator_ = v1::CoordinatorService::NewStub(
-        grpc::CreateChannel(options.coordinator, grpc::InsecureChannelCredentials()));
+    w->coordinator_ = v1::CoordinatorService::NewStub(grpc::CreateChannel(options.coordinator, channel_credentials));
     w->loop_ = std::thread([raw] { raw->CoordinatorLoop(); });
     COLOD_LOG(INFO) << "worker serving on " << w->address() << ", registering with "
                     << options.coordinator;

@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.grpc.pb.h"
+#include "common/auth.h"
 #include "common/grpc_server.h"
 #include "common/metrics.h"
 #include "worker/daemon/worker_service.h"
@@ -42,6 +43,8 @@ class WorkerDaemon {
     // Bearer token for the coordinator's calls and required on this
     // worker's WorkerService; empty: none.
     std::string auth_token;
+    // TLS files for both this worker's port and its calls to the coordinator.
+    TlsFiles tls;
   };
 
   // INVALID_ARGUMENT for bad options (addresses, device), UNAVAILABLE if an
