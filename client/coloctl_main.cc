@@ -1,6 +1,7 @@
 // coloctl: the colod command line.
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -307,6 +308,7 @@ int Forward(bool json) {
 
 int Local() {
   colod::BlockShutdownSignals();  // before any thread starts; the children unblock
+  ::signal(SIGPIPE, SIG_IGN);     // a closed stdout must not skip the cleanup
   colod::LocalCluster::Options o;
   o.workers = absl::GetFlag(FLAGS_workers);
   o.listen = absl::GetFlag(FLAGS_listen);
