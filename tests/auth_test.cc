@@ -12,16 +12,16 @@
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "tests/subprocess.h"
+#include "tests/testing/temp_dir.h"
 #include "tests/testing/grpc_probe.h"
 
 namespace colod {
 namespace {
 
+using ::colod::testing::Runfile;
+using ::colod::testing::TempPath;
 using ::colod::testing::RunCommand;
 using ::colod::testing::Subprocess;
-
-std::string Runfile(const std::string& path) { return absl::StrCat(std::getenv("TEST_SRCDIR"), "/colod/", path); }
-std::string Tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
 
 struct Daemon {
   std::unique_ptr<Subprocess> process;
@@ -29,12 +29,12 @@ struct Daemon {
 };
 
 Daemon Start(const std::string& binary, const std::string& name, std::vector<std::string> flags) {
-  const std::string ready = Tmp(name + ".ready");
+  const std::string ready = TempPath(name + ".ready");
   std::vector<std::string> argv = {Runfile(binary), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                                    "--ready-file", ready};
   argv.insert(argv.end(), flags.begin(), flags.end());
   Daemon d;
-  d.process = std::make_unique<Subprocess>(argv, "", Tmp(name + ".log"));
+  d.process = std::make_unique<Subprocess>(argv, "", TempPath(name + ".log"));
   d.grpc = testing::ReadyValue(ready, "grpc", absl::Seconds(30)).value_or("");
   return d;
 }
@@ -50,16 +50,16 @@ absl::StatusOr<size_t> Workers(const std::string& address, const std::string& to
 }
 
 TEST(Auth, EveryColodCallNeedsTheTokenAndHealthStaysOpen) {
-  std::ofstream(Tmp("token")) << "s3cret-token\n";
-  std::ofstream(Tmp("other")) << "not-the-token";
+  std::ofstream(TempPath("token")) << "s3cret-token\n";
+  std::ofstream(TempPath("other")) << "not-the-token";
   Daemon coordinator = Start("server/colod-coordinator", "coordinator",
-                             {"--data-dir", Tmp("data"), "--auth-token-file", Tmp("token")});
+                             {"--data-dir", TempPath("data"), "--auth-token-file", TempPath("token")});
   ASSERT_FALSE(coordinator.grpc.empty());
   Daemon good = Start("worker/daemon/colod-worker", "good",
-                      {"--coordinator", coordinator.grpc, "--device", "cpu", "--auth-token-file", Tmp("token")});
+                      {"--coordinator", coordinator.grpc, "--device", "cpu", "--auth-token-file", TempPath("token")});
   Daemon bad = Start("worker/daemon/colod-worker", "bad",
                      {"--coordinator", coordinator.grpc, "--device", "cpu", "--device-ordinal", "1",
-                      "--auth-token-file", Tmp("other")});
+                      "--auth-token-file", TempPath("other")});
   ASSERT_FALSE(good.grpc.empty());
   // The worker with the token registers; the other one never does.
   size_t n = 0;
@@ -85,18 +85,18 @@ TEST(Auth, EveryColodCallNeedsTheTokenAndHealthStaysOpen) {
   EXPECT_TRUE(stub->GetStatus(&with, v1::GetStatusRequest(), &resp).ok());
   // coloctl: the flag or $COLOD_AUTH_TOKEN_FILE.
   const std::string coloctl = Runfile("client/coloctl");
-  auto r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", Tmp("token"), "workers"},
+  auto r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", TempPath("token"), "workers"},
                       std::getenv("TEST_TMPDIR"));
   EXPECT_EQ(r.code, 0) << r.err;
   r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "workers"}, std::getenv("TEST_TMPDIR"));
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.err.find("UNAUTHENTICATED"), std::string::npos) << r.err;
-  r = RunCommand({"/usr/bin/env", "COLOD_AUTH_TOKEN_FILE=" + Tmp("token"), coloctl, "--coordinator",
+  r = RunCommand({"/usr/bin/env", "COLOD_AUTH_TOKEN_FILE=" + TempPath("token"), coloctl, "--coordinator",
                   coordinator.grpc, "workers"},
                  std::getenv("TEST_TMPDIR"));
   EXPECT_EQ(r.code, 0) << r.err;
   // A token file that does not exist is a usage error.
-  r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", Tmp("nope"), "workers"},
+  r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", TempPath("nope"), "workers"},
                  std::getenv("TEST_TMPDIR"));
   EXPECT_EQ(r.code, 2);
 }

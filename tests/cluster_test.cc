@@ -14,20 +14,17 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/subprocess.h"
+#include "tests/testing/temp_dir.h"
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/prometheus_text.h"
 
 namespace colod {
 namespace {
 
+using ::colod::testing::Runfile;
+using ::colod::testing::TempPath;
 using testing::RunCommand;
 using testing::Subprocess;
-
-std::string Runfile(const std::string& path) {
-  return absl::StrCat(std::getenv("TEST_SRCDIR"), "/colod/", path);
-}
-
-std::string Tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
 
 const std::string kCoordinator = "server/colod-coordinator";
 const std::string kWorker = "worker/daemon/colod-worker";
@@ -42,8 +39,8 @@ struct Daemon {
 
 Daemon StartDaemon(const std::string& binary, const std::string& name, std::vector<std::string> flags) {
   Daemon d;
-  const std::string ready = Tmp(name + ".ready");
-  d.log = Tmp(name + ".log");
+  const std::string ready = TempPath(name + ".ready");
+  d.log = TempPath(name + ".log");
   std::vector<std::string> argv = {Runfile(binary), "--listen", "127.0.0.1:0", "--metrics-listen",
                                    "127.0.0.1:0", "--ready-file", ready};
   argv.insert(argv.end(), flags.begin(), flags.end());
@@ -71,7 +68,7 @@ void ExpectHealthyDaemon(const Daemon& d, const std::string& service, const std:
 
 TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
   Daemon coordinator = StartDaemon(kCoordinator, "coordinator",
-                                   {"--data-dir", Tmp("data"), "--heartbeat-interval", "100ms"});
+                                   {"--data-dir", TempPath("data"), "--heartbeat-interval", "100ms"});
   ASSERT_FALSE(coordinator.grpc.empty()) << testing::ReadFile(coordinator.log);
   Daemon w1 = StartDaemon(kWorker, "w1", {"--coordinator", coordinator.grpc, "--device", "cpu"});
   Daemon w2 = StartDaemon(kWorker, "w2", {"--coordinator", coordinator.grpc, "--device", "cpu"});
@@ -96,7 +93,7 @@ TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
   ExpectHealthyDaemon(w2, "colod.v1.WorkerService", "worker");
 
   // coloctl, table and JSON.
-  auto table = RunCommand({Runfile(kColoctl), "--coordinator", coordinator.grpc, "workers"}, Tmp(""));
+  auto table = RunCommand({Runfile(kColoctl), "--coordinator", coordinator.grpc, "workers"}, TempPath(""));
   ASSERT_EQ(table.code, 0) << table.err;
   std::vector<std::string> lines = absl::StrSplit(table.out, '\n', absl::SkipEmpty());
   ASSERT_EQ(lines.size(), 3u) << table.out;
@@ -104,7 +101,7 @@ TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
   EXPECT_TRUE(absl::StrContains(table.out, w1.grpc) && absl::StrContains(table.out, w2.grpc));
 
   auto json = RunCommand(
-      {Runfile(kColoctl), "--coordinator", coordinator.grpc, "workers", "--output", "json"}, Tmp(""));
+      {Runfile(kColoctl), "--coordinator", coordinator.grpc, "workers", "--output", "json"}, TempPath(""));
   ASSERT_EQ(json.code, 0) << json.err;
   nlohmann::json parsed = nlohmann::json::parse(json.out, nullptr, false);
   ASSERT_FALSE(parsed.is_discarded()) << json.out;
@@ -129,45 +126,45 @@ TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
 
 TEST(Cluster, BinariesHelpAndRejectBadInput) {
   for (const std::string& bin : {kCoordinator, kWorker, kColoctl}) {
-    auto help = RunCommand({Runfile(bin), "--help"}, Tmp(""));
+    auto help = RunCommand({Runfile(bin), "--help"}, TempPath(""));
     EXPECT_EQ(help.code, 0) << bin;
     EXPECT_TRUE(absl::StrContains(help.out, "Usage:")) << help.out;
     EXPECT_TRUE(absl::StrContains(help.out, "--")) << help.out;
     EXPECT_FALSE(absl::StrContains(help.out, "--flagfile")) << "Abseil's own flags leak into --help";
-    auto version = RunCommand({Runfile(bin), "--version"}, Tmp(""));
+    auto version = RunCommand({Runfile(bin), "--version"}, TempPath(""));
     EXPECT_EQ(version.code, 0);
     EXPECT_TRUE(absl::StartsWith(version.out, "colod ")) << version.out;
   }
-  auto coord_help = RunCommand({Runfile(kCoordinator), "--help"}, Tmp(""));
+  auto coord_help = RunCommand({Runfile(kCoordinator), "--help"}, TempPath(""));
   for (const char* flag : {"--listen", "--metrics-listen", "--data-dir"}) {
     EXPECT_TRUE(absl::StrContains(coord_help.out, flag)) << flag;
   }
-  auto worker_help = RunCommand({Runfile(kWorker), "--help"}, Tmp(""));
+  auto worker_help = RunCommand({Runfile(kWorker), "--help"}, TempPath(""));
   EXPECT_TRUE(absl::StrContains(worker_help.out, "--coordinator"));
 
   auto no_dir = RunCommand({Runfile(kCoordinator), "--listen", "127.0.0.1:0", "--metrics-listen",
                             "127.0.0.1:0"},
-                           Tmp(""));
+                           TempPath(""));
   EXPECT_EQ(no_dir.code, 1);
   EXPECT_TRUE(absl::StrContains(no_dir.err, "--data-dir")) << no_dir.err;
 
   auto bad_listen = RunCommand({Runfile(kWorker), "--listen", "nowhere", "--metrics-listen", "127.0.0.1:0"},
-                               Tmp(""));
+                               TempPath(""));
   EXPECT_EQ(bad_listen.code, 1);
   EXPECT_TRUE(absl::StrContains(bad_listen.err, "--listen")) << bad_listen.err;
 
-  auto unknown_flag = RunCommand({Runfile(kColoctl), "--bogus", "workers"}, Tmp(""));
+  auto unknown_flag = RunCommand({Runfile(kColoctl), "--bogus", "workers"}, TempPath(""));
   EXPECT_NE(unknown_flag.code, 0);
-  auto unknown_cmd = RunCommand({Runfile(kColoctl), "frobnicate"}, Tmp(""));
+  auto unknown_cmd = RunCommand({Runfile(kColoctl), "frobnicate"}, TempPath(""));
   EXPECT_EQ(unknown_cmd.code, 2);
   EXPECT_TRUE(absl::StrContains(unknown_cmd.err, "unknown command")) << unknown_cmd.err;
-  auto bad_output = RunCommand({Runfile(kColoctl), "workers", "--output", "yaml"}, Tmp(""));
+  auto bad_output = RunCommand({Runfile(kColoctl), "workers", "--output", "yaml"}, TempPath(""));
   EXPECT_EQ(bad_output.code, 2);
 
   // Nothing listens on port 1: a clear UNAVAILABLE naming the address, exit 1.
   auto down = RunCommand({Runfile(kColoctl), "--coordinator", "127.0.0.1:1", "--timeout", "2s",
                           "workers"},
-                         Tmp(""));
+                         TempPath(""));
   EXPECT_EQ(down.code, 1);
   EXPECT_TRUE(absl::StrContains(down.err, "UNAVAILABLE")) << down.err;
   EXPECT_TRUE(absl::StrContains(down.err, "127.0.0.1:1")) << down.err;

@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/subprocess.h"
+#include "tests/testing/temp_dir.h"
 #include "worker/colo/testing.h"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/testing.h"
@@ -17,21 +18,18 @@
 namespace colod {
 namespace {
 
+using ::colod::testing::Runfile;
+using ::colod::testing::TempPath;
 using ::colod::testing::RunCommand;
-
-std::string Runfile(const std::string& path) {
-  return absl::StrCat(std::getenv("TEST_SRCDIR"), "/colod/", path);
-}
-std::string Tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
 
 class Forward : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto m = shardformer::testing::WriteTinyGpt2(Tmp("gpt2"));
+    auto m = shardformer::testing::WriteTinyGpt2(TempPath("gpt2"));
     ASSERT_TRUE(m.ok()) << m.status();
     model_ = *m;
     ids_ = shardformer::testing::TokenIds(4, 8, model_.config.vocab_size, 11);
-    ASSERT_TRUE(WriteNpy(Tmp("ids.npy"), ids_).ok());
+    ASSERT_TRUE(WriteNpy(TempPath("ids.npy"), ids_).ok());
     auto ref = shardformer::testing::ReferenceGpt2(model_, ids_);
     ASSERT_TRUE(ref.ok()) << ref.status();
     ref_ = *ref;
@@ -54,8 +52,8 @@ TEST_F(Forward, LogitsAndLossMatchTheUnshardedModelAtEveryLayout) {
   };
   for (const auto& layout : layouts) {
     const std::string what = absl::StrJoin(layout, " ");
-    std::vector<std::string> args = {"forward", "--model", model_.dir, "--input", Tmp("ids.npy"),
-                                     "--logits", Tmp("logits.npy"), "--output", "json"};
+    std::vector<std::string> args = {"forward", "--model", model_.dir, "--input", TempPath("ids.npy"),
+                                     "--logits", TempPath("logits.npy"), "--output", "json"};
     args.insert(args.end(), layout.begin(), layout.end());
     const auto r = Coloctl(args);
     ASSERT_EQ(r.code, 0) << what << ": " << r.err;
@@ -64,13 +62,13 @@ TEST_F(Forward, LogitsAndLossMatchTheUnshardedModelAtEveryLayout) {
     EXPECT_NEAR(out["loss"].get<double>(), ref_.loss, 1e-5 * ref_.loss) << what;
     EXPECT_EQ(out["tokens"].get<int64_t>(), 4 * 7) << what;
     EXPECT_EQ(out["shape"], nlohmann::json::array({4, 8, model_.config.vocab_size})) << what;
-    auto logits = ReadNpy(Tmp("logits.npy"));
+    auto logits = ReadNpy(TempPath("logits.npy"));
     ASSERT_TRUE(logits.ok()) << logits.status();
     EXPECT_EQ(logits->dtype(), DType::kF32);
     ::colod::testing::ExpectAllClose(*logits, ref_.logits, "logits " + what, 2e-4);
   }
   // The human-readable form names the loss and the file.
-  const auto r = Coloctl({"forward", "--model", model_.dir, "--input", Tmp("ids.npy"), "--logits", Tmp("l.npy")});
+  const auto r = Coloctl({"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--logits", TempPath("l.npy")});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("loss "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("l.npy"), std::string::npos) << r.out;
@@ -83,20 +81,20 @@ TEST_F(Forward, ACheckpointSavedAtTp2ConsolidatesAndRunsAt2d) {
   ::colod::testing::RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
     auto model = shardformer::ShardFormer(shard, &pg).Load(model_.dir);
     ASSERT_TRUE(model.ok()) << model.status();
-    ASSERT_TRUE(shardformer::SaveShardedCheckpoint(**model, Tmp("sharded")).ok());
+    ASSERT_TRUE(shardformer::SaveShardedCheckpoint(**model, TempPath("sharded")).ok());
   });
-  auto r = Coloctl({"consolidate", "--checkpoint", Tmp("sharded"), "--out", Tmp("hf")});
+  auto r = Coloctl({"consolidate", "--checkpoint", TempPath("sharded"), "--out", TempPath("hf")});
   ASSERT_EQ(r.code, 0) << r.err;
-  r = Coloctl({"forward", "--model", Tmp("hf"), "--input", Tmp("ids.npy"), "--logits", Tmp("hf_logits.npy"), "--tp",
+  r = Coloctl({"forward", "--model", TempPath("hf"), "--input", TempPath("ids.npy"), "--logits", TempPath("hf_logits.npy"), "--tp",
                "4", "--mode", "2d"});
   ASSERT_EQ(r.code, 0) << r.err;
-  auto logits = ReadNpy(Tmp("hf_logits.npy"));
+  auto logits = ReadNpy(TempPath("hf_logits.npy"));
   ASSERT_TRUE(logits.ok()) << logits.status();
   ::colod::testing::ExpectAllClose(*logits, ref_.logits, "logits", 2e-4);
-  r = Coloctl({"consolidate", "--checkpoint", Tmp("nowhere"), "--out", Tmp("hf2")});
+  r = Coloctl({"consolidate", "--checkpoint", TempPath("nowhere"), "--out", TempPath("hf2")});
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.err.find("NOT_FOUND"), std::string::npos) << r.err;
-  EXPECT_EQ(Coloctl({"consolidate", "--out", Tmp("hf2")}).code, 2);
+  EXPECT_EQ(Coloctl({"consolidate", "--out", TempPath("hf2")}).code, 2);
 }
 
 TEST_F(Forward, MistakesAreReportedWithWhatIsWrong) {
@@ -106,23 +104,23 @@ TEST_F(Forward, MistakesAreReportedWithWhatIsWrong) {
     std::string says;
   };
   // An unknown model type and a config whose heads tp cannot split.
-  ASSERT_EQ(::system(absl::StrCat("mkdir -p ", Tmp("t5"), " && cp ", model_.dir, "/model.safetensors ", Tmp("t5"))
+  ASSERT_EQ(::system(absl::StrCat("mkdir -p ", TempPath("t5"), " && cp ", model_.dir, "/model.safetensors ", TempPath("t5"))
                          .c_str()),
             0);
-  std::ofstream(Tmp("t5") + "/config.json") << R"({"model_type": "t5", "vocab_size": 50})";
-  ASSERT_TRUE(WriteNpy(Tmp("floats.npy"), *Tensor::Zeros({2, 3}, DType::kF32)).ok());
-  ASSERT_TRUE(WriteNpy(Tmp("big.npy"), *Tensor::FromInt64s({1, 3}, std::vector<int64_t>{1, 2, 999})).ok());
+  std::ofstream(TempPath("t5") + "/config.json") << R"({"model_type": "t5", "vocab_size": 50})";
+  ASSERT_TRUE(WriteNpy(TempPath("floats.npy"), *Tensor::Zeros({2, 3}, DType::kF32)).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("big.npy"), *Tensor::FromInt64s({1, 3}, std::vector<int64_t>{1, 2, 999})).ok());
   const std::vector<Bad> cases = {
-      {{"forward", "--input", Tmp("ids.npy")}, 2, "--model is required"},
+      {{"forward", "--input", TempPath("ids.npy")}, 2, "--model is required"},
       {{"forward", "--model", model_.dir}, 2, "--input is required"},
-      {{"forward", "--model", model_.dir, "--input", Tmp("ids.npy"), "--mode", "4d"}, 2, "'4d'"},
-      {{"forward", "--model", model_.dir, "--input", Tmp("ids.npy"), "--tp", "3"}, 1, "attention heads"},
-      {{"forward", "--model", model_.dir, "--input", Tmp("ids.npy"), "--dp", "3"}, 1, "data_parallel_size 3"},
-      {{"forward", "--model", model_.dir, "--input", Tmp("ids.npy"), "--tp", "8", "--mode", "3d"}, 1, "1d, 2d"},
-      {{"forward", "--model", Tmp("t5"), "--input", Tmp("ids.npy")}, 1, "t5"},
-      {{"forward", "--model", Tmp("nowhere"), "--input", Tmp("ids.npy")}, 1, "NOT_FOUND"},
-      {{"forward", "--model", model_.dir, "--input", Tmp("floats.npy")}, 1, "integer token ids"},
-      {{"forward", "--model", model_.dir, "--input", Tmp("big.npy")}, 1, "999"},
+      {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--mode", "4d"}, 2, "'4d'"},
+      {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--tp", "3"}, 1, "attention heads"},
+      {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--dp", "3"}, 1, "data_parallel_size 3"},
+      {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--tp", "8", "--mode", "3d"}, 1, "1d, 2d"},
+      {{"forward", "--model", TempPath("t5"), "--input", TempPath("ids.npy")}, 1, "t5"},
+      {{"forward", "--model", TempPath("nowhere"), "--input", TempPath("ids.npy")}, 1, "NOT_FOUND"},
+      {{"forward", "--model", model_.dir, "--input", TempPath("floats.npy")}, 1, "integer token ids"},
+      {{"forward", "--model", model_.dir, "--input", TempPath("big.npy")}, 1, "999"},
   };
   for (const Bad& b : cases) {
     const auto r = Coloctl(b.args);

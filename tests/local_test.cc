@@ -10,16 +10,16 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/subprocess.h"
+#include "tests/testing/temp_dir.h"
 #include "tests/testing/grpc_probe.h"
 
 namespace colod {
 namespace {
 
+using ::colod::testing::Runfile;
+using ::colod::testing::TempPath;
 using ::colod::testing::RunCommand;
 using ::colod::testing::Subprocess;
-
-std::string Runfile(const std::string& path) { return absl::StrCat(std::getenv("TEST_SRCDIR"), "/colod/", path); }
-std::string Tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
 
 // The coordinator address from the "ready:" line, once printed.
 std::string WaitReady(const std::string& out) {
@@ -45,9 +45,9 @@ bool Reachable(const std::string& address) {
 
 TEST(Local, AnnouncesServesAndStopsItsCluster) {
   Subprocess local({Runfile("client/coloctl"), "local", "--workers", "3", "--listen", "127.0.0.1:0"},
-                   Tmp("local.out"), Tmp("local.err"));
-  const std::string address = WaitReady(Tmp("local.out"));
-  ASSERT_FALSE(address.empty()) << testing::ReadFile(Tmp("local.err"));
+                   TempPath("local.out"), TempPath("local.err"));
+  const std::string address = WaitReady(TempPath("local.out"));
+  ASSERT_FALSE(address.empty()) << testing::ReadFile(TempPath("local.err"));
   const auto r = RunCommand({Runfile("client/coloctl"), "--coordinator", address, "workers", "--output", "json"},
                             std::getenv("TEST_TMPDIR"));
   ASSERT_EQ(r.code, 0) << r.err;
@@ -62,16 +62,16 @@ TEST(Local, AnnouncesServesAndStopsItsCluster) {
   local.Signal(SIGTERM);
   const auto code = local.Wait(absl::Seconds(30));
   ASSERT_TRUE(code.has_value());
-  EXPECT_EQ(*code, 0) << testing::ReadFile(Tmp("local.err"));
+  EXPECT_EQ(*code, 0) << testing::ReadFile(TempPath("local.err"));
   EXPECT_FALSE(Reachable(address));
   for (const std::string& w : workers) EXPECT_FALSE(Reachable(w)) << w;
 }
 
 TEST(Local, ItsDaemonsDieWithAKilledColoctl) {
   Subprocess local({Runfile("client/coloctl"), "local", "--workers", "2", "--listen", "127.0.0.1:0"},
-                   Tmp("killed.out"), Tmp("killed.err"));
-  const std::string address = WaitReady(Tmp("killed.out"));
-  ASSERT_FALSE(address.empty()) << testing::ReadFile(Tmp("killed.err"));
+                   TempPath("killed.out"), TempPath("killed.err"));
+  const std::string address = WaitReady(TempPath("killed.out"));
+  ASSERT_FALSE(address.empty()) << testing::ReadFile(TempPath("killed.err"));
   local.Signal(SIGKILL);
   ASSERT_TRUE(local.Wait(absl::Seconds(10)).has_value());
   bool gone = false;

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -60,6 +61,11 @@ std::optional<int> Subprocess::Wait(absl::Duration timeout) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   return std::nullopt;
+}
+
+std::string Runfile(const std::string& path) {
+  const char* dir = std::getenv("TEST_SRCDIR");
+  return absl::StrCat(dir != nullptr ? dir : ".", "/colod/", path);
 }
 
 std::string ReadFile(const std::string& path) {

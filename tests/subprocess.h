@@ -49,6 +49,9 @@ std::optional<std::string> ReadyValue(const std::string& path, const std::string
 
 std::string ReadFile(const std::string& path);
 
+// A data dependency of the test (e.g. "client/coloctl") in its runfiles.
+std::string Runfile(const std::string& path);
+
 }  // namespace colod::testing
 
 #endif  // COLOD_TESTS_SUBPROCESS_H_

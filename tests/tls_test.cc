@@ -9,15 +9,15 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/subprocess.h"
+#include "tests/testing/temp_dir.h"
 
 namespace colod {
 namespace {
 
+using ::colod::testing::Runfile;
+using ::colod::testing::TempPath;
 using ::colod::testing::RunCommand;
 using ::colod::testing::Subprocess;
-
-std::string Runfile(const std::string& path) { return absl::StrCat(std::getenv("TEST_SRCDIR"), "/colod/", path); }
-std::string Tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
 
 void Openssl(const std::vector<std::string>& args) {
   std::vector<std::string> argv = {"/usr/bin/openssl"};
@@ -28,33 +28,33 @@ void Openssl(const std::vector<std::string>& args) {
 
 std::unique_ptr<Subprocess> Start(const std::string& binary, const std::string& name,
                                   std::vector<std::string> flags, std::string* grpc) {
-  const std::string ready = Tmp(name + ".ready");
+  const std::string ready = TempPath(name + ".ready");
   std::vector<std::string> argv = {Runfile(binary), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                                   "--ready-file", ready, "--tls-cert", Tmp("node.pem"), "--tls-key",
-                                   Tmp("node.key"), "--tls-ca", Tmp("ca.pem")};
+                                   "--ready-file", ready, "--tls-cert", TempPath("node.pem"), "--tls-key",
+                                   TempPath("node.key"), "--tls-ca", TempPath("ca.pem")};
   argv.insert(argv.end(), flags.begin(), flags.end());
-  auto p = std::make_unique<Subprocess>(argv, "", Tmp(name + ".log"));
+  auto p = std::make_unique<Subprocess>(argv, "", TempPath(name + ".log"));
   *grpc = testing::ReadyValue(ready, "grpc", absl::Seconds(30)).value_or("");
   return p;
 }
 
 TEST(Tls, MutualTlsBetweenCoordinatorWorkerAndColoctl) {
-  Openssl({"req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", Tmp("ca.key"), "-out", Tmp("ca.pem"), "-days",
+  Openssl({"req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", TempPath("ca.key"), "-out", TempPath("ca.pem"), "-days",
            "1", "-subj", "/CN=colod-test-ca"});
-  Openssl({"req", "-newkey", "rsa:2048", "-nodes", "-keyout", Tmp("node.key"), "-out", Tmp("node.csr"), "-subj",
+  Openssl({"req", "-newkey", "rsa:2048", "-nodes", "-keyout", TempPath("node.key"), "-out", TempPath("node.csr"), "-subj",
            "/CN=localhost"});
-  std::ofstream(Tmp("node.ext")) << "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+  std::ofstream(TempPath("node.ext")) << "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
                                  << "extendedKeyUsage=serverAuth,clientAuth\n";
-  Openssl({"x509", "-req", "-in", Tmp("node.csr"), "-CA", Tmp("ca.pem"), "-CAkey", Tmp("ca.key"), "-CAcreateserial",
-           "-out", Tmp("node.pem"), "-days", "1", "-extfile", Tmp("node.ext")});
+  Openssl({"x509", "-req", "-in", TempPath("node.csr"), "-CA", TempPath("ca.pem"), "-CAkey", TempPath("ca.key"), "-CAcreateserial",
+           "-out", TempPath("node.pem"), "-days", "1", "-extfile", TempPath("node.ext")});
   std::string coordinator, worker;
-  auto c = Start("server/colod-coordinator", "coordinator", {"--data-dir", Tmp("data")}, &coordinator);
-  ASSERT_FALSE(coordinator.empty()) << testing::ReadFile(Tmp("coordinator.log"));
+  auto c = Start("server/colod-coordinator", "coordinator", {"--data-dir", TempPath("data")}, &coordinator);
+  ASSERT_FALSE(coordinator.empty()) << testing::ReadFile(TempPath("coordinator.log"));
   auto w = Start("worker/daemon/colod-worker", "worker", {"--coordinator", coordinator, "--device", "cpu"}, &worker);
-  ASSERT_FALSE(worker.empty()) << testing::ReadFile(Tmp("worker.log"));
+  ASSERT_FALSE(worker.empty()) << testing::ReadFile(TempPath("worker.log"));
   const std::string coloctl = Runfile("client/coloctl");
-  const std::vector<std::string> tls = {"--tls-ca", Tmp("ca.pem"), "--tls-cert", Tmp("node.pem"), "--tls-key",
-                                        Tmp("node.key")};
+  const std::vector<std::string> tls = {"--tls-ca", TempPath("ca.pem"), "--tls-cert", TempPath("node.pem"), "--tls-key",
+                                        TempPath("node.key")};
   size_t listed = 0;
   for (int i = 0; i < 100 && listed == 0; ++i) {
     std::vector<std::string> argv = {coloctl, "--coordinator", coordinator, "--output", "json", "workers"};
@@ -64,18 +64,18 @@ TEST(Tls, MutualTlsBetweenCoordinatorWorkerAndColoctl) {
     listed = nlohmann::json::parse(r.out).value("workers", nlohmann::json::array()).size();
     if (listed == 0) absl::SleepFor(absl::Milliseconds(100));
   }
-  EXPECT_EQ(listed, 1u) << testing::ReadFile(Tmp("worker.log"));
+  EXPECT_EQ(listed, 1u) << testing::ReadFile(TempPath("worker.log"));
   // Plaintext, or TLS without a client certificate, does not get in.
   auto plain = RunCommand({coloctl, "--coordinator", coordinator, "--timeout", "3s", "workers"},
                           std::getenv("TEST_TMPDIR"));
   EXPECT_EQ(plain.code, 1);
   EXPECT_NE(plain.err.find("UNAVAILABLE"), std::string::npos) << plain.err;
-  auto no_cert = RunCommand({coloctl, "--coordinator", coordinator, "--timeout", "3s", "--tls-ca", Tmp("ca.pem"),
+  auto no_cert = RunCommand({coloctl, "--coordinator", coordinator, "--timeout", "3s", "--tls-ca", TempPath("ca.pem"),
                              "workers"},
                             std::getenv("TEST_TMPDIR"));
   EXPECT_EQ(no_cert.code, 1) << no_cert.out;
   // A certificate without its key is a usage error.
-  EXPECT_EQ(RunCommand({coloctl, "--coordinator", coordinator, "--tls-cert", Tmp("node.pem"), "workers"},
+  EXPECT_EQ(RunCommand({coloctl, "--coordinator", coordinator, "--tls-cert", TempPath("node.pem"), "workers"},
                        std::getenv("TEST_TMPDIR"))
                 .code,
             2);

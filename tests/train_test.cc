@@ -11,16 +11,16 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/subprocess.h"
+#include "tests/testing/temp_dir.h"
 #include "worker/shardformer/testing.h"
 #include "worker/tensor/npy.h"
 
 namespace colod {
 namespace {
 
+using ::colod::testing::Runfile;
+using ::colod::testing::TempPath;
 using ::colod::testing::RunCommand;
-
-std::string Runfile(const std::string& path) { return absl::StrCat(std::getenv("TEST_SRCDIR"), "/colod/", path); }
-std::string Tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
 
 testing::CommandResult Coloctl(std::vector<std::string> args) {
   args.insert(args.begin(), Runfile("client/coloctl"));
@@ -38,14 +38,14 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   shardformer::testing::TinyOptions o;
   o.vocab = 257;  // byte-level text
   o.positions = 32;
-  auto model = shardformer::testing::WriteTinyGpt2(Tmp("gpt2"), o);
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2"), o);
   ASSERT_TRUE(model.ok()) << model.status();
   const std::vector<std::string> common = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
                                            "--steps", "5", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
                                            "--optimizer", "adamw", "--seed", "3", "--output", "json"};
   std::vector<std::string> single = common, sharded = common;
   single.insert(single.end(), {"--tp", "1", "--dp", "1", "--mode", "1d"});
-  sharded.insert(sharded.end(), {"--tp", "2", "--dp", "2", "--mode", "1d", "--final", Tmp("trained")});
+  sharded.insert(sharded.end(), {"--tp", "2", "--dp", "2", "--mode", "1d", "--final", TempPath("trained")});
   const auto a = Coloctl(single), b = Coloctl(sharded);
   ASSERT_EQ(a.code, 0) << a.err;
   ASSERT_EQ(b.code, 0) << b.err;
@@ -65,9 +65,9 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   EXPECT_EQ(la[0]["optimizer_bytes"].get<int64_t>(), 2 * la[0]["param_bytes"].get<int64_t>());  // AdamW: m and v
 
   // The trained model loads again, at another layout, and is not the initial one.
-  ASSERT_TRUE(WriteNpy(Tmp("ids.npy"), shardformer::testing::TokenIds(2, 16, 257, 1)).ok());
-  const auto before = Coloctl({"forward", "--model", model->dir, "--input", Tmp("ids.npy"), "--output", "json"});
-  const auto after = Coloctl({"forward", "--model", Tmp("trained"), "--input", Tmp("ids.npy"), "--tp", "4",
+  ASSERT_TRUE(WriteNpy(TempPath("ids.npy"), shardformer::testing::TokenIds(2, 16, 257, 1)).ok());
+  const auto before = Coloctl({"forward", "--model", model->dir, "--input", TempPath("ids.npy"), "--output", "json"});
+  const auto after = Coloctl({"forward", "--model", TempPath("trained"), "--input", TempPath("ids.npy"), "--tp", "4",
                               "--mode", "2d", "--output", "json"});
   ASSERT_EQ(before.code, 0) << before.err;
   ASSERT_EQ(after.code, 0) << after.err;
@@ -76,15 +76,15 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   // Saved every 2 steps and stopped after 3; resumed, steps 3 (from the
   // step-2 checkpoint), 4 and 5 repeat the uninterrupted losses.
   std::vector<std::string> cut = single;
-  cut.insert(cut.end(), {"--save", Tmp("ck"), "--save-every", "2", "--stop-after", "3"});
+  cut.insert(cut.end(), {"--save", TempPath("ck"), "--save-every", "2", "--stop-after", "3"});
   const auto c = Coloctl(cut);
   ASSERT_EQ(c.code, 0) << c.err;
   ASSERT_EQ(Lines(c.out).size(), 3u);
   std::vector<std::string> resume = single;
-  resume.insert(resume.end(), {"--resume", Tmp("ck")});
+  resume.insert(resume.end(), {"--resume", TempPath("ck")});
   const auto r = Coloctl(resume);
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.err.find("resuming from " + Tmp("ck") + "/step-000002"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("resuming from " + TempPath("ck") + "/step-000002"), std::string::npos) << r.err;
   const auto lr = Lines(r.out);
   ASSERT_EQ(lr.size(), 3u) << r.out;
   for (size_t i = 0; i < 3; ++i) {
@@ -113,7 +113,7 @@ TEST(Train, KilledMidRunResumesFromTheNewestCompleteCheckpoint) {
   shardformer::testing::TinyOptions o;
   o.vocab = 257;
   o.positions = 32;
-  auto model = shardformer::testing::WriteTinyGpt2(Tmp("gpt2_kill"), o);
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2_kill"), o);
   ASSERT_TRUE(model.ok()) << model.status();
   const std::vector<std::string> args = {Runfile("client/coloctl"), "train", "--model", model->dir, "--data",
                                          "/usr/share/common-licenses/GPL-3", "--steps", "40", "--batch-size", "4",
@@ -123,19 +123,19 @@ TEST(Train, KilledMidRunResumesFromTheNewestCompleteCheckpoint) {
   const auto want = Lines(full.out);
   ASSERT_EQ(want.size(), 40u);
   std::vector<std::string> saving = args;
-  saving.insert(saving.end(), {"--save", Tmp("ck_kill"), "--save-every", "1"});
+  saving.insert(saving.end(), {"--save", TempPath("ck_kill"), "--save-every", "1"});
   {
-    testing::Subprocess run(saving, Tmp("kill.out"), Tmp("kill.err"));
+    testing::Subprocess run(saving, TempPath("kill.out"), TempPath("kill.err"));
     // Kill it once a few checkpoints exist, most likely in the middle of writing one.
     const absl::Time deadline = absl::Now() + absl::Seconds(120);
-    while (!std::filesystem::exists(Tmp("ck_kill") + "/step-000004") && absl::Now() < deadline) {
+    while (!std::filesystem::exists(TempPath("ck_kill") + "/step-000004") && absl::Now() < deadline) {
       absl::SleepFor(absl::Milliseconds(5));
     }
     run.Signal(SIGKILL);
     ASSERT_TRUE(run.Wait(absl::Seconds(30)).has_value());
   }
   std::vector<std::string> resume(args.begin() + 1, args.end());
-  resume.insert(resume.end(), {"--resume", Tmp("ck_kill")});
+  resume.insert(resume.end(), {"--resume", TempPath("ck_kill")});
   const auto r = Coloctl(resume);
   ASSERT_EQ(r.code, 0) << r.err;
   const auto got = Lines(r.out);

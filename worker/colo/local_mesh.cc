@@ -36,7 +36,11 @@ absl::Status RunLocalMesh(const DeviceMesh& mesh, const std::function<absl::Stat
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { results[r] = body(r, *groups[r]); });
   for (auto& t : threads) t.join();
-  for (int r = 0; r < n; ++r) {
+  return FirstRankError(results);
+}
+
+absl::Status FirstRankError(const std::vector<absl::Status>& results) {
+  for (size_t r = 0; r < results.size(); ++r) {
     if (!results[r].ok()) {
       return absl::Status(results[r].code(), absl::StrCat("rank ", r, ": ", results[r].message()));
     }

@@ -6,6 +6,7 @@
 #define COLOD_WORKER_COLO_LOCAL_MESH_H_
 
 #include <functional>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -24,6 +25,9 @@ struct LocalMeshOptions {
 // Runs body(rank, pg) on every rank of `mesh` at once and joins them; the
 // process groups (and their Gloo contexts) outlive every rank. Returns OK
 // or the error of the lowest failing rank, prefixed with its number. Thread-safe.
+// OK, or the error of the lowest failing rank prefixed with its number.
+absl::Status FirstRankError(const std::vector<absl::Status>& results);
+
 absl::Status RunLocalMesh(const DeviceMesh& mesh, const std::function<absl::Status(int rank, ProcessGroup& pg)>& body,
                           LocalMeshOptions options = {});
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/device.h"
+#include "worker/colo/local_mesh.h"
 
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
@@ -64,12 +65,7 @@ absl::Status RunLocalNcclMesh(const DeviceMesh& mesh, const std::function<absl::
     });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < n; ++r) {
-    if (!results[r].ok()) {
-      return absl::Status(results[r].code(), absl::StrCat("rank ", r, ": ", results[r].message()));
-    }
-  }
-  return absl::OkStatus();
+  return FirstRankError(results);
 }
 
 }  // namespace colod

@@ -163,6 +163,8 @@ class NativeNorm : public Layer {
   float eps_;
 };
 
+DistSpec TpShard(int64_t dim, int p) { return nn::WithTp({}, Placement::Shard({dim}, {p})); }
+
 // A bias over the last dim: replicated (native), or split like a
 // vocab-parallel LM head's logits (VocabParallelBias1D: [V_pad] tp: S(0),
 // zero padding from V on).
@@ -200,7 +202,6 @@ class BiasLayer : public Layer {
   std::vector<BoundParam> Params() override { return {b_}; }
 
  private:
-  static DistSpec TpShard(int64_t dim, int p) { return nn::WithTp({}, Placement::Shard({dim}, {p})); }
   BoundParam b_;
   bool vocab_parallel_;
   int p_;
@@ -214,8 +215,6 @@ absl::StatusOr<LayerPtr> CreateNative(const LayerDecl& d, const LayerContext& c)
 }
 
 // ---- 1D
-
-DistSpec TpShard(int64_t dim, int p) { return nn::WithTp({}, Placement::Shard({dim}, {p})); }
 
 class Col1D : public Layer {
  public:

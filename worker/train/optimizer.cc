@@ -25,10 +25,8 @@ absl::StatusOr<Optimizer> Optimizer::Create(std::vector<NamedParam> params, Opti
     if (t.dtype() != DType::kF32 && t.dtype() != DType::kBF16 && t.dtype() != DType::kF16) {
       return absl::InvalidArgumentError(absl::StrCat(p.name, " is ", DTypeName(t.dtype()), ", not a float"));
     }
-    const bool mixed = t.dtype() != DType::kF32;
-    o.mixed_.push_back(mixed);
     Tensor master;
-    if (mixed) {
+    if (t.dtype() != DType::kF32) {
       ASSIGN_OR_RETURN(master, t.ToDType(DType::kF32));
       master = master.Contiguous().Clone();
     }
@@ -48,10 +46,11 @@ absl::Status Optimizer::Step(double lr) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const NamedParam& p = params_[i];
     Tensor held = p.bound.param.local();
-    Tensor param = mixed_[i] ? master_[i] : held;  // the f32 weights the update runs on
+    const bool mixed = held.dtype() != DType::kF32;
+    Tensor param = mixed ? master_[i] : held;  // the f32 weights the update runs on
     std::optional<Tensor> grad = p.bound.param.variable().grad();
     if (!grad.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
-    if (mixed_[i]) {
+    if (mixed) {
       ASSIGN_OR_RETURN(grad, grad->ToDType(DType::kF32));
     }
     if (options_.kind == OptimizerOptions::Kind::kAdamW) {
@@ -65,7 +64,7 @@ absl::Status Optimizer::Step(double lr) {
     } else {
       RETURN_IF_ERROR(SgdStep(param, *grad, m_[i], lr));
     }
-    if (mixed_[i]) {
+    if (mixed) {
       ASSIGN_OR_RETURN(Tensor rounded, param.ToDType(held.dtype()));
       RETURN_IF_ERROR(held.CopyFrom(rounded));
     }
@@ -105,7 +104,7 @@ std::vector<std::pair<std::string, Tensor>> Optimizer::State() {
   for (size_t i = 0; i < params_.size(); ++i) {
     out.emplace_back(params_[i].name + (adam ? ".exp_avg" : ".momentum_buffer"), m_[i]);
     if (adam) out.emplace_back(params_[i].name + ".exp_avg_sq", v_[i]);
-    if (mixed_[i]) out.emplace_back(params_[i].name + ".master", master_[i]);
+    if (Mixed(i)) out.emplace_back(params_[i].name + ".master", master_[i]);
   }
   return out;
 }
@@ -114,7 +113,7 @@ int64_t Optimizer::state_bytes() const {
   int64_t n = 0;
   for (const Tensor& t : m_) n += t.nbytes();
   for (const Tensor& t : v_) n += t.nbytes();
-  for (size_t i = 0; i < master_.size(); ++i) n += mixed_[i] ? master_[i].nbytes() : 0;
+  for (size_t i = 0; i < master_.size(); ++i) n += Mixed(i) ? master_[i].nbytes() : 0;
   return n;
 }
 

@@ -63,7 +63,8 @@ class Optimizer {
   OptimizerOptions options_;
   std::vector<Tensor> m_, v_;  // AdamW moments, or SGD momentum in m_
   std::vector<Tensor> master_;  // f32 copies of low-precision parameters (else empty tensors)
-  std::vector<bool> mixed_;
+  // Whether parameter i is held in 16 bits (and so has a master copy).
+  bool Mixed(size_t i) const { return params_[i].bound.param.local().dtype() != DType::kF32; }
   int64_t steps_ = 0;
 };
 
