@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace colod {
@@ -14,6 +14,9 @@ namespace colod {
 // FAILED_PRECONDITION naming the path and the errno text on failure (the
 // temporary file is removed). Thread-safe.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
+
+// The whole content of `path`; NOT_FOUND naming it when it cannot be read.
+absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 
 }  // namespace colod
 

@@ -5,16 +5,15 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
 #include "common/status_macros.h"
 
 namespace colod {
 
 absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("--auth-token-file: cannot read '", path, "'"));
-  std::stringstream s;
-  s << in.rdbuf();
-  std::string token(absl::StripAsciiWhitespace(s.str()));
+  auto text = ReadFileToString(path);
+  if (!text.ok()) return absl::NotFoundError(absl::StrCat("--auth-token-file: ", text.status().message()));
+  std::string token(absl::StripAsciiWhitespace(*text));
   if (token.empty()) return absl::InvalidArgumentError(absl::StrCat("--auth-token-file: '", path, "' is empty"));
   return token;
 }
@@ -40,11 +39,9 @@ void AddAuthToken(grpc::ClientContext& ctx, const std::string& token) {
 namespace {
 
 absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot read '", path, "'"));
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
+  auto text = ReadFileToString(path);
+  if (!text.ok()) return absl::NotFoundError(absl::StrCat(flag, ": ", text.status().message()));
+  return text;
 }
 
 absl::Status CheckPair(const TlsFiles& tls) {

@@ -107,13 +107,6 @@ absl::StatusOr<Json> IndexOf(ShardedModel& model) {
   return index;
 }
 
-absl::StatusOr<std::string> ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 absl::Status Damaged(const std::string& dir, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat("checkpoint ", dir, ": ", what));
@@ -149,13 +142,13 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) 
 }
 
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir) {
-  ASSIGN_OR_RETURN(std::string text, ReadText(absl::StrCat(dir, "/", kCheckpointIndex)));
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(absl::StrCat(dir, "/", kCheckpointIndex)));
   const Json index = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (index.is_discarded() || !index.is_object() || index.value("format", "") != kFormat ||
       !index.contains("tensors") || !index["tensors"].is_object()) {
     return Damaged(dir, absl::StrCat(kCheckpointIndex, " is not a ", kFormat, " index"));
   }
-  ASSIGN_OR_RETURN(std::string config, ReadText(dir + "/config.json"));
+  ASSIGN_OR_RETURN(std::string config, ReadFileToString(dir + "/config.json"));
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
   std::map<std::string, Tensor> out;
   std::map<std::string, int64_t> filled;  // elements of each checkpoint tensor written

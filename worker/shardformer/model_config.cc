@@ -97,15 +97,6 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
   return c;
 }
 
-absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir) {
-  const std::string path = dir + "/config.json";
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("no config.json in ", dir));
-  std::stringstream text;
-  text << in.rdbuf();
-  return ParseModelConfig(text.str(), path);
-}
-
 absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& shard) {
   const int64_t tp = shard.tensor_parallel_size();
   switch (shard.tensor_parallel_mode()) {

@@ -36,8 +36,8 @@ struct ModelConfig {
 // ones), or sizes that do not fit together (hidden_size not divisible by the
 // heads, heads not divisible by the kv heads).
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& what = "config.json");
-// Reads DIR/config.json.
-absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir);
+// DIR/config.json is read by LoadConfig (worker/shardformer/shardformer.h),
+// which lets a registered family parse its own fields.
 
 // INVALID_ARGUMENT, naming the field and the numbers, when `shard` cannot
 // shard `config`: heads (and kv heads) not divisible by tp in 1D; hidden or

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/atomic_file.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/colo/tensor_collectives.h"
@@ -283,19 +284,18 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Optimize(std::unique_
 
 absl::StatusOr<ModelConfig> LoadConfig(const std::string& dir) {
   const std::string path = dir + "/config.json";
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("no config.json in ", dir));
-  std::stringstream text;
-  text << in.rdbuf();
-  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  auto read = ReadFileToString(path);
+  if (!read.ok()) return absl::NotFoundError(absl::StrCat("no config.json in ", dir));
+  const std::string& text = *read;
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
   if (!j.contains("model_type") || !j["model_type"].is_string()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": model_type is missing"));
   }
   auto family = ModelRegistry::Global().Get(j["model_type"].get<std::string>());
   if (!family.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", family.status().message()));
-  if (family->parse) return family->parse(text.str(), path);
-  return ParseModelConfig(text.str(), path);
+  if (family->parse) return family->parse(text, path);
+  return ParseModelConfig(text, path);
 }
 
 absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::string& dir) {

@@ -37,11 +37,8 @@ Json LayoutJson(const v1::ShardConfig& l) {
 }
 
 absl::StatusOr<Json> ReadJson(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("no ", path));
-  std::stringstream s;
-  s << in.rdbuf();
-  Json j = Json::parse(s.str(), nullptr, /*allow_exceptions=*/false);
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
   return j;
 }

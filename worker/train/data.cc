@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
 #include "common/status_macros.h"
 #include "worker/tensor/npy.h"
 
@@ -60,11 +61,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     return c;
   }
   if (format == DataFormat::kText) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-    std::stringstream s;
-    s << in.rdbuf();
-    const std::string text = s.str();
+    ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path));
     c->owned_.reserve(text.size() + 1);
     for (unsigned char b : text) c->owned_.push_back(b);
     c->owned_.push_back(kEndOfText);
