@@ -16,7 +16,7 @@
 #include "client/local_cluster.h"
 #include "common/grpc_server.h"
 #include "colod/v1/coordinator.pb.h"
-#include "common/auth.h"
+#include "common/security_flags.h"
 #include "common/flags.h"
 #include "common/version.h"
 #include "nlohmann/json.hpp"
@@ -28,12 +28,6 @@
 
 ABSL_FLAG(std::string, coordinator, "",
           "Coordinator HOST:PORT. Default: $COLOD_COORDINATOR, else 127.0.0.1:7070.");
-ABSL_FLAG(std::string, auth_token_file, "",
-          "File holding the bearer token of the cluster (daemons started with --auth-token-file). "
-          "Default: $COLOD_AUTH_TOKEN_FILE.");
-ABSL_FLAG(std::string, tls_ca, "", "PEM CA to verify a TLS coordinator with (turns TLS on).");
-ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for a coordinator that requires mutual TLS.");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert.");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10), "Deadline of each call, e.g. 10s.");
 ABSL_FLAG(std::string, output, "table", "Output format: table or json.");
 ABSL_FLAG(bool, all, false, "workers: also list workers whose lease expired (lost).");
@@ -387,14 +381,10 @@ int main(int argc, char** argv) {
   if (args.size() > 1) return Usage(absl::StrCat("unexpected argument '", args[1], "'"));
   colod::CoordinatorClient::Options opts;
   opts.timeout = absl::GetFlag(FLAGS_timeout);
-  opts.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)};
-  std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
-  if (token_file.empty() && std::getenv("COLOD_AUTH_TOKEN_FILE") != nullptr) token_file = std::getenv("COLOD_AUTH_TOKEN_FILE");
-  if (!token_file.empty()) {
-    auto token = colod::ReadAuthToken(token_file);
-    if (!token.ok()) return Usage(std::string(token.status().message()));
-    opts.auth_token = *token;
-  }
+  auto security = colod::SecurityFromFlags(/*token_from_env=*/true);
+  if (!security.ok()) return Usage(std::string(security.status().message()));
+  opts.tls = security->tls;
+  opts.auth_token = security->auth_token;
   auto client = colod::CoordinatorClient::Create(CoordinatorAddress(), opts);
   if (!client.ok()) return Usage(std::string(client.status().message()));
   return Workers(**client, output == "json");

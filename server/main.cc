@@ -3,7 +3,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/time/time.h"
-#include "common/auth.h"
+#include "common/security_flags.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/logging.h"
@@ -22,14 +22,6 @@ ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(2),
           "How often workers are told to heartbeat, e.g. 2s or 500ms.");
 ABSL_FLAG(absl::Duration, lease_duration, absl::Seconds(10),
           "A worker without a heartbeat for this long is marked lost.");
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate (chain) of this daemon; with --tls-key turns on TLS.");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert.");
-ABSL_FLAG(std::string, tls_ca, "",
-          "PEM CA that signs the cluster's certificates: peers must present one (mutual TLS), and the "
-          "coordinator's is checked against it.");
-ABSL_FLAG(std::string, auth_token_file, "",
-          "File holding the bearer token every colod call must carry (health and reflection stay open). "
-          "Empty: no authentication.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -65,15 +57,13 @@ int main(int argc, char** argv) {
   options.data_dir = absl::GetFlag(FLAGS_data_dir);
   options.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.lease_duration = absl::GetFlag(FLAGS_lease_duration);
-  options.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)};
-  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
-    auto token = colod::ReadAuthToken(absl::GetFlag(FLAGS_auth_token_file));
-    if (!token.ok()) {
-      COLOD_LOG(ERROR) << token.status().message();
-      return 2;
-    }
-    options.auth_token = *token;
+  auto security = colod::SecurityFromFlags();
+  if (!security.ok()) {
+    COLOD_LOG(ERROR) << security.status().message();
+    return 2;
   }
+  options.tls = security->tls;
+  options.auth_token = security->auth_token;
   auto coordinator = colod::Coordinator::Start(options);
   if (!coordinator.ok()) {
     COLOD_LOG(ERROR) << "cannot start: " << coordinator.status().message();

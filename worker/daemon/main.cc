@@ -2,7 +2,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "common/auth.h"
+#include "common/security_flags.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
 #include "common/logging.h"
@@ -22,14 +22,6 @@ ABSL_FLAG(std::string, advertise_host, "",
 ABSL_FLAG(std::string, device, "auto",
           "auto (CUDA when built with CUDA and the GPU exists, else CPU), cpu, or cuda.");
 ABSL_FLAG(int, device_ordinal, 0, "GPU index this worker uses (one worker per GPU).");
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate (chain) of this daemon; with --tls-key turns on TLS.");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert.");
-ABSL_FLAG(std::string, tls_ca, "",
-          "PEM CA that signs the cluster's certificates: peers must present one (mutual TLS), and the "
-          "coordinator's is checked against it.");
-ABSL_FLAG(std::string, auth_token_file, "",
-          "File holding the bearer token every colod call must carry (health and reflection stay open). "
-          "Empty: no authentication.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -67,15 +59,13 @@ int main(int argc, char** argv) {
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.device = absl::GetFlag(FLAGS_device);
   options.device_ordinal = absl::GetFlag(FLAGS_device_ordinal);
-  options.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)};
-  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
-    auto token = colod::ReadAuthToken(absl::GetFlag(FLAGS_auth_token_file));
-    if (!token.ok()) {
-      COLOD_LOG(ERROR) << token.status().message();
-      return 2;
-    }
-    options.auth_token = *token;
+  auto security = colod::SecurityFromFlags();
+  if (!security.ok()) {
+    COLOD_LOG(ERROR) << security.status().message();
+    return 2;
   }
+  options.tls = security->tls;
+  options.auth_token = security->auth_token;
   auto worker = colod::WorkerDaemon::Start(options);
   if (!worker.ok()) {
     COLOD_LOG(ERROR) << "cannot start: " << worker.status().message();

@@ -1,0 +1,33 @@
+#include "common/security_flags.h"
+
+#include <cstdlib>
+
+#include "absl/flags/flag.h"
+#include "common/status_macros.h"
+
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate (chain): a daemon serves TLS with it (with --tls-key); a client presents it to a "
+          "server that requires mutual TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA that signs the cluster's certificates: a daemon requires peers to present one (mutual TLS); "
+          "a client verifies the server against it (and turns TLS on).");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding the bearer token every colod call carries (health and reflection stay open). "
+          "Empty: no authentication.");
+
+namespace colod {
+
+absl::StatusOr<Security> SecurityFromFlags(bool token_from_env) {
+  Security s;
+  s.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)};
+  std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
+  const char* env = std::getenv("COLOD_AUTH_TOKEN_FILE");
+  if (token_file.empty() && token_from_env && env != nullptr) token_file = env;
+  if (!token_file.empty()) {
+    ASSIGN_OR_RETURN(s.auth_token, ReadAuthToken(token_file));
+  }
+  return s;
+}
+
+}  // namespace colod
