@@ -1,7 +1,11 @@
 // coloctl: the colod command line.
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
+#include <filesystem>
+#include <functional>
+#include <iterator>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -21,6 +25,12 @@
 #include "common/version.h"
 #include "nlohmann/json.hpp"
 #include "worker/shardformer/checkpoint.h"
+#include "worker/shardformer/init_model.h"
+#include "worker/train/job_options.h"
+#include "common/atomic_file.h"
+#include "google/protobuf/util/json_util.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_split.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/trainer.h"
@@ -69,6 +79,19 @@ ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
 ABSL_FLAG(std::string, device, "cpu",
           "forward, train: cpu (ranks as threads over Gloo) or cuda (rank r on CUDA device r, over NCCL).");
+ABSL_FLAG(std::string, job_file, "", "submit: a colod.v1.JobSpec as JSON (instead of --model and the train flags).");
+ABSL_FLAG(std::string, name, "", "submit, train: the job's name (default: the model directory's name).");
+ABSL_FLAG(std::string, request_id, "", "submit: idempotency key; a retried submit with it returns the first job.");
+ABSL_FLAG(bool, watch, false, "submit: follow the job to its end, as `coloctl watch`.");
+ABSL_FLAG(absl::Duration, watch_timeout, absl::Hours(24), "watch, submit --watch, train: give up after this long.");
+ABSL_FLAG(std::string, state, "", "jobs: only jobs in these states, comma-separated (pending,running,...).");
+ABSL_FLAG(std::string, reason, "", "cancel: why (recorded on the job).");
+ABSL_FLAG(std::string, model_type, "gpt2", "init-model: the model family (gpt2).");
+ABSL_FLAG(int64_t, vocab_size, 257, "init-model: vocabulary size (257: byte-level text).");
+ABSL_FLAG(int64_t, hidden_size, 64, "init-model: hidden size (n_embd).");
+ABSL_FLAG(int64_t, layers, 2, "init-model: transformer blocks (n_layer).");
+ABSL_FLAG(int64_t, heads, 4, "init-model: attention heads (n_head).");
+ABSL_FLAG(int64_t, positions, 64, "init-model: maximum sequence length (n_positions).");
 ABSL_FLAG(bool, sequence_parallel, false, "forward: split activations along the sequence over tp (1d).");
 
 namespace {
@@ -113,11 +136,36 @@ constexpr char kUsage[] =
     "              into a Hugging Face directory (config.json + model.safetensors) that\n"
     "              loads at any layout: --checkpoint DIR --out DIR.\n"
     "\n"
+    "\n"
+    "Cluster commands (talk to --coordinator, or $COLOD_COORDINATOR, or 127.0.0.1:7070;\n"
+    "every call has the --timeout deadline):\n"
+    "  init-model  Write a new GPT-2 (config.json + model.safetensors, GPT-2's published\n"
+    "              initialization, seeded) to --out DIR: [--vocab-size 257] [--hidden-size 64]\n"
+    "              [--layers 2] [--heads 4] [--positions 64] [--seed S].\n"
+    "  submit      Submit a TRAIN job: --model DIR (its config.json is sent, the directory is\n"
+    "              the weights every worker reads) --data FILE and the train flags above, or\n"
+    "              --job-file FILE (a colod.v1.JobSpec as JSON). Relative paths are made\n"
+    "              absolute. Prints the job id; --watch follows it like `watch`.\n"
+    "  jobs        List jobs: id, name, state, layout, step, loss, reason. --state running,...\n"
+    "  status JOB  One job in detail (--output json: the Job).\n"
+    "  watch JOB   Follow a job to its end: state changes and a progress bar with step,\n"
+    "              loss and tokens/s, then the loss curve; --output json prints every event\n"
+    "              as one JSON line. Exits 0 when the job succeeded, 1 otherwise.\n"
+    "  cancel JOB  Cancel a job [--reason TEXT]; its ranks are aborted and the workers freed.\n"
+    "  mesh JOB    The job's rank grid (a row per dp replica, a column per tp rank, each\n"
+    "              cell the rank's worker) and every process group per axis.\n"
+    "  With --coordinator (or $COLOD_COORDINATOR) set, `train` runs as a job on that cluster\n"
+    "  and prints the same lines.\n"
+    "\n"
     "Exit status: 0 on success, 1 when the command fails (the status code, e.g. the\n"
     "coordinator's gRPC code, and the message are printed), 2 for a usage error.\n"
     "\n"
     "Examples:\n"
     "  coloctl --coordinator 127.0.0.1:7070 workers\n"
+    "  coloctl init-model --out ./gpt2-tiny\n"
+    "  coloctl submit --model ./gpt2-tiny --data /usr/share/common-licenses/GPL-3 --tp 2 --dp 2 --steps 40 --watch\n"
+    "  coloctl jobs --state running --output json\n"
+    "  coloctl mesh job-000001\n"
     "  COLOD_COORDINATOR=10.0.0.5:7070 coloctl workers --output json\n"
     "  coloctl forward --model ./gpt2 --input ids.npy --logits logits.npy --tp 2 --dp 1 --mode 1d\n"
     "  coloctl train --model ./gpt2 --data train.bin --steps 100 --batch-size 16 --seq-len 256 \\\n"
@@ -187,23 +235,28 @@ absl::StatusOr<bool> CudaFromFlags() {
   return absl::InvalidArgumentError(absl::StrCat("--device: '", device, "' is not one of cpu, cuda"));
 }
 
-int Train(bool json) {
+std::string ExplicitCoordinator();
+int TrainOnCluster(const colod::train::TrainOptions& o, bool json);
+
+// The train flags (--model, --data, --steps, ...) as training options.
+// INVALID_ARGUMENT (a usage error) for a missing or bad flag.
+absl::StatusOr<colod::train::TrainOptions> TrainOptionsFromFlags() {
   colod::train::TrainOptions o;
   o.model_dir = absl::GetFlag(FLAGS_model);
   o.data_path = absl::GetFlag(FLAGS_data);
-  if (o.model_dir.empty()) return Usage("train: --model is required");
-  if (o.data_path.empty()) return Usage("train: --data is required");
+  if (o.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
+  if (o.data_path.empty()) return absl::InvalidArgumentError("--data is required");
   auto shard = ShardFromFlags();
-  if (!shard.ok()) return Usage(std::string(shard.status().message()));
+  if (!shard.ok()) return shard.status();
   o.shard = *shard;
   auto cuda = CudaFromFlags();
-  if (!cuda.ok()) return Usage(std::string(cuda.status().message()));
+  if (!cuda.ok()) return cuda.status();
   o.cuda = *cuda;
   auto format = colod::train::ParseDataFormat(absl::GetFlag(FLAGS_data_format));
-  if (!format.ok()) return Usage(std::string(format.status().message()));
+  if (!format.ok()) return format.status();
   o.data_format = *format;
   auto kind = colod::train::ParseOptimizer(absl::GetFlag(FLAGS_optimizer));
-  if (!kind.ok()) return Usage(std::string(kind.status().message()));
+  if (!kind.ok()) return kind.status();
   o.optimizer.kind = *kind;
   o.optimizer.weight_decay = absl::GetFlag(FLAGS_weight_decay);
   o.optimizer.momentum = absl::GetFlag(FLAGS_momentum);
@@ -217,7 +270,7 @@ int Train(bool json) {
   o.clip_norm = absl::GetFlag(FLAGS_clip_norm);
   o.seed = absl::GetFlag(FLAGS_seed);
   o.final_dir = absl::GetFlag(FLAGS_final);
-  if (absl::GetFlag(FLAGS_bucket_mb) <= 0) return Usage("train: --bucket-mb must be positive");
+  if (absl::GetFlag(FLAGS_bucket_mb) <= 0) return absl::InvalidArgumentError("--bucket-mb must be positive");
   o.bucket_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20));
   const std::string precision = absl::GetFlag(FLAGS_precision);
   if (precision == "bf16") {
@@ -225,13 +278,32 @@ int Train(bool json) {
   } else if (precision == "fp16") {
     o.shard.param_dtype = colod::DType::kF16;
   } else if (precision != "fp32") {
-    return Usage(absl::StrCat("--precision: '", precision, "' is not one of fp32, bf16, fp16"));
+    return absl::InvalidArgumentError(absl::StrCat("--precision: '", precision, "' is not one of fp32, bf16, fp16"));
   }
   o.save_dir = absl::GetFlag(FLAGS_save);
   o.save_every = absl::GetFlag(FLAGS_save_every);
   o.resume_dir = absl::GetFlag(FLAGS_resume);
   o.stop_after = absl::GetFlag(FLAGS_stop_after);
-  if (!o.save_dir.empty() && o.save_every < 1) return Usage("train: --save needs --save-every K (K >= 1)");
+  if (!o.save_dir.empty() && o.save_every < 1) return absl::InvalidArgumentError("--save needs --save-every K (K >= 1)");
+  return o;
+}
+
+void PrintStep(const nlohmann::json& line, int64_t steps, bool json) {
+  if (json) {
+    std::printf("%s\n", line.dump().c_str());
+  } else {
+    std::printf("step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f\n",
+                static_cast<long long>(line["step"].get<int64_t>()), static_cast<long long>(steps),
+                line["loss"].get<double>(), line["lr"].get<double>(), line["grad_norm"].get<double>(),
+                line["tokens_per_second"].get<double>());
+  }
+  std::fflush(stdout);
+}
+
+int Train(bool json) {
+  auto options = TrainOptionsFromFlags();
+  if (!options.ok()) return Usage(absl::StrCat("train: ", options.status().message()));
+  colod::train::TrainOptions& o = *options;
   if (!o.resume_dir.empty()) {
     std::vector<std::string> skipped;
     auto latest = colod::train::LatestCheckpoint(o.resume_dir, &skipped);
@@ -239,23 +311,17 @@ int Train(bool json) {
     if (!latest.ok()) return Fail(latest.status());
     std::fprintf(stderr, "coloctl: resuming from %s\n", latest->c_str());
   }
+  if (!ExplicitCoordinator().empty()) return TrainOnCluster(o, json);
   const absl::Status s = colod::train::Train(o, [&](const colod::train::StepStats& st) {
-    if (json) {
-      const nlohmann::json line = {{"step", st.step},
-                                   {"loss", st.loss},
-                                   {"lr", st.lr},
-                                   {"grad_norm", st.grad_norm},
-                                   {"tokens_per_second", st.tokens_per_second},
-                                   {"param_bytes", st.param_bytes},
-                                   {"grad_bytes", st.grad_bytes},
-                                   {"optimizer_bytes", st.optimizer_bytes}};
-      std::printf("%s\n", line.dump().c_str());
-    } else {
-      std::printf("step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f\n",
-                  static_cast<long long>(st.step), static_cast<long long>(o.steps), st.loss, st.lr, st.grad_norm,
-                  st.tokens_per_second);
-    }
-    std::fflush(stdout);
+    PrintStep({{"step", st.step},
+               {"loss", st.loss},
+               {"lr", st.lr},
+               {"grad_norm", st.grad_norm},
+               {"tokens_per_second", st.tokens_per_second},
+               {"param_bytes", st.param_bytes},
+               {"grad_bytes", st.grad_bytes},
+               {"optimizer_bytes", st.optimizer_bytes}},
+              o.steps, json);
   });
   if (!s.ok()) return Fail(s);
   if (!o.final_dir.empty() && !json) std::printf("wrote the trained model to %s\n", o.final_dir.c_str());
@@ -297,6 +363,280 @@ int Forward(bool json) {
                   static_cast<long long>(s[1]), static_cast<long long>(s[2]), logits_path.c_str());
     }
   }
+  return 0;
+}
+
+// --coordinator or $COLOD_COORDINATOR; empty when neither is set.
+std::string ExplicitCoordinator() {
+  std::string addr = absl::GetFlag(FLAGS_coordinator);
+  if (addr.empty()) {
+    const char* env = std::getenv("COLOD_COORDINATOR");
+    if (env != nullptr) addr = env;
+  }
+  return addr;
+}
+
+absl::StatusOr<std::unique_ptr<colod::CoordinatorClient>> MakeClient(const std::string& address) {
+  colod::CoordinatorClient::Options opts;
+  opts.timeout = absl::GetFlag(FLAGS_timeout);
+  auto security = colod::SecurityFromFlags(/*token_from_env=*/true);
+  if (!security.ok()) return security.status();
+  opts.tls = security->tls;
+  opts.auth_token = security->auth_token;
+  return colod::CoordinatorClient::Create(address, opts);
+}
+
+// A TRAIN job from the train flags: the model directory's config.json and
+// its absolute path as the weights every worker reads.
+absl::StatusOr<colod::v1::JobSpec> JobSpecFromFlags() {
+  auto options = TrainOptionsFromFlags();
+  if (!options.ok()) return options.status();
+  if (options->cuda) {
+    return absl::InvalidArgumentError(
+        "--device: on a cluster the workers' devices decide (CUDA workers run CUDA ranks); drop --device");
+  }
+  colod::v1::JobSpec spec = colod::train::SpecFromTrainOptions(*options);
+  std::error_code ec;
+  const std::string dir = std::filesystem::absolute(options->model_dir, ec).lexically_normal().string();
+  auto config = colod::ReadFileToString(dir + "/config.json");
+  if (!config.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--model: ", config.status().message()));
+  }
+  spec.mutable_model()->set_config_json(*config);
+  spec.mutable_model()->set_weights_path(dir);
+  spec.set_name(absl::GetFlag(FLAGS_name).empty() ? std::filesystem::path(dir).filename().string()
+                                                  : absl::GetFlag(FLAGS_name));
+  // Paths the workers open must not depend on coloctl's working directory.
+  colod::v1::TrainConfig& t = *spec.mutable_train();
+  for (std::string* path : {t.mutable_data_path(), t.mutable_final_dir(), t.mutable_checkpoint_dir(),
+                            t.mutable_resume_from()}) {
+    if (!path->empty()) *path = std::filesystem::absolute(*path, ec).lexically_normal().string();
+  }
+  return spec;
+}
+
+// Reads a job file: a colod.v1.JobSpec as proto3 JSON.
+absl::StatusOr<colod::v1::JobSpec> JobSpecFromFile(const std::string& path) {
+  auto text = colod::ReadFileToString(path);
+  if (!text.ok()) return text.status();
+  colod::v1::JobSpec spec;
+  google::protobuf::util::JsonParseOptions opts;
+  opts.ignore_unknown_fields = false;
+  auto s = google::protobuf::util::JsonStringToMessage(*text, &spec, opts);
+  if (!s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--job-file ", path, ": not a colod.v1.JobSpec in JSON: ",
+                                                   std::string(s.message())));
+  }
+  return spec;
+}
+
+int PrintJson(const google::protobuf::Message& m) {
+  auto out = colod::RenderJson(m, /*pretty=*/true);
+  if (!out.ok()) return Fail(out.status());
+  std::fputs(out->c_str(), stdout);
+  return 0;
+}
+
+// Follows a job to its end. Table mode draws a progress bar (step, loss,
+// tokens/s) and state changes; json prints each event as one JSON line.
+// Returns the job as it ended, or the watch's error.
+absl::StatusOr<colod::v1::Job> WatchToEnd(colod::CoordinatorClient& client, const std::string& job_id, bool json,
+                                          const std::function<void(const colod::v1::StepProgress&)>& on_step) {
+  auto job = client.GetJob(job_id);
+  if (!job.ok()) return job.status();
+  const int64_t steps = job->spec().train().steps();
+  const bool tty = ::isatty(STDOUT_FILENO) != 0;
+  bool bar_open = false;
+  std::vector<double> losses;
+  double tokens_per_second = 0;
+  const absl::Status s = client.WatchJob(job_id, 1, absl::GetFlag(FLAGS_watch_timeout), [&](const colod::v1::JobEvent& ev) {
+    if (on_step && ev.has_step()) on_step(ev.step());
+    if (json) {
+      if (!on_step) {
+        auto line = colod::RenderJson(ev, /*pretty=*/false);
+        if (line.ok()) std::fputs(line->c_str(), stdout);
+      }
+      std::fflush(stdout);
+      return true;
+    }
+    if (ev.has_step()) {
+      const colod::v1::StepProgress& p = ev.step();
+      losses.push_back(p.loss());
+      tokens_per_second += p.tokens_per_second();
+      if (on_step) return true;
+      const int width = 30;
+      const int filled = steps > 0 ? static_cast<int>(width * p.step() / steps) : width;
+      std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
+      std::printf("%s[%s] step %lld/%lld  loss %.4f  tokens/s %.0f%s", tty ? "\r" : "", bar.c_str(),
+                  static_cast<long long>(p.step()), static_cast<long long>(steps), p.loss(), p.tokens_per_second(),
+                  tty ? "" : "\n");
+      bar_open = tty;
+    } else if (ev.has_state_change()) {
+      if (bar_open) std::printf("\n");
+      bar_open = false;
+      std::printf("%s %s%s\n", job_id.c_str(), colod::JobStateLabel(ev.state_change().state()).c_str(),
+                  ev.state_change().reason().empty() ? "" : (": " + ev.state_change().reason()).c_str());
+    }
+    std::fflush(stdout);
+    return true;
+  });
+  if (bar_open) std::printf("\n");
+  if (!s.ok()) return s;
+  job = client.GetJob(job_id);
+  if (!job.ok()) return job.status();
+  if (!json && !losses.empty() && !on_step) {
+    const double min_loss = *std::min_element(losses.begin(), losses.end());
+    std::printf("loss %.4f -> %.4f over %zu steps (min %.4f), mean %.0f tokens/s\n", losses.front(), losses.back(),
+                losses.size(), min_loss, tokens_per_second / static_cast<double>(losses.size()));
+    std::printf("loss curve %s\n", colod::Sparkline(losses, 60).c_str());
+  }
+  return job;
+}
+
+int ExitForJob(const colod::v1::Job& job) {
+  if (job.state() == colod::v1::JOB_STATE_SUCCEEDED) return 0;
+  std::fprintf(stderr, "coloctl: job %s %s: %s\n", job.job_id().c_str(), colod::JobStateLabel(job.state()).c_str(),
+               job.reason().c_str());
+  return 1;
+}
+
+int Submit(colod::CoordinatorClient& client, bool json) {
+  absl::StatusOr<colod::v1::JobSpec> spec = absl::GetFlag(FLAGS_job_file).empty()
+                                                ? JobSpecFromFlags()
+                                                : JobSpecFromFile(absl::GetFlag(FLAGS_job_file));
+  if (!spec.ok()) {
+    if (absl::IsInvalidArgument(spec.status())) return Usage(absl::StrCat("submit: ", spec.status().message()));
+    return Fail(spec.status());
+  }
+  auto job = client.SubmitJob(*spec, absl::GetFlag(FLAGS_request_id));
+  if (!job.ok()) return Fail(job.status());
+  if (!absl::GetFlag(FLAGS_watch)) {
+    if (json) return PrintJson(*job);
+    std::printf("%s\n", job->job_id().c_str());
+    return 0;
+  }
+  if (!json) std::printf("submitted %s (%s)\n", job->job_id().c_str(), colod::LayoutName(job->spec().shard()).c_str());
+  auto ended = WatchToEnd(client, job->job_id(), json, nullptr);
+  if (!ended.ok()) return Fail(ended.status());
+  return ExitForJob(*ended);
+}
+
+// coloctl train against a cluster: submit, then print the steps as the
+// local run does.
+int TrainOnCluster(const colod::train::TrainOptions& o, bool json) {
+  auto client = MakeClient(ExplicitCoordinator());
+  if (!client.ok()) return Usage(std::string(client.status().message()));
+  auto spec = JobSpecFromFlags();
+  if (!spec.ok()) return Usage(absl::StrCat("train: ", spec.status().message()));
+  auto job = (*client)->SubmitJob(*spec);
+  if (!job.ok()) return Fail(job.status());
+  std::fprintf(stderr, "coloctl: job %s on %s\n", job->job_id().c_str(), (*client)->address().c_str());
+  auto ended = WatchToEnd(**client, job->job_id(), json, [&](const colod::v1::StepProgress& p) {
+    PrintStep({{"step", p.step()},
+               {"loss", p.loss()},
+               {"lr", p.learning_rate()},
+               {"grad_norm", p.grad_norm()},
+               {"tokens_per_second", p.tokens_per_second()},
+               {"param_bytes", p.param_bytes()},
+               {"grad_bytes", p.grad_bytes()},
+               {"optimizer_bytes", p.optimizer_bytes()}},
+              o.steps, json);
+  });
+  if (!ended.ok()) return Fail(ended.status());
+  if (ended->state() == colod::v1::JOB_STATE_SUCCEEDED && !o.final_dir.empty() && !json) {
+    std::printf("wrote the trained model to %s\n", o.final_dir.c_str());
+  }
+  return ExitForJob(*ended);
+}
+
+absl::StatusOr<std::vector<colod::v1::JobState>> StatesFromFlag() {
+  std::vector<colod::v1::JobState> states;
+  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_state), ',', absl::SkipEmpty())) {
+    colod::v1::JobState s;
+    if (!colod::v1::JobState_Parse(absl::StrCat("JOB_STATE_", absl::AsciiStrToUpper(name)), &s) ||
+        s == colod::v1::JOB_STATE_UNSPECIFIED) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--state: '", name, "' is not one of pending, scheduled, running, succeeded, failed, cancelled"));
+    }
+    states.push_back(s);
+  }
+  return states;
+}
+
+int Jobs(colod::CoordinatorClient& client, bool json) {
+  auto states = StatesFromFlag();
+  if (!states.ok()) return Usage(std::string(states.status().message()));
+  auto jobs = client.ListJobs(*states);
+  if (!jobs.ok()) return Fail(jobs.status());
+  if (json) {
+    colod::v1::ListJobsResponse resp;
+    for (const auto& j : *jobs) *resp.add_jobs() = j;
+    return PrintJson(resp);
+  }
+  std::fputs(colod::RenderJobsTable(*jobs, absl::Now()).c_str(), stdout);
+  return 0;
+}
+
+int InitModel() {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) return Usage("init-model: --out is required");
+  if (absl::GetFlag(FLAGS_model_type) != "gpt2") {
+    return Usage(absl::StrCat("init-model: --model-type '", absl::GetFlag(FLAGS_model_type), "' is not supported (gpt2)"));
+  }
+  colod::shardformer::Gpt2Shape shape;
+  shape.vocab_size = absl::GetFlag(FLAGS_vocab_size);
+  shape.hidden_size = absl::GetFlag(FLAGS_hidden_size);
+  shape.num_layers = absl::GetFlag(FLAGS_layers);
+  shape.num_heads = absl::GetFlag(FLAGS_heads);
+  shape.max_positions = absl::GetFlag(FLAGS_positions);
+  const absl::Status s = colod::shardformer::WriteInitializedGpt2(out, shape, absl::GetFlag(FLAGS_seed));
+  if (!s.ok()) return Fail(s);
+  std::printf("wrote a GPT-2 (vocab %lld, n_embd %lld, n_layer %lld, n_head %lld, n_positions %lld) to %s\n",
+              static_cast<long long>(shape.vocab_size), static_cast<long long>(shape.hidden_size),
+              static_cast<long long>(shape.num_layers), static_cast<long long>(shape.num_heads),
+              static_cast<long long>(shape.max_positions), out.c_str());
+  return 0;
+}
+
+// Commands that talk to a coordinator: workers, submit, jobs, status,
+// watch, cancel, mesh.
+int ClusterCommand(const std::vector<std::string>& args, bool json) {
+  const std::string& cmd = args[0];
+  const bool takes_job = cmd == "status" || cmd == "watch" || cmd == "cancel" || cmd == "mesh";
+  const size_t want = takes_job ? 2 : 1;
+  if (args.size() < want) return Usage(absl::StrCat(cmd, ": missing JOB"));
+  if (args.size() > want) return Usage(absl::StrCat("unexpected argument '", args[want], "'"));
+  auto client = MakeClient(CoordinatorAddress());
+  if (!client.ok()) return Usage(std::string(client.status().message()));
+  colod::CoordinatorClient& c = **client;
+  if (cmd == "workers") return Workers(c, json);
+  if (cmd == "submit") return Submit(c, json);
+  if (cmd == "jobs") return Jobs(c, json);
+  const std::string& job_id = args[1];
+  if (cmd == "status") {
+    auto job = c.GetJob(job_id);
+    if (!job.ok()) return Fail(job.status());
+    if (json) return PrintJson(*job);
+    std::fputs(colod::RenderJob(*job, absl::Now()).c_str(), stdout);
+    return 0;
+  }
+  if (cmd == "watch") {
+    auto ended = WatchToEnd(c, job_id, json, nullptr);
+    if (!ended.ok()) return Fail(ended.status());
+    return ExitForJob(*ended);
+  }
+  if (cmd == "cancel") {
+    auto job = c.CancelJob(job_id, absl::GetFlag(FLAGS_reason));
+    if (!job.ok()) return Fail(job.status());
+    if (json) return PrintJson(*job);
+    std::printf("%s %s: %s\n", job->job_id().c_str(), colod::JobStateLabel(job->state()).c_str(), job->reason().c_str());
+    return 0;
+  }
+  auto mesh = c.GetMesh(job_id);
+  if (!mesh.ok()) return Fail(mesh.status());
+  if (json) return PrintJson(*mesh);
+  std::printf("mesh of %s: ", job_id.c_str());
+  std::fputs(colod::RenderMesh(*mesh).c_str(), stdout);
   return 0;
 }
 
@@ -377,15 +717,13 @@ int main(int argc, char** argv) {
     if (args.size() > 1) return Usage(absl::StrCat("unexpected argument '", args[1], "'"));
     return Forward(output == "json");
   }
-  if (cmd != "workers") return Usage(absl::StrCat("unknown command '", cmd, "'"));
-  if (args.size() > 1) return Usage(absl::StrCat("unexpected argument '", args[1], "'"));
-  colod::CoordinatorClient::Options opts;
-  opts.timeout = absl::GetFlag(FLAGS_timeout);
-  auto security = colod::SecurityFromFlags(/*token_from_env=*/true);
-  if (!security.ok()) return Usage(std::string(security.status().message()));
-  opts.tls = security->tls;
-  opts.auth_token = security->auth_token;
-  auto client = colod::CoordinatorClient::Create(CoordinatorAddress(), opts);
-  if (!client.ok()) return Usage(std::string(client.status().message()));
-  return Workers(**client, output == "json");
+  if (cmd == "init-model") {
+    if (args.size() > 1) return Usage(absl::StrCat("unexpected argument '", args[1], "'"));
+    return InitModel();
+  }
+  static const char* const kClusterCommands[] = {"workers", "submit", "jobs", "status", "watch", "cancel", "mesh"};
+  if (std::find(std::begin(kClusterCommands), std::end(kClusterCommands), cmd) == std::end(kClusterCommands)) {
+    return Usage(absl::StrCat("unknown command '", cmd, "'"));
+  }
+  return ClusterCommand(args, output == "json");
 }

@@ -1,5 +1,7 @@
 #include "client/coordinator_client.h"
 
+#include <algorithm>
+
 #include "common/auth.h"
 
 #include "absl/strings/str_cat.h"
@@ -97,6 +99,69 @@ absl::StatusOr<v1::Job> CoordinatorClient::GetJob(const std::string& job_id) {
   v1::GetJobResponse resp;
   RETURN_IF_ERROR(Annotate(stub_->GetJob(&ctx, req, &resp), address_, "GetJob"));
   return resp.job();
+}
+
+absl::StatusOr<std::vector<v1::Job>> CoordinatorClient::ListJobs(const std::vector<v1::JobState>& states) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx);
+  v1::ListJobsRequest req;
+  for (v1::JobState s : states) req.add_states(s);
+  v1::ListJobsResponse resp;
+  RETURN_IF_ERROR(Annotate(stub_->ListJobs(&ctx, req, &resp), address_, "ListJobs"));
+  return std::vector<v1::Job>(resp.jobs().begin(), resp.jobs().end());
+}
+
+absl::StatusOr<v1::Job> CoordinatorClient::CancelJob(const std::string& job_id, const std::string& reason) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx);
+  v1::CancelJobRequest req;
+  req.set_job_id(job_id);
+  req.set_reason(reason);
+  v1::CancelJobResponse resp;
+  RETURN_IF_ERROR(Annotate(stub_->CancelJob(&ctx, req, &resp), address_, "CancelJob"));
+  return resp.job();
+}
+
+absl::StatusOr<v1::MeshSpec> CoordinatorClient::GetMesh(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx);
+  v1::GetMeshRequest req;
+  req.set_job_id(job_id);
+  v1::GetMeshResponse resp;
+  RETURN_IF_ERROR(Annotate(stub_->GetMesh(&ctx, req, &resp), address_, "GetMesh"));
+  return resp.mesh();
+}
+
+absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from_sequence, absl::Duration timeout,
+                                         const std::function<bool(const v1::JobEvent&)>& on_event) {
+  const absl::Time deadline = absl::Now() + timeout;
+  int64_t next = std::max<int64_t>(from_sequence, 1);
+  while (true) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    AddAuthToken(ctx, options_.auth_token);
+    v1::WatchJobRequest req;
+    req.set_job_id(job_id);
+    req.set_from_sequence(next);
+    std::unique_ptr<grpc::ClientReader<v1::JobEvent>> reader = stub_->WatchJob(&ctx, req);
+    v1::JobEvent ev;
+    while (reader->Read(&ev)) {
+      next = ev.sequence() + 1;
+      if (!on_event(ev)) {
+        ctx.TryCancel();
+        reader->Finish();
+        return absl::CancelledError("watch stopped");
+      }
+    }
+    const grpc::Status s = reader->Finish();
+    if (s.ok()) return absl::OkStatus();
+    // A coordinator that restarted or a connection that broke: resume.
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE && absl::Now() + absl::Milliseconds(500) < deadline) {
+      absl::SleepFor(absl::Milliseconds(500));
+      continue;
+    }
+    return Annotate(s, address_, "WatchJob");
+  }
 }
 
 }  // namespace colod

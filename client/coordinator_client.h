@@ -2,6 +2,7 @@
 #ifndef COLOD_CLIENT_COORDINATOR_CLIENT_H_
 #define COLOD_CLIENT_COORDINATOR_CLIENT_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,6 +40,18 @@ class CoordinatorClient {
                                                   const v1::WorkerStatus& status);
   absl::StatusOr<v1::Job> SubmitJob(const v1::JobSpec& spec, const std::string& request_id = "");
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id);
+  // Jobs in submission order; only `states` if non-empty.
+  absl::StatusOr<std::vector<v1::Job>> ListJobs(const std::vector<v1::JobState>& states = {});
+  absl::StatusOr<v1::Job> CancelJob(const std::string& job_id, const std::string& reason = "");
+  // FAILED_PRECONDITION before the job's ranks are assigned.
+  absl::StatusOr<v1::MeshSpec> GetMesh(const std::string& job_id);
+  // Streams the job's events from `from_sequence` to `on_event` until the
+  // job ends (OK), `on_event` returns false (CANCELLED), or `timeout` passes
+  // (DEADLINE_EXCEEDED: a watch is long, so it has its own deadline). A
+  // dropped connection is resumed from the next sequence while the deadline
+  // allows, so no event is lost or repeated.
+  absl::Status WatchJob(const std::string& job_id, int64_t from_sequence, absl::Duration timeout,
+                        const std::function<bool(const v1::JobEvent&)>& on_event);
 
   const std::string& address() const { return address_; }
   v1::CoordinatorService::Stub& stub() { return *stub_; }

@@ -4,6 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/match.h"
 #include "common/proto_time.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -72,6 +74,108 @@ absl::StatusOr<std::string> RenderJson(const google::protobuf::Message& message,
   auto status = google::protobuf::util::MessageToJsonString(message, &out, opts);
   if (!status.ok()) return absl::InternalError(std::string(status.message()));
   if (out.empty() || out.back() != '\n') out.push_back('\n');
+  return out;
+}
+
+std::string LayoutName(const v1::ShardConfig& s) {
+  std::string mode = EnumSuffix(v1::TensorParallelMode_Name(s.tensor_parallel_mode()), "TENSOR_PARALLEL_MODE_");
+  if (mode == "unspecified") mode = "1d";
+  if (mode == "2p5d") mode = absl::StrCat("2.5d depth ", s.depth());
+  std::string out = absl::StrCat("tp", s.tensor_parallel_size(), " x dp", s.data_parallel_size(), " ", mode);
+  if (s.sequence_parallel()) absl::StrAppend(&out, " sp");
+  return out;
+}
+
+std::string JobStateLabel(v1::JobState state) { return EnumSuffix(v1::JobState_Name(state), "JOB_STATE_"); }
+
+std::string RenderJobsTable(const std::vector<v1::Job>& jobs, absl::Time now) {
+  std::vector<std::vector<std::string>> rows;
+  for (const v1::Job& j : jobs) {
+    const bool trained = j.step() > 0;
+    rows.push_back({j.job_id(), j.spec().name().empty() ? "-" : j.spec().name(),
+                    EnumSuffix(v1::JobKind_Name(j.spec().kind()), "JOB_KIND_"), JobStateLabel(j.state()),
+                    LayoutName(j.spec().shard()),
+                    trained ? absl::StrCat(j.step(), "/", j.spec().train().steps()) : "-",
+                    trained ? absl::StrFormat("%.4f", j.loss()) : "-", Age(j.update_time(), now), j.reason()});
+  }
+  return RenderTable({"JOB", "NAME", "KIND", "STATE", "LAYOUT", "STEP", "LOSS", "UPDATED", "REASON"}, rows);
+}
+
+std::string RenderJob(const v1::Job& j, absl::Time now) {
+  std::string out;
+  absl::StrAppend(&out, "job:        ", j.job_id(), j.spec().name().empty() ? "" : absl::StrCat(" (", j.spec().name(), ")"),
+                  "\n");
+  absl::StrAppend(&out, "state:      ", JobStateLabel(j.state()), j.reason().empty() ? "" : absl::StrCat(": ", j.reason()),
+                  "\n");
+  absl::StrAppend(&out, "kind:       ", EnumSuffix(v1::JobKind_Name(j.spec().kind()), "JOB_KIND_"), "\n");
+  absl::StrAppend(&out, "layout:     ", LayoutName(j.spec().shard()), "\n");
+  if (j.spec().kind() == v1::JOB_KIND_TRAIN) {
+    absl::StrAppend(&out, "step:       ", j.step(), "/", j.spec().train().steps(), "\n");
+    if (j.step() > 0) absl::StrAppend(&out, "loss:       ", absl::StrFormat("%.6f", j.loss()), "\n");
+    absl::StrAppend(&out, "data:       ", j.spec().train().data_path(), "\n");
+  }
+  absl::StrAppend(&out, "weights:    ", j.spec().model().weights_path(), "\n");
+  if (!j.last_checkpoint().empty()) absl::StrAppend(&out, "checkpoint: ", j.last_checkpoint(), "\n");
+  absl::StrAppend(&out, "generation: ", j.generation(), "\n");
+  absl::StrAppend(&out, "created:    ", Age(j.create_time(), now), "\n");
+  absl::StrAppend(&out, "updated:    ", Age(j.update_time(), now), "\n");
+  return out;
+}
+
+std::string RenderMesh(const v1::MeshSpec& mesh) {
+  std::string out;
+  std::vector<std::string> axes;
+  for (const v1::MeshAxis& a : mesh.axes()) axes.push_back(absl::StrCat(a.name(), "=", a.size()));
+  absl::StrAppend(&out, mesh.world_size(), " ranks, axes ", absl::StrJoin(axes, " x "), " (outermost first)\n\n");
+  // The grid of the ColoTensor document's figure: a row per dp replica (the
+  // outer axes), a column per tp rank (the innermost axes, neighbours on one
+  // host).
+  int tp = 1;
+  for (const v1::MeshAxis& a : mesh.axes()) {
+    if (absl::StartsWith(a.name(), "tp")) tp *= a.size();
+  }
+  if (tp < 1 || mesh.world_size() % tp != 0) tp = mesh.world_size();
+  std::vector<std::string> header = {""};
+  for (int c = 0; c < tp; ++c) header.push_back(absl::StrCat("tp", c));
+  std::vector<std::vector<std::string>> rows;
+  for (int r = 0; r < mesh.world_size() / tp; ++r) {
+    std::vector<std::string> row = {absl::StrCat("dp", r)};
+    for (int c = 0; c < tp; ++c) {
+      const int rank = r * tp + c;
+      std::string cell = absl::StrCat("rank ", rank);
+      if (rank < mesh.ranks_size()) {
+        const v1::RankAssignment& a = mesh.ranks(rank);
+        absl::StrAppend(&cell, " ", a.worker_id(), "@", a.host(), ":", a.device_ordinal());
+      }
+      row.push_back(cell);
+    }
+    rows.push_back(row);
+  }
+  absl::StrAppend(&out, RenderTable(header, rows), "\ngroups:\n");
+  for (const v1::ProcessGroupSpec& g : mesh.groups()) {
+    absl::StrAppend(&out, "  ", g.axis(), g.index(), ": {", absl::StrJoin(g.ranks(), ","), "}\n");
+  }
+  return out;
+}
+
+std::string Sparkline(const std::vector<double>& values, size_t width) {
+  static const char* const kBlocks[] = {"\u2581", "\u2582", "\u2583", "\u2584",
+                                        "\u2585", "\u2586", "\u2587", "\u2588"};
+  if (values.empty() || width == 0) return "";
+  const size_t n = std::min(values.size(), width);
+  std::vector<double> buckets(n, 0.0);
+  for (size_t b = 0; b < n; ++b) {
+    const size_t lo = b * values.size() / n, hi = (b + 1) * values.size() / n;
+    for (size_t i = lo; i < hi; ++i) buckets[b] += values[i];
+    buckets[b] /= static_cast<double>(hi - lo);
+  }
+  const auto [min_it, max_it] = std::minmax_element(buckets.begin(), buckets.end());
+  const double lo = *min_it, span = *max_it - *min_it;
+  std::string out;
+  for (double v : buckets) {
+    const int level = span > 0 ? static_cast<int>((v - lo) / span * 7.0 + 0.5) : 0;
+    out += kBlocks[level];
+  }
   return out;
 }
 

@@ -7,6 +7,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "colod/v1/job.pb.h"
+#include "colod/v1/mesh.pb.h"
 #include "colod/v1/worker.pb.h"
 #include "google/protobuf/message.h"
 
@@ -18,6 +20,23 @@ std::string RenderTable(const std::vector<std::string>& header,
 
 // ID, ADDRESS, HOST, DEVICE, STATE, LAST HEARTBEAT (age relative to `now`).
 std::string RenderWorkersTable(const std::vector<v1::Worker>& workers, absl::Time now);
+
+// "tp2 x dp2 1d", "tp4 x dp1 2d", "tp8 x dp1 2.5d depth 2".
+std::string LayoutName(const v1::ShardConfig& shard);
+// "pending", "running", ...
+std::string JobStateLabel(v1::JobState state);
+// JOB, NAME, KIND, STATE, LAYOUT, STEP, LOSS, UPDATED, REASON.
+std::string RenderJobsTable(const std::vector<v1::Job>& jobs, absl::Time now);
+// One job, a field a line.
+std::string RenderJob(const v1::Job& job, absl::Time now);
+// The rank grid of the ColoTensor document's figure (a row per dp replica,
+// a column per tp rank, each cell the rank and its worker), then every
+// group per axis.
+std::string RenderMesh(const v1::MeshSpec& mesh);
+
+// The values as a line of at most `width` block characters (▁ to █), low
+// to high; longer series are averaged into `width` buckets.
+std::string Sparkline(const std::vector<double>& values, size_t width);
 
 // Proto3 JSON of `message` (field names in lowerCamelCase, enums by name),
 // followed by a newline.

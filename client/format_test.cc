@@ -1,5 +1,6 @@
 #include "client/format.h"
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace colod {
@@ -36,6 +37,62 @@ TEST(RenderJson, UsesProto3JsonNames) {
   ASSERT_TRUE(json.ok());
   EXPECT_NE(json->find("\"workerId\":\"worker-000001\""), std::string::npos) << *json;
   EXPECT_NE(json->find("\"state\":\"WORKER_STATE_LOST\""), std::string::npos) << *json;
+}
+
+TEST(Sparkline, MapsTheRangeOntoEightLevelsAndAveragesLongSeries) {
+  EXPECT_EQ(Sparkline({1, 2, 3, 4, 5, 6, 7, 8}, 60), "\u2581\u2582\u2583\u2584\u2585\u2586\u2587\u2588");
+  EXPECT_EQ(Sparkline({5, 5, 5}, 60), "\u2581\u2581\u2581");
+  // 4 values into 2 buckets: means 1.5 and 3.5, the low and the high end.
+  EXPECT_EQ(Sparkline({1, 2, 3, 4}, 2), "\u2581\u2588");
+  EXPECT_EQ(Sparkline({}, 10), "");
+}
+
+TEST(RenderMesh, DrawsDpRowsTpColumnsAndEveryGroup) {
+  v1::MeshSpec mesh;
+  mesh.set_world_size(4);
+  auto* dp = mesh.add_axes();
+  dp->set_name("dp");
+  dp->set_size(2);
+  auto* tp = mesh.add_axes();
+  tp->set_name("tp");
+  tp->set_size(2);
+  for (int r = 0; r < 4; ++r) {
+    auto* a = mesh.add_ranks();
+    a->set_rank(r);
+    a->set_worker_id(absl::StrCat("w", r));
+    a->set_host("h");
+    a->set_device_ordinal(r);
+  }
+  auto* g = mesh.add_groups();
+  g->set_axis("tp");
+  g->set_index(1);
+  g->add_ranks(2);
+  g->add_ranks(3);
+  EXPECT_EQ(RenderMesh(mesh),
+            "4 ranks, axes dp=2 x tp=2 (outermost first)\n\n"
+            "     tp0            tp1\n"
+            "dp0  rank 0 w0@h:0  rank 1 w1@h:1\n"
+            "dp1  rank 2 w2@h:2  rank 3 w3@h:3\n"
+            "\ngroups:\n"
+            "  tp1: {2,3}\n");
+}
+
+TEST(RenderJobsTable, ShowsLayoutProgressAndReason) {
+  v1::Job j;
+  j.set_job_id("job-000007");
+  j.mutable_spec()->set_name("tiny");
+  j.mutable_spec()->set_kind(v1::JOB_KIND_TRAIN);
+  j.mutable_spec()->mutable_shard()->set_tensor_parallel_size(4);
+  j.mutable_spec()->mutable_shard()->set_data_parallel_size(2);
+  j.mutable_spec()->mutable_shard()->set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+  j.mutable_spec()->mutable_train()->set_steps(10);
+  j.set_state(v1::JOB_STATE_RUNNING);
+  j.set_step(3);
+  j.set_loss(2.5);
+  j.set_reason("all 8 ranks are training");
+  const std::string table = RenderJobsTable({j}, absl::Now());
+  EXPECT_NE(table.find("job-000007  tiny  train  running  tp4 x dp2 2d  3/10  2.5000"), std::string::npos) << table;
+  EXPECT_NE(table.find("all 8 ranks are training"), std::string::npos) << table;
 }
 
 }  // namespace

@@ -1,13 +1,35 @@
 #include "common/metrics.h"
 
+#include <dlfcn.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <exception>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "civetweb.h"
 #include "common/net.h"
 #include "common/status_macros.h"
 #include "common/version.h"
 #include "prometheus/gauge.h"
+
+// civetweb (prometheus-cpp's HTTP server) starts its threads with a fixed
+// 100 KiB stack (pthread_attr_setstacksize). glibc carves every thread's
+// static TLS out of its stack, and with OpenBLAS and the CUDA libraries
+// (cuBLASLt alone has 92 KiB of TLS) loaded that is more than 100 KiB, so
+// pthread_create fails with EINVAL and /metrics cannot start ("Cannot create
+// first worker thread"). This definition, exported by the binary, takes
+// precedence over glibc's for every caller and raises small requests to a
+// floor that leaves room for the TLS; larger requests pass unchanged.
+extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
+  constexpr size_t kFloor = size_t{1} << 20;
+  using Fn = int (*)(pthread_attr_t*, size_t);
+  static const Fn real = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
+  if (real == nullptr) return EINVAL;
+  return real(attr, std::max(size, kFloor));
+}
 
 namespace colod {
 
@@ -18,8 +40,20 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   try {
     server->exposer_ = std::make_unique<prometheus::Exposer>(hp.ToString(), /*num_threads=*/2);
   } catch (const std::exception& e) {
+    // CivetServer drops civetweb's reason; ask civetweb directly for it.
+    const std::string address = hp.ToString();
+    const char* options[] = {"listening_ports", address.c_str(), "num_threads", "2", nullptr};
+    mg_callbacks callbacks{};
+    mg_init_data init{};
+    init.callbacks = &callbacks;
+    init.configuration_options = options;
+    char text[256] = {0};
+    mg_error_data error{};
+    error.text = text;
+    error.text_buffer_size = sizeof(text);
+    if (mg_context* ctx = mg_start2(&init, &error); ctx != nullptr) mg_stop(ctx);
     return absl::UnavailableError(
-        absl::StrCat("cannot serve /metrics on ", hp.ToString(), ": ", e.what()));
+        absl::StrCat("cannot serve /metrics on ", address, ": ", e.what(), " (civetweb: ", text, ")"));
   }
   std::vector<int> ports = server->exposer_->GetListeningPorts();
   if (ports.empty() || ports[0] <= 0) {

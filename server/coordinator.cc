@@ -83,10 +83,16 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   wo.lease_duration = options.lease_duration;
   wo.clock = options.clock;
   c->workers_ = std::make_unique<WorkerRegistry>(wo);
-  c->jobs_ = std::make_unique<JobManager>(options.clock);
+  ASSIGN_OR_RETURN(c->jobs_, JobManager::Open(options.data_dir + "/jobs", options.clock));
   c->store_ = std::make_unique<RendezvousStore>();
+  Scheduler::Options so;
+  so.period = options.schedule_period;
+  so.auth_token = options.auth_token;
+  ASSIGN_OR_RETURN(so.credentials, MakeChannelCredentials(options.tls));
+  c->scheduler_ = std::make_unique<Scheduler>(c->jobs_.get(), c->workers_.get(), c->store_.get(), so);
   c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),
-                                                          c->registry_.get(), TokenAuth(options.auth_token));
+                                                          c->registry_.get(), TokenAuth(options.auth_token),
+                                                          c->scheduler_.get());
   c->UpdateGauges();
 
   ASSIGN_OR_RETURN(c->metrics_, MetricsServer::Start(options.metrics_listen, c->registry_));
@@ -94,6 +100,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   ASSIGN_OR_RETURN(c->grpc_, StartGrpcServer(options.listen, {c->service_.get()}, credentials));
   SetServing(*c->grpc_.server, kServiceName, true);
   c->sweeper_ = std::thread([raw = c.get()] { raw->SweepLoop(); });
+  c->scheduler_->Start();
   COLOD_LOG(INFO) << "coordinator serving gRPC on " << c->address() << ", metrics on http://"
                   << c->metrics_address() << "/metrics, data dir " << options.data_dir;
   return c;
@@ -147,6 +154,7 @@ void Coordinator::Shutdown() {
   COLOD_LOG(INFO) << "coordinator shutting down";
   store_->Close();  // wakes KvWait/Barrier handlers
   StopGrpcServer(*grpc_.server, absl::Seconds(2));
+  scheduler_->Stop();
   if (sweeper_.joinable()) sweeper_.join();
   // civetweb's listener polls in 2 s quanta, so this can take up to 2 s.
   metrics_.reset();

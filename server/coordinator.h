@@ -19,6 +19,7 @@
 #include "server/coordinator_service.h"
 #include "server/job_manager.h"
 #include "server/rendezvous_store.h"
+#include "server/scheduler.h"
 #include "server/worker_registry.h"
 
 namespace colod {
@@ -39,8 +40,11 @@ class Coordinator {
     Clock* clock = Clock::Real();
     // Bearer token every CoordinatorService call must carry; empty: none.
     std::string auth_token;
-    // TLS (mutual with tls.ca) on the gRPC port; empty: plaintext.
+    // TLS (mutual with tls.ca) on the gRPC port, and for the calls to the
+    // workers; empty: plaintext.
     TlsFiles tls;
+    // How often the scheduler looks at the queue and at running jobs.
+    absl::Duration schedule_period = absl::Milliseconds(200);
   };
 
   // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION if the data dir is
@@ -70,6 +74,7 @@ class Coordinator {
   std::unique_ptr<WorkerRegistry> workers_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<RendezvousStore> store_;
+  std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<CoordinatorServiceImpl> service_;
   prometheus::Family<prometheus::Gauge>* workers_gauge_ = nullptr;
   prometheus::Family<prometheus::Gauge>* jobs_gauge_ = nullptr;

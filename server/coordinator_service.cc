@@ -26,7 +26,8 @@ const prometheus::Histogram::BucketBoundaries& RpcBuckets() {
 
 CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs,
                                                RendezvousStore* store,
-                                               prometheus::Registry* metrics, TokenAuth auth)
+                                               prometheus::Registry* metrics, TokenAuth auth,
+                                               Scheduler* scheduler)
     : workers_(workers),
       jobs_(jobs),
       store_(store),
@@ -34,7 +35,8 @@ CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManag
                          .Name("colod_rpc_duration_seconds")
                          .Help("Coordinator RPC handling time, by method and status code.")
                          .Register(*metrics)),
-      auth_(std::move(auth)) {}
+      auth_(std::move(auth)),
+      scheduler_(scheduler) {}
 
 template <typename Fn>
 grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const char* method, Fn&& fn) {
@@ -57,6 +59,7 @@ grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,
     resp->set_worker_id(reg.worker_id);
     *resp->mutable_heartbeat_interval() = ToProtoDuration(reg.heartbeat_interval);
     *resp->mutable_lease_duration() = ToProtoDuration(reg.lease_duration);
+    if (scheduler_ != nullptr) scheduler_->Wake();
     return absl::OkStatus();
   });
 }
@@ -85,6 +88,7 @@ grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v
   return Instrument(ctx, "SubmitJob", [&]() -> absl::Status {
     if (!req->has_spec()) return absl::InvalidArgumentError("spec: required");
     ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Submit(req->spec(), req->request_id()));
+    if (scheduler_ != nullptr) scheduler_->Wake();
     return absl::OkStatus();
   });
 }
@@ -112,7 +116,11 @@ grpc::Status CoordinatorServiceImpl::CancelJob(grpc::ServerContext* ctx, const v
                                                v1::CancelJobResponse* resp) {
   return Instrument(ctx, "CancelJob", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
-    ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Cancel(req->job_id(), req->reason()));
+    if (scheduler_ != nullptr) {
+      ASSIGN_OR_RETURN(*resp->mutable_job(), scheduler_->Cancel(req->job_id(), req->reason()));
+    } else {
+      ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Cancel(req->job_id(), req->reason()));
+    }
     return absl::OkStatus();
   });
 }
@@ -148,6 +156,18 @@ grpc::Status CoordinatorServiceImpl::GetMesh(grpc::ServerContext* ctx, const v1:
                        JobStateName(job.state()), ")"));
     }
     *resp->mutable_mesh() = job.mesh();
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::ReportProgress(grpc::ServerContext* ctx, const v1::ReportProgressRequest* req,
+                                                    v1::ReportProgressResponse* resp) {
+  return Instrument(ctx, "ReportProgress", [&]() -> absl::Status {
+    RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
+    RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
+    if (scheduler_ == nullptr) return absl::FailedPreconditionError("this coordinator runs no jobs");
+    ASSIGN_OR_RETURN(bool stop, scheduler_->Report(*req));
+    resp->set_stop(stop);
     return absl::OkStatus();
   });
 }

@@ -10,6 +10,7 @@
 #include "prometheus/registry.h"
 #include "server/job_manager.h"
 #include "server/rendezvous_store.h"
+#include "server/scheduler.h"
 #include "server/worker_registry.h"
 
 namespace colod {
@@ -19,8 +20,10 @@ namespace colod {
 class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
  public:
   // Every call is checked against `auth` first (UNAUTHENTICATED).
+  // `scheduler` may be null (no job runs: jobs stay PENDING).
   CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs, RendezvousStore* store,
-                         prometheus::Registry* metrics, TokenAuth auth = TokenAuth());
+                         prometheus::Registry* metrics, TokenAuth auth = TokenAuth(),
+                         Scheduler* scheduler = nullptr);
 
   grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest*,
                               v1::RegisterWorkerResponse*) override;
@@ -39,6 +42,8 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
                         grpc::ServerWriter<v1::JobEvent>*) override;
   grpc::Status GetMesh(grpc::ServerContext*, const v1::GetMeshRequest*,
                        v1::GetMeshResponse*) override;
+  grpc::Status ReportProgress(grpc::ServerContext*, const v1::ReportProgressRequest*,
+                              v1::ReportProgressResponse*) override;
   grpc::Status KvSet(grpc::ServerContext*, const v1::KvSetRequest*, v1::KvSetResponse*) override;
   grpc::Status KvGet(grpc::ServerContext*, const v1::KvGetRequest*, v1::KvGetResponse*) override;
   grpc::Status KvWait(grpc::ServerContext*, const v1::KvWaitRequest*, v1::KvWaitResponse*) override;
@@ -56,6 +61,7 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   RendezvousStore* const store_;
   prometheus::Family<prometheus::Histogram>* const rpc_duration_;
   const TokenAuth auth_;
+  Scheduler* const scheduler_;
 };
 
 }  // namespace colod

@@ -91,7 +91,15 @@ TEST_F(CoordinatorTest, MalformedRegisterWorkerIsInvalidArgument) {
 
 TEST_F(CoordinatorTest, JobsAreValidatedAndWatchable) {
   v1::JobSpec spec;
-  spec.set_kind(v1::JOB_KIND_TENSOR);
+  spec.set_kind(v1::JOB_KIND_TRAIN);
+  spec.mutable_model()->set_config_json(
+      R"({"model_type": "gpt2", "vocab_size": 257, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64})");
+  spec.mutable_model()->set_weights_path("/models/gpt2-tiny");
+  spec.mutable_train()->set_steps(1);
+  spec.mutable_train()->set_batch_size(2);
+  spec.mutable_train()->set_seq_len(16);
+  spec.mutable_train()->set_learning_rate(1e-3);
+  spec.mutable_train()->set_data_path("/usr/share/common-licenses/GPL-3");
   spec.mutable_shard()->set_tensor_parallel_size(3);
   spec.mutable_shard()->set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
   spec.mutable_shard()->set_data_parallel_size(1);

@@ -2,9 +2,16 @@
 
 #include <algorithm>
 
+#include <filesystem>
+#include <system_error>
+
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/atomic_file.h"
+#include "common/logging.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "server/job_validation.h"
@@ -25,18 +32,130 @@ bool JobManager::IsFinal(v1::JobState state) {
 
 JobManager::JobManager(Clock* clock) : clock_(clock) {}
 
+absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& state_dir, Clock* clock) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(state_dir, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot create '", state_dir, "': ", ec.message()));
+  }
+  auto m = std::make_unique<JobManager>(clock);
+  std::vector<std::string> files;
+  for (const fs::directory_entry& f : fs::directory_iterator(state_dir, ec)) {
+    const std::string name = f.path().filename().string();
+    if (absl::StartsWith(name, "job-") && absl::EndsWith(name, ".pb")) files.push_back(f.path().string());
+  }
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot list '", state_dir, "': ", ec.message()));
+  absl::MutexLock lock(&m->mu_);
+  for (const std::string& path : files) {
+    ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
+    v1::JobRecord record;
+    if (!record.ParseFromString(bytes) || record.job().job_id().empty()) {
+      return absl::FailedPreconditionError(absl::StrCat("job record '", path, "' is damaged"));
+    }
+    Entry e;
+    e.job = std::move(*record.mutable_job());
+    e.events.assign(record.events().begin(), record.events().end());
+    int64_t n = 0;
+    if (absl::SimpleAtoi(absl::string_view(e.job.job_id()).substr(4), &n)) {
+      m->next_id_ = std::max(m->next_id_, n + 1);
+    }
+    m->jobs_.emplace(e.job.job_id(), std::move(e));
+  }
+  m->state_dir_ = state_dir;
+  for (auto& [id, e] : m->jobs_) {
+    const v1::JobState state = e.job.state();
+    if (state != v1::JOB_STATE_SCHEDULED && state != v1::JOB_STATE_RUNNING) continue;
+    std::string reason = "the coordinator restarted while the job ran";
+    if (!e.job.last_checkpoint().empty()) {
+      absl::StrAppend(&reason, "; resume from ", e.job.last_checkpoint());
+    }
+    m->AppendStateChangeLocked(e, v1::JOB_STATE_FAILED, reason);
+    m->PersistLocked(e);
+  }
+  return m;
+}
+
+void JobManager::PersistLocked(const Entry& e) {
+  if (state_dir_.empty()) return;
+  v1::JobRecord record;
+  *record.mutable_job() = e.job;
+  for (const v1::JobEvent& ev : e.events) *record.add_events() = ev;
+  const std::string path = absl::StrCat(state_dir_, "/", e.job.job_id(), ".pb");
+  if (absl::Status s = WriteFileAtomically(path, record.SerializeAsString()); !s.ok()) {
+    COLOD_LOG(ERROR) << "cannot record job " << e.job.job_id() << ": " << s;
+  }
+}
+
+v1::JobEvent& JobManager::NewEventLocked(Entry& e) {
+  v1::JobEvent& ev = e.events.emplace_back();
+  ev.set_job_id(e.job.job_id());
+  ev.set_sequence(static_cast<int64_t>(e.events.size()));
+  *ev.mutable_time() = ToProtoTimestamp(clock_->Now());
+  return ev;
+}
+
+absl::StatusOr<JobManager::Entry*> JobManager::FindLocked(absl::string_view job_id) {
+  auto it = jobs_.find(std::string(job_id));
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
+  return &it->second;
+}
+
 void JobManager::AppendStateChangeLocked(Entry& e, v1::JobState state, absl::string_view reason) {
-  const absl::Time now = clock_->Now();
   e.job.set_state(state);
   e.job.set_reason(std::string(reason));
-  *e.job.mutable_update_time() = ToProtoTimestamp(now);
-  v1::JobEvent ev;
-  ev.set_job_id(e.job.job_id());
-  ev.set_sequence(static_cast<int64_t>(e.events.size()) + 1);
-  *ev.mutable_time() = ToProtoTimestamp(now);
+  *e.job.mutable_update_time() = ToProtoTimestamp(clock_->Now());
+  v1::JobEvent& ev = NewEventLocked(e);
   ev.mutable_state_change()->set_state(state);
   ev.mutable_state_change()->set_reason(std::string(reason));
-  e.events.push_back(std::move(ev));
+}
+
+absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1::MeshSpec& mesh) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+  if (e->job.state() != v1::JOB_STATE_PENDING) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", job_id, "' is ", JobStateName(e->job.state()), ", not pending"));
+  }
+  *e->job.mutable_mesh() = mesh;
+  e->job.set_generation(e->job.generation() + 1);
+  AppendStateChangeLocked(*e, v1::JOB_STATE_SCHEDULED,
+                          absl::StrCat("ranks assigned to ", mesh.world_size(), " workers; connecting"));
+  PersistLocked(*e);
+  return e->job;
+}
+
+absl::StatusOr<v1::Job> JobManager::SetState(absl::string_view job_id, v1::JobState state,
+                                             absl::string_view reason) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+  if (IsFinal(e->job.state())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", job_id, "' already ended (", JobStateName(e->job.state()), ")"));
+  }
+  AppendStateChangeLocked(*e, state, reason);
+  PersistLocked(*e);
+  return e->job;
+}
+
+absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgress& step) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+  e->job.set_step(step.step());
+  e->job.set_loss(step.loss());
+  if (!step.checkpoint().empty()) e->job.set_last_checkpoint(step.checkpoint());
+  *e->job.mutable_update_time() = ToProtoTimestamp(clock_->Now());
+  *NewEventLocked(*e).mutable_step() = step;
+  PersistLocked(*e);
+  return absl::OkStatus();
+}
+
+absl::Status JobManager::AddRankStatus(absl::string_view job_id, const v1::RankStatus& status) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+  *NewEventLocked(*e).mutable_rank_status() = status;
+  PersistLocked(*e);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string_view request_id) {
@@ -50,12 +169,12 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
   *e.job.mutable_spec() = spec;
   *e.job.mutable_create_time() = ToProtoTimestamp(clock_->Now());
-  AppendStateChangeLocked(e, v1::JOB_STATE_PENDING, "waiting for workers");
   const std::string id = e.job.job_id();
   if (!request_id.empty()) job_by_request_id_[std::string(request_id)] = id;
-  v1::Job out = e.job;
-  jobs_.emplace(id, std::move(e));
-  return out;
+  Entry& added = jobs_.emplace(id, std::move(e)).first->second;
+  AppendStateChangeLocked(added, v1::JOB_STATE_PENDING, "waiting for workers");
+  PersistLocked(added);
+  return added.job;
 }
 
 absl::StatusOr<v1::Job> JobManager::Get(absl::string_view job_id) {
@@ -88,6 +207,7 @@ absl::StatusOr<v1::Job> JobManager::Cancel(absl::string_view job_id, absl::strin
   }
   AppendStateChangeLocked(e, v1::JOB_STATE_CANCELLED,
                           reason.empty() ? "cancelled by client" : reason);
+  PersistLocked(e);
   return e.job;
 }
 

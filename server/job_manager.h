@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,12 +19,24 @@
 namespace colod {
 
 // Holds every job and its event history. Jobs are validated on submit and
-// then wait in PENDING until a scheduler assigns ranks.
+// then wait in PENDING until the scheduler (server/scheduler.h) assigns ranks.
+//
+// With a state directory every change of a job is written there (one
+// JobRecord file per job, replaced atomically) before the call returns, so a
+// restarted coordinator knows its jobs, their events and last checkpoints.
+// Jobs that were SCHEDULED or RUNNING when the coordinator stopped are FAILED
+// on restart (their ranks' communicators died with it; the reason names the
+// checkpoint to resume from); PENDING jobs stay queued.
 //
 // Thread-safe. WaitForEvents blocks its caller, never the others.
 class JobManager {
  public:
   explicit JobManager(Clock* clock = Clock::Real());
+  // Loads the jobs recorded in `state_dir` (created if missing) and records
+  // every later change there. FAILED_PRECONDITION naming the file for a
+  // directory it cannot use or a record it cannot read.
+  static absl::StatusOr<std::unique_ptr<JobManager>> Open(const std::string& state_dir,
+                                                          Clock* clock = Clock::Real());
 
   // Validates (ValidateJobSpec) and adds a PENDING job. With a non-empty
   // request_id, a repeated submit returns the first job instead of a new one.
@@ -41,6 +54,17 @@ class JobManager {
     // True when the job is in a final state and `events` reaches its last event.
     bool finished = false;
   };
+  // PENDING -> SCHEDULED with the mesh (ranks assigned) and a new
+  // generation. FAILED_PRECONDITION unless the job is PENDING.
+  absl::StatusOr<v1::Job> Schedule(absl::string_view job_id, const v1::MeshSpec& mesh);
+  // Moves a job that has not ended to `state` (RUNNING or a final state).
+  // FAILED_PRECONDITION if it already ended.
+  absl::StatusOr<v1::Job> SetState(absl::string_view job_id, v1::JobState state, absl::string_view reason);
+  // Appends rank 0's step (and records step, loss and checkpoint on the job).
+  absl::Status AddStep(absl::string_view job_id, const v1::StepProgress& step);
+  // Appends a rank's phase change.
+  absl::Status AddRankStatus(absl::string_view job_id, const v1::RankStatus& status);
+
   // Events with sequence >= from_sequence. Waits up to `timeout` for at least
   // one if there are none yet. NOT_FOUND for an unknown id.
   absl::StatusOr<Events> WaitForEvents(absl::string_view job_id, int64_t from_sequence,
@@ -58,8 +82,14 @@ class JobManager {
   };
   void AppendStateChangeLocked(Entry& e, v1::JobState state, absl::string_view reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::JobEvent& NewEventLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Entry*> FindLocked(absl::string_view job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes the job's record to the state directory (if any); a failure is
+  // logged: the job goes on, only its record is stale.
+  void PersistLocked(const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Clock* const clock_;
+  std::string state_dir_;  // empty: in memory only
   absl::Mutex mu_;
   std::map<std::string, Entry> jobs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::string> job_by_request_id_ ABSL_GUARDED_BY(mu_);

@@ -12,7 +12,9 @@ v1::JobSpec TrainSpec() {
   v1::JobSpec s;
   s.set_name("gpt2-tiny");
   s.set_kind(v1::JOB_KIND_TRAIN);
-  s.mutable_model()->set_config_json(R"({"model_type": "gpt2", "n_embd": 64})");
+  s.mutable_model()->set_config_json(
+      R"({"model_type": "gpt2", "vocab_size": 257, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64})");
+  s.mutable_model()->set_weights_path("/models/gpt2-tiny");
   s.mutable_shard()->set_tensor_parallel_size(2);
   s.mutable_shard()->set_data_parallel_size(2);
   auto* t = s.mutable_train();
@@ -40,11 +42,12 @@ TEST(ValidateJobSpec, AcceptsAWellFormedSpecInEveryMode) {
   for (Mode m : {Mode{v1::TENSOR_PARALLEL_MODE_1D, 3, 0}, Mode{v1::TENSOR_PARALLEL_MODE_2D, 4, 0},
                  Mode{v1::TENSOR_PARALLEL_MODE_2D, 9, 0}, Mode{v1::TENSOR_PARALLEL_MODE_2P5D, 8, 2},
                  Mode{v1::TENSOR_PARALLEL_MODE_3D, 8, 0}, Mode{v1::TENSOR_PARALLEL_MODE_3D, 27, 0}}) {
-    v1::JobSpec s = TrainSpec();
-    s.mutable_shard()->set_tensor_parallel_mode(m.mode);
-    s.mutable_shard()->set_tensor_parallel_size(m.tp);
-    s.mutable_shard()->set_depth(m.depth);
-    EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+    v1::ShardConfig s;
+    s.set_tensor_parallel_mode(m.mode);
+    s.set_tensor_parallel_size(m.tp);
+    s.set_data_parallel_size(2);
+    s.set_depth(m.depth);
+    EXPECT_TRUE(ValidateShardConfig(s, "shard").ok()) << ValidateShardConfig(s, "shard");
   }
 }
 
@@ -125,6 +128,24 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s = TrainSpec();
   s.mutable_train()->clear_data_path();
   ExpectInvalid(s, "spec.train.data_path");
+
+  // The model must load at the layout: 4 heads do not split over tp = 3.
+  s = TrainSpec();
+  s.mutable_shard()->set_tensor_parallel_size(3);
+  s.mutable_train()->set_batch_size(6);
+  ExpectInvalid(s, "spec.shard");
+  s = TrainSpec();
+  s.mutable_model()->set_config_json(R"({"model_type": "gpt3", "n_embd": 64})");
+  ExpectInvalid(s, "spec.model.config_json");
+  s = TrainSpec();
+  s.mutable_model()->clear_weights_path();
+  ExpectInvalid(s, "spec.model.weights_path");
+  s = TrainSpec();
+  s.mutable_train()->set_seq_len(65);
+  ExpectInvalid(s, "spec.train.seq_len");
+  s = TrainSpec();
+  s.mutable_train()->set_data_format("csv");
+  ExpectInvalid(s, "spec.train.data_format");
 }
 
 TEST(JobManager, SubmitGetListCancel) {

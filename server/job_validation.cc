@@ -1,12 +1,15 @@
 #include "server/job_validation.h"
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "worker/shardformer/model_config.h"
 
 namespace colod {
 namespace {
@@ -18,7 +21,11 @@ absl::Status Invalid(absl::string_view path, absl::string_view field, absl::stri
 }
 
 
-absl::Status ValidateModel(const v1::ModelSpec& model, absl::string_view path) {
+// The model's config.json must parse for a family the workers know, and the
+// shard layout must fit it (heads divisible by tp, ...): a job that cannot
+// load is refused here rather than failing on every worker.
+absl::StatusOr<shardformer::ModelConfig> ValidateModel(const v1::ModelSpec& model, const v1::ShardConfig& shard,
+                                                       absl::string_view path) {
   if (model.config_json().empty()) {
     return Invalid(path, "config_json", "required: the content of the model's config.json");
   }
@@ -29,10 +36,21 @@ absl::Status ValidateModel(const v1::ModelSpec& model, absl::string_view path) {
   if (it == config.end() || !it->is_string() || it->get<std::string>().empty()) {
     return Invalid(path, "config_json", "has no string field \"model_type\"");
   }
+  absl::StatusOr<shardformer::ModelConfig> parsed = shardformer::ParseModelConfig(model.config_json());
+  if (!parsed.ok()) return Invalid(path, "config_json", parsed.status().message());
+  if (absl::Status s = shardformer::CheckShardable(*parsed, shard); !s.ok()) {
+    return Invalid("spec", "shard", s.message());
+  }
   if (!model.weights_path().empty() && !model.upload_id().empty()) {
     return Invalid(path, "weights_path", "set either weights_path or upload_id, not both");
   }
-  return absl::OkStatus();
+  if (!model.upload_id().empty()) {
+    return Invalid(path, "upload_id", "uploads through the coordinator are not supported yet: give weights_path");
+  }
+  if (model.weights_path().empty()) {
+    return Invalid(path, "weights_path", "required: a model.safetensors file or a model directory every worker can read");
+  }
+  return parsed;
 }
 
 absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shard,
@@ -71,6 +89,16 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
   }
   if (!v1::Optimizer_IsValid(t.optimizer())) return Invalid(path, "optimizer", "unknown value");
   if (!v1::Precision_IsValid(t.precision())) return Invalid(path, "precision", "unknown value");
+  static const char* const kFormats[] = {"", "auto", "uint16", "uint32", "npy", "text"};
+  if (std::find(std::begin(kFormats), std::end(kFormats), t.data_format()) == std::end(kFormats)) {
+    return Invalid(path, "data_format",
+                   absl::StrCat("'", t.data_format(), "' is not one of auto, uint16, uint32, npy, text"));
+  }
+  if (!(t.min_learning_rate() >= 0) || t.min_learning_rate() > t.learning_rate()) {
+    return Invalid(path, "min_learning_rate", "must be in [0, learning_rate]");
+  }
+  if (t.stop_after() < 0) return Invalid(path, "stop_after", "must be >= 0");
+  if (t.bucket_bytes() < 0) return Invalid(path, "bucket_bytes", "must be >= 0 (0: 25 MiB)");
   return absl::OkStatus();
 }
 
@@ -125,18 +153,24 @@ absl::Status ValidateShardConfig(const v1::ShardConfig& s, absl::string_view pat
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   RETURN_IF_ERROR(ValidateShardConfig(spec.shard(), "spec.shard"));
   switch (spec.kind()) {
-    case v1::JOB_KIND_TRAIN:
-      RETURN_IF_ERROR(ValidateModel(spec.model(), "spec.model"));
+    case v1::JOB_KIND_TRAIN: {
+      ASSIGN_OR_RETURN(shardformer::ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));
       RETURN_IF_ERROR(ValidateTrain(spec.train(), spec.shard(), "spec.train"));
+      if (spec.train().seq_len() > config.max_positions) {
+        return Invalid("spec.train", "seq_len",
+                       absl::StrCat(spec.train().seq_len(), " exceeds the model's ", config.max_positions,
+                                    " positions"));
+      }
       if (spec.shard().inference_only()) {
         return Invalid("spec", "shard.inference_only", "must be false for TRAIN jobs");
       }
       break;
+    }
     case v1::JOB_KIND_FORWARD:
-      RETURN_IF_ERROR(ValidateModel(spec.model(), "spec.model"));
-      break;
+      RETURN_IF_ERROR(ValidateModel(spec.model(), spec.shard(), "spec.model").status());
+      return Invalid("spec", "kind", "FORWARD jobs do not run on the daemons yet: use `coloctl forward`");
     case v1::JOB_KIND_TENSOR:
-      break;
+      return Invalid("spec", "kind", "TENSOR jobs do not run on the daemons yet");
     default:
       return Invalid("spec", "kind", "required: TRAIN, FORWARD or TENSOR");
   }

@@ -23,22 +23,6 @@ using ::colod::testing::TempPath;
 using ::colod::testing::RunCommand;
 using ::colod::testing::Subprocess;
 
-struct Daemon {
-  std::unique_ptr<Subprocess> process;
-  std::string grpc;
-};
-
-Daemon Start(const std::string& binary, const std::string& name, std::vector<std::string> flags) {
-  const std::string ready = TempPath(name + ".ready");
-  std::vector<std::string> argv = {Runfile(binary), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                                   "--ready-file", ready};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  Daemon d;
-  d.process = std::make_unique<Subprocess>(argv, "", TempPath(name + ".log"));
-  d.grpc = testing::ReadyValue(ready, "grpc", absl::Seconds(30)).value_or("");
-  return d;
-}
-
 absl::StatusOr<size_t> Workers(const std::string& address, const std::string& token) {
   CoordinatorClient::Options o;
   o.auth_token = token;
@@ -52,12 +36,12 @@ absl::StatusOr<size_t> Workers(const std::string& address, const std::string& to
 TEST(Auth, EveryColodCallNeedsTheTokenAndHealthStaysOpen) {
   std::ofstream(TempPath("token")) << "s3cret-token\n";
   std::ofstream(TempPath("other")) << "not-the-token";
-  Daemon coordinator = Start("server/colod-coordinator", "coordinator",
+  testing::Daemon coordinator = testing::StartDaemon("server/colod-coordinator", "coordinator",
                              {"--data-dir", TempPath("data"), "--auth-token-file", TempPath("token")});
   ASSERT_FALSE(coordinator.grpc.empty());
-  Daemon good = Start("worker/daemon/colod-worker", "good",
+  testing::Daemon good = testing::StartDaemon("worker/daemon/colod-worker", "good",
                       {"--coordinator", coordinator.grpc, "--device", "cpu", "--auth-token-file", TempPath("token")});
-  Daemon bad = Start("worker/daemon/colod-worker", "bad",
+  testing::Daemon bad = testing::StartDaemon("worker/daemon/colod-worker", "bad",
                      {"--coordinator", coordinator.grpc, "--device", "cpu", "--device-ordinal", "1",
                       "--auth-token-file", TempPath("other")});
   ASSERT_FALSE(good.grpc.empty());

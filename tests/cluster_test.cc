@@ -24,31 +24,13 @@ namespace {
 using ::colod::testing::Runfile;
 using ::colod::testing::TempPath;
 using testing::RunCommand;
+using testing::Daemon;
+using testing::StartDaemon;
 using testing::Subprocess;
 
 const std::string kCoordinator = "server/colod-coordinator";
 const std::string kWorker = "worker/daemon/colod-worker";
 const std::string kColoctl = "client/coloctl";
-
-struct Daemon {
-  std::unique_ptr<Subprocess> process;
-  std::string grpc;
-  std::string metrics;
-  std::string log;
-};
-
-Daemon StartDaemon(const std::string& binary, const std::string& name, std::vector<std::string> flags) {
-  Daemon d;
-  const std::string ready = TempPath(name + ".ready");
-  d.log = TempPath(name + ".log");
-  std::vector<std::string> argv = {Runfile(binary), "--listen", "127.0.0.1:0", "--metrics-listen",
-                                   "127.0.0.1:0", "--ready-file", ready};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  d.process = std::make_unique<Subprocess>(argv, "", d.log);
-  d.grpc = testing::ReadyValue(ready, "grpc", absl::Seconds(30)).value_or("");
-  d.metrics = testing::ReadyValue(ready, "metrics", absl::Seconds(30)).value_or("");
-  return d;
-}
 
 void ExpectHealthyDaemon(const Daemon& d, const std::string& service, const std::string& component) {
   ASSERT_FALSE(d.grpc.empty()) << testing::ReadFile(d.log);

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -12,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "tests/testing/temp_dir.h"
 
 namespace colod::testing {
 
@@ -98,6 +100,20 @@ std::optional<std::string> ReadyValue(const std::string& path, const std::string
     absl::SleepFor(absl::Milliseconds(20));
   }
   return std::nullopt;
+}
+
+Daemon StartDaemon(const std::string& binary, const std::string& name, std::vector<std::string> flags) {
+  Daemon d;
+  const std::string ready = TempPath(name + ".ready");
+  d.log = TempPath(name + ".log");
+  std::remove(ready.c_str());  // a restart must not read the last run's ports
+  std::vector<std::string> argv = {Runfile(binary), "--listen", "127.0.0.1:0", "--metrics-listen",
+                                   "127.0.0.1:0", "--ready-file", ready};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  d.process = std::make_unique<Subprocess>(argv, "", d.log);
+  d.grpc = ReadyValue(ready, "grpc", absl::Seconds(30)).value_or("");
+  d.metrics = ReadyValue(ready, "metrics", absl::Seconds(30)).value_or("");
+  return d;
 }
 
 }  // namespace colod::testing

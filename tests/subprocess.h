@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -51,6 +52,19 @@ std::string ReadFile(const std::string& path);
 
 // A data dependency of the test (e.g. "client/coloctl") in its runfiles.
 std::string Runfile(const std::string& path);
+
+// A colod daemon binary started on loopback with free ports.
+struct Daemon {
+  std::unique_ptr<Subprocess> process;
+  std::string grpc;     // HOST:PORT from its ready file; empty if it never got ready
+  std::string metrics;  // HOST:PORT of /metrics
+  std::string log;      // its stderr
+};
+
+// Starts `binary` (a runfile, e.g. "server/colod-coordinator") with
+// --listen/--metrics-listen 127.0.0.1:0 and a ready file under the test's
+// temp dir named after `name`, plus `flags`; waits up to 30 s for it.
+Daemon StartDaemon(const std::string& binary, const std::string& name, std::vector<std::string> flags);
 
 }  // namespace colod::testing
 

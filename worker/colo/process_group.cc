@@ -58,6 +58,11 @@ absl::Status ProcessGroup::Barrier() {
   return absl::OkStatus();
 }
 
+void ProcessGroup::Abort(const absl::Status& reason) {
+  absl::MutexLock lock(&mu_);
+  for (auto& [axis, comm] : comms_) comm->Abort(reason);
+}
+
 absl::Status ProcessGroup::InitAxes(std::vector<std::string> axes) {
   if (axes.empty()) {
     for (const MeshAxis& a : mesh_.axes()) axes.push_back(a.name);

@@ -64,6 +64,10 @@ class ProcessGroup {
   // Returns once every rank of the mesh has called it: a barrier along each
   // mesh axis in turn. Collective over the whole mesh.
   absl::Status Barrier();
+  // Aborts every communicator created so far (Communicator::Abort): their
+  // later collectives fail at once with `reason`. For stopping a rank from
+  // another thread; the group is unusable afterwards.
+  void Abort(const absl::Status& reason);
 
  private:
   ProcessGroup(DeviceMesh mesh, int rank, CommFactory factory, absl::Duration timeout)

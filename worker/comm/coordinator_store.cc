@@ -1,6 +1,7 @@
 #include "worker/comm/coordinator_store.h"
 
 #include "absl/time/clock.h"
+#include "common/auth.h"
 #include "common/grpc_status.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
@@ -8,12 +9,16 @@
 namespace colod {
 
 CoordinatorStore::CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubInterface> stub,
-                                   std::string scope, absl::Duration rpc_timeout)
-    : stub_(std::move(stub)), scope_(std::move(scope)), rpc_timeout_(rpc_timeout) {}
+                                   std::string scope, absl::Duration rpc_timeout, std::string auth_token)
+    : stub_(std::move(stub)),
+      scope_(std::move(scope)),
+      rpc_timeout_(rpc_timeout),
+      auth_token_(std::move(auth_token)) {}
 
 absl::Status CoordinatorStore::Set(absl::string_view key, std::string value) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
+  AddAuthToken(ctx, auth_token_);
   v1::KvSetRequest req;
   req.set_scope(scope_);
   req.set_key(std::string(key));
@@ -25,6 +30,7 @@ absl::Status CoordinatorStore::Set(absl::string_view key, std::string value) {
 absl::StatusOr<std::string> CoordinatorStore::Get(absl::string_view key) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
+  AddAuthToken(ctx, auth_token_);
   v1::KvGetRequest req;
   req.set_scope(scope_);
   req.set_key(std::string(key));
@@ -37,6 +43,7 @@ absl::StatusOr<std::vector<std::string>> CoordinatorStore::Wait(const std::vecto
                                                                 absl::Duration timeout) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout + rpc_timeout_));
+  AddAuthToken(ctx, auth_token_);
   v1::KvWaitRequest req;
   req.set_scope(scope_);
   for (const std::string& k : keys) req.add_keys(k);

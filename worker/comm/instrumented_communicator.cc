@@ -1,12 +1,58 @@
 #include "worker/comm/instrumented_communicator.h"
 
-namespace colod {
+#include "absl/time/clock.h"
 
-void InstrumentedCommunicator::Count(const char* op, int64_t elements, DType dtype) {
-  absl::MutexLock lock(&mu_);
-  OpStats& s = stats_[op];
-  ++s.calls;
-  s.bytes += elements * static_cast<int64_t>(SizeOf(dtype));
+namespace colod {
+namespace {
+
+// Tells the observer when the wrapped collective is first seen complete
+// (by Wait or IsCompleted), with the time since it was submitted.
+class ObservedWork final : public Work {
+ public:
+  ObservedWork(std::shared_ptr<Work> inner, std::function<void(absl::Duration)> done)
+      : inner_(std::move(inner)), start_(absl::Now()), done_(std::move(done)) {}
+
+  absl::Status Wait(absl::Duration timeout) override {
+    absl::Status s = inner_->Wait(timeout);
+    if (s.ok()) Report();
+    return s;
+  }
+  bool IsCompleted() override {
+    const bool completed = inner_->IsCompleted();
+    if (completed) Report();
+    return completed;
+  }
+
+ private:
+  void Report() {
+    absl::MutexLock lock(&mu_);
+    if (reported_) return;
+    reported_ = true;
+    done_(absl::Now() - start_);
+  }
+
+  const std::shared_ptr<Work> inner_;
+  const absl::Time start_;
+  const std::function<void(absl::Duration)> done_;
+  absl::Mutex mu_;
+  bool reported_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
+
+std::shared_ptr<Work> InstrumentedCommunicator::Observe(const char* op, int64_t elements, DType dtype,
+                                                        std::shared_ptr<Work> work) {
+  const int64_t bytes = elements * static_cast<int64_t>(SizeOf(dtype));
+  {
+    absl::MutexLock lock(&mu_);
+    OpStats& s = stats_[op];
+    ++s.calls;
+    s.bytes += bytes;
+  }
+  if (!observer_) return work;
+  return std::make_shared<ObservedWork>(std::move(work), [observer = observer_, op, bytes](absl::Duration d) {
+    observer(op, bytes, d);
+  });
 }
 
 InstrumentedCommunicator::OpStats InstrumentedCommunicator::Stats(const std::string& op) const {
@@ -21,45 +67,37 @@ std::map<std::string, InstrumentedCommunicator::OpStats> InstrumentedCommunicato
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::AllReduce(void* data, int64_t count, DType dtype, ReduceOp op) {
-  Count("all_reduce", count, dtype);
-  return inner_->AllReduce(data, count, dtype, op);
+  return Observe("all_reduce", count, dtype, inner_->AllReduce(data, count, dtype, op));
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::AllGather(const void* in, void* out, int64_t count, DType dtype) {
-  Count("all_gather", count, dtype);
-  return inner_->AllGather(in, out, count, dtype);
+  return Observe("all_gather", count, dtype, inner_->AllGather(in, out, count, dtype));
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::ReduceScatter(const void* in, void* out, int64_t count, DType dtype,
                                                               ReduceOp op) {
-  Count("reduce_scatter", count * size(), dtype);
-  return inner_->ReduceScatter(in, out, count, dtype, op);
+  return Observe("reduce_scatter", count * size(), dtype, inner_->ReduceScatter(in, out, count, dtype, op));
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Broadcast(void* data, int64_t count, DType dtype, int root) {
-  Count("broadcast", count, dtype);
-  return inner_->Broadcast(data, count, dtype, root);
+  return Observe("broadcast", count, dtype, inner_->Broadcast(data, count, dtype, root));
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::AllToAll(const void* in, void* out, int64_t count, DType dtype) {
-  Count("all_to_all", count * size(), dtype);
-  return inner_->AllToAll(in, out, count, dtype);
+  return Observe("all_to_all", count * size(), dtype, inner_->AllToAll(in, out, count, dtype));
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Send(const void* data, int64_t count, DType dtype, int dst,
                                                      uint32_t tag) {
-  Count("send", count, dtype);
-  return inner_->Send(data, count, dtype, dst, tag);
+  return Observe("send", count, dtype, inner_->Send(data, count, dtype, dst, tag));
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Recv(void* data, int64_t count, DType dtype, int src, uint32_t tag) {
-  Count("recv", count, dtype);
-  return inner_->Recv(data, count, dtype, src, tag);
+  return Observe("recv", count, dtype, inner_->Recv(data, count, dtype, src, tag));
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Barrier() {
-  Count("barrier", 0, DType::kF32);
-  return inner_->Barrier();
+  return Observe("barrier", 0, DType::kF32, inner_->Barrier());
 }
 
 }  // namespace colod

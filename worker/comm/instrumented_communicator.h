@@ -5,6 +5,7 @@
 #define COLOD_WORKER_COMM_INSTRUMENTED_COMMUNICATOR_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -23,7 +24,13 @@ class InstrumentedCommunicator final : public Communicator {
     int64_t bytes = 0;  // the op's input payload on this rank
   };
 
-  explicit InstrumentedCommunicator(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+  // Called once per collective when it is first seen complete (by Work::Wait
+  // or IsCompleted), with the op name, this rank's input bytes and the time
+  // from submission; from the thread that saw it. Must be thread-safe.
+  using Observer = std::function<void(const char* op, int64_t bytes, absl::Duration elapsed)>;
+
+  explicit InstrumentedCommunicator(std::unique_ptr<Communicator> inner, Observer observer = nullptr)
+      : inner_(std::move(inner)), observer_(std::move(observer)) {}
 
   // Ops are "all_reduce", "all_gather", "reduce_scatter", "broadcast",
   // "all_to_all", "send", "recv", "barrier".
@@ -45,9 +52,11 @@ class InstrumentedCommunicator final : public Communicator {
   absl::Status AsyncError() override { return inner_->AsyncError(); }
 
  private:
-  void Count(const char* op, int64_t elements, DType dtype);
+  // Counts the op and wraps its work for the observer.
+  std::shared_ptr<Work> Observe(const char* op, int64_t elements, DType dtype, std::shared_ptr<Work> work);
 
   const std::unique_ptr<Communicator> inner_;
+  const Observer observer_;
   mutable absl::Mutex mu_;
   std::map<std::string, OpStats> stats_ ABSL_GUARDED_BY(mu_);
 };

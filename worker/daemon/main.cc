@@ -2,6 +2,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/time/time.h"
 #include "common/security_flags.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
@@ -22,6 +23,11 @@ ABSL_FLAG(std::string, advertise_host, "",
 ABSL_FLAG(std::string, device, "auto",
           "auto (CUDA when built with CUDA and the GPU exists, else CPU), cpu, or cuda.");
 ABSL_FLAG(int, device_ordinal, 0, "GPU index this worker uses (one worker per GPU).");
+ABSL_FLAG(std::string, work_dir, "",
+          "Scratch directory for job ranks (each gets a subdirectory, removed when it ends). Default: a "
+          "fresh directory under $TMPDIR (or /tmp), removed at exit.");
+ABSL_FLAG(absl::Duration, comm_timeout, absl::Minutes(2),
+          "How long a job rank waits for its peers to connect and for each collective before it fails.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -34,7 +40,10 @@ constexpr char kUsage[] =
     "Serves WorkerService, grpc.health.v1 and server reflection on --listen and Prometheus\n"
     "metrics on --metrics-listen. With --coordinator it registers, heartbeats, and\n"
     "re-registers if the coordinator forgets it; colod.v1.WorkerService reports SERVING\n"
-    "once registered. Computes with CUDA + NCCL on a GPU, OpenBLAS + Gloo on a CPU.\n"
+    "once registered. Runs the ranks of jobs the coordinator assigns (AssignJob): builds\n"
+    "its communicators through the coordinator's rendezvous store, loads its shard of the\n"
+    "model, trains, reports progress, and goes back to idle; AbortJob stops it.\n"
+    "Computes with CUDA + NCCL on a GPU, OpenBLAS + Gloo on a CPU.\n"
     "Stops cleanly on SIGTERM or SIGINT.\n"
     "\n"
     "Usage:\n"
@@ -59,6 +68,8 @@ int main(int argc, char** argv) {
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.device = absl::GetFlag(FLAGS_device);
   options.device_ordinal = absl::GetFlag(FLAGS_device_ordinal);
+  options.work_dir = absl::GetFlag(FLAGS_work_dir);
+  options.comm_timeout = absl::GetFlag(FLAGS_comm_timeout);
   auto security = colod::SecurityFromFlags();
   if (!security.ok()) {
     COLOD_LOG(ERROR) << security.status().message();

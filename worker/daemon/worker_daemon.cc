@@ -1,6 +1,12 @@
 #include "worker/daemon/worker_daemon.h"
 
+#include <stdlib.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
@@ -71,22 +77,50 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
 
   w->registry_ = std::make_shared<prometheus::Registry>();
   AddBuildInfo(*w->registry_, "worker");
+  w->job_metrics_ = std::make_unique<WorkerMetrics>(*w->registry_);
   ASSIGN_OR_RETURN(w->metrics_, MetricsServer::Start(options.metrics_listen, w->registry_));
   WorkerDaemon* raw = w.get();
-  w->service_ = std::make_unique<WorkerServiceImpl>([raw] { return raw->Info(); },
-                                                    [raw] { return raw->Status(); }, TokenAuth(options.auth_token));
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> server_credentials, MakeServerCredentials(options.tls));
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> channel_credentials,
                    MakeChannelCredentials(options.tls));
-  ASSIGN_OR_RETURN(w->grpc_, StartGrpcServer(options.listen, {w->service_.get()}, server_credentials));
 
   HostPort advertise = listen;
-  advertise.port = w->grpc_.port;
   if (!options.advertise_host.empty()) {
     advertise.host = options.advertise_host;
   } else if (IsWildcard(listen.host)) {
     advertise.host = LocalHostName();
   }
+  if (!options.coordinator.empty()) {
+    w->coordinator_ = v1::CoordinatorService::NewStub(grpc::CreateChannel(options.coordinator, channel_credentials));
+    w->work_dir_ = options.work_dir;
+    if (w->work_dir_.empty()) {
+      const char* tmp = std::getenv("TMPDIR");
+      std::string pattern = absl::StrCat(tmp != nullptr && tmp[0] != '\0' ? tmp : "/tmp", "/colod-worker.XXXXXX");
+      if (::mkdtemp(pattern.data()) == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat("cannot create a work directory ", pattern, ": ",
+                                                          std::strerror(errno)));
+      }
+      w->work_dir_ = pattern;
+      w->own_work_dir_ = true;
+    }
+    JobRunner::Options ro;
+    ro.work_dir = w->work_dir_;
+    ro.host = advertise.host;
+    ro.cuda = w->info_.device_kind() == v1::DEVICE_KIND_CUDA;
+    ro.device_ordinal = options.device_ordinal;
+    ro.coordinator = w->coordinator_;
+    ro.auth_token = options.auth_token;
+    ro.rpc_timeout = options.rpc_timeout;
+    ro.comm_timeout = options.comm_timeout;
+    ro.worker_id = [raw] { return raw->worker_id(); };
+    ro.metrics = w->job_metrics_.get();
+    w->runner_ = std::make_unique<JobRunner>(ro);
+  }
+  w->service_ = std::make_unique<WorkerServiceImpl>([raw] { return raw->Info(); }, [raw] { return raw->Status(); },
+                                                    w->runner_.get(), TokenAuth(options.auth_token));
+  ASSIGN_OR_RETURN(w->grpc_, StartGrpcServer(options.listen, {w->service_.get()}, server_credentials));
+
+  advertise.port = w->grpc_.port;
   HostPort metrics_advertise = advertise;
   metrics_advertise.port = w->metrics_->port();
   w->info_.set_address(advertise.ToString());
@@ -100,7 +134,6 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
   } else {
     // Not ready for work until registered; say so rather than "unknown service".
     SetServing(*w->grpc_.server, kServiceName, false);
-    w->coordinator_ = v1::CoordinatorService::NewStub(grpc::CreateChannel(options.coordinator, channel_credentials));
     w->loop_ = std::thread([raw] { raw->CoordinatorLoop(); });
     COLOD_LOG(INFO) << "worker serving on " << w->address() << ", registering with "
                     << options.coordinator;
@@ -118,6 +151,7 @@ v1::WorkerInfo WorkerDaemon::Info() const {
 }
 
 v1::WorkerStatus WorkerDaemon::Status() const {
+  if (runner_ != nullptr) return runner_->Status();
   v1::WorkerStatus s;
   s.set_state(v1::WORKER_STATE_IDLE);
   return s;
@@ -218,7 +252,12 @@ void WorkerDaemon::Shutdown() {
   COLOD_LOG(INFO) << "worker shutting down";
   if (loop_.joinable()) loop_.join();
   StopGrpcServer(*grpc_.server, absl::Seconds(2));
+  runner_.reset();  // aborts a running rank and waits for it
   metrics_.reset();
+  if (own_work_dir_) {
+    std::error_code ec;
+    std::filesystem::remove_all(work_dir_, ec);
+  }
 }
 
 WorkerDaemon::~WorkerDaemon() {

@@ -15,6 +15,8 @@
 #include "common/auth.h"
 #include "common/grpc_server.h"
 #include "common/metrics.h"
+#include "worker/daemon/job_runner.h"
+#include "worker/daemon/worker_metrics.h"
 #include "worker/daemon/worker_service.h"
 
 namespace colod {
@@ -45,6 +47,11 @@ class WorkerDaemon {
     std::string auth_token;
     // TLS files for both this worker's port and its calls to the coordinator.
     TlsFiles tls;
+    // Scratch space for job ranks. Empty: a fresh directory under $TMPDIR
+    // (or /tmp), removed at shutdown.
+    std::string work_dir;
+    // Rendezvous and per-collective limit of job ranks.
+    absl::Duration comm_timeout = absl::Minutes(2);
   };
 
   // INVALID_ARGUMENT for bad options (addresses, device), UNAVAILABLE if an
@@ -64,6 +71,8 @@ class WorkerDaemon {
   bool WaitRegistered(absl::Duration timeout) const;
   // Heartbeats the coordinator accepted since start.
   int64_t heartbeats_acked() const;
+  // IDLE, or BUSY with the rank it runs.
+  v1::WorkerStatus status() const { return Status(); }
 
  private:
   explicit WorkerDaemon(Options options);
@@ -76,10 +85,14 @@ class WorkerDaemon {
   const Options options_;
   v1::WorkerInfo info_;  // fixed after Start (worker_id excepted, kept in worker_id_)
   std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<WorkerMetrics> job_metrics_;
+  std::unique_ptr<JobRunner> runner_;  // null when standalone
+  std::string work_dir_;
+  bool own_work_dir_ = false;
   std::unique_ptr<WorkerServiceImpl> service_;
   std::unique_ptr<MetricsServer> metrics_;
   StartedGrpcServer grpc_;
-  std::unique_ptr<v1::CoordinatorService::Stub> coordinator_;
+  std::shared_ptr<v1::CoordinatorService::Stub> coordinator_;
   std::thread loop_;
 
   mutable absl::Mutex mu_;

@@ -142,6 +142,10 @@ TEST(WorkerDaemon, GetStatusAndUnsupportedCallsSayWhat) {
   v1::AssignJobRequest assign;
   v1::AssignJobResponse asr;
   EXPECT_EQ(stub->AssignJob(&ctx3, assign, &asr).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // A standalone worker has no rendezvous store to build communicators with.
+  grpc::ClientContext ctx4;
+  assign.set_job_id("job-000001");
+  EXPECT_EQ(stub->AssignJob(&ctx4, assign, &asr).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
 }
 
 TEST(WorkerDaemon, RejectsBadOptions) {

@@ -6,27 +6,30 @@
 namespace colod {
 
 WorkerServiceImpl::WorkerServiceImpl(std::function<v1::WorkerInfo()> info_fn,
-                                     std::function<v1::WorkerStatus()> status_fn, TokenAuth auth)
-    : info_fn_(std::move(info_fn)), status_fn_(std::move(status_fn)), auth_(std::move(auth)) {}
+                                     std::function<v1::WorkerStatus()> status_fn, JobRunner* runner,
+                                     TokenAuth auth)
+    : info_fn_(std::move(info_fn)), status_fn_(std::move(status_fn)), runner_(runner), auth_(std::move(auth)) {}
 
 grpc::Status WorkerServiceImpl::AssignJob(grpc::ServerContext* ctx, const v1::AssignJobRequest* req,
                                           v1::AssignJobResponse*) {
   if (absl::Status a = auth_.Check(*ctx); !a.ok()) return ToGrpcStatus(a);
   if (req->job_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required");
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                      "this colod worker cannot run jobs yet (job execution is not built in)");
+  if (runner_ == nullptr) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "this worker runs standalone (no --coordinator) and cannot rendezvous for a job");
+  }
+  return ToGrpcStatus(runner_->Assign(*req));
 }
 
 grpc::Status WorkerServiceImpl::AbortJob(grpc::ServerContext* ctx, const v1::AbortJobRequest* req,
                                          v1::AbortJobResponse*) {
   if (absl::Status a = auth_.Check(*ctx); !a.ok()) return ToGrpcStatus(a);
   if (req->job_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required");
-  v1::WorkerStatus status = status_fn_();
-  if (status.job_id() != req->job_id()) {
+  if (runner_ == nullptr) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND,
                         absl::StrCat("this worker does not run job '", req->job_id(), "'"));
   }
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "job execution is not built in");
+  return ToGrpcStatus(runner_->Abort(*req));
 }
 
 grpc::Status WorkerServiceImpl::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,

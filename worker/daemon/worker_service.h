@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "common/auth.h"
+#include "worker/daemon/job_runner.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "colod/v1/worker.grpc.pb.h"
@@ -16,15 +17,17 @@ namespace colod {
 class WorkerServiceImpl final : public v1::WorkerService::Service {
  public:
   // Every call is checked against `auth` first (UNAUTHENTICATED).
+  // `runner` runs assigned ranks; null for a standalone worker, which
+  // refuses AssignJob with FAILED_PRECONDITION (no coordinator to rendezvous
+  // through). It must outlive the service.
   WorkerServiceImpl(std::function<v1::WorkerInfo()> info_fn, std::function<v1::WorkerStatus()> status_fn,
-                    TokenAuth auth = TokenAuth());
+                    JobRunner* runner, TokenAuth auth = TokenAuth());
 
-  // Job execution arrives with the training engine; until then a worker
-  // runs no job and says so (UNIMPLEMENTED), rather than accepting work it
-  // would silently drop.
+  // Starts the rank (JobRunner::Assign) and returns at once; progress goes
+  // to the coordinator.
   grpc::Status AssignJob(grpc::ServerContext*, const v1::AssignJobRequest*,
                          v1::AssignJobResponse*) override;
-  // NOT_FOUND unless the worker runs that job.
+  // NOT_FOUND unless the worker runs that job; ABORTED for a stale generation.
   grpc::Status AbortJob(grpc::ServerContext*, const v1::AbortJobRequest*,
                         v1::AbortJobResponse*) override;
   grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
@@ -33,6 +36,7 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
  private:
   const std::function<v1::WorkerInfo()> info_fn_;
   const std::function<v1::WorkerStatus()> status_fn_;
+  JobRunner* const runner_;
   const TokenAuth auth_;
 };
 

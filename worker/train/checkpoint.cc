@@ -16,6 +16,8 @@
 #include "worker/shardformer/safetensors.h"
 
 namespace colod::train {
+
+std::string StepDir(const std::string& dir, int64_t step) { return absl::StrFormat("%s/step-%06d", dir, step); }
 namespace {
 
 using Json = nlohmann::json;
@@ -23,7 +25,6 @@ namespace fs = std::filesystem;
 
 constexpr char kState[] = "train_state.json";
 
-std::string StepDir(const std::string& dir, int64_t step) { return absl::StrFormat("%s/step-%06d", dir, step); }
 std::string OptimFile(int rank, int world) {
   return absl::StrFormat("optim-rank-%05d-of-%05d.safetensors", rank, world);
 }

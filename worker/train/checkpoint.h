@@ -24,7 +24,10 @@
 
 namespace colod::train {
 
-// After `step` (1-based) optimizer steps.
+// The checkpoint directory of `step` under `dir`: DIR/step-NNNNNN.
+std::string StepDir(const std::string& dir, int64_t step);
+
+// After `step` (1-based) optimizer steps, into StepDir(dir, step).
 absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer& optimizer, const std::string& dir,
                                     int64_t step, uint64_t seed);
 

@@ -15,7 +15,16 @@ namespace colod::train {
 
 using shardformer::NamedParam;
 
-absl::Status Train(const TrainOptions& o, const std::function<void(const StepStats&)>& on_step) {
+struct PreparedTrain {
+  TrainOptions options;
+  std::string resume;  // the checkpoint to resume from, if any
+  uint64_t seed = 0;
+  std::unique_ptr<TokenCorpus> corpus;
+  std::unique_ptr<BatchSampler> sampler;
+  int64_t micro_rows = 0;
+};
+
+absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOptions& o) {
   if (o.steps < 1 || o.micro_batches < 1) return absl::InvalidArgumentError("steps and micro_batches must be >= 1");
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(o.shard.layout));
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
@@ -25,84 +34,107 @@ absl::Status Train(const TrainOptions& o, const std::function<void(const StepSta
     return absl::InvalidArgumentError(absl::StrCat("seq_len ", o.seq_len, " exceeds the model's ",
                                                    config.max_positions, " positions"));
   }
-  std::string resume;
-  uint64_t seed = o.seed;
+  auto run = std::make_shared<PreparedTrain>();
+  run->options = o;
+  run->seed = o.seed;
   if (!o.resume_dir.empty()) {
-    ASSIGN_OR_RETURN(resume, LatestCheckpoint(o.resume_dir));
-    ASSIGN_OR_RETURN(Resumed state, ReadTrainState(resume));
-    seed = state.seed;  // the sampler continues the stream it was on
+    ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir));
+    ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
+    run->seed = state.seed;  // the sampler continues the stream it was on
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<TokenCorpus> corpus, TokenCorpus::Open(o.data_path, o.data_format));
-  ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(corpus->size(), o.seq_len, o.batch_size, dp, seed));
+  ASSIGN_OR_RETURN(run->corpus, TokenCorpus::Open(o.data_path, o.data_format));
+  ASSIGN_OR_RETURN(BatchSampler sampler,
+                   BatchSampler::Create(run->corpus->size(), o.seq_len, o.batch_size, dp, run->seed));
+  run->sampler = std::make_unique<BatchSampler>(std::move(sampler));
   const int64_t rows = o.batch_size / dp;
   if (rows % o.micro_batches != 0) {
     return absl::InvalidArgumentError(absl::StrCat("each replica's ", rows, " sequences do not split into ",
                                                    o.micro_batches, " micro-batches"));
   }
-  const int64_t micro_rows = rows / o.micro_batches;
+  run->micro_rows = rows / o.micro_batches;
+  return std::shared_ptr<const PreparedTrain>(std::move(run));
+}
 
+absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard,
+                          const RankHooks& hooks) {
+  const TrainOptions& o = run.options;
+  const int64_t micro_rows = run.micro_rows;
+  ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
+                   shardformer::ShardFormer(shard, &pg).Load(o.model_dir));
+  std::vector<NamedParam> params = model->Parameters();
+  ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer));
+  ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(params, &pg, o.bucket_bytes));
+  ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
+  int64_t first = 0;
+  if (!run.resume.empty()) {
+    ASSIGN_OR_RETURN(Resumed r, RestoreTrainingCheckpoint(run.resume, *model, optimizer));
+    first = r.step;
+  }
+  if (hooks.on_start) hooks.on_start();
+  for (int64_t step = first; step < o.steps; ++step) {
+    if (hooks.stop && hooks.stop()) {
+      return absl::CancelledError(absl::StrCat("stopped before step ", step + 1));
+    }
+    const absl::Time start = absl::Now();
+    optimizer.ZeroGrad();
+    Tensor inputs, labels;
+    RETURN_IF_ERROR(run.sampler->Batch(*run.corpus, step, replica, &inputs, &labels));
+    double loss = 0;
+    for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
+      ASSIGN_OR_RETURN(Tensor in, inputs.Narrow(0, mb * micro_rows, micro_rows));
+      ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, mb * micro_rows, micro_rows));
+      sync->set_enabled(mb + 1 == o.micro_batches);  // accumulate, then reduce once
+      ASSIGN_OR_RETURN(ColoTensor logits, model->Forward(in.Contiguous()));
+      ASSIGN_OR_RETURN(shardformer::LmLoss l, model->TokenLoss(logits, want.Contiguous()));
+      ASSIGN_OR_RETURN(Variable scaled, Scale(l.loss, 1.0f / static_cast<float>(o.micro_batches)));
+      RETURN_IF_ERROR(Backward(scaled));
+      loss += l.value / static_cast<double>(o.micro_batches);
+    }
+    RETURN_IF_ERROR(sync->Finish());
+    ASSIGN_OR_RETURN(double norm, ClipGradNorm(params, o.clip_norm, &pg));
+    const double lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
+    RETURN_IF_ERROR(optimizer.Step(lr));
+    StepStats s;
+    s.rank = rank;
+    s.step = step + 1;
+    s.loss = loss;
+    s.lr = lr;
+    s.grad_norm = norm;
+    s.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    s.tokens_per_second = s.seconds > 0 ? static_cast<double>(o.batch_size * o.seq_len) / s.seconds : 0;
+    s.rank_tokens = micro_rows * o.micro_batches * o.seq_len;
+    for (const NamedParam& p : params) {
+      s.param_bytes += p.bound.param.local().nbytes();
+      if (auto g = p.bound.param.variable().grad()) s.grad_bytes += g->nbytes();
+    }
+    s.optimizer_bytes = optimizer.state_bytes();
+    const bool last = step + 1 == o.steps;
+    if (!o.save_dir.empty() && o.save_every > 0 && ((step + 1) % o.save_every == 0 || last)) {
+      RETURN_IF_ERROR(SaveTrainingCheckpoint(*model, optimizer, o.save_dir, step + 1, run.seed));
+      s.checkpoint = StepDir(o.save_dir, step + 1);
+    }
+    if (hooks.on_step) hooks.on_step(s);
+    if (step + 1 == o.stop_after) return absl::OkStatus();
+  }
+  if (o.final_dir.empty()) return absl::OkStatus();
+  const std::string sharded = o.final_dir + "/.sharded";
+  RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(*model, sharded));
+  if (rank != 0) return absl::OkStatus();
+  RETURN_IF_ERROR(shardformer::ConsolidateCheckpoint(sharded, o.final_dir));
+  std::error_code ec;
+  std::filesystem::remove_all(sharded, ec);
+  return absl::OkStatus();
+}
+
+absl::Status Train(const TrainOptions& o, const std::function<void(const StepStats&)>& on_step) {
+  ASSIGN_OR_RETURN(std::shared_ptr<const PreparedTrain> run, PrepareTrain(o));
+  RankHooks hooks;
+  hooks.on_step = [&](const StepStats& s) {
+    if (s.rank == 0 && on_step) on_step(s);
+  };
   return shardformer::RunOnLocalRanks(o.shard, o.cuda, [&](int rank, ProcessGroup& pg,
-                                                           const shardformer::ShardConfig& shard) -> absl::Status {
-    ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
-                     shardformer::ShardFormer(shard, &pg).Load(o.model_dir));
-    std::vector<NamedParam> params = model->Parameters();
-    ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer));
-    ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(params, &pg, o.bucket_bytes));
-    ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
-    int64_t first = 0;
-    if (!resume.empty()) {
-      ASSIGN_OR_RETURN(Resumed r, RestoreTrainingCheckpoint(resume, *model, optimizer));
-      first = r.step;
-    }
-    for (int64_t step = first; step < o.steps; ++step) {
-      const absl::Time start = absl::Now();
-      optimizer.ZeroGrad();
-      Tensor inputs, labels;
-      RETURN_IF_ERROR(sampler.Batch(*corpus, step, replica, &inputs, &labels));
-      double loss = 0;
-      for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
-        ASSIGN_OR_RETURN(Tensor in, inputs.Narrow(0, mb * micro_rows, micro_rows));
-        ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, mb * micro_rows, micro_rows));
-        sync->set_enabled(mb + 1 == o.micro_batches);  // accumulate, then reduce once
-        ASSIGN_OR_RETURN(ColoTensor logits, model->Forward(in.Contiguous()));
-        ASSIGN_OR_RETURN(shardformer::LmLoss l, model->TokenLoss(logits, want.Contiguous()));
-        ASSIGN_OR_RETURN(Variable scaled, Scale(l.loss, 1.0f / static_cast<float>(o.micro_batches)));
-        RETURN_IF_ERROR(Backward(scaled));
-        loss += l.value / static_cast<double>(o.micro_batches);
-      }
-      RETURN_IF_ERROR(sync->Finish());
-      ASSIGN_OR_RETURN(double norm, ClipGradNorm(params, o.clip_norm, &pg));
-      const double lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
-      RETURN_IF_ERROR(optimizer.Step(lr));
-      if (rank == 0 && on_step) {
-        StepStats s;
-        s.step = step + 1;
-        s.loss = loss;
-        s.lr = lr;
-        s.grad_norm = norm;
-        const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-        s.tokens_per_second = seconds > 0 ? static_cast<double>(o.batch_size * o.seq_len) / seconds : 0;
-        for (const NamedParam& p : params) {
-          s.param_bytes += p.bound.param.local().nbytes();
-          if (auto g = p.bound.param.variable().grad()) s.grad_bytes += g->nbytes();
-        }
-        s.optimizer_bytes = optimizer.state_bytes();
-        on_step(s);
-      }
-      const bool last = step + 1 == o.steps;
-      if (!o.save_dir.empty() && o.save_every > 0 && ((step + 1) % o.save_every == 0 || last)) {
-        RETURN_IF_ERROR(SaveTrainingCheckpoint(*model, optimizer, o.save_dir, step + 1, seed));
-      }
-      if (step + 1 == o.stop_after) return absl::OkStatus();
-    }
-    if (o.final_dir.empty()) return absl::OkStatus();
-    const std::string sharded = o.final_dir + "/.sharded";
-    RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(*model, sharded));
-    if (rank != 0) return absl::OkStatus();
-    RETURN_IF_ERROR(shardformer::ConsolidateCheckpoint(sharded, o.final_dir));
-    std::error_code ec;
-    std::filesystem::remove_all(sharded, ec);
-    return absl::OkStatus();
+                                                           const shardformer::ShardConfig& shard) {
+    return RunTrainRank(*run, rank, pg, shard, hooks);
   });
 }
 

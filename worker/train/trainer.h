@@ -12,6 +12,7 @@
 #define COLOD_WORKER_TRAIN_TRAINER_H_
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -45,14 +46,19 @@ struct TrainOptions {
   bool cuda = false;          // one rank per CUDA device over NCCL (else host tensors over Gloo)
 };
 
-// What each step reports (from rank 0; the memory figures are rank 0's).
+// What each step reports. Train() reports rank 0's; RunTrainRank reports
+// every rank's own (the loss is the global batch's on every rank).
 struct StepStats {
+  int rank = 0;
   int64_t step = 0;  // 1-based
   double loss = 0;
   double lr = 0;
   double grad_norm = 0;  // before clipping
   double tokens_per_second = 0;
+  double seconds = 0;      // the step's wall time
+  int64_t rank_tokens = 0; // tokens this rank's replica processed in the step
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  std::string checkpoint;  // the training checkpoint written after this step, if any
 };
 
 // INVALID_ARGUMENT, before any rank starts, for options that do not fit
@@ -62,6 +68,29 @@ struct StepStats {
 // Resuming continues with the checkpoint's seed and the step after its own,
 // and reports exactly the losses the uninterrupted run would have.
 absl::Status Train(const TrainOptions& options, const std::function<void(const StepStats&)>& on_step);
+
+// A run validated and opened once (options, model config, corpus, sampler,
+// resume point), shared read-only by the ranks of one process. Train() is
+// PrepareTrain + RunTrainRank on local ranks; a worker daemon prepares its
+// own copy and runs the one rank it was assigned.
+struct PreparedTrain;
+absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOptions& options);
+
+struct RankHooks {
+  // Called on this rank once the model (and any checkpoint) is loaded,
+  // before the first step.
+  std::function<void()> on_start;
+  // Called on this rank after each step.
+  std::function<void(const StepStats&)> on_step;
+  // Polled before each step; when it returns true the rank stops with
+  // CANCELLED (its peers see their collectives fail or time out, and are
+  // stopped by the same signal).
+  std::function<bool()> stop;
+};
+
+// One rank's training loop on `pg` (every rank of the mesh must run it).
+absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard,
+                          const RankHooks& hooks);
 
 }  // namespace colod::train
 

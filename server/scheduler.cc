@@ -1,0 +1,301 @@
+#include "server/scheduler.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/auth.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "grpcpp/create_channel.h"
+#include "server/placement.h"
+#include "worker/colo/mesh.h"
+
+namespace colod {
+namespace {
+
+std::string RankName(const v1::MeshSpec& mesh, int rank) {
+  const v1::RankAssignment& a = mesh.ranks(rank);
+  return absl::StrCat("rank ", rank, " (worker ", a.worker_id(), " at ", a.worker_address(), ")");
+}
+
+}  // namespace
+
+Scheduler::Scheduler(JobManager* jobs, WorkerRegistry* workers, RendezvousStore* store, Options options)
+    : jobs_(jobs), workers_(workers), store_(store), options_(std::move(options)) {}
+
+Scheduler::~Scheduler() { Stop(); }
+
+void Scheduler::Start() { thread_ = std::thread([this] { Loop(); }); }
+
+void Scheduler::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void Scheduler::Wake() {
+  absl::MutexLock lock(&mu_);
+  wake_ = true;
+}
+
+void Scheduler::Loop() {
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return wake_ || stopping_; };
+    mu_.AwaitWithTimeout(absl::Condition(&woken), options_.period);
+    if (stopping_) break;
+    wake_ = false;
+    mu_.Unlock();
+    Tick();
+    mu_.Lock();
+  }
+}
+
+void Scheduler::Tick() {
+  std::set<std::string> live;
+  for (const v1::Worker& w : workers_->List(/*include_lost=*/false)) live.insert(w.info().worker_id());
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, p] : placed_) {
+      for (const v1::RankAssignment& a : p.mesh.ranks()) {
+        if (p.ended.count(a.rank()) || live.count(a.worker_id())) continue;
+        p.ended.insert(a.rank());
+        if (!p.final) {
+          EndLocked(p, v1::JOB_STATE_FAILED,
+                    absl::StrCat(RankName(p.mesh, a.rank()), " was lost: no heartbeat within its lease"), a.rank());
+        }
+      }
+    }
+    ReleaseLocked();
+  }
+  SendAborts();
+  ScheduleQueued();
+  SendAborts();
+}
+
+void Scheduler::ScheduleQueued() {
+  std::vector<v1::Job> pending = jobs_->List({v1::JOB_STATE_PENDING});
+  if (pending.empty()) return;
+  std::set<std::string> held;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, p] : placed_) {
+      for (const v1::RankAssignment& a : p.mesh.ranks()) {
+        if (!p.ended.count(a.rank())) held.insert(a.worker_id());
+      }
+    }
+  }
+  std::vector<v1::WorkerInfo> cpu, cuda;
+  for (const v1::Worker& w : workers_->List(/*include_lost=*/false)) {
+    // A worker still winding down a rank says BUSY until its next heartbeat.
+    if (held.count(w.info().worker_id()) || w.status().state() == v1::WORKER_STATE_BUSY) continue;
+    (w.info().device_kind() == v1::DEVICE_KIND_CUDA ? cuda : cpu).push_back(w.info());
+  }
+  for (const v1::Job& job : pending) {
+    absl::StatusOr<DeviceMesh> mesh = DeviceMesh::FromShardConfig(job.spec().shard());
+    if (!mesh.ok()) {  // validated on submit; only a changed rule gets here
+      (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, mesh.status().message());
+      continue;
+    }
+    std::vector<v1::WorkerInfo>& pool = static_cast<int>(cuda.size()) >= mesh->world_size() ? cuda : cpu;
+    absl::StatusOr<v1::MeshSpec> placed = AssignRanks(*mesh, pool);
+    if (absl::IsResourceExhausted(placed.status())) return;  // first come, first served: the queue waits
+    if (!placed.ok()) {
+      (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, placed.status().message());
+      continue;
+    }
+    absl::StatusOr<v1::Job> scheduled = jobs_->Schedule(job.job_id(), *placed);
+    if (!scheduled.ok()) continue;  // cancelled meanwhile
+    std::set<std::string> used;
+    for (const v1::RankAssignment& a : placed->ranks()) used.insert(a.worker_id());
+    pool.erase(std::remove_if(pool.begin(), pool.end(),
+                              [&](const v1::WorkerInfo& w) { return used.count(w.worker_id()) > 0; }),
+               pool.end());
+    {
+      absl::MutexLock lock(&mu_);
+      Placed& p = placed_[job.job_id()];
+      p.job_id = job.job_id();
+      p.generation = scheduled->generation();
+      p.spec = scheduled->spec();
+      p.mesh = *placed;
+      p.scope = absl::StrFormat("%s/gen-%d", job.job_id(), p.generation);
+    }
+    COLOD_LOG(INFO) << "job " << job.job_id() << ": " << placed->world_size() << " ranks placed";
+    Assign(job.job_id());
+  }
+}
+
+void Scheduler::Assign(const std::string& job_id) {
+  v1::AssignJobRequest req;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = placed_.find(job_id);
+    if (it == placed_.end()) return;
+    req.set_job_id(job_id);
+    req.set_generation(it->second.generation);
+    *req.mutable_spec() = it->second.spec;
+    *req.mutable_mesh() = it->second.mesh;
+    req.set_rendezvous_scope(it->second.scope);
+  }
+  for (const v1::RankAssignment& a : req.mesh().ranks()) {
+    req.set_rank(a.rank());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    AddAuthToken(ctx, options_.auth_token);
+    v1::AssignJobResponse resp;
+    const grpc::Status s = StubFor(a.worker_address()).AssignJob(&ctx, req, &resp);
+    if (s.ok()) continue;
+    absl::MutexLock lock(&mu_);
+    auto it = placed_.find(job_id);
+    if (it == placed_.end()) return;
+    Placed& p = it->second;
+    // This rank and the ones after it never started.
+    for (int r = a.rank(); r < p.mesh.world_size(); ++r) p.ended.insert(r);
+    if (!p.final) {
+      EndLocked(p, v1::JOB_STATE_FAILED,
+                absl::StrCat(RankName(p.mesh, a.rank()), " refused the assignment: ", FromGrpcStatus(s).ToString()),
+                a.rank());
+    }
+    ReleaseLocked();
+    return;
+  }
+}
+
+absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) {
+  absl::MutexLock lock(&mu_);
+  auto it = placed_.find(report.job_id());
+  if (it == placed_.end()) {
+    absl::StatusOr<v1::Job> job = jobs_->Get(report.job_id());
+    if (!job.ok()) return job.status();
+    return absl::AbortedError(absl::StrCat("job '", report.job_id(), "' generation ", report.generation(),
+                                           " no longer runs (", JobStateName(job->state()), ")"));
+  }
+  Placed& p = it->second;
+  if (report.generation() != p.generation) {
+    return absl::AbortedError(absl::StrCat("generation ", report.generation(), " of job '", report.job_id(),
+                                           "' is stale; the job runs generation ", p.generation));
+  }
+  const int rank = report.rank();
+  if (rank < 0 || rank >= p.mesh.ranks_size() || p.mesh.ranks(rank).worker_id() != report.worker_id()) {
+    return absl::PermissionDeniedError(absl::StrCat("worker '", report.worker_id(), "' does not hold rank ", rank,
+                                                    " of job '", report.job_id(), "'"));
+  }
+  switch (report.report_case()) {
+    case v1::ReportProgressRequest::kStatus: {
+      v1::RankStatus status = report.status();
+      status.set_rank(rank);
+      status.set_worker_id(report.worker_id());
+      if (!p.final) (void)jobs_->AddRankStatus(p.job_id, status);
+      if (status.phase() == "training") p.training.insert(rank);
+      if (!p.final && static_cast<int>(p.training.size()) == p.mesh.world_size()) {
+        absl::StatusOr<v1::Job> job = jobs_->Get(p.job_id);
+        if (job.ok() && job->state() == v1::JOB_STATE_SCHEDULED) {
+          (void)jobs_->SetState(p.job_id, v1::JOB_STATE_RUNNING,
+                                absl::StrCat("all ", p.mesh.world_size(), " ranks are training"));
+        }
+      }
+      break;
+    }
+    case v1::ReportProgressRequest::kStep:
+      if (!p.final) (void)jobs_->AddStep(p.job_id, report.step());
+      break;
+    case v1::ReportProgressRequest::kResult: {
+      p.ended.insert(rank);
+      const v1::RankResult& r = report.result();
+      if (!p.final && r.code() != 0) {
+        const absl::Status s(static_cast<absl::StatusCode>(r.code()), r.message());
+        EndLocked(p, v1::JOB_STATE_FAILED, absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString()), rank);
+      } else if (!p.final && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
+        EndLocked(p, v1::JOB_STATE_SUCCEEDED, absl::StrCat("all ", p.mesh.world_size(), " ranks finished"), -1);
+      }
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError("report: one of status, step or result is required");
+  }
+  const bool stop = p.final;
+  ReleaseLocked();
+  return stop;
+}
+
+absl::StatusOr<v1::Job> Scheduler::Cancel(absl::string_view job_id, absl::string_view reason) {
+  absl::StatusOr<v1::Job> job = jobs_->Cancel(job_id, reason);
+  if (!job.ok()) return job;
+  absl::MutexLock lock(&mu_);
+  auto it = placed_.find(std::string(job_id));
+  if (it != placed_.end()) {
+    EndLocked(it->second, v1::JOB_STATE_CANCELLED, job->reason(), -1);  // already CANCELLED: only the aborts
+    ReleaseLocked();
+  }
+  wake_ = true;
+  return job;
+}
+
+void Scheduler::EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank) {
+  (void)jobs_->SetState(p.job_id, state, reason);  // FAILED_PRECONDITION if it already ended
+  p.final = true;
+  for (const v1::RankAssignment& a : p.mesh.ranks()) {
+    if (p.ended.count(a.rank()) || a.rank() == except_rank) continue;
+    Abort abort;
+    abort.address = a.worker_address();
+    abort.request.set_job_id(p.job_id);
+    abort.request.set_generation(p.generation);
+    abort.request.set_reason(reason);
+    aborts_.push_back(std::move(abort));
+  }
+  if (state != v1::JOB_STATE_SUCCEEDED) {
+    COLOD_LOG(WARNING) << "job " << p.job_id << " " << JobStateName(state) << ": " << reason;
+  } else {
+    COLOD_LOG(INFO) << "job " << p.job_id << " succeeded";
+  }
+  wake_ = true;
+}
+
+void Scheduler::ReleaseLocked() {
+  for (auto it = placed_.begin(); it != placed_.end();) {
+    Placed& p = it->second;
+    if (p.final && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
+      store_->DeleteScope(p.scope);
+      it = placed_.erase(it);
+      wake_ = true;  // workers came free
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Scheduler::SendAborts() {
+  std::vector<Abort> aborts;
+  {
+    absl::MutexLock lock(&mu_);
+    aborts.swap(aborts_);
+  }
+  for (const Abort& a : aborts) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::min(options_.rpc_timeout, absl::Seconds(3))));
+    AddAuthToken(ctx, options_.auth_token);
+    v1::AbortJobResponse resp;
+    const grpc::Status s = StubFor(a.address).AbortJob(&ctx, a.request, &resp);
+    // NOT_FOUND: the rank already ended on its own.
+    if (!s.ok() && s.error_code() != grpc::StatusCode::NOT_FOUND) {
+      COLOD_LOG(WARNING) << "AbortJob " << a.request.job_id() << " to " << a.address << ": " << FromGrpcStatus(s);
+    }
+  }
+}
+
+v1::WorkerService::Stub& Scheduler::StubFor(const std::string& address) {
+  absl::MutexLock lock(&stubs_mu_);  // stubs are never removed, so the reference stays valid
+  auto it = stubs_.find(address);
+  if (it == stubs_.end()) {
+    std::shared_ptr<grpc::ChannelCredentials> creds =
+        options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials();
+    it = stubs_.emplace(address, v1::WorkerService::NewStub(grpc::CreateChannel(address, creds))).first;
+  }
+  return *it->second;
+}
+
+}  // namespace colod

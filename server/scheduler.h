@@ -1,0 +1,119 @@
+// The job lifecycle on the workers: PENDING -> SCHEDULED (ranks placed,
+// AssignJob sent) -> RUNNING (every rank loaded and training) -> SUCCEEDED
+// (every rank finished) / FAILED (a rank failed, a worker was lost, an
+// assignment was refused) / CANCELLED (CancelJob). Workers stay allocated to a
+// job until each of its ranks reported its end (or its worker was lost), so
+// a worker never gets a second rank while the first still winds down.
+//
+// Jobs are scheduled first come, first served: a job that does not fit the
+// idle workers waits and holds the queue (no starvation of large jobs). All
+// of a job's workers are of one device kind: CUDA when enough CUDA workers
+// are idle, else CPU.
+#ifndef COLOD_SERVER_SCHEDULER_H_
+#define COLOD_SERVER_SCHEDULER_H_
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "colod/v1/coordinator.pb.h"
+#include "colod/v1/worker.grpc.pb.h"
+#include "grpcpp/security/credentials.h"
+#include "server/job_manager.h"
+#include "server/rendezvous_store.h"
+#include "server/worker_registry.h"
+
+namespace colod {
+
+// Thread-safe. One background thread places jobs, sends assignments and
+// aborts, and watches for lost workers; Report and Cancel come from gRPC
+// handlers.
+class Scheduler {
+ public:
+  struct Options {
+    // How often queued jobs and leases are looked at (Wake() looks at once).
+    absl::Duration period = absl::Milliseconds(200);
+    // Deadline of AssignJob and AbortJob calls.
+    absl::Duration rpc_timeout = absl::Seconds(10);
+    // Sent to the workers as the bearer token; empty: none.
+    std::string auth_token;
+    // How to reach the workers (TLS or insecure).
+    std::shared_ptr<grpc::ChannelCredentials> credentials;
+  };
+
+  // The pointed-to objects must outlive the scheduler.
+  Scheduler(JobManager* jobs, WorkerRegistry* workers, RendezvousStore* store, Options options);
+  // Stops the thread.
+  ~Scheduler();
+
+  void Start();
+  void Stop();
+  // Looks at the queue now (after a submit or a registration).
+  void Wake();
+
+  // A worker's report about its rank. Returns whether the rank should stop
+  // (the job no longer runs). NOT_FOUND for an unknown job, ABORTED for a
+  // stale generation, PERMISSION_DENIED when `worker_id` does not hold the
+  // rank, INVALID_ARGUMENT for an empty report.
+  absl::StatusOr<bool> Report(const v1::ReportProgressRequest& report);
+  // Cancels the job (JobManager::Cancel) and aborts its running ranks.
+  absl::StatusOr<v1::Job> Cancel(absl::string_view job_id, absl::string_view reason);
+
+ private:
+  // A job that holds workers.
+  struct Placed {
+    std::string job_id;
+    int64_t generation = 0;
+    v1::JobSpec spec;
+    v1::MeshSpec mesh;
+    std::string scope;            // rendezvous scope of this generation
+    std::set<int> training;       // ranks that reported phase "training"
+    std::set<int> ended;          // ranks that reported their end (or were lost)
+    bool final = false;           // the job reached a final state
+  };
+  struct Abort {
+    std::string address;
+    v1::AbortJobRequest request;
+  };
+
+  void Loop();
+  void Tick();
+  // Places the first pending jobs that fit; sends their assignments.
+  void ScheduleQueued();
+  void Assign(const std::string& job_id);
+  // Fails or finishes the job: final state, aborts to the ranks still
+  // running (not `except_rank`).
+  void EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops jobs whose every rank ended, releasing their workers.
+  void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendAborts();
+  // A cached stub per worker address (gRPC stubs are thread-safe).
+  v1::WorkerService::Stub& StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(stubs_mu_);
+
+  JobManager* const jobs_;
+  WorkerRegistry* const workers_;
+  RendezvousStore* const store_;
+  const Options options_;
+
+  absl::Mutex mu_;
+  std::map<std::string, Placed> placed_ ABSL_GUARDED_BY(mu_);
+  std::vector<Abort> aborts_ ABSL_GUARDED_BY(mu_);
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+
+  absl::Mutex stubs_mu_;
+  std::map<std::string, std::unique_ptr<v1::WorkerService::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);
+};
+
+}  // namespace colod
+
+#endif  // COLOD_SERVER_SCHEDULER_H_

@@ -1,0 +1,281 @@
+// Jobs on a real cluster: a coordinator and four CPU workers as processes on
+// loopback. A TRAIN job submitted over gRPC runs tp=2 x dp=2 on the workers
+// (Gloo through the coordinator's rendezvous store) with the losses of the
+// in-process run; its mesh is ColossalAI's layout; malformed specs never
+// reach a worker; cancel stops the ranks and frees the workers; every
+// daemon's /metrics parses; a restarted coordinator still lists its jobs.
+#include <signal.h>
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/coordinator_client.h"
+#include "colod/v1/worker.grpc.pb.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/subprocess.h"
+#include "tests/testing/prometheus_text.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/shardformer/testing.h"
+#include "worker/train/job_options.h"
+#include "worker/train/trainer.h"
+
+namespace colod {
+namespace {
+
+using ::colod::testing::Daemon;
+using ::colod::testing::ReadFile;
+using ::colod::testing::Runfile;
+using ::colod::testing::RunCommand;
+using ::colod::testing::StartDaemon;
+using ::colod::testing::TempPath;
+
+constexpr char kGpl[] = "/usr/share/common-licenses/GPL-3";
+
+v1::WorkerStatus StatusOf(const std::string& address) {
+  auto stub = v1::WorkerService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  v1::GetStatusResponse resp;
+  EXPECT_TRUE(stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp).ok());
+  return resp.status();
+}
+
+// A coordinator and four workers; torn down by the destructors.
+class JobsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    shardformer::testing::TinyOptions tiny;
+    tiny.vocab = 257;  // byte-level text
+    tiny.positions = 32;
+    auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2"), tiny);
+    ASSERT_TRUE(model.ok()) << model.status();
+    StartCoordinator();
+    for (int i = 0; i < 4; ++i) {
+      workers_.push_back(StartDaemon("worker/daemon/colod-worker", absl::StrCat("w", i),
+                                     {"--coordinator", coordinator_.grpc, "--device", "cpu", "--device-ordinal",
+                                      absl::StrCat(i), "--work-dir", TempPath(absl::StrCat("work", i))}));
+      ASSERT_FALSE(workers_.back().grpc.empty()) << ReadFile(workers_.back().log);
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline) {
+      auto list = client_->ListWorkers(false);
+      ASSERT_TRUE(list.ok()) << list.status();
+      if (list->size() == 4) return;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    FAIL() << "workers did not register";
+  }
+
+  void StartCoordinator() {
+    coordinator_ = StartDaemon("server/colod-coordinator", "coordinator",
+                               {"--data-dir", TempPath("data"), "--heartbeat-interval", "200ms"});
+    ASSERT_FALSE(coordinator_.grpc.empty()) << ReadFile(coordinator_.log);
+    auto client = CoordinatorClient::Create(coordinator_.grpc);
+    ASSERT_TRUE(client.ok());
+    client_ = std::move(*client);
+  }
+
+  train::TrainOptions Options(int64_t steps) const {
+    train::TrainOptions o;
+    o.model_dir = TempPath("gpt2");
+    o.data_path = kGpl;
+    o.steps = steps;
+    o.batch_size = 4;
+    o.seq_len = 32;
+    o.lr = 3e-3;
+    o.min_lr = 3e-4;
+    o.seed = 3;
+    o.shard.layout.set_tensor_parallel_size(2);
+    o.shard.layout.set_data_parallel_size(2);
+    o.shard.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_1D);
+    return o;
+  }
+
+  v1::JobSpec Spec(const train::TrainOptions& o) const {
+    v1::JobSpec spec = train::SpecFromTrainOptions(o);
+    spec.set_name("tiny");
+    spec.mutable_model()->set_config_json(ReadFile(o.model_dir + "/config.json"));
+    spec.mutable_model()->set_weights_path(o.model_dir);
+    return spec;
+  }
+
+  // Events until the job ends.
+  std::vector<v1::JobEvent> Watch(const std::string& job_id) {
+    std::vector<v1::JobEvent> events;
+    const absl::Status s = client_->WatchJob(job_id, 1, absl::Seconds(240), [&](const v1::JobEvent& e) {
+      events.push_back(e);
+      return true;
+    });
+    EXPECT_TRUE(s.ok()) << s;
+    return events;
+  }
+
+  std::string Logs() {
+    std::string out = ReadFile(coordinator_.log);
+    for (const Daemon& w : workers_) out += ReadFile(w.log);
+    return out;
+  }
+
+  bool AllIdle(absl::Duration within) {
+    const absl::Time deadline = absl::Now() + within;
+    while (absl::Now() < deadline) {
+      bool idle = true;
+      for (const Daemon& w : workers_) idle = idle && StatusOf(w.grpc).state() == v1::WORKER_STATE_IDLE;
+      if (idle) return true;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return false;
+  }
+
+  Daemon coordinator_;
+  std::vector<Daemon> workers_;
+  std::unique_ptr<CoordinatorClient> client_;
+};
+
+TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
+  // Malformed specs are refused before any worker is touched.
+  v1::JobSpec bad = Spec(Options(5));
+  bad.mutable_shard()->set_tensor_parallel_size(3);  // 4 heads do not split 3 ways
+  auto refused = client_->SubmitJob(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "spec.shard")) << refused.status();
+  bad = Spec(Options(5));
+  bad.mutable_train()->set_batch_size(3);  // not divisible by dp = 2
+  refused = client_->SubmitJob(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "spec.train.batch_size")) << refused.status();
+  EXPECT_TRUE(client_->ListJobs()->empty());
+  for (const Daemon& w : workers_) {
+    const v1::WorkerStatus s = StatusOf(w.grpc);
+    EXPECT_EQ(s.state(), v1::WORKER_STATE_IDLE);
+    EXPECT_TRUE(s.job_id().empty());
+  }
+
+  // The same run in this process, as `coloctl train` runs it.
+  const train::TrainOptions options = Options(5);
+  std::vector<double> want;
+  ASSERT_TRUE(train::Train(options, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
+  ASSERT_EQ(want.size(), 5u);
+
+  auto job = client_->SubmitJob(Spec(options));
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::vector<v1::JobEvent> events = Watch(job->job_id());
+  std::vector<v1::JobState> states;
+  std::vector<double> got;
+  std::set<int> training;
+  for (const v1::JobEvent& e : events) {
+    if (e.has_state_change()) states.push_back(e.state_change().state());
+    if (e.has_step()) {
+      got.push_back(e.step().loss());
+      EXPECT_EQ(e.step().step(), static_cast<int64_t>(got.size()));
+      EXPECT_GT(e.step().tokens_per_second(), 0);
+    }
+    if (e.has_rank_status() && e.rank_status().phase() == "training") training.insert(e.rank_status().rank());
+  }
+  EXPECT_EQ(states, (std::vector<v1::JobState>{v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED,
+                                               v1::JOB_STATE_RUNNING, v1::JOB_STATE_SUCCEEDED}))
+      << Logs();
+  EXPECT_EQ(training, (std::set<int>{0, 1, 2, 3}));
+  ASSERT_EQ(got.size(), want.size()) << Logs();
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << "step " << i + 1;
+  EXPECT_LT(got.back(), got.front());
+  auto done = client_->GetJob(job->job_id());
+  ASSERT_TRUE(done.ok());
+  EXPECT_EQ(done->step(), 5);
+  EXPECT_DOUBLE_EQ(done->loss(), got.back());
+
+  // The mesh is ColossalAI's ProcessGroup(tp_degree=2, dp_degree=2) layout,
+  // each rank on its own worker, and `coloctl mesh` draws it.
+  auto mesh = client_->GetMesh(job->job_id());
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  std::map<std::string, std::vector<int>> groups;
+  for (const v1::ProcessGroupSpec& g : mesh->groups()) {
+    groups[absl::StrCat(g.axis(), g.index())] = std::vector<int>(g.ranks().begin(), g.ranks().end());
+  }
+  EXPECT_EQ(groups, (std::map<std::string, std::vector<int>>{
+                        {"tp0", {0, 1}}, {"tp1", {2, 3}}, {"dp0", {0, 2}}, {"dp1", {1, 3}}}));
+  std::set<std::string> addresses;
+  for (const v1::RankAssignment& a : mesh->ranks()) {
+    addresses.insert(a.worker_address());
+    EXPECT_EQ(a.device_ordinal(), a.rank());  // one host: ranks follow the device ordinal
+  }
+  EXPECT_EQ(addresses.size(), 4u);
+  auto drawn = RunCommand({Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "mesh", job->job_id()},
+                          TempPath(""));
+  ASSERT_EQ(drawn.code, 0) << drawn.err;
+  EXPECT_TRUE(absl::StrContains(drawn.out, "tp0: {0,1}")) << drawn.out;
+  EXPECT_TRUE(absl::StrContains(drawn.out, "dp1: {1,3}")) << drawn.out;
+
+  // Every daemon's metrics parse; each worker trained 5 steps on its
+  // replica's 2 x 32 tokens a step and timed its tp and dp all-reduces.
+  for (const Daemon& w : workers_) {
+    auto body = testing::HttpGet(w.metrics, "/metrics");
+    ASSERT_TRUE(body.ok()) << body.status();
+    auto families = testing::ParsePrometheusText(*body);
+    ASSERT_TRUE(families.ok()) << families.status();
+    EXPECT_EQ(families->at("colod_tokens_total").samples.at(0).value, 5 * 2 * 32);
+    EXPECT_NEAR(families->at("colod_loss").samples.at(0).value, got.back(), 1e-5);
+    std::set<std::string> comm_groups;
+    for (const auto& sample : families->at("colod_collective_bytes_total").samples) {
+      comm_groups.insert(sample.labels.at("group"));
+      EXPECT_GT(sample.value, 0);
+    }
+    EXPECT_EQ(comm_groups, (std::set<std::string>{"dp", "tp"}));
+    bool params = false;
+    for (const auto& sample : families->at("colod_tensor_bytes").samples) {
+      if (sample.labels.at("kind") == "params") params = sample.value > 0;
+    }
+    EXPECT_TRUE(params);
+  }
+  auto body = testing::HttpGet(coordinator_.metrics, "/metrics");
+  ASSERT_TRUE(body.ok());
+  ASSERT_TRUE(testing::ParsePrometheusText(*body).ok());
+
+  // A long job, cancelled while it runs: every rank stops, the workers go
+  // back to idle, and a job submitted next runs on them.
+  auto long_job = client_->SubmitJob(Spec(Options(100000)));
+  ASSERT_TRUE(long_job.ok()) << long_job.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline && client_->GetJob(long_job->job_id())->step() < 2) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  auto cancelled = client_->CancelJob(long_job->job_id(), "enough");
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  EXPECT_EQ(cancelled->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(cancelled->reason(), "enough");
+  EXPECT_TRUE(AllIdle(absl::Seconds(60))) << Logs();
+  auto again = client_->SubmitJob(Spec(Options(2)));
+  ASSERT_TRUE(again.ok());
+  Watch(again->job_id());
+  EXPECT_EQ(client_->GetJob(again->job_id())->state(), v1::JOB_STATE_SUCCEEDED) << Logs();
+
+  // A restarted coordinator still knows every job and its history.
+  const std::vector<v1::Job> before = *client_->ListJobs();
+  ASSERT_EQ(before.size(), 3u);
+  coordinator_.process->Signal(SIGTERM);
+  ASSERT_EQ(coordinator_.process->Wait(absl::Seconds(30)), 0) << ReadFile(coordinator_.log);
+  StartCoordinator();
+  const std::vector<v1::Job> after = *client_->ListJobs();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(after[i].job_id(), before[i].job_id());
+    EXPECT_EQ(after[i].state(), before[i].state());
+    EXPECT_EQ(after[i].step(), before[i].step());
+    EXPECT_EQ(after[i].reason(), before[i].reason());
+  }
+  std::vector<double> replayed;
+  for (const v1::JobEvent& e : Watch(job->job_id())) {
+    if (e.has_step()) replayed.push_back(e.step().loss());
+  }
+  EXPECT_EQ(replayed, got);
+}
+
+}  // namespace
+}  // namespace colod

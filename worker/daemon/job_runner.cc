@@ -1,0 +1,303 @@
+#include "worker/daemon/job_runner.h"
+
+#include <filesystem>
+#include <system_error>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/atomic_file.h"
+#include "common/auth.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/proto_time.h"
+#include "common/status_macros.h"
+#include "worker/colo/mesh.h"
+#include "worker/comm/coordinator_store.h"
+#include "worker/comm/instrumented_communicator.h"
+#include "worker/train/job_options.h"
+#include "worker/train/trainer.h"
+#ifdef COLOD_WITH_CUDA
+#include "worker/colo/nccl_process_group.h"
+#endif
+
+namespace colod {
+namespace {
+
+namespace fs = std::filesystem;
+
+// DIR/config.json from the spec and links to the weights, so that the
+// model loads like any Hugging Face directory.
+absl::Status MaterializeModel(const v1::ModelSpec& model, const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
+  RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", model.config_json()));
+  const fs::path weights = fs::absolute(model.weights_path(), ec);
+  if (ec || !fs::exists(weights, ec)) {
+    return absl::NotFoundError(
+        absl::StrCat("spec.model.weights_path: '", model.weights_path(), "' does not exist on this worker"));
+  }
+  std::vector<fs::path> files;
+  if (fs::is_directory(weights, ec)) {
+    for (const fs::directory_entry& e : fs::directory_iterator(weights, ec)) {
+      const std::string name = e.path().filename().string();
+      if (absl::EndsWith(name, ".safetensors") || name == "model.safetensors.index.json") files.push_back(e.path());
+    }
+    if (files.empty()) {
+      return absl::NotFoundError(absl::StrCat("spec.model.weights_path: '", model.weights_path(),
+                                              "' holds no .safetensors file"));
+    }
+  }
+  if (files.empty()) {
+    fs::create_symlink(weights, fs::path(dir) / "model.safetensors", ec);
+  } else {
+    for (const fs::path& f : files) {
+      fs::create_symlink(f, fs::path(dir) / f.filename(), ec);
+      if (ec) break;
+    }
+  }
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot link the weights into '", dir, "': ", ec.message()));
+  return absl::OkStatus();
+}
+
+v1::ReportProgressRequest Phase(const std::string& phase, const std::string& message = "") {
+  v1::ReportProgressRequest r;
+  r.mutable_status()->set_phase(phase);
+  r.mutable_status()->set_message(message);
+  return r;
+}
+
+}  // namespace
+
+JobRunner::JobRunner(Options options) : options_(std::move(options)) {}
+
+JobRunner::~JobRunner() {
+  std::thread t;
+  {
+    absl::MutexLock lock(&mu_);
+    if (active_) Stop(*active_, "the worker is shutting down");
+    t = std::move(thread_);
+  }
+  if (t.joinable()) t.join();
+}
+
+absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
+  if (req.job_id().empty()) return absl::InvalidArgumentError("job_id: required");
+  if (req.spec().kind() != v1::JOB_KIND_TRAIN) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.kind: this worker runs TRAIN jobs, not ",
+                                                   v1::JobKind_Name(req.spec().kind())));
+  }
+  if (req.rendezvous_scope().empty()) return absl::InvalidArgumentError("rendezvous_scope: required");
+  ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(req.spec().shard()));
+  if (req.rank() < 0 || req.rank() >= mesh.world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: ", req.rank(), " is outside the mesh of ", mesh.world_size(), " ranks"));
+  }
+  if (req.mesh().world_size() != mesh.world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("mesh.world_size: ", req.mesh().world_size(),
+                                                   " does not match the shard config's ", mesh.world_size()));
+  }
+  absl::MutexLock lock(&mu_);
+  if (active_) {
+    const v1::AssignJobRequest& now = active_->request;
+    if (now.job_id() == req.job_id() && now.generation() == req.generation() && now.rank() == req.rank()) {
+      return absl::OkStatus();
+    }
+    return absl::FailedPreconditionError(absl::StrCat("this worker runs rank ", now.rank(), " of job '",
+                                                      now.job_id(), "' (generation ", now.generation(), ")"));
+  }
+  if (thread_.joinable()) thread_.join();  // the previous rank's thread has ended (active_ is cleared last)
+  auto active = std::make_shared<Active>();
+  active->request = req;
+  active_ = active;
+  thread_ = std::thread([this, active] { Run(active); });
+  return absl::OkStatus();
+}
+
+void JobRunner::Stop(Active& active, const std::string& reason) {
+  active.stop = true;
+  absl::MutexLock lock(&active.mu);
+  if (active.stop_reason.empty()) active.stop_reason = reason;
+  // Fails the rank's next collective at once; one in flight ends when its
+  // peers (told the same) close their connections, or at the timeout.
+  if (active.pg != nullptr) active.pg->Abort(absl::AbortedError(reason));
+}
+
+absl::Status JobRunner::Abort(const v1::AbortJobRequest& req) {
+  absl::MutexLock lock(&mu_);
+  if (!active_ || active_->request.job_id() != req.job_id()) {
+    return absl::NotFoundError(absl::StrCat("this worker does not run job '", req.job_id(), "'"));
+  }
+  if (req.generation() < active_->request.generation()) {
+    return absl::AbortedError(absl::StrCat("generation ", req.generation(), " is older than the running ",
+                                           active_->request.generation()));
+  }
+  Stop(*active_, req.reason().empty() ? "aborted by the coordinator" : req.reason());
+  return absl::OkStatus();
+}
+
+v1::WorkerStatus JobRunner::Status() const {
+  absl::MutexLock lock(&mu_);
+  v1::WorkerStatus s;
+  s.set_last_error(last_error_);
+  if (!active_) {
+    s.set_state(v1::WORKER_STATE_IDLE);
+    return s;
+  }
+  s.set_state(v1::WORKER_STATE_BUSY);
+  s.set_job_id(active_->request.job_id());
+  s.set_rank(active_->request.rank());
+  s.set_generation(active_->request.generation());
+  return s;
+}
+
+bool JobRunner::WaitIdle(absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_ == nullptr; };
+  return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+}
+
+bool JobRunner::Report(const v1::AssignJobRequest& request, const v1::ReportProgressRequest& report) {
+  v1::ReportProgressRequest req = report;
+  req.set_job_id(request.job_id());
+  req.set_generation(request.generation());
+  req.set_rank(request.rank());
+  req.set_worker_id(options_.worker_id ? options_.worker_id() : "");
+  const bool final = req.has_result();
+  for (int attempt = 0; attempt < (final ? 5 : 2); ++attempt) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    AddAuthToken(ctx, options_.auth_token);
+    v1::ReportProgressResponse resp;
+    const grpc::Status s = options_.coordinator->ReportProgress(&ctx, req, &resp);
+    if (s.ok()) return resp.stop();
+    // The job is gone or moved on: nothing to tell, and nothing to run for.
+    if (s.error_code() == grpc::StatusCode::ABORTED || s.error_code() == grpc::StatusCode::NOT_FOUND ||
+        s.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
+      return true;
+    }
+    COLOD_LOG(WARNING) << "job " << request.job_id() << ": progress report failed: " << FromGrpcStatus(s);
+    absl::SleepFor(absl::Milliseconds(200) * (attempt + 1));
+  }
+  return false;
+}
+
+void JobRunner::Run(std::shared_ptr<Active> active) {
+  const v1::AssignJobRequest& req = active->request;
+  COLOD_LOG(INFO) << "job " << req.job_id() << " generation " << req.generation() << ": running rank " << req.rank()
+                  << " of " << req.mesh().world_size();
+  absl::Status s = RunRank(*active);
+  if (active->stop) {
+    absl::MutexLock lock(&active->mu);
+    s = absl::AbortedError(active->stop_reason);
+  }
+  v1::ReportProgressRequest result;
+  result.mutable_result()->set_code(static_cast<int>(s.code()));
+  result.mutable_result()->set_message(std::string(s.message()));
+  Report(req, result);
+  if (s.ok()) {
+    COLOD_LOG(INFO) << "job " << req.job_id() << ": rank " << req.rank() << " finished";
+  } else {
+    COLOD_LOG(WARNING) << "job " << req.job_id() << ": rank " << req.rank() << " ended: " << s;
+  }
+  absl::MutexLock lock(&mu_);
+  if (!s.ok()) last_error_ = absl::StrCat(req.job_id(), " rank ", req.rank(), ": ", s.ToString());
+  active_.reset();
+}
+
+absl::Status JobRunner::RunRank(Active& active) {
+  const v1::AssignJobRequest& req = active.request;
+  const std::string dir = absl::StrFormat("%s/%s-gen-%d-rank-%d", options_.work_dir, req.job_id(), req.generation(),
+                                          req.rank());
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{dir};
+  if (Report(req, Phase("loading", "opening the model and the data"))) {
+    return absl::AbortedError("the job no longer runs");
+  }
+  RETURN_IF_ERROR(MaterializeModel(req.spec().model(), dir + "/model"));
+  ASSIGN_OR_RETURN(train::TrainOptions options, train::TrainOptionsFromSpec(req.spec(), dir + "/model"));
+  options.cuda = options_.cuda;
+  ASSIGN_OR_RETURN(std::shared_ptr<const train::PreparedTrain> run, train::PrepareTrain(options));
+  ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(req.spec().shard()));
+
+  if (Report(req, Phase("rendezvous", "connecting to the other ranks"))) {
+    return absl::AbortedError("the job no longer runs");
+  }
+  CoordinatorStore store(options_.coordinator, req.rendezvous_scope(), options_.rpc_timeout, options_.auth_token);
+  ProcessGroup::CommFactory inner;
+  shardformer::ShardConfig shard = options.shard;
+  if (options_.cuda) {
+#ifdef COLOD_WITH_CUDA
+    NcclCommunicator::Options o;
+    o.device = options_.device_ordinal;
+    o.timeout = options_.comm_timeout;
+    inner = NcclFactory(&store, o, req.rank(), mesh.world_size());
+    shard.device = Device::Cuda(options_.device_ordinal);
+#else
+    return absl::FailedPreconditionError("this worker was built without CUDA");
+#endif
+  } else {
+    GlooCommunicator::Options o;
+    o.hostname = options_.host;
+    o.timeout = options_.comm_timeout;
+    inner = ProcessGroup::GlooFactory(&store, o);
+  }
+  WorkerMetrics* metrics = options_.metrics;
+  ProcessGroup::CommFactory factory = inner;
+  if (metrics != nullptr) {
+    factory = [inner, metrics](const ProcessGroup::GroupInfo& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+      ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, inner(g));
+      return std::unique_ptr<Communicator>(
+          new InstrumentedCommunicator(std::move(c), metrics->CollectiveObserver(g.axis)));
+    };
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> pg,
+                   ProcessGroup::Create(mesh, req.rank(), factory, options_.comm_timeout));
+  {
+    absl::MutexLock lock(&active.mu);
+    active.pg = pg.get();
+  }
+  struct Detach {
+    Active& active;
+    ~Detach() {
+      absl::MutexLock lock(&active.mu);
+      active.pg = nullptr;
+    }
+  } detach{active};
+  if (options_.cuda) RETURN_IF_ERROR(pg->InitAxes());
+
+  train::RankHooks hooks;
+  hooks.stop = [&active] { return active.stop.load(); };
+  hooks.on_start = [&] {
+    if (Report(req, Phase("training"))) active.stop = true;
+  };
+  hooks.on_step = [&](const train::StepStats& st) {
+    if (metrics != nullptr) {
+      metrics->ObserveStep(st.seconds, st.rank_tokens, st.loss, st.param_bytes, st.grad_bytes, st.optimizer_bytes);
+    }
+    if (req.rank() != 0) return;
+    v1::ReportProgressRequest r;
+    v1::StepProgress& p = *r.mutable_step();
+    p.set_step(st.step);
+    p.set_loss(st.loss);
+    p.set_learning_rate(st.lr);
+    p.set_grad_norm(st.grad_norm);
+    p.set_tokens_per_second(st.tokens_per_second);
+    *p.mutable_step_duration() = ToProtoDuration(absl::Seconds(st.seconds));
+    p.set_param_bytes(st.param_bytes);
+    p.set_grad_bytes(st.grad_bytes);
+    p.set_optimizer_bytes(st.optimizer_bytes);
+    p.set_checkpoint(st.checkpoint);
+    if (Report(req, r)) active.stop = true;
+  };
+  return train::RunTrainRank(*run, req.rank(), *pg, shard, hooks);
+}
+
+}  // namespace colod

@@ -1,0 +1,96 @@
+// Runs the rank of a job that the coordinator assigned to this worker: builds
+// the rank's communicators through the coordinator's rendezvous store, loads
+// its shard of the model, runs the training loop, reports progress and the
+// end to the coordinator, and goes back to idle.
+#ifndef COLOD_WORKER_DAEMON_JOB_RUNNER_H_
+#define COLOD_WORKER_DAEMON_JOB_RUNNER_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "colod/v1/coordinator.grpc.pb.h"
+#include "colod/v1/worker.pb.h"
+#include "worker/colo/process_group.h"
+#include "worker/daemon/worker_metrics.h"
+
+namespace colod {
+
+// One job rank at a time, each on a thread of its own.
+//
+// Thread-safe: Assign, Abort and Status are called from gRPC handlers and the
+// heartbeat loop while a rank runs.
+class JobRunner {
+ public:
+  struct Options {
+    // Scratch space: each job rank gets WORK_DIR/JOB-gen-G-rank-R/, removed
+    // when it ends.
+    std::string work_dir;
+    // Host this worker's Gloo pairs listen on and advertise to peers.
+    std::string host = "127.0.0.1";
+    // Run ranks on this CUDA device over NCCL (else host tensors over Gloo).
+    bool cuda = false;
+    int device_ordinal = 0;
+    // The coordinator (rendezvous store and ReportProgress); required.
+    std::shared_ptr<v1::CoordinatorService::StubInterface> coordinator;
+    std::string auth_token;
+    absl::Duration rpc_timeout = absl::Seconds(10);
+    // Rendezvous and per-collective limit: a peer that vanished makes this
+    // rank fail after at most this long.
+    absl::Duration comm_timeout = absl::Minutes(2);
+    // This worker's id (for reports).
+    std::function<std::string()> worker_id;
+    // Where the rank's metrics go; may be null.
+    WorkerMetrics* metrics = nullptr;
+  };
+
+  explicit JobRunner(Options options);
+  // Aborts a running rank and waits for it.
+  ~JobRunner();
+
+  // Starts the rank. INVALID_ARGUMENT for a request that does not describe
+  // a rank of a TRAIN job (missing mesh, rank out of range, ...),
+  // FAILED_PRECONDITION while another job's rank runs; a repeated
+  // assignment of the rank that runs is OK (the coordinator retried).
+  absl::Status Assign(const v1::AssignJobRequest& request);
+  // Stops the job's rank: NOT_FOUND unless it runs that job, ABORTED for an
+  // older generation than the one that runs.
+  absl::Status Abort(const v1::AbortJobRequest& request);
+  // IDLE, or BUSY with the job, rank and generation; last_error is the
+  // error of the last rank that failed.
+  v1::WorkerStatus Status() const;
+  // Blocks until no rank runs or `timeout`; false on timeout.
+  bool WaitIdle(absl::Duration timeout) const;
+
+ private:
+  struct Active {
+    v1::AssignJobRequest request;
+    std::atomic<bool> stop{false};
+    absl::Mutex mu;
+    ProcessGroup* pg ABSL_GUARDED_BY(mu) = nullptr;
+    std::string stop_reason ABSL_GUARDED_BY(mu);
+  };
+
+  void Run(std::shared_ptr<Active> active);
+  absl::Status RunRank(Active& active);
+  // Best effort, with a few retries: the coordinator learns what it can.
+  // Returns true when the coordinator says the job no longer runs.
+  bool Report(const v1::AssignJobRequest& request, const v1::ReportProgressRequest& report);
+  void Stop(Active& active, const std::string& reason);
+
+  const Options options_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<Active> active_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_ ABSL_GUARDED_BY(mu_);
+  std::string last_error_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_DAEMON_JOB_RUNNER_H_

@@ -1,0 +1,97 @@
+#include "worker/train/job_options.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace colod::train {
+
+absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const std::string& model_dir) {
+  const v1::TrainConfig& t = spec.train();
+  TrainOptions o;
+  o.model_dir = model_dir;
+  o.data_path = t.data_path();
+  ASSIGN_OR_RETURN(o.data_format, ParseDataFormat(t.data_format().empty() ? "auto" : t.data_format()));
+  o.steps = t.steps();
+  o.batch_size = t.batch_size();
+  o.seq_len = t.seq_len();
+  o.micro_batches = t.micro_batches() < 1 ? 1 : t.micro_batches();
+  o.lr = t.learning_rate();
+  o.min_lr = t.min_learning_rate();
+  o.warmup_steps = t.warmup_steps();
+  switch (t.optimizer()) {
+    case v1::OPTIMIZER_UNSPECIFIED:
+    case v1::OPTIMIZER_ADAMW:
+      o.optimizer.kind = OptimizerOptions::Kind::kAdamW;
+      break;
+    case v1::OPTIMIZER_SGD:
+      o.optimizer.kind = OptimizerOptions::Kind::kSgd;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("spec.train.optimizer: unknown value ", t.optimizer()));
+  }
+  o.optimizer.weight_decay = t.weight_decay();
+  o.optimizer.momentum = t.momentum();
+  o.clip_norm = t.grad_clip_norm();
+  o.seed = t.seed();
+  o.shard.layout = spec.shard();
+  switch (t.precision()) {
+    case v1::PRECISION_UNSPECIFIED:
+    case v1::PRECISION_FP32:
+      o.shard.param_dtype = DType::kF32;
+      break;
+    case v1::PRECISION_BF16_MIXED:
+      o.shard.param_dtype = DType::kBF16;
+      break;
+    case v1::PRECISION_FP16_MIXED:
+      o.shard.param_dtype = DType::kF16;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("spec.train.precision: unknown value ", t.precision()));
+  }
+  if (t.bucket_bytes() > 0) o.bucket_bytes = t.bucket_bytes();
+  o.final_dir = t.final_dir();
+  o.save_dir = t.checkpoint_dir();
+  o.save_every = t.checkpoint_every();
+  o.resume_dir = t.resume_from();
+  o.stop_after = t.stop_after();
+  return o;
+}
+
+v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TRAIN);
+  *spec.mutable_shard() = o.shard.layout;
+  v1::TrainConfig& t = *spec.mutable_train();
+  t.set_data_path(o.data_path);
+  switch (o.data_format) {
+    case DataFormat::kAuto: t.set_data_format("auto"); break;
+    case DataFormat::kU16: t.set_data_format("uint16"); break;
+    case DataFormat::kU32: t.set_data_format("uint32"); break;
+    case DataFormat::kNpy: t.set_data_format("npy"); break;
+    case DataFormat::kText: t.set_data_format("text"); break;
+  }
+  t.set_steps(o.steps);
+  t.set_batch_size(static_cast<int32_t>(o.batch_size));
+  t.set_seq_len(static_cast<int32_t>(o.seq_len));
+  t.set_micro_batches(static_cast<int32_t>(o.micro_batches));
+  t.set_learning_rate(o.lr);
+  t.set_min_learning_rate(o.min_lr);
+  t.set_warmup_steps(o.warmup_steps);
+  t.set_optimizer(o.optimizer.kind == OptimizerOptions::Kind::kSgd ? v1::OPTIMIZER_SGD : v1::OPTIMIZER_ADAMW);
+  t.set_weight_decay(o.optimizer.weight_decay);
+  t.set_momentum(o.optimizer.momentum);
+  t.set_grad_clip_norm(o.clip_norm);
+  t.set_seed(o.seed);
+  t.set_precision(o.shard.param_dtype == DType::kBF16   ? v1::PRECISION_BF16_MIXED
+                  : o.shard.param_dtype == DType::kF16 ? v1::PRECISION_FP16_MIXED
+                                                       : v1::PRECISION_FP32);
+  t.set_bucket_bytes(o.bucket_bytes);
+  t.set_final_dir(o.final_dir);
+  t.set_checkpoint_dir(o.save_dir);
+  t.set_checkpoint_every(o.save_every);
+  t.set_resume_from(o.resume_dir);
+  t.set_stop_after(o.stop_after);
+  return spec;
+}
+
+}  // namespace colod::train

@@ -1,0 +1,27 @@
+// A TRAIN job's spec (colod.v1.JobSpec, what clients submit) as the options
+// of the training loop: how a worker daemon turns an AssignJob into a run,
+// and how coloctl builds the spec that the same run comes from.
+#ifndef COLOD_WORKER_TRAIN_JOB_OPTIONS_H_
+#define COLOD_WORKER_TRAIN_JOB_OPTIONS_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "colod/v1/job.pb.h"
+#include "worker/train/trainer.h"
+
+namespace colod::train {
+
+// `spec` (a validated TRAIN job) with the model read from `model_dir` (the
+// worker's directory holding config.json and the weights). The default of
+// each zero field is the one documented in job.proto. INVALID_ARGUMENT for
+// a data format or optimizer it does not know.
+absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const std::string& model_dir);
+
+// The inverse, for clients: the TrainConfig and ShardConfig of `options`
+// (model_dir is not part of it; the caller sets ModelSpec).
+v1::JobSpec SpecFromTrainOptions(const TrainOptions& options);
+
+}  // namespace colod::train
+
+#endif  // COLOD_WORKER_TRAIN_JOB_OPTIONS_H_
