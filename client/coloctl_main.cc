@@ -31,6 +31,11 @@
 #include "google/protobuf/util/json_util.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/numbers.h"
+#include "worker/colo/tensor_proto.h"
+#include "common/status_macros.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/trainer.h"
@@ -86,6 +91,11 @@ ABSL_FLAG(bool, watch, false, "submit: follow the job to its end, as `coloctl wa
 ABSL_FLAG(absl::Duration, watch_timeout, absl::Hours(24), "watch, submit --watch, train: give up after this long.");
 ABSL_FLAG(std::string, state, "", "jobs: only jobs in these states, comma-separated (pending,running,...).");
 ABSL_FLAG(std::string, reason, "", "cancel: why (recorded on the job).");
+ABSL_FLAG(std::string, kind, "train", "submit: train (a model and data) or tensor (a mesh hosting ColoTensors).");
+ABSL_FLAG(std::string, spec, "R",
+          "tensor create/reshard: placements AXIS=R|S(DIM)|S(D1,D2|N1,N2)|P joined by ';', e.g. 'tp=S(-1)'.");
+ABSL_FLAG(std::string, shape, "", "tensor create: the global shape, e.g. 2,3,2 (values N(0,1) from --seed).");
+ABSL_FLAG(int32_t, rank, -1, "tensor get: only this rank's shard (default: the gathered global value).");
 ABSL_FLAG(std::string, model_type, "gpt2", "init-model: the model family (gpt2).");
 ABSL_FLAG(int64_t, vocab_size, 257, "init-model: vocabulary size (257: byte-level text).");
 ABSL_FLAG(int64_t, hidden_size, 64, "init-model: hidden size (n_embd).");
@@ -152,6 +162,14 @@ constexpr char kUsage[] =
     "              loss and tokens/s, then the loss curve; --output json prints every event\n"
     "              as one JSON line. Exits 0 when the job succeeded, 1 otherwise.\n"
     "  cancel JOB  Cancel a job [--reason TEXT]; its ranks are aborted and the workers freed.\n"
+    "  tensor ...  ColoTensors of a TENSOR job (coloctl submit --kind tensor --tp T --dp D):\n"
+    "                tensor demo                the ColoTensor document's example: a [2,3,2]\n"
+    "                                           tensor sharded on its last dim over tp, made\n"
+    "                                           replicated, resharded on dim 0; each rank's shape\n"
+    "                tensor create JOB NAME --shape 2,3,2 [--seed S] [--spec 'tp=S(-1)']\n"
+    "                tensor reshard JOB NAME --spec 'tp=S(0)'   (R: replicated)\n"
+    "                tensor get JOB NAME [--rank R] [--out FILE.npy]\n"
+    "                tensor list JOB | tensor delete JOB NAME\n"
     "  mesh JOB    The job's rank grid (a row per dp replica, a column per tp rank, each\n"
     "              cell the rank's worker) and every process group per axis.\n"
     "  With --coordinator (or $COLOD_COORDINATOR) set, `train` runs as a job on that cluster\n"
@@ -237,6 +255,7 @@ absl::StatusOr<bool> CudaFromFlags() {
 
 std::string ExplicitCoordinator();
 int TrainOnCluster(const colod::train::TrainOptions& o, bool json);
+absl::StatusOr<colod::v1::Job> SubmitTensorJob(colod::CoordinatorClient& client, const std::string& name);
 
 // The train flags (--model, --data, --steps, ...) as training options.
 // INVALID_ARGUMENT (a usage error) for a missing or bad flag.
@@ -501,6 +520,15 @@ int ExitForJob(const colod::v1::Job& job) {
 }
 
 int Submit(colod::CoordinatorClient& client, bool json) {
+  const std::string kind = absl::GetFlag(FLAGS_kind);
+  if (kind != "train" && kind != "tensor") return Usage(absl::StrCat("--kind: '", kind, "' is not one of train, tensor"));
+  if (kind == "tensor") {
+    auto job = SubmitTensorJob(client, absl::GetFlag(FLAGS_name));
+    if (!job.ok()) return Fail(job.status());
+    if (json) return PrintJson(*job);
+    std::printf("%s\n", job->job_id().c_str());
+    return 0;
+  }
   absl::StatusOr<colod::v1::JobSpec> spec = absl::GetFlag(FLAGS_job_file).empty()
                                                 ? JobSpecFromFlags()
                                                 : JobSpecFromFile(absl::GetFlag(FLAGS_job_file));
@@ -598,17 +626,213 @@ int InitModel() {
   return 0;
 }
 
+// Nested brackets of a small tensor's values ("[[0.1, 0.2], ...]").
+std::string FormatValues(const colod::v1::TensorValue& value) {
+  auto t = colod::TensorFromProto(value);
+  if (!t.ok()) return std::string(t.status().message());
+  const std::vector<float> v = t->ToFloats();
+  const colod::Shape shape = t->shape();
+  if (v.size() > 4096) return absl::StrCat("(", v.size(), " values; use --out FILE.npy)");
+  std::function<std::string(size_t, size_t, size_t)> rec = [&](size_t d, size_t offset,
+                                                                 size_t stride) -> std::string {
+    if (d == shape.size()) return absl::StrFormat("%.4f", v[offset]);
+    const size_t inner = stride / static_cast<size_t>(shape[d]);
+    std::vector<std::string> parts;
+    for (int64_t i = 0; i < shape[d]; ++i) parts.push_back(rec(d + 1, offset + i * inner, inner));
+    return absl::StrCat("[", absl::StrJoin(parts, ", "), "]");
+  };
+  return rec(0, 0, v.size());
+}
+
+absl::StatusOr<std::vector<int64_t>> ParseShape(const std::string& text) {
+  std::vector<int64_t> shape;
+  for (absl::string_view d : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int64_t v;
+    if (!absl::SimpleAtoi(d, &v) || v < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("--shape: '", text, "' is not sizes like 2,3,2"));
+    }
+    shape.push_back(v);
+  }
+  if (shape.empty()) return absl::InvalidArgumentError("--shape is required, e.g. --shape 2,3,2");
+  return shape;
+}
+
+// Waits until `job_id` runs (TENSOR jobs run until cancelled).
+absl::Status WaitRunning(colod::CoordinatorClient& client, const std::string& job_id, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    auto job = client.GetJob(job_id);
+    if (!job.ok()) return job.status();
+    if (job->state() == colod::v1::JOB_STATE_RUNNING) return absl::OkStatus();
+    if (colod::v1::JobState_IsValid(job->state()) && job->state() >= colod::v1::JOB_STATE_SUCCEEDED) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " ", colod::JobStateLabel(job->state()), ": ",
+                                                        job->reason()));
+    }
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("job ", job_id, " is still ",
+                                                      colod::JobStateLabel(job->state()), ": ", job->reason()));
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
+absl::StatusOr<colod::v1::Job> SubmitTensorJob(colod::CoordinatorClient& client, const std::string& name) {
+  auto shard = ShardFromFlags();
+  if (!shard.ok()) return shard.status();
+  colod::v1::JobSpec spec;
+  spec.set_kind(colod::v1::JOB_KIND_TENSOR);
+  spec.set_name(name);
+  *spec.mutable_shard() = shard->layout;
+  return client.SubmitJob(spec);
+}
+
+// The ColoTensor document's example over gRPC: a TENSOR job on tp x dp
+// workers; a random [2, 3, 2] tensor sharded on its last dim over tp, made
+// replicated, then resharded on dim 0; every rank's shape at each stage.
+int TensorDemo(colod::CoordinatorClient& c, bool json) {
+  auto job = SubmitTensorJob(c, "colotensor-example");
+  if (!job.ok()) return Fail(job.status());
+  const std::string id = job->job_id();
+  auto run = [&]() -> absl::Status {
+    RETURN_IF_ERROR(WaitRunning(c, id, absl::GetFlag(FLAGS_timeout) * 6));
+    auto mesh = c.GetMesh(id);
+    if (!mesh.ok()) return mesh.status();
+    nlohmann::json stages = nlohmann::json::array();
+    auto show = [&](const std::string& what, const colod::v1::TensorLayout& layout) -> absl::Status {
+      nlohmann::json ranks = nlohmann::json::array();
+      if (!json) std::printf("%s\n", what.c_str());
+      for (const colod::v1::ShardLayout& s : layout.shards()) {
+        auto shard = c.GetShard(id, layout.name(), s.rank());
+        if (!shard.ok()) return shard.status();
+        std::vector<int64_t> shape(shard->value().shape().begin(), shard->value().shape().end());
+        ranks.push_back({{"rank", s.rank()}, {"shape", shape}});
+        if (!json) {
+          std::printf("  rank %d: shape [%s] %s\n", s.rank(), absl::StrJoin(shape, ", ").c_str(),
+                      FormatValues(shard->value()).c_str());
+        }
+      }
+      stages.push_back({{"stage", what}, {"spec", colod::DistSpecText(layout.dist_spec())}, {"ranks", ranks}});
+      return absl::OkStatus();
+    };
+    colod::v1::CreateTensorRequest create;
+    create.set_job_id(id);
+    create.set_name("t1");
+    create.mutable_random()->set_seed(absl::GetFlag(FLAGS_seed));
+    for (int64_t d : {2, 3, 2}) create.mutable_random()->add_shape(d);
+    create.mutable_random()->set_dtype(colod::v1::DTYPE_F32);
+    create.mutable_random()->set_distribution(colod::v1::RandomInit::DISTRIBUTION_NORMAL);
+    create.set_compute_pattern(colod::v1::COMPUTE_PATTERN_TP1D);
+    auto spec = colod::ParseDistSpecText("tp=S(-1)", *mesh);
+    if (!spec.ok()) return spec.status();
+    *create.mutable_dist_spec() = *spec;
+    auto layout = c.CreateTensor(create);
+    if (!layout.ok()) return layout.status();
+    RETURN_IF_ERROR(show("t1 = ColoTensor(randn(2, 3, 2), ShardSpec(dims=[-1], num_partitions=[tp]))", *layout));
+    layout = c.SetDistSpec(id, "t1", colod::v1::DistSpec());
+    if (!layout.ok()) return layout.status();
+    RETURN_IF_ERROR(show("t1 = t1.to_replicate()", *layout));
+    spec = colod::ParseDistSpecText("tp=S(0)", *mesh);
+    if (!spec.ok()) return spec.status();
+    layout = c.SetDistSpec(id, "t1", *spec);
+    if (!layout.ok()) return layout.status();
+    RETURN_IF_ERROR(show("t1.set_dist_spec(ShardSpec([0], [tp]))", *layout));
+    if (json) std::printf("%s\n", nlohmann::json{{"job_id", id}, {"stages", stages}}.dump().c_str());
+    return absl::OkStatus();
+  };
+  const absl::Status s = run();
+  auto cancelled = c.CancelJob(id, "tensor demo finished");  // a TENSOR job runs until cancelled
+  if (!s.ok()) return Fail(s);
+  if (!cancelled.ok()) return Fail(cancelled.status());
+  return 0;
+}
+
+int TensorCommand(colod::CoordinatorClient& c, const std::vector<std::string>& args, bool json) {
+  if (args.size() < 2) return Usage("tensor: missing SUBCOMMAND (demo, create, reshard, list, get, delete)");
+  const std::string& sub = args[1];
+  auto need = [&](size_t n, const char* what) {
+    return args.size() == n ? 0 : Usage(absl::StrCat("tensor ", sub, ": expected ", what));
+  };
+  if (sub == "demo") {
+    if (int u = need(2, "no arguments")) return u;
+    return TensorDemo(c, json);
+  }
+  if (sub == "list") {
+    if (int u = need(3, "JOB")) return u;
+    auto list = c.ListTensors(args[2]);
+    if (!list.ok()) return Fail(list.status());
+    if (json) {
+      colod::v1::ListTensorsResponse resp;
+      for (const auto& l : *list) *resp.add_tensors() = l;
+      return PrintJson(resp);
+    }
+    for (const auto& l : *list) std::fputs(colod::RenderTensorLayout(l).c_str(), stdout);
+    return 0;
+  }
+  if (sub == "delete") {
+    if (int u = need(4, "JOB NAME")) return u;
+    const absl::Status s = c.DeleteTensor(args[2], args[3]);
+    return s.ok() ? 0 : Fail(s);
+  }
+  if (sub == "get") {
+    if (int u = need(4, "JOB NAME")) return u;
+    absl::StatusOr<colod::v1::TensorValue> value;
+    if (absl::GetFlag(FLAGS_rank) >= 0) {
+      auto shard = c.GetShard(args[2], args[3], absl::GetFlag(FLAGS_rank));
+      if (!shard.ok()) return Fail(shard.status());
+      value = shard->value();
+    } else {
+      value = c.GetGlobal(args[2], args[3]);
+    }
+    if (!value.ok()) return Fail(value.status());
+    if (!absl::GetFlag(FLAGS_out).empty()) {
+      auto t = colod::TensorFromProto(*value);
+      if (!t.ok()) return Fail(t.status());
+      const absl::Status s = colod::WriteNpy(absl::GetFlag(FLAGS_out), *t);
+      return s.ok() ? 0 : Fail(s);
+    }
+    if (json) return PrintJson(*value);
+    std::printf("[%s] %s\n", absl::StrJoin(value->shape(), ", ").c_str(), FormatValues(*value).c_str());
+    return 0;
+  }
+  if (sub != "create" && sub != "reshard") return Usage(absl::StrCat("tensor: unknown subcommand '", sub, "'"));
+  if (int u = need(4, "JOB NAME")) return u;
+  auto mesh = c.GetMesh(args[2]);
+  if (!mesh.ok()) return Fail(mesh.status());
+  auto spec = colod::ParseDistSpecText(absl::GetFlag(FLAGS_spec), *mesh);
+  if (!spec.ok()) return Usage(absl::StrCat("--spec: ", spec.status().message()));
+  absl::StatusOr<colod::v1::TensorLayout> layout;
+  if (sub == "reshard") {
+    layout = c.SetDistSpec(args[2], args[3], *spec);
+  } else {
+    auto shape = ParseShape(absl::GetFlag(FLAGS_shape));
+    if (!shape.ok()) return Usage(std::string(shape.status().message()));
+    colod::v1::CreateTensorRequest req;
+    req.set_job_id(args[2]);
+    req.set_name(args[3]);
+    req.mutable_random()->set_seed(absl::GetFlag(FLAGS_seed));
+    for (int64_t d : *shape) req.mutable_random()->add_shape(d);
+    req.mutable_random()->set_dtype(colod::v1::DTYPE_F32);
+    *req.mutable_dist_spec() = *spec;
+    layout = c.CreateTensor(req);
+  }
+  if (!layout.ok()) return Fail(layout.status());
+  if (json) return PrintJson(*layout);
+  std::fputs(colod::RenderTensorLayout(*layout).c_str(), stdout);
+  return 0;
+}
+
 // Commands that talk to a coordinator: workers, submit, jobs, status,
 // watch, cancel, mesh.
 int ClusterCommand(const std::vector<std::string>& args, bool json) {
   const std::string& cmd = args[0];
+  auto client = MakeClient(CoordinatorAddress());
+  if (!client.ok()) return Usage(std::string(client.status().message()));
+  colod::CoordinatorClient& c = **client;
+  if (cmd == "tensor") return TensorCommand(c, args, json);
   const bool takes_job = cmd == "status" || cmd == "watch" || cmd == "cancel" || cmd == "mesh";
   const size_t want = takes_job ? 2 : 1;
   if (args.size() < want) return Usage(absl::StrCat(cmd, ": missing JOB"));
   if (args.size() > want) return Usage(absl::StrCat("unexpected argument '", args[want], "'"));
-  auto client = MakeClient(CoordinatorAddress());
-  if (!client.ok()) return Usage(std::string(client.status().message()));
-  colod::CoordinatorClient& c = **client;
   if (cmd == "workers") return Workers(c, json);
   if (cmd == "submit") return Submit(c, json);
   if (cmd == "jobs") return Jobs(c, json);
@@ -721,7 +945,8 @@ int main(int argc, char** argv) {
     if (args.size() > 1) return Usage(absl::StrCat("unexpected argument '", args[1], "'"));
     return InitModel();
   }
-  static const char* const kClusterCommands[] = {"workers", "submit", "jobs", "status", "watch", "cancel", "mesh"};
+  static const char* const kClusterCommands[] = {"workers", "submit", "jobs",  "status",
+                                                 "watch",   "cancel", "mesh", "tensor"};
   if (std::find(std::begin(kClusterCommands), std::end(kClusterCommands), cmd) == std::end(kClusterCommands)) {
     return Usage(absl::StrCat("unknown command '", cmd, "'"));
   }

@@ -28,8 +28,9 @@ absl::Status Annotate(const grpc::Status& s, const std::string& address, absl::s
 }  // namespace
 
 CoordinatorClient::CoordinatorClient(std::string address, Options options,
-                                     std::unique_ptr<v1::CoordinatorService::Stub> stub)
-    : address_(std::move(address)), options_(options), stub_(std::move(stub)) {}
+                                     std::unique_ptr<v1::CoordinatorService::Stub> stub,
+                                     std::unique_ptr<v1::TensorService::Stub> tensors)
+    : address_(std::move(address)), options_(options), stub_(std::move(stub)), tensors_(std::move(tensors)) {}
 
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(const std::string& address,
                                                                             Options options) {
@@ -38,8 +39,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(con
     return absl::InvalidArgumentError("timeout: must be > 0");
   }
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, MakeChannelCredentials(options.tls));
-  auto stub = v1::CoordinatorService::NewStub(grpc::CreateChannel(address, credentials));
-  return std::unique_ptr<CoordinatorClient>(new CoordinatorClient(address, options, std::move(stub)));
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(address, credentials);
+  return std::unique_ptr<CoordinatorClient>(new CoordinatorClient(
+      address, options, v1::CoordinatorService::NewStub(channel), v1::TensorService::NewStub(channel)));
 }
 
 void CoordinatorClient::SetDeadline(grpc::ClientContext& ctx) const {
@@ -162,6 +164,71 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
     }
     return Annotate(s, address_, "WatchJob");
   }
+}
+
+absl::StatusOr<v1::TensorLayout> CoordinatorClient::CreateTensor(const v1::CreateTensorRequest& req) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx);
+  v1::CreateTensorResponse resp;
+  RETURN_IF_ERROR(Annotate(tensors_->CreateTensor(&ctx, req, &resp), address_, "CreateTensor"));
+  return resp.layout();
+}
+
+absl::StatusOr<v1::TensorLayout> CoordinatorClient::SetDistSpec(const std::string& job_id, const std::string& name,
+                                                                const v1::DistSpec& spec) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx);
+  v1::SetDistSpecRequest req;
+  req.set_job_id(job_id);
+  req.set_name(name);
+  *req.mutable_dist_spec() = spec;
+  v1::SetDistSpecResponse resp;
+  RETURN_IF_ERROR(Annotate(tensors_->SetDistSpec(&ctx, req, &resp), address_, "SetDistSpec"));
+  return resp.layout();
+}
+
+absl::StatusOr<v1::GetShardResponse> CoordinatorClient::GetShard(const std::string& job_id, const std::string& name,
+                                                                 int rank) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx);
+  v1::GetShardRequest req;
+  req.set_job_id(job_id);
+  req.set_name(name);
+  req.set_rank(rank);
+  v1::GetShardResponse resp;
+  RETURN_IF_ERROR(Annotate(tensors_->GetShard(&ctx, req, &resp), address_, "GetShard"));
+  return resp;
+}
+
+absl::StatusOr<v1::TensorValue> CoordinatorClient::GetGlobal(const std::string& job_id, const std::string& name) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx);
+  v1::GetGlobalRequest req;
+  req.set_job_id(job_id);
+  req.set_name(name);
+  v1::GetGlobalResponse resp;
+  RETURN_IF_ERROR(Annotate(tensors_->GetGlobal(&ctx, req, &resp), address_, "GetGlobal"));
+  return resp.value();
+}
+
+absl::StatusOr<std::vector<v1::TensorLayout>> CoordinatorClient::ListTensors(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx);
+  v1::ListTensorsRequest req;
+  req.set_job_id(job_id);
+  v1::ListTensorsResponse resp;
+  RETURN_IF_ERROR(Annotate(tensors_->ListTensors(&ctx, req, &resp), address_, "ListTensors"));
+  return std::vector<v1::TensorLayout>(resp.tensors().begin(), resp.tensors().end());
+}
+
+absl::Status CoordinatorClient::DeleteTensor(const std::string& job_id, const std::string& name) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx);
+  v1::DeleteTensorRequest req;
+  req.set_job_id(job_id);
+  req.set_name(name);
+  v1::DeleteTensorResponse resp;
+  return Annotate(tensors_->DeleteTensor(&ctx, req, &resp), address_, "DeleteTensor");
 }
 
 }  // namespace colod

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.grpc.pb.h"
+#include "colod/v1/tensor.grpc.pb.h"
 
 namespace colod {
 
@@ -53,17 +54,28 @@ class CoordinatorClient {
   absl::Status WatchJob(const std::string& job_id, int64_t from_sequence, absl::Duration timeout,
                         const std::function<bool(const v1::JobEvent&)>& on_event);
 
+  // The TensorService of a TENSOR job's ColoTensors (served by the
+  // coordinator, which runs each call on every rank).
+  absl::StatusOr<v1::TensorLayout> CreateTensor(const v1::CreateTensorRequest& request);
+  absl::StatusOr<v1::TensorLayout> SetDistSpec(const std::string& job_id, const std::string& name,
+                                               const v1::DistSpec& spec);
+  absl::StatusOr<v1::GetShardResponse> GetShard(const std::string& job_id, const std::string& name, int rank);
+  absl::StatusOr<v1::TensorValue> GetGlobal(const std::string& job_id, const std::string& name);
+  absl::StatusOr<std::vector<v1::TensorLayout>> ListTensors(const std::string& job_id);
+  absl::Status DeleteTensor(const std::string& job_id, const std::string& name);
+
   const std::string& address() const { return address_; }
   v1::CoordinatorService::Stub& stub() { return *stub_; }
 
  private:
-  CoordinatorClient(std::string address, Options options,
-                    std::unique_ptr<v1::CoordinatorService::Stub> stub);
+  CoordinatorClient(std::string address, Options options, std::unique_ptr<v1::CoordinatorService::Stub> stub,
+                    std::unique_ptr<v1::TensorService::Stub> tensors);
   void SetDeadline(grpc::ClientContext& ctx) const;
 
   const std::string address_;
   const Options options_;
   const std::unique_ptr<v1::CoordinatorService::Stub> stub_;
+  const std::unique_ptr<v1::TensorService::Stub> tensors_;
 };
 
 }  // namespace colod

@@ -6,6 +6,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/ascii.h"
 #include "common/proto_time.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -176,6 +180,94 @@ std::string Sparkline(const std::vector<double>& values, size_t width) {
     const int level = span > 0 ? static_cast<int>((v - lo) / span * 7.0 + 0.5) : 0;
     out += kBlocks[level];
   }
+  return out;
+}
+
+absl::StatusOr<v1::DistSpec> ParseDistSpecText(const std::string& text, const v1::MeshSpec& mesh) {
+  v1::DistSpec spec;
+  const std::string trimmed(absl::StripAsciiWhitespace(text));
+  if (trimmed.empty() || trimmed == "R") return spec;
+  for (absl::string_view part : absl::StrSplit(trimmed, ';', absl::SkipWhitespace())) {
+    part = absl::StripAsciiWhitespace(part);
+    const size_t eq = part.find('=');
+    if (eq == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("spec '", part, "': expected AXIS=R, AXIS=S(DIM) or AXIS=P"));
+    }
+    const std::string axis(absl::StripAsciiWhitespace(part.substr(0, eq)));
+    const std::string what(absl::StripAsciiWhitespace(part.substr(eq + 1)));
+    int size = 0;
+    for (const v1::MeshAxis& a : mesh.axes()) {
+      if (a.name() == axis) size = a.size();
+    }
+    if (size == 0) {
+      std::vector<std::string> names;
+      for (const v1::MeshAxis& a : mesh.axes()) names.push_back(a.name());
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec '", part, "': the mesh has no axis '", axis, "' (axes: ", absl::StrJoin(names, ", "), ")"));
+    }
+    v1::AxisPlacement& ap = *spec.add_placements();
+    ap.set_axis(axis);
+    if (what == "R") {
+      ap.mutable_placement()->mutable_replicate();
+    } else if (what == "P") {
+      ap.mutable_placement()->mutable_partial()->set_op(v1::REDUCE_OP_SUM);
+    } else if (absl::StartsWith(what, "S(") && absl::EndsWith(what, ")")) {
+      const std::string inner = what.substr(2, what.size() - 3);
+      const std::vector<std::string> halves = absl::StrSplit(inner, '|');
+      v1::Shard& shard = *ap.mutable_placement()->mutable_shard();
+      for (absl::string_view d : absl::StrSplit(halves[0], ',')) {
+        int v;
+        if (!absl::SimpleAtoi(d, &v)) return absl::InvalidArgumentError(absl::StrCat("spec '", part, "': bad dim '", d, "'"));
+        shard.add_dims(v);
+      }
+      if (halves.size() == 1 && shard.dims_size() == 1) {
+        shard.add_num_partitions(size);
+      } else if (halves.size() == 2) {
+        for (absl::string_view n : absl::StrSplit(halves[1], ',')) {
+          int v;
+          if (!absl::SimpleAtoi(n, &v)) {
+            return absl::InvalidArgumentError(absl::StrCat("spec '", part, "': bad partition count '", n, "'"));
+          }
+          shard.add_num_partitions(v);
+        }
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("spec '", part, "': several dims need their partitions: S(D1,D2|N1,N2)"));
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("spec '", part, "': '", what, "' is not R, S(...) or P"));
+    }
+  }
+  return spec;
+}
+
+std::string DistSpecText(const v1::DistSpec& spec) {
+  std::vector<std::string> parts;
+  for (const v1::AxisPlacement& ap : spec.placements()) {
+    const v1::Placement& p = ap.placement();
+    if (p.has_shard()) {
+      parts.push_back(absl::StrCat(ap.axis(), "=S(", absl::StrJoin(p.shard().dims(), ","), "|",
+                                   absl::StrJoin(p.shard().num_partitions(), ","), ")"));
+    } else if (p.has_partial()) {
+      parts.push_back(absl::StrCat(ap.axis(), "=P"));
+    }
+  }
+  return parts.empty() ? "R" : absl::StrJoin(parts, ";");
+}
+
+std::string RenderTensorLayout(const v1::TensorLayout& layout) {
+  std::string out = absl::StrCat(layout.name(), ": ", EnumSuffix(v1::DType_Name(layout.dtype()), "DTYPE_"), " [",
+                                 absl::StrJoin(layout.global_shape(), ", "), "], spec ",
+                                 DistSpecText(layout.dist_spec()), "\n");
+  std::vector<std::vector<std::string>> rows;
+  for (const v1::ShardLayout& s : layout.shards()) {
+    rows.push_back({absl::StrCat(s.rank()), absl::StrCat("[", absl::StrJoin(s.shape(), ", "), "]"),
+                    absl::StrCat("[", absl::StrJoin(s.offsets(), ", "), "]"), s.partial() ? "partial" : ""});
+  }
+  absl::StrAppend(&out, RenderTable({"  RANK", "SHAPE", "OFFSETS", ""}, [&] {
+                    for (auto& r : rows) r[0] = "  " + r[0];
+                    return rows;
+                  }()));
   return out;
 }
 

@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "colod/v1/job.pb.h"
 #include "colod/v1/mesh.pb.h"
+#include "colod/v1/tensor.pb.h"
 #include "colod/v1/worker.pb.h"
 #include "google/protobuf/message.h"
 
@@ -37,6 +38,16 @@ std::string RenderMesh(const v1::MeshSpec& mesh);
 // The values as a line of at most `width` block characters (▁ to █), low
 // to high; longer series are averaged into `width` buckets.
 std::string Sparkline(const std::vector<double>& values, size_t width);
+
+// A dist spec from text: placements "AXIS=R", "AXIS=S(DIM)" (split into the
+// axis' size), "AXIS=S(D1,D2|N1,N2)" or "AXIS=P" (pending sum), separated by
+// ';', e.g. "tp=S(-1)" or "dp=S(0);tp=S(1)". "R" alone is replicate
+// everywhere. Axis sizes come from `mesh`. INVALID_ARGUMENT naming the part.
+absl::StatusOr<v1::DistSpec> ParseDistSpecText(const std::string& text, const v1::MeshSpec& mesh);
+// The inverse: "tp=S(-1|2)", or "R" when every axis replicates.
+std::string DistSpecText(const v1::DistSpec& spec);
+// NAME, DTYPE, GLOBAL, SPEC, then a row per rank: RANK, SHAPE, OFFSETS.
+std::string RenderTensorLayout(const v1::TensorLayout& layout);
 
 // Proto3 JSON of `message` (field names in lowerCamelCase, enums by name),
 // followed by a newline.

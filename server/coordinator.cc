@@ -97,7 +97,11 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
 
   ASSIGN_OR_RETURN(c->metrics_, MetricsServer::Start(options.metrics_listen, c->registry_));
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials, MakeServerCredentials(options.tls));
-  ASSIGN_OR_RETURN(c->grpc_, StartGrpcServer(options.listen, {c->service_.get()}, credentials));
+  TensorProxy::Options to;
+  to.auth_token = options.auth_token;
+  to.credentials = so.credentials;
+  c->tensors_ = std::make_unique<TensorProxy>(c->jobs_.get(), to);
+  ASSIGN_OR_RETURN(c->grpc_, StartGrpcServer(options.listen, {c->service_.get(), c->tensors_.get()}, credentials));
   SetServing(*c->grpc_.server, kServiceName, true);
   c->sweeper_ = std::thread([raw = c.get()] { raw->SweepLoop(); });
   c->scheduler_->Start();

@@ -20,6 +20,7 @@
 #include "server/job_manager.h"
 #include "server/rendezvous_store.h"
 #include "server/scheduler.h"
+#include "server/tensor_proxy.h"
 #include "server/worker_registry.h"
 
 namespace colod {
@@ -76,6 +77,7 @@ class Coordinator {
   std::unique_ptr<RendezvousStore> store_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<CoordinatorServiceImpl> service_;
+  std::unique_ptr<TensorProxy> tensors_;
   prometheus::Family<prometheus::Gauge>* workers_gauge_ = nullptr;
   prometheus::Family<prometheus::Gauge>* jobs_gauge_ = nullptr;
   prometheus::Family<prometheus::Gauge>* heartbeat_age_ = nullptr;

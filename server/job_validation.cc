@@ -170,7 +170,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
       RETURN_IF_ERROR(ValidateModel(spec.model(), spec.shard(), "spec.model").status());
       return Invalid("spec", "kind", "FORWARD jobs do not run on the daemons yet: use `coloctl forward`");
     case v1::JOB_KIND_TENSOR:
-      return Invalid("spec", "kind", "TENSOR jobs do not run on the daemons yet");
+      break;
     default:
       return Invalid("spec", "kind", "required: TRAIN, FORWARD or TENSOR");
   }

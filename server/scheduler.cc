@@ -190,12 +190,12 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       status.set_rank(rank);
       status.set_worker_id(report.worker_id());
       if (!p.final) (void)jobs_->AddRankStatus(p.job_id, status);
-      if (status.phase() == "training") p.training.insert(rank);
+      if (status.phase() == "training" || status.phase() == "serving") p.training.insert(rank);
       if (!p.final && static_cast<int>(p.training.size()) == p.mesh.world_size()) {
         absl::StatusOr<v1::Job> job = jobs_->Get(p.job_id);
         if (job.ok() && job->state() == v1::JOB_STATE_SCHEDULED) {
           (void)jobs_->SetState(p.job_id, v1::JOB_STATE_RUNNING,
-                                absl::StrCat("all ", p.mesh.world_size(), " ranks are training"));
+                                absl::StrCat("all ", p.mesh.world_size(), " ranks are ", status.phase()));
         }
       }
       break;

@@ -1,5 +1,6 @@
 // The job lifecycle on the workers: PENDING -> SCHEDULED (ranks placed,
-// AssignJob sent) -> RUNNING (every rank loaded and training) -> SUCCEEDED
+// AssignJob sent) -> RUNNING (every rank loaded and training, or serving its
+// tensors for a TENSOR job, which runs until cancelled) -> SUCCEEDED
 // (every rank finished) / FAILED (a rank failed, a worker was lost, an
 // assignment was refused) / CANCELLED (CancelJob). Workers stay allocated to a
 // job until each of its ranks reported its end (or its worker was lost), so
@@ -74,7 +75,7 @@ class Scheduler {
     v1::JobSpec spec;
     v1::MeshSpec mesh;
     std::string scope;            // rendezvous scope of this generation
-    std::set<int> training;       // ranks that reported phase "training"
+    std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)
     std::set<int> ended;          // ranks that reported their end (or were lost)
     bool final = false;           // the job reached a final state
   };

@@ -6,6 +6,7 @@
 // daemon's /metrics parses; a restarted coordinator still lists its jobs.
 #include <signal.h>
 
+#include <cstring>
 #include <map>
 #include <set>
 #include <string>
@@ -275,6 +276,99 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
     if (e.has_step()) replayed.push_back(e.step().loss());
   }
   EXPECT_EQ(replayed, got);
+}
+
+TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
+  // The ColoTensor document's example through coloctl: shapes per rank.
+  auto demo = RunCommand({Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "--tp", "2", "--dp", "2",
+                          "--output", "json", "tensor", "demo"},
+                         TempPath(""), absl::Seconds(120));
+  ASSERT_EQ(demo.code, 0) << demo.err << Logs();
+  const nlohmann::json out = nlohmann::json::parse(demo.out, nullptr, false);
+  ASSERT_FALSE(out.is_discarded()) << demo.out;
+  const std::vector<std::vector<int64_t>> want_shapes = {{2, 3, 1}, {2, 3, 2}, {1, 3, 2}};
+  ASSERT_EQ(out["stages"].size(), want_shapes.size()) << demo.out;
+  for (size_t i = 0; i < want_shapes.size(); ++i) {
+    ASSERT_EQ(out["stages"][i]["ranks"].size(), 4u);
+    for (const auto& r : out["stages"][i]["ranks"]) {
+      EXPECT_EQ(r["shape"].get<std::vector<int64_t>>(), want_shapes[i]) << "stage " << i << " " << r;
+    }
+  }
+  EXPECT_EQ(client_->GetJob(out["job_id"].get<std::string>())->state(), v1::JOB_STATE_CANCELLED);
+  ASSERT_TRUE(AllIdle(absl::Seconds(30))) << Logs();
+
+  // A known value: each rank's shard is its block, and the gathered value
+  // is the value again, whatever the conversions in between.
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TENSOR);
+  spec.mutable_shard()->set_tensor_parallel_size(2);
+  spec.mutable_shard()->set_data_parallel_size(2);
+  auto job = client_->SubmitJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline && client_->GetJob(job->job_id())->state() != v1::JOB_STATE_RUNNING) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(client_->GetJob(job->job_id())->state(), v1::JOB_STATE_RUNNING) << Logs();
+  std::vector<float> values(4 * 6);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = 0.5f * static_cast<float>(i) - 3.0f;
+  v1::CreateTensorRequest create;
+  create.set_job_id(job->job_id());
+  create.set_name("x");
+  create.mutable_value()->set_dtype(v1::DTYPE_F32);
+  create.mutable_value()->add_shape(4);
+  create.mutable_value()->add_shape(6);
+  create.mutable_value()->set_data(values.data(), values.size() * sizeof(float));
+  auto* placement = create.mutable_dist_spec()->add_placements();
+  placement->set_axis("tp");
+  placement->mutable_placement()->mutable_shard()->add_dims(1);
+  placement->mutable_placement()->mutable_shard()->add_num_partitions(2);
+  auto layout = client_->CreateTensor(create);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(client_->CreateTensor(create).status().code(), absl::StatusCode::kAlreadyExists);
+  auto floats = [](const v1::TensorValue& v) {
+    std::vector<float> out(v.data().size() / sizeof(float));
+    std::memcpy(out.data(), v.data().data(), v.data().size());
+    return out;
+  };
+  // tp rank t holds columns [3t, 3t + 3) of every row; dp replicas alike.
+  for (int rank = 0; rank < 4; ++rank) {
+    auto shard = client_->GetShard(job->job_id(), "x", rank);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    const int t = rank % 2;
+    std::vector<float> want;
+    for (int r = 0; r < 4; ++r) {
+      for (int c = 3 * t; c < 3 * t + 3; ++c) want.push_back(values[r * 6 + c]);
+    }
+    EXPECT_EQ(floats(shard->value()), want) << "rank " << rank;
+    EXPECT_EQ(shard->layout().offsets(1), 3 * t);
+  }
+  // Resharded on rows over dp and columns over tp, then gathered.
+  v1::DistSpec two;
+  for (auto [axis, dim] : {std::pair<const char*, int>{"dp", 0}, {"tp", 1}}) {
+    auto* p = two.add_placements();
+    p->set_axis(axis);
+    p->mutable_placement()->mutable_shard()->add_dims(dim);
+    p->mutable_placement()->mutable_shard()->add_num_partitions(2);
+  }
+  auto resharded = client_->SetDistSpec(job->job_id(), "x", two);
+  ASSERT_TRUE(resharded.ok()) << resharded.status();
+  auto shard3 = client_->GetShard(job->job_id(), "x", 3);  // dp 1, tp 1: rows 2-3, columns 3-5
+  ASSERT_TRUE(shard3.ok());
+  EXPECT_EQ(floats(shard3->value()),
+            (std::vector<float>{values[15], values[16], values[17], values[21], values[22], values[23]}));
+  auto global = client_->GetGlobal(job->job_id(), "x");
+  ASSERT_TRUE(global.ok()) << global.status();
+  EXPECT_EQ(floats(*global), values);
+  EXPECT_EQ(client_->GetGlobal(job->job_id(), "missing").status().code(), absl::StatusCode::kNotFound);
+  auto listed = client_->ListTensors(job->job_id());
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].shards_size(), 4);
+  ASSERT_TRUE(client_->DeleteTensor(job->job_id(), "x").ok());
+  EXPECT_TRUE(client_->ListTensors(job->job_id())->empty());
+  ASSERT_TRUE(client_->CancelJob(job->job_id()).ok());
+  EXPECT_TRUE(AllIdle(absl::Seconds(30))) << Logs();
 }
 
 }  // namespace

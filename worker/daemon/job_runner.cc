@@ -85,8 +85,8 @@ JobRunner::~JobRunner() {
 
 absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   if (req.job_id().empty()) return absl::InvalidArgumentError("job_id: required");
-  if (req.spec().kind() != v1::JOB_KIND_TRAIN) {
-    return absl::InvalidArgumentError(absl::StrCat("spec.kind: this worker runs TRAIN jobs, not ",
+  if (req.spec().kind() != v1::JOB_KIND_TRAIN && req.spec().kind() != v1::JOB_KIND_TENSOR) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.kind: this worker runs TRAIN and TENSOR jobs, not ",
                                                    v1::JobKind_Name(req.spec().kind())));
   }
   if (req.rendezvous_scope().empty()) return absl::InvalidArgumentError("rendezvous_scope: required");
@@ -218,13 +218,20 @@ absl::Status JobRunner::RunRank(Active& active) {
       fs::remove_all(dir, ec);
     }
   } cleanup{dir};
-  if (Report(req, Phase("loading", "opening the model and the data"))) {
-    return absl::AbortedError("the job no longer runs");
+  const bool training = req.spec().kind() == v1::JOB_KIND_TRAIN;
+  std::shared_ptr<const train::PreparedTrain> run;
+  shardformer::ShardConfig shard;
+  shard.layout = req.spec().shard();
+  if (training) {
+    if (Report(req, Phase("loading", "opening the model and the data"))) {
+      return absl::AbortedError("the job no longer runs");
+    }
+    RETURN_IF_ERROR(MaterializeModel(req.spec().model(), dir + "/model"));
+    ASSIGN_OR_RETURN(train::TrainOptions options, train::TrainOptionsFromSpec(req.spec(), dir + "/model"));
+    options.cuda = options_.cuda;
+    ASSIGN_OR_RETURN(run, train::PrepareTrain(options));
+    shard = options.shard;
   }
-  RETURN_IF_ERROR(MaterializeModel(req.spec().model(), dir + "/model"));
-  ASSIGN_OR_RETURN(train::TrainOptions options, train::TrainOptionsFromSpec(req.spec(), dir + "/model"));
-  options.cuda = options_.cuda;
-  ASSIGN_OR_RETURN(std::shared_ptr<const train::PreparedTrain> run, train::PrepareTrain(options));
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(req.spec().shard()));
 
   if (Report(req, Phase("rendezvous", "connecting to the other ranks"))) {
@@ -232,7 +239,6 @@ absl::Status JobRunner::RunRank(Active& active) {
   }
   CoordinatorStore store(options_.coordinator, req.rendezvous_scope(), options_.rpc_timeout, options_.auth_token);
   ProcessGroup::CommFactory inner;
-  shardformer::ShardConfig shard = options.shard;
   if (options_.cuda) {
 #ifdef COLOD_WITH_CUDA
     NcclCommunicator::Options o;
@@ -272,6 +278,7 @@ absl::Status JobRunner::RunRank(Active& active) {
     }
   } detach{active};
   if (options_.cuda) RETURN_IF_ERROR(pg->InitAxes());
+  if (!training) return ServeTensors(active, *pg);
 
   train::RankHooks hooks;
   hooks.stop = [&active] { return active.stop.load(); };
@@ -298,6 +305,39 @@ absl::Status JobRunner::RunRank(Active& active) {
     if (Report(req, r)) active.stop = true;
   };
   return train::RunTrainRank(*run, req.rank(), *pg, shard, hooks);
+}
+
+absl::Status JobRunner::ServeTensors(Active& active, ProcessGroup& pg) {
+  auto host = std::make_shared<TensorHost>(&pg, options_.cuda ? Device::Cuda(options_.device_ordinal) : Device::Cpu());
+  {
+    absl::MutexLock lock(&active.mu);
+    active.tensors = host;
+  }
+  if (Report(active.request, Phase("serving", "hosting ColoTensors"))) active.stop = true;
+  while (!active.stop) absl::SleepFor(absl::Milliseconds(20));
+  {
+    absl::MutexLock lock(&active.mu);
+    active.tensors.reset();
+  }
+  host->Close();  // waits for a call in progress: the group must outlive it
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<TensorHost>> JobRunner::Tensors(const std::string& job_id) const {
+  std::shared_ptr<Active> active;
+  {
+    absl::MutexLock lock(&mu_);
+    active = active_;
+  }
+  if (!active || active->request.job_id() != job_id) {
+    return absl::NotFoundError(absl::StrCat("job '", job_id, "' does not run on this worker"));
+  }
+  if (active->request.spec().kind() != v1::JOB_KIND_TENSOR) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' is not a TENSOR job"));
+  }
+  absl::MutexLock lock(&active->mu);
+  if (!active->tensors) return absl::UnavailableError(absl::StrCat("job '", job_id, "' is still connecting"));
+  return active->tensors;
 }
 
 }  // namespace colod

@@ -18,6 +18,7 @@
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/worker.pb.h"
 #include "worker/colo/process_group.h"
+#include "worker/daemon/tensor_host.h"
 #include "worker/daemon/worker_metrics.h"
 
 namespace colod {
@@ -55,7 +56,7 @@ class JobRunner {
   ~JobRunner();
 
   // Starts the rank. INVALID_ARGUMENT for a request that does not describe
-  // a rank of a TRAIN job (missing mesh, rank out of range, ...),
+  // a rank of a TRAIN or TENSOR job (missing mesh, rank out of range, ...),
   // FAILED_PRECONDITION while another job's rank runs; a repeated
   // assignment of the rank that runs is OK (the coordinator retried).
   absl::Status Assign(const v1::AssignJobRequest& request);
@@ -67,6 +68,9 @@ class JobRunner {
   v1::WorkerStatus Status() const;
   // Blocks until no rank runs or `timeout`; false on timeout.
   bool WaitIdle(absl::Duration timeout) const;
+  // The tensors of the TENSOR job `job_id` running here: NOT_FOUND unless
+  // it runs on this worker, UNAVAILABLE while its rank is still connecting.
+  absl::StatusOr<std::shared_ptr<TensorHost>> Tensors(const std::string& job_id) const;
 
  private:
   struct Active {
@@ -74,11 +78,14 @@ class JobRunner {
     std::atomic<bool> stop{false};
     absl::Mutex mu;
     ProcessGroup* pg ABSL_GUARDED_BY(mu) = nullptr;
+    std::shared_ptr<TensorHost> tensors ABSL_GUARDED_BY(mu);  // TENSOR jobs, once connected
     std::string stop_reason ABSL_GUARDED_BY(mu);
   };
 
   void Run(std::shared_ptr<Active> active);
   absl::Status RunRank(Active& active);
+  // TENSOR jobs: serves the rank's tensors until the job is stopped.
+  absl::Status ServeTensors(Active& active, ProcessGroup& pg);
   // Best effort, with a few retries: the coordinator learns what it can.
   // Returns true when the coordinator says the job no longer runs.
   bool Report(const v1::AssignJobRequest& request, const v1::ReportProgressRequest& report);

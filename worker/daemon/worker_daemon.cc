@@ -118,7 +118,9 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
   }
   w->service_ = std::make_unique<WorkerServiceImpl>([raw] { return raw->Info(); }, [raw] { return raw->Status(); },
                                                     w->runner_.get(), TokenAuth(options.auth_token));
-  ASSIGN_OR_RETURN(w->grpc_, StartGrpcServer(options.listen, {w->service_.get()}, server_credentials));
+  w->tensor_service_ = std::make_unique<WorkerTensorService>(w->runner_.get(), TokenAuth(options.auth_token));
+  ASSIGN_OR_RETURN(w->grpc_, StartGrpcServer(options.listen, {w->service_.get(), w->tensor_service_.get()},
+                                             server_credentials));
 
   advertise.port = w->grpc_.port;
   HostPort metrics_advertise = advertise;

@@ -17,6 +17,7 @@
 #include "common/metrics.h"
 #include "worker/daemon/job_runner.h"
 #include "worker/daemon/worker_metrics.h"
+#include "worker/daemon/tensor_service.h"
 #include "worker/daemon/worker_service.h"
 
 namespace colod {
@@ -90,6 +91,7 @@ class WorkerDaemon {
   std::string work_dir_;
   bool own_work_dir_ = false;
   std::unique_ptr<WorkerServiceImpl> service_;
+  std::unique_ptr<WorkerTensorService> tensor_service_;
   std::unique_ptr<MetricsServer> metrics_;
   StartedGrpcServer grpc_;
   std::shared_ptr<v1::CoordinatorService::Stub> coordinator_;

@@ -1,0 +1,128 @@
+#include "server/tensor_proxy.h"
+
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/grpc_status.h"
+#include "grpcpp/create_channel.h"
+
+namespace colod {
+
+TensorProxy::TensorProxy(JobManager* jobs, Options options)
+    : jobs_(jobs), options_(std::move(options)), auth_(options_.auth_token) {}
+
+absl::StatusOr<v1::Job> TensorProxy::RunningTensorJob(const std::string& job_id) {
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
+  absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
+  if (!job.ok()) return job.status();
+  if (job->spec().kind() != v1::JOB_KIND_TENSOR) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' is a ", v1::JobKind_Name(job->spec().kind()),
+                                                      " job; tensors live in TENSOR jobs"));
+  }
+  if (job->state() != v1::JOB_STATE_RUNNING) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", job_id, "' is ", JobStateName(job->state()), ", not running"));
+  }
+  return job;
+}
+
+TensorProxy::Stub& TensorProxy::StubFor(const std::string& address) {
+  absl::MutexLock lock(&mu_);  // stubs are never removed, so the reference stays valid
+  auto it = stubs_.find(address);
+  if (it == stubs_.end()) {
+    auto creds = options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials();
+    it = stubs_.emplace(address, v1::TensorService::NewStub(grpc::CreateChannel(address, creds))).first;
+  }
+  return *it->second;
+}
+
+absl::Mutex& TensorProxy::JobMutex(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  std::unique_ptr<absl::Mutex>& m = job_mu_[job_id];
+  if (!m) m = std::make_unique<absl::Mutex>();
+  return *m;
+}
+
+template <typename Req, typename Resp>
+grpc::Status TensorProxy::FanOut(grpc::ServerContext* ctx, const std::string& job_id, const Req& req, Resp* resp,
+                                 Call<Req, Resp> call, int only_rank) {
+  if (absl::Status a = auth_.Check(*ctx); !a.ok()) return ToGrpcStatus(a);
+  absl::StatusOr<v1::Job> job = RunningTensorJob(job_id);
+  if (!job.ok()) return ToGrpcStatus(job.status());
+  const v1::MeshSpec& mesh = job->mesh();
+  if (only_rank >= mesh.ranks_size()) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("rank: ", only_rank, " is outside the job's ", mesh.ranks_size(), " ranks")));
+  }
+  absl::Time deadline = absl::Now() + options_.rpc_timeout;
+  const absl::Time client = absl::FromChrono(ctx->deadline());
+  if (client < deadline) deadline = client;
+  std::vector<int> ranks;
+  for (int r = 0; r < mesh.ranks_size(); ++r) {
+    if (only_rank < 0 || r == only_rank) ranks.push_back(r);
+  }
+  std::vector<Resp> responses(ranks.size());
+  std::vector<grpc::Status> statuses(ranks.size());
+  {
+    absl::MutexLock order(&JobMutex(job_id));  // every rank sees this job's calls in one order
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      threads.emplace_back([&, i] {
+        grpc::ClientContext c;
+        c.set_deadline(absl::ToChronoTime(deadline));
+        AddAuthToken(c, options_.auth_token);
+        Stub& stub = StubFor(mesh.ranks(ranks[i]).worker_address());
+        statuses[i] = (stub.*call)(&c, req, &responses[i]);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (statuses[i].ok()) continue;
+    const v1::RankAssignment& a = mesh.ranks(ranks[i]);
+    return grpc::Status(statuses[i].error_code(), absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ",
+                                                               a.worker_address(), "): ", statuses[i].error_message()));
+  }
+  *resp = std::move(responses[0]);
+  return grpc::Status::OK;
+}
+
+grpc::Status TensorProxy::CreateTensor(grpc::ServerContext* ctx, const v1::CreateTensorRequest* req,
+                                       v1::CreateTensorResponse* resp) {
+  return FanOut(ctx, req->job_id(), *req, resp, &Stub::CreateTensor);
+}
+
+grpc::Status TensorProxy::SetDistSpec(grpc::ServerContext* ctx, const v1::SetDistSpecRequest* req,
+                                      v1::SetDistSpecResponse* resp) {
+  return FanOut(ctx, req->job_id(), *req, resp, &Stub::SetDistSpec);
+}
+
+grpc::Status TensorProxy::GetShard(grpc::ServerContext* ctx, const v1::GetShardRequest* req,
+                                   v1::GetShardResponse* resp) {
+  if (req->rank() < 0) return ToGrpcStatus(absl::InvalidArgumentError("rank: must be >= 0"));
+  return FanOut(ctx, req->job_id(), *req, resp, &Stub::GetShard, req->rank());
+}
+
+grpc::Status TensorProxy::GetGlobal(grpc::ServerContext* ctx, const v1::GetGlobalRequest* req,
+                                    v1::GetGlobalResponse* resp) {
+  return FanOut(ctx, req->job_id(), *req, resp, &Stub::GetGlobal);
+}
+
+grpc::Status TensorProxy::DescribeTensor(grpc::ServerContext* ctx, const v1::DescribeTensorRequest* req,
+                                         v1::DescribeTensorResponse* resp) {
+  return FanOut(ctx, req->job_id(), *req, resp, &Stub::DescribeTensor, 0);
+}
+
+grpc::Status TensorProxy::ListTensors(grpc::ServerContext* ctx, const v1::ListTensorsRequest* req,
+                                      v1::ListTensorsResponse* resp) {
+  return FanOut(ctx, req->job_id(), *req, resp, &Stub::ListTensors, 0);
+}
+
+grpc::Status TensorProxy::DeleteTensor(grpc::ServerContext* ctx, const v1::DeleteTensorRequest* req,
+                                       v1::DeleteTensorResponse* resp) {
+  return FanOut(ctx, req->job_id(), *req, resp, &Stub::DeleteTensor);
+}
+
+}  // namespace colod

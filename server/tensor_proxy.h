@@ -1,0 +1,70 @@
+// The coordinator's TensorService: the one endpoint clients use for a
+// TENSOR job's ColoTensors. Each call goes to every rank's worker at once
+// (GetShard only to the rank asked for), because creating and converting a
+// ColoTensor is collective; calls on one job are serialized, so every rank
+// sees them in the same order. The answer is rank 0's (layouts are global);
+// a rank's error comes back prefixed with the rank and its worker.
+#ifndef COLOD_SERVER_TENSOR_PROXY_H_
+#define COLOD_SERVER_TENSOR_PROXY_H_
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "colod/v1/tensor.grpc.pb.h"
+#include "common/auth.h"
+#include "grpcpp/security/credentials.h"
+#include "server/job_manager.h"
+
+namespace colod {
+
+// Thread-safe. `jobs` must outlive it.
+class TensorProxy final : public v1::TensorService::Service {
+ public:
+  struct Options {
+    // Checked on every call (UNAUTHENTICATED), and sent to the workers.
+    std::string auth_token;
+    std::shared_ptr<grpc::ChannelCredentials> credentials;  // to the workers
+    // Deadline of each call to a worker, unless the client's is sooner.
+    absl::Duration rpc_timeout = absl::Seconds(60);
+  };
+  TensorProxy(JobManager* jobs, Options options);
+
+  grpc::Status CreateTensor(grpc::ServerContext*, const v1::CreateTensorRequest*, v1::CreateTensorResponse*) override;
+  grpc::Status SetDistSpec(grpc::ServerContext*, const v1::SetDistSpecRequest*, v1::SetDistSpecResponse*) override;
+  grpc::Status GetShard(grpc::ServerContext*, const v1::GetShardRequest*, v1::GetShardResponse*) override;
+  grpc::Status GetGlobal(grpc::ServerContext*, const v1::GetGlobalRequest*, v1::GetGlobalResponse*) override;
+  grpc::Status DescribeTensor(grpc::ServerContext*, const v1::DescribeTensorRequest*,
+                              v1::DescribeTensorResponse*) override;
+  grpc::Status ListTensors(grpc::ServerContext*, const v1::ListTensorsRequest*, v1::ListTensorsResponse*) override;
+  grpc::Status DeleteTensor(grpc::ServerContext*, const v1::DeleteTensorRequest*, v1::DeleteTensorResponse*) override;
+
+ private:
+  using Stub = v1::TensorService::Stub;
+  template <typename Req, typename Resp>
+  using Call = grpc::Status (Stub::*)(grpc::ClientContext*, const Req&, Resp*);
+
+  // The job, which must be a RUNNING TENSOR job: NOT_FOUND, or
+  // FAILED_PRECONDITION naming its kind or state.
+  absl::StatusOr<v1::Job> RunningTensorJob(const std::string& job_id);
+  // `req` to every rank (or only `only_rank` if >= 0); rank 0's (or that
+  // rank's) response.
+  template <typename Req, typename Resp>
+  grpc::Status FanOut(grpc::ServerContext* ctx, const std::string& job_id, const Req& req, Resp* resp,
+                      Call<Req, Resp> call, int only_rank = -1);
+  Stub& StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Mutex& JobMutex(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  JobManager* const jobs_;
+  const Options options_;
+  const TokenAuth auth_;
+  absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<absl::Mutex>> job_mu_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace colod
+
+#endif  // COLOD_SERVER_TENSOR_PROXY_H_

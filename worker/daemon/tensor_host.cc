@@ -1,0 +1,122 @@
+#include "worker/daemon/tensor_host.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/colo/tensor_proto.h"
+#include "worker/tensor/autograd.h"
+
+namespace colod {
+
+absl::StatusOr<TensorHost::Entry*> TensorHost::FindLocked(const std::string& name) {
+  if (closed_) return absl::UnavailableError("the job's rank has stopped");
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) return absl::NotFoundError(absl::StrCat("no tensor '", name, "'"));
+  return &it->second;
+}
+
+absl::StatusOr<v1::TensorLayout> TensorHost::LayoutLocked(const std::string& name, const Entry& e) {
+  ASSIGN_OR_RETURN(v1::TensorLayout layout, DescribeLayout(name, e.tensor.local().dtype(), e.tensor.global_shape(),
+                                                           e.tensor.spec(), pg_->mesh()));
+  layout.set_compute_pattern(e.pattern);
+  return layout;
+}
+
+absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorRequest& req) {
+  if (req.name().empty()) return absl::InvalidArgumentError("name: required");
+  ASSIGN_OR_RETURN(DistSpec spec, DistSpecFromProto(req.dist_spec()));
+  Tensor global;
+  switch (req.init_case()) {
+    case v1::CreateTensorRequest::kValue: {
+      ASSIGN_OR_RETURN(global, TensorFromProto(req.value()));
+      break;
+    }
+    case v1::CreateTensorRequest::kRandom: {
+      const v1::RandomInit& r = req.random();
+      const v1::DType wire = r.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : r.dtype();
+      ASSIGN_OR_RETURN(DType dtype, DTypeFromProto(wire, "random.dtype"));
+      const Shape shape(r.shape().begin(), r.shape().end());
+      for (int64_t d : shape) {
+        if (d < 1) return absl::InvalidArgumentError(absl::StrCat("random.shape: sizes must be >= 1, got ", d));
+      }
+      if (r.distribution() == v1::RandomInit::DISTRIBUTION_UNIFORM) {
+        ASSIGN_OR_RETURN(global, Tensor::RandomUniform(shape, r.seed(), dtype));
+      } else {
+        ASSIGN_OR_RETURN(global, Tensor::RandomNormal(shape, r.seed(), dtype));
+      }
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError("init: one of value or random is required");
+  }
+  absl::MutexLock lock(&mu_);
+  if (closed_) return absl::UnavailableError("the job's rank has stopped");
+  if (tensors_.count(req.name())) {
+    return absl::AlreadyExistsError(absl::StrCat("tensor '", req.name(), "' exists"));
+  }
+  ASSIGN_OR_RETURN(global, global.To(device_));
+  NoGradScope no_grad;
+  absl::StatusOr<ColoTensor> t = ColoTensor::FromGlobal(global, spec, pg_);
+  if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("dist_spec: ", t.status().message()));
+  Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t), req.compute_pattern()}).first->second;
+  return LayoutLocked(req.name(), e);
+}
+
+absl::StatusOr<v1::TensorLayout> TensorHost::SetDistSpec(const v1::SetDistSpecRequest& req) {
+  ASSIGN_OR_RETURN(DistSpec spec, DistSpecFromProto(req.dist_spec()));
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(req.name()));
+  NoGradScope no_grad;
+  RETURN_IF_ERROR(e->tensor.SetDistSpec(spec));
+  return LayoutLocked(req.name(), *e);
+}
+
+absl::StatusOr<v1::GetShardResponse> TensorHost::GetShard(const v1::GetShardRequest& req) {
+  if (req.rank() != pg_->rank()) {
+    return absl::InvalidArgumentError(absl::StrCat("rank: this worker holds rank ", pg_->rank(), ", not ", req.rank()));
+  }
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(req.name()));
+  ASSIGN_OR_RETURN(v1::TensorLayout layout, LayoutLocked(req.name(), *e));
+  v1::GetShardResponse resp;
+  *resp.mutable_layout() = layout.shards(pg_->rank());
+  ASSIGN_OR_RETURN(*resp.mutable_value(), TensorToProto(e->tensor.local()));
+  return resp;
+}
+
+absl::StatusOr<v1::TensorValue> TensorHost::GetGlobal(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(name));
+  NoGradScope no_grad;
+  ASSIGN_OR_RETURN(ColoTensor whole, e->tensor.ToReplicate());
+  return TensorToProto(whole.local());
+}
+
+absl::StatusOr<v1::TensorLayout> TensorHost::Describe(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(name));
+  return LayoutLocked(name, *e);
+}
+
+std::vector<v1::TensorLayout> TensorHost::List() {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::TensorLayout> out;
+  for (const auto& [name, e] : tensors_) {
+    if (auto layout = LayoutLocked(name, e); layout.ok()) out.push_back(*std::move(layout));
+  }
+  return out;
+}
+
+void TensorHost::Close() {
+  absl::MutexLock lock(&mu_);
+  closed_ = true;
+  tensors_.clear();
+}
+
+absl::Status TensorHost::Delete(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return absl::UnavailableError("the job's rank has stopped");
+  if (tensors_.erase(name) == 0) return absl::NotFoundError(absl::StrCat("no tensor '", name, "'"));
+  return absl::OkStatus();
+}
+
+}  // namespace colod

@@ -1,0 +1,65 @@
+// The ColoTensors of the rank of a TENSOR job that runs on this worker: what
+// the worker's TensorService serves. The coordinator's TensorService calls
+// every rank of the job with the same request, in the same order, so that
+// collective ones (create from a seed needs none; SetDistSpec and GetGlobal
+// do) line up across the ranks.
+#ifndef COLOD_WORKER_DAEMON_TENSOR_HOST_H_
+#define COLOD_WORKER_DAEMON_TENSOR_HOST_H_
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "colod/v1/tensor.pb.h"
+#include "worker/colo/colo_tensor.h"
+#include "worker/colo/process_group.h"
+
+namespace colod {
+
+// Thread-safe: calls are serialized (a collective one holds the lock until
+// every rank took part).
+class TensorHost {
+ public:
+  // `pg` is the rank's process group and must outlive the host; tensors
+  // live on `device`.
+  TensorHost(ProcessGroup* pg, Device device) : pg_(pg), device_(device) {}
+
+  // ALREADY_EXISTS for a taken name; INVALID_ARGUMENT naming the field for a
+  // missing name or init, a bad dtype, a value whose bytes do not match its
+  // shape, or a spec that does not fit the mesh or the shape.
+  absl::StatusOr<v1::TensorLayout> Create(const v1::CreateTensorRequest& request);
+  // Collective. NOT_FOUND for an unknown name.
+  absl::StatusOr<v1::TensorLayout> SetDistSpec(const v1::SetDistSpecRequest& request);
+  // This rank's shard. INVALID_ARGUMENT unless request.rank is this rank.
+  absl::StatusOr<v1::GetShardResponse> GetShard(const v1::GetShardRequest& request);
+  // The whole value (gathered and reduced). Collective.
+  absl::StatusOr<v1::TensorValue> GetGlobal(const std::string& name);
+  absl::StatusOr<v1::TensorLayout> Describe(const std::string& name);
+  std::vector<v1::TensorLayout> List();
+  absl::Status Delete(const std::string& name);
+  // Waits for the call in progress, drops every tensor, and makes later
+  // calls UNAVAILABLE: the process group is about to go away.
+  void Close();
+
+ private:
+  struct Entry {
+    ColoTensor tensor;
+    v1::ComputePattern pattern = v1::COMPUTE_PATTERN_UNSPECIFIED;
+  };
+  absl::StatusOr<Entry*> FindLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<v1::TensorLayout> LayoutLocked(const std::string& name, const Entry& e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  ProcessGroup* const pg_;
+  const Device device_;
+  absl::Mutex mu_;
+  std::map<std::string, Entry> tensors_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_DAEMON_TENSOR_HOST_H_
