@@ -26,7 +26,7 @@ _LIBS = {
     ], []),
     "protobuf": ("/usr/include/google/protobuf/message.h", "libprotobuf-dev", ["protobuf"], []),
     "grpc": ("/usr/include/grpcpp/grpcpp.h", "libgrpc++-dev", ["grpc++"], ["-lgrpc++_reflection"]),
-    "prometheus": ("/usr/include/prometheus/exposer.h", "prometheus-cpp-dev", ["prometheus-cpp-pull", "prometheus-cpp-core"], ["-lcivetweb"]),
+    "prometheus": ("/usr/include/prometheus/exposer.h", "prometheus-cpp-dev", ["prometheus-cpp-pull", "prometheus-cpp-core"], ["-lcivetweb-cpp", "-lcivetweb"]),
     "gtest": ("/usr/include/gtest/gtest.h", "libgtest-dev", ["gtest"], []),
     "gtest_main": ("/usr/include/gtest/gtest.h", "libgtest-dev", ["gtest_main"], []),
     "gmock": ("/usr/include/gmock/gmock.h", "libgmock-dev", ["gmock"], []),

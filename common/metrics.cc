@@ -14,6 +14,7 @@
 #include "common/status_macros.h"
 #include "common/version.h"
 #include "prometheus/gauge.h"
+#include "prometheus/text_serializer.h"
 
 // civetweb (prometheus-cpp's HTTP server) starts its threads with a fixed
 // 100 KiB stack (pthread_attr_setstacksize). glibc carves every thread's
@@ -33,20 +34,44 @@ extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
 
 namespace colod {
 
+class MetricsServer::Handler : public CivetHandler {
+ public:
+  explicit Handler(std::shared_ptr<prometheus::Registry> registry) : registry_(std::move(registry)) {}
+
+  bool handleGet(CivetServer*, mg_connection* conn) override {
+    const std::string body = prometheus::TextSerializer().Serialize(registry_->Collect());
+    mg_printf(conn,
+              "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+              "Content-Length: %zu\r\nConnection: close\r\n\r\n",
+              body.size());
+    mg_write(conn, body.data(), body.size());
+    return true;
+  }
+
+ private:
+  const std::shared_ptr<prometheus::Registry> registry_;
+};
+
+MetricsServer::~MetricsServer() {
+  server_.reset();  // joins civetweb's threads before the handler goes
+  handler_.reset();
+}
+
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     absl::string_view listen, std::shared_ptr<prometheus::Registry> registry) {
   ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(listen, "--metrics-listen", /*allow_zero_port=*/true));
   std::unique_ptr<MetricsServer> server(new MetricsServer());
+  const std::string address = hp.ToString();
+  const std::vector<std::string> options = {"listening_ports", address, "num_threads", "2"};
   try {
-    server->exposer_ = std::make_unique<prometheus::Exposer>(hp.ToString(), /*num_threads=*/2);
+    server->server_ = std::make_unique<CivetServer>(options);
   } catch (const std::exception& e) {
     // CivetServer drops civetweb's reason; ask civetweb directly for it.
-    const std::string address = hp.ToString();
-    const char* options[] = {"listening_ports", address.c_str(), "num_threads", "2", nullptr};
+    const char* raw[] = {"listening_ports", address.c_str(), "num_threads", "2", nullptr};
     mg_callbacks callbacks{};
     mg_init_data init{};
     init.callbacks = &callbacks;
-    init.configuration_options = options;
+    init.configuration_options = raw;
     char text[256] = {0};
     mg_error_data error{};
     error.text = text;
@@ -55,16 +80,17 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     return absl::UnavailableError(
         absl::StrCat("cannot serve /metrics on ", address, ": ", e.what(), " (civetweb: ", text, ")"));
   }
-  std::vector<int> ports = server->exposer_->GetListeningPorts();
+  std::vector<int> ports = server->server_->getListeningPorts();
   if (ports.empty() || ports[0] <= 0) {
-    return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ", hp.ToString(),
+    return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ", address,
                                                ": no listening port was reported"));
   }
   server->port_ = ports[0];
   hp.port = ports[0];
   server->address_ = hp.ToString();
   server->registry_ = std::move(registry);
-  server->exposer_->RegisterCollectable(server->registry_);
+  server->handler_ = std::make_unique<Handler>(server->registry_);
+  server->server_->addHandler("/metrics", server->handler_.get());
   return server;
 }
 

@@ -61,7 +61,8 @@ class JobsTest : public ::testing::Test {
     for (int i = 0; i < 4; ++i) {
       workers_.push_back(StartDaemon("worker/daemon/colod-worker", absl::StrCat("w", i),
                                      {"--coordinator", coordinator_.grpc, "--device", "cpu", "--device-ordinal",
-                                      absl::StrCat(i), "--work-dir", TempPath(absl::StrCat("work", i))}));
+                                      absl::StrCat(i), "--work-dir", TempPath(absl::StrCat("work", i)),
+                                      "--comm-timeout", "30s"}));
       ASSERT_FALSE(workers_.back().grpc.empty()) << ReadFile(workers_.back().log);
     }
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
@@ -76,7 +77,8 @@ class JobsTest : public ::testing::Test {
 
   void StartCoordinator() {
     coordinator_ = StartDaemon("server/colod-coordinator", "coordinator",
-                               {"--data-dir", TempPath("data"), "--heartbeat-interval", "200ms"});
+                               {"--data-dir", TempPath("data"), "--heartbeat-interval", "200ms",
+                                "--lease-duration", "1500ms"});
     ASSERT_FALSE(coordinator_.grpc.empty()) << ReadFile(coordinator_.log);
     auto client = CoordinatorClient::Create(coordinator_.grpc);
     ASSERT_TRUE(client.ok());
@@ -124,11 +126,13 @@ class JobsTest : public ::testing::Test {
     return out;
   }
 
-  bool AllIdle(absl::Duration within) {
+  bool AllIdle(absl::Duration within, int except = -1) {
     const absl::Time deadline = absl::Now() + within;
     while (absl::Now() < deadline) {
       bool idle = true;
-      for (const Daemon& w : workers_) idle = idle && StatusOf(w.grpc).state() == v1::WORKER_STATE_IDLE;
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        if (static_cast<int>(i) != except) idle = idle && StatusOf(workers_[i].grpc).state() == v1::WORKER_STATE_IDLE;
+      }
       if (idle) return true;
       absl::SleepFor(absl::Milliseconds(50));
     }
@@ -238,6 +242,20 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
   auto body = testing::HttpGet(coordinator_.metrics, "/metrics");
   ASSERT_TRUE(body.ok());
   ASSERT_TRUE(testing::ParsePrometheusText(*body).ok());
+  // Base units only: seconds and bytes, never milli-, micro-, kilo- or mega-.
+  std::vector<std::string> pages = {*body};
+  for (const Daemon& w : workers_) pages.push_back(*testing::HttpGet(w.metrics, "/metrics"));
+  for (const std::string& page : pages) {
+    auto families = testing::ParsePrometheusText(page);
+    ASSERT_TRUE(families.ok()) << families.status();
+    for (const auto& [name, family] : *families) {
+      EXPECT_TRUE(absl::StartsWith(name, "colod_")) << name;
+      for (const char* bad : {"_ms", "milli", "micro", "_us", "_ns", "_kb", "_mb", "_gb", "kilo", "mega", "_minutes",
+                              "_hours"}) {
+        EXPECT_FALSE(absl::StrContains(name, bad)) << name;
+      }
+    }
+  }
 
   // A long job, cancelled while it runs: every rank stops, the workers go
   // back to idle, and a job submitted next runs on them.
@@ -369,6 +387,43 @@ TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
   EXPECT_TRUE(client_->ListTensors(job->job_id())->empty());
   ASSERT_TRUE(client_->CancelJob(job->job_id()).ok());
   EXPECT_TRUE(AllIdle(absl::Seconds(30))) << Logs();
+}
+
+TEST_F(JobsTest, AWorkerKilledMidJobFailsTheJobAndFreesTheOthers) {
+  auto job = client_->SubmitJob(Spec(Options(100000)));
+  ASSERT_TRUE(job.ok()) << job.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline && client_->GetJob(job->job_id())->step() < 2) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_GE(client_->GetJob(job->job_id())->step(), 2) << Logs();
+  auto mesh = client_->GetMesh(job->job_id());
+  ASSERT_TRUE(mesh.ok());
+  // Kill the worker of rank 1 without a chance to say goodbye.
+  int victim = -1;
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (workers_[i].grpc == mesh->ranks(1).worker_address()) victim = static_cast<int>(i);
+  }
+  ASSERT_GE(victim, 0);
+  workers_[victim].process->Signal(SIGKILL);
+  workers_[victim].process->Wait(absl::Seconds(10));
+  Watch(job->job_id());
+  auto failed = client_->GetJob(job->job_id());
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED) << failed->reason();
+  EXPECT_TRUE(absl::StrContains(failed->reason(), "rank ")) << failed->reason();
+  // Its peers stop (their collectives fail) and go back to idle; the lost
+  // worker is marked so.
+  EXPECT_TRUE(AllIdle(absl::Seconds(45), victim)) << Logs();
+  const absl::Time lost_deadline = absl::Now() + absl::Seconds(10);
+  bool lost = false;
+  while (!lost && absl::Now() < lost_deadline) {
+    auto listed = client_->ListWorkers(true);
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    for (const v1::Worker& w : *listed) {
+      lost = lost || (w.info().address() == workers_[victim].grpc && w.state() == v1::WORKER_STATE_LOST);
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(lost);
 }
 
 }  // namespace
