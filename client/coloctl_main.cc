@@ -131,7 +131,10 @@ constexpr char kUsage[] =
     "              integers [batch, seq]; the logits are written as f32 [batch, seq, vocab]\n"
     "              without vocabulary padding. --output json prints one JSON object with\n"
     "              loss, tokens, logits and shape.\n"
-    "  train       Train a model directory on tp * dp local ranks and print one line per\n"
+    "  train       Train a model directory as a job on the daemons and print one line per\n"
+    "              step: on --coordinator (or $COLOD_COORDINATOR) when given, else on an\n"
+    "              embedded cluster of tp * dp CPU workers started for the run (--device\n"
+    "              cuda runs rank r on local GPU r in this process instead). One line per\n"
     "              step (--output json: one JSON object per line with step, loss, lr,\n"
     "              grad_norm, tokens_per_second and the bytes of parameters, gradients and\n"
     "              optimizer state on rank 0). --model DIR --data FILE [--steps N]\n"
@@ -254,7 +257,9 @@ absl::StatusOr<bool> CudaFromFlags() {
 }
 
 std::string ExplicitCoordinator();
-int TrainOnCluster(const colod::train::TrainOptions& o, bool json);
+int TrainOnCluster(const colod::train::TrainOptions& o, bool json, const std::string& address);
+absl::StatusOr<std::unique_ptr<colod::LocalCluster>> StartLocalCluster(int workers, const std::string& listen,
+                                                                      const std::string& data_dir);
 absl::StatusOr<colod::v1::Job> SubmitTensorJob(colod::CoordinatorClient& client, const std::string& name);
 
 // The train flags (--model, --data, --steps, ...) as training options.
@@ -330,7 +335,19 @@ int Train(bool json) {
     if (!latest.ok()) return Fail(latest.status());
     std::fprintf(stderr, "coloctl: resuming from %s\n", latest->c_str());
   }
-  if (!ExplicitCoordinator().empty()) return TrainOnCluster(o, json);
+  if (!ExplicitCoordinator().empty()) return TrainOnCluster(o, json, ExplicitCoordinator());
+  if (!o.cuda) {
+    // Through the daemons, as on a real cluster: an embedded one of tp * dp
+    // CPU workers that lives as long as this command.
+    const int world = std::max(1, o.shard.layout.tensor_parallel_size()) *
+                      std::max(1, o.shard.layout.data_parallel_size());
+    auto cluster = StartLocalCluster(world, "127.0.0.1:0", "");
+    if (!cluster.ok()) return Fail(cluster.status());
+    const int code = TrainOnCluster(o, json, (*cluster)->address());
+    (*cluster)->Stop();
+    return code;
+  }
+  // --device cuda: rank r on local GPU r over NCCL, as threads of this process.
   const absl::Status s = colod::train::Train(o, [&](const colod::train::StepStats& st) {
     PrintStep({{"step", st.step},
                {"loss", st.loss},
@@ -551,14 +568,16 @@ int Submit(colod::CoordinatorClient& client, bool json) {
 
 // coloctl train against a cluster: submit, then print the steps as the
 // local run does.
-int TrainOnCluster(const colod::train::TrainOptions& o, bool json) {
-  auto client = MakeClient(ExplicitCoordinator());
+int TrainOnCluster(const colod::train::TrainOptions& o, bool json, const std::string& address) {
+  auto client = MakeClient(address);
   if (!client.ok()) return Usage(std::string(client.status().message()));
   auto spec = JobSpecFromFlags();
   if (!spec.ok()) return Usage(absl::StrCat("train: ", spec.status().message()));
   auto job = (*client)->SubmitJob(*spec);
   if (!job.ok()) return Fail(job.status());
-  std::fprintf(stderr, "coloctl: job %s on %s\n", job->job_id().c_str(), (*client)->address().c_str());
+  if (!ExplicitCoordinator().empty()) {
+    std::fprintf(stderr, "coloctl: job %s on %s\n", job->job_id().c_str(), (*client)->address().c_str());
+  }
   auto ended = WatchToEnd(**client, job->job_id(), json, [&](const colod::v1::StepProgress& p) {
     PrintStep({{"step", p.step()},
                {"loss", p.loss()},
@@ -864,24 +883,32 @@ int ClusterCommand(const std::vector<std::string>& args, bool json) {
   return 0;
 }
 
-int Local() {
-  colod::BlockShutdownSignals();  // before any thread starts; the children unblock
-  ::signal(SIGPIPE, SIG_IGN);     // a closed stdout must not skip the cleanup
+// A coordinator and `workers` CPU workers as children of this process
+// (found next to this coloctl), every worker registered.
+absl::StatusOr<std::unique_ptr<colod::LocalCluster>> StartLocalCluster(int workers, const std::string& listen,
+                                                                      const std::string& data_dir) {
   colod::LocalCluster::Options o;
-  o.workers = absl::GetFlag(FLAGS_workers);
-  o.listen = absl::GetFlag(FLAGS_listen);
-  o.data_dir = absl::GetFlag(FLAGS_data_dir);
+  o.workers = workers;
+  o.listen = listen;
+  o.data_dir = data_dir;
   char exe[4096];
   const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
   const std::string self = n > 0 ? std::string(exe, n) : "coloctl";
   auto coordinator = colod::FindDaemonBinary(self, "colod-coordinator");
-  if (!coordinator.ok()) return Fail(coordinator.status());
+  if (!coordinator.ok()) return coordinator.status();
   auto worker = colod::FindDaemonBinary(self, "colod-worker");
-  if (!worker.ok()) return Fail(worker.status());
+  if (!worker.ok()) return worker.status();
   o.coordinator_binary = *coordinator;
   o.worker_binary = *worker;
-  if (o.workers < 1) return Usage("local: --workers must be at least 1");
-  auto cluster = colod::LocalCluster::Start(o);
+  return colod::LocalCluster::Start(o);
+}
+
+int Local() {
+  colod::BlockShutdownSignals();  // before any thread starts; the children unblock
+  ::signal(SIGPIPE, SIG_IGN);     // a closed stdout must not skip the cleanup
+  if (absl::GetFlag(FLAGS_workers) < 1) return Usage("local: --workers must be at least 1");
+  auto cluster = StartLocalCluster(absl::GetFlag(FLAGS_workers), absl::GetFlag(FLAGS_listen),
+                                   absl::GetFlag(FLAGS_data_dir));
   if (!cluster.ok()) return Fail(cluster.status());
   std::printf("coordinator %s (metrics http://%s/metrics), data dir %s\n", (*cluster)->address().c_str(),
               (*cluster)->metrics_address().c_str(), (*cluster)->data_dir().c_str());
