@@ -122,9 +122,10 @@ constexpr char kUsage[] =
     "              loopback. Prints the coordinator's address once every worker has\n"
     "              registered, stays in the foreground, and stops everything on Ctrl-C or\n"
     "              SIGTERM. --data-dir keeps the coordinator's state and the worker logs.\n"
-    "  forward     Run one forward pass of a Hugging Face-style model directory on tp * dp\n"
-    "              local ranks (threads talking Gloo over loopback) and print the mean\n"
-    "              next-token cross-entropy; does not need a coordinator.\n"
+    "  forward     Run one forward pass of a Hugging Face-style model directory as a\n"
+    "              FORWARD job on tp * dp workers (--coordinator's, else an embedded cluster\n"
+    "              started for the run; --device cuda: local GPUs in this process) and print\n"
+    "              the mean next-token cross-entropy.\n"
     "              --model DIR --input IDS.npy [--logits OUT.npy] [--tp T] [--dp D]\n"
     "              [--mode 1d|2d|2.5d|3d] [--depth D] [--sequence-parallel]\n"
     "              [--device cpu|cuda]. The ids are\n"
@@ -260,6 +261,7 @@ std::string ExplicitCoordinator();
 int TrainOnCluster(const colod::train::TrainOptions& o, bool json, const std::string& address);
 absl::StatusOr<std::unique_ptr<colod::LocalCluster>> StartLocalCluster(int workers, const std::string& listen,
                                                                       const std::string& data_dir);
+absl::StatusOr<std::unique_ptr<colod::CoordinatorClient>> MakeClient(const std::string& address);
 absl::StatusOr<colod::v1::Job> SubmitTensorJob(colod::CoordinatorClient& client, const std::string& name);
 
 // The train flags (--model, --data, --steps, ...) as training options.
@@ -364,6 +366,24 @@ int Train(bool json) {
   return 0;
 }
 
+// A FORWARD job on the cluster at `address`, followed to its end: the
+// pass's result, or the job's failure.
+absl::StatusOr<colod::v1::ForwardResult> ForwardOnCluster(const std::string& address, colod::v1::JobSpec spec) {
+  auto client = MakeClient(address);
+  if (!client.ok()) return client.status();
+  auto job = (*client)->SubmitJob(spec);
+  if (!job.ok()) return job.status();
+  RETURN_IF_ERROR((*client)->WatchJob(job->job_id(), 1, absl::GetFlag(FLAGS_watch_timeout),
+                                      [](const colod::v1::JobEvent&) { return true; }));
+  auto ended = (*client)->GetJob(job->job_id());
+  if (!ended.ok()) return ended.status();
+  if (ended->state() != colod::v1::JOB_STATE_SUCCEEDED) {
+    return absl::AbortedError(absl::StrCat("job ", ended->job_id(), " ", colod::JobStateLabel(ended->state()), ": ",
+                                           ended->reason()));
+  }
+  return ended->forward_result();
+}
+
 int Forward(bool json) {
   const std::string model = absl::GetFlag(FLAGS_model), input = absl::GetFlag(FLAGS_input),
                     logits_path = absl::GetFlag(FLAGS_logits);
@@ -377,23 +397,59 @@ int Forward(bool json) {
   auto cuda = CudaFromFlags();
   if (!cuda.ok()) return Usage(std::string(cuda.status().message()));
   request.cuda = *cuda;
-  auto ids = colod::ReadNpy(input);
-  if (!ids.ok()) return Fail(ids.status());
-  request.ids = *ids;
-  auto result = colod::shardformer::RunForward(request);
-  if (!result.ok()) return Fail(result.status());
-  if (!logits_path.empty()) {
-    const absl::Status written = colod::WriteNpy(logits_path, result->logits);
-    if (!written.ok()) return Fail(written);
+  colod::v1::ForwardResult result;
+  if (request.cuda) {  // rank r on local GPU r, in this process
+    auto ids = colod::ReadNpy(input);
+    if (!ids.ok()) return Fail(ids.status());
+    request.ids = *ids;
+    auto run = colod::shardformer::RunForward(request);
+    if (!run.ok()) return Fail(run.status());
+    if (!logits_path.empty()) {
+      const absl::Status written = colod::WriteNpy(logits_path, run->logits);
+      if (!written.ok()) return Fail(written);
+    }
+    result.set_loss(run->loss);
+    result.set_tokens(run->tokens);
+    for (int64_t d : run->logits.shape()) result.add_logits_shape(d);
+  } else {
+    // A FORWARD job on the daemons: --coordinator's, or an embedded cluster.
+    std::error_code ec;
+    const std::string dir = std::filesystem::absolute(model, ec).lexically_normal().string();
+    auto config = colod::ReadFileToString(dir + "/config.json");
+    if (!config.ok()) return Fail(config.status());
+    colod::v1::JobSpec spec;
+    spec.set_kind(colod::v1::JOB_KIND_FORWARD);
+    spec.set_name(absl::GetFlag(FLAGS_name).empty() ? std::filesystem::path(dir).filename().string()
+                                                    : absl::GetFlag(FLAGS_name));
+    *spec.mutable_shard() = request.shard.layout;
+    spec.mutable_model()->set_config_json(*config);
+    spec.mutable_model()->set_weights_path(dir);
+    spec.mutable_forward()->set_input_path(std::filesystem::absolute(input, ec).lexically_normal().string());
+    if (!logits_path.empty()) {
+      spec.mutable_forward()->set_logits_path(std::filesystem::absolute(logits_path, ec).lexically_normal().string());
+    }
+    absl::StatusOr<colod::v1::ForwardResult> run;
+    if (!ExplicitCoordinator().empty()) {
+      run = ForwardOnCluster(ExplicitCoordinator(), spec);
+    } else {
+      const int world = std::max(1, spec.shard().tensor_parallel_size()) * std::max(1, spec.shard().data_parallel_size());
+      auto cluster = StartLocalCluster(world, "127.0.0.1:0", "");
+      if (!cluster.ok()) return Fail(cluster.status());
+      run = ForwardOnCluster((*cluster)->address(), spec);
+      (*cluster)->Stop();
+    }
+    if (!run.ok()) return Fail(run.status());
+    result = *run;
   }
-  const colod::Shape& s = result->logits.shape();
+  const std::vector<int64_t> s(result.logits_shape().begin(), result.logits_shape().end());
+  if (s.size() != 3) return Fail(absl::InternalError("the forward pass returned no logits shape"));
   if (json) {
-    nlohmann::json out = {{"loss", result->loss}, {"tokens", result->tokens}, {"shape", {s[0], s[1], s[2]}}};
+    nlohmann::json out = {{"loss", result.loss()}, {"tokens", result.tokens()}, {"shape", {s[0], s[1], s[2]}}};
     out["logits"] = logits_path.empty() ? nlohmann::json() : nlohmann::json(logits_path);
     std::printf("%s\n", out.dump().c_str());
   } else {
-    std::printf("loss %.6f (mean next-token cross-entropy over %lld tokens)\n", result->loss,
-                static_cast<long long>(result->tokens));
+    std::printf("loss %.6f (mean next-token cross-entropy over %lld tokens)\n", result.loss(),
+                static_cast<long long>(result.tokens()));
     if (!logits_path.empty()) {
       std::printf("logits f32 [%lld, %lld, %lld] written to %s\n", static_cast<long long>(s[0]),
                   static_cast<long long>(s[1]), static_cast<long long>(s[2]), logits_path.c_str());

@@ -150,6 +150,14 @@ absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgres
   return absl::OkStatus();
 }
 
+absl::Status JobManager::SetForwardResult(absl::string_view job_id, const v1::ForwardResult& result) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+  *e->job.mutable_forward_result() = result;
+  PersistLocked(*e);
+  return absl::OkStatus();
+}
+
 absl::Status JobManager::AddRankStatus(absl::string_view job_id, const v1::RankStatus& status) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));

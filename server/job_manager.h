@@ -62,6 +62,8 @@ class JobManager {
   absl::StatusOr<v1::Job> SetState(absl::string_view job_id, v1::JobState state, absl::string_view reason);
   // Appends rank 0's step (and records step, loss and checkpoint on the job).
   absl::Status AddStep(absl::string_view job_id, const v1::StepProgress& step);
+  // Records a FORWARD job's outcome (before it is marked SUCCEEDED).
+  absl::Status SetForwardResult(absl::string_view job_id, const v1::ForwardResult& result);
   // Appends a rank's phase change.
   absl::Status AddRankStatus(absl::string_view job_id, const v1::RankStatus& status);
 

@@ -168,7 +168,10 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     }
     case v1::JOB_KIND_FORWARD:
       RETURN_IF_ERROR(ValidateModel(spec.model(), spec.shard(), "spec.model").status());
-      return Invalid("spec", "kind", "FORWARD jobs do not run on the daemons yet: use `coloctl forward`");
+      if (spec.forward().input_path().empty()) {
+        return Invalid("spec.forward", "input_path", "required for FORWARD jobs: token ids [batch, seq] as .npy");
+      }
+      break;
     case v1::JOB_KIND_TENSOR:
       break;
     default:

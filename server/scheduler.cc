@@ -190,7 +190,9 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       status.set_rank(rank);
       status.set_worker_id(report.worker_id());
       if (!p.final) (void)jobs_->AddRankStatus(p.job_id, status);
-      if (status.phase() == "training" || status.phase() == "serving") p.training.insert(rank);
+      if (status.phase() == "training" || status.phase() == "serving" || status.phase() == "running") {
+        p.training.insert(rank);
+      }
       if (!p.final && static_cast<int>(p.training.size()) == p.mesh.world_size()) {
         absl::StatusOr<v1::Job> job = jobs_->Get(p.job_id);
         if (job.ok() && job->state() == v1::JOB_STATE_SCHEDULED) {
@@ -206,6 +208,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
     case v1::ReportProgressRequest::kResult: {
       p.ended.insert(rank);
       const v1::RankResult& r = report.result();
+      if (!p.final && r.code() == 0 && r.has_forward()) (void)jobs_->SetForwardResult(p.job_id, r.forward());
       if (!p.final && r.code() != 0) {
         const absl::Status s(static_cast<absl::StatusCode>(r.code()), r.message());
         EndLocked(p, v1::JOB_STATE_FAILED, absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString()), rank);

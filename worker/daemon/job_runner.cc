@@ -16,6 +16,8 @@
 #include "worker/colo/mesh.h"
 #include "worker/comm/coordinator_store.h"
 #include "worker/comm/instrumented_communicator.h"
+#include "worker/shardformer/run_forward.h"
+#include "worker/tensor/npy.h"
 #include "worker/train/job_options.h"
 #include "worker/train/trainer.h"
 #ifdef COLOD_WITH_CUDA
@@ -85,8 +87,9 @@ JobRunner::~JobRunner() {
 
 absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   if (req.job_id().empty()) return absl::InvalidArgumentError("job_id: required");
-  if (req.spec().kind() != v1::JOB_KIND_TRAIN && req.spec().kind() != v1::JOB_KIND_TENSOR) {
-    return absl::InvalidArgumentError(absl::StrCat("spec.kind: this worker runs TRAIN and TENSOR jobs, not ",
+  if (req.spec().kind() != v1::JOB_KIND_TRAIN && req.spec().kind() != v1::JOB_KIND_FORWARD &&
+      req.spec().kind() != v1::JOB_KIND_TENSOR) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.kind: this worker runs TRAIN, FORWARD and TENSOR jobs, not ",
                                                    v1::JobKind_Name(req.spec().kind())));
   }
   if (req.rendezvous_scope().empty()) return absl::InvalidArgumentError("rendezvous_scope: required");
@@ -196,6 +199,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   v1::ReportProgressRequest result;
   result.mutable_result()->set_code(static_cast<int>(s.code()));
   result.mutable_result()->set_message(std::string(s.message()));
+  if (s.ok() && active->forward) *result.mutable_result()->mutable_forward() = *active->forward;
   Report(req, result);
   if (s.ok()) {
     COLOD_LOG(INFO) << "job " << req.job_id() << ": rank " << req.rank() << " finished";
@@ -222,6 +226,12 @@ absl::Status JobRunner::RunRank(Active& active) {
   std::shared_ptr<const train::PreparedTrain> run;
   shardformer::ShardConfig shard;
   shard.layout = req.spec().shard();
+  if (req.spec().kind() == v1::JOB_KIND_FORWARD) {
+    if (Report(req, Phase("loading", "opening the model and the ids"))) {
+      return absl::AbortedError("the job no longer runs");
+    }
+    RETURN_IF_ERROR(MaterializeModel(req.spec().model(), dir + "/model"));
+  }
   if (training) {
     if (Report(req, Phase("loading", "opening the model and the data"))) {
       return absl::AbortedError("the job no longer runs");
@@ -278,6 +288,7 @@ absl::Status JobRunner::RunRank(Active& active) {
     }
   } detach{active};
   if (options_.cuda) RETURN_IF_ERROR(pg->InitAxes());
+  if (req.spec().kind() == v1::JOB_KIND_FORWARD) return RunForward(active, *pg, shard, dir + "/model");
   if (!training) return ServeTensors(active, *pg);
 
   train::RankHooks hooks;
@@ -305,6 +316,31 @@ absl::Status JobRunner::RunRank(Active& active) {
     if (Report(req, r)) active.stop = true;
   };
   return train::RunTrainRank(*run, req.rank(), *pg, shard, hooks);
+}
+
+absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shardformer::ShardConfig& shard,
+                                   const std::string& model_dir) {
+  const v1::ForwardConfig& f = active.request.spec().forward();
+  shardformer::ForwardRequest request;
+  request.model_dir = model_dir;
+  request.shard = shard;
+  absl::StatusOr<Tensor> ids = ReadNpy(f.input_path());
+  if (!ids.ok()) return absl::Status(ids.status().code(), absl::StrCat("spec.forward.input_path: ", ids.status().message()));
+  request.ids = *ids;
+  RETURN_IF_ERROR(shardformer::CheckForward(request).status());
+  if (Report(active.request, Phase("running", "forward pass"))) return absl::AbortedError("the job no longer runs");
+  ASSIGN_OR_RETURN(shardformer::ForwardResult out, shardformer::ForwardRank(request, pg, shard));
+  if (pg.rank() != 0) return absl::OkStatus();
+  v1::ForwardResult result;
+  result.set_loss(out.loss);
+  result.set_tokens(out.tokens);
+  for (int64_t d : out.logits.shape()) result.add_logits_shape(d);
+  if (!f.logits_path().empty()) {
+    RETURN_IF_ERROR(WriteNpy(f.logits_path(), out.logits));
+    result.set_logits_path(f.logits_path());
+  }
+  active.forward = result;
+  return absl::OkStatus();
 }
 
 absl::Status JobRunner::ServeTensors(Active& active, ProcessGroup& pg) {

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -18,6 +19,7 @@
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/worker.pb.h"
 #include "worker/colo/process_group.h"
+#include "worker/shardformer/layers.h"
 #include "worker/daemon/tensor_host.h"
 #include "worker/daemon/worker_metrics.h"
 
@@ -56,7 +58,7 @@ class JobRunner {
   ~JobRunner();
 
   // Starts the rank. INVALID_ARGUMENT for a request that does not describe
-  // a rank of a TRAIN or TENSOR job (missing mesh, rank out of range, ...),
+  // a rank of a TRAIN, FORWARD or TENSOR job (missing mesh, rank out of range, ...),
   // FAILED_PRECONDITION while another job's rank runs; a repeated
   // assignment of the rank that runs is OK (the coordinator retried).
   absl::Status Assign(const v1::AssignJobRequest& request);
@@ -79,11 +81,15 @@ class JobRunner {
     absl::Mutex mu;
     ProcessGroup* pg ABSL_GUARDED_BY(mu) = nullptr;
     std::shared_ptr<TensorHost> tensors ABSL_GUARDED_BY(mu);  // TENSOR jobs, once connected
+    std::optional<v1::ForwardResult> forward;  // FORWARD jobs' rank 0, set by the rank's thread
     std::string stop_reason ABSL_GUARDED_BY(mu);
   };
 
   void Run(std::shared_ptr<Active> active);
   absl::Status RunRank(Active& active);
+  // FORWARD jobs: one pass; rank 0 writes the logits and keeps the result.
+  absl::Status RunForward(Active& active, ProcessGroup& pg, const shardformer::ShardConfig& shard,
+                          const std::string& model_dir);
   // TENSOR jobs: serves the rank's tensors until the job is stopped.
   absl::Status ServeTensors(Active& active, ProcessGroup& pg);
   // Best effort, with a few retries: the coordinator learns what it can.

@@ -4,6 +4,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "worker/colo/local_mesh.h"
+#include "worker/colo/tensor_collectives.h"
 #ifdef COLOD_WITH_CUDA
 #include "worker/colo/nccl_process_group.h"
 #endif
@@ -28,7 +29,7 @@ absl::Status RunOnLocalRanks(const ShardConfig& shard, bool cuda,
 #endif
 }
 
-absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request) {
+absl::StatusOr<ModelConfig> CheckForward(const ForwardRequest& request) {
   const Tensor& ids = request.ids;
   if (ids.dim() != 2 || (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32)) {
     return absl::InvalidArgumentError(absl::StrCat("the input must be integer token ids [batch, seq], got ",
@@ -44,28 +45,40 @@ absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request) {
   }
   ASSIGN_OR_RETURN(ModelConfig config, LoadConfig(request.model_dir));
   RETURN_IF_ERROR(CheckShardable(config, request.shard.layout));
+  return config;
+}
 
+absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, ProcessGroup& pg, const ShardConfig& shard) {
+  NoGradScope no_grad;  // a forward pass: no tape, no gradients
+  const Tensor& ids = request.ids;
+  const int dp = std::max(1, request.shard.layout.data_parallel_size());
+  const int64_t rows = ids.shape()[0] / dp;
+  ASSIGN_OR_RETURN(std::unique_ptr<ShardedModel> model, ShardFormer(shard, &pg).Load(request.model_dir));
+  ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
+  ASSIGN_OR_RETURN(Tensor mine, ids.Narrow(0, replica * rows, rows));
+  mine = mine.Contiguous();
+  ASSIGN_OR_RETURN(ColoTensor logits, model->Forward(mine));
+  ASSIGN_OR_RETURN(LmLoss loss, model->NextTokenLoss(logits, mine));
   ForwardResult result;
-  ASSIGN_OR_RETURN(result.logits, Tensor::Zeros({batch, seq, config.vocab_size}, DType::kF32));
+  ASSIGN_OR_RETURN(Tensor full, model->GatherLogits(logits));  // this replica's rows, every tp rank
+  ASSIGN_OR_RETURN(Communicator * dp_comm, pg.Comm("dp"));
+  ASSIGN_OR_RETURN(result.logits, AllGatherDim(full, 0, *dp_comm, pg.timeout()));  // replicas in order
+  ASSIGN_OR_RETURN(result.logits, result.logits.To(Device::Cpu()));
+  result.loss = loss.value;
+  result.tokens = loss.tokens;
+  return result;
+}
+
+absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request) {
+  RETURN_IF_ERROR(CheckForward(request).status());
+  ForwardResult result;
   absl::Mutex mu;
-  const int64_t rows = batch / dp;
-  RETURN_IF_ERROR(RunOnLocalRanks(request.shard, request.cuda, [&](int, ProcessGroup& pg, const ShardConfig& shard)
+  RETURN_IF_ERROR(RunOnLocalRanks(request.shard, request.cuda, [&](int rank, ProcessGroup& pg, const ShardConfig& shard)
                                                                      -> absl::Status {
-    NoGradScope no_grad;  // a forward pass: no tape, no gradients
-    ASSIGN_OR_RETURN(std::unique_ptr<ShardedModel> model, ShardFormer(shard, &pg).Load(request.model_dir));
-    ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
-    ASSIGN_OR_RETURN(Tensor mine, ids.Narrow(0, replica * rows, rows));
-    mine = mine.Contiguous();
-    ASSIGN_OR_RETURN(ColoTensor logits, model->Forward(mine));
-    ASSIGN_OR_RETURN(LmLoss loss, model->NextTokenLoss(logits, mine));
-    ASSIGN_OR_RETURN(Tensor full, model->GatherLogits(logits));
-    ASSIGN_OR_RETURN(int tp_rank, pg.tp_local_rank());
-    if (tp_rank != 0) return absl::OkStatus();  // one writer per replica
+    ASSIGN_OR_RETURN(ForwardResult mine, ForwardRank(request, pg, shard));
+    if (rank != 0) return absl::OkStatus();
     absl::MutexLock lock(&mu);
-    ASSIGN_OR_RETURN(Tensor place, result.logits.Narrow(0, replica * rows, rows));
-    RETURN_IF_ERROR(place.CopyFrom(full));
-    result.loss = loss.value;
-    result.tokens = loss.tokens;
+    result = std::move(mine);
     return absl::OkStatus();
   }));
   return result;

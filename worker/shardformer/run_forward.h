@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/shardformer/layers.h"
+#include "worker/shardformer/model_config.h"
 #include "worker/tensor/tensor.h"
 
 namespace colod::shardformer {
@@ -37,6 +38,15 @@ struct ForwardResult {
 // [batch, seq] array, a batch the dp degree does not divide, or a layout the
 // model cannot take; errors of the model directory as ShardFormer::Load.
 absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request);
+
+// The checks RunForward makes before any rank starts (above); returns the
+// model's config.
+absl::StatusOr<ModelConfig> CheckForward(const ForwardRequest& request);
+
+// One rank's part of RunForward (every rank of the mesh runs it): the
+// logits of every sequence of the batch, gathered over tp and dp, on every
+// rank, with the batch's loss.
+absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, ProcessGroup& pg, const ShardConfig& shard);
 
 }  // namespace colod::shardformer
 
