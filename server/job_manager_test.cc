@@ -1,5 +1,7 @@
 #include "server/job_manager.h"
 
+#include <cstdlib>
+#include <fstream>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -200,6 +202,52 @@ TEST(JobManager, WaitForEventsDeliversInOrderAndFinishes) {
   EXPECT_EQ(next->events[0].state_change().state(), v1::JOB_STATE_CANCELLED);
   EXPECT_EQ(next->events[0].state_change().reason(), "operator");
   EXPECT_TRUE(next->finished);
+}
+
+TEST(JobManager, RecordsSurviveAReopenAndRunningJobsFailWithTheirCheckpoint) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-reopen";
+  FakeClock clock;
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    auto a = (*jobs)->Submit(TrainSpec(), "");  // stays pending
+    auto b = (*jobs)->Submit(TrainSpec(), "");  // runs, checkpoints, then the coordinator dies
+    ASSERT_TRUE(a.ok() && b.ok());
+    v1::MeshSpec mesh;
+    mesh.set_world_size(4);
+    ASSERT_TRUE((*jobs)->Schedule(b->job_id(), mesh).ok());
+    ASSERT_TRUE((*jobs)->SetState(b->job_id(), v1::JOB_STATE_RUNNING, "training").ok());
+    v1::StepProgress step;
+    step.set_step(3);
+    step.set_loss(2.5);
+    step.set_checkpoint("/ck/step-000003");
+    ASSERT_TRUE((*jobs)->AddStep(b->job_id(), step).ok());
+    EXPECT_EQ((*jobs)->Schedule(b->job_id(), mesh).status().code(), absl::StatusCode::kFailedPrecondition);
+  }
+  auto jobs = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  const std::vector<v1::Job> all = (*jobs)->List({});
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all[0].state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(all[1].state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(all[1].reason(), "the coordinator restarted while the job ran; resume from /ck/step-000003");
+  EXPECT_EQ(all[1].step(), 3);
+  EXPECT_EQ(all[1].generation(), 1);
+  // The whole history is there, and new ids do not reuse old ones.
+  auto events = (*jobs)->WaitForEvents(all[1].job_id(), 1, absl::ZeroDuration());
+  ASSERT_TRUE(events.ok());
+  ASSERT_EQ(events->events.size(), 5u);  // pending, scheduled, running, step 3, failed
+  EXPECT_EQ(events->events[3].step().loss(), 2.5);
+  EXPECT_TRUE(events->finished);
+  auto c = (*jobs)->Submit(TrainSpec(), "");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->job_id(), "job-000003");
+
+  // A damaged record is refused, naming the file.
+  std::ofstream(dir + "/job-000009.pb") << "not a record";
+  auto damaged = JobManager::Open(dir, &clock);
+  EXPECT_EQ(damaged.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(damaged.status().message().find("job-000009.pb"), std::string::npos) << damaged.status();
 }
 
 }  // namespace

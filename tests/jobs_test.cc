@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <set>
 #include <string>
@@ -169,7 +170,10 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
   ASSERT_TRUE(train::Train(options, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
   ASSERT_EQ(want.size(), 5u);
 
-  auto job = client_->SubmitJob(Spec(options));
+  v1::JobSpec with_checkpoints = Spec(options);  // checkpoints leave the losses alone
+  with_checkpoints.mutable_train()->set_checkpoint_every(2);
+  with_checkpoints.mutable_train()->set_checkpoint_dir(TempPath("ck"));
+  auto job = client_->SubmitJob(with_checkpoints);
   ASSERT_TRUE(job.ok()) << job.status();
   const std::vector<v1::JobEvent> events = Watch(job->job_id());
   std::vector<v1::JobState> states;
@@ -195,6 +199,11 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
   ASSERT_TRUE(done.ok());
   EXPECT_EQ(done->step(), 5);
   EXPECT_DOUBLE_EQ(done->loss(), got.back());
+  // Checkpoints after steps 2, 4 and the last, each complete on disk.
+  EXPECT_EQ(done->last_checkpoint(), TempPath("ck") + "/step-000005");
+  for (const char* step : {"step-000002", "step-000004", "step-000005"}) {
+    EXPECT_TRUE(std::filesystem::exists(TempPath("ck") + "/" + step + "/train_state.json")) << step;
+  }
 
   // The mesh is ColossalAI's ProcessGroup(tp_degree=2, dp_degree=2) layout,
   // each rank on its own worker, and `coloctl mesh` draws it.
@@ -229,6 +238,7 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
     EXPECT_NEAR(families->at("colod_loss").samples.at(0).value, got.back(), 1e-5);
     std::set<std::string> comm_groups;
     for (const auto& sample : families->at("colod_collective_bytes_total").samples) {
+      if (sample.labels.at("op") != "all_reduce") continue;  // checkpoints add barriers, which move no bytes
       comm_groups.insert(sample.labels.at("group"));
       EXPECT_GT(sample.value, 0);
     }
@@ -288,7 +298,9 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
     EXPECT_EQ(after[i].state(), before[i].state());
     EXPECT_EQ(after[i].step(), before[i].step());
     EXPECT_EQ(after[i].reason(), before[i].reason());
+    EXPECT_EQ(after[i].last_checkpoint(), before[i].last_checkpoint());
   }
+  EXPECT_EQ(after[0].last_checkpoint(), TempPath("ck") + "/step-000005");
   std::vector<double> replayed;
   for (const v1::JobEvent& e : Watch(job->job_id())) {
     if (e.has_step()) replayed.push_back(e.step().loss());
