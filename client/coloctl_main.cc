@@ -87,6 +87,9 @@ ABSL_FLAG(std::string, device, "cpu",
 ABSL_FLAG(std::string, job_file, "", "submit: a colod.v1.JobSpec as JSON (instead of --model and the train flags).");
 ABSL_FLAG(std::string, name, "", "submit, train: the job's name (default: the model directory's name).");
 ABSL_FLAG(std::string, request_id, "", "submit: idempotency key; a retried submit with it returns the first job.");
+ABSL_FLAG(bool, upload, true,
+          "submit: stream the model directory's files to the coordinator (the workers download them); "
+          "--upload=false sends only its path, for workers that share this file system.");
 ABSL_FLAG(bool, watch, false, "submit: follow the job to its end, as `coloctl watch`.");
 ABSL_FLAG(absl::Duration, watch_timeout, absl::Hours(24), "watch, submit --watch, train: give up after this long.");
 ABSL_FLAG(std::string, state, "", "jobs: only jobs in these states, comma-separated (pending,running,...).");
@@ -156,10 +159,12 @@ constexpr char kUsage[] =
     "  init-model  Write a new GPT-2 (config.json + model.safetensors, GPT-2's published\n"
     "              initialization, seeded) to --out DIR: [--vocab-size 257] [--hidden-size 64]\n"
     "              [--layers 2] [--heads 4] [--positions 64] [--seed S].\n"
-    "  submit      Submit a TRAIN job: --model DIR (its config.json is sent, the directory is\n"
-    "              the weights every worker reads) --data FILE and the train flags above, or\n"
-    "              --job-file FILE (a colod.v1.JobSpec as JSON). Relative paths are made\n"
-    "              absolute. Prints the job id; --watch follows it like `watch`.\n"
+    "  submit      Submit a TRAIN job: --model DIR --data FILE and the train flags above,\n"
+    "              or --job-file FILE (a colod.v1.JobSpec as JSON). The model's files are\n"
+    "              streamed to the coordinator and the workers download them\n"
+    "              (--upload=false: the workers read DIR themselves). --data and other\n"
+    "              paths must be readable by the workers; relative ones are made absolute.\n"
+    "              Prints the job id; --watch follows it like `watch`.\n"
     "  jobs        List jobs: id, name, state, layout, step, loss, reason. --state running,...\n"
     "  status JOB  One job in detail (--output json: the Job).\n"
     "  watch JOB   Follow a job to its end: state changes and a progress bar with step,\n"
@@ -608,6 +613,18 @@ int Submit(colod::CoordinatorClient& client, bool json) {
   if (!spec.ok()) {
     if (absl::IsInvalidArgument(spec.status())) return Usage(absl::StrCat("submit: ", spec.status().message()));
     return Fail(spec.status());
+  }
+  if (absl::GetFlag(FLAGS_upload) && !spec->model().weights_path().empty()) {
+    // The workers may not see this machine's files: send them along.
+    auto uploaded = client.UploadModel(spec->model().weights_path(), absl::GetFlag(FLAGS_watch_timeout));
+    if (!uploaded.ok()) return Fail(uploaded.status());
+    if (!json) {
+      std::fprintf(stderr, "coloctl: uploaded %d files (%lld bytes) of %s as %s\n", uploaded->files_size(),
+                   static_cast<long long>(uploaded->bytes()), spec->model().weights_path().c_str(),
+                   uploaded->upload_id().c_str());
+    }
+    spec->mutable_model()->clear_weights_path();
+    spec->mutable_model()->set_upload_id(uploaded->upload_id());
   }
   auto job = client.SubmitJob(*spec, absl::GetFlag(FLAGS_request_id));
   if (!job.ok()) return Fail(job.status());

@@ -1,9 +1,12 @@
 #include "client/coordinator_client.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 
 #include "common/auth.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/net.h"
@@ -229,6 +232,49 @@ absl::Status CoordinatorClient::DeleteTensor(const std::string& job_id, const st
   req.set_name(name);
   v1::DeleteTensorResponse resp;
   return Annotate(tensors_->DeleteTensor(&ctx, req, &resp), address_, "DeleteTensor");
+}
+
+absl::StatusOr<v1::UploadModelResponse> CoordinatorClient::UploadModel(const std::string& dir, absl::Duration timeout) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> files;
+  bool weights = false;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    const bool tensors = absl::EndsWith(name, ".safetensors");
+    if (e.is_regular_file() && (tensors || name == "config.json" || name == "model.safetensors.index.json")) {
+      files.push_back(name);
+      weights = weights || tensors;
+    }
+  }
+  if (ec) return absl::NotFoundError(absl::StrCat("cannot list '", dir, "': ", ec.message()));
+  if (!weights) return absl::NotFoundError(absl::StrCat("'", dir, "' holds no .safetensors file"));
+  std::sort(files.begin(), files.end());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  AddAuthToken(ctx, options_.auth_token);
+  v1::UploadModelResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::UploadModelRequest>> writer = stub_->UploadModel(&ctx, &resp);
+  std::string buffer(1 << 20, '\0');
+  bool sent = true;
+  for (const std::string& f : files) {
+    std::ifstream in(dir + "/" + f, std::ios::binary);
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", dir, "/", f, "'"));
+    int64_t offset = 0;
+    do {
+      in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+      v1::UploadModelRequest req;
+      req.mutable_chunk()->set_file(f);
+      req.mutable_chunk()->set_offset(offset);
+      req.mutable_chunk()->set_data(buffer.data(), static_cast<size_t>(in.gcount()));
+      offset += in.gcount();
+      sent = writer->Write(req);
+    } while (in && sent);
+    if (!sent) break;  // the stream broke: Finish says why
+  }
+  writer->WritesDone();
+  RETURN_IF_ERROR(Annotate(writer->Finish(), address_, "UploadModel"));
+  return resp;
 }
 
 }  // namespace colod

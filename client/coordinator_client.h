@@ -54,6 +54,12 @@ class CoordinatorClient {
   absl::Status WatchJob(const std::string& job_id, int64_t from_sequence, absl::Duration timeout,
                         const std::function<bool(const v1::JobEvent&)>& on_event);
 
+  // Streams the model files of `dir` (config.json, *.safetensors,
+  // model.safetensors.index.json) to the coordinator in 1 MiB chunks, under
+  // a deadline of `timeout`. NOT_FOUND naming the directory when it holds no
+  // .safetensors file.
+  absl::StatusOr<v1::UploadModelResponse> UploadModel(const std::string& dir, absl::Duration timeout);
+
   // The TensorService of a TENSOR job's ColoTensors (served by the
   // coordinator, which runs each call on every rank).
   absl::StatusOr<v1::TensorLayout> CreateTensor(const v1::CreateTensorRequest& request);

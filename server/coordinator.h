@@ -76,6 +76,7 @@ class Coordinator {
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<RendezvousStore> store_;
   std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<UploadStore> uploads_;
   std::unique_ptr<CoordinatorServiceImpl> service_;
   std::unique_ptr<TensorProxy> tensors_;
   prometheus::Family<prometheus::Gauge>* workers_gauge_ = nullptr;

@@ -1,5 +1,9 @@
 #include "server/coordinator_service.h"
 
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -27,7 +31,7 @@ const prometheus::Histogram::BucketBoundaries& RpcBuckets() {
 CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs,
                                                RendezvousStore* store,
                                                prometheus::Registry* metrics, TokenAuth auth,
-                                               Scheduler* scheduler)
+                                               Scheduler* scheduler, UploadStore* uploads)
     : workers_(workers),
       jobs_(jobs),
       store_(store),
@@ -36,7 +40,8 @@ CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManag
                          .Help("Coordinator RPC handling time, by method and status code.")
                          .Register(*metrics)),
       auth_(std::move(auth)),
-      scheduler_(scheduler) {}
+      scheduler_(scheduler),
+      uploads_(uploads) {}
 
 template <typename Fn>
 grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const char* method, Fn&& fn) {
@@ -87,6 +92,10 @@ grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v
                                                v1::SubmitJobResponse* resp) {
   return Instrument(ctx, "SubmitJob", [&]() -> absl::Status {
     if (!req->has_spec()) return absl::InvalidArgumentError("spec: required");
+    const std::string& upload = req->spec().model().upload_id();
+    if (!upload.empty() && (uploads_ == nullptr || !uploads_->Exists(upload))) {
+      return absl::InvalidArgumentError(absl::StrCat("spec.model.upload_id: no upload '", upload, "'"));
+    }
     ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Submit(req->spec(), req->request_id()));
     if (scheduler_ != nullptr) scheduler_->Wake();
     return absl::OkStatus();
@@ -156,6 +165,49 @@ grpc::Status CoordinatorServiceImpl::GetMesh(grpc::ServerContext* ctx, const v1:
                        JobStateName(job.state()), ")"));
     }
     *resp->mutable_mesh() = job.mesh();
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::UploadModel(grpc::ServerContext* ctx,
+                                                 grpc::ServerReader<v1::UploadModelRequest>* reader,
+                                                 v1::UploadModelResponse* resp) {
+  return Instrument(ctx, "UploadModel", [&]() -> absl::Status {
+    if (uploads_ == nullptr) return absl::UnimplementedError("this coordinator stores no uploads");
+    std::unique_ptr<UploadStore::Writer> writer = uploads_->Begin();
+    v1::UploadModelRequest req;
+    while (reader->Read(&req)) RETURN_IF_ERROR(writer->Add(req.chunk()));
+    if (ctx->IsCancelled()) return absl::CancelledError("the upload was cancelled");
+    ASSIGN_OR_RETURN(*resp, writer->Finish());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::DownloadModel(grpc::ServerContext* ctx, const v1::DownloadModelRequest* req,
+                                                   grpc::ServerWriter<v1::ModelChunk>* writer) {
+  return Instrument(ctx, "DownloadModel", [&]() -> absl::Status {
+    if (uploads_ == nullptr) return absl::UnimplementedError("this coordinator stores no uploads");
+    ASSIGN_OR_RETURN(std::string dir, uploads_->Path(req->upload_id()));
+    constexpr size_t kChunk = 1 << 20;
+    std::error_code ec;
+    std::vector<std::string> files;
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) files.push_back(e.path().filename().string());
+    std::sort(files.begin(), files.end());
+    std::string buffer(kChunk, '\0');
+    for (const std::string& f : files) {
+      std::ifstream in(dir + "/" + f, std::ios::binary);
+      if (!in) return absl::InternalError(absl::StrCat("cannot read ", dir, "/", f));
+      int64_t offset = 0;
+      do {
+        in.read(buffer.data(), static_cast<std::streamsize>(kChunk));
+        v1::ModelChunk chunk;
+        chunk.set_file(f);
+        chunk.set_offset(offset);
+        chunk.set_data(buffer.data(), static_cast<size_t>(in.gcount()));
+        offset += in.gcount();
+        if (!writer->Write(chunk)) return absl::CancelledError("the client went away");
+      } while (in && !ctx->IsCancelled());
+    }
     return absl::OkStatus();
   });
 }

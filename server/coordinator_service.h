@@ -11,6 +11,7 @@
 #include "server/job_manager.h"
 #include "server/rendezvous_store.h"
 #include "server/scheduler.h"
+#include "server/upload_store.h"
 #include "server/worker_registry.h"
 
 namespace colod {
@@ -20,10 +21,11 @@ namespace colod {
 class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
  public:
   // Every call is checked against `auth` first (UNAUTHENTICATED).
-  // `scheduler` may be null (no job runs: jobs stay PENDING).
+  // `scheduler` may be null (no job runs: jobs stay PENDING), and so may
+  // `uploads` (UploadModel is then UNIMPLEMENTED).
   CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs, RendezvousStore* store,
                          prometheus::Registry* metrics, TokenAuth auth = TokenAuth(),
-                         Scheduler* scheduler = nullptr);
+                         Scheduler* scheduler = nullptr, UploadStore* uploads = nullptr);
 
   grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest*,
                               v1::RegisterWorkerResponse*) override;
@@ -42,6 +44,10 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
                         grpc::ServerWriter<v1::JobEvent>*) override;
   grpc::Status GetMesh(grpc::ServerContext*, const v1::GetMeshRequest*,
                        v1::GetMeshResponse*) override;
+  grpc::Status UploadModel(grpc::ServerContext*, grpc::ServerReader<v1::UploadModelRequest>*,
+                           v1::UploadModelResponse*) override;
+  grpc::Status DownloadModel(grpc::ServerContext*, const v1::DownloadModelRequest*,
+                             grpc::ServerWriter<v1::ModelChunk>*) override;
   grpc::Status ReportProgress(grpc::ServerContext*, const v1::ReportProgressRequest*,
                               v1::ReportProgressResponse*) override;
   grpc::Status KvSet(grpc::ServerContext*, const v1::KvSetRequest*, v1::KvSetResponse*) override;
@@ -62,6 +68,7 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   prometheus::Family<prometheus::Histogram>* const rpc_duration_;
   const TokenAuth auth_;
   Scheduler* const scheduler_;
+  UploadStore* const uploads_;
 };
 
 }  // namespace colod

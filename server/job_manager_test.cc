@@ -142,6 +142,10 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s = TrainSpec();
   s.mutable_model()->clear_weights_path();
   ExpectInvalid(s, "spec.model.weights_path");
+  s.mutable_model()->set_upload_id("upload-000001");
+  EXPECT_TRUE(ValidateJobSpec(s).ok());
+  s.mutable_model()->set_weights_path("/models/x");
+  ExpectInvalid(s, "spec.model.weights_path");  // not both
   s = TrainSpec();
   s.mutable_train()->set_seq_len(65);
   ExpectInvalid(s, "spec.train.seq_len");

@@ -44,11 +44,9 @@ absl::StatusOr<shardformer::ModelConfig> ValidateModel(const v1::ModelSpec& mode
   if (!model.weights_path().empty() && !model.upload_id().empty()) {
     return Invalid(path, "weights_path", "set either weights_path or upload_id, not both");
   }
-  if (!model.upload_id().empty()) {
-    return Invalid(path, "upload_id", "uploads through the coordinator are not supported yet: give weights_path");
-  }
-  if (model.weights_path().empty()) {
-    return Invalid(path, "weights_path", "required: a model.safetensors file or a model directory every worker can read");
+  if (model.weights_path().empty() && model.upload_id().empty()) {
+    return Invalid(path, "weights_path",
+                   "required (or upload_id): a model.safetensors file or a model directory every worker can read");
   }
   return parsed;
 }

@@ -438,5 +438,45 @@ TEST_F(JobsTest, AWorkerKilledMidJobFailsTheJobAndFreesTheOthers) {
   EXPECT_TRUE(lost);
 }
 
+TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
+  auto uploaded = client_->UploadModel(TempPath("gpt2"), absl::Seconds(60));
+  ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+  EXPECT_EQ(std::vector<std::string>(uploaded->files().begin(), uploaded->files().end()),
+            (std::vector<std::string>{"config.json", "model.safetensors"}));
+  EXPECT_EQ(uploaded->bytes(), static_cast<int64_t>(std::filesystem::file_size(TempPath("gpt2/config.json")) +
+                                                    std::filesystem::file_size(TempPath("gpt2/model.safetensors"))));
+  v1::JobSpec spec = Spec(Options(3));
+  spec.mutable_model()->clear_weights_path();
+  spec.mutable_model()->set_upload_id("upload-999999");
+  EXPECT_EQ(client_->SubmitJob(spec).status().code(), absl::StatusCode::kInvalidArgument);
+  spec.mutable_model()->set_upload_id(uploaded->upload_id());
+  auto from_upload = client_->SubmitJob(spec);
+  auto from_disk = client_->SubmitJob(Spec(Options(3)));
+  ASSERT_TRUE(from_upload.ok() && from_disk.ok());
+  std::vector<double> a, b;
+  for (const v1::JobEvent& e : Watch(from_upload->job_id())) {
+    if (e.has_step()) a.push_back(e.step().loss());
+  }
+  for (const v1::JobEvent& e : Watch(from_disk->job_id())) {
+    if (e.has_step()) b.push_back(e.step().loss());
+  }
+  EXPECT_EQ(client_->GetJob(from_upload->job_id())->state(), v1::JOB_STATE_SUCCEEDED) << Logs();
+  ASSERT_EQ(a.size(), 3u);
+  EXPECT_EQ(a, b);
+  // Each worker downloaded it once into its work dir.
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(std::filesystem::exists(
+        absl::StrCat(TempPath(absl::StrCat("work", i)), "/uploads/", uploaded->upload_id(), "/model.safetensors")));
+  }
+  // coloctl submit uploads by default.
+  auto run = RunCommand({Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "submit", "--model",
+                         TempPath("gpt2"), "--data", kGpl, "--tp", "2", "--dp", "2", "--steps", "2", "--batch-size",
+                         "4", "--seq-len", "32", "--watch"},
+                        TempPath(""), absl::Seconds(120));
+  EXPECT_EQ(run.code, 0) << run.err << run.out;
+  EXPECT_TRUE(absl::StrContains(run.err, "uploaded 2 files")) << run.err;
+  EXPECT_TRUE(absl::StrContains(run.out, "succeeded")) << run.out;
+}
+
 }  // namespace
 }  // namespace colod

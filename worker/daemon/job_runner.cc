@@ -1,6 +1,7 @@
 #include "worker/daemon/job_runner.h"
 
 #include <filesystem>
+#include <fstream>
 #include <system_error>
 
 #include "absl/strings/match.h"
@@ -29,17 +30,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// DIR/config.json from the spec and links to the weights, so that the
-// model loads like any Hugging Face directory.
-absl::Status MaterializeModel(const v1::ModelSpec& model, const std::string& dir) {
+// DIR/config.json from the spec and links to the weights (at `weights`, the
+// spec's path or the downloaded upload), so that the model loads like any
+// Hugging Face directory.
+absl::Status MaterializeModel(const v1::ModelSpec& model, const std::string& weights_path, const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
   RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", model.config_json()));
-  const fs::path weights = fs::absolute(model.weights_path(), ec);
+  const fs::path weights = fs::absolute(weights_path, ec);
   if (ec || !fs::exists(weights, ec)) {
     return absl::NotFoundError(
-        absl::StrCat("spec.model.weights_path: '", model.weights_path(), "' does not exist on this worker"));
+        absl::StrCat("spec.model.weights_path: '", weights_path, "' does not exist on this worker"));
   }
   std::vector<fs::path> files;
   if (fs::is_directory(weights, ec)) {
@@ -48,7 +50,7 @@ absl::Status MaterializeModel(const v1::ModelSpec& model, const std::string& dir
       if (absl::EndsWith(name, ".safetensors") || name == "model.safetensors.index.json") files.push_back(e.path());
     }
     if (files.empty()) {
-      return absl::NotFoundError(absl::StrCat("spec.model.weights_path: '", model.weights_path(),
+      return absl::NotFoundError(absl::StrCat("spec.model.weights_path: '", weights_path,
                                               "' holds no .safetensors file"));
     }
   }
@@ -230,13 +232,15 @@ absl::Status JobRunner::RunRank(Active& active) {
     if (Report(req, Phase("loading", "opening the model and the ids"))) {
       return absl::AbortedError("the job no longer runs");
     }
-    RETURN_IF_ERROR(MaterializeModel(req.spec().model(), dir + "/model"));
+    ASSIGN_OR_RETURN(std::string weights, Weights(req.spec().model()));
+    RETURN_IF_ERROR(MaterializeModel(req.spec().model(), weights, dir + "/model"));
   }
   if (training) {
     if (Report(req, Phase("loading", "opening the model and the data"))) {
       return absl::AbortedError("the job no longer runs");
     }
-    RETURN_IF_ERROR(MaterializeModel(req.spec().model(), dir + "/model"));
+    ASSIGN_OR_RETURN(std::string weights, Weights(req.spec().model()));
+    RETURN_IF_ERROR(MaterializeModel(req.spec().model(), weights, dir + "/model"));
     ASSIGN_OR_RETURN(train::TrainOptions options, train::TrainOptionsFromSpec(req.spec(), dir + "/model"));
     options.cuda = options_.cuda;
     ASSIGN_OR_RETURN(run, train::PrepareTrain(options));
@@ -316,6 +320,49 @@ absl::Status JobRunner::RunRank(Active& active) {
     if (Report(req, r)) active.stop = true;
   };
   return train::RunTrainRank(*run, req.rank(), *pg, shard, hooks);
+}
+
+absl::StatusOr<std::string> JobRunner::Weights(const v1::ModelSpec& model) {
+  if (model.upload_id().empty()) return model.weights_path();
+  // Downloaded once per worker into WORK_DIR/uploads/ID (via ID.tmp, so a
+  // broken download is never mistaken for a whole one).
+  const std::string dir = absl::StrCat(options_.work_dir, "/uploads/", model.upload_id());
+  std::error_code ec;
+  if (fs::is_directory(dir, ec)) return dir;
+  const std::string tmp = dir + ".tmp";
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.download_timeout));
+  AddAuthToken(ctx, options_.auth_token);
+  v1::DownloadModelRequest req;
+  req.set_upload_id(model.upload_id());
+  std::unique_ptr<grpc::ClientReaderInterface<v1::ModelChunk>> reader = options_.coordinator->DownloadModel(&ctx, req);
+  v1::ModelChunk chunk;
+  std::ofstream out;
+  std::string file;
+  while (reader->Read(&chunk)) {
+    if (chunk.file().empty() || chunk.file().find('/') != std::string::npos || chunk.file() == "..") {
+      return absl::InternalError(absl::StrCat("the coordinator sent a bad file name '", chunk.file(), "'"));
+    }
+    if (chunk.file() != file) {
+      out.close();
+      file = chunk.file();
+      out.open(tmp + "/" + file, std::ios::binary | std::ios::trunc);
+    }
+    out.write(chunk.data().data(), static_cast<std::streamsize>(chunk.data().size()));
+    if (!out) return absl::InternalError(absl::StrCat("cannot write ", tmp, "/", file));
+  }
+  out.close();
+  const grpc::Status s = reader->Finish();
+  if (!s.ok()) {
+    return absl::Status(FromGrpcStatus(s).code(),
+                        absl::StrCat("downloading upload '", model.upload_id(), "': ", s.error_message()));
+  }
+  fs::rename(tmp, dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot rename '", tmp, "': ", ec.message()));
+  return dir;
 }
 
 absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shardformer::ShardConfig& shard,

@@ -51,6 +51,8 @@ class JobRunner {
     std::function<std::string()> worker_id;
     // Where the rank's metrics go; may be null.
     WorkerMetrics* metrics = nullptr;
+    // Deadline of downloading an uploaded model from the coordinator.
+    absl::Duration download_timeout = absl::Minutes(30);
   };
 
   explicit JobRunner(Options options);
@@ -87,6 +89,9 @@ class JobRunner {
 
   void Run(std::shared_ptr<Active> active);
   absl::Status RunRank(Active& active);
+  // Where the model's weights are on this worker: the spec's weights_path,
+  // or its upload downloaded from the coordinator (cached in the work dir).
+  absl::StatusOr<std::string> Weights(const v1::ModelSpec& model);
   // FORWARD jobs: one pass; rank 0 writes the logits and keeps the result.
   absl::Status RunForward(Active& active, ProcessGroup& pg, const shardformer::ShardConfig& shard,
                           const std::string& model_dir);
