@@ -79,6 +79,16 @@ TEST(Auth, EveryColodCallNeedsTheTokenAndHealthStaysOpen) {
                   coordinator.grpc, "workers"},
                  std::getenv("TEST_TMPDIR"));
   EXPECT_EQ(r.code, 0) << r.err;
+  // A job runs through every authenticated path: the upload and its
+  // download, AssignJob, the rendezvous store, progress reports.
+  r = RunCommand({coloctl, "init-model", "--out", TempPath("tiny"), "--positions", "32"}, std::getenv("TEST_TMPDIR"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", TempPath("token"), "submit",
+                  "--model", TempPath("tiny"), "--data", "/usr/share/common-licenses/GPL-3", "--steps", "2",
+                  "--batch-size", "2", "--seq-len", "16", "--watch"},
+                 std::getenv("TEST_TMPDIR"), absl::Seconds(120));
+  EXPECT_EQ(r.code, 0) << r.err << r.out << testing::ReadFile(good.log) << testing::ReadFile(coordinator.log);
+  EXPECT_NE(r.out.find("succeeded"), std::string::npos) << r.out;
   // A token file that does not exist is a usage error.
   r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", TempPath("nope"), "workers"},
                  std::getenv("TEST_TMPDIR"));

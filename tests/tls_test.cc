@@ -65,6 +65,18 @@ TEST(Tls, MutualTlsBetweenCoordinatorWorkerAndColoctl) {
     if (listed == 0) absl::SleepFor(absl::Milliseconds(100));
   }
   EXPECT_EQ(listed, 1u) << testing::ReadFile(TempPath("worker.log"));
+  // A job over mutual TLS: the coordinator calls the worker as a client with
+  // the same certificate, the worker reaches the rendezvous store and reports.
+  auto init = RunCommand({coloctl, "init-model", "--out", TempPath("tiny"), "--positions", "32"},
+                         std::getenv("TEST_TMPDIR"));
+  ASSERT_EQ(init.code, 0) << init.err;
+  std::vector<std::string> submit = {coloctl, "--coordinator", coordinator, "submit", "--model", TempPath("tiny"),
+                                     "--data", "/usr/share/common-licenses/GPL-3", "--steps", "2", "--batch-size", "2",
+                                     "--seq-len", "16", "--watch"};
+  submit.insert(submit.end(), tls.begin(), tls.end());
+  const auto job = RunCommand(submit, std::getenv("TEST_TMPDIR"), absl::Seconds(120));
+  EXPECT_EQ(job.code, 0) << job.err << job.out << testing::ReadFile(TempPath("worker.log"));
+  EXPECT_NE(job.out.find("succeeded"), std::string::npos) << job.out;
   // Plaintext, or TLS without a client certificate, does not get in.
   auto plain = RunCommand({coloctl, "--coordinator", coordinator, "--timeout", "3s", "workers"},
                           std::getenv("TEST_TMPDIR"));
