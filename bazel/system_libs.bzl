@@ -32,6 +32,7 @@ _LIBS = {
     "gmock": ("/usr/include/gmock/gmock.h", "libgmock-dev", ["gmock"], []),
     "gloo": ("/usr/include/gloo/context.h", "libgloo-dev", None, ["-lgloo", "-lpthread"]),
     "json": ("/usr/include/nlohmann/json.hpp", "nlohmann-json3-dev", None, []),
+    "yaml": ("/usr/include/yaml-cpp/yaml.h", "libyaml-cpp-dev", ["yaml-cpp"], []),
     "openblas": ("/usr/include/x86_64-linux-gnu/cblas.h", "libopenblas-dev", ["openblas"], []),
 }
 
@@ -84,5 +85,5 @@ def _system_libs_impl(rctx):
 system_libs = repository_rule(
     implementation = _system_libs_impl,
     local = True,
-    doc = "Debian system libraries (gRPC, protobuf, Abseil, prometheus-cpp, GoogleTest, Gloo, OpenBLAS, nlohmann-json) and protoc.",
+    doc = "Debian system libraries (gRPC, protobuf, Abseil, prometheus-cpp, GoogleTest, Gloo, OpenBLAS, nlohmann-json, yaml-cpp) and protoc.",
 )

@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
 #include "client/format.h"
+#include "client/job_file.h"
 #include "client/local_cluster.h"
 #include "common/grpc_server.h"
 #include "colod/v1/coordinator.pb.h"
@@ -84,7 +85,8 @@ ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
 ABSL_FLAG(std::string, device, "cpu",
           "forward, train: cpu (ranks as threads over Gloo) or cuda (rank r on CUDA device r, over NCCL).");
-ABSL_FLAG(std::string, job_file, "", "submit: a colod.v1.JobSpec as JSON (instead of --model and the train flags).");
+ABSL_FLAG(std::string, job_file, "",
+          "submit: a colod.v1.JobSpec as JSON, or YAML (.yaml/.yml), instead of --model and the train flags.");
 ABSL_FLAG(std::string, name, "", "submit, train: the job's name (default: the model directory's name).");
 ABSL_FLAG(std::string, request_id, "", "submit: idempotency key; a retried submit with it returns the first job.");
 ABSL_FLAG(bool, upload, true,
@@ -159,12 +161,12 @@ constexpr char kUsage[] =
     "Cluster commands (talk to --coordinator, or $COLOD_COORDINATOR, or 127.0.0.1:7070;\n"
     "every call has the --timeout deadline):\n"
 
-    "  submit      Submit a TRAIN job: --model DIR --data FILE and the train flags above,\n"
-    "              or --job-file FILE (a colod.v1.JobSpec as JSON). The model's files are\n"
-    "              streamed to the coordinator and the workers download them\n"
-    "              (--upload=false: the workers read DIR themselves). --data and other\n"
-    "              paths must be readable by the workers; relative ones are made absolute.\n"
-    "              Prints the job id; --watch follows it like `watch`.\n"
+    "  submit      Submit a TRAIN job: --model DIR --data FILE and the train flags above;\n"
+    "              the model's files are streamed to the coordinator and the workers\n"
+    "              download them (--upload=false: the workers read DIR themselves). --data\n"
+    "              and other paths must be readable by the workers; relative ones are made\n"
+    "              absolute. Or --job-file FILE: a colod.v1.JobSpec as JSON, or YAML for\n"
+    "              .yaml/.yml, sent as it is. Prints the job id; --watch follows it.\n"
     "  jobs        List jobs: id, name, state, layout, step, loss, reason. --state running,...\n"
     "  status JOB  One job in detail (--output json: the Job).\n"
     "  watch JOB   Follow a job to its end: state changes and a progress bar with step,\n"
@@ -510,21 +512,6 @@ absl::StatusOr<colod::v1::JobSpec> JobSpecFromFlags() {
   return spec;
 }
 
-// Reads a job file: a colod.v1.JobSpec as proto3 JSON.
-absl::StatusOr<colod::v1::JobSpec> JobSpecFromFile(const std::string& path) {
-  auto text = colod::ReadFileToString(path);
-  if (!text.ok()) return text.status();
-  colod::v1::JobSpec spec;
-  google::protobuf::util::JsonParseOptions opts;
-  opts.ignore_unknown_fields = false;
-  auto s = google::protobuf::util::JsonStringToMessage(*text, &spec, opts);
-  if (!s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--job-file ", path, ": not a colod.v1.JobSpec in JSON: ",
-                                                   std::string(s.message())));
-  }
-  return spec;
-}
-
 int PrintJson(const google::protobuf::Message& m) {
   auto out = colod::RenderJson(m, /*pretty=*/true);
   if (!out.ok()) return Fail(out.status());
@@ -607,12 +594,12 @@ int Submit(colod::CoordinatorClient& client, bool json) {
   }
   absl::StatusOr<colod::v1::JobSpec> spec = absl::GetFlag(FLAGS_job_file).empty()
                                                 ? JobSpecFromFlags()
-                                                : JobSpecFromFile(absl::GetFlag(FLAGS_job_file));
+                                                : colod::ReadJobFile(absl::GetFlag(FLAGS_job_file));
   if (!spec.ok()) {
     if (absl::IsInvalidArgument(spec.status())) return Usage(absl::StrCat("submit: ", spec.status().message()));
     return Fail(spec.status());
   }
-  if (absl::GetFlag(FLAGS_upload) && !spec->model().weights_path().empty()) {
+  if (absl::GetFlag(FLAGS_job_file).empty() && absl::GetFlag(FLAGS_upload)) {
     // The workers may not see this machine's files: send them along.
     auto uploaded = client.UploadModel(spec->model().weights_path(), absl::GetFlag(FLAGS_watch_timeout));
     if (!uploaded.ok()) return Fail(uploaded.status());

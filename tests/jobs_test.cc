@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <string>
@@ -476,6 +477,22 @@ TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
   EXPECT_EQ(run.code, 0) << run.err << run.out;
   EXPECT_TRUE(absl::StrContains(run.err, "uploaded 2 files")) << run.err;
   EXPECT_TRUE(absl::StrContains(run.out, "succeeded")) << run.out;
+
+  // A YAML job file, sent as it is (the workers read the weights' path).
+  std::ofstream(TempPath("job.yaml")) << "name: from-yaml\nkind: JOB_KIND_TRAIN\nmodel:\n  weightsPath: "
+                                      << TempPath("gpt2") << "\n  configJson: '"
+                                      << ReadFile(TempPath("gpt2/config.json")) << "'\n"
+                                      << "shard: {tensorParallelSize: 2, dataParallelSize: 2}\n"
+                                      << "train: {steps: 2, batchSize: 4, seqLen: 32, learningRate: 1e-3, dataPath: "
+                                      << kGpl << "}\n";
+  auto yaml = RunCommand({Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "submit", "--job-file",
+                          TempPath("job.yaml"), "--watch"},
+                         TempPath(""), absl::Seconds(120));
+  EXPECT_EQ(yaml.code, 0) << yaml.err << yaml.out;
+  auto jobs = client_->ListJobs();
+  ASSERT_TRUE(jobs.ok());
+  EXPECT_EQ(jobs->back().spec().name(), "from-yaml");
+  EXPECT_EQ(jobs->back().state(), v1::JOB_STATE_SUCCEEDED);
 }
 
 }  // namespace

@@ -1,0 +1,65 @@
+#include "client/job_file.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "google/protobuf/util/json_util.h"
+#include "nlohmann/json.hpp"
+#include "yaml-cpp/yaml.h"
+
+namespace colod {
+namespace {
+
+// YAML to JSON: mappings, sequences, and scalars as strings except true and
+// false (proto3 JSON takes numbers as strings for every numeric field).
+nlohmann::json ToJson(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map: {
+      nlohmann::json out = nlohmann::json::object();
+      for (const auto& kv : node) out[kv.first.as<std::string>()] = ToJson(kv.second);
+      return out;
+    }
+    case YAML::NodeType::Sequence: {
+      nlohmann::json out = nlohmann::json::array();
+      for (const auto& item : node) out.push_back(ToJson(item));
+      return out;
+    }
+    case YAML::NodeType::Scalar: {
+      const std::string v = node.as<std::string>();
+      if (node.Tag() != "!" && (v == "true" || v == "false")) return v == "true";
+      return v;
+    }
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text, bool yaml, const std::string& what) {
+  std::string json = text;
+  if (yaml) {
+    try {
+      json = ToJson(YAML::Load(text)).dump();
+    } catch (const YAML::Exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": not YAML: ", e.what()));
+    }
+  }
+  v1::JobSpec spec;
+  google::protobuf::util::JsonParseOptions opts;
+  opts.ignore_unknown_fields = false;
+  const auto s = google::protobuf::util::JsonStringToMessage(json, &spec, opts);
+  if (!s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": not a colod.v1.JobSpec: ", std::string(s.message())));
+  }
+  return spec;
+}
+
+absl::StatusOr<v1::JobSpec> ReadJobFile(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  if (!text.ok()) return text.status();
+  const bool yaml = absl::EndsWith(path, ".yaml") || absl::EndsWith(path, ".yml");
+  return ParseJobSpec(*text, yaml, path);
+}
+
+}  // namespace colod
