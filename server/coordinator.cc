@@ -101,7 +101,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   TensorProxy::Options to;
   to.auth_token = options.auth_token;
   to.credentials = so.credentials;
-  c->tensors_ = std::make_unique<TensorProxy>(c->jobs_.get(), to);
+  c->tensors_ = std::make_unique<TensorProxy>(c->jobs_.get(), c->registry_.get(), to);
   ASSIGN_OR_RETURN(c->grpc_, StartGrpcServer(options.listen, {c->service_.get(), c->tensors_.get()}, credentials));
   SetServing(*c->grpc_.server, kServiceName, true);
   c->sweeper_ = std::thread([raw = c.get()] { raw->SweepLoop(); });

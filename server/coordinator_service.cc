@@ -10,6 +10,7 @@
 #include "common/grpc_status.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
+#include "server/rpc_metrics.h"
 
 namespace colod {
 namespace {
@@ -17,13 +18,6 @@ namespace {
 absl::Status RequireId(absl::string_view field, absl::string_view value) {
   if (value.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));
   return absl::OkStatus();
-}
-
-// Buckets from 100us to ~100s, for RPCs from KvGet to long KvWaits.
-const prometheus::Histogram::BucketBoundaries& RpcBuckets() {
-  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
-      0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100};
-  return *buckets;
 }
 
 }  // namespace
@@ -35,10 +29,7 @@ CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManag
     : workers_(workers),
       jobs_(jobs),
       store_(store),
-      rpc_duration_(&prometheus::BuildHistogram()
-                         .Name("colod_rpc_duration_seconds")
-                         .Help("Coordinator RPC handling time, by method and status code.")
-                         .Register(*metrics)),
+      rpc_duration_(&RpcDurationFamily(*metrics)),
       auth_(std::move(auth)),
       scheduler_(scheduler),
       uploads_(uploads) {}
@@ -48,10 +39,7 @@ grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const 
   const absl::Time start = absl::Now();
   absl::Status status = auth_.Check(*ctx);
   if (status.ok()) status = fn();
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  rpc_duration_->Add({{"method", method}, {"code", absl::StatusCodeToString(status.code())}},
-                     RpcBuckets())
-      .Observe(seconds);
+  ObserveRpc(*rpc_duration_, method, status, absl::Now() - start);
   return ToGrpcStatus(status);
 }
 

@@ -7,11 +7,15 @@
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
 #include "grpcpp/create_channel.h"
+#include "server/rpc_metrics.h"
 
 namespace colod {
 
-TensorProxy::TensorProxy(JobManager* jobs, Options options)
-    : jobs_(jobs), options_(std::move(options)), auth_(options_.auth_token) {}
+TensorProxy::TensorProxy(JobManager* jobs, prometheus::Registry* metrics, Options options)
+    : jobs_(jobs),
+      rpc_duration_(&RpcDurationFamily(*metrics)),
+      options_(std::move(options)),
+      auth_(options_.auth_token) {}
 
 absl::StatusOr<v1::Job> TensorProxy::RunningTensorJob(const std::string& job_id) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
@@ -46,15 +50,24 @@ absl::Mutex& TensorProxy::JobMutex(const std::string& job_id) {
 }
 
 template <typename Req, typename Resp>
-grpc::Status TensorProxy::FanOut(grpc::ServerContext* ctx, const std::string& job_id, const Req& req, Resp* resp,
-                                 Call<Req, Resp> call, int only_rank) {
-  if (absl::Status a = auth_.Check(*ctx); !a.ok()) return ToGrpcStatus(a);
+grpc::Status TensorProxy::FanOut(grpc::ServerContext* ctx, const char* method, const std::string& job_id,
+                                 const Req& req, Resp* resp, Call<Req, Resp> call, int only_rank) {
+  const absl::Time start = absl::Now();
+  absl::Status status = auth_.Check(*ctx);
+  if (status.ok()) status = FanOutToRanks(ctx, job_id, req, resp, call, only_rank);
+  ObserveRpc(*rpc_duration_, method, status, absl::Now() - start);
+  return ToGrpcStatus(status);
+}
+
+template <typename Req, typename Resp>
+absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::string& job_id, const Req& req,
+                                       Resp* resp, Call<Req, Resp> call, int only_rank) {
   absl::StatusOr<v1::Job> job = RunningTensorJob(job_id);
-  if (!job.ok()) return ToGrpcStatus(job.status());
+  if (!job.ok()) return job.status();
   const v1::MeshSpec& mesh = job->mesh();
   if (only_rank >= mesh.ranks_size()) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("rank: ", only_rank, " is outside the job's ", mesh.ranks_size(), " ranks")));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: ", only_rank, " is outside the job's ", mesh.ranks_size(), " ranks"));
   }
   absl::Time deadline = absl::Now() + options_.rpc_timeout;
   const absl::Time client = absl::FromChrono(ctx->deadline());
@@ -82,47 +95,48 @@ grpc::Status TensorProxy::FanOut(grpc::ServerContext* ctx, const std::string& jo
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (statuses[i].ok()) continue;
     const v1::RankAssignment& a = mesh.ranks(ranks[i]);
-    return grpc::Status(statuses[i].error_code(), absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ",
-                                                               a.worker_address(), "): ", statuses[i].error_message()));
+    const absl::Status s = FromGrpcStatus(statuses[i]);
+    return absl::Status(s.code(), absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ",
+                                               a.worker_address(), "): ", s.message()));
   }
   *resp = std::move(responses[0]);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 grpc::Status TensorProxy::CreateTensor(grpc::ServerContext* ctx, const v1::CreateTensorRequest* req,
                                        v1::CreateTensorResponse* resp) {
-  return FanOut(ctx, req->job_id(), *req, resp, &Stub::CreateTensor);
+  return FanOut(ctx, "CreateTensor", req->job_id(), *req, resp, &Stub::CreateTensor);
 }
 
 grpc::Status TensorProxy::SetDistSpec(grpc::ServerContext* ctx, const v1::SetDistSpecRequest* req,
                                       v1::SetDistSpecResponse* resp) {
-  return FanOut(ctx, req->job_id(), *req, resp, &Stub::SetDistSpec);
+  return FanOut(ctx, "SetDistSpec", req->job_id(), *req, resp, &Stub::SetDistSpec);
 }
 
 grpc::Status TensorProxy::GetShard(grpc::ServerContext* ctx, const v1::GetShardRequest* req,
                                    v1::GetShardResponse* resp) {
   if (req->rank() < 0) return ToGrpcStatus(absl::InvalidArgumentError("rank: must be >= 0"));
-  return FanOut(ctx, req->job_id(), *req, resp, &Stub::GetShard, req->rank());
+  return FanOut(ctx, "GetShard", req->job_id(), *req, resp, &Stub::GetShard, req->rank());
 }
 
 grpc::Status TensorProxy::GetGlobal(grpc::ServerContext* ctx, const v1::GetGlobalRequest* req,
                                     v1::GetGlobalResponse* resp) {
-  return FanOut(ctx, req->job_id(), *req, resp, &Stub::GetGlobal);
+  return FanOut(ctx, "GetGlobal", req->job_id(), *req, resp, &Stub::GetGlobal);
 }
 
 grpc::Status TensorProxy::DescribeTensor(grpc::ServerContext* ctx, const v1::DescribeTensorRequest* req,
                                          v1::DescribeTensorResponse* resp) {
-  return FanOut(ctx, req->job_id(), *req, resp, &Stub::DescribeTensor, 0);
+  return FanOut(ctx, "DescribeTensor", req->job_id(), *req, resp, &Stub::DescribeTensor, 0);
 }
 
 grpc::Status TensorProxy::ListTensors(grpc::ServerContext* ctx, const v1::ListTensorsRequest* req,
                                       v1::ListTensorsResponse* resp) {
-  return FanOut(ctx, req->job_id(), *req, resp, &Stub::ListTensors, 0);
+  return FanOut(ctx, "ListTensors", req->job_id(), *req, resp, &Stub::ListTensors, 0);
 }
 
 grpc::Status TensorProxy::DeleteTensor(grpc::ServerContext* ctx, const v1::DeleteTensorRequest* req,
                                        v1::DeleteTensorResponse* resp) {
-  return FanOut(ctx, req->job_id(), *req, resp, &Stub::DeleteTensor);
+  return FanOut(ctx, "DeleteTensor", req->job_id(), *req, resp, &Stub::DeleteTensor);
 }
 
 }  // namespace colod

@@ -16,6 +16,8 @@
 #include "colod/v1/tensor.grpc.pb.h"
 #include "common/auth.h"
 #include "grpcpp/security/credentials.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
 #include "server/job_manager.h"
 
 namespace colod {
@@ -30,7 +32,8 @@ class TensorProxy final : public v1::TensorService::Service {
     // Deadline of each call to a worker, unless the client's is sooner.
     absl::Duration rpc_timeout = absl::Seconds(60);
   };
-  TensorProxy(JobManager* jobs, Options options);
+  // RPCs are recorded in `metrics`' colod_rpc_duration_seconds.
+  TensorProxy(JobManager* jobs, prometheus::Registry* metrics, Options options);
 
   grpc::Status CreateTensor(grpc::ServerContext*, const v1::CreateTensorRequest*, v1::CreateTensorResponse*) override;
   grpc::Status SetDistSpec(grpc::ServerContext*, const v1::SetDistSpecRequest*, v1::SetDistSpecResponse*) override;
@@ -52,12 +55,16 @@ class TensorProxy final : public v1::TensorService::Service {
   // `req` to every rank (or only `only_rank` if >= 0); rank 0's (or that
   // rank's) response.
   template <typename Req, typename Resp>
-  grpc::Status FanOut(grpc::ServerContext* ctx, const std::string& job_id, const Req& req, Resp* resp,
-                      Call<Req, Resp> call, int only_rank = -1);
+  grpc::Status FanOut(grpc::ServerContext* ctx, const char* method, const std::string& job_id, const Req& req,
+                      Resp* resp, Call<Req, Resp> call, int only_rank = -1);
+  template <typename Req, typename Resp>
+  absl::Status FanOutToRanks(grpc::ServerContext* ctx, const std::string& job_id, const Req& req, Resp* resp,
+                            Call<Req, Resp> call, int only_rank);
   Stub& StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Mutex& JobMutex(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   JobManager* const jobs_;
+  prometheus::Family<prometheus::Histogram>* const rpc_duration_;
   const Options options_;
   const TokenAuth auth_;
   absl::Mutex mu_;

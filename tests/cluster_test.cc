@@ -52,7 +52,8 @@ TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
   Daemon coordinator = StartDaemon(kCoordinator, "coordinator",
                                    {"--data-dir", TempPath("data"), "--heartbeat-interval", "100ms"});
   ASSERT_FALSE(coordinator.grpc.empty()) << testing::ReadFile(coordinator.log);
-  Daemon w1 = StartDaemon(kWorker, "w1", {"--coordinator", coordinator.grpc, "--device", "cpu"});
+  Daemon w1 = StartDaemon(kWorker, "w1", {"--coordinator", coordinator.grpc, "--device", "cpu", "--labels",
+                                          "zone=a,rack=r12"});
   Daemon w2 = StartDaemon(kWorker, "w2", {"--coordinator", coordinator.grpc, "--device", "cpu"});
 
   auto client = CoordinatorClient::Create(coordinator.grpc);
@@ -93,6 +94,11 @@ TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
     json_addresses.insert(w["info"]["address"].get<std::string>());
     EXPECT_EQ(w["state"], "WORKER_STATE_IDLE");
     EXPECT_EQ(w["info"]["deviceKind"], "DEVICE_KIND_CPU");
+    if (w["info"]["address"] == w1.grpc) {
+      EXPECT_EQ(w["info"]["labels"], (nlohmann::json{{"zone", "a"}, {"rack", "r12"}})) << w;
+    } else {
+      EXPECT_TRUE(w["info"]["labels"].empty()) << w;
+    }
   }
   EXPECT_EQ(json_addresses, addresses);
 

@@ -396,6 +396,19 @@ TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
   ASSERT_TRUE(listed.ok());
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].shards_size(), 4);
+  // The coordinator times TensorService calls like its own.
+  auto page = testing::HttpGet(coordinator_.metrics, "/metrics");
+  ASSERT_TRUE(page.ok());
+  auto families = testing::ParsePrometheusText(*page);
+  ASSERT_TRUE(families.ok()) << families.status();
+  double creates = 0;
+  for (const auto& sample : families->at("colod_rpc_duration_seconds").samples) {
+    if (sample.name == "colod_rpc_duration_seconds_count" && sample.labels.count("method") &&
+        sample.labels.at("method") == "CreateTensor") {
+      creates += sample.value;
+    }
+  }
+  EXPECT_EQ(creates, 3);  // the demo's, this one, and the ALREADY_EXISTS one
   ASSERT_TRUE(client_->DeleteTensor(job->job_id(), "x").ok());
   EXPECT_TRUE(client_->ListTensors(job->job_id())->empty());
   ASSERT_TRUE(client_->CancelJob(job->job_id()).ok());

@@ -2,6 +2,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/security_flags.h"
 #include "common/flags.h"
@@ -23,6 +24,8 @@ ABSL_FLAG(std::string, advertise_host, "",
 ABSL_FLAG(std::string, device, "auto",
           "auto (CUDA when built with CUDA and the GPU exists, else CPU), cpu, or cuda.");
 ABSL_FLAG(int, device_ordinal, 0, "GPU index this worker uses (one worker per GPU).");
+ABSL_FLAG(std::string, labels, "",
+          "Labels registered with the worker and listed by the coordinator, e.g. zone=a,rack=r12.");
 ABSL_FLAG(std::string, work_dir, "",
           "Scratch directory for job ranks (each gets a subdirectory, removed when it ends). Default: a "
           "fresh directory under $TMPDIR (or /tmp), removed at exit.");
@@ -69,6 +72,14 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   options.device_ordinal = absl::GetFlag(FLAGS_device_ordinal);
   options.work_dir = absl::GetFlag(FLAGS_work_dir);
+  for (absl::string_view pair : absl::StrSplit(absl::GetFlag(FLAGS_labels), ',', absl::SkipWhitespace())) {
+    const size_t eq = pair.find('=');
+    if (eq == absl::string_view::npos || eq == 0) {
+      COLOD_LOG(ERROR) << "--labels: '" << pair << "' is not KEY=VALUE";
+      return 2;
+    }
+    options.labels[std::string(pair.substr(0, eq))] = std::string(pair.substr(eq + 1));
+  }
   options.comm_timeout = absl::GetFlag(FLAGS_comm_timeout);
   auto security = colod::SecurityFromFlags();
   if (!security.ok()) {

@@ -129,6 +129,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
   w->info_.set_metrics_address(metrics_advertise.ToString());
   w->info_.set_host(LocalHostName());
   w->info_.set_version(kVersion);
+  for (const auto& [k, v] : options.labels) (*w->info_.mutable_labels())[k] = v;
 
   if (options.coordinator.empty()) {
     SetServing(*w->grpc_.server, kServiceName, true);

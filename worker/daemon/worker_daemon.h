@@ -3,6 +3,7 @@
 #ifndef COLOD_WORKER_DAEMON_WORKER_DAEMON_H_
 #define COLOD_WORKER_DAEMON_WORKER_DAEMON_H_
 
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -51,6 +52,8 @@ class WorkerDaemon {
     // Scratch space for job ranks. Empty: a fresh directory under $TMPDIR
     // (or /tmp), removed at shutdown.
     std::string work_dir;
+    // Free-form labels registered with the worker (zone, rack, ...).
+    std::map<std::string, std::string> labels;
     // Rendezvous and per-collective limit of job ranks.
     absl::Duration comm_timeout = absl::Minutes(2);
   };
