@@ -76,7 +76,8 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
   return m;
 }
 
-void JobManager::PersistLocked(const Entry& e) {
+void JobManager::PersistLocked(Entry& e) {
+  e.persisted = clock_->Now();
   if (state_dir_.empty()) return;
   v1::JobRecord record;
   *record.mutable_job() = e.job;
@@ -93,6 +94,12 @@ v1::JobEvent& JobManager::NewEventLocked(Entry& e) {
   ev.set_sequence(static_cast<int64_t>(e.events.size()));
   *ev.mutable_time() = ToProtoTimestamp(clock_->Now());
   return ev;
+}
+
+absl::Status JobManager::CheckNotEndedLocked(const Entry& e) {
+  if (!IsFinal(e.job.state())) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("job '", e.job.job_id(), "' already ended (", JobStateName(e.job.state()), ")"));
 }
 
 absl::StatusOr<JobManager::Entry*> JobManager::FindLocked(absl::string_view job_id) {
@@ -129,10 +136,7 @@ absl::StatusOr<v1::Job> JobManager::SetState(absl::string_view job_id, v1::JobSt
                                              absl::string_view reason) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-  if (IsFinal(e->job.state())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", job_id, "' already ended (", JobStateName(e->job.state()), ")"));
-  }
+  RETURN_IF_ERROR(CheckNotEndedLocked(*e));
   AppendStateChangeLocked(*e, state, reason);
   PersistLocked(*e);
   return e->job;
@@ -141,12 +145,17 @@ absl::StatusOr<v1::Job> JobManager::SetState(absl::string_view job_id, v1::JobSt
 absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgress& step) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+  RETURN_IF_ERROR(CheckNotEndedLocked(*e));
   e->job.set_step(step.step());
   e->job.set_loss(step.loss());
   if (!step.checkpoint().empty()) e->job.set_last_checkpoint(step.checkpoint());
   *e->job.mutable_update_time() = ToProtoTimestamp(clock_->Now());
   *NewEventLocked(*e).mutable_step() = step;
-  PersistLocked(*e);
+  // A record holds the whole history, so writing it on every step of a long
+  // job would cost O(steps^2): steps are written at most once a second (and
+  // whenever one names a checkpoint); every state change writes at once.
+  const absl::Time now = clock_->Now();
+  if (!step.checkpoint().empty() || now - e->persisted >= absl::Seconds(1)) PersistLocked(*e);
   return absl::OkStatus();
 }
 
@@ -161,6 +170,7 @@ absl::Status JobManager::SetForwardResult(absl::string_view job_id, const v1::Fo
 absl::Status JobManager::AddRankStatus(absl::string_view job_id, const v1::RankStatus& status) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+  RETURN_IF_ERROR(CheckNotEndedLocked(*e));
   *NewEventLocked(*e).mutable_rank_status() = status;
   PersistLocked(*e);
   return absl::OkStatus();

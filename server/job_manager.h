@@ -22,7 +22,8 @@ namespace colod {
 // then wait in PENDING until the scheduler (server/scheduler.h) assigns ranks.
 //
 // With a state directory every change of a job is written there (one
-// JobRecord file per job, replaced atomically) before the call returns, so a
+// JobRecord file per job, replaced atomically) before the call returns —
+// step events at most once a second unless they name a checkpoint — so a
 // restarted coordinator knows its jobs, their events and last checkpoints.
 // Jobs that were SCHEDULED or RUNNING when the coordinator stopped are FAILED
 // on restart (their ranks' communicators died with it; the reason names the
@@ -60,11 +61,12 @@ class JobManager {
   // Moves a job that has not ended to `state` (RUNNING or a final state).
   // FAILED_PRECONDITION if it already ended.
   absl::StatusOr<v1::Job> SetState(absl::string_view job_id, v1::JobState state, absl::string_view reason);
-  // Appends rank 0's step (and records step, loss and checkpoint on the job).
+  // Appends rank 0's step (and records step, loss and checkpoint on the
+  // job). FAILED_PRECONDITION once the job ended: its history is closed.
   absl::Status AddStep(absl::string_view job_id, const v1::StepProgress& step);
   // Records a FORWARD job's outcome (before it is marked SUCCEEDED).
   absl::Status SetForwardResult(absl::string_view job_id, const v1::ForwardResult& result);
-  // Appends a rank's phase change.
+  // Appends a rank's phase change; FAILED_PRECONDITION once the job ended.
   absl::Status AddRankStatus(absl::string_view job_id, const v1::RankStatus& status);
 
   // Events with sequence >= from_sequence. Waits up to `timeout` for at least
@@ -81,14 +83,16 @@ class JobManager {
   struct Entry {
     v1::Job job;
     std::vector<v1::JobEvent> events;
+    absl::Time persisted = absl::InfinitePast();  // when its record was last written
   };
   void AppendStateChangeLocked(Entry& e, v1::JobState state, absl::string_view reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::JobEvent& NewEventLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Entry*> FindLocked(absl::string_view job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static absl::Status CheckNotEndedLocked(const Entry& e);
   // Writes the job's record to the state directory (if any); a failure is
   // logged: the job goes on, only its record is stale.
-  void PersistLocked(const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PersistLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Clock* const clock_;
   std::string state_dir_;  // empty: in memory only

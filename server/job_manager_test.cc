@@ -226,6 +226,16 @@ TEST(JobManager, RecordsSurviveAReopenAndRunningJobsFailWithTheirCheckpoint) {
     step.set_loss(2.5);
     step.set_checkpoint("/ck/step-000003");
     ASSERT_TRUE((*jobs)->AddStep(b->job_id(), step).ok());
+    // Steps are recorded at most once a second: step 4 at once is not,
+    // step 5 two seconds later is (with step 4 in its history).
+    step.clear_checkpoint();
+    step.set_step(4);
+    ASSERT_TRUE((*jobs)->AddStep(b->job_id(), step).ok());
+    clock.Advance(absl::Seconds(2));
+    step.set_step(5);
+    ASSERT_TRUE((*jobs)->AddStep(b->job_id(), step).ok());
+    step.set_step(6);  // within the second again: only in memory when the coordinator dies
+    ASSERT_TRUE((*jobs)->AddStep(b->job_id(), step).ok());
     EXPECT_EQ((*jobs)->Schedule(b->job_id(), mesh).status().code(), absl::StatusCode::kFailedPrecondition);
   }
   auto jobs = JobManager::Open(dir, &clock);
@@ -235,14 +245,19 @@ TEST(JobManager, RecordsSurviveAReopenAndRunningJobsFailWithTheirCheckpoint) {
   EXPECT_EQ(all[0].state(), v1::JOB_STATE_PENDING);
   EXPECT_EQ(all[1].state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(all[1].reason(), "the coordinator restarted while the job ran; resume from /ck/step-000003");
-  EXPECT_EQ(all[1].step(), 3);
+  EXPECT_EQ(all[1].step(), 5);
   EXPECT_EQ(all[1].generation(), 1);
   // The whole history is there, and new ids do not reuse old ones.
   auto events = (*jobs)->WaitForEvents(all[1].job_id(), 1, absl::ZeroDuration());
   ASSERT_TRUE(events.ok());
-  ASSERT_EQ(events->events.size(), 5u);  // pending, scheduled, running, step 3, failed
+  ASSERT_EQ(events->events.size(), 7u);  // pending, scheduled, running, steps 3-5, failed
   EXPECT_EQ(events->events[3].step().loss(), 2.5);
   EXPECT_TRUE(events->finished);
+  // An ended job's history is closed.
+  EXPECT_EQ((*jobs)->AddStep(all[1].job_id(), v1::StepProgress()).code(), absl::StatusCode::kFailedPrecondition);
+  v1::RankStatus phase;
+  phase.set_phase("training");
+  EXPECT_EQ((*jobs)->AddRankStatus(all[1].job_id(), phase).code(), absl::StatusCode::kFailedPrecondition);
   auto c = (*jobs)->Submit(TrainSpec(), "");
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->job_id(), "job-000003");

@@ -226,9 +226,9 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
 }
 
 absl::StatusOr<v1::Job> Scheduler::Cancel(absl::string_view job_id, absl::string_view reason) {
+  absl::MutexLock lock(&mu_);  // no report slips in between the cancel and the aborts
   absl::StatusOr<v1::Job> job = jobs_->Cancel(job_id, reason);
   if (!job.ok()) return job;
-  absl::MutexLock lock(&mu_);
   auto it = placed_.find(std::string(job_id));
   if (it != placed_.end()) {
     EndLocked(it->second, v1::JOB_STATE_CANCELLED, job->reason(), -1);  // already CANCELLED: only the aborts
