@@ -9,7 +9,9 @@
 #include <filesystem>
 #include <system_error>
 
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "prometheus/gauge.h"
@@ -82,6 +84,11 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   wo.heartbeat_interval = options.heartbeat_interval;
   wo.lease_duration = options.lease_duration;
   wo.clock = options.clock;
+  // Ids unique to this start: after a restart, a worker still heartbeating
+  // with its old id must be told NOT_FOUND (and register again), never be
+  // taken for another worker that happens to get the same number.
+  absl::BitGen bits;
+  wo.id_prefix = absl::StrFormat("worker-%06x-", absl::Uniform<uint32_t>(bits, 0, 1u << 24));
   c->workers_ = std::make_unique<WorkerRegistry>(wo);
   ASSIGN_OR_RETURN(c->jobs_, JobManager::Open(options.data_dir + "/jobs", options.clock));
   c->store_ = std::make_unique<RendezvousStore>();
@@ -157,10 +164,13 @@ void Coordinator::Shutdown() {
     stopping_ = true;
   }
   COLOD_LOG(INFO) << "coordinator shutting down";
+  // No lease expires and no job changes state while the server drains:
+  // heartbeats stop arriving now, and that is the coordinator's doing, not
+  // the workers'. Jobs still running are failed by the next start.
+  if (sweeper_.joinable()) sweeper_.join();
+  scheduler_->Stop();
   store_->Close();  // wakes KvWait/Barrier handlers
   StopGrpcServer(*grpc_.server, absl::Seconds(2));
-  scheduler_->Stop();
-  if (sweeper_.joinable()) sweeper_.join();
   // civetweb's listener polls in 2 s quanta, so this can take up to 2 s.
   metrics_.reset();
   if (lock_fd_ >= 0) {

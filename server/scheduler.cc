@@ -57,9 +57,30 @@ void Scheduler::Loop() {
 
 void Scheduler::Tick() {
   std::set<std::string> live;
-  for (const v1::Worker& w : workers_->List(/*include_lost=*/false)) live.insert(w.info().worker_id());
+  const std::vector<v1::Worker> workers = workers_->List(/*include_lost=*/false);
+  for (const v1::Worker& w : workers) live.insert(w.info().worker_id());
   {
     absl::MutexLock lock(&mu_);
+    // A worker still running a rank of a job this coordinator does not run
+    // (it ended, or the coordinator restarted since) is told to stop, once.
+    std::map<std::string, std::string> stale;
+    for (const v1::Worker& w : workers) {
+      const v1::WorkerStatus& st = w.status();
+      if (st.state() != v1::WORKER_STATE_BUSY || st.job_id().empty()) continue;
+      auto it = placed_.find(st.job_id());
+      if (it != placed_.end() && it->second.generation == st.generation()) continue;
+      const std::string key = absl::StrCat(st.job_id(), "/", st.generation());
+      stale[w.info().worker_id()] = key;
+      auto done = stale_aborted_.find(w.info().worker_id());
+      if (done != stale_aborted_.end() && done->second == key) continue;
+      Abort abort;
+      abort.address = w.info().address();
+      abort.request.set_job_id(st.job_id());
+      abort.request.set_generation(st.generation());
+      abort.request.set_reason("the coordinator does not run this job (it ended, or the coordinator restarted)");
+      aborts_.push_back(std::move(abort));
+    }
+    stale_aborted_ = std::move(stale);
     for (auto& [id, p] : placed_) {
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
         if (p.ended.count(a.rank()) || live.count(a.worker_id())) continue;
@@ -103,7 +124,13 @@ void Scheduler::ScheduleQueued() {
     }
     std::vector<v1::WorkerInfo>& pool = static_cast<int>(cuda.size()) >= mesh->world_size() ? cuda : cpu;
     absl::StatusOr<v1::MeshSpec> placed = AssignRanks(*mesh, pool);
-    if (absl::IsResourceExhausted(placed.status())) return;  // first come, first served: the queue waits
+    if (absl::IsResourceExhausted(placed.status())) {  // first come, first served: the queue waits
+      const std::string why(placed.status().message());
+      if (waiting_[job.job_id()] != why) COLOD_LOG(INFO) << "job " << job.job_id() << " waits: " << why;
+      waiting_[job.job_id()] = why;
+      return;
+    }
+    waiting_.erase(job.job_id());
     if (!placed.ok()) {
       (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, placed.status().message());
       continue;

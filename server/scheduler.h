@@ -34,7 +34,8 @@
 namespace colod {
 
 // Thread-safe. One background thread places jobs, sends assignments and
-// aborts, and watches for lost workers; Report and Cancel come from gRPC
+// aborts, watches for lost workers, and stops ranks that workers still run
+// for jobs it does not (after a coordinator restart); Report and Cancel come from gRPC
 // handlers.
 class Scheduler {
  public:
@@ -107,9 +108,15 @@ class Scheduler {
   absl::Mutex mu_;
   std::map<std::string, Placed> placed_ ABSL_GUARDED_BY(mu_);
   std::vector<Abort> aborts_ ABSL_GUARDED_BY(mu_);
+  // Workers told to stop a rank of a job not placed here: worker id ->
+  // "job/generation", so each is told once.
+  std::map<std::string, std::string> stale_aborted_ ABSL_GUARDED_BY(mu_);
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
+  // Why each waiting job waits (logged when it changes); the scheduler
+  // thread's alone.
+  std::map<std::string, std::string> waiting_;
 
   absl::Mutex stubs_mu_;
   std::map<std::string, std::unique_ptr<v1::WorkerService::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);

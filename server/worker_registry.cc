@@ -39,7 +39,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   }
   Entry e;
   e.info = info;
-  e.info.set_worker_id(absl::StrFormat("worker-%06d", next_id_++));
+  e.info.set_worker_id(absl::StrFormat("%s%06d", options_.id_prefix, next_id_++));
   if (e.info.host().empty()) {
     e.info.set_host(ParseHostPort(info.address(), "", false)->host);
   }

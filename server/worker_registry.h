@@ -30,6 +30,10 @@ class WorkerRegistry {
     absl::Duration lease_duration = absl::Seconds(10);
     absl::Duration forget_after = absl::Minutes(10);
     Clock* clock = Clock::Real();
+    // Worker ids are PREFIX + a 6-digit counter. The coordinator puts a
+    // random part in it per start, so that a worker registered with an
+    // earlier coordinator cannot heartbeat under a new worker's id.
+    std::string id_prefix = "worker-";
   };
 
   explicit WorkerRegistry(Options options);

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
+#include "server/job_manager.h"
 #include "colod/v1/worker.grpc.pb.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
@@ -77,10 +78,11 @@ class JobsTest : public ::testing::Test {
     FAIL() << "workers did not register";
   }
 
-  void StartCoordinator() {
+  // `listen`: where to serve (a restart reuses the address the workers know).
+  void StartCoordinator(const std::string& listen = "127.0.0.1:0") {
     coordinator_ = StartDaemon("server/colod-coordinator", "coordinator",
                                {"--data-dir", TempPath("data"), "--heartbeat-interval", "200ms",
-                                "--lease-duration", "1500ms"});
+                                "--lease-duration", "1500ms", "--listen", listen});
     ASSERT_FALSE(coordinator_.grpc.empty()) << ReadFile(coordinator_.log);
     auto client = CoordinatorClient::Create(coordinator_.grpc);
     ASSERT_TRUE(client.ok());
@@ -506,6 +508,35 @@ TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
   ASSERT_TRUE(jobs.ok());
   EXPECT_EQ(jobs->back().spec().name(), "from-yaml");
   EXPECT_EQ(jobs->back().state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+TEST_F(JobsTest, ACoordinatorRestartFailsTheRunningJobAndStopsItsRanks) {
+  auto job = client_->SubmitJob(Spec(Options(100000)));
+  ASSERT_TRUE(job.ok()) << job.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline && client_->GetJob(job->job_id())->step() < 2) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_GE(client_->GetJob(job->job_id())->step(), 2) << Logs();
+  const std::string address = coordinator_.grpc;
+  coordinator_.process->Signal(SIGTERM);
+  ASSERT_EQ(coordinator_.process->Wait(absl::Seconds(30)), 0) << ReadFile(coordinator_.log);
+  StartCoordinator(address);
+  auto failed = client_->GetJob(job->job_id());
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(failed->reason(), "coordinator restarted")) << failed->reason();
+  // The workers register again, are told to stop the orphaned ranks, and
+  // go back to idle; a new job then runs on them.
+  EXPECT_TRUE(AllIdle(absl::Seconds(60))) << Logs();
+  auto again = client_->SubmitJob(Spec(Options(2)));
+  ASSERT_TRUE(again.ok()) << again.status();
+  const absl::Time until = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < until && !JobManager::IsFinal(client_->GetJob(again->job_id())->state())) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  std::string workers;
+  const std::vector<v1::Worker> listed = client_->ListWorkers(true).value_or(std::vector<v1::Worker>());
+  for (const v1::Worker& w : listed) workers += w.DebugString();
+  EXPECT_EQ(client_->GetJob(again->job_id())->state(), v1::JOB_STATE_SUCCEEDED) << workers << Logs();
 }
 
 }  // namespace
