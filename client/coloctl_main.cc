@@ -371,6 +371,27 @@ int Train(bool json) {
   return 0;
 }
 
+// `path` made absolute and normal: paths the workers open must not depend on
+// coloctl's working directory.
+std::string Absolute(const std::string& path) {
+  std::error_code ec;
+  return std::filesystem::absolute(path, ec).lexically_normal().string();
+}
+
+// The model of `spec` from a Hugging Face directory: its config.json, the
+// directory's absolute path as the weights, and (unless --name is given) its
+// name as the job's. NOT_FOUND when config.json cannot be read.
+absl::Status SetModelFromDir(const std::string& model_dir, colod::v1::JobSpec& spec) {
+  const std::string dir = Absolute(model_dir);
+  auto config = colod::ReadFileToString(dir + "/config.json");
+  if (!config.ok()) return config.status();
+  spec.mutable_model()->set_config_json(*config);
+  spec.mutable_model()->set_weights_path(dir);
+  spec.set_name(absl::GetFlag(FLAGS_name).empty() ? std::filesystem::path(dir).filename().string()
+                                                  : absl::GetFlag(FLAGS_name));
+  return absl::OkStatus();
+}
+
 // A FORWARD job on the cluster at `address`, followed to its end: the
 // pass's result, or the job's failure.
 absl::StatusOr<colod::v1::ForwardResult> ForwardOnCluster(const std::string& address, colod::v1::JobSpec spec) {
@@ -418,21 +439,12 @@ int Forward(bool json) {
     for (int64_t d : run->logits.shape()) result.add_logits_shape(d);
   } else {
     // A FORWARD job on the daemons: --coordinator's, or an embedded cluster.
-    std::error_code ec;
-    const std::string dir = std::filesystem::absolute(model, ec).lexically_normal().string();
-    auto config = colod::ReadFileToString(dir + "/config.json");
-    if (!config.ok()) return Fail(config.status());
     colod::v1::JobSpec spec;
     spec.set_kind(colod::v1::JOB_KIND_FORWARD);
-    spec.set_name(absl::GetFlag(FLAGS_name).empty() ? std::filesystem::path(dir).filename().string()
-                                                    : absl::GetFlag(FLAGS_name));
+    if (absl::Status set = SetModelFromDir(model, spec); !set.ok()) return Fail(set);
     *spec.mutable_shard() = request.shard.layout;
-    spec.mutable_model()->set_config_json(*config);
-    spec.mutable_model()->set_weights_path(dir);
-    spec.mutable_forward()->set_input_path(std::filesystem::absolute(input, ec).lexically_normal().string());
-    if (!logits_path.empty()) {
-      spec.mutable_forward()->set_logits_path(std::filesystem::absolute(logits_path, ec).lexically_normal().string());
-    }
+    spec.mutable_forward()->set_input_path(Absolute(input));
+    if (!logits_path.empty()) spec.mutable_forward()->set_logits_path(Absolute(logits_path));
     absl::StatusOr<colod::v1::ForwardResult> run;
     if (!ExplicitCoordinator().empty()) {
       run = ForwardOnCluster(ExplicitCoordinator(), spec);
@@ -493,21 +505,14 @@ absl::StatusOr<colod::v1::JobSpec> JobSpecFromFlags() {
         "--device: on a cluster the workers' devices decide (CUDA workers run CUDA ranks); drop --device");
   }
   colod::v1::JobSpec spec = colod::train::SpecFromTrainOptions(*options);
-  std::error_code ec;
-  const std::string dir = std::filesystem::absolute(options->model_dir, ec).lexically_normal().string();
-  auto config = colod::ReadFileToString(dir + "/config.json");
-  if (!config.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--model: ", config.status().message()));
+  if (absl::Status set = SetModelFromDir(options->model_dir, spec); !set.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--model: ", set.message()));
   }
-  spec.mutable_model()->set_config_json(*config);
-  spec.mutable_model()->set_weights_path(dir);
-  spec.set_name(absl::GetFlag(FLAGS_name).empty() ? std::filesystem::path(dir).filename().string()
-                                                  : absl::GetFlag(FLAGS_name));
   // Paths the workers open must not depend on coloctl's working directory.
   colod::v1::TrainConfig& t = *spec.mutable_train();
   for (std::string* path : {t.mutable_data_path(), t.mutable_final_dir(), t.mutable_checkpoint_dir(),
                             t.mutable_resume_from()}) {
-    if (!path->empty()) *path = std::filesystem::absolute(*path, ec).lexically_normal().string();
+    if (!path->empty()) *path = Absolute(*path);
   }
   return spec;
 }

@@ -65,4 +65,9 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   return s.str();
 }
 
+bool IsPlainFileName(absl::string_view name) {
+  return !name.empty() && name.size() <= 255 && name != "." && name != ".." &&
+         name.find('/') == absl::string_view::npos && name.find('\0') == absl::string_view::npos;
+}
+
 }  // namespace colod

@@ -18,6 +18,11 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 // The whole content of `path`; NOT_FOUND naming it when it cannot be read.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 
+// True for a name that stays inside the directory it is joined to: not
+// empty, at most 255 bytes, no '/' or NUL, not "." or "..". For file names
+// that arrive over the wire (model uploads).
+bool IsPlainFileName(absl::string_view name);
+
 }  // namespace colod
 
 #endif  // COLOD_COMMON_ATOMIC_FILE_H_

@@ -197,9 +197,8 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
 
 absl::StatusOr<v1::Job> JobManager::Get(absl::string_view job_id) {
   absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(std::string(job_id));
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
-  return it->second.job;
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+  return e->job;
 }
 
 std::vector<v1::Job> JobManager::List(const std::vector<v1::JobState>& states) {
@@ -215,29 +214,16 @@ std::vector<v1::Job> JobManager::List(const std::vector<v1::JobState>& states) {
 }
 
 absl::StatusOr<v1::Job> JobManager::Cancel(absl::string_view job_id, absl::string_view reason) {
-  absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(std::string(job_id));
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
-  Entry& e = it->second;
-  if (IsFinal(e.job.state())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", job_id, "' already ended (", JobStateName(e.job.state()), ")"));
-  }
-  AppendStateChangeLocked(e, v1::JOB_STATE_CANCELLED,
-                          reason.empty() ? "cancelled by client" : reason);
-  PersistLocked(e);
-  return e.job;
+  return SetState(job_id, v1::JOB_STATE_CANCELLED, reason.empty() ? "cancelled by client" : reason);
 }
 
 absl::StatusOr<JobManager::Events> JobManager::WaitForEvents(absl::string_view job_id,
                                                              int64_t from_sequence,
                                                              absl::Duration timeout) {
-  const std::string id(job_id);
   const int64_t from = std::max<int64_t>(from_sequence, 1);
   absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
-  const Entry& e = it->second;  // entries are never erased, so the reference stays valid
+  ASSIGN_OR_RETURN(const Entry* found, FindLocked(job_id));
+  const Entry& e = *found;  // entries are never erased, so the reference stays valid
   auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return static_cast<int64_t>(e.events.size()) >= from || IsFinal(e.job.state());
   };

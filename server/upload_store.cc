@@ -7,15 +7,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/atomic_file.h"
 
 namespace colod {
 
 namespace fs = std::filesystem;
-
-bool IsModelFileName(const std::string& name) {
-  return !name.empty() && name.size() <= 255 && name != "." && name != ".." &&
-         name.find('/') == std::string::npos && name.find('\0') == std::string::npos;
-}
 
 absl::StatusOr<std::unique_ptr<UploadStore>> UploadStore::Open(const std::string& dir) {
   std::error_code ec;
@@ -48,7 +44,7 @@ UploadStore::Writer::~Writer() {
 }
 
 absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
-  if (!IsModelFileName(chunk.file())) {
+  if (!IsPlainFileName(chunk.file())) {
     return absl::InvalidArgumentError(absl::StrCat("chunk.file: '", chunk.file(), "' is not a file name"));
   }
   if (chunk.file() != file_) {

@@ -58,10 +58,6 @@ class UploadStore {
   int64_t next_ ABSL_GUARDED_BY(mu_);
 };
 
-// A model file name as UploadModel accepts it: no '/', not "." or "..",
-// not empty, at most 255 bytes.
-bool IsModelFileName(const std::string& name);
-
 }  // namespace colod
 
 #endif  // COLOD_SERVER_UPLOAD_STORE_H_

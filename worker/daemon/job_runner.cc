@@ -228,19 +228,14 @@ absl::Status JobRunner::RunRank(Active& active) {
   std::shared_ptr<const train::PreparedTrain> run;
   shardformer::ShardConfig shard;
   shard.layout = req.spec().shard();
-  if (req.spec().kind() == v1::JOB_KIND_FORWARD) {
-    if (Report(req, Phase("loading", "opening the model and the ids"))) {
+  if (req.spec().kind() != v1::JOB_KIND_TENSOR) {  // TRAIN and FORWARD jobs load a model
+    if (Report(req, Phase("loading", "opening the model and the data"))) {
       return absl::AbortedError("the job no longer runs");
     }
     ASSIGN_OR_RETURN(std::string weights, Weights(req.spec().model()));
     RETURN_IF_ERROR(MaterializeModel(req.spec().model(), weights, dir + "/model"));
   }
   if (training) {
-    if (Report(req, Phase("loading", "opening the model and the data"))) {
-      return absl::AbortedError("the job no longer runs");
-    }
-    ASSIGN_OR_RETURN(std::string weights, Weights(req.spec().model()));
-    RETURN_IF_ERROR(MaterializeModel(req.spec().model(), weights, dir + "/model"));
     ASSIGN_OR_RETURN(train::TrainOptions options, train::TrainOptionsFromSpec(req.spec(), dir + "/model"));
     options.cuda = options_.cuda;
     ASSIGN_OR_RETURN(run, train::PrepareTrain(options));
@@ -343,7 +338,7 @@ absl::StatusOr<std::string> JobRunner::Weights(const v1::ModelSpec& model) {
   std::ofstream out;
   std::string file;
   while (reader->Read(&chunk)) {
-    if (chunk.file().empty() || chunk.file().find('/') != std::string::npos || chunk.file() == "..") {
+    if (!IsPlainFileName(chunk.file())) {
       return absl::InternalError(absl::StrCat("the coordinator sent a bad file name '", chunk.file(), "'"));
     }
     if (chunk.file() != file) {
