@@ -67,8 +67,13 @@ TEST(Auth, EveryColodCallNeedsTheTokenAndHealthStaysOpen) {
   grpc::ClientContext with;
   AddAuthToken(with, "s3cret-token");
   EXPECT_TRUE(stub->GetStatus(&with, v1::GetStatusRequest(), &resp).ok());
-  // coloctl: the flag or $COLOD_AUTH_TOKEN_FILE.
   const std::string coloctl = Runfile("client/coloctl");
+  // coloctl health needs no token and never reads $COLOD_AUTH_TOKEN_FILE.
+  auto health = RunCommand({"/usr/bin/env", "COLOD_AUTH_TOKEN_FILE=" + TempPath("nope"), coloctl, "health",
+                            coordinator.grpc, "--service", "colod.v1.CoordinatorService"},
+                           std::getenv("TEST_TMPDIR"));
+  EXPECT_EQ(health.code, 0) << health.err;
+  // coloctl: the flag or $COLOD_AUTH_TOKEN_FILE.
   auto r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", TempPath("token"), "workers"},
                       std::getenv("TEST_TMPDIR"));
   EXPECT_EQ(r.code, 0) << r.err;

@@ -1,7 +1,8 @@
 // Mutual TLS across real processes: a CA and a node certificate made with
 // openssl; a coordinator and a worker that require client certificates; the
-// worker registers over TLS; coloctl with the CA and a certificate lists it,
-// coloctl in plaintext or without a certificate cannot.
+// worker registers over TLS; coloctl with the CA and a certificate lists it
+// (and its health probe passes), coloctl in plaintext or without a
+// certificate cannot.
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
@@ -65,6 +66,14 @@ TEST(Tls, MutualTlsBetweenCoordinatorWorkerAndColoctl) {
     if (listed == 0) absl::SleepFor(absl::Milliseconds(100));
   }
   EXPECT_EQ(listed, 1u) << testing::ReadFile(TempPath("worker.log"));
+  // The probe a TLS container's HEALTHCHECK runs: TLS with the client
+  // certificate the coordinator requires; a plaintext probe fails.
+  std::vector<std::string> health = {coloctl, "health", coordinator, "--service", "colod.v1.CoordinatorService"};
+  health.insert(health.end(), tls.begin(), tls.end());
+  const auto healthy = RunCommand(health, std::getenv("TEST_TMPDIR"));
+  EXPECT_EQ(healthy.code, 0) << healthy.err;
+  EXPECT_EQ(healthy.out, "SERVING\n");
+  EXPECT_EQ(RunCommand({coloctl, "health", worker, "--timeout", "3s"}, std::getenv("TEST_TMPDIR")).code, 1);
   // A job over mutual TLS: the coordinator calls the worker as a client with
   // the same certificate, the worker reaches the rendezvous store and reports.
   auto init = RunCommand({coloctl, "init-model", "--out", TempPath("tiny"), "--positions", "32"},

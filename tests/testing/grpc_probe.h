@@ -1,8 +1,7 @@
-// Generic gRPC probes that need no generated code: the grpc.health.v1 check
-// and the server-reflection service list, as any generic gRPC client (grpcurl,
-// a Kubernetes probe) would call them. Debian ships neither .proto, and the
-// reflection messages' C++ classes already live inside libgrpc++_reflection,
-// so the few fields needed are encoded and decoded by hand.
+// Generic gRPC probes that need no generated code, as any generic gRPC client
+// (grpcurl, a Kubernetes probe) would call them: the grpc.health.v1 check
+// (the client library's, client/health.h) and the server-reflection service
+// list.
 #ifndef COLOD_TESTS_TESTING_GRPC_PROBE_H_
 #define COLOD_TESTS_TESTING_GRPC_PROBE_H_
 
@@ -11,16 +10,20 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/health.h"
 
 namespace colod::testing {
 
-// grpc.health.v1.HealthCheckResponse.ServingStatus values.
-enum class ServingStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kServiceUnknown = 3 };
+using ServingStatus = ::colod::ServingStatus;
 
-// Calls grpc.health.v1.Health/Check for `service` ("" = the whole server).
-// A service the server does not know is NOT_FOUND, as the protocol says.
-absl::StatusOr<ServingStatus> HealthCheck(const std::string& address, const std::string& service,
-                                          absl::Duration timeout = absl::Seconds(5));
+// CheckHealth in plaintext, the tests' daemons being plaintext: for `service`
+// ("" = the whole server); NOT_FOUND for a service the server does not know.
+inline absl::StatusOr<ServingStatus> HealthCheck(const std::string& address, const std::string& service,
+                                                 absl::Duration timeout = absl::Seconds(5)) {
+  HealthCheckOptions options;
+  options.timeout = timeout;
+  return CheckHealth(address, service, options);
+}
 
 // Lists service names through grpc.reflection.v1alpha.ServerReflection.
 absl::StatusOr<std::vector<std::string>> ListServicesByReflection(

@@ -1,0 +1,162 @@
+#include "client/cli.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/format.h"
+#include "common/security_flags.h"
+
+ABSL_FLAG(std::string, coordinator, "",
+          "Coordinator HOST:PORT. Default: $COLOD_COORDINATOR, else 127.0.0.1:7070.");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10), "Deadline of each call, e.g. 10s.");
+ABSL_FLAG(std::string, output, "table", "Output format: table or json.");
+ABSL_FLAG(absl::Duration, watch_timeout, absl::Hours(24), "watch, submit --watch, train: give up after this long.");
+ABSL_FLAG(std::string, out, "", "consolidate: the Hugging Face directory to write.");
+
+namespace colod::cli {
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "coloctl: error: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
+               std::string(status.message()).c_str());
+  return 1;
+}
+
+int Usage(const std::string& why) {
+  std::fprintf(stderr, "coloctl: %s\nRun 'coloctl --help' for usage.\n", why.c_str());
+  return 2;
+}
+
+int PrintJson(const google::protobuf::Message& message) {
+  auto out = RenderJson(message, /*pretty=*/true);
+  if (!out.ok()) return Fail(out.status());
+  std::fputs(out->c_str(), stdout);
+  return 0;
+}
+
+bool JsonOutput() { return absl::GetFlag(FLAGS_output) == "json"; }
+
+std::string ExplicitCoordinator() {
+  std::string address = absl::GetFlag(FLAGS_coordinator);
+  if (address.empty()) {
+    const char* env = std::getenv("COLOD_COORDINATOR");
+    if (env != nullptr) address = env;
+  }
+  return address;
+}
+
+std::string CoordinatorAddress() {
+  const std::string address = ExplicitCoordinator();
+  return address.empty() ? "127.0.0.1:7070" : address;
+}
+
+absl::StatusOr<std::unique_ptr<CoordinatorClient>> MakeClient(const std::string& address) {
+  CoordinatorClient::Options options;
+  options.timeout = absl::GetFlag(FLAGS_timeout);
+  auto security = SecurityFromFlags(/*token_from_env=*/true);
+  if (!security.ok()) return security.status();
+  options.tls = security->tls;
+  options.auth_token = security->auth_token;
+  return CoordinatorClient::Create(address, options);
+}
+
+int WithCoordinator(const std::function<int(CoordinatorClient&)>& fn) {
+  auto client = MakeClient(CoordinatorAddress());
+  if (!client.ok()) return Usage(std::string(client.status().message()));
+  return fn(**client);
+}
+
+absl::StatusOr<std::unique_ptr<LocalCluster>> StartLocalCluster(int workers, const std::string& listen,
+                                                                const std::string& data_dir) {
+  LocalCluster::Options options;
+  options.workers = workers;
+  options.listen = listen;
+  options.data_dir = data_dir;
+  char exe[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  const std::string self = n > 0 ? std::string(exe, n) : "coloctl";
+  auto coordinator = FindDaemonBinary(self, "colod-coordinator");
+  if (!coordinator.ok()) return coordinator.status();
+  auto worker = FindDaemonBinary(self, "colod-worker");
+  if (!worker.ok()) return worker.status();
+  options.coordinator_binary = *coordinator;
+  options.worker_binary = *worker;
+  return LocalCluster::Start(options);
+}
+
+int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const std::string& address)>& fn) {
+  const std::string explicit_address = ExplicitCoordinator();
+  if (!explicit_address.empty()) return fn(explicit_address);
+  auto cluster = StartLocalCluster(workers, "127.0.0.1:0", "");
+  if (!cluster.ok()) return Fail(cluster.status());
+  const int code = fn((*cluster)->address());
+  (*cluster)->Stop();
+  return code;
+}
+
+absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string& job_id, bool json,
+                                   const std::function<void(const v1::StepProgress&)>& on_step) {
+  auto job = client.GetJob(job_id);
+  if (!job.ok()) return job.status();
+  const int64_t steps = job->spec().train().steps();
+  const bool tty = ::isatty(STDOUT_FILENO) != 0;
+  bool bar_open = false;
+  std::vector<double> losses;
+  double tokens_per_second = 0;
+  const absl::Status s = client.WatchJob(job_id, 1, absl::GetFlag(FLAGS_watch_timeout), [&](const v1::JobEvent& ev) {
+    if (on_step && ev.has_step()) on_step(ev.step());
+    if (json) {
+      if (!on_step) {
+        auto line = RenderJson(ev, /*pretty=*/false);
+        if (line.ok()) std::fputs(line->c_str(), stdout);
+      }
+      std::fflush(stdout);
+      return true;
+    }
+    if (ev.has_step()) {
+      const v1::StepProgress& p = ev.step();
+      losses.push_back(p.loss());
+      tokens_per_second += p.tokens_per_second();
+      if (on_step) return true;
+      const int width = 30;
+      const int filled = steps > 0 ? static_cast<int>(width * p.step() / steps) : width;
+      std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
+      std::printf("%s[%s] step %lld/%lld  loss %.4f  tokens/s %.0f%s", tty ? "\r" : "", bar.c_str(),
+                  static_cast<long long>(p.step()), static_cast<long long>(steps), p.loss(), p.tokens_per_second(),
+                  tty ? "" : "\n");
+      bar_open = tty;
+    } else if (ev.has_state_change()) {
+      if (bar_open) std::printf("\n");
+      bar_open = false;
+      std::printf("%s %s%s\n", job_id.c_str(), JobStateLabel(ev.state_change().state()).c_str(),
+                  ev.state_change().reason().empty() ? "" : (": " + ev.state_change().reason()).c_str());
+    }
+    std::fflush(stdout);
+    return true;
+  });
+  if (bar_open) std::printf("\n");
+  if (!s.ok()) return s;
+  job = client.GetJob(job_id);
+  if (!job.ok()) return job.status();
+  if (!json && !losses.empty() && !on_step) {
+    const double min_loss = *std::min_element(losses.begin(), losses.end());
+    std::printf("loss %.4f -> %.4f over %zu steps (min %.4f), mean %.0f tokens/s\n", losses.front(), losses.back(),
+                losses.size(), min_loss, tokens_per_second / static_cast<double>(losses.size()));
+    std::printf("loss curve %s\n", Sparkline(losses, 60).c_str());
+  }
+  return job;
+}
+
+int ExitForJob(const v1::Job& job) {
+  if (job.state() == v1::JOB_STATE_SUCCEEDED) return 0;
+  std::fprintf(stderr, "coloctl: job %s %s: %s\n", job.job_id().c_str(), JobStateLabel(job.state()).c_str(),
+               job.reason().c_str());
+  return 1;
+}
+
+}  // namespace colod::cli

@@ -1,0 +1,97 @@
+// The plumbing every coloctl command shares, written once: the command table's
+// entry, exit codes and error lines, the coordinator's address, clients with
+// TLS and the bearer token, embedded clusters, and following a job.
+//
+// Exit codes: 0 success, 1 the command failed (Fail), 2 a usage error (Usage).
+#ifndef COLOD_CLIENT_CLI_H_
+#define COLOD_CLIENT_CLI_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/declare.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "client/coordinator_client.h"
+#include "client/local_cluster.h"
+#include "colod/v1/job.pb.h"
+#include "google/protobuf/message.h"
+
+ABSL_DECLARE_FLAG(std::string, coordinator);
+ABSL_DECLARE_FLAG(absl::Duration, timeout);
+ABSL_DECLARE_FLAG(std::string, output);
+ABSL_DECLARE_FLAG(absl::Duration, watch_timeout);
+ABSL_DECLARE_FLAG(std::string, out);
+
+namespace colod::cli {
+
+// One coloctl command. coloctl_main.cc builds --help from the entries and
+// checks `operands` before calling `run`, so a command never sees a missing or
+// stray operand unless it checks them itself.
+struct Command {
+  const char* name;  // "status"
+  // Space-separated operand names after the command ("JOB", "JOB NAME"); ""
+  // for none; nullptr when `run` checks its operands itself (tensor).
+  const char* operands;
+  // The command's --help entry, each line ending in '\n': "  status JOB  One job
+  // in detail ..." (two spaces, the name, then the description column).
+  const char* usage;
+  // The operands after the command's name; returns the exit code.
+  int (*run)(const std::vector<std::string>& operands);
+};
+
+// Commands under one --help heading; a file per group (cmd_*.cc).
+struct CommandGroup {
+  const char* heading;  // ends in ':'
+  absl::Span<const Command> commands;
+};
+
+// "coloctl: error: CODE: message" on stderr; returns 1.
+int Fail(const absl::Status& status);
+// "coloctl: why" and a pointer to --help on stderr; returns 2.
+int Usage(const std::string& why);
+// `message` as pretty proto3 JSON on stdout; returns 0 (1 if it cannot be rendered).
+int PrintJson(const google::protobuf::Message& message);
+// --output json (main rejects anything but table and json before a command runs).
+bool JsonOutput();
+
+// --coordinator or $COLOD_COORDINATOR; empty when neither is set (commands
+// that can run an embedded cluster instead ask this).
+std::string ExplicitCoordinator();
+// ExplicitCoordinator(), else 127.0.0.1:7070.
+std::string CoordinatorAddress();
+
+// A client of the coordinator at `address` with the --timeout deadline, the
+// TLS flags and the bearer token (--auth-token-file or $COLOD_AUTH_TOKEN_FILE).
+// INVALID_ARGUMENT / NOT_FOUND for a bad address or security flag: usage errors.
+absl::StatusOr<std::unique_ptr<CoordinatorClient>> MakeClient(const std::string& address);
+// Runs `fn` with a client of CoordinatorAddress(); a client that cannot be
+// made is a usage error.
+int WithCoordinator(const std::function<int(CoordinatorClient&)>& fn);
+
+// A coordinator and `workers` CPU workers as children of this process (found
+// next to this coloctl), every worker registered.
+absl::StatusOr<std::unique_ptr<LocalCluster>> StartLocalCluster(int workers, const std::string& listen,
+                                                                const std::string& data_dir);
+// Runs `fn` with the address of ExplicitCoordinator() when one is given, else
+// with that of an embedded cluster of `workers` CPU workers on loopback,
+// started for the call and stopped after it (as on a real cluster, through
+// the daemons). Returns fn's exit code, or 1 when the cluster cannot start.
+int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const std::string& address)>& fn);
+
+// Follows a job to its end. Table mode draws a progress bar (step, loss,
+// tokens/s) and state changes; json prints each event as one JSON line. With
+// `on_step`, steps go to it instead (and json prints nothing itself). Gives up
+// after --watch-timeout. Returns the job as it ended, or the watch's error.
+absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string& job_id, bool json,
+                                   const std::function<void(const v1::StepProgress&)>& on_step);
+// 0 for a job that succeeded; otherwise says how it ended on stderr and returns 1.
+int ExitForJob(const v1::Job& job);
+
+}  // namespace colod::cli
+
+#endif  // COLOD_CLIENT_CLI_H_

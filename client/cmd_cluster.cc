@@ -1,0 +1,201 @@
+// Commands that talk to a coordinator about its workers and jobs: workers,
+// submit, jobs, status, watch, cancel, mesh.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/cli.h"
+#include "client/commands.h"
+#include "client/format.h"
+#include "client/job_file.h"
+#include "client/job_flags.h"
+#include "colod/v1/coordinator.pb.h"
+
+ABSL_FLAG(bool, all, false, "workers: also list workers whose lease expired (lost).");
+ABSL_FLAG(std::string, job_file, "",
+          "submit: a colod.v1.JobSpec as JSON, or YAML (.yaml/.yml), instead of --model and the train flags.");
+ABSL_FLAG(std::string, request_id, "", "submit: idempotency key; a retried submit with it returns the first job.");
+ABSL_FLAG(bool, upload, true,
+          "submit: stream the model directory's files to the coordinator (the workers download them); "
+          "--upload=false sends only its path, for workers that share this file system.");
+ABSL_FLAG(bool, watch, false, "submit: follow the job to its end, as `coloctl watch`.");
+ABSL_FLAG(std::string, state, "", "jobs: only jobs in these states, comma-separated (pending,running,...).");
+ABSL_FLAG(std::string, reason, "", "cancel: why (recorded on the job).");
+ABSL_FLAG(std::string, kind, "train", "submit: train (a model and data) or tensor (a mesh hosting ColoTensors).");
+
+namespace colod::cli {
+namespace {
+
+int RunWorkers(const std::vector<std::string>&) {
+  return WithCoordinator([](CoordinatorClient& client) {
+    auto workers = client.ListWorkers(absl::GetFlag(FLAGS_all));
+    if (!workers.ok()) return Fail(workers.status());
+    if (JsonOutput()) {
+      v1::ListWorkersResponse resp;
+      for (const auto& w : *workers) *resp.add_workers() = w;
+      return PrintJson(resp);
+    }
+    std::fputs(RenderWorkersTable(*workers, absl::Now()).c_str(), stdout);
+    return 0;
+  });
+}
+
+int SubmitWith(CoordinatorClient& client, bool json) {
+  const std::string kind = absl::GetFlag(FLAGS_kind);
+  if (kind != "train" && kind != "tensor") return Usage(absl::StrCat("--kind: '", kind, "' is not one of train, tensor"));
+  if (kind == "tensor") {
+    auto job = SubmitTensorJob(client, absl::GetFlag(FLAGS_name));
+    if (!job.ok()) return Fail(job.status());
+    if (json) return PrintJson(*job);
+    std::printf("%s\n", job->job_id().c_str());
+    return 0;
+  }
+  absl::StatusOr<v1::JobSpec> spec = absl::GetFlag(FLAGS_job_file).empty()
+                                         ? TrainJobSpecFromFlags()
+                                         : ReadJobFile(absl::GetFlag(FLAGS_job_file));
+  if (!spec.ok()) {
+    if (absl::IsInvalidArgument(spec.status())) return Usage(absl::StrCat("submit: ", spec.status().message()));
+    return Fail(spec.status());
+  }
+  if (absl::GetFlag(FLAGS_job_file).empty() && absl::GetFlag(FLAGS_upload)) {
+    // The workers may not see this machine's files: send them along.
+    auto uploaded = client.UploadModel(spec->model().weights_path(), absl::GetFlag(FLAGS_watch_timeout));
+    if (!uploaded.ok()) return Fail(uploaded.status());
+    if (!json) {
+      std::fprintf(stderr, "coloctl: uploaded %d files (%lld bytes) of %s as %s\n", uploaded->files_size(),
+                   static_cast<long long>(uploaded->bytes()), spec->model().weights_path().c_str(),
+                   uploaded->upload_id().c_str());
+    }
+    spec->mutable_model()->clear_weights_path();
+    spec->mutable_model()->set_upload_id(uploaded->upload_id());
+  }
+  auto job = client.SubmitJob(*spec, absl::GetFlag(FLAGS_request_id));
+  if (!job.ok()) return Fail(job.status());
+  if (!absl::GetFlag(FLAGS_watch)) {
+    if (json) return PrintJson(*job);
+    std::printf("%s\n", job->job_id().c_str());
+    return 0;
+  }
+  if (!json) std::printf("submitted %s (%s)\n", job->job_id().c_str(), LayoutName(job->spec().shard()).c_str());
+  auto ended = WatchToEnd(client, job->job_id(), json, nullptr);
+  if (!ended.ok()) return Fail(ended.status());
+  return ExitForJob(*ended);
+}
+
+int RunSubmit(const std::vector<std::string>&) {
+  return WithCoordinator([](CoordinatorClient& client) { return SubmitWith(client, JsonOutput()); });
+}
+
+absl::StatusOr<std::vector<v1::JobState>> StatesFromFlag() {
+  std::vector<v1::JobState> states;
+  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_state), ',', absl::SkipEmpty())) {
+    v1::JobState s;
+    if (!v1::JobState_Parse(absl::StrCat("JOB_STATE_", absl::AsciiStrToUpper(name)), &s) ||
+        s == v1::JOB_STATE_UNSPECIFIED) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--state: '", name, "' is not one of pending, scheduled, running, succeeded, failed, cancelled"));
+    }
+    states.push_back(s);
+  }
+  return states;
+}
+
+int RunJobs(const std::vector<std::string>&) {
+  return WithCoordinator([](CoordinatorClient& client) {
+    auto states = StatesFromFlag();
+    if (!states.ok()) return Usage(std::string(states.status().message()));
+    auto jobs = client.ListJobs(*states);
+    if (!jobs.ok()) return Fail(jobs.status());
+    if (JsonOutput()) {
+      v1::ListJobsResponse resp;
+      for (const auto& j : *jobs) *resp.add_jobs() = j;
+      return PrintJson(resp);
+    }
+    std::fputs(RenderJobsTable(*jobs, absl::Now()).c_str(), stdout);
+    return 0;
+  });
+}
+
+int RunStatus(const std::vector<std::string>& operands) {
+  return WithCoordinator([&](CoordinatorClient& client) {
+    auto job = client.GetJob(operands[0]);
+    if (!job.ok()) return Fail(job.status());
+    if (JsonOutput()) return PrintJson(*job);
+    std::fputs(RenderJob(*job, absl::Now()).c_str(), stdout);
+    return 0;
+  });
+}
+
+int RunWatch(const std::vector<std::string>& operands) {
+  return WithCoordinator([&](CoordinatorClient& client) {
+    auto ended = WatchToEnd(client, operands[0], JsonOutput(), nullptr);
+    if (!ended.ok()) return Fail(ended.status());
+    return ExitForJob(*ended);
+  });
+}
+
+int RunCancel(const std::vector<std::string>& operands) {
+  return WithCoordinator([&](CoordinatorClient& client) {
+    auto job = client.CancelJob(operands[0], absl::GetFlag(FLAGS_reason));
+    if (!job.ok()) return Fail(job.status());
+    if (JsonOutput()) return PrintJson(*job);
+    std::printf("%s %s: %s\n", job->job_id().c_str(), JobStateLabel(job->state()).c_str(), job->reason().c_str());
+    return 0;
+  });
+}
+
+int RunMesh(const std::vector<std::string>& operands) {
+  return WithCoordinator([&](CoordinatorClient& client) {
+    auto mesh = client.GetMesh(operands[0]);
+    if (!mesh.ok()) return Fail(mesh.status());
+    if (JsonOutput()) return PrintJson(*mesh);
+    std::printf("mesh of %s: ", operands[0].c_str());
+    std::fputs(RenderMesh(*mesh).c_str(), stdout);
+    return 0;
+  });
+}
+
+constexpr Command kCommands[] = {
+    {"workers", "",
+     "  workers     List the workers registered with the coordinator: id, address, host,\n"
+     "              device, state and heartbeat age. --all includes lost workers;\n"
+     "              --output json prints the ListWorkersResponse as proto3 JSON.\n",
+     RunWorkers},
+    {"submit", "",
+     "  submit      Submit a TRAIN job: --model DIR --data FILE and the train flags above;\n"
+     "              the model's files are streamed to the coordinator and the workers\n"
+     "              download them (--upload=false: the workers read DIR themselves). --data\n"
+     "              and other paths must be readable by the workers; relative ones are made\n"
+     "              absolute. Or --job-file FILE: a colod.v1.JobSpec as JSON, or YAML for\n"
+     "              .yaml/.yml, sent as it is. Prints the job id; --watch follows it.\n",
+     RunSubmit},
+    {"jobs", "", "  jobs        List jobs: id, name, state, layout, step, loss, reason. --state running,...\n",
+     RunJobs},
+    {"status", "JOB", "  status JOB  One job in detail (--output json: the Job).\n", RunStatus},
+    {"watch", "JOB",
+     "  watch JOB   Follow a job to its end: state changes and a progress bar with step,\n"
+     "              loss and tokens/s, then the loss curve; --output json prints every event\n"
+     "              as one JSON line. Exits 0 when the job succeeded, 1 otherwise.\n",
+     RunWatch},
+    {"cancel", "JOB", "  cancel JOB  Cancel a job [--reason TEXT]; its ranks are aborted and the workers freed.\n",
+     RunCancel},
+    {"mesh", "JOB",
+     "  mesh JOB    The job's rank grid (a row per dp replica, a column per tp rank, each\n"
+     "              cell the rank's worker) and every process group per axis.\n",
+     RunMesh},
+};
+
+}  // namespace
+
+CommandGroup ClusterCommands() {
+  return {"Cluster commands (talk to --coordinator, or $COLOD_COORDINATOR, or 127.0.0.1:7070;\n"
+          "every call has the --timeout deadline):",
+          kCommands};
+}
+
+}  // namespace colod::cli

@@ -1,0 +1,114 @@
+// Commands that need no coordinator: local (an embedded cluster in the
+// foreground), health (a daemon's gRPC health, the containers' HEALTHCHECK)
+// and version.
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "client/cli.h"
+#include "client/commands.h"
+#include "client/health.h"
+#include "common/auth.h"
+#include "common/grpc_server.h"
+#include "common/security_flags.h"
+#include "common/version.h"
+#include "nlohmann/json.hpp"
+
+ABSL_FLAG(int, workers, 2, "local: CPU workers to start.");
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "local: the coordinator's gRPC address (port 0 picks one).");
+ABSL_FLAG(std::string, data_dir, "",
+          "local: coordinator state and worker logs (default: a temporary directory removed on exit).");
+ABSL_FLAG(std::string, service, "",
+          "health: the service to check: empty for the whole server, colod.v1.CoordinatorService or "
+          "colod.v1.WorkerService for a daemon that is ready for work.");
+
+namespace colod::cli {
+namespace {
+
+int RunLocal(const std::vector<std::string>&) {
+  BlockShutdownSignals();       // before any thread starts; the children unblock
+  ::signal(SIGPIPE, SIG_IGN);  // a closed stdout must not skip the cleanup
+  if (absl::GetFlag(FLAGS_workers) < 1) return Usage("local: --workers must be at least 1");
+  auto cluster = StartLocalCluster(absl::GetFlag(FLAGS_workers), absl::GetFlag(FLAGS_listen),
+                                   absl::GetFlag(FLAGS_data_dir));
+  if (!cluster.ok()) return Fail(cluster.status());
+  std::printf("coordinator %s (metrics http://%s/metrics), data dir %s\n", (*cluster)->address().c_str(),
+              (*cluster)->metrics_address().c_str(), (*cluster)->data_dir().c_str());
+  const auto listed = (*cluster)->workers();
+  if (!listed.ok()) return Fail(listed.status());
+  const std::vector<v1::Worker>& workers = *listed;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    std::printf("worker %s at %s (metrics http://%s/metrics)\n", workers[i].info().worker_id().c_str(),
+                workers[i].info().address().c_str(), workers[i].info().metrics_address().c_str());
+  }
+  std::printf("ready: %zu workers registered; export COLOD_COORDINATOR=%s; Ctrl-C stops the cluster\n",
+              workers.size(), (*cluster)->address().c_str());
+  std::fflush(stdout);
+  const int sig = WaitForShutdownSignal();
+  std::fprintf(stderr, "coloctl: signal %d: stopping the local cluster\n", sig);
+  (*cluster)->Stop();
+  return 0;
+}
+
+// Exit 0 only for SERVING, so that it can be a container's HEALTHCHECK as it is.
+int RunHealth(const std::vector<std::string>& operands) {
+  const std::string& address = operands[0];
+  const std::string service = absl::GetFlag(FLAGS_service);
+  // TLS daemons need a TLS probe; the health service never wants the token,
+  // so $COLOD_AUTH_TOKEN_FILE is not read.
+  auto security = SecurityFromFlags(/*token_from_env=*/false);
+  if (!security.ok()) return Usage(std::string(security.status().message()));
+  auto credentials = MakeChannelCredentials(security->tls);
+  if (!credentials.ok()) return Usage(std::string(credentials.status().message()));
+  HealthCheckOptions options;
+  options.timeout = absl::GetFlag(FLAGS_timeout);
+  options.credentials = *credentials;
+  auto checked = CheckHealth(address, service, options);
+  if (!checked.ok() && absl::IsInvalidArgument(checked.status())) {
+    return Usage(absl::StrCat("health: ", checked.status().message()));
+  }
+  // NOT_FOUND is how the health protocol says the server does not know the service.
+  if (!checked.ok() && !absl::IsNotFound(checked.status())) return Fail(checked.status());
+  const ServingStatus status = checked.ok() ? *checked : ServingStatus::kServiceUnknown;
+  const std::string name(ServingStatusName(status));
+  if (JsonOutput()) {
+    std::printf("%s\n", nlohmann::json{{"address", address}, {"service", service}, {"status", name}}.dump().c_str());
+  } else {
+    std::printf("%s\n", name.c_str());
+  }
+  return status == ServingStatus::kServing ? 0 : 1;
+}
+
+int RunVersion(const std::vector<std::string>&) {
+  std::printf("colod %s\n", kVersion);
+  return 0;
+}
+
+constexpr Command kCommands[] = {
+    {"local", "",
+     "  local       Run an embedded cluster on this machine: a coordinator on --listen\n"
+     "              (127.0.0.1:7070) and --workers N CPU workers as child processes on\n"
+     "              loopback. Prints the coordinator's address once every worker has\n"
+     "              registered, stays in the foreground, and stops everything on Ctrl-C or\n"
+     "              SIGTERM. --data-dir keeps the coordinator's state and the worker logs.\n",
+     RunLocal},
+    {"health", "ADDR",
+     "  health ADDR Check the gRPC health (grpc.health.v1) of the daemon at HOST:PORT within\n"
+     "              --timeout and print SERVING, NOT_SERVING or SERVICE_UNKNOWN (--output\n"
+     "              json: address, service, status); exits 0 only when SERVING. --service\n"
+     "              NAME: colod.v1.CoordinatorService or colod.v1.WorkerService (SERVING once\n"
+     "              the daemon is ready for work); default \"\", the whole server. Needs no\n"
+     "              coordinator and no token; a TLS daemon needs --tls-ca (and --tls-cert\n"
+     "              --tls-key for mutual TLS).\n",
+     RunHealth},
+    {"version", "", "  version     Print the colod version.\n", RunVersion},
+};
+
+}  // namespace
+
+CommandGroup LocalCommands() { return {"Commands on this machine:", kCommands}; }
+
+}  // namespace colod::cli

@@ -1,0 +1,275 @@
+// Commands that run or make models: forward and train (on --coordinator, an
+// embedded cluster started for the run, or local GPUs), init-model and
+// consolidate (files only).
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "client/cli.h"
+#include "client/commands.h"
+#include "client/format.h"
+#include "client/job_flags.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "worker/shardformer/checkpoint.h"
+#include "worker/shardformer/init_model.h"
+#include "worker/shardformer/run_forward.h"
+#include "worker/tensor/npy.h"
+#include "worker/train/checkpoint.h"
+#include "worker/train/trainer.h"
+
+ABSL_FLAG(std::string, input, "", "forward: int64 (or int32/uint16/uint32) token ids [batch, seq] as .npy.");
+ABSL_FLAG(std::string, logits, "", "forward: where to write the f32 logits [batch, seq, vocab] as .npy.");
+ABSL_FLAG(std::string, checkpoint, "", "consolidate: the sharded checkpoint directory.");
+ABSL_FLAG(std::string, model_type, "gpt2", "init-model: the model family (gpt2).");
+ABSL_FLAG(int64_t, vocab_size, 257, "init-model: vocabulary size (257: byte-level text).");
+ABSL_FLAG(int64_t, hidden_size, 64, "init-model: hidden size (n_embd).");
+ABSL_FLAG(int64_t, layers, 2, "init-model: transformer blocks (n_layer).");
+ABSL_FLAG(int64_t, heads, 4, "init-model: attention heads (n_head).");
+ABSL_FLAG(int64_t, positions, 64, "init-model: maximum sequence length (n_positions).");
+
+namespace colod::cli {
+namespace {
+
+// The workers a layout needs: tp * dp (an unset size counts as 1).
+int WorkersFor(const v1::ShardConfig& layout) {
+  return std::max(1, layout.tensor_parallel_size()) * std::max(1, layout.data_parallel_size());
+}
+
+// A FORWARD job on the cluster at `address`, followed to its end: the
+// pass's result, or the job's failure.
+absl::StatusOr<v1::ForwardResult> ForwardOnCluster(const std::string& address, const v1::JobSpec& spec) {
+  auto client = MakeClient(address);
+  if (!client.ok()) return client.status();
+  auto job = (*client)->SubmitJob(spec);
+  if (!job.ok()) return job.status();
+  RETURN_IF_ERROR((*client)->WatchJob(job->job_id(), 1, absl::GetFlag(FLAGS_watch_timeout),
+                                      [](const v1::JobEvent&) { return true; }));
+  auto ended = (*client)->GetJob(job->job_id());
+  if (!ended.ok()) return ended.status();
+  if (ended->state() != v1::JOB_STATE_SUCCEEDED) {
+    return absl::AbortedError(
+        absl::StrCat("job ", ended->job_id(), " ", JobStateLabel(ended->state()), ": ", ended->reason()));
+  }
+  return ended->forward_result();
+}
+
+int RunForward(const std::vector<std::string>&) {
+  const bool json = JsonOutput();
+  const std::string model = absl::GetFlag(FLAGS_model), input = absl::GetFlag(FLAGS_input),
+                    logits_path = absl::GetFlag(FLAGS_logits);
+  if (model.empty()) return Usage("forward: --model is required");
+  if (input.empty()) return Usage("forward: --input is required");
+  shardformer::ForwardRequest request;
+  request.model_dir = model;
+  auto shard = ShardFromFlags();
+  if (!shard.ok()) return Usage(std::string(shard.status().message()));
+  request.shard = *shard;
+  auto cuda = CudaFromFlags();
+  if (!cuda.ok()) return Usage(std::string(cuda.status().message()));
+  request.cuda = *cuda;
+  v1::ForwardResult result;
+  if (request.cuda) {  // rank r on local GPU r, in this process
+    auto ids = ReadNpy(input);
+    if (!ids.ok()) return Fail(ids.status());
+    request.ids = *ids;
+    auto run = shardformer::RunForward(request);
+    if (!run.ok()) return Fail(run.status());
+    if (!logits_path.empty()) {
+      const absl::Status written = WriteNpy(logits_path, run->logits);
+      if (!written.ok()) return Fail(written);
+    }
+    result.set_loss(run->loss);
+    result.set_tokens(run->tokens);
+    for (int64_t d : run->logits.shape()) result.add_logits_shape(d);
+  } else {
+    // A FORWARD job on the daemons: --coordinator's, or an embedded cluster.
+    v1::JobSpec spec;
+    spec.set_kind(v1::JOB_KIND_FORWARD);
+    if (absl::Status set = SetModelFromDir(model, spec); !set.ok()) return Fail(set);
+    *spec.mutable_shard() = request.shard.layout;
+    spec.mutable_forward()->set_input_path(Absolute(input));
+    if (!logits_path.empty()) spec.mutable_forward()->set_logits_path(Absolute(logits_path));
+    const int code = RunOnCoordinatorOrEmbeddedCluster(WorkersFor(spec.shard()), [&](const std::string& address) {
+      auto run = ForwardOnCluster(address, spec);
+      if (!run.ok()) return Fail(run.status());
+      result = *run;
+      return 0;
+    });
+    if (code != 0) return code;
+  }
+  const std::vector<int64_t> s(result.logits_shape().begin(), result.logits_shape().end());
+  if (s.size() != 3) return Fail(absl::InternalError("the forward pass returned no logits shape"));
+  if (json) {
+    nlohmann::json out = {{"loss", result.loss()}, {"tokens", result.tokens()}, {"shape", {s[0], s[1], s[2]}}};
+    out["logits"] = logits_path.empty() ? nlohmann::json() : nlohmann::json(logits_path);
+    std::printf("%s\n", out.dump().c_str());
+  } else {
+    std::printf("loss %.6f (mean next-token cross-entropy over %lld tokens)\n", result.loss(),
+                static_cast<long long>(result.tokens()));
+    if (!logits_path.empty()) {
+      std::printf("logits f32 [%lld, %lld, %lld] written to %s\n", static_cast<long long>(s[0]),
+                  static_cast<long long>(s[1]), static_cast<long long>(s[2]), logits_path.c_str());
+    }
+  }
+  return 0;
+}
+
+void PrintStep(const nlohmann::json& line, int64_t steps, bool json) {
+  if (json) {
+    std::printf("%s\n", line.dump().c_str());
+  } else {
+    std::printf("step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f\n",
+                static_cast<long long>(line["step"].get<int64_t>()), static_cast<long long>(steps),
+                line["loss"].get<double>(), line["lr"].get<double>(), line["grad_norm"].get<double>(),
+                line["tokens_per_second"].get<double>());
+  }
+  std::fflush(stdout);
+}
+
+// coloctl train against a cluster: submit, then print the steps as the
+// local run does.
+int TrainOnCluster(const train::TrainOptions& o, bool json, const std::string& address) {
+  auto client = MakeClient(address);
+  if (!client.ok()) return Usage(std::string(client.status().message()));
+  auto spec = TrainJobSpecFromFlags();
+  if (!spec.ok()) return Usage(absl::StrCat("train: ", spec.status().message()));
+  auto job = (*client)->SubmitJob(*spec);
+  if (!job.ok()) return Fail(job.status());
+  if (!ExplicitCoordinator().empty()) {
+    std::fprintf(stderr, "coloctl: job %s on %s\n", job->job_id().c_str(), (*client)->address().c_str());
+  }
+  auto ended = WatchToEnd(**client, job->job_id(), json, [&](const v1::StepProgress& p) {
+    PrintStep({{"step", p.step()},
+               {"loss", p.loss()},
+               {"lr", p.learning_rate()},
+               {"grad_norm", p.grad_norm()},
+               {"tokens_per_second", p.tokens_per_second()},
+               {"param_bytes", p.param_bytes()},
+               {"grad_bytes", p.grad_bytes()},
+               {"optimizer_bytes", p.optimizer_bytes()}},
+              o.steps, json);
+  });
+  if (!ended.ok()) return Fail(ended.status());
+  if (ended->state() == v1::JOB_STATE_SUCCEEDED && !o.final_dir.empty() && !json) {
+    std::printf("wrote the trained model to %s\n", o.final_dir.c_str());
+  }
+  return ExitForJob(*ended);
+}
+
+// --device cuda: rank r on local GPU r over NCCL, as threads of this process.
+int TrainOnLocalGpus(const train::TrainOptions& o, bool json) {
+  const absl::Status s = train::Train(o, [&](const train::StepStats& st) {
+    PrintStep({{"step", st.step},
+               {"loss", st.loss},
+               {"lr", st.lr},
+               {"grad_norm", st.grad_norm},
+               {"tokens_per_second", st.tokens_per_second},
+               {"param_bytes", st.param_bytes},
+               {"grad_bytes", st.grad_bytes},
+               {"optimizer_bytes", st.optimizer_bytes}},
+              o.steps, json);
+  });
+  if (!s.ok()) return Fail(s);
+  if (!o.final_dir.empty() && !json) std::printf("wrote the trained model to %s\n", o.final_dir.c_str());
+  return 0;
+}
+
+int RunTrain(const std::vector<std::string>&) {
+  const bool json = JsonOutput();
+  auto options = TrainOptionsFromFlags();
+  if (!options.ok()) return Usage(absl::StrCat("train: ", options.status().message()));
+  const train::TrainOptions& o = *options;
+  if (!o.resume_dir.empty()) {
+    std::vector<std::string> skipped;
+    auto latest = train::LatestCheckpoint(o.resume_dir, &skipped);
+    for (const std::string& s : skipped) std::fprintf(stderr, "coloctl: skipping damaged checkpoint %s\n", s.c_str());
+    if (!latest.ok()) return Fail(latest.status());
+    std::fprintf(stderr, "coloctl: resuming from %s\n", latest->c_str());
+  }
+  // On a cluster the workers' devices decide (TrainJobSpecFromFlags rejects --device cuda there).
+  if (o.cuda && ExplicitCoordinator().empty()) return TrainOnLocalGpus(o, json);
+  return RunOnCoordinatorOrEmbeddedCluster(
+      WorkersFor(o.shard.layout), [&](const std::string& address) { return TrainOnCluster(o, json, address); });
+}
+
+int RunInitModel(const std::vector<std::string>&) {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) return Usage("init-model: --out is required");
+  if (absl::GetFlag(FLAGS_model_type) != "gpt2") {
+    return Usage(absl::StrCat("init-model: --model-type '", absl::GetFlag(FLAGS_model_type), "' is not supported (gpt2)"));
+  }
+  shardformer::Gpt2Shape shape;
+  shape.vocab_size = absl::GetFlag(FLAGS_vocab_size);
+  shape.hidden_size = absl::GetFlag(FLAGS_hidden_size);
+  shape.num_layers = absl::GetFlag(FLAGS_layers);
+  shape.num_heads = absl::GetFlag(FLAGS_heads);
+  shape.max_positions = absl::GetFlag(FLAGS_positions);
+  const absl::Status s = shardformer::WriteInitializedGpt2(out, shape, absl::GetFlag(FLAGS_seed));
+  if (!s.ok()) return Fail(s);
+  std::printf("wrote a GPT-2 (vocab %lld, n_embd %lld, n_layer %lld, n_head %lld, n_positions %lld) to %s\n",
+              static_cast<long long>(shape.vocab_size), static_cast<long long>(shape.hidden_size),
+              static_cast<long long>(shape.num_layers), static_cast<long long>(shape.num_heads),
+              static_cast<long long>(shape.max_positions), out.c_str());
+  return 0;
+}
+
+int RunConsolidate(const std::vector<std::string>&) {
+  const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint), out = absl::GetFlag(FLAGS_out);
+  if (checkpoint.empty()) return Usage("consolidate: --checkpoint is required");
+  if (out.empty()) return Usage("consolidate: --out is required");
+  const absl::Status s = shardformer::ConsolidateCheckpoint(checkpoint, out);
+  if (!s.ok()) return Fail(s);
+  std::printf("wrote %s/model.safetensors and %s/config.json\n", out.c_str(), out.c_str());
+  return 0;
+}
+
+constexpr Command kCommands[] = {
+    {"forward", "",
+     "  forward     Run one forward pass of a Hugging Face-style model directory as a\n"
+     "              FORWARD job on tp * dp workers (--coordinator's, else an embedded cluster\n"
+     "              started for the run; --device cuda: local GPUs in this process) and print\n"
+     "              the mean next-token cross-entropy.\n"
+     "              --model DIR --input IDS.npy [--logits OUT.npy] [--tp T] [--dp D]\n"
+     "              [--mode 1d|2d|2.5d|3d] [--depth D] [--sequence-parallel]\n"
+     "              [--device cpu|cuda]. The ids are\n"
+     "              integers [batch, seq]; the logits are written as f32 [batch, seq, vocab]\n"
+     "              without vocabulary padding. --output json prints one JSON object with\n"
+     "              loss, tokens, logits and shape.\n",
+     RunForward},
+    {"train", "",
+     "  train       Train a model directory as a job on the daemons and print one line per\n"
+     "              step: on --coordinator (or $COLOD_COORDINATOR) when given, else on an\n"
+     "              embedded cluster of tp * dp CPU workers started for the run (--device\n"
+     "              cuda runs rank r on local GPU r in this process instead). One line per\n"
+     "              step (--output json: one JSON object per line with step, loss, lr,\n"
+     "              grad_norm, tokens_per_second and the bytes of parameters, gradients and\n"
+     "              optimizer state on rank 0). --model DIR --data FILE [--steps N]\n"
+     "              [--batch-size B] [--seq-len L] [--lr LR] [--optimizer adamw|sgd]\n"
+     "              [--tp T] [--dp D] [--mode ...] [--micro-batches M] [--warmup-steps W]\n"
+     "              [--clip-norm C] [--seed S] [--precision fp32|bf16|fp16] [--device cpu|cuda]\n"
+     "              [--final DIR]\n"
+     "              [--save DIR --save-every K]\n"
+     "              [--resume DIR] [--stop-after N]. A resumed run continues from the\n"
+     "              newest complete checkpoint with the losses the uninterrupted run has.\n",
+     RunTrain},
+    {"init-model", "",
+     "  init-model  Write a new GPT-2 (config.json + model.safetensors, GPT-2's published\n"
+     "              initialization, seeded) to --out DIR: [--vocab-size 257] [--hidden-size 64]\n"
+     "              [--layers 2] [--heads 4] [--positions 64] [--seed S].\n",
+     RunInitModel},
+    {"consolidate", "",
+     "  consolidate Assemble a sharded checkpoint (one file per rank + colod_checkpoint.json)\n"
+     "              into a Hugging Face directory (config.json + model.safetensors) that\n"
+     "              loads at any layout: --checkpoint DIR --out DIR.\n",
+     RunConsolidate},
+};
+
+}  // namespace
+
+CommandGroup ModelCommands() { return {"Model commands:", kCommands}; }
+
+}  // namespace colod::cli

@@ -1,0 +1,241 @@
+// `coloctl tensor ...`: the ColoTensors of a TENSOR job, through the
+// coordinator's TensorService.
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/cli.h"
+#include "client/commands.h"
+#include "client/format.h"
+#include "client/job_flags.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "worker/colo/tensor_proto.h"
+#include "worker/tensor/npy.h"
+
+ABSL_FLAG(std::string, spec, "R",
+          "tensor create/reshard: placements AXIS=R|S(DIM)|S(D1,D2|N1,N2)|P joined by ';', e.g. 'tp=S(-1)'.");
+ABSL_FLAG(std::string, shape, "", "tensor create: the global shape, e.g. 2,3,2 (values N(0,1) from --seed).");
+ABSL_FLAG(int32_t, rank, -1, "tensor get: only this rank's shard (default: the gathered global value).");
+
+namespace colod::cli {
+namespace {
+
+// Nested brackets of a small tensor's values ("[[0.1, 0.2], ...]").
+std::string FormatValues(const v1::TensorValue& value) {
+  auto t = TensorFromProto(value);
+  if (!t.ok()) return std::string(t.status().message());
+  const std::vector<float> v = t->ToFloats();
+  const Shape shape = t->shape();
+  if (v.size() > 4096) return absl::StrCat("(", v.size(), " values; use --out FILE.npy)");
+  std::function<std::string(size_t, size_t, size_t)> rec = [&](size_t d, size_t offset,
+                                                                 size_t stride) -> std::string {
+    if (d == shape.size()) return absl::StrFormat("%.4f", v[offset]);
+    const size_t inner = stride / static_cast<size_t>(shape[d]);
+    std::vector<std::string> parts;
+    for (int64_t i = 0; i < shape[d]; ++i) parts.push_back(rec(d + 1, offset + i * inner, inner));
+    return absl::StrCat("[", absl::StrJoin(parts, ", "), "]");
+  };
+  return rec(0, 0, v.size());
+}
+
+absl::StatusOr<std::vector<int64_t>> ParseShape(const std::string& text) {
+  std::vector<int64_t> shape;
+  for (absl::string_view d : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int64_t v;
+    if (!absl::SimpleAtoi(d, &v) || v < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("--shape: '", text, "' is not sizes like 2,3,2"));
+    }
+    shape.push_back(v);
+  }
+  if (shape.empty()) return absl::InvalidArgumentError("--shape is required, e.g. --shape 2,3,2");
+  return shape;
+}
+
+// Waits until `job_id` runs (TENSOR jobs run until cancelled).
+absl::Status WaitRunning(CoordinatorClient& client, const std::string& job_id, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    auto job = client.GetJob(job_id);
+    if (!job.ok()) return job.status();
+    if (job->state() == v1::JOB_STATE_RUNNING) return absl::OkStatus();
+    if (v1::JobState_IsValid(job->state()) && job->state() >= v1::JOB_STATE_SUCCEEDED) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id, " ", JobStateLabel(job->state()), ": ", job->reason()));
+    }
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("job ", job_id, " is still ", JobStateLabel(job->state()), ": ", job->reason()));
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
+// The ColoTensor document's example over gRPC: a TENSOR job on tp x dp
+// workers; a random [2, 3, 2] tensor sharded on its last dim over tp, made
+// replicated, then resharded on dim 0; every rank's shape at each stage.
+int TensorDemo(CoordinatorClient& c, bool json) {
+  auto job = SubmitTensorJob(c, "colotensor-example");
+  if (!job.ok()) return Fail(job.status());
+  const std::string id = job->job_id();
+  auto run = [&]() -> absl::Status {
+    RETURN_IF_ERROR(WaitRunning(c, id, absl::GetFlag(FLAGS_timeout) * 6));
+    auto mesh = c.GetMesh(id);
+    if (!mesh.ok()) return mesh.status();
+    nlohmann::json stages = nlohmann::json::array();
+    auto show = [&](const std::string& what, const v1::TensorLayout& layout) -> absl::Status {
+      nlohmann::json ranks = nlohmann::json::array();
+      if (!json) std::printf("%s\n", what.c_str());
+      for (const v1::ShardLayout& s : layout.shards()) {
+        auto shard = c.GetShard(id, layout.name(), s.rank());
+        if (!shard.ok()) return shard.status();
+        std::vector<int64_t> shape(shard->value().shape().begin(), shard->value().shape().end());
+        ranks.push_back({{"rank", s.rank()}, {"shape", shape}});
+        if (!json) {
+          std::printf("  rank %d: shape [%s] %s\n", s.rank(), absl::StrJoin(shape, ", ").c_str(),
+                      FormatValues(shard->value()).c_str());
+        }
+      }
+      stages.push_back({{"stage", what}, {"spec", DistSpecText(layout.dist_spec())}, {"ranks", ranks}});
+      return absl::OkStatus();
+    };
+    v1::CreateTensorRequest create;
+    create.set_job_id(id);
+    create.set_name("t1");
+    create.mutable_random()->set_seed(absl::GetFlag(FLAGS_seed));
+    for (int64_t d : {2, 3, 2}) create.mutable_random()->add_shape(d);
+    create.mutable_random()->set_dtype(v1::DTYPE_F32);
+    create.mutable_random()->set_distribution(v1::RandomInit::DISTRIBUTION_NORMAL);
+    create.set_compute_pattern(v1::COMPUTE_PATTERN_TP1D);
+    auto spec = ParseDistSpecText("tp=S(-1)", *mesh);
+    if (!spec.ok()) return spec.status();
+    *create.mutable_dist_spec() = *spec;
+    auto layout = c.CreateTensor(create);
+    if (!layout.ok()) return layout.status();
+    RETURN_IF_ERROR(show("t1 = ColoTensor(randn(2, 3, 2), ShardSpec(dims=[-1], num_partitions=[tp]))", *layout));
+    layout = c.SetDistSpec(id, "t1", v1::DistSpec());
+    if (!layout.ok()) return layout.status();
+    RETURN_IF_ERROR(show("t1 = t1.to_replicate()", *layout));
+    spec = ParseDistSpecText("tp=S(0)", *mesh);
+    if (!spec.ok()) return spec.status();
+    layout = c.SetDistSpec(id, "t1", *spec);
+    if (!layout.ok()) return layout.status();
+    RETURN_IF_ERROR(show("t1.set_dist_spec(ShardSpec([0], [tp]))", *layout));
+    if (json) std::printf("%s\n", nlohmann::json{{"job_id", id}, {"stages", stages}}.dump().c_str());
+    return absl::OkStatus();
+  };
+  const absl::Status s = run();
+  auto cancelled = c.CancelJob(id, "tensor demo finished");  // a TENSOR job runs until cancelled
+  if (!s.ok()) return Fail(s);
+  if (!cancelled.ok()) return Fail(cancelled.status());
+  return 0;
+}
+
+// `operands`: SUBCOMMAND [JOB [NAME]].
+int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, bool json) {
+  if (operands.empty()) return Usage("tensor: missing SUBCOMMAND (demo, create, reshard, list, get, delete)");
+  const std::string& sub = operands[0];
+  auto need = [&](size_t n, const char* what) {
+    return operands.size() == n ? 0 : Usage(absl::StrCat("tensor ", sub, ": expected ", what));
+  };
+  if (sub == "demo") {
+    if (int u = need(1, "no arguments")) return u;
+    return TensorDemo(c, json);
+  }
+  if (sub == "list") {
+    if (int u = need(2, "JOB")) return u;
+    auto list = c.ListTensors(operands[1]);
+    if (!list.ok()) return Fail(list.status());
+    if (json) {
+      v1::ListTensorsResponse resp;
+      for (const auto& l : *list) *resp.add_tensors() = l;
+      return PrintJson(resp);
+    }
+    for (const auto& l : *list) std::fputs(RenderTensorLayout(l).c_str(), stdout);
+    return 0;
+  }
+  if (sub == "delete") {
+    if (int u = need(3, "JOB NAME")) return u;
+    const absl::Status s = c.DeleteTensor(operands[1], operands[2]);
+    return s.ok() ? 0 : Fail(s);
+  }
+  if (sub == "get") {
+    if (int u = need(3, "JOB NAME")) return u;
+    absl::StatusOr<v1::TensorValue> value;
+    if (absl::GetFlag(FLAGS_rank) >= 0) {
+      auto shard = c.GetShard(operands[1], operands[2], absl::GetFlag(FLAGS_rank));
+      if (!shard.ok()) return Fail(shard.status());
+      value = shard->value();
+    } else {
+      value = c.GetGlobal(operands[1], operands[2]);
+    }
+    if (!value.ok()) return Fail(value.status());
+    if (!absl::GetFlag(FLAGS_out).empty()) {
+      auto t = TensorFromProto(*value);
+      if (!t.ok()) return Fail(t.status());
+      const absl::Status s = WriteNpy(absl::GetFlag(FLAGS_out), *t);
+      return s.ok() ? 0 : Fail(s);
+    }
+    if (json) return PrintJson(*value);
+    std::printf("[%s] %s\n", absl::StrJoin(value->shape(), ", ").c_str(), FormatValues(*value).c_str());
+    return 0;
+  }
+  if (sub != "create" && sub != "reshard") return Usage(absl::StrCat("tensor: unknown subcommand '", sub, "'"));
+  if (int u = need(3, "JOB NAME")) return u;
+  auto mesh = c.GetMesh(operands[1]);
+  if (!mesh.ok()) return Fail(mesh.status());
+  auto spec = ParseDistSpecText(absl::GetFlag(FLAGS_spec), *mesh);
+  if (!spec.ok()) return Usage(absl::StrCat("--spec: ", spec.status().message()));
+  absl::StatusOr<v1::TensorLayout> layout;
+  if (sub == "reshard") {
+    layout = c.SetDistSpec(operands[1], operands[2], *spec);
+  } else {
+    auto shape = ParseShape(absl::GetFlag(FLAGS_shape));
+    if (!shape.ok()) return Usage(std::string(shape.status().message()));
+    v1::CreateTensorRequest req;
+    req.set_job_id(operands[1]);
+    req.set_name(operands[2]);
+    req.mutable_random()->set_seed(absl::GetFlag(FLAGS_seed));
+    for (int64_t d : *shape) req.mutable_random()->add_shape(d);
+    req.mutable_random()->set_dtype(v1::DTYPE_F32);
+    *req.mutable_dist_spec() = *spec;
+    layout = c.CreateTensor(req);
+  }
+  if (!layout.ok()) return Fail(layout.status());
+  if (json) return PrintJson(*layout);
+  std::fputs(RenderTensorLayout(*layout).c_str(), stdout);
+  return 0;
+}
+
+int RunTensor(const std::vector<std::string>& operands) {
+  return WithCoordinator([&](CoordinatorClient& c) { return TensorWith(c, operands, JsonOutput()); });
+}
+
+constexpr Command kCommands[] = {
+    {"tensor", nullptr,
+     "  tensor ...  ColoTensors of a TENSOR job (coloctl submit --kind tensor --tp T --dp D):\n"
+     "                tensor demo                the ColoTensor document's example: a [2,3,2]\n"
+     "                                           tensor sharded on its last dim over tp, made\n"
+     "                                           replicated, resharded on dim 0; each rank's shape\n"
+     "                tensor create JOB NAME --shape 2,3,2 [--seed S] [--spec 'tp=S(-1)']\n"
+     "                tensor reshard JOB NAME --spec 'tp=S(0)'   (R: replicated)\n"
+     "                tensor get JOB NAME [--rank R] [--out FILE.npy]\n"
+     "                tensor list JOB | tensor delete JOB NAME\n",
+     RunTensor},
+};
+
+}  // namespace
+
+CommandGroup TensorCommands() {
+  return {"Tensor commands (on the coordinator, as the cluster commands):", kCommands};
+}
+
+}  // namespace colod::cli

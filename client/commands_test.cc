@@ -1,0 +1,47 @@
+// coloctl's command tables: what --help and the dispatch in coloctl_main.cc
+// rely on.
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/commands.h"
+#include "gtest/gtest.h"
+
+namespace colod::cli {
+namespace {
+
+std::vector<CommandGroup> AllGroups() {
+  return {LocalCommands(), ModelCommands(), ClusterCommands(), TensorCommands()};
+}
+
+TEST(Commands, EveryCommandHasAUniqueNameAUsageEntryAndARun) {
+  std::set<std::string> names;
+  for (const CommandGroup& group : AllGroups()) {
+    ASSERT_NE(group.heading, nullptr);
+    EXPECT_TRUE(absl::EndsWith(group.heading, ":")) << group.heading;
+    EXPECT_FALSE(group.commands.empty()) << group.heading;
+    for (const Command& c : group.commands) {
+      ASSERT_NE(c.name, nullptr);
+      ASSERT_NE(c.usage, nullptr) << c.name;
+      EXPECT_NE(c.run, nullptr) << c.name;
+      EXPECT_TRUE(names.insert(c.name).second) << "two commands named " << c.name;
+      // --help is the usages one after the other: each starts a line with
+      // its name in the command column and ends its last line.
+      EXPECT_TRUE(absl::StartsWith(c.usage, absl::StrCat("  ", c.name, " "))) << c.usage;
+      EXPECT_TRUE(absl::EndsWith(c.usage, "\n")) << c.name;
+      // The operands the dispatch checks are the ones the usage shows.
+      if (c.operands != nullptr && c.operands[0] != '\0') {
+        EXPECT_TRUE(absl::StartsWith(c.usage, absl::StrCat("  ", c.name, " ", c.operands))) << c.usage;
+      }
+    }
+  }
+  for (const char* expected : {"workers", "submit", "jobs", "status", "watch", "cancel", "mesh", "tensor", "forward",
+                               "train", "init-model", "consolidate", "local", "health", "version"}) {
+    EXPECT_EQ(names.count(expected), 1u) << expected;
+  }
+}
+
+}  // namespace
+}  // namespace colod::cli

@@ -1,0 +1,169 @@
+#include "client/job_flags.h"
+
+#include <cstdint>
+#include <filesystem>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "worker/train/job_options.h"
+
+ABSL_FLAG(std::string, model, "", "forward: the model directory (config.json + model.safetensors or an index).");
+ABSL_FLAG(int32_t, tp, 1, "forward: tensor-parallel size.");
+ABSL_FLAG(int32_t, dp, 1, "forward: data-parallel size (splits the batch).");
+ABSL_FLAG(std::string, mode, "1d", "forward: tensor-parallel mode: 1d, 2d, 2.5d or 3d.");
+ABSL_FLAG(int32_t, depth, 0, "forward: depth of 2.5d (tp = depth * q * q).");
+ABSL_FLAG(bool, sequence_parallel, false, "forward: split activations along the sequence over tp (1d).");
+ABSL_FLAG(std::string, data, "", "train: the corpus: a .bin of uint16 tokens, a .npy, or UTF-8 text (byte-level).");
+ABSL_FLAG(std::string, data_format, "auto", "train: auto, uint16, uint32, npy or text.");
+ABSL_FLAG(int64_t, steps, 10, "train: optimizer steps.");
+ABSL_FLAG(int64_t, batch_size, 8, "train: sequences per step over all dp replicas.");
+ABSL_FLAG(int64_t, seq_len, 64, "train: tokens per sequence.");
+ABSL_FLAG(int64_t, micro_batches, 1, "train: gradient accumulation passes per step.");
+ABSL_FLAG(double, lr, 1e-3, "train: peak learning rate.");
+ABSL_FLAG(double, min_lr, -1, "train: the cosine schedule's floor (default lr / 10).");
+ABSL_FLAG(int64_t, warmup_steps, 0, "train: linear warm-up steps.");
+ABSL_FLAG(std::string, optimizer, "adamw", "train: adamw or sgd.");
+ABSL_FLAG(double, weight_decay, 0.0, "train: AdamW's decoupled weight decay (SGD: L2 on the gradient).");
+ABSL_FLAG(double, momentum, 0.9, "train: SGD momentum.");
+ABSL_FLAG(double, clip_norm, 1.0, "train: clip the global gradient norm to this (0: no clipping).");
+ABSL_FLAG(uint64_t, seed, 1, "train: the data sampler's seed.");
+ABSL_FLAG(std::string, precision, "fp32",
+          "train: fp32, or bf16 / fp16 mixed precision (parameters and compute in 16 bits, f32 master weights "
+          "and optimizer state).");
+ABSL_FLAG(double, bucket_mb, 25, "train: MiB of gradients per dp all-reduce bucket.");
+ABSL_FLAG(std::string, save, "", "train: write a training checkpoint here every --save-every steps and at the end.");
+ABSL_FLAG(int64_t, save_every, 0, "train: steps between checkpoints (with --save).");
+ABSL_FLAG(std::string, resume, "", "train: continue from the newest complete checkpoint in this directory.");
+ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run to --resume later).");
+ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
+ABSL_FLAG(std::string, device, "cpu",
+          "forward, train: cpu (ranks as threads over Gloo) or cuda (rank r on CUDA device r, over NCCL).");
+ABSL_FLAG(std::string, name, "", "submit, train: the job's name (default: the model directory's name).");
+
+namespace colod::cli {
+namespace {
+
+absl::StatusOr<v1::TensorParallelMode> ParseMode(const std::string& mode) {
+  if (mode == "1d") return v1::TENSOR_PARALLEL_MODE_1D;
+  if (mode == "2d") return v1::TENSOR_PARALLEL_MODE_2D;
+  if (mode == "2.5d") return v1::TENSOR_PARALLEL_MODE_2P5D;
+  if (mode == "3d") return v1::TENSOR_PARALLEL_MODE_3D;
+  return absl::InvalidArgumentError(absl::StrCat("--mode: '", mode, "' is not one of 1d, 2d, 2.5d, 3d"));
+}
+
+}  // namespace
+
+absl::StatusOr<shardformer::ShardConfig> ShardFromFlags() {
+  auto mode = ParseMode(absl::GetFlag(FLAGS_mode));
+  if (!mode.ok()) return mode.status();
+  shardformer::ShardConfig shard;
+  shard.layout.set_tensor_parallel_size(absl::GetFlag(FLAGS_tp));
+  shard.layout.set_data_parallel_size(absl::GetFlag(FLAGS_dp));
+  shard.layout.set_tensor_parallel_mode(*mode);
+  shard.layout.set_depth(absl::GetFlag(FLAGS_depth));
+  shard.layout.set_sequence_parallel(absl::GetFlag(FLAGS_sequence_parallel));
+  return shard;
+}
+
+absl::StatusOr<bool> CudaFromFlags() {
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device == "cpu") return false;
+  if (device == "cuda") return true;
+  return absl::InvalidArgumentError(absl::StrCat("--device: '", device, "' is not one of cpu, cuda"));
+}
+
+absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags() {
+  train::TrainOptions o;
+  o.model_dir = absl::GetFlag(FLAGS_model);
+  o.data_path = absl::GetFlag(FLAGS_data);
+  if (o.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
+  if (o.data_path.empty()) return absl::InvalidArgumentError("--data is required");
+  auto shard = ShardFromFlags();
+  if (!shard.ok()) return shard.status();
+  o.shard = *shard;
+  auto cuda = CudaFromFlags();
+  if (!cuda.ok()) return cuda.status();
+  o.cuda = *cuda;
+  auto format = train::ParseDataFormat(absl::GetFlag(FLAGS_data_format));
+  if (!format.ok()) return format.status();
+  o.data_format = *format;
+  auto kind = train::ParseOptimizer(absl::GetFlag(FLAGS_optimizer));
+  if (!kind.ok()) return kind.status();
+  o.optimizer.kind = *kind;
+  o.optimizer.weight_decay = absl::GetFlag(FLAGS_weight_decay);
+  o.optimizer.momentum = absl::GetFlag(FLAGS_momentum);
+  o.steps = absl::GetFlag(FLAGS_steps);
+  o.batch_size = absl::GetFlag(FLAGS_batch_size);
+  o.seq_len = absl::GetFlag(FLAGS_seq_len);
+  o.micro_batches = absl::GetFlag(FLAGS_micro_batches);
+  o.lr = absl::GetFlag(FLAGS_lr);
+  o.min_lr = absl::GetFlag(FLAGS_min_lr) < 0 ? o.lr / 10 : absl::GetFlag(FLAGS_min_lr);
+  o.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
+  o.clip_norm = absl::GetFlag(FLAGS_clip_norm);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.final_dir = absl::GetFlag(FLAGS_final);
+  if (absl::GetFlag(FLAGS_bucket_mb) <= 0) return absl::InvalidArgumentError("--bucket-mb must be positive");
+  o.bucket_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20));
+  const std::string precision = absl::GetFlag(FLAGS_precision);
+  if (precision == "bf16") {
+    o.shard.param_dtype = DType::kBF16;
+  } else if (precision == "fp16") {
+    o.shard.param_dtype = DType::kF16;
+  } else if (precision != "fp32") {
+    return absl::InvalidArgumentError(absl::StrCat("--precision: '", precision, "' is not one of fp32, bf16, fp16"));
+  }
+  o.save_dir = absl::GetFlag(FLAGS_save);
+  o.save_every = absl::GetFlag(FLAGS_save_every);
+  o.resume_dir = absl::GetFlag(FLAGS_resume);
+  o.stop_after = absl::GetFlag(FLAGS_stop_after);
+  if (!o.save_dir.empty() && o.save_every < 1) return absl::InvalidArgumentError("--save needs --save-every K (K >= 1)");
+  return o;
+}
+
+absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags() {
+  auto options = TrainOptionsFromFlags();
+  if (!options.ok()) return options.status();
+  if (options->cuda) {
+    return absl::InvalidArgumentError(
+        "--device: on a cluster the workers' devices decide (CUDA workers run CUDA ranks); drop --device");
+  }
+  v1::JobSpec spec = train::SpecFromTrainOptions(*options);
+  if (absl::Status set = SetModelFromDir(options->model_dir, spec); !set.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--model: ", set.message()));
+  }
+  v1::TrainConfig& t = *spec.mutable_train();
+  for (std::string* path : {t.mutable_data_path(), t.mutable_final_dir(), t.mutable_checkpoint_dir(),
+                            t.mutable_resume_from()}) {
+    if (!path->empty()) *path = Absolute(*path);
+  }
+  return spec;
+}
+
+absl::StatusOr<v1::Job> SubmitTensorJob(CoordinatorClient& client, const std::string& name) {
+  auto shard = ShardFromFlags();
+  if (!shard.ok()) return shard.status();
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TENSOR);
+  spec.set_name(name);
+  *spec.mutable_shard() = shard->layout;
+  return client.SubmitJob(spec);
+}
+
+std::string Absolute(const std::string& path) {
+  std::error_code ec;
+  return std::filesystem::absolute(path, ec).lexically_normal().string();
+}
+
+absl::Status SetModelFromDir(const std::string& model_dir, v1::JobSpec& spec) {
+  const std::string dir = Absolute(model_dir);
+  auto config = ReadFileToString(dir + "/config.json");
+  if (!config.ok()) return config.status();
+  spec.mutable_model()->set_config_json(*config);
+  spec.mutable_model()->set_weights_path(dir);
+  spec.set_name(absl::GetFlag(FLAGS_name).empty() ? std::filesystem::path(dir).filename().string()
+                                                  : absl::GetFlag(FLAGS_name));
+  return absl::OkStatus();
+}
+
+}  // namespace colod::cli
