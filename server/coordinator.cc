@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 
 namespace colod {
@@ -79,6 +80,11 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
                            .Name("colod_worker_heartbeat_age_seconds")
                            .Help("Seconds since each registered worker's last heartbeat (updated every second).")
                            .Register(*c->registry_);
+  c->jobs_finished_ = &prometheus::BuildCounter()
+                           .Name("colod_jobs_finished_total")
+                           .Help("Jobs that ended since the coordinator started, by final state (succeeded, failed, "
+                                 "cancelled); jobs failed because it restarted while they ran count as failed.")
+                           .Register(*c->registry_);
 
   WorkerRegistry::Options wo;
   wo.heartbeat_interval = options.heartbeat_interval;
@@ -137,6 +143,11 @@ void Coordinator::UpdateGauges() {
   heartbeat_ages_ = std::move(ages);
   for (const auto& [state, n] : jobs_->CountByState()) {
     jobs_gauge_->Add({{"state", state}}).Set(n);
+  }
+  // Only this thread (and Start, before it) moves the counters.
+  for (const auto& [state, n] : jobs_->FinishedCounts()) {
+    prometheus::Counter& c = jobs_finished_->Add({{"state", state}});
+    if (static_cast<double>(n) > c.Value()) c.Increment(static_cast<double>(n) - c.Value());
   }
 }
 

@@ -16,6 +16,9 @@
 #include "common/clock.h"
 #include "common/grpc_server.h"
 #include "common/metrics.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
 #include "server/coordinator_service.h"
 #include "server/job_manager.h"
 #include "server/rendezvous_store.h"
@@ -25,6 +28,19 @@
 
 namespace colod {
 
+// Serves Prometheus /metrics (base units; the gauges are refreshed every
+// second by the sweeper):
+//   colod_build_info{component,version,cuda}      gauge, 1
+//   colod_workers{state}                          gauge, registered workers: idle, busy, lost
+//   colod_jobs{state}                             gauge, known jobs: pending, scheduled, running,
+//                                                 succeeded, failed, cancelled
+//   colod_jobs_finished_total{state}              counter, jobs that ended since this start:
+//                                                 succeeded, failed, cancelled (each from 0;
+//                                                 jobs failed by a restart count as failed)
+//   colod_worker_heartbeat_age_seconds{worker}    gauge, per registered (or lost, until
+//                                                 forgotten) worker id
+//   colod_rpc_duration_seconds{method,code}       histogram (server/rpc_metrics.h)
+//
 // Thread-safe. Shutdown() may be called from any thread, more than once.
 class Coordinator {
  public:
@@ -82,6 +98,7 @@ class Coordinator {
   prometheus::Family<prometheus::Gauge>* workers_gauge_ = nullptr;
   prometheus::Family<prometheus::Gauge>* jobs_gauge_ = nullptr;
   prometheus::Family<prometheus::Gauge>* heartbeat_age_ = nullptr;
+  prometheus::Family<prometheus::Counter>* jobs_finished_ = nullptr;
   // The age series by worker id; touched by Start, then only by the sweeper thread.
   std::map<std::string, prometheus::Gauge*> heartbeat_ages_;
   std::unique_ptr<MetricsServer> metrics_;

@@ -3,6 +3,8 @@
 #include "server/coordinator.h"
 
 #include <cstdlib>
+#include <map>
+#include <string>
 #include <thread>
 
 #include "client/coordinator_client.h"
@@ -234,6 +236,12 @@ TEST_F(CoordinatorTest, ServesParseableMetrics) {
   }
   EXPECT_TRUE(saw_register) << *body;
   EXPECT_EQ(families->at("colod_workers").type, "gauge");
+  // Every final state is counted from 0 on, so increase() sees the first.
+  const auto& finished = families->at("colod_jobs_finished_total");
+  EXPECT_EQ(finished.type, "counter");
+  std::map<std::string, double> by_state;
+  for (const auto& s : finished.samples) by_state[s.labels.at("state")] = s.value;
+  EXPECT_EQ(by_state, (std::map<std::string, double>{{"cancelled", 0}, {"failed", 0}, {"succeeded", 0}}));
   // The sweeper (every 100 ms here) publishes each worker's heartbeat age.
   bool saw_age = false;
   for (int i = 0; i < 50 && !saw_age; ++i) {

@@ -109,6 +109,7 @@ absl::StatusOr<JobManager::Entry*> JobManager::FindLocked(absl::string_view job_
 }
 
 void JobManager::AppendStateChangeLocked(Entry& e, v1::JobState state, absl::string_view reason) {
+  if (IsFinal(state) && !IsFinal(e.job.state())) ++finished_[JobStateName(state)];
   e.job.set_state(state);
   e.job.set_reason(std::string(reason));
   *e.job.mutable_update_time() = ToProtoTimestamp(clock_->Now());
@@ -234,6 +235,15 @@ absl::StatusOr<JobManager::Events> JobManager::WaitForEvents(absl::string_view j
   }
   out.finished = IsFinal(e.job.state());
   return out;
+}
+
+std::map<std::string, int64_t> JobManager::FinishedCounts() {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, int64_t> counts = finished_;
+  for (v1::JobState s : {v1::JOB_STATE_SUCCEEDED, v1::JOB_STATE_FAILED, v1::JOB_STATE_CANCELLED}) {
+    counts.emplace(JobStateName(s), 0);
+  }
+  return counts;
 }
 
 std::map<std::string, int> JobManager::CountByState() {

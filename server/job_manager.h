@@ -76,6 +76,10 @@ class JobManager {
 
   // Number of jobs per state name ("pending", "running", ...).
   std::map<std::string, int> CountByState();
+  // Jobs that ended in this process, per final state name ("succeeded",
+  // "failed", "cancelled"; each present), counting those that Open failed
+  // because the coordinator restarted while they ran.
+  std::map<std::string, int64_t> FinishedCounts();
 
   static bool IsFinal(v1::JobState state);
 
@@ -100,6 +104,7 @@ class JobManager {
   std::map<std::string, Entry> jobs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::string> job_by_request_id_ ABSL_GUARDED_BY(mu_);
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<std::string, int64_t> finished_ ABSL_GUARDED_BY(mu_);
 };
 
 // "pending", "scheduled", ... for metrics labels and tables.

@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <map>
+#include <string>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -176,6 +178,13 @@ TEST(JobManager, SubmitGetListCancel) {
   EXPECT_EQ(jobs.List({v1::JOB_STATE_PENDING}).size(), 1u);
   EXPECT_EQ(jobs.CountByState()["cancelled"], 1);
   EXPECT_EQ(jobs.CountByState()["pending"], 1);
+  // Jobs that ended here, counted once each, every final state named.
+  EXPECT_EQ(jobs.FinishedCounts(),
+            (std::map<std::string, int64_t>{{"cancelled", 1}, {"failed", 0}, {"succeeded", 0}}));
+  ASSERT_TRUE(jobs.SetState(b->job_id(), v1::JOB_STATE_FAILED, "rank 1 failed").ok());
+  EXPECT_FALSE(jobs.SetState(b->job_id(), v1::JOB_STATE_FAILED, "again").ok());
+  EXPECT_EQ(jobs.FinishedCounts(),
+            (std::map<std::string, int64_t>{{"cancelled", 1}, {"failed", 1}, {"succeeded", 0}}));
 
   v1::JobSpec bad = TrainSpec();
   bad.mutable_shard()->set_tensor_parallel_size(0);
@@ -240,6 +249,10 @@ TEST(JobManager, RecordsSurviveAReopenAndRunningJobsFailWithTheirCheckpoint) {
   }
   auto jobs = JobManager::Open(dir, &clock);
   ASSERT_TRUE(jobs.ok()) << jobs.status();
+  // The job failed by the restart counts as one that ended in this process;
+  // the pending one has not ended.
+  EXPECT_EQ((*jobs)->FinishedCounts(),
+            (std::map<std::string, int64_t>{{"cancelled", 0}, {"failed", 1}, {"succeeded", 0}}));
   const std::vector<v1::Job> all = (*jobs)->List({});
   ASSERT_EQ(all.size(), 2u);
   EXPECT_EQ(all[0].state(), v1::JOB_STATE_PENDING);

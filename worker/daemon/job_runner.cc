@@ -73,6 +73,20 @@ v1::ReportProgressRequest Phase(const std::string& phase, const std::string& mes
   return r;
 }
 
+// The `kind` label of colod_rank_running.
+std::string KindName(v1::JobKind kind) {
+  switch (kind) {
+    case v1::JOB_KIND_TRAIN:
+      return "train";
+    case v1::JOB_KIND_FORWARD:
+      return "forward";
+    case v1::JOB_KIND_TENSOR:
+      return "tensor";
+    default:
+      return "unknown";
+  }
+}
+
 }  // namespace
 
 JobRunner::JobRunner(Options options) : options_(std::move(options)) {}
@@ -193,7 +207,16 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   const v1::AssignJobRequest& req = active->request;
   COLOD_LOG(INFO) << "job " << req.job_id() << " generation " << req.generation() << ": running rank " << req.rank()
                   << " of " << req.mesh().world_size();
+  if (options_.metrics != nullptr) {
+    // Assign checked the mesh; the tensor-parallel ranks of a replica share its tokens.
+    absl::StatusOr<DeviceMesh> mesh = DeviceMesh::FromShardConfig(req.spec().shard());
+    const int replica_ranks = mesh.ok() ? mesh->AxisSize("tp").value_or(1) : 1;
+    active->metrics = options_.metrics->StartRank(req.job_id(), req.rank(), KindName(req.spec().kind()), replica_ranks);
+  }
   absl::Status s = RunRank(*active);
+  // Every communicator is gone with RunRank's process group: the rank's
+  // series end here, before the coordinator hears of the end.
+  active->metrics.reset();
   if (active->stop) {
     absl::MutexLock lock(&active->mu);
     s = absl::AbortedError(active->stop_reason);
@@ -264,7 +287,8 @@ absl::Status JobRunner::RunRank(Active& active) {
     o.timeout = options_.comm_timeout;
     inner = ProcessGroup::GlooFactory(&store, o);
   }
-  WorkerMetrics* metrics = options_.metrics;
+  // Outlives `pg` (Run ends it after this returns), so its observers outlive the communicators.
+  WorkerMetrics::Rank* metrics = active.metrics.get();
   ProcessGroup::CommFactory factory = inner;
   if (metrics != nullptr) {
     factory = [inner, metrics](const ProcessGroup::GroupInfo& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
@@ -293,6 +317,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   train::RankHooks hooks;
   hooks.stop = [&active] { return active.stop.load(); };
   hooks.on_start = [&] {
+    if (metrics != nullptr) metrics->TrainingStarted();
     if (Report(req, Phase("training"))) active.stop = true;
   };
   hooks.on_step = [&](const train::StepStats& st) {

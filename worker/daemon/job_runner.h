@@ -84,6 +84,9 @@ class JobRunner {
     ProcessGroup* pg ABSL_GUARDED_BY(mu) = nullptr;
     std::shared_ptr<TensorHost> tensors ABSL_GUARDED_BY(mu);  // TENSOR jobs, once connected
     std::optional<v1::ForwardResult> forward;  // FORWARD jobs' rank 0, set by the rank's thread
+    // The rank's metrics while it runs (null without Options::metrics);
+    // used by the rank's thread only.
+    std::unique_ptr<WorkerMetrics::Rank> metrics;
     std::string stop_reason ABSL_GUARDED_BY(mu);
   };
 

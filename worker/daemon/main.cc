@@ -31,6 +31,9 @@ ABSL_FLAG(std::string, work_dir, "",
           "fresh directory under $TMPDIR (or /tmp), removed at exit.");
 ABSL_FLAG(absl::Duration, comm_timeout, absl::Minutes(2),
           "How long a job rank waits for its peers to connect and for each collective before it fails.");
+ABSL_FLAG(absl::Duration, metrics_linger, absl::Minutes(1),
+          "How long a job rank's metrics (step times, tokens, loss, collectives) stay on /metrics after the "
+          "rank ended, so that a scrape sees its final values; then they are removed.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -81,6 +84,7 @@ int main(int argc, char** argv) {
     options.labels[std::string(pair.substr(0, eq))] = std::string(pair.substr(eq + 1));
   }
   options.comm_timeout = absl::GetFlag(FLAGS_comm_timeout);
+  options.metrics_linger = absl::GetFlag(FLAGS_metrics_linger);
   auto security = colod::SecurityFromFlags();
   if (!security.ok()) {
     COLOD_LOG(ERROR) << security.status().message();

@@ -77,7 +77,10 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
 
   w->registry_ = std::make_shared<prometheus::Registry>();
   AddBuildInfo(*w->registry_, "worker");
-  w->job_metrics_ = std::make_unique<WorkerMetrics>(*w->registry_);
+  if (options.metrics_linger < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--metrics-linger: must be >= 0");
+  }
+  w->job_metrics_ = std::make_unique<WorkerMetrics>(*w->registry_, options.metrics_linger);
   ASSIGN_OR_RETURN(w->metrics_, MetricsServer::Start(options.metrics_listen, w->registry_));
   WorkerDaemon* raw = w.get();
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> server_credentials, MakeServerCredentials(options.tls));
@@ -212,6 +215,7 @@ void WorkerDaemon::CoordinatorLoop() {
     const bool registered = !worker_id_.empty();
     mu_.Unlock();
     absl::Status s = registered ? HeartbeatOnce() : RegisterOnce();
+    job_metrics_->RemoveExpired();  // ended ranks' series, once they lingered
     mu_.Lock();
     if (stopping_) break;
     absl::Duration wait;

@@ -56,6 +56,8 @@ class WorkerDaemon {
     std::map<std::string, std::string> labels;
     // Rendezvous and per-collective limit of job ranks.
     absl::Duration comm_timeout = absl::Minutes(2);
+    // How long an ended rank's series stay on /metrics (WorkerMetrics).
+    absl::Duration metrics_linger = absl::Minutes(1);
   };
 
   // INVALID_ARGUMENT for bad options (addresses, device), UNAVAILABLE if an
