@@ -1,9 +1,11 @@
 #include "server/scheduler.h"
 
 #include <algorithm>
+#include <future>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/auth.h"
 #include "common/grpc_status.h"
@@ -56,6 +58,7 @@ void Scheduler::Loop() {
 }
 
 void Scheduler::Tick() {
+  ProbeFailedJobs();
   std::set<std::string> live;
   const std::vector<v1::Worker> workers = workers_->List(/*include_lost=*/false);
   for (const v1::Worker& w : workers) live.insert(w.info().worker_id());
@@ -238,7 +241,14 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       if (!p.final && r.code() == 0 && r.has_forward()) (void)jobs_->SetForwardResult(p.job_id, r.forward());
       if (!p.final && r.code() != 0) {
         const absl::Status s(static_cast<absl::StatusCode>(r.code()), r.message());
-        EndLocked(p, v1::JOB_STATE_FAILED, absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString()), rank);
+        const std::string reason = absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString());
+        if (options_.probe_timeout <= absl::ZeroDuration()) {
+          EndLocked(p, v1::JOB_STATE_FAILED, reason, rank);
+        } else if (p.failed_rank < 0) {  // the first failure; the scheduler thread probes the peers
+          p.failed_rank = rank;
+          p.failure = reason;
+          wake_ = true;
+        }
       } else if (!p.final && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
         EndLocked(p, v1::JOB_STATE_SUCCEEDED, absl::StrCat("all ", p.mesh.world_size(), " ranks finished"), -1);
       }
@@ -263,6 +273,62 @@ absl::StatusOr<v1::Job> Scheduler::Cancel(absl::string_view job_id, absl::string
   }
   wake_ = true;
   return job;
+}
+
+void Scheduler::ProbeFailedJobs() {
+  struct Probe {
+    std::string job_id;
+    int64_t generation;
+    std::vector<int> ranks;  // not ended, not the failed one
+    std::vector<std::string> addresses;
+  };
+  std::vector<Probe> probes;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, p] : placed_) {
+      if (p.final || p.failed_rank < 0) continue;
+      Probe probe{id, p.generation, {}, {}};
+      for (const v1::RankAssignment& a : p.mesh.ranks()) {
+        if (p.ended.count(a.rank()) || a.rank() == p.failed_rank) continue;
+        probe.ranks.push_back(a.rank());
+        probe.addresses.push_back(a.worker_address());
+      }
+      probes.push_back(std::move(probe));
+    }
+  }
+  for (const Probe& probe : probes) {
+    // GetStatus of every live peer at once: a dead worker's address refuses
+    // or does not answer, a stopped (SIGSTOP) one does not answer in time.
+    std::vector<std::future<grpc::Status>> answers;
+    for (const std::string& address : probe.addresses) {
+      answers.push_back(std::async(std::launch::async, [this, address] {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.probe_timeout));
+        AddAuthToken(ctx, options_.auth_token);
+        v1::GetStatusRequest req;
+        v1::GetStatusResponse resp;
+        return StubFor(address).GetStatus(&ctx, req, &resp);
+      }));
+    }
+    std::vector<grpc::Status> statuses;
+    for (auto& answer : answers) statuses.push_back(answer.get());  // each bounded by its deadline
+    absl::MutexLock lock(&mu_);
+    auto it = placed_.find(probe.job_id);
+    if (it == placed_.end() || it->second.final || it->second.generation != probe.generation) continue;
+    Placed& p = it->second;
+    std::vector<std::string> unreachable;
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      if (statuses[i].ok()) continue;
+      unreachable.push_back(absl::StrCat(RankName(p.mesh, probe.ranks[i]), " does not answer (",
+                                         FromGrpcStatus(statuses[i]).ToString(), ")"));
+    }
+    std::string reason = p.failure;
+    if (!unreachable.empty()) {
+      reason = absl::StrCat(absl::StrJoin(unreachable, "; "), "; first failure reported: ", p.failure);
+    }
+    EndLocked(p, v1::JOB_STATE_FAILED, reason, p.failed_rank);
+    ReleaseLocked();
+  }
 }
 
 void Scheduler::EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank) {

@@ -48,6 +48,11 @@ class Scheduler {
     std::string auth_token;
     // How to reach the workers (TLS or insecure).
     std::shared_ptr<grpc::ChannelCredentials> credentials;
+    // When a rank fails, its peers that have not ended are asked for their
+    // status with this deadline before the job ends, so that the reason names
+    // a worker that died or hangs (its peers' collectives fail first and
+    // report only a broken connection). Zero: end at once, unprobed.
+    absl::Duration probe_timeout = absl::Seconds(2);
   };
 
   // The pointed-to objects must outlive the scheduler.
@@ -79,6 +84,10 @@ class Scheduler {
     std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)
     std::set<int> ended;          // ranks that reported their end (or were lost)
     bool final = false;           // the job reached a final state
+    // The first rank failure, while its peers are probed (ProbeFailedJobs);
+    // the job ends FAILED once they were.
+    int failed_rank = -1;
+    std::string failure;
   };
   struct Abort {
     std::string address;
@@ -97,6 +106,11 @@ class Scheduler {
   // Drops jobs whose every rank ended, releasing their workers.
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendAborts();
+  // For each job with a rank failure: asks the workers of its ranks that have
+  // not ended for their status (in parallel, options_.probe_timeout), then
+  // ends the job FAILED naming the unreachable ones first. No lock is held
+  // while probing.
+  void ProbeFailedJobs() ABSL_LOCKS_EXCLUDED(mu_);
   // A cached stub per worker address (gRPC stubs are thread-safe).
   v1::WorkerService::Stub& StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(stubs_mu_);
 

@@ -51,6 +51,19 @@ v1::WorkerStatus StatusOf(const std::string& address) {
   return resp.status();
 }
 
+// colod_jobs_finished_total{state} on the coordinator whose /metrics is at
+// `metrics`; -1 if it cannot be read.
+double JobsFinished(const std::string& metrics, const std::string& state) {
+  auto body = testing::HttpGet(metrics, "/metrics");
+  if (!body.ok()) return -1;
+  auto families = testing::ParsePrometheusText(*body);
+  if (!families.ok() || !families->count("colod_jobs_finished_total")) return -1;
+  for (const testing::Sample& s : families->at("colod_jobs_finished_total").samples) {
+    if (s.labels.at("state") == state) return s.value;
+  }
+  return -1;
+}
+
 // A coordinator and four workers; torn down by the destructors.
 class JobsTest : public ::testing::Test {
  protected:
@@ -230,17 +243,36 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
   EXPECT_TRUE(absl::StrContains(drawn.out, "tp0: {0,1}")) << drawn.out;
   EXPECT_TRUE(absl::StrContains(drawn.out, "dp1: {1,3}")) << drawn.out;
 
-  // Every daemon's metrics parse; each worker trained 5 steps on its
-  // replica's 2 x 32 tokens a step and timed its tp and dp all-reduces.
+  // Every daemon's metrics parse. Each worker ran one rank of the job (its
+  // series labelled {job_id, rank}, still there after the rank ended): 5
+  // steps on its replica's 2 x 32 tokens a step, shared with the replica's
+  // other tp rank, so that the ranks' counts add up to the job's 5 x 4 x 32
+  // tokens; it timed its tp and dp all-reduces. Nothing runs any more, so
+  // nothing says a rank runs or when it stepped last.
+  double job_tokens = 0;
+  std::set<std::string> ranks;
   for (const Daemon& w : workers_) {
     auto body = testing::HttpGet(w.metrics, "/metrics");
     ASSERT_TRUE(body.ok()) << body.status();
     auto families = testing::ParsePrometheusText(*body);
     ASSERT_TRUE(families.ok()) << families.status();
-    EXPECT_EQ(families->at("colod_tokens_total").samples.at(0).value, 5 * 2 * 32);
-    EXPECT_NEAR(families->at("colod_loss").samples.at(0).value, got.back(), 1e-5);
+    const testing::Sample& tokens = families->at("colod_tokens_total").samples.at(0);
+    EXPECT_EQ(families->at("colod_tokens_total").samples.size(), 1u);
+    EXPECT_EQ(tokens.labels.at("job_id"), job->job_id());
+    ranks.insert(tokens.labels.at("rank"));
+    EXPECT_EQ(tokens.value, 5 * 2 * 32 / 2);
+    job_tokens += tokens.value;
+    const testing::Sample& loss = families->at("colod_loss").samples.at(0);
+    EXPECT_EQ(loss.labels, tokens.labels);
+    EXPECT_NEAR(loss.value, got.back(), 1e-5);
+    for (const char* gone : {"colod_rank_running", "colod_rank_last_step_timestamp_seconds"}) {
+      auto it = families->find(gone);
+      EXPECT_TRUE(it == families->end() || it->second.samples.empty()) << gone << "\n" << *body;
+    }
     std::set<std::string> comm_groups;
     for (const auto& sample : families->at("colod_collective_bytes_total").samples) {
+      EXPECT_EQ(sample.labels.at("job_id"), job->job_id());
+      EXPECT_EQ(sample.labels.at("rank"), tokens.labels.at("rank"));
       if (sample.labels.at("op") != "all_reduce") continue;  // checkpoints add barriers, which move no bytes
       comm_groups.insert(sample.labels.at("group"));
       EXPECT_GT(sample.value, 0);
@@ -252,6 +284,8 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
     }
     EXPECT_TRUE(params);
   }
+  EXPECT_EQ(ranks, (std::set<std::string>{"0", "1", "2", "3"}));
+  EXPECT_EQ(job_tokens, 5 * 4 * 32);
   auto body = testing::HttpGet(coordinator_.metrics, "/metrics");
   ASSERT_TRUE(body.ok());
   ASSERT_TRUE(testing::ParsePrometheusText(*body).ok());
@@ -437,7 +471,11 @@ TEST_F(JobsTest, AWorkerKilledMidJobFailsTheJobAndFreesTheOthers) {
   auto failed = client_->GetJob(job->job_id());
   ASSERT_TRUE(failed.ok());
   EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED) << failed->reason();
-  EXPECT_TRUE(absl::StrContains(failed->reason(), "rank ")) << failed->reason();
+  // The reason names the killed worker, not only a peer whose collective
+  // broke first: the coordinator probes the peers of a failed rank (or,
+  // should no peer fail first, the lease runs out).
+  EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 1 (worker ", mesh->ranks(1).worker_id())))
+      << failed->reason();
   // Its peers stop (their collectives fail) and go back to idle; the lost
   // worker is marked so.
   EXPECT_TRUE(AllIdle(absl::Seconds(45), victim)) << Logs();
@@ -524,6 +562,9 @@ TEST_F(JobsTest, ACoordinatorRestartFailsTheRunningJobAndStopsItsRanks) {
   ASSERT_TRUE(failed.ok()) << failed.status();
   EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED);
   EXPECT_TRUE(absl::StrContains(failed->reason(), "coordinator restarted")) << failed->reason();
+  // The new coordinator counts it as a job that failed (ColodJobFailed).
+  EXPECT_EQ(JobsFinished(coordinator_.metrics, "failed"), 1);
+  EXPECT_EQ(JobsFinished(coordinator_.metrics, "succeeded"), 0);
   // The workers register again, are told to stop the orphaned ranks, and
   // go back to idle; a new job then runs on them.
   EXPECT_TRUE(AllIdle(absl::Seconds(60))) << Logs();
@@ -537,6 +578,13 @@ TEST_F(JobsTest, ACoordinatorRestartFailsTheRunningJobAndStopsItsRanks) {
   const std::vector<v1::Worker> listed = client_->ListWorkers(true).value_or(std::vector<v1::Worker>());
   for (const v1::Worker& w : listed) workers += w.DebugString();
   EXPECT_EQ(client_->GetJob(again->job_id())->state(), v1::JOB_STATE_SUCCEEDED) << workers << Logs();
+  // Counted within the sweeper's period (200 ms here).
+  const absl::Time counted = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < counted && JobsFinished(coordinator_.metrics, "succeeded") < 1) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(JobsFinished(coordinator_.metrics, "succeeded"), 1);
+  EXPECT_EQ(JobsFinished(coordinator_.metrics, "failed"), 1);
 }
 
 }  // namespace
