@@ -327,7 +327,10 @@ TEST_F(DashboardMetricsTest, RulesAndDashboardNameOnlyWhatTheDaemonsExport) {
   }
   std::sort(files.begin(), files.end());
   for (const std::string& f : files) {
-    for (Rule& r : ReadRules(f)) rules.push_back(std::move(r));
+    for (Rule& r : ReadRules(f)) {
+      r.file = "deploy/prometheus/rules/" + std::filesystem::path(f).filename().string();
+      rules.push_back(std::move(r));
+    }
   }
   std::stable_partition(rules.begin(), rules.end(), [](const Rule& r) { return r.kind == "record"; });
   int records = 0, alerts = 0;
