@@ -46,7 +46,6 @@ using ::colod::testing::Daemon;
 using ::colod::testing::ReadFile;
 using ::colod::testing::Runfile;
 using ::colod::testing::RunCommand;
-using ::colod::testing::StartDaemon;
 using ::colod::testing::TempPath;
 using Families = std::map<std::string, testing::MetricFamily>;
 
@@ -156,28 +155,15 @@ class DashboardMetricsTest : public ::testing::Test {
     tiny.positions = 32;
     auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2"), tiny);
     ASSERT_TRUE(model.ok()) << model.status();
-    coordinator_ = StartDaemon("server/colod-coordinator", "coordinator",
-                               {"--data-dir", TempPath("data"), "--heartbeat-interval", "200ms", "--lease-duration",
-                                "1500ms"});
+    coordinator_ = testing::StartTestCoordinator();
     ASSERT_FALSE(coordinator_.grpc.empty()) << ReadFile(coordinator_.log);
     auto client = CoordinatorClient::Create(coordinator_.grpc);
     ASSERT_TRUE(client.ok());
     client_ = std::move(*client);
-    for (int i = 0; i < 2; ++i) {
-      workers_.push_back(StartDaemon("worker/daemon/colod-worker", absl::StrCat("w", i),
-                                     {"--coordinator", coordinator_.grpc, "--device", "cpu", "--device-ordinal",
-                                      absl::StrCat(i), "--work-dir", TempPath(absl::StrCat("work", i)),
-                                      "--comm-timeout", "30s", "--metrics-linger", "20s"}));
-      ASSERT_FALSE(workers_.back().grpc.empty()) << ReadFile(workers_.back().log);
-    }
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    while (absl::Now() < deadline) {
-      auto list = client_->ListWorkers(false);
-      ASSERT_TRUE(list.ok()) << list.status();
-      if (list->size() == 2) return;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    FAIL() << "workers did not register";
+    workers_ = testing::StartTestWorkers(coordinator_.grpc, 2, {"--metrics-linger", "20s"});
+    for (const Daemon& w : workers_) ASSERT_FALSE(w.grpc.empty()) << ReadFile(w.log);
+    const absl::Status registered = testing::WaitForWorkers(*client_, 2);
+    ASSERT_TRUE(registered.ok()) << registered << "\n" << Logs();
   }
 
   // A tp=2 TRAIN job of `steps` steps of 4 x 32 tokens.
@@ -199,11 +185,7 @@ class DashboardMetricsTest : public ::testing::Test {
     return spec;
   }
 
-  std::string Logs() {
-    std::string out = ReadFile(coordinator_.log);
-    for (const Daemon& w : workers_) out += ReadFile(w.log);
-    return out;
-  }
+  std::string Logs() { return testing::DaemonLogs(coordinator_, workers_); }
 
   // colod_jobs_finished_total{state}, once it reaches `want` (the sweeper
   // publishes it within its period) or after 10 s.

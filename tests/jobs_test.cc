@@ -37,7 +37,6 @@ using ::colod::testing::Daemon;
 using ::colod::testing::ReadFile;
 using ::colod::testing::Runfile;
 using ::colod::testing::RunCommand;
-using ::colod::testing::StartDaemon;
 using ::colod::testing::TempPath;
 
 constexpr char kGpl[] = "/usr/share/common-licenses/GPL-3";
@@ -74,28 +73,15 @@ class JobsTest : public ::testing::Test {
     auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2"), tiny);
     ASSERT_TRUE(model.ok()) << model.status();
     StartCoordinator();
-    for (int i = 0; i < 4; ++i) {
-      workers_.push_back(StartDaemon("worker/daemon/colod-worker", absl::StrCat("w", i),
-                                     {"--coordinator", coordinator_.grpc, "--device", "cpu", "--device-ordinal",
-                                      absl::StrCat(i), "--work-dir", TempPath(absl::StrCat("work", i)),
-                                      "--comm-timeout", "30s"}));
-      ASSERT_FALSE(workers_.back().grpc.empty()) << ReadFile(workers_.back().log);
-    }
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    while (absl::Now() < deadline) {
-      auto list = client_->ListWorkers(false);
-      ASSERT_TRUE(list.ok()) << list.status();
-      if (list->size() == 4) return;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    FAIL() << "workers did not register";
+    workers_ = testing::StartTestWorkers(coordinator_.grpc, 4);
+    for (const Daemon& w : workers_) ASSERT_FALSE(w.grpc.empty()) << ReadFile(w.log);
+    const absl::Status registered = testing::WaitForWorkers(*client_, 4);
+    ASSERT_TRUE(registered.ok()) << registered << "\n" << Logs();
   }
 
   // `listen`: where to serve (a restart reuses the address the workers know).
   void StartCoordinator(const std::string& listen = "127.0.0.1:0") {
-    coordinator_ = StartDaemon("server/colod-coordinator", "coordinator",
-                               {"--data-dir", TempPath("data"), "--heartbeat-interval", "200ms",
-                                "--lease-duration", "1500ms", "--listen", listen});
+    coordinator_ = testing::StartTestCoordinator(listen);
     ASSERT_FALSE(coordinator_.grpc.empty()) << ReadFile(coordinator_.log);
     auto client = CoordinatorClient::Create(coordinator_.grpc);
     ASSERT_TRUE(client.ok());
@@ -137,11 +123,7 @@ class JobsTest : public ::testing::Test {
     return events;
   }
 
-  std::string Logs() {
-    std::string out = ReadFile(coordinator_.log);
-    for (const Daemon& w : workers_) out += ReadFile(w.log);
-    return out;
-  }
+  std::string Logs() { return testing::DaemonLogs(coordinator_, workers_); }
 
   bool AllIdle(absl::Duration within, int except = -1) {
     const absl::Time deadline = absl::Now() + within;

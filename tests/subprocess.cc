@@ -116,4 +116,44 @@ Daemon StartDaemon(const std::string& binary, const std::string& name, std::vect
   return d;
 }
 
+Daemon StartTestCoordinator(const std::string& listen, std::vector<std::string> flags) {
+  std::vector<std::string> argv = {"--data-dir", TempPath("data"), "--heartbeat-interval", "200ms",
+                                   "--lease-duration", "1500ms", "--listen", listen};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  return StartDaemon("server/colod-coordinator", "coordinator", std::move(argv));
+}
+
+std::vector<Daemon> StartTestWorkers(const std::string& coordinator, int n, const std::vector<std::string>& flags) {
+  std::vector<Daemon> workers;
+  for (int i = 0; i < n; ++i) {
+    std::vector<std::string> argv = {"--coordinator", coordinator, "--device", "cpu", "--device-ordinal",
+                                     absl::StrCat(i), "--work-dir", TempPath(absl::StrCat("work", i)),
+                                     "--comm-timeout", "30s"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    workers.push_back(StartDaemon("worker/daemon/colod-worker", absl::StrCat("w", i), std::move(argv)));
+  }
+  return workers;
+}
+
+absl::Status WaitForWorkers(CoordinatorClient& client, size_t n, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status last = absl::OkStatus();
+  size_t got = 0;
+  while (absl::Now() < deadline) {
+    auto list = client.ListWorkers(/*include_lost=*/false);
+    if (list.ok() && list->size() == n) return absl::OkStatus();
+    if (list.ok()) got = list->size();
+    last = list.status();
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return absl::DeadlineExceededError(absl::StrCat(got, " of ", n, " workers registered within ",
+                                                  absl::FormatDuration(timeout), "; last error: ", last.ToString()));
+}
+
+std::string DaemonLogs(const Daemon& coordinator, const std::vector<Daemon>& workers) {
+  std::string out = ReadFile(coordinator.log);
+  for (const Daemon& w : workers) out += ReadFile(w.log);
+  return out;
+}
+
 }  // namespace colod::testing

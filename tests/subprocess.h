@@ -10,7 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/coordinator_client.h"
 
 namespace colod::testing {
 
@@ -65,6 +68,24 @@ struct Daemon {
 // --listen/--metrics-listen 127.0.0.1:0 and a ready file under the test's
 // temp dir named after `name`, plus `flags`; waits up to 30 s for it.
 Daemon StartDaemon(const std::string& binary, const std::string& name, std::vector<std::string> flags);
+
+// A coordinator for cluster tests: data under the test's temp dir ("data"),
+// heartbeats every 200 ms and a 1.5 s lease (a lost worker shows fast),
+// listening on `listen` (a restart reuses the address the workers know),
+// plus `flags`.
+Daemon StartTestCoordinator(const std::string& listen = "127.0.0.1:0", std::vector<std::string> flags = {});
+
+// `n` CPU workers "w0".."w{n-1}" registering at `coordinator`, device
+// ordinals 0..n-1, work dirs "work{i}" under the test's temp dir, a 30 s
+// --comm-timeout, plus `flags`.
+std::vector<Daemon> StartTestWorkers(const std::string& coordinator, int n, const std::vector<std::string>& flags = {});
+
+// Waits up to `timeout` until the coordinator lists `n` live workers; the
+// last error or count if it never does.
+absl::Status WaitForWorkers(CoordinatorClient& client, size_t n, absl::Duration timeout = absl::Seconds(30));
+
+// The stderr of every daemon, for failure messages.
+std::string DaemonLogs(const Daemon& coordinator, const std::vector<Daemon>& workers);
 
 }  // namespace colod::testing
 

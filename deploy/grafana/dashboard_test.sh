@@ -5,18 +5,13 @@
 # names only metrics and labels colod exports is //tests:dashboard_metrics_test.
 set -euo pipefail
 
-fail() {
-  echo "FAIL: $*" >&2
-  exit 1
-}
-
+# fail(), $tmp, $promtool, and the working directory: deploy/prometheus/test_env.sh
 if [[ -n "${TEST_SRCDIR:-}" ]]; then
-  cd "${TEST_SRCDIR}/${TEST_WORKSPACE}/deploy/grafana"
+  source "${TEST_SRCDIR}/${TEST_WORKSPACE}/deploy/prometheus/test_env.sh" deploy/grafana
+else
+  cd "$(dirname "${BASH_SOURCE[0]}")"
+  source ../prometheus/test_env.sh deploy/grafana
 fi
-tmp="${TEST_TMPDIR:-$(mktemp -d)}"
-promtool="$(command -v promtool || true)"
-[[ -n "$promtool" ]] ||
-  fail "promtool is not on PATH ($PATH): install Debian's prometheus package (apt-get install prometheus)"
 
 # "expr": "..." and "query": "..." strings (colod.json has one per line),
 # JSON-unescaped; label_values(...) is Grafana's, not PromQL.

@@ -869,6 +869,18 @@ TEST(Manifests, ServicesAnnotationsAndPolicyPortsExist) {
       EXPECT_EQ(OfBinary(pods, kCoordinator).size(), 1u) << r->name << ": PodMonitor must scrape the coordinator";
       EXPECT_EQ(OfBinary(pods, kWorker).size(), 1u) << r->name << ": PodMonitor must scrape the workers";
       for (const YAML::Node& ep : Get(pm, {"spec", "podMetricsEndpoints"})) {
+        // The alerts (ColodCoordinatorDown, ...) and the dashboard select on
+        // `component`: the endpoint must set it from the pod's component label.
+        bool sets_component = false;
+        for (const YAML::Node& rl : ep["relabelings"]) {
+          const YAML::Node src = rl["sourceLabels"];
+          if (Str(rl["targetLabel"]) == "component" && src.IsSequence() && src.size() == 1 &&
+              Str(src[0]) == "__meta_kubernetes_pod_label_app_kubernetes_io_component") {
+            sets_component = true;
+          }
+        }
+        EXPECT_TRUE(sets_component) << r->name << ": PodMonitor endpoint " << Str(ep["port"])
+                                    << " does not set the `component` label the alerts select on";
         for (const Container& k : pods) {
           EXPECT_TRUE(k.HasPortName(Str(ep["port"])))
               << r->name << ": PodMonitor port " << Str(ep["port"]) << " not on " << k.where;

@@ -14,19 +14,13 @@
 # deploy/prometheus/ (then TEST_TMPDIR defaults to a fresh directory).
 set -euo pipefail
 
-fail() {
-  echo "FAIL: $*" >&2
-  exit 1
-}
-
+# fail(), $tmp, $promtool, and the working directory: deploy/prometheus/test_env.sh
 if [[ -n "${TEST_SRCDIR:-}" ]]; then
-  cd "${TEST_SRCDIR}/${TEST_WORKSPACE}/deploy/prometheus"
+  source "${TEST_SRCDIR}/${TEST_WORKSPACE}/deploy/prometheus/test_env.sh" deploy/prometheus
+else
+  cd "$(dirname "${BASH_SOURCE[0]}")"
+  source ../prometheus/test_env.sh deploy/prometheus
 fi
-tmp="${TEST_TMPDIR:-$(mktemp -d)}"
-
-promtool="$(command -v promtool || true)"
-[[ -n "$promtool" ]] ||
-  fail "promtool is not on PATH ($PATH): install Debian's prometheus package (apt-get install prometheus)"
 
 echo "== promtool check config"
 "$promtool" check config prometheus.yml

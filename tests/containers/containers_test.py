@@ -186,6 +186,7 @@ def main():
     ap.add_argument("--image", default="localhost/colod:latest")
     ap.add_argument("--prometheus-image", default="localhost/colod-test-prometheus:latest")
     ap.add_argument("--rules", default="", help="a folder of Prometheus rule files to load")
+    ap.add_argument("--cuda-image", default="", help="also check this colod-cuda image (no GPU needed)")
     args = ap.parse_args()
 
     cluster = Cluster(args)
@@ -228,6 +229,40 @@ def main():
                     raise Failure(f"{b} --version does not run")
 
         test("image: non-root, runtime only, binaries on PATH", image_is_slim_and_non_root)
+
+        def cuda_image():
+            img = args.cuda_image
+            uid = run(["podman", "run", "--rm", img, "id", "-u"]).strip()
+            if uid != "10001":
+                raise Failure(f"the CUDA image runs as uid {uid}, want the non-root 10001")
+            # The binaries take cudart, cuBLAS and NCCL from CUDA_BASE, the rest from /opt/colod/lib.
+            for b in ["colod-coordinator", "colod-worker", "coloctl"]:
+                libs = run(["podman", "run", "--rm", img, "ldd", f"/usr/local/bin/{b}"])
+                if "not found" in libs:
+                    raise Failure(f"{b} misses libraries in the CUDA image:\n{libs}")
+                if b == "colod-worker":
+                    for lib in ["libcudart.so", "libcublas.so", "libcublasLt.so", "libnccl.so"]:
+                        if f"{lib}" not in libs:
+                            raise Failure(f"colod-worker does not load {lib} in the CUDA image:\n{libs}")
+            # No GPU is handed to this container: the worker must say so and
+            # exit with an error, neither crash nor hang.
+            try:
+                p = subprocess.run(["podman", "run", "--rm", img, "colod-worker", "--device", "cuda",
+                                    "--coordinator", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+            except subprocess.TimeoutExpired:
+                raise Failure("colod-worker --device cuda without a GPU did not exit within 120 s")
+            if p.returncode != 1 or "no CUDA device" not in p.stderr:
+                raise Failure(f"colod-worker --device cuda without a GPU: exit {p.returncode}, want 1 and "
+                              f"'no CUDA device':\n{p.stderr[-1500:]}")
+            # The coordinator serves from the CUDA image too, and its HEALTHCHECK command passes.
+            run(["podman", "run", "--rm", img, "sh", "-c",
+                 "colod-coordinator --data-dir /var/lib/colod/data & "
+                 "for i in $(seq 150); do colod-healthcheck >/dev/null 2>&1 && exit 0; sleep 0.2; done; "
+                 "colod-healthcheck; exit 1"], timeout=120)
+
+        if args.cuda_image:
+            test("cuda image: non-root, CUDA libraries from its base, no-GPU error, coordinator healthy",
+                 cuda_image)
 
         run([args.coloctl, "init-model", "--out", model, "--vocab-size", "257", "--hidden-size", "32",
              "--layers", "2", "--heads", "4", "--positions", "64"])
