@@ -1,4 +1,10 @@
-"""cuda_library and cuda_test: nvcc-compiled CUDA code that is skipped without CUDA."""
+"""cuda_library and friends: CUDA code built by nvcc, or by the host compiler
+against colod's CUDA emulation under --config=cuda-emu, and skipped where
+neither is available.
+
+Without the toolkit (bazel/cuda.bzl) every CUDA target is incompatible and
+skipped, unless --config=cuda-emu is set: the emulation needs no toolkit.
+"""
 
 load("@local_cuda//:defs.bzl", "CUDA_ENABLED", "NVCC")
 
@@ -10,6 +16,26 @@ CUDA_GENCODE = [
 
 # A constraint no platform has: a target that requires it is incompatible.
 _INCOMPATIBLE = ["//bazel:cuda_present"]
+
+_EMU = "//bazel:cuda_emu"
+
+def cuda_compatible():
+    """target_compatible_with for targets that need CUDA (the toolkit or the emulation)."""
+    return select({
+        _EMU: [],
+        "//conditions:default": [] if CUDA_ENABLED else _INCOMPATIBLE,
+    })
+
+def if_cuda(if_true, if_false = []):
+    """`if_true` where the build has CUDA (the toolkit or the emulation), else `if_false`."""
+    return select({
+        _EMU: if_true,
+        "//conditions:default": if_true if CUDA_ENABLED else if_false,
+    })
+
+def cuda_defines():
+    """local_defines for code with CUDA parts behind #ifdef COLOD_WITH_CUDA."""
+    return if_cuda(["COLOD_WITH_CUDA"])
 
 def _cuda_objects_impl(ctx):
     cc_infos = [d[CcInfo] for d in ctx.attr.deps if CcInfo in d]
@@ -51,33 +77,56 @@ _cuda_objects = rule(
 )
 
 def cuda_library(name, srcs = [], hdrs = [], deps = [], copts = [], cc_srcs = [], **kwargs):
-    """A cc_library whose .cu srcs are compiled by nvcc; cc_srcs are compiled by the C++ toolchain."""
-    compat = [] if CUDA_ENABLED else _INCOMPATIBLE
-    all_deps = deps + ["@local_cuda//:cudart", "@local_cuda//:cuda_headers"]
+    """A cc_library whose .cu srcs are compiled by nvcc (or, under --config=cuda-emu, by
+    the host compiler against the emulation); cc_srcs are compiled by the C++ toolchain."""
+    all_deps = deps + ["//bazel:cudart", "//bazel:cuda_headers"]
     _cuda_objects(
         name = name + "_cuda_objs",
         srcs = srcs,
         hdrs = hdrs,
-        deps = all_deps,
+        deps = deps + ["@local_cuda//:cudart", "@local_cuda//:cuda_headers"],
         copts = copts,
         nvcc = NVCC,
-        target_compatible_with = compat,
+        target_compatible_with = select({
+            _EMU: _INCOMPATIBLE,
+            "//conditions:default": [] if CUDA_ENABLED else _INCOMPATIBLE,
+        }),
+        tags = ["manual"],
+    )
+
+    # The same sources as C++ for the emulation: foo.cu is copied to foo.cu.cc.
+    emu_srcs = [src + ".cc" for src in srcs]
+    native.genrule(
+        name = name + "_emu_srcs",
+        srcs = srcs,
+        outs = emu_srcs,
+        cmd = " && ".join(["cp $(location %s) $(location %s)" % (s, s + ".cc") for s in srcs]),
+        tags = ["manual"],
     )
     native.cc_library(
         name = name,
-        srcs = [":" + name + "_cuda_objs"] + cc_srcs,
+        srcs = select({
+            _EMU: [":" + name + "_emu_srcs"],
+            "//conditions:default": [":" + name + "_cuda_objs"],
+        }) + cc_srcs,
         hdrs = hdrs,
+        copts = select({
+            # nvcc includes cuda_runtime.h implicitly.
+            _EMU: ["-include", "cuda_runtime.h"],
+            "//conditions:default": [],
+        }),
         deps = all_deps,
-        target_compatible_with = compat,
+        target_compatible_with = cuda_compatible(),
         **kwargs
     )
 
 def cuda_cc_test(name, deps = [], **kwargs):
-    """A cc_test that needs the CUDA toolkit to build (it skips at run time without a GPU)."""
+    """A cc_test that needs CUDA to build (it skips at run time without a GPU; under
+    --config=cuda-emu it runs on the emulation)."""
     native.cc_test(
         name = name,
         deps = deps,
-        target_compatible_with = [] if CUDA_ENABLED else _INCOMPATIBLE,
+        target_compatible_with = cuda_compatible(),
         **kwargs
     )
 
@@ -86,6 +135,6 @@ def cuda_cc_library(name, deps = [], **kwargs):
     native.cc_library(
         name = name,
         deps = deps,
-        target_compatible_with = [] if CUDA_ENABLED else _INCOMPATIBLE,
+        target_compatible_with = cuda_compatible(),
         **kwargs
     )

@@ -622,10 +622,22 @@ absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, in
   ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "embedding_backward"));
   if (dev.is_cuda()) {
     RETURN_IF_ERROR(SameDevice("embedding_backward", dev, {&ids}));
-    ASSIGN_OR_RETURN(Tensor id64, ids.ToDType(DType::kI64));
+    // The tokens grouped by their row, in token order within a row: the GPU
+    // sums each row's tokens in the CPU loop's order below, without atomics.
+    std::vector<std::vector<int64_t>> by_row(rows);
+    for (size_t i = 0; i < idv.size(); ++i) {
+      const int64_t local = idv[i] - row_offset;
+      if (local >= 0 && local < rows) by_row[local].push_back(static_cast<int64_t>(i));
+    }
+    std::vector<int64_t> seg_rows, seg_starts = {0}, tokens;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (by_row[r].empty()) continue;
+      seg_rows.push_back(r);
+      tokens.insert(tokens.end(), by_row[r].begin(), by_row[r].end());
+      seg_starts.push_back(static_cast<int64_t>(tokens.size()));
+    }
     ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({rows, h}, DType::kF32, dev));
-    COLOD_GPU(gpu::EmbeddingBackward(dev.index, P<float>(fd), P<int64_t>(id64), P<float>(out),
-                                     static_cast<int64_t>(idv.size()), rows, h, row_offset));
+    COLOD_GPU(gpu::EmbeddingBackward(dev.index, P<float>(fd), seg_rows, seg_starts, tokens, P<float>(out), rows, h));
     return Back(out, dy.dtype());
   }
   std::vector<double> acc(rows * h, 0.0);

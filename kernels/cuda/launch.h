@@ -1,6 +1,7 @@
 // Shared by colod's .cu files: CUDA error to Status, launch geometry for
-// grid-stride loops, and the synchronous finish every host entry point ends
-// with (work runs on the calling thread's default stream).
+// grid-stride loops, the one kernel launch helper, and the synchronous finish
+// every host entry point ends with (work runs on the calling thread's default
+// stream).
 #ifndef COLOD_KERNELS_CUDA_LAUNCH_H_
 #define COLOD_KERNELS_CUDA_LAUNCH_H_
 
@@ -8,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 
@@ -38,6 +40,20 @@ inline absl::Status CudaStatus(cudaError_t e, const char* what) {
 inline unsigned Blocks(int64_t n) {
   const int64_t b = (n + kThreads - 1) / kThreads;
   return static_cast<unsigned>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...): every kernel of colod is
+// launched here, so nvcc and the CUDA emulation (kernels/cuda/emu, which has
+// no <<<>>>) compile the same sources unchanged. Returns the launch's error
+// without clearing it (Finish reports it too).
+template <typename... Params, typename... Args>
+cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
+#ifdef COLOD_CUDA_EMULATION
+  return ::colod_cuda_emu::Launch(kernel, grid, block, 0, stream, std::forward<Args>(args)...);
+#else
+  kernel<<<grid, block, 0, stream>>>(std::forward<Args>(args)...);
+  return cudaPeekAtLastError();
+#endif
 }
 
 // Selects `device` for the calling thread.

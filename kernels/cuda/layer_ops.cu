@@ -7,6 +7,8 @@
 #include <map>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/philox.h"
 
@@ -223,11 +225,15 @@ __global__ void EmbeddingKernel(const float* table, const int64_t* ids, float* o
   }
 }
 
-__global__ void EmbeddingBackwardKernel(const float* dy, const int64_t* ids, float* dtable, int64_t count,
-                                        int64_t rows, int64_t h, int64_t row_offset) {
-  GRID_STRIDE(i, count * h) {
-    const int64_t local = ids[i / h] - row_offset;
-    if (local >= 0 && local < rows) atomicAdd(dtable + local * h + i % h, dy[i]);
+// One thread per (row with tokens, column): the row's tokens in token order,
+// summed in double. No two threads write one element: deterministic.
+__global__ void EmbeddingBackwardKernel(const float* dy, const int64_t* seg_rows, const int64_t* seg_starts,
+                                        const int64_t* tokens, int64_t segments, int64_t h, float* dtable) {
+  GRID_STRIDE(i, segments * h) {
+    const int64_t s = i / h, j = i % h;
+    double acc = 0;
+    for (int64_t k = seg_starts[s]; k < seg_starts[s + 1]; ++k) acc += dy[tokens[k] * h + j];
+    dtable[seg_rows[s] * h + j] = static_cast<float>(acc);
   }
 }
 
@@ -300,16 +306,41 @@ __global__ void AdamWKernel(float* p, const float* g, float* m, float* v, int64_
   }
 }
 
-// One cuBLAS handle per (thread, device), bound to the thread's default stream.
-absl::StatusOr<cublasHandle_t> Handle(int device) {
-  thread_local std::map<int, cublasHandle_t> handles;
-  auto it = handles.find(device);
-  if (it != handles.end()) return it->second;
+// One cuBLAS handle per device for the whole process (a thread_local one
+// leaked a handle and its workspace per job thread), bound to
+// cudaStreamPerThread, which CUDA resolves to the calling thread's stream at
+// each call, and destroyed at exit. `mu` serializes the calls that use a
+// handle: colod runs one rank, so one compute thread, per device.
+struct CublasHandles {
+  absl::Mutex mu;
+  std::map<int, cublasHandle_t> by_device ABSL_GUARDED_BY(mu);
+  ~CublasHandles() {
+    absl::MutexLock lock(&mu);
+    for (auto& [device, h] : by_device) {
+      if (cudaSetDevice(device) == cudaSuccess) cublasDestroy(h);  // a driver already gone only fails here
+    }
+  }
+};
+
+CublasHandles& Handles() {
+  static CublasHandles handles;  // destroyed at exit
+  return handles;
+}
+
+// The device's handle; creates it on first use. Requires Handles().mu.
+absl::StatusOr<cublasHandle_t> HandleLocked(CublasHandles& handles, int device)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(handles.mu) {
+  auto it = handles.by_device.find(device);
+  if (it != handles.by_device.end()) return it->second;
   cublasHandle_t h = nullptr;
   RETURN_IF(CublasCheck(cublasCreate(&h), "cublasCreate"));
-  RETURN_IF(CublasCheck(cublasSetStream(h, cudaStreamPerThread), "cublasSetStream"));
-  RETURN_IF(CublasCheck(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode"));  // no TF32
-  handles[device] = h;
+  absl::Status s = CublasCheck(cublasSetStream(h, cudaStreamPerThread), "cublasSetStream");
+  if (s.ok()) s = CublasCheck(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");  // no TF32
+  if (!s.ok()) {
+    cublasDestroy(h);
+    return s;
+  }
+  handles.by_device[device] = h;
   return h;
 }
 
@@ -330,124 +361,158 @@ absl::Status Gemm(int device, ElemType type, bool trans_a, bool trans_b, int64_t
   }
   if (m == 0 || n == 0) return absl::OkStatus();
   RETURN_IF(Begin(device));
-  absl::StatusOr<cublasHandle_t> h = Handle(device);
-  if (!h.ok()) return h.status();
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
   const float one = 1.0f, zero = 0.0f;
   const int lda = static_cast<int>(trans_a ? m : k), ldb = static_cast<int>(trans_b ? k : n);
-  RETURN_IF(CublasCheck(
-      cublasGemmEx(*h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
-                   static_cast<int>(m), static_cast<int>(k), &one, b, CudaType(type), ldb, a, CudaType(type), lda,
-                   &zero, c, CudaType(type), static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-      "cublasGemmEx"));
+  {
+    CublasHandles& handles = Handles();
+    absl::MutexLock lock(&handles.mu);  // held for the enqueue only, not for the GEMM
+    absl::StatusOr<cublasHandle_t> h = HandleLocked(handles, device);
+    if (!h.ok()) return h.status();
+    RETURN_IF(CublasCheck(
+        cublasGemmEx(*h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                     static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one, b, CudaType(type), ldb, a,
+                     CudaType(type), lda, &zero, c, CudaType(type), static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx"));
+  }
   return Finish("cublasGemmEx");
 }
 
 absl::Status BiasAdd(int device, const float* x, const float* bias, float* out, int64_t rows, int64_t n) {
   RETURN_IF(Begin(device));
-  BiasAddKernel<<<Blocks(rows * n), kThreads, 0, cudaStreamPerThread>>>(x, bias, out, rows * n, n);
+  Launch(BiasAddKernel, Blocks(rows * n), kThreads, cudaStreamPerThread, x, bias, out, rows * n, n);
   return Finish("BiasAddKernel");
 }
 
 absl::Status BiasGrad(int device, const float* dy, float* db, int64_t rows, int64_t n) {
   RETURN_IF(Begin(device));
-  ColumnSumKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(dy, db, rows, n);
+  Launch(ColumnSumKernel, Blocks(n), kThreads, cudaStreamPerThread, dy, db, rows, n);
   return Finish("ColumnSumKernel");
 }
 
 absl::Status Gelu(int device, const float* x, float* y, int64_t n, bool tanh_approx) {
   RETURN_IF(Begin(device));
-  GeluKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(x, y, n, tanh_approx);
+  Launch(GeluKernel, Blocks(n), kThreads, cudaStreamPerThread, x, y, n, tanh_approx);
   return Finish("GeluKernel");
 }
 
 absl::Status GeluBackward(int device, const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx) {
   RETURN_IF(Begin(device));
-  GeluBackwardKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(dy, x, dx, n, tanh_approx);
+  Launch(GeluBackwardKernel, Blocks(n), kThreads, cudaStreamPerThread, dy, x, dx, n, tanh_approx);
   return Finish("GeluBackwardKernel");
 }
 
 absl::Status Silu(int device, const float* x, float* y, int64_t n) {
   RETURN_IF(Begin(device));
-  SiluKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(x, y, n);
+  Launch(SiluKernel, Blocks(n), kThreads, cudaStreamPerThread, x, y, n);
   return Finish("SiluKernel");
 }
 
 absl::Status SiluBackward(int device, const float* dy, const float* x, float* dx, int64_t n) {
   RETURN_IF(Begin(device));
-  SiluBackwardKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(dy, x, dx, n);
+  Launch(SiluBackwardKernel, Blocks(n), kThreads, cudaStreamPerThread, dy, x, dx, n);
   return Finish("SiluBackwardKernel");
 }
 
 absl::Status LayerNorm(int device, const float* x, const float* g, const float* b, float eps, float* y, float* mean,
                        float* rstd, int64_t rows, int64_t n) {
   RETURN_IF(Begin(device));
-  LayerNormKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(x, g, b, eps, y, mean, rstd, rows, n);
+  Launch(LayerNormKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, x, g, b, eps, y, mean, rstd, rows, n);
   return Finish("LayerNormKernel");
 }
 
 absl::Status LayerNormBackward(int device, const float* dy, const float* x, const float* g, const float* mean,
                                const float* rstd, float* dx, float* dg, float* db, int64_t rows, int64_t n) {
   RETURN_IF(Begin(device));
-  LayerNormBackwardKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(dy, x, g, mean, rstd, dx, rows, n);
-  NormParamGradKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(dy, x, mean, rstd, dg, db, rows, n);
+  Launch(LayerNormBackwardKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, dy, x, g, mean, rstd, dx, rows, n);
+  Launch(NormParamGradKernel, Blocks(n), kThreads, cudaStreamPerThread, dy, x, mean, rstd, dg, db, rows, n);
   return Finish("LayerNormBackwardKernel");
 }
 
 absl::Status RmsNorm(int device, const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
                      int64_t n) {
   RETURN_IF(Begin(device));
-  RmsNormKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(x, g, eps, y, rstd, rows, n);
+  Launch(RmsNormKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, x, g, eps, y, rstd, rows, n);
   return Finish("RmsNormKernel");
 }
 
 absl::Status RmsNormBackward(int device, const float* dy, const float* x, const float* g, const float* rstd,
                              float* dx, float* dg, int64_t rows, int64_t n) {
   RETURN_IF(Begin(device));
-  RmsNormBackwardKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(dy, x, g, rstd, dx, rows, n);
-  NormParamGradKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(dy, x, nullptr, rstd, dg, nullptr, rows, n);
+  Launch(RmsNormBackwardKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, dy, x, g, rstd, dx, rows, n);
+  Launch(NormParamGradKernel, Blocks(n), kThreads, cudaStreamPerThread, dy, x, nullptr, rstd, dg, nullptr, rows, n);
   return Finish("RmsNormBackwardKernel");
 }
 
 absl::Status Softmax(int device, const float* x, float* y, int64_t rows, int64_t k, int64_t causal_q) {
   RETURN_IF(Begin(device));
-  SoftmaxKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(x, y, rows, k, causal_q);
+  Launch(SoftmaxKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, x, y, rows, k, causal_q);
   return Finish("SoftmaxKernel");
 }
 
 absl::Status SoftmaxBackward(int device, const float* dy, const float* y, float* dx, int64_t rows, int64_t k) {
   RETURN_IF(Begin(device));
-  SoftmaxBackwardKernel<<<RowBlocks(rows), kThreads, 0, cudaStreamPerThread>>>(dy, y, dx, rows, k);
+  Launch(SoftmaxBackwardKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, dy, y, dx, rows, k);
   return Finish("SoftmaxBackwardKernel");
 }
 
 absl::Status Dropout(int device, const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset) {
   RETURN_IF(Begin(device));
-  DropoutKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(x, y, n, p, seed, offset);
+  Launch(DropoutKernel, Blocks(n), kThreads, cudaStreamPerThread, x, y, n, p, seed, offset);
   return Finish("DropoutKernel");
 }
 
 absl::Status Embedding(int device, const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows,
                        int64_t h, int64_t row_offset) {
   RETURN_IF(Begin(device));
-  EmbeddingKernel<<<Blocks(count * h), kThreads, 0, cudaStreamPerThread>>>(table, ids, out, count, rows, h,
+  Launch(EmbeddingKernel, Blocks(count * h), kThreads, cudaStreamPerThread, table, ids, out, count, rows, h,
                                                                             row_offset);
   return Finish("EmbeddingKernel");
 }
 
-absl::Status EmbeddingBackward(int device, const float* dy, const int64_t* ids, float* dtable, int64_t count,
-                               int64_t rows, int64_t h, int64_t row_offset) {
+absl::Status EmbeddingBackward(int device, const float* dy, const std::vector<int64_t>& seg_rows,
+                               const std::vector<int64_t>& seg_starts, const std::vector<int64_t>& tokens,
+                               float* dtable, int64_t rows, int64_t h) {
+  const int64_t segments = static_cast<int64_t>(seg_rows.size());
+  if (seg_starts.size() != seg_rows.size() + 1 || seg_starts.back() != static_cast<int64_t>(tokens.size())) {
+    return absl::InvalidArgumentError("EmbeddingBackward: inconsistent token segments");
+  }
   RETURN_IF(Begin(device));
   RETURN_IF(CudaCheck(cudaMemsetAsync(dtable, 0, rows * h * sizeof(float), cudaStreamPerThread), "cudaMemsetAsync"));
-  EmbeddingBackwardKernel<<<Blocks(count * h), kThreads, 0, cudaStreamPerThread>>>(dy, ids, dtable, count, rows, h,
-                                                                                    row_offset);
+  if (segments == 0) return Finish("EmbeddingBackward");
+  // The three index arrays in one stream-ordered allocation; the copies from
+  // pageable memory are staged before cudaMemcpyAsync returns.
+  const size_t n_index = seg_rows.size() + seg_starts.size() + tokens.size();
+  int64_t* index = nullptr;
+  RETURN_IF(CudaCheck(cudaMallocAsync(reinterpret_cast<void**>(&index), n_index * sizeof(int64_t), cudaStreamPerThread),
+                      "cudaMallocAsync"));
+  int64_t* d_rows = index;
+  int64_t* d_starts = d_rows + seg_rows.size();
+  int64_t* d_tokens = d_starts + seg_starts.size();
+  cudaError_t e = cudaMemcpyAsync(d_rows, seg_rows.data(), seg_rows.size() * sizeof(int64_t),
+                                  cudaMemcpyHostToDevice, cudaStreamPerThread);
+  if (e == cudaSuccess) {
+    e = cudaMemcpyAsync(d_starts, seg_starts.data(), seg_starts.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                        cudaStreamPerThread);
+  }
+  if (e == cudaSuccess && !tokens.empty()) {
+    e = cudaMemcpyAsync(d_tokens, tokens.data(), tokens.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                        cudaStreamPerThread);
+  }
+  if (e == cudaSuccess) {
+    e = Launch(EmbeddingBackwardKernel, Blocks(segments * h), kThreads, cudaStreamPerThread, dy, d_rows, d_starts,
+               d_tokens, segments, h, dtable);
+  }
+  cudaFreeAsync(index, cudaStreamPerThread);  // after the kernel, in stream order
+  RETURN_IF(CudaCheck(e, "EmbeddingBackward"));
   return Finish("EmbeddingBackwardKernel");
 }
 
 absl::Status CrossEntropy(int device, const float* logits, const int64_t* labels, float* loss, int64_t n, int64_t v,
                           float smoothing, int64_t ignore_index) {
   RETURN_IF(Begin(device));
-  CrossEntropyKernel<<<RowBlocks(n), kThreads, 0, cudaStreamPerThread>>>(logits, labels, loss, n, v, smoothing,
+  Launch(CrossEntropyKernel, RowBlocks(n), kThreads, cudaStreamPerThread, logits, labels, loss, n, v, smoothing,
                                                                           ignore_index);
   return Finish("CrossEntropyKernel");
 }
@@ -455,7 +520,7 @@ absl::Status CrossEntropy(int device, const float* logits, const int64_t* labels
 absl::Status CrossEntropyBackward(int device, const float* dloss, const float* logits, const int64_t* labels,
                                   float* dlogits, int64_t n, int64_t v, float smoothing, int64_t ignore_index) {
   RETURN_IF(Begin(device));
-  CrossEntropyBackwardKernel<<<RowBlocks(n), kThreads, 0, cudaStreamPerThread>>>(dloss, logits, labels, dlogits, n, v,
+  Launch(CrossEntropyBackwardKernel, RowBlocks(n), kThreads, cudaStreamPerThread, dloss, logits, labels, dlogits, n, v,
                                                                                   smoothing, ignore_index);
   return Finish("CrossEntropyBackwardKernel");
 }
@@ -463,7 +528,7 @@ absl::Status CrossEntropyBackward(int device, const float* dloss, const float* l
 absl::Status Rope(int device, const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d, float theta,
                   int64_t position_offset, float sign) {
   RETURN_IF(Begin(device));
-  RopeKernel<<<Blocks(b * s * heads * (d / 2)), kThreads, 0, cudaStreamPerThread>>>(x, y, b, s, heads, d, theta,
+  Launch(RopeKernel, Blocks(b * s * heads * (d / 2)), kThreads, cudaStreamPerThread, x, y, b, s, heads, d, theta,
                                                                                      position_offset, sign);
   return Finish("RopeKernel");
 }
@@ -471,7 +536,7 @@ absl::Status Rope(int device, const float* x, float* y, int64_t b, int64_t s, in
 absl::Status AdamW(int device, float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
                    float beta2, float eps, float weight_decay, float bias_correction1, float bias_correction2) {
   RETURN_IF(Begin(device));
-  AdamWKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(param, grad, m, v, n, lr, beta1, beta2, eps,
+  Launch(AdamWKernel, Blocks(n), kThreads, cudaStreamPerThread, param, grad, m, v, n, lr, beta1, beta2, eps,
                                                                 weight_decay, bias_correction1, bias_correction2);
   return Finish("AdamWKernel");
 }

@@ -10,6 +10,7 @@
 #define COLOD_KERNELS_CUDA_LAYER_OPS_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "kernels/cuda/tensor_ops.h"
@@ -48,8 +49,14 @@ absl::Status Dropout(int device, const float* x, float* y, int64_t n, float p, u
 // caller has rejected them when masking is off).
 absl::Status Embedding(int device, const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows,
                        int64_t h, int64_t row_offset);
-absl::Status EmbeddingBackward(int device, const float* dy, const int64_t* ids, float* dtable, int64_t count,
-                               int64_t rows, int64_t h, int64_t row_offset);
+// dtable[rows, h] <- for each row, the sum of dy's rows of the tokens with
+// that id. The tokens come grouped by row on the host: segment s is table
+// row seg_rows[s] and tokens[seg_starts[s] .. seg_starts[s+1]) (increasing);
+// each sum runs in token order in double, so the result is the same bitwise
+// on every run and equal to the CPU kernel's (no atomics).
+absl::Status EmbeddingBackward(int device, const float* dy, const std::vector<int64_t>& seg_rows,
+                               const std::vector<int64_t>& seg_starts, const std::vector<int64_t>& tokens,
+                               float* dtable, int64_t rows, int64_t h);
 
 // Per row of [n, v] logits with i64 labels (ignore_index rows: loss 0, no gradient).
 absl::Status CrossEntropy(int device, const float* logits, const int64_t* labels, float* loss, int64_t n, int64_t v,

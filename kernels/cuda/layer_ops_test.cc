@@ -1,6 +1,14 @@
 // Every layer kernel on a CUDA tensor against its CPU twin on random, never
 // zero, inputs (DESIGN.md section 7). Skipped without a GPU.
+#include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
+
 #include <cmath>
+#include <thread>
+#include <vector>
+
+#ifdef COLOD_CUDA_EMULATION
+#include <cublas_emu.h>
+#endif
 
 #include "gtest/gtest.h"
 #include "kernels/device.h"
@@ -30,6 +38,40 @@ void ExpectNear(const Tensor& gpu, const Tensor& cpu, double tol, const std::str
   ASSERT_EQ(gpu.shape(), cpu.shape()) << what;
   const std::vector<float> g = gpu.ToFloats(), c = cpu.ToFloats();
   for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], c[i], tol * (1 + std::fabs(c[i]))) << what << " at " << i;
+}
+
+// docs/TRAINING.md promises bitwise-identical resumed runs: the embedding
+// gradient with ids repeated many times must not depend on the order threads
+// add in. Each row's tokens are summed in token order, as on the CPU: the
+// result equals the CPU kernel's bit for bit, on every run, also with a
+// vocabulary shard (row_offset) that masks some ids.
+TEST_F(CudaLayerOps, EmbeddingBackwardIsDeterministicWithRepeatedIds) {
+  std::vector<int64_t> idv(4 * 256);
+  for (size_t i = 0; i < idv.size(); ++i) idv[i] = static_cast<int64_t>((i * 7) % 5) + (i % 3 == 0 ? 30 : 0);
+  const Tensor ids = *Tensor::FromInt64s({4, 256}, idv);
+  const Tensor dy = R({4, 256, 24}, 21, 10.0f);
+  for (int64_t offset : {0, 30}) {
+    const Tensor cpu = *EmbeddingBackward(dy, ids, 40, offset);
+    const Tensor first = *EmbeddingBackward(Dev(dy), Dev(ids), 40, offset);
+    const Tensor second = *EmbeddingBackward(Dev(dy), Dev(ids), 40, offset);
+    EXPECT_EQ(first.ToBytes(), second.ToBytes()) << "offset " << offset;
+    EXPECT_EQ(first.ToBytes(), cpu.ToBytes()) << "offset " << offset;
+  }
+}
+
+// GEMMs from several threads share the device's one cuBLAS handle (a
+// handle per thread leaked one, with its workspace, per job thread).
+TEST_F(CudaLayerOps, OneCublasHandlePerDeviceWhateverTheThreads) {
+  const Tensor a = R({16, 8}, 31), b = R({8, 4}, 32);
+  const Tensor want = *MatMul(a, b);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&] { ExpectNear(*MatMul(Dev(a), Dev(b)), want, 1e-5, "gemm on another thread"); });
+  }
+  for (auto& t : threads) t.join();
+#ifdef COLOD_CUDA_EMULATION
+  EXPECT_EQ(colod_cublas_emu::LiveHandles(), 1);  // device 0 only, however many threads
+#endif
 }
 
 TEST_F(CudaLayerOps, GemmInEveryLayoutAndType) {

@@ -189,7 +189,7 @@ absl::Status StridedCopy(int device, const void* src, const Layout& src_layout, 
   }
   if (n == 0) return absl::OkStatus();
   RETURN_IF_CUDA(cudaSetDevice(device));
-  StridedCopyKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(
+  Launch(StridedCopyKernel, Blocks(n), kThreads, cudaStreamPerThread,
       static_cast<const char*>(src), src_layout, src_type, static_cast<char*>(dst), dst_layout, dst_type, n);
   return Finish("StridedCopyKernel");
 }
@@ -197,14 +197,14 @@ absl::Status StridedCopy(int device, const void* src, const Layout& src_layout, 
 absl::Status FillRandom(int device, void* p, ElemType type, int64_t n, uint64_t seed, bool normal) {
   if (n == 0) return absl::OkStatus();
   RETURN_IF_CUDA(cudaSetDevice(device));
-  FillRandomKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(static_cast<char*>(p), type, n, seed, normal);
+  Launch(FillRandomKernel, Blocks(n), kThreads, cudaStreamPerThread, static_cast<char*>(p), type, n, seed, normal);
   return Finish("FillRandomKernel");
 }
 
 absl::Status Binary(int device, BinaryOp op, ElemType type, const void* a, const void* b, void* out, int64_t n) {
   if (n == 0) return absl::OkStatus();
   RETURN_IF_CUDA(cudaSetDevice(device));
-  BinaryKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(
+  Launch(BinaryKernel, Blocks(n), kThreads, cudaStreamPerThread,
       op, type, static_cast<const char*>(a), static_cast<const char*>(b), static_cast<char*>(out), n);
   return Finish("BinaryKernel");
 }
@@ -213,7 +213,7 @@ absl::Status Scale(int device, ElemType type, const void* a, float s, void* out,
   if (IsInt(type)) return absl::InvalidArgumentError("Scale: float types only");
   if (n == 0) return absl::OkStatus();
   RETURN_IF_CUDA(cudaSetDevice(device));
-  ScaleKernel<<<Blocks(n), kThreads, 0, cudaStreamPerThread>>>(type, static_cast<const char*>(a), s,
+  Launch(ScaleKernel, Blocks(n), kThreads, cudaStreamPerThread, type, static_cast<const char*>(a), s,
                                                                static_cast<char*>(out), n);
   return Finish("ScaleKernel");
 }
@@ -224,8 +224,8 @@ absl::StatusOr<double> Sum(int device, ElemType type, const void* a, int64_t n) 
   const unsigned blocks = Blocks(n);
   double* buf = nullptr;
   RETURN_IF_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&buf), (blocks + 1) * sizeof(double), cudaStreamPerThread));
-  SumPartialsKernel<<<blocks, kThreads, 0, cudaStreamPerThread>>>(type, static_cast<const char*>(a), n, buf);
-  SumFinalKernel<<<1, 1, 0, cudaStreamPerThread>>>(buf, static_cast<int>(blocks), buf + blocks);
+  Launch(SumPartialsKernel, blocks, kThreads, cudaStreamPerThread, type, static_cast<const char*>(a), n, buf);
+  Launch(SumFinalKernel, 1, 1, cudaStreamPerThread, buf, static_cast<int>(blocks), buf + blocks);
   double result = 0;
   cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) {

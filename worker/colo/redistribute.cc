@@ -323,6 +323,9 @@ absl::StatusOr<std::vector<RedistributeStep>> PlanRedistribute(const DistSpec& f
 
 absl::StatusOr<Tensor> RunStep(const Tensor& local, const RedistributeStep& step, Communicator& comm,
                                int local_rank, absl::Duration timeout) {
+  // The backend check comes first: a tensor on the wrong device is an error
+  // even where a group of one has nothing to move.
+  RETURN_IF_ERROR(CheckBackend(local, comm));
   if (comm.size() == 1) return local;
   return Convert(local, step.from, step.to, comm, local_rank, timeout);
 }

@@ -61,6 +61,8 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
   ASSIGN_OR_RETURN(LmLoss loss, model->NextTokenLoss(logits, mine));
   ForwardResult result;
   ASSIGN_OR_RETURN(Tensor full, model->GatherLogits(logits));  // this replica's rows, every tp rank
+  // Back on the rank's device for the dp gather: an NCCL group moves device memory only.
+  ASSIGN_OR_RETURN(full, full.To(logits.local().device()));
   ASSIGN_OR_RETURN(Communicator * dp_comm, pg.Comm("dp"));
   ASSIGN_OR_RETURN(result.logits, AllGatherDim(full, 0, *dp_comm, pg.timeout()));  // replicas in order
   ASSIGN_OR_RETURN(result.logits, result.logits.To(Device::Cpu()));

@@ -1,0 +1,564 @@
+// The CUDA emulation itself, against closed forms and host references: every
+// thread of a grid runs, __syncthreads is a barrier, streams run
+// asynchronously and in order, the legacy stream and events order work, GEMM
+// matches a naive triple loop through the row-major mapping colod uses, and
+// the NCCL collectives match their definitions, including hangs and aborts.
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_emu.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace {
+
+using colod_cuda_emu::Launch;
+
+__global__ void WriteIndex(int* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = i;
+}
+
+__global__ void Write2D(int* out, int width) {
+  const int x = blockIdx.x * blockDim.x + threadIdx.x;
+  const int y = blockIdx.y * blockDim.y + threadIdx.y;
+  out[y * width + x] = 1000 * y + x;
+}
+
+// Each thread reads its right neighbour's write: right only with a barrier.
+__global__ void Rotate(int* out) {
+  __shared__ int s[128];
+  const int t = threadIdx.x;
+  s[t] = t * t;
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + t] = s[(t + 1) % blockDim.x] + static_cast<int>(blockIdx.x);
+}
+
+__global__ void DivergentBarrier(int* out) {
+  if (threadIdx.x == 0) return;
+  __syncthreads();
+  out[threadIdx.x] = 1;
+}
+
+__global__ void WaitForFlag(const std::atomic<int>* flag, int* out) {
+  while (flag->load() == 0) std::this_thread::yield();
+  *out = 7;
+}
+
+__global__ void Increment(int* x) {
+  if (threadIdx.x == 0) *x += 1;
+}
+
+__global__ void AtomicSum(float* total, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) atomicAdd(total, 1.0f);
+}
+
+template <typename T>
+T* DeviceAlloc(size_t n) {
+  void* p = nullptr;
+  EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess);
+  return static_cast<T*>(p);
+}
+
+TEST(CudaEmuKernels, EveryThreadOfEveryBlockRuns) {
+  const int n = 1000;  // not a multiple of the block
+  int* d = DeviceAlloc<int>(n);
+  ASSERT_EQ(Launch(WriteIndex, dim3((n + 255) / 256), dim3(256), 0, cudaStreamPerThread, d, n), cudaSuccess);
+  std::vector<int> h(n, -1);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(h.data(), d, n * sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int i = 0; i < n; ++i) ASSERT_EQ(h[i], i);
+  const int w = 48, hgt = 20;
+  int* d2 = DeviceAlloc<int>(w * hgt);
+  ASSERT_EQ(Launch(Write2D, dim3(w / 16, hgt / 4), dim3(16, 4), 0, cudaStreamPerThread, d2, w), cudaSuccess);
+  std::vector<int> h2(w * hgt);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(h2.data(), d2, h2.size() * sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int y = 0; y < hgt; ++y) {
+    for (int x = 0; x < w; ++x) ASSERT_EQ(h2[y * w + x], 1000 * y + x);
+  }
+  EXPECT_EQ(cudaFree(d), cudaSuccess);
+  EXPECT_EQ(cudaFree(d2), cudaSuccess);
+}
+
+TEST(CudaEmuKernels, SyncthreadsIsABarrierAndSharedIsPerBlock) {
+  const int blocks = 3, threads = 128;
+  int* d = DeviceAlloc<int>(blocks * threads);
+  ASSERT_EQ(Launch(Rotate, dim3(blocks), dim3(threads), 0, cudaStreamPerThread, d), cudaSuccess);
+  std::vector<int> h(blocks * threads);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(h.data(), d, h.size() * sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int b = 0; b < blocks; ++b) {
+    for (int t = 0; t < threads; ++t) {
+      const int r = (t + 1) % threads;
+      ASSERT_EQ(h[b * threads + t], r * r + b) << "block " << b << " thread " << t;
+    }
+  }
+  cudaFree(d);
+}
+
+TEST(CudaEmuKernels, AtomicAddCountsEveryThread) {
+  float* d = DeviceAlloc<float>(1);
+  ASSERT_EQ(cudaMemset(d, 0, sizeof(float)), cudaSuccess);
+  ASSERT_EQ(Launch(AtomicSum, dim3(10), dim3(256), 0, cudaStreamPerThread, d, 2500), cudaSuccess);
+  float h = 0;
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&h, d, sizeof h, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(h, 2500.0f);
+  cudaFree(d);
+}
+
+TEST(CudaEmuKernelsDeathTest, ADivergentBarrierIsReported) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        int* d = nullptr;
+        cudaMalloc(reinterpret_cast<void**>(&d), 64 * sizeof(int));
+        Launch(DivergentBarrier, dim3(1), dim3(64), 0, cudaStreamPerThread, d);
+        cudaStreamSynchronize(cudaStreamPerThread);
+      },
+      "divergent barrier");
+}
+
+TEST(CudaEmuKernels, BadLaunchConfigurationsFail) {
+  int* d = DeviceAlloc<int>(1);
+  EXPECT_EQ(Launch(Increment, dim3(1), dim3(2048), 0, cudaStreamPerThread, d), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // cleared
+  EXPECT_EQ(Launch(Increment, dim3(0), dim3(1), 0, cudaStreamPerThread, d), cudaErrorInvalidConfiguration);
+  cudaGetLastError();
+  cudaFree(d);
+}
+
+TEST(CudaEmuStreams, WorkRunsAsynchronouslyInStreamOrder) {
+  std::atomic<int> flag{0};
+  int* d = DeviceAlloc<int>(1);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(d, 0, sizeof(int), s), cudaSuccess);
+  ASSERT_EQ(Launch(WaitForFlag, dim3(1), dim3(1), 0, s, &flag, d), cudaSuccess);
+  ASSERT_EQ(Launch(Increment, dim3(1), dim3(32), 0, s, d), cudaSuccess);
+  // The launch returned while the kernel waits: the stream is busy.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady);
+  cudaEvent_t e;
+  ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(e, s), cudaSuccess);
+  EXPECT_EQ(cudaEventQuery(e), cudaErrorNotReady);
+  flag = 1;
+  ASSERT_EQ(cudaEventSynchronize(e), cudaSuccess);
+  EXPECT_EQ(cudaEventQuery(e), cudaSuccess);
+  int h = 0;
+  ASSERT_EQ(cudaMemcpyAsync(&h, d, sizeof h, cudaMemcpyDeviceToHost, s), cudaSuccess);  // pageable: synchronous
+  EXPECT_EQ(h, 8);  // 7, then incremented after: stream order
+  EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+  EXPECT_EQ(cudaEventDestroy(e), cudaSuccess);
+  EXPECT_EQ(cudaEventDestroy(e), cudaErrorInvalidResourceHandle);
+  cudaGetLastError();
+  cudaFree(d);
+}
+
+TEST(CudaEmuStreams, StreamWaitEventOrdersTwoStreams) {
+  std::atomic<int> flag{0};
+  int* d = DeviceAlloc<int>(1);
+  cudaStream_t a, b;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+  cudaEvent_t e;
+  ASSERT_EQ(cudaEventCreate(&e), cudaSuccess);
+  ASSERT_EQ(Launch(WaitForFlag, dim3(1), dim3(1), 0, a, &flag, d), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(e, a), cudaSuccess);
+  ASSERT_EQ(cudaStreamWaitEvent(b, e, 0), cudaSuccess);
+  ASSERT_EQ(Launch(Increment, dim3(1), dim3(1), 0, b, d), cudaSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(cudaStreamQuery(b), cudaErrorNotReady);  // held back by the event
+  flag = 1;
+  ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
+  int h = 0;
+  ASSERT_EQ(cudaMemcpy(&h, d, sizeof h, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(h, 8);
+  cudaStreamDestroy(a);
+  cudaStreamDestroy(b);
+  cudaEventDestroy(e);
+  cudaFree(d);
+}
+
+TEST(CudaEmuStreams, TheLegacyStreamWaitsForBlockingStreams) {
+  std::atomic<int> flag{0};
+  int* d = DeviceAlloc<int>(1);
+  ASSERT_EQ(cudaMemset(d, 0, sizeof(int)), cudaSuccess);
+  ASSERT_EQ(Launch(WaitForFlag, dim3(1), dim3(1), 0, cudaStreamPerThread, &flag, d), cudaSuccess);
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    flag = 1;
+  });
+  int h = 0;
+  // cudaMemcpy runs on the legacy stream, after the per-thread stream's kernel.
+  ASSERT_EQ(cudaMemcpy(&h, d, sizeof h, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(h, 7);
+  release.join();
+  cudaFree(d);
+}
+
+TEST(CudaEmuMemory, CopiesAndFreesAreChecked) {
+  int* d = DeviceAlloc<int>(4);
+  std::vector<int> h(4, 1);
+  EXPECT_EQ(cudaMemcpy(d, h.data(), 4 * sizeof(int), cudaMemcpyDeviceToHost), cudaErrorInvalidMemcpyDirection);
+  EXPECT_EQ(cudaMemcpy(d, h.data(), 5 * sizeof(int), cudaMemcpyHostToDevice), cudaErrorInvalidValue);  // past the end
+  EXPECT_EQ(cudaMemcpy(d, h.data(), 4 * sizeof(int), cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaFree(h.data()), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaFree(d + 1), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaFree(d), cudaSuccess);
+  EXPECT_EQ(cudaFree(d), cudaErrorInvalidValue);  // double free
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  void* huge = nullptr;
+  EXPECT_EQ(cudaMalloc(&huge, total + 1), cudaErrorMemoryAllocation);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);
+  EXPECT_EQ(cudaSetDevice(1000), cudaErrorInvalidDevice);
+  cudaGetLastError();
+}
+
+TEST(CudaEmuFp16, ConversionsRoundToNearestEven) {
+  EXPECT_EQ(__half_as_ushort(__float2half_rn(1.0f)), 0x3c00);
+  EXPECT_EQ(__half_as_ushort(__float2half_rn(-2.0f)), 0xc000);
+  EXPECT_EQ(__half_as_ushort(__float2half_rn(65504.0f)), 0x7bff);
+  EXPECT_EQ(__half_as_ushort(__float2half_rn(65519.0f)), 0x7bff);
+  EXPECT_EQ(__half_as_ushort(__float2half_rn(65520.0f)), 0x7c00);  // rounds to inf
+  EXPECT_EQ(__half_as_ushort(__float2half_rn(std::ldexp(1.0f, -24))), 0x0001);
+  EXPECT_EQ(__half_as_ushort(__float2half_rn(std::ldexp(1.0f, -25))), 0x0000);      // tie: to even (0)
+  EXPECT_EQ(__half_as_ushort(__float2half_rn(std::ldexp(3.0f, -25))), 0x0002);      // tie: to even (2)
+  EXPECT_EQ(__half_as_ushort(__float2half_rn(0.1f)), 0x2e66);
+  EXPECT_EQ(__half_as_ushort(__float2half_rn(1.0f + std::ldexp(1.0f, -11))), 0x3c00);  // tie: to even
+  EXPECT_EQ(__half_as_ushort(__float2half_rn(1.0f + std::ldexp(3.0f, -11))), 0x3c02);
+  // Every finite half survives the round trip through float exactly.
+  for (uint32_t u = 0; u < 0x10000; ++u) {
+    const __half h = __ushort_as_half(static_cast<unsigned short>(u));
+    const float f = __half2float(h);
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(__half_as_ushort(__float2half_rn(f)), u) << std::hex << u;
+  }
+  EXPECT_TRUE(std::isnan(__half2float(__ushort_as_half(0x7e00))));
+  EXPECT_EQ(__half2float(__ushort_as_half(0x0001)), std::ldexp(1.0f, -24));
+}
+
+// Row-major C[m x n] = op(A) op(B), as kernels/cuda/layer_ops.cu maps it:
+// column-major C^T = op(B)^T op(A)^T.
+void RowMajorGemm(cublasHandle_t h, bool ta, bool tb, int m, int n, int k, const float* a, const float* b, float* c) {
+  const float one = 1, zero = 0;
+  ASSERT_EQ(cublasGemmEx(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &one, b,
+                         CUDA_R_32F, tb ? k : n, a, CUDA_R_32F, ta ? m : k, &zero, c, CUDA_R_32F, n,
+                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            CUBLAS_STATUS_SUCCESS);
+}
+
+TEST(CudaEmuCublas, GemmMatchesANaiveProductInEveryTransposition) {
+  cublasHandle_t h;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cublasSetStream(h, cudaStreamPerThread), CUBLAS_STATUS_SUCCESS);
+  const int m = 7, n = 5, k = 3;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  std::vector<float> a(m * k), b(k * n);
+  for (float& v : a) v = dist(rng);
+  for (float& v : b) v = dist(rng);
+  for (int ta = 0; ta < 2; ++ta) {
+    for (int tb = 0; tb < 2; ++tb) {
+      // Stored transposed where op is T: A is k x m, B is n x k.
+      std::vector<float> as(a.size()), bs(b.size());
+      for (int i = 0; i < m; ++i) {
+        for (int p = 0; p < k; ++p) (ta ? as[p * m + i] : as[i * k + p]) = a[i * k + p];
+      }
+      for (int p = 0; p < k; ++p) {
+        for (int j = 0; j < n; ++j) (tb ? bs[j * k + p] : bs[p * n + j]) = b[p * n + j];
+      }
+      float* da = DeviceAlloc<float>(as.size());
+      float* db = DeviceAlloc<float>(bs.size());
+      float* dc = DeviceAlloc<float>(m * n);
+      cudaMemcpy(da, as.data(), as.size() * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(db, bs.data(), bs.size() * 4, cudaMemcpyHostToDevice);
+      RowMajorGemm(h, ta, tb, m, n, k, da, db, dc);
+      std::vector<float> c(m * n);
+      ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+      cudaMemcpy(c.data(), dc, c.size() * 4, cudaMemcpyDeviceToHost);
+      for (int i = 0; i < m; ++i) {
+        for (int j = 0; j < n; ++j) {
+          double want = 0;
+          for (int p = 0; p < k; ++p) want += double{a[i * k + p]} * b[p * n + j];
+          EXPECT_NEAR(c[i * n + j], want, 1e-5) << "ta=" << ta << " tb=" << tb << " at " << i << "," << j;
+        }
+      }
+      cudaFree(da);
+      cudaFree(db);
+      cudaFree(dc);
+    }
+  }
+  EXPECT_EQ(cublasDestroy(h), CUBLAS_STATUS_SUCCESS);
+}
+
+TEST(CudaEmuCublas, LeadingDimensionsAreChecked) {
+  cublasHandle_t h;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  float* d = DeviceAlloc<float>(64);
+  const float one = 1, zero = 0;
+  // lda < rows of A (m for OP_N)
+  EXPECT_EQ(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, 3, d, 4, &zero, d, 4),
+            CUBLAS_STATUS_INVALID_VALUE);
+  // ldb < rows of B (n for OP_T)
+  EXPECT_EQ(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, 4, 5, 4, &one, d, 4, d, 4, &zero, d, 4),
+            CUBLAS_STATUS_INVALID_VALUE);
+  EXPECT_EQ(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, 4, d, 4, &zero, d, 3),
+            CUBLAS_STATUS_INVALID_VALUE);
+  EXPECT_EQ(cublasDestroy(h), CUBLAS_STATUS_SUCCESS);
+  cudaFree(d);
+}
+
+TEST(CudaEmuCublasDeathTest, AnOperandPastItsAllocationIsAnIllegalAddress) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        cublasHandle_t h;
+        cublasCreate(&h);
+        float* d = nullptr;
+        cudaMalloc(reinterpret_cast<void**>(&d), 16 * sizeof(float));
+        const float one = 1;
+        const float zero = 0;
+        cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 8, &one, d, 4, d, 8, &zero, d, 4);  // A is 4 x 8
+      },
+      "illegal address");
+}
+
+// ---- NCCL ----
+
+// Runs fn(rank) on `n` threads, each with device `rank`.
+void OnRanks(int n, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      fn(r);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+std::vector<float> ToHost(const float* d, size_t n) {
+  std::vector<float> h(n);
+  EXPECT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  return h;
+}
+
+float* ToDevice(const std::vector<float>& h) {
+  float* d = DeviceAlloc<float>(h.size());
+  EXPECT_EQ(cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  return d;
+}
+
+TEST(CudaEmuNccl, CollectivesMatchTheirDefinitions) {
+  const int n = 4;
+  const size_t count = 6;
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  auto value = [](int r, size_t i) { return static_cast<float>(10 * r + i); };
+  OnRanks(n, [&](int r) {
+    ncclComm_t comm;
+    ASSERT_EQ(ncclCommInitRank(&comm, n, id, r), ncclSuccess);
+    int rank = -1, size = -1;
+    ncclCommUserRank(comm, &rank);
+    ncclCommCount(comm, &size);
+    EXPECT_EQ(rank, r);
+    EXPECT_EQ(size, n);
+    std::vector<float> mine(count * n);
+    for (size_t i = 0; i < mine.size(); ++i) mine[i] = value(r, i);
+    float* in = ToDevice(mine);
+    float* out = DeviceAlloc<float>(count * n);
+    // AllReduce (in place)
+    float* ar = ToDevice(std::vector<float>(mine.begin(), mine.begin() + count));
+    ASSERT_EQ(ncclAllReduce(ar, ar, count, ncclFloat32, ncclSum, comm, cudaStreamPerThread), ncclSuccess);
+    std::vector<float> got = ToHost(ar, count);
+    for (size_t i = 0; i < count; ++i) EXPECT_EQ(got[i], value(0, i) + value(1, i) + value(2, i) + value(3, i));
+    // AllGather
+    ASSERT_EQ(ncclAllGather(in, out, count, ncclFloat32, comm, cudaStreamPerThread), ncclSuccess);
+    got = ToHost(out, count * n);
+    for (int j = 0; j < n; ++j) {
+      for (size_t i = 0; i < count; ++i) EXPECT_EQ(got[j * count + i], value(j, i));
+    }
+    // ReduceScatter: rank r gets the sum of every rank's r-th chunk.
+    ASSERT_EQ(ncclReduceScatter(in, out, count, ncclFloat32, ncclMax, comm, cudaStreamPerThread), ncclSuccess);
+    got = ToHost(out, count);
+    for (size_t i = 0; i < count; ++i) EXPECT_EQ(got[i], value(n - 1, r * count + i));
+    // Broadcast from rank 2
+    ASSERT_EQ(ncclBroadcast(in, out, count, ncclFloat32, 2, comm, cudaStreamPerThread), ncclSuccess);
+    got = ToHost(out, count);
+    for (size_t i = 0; i < count; ++i) EXPECT_EQ(got[i], value(2, i));
+    // AlltoAll: chunk j of rank r's output is chunk r of rank j's input.
+    ASSERT_EQ(ncclAlltoAll(in, out, count, ncclFloat32, comm, cudaStreamPerThread), ncclSuccess);
+    got = ToHost(out, count * n);
+    for (int j = 0; j < n; ++j) {
+      for (size_t i = 0; i < count; ++i) EXPECT_EQ(got[j * count + i], value(j, r * count + i));
+    }
+    // Host memory is refused, as NCCL refuses it.
+    std::vector<float> host(count);
+    EXPECT_EQ(ncclAllReduce(host.data(), host.data(), count, ncclFloat32, ncclSum, comm, cudaStreamPerThread),
+              ncclInvalidArgument);
+    EXPECT_EQ(ncclCommDestroy(comm), ncclSuccess);
+    cudaFree(in);
+    cudaFree(out);
+    cudaFree(ar);
+  });
+}
+
+TEST(CudaEmuNccl, SplitGroupsRanksByColorOrderedByKey) {
+  const int n = 4;
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  OnRanks(n, [&](int r) {
+    ncclComm_t comm, sub = nullptr;
+    ASSERT_EQ(ncclCommInitRank(&comm, n, id, r), ncclSuccess);
+    // Colors {0, 1, 0, 1}; keys reverse the order.
+    ASSERT_EQ(ncclCommSplit(comm, r % 2, -r, &sub, nullptr), ncclSuccess);
+    ASSERT_NE(sub, nullptr);
+    int rank = -1, size = -1;
+    ncclCommUserRank(sub, &rank);
+    ncclCommCount(sub, &size);
+    EXPECT_EQ(size, 2);
+    EXPECT_EQ(rank, r < 2 ? 1 : 0);
+    float* x = ToDevice({static_cast<float>(r)});
+    ASSERT_EQ(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, sub, cudaStreamPerThread), ncclSuccess);
+    EXPECT_EQ(ToHost(x, 1)[0], r % 2 == 0 ? 0 + 2 : 1 + 3);
+    ncclComm_t none = reinterpret_cast<ncclComm_t>(0x1);
+    ASSERT_EQ(ncclCommSplit(comm, r == 0 ? 0 : NCCL_SPLIT_NOCOLOR, 0, &none, nullptr), ncclSuccess);
+    EXPECT_EQ(none == nullptr, r != 0);
+    if (none != nullptr) ncclCommDestroy(none);
+    ncclCommDestroy(sub);
+    ncclCommDestroy(comm);
+    cudaFree(x);
+  });
+}
+
+TEST(CudaEmuNccl, NonBlockingInitIsInProgressUntilEveryRankJoined) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t c0 = nullptr, c1 = nullptr;
+  ASSERT_EQ(ncclCommInitRankConfig(&c0, 2, id, 0, &config), ncclSuccess);
+  ncclResult_t state = ncclSuccess;
+  ASSERT_EQ(ncclCommGetAsyncError(c0, &state), ncclSuccess);
+  EXPECT_EQ(state, ncclInProgress);
+  ASSERT_EQ(ncclCommInitRankConfig(&c1, 2, id, 1, &config), ncclSuccess);
+  ASSERT_EQ(ncclCommGetAsyncError(c0, &state), ncclSuccess);
+  EXPECT_EQ(state, ncclSuccess);
+  ncclComm_t dup = nullptr;
+  EXPECT_EQ(ncclCommInitRankConfig(&dup, 2, id, 1, &config), ncclInvalidUsage);  // an id serves one communicator
+  ncclUniqueId foreign;
+  memset(&foreign, 0, sizeof foreign);
+  snprintf(foreign.internal, sizeof foreign.internal, "colod-nccl-emu:1:1:0");
+  EXPECT_EQ(ncclCommInitRankConfig(&dup, 2, foreign, 0, &config), ncclInvalidUsage);  // another process's id
+  ncclCommDestroy(c0);
+  ncclCommDestroy(c1);
+}
+
+TEST(CudaEmuNccl, UngroupedExchangeDeadlocksGroupedOneCompletes) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  OnRanks(2, [&](int r) {
+    ncclComm_t comm;
+    ASSERT_EQ(ncclCommInitRank(&comm, 2, id, r), ncclSuccess);
+    const int peer = 1 - r;
+    float* out = ToDevice({static_cast<float>(r + 1)});
+    float* in = ToDevice({0});
+    // Grouped: both ranks send then receive, fused: completes.
+    ASSERT_EQ(ncclGroupStart(), ncclSuccess);
+    ASSERT_EQ(ncclSend(out, 1, ncclFloat32, peer, comm, cudaStreamPerThread), ncclSuccess);
+    ASSERT_EQ(ncclRecv(in, 1, ncclFloat32, peer, comm, cudaStreamPerThread), ncclSuccess);
+    ASSERT_EQ(ncclGroupEnd(), ncclSuccess);
+    EXPECT_EQ(ToHost(in, 1)[0], static_cast<float>(peer + 1));
+    // Ungrouped on one stream each: each Send waits for a Recv queued behind it.
+    cudaStream_t s;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(ncclSend(out, 1, ncclFloat32, peer, comm, s), ncclSuccess);
+    ASSERT_EQ(ncclRecv(in, 1, ncclFloat32, peer, comm, s), ncclSuccess);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady);
+    // Abort frees the stream: its waits end.
+    ASSERT_EQ(ncclCommAbort(comm), ncclSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    cudaStreamDestroy(s);
+    cudaFree(out);
+    cudaFree(in);
+  });
+}
+
+TEST(CudaEmuNccl, ARankThatNeverEntersBlocksItsPeersUntilAbort) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  colod_nccl_emu::SetFault({colod_nccl_emu::FaultKind::kHang, /*rank=*/1, /*op=*/2, /*comm_size=*/3});
+  OnRanks(3, [&](int r) {
+    ncclComm_t comm;
+    ASSERT_EQ(ncclCommInitRank(&comm, 3, id, r), ncclSuccess);
+    float* x = ToDevice({1});
+    ASSERT_EQ(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread), ncclSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);  // op 1 completes
+    ASSERT_EQ(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread), ncclSuccess);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_EQ(cudaStreamQuery(cudaStreamPerThread), cudaErrorNotReady) << "rank " << r;
+    ASSERT_EQ(ncclCommAbort(comm), ncclSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+    cudaFree(x);
+  });
+  colod_nccl_emu::SetFault({});
+}
+
+TEST(CudaEmuNccl, AnInjectedErrorIsReportedAsync) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  colod_nccl_emu::SetFault({colod_nccl_emu::FaultKind::kError, /*rank=*/0, /*op=*/1, /*comm_size=*/2});
+  OnRanks(2, [&](int r) {
+    ncclComm_t comm;
+    ASSERT_EQ(ncclCommInitRank(&comm, 2, id, r), ncclSuccess);
+    float* x = ToDevice({1});
+    ASSERT_EQ(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread), ncclSuccess);
+    if (r == 0) {
+      ncclResult_t state = ncclSuccess;
+      for (int i = 0; i < 200 && state == ncclSuccess; ++i) {
+        ncclCommGetAsyncError(comm, &state);
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      EXPECT_EQ(state, ncclRemoteError);
+    }
+    ncclCommAbort(comm);
+    EXPECT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+    cudaFree(x);
+  });
+  colod_nccl_emu::SetFault({});
+}
+
+TEST(CudaEmuNcclDeathTest, UseAfterAbortIsReported) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        ncclUniqueId id;
+        ncclGetUniqueId(&id);
+        ncclComm_t comm;
+        ncclCommInitRank(&comm, 1, id, 0);
+        ncclCommAbort(comm);
+        ncclResult_t state;
+        ncclCommGetAsyncError(comm, &state);
+      },
+      "use after free");
+}
+
+}  // namespace

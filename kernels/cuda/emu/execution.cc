@@ -1,0 +1,274 @@
+// The execution model of colod's CUDA emulation: a launch becomes one task
+// on its stream; the task runs the grid's blocks one after another, and a
+// block's threads as fibers on the stream's host thread, so
+// __syncthreads is a real barrier and __shared__ (static thread_local) is a
+// block's own.
+//
+// A block starts with its thread 0 on a fiber. If that thread returns
+// without reaching a barrier, the kernel has none on this path (CUDA
+// requires a barrier to be reached by every thread of the block or by none),
+// and the remaining threads run as plain calls, without fibers: the cost of
+// barrier-free kernels. Otherwise every thread gets a fiber, and the block
+// runs in rounds: each live thread runs to its next barrier or its end; a
+// round in which some threads ended while others wait at a barrier is the
+// divergent barrier the hardware would hang on, reported and aborted.
+//
+// Thread-safety: LaunchGrid may be called from any thread. Fibers and their
+// stacks belong to the host thread that runs them (thread_local).
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/emu/runtime_internal.h"
+
+// Switching fibers. On x86-64 a hand-written switch saves the callee-saved
+// registers, MXCSR and the x87 control word on the old stack and restores
+// them from the new one: a few nanoseconds, where swapcontext makes a
+// sigprocmask system call each time (block reductions switch thousands of
+// times per block). Elsewhere ucontext does it.
+#if defined(__x86_64__)
+extern "C" void colod_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+.text
+.globl colod_emu_switch
+.type colod_emu_switch,@function
+colod_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+.size colod_emu_switch,.-colod_emu_switch
+.section .note.GNU-stack,"",@progbits
+.text
+)");
+#define COLOD_EMU_ASM_SWITCH 1
+#endif
+
+namespace colod_cuda_emu {
+
+thread_local const ThreadContext* current_thread = nullptr;
+
+namespace {
+
+constexpr size_t kStackBytes = 256 << 10;
+
+struct Fiber {
+#ifdef COLOD_EMU_ASM_SWITCH
+  void* sp = nullptr;  // saved stack pointer while suspended
+#else
+  ucontext_t context;
+#endif
+  void* stack = nullptr;  // kStackBytes plus a guard page below
+  bool done = false;
+  bool at_barrier = false;
+};
+
+// The host thread's block scheduler.
+struct Scheduler {
+#ifdef COLOD_EMU_ASM_SWITCH
+  void* main_sp = nullptr;
+#else
+  ucontext_t main;
+#endif
+  std::vector<Fiber> fibers;
+  std::vector<ThreadContext> contexts;
+  const std::function<void()>* body = nullptr;
+  int running = -1;    // the fiber running now, or -1
+  bool direct = false;  // threads run as plain calls: a barrier is divergence
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+
+  ~Scheduler() {
+    for (Fiber& f : fibers) {
+      if (f.stack != nullptr) munmap(f.stack, kStackBytes + page);
+    }
+  }
+
+  void EnsureFibers(size_t n) {
+    while (fibers.size() < n) {
+      Fiber f;
+      f.stack = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                     -1, 0);
+      if (f.stack == MAP_FAILED) Fatal("cannot map a fiber stack");
+      mprotect(f.stack, page, PROT_NONE);  // overflow faults instead of corrupting
+      fibers.push_back(f);
+    }
+  }
+
+  static void Entry();
+
+  // Prepares fiber i to run the kernel body from its start.
+  void Start(int i) {
+    Fiber& f = fibers[i];
+    f.done = false;
+    f.at_barrier = false;
+#ifdef COLOD_EMU_ASM_SWITCH
+    // The frame colod_emu_switch pops: MXCSR and x87 control word, r15, r14,
+    // r13, r12, rbx, rbp, then the return address (Entry), above which a
+    // fake return slot leaves rsp % 16 == 8 at Entry, as after a call.
+    uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack) + page + kStackBytes) & ~uintptr_t{15};
+    void** frame = reinterpret_cast<void**>(top);
+    *--frame = nullptr;                                        // fake return address of Entry
+    *--frame = reinterpret_cast<void*>(&Scheduler::Entry);     // ret target
+    for (int r = 0; r < 6; ++r) *--frame = nullptr;            // rbp rbx r12 r13 r14 r15
+    uint32_t control[2];
+    asm volatile("stmxcsr %0" : "=m"(control[0]));
+    asm volatile("fnstcw %0" : "=m"(control[1]));
+    *--frame = nullptr;
+    memcpy(frame, control, 4);
+    memcpy(reinterpret_cast<char*>(frame) + 4, &control[1], 2);
+    f.sp = frame;
+#else
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = static_cast<char*>(f.stack) + page;
+    f.context.uc_stack.ss_size = kStackBytes;
+    f.context.uc_link = &main;
+    makecontext(&f.context, &Scheduler::Entry, 0);
+#endif
+  }
+
+  // Runs fiber i until it reaches a barrier or ends.
+  void Resume(int i) {
+    running = i;
+    current_thread = &contexts[i];
+#ifdef COLOD_EMU_ASM_SWITCH
+    colod_emu_switch(&main_sp, fibers[i].sp);
+#else
+    swapcontext(&main, &fibers[i].context);
+#endif
+    running = -1;
+  }
+
+  // From fiber i back to the scheduler.
+  void Yield(int i) {
+#ifdef COLOD_EMU_ASM_SWITCH
+    colod_emu_switch(&fibers[i].sp, main_sp);
+#else
+    swapcontext(&fibers[i].context, &main);
+#endif
+  }
+
+  void RunBlock(dim3 grid, dim3 block, uint3 block_idx) {
+    const int n = static_cast<int>(block.x * block.y * block.z);
+    contexts.resize(n);
+    for (int i = 0; i < n; ++i) {
+      const unsigned t = static_cast<unsigned>(i);
+      contexts[i] = ThreadContext{uint3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)}, block_idx,
+                                  block, grid};
+    }
+    EnsureFibers(1);
+    Start(0);
+    Resume(0);
+    if (fibers[0].done) {
+      // No barrier on thread 0's path: none on any thread's.
+      direct = true;
+      for (int i = 1; i < n; ++i) {
+        current_thread = &contexts[i];
+        (*body)();
+      }
+      direct = false;
+      current_thread = nullptr;
+      return;
+    }
+    EnsureFibers(n);
+    for (int i = 1; i < n; ++i) {
+      Start(i);
+      Resume(i);
+    }
+    for (;;) {
+      int done = 0, waiting = 0;
+      for (int i = 0; i < n; ++i) (fibers[i].done ? done : waiting) += 1;
+      if (waiting == 0) break;
+      if (done > 0) {
+        Fatal("__syncthreads reached by " + std::to_string(waiting) + " of the block's " + std::to_string(n) +
+              " threads while " + std::to_string(done) +
+              " had returned: a divergent barrier, which hangs or corrupts a GPU (block " +
+              std::to_string(block_idx.x) + "," + std::to_string(block_idx.y) + "," + std::to_string(block_idx.z) +
+              ")");
+      }
+      for (int i = 0; i < n; ++i) {
+        fibers[i].at_barrier = false;
+        Resume(i);
+      }
+    }
+    current_thread = nullptr;
+  }
+};
+
+thread_local Scheduler scheduler;
+
+void Scheduler::Entry() {
+  Scheduler& s = scheduler;
+  (*s.body)();
+  const int i = s.running;
+  s.fibers[i].done = true;
+#ifdef COLOD_EMU_ASM_SWITCH
+  s.Yield(i);  // never resumed
+  Fatal("a finished fiber was resumed");
+#endif
+  // ucontext: uc_link returns to `main`.
+}
+
+}  // namespace
+
+void SyncThreads() {
+  Scheduler& s = scheduler;
+  if (current_thread == nullptr) Fatal("__syncthreads called outside a kernel");
+  if (s.direct) {
+    Fatal("__syncthreads reached by a thread although thread 0 of its block returned without one: a divergent "
+          "barrier, which hangs or corrupts a GPU");
+  }
+  const int i = s.running;
+  s.fibers[i].at_barrier = true;
+  s.Yield(i);
+  current_thread = &s.contexts[i];
+}
+
+cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                       std::function<void()> thread) {
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > 1024 || block.z > 64 ||
+      grid.y > 65535 || grid.z > 65535 || grid.x > 0x7fffffffu || shared_bytes > (48u << 10)) {
+    SetLastError(cudaErrorInvalidConfiguration);
+    return cudaErrorInvalidConfiguration;
+  }
+  std::shared_ptr<Stream> s = Resolve(stream);
+  if (s == nullptr) {
+    SetLastError(cudaErrorInvalidResourceHandle);
+    return cudaErrorInvalidResourceHandle;
+  }
+  Enqueue(s, [grid, block, thread = std::move(thread)] {
+    Scheduler& sched = scheduler;
+    sched.body = &thread;
+    for (unsigned z = 0; z < grid.z; ++z) {
+      for (unsigned y = 0; y < grid.y; ++y) {
+        for (unsigned x = 0; x < grid.x; ++x) sched.RunBlock(grid, block, uint3{x, y, z});
+      }
+    }
+    sched.body = nullptr;
+  });
+  return cudaSuccess;
+}
+
+}  // namespace colod_cuda_emu

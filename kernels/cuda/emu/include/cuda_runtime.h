@@ -1,0 +1,260 @@
+// colod's CUDA emulation: the subset of the CUDA runtime and execution model
+// that colod's .cu sources use, compiled by the host compiler. Test-only in
+// spirit (docs/GPU.md): `--config=cuda-emu` builds every target against it so
+// the GPU path runs in CI without a GPU; the default build never links it.
+//
+// What it models:
+//   - the execution model: kernels launched through colod's launch helper
+//     (kernels/cuda/launch.h) run every thread of every block; a block's
+//     threads are fibers on one host thread, so `__syncthreads` is a real
+//     barrier and `__shared__` storage is shared by a block's threads only;
+//   - streams and events: each stream is a host thread executing its work in
+//     stream order, asynchronously to the caller, so a missing wait is a
+//     visible bug; the legacy default stream synchronizes with blocking
+//     streams as CUDA's does; cudaStreamPerThread is per host thread;
+//   - memory: device allocations are host memory, tracked per device with a
+//     capacity (COLOD_CUDA_EMU_MEMORY, bytes), so copies, frees and GEMM
+//     operands are checked against them.
+// What it cannot show: timing, CUDA's own math library (libm is used), the
+// hardware memory model (warps, coalescing, memory fences), and faults of
+// kernels that read host memory.
+#ifndef COLOD_KERNELS_CUDA_EMU_CUDA_RUNTIME_H_
+#define COLOD_KERNELS_CUDA_EMU_CUDA_RUNTIME_H_
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#define COLOD_CUDA_EMULATION 1
+#define CUDART_VERSION 13000
+#define CUDA_VERSION 13000
+
+// Qualifiers: kernels and device functions are ordinary host functions.
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+// Per block: a block's threads run on one host thread, one block at a time.
+#define __shared__ static thread_local
+
+struct uint3 {
+  unsigned x, y, z;
+};
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned vx = 1, unsigned vy = 1, unsigned vz = 1) : x(vx), y(vy), z(vz) {}
+  constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+};
+
+enum cudaError {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInitializationError = 3,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDevicePointer = 17,
+  cudaErrorInvalidMemcpyDirection = 21,
+  cudaErrorInsufficientDriver = 35,
+  cudaErrorNoDevice = 100,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
+  cudaErrorIllegalAddress = 700,
+  cudaErrorLaunchFailure = 719,
+  cudaErrorUnknown = 999,
+};
+typedef enum cudaError cudaError_t;
+
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+
+typedef struct CUstream_st* cudaStream_t;
+typedef struct CUevent_st* cudaEvent_t;
+#define cudaStreamLegacy ((cudaStream_t)0x1)
+#define cudaStreamPerThread ((cudaStream_t)0x2)
+#define cudaStreamDefault 0x00
+#define cudaStreamNonBlocking 0x01
+#define cudaEventDefault 0x00
+#define cudaEventBlockingSync 0x01
+#define cudaEventDisableTiming 0x02
+
+struct cudaDeviceProp {
+  char name[256];
+  size_t totalGlobalMem;
+  size_t sharedMemPerBlock;
+  int warpSize;
+  int maxThreadsPerBlock;
+  int maxThreadsDim[3];
+  int maxGridSize[3];
+  int major;
+  int minor;
+  int multiProcessorCount;
+  int pciBusID;
+  int pciDeviceID;
+};
+
+// ---- The runtime API (kernels/cuda/emu/runtime.cc) ----
+const char* cudaGetErrorName(cudaError_t error);
+const char* cudaGetErrorString(cudaError_t error);
+cudaError_t cudaGetLastError();
+cudaError_t cudaPeekAtLastError();
+cudaError_t cudaDriverGetVersion(int* version);
+cudaError_t cudaRuntimeGetVersion(int* version);
+
+cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device);
+cudaError_t cudaDeviceSynchronize();
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes);
+
+cudaError_t cudaMalloc(void** ptr, size_t size);
+cudaError_t cudaFree(void* ptr);
+cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream);
+cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream);
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind, cudaStream_t stream = 0);
+cudaError_t cudaMemset(void* ptr, int value, size_t count);
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t stream = 0);
+
+cudaError_t cudaStreamCreate(cudaStream_t* stream);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
+cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaStreamQuery(cudaStream_t stream);
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags = 0);
+
+cudaError_t cudaEventCreate(cudaEvent_t* event);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags);
+cudaError_t cudaEventDestroy(cudaEvent_t event);
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = 0);
+cudaError_t cudaEventQuery(cudaEvent_t event);
+cudaError_t cudaEventSynchronize(cudaEvent_t event);
+
+// ---- The execution model (kernels/cuda/emu/execution.cc) ----
+namespace colod_cuda_emu {
+
+struct ThreadContext {
+  uint3 thread_idx;
+  uint3 block_idx;
+  dim3 block_dim;
+  dim3 grid_dim;
+};
+
+// The CUDA thread the calling host code runs as (set while a kernel runs).
+extern thread_local const ThreadContext* current_thread;
+
+// __syncthreads: every thread of the block waits here until all have arrived.
+void SyncThreads();
+
+// Enqueues `thread` to run as each of grid x block CUDA threads on `stream`.
+// Records and returns cudaErrorInvalidConfiguration for an empty grid or
+// block, more than 1024 threads per block, or grid dimensions CUDA refuses.
+cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                       std::function<void()> thread);
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...): the arguments are
+// copied and converted to the kernel's parameter types at launch, as CUDA does.
+template <typename... Params, typename... Args>
+cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                   Args&&... args) {
+  static_assert(sizeof...(Params) == sizeof...(Args), "kernel launched with the wrong number of arguments");
+  auto params = std::make_shared<std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
+  return LaunchGrid(grid, block, shared_bytes, stream, [kernel, params] { std::apply(kernel, *params); });
+}
+
+}  // namespace colod_cuda_emu
+
+#define threadIdx (::colod_cuda_emu::current_thread->thread_idx)
+#define blockIdx (::colod_cuda_emu::current_thread->block_idx)
+#define blockDim (::colod_cuda_emu::current_thread->block_dim)
+#define gridDim (::colod_cuda_emu::current_thread->grid_dim)
+
+inline void __syncthreads() { ::colod_cuda_emu::SyncThreads(); }
+
+// ---- Device intrinsics colod uses ----
+inline float __uint_as_float(unsigned int u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline unsigned int __float_as_uint(float f) {
+  unsigned int u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float __int_as_float(int i) {
+  float f;
+  memcpy(&f, &i, sizeof f);
+  return f;
+}
+inline int __float_as_int(float f) {
+  int i;
+  memcpy(&i, &f, sizeof i);
+  return i;
+}
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __fdividef(float x, float y) { return x / y; }
+
+// Atomics on device memory: the block's threads are fibers, but blocks of
+// concurrent kernels (other streams) run on other host threads.
+inline float atomicAdd(float* address, float value) {
+  unsigned int* word = reinterpret_cast<unsigned int*>(address);
+  unsigned int old = __atomic_load_n(word, __ATOMIC_RELAXED);
+  while (!__atomic_compare_exchange_n(word, &old, __float_as_uint(__uint_as_float(old) + value), true,
+                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+  return __uint_as_float(old);
+}
+inline double atomicAdd(double* address, double value) {
+  unsigned long long* word = reinterpret_cast<unsigned long long*>(address);
+  unsigned long long old = __atomic_load_n(word, __ATOMIC_RELAXED);
+  for (;;) {
+    double d;
+    memcpy(&d, &old, sizeof d);
+    d += value;
+    unsigned long long next;
+    memcpy(&next, &d, sizeof next);
+    if (__atomic_compare_exchange_n(word, &old, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) break;
+  }
+  double prev;
+  memcpy(&prev, &old, sizeof prev);
+  return prev;
+}
+inline int atomicAdd(int* address, int value) { return __atomic_fetch_add(address, value, __ATOMIC_RELAXED); }
+inline unsigned int atomicAdd(unsigned int* address, unsigned int value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
+}
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
+}
+inline int atomicMax(int* address, int value) {
+  int old = __atomic_load_n(address, __ATOMIC_RELAXED);
+  while (old < value &&
+         !__atomic_compare_exchange_n(address, &old, value, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+  return old;
+}
+inline int atomicCAS(int* address, int compare, int value) {
+  __atomic_compare_exchange_n(address, &compare, value, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return compare;
+}
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+#endif  // COLOD_KERNELS_CUDA_EMU_CUDA_RUNTIME_H_

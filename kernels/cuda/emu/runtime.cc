@@ -1,0 +1,703 @@
+// The CUDA runtime of colod's emulation (include/cuda_runtime.h): devices,
+// memory, streams and events. Streams are host threads that run their work
+// in order; the legacy default stream orders itself with every blocking
+// stream of its device through per-stream submitted/completed counters, as
+// CUDA's does.
+//
+// Thread-safety: every entry point may be called from any thread. The
+// registry's mutex guards the device, stream, event and allocation tables
+// and is never held while waiting for a stream.
+#include "kernels/cuda/emu/runtime_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <optional>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace colod_cuda_emu {
+namespace {
+
+thread_local cudaError_t last_error = cudaSuccess;
+thread_local int current_device = 0;
+
+cudaError_t Fail(cudaError_t e) {
+  if (e != cudaSuccess) last_error = e;
+  return e;
+}
+
+int64_t EnvInt(const char* name, int64_t fallback) {
+  const char* v = getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long long n = strtoll(v, &end, 10);
+  if (end == v || *end != '\0' || n < 0) {
+    fprintf(stderr, "colod CUDA emulation: %s=%s is not a non-negative integer; using %lld\n", name, v,
+            static_cast<long long>(fallback));
+    return fallback;
+  }
+  return n;
+}
+
+}  // namespace
+
+// A stream: a host thread running tasks in order. `submitted` counts tasks
+// enqueued, `completed` tasks finished; a waiter for task k waits until
+// completed >= k.
+class Stream {
+ public:
+  Stream(int device, bool blocking, bool legacy) : device_(device), blocking_(blocking), legacy_(legacy) {}
+  ~Stream() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  int device() const { return device_; }
+  bool blocking() const { return blocking_; }
+  bool legacy() const { return legacy_; }
+
+  // Enqueues `fn`; returns its task number.
+  uint64_t Enqueue(std::function<void()> fn) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
+    queue_.push_back(std::move(fn));
+    ++submitted_;
+    cv_.notify_all();
+    return submitted_;
+  }
+
+  uint64_t Submitted() {
+    std::lock_guard<std::mutex> l(mu_);
+    return submitted_;
+  }
+
+  // Waits until the first `task` tasks completed.
+  void WaitFor(uint64_t task) {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return completed_ >= task; });
+  }
+
+  bool Done(uint64_t task) {
+    std::lock_guard<std::mutex> l(mu_);
+    return completed_ >= task;
+  }
+
+  void Synchronize() { WaitFor(Submitted()); }
+
+ private:
+  void Run() {
+    current_device = device_;
+    std::unique_lock<std::mutex> l(mu_);
+    for (;;) {
+      cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, drained
+      std::function<void()> fn = std::move(queue_.front());
+      queue_.pop_front();
+      l.unlock();
+      fn();
+      fn = nullptr;  // its captures (other streams) are released outside the lock
+      l.lock();
+      ++completed_;
+      cv_.notify_all();
+    }
+  }
+
+  const int device_;
+  const bool blocking_;
+  const bool legacy_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  uint64_t submitted_ = 0;
+  uint64_t completed_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+namespace {
+
+struct Allocation {
+  size_t size;
+  int device;
+};
+
+// The process-wide tables.
+class Registry {
+ public:
+  static Registry& Get() {
+    static Registry* r = new Registry();  // never destroyed: streams may outlive static destruction
+    return *r;
+  }
+
+  int devices() const { return devices_; }
+  size_t capacity() const { return capacity_; }
+
+  std::shared_ptr<Stream> NewStream(int device, bool blocking, bool legacy) {
+    auto s = std::make_shared<Stream>(device, blocking, legacy);
+    std::lock_guard<std::mutex> l(mu_);
+    streams_[s.get()] = s;
+    return s;
+  }
+
+  void DropStream(Stream* s) {
+    std::shared_ptr<Stream> keep;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = streams_.find(s);
+      if (it == streams_.end()) return;
+      keep = std::move(it->second);
+      streams_.erase(it);
+    }
+    // `keep` joins the stream's thread here, outside the lock.
+  }
+
+  std::shared_ptr<Stream> Find(Stream* s) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = streams_.find(s);
+    return it == streams_.end() ? nullptr : it->second;
+  }
+
+  std::shared_ptr<Stream> Legacy(int device) {
+    std::lock_guard<std::mutex> l(mu_);
+    std::shared_ptr<Stream>& s = legacy_[device];
+    if (s == nullptr) {
+      s = std::make_shared<Stream>(device, true, true);
+      streams_[s.get()] = s;
+    }
+    return s;
+  }
+
+  // Every stream of `device` with (blocking only: when `blocking_only`).
+  std::vector<std::shared_ptr<Stream>> StreamsOf(int device, bool blocking_only) {
+    std::vector<std::shared_ptr<Stream>> out;
+    std::lock_guard<std::mutex> l(mu_);
+    for (auto& [p, s] : streams_) {
+      if (s->device() == device && (!blocking_only || s->blocking())) out.push_back(s);
+    }
+    return out;
+  }
+
+  cudaError_t Allocate(int device, size_t size, void** out) {
+    const size_t bytes = size == 0 ? 1 : size;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (used_[device] + bytes > capacity_ || bytes > capacity_) return cudaErrorMemoryAllocation;
+      used_[device] += bytes;
+    }
+    void* p = aligned_alloc(256, (bytes + 255) / 256 * 256);  // cudaMalloc aligns to 256 bytes
+    if (p == nullptr) {
+      std::lock_guard<std::mutex> l(mu_);
+      used_[device] -= bytes;
+      return cudaErrorMemoryAllocation;
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    allocations_[p] = Allocation{bytes, device};
+    *out = p;
+    return cudaSuccess;
+  }
+
+  cudaError_t Release(void* p) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = allocations_.find(p);
+      if (it == allocations_.end()) return cudaErrorInvalidValue;
+      used_[it->second.device] -= it->second.size;
+      allocations_.erase(it);
+    }
+    free(p);
+    return cudaSuccess;
+  }
+
+  bool Owns(const void* p) {
+    std::lock_guard<std::mutex> l(mu_);
+    return allocations_.count(const_cast<void*>(p)) > 0;
+  }
+
+  // The device allocation holding [p, p + size), if one does.
+  std::optional<DeviceRange> RangeOf(const void* p, size_t size) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = allocations_.upper_bound(const_cast<void*>(p));
+    if (it == allocations_.begin()) return std::nullopt;
+    --it;
+    const char* base = static_cast<const char*>(it->first);
+    const char* q = static_cast<const char*>(p);
+    if (q < base || static_cast<size_t>(q - base) > it->second.size ||
+        size > it->second.size - static_cast<size_t>(q - base)) {
+      return std::nullopt;
+    }
+    return DeviceRange{it->second.device, it->first, it->second.size};
+  }
+
+  size_t Used(int device) {
+    std::lock_guard<std::mutex> l(mu_);
+    return used_[device];
+  }
+
+ private:
+  Registry()
+      : devices_(static_cast<int>(std::min<int64_t>(EnvInt("COLOD_CUDA_EMU_DEVICES", 4), 64))),
+        capacity_(static_cast<size_t>(EnvInt("COLOD_CUDA_EMU_MEMORY", int64_t{8} << 30))) {}
+
+  const int devices_;
+  const size_t capacity_;
+  std::mutex mu_;
+  std::map<Stream*, std::shared_ptr<Stream>> streams_;
+  std::map<int, std::shared_ptr<Stream>> legacy_;
+  std::map<void*, Allocation> allocations_;
+  std::map<int, size_t> used_;
+};
+
+// The calling thread's per-thread default streams, one per device; drained
+// and dropped when the thread exits. The pointer is trivially destructible,
+// so CUDA calls made after the thread's thread_local destructors ran (static
+// destructors at exit) find it null and use the legacy stream.
+struct PerThreadStreams {
+  std::map<int, std::shared_ptr<Stream>> by_device;
+};
+thread_local PerThreadStreams* per_thread = nullptr;
+thread_local bool per_thread_gone = false;
+struct PerThreadReaper {
+  ~PerThreadReaper() {
+    PerThreadStreams* p = per_thread;
+    per_thread = nullptr;
+    per_thread_gone = true;
+    if (p == nullptr) return;
+    for (auto& [d, s] : p->by_device) {
+      s->Synchronize();
+      Registry::Get().DropStream(s.get());
+    }
+    delete p;
+  }
+};
+thread_local PerThreadReaper per_thread_reaper;
+
+}  // namespace
+
+std::shared_ptr<Stream> Resolve(cudaStream_t handle) {
+  Registry& r = Registry::Get();
+  if (handle == nullptr || handle == cudaStreamLegacy) return r.Legacy(current_device);
+  if (handle == cudaStreamPerThread) {
+    if (per_thread_gone) return r.Legacy(current_device);  // the thread is exiting
+    if (per_thread == nullptr) {
+      (void)&per_thread_reaper;  // constructs the reaper: it runs at thread exit
+      per_thread = new PerThreadStreams();
+    }
+    std::shared_ptr<Stream>& s = per_thread->by_device[current_device];
+    if (s == nullptr) s = r.NewStream(current_device, /*blocking=*/true, /*legacy=*/false);
+    return s;
+  }
+  return r.Find(reinterpret_cast<Stream*>(handle));
+}
+
+void Enqueue(const std::shared_ptr<Stream>& s, std::function<void()> fn) {
+  Registry& r = Registry::Get();
+  if (s->legacy()) {
+    // The legacy stream waits for the work already submitted to every
+    // blocking stream of its device.
+    std::vector<std::pair<std::shared_ptr<Stream>, uint64_t>> before;
+    for (auto& other : r.StreamsOf(s->device(), /*blocking_only=*/true)) {
+      if (other != s) before.emplace_back(other, other->Submitted());
+    }
+    s->Enqueue([before = std::move(before), fn = std::move(fn)] {
+      for (auto& [other, task] : before) other->WaitFor(task);
+      fn();
+    });
+  } else if (s->blocking()) {
+    // A blocking stream's work waits for the legacy stream's earlier work.
+    std::shared_ptr<Stream> legacy = r.Legacy(s->device());
+    const uint64_t task = legacy->Submitted();
+    s->Enqueue([legacy, task, fn = std::move(fn)] {
+      legacy->WaitFor(task);
+      fn();
+    });
+  } else {
+    s->Enqueue(std::move(fn));
+  }
+}
+
+void SetLastError(cudaError_t e) { Fail(e); }
+
+int DeviceOf(const Stream& s) { return s.device(); }
+
+int CurrentDevice() { return current_device; }
+
+std::optional<DeviceRange> FindDeviceRange(const void* p, size_t size) { return Registry::Get().RangeOf(p, size); }
+
+void Fatal(const std::string& what) {
+  fprintf(stderr, "colod CUDA emulation: %s\n", what.c_str());
+  fflush(stderr);
+  abort();
+}
+
+// Waits for all work of `device` (cudaDeviceSynchronize, cudaFree).
+void SynchronizeDevice(int device) {
+  for (auto& s : Registry::Get().StreamsOf(device, /*blocking_only=*/false)) s->Synchronize();
+}
+
+namespace {
+
+bool ValidDevice(int d) { return d >= 0 && d < Registry::Get().devices(); }
+
+// Where a pointer lives, for cudaMemcpyDefault and direction checks.
+bool IsDevice(const void* p) { return Registry::Get().RangeOf(p, 1).has_value(); }
+
+cudaError_t CheckCopy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
+  if (count == 0) return cudaSuccess;
+  if (dst == nullptr || src == nullptr) return cudaErrorInvalidValue;
+  const bool dst_dev = Registry::Get().RangeOf(dst, count).has_value();
+  const bool src_dev = Registry::Get().RangeOf(src, count).has_value();
+  // A device pointer whose range runs past its allocation is neither: check
+  // that a pointer that starts in device memory stays there.
+  if ((!dst_dev && IsDevice(dst)) || (!src_dev && IsDevice(src))) return cudaErrorInvalidValue;
+  switch (kind) {
+    case cudaMemcpyHostToHost: return (!dst_dev && !src_dev) ? cudaSuccess : cudaErrorInvalidMemcpyDirection;
+    case cudaMemcpyHostToDevice: return (dst_dev && !src_dev) ? cudaSuccess : cudaErrorInvalidMemcpyDirection;
+    case cudaMemcpyDeviceToHost: return (!dst_dev && src_dev) ? cudaSuccess : cudaErrorInvalidMemcpyDirection;
+    case cudaMemcpyDeviceToDevice: return (dst_dev && src_dev) ? cudaSuccess : cudaErrorInvalidMemcpyDirection;
+    case cudaMemcpyDefault: return cudaSuccess;
+  }
+  return cudaErrorInvalidMemcpyDirection;
+}
+
+}  // namespace
+}  // namespace colod_cuda_emu
+
+using colod_cuda_emu::Fail;
+using colod_cuda_emu::Registry;
+using colod_cuda_emu::Resolve;
+using colod_cuda_emu::Stream;
+
+struct CUevent_st {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t recorded = 0;   // generation of the last cudaEventRecord
+  uint64_t completed = 0;  // generation its stream reached
+};
+
+namespace colod_cuda_emu {
+namespace {
+// Events by handle. Pending records and waits hold their own reference, so a
+// destroyed event lives until they ran, as CUDA allows.
+std::mutex events_mu;
+std::map<CUevent_st*, std::shared_ptr<CUevent_st>>& Events() {
+  static auto* events = new std::map<CUevent_st*, std::shared_ptr<CUevent_st>>();
+  return *events;
+}
+std::shared_ptr<CUevent_st> FindEvent(CUevent_st* e) {
+  std::lock_guard<std::mutex> l(events_mu);
+  auto it = Events().find(e);
+  return it == Events().end() ? nullptr : it->second;
+}
+}  // namespace
+}  // namespace colod_cuda_emu
+
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInitializationError: return "cudaErrorInitializationError";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorInsufficientDriver: return "cudaErrorInsufficientDriver";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorUnknown: return "cudaErrorUnknown";
+  }
+  return "cudaErrorUnknown";
+}
+
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInitializationError: return "initialization error";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
+    case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
+    case cudaErrorInsufficientDriver: return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaErrorUnknown: return "unknown error";
+  }
+  return "unknown error";
+}
+
+cudaError_t cudaGetLastError() {
+  const cudaError_t e = colod_cuda_emu::last_error;
+  colod_cuda_emu::last_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t cudaPeekAtLastError() { return colod_cuda_emu::last_error; }
+
+cudaError_t cudaDriverGetVersion(int* version) {
+  if (version == nullptr) return Fail(cudaErrorInvalidValue);
+  *version = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+cudaError_t cudaRuntimeGetVersion(int* version) { return cudaDriverGetVersion(version); }
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  if (count == nullptr) return Fail(cudaErrorInvalidValue);
+  *count = Registry::Get().devices();
+  return *count == 0 ? Fail(cudaErrorNoDevice) : cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) {
+  if (!colod_cuda_emu::ValidDevice(device)) return Fail(cudaErrorInvalidDevice);
+  colod_cuda_emu::current_device = device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  if (device == nullptr) return Fail(cudaErrorInvalidValue);
+  *device = colod_cuda_emu::current_device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  if (prop == nullptr) return Fail(cudaErrorInvalidValue);
+  if (!colod_cuda_emu::ValidDevice(device)) return Fail(cudaErrorInvalidDevice);
+  *prop = cudaDeviceProp{};
+  snprintf(prop->name, sizeof prop->name, "colod CUDA emulation");
+  prop->totalGlobalMem = Registry::Get().capacity();
+  prop->sharedMemPerBlock = 48 << 10;
+  prop->warpSize = 32;
+  prop->maxThreadsPerBlock = 1024;
+  prop->maxThreadsDim[0] = prop->maxThreadsDim[1] = 1024;
+  prop->maxThreadsDim[2] = 64;
+  prop->maxGridSize[0] = 0x7fffffff;
+  prop->maxGridSize[1] = prop->maxGridSize[2] = 65535;
+  prop->major = 9;
+  prop->minor = 0;
+  prop->multiProcessorCount = 1;
+  prop->pciBusID = device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize() {
+  colod_cuda_emu::SynchronizeDevice(colod_cuda_emu::current_device);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  if (free_bytes == nullptr || total_bytes == nullptr) return Fail(cudaErrorInvalidValue);
+  Registry& r = Registry::Get();
+  *total_bytes = r.capacity();
+  *free_bytes = r.capacity() - r.Used(colod_cuda_emu::current_device);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void** ptr, size_t size) {
+  if (ptr == nullptr) return Fail(cudaErrorInvalidValue);
+  return Fail(Registry::Get().Allocate(colod_cuda_emu::current_device, size, ptr));
+}
+
+cudaError_t cudaFree(void* ptr) {
+  if (ptr == nullptr) return cudaSuccess;
+  // cudaFree synchronizes the device before it frees.
+  auto range = Registry::Get().RangeOf(ptr, 1);
+  if (!range.has_value() || range->base != ptr) return Fail(cudaErrorInvalidValue);
+  colod_cuda_emu::SynchronizeDevice(range->device);
+  return Fail(Registry::Get().Release(ptr));
+}
+
+cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream) {
+  if (ptr == nullptr) return Fail(cudaErrorInvalidValue);
+  auto s = Resolve(stream);
+  if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  // Usable in stream order from here: allocating now is at least as early.
+  return Fail(Registry::Get().Allocate(s->device(), size, ptr));
+}
+
+cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream) {
+  if (ptr == nullptr) return cudaSuccess;
+  auto s = Resolve(stream);
+  if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  if (!Registry::Get().Owns(ptr)) return Fail(cudaErrorInvalidValue);
+  // Freed when the stream reaches it: work enqueued before may still use it.
+  colod_cuda_emu::Enqueue(s, [ptr] {
+    if (Registry::Get().Release(ptr) != cudaSuccess) colod_cuda_emu::Fatal("cudaFreeAsync: double free");
+  });
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind, cudaStream_t stream) {
+  const cudaError_t check = colod_cuda_emu::CheckCopy(dst, src, count, kind);
+  if (check != cudaSuccess) return Fail(check);
+  if (count == 0) return cudaSuccess;
+  auto s = Resolve(stream);
+  if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  const bool src_dev = colod_cuda_emu::IsDevice(src), dst_dev = colod_cuda_emu::IsDevice(dst);
+  if (!src_dev && dst_dev) {
+    // From pageable host memory CUDA stages the source before it returns:
+    // the caller may reuse its buffer at once.
+    auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
+                                                      static_cast<const char*>(src) + count);
+    colod_cuda_emu::Enqueue(s, [dst, staged] { memcpy(dst, staged->data(), staged->size()); });
+    return cudaSuccess;
+  }
+  colod_cuda_emu::Enqueue(s, [dst, src, count] { memmove(dst, src, count); });
+  if (src_dev && !dst_dev) {
+    // To pageable host memory the copy is synchronous: it has completed on return.
+    s->Synchronize();
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
+  const cudaError_t e = cudaMemcpyAsync(dst, src, count, kind, cudaStreamLegacy);
+  if (e != cudaSuccess) return e;
+  Resolve(cudaStreamLegacy)->Synchronize();
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  if (!Registry::Get().RangeOf(ptr, count).has_value()) return Fail(cudaErrorInvalidValue);
+  auto s = Resolve(stream);
+  if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  colod_cuda_emu::Enqueue(s, [ptr, value, count] { memset(ptr, value, count); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void* ptr, int value, size_t count) {
+  const cudaError_t e = cudaMemsetAsync(ptr, value, count, cudaStreamLegacy);
+  if (e != cudaSuccess) return e;
+  Resolve(cudaStreamLegacy)->Synchronize();
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
+  if (stream == nullptr || (flags & ~1u) != 0) return Fail(cudaErrorInvalidValue);
+  auto s = Registry::Get().NewStream(colod_cuda_emu::current_device, (flags & cudaStreamNonBlocking) == 0, false);
+  *stream = reinterpret_cast<cudaStream_t>(s.get());
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, cudaStreamDefault); }
+
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) {
+    return Fail(cudaErrorInvalidResourceHandle);
+  }
+  auto s = Resolve(stream);
+  if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  // CUDA returns at once and lets queued work finish; the stream's thread
+  // runs it before it stops.
+  Registry::Get().DropStream(s.get());
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  auto s = Resolve(stream);
+  if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  s->Synchronize();
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  auto s = Resolve(stream);
+  if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  return s->Done(s->Submitted()) ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
+  if (event == nullptr || (flags & ~7u) != 0) return Fail(cudaErrorInvalidValue);
+  auto e = std::make_shared<CUevent_st>();
+  std::lock_guard<std::mutex> l(colod_cuda_emu::events_mu);
+  colod_cuda_emu::Events()[e.get()] = e;
+  *event = e.get();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t* event) { return cudaEventCreateWithFlags(event, cudaEventDefault); }
+
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  std::shared_ptr<CUevent_st> e;
+  {
+    std::lock_guard<std::mutex> l(colod_cuda_emu::events_mu);
+    auto it = colod_cuda_emu::Events().find(event);
+    if (it == colod_cuda_emu::Events().end()) return Fail(cudaErrorInvalidResourceHandle);
+    e = std::move(it->second);
+    colod_cuda_emu::Events().erase(it);
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  std::shared_ptr<CUevent_st> e = colod_cuda_emu::FindEvent(event);
+  if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  auto s = Resolve(stream);
+  if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  uint64_t gen;
+  {
+    std::lock_guard<std::mutex> l(e->mu);
+    gen = ++e->recorded;
+  }
+  colod_cuda_emu::Enqueue(s, [e, gen] {
+    std::lock_guard<std::mutex> l(e->mu);
+    e->completed = std::max(e->completed, gen);
+    e->cv.notify_all();
+  });
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+  std::shared_ptr<CUevent_st> e = colod_cuda_emu::FindEvent(event);
+  if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  std::lock_guard<std::mutex> l(e->mu);
+  return e->completed >= e->recorded ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  std::shared_ptr<CUevent_st> e = colod_cuda_emu::FindEvent(event);
+  if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  std::unique_lock<std::mutex> l(e->mu);
+  const uint64_t want = e->recorded;
+  e->cv.wait(l, [&] { return e->completed >= want; });
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
+  if (flags != 0) return Fail(cudaErrorInvalidValue);
+  std::shared_ptr<CUevent_st> e = colod_cuda_emu::FindEvent(event);
+  if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  auto s = Resolve(stream);
+  if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  uint64_t want;
+  {
+    std::lock_guard<std::mutex> l(e->mu);
+    want = e->recorded;
+  }
+  if (want == 0) return cudaSuccess;  // never recorded: nothing to wait for
+  colod_cuda_emu::Enqueue(s, [e, want] {
+    std::unique_lock<std::mutex> l(e->mu);
+    e->cv.wait(l, [&] { return e->completed >= want; });
+  });
+  return cudaSuccess;
+}
