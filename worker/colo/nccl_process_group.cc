@@ -34,7 +34,7 @@ ProcessGroup::CommFactory NcclFactory(Store* store, NcclCommunicator::Options op
       o.prefix = options.prefix + "/world";
       ASSIGN_OR_RETURN(world->comm, NcclCommunicator::Create(*store, world_rank, world_size, o));
     }
-    ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> split, world->comm->Split(g.color, g.rank));
+    ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> split, world->comm->Split(g.color, g.rank, g.axis));
     return std::unique_ptr<Communicator>(std::move(split));
   };
 }

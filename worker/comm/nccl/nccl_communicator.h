@@ -1,10 +1,11 @@
 // The NCCL backend: collectives on CUDA device buffers.
 //
-// Built where the CUDA toolkit is present (bazel/cuda.bzl); tests run where a
-// GPU is present and skip elsewhere. Communicators are created non-blocking
-// (ncclConfig_t.blocking = 0) and every wait polls ncclCommGetAsyncError with
-// a deadline, so no init or collective waits forever: on timeout the caller
-// gets DEADLINE_EXCEEDED and Abort() tears the communicator down.
+// Built where the CUDA toolkit is present, or against the CUDA emulation
+// (bazel/cuda.bzl, docs/GPU.md), where its tests run without a GPU.
+// Communicators are created non-blocking (ncclConfig_t.blocking = 0) and
+// every wait polls ncclCommGetAsyncError with a deadline, so no init or
+// collective waits forever: on timeout the caller gets DEADLINE_EXCEEDED and
+// the communicator is aborted.
 #ifndef COLOD_WORKER_COMM_NCCL_NCCL_COMMUNICATOR_H_
 #define COLOD_WORKER_COMM_NCCL_NCCL_COMMUNICATOR_H_
 
@@ -12,8 +13,10 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -41,14 +44,27 @@ absl::Status CudaStatus(cudaError_t e, const char* call, const char* file, int l
 
 // Thread-safe. Collectives are enqueued on the communicator's own CUDA stream
 // in submission order; buffers are device pointers on `device`.
+//
+// Failure handling (c10d's ProcessGroupNCCL pattern): every collective has a
+// sequence number and a deadline (options.timeout from its enqueue). A
+// process-wide watchdog thread aborts a communicator whose collective passed
+// its deadline or whose NCCL reports an asynchronous error, and a Wait that
+// reaches its timeout aborts it too, so when Wait returns the collective has
+// completed or can no longer touch its buffers. The error is sticky and names
+// the rank, op, group and sequence number. No lock is held across a wait:
+// enqueues are ordered by `enqueue_mu_`, which Abort never takes, and the
+// NCCL handle is guarded by `mu_` only for the length of one non-blocking
+// call, so Abort always gets through.
 class NcclCommunicator final : public Communicator {
  public:
   struct Options {
     int device = 0;
-    // Init, split and per-collective wait limit.
+    // Init, split and per-collective limit.
     absl::Duration timeout = absl::Minutes(5);
     // Key prefix of the unique id in the store.
     std::string prefix = "nccl";
+    // The group's name in errors (e.g. "tp", "world").
+    std::string group = "world";
   };
 
   // Rank 0 creates the unique id and publishes it through `store`; the others
@@ -60,8 +76,10 @@ class NcclCommunicator final : public Communicator {
   ~NcclCommunicator() override;
 
   // ncclCommSplit: ranks with the same `color` form a new communicator,
-  // ordered by `key`. Collective over this communicator.
-  absl::StatusOr<std::unique_ptr<NcclCommunicator>> Split(int color, int key);
+  // ordered by `key`, named `group` in errors. Collective over this
+  // communicator. On failure both the parent and a half-made child are
+  // aborted.
+  absl::StatusOr<std::unique_ptr<NcclCommunicator>> Split(int color, int key, const std::string& group = "");
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -74,30 +92,63 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<Work> Broadcast(void* data, int64_t count, DType dtype, int root) override;
   std::shared_ptr<Work> AllToAll(const void* in, void* out, int64_t count, DType dtype) override;
   // NCCL has no tags: a Send matches the peer's Recv posted in the same order.
+  // A two-way exchange needs SendRecv: NCCL blocks a lone Send until the
+  // peer's Recv runs.
   std::shared_ptr<Work> Send(const void* data, int64_t count, DType dtype, int dst, uint32_t tag) override;
   std::shared_ptr<Work> Recv(void* data, int64_t count, DType dtype, int src, uint32_t tag) override;
+  // Sends `send` to `dst` and receives `recv` from `src` as one NCCL group,
+  // so two ranks may exchange with each other without deadlock.
+  std::shared_ptr<Work> SendRecv(const void* send, int dst, void* recv, int src, int64_t count, DType dtype);
   std::shared_ptr<Work> Barrier() override;
   void Abort(const absl::Status& reason) override;
   absl::Status AsyncError() override;
 
+  // The watchdog's pass over this communicator: aborts it if its oldest
+  // unfinished collective passed its deadline or NCCL reports an error.
+  // Returns true if it aborted.
+  bool CheckHealth(absl::Time now);
+
  private:
   class NcclWork;
-  NcclCommunicator(int rank, int size, Options options) : rank_(rank), size_(size), options_(options) {}
+  struct InFlight {
+    uint64_t seq;
+    std::string op;
+    absl::Time deadline;
+    cudaEvent_t event;  // owned by the NcclWork
+  };
+  NcclCommunicator(int rank, int size, Options options) : rank_(rank), size_(size), options_(std::move(options)) {}
+  // "AllReduce #17 on group tp (rank 1/2, device 1)"
+  std::string Describe(const std::string& op, uint64_t seq) const;
   // Finishes a non-blocking NCCL call: polls the async error until the
-  // communicator is no longer in progress or the deadline passes.
-  absl::Status WaitReady(absl::Time deadline);
-  // Runs `enqueue` (NCCL calls on stream_) and returns a Work for its completion.
-  std::shared_ptr<Work> Enqueue(const char* op, const std::function<absl::Status()>& enqueue);
+  // communicator is no longer in progress; at `deadline` aborts it with
+  // DEADLINE_EXCEEDED naming `what`.
+  absl::Status WaitReady(absl::Time deadline, const std::string& what);
+  // Runs `enqueue` (NCCL calls on stream_, given the handle) and returns a
+  // Work for its completion.
+  std::shared_ptr<Work> Enqueue(const char* op, const std::function<absl::Status(ncclComm_t)>& enqueue);
+  // Aborts with `error` as the sticky error (the first one wins).
+  void AbortWith(const absl::Status& error);
+  void Forget(uint64_t seq);
 
   const int rank_;
   const int size_;
   const Options options_;
-  ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   void* scratch_ = nullptr;  // 4 bytes for Barrier
-  absl::Mutex mu_;           // serializes enqueues so every rank's order is its submission order
+  // Orders enqueues, so every rank's NCCL order is its submission order.
+  // Held across a non-blocking call's completion; never taken by Abort.
+  absl::Mutex enqueue_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  uint64_t next_seq_ ABSL_GUARDED_BY(enqueue_mu_) = 0;
+  // Where NCCL may still write a non-blocking split's child: kept for the
+  // communicator's life.
+  std::vector<std::shared_ptr<ncclComm_t>> split_slots_ ABSL_GUARDED_BY(enqueue_mu_);
+  // Guards the handle for the length of one NCCL call (readers) and its
+  // release (Abort, the writer).
+  absl::Mutex mu_;
+  ncclComm_t comm_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);  // sticky: the abort's reason
+  std::vector<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> aborted_{false};
-  absl::Status abort_reason_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace colod

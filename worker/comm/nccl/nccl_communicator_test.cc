@@ -1,10 +1,17 @@
-// NCCL on the machine's GPUs. On a single GPU NCCL refuses two ranks of one
-// communicator on the same device, so these tests use one rank plus the init,
-// split, timeout and abort paths (DESIGN.md section 7). Skipped without a GPU.
+// NCCL on the machine's GPUs, or on the CUDA emulation (docs/GPU.md). NCCL
+// refuses two ranks of one communicator on one device: the multi-rank cases
+// need one device per rank (the emulation has 4). Failure handling: a rank
+// that never enters a collective fails its peers with DEADLINE_EXCEEDED
+// within the timeout + 2 s, naming rank, op, group and sequence number; a
+// peer that never splits; SendRecv exchanges; AsyncError racing Abort.
 #include "worker/comm/nccl/nccl_communicator.h"
 
+#include <atomic>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "worker/comm/store.h"
@@ -72,6 +79,116 @@ TEST_F(NcclGpu, APeerThatNeverJoinsIsDeadlineExceeded) {
   InMemoryStore empty;
   auto waiting = NcclCommunicator::Create(empty, 1, 2, o);  // rank 0 never publishes the id
   EXPECT_EQ(waiting.status().code(), absl::StatusCode::kDeadlineExceeded) << waiting.status();
+}
+
+// Runs body(rank, comm) on `n` threads, rank r on device r, with a world
+// communicator of `timeout`.
+void OnRanks(int n, absl::Duration timeout,
+             const std::function<void(int, NcclCommunicator&)>& body) {
+  InMemoryStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      NcclCommunicator::Options o;
+      o.device = r;
+      o.timeout = timeout;
+      auto comm = NcclCommunicator::Create(store, r, n, o);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      body(r, **comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+float* DeviceFloats(const std::vector<float>& host) {
+  float* d = nullptr;
+  EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&d), host.size() * sizeof(float)), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(d, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  return d;
+}
+
+std::vector<float> HostFloats(const float* d, size_t n) {
+  std::vector<float> h(n);
+  EXPECT_EQ(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  return h;
+}
+
+class NcclRanks : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (kernels::CudaDeviceCount() < 3) GTEST_SKIP() << "needs 3 CUDA devices, found " << kernels::CudaDeviceCount();
+  }
+};
+
+TEST_F(NcclRanks, ARankThatNeverEntersFailsItsPeersWithinTheTimeout) {
+  const absl::Duration timeout = absl::Seconds(2);
+  OnRanks(3, timeout, [&](int r, NcclCommunicator& comm) {
+    float* x = DeviceFloats({1.0f});
+    ASSERT_TRUE(comm.AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());  // #1: everyone
+    EXPECT_EQ(HostFloats(x, 1)[0], 3.0f);
+    if (r == 2) {
+      // Never enters #2; its peers' watchdog and waits end them.
+      absl::SleepFor(timeout + absl::Seconds(1));
+      comm.Abort(absl::CancelledError("rank 2 gives up"));
+    } else {
+      const absl::Time start = absl::Now();
+      const absl::Status s = comm.AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait);  // #2
+      const absl::Duration took = absl::Now() - start;
+      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+      EXPECT_LT(took, timeout + absl::Seconds(2)) << s;
+      for (const std::string& part : {absl::StrCat("AllReduce #2 on group world (rank ", r, "/3")}) {
+        EXPECT_TRUE(absl::StrContains(s.message(), part)) << s;
+      }
+      // Sticky: the communicator stays failed with the same error.
+      EXPECT_EQ(comm.AsyncError(), s);
+      EXPECT_EQ(comm.AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait), s);
+    }
+    cudaFree(x);
+  });
+}
+
+TEST_F(NcclRanks, SendRecvExchangesWithoutDeadlock) {
+  OnRanks(2, absl::Seconds(20), [&](int r, NcclCommunicator& comm) {
+    float* out = DeviceFloats({10.0f * (r + 1), 10.0f * (r + 1) + 1});
+    float* in = DeviceFloats({0, 0});
+    const int peer = 1 - r;
+    // Both ranks send first: only a grouped exchange completes.
+    ASSERT_TRUE(comm.SendRecv(out, peer, in, peer, 2, DType::kF32)->Wait(kWait).ok());
+    EXPECT_EQ(HostFloats(in, 2), (std::vector<float>{10.0f * (peer + 1), 10.0f * (peer + 1) + 1}));
+    cudaFree(out);
+    cudaFree(in);
+  });
+}
+
+TEST_F(NcclRanks, APeerThatNeverSplitsFailsTheSplitAndAbortsTheParent) {
+  const absl::Duration timeout = absl::Seconds(2);
+  OnRanks(3, timeout, [&](int r, NcclCommunicator& comm) {
+    if (r == 2) {
+      absl::SleepFor(timeout + absl::Seconds(1));
+      comm.Abort(absl::CancelledError("rank 2 never splits"));
+      return;
+    }
+    const absl::Time start = absl::Now();
+    auto sub = comm.Split(0, r, "tp");
+    EXPECT_EQ(sub.status().code(), absl::StatusCode::kDeadlineExceeded) << sub.status();
+    EXPECT_LT(absl::Now() - start, timeout + absl::Seconds(2));
+    EXPECT_FALSE(comm.AsyncError().ok());  // the parent is aborted
+  });
+}
+
+TEST_F(NcclRanks, AbortAndAsyncErrorRaceSafely) {
+  OnRanks(3, absl::Seconds(20), [&](int r, NcclCommunicator& comm) {
+    std::atomic<bool> stop{false};
+    std::thread poller([&] {
+      while (!stop) (void)comm.AsyncError();  // never touches a freed handle
+    });
+    absl::SleepFor(absl::Milliseconds(20));
+    comm.Abort(absl::CancelledError(absl::StrCat("rank ", r, " stops")));
+    absl::SleepFor(absl::Milliseconds(20));
+    stop = true;
+    poller.join();
+    EXPECT_EQ(comm.AsyncError().code(), absl::StatusCode::kAborted);
+  });
 }
 
 }  // namespace
