@@ -71,6 +71,9 @@ int RunForward(const std::vector<std::string>&) {
   auto cuda = CudaFromFlags();
   if (!cuda.ok()) return Usage(std::string(cuda.status().message()));
   request.cuda = *cuda;
+  auto timeout = CommTimeoutFromFlags();
+  if (!timeout.ok()) return Usage(std::string(timeout.status().message()));
+  request.comm_timeout = *timeout;
   v1::ForwardResult result;
   if (request.cuda) {  // rank r on local GPU r, in this process
     auto ids = ReadNpy(input);
@@ -235,10 +238,12 @@ constexpr Command kCommands[] = {
      "              the mean next-token cross-entropy.\n"
      "              --model DIR --input IDS.npy [--logits OUT.npy] [--tp T] [--dp D]\n"
      "              [--mode 1d|2d|2.5d|3d] [--depth D] [--sequence-parallel]\n"
-     "              [--device cpu|cuda]. The ids are\n"
+     "              [--device cpu|cuda] [--comm-timeout D]. The ids are\n"
      "              integers [batch, seq]; the logits are written as f32 [batch, seq, vocab]\n"
      "              without vocabulary padding. --output json prints one JSON object with\n"
-     "              loss, tokens, logits and shape.\n",
+     "              loss, tokens, logits and shape. --comm-timeout (local --device cuda runs,\n"
+     "              default 60s): a rank that stops taking part in a collective fails the run\n"
+     "              with DEADLINE_EXCEEDED after it, and coloctl exits 1.\n",
      RunForward},
     {"train", "",
      "  train       Train a model directory as a job on the daemons and print one line per\n"
@@ -251,6 +256,7 @@ constexpr Command kCommands[] = {
      "              [--batch-size B] [--seq-len L] [--lr LR] [--optimizer adamw|sgd]\n"
      "              [--tp T] [--dp D] [--mode ...] [--micro-batches M] [--warmup-steps W]\n"
      "              [--clip-norm C] [--seed S] [--precision fp32|bf16|fp16] [--device cpu|cuda]\n"
+     "              [--comm-timeout D (--device cuda; as for forward)]\n"
      "              [--final DIR]\n"
      "              [--save DIR --save-every K]\n"
      "              [--resume DIR] [--stop-after N]. A resumed run continues from the\n"

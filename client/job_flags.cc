@@ -40,6 +40,9 @@ ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugg
 ABSL_FLAG(std::string, device, "cpu",
           "forward, train: cpu (ranks as threads over Gloo) or cuda (rank r on CUDA device r, over NCCL).");
 ABSL_FLAG(std::string, name, "", "submit, train: the job's name (default: the model directory's name).");
+ABSL_FLAG(absl::Duration, comm_timeout, absl::Seconds(60),
+          "forward, train with --device cuda: how long a rendezvous or collective may take; a rank that stops "
+          "taking part fails the run with DEADLINE_EXCEEDED after it.");
 
 namespace colod::cli {
 namespace {
@@ -73,6 +76,12 @@ absl::StatusOr<bool> CudaFromFlags() {
   return absl::InvalidArgumentError(absl::StrCat("--device: '", device, "' is not one of cpu, cuda"));
 }
 
+absl::StatusOr<absl::Duration> CommTimeoutFromFlags() {
+  const absl::Duration t = absl::GetFlag(FLAGS_comm_timeout);
+  if (t <= absl::ZeroDuration()) return absl::InvalidArgumentError("--comm-timeout must be positive");
+  return t;
+}
+
 absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags() {
   train::TrainOptions o;
   o.model_dir = absl::GetFlag(FLAGS_model);
@@ -85,6 +94,9 @@ absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags() {
   auto cuda = CudaFromFlags();
   if (!cuda.ok()) return cuda.status();
   o.cuda = *cuda;
+  auto timeout = CommTimeoutFromFlags();
+  if (!timeout.ok()) return timeout.status();
+  o.comm_timeout = *timeout;
   auto format = train::ParseDataFormat(absl::GetFlag(FLAGS_data_format));
   if (!format.ok()) return format.status();
   o.data_format = *format;

@@ -26,6 +26,8 @@ namespace colod::cli {
 absl::StatusOr<shardformer::ShardConfig> ShardFromFlags();
 // --device: false for cpu, true for cuda.
 absl::StatusOr<bool> CudaFromFlags();
+// --comm-timeout (INVALID_ARGUMENT unless positive).
+absl::StatusOr<absl::Duration> CommTimeoutFromFlags();
 
 // The train flags (--model, --data, --steps, ...) as training options.
 absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags();

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "nlohmann/json.hpp"
@@ -103,6 +104,33 @@ TEST_F(GpuCli, ForwardMatchesTheUnshardedReference) {
     ASSERT_TRUE(logits.ok()) << logits.status();
     ::colod::testing::ExpectAllClose(*logits, ref->logits, "logits " + what, 2e-4);
   }
+}
+
+// A rank that never enters a collective (injected by the emulation, which is
+// what makes this testable without a broken GPU) ends the run: every rank
+// fails within --comm-timeout, and coloctl exits 1 naming the deadline
+// instead of hanging.
+TEST_F(GpuCli, ARankThatNeverEntersACollectiveEndsTheRunWithinTheTimeout) {
+  auto info = kernels::GetCudaDeviceInfo(0);
+  ASSERT_TRUE(info.ok()) << info.status();
+  if (info->name != "colod CUDA emulation") GTEST_SKIP() << "fault injection needs the CUDA emulation";
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  o.positions = 32;
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("hang"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const absl::Time start = absl::Now();
+  // In every two-rank group, local rank 1's 5th operation never starts.
+  const auto r = RunCommand({"/usr/bin/env", "COLOD_NCCL_EMU_FAULT=hang:1:5:2", Runfile("client/coloctl"), "train",
+                             "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3", "--steps", "20",
+                             "--batch-size", "4", "--seq-len", "32", "--tp", "2", "--dp", "2", "--device", "cuda",
+                             "--comm-timeout", "3s", "--output", "json"},
+                            std::getenv("TEST_TMPDIR"), absl::Seconds(120));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_NE(r.err.find("DEADLINE_EXCEEDED"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("did not complete within 3s"), std::string::npos) << r.err;
+  EXPECT_LT(took, absl::Seconds(25)) << "the default 60 s timeout, not --comm-timeout 3s, ended it?\n" << r.err;
 }
 
 }  // namespace

@@ -48,6 +48,8 @@ absl::Status RunLocalNcclMesh(const DeviceMesh& mesh, const std::function<absl::
         absl::StrCat(n, " ranks need ", n, " CUDA devices (NCCL puts one rank on a device); found ", devices));
   }
   InMemoryStore store;
+  // One signal for the whole mesh: the first rank to fail aborts them all.
+  auto signal = std::make_shared<AbortSignal>();
   std::vector<absl::Status> results(n);
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
@@ -55,16 +57,26 @@ absl::Status RunLocalNcclMesh(const DeviceMesh& mesh, const std::function<absl::
       NcclCommunicator::Options o;
       o.device = r;
       o.timeout = timeout;
-      auto pg = ProcessGroup::Create(mesh, r, NcclFactory(&store, o, r, n), timeout);
+      o.abort_signal = signal;
+      auto pg = ProcessGroup::Create(mesh, r, NcclFactory(&store, o, r, n), timeout, signal);
       if (!pg.ok()) {
         results[r] = pg.status();
-        return;
+      } else {
+        results[r] = (*pg)->InitAxes();
+        if (results[r].ok()) results[r] = body(r, **pg);
       }
-      results[r] = (*pg)->InitAxes();
-      if (results[r].ok()) results[r] = body(r, **pg);
+      if (!results[r].ok()) {
+        signal->Abort(absl::AbortedError(absl::StrCat("rank ", r, " failed: ", results[r].ToString())));
+      }
     });
   }
   for (auto& t : threads) t.join();
+  // The cause, not the aborts it triggered in the other ranks.
+  for (size_t r = 0; r < results.size(); ++r) {
+    if (!results[r].ok() && results[r].code() != absl::StatusCode::kAborted) {
+      return absl::Status(results[r].code(), absl::StrCat("rank ", r, ": ", results[r].message()));
+    }
+  }
   return FirstRankError(results);
 }
 

@@ -15,7 +15,8 @@ namespace colod {
 // A factory for ProcessGroup::Create: the first group it makes first creates
 // the world communicator of `world_size` ranks (unique id through `store`,
 // which must outlive the group); each group is then world.Split(color =
-// the group's index, key = local rank). Every rank of the mesh must make the
+// the group's index, key = local rank, named after the axis). Pass the
+// group's abort signal in options.abort_signal. Every rank of the mesh must make the
 // same groups in the same order (ProcessGroup::InitAxes does), since a split
 // is collective over the world. Thread-safe.
 ProcessGroup::CommFactory NcclFactory(Store* store, NcclCommunicator::Options options, int world_rank,
@@ -24,7 +25,10 @@ ProcessGroup::CommFactory NcclFactory(Store* store, NcclCommunicator::Options op
 // RunLocalMesh (worker/colo/local_mesh.h) over NCCL: rank r of `mesh` is a
 // thread on CUDA device r (FAILED_PRECONDITION when there are fewer devices
 // than ranks); its process group has every axis initialized before `body`
-// runs. Returns OK or the lowest failing rank's error.
+// runs. When a rank fails, every rank's group is aborted with its error, so
+// the others stop at their next (or current) collective instead of waiting
+// for it. Returns OK or the lowest failing rank's error (an error other than
+// the abort it caused, if there is one).
 absl::Status RunLocalNcclMesh(const DeviceMesh& mesh,
                               const std::function<absl::Status(int rank, ProcessGroup& pg)>& body,
                               absl::Duration timeout = absl::Seconds(60));

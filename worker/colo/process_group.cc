@@ -10,12 +10,14 @@ namespace colod {
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Create(DeviceMesh mesh, int rank,
                                                                   CommFactory factory,
-                                                                  absl::Duration timeout) {
+                                                                  absl::Duration timeout,
+                                                                  std::shared_ptr<AbortSignal> abort_signal) {
   if (rank < 0 || rank >= mesh.world_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " is outside the mesh of ", mesh.world_size(), " ranks"));
   }
-  return std::unique_ptr<ProcessGroup>(new ProcessGroup(std::move(mesh), rank, std::move(factory), timeout));
+  return std::unique_ptr<ProcessGroup>(
+      new ProcessGroup(std::move(mesh), rank, std::move(factory), timeout, std::move(abort_signal)));
 }
 
 ProcessGroup::CommFactory ProcessGroup::GlooFactory(Store* store, GlooCommunicator::Options options) {
@@ -28,9 +30,29 @@ ProcessGroup::CommFactory ProcessGroup::GlooFactory(Store* store, GlooCommunicat
 }
 
 absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
+  {
+    absl::MutexLock lock(&mu_);
+    // Another thread making this axis' communicator: wait for it.
+    while (creating_.count(axis) > 0) made_cv_.Wait(&mu_);
+    auto it = comms_.find(axis);
+    if (it != comms_.end()) return it->second.get();
+    RETURN_IF_ERROR(abort_signal_->Check());
+    creating_.insert(axis);
+  }
+  absl::StatusOr<std::unique_ptr<Communicator>> made = Make(axis);
   absl::MutexLock lock(&mu_);
-  auto it = comms_.find(axis);
-  if (it != comms_.end()) return it->second.get();
+  creating_.erase(axis);
+  made_cv_.SignalAll();
+  if (!made.ok()) return made.status();
+  Communicator* raw = made->get();
+  comms_.emplace(axis, *std::move(made));
+  // Aborted while it was being made: it must not outlive the abort.
+  absl::Status aborted = abort_signal_->Check();
+  if (!aborted.ok()) raw->Abort(aborted);
+  return raw;
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> ProcessGroup::Make(const std::string& axis) {
   ASSIGN_OR_RETURN(auto groups, mesh_.Groups(axis));
   GroupInfo info;
   info.axis = axis;
@@ -44,10 +66,7 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
     // The member list names the group uniquely, whatever the axis is called.
     info.prefix = absl::StrCat(axis, "/", absl::StrJoin(group, "_"));
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, factory_(info));
-  Communicator* raw = c.get();
-  comms_.emplace(axis, std::move(c));
-  return raw;
+  return factory_(info);
 }
 
 absl::Status ProcessGroup::Barrier() {
@@ -59,8 +78,16 @@ absl::Status ProcessGroup::Barrier() {
 }
 
 void ProcessGroup::Abort(const absl::Status& reason) {
-  absl::MutexLock lock(&mu_);
-  for (auto& [axis, comm] : comms_) comm->Abort(reason);
+  // First the signal: communicators being made stop waiting, and NCCL's
+  // watchdog aborts those a factory keeps (the world communicator).
+  abort_signal_->Abort(reason);
+  std::vector<Communicator*> comms;
+  {
+    absl::MutexLock lock(&mu_);  // never held while a communicator is made
+    for (auto& [axis, comm] : comms_) comms.push_back(comm.get());
+  }
+  // Communicators live as long as the group, which the caller keeps alive.
+  for (Communicator* c : comms) c->Abort(reason);
 }
 
 absl::Status ProcessGroup::InitAxes(std::vector<std::string> axes) {

@@ -5,6 +5,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "worker/colo/mesh.h"
+#include "worker/comm/abort_signal.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/gloo/gloo_communicator.h"
 #include "worker/comm/store.h"
@@ -39,10 +41,14 @@ class ProcessGroup {
   };
   using CommFactory = std::function<absl::StatusOr<std::unique_ptr<Communicator>>(const GroupInfo& group)>;
 
-  // INVALID_ARGUMENT for a rank outside the mesh.
+  // INVALID_ARGUMENT for a rank outside the mesh. `abort_signal`, if set, is
+  // the one the factory's communicators were given (e.g.
+  // NcclCommunicator::Options::abort_signal): Abort fires it, which ends
+  // communicators still being made and those the factory keeps.
   static absl::StatusOr<std::unique_ptr<ProcessGroup>> Create(DeviceMesh mesh, int rank,
                                                               CommFactory factory,
-                                                              absl::Duration timeout = absl::Minutes(5));
+                                                              absl::Duration timeout = absl::Minutes(5),
+                                                              std::shared_ptr<AbortSignal> abort_signal = nullptr);
   // Gloo communicators rendezvousing through `store` (which must outlive the group).
   static CommFactory GlooFactory(Store* store, GlooCommunicator::Options options);
 
@@ -64,21 +70,35 @@ class ProcessGroup {
   // Returns once every rank of the mesh has called it: a barrier along each
   // mesh axis in turn. Collective over the whole mesh.
   absl::Status Barrier();
-  // Aborts every communicator created so far (Communicator::Abort): their
-  // later collectives fail at once with `reason`. For stopping a rank from
-  // another thread; the group is unusable afterwards.
+  // Aborts every communicator created so far (Communicator::Abort) and the
+  // ones being created (the abort signal): their collectives fail with
+  // `reason`. Never waits for a communicator to be made: for stopping a rank
+  // from another thread; the group is unusable afterwards.
   void Abort(const absl::Status& reason);
 
  private:
-  ProcessGroup(DeviceMesh mesh, int rank, CommFactory factory, absl::Duration timeout)
-      : mesh_(std::move(mesh)), rank_(rank), factory_(std::move(factory)), timeout_(timeout) {}
+  ProcessGroup(DeviceMesh mesh, int rank, CommFactory factory, absl::Duration timeout,
+               std::shared_ptr<AbortSignal> abort_signal)
+      : mesh_(std::move(mesh)),
+        rank_(rank),
+        factory_(std::move(factory)),
+        timeout_(timeout),
+        abort_signal_(abort_signal != nullptr ? std::move(abort_signal) : std::make_shared<AbortSignal>()) {}
+
+  // The factory's communicator for `axis` (collective for the axis' group).
+  absl::StatusOr<std::unique_ptr<Communicator>> Make(const std::string& axis);
 
   const DeviceMesh mesh_;
   const int rank_;
   const CommFactory factory_;  // destroyed after comms_ (NCCL splits before their world)
   const absl::Duration timeout_;
+  const std::shared_ptr<AbortSignal> abort_signal_;
   absl::Mutex mu_;
+  // Communicators are made outside `mu_` (a rendezvous can take the whole
+  // timeout); `creating_` names the axes being made.
   std::map<std::string, std::unique_ptr<Communicator>> comms_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> creating_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar made_cv_;  // signalled when an axis leaves creating_
 };
 
 }  // namespace colod

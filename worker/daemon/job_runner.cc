@@ -93,11 +93,13 @@ JobRunner::JobRunner(Options options) : options_(std::move(options)) {}
 
 JobRunner::~JobRunner() {
   std::thread t;
+  std::shared_ptr<Active> active;
   {
     absl::MutexLock lock(&mu_);
-    if (active_) Stop(*active_, "the worker is shutting down");
+    active = active_;
     t = std::move(thread_);
   }
+  if (active) Stop(*active, "the worker is shutting down");
   if (t.joinable()) t.join();
 }
 
@@ -137,23 +139,32 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
 
 void JobRunner::Stop(Active& active, const std::string& reason) {
   active.stop = true;
-  absl::MutexLock lock(&active.mu);
-  if (active.stop_reason.empty()) active.stop_reason = reason;
-  // Fails the rank's next collective at once; one in flight ends when its
-  // peers (told the same) close their connections, or at the timeout.
-  if (active.pg != nullptr) active.pg->Abort(absl::AbortedError(reason));
+  std::shared_ptr<ProcessGroup> pg;
+  {
+    absl::MutexLock lock(&active.mu);
+    if (active.stop_reason.empty()) active.stop_reason = reason;
+    pg = active.pg;
+  }
+  // Outside every lock (an abort may meet a rendezvous in progress): fails
+  // the rank's next collective at once and ends one in flight, or a
+  // communicator being made.
+  if (pg != nullptr) pg->Abort(absl::AbortedError(reason));
 }
 
 absl::Status JobRunner::Abort(const v1::AbortJobRequest& req) {
-  absl::MutexLock lock(&mu_);
-  if (!active_ || active_->request.job_id() != req.job_id()) {
-    return absl::NotFoundError(absl::StrCat("this worker does not run job '", req.job_id(), "'"));
+  std::shared_ptr<Active> active;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!active_ || active_->request.job_id() != req.job_id()) {
+      return absl::NotFoundError(absl::StrCat("this worker does not run job '", req.job_id(), "'"));
+    }
+    if (req.generation() < active_->request.generation()) {
+      return absl::AbortedError(absl::StrCat("generation ", req.generation(), " is older than the running ",
+                                             active_->request.generation()));
+    }
+    active = active_;
   }
-  if (req.generation() < active_->request.generation()) {
-    return absl::AbortedError(absl::StrCat("generation ", req.generation(), " is older than the running ",
-                                           active_->request.generation()));
-  }
-  Stop(*active_, req.reason().empty() ? "aborted by the coordinator" : req.reason());
+  Stop(*active, req.reason().empty() ? "aborted by the coordinator" : req.reason());
   return absl::OkStatus();
 }
 
@@ -271,11 +282,13 @@ absl::Status JobRunner::RunRank(Active& active) {
   }
   CoordinatorStore store(options_.coordinator, req.rendezvous_scope(), options_.rpc_timeout, options_.auth_token);
   ProcessGroup::CommFactory inner;
+  auto abort_signal = std::make_shared<AbortSignal>();  // ProcessGroup::Abort reaches NCCL init and splits
   if (options_.cuda) {
 #ifdef COLOD_WITH_CUDA
     NcclCommunicator::Options o;
     o.device = options_.device_ordinal;
     o.timeout = options_.comm_timeout;
+    o.abort_signal = abort_signal;
     inner = NcclFactory(&store, o, req.rank(), mesh.world_size());
     shard.device = Device::Cuda(options_.device_ordinal);
 #else
@@ -297,12 +310,13 @@ absl::Status JobRunner::RunRank(Active& active) {
           new InstrumentedCommunicator(std::move(c), metrics->CollectiveObserver(g.axis)));
     };
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> pg,
-                   ProcessGroup::Create(mesh, req.rank(), factory, options_.comm_timeout));
+  ASSIGN_OR_RETURN(std::shared_ptr<ProcessGroup> pg,
+                   ProcessGroup::Create(mesh, req.rank(), factory, options_.comm_timeout, abort_signal));
   {
     absl::MutexLock lock(&active.mu);
-    active.pg = pg.get();
+    active.pg = pg;
   }
+  if (active.stop) pg->Abort(absl::AbortedError("the job no longer runs"));  // stopped before the group existed
   struct Detach {
     Active& active;
     ~Detach() {

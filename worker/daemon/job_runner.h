@@ -81,7 +81,8 @@ class JobRunner {
     v1::AssignJobRequest request;
     std::atomic<bool> stop{false};
     absl::Mutex mu;
-    ProcessGroup* pg ABSL_GUARDED_BY(mu) = nullptr;
+    // Shared with Stop, which aborts it outside every lock.
+    std::shared_ptr<ProcessGroup> pg ABSL_GUARDED_BY(mu);
     std::shared_ptr<TensorHost> tensors ABSL_GUARDED_BY(mu);  // TENSOR jobs, once connected
     std::optional<v1::ForwardResult> forward;  // FORWARD jobs' rank 0, set by the rank's thread
     // The rank's metrics while it runs (null without Options::metrics);

@@ -13,17 +13,23 @@
 namespace colod::shardformer {
 
 absl::Status RunOnLocalRanks(const ShardConfig& shard, bool cuda,
-                             const std::function<absl::Status(int, ProcessGroup&, const ShardConfig&)>& body) {
+                             const std::function<absl::Status(int, ProcessGroup&, const ShardConfig&)>& body,
+                             absl::Duration comm_timeout) {
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(shard.layout));
   if (!cuda) {
-    return RunLocalMesh(mesh, [&](int rank, ProcessGroup& pg) { return body(rank, pg, shard); });
+    LocalMeshOptions options;
+    options.timeout = comm_timeout;
+    return RunLocalMesh(mesh, [&](int rank, ProcessGroup& pg) { return body(rank, pg, shard); }, options);
   }
 #ifdef COLOD_WITH_CUDA
-  return RunLocalNcclMesh(mesh, [&](int rank, ProcessGroup& pg) {
-    ShardConfig mine = shard;
-    mine.device = Device::Cuda(rank);
-    return body(rank, pg, mine);
-  });
+  return RunLocalNcclMesh(
+      mesh,
+      [&](int rank, ProcessGroup& pg) {
+        ShardConfig mine = shard;
+        mine.device = Device::Cuda(rank);
+        return body(rank, pg, mine);
+      },
+      comm_timeout);
 #else
   return absl::FailedPreconditionError("this build has no CUDA: run on the CPU (without --device cuda)");
 #endif
@@ -82,7 +88,7 @@ absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request) {
     absl::MutexLock lock(&mu);
     result = std::move(mine);
     return absl::OkStatus();
-  }));
+  }, request.comm_timeout));
   return result;
 }
 

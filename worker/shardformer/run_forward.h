@@ -18,14 +18,18 @@ namespace colod::shardformer {
 // this process: over Gloo on loopback with host tensors, or with `cuda`
 // over NCCL, rank r on CUDA device r (`shard.device` set accordingly;
 // FAILED_PRECONDITION in a build without CUDA or with too few devices).
+// `comm_timeout` bounds each rendezvous and collective: a rank that stops
+// taking part fails the others with DEADLINE_EXCEEDED after it.
 absl::Status RunOnLocalRanks(const ShardConfig& shard, bool cuda,
-                             const std::function<absl::Status(int rank, ProcessGroup& pg, const ShardConfig& shard)>& body);
+                             const std::function<absl::Status(int rank, ProcessGroup& pg, const ShardConfig& shard)>& body,
+                             absl::Duration comm_timeout = absl::Seconds(60));
 
 struct ForwardRequest {
   std::string model_dir;
   Tensor ids;  // integer token ids [batch, seq]; the batch splits over dp
   ShardConfig shard;
   bool cuda = false;  // one rank per CUDA device, over NCCL
+  absl::Duration comm_timeout = absl::Seconds(60);  // per rendezvous and collective
 };
 
 struct ForwardResult {

@@ -135,7 +135,7 @@ absl::Status Train(const TrainOptions& o, const std::function<void(const StepSta
   return shardformer::RunOnLocalRanks(o.shard, o.cuda, [&](int rank, ProcessGroup& pg,
                                                            const shardformer::ShardConfig& shard) {
     return RunTrainRank(*run, rank, pg, shard, hooks);
-  });
+  }, o.comm_timeout);
 }
 
 }  // namespace colod::train

@@ -44,6 +44,9 @@ struct TrainOptions {
   std::string resume_dir;     // if set, continue from its newest complete checkpoint
   int64_t stop_after = 0;     // if > 0, stop after this step (as an interruption would)
   bool cuda = false;          // one rank per CUDA device over NCCL (else host tensors over Gloo)
+  // Train(): each rendezvous and collective; a rank that stops taking part
+  // fails the run with DEADLINE_EXCEEDED after it.
+  absl::Duration comm_timeout = absl::Seconds(60);
 };
 
 // What each step reports. Train() reports rank 0's; RunTrainRank reports

@@ -1,5 +1,6 @@
 #include "worker/comm/nccl/nccl_communicator.h"
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 #include <thread>
@@ -157,6 +158,10 @@ absl::Status NcclCommunicator::WaitReady(absl::Time deadline, const std::string&
       if (r != ncclSuccess) state = r;
     }
     if (state == ncclSuccess) return absl::OkStatus();
+    if (options_.abort_signal != nullptr && options_.abort_signal->fired()) {
+      AbortWith(options_.abort_signal->Check());
+      return AsyncError();
+    }
     if (state != ncclInProgress) {
       const absl::Status error = NcclStatus(state, what.c_str(), __FILE__, __LINE__);
       AbortWith(error);
@@ -185,7 +190,18 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(Store
     NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id));
     RETURN_IF_ERROR(store.Set(key, std::string(reinterpret_cast<const char*>(&id), sizeof(id))));
   } else {
-    ASSIGN_OR_RETURN(std::vector<std::string> v, store.Wait({key}, options.timeout));
+    // In slices, so an abort ends the wait for rank 0's id too.
+    const absl::Time deadline = absl::Now() + options.timeout;
+    absl::StatusOr<std::vector<std::string>> got;
+    for (;;) {
+      if (options.abort_signal != nullptr) RETURN_IF_ERROR(options.abort_signal->Check());
+      const absl::Duration left = deadline - absl::Now();
+      got = store.Wait({key}, std::min(left, absl::Milliseconds(500)));
+      if (got.ok() || got.status().code() != absl::StatusCode::kDeadlineExceeded || left <= absl::Milliseconds(500)) {
+        break;
+      }
+    }
+    ASSIGN_OR_RETURN(std::vector<std::string> v, std::move(got));
     if (v[0].size() != sizeof(id)) return absl::DataLossError("nccl: the published unique id has the wrong size");
     std::memcpy(&id, v[0].data(), sizeof(id));
   }
@@ -302,6 +318,10 @@ absl::Status NcclCommunicator::AsyncError() {
 }
 
 bool NcclCommunicator::CheckHealth(absl::Time now) {
+  if (options_.abort_signal != nullptr && options_.abort_signal->fired() && !aborted_) {
+    AbortWith(options_.abort_signal->Check());
+    return true;
+  }
   std::string late;
   {
     absl::ReaderMutexLock lock(&mu_);

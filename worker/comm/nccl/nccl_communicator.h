@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "worker/comm/abort_signal.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/store.h"
 
@@ -65,6 +66,9 @@ class NcclCommunicator final : public Communicator {
     std::string prefix = "nccl";
     // The group's name in errors (e.g. "tp", "world").
     std::string group = "world";
+    // If set and fired: init and split stop waiting, and the watchdog aborts
+    // the communicator (ProcessGroup::Abort reaches it this way).
+    std::shared_ptr<AbortSignal> abort_signal;
   };
 
   // Rank 0 creates the unique id and publishes it through `store`; the others

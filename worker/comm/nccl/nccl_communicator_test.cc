@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/device.h"
+#include "worker/comm/abort_signal.h"
 #include "worker/comm/store.h"
 
 namespace colod {
@@ -189,6 +190,56 @@ TEST_F(NcclRanks, AbortAndAsyncErrorRaceSafely) {
     poller.join();
     EXPECT_EQ(comm.AsyncError().code(), absl::StatusCode::kAborted);
   });
+}
+
+// Abort reaches a rendezvous in progress: a peer that never joins would keep
+// init waiting for the whole timeout; the group's abort signal ends it.
+TEST_F(NcclRanks, AnAbortEndsInitPromptly) {
+  InMemoryStore store;
+  NcclCommunicator::Options o;
+  o.timeout = absl::Seconds(60);
+  o.abort_signal = std::make_shared<AbortSignal>();
+  std::thread aborter([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    o.abort_signal->Abort(absl::CancelledError("job cancelled during init"));
+  });
+  const absl::Time start = absl::Now();
+  auto comm = NcclCommunicator::Create(store, 0, 2, o);  // rank 1 never comes
+  aborter.join();
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kCancelled) << comm.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  // A rank waiting for rank 0's unique id stops too.
+  InMemoryStore empty;
+  NcclCommunicator::Options fired = o;
+  fired.abort_signal = std::make_shared<AbortSignal>();
+  fired.abort_signal->Abort(absl::CancelledError("already cancelled"));
+  EXPECT_EQ(NcclCommunicator::Create(empty, 1, 2, fired).status().code(), absl::StatusCode::kCancelled);
+}
+
+TEST_F(NcclRanks, AnAbortEndsASplitInProgressPromptly) {
+  auto signal = std::make_shared<AbortSignal>();
+  InMemoryStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      NcclCommunicator::Options o;
+      o.device = r;
+      o.timeout = absl::Seconds(60);
+      o.abort_signal = signal;
+      auto comm = NcclCommunicator::Create(store, r, 2, o);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      if (r == 1) {
+        absl::SleepFor(absl::Milliseconds(300));  // never splits
+        signal->Abort(absl::CancelledError("job cancelled during a split"));
+        return;
+      }
+      const absl::Time start = absl::Now();
+      auto sub = (*comm)->Split(0, 0, "tp");
+      EXPECT_EQ(sub.status().code(), absl::StatusCode::kCancelled) << sub.status();
+      EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+    });
+  }
+  for (auto& t : threads) t.join();
 }
 
 }  // namespace

@@ -1,0 +1,49 @@
+// ProcessGroup's abort never waits for a communicator being made: a
+// factory standing in for a slow rendezvous (it waits for the group's abort
+// signal, as NCCL init does) and an Abort from another thread.
+#include "worker/colo/process_group.h"
+
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace colod {
+namespace {
+
+DeviceMesh Mesh(int tp, int dp) {
+  v1::ShardConfig s;
+  s.set_tensor_parallel_size(tp);
+  s.set_data_parallel_size(dp);
+  return *DeviceMesh::FromShardConfig(s);
+}
+
+TEST(ProcessGroup, AbortDoesNotWaitForACommunicatorBeingMade) {
+  auto signal = std::make_shared<AbortSignal>();
+  absl::Notification entered;
+  ProcessGroup::CommFactory slow = [&](const ProcessGroup::GroupInfo&)
+      -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    entered.Notify();
+    // A rendezvous whose peers never come: it ends only when aborted.
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (!signal->fired() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+    return signal->Check().ok() ? absl::DeadlineExceededError("no peers") : signal->Check();
+  };
+  auto pg = ProcessGroup::Create(Mesh(2, 1), 0, slow, absl::Seconds(60), signal);
+  ASSERT_TRUE(pg.ok()) << pg.status();
+  absl::Status init;
+  std::thread rank([&] { init = (*pg)->InitAxes(); });
+  entered.WaitForNotification();
+  const absl::Time start = absl::Now();
+  (*pg)->Abort(absl::CancelledError("job cancelled"));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));  // Abort returned without waiting for the factory
+  rank.join();
+  EXPECT_EQ(init.code(), absl::StatusCode::kCancelled) << init;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  // Later uses fail at once with the abort's reason.
+  EXPECT_EQ((*pg)->Comm("tp").status().code(), absl::StatusCode::kCancelled);
+}
+
+}  // namespace
+}  // namespace colod
