@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "client/coordinator_client.h"
 #include "kernels/device.h"
 #include "nlohmann/json.hpp"
 #include "tests/subprocess.h"
@@ -39,6 +40,15 @@ std::vector<double> Losses(const std::string& out) {
   return losses;
 }
 
+// A tiny model of `family` ("Gpt2" or "Llama") for byte-level text (the GPL).
+absl::StatusOr<shardformer::testing::TinyModel> ByteLevelModel(const std::string& family, const std::string& name) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  o.positions = 32;
+  return family == "Llama" ? shardformer::testing::WriteTinyLlama(TempPath(name), o)
+                           : shardformer::testing::WriteTinyGpt2(TempPath(name), o);
+}
+
 void TrainOnBothDevices(const std::string& model_dir, const std::string& what) {
   const std::vector<std::string> common = {"train", "--model", model_dir, "--data", "/usr/share/common-licenses/GPL-3",
                                            "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
@@ -65,19 +75,13 @@ class GpuCli : public ::testing::Test {
 };
 
 TEST_F(GpuCli, Gpt2TrainsAtTp2Dp2WithTheCpuLosses) {
-  shardformer::testing::TinyOptions o;
-  o.vocab = 257;  // byte-level text
-  o.positions = 32;
-  auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2"), o);
+  auto model = ByteLevelModel("Gpt2", "gpt2");
   ASSERT_TRUE(model.ok()) << model.status();
   TrainOnBothDevices(model->dir, "GPT-2");
 }
 
 TEST_F(GpuCli, LlamaTrainsAtTp2Dp2WithTheCpuLosses) {
-  shardformer::testing::TinyOptions o;
-  o.vocab = 257;
-  o.positions = 32;
-  auto model = shardformer::testing::WriteTinyLlama(TempPath("llama"), o);
+  auto model = ByteLevelModel("Llama", "llama");
   ASSERT_TRUE(model.ok()) << model.status();
   TrainOnBothDevices(model->dir, "LLaMA");
 }
@@ -106,6 +110,42 @@ TEST_F(GpuCli, ForwardMatchesTheUnshardedReference) {
   }
 }
 
+// The CUDA worker daemon's path: a TRAIN job on a worker started with
+// --device cuda (one rank: the emulation's NCCL is in-process, so several
+// CUDA workers, each a process, need real GPUs) gives the CPU run's losses.
+TEST_F(GpuCli, ACudaWorkerDaemonTrainsWithTheCpuLosses) {
+  auto model = ByteLevelModel("Gpt2", "daemon");
+  ASSERT_TRUE(model.ok()) << model.status();
+  testing::Daemon coordinator = testing::StartTestCoordinator();
+  ASSERT_FALSE(coordinator.grpc.empty()) << testing::ReadFile(coordinator.log);
+  testing::Daemon worker = testing::StartDaemon(
+      "worker/daemon/colod-worker", "cuda0",
+      {"--coordinator", coordinator.grpc, "--device", "cuda", "--device-ordinal", "0", "--work-dir", TempPath("w0"),
+       "--comm-timeout", "30s"});
+  ASSERT_FALSE(worker.grpc.empty()) << testing::ReadFile(worker.log);
+  auto client = CoordinatorClient::Create(coordinator.grpc);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const absl::Status registered = testing::WaitForWorkers(**client, 1);
+  ASSERT_TRUE(registered.ok()) << registered << testing::DaemonLogs(coordinator, {});
+  const std::vector<std::string> common = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
+                                           "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
+                                           "--seed", "5", "--tp", "1", "--dp", "1", "--output", "json"};
+  std::vector<std::string> on_daemon = common, embedded = common;
+  on_daemon.insert(on_daemon.end(), {"--coordinator", coordinator.grpc});
+  const auto d = Coloctl(on_daemon), c = Coloctl(embedded);
+  ASSERT_EQ(d.code, 0) << d.err << testing::ReadFile(worker.log);
+  ASSERT_EQ(c.code, 0) << c.err;
+  const std::vector<double> ld = Losses(d.out), lc = Losses(c.out);
+  ASSERT_EQ(ld.size(), 3u) << d.out;
+  ASSERT_EQ(lc.size(), 3u) << c.out;
+  for (size_t i = 0; i < lc.size(); ++i) EXPECT_NEAR(ld[i], lc[i], 1e-4 * lc[i]) << "step " << i + 1;
+  // The worker serves its CUDA device (not the CPU).
+  auto info = kernels::GetCudaDeviceInfo(0);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_NE(testing::ReadFile(worker.log).find("worker device " + info->name + " (ordinal 0)"), std::string::npos)
+      << testing::ReadFile(worker.log);
+}
+
 // A rank that never enters a collective (injected by the emulation, which is
 // what makes this testable without a broken GPU) ends the run: every rank
 // fails within --comm-timeout, and coloctl exits 1 naming the deadline
@@ -114,10 +154,7 @@ TEST_F(GpuCli, ARankThatNeverEntersACollectiveEndsTheRunWithinTheTimeout) {
   auto info = kernels::GetCudaDeviceInfo(0);
   ASSERT_TRUE(info.ok()) << info.status();
   if (info->name != "colod CUDA emulation") GTEST_SKIP() << "fault injection needs the CUDA emulation";
-  shardformer::testing::TinyOptions o;
-  o.vocab = 257;
-  o.positions = 32;
-  auto model = shardformer::testing::WriteTinyGpt2(TempPath("hang"), o);
+  auto model = ByteLevelModel("Gpt2", "hang");
   ASSERT_TRUE(model.ok()) << model.status();
   const absl::Time start = absl::Now();
   // In every two-rank group, local rank 1's 5th operation never starts.
