@@ -41,7 +41,7 @@ static_assert(static_cast<int>(cu::ElemType::kI64) == static_cast<int>(DType::kI
 cu::ElemType Elem(DType t) { return static_cast<cu::ElemType>(t); }
 #endif
 
-absl::Status NoCuda(Device d) {
+[[maybe_unused]] absl::Status NoCuda(Device d) {
   return absl::FailedPreconditionError(absl::StrCat(
       d.ToString(), ": this binary was built without CUDA (bazel/cuda.bzl found no toolkit); "
                     "only cpu tensors are available"));
