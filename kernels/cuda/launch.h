@@ -12,29 +12,12 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "kernels/cuda/status.h"
 
 namespace colod::kernels::cuda {
 
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 4096;
-
-// FAILED_PRECONDITION for a missing or unusable device, INTERNAL otherwise,
-// naming `what` and the CUDA error.
-inline absl::Status CudaStatus(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  const std::string msg = std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
-  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || e == cudaErrorInvalidDevice ||
-      e == cudaErrorMemoryAllocation) {
-    return absl::FailedPreconditionError(msg);
-  }
-  return absl::InternalError(msg);
-}
-
-#define COLOD_RETURN_IF_CUDA(call)                                                  \
-  do {                                                                              \
-    absl::Status colod_cuda_s_ = ::colod::kernels::cuda::CudaStatus((call), #call); \
-    if (!colod_cuda_s_.ok()) return colod_cuda_s_;                                  \
-  } while (0)
 
 // Blocks for n elements handled by a grid-stride loop of kThreads threads.
 inline unsigned Blocks(int64_t n) {

@@ -50,10 +50,6 @@ absl::Status NcclStatus(ncclResult_t r, const char* call, const char* file, int 
   return absl::Status(code, absl::StrCat("nccl: ", call, ": ", ncclGetErrorString(r), " (", file, ":", line, ")"));
 }
 
-absl::Status CudaStatus(cudaError_t e, const char* call, const char* file, int line) {
-  return absl::InternalError(absl::StrCat("cuda: ", call, ": ", cudaGetErrorString(e), " (", file, ":", line, ")"));
-}
-
 // The process's watchdog: a thread that visits every live communicator
 // every 100 ms (CheckHealth). Communicators register in their constructor's
 // caller and unregister in their destructor, under `mu`, so the watchdog
@@ -114,7 +110,7 @@ class NcclCommunicator::NcclWork final : public Work {
       // After an abort the stream moves on without the collective having
       // run: a reached event means success only on a live communicator.
       if (q == cudaSuccess) return owner_->aborted_ ? owner_->AsyncError() : absl::OkStatus();
-      if (q != cudaErrorNotReady) return CudaStatus(q, "cudaEventQuery", __FILE__, __LINE__);
+      if (q != cudaErrorNotReady) return kernels::cuda::CudaStatus(q, "cudaEventQuery");
       absl::Status async = owner_->AsyncError();
       if (!async.ok()) {
         // Aborted (by the watchdog, a peer's failure or the caller): the
@@ -183,7 +179,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(Store
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(absl::StrCat("nccl: rank ", rank, " / size ", size, " is not a valid rank"));
   }
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  COLOD_RETURN_IF_CUDA(cudaSetDevice(options.device));
   const std::string key = absl::StrCat(options.prefix, "/unique_id");
   ncclUniqueId id;
   if (rank == 0) {
@@ -216,14 +212,14 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(Store
   Watchdog::Get().Add(c.get());
   // On failure WaitReady has aborted the half-made communicator.
   RETURN_IF_ERROR(c->WaitReady(absl::Now() + options.timeout, "init"));
-  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&c->stream_, cudaStreamNonBlocking));
-  CUDA_RETURN_IF_ERROR(cudaMalloc(&c->scratch_, sizeof(int32_t)));
+  COLOD_RETURN_IF_CUDA(cudaStreamCreateWithFlags(&c->stream_, cudaStreamNonBlocking));
+  COLOD_RETURN_IF_CUDA(cudaMalloc(&c->scratch_, sizeof(int32_t)));
   return c;
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(int color, int key,
                                                                          const std::string& group) {
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  COLOD_RETURN_IF_CUDA(cudaSetDevice(options_.device));
   ncclConfig_t config = NonBlockingConfig();
   absl::MutexLock order(&enqueue_mu_);
   // A non-blocking split may write the child after this call returns (or
@@ -258,8 +254,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(int co
   *slot = nullptr;  // owned by `c` now
   Watchdog::Get().Add(c.get());
   RETURN_IF_ERROR(c->WaitReady(absl::Now() + options_.timeout, "split child init"));
-  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&c->stream_, cudaStreamNonBlocking));
-  CUDA_RETURN_IF_ERROR(cudaMalloc(&c->scratch_, sizeof(int32_t)));
+  COLOD_RETURN_IF_CUDA(cudaStreamCreateWithFlags(&c->stream_, cudaStreamNonBlocking));
+  COLOD_RETURN_IF_CUDA(cudaMalloc(&c->scratch_, sizeof(int32_t)));
   return c;
 }
 
@@ -364,10 +360,10 @@ std::shared_ptr<Work> NcclCommunicator::Enqueue(const char* op,
   const std::string what = Describe(op, seq);
   auto fail = [&](absl::Status s) { return std::make_shared<NcclWork>(this, what, seq, nullptr, std::move(s)); };
   cudaError_t e = cudaSetDevice(options_.device);
-  if (e != cudaSuccess) return fail(CudaStatus(e, "cudaSetDevice", __FILE__, __LINE__));
+  if (e != cudaSuccess) return fail(kernels::cuda::CudaStatus(e, "cudaSetDevice"));
   cudaEvent_t event = nullptr;
   e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-  if (e != cudaSuccess) return fail(CudaStatus(e, "cudaEventCreateWithFlags", __FILE__, __LINE__));
+  if (e != cudaSuccess) return fail(kernels::cuda::CudaStatus(e, "cudaEventCreateWithFlags"));
   absl::Status s;
   {
     absl::ReaderMutexLock lock(&mu_);
@@ -380,7 +376,7 @@ std::shared_ptr<Work> NcclCommunicator::Enqueue(const char* op,
   if (s.ok()) s = WaitReady(absl::Now() + options_.timeout, what);  // the non-blocking enqueue finished
   if (s.ok()) {
     e = cudaEventRecord(event, stream_);
-    if (e != cudaSuccess) s = CudaStatus(e, "cudaEventRecord", __FILE__, __LINE__);
+    if (e != cudaSuccess) s = kernels::cuda::CudaStatus(e, "cudaEventRecord");
   }
   if (!s.ok()) {
     cudaEventDestroy(event);

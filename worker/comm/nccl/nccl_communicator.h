@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/cuda/status.h"
 #include "worker/comm/abort_signal.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/store.h"
@@ -28,19 +29,12 @@ namespace colod {
 
 // Turns an NCCL result into a Status naming the call and file:line.
 absl::Status NcclStatus(ncclResult_t r, const char* call, const char* file, int line);
-absl::Status CudaStatus(cudaError_t e, const char* call, const char* file, int line);
 
 #define NCCL_RETURN_IF_ERROR(call)                                                         \
   do {                                                                                     \
     ncclResult_t colod_nccl_r_ = (call);                                                   \
     if (colod_nccl_r_ != ncclSuccess && colod_nccl_r_ != ncclInProgress)                   \
       return ::colod::NcclStatus(colod_nccl_r_, #call, __FILE__, __LINE__);                \
-  } while (0)
-
-#define CUDA_RETURN_IF_ERROR(call)                                                         \
-  do {                                                                                     \
-    cudaError_t colod_cuda_e_ = (call);                                                    \
-    if (colod_cuda_e_ != cudaSuccess) return ::colod::CudaStatus(colod_cuda_e_, #call, __FILE__, __LINE__); \
   } while (0)
 
 // Thread-safe. Collectives are enqueued on the communicator's own CUDA stream
