@@ -40,13 +40,17 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
     creating_.insert(axis);
   }
   absl::StatusOr<std::unique_ptr<Communicator>> made = Make(axis);
-  absl::MutexLock lock(&mu_);
-  creating_.erase(axis);
-  made_cv_.SignalAll();
-  if (!made.ok()) return made.status();
-  Communicator* raw = made->get();
-  comms_.emplace(axis, *std::move(made));
-  // Aborted while it was being made: it must not outlive the abort.
+  Communicator* raw = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    creating_.erase(axis);
+    made_cv_.SignalAll();
+    if (!made.ok()) return made.status();
+    raw = made->get();
+    comms_.emplace(axis, *std::move(made));
+  }
+  // Aborted while it was being made: it must not outlive the abort (aborted
+  // outside the lock, like every abort).
   absl::Status aborted = abort_signal_->Check();
   if (!aborted.ok()) raw->Abort(aborted);
   return raw;

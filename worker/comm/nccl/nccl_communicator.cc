@@ -242,8 +242,13 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(int co
   ncclComm_t sub = *slot;
   if (sub == nullptr) return absl::InvalidArgumentError("nccl: split with NCCL_SPLIT_NOCOLOR gives no communicator");
   int sub_rank = 0, sub_size = 0;
-  NCCL_RETURN_IF_ERROR(ncclCommUserRank(sub, &sub_rank));
-  NCCL_RETURN_IF_ERROR(ncclCommCount(sub, &sub_size));
+  ncclResult_t r = ncclCommUserRank(sub, &sub_rank);
+  if (r == ncclSuccess) r = ncclCommCount(sub, &sub_size);
+  if (r != ncclSuccess) {
+    ncclCommAbort(sub);  // not handed to a communicator: nobody else would release it
+    *slot = nullptr;
+    return NcclStatus(r, "ncclCommUserRank/ncclCommCount", __FILE__, __LINE__);
+  }
   Options o = options_;
   if (!group.empty()) o.group = group;
   std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(sub_rank, sub_size, o));
