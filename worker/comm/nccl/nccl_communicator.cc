@@ -205,16 +205,21 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(Store
   ncclConfig_t config = NonBlockingConfig();
   ncclComm_t comm = nullptr;
   NCCL_RETURN_IF_ERROR(ncclCommInitRankConfig(&comm, size, id, rank, &config));
-  {
-    absl::MutexLock lock(&c->mu_);
-    c->comm_ = comm;
-  }
-  Watchdog::Get().Add(c.get());
-  // On failure WaitReady has aborted the half-made communicator.
-  RETURN_IF_ERROR(c->WaitReady(absl::Now() + options.timeout, "init"));
-  COLOD_RETURN_IF_CUDA(cudaStreamCreateWithFlags(&c->stream_, cudaStreamNonBlocking));
-  COLOD_RETURN_IF_CUDA(cudaMalloc(&c->scratch_, sizeof(int32_t)));
+  RETURN_IF_ERROR(c->Adopt(comm, "init"));
   return c;
+}
+
+absl::Status NcclCommunicator::Adopt(ncclComm_t comm, const std::string& what) {
+  {
+    absl::MutexLock lock(&mu_);
+    comm_ = comm;
+  }
+  Watchdog::Get().Add(this);
+  // On failure WaitReady has aborted the half-made communicator.
+  RETURN_IF_ERROR(WaitReady(absl::Now() + options_.timeout, what));
+  COLOD_RETURN_IF_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  COLOD_RETURN_IF_CUDA(cudaMalloc(&scratch_, sizeof(int32_t)));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(int color, int key,
@@ -252,15 +257,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(int co
   Options o = options_;
   if (!group.empty()) o.group = group;
   std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(sub_rank, sub_size, o));
-  {
-    absl::MutexLock lock(&c->mu_);
-    c->comm_ = sub;
-  }
-  *slot = nullptr;  // owned by `c` now
-  Watchdog::Get().Add(c.get());
-  RETURN_IF_ERROR(c->WaitReady(absl::Now() + options_.timeout, "split child init"));
-  COLOD_RETURN_IF_CUDA(cudaStreamCreateWithFlags(&c->stream_, cudaStreamNonBlocking));
-  COLOD_RETURN_IF_CUDA(cudaMalloc(&c->scratch_, sizeof(int32_t)));
+  *slot = nullptr;  // owned by `c` from here
+  RETURN_IF_ERROR(c->Adopt(sub, "split child init"));
   return c;
 }
 

@@ -115,6 +115,10 @@ class NcclCommunicator final : public Communicator {
     cudaEvent_t event;  // owned by the NcclWork
   };
   NcclCommunicator(int rank, int size, Options options) : rank_(rank), size_(size), options_(std::move(options)) {}
+  // Takes a just-made (init or split) handle: registers with the watchdog,
+  // waits until NCCL finished making it (aborting it on failure), and makes
+  // the stream and the Barrier scratch.
+  absl::Status Adopt(ncclComm_t comm, const std::string& what);
   // "AllReduce #17 on group tp (rank 1/2, device 1)"
   std::string Describe(const std::string& op, uint64_t seq) const;
   // Finishes a non-blocking NCCL call: polls the async error until the
