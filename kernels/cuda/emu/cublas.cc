@@ -9,6 +9,7 @@
 #include <cblas.h>
 #include <cublas_emu.h>
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -51,22 +52,16 @@ size_t ElemBytes(cudaDataType_t t) {
 float Load(const void* p, size_t i, cudaDataType_t t) {
   switch (t) {
     case CUDA_R_32F: return static_cast<const float*>(p)[i];
-    case CUDA_R_16BF: return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
+    case CUDA_R_16BF: return __bfloat162float(__ushort_as_bfloat16(static_cast<const uint16_t*>(p)[i]));
     case CUDA_R_16F: return __half2float(__ushort_as_half(static_cast<const uint16_t*>(p)[i]));
     default: return 0;
   }
 }
 
-uint16_t ToBF16(float f) {
-  const uint32_t bits = __float_as_uint(f);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 void Store(void* p, size_t i, cudaDataType_t t, float v) {
   switch (t) {
     case CUDA_R_32F: static_cast<float*>(p)[i] = v; return;
-    case CUDA_R_16BF: static_cast<uint16_t*>(p)[i] = ToBF16(v); return;
+    case CUDA_R_16BF: static_cast<uint16_t*>(p)[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v)); return;
     case CUDA_R_16F: static_cast<uint16_t*>(p)[i] = __half_as_ushort(__float2half_rn(v)); return;
     default: return;
   }

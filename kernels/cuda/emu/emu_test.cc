@@ -4,6 +4,7 @@
 // matches a naive triple loop through the row-major mapping colod uses, and
 // the NCCL collectives match their definitions, including hangs and aborts.
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -251,6 +252,19 @@ TEST(CudaEmuFp16, ConversionsRoundToNearestEven) {
   }
   EXPECT_TRUE(std::isnan(__half2float(__ushort_as_half(0x7e00))));
   EXPECT_EQ(__half2float(__ushort_as_half(0x0001)), std::ldexp(1.0f, -24));
+}
+
+TEST(CudaEmuBf16, ConversionsRoundToNearestEven) {
+  EXPECT_EQ(__bfloat16_as_ushort(__float2bfloat16_rn(1.0f)), 0x3f80);
+  EXPECT_EQ(__bfloat16_as_ushort(__float2bfloat16_rn(1.0f + std::ldexp(1.0f, -8))), 0x3f80);  // tie: to even
+  EXPECT_EQ(__bfloat16_as_ushort(__float2bfloat16_rn(1.0f + std::ldexp(3.0f, -8))), 0x3f82);  // tie: to even
+  EXPECT_EQ(__bfloat16_as_ushort(__float2bfloat16_rn(-2.5f)), 0xc020);
+  EXPECT_TRUE(std::isnan(__bfloat162float(__float2bfloat16_rn(std::nanf("")))));
+  for (uint32_t u = 0; u < 0x10000; ++u) {  // every finite bf16 round-trips
+    const float f = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(u)));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(__bfloat16_as_ushort(__float2bfloat16_rn(f)), u) << std::hex << u;
+  }
 }
 
 // Row-major C[m x n] = op(A) op(B), as kernels/cuda/layer_ops.cu maps it:

@@ -15,6 +15,7 @@
 // is marked dead), so a use after destroy is reported, not undefined.
 #include <nccl.h>
 #include <nccl_emu.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <unistd.h>
 
@@ -248,14 +249,11 @@ void ReduceTyped(const std::vector<const void*>& in, size_t offset, size_t count
 
 float LoadHalfish(const void* p, size_t i, ncclDataType_t t) {
   const uint16_t bits = static_cast<const uint16_t*>(p)[i];
-  return t == ncclBfloat16 ? __uint_as_float(static_cast<uint32_t>(bits) << 16) : __half2float(__ushort_as_half(bits));
+  return t == ncclBfloat16 ? __bfloat162float(__ushort_as_bfloat16(bits)) : __half2float(__ushort_as_half(bits));
 }
 
 uint16_t StoreHalfish(float v, ncclDataType_t t) {
-  if (t == ncclFloat16) return __half_as_ushort(__float2half_rn(v));
-  const uint32_t bits = __float_as_uint(v);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  return t == ncclBfloat16 ? __bfloat16_as_ushort(__float2bfloat16_rn(v)) : __half_as_ushort(__float2half_rn(v));
 }
 
 // out[0..count) = reduction over ranks of in[r][offset..offset+count).

@@ -353,11 +353,14 @@ bool ValidDevice(int d) { return d >= 0 && d < Registry::Get().devices(); }
 // Where a pointer lives, for cudaMemcpyDefault and direction checks.
 bool IsDevice(const void* p) { return Registry::Get().RangeOf(p, 1).has_value(); }
 
-cudaError_t CheckCopy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
+// Checks a copy of `count` bytes against the allocations and `kind`, and
+// says which sides are device memory.
+cudaError_t CheckCopy(void* dst, const void* src, size_t count, cudaMemcpyKind kind, bool& dst_dev, bool& src_dev) {
+  dst_dev = src_dev = false;
   if (count == 0) return cudaSuccess;
   if (dst == nullptr || src == nullptr) return cudaErrorInvalidValue;
-  const bool dst_dev = Registry::Get().RangeOf(dst, count).has_value();
-  const bool src_dev = Registry::Get().RangeOf(src, count).has_value();
+  dst_dev = Registry::Get().RangeOf(dst, count).has_value();
+  src_dev = Registry::Get().RangeOf(src, count).has_value();
   // A device pointer whose range runs past its allocation is neither: check
   // that a pointer that starts in device memory stays there.
   if ((!dst_dev && IsDevice(dst)) || (!src_dev && IsDevice(src))) return cudaErrorInvalidValue;
@@ -547,12 +550,12 @@ cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream) {
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind, cudaStream_t stream) {
-  const cudaError_t check = colod_cuda_emu::CheckCopy(dst, src, count, kind);
+  bool dst_dev, src_dev;
+  const cudaError_t check = colod_cuda_emu::CheckCopy(dst, src, count, kind, dst_dev, src_dev);
   if (check != cudaSuccess) return Fail(check);
   if (count == 0) return cudaSuccess;
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
-  const bool src_dev = colod_cuda_emu::IsDevice(src), dst_dev = colod_cuda_emu::IsDevice(dst);
   if (!src_dev && dst_dev) {
     // From pageable host memory CUDA stages the source before it returns:
     // the caller may reuse its buffer at once.
