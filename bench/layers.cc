@@ -30,8 +30,8 @@
 #include "common/flags.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/layer_ops.h"
 #include "kernels/device.h"
-#include "kernels/ops.h"
 #include "server/rendezvous_store.h"
 #include "worker/colo/process_group.h"
 #include "worker/comm/instrumented_communicator.h"
@@ -40,6 +40,7 @@
 #include "worker/nn/linear1d.h"
 #include "worker/nn/linear2d.h"
 #include "worker/nn/linear3d.h"
+#include "worker/tensor/ops.h"
 
 ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
 ABSL_FLAG(int, steps, 3, "Timed steps per row (after one warm-up).");
@@ -68,13 +69,13 @@ double BlockFlops(int64_t t, int64_t h) { return 6 * MatMulFlops(t, h, 4 * h); }
 
 // Best of five GEMMs of the block's own shape [T, H] x [H, 4H].
 double SgemmPeak(int threads, int64_t t, int64_t h) {
-  kernels::SetBlasThreads(threads);
+  kernels::cpu::SetBlasThreads(threads);
   const Tensor a = *Tensor::RandomNormal({t, h}, 1), b = *Tensor::RandomNormal({h, 4 * h}, 2);
-  (void)kernels::MatMul(a, b);
+  (void)ops::MatMul(a, b);
   double best = 0;
   for (int i = 0; i < 5; ++i) {
     const absl::Time t0 = absl::Now();
-    (void)kernels::MatMul(a, b);
+    (void)ops::MatMul(a, b);
     best = std::max(best, MatMulFlops(t, h, 4 * h) / absl::ToDoubleSeconds(absl::Now() - t0));
   }
   return best / 1e9;
@@ -117,7 +118,7 @@ class LayerBlock final : public Block {
   absl::Status Step() override {
     ASSIGN_OR_RETURN(ColoTensor x, ColoTensor::FromGlobal(x_, x_spec_, pg_, /*requires_grad=*/true));
     ASSIGN_OR_RETURN(ColoTensor mid, l1_.Forward(x));
-    ASSIGN_OR_RETURN(Variable act, nn::Gelu(mid.variable(), kernels::GeluApprox::kTanh));
+    ASSIGN_OR_RETURN(Variable act, nn::Gelu(mid.variable(), ops::GeluApprox::kTanh));
     ASSIGN_OR_RETURN(ColoTensor a, ColoTensor::FromLocal(act, mid.spec(), pg_));
     ASSIGN_OR_RETURN(ColoTensor y, l2_.Forward(a));
     if (!dy_.has_value()) {
@@ -211,7 +212,7 @@ int64_t FormulaBytes(const std::string& mode, int world, int64_t t, int64_t h) {
 
 absl::StatusOr<BlockResult> RunBlock(const std::string& mode, int rank, int world, int threads, Store* store,
                                      Device device = Device::Cpu(), DType dtype = DType::kF32) {
-  kernels::SetBlasThreads(threads);
+  kernels::cpu::SetBlasThreads(threads);
   const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);
   ASSIGN_OR_RETURN(v1::ShardConfig shard, ShardFor(mode, world));
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(shard));
@@ -398,7 +399,7 @@ int main(int argc, char** argv) {
   double gpu_peak = 0;
   for (int i = 0; a.ok() && b.ok() && i < 20; ++i) {
     const absl::Time t0 = absl::Now();
-    if (!colod::kernels::MatMul(*a, *b).ok()) break;
+    if (!colod::ops::MatMul(*a, *b).ok()) break;
     gpu_peak = std::max(gpu_peak, colod::MatMulFlops(t, h, 4 * h) / absl::ToDoubleSeconds(absl::Now() - t0) / 1e12);
   }
   auto shared = std::make_shared<colod::RendezvousStore>();

@@ -372,8 +372,12 @@ TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
   placement->set_axis("tp");
   placement->mutable_placement()->mutable_shard()->add_dims(1);
   placement->mutable_placement()->mutable_shard()->add_num_partitions(2);
+  create.set_compute_pattern(static_cast<v1::ComputePattern>(99));
+  EXPECT_EQ(client_->CreateTensor(create).status().code(), absl::StatusCode::kInvalidArgument);
+  create.set_compute_pattern(v1::COMPUTE_PATTERN_TP1D);
   auto layout = client_->CreateTensor(create);
   ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->compute_pattern(), v1::COMPUTE_PATTERN_TP1D);
   EXPECT_EQ(client_->CreateTensor(create).status().code(), absl::StatusCode::kAlreadyExists);
   auto floats = [](const v1::TensorValue& v) {
     std::vector<float> out(v.data().size() / sizeof(float));
@@ -402,6 +406,7 @@ TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
   }
   auto resharded = client_->SetDistSpec(job->job_id(), "x", two);
   ASSERT_TRUE(resharded.ok()) << resharded.status();
+  EXPECT_EQ(resharded->compute_pattern(), v1::COMPUTE_PATTERN_TP1D);  // kept by the ColoTensor
   auto shard3 = client_->GetShard(job->job_id(), "x", 3);  // dp 1, tp 1: rows 2-3, columns 3-5
   ASSERT_TRUE(shard3.ok());
   EXPECT_EQ(floats(shard3->value()),
@@ -426,7 +431,7 @@ TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
       creates += sample.value;
     }
   }
-  EXPECT_EQ(creates, 3);  // the demo's, this one, and the ALREADY_EXISTS one
+  EXPECT_EQ(creates, 4);  // the demo's, the INVALID_ARGUMENT one, this one, and the ALREADY_EXISTS one
   ASSERT_TRUE(client_->DeleteTensor(job->job_id(), "x").ok());
   EXPECT_TRUE(client_->ListTensors(job->job_id())->empty());
   ASSERT_TRUE(client_->CancelJob(job->job_id()).ok());

@@ -220,8 +220,8 @@ __global__ void DropoutKernel(const float* x, float* y, int64_t n, float p, uint
 __global__ void EmbeddingKernel(const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows,
                                 int64_t h, int64_t row_offset) {
   GRID_STRIDE(i, count * h) {
-    const int64_t local = ids[i / h] - row_offset;
-    out[i] = (local >= 0 && local < rows) ? table[local * h + i % h] : 0.0f;
+    const int64_t id = ids[i / h];  // compared before subtracting: a hostile id must not overflow
+    out[i] = (id >= row_offset && id < row_offset + rows) ? table[(id - row_offset) * h + i % h] : 0.0f;
   }
 }
 

@@ -25,12 +25,11 @@ namespace colod {
 // The compute pattern a parameter is used with (picks the layer kernels).
 enum class ComputePattern { kNone, kTP1D, kTP2D, kTP2P5D, kTP3D };
 
-// How a tensor is used in compute (ColossalAI's ComputeSpec): `pattern` picks
-// a layer's parallel algorithm; `output_replicate` asks the layer to return
-// its output replicated rather than sharded.
+// How a tensor is used in compute (ColossalAI's ComputeSpec): `pattern` names
+// the parallel algorithm of the layer that owns the parameter. The layers set
+// it; the TensorService reports it (TensorLayout.compute_pattern).
 struct ComputeSpec {
   ComputePattern pattern = ComputePattern::kNone;
-  bool output_replicate = true;
 };
 
 // A handle; not thread-safe for concurrent mutation (SetDistSpec).

@@ -45,10 +45,9 @@ TEST(ColoTensor, ColoTensorDocumentExampleOnFourRanks) {
     ASSERT_TRUE(rep->SetDistSpec(Tp(Placement::Shard({0}, {2}))).ok());
     ExpectSame(rep->local(), *global.Narrow(0, rank % 2, 1), "sharded on dim 0");
     // The compute spec travels with the tensor through conversions.
-    t1->set_compute_spec({ComputePattern::kTP1D, false});
+    t1->set_compute_spec({ComputePattern::kTP1D});
     auto again = t1->ToReplicate();
     EXPECT_EQ(again->compute_spec().pattern, ComputePattern::kTP1D);
-    EXPECT_FALSE(again->compute_spec().output_replicate);
     EXPECT_EQ(rep->local().shape(), (Shape{1, 3, 2}));
   });
 }

@@ -31,6 +31,30 @@ v1::DType DTypeToProto(DType dtype) {
   return v1::DTYPE_UNSPECIFIED;
 }
 
+absl::StatusOr<ComputePattern> ComputePatternFromProto(v1::ComputePattern pattern, const std::string& field) {
+  switch (pattern) {
+    case v1::COMPUTE_PATTERN_UNSPECIFIED: return ComputePattern::kNone;
+    case v1::COMPUTE_PATTERN_TP1D: return ComputePattern::kTP1D;
+    case v1::COMPUTE_PATTERN_TP2D: return ComputePattern::kTP2D;
+    case v1::COMPUTE_PATTERN_TP2P5D: return ComputePattern::kTP2P5D;
+    case v1::COMPUTE_PATTERN_TP3D: return ComputePattern::kTP3D;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": unknown value ", static_cast<int>(pattern), " (TP1D, TP2D, TP2P5D or TP3D)"));
+  }
+}
+
+v1::ComputePattern ComputePatternToProto(ComputePattern pattern) {
+  switch (pattern) {
+    case ComputePattern::kNone: return v1::COMPUTE_PATTERN_UNSPECIFIED;
+    case ComputePattern::kTP1D: return v1::COMPUTE_PATTERN_TP1D;
+    case ComputePattern::kTP2D: return v1::COMPUTE_PATTERN_TP2D;
+    case ComputePattern::kTP2P5D: return v1::COMPUTE_PATTERN_TP2P5D;
+    case ComputePattern::kTP3D: return v1::COMPUTE_PATTERN_TP3D;
+  }
+  return v1::COMPUTE_PATTERN_UNSPECIFIED;
+}
+
 namespace {
 
 ReduceOp ReduceOpFromProto(v1::ReduceOp op) {

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "colod/v1/mesh.pb.h"
 #include "colod/v1/tensor.pb.h"
+#include "worker/colo/colo_tensor.h"
 #include "worker/colo/dist_spec.h"
 #include "worker/colo/mesh.h"
 #include "worker/tensor/tensor.h"
@@ -19,6 +20,12 @@ namespace colod {
 // INVALID_ARGUMENT naming `field` for an unspecified or unknown dtype.
 absl::StatusOr<DType> DTypeFromProto(v1::DType dtype, const std::string& field = "dtype");
 v1::DType DTypeToProto(DType dtype);
+
+// INVALID_ARGUMENT naming `field` for a value outside the enum (unspecified
+// is kNone).
+absl::StatusOr<ComputePattern> ComputePatternFromProto(v1::ComputePattern pattern,
+                                                       const std::string& field = "compute_pattern");
+v1::ComputePattern ComputePatternToProto(ComputePattern pattern);
 
 // INVALID_ARGUMENT naming the field for a shard without dims, dims and
 // num_partitions of different lengths, a partition < 1, an axis named twice

@@ -17,13 +17,14 @@ absl::StatusOr<TensorHost::Entry*> TensorHost::FindLocked(const std::string& nam
 absl::StatusOr<v1::TensorLayout> TensorHost::LayoutLocked(const std::string& name, const Entry& e) {
   ASSIGN_OR_RETURN(v1::TensorLayout layout, DescribeLayout(name, e.tensor.local().dtype(), e.tensor.global_shape(),
                                                            e.tensor.spec(), pg_->mesh()));
-  layout.set_compute_pattern(e.pattern);
+  layout.set_compute_pattern(ComputePatternToProto(e.tensor.compute_spec().pattern));
   return layout;
 }
 
 absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorRequest& req) {
   if (req.name().empty()) return absl::InvalidArgumentError("name: required");
   ASSIGN_OR_RETURN(DistSpec spec, DistSpecFromProto(req.dist_spec()));
+  ASSIGN_OR_RETURN(ComputePattern pattern, ComputePatternFromProto(req.compute_pattern()));
   Tensor global;
   switch (req.init_case()) {
     case v1::CreateTensorRequest::kValue: {
@@ -57,7 +58,8 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
   NoGradScope no_grad;
   absl::StatusOr<ColoTensor> t = ColoTensor::FromGlobal(global, spec, pg_);
   if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("dist_spec: ", t.status().message()));
-  Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t), req.compute_pattern()}).first->second;
+  t->set_compute_spec({pattern});
+  Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t)}).first->second;
   return LayoutLocked(req.name(), e);
 }
 

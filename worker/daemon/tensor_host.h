@@ -46,8 +46,7 @@ class TensorHost {
 
  private:
   struct Entry {
-    ColoTensor tensor;
-    v1::ComputePattern pattern = v1::COMPUTE_PATTERN_UNSPECIFIED;
+    ColoTensor tensor;  // its ComputeSpec carries the request's compute_pattern
   };
   absl::StatusOr<Entry*> FindLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::TensorLayout> LayoutLocked(const std::string& name, const Entry& e)

@@ -78,7 +78,7 @@ TEST(FusedQkv, Gpt2Conv1DLayoutKeepsQkvOrderWhenGathered) {
   const int64_t h = 12;
   const Tensor x = R({2, 3, h}, 11), c_attn = R({h, 3 * h}, 12), bias = R({3 * h}, 13);
   // GPT-2: y = x @ W + b with W [in, 3h]; columns are q | k | v.
-  const Tensor want = *kernels::BiasAdd(*kernels::MatMul(x, c_attn), bias);
+  const Tensor want = *ops::BiasAdd(*ops::MatMul(x, c_attn), bias);
   RunMesh(TpDpMesh(2), [&](int, ProcessGroup& pg) {
     const int k = *pg.tp_local_rank();
     const Tensor w = *Conv1DToLinear(c_attn);

@@ -1,6 +1,6 @@
 // Dropout for tensor-parallel activations (ShardFormer's
 // DropoutForParallelInput and DropoutForReplicatedInput), with counter-based
-// masks (kernels/ops.h) so that a mask depends only on (seed, offset):
+// masks (worker/tensor/ops.h) so that a mask depends only on (seed, offset):
 //
 //   parallel input    each tp rank holds a different shard, so each draws a
 //                     different part of the stream (offset advanced by

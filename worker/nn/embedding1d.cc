@@ -63,7 +63,7 @@ absl::StatusOr<VocabParallelEmbedding1D> VocabParallelEmbedding1D::FromParameter
   }
   ASSIGN_OR_RETURN(DistSpec spec, Spec(pg));
   RETURN_IF_ERROR(CheckSpec(table, spec, "VocabParallelEmbedding1D table"));
-  table.set_compute_spec({ComputePattern::kTP1D, true});
+  table.set_compute_spec({ComputePattern::kTP1D});
   ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
   ASSIGN_OR_RETURN(int k, pg->tp_local_rank());
   return VocabParallelEmbedding1D(std::move(table), pg, vocab_size, vp, k * (vp / p));
@@ -84,7 +84,7 @@ absl::StatusOr<Embedding1D> Embedding1D::FromGlobal(const Tensor& table, Process
   ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
   auto w = ColoTensor::FromGlobal(table, WithTp({}, Placement::Shard({1}, {p})), pg, true);
   if (!w.ok()) return absl::InvalidArgumentError(absl::StrCat("Embedding1D weight: ", w.status().message()));
-  w->set_compute_spec({ComputePattern::kTP1D, true});
+  w->set_compute_spec({ComputePattern::kTP1D});
   return Embedding1D(ColoParameter(*std::move(w), "weight"), pg);
 }
 

@@ -32,7 +32,7 @@ absl::StatusOr<Embedding2D> Embedding2D::FromParameters(ColoParameter table, Pro
   }
   ASSIGN_OR_RETURN(const DistSpec spec, Spec(pg));
   RETURN_IF_ERROR(CheckSpec(table, spec, "Embedding2D table"));
-  table.set_compute_spec({g.depth > 1 ? ComputePattern::kTP2P5D : ComputePattern::kTP2D, false});
+  table.set_compute_spec({g.depth > 1 ? ComputePattern::kTP2P5D : ComputePattern::kTP2D});
   return Embedding2D(std::move(table), pg);
 }
 

@@ -19,22 +19,22 @@ absl::StatusOr<Tensor> Rows(const Tensor& t) {
 }
 
 absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b) {
-  ASSIGN_OR_RETURN(Tensor y, kernels::MatMul(x.value(), w.value(), false, /*trans_b=*/true));
+  ASSIGN_OR_RETURN(Tensor y, ops::MatMul(x.value(), w.value(), false, /*trans_b=*/true));
   if (b.has_value()) {
-    ASSIGN_OR_RETURN(y, kernels::BiasAdd(y, b->value()));
+    ASSIGN_OR_RETURN(y, ops::BiasAdd(y, b->value()));
   }
   std::vector<Variable> inputs = {x, w};
   if (b.has_value()) inputs.push_back(*b);
   const Tensor xv = x.value(), wv = w.value();
   const bool has_bias = b.has_value();
   return RecordOp("linear", inputs, std::move(y), [xv, wv, has_bias](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(Tensor dx, kernels::MatMul(dy, wv));
+    ASSIGN_OR_RETURN(Tensor dx, ops::MatMul(dy, wv));
     ASSIGN_OR_RETURN(Tensor dy2, Rows(dy));
     ASSIGN_OR_RETURN(Tensor x2, Rows(xv));
-    ASSIGN_OR_RETURN(Tensor dw, kernels::MatMul(dy2, x2, /*trans_a=*/true));
+    ASSIGN_OR_RETURN(Tensor dw, ops::MatMul(dy2, x2, /*trans_a=*/true));
     Grads g = {dx, dw};
     if (has_bias) {
-      ASSIGN_OR_RETURN(Tensor db, kernels::BiasGrad(dy));
+      ASSIGN_OR_RETURN(Tensor db, ops::BiasGrad(dy));
       g.push_back(db);
     }
     return g;
@@ -89,84 +89,84 @@ absl::StatusOr<Variable> Cat(const std::vector<Variable>& parts, int64_t dim) {
 }
 
 absl::StatusOr<Variable> Silu(const Variable& x) {
-  ASSIGN_OR_RETURN(Tensor y, kernels::Silu(x.value()));
+  ASSIGN_OR_RETURN(Tensor y, ops::Silu(x.value()));
   const Tensor xv = x.value();
   return RecordOp("silu", {x}, std::move(y), [xv](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(Tensor dx, kernels::SiluBackward(dy, xv));
+    ASSIGN_OR_RETURN(Tensor dx, ops::SiluBackward(dy, xv));
     return Grads{dx};
   });
 }
 
 absl::StatusOr<Variable> Rope(const Variable& x, float theta, int64_t position_offset) {
-  ASSIGN_OR_RETURN(Tensor y, kernels::Rope(x.value(), theta, position_offset));
+  ASSIGN_OR_RETURN(Tensor y, ops::Rope(x.value(), theta, position_offset));
   return RecordOp("rope", {x}, std::move(y), [theta, position_offset](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(Tensor dx, kernels::RopeBackward(dy, theta, position_offset));
+    ASSIGN_OR_RETURN(Tensor dx, ops::RopeBackward(dy, theta, position_offset));
     return Grads{dx};
   });
 }
 
 absl::StatusOr<Variable> BiasAdd(const Variable& x, const Variable& b) {
-  ASSIGN_OR_RETURN(Tensor y, kernels::BiasAdd(x.value(), b.value()));
+  ASSIGN_OR_RETURN(Tensor y, ops::BiasAdd(x.value(), b.value()));
   return RecordOp("bias_add", {x, b}, std::move(y), [](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(Tensor db, kernels::BiasGrad(dy));
+    ASSIGN_OR_RETURN(Tensor db, ops::BiasGrad(dy));
     return Grads{dy, db};
   });
 }
 
-absl::StatusOr<Variable> Gelu(const Variable& x, kernels::GeluApprox approx) {
-  ASSIGN_OR_RETURN(Tensor y, kernels::Gelu(x.value(), approx));
+absl::StatusOr<Variable> Gelu(const Variable& x, ops::GeluApprox approx) {
+  ASSIGN_OR_RETURN(Tensor y, ops::Gelu(x.value(), approx));
   const Tensor xv = x.value();
   return RecordOp("gelu", {x}, std::move(y), [xv, approx](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(Tensor dx, kernels::GeluBackward(dy, xv, approx));
+    ASSIGN_OR_RETURN(Tensor dx, ops::GeluBackward(dy, xv, approx));
     return Grads{dx};
   });
 }
 
 absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps) {
-  ASSIGN_OR_RETURN(kernels::LayerNormResult r, kernels::LayerNorm(x.value(), gamma.value(), beta.value(), eps));
+  ASSIGN_OR_RETURN(ops::LayerNormResult r, ops::LayerNorm(x.value(), gamma.value(), beta.value(), eps));
   const Tensor xv = x.value(), gv = gamma.value(), mean = r.mean, rstd = r.rstd;
   return RecordOp("layer_norm", {x, gamma, beta}, std::move(r.y),
                   [xv, gv, mean, rstd](const Tensor& dy) -> absl::StatusOr<Grads> {
-                    ASSIGN_OR_RETURN(kernels::LayerNormGrads g, kernels::LayerNormBackward(dy, xv, gv, mean, rstd));
+                    ASSIGN_OR_RETURN(ops::LayerNormGrads g, ops::LayerNormBackward(dy, xv, gv, mean, rstd));
                     return Grads{g.dx, g.dgamma, g.dbeta};
                   });
 }
 
 absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& gamma, float eps) {
-  ASSIGN_OR_RETURN(kernels::RmsNormResult r, kernels::RmsNorm(x.value(), gamma.value(), eps));
+  ASSIGN_OR_RETURN(ops::RmsNormResult r, ops::RmsNorm(x.value(), gamma.value(), eps));
   const Tensor xv = x.value(), gv = gamma.value(), rstd = r.rstd;
   return RecordOp("rms_norm", {x, gamma}, std::move(r.y), [xv, gv, rstd](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(kernels::RmsNormGrads g, kernels::RmsNormBackward(dy, xv, gv, rstd));
+    ASSIGN_OR_RETURN(ops::RmsNormGrads g, ops::RmsNormBackward(dy, xv, gv, rstd));
     return Grads{g.dx, g.dgamma};
   });
 }
 
 absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Tensor& labels, float label_smoothing,
                                       int64_t ignore_index) {
-  ASSIGN_OR_RETURN(Tensor loss, kernels::CrossEntropy(logits.value(), labels, label_smoothing, ignore_index));
+  ASSIGN_OR_RETURN(Tensor loss, ops::CrossEntropy(logits.value(), labels, label_smoothing, ignore_index));
   const Tensor z = logits.value();
   return RecordOp("cross_entropy", {logits}, std::move(loss),
                   [z, labels, label_smoothing, ignore_index](const Tensor& dloss) -> absl::StatusOr<Grads> {
                     ASSIGN_OR_RETURN(Tensor dz,
-                                     kernels::CrossEntropyBackward(dloss, z, labels, label_smoothing, ignore_index));
+                                     ops::CrossEntropyBackward(dloss, z, labels, label_smoothing, ignore_index));
                     return Grads{dz};
                   });
 }
 
 absl::StatusOr<Variable> Dropout(const Variable& x, float p, uint64_t seed, uint64_t offset) {
-  ASSIGN_OR_RETURN(Tensor y, kernels::Dropout(x.value(), p, seed, offset));
+  ASSIGN_OR_RETURN(Tensor y, ops::Dropout(x.value(), p, seed, offset));
   return RecordOp("dropout", {x}, std::move(y), [p, seed, offset](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(Tensor dx, kernels::DropoutBackward(dy, p, seed, offset));
+    ASSIGN_OR_RETURN(Tensor dx, ops::DropoutBackward(dy, p, seed, offset));
     return Grads{dx};
   });
 }
 
 absl::StatusOr<Variable> Embedding(const Variable& table, const Tensor& ids, int64_t row_offset,
                                    bool mask_out_of_range) {
-  ASSIGN_OR_RETURN(Tensor y, kernels::Embedding(table.value(), ids, row_offset, mask_out_of_range));
+  ASSIGN_OR_RETURN(Tensor y, ops::Embedding(table.value(), ids, row_offset, mask_out_of_range));
   const int64_t rows = table.value().shape()[0];
   return RecordOp("embedding", {table}, std::move(y), [ids, rows, row_offset](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(Tensor dt, kernels::EmbeddingBackward(dy, ids, rows, row_offset));
+    ASSIGN_OR_RETURN(Tensor dt, ops::EmbeddingBackward(dy, ids, rows, row_offset));
     return Grads{dt};
   });
 }
@@ -217,10 +217,10 @@ absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const V
       ASSIGN_OR_RETURN(Tensor qm, HeadMatrix(qh, b, h));
       ASSIGN_OR_RETURN(Tensor km, HeadMatrix(kh, b, h / group));
       ASSIGN_OR_RETURN(Tensor vm, HeadMatrix(vh, b, h / group));
-      ASSIGN_OR_RETURN(Tensor scores, kernels::MatMul(qm, km, false, true));
+      ASSIGN_OR_RETURN(Tensor scores, ops::MatMul(qm, km, false, true));
       ASSIGN_OR_RETURN(scores, Scale(scores, scale));
-      ASSIGN_OR_RETURN(Tensor pm, kernels::Softmax(scores, causal));
-      ASSIGN_OR_RETURN(Tensor om, kernels::MatMul(pm, vm));
+      ASSIGN_OR_RETURN(Tensor pm, ops::Softmax(scores, causal));
+      ASSIGN_OR_RETURN(Tensor om, ops::MatMul(pm, vm));
       ASSIGN_OR_RETURN(Tensor slot, HeadMatrix(out, b, h));
       RETURN_IF_ERROR(slot.CopyFrom(om));
       ASSIGN_OR_RETURN(Tensor pslot, HeadMatrix(probs, b, h));
@@ -245,12 +245,12 @@ absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const V
             ASSIGN_OR_RETURN(Tensor vm, HeadMatrix(vh, b, h / group));
             ASSIGN_OR_RETURN(Tensor pm, HeadMatrix(probs, b, h));
             ASSIGN_OR_RETURN(Tensor dom, HeadMatrix(dyh, b, h));
-            ASSIGN_OR_RETURN(Tensor dp, kernels::MatMul(dom, vm, false, true));  // dO v^T
-            ASSIGN_OR_RETURN(Tensor dvm, kernels::MatMul(pm, dom, true));       // P^T dO
-            ASSIGN_OR_RETURN(Tensor ds, kernels::SoftmaxBackward(dp, pm));
+            ASSIGN_OR_RETURN(Tensor dp, ops::MatMul(dom, vm, false, true));  // dO v^T
+            ASSIGN_OR_RETURN(Tensor dvm, ops::MatMul(pm, dom, true));       // P^T dO
+            ASSIGN_OR_RETURN(Tensor ds, ops::SoftmaxBackward(dp, pm));
             ASSIGN_OR_RETURN(ds, Scale(ds, scale));
-            ASSIGN_OR_RETURN(Tensor dqm, kernels::MatMul(ds, km));        // dS k
-            ASSIGN_OR_RETURN(Tensor dkm, kernels::MatMul(ds, qm, true));  // dS^T q
+            ASSIGN_OR_RETURN(Tensor dqm, ops::MatMul(ds, km));        // dS k
+            ASSIGN_OR_RETURN(Tensor dkm, ops::MatMul(ds, qm, true));  // dS^T q
             ASSIGN_OR_RETURN(Tensor dq_slot, HeadMatrix(dq, b, h));
             RETURN_IF_ERROR(dq_slot.CopyFrom(dqm));
             ASSIGN_OR_RETURN(Tensor dk_slot, HeadMatrix(dk, b, h / group));

@@ -1,4 +1,4 @@
-// Differentiable layer math on Variables: each op computes with kernels/ops.h
+// Differentiable layer math on Variables: each op computes with worker/tensor/ops.h
 // and records its backward on the autograd tape (worker/tensor/autograd.h).
 // Communication ops that are not DistSpec conversions live here too.
 //
@@ -11,9 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "kernels/ops.h"
 #include "worker/comm/communicator.h"
 #include "worker/tensor/autograd.h"
+#include "worker/tensor/ops.h"
 
 namespace colod::nn {
 
@@ -33,23 +33,23 @@ absl::StatusOr<Variable> Narrow(const Variable& x, int64_t dim, int64_t start, i
 absl::StatusOr<Variable> Cat(const std::vector<Variable>& parts, int64_t dim);
 // x + b over the last dim.
 absl::StatusOr<Variable> BiasAdd(const Variable& x, const Variable& b);
-absl::StatusOr<Variable> Gelu(const Variable& x, kernels::GeluApprox approx);
+absl::StatusOr<Variable> Gelu(const Variable& x, ops::GeluApprox approx);
 absl::StatusOr<Variable> Silu(const Variable& x);
-// Rotary position embedding (kernels::Rope) of x [B, S, heads, D].
+// Rotary position embedding (ops::Rope) of x [B, S, heads, D].
 absl::StatusOr<Variable> Rope(const Variable& x, float theta, int64_t position_offset = 0);
 // LayerNorm over the last dim with affine gamma and beta.
 absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps);
 
 absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& gamma, float eps);
-// Inverted dropout with the Philox mask of (seed, offset); see kernels/ops.h.
+// Inverted dropout with the Philox mask of (seed, offset); see worker/tensor/ops.h.
 absl::StatusOr<Variable> Dropout(const Variable& x, float p, uint64_t seed, uint64_t offset);
-// Rows of `table` for `ids`, as kernels::Embedding (the table's gradient is a
+// Rows of `table` for `ids`, as ops::Embedding (the table's gradient is a
 // scatter-add; ids get none).
 absl::StatusOr<Variable> Embedding(const Variable& table, const Tensor& ids, int64_t row_offset = 0,
                                    bool mask_out_of_range = false);
 
 // Per-row cross-entropy of logits [N, V] against integer labels [N]
-// (kernels::CrossEntropy); the loss [N] is on the tape.
+// (ops::CrossEntropy); the loss [N] is on the tape.
 absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Tensor& labels, float label_smoothing = 0,
                                       int64_t ignore_index = -100);
 

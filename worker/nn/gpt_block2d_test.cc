@@ -70,7 +70,7 @@ TEST_P(GptBlock2D, LogitsLossAndGradientsMatchTheUnshardedModel) {
                                   heads(*Linear(h, Variable(T(w.wv)), Variable(w.bv))), scale);
   Variable x1 = *Add(x0, *Linear(*Reshape(att, {kBatch, kSeq, kHidden}), Variable(T(w.wo)), Variable(w.bo)));
   Variable h2 = *LayerNorm(x1, Variable(w.ln2_g), Variable(w.ln2_b), 1e-5f);
-  Variable mlp = *Linear(*Gelu(*Linear(h2, wfc, Variable(w.bfc)), kernels::GeluApprox::kTanh),
+  Variable mlp = *Linear(*Gelu(*Linear(h2, wfc, Variable(w.bfc)), ops::GeluApprox::kTanh),
                          Variable(T(w.proj)), Variable(w.bproj));
   Variable x2 = *Add(x1, mlp);
   Variable logits = *Linear(x2, wte, std::nullopt);
@@ -109,7 +109,7 @@ TEST_P(GptBlock2D, LogitsLossAndGradientsMatchTheUnshardedModel) {
     auto x1s = ColoTensor::FromLocal(*Add(x0s->variable(), o->variable()), x0s->spec(), &pg);
     auto h2s = ln2->Forward(*x1s);
     auto f = lfc->Forward(*h2s);
-    auto g = ColoTensor::FromLocal(*Gelu(f->variable(), kernels::GeluApprox::kTanh), f->spec(), &pg);
+    auto g = ColoTensor::FromLocal(*Gelu(f->variable(), ops::GeluApprox::kTanh), f->spec(), &pg);
     auto m = lproj->Forward(*g);
     auto x2s = ColoTensor::FromLocal(*Add(x1s->variable(), m->variable()), x0s->spec(), &pg);
     auto lg = emb->TiedLogits(*x2s);

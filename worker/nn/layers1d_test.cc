@@ -5,12 +5,12 @@
 #include <mutex>
 
 #include "gtest/gtest.h"
-#include "kernels/ops.h"
 #include "worker/colo/testing.h"
 #include "worker/nn/dropout.h"
 #include "worker/nn/embedding1d.h"
 #include "worker/nn/functional.h"
 #include "worker/nn/vocab_cross_entropy.h"
+#include "worker/tensor/ops.h"
 
 namespace colod::nn {
 namespace {
@@ -79,9 +79,9 @@ TEST_P(Layers1D, VocabParallelCrossEntropyEqualsTheUnshardedLoss) {
   const Tensor dloss = *Tensor::RandomNormal({n}, 6);
   const Tensor real = logits.Narrow(1, 0, v)->Contiguous();
   for (float s : {0.0f, 0.1f}) {
-    const Tensor want = *kernels::CrossEntropy(real, labels, s);
+    const Tensor want = *ops::CrossEntropy(real, labels, s);
     const Tensor want_grad =
-        *Tensor::Cat({*kernels::CrossEntropyBackward(dloss, real, labels, s), *Tensor::Zeros({n, vp - v}, DType::kF32)},
+        *Tensor::Cat({*ops::CrossEntropyBackward(dloss, real, labels, s), *Tensor::Zeros({n, vp - v}, DType::kF32)},
                      1);
     RunMesh(
         TpDpMesh(p),

@@ -7,7 +7,7 @@
 namespace colod::nn {
 namespace {
 
-constexpr ComputeSpec kCompute = {ComputePattern::kTP1D, true};
+constexpr ComputeSpec kCompute = {ComputePattern::kTP1D};
 
 absl::Status CheckMatrix(const Tensor& w, const std::optional<Tensor>& b, int64_t bias_size, const char* layer) {
   if (w.dim() != 2) {

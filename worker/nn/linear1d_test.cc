@@ -36,7 +36,7 @@ struct Reference {
 // loss = sum(Linear(Gelu(Linear(x, w1, b1)), w2, b2) * r), on one rank.
 Reference Unsharded(const Mlp& m) {
   Variable x(m.x, true), w1(m.w1, true), b1(m.b1, true), w2(m.w2, true), b2(m.b2, true);
-  Variable h = *Gelu(*Linear(x, w1, b1), kernels::GeluApprox::kTanh);
+  Variable h = *Gelu(*Linear(x, w1, b1), ops::GeluApprox::kTanh);
   Variable y = *Linear(h, w2, b2);
   EXPECT_TRUE(Backward(*Sum(*Mul(y, Variable(m.r)))).ok());
   return {y.value(), *x.grad(), *w1.grad(), *b1.grad(), *w2.grad(), *b2.grad()};
@@ -62,7 +62,7 @@ TEST_P(Linear1D, ColThenRowMlpMatchesTheUnshardedModelWithOneAllReduceEachWay) {
         auto h = col->Forward(*x);
         ASSERT_TRUE(h.ok()) << h.status();
         EXPECT_EQ(h->local().shape(), (Shape{3, 5, 36 / p}));
-        auto act = ColoTensor::FromLocal(*Gelu(h->variable(), kernels::GeluApprox::kTanh), h->spec(), &pg);
+        auto act = ColoTensor::FromLocal(*Gelu(h->variable(), ops::GeluApprox::kTanh), h->spec(), &pg);
         auto y = row->Forward(*act);
         ASSERT_TRUE(y.ok()) << y.status();
         EXPECT_EQ(Stats(pg, "tp", "all_reduce").calls, 1) << "forward";
@@ -123,7 +123,7 @@ TEST_P(Linear1D, SequenceParallelNormAndMlpMatchTheUnshardedBlock) {
     const bool ln = kind == Norm1D::Kind::kLayerNorm;
     Variable vx(x, true), vg(gamma, true), vb(beta, true), vw1(w1, true), vb1(b1, true), vw2(w2, true), vb2(b2, true);
     Variable h = ln ? *LayerNorm(vx, vg, vb, 1e-5f) : *RmsNorm(vx, vg, 1e-5f);
-    Variable y = *Linear(*Gelu(*Linear(h, vw1, vb1), kernels::GeluApprox::kTanh), vw2, vb2);
+    Variable y = *Linear(*Gelu(*Linear(h, vw1, vb1), ops::GeluApprox::kTanh), vw2, vb2);
     ASSERT_TRUE(Backward(*Sum(*Mul(y, Variable(r)))).ok());
     RunMesh(
         TpDpMesh(p),
@@ -140,7 +140,7 @@ TEST_P(Linear1D, SequenceParallelNormAndMlpMatchTheUnshardedBlock) {
           ASSERT_TRUE(hn.ok()) << hn.status();
           auto mid = col->Forward(*hn);
           ASSERT_TRUE(mid.ok()) << mid.status();
-          auto act = ColoTensor::FromLocal(*Gelu(mid->variable(), kernels::GeluApprox::kTanh), mid->spec(), &pg);
+          auto act = ColoTensor::FromLocal(*Gelu(mid->variable(), ops::GeluApprox::kTanh), mid->spec(), &pg);
           auto out = row->Forward(*act);
           ASSERT_TRUE(out.ok()) << out.status();
           EXPECT_EQ(out->spec().Get("tp"), Placement::Shard({1}, {p}));

@@ -4,9 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/ops.h"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/nn/functional.h"
+#include "worker/tensor/ops.h"
 
 namespace colod::nn {
 namespace {
@@ -16,7 +16,7 @@ using Grads = std::vector<std::optional<Tensor>>;
 
 // 2.5D where the mesh has a depth axis.
 ComputeSpec Compute2D(ProcessGroup* pg) {
-  return {pg->mesh().AxisIndices("tp_dep").ok() ? ComputePattern::kTP2P5D : ComputePattern::kTP2D, false};
+  return {pg->mesh().AxisIndices("tp_dep").ok() ? ComputePattern::kTP2P5D : ComputePattern::kTP2D};
 }
 
 }  // namespace
@@ -72,7 +72,7 @@ absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicato
   for (int t = 0; t < q; ++t) {
     ASSIGN_OR_RETURN(Tensor xt, BroadcastFrom(xm, t, *row, timeout));
     ASSIGN_OR_RETURN(Tensor at, BroadcastFrom(am, t, *col, timeout));
-    ASSIGN_OR_RETURN(Tensor part, kernels::MatMul(xt, at));
+    ASSIGN_OR_RETURN(Tensor part, ops::MatMul(xt, at));
     ASSIGN_OR_RETURN(part, part.ToDType(DType::kF32));
     RETURN_IF_ERROR(AddInPlace(y, part));
   }
@@ -87,10 +87,10 @@ absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicato
                     for (int t = 0; t < q; ++t) {
                       // dX_it gets dY_ij A_tj^T from every j; dA_tj gets X_it^T dY_ij from every i.
                       ASSIGN_OR_RETURN(Tensor at, BroadcastFrom(am, t, *col, timeout));
-                      ASSIGN_OR_RETURN(Tensor p, kernels::MatMul(dy, at, false, true));
+                      ASSIGN_OR_RETURN(Tensor p, ops::MatMul(dy, at, false, true));
                       dx_parts.push_back(std::move(p));
                       ASSIGN_OR_RETURN(Tensor xt, BroadcastFrom(xm, t, *row, timeout));
-                      ASSIGN_OR_RETURN(Tensor g, kernels::MatMul(xt, dy, true));
+                      ASSIGN_OR_RETURN(Tensor g, ops::MatMul(xt, dy, true));
                       da_parts.push_back(std::move(g));
                     }
                     ASSIGN_OR_RETURN(Tensor dx, ReduceScatterBlocks(dx_parts, *row, timeout));

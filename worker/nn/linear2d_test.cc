@@ -56,7 +56,7 @@ TEST_P(Mlp2D, ReferenceMlpShapesAndValues) {
   Variable vx(x, true), vg(gamma, true), vb(beta, true), va1(T(a1), true), vb1(b1, true), va2(T(a2), true),
       vb2(b2, true);
   Variable h = *LayerNorm(vx, vg, vb, 1e-5f);
-  Variable y = *Linear(*Gelu(*Linear(h, va1, vb1), kernels::GeluApprox::kTanh), va2, vb2);
+  Variable y = *Linear(*Gelu(*Linear(h, va1, vb1), ops::GeluApprox::kTanh), va2, vb2);
   ASSERT_TRUE(Backward(*Sum(*Mul(y, Variable(r)))).ok());
   const Tensor da1 = T(*va1.grad()), da2 = T(*va2.grad());
 
@@ -85,7 +85,7 @@ TEST_P(Mlp2D, ReferenceMlpShapesAndValues) {
         auto o1 = l1->Forward(*hn);
         ASSERT_TRUE(o1.ok()) << o1.status();
         EXPECT_EQ(o1->local().shape(), (Shape{rows, 512}));
-        auto act = ColoTensor::FromLocal(*Gelu(o1->variable(), kernels::GeluApprox::kTanh), o1->spec(), &pg);
+        auto act = ColoTensor::FromLocal(*Gelu(o1->variable(), ops::GeluApprox::kTanh), o1->spec(), &pg);
         auto o2 = l2->Forward(*act);
         ASSERT_TRUE(o2.ok()) << o2.status();
         EXPECT_EQ(o2->local().shape(), (Shape{rows, 128}));

@@ -2,16 +2,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/ops.h"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/nn/functional.h"
+#include "worker/tensor/ops.h"
 
 namespace colod::nn {
 namespace {
 
 using Grads = std::vector<std::optional<Tensor>>;
 constexpr char kR[] = "tp_output";
-constexpr ComputeSpec kCompute = {ComputePattern::kTP3D, false};
+constexpr ComputeSpec kCompute = {ComputePattern::kTP3D};
 
 struct Roles {
   Communicator *r, *k, *c;
@@ -43,7 +43,7 @@ absl::StatusOr<Variable> Matmul3D(const Variable& x, const Variable& a, const Ro
   const Tensor am = a.value().Contiguous();
   ASSIGN_OR_RETURN(Tensor xg, AllGatherDim(xm, 0, *g.k, timeout));  // X_RC
   ASSIGN_OR_RETURN(Tensor ag, AllGatherDim(am, 1, *g.r, timeout));  // A_CK
-  ASSIGN_OR_RETURN(Tensor partial, kernels::MatMul(xg, ag));
+  ASSIGN_OR_RETURN(Tensor partial, ops::MatMul(xg, ag));
   ASSIGN_OR_RETURN(Tensor y, ReduceScatterDim(partial, 0, *g.c, timeout));
   Shape out_shape = x.value().shape();
   out_shape.back() = y.shape()[1];
@@ -53,9 +53,9 @@ absl::StatusOr<Variable> Matmul3D(const Variable& x, const Variable& a, const Ro
                   [xg, ag, g, timeout, x_shape](const Tensor& dy_full) -> absl::StatusOr<Grads> {
                     ASSIGN_OR_RETURN(Tensor dy, Rows(dy_full));
                     ASSIGN_OR_RETURN(Tensor dyg, AllGatherDim(dy, 0, *g.c, timeout));  // dY_RK
-                    ASSIGN_OR_RETURN(Tensor dxg, kernels::MatMul(dyg, ag, false, true));
+                    ASSIGN_OR_RETURN(Tensor dxg, ops::MatMul(dyg, ag, false, true));
                     ASSIGN_OR_RETURN(Tensor dx, ReduceScatterDim(dxg, 0, *g.k, timeout));
-                    ASSIGN_OR_RETURN(Tensor dag, kernels::MatMul(xg, dyg, true));
+                    ASSIGN_OR_RETURN(Tensor dag, ops::MatMul(xg, dyg, true));
                     ASSIGN_OR_RETURN(Tensor da, ReduceScatterDim(dag, 1, *g.r, timeout));
                     ASSIGN_OR_RETURN(dx, dx.Reshape(x_shape));
                     return Grads{dx, da};

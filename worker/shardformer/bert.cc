@@ -17,12 +17,12 @@ namespace {
 
 using Kind = LayerDecl::Kind;
 
-kernels::GeluApprox Approx(Module& m) {
+ops::GeluApprox Approx(Module& m) {
   auto tanh = m.IntAttr("gelu_tanh");
-  return tanh.ok() && *tanh ? kernels::GeluApprox::kTanh : kernels::GeluApprox::kNone;
+  return tanh.ok() && *tanh ? ops::GeluApprox::kTanh : ops::GeluApprox::kNone;
 }
 
-absl::StatusOr<ColoTensor> Gelu(const ColoTensor& x, kernels::GeluApprox approx) {
+absl::StatusOr<ColoTensor> Gelu(const ColoTensor& x, ops::GeluApprox approx) {
   return MapLocal(x, [approx](const Variable& v) { return nn::Gelu(v, approx); });
 }
 

@@ -182,7 +182,7 @@ class BiasLayer : public Layer {
     ASSIGN_OR_RETURN(int p, c.pg->AxisSize("tp"));
     HfTensor hf = WeightTensor(d);
     hf.valid_rows = d.out;
-    ASSIGN_OR_RETURN(BoundParam b, Load(c, "bias", hf, {padded}, TpShard(0, p), {ComputePattern::kTP1D, true}));
+    ASSIGN_OR_RETURN(BoundParam b, Load(c, "bias", hf, {padded}, TpShard(0, p), {ComputePattern::kTP1D}));
     return LayerPtr(new BiasLayer(std::move(b), true, p));
   }
   std::string type() const override { return vocab_parallel_ ? "VocabParallelBias1D" : "native Bias"; }
@@ -234,7 +234,7 @@ class Col1D : public Layer {
     const Shape w_shape = o.fused == 1 ? Shape{d.out, d.in} : Shape{o.fused, d.out / o.fused, d.in};
     HfTensor hf = WeightTensor(d);
     hf.transpose = d.kind == Kind::kConv1D;
-    const ComputeSpec compute{ComputePattern::kTP1D, true};
+    const ComputeSpec compute{ComputePattern::kTP1D};
     ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight", hf, w_shape, specs.weight, compute));
     std::optional<BoundParam> b;
     if (auto bias = BiasTensor(d)) {
@@ -272,7 +272,7 @@ class Row1D : public Layer {
     ASSIGN_OR_RETURN(nn::ParamSpecs specs, nn::Linear1DRow::Specs(c.pg, o));
     HfTensor hf = WeightTensor(d);
     hf.transpose = d.kind == Kind::kConv1D;
-    const ComputeSpec compute{ComputePattern::kTP1D, true};
+    const ComputeSpec compute{ComputePattern::kTP1D};
     ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight", hf, {d.out, d.in}, specs.weight, compute));
     std::optional<BoundParam> b;
     if (auto bias = BiasTensor(d)) {
@@ -301,7 +301,7 @@ absl::StatusOr<BoundParam> LoadVocabTable(const LayerDecl& d, const LayerContext
   ASSIGN_OR_RETURN(DistSpec spec, nn::VocabParallelEmbedding1D::Spec(c.pg));
   HfTensor hf = WeightTensor(d);
   hf.valid_rows = vocab;
-  return Load(c, "weight", hf, {padded, dim}, spec, {ComputePattern::kTP1D, true});
+  return Load(c, "weight", hf, {padded, dim}, spec, {ComputePattern::kTP1D});
 }
 
 // A Linear1D_Col LM head over the padded table; `owns` when it read the

@@ -295,13 +295,13 @@ absl::StatusOr<Reference> ReferenceBert(const TinyModel& m, const Tensor& ids, c
     ASSIGN_OR_RETURN(ao, Add(ao, x));
     ASSIGN_OR_RETURN(Variable attended, norm(ao, b + "attention.output.LayerNorm"));
     ASSIGN_OR_RETURN(Variable inner, linear(attended, b + "intermediate.dense"));
-    ASSIGN_OR_RETURN(inner, nn::Gelu(inner, kernels::GeluApprox::kNone));
+    ASSIGN_OR_RETURN(inner, nn::Gelu(inner, ops::GeluApprox::kNone));
     ASSIGN_OR_RETURN(Variable out, linear(inner, b + "output.dense"));
     ASSIGN_OR_RETURN(out, Add(out, attended));
     ASSIGN_OR_RETURN(x, norm(out, b + "output.LayerNorm"));
   }
   ASSIGN_OR_RETURN(Variable t, linear(x, "cls.predictions.transform.dense"));
-  ASSIGN_OR_RETURN(t, nn::Gelu(t, kernels::GeluApprox::kNone));
+  ASSIGN_OR_RETURN(t, nn::Gelu(t, ops::GeluApprox::kNone));
   ASSIGN_OR_RETURN(t, norm(t, "cls.predictions.transform.LayerNorm"));
   ASSIGN_OR_RETURN(Variable bias, leaf("cls.predictions.bias"));
   ASSIGN_OR_RETURN(Variable logits, nn::Linear(t, words, bias));  // decoder tied to the word embeddings
@@ -401,7 +401,7 @@ absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& m, const Tensor& ids) {
     ASSIGN_OR_RETURN(x, Add(x, a));
     ASSIGN_OR_RETURN(Variable hn2, norm(x, b + "ln_2"));
     ASSIGN_OR_RETURN(Variable fc, conv(hn2, b + "mlp.c_fc"));
-    ASSIGN_OR_RETURN(Variable g, nn::Gelu(fc, kernels::GeluApprox::kTanh));
+    ASSIGN_OR_RETURN(Variable g, nn::Gelu(fc, ops::GeluApprox::kTanh));
     ASSIGN_OR_RETURN(Variable mo, conv(g, b + "mlp.c_proj"));
     ASSIGN_OR_RETURN(x, Add(x, mo));
   }

@@ -34,7 +34,7 @@ LayerDecl LinearDecl(const std::string& prefix, int64_t in, int64_t out) {
 
 absl::StatusOr<ColoTensor> MlpForward(Module& self, const ColoTensor& x) {
   ASSIGN_OR_RETURN(ColoTensor h, self.Call("fc1", x));
-  ASSIGN_OR_RETURN(Variable g, nn::Gelu(h.variable(), kernels::GeluApprox::kNone));
+  ASSIGN_OR_RETURN(Variable g, nn::Gelu(h.variable(), ops::GeluApprox::kNone));
   ASSIGN_OR_RETURN(ColoTensor act, ColoTensor::FromLocal(g, h.spec(), h.process_group()));
   return self.Call("fc2", act);
 }
@@ -98,7 +98,7 @@ TEST(UserPolicy, ACustomModelShardsWithItsOwnPolicy) {
   const Tensor x = *Tensor::RandomNormal({3, hidden}, 5);
   // Unsharded: fc2(gelu(fc1(x))).
   Variable vw1(w1, true);
-  Variable want = *nn::Linear(*nn::Gelu(*nn::Linear(Variable(x), vw1, Variable(b1)), kernels::GeluApprox::kNone),
+  Variable want = *nn::Linear(*nn::Gelu(*nn::Linear(Variable(x), vw1, Variable(b1)), ops::GeluApprox::kNone),
                               Variable(w2), Variable(b2));
   ASSERT_TRUE(Backward(*Sum(want)).ok());
 

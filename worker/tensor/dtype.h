@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/half.h"
 
 namespace colod {
 
@@ -30,24 +31,11 @@ absl::string_view DTypeName(DType t);
 // INVALID_ARGUMENT for an unknown name.
 absl::StatusOr<DType> ParseDType(absl::string_view name);
 
-inline float BF16ToFloat(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t FloatToBF16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
-  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
-  return static_cast<uint16_t>((bits + rounding) >> 16);
-}
-
-// IEEE 754 binary16.
-float F16ToFloat(uint16_t h);
-uint16_t FloatToF16(float f);
+// The host conversions live with the kernels (kernels/half.h).
+using kernels::BF16ToFloat;
+using kernels::F16ToFloat;
+using kernels::FloatToBF16;
+using kernels::FloatToF16;
 
 }  // namespace colod
 

@@ -2,52 +2,44 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "kernels/philox.h"
-
-#ifdef COLOD_WITH_CUDA
-#include "kernels/cuda/tensor_ops.h"
-#endif
+#include "kernels/types.h"
+#include "worker/tensor/device_kernels.h"
 
 namespace colod {
 
 class Storage {
  public:
-  // Host bytes are 64-byte aligned; `zero` fills them with zero bytes.
+  // Bytes from the device's kernels (host bytes are 64-byte aligned); `zero`
+  // fills them with zero bytes.
   static absl::StatusOr<std::shared_ptr<Storage>> Allocate(size_t nbytes, Device device, bool zero);
-  ~Storage();
+  ~Storage() { kernels_->Free(device_.index, data_); }
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
   char* data() const { return data_; }
   Device device() const { return device_; }
+  const DeviceKernels& kernels() const { return *kernels_; }
 
  private:
-  Storage(char* data, Device device) : data_(data), device_(device) {}
+  Storage(char* data, Device device, const DeviceKernels* kernels) : data_(data), device_(device), kernels_(kernels) {}
   char* const data_;
   const Device device_;
+  const DeviceKernels* const kernels_;
 };
 
 namespace {
 
-#ifdef COLOD_WITH_CUDA
-namespace cu = kernels::cuda;
-static_assert(static_cast<int>(cu::ElemType::kI64) == static_cast<int>(DType::kI64), "ElemType follows DType");
-cu::ElemType Elem(DType t) { return static_cast<cu::ElemType>(t); }
-#endif
+static_assert(static_cast<int>(kernels::ElemType::kI64) == static_cast<int>(DType::kI64), "ElemType follows DType");
+kernels::ElemType Elem(DType t) { return static_cast<kernels::ElemType>(t); }
 
-[[maybe_unused]] absl::Status NoCuda(Device d) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      d.ToString(), ": this binary was built without CUDA (bazel/cuda.bzl found no toolkit); "
-                    "only cpu tensors are available"));
-}
-
-// The infallible calls stop the process on a CUDA failure, as on a failed
+// The infallible calls stop the process on a device failure, as on a failed
 // host allocation.
 template <typename T>
 T OrDie(absl::StatusOr<T> v, const char* what) {
@@ -74,59 +66,81 @@ std::vector<int64_t> RowMajorStrides(const Shape& shape) {
   return s;
 }
 
-absl::Status ValidateShape(const Shape& shape) {
+// INVALID_ARGUMENT for a negative dimension, more than kernels::kMaxDims
+// dims, or a size whose bytes overflow int64 (shapes come from requests).
+absl::Status ValidateShape(const Shape& shape, DType dtype) {
+  if (shape.size() > static_cast<size_t>(kernels::kMaxDims)) {
+    return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " has ", shape.size(),
+                                                   " dimensions; tensors have at most ", kernels::kMaxDims));
+  }
+  int64_t bytes = static_cast<int64_t>(SizeOf(dtype));
   for (int64_t d : shape) {
-    if (d < 0) return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " has a negative dimension"));
+    if (d < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " has a negative dimension"));
+    }
+    if (d != 0 && bytes > std::numeric_limits<int64_t>::max() / d) {
+      return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " of ", DTypeName(dtype),
+                                                     " is too large (its bytes overflow int64)"));
+    }
+    bytes *= d;
   }
   return absl::OkStatus();
 }
 
-float LoadFloat(const char* p, DType t) {
-  switch (t) {
-    case DType::kF32: { float v; std::memcpy(&v, p, 4); return v; }
-    case DType::kBF16: { uint16_t v; std::memcpy(&v, p, 2); return BF16ToFloat(v); }
-    case DType::kF16: { uint16_t v; std::memcpy(&v, p, 2); return F16ToFloat(v); }
-    case DType::kI32: { int32_t v; std::memcpy(&v, p, 4); return static_cast<float>(v); }
-    case DType::kI64: { int64_t v; std::memcpy(&v, p, 8); return static_cast<float>(v); }
+kernels::Layout LayoutOf(const Tensor& t) {
+  kernels::Layout l;
+  l.ndim = static_cast<int>(t.dim());
+  for (int d = 0; d < l.ndim; ++d) {
+    l.shape[d] = t.shape()[d];
+    l.strides[d] = t.strides()[d];
   }
-  return 0;
+  return l;
 }
 
-void StoreFloat(char* p, DType t, float f) {
-  switch (t) {
-    case DType::kF32: std::memcpy(p, &f, 4); return;
-    case DType::kBF16: { uint16_t v = FloatToBF16(f); std::memcpy(p, &v, 2); return; }
-    case DType::kF16: { uint16_t v = FloatToF16(f); std::memcpy(p, &v, 2); return; }
-    case DType::kI32: { int32_t v = static_cast<int32_t>(f); std::memcpy(p, &v, 4); return; }
-    case DType::kI64: { int64_t v = static_cast<int64_t>(f); std::memcpy(p, &v, 8); return; }
+// dst[...] <- convert(src[...]), both on dst's device and not overlapping; a
+// contiguous pair of any rank is copied as one flat run.
+absl::Status CopyOnDevice(const DeviceKernels& k, const Tensor& src, Tensor& dst) {
+  const int device = dst.device().index;
+  if (src.is_contiguous() && dst.is_contiguous()) {
+    if (src.dtype() == dst.dtype()) return k.Memcpy(device, dst.raw_data(), src.raw_data(), dst.nbytes());
+    kernels::Layout flat;
+    flat.ndim = 1;
+    flat.shape[0] = src.numel();
+    flat.strides[0] = 1;
+    return k.StridedCopy(device, src.raw_data(), flat, Elem(src.dtype()), dst.raw_data(), flat, Elem(dst.dtype()));
   }
-}
-
-int64_t LoadInt(const char* p, DType t) {
-  switch (t) {
-    case DType::kI32: { int32_t v; std::memcpy(&v, p, 4); return v; }
-    case DType::kI64: { int64_t v; std::memcpy(&v, p, 8); return v; }
-    default: return static_cast<int64_t>(LoadFloat(p, t));
-  }
-}
-
-void StoreInt(char* p, DType t, int64_t v) {
-  switch (t) {
-    case DType::kI32: { int32_t x = static_cast<int32_t>(v); std::memcpy(p, &x, 4); return; }
-    case DType::kI64: std::memcpy(p, &v, 8); return;
-    default: StoreFloat(p, t, static_cast<float>(v));
-  }
-}
-
-absl::Status CheckFills(size_t n, const Tensor& t) {
-  if (static_cast<int64_t>(n) != t.numel()) {
-    return absl::InvalidArgumentError(absl::StrCat(n, " values do not fill shape ", ShapeToString(t.shape()),
-                                                   " (", t.numel(), " elements)"));
-  }
-  return absl::OkStatus();
+  return k.StridedCopy(device, src.raw_data(), LayoutOf(src), Elem(src.dtype()), dst.raw_data(), LayoutOf(dst),
+                       Elem(dst.dtype()));
 }
 
 bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+// A host tensor of `want` from `values` of `have` (the bytes of a contiguous
+// buffer), converted on the CPU.
+absl::StatusOr<Tensor> FromHostValues(const Shape& shape, const void* values, size_t count, DType have, DType want) {
+  RETURN_IF_ERROR(ValidateShape(shape, have));
+  if (static_cast<int64_t>(count) != NumElements(shape)) {
+    return absl::InvalidArgumentError(absl::StrCat(count, " values do not fill shape ", ShapeToString(shape), " (",
+                                                   NumElements(shape), " elements)"));
+  }
+  const absl::string_view bytes(static_cast<const char*>(values), count * SizeOf(have));
+  ASSIGN_OR_RETURN(Tensor t, Tensor::FromBytes(shape, have, bytes));
+  if (have == want) return t;
+  return t.ToDType(want);
+}
+
+// The elements as a host vector of T (f32 or i64), converted like ToDType.
+template <typename T>
+std::vector<T> ToHostValues(const Tensor& t, DType as, const char* what) {
+  Tensor h = OrDie(t.To(Device::Cpu()), what);
+  if (h.dtype() != as) {
+    h = OrDie(h.ToDType(as), what);
+  } else {
+    h = h.Contiguous();
+  }
+  const T* p = h.data<T>();
+  return std::vector<T>(p, p + h.numel());
+}
 
 }  // namespace
 
@@ -139,32 +153,11 @@ int64_t NumElements(const Shape& shape) {
 std::string ShapeToString(const Shape& shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
 
 absl::StatusOr<std::shared_ptr<Storage>> Storage::Allocate(size_t nbytes, Device device, bool zero) {
-  if (device.is_cuda()) {
-#ifdef COLOD_WITH_CUDA
-    ASSIGN_OR_RETURN(void* p, cu::Malloc(device.index, nbytes));
-    std::shared_ptr<Storage> s(new Storage(static_cast<char*>(p), device));
-    if (zero) RETURN_IF_ERROR(cu::Memset0(device.index, p, nbytes));
-    return s;
-#else
-    return NoCuda(device);
-#endif
-  }
-  constexpr size_t kAlign = 64;
-  const size_t rounded = (nbytes + kAlign - 1) / kAlign * kAlign;
-  void* p = std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
-  if (p == nullptr) return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", nbytes, " host bytes"));
-  if (zero) std::memset(p, 0, nbytes);
-  return std::shared_ptr<Storage>(new Storage(static_cast<char*>(p), device));
-}
-
-Storage::~Storage() {
-  if (device_.is_cuda()) {
-#ifdef COLOD_WITH_CUDA
-    cu::Free(device_.index, data_);
-#endif
-    return;
-  }
-  std::free(data_);
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(device));
+  ASSIGN_OR_RETURN(void* p, k->Malloc(device.index, nbytes));
+  std::shared_ptr<Storage> s(new Storage(static_cast<char*>(p), device, k));
+  if (zero) RETURN_IF_ERROR(k->Memset0(device.index, p, nbytes));
+  return s;
 }
 
 Tensor::Tensor() : Tensor(OrDie(Storage::Allocate(0, Device::Cpu(), false), "tensor"), DType::kF32, {0}, {1}, 0) {}
@@ -182,31 +175,23 @@ Device Tensor::device() const { return storage_->device(); }
 char* Tensor::base() const { return storage_->data(); }
 
 absl::StatusOr<Tensor> Tensor::Empty(const Shape& shape, DType dtype, Device device) {
-  RETURN_IF_ERROR(ValidateShape(shape));
+  RETURN_IF_ERROR(ValidateShape(shape, dtype));
   ASSIGN_OR_RETURN(auto storage, Storage::Allocate(NumElements(shape) * SizeOf(dtype), device, false));
   return Tensor(std::move(storage), dtype, shape, RowMajorStrides(shape), 0);
 }
 
 absl::StatusOr<Tensor> Tensor::Zeros(const Shape& shape, DType dtype, Device device) {
-  RETURN_IF_ERROR(ValidateShape(shape));
+  RETURN_IF_ERROR(ValidateShape(shape, dtype));
   ASSIGN_OR_RETURN(auto storage, Storage::Allocate(NumElements(shape) * SizeOf(dtype), device, true));
   return Tensor(std::move(storage), dtype, shape, RowMajorStrides(shape), 0);
 }
 
 absl::StatusOr<Tensor> Tensor::FromFloats(const Shape& shape, absl::Span<const float> values, DType dtype) {
-  ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
-  RETURN_IF_ERROR(CheckFills(values.size(), t));
-  char* p = t.base();
-  for (size_t i = 0; i < values.size(); ++i) StoreFloat(p + i * SizeOf(dtype), dtype, values[i]);
-  return t;
+  return FromHostValues(shape, values.data(), values.size(), DType::kF32, dtype);
 }
 
 absl::StatusOr<Tensor> Tensor::FromInt64s(const Shape& shape, absl::Span<const int64_t> values, DType dtype) {
-  ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype));
-  RETURN_IF_ERROR(CheckFills(values.size(), t));
-  char* p = t.base();
-  for (size_t i = 0; i < values.size(); ++i) StoreInt(p + i * SizeOf(dtype), dtype, values[i]);
-  return t;
+  return FromHostValues(shape, values.data(), values.size(), DType::kI64, dtype);
 }
 
 absl::StatusOr<Tensor> Tensor::FromBytes(const Shape& shape, DType dtype, absl::string_view bytes) {
@@ -222,28 +207,14 @@ absl::StatusOr<Tensor> Tensor::FromBytes(const Shape& shape, DType dtype, absl::
 absl::StatusOr<Tensor> Tensor::RandomNormal(const Shape& shape, uint64_t seed, DType dtype, Device device) {
   if (!IsFloat(dtype)) return absl::InvalidArgumentError("RandomNormal: dtype must be f32, bf16 or f16");
   ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype, device));
-#ifdef COLOD_WITH_CUDA
-  if (device.is_cuda()) {
-    RETURN_IF_ERROR(cu::FillRandom(device.index, t.base(), Elem(dtype), t.numel(), seed, /*normal=*/true));
-    return t;
-  }
-#endif
-  char* p = t.base();
-  for (int64_t i = 0; i < t.numel(); ++i) StoreFloat(p + i * SizeOf(dtype), dtype, kernels::PhiloxNormal(seed, i));
+  RETURN_IF_ERROR(t.storage_->kernels().FillRandom(device.index, t.base(), Elem(dtype), t.numel(), seed, true));
   return t;
 }
 
 absl::StatusOr<Tensor> Tensor::RandomUniform(const Shape& shape, uint64_t seed, DType dtype, Device device) {
   if (!IsFloat(dtype)) return absl::InvalidArgumentError("RandomUniform: dtype must be f32, bf16 or f16");
   ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype, device));
-#ifdef COLOD_WITH_CUDA
-  if (device.is_cuda()) {
-    RETURN_IF_ERROR(cu::FillRandom(device.index, t.base(), Elem(dtype), t.numel(), seed, /*normal=*/false));
-    return t;
-  }
-#endif
-  char* p = t.base();
-  for (int64_t i = 0; i < t.numel(); ++i) StoreFloat(p + i * SizeOf(dtype), dtype, kernels::PhiloxUniform(seed, i));
+  RETURN_IF_ERROR(t.storage_->kernels().FillRandom(device.index, t.base(), Elem(dtype), t.numel(), seed, false));
   return t;
 }
 
@@ -306,53 +277,16 @@ absl::StatusOr<Tensor> Tensor::Transpose(int64_t d0, int64_t d1) const {
   return Tensor(storage_, dtype_, std::move(shape), std::move(strides), offset_);
 }
 
-template <typename Fn>
-void Tensor::ForEachOffset(Fn&& fn) const {
-  const int64_t n = numel();
-  if (n == 0) return;
-  if (is_contiguous()) {
-    for (int64_t i = 0; i < n; ++i) fn(offset_ + i);
-    return;
-  }
-  std::vector<int64_t> idx(shape_.size(), 0);
-  int64_t off = offset_;
-  for (int64_t i = 0; i < n; ++i) {
-    fn(off);
-    for (int64_t d = dim() - 1; d >= 0; --d) {  // odometer
-      if (++idx[d] < shape_[d]) {
-        off += strides_[d];
-        break;
-      }
-      off -= strides_[d] * (shape_[d] - 1);
-      idx[d] = 0;
-    }
-  }
-}
-
 Tensor Tensor::Clone() const {
   Tensor out = OrDie(Empty(shape_, dtype_, device()), "Tensor::Clone");
-  const size_t es = SizeOf(dtype_);
-  if (device().is_cuda()) {
-    OrDie(out.CopyFrom(*this), "Tensor::Clone");
-    return out;
-  }
-  if (is_contiguous()) {
-    if (nbytes() > 0) std::memcpy(out.base(), base() + offset_ * es, nbytes());
-    return out;
-  }
-  char* dst = out.base();
-  const char* src = base();
-  ForEachOffset([&](int64_t off) {
-    std::memcpy(dst, src + off * es, es);
-    dst += es;
-  });
+  OrDie(CopyOnDevice(storage_->kernels(), *this, out), "Tensor::Clone");
   return out;
 }
 
 Tensor Tensor::Contiguous() const { return is_contiguous() ? *this : Clone(); }
 
 absl::StatusOr<Tensor> Tensor::Reshape(const Shape& shape) const {
-  RETURN_IF_ERROR(ValidateShape(shape));
+  RETURN_IF_ERROR(ValidateShape(shape, dtype_));
   if (NumElements(shape) != numel()) {
     return absl::InvalidArgumentError(absl::StrCat("cannot reshape ", ShapeToString(shape_), " (", numel(),
                                                    " elements) to ", ShapeToString(shape)));
@@ -361,60 +295,10 @@ absl::StatusOr<Tensor> Tensor::Reshape(const Shape& shape) const {
   return Tensor(c.storage_, dtype_, shape, RowMajorStrides(shape), c.offset_);
 }
 
-#ifdef COLOD_WITH_CUDA
-namespace {
-cu::Layout LayoutOf(const Tensor& t) {
-  cu::Layout l;
-  l.ndim = static_cast<int>(t.dim());
-  for (int d = 0; d < l.ndim; ++d) {
-    l.shape[d] = t.shape()[d];
-    l.strides[d] = t.strides()[d];
-  }
-  return l;
-}
-
-// dst[...] <- convert(src[...]) on one CUDA device; a contiguous pair of any
-// rank is copied as one flat run.
-absl::Status CudaCopy(const Tensor& src, Tensor& dst) {
-  const int device = dst.device().index;
-  if (src.is_contiguous() && dst.is_contiguous()) {
-    if (src.dtype() == dst.dtype()) return cu::Memcpy(device, dst.raw_data(), src.raw_data(), dst.nbytes());
-    cu::Layout flat;
-    flat.ndim = 1;
-    flat.shape[0] = src.numel();
-    flat.strides[0] = 1;
-    return cu::StridedCopy(device, src.raw_data(), flat, Elem(src.dtype()), dst.raw_data(), flat, Elem(dst.dtype()));
-  }
-  if (src.dim() > cu::kMaxDims) {
-    return absl::UnimplementedError(absl::StrCat("strided CUDA copies of more than ", cu::kMaxDims, " dims"));
-  }
-  return cu::StridedCopy(device, src.raw_data(), LayoutOf(src), Elem(src.dtype()), dst.raw_data(), LayoutOf(dst),
-                         Elem(dst.dtype()));
-}
-}  // namespace
-#endif
-
 absl::StatusOr<Tensor> Tensor::ToDType(DType dtype) const {
   if (dtype == dtype_) return Clone();
   ASSIGN_OR_RETURN(Tensor out, Empty(shape_, dtype, device()));
-#ifdef COLOD_WITH_CUDA
-  if (device().is_cuda()) {
-    RETURN_IF_ERROR(CudaCopy(*this, out));
-    return out;
-  }
-#endif
-  const size_t es = SizeOf(dtype_), eo = SizeOf(dtype);
-  char* dst = out.base();
-  const char* src = base();
-  const bool ints = !IsFloat(dtype_) && !IsFloat(dtype);
-  ForEachOffset([&](int64_t off) {
-    if (ints) {
-      StoreInt(dst, dtype, LoadInt(src + off * es, dtype_));
-    } else {
-      StoreFloat(dst, dtype, LoadFloat(src + off * es, dtype_));
-    }
-    dst += eo;
-  });
+  RETURN_IF_ERROR(CopyOnDevice(storage_->kernels(), *this, out));
   return out;
 }
 
@@ -422,14 +306,12 @@ absl::StatusOr<Tensor> Tensor::To(Device device) const {
   if (device == this->device()) return *this;
   const Tensor c = Contiguous();
   ASSIGN_OR_RETURN(Tensor out, Empty(shape_, dtype_, device));
-#ifdef COLOD_WITH_CUDA
-  // cudaMemcpyDefault tells host from device pointers (unified addressing).
-  const int ordinal = device.is_cuda() ? device.index : c.device().index;
-  RETURN_IF_ERROR(cu::Memcpy(ordinal, out.raw_data(), c.raw_data(), out.nbytes()));
+  // The device side's copy: CUDA's tells host from device pointers (unified
+  // addressing). Between two CPUs there is nothing to move.
+  const Device side = device.is_cuda() ? device : c.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(side));
+  RETURN_IF_ERROR(k->Memcpy(side.index, out.raw_data(), c.raw_data(), out.nbytes()));
   return out;
-#else
-  return NoCuda(device.is_cuda() ? device : c.device());
-#endif
 }
 
 absl::StatusOr<Tensor> Tensor::Cat(const std::vector<Tensor>& parts, int64_t d) {
@@ -465,52 +347,20 @@ absl::Status Tensor::CopyFrom(const Tensor& src) {
     return absl::InvalidArgumentError(absl::StrCat("copy from ", DTypeName(src.dtype()), ShapeToString(src.shape()),
                                                    " into ", DTypeName(dtype_), ShapeToString(shape_)));
   }
-  if (device().is_cuda()) {
-#ifdef COLOD_WITH_CUDA
-    // The source, on this device and not overlapping the destination.
-    Tensor s = src;
-    if (src.device() != device()) {
-      ASSIGN_OR_RETURN(s, src.To(device()));
-    } else if (src.SharesStorageWith(*this)) {
-      s = src.Clone();
-    }
-    return CudaCopy(s, *this);
-#else
-    return NoCuda(device());
-#endif
+  // The source, on this device and not overlapping the destination.
+  Tensor s = src;
+  if (src.device() != device()) {
+    ASSIGN_OR_RETURN(s, src.To(device()));
+  } else if (src.SharesStorageWith(*this)) {
+    s = src.Clone();
   }
-  ASSIGN_OR_RETURN(Tensor s, src.To(device()));
-  s = s.Contiguous();
-  const size_t es = SizeOf(dtype_);
-  const char* from = s.base() + s.offset_ * es;
-  if (is_contiguous()) {
-    if (nbytes() > 0) std::memmove(base() + offset_ * es, from, nbytes());
-    return absl::OkStatus();
-  }
-  char* dst_base = base();
-  ForEachOffset([&](int64_t off) {
-    std::memcpy(dst_base + off * es, from, es);
-    from += es;
-  });
-  return absl::OkStatus();
+  return CopyOnDevice(storage_->kernels(), s, *this);
 }
 
-std::vector<float> Tensor::ToFloats() const {
-  if (device().is_cuda()) return OrDie(To(Device::Cpu()), "Tensor::ToFloats").ToFloats();
-  std::vector<float> out;
-  out.reserve(numel());
-  const size_t es = SizeOf(dtype_);
-  ForEachOffset([&](int64_t off) { out.push_back(LoadFloat(base() + off * es, dtype_)); });
-  return out;
-}
+std::vector<float> Tensor::ToFloats() const { return ToHostValues<float>(*this, DType::kF32, "Tensor::ToFloats"); }
 
 std::vector<int64_t> Tensor::ToInt64s() const {
-  if (device().is_cuda()) return OrDie(To(Device::Cpu()), "Tensor::ToInt64s").ToInt64s();
-  std::vector<int64_t> out;
-  out.reserve(numel());
-  const size_t es = SizeOf(dtype_);
-  ForEachOffset([&](int64_t off) { out.push_back(LoadInt(base() + off * es, dtype_)); });
-  return out;
+  return ToHostValues<int64_t>(*this, DType::kI64, "Tensor::ToInt64s");
 }
 
 std::string Tensor::ToBytes() const {
@@ -533,69 +383,29 @@ absl::Status SameShape(const Tensor& a, const Tensor& b, absl::string_view op) {
   return absl::OkStatus();
 }
 
-template <typename T, typename Op>
-void BinaryLoop(const Tensor& a, const Tensor& b, Tensor& out, Op op) {
-  const T* x = a.data<T>();
-  const T* y = b.data<T>();
-  T* z = out.data<T>();
-  const int64_t n = out.numel();
-  for (int64_t i = 0; i < n; ++i) z[i] = op(x[i], y[i]);  // vectorized by the compiler
-}
-
-template <typename Op>
-absl::StatusOr<Tensor> Binary(const Tensor& a, const Tensor& b, absl::string_view name, int cuda_op, Op op) {
+absl::StatusOr<Tensor> Binary(const Tensor& a, const Tensor& b, absl::string_view name, kernels::BinaryOp op) {
   RETURN_IF_ERROR(SameShape(a, b, name));
-  Tensor ca = a.Contiguous(), cb = b.Contiguous();
+  const Tensor ca = a.Contiguous(), cb = b.Contiguous();
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), a.dtype(), a.device()));
-  if (a.device().is_cuda()) {
-#ifdef COLOD_WITH_CUDA
-    RETURN_IF_ERROR(cu::Binary(a.device().index, static_cast<cu::BinaryOp>(cuda_op), Elem(a.dtype()), ca.raw_data(),
-                               cb.raw_data(), out.raw_data(), out.numel()));
-    return out;
-#else
-    (void)cuda_op;
-    return NoCuda(a.device());
-#endif
-  }
-  switch (a.dtype()) {
-    case DType::kF32: BinaryLoop<float>(ca, cb, out, op); break;
-    case DType::kI32: BinaryLoop<int32_t>(ca, cb, out, op); break;
-    case DType::kI64: BinaryLoop<int64_t>(ca, cb, out, op); break;
-    case DType::kBF16:
-    case DType::kF16: {  // computed in f32, rounded once
-      std::vector<float> x = ca.ToFloats(), y = cb.ToFloats(), z(x.size());
-      for (size_t i = 0; i < z.size(); ++i) z[i] = op(x[i], y[i]);
-      return Tensor::FromFloats(a.shape(), z, a.dtype());
-    }
-  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
+  RETURN_IF_ERROR(k->Binary(a.device().index, op, Elem(a.dtype()), ca.raw_data(), cb.raw_data(), out.raw_data(),
+                            out.numel()));
   return out;
 }
 
 }  // namespace
 
-absl::StatusOr<Tensor> Add(const Tensor& a, const Tensor& b) {
-  return Binary(a, b, "add", 0, [](auto x, auto y) { return x + y; });
-}
-absl::StatusOr<Tensor> Sub(const Tensor& a, const Tensor& b) {
-  return Binary(a, b, "sub", 1, [](auto x, auto y) { return x - y; });
-}
-absl::StatusOr<Tensor> Mul(const Tensor& a, const Tensor& b) {
-  return Binary(a, b, "mul", 2, [](auto x, auto y) { return x * y; });
-}
+absl::StatusOr<Tensor> Add(const Tensor& a, const Tensor& b) { return Binary(a, b, "add", kernels::BinaryOp::kAdd); }
+absl::StatusOr<Tensor> Sub(const Tensor& a, const Tensor& b) { return Binary(a, b, "sub", kernels::BinaryOp::kSub); }
+absl::StatusOr<Tensor> Mul(const Tensor& a, const Tensor& b) { return Binary(a, b, "mul", kernels::BinaryOp::kMul); }
 
 absl::StatusOr<Tensor> Scale(const Tensor& a, float s) {
   if (!IsFloat(a.dtype())) return absl::InvalidArgumentError("scale: float dtypes only");
-#ifdef COLOD_WITH_CUDA
-  if (a.device().is_cuda()) {
-    const Tensor ca = a.Contiguous();
-    ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), a.dtype(), a.device()));
-    RETURN_IF_ERROR(cu::Scale(a.device().index, Elem(a.dtype()), ca.raw_data(), s, out.raw_data(), out.numel()));
-    return out;
-  }
-#endif
-  std::vector<float> v = a.ToFloats();
-  for (float& x : v) x *= s;
-  return Tensor::FromFloats(a.shape(), v, a.dtype());
+  const Tensor ca = a.Contiguous();
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), a.dtype(), a.device()));
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
+  RETURN_IF_ERROR(k->Scale(a.device().index, Elem(a.dtype()), ca.raw_data(), s, out.raw_data(), out.numel()));
+  return out;
 }
 
 absl::Status AddInPlace(Tensor& a, const Tensor& b) {
@@ -606,15 +416,9 @@ absl::Status AddInPlace(Tensor& a, const Tensor& b) {
 }
 
 double SumAll(const Tensor& a) {
-#ifdef COLOD_WITH_CUDA
-  if (a.device().is_cuda()) {
-    const Tensor ca = a.Contiguous();
-    return OrDie(cu::Sum(a.device().index, Elem(a.dtype()), ca.raw_data(), ca.numel()), "SumAll");
-  }
-#endif
-  double s = 0;
-  for (float v : a.ToFloats()) s += v;
-  return s;
+  const Tensor ca = a.Contiguous();
+  const DeviceKernels* k = OrDie(KernelsFor(a.device()), "SumAll");
+  return OrDie(k->Sum(a.device().index, Elem(a.dtype()), ca.raw_data(), ca.numel()), "SumAll");
 }
 
 }  // namespace colod

@@ -4,11 +4,14 @@
 // Views (Narrow, Chunk, Transpose) share it too; Contiguous/Clone copy.
 //
 // Storage lives in host memory (64-byte aligned) or on a CUDA device; every
-// operation below works on both and keeps the device of its inputs. CUDA work
-// goes through kernels/cuda/tensor_ops.h and is synchronous for now. A build
-// without CUDA answers FAILED_PRECONDITION for CUDA tensors. The infallible
-// calls (Clone, Contiguous, ToFloats, ...) treat a failed CUDA allocation or
-// launch like a failed host allocation: the process stops with the CUDA error.
+// operation below works on both and keeps the device of its inputs. Storage
+// and operations go through the device's kernel table (device_kernels.h:
+// kernels/cpu or kernels/cuda, synchronous), so nothing here is per device.
+// A build without CUDA answers FAILED_PRECONDITION for CUDA tensors. Shapes
+// have at most kernels::kMaxDims (16) dims and sizes whose bytes fit int64;
+// other shapes are INVALID_ARGUMENT. The infallible calls (Clone, Contiguous,
+// ToFloats, ...) treat a failed CUDA allocation or launch like a failed host
+// allocation: the process stops with the CUDA error.
 // Binary ops need both operands on one device (INVALID_ARGUMENT otherwise);
 // To() moves between devices.
 //
@@ -44,7 +47,7 @@ class Tensor {
   Tensor();
 
   // Uninitialized / zero-filled tensors. INVALID_ARGUMENT for a negative
-  // dimension; FAILED_PRECONDITION for a CUDA device this process cannot use.
+  // dimension, too many dims or too many bytes; FAILED_PRECONDITION for a CUDA device this process cannot use.
   static absl::StatusOr<Tensor> Empty(const Shape& shape, DType dtype, Device device = Device::Cpu());
   static absl::StatusOr<Tensor> Zeros(const Shape& shape, DType dtype, Device device = Device::Cpu());
   // Host tensors from values (To() moves them to a device), converted to
@@ -125,9 +128,6 @@ class Tensor {
   Tensor(std::shared_ptr<Storage> storage, DType dtype, Shape shape, std::vector<int64_t> strides,
          int64_t offset);
   char* base() const;  // the storage's first byte
-  // Calls fn(element_index_in_storage) for every element in row-major order.
-  template <typename Fn>
-  void ForEachOffset(Fn&& fn) const;
 
   std::shared_ptr<Storage> storage_;
   DType dtype_ = DType::kF32;

@@ -5,8 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/ops.h"
 #include "worker/colo/tensor_collectives.h"
+#include "worker/tensor/ops.h"
 
 namespace colod::train {
 
@@ -54,13 +54,13 @@ absl::Status Optimizer::Step(double lr) {
       ASSIGN_OR_RETURN(grad, grad->ToDType(DType::kF32));
     }
     if (options_.kind == OptimizerOptions::Kind::kAdamW) {
-      kernels::AdamWOptions o;
+      ops::AdamWOptions o;
       o.lr = static_cast<float>(lr);
       o.beta1 = static_cast<float>(options_.beta1);
       o.beta2 = static_cast<float>(options_.beta2);
       o.eps = static_cast<float>(options_.eps);
       o.weight_decay = static_cast<float>(options_.weight_decay);
-      RETURN_IF_ERROR(kernels::AdamW(param, *grad, m_[i], v_[i], steps_, o));
+      RETURN_IF_ERROR(ops::AdamW(param, *grad, m_[i], v_[i], steps_, o));
     } else {
       RETURN_IF_ERROR(SgdStep(param, *grad, m_[i], lr));
     }

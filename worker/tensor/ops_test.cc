@@ -1,15 +1,16 @@
 // The CPU kernels against independent references in double precision:
 // naive GEMM loops, the closed forms of GELU and LayerNorm, and central
 // differences of the double forward for every backward.
-#include "kernels/ops.h"
+#include "worker/tensor/ops.h"
 
 #include <cmath>
 #include <functional>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/layer_ops.h"
 #include "kernels/philox.h"
 
-namespace colod::kernels {
+namespace colod::ops {
 namespace {
 
 Tensor Random(const Shape& shape, uint64_t seed, float scale = 1.0f) {
@@ -77,14 +78,14 @@ TEST(CpuKernels, MatMulKeepsLeadingDimsAndTakesViewsAndHalfTypes) {
 
 TEST(CpuKernels, ThreadedLoopsGiveTheSameBitsAsOneThread) {
   const Tensor x = Random({1 << 9, 1 << 9}, 40), dy = Random({1 << 9, 1 << 9}, 41), b = Random({1 << 9}, 42);
-  SetBlasThreads(1);
+  kernels::cpu::SetBlasThreads(1);
   const std::string g1 = Gelu(x, GeluApprox::kTanh)->ToBytes(), d1 = GeluBackward(dy, x, GeluApprox::kNone)->ToBytes(),
                     b1 = BiasAdd(x, b)->ToBytes();
-  SetBlasThreads(3);
+  kernels::cpu::SetBlasThreads(3);
   EXPECT_EQ(Gelu(x, GeluApprox::kTanh)->ToBytes(), g1);
   EXPECT_EQ(GeluBackward(dy, x, GeluApprox::kNone)->ToBytes(), d1);
   EXPECT_EQ(BiasAdd(x, b)->ToBytes(), b1);
-  SetBlasThreads(1);
+  kernels::cpu::SetBlasThreads(1);
 }
 
 TEST(CpuKernels, BiasAddAndItsGradient) {
@@ -287,7 +288,7 @@ TEST(CpuKernels, DropoutMaskIsThePhiloxStreamAndBackwardReusesIt) {
   const std::vector<float> xv = x.ToFloats(), yv = y->ToFloats();
   int64_t kept = 0;
   for (size_t i = 0; i < xv.size(); ++i) {
-    const bool keep = PhiloxUniform(99, 1000 + i) >= p;
+    const bool keep = kernels::PhiloxUniform(99, 1000 + i) >= p;
     ASSERT_EQ(yv[i], keep ? xv[i] * (1.0f / (1.0f - p)) : 0.0f) << i;
     kept += keep;
   }
@@ -416,4 +417,4 @@ TEST(CpuKernels, AdamWMatchesTheDoublePrecisionUpdate) {
 }
 
 }  // namespace
-}  // namespace colod::kernels
+}  // namespace colod::ops

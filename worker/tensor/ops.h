@@ -1,29 +1,28 @@
-// The dense math of colod's layers: one host API over Tensors, computed on
-// the tensor's device. On the CPU (kernels/cpu/ops.cc), GEMM goes through
-// OpenBLAS (f32; bf16 and f16 inputs are converted and accumulated in f32)
-// and the other kernels are plain loops the compiler vectorizes. On a CUDA
-// device (kernels/cuda/layer_ops.cu), GEMM goes through cuBLAS (f32 with
-// TF32 off; bf16 and f16 with f32 accumulation) and the rest through colod's
-// kernels; every operand must be on the same device.
+// The dense math of colod's layers: one API over Tensors, computed on the
+// tensors' device. These functions validate shapes, dtypes and devices and
+// hand contiguous buffers to the device's raw-pointer kernels through
+// device_kernels.h: on the CPU kernels/cpu/layer_ops.cc (GEMM through
+// OpenBLAS, f32; bf16 and f16 inputs are widened and accumulated in f32; the
+// other kernels are loops the compiler vectorizes), on a CUDA device
+// kernels/cuda/layer_ops.cu (GEMM through cuBLAS, f32 with TF32 off, bf16 and
+// f16 with f32 accumulation; the rest through colod's kernels). Every operand
+// must be on the same device.
 //
 // Inputs may be strided views (they are made contiguous); outputs are new
 // contiguous tensors of the input's dtype and device. Shape errors are
 // INVALID_ARGUMENT naming both shapes.
 //
-// Thread-safe; OpenBLAS uses SetBlasThreads() threads per call.
-#ifndef COLOD_KERNELS_OPS_H_
-#define COLOD_KERNELS_OPS_H_
+// Thread-safe; on the CPU, OpenBLAS uses kernels::cpu::SetBlasThreads()
+// threads per call.
+#ifndef COLOD_WORKER_TENSOR_OPS_H_
+#define COLOD_WORKER_TENSOR_OPS_H_
 
 #include <cstdint>
 
 #include "absl/status/statusor.h"
 #include "worker/tensor/tensor.h"
 
-namespace colod::kernels {
-
-// Threads OpenBLAS may use per GEMM (1 = the calling thread only).
-void SetBlasThreads(int n);
-int BlasThreads();
+namespace colod::ops {
 
 // op(a) @ op(b), op = transpose when the flag is set. `b` is a matrix; `a`
 // is a matrix or, without trans_a, a batch of rows [..., K] whose leading
@@ -116,6 +115,6 @@ struct AdamWOptions {
 };
 absl::Status AdamW(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, int64_t step, const AdamWOptions& o);
 
-}  // namespace colod::kernels
+}  // namespace colod::ops
 
-#endif  // COLOD_KERNELS_OPS_H_
+#endif  // COLOD_WORKER_TENSOR_OPS_H_

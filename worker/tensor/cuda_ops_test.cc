@@ -12,15 +12,15 @@
 
 #include "gtest/gtest.h"
 #include "kernels/device.h"
-#include "kernels/ops.h"
+#include "worker/tensor/ops.h"
 
-namespace colod::kernels {
+namespace colod::ops {
 namespace {
 
 class CudaLayerOps : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   }
   Tensor Dev(const Tensor& t) { return *t.To(Device::Cuda(0)); }
 };
@@ -152,4 +152,4 @@ TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
 }
 
 }  // namespace
-}  // namespace colod::kernels
+}  // namespace colod::ops

@@ -1,0 +1,397 @@
+#include "kernels/cpu/layer_ops.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/half.h"
+#include "kernels/philox.h"
+
+namespace colod::kernels::cpu {
+namespace {
+
+std::atomic<int> blas_threads{1};
+
+// Runs fn(begin, end) over [0, n) split across BlasThreads() threads (the
+// calling one included) when n is large enough to pay for the threads.
+template <typename Fn>
+void ParallelFor(int64_t n, Fn fn) {
+  constexpr int64_t kMinPerThread = 1 << 16;
+  const int threads = static_cast<int>(std::min<int64_t>(blas_threads.load(), n / kMinPerThread));
+  if (threads <= 1) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t chunk = (n + threads - 1) / threads;
+  for (int t = 1; t < threads; ++t) {
+    const int64_t b = t * chunk, e = std::min(n, b + chunk);
+    if (b < e) pool.emplace_back([=] { fn(b, e); });
+  }
+  fn(int64_t{0}, std::min(n, chunk));
+  for (auto& th : pool) th.join();
+}
+
+// A bf16/f16 buffer widened to f32.
+std::vector<float> Widen(ElemType type, const void* p, int64_t n) {
+  std::vector<float> out(n);
+  const uint16_t* h = static_cast<const uint16_t*>(p);
+  for (int64_t i = 0; i < n; ++i) out[i] = type == ElemType::kBF16 ? BF16ToFloat(h[i]) : F16ToFloat(h[i]);
+  return out;
+}
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluC = 0.044715f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+// log(sum(exp(row))) in double.
+double LogSumExp(const float* row, int64_t v) {
+  float mx = row[0];
+  for (int64_t j = 1; j < v; ++j) mx = std::max(mx, row[j]);
+  double s = 0;
+  for (int64_t j = 0; j < v; ++j) s += std::exp(static_cast<double>(row[j]) - mx);
+  return mx + std::log(s);
+}
+
+}  // namespace
+
+void SetBlasThreads(int n) {
+  blas_threads = n < 1 ? 1 : n;
+  openblas_set_num_threads(blas_threads);
+}
+
+int BlasThreads() { return blas_threads; }
+
+absl::Status Gemm(int, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a,
+                  const void* b, void* c) {
+  if (type != ElemType::kF32 && type != ElemType::kBF16 && type != ElemType::kF16) {
+    return absl::InvalidArgumentError("Gemm: f32, bf16 or f16 operands only");
+  }
+  if (m < 0 || n < 0 || k < 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("Gemm: [", m, ", ", k, "] @ [", k, ", ", n,
+                                                   "] exceeds BLAS's int dimensions"));
+  }
+  if (m == 0 || n == 0) return absl::OkStatus();
+  float* out = static_cast<float*>(c);
+  std::vector<float> wa, wb, wc;
+  const float* pa = static_cast<const float*>(a);
+  const float* pb = static_cast<const float*>(b);
+  if (type != ElemType::kF32) {
+    wa = Widen(type, a, m * k);
+    wb = Widen(type, b, k * n);
+    wc.resize(m * n);
+    pa = wa.data();
+    pb = wb.data();
+    out = wc.data();
+  }
+  if (k == 0) {
+    std::fill(out, out + m * n, 0.0f);
+  } else {
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1.0f, pa,
+                static_cast<int>(trans_a ? m : k), pb, static_cast<int>(trans_b ? k : n), 0.0f, out,
+                static_cast<int>(n));
+  }
+  if (type != ElemType::kF32) {
+    uint16_t* h = static_cast<uint16_t*>(c);
+    for (int64_t i = 0; i < m * n; ++i) h[i] = type == ElemType::kBF16 ? FloatToBF16(wc[i]) : FloatToF16(wc[i]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BiasAdd(int, const float* x, const float* bias, float* out, int64_t rows, int64_t n) {
+  ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = x[i] + bias[i % n];
+  });
+  return absl::OkStatus();
+}
+
+absl::Status BiasGrad(int, const float* dy, float* db, int64_t rows, int64_t n) {
+  std::vector<double> acc(n, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < n; ++j) acc[j] += dy[r * n + j];
+  }
+  for (int64_t j = 0; j < n; ++j) db[j] = static_cast<float>(acc[j]);
+  return absl::OkStatus();
+}
+
+absl::Status Gelu(int, const float* x, float* y, int64_t n, bool tanh_approx) {
+  ParallelFor(n, [&](int64_t begin, int64_t end) {
+    if (tanh_approx) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float v = x[i];
+        y[i] = 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + kGeluC * v * v * v)));
+      }
+    } else {
+      for (int64_t i = begin; i < end; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status GeluBackward(int, const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx) {
+  ParallelFor(n, [&](int64_t begin, int64_t end) {
+    if (tanh_approx) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float v = x[i];
+        const float u = kSqrt2OverPi * (v + kGeluC * v * v * v);
+        const float t = std::tanh(u);
+        const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluC * v * v);
+        dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+      }
+    } else {
+      for (int64_t i = begin; i < end; ++i) {
+        const float v = x[i];
+        const float cdf = 0.5f * (1.0f + std::erf(v * kInvSqrt2));
+        const float pdf = kInvSqrt2Pi * std::exp(-0.5f * v * v);
+        dx[i] = dy[i] * (cdf + v * pdf);
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Silu(int, const float* x, float* y, int64_t n) {
+  ParallelFor(n, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) y[i] = x[i] / (1.0f + std::exp(-x[i]));
+  });
+  return absl::OkStatus();
+}
+
+absl::Status SiluBackward(int, const float* dy, const float* x, float* dx, int64_t n) {
+  ParallelFor(n, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float s = 1.0f / (1.0f + std::exp(-x[i]));
+      dx[i] = dy[i] * s * (1.0f + x[i] * (1.0f - s));
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status LayerNorm(int, const float* x, const float* g, const float* b, float eps, float* y, float* mean,
+                       float* rstd, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * n;
+    double s = 0;
+    for (int64_t j = 0; j < n; ++j) s += row[j];
+    const double mu = s / n;
+    double v = 0;
+    for (int64_t j = 0; j < n; ++j) v += (row[j] - mu) * (row[j] - mu);
+    const float rs = static_cast<float>(1.0 / std::sqrt(v / n + eps));
+    const float m = static_cast<float>(mu);
+    for (int64_t j = 0; j < n; ++j) y[r * n + j] = (row[j] - m) * rs * g[j] + b[j];
+    mean[r] = m;
+    rstd[r] = rs;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerNormBackward(int, const float* dy, const float* x, const float* g, const float* mean,
+                               const float* rstd, float* dx, float* dg, float* db, int64_t rows, int64_t n) {
+  std::vector<double> acc_g(n, 0.0), acc_b(n, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m = mean[r], rs = rstd[r];
+    const float* row = x + r * n;
+    const float* drow = dy + r * n;
+    // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * gamma.
+    double sum_dxhat = 0, sum_dxhat_xhat = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const float xhat = (row[j] - m) * rs;
+      const float dxhat = drow[j] * g[j];
+      sum_dxhat += dxhat;
+      sum_dxhat_xhat += static_cast<double>(dxhat) * xhat;
+      acc_g[j] += static_cast<double>(drow[j]) * xhat;
+      acc_b[j] += drow[j];
+    }
+    const float a = static_cast<float>(sum_dxhat / n), c = static_cast<float>(sum_dxhat_xhat / n);
+    for (int64_t j = 0; j < n; ++j) {
+      const float xhat = (row[j] - m) * rs;
+      dx[r * n + j] = rs * (drow[j] * g[j] - a - xhat * c);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    dg[j] = static_cast<float>(acc_g[j]);
+    db[j] = static_cast<float>(acc_b[j]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RmsNorm(int, const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
+                     int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t j = 0; j < n; ++j) ss += static_cast<double>(x[r * n + j]) * x[r * n + j];
+    const float rs = static_cast<float>(1.0 / std::sqrt(ss / n + eps));
+    for (int64_t j = 0; j < n; ++j) y[r * n + j] = x[r * n + j] * rs * g[j];
+    rstd[r] = rs;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RmsNormBackward(int, const float* dy, const float* x, const float* g, const float* rstd, float* dx,
+                             float* dg, int64_t rows, int64_t n) {
+  std::vector<double> acc(n, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float rs = rstd[r];
+    // y = x * rs * g; dx = rs * (dy*g - x * rs^2 * mean(dy*g*x)).
+    double dot = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      dot += static_cast<double>(dy[r * n + j]) * g[j] * x[r * n + j];
+      acc[j] += static_cast<double>(dy[r * n + j]) * x[r * n + j] * rs;
+    }
+    const float c = static_cast<float>(dot / n) * rs * rs;
+    for (int64_t j = 0; j < n; ++j) dx[r * n + j] = rs * (dy[r * n + j] * g[j] - x[r * n + j] * c);
+  }
+  for (int64_t j = 0; j < n; ++j) dg[j] = static_cast<float>(acc[j]);
+  return absl::OkStatus();
+}
+
+absl::Status Softmax(int, const float* x, float* y, int64_t rows, int64_t k, int64_t causal_q) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = causal_q > 0 ? (r % causal_q) + (k - causal_q) + 1 : k;
+    const float* row = x + r * k;
+    float* orow = y + r * k;
+    float mx = row[0];
+    for (int64_t j = 1; j < visible; ++j) mx = std::max(mx, row[j]);
+    double sum = 0;
+    for (int64_t j = 0; j < visible; ++j) {
+      orow[j] = std::exp(row[j] - mx);
+      sum += orow[j];
+    }
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int64_t j = 0; j < visible; ++j) orow[j] *= inv;
+    for (int64_t j = visible; j < k; ++j) orow[j] = 0.0f;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SoftmaxBackward(int, const float* dy, const float* y, float* dx, int64_t rows, int64_t k) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* py = y + r * k;
+    const float* pd = dy + r * k;
+    double dot = 0;
+    for (int64_t j = 0; j < k; ++j) dot += static_cast<double>(pd[j]) * py[j];
+    for (int64_t j = 0; j < k; ++j) dx[r * k + j] = py[j] * (pd[j] - static_cast<float>(dot));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Dropout(int, const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset) {
+  const float scale = 1.0f / (1.0f - p);
+  for (int64_t i = 0; i < n; ++i) {
+    y[i] = PhiloxUniform(seed, offset + static_cast<uint64_t>(i)) >= p ? x[i] * scale : 0.0f;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Embedding(int, const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows,
+                       int64_t h, int64_t row_offset) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (ids[i] < row_offset || ids[i] >= row_offset + rows) {  // masked: another shard's row
+      std::fill(out + i * h, out + (i + 1) * h, 0.0f);
+    } else {
+      const int64_t local = ids[i] - row_offset;
+      std::copy(table + local * h, table + (local + 1) * h, out + i * h);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EmbeddingBackward(int, const float* dy, const std::vector<int64_t>& seg_rows,
+                               const std::vector<int64_t>& seg_starts, const std::vector<int64_t>& tokens,
+                               float* dtable, int64_t rows, int64_t h) {
+  std::fill(dtable, dtable + rows * h, 0.0f);
+  std::vector<double> acc(h);
+  for (size_t s = 0; s < seg_rows.size(); ++s) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t t = seg_starts[s]; t < seg_starts[s + 1]; ++t) {
+      const float* row = dy + tokens[t] * h;
+      for (int64_t j = 0; j < h; ++j) acc[j] += row[j];
+    }
+    for (int64_t j = 0; j < h; ++j) dtable[seg_rows[s] * h + j] = static_cast<float>(acc[j]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CrossEntropy(int, const float* logits, const int64_t* labels, float* loss, int64_t n, int64_t v,
+                          float smoothing, int64_t ignore_index) {
+  for (int64_t r = 0; r < n; ++r) {
+    if (labels[r] == ignore_index) {
+      loss[r] = 0.0f;
+      continue;
+    }
+    const float* row = logits + r * v;
+    const double lse = LogSumExp(row, v);
+    double mean_logit = 0;
+    for (int64_t j = 0; j < v; ++j) mean_logit += row[j];
+    mean_logit /= v;
+    loss[r] = static_cast<float>(lse - (1.0 - smoothing) * row[labels[r]] - smoothing * mean_logit);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CrossEntropyBackward(int, const float* dloss, const float* logits, const int64_t* labels,
+                                  float* dlogits, int64_t n, int64_t v, float smoothing, int64_t ignore_index) {
+  for (int64_t r = 0; r < n; ++r) {
+    float* o = dlogits + r * v;
+    if (labels[r] == ignore_index) {
+      std::fill(o, o + v, 0.0f);
+      continue;
+    }
+    const float* row = logits + r * v;
+    const double lse = LogSumExp(row, v);
+    for (int64_t j = 0; j < v; ++j) {
+      const double target = smoothing / v + (j == labels[r] ? 1.0 - smoothing : 0.0);
+      o[j] = static_cast<float>(dloss[r] * (std::exp(row[j] - lse) - target));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Rope(int, const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d, float theta,
+                  int64_t position_offset, float sign) {
+  const int64_t half = d / 2;
+  std::vector<float> inv_freq(half), cosv(half), sinv(half);
+  for (int64_t i = 0; i < half; ++i) {
+    inv_freq[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(d));
+  }
+  for (int64_t t = 0; t < s; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(position_offset + t) * inv_freq[i];
+      cosv[i] = std::cos(angle);
+      sinv[i] = sign * std::sin(angle);
+    }
+    for (int64_t bi = 0; bi < b; ++bi) {
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const int64_t base = ((bi * s + t) * heads + hh) * d;
+        const float* px = x + base;
+        float* o = y + base;
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = px[i] * cosv[i] - px[i + half] * sinv[i];
+          o[i + half] = px[i + half] * cosv[i] + px[i] * sinv[i];
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AdamW(int, float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
+                   float beta2, float eps, float weight_decay, float bias_correction1, float bias_correction2) {
+  for (int64_t i = 0; i < n; ++i) {
+    param[i] -= lr * weight_decay * param[i];
+    m[i] = beta1 * m[i] + (1.0f - beta1) * grad[i];
+    v[i] = beta2 * v[i] + (1.0f - beta2) * grad[i] * grad[i];
+    param[i] -= lr * (m[i] / bias_correction1) / (std::sqrt(v[i] / bias_correction2) + eps);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace colod::kernels::cpu

@@ -1,0 +1,98 @@
+// The raw-pointer kernels of one kind of device as one table: kernels/cpu's
+// or kernels/cuda's twins, which have the same signatures. Tensor storage and
+// every Tensor-level op (tensor.cc, ops.cc) go through it, so they hold no
+// per-device code: a device kind is one table.
+//
+// The CPU table is always there; the CUDA table exists where the build has
+// CUDA (the toolkit or the emulation; cuda_kernels.cc or no_cuda_kernels.cc
+// is linked in, bazel/cuda_rules.bzl's if_cuda).
+//
+// Thread-safe: the tables are immutable and the kernels are thread-safe.
+#ifndef COLOD_WORKER_TENSOR_DEVICE_KERNELS_H_
+#define COLOD_WORKER_TENSOR_DEVICE_KERNELS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/types.h"
+#include "worker/tensor/device.h"
+
+namespace colod {
+
+struct DeviceKernels {
+  using ElemType = kernels::ElemType;
+  using Layout = kernels::Layout;
+
+  // Memory and copies (kernels/*/tensor_ops.h).
+  absl::StatusOr<void*> (*Malloc)(int device, size_t nbytes);
+  void (*Free)(int device, void* p);
+  absl::Status (*Memset0)(int device, void* p, size_t nbytes);
+  absl::Status (*Memcpy)(int device, void* dst, const void* src, size_t nbytes);
+  absl::Status (*StridedCopy)(int device, const void* src, const Layout& src_layout, ElemType src_type, void* dst,
+                              const Layout& dst_layout, ElemType dst_type);
+  absl::Status (*FillRandom)(int device, void* p, ElemType type, int64_t n, uint64_t seed, bool normal);
+  absl::Status (*Binary)(int device, kernels::BinaryOp op, ElemType type, const void* a, const void* b, void* out,
+                         int64_t n);
+  absl::Status (*Scale)(int device, ElemType type, const void* a, float s, void* out, int64_t n);
+  absl::StatusOr<double> (*Sum)(int device, ElemType type, const void* a, int64_t n);
+
+  // Layer kernels (kernels/*/layer_ops.h).
+  absl::Status (*Gemm)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                       const void* a, const void* b, void* c);
+  absl::Status (*BiasAdd)(int device, const float* x, const float* bias, float* out, int64_t rows, int64_t n);
+  absl::Status (*BiasGrad)(int device, const float* dy, float* db, int64_t rows, int64_t n);
+  absl::Status (*Gelu)(int device, const float* x, float* y, int64_t n, bool tanh_approx);
+  absl::Status (*GeluBackward)(int device, const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx);
+  absl::Status (*Silu)(int device, const float* x, float* y, int64_t n);
+  absl::Status (*SiluBackward)(int device, const float* dy, const float* x, float* dx, int64_t n);
+  absl::Status (*LayerNorm)(int device, const float* x, const float* g, const float* b, float eps, float* y,
+                            float* mean, float* rstd, int64_t rows, int64_t n);
+  absl::Status (*LayerNormBackward)(int device, const float* dy, const float* x, const float* g, const float* mean,
+                                    const float* rstd, float* dx, float* dg, float* db, int64_t rows, int64_t n);
+  absl::Status (*RmsNorm)(int device, const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
+                          int64_t n);
+  absl::Status (*RmsNormBackward)(int device, const float* dy, const float* x, const float* g, const float* rstd,
+                                  float* dx, float* dg, int64_t rows, int64_t n);
+  absl::Status (*Softmax)(int device, const float* x, float* y, int64_t rows, int64_t k, int64_t causal_q);
+  absl::Status (*SoftmaxBackward)(int device, const float* dy, const float* y, float* dx, int64_t rows, int64_t k);
+  absl::Status (*Dropout)(int device, const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset);
+  absl::Status (*Embedding)(int device, const float* table, const int64_t* ids, float* out, int64_t count,
+                            int64_t rows, int64_t h, int64_t row_offset);
+  absl::Status (*EmbeddingBackward)(int device, const float* dy, const std::vector<int64_t>& seg_rows,
+                                    const std::vector<int64_t>& seg_starts, const std::vector<int64_t>& tokens,
+                                    float* dtable, int64_t rows, int64_t h);
+  absl::Status (*CrossEntropy)(int device, const float* logits, const int64_t* labels, float* loss, int64_t n,
+                               int64_t v, float smoothing, int64_t ignore_index);
+  absl::Status (*CrossEntropyBackward)(int device, const float* dloss, const float* logits, const int64_t* labels,
+                                       float* dlogits, int64_t n, int64_t v, float smoothing, int64_t ignore_index);
+  absl::Status (*Rope)(int device, const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d,
+                       float theta, int64_t position_offset, float sign);
+  absl::Status (*AdamW)(int device, float* param, const float* grad, float* m, float* v, int64_t n, float lr,
+                        float beta1, float beta2, float eps, float weight_decay, float bias_correction1,
+                        float bias_correction2);
+};
+
+// The table of a kernels/ namespace; a twin whose signature drifts is a
+// compile error here.
+#define COLOD_DEVICE_KERNELS(ns)                                                                              \
+  ::colod::DeviceKernels {                                                                                    \
+    &ns::Malloc, &ns::Free, &ns::Memset0, &ns::Memcpy, &ns::StridedCopy, &ns::FillRandom, &ns::Binary,        \
+        &ns::Scale, &ns::Sum, &ns::Gemm, &ns::BiasAdd, &ns::BiasGrad, &ns::Gelu, &ns::GeluBackward, &ns::Silu, \
+        &ns::SiluBackward, &ns::LayerNorm, &ns::LayerNormBackward, &ns::RmsNorm, &ns::RmsNormBackward,         \
+        &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout, &ns::Embedding, &ns::EmbeddingBackward,              \
+        &ns::CrossEntropy, &ns::CrossEntropyBackward, &ns::Rope, &ns::AdamW                                    \
+  }
+
+const DeviceKernels& CpuKernels();
+// nullptr where the binary was built without CUDA.
+const DeviceKernels* CudaKernels();
+
+// The table for `device`'s kind: FAILED_PRECONDITION naming the device where
+// the binary was built without CUDA.
+absl::StatusOr<const DeviceKernels*> KernelsFor(Device device);
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_TENSOR_DEVICE_KERNELS_H_

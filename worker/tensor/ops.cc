@@ -1,0 +1,484 @@
+// The Tensor-level layer ops (ops.h): validation, dtype handling and the
+// device's kernel table; the math is in kernels/cpu and kernels/cuda.
+#include "worker/tensor/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/types.h"
+#include "worker/tensor/device_kernels.h"
+
+namespace colod::ops {
+namespace {
+
+kernels::ElemType Elem(DType t) { return static_cast<kernels::ElemType>(t); }
+
+// INVALID_ARGUMENT unless every tensor is on `dev`.
+absl::Status SameDevice(const char* op, Device dev, std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts) {
+    if (t->device() != dev) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": operands on ", dev.ToString(), " and ",
+                                                     t->device().ToString()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The kernel table of `dev`, after checking that every operand is there.
+absl::StatusOr<const DeviceKernels*> Kernels(const char* op, Device dev, std::initializer_list<const Tensor*> ts) {
+  RETURN_IF_ERROR(SameDevice(op, dev, ts));
+  return KernelsFor(dev);
+}
+
+const float* F(const Tensor& t) { return t.data<float>(); }
+float* F(Tensor& t) { return t.data<float>(); }
+
+bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+// A contiguous f32 view or copy of a float tensor.
+absl::StatusOr<Tensor> AsF32(const Tensor& t, const char* op) {
+  if (!IsFloat(t.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": float tensors only, got ", DTypeName(t.dtype())));
+  }
+  if (t.dtype() == DType::kF32) return t.Contiguous();
+  return t.ToDType(DType::kF32);
+}
+
+// A contiguous i64 view or copy of integer ids, on their device.
+absl::StatusOr<Tensor> AsI64(const Tensor& ids, const char* op) {
+  if (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ids must be i32 or i64, got ", DTypeName(ids.dtype())));
+  }
+  if (ids.dtype() == DType::kI64) return ids.Contiguous();
+  return ids.ToDType(DType::kI64);
+}
+
+// The result in `like`'s dtype.
+absl::StatusOr<Tensor> Back(const Tensor& f32, DType like) {
+  if (like == DType::kF32) return f32;
+  return f32.ToDType(like);
+}
+
+int64_t LastDim(const Tensor& t) { return t.dim() == 0 ? 1 : t.shape().back(); }
+
+absl::Status SameShapes(const Tensor& a, const Tensor& b, const char* op) {
+  if (a.shape() == b.shape()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(op, ": shapes ", ShapeToString(a.shape()), " and ", ShapeToString(b.shape()), " differ"));
+}
+
+// y = kernel(x) elementwise in f32, in x's dtype.
+template <typename Call>
+absl::StatusOr<Tensor> Elementwise(const Tensor& x, const char* op, Call call) {
+  const Device dev = x.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
+  ASSIGN_OR_RETURN(Tensor f, AsF32(x, op));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
+  RETURN_IF_ERROR(call(*k, dev.index, F(f), F(out), f.numel()));
+  return Back(out, x.dtype());
+}
+
+// dx = kernel(dy, x) elementwise in f32, in x's dtype.
+template <typename Call>
+absl::StatusOr<Tensor> ElementwiseBackward(const Tensor& dy, const Tensor& x, const char* op, Call call) {
+  const Device dev = x.device();
+  RETURN_IF_ERROR(SameShapes(dy, x, op));
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, dev, {&dy}));
+  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, op));
+  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, op));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
+  RETURN_IF_ERROR(call(*k, dev.index, F(fd), F(fx), F(out), fx.numel()));
+  return Back(out, x.dtype());
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
+  const Device dev = a.device();
+  if (b.dim() != 2 || a.dim() < 2 || (trans_a && a.dim() != 2)) {
+    return absl::InvalidArgumentError(absl::StrCat("matmul: ", ShapeToString(a.shape()), " @ ",
+                                                   ShapeToString(b.shape()),
+                                                   " needs b a matrix and a a matrix (or rows [..., K] untransposed)"));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("matmul", dev, {&b}));
+  // Operands of one float dtype go to the GEMM as they are (cuBLAS computes
+  // bf16/f16 with f32 accumulation, the CPU widens them); mixed dtypes are
+  // computed in f32.
+  const bool same = a.dtype() == b.dtype() && IsFloat(a.dtype());
+  const DType type = same ? a.dtype() : DType::kF32;
+  ASSIGN_OR_RETURN(Tensor fa, same ? a.Contiguous() : AsF32(a, "matmul"));
+  ASSIGN_OR_RETURN(Tensor fb, same ? b.Contiguous() : AsF32(b, "matmul"));
+  const int64_t a_rows = fa.numel() / std::max<int64_t>(LastDim(fa), 1), a_cols = LastDim(fa);
+  const int64_t m = trans_a ? a_cols : a_rows, kk = trans_a ? a_rows : a_cols;
+  const int64_t kb = trans_b ? b.shape()[1] : b.shape()[0], n = trans_b ? b.shape()[0] : b.shape()[1];
+  if (kk != kb) {
+    return absl::InvalidArgumentError(absl::StrCat("matmul: ", ShapeToString(a.shape()), (trans_a ? "^T" : ""), " @ ",
+                                                   ShapeToString(b.shape()), (trans_b ? "^T" : ""),
+                                                   ": inner dims ", kk, " and ", kb, " differ"));
+  }
+  Shape out_shape = {m, n};
+  if (!trans_a) {
+    out_shape = a.shape();
+    out_shape.back() = n;
+  }
+  if (kk == 0) return Tensor::Zeros(out_shape, a.dtype(), dev);
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_shape, type, dev));
+  RETURN_IF_ERROR(
+      k->Gemm(dev.index, Elem(type), trans_a, trans_b, m, n, kk, fa.raw_data(), fb.raw_data(), out.raw_data()));
+  return Back(out, a.dtype());
+}
+
+absl::StatusOr<Tensor> BiasAdd(const Tensor& x, const Tensor& bias) {
+  const Device dev = x.device();
+  if (bias.dim() != 1 || LastDim(x) != bias.shape()[0] || x.dim() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("bias_add: bias ", ShapeToString(bias.shape()),
+                                                   " does not match the last dim of ", ShapeToString(x.shape())));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("bias_add", dev, {&bias}));
+  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "bias_add"));
+  ASSIGN_OR_RETURN(Tensor fb, AsF32(bias, "bias_add"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
+  const int64_t n = LastDim(fx), rows = fx.numel() / std::max<int64_t>(n, 1);
+  RETURN_IF_ERROR(k->BiasAdd(dev.index, F(fx), F(fb), F(out), rows, n));
+  return Back(out, x.dtype());
+}
+
+absl::StatusOr<Tensor> BiasGrad(const Tensor& dy) {
+  const Device dev = dy.device();
+  if (dy.dim() == 0) return absl::InvalidArgumentError("bias_grad: dy must have a last dim");
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
+  ASSIGN_OR_RETURN(Tensor f, AsF32(dy, "bias_grad"));
+  const int64_t n = LastDim(f), rows = n == 0 ? 0 : f.numel() / n;
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({n}, DType::kF32, dev));
+  RETURN_IF_ERROR(k->BiasGrad(dev.index, F(f), F(out), rows, n));
+  return Back(out, dy.dtype());
+}
+
+absl::StatusOr<Tensor> Gelu(const Tensor& x, GeluApprox approx) {
+  return Elementwise(x, "gelu", [&](const DeviceKernels& k, int d, const float* in, float* out, int64_t n) {
+    return k.Gelu(d, in, out, n, approx == GeluApprox::kTanh);
+  });
+}
+
+absl::StatusOr<Tensor> GeluBackward(const Tensor& dy, const Tensor& x, GeluApprox approx) {
+  return ElementwiseBackward(
+      dy, x, "gelu_backward", [&](const DeviceKernels& k, int d, const float* g, const float* in, float* out,
+                                  int64_t n) { return k.GeluBackward(d, g, in, out, n, approx == GeluApprox::kTanh); });
+}
+
+absl::StatusOr<Tensor> Silu(const Tensor& x) {
+  return Elementwise(x, "silu", [](const DeviceKernels& k, int d, const float* in, float* out, int64_t n) {
+    return k.Silu(d, in, out, n);
+  });
+}
+
+absl::StatusOr<Tensor> SiluBackward(const Tensor& dy, const Tensor& x) {
+  return ElementwiseBackward(dy, x, "silu_backward",
+                             [](const DeviceKernels& k, int d, const float* g, const float* in, float* out,
+                                int64_t n) { return k.SiluBackward(d, g, in, out, n); });
+}
+
+absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps) {
+  const Device dev = x.device();
+  const int64_t n = LastDim(x);
+  if (x.dim() == 0 || gamma.shape() != Shape{n} || beta.shape() != Shape{n}) {
+    return absl::InvalidArgumentError(absl::StrCat("layer_norm: gamma ", ShapeToString(gamma.shape()), " and beta ",
+                                                   ShapeToString(beta.shape()), " must be [", n, "] for input ",
+                                                   ShapeToString(x.shape())));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("layer_norm", dev, {&gamma, &beta}));
+  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "layer_norm"));
+  ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "layer_norm"));
+  ASSIGN_OR_RETURN(Tensor fb, AsF32(beta, "layer_norm"));
+  const int64_t rows = n == 0 ? 0 : fx.numel() / n;
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(Tensor mean, Tensor::Empty({rows}, DType::kF32, dev));
+  ASSIGN_OR_RETURN(Tensor rstd, Tensor::Empty({rows}, DType::kF32, dev));
+  RETURN_IF_ERROR(k->LayerNorm(dev.index, F(fx), F(fg), F(fb), eps, F(y), F(mean), F(rstd), rows, n));
+  ASSIGN_OR_RETURN(y, Back(y, x.dtype()));
+  return LayerNormResult{std::move(y), std::move(mean), std::move(rstd)};
+}
+
+absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                                 const Tensor& mean, const Tensor& rstd) {
+  const Device dev = x.device();
+  RETURN_IF_ERROR(SameShapes(dy, x, "layer_norm_backward"));
+  const int64_t n = LastDim(x), rows = n == 0 ? 0 : x.numel() / n;
+  if (gamma.shape() != Shape{n} || mean.shape() != Shape{rows} || rstd.shape() != Shape{rows}) {
+    return absl::InvalidArgumentError("layer_norm_backward: gamma, mean or rstd does not match the input");
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("layer_norm_backward", dev, {&dy, &gamma, &mean, &rstd}));
+  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "layer_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "layer_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "layer_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor fm, AsF32(mean, "layer_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor fr, AsF32(rstd, "layer_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, DType::kF32, dev));
+  ASSIGN_OR_RETURN(Tensor dbeta, Tensor::Empty({n}, DType::kF32, dev));
+  RETURN_IF_ERROR(k->LayerNormBackward(dev.index, F(fd), F(fx), F(fg), F(fm), F(fr), F(dx), F(dgamma), F(dbeta),
+                                       rows, n));
+  ASSIGN_OR_RETURN(dx, Back(dx, x.dtype()));
+  ASSIGN_OR_RETURN(dgamma, Back(dgamma, gamma.dtype()));
+  ASSIGN_OR_RETURN(dbeta, Back(dbeta, gamma.dtype()));
+  return LayerNormGrads{std::move(dx), std::move(dgamma), std::move(dbeta)};
+}
+
+absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, float eps) {
+  const Device dev = x.device();
+  const int64_t n = LastDim(x);
+  if (x.dim() == 0 || gamma.shape() != Shape{n}) {
+    return absl::InvalidArgumentError(absl::StrCat("rms_norm: gamma ", ShapeToString(gamma.shape()), " must be [", n,
+                                                   "] for input ", ShapeToString(x.shape())));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("rms_norm", dev, {&gamma}));
+  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "rms_norm"));
+  ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "rms_norm"));
+  const int64_t rows = n == 0 ? 0 : fx.numel() / n;
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(Tensor rstd, Tensor::Empty({rows}, DType::kF32, dev));
+  RETURN_IF_ERROR(k->RmsNorm(dev.index, F(fx), F(fg), eps, F(y), F(rstd), rows, n));
+  ASSIGN_OR_RETURN(y, Back(y, x.dtype()));
+  return RmsNormResult{std::move(y), std::move(rstd)};
+}
+
+absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                             const Tensor& rstd) {
+  const Device dev = x.device();
+  RETURN_IF_ERROR(SameShapes(dy, x, "rms_norm_backward"));
+  const int64_t n = LastDim(x), rows = n == 0 ? 0 : x.numel() / n;
+  if (gamma.shape() != Shape{n} || rstd.shape() != Shape{rows}) {
+    return absl::InvalidArgumentError("rms_norm_backward: gamma or rstd does not match the input");
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("rms_norm_backward", dev, {&dy, &gamma, &rstd}));
+  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "rms_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "rms_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "rms_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor fr, AsF32(rstd, "rms_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, DType::kF32, dev));
+  RETURN_IF_ERROR(k->RmsNormBackward(dev.index, F(fd), F(fx), F(fg), F(fr), F(dx), F(dgamma), rows, n));
+  ASSIGN_OR_RETURN(dx, Back(dx, x.dtype()));
+  ASSIGN_OR_RETURN(dgamma, Back(dgamma, gamma.dtype()));
+  return RmsNormGrads{std::move(dx), std::move(dgamma)};
+}
+
+absl::StatusOr<Tensor> Softmax(const Tensor& x, bool causal) {
+  const Device dev = x.device();
+  if (x.dim() == 0 || (causal && x.dim() < 2)) {
+    return absl::InvalidArgumentError(absl::StrCat("softmax: input ", ShapeToString(x.shape()),
+                                                   causal ? " must be [..., Q, K]" : " needs a last dim"));
+  }
+  const int64_t k = LastDim(x), rows = k == 0 ? 0 : x.numel() / k;
+  const int64_t q = causal ? x.shape()[x.dim() - 2] : 1;
+  if (causal && k < q) {
+    return absl::InvalidArgumentError(absl::StrCat("softmax: causal scores ", ShapeToString(x.shape()),
+                                                   " have more queries than keys"));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* kern, KernelsFor(dev));
+  ASSIGN_OR_RETURN(Tensor f, AsF32(x, "softmax"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
+  RETURN_IF_ERROR(kern->Softmax(dev.index, F(f), F(out), rows, k, causal ? q : 0));
+  return Back(out, x.dtype());
+}
+
+absl::StatusOr<Tensor> SoftmaxBackward(const Tensor& dy, const Tensor& y) {
+  const Device dev = y.device();
+  RETURN_IF_ERROR(SameShapes(dy, y, "softmax_backward"));
+  ASSIGN_OR_RETURN(const DeviceKernels* kern, Kernels("softmax_backward", dev, {&dy}));
+  ASSIGN_OR_RETURN(Tensor fy, AsF32(y, "softmax_backward"));
+  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "softmax_backward"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(y.shape(), DType::kF32, dev));
+  const int64_t k = LastDim(fy), rows = k == 0 ? 0 : fy.numel() / k;
+  RETURN_IF_ERROR(kern->SoftmaxBackward(dev.index, F(fd), F(fy), F(out), rows, k));
+  return Back(out, y.dtype());
+}
+
+namespace {
+
+absl::StatusOr<Tensor> ApplyDropout(const Tensor& x, float p, uint64_t seed, uint64_t offset, const char* op) {
+  if (!(p >= 0.0f && p < 1.0f)) return absl::InvalidArgumentError(absl::StrCat(op, ": p = ", p, " is not in [0, 1)"));
+  return Elementwise(x, op, [&](const DeviceKernels& k, int d, const float* in, float* out, int64_t n) {
+    return k.Dropout(d, in, out, n, p, seed, offset);
+  });
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> Dropout(const Tensor& x, float p, uint64_t seed, uint64_t offset) {
+  return ApplyDropout(x, p, seed, offset, "dropout");
+}
+
+absl::StatusOr<Tensor> DropoutBackward(const Tensor& dy, float p, uint64_t seed, uint64_t offset) {
+  return ApplyDropout(dy, p, seed, offset, "dropout_backward");
+}
+
+absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t row_offset, bool mask_out_of_range) {
+  const Device dev = table.device();
+  if (table.dim() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("embedding: table must be [rows, H], got ",
+                                                   ShapeToString(table.shape())));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("embedding", dev, {&ids}));
+  ASSIGN_OR_RETURN(Tensor id64, AsI64(ids, "embedding"));
+  const int64_t rows = table.shape()[0], h = table.shape()[1];
+  if (!mask_out_of_range) {
+    const std::vector<int64_t> idv = id64.ToInt64s();
+    for (size_t i = 0; i < idv.size(); ++i) {
+      if (idv[i] < row_offset || idv[i] - row_offset >= rows) {
+        return absl::InvalidArgumentError(absl::StrCat("embedding: id ", idv[i], " at position ", i,
+                                                       " is outside the vocabulary [", row_offset, ", ",
+                                                       row_offset + rows, ")"));
+      }
+    }
+  }
+  ASSIGN_OR_RETURN(Tensor ft, AsF32(table, "embedding"));
+  Shape shape = ids.shape();
+  shape.push_back(h);
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(shape, DType::kF32, dev));
+  RETURN_IF_ERROR(k->Embedding(dev.index, F(ft), id64.data<int64_t>(), F(out), id64.numel(), rows, h, row_offset));
+  return Back(out, table.dtype());
+}
+
+absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t rows, int64_t row_offset) {
+  const Device dev = dy.device();
+  if (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("embedding_backward: ids must be i32 or i64, got ", DTypeName(ids.dtype())));
+  }
+  const int64_t h = LastDim(dy);
+  if (dy.dim() != ids.dim() + 1 || dy.shape()[dy.dim() - 1] != h || rows < 0 ||
+      !std::equal(ids.shape().begin(), ids.shape().end(), dy.shape().begin())) {
+    return absl::InvalidArgumentError(absl::StrCat("embedding_backward: dy ", ShapeToString(dy.shape()),
+                                                   " does not match ids ", ShapeToString(ids.shape())));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("embedding_backward", dev, {&ids}));
+  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "embedding_backward"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({rows, h}, DType::kF32, dev));
+  // The tokens grouped by their row (a counting sort), in token order within
+  // a row: both twins sum each row's tokens in that order, without atomics.
+  if (rows == 0 || h == 0) return Back(out, dy.dtype());
+  const std::vector<int64_t> idv = ids.ToInt64s();
+  const auto in_shard = [&](int64_t id) { return id >= row_offset && id < row_offset + rows; };
+  std::vector<int64_t> start(rows + 1, 0);
+  for (int64_t id : idv) {
+    if (in_shard(id)) ++start[id - row_offset + 1];
+  }
+  for (int64_t r = 0; r < rows; ++r) start[r + 1] += start[r];
+  std::vector<int64_t> tokens(start[rows]), cursor(start.begin(), start.end() - 1);
+  for (size_t i = 0; i < idv.size(); ++i) {
+    if (in_shard(idv[i])) tokens[cursor[idv[i] - row_offset]++] = static_cast<int64_t>(i);
+  }
+  std::vector<int64_t> seg_rows, seg_starts;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (start[r + 1] == start[r]) continue;
+    seg_rows.push_back(r);
+    seg_starts.push_back(start[r]);
+  }
+  seg_starts.push_back(start[rows]);
+  RETURN_IF_ERROR(k->EmbeddingBackward(dev.index, F(fd), seg_rows, seg_starts, tokens, F(out), rows, h));
+  return Back(out, dy.dtype());
+}
+
+namespace {
+
+struct CeInputs {
+  Tensor logits;  // contiguous f32
+  Tensor labels;  // contiguous i64
+  int64_t n, v;
+};
+
+absl::StatusOr<CeInputs> CheckCe(const Tensor& logits, const Tensor& labels, int64_t ignore_index, const char* op) {
+  if (logits.dim() != 2 || labels.dim() != 1 || labels.shape()[0] != logits.shape()[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": logits ", ShapeToString(logits.shape()), " and labels ",
+                                                   ShapeToString(labels.shape()), " must be [N, V] and [N]"));
+  }
+  RETURN_IF_ERROR(SameDevice(op, logits.device(), {&labels}));
+  ASSIGN_OR_RETURN(Tensor l64, AsI64(labels, op));
+  const int64_t v = logits.shape()[1];
+  const std::vector<int64_t> lab = l64.ToInt64s();
+  for (size_t i = 0; i < lab.size(); ++i) {
+    if (lab[i] != ignore_index && (lab[i] < 0 || lab[i] >= v)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": label ", lab[i], " at row ", i, " is outside the vocabulary [0, ", v, ")"));
+    }
+  }
+  ASSIGN_OR_RETURN(Tensor f, AsF32(logits, op));
+  return CeInputs{std::move(f), std::move(l64), logits.shape()[0], v};
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> CrossEntropy(const Tensor& logits, const Tensor& labels, float label_smoothing,
+                                    int64_t ignore_index) {
+  const Device dev = logits.device();
+  ASSIGN_OR_RETURN(CeInputs in, CheckCe(logits, labels, ignore_index, "cross_entropy"));
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
+  ASSIGN_OR_RETURN(Tensor loss, Tensor::Empty({in.n}, DType::kF32, dev));
+  RETURN_IF_ERROR(k->CrossEntropy(dev.index, F(in.logits), in.labels.data<int64_t>(), F(loss), in.n, in.v,
+                                  label_smoothing, ignore_index));
+  return loss;
+}
+
+absl::StatusOr<Tensor> CrossEntropyBackward(const Tensor& dloss, const Tensor& logits, const Tensor& labels,
+                                            float label_smoothing, int64_t ignore_index) {
+  const Device dev = logits.device();
+  ASSIGN_OR_RETURN(CeInputs in, CheckCe(logits, labels, ignore_index, "cross_entropy_backward"));
+  if (dloss.shape() != Shape{in.n}) {
+    return absl::InvalidArgumentError(absl::StrCat("cross_entropy_backward: dloss ", ShapeToString(dloss.shape()),
+                                                   " must be [", in.n, "]"));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("cross_entropy_backward", dev, {&dloss}));
+  ASSIGN_OR_RETURN(Tensor dl32, AsF32(dloss, "cross_entropy_backward"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({in.n, in.v}, DType::kF32, dev));
+  RETURN_IF_ERROR(k->CrossEntropyBackward(dev.index, F(dl32), F(in.logits), in.labels.data<int64_t>(), F(out), in.n,
+                                          in.v, label_smoothing, ignore_index));
+  return Back(out, logits.dtype());
+}
+
+namespace {
+
+absl::StatusOr<Tensor> Rotate(const Tensor& x, float theta, int64_t position_offset, float sign, const char* op) {
+  const Device dev = x.device();
+  if (x.dim() != 4 || x.shape()[3] % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": input ", ShapeToString(x.shape()),
+                                                   " must be [B, S, heads, D] with D even"));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
+  ASSIGN_OR_RETURN(Tensor f, AsF32(x, op));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
+  const int64_t b = x.shape()[0], s = x.shape()[1], heads = x.shape()[2], d = x.shape()[3];
+  RETURN_IF_ERROR(k->Rope(dev.index, F(f), F(out), b, s, heads, d, theta, position_offset, sign));
+  return Back(out, x.dtype());
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> Rope(const Tensor& x, float theta, int64_t position_offset) {
+  return Rotate(x, theta, position_offset, 1.0f, "rope");
+}
+
+absl::StatusOr<Tensor> RopeBackward(const Tensor& dy, float theta, int64_t position_offset) {
+  return Rotate(dy, theta, position_offset, -1.0f, "rope_backward");
+}
+
+absl::Status AdamW(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, int64_t step, const AdamWOptions& o) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
+    if (t->dtype() != DType::kF32 || t->shape() != param.shape() || !t->is_contiguous()) {
+      return absl::InvalidArgumentError(absl::StrCat("adamw: param, grad, m and v must be contiguous f32 of shape ",
+                                                     ShapeToString(param.shape())));
+    }
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("adamw", param.device(), {&grad, &m, &v}));
+  if (step < 1) return absl::InvalidArgumentError("adamw: step counts from 1");
+  const float bc1 = 1.0f - std::pow(o.beta1, static_cast<float>(step));
+  const float bc2 = 1.0f - std::pow(o.beta2, static_cast<float>(step));
+  return k->AdamW(param.device().index, F(param), F(grad), F(m), F(v), param.numel(), o.lr, o.beta1, o.beta2, o.eps,
+                  o.weight_decay, bc1, bc2);
+}
+
+}  // namespace colod::ops
