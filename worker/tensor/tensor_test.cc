@@ -152,6 +152,26 @@ TEST(Tensor, CudaTensorsWithoutAUsableDeviceAreAClearError) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+// Shapes come from requests: a size whose bytes overflow int64, a rank past
+// the kernels' layouts, or a negative dim is INVALID_ARGUMENT, never a crash
+// or a wrapped-around allocation.
+TEST(Tensor, HostileShapesAreInvalidArguments) {
+  const int64_t big = int64_t{1} << 40;
+  for (const Shape& shape : {Shape{big, big}, Shape{big, 1 << 22, 0}, Shape(17, 1), Shape{4, -1}}) {
+    for (auto made : {Tensor::Empty(shape, DType::kF32), Tensor::Zeros(shape, DType::kBF16)}) {
+      EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument) << ShapeToString(shape);
+    }
+  }
+  // A zero dim before a huge one holds no bytes, and 16 dims are allowed.
+  EXPECT_TRUE(Tensor::Empty({0, big, big}, DType::kF32).ok());
+  auto deep = Tensor::Zeros(Shape(16, 1), DType::kF32);
+  ASSERT_TRUE(deep.ok()) << deep.status();
+  EXPECT_EQ(deep->ToFloats(), std::vector<float>{0.0f});
+  EXPECT_EQ(Tensor::FromFloats({2, 2}, {1, 2, 3}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Tensor::FromFloats({3}, {1, 2, 3})->Reshape(Shape(17, 1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Device, ParsesAndPrints) {
   EXPECT_EQ(ParseDevice("cpu")->ToString(), "cpu");
   EXPECT_EQ(*ParseDevice("cuda"), Device::Cuda(0));
