@@ -45,6 +45,14 @@ __global__ void Rotate(int* out) {
   out[blockIdx.x * blockDim.x + t] = s[(t + 1) % blockDim.x] + static_cast<int>(blockIdx.x);
 }
 
+// Rotate without its barrier: thread t reads the slot thread t + 1 writes.
+[[maybe_unused]] __global__ void RotateWithoutBarrier(int* out) {
+  __shared__ int s[128];
+  const int t = threadIdx.x;
+  s[t] = t * t;
+  out[t] = s[(t + 1) % blockDim.x];
+}
+
 __global__ void DivergentBarrier(int* out) {
   if (threadIdx.x == 0) return;
   __syncthreads();
@@ -131,6 +139,23 @@ TEST(CudaEmuKernelsDeathTest, ADivergentBarrierIsReported) {
       },
       "divergent barrier");
 }
+
+#if defined(__SANITIZE_THREAD__) && defined(COLOD_CUDA_EMU_THREADS)
+// Under --config=cuda-emu-tsan a block's threads are host threads, so the
+// dropped __syncthreads is a data race ThreadSanitizer reports (the
+// configuration sets halt_on_error).
+TEST(CudaEmuKernelsDeathTest, AMissingBarrierIsADataRaceUnderThreadSanitizer) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        int* d = nullptr;
+        cudaMalloc(reinterpret_cast<void**>(&d), 128 * sizeof(int));
+        for (int i = 0; i < 20; ++i) Launch(RotateWithoutBarrier, dim3(1), dim3(128), 0, cudaStreamPerThread, d);
+        cudaStreamSynchronize(cudaStreamPerThread);
+      },
+      "ThreadSanitizer: data race");
+}
+#endif
 
 TEST(CudaEmuKernels, BadLaunchConfigurationsFail) {
   int* d = DeviceAlloc<int>(1);

@@ -13,18 +13,34 @@
 // round in which some threads ended while others wait at a barrier is the
 // divergent barrier the hardware would hang on, reported and aborted.
 //
+// The thread mode (COLOD_CUDA_EMU_THREADS, set by --config=cuda-emu-tsan) runs
+// a block's threads as real host threads instead, so ThreadSanitizer checks
+// the kernels' shared-memory protocol: a missing __syncthreads is a data race
+// it reports. A pool of worker threads, worker t playing CUDA thread t, runs
+// one grid at a time process-wide (__shared__ is then plain static storage,
+// which one block at a time may use); a block ends when all its threads have
+// returned, and __syncthreads is a generation-counted barrier. A thread that
+// returns while others wait at a barrier, or reaches one after another
+// returned, is the divergent barrier, reported and aborted as above.
+//
 // Thread-safety: LaunchGrid may be called from any thread. Fibers and their
-// stacks belong to the host thread that runs them (thread_local).
+// stacks belong to the host thread that runs them (thread_local); the thread
+// mode's pool state is guarded by its mutex.
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/cuda/emu/runtime_internal.h"
+
+#ifndef COLOD_CUDA_EMU_THREADS
 
 // Switching fibers. On x86-64 a hand-written switch saves the callee-saved
 // registers, MXCSR and the x87 control word on the old stack and restores
@@ -65,8 +81,11 @@ colod_emu_switch:
 )");
 #define COLOD_EMU_ASM_SWITCH 1
 #endif
+#endif  // !COLOD_CUDA_EMU_THREADS
 
 namespace colod_cuda_emu {
+
+#ifndef COLOD_CUDA_EMU_THREADS
 
 thread_local const ThreadContext* current_thread = nullptr;
 
@@ -245,6 +264,128 @@ void SyncThreads() {
   current_thread = &s.contexts[i];
 }
 
+#endif  // !COLOD_CUDA_EMU_THREADS
+
+#ifdef COLOD_CUDA_EMU_THREADS
+thread_local const ThreadContext* current_thread = nullptr;
+
+namespace {
+
+std::string Divergence(int waiting, int returned, int n, uint3 b) {
+  return "__syncthreads reached by " + std::to_string(waiting) + " of the block's " + std::to_string(n) +
+         " threads while " + std::to_string(returned) +
+         " had returned: a divergent barrier, which hangs or corrupts a GPU (block " + std::to_string(b.x) + "," +
+         std::to_string(b.y) + "," + std::to_string(b.z) + ")";
+}
+
+// The pool of host threads that play a block's CUDA threads, one grid at a
+// time. Thread-safe; lives for the process (its workers never exit).
+class BlockThreads {
+ public:
+  static BlockThreads& Get() {
+    static BlockThreads* pool = new BlockThreads;  // never destroyed: workers outlive main
+    return *pool;
+  }
+
+  // Runs `body` as every thread of every block of the grid; returns when all
+  // have returned.
+  void Run(dim3 grid, dim3 block, const std::function<void()>& body) {
+    std::lock_guard<std::mutex> one_grid(grid_mu_);
+    const int n = static_cast<int>(block.x * block.y * block.z);
+    std::unique_lock<std::mutex> lock(mu_);
+    while (static_cast<int>(workers_.size()) < n) {
+      const int t = static_cast<int>(workers_.size());
+      workers_.emplace_back([this, t] { Work(t); });
+    }
+    body_ = &body;
+    grid_ = grid;
+    block_ = block;
+    n_ = n;
+    blocks_ = uint64_t{grid.x} * grid.y * grid.z;
+    block_index_ = 0;
+    arrived_ = returned_ = 0;
+    ++grid_generation_;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return done_generation_ == grid_generation_; });
+    body_ = nullptr;
+  }
+
+  // __syncthreads from a CUDA thread of the running block.
+  void Barrier() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (returned_ > 0) Fatal(Divergence(arrived_ + 1, returned_, n_, current_thread->block_idx));
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++phase_;
+      cv_.notify_all();
+      return;
+    }
+    const uint64_t phase = phase_;
+    cv_.wait(lock, [&] { return phase_ != phase; });
+  }
+
+ private:
+  void Work(int t) {
+    ThreadContext context{};
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return grid_generation_ != seen && t < n_ && done_generation_ != grid_generation_; });
+      seen = grid_generation_;
+      const dim3 grid = grid_, block = block_;
+      // A thread still waking from the last block end of this grid when the
+      // next grid starts must not take that grid's blocks here: it rejoins
+      // through the wait above, with the new grid's shape.
+      for (uint64_t b = block_index_; grid_generation_ == seen && b < blocks_; b = block_index_) {
+        const unsigned x = static_cast<unsigned>(b % grid.x), y = static_cast<unsigned>((b / grid.x) % grid.y),
+                       z = static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y));
+        const unsigned u = static_cast<unsigned>(t);
+        context = ThreadContext{uint3{u % block.x, (u / block.x) % block.y, u / (block.x * block.y)},
+                                uint3{x, y, z}, block, grid};
+        const std::function<void()>* body = body_;
+        lock.unlock();
+        current_thread = &context;
+        (*body)();
+        current_thread = nullptr;
+        lock.lock();
+        // This thread has returned from block b.
+        if (arrived_ > 0) Fatal(Divergence(arrived_, returned_ + 1, n_, context.block_idx));
+        if (++returned_ == n_) {
+          returned_ = 0;
+          ++block_index_;
+          ++phase_;
+          if (block_index_ == blocks_) done_generation_ = grid_generation_;
+          cv_.notify_all();
+        } else {
+          const uint64_t phase = phase_;
+          cv_.wait(lock, [&] { return phase_ != phase; });
+        }
+      }
+    }
+  }
+
+  std::mutex grid_mu_;  // one grid at a time: __shared__ is process-wide static storage
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::thread> workers_;           // guarded by mu_
+  const std::function<void()>* body_ = nullptr;  // guarded by mu_, set while a grid runs
+  dim3 grid_, block_;                          // guarded by mu_
+  int n_ = 0;                                  // threads per block; guarded by mu_
+  uint64_t blocks_ = 0, block_index_ = 0;      // guarded by mu_
+  int arrived_ = 0;                            // at the barrier now; guarded by mu_
+  int returned_ = 0;                           // returned from the block; guarded by mu_
+  uint64_t phase_ = 0;                         // barrier and block-end generations; guarded by mu_
+  uint64_t grid_generation_ = 0, done_generation_ = 0;  // guarded by mu_
+};
+
+}  // namespace
+
+void SyncThreads() {
+  if (current_thread == nullptr) Fatal("__syncthreads called outside a kernel");
+  BlockThreads::Get().Barrier();
+}
+#endif  // COLOD_CUDA_EMU_THREADS
+
 cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
                        std::function<void()> thread) {
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
@@ -259,6 +400,9 @@ cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t 
     return cudaErrorInvalidResourceHandle;
   }
   Enqueue(s, [grid, block, thread = std::move(thread)] {
+#ifdef COLOD_CUDA_EMU_THREADS
+    BlockThreads::Get().Run(grid, block, thread);
+#else
     Scheduler& sched = scheduler;
     sched.body = &thread;
     for (unsigned z = 0; z < grid.z; ++z) {
@@ -267,6 +411,7 @@ cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t 
       }
     }
     sched.body = nullptr;
+#endif
   });
   return cudaSuccess;
 }

@@ -6,8 +6,10 @@
 // What it models:
 //   - the execution model: kernels launched through colod's launch helper
 //     (kernels/cuda/launch.h) run every thread of every block; a block's
-//     threads are fibers on one host thread, so `__syncthreads` is a real
-//     barrier and `__shared__` storage is shared by a block's threads only;
+//     threads are fibers on one host thread (or, in the thread mode of
+//     --config=cuda-emu-tsan, host threads that ThreadSanitizer watches), so
+//     `__syncthreads` is a real barrier and `__shared__` storage is shared by
+//     a block's threads only;
 //   - streams and events: each stream is a host thread executing its work in
 //     stream order, asynchronously to the caller, so a missing wait is a
 //     visible bug; the legacy default stream synchronizes with blocking
@@ -42,8 +44,15 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#ifdef COLOD_CUDA_EMU_THREADS
+// The thread mode (--config=cuda-emu-tsan): a block's threads are host
+// threads, and one block runs at a time in the process, so plain static
+// storage is the block's.
+#define __shared__ static
+#else
 // Per block: a block's threads run on one host thread, one block at a time.
 #define __shared__ static thread_local
+#endif
 
 struct uint3 {
   unsigned x, y, z;
