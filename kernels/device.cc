@@ -56,6 +56,24 @@ absl::StatusOr<CudaDeviceInfo> GetCudaDeviceInfo(int ordinal) {
 #endif
 }
 
+absl::StatusOr<CudaPoolBytes> GetCudaPoolBytes(int ordinal) {
+#ifdef COLOD_WITH_CUDA
+  cudaMemPool_t pool = nullptr;
+  cudaError_t err = cudaDeviceGetDefaultMemPool(&pool, ordinal);
+  uint64_t reserved = 0, used = 0;
+  if (err == cudaSuccess) err = cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved);
+  if (err == cudaSuccess) err = cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InternalError(absl::StrCat("the memory pool of CUDA device ", ordinal, ": ", cudaGetErrorString(err)));
+  }
+  return CudaPoolBytes{static_cast<int64_t>(reserved), static_cast<int64_t>(used)};
+#else
+  (void)ordinal;
+  return absl::UnimplementedError("this colod build has no CUDA support");
+#endif
+}
+
 absl::StatusOr<int> NcclVersion() {
 #ifdef COLOD_WITH_CUDA
   int version = 0;

@@ -26,6 +26,15 @@ struct CudaDeviceInfo {
 // NOT_FOUND for an ordinal without a device; UNIMPLEMENTED without CUDA.
 absl::StatusOr<CudaDeviceInfo> GetCudaDeviceInfo(int ordinal);
 
+// The memory pool of CUDA device `ordinal` that tensors come from
+// (cudaMallocAsync's default pool): what it has reserved from the device and
+// what of that is in use. UNIMPLEMENTED without CUDA.
+struct CudaPoolBytes {
+  int64_t reserved = 0;
+  int64_t used = 0;
+};
+absl::StatusOr<CudaPoolBytes> GetCudaPoolBytes(int ordinal);
+
 // NCCL's runtime version code (e.g. 22703 for 2.27.3); UNIMPLEMENTED without CUDA.
 absl::StatusOr<int> NcclVersion();
 

@@ -3,6 +3,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -149,18 +152,51 @@ __global__ void SumFinalKernel(const double* partials, int count, double* out) {
   }
 }
 
+// The device's default memory pool, set to keep what it has reserved (CUDA's
+// default release threshold, 0, gives freed memory back at every
+// synchronization): after the first training step, tensors reuse the pool's
+// memory and no step asks the device for more.
+absl::StatusOr<cudaMemPool_t> KeptPool(int device) {
+  static std::mutex mu;
+  static std::set<int>* configured = new std::set<int>;
+  cudaMemPool_t pool = nullptr;
+  RETURN_IF_CUDA(cudaDeviceGetDefaultMemPool(&pool, device));
+  std::lock_guard<std::mutex> lock(mu);  // two non-blocking calls, once per device
+  if (configured->insert(device).second) {
+    uint64_t keep_all = UINT64_MAX;
+    const cudaError_t e = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all);
+    if (e != cudaSuccess) configured->erase(device);
+    RETURN_IF_CUDA(e);
+  }
+  return pool;
+}
+
 }  // namespace
 
+// Stream-ordered on the calling thread's per-thread stream. Today every op
+// completes before it returns, so memory freed here is idle and another
+// stream (NCCL's) may use memory allocated here; with stream-ordered ops,
+// other streams must wait on an event of this one first.
 absl::StatusOr<void*> Malloc(int device, size_t nbytes) {
   RETURN_IF_CUDA(cudaSetDevice(device));
+  const absl::StatusOr<cudaMemPool_t> pool = KeptPool(device);
+  if (!pool.ok()) return pool.status();
   void* p = nullptr;
-  RETURN_IF_CUDA(cudaMalloc(&p, nbytes == 0 ? 1 : nbytes));
+  cudaError_t e = cudaMallocAsync(&p, nbytes == 0 ? 1 : nbytes, cudaStreamPerThread);
+  if (e == cudaErrorMemoryAllocation) {
+    // The pool may hold freed blocks of other sizes: give them back and retry once.
+    cudaGetLastError();
+    RETURN_IF_CUDA(cudaStreamSynchronize(cudaStreamPerThread));
+    RETURN_IF_CUDA(cudaMemPoolTrimTo(*pool, 0));
+    e = cudaMallocAsync(&p, nbytes == 0 ? 1 : nbytes, cudaStreamPerThread);
+  }
+  RETURN_IF_CUDA(e);
   return p;
 }
 
 void Free(int device, void* p) {
   if (p == nullptr) return;
-  if (cudaSetDevice(device) == cudaSuccess) cudaFree(p);
+  if (cudaSetDevice(device) == cudaSuccess) cudaFreeAsync(p, cudaStreamPerThread);
 }
 
 absl::Status Memset0(int device, void* p, size_t nbytes) {

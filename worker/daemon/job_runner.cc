@@ -337,6 +337,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   hooks.on_step = [&](const train::StepStats& st) {
     if (metrics != nullptr) {
       metrics->ObserveStep(st.seconds, st.rank_tokens, st.loss, st.param_bytes, st.grad_bytes, st.optimizer_bytes);
+      if (st.cuda) metrics->ObserveDevicePool(st.pool_reserved_bytes, st.pool_used_bytes);
     }
     if (req.rank() != 0) return;
     v1::ReportProgressRequest r;

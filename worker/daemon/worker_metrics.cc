@@ -65,6 +65,11 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, absl::Duration ling
                         .Name("colod_tensor_bytes")
                         .Help("Bytes a job rank holds on this worker, by kind: params, grads, optimizer_state.")
                         .Register(registry)),
+      device_pool_bytes_(prometheus::BuildGauge()
+                             .Name("colod_device_pool_bytes")
+                             .Help("A CUDA job rank's device memory pool after its last step, by kind: reserved "
+                                   "(taken from the device and kept for reuse), used (by live tensors).")
+                             .Register(registry)),
       collective_duration_(prometheus::BuildHistogram()
                                .Name("colod_collective_duration_seconds")
                                .Help("Time from submitting a collective to seeing it complete, by job rank, op and "
@@ -121,6 +126,7 @@ void WorkerMetrics::RemoveLocked(const Ended& e) {
   RemoveIfPresent(tokens_, e.labels);
   RemoveIfPresent(loss_, e.labels);
   for (const char* kind : kTensorKinds) RemoveIfPresent(tensor_bytes_, With(e.labels, {{"kind", kind}}));
+  for (const char* kind : {"reserved", "used"}) RemoveIfPresent(device_pool_bytes_, With(e.labels, {{"kind", kind}}));
   for (const auto& [op, group] : e.collectives) {
     const prometheus::Labels labels = With(e.labels, {{"op", op}, {"group", group}});
     RemoveIfPresent(collective_duration_, labels);
@@ -168,6 +174,11 @@ void WorkerMetrics::Rank::ObserveStep(double seconds, int64_t replica_tokens, do
   for (int i = 0; i < 3; ++i) {
     metrics_->tensor_bytes_.Add(With(labels_, {{"kind", kTensorKinds[i]}})).Set(static_cast<double>(bytes[i]));
   }
+}
+
+void WorkerMetrics::Rank::ObserveDevicePool(int64_t reserved_bytes, int64_t used_bytes) {
+  metrics_->device_pool_bytes_.Add(With(labels_, {{"kind", "reserved"}})).Set(static_cast<double>(reserved_bytes));
+  metrics_->device_pool_bytes_.Add(With(labels_, {{"kind", "used"}})).Set(static_cast<double>(used_bytes));
 }
 
 InstrumentedCommunicator::Observer WorkerMetrics::Rank::CollectiveObserver(const std::string& group) {

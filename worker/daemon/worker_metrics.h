@@ -38,6 +38,9 @@ namespace colod {
 //                                                 sum by (job_id) is the job's tokens
 //   colod_loss{job_id,rank}                       gauge, the last step's loss
 //   colod_tensor_bytes{job_id,rank,kind}          gauge: params, grads, optimizer_state
+//   colod_device_pool_bytes{job_id,rank,kind}     gauge, a CUDA rank's device memory pool:
+//                                                 reserved (taken from the device),
+//                                                 used (by live tensors)
 //   colod_collective_duration_seconds{job_id,rank,op,group}
 //                                                 histogram, submission to completion
 //   colod_collective_bytes_total{job_id,rank,op,group}
@@ -75,6 +78,8 @@ class WorkerMetrics {
     // on in the step (each of its ranks sees them all).
     void ObserveStep(double seconds, int64_t replica_tokens, double loss, int64_t param_bytes, int64_t grad_bytes,
                      int64_t optimizer_bytes);
+    // A CUDA rank's memory pool after a step (called by the rank's thread).
+    void ObserveDevicePool(int64_t reserved_bytes, int64_t used_bytes);
     // An observer for the rank's communicators of mesh axis `group`.
     InstrumentedCommunicator::Observer CollectiveObserver(const std::string& group);
 
@@ -123,6 +128,7 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Counter>& tokens_;
   prometheus::Family<prometheus::Gauge>& loss_;
   prometheus::Family<prometheus::Gauge>& tensor_bytes_;
+  prometheus::Family<prometheus::Gauge>& device_pool_bytes_;
   prometheus::Family<prometheus::Histogram>& collective_duration_;
   prometheus::Family<prometheus::Counter>& collective_bytes_;
   absl::Mutex mu_;

@@ -91,6 +91,11 @@ TEST_F(WorkerMetricsTest, LabelsEachSeriesByJobAndRank) {
   EXPECT_EQ(Value("colod_step_duration_seconds_bucket", {{"job_id", "job-000007"}, {"rank", "3"}, {"le", "0.3"}}), 1);
   EXPECT_EQ(Value("colod_tensor_bytes", {{"job_id", "job-000007"}, {"rank", "3"}, {"kind", "optimizer_state"}}),
             2000);
+  EXPECT_TRUE(Samples("colod_device_pool_bytes").empty());  // a CPU rank has no pool
+  r->ObserveDevicePool(1 << 20, 3000);
+  EXPECT_EQ(Value("colod_device_pool_bytes", {{"job_id", "job-000007"}, {"rank", "3"}, {"kind", "reserved"}}),
+            1 << 20);
+  EXPECT_EQ(Value("colod_device_pool_bytes", {{"job_id", "job-000007"}, {"rank", "3"}, {"kind", "used"}}), 3000);
 
   InstrumentedCommunicator::Observer tp = r->CollectiveObserver("tp");
   tp("all_reduce", 4096, absl::Milliseconds(2));
@@ -116,6 +121,7 @@ TEST_F(WorkerMetricsTest, AnEndedRanksSeriesGoAtOnceOrAfterTheLinger) {
     std::unique_ptr<WorkerMetrics::Rank> r = metrics.StartRank("job-000001", 0, "train", 1);
     r->TrainingStarted();
     r->ObserveStep(0.1, 128, 3.0, 10, 10, 20);
+    r->ObserveDevicePool(4096, 1024);
     r->CollectiveObserver("dp")("all_reduce", 10, absl::Milliseconds(1));
   }
   // Nothing runs, so nothing can stall: these go at once.
@@ -130,7 +136,7 @@ TEST_F(WorkerMetricsTest, AnEndedRanksSeriesGoAtOnceOrAfterTheLinger) {
   clock_.Advance(absl::Seconds(1));
   metrics.RemoveExpired();
   for (const char* name : {"colod_step_duration_seconds_count", "colod_step_duration_seconds_bucket",
-                           "colod_tokens_total", "colod_loss", "colod_tensor_bytes",
+                           "colod_tokens_total", "colod_loss", "colod_tensor_bytes", "colod_device_pool_bytes",
                            "colod_collective_duration_seconds_count", "colod_collective_duration_seconds_bucket",
                            "colod_collective_bytes_total"}) {
     EXPECT_TRUE(Samples(name).empty()) << name;

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
+#include "kernels/device.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/shardformer.h"
@@ -108,6 +109,13 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
       if (auto g = p.bound.param.variable().grad()) s.grad_bytes += g->nbytes();
     }
     s.optimizer_bytes = optimizer.state_bytes();
+    if (!params.empty() && params[0].bound.param.local().device().is_cuda()) {
+      ASSIGN_OR_RETURN(kernels::CudaPoolBytes pool,
+                       kernels::GetCudaPoolBytes(params[0].bound.param.local().device().index));
+      s.cuda = true;
+      s.pool_reserved_bytes = pool.reserved;
+      s.pool_used_bytes = pool.used;
+    }
     const bool last = step + 1 == o.steps;
     if (!o.save_dir.empty() && o.save_every > 0 && ((step + 1) % o.save_every == 0 || last)) {
       RETURN_IF_ERROR(SaveTrainingCheckpoint(*model, optimizer, o.save_dir, step + 1, run.seed));

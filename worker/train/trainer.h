@@ -58,6 +58,9 @@ struct StepStats {
   double lr = 0;
   double grad_norm = 0;  // before clipping
   double tokens_per_second = 0;
+  // On a CUDA device: its memory pool after the step (kernels::GetCudaPoolBytes).
+  bool cuda = false;
+  int64_t pool_reserved_bytes = 0, pool_used_bytes = 0;
   double seconds = 0;      // the step's wall time
   int64_t rank_tokens = 0; // tokens this rank's replica processed in the step
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;

@@ -5,6 +5,7 @@
 // the NCCL collectives match their definitions, including hangs and aborts.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_emu.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -254,6 +255,113 @@ TEST(CudaEmuMemory, CopiesAndFreesAreChecked) {
   EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);
   EXPECT_EQ(cudaSetDevice(1000), cudaErrorInvalidDevice);
   cudaGetLastError();
+}
+
+// Device 3 alone is used here, so other tests' pools do not interfere.
+TEST(CudaEmuMemory, ThePoolKeepsFreedBlocksUpToItsReleaseThreshold) {
+  ASSERT_EQ(cudaSetDevice(3), cudaSuccess);
+  cudaMemPool_t pool = nullptr;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 3), cudaSuccess);
+  auto attr = [&](cudaMemPoolAttr a) {
+    uint64_t v = 0;
+    EXPECT_EQ(cudaMemPoolGetAttribute(pool, a, &v), cudaSuccess);
+    return v;
+  };
+  cudaStream_t s = cudaStreamPerThread;
+  auto alloc_free = [&](size_t n) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMallocAsync(&p, n, s), cudaSuccess);
+    EXPECT_EQ(cudaMemsetAsync(p, 0, n, s), cudaSuccess);  // the whole size is usable, no more
+    EXPECT_EQ(cudaMemsetAsync(p, 0, n + 1, s), cudaErrorInvalidValue);
+    cudaGetLastError();
+    EXPECT_EQ(cudaFreeAsync(p, s), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  };
+  // CUDA's default threshold is 0: a freed block goes back to the device.
+  EXPECT_EQ(attr(cudaMemPoolAttrReleaseThreshold), 0u);
+  const uint64_t before = colod_cuda_emu::GetCounters().device_allocations;
+  alloc_free(1000);
+  alloc_free(1000);
+  EXPECT_EQ(colod_cuda_emu::GetCounters().device_allocations - before, 2u);
+  EXPECT_EQ(attr(cudaMemPoolAttrReservedMemCurrent), 0u);
+  // Kept: the same size again is the pool's block, not new device memory.
+  uint64_t keep_all = UINT64_MAX;
+  ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all), cudaSuccess);
+  alloc_free(1000);
+  const uint64_t warm = colod_cuda_emu::GetCounters().device_allocations;
+  for (int i = 0; i < 5; ++i) alloc_free(900);  // the same 512-byte-rounded block
+  EXPECT_EQ(colod_cuda_emu::GetCounters().device_allocations, warm);
+  EXPECT_EQ(attr(cudaMemPoolAttrReservedMemCurrent), 1024u);
+  EXPECT_EQ(attr(cudaMemPoolAttrUsedMemCurrent), 0u);
+  EXPECT_EQ(attr(cudaMemPoolAttrUsedMemHigh), 1024u);
+  uint64_t zero = 0;
+  EXPECT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &zero), cudaErrorInvalidValue);
+  cudaGetLastError();
+  ASSERT_EQ(cudaMemPoolTrimTo(pool, 0), cudaSuccess);
+  EXPECT_EQ(attr(cudaMemPoolAttrReservedMemCurrent), 0u);
+  ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &zero), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+}
+
+// CUDA lets the freeing stream reuse a block at once (its later work comes
+// after the free) but other streams only once the free has been reached.
+TEST(CudaEmuMemory, AFreedBlockIsReusedInStreamOrder) {
+  ASSERT_EQ(cudaSetDevice(2), cudaSuccess);
+  cudaMemPool_t pool = nullptr;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 2), cudaSuccess);
+  uint64_t keep_all = UINT64_MAX, zero = 0;
+  ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all), cudaSuccess);
+  cudaStream_t a, b;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+  std::atomic<int> flag{0};
+  int* out = DeviceAlloc<int>(1);
+  void* p = nullptr;
+  ASSERT_EQ(cudaMallocAsync(&p, 4096, a), cudaSuccess);
+  ASSERT_EQ(Launch(WaitForFlag, dim3(1), dim3(1), 0, a, &flag, out), cudaSuccess);  // holds stream a
+  ASSERT_EQ(cudaFreeAsync(p, a), cudaSuccess);
+  void* on_b = nullptr;
+  ASSERT_EQ(cudaMallocAsync(&on_b, 4096, b), cudaSuccess);
+  EXPECT_NE(on_b, p);  // a has not reached the free
+  void* on_a = nullptr;
+  ASSERT_EQ(cudaMallocAsync(&on_a, 4096, a), cudaSuccess);
+  EXPECT_EQ(on_a, p);  // after the free in a's order
+  flag = 1;
+  ASSERT_EQ(cudaFreeAsync(on_a, a), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+  void* again = nullptr;
+  ASSERT_EQ(cudaMallocAsync(&again, 4096, b), cudaSuccess);
+  EXPECT_EQ(again, p);  // reached: any stream
+  ASSERT_EQ(cudaFreeAsync(again, b), cudaSuccess);
+  ASSERT_EQ(cudaFreeAsync(on_b, b), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
+  ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &zero), cudaSuccess);
+  ASSERT_EQ(cudaMemPoolTrimTo(pool, 0), cudaSuccess);
+  uint64_t reserved = 1;
+  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved), cudaSuccess);
+  EXPECT_EQ(reserved, 0u);
+  EXPECT_EQ(cudaStreamDestroy(a), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(b), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cudaFree(out);
+}
+
+TEST(CudaEmuCounters, SynchronizationsQueriesAndLaunchesAreCounted) {
+  int* d = DeviceAlloc<int>(64);
+  const colod_cuda_emu::Counters a = colod_cuda_emu::GetCounters();
+  ASSERT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, cudaStreamPerThread, d, 64), cudaSuccess);
+  ASSERT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, cudaStreamPerThread, d, 64), cudaSuccess);
+  (void)cudaStreamQuery(cudaStreamPerThread);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  int h[64];
+  ASSERT_EQ(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, cudaStreamPerThread), cudaSuccess);  // pageable
+  const colod_cuda_emu::Counters b = colod_cuda_emu::GetCounters();
+  EXPECT_EQ(b.kernel_launches - a.kernel_launches, 2u);
+  EXPECT_EQ(b.stream_queries - a.stream_queries, 1u);
+  EXPECT_EQ(b.host_synchronizations - a.host_synchronizations, 2u);
+  EXPECT_EQ(b.device_allocations, a.device_allocations);
+  EXPECT_EQ(h[63], 63);
+  cudaFree(d);
 }
 
 TEST(CudaEmuFp16, ConversionsRoundToNearestEven) {

@@ -399,6 +399,7 @@ cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t 
     SetLastError(cudaErrorInvalidResourceHandle);
     return cudaErrorInvalidResourceHandle;
   }
+  CountKernelLaunch();
   Enqueue(s, [grid, block, thread = std::move(thread)] {
 #ifdef COLOD_CUDA_EMU_THREADS
     BlockThreads::Get().Run(grid, block, thread);

@@ -9,10 +9,13 @@
 // and is never held while waiting for a stream.
 #include "kernels/cuda/emu/runtime_internal.h"
 
+#include <cuda_emu.h>
+
 #include <stdio.h>
 #include <stdlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <condition_variable>
 #include <deque>
@@ -131,7 +134,32 @@ namespace {
 struct Allocation {
   size_t size;
   int device;
+  size_t block = 0;  // a pool block's bytes; 0 for cudaMalloc's own
 };
+
+// Each device's default memory pool (cudaMallocAsync): freed blocks are kept
+// for reuse by an allocation of the same rounded size, and returned to the
+// device while more than the release threshold is kept free. CUDA's pool
+// sub-allocates and trims at synchronization points; exact-size reuse and
+// trimming at the free are the emulation's simplification (the same sizes
+// recur from step to step, which is what a pool is for).
+// A block freed with cudaFreeAsync is reusable at once by allocations on the
+// stream that freed it (they come after the free in stream order, as CUDA
+// allows) and by any stream once that stream has reached the free.
+struct FreeBlock {
+  void* p;
+  const void* stream;  // the freeing stream (an identity, never dereferenced)
+  uint64_t seq;        // which free of p this is
+  bool ready;          // the stream has reached the free
+};
+struct Pool {
+  uint64_t release_threshold = 0;  // CUDA's default: give back what is freed
+  size_t reserved = 0, reserved_high = 0, used = 0, used_high = 0;
+  std::multimap<size_t, FreeBlock> free;  // by block bytes
+};
+
+// Calls made on the host, for tests of what a step does (cuda_emu.h).
+std::atomic<uint64_t> device_allocations{0}, host_synchronizations{0}, stream_queries{0}, kernel_launches{0};
 
 // The process-wide tables.
 class Registry {
@@ -189,34 +217,146 @@ class Registry {
     return out;
   }
 
+  // cudaMalloc: new device memory.
   cudaError_t Allocate(int device, size_t size, void** out) {
     const size_t bytes = size == 0 ? 1 : size;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (used_[device] + bytes > capacity_ || bytes > capacity_) return cudaErrorMemoryAllocation;
-      used_[device] += bytes;
-    }
-    void* p = aligned_alloc(256, (bytes + 255) / 256 * 256);  // cudaMalloc aligns to 256 bytes
-    if (p == nullptr) {
-      std::lock_guard<std::mutex> l(mu_);
-      used_[device] -= bytes;
-      return cudaErrorMemoryAllocation;
-    }
+    void* p = nullptr;
+    const cudaError_t e = NewMemory(device, bytes, &p);
+    if (e != cudaSuccess) return e;
     std::lock_guard<std::mutex> l(mu_);
     allocations_[p] = Allocation{bytes, device};
     *out = p;
     return cudaSuccess;
   }
 
+  // cudaMallocAsync: a free block of the device's pool, or new memory the
+  // pool then keeps.
+  cudaError_t AllocateFromPool(int device, size_t size, const void* stream, void** out) {
+    const size_t bytes = size == 0 ? 1 : size;
+    if (bytes > capacity_) return cudaErrorMemoryAllocation;
+    const size_t block = (bytes + 511) / 512 * 512;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      Pool& pool = pools_[device];
+      for (auto [it, end] = pool.free.equal_range(block); it != end; ++it) {
+        if (!it->second.ready && it->second.stream != stream) continue;
+        void* p = it->second.p;
+        pool.free.erase(it);
+        Use(pool, block);
+        allocations_[p] = Allocation{bytes, device, block};
+        *out = p;
+        return cudaSuccess;
+      }
+    }
+    void* p = nullptr;
+    const cudaError_t e = NewMemory(device, block, &p);
+    if (e != cudaSuccess) return e;
+    std::lock_guard<std::mutex> l(mu_);
+    Pool& pool = pools_[device];
+    pool.reserved += block;
+    pool.reserved_high = std::max(pool.reserved_high, pool.reserved);
+    Use(pool, block);
+    allocations_[p] = Allocation{bytes, device, block};
+    *out = p;
+    return cudaSuccess;
+  }
+
+  // cudaFree and the stream-ordered cudaFreeAsync: a pool block goes back to
+  // its pool (and the pool trims to its threshold), other memory to the host.
   cudaError_t Release(void* p) {
+    std::vector<void*> give_back;
     {
       std::lock_guard<std::mutex> l(mu_);
       auto it = allocations_.find(p);
       if (it == allocations_.end()) return cudaErrorInvalidValue;
-      used_[it->second.device] -= it->second.size;
+      const Allocation a = it->second;
       allocations_.erase(it);
+      if (a.block == 0) {
+        used_[a.device] -= a.size;
+        give_back.push_back(p);
+      } else {
+        Pool& pool = pools_[a.device];
+        pool.used -= a.block;
+        pool.free.emplace(a.block, FreeBlock{p, nullptr, ++free_seq_, true});
+        Trim(a.device, pool, give_back);
+      }
     }
-    free(p);
+    for (void* q : give_back) free(q);
+    return cudaSuccess;
+  }
+
+  // cudaMemPoolGetAttribute / cudaMemPoolSetAttribute on a device's pool.
+  cudaError_t GetPoolAttribute(int device, cudaMemPoolAttr attr, uint64_t* value) {
+    std::lock_guard<std::mutex> l(mu_);
+    const Pool& pool = pools_[device];
+    switch (attr) {
+      case cudaMemPoolAttrReleaseThreshold: *value = pool.release_threshold; return cudaSuccess;
+      case cudaMemPoolAttrReservedMemCurrent: *value = pool.reserved; return cudaSuccess;
+      case cudaMemPoolAttrReservedMemHigh: *value = pool.reserved_high; return cudaSuccess;
+      case cudaMemPoolAttrUsedMemCurrent: *value = pool.used; return cudaSuccess;
+      case cudaMemPoolAttrUsedMemHigh: *value = pool.used_high; return cudaSuccess;
+    }
+    return cudaErrorInvalidValue;
+  }
+
+  // cudaFreeAsync of a pool block on `stream`: reusable now in that stream's
+  // order, by other streams after Reached(). Returns the block's bytes and
+  // the free's sequence number; nothing for memory that is not a live pool
+  // block (the caller frees that in stream order).
+  std::optional<std::pair<size_t, uint64_t>> FreeToPool(void* p, const void* stream) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = allocations_.find(p);
+    if (it == allocations_.end() || it->second.block == 0) return std::nullopt;
+    const Allocation a = it->second;
+    allocations_.erase(it);
+    Pool& pool = pools_[a.device];
+    pool.used -= a.block;
+    const uint64_t seq = ++free_seq_;
+    pool.free.emplace(a.block, FreeBlock{p, stream, seq, false});
+    return std::make_pair(a.block, seq);
+  }
+
+  // The freeing stream reached free `seq` of pool block p (a no-op when the
+  // stream already reused the block).
+  void Reached(int device, void* p, size_t block, uint64_t seq) {
+    std::vector<void*> give_back;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      Pool& pool = pools_[device];
+      for (auto [it, end] = pool.free.equal_range(block); it != end; ++it) {
+        if (it->second.p == p && it->second.seq == seq) it->second.ready = true;
+      }
+      Trim(device, pool, give_back);
+    }
+    for (void* q : give_back) free(q);
+  }
+
+  // cudaMemPoolTrimTo.
+  void TrimPool(int device, size_t keep) {
+    std::vector<void*> give_back;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      Trim(device, pools_[device], give_back, keep);
+    }
+    for (void* q : give_back) free(q);
+  }
+
+  cudaError_t SetPoolAttribute(int device, cudaMemPoolAttr attr, uint64_t value) {
+    std::vector<void*> give_back;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      Pool& pool = pools_[device];
+      switch (attr) {
+        case cudaMemPoolAttrReleaseThreshold:
+          pool.release_threshold = value;
+          Trim(device, pool, give_back);
+          break;
+        case cudaMemPoolAttrReservedMemHigh: pool.reserved_high = pool.reserved; break;  // CUDA: reset (value 0)
+        case cudaMemPoolAttrUsedMemHigh: pool.used_high = pool.used; break;
+        default: return cudaErrorInvalidValue;  // the current values cannot be set
+      }
+    }
+    for (void* q : give_back) free(q);
     return cudaSuccess;
   }
 
@@ -246,6 +386,46 @@ class Registry {
   }
 
  private:
+  // Frees the pool's blocks (largest first) while it keeps more free than its
+  // threshold, or (keep set) more reserved than `keep`; the caller frees
+  // `give_back` outside the lock.
+  void Trim(int device, Pool& pool, std::vector<void*>& give_back, std::optional<size_t> keep = std::nullopt) {
+    // Largest first; blocks whose stream has not reached their free may
+    // still be in use and stay.
+    for (auto it = pool.free.end(); it != pool.free.begin();) {
+      --it;
+      if (keep.has_value() ? pool.reserved <= *keep : pool.reserved - pool.used <= pool.release_threshold) break;
+      if (!it->second.ready) continue;
+      pool.reserved -= it->first;
+      used_[device] -= it->first;
+      give_back.push_back(it->second.p);
+      it = pool.free.erase(it);
+    }
+  }
+
+  static void Use(Pool& pool, size_t block) {
+    pool.used += block;
+    pool.used_high = std::max(pool.used_high, pool.used);
+  }
+
+  // `bytes` of new device memory, charged against the capacity.
+  cudaError_t NewMemory(int device, size_t bytes, void** out) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (used_[device] + bytes > capacity_ || bytes > capacity_) return cudaErrorMemoryAllocation;
+      used_[device] += bytes;
+    }
+    void* p = aligned_alloc(256, (bytes + 255) / 256 * 256);  // cudaMalloc aligns to 256 bytes
+    if (p == nullptr) {
+      std::lock_guard<std::mutex> l(mu_);
+      used_[device] -= bytes;
+      return cudaErrorMemoryAllocation;
+    }
+    device_allocations.fetch_add(1, std::memory_order_relaxed);
+    *out = p;
+    return cudaSuccess;
+  }
+
   Registry()
       : devices_(static_cast<int>(std::min<int64_t>(EnvInt("COLOD_CUDA_EMU_DEVICES", 4), 64))),
         capacity_(static_cast<size_t>(EnvInt("COLOD_CUDA_EMU_MEMORY", int64_t{8} << 30))) {}
@@ -256,7 +436,9 @@ class Registry {
   std::map<Stream*, std::shared_ptr<Stream>> streams_;
   std::map<int, std::shared_ptr<Stream>> legacy_;
   std::map<void*, Allocation> allocations_;
-  std::map<int, size_t> used_;
+  std::map<int, size_t> used_;  // device memory the process holds, pools' reserves included
+  std::map<int, Pool> pools_;
+  uint64_t free_seq_ = 0;
 };
 
 // The calling thread's per-thread default streams, one per device; drained
@@ -339,6 +521,18 @@ void Fatal(const std::string& what) {
   fprintf(stderr, "colod CUDA emulation: %s\n", what.c_str());
   fflush(stderr);
   abort();
+}
+
+void CountHostSynchronization() { host_synchronizations.fetch_add(1, std::memory_order_relaxed); }
+void CountKernelLaunch() { kernel_launches.fetch_add(1, std::memory_order_relaxed); }
+
+Counters GetCounters() {
+  Counters c;
+  c.device_allocations = device_allocations.load();
+  c.host_synchronizations = host_synchronizations.load();
+  c.stream_queries = stream_queries.load();
+  c.kernel_launches = kernel_launches.load();
+  return c;
 }
 
 // Waits for all work of `device` (cudaDeviceSynchronize, cudaFree).
@@ -503,6 +697,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 }
 
 cudaError_t cudaDeviceSynchronize() {
+  colod_cuda_emu::CountHostSynchronization();
   colod_cuda_emu::SynchronizeDevice(colod_cuda_emu::current_device);
   return cudaSuccess;
 }
@@ -525,8 +720,33 @@ cudaError_t cudaFree(void* ptr) {
   // cudaFree synchronizes the device before it frees.
   auto range = Registry::Get().RangeOf(ptr, 1);
   if (!range.has_value() || range->base != ptr) return Fail(cudaErrorInvalidValue);
+  colod_cuda_emu::CountHostSynchronization();
   colod_cuda_emu::SynchronizeDevice(range->device);
   return Fail(Registry::Get().Release(ptr));
+}
+
+cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int device) {
+  if (pool == nullptr || device < 0 || device >= Registry::Get().devices()) return Fail(cudaErrorInvalidValue);
+  static CUmemPoolHandle_st pools[64];
+  pools[device].device = device;
+  *pool = &pools[device];
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void* value) {
+  if (pool == nullptr || value == nullptr) return Fail(cudaErrorInvalidValue);
+  return Fail(Registry::Get().SetPoolAttribute(pool->device, attr, *static_cast<uint64_t*>(value)));
+}
+
+cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void* value) {
+  if (pool == nullptr || value == nullptr) return Fail(cudaErrorInvalidValue);
+  return Fail(Registry::Get().GetPoolAttribute(pool->device, attr, static_cast<uint64_t*>(value)));
+}
+
+cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t min_bytes_to_keep) {
+  if (pool == nullptr) return Fail(cudaErrorInvalidValue);
+  Registry::Get().TrimPool(pool->device, min_bytes_to_keep);
+  return cudaSuccess;
 }
 
 cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream) {
@@ -534,7 +754,7 @@ cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream) {
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   // Usable in stream order from here: allocating now is at least as early.
-  return Fail(Registry::Get().Allocate(s->device(), size, ptr));
+  return Fail(Registry::Get().AllocateFromPool(s->device(), size, s.get(), ptr));
 }
 
 cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream) {
@@ -542,7 +762,17 @@ cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream) {
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   if (!Registry::Get().Owns(ptr)) return Fail(cudaErrorInvalidValue);
-  // Freed when the stream reaches it: work enqueued before may still use it.
+  // A pool block: reusable in this stream's order now, by others once the
+  // stream has reached the free.
+  if (auto freed = Registry::Get().FreeToPool(ptr, s.get())) {
+    const int device = s->device();
+    colod_cuda_emu::Enqueue(s, [device, ptr, freed] {
+      Registry::Get().Reached(device, ptr, freed->first, freed->second);
+    });
+    return cudaSuccess;
+  }
+  // Other memory is freed when the stream reaches it: work enqueued before
+  // may still use it.
   colod_cuda_emu::Enqueue(s, [ptr] {
     if (Registry::Get().Release(ptr) != cudaSuccess) colod_cuda_emu::Fatal("cudaFreeAsync: double free");
   });
@@ -567,6 +797,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
   colod_cuda_emu::Enqueue(s, [dst, src, count] { memmove(dst, src, count); });
   if (src_dev && !dst_dev) {
     // To pageable host memory the copy is synchronous: it has completed on return.
+    colod_cuda_emu::CountHostSynchronization();
     s->Synchronize();
   }
   return cudaSuccess;
@@ -575,6 +806,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
   const cudaError_t e = cudaMemcpyAsync(dst, src, count, kind, cudaStreamLegacy);
   if (e != cudaSuccess) return e;
+  colod_cuda_emu::CountHostSynchronization();
   Resolve(cudaStreamLegacy)->Synchronize();
   return cudaSuccess;
 }
@@ -591,6 +823,7 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t str
 cudaError_t cudaMemset(void* ptr, int value, size_t count) {
   const cudaError_t e = cudaMemsetAsync(ptr, value, count, cudaStreamLegacy);
   if (e != cudaSuccess) return e;
+  colod_cuda_emu::CountHostSynchronization();
   Resolve(cudaStreamLegacy)->Synchronize();
   return cudaSuccess;
 }
@@ -619,6 +852,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  colod_cuda_emu::CountHostSynchronization();
   s->Synchronize();
   return cudaSuccess;
 }
@@ -626,6 +860,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  colod_cuda_emu::stream_queries.fetch_add(1, std::memory_order_relaxed);
   return s->Done(s->Submitted()) ? cudaSuccess : cudaErrorNotReady;
 }
 
@@ -673,6 +908,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   std::shared_ptr<CUevent_st> e = colod_cuda_emu::FindEvent(event);
   if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  colod_cuda_emu::stream_queries.fetch_add(1, std::memory_order_relaxed);
   std::lock_guard<std::mutex> l(e->mu);
   return e->completed >= e->recorded ? cudaSuccess : cudaErrorNotReady;
 }
@@ -680,6 +916,7 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   std::shared_ptr<CUevent_st> e = colod_cuda_emu::FindEvent(event);
   if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  colod_cuda_emu::CountHostSynchronization();
   std::unique_lock<std::mutex> l(e->mu);
   const uint64_t want = e->recorded;
   e->cv.wait(l, [&] { return e->completed >= want; });

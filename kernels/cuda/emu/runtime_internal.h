@@ -48,6 +48,10 @@ std::optional<DeviceRange> FindDeviceRange(const void* p, size_t size);
 // Reports a bug the hardware would turn into a fault or a hang, and aborts.
 [[noreturn]] void Fatal(const std::string& what);
 
+// The counters of cuda_emu.h.
+void CountHostSynchronization();
+void CountKernelLaunch();
+
 }  // namespace colod_cuda_emu
 
 #endif  // COLOD_KERNELS_CUDA_EMU_RUNTIME_INTERNAL_H_

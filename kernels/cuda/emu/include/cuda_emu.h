@@ -1,0 +1,30 @@
+// Introspection of colod's CUDA emulation, for tests of what the GPU path
+// does: how often it asks the device for memory, waits on the host, polls and
+// launches (issue: a training step's properties checked without a GPU).
+//
+// Thread-safe: process-wide counters, read atomically one by one.
+#ifndef COLOD_KERNELS_CUDA_EMU_CUDA_EMU_H_
+#define COLOD_KERNELS_CUDA_EMU_CUDA_EMU_H_
+
+#include <cstdint>
+
+namespace colod_cuda_emu {
+
+struct Counters {
+  // New device memory: cudaMalloc, and cudaMallocAsync when its pool has no
+  // free block of the size (a pool's reuse is not counted).
+  uint64_t device_allocations = 0;
+  // Calls that block the host until device work is done: cudaStreamSynchronize,
+  // cudaEventSynchronize, cudaDeviceSynchronize, cudaFree, cudaMemcpy and
+  // cudaMemset, and copies to pageable host memory.
+  uint64_t host_synchronizations = 0;
+  // cudaStreamQuery and cudaEventQuery calls (host polling).
+  uint64_t stream_queries = 0;
+  uint64_t kernel_launches = 0;
+};
+
+Counters GetCounters();
+
+}  // namespace colod_cuda_emu
+
+#endif  // COLOD_KERNELS_CUDA_EMU_CUDA_EMU_H_

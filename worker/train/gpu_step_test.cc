@@ -1,0 +1,99 @@
+// What a GPU training step asks of the device, counted (issue: a step at the
+// speed of the hardware). GPT-2 at tp=2 dp=2 on 4 devices: after warm-up a
+// step takes no new device memory (tensors come from each device's pool,
+// which keeps what it reserved). On the CUDA emulation the counters also give
+// the host synchronizations, polls and kernel launches per step, printed as
+// the baseline the stream-ordered path must bring down.
+#include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
+
+#include <cstdio>
+#include <vector>
+
+#ifdef COLOD_CUDA_EMULATION
+#include <cuda_emu.h>
+#endif
+
+#include "gtest/gtest.h"
+#include "kernels/device.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/shardformer/testing.h"
+#include "worker/train/trainer.h"
+
+namespace colod::train {
+namespace {
+
+struct Sample {
+  uint64_t reserved = 0;  // the devices' pools, summed
+#ifdef COLOD_CUDA_EMULATION
+  colod_cuda_emu::Counters counters;
+#endif
+};
+
+Sample Take(int devices) {
+  Sample s;
+  for (int d = 0; d < devices; ++d) {
+    cudaMemPool_t pool = nullptr;
+    uint64_t v = 0;
+    EXPECT_EQ(cudaDeviceGetDefaultMemPool(&pool, d), cudaSuccess);
+    EXPECT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &v), cudaSuccess);
+    s.reserved += v;
+  }
+#ifdef COLOD_CUDA_EMULATION
+  s.counters = colod_cuda_emu::GetCounters();
+#endif
+  return s;
+}
+
+TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
+  if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices";
+  shardformer::testing::TinyOptions tiny;
+  tiny.vocab = kByteVocab;
+  tiny.positions = 32;
+  auto model = shardformer::testing::WriteTinyGpt2(colod::testing::TempPath("gpu_step"), tiny);
+  ASSERT_TRUE(model.ok()) << model.status();
+  TrainOptions o;
+  o.model_dir = model->dir;
+  o.data_path = "/usr/share/common-licenses/GPL-3";
+  o.steps = 6;
+  o.batch_size = 8;
+  o.seq_len = 32;
+  o.lr = 3e-3;
+  o.clip_norm = 1.0;
+  o.seed = 7;
+  o.cuda = true;
+  o.bucket_bytes = 64 << 10;
+  o.shard.layout.set_tensor_parallel_size(2);
+  o.shard.layout.set_data_parallel_size(2);
+  std::vector<Sample> after;  // after[i]: when rank 0 finished step i + 1
+  std::vector<StepStats> stats;
+  ASSERT_TRUE(Train(o, [&](const StepStats& st) {
+                after.push_back(Take(4));
+                stats.push_back(st);
+              }).ok());
+  // Each step reports its device's pool (the worker's colod_device_pool_bytes).
+  ASSERT_EQ(stats.size(), 6u);
+  EXPECT_TRUE(stats[5].cuda);
+  EXPECT_GT(stats[5].pool_reserved_bytes, 0);
+  EXPECT_GE(stats[5].pool_reserved_bytes, stats[5].pool_used_bytes);
+  EXPECT_GE(stats[5].pool_used_bytes, stats[5].param_bytes);
+  ASSERT_EQ(after.size(), 6u);
+  // Steps 1 and 2 warm up (the optimizer's state appears in step 1); the
+  // other ranks are at most a step behind rank 0, so steps 4 to 6 are warm
+  // on every rank.
+  EXPECT_GT(after[0].reserved, 0u);
+  EXPECT_EQ(after[5].reserved, after[2].reserved) << "a warm step grew the devices' pools";
+#ifdef COLOD_CUDA_EMULATION
+  EXPECT_EQ(after[5].counters.device_allocations, after[2].counters.device_allocations)
+      << "a warm step asked a device for memory";
+  const auto per_step = [&](uint64_t colod_cuda_emu::Counters::*field) {
+    return (after[5].counters.*field - after[2].counters.*field) / 3;
+  };
+  std::printf("per step, 4 ranks (GPT-2 tiny, 2 layers): %llu host synchronizations, %llu polls, %llu launches\n",
+              static_cast<unsigned long long>(per_step(&colod_cuda_emu::Counters::host_synchronizations)),
+              static_cast<unsigned long long>(per_step(&colod_cuda_emu::Counters::stream_queries)),
+              static_cast<unsigned long long>(per_step(&colod_cuda_emu::Counters::kernel_launches)));
+#endif
+}
+
+}  // namespace
+}  // namespace colod::train
