@@ -727,8 +727,12 @@ cudaError_t cudaFree(void* ptr) {
 
 cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int device) {
   if (pool == nullptr || device < 0 || device >= Registry::Get().devices()) return Fail(cudaErrorInvalidValue);
-  static CUmemPoolHandle_st pools[64];
-  pools[device].device = device;
+  // Filled once (thread-safe static initialization); a handle names its device.
+  static CUmemPoolHandle_st* const pools = [] {
+    auto* p = new CUmemPoolHandle_st[64];
+    for (int d = 0; d < 64; ++d) p[d].device = d;
+    return p;
+  }();
   *pool = &pools[device];
   return cudaSuccess;
 }
