@@ -34,7 +34,7 @@ const std::string kColoctl = "client/coloctl";
 
 void ExpectHealthyDaemon(const Daemon& d, const std::string& service, const std::string& component) {
   ASSERT_FALSE(d.grpc.empty()) << testing::ReadFile(d.log);
-  EXPECT_EQ(*testing::HealthCheck(d.grpc, service), testing::ServingStatus::kServing);
+  EXPECT_EQ(*testing::WaitServing(d.grpc, service), testing::ServingStatus::kServing);
   auto services = testing::ListServicesByReflection(d.grpc);
   ASSERT_TRUE(services.ok()) << services.status();
   EXPECT_NE(std::find(services->begin(), services->end(), service), services->end());

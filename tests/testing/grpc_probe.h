@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/health.h"
 
@@ -23,6 +24,20 @@ inline absl::StatusOr<ServingStatus> HealthCheck(const std::string& address, con
   HealthCheckOptions options;
   options.timeout = timeout;
   return CheckHealth(address, service, options);
+}
+
+// Polls HealthCheck until `service` says SERVING or `timeout` passes; returns
+// the last answer. A worker's WorkerService turns SERVING just after the
+// coordinator accepted its registration, so a test that saw the registration
+// on the coordinator's side waits for it here rather than racing it.
+inline absl::StatusOr<ServingStatus> WaitServing(const std::string& address, const std::string& service,
+                                                 absl::Duration timeout = absl::Seconds(10)) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    absl::StatusOr<ServingStatus> s = HealthCheck(address, service);
+    if ((s.ok() && *s == ServingStatus::kServing) || absl::Now() >= deadline) return s;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
 }
 
 // Lists service names through grpc.reflection.v1alpha.ServerReflection.

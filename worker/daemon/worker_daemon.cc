@@ -175,7 +175,9 @@ int64_t WorkerDaemon::heartbeats_acked() const {
 
 bool WorkerDaemon::WaitRegistered(absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
-  auto registered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !worker_id_.empty(); };
+  auto registered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return serving_ && !worker_id_.empty();
+  };
   return mu_.AwaitWithTimeout(absl::Condition(&registered), timeout);
 }
 
@@ -226,6 +228,7 @@ void WorkerDaemon::CoordinatorLoop() {
         mu_.Unlock();
         SetServing(*grpc_.server, kServiceName, true);
         mu_.Lock();
+        serving_ = true;
       }
       failures = 0;
       backoff = options_.initial_backoff;

@@ -73,7 +73,8 @@ class WorkerDaemon {
   const std::string& metrics_address() const { return metrics_->address(); }
   // The id the coordinator assigned; empty until registered.
   std::string worker_id() const;
-  // Blocks until registered or `timeout`; false on timeout.
+  // Blocks until registered and the WorkerService health status says SERVING,
+  // or `timeout`; false on timeout.
   bool WaitRegistered(absl::Duration timeout) const;
   // Heartbeats the coordinator accepted since start.
   int64_t heartbeats_acked() const;
@@ -106,6 +107,8 @@ class WorkerDaemon {
   std::string worker_id_ ABSL_GUARDED_BY(mu_);
   absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(2);
   int64_t heartbeats_acked_ ABSL_GUARDED_BY(mu_) = 0;
+  // Set once the health status says SERVING (after the first registration).
+  bool serving_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
 };
