@@ -6,6 +6,7 @@
 #include <atomic>
 #include <climits>
 #include <cmath>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -350,6 +351,60 @@ absl::Status CrossEntropyBackward(int, const float* dloss, const float* logits, 
     for (int64_t j = 0; j < v; ++j) {
       const double target = smoothing / v + (j == labels[r] ? 1.0 - smoothing : 0.0);
       o[j] = static_cast<float>(dloss[r] * (std::exp(row[j] - lse) - target));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status VocabShardMax(int, const float* z, int64_t rows, int64_t width, int64_t real, float* mx) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < real; ++j) m = std::max(m, z[r * width + j]);
+    mx[r] = m;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status VocabShardSums(int, const float* z, const int64_t* labels, const float* mx, int64_t rows, int64_t width,
+                            int64_t real, int64_t start, int64_t ignore_index, float* stats) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = z + r * width;
+    double se = 0, sl = 0;
+    for (int64_t j = 0; j < real; ++j) {
+      se += std::exp(row[j] - mx[r]);
+      sl += row[j];
+    }
+    stats[r] = static_cast<float>(se);
+    stats[2 * rows + r] = static_cast<float>(sl);
+    const int64_t t = labels[r] - start;
+    stats[rows + r] = labels[r] != ignore_index && labels[r] >= start && t < real ? row[t] : 0.0f;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status VocabShardLoss(int, const float* mx, const float* stats, const int64_t* labels, int64_t rows,
+                            int64_t vocab, float smoothing, int64_t ignore_index, float* lse, float* loss) {
+  for (int64_t r = 0; r < rows; ++r) {
+    lse[r] = mx[r] + std::log(stats[r]);
+    loss[r] = labels[r] == ignore_index ? 0.0f
+                                        : lse[r] - (1.0f - smoothing) * stats[rows + r] -
+                                              smoothing * stats[2 * rows + r] / static_cast<float>(vocab);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status VocabShardBackward(int, const float* z, const int64_t* labels, const float* lse, const float* dloss,
+                                int64_t rows, int64_t width, int64_t real, int64_t start, int64_t vocab,
+                                float smoothing, int64_t ignore_index, float* dz) {
+  const float smooth = smoothing / static_cast<float>(vocab);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = dz + r * width;
+    std::fill(out, out + width, 0.0f);
+    if (labels[r] == ignore_index) continue;
+    const float* row = z + r * width;
+    for (int64_t j = 0; j < real; ++j) {
+      const float target = smooth + (start + j == labels[r] ? 1.0f - smoothing : 0.0f);
+      out[j] = dloss[r] * (std::exp(row[j] - lse[r]) - target);
     }
   }
   return absl::OkStatus();

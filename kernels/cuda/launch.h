@@ -1,7 +1,8 @@
 // Shared by colod's .cu files: CUDA error to Status, launch geometry for
-// grid-stride loops, the one kernel launch helper, and the synchronous finish
-// every host entry point ends with (work runs on the calling thread's default
-// stream).
+// grid-stride loops, the one kernel launch helper, and the begin and finish
+// of every host entry point. Work runs on the device's compute stream
+// (kernels/cuda/stream.h) and is stream ordered: entry points enqueue and
+// return without waiting for the device.
 #ifndef COLOD_KERNELS_CUDA_LAUNCH_H_
 #define COLOD_KERNELS_CUDA_LAUNCH_H_
 
@@ -13,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/cuda/status.h"
+#include "kernels/cuda/stream.h"
 
 namespace colod::kernels::cuda {
 
@@ -39,14 +41,19 @@ cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_
 #endif
 }
 
-// Selects `device` for the calling thread.
-inline absl::Status Begin(int device) { return CudaStatus(cudaSetDevice(device), "cudaSetDevice"); }
+// Declares `stream`, the compute stream of `device` (selected for the calling
+// thread), or returns the error from the enclosing function.
+#define COLOD_CUDA_BEGIN(stream, device)                                      \
+  cudaStream_t stream = nullptr;                                              \
+  do {                                                                        \
+    absl::StatusOr<cudaStream_t> colod_stream_ = ComputeStream(device);       \
+    if (!colod_stream_.ok()) return colod_stream_.status();                   \
+    stream = *colod_stream_;                                                  \
+  } while (0)
 
-// Checks the launch and waits for the thread's default stream.
-inline absl::Status Finish(const char* what) {
-  COLOD_RETURN_IF_CUDA(cudaGetLastError());
-  return CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), what);
-}
+// Reports a failed launch (and clears it). Does not wait: an error the
+// kernel hits while running surfaces at the next synchronization.
+inline absl::Status Finish(const char* what) { return CudaStatus(cudaGetLastError(), what); }
 
 }  // namespace colod::kernels::cuda
 

@@ -281,6 +281,64 @@ __global__ void CrossEntropyBackwardKernel(const float* dloss, const float* logi
   }
 }
 
+__global__ void VocabShardMaxKernel(const float* z, int64_t rows, int64_t width, int64_t real, float* mx) {
+  __shared__ float shared[kThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    float m = -INFINITY;
+    for (int64_t j = threadIdx.x; j < real; j += blockDim.x) m = fmaxf(m, z[r * width + j]);
+    m = BlockMax(m, shared);
+    if (threadIdx.x == 0) mx[r] = m;
+  }
+}
+
+__global__ void VocabShardSumsKernel(const float* z, const int64_t* labels, const float* mx, int64_t rows,
+                                     int64_t width, int64_t real, int64_t start, int64_t ignore_index,
+                                     float* stats) {
+  __shared__ float shared[kThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* row = z + r * width;
+    float se = 0, sl = 0;
+    for (int64_t j = threadIdx.x; j < real; j += blockDim.x) {
+      se += expf(row[j] - mx[r]);
+      sl += row[j];
+    }
+    se = BlockSum(se, shared);
+    sl = BlockSum(sl, shared);
+    if (threadIdx.x == 0) {
+      const int64_t label = labels[r], t = label - start;
+      stats[r] = se;
+      stats[2 * rows + r] = sl;
+      stats[rows + r] = label != ignore_index && label >= start && t < real ? row[t] : 0.0f;
+    }
+  }
+}
+
+__global__ void VocabShardLossKernel(const float* mx, const float* stats, const int64_t* labels, int64_t rows,
+                                     int64_t vocab, float smoothing, int64_t ignore_index, float* lse, float* loss) {
+  GRID_STRIDE(r, rows) {
+    lse[r] = mx[r] + logf(stats[r]);
+    loss[r] = labels[r] == ignore_index ? 0.0f
+                                        : lse[r] - (1.0f - smoothing) * stats[rows + r] -
+                                              smoothing * stats[2 * rows + r] / static_cast<float>(vocab);
+  }
+}
+
+__global__ void VocabShardBackwardKernel(const float* z, const int64_t* labels, const float* lse, const float* dloss,
+                                         int64_t rows, int64_t width, int64_t real, int64_t start, int64_t vocab,
+                                         float smoothing, int64_t ignore_index, float* dz) {
+  const float smooth = smoothing / static_cast<float>(vocab);
+  GRID_STRIDE(i, rows * width) {
+    const int64_t r = i / width, j = i % width;
+    const int64_t label = labels[r];
+    if (label == ignore_index || j >= real) {
+      dz[i] = 0.0f;
+    } else {
+      const float target = smooth + (start + j == label ? 1.0f - smoothing : 0.0f);
+      dz[i] = dloss[r] * (expf(z[i] - lse[r]) - target);
+    }
+  }
+}
+
 __global__ void RopeKernel(const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d, float theta,
                            int64_t position_offset, float sign) {
   const int64_t half = d / 2;
@@ -307,10 +365,9 @@ __global__ void AdamWKernel(float* p, const float* g, float* m, float* v, int64_
 }
 
 // One cuBLAS handle per device for the whole process (a thread_local one
-// leaked a handle and its workspace per job thread), bound to
-// cudaStreamPerThread, which CUDA resolves to the calling thread's stream at
-// each call, and destroyed at exit. `mu` serializes the calls that use a
-// handle: colod runs one rank, so one compute thread, per device.
+// leaked a handle and its workspace per job thread), bound to the device's
+// compute stream, and destroyed at exit. `mu` serializes the enqueues on a
+// handle (a cuBLAS handle is not thread-safe); the GEMMs run in stream order.
 struct CublasHandles {
   absl::Mutex mu;
   std::map<int, cublasHandle_t> by_device ABSL_GUARDED_BY(mu);
@@ -328,13 +385,13 @@ CublasHandles& Handles() {
 }
 
 // The device's handle; creates it on first use. Requires Handles().mu.
-absl::StatusOr<cublasHandle_t> HandleLocked(CublasHandles& handles, int device)
+absl::StatusOr<cublasHandle_t> HandleLocked(CublasHandles& handles, int device, cudaStream_t stream)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(handles.mu) {
   auto it = handles.by_device.find(device);
   if (it != handles.by_device.end()) return it->second;
   cublasHandle_t h = nullptr;
   RETURN_IF(CublasCheck(cublasCreate(&h), "cublasCreate"));
-  absl::Status s = CublasCheck(cublasSetStream(h, cudaStreamPerThread), "cublasSetStream");
+  absl::Status s = CublasCheck(cublasSetStream(h, stream), "cublasSetStream");
   if (s.ok()) s = CublasCheck(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");  // no TF32
   if (!s.ok()) {
     cublasDestroy(h);
@@ -360,14 +417,14 @@ absl::Status Gemm(int device, ElemType type, bool trans_a, bool trans_b, int64_t
     return absl::InvalidArgumentError("Gemm: f32, bf16 or f16 only");
   }
   if (m == 0 || n == 0) return absl::OkStatus();
-  RETURN_IF(Begin(device));
+  COLOD_CUDA_BEGIN(stream, device);
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
   const float one = 1.0f, zero = 0.0f;
   const int lda = static_cast<int>(trans_a ? m : k), ldb = static_cast<int>(trans_b ? k : n);
   {
     CublasHandles& handles = Handles();
     absl::MutexLock lock(&handles.mu);  // held for the enqueue only, not for the GEMM
-    absl::StatusOr<cublasHandle_t> h = HandleLocked(handles, device);
+    absl::StatusOr<cublasHandle_t> h = HandleLocked(handles, device, stream);
     if (!h.ok()) return h.status();
     RETURN_IF(CublasCheck(
         cublasGemmEx(*h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -380,93 +437,93 @@ absl::Status Gemm(int device, ElemType type, bool trans_a, bool trans_b, int64_t
 }
 
 absl::Status BiasAdd(int device, const float* x, const float* bias, float* out, int64_t rows, int64_t n) {
-  RETURN_IF(Begin(device));
-  Launch(BiasAddKernel, Blocks(rows * n), kThreads, cudaStreamPerThread, x, bias, out, rows * n, n);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(BiasAddKernel, Blocks(rows * n), kThreads, stream, x, bias, out, rows * n, n);
   return Finish("BiasAddKernel");
 }
 
 absl::Status BiasGrad(int device, const float* dy, float* db, int64_t rows, int64_t n) {
-  RETURN_IF(Begin(device));
-  Launch(ColumnSumKernel, Blocks(n), kThreads, cudaStreamPerThread, dy, db, rows, n);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(ColumnSumKernel, Blocks(n), kThreads, stream, dy, db, rows, n);
   return Finish("ColumnSumKernel");
 }
 
 absl::Status Gelu(int device, const float* x, float* y, int64_t n, bool tanh_approx) {
-  RETURN_IF(Begin(device));
-  Launch(GeluKernel, Blocks(n), kThreads, cudaStreamPerThread, x, y, n, tanh_approx);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(GeluKernel, Blocks(n), kThreads, stream, x, y, n, tanh_approx);
   return Finish("GeluKernel");
 }
 
 absl::Status GeluBackward(int device, const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx) {
-  RETURN_IF(Begin(device));
-  Launch(GeluBackwardKernel, Blocks(n), kThreads, cudaStreamPerThread, dy, x, dx, n, tanh_approx);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(GeluBackwardKernel, Blocks(n), kThreads, stream, dy, x, dx, n, tanh_approx);
   return Finish("GeluBackwardKernel");
 }
 
 absl::Status Silu(int device, const float* x, float* y, int64_t n) {
-  RETURN_IF(Begin(device));
-  Launch(SiluKernel, Blocks(n), kThreads, cudaStreamPerThread, x, y, n);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(SiluKernel, Blocks(n), kThreads, stream, x, y, n);
   return Finish("SiluKernel");
 }
 
 absl::Status SiluBackward(int device, const float* dy, const float* x, float* dx, int64_t n) {
-  RETURN_IF(Begin(device));
-  Launch(SiluBackwardKernel, Blocks(n), kThreads, cudaStreamPerThread, dy, x, dx, n);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(SiluBackwardKernel, Blocks(n), kThreads, stream, dy, x, dx, n);
   return Finish("SiluBackwardKernel");
 }
 
 absl::Status LayerNorm(int device, const float* x, const float* g, const float* b, float eps, float* y, float* mean,
                        float* rstd, int64_t rows, int64_t n) {
-  RETURN_IF(Begin(device));
-  Launch(LayerNormKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, x, g, b, eps, y, mean, rstd, rows, n);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(LayerNormKernel, RowBlocks(rows), kThreads, stream, x, g, b, eps, y, mean, rstd, rows, n);
   return Finish("LayerNormKernel");
 }
 
 absl::Status LayerNormBackward(int device, const float* dy, const float* x, const float* g, const float* mean,
                                const float* rstd, float* dx, float* dg, float* db, int64_t rows, int64_t n) {
-  RETURN_IF(Begin(device));
-  Launch(LayerNormBackwardKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, dy, x, g, mean, rstd, dx, rows, n);
-  Launch(NormParamGradKernel, Blocks(n), kThreads, cudaStreamPerThread, dy, x, mean, rstd, dg, db, rows, n);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(LayerNormBackwardKernel, RowBlocks(rows), kThreads, stream, dy, x, g, mean, rstd, dx, rows, n);
+  Launch(NormParamGradKernel, Blocks(n), kThreads, stream, dy, x, mean, rstd, dg, db, rows, n);
   return Finish("LayerNormBackwardKernel");
 }
 
 absl::Status RmsNorm(int device, const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
                      int64_t n) {
-  RETURN_IF(Begin(device));
-  Launch(RmsNormKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, x, g, eps, y, rstd, rows, n);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(RmsNormKernel, RowBlocks(rows), kThreads, stream, x, g, eps, y, rstd, rows, n);
   return Finish("RmsNormKernel");
 }
 
 absl::Status RmsNormBackward(int device, const float* dy, const float* x, const float* g, const float* rstd,
                              float* dx, float* dg, int64_t rows, int64_t n) {
-  RETURN_IF(Begin(device));
-  Launch(RmsNormBackwardKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, dy, x, g, rstd, dx, rows, n);
-  Launch(NormParamGradKernel, Blocks(n), kThreads, cudaStreamPerThread, dy, x, nullptr, rstd, dg, nullptr, rows, n);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(RmsNormBackwardKernel, RowBlocks(rows), kThreads, stream, dy, x, g, rstd, dx, rows, n);
+  Launch(NormParamGradKernel, Blocks(n), kThreads, stream, dy, x, nullptr, rstd, dg, nullptr, rows, n);
   return Finish("RmsNormBackwardKernel");
 }
 
 absl::Status Softmax(int device, const float* x, float* y, int64_t rows, int64_t k, int64_t causal_q) {
-  RETURN_IF(Begin(device));
-  Launch(SoftmaxKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, x, y, rows, k, causal_q);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(SoftmaxKernel, RowBlocks(rows), kThreads, stream, x, y, rows, k, causal_q);
   return Finish("SoftmaxKernel");
 }
 
 absl::Status SoftmaxBackward(int device, const float* dy, const float* y, float* dx, int64_t rows, int64_t k) {
-  RETURN_IF(Begin(device));
-  Launch(SoftmaxBackwardKernel, RowBlocks(rows), kThreads, cudaStreamPerThread, dy, y, dx, rows, k);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(SoftmaxBackwardKernel, RowBlocks(rows), kThreads, stream, dy, y, dx, rows, k);
   return Finish("SoftmaxBackwardKernel");
 }
 
 absl::Status Dropout(int device, const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset) {
-  RETURN_IF(Begin(device));
-  Launch(DropoutKernel, Blocks(n), kThreads, cudaStreamPerThread, x, y, n, p, seed, offset);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(DropoutKernel, Blocks(n), kThreads, stream, x, y, n, p, seed, offset);
   return Finish("DropoutKernel");
 }
 
 absl::Status Embedding(int device, const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows,
                        int64_t h, int64_t row_offset) {
-  RETURN_IF(Begin(device));
-  Launch(EmbeddingKernel, Blocks(count * h), kThreads, cudaStreamPerThread, table, ids, out, count, rows, h,
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(EmbeddingKernel, Blocks(count * h), kThreads, stream, table, ids, out, count, rows, h,
                                                                             row_offset);
   return Finish("EmbeddingKernel");
 }
@@ -478,65 +535,100 @@ absl::Status EmbeddingBackward(int device, const float* dy, const std::vector<in
   if (seg_starts.size() != seg_rows.size() + 1 || seg_starts.back() != static_cast<int64_t>(tokens.size())) {
     return absl::InvalidArgumentError("EmbeddingBackward: inconsistent token segments");
   }
-  RETURN_IF(Begin(device));
-  RETURN_IF(CudaCheck(cudaMemsetAsync(dtable, 0, rows * h * sizeof(float), cudaStreamPerThread), "cudaMemsetAsync"));
+  COLOD_CUDA_BEGIN(stream, device);
+  RETURN_IF(CudaCheck(cudaMemsetAsync(dtable, 0, rows * h * sizeof(float), stream), "cudaMemsetAsync"));
   if (segments == 0) return Finish("EmbeddingBackward");
   // The three index arrays in one stream-ordered allocation; the copies from
   // pageable memory are staged before cudaMemcpyAsync returns.
   const size_t n_index = seg_rows.size() + seg_starts.size() + tokens.size();
   int64_t* index = nullptr;
-  RETURN_IF(CudaCheck(cudaMallocAsync(reinterpret_cast<void**>(&index), n_index * sizeof(int64_t), cudaStreamPerThread),
+  RETURN_IF(CudaCheck(cudaMallocAsync(reinterpret_cast<void**>(&index), n_index * sizeof(int64_t), stream),
                       "cudaMallocAsync"));
   int64_t* d_rows = index;
   int64_t* d_starts = d_rows + seg_rows.size();
   int64_t* d_tokens = d_starts + seg_starts.size();
   cudaError_t e = cudaMemcpyAsync(d_rows, seg_rows.data(), seg_rows.size() * sizeof(int64_t),
-                                  cudaMemcpyHostToDevice, cudaStreamPerThread);
+                                  cudaMemcpyHostToDevice, stream);
   if (e == cudaSuccess) {
     e = cudaMemcpyAsync(d_starts, seg_starts.data(), seg_starts.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
-                        cudaStreamPerThread);
+                        stream);
   }
   if (e == cudaSuccess && !tokens.empty()) {
     e = cudaMemcpyAsync(d_tokens, tokens.data(), tokens.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
-                        cudaStreamPerThread);
+                        stream);
   }
   if (e == cudaSuccess) {
-    e = Launch(EmbeddingBackwardKernel, Blocks(segments * h), kThreads, cudaStreamPerThread, dy, d_rows, d_starts,
+    e = Launch(EmbeddingBackwardKernel, Blocks(segments * h), kThreads, stream, dy, d_rows, d_starts,
                d_tokens, segments, h, dtable);
   }
-  cudaFreeAsync(index, cudaStreamPerThread);  // after the kernel, in stream order
+  cudaFreeAsync(index, stream);  // after the kernel, in stream order
   RETURN_IF(CudaCheck(e, "EmbeddingBackward"));
   return Finish("EmbeddingBackwardKernel");
 }
 
 absl::Status CrossEntropy(int device, const float* logits, const int64_t* labels, float* loss, int64_t n, int64_t v,
                           float smoothing, int64_t ignore_index) {
-  RETURN_IF(Begin(device));
-  Launch(CrossEntropyKernel, RowBlocks(n), kThreads, cudaStreamPerThread, logits, labels, loss, n, v, smoothing,
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(CrossEntropyKernel, RowBlocks(n), kThreads, stream, logits, labels, loss, n, v, smoothing,
                                                                           ignore_index);
   return Finish("CrossEntropyKernel");
 }
 
 absl::Status CrossEntropyBackward(int device, const float* dloss, const float* logits, const int64_t* labels,
                                   float* dlogits, int64_t n, int64_t v, float smoothing, int64_t ignore_index) {
-  RETURN_IF(Begin(device));
-  Launch(CrossEntropyBackwardKernel, RowBlocks(n), kThreads, cudaStreamPerThread, dloss, logits, labels, dlogits, n, v,
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(CrossEntropyBackwardKernel, RowBlocks(n), kThreads, stream, dloss, logits, labels, dlogits, n, v,
                                                                                   smoothing, ignore_index);
   return Finish("CrossEntropyBackwardKernel");
 }
 
+absl::Status VocabShardMax(int device, const float* z, int64_t rows, int64_t width, int64_t real, float* mx) {
+  if (rows == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(VocabShardMaxKernel, RowBlocks(rows), kThreads, stream, z, rows, width, real, mx);
+  return Finish("VocabShardMaxKernel");
+}
+
+absl::Status VocabShardSums(int device, const float* z, const int64_t* labels, const float* mx, int64_t rows,
+                            int64_t width, int64_t real, int64_t start, int64_t ignore_index, float* stats) {
+  if (rows == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(VocabShardSumsKernel, RowBlocks(rows), kThreads, stream, z, labels, mx, rows, width, real, start,
+         ignore_index, stats);
+  return Finish("VocabShardSumsKernel");
+}
+
+absl::Status VocabShardLoss(int device, const float* mx, const float* stats, const int64_t* labels, int64_t rows,
+                            int64_t vocab, float smoothing, int64_t ignore_index, float* lse, float* loss) {
+  if (rows == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(VocabShardLossKernel, Blocks(rows), kThreads, stream, mx, stats, labels, rows, vocab, smoothing,
+         ignore_index, lse, loss);
+  return Finish("VocabShardLossKernel");
+}
+
+absl::Status VocabShardBackward(int device, const float* z, const int64_t* labels, const float* lse,
+                                const float* dloss, int64_t rows, int64_t width, int64_t real, int64_t start,
+                                int64_t vocab, float smoothing, int64_t ignore_index, float* dz) {
+  if (rows * width == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(VocabShardBackwardKernel, Blocks(rows * width), kThreads, stream, z, labels, lse, dloss, rows, width, real,
+         start, vocab, smoothing, ignore_index, dz);
+  return Finish("VocabShardBackwardKernel");
+}
+
 absl::Status Rope(int device, const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d, float theta,
                   int64_t position_offset, float sign) {
-  RETURN_IF(Begin(device));
-  Launch(RopeKernel, Blocks(b * s * heads * (d / 2)), kThreads, cudaStreamPerThread, x, y, b, s, heads, d, theta,
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(RopeKernel, Blocks(b * s * heads * (d / 2)), kThreads, stream, x, y, b, s, heads, d, theta,
                                                                                      position_offset, sign);
   return Finish("RopeKernel");
 }
 
 absl::Status AdamW(int device, float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
                    float beta2, float eps, float weight_decay, float bias_correction1, float bias_correction2) {
-  RETURN_IF(Begin(device));
-  Launch(AdamWKernel, Blocks(n), kThreads, cudaStreamPerThread, param, grad, m, v, n, lr, beta1, beta2, eps,
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(AdamWKernel, Blocks(n), kThreads, stream, param, grad, m, v, n, lr, beta1, beta2, eps,
                                                                 weight_decay, bias_correction1, bias_correction2);
   return Finish("AdamWKernel");
 }

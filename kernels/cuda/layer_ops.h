@@ -2,9 +2,9 @@
 // kernels/cpu/layer_ops.h has the CPU ones), on contiguous device buffers;
 // worker/tensor/ops.h validates shapes and dtypes and dispatches here for
 // tensors on a CUDA device. f32 buffers except GEMM, which takes f32, bf16 or
-// f16 operands with f32 accumulation (cuBLAS; TF32 off). Each call runs on
-// the calling thread's per-thread default stream of `device` and returns when
-// the work is done. Errors name the CUDA or cuBLAS call.
+// f16 operands with f32 accumulation (cuBLAS; TF32 off). Each call enqueues
+// its work on `device`'s compute stream (kernels/cuda/stream.h) and returns
+// without waiting for it. Errors name the CUDA or cuBLAS call.
 //
 // Thread-safe: one cuBLAS handle per device, shared by the threads.
 #ifndef COLOD_KERNELS_CUDA_LAYER_OPS_H_

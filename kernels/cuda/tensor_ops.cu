@@ -128,12 +128,14 @@ __global__ void ScaleKernel(ElemType t, const char* a, float s, char* out, int64
 
 // Pass 1: block b sums the elements b*kThreads + t + k*gridDim*kThreads in a
 // fixed order and tree; pass 2 sums the partials in block order.
-__global__ void SumPartialsKernel(ElemType t, const char* a, int64_t n, double* partials) {
+// With `square`, of the elements' squares.
+__global__ void SumPartialsKernel(ElemType t, const char* a, int64_t n, bool square, double* partials) {
   __shared__ double acc[kThreads];
   double s = 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    s += IsInt(t) ? static_cast<double>(LoadI(a, i, t)) : static_cast<double>(LoadF(a, i, t));
+    const double v = IsInt(t) ? static_cast<double>(LoadI(a, i, t)) : static_cast<double>(LoadF(a, i, t));
+    s += square ? v * v : v;
   }
   acc[threadIdx.x] = s;
   __syncthreads();
@@ -149,6 +151,15 @@ __global__ void SumFinalKernel(const double* partials, int count, double* out) {
     double s = 0;
     for (int i = 0; i < count; ++i) s += partials[i];
     *out = s;
+  }
+}
+
+// acc[0] += the partials summed in block order, in f32.
+__global__ void AddSumKernel(const double* partials, int count, float* acc) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    double s = 0;
+    for (int i = 0; i < count; ++i) s += partials[i];
+    acc[0] += static_cast<float>(s);
   }
 }
 
@@ -173,22 +184,22 @@ absl::StatusOr<cudaMemPool_t> KeptPool(int device) {
 
 }  // namespace
 
-// Stream-ordered on the calling thread's per-thread stream. Today every op
-// completes before it returns, so memory freed here is idle and another
-// stream (NCCL's) may use memory allocated here; with stream-ordered ops,
-// other streams must wait on an event of this one first.
+// Stream ordered on the device's compute stream: the memory is usable by
+// work enqueued there from now on. Another stream (a communicator's) must
+// wait on an event of the compute stream before it touches the memory, as
+// NcclCommunicator does before every collective.
 absl::StatusOr<void*> Malloc(int device, size_t nbytes) {
-  RETURN_IF_CUDA(cudaSetDevice(device));
+  COLOD_CUDA_BEGIN(stream, device);
   const absl::StatusOr<cudaMemPool_t> pool = KeptPool(device);
   if (!pool.ok()) return pool.status();
   void* p = nullptr;
-  cudaError_t e = cudaMallocAsync(&p, nbytes == 0 ? 1 : nbytes, cudaStreamPerThread);
+  cudaError_t e = cudaMallocAsync(&p, nbytes == 0 ? 1 : nbytes, stream);
   if (e == cudaErrorMemoryAllocation) {
     // The pool may hold freed blocks of other sizes: give them back and retry once.
     cudaGetLastError();
-    RETURN_IF_CUDA(cudaStreamSynchronize(cudaStreamPerThread));
+    RETURN_IF_CUDA(cudaStreamSynchronize(stream));
     RETURN_IF_CUDA(cudaMemPoolTrimTo(*pool, 0));
-    e = cudaMallocAsync(&p, nbytes == 0 ? 1 : nbytes, cudaStreamPerThread);
+    e = cudaMallocAsync(&p, nbytes == 0 ? 1 : nbytes, stream);
   }
   RETURN_IF_CUDA(e);
   return p;
@@ -196,20 +207,25 @@ absl::StatusOr<void*> Malloc(int device, size_t nbytes) {
 
 void Free(int device, void* p) {
   if (p == nullptr) return;
-  if (cudaSetDevice(device) == cudaSuccess) cudaFreeAsync(p, cudaStreamPerThread);
+  absl::StatusOr<cudaStream_t> stream = ComputeStream(device);
+  if (stream.ok()) cudaFreeAsync(p, *stream);  // in stream order: after every use enqueued so far
 }
 
 absl::Status Memset0(int device, void* p, size_t nbytes) {
   if (nbytes == 0) return absl::OkStatus();
-  RETURN_IF_CUDA(cudaSetDevice(device));
-  RETURN_IF_CUDA(cudaMemsetAsync(p, 0, nbytes, cudaStreamPerThread));
+  COLOD_CUDA_BEGIN(stream, device);
+  RETURN_IF_CUDA(cudaMemsetAsync(p, 0, nbytes, stream));
   return Finish("cudaMemsetAsync");
 }
 
 absl::Status Memcpy(int device, void* dst, const void* src, size_t nbytes) {
   if (nbytes == 0) return absl::OkStatus();
-  RETURN_IF_CUDA(cudaSetDevice(device));
-  RETURN_IF_CUDA(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, cudaStreamPerThread));
+  COLOD_CUDA_BEGIN(stream, device);
+  // Into pageable host memory (colod allocates no pinned memory) CUDA returns
+  // once the copy has completed, after the work enqueued before it: the
+  // caller may read `dst` at once. From pageable memory CUDA stages the source
+  // before it returns, so the caller may reuse `src` at once.
+  RETURN_IF_CUDA(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream));
   return Finish("cudaMemcpyAsync");
 }
 
@@ -224,23 +240,23 @@ absl::Status StridedCopy(int device, const void* src, const Layout& src_layout, 
     n *= src_layout.shape[d];
   }
   if (n == 0) return absl::OkStatus();
-  RETURN_IF_CUDA(cudaSetDevice(device));
-  Launch(StridedCopyKernel, Blocks(n), kThreads, cudaStreamPerThread,
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(StridedCopyKernel, Blocks(n), kThreads, stream,
       static_cast<const char*>(src), src_layout, src_type, static_cast<char*>(dst), dst_layout, dst_type, n);
   return Finish("StridedCopyKernel");
 }
 
 absl::Status FillRandom(int device, void* p, ElemType type, int64_t n, uint64_t seed, bool normal) {
   if (n == 0) return absl::OkStatus();
-  RETURN_IF_CUDA(cudaSetDevice(device));
-  Launch(FillRandomKernel, Blocks(n), kThreads, cudaStreamPerThread, static_cast<char*>(p), type, n, seed, normal);
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(FillRandomKernel, Blocks(n), kThreads, stream, static_cast<char*>(p), type, n, seed, normal);
   return Finish("FillRandomKernel");
 }
 
 absl::Status Binary(int device, BinaryOp op, ElemType type, const void* a, const void* b, void* out, int64_t n) {
   if (n == 0) return absl::OkStatus();
-  RETURN_IF_CUDA(cudaSetDevice(device));
-  Launch(BinaryKernel, Blocks(n), kThreads, cudaStreamPerThread,
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(BinaryKernel, Blocks(n), kThreads, stream,
       op, type, static_cast<const char*>(a), static_cast<const char*>(b), static_cast<char*>(out), n);
   return Finish("BinaryKernel");
 }
@@ -248,29 +264,42 @@ absl::Status Binary(int device, BinaryOp op, ElemType type, const void* a, const
 absl::Status Scale(int device, ElemType type, const void* a, float s, void* out, int64_t n) {
   if (IsInt(type)) return absl::InvalidArgumentError("Scale: float types only");
   if (n == 0) return absl::OkStatus();
-  RETURN_IF_CUDA(cudaSetDevice(device));
-  Launch(ScaleKernel, Blocks(n), kThreads, cudaStreamPerThread, type, static_cast<const char*>(a), s,
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(ScaleKernel, Blocks(n), kThreads, stream, type, static_cast<const char*>(a), s,
                                                                static_cast<char*>(out), n);
   return Finish("ScaleKernel");
 }
 
 absl::StatusOr<double> Sum(int device, ElemType type, const void* a, int64_t n) {
   if (n == 0) return 0.0;
-  RETURN_IF_CUDA(cudaSetDevice(device));
+  COLOD_CUDA_BEGIN(stream, device);
   const unsigned blocks = Blocks(n);
   double* buf = nullptr;
-  RETURN_IF_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&buf), (blocks + 1) * sizeof(double), cudaStreamPerThread));
-  Launch(SumPartialsKernel, blocks, kThreads, cudaStreamPerThread, type, static_cast<const char*>(a), n, buf);
-  Launch(SumFinalKernel, 1, 1, cudaStreamPerThread, buf, static_cast<int>(blocks), buf + blocks);
+  RETURN_IF_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&buf), (blocks + 1) * sizeof(double), stream));
+  Launch(SumPartialsKernel, blocks, kThreads, stream, type, static_cast<const char*>(a), n, false, buf);
+  Launch(SumFinalKernel, 1, 1, stream, buf, static_cast<int>(blocks), buf + blocks);
   double result = 0;
   cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) {
-    e = cudaMemcpyAsync(&result, buf + blocks, sizeof(double), cudaMemcpyDeviceToHost, cudaStreamPerThread);
+    e = cudaMemcpyAsync(&result, buf + blocks, sizeof(double), cudaMemcpyDeviceToHost, stream);
   }
-  cudaFreeAsync(buf, cudaStreamPerThread);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamPerThread);
+  // Into pageable memory: complete when cudaMemcpyAsync returns.
+  cudaFreeAsync(buf, stream);
   RETURN_IF_CUDA(e);
   return result;
+}
+
+absl::Status AddSumOfSquares(int device, ElemType type, const void* a, int64_t n, float* acc) {
+  if (IsInt(type)) return absl::InvalidArgumentError("AddSumOfSquares: float types only");
+  if (n == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  const unsigned blocks = Blocks(n);
+  double* partials = nullptr;
+  RETURN_IF_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&partials), blocks * sizeof(double), stream));
+  Launch(SumPartialsKernel, blocks, kThreads, stream, type, static_cast<const char*>(a), n, true, partials);
+  Launch(AddSumKernel, 1, 1, stream, partials, static_cast<int>(blocks), acc);
+  cudaFreeAsync(partials, stream);  // after the kernels, in stream order
+  return Finish("AddSumOfSquares");
 }
 
 }  // namespace colod::kernels::cuda

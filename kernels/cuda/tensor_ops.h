@@ -4,8 +4,10 @@
 // worker/tensor calls it for tensors on a CUDA device.
 //
 // Declared in kernels/tensor_ops.inc, as the CPU twin (kernels/cpu/
-// tensor_ops.h) is. Every call selects `device` first and is synchronous: it
-// returns once the device work is done.
+// tensor_ops.h) is. Every call selects `device` and enqueues its work on the
+// device's compute stream (kernels/cuda/stream.h) without waiting for it;
+// calls that give the host a value (Sum, Memcpy into host memory) return once
+// it is there.
 // Errors are FAILED_PRECONDITION for a missing device or driver and INTERNAL
 // for a failed launch, each naming the CUDA call and error.
 //

@@ -81,6 +81,16 @@ absl::Status ProcessGroup::Barrier() {
   return absl::OkStatus();
 }
 
+absl::Status ProcessGroup::AsyncError() {
+  std::vector<Communicator*> comms;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [axis, comm] : comms_) comms.push_back(comm.get());
+  }
+  for (Communicator* c : comms) RETURN_IF_ERROR(c->AsyncError());
+  return absl::OkStatus();
+}
+
 void ProcessGroup::Abort(const absl::Status& reason) {
   // First the signal: communicators being made stop waiting, and NCCL's
   // watchdog aborts those a factory keeps (the world communicator).

@@ -70,6 +70,10 @@ class ProcessGroup {
   // Returns once every rank of the mesh has called it: a barrier along each
   // mesh axis in turn. Collective over the whole mesh.
   absl::Status Barrier();
+  // The first sticky error of this rank's communicators (Communicator::
+  // AsyncError), or OK. Collectives waited on the device fail here: check it
+  // after reading a result on the host.
+  absl::Status AsyncError();
   // Aborts every communicator created so far (Communicator::Abort) and the
   // ones being created (the abort signal): their collectives fail with
   // `reason`. Never waits for a communicator to be made: for stopping a rank

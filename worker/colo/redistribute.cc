@@ -125,7 +125,7 @@ absl::StatusOr<Tensor> Convert(const Tensor& local, const Placement& from, const
   if (from.kind == K::kShard && to.kind == K::kReplicate) return GatherShards(local, from, comm, timeout);
   if (from.kind == K::kPartial && to.kind == K::kReplicate) {
     Tensor out = local.Clone();
-    RETURN_IF_ERROR(comm.AllReduce(out.raw_data(), out.numel(), out.dtype(), from.op)->Wait(timeout));
+    RETURN_IF_ERROR(comm.AllReduce(out.raw_data(), out.numel(), out.dtype(), from.op)->WaitOnDevice(timeout));
     return out;
   }
   if (from.kind == K::kPartial && to.kind == K::kShard) {

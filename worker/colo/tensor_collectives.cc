@@ -9,7 +9,7 @@ absl::StatusOr<std::vector<Tensor>> AllGatherPieces(const Tensor& t, Communicato
   const int n = comm.size();
   const Tensor in = t.Contiguous();
   ASSIGN_OR_RETURN(Tensor flat, Tensor::Empty({n * in.numel()}, in.dtype(), in.device()));
-  RETURN_IF_ERROR(comm.AllGather(in.raw_data(), flat.raw_data(), in.numel(), in.dtype())->Wait(timeout));
+  RETURN_IF_ERROR(comm.AllGather(in.raw_data(), flat.raw_data(), in.numel(), in.dtype())->WaitOnDevice(timeout));
   std::vector<Tensor> pieces;
   for (int j = 0; j < n; ++j) {
     ASSIGN_OR_RETURN(Tensor piece, flat.Narrow(0, j * in.numel(), in.numel()));
@@ -37,7 +37,7 @@ absl::StatusOr<Tensor> ReduceScatterBlocks(const std::vector<Tensor>& blocks, Co
   }
   ASSIGN_OR_RETURN(Tensor staged, Tensor::Cat(flat, 0));
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(blocks[0].shape(), blocks[0].dtype(), blocks[0].device()));
-  RETURN_IF_ERROR(comm.ReduceScatter(staged.raw_data(), out.raw_data(), out.numel(), out.dtype(), op)->Wait(timeout));
+  RETURN_IF_ERROR(comm.ReduceScatter(staged.raw_data(), out.raw_data(), out.numel(), out.dtype(), op)->WaitOnDevice(timeout));
   return out;
 }
 
@@ -62,8 +62,12 @@ absl::Status AllReduceValues(std::vector<float>& values, ReduceOp op, Communicat
   }
   ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({n}, values));
   ASSIGN_OR_RETURN(Tensor buf, host.To(device));
-  RETURN_IF_ERROR(comm.AllReduce(buf.raw_data(), n, DType::kF32, op)->Wait(timeout));
-  values = buf.ToFloats();
+  RETURN_IF_ERROR(comm.AllReduce(buf.raw_data(), n, DType::kF32, op)->WaitOnDevice(timeout));
+  std::vector<float> got = buf.ToFloats();  // waits for the device
+  // Read after the device passed the collective: if it failed (the watchdog
+  // aborted it) the values are not the reduction, and the error says why.
+  RETURN_IF_ERROR(comm.AsyncError());
+  values = std::move(got);
   return absl::OkStatus();
 }
 
@@ -71,7 +75,7 @@ absl::StatusOr<Tensor> BroadcastFrom(const Tensor& t, int root, Communicator& co
   // The root sends a copy of its data; elsewhere `t` only gives the shape.
   ASSIGN_OR_RETURN(Tensor buf,
                    comm.rank() == root ? t.Clone() : Tensor::Empty(t.shape(), t.dtype(), t.device()));
-  RETURN_IF_ERROR(comm.Broadcast(buf.raw_data(), buf.numel(), buf.dtype(), root)->Wait(timeout));
+  RETURN_IF_ERROR(comm.Broadcast(buf.raw_data(), buf.numel(), buf.dtype(), root)->WaitOnDevice(timeout));
   return buf;
 }
 

@@ -1,7 +1,10 @@
 // Collectives on Tensors along a group: the building blocks that DistSpec
 // conversions (redistribute.h) and the sharded layers (worker/nn) share. Each
-// waits for its collective at most `timeout`. The tensors may be views; the
-// results are new contiguous tensors on the input's device.
+// waits for its collective with Work::WaitOnDevice: on CUDA the device waits,
+// not the host, and a collective that fails later is reported by the
+// communicator's AsyncError (checked where results are read on the host:
+// AllReduceValues, the trainer's step). The tensors may be views; the results
+// are new contiguous tensors on the input's device.
 #ifndef COLOD_WORKER_COLO_TENSOR_COLLECTIVES_H_
 #define COLOD_WORKER_COLO_TENSOR_COLLECTIVES_H_
 

@@ -23,6 +23,15 @@ class Work {
   // `timeout` (the op may still be running; the communicator's own timeout
   // ends it). Never waits forever.
   virtual absl::Status Wait(absl::Duration timeout) = 0;
+  // Orders the device work the caller issues next after this op, without
+  // blocking the host where the backend runs on a device stream (NCCL: the
+  // device's compute stream waits for the op's completion event). Buffers of
+  // the op may then be reused, or freed in stream order, by later device work.
+  // Returns an error already known (a failed submission, an aborted
+  // communicator); a failure that happens later is sticky on the communicator
+  // and is reported by AsyncError, which callers check after they next read a
+  // result on the host. Backends without streams (Gloo) wait as Wait does.
+  virtual absl::Status WaitOnDevice(absl::Duration timeout) { return Wait(timeout); }
   virtual bool IsCompleted() = 0;
 };
 

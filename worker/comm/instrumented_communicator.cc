@@ -7,14 +7,22 @@ namespace {
 
 // Tells the observer when the wrapped collective is first seen complete
 // (by Wait or IsCompleted), with the time since it was submitted.
-class ObservedWork final : public Work {
+class ObservedWork final : public Work, public std::enable_shared_from_this<ObservedWork> {
  public:
-  ObservedWork(std::shared_ptr<Work> inner, std::function<void(absl::Duration)> done)
-      : inner_(std::move(inner)), start_(absl::Now()), done_(std::move(done)) {}
+  ObservedWork(InstrumentedCommunicator* owner, std::shared_ptr<Work> inner,
+               std::function<void(absl::Duration)> done)
+      : owner_(owner), inner_(std::move(inner)), start_(absl::Now()), done_(std::move(done)) {}
 
   absl::Status Wait(absl::Duration timeout) override {
     absl::Status s = inner_->Wait(timeout);
     if (s.ok()) Report();
+    return s;
+  }
+  // The host does not see the completion of an op the device waits for: a
+  // later sweep of the owner reports it once it is complete.
+  absl::Status WaitOnDevice(absl::Duration timeout) override {
+    absl::Status s = inner_->WaitOnDevice(timeout);
+    if (s.ok() && !IsCompleted()) owner_->Defer(shared_from_this());
     return s;
   }
   bool IsCompleted() override {
@@ -31,6 +39,7 @@ class ObservedWork final : public Work {
     done_(absl::Now() - start_);
   }
 
+  InstrumentedCommunicator* const owner_;  // outlives its works
   const std::shared_ptr<Work> inner_;
   const absl::Time start_;
   const std::function<void(absl::Duration)> done_;
@@ -50,9 +59,32 @@ std::shared_ptr<Work> InstrumentedCommunicator::Observe(const char* op, int64_t 
     s.bytes += bytes;
   }
   if (!observer_) return work;
-  return std::make_shared<ObservedWork>(std::move(work), [observer = observer_, op, bytes](absl::Duration d) {
+  Sweep();
+  return std::make_shared<ObservedWork>(this, std::move(work), [observer = observer_, op, bytes](absl::Duration d) {
     observer(op, bytes, d);
   });
+}
+
+InstrumentedCommunicator::~InstrumentedCommunicator() { Sweep(); }
+
+void InstrumentedCommunicator::Defer(std::shared_ptr<Work> work) {
+  absl::MutexLock lock(&mu_);
+  deferred_.push_back(std::move(work));
+}
+
+void InstrumentedCommunicator::Sweep() {
+  std::vector<std::shared_ptr<Work>> pending;
+  {
+    absl::MutexLock lock(&mu_);
+    pending.swap(deferred_);
+  }
+  if (pending.empty()) return;
+  std::vector<std::shared_ptr<Work>> still;
+  for (std::shared_ptr<Work>& w : pending) {
+    if (!w->IsCompleted()) still.push_back(std::move(w));  // IsCompleted reports the others
+  }
+  absl::MutexLock lock(&mu_);
+  deferred_.insert(deferred_.end(), std::make_move_iterator(still.begin()), std::make_move_iterator(still.end()));
 }
 
 InstrumentedCommunicator::OpStats InstrumentedCommunicator::Stats(const std::string& op) const {

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -24,9 +25,12 @@ class InstrumentedCommunicator final : public Communicator {
     int64_t bytes = 0;  // the op's input payload on this rank
   };
 
-  // Called once per collective when it is first seen complete (by Work::Wait
-  // or IsCompleted), with the op name, this rank's input bytes and the time
-  // from submission; from the thread that saw it. Must be thread-safe.
+  // Called once per collective when it is first seen complete, with the op
+  // name, this rank's input bytes and the time from submission; from the
+  // thread that saw it. Must be thread-safe. A collective is seen complete by
+  // Work::Wait, IsCompleted, or, for one waited on the device
+  // (WaitOnDevice), by the sweep at this communicator's next submission,
+  // AsyncError or destruction: its time is then an upper bound.
   using Observer = std::function<void(const char* op, int64_t bytes, absl::Duration elapsed)>;
 
   explicit InstrumentedCommunicator(std::unique_ptr<Communicator> inner, Observer observer = nullptr)
@@ -49,9 +53,19 @@ class InstrumentedCommunicator final : public Communicator {
   std::shared_ptr<Work> Recv(void* data, int64_t count, DType dtype, int src, uint32_t tag) override;
   std::shared_ptr<Work> Barrier() override;
   void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
-  absl::Status AsyncError() override { return inner_->AsyncError(); }
+  absl::Status AsyncError() override {
+    Sweep();
+    return inner_->AsyncError();
+  }
+  ~InstrumentedCommunicator() override;
+
+  // A work waited on the device, reported by a later sweep (internal).
+  void Defer(std::shared_ptr<Work> work);
 
  private:
+  // Reports the deferred works that have completed.
+  void Sweep();
+
   // Counts the op and wraps its work for the observer.
   std::shared_ptr<Work> Observe(const char* op, int64_t elements, DType dtype, std::shared_ptr<Work> work);
 
@@ -59,6 +73,8 @@ class InstrumentedCommunicator final : public Communicator {
   const Observer observer_;
   mutable absl::Mutex mu_;
   std::map<std::string, OpStats> stats_ ABSL_GUARDED_BY(mu_);
+  // Destroyed before inner_ (a backend's Work must not outlive it).
+  std::vector<std::shared_ptr<Work>> deferred_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace colod

@@ -428,7 +428,7 @@ absl::StatusOr<Variable> ReduceGradient(const Variable& x, Communicator* comm, a
   return RecordOp("reduce_gradient", {x}, x.value(), [comm, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
     if (comm->size() == 1) return Grads{dy};
     Tensor g = dy.Clone();
-    RETURN_IF_ERROR(comm->AllReduce(g.raw_data(), g.numel(), g.dtype(), ReduceOp::kSum)->Wait(timeout));
+    RETURN_IF_ERROR(comm->AllReduce(g.raw_data(), g.numel(), g.dtype(), ReduceOp::kSum)->WaitOnDevice(timeout));
     return Grads{g};
   });
 }

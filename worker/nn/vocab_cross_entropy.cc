@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/colo/tensor_collectives.h"
+#include "worker/tensor/ops.h"
 
 namespace colod::nn {
 
@@ -29,7 +30,7 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
     return absl::InvalidArgumentError(absl::StrCat("labels ", DTypeName(labels.dtype()), ShapeToString(labels.shape()),
                                                    " must be ", rows, " integers, one per row of the logits"));
   }
-  const std::vector<int64_t> lab = labels.ToInt64s();
+  const std::vector<int64_t> lab = labels.ToInt64s();  // free for host labels
   for (int64_t r = 0; r < rows; ++r) {
     if (lab[r] != ignore_index && (lab[r] < 0 || lab[r] >= vocab_size)) {
       return absl::InvalidArgumentError(absl::StrCat("label ", lab[r], " at row ", r,
@@ -39,65 +40,29 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
   ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("tp"));
   const int64_t start = k * local_v;
   const int64_t real = std::clamp<int64_t>(vocab_size - start, 0, local_v);  // real columns held here
-  // Computed on a host copy of the shard; the collectives run where the
-  // communicator wants them (worker/colo/tensor_collectives.h).
   const Device dev = logits.local().device();
-  ASSIGN_OR_RETURN(Tensor z, logits.local().To(Device::Cpu()));
-  ASSIGN_OR_RETURN(z, z.ToDType(DType::kF32));
-  ASSIGN_OR_RETURN(z, z.Reshape({rows, local_v}));
-  const float* pz = z.data<float>();
-
-  std::vector<float> mx(rows, -std::numeric_limits<float>::infinity());
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < real; ++j) mx[r] = std::max(mx[r], pz[r * local_v + j]);
-  }
-  RETURN_IF_ERROR(AllReduceValues(mx, ReduceOp::kMax, *comm, dev, pg->timeout()));
-  // [sum exp(z - max) | target logit | sum of logits], one all-reduce.
-  std::vector<float> sums(3 * rows, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    double se = 0, sl = 0;
-    for (int64_t j = 0; j < real; ++j) {
-      se += std::exp(pz[r * local_v + j] - mx[r]);
-      sl += pz[r * local_v + j];
-    }
-    sums[r] = static_cast<float>(se);
-    sums[2 * rows + r] = static_cast<float>(sl);
-    const int64_t t = lab[r] - start;
-    if (lab[r] != ignore_index && t >= 0 && t < real) sums[rows + r] = pz[r * local_v + t];
-  }
-  RETURN_IF_ERROR(AllReduceValues(sums, ReduceOp::kSum, *comm, dev, pg->timeout()));
-
-  ASSIGN_OR_RETURN(Tensor loss, Tensor::Zeros({rows}, DType::kF32));
-  auto lse = std::make_shared<std::vector<float>>(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    (*lse)[r] = mx[r] + std::log(sums[r]);
-    if (lab[r] == ignore_index) continue;
-    loss.data<float>()[r] = (*lse)[r] - (1.0f - label_smoothing) * sums[rows + r] -
-                            label_smoothing * sums[2 * rows + r] / static_cast<float>(vocab_size);
-  }
+  ASSIGN_OR_RETURN(Tensor lab64, labels.ToDType(DType::kI64));
+  ASSIGN_OR_RETURN(lab64, lab64.Reshape({rows}));
+  ASSIGN_OR_RETURN(lab64, lab64.To(dev));
+  ASSIGN_OR_RETURN(Tensor z, logits.local().Contiguous().Reshape({rows, local_v}));
+  const absl::Duration timeout = pg->timeout();
+  auto all_reduce = [comm, timeout](Tensor& t, bool max) -> absl::Status {
+    return comm->AllReduce(t.raw_data(), t.numel(), t.dtype(), max ? ReduceOp::kMax : ReduceOp::kSum)
+        ->WaitOnDevice(timeout);
+  };
+  ASSIGN_OR_RETURN(auto forward, ops::VocabShardCrossEntropy(z, lab64, real, start, vocab_size, label_smoothing,
+                                                        ignore_index, all_reduce));
+  Tensor loss = forward.loss;
+  auto saved = std::make_shared<ops::VocabShardForward>(std::move(forward));
   const Shape local_shape = logits.local().shape();
   const DType dtype = logits.local().dtype();
-  ASSIGN_OR_RETURN(loss, loss.To(dev));
   return RecordOp("vocab_parallel_cross_entropy", {logits.variable()}, std::move(loss),
-                  [z, lse, lab, start, real, rows, local_v, vocab_size, label_smoothing, ignore_index, local_shape,
-                   dtype, dev](const Tensor& dloss) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
-                    const std::vector<float> dl = dloss.ToFloats();
-                    ASSIGN_OR_RETURN(Tensor dz, Tensor::Zeros({rows, local_v}, DType::kF32));
-                    const float* pz = z.data<float>();
-                    float* out = dz.data<float>();
-                    const float smooth = label_smoothing / static_cast<float>(vocab_size);
-                    for (int64_t r = 0; r < rows; ++r) {
-                      if (lab[r] == ignore_index) continue;
-                      for (int64_t j = 0; j < real; ++j) {
-                        const float target = smooth + (start + j == lab[r] ? 1.0f - label_smoothing : 0.0f);
-                        out[r * local_v + j] = dl[r] * (std::exp(pz[r * local_v + j] - (*lse)[r]) - target);
-                      }
-                    }
+                  [saved, lab64, start, real, vocab_size, label_smoothing, ignore_index, local_shape,
+                   dtype](const Tensor& dloss) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+                    ASSIGN_OR_RETURN(Tensor dz, ops::VocabShardCrossEntropyBackward(dloss, *saved, lab64, real, start,
+                                                                               vocab_size, label_smoothing,
+                                                                               ignore_index, dtype));
                     ASSIGN_OR_RETURN(dz, dz.Reshape(local_shape));
-                    if (dtype != DType::kF32) {
-                      ASSIGN_OR_RETURN(dz, dz.ToDType(dtype));
-                    }
-                    ASSIGN_OR_RETURN(dz, dz.To(dev));
                     return std::vector<std::optional<Tensor>>{dz};
                   });
 }

@@ -2,7 +2,9 @@
 // vocab-parallel cross-entropy): the loss of every row without gathering the
 // logits. Forward runs two all-reduces over tp (the row max; then the sum of
 // exponentials, the target logit and, for label smoothing, the sum of
-// logits, packed into one); backward is local.
+// logits, packed into one); backward is local. Every pass runs on the
+// logits' device (kernels' VocabShard*) and the all-reduces are waited on by
+// the device, so on CUDA nothing is read on the host.
 #ifndef COLOD_WORKER_NN_VOCAB_CROSS_ENTROPY_H_
 #define COLOD_WORKER_NN_VOCAB_CROSS_ENTROPY_H_
 
@@ -18,7 +20,10 @@ namespace colod::nn {
 // per row, [rows] f32, replicated over tp, on the tape: the target is
 // (1 - s) * onehot + s / vocab_size, a row labelled `ignore_index` has loss 0
 // and no gradient, and any other label outside [0, vocab_size) is
-// INVALID_ARGUMENT (found before any collective).
+// INVALID_ARGUMENT (found before any collective). The labels are checked
+// where they are: pass them on the host (ShardedModel::TokenLoss does) and
+// checking them costs no device synchronization; labels on a device are read
+// back once to be checked.
 absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, const Tensor& labels, int64_t vocab_size,
                                                    float label_smoothing = 0, int64_t ignore_index = -100);
 

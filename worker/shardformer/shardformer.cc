@@ -198,11 +198,16 @@ absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const T
     ASSIGN_OR_RETURN(mine, mine.Narrow(d, block.starts[d], block.lengths[d]));
   }
   ASSIGN_OR_RETURN(mine, mine.Contiguous().Reshape({block.lengths[0] * block.lengths[1]}));
-  ASSIGN_OR_RETURN(mine, mine.To(logits.local().device()));
+  // Counted (and, by the vocab-parallel loss, checked) where the labels are,
+  // on the host for the trainer's batches: no device round trip.
+  int64_t count = 0;
+  for (int64_t l : mine.ToInt64s()) count += l != -100;
+  const Device dev = logits.local().device();
   Variable per_row;
   if (vocab_split) {
     ASSIGN_OR_RETURN(per_row, nn::VocabParallelCrossEntropy(logits, mine, vocab));
   } else {
+    ASSIGN_OR_RETURN(mine, mine.To(dev));
     const int64_t width = logits.local().shape().back();
     ASSIGN_OR_RETURN(Variable flat, nn::Reshape(logits.variable(), {mine.numel(), width}));
     if (width > vocab) {
@@ -211,14 +216,22 @@ absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const T
     ASSIGN_OR_RETURN(per_row, nn::CrossEntropy(flat, mine));
   }
   ASSIGN_OR_RETURN(Variable sum, Sum(per_row));
-  int64_t count = 0;
-  for (int64_t l : mine.ToInt64s()) count += l != -100;
-  std::vector<float> totals = {sum.value().ToFloats()[0], static_cast<float>(count)};
+  // [loss sum, labelled tokens], summed over the ranks that hold other rows,
+  // on the device, and read once.
+  ASSIGN_OR_RETURN(Tensor n, Tensor::FromFloats({1}, {static_cast<float>(count)}));
+  ASSIGN_OR_RETURN(n, n.To(dev));
+  ASSIGN_OR_RETURN(Tensor sum1, sum.value().Reshape({1}));
+  ASSIGN_OR_RETURN(Tensor sum32, sum1.ToDType(DType::kF32));
+  ASSIGN_OR_RETURN(Tensor both, Tensor::Cat({sum32, n}, 0));
   if (pg_->mesh().AxisIndices("dp").ok() && *pg_->AxisSize("dp") > 1) row_axes.push_back("dp");
+  std::vector<Communicator*> comms;
   for (const std::string& axis : row_axes) {
     ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm(axis));
-    RETURN_IF_ERROR(AllReduceValues(totals, ReduceOp::kSum, *comm, logits.local().device(), pg_->timeout()));
+    RETURN_IF_ERROR(comm->AllReduce(both.raw_data(), 2, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg_->timeout()));
+    comms.push_back(comm);
   }
+  const std::vector<float> totals = both.ToFloats();
+  for (Communicator* comm : comms) RETURN_IF_ERROR(comm->AsyncError());  // the sums above may have failed
   LmLoss out;
   out.tokens = static_cast<int64_t>(totals[1]);
   if (out.tokens == 0) return absl::InvalidArgumentError("no position has a label (all are -100)");

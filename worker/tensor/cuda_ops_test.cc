@@ -138,6 +138,35 @@ TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
     ExpectNear(*CrossEntropyBackward(Dev(dloss), Dev(logits), Dev(labels), sm),
                *CrossEntropyBackward(dloss, logits, labels, sm), 1e-5, "cross entropy backward");
   }
+  // The vocab-parallel passes, with the whole vocabulary in one shard whose
+  // last 8 columns are padding (large values that must not count): the loss
+  // and gradient of the plain cross-entropy, on both devices; none on the
+  // padding. With one shard the all-reduces are the identity.
+  const Tensor padded = *Tensor::Cat({logits, R({6, 8}, 22, 50.0f)}, 1);
+  const auto identity = [](Tensor&, bool) { return absl::OkStatus(); };
+  for (float sm : {0.0f, 0.1f}) {
+    for (bool gpu : {false, true}) {
+      const std::string what = std::string(gpu ? "cuda" : "cpu") + " vocab shard, smoothing " + std::to_string(sm);
+      const Tensor z = gpu ? Dev(padded) : padded, lab = gpu ? Dev(labels) : labels;
+      auto fwd = VocabShardCrossEntropy(z, lab, 40, 0, 40, sm, -100, identity);
+      ASSERT_TRUE(fwd.ok()) << fwd.status();
+      const Tensor want = *CrossEntropy(logits, labels, sm);
+      const std::vector<float> got = fwd->loss.ToFloats(), w = want.ToFloats();
+      for (size_t i = 0; i < w.size(); ++i) EXPECT_NEAR(got[i], w[i], 1e-5 * (1 + std::fabs(w[i]))) << what;
+      auto dz = VocabShardCrossEntropyBackward(gpu ? Dev(dloss) : dloss, *fwd, lab, 40, 0, 40, sm, -100,
+                                               DType::kF32);
+      ASSERT_TRUE(dz.ok()) << dz.status();
+      const std::vector<float> g = dz->ToFloats(), dw = CrossEntropyBackward(dloss, logits, labels, sm)->ToFloats();
+      for (int64_t r = 0; r < 6; ++r) {
+        for (int64_t j = 0; j < 48; ++j) {
+          const float want_g = j < 40 ? dw[r * 40 + j] : 0.0f;
+          ASSERT_NEAR(g[r * 48 + j], want_g, 1e-5 * (1 + std::fabs(want_g))) << what << " at " << r << "," << j;
+        }
+      }
+    }
+  }
+  const auto bad = VocabShardCrossEntropy(padded, labels, 49, 0, 40, 0.0f, -100, identity);  // past the shard
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   const Tensor q = R({2, 7, 3, 8}, 18);
   ExpectNear(*Rope(Dev(q), 10000.0f, 4), *Rope(q, 10000.0f, 4), 1e-5, "rope");
   ExpectNear(*RopeBackward(Dev(q), 10000.0f, 4), *RopeBackward(q, 10000.0f, 4), 1e-5, "rope backward");

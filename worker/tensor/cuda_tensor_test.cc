@@ -93,6 +93,13 @@ TEST_F(CudaTensor, ElementwiseOpsAndSumsMatchTheHost) {
     EXPECT_EQ(Mul(da, db)->ToBytes(), Mul(a, b)->ToBytes()) << DTypeName(t);
     EXPECT_EQ(Scale(da, -0.37f)->ToBytes(), Scale(a, -0.37f)->ToBytes()) << DTypeName(t);
     EXPECT_NEAR(SumAll(da), SumAll(a), 1e-9 * 333 * 77);
+    Tensor host_acc = *Tensor::Zeros({1}, DType::kF32), dev_acc = *Tensor::Zeros({1}, DType::kF32, gpu_);
+    for (int rep = 0; rep < 2; ++rep) {  // accumulates, stream ordered, read once
+      ASSERT_TRUE(AddSumOfSquares(a, host_acc).ok());
+      ASSERT_TRUE(AddSumOfSquares(da, dev_acc).ok());
+    }
+    EXPECT_NEAR(dev_acc.ToFloats()[0], host_acc.ToFloats()[0], 1e-6 * host_acc.ToFloats()[0]) << DTypeName(t);
+    EXPECT_EQ(AddSumOfSquares(da, host_acc).code(), absl::StatusCode::kInvalidArgument);  // devices differ
   }
   const Tensor i = *Tensor::FromInt64s({4}, {1LL << 40, -3, 7, 9});
   EXPECT_EQ(Mul(*i.To(gpu_), *i.To(gpu_))->ToInt64s(), Mul(i, i)->ToInt64s());

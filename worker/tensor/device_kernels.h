@@ -37,6 +37,7 @@ struct DeviceKernels {
                          int64_t n);
   absl::Status (*Scale)(int device, ElemType type, const void* a, float s, void* out, int64_t n);
   absl::StatusOr<double> (*Sum)(int device, ElemType type, const void* a, int64_t n);
+  absl::Status (*AddSumOfSquares)(int device, ElemType type, const void* a, int64_t n, float* acc);
 
   // Layer kernels (kernels/*/layer_ops.h).
   absl::Status (*Gemm)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
@@ -67,6 +68,14 @@ struct DeviceKernels {
                                int64_t v, float smoothing, int64_t ignore_index);
   absl::Status (*CrossEntropyBackward)(int device, const float* dloss, const float* logits, const int64_t* labels,
                                        float* dlogits, int64_t n, int64_t v, float smoothing, int64_t ignore_index);
+  absl::Status (*VocabShardMax)(int device, const float* z, int64_t rows, int64_t width, int64_t real, float* mx);
+  absl::Status (*VocabShardSums)(int device, const float* z, const int64_t* labels, const float* mx, int64_t rows,
+                                 int64_t width, int64_t real, int64_t start, int64_t ignore_index, float* stats);
+  absl::Status (*VocabShardLoss)(int device, const float* mx, const float* stats, const int64_t* labels, int64_t rows,
+                                 int64_t vocab, float smoothing, int64_t ignore_index, float* lse, float* loss);
+  absl::Status (*VocabShardBackward)(int device, const float* z, const int64_t* labels, const float* lse,
+                                     const float* dloss, int64_t rows, int64_t width, int64_t real, int64_t start,
+                                     int64_t vocab, float smoothing, int64_t ignore_index, float* dz);
   absl::Status (*Rope)(int device, const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d,
                        float theta, int64_t position_offset, float sign);
   absl::Status (*AdamW)(int device, float* param, const float* grad, float* m, float* v, int64_t n, float lr,
@@ -76,13 +85,15 @@ struct DeviceKernels {
 
 // The table of a kernels/ namespace; a twin whose signature drifts is a
 // compile error here.
-#define COLOD_DEVICE_KERNELS(ns)                                                                              \
-  ::colod::DeviceKernels {                                                                                    \
-    &ns::Malloc, &ns::Free, &ns::Memset0, &ns::Memcpy, &ns::StridedCopy, &ns::FillRandom, &ns::Binary,        \
-        &ns::Scale, &ns::Sum, &ns::Gemm, &ns::BiasAdd, &ns::BiasGrad, &ns::Gelu, &ns::GeluBackward, &ns::Silu, \
-        &ns::SiluBackward, &ns::LayerNorm, &ns::LayerNormBackward, &ns::RmsNorm, &ns::RmsNormBackward,         \
-        &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout, &ns::Embedding, &ns::EmbeddingBackward,              \
-        &ns::CrossEntropy, &ns::CrossEntropyBackward, &ns::Rope, &ns::AdamW                                    \
+#define COLOD_DEVICE_KERNELS(ns)                                                                      \
+  ::colod::DeviceKernels {                                                                            \
+    &ns::Malloc, &ns::Free, &ns::Memset0, &ns::Memcpy, &ns::StridedCopy, &ns::FillRandom, &ns::Binary, \
+        &ns::Scale, &ns::Sum, &ns::AddSumOfSquares, &ns::Gemm, &ns::BiasAdd, &ns::BiasGrad, &ns::Gelu, \
+        &ns::GeluBackward, &ns::Silu, &ns::SiluBackward, &ns::LayerNorm, &ns::LayerNormBackward,        \
+        &ns::RmsNorm, &ns::RmsNormBackward, &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout,           \
+        &ns::Embedding, &ns::EmbeddingBackward, &ns::CrossEntropy, &ns::CrossEntropyBackward,           \
+        &ns::VocabShardMax, &ns::VocabShardSums, &ns::VocabShardLoss, &ns::VocabShardBackward,          \
+        &ns::Rope, &ns::AdamW                                                                           \
   }
 
 const DeviceKernels& CpuKernels();

@@ -442,6 +442,71 @@ absl::StatusOr<Tensor> CrossEntropyBackward(const Tensor& dloss, const Tensor& l
 
 namespace {
 
+absl::Status CheckVocabShard(const char* op, const Tensor& z, const Tensor& labels, int64_t real, int64_t start,
+                             int64_t vocab) {
+  if (z.dim() != 2 || labels.dim() != 1 || labels.shape()[0] != z.shape()[0] || labels.dtype() != DType::kI64) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": logits ", ShapeToString(z.shape()), " and labels ",
+                                                   DTypeName(labels.dtype()), ShapeToString(labels.shape()),
+                                                   " must be [rows, width] and i64 [rows]"));
+  }
+  if (real < 0 || real > z.shape()[1] || start < 0 || vocab < 1 || (real > 0 && start + real > vocab)) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": columns [", start, ", ", start + real, ") of a ", vocab,
+                                                   "-word vocabulary do not fit a shard of width ", z.shape()[1]));
+  }
+  return SameDevice(op, z.device(), {&labels});
+}
+
+}  // namespace
+
+absl::StatusOr<VocabShardForward> VocabShardCrossEntropy(
+    const Tensor& z, const Tensor& labels, int64_t real, int64_t start, int64_t vocab, float label_smoothing,
+    int64_t ignore_index, const std::function<absl::Status(Tensor& t, bool max)>& all_reduce) {
+  const char* op = "vocab_parallel_cross_entropy";
+  RETURN_IF_ERROR(CheckVocabShard(op, z, labels, real, start, vocab));
+  const Device dev = z.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
+  const int64_t rows = z.shape()[0], width = z.shape()[1];
+  VocabShardForward out;
+  ASSIGN_OR_RETURN(out.z, AsF32(z, op));
+  const Tensor lab = labels.Contiguous();
+  ASSIGN_OR_RETURN(Tensor mx, Tensor::Empty({rows}, DType::kF32, dev));
+  RETURN_IF_ERROR(k->VocabShardMax(dev.index, F(out.z), rows, width, real, F(mx)));
+  RETURN_IF_ERROR(all_reduce(mx, /*max=*/true));
+  ASSIGN_OR_RETURN(Tensor stats, Tensor::Empty({3, rows}, DType::kF32, dev));
+  RETURN_IF_ERROR(k->VocabShardSums(dev.index, F(out.z), lab.data<int64_t>(), F(mx), rows, width, real, start,
+                                    ignore_index, F(stats)));
+  RETURN_IF_ERROR(all_reduce(stats, /*max=*/false));
+  ASSIGN_OR_RETURN(out.lse, Tensor::Empty({rows}, DType::kF32, dev));
+  ASSIGN_OR_RETURN(out.loss, Tensor::Empty({rows}, DType::kF32, dev));
+  RETURN_IF_ERROR(k->VocabShardLoss(dev.index, F(mx), F(stats), lab.data<int64_t>(), rows, vocab, label_smoothing,
+                                    ignore_index, F(out.lse), F(out.loss)));
+  return out;
+}
+
+absl::StatusOr<Tensor> VocabShardCrossEntropyBackward(const Tensor& dloss, const VocabShardForward& forward,
+                                                      const Tensor& labels, int64_t real, int64_t start,
+                                                      int64_t vocab, float label_smoothing, int64_t ignore_index,
+                                                      DType dtype) {
+  const char* op = "vocab_parallel_cross_entropy_backward";
+  RETURN_IF_ERROR(CheckVocabShard(op, forward.z, labels, real, start, vocab));
+  const int64_t rows = forward.z.shape()[0], width = forward.z.shape()[1];
+  if (dloss.shape() != Shape{rows}) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": dloss ", ShapeToString(dloss.shape()), " must be [", rows,
+                                                   "]"));
+  }
+  const Device dev = forward.z.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, dev, {&dloss, &forward.lse}));
+  ASSIGN_OR_RETURN(Tensor dl, AsF32(dloss, op));
+  const Tensor lab = labels.Contiguous();
+  ASSIGN_OR_RETURN(Tensor dz, Tensor::Empty({rows, width}, DType::kF32, dev));
+  RETURN_IF_ERROR(k->VocabShardBackward(dev.index, F(forward.z), lab.data<int64_t>(), F(forward.lse), F(dl), rows,
+                                        width, real, start, vocab, label_smoothing, ignore_index, F(dz)));
+  if (dtype == DType::kF32) return dz;
+  return dz.ToDType(dtype);
+}
+
+namespace {
+
 absl::StatusOr<Tensor> Rotate(const Tensor& x, float theta, int64_t position_offset, float sign, const char* op) {
   const Device dev = x.device();
   if (x.dim() != 4 || x.shape()[3] % 2 != 0) {

@@ -18,6 +18,7 @@
 #define COLOD_WORKER_TENSOR_OPS_H_
 
 #include <cstdint>
+#include <functional>
 
 #include "absl/status/statusor.h"
 #include "worker/tensor/tensor.h"
@@ -100,6 +101,28 @@ absl::StatusOr<Tensor> CrossEntropy(const Tensor& logits, const Tensor& labels, 
 // dlogits = dloss[n] * (softmax(logits) - target).
 absl::StatusOr<Tensor> CrossEntropyBackward(const Tensor& dloss, const Tensor& logits, const Tensor& labels,
                                             float label_smoothing = 0, int64_t ignore_index = -100);
+
+// Vocab-parallel cross-entropy on one rank's shard (nn::VocabParallelCrossEntropy
+// holds the group): `z` [rows, width] logits (any float dtype, computed in
+// f32) whose first `real` columns are the vocabulary ids [start, start +
+// real) of a `vocab`-word vocabulary, the rest padding; `labels` [rows] i64
+// on z's device, already checked (each in [0, vocab) or ignore_index).
+// `all_reduce(t, max)` all-reduces an f32 tensor in place over the shards
+// (max or sum), on the device. Nothing is read on the host.
+struct VocabShardForward {
+  Tensor loss;  // [rows] f32, 0 where ignored
+  Tensor lse;   // [rows] f32: the log-sum-exp over the whole vocabulary
+  Tensor z;     // [rows, width] f32: the logits the backward needs
+};
+absl::StatusOr<VocabShardForward> VocabShardCrossEntropy(
+    const Tensor& z, const Tensor& labels, int64_t real, int64_t start, int64_t vocab, float label_smoothing,
+    int64_t ignore_index, const std::function<absl::Status(Tensor& t, bool max)>& all_reduce);
+// dz [rows, width] in `dtype`: dloss[r] * (softmax - target) on the real
+// columns of labelled rows, 0 elsewhere.
+absl::StatusOr<Tensor> VocabShardCrossEntropyBackward(const Tensor& dloss, const VocabShardForward& forward,
+                                                      const Tensor& labels, int64_t real, int64_t start,
+                                                      int64_t vocab, float label_smoothing, int64_t ignore_index,
+                                                      DType dtype);
 
 // Rotary position embedding, HF LLaMA's rotate_half convention, on x
 // [B, S, heads, D] (D even): for i < D/2 with angle = (position_offset + s) *

@@ -415,6 +415,18 @@ absl::Status AddInPlace(Tensor& a, const Tensor& b) {
   return a.CopyFrom(sum);
 }
 
+absl::Status AddSumOfSquares(const Tensor& a, Tensor& acc) {
+  if (!IsFloat(a.dtype())) return absl::InvalidArgumentError("sum of squares: float dtypes only");
+  if (acc.dtype() != DType::kF32 || acc.numel() != 1 || !acc.is_contiguous() || !(acc.device() == a.device())) {
+    return absl::InvalidArgumentError(absl::StrCat("sum of squares: the accumulator must be one contiguous f32 on ",
+                                                   a.device().ToString()));
+  }
+  const Tensor ca = a.Contiguous();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
+  return k->AddSumOfSquares(a.device().index, Elem(a.dtype()), ca.raw_data(), ca.numel(),
+                            static_cast<float*>(acc.raw_data()));
+}
+
 double SumAll(const Tensor& a) {
   const Tensor ca = a.Contiguous();
   const DeviceKernels* k = OrDie(KernelsFor(a.device()), "SumAll");

@@ -147,6 +147,10 @@ absl::StatusOr<Tensor> Scale(const Tensor& a, float s);
 absl::Status AddInPlace(Tensor& a, const Tensor& b);
 // Sum of all elements, accumulated in double.
 double SumAll(const Tensor& a);
+// acc += the sum of a's squared elements (in double, added in f32); `acc` is
+// one f32 element on a's device and `a` a float tensor. Nothing is read on
+// the host: a grad norm over many tensors reads `acc` once.
+absl::Status AddSumOfSquares(const Tensor& a, Tensor& acc);
 
 }  // namespace colod
 

@@ -119,6 +119,20 @@ TEST(Tensor, ElementwiseOpsAgainstScalarLoops) {
   EXPECT_EQ(Mul(i, i)->ToInt64s(), (std::vector<int64_t>{1, 4, 9}));
 }
 
+TEST(Tensor, SumsOfSquaresAccumulateIntoOneF32) {
+  // 1^2 + ... + n^2 = n(n+1)(2n+1)/6, over a strided view too.
+  Tensor acc = *Tensor::Zeros({1}, DType::kF32);
+  Tensor a = Iota({4, 5});  // 1 .. 20
+  ASSERT_TRUE(AddSumOfSquares(a, acc).ok());
+  EXPECT_EQ(acc.ToFloats()[0], 20.0f * 21 * 41 / 6);
+  ASSERT_TRUE(AddSumOfSquares(*a.Narrow(1, 4, 1), acc).ok());  // 5, 10, 15, 20
+  EXPECT_EQ(acc.ToFloats()[0], 20.0f * 21 * 41 / 6 + 25 + 100 + 225 + 400);
+  Tensor wrong = *Tensor::Zeros({2}, DType::kF32);
+  EXPECT_EQ(AddSumOfSquares(a, wrong).code(), absl::StatusCode::kInvalidArgument);
+  Tensor ints = *Tensor::FromInt64s({2}, {1, 2});
+  EXPECT_EQ(AddSumOfSquares(ints, acc).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Tensor, ASizeOneSliceOfAContiguousTensorIsContiguousAndWritesThrough) {
   Tensor t = Iota({3, 4, 5});
   Tensor slice = *t.Narrow(0, 1, 1)->Narrow(1, 2, 1);  // [1, 1, 5] with the parent's strides

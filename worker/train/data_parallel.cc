@@ -76,7 +76,8 @@ absl::Status GradSync::Finish() {
   }
   for (Bucket& b : buckets_) {
     if (b.work != nullptr) {
-      const absl::Status waited = b.work->Wait(pg_->timeout());
+      // The device waits, not the host: the copies below are stream ordered.
+      const absl::Status waited = b.work->WaitOnDevice(pg_->timeout());
       if (status.ok()) status = waited;
     }
   }

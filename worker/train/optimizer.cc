@@ -121,7 +121,10 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
   const DeviceMesh& mesh = pg->mesh();
   const std::vector<int> coords = mesh.Coordinates(pg->rank());
   ASSIGN_OR_RETURN(std::vector<int> dp_axes, mesh.AxisIndices("dp"));
-  double local = 0;
+  // Summed where the gradients are (the parameters' device), all-reduced
+  // there, and read on the host once.
+  const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
+  ASSIGN_OR_RETURN(Tensor total, Tensor::Zeros({1}, DType::kF32, device));
   for (const NamedParam& p : params) {
     const ColoParameter& param = p.bound.param;
     std::set<int> split(dp_axes.begin(), dp_axes.end());  // dp replicas are equal: not counted again
@@ -135,18 +138,17 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
     if (!counts) continue;
     std::optional<Tensor> g = param.variable().grad();
     if (!g.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
-    ASSIGN_OR_RETURN(Tensor sq, Mul(*g, *g));
-    local += SumAll(sq);
+    RETURN_IF_ERROR(AddSumOfSquares(*g, total));
   }
-  std::vector<float> total = {static_cast<float>(local)};
   ASSIGN_OR_RETURN(int tp, pg->AxisSize("tp"));
+  Communicator* comm = nullptr;
   if (tp > 1) {
-    ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("tp"));
-    // Staged where the communicator works (the parameters' device).
-    const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
-    RETURN_IF_ERROR(AllReduceValues(total, ReduceOp::kSum, *comm, device, pg->timeout()));
+    ASSIGN_OR_RETURN(comm, pg->Comm("tp"));
+    RETURN_IF_ERROR(comm->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg->timeout()));
   }
-  return std::sqrt(static_cast<double>(total[0]));
+  const float squares = total.ToFloats()[0];  // the step's one read of the norm
+  if (comm != nullptr) RETURN_IF_ERROR(comm->AsyncError());  // the all-reduce above may have failed
+  return std::sqrt(static_cast<double>(squares));
 }
 
 absl::StatusOr<double> ClipGradNorm(const std::vector<NamedParam>& params, double max_norm, ProcessGroup* pg) {

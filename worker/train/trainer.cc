@@ -93,6 +93,10 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
     }
     RETURN_IF_ERROR(sync->Finish());
     ASSIGN_OR_RETURN(double norm, ClipGradNorm(params, o.clip_norm, &pg));
+    // The loss and the norm were read on the host, after the device passed
+    // every collective before them: a collective that failed is reported now,
+    // before its garbage reaches the weights.
+    RETURN_IF_ERROR(pg.AsyncError());
     const double lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
     RETURN_IF_ERROR(optimizer.Step(lr));
     StepStats s;

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cstring>
 #include <set>
+#include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
+#include "kernels/cuda/stream.h"
 
 namespace colod {
 namespace {
@@ -90,23 +92,59 @@ class Watchdog {
 
 }  // namespace
 
+// Completion events for reuse: creating one per collective cost a driver call
+// each. Thread-safe; destroys its events when the last Completion is gone.
+class NcclCommunicator::EventPool {
+ public:
+  ~EventPool() {
+    for (cudaEvent_t e : free_) cudaEventDestroy(e);
+  }
+  absl::StatusOr<cudaEvent_t> Take() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        cudaEvent_t e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    COLOD_RETURN_IF_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+  // A reused event is recorded anew; waits enqueued before then still wait
+  // for the record they saw (CUDA's semantics).
+  void Put(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(e);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+};
+
+struct NcclCommunicator::Completion {
+  Completion(cudaEvent_t e, std::shared_ptr<EventPool> p) : event(e), pool(std::move(p)) {}
+  ~Completion() { pool->Put(event); }
+  const cudaEvent_t event;
+  const std::shared_ptr<EventPool> pool;
+};
+
 class NcclCommunicator::NcclWork final : public Work {
  public:
-  NcclWork(NcclCommunicator* owner, std::string what, uint64_t seq, cudaEvent_t event, absl::Status failed)
-      : owner_(owner), what_(std::move(what)), seq_(seq), event_(event), failed_(std::move(failed)) {}
+  NcclWork(NcclCommunicator* owner, std::string what, std::shared_ptr<Completion> done, absl::Status failed)
+      : owner_(owner), what_(std::move(what)), done_(std::move(done)), failed_(std::move(failed)) {}
   ~NcclWork() override {
-    // The buffers may go once this returns: finish or abort first.
-    if (event_ != nullptr && !Done()) (void)Wait(owner_->options_.timeout);
-    if (event_ != nullptr) {
-      owner_->Forget(seq_);
-      cudaEventDestroy(event_);
-    }
+    // The buffers may go once this returns: unless the compute stream waits
+    // for the collective, finish it (or abort) first.
+    if (done_ != nullptr && !waited_on_device_ && !Done()) (void)Wait(owner_->options_.timeout);
   }
   absl::Status Wait(absl::Duration timeout) override {
     if (!failed_.ok()) return failed_;
     const absl::Time deadline = absl::Now() + timeout;
     for (;;) {
-      const cudaError_t q = cudaEventQuery(event_);
+      const cudaError_t q = cudaEventQuery(done_->event);
       // After an abort the stream moves on without the collective having
       // run: a reached event means success only on a live communicator.
       if (q == cudaSuccess) return owner_->aborted_ ? owner_->AsyncError() : absl::OkStatus();
@@ -128,15 +166,26 @@ class NcclCommunicator::NcclWork final : public Work {
       absl::SleepFor(absl::Microseconds(50));
     }
   }
+  absl::Status WaitOnDevice(absl::Duration) override {
+    if (!failed_.ok()) return failed_;
+    if (owner_->aborted_) return owner_->AsyncError();
+    absl::StatusOr<cudaStream_t> compute = kernels::cuda::ComputeStream(owner_->options_.device);
+    if (!compute.ok()) return compute.status();
+    // The watchdog bounds the wait: at the deadline it aborts the
+    // communicator, whose stream then drains past the collective.
+    COLOD_RETURN_IF_CUDA(cudaStreamWaitEvent(*compute, done_->event, 0));
+    waited_on_device_ = true;
+    return absl::OkStatus();
+  }
   bool IsCompleted() override { return !failed_.ok() || Done(); }
 
  private:
-  bool Done() { return cudaEventQuery(event_) == cudaSuccess; }
+  bool Done() { return cudaEventQuery(done_->event) == cudaSuccess; }
   NcclCommunicator* owner_;  // a Work must not outlive its communicator
   const std::string what_;
-  const uint64_t seq_;
-  cudaEvent_t event_;
+  const std::shared_ptr<Completion> done_;
   const absl::Status failed_;
+  std::atomic<bool> waited_on_device_{false};
 };
 
 std::string NcclCommunicator::Describe(const std::string& op, uint64_t seq) const {
@@ -219,6 +268,11 @@ absl::Status NcclCommunicator::Adopt(ncclComm_t comm, const std::string& what) {
   RETURN_IF_ERROR(WaitReady(absl::Now() + options_.timeout, what));
   COLOD_RETURN_IF_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   COLOD_RETURN_IF_CUDA(cudaMalloc(&scratch_, sizeof(int32_t)));
+  events_ = std::make_shared<EventPool>();
+  {
+    absl::MutexLock order(&enqueue_mu_);
+    COLOD_RETURN_IF_CUDA(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+  }
   return absl::OkStatus();
 }
 
@@ -284,6 +338,11 @@ NcclCommunicator::~NcclCommunicator() {
     }
     ncclCommDestroy(comm);
   }
+  {
+    absl::MutexLock lock(&mu_);
+    in_flight_.clear();  // their events go back to the pool, which the Works may still share
+  }
+  if (ready_ != nullptr) cudaEventDestroy(ready_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
   if (scratch_ != nullptr) cudaFree(scratch_);
 }
@@ -323,14 +382,19 @@ bool NcclCommunicator::CheckHealth(absl::Time now) {
   }
   std::string late;
   {
-    absl::ReaderMutexLock lock(&mu_);
+    absl::MutexLock lock(&mu_);  // a few event queries; Abort waits for no more
     if (comm_ == nullptr) return false;
-    for (const InFlight& f : in_flight_) {
-      if (now >= f.deadline && cudaEventQuery(f.event) == cudaErrorNotReady) {
-        late = Describe(f.op, f.seq);
-        break;
-      }
+    // Drop what completed; the oldest unfinished collective past its deadline
+    // is late.
+    auto kept = in_flight_.begin();
+    for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it) {
+      const cudaError_t q = cudaEventQuery(it->done->event);
+      if (q == cudaSuccess) continue;
+      if (late.empty() && now >= it->deadline && q == cudaErrorNotReady) late = Describe(it->op, it->seq);
+      if (kept != it) *kept = std::move(*it);
+      ++kept;
     }
+    in_flight_.erase(kept, in_flight_.end());
   }
   if (!late.empty()) {
     AbortWith(absl::DeadlineExceededError(absl::StrCat("nccl ", late, " did not complete within ",
@@ -346,27 +410,24 @@ bool NcclCommunicator::CheckHealth(absl::Time now) {
   return false;
 }
 
-void NcclCommunicator::Forget(uint64_t seq) {
-  absl::MutexLock lock(&mu_);
-  for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it) {
-    if (it->seq == seq) {
-      in_flight_.erase(it);
-      return;
-    }
-  }
-}
-
 std::shared_ptr<Work> NcclCommunicator::Enqueue(const char* op,
                                                 const std::function<absl::Status(ncclComm_t)>& enqueue) {
   absl::MutexLock order(&enqueue_mu_);
   const uint64_t seq = ++next_seq_;
   const std::string what = Describe(op, seq);
-  auto fail = [&](absl::Status s) { return std::make_shared<NcclWork>(this, what, seq, nullptr, std::move(s)); };
-  cudaError_t e = cudaSetDevice(options_.device);
-  if (e != cudaSuccess) return fail(kernels::cuda::CudaStatus(e, "cudaSetDevice"));
-  cudaEvent_t event = nullptr;
-  e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-  if (e != cudaSuccess) return fail(kernels::cuda::CudaStatus(e, "cudaEventCreateWithFlags"));
+  auto fail = [&](absl::Status s) { return std::make_shared<NcclWork>(this, what, nullptr, std::move(s)); };
+  // Selects the device too.
+  absl::StatusOr<cudaStream_t> compute = kernels::cuda::ComputeStream(options_.device);
+  if (!compute.ok()) return fail(compute.status());
+  if (ready_ == nullptr) return fail(absl::FailedPreconditionError("nccl: the communicator was never made"));
+  // The collective reads what the compute stream wrote, in memory its pool
+  // may have just handed out: it starts after everything enqueued there.
+  cudaError_t e = cudaEventRecord(ready_, *compute);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, ready_, 0);
+  if (e != cudaSuccess) return fail(kernels::cuda::CudaStatus(e, "cudaEventRecord/cudaStreamWaitEvent"));
+  absl::StatusOr<cudaEvent_t> event = events_->Take();
+  if (!event.ok()) return fail(event.status());
+  auto done = std::make_shared<Completion>(*event, events_);
   absl::Status s;
   {
     absl::ReaderMutexLock lock(&mu_);
@@ -378,18 +439,15 @@ std::shared_ptr<Work> NcclCommunicator::Enqueue(const char* op,
   }
   if (s.ok()) s = WaitReady(absl::Now() + options_.timeout, what);  // the non-blocking enqueue finished
   if (s.ok()) {
-    e = cudaEventRecord(event, stream_);
+    e = cudaEventRecord(done->event, stream_);
     if (e != cudaSuccess) s = kernels::cuda::CudaStatus(e, "cudaEventRecord");
   }
-  if (!s.ok()) {
-    cudaEventDestroy(event);
-    return fail(s);
-  }
+  if (!s.ok()) return fail(s);
   {
     absl::MutexLock lock(&mu_);
-    in_flight_.push_back(InFlight{seq, op, absl::Now() + options_.timeout, event});
+    in_flight_.push_back(InFlight{seq, op, absl::Now() + options_.timeout, done});
   }
-  return std::make_shared<NcclWork>(this, what, seq, event, absl::OkStatus());
+  return std::make_shared<NcclWork>(this, what, std::move(done), absl::OkStatus());
 }
 
 std::shared_ptr<Work> NcclCommunicator::AllReduce(void* data, int64_t count, DType dtype, ReduceOp op) {
@@ -416,7 +474,7 @@ std::shared_ptr<Work> NcclCommunicator::ReduceScatter(const void* in, void* out,
 
 std::shared_ptr<Work> NcclCommunicator::Broadcast(void* data, int64_t count, DType dtype, int root) {
   if (root < 0 || root >= size_) {
-    return std::make_shared<NcclWork>(this, "Broadcast", 0, nullptr,
+    return std::make_shared<NcclWork>(this, "Broadcast", nullptr,
                                       absl::InvalidArgumentError(absl::StrCat("nccl Broadcast: root ", root,
                                                                               " is outside [0, ", size_, ")")));
   }

@@ -40,6 +40,13 @@ absl::Status NcclStatus(ncclResult_t r, const char* call, const char* file, int 
 // Thread-safe. Collectives are enqueued on the communicator's own CUDA stream
 // in submission order; buffers are device pointers on `device`.
 //
+// Stream order (docs/GPU.md): before each collective the communicator's
+// stream waits on an event recorded on the device's compute stream
+// (kernels/cuda/stream.h), so the collective sees every kernel and
+// stream-ordered allocation enqueued there before it was submitted, and
+// Work::WaitOnDevice makes the compute stream wait on the collective's
+// completion event. Neither blocks the host; events come from a pool.
+//
 // Failure handling (c10d's ProcessGroupNCCL pattern): every collective has a
 // sequence number and a deadline (options.timeout from its enqueue). A
 // process-wide watchdog thread aborts a communicator whose collective passed
@@ -108,11 +115,15 @@ class NcclCommunicator final : public Communicator {
 
  private:
   class NcclWork;
+  class EventPool;
+  // A collective's completion event, shared by its Work and the watchdog's
+  // record; back to the pool when both let go.
+  struct Completion;
   struct InFlight {
     uint64_t seq;
     std::string op;
     absl::Time deadline;
-    cudaEvent_t event;  // owned by the NcclWork
+    std::shared_ptr<Completion> done;
   };
   NcclCommunicator(int rank, int size, Options options) : rank_(rank), size_(size), options_(std::move(options)) {}
   // Takes a just-made (init or split) handle: registers with the watchdog,
@@ -130,17 +141,19 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<Work> Enqueue(const char* op, const std::function<absl::Status(ncclComm_t)>& enqueue);
   // Aborts with `error` as the sticky error (the first one wins).
   void AbortWith(const absl::Status& error);
-  void Forget(uint64_t seq);
 
   const int rank_;
   const int size_;
   const Options options_;
   cudaStream_t stream_ = nullptr;
   void* scratch_ = nullptr;  // 4 bytes for Barrier
+  std::shared_ptr<EventPool> events_;
   // Orders enqueues, so every rank's NCCL order is its submission order.
   // Held across a non-blocking call's completion; never taken by Abort.
   absl::Mutex enqueue_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(enqueue_mu_) = 0;
+  // Recorded on the compute stream before each collective; stream_ waits on it.
+  cudaEvent_t ready_ ABSL_GUARDED_BY(enqueue_mu_) = nullptr;
   // Where NCCL may still write a non-blocking split's child: kept for the
   // communicator's life.
   std::vector<std::shared_ptr<ncclComm_t>> split_slots_ ABSL_GUARDED_BY(enqueue_mu_);
@@ -149,6 +162,8 @@ class NcclCommunicator final : public Communicator {
   absl::Mutex mu_;
   ncclComm_t comm_ ABSL_GUARDED_BY(mu_) = nullptr;
   absl::Status error_ ABSL_GUARDED_BY(mu_);  // sticky: the abort's reason
+  // Collectives not yet seen complete, oldest first: the watchdog checks
+  // their deadlines and drops them once their events are reached.
   std::vector<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> aborted_{false};
 };

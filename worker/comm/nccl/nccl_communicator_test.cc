@@ -13,8 +13,10 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/tensor_ops.h"
 #include "kernels/device.h"
 #include "worker/comm/abort_signal.h"
+#include "worker/comm/instrumented_communicator.h"
 #include "worker/comm/store.h"
 
 namespace colod {
@@ -146,6 +148,92 @@ TEST_F(NcclRanks, ARankThatNeverEntersFailsItsPeersWithinTheTimeout) {
     }
     cudaFree(x);
   });
+}
+
+// Stream order: the collective sees what the compute stream wrote before it
+// was submitted (in memory the compute stream's pool just handed out), and
+// work issued after WaitOnDevice sees the collective's result; the host
+// waits only for the final read. Under the emulation streams run on their own
+// host threads, so a missing event shows as wrong values.
+TEST_F(NcclRanks, CollectivesAreOrderedWithTheComputeStreamByEvents) {
+  const int64_t n = 1 << 16;
+  OnRanks(2, absl::Seconds(20), [&](int r, NcclCommunicator& comm) {
+    std::vector<float> host(n);
+    for (int64_t i = 0; i < n; ++i) host[i] = static_cast<float>(i % 7 + 1);
+    for (int round = 0; round < 3; ++round) {
+      auto a = kernels::cuda::Malloc(r, n * sizeof(float));
+      auto b = kernels::cuda::Malloc(r, n * sizeof(float));
+      ASSERT_TRUE(a.ok() && b.ok());
+      float* x = static_cast<float*>(*a);
+      float* y = static_cast<float*>(*b);
+      ASSERT_TRUE(kernels::cuda::Memcpy(r, x, host.data(), n * sizeof(float)).ok());
+      ASSERT_TRUE(kernels::cuda::Scale(r, kernels::ElemType::kF32, x, static_cast<float>(r + 1), x, n).ok());
+      const absl::Time start = absl::Now();
+      ASSERT_TRUE(comm.AllReduce(x, n, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait).ok());
+      EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+      ASSERT_TRUE(kernels::cuda::Scale(r, kernels::ElemType::kF32, x, 0.5f, y, n).ok());
+      kernels::cuda::Free(r, x);  // in stream order, after the collective
+      std::vector<float> got(n);
+      ASSERT_TRUE(kernels::cuda::Memcpy(r, got.data(), y, n * sizeof(float)).ok());
+      kernels::cuda::Free(r, y);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(got[i], 0.5f * 3.0f * host[i]) << "rank " << r << " round " << round << " element " << i;
+      }
+    }
+    EXPECT_TRUE(comm.AsyncError().ok());
+  });
+}
+
+// WaitOnDevice does not block the host; when a peer never enters, the
+// watchdog aborts the communicator at the deadline, the device moves on, the
+// host's next read returns, and AsyncError names the collective.
+TEST_F(NcclRanks, AHangWaitedOnTheDeviceEndsAtTheWatchdogsDeadline) {
+  const absl::Duration timeout = absl::Seconds(2);
+  OnRanks(3, timeout, [&](int r, NcclCommunicator& comm) {
+    float* x = DeviceFloats({1.0f});
+    ASSERT_TRUE(comm.AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());  // #1: everyone
+    if (r == 2) {
+      absl::SleepFor(timeout + absl::Seconds(1));  // never enters #2
+      comm.Abort(absl::CancelledError("rank 2 gives up"));
+    } else {
+      const absl::Time start = absl::Now();
+      ASSERT_TRUE(comm.AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait).ok());  // #2
+      EXPECT_LT(absl::Now() - start, absl::Milliseconds(500)) << "the host waited";
+      float got = 0;
+      ASSERT_TRUE(kernels::cuda::Memcpy(r, &got, x, sizeof(float)).ok());  // waits for the device
+      EXPECT_LT(absl::Now() - start, timeout + absl::Seconds(2));
+      const absl::Status s = comm.AsyncError();
+      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat("AllReduce #2 on group world (rank ", r, "/3"))) << s;
+      EXPECT_EQ(comm.AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait), s);  // sticky
+    }
+    cudaFree(x);
+  });
+}
+
+// The metrics' observer sees a collective the device waited for once it has
+// completed: at the communicator's next AsyncError, not at WaitOnDevice.
+TEST_F(NcclGpu, AnInstrumentedCollectiveWaitedOnTheDeviceIsReportedOnce) {
+  InMemoryStore store;
+  auto comm = NcclCommunicator::Create(store, 0, 1, {});
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  std::atomic<int> reports{0};
+  std::atomic<int64_t> bytes{0};
+  InstrumentedCommunicator inst(*std::move(comm), [&](const char*, int64_t b, absl::Duration) {
+    ++reports;
+    bytes += b;
+  });
+  float* x = DeviceFloats(std::vector<float>(1000, 1.0f));
+  ASSERT_TRUE(inst.AllReduce(x, 1000, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait).ok());
+  float got = 0;
+  ASSERT_TRUE(kernels::cuda::Memcpy(0, &got, x, sizeof(float)).ok());  // the device passed the collective
+  EXPECT_EQ(got, 1.0f);
+  ASSERT_TRUE(inst.AsyncError().ok());
+  EXPECT_EQ(reports.load(), 1);
+  EXPECT_EQ(bytes.load(), 4000);
+  ASSERT_TRUE(inst.AsyncError().ok());
+  EXPECT_EQ(reports.load(), 1);  // once
+  cudaFree(x);
 }
 
 TEST_F(NcclRanks, SendRecvExchangesWithoutDeadlock) {
