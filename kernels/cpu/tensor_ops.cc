@@ -216,14 +216,14 @@ absl::StatusOr<double> Sum(int, ElemType type, const void* a, int64_t n) {
   return s;
 }
 
-absl::Status AddSumOfSquares(int, ElemType type, const void* a, int64_t n, float* acc) {
-  if (IsInt(type)) return absl::InvalidArgumentError("AddSumOfSquares: float types only");
+absl::Status AccumulateSum(int, ElemType type, const void* a, int64_t n, bool square, float* acc) {
+  if (IsInt(type)) return absl::InvalidArgumentError("AccumulateSum: float types only");
   const char* x = static_cast<const char*>(a);
   const int eb = ElemBytes(type);
   double s = 0;
   for (int64_t i = 0; i < n; ++i) {
     const double v = LoadF(x + i * eb, type);
-    s += v * v;
+    s += square ? v * v : v;
   }
   acc[0] += static_cast<float>(s);
   return absl::OkStatus();

@@ -289,17 +289,17 @@ absl::StatusOr<double> Sum(int device, ElemType type, const void* a, int64_t n) 
   return result;
 }
 
-absl::Status AddSumOfSquares(int device, ElemType type, const void* a, int64_t n, float* acc) {
-  if (IsInt(type)) return absl::InvalidArgumentError("AddSumOfSquares: float types only");
+absl::Status AccumulateSum(int device, ElemType type, const void* a, int64_t n, bool square, float* acc) {
+  if (IsInt(type)) return absl::InvalidArgumentError("AccumulateSum: float types only");
   if (n == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
   const unsigned blocks = Blocks(n);
   double* partials = nullptr;
   RETURN_IF_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&partials), blocks * sizeof(double), stream));
-  Launch(SumPartialsKernel, blocks, kThreads, stream, type, static_cast<const char*>(a), n, true, partials);
+  Launch(SumPartialsKernel, blocks, kThreads, stream, type, static_cast<const char*>(a), n, square, partials);
   Launch(AddSumKernel, 1, 1, stream, partials, static_cast<int>(blocks), acc);
   cudaFreeAsync(partials, stream);  // after the kernels, in stream order
-  return Finish("AddSumOfSquares");
+  return Finish("AccumulateSum");
 }
 
 }  // namespace colod::kernels::cuda

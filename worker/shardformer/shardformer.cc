@@ -144,7 +144,10 @@ absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids) {
                                                    config_.max_positions, " positions"));
   }
   ASSIGN_OR_RETURN(Tensor i64, ids.dtype() == DType::kI64 ? ids.Contiguous() : ids.ToDType(DType::kI64));
-  ASSIGN_OR_RETURN(i64, i64.To(shard_.device));
+  // The ids stay on the host: the embeddings check and group them there and
+  // copy them up themselves (ops::Embedding), so a forward and backward read
+  // nothing back from the device for them.
+  ASSIGN_OR_RETURN(i64, i64.To(Device::Cpu()));
   ASSIGN_OR_RETURN(ColoTensor input, ColoTensor::FromLocal(i64, DistSpec(), pg_));
   return root_->Forward(input);
 }

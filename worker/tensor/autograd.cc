@@ -214,15 +214,12 @@ absl::StatusOr<Variable> Scale(const Variable& a, float s) {
 }
 
 absl::StatusOr<Variable> Sum(const Variable& a) {
-  const Device device = a.value().device();
-  ASSIGN_OR_RETURN(Tensor out, Tensor::FromFloats({}, {static_cast<float>(SumAll(a.value()))}));
-  ASSIGN_OR_RETURN(out, out.To(device));
+  // On a's device in both directions: a loss summed on a GPU is not read back.
+  ASSIGN_OR_RETURN(Tensor out, SumToTensor(a.value()));
   const Shape shape = a.value().shape();
   const DType dtype = a.value().dtype();
-  return RecordOp("sum", {a}, std::move(out), [shape, dtype, device](const Tensor& g) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
-    std::vector<float> ones(NumElements(shape), g.ToFloats()[0]);
-    ASSIGN_OR_RETURN(Tensor ga, Tensor::FromFloats(shape, ones, dtype));
-    ASSIGN_OR_RETURN(ga, ga.To(device));
+  return RecordOp("sum", {a}, std::move(out), [shape, dtype](const Tensor& g) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+    ASSIGN_OR_RETURN(Tensor ga, BroadcastScalar(g, shape, dtype));
     return std::vector<std::optional<Tensor>>{ga};
   });
 }

@@ -129,8 +129,12 @@ TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
   const Tensor table = R({50, 16}, 14), ids = *Tensor::FromInt64s({2, 3}, {0, 17, 49, 17, 3, 31});
   ExpectNear(*Embedding(Dev(table), Dev(ids)), *Embedding(table, ids), 0, "embedding");
   ExpectNear(*Embedding(Dev(table), Dev(ids), 16, true), *Embedding(table, ids, 16, true), 0, "masked embedding");
+  // Host ids for a device table: checked on the host, copied up.
+  ExpectNear(*Embedding(Dev(table), ids), *Embedding(table, ids), 0, "embedding of host ids");
+  EXPECT_EQ(Embedding(Dev(table), *Tensor::FromInt64s({1}, {50})).status().code(), absl::StatusCode::kInvalidArgument);
   const Tensor de = R({2, 3, 16}, 15);
   ExpectNear(*EmbeddingBackward(Dev(de), Dev(ids), 50), *EmbeddingBackward(de, ids, 50), 1e-6, "embedding backward");
+  ExpectNear(*EmbeddingBackward(Dev(de), ids, 50), *EmbeddingBackward(de, ids, 50), 1e-6, "embedding backward, host ids");
   const Tensor logits = R({6, 40}, 16, 3.0f), labels = *Tensor::FromInt64s({6}, {0, 39, -100, 7, 7, 20});
   const Tensor dloss = R({6}, 17);
   for (float sm : {0.0f, 0.1f}) {

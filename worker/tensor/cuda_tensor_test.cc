@@ -100,6 +100,12 @@ TEST_F(CudaTensor, ElementwiseOpsAndSumsMatchTheHost) {
     }
     EXPECT_NEAR(dev_acc.ToFloats()[0], host_acc.ToFloats()[0], 1e-6 * host_acc.ToFloats()[0]) << DTypeName(t);
     EXPECT_EQ(AddSumOfSquares(da, host_acc).code(), absl::StatusCode::kInvalidArgument);  // devices differ
+    const Tensor dsum = *SumToTensor(da);
+    EXPECT_EQ(dsum.device(), gpu_);
+    EXPECT_NEAR(dsum.ToFloats()[0], SumAll(a), 1e-5 * 333 * 77) << DTypeName(t);
+    const Tensor spread = *BroadcastScalar(dsum, {3, 4}, t);
+    EXPECT_EQ(spread.device(), gpu_);
+    EXPECT_EQ(spread.ToFloats(), std::vector<float>(12, BroadcastScalar(*dsum.To(Device::Cpu()), {1}, t)->ToFloats()[0]));
   }
   const Tensor i = *Tensor::FromInt64s({4}, {1LL << 40, -3, 7, 9});
   EXPECT_EQ(Mul(*i.To(gpu_), *i.To(gpu_))->ToInt64s(), Mul(i, i)->ToInt64s());

@@ -37,7 +37,7 @@ struct DeviceKernels {
                          int64_t n);
   absl::Status (*Scale)(int device, ElemType type, const void* a, float s, void* out, int64_t n);
   absl::StatusOr<double> (*Sum)(int device, ElemType type, const void* a, int64_t n);
-  absl::Status (*AddSumOfSquares)(int device, ElemType type, const void* a, int64_t n, float* acc);
+  absl::Status (*AccumulateSum)(int device, ElemType type, const void* a, int64_t n, bool square, float* acc);
 
   // Layer kernels (kernels/*/layer_ops.h).
   absl::Status (*Gemm)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
@@ -88,7 +88,7 @@ struct DeviceKernels {
 #define COLOD_DEVICE_KERNELS(ns)                                                                      \
   ::colod::DeviceKernels {                                                                            \
     &ns::Malloc, &ns::Free, &ns::Memset0, &ns::Memcpy, &ns::StridedCopy, &ns::FillRandom, &ns::Binary, \
-        &ns::Scale, &ns::Sum, &ns::AddSumOfSquares, &ns::Gemm, &ns::BiasAdd, &ns::BiasGrad, &ns::Gelu, \
+        &ns::Scale, &ns::Sum, &ns::AccumulateSum,   &ns::Gemm, &ns::BiasAdd, &ns::BiasGrad, &ns::Gelu, \
         &ns::GeluBackward, &ns::Silu, &ns::SiluBackward, &ns::LayerNorm, &ns::LayerNormBackward,        \
         &ns::RmsNorm, &ns::RmsNormBackward, &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout,           \
         &ns::Embedding, &ns::EmbeddingBackward, &ns::CrossEntropy, &ns::CrossEntropyBackward,           \

@@ -323,11 +323,15 @@ absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t
     return absl::InvalidArgumentError(absl::StrCat("embedding: table must be [rows, H], got ",
                                                    ShapeToString(table.shape())));
   }
-  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("embedding", dev, {&ids}));
+  if (!(ids.device() == dev) && !(ids.device() == Device::Cpu())) {
+    return absl::InvalidArgumentError(absl::StrCat("embedding: ids on ", ids.device().ToString(),
+                                                   " for a table on ", dev.ToString()));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
   ASSIGN_OR_RETURN(Tensor id64, AsI64(ids, "embedding"));
   const int64_t rows = table.shape()[0], h = table.shape()[1];
   if (!mask_out_of_range) {
-    const std::vector<int64_t> idv = id64.ToInt64s();
+    const std::vector<int64_t> idv = id64.ToInt64s();  // free for host ids
     for (size_t i = 0; i < idv.size(); ++i) {
       if (idv[i] < row_offset || idv[i] - row_offset >= rows) {
         return absl::InvalidArgumentError(absl::StrCat("embedding: id ", idv[i], " at position ", i,
@@ -336,6 +340,7 @@ absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t
       }
     }
   }
+  ASSIGN_OR_RETURN(id64, id64.To(dev));  // stream ordered; host ids are staged
   ASSIGN_OR_RETURN(Tensor ft, AsF32(table, "embedding"));
   Shape shape = ids.shape();
   shape.push_back(h);
@@ -356,7 +361,11 @@ absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, in
     return absl::InvalidArgumentError(absl::StrCat("embedding_backward: dy ", ShapeToString(dy.shape()),
                                                    " does not match ids ", ShapeToString(ids.shape())));
   }
-  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("embedding_backward", dev, {&ids}));
+  if (!(ids.device() == dev) && !(ids.device() == Device::Cpu())) {
+    return absl::InvalidArgumentError(absl::StrCat("embedding_backward: ids on ", ids.device().ToString(),
+                                                   " for dy on ", dev.ToString()));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
   ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "embedding_backward"));
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({rows, h}, DType::kF32, dev));
   // The tokens grouped by their row (a counting sort), in token order within

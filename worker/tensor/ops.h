@@ -86,10 +86,15 @@ absl::StatusOr<Tensor> DropoutBackward(const Tensor& dy, float p, uint64_t seed,
 // Rows of `table` [rows, H] for integer `ids` [...] -> [..., H]. The table
 // holds vocabulary rows [row_offset, row_offset + rows); with
 // `mask_out_of_range` an id outside them gives a zero row (a vocab-parallel
-// shard), otherwise it is INVALID_ARGUMENT naming the id.
+// shard), otherwise it is INVALID_ARGUMENT naming the id. The ids may be on
+// the table's device or on the host: host ids are checked there and copied
+// up without a device synchronization (ids on a device are read back to be
+// checked).
 absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t row_offset = 0,
                                  bool mask_out_of_range = false);
-// The table gradient: dy rows scatter-added into [rows, H] (masked ids skipped).
+// The table gradient: dy rows scatter-added into [rows, H] (masked ids
+// skipped). The ids are grouped on the host: pass them on the host (as the
+// forward's caller had them) and nothing is read back from the device.
 absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t rows, int64_t row_offset = 0);
 
 // Cross-entropy per row of logits [N, V] against integer labels [N], with

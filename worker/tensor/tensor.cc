@@ -423,8 +423,32 @@ absl::Status AddSumOfSquares(const Tensor& a, Tensor& acc) {
   }
   const Tensor ca = a.Contiguous();
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
-  return k->AddSumOfSquares(a.device().index, Elem(a.dtype()), ca.raw_data(), ca.numel(),
-                            static_cast<float*>(acc.raw_data()));
+  return k->AccumulateSum(a.device().index, Elem(a.dtype()), ca.raw_data(), ca.numel(), /*square=*/true,
+                          static_cast<float*>(acc.raw_data()));
+}
+
+absl::StatusOr<Tensor> SumToTensor(const Tensor& a) {
+  if (!IsFloat(a.dtype())) return absl::InvalidArgumentError("sum: float dtypes only");
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros({}, DType::kF32, a.device()));
+  const Tensor ca = a.Contiguous();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
+  RETURN_IF_ERROR(k->AccumulateSum(a.device().index, Elem(a.dtype()), ca.raw_data(), ca.numel(), /*square=*/false,
+                                   static_cast<float*>(out.raw_data())));
+  return out;
+}
+
+absl::StatusOr<Tensor> BroadcastScalar(const Tensor& t, const Shape& shape, DType dtype) {
+  if (t.numel() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("broadcast: ", ShapeToString(t.shape()), " is not one element"));
+  }
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(shape, dtype, t.device()));
+  if (out.numel() == 0) return out;
+  kernels::Layout src = LayoutOf(out);
+  for (int d = 0; d < src.ndim; ++d) src.strides[d] = 0;  // every element reads the one
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(t.device()));
+  RETURN_IF_ERROR(k->StridedCopy(t.device().index, t.raw_data(), src, Elem(t.dtype()), out.raw_data(),
+                                 LayoutOf(out), Elem(dtype)));
+  return out;
 }
 
 double SumAll(const Tensor& a) {

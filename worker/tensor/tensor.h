@@ -151,6 +151,12 @@ double SumAll(const Tensor& a);
 // one f32 element on a's device and `a` a float tensor. Nothing is read on
 // the host: a grad norm over many tensors reads `acc` once.
 absl::Status AddSumOfSquares(const Tensor& a, Tensor& acc);
+// The sum of a float tensor's elements (in double, rounded to f32) as a
+// one-element f32 tensor of shape [] on a's device; nothing is read on the host.
+absl::StatusOr<Tensor> SumToTensor(const Tensor& a);
+// A contiguous tensor of `shape` and `dtype` on t's device whose every
+// element is t's one element (converted), made on the device.
+absl::StatusOr<Tensor> BroadcastScalar(const Tensor& t, const Shape& shape, DType dtype);
 
 }  // namespace colod
 

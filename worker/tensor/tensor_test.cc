@@ -133,6 +133,19 @@ TEST(Tensor, SumsOfSquaresAccumulateIntoOneF32) {
   EXPECT_EQ(AddSumOfSquares(ints, acc).code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(Tensor, SumToTensorAndBroadcastScalarStayOnTheDevice) {
+  const Tensor a = Iota({4, 5});  // 1 .. 20
+  Tensor sum = *SumToTensor(a);
+  EXPECT_EQ(sum.shape(), Shape{});
+  EXPECT_EQ(sum.ToFloats()[0], 210.0f);
+  EXPECT_EQ(SumToTensor(*a.Narrow(1, 4, 1))->ToFloats()[0], 5.0f + 10 + 15 + 20);
+  const Tensor b = *BroadcastScalar(sum, {2, 3}, DType::kBF16);
+  EXPECT_EQ(b.dtype(), DType::kBF16);
+  EXPECT_EQ(b.ToFloats(), std::vector<float>(6, 210.0f));
+  EXPECT_EQ(BroadcastScalar(a, {2}, DType::kF32).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SumToTensor(*Tensor::FromInt64s({1}, {3})).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Tensor, ASizeOneSliceOfAContiguousTensorIsContiguousAndWritesThrough) {
   Tensor t = Iota({3, 4, 5});
   Tensor slice = *t.Narrow(0, 1, 1)->Narrow(1, 2, 1);  // [1, 1, 5] with the parent's strides

@@ -30,7 +30,7 @@ struct Sample {
 };
 
 // Host synchronizations per rank and warm step (the emulation counts them).
-constexpr uint64_t kMaxHostSyncsPerRankStep = 12;
+constexpr uint64_t kMaxHostSyncsPerRankStep = 2;  // the loss and the grad norm
 
 Sample Take(int devices) {
   Sample s;
@@ -57,7 +57,7 @@ TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
   TrainOptions o;
   o.model_dir = model->dir;
   o.data_path = "/usr/share/common-licenses/GPL-3";
-  o.steps = 6;
+  o.steps = 10;
   o.batch_size = 8;
   o.seq_len = 32;
   o.lr = 3e-3;
@@ -74,22 +74,23 @@ TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
                 stats.push_back(st);
               }).ok());
   // Each step reports its device's pool (the worker's colod_device_pool_bytes).
-  ASSERT_EQ(stats.size(), 6u);
-  EXPECT_TRUE(stats[5].cuda);
-  EXPECT_GT(stats[5].pool_reserved_bytes, 0);
-  EXPECT_GE(stats[5].pool_reserved_bytes, stats[5].pool_used_bytes);
-  EXPECT_GE(stats[5].pool_used_bytes, stats[5].param_bytes);
-  ASSERT_EQ(after.size(), 6u);
+  ASSERT_EQ(stats.size(), 10u);
+  EXPECT_TRUE(stats[9].cuda);
+  EXPECT_GT(stats[9].pool_reserved_bytes, 0);
+  EXPECT_GE(stats[9].pool_reserved_bytes, stats[9].pool_used_bytes);
+  EXPECT_GE(stats[9].pool_used_bytes, stats[9].param_bytes);
+  ASSERT_EQ(after.size(), 10u);
   // Steps 1 and 2 warm up (the optimizer's state appears in step 1); the
-  // other ranks are at most a step behind rank 0, so steps 4 to 6 are warm
-  // on every rank.
+  // other ranks are at most a step behind rank 0, so steps 4 to 10 are warm
+  // on every rank. Over 7 steps a rank that is a step off rank 0 at either
+  // end moves the per-step average by less than one.
   EXPECT_GT(after[0].reserved, 0u);
-  EXPECT_EQ(after[5].reserved, after[2].reserved) << "a warm step grew the devices' pools";
+  EXPECT_EQ(after[9].reserved, after[2].reserved) << "a warm step grew the devices' pools";
 #ifdef COLOD_CUDA_EMULATION
-  EXPECT_EQ(after[5].counters.device_allocations, after[2].counters.device_allocations)
+  EXPECT_EQ(after[9].counters.device_allocations, after[2].counters.device_allocations)
       << "a warm step asked a device for memory";
   const auto per_step = [&](uint64_t colod_cuda_emu::Counters::*field) {
-    return (after[5].counters.*field - after[2].counters.*field) / 3;
+    return (after[9].counters.*field - after[2].counters.*field) / 7;
   };
   const uint64_t syncs = per_step(&colod_cuda_emu::Counters::host_synchronizations);
   std::printf("per step, 4 ranks (GPT-2 tiny, 2 layers): %llu host synchronizations, %llu polls, %llu launches\n",
@@ -97,9 +98,7 @@ TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
               static_cast<unsigned long long>(per_step(&colod_cuda_emu::Counters::stream_queries)),
               static_cast<unsigned long long>(per_step(&colod_cuda_emu::Counters::kernel_launches)));
   // Before stream order every op synchronized: about 700 per rank and step.
-  // What is left is the reads of values the host uses (the loss, the grad
-  // norm) and the host-side parts that remain (docs/GPU.md): a ceiling that
-  // only comes down.
+  // Now the host reads the two values it uses, the loss and the grad norm.
   EXPECT_LE(syncs, 4u * kMaxHostSyncsPerRankStep) << "host synchronizations per step, 4 ranks";
 #endif
 }
