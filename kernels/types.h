@@ -15,6 +15,10 @@ enum class BinaryOp { kAdd, kSub, kMul };
 // The most dims a strided layout has; worker/tensor rejects higher ranks.
 constexpr int kMaxDims = 16;
 
+// The largest head dim of the fused attention kernels (layer_ops.inc's
+// FlashAttention); models with larger heads use the unfused path.
+constexpr int64_t kMaxFusedHeadDim = 256;
+
 // A strided view: element (i0, ..., ik) is at data + sum(i_d * strides[d])
 // elements. Passed to CUDA kernels by value.
 struct Layout {

@@ -438,6 +438,98 @@ absl::Status Rope(int, const float* x, float* y, int64_t b, int64_t s, int64_t h
   return absl::OkStatus();
 }
 
+namespace {
+
+absl::Status CheckAttention(int64_t hq, int64_t hkv, int64_t d, const char* op) {
+  if (hkv < 1 || hq % hkv != 0 || d < 1 || d > kMaxFusedHeadDim) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", hq, " query heads over ", hkv, " kv heads of dim ", d,
+                                                   " (at most ", kMaxFusedHeadDim, ")"));
+  }
+  return absl::OkStatus();
+}
+
+float Dot(const float* a, const float* b, int64_t d) {
+  float s = 0;
+  for (int64_t c = 0; c < d; ++c) s += a[c] * b[c];
+  return s;
+}
+
+}  // namespace
+
+// The twin of the CUDA kernels, row by row: the scores of one query row at a
+// time (s floats), so the [s, s] matrix never exists here either.
+absl::Status FlashAttention(int, const float* q, const float* k, const float* v, float* out, float* lse, int64_t b,
+                            int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale, bool causal) {
+  if (absl::Status st = CheckAttention(hq, hkv, d, "FlashAttention"); !st.ok()) return st;
+  const int64_t group = hq / hkv;
+  std::vector<float> p(s);
+  std::vector<double> acc(d);
+  for (int64_t bi = 0; bi < b; ++bi) {
+    for (int64_t h = 0; h < hq; ++h) {
+      const int64_t kvh = h / group;
+      for (int64_t i = 0; i < s; ++i) {
+        const float* qi = q + ((bi * s + i) * hq + h) * d;
+        const int64_t visible = causal ? i + 1 : s;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < visible; ++j) {
+          p[j] = scale * Dot(qi, k + ((bi * s + j) * hkv + kvh) * d, d);
+          mx = std::max(mx, p[j]);
+        }
+        double l = 0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t j = 0; j < visible; ++j) {
+          const double e = std::exp(static_cast<double>(p[j]) - mx);
+          l += e;
+          const float* vj = v + ((bi * s + j) * hkv + kvh) * d;
+          for (int64_t c = 0; c < d; ++c) acc[c] += e * vj[c];
+        }
+        float* oi = out + ((bi * s + i) * hq + h) * d;
+        for (int64_t c = 0; c < d; ++c) oi[c] = static_cast<float>(acc[c] / l);
+        lse[(bi * hq + h) * s + i] = static_cast<float>(mx + std::log(l));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FlashAttentionBackward(int, const float* q, const float* k, const float* v, const float* out,
+                                    const float* dout, const float* lse, float* delta, float* dq, float* dk,
+                                    float* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
+                                    bool causal) {
+  if (absl::Status st = CheckAttention(hq, hkv, d, "FlashAttentionBackward"); !st.ok()) return st;
+  const int64_t group = hq / hkv;
+  std::fill(dk, dk + b * s * hkv * d, 0.0f);
+  std::fill(dv, dv + b * s * hkv * d, 0.0f);
+  for (int64_t bi = 0; bi < b; ++bi) {
+    for (int64_t h = 0; h < hq; ++h) {
+      const int64_t kvh = h / group;
+      for (int64_t i = 0; i < s; ++i) {
+        const int64_t row = (bi * s + i) * hq + h;
+        delta[(bi * hq + h) * s + i] = Dot(dout + row * d, out + row * d, d);
+      }
+      for (int64_t i = 0; i < s; ++i) {
+        const int64_t row = (bi * s + i) * hq + h;
+        const float* qi = q + row * d;
+        const float* doi = dout + row * d;
+        const float li = lse[(bi * hq + h) * s + i], di = delta[(bi * hq + h) * s + i];
+        float* dqi = dq + row * d;
+        std::fill(dqi, dqi + d, 0.0f);
+        for (int64_t j = 0; j < (causal ? i + 1 : s); ++j) {
+          const int64_t kv = ((bi * s + j) * hkv + kvh) * d;
+          const float p = std::exp(scale * Dot(qi, k + kv, d) - li);
+          const float ds = p * (Dot(doi, v + kv, d) - di);
+          for (int64_t c = 0; c < d; ++c) {
+            dqi[c] += scale * ds * k[kv + c];
+            dk[kv + c] += scale * ds * qi[c];
+            dv[kv + c] += p * doi[c];
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status AdamW(int, float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
                    float beta2, float eps, float weight_decay, float bias_correction1, float bias_correction2) {
   for (int64_t i = 0; i < n; ++i) {

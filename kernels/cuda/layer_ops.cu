@@ -6,6 +6,7 @@
 #include <cmath>
 #include <map>
 #include <string>
+#include <type_traits>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -364,6 +365,237 @@ __global__ void AdamWKernel(float* p, const float* g, float* m, float* v, int64_
   }
 }
 
+// ---- Fused attention (FlashAttention, FlashAttentionBackward) ----
+// One thread per query row (forward, dq) or key row (dk, dv), kAttnRows rows
+// a block; the block's rows share each tile of the other side's rows, staged
+// in shared memory. kD is the head dim rounded up to an instantiation (rows
+// padded with zeros, which add nothing to a dot product), so a thread's
+// vectors are indexed by constants; kTile rows keep the staged tiles within
+// 32 KiB of shared memory. Scalar FMAs in f32: the tensor-core version is
+// what docs/GPU.md lists as left.
+constexpr int kAttnRows = 64;
+
+template <int kD>
+constexpr int kAttnTile = kD <= 64 ? 64 : 4096 / kD;
+
+// tile[r][c] <- row j0 + r of a [s, stride]-strided head (zero past s or d).
+template <int kD, int kT>
+__device__ void StageRows(float (*tile)[kD], const float* base, int64_t stride, int64_t j0, int64_t s, int d) {
+  for (int t = threadIdx.x; t < kT * kD; t += blockDim.x) {
+    const int r = t / kD, c = t % kD;
+    const int64_t j = j0 + r;
+    tile[r][c] = (j < s && c < d) ? base[j * stride + c] : 0.0f;
+  }
+}
+
+// Grid (row blocks, hq, b). Online softmax over the key tiles: m is the
+// running max, l the running sum of exp(score - m), acc the running sum of
+// exp(score - m) v; a larger score rescales both.
+template <int kD>
+__global__ void FlashForwardKernel(const float* q, const float* k, const float* v, float* out, float* lse, int64_t s,
+                                   int64_t hq, int64_t hkv, int d, float scale, bool causal) {
+  constexpr int kT = kAttnTile<kD>;
+  __shared__ float ks[kT][kD];
+  __shared__ float vs[kT][kD];
+  const int64_t h = blockIdx.y, bi = blockIdx.z, kvh = h / (hq / hkv);
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kAttnRows + threadIdx.x;
+  const bool active = i < s;
+  const int64_t row = (bi * s + i) * hq + h;
+  float qi[kD], acc[kD];
+#pragma unroll
+  for (int c = 0; c < kD; ++c) {
+    qi[c] = (active && c < d) ? q[row * d + c] * scale : 0.0f;
+    acc[c] = 0.0f;
+  }
+  float m = -INFINITY, l = 0.0f;
+  const int64_t block_end = static_cast<int64_t>(blockIdx.x + 1) * kAttnRows;
+  const int64_t keys = causal && block_end < s ? block_end : s;
+  const float* kb = k + (bi * s * hkv + kvh) * d;
+  const float* vb = v + (bi * s * hkv + kvh) * d;
+  for (int64_t j0 = 0; j0 < keys; j0 += kT) {
+    StageRows<kD, kT>(ks, kb, hkv * d, j0, s, d);
+    StageRows<kD, kT>(vs, vb, hkv * d, j0, s, d);
+    __syncthreads();
+    int64_t n = s - j0 < kT ? s - j0 : kT;
+    if (causal && i - j0 + 1 < n) n = i - j0 + 1;
+    for (int r = 0; active && r < n; ++r) {
+      float sc = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kD; ++c) sc += qi[c] * ks[r][c];
+      if (sc > m) {
+        const float corr = expf(m - sc);
+        l *= corr;
+#pragma unroll
+        for (int c = 0; c < kD; ++c) acc[c] *= corr;
+        m = sc;
+      }
+      const float p = expf(sc - m);
+      l += p;
+#pragma unroll
+      for (int c = 0; c < kD; ++c) acc[c] += p * vs[r][c];
+    }
+    __syncthreads();
+  }
+  if (active) {
+    const float inv = 1.0f / l;
+#pragma unroll
+    for (int c = 0; c < kD; ++c) {
+      if (c < d) out[row * d + c] = acc[c] * inv;
+    }
+    lse[(bi * hq + h) * s + i] = m + logf(l);
+  }
+}
+
+// Grid (row blocks, hq, b): dq of each query row, over the key tiles; writes
+// delta = rowsum(dout * out) for the dk/dv kernel that follows in the stream.
+template <int kD>
+__global__ void FlashBackwardDqKernel(const float* q, const float* k, const float* v, const float* out,
+                                      const float* dout, const float* lse, float* delta, float* dq, int64_t s,
+                                      int64_t hq, int64_t hkv, int d, float scale, bool causal) {
+  constexpr int kT = kAttnTile<kD>;
+  __shared__ float ks[kT][kD];
+  __shared__ float vs[kT][kD];
+  const int64_t h = blockIdx.y, bi = blockIdx.z, kvh = h / (hq / hkv);
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kAttnRows + threadIdx.x;
+  const bool active = i < s;
+  const int64_t row = (bi * s + i) * hq + h;
+  float qi[kD], doi[kD], dqi[kD];
+  float di = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kD; ++c) {
+    qi[c] = (active && c < d) ? q[row * d + c] : 0.0f;
+    doi[c] = (active && c < d) ? dout[row * d + c] : 0.0f;
+    di += (active && c < d) ? doi[c] * out[row * d + c] : 0.0f;
+    dqi[c] = 0.0f;
+  }
+  const float li = active ? lse[(bi * hq + h) * s + i] : 0.0f;
+  if (active) delta[(bi * hq + h) * s + i] = di;
+  const int64_t block_end = static_cast<int64_t>(blockIdx.x + 1) * kAttnRows;
+  const int64_t keys = causal && block_end < s ? block_end : s;
+  const float* kb = k + (bi * s * hkv + kvh) * d;
+  const float* vb = v + (bi * s * hkv + kvh) * d;
+  for (int64_t j0 = 0; j0 < keys; j0 += kT) {
+    StageRows<kD, kT>(ks, kb, hkv * d, j0, s, d);
+    StageRows<kD, kT>(vs, vb, hkv * d, j0, s, d);
+    __syncthreads();
+    int64_t n = s - j0 < kT ? s - j0 : kT;
+    if (causal && i - j0 + 1 < n) n = i - j0 + 1;
+    for (int r = 0; active && r < n; ++r) {
+      float sc = 0.0f, dp = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kD; ++c) {
+        sc += qi[c] * ks[r][c];
+        dp += doi[c] * vs[r][c];
+      }
+      const float ds = expf(scale * sc - li) * (dp - di);
+#pragma unroll
+      for (int c = 0; c < kD; ++c) dqi[c] += ds * ks[r][c];
+    }
+    __syncthreads();
+  }
+  if (active) {
+#pragma unroll
+    for (int c = 0; c < kD; ++c) {
+      if (c < d) dq[row * d + c] = dqi[c] * scale;
+    }
+  }
+}
+
+// Grid (row blocks, hkv, b): dk and dv of each key row, over the query tiles
+// of every query head of its kv head, in a fixed order.
+template <int kD>
+__global__ void FlashBackwardDkvKernel(const float* q, const float* k, const float* v, const float* dout,
+                                       const float* lse, const float* delta, float* dk, float* dv, int64_t s,
+                                       int64_t hq, int64_t hkv, int d, float scale, bool causal) {
+  constexpr int kT = kAttnTile<kD>;
+  __shared__ float qs[kT][kD];
+  __shared__ float dos[kT][kD];
+  __shared__ float ls[kT];
+  __shared__ float deltas[kT];
+  const int64_t kvh = blockIdx.y, bi = blockIdx.z, group = hq / hkv;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kAttnRows + threadIdx.x;
+  const bool active = j < s;
+  const int64_t krow = (bi * s + j) * hkv + kvh;
+  float kj[kD], vj[kD], dkj[kD], dvj[kD];
+#pragma unroll
+  for (int c = 0; c < kD; ++c) {
+    kj[c] = (active && c < d) ? k[krow * d + c] : 0.0f;
+    vj[c] = (active && c < d) ? v[krow * d + c] : 0.0f;
+    dkj[c] = 0.0f;
+    dvj[c] = 0.0f;
+  }
+  // Causal: queries before the block's first key see none of its keys.
+  const int64_t first = causal ? static_cast<int64_t>(blockIdx.x) * kAttnRows : 0;
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t h = kvh * group + g;
+    const float* qb = q + (bi * s * hq + h) * d;
+    const float* dob = dout + (bi * s * hq + h) * d;
+    const float* lb = lse + (bi * hq + h) * s;
+    const float* db = delta + (bi * hq + h) * s;
+    for (int64_t i0 = first; i0 < s; i0 += kT) {
+      StageRows<kD, kT>(qs, qb, hq * d, i0, s, d);
+      StageRows<kD, kT>(dos, dob, hq * d, i0, s, d);
+      for (int t = threadIdx.x; t < kT; t += blockDim.x) {
+        ls[t] = i0 + t < s ? lb[i0 + t] : 0.0f;
+        deltas[t] = i0 + t < s ? db[i0 + t] : 0.0f;
+      }
+      __syncthreads();
+      const int64_t n = s - i0 < kT ? s - i0 : kT;
+      for (int r = 0; active && r < n; ++r) {
+        if (causal && i0 + r < j) continue;
+        float sc = 0.0f, dp = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kD; ++c) {
+          sc += qs[r][c] * kj[c];
+          dp += dos[r][c] * vj[c];
+        }
+        const float p = expf(scale * sc - ls[r]);
+        const float ds = p * (dp - deltas[r]);
+#pragma unroll
+        for (int c = 0; c < kD; ++c) {
+          dvj[c] += p * dos[r][c];
+          dkj[c] += ds * qs[r][c];
+        }
+      }
+      __syncthreads();
+    }
+  }
+  if (active) {
+#pragma unroll
+    for (int c = 0; c < kD; ++c) {
+      if (c < d) {
+        dk[krow * d + c] = dkj[c] * scale;
+        dv[krow * d + c] = dvj[c];
+      }
+    }
+  }
+}
+
+// fn(std::integral_constant<int, kD>) for the smallest instantiation >= d.
+template <typename Fn>
+absl::Status ByHeadDim(int64_t d, Fn fn) {
+  if (d <= 16) return fn(std::integral_constant<int, 16>{});
+  if (d <= 32) return fn(std::integral_constant<int, 32>{});
+  if (d <= 64) return fn(std::integral_constant<int, 64>{});
+  if (d <= 128) return fn(std::integral_constant<int, 128>{});
+  return fn(std::integral_constant<int, 256>{});
+}
+
+// The launch grid of the attention kernels, after checking the sizes.
+absl::StatusOr<dim3> AttnGrid(int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, const char* op) {
+  if (hkv < 1 || hq % hkv != 0 || d < 1 || d > kMaxFusedHeadDim) {
+    return absl::InvalidArgumentError(std::string(op) + ": " + std::to_string(hq) + " query heads over " +
+                                      std::to_string(hkv) + " kv heads of dim " + std::to_string(d) +
+                                      " (at most " + std::to_string(kMaxFusedHeadDim) + ")");
+  }
+  const int64_t blocks = (s + kAttnRows - 1) / kAttnRows;
+  if (blocks > 0x7fffffff || hq > 65535 || b > 65535) {
+    return absl::InvalidArgumentError(std::string(op) + ": batch " + std::to_string(b) + ", " + std::to_string(hq) +
+                                      " heads or sequence " + std::to_string(s) + " exceed the launch grid");
+  }
+  return dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(hq), static_cast<unsigned>(b));
+}
+
 // One cuBLAS handle per device for the whole process (a thread_local one
 // leaked a handle and its workspace per job thread), bound to the device's
 // compute stream, and destroyed at exit. `mu` serializes the enqueues on a
@@ -623,6 +855,39 @@ absl::Status Rope(int device, const float* x, float* y, int64_t b, int64_t s, in
   Launch(RopeKernel, Blocks(b * s * heads * (d / 2)), kThreads, stream, x, y, b, s, heads, d, theta,
                                                                                      position_offset, sign);
   return Finish("RopeKernel");
+}
+
+absl::Status FlashAttention(int device, const float* q, const float* k, const float* v, float* out, float* lse,
+                            int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale, bool causal) {
+  absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttention");
+  if (!grid.ok()) return grid.status();
+  if (b * s == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByHeadDim(d, [&](auto dim) {
+    Launch(FlashForwardKernel<decltype(dim)::value>, *grid, kAttnRows, stream, q, k, v, out, lse, s, hq, hkv,
+           static_cast<int>(d), scale, causal);
+    return Finish("FlashForwardKernel");
+  });
+}
+
+absl::Status FlashAttentionBackward(int device, const float* q, const float* k, const float* v, const float* out,
+                                    const float* dout, const float* lse, float* delta, float* dq, float* dk,
+                                    float* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
+                                    bool causal) {
+  absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttentionBackward");
+  if (!grid.ok()) return grid.status();
+  if (b * s == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  const dim3 kv_grid(grid->x, static_cast<unsigned>(hkv), grid->z);
+  return ByHeadDim(d, [&](auto dim) {
+    constexpr int kD = decltype(dim)::value;
+    Launch(FlashBackwardDqKernel<kD>, *grid, kAttnRows, stream, q, k, v, out, dout, lse, delta, dq, s, hq, hkv,
+           static_cast<int>(d), scale, causal);
+    RETURN_IF(Finish("FlashBackwardDqKernel"));
+    Launch(FlashBackwardDkvKernel<kD>, kv_grid, kAttnRows, stream, q, k, v, dout, lse,
+           static_cast<const float*>(delta), dk, dv, s, hq, hkv, static_cast<int>(d), scale, causal);
+    return Finish("FlashBackwardDkvKernel");
+  });
 }
 
 absl::Status AdamW(int device, float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/types.h"
 #include "worker/colo/tensor_collectives.h"
 
 namespace colod::nn {
@@ -191,15 +192,46 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
   return Attention(q, k, v, scale, /*causal=*/true);
 }
 
-absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const Variable& v, float scale, bool causal) {
+namespace {
+
+// t in f32 and contiguous: the same storage where it already is.
+absl::StatusOr<Tensor> ContiguousF32(const Tensor& t) {
+  if (t.dtype() == DType::kF32) return t.Contiguous();
+  return t.ToDType(DType::kF32);
+}
+
+absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
+                                        bool causal) {
+  const DType dtype = q.value().dtype();
+  // The f32 operands are kept for the backward (one conversion each way).
+  ASSIGN_OR_RETURN(Tensor qf, ContiguousF32(q.value()));
+  ASSIGN_OR_RETURN(Tensor kf, ContiguousF32(k.value()));
+  ASSIGN_OR_RETURN(Tensor vf, ContiguousF32(v.value()));
+  ASSIGN_OR_RETURN(ops::AttentionForward f, ops::FusedAttention(qf, kf, vf, scale, causal));
+  Tensor y = f.out;
+  if (dtype != DType::kF32) {
+    ASSIGN_OR_RETURN(y, y.ToDType(dtype));
+  }
+  return RecordOp(causal ? "causal_attention" : "attention", {q, k, v}, std::move(y),
+                  [qf, kf, vf, f, scale, causal, dtype](const Tensor& dy) -> absl::StatusOr<Grads> {
+                    ASSIGN_OR_RETURN(ops::AttentionGrads g, ops::FusedAttentionBackward(dy, qf, kf, vf, f, scale, causal));
+                    Grads out;
+                    for (Tensor* t : {&g.dq, &g.dk, &g.dv}) {
+                      if (dtype == DType::kF32) {
+                        out.push_back(*t);
+                      } else {
+                        ASSIGN_OR_RETURN(Tensor back, t->ToDType(dtype));
+                        out.push_back(back);
+                      }
+                    }
+                    return out;
+                  });
+}
+
+absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
+                                          bool causal) {
   const Shape& qs = q.value().shape();
   const Shape& ks = k.value().shape();
-  if (qs.size() != 4 || ks.size() != 4 || ks != v.value().shape() || qs[0] != ks[0] || qs[1] != ks[1] ||
-      qs[3] != ks[3] || ks[2] == 0 || qs[2] % ks[2] != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention: q ", ShapeToString(qs), ", k ", ShapeToString(ks), ", v ", ShapeToString(v.value().shape()),
-        " must be [B, S, Hq, D] and [B, S, Hkv, D] with Hq a multiple of Hkv"));
-  }
   const int64_t batch = qs[0], seq = qs[1], hq = qs[2], hkv = ks[2], d = qs[3], group = hq / hkv;
   // Computed in f32 whatever the inputs' dtype (bf16 under mixed precision).
   ASSIGN_OR_RETURN(Tensor qh, HeadsFirst(q.value()));
@@ -269,6 +301,19 @@ absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const V
         }
         return g;
       });
+}
+
+}  // namespace
+
+absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const Variable& v, float scale, bool causal,
+                                   AttentionImpl impl) {
+  RETURN_IF_ERROR(ops::CheckAttentionShapes(q.value(), k.value(), v.value()));
+  if (impl == AttentionImpl::kAuto) {
+    impl = q.value().device().is_cuda() && q.value().shape()[3] <= kernels::kMaxFusedHeadDim ? AttentionImpl::kFused
+                                                                                            : AttentionImpl::kPerHead;
+  }
+  if (impl == AttentionImpl::kFused) return FusedAttention(q, k, v, scale, causal);
+  return PerHeadAttention(q, k, v, scale, causal);
 }
 
 namespace {

@@ -59,7 +59,13 @@ absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Tensor& labe
 // softmax(q k^T * scale, causal) v. INVALID_ARGUMENT for mismatched shapes.
 absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, const Variable& v, float scale);
 // The same with or without the causal mask (BERT's attention is bidirectional).
-absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const Variable& v, float scale, bool causal);
+// kAuto runs the fused kernel (ops::FusedAttention: one launch forward, two
+// backward, no [S, S] probabilities kept) on CUDA devices for head dims up
+// to kernels::kMaxFusedHeadDim, and per (batch, head) GEMMs through
+// OpenBLAS on the CPU, where they are faster; tests pick either.
+enum class AttentionImpl { kAuto, kFused, kPerHead };
+absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const Variable& v, float scale, bool causal,
+                                   AttentionImpl impl = AttentionImpl::kAuto);
 
 // LayerNorm over a hidden dim split across `hidden` (x [.., h/n] and gamma,
 // beta [h/n] on each of its n ranks): the row statistics are all-reduced

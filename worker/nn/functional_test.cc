@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <functional>
+#include <string>
+#include <tuple>
 
 #include "gtest/gtest.h"
 
@@ -44,17 +46,19 @@ std::vector<double> D(const Tensor& t) {
   return std::vector<double>(f.begin(), f.end());
 }
 
-class AttentionTest : public ::testing::TestWithParam<bool> {};
+// Both implementations on the CPU: the per-head GEMMs and the fused kernel's
+// CPU twin (kernels/cpu FlashAttention).
+class AttentionTest : public ::testing::TestWithParam<std::tuple<bool, AttentionImpl>> {};
 
 TEST_P(AttentionTest, GroupedQueryAttentionMatchesTheNaiveLoopsAndItsGradients) {
-  const bool causal = GetParam();
+  const bool causal = std::get<0>(GetParam());
+  const AttentionImpl impl = std::get<1>(GetParam());
   const int64_t batch = 2, seq = 4, hq = 4, hkv = 2, d = 3;
   const double scale = 1 / std::sqrt(3.0);
   const Tensor q = *Tensor::RandomNormal({batch, seq, hq, d}, 1), k = *Tensor::RandomNormal({batch, seq, hkv, d}, 2),
                v = *Tensor::RandomNormal({batch, seq, hkv, d}, 3), r = *Tensor::RandomNormal({batch, seq, hq, d}, 4);
   Variable vq(q, true), vk(k, true), vv(v, true);
-  auto out = causal ? CausalAttention(vq, vk, vv, static_cast<float>(scale))
-                    : Attention(vq, vk, vv, static_cast<float>(scale), false);
+  auto out = Attention(vq, vk, vv, static_cast<float>(scale), causal, impl);
   ASSERT_TRUE(out.ok()) << out.status();
   const std::vector<double> want = NaiveAttention(D(q), D(k), D(v), batch, seq, hq, hkv, d, scale, causal);
   const std::vector<float> got = out->value().ToFloats();
@@ -79,15 +83,20 @@ TEST_P(AttentionTest, GroupedQueryAttentionMatchesTheNaiveLoopsAndItsGradients) 
       ASSERT_NEAR(grad[i], numeric, 1e-4) << "input " << which << " element " << i;
     }
   }
-  EXPECT_EQ(CausalAttention(vq, Variable(*Tensor::Zeros({batch, seq, 3, d}, DType::kF32)),
-                            Variable(*Tensor::Zeros({batch, seq, 3, d}, DType::kF32)), 1.0f)
+  EXPECT_EQ(Attention(vq, Variable(*Tensor::Zeros({batch, seq, 3, d}, DType::kF32)),
+                      Variable(*Tensor::Zeros({batch, seq, 3, d}, DType::kF32)), 1.0f, causal, impl)
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);  // 4 query heads over 3 kv heads
 }
 
-INSTANTIATE_TEST_SUITE_P(Masks, AttentionTest, ::testing::Bool(),
-                         [](const auto& info) { return info.param ? "causal" : "bidirectional"; });
+INSTANTIATE_TEST_SUITE_P(MasksAndImpls, AttentionTest,
+                         ::testing::Combine(::testing::Bool(),
+                                            ::testing::Values(AttentionImpl::kPerHead, AttentionImpl::kFused)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "causal" : "bidirectional") +
+                                  (std::get<1>(info.param) == AttentionImpl::kFused ? "_fused" : "_per_head");
+                         });
 
 TEST(Functional, ReshapeAndLinearGradients) {
   const Tensor x = *Tensor::RandomNormal({3, 4}, 5), w = *Tensor::RandomNormal({2, 4}, 6);

@@ -78,6 +78,12 @@ struct DeviceKernels {
                                      int64_t vocab, float smoothing, int64_t ignore_index, float* dz);
   absl::Status (*Rope)(int device, const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d,
                        float theta, int64_t position_offset, float sign);
+  absl::Status (*FlashAttention)(int device, const float* q, const float* k, const float* v, float* out, float* lse,
+                                 int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale, bool causal);
+  absl::Status (*FlashAttentionBackward)(int device, const float* q, const float* k, const float* v,
+                                         const float* out, const float* dout, const float* lse, float* delta,
+                                         float* dq, float* dk, float* dv, int64_t b, int64_t s, int64_t hq,
+                                         int64_t hkv, int64_t d, float scale, bool causal);
   absl::Status (*AdamW)(int device, float* param, const float* grad, float* m, float* v, int64_t n, float lr,
                         float beta1, float beta2, float eps, float weight_decay, float bias_correction1,
                         float bias_correction2);
@@ -93,7 +99,7 @@ struct DeviceKernels {
         &ns::RmsNorm, &ns::RmsNormBackward, &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout,           \
         &ns::Embedding, &ns::EmbeddingBackward, &ns::CrossEntropy, &ns::CrossEntropyBackward,           \
         &ns::VocabShardMax, &ns::VocabShardSums, &ns::VocabShardLoss, &ns::VocabShardBackward,          \
-        &ns::Rope, &ns::AdamW                                                                           \
+        &ns::Rope, &ns::FlashAttention, &ns::FlashAttentionBackward, &ns::AdamW                         \
   }
 
 const DeviceKernels& CpuKernels();

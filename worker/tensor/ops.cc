@@ -540,6 +540,82 @@ absl::StatusOr<Tensor> RopeBackward(const Tensor& dy, float theta, int64_t posit
   return Rotate(dy, theta, position_offset, -1.0f, "rope_backward");
 }
 
+absl::Status CheckAttentionShapes(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const Shape& qs = q.shape();
+  const Shape& ks = k.shape();
+  if (qs.size() != 4 || ks.size() != 4 || ks != v.shape() || qs[0] != ks[0] || qs[1] != ks[1] || qs[3] != ks[3] ||
+      ks[2] == 0 || qs[2] % ks[2] != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("attention: q ", ShapeToString(qs), ", k ", ShapeToString(ks),
+                                                   ", v ", ShapeToString(v.shape()),
+                                                   " must be [B, S, Hq, D] and [B, S, Hkv, D] with Hq a multiple of "
+                                                   "Hkv"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// f32 contiguous copies of q, k and v, after the shape and device checks.
+absl::Status AttentionOperands(const Tensor& q, const Tensor& k, const Tensor& v, const char* op, Tensor& qf,
+                               Tensor& kf, Tensor& vf) {
+  RETURN_IF_ERROR(CheckAttentionShapes(q, k, v));
+  RETURN_IF_ERROR(SameDevice(op, q.device(), {&k, &v}));
+  if (q.shape()[3] > kernels::kMaxFusedHeadDim) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": head dim ", q.shape()[3], " is over the fused kernel's ",
+                                                   kernels::kMaxFusedHeadDim));
+  }
+  ASSIGN_OR_RETURN(qf, AsF32(q, op));
+  ASSIGN_OR_RETURN(kf, AsF32(k, op));
+  ASSIGN_OR_RETURN(vf, AsF32(v, op));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
+                                                bool causal) {
+  const char* op = "fused_attention";
+  Tensor qf, kf, vf;
+  RETURN_IF_ERROR(AttentionOperands(q, k, v, op, qf, kf, vf));
+  const Device dev = q.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* kern, KernelsFor(dev));
+  const int64_t b = q.shape()[0], s = q.shape()[1], hq = q.shape()[2], hkv = k.shape()[2], d = q.shape()[3];
+  AttentionForward f;
+  ASSIGN_OR_RETURN(f.out, Tensor::Empty(q.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(f.lse, Tensor::Empty({b, hq, s}, DType::kF32, dev));
+  RETURN_IF_ERROR(kern->FlashAttention(dev.index, F(qf), F(kf), F(vf), F(f.out), F(f.lse), b, s, hq, hkv, d, scale,
+                                       causal));
+  return f;
+}
+
+absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                      const Tensor& v, const AttentionForward& forward, float scale,
+                                                      bool causal) {
+  const char* op = "fused_attention_backward";
+  Tensor qf, kf, vf;
+  RETURN_IF_ERROR(AttentionOperands(q, k, v, op, qf, kf, vf));
+  const int64_t b = q.shape()[0], s = q.shape()[1], hq = q.shape()[2], hkv = k.shape()[2], d = q.shape()[3];
+  if (dout.shape() != q.shape() || forward.out.shape() != q.shape() || forward.lse.shape() != Shape{b, hq, s} ||
+      forward.out.dtype() != DType::kF32 || forward.lse.dtype() != DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": dout ", ShapeToString(dout.shape()), " and the forward's out ",
+                                                   ShapeToString(forward.out.shape()), " must be ",
+                                                   ShapeToString(q.shape()), ", its lse f32 [", b, ", ", hq, ", ", s,
+                                                   "]"));
+  }
+  const Device dev = q.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* kern, Kernels(op, dev, {&dout, &forward.out, &forward.lse}));
+  ASSIGN_OR_RETURN(Tensor dof, AsF32(dout, op));
+  const Tensor out = forward.out.Contiguous(), lse = forward.lse.Contiguous();
+  AttentionGrads g;
+  ASSIGN_OR_RETURN(Tensor delta, Tensor::Empty({b, hq, s}, DType::kF32, dev));
+  ASSIGN_OR_RETURN(g.dq, Tensor::Empty(q.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(g.dk, Tensor::Empty(k.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(g.dv, Tensor::Empty(v.shape(), DType::kF32, dev));
+  RETURN_IF_ERROR(kern->FlashAttentionBackward(dev.index, F(qf), F(kf), F(vf), F(out), F(dof), F(lse), F(delta),
+                                               F(g.dq), F(g.dk), F(g.dv), b, s, hq, hkv, d, scale, causal));
+  return g;
+}
+
 absl::Status AdamW(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, int64_t step, const AdamWOptions& o) {
   for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
     if (t->dtype() != DType::kF32 || t->shape() != param.shape() || !t->is_contiguous()) {

@@ -136,6 +136,30 @@ absl::StatusOr<Tensor> VocabShardCrossEntropyBackward(const Tensor& dloss, const
 absl::StatusOr<Tensor> Rope(const Tensor& x, float theta, int64_t position_offset = 0);
 absl::StatusOr<Tensor> RopeBackward(const Tensor& dy, float theta, int64_t position_offset = 0);
 
+// Scaled-dot-product attention operands: q [B, S, Hq, D], k and v
+// [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query attention: query
+// head h reads kv head h / (Hq / Hkv)). INVALID_ARGUMENT otherwise.
+absl::Status CheckAttentionShapes(const Tensor& q, const Tensor& k, const Tensor& v);
+
+// Fused attention (the kernels' FlashAttention: one kernel, online softmax,
+// no [S, S] scores in memory) of float q, k, v (any float dtype, computed in
+// f32): out = softmax(q k^T * scale, causal) v. D at most
+// kernels::kMaxFusedHeadDim (INVALID_ARGUMENT beyond).
+struct AttentionForward {
+  Tensor out;  // [B, S, Hq, D] f32
+  Tensor lse;  // [B, Hq, S] f32: each query row's log-sum-exp, for the backward
+};
+absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
+                                                bool causal);
+// The gradients (f32, shaped like q, k and v) from dout [B, S, Hq, D] and
+// the forward of the same q, k, v; deterministic (no atomics).
+struct AttentionGrads {
+  Tensor dq, dk, dv;
+};
+absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                      const Tensor& v, const AttentionForward& forward, float scale,
+                                                      bool causal);
+
 // One fused AdamW step in place on f32 `param`, `m`, `v` (same shape as
 // `grad`): decoupled weight decay, bias correction with `step` (1-based).
 struct AdamWOptions {

@@ -1,0 +1,129 @@
+// The fused attention kernel (kernels/cuda FlashAttention and its backward)
+// on a CUDA device against the per-head reference (GEMMs and softmax) on the
+// CPU, in values and in the gradients of q, k and v: causal and
+// bidirectional masks, grouped-query heads, head dims 64 and 128, and
+// sequence lengths that are not multiples of the kernels' tiles (64 query
+// rows a block, 64 or 32 keys a tile). CI runs it under the CUDA emulation.
+#include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
+
+#include <cmath>
+#include <cstring>
+#include <ostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#ifdef COLOD_CUDA_EMULATION
+#include <cuda_emu.h>
+#endif
+
+#include "gtest/gtest.h"
+#include "kernels/device.h"
+#include "worker/nn/functional.h"
+
+namespace colod::nn {
+namespace {
+
+struct Case {
+  int64_t batch, seq, hq, hkv, d;
+  bool causal;
+};
+
+std::ostream& operator<<(std::ostream& os, const Case& c) {
+  return os << "b" << c.batch << " s" << c.seq << " hq" << c.hq << " hkv" << c.hkv << " d" << c.d
+            << (c.causal ? " causal" : " bidirectional");
+}
+
+class CudaAttention : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+void ExpectNear(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const std::vector<float> g = got.ToFloats(), w = want.ToFloats();
+  ASSERT_GT(w.size(), 0u) << what;
+  for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], w[i], tol * (1 + std::fabs(w[i]))) << what << " at " << i;
+}
+
+struct Result {
+  Tensor out, dq, dk, dv;
+};
+
+// out = Attention(q, k, v) on `dev` with `impl`, and the gradients of
+// sum(out * r).
+Result RunAttention(const Case& c, Device dev, AttentionImpl impl, const Tensor& q, const Tensor& k, const Tensor& v,
+                 const Tensor& r) {
+  Variable vq(*q.To(dev), true), vk(*k.To(dev), true), vv(*v.To(dev), true);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  absl::StatusOr<Variable> out = Attention(vq, vk, vv, scale, c.causal, impl);
+  EXPECT_TRUE(out.ok()) << out.status();
+  if (!out.ok()) return {};
+  EXPECT_TRUE(Backward(*Sum(*Mul(*out, Variable(*r.To(dev))))).ok());
+  return {*out->value().To(Device::Cpu()), *vq.grad()->To(Device::Cpu()), *vk.grad()->To(Device::Cpu()),
+          *vv.grad()->To(Device::Cpu())};
+}
+
+TEST_P(CudaAttention, FusedKernelMatchesThePerHeadReferenceInValuesAndGradients) {
+  const Case c = GetParam();
+  const Tensor q = *Tensor::RandomNormal({c.batch, c.seq, c.hq, c.d}, 11);
+  const Tensor k = *Tensor::RandomNormal({c.batch, c.seq, c.hkv, c.d}, 12);
+  const Tensor v = *Tensor::RandomNormal({c.batch, c.seq, c.hkv, c.d}, 13);
+  const Tensor r = *Tensor::RandomNormal({c.batch, c.seq, c.hq, c.d}, 14);
+  const Result want = RunAttention(c, Device::Cpu(), AttentionImpl::kPerHead, q, k, v, r);
+  // kAuto: what the models run on a CUDA device (the fused kernel).
+  const Result got = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+  ExpectNear(got.out, want.out, 1e-4, "out");
+  ExpectNear(got.dq, want.dq, 2e-4, "dq");
+  ExpectNear(got.dk, want.dk, 2e-4, "dk");
+  ExpectNear(got.dv, want.dv, 2e-4, "dv");
+  // No atomics: a second run repeats every gradient bit for bit.
+  const Result again = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+  const std::pair<const Tensor*, const Tensor*> runs[] = {{&got.dq, &again.dq}, {&got.dk, &again.dk},
+                                                           {&got.dv, &again.dv}};
+  for (const auto& [first, second] : runs) {
+    const std::vector<float> x = first->ToFloats(), y = second->ToFloats();
+    ASSERT_EQ(x.size(), y.size());
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaAttention,
+    ::testing::Values(Case{1, 67, 4, 4, 64, true}, Case{1, 67, 4, 4, 64, false},
+                      Case{2, 100, 4, 2, 128, true},   // GQA, 2 query heads a kv head
+                      Case{1, 100, 8, 2, 128, false},  // GQA, 4 a kv head
+                      Case{2, 45, 3, 1, 8, true},      // multi-query, a small head
+                      Case{1, 130, 2, 2, 256, true}),  // the largest fused head dim
+    [](const auto& info) {
+      const Case& c = info.param;
+      return "s" + std::to_string(c.seq) + "_hq" + std::to_string(c.hq) + "_hkv" + std::to_string(c.hkv) + "_d" +
+             std::to_string(c.d) + (c.causal ? "_causal" : "_bidirectional");
+    });
+
+#ifdef COLOD_CUDA_EMULATION
+// One launch forward and two backward per attention call (the per-head path
+// launched about 6 per (batch, head) forward and 12 backward).
+TEST(CudaAttentionLaunches, OneKernelForwardTwoBackward) {
+  if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  const Device dev = Device::Cuda(0);
+  Variable q(*Tensor::RandomNormal({2, 40, 4, 16}, 1, DType::kF32, dev), true);
+  Variable k(*Tensor::RandomNormal({2, 40, 2, 16}, 2, DType::kF32, dev), true);
+  Variable v(*Tensor::RandomNormal({2, 40, 2, 16}, 3, DType::kF32, dev), true);
+  const uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
+  absl::StatusOr<Variable> out = Attention(q, k, v, 0.25f, /*causal=*/true);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const uint64_t forward = colod_cuda_emu::GetCounters().kernel_launches - before;
+  const Tensor dout = *Tensor::RandomNormal(out->value().shape(), 4, DType::kF32, dev);
+  const uint64_t before_backward = colod_cuda_emu::GetCounters().kernel_launches;
+  ASSERT_TRUE(Backward(*out, dout).ok());
+  const uint64_t backward = colod_cuda_emu::GetCounters().kernel_launches - before_backward;
+  EXPECT_EQ(forward, 1u);
+  EXPECT_EQ(backward, 2u);
+}
+#endif
+
+}  // namespace
+}  // namespace colod::nn
