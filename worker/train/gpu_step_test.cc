@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
 
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #ifdef COLOD_CUDA_EMULATION
@@ -25,7 +26,8 @@ namespace {
 struct Sample {
   uint64_t reserved = 0;  // the devices' pools, summed
 #ifdef COLOD_CUDA_EMULATION
-  colod_cuda_emu::Counters counters;
+  colod_cuda_emu::Counters counters;  // the process's: the 4 ranks together
+  colod_cuda_emu::Counters rank0;     // rank 0's own (its thread takes the sample)
 #endif
 };
 
@@ -43,21 +45,25 @@ Sample Take(int devices) {
   }
 #ifdef COLOD_CUDA_EMULATION
   s.counters = colod_cuda_emu::GetCounters();
+  s.rank0 = colod_cuda_emu::GetThreadCounters();
 #endif
   return s;
 }
 
-TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
-  if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices";
+// Trains a tiny GPT-2 of `layers` layers at tp=2 dp=2 on 4 devices for
+// `steps` steps; after[i] is sampled on rank 0's thread when it finished
+// step i + 1.
+void TrainTiny(int64_t layers, int64_t steps, std::vector<Sample>& after, std::vector<StepStats>& stats) {
   shardformer::testing::TinyOptions tiny;
   tiny.vocab = kByteVocab;
   tiny.positions = 32;
-  auto model = shardformer::testing::WriteTinyGpt2(colod::testing::TempPath("gpu_step"), tiny);
+  tiny.layers = layers;
+  auto model = shardformer::testing::WriteTinyGpt2(colod::testing::TempPath("gpu_step_" + std::to_string(layers)), tiny);
   ASSERT_TRUE(model.ok()) << model.status();
   TrainOptions o;
   o.model_dir = model->dir;
   o.data_path = "/usr/share/common-licenses/GPL-3";
-  o.steps = 10;
+  o.steps = steps;
   o.batch_size = 8;
   o.seq_len = 32;
   o.lr = 3e-3;
@@ -67,12 +73,19 @@ TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
   o.bucket_bytes = 64 << 10;
   o.shard.layout.set_tensor_parallel_size(2);
   o.shard.layout.set_data_parallel_size(2);
-  std::vector<Sample> after;  // after[i]: when rank 0 finished step i + 1
-  std::vector<StepStats> stats;
   ASSERT_TRUE(Train(o, [&](const StepStats& st) {
                 after.push_back(Take(4));
                 stats.push_back(st);
               }).ok());
+  ASSERT_EQ(after.size(), static_cast<size_t>(steps));
+}
+
+TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
+  if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices";
+  std::vector<Sample> after;  // after[i]: when rank 0 finished step i + 1
+  std::vector<StepStats> stats;
+  TrainTiny(/*layers=*/2, /*steps=*/10, after, stats);
+  if (HasFatalFailure()) return;
   // Each step reports its device's pool (the worker's colod_device_pool_bytes).
   ASSERT_EQ(stats.size(), 10u);
   EXPECT_TRUE(stats[9].cuda);
@@ -82,26 +95,61 @@ TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
   ASSERT_EQ(after.size(), 10u);
   // Steps 1 and 2 warm up (the optimizer's state appears in step 1); the
   // other ranks are at most a step behind rank 0, so steps 4 to 10 are warm
-  // on every rank. Over 7 steps a rank that is a step off rank 0 at either
-  // end moves the per-step average by less than one.
+  // on every rank.
   EXPECT_GT(after[0].reserved, 0u);
   EXPECT_EQ(after[9].reserved, after[2].reserved) << "a warm step grew the devices' pools";
 #ifdef COLOD_CUDA_EMULATION
   EXPECT_EQ(after[9].counters.device_allocations, after[2].counters.device_allocations)
       << "a warm step asked a device for memory";
+  // Rank 0's own calls, step by step: exact, whatever the other ranks do.
+  for (size_t i = 3; i < after.size(); ++i) {
+    EXPECT_EQ(after[i].rank0.device_allocations, after[i - 1].rank0.device_allocations) << "step " << i + 1;
+    // Before stream order every op synchronized: about 700 per rank and
+    // step. Now the host reads the two values it uses, the loss and the
+    // grad norm.
+    EXPECT_LE(after[i].rank0.host_synchronizations - after[i - 1].rank0.host_synchronizations,
+              kMaxHostSyncsPerRankStep)
+        << "rank 0's host synchronizations in step " << i + 1;
+  }
   const auto per_step = [&](uint64_t colod_cuda_emu::Counters::*field) {
     return (after[9].counters.*field - after[2].counters.*field) / 7;
   };
-  const uint64_t syncs = per_step(&colod_cuda_emu::Counters::host_synchronizations);
   std::printf("per step, 4 ranks (GPT-2 tiny, 2 layers): %llu host synchronizations, %llu polls, %llu launches\n",
-              static_cast<unsigned long long>(syncs),
+              static_cast<unsigned long long>(per_step(&colod_cuda_emu::Counters::host_synchronizations)),
               static_cast<unsigned long long>(per_step(&colod_cuda_emu::Counters::stream_queries)),
               static_cast<unsigned long long>(per_step(&colod_cuda_emu::Counters::kernel_launches)));
-  // Before stream order every op synchronized: about 700 per rank and step.
-  // Now the host reads the two values it uses, the loss and the grad norm.
-  EXPECT_LE(syncs, 4u * kMaxHostSyncsPerRankStep) << "host synchronizations per step, 4 ranks";
 #endif
 }
+
+#ifdef COLOD_CUDA_EMULATION
+// Kernel launches per rank and step grow with the layers by a bounded
+// amount: rank 0's launches in a warm step of a 2-layer and a 4-layer GPT-2
+// (tp=2 dp=2) give the launches per transformer layer and the rest
+// (embeddings, head, loss, grad norm, optimizer).
+constexpr uint64_t kMaxLaunchesPerLayer = 80;  // measured: 79
+constexpr uint64_t kMaxLaunchesOutsideLayers = 40;  // measured: 36
+
+TEST(GpuStep, KernelLaunchesPerLayerAreBounded) {
+  if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices";
+  uint64_t launches[2] = {0, 0};  // a warm step's, rank 0, at 2 and 4 layers
+  for (int i = 0; i < 2; ++i) {
+    std::vector<Sample> after;
+    std::vector<StepStats> stats;
+    TrainTiny(/*layers=*/2 + 2 * i, /*steps=*/5, after, stats);
+    if (HasFatalFailure()) return;
+    launches[i] = after[4].rank0.kernel_launches - after[3].rank0.kernel_launches;
+    // Every warm step launches the same kernels.
+    EXPECT_EQ(after[3].rank0.kernel_launches - after[2].rank0.kernel_launches, launches[i]);
+  }
+  ASSERT_GT(launches[1], launches[0]);
+  const uint64_t per_layer = (launches[1] - launches[0]) / 2, rest = launches[0] - 2 * per_layer;
+  std::printf("rank 0, a warm step: %llu launches per layer, %llu outside the layers\n",
+              static_cast<unsigned long long>(per_layer), static_cast<unsigned long long>(rest));
+  EXPECT_EQ(launches[1] - launches[0], 2 * per_layer) << "the two extra layers launched different kernels";
+  EXPECT_LE(per_layer, kMaxLaunchesPerLayer);
+  EXPECT_LE(rest, kMaxLaunchesOutsideLayers);
+}
+#endif
 
 }  // namespace
 }  // namespace colod::train

@@ -364,6 +364,30 @@ TEST(CudaEmuCounters, SynchronizationsQueriesAndLaunchesAreCounted) {
   cudaFree(d);
 }
 
+// A thread's own counters see its calls and none of another thread's.
+TEST(CudaEmuCounters, EachHostThreadCountsItsOwnCalls) {
+  int* d = DeviceAlloc<int>(64);
+  const colod_cuda_emu::Counters mine = colod_cuda_emu::GetThreadCounters();
+  colod_cuda_emu::Counters theirs_before, theirs_after;
+  std::thread other([&] {
+    theirs_before = colod_cuda_emu::GetThreadCounters();
+    for (int i = 0; i < 3; ++i) ASSERT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, cudaStreamPerThread, d, 64), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+    theirs_after = colod_cuda_emu::GetThreadCounters();
+  });
+  other.join();
+  ASSERT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, cudaStreamPerThread, d, 64), cudaSuccess);
+  (void)cudaStreamQuery(cudaStreamPerThread);
+  const colod_cuda_emu::Counters now = colod_cuda_emu::GetThreadCounters();
+  EXPECT_EQ(now.kernel_launches - mine.kernel_launches, 1u);
+  EXPECT_EQ(now.stream_queries - mine.stream_queries, 1u);
+  EXPECT_EQ(now.host_synchronizations, mine.host_synchronizations);
+  EXPECT_EQ(theirs_after.kernel_launches - theirs_before.kernel_launches, 3u);
+  EXPECT_EQ(theirs_after.host_synchronizations - theirs_before.host_synchronizations, 1u);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  cudaFree(d);
+}
+
 TEST(CudaEmuFp16, ConversionsRoundToNearestEven) {
   EXPECT_EQ(__half_as_ushort(__float2half_rn(1.0f)), 0x3c00);
   EXPECT_EQ(__half_as_ushort(__float2half_rn(-2.0f)), 0xc000);

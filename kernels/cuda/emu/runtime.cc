@@ -158,8 +158,20 @@ struct Pool {
   std::multimap<size_t, FreeBlock> free;  // by block bytes
 };
 
-// Calls made on the host, for tests of what a step does (cuda_emu.h).
+// Calls made on the host, for tests of what a step does (cuda_emu.h): for
+// the process, and for the calling host thread.
 std::atomic<uint64_t> device_allocations{0}, host_synchronizations{0}, stream_queries{0}, kernel_launches{0};
+thread_local Counters this_thread_counters;
+
+void CountDeviceAllocation() {
+  device_allocations.fetch_add(1, std::memory_order_relaxed);
+  ++this_thread_counters.device_allocations;
+}
+
+void CountStreamQuery() {
+  stream_queries.fetch_add(1, std::memory_order_relaxed);
+  ++this_thread_counters.stream_queries;
+}
 
 // The process-wide tables.
 class Registry {
@@ -421,7 +433,7 @@ class Registry {
       used_[device] -= bytes;
       return cudaErrorMemoryAllocation;
     }
-    device_allocations.fetch_add(1, std::memory_order_relaxed);
+    CountDeviceAllocation();
     *out = p;
     return cudaSuccess;
   }
@@ -523,8 +535,17 @@ void Fatal(const std::string& what) {
   abort();
 }
 
-void CountHostSynchronization() { host_synchronizations.fetch_add(1, std::memory_order_relaxed); }
-void CountKernelLaunch() { kernel_launches.fetch_add(1, std::memory_order_relaxed); }
+void CountHostSynchronization() {
+  host_synchronizations.fetch_add(1, std::memory_order_relaxed);
+  ++this_thread_counters.host_synchronizations;
+}
+
+void CountKernelLaunch() {
+  kernel_launches.fetch_add(1, std::memory_order_relaxed);
+  ++this_thread_counters.kernel_launches;
+}
+
+Counters GetThreadCounters() { return this_thread_counters; }
 
 Counters GetCounters() {
   Counters c;
@@ -864,7 +885,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
-  colod_cuda_emu::stream_queries.fetch_add(1, std::memory_order_relaxed);
+  colod_cuda_emu::CountStreamQuery();
   return s->Done(s->Submitted()) ? cudaSuccess : cudaErrorNotReady;
 }
 
@@ -912,7 +933,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   std::shared_ptr<CUevent_st> e = colod_cuda_emu::FindEvent(event);
   if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
-  colod_cuda_emu::stream_queries.fetch_add(1, std::memory_order_relaxed);
+  colod_cuda_emu::CountStreamQuery();
   std::lock_guard<std::mutex> l(e->mu);
   return e->completed >= e->recorded ? cudaSuccess : cudaErrorNotReady;
 }

@@ -2,7 +2,9 @@
 // does: how often it asks the device for memory, waits on the host, polls and
 // launches (issue: a training step's properties checked without a GPU).
 //
-// Thread-safe: process-wide counters, read atomically one by one.
+// Thread-safe: process-wide counters, read atomically one by one, and each
+// host thread's own (what the calling thread asked for), which a test of one
+// rank among several in the process reads without the other ranks' noise.
 #ifndef COLOD_KERNELS_CUDA_EMU_CUDA_EMU_H_
 #define COLOD_KERNELS_CUDA_EMU_CUDA_EMU_H_
 
@@ -24,6 +26,9 @@ struct Counters {
 };
 
 Counters GetCounters();
+// The calls the calling host thread made (a kernel launch counts on the
+// thread that launched it, not on the stream that runs it).
+Counters GetThreadCounters();
 
 }  // namespace colod_cuda_emu
 
