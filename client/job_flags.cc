@@ -28,9 +28,12 @@ ABSL_FLAG(double, weight_decay, 0.0, "train: AdamW's decoupled weight decay (SGD
 ABSL_FLAG(double, momentum, 0.9, "train: SGD momentum.");
 ABSL_FLAG(double, clip_norm, 1.0, "train: clip the global gradient norm to this (0: no clipping).");
 ABSL_FLAG(uint64_t, seed, 1, "train: the data sampler's seed.");
-ABSL_FLAG(std::string, precision, "fp32",
-          "train: fp32, or bf16 / fp16 mixed precision (parameters and compute in 16 bits, f32 master weights "
-          "and optimizer state).");
+ABSL_FLAG(std::string, precision, "auto",
+          "train: auto (fp32 on CPUs, bf16 on CUDA devices), fp32, or bf16 / fp16 mixed precision (parameters "
+          "and compute in 16 bits, f32 master weights and optimizer state).");
+ABSL_FLAG(bool, allow_tf32, false,
+          "train: on CUDA devices, f32 GEMMs may round their operands to TF32 and run on tensor cores (CPUs "
+          "compute in f32 either way).");
 ABSL_FLAG(double, bucket_mb, 25, "train: MiB of gradients per dp all-reduce bucket.");
 ABSL_FLAG(std::string, save, "", "train: write a training checkpoint here every --save-every steps and at the end.");
 ABSL_FLAG(int64_t, save_every, 0, "train: steps between checkpoints (with --save).");
@@ -118,13 +121,19 @@ absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags() {
   if (absl::GetFlag(FLAGS_bucket_mb) <= 0) return absl::InvalidArgumentError("--bucket-mb must be positive");
   o.bucket_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20));
   const std::string precision = absl::GetFlag(FLAGS_precision);
-  if (precision == "bf16") {
+  if (precision == "auto") {
+    o.shard.param_dtype = train::DefaultParamDType(o.cuda);
+  } else if (precision == "bf16") {
     o.shard.param_dtype = DType::kBF16;
   } else if (precision == "fp16") {
     o.shard.param_dtype = DType::kF16;
-  } else if (precision != "fp32") {
-    return absl::InvalidArgumentError(absl::StrCat("--precision: '", precision, "' is not one of fp32, bf16, fp16"));
+  } else if (precision == "fp32") {
+    o.shard.param_dtype = DType::kF32;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--precision: '", precision, "' is not one of auto, fp32, bf16, fp16"));
   }
+  o.allow_tf32 = absl::GetFlag(FLAGS_allow_tf32);
   o.save_dir = absl::GetFlag(FLAGS_save);
   o.save_every = absl::GetFlag(FLAGS_save_every);
   o.resume_dir = absl::GetFlag(FLAGS_resume);
@@ -145,6 +154,8 @@ absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags() {
     return absl::InvalidArgumentError(absl::StrCat("--model: ", set.message()));
   }
   v1::TrainConfig& t = *spec.mutable_train();
+  // The workers' devices decide (job.proto: FP32 on CPUs, BF16 on CUDA).
+  if (absl::GetFlag(FLAGS_precision) == "auto") t.set_precision(v1::PRECISION_UNSPECIFIED);
   for (std::string* path : {t.mutable_data_path(), t.mutable_final_dir(), t.mutable_checkpoint_dir(),
                             t.mutable_resume_from()}) {
     if (!path->empty()) *path = Absolute(*path);

@@ -2,7 +2,10 @@
 // user runs them (rank r on GPU r over NCCL, inside coloctl) against the
 // same runs on CPUs: GPT-2 and LLaMA trained at tp=2 dp=2 with the CPU run's
 // losses, and a forward pass with the unsharded reference's loss and logits.
+// The GPU default precision is bf16, and --allow-tf32 reaches cuBLAS.
 // Runs on GPUs, and without one under --config=cuda-emu (docs/GPU.md).
+#include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
+
 #include <cstdlib>
 #include <sstream>
 
@@ -53,7 +56,7 @@ void TrainOnBothDevices(const std::string& model_dir, const std::string& what) {
   const std::vector<std::string> common = {"train", "--model", model_dir, "--data", "/usr/share/common-licenses/GPL-3",
                                            "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
                                            "--seed", "5", "--tp", "2", "--dp", "2", "--mode", "1d", "--output",
-                                           "json"};
+                                           "json", "--precision", "fp32"};
   std::vector<std::string> cpu = common, gpu = common;
   cpu.insert(cpu.end(), {"--device", "cpu"});
   gpu.insert(gpu.end(), {"--device", "cuda"});
@@ -84,6 +87,46 @@ TEST_F(GpuCli, LlamaTrainsAtTp2Dp2WithTheCpuLosses) {
   auto model = ByteLevelModel("Llama", "llama");
   ASSERT_TRUE(model.ok()) << model.status();
   TrainOnBothDevices(model->dir, "LLaMA");
+}
+
+// Without --precision a GPU run is bf16 mixed precision (a CPU run fp32),
+// and --allow-tf32 lets f32 GEMMs round their operands: close to the fp32
+// run, and (under the emulation, which always takes TF32 when allowed) not
+// equal to it.
+TEST_F(GpuCli, Bf16IsTheGpuDefaultAndTf32IsAnOption) {
+  auto model = ByteLevelModel("Gpt2", "gpt2_precision");
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<std::string> common = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
+                                           "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
+                                           "--seed", "5", "--output", "json"};
+  const auto run = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = common;
+    args.insert(args.end(), extra.begin(), extra.end());
+    const auto r = Coloctl(args);
+    EXPECT_EQ(r.code, 0) << absl::StrJoin(extra, " ") << ": " << r.err;
+    std::vector<double> l = Losses(r.out);
+    EXPECT_EQ(l.size(), 3u) << absl::StrJoin(extra, " ") << ": " << r.out;
+    l.resize(3);
+    return l;
+  };
+  const std::vector<double> gpu_default = run({"--device", "cuda"});
+  const std::vector<double> gpu_bf16 = run({"--device", "cuda", "--precision", "bf16"});
+  const std::vector<double> gpu_fp32 = run({"--device", "cuda", "--precision", "fp32"});
+  const std::vector<double> gpu_tf32 = run({"--device", "cuda", "--precision", "fp32", "--allow-tf32"});
+  const std::vector<double> cpu_default = run({"--device", "cpu"});
+  EXPECT_EQ(gpu_default, gpu_bf16) << "the GPU default is bf16";
+  EXPECT_NE(gpu_default, gpu_fp32);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_NEAR(cpu_default[i], gpu_fp32[i], 1e-4 * gpu_fp32[i]) << "the CPU default is fp32, step " << i + 1;
+    EXPECT_NEAR(gpu_tf32[i], gpu_fp32[i], 1e-2 * gpu_fp32[i]) << "TF32, step " << i + 1;
+  }
+#ifdef COLOD_CUDA_EMULATION
+  EXPECT_NE(gpu_tf32, gpu_fp32) << "--allow-tf32 did not reach cuBLAS";
+#endif
+  const auto bad = Coloctl({"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
+                            "--precision", "fp64"});
+  EXPECT_EQ(bad.code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("auto, fp32, bf16, fp16"), std::string::npos) << bad.err;
 }
 
 TEST_F(GpuCli, ForwardMatchesTheUnshardedReference) {
@@ -131,7 +174,7 @@ TEST_F(GpuCli, ACudaWorkerDaemonTrainsWithTheCpuLosses) {
                                            "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
                                            "--seed", "5", "--tp", "1", "--dp", "1", "--output", "json"};
   std::vector<std::string> on_daemon = common, embedded = common;
-  on_daemon.insert(on_daemon.end(), {"--coordinator", coordinator.grpc});
+  on_daemon.insert(on_daemon.end(), {"--coordinator", coordinator.grpc, "--precision", "fp32"});
   const auto d = Coloctl(on_daemon), c = Coloctl(embedded);
   ASSERT_EQ(d.code, 0) << d.err << testing::ReadFile(worker.log);
   ASSERT_EQ(c.code, 0) << c.err;
@@ -139,6 +182,16 @@ TEST_F(GpuCli, ACudaWorkerDaemonTrainsWithTheCpuLosses) {
   ASSERT_EQ(ld.size(), 3u) << d.out;
   ASSERT_EQ(lc.size(), 3u) << c.out;
   for (size_t i = 0; i < lc.size(); ++i) EXPECT_NEAR(ld[i], lc[i], 1e-4 * lc[i]) << "step " << i + 1;
+  // A spec without a precision is the worker's device default: bf16 on a
+  // CUDA worker (close to the fp32 run, not equal to it).
+  std::vector<std::string> on_daemon_default = common;
+  on_daemon_default.insert(on_daemon_default.end(), {"--coordinator", coordinator.grpc});
+  const auto b = Coloctl(on_daemon_default);
+  ASSERT_EQ(b.code, 0) << b.err << testing::ReadFile(worker.log);
+  const std::vector<double> lb = Losses(b.out);
+  ASSERT_EQ(lb.size(), 3u) << b.out;
+  EXPECT_NE(lb, ld);
+  for (size_t i = 0; i < lb.size(); ++i) EXPECT_NEAR(lb[i], ld[i], 0.03 * ld[i]) << "bf16 step " << i + 1;
   // The worker serves its CUDA device (not the CPU).
   auto info = kernels::GetCudaDeviceInfo(0);
   ASSERT_TRUE(info.ok()) << info.status();

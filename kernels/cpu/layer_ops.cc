@@ -107,6 +107,8 @@ absl::Status Gemm(int, ElemType type, bool trans_a, bool trans_b, int64_t m, int
   return absl::OkStatus();
 }
 
+absl::Status SetAllowTf32(int, bool) { return absl::OkStatus(); }  // OpenBLAS has no TF32
+
 absl::Status BiasAdd(int, const float* x, const float* bias, float* out, int64_t rows, int64_t n) {
   ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) out[i] = x[i] + bias[i % n];

@@ -603,6 +603,7 @@ absl::StatusOr<dim3> AttnGrid(int64_t b, int64_t s, int64_t hq, int64_t hkv, int
 struct CublasHandles {
   absl::Mutex mu;
   std::map<int, cublasHandle_t> by_device ABSL_GUARDED_BY(mu);
+  std::map<int, bool> allow_tf32 ABSL_GUARDED_BY(mu);  // SetAllowTf32, per device
   ~CublasHandles() {
     absl::MutexLock lock(&mu);
     for (auto& [device, h] : by_device) {
@@ -623,8 +624,9 @@ absl::StatusOr<cublasHandle_t> HandleLocked(CublasHandles& handles, int device, 
   if (it != handles.by_device.end()) return it->second;
   cublasHandle_t h = nullptr;
   RETURN_IF(CublasCheck(cublasCreate(&h), "cublasCreate"));
+  // TF32 is chosen per call, by the compute type (SetAllowTf32).
   absl::Status s = CublasCheck(cublasSetStream(h, stream), "cublasSetStream");
-  if (s.ok()) s = CublasCheck(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");  // no TF32
+  if (s.ok()) s.Update(CublasCheck(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode"));
   if (!s.ok()) {
     cublasDestroy(h);
     return s;
@@ -658,14 +660,29 @@ absl::Status Gemm(int device, ElemType type, bool trans_a, bool trans_b, int64_t
     absl::MutexLock lock(&handles.mu);  // held for the enqueue only, not for the GEMM
     absl::StatusOr<cublasHandle_t> h = HandleLocked(handles, device, stream);
     if (!h.ok()) return h.status();
+    const auto tf32 = handles.allow_tf32.find(device);
+    const cublasComputeType_t compute = type == ElemType::kF32 && tf32 != handles.allow_tf32.end() && tf32->second
+                                            ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                            : CUBLAS_COMPUTE_32F;
     RETURN_IF(CublasCheck(
         cublasGemmEx(*h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
                      static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one, b, CudaType(type), ldb, a,
-                     CudaType(type), lda, &zero, c, CudaType(type), static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                     CudaType(type), lda, &zero, c, CudaType(type), static_cast<int>(n), compute,
                      CUBLAS_GEMM_DEFAULT),
         "cublasGemmEx"));
   }
   return Finish("cublasGemmEx");
+}
+
+absl::Status SetAllowTf32(int device, bool allow) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    return absl::InvalidArgumentError("SetAllowTf32: no CUDA device " + std::to_string(device));
+  }
+  CublasHandles& handles = Handles();
+  absl::MutexLock lock(&handles.mu);
+  handles.allow_tf32[device] = allow;
+  return absl::OkStatus();
 }
 
 absl::Status BiasAdd(int device, const float* x, const float* bias, float* out, int64_t rows, int64_t n) {

@@ -270,8 +270,8 @@ absl::Status JobRunner::RunRank(Active& active) {
     RETURN_IF_ERROR(MaterializeModel(req.spec().model(), weights, dir + "/model"));
   }
   if (training) {
-    ASSIGN_OR_RETURN(train::TrainOptions options, train::TrainOptionsFromSpec(req.spec(), dir + "/model"));
-    options.cuda = options_.cuda;
+    ASSIGN_OR_RETURN(train::TrainOptions options,
+                     train::TrainOptionsFromSpec(req.spec(), dir + "/model", options_.cuda));
     ASSIGN_OR_RETURN(run, train::PrepareTrain(options));
     shard = options.shard;
   }

@@ -2,6 +2,7 @@
 // zero, inputs (DESIGN.md section 7). Skipped without a GPU.
 #include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
 
+#include <algorithm>
 #include <cmath>
 #include <thread>
 #include <vector>
@@ -85,6 +86,54 @@ TEST_F(CudaLayerOps, GemmInEveryLayoutAndType) {
   ExpectNear(*MatMul(Dev(a), Dev(b)), *MatMul(a, b), 1e-2, "bf16 gemm");
   const Tensor ah = *R({64, 96}, 5).ToDType(DType::kF16), bh = *R({96, 32}, 6).ToDType(DType::kF16);
   ExpectNear(*MatMul(Dev(ah), Dev(bh)), *MatMul(ah, bh), 1e-3, "f16 gemm");
+}
+
+// x rounded to TF32 (10 mantissa bits), ties to even: frexp's mantissa
+// scaled to 11 significant bits and rounded by the FPU's default mode.
+float Tf32(float x) {
+  int e = 0;
+  const double m = std::frexp(static_cast<double>(x), &e);
+  return static_cast<float>(std::ldexp(std::nearbyint(std::ldexp(m, 11)), e - 11));
+}
+
+// SetAllowTf32 (--allow-tf32): f32 GEMMs on the device may round their
+// operands to TF32. The product stays within TF32's bound of the exact one
+// (each operand off by at most 2^-10 relative, whatever the rounding mode);
+// under the emulation, which rounds to nearest even, it is the f32 product
+// of the rounded operands and differs from the f32 GEMM. Turned off again,
+// the device computes f32; the CPU computes f32 either way.
+TEST_F(CudaLayerOps, Tf32GemmsRoundTheirOperandsOnlyWhenAllowed) {
+  const int64_t m = 48, k = 256, n = 40;
+  const Tensor a = R({m, k}, 31), b = R({k, n}, 32);
+  const Tensor exact = *MatMul(a, b);
+  ASSERT_TRUE(SetAllowTf32(Device::Cuda(0), true).ok());
+  ASSERT_TRUE(SetAllowTf32(Device::Cpu(), true).ok());
+  const Tensor tf32 = *MatMul(Dev(a), Dev(b));
+  EXPECT_EQ(MatMul(a, b)->ToBytes(), exact.ToBytes()) << "the CPU has no TF32";
+  ASSERT_TRUE(SetAllowTf32(Device::Cuda(0), false).ok());
+  ASSERT_TRUE(SetAllowTf32(Device::Cpu(), false).ok());
+  ExpectNear(*MatMul(Dev(a), Dev(b)), exact, 1e-5, "f32 gemm with TF32 off again");
+  EXPECT_FALSE(SetAllowTf32(Device::Cuda(kernels::CudaDeviceCount()), true).ok());
+
+  const std::vector<float> av = a.ToFloats(), bv = b.ToFloats(), got = tf32.ToFloats(), want = exact.ToFloats();
+  double worst = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double abs_sum = 0;
+      for (int64_t p = 0; p < k; ++p) abs_sum += std::fabs(av[i * k + p] * bv[p * n + j]);
+      const double err = std::fabs(got[i * n + j] - want[i * n + j]);
+      ASSERT_LE(err, std::ldexp(abs_sum, -9) + 1e-5 * (1 + std::fabs(want[i * n + j]))) << i << "," << j;
+      worst = std::max(worst, err / (1 + std::fabs(want[i * n + j])));
+    }
+  }
+#ifdef COLOD_CUDA_EMULATION
+  std::vector<float> ar = av, br = bv;
+  for (float& x : ar) x = Tf32(x);
+  for (float& x : br) x = Tf32(x);
+  ExpectNear(tf32, *MatMul(*Tensor::FromFloats({m, k}, ar), *Tensor::FromFloats({k, n}, br)), 1e-5,
+             "TF32 gemm against the rounded operands' f32 product");
+  EXPECT_GT(worst, 1e-4) << "TF32 changed nothing";
+#endif
 }
 
 TEST_F(CudaLayerOps, ElementwiseAndNormsMatchTheCpu) {

@@ -42,6 +42,7 @@ struct DeviceKernels {
   // Layer kernels (kernels/*/layer_ops.h).
   absl::Status (*Gemm)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                        const void* a, const void* b, void* c);
+  absl::Status (*SetAllowTf32)(int device, bool allow);
   absl::Status (*BiasAdd)(int device, const float* x, const float* bias, float* out, int64_t rows, int64_t n);
   absl::Status (*BiasGrad)(int device, const float* dy, float* db, int64_t rows, int64_t n);
   absl::Status (*Gelu)(int device, const float* x, float* y, int64_t n, bool tanh_approx);
@@ -94,8 +95,8 @@ struct DeviceKernels {
 #define COLOD_DEVICE_KERNELS(ns)                                                                      \
   ::colod::DeviceKernels {                                                                            \
     &ns::Malloc, &ns::Free, &ns::Memset0, &ns::Memcpy, &ns::StridedCopy, &ns::FillRandom, &ns::Binary, \
-        &ns::Scale, &ns::Sum, &ns::AccumulateSum,   &ns::Gemm, &ns::BiasAdd, &ns::BiasGrad, &ns::Gelu, \
-        &ns::GeluBackward, &ns::Silu, &ns::SiluBackward, &ns::LayerNorm, &ns::LayerNormBackward,        \
+        &ns::Scale, &ns::Sum, &ns::AccumulateSum, &ns::Gemm, &ns::SetAllowTf32, &ns::BiasAdd, &ns::BiasGrad, \
+        &ns::Gelu, &ns::GeluBackward, &ns::Silu, &ns::SiluBackward, &ns::LayerNorm, &ns::LayerNormBackward, \
         &ns::RmsNorm, &ns::RmsNormBackward, &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout,           \
         &ns::Embedding, &ns::EmbeddingBackward, &ns::CrossEntropy, &ns::CrossEntropyBackward,           \
         &ns::VocabShardMax, &ns::VocabShardSums, &ns::VocabShardLoss, &ns::VocabShardBackward,          \

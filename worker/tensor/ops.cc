@@ -132,6 +132,11 @@ absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a, bo
   return Back(out, a.dtype());
 }
 
+absl::Status SetAllowTf32(Device device, bool allow) {
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(device));
+  return k->SetAllowTf32(device.index, allow);
+}
+
 absl::StatusOr<Tensor> BiasAdd(const Tensor& x, const Tensor& bias) {
   const Device dev = x.device();
   if (bias.dim() != 1 || LastDim(x) != bias.shape()[0] || x.dim() == 0) {

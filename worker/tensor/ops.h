@@ -29,6 +29,11 @@ namespace colod::ops {
 // is a matrix or, without trans_a, a batch of rows [..., K] whose leading
 // dims are kept: [B, S, K] @ [K, N] -> [B, S, N].
 absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+// Whether the f32 MatMuls on `device` that follow may round their operands
+// to TF32 (10-bit mantissa) on tensor cores, as PyTorch's allow_tf32 does;
+// off until set, and a setting of the whole process for that device (a rank
+// owns its device). The CPU computes f32 in f32 either way.
+absl::Status SetAllowTf32(Device device, bool allow);
 
 // x + bias over the last dim; and the bias gradient, dy summed over all
 // leading dims.

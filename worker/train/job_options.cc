@@ -5,10 +5,15 @@
 
 namespace colod::train {
 
-absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const std::string& model_dir) {
+DType DefaultParamDType(bool cuda) { return cuda ? DType::kBF16 : DType::kF32; }
+
+absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const std::string& model_dir,
+                                                  bool cuda) {
   const v1::TrainConfig& t = spec.train();
   TrainOptions o;
   o.model_dir = model_dir;
+  o.cuda = cuda;
+  o.allow_tf32 = t.allow_tf32();
   o.data_path = t.data_path();
   ASSIGN_OR_RETURN(o.data_format, ParseDataFormat(t.data_format().empty() ? "auto" : t.data_format()));
   o.steps = t.steps();
@@ -36,6 +41,8 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
   o.shard.layout = spec.shard();
   switch (t.precision()) {
     case v1::PRECISION_UNSPECIFIED:
+      o.shard.param_dtype = DefaultParamDType(cuda);
+      break;
     case v1::PRECISION_FP32:
       o.shard.param_dtype = DType::kF32;
       break;
@@ -86,6 +93,7 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
                   : o.shard.param_dtype == DType::kF16 ? v1::PRECISION_FP16_MIXED
                                                        : v1::PRECISION_FP32);
   t.set_bucket_bytes(o.bucket_bytes);
+  t.set_allow_tf32(o.allow_tf32);
   t.set_final_dir(o.final_dir);
   t.set_checkpoint_dir(o.save_dir);
   t.set_checkpoint_every(o.save_every);

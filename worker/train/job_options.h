@@ -12,11 +12,17 @@
 
 namespace colod::train {
 
+// The parameter dtype of a run that names no precision: bf16 (mixed
+// precision, f32 master weights) on CUDA devices, f32 on the CPU.
+DType DefaultParamDType(bool cuda);
+
 // `spec` (a validated TRAIN job) with the model read from `model_dir` (the
-// worker's directory holding config.json and the weights). The default of
-// each zero field is the one documented in job.proto. INVALID_ARGUMENT for
-// a data format or optimizer it does not know.
-absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const std::string& model_dir);
+// worker's directory holding config.json and the weights), for ranks on CUDA
+// devices or not (`cuda`, which decides an unspecified precision). The
+// default of each zero field is the one documented in job.proto.
+// INVALID_ARGUMENT for a data format or optimizer it does not know.
+absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const std::string& model_dir,
+                                                  bool cuda);
 
 // The inverse, for clients: the TrainConfig and ShardConfig of `options`
 // (model_dir is not part of it; the caller sets ModelSpec).

@@ -6,6 +6,7 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
+#include "worker/tensor/ops.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/shardformer.h"
@@ -60,6 +61,8 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
                           const RankHooks& hooks) {
   const TrainOptions& o = run.options;
   const int64_t micro_rows = run.micro_rows;
+  // Every run sets it: a worker daemon's device outlives its jobs.
+  RETURN_IF_ERROR(ops::SetAllowTf32(shard.device, o.allow_tf32));
   ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
                    shardformer::ShardFormer(shard, &pg).Load(o.model_dir));
   std::vector<NamedParam> params = model->Parameters();

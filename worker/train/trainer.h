@@ -44,6 +44,7 @@ struct TrainOptions {
   std::string resume_dir;     // if set, continue from its newest complete checkpoint
   int64_t stop_after = 0;     // if > 0, stop after this step (as an interruption would)
   bool cuda = false;          // one rank per CUDA device over NCCL (else host tensors over Gloo)
+  bool allow_tf32 = false;    // CUDA: f32 GEMMs may round their operands to TF32 (ops::SetAllowTf32)
   // Train(): each rendezvous and collective; a rank that stops taking part
   // fails the run with DEADLINE_EXCEEDED after it.
   absl::Duration comm_timeout = absl::Seconds(60);

@@ -13,6 +13,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -83,6 +85,20 @@ std::vector<float> Widen(const void* p, int64_t rows, int64_t cols, int64_t ld, 
     for (int64_t r = 0; r < rows; ++r) out[c * rows + r] = Load(p, static_cast<size_t>(c * ld + r), t);
   }
   return out;
+}
+
+// x with its mantissa rounded to TF32's 10 bits, to nearest even: what
+// tensor cores multiply under CUBLAS_COMPUTE_32F_FAST_TF32 (NVIDIA leaves
+// the rounding mode of its conversion unspecified; the model takes the
+// nearest).
+float RoundToTf32(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7f800000u) == 0x7f800000u) return x;  // inf and NaN stay
+  u += 0xfffu + ((u >> 13) & 1u);
+  u &= ~0x1fffu;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
 }
 
 }  // namespace
@@ -180,15 +196,20 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
   const float a_scale = *static_cast<const float*>(alpha), b_scale = *static_cast<const float*>(beta);
   std::shared_ptr<colod_cuda_emu::Stream> s = colod_cuda_emu::Resolve(handle->stream);
   if (s == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  const bool tf32 = computeType == CUBLAS_COMPUTE_32F_FAST_TF32 && Atype == CUDA_R_32F;
   colod_cuda_emu::Enqueue(s, [=] {
-    if (Atype == CUDA_R_32F && Ctype == CUDA_R_32F) {
+    if (Atype == CUDA_R_32F && Ctype == CUDA_R_32F && !tf32) {
       cblas_sgemm(CblasColMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, a_scale,
                   static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, b_scale,
                   static_cast<float*>(C), ldc);
       return;
     }
-    const std::vector<float> a = Widen(A, a_rows, a_cols, lda, Atype);
-    const std::vector<float> b = Widen(B, b_rows, b_cols, ldb, Btype);
+    std::vector<float> a = Widen(A, a_rows, a_cols, lda, Atype);
+    std::vector<float> b = Widen(B, b_rows, b_cols, ldb, Btype);
+    if (tf32) {
+      for (float& x : a) x = RoundToTf32(x);
+      for (float& x : b) x = RoundToTf32(x);
+    }
     std::vector<float> c = Widen(C, m, n, ldc, Ctype);
     cblas_sgemm(CblasColMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, a_scale,
                 a.data(), std::max(1, a_rows), b.data(), std::max(1, b_rows), b_scale, c.data(), m);
