@@ -28,6 +28,22 @@ struct Gpt2Shape {
 // divisible by heads, a size < 1); the directory is created if missing.
 absl::Status WriteInitializedGpt2(const std::string& dir, const Gpt2Shape& shape, uint64_t seed);
 
+struct LlamaShape {
+  int64_t vocab_size = 32000;
+  int64_t hidden_size = 2048;
+  int64_t num_layers = 16;
+  int64_t num_heads = 16;
+  int64_t num_kv_heads = 16;  // fewer: grouped-query attention
+  int64_t intermediate_size = 5632;
+  int64_t max_positions = 2048;
+};
+
+// The same for a LlamaForCausalLM (untied head, rope_theta 10000): every
+// Linear and the embedding N(0, 0.02), the RMSNorm weights 1, as
+// transformers' LlamaPreTrainedModel._init_weights does. INVALID_ARGUMENT
+// for sizes that do not fit (as ParseModelConfig names them).
+absl::Status WriteInitializedLlama(const std::string& dir, const LlamaShape& shape, uint64_t seed);
+
 }  // namespace colod::shardformer
 
 #endif  // COLOD_WORKER_SHARDFORMER_INIT_MODEL_H_
