@@ -29,6 +29,7 @@
 #include "absl/time/clock.h"
 #include "common/flags.h"
 #include "common/int_math.h"
+#include "bench/peak.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/layer_ops.h"
 #include "kernels/device.h"
@@ -62,24 +63,13 @@ struct BlockResult {
   int64_t comm_bytes_per_step = 0;
 };
 
-double MatMulFlops(int64_t m, int64_t k, int64_t n) { return 2.0 * m * k * n; }
+using bench::MatMulFlops;
 
 // Forward 2 GEMMs, backward 4, each 2*T*H*4H flops.
 double BlockFlops(int64_t t, int64_t h) { return 6 * MatMulFlops(t, h, 4 * h); }
 
 // Best of five GEMMs of the block's own shape [T, H] x [H, 4H].
-double SgemmPeak(int threads, int64_t t, int64_t h) {
-  kernels::cpu::SetBlasThreads(threads);
-  const Tensor a = *Tensor::RandomNormal({t, h}, 1), b = *Tensor::RandomNormal({h, 4 * h}, 2);
-  (void)ops::MatMul(a, b);
-  double best = 0;
-  for (int i = 0; i < 5; ++i) {
-    const absl::Time t0 = absl::Now();
-    (void)ops::MatMul(a, b);
-    best = std::max(best, MatMulFlops(t, h, 4 * h) / absl::ToDoubleSeconds(absl::Now() - t0));
-  }
-  return best / 1e9;
-}
+double SgemmPeak(int threads, int64_t t, int64_t h) { return bench::SgemmPeak(threads, t, h, 4 * h); }
 
 absl::StatusOr<v1::ShardConfig> ShardFor(const std::string& mode, int world) {
   v1::ShardConfig shard;
@@ -247,6 +237,8 @@ absl::StatusOr<BlockResult> RunBlock(const std::string& mode, int rank, int worl
     RETURN_IF_ERROR(all->Barrier()->Wait(absl::Minutes(5)));
     const absl::Time t0 = absl::Now();
     RETURN_IF_ERROR(block->Step());
+    // Device ops only enqueue: the step ends when the device finished it.
+    if (device.is_cuda()) RETURN_IF_ERROR(kernels::CudaSynchronize(device.index));
     times.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
   }
   RETURN_IF_ERROR(all->Barrier()->Wait(absl::Minutes(5)));
@@ -394,14 +386,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   const colod::Device gpu = colod::Device::Cuda(0);
-  auto a = colod::Tensor::RandomNormal({t, h}, 1, colod::DType::kBF16, gpu);
-  auto b = colod::Tensor::RandomNormal({h, 4 * h}, 2, colod::DType::kBF16, gpu);
-  double gpu_peak = 0;
-  for (int i = 0; a.ok() && b.ok() && i < 20; ++i) {
-    const absl::Time t0 = absl::Now();
-    if (!colod::ops::MatMul(*a, *b).ok()) break;
-    gpu_peak = std::max(gpu_peak, colod::MatMulFlops(t, h, 4 * h) / absl::ToDoubleSeconds(absl::Now() - t0) / 1e12);
+  absl::StatusOr<double> peak = colod::bench::CublasBf16Peak(0, t, h, 4 * h);
+  if (!peak.ok()) {
+    std::fprintf(stderr, "cuBLAS bf16 peak: %s\n", peak.status().ToString().c_str());
+    return 1;
   }
+  const double gpu_peak = *peak / 1e12;
   auto shared = std::make_shared<colod::RendezvousStore>();
   colod::InMemoryStore store(shared, "bench-gpu");
   auto r = colod::RunBlock("1d", 0, 1, 1, &store, gpu, colod::DType::kBF16);

@@ -74,6 +74,21 @@ absl::StatusOr<CudaPoolBytes> GetCudaPoolBytes(int ordinal) {
 #endif
 }
 
+absl::Status CudaSynchronize(int ordinal) {
+#ifdef COLOD_WITH_CUDA
+  cudaError_t err = cudaSetDevice(ordinal);
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InternalError(absl::StrCat("synchronizing CUDA device ", ordinal, ": ", cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
+#else
+  (void)ordinal;
+  return absl::UnimplementedError("this colod build has no CUDA support");
+#endif
+}
+
 absl::StatusOr<int> NcclVersion() {
 #ifdef COLOD_WITH_CUDA
   int version = 0;

@@ -35,6 +35,11 @@ struct CudaPoolBytes {
 };
 absl::StatusOr<CudaPoolBytes> GetCudaPoolBytes(int ordinal);
 
+// Blocks until every stream of CUDA device `ordinal` finished its work
+// (cudaDeviceSynchronize): for timing device work, which ops only enqueue.
+// UNIMPLEMENTED without CUDA.
+absl::Status CudaSynchronize(int ordinal);
+
 // NCCL's runtime version code (e.g. 22703 for 2.27.3); UNIMPLEMENTED without CUDA.
 absl::StatusOr<int> NcclVersion();
 

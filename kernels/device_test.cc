@@ -24,6 +24,16 @@ TEST(Device, MissingOrdinalIsNotFoundOrUnimplemented) {
       << info.status();
 }
 
+TEST(Device, SynchronizeNeedsADevice) {
+  if (CudaDeviceCount() > 0) {
+    EXPECT_TRUE(CudaSynchronize(0).ok());
+  }
+  EXPECT_FALSE(CudaSynchronize(CudaDeviceCount()).ok());
+#ifndef COLOD_WITH_CUDA
+  EXPECT_EQ(CudaSynchronize(0).code(), absl::StatusCode::kUnimplemented);
+#endif
+}
+
 TEST(Device, HostMemoryIsReported) {
   EXPECT_GT(HostMemoryBytes(), int64_t{64} << 20);
 }

@@ -1,0 +1,270 @@
+// Whole-model training throughput: GPT-2 and LLaMA shapes trained by the
+// real training loop (train::Train: ShardFormer policies, autograd, the dp
+// gradient buckets, clipping, AdamW) on random tokens, in tokens/s and model
+// FLOP utilization against the GEMM peak measured in the same run.
+//
+//   bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --steps N] [-- --json]
+//
+// CPU rows (f32; ranks are threads over Gloo on loopback, one BLAS thread
+// and so about one core each):
+//   gpt2-tiny   4 layers, hidden 256, 4 heads, vocab 256, seq 128, batch 8:
+//               tp=1, tp=2, dp=2
+//   gpt2-small  GPT-2 124M's shape (12 layers, hidden 768, 12 heads, vocab
+//               50257), seq 128, batch 4, fewer steps: tp=1, tp=2, dp=2
+// GPU rows (bf16 mixed precision, rank r on CUDA device r over NCCL), where
+// devices are (tp=2 needs 2):
+//   gpt2-124m   seq 1024, batch 8: tp=1, tp=2
+//   llama-1b    hidden 2048, 16 layers, 32 heads over 8 kv heads, MLP 5632,
+//               vocab 32000 (1.1B parameters), seq 2048, batch 4: tp=1, tp=2
+// --rows smoke: tiny GPT-2 and LLaMA on the GPU path (seq 32, 2 steps), to
+// check the GPU rows run at all, e.g. under --config=cuda-emu, whose devices
+// would take hours over the real rows and time nothing.
+//
+// Model FLOPs per token (PaLM's MFU convention, no credit for recomputation,
+// causal attention counted whole): 6 N + 12 L S H, N the parameters of every
+// matrix multiply (the layers' and the LM head's, not the embedding
+// lookups), L layers, S the sequence length, H the hidden size. tokens/s is
+// the global batch's tokens over the mean step time after --warmup steps
+// (each step ends when rank 0 read its loss, which waits for the step's
+// device work). The peak is the same run's best GEMM: OpenBLAS sgemm on one
+// thread times the ranks (CPU), cuBLAS bf16 8192^3 times the devices (GPU).
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "bench/peak.h"
+#include "common/flags.h"
+#include "common/status_macros.h"
+#include "kernels/cpu/layer_ops.h"
+#include "kernels/device.h"
+#include "worker/shardformer/init_model.h"
+#include "worker/train/trainer.h"
+
+ABSL_FLAG(std::string, rows, "all",
+          "Which rows: cpu, gpu (where CUDA devices are), all, or smoke (tiny models on the GPU path).");
+ABSL_FLAG(int, steps, 0, "Timed steps per row (default: each row's own, 2 to 10).");
+ABSL_FLAG(int, warmup, 2, "Untimed steps before them (pools, connections, optimizer state).");
+ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
+ABSL_FLAG(std::string, work_dir, "", "Where the models and the corpus go (default: a temporary directory).");
+
+namespace colod {
+namespace {
+
+struct ModelShape {
+  std::string family;  // "gpt2" or "llama"
+  int64_t vocab = 0, hidden = 0, layers = 0, heads = 0, kv_heads = 0, intermediate = 0;
+
+  // Parameters of the matrix multiplies: every layer's and the LM head.
+  double MatMulParams() const {
+    const double h = static_cast<double>(hidden), kv = static_cast<double>(kv_heads * (hidden / heads));
+    const double per_layer = family == "gpt2" ? 12 * h * h : h * (h + 2 * kv) + h * h + 3 * h * intermediate;
+    return layers * per_layer + h * static_cast<double>(vocab);
+  }
+  double TrainFlopsPerToken(int64_t seq) const {
+    return 6 * MatMulParams() + 12.0 * static_cast<double>(layers) * static_cast<double>(seq) * hidden;
+  }
+};
+
+struct Row {
+  std::string name;
+  ModelShape shape;
+  bool cuda = false;
+  int tp = 1, dp = 1;
+  int64_t seq = 128, batch = 8;
+  int steps = 5;
+};
+
+std::vector<Row> Rows(const std::string& which) {
+  const ModelShape tiny{"gpt2", 256, 256, 4, 4, 4, 1024};
+  const ModelShape small{"gpt2", 50257, 768, 12, 12, 12, 3072};
+  const ModelShape llama{"llama", 32000, 2048, 16, 32, 8, 5632};
+  std::vector<Row> rows;
+  if (which == "cpu" || which == "all") {
+    for (auto [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 2}}) {
+      rows.push_back({"gpt2-tiny", tiny, false, tp, dp, 128, 8, 10});
+    }
+    for (auto [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 2}}) {
+      rows.push_back({"gpt2-small", small, false, tp, dp, 128, 4, 2});
+    }
+  }
+  if (which == "smoke") {
+    const ModelShape tiny_llama{"llama", 256, 128, 2, 4, 2, 256};
+    for (int tp : {1, 2}) rows.push_back({"gpt2-tiny", tiny, true, tp, 1, 32, 4, 2});
+    for (int tp : {1, 2}) rows.push_back({"llama-tiny", tiny_llama, true, tp, 1, 32, 4, 2});
+    return rows;
+  }
+  if (which != "cpu") {
+    for (int tp : {1, 2}) rows.push_back({"gpt2-124m", small, true, tp, 1, 1024, 8, 10});
+    for (int tp : {1, 2}) rows.push_back({"llama-1b", llama, true, tp, 1, 2048, 4, 5});
+  }
+  return rows;
+}
+
+absl::Status WriteModel(const ModelShape& s, int64_t positions, const std::string& dir) {
+  if (std::filesystem::exists(dir + "/config.json")) return absl::OkStatus();
+  if (s.family == "gpt2") {
+    shardformer::Gpt2Shape g;
+    g.vocab_size = s.vocab;
+    g.hidden_size = s.hidden;
+    g.num_layers = s.layers;
+    g.num_heads = s.heads;
+    g.max_positions = positions;
+    return shardformer::WriteInitializedGpt2(dir, g, 1);
+  }
+  shardformer::LlamaShape l;
+  l.vocab_size = s.vocab;
+  l.hidden_size = s.hidden;
+  l.num_layers = s.layers;
+  l.num_heads = s.heads;
+  l.num_kv_heads = s.kv_heads;
+  l.intermediate_size = s.intermediate;
+  l.max_positions = positions;
+  return shardformer::WriteInitializedLlama(dir, l, 1);
+}
+
+// `tokens` random uint16 tokens below `vocab` (nanoGPT's .bin layout).
+absl::Status WriteCorpus(const std::string& path, int64_t vocab, int64_t tokens) {
+  if (std::filesystem::exists(path)) return absl::OkStatus();
+  std::vector<uint16_t> t(static_cast<size_t>(tokens));
+  std::mt19937_64 rng(7);
+  for (uint16_t& x : t) x = static_cast<uint16_t>(rng() % static_cast<uint64_t>(vocab));
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.size() * sizeof(uint16_t)));
+  if (!out.good()) return absl::InternalError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
+}
+
+struct Measured {
+  double step_seconds = 0;  // mean over the timed steps
+  double loss = 0;          // the last step's
+};
+
+absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int steps, int warmup) {
+  const int64_t positions = std::max<int64_t>(row.seq, 64);
+  const std::string model = absl::StrCat(dir, "/", row.name, "-", row.shape.family);
+  RETURN_IF_ERROR(WriteModel(row.shape, positions, model));
+  const std::string corpus = absl::StrCat(dir, "/tokens-", row.shape.vocab, ".bin");
+  RETURN_IF_ERROR(WriteCorpus(corpus, row.shape.vocab, int64_t{1} << 22));
+  train::TrainOptions o;
+  o.model_dir = model;
+  o.data_path = corpus;
+  o.data_format = train::DataFormat::kU16;
+  o.steps = warmup + steps;
+  o.batch_size = row.batch;
+  o.seq_len = row.seq;
+  o.lr = 1e-4;
+  o.min_lr = 1e-4;
+  o.clip_norm = 1.0;
+  o.cuda = row.cuda;
+  o.shard.param_dtype = row.cuda ? DType::kBF16 : DType::kF32;
+  o.shard.layout.set_tensor_parallel_size(row.tp);
+  o.shard.layout.set_data_parallel_size(row.dp);
+  o.comm_timeout = absl::Minutes(10);
+  std::vector<absl::Time> ends;  // when rank 0 finished each step
+  Measured m;
+  RETURN_IF_ERROR(train::Train(o, [&](const train::StepStats& s) {
+    ends.push_back(absl::Now());
+    m.loss = s.loss;
+  }));
+  if (ends.size() != static_cast<size_t>(warmup + steps) || warmup < 1) {
+    return absl::InternalError("the run reported fewer steps than it ran");
+  }
+  m.step_seconds = absl::ToDoubleSeconds(ends.back() - ends[warmup - 1]) / steps;
+  return m;
+}
+
+int Main(int argc, char** argv) {
+  ParseFlags(argc, argv,
+            "train: whole-model training throughput (tokens/s, MFU) vs the same run's GEMM peak.\n\nUsage:\n"
+            "  bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --steps N] [-- --json]\n");
+  const std::string which = absl::GetFlag(FLAGS_rows);
+  if (which != "cpu" && which != "gpu" && which != "all" && which != "smoke") {
+    std::fprintf(stderr, "--rows: '%s' is not one of cpu, gpu, all, smoke\n", which.c_str());
+    return 2;
+  }
+  const bool json = absl::GetFlag(FLAGS_json);
+  const int warmup = std::max(1, absl::GetFlag(FLAGS_warmup));
+  std::string dir = absl::GetFlag(FLAGS_work_dir);
+  if (dir.empty()) dir = (std::filesystem::temp_directory_path() / "colod-bench-train").string();
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const int gpus = kernels::CudaDeviceCount();
+  // One BLAS thread per rank: a CPU rank is meant to have a core.
+  kernels::cpu::SetBlasThreads(1);
+  const double cpu_peak = bench::SgemmPeak(1, 1024, 1024, 1024);
+  kernels::cpu::SetBlasThreads(1);
+  double gpu_peak = 0;
+  if (gpus > 0 && which != "cpu") {
+    const int64_t n = which == "smoke" ? 256 : 8192;
+    absl::StatusOr<double> p = bench::CublasBf16Peak(0, n, n, n);
+    if (!p.ok()) {
+      std::fprintf(stderr, "cuBLAS bf16 peak: %s\n", p.status().ToString().c_str());
+      return 1;
+    }
+    gpu_peak = *p;
+  }
+  if (!json) {
+    std::printf("OpenBLAS sgemm 1024^3, 1 thread: %.1f GFLOP/s", cpu_peak / 1e9);
+    if (gpu_peak > 0) std::printf("; cuBLAS bf16 GEMM on cuda:0: %.1f TFLOP/s", gpu_peak / 1e12);
+    std::printf(" (same run)\n%-10s  %-4s  %-10s  %-4s  %8s  %6s  %10s  %10s  %11s  %11s  %6s  %8s\n", "model",
+                "dev", "layout", "prec", "params", "tokens", "step (ms)", "tokens/s", "model FLOP/s", "peak FLOP/s",
+                "MFU", "vs tp=1");
+  }
+  double base = 0;  // tokens/s of the first row of a model on a device
+  std::string base_of;
+  int failed = 0;
+  for (const Row& row : Rows(which)) {
+    const int ranks = row.tp * row.dp;
+    if (row.cuda && gpus < ranks) {
+      if (!json) std::printf("%-10s  cuda  tp=%d dp=%d: skipped, %d CUDA device(s)\n", row.name.c_str(), row.tp,
+                             row.dp, gpus);
+      continue;
+    }
+    const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : row.steps;
+    absl::StatusOr<Measured> m = RunRow(row, dir, steps, warmup);
+    if (!m.ok()) {
+      std::fprintf(stderr, "%s tp=%d dp=%d: %s\n", row.name.c_str(), row.tp, row.dp, m.status().ToString().c_str());
+      ++failed;
+      continue;
+    }
+    const double tokens = static_cast<double>(row.batch * row.seq);
+    const double tps = tokens / m->step_seconds;
+    const double flops = tps * row.shape.TrainFlopsPerToken(row.seq);
+    const double peak = (row.cuda ? gpu_peak : cpu_peak) * ranks;
+    const std::string key = row.name + (row.cuda ? "/cuda" : "/cpu");
+    if (key != base_of) {
+      base_of = key;
+      base = tps;
+    }
+    const std::string layout = absl::StrCat("tp=", row.tp, " dp=", row.dp);
+    const double params = row.shape.MatMulParams();
+    if (json) {
+      std::printf("{\"bench\":\"train\",\"model\":\"%s\",\"device\":\"%s\",\"tp\":%d,\"dp\":%d,\"precision\":\"%s\","
+                  "\"matmul_params\":%.0f,\"seq_len\":%lld,\"batch\":%lld,\"steps\":%d,\"step_seconds\":%.6f,"
+                  "\"tokens_per_second\":%.1f,\"model_flops_per_second\":%.4g,\"peak_flops_per_second\":%.4g,"
+                  "\"mfu\":%.4f,\"loss\":%.4f}\n",
+                  row.name.c_str(), row.cuda ? "cuda" : "cpu", row.tp, row.dp, row.cuda ? "bf16" : "fp32", params,
+                  static_cast<long long>(row.seq), static_cast<long long>(row.batch), steps, m->step_seconds, tps,
+                  flops, peak, flops / peak, m->loss);
+    } else {
+      std::printf("%-10s  %-4s  %-10s  %-4s  %7.1fM  %6.0f  %10.1f  %10.0f  %11.3g  %11.3g  %5.1f%%  %7.2fx\n",
+                  row.name.c_str(), row.cuda ? "cuda" : "cpu", layout.c_str(), row.cuda ? "bf16" : "fp32",
+                  params / 1e6, tokens, m->step_seconds * 1e3, tps, flops, peak, 100 * flops / peak, tps / base);
+    }
+    std::fflush(stdout);
+  }
+  if (gpus == 0 && which != "cpu" && !json) std::printf("no CUDA device: the GPU rows are skipped\n");
+  return failed == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace colod
+
+int main(int argc, char** argv) { return colod::Main(argc, argv); }
