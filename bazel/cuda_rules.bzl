@@ -111,8 +111,9 @@ def cuda_library(name, srcs = [], hdrs = [], deps = [], copts = [], cc_srcs = []
         }) + cc_srcs,
         hdrs = hdrs,
         copts = select({
-            # nvcc includes cuda_runtime.h implicitly.
-            _EMU: ["-include", "cuda_runtime.h"],
+            # nvcc includes cuda_runtime.h implicitly; `#pragma unroll` is
+            # nvcc's own (the host compiler unrolls as it sees fit).
+            _EMU: ["-include", "cuda_runtime.h", "-Wno-unknown-pragmas"],
             "//conditions:default": [],
         }),
         deps = all_deps,
