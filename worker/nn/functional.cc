@@ -194,35 +194,22 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
 
 namespace {
 
-// t in f32 and contiguous: the same storage where it already is.
-absl::StatusOr<Tensor> ContiguousF32(const Tensor& t) {
-  if (t.dtype() == DType::kF32) return t.Contiguous();
-  return t.ToDType(DType::kF32);
-}
-
 absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
                                         bool causal) {
   const DType dtype = q.value().dtype();
   // The f32 operands are kept for the backward (one conversion each way).
-  ASSIGN_OR_RETURN(Tensor qf, ContiguousF32(q.value()));
-  ASSIGN_OR_RETURN(Tensor kf, ContiguousF32(k.value()));
-  ASSIGN_OR_RETURN(Tensor vf, ContiguousF32(v.value()));
+  ASSIGN_OR_RETURN(Tensor qf, q.value().ContiguousAs(DType::kF32));
+  ASSIGN_OR_RETURN(Tensor kf, k.value().ContiguousAs(DType::kF32));
+  ASSIGN_OR_RETURN(Tensor vf, v.value().ContiguousAs(DType::kF32));
   ASSIGN_OR_RETURN(ops::AttentionForward f, ops::FusedAttention(qf, kf, vf, scale, causal));
-  Tensor y = f.out;
-  if (dtype != DType::kF32) {
-    ASSIGN_OR_RETURN(y, y.ToDType(dtype));
-  }
+  ASSIGN_OR_RETURN(Tensor y, f.out.ContiguousAs(dtype));
   return RecordOp(causal ? "causal_attention" : "attention", {q, k, v}, std::move(y),
                   [qf, kf, vf, f, scale, causal, dtype](const Tensor& dy) -> absl::StatusOr<Grads> {
                     ASSIGN_OR_RETURN(ops::AttentionGrads g, ops::FusedAttentionBackward(dy, qf, kf, vf, f, scale, causal));
                     Grads out;
-                    for (Tensor* t : {&g.dq, &g.dk, &g.dv}) {
-                      if (dtype == DType::kF32) {
-                        out.push_back(*t);
-                      } else {
-                        ASSIGN_OR_RETURN(Tensor back, t->ToDType(dtype));
-                        out.push_back(back);
-                      }
+                    for (const Tensor* t : {&g.dq, &g.dk, &g.dv}) {
+                      ASSIGN_OR_RETURN(Tensor back, t->ContiguousAs(dtype));
+                      out.push_back(std::move(back));
                     }
                     return out;
                   });
@@ -261,7 +248,7 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
   }
   ASSIGN_OR_RETURN(Tensor y, out.Transpose(1, 2));
   const DType dtype = q.value().dtype();
-  ASSIGN_OR_RETURN(y, y.Contiguous().ToDType(dtype));
+  ASSIGN_OR_RETURN(y, y.ContiguousAs(dtype));
   return RecordOp(
       causal ? "causal_attention" : "attention", {q, k, v}, std::move(y),
       [qh, kh, vh, probs, batch, seq, hq, hkv, d, group, scale, dtype, dev](const Tensor& dy) -> absl::StatusOr<Grads> {
@@ -296,7 +283,7 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
         Grads g;
         for (Tensor* t : {&dq, &dk, &dv}) {
           ASSIGN_OR_RETURN(Tensor back, t->Transpose(1, 2));
-          ASSIGN_OR_RETURN(back, back.Contiguous().ToDType(dtype));
+          ASSIGN_OR_RETURN(back, back.ContiguousAs(dtype));
           g.push_back(back);
         }
         return g;

@@ -143,7 +143,7 @@ absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids) {
     return absl::InvalidArgumentError(absl::StrCat("sequences of ", ids.shape()[1], " tokens exceed the model's ",
                                                    config_.max_positions, " positions"));
   }
-  ASSIGN_OR_RETURN(Tensor i64, ids.dtype() == DType::kI64 ? ids.Contiguous() : ids.ToDType(DType::kI64));
+  ASSIGN_OR_RETURN(Tensor i64, ids.ContiguousAs(DType::kI64));
   // The ids stay on the host: the embeddings check and group them there and
   // copy them up themselves (ops::Embedding), so a forward and backward read
   // nothing back from the device for them.
@@ -251,7 +251,7 @@ absl::StatusOr<Tensor> ShardedModel::GatherLogits(const ColoTensor& logits) {
     ASSIGN_OR_RETURN(t, t.Narrow(t.dim() - 1, 0, config_.vocab_size));
   }
   ASSIGN_OR_RETURN(t, t.To(Device::Cpu()));
-  return t.dtype() == DType::kF32 ? t.Contiguous() : t.ToDType(DType::kF32);
+  return t.ContiguousAs(DType::kF32);
 }
 
 std::vector<NamedParam> ShardedModel::Parameters() {

@@ -44,8 +44,7 @@ absl::StatusOr<Tensor> AsF32(const Tensor& t, const char* op) {
   if (!IsFloat(t.dtype())) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": float tensors only, got ", DTypeName(t.dtype())));
   }
-  if (t.dtype() == DType::kF32) return t.Contiguous();
-  return t.ToDType(DType::kF32);
+  return t.ContiguousAs(DType::kF32);
 }
 
 // A contiguous i64 view or copy of integer ids, on their device.
@@ -53,8 +52,7 @@ absl::StatusOr<Tensor> AsI64(const Tensor& ids, const char* op) {
   if (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": ids must be i32 or i64, got ", DTypeName(ids.dtype())));
   }
-  if (ids.dtype() == DType::kI64) return ids.Contiguous();
-  return ids.ToDType(DType::kI64);
+  return ids.ContiguousAs(DType::kI64);
 }
 
 // The result in `like`'s dtype.

@@ -132,12 +132,8 @@ absl::StatusOr<Tensor> FromHostValues(const Shape& shape, const void* values, si
 // The elements as a host vector of T (f32 or i64), converted like ToDType.
 template <typename T>
 std::vector<T> ToHostValues(const Tensor& t, DType as, const char* what) {
-  Tensor h = OrDie(t.To(Device::Cpu()), what);
-  if (h.dtype() != as) {
-    h = OrDie(h.ToDType(as), what);
-  } else {
-    h = h.Contiguous();
-  }
+  const Tensor host = OrDie(t.To(Device::Cpu()), what);
+  const Tensor h = OrDie(host.ContiguousAs(as), what);
   const T* p = h.data<T>();
   return std::vector<T>(p, p + h.numel());
 }
@@ -300,6 +296,11 @@ absl::StatusOr<Tensor> Tensor::ToDType(DType dtype) const {
   ASSIGN_OR_RETURN(Tensor out, Empty(shape_, dtype, device()));
   RETURN_IF_ERROR(CopyOnDevice(storage_->kernels(), *this, out));
   return out;
+}
+
+absl::StatusOr<Tensor> Tensor::ContiguousAs(DType dtype) const {
+  if (dtype == dtype_) return Contiguous();
+  return ToDType(dtype);
 }
 
 absl::StatusOr<Tensor> Tensor::To(Device device) const {

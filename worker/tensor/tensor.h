@@ -98,6 +98,9 @@ class Tensor {
   // Same elements, new shape; the copy is made only if not contiguous.
   absl::StatusOr<Tensor> Reshape(const Shape& shape) const;
   absl::StatusOr<Tensor> ToDType(DType dtype) const;
+  // Contiguous elements of `dtype`: a handle to this tensor where it already
+  // is that, else one copy (converting as ToDType does).
+  absl::StatusOr<Tensor> ContiguousAs(DType dtype) const;
   // A contiguous copy on `device`, or this handle if it is already there.
   absl::StatusOr<Tensor> To(Device device) const;
   // Concatenation along d; shapes must agree elsewhere and dtypes match.

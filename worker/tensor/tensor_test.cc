@@ -68,6 +68,22 @@ TEST(Tensor, TransposeThenContiguousMatchesIndexArithmetic) {
   EXPECT_EQ(t.Reshape({7}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// ContiguousAs copies only when it must: the same storage for a contiguous
+// tensor of the dtype, one copy for a view or another dtype.
+TEST(Tensor, ContiguousAsCopiesOnlyWhenItMust) {
+  const Tensor t = *Tensor::RandomNormal({3, 4}, 1);
+  const Tensor same = *t.ContiguousAs(DType::kF32);
+  EXPECT_EQ(same.raw_data(), t.raw_data());
+  const Tensor view = *t.Transpose(0, 1);
+  const Tensor copied = *view.ContiguousAs(DType::kF32);
+  EXPECT_TRUE(copied.is_contiguous());
+  EXPECT_NE(copied.raw_data(), t.raw_data());
+  EXPECT_EQ(copied.ToFloats(), view.ToFloats());
+  const Tensor half = *view.ContiguousAs(DType::kBF16);
+  EXPECT_EQ(half.dtype(), DType::kBF16);
+  EXPECT_EQ(half.ToBytes(), view.ToDType(DType::kBF16)->ToBytes());
+}
+
 TEST(Tensor, DTypesConvertAndRoundOnce) {
   Tensor t = *Tensor::FromFloats({3}, {1.0f, 1.0f + 1.0f / 256, 65504.0f});
   EXPECT_EQ(t.ToDType(DType::kBF16)->ToFloats(), (std::vector<float>{1.0f, 1.0f, 65536.0f}));
