@@ -16,7 +16,7 @@ namespace colod::bench {
 double MatMulFlops(int64_t m, int64_t k, int64_t n);
 
 // Best of `tries` f32 GEMMs [m, k] x [k, n] on the CPU with `threads` BLAS
-// threads, in FLOP/s.
+// threads, in FLOP/s. Leaves the process at `threads` BLAS threads.
 double SgemmPeak(int threads, int64_t m, int64_t k, int64_t n, int tries = 5);
 
 // cuBLAS bf16 GEMMs [m, k] x [k, n] (f32 accumulation) on CUDA device

@@ -388,6 +388,30 @@ __device__ void StageRows(float (*tile)[kD], const float* base, int64_t stride, 
   }
 }
 
+// The keys query row i sees (all, or j <= i when causal) for the block of
+// kAttnRows query rows it is in: stages each tile of kv head (bi, kvh)'s k
+// and v rows in ks and vs, then calls visit(r) for each row r of the tile
+// that row i sees (none for an inactive thread). Every thread of the block
+// calls it: it holds the block's barriers.
+template <int kD, int kT, typename Visit>
+__device__ __forceinline__ void ForEachVisibleKey(float (*ks)[kD], float (*vs)[kD], const float* k, const float* v,
+                                                  int64_t bi, int64_t kvh, int64_t hkv, int64_t i, int64_t s, int d,
+                                                  bool causal, bool active, Visit visit) {
+  const int64_t block_end = static_cast<int64_t>(blockIdx.x + 1) * kAttnRows;
+  const int64_t keys = causal && block_end < s ? block_end : s;
+  const float* kb = k + (bi * s * hkv + kvh) * d;
+  const float* vb = v + (bi * s * hkv + kvh) * d;
+  for (int64_t j0 = 0; j0 < keys; j0 += kT) {
+    StageRows<kD, kT>(ks, kb, hkv * d, j0, s, d);
+    StageRows<kD, kT>(vs, vb, hkv * d, j0, s, d);
+    __syncthreads();
+    int64_t n = s - j0 < kT ? s - j0 : kT;
+    if (causal && i - j0 + 1 < n) n = i - j0 + 1;
+    for (int r = 0; active && r < n; ++r) visit(r);
+    __syncthreads();
+  }
+}
+
 // Grid (row blocks, hq, b). Online softmax over the key tiles: m is the
 // running max, l the running sum of exp(score - m), acc the running sum of
 // exp(score - m) v; a larger score rescales both.
@@ -408,34 +432,22 @@ __global__ void FlashForwardKernel(const float* q, const float* k, const float* 
     acc[c] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  const int64_t block_end = static_cast<int64_t>(blockIdx.x + 1) * kAttnRows;
-  const int64_t keys = causal && block_end < s ? block_end : s;
-  const float* kb = k + (bi * s * hkv + kvh) * d;
-  const float* vb = v + (bi * s * hkv + kvh) * d;
-  for (int64_t j0 = 0; j0 < keys; j0 += kT) {
-    StageRows<kD, kT>(ks, kb, hkv * d, j0, s, d);
-    StageRows<kD, kT>(vs, vb, hkv * d, j0, s, d);
-    __syncthreads();
-    int64_t n = s - j0 < kT ? s - j0 : kT;
-    if (causal && i - j0 + 1 < n) n = i - j0 + 1;
-    for (int r = 0; active && r < n; ++r) {
-      float sc = 0.0f;
+  ForEachVisibleKey<kD, kT>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r) {
+    float sc = 0.0f;
 #pragma unroll
-      for (int c = 0; c < kD; ++c) sc += qi[c] * ks[r][c];
-      if (sc > m) {
-        const float corr = expf(m - sc);
-        l *= corr;
+    for (int c = 0; c < kD; ++c) sc += qi[c] * ks[r][c];
+    if (sc > m) {
+      const float corr = expf(m - sc);
+      l *= corr;
 #pragma unroll
-        for (int c = 0; c < kD; ++c) acc[c] *= corr;
-        m = sc;
-      }
-      const float p = expf(sc - m);
-      l += p;
-#pragma unroll
-      for (int c = 0; c < kD; ++c) acc[c] += p * vs[r][c];
+      for (int c = 0; c < kD; ++c) acc[c] *= corr;
+      m = sc;
     }
-    __syncthreads();
-  }
+    const float p = expf(sc - m);
+    l += p;
+#pragma unroll
+    for (int c = 0; c < kD; ++c) acc[c] += p * vs[r][c];
+  });
   if (active) {
     const float inv = 1.0f / l;
 #pragma unroll
@@ -470,29 +482,17 @@ __global__ void FlashBackwardDqKernel(const float* q, const float* k, const floa
   }
   const float li = active ? lse[(bi * hq + h) * s + i] : 0.0f;
   if (active) delta[(bi * hq + h) * s + i] = di;
-  const int64_t block_end = static_cast<int64_t>(blockIdx.x + 1) * kAttnRows;
-  const int64_t keys = causal && block_end < s ? block_end : s;
-  const float* kb = k + (bi * s * hkv + kvh) * d;
-  const float* vb = v + (bi * s * hkv + kvh) * d;
-  for (int64_t j0 = 0; j0 < keys; j0 += kT) {
-    StageRows<kD, kT>(ks, kb, hkv * d, j0, s, d);
-    StageRows<kD, kT>(vs, vb, hkv * d, j0, s, d);
-    __syncthreads();
-    int64_t n = s - j0 < kT ? s - j0 : kT;
-    if (causal && i - j0 + 1 < n) n = i - j0 + 1;
-    for (int r = 0; active && r < n; ++r) {
-      float sc = 0.0f, dp = 0.0f;
+  ForEachVisibleKey<kD, kT>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r) {
+    float sc = 0.0f, dp = 0.0f;
 #pragma unroll
-      for (int c = 0; c < kD; ++c) {
-        sc += qi[c] * ks[r][c];
-        dp += doi[c] * vs[r][c];
-      }
-      const float ds = expf(scale * sc - li) * (dp - di);
-#pragma unroll
-      for (int c = 0; c < kD; ++c) dqi[c] += ds * ks[r][c];
+    for (int c = 0; c < kD; ++c) {
+      sc += qi[c] * ks[r][c];
+      dp += doi[c] * vs[r][c];
     }
-    __syncthreads();
-  }
+    const float ds = expf(scale * sc - li) * (dp - di);
+#pragma unroll
+    for (int c = 0; c < kD; ++c) dqi[c] += ds * ks[r][c];
+  });
   if (active) {
 #pragma unroll
     for (int c = 0; c < kD; ++c) {
