@@ -1,7 +1,11 @@
 // All-reduce bandwidth of the Gloo communicator on loopback, next to this
-// machine's memcpy bandwidth measured in the same run.
+// machine's memcpy bandwidth measured in the same run; where the build has
+// CUDA and the machine GPUs, the NCCL communicator's all-reduce on device
+// buffers (bf16 and f32, a rank per GPU up to the GPUs there are), next to
+// cuda:0's device-to-device copy bandwidth.
 //
 //   bazel run -c opt //bench:collectives [-- --json] [-- --iters N]
+//       [-- --backend gloo|nccl|all]
 //
 // busbw = algbw * 2(n-1)/n, as nccl-tests define it: the bandwidth each rank's
 // link would need for a ring all-reduce, comparable across rank counts.
@@ -18,11 +22,19 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/flags.h"
+#include "kernels/device.h"
 #include "server/rendezvous_store.h"
 #include "worker/comm/gloo/gloo_communicator.h"
+#ifdef COLOD_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "worker/comm/nccl/nccl_communicator.h"
+#endif
 
 ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
 ABSL_FLAG(int, iters, 5, "Timed all-reduces per row (after one warm-up).");
+ABSL_FLAG(std::string, backend, "all",
+          "gloo, nccl or all: which communicators to measure (nccl rows need a CUDA build and 2+ GPUs).");
 
 namespace colod {
 namespace {
@@ -87,6 +99,103 @@ Row Measure(int n, size_t bytes, int iters) {
   return Row{n, bytes, times[times.size() / 2]};
 }
 
+#ifdef COLOD_WITH_CUDA
+void Check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+// Best-of-5 device-to-device copy of 256 MiB on cuda:0, counted as
+// nccl-tests count bandwidth (bytes moved once, read plus write not doubled).
+double DeviceCopyGBps() {
+  const size_t bytes = 256 << 20;
+  void *a = nullptr, *b = nullptr;
+  Check(cudaSetDevice(0), "cudaSetDevice");
+  Check(cudaMalloc(&a, bytes), "cudaMalloc");
+  Check(cudaMalloc(&b, bytes), "cudaMalloc");
+  Check(cudaMemset(a, 1, bytes), "cudaMemset");
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    const absl::Time t0 = absl::Now();
+    Check(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy");
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    best = std::max(best, bytes / absl::ToDoubleSeconds(absl::Now() - t0) / 1e9);
+  }
+  Check(cudaFree(a), "cudaFree");
+  Check(cudaFree(b), "cudaFree");
+  return best;
+}
+
+// NCCL all-reduce of `bytes` of `dtype` over n GPUs (a rank thread each),
+// timed from a barrier to the device's completion (cudaDeviceSynchronize):
+// the median of iters on rank 0.
+Row MeasureNccl(int n, size_t bytes, DType dtype, int iters) {
+  InMemoryStore store;
+  std::vector<double> times;
+  std::vector<std::thread> threads;
+  auto fail = [](int r, const absl::Status& s) {
+    std::fprintf(stderr, "nccl rank %d: %s\n", r, s.ToString().c_str());
+    std::exit(1);
+  };
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      NcclCommunicator::Options o;
+      o.device = r;
+      o.prefix = "bench";
+      auto c = NcclCommunicator::Create(store, r, n, o);
+      if (!c.ok()) fail(r, c.status());
+      const int64_t count = static_cast<int64_t>(bytes / SizeOf(dtype));
+      Check(cudaSetDevice(r), "cudaSetDevice");
+      void* data = nullptr;
+      Check(cudaMalloc(&data, bytes), "cudaMalloc");
+      Check(cudaMemset(data, 0, bytes), "cudaMemset");
+      auto run = [&] {
+        absl::Status s = (*c)->AllReduce(data, count, dtype, ReduceOp::kSum)->Wait(absl::Minutes(5));
+        if (s.ok()) s = kernels::CudaSynchronize(r);
+        if (!s.ok()) fail(r, s);
+      };
+      run();  // warm-up: NCCL's channels and buffers
+      for (int i = 0; i < iters; ++i) {
+        float one = 0;  // a barrier: a one-element all-reduce, completed
+        void* flag = nullptr;
+        Check(cudaMalloc(&flag, sizeof(float)), "cudaMalloc");
+        Check(cudaMemcpy(flag, &one, sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+        absl::Status s = (*c)->AllReduce(flag, 1, DType::kF32, ReduceOp::kSum)->Wait(absl::Minutes(1));
+        if (s.ok()) s = kernels::CudaSynchronize(r);
+        if (!s.ok()) fail(r, s);
+        Check(cudaFree(flag), "cudaFree");
+        const absl::Time t0 = absl::Now();
+        run();
+        if (r == 0) times.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+      }
+      Check(cudaFree(data), "cudaFree");
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::sort(times.begin(), times.end());
+  return Row{n, bytes, times[times.size() / 2]};
+}
+#endif
+
+void PrintRow(bool json, const char* backend, const char* dtype, const Row& row, const char* limit_name,
+              double limit_gbps) {
+  const double algbw = row.bytes / row.seconds / 1e9;
+  const double busbw = algbw * 2.0 * (row.ranks - 1) / row.ranks;
+  if (json) {
+    std::printf(
+        "{\"bench\":\"allreduce\",\"backend\":\"%s\",\"dtype\":\"%s\",\"ranks\":%d,\"bytes\":%zu,"
+        "\"seconds\":%.6f,\"algbw_gbps\":%.4f,\"busbw_gbps\":%.4f,\"%s_gbps\":%.4f}\n",
+        backend, dtype, row.ranks, row.bytes, row.seconds, algbw, busbw, limit_name, limit_gbps);
+  } else {
+    std::printf("%-5s  %-4s  %5d  %6zu MiB  %11.3f  %12.3f  %12.3f  %13.1f%%\n", backend, dtype, row.ranks,
+                row.bytes >> 20, row.seconds * 1e3, algbw, busbw, 100 * busbw / limit_gbps);
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 }  // namespace colod
 
@@ -96,29 +205,53 @@ int main(int argc, char** argv) {
                     "  bazel run -c opt //bench:collectives [-- --json] [-- --iters N]\n");
   const bool json = absl::GetFlag(FLAGS_json);
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
-  const double memcpy_gbps = colod::MemcpyGBps();
-  if (!json) {
-    std::printf("Gloo all-reduce, f32, ranks as threads on loopback; memcpy %.2f GB/s (same run)\n\n",
-                memcpy_gbps);
-    std::printf("%5s  %9s  %11s  %12s  %12s  %14s\n", "ranks", "size", "time (ms)", "algbw (GB/s)",
-                "busbw (GB/s)", "busbw/memcpy");
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  if (backend != "gloo" && backend != "nccl" && backend != "all") {
+    std::fprintf(stderr, "--backend must be gloo, nccl or all, not '%s'\n", backend.c_str());
+    return 2;
   }
-  for (int n : {2, 4}) {
-    for (size_t mib : {1, 16, 64}) {
-      colod::Row row = colod::Measure(n, mib << 20, iters);
-      const double algbw = row.bytes / row.seconds / 1e9;
-      const double busbw = algbw * 2.0 * (n - 1) / n;
-      if (json) {
-        std::printf(
-            "{\"bench\":\"allreduce\",\"backend\":\"gloo\",\"dtype\":\"f32\",\"ranks\":%d,\"bytes\":%zu,"
-            "\"seconds\":%.6f,\"algbw_gbps\":%.4f,\"busbw_gbps\":%.4f,\"memcpy_gbps\":%.4f}\n",
-            n, row.bytes, row.seconds, algbw, busbw, memcpy_gbps);
-      } else {
-        std::printf("%5d  %6zu MiB  %11.2f  %12.3f  %12.3f  %13.1f%%\n", n, mib, row.seconds * 1e3,
-                    algbw, busbw, 100 * busbw / memcpy_gbps);
-      }
-      std::fflush(stdout);
+  const char* header = "%-5s  %-4s  %5s  %10s  %11s  %12s  %12s  %14s\n";
+  if (backend != "nccl") {
+    const double memcpy_gbps = colod::MemcpyGBps();
+    if (!json) {
+      std::printf("Gloo all-reduce, ranks as threads on loopback; host memcpy %.2f GB/s (same run)\n\n",
+                  memcpy_gbps);
+      std::printf(header, "comm", "type", "ranks", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)",
+                  "busbw/memcpy");
     }
+    for (int n : {2, 4}) {
+      for (size_t mib : {1, 16, 64}) {
+        colod::PrintRow(json, "gloo", "f32", colod::Measure(n, mib << 20, iters), "memcpy", memcpy_gbps);
+      }
+    }
+  }
+  if (backend == "gloo") return 0;
+  const int gpus = colod::kernels::CudaDeviceCount();
+#ifdef COLOD_WITH_CUDA
+  if (gpus >= 2) {
+    const double copy_gbps = colod::DeviceCopyGBps();
+    if (!json) {
+      std::printf("\nNCCL all-reduce, a rank thread per GPU, device buffers; cuda:0 device-to-device copy "
+                  "%.1f GB/s (same run)\n\n",
+                  copy_gbps);
+      std::printf(header, "comm", "type", "ranks", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)",
+                  "busbw/d2d copy");
+    }
+    for (int n = 2; n <= gpus; n *= 2) {
+      for (colod::DType t : {colod::DType::kBF16, colod::DType::kF32}) {
+        for (size_t mib : {1, 64, 256}) {
+          colod::PrintRow(json, "nccl", t == colod::DType::kBF16 ? "bf16" : "f32",
+                          colod::MeasureNccl(n, mib << 20, t, iters), "d2d_copy", copy_gbps);
+        }
+      }
+    }
+    return 0;
+  }
+#endif
+  if (!json) {
+    std::printf("\nNCCL rows skipped: %s\n", colod::kernels::BuiltWithCuda()
+                                                  ? (std::to_string(gpus) + " CUDA device(s); they need 2").c_str()
+                                                  : "built without CUDA");
   }
   return 0;
 }
