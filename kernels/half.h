@@ -1,12 +1,14 @@
 // f16 and bf16 <-> f32 on the host: exact widening, and narrowing rounded to
 // nearest, ties to even (NaN stays NaN), as CUDA's __float2half_rn and
-// __float2bfloat16 do. Used by the CPU kernels, Gloo's reductions and the
+// __float2bfloat16 do; element loads and stores of any ElemType as floats. Used by the CPU kernels, Gloo's reductions and the
 // tensors' host conversions.
 #ifndef COLOD_KERNELS_HALF_H_
 #define COLOD_KERNELS_HALF_H_
 
 #include <cstdint>
 #include <cstring>
+
+#include "kernels/types.h"
 
 namespace colod::kernels {
 
@@ -28,6 +30,31 @@ inline uint16_t FloatToBF16(float f) {
 // IEEE 754 binary16.
 float F16ToFloat(uint16_t h);
 uint16_t FloatToF16(float f);
+
+// Element i of a host buffer of `t` as a float, and a float stored there
+// (integers convert as static_cast does).
+inline float LoadF(const void* base, int64_t i, ElemType t) {
+  const char* p = static_cast<const char*>(base) + i * ElemBytes(t);
+  switch (t) {
+    case ElemType::kF32: { float v; std::memcpy(&v, p, 4); return v; }
+    case ElemType::kBF16: { uint16_t v; std::memcpy(&v, p, 2); return BF16ToFloat(v); }
+    case ElemType::kF16: { uint16_t v; std::memcpy(&v, p, 2); return F16ToFloat(v); }
+    case ElemType::kI32: { int32_t v; std::memcpy(&v, p, 4); return static_cast<float>(v); }
+    case ElemType::kI64: { int64_t v; std::memcpy(&v, p, 8); return static_cast<float>(v); }
+  }
+  return 0;
+}
+
+inline void StoreF(void* base, int64_t i, ElemType t, float f) {
+  char* p = static_cast<char*>(base) + i * ElemBytes(t);
+  switch (t) {
+    case ElemType::kF32: std::memcpy(p, &f, 4); return;
+    case ElemType::kBF16: { uint16_t v = FloatToBF16(f); std::memcpy(p, &v, 2); return; }
+    case ElemType::kF16: { uint16_t v = FloatToF16(f); std::memcpy(p, &v, 2); return; }
+    case ElemType::kI32: { int32_t v = static_cast<int32_t>(f); std::memcpy(p, &v, 4); return; }
+    case ElemType::kI64: { int64_t v = static_cast<int64_t>(f); std::memcpy(p, &v, 8); return; }
+  }
+}
 
 }  // namespace colod::kernels
 

@@ -27,6 +27,76 @@ struct Layout {
   int64_t strides[kMaxDims] = {};
 };
 
+// A contiguous buffer of n elements of `type` on the twin's device; the
+// multi-tensor kernels take lists of them.
+struct BufferRef {
+  const void* data = nullptr;
+  int64_t n = 0;
+  ElemType type = ElemType::kF32;
+};
+
+// One parameter of the multi-tensor AdamW (layer_ops.inc): the f32 weights
+// `master` are updated from `grad` (grad_type, scaled by the step's
+// grad_scale) and the f32 moments m and v, all of n elements; where `param`
+// is not null it is the held copy of the weights (param_type, bf16 or f16
+// under mixed precision) and receives the updated master rounded to it.
+struct AdamWTensor {
+  float* master = nullptr;
+  void* param = nullptr;
+  const void* grad = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  int64_t n = 0;
+  ElemType param_type = ElemType::kF32;
+  ElemType grad_type = ElemType::kF32;
+};
+
+// torch.optim.AdamW's hyperparameters for one step; bias_correction1/2 are
+// 1 - beta^step. grad_scale multiplies every gradient as it is read (the
+// global-norm clipping factor; 1 for none).
+struct AdamWHyper {
+  float lr = 0, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0;
+  float bias_correction1 = 1, bias_correction2 = 1;
+  float grad_scale = 1;
+};
+
+// The most tensors one launch of a multi-tensor kernel carries (they travel
+// in the kernel's parameters, within CUDA's 4 KiB); longer lists take more
+// launches.
+constexpr int kMaxTensorsPerLaunch = 32;
+
+// Rewrites two layouts of the same shape into the fewest dims that walk the
+// same elements in the same order: dims of size 1 dropped, and a dim merged
+// into the next where both layouts step over it contiguously (stride[d] ==
+// stride[d + 1] * shape[d + 1] in each). A contiguous copy becomes one dim
+// of stride 1; a transposed one keeps two.
+inline void CoalesceLayouts(Layout* a, Layout* b) {
+  Layout x, y;
+  for (int d = 0; d < a->ndim; ++d) {
+    if (a->shape[d] == 1) continue;
+    const int k = x.ndim;
+    if (k > 0 && x.strides[k - 1] == a->strides[d] * a->shape[d] && y.strides[k - 1] == b->strides[d] * b->shape[d]) {
+      x.shape[k - 1] *= a->shape[d];
+      y.shape[k - 1] *= a->shape[d];
+      x.strides[k - 1] = a->strides[d];
+      y.strides[k - 1] = b->strides[d];
+      continue;
+    }
+    x.shape[k] = y.shape[k] = a->shape[d];
+    x.strides[k] = a->strides[d];
+    y.strides[k] = b->strides[d];
+    ++x.ndim;
+    y.ndim = x.ndim;
+  }
+  if (x.ndim == 0) {  // a single element
+    x.ndim = y.ndim = 1;
+    x.shape[0] = y.shape[0] = 1;
+    x.strides[0] = y.strides[0] = 1;
+  }
+  *a = x;
+  *b = y;
+}
+
 inline int ElemBytes(ElemType t) {
   return (t == ElemType::kBF16 || t == ElemType::kF16) ? 2 : (t == ElemType::kI64 ? 8 : 4);
 }

@@ -532,13 +532,19 @@ absl::Status FlashAttentionBackward(int, const float* q, const float* k, const f
   return absl::OkStatus();
 }
 
-absl::Status AdamW(int, float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
-                   float beta2, float eps, float weight_decay, float bias_correction1, float bias_correction2) {
-  for (int64_t i = 0; i < n; ++i) {
-    param[i] -= lr * weight_decay * param[i];
-    m[i] = beta1 * m[i] + (1.0f - beta1) * grad[i];
-    v[i] = beta2 * v[i] + (1.0f - beta2) * grad[i] * grad[i];
-    param[i] -= lr * (m[i] / bias_correction1) / (std::sqrt(v[i] / bias_correction2) + eps);
+absl::Status AdamW(int, const std::vector<AdamWTensor>& tensors, const AdamWHyper& h) {
+  for (const AdamWTensor& t : tensors) {
+    float* p = t.master;
+    float* m = t.m;
+    float* v = t.v;
+    for (int64_t i = 0; i < t.n; ++i) {
+      const float g = LoadF(t.grad, i, t.grad_type) * h.grad_scale;
+      p[i] -= h.lr * h.weight_decay * p[i];
+      m[i] = h.beta1 * m[i] + (1.0f - h.beta1) * g;
+      v[i] = h.beta2 * v[i] + (1.0f - h.beta2) * g * g;
+      p[i] -= h.lr * (m[i] / h.bias_correction1) / (std::sqrt(v[i] / h.bias_correction2) + h.eps);
+      if (t.param != nullptr) StoreF(t.param, i, t.param_type, p[i]);
+    }
   }
   return absl::OkStatus();
 }

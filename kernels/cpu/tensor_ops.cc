@@ -12,27 +12,6 @@ namespace {
 
 bool IsInt(ElemType t) { return t == ElemType::kI32 || t == ElemType::kI64; }
 
-float LoadF(const char* p, ElemType t) {
-  switch (t) {
-    case ElemType::kF32: { float v; std::memcpy(&v, p, 4); return v; }
-    case ElemType::kBF16: { uint16_t v; std::memcpy(&v, p, 2); return BF16ToFloat(v); }
-    case ElemType::kF16: { uint16_t v; std::memcpy(&v, p, 2); return F16ToFloat(v); }
-    case ElemType::kI32: { int32_t v; std::memcpy(&v, p, 4); return static_cast<float>(v); }
-    case ElemType::kI64: { int64_t v; std::memcpy(&v, p, 8); return static_cast<float>(v); }
-  }
-  return 0;
-}
-
-void StoreF(char* p, ElemType t, float f) {
-  switch (t) {
-    case ElemType::kF32: std::memcpy(p, &f, 4); return;
-    case ElemType::kBF16: { uint16_t v = FloatToBF16(f); std::memcpy(p, &v, 2); return; }
-    case ElemType::kF16: { uint16_t v = FloatToF16(f); std::memcpy(p, &v, 2); return; }
-    case ElemType::kI32: { int32_t v = static_cast<int32_t>(f); std::memcpy(p, &v, 4); return; }
-    case ElemType::kI64: { int64_t v = static_cast<int64_t>(f); std::memcpy(p, &v, 8); return; }
-  }
-}
-
 int64_t LoadI(const char* p, ElemType t) {
   if (t == ElemType::kI32) {
     int32_t v;
@@ -65,7 +44,7 @@ void CopyRun(const char* src, int64_t ss, ElemType st, char* dst, int64_t ds, El
   } else if (IsInt(st) && IsInt(dt)) {
     for (int64_t i = 0; i < n; ++i) StoreI(dst + i * ds * db, dt, LoadI(src + i * ss * sb, st));
   } else {
-    for (int64_t i = 0; i < n; ++i) StoreF(dst + i * ds * db, dt, LoadF(src + i * ss * sb, st));
+    for (int64_t i = 0; i < n; ++i) StoreF(dst, i * ds, dt, LoadF(src, i * ss, st));
   }
 }
 
@@ -163,10 +142,9 @@ absl::Status StridedCopy(int, const void* src, const Layout& sl, ElemType st, vo
 absl::Status FillRandom(int, void* p, ElemType type, int64_t n, uint64_t seed, bool normal) {
   if (IsInt(type)) return absl::InvalidArgumentError("FillRandom: float types only");
   char* o = static_cast<char*>(p);
-  const int eb = ElemBytes(type);
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t k = static_cast<uint64_t>(i);
-    StoreF(o + i * eb, type, normal ? PhiloxNormal(seed, k) : PhiloxUniform(seed, k));
+    StoreF(o, i, type, normal ? PhiloxNormal(seed, k) : PhiloxUniform(seed, k));
   }
   return absl::OkStatus();
 }
@@ -182,8 +160,8 @@ absl::Status Binary(int, BinaryOp op, ElemType type, const void* a, const void* 
       const char* y = static_cast<const char*>(b);
       char* z = static_cast<char*>(out);
       for (int64_t i = 0; i < n; ++i) {
-        const float u = LoadF(x + 2 * i, type), v = LoadF(y + 2 * i, type);
-        StoreF(z + 2 * i, type, op == BinaryOp::kAdd ? u + v : (op == BinaryOp::kSub ? u - v : u * v));
+        const float u = LoadF(x, i, type), v = LoadF(y, i, type);
+        StoreF(z, i, type, op == BinaryOp::kAdd ? u + v : (op == BinaryOp::kSub ? u - v : u * v));
       }
       break;
     }
@@ -195,14 +173,13 @@ absl::Status Scale(int, ElemType type, const void* a, float s, void* out, int64_
   if (IsInt(type)) return absl::InvalidArgumentError("Scale: float types only");
   const char* x = static_cast<const char*>(a);
   char* z = static_cast<char*>(out);
-  const int eb = ElemBytes(type);
   if (type == ElemType::kF32) {
     const float* xf = static_cast<const float*>(a);
     float* zf = static_cast<float*>(out);
     for (int64_t i = 0; i < n; ++i) zf[i] = xf[i] * s;
     return absl::OkStatus();
   }
-  for (int64_t i = 0; i < n; ++i) StoreF(z + i * eb, type, LoadF(x + i * eb, type) * s);
+  for (int64_t i = 0; i < n; ++i) StoreF(z, i, type, LoadF(x, i, type) * s);
   return absl::OkStatus();
 }
 
@@ -211,19 +188,21 @@ absl::StatusOr<double> Sum(int, ElemType type, const void* a, int64_t n) {
   const int eb = ElemBytes(type);
   double s = 0;
   for (int64_t i = 0; i < n; ++i) {
-    s += IsInt(type) ? static_cast<double>(LoadI(x + i * eb, type)) : static_cast<double>(LoadF(x + i * eb, type));
+    s += IsInt(type) ? static_cast<double>(LoadI(x + i * eb, type)) : static_cast<double>(LoadF(x, i, type));
   }
   return s;
 }
 
-absl::Status AccumulateSum(int, ElemType type, const void* a, int64_t n, bool square, float* acc) {
-  if (IsInt(type)) return absl::InvalidArgumentError("AccumulateSum: float types only");
-  const char* x = static_cast<const char*>(a);
-  const int eb = ElemBytes(type);
+absl::Status AccumulateSum(int, const std::vector<BufferRef>& parts, bool square, float* acc) {
+  for (const BufferRef& p : parts) {
+    if (IsInt(p.type)) return absl::InvalidArgumentError("AccumulateSum: float types only");
+  }
   double s = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double v = LoadF(x + i * eb, type);
-    s += square ? v * v : v;
+  for (const BufferRef& p : parts) {
+    for (int64_t i = 0; i < p.n; ++i) {
+      const double v = LoadF(p.data, i, p.type);
+      s += square ? v * v : v;
+    }
   }
   acc[0] += static_cast<float>(s);
   return absl::OkStatus();

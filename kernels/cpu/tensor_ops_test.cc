@@ -25,6 +25,40 @@ Layout Make(std::vector<int64_t> shape, std::vector<int64_t> strides) {
   return l;
 }
 
+TEST(Layouts, CoalescingKeepsTheWalkWithFewerDims) {
+  // Contiguous [2, 3, 4] on both sides: one dim of 24 at stride 1.
+  Layout a = Make({2, 3, 4}, {12, 4, 1}), b = Make({2, 3, 4}, {12, 4, 1});
+  CoalesceLayouts(&a, &b);
+  EXPECT_EQ(a.ndim, 1);
+  EXPECT_EQ(a.shape[0], 24);
+  EXPECT_EQ(a.strides[0], 1);
+  EXPECT_EQ(b.strides[0], 1);
+  // A narrowed middle dim ([2, 3 of 5, 4]) merges the inner two only where
+  // both sides allow: the source rows are 20 apart, so dims 0 and 1 stay.
+  a = Make({2, 3, 4}, {20, 4, 1});
+  b = Make({2, 3, 4}, {12, 4, 1});
+  CoalesceLayouts(&a, &b);
+  ASSERT_EQ(a.ndim, 2);
+  EXPECT_EQ(a.shape[0], 2);
+  EXPECT_EQ(a.shape[1], 12);
+  EXPECT_EQ(a.strides[0], 20);
+  EXPECT_EQ(b.strides[0], 12);
+  // A transpose ([3, 2] read from [2, 3]) keeps two dims; size-1 dims go.
+  a = Make({1, 3, 1, 2}, {7, 1, 9, 3});
+  b = Make({1, 3, 1, 2}, {6, 2, 2, 1});
+  CoalesceLayouts(&a, &b);
+  ASSERT_EQ(a.ndim, 2);
+  EXPECT_EQ(a.strides[0], 1);
+  EXPECT_EQ(a.strides[1], 3);
+  EXPECT_EQ(b.strides[0], 2);
+  // One element.
+  a = Make({1, 1}, {5, 5});
+  b = Make({1, 1}, {1, 1});
+  CoalesceLayouts(&a, &b);
+  EXPECT_EQ(a.ndim, 1);
+  EXPECT_EQ(a.shape[0], 1);
+}
+
 TEST(CpuTensorOps, StridedCopyTransposesAndConverts) {
   // src is [2, 3] row-major; read it transposed as [3, 2] into a contiguous
   // bf16 buffer: dst[i][j] = src[j][i].

@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/cuda/elements.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/philox.h"
 
@@ -69,12 +70,41 @@ __global__ void BiasAddKernel(const float* x, const float* b, float* y, int64_t 
   GRID_STRIDE(i, total) { y[i] = x[i] + b[i % n]; }
 }
 
-__global__ void ColumnSumKernel(const float* dy, float* db, int64_t rows, int64_t n) {
-  GRID_STRIDE(j, n) {
-    double s = 0;
-    for (int64_t r = 0; r < rows; ++r) s += dy[r * n + j];
-    db[j] = static_cast<float>(s);
+// Column reductions (bias and norm-parameter gradients) over [rows, n]: a
+// block owns kColumns adjacent columns and its kThreads / kColumns row lanes
+// split the rows (lane l sums rows l, l + lanes, ...; a warp reads 32
+// adjacent columns of one row, coalesced), then the lanes' partial sums are
+// added in lane order. Sums run in double in a fixed order: deterministic.
+constexpr int kColumns = 32;
+constexpr int kRowLanes = kThreads / kColumns;
+
+unsigned ColumnBlocks(int64_t n) {
+  const int64_t b = (n + kColumns - 1) / kColumns;
+  return static_cast<unsigned>(b < 1 ? 1 : b);
+}
+
+// Adds the lanes' partials of this thread's column: lane 0 returns the total.
+__device__ double SumOverLanes(double v, double* shared) {
+  const int col = threadIdx.x % kColumns, lane = threadIdx.x / kColumns;
+  shared[lane * kColumns + col] = v;
+  __syncthreads();
+  double total = 0;
+  if (lane == 0) {
+    for (int l = 0; l < kRowLanes; ++l) total += shared[l * kColumns + col];
   }
+  __syncthreads();
+  return total;
+}
+
+__global__ void ColumnSumKernel(const float* dy, float* db, int64_t rows, int64_t n) {
+  __shared__ double shared[kThreads];
+  const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
+  double s = 0;
+  if (j < n) {
+    for (int64_t r = threadIdx.x / kColumns; r < rows; r += kRowLanes) s += dy[r * n + j];
+  }
+  s = SumOverLanes(s, shared);
+  if (j < n && threadIdx.x < kColumns) db[j] = static_cast<float>(s);
 }
 
 __global__ void GeluKernel(const float* x, float* y, int64_t n, bool tanh_approx) {
@@ -149,16 +179,22 @@ __global__ void LayerNormBackwardKernel(const float* dy, const float* x, const f
 }
 
 // dgamma[j] = sum_r dy * xhat, dbeta[j] = sum_r dy (xhat from mean/rstd, or
-// x * rstd for RMSNorm when mean is null).
+// x * rstd for RMSNorm when mean is null); columns split as ColumnSumKernel.
 __global__ void NormParamGradKernel(const float* dy, const float* x, const float* mean, const float* rstd, float* dg,
                                     float* db, int64_t rows, int64_t n) {
-  GRID_STRIDE(j, n) {
-    double sg = 0, sb = 0;
-    for (int64_t r = 0; r < rows; ++r) {
+  __shared__ double shared[kThreads];
+  const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
+  double sg = 0, sb = 0;
+  if (j < n) {
+    for (int64_t r = threadIdx.x / kColumns; r < rows; r += kRowLanes) {
       const float xhat = (x[r * n + j] - (mean ? mean[r] : 0.0f)) * rstd[r];
       sg += static_cast<double>(dy[r * n + j]) * xhat;
       sb += dy[r * n + j];
     }
+  }
+  sg = SumOverLanes(sg, shared);
+  sb = SumOverLanes(sb, shared);
+  if (j < n && threadIdx.x < kColumns) {
     dg[j] = static_cast<float>(sg);
     if (db) db[j] = static_cast<float>(sb);
   }
@@ -355,15 +391,24 @@ __global__ void RopeKernel(const float* x, float* y, int64_t b, int64_t s, int64
   }
 }
 
-__global__ void AdamWKernel(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-                            float beta2, float eps, float wd, float bc1, float bc2) {
-  GRID_STRIDE(i, n) {
-    p[i] -= lr * wd * p[i];
-    m[i] = beta1 * m[i] + (1.0f - beta1) * g[i];
-    v[i] = beta2 * v[i] + (1.0f - beta2) * g[i] * g[i];
-    p[i] -= lr * (m[i] / bc1) / (sqrtf(v[i] / bc2) + eps);
+// ---- AdamW over lists of tensors (kernels/cuda/elements.h's TensorList) ----
+__global__ void AdamWKernel(TensorList<AdamWTensor> list, AdamWHyper h) {
+  int64_t begin = 0, end = 0;
+  const AdamWTensor& x = BlockTensor(list, &begin, &end);
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const float g = LoadF(x.grad, i, x.grad_type) * h.grad_scale;
+    float p = x.master[i];
+    p -= h.lr * h.weight_decay * p;
+    const float m = h.beta1 * x.m[i] + (1.0f - h.beta1) * g;
+    const float v = h.beta2 * x.v[i] + (1.0f - h.beta2) * g * g;
+    p -= h.lr * (m / h.bias_correction1) / (sqrtf(v / h.bias_correction2) + h.eps);
+    x.master[i] = p;
+    x.m[i] = m;
+    x.v[i] = v;
+    if (x.param != nullptr) StoreF(x.param, i, x.param_type, p);
   }
 }
+
 
 // ---- Fused attention (FlashAttention, FlashAttentionBackward) ----
 // One thread per query row (forward, dq) or key row (dk, dv), kAttnRows rows
@@ -693,7 +738,7 @@ absl::Status BiasAdd(int device, const float* x, const float* bias, float* out, 
 
 absl::Status BiasGrad(int device, const float* dy, float* db, int64_t rows, int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
-  Launch(ColumnSumKernel, Blocks(n), kThreads, stream, dy, db, rows, n);
+  Launch(ColumnSumKernel, ColumnBlocks(n), kThreads, stream, dy, db, rows, n);
   return Finish("ColumnSumKernel");
 }
 
@@ -732,7 +777,7 @@ absl::Status LayerNormBackward(int device, const float* dy, const float* x, cons
                                const float* rstd, float* dx, float* dg, float* db, int64_t rows, int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
   Launch(LayerNormBackwardKernel, RowBlocks(rows), kThreads, stream, dy, x, g, mean, rstd, dx, rows, n);
-  Launch(NormParamGradKernel, Blocks(n), kThreads, stream, dy, x, mean, rstd, dg, db, rows, n);
+  Launch(NormParamGradKernel, ColumnBlocks(n), kThreads, stream, dy, x, mean, rstd, dg, db, rows, n);
   return Finish("LayerNormBackwardKernel");
 }
 
@@ -747,7 +792,7 @@ absl::Status RmsNormBackward(int device, const float* dy, const float* x, const 
                              float* dx, float* dg, int64_t rows, int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
   Launch(RmsNormBackwardKernel, RowBlocks(rows), kThreads, stream, dy, x, g, rstd, dx, rows, n);
-  Launch(NormParamGradKernel, Blocks(n), kThreads, stream, dy, x, nullptr, rstd, dg, nullptr, rows, n);
+  Launch(NormParamGradKernel, ColumnBlocks(n), kThreads, stream, dy, x, nullptr, rstd, dg, nullptr, rows, n);
   return Finish("RmsNormBackwardKernel");
 }
 
@@ -907,12 +952,12 @@ absl::Status FlashAttentionBackward(int device, const float* q, const float* k, 
   });
 }
 
-absl::Status AdamW(int device, float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
-                   float beta2, float eps, float weight_decay, float bias_correction1, float bias_correction2) {
+absl::Status AdamW(int device, const std::vector<AdamWTensor>& tensors, const AdamWHyper& h) {
   COLOD_CUDA_BEGIN(stream, device);
-  Launch(AdamWKernel, Blocks(n), kThreads, stream, param, grad, m, v, n, lr, beta1, beta2, eps,
-                                                                weight_decay, bias_correction1, bias_correction2);
-  return Finish("AdamWKernel");
+  return ForEachLaunch(tensors, [&](const TensorList<AdamWTensor>& list, int64_t blocks) {
+    Launch(AdamWKernel, static_cast<unsigned>(blocks), kThreads, stream, list, h);
+    return Finish("AdamWKernel");
+  });
 }
 
 }  // namespace colod::kernels::cuda

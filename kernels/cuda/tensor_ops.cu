@@ -1,14 +1,15 @@
 #include "kernels/cuda/tensor_ops.h"
 
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <mutex>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "kernels/cuda/elements.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/philox.h"
 
@@ -17,63 +18,22 @@ namespace {
 
 #define RETURN_IF_CUDA(call) COLOD_RETURN_IF_CUDA(call)
 
-__host__ __device__ __forceinline__ uint16_t FloatToBF16Bits(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>((bits + rounding) >> 16);
-}
-
-__device__ __forceinline__ float LoadF(const char* p, int64_t i, ElemType t) {
-  switch (t) {
-    case ElemType::kF32: return reinterpret_cast<const float*>(p)[i];
-    case ElemType::kBF16: return __uint_as_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16);
-    case ElemType::kF16: return __half2float(__ushort_as_half(reinterpret_cast<const uint16_t*>(p)[i]));
-    case ElemType::kI32: return static_cast<float>(reinterpret_cast<const int32_t*>(p)[i]);
-    case ElemType::kI64: return static_cast<float>(reinterpret_cast<const int64_t*>(p)[i]);
-  }
-  return 0;
-}
-
-__device__ __forceinline__ void StoreF(char* p, int64_t i, ElemType t, float v) {
-  switch (t) {
-    case ElemType::kF32: reinterpret_cast<float*>(p)[i] = v; return;
-    case ElemType::kBF16: reinterpret_cast<uint16_t*>(p)[i] = FloatToBF16Bits(v); return;
-    case ElemType::kF16: reinterpret_cast<uint16_t*>(p)[i] = __half_as_ushort(__float2half_rn(v)); return;
-    case ElemType::kI32: reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); return;
-    case ElemType::kI64: reinterpret_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); return;
-  }
-}
-
-__device__ __forceinline__ int64_t LoadI(const char* p, int64_t i, ElemType t) {
-  return t == ElemType::kI32 ? reinterpret_cast<const int32_t*>(p)[i] : reinterpret_cast<const int64_t*>(p)[i];
-}
-
-__device__ __forceinline__ void StoreI(char* p, int64_t i, ElemType t, int64_t v) {
-  if (t == ElemType::kI32) {
-    reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
-  } else {
-    reinterpret_cast<int64_t*>(p)[i] = v;
-  }
-}
-
-__host__ __device__ __forceinline__ int ElemSize(ElemType t) {
-  return (t == ElemType::kBF16 || t == ElemType::kF16) ? 2 : (t == ElemType::kI64 ? 8 : 4);
-}
-
-__host__ __device__ __forceinline__ bool IsInt(ElemType t) { return t == ElemType::kI32 || t == ElemType::kI64; }
-
+// The general copy: element i's offsets from its index in the (coalesced)
+// shape, one div/mod per remaining dim, in 32-bit arithmetic where every
+// extent fits (Index = uint32_t), as 64-bit division is several times slower.
+template <typename Index>
 __global__ void StridedCopyKernel(const char* src, Layout sl, ElemType st, char* dst, Layout dl, ElemType dt,
                                   int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t rem = i, so = 0, dof = 0;
+    Index rem = static_cast<Index>(i);
+    int64_t so = 0, dof = 0;
     for (int d = sl.ndim - 1; d >= 0; --d) {
-      const int64_t idx = rem % sl.shape[d];
-      rem /= sl.shape[d];
-      so += idx * sl.strides[d];
-      dof += idx * dl.strides[d];
+      const Index extent = static_cast<Index>(sl.shape[d]);
+      const Index idx = rem % extent;
+      rem /= extent;
+      so += static_cast<int64_t>(idx) * sl.strides[d];
+      dof += static_cast<int64_t>(idx) * dl.strides[d];
     }
     if (st == dt) {
       const int es = ElemSize(st);
@@ -84,6 +44,56 @@ __global__ void StridedCopyKernel(const char* src, Layout sl, ElemType st, char*
       StoreF(dst, dof, dt, LoadF(src, so, st));
     }
   }
+}
+
+// Contiguous float-to-float conversion with the types known at compile time,
+// kVec elements a thread per step through one aligned load and store (16
+// bytes of f32; the host picks kVec = 1 for unaligned views).
+template <ElemType S, ElemType D, int kVec>
+__global__ void ConvertKernel(const void* src, void* dst, int64_t n) {
+  const int64_t vecs = n / kVec;
+  using SRaw = typename std::conditional<S == ElemType::kF32, float, uint16_t>::type;
+  using DRaw = typename std::conditional<D == ElemType::kF32, float, uint16_t>::type;
+  struct alignas(sizeof(SRaw) * kVec) SVec { SRaw v[kVec]; };
+  struct alignas(sizeof(DRaw) * kVec) DVec { DRaw v[kVec]; };
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vecs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const SVec in = static_cast<const SVec*>(src)[i];
+    DVec out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float f = LoadF(in.v, j, S);
+      StoreF(out.v, j, D, f);
+    }
+    static_cast<DVec*>(dst)[i] = out;
+  }
+  // The tail (n not a multiple of kVec): the first threads.
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t < n - vecs * kVec) StoreF(dst, vecs * kVec + t, D, LoadF(src, vecs * kVec + t, S));
+}
+
+template <ElemType S, ElemType D>
+void LaunchConvert(const void* src, void* dst, int64_t n, cudaStream_t stream) {
+  constexpr int kVec = 4;
+  const bool aligned = reinterpret_cast<uintptr_t>(src) % (kVec * ElemSize(S)) == 0 &&
+                       reinterpret_cast<uintptr_t>(dst) % (kVec * ElemSize(D)) == 0;
+  if (aligned) {
+    Launch(ConvertKernel<S, D, kVec>, Blocks(n / kVec), kThreads, stream, src, dst, n);
+  } else {
+    Launch(ConvertKernel<S, D, 1>, Blocks(n), kThreads, stream, src, dst, n);
+  }
+}
+
+// dst <- src converted, both contiguous float buffers of different types.
+// False where the pair has no specialized kernel.
+bool ConvertContiguous(const void* src, ElemType st, void* dst, ElemType dt, int64_t n, cudaStream_t stream) {
+  using E = ElemType;
+  if (st == E::kF32 && dt == E::kBF16) LaunchConvert<E::kF32, E::kBF16>(src, dst, n, stream);
+  else if (st == E::kBF16 && dt == E::kF32) LaunchConvert<E::kBF16, E::kF32>(src, dst, n, stream);
+  else if (st == E::kF32 && dt == E::kF16) LaunchConvert<E::kF32, E::kF16>(src, dst, n, stream);
+  else if (st == E::kF16 && dt == E::kF32) LaunchConvert<E::kF16, E::kF32>(src, dst, n, stream);
+  else return false;
+  return true;
 }
 
 __global__ void FillRandomKernel(char* p, ElemType t, int64_t n, uint64_t seed, bool normal) {
@@ -126,6 +136,18 @@ __global__ void ScaleKernel(ElemType t, const char* a, float s, char* out, int64
   }
 }
 
+// The sum of v over the block's kThreads threads by a fixed tree in
+// `shared` (kThreads doubles); thread 0's return value is the total.
+__device__ double BlockTreeSum(double v, double* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
+    __syncthreads();
+  }
+  return shared[0];
+}
+
 // Pass 1: block b sums the elements b*kThreads + t + k*gridDim*kThreads in a
 // fixed order and tree; pass 2 sums the partials in block order.
 // With `square`, of the elements' squares.
@@ -137,13 +159,8 @@ __global__ void SumPartialsKernel(ElemType t, const char* a, int64_t n, bool squ
     const double v = IsInt(t) ? static_cast<double>(LoadI(a, i, t)) : static_cast<double>(LoadF(a, i, t));
     s += square ? v * v : v;
   }
-  acc[threadIdx.x] = s;
-  __syncthreads();
-  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) acc[threadIdx.x] += acc[threadIdx.x + stride];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) partials[blockIdx.x] = acc[0];
+  const double total = BlockTreeSum(s, acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
 __global__ void SumFinalKernel(const double* partials, int count, double* out) {
@@ -154,13 +171,30 @@ __global__ void SumFinalKernel(const double* partials, int count, double* out) {
   }
 }
 
-// acc[0] += the partials summed in block order, in f32.
-__global__ void AddSumKernel(const double* partials, int count, float* acc) {
-  if (threadIdx.x == 0 && blockIdx.x == 0) {
-    double s = 0;
-    for (int i = 0; i < count; ++i) s += partials[i];
-    acc[0] += static_cast<float>(s);
+// partials[partial_offset + b] <- block b's sum in double (of squares with
+// `square`), over its chunk in a fixed order and tree.
+__global__ void MultiSumPartialsKernel(TensorList<BufferRef> list, bool square, double* partials,
+                                       int64_t partial_offset) {
+  __shared__ double acc[kThreads];
+  int64_t begin = 0, end = 0;
+  const BufferRef& x = BlockTensor(list, &begin, &end);
+  double s = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const double v = LoadF(x.data, i, x.type);
+    s += square ? v * v : v;
   }
+  const double total = BlockTreeSum(s, acc);
+  if (threadIdx.x == 0) partials[partial_offset + blockIdx.x] = total;
+}
+
+// acc[0] += the partials summed in order, in f32. One block: its threads
+// sum strided slices, then a tree (a fixed order either way).
+__global__ void MultiSumFinalKernel(const double* partials, int64_t count, float* acc) {
+  __shared__ double s[kThreads];
+  double v = 0;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) v += partials[i];
+  const double total = BlockTreeSum(v, s);
+  if (threadIdx.x == 0) acc[0] += static_cast<float>(total);
 }
 
 // The device's default memory pool, set to keep what it has reserved (CUDA's
@@ -241,8 +275,25 @@ absl::Status StridedCopy(int device, const void* src, const Layout& src_layout, 
   }
   if (n == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
-  Launch(StridedCopyKernel, Blocks(n), kThreads, stream,
-      static_cast<const char*>(src), src_layout, src_type, static_cast<char*>(dst), dst_layout, dst_type, n);
+  Layout sl = src_layout, dl = dst_layout;
+  CoalesceLayouts(&sl, &dl);
+  if (sl.ndim == 1 && sl.strides[0] == 1 && dl.strides[0] == 1) {  // contiguous on both sides
+    if (src_type == dst_type) {
+      RETURN_IF_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * ElemSize(src_type), cudaMemcpyDeviceToDevice,
+                                     stream));
+      return absl::OkStatus();
+    }
+    if (ConvertContiguous(src, src_type, dst, dst_type, n, stream)) return Finish("ConvertKernel");
+  }
+  bool narrow = n <= INT32_MAX;
+  for (int d = 0; d < sl.ndim; ++d) narrow = narrow && sl.shape[d] <= INT32_MAX;
+  if (narrow) {
+    Launch(StridedCopyKernel<uint32_t>, Blocks(n), kThreads, stream, static_cast<const char*>(src), sl, src_type,
+           static_cast<char*>(dst), dl, dst_type, n);
+  } else {
+    Launch(StridedCopyKernel<int64_t>, Blocks(n), kThreads, stream, static_cast<const char*>(src), sl, src_type,
+           static_cast<char*>(dst), dl, dst_type, n);
+  }
   return Finish("StridedCopyKernel");
 }
 
@@ -289,17 +340,28 @@ absl::StatusOr<double> Sum(int device, ElemType type, const void* a, int64_t n) 
   return result;
 }
 
-absl::Status AccumulateSum(int device, ElemType type, const void* a, int64_t n, bool square, float* acc) {
-  if (IsInt(type)) return absl::InvalidArgumentError("AccumulateSum: float types only");
-  if (n == 0) return absl::OkStatus();
+absl::Status AccumulateSum(int device, const std::vector<BufferRef>& parts, bool square, float* acc) {
+  int64_t total_blocks = 0;
+  for (const BufferRef& p : parts) {
+    if (IsInt(p.type)) return absl::InvalidArgumentError("AccumulateSum: float types only");
+    if (p.n > 0) total_blocks += (p.n + kMultiChunk - 1) / kMultiChunk;
+  }
+  if (total_blocks == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
-  const unsigned blocks = Blocks(n);
   double* partials = nullptr;
-  RETURN_IF_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&partials), blocks * sizeof(double), stream));
-  Launch(SumPartialsKernel, blocks, kThreads, stream, type, static_cast<const char*>(a), n, square, partials);
-  Launch(AddSumKernel, 1, 1, stream, partials, static_cast<int>(blocks), acc);
+  RETURN_IF_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&partials), total_blocks * sizeof(double), stream));
+  int64_t offset = 0;
+  absl::Status s = ForEachLaunch(parts, [&](const TensorList<BufferRef>& list, int64_t blocks) {
+    Launch(MultiSumPartialsKernel, static_cast<unsigned>(blocks), kThreads, stream, list, square, partials, offset);
+    offset += blocks;
+    return Finish("MultiSumPartialsKernel");
+  });
+  if (s.ok()) {
+    Launch(MultiSumFinalKernel, 1, kThreads, stream, static_cast<const double*>(partials), total_blocks, acc);
+    s.Update(Finish("MultiSumFinalKernel"));
+  }
   cudaFreeAsync(partials, stream);  // after the kernels, in stream order
-  return Finish("AccumulateSum");
+  return s;
 }
 
 }  // namespace colod::kernels::cuda

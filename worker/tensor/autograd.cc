@@ -20,6 +20,7 @@ struct Variable::Impl {
   Tensor value;
   bool requires_grad = false;
   std::optional<Tensor> grad;
+  std::optional<Tensor> grad_storage;  // leaves: where grad lives, if set
   std::shared_ptr<AutogradNode> node;  // null for leaves
   std::function<void()> grad_ready;    // leaves: called when Backward completes grad
 };
@@ -48,6 +49,20 @@ bool Variable::requires_grad() const { return impl_->requires_grad; }
 bool Variable::is_leaf() const { return impl_->node == nullptr; }
 std::optional<Tensor> Variable::grad() const { return impl_->grad; }
 void Variable::ZeroGrad() { impl_->grad.reset(); }
+absl::Status Variable::SetGradStorage(std::optional<Tensor> storage) {
+  if (storage.has_value()) {
+    const Tensor& v = impl_->value;
+    if (storage->shape() != v.shape() || storage->dtype() != v.dtype() || !storage->is_contiguous() ||
+        !(storage->device() == v.device())) {
+      return absl::InvalidArgumentError(absl::StrCat("gradient storage ", DTypeName(storage->dtype()),
+                                                     ShapeToString(storage->shape()), " for a parameter ",
+                                                     DTypeName(v.dtype()), ShapeToString(v.shape())));
+    }
+  }
+  impl_->grad_storage = std::move(storage);
+  impl_->grad.reset();
+  return absl::OkStatus();
+}
 void Variable::SetGradReadyHook(std::function<void()> hook) { impl_->grad_ready = std::move(hook); }
 std::string Variable::op_name() const { return impl_->node ? impl_->node->name : ""; }
 
@@ -122,6 +137,10 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
     if (it != grads.end()) {
       if (v->grad) {
         RETURN_IF_ERROR(AddInPlace(*v->grad, it->second));
+      } else if (v->grad_storage && v->grad_storage->dtype() == it->second.dtype() &&
+                 v->grad_storage->shape() == it->second.shape()) {
+        RETURN_IF_ERROR(v->grad_storage->CopyFrom(it->second));
+        v->grad = *v->grad_storage;
       } else {
         v->grad = it->second.Contiguous().Clone();
       }

@@ -38,6 +38,13 @@ class Variable {
   // The gradient accumulated by Backward, for leaves that require grad.
   std::optional<Tensor> grad() const;
   void ZeroGrad();
+  // For a leaf: where its gradient lives (a contiguous tensor of its shape
+  // and dtype, e.g. a view into a data-parallel bucket, as DDP's
+  // gradient_as_bucket_view). Backward copies the first gradient into it
+  // instead of allocating one and adds later ones in place; grad() is then
+  // that view. ZeroGrad keeps it; nullopt goes back to allocating.
+  // INVALID_ARGUMENT for a view of another shape or dtype.
+  absl::Status SetGradStorage(std::optional<Tensor> storage);
   // For a leaf: called by Backward on its thread as soon as this leaf's
   // gradient is complete (accumulated into grad()), while the rest of the
   // graph is still being differentiated; data-parallel training starts

@@ -29,6 +29,38 @@ TEST(Autograd, GradientsMatchTheClosedForm) {
   EXPECT_FALSE(x.grad().has_value());
 }
 
+TEST(Autograd, GradientStorageHoldsTheGradientInPlace) {
+  // d/dx sum(x * x) = 2x, written into the storage given (a view into a
+  // larger buffer, as a data-parallel bucket), accumulated there in place.
+  Variable x = Leaf({3, 4}, 5);
+  Tensor bucket = *Tensor::Zeros({20}, DType::kF32);
+  Tensor view = *bucket.Narrow(0, 4, 12)->Reshape({3, 4});
+  ASSERT_TRUE(x.SetGradStorage(view).ok());
+  ASSERT_TRUE(Backward(*Sum(*Mul(x, x))).ok());
+  ASSERT_TRUE(x.grad().has_value());
+  EXPECT_TRUE(x.grad()->SharesStorageWith(bucket));
+  const std::vector<float> xv = x.value().ToFloats();
+  std::vector<float> twice(xv.size());
+  for (size_t i = 0; i < xv.size(); ++i) twice[i] = 2.0f * xv[i];
+  EXPECT_EQ(view.ToFloats(), twice);
+  ASSERT_TRUE(Backward(*Sum(*Mul(x, x))).ok());  // accumulates in the view
+  for (size_t i = 0; i < xv.size(); ++i) EXPECT_EQ(view.ToFloats()[i], 4.0f * xv[i]);
+  const std::vector<float> b = bucket.ToFloats();
+  for (int i : {0, 1, 2, 3, 16, 17, 18, 19}) EXPECT_EQ(b[i], 0.0f) << "outside the view at " << i;
+  // ZeroGrad keeps the storage: the next gradient overwrites it (no stale sum).
+  x.ZeroGrad();
+  EXPECT_FALSE(x.grad().has_value());
+  ASSERT_TRUE(Backward(*Sum(x)).ok());
+  EXPECT_TRUE(x.grad()->SharesStorageWith(bucket));
+  EXPECT_EQ(view.ToFloats(), std::vector<float>(12, 1.0f));
+  // Back to allocating; storage of another shape or dtype is refused.
+  ASSERT_TRUE(x.SetGradStorage(std::nullopt).ok());
+  ASSERT_TRUE(Backward(*Sum(x)).ok());
+  EXPECT_FALSE(x.grad()->SharesStorageWith(bucket));
+  EXPECT_EQ(x.SetGradStorage(*Tensor::Zeros({4, 3}, DType::kF32)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(x.SetGradStorage(*Tensor::Zeros({3, 4}, DType::kBF16)).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Autograd, AVariableUsedTwiceGetsBothContributions) {
   Variable x = Leaf({3}, 4);
   Variable f = *Sum(*Add(*Scale(x, 2.0f), *Scale(x, 5.0f)));

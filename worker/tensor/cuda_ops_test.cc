@@ -223,14 +223,40 @@ TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
   const Tensor q = R({2, 7, 3, 8}, 18);
   ExpectNear(*Rope(Dev(q), 10000.0f, 4), *Rope(q, 10000.0f, 4), 1e-5, "rope");
   ExpectNear(*RopeBackward(Dev(q), 10000.0f, 4), *RopeBackward(q, 10000.0f, 4), 1e-5, "rope backward");
-  Tensor p = R({129}, 19), m = *Tensor::Zeros({129}, DType::kF32), v = *Tensor::Zeros({129}, DType::kF32);
-  Tensor dp = Dev(p), dm = Dev(m), dv = Dev(v);
-  const Tensor grad = R({129}, 20);
-  for (int step = 1; step <= 3; ++step) {
-    ASSERT_TRUE(AdamW(p, grad, m, v, step, {}).ok());
-    ASSERT_TRUE(AdamW(dp, Dev(grad), dm, dv, step, {}).ok());
+  // AdamW over 40 parameters (two launches of at most 32), f32 and mixed
+  // bf16, sizes around the chunk of a block, gradients scaled: every
+  // parameter, moment and held copy as the CPU's.
+  std::vector<AdamWParam> host, dev;
+  for (int i = 0; i < 40; ++i) {
+    const int64_t n = i % 5 == 0 ? 2048 * 2 + 3 : 1 + 97 * i;
+    const bool mixed = i % 2 == 1;
+    AdamWParam h;
+    h.master = R({n}, 100 + i);
+    h.m = *Tensor::Zeros({n}, DType::kF32);
+    h.v = *Tensor::Zeros({n}, DType::kF32);
+    h.grad = mixed ? *R({n}, 200 + i).ToDType(DType::kBF16) : R({n}, 200 + i);
+    if (mixed) h.held = *h.master.ToDType(DType::kBF16);
+    AdamWParam d{Dev(h.master), std::nullopt, Dev(h.grad), Dev(h.m), Dev(h.v)};
+    if (mixed) d.held = Dev(*h.held);
+    host.push_back(h);
+    dev.push_back(d);
   }
-  ExpectNear(dp, p, 1e-5, "adamw");
+  AdamWOptions o;
+  o.grad_scale = 0.25f;
+  o.weight_decay = 0.1f;
+  for (int step = 1; step <= 3; ++step) {
+    ASSERT_TRUE(AdamW(host, step, o).ok());
+    ASSERT_TRUE(AdamW(dev, step, o).ok());
+  }
+  for (size_t i = 0; i < host.size(); ++i) {
+    const std::string what = "adamw parameter " + std::to_string(i);
+    ExpectNear(dev[i].master, host[i].master, 1e-5, what);
+    ExpectNear(dev[i].m, host[i].m, 1e-5, what + " m");
+    ExpectNear(dev[i].v, host[i].v, 1e-5, what + " v");
+    if (host[i].held.has_value()) {
+      EXPECT_EQ(dev[i].held->ToBytes(), host[i].master.ToDType(DType::kBF16)->ToBytes()) << what;
+    }
+  }
 }
 
 }  // namespace

@@ -71,6 +71,24 @@ TEST_F(CudaTensor, ViewsCopiesAndConversionsMatchTheHost) {
     EXPECT_EQ(got->device(), gpu_);
     EXPECT_EQ(got->ToBytes(), want->ToBytes()) << DTypeName(t);
   }
+  // Contiguous conversions (the vectorized kernels), from aligned and
+  // unaligned starts and of lengths that are not a multiple of 4.
+  for (int64_t start : {0, 1, 3}) {
+    for (int64_t n : {1, 5, 403}) {
+      const Tensor part = *Scale(*host.Reshape({420}), 3.0f)->Narrow(0, start, n);
+      for (DType t : {DType::kBF16, DType::kF16}) {
+        const Tensor down = *part.To(gpu_)->ToDType(t);
+        EXPECT_EQ(down.ToBytes(), part.ToDType(t)->ToBytes()) << DTypeName(t) << " " << start << "+" << n;
+        const Tensor dh = *part.ToDType(t);
+        const Tensor up = *dh.To(gpu_)->Narrow(0, 0, n)->ToDType(DType::kF32);
+        EXPECT_EQ(up.ToBytes(), dh.ToDType(DType::kF32)->ToBytes()) << DTypeName(t) << " " << start << "+" << n;
+        if (n > 2) {  // from an odd offset inside a device buffer
+          const Tensor inner = *dh.To(gpu_)->Narrow(0, 1, n - 1)->ToDType(DType::kF32);
+          EXPECT_EQ(inner.ToBytes(), dh.Narrow(0, 1, n - 1)->ToDType(DType::kF32)->ToBytes()) << DTypeName(t);
+        }
+      }
+    }
+  }
   // Writing through a view on the device writes into the parent.
   Tensor target = *Tensor::Zeros({6, 10, 7}, DType::kF32, gpu_);
   Tensor slot = *target.Narrow(1, 2, 4);
@@ -95,11 +113,23 @@ TEST_F(CudaTensor, ElementwiseOpsAndSumsMatchTheHost) {
     EXPECT_NEAR(SumAll(da), SumAll(a), 1e-9 * 333 * 77);
     Tensor host_acc = *Tensor::Zeros({1}, DType::kF32), dev_acc = *Tensor::Zeros({1}, DType::kF32, gpu_);
     for (int rep = 0; rep < 2; ++rep) {  // accumulates, stream ordered, read once
-      ASSERT_TRUE(AddSumOfSquares(a, host_acc).ok());
-      ASSERT_TRUE(AddSumOfSquares(da, dev_acc).ok());
+      ASSERT_TRUE(AddSumOfSquares({a}, host_acc).ok());
+      ASSERT_TRUE(AddSumOfSquares({da}, dev_acc).ok());
     }
     EXPECT_NEAR(dev_acc.ToFloats()[0], host_acc.ToFloats()[0], 1e-6 * host_acc.ToFloats()[0]) << DTypeName(t);
-    EXPECT_EQ(AddSumOfSquares(da, host_acc).code(), absl::StatusCode::kInvalidArgument);  // devices differ
+    EXPECT_EQ(AddSumOfSquares({da}, host_acc).code(), absl::StatusCode::kInvalidArgument);  // devices differ
+    // 40 parts (two launches of partials, one final sum), an empty one too.
+    std::vector<Tensor> parts, dparts;
+    double want = 0;
+    for (int i = 0; i < 40; ++i) {
+      const Tensor part = *Tensor::RandomNormal({i == 7 ? 0 : 1 + 131 * i}, 50 + i, t);
+      for (float x : part.ToFloats()) want += static_cast<double>(x) * x;
+      parts.push_back(part);
+      dparts.push_back(*part.To(gpu_));
+    }
+    Tensor list_acc = *Tensor::Zeros({1}, DType::kF32, gpu_);
+    ASSERT_TRUE(AddSumOfSquares(dparts, list_acc).ok());
+    EXPECT_NEAR(list_acc.ToFloats()[0], want, 1e-6 * want) << DTypeName(t);
     const Tensor dsum = *SumToTensor(da);
     EXPECT_EQ(dsum.device(), gpu_);
     EXPECT_NEAR(dsum.ToFloats()[0], SumAll(a), 1e-5 * 333 * 77) << DTypeName(t);

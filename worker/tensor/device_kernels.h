@@ -37,7 +37,7 @@ struct DeviceKernels {
                          int64_t n);
   absl::Status (*Scale)(int device, ElemType type, const void* a, float s, void* out, int64_t n);
   absl::StatusOr<double> (*Sum)(int device, ElemType type, const void* a, int64_t n);
-  absl::Status (*AccumulateSum)(int device, ElemType type, const void* a, int64_t n, bool square, float* acc);
+  absl::Status (*AccumulateSum)(int device, const std::vector<kernels::BufferRef>& parts, bool square, float* acc);
 
   // Layer kernels (kernels/*/layer_ops.h).
   absl::Status (*Gemm)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
@@ -85,9 +85,7 @@ struct DeviceKernels {
                                          const float* out, const float* dout, const float* lse, float* delta,
                                          float* dq, float* dk, float* dv, int64_t b, int64_t s, int64_t hq,
                                          int64_t hkv, int64_t d, float scale, bool causal);
-  absl::Status (*AdamW)(int device, float* param, const float* grad, float* m, float* v, int64_t n, float lr,
-                        float beta1, float beta2, float eps, float weight_decay, float bias_correction1,
-                        float bias_correction2);
+  absl::Status (*AdamW)(int device, const std::vector<kernels::AdamWTensor>& tensors, const kernels::AdamWHyper& h);
 };
 
 // The table of a kernels/ namespace; a twin whose signature drifts is a

@@ -619,19 +619,49 @@ absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const 
   return g;
 }
 
-absl::Status AdamW(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, int64_t step, const AdamWOptions& o) {
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
-    if (t->dtype() != DType::kF32 || t->shape() != param.shape() || !t->is_contiguous()) {
-      return absl::InvalidArgumentError(absl::StrCat("adamw: param, grad, m and v must be contiguous f32 of shape ",
-                                                     ShapeToString(param.shape())));
-    }
-  }
-  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("adamw", param.device(), {&grad, &m, &v}));
+absl::Status AdamW(const std::vector<AdamWParam>& params, int64_t step, const AdamWOptions& o) {
   if (step < 1) return absl::InvalidArgumentError("adamw: step counts from 1");
-  const float bc1 = 1.0f - std::pow(o.beta1, static_cast<float>(step));
-  const float bc2 = 1.0f - std::pow(o.beta2, static_cast<float>(step));
-  return k->AdamW(param.device().index, F(param), F(grad), F(m), F(v), param.numel(), o.lr, o.beta1, o.beta2, o.eps,
-                  o.weight_decay, bc1, bc2);
+  if (params.empty()) return absl::OkStatus();
+  const Device dev = params[0].master.device();
+  std::vector<kernels::AdamWTensor> list;
+  for (const AdamWParam& p : params) {
+    const Shape& shape = p.master.shape();
+    for (const Tensor* t : {&p.master, &p.m, &p.v}) {
+      if (t->dtype() != DType::kF32 || t->shape() != shape || !t->is_contiguous()) {
+        return absl::InvalidArgumentError(absl::StrCat("adamw: master, m and v must be contiguous f32 of shape ",
+                                                       ShapeToString(shape)));
+      }
+    }
+    const bool held = p.held.has_value();
+    for (const Tensor* t : {&p.grad, held ? &*p.held : &p.grad}) {
+      if (!IsFloat(t->dtype()) || t->shape() != shape || !t->is_contiguous()) {
+        return absl::InvalidArgumentError(absl::StrCat("adamw: the gradient and held weights must be contiguous ",
+                                                       "float tensors of shape ", ShapeToString(shape)));
+      }
+    }
+    RETURN_IF_ERROR(SameDevice("adamw", dev, {&p.master, &p.grad, &p.m, &p.v, held ? &*p.held : &p.grad}));
+    kernels::AdamWTensor t;
+    t.master = const_cast<Tensor&>(p.master).data<float>();
+    t.param = held ? const_cast<Tensor&>(*p.held).raw_data() : nullptr;
+    t.grad = p.grad.raw_data();
+    t.m = const_cast<Tensor&>(p.m).data<float>();
+    t.v = const_cast<Tensor&>(p.v).data<float>();
+    t.n = p.master.numel();
+    t.param_type = held ? Elem(p.held->dtype()) : kernels::ElemType::kF32;
+    t.grad_type = Elem(p.grad.dtype());
+    list.push_back(t);
+  }
+  kernels::AdamWHyper h;
+  h.lr = o.lr;
+  h.beta1 = o.beta1;
+  h.beta2 = o.beta2;
+  h.eps = o.eps;
+  h.weight_decay = o.weight_decay;
+  h.bias_correction1 = 1.0f - std::pow(o.beta1, static_cast<float>(step));
+  h.bias_correction2 = 1.0f - std::pow(o.beta2, static_cast<float>(step));
+  h.grad_scale = o.grad_scale;
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
+  return k->AdamW(dev.index, list, h);
 }
 
 }  // namespace colod::ops

@@ -19,6 +19,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "worker/tensor/tensor.h"
@@ -165,12 +167,26 @@ absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const 
                                                       const Tensor& v, const AttentionForward& forward, float scale,
                                                       bool causal);
 
-// One fused AdamW step in place on f32 `param`, `m`, `v` (same shape as
-// `grad`): decoupled weight decay, bias correction with `step` (1-based).
+// torch.optim.AdamW's step: decoupled weight decay, bias correction with
+// `step` (1-based). grad_scale multiplies every gradient as it is read (the
+// global-norm clipping factor), leaving the gradients as they are.
 struct AdamWOptions {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.01f;
+  float grad_scale = 1.0f;
 };
-absl::Status AdamW(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, int64_t step, const AdamWOptions& o);
+// One parameter of the step: the f32 weights `master` the update runs on,
+// its gradient (f32, bf16 or f16), the f32 moments m and v, all contiguous
+// and of master's shape; under mixed precision `held` is the bf16/f16 copy
+// the model computes with, which receives the updated weights rounded to
+// its dtype (none where master is the held weights).
+struct AdamWParam {
+  Tensor master;
+  std::optional<Tensor> held;
+  Tensor grad, m, v;
+};
+// One fused step over every parameter, on their device (all on one): on
+// CUDA a launch per 32 parameters, the casts of mixed precision included.
+absl::Status AdamW(const std::vector<AdamWParam>& params, int64_t step, const AdamWOptions& o);
 
 }  // namespace colod::ops
 

@@ -393,27 +393,51 @@ TEST(CpuKernels, RopeRotatesPairsHalfADimensionApart) {
 }
 
 TEST(CpuKernels, AdamWMatchesTheDoublePrecisionUpdate) {
+  // Two parameters in one step: an f32 one, and a bf16 one with f32 master
+  // weights and a bf16 gradient (mixed precision); gradients scaled by 0.5
+  // as they are read (clipping), and left as they are.
   const Tensor p0 = Random({7, 5}, 31), g = Random({7, 5}, 32);
+  const Tensor q0 = Random({3, 4}, 33), gq = *Random({3, 4}, 34).ToDType(DType::kBF16);
   Tensor p = p0.Clone(), m = *Tensor::Zeros({7, 5}, DType::kF32), v = *Tensor::Zeros({7, 5}, DType::kF32);
+  Tensor q = q0.Clone(), held = *q0.ToDType(DType::kBF16);
+  Tensor qm = *Tensor::Zeros({3, 4}, DType::kF32), qv = *Tensor::Zeros({3, 4}, DType::kF32);
   AdamWOptions o;
   o.lr = 0.01f;
   o.weight_decay = 0.1f;
-  const std::vector<float> p0v = p0.ToFloats();
-  std::vector<double> pd(p0v.begin(), p0v.end()), md(35, 0.0), vd(35, 0.0);
-  const std::vector<float> gv = g.ToFloats();
+  o.grad_scale = 0.5f;
+  struct Ref {
+    std::vector<double> p, m, v, g;
+  };
+  auto ref = [](const Tensor& p, const Tensor& g) {
+    const std::vector<float> pv = p.ToFloats(), gv = g.ToFloats();
+    return Ref{std::vector<double>(pv.begin(), pv.end()), std::vector<double>(pv.size(), 0.0),
+               std::vector<double>(pv.size(), 0.0), std::vector<double>(gv.begin(), gv.end())};
+  };
+  Ref rp = ref(p0, g), rq = ref(q0, gq);
+  const std::string g_before = g.ToBytes();
   for (int step = 1; step <= 3; ++step) {
-    ASSERT_TRUE(AdamW(p, g, m, v, step, o).ok());
-    for (int i = 0; i < 35; ++i) {
-      pd[i] -= 0.01 * 0.1 * pd[i];
-      md[i] = 0.9 * md[i] + 0.1 * gv[i];
-      vd[i] = 0.999 * vd[i] + 0.001 * gv[i] * gv[i];
-      const double mh = md[i] / (1 - std::pow(0.9, step)), vh = vd[i] / (1 - std::pow(0.999, step));
-      pd[i] -= 0.01 * mh / (std::sqrt(vh) + 1e-8);
+    ASSERT_TRUE(AdamW({{p, std::nullopt, g, m, v}, {q, held, gq, qm, qv}}, step, o).ok());
+    for (Ref* r : {&rp, &rq}) {
+      for (size_t i = 0; i < r->p.size(); ++i) {
+        const double gi = 0.5 * r->g[i];
+        r->p[i] -= 0.01 * 0.1 * r->p[i];
+        r->m[i] = 0.9 * r->m[i] + 0.1 * gi;
+        r->v[i] = 0.999 * r->v[i] + 0.001 * gi * gi;
+        const double mh = r->m[i] / (1 - std::pow(0.9, step)), vh = r->v[i] / (1 - std::pow(0.999, step));
+        r->p[i] -= 0.01 * mh / (std::sqrt(vh) + 1e-8);
+      }
     }
   }
-  ExpectNear(p.ToFloats(), pd, 1e-5, 1e-6, "adamw");
+  ExpectNear(p.ToFloats(), rp.p, 1e-5, 1e-6, "adamw f32");
+  ExpectNear(q.ToFloats(), rq.p, 1e-5, 1e-6, "adamw master");
+  // The held copy is the master rounded to bf16.
+  EXPECT_EQ(held.ToBytes(), q.ToDType(DType::kBF16)->ToBytes());
+  EXPECT_EQ(g.ToBytes(), g_before) << "the step changed a gradient";
   Tensor wrong = *Tensor::Zeros({5, 7}, DType::kF32);
-  EXPECT_EQ(AdamW(p, g, wrong, v, 4, o).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AdamW({{p, std::nullopt, g, wrong, v}}, 4, o).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AdamW({{q, held, *Tensor::Zeros({3, 5}, DType::kBF16), qm, qv}}, 4, o).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AdamW({{p, std::nullopt, g, m, v}}, 0, o).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -412,20 +412,34 @@ absl::StatusOr<Tensor> Scale(const Tensor& a, float s) {
 absl::Status AddInPlace(Tensor& a, const Tensor& b) {
   RETURN_IF_ERROR(SameShape(a, b, "add_"));
   if (!a.is_contiguous()) return absl::InvalidArgumentError("add_: the destination must be contiguous");
-  ASSIGN_OR_RETURN(Tensor sum, Add(a, b));
-  return a.CopyFrom(sum);
+  if (b.dtype() != a.dtype() || !(b.device() == a.device()) || b.SharesStorageWith(a)) {
+    ASSIGN_OR_RETURN(Tensor sum, Add(a, b));
+    return a.CopyFrom(sum);
+  }
+  // Elementwise, so the kernel may write where it reads: one pass, no temporary.
+  const Tensor cb = b.Contiguous();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
+  return k->Binary(a.device().index, kernels::BinaryOp::kAdd, Elem(a.dtype()), a.raw_data(), cb.raw_data(),
+                   a.raw_data(), a.numel());
 }
 
-absl::Status AddSumOfSquares(const Tensor& a, Tensor& acc) {
-  if (!IsFloat(a.dtype())) return absl::InvalidArgumentError("sum of squares: float dtypes only");
-  if (acc.dtype() != DType::kF32 || acc.numel() != 1 || !acc.is_contiguous() || !(acc.device() == a.device())) {
-    return absl::InvalidArgumentError(absl::StrCat("sum of squares: the accumulator must be one contiguous f32 on ",
-                                                   a.device().ToString()));
+absl::Status AddSumOfSquares(const std::vector<Tensor>& parts, Tensor& acc) {
+  if (acc.dtype() != DType::kF32 || acc.numel() != 1 || !acc.is_contiguous()) {
+    return absl::InvalidArgumentError("sum of squares: the accumulator must be one contiguous f32");
   }
-  const Tensor ca = a.Contiguous();
-  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
-  return k->AccumulateSum(a.device().index, Elem(a.dtype()), ca.raw_data(), ca.numel(), /*square=*/true,
-                          static_cast<float*>(acc.raw_data()));
+  std::vector<Tensor> held;  // contiguous copies live until the kernels are enqueued
+  std::vector<kernels::BufferRef> refs;
+  for (const Tensor& a : parts) {
+    if (!IsFloat(a.dtype())) return absl::InvalidArgumentError("sum of squares: float dtypes only");
+    if (!(acc.device() == a.device())) {
+      return absl::InvalidArgumentError(absl::StrCat("sum of squares: a tensor on ", a.device().ToString(),
+                                                     " and the accumulator on ", acc.device().ToString()));
+    }
+    held.push_back(a.Contiguous());
+    refs.push_back({held.back().raw_data(), a.numel(), Elem(a.dtype())});
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(acc.device()));
+  return k->AccumulateSum(acc.device().index, refs, /*square=*/true, static_cast<float*>(acc.raw_data()));
 }
 
 absl::StatusOr<Tensor> SumToTensor(const Tensor& a) {
@@ -433,8 +447,8 @@ absl::StatusOr<Tensor> SumToTensor(const Tensor& a) {
   ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros({}, DType::kF32, a.device()));
   const Tensor ca = a.Contiguous();
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
-  RETURN_IF_ERROR(k->AccumulateSum(a.device().index, Elem(a.dtype()), ca.raw_data(), ca.numel(), /*square=*/false,
-                                   static_cast<float*>(out.raw_data())));
+  RETURN_IF_ERROR(k->AccumulateSum(a.device().index, {{ca.raw_data(), ca.numel(), Elem(a.dtype())}},
+                                   /*square=*/false, static_cast<float*>(out.raw_data())));
   return out;
 }
 

@@ -150,10 +150,12 @@ absl::StatusOr<Tensor> Scale(const Tensor& a, float s);
 absl::Status AddInPlace(Tensor& a, const Tensor& b);
 // Sum of all elements, accumulated in double.
 double SumAll(const Tensor& a);
-// acc += the sum of a's squared elements (in double, added in f32); `acc` is
-// one f32 element on a's device and `a` a float tensor. Nothing is read on
-// the host: a grad norm over many tensors reads `acc` once.
-absl::Status AddSumOfSquares(const Tensor& a, Tensor& acc);
+// acc += the sum of the squared elements of every tensor of `parts` (in
+// double, added once in f32); `acc` is one f32 element on the parts' device
+// and the parts float tensors. Nothing is read on the host, and on CUDA the
+// whole list is two launches: a grad norm over every parameter is one
+// reduction and one read of `acc`.
+absl::Status AddSumOfSquares(const std::vector<Tensor>& parts, Tensor& acc);
 // The sum of a float tensor's elements (in double, rounded to f32) as a
 // one-element f32 tensor of shape [] on a's device; nothing is read on the host.
 absl::StatusOr<Tensor> SumToTensor(const Tensor& a);

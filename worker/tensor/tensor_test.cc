@@ -139,14 +139,20 @@ TEST(Tensor, SumsOfSquaresAccumulateIntoOneF32) {
   // 1^2 + ... + n^2 = n(n+1)(2n+1)/6, over a strided view too.
   Tensor acc = *Tensor::Zeros({1}, DType::kF32);
   Tensor a = Iota({4, 5});  // 1 .. 20
-  ASSERT_TRUE(AddSumOfSquares(a, acc).ok());
+  ASSERT_TRUE(AddSumOfSquares({a}, acc).ok());
   EXPECT_EQ(acc.ToFloats()[0], 20.0f * 21 * 41 / 6);
-  ASSERT_TRUE(AddSumOfSquares(*a.Narrow(1, 4, 1), acc).ok());  // 5, 10, 15, 20
+  ASSERT_TRUE(AddSumOfSquares({*a.Narrow(1, 4, 1)}, acc).ok());  // 5, 10, 15, 20
   EXPECT_EQ(acc.ToFloats()[0], 20.0f * 21 * 41 / 6 + 25 + 100 + 225 + 400);
   Tensor wrong = *Tensor::Zeros({2}, DType::kF32);
-  EXPECT_EQ(AddSumOfSquares(a, wrong).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AddSumOfSquares({a}, wrong).code(), absl::StatusCode::kInvalidArgument);
   Tensor ints = *Tensor::FromInt64s({2}, {1, 2});
-  EXPECT_EQ(AddSumOfSquares(ints, acc).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AddSumOfSquares({ints}, acc).code(), absl::StatusCode::kInvalidArgument);
+  // A list is one sum: 1..20 and 1..3 (and an empty part) squared.
+  Tensor list_acc = *Tensor::Zeros({1}, DType::kF32);
+  ASSERT_TRUE(AddSumOfSquares({a, Iota({3}), *Tensor::Zeros({0}, DType::kF32)}, list_acc).ok());
+  EXPECT_EQ(list_acc.ToFloats()[0], 20.0f * 21 * 41 / 6 + 14);
+  ASSERT_TRUE(AddSumOfSquares({}, list_acc).ok());
+  EXPECT_EQ(list_acc.ToFloats()[0], 20.0f * 21 * 41 / 6 + 14);
 }
 
 TEST(Tensor, SumToTensorAndBroadcastScalarStayOnTheDevice) {

@@ -17,14 +17,34 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Create(std::vector<NamedPara
   s->bucket_of_.assign(n, -1);
   int64_t bytes = 0;
   for (int i = n - 1; i >= 0; --i) {
-    const int64_t size = s->params_[i].bound.param.local().nbytes();
-    if (s->buckets_.empty() || (bytes > 0 && bytes + size > bucket_bytes)) {
+    const Tensor& local = s->params_[i].bound.param.local();
+    const int64_t size = local.nbytes();
+    if (s->buckets_.empty() || (bytes > 0 && bytes + size > bucket_bytes) ||
+        s->params_[s->buckets_.back().params.back()].bound.param.local().dtype() != local.dtype()) {
       s->buckets_.emplace_back();
       bytes = 0;
     }
     s->buckets_.back().params.push_back(i);
     s->bucket_of_[i] = static_cast<int>(s->buckets_.size()) - 1;
     bytes += size;
+  }
+  // Each bucket's flat buffer holds its parameters' gradients (views set
+  // as their gradient storage): backward writes into the bucket, the
+  // all-reduce runs on it in place, and nothing is copied in or out.
+  for (Bucket& b : s->buckets_) {
+    const Tensor& first = s->params_[b.params[0]].bound.param.local();
+    int64_t elements = 0;
+    for (int i : b.params) elements += s->params_[i].bound.param.local().numel();
+    ASSIGN_OR_RETURN(b.flat, Tensor::Empty({elements}, first.dtype(), first.device()));
+    int64_t offset = 0;
+    for (int i : b.params) {
+      const Tensor& local = s->params_[i].bound.param.local();
+      ASSIGN_OR_RETURN(Tensor piece, b.flat.Narrow(0, offset, local.numel()));
+      ASSIGN_OR_RETURN(Tensor view, piece.Reshape(local.shape()));
+      Variable v = s->params_[i].bound.param.variable();
+      RETURN_IF_ERROR(v.SetGradStorage(view));
+      offset += local.numel();
+    }
   }
   GradSync* self = s.get();
   for (int i = 0; i < n; ++i) {
@@ -35,10 +55,17 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Create(std::vector<NamedPara
   return s;
 }
 
+absl::StatusOr<Tensor> GradSync::Slot(const Bucket& b, int64_t offset, const Tensor& grad) const {
+  ASSIGN_OR_RETURN(Tensor piece, b.flat.Narrow(0, offset, grad.numel()));
+  return piece.Reshape(grad.shape());
+}
+
 GradSync::~GradSync() {
   for (NamedParam& p : params_) {
     Variable v = p.bound.param.variable();
     v.SetGradReadyHook(nullptr);
+    // Gradients already taken stay valid (a view keeps its bucket alive).
+    if (dp_ != nullptr) (void)v.SetGradStorage(std::nullopt);
   }
   for (Bucket& b : buckets_) {
     if (b.work != nullptr) (void)b.work->Wait(pg_->timeout());
@@ -46,15 +73,18 @@ GradSync::~GradSync() {
 }
 
 absl::Status GradSync::Start(Bucket& b) {
-  std::vector<Tensor> pieces;
+  int64_t offset = 0;
   for (int i : b.params) {
     const ColoParameter& p = params_[i].bound.param;
     std::optional<Tensor> g = p.variable().grad();
     if (!g.has_value()) return absl::FailedPreconditionError(absl::StrCat(params_[i].name, " has no gradient"));
-    ASSIGN_OR_RETURN(Tensor flat, g->Contiguous().Reshape({g->numel()}));
-    pieces.push_back(flat);
+    // A gradient outside its bucket (its storage was replaced) is copied in.
+    if (!g->SharesStorageWith(b.flat)) {
+      ASSIGN_OR_RETURN(Tensor slot, Slot(b, offset, *g));
+      RETURN_IF_ERROR(slot.CopyFrom(*g));
+    }
+    offset += g->numel();
   }
-  ASSIGN_OR_RETURN(b.flat, Tensor::Cat(pieces, 0));
   b.work = dp_->AllReduce(b.flat.raw_data(), b.flat.numel(), b.flat.dtype(), ReduceOp::kSum);
   return absl::OkStatus();
 }
@@ -86,11 +116,10 @@ absl::Status GradSync::Finish() {
       int64_t offset = 0;
       for (int i : b.params) {
         Tensor g = *params_[i].bound.param.variable().grad();
-        auto piece = b.flat.Narrow(0, offset, g.numel());
-        if (!piece.ok()) return piece.status();
-        auto shaped = piece->Reshape(g.shape());
-        if (!shaped.ok()) return shaped.status();
-        RETURN_IF_ERROR(g.CopyFrom(*shaped));
+        if (!g.SharesStorageWith(b.flat)) {  // copied in by Start: copied back
+          ASSIGN_OR_RETURN(Tensor slot, Slot(b, offset, g));
+          RETURN_IF_ERROR(g.CopyFrom(slot));
+        }
         offset += g.numel();
       }
     }

@@ -3,7 +3,10 @@
 // communicator as soon as the last of its gradients is complete during
 // backward (Variable::SetGradReadyHook), so communication overlaps the rest
 // of the backward pass. Parameters fill buckets in reverse order of
-// registration, the order backward completes them.
+// registration, the order backward completes them. Each bucket is one flat
+// buffer that is its parameters' gradient storage (Variable::SetGradStorage,
+// DDP's gradient_as_bucket_view): backward writes the gradients into it and
+// the all-reduce sums it in place, with no copies in or out.
 //
 // The loss each replica back-propagates is its share of the global mean
 // (ShardedModel::TokenLoss), so a plain sum gives the full gradient. With
@@ -46,9 +49,11 @@ class GradSync {
   struct Bucket {
     std::vector<int> params;  // indices into params_
     int ready = 0;
-    Tensor flat;
+    Tensor flat;  // the params' gradients, back to back (their storage)
     std::shared_ptr<Work> work;
   };
+  // The part of b.flat at `offset` elements shaped as `grad`.
+  absl::StatusOr<Tensor> Slot(const Bucket& b, int64_t offset, const Tensor& grad) const;
   GradSync(std::vector<shardformer::NamedParam> params, ProcessGroup* pg) : params_(std::move(params)), pg_(pg) {}
   void OnReady(int bucket);
   absl::Status Start(Bucket& b);

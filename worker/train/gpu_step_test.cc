@@ -53,7 +53,8 @@ Sample Take(int devices) {
 // Trains a tiny GPT-2 of `layers` layers at tp=2 dp=2 on 4 devices for
 // `steps` steps; after[i] is sampled on rank 0's thread when it finished
 // step i + 1.
-void TrainTiny(int64_t layers, int64_t steps, std::vector<Sample>& after, std::vector<StepStats>& stats) {
+void TrainTiny(int64_t layers, int64_t steps, std::vector<Sample>& after, std::vector<StepStats>& stats,
+               DType dtype = DType::kF32) {
   shardformer::testing::TinyOptions tiny;
   tiny.vocab = kByteVocab;
   tiny.positions = 32;
@@ -73,6 +74,7 @@ void TrainTiny(int64_t layers, int64_t steps, std::vector<Sample>& after, std::v
   o.bucket_bytes = 64 << 10;
   o.shard.layout.set_tensor_parallel_size(2);
   o.shard.layout.set_data_parallel_size(2);
+  o.shard.param_dtype = dtype;
   ASSERT_TRUE(Train(o, [&](const StepStats& st) {
                 after.push_back(Take(4));
                 stats.push_back(st);
@@ -126,16 +128,28 @@ TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
 // amount: rank 0's launches in a warm step of a 2-layer and a 4-layer GPT-2
 // (tp=2 dp=2) give the launches per transformer layer and the rest
 // (embeddings, head, loss, grad norm, optimizer).
-constexpr uint64_t kMaxLaunchesPerLayer = 80;  // measured: 79
-constexpr uint64_t kMaxLaunchesOutsideLayers = 40;  // measured: 36
+// The optimizer (AdamW with the casts of mixed precision) and the grad norm
+// are multi-tensor kernels: a launch or two per step, not 3 to 6 per
+// parameter as before (79 per layer and 36 outside at f32). bf16 (mixed
+// precision, the GPU default) adds the conversions around the layer kernels,
+// which compute on f32 buffers: docs/GPU.md lists bf16 kernel I/O as left.
+struct LaunchBound {
+  uint64_t per_layer, outside;
+};
+LaunchBound MaxLaunches(DType dtype) {
+  if (dtype == DType::kBF16) return {88, 44};  // measured: 85, 41
+  return {34, 24};                             // measured: 32, 21
+}
 
-TEST(GpuStep, KernelLaunchesPerLayerAreBounded) {
+class GpuStepLaunches : public ::testing::TestWithParam<DType> {};
+
+TEST_P(GpuStepLaunches, KernelLaunchesPerLayerAreBounded) {
   if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices";
   uint64_t launches[2] = {0, 0};  // a warm step's, rank 0, at 2 and 4 layers
   for (int i = 0; i < 2; ++i) {
     std::vector<Sample> after;
     std::vector<StepStats> stats;
-    TrainTiny(/*layers=*/2 + 2 * i, /*steps=*/5, after, stats);
+    TrainTiny(/*layers=*/2 + 2 * i, /*steps=*/5, after, stats, GetParam());
     if (HasFatalFailure()) return;
     launches[i] = after[4].rank0.kernel_launches - after[3].rank0.kernel_launches;
     // Every warm step launches the same kernels.
@@ -143,12 +157,18 @@ TEST(GpuStep, KernelLaunchesPerLayerAreBounded) {
   }
   ASSERT_GT(launches[1], launches[0]);
   const uint64_t per_layer = (launches[1] - launches[0]) / 2, rest = launches[0] - 2 * per_layer;
-  std::printf("rank 0, a warm step: %llu launches per layer, %llu outside the layers\n",
-              static_cast<unsigned long long>(per_layer), static_cast<unsigned long long>(rest));
+  std::printf("rank 0, a warm %s step: %llu launches per layer, %llu outside the layers\n",
+              std::string(DTypeName(GetParam())).c_str(), static_cast<unsigned long long>(per_layer),
+              static_cast<unsigned long long>(rest));
   EXPECT_EQ(launches[1] - launches[0], 2 * per_layer) << "the two extra layers launched different kernels";
-  EXPECT_LE(per_layer, kMaxLaunchesPerLayer);
-  EXPECT_LE(rest, kMaxLaunchesOutsideLayers);
+  EXPECT_LE(per_layer, MaxLaunches(GetParam()).per_layer);
+  EXPECT_LE(rest, MaxLaunches(GetParam()).outside);
 }
+
+INSTANTIATE_TEST_SUITE_P(Precisions, GpuStepLaunches, ::testing::Values(DType::kF32, DType::kBF16),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(DTypeName(info.param));
+                         });
 #endif
 
 }  // namespace

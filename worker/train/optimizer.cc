@@ -41,8 +41,9 @@ absl::StatusOr<Optimizer> Optimizer::Create(std::vector<NamedParam> params, Opti
   return o;
 }
 
-absl::Status Optimizer::Step(double lr) {
+absl::Status Optimizer::Step(double lr, double grad_scale) {
   ++steps_;
+  std::vector<ops::AdamWParam> adam;
   for (size_t i = 0; i < params_.size(); ++i) {
     const NamedParam& p = params_[i];
     Tensor held = p.bound.param.local();
@@ -50,26 +51,39 @@ absl::Status Optimizer::Step(double lr) {
     Tensor param = mixed ? master_[i] : held;  // the f32 weights the update runs on
     std::optional<Tensor> grad = p.bound.param.variable().grad();
     if (!grad.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
+    if (options_.kind == OptimizerOptions::Kind::kAdamW) {
+      // One fused step over every parameter below: the gradient is read in
+      // its own dtype and the held bf16/f16 copy written by the kernel.
+      ops::AdamWParam a;
+      a.master = param;
+      if (mixed) a.held = held;
+      a.grad = grad->Contiguous();
+      a.m = m_[i];
+      a.v = v_[i];
+      adam.push_back(std::move(a));
+      continue;
+    }
     if (mixed) {
       ASSIGN_OR_RETURN(grad, grad->ToDType(DType::kF32));
     }
-    if (options_.kind == OptimizerOptions::Kind::kAdamW) {
-      ops::AdamWOptions o;
-      o.lr = static_cast<float>(lr);
-      o.beta1 = static_cast<float>(options_.beta1);
-      o.beta2 = static_cast<float>(options_.beta2);
-      o.eps = static_cast<float>(options_.eps);
-      o.weight_decay = static_cast<float>(options_.weight_decay);
-      RETURN_IF_ERROR(ops::AdamW(param, *grad, m_[i], v_[i], steps_, o));
-    } else {
-      RETURN_IF_ERROR(SgdStep(param, *grad, m_[i], lr));
+    if (grad_scale != 1.0) {
+      ASSIGN_OR_RETURN(grad, Scale(*grad, static_cast<float>(grad_scale)));
     }
+    RETURN_IF_ERROR(SgdStep(param, *grad, m_[i], lr));
     if (mixed) {
       ASSIGN_OR_RETURN(Tensor rounded, param.ToDType(held.dtype()));
       RETURN_IF_ERROR(held.CopyFrom(rounded));
     }
   }
-  return absl::OkStatus();
+  if (adam.empty()) return absl::OkStatus();
+  ops::AdamWOptions o;
+  o.lr = static_cast<float>(lr);
+  o.beta1 = static_cast<float>(options_.beta1);
+  o.beta2 = static_cast<float>(options_.beta2);
+  o.eps = static_cast<float>(options_.eps);
+  o.weight_decay = static_cast<float>(options_.weight_decay);
+  o.grad_scale = static_cast<float>(grad_scale);
+  return ops::AdamW(adam, steps_, o);
 }
 
 // torch.optim.SGD: g' = g + wd * p; buf = momentum * buf + g' (buf = g' at
@@ -125,6 +139,7 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
   // there, and read on the host once.
   const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
   ASSIGN_OR_RETURN(Tensor total, Tensor::Zeros({1}, DType::kF32, device));
+  std::vector<Tensor> counted;  // the gradients this rank counts
   for (const NamedParam& p : params) {
     const ColoParameter& param = p.bound.param;
     std::set<int> split(dp_axes.begin(), dp_axes.end());  // dp replicas are equal: not counted again
@@ -138,8 +153,9 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
     if (!counts) continue;
     std::optional<Tensor> g = param.variable().grad();
     if (!g.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
-    RETURN_IF_ERROR(AddSumOfSquares(*g, total));
+    counted.push_back(*g);
   }
+  RETURN_IF_ERROR(AddSumOfSquares(counted, total));  // one reduction over them all
   ASSIGN_OR_RETURN(int tp, pg->AxisSize("tp"));
   Communicator* comm = nullptr;
   if (tp > 1) {
@@ -151,13 +167,18 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
   return std::sqrt(static_cast<double>(squares));
 }
 
+double ClipFactor(double norm, double max_norm) {
+  if (max_norm <= 0 || norm <= max_norm) return 1.0;
+  return max_norm / (norm + 1e-6);
+}
+
 absl::StatusOr<double> ClipGradNorm(const std::vector<NamedParam>& params, double max_norm, ProcessGroup* pg) {
   ASSIGN_OR_RETURN(double norm, GlobalGradNorm(params, pg));
-  if (max_norm <= 0 || norm <= max_norm) return norm;
-  const float factor = static_cast<float>(max_norm / (norm + 1e-6));
+  const double factor = ClipFactor(norm, max_norm);
+  if (factor == 1.0) return norm;
   for (const NamedParam& p : params) {
     Tensor g = *p.bound.param.variable().grad();
-    ASSIGN_OR_RETURN(Tensor scaled, Scale(g, factor));
+    ASSIGN_OR_RETURN(Tensor scaled, Scale(g, static_cast<float>(factor)));
     RETURN_IF_ERROR(g.CopyFrom(scaled));
   }
   return norm;

@@ -39,11 +39,12 @@ class Optimizer {
   // weights: the update runs on them in f32 with f32 state, and the
   // parameters are then rounded from them.
   static absl::StatusOr<Optimizer> Create(std::vector<shardformer::NamedParam> params, OptimizerOptions options);
-  // One update with learning rate `lr` from the current gradients
-  // (FAILED_PRECONDITION naming a parameter without one). AdamW is
-  // torch.optim.AdamW; SGD is torch.optim.SGD with momentum (the first
-  // step's buffer is the gradient).
-  absl::Status Step(double lr);
+  // One update with learning rate `lr` from the current gradients times
+  // `grad_scale` (ClipFactor's; the gradients themselves are left as they
+  // are), FAILED_PRECONDITION naming a parameter without one. AdamW is
+  // torch.optim.AdamW, one fused multi-tensor step (ops::AdamW); SGD is
+  // torch.optim.SGD with momentum (the first step's buffer is the gradient).
+  absl::Status Step(double lr, double grad_scale = 1.0);
   void ZeroGrad();
   int64_t steps() const { return steps_; }
   void set_steps(int64_t steps) { steps_ = steps; }
@@ -71,8 +72,12 @@ class Optimizer {
 // The global L2 norm of the gradients (see the file comment). Collective
 // over the tp group of `pg`.
 absl::StatusOr<double> GlobalGradNorm(const std::vector<shardformer::NamedParam>& params, ProcessGroup* pg);
-// Scales every gradient by max_norm / (norm + 1e-6) when norm > max_norm
-// (torch.nn.utils.clip_grad_norm_); returns the norm before clipping.
+// torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6) when
+// norm > max_norm > 0, else 1. The trainer passes it to Optimizer::Step,
+// which scales the gradients as the fused update reads them.
+double ClipFactor(double norm, double max_norm);
+// Scales every gradient by ClipFactor in place; returns the norm before
+// clipping.
 absl::StatusOr<double> ClipGradNorm(const std::vector<shardformer::NamedParam>& params, double max_norm,
                                     ProcessGroup* pg);
 

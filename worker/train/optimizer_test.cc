@@ -49,9 +49,11 @@ TEST(Optimizer, AdamWFollowsTorchsUpdate) {
   const std::vector<std::vector<float>> grads = {{0.5f, -1.0f}, {0.1f, 0.3f}, {-0.2f, 0.4f}};
   for (int t = 1; t <= 3; ++t) {
     SetGrad(s.p(), grads[t - 1]);
-    ASSERT_TRUE(opt->Step(0.01).ok());
+    const double scale = t == 2 ? 0.5 : 1.0;  // step 2 clipped: its gradient halved as it is read
+    ASSERT_TRUE(opt->Step(0.01, scale).ok());
+    EXPECT_EQ(s.p().bound.param.variable().grad()->ToFloats(), grads[t - 1]) << "the step rewrote the gradient";
     for (int i = 0; i < 2; ++i) {
-      const double g = grads[t - 1][i];
+      const double g = scale * grads[t - 1][i];
       p[i] -= 0.01 * 0.1 * p[i];
       m[i] = 0.9 * m[i] + 0.1 * g;
       v[i] = 0.999 * v[i] + 0.001 * g * g;
@@ -78,9 +80,10 @@ TEST(Optimizer, SgdWithMomentumFollowsTorchsUpdate) {
   const std::vector<std::vector<float>> grads = {{0.5f, -1.0f}, {0.1f, 0.3f}, {-0.2f, 0.4f}};
   for (int t = 1; t <= 3; ++t) {
     SetGrad(s.p(), grads[t - 1]);
-    ASSERT_TRUE(opt->Step(0.1).ok());
+    const double scale = t == 3 ? 0.25 : 1.0;
+    ASSERT_TRUE(opt->Step(0.1, scale).ok());
     for (int i = 0; i < 2; ++i) {
-      const double g = grads[t - 1][i] + 0.01 * p[i];
+      const double g = scale * grads[t - 1][i] + 0.01 * p[i];
       buf[i] = t == 1 ? g : 0.9 * buf[i] + g;
       p[i] -= 0.1 * buf[i];
     }
@@ -88,6 +91,13 @@ TEST(Optimizer, SgdWithMomentumFollowsTorchsUpdate) {
   const std::vector<float> got = s.p().bound.param.local().ToFloats();
   EXPECT_NEAR(got[0], p[0], 1e-6);
   EXPECT_NEAR(got[1], p[1], 1e-6);
+}
+
+TEST(Optimizer, ClipFactorIsTorchsClipGradNorm) {
+  EXPECT_EQ(ClipFactor(0.5, 1.0), 1.0);  // under the limit: untouched
+  EXPECT_EQ(ClipFactor(1.0, 1.0), 1.0);
+  EXPECT_DOUBLE_EQ(ClipFactor(4.0, 1.0), 1.0 / (4.0 + 1e-6));
+  EXPECT_EQ(ClipFactor(4.0, 0.0), 1.0);  // clipping off
 }
 
 TEST(Schedule, WarmupThenCosine) {

@@ -95,13 +95,13 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
       loss += l.value / static_cast<double>(o.micro_batches);
     }
     RETURN_IF_ERROR(sync->Finish());
-    ASSIGN_OR_RETURN(double norm, ClipGradNorm(params, o.clip_norm, &pg));
+    ASSIGN_OR_RETURN(double norm, GlobalGradNorm(params, &pg));
     // The loss and the norm were read on the host, after the device passed
     // every collective before them: a collective that failed is reported now,
     // before its garbage reaches the weights.
     RETURN_IF_ERROR(pg.AsyncError());
     const double lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
-    RETURN_IF_ERROR(optimizer.Step(lr));
+    RETURN_IF_ERROR(optimizer.Step(lr, ClipFactor(norm, o.clip_norm)));  // clipping as the update reads
     StepStats s;
     s.rank = rank;
     s.step = step + 1;

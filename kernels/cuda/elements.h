@@ -1,0 +1,127 @@
+// Device code shared by colod's .cu files: elements of any ElemType read and
+// written as floats (f16/bf16 rounded to nearest even, as the CPU twins and
+// kernels/half.h do), and the tensor lists of the multi-tensor kernels.
+// Included by .cu files only (nvcc or the CUDA emulation).
+#ifndef COLOD_KERNELS_CUDA_ELEMENTS_H_
+#define COLOD_KERNELS_CUDA_ELEMENTS_H_
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/types.h"
+
+namespace colod::kernels::cuda {
+
+__host__ __device__ __forceinline__ uint16_t FloatToBF16Bits(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+__device__ __forceinline__ float LoadF(const void* base, int64_t i, ElemType t) {
+  switch (t) {
+    case ElemType::kF32: return static_cast<const float*>(base)[i];
+    case ElemType::kBF16: return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16);
+    case ElemType::kF16: return __half2float(__ushort_as_half(static_cast<const uint16_t*>(base)[i]));
+    case ElemType::kI32: return static_cast<float>(static_cast<const int32_t*>(base)[i]);
+    case ElemType::kI64: return static_cast<float>(static_cast<const int64_t*>(base)[i]);
+  }
+  return 0;
+}
+
+__device__ __forceinline__ void StoreF(void* base, int64_t i, ElemType t, float v) {
+  switch (t) {
+    case ElemType::kF32: static_cast<float*>(base)[i] = v; return;
+    case ElemType::kBF16: static_cast<uint16_t*>(base)[i] = FloatToBF16Bits(v); return;
+    case ElemType::kF16: static_cast<uint16_t*>(base)[i] = __half_as_ushort(__float2half_rn(v)); return;
+    case ElemType::kI32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); return;
+    case ElemType::kI64: static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v); return;
+  }
+}
+
+__device__ __forceinline__ int64_t LoadI(const void* base, int64_t i, ElemType t) {
+  return t == ElemType::kI32 ? static_cast<const int32_t*>(base)[i] : static_cast<const int64_t*>(base)[i];
+}
+
+__device__ __forceinline__ void StoreI(void* base, int64_t i, ElemType t, int64_t v) {
+  if (t == ElemType::kI32) {
+    static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v);
+  } else {
+    static_cast<int64_t*>(base)[i] = v;
+  }
+}
+
+__host__ __device__ __forceinline__ int ElemSize(ElemType t) {
+  return (t == ElemType::kBF16 || t == ElemType::kF16) ? 2 : (t == ElemType::kI64 ? 8 : 4);
+}
+
+__host__ __device__ __forceinline__ bool IsInt(ElemType t) { return t == ElemType::kI32 || t == ElemType::kI64; }
+
+// ---- Multi-tensor launches ----
+// A launch carries up to kMaxTensorsPerLaunch tensors in its parameters (by
+// value, as PyTorch's multi_tensor_apply does) and one block per kMultiChunk
+// elements of each: block b works on tensor t where first_block[t] <= b <
+// first_block[t + 1], on elements [(b - first_block[t]) * kMultiChunk, ...).
+constexpr int64_t kMultiChunk = 8 * kThreads;
+
+template <typename T>
+struct TensorList {
+  T tensors[kMaxTensorsPerLaunch];
+  int64_t first_block[kMaxTensorsPerLaunch + 1];
+  int count;
+};
+
+// The tensor of this block and its element range [*begin, *end).
+template <typename T>
+__device__ __forceinline__ const T& BlockTensor(const TensorList<T>& list, int64_t* begin, int64_t* end) {
+  int t = 0;
+  while (t + 1 < list.count && list.first_block[t + 1] <= static_cast<int64_t>(blockIdx.x)) ++t;
+  const T& x = list.tensors[t];
+  *begin = (static_cast<int64_t>(blockIdx.x) - list.first_block[t]) * kMultiChunk;
+  *end = *begin + kMultiChunk < x.n ? *begin + kMultiChunk : x.n;
+  return x;
+}
+
+// Packs the non-empty items (T has a member n) into launches of at most
+// kMaxTensorsPerLaunch tensors and calls fn(list, blocks) for each, in the
+// items' order.
+template <typename T, typename Fn>
+absl::Status ForEachLaunch(const std::vector<T>& items, Fn fn) {
+  constexpr int64_t kMaxGrid = int64_t{1} << 30;
+  TensorList<T> list{};
+  int64_t blocks = 0;
+  auto flush = [&]() -> absl::Status {
+    if (list.count == 0) return absl::OkStatus();
+    list.first_block[list.count] = blocks;
+    absl::Status s = fn(list, blocks);
+    list = TensorList<T>{};
+    blocks = 0;
+    return s;
+  };
+  for (const T& item : items) {
+    if (item.n <= 0) continue;
+    const int64_t chunks = (item.n + kMultiChunk - 1) / kMultiChunk;
+    if (chunks > kMaxGrid) return absl::InvalidArgumentError("multi-tensor kernel: a tensor is too large");
+    if (list.count == kMaxTensorsPerLaunch || blocks + chunks > kMaxGrid) {
+      absl::Status s = flush();
+      if (!s.ok()) return s;
+    }
+    list.tensors[list.count] = item;
+    list.first_block[list.count] = blocks;
+    ++list.count;
+    blocks += chunks;
+  }
+  return flush();
+}
+
+}  // namespace colod::kernels::cuda
+
+#endif  // COLOD_KERNELS_CUDA_ELEMENTS_H_
