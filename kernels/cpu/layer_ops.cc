@@ -109,14 +109,14 @@ absl::Status Gemm(int, ElemType type, bool trans_a, bool trans_b, int64_t m, int
 
 absl::Status SetAllowTf32(int, bool) { return absl::OkStatus(); }  // OpenBLAS has no TF32
 
-absl::Status BiasAdd(int, const float* x, const float* bias, float* out, int64_t rows, int64_t n) {
+absl::Status BiasAddF32(int, const float* x, const float* bias, float* out, int64_t rows, int64_t n) {
   ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) out[i] = x[i] + bias[i % n];
   });
   return absl::OkStatus();
 }
 
-absl::Status BiasGrad(int, const float* dy, float* db, int64_t rows, int64_t n) {
+absl::Status BiasGradF32(int, const float* dy, float* db, int64_t rows, int64_t n) {
   std::vector<double> acc(n, 0.0);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < n; ++j) acc[j] += dy[r * n + j];
@@ -125,7 +125,7 @@ absl::Status BiasGrad(int, const float* dy, float* db, int64_t rows, int64_t n) 
   return absl::OkStatus();
 }
 
-absl::Status Gelu(int, const float* x, float* y, int64_t n, bool tanh_approx) {
+absl::Status GeluF32(int, const float* x, float* y, int64_t n, bool tanh_approx) {
   ParallelFor(n, [&](int64_t begin, int64_t end) {
     if (tanh_approx) {
       for (int64_t i = begin; i < end; ++i) {
@@ -139,7 +139,7 @@ absl::Status Gelu(int, const float* x, float* y, int64_t n, bool tanh_approx) {
   return absl::OkStatus();
 }
 
-absl::Status GeluBackward(int, const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx) {
+absl::Status GeluBackwardF32(int, const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx) {
   ParallelFor(n, [&](int64_t begin, int64_t end) {
     if (tanh_approx) {
       for (int64_t i = begin; i < end; ++i) {
@@ -161,14 +161,14 @@ absl::Status GeluBackward(int, const float* dy, const float* x, float* dx, int64
   return absl::OkStatus();
 }
 
-absl::Status Silu(int, const float* x, float* y, int64_t n) {
+absl::Status SiluF32(int, const float* x, float* y, int64_t n) {
   ParallelFor(n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) y[i] = x[i] / (1.0f + std::exp(-x[i]));
   });
   return absl::OkStatus();
 }
 
-absl::Status SiluBackward(int, const float* dy, const float* x, float* dx, int64_t n) {
+absl::Status SiluBackwardF32(int, const float* dy, const float* x, float* dx, int64_t n) {
   ParallelFor(n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float s = 1.0f / (1.0f + std::exp(-x[i]));
@@ -178,7 +178,7 @@ absl::Status SiluBackward(int, const float* dy, const float* x, float* dx, int64
   return absl::OkStatus();
 }
 
-absl::Status LayerNorm(int, const float* x, const float* g, const float* b, float eps, float* y, float* mean,
+absl::Status LayerNormF32(int, const float* x, const float* g, const float* b, float eps, float* y, float* mean,
                        float* rstd, int64_t rows, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * n;
@@ -196,7 +196,7 @@ absl::Status LayerNorm(int, const float* x, const float* g, const float* b, floa
   return absl::OkStatus();
 }
 
-absl::Status LayerNormBackward(int, const float* dy, const float* x, const float* g, const float* mean,
+absl::Status LayerNormBackwardF32(int, const float* dy, const float* x, const float* g, const float* mean,
                                const float* rstd, float* dx, float* dg, float* db, int64_t rows, int64_t n) {
   std::vector<double> acc_g(n, 0.0), acc_b(n, 0.0);
   for (int64_t r = 0; r < rows; ++r) {
@@ -226,7 +226,7 @@ absl::Status LayerNormBackward(int, const float* dy, const float* x, const float
   return absl::OkStatus();
 }
 
-absl::Status RmsNorm(int, const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
+absl::Status RmsNormF32(int, const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
                      int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     double ss = 0;
@@ -238,7 +238,7 @@ absl::Status RmsNorm(int, const float* x, const float* g, float eps, float* y, f
   return absl::OkStatus();
 }
 
-absl::Status RmsNormBackward(int, const float* dy, const float* x, const float* g, const float* rstd, float* dx,
+absl::Status RmsNormBackwardF32(int, const float* dy, const float* x, const float* g, const float* rstd, float* dx,
                              float* dg, int64_t rows, int64_t n) {
   std::vector<double> acc(n, 0.0);
   for (int64_t r = 0; r < rows; ++r) {
@@ -460,7 +460,7 @@ float Dot(const float* a, const float* b, int64_t d) {
 
 // The twin of the CUDA kernels, row by row: the scores of one query row at a
 // time (s floats), so the [s, s] matrix never exists here either.
-absl::Status FlashAttention(int, const float* q, const float* k, const float* v, float* out, float* lse, int64_t b,
+absl::Status FlashAttentionF32(int, const float* q, const float* k, const float* v, float* out, float* lse, int64_t b,
                             int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale, bool causal) {
   if (absl::Status st = CheckAttention(hq, hkv, d, "FlashAttention"); !st.ok()) return st;
   const int64_t group = hq / hkv;
@@ -494,7 +494,7 @@ absl::Status FlashAttention(int, const float* q, const float* k, const float* v,
   return absl::OkStatus();
 }
 
-absl::Status FlashAttentionBackward(int, const float* q, const float* k, const float* v, const float* out,
+absl::Status FlashAttentionBackwardF32(int, const float* q, const float* k, const float* v, const float* out,
                                     const float* dout, const float* lse, float* delta, float* dq, float* dk,
                                     float* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
                                     bool causal) {
@@ -530,6 +530,177 @@ absl::Status FlashAttentionBackward(int, const float* q, const float* k, const f
     }
   }
   return absl::OkStatus();
+}
+
+// ---- The typed entry points (layer_ops.inc): f32 buffers go straight to
+// the f32 implementations above; bf16/f16 ones are widened into scratch and
+// the outputs rounded once, as the CUDA twin rounds as it writes.
+namespace {
+
+absl::Status CheckFloatType(ElemType type, const char* op) {
+  if (type == ElemType::kF32 || type == ElemType::kBF16 || type == ElemType::kF16) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(op, ": float types only"));
+}
+
+// An f32 view of a typed input of n elements.
+class F32In {
+ public:
+  F32In(const void* p, int64_t n, ElemType type) {
+    if (type == ElemType::kF32 || p == nullptr) {
+      p_ = static_cast<const float*>(p);
+      return;
+    }
+    buf_.resize(n);
+    for (int64_t i = 0; i < n; ++i) buf_[i] = LoadF(p, i, type);
+    p_ = buf_.data();
+  }
+  const float* get() const { return p_; }
+
+ private:
+  std::vector<float> buf_;
+  const float* p_ = nullptr;
+};
+
+// An f32 place for a typed output of n elements (null stays null); Commit
+// rounds it into the output.
+class F32Out {
+ public:
+  F32Out(void* p, int64_t n, ElemType type) : out_(p), n_(n), type_(type) {
+    if (type == ElemType::kF32 || p == nullptr) return;
+    buf_.resize(n);
+  }
+  float* get() { return out_ == nullptr ? nullptr : (type_ == ElemType::kF32 ? static_cast<float*>(out_) : buf_.data()); }
+  void Commit() {
+    if (out_ == nullptr || type_ == ElemType::kF32) return;
+    for (int64_t i = 0; i < n_; ++i) StoreF(out_, i, type_, buf_[i]);
+  }
+
+ private:
+  void* out_;
+  int64_t n_;
+  ElemType type_;
+  std::vector<float> buf_;
+};
+
+// Runs body() and commits every output after it succeeded.
+template <typename Body>
+absl::Status Typed(std::initializer_list<F32Out*> outs, Body body) {
+  absl::Status s = body();
+  if (!s.ok()) return s;
+  for (F32Out* o : outs) o->Commit();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status BiasAdd(int d, ElemType type, const void* x, const void* bias, void* out, int64_t rows, int64_t n) {
+  if (absl::Status st = CheckFloatType(type, "BiasAdd"); !st.ok()) return st;
+  F32In fx(x, rows * n, type), fb(bias, n, type);
+  F32Out fo(out, rows * n, type);
+  return Typed({&fo}, [&] { return BiasAddF32(d, fx.get(), fb.get(), fo.get(), rows, n); });
+}
+
+absl::Status BiasGrad(int d, ElemType type, const void* dy, void* db, int64_t rows, int64_t n) {
+  if (absl::Status st = CheckFloatType(type, "BiasGrad"); !st.ok()) return st;
+  F32In fd(dy, rows * n, type);
+  F32Out fo(db, n, type);
+  return Typed({&fo}, [&] { return BiasGradF32(d, fd.get(), fo.get(), rows, n); });
+}
+
+absl::Status Gelu(int d, ElemType type, const void* x, void* y, int64_t n, bool tanh_approx) {
+  if (absl::Status st = CheckFloatType(type, "Gelu"); !st.ok()) return st;
+  F32In fx(x, n, type);
+  F32Out fy(y, n, type);
+  return Typed({&fy}, [&] { return GeluF32(d, fx.get(), fy.get(), n, tanh_approx); });
+}
+
+absl::Status GeluBackward(int d, ElemType type, const void* dy, const void* x, void* dx, int64_t n,
+                          bool tanh_approx) {
+  if (absl::Status st = CheckFloatType(type, "GeluBackward"); !st.ok()) return st;
+  F32In fd(dy, n, type), fx(x, n, type);
+  F32Out fo(dx, n, type);
+  return Typed({&fo}, [&] { return GeluBackwardF32(d, fd.get(), fx.get(), fo.get(), n, tanh_approx); });
+}
+
+absl::Status Silu(int d, ElemType type, const void* x, void* y, int64_t n) {
+  if (absl::Status st = CheckFloatType(type, "Silu"); !st.ok()) return st;
+  F32In fx(x, n, type);
+  F32Out fy(y, n, type);
+  return Typed({&fy}, [&] { return SiluF32(d, fx.get(), fy.get(), n); });
+}
+
+absl::Status SiluBackward(int d, ElemType type, const void* dy, const void* x, void* dx, int64_t n) {
+  if (absl::Status st = CheckFloatType(type, "SiluBackward"); !st.ok()) return st;
+  F32In fd(dy, n, type), fx(x, n, type);
+  F32Out fo(dx, n, type);
+  return Typed({&fo}, [&] { return SiluBackwardF32(d, fd.get(), fx.get(), fo.get(), n); });
+}
+
+absl::Status LayerNorm(int d, ElemType type, const void* x, const void* g, const void* b, float eps, void* y,
+                       float* mean, float* rstd, int64_t rows, int64_t n) {
+  if (absl::Status st = CheckFloatType(type, "LayerNorm"); !st.ok()) return st;
+  F32In fx(x, rows * n, type), fg(g, n, type), fb(b, n, type);
+  F32Out fy(y, rows * n, type);
+  return Typed({&fy}, [&] { return LayerNormF32(d, fx.get(), fg.get(), fb.get(), eps, fy.get(), mean, rstd, rows, n); });
+}
+
+absl::Status LayerNormBackward(int d, ElemType type, const void* dy, const void* x, const void* g,
+                               const float* mean, const float* rstd, void* dx, void* dg, void* db, int64_t rows,
+                               int64_t n) {
+  if (absl::Status st = CheckFloatType(type, "LayerNormBackward"); !st.ok()) return st;
+  F32In fd(dy, rows * n, type), fx(x, rows * n, type), fg(g, n, type);
+  F32Out fdx(dx, rows * n, type), fdg(dg, n, type), fdb(db, n, type);
+  return Typed({&fdx, &fdg, &fdb}, [&] {
+    return LayerNormBackwardF32(d, fd.get(), fx.get(), fg.get(), mean, rstd, fdx.get(), fdg.get(), fdb.get(), rows, n);
+  });
+}
+
+absl::Status RmsNorm(int d, ElemType type, const void* x, const void* g, float eps, void* y, float* rstd,
+                     int64_t rows, int64_t n) {
+  if (absl::Status st = CheckFloatType(type, "RmsNorm"); !st.ok()) return st;
+  F32In fx(x, rows * n, type), fg(g, n, type);
+  F32Out fy(y, rows * n, type);
+  return Typed({&fy}, [&] { return RmsNormF32(d, fx.get(), fg.get(), eps, fy.get(), rstd, rows, n); });
+}
+
+absl::Status RmsNormBackward(int d, ElemType type, const void* dy, const void* x, const void* g,
+                             const float* rstd, void* dx, void* dg, int64_t rows, int64_t n) {
+  if (absl::Status st = CheckFloatType(type, "RmsNormBackward"); !st.ok()) return st;
+  F32In fd(dy, rows * n, type), fx(x, rows * n, type), fg(g, n, type);
+  F32Out fdx(dx, rows * n, type), fdg(dg, n, type);
+  return Typed({&fdx, &fdg}, [&] {
+    return RmsNormBackwardF32(d, fd.get(), fx.get(), fg.get(), rstd, fdx.get(), fdg.get(), rows, n);
+  });
+}
+
+absl::Status CheckAttentionType(ElemType type, const char* op) {
+  if (type == ElemType::kF32 || type == ElemType::kBF16) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(op, ": f32 or bf16 operands only"));
+}
+
+absl::Status FlashAttention(int dev, ElemType type, const void* q, const void* k, const void* v, void* out,
+                            float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
+                            bool causal) {
+  if (absl::Status st = CheckAttentionType(type, "FlashAttention"); !st.ok()) return st;
+  F32In fq(q, b * s * hq * d, type), fk(k, b * s * hkv * d, type), fv(v, b * s * hkv * d, type);
+  F32Out fo(out, b * s * hq * d, type);
+  return Typed({&fo}, [&] {
+    return FlashAttentionF32(dev, fq.get(), fk.get(), fv.get(), fo.get(), lse, b, s, hq, hkv, d, scale, causal);
+  });
+}
+
+absl::Status FlashAttentionBackward(int dev, ElemType type, const void* q, const void* k, const void* v,
+                                    const void* out, const void* dout, const float* lse, float* delta, void* dq,
+                                    void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
+                                    float scale, bool causal) {
+  if (absl::Status st = CheckAttentionType(type, "FlashAttentionBackward"); !st.ok()) return st;
+  const int64_t nq = b * s * hq * d, nkv = b * s * hkv * d;
+  F32In fq(q, nq, type), fk(k, nkv, type), fv(v, nkv, type), fo(out, nq, type), fdo(dout, nq, type);
+  F32Out fdq(dq, nq, type), fdk(dk, nkv, type), fdv(dv, nkv, type);
+  return Typed({&fdq, &fdk, &fdv}, [&] {
+    return FlashAttentionBackwardF32(dev, fq.get(), fk.get(), fv.get(), fo.get(), fdo.get(), lse, delta, fdq.get(),
+                                     fdk.get(), fdv.get(), b, s, hq, hkv, d, scale, causal);
+  });
 }
 
 absl::Status AdamW(int, const std::vector<AdamWTensor>& tensors, const AdamWHyper& h) {

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -64,6 +65,73 @@ __host__ __device__ __forceinline__ int ElemSize(ElemType t) {
 }
 
 __host__ __device__ __forceinline__ bool IsInt(ElemType t) { return t == ElemType::kI32 || t == ElemType::kI64; }
+
+// ---- Typed kernel operands ----
+// A layer kernel is instantiated for each float type its tensors may have:
+// float, or bf16/f16 held as bits (Bf16, F16). It reads In<T> and writes
+// Out<T>, which widen to f32 and round back (to nearest even) element by
+// element, so the kernel body computes in f32 as written for floats and a
+// bf16 model's activations are never converted around the call.
+struct Bf16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+__device__ __forceinline__ float ToF32(float v) { return v; }
+__device__ __forceinline__ float ToF32(Bf16 v) { return __uint_as_float(static_cast<uint32_t>(v.bits) << 16); }
+__device__ __forceinline__ float ToF32(F16 v) { return __half2float(__ushort_as_half(v.bits)); }
+
+template <typename T>
+__device__ __forceinline__ T FromF32(float v);
+template <>
+__device__ __forceinline__ float FromF32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ Bf16 FromF32<Bf16>(float v) { return Bf16{FloatToBF16Bits(v)}; }
+template <>
+__device__ __forceinline__ F16 FromF32<F16>(float v) { return F16{__half_as_ushort(__float2half_rn(v))}; }
+
+template <typename T>
+struct In {
+  const T* p;
+  __device__ __forceinline__ float operator[](int64_t i) const { return ToF32(p[i]); }
+  __device__ __forceinline__ In operator+(int64_t offset) const { return In{p + offset}; }
+};
+
+template <typename T>
+struct OutRef {
+  T* p;
+  __device__ __forceinline__ void operator=(float v) const { *p = FromF32<T>(v); }
+};
+
+template <typename T>
+struct Out {
+  T* p;
+  __device__ __forceinline__ OutRef<T> operator[](int64_t i) const { return OutRef<T>{p + i}; }
+  __device__ __forceinline__ explicit operator bool() const { return p != nullptr; }
+};
+
+// fn(T{}) for the kernel type of `type` (float, Bf16 or F16);
+// INVALID_ARGUMENT naming `op` for an integer type.
+template <typename Fn>
+absl::Status ByFloatType(ElemType type, const char* op, Fn fn) {
+  switch (type) {
+    case ElemType::kF32: return fn(float{});
+    case ElemType::kBF16: return fn(Bf16{});
+    case ElemType::kF16: return fn(F16{});
+    default: return absl::InvalidArgumentError(std::string(op) + ": float types only");
+  }
+}
+
+template <typename T>
+In<T> InOf(const void* p) {
+  return In<T>{static_cast<const T*>(p)};
+}
+template <typename T>
+Out<T> OutOf(void* p) {
+  return Out<T>{static_cast<T*>(p)};
+}
 
 // ---- Multi-tensor launches ----
 // A launch carries up to kMaxTensorsPerLaunch tensors in its parameters (by

@@ -66,7 +66,8 @@ constexpr float kGeluC = 0.044715f;
 constexpr float kInvSqrt2 = 0.7071067811865476f;
 constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 
-__global__ void BiasAddKernel(const float* x, const float* b, float* y, int64_t total, int64_t n) {
+template <typename T>
+__global__ void BiasAddKernel(In<T> x, In<T> b, Out<T> y, int64_t total, int64_t n) {
   GRID_STRIDE(i, total) { y[i] = x[i] + b[i % n]; }
 }
 
@@ -96,7 +97,8 @@ __device__ double SumOverLanes(double v, double* shared) {
   return total;
 }
 
-__global__ void ColumnSumKernel(const float* dy, float* db, int64_t rows, int64_t n) {
+template <typename T>
+__global__ void ColumnSumKernel(In<T> dy, Out<T> db, int64_t rows, int64_t n) {
   __shared__ double shared[kThreads];
   const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
   double s = 0;
@@ -107,7 +109,8 @@ __global__ void ColumnSumKernel(const float* dy, float* db, int64_t rows, int64_
   if (j < n && threadIdx.x < kColumns) db[j] = static_cast<float>(s);
 }
 
-__global__ void GeluKernel(const float* x, float* y, int64_t n, bool tanh_approx) {
+template <typename T>
+__global__ void GeluKernel(In<T> x, Out<T> y, int64_t n, bool tanh_approx) {
   GRID_STRIDE(i, n) {
     const float v = x[i];
     y[i] = tanh_approx ? 0.5f * v * (1.0f + tanhf(kSqrt2OverPi * (v + kGeluC * v * v * v)))
@@ -115,7 +118,8 @@ __global__ void GeluKernel(const float* x, float* y, int64_t n, bool tanh_approx
   }
 }
 
-__global__ void GeluBackwardKernel(const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx) {
+template <typename T>
+__global__ void GeluBackwardKernel(In<T> dy, In<T> x, Out<T> dx, int64_t n, bool tanh_approx) {
   GRID_STRIDE(i, n) {
     const float v = x[i];
     if (tanh_approx) {
@@ -128,22 +132,25 @@ __global__ void GeluBackwardKernel(const float* dy, const float* x, float* dx, i
   }
 }
 
-__global__ void SiluKernel(const float* x, float* y, int64_t n) {
+template <typename T>
+__global__ void SiluKernel(In<T> x, Out<T> y, int64_t n) {
   GRID_STRIDE(i, n) { y[i] = x[i] / (1.0f + expf(-x[i])); }
 }
 
-__global__ void SiluBackwardKernel(const float* dy, const float* x, float* dx, int64_t n) {
+template <typename T>
+__global__ void SiluBackwardKernel(In<T> dy, In<T> x, Out<T> dx, int64_t n) {
   GRID_STRIDE(i, n) {
     const float s = 1.0f / (1.0f + expf(-x[i]));
     dx[i] = dy[i] * s * (1.0f + x[i] * (1.0f - s));
   }
 }
 
-__global__ void LayerNormKernel(const float* x, const float* g, const float* b, float eps, float* y, float* mean,
-                                float* rstd, int64_t rows, int64_t n) {
+template <typename T>
+__global__ void LayerNormKernel(In<T> x, In<T> g, In<T> b, float eps, Out<T> y, float* mean, float* rstd, int64_t rows,
+                                int64_t n) {
   __shared__ float shared[kThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const float* row = x + r * n;
+    const In<T> row = x + r * n;
     float s = 0;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += row[j];
     const float mu = BlockSum(s, shared) / n;
@@ -158,8 +165,9 @@ __global__ void LayerNormKernel(const float* x, const float* g, const float* b, 
   }
 }
 
-__global__ void LayerNormBackwardKernel(const float* dy, const float* x, const float* g, const float* mean,
-                                        const float* rstd, float* dx, int64_t rows, int64_t n) {
+template <typename T>
+__global__ void LayerNormBackwardKernel(In<T> dy, In<T> x, In<T> g, const float* mean, const float* rstd, Out<T> dx,
+                                        int64_t rows, int64_t n) {
   __shared__ float shared[kThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float m = mean[r], rs = rstd[r];
@@ -180,8 +188,9 @@ __global__ void LayerNormBackwardKernel(const float* dy, const float* x, const f
 
 // dgamma[j] = sum_r dy * xhat, dbeta[j] = sum_r dy (xhat from mean/rstd, or
 // x * rstd for RMSNorm when mean is null); columns split as ColumnSumKernel.
-__global__ void NormParamGradKernel(const float* dy, const float* x, const float* mean, const float* rstd, float* dg,
-                                    float* db, int64_t rows, int64_t n) {
+template <typename T>
+__global__ void NormParamGradKernel(In<T> dy, In<T> x, const float* mean, const float* rstd, Out<T> dg, Out<T> db,
+                                    int64_t rows, int64_t n) {
   __shared__ double shared[kThreads];
   const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
   double sg = 0, sb = 0;
@@ -200,8 +209,8 @@ __global__ void NormParamGradKernel(const float* dy, const float* x, const float
   }
 }
 
-__global__ void RmsNormKernel(const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
-                              int64_t n) {
+template <typename T>
+__global__ void RmsNormKernel(In<T> x, In<T> g, float eps, Out<T> y, float* rstd, int64_t rows, int64_t n) {
   __shared__ float shared[kThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     float s = 0;
@@ -212,8 +221,9 @@ __global__ void RmsNormKernel(const float* x, const float* g, float eps, float* 
   }
 }
 
-__global__ void RmsNormBackwardKernel(const float* dy, const float* x, const float* g, const float* rstd, float* dx,
-                                      int64_t rows, int64_t n) {
+template <typename T>
+__global__ void RmsNormBackwardKernel(In<T> dy, In<T> x, In<T> g, const float* rstd, Out<T> dx, int64_t rows,
+                                      int64_t n) {
   __shared__ float shared[kThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float rs = rstd[r];
@@ -424,8 +434,8 @@ template <int kD>
 constexpr int kAttnTile = kD <= 64 ? 64 : 4096 / kD;
 
 // tile[r][c] <- row j0 + r of a [s, stride]-strided head (zero past s or d).
-template <int kD, int kT>
-__device__ void StageRows(float (*tile)[kD], const float* base, int64_t stride, int64_t j0, int64_t s, int d) {
+template <int kD, int kT, typename Src>
+__device__ void StageRows(float (*tile)[kD], Src base, int64_t stride, int64_t j0, int64_t s, int d) {
   for (int t = threadIdx.x; t < kT * kD; t += blockDim.x) {
     const int r = t / kD, c = t % kD;
     const int64_t j = j0 + r;
@@ -438,14 +448,14 @@ __device__ void StageRows(float (*tile)[kD], const float* base, int64_t stride, 
 // and v rows in ks and vs, then calls visit(r) for each row r of the tile
 // that row i sees (none for an inactive thread). Every thread of the block
 // calls it: it holds the block's barriers.
-template <int kD, int kT, typename Visit>
-__device__ __forceinline__ void ForEachVisibleKey(float (*ks)[kD], float (*vs)[kD], const float* k, const float* v,
+template <int kD, int kT, typename T, typename Visit>
+__device__ __forceinline__ void ForEachVisibleKey(float (*ks)[kD], float (*vs)[kD], In<T> k, In<T> v,
                                                   int64_t bi, int64_t kvh, int64_t hkv, int64_t i, int64_t s, int d,
                                                   bool causal, bool active, Visit visit) {
   const int64_t block_end = static_cast<int64_t>(blockIdx.x + 1) * kAttnRows;
   const int64_t keys = causal && block_end < s ? block_end : s;
-  const float* kb = k + (bi * s * hkv + kvh) * d;
-  const float* vb = v + (bi * s * hkv + kvh) * d;
+  const In<T> kb = k + (bi * s * hkv + kvh) * d;
+  const In<T> vb = v + (bi * s * hkv + kvh) * d;
   for (int64_t j0 = 0; j0 < keys; j0 += kT) {
     StageRows<kD, kT>(ks, kb, hkv * d, j0, s, d);
     StageRows<kD, kT>(vs, vb, hkv * d, j0, s, d);
@@ -460,9 +470,9 @@ __device__ __forceinline__ void ForEachVisibleKey(float (*ks)[kD], float (*vs)[k
 // Grid (row blocks, hq, b). Online softmax over the key tiles: m is the
 // running max, l the running sum of exp(score - m), acc the running sum of
 // exp(score - m) v; a larger score rescales both.
-template <int kD>
-__global__ void FlashForwardKernel(const float* q, const float* k, const float* v, float* out, float* lse, int64_t s,
-                                   int64_t hq, int64_t hkv, int d, float scale, bool causal) {
+template <int kD, typename T>
+__global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float* lse, int64_t s, int64_t hq,
+                                   int64_t hkv, int d, float scale, bool causal) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float ks[kT][kD];
   __shared__ float vs[kT][kD];
@@ -477,7 +487,7 @@ __global__ void FlashForwardKernel(const float* q, const float* k, const float* 
     acc[c] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  ForEachVisibleKey<kD, kT>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r) {
+  ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r) {
     float sc = 0.0f;
 #pragma unroll
     for (int c = 0; c < kD; ++c) sc += qi[c] * ks[r][c];
@@ -505,10 +515,10 @@ __global__ void FlashForwardKernel(const float* q, const float* k, const float* 
 
 // Grid (row blocks, hq, b): dq of each query row, over the key tiles; writes
 // delta = rowsum(dout * out) for the dk/dv kernel that follows in the stream.
-template <int kD>
-__global__ void FlashBackwardDqKernel(const float* q, const float* k, const float* v, const float* out,
-                                      const float* dout, const float* lse, float* delta, float* dq, int64_t s,
-                                      int64_t hq, int64_t hkv, int d, float scale, bool causal) {
+template <int kD, typename T>
+__global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T> dout, const float* lse, float* delta,
+                                      Out<T> dq, int64_t s, int64_t hq, int64_t hkv, int d, float scale,
+                                      bool causal) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float ks[kT][kD];
   __shared__ float vs[kT][kD];
@@ -527,7 +537,7 @@ __global__ void FlashBackwardDqKernel(const float* q, const float* k, const floa
   }
   const float li = active ? lse[(bi * hq + h) * s + i] : 0.0f;
   if (active) delta[(bi * hq + h) * s + i] = di;
-  ForEachVisibleKey<kD, kT>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r) {
+  ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r) {
     float sc = 0.0f, dp = 0.0f;
 #pragma unroll
     for (int c = 0; c < kD; ++c) {
@@ -548,10 +558,10 @@ __global__ void FlashBackwardDqKernel(const float* q, const float* k, const floa
 
 // Grid (row blocks, hkv, b): dk and dv of each key row, over the query tiles
 // of every query head of its kv head, in a fixed order.
-template <int kD>
-__global__ void FlashBackwardDkvKernel(const float* q, const float* k, const float* v, const float* dout,
-                                       const float* lse, const float* delta, float* dk, float* dv, int64_t s,
-                                       int64_t hq, int64_t hkv, int d, float scale, bool causal) {
+template <int kD, typename T>
+__global__ void FlashBackwardDkvKernel(In<T> q, In<T> k, In<T> v, In<T> dout, const float* lse, const float* delta,
+                                       Out<T> dk, Out<T> dv, int64_t s, int64_t hq, int64_t hkv, int d, float scale,
+                                       bool causal) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float qs[kT][kD];
   __shared__ float dos[kT][kD];
@@ -573,8 +583,8 @@ __global__ void FlashBackwardDkvKernel(const float* q, const float* k, const flo
   const int64_t first = causal ? static_cast<int64_t>(blockIdx.x) * kAttnRows : 0;
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = kvh * group + g;
-    const float* qb = q + (bi * s * hq + h) * d;
-    const float* dob = dout + (bi * s * hq + h) * d;
+    const In<T> qb = q + (bi * s * hq + h) * d;
+    const In<T> dob = dout + (bi * s * hq + h) * d;
     const float* lb = lse + (bi * hq + h) * s;
     const float* db = delta + (bi * hq + h) * s;
     for (int64_t i0 = first; i0 < s; i0 += kT) {
@@ -730,70 +740,111 @@ absl::Status SetAllowTf32(int device, bool allow) {
   return absl::OkStatus();
 }
 
-absl::Status BiasAdd(int device, const float* x, const float* bias, float* out, int64_t rows, int64_t n) {
-  COLOD_CUDA_BEGIN(stream, device);
-  Launch(BiasAddKernel, Blocks(rows * n), kThreads, stream, x, bias, out, rows * n, n);
-  return Finish("BiasAddKernel");
-}
-
-absl::Status BiasGrad(int device, const float* dy, float* db, int64_t rows, int64_t n) {
-  COLOD_CUDA_BEGIN(stream, device);
-  Launch(ColumnSumKernel, ColumnBlocks(n), kThreads, stream, dy, db, rows, n);
-  return Finish("ColumnSumKernel");
-}
-
-absl::Status Gelu(int device, const float* x, float* y, int64_t n, bool tanh_approx) {
-  COLOD_CUDA_BEGIN(stream, device);
-  Launch(GeluKernel, Blocks(n), kThreads, stream, x, y, n, tanh_approx);
-  return Finish("GeluKernel");
-}
-
-absl::Status GeluBackward(int device, const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx) {
-  COLOD_CUDA_BEGIN(stream, device);
-  Launch(GeluBackwardKernel, Blocks(n), kThreads, stream, dy, x, dx, n, tanh_approx);
-  return Finish("GeluBackwardKernel");
-}
-
-absl::Status Silu(int device, const float* x, float* y, int64_t n) {
-  COLOD_CUDA_BEGIN(stream, device);
-  Launch(SiluKernel, Blocks(n), kThreads, stream, x, y, n);
-  return Finish("SiluKernel");
-}
-
-absl::Status SiluBackward(int device, const float* dy, const float* x, float* dx, int64_t n) {
-  COLOD_CUDA_BEGIN(stream, device);
-  Launch(SiluBackwardKernel, Blocks(n), kThreads, stream, dy, x, dx, n);
-  return Finish("SiluBackwardKernel");
-}
-
-absl::Status LayerNorm(int device, const float* x, const float* g, const float* b, float eps, float* y, float* mean,
-                       float* rstd, int64_t rows, int64_t n) {
-  COLOD_CUDA_BEGIN(stream, device);
-  Launch(LayerNormKernel, RowBlocks(rows), kThreads, stream, x, g, b, eps, y, mean, rstd, rows, n);
-  return Finish("LayerNormKernel");
-}
-
-absl::Status LayerNormBackward(int device, const float* dy, const float* x, const float* g, const float* mean,
-                               const float* rstd, float* dx, float* dg, float* db, int64_t rows, int64_t n) {
-  COLOD_CUDA_BEGIN(stream, device);
-  Launch(LayerNormBackwardKernel, RowBlocks(rows), kThreads, stream, dy, x, g, mean, rstd, dx, rows, n);
-  Launch(NormParamGradKernel, ColumnBlocks(n), kThreads, stream, dy, x, mean, rstd, dg, db, rows, n);
-  return Finish("LayerNormBackwardKernel");
-}
-
-absl::Status RmsNorm(int device, const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
+absl::Status BiasAdd(int device, ElemType type, const void* x, const void* bias, void* out, int64_t rows,
                      int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
-  Launch(RmsNormKernel, RowBlocks(rows), kThreads, stream, x, g, eps, y, rstd, rows, n);
-  return Finish("RmsNormKernel");
+  return ByFloatType(type, "BiasAdd", [&](auto t) {
+    using T = decltype(t);
+    Launch(BiasAddKernel<T>, Blocks(rows * n), kThreads, stream, InOf<T>(x), InOf<T>(bias), OutOf<T>(out), rows * n,
+           n);
+    return Finish("BiasAddKernel");
+  });
 }
 
-absl::Status RmsNormBackward(int device, const float* dy, const float* x, const float* g, const float* rstd,
-                             float* dx, float* dg, int64_t rows, int64_t n) {
+absl::Status BiasGrad(int device, ElemType type, const void* dy, void* db, int64_t rows, int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
-  Launch(RmsNormBackwardKernel, RowBlocks(rows), kThreads, stream, dy, x, g, rstd, dx, rows, n);
-  Launch(NormParamGradKernel, ColumnBlocks(n), kThreads, stream, dy, x, nullptr, rstd, dg, nullptr, rows, n);
-  return Finish("RmsNormBackwardKernel");
+  return ByFloatType(type, "BiasGrad", [&](auto t) {
+    using T = decltype(t);
+    Launch(ColumnSumKernel<T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), OutOf<T>(db), rows, n);
+    return Finish("ColumnSumKernel");
+  });
+}
+
+absl::Status Gelu(int device, ElemType type, const void* x, void* y, int64_t n, bool tanh_approx) {
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "Gelu", [&](auto t) {
+    using T = decltype(t);
+    Launch(GeluKernel<T>, Blocks(n), kThreads, stream, InOf<T>(x), OutOf<T>(y), n, tanh_approx);
+    return Finish("GeluKernel");
+  });
+}
+
+absl::Status GeluBackward(int device, ElemType type, const void* dy, const void* x, void* dx, int64_t n,
+                          bool tanh_approx) {
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "GeluBackward", [&](auto t) {
+    using T = decltype(t);
+    Launch(GeluBackwardKernel<T>, Blocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), OutOf<T>(dx), n,
+           tanh_approx);
+    return Finish("GeluBackwardKernel");
+  });
+}
+
+absl::Status Silu(int device, ElemType type, const void* x, void* y, int64_t n) {
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "Silu", [&](auto t) {
+    using T = decltype(t);
+    Launch(SiluKernel<T>, Blocks(n), kThreads, stream, InOf<T>(x), OutOf<T>(y), n);
+    return Finish("SiluKernel");
+  });
+}
+
+absl::Status SiluBackward(int device, ElemType type, const void* dy, const void* x, void* dx, int64_t n) {
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "SiluBackward", [&](auto t) {
+    using T = decltype(t);
+    Launch(SiluBackwardKernel<T>, Blocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), OutOf<T>(dx), n);
+    return Finish("SiluBackwardKernel");
+  });
+}
+
+absl::Status LayerNorm(int device, ElemType type, const void* x, const void* g, const void* b, float eps, void* y,
+                       float* mean, float* rstd, int64_t rows, int64_t n) {
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "LayerNorm", [&](auto t) {
+    using T = decltype(t);
+    Launch(LayerNormKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(x), InOf<T>(g), InOf<T>(b), eps,
+           OutOf<T>(y), mean, rstd, rows, n);
+    return Finish("LayerNormKernel");
+  });
+}
+
+absl::Status LayerNormBackward(int device, ElemType type, const void* dy, const void* x, const void* g,
+                               const float* mean, const float* rstd, void* dx, void* dg, void* db, int64_t rows,
+                               int64_t n) {
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "LayerNormBackward", [&](auto t) {
+    using T = decltype(t);
+    Launch(LayerNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), mean,
+           rstd, OutOf<T>(dx), rows, n);
+    Launch(NormParamGradKernel<T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), mean, rstd,
+           OutOf<T>(dg), OutOf<T>(db), rows, n);
+    return Finish("LayerNormBackwardKernel");
+  });
+}
+
+absl::Status RmsNorm(int device, ElemType type, const void* x, const void* g, float eps, void* y, float* rstd,
+                     int64_t rows, int64_t n) {
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "RmsNorm", [&](auto t) {
+    using T = decltype(t);
+    Launch(RmsNormKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(x), InOf<T>(g), eps, OutOf<T>(y), rstd, rows,
+           n);
+    return Finish("RmsNormKernel");
+  });
+}
+
+absl::Status RmsNormBackward(int device, ElemType type, const void* dy, const void* x, const void* g,
+                             const float* rstd, void* dx, void* dg, int64_t rows, int64_t n) {
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "RmsNormBackward", [&](auto t) {
+    using T = decltype(t);
+    Launch(RmsNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), rstd,
+           OutOf<T>(dx), rows, n);
+    Launch(NormParamGradKernel<T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x),
+           static_cast<const float*>(nullptr), rstd, OutOf<T>(dg), Out<T>{nullptr}, rows, n);
+    return Finish("RmsNormBackwardKernel");
+  });
 }
 
 absl::Status Softmax(int device, const float* x, float* y, int64_t rows, int64_t k, int64_t causal_q) {
@@ -919,36 +970,52 @@ absl::Status Rope(int device, const float* x, float* y, int64_t b, int64_t s, in
   return Finish("RopeKernel");
 }
 
-absl::Status FlashAttention(int device, const float* q, const float* k, const float* v, float* out, float* lse,
-                            int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale, bool causal) {
+// The attention kernels are instantiated for f32 and bf16 operands.
+template <typename Fn>
+absl::Status ByAttentionType(ElemType type, const char* op, Fn fn) {
+  if (type == ElemType::kF32) return fn(float{});
+  if (type == ElemType::kBF16) return fn(Bf16{});
+  return absl::InvalidArgumentError(std::string(op) + ": f32 or bf16 operands only");
+}
+
+absl::Status FlashAttention(int device, ElemType type, const void* q, const void* k, const void* v, void* out,
+                            float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
+                            bool causal) {
   absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttention");
   if (!grid.ok()) return grid.status();
   if (b * s == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
-  return ByHeadDim(d, [&](auto dim) {
-    Launch(FlashForwardKernel<decltype(dim)::value>, *grid, kAttnRows, stream, q, k, v, out, lse, s, hq, hkv,
-           static_cast<int>(d), scale, causal);
-    return Finish("FlashForwardKernel");
+  return ByAttentionType(type, "FlashAttention", [&](auto t) {
+    using T = decltype(t);
+    return ByHeadDim(d, [&](auto dim) {
+      Launch(FlashForwardKernel<decltype(dim)::value, T>, *grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k),
+             InOf<T>(v), OutOf<T>(out), lse, s, hq, hkv, static_cast<int>(d), scale, causal);
+      return Finish("FlashForwardKernel");
+    });
   });
 }
 
-absl::Status FlashAttentionBackward(int device, const float* q, const float* k, const float* v, const float* out,
-                                    const float* dout, const float* lse, float* delta, float* dq, float* dk,
-                                    float* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
-                                    bool causal) {
+absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, const void* k, const void* v,
+                                    const void* out, const void* dout, const float* lse, float* delta, void* dq,
+                                    void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
+                                    float scale, bool causal) {
   absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttentionBackward");
   if (!grid.ok()) return grid.status();
   if (b * s == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
   const dim3 kv_grid(grid->x, static_cast<unsigned>(hkv), grid->z);
-  return ByHeadDim(d, [&](auto dim) {
-    constexpr int kD = decltype(dim)::value;
-    Launch(FlashBackwardDqKernel<kD>, *grid, kAttnRows, stream, q, k, v, out, dout, lse, delta, dq, s, hq, hkv,
-           static_cast<int>(d), scale, causal);
-    RETURN_IF(Finish("FlashBackwardDqKernel"));
-    Launch(FlashBackwardDkvKernel<kD>, kv_grid, kAttnRows, stream, q, k, v, dout, lse,
-           static_cast<const float*>(delta), dk, dv, s, hq, hkv, static_cast<int>(d), scale, causal);
-    return Finish("FlashBackwardDkvKernel");
+  return ByAttentionType(type, "FlashAttentionBackward", [&](auto t) {
+    using T = decltype(t);
+    return ByHeadDim(d, [&](auto dim) {
+      constexpr int kD = decltype(dim)::value;
+      Launch(FlashBackwardDqKernel<kD, T>, *grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k), InOf<T>(v),
+             InOf<T>(out), InOf<T>(dout), lse, delta, OutOf<T>(dq), s, hq, hkv, static_cast<int>(d), scale, causal);
+      RETURN_IF(Finish("FlashBackwardDqKernel"));
+      Launch(FlashBackwardDkvKernel<kD, T>, kv_grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k), InOf<T>(v),
+             InOf<T>(dout), lse, static_cast<const float*>(delta), OutOf<T>(dk), OutOf<T>(dv), s, hq, hkv,
+             static_cast<int>(d), scale, causal);
+      return Finish("FlashBackwardDkvKernel");
+    });
   });
 }
 

@@ -6,6 +6,7 @@
 // rows a block, 64 or 32 keys a tile). CI runs it under the CUDA emulation.
 #include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <ostream>
@@ -90,6 +91,36 @@ TEST_P(CudaAttention, FusedKernelMatchesThePerHeadReferenceInValuesAndGradients)
   }
 }
 
+// bf16 operands (the GPU default) are read by the kernels as they are and
+// accumulated in f32: out and the gradients come in bf16, within bf16's
+// rounding of the per-head reference computed in f32 on the same (widened)
+// values. The gradients read the bf16-rounded out (as flash-attention's do),
+// so they are held to a few bf16 ulps of the largest gradient.
+TEST_P(CudaAttention, Bf16OperandsStayBf16AndMatchTheF32Reference) {
+  const Case c = GetParam();
+  auto bf16 = [](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, DType::kBF16); };
+  const Tensor q = bf16({c.batch, c.seq, c.hq, c.d}, 21), k = bf16({c.batch, c.seq, c.hkv, c.d}, 22);
+  const Tensor v = bf16({c.batch, c.seq, c.hkv, c.d}, 23), r = bf16({c.batch, c.seq, c.hq, c.d}, 24);
+  auto wide = [](const Tensor& t) { return *t.ToDType(DType::kF32); };
+  const Result want = RunAttention(c, Device::Cpu(), AttentionImpl::kPerHead, wide(q), wide(k), wide(v), wide(r));
+  const Result got = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+  const std::pair<const Tensor*, const Tensor*> pairs[] = {
+      {&got.out, &want.out}, {&got.dq, &want.dq}, {&got.dk, &want.dk}, {&got.dv, &want.dv}};
+  const char* names[] = {"out", "dq", "dk", "dv"};
+  for (int i = 0; i < 4; ++i) {
+    const auto& [g, w] = pairs[i];
+    ASSERT_EQ(g->dtype(), DType::kBF16) << names[i];
+    const std::vector<float> a = g->ToFloats(), b = w->ToFloats();
+    ASSERT_EQ(a.size(), b.size());
+    float scale = 0;
+    for (float x : b) scale = std::max(scale, std::fabs(x));
+    const double tol = i == 0 ? 1.0 / 128 : 4.0 / 128;  // out: rounding of inputs and output; grads: and of out
+    for (size_t j = 0; j < a.size(); ++j) {
+      ASSERT_NEAR(a[j], b[j], tol * (std::fabs(b[j]) + 0.1 * scale)) << names[i] << " at " << j;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaAttention,
     ::testing::Values(Case{1, 67, 4, 4, 64, true}, Case{1, 67, 4, 4, 64, false},
@@ -106,22 +137,26 @@ INSTANTIATE_TEST_SUITE_P(
 #ifdef COLOD_CUDA_EMULATION
 // One launch forward and two backward per attention call (the per-head path
 // launched about 6 per (batch, head) forward and 12 backward).
+// In bf16 too: no conversions around the kernels.
 TEST(CudaAttentionLaunches, OneKernelForwardTwoBackward) {
   if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  const Device dev = Device::Cuda(0);
-  Variable q(*Tensor::RandomNormal({2, 40, 4, 16}, 1, DType::kF32, dev), true);
-  Variable k(*Tensor::RandomNormal({2, 40, 2, 16}, 2, DType::kF32, dev), true);
-  Variable v(*Tensor::RandomNormal({2, 40, 2, 16}, 3, DType::kF32, dev), true);
-  const uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
-  absl::StatusOr<Variable> out = Attention(q, k, v, 0.25f, /*causal=*/true);
-  ASSERT_TRUE(out.ok()) << out.status();
-  const uint64_t forward = colod_cuda_emu::GetCounters().kernel_launches - before;
-  const Tensor dout = *Tensor::RandomNormal(out->value().shape(), 4, DType::kF32, dev);
-  const uint64_t before_backward = colod_cuda_emu::GetCounters().kernel_launches;
-  ASSERT_TRUE(Backward(*out, dout).ok());
-  const uint64_t backward = colod_cuda_emu::GetCounters().kernel_launches - before_backward;
-  EXPECT_EQ(forward, 1u);
-  EXPECT_EQ(backward, 2u);
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(t));
+    const Device dev = Device::Cuda(0);
+    Variable q(*Tensor::RandomNormal({2, 40, 4, 16}, 1, t, dev), true);
+    Variable k(*Tensor::RandomNormal({2, 40, 2, 16}, 2, t, dev), true);
+    Variable v(*Tensor::RandomNormal({2, 40, 2, 16}, 3, t, dev), true);
+    const uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
+    absl::StatusOr<Variable> out = Attention(q, k, v, 0.25f, /*causal=*/true);
+    ASSERT_TRUE(out.ok()) << out.status();
+    const uint64_t forward = colod_cuda_emu::GetCounters().kernel_launches - before;
+    const Tensor dout = *Tensor::RandomNormal(out->value().shape(), 4, t, dev);
+    const uint64_t before_backward = colod_cuda_emu::GetCounters().kernel_launches;
+    ASSERT_TRUE(Backward(*out, dout).ok());
+    const uint64_t backward = colod_cuda_emu::GetCounters().kernel_launches - before_backward;
+    EXPECT_EQ(forward, 1u);
+    EXPECT_EQ(backward, 2u);
+  }
 }
 #endif
 

@@ -197,10 +197,9 @@ namespace {
 absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
                                         bool causal) {
   const DType dtype = q.value().dtype();
-  // The f32 operands are kept for the backward (one conversion each way).
-  ASSIGN_OR_RETURN(Tensor qf, q.value().ContiguousAs(DType::kF32));
-  ASSIGN_OR_RETURN(Tensor kf, k.value().ContiguousAs(DType::kF32));
-  ASSIGN_OR_RETURN(Tensor vf, v.value().ContiguousAs(DType::kF32));
+  // The kernels read f32 and bf16 operands as they are (f16 is widened):
+  // the contiguous operands are kept for the backward.
+  const Tensor qf = q.value().Contiguous(), kf = k.value().Contiguous(), vf = v.value().Contiguous();
   ASSIGN_OR_RETURN(ops::AttentionForward f, ops::FusedAttention(qf, kf, vf, scale, causal));
   ASSIGN_OR_RETURN(Tensor y, f.out.ContiguousAs(dtype));
   return RecordOp(causal ? "causal_attention" : "attention", {q, k, v}, std::move(y),

@@ -165,6 +165,59 @@ TEST_F(CudaLayerOps, ElementwiseAndNormsMatchTheCpu) {
   ExpectNear(drg->dgamma, rg->dgamma, 1e-4, "rms_norm dgamma");
 }
 
+// The bias, activation and norm kernels read and write bf16 and f16 tensors
+// themselves (no conversions around the call): outputs in the input's dtype,
+// equal to the f32 computation on the widened inputs rounded once, so within
+// one rounding of it (2^-8 relative for bf16, 2^-11 for f16; the reductions
+// of the norms and bias gradients add a little). The CPU twin gives the same.
+TEST_F(CudaLayerOps, HalfTypesAreComputedInF32AndRoundedOnce) {
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    const double tol = (t == DType::kBF16 ? 1.0 / 256 : 1.0 / 2048) * 1.01;
+    const std::string name(DTypeName(t));
+    auto low = [&](const Tensor& x) { return *x.ToDType(t); };
+    auto wide = [](const Tensor& x) { return *x.ToDType(DType::kF32); };
+    const Tensor x = low(R({6, 40}, 41)), dy = low(R({6, 40}, 42)), bias = low(R({40}, 43));
+    const Tensor g = low(R({40}, 44)), b = low(R({40}, 45));
+    const auto check = [&](const Tensor& got, const Tensor& want_f32, const std::string& what) {
+      ASSERT_EQ(got.dtype(), t) << what << " " << name;
+      ASSERT_EQ(got.shape(), want_f32.shape()) << what;
+      const std::vector<float> a = got.ToFloats(), w = want_f32.ToFloats();
+      float scale = 0;
+      for (float v : w) scale = std::max(scale, std::fabs(v));
+      for (size_t i = 0; i < a.size(); ++i) {
+        ASSERT_NEAR(a[i], w[i], tol * std::fabs(w[i]) + 1e-5 * scale) << what << " " << name << " at " << i;
+      }
+    };
+    for (bool on_gpu : {true, false}) {
+      auto in = [&](const Tensor& v) { return on_gpu ? Dev(v) : v; };
+      const std::string where = on_gpu ? "cuda" : "cpu";
+      check(*BiasAdd(in(x), in(bias)), *BiasAdd(wide(x), wide(bias)), where + " bias_add");
+      check(*BiasGrad(in(dy)), *BiasGrad(wide(dy)), where + " bias_grad");
+      check(*Gelu(in(x), GeluApprox::kTanh), *Gelu(wide(x), GeluApprox::kTanh), where + " gelu");
+      check(*GeluBackward(in(dy), in(x), GeluApprox::kNone), *GeluBackward(wide(dy), wide(x), GeluApprox::kNone),
+            where + " gelu_backward");
+      check(*Silu(in(x)), *Silu(wide(x)), where + " silu");
+      check(*SiluBackward(in(dy), in(x)), *SiluBackward(wide(dy), wide(x)), where + " silu_backward");
+      const LayerNormResult ln = *LayerNorm(in(x), in(g), in(b), 1e-5f);
+      const LayerNormResult ln32 = *LayerNorm(wide(x), wide(g), wide(b), 1e-5f);
+      check(ln.y, ln32.y, where + " layer_norm");
+      EXPECT_EQ(ln.rstd.dtype(), DType::kF32);
+      const LayerNormGrads lg = *LayerNormBackward(in(dy), in(x), in(g), ln.mean, ln.rstd);
+      const LayerNormGrads lg32 = *LayerNormBackward(wide(dy), wide(x), wide(g), ln32.mean, ln32.rstd);
+      check(lg.dx, lg32.dx, where + " layer_norm dx");
+      check(lg.dgamma, lg32.dgamma, where + " layer_norm dgamma");
+      check(lg.dbeta, lg32.dbeta, where + " layer_norm dbeta");
+      const RmsNormResult rn = *RmsNorm(in(x), in(g), 1e-6f);
+      const RmsNormResult rn32 = *RmsNorm(wide(x), wide(g), 1e-6f);
+      check(rn.y, rn32.y, where + " rms_norm");
+      const RmsNormGrads rg = *RmsNormBackward(in(dy), in(x), in(g), rn.rstd);
+      const RmsNormGrads rg32 = *RmsNormBackward(wide(dy), wide(x), wide(g), rn32.rstd);
+      check(rg.dx, rg32.dx, where + " rms_norm dx");
+      check(rg.dgamma, rg32.dgamma, where + " rms_norm dgamma");
+    }
+  }
+}
+
 TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
   const Tensor s = R({3, 5, 9}, 11, 2.0f), ds = R({3, 5, 9}, 12);
   for (bool causal : {false, true}) {

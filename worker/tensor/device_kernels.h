@@ -43,20 +43,23 @@ struct DeviceKernels {
   absl::Status (*Gemm)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                        const void* a, const void* b, void* c);
   absl::Status (*SetAllowTf32)(int device, bool allow);
-  absl::Status (*BiasAdd)(int device, const float* x, const float* bias, float* out, int64_t rows, int64_t n);
-  absl::Status (*BiasGrad)(int device, const float* dy, float* db, int64_t rows, int64_t n);
-  absl::Status (*Gelu)(int device, const float* x, float* y, int64_t n, bool tanh_approx);
-  absl::Status (*GeluBackward)(int device, const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx);
-  absl::Status (*Silu)(int device, const float* x, float* y, int64_t n);
-  absl::Status (*SiluBackward)(int device, const float* dy, const float* x, float* dx, int64_t n);
-  absl::Status (*LayerNorm)(int device, const float* x, const float* g, const float* b, float eps, float* y,
-                            float* mean, float* rstd, int64_t rows, int64_t n);
-  absl::Status (*LayerNormBackward)(int device, const float* dy, const float* x, const float* g, const float* mean,
-                                    const float* rstd, float* dx, float* dg, float* db, int64_t rows, int64_t n);
-  absl::Status (*RmsNorm)(int device, const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
+  absl::Status (*BiasAdd)(int device, ElemType type, const void* x, const void* bias, void* out, int64_t rows,
                           int64_t n);
-  absl::Status (*RmsNormBackward)(int device, const float* dy, const float* x, const float* g, const float* rstd,
-                                  float* dx, float* dg, int64_t rows, int64_t n);
+  absl::Status (*BiasGrad)(int device, ElemType type, const void* dy, void* db, int64_t rows, int64_t n);
+  absl::Status (*Gelu)(int device, ElemType type, const void* x, void* y, int64_t n, bool tanh_approx);
+  absl::Status (*GeluBackward)(int device, ElemType type, const void* dy, const void* x, void* dx, int64_t n,
+                               bool tanh_approx);
+  absl::Status (*Silu)(int device, ElemType type, const void* x, void* y, int64_t n);
+  absl::Status (*SiluBackward)(int device, ElemType type, const void* dy, const void* x, void* dx, int64_t n);
+  absl::Status (*LayerNorm)(int device, ElemType type, const void* x, const void* g, const void* b, float eps,
+                            void* y, float* mean, float* rstd, int64_t rows, int64_t n);
+  absl::Status (*LayerNormBackward)(int device, ElemType type, const void* dy, const void* x, const void* g,
+                                    const float* mean, const float* rstd, void* dx, void* dg, void* db, int64_t rows,
+                                    int64_t n);
+  absl::Status (*RmsNorm)(int device, ElemType type, const void* x, const void* g, float eps, void* y, float* rstd,
+                          int64_t rows, int64_t n);
+  absl::Status (*RmsNormBackward)(int device, ElemType type, const void* dy, const void* x, const void* g,
+                                  const float* rstd, void* dx, void* dg, int64_t rows, int64_t n);
   absl::Status (*Softmax)(int device, const float* x, float* y, int64_t rows, int64_t k, int64_t causal_q);
   absl::Status (*SoftmaxBackward)(int device, const float* dy, const float* y, float* dx, int64_t rows, int64_t k);
   absl::Status (*Dropout)(int device, const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset);
@@ -79,12 +82,13 @@ struct DeviceKernels {
                                      int64_t vocab, float smoothing, int64_t ignore_index, float* dz);
   absl::Status (*Rope)(int device, const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d,
                        float theta, int64_t position_offset, float sign);
-  absl::Status (*FlashAttention)(int device, const float* q, const float* k, const float* v, float* out, float* lse,
-                                 int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale, bool causal);
-  absl::Status (*FlashAttentionBackward)(int device, const float* q, const float* k, const float* v,
-                                         const float* out, const float* dout, const float* lse, float* delta,
-                                         float* dq, float* dk, float* dv, int64_t b, int64_t s, int64_t hq,
-                                         int64_t hkv, int64_t d, float scale, bool causal);
+  absl::Status (*FlashAttention)(int device, ElemType type, const void* q, const void* k, const void* v, void* out,
+                                 float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
+                                 bool causal);
+  absl::Status (*FlashAttentionBackward)(int device, ElemType type, const void* q, const void* k, const void* v,
+                                         const void* out, const void* dout, const float* lse, float* delta, void* dq,
+                                         void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv,
+                                         int64_t d, float scale, bool causal);
   absl::Status (*AdamW)(int device, const std::vector<kernels::AdamWTensor>& tensors, const kernels::AdamWHyper& h);
 };
 

@@ -55,6 +55,23 @@ absl::StatusOr<Tensor> AsI64(const Tensor& ids, const char* op) {
   return ids.ContiguousAs(DType::kI64);
 }
 
+// A contiguous view or copy of a float tensor in float dtype `type`.
+absl::StatusOr<Tensor> AsFloat(const Tensor& t, DType type, const char* op) {
+  if (!IsFloat(t.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": float tensors only, got ", DTypeName(t.dtype())));
+  }
+  return t.ContiguousAs(type);
+}
+
+// The dtype the typed layer kernels compute an op on x in: x's own (f32,
+// bf16 or f16), with the other operands brought to it.
+absl::StatusOr<DType> KernelType(const Tensor& x, const char* op) {
+  if (!IsFloat(x.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": float tensors only, got ", DTypeName(x.dtype())));
+  }
+  return x.dtype();
+}
+
 // The result in `like`'s dtype.
 absl::StatusOr<Tensor> Back(const Tensor& f32, DType like) {
   if (like == DType::kF32) return f32;
@@ -69,28 +86,30 @@ absl::Status SameShapes(const Tensor& a, const Tensor& b, const char* op) {
       absl::StrCat(op, ": shapes ", ShapeToString(a.shape()), " and ", ShapeToString(b.shape()), " differ"));
 }
 
-// y = kernel(x) elementwise in f32, in x's dtype.
+// y = kernel(x) elementwise, computed in f32 on x's dtype.
 template <typename Call>
 absl::StatusOr<Tensor> Elementwise(const Tensor& x, const char* op, Call call) {
   const Device dev = x.device();
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
-  ASSIGN_OR_RETURN(Tensor f, AsF32(x, op));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
-  RETURN_IF_ERROR(call(*k, dev.index, F(f), F(out), f.numel()));
-  return Back(out, x.dtype());
+  ASSIGN_OR_RETURN(DType type, KernelType(x, op));
+  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), type, dev));
+  RETURN_IF_ERROR(call(*k, dev.index, Elem(type), cx.raw_data(), out.raw_data(), cx.numel()));
+  return out;
 }
 
-// dx = kernel(dy, x) elementwise in f32, in x's dtype.
+// dx = kernel(dy, x) elementwise, computed in f32 on x's dtype.
 template <typename Call>
 absl::StatusOr<Tensor> ElementwiseBackward(const Tensor& dy, const Tensor& x, const char* op, Call call) {
   const Device dev = x.device();
   RETURN_IF_ERROR(SameShapes(dy, x, op));
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, dev, {&dy}));
-  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, op));
-  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, op));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
-  RETURN_IF_ERROR(call(*k, dev.index, F(fd), F(fx), F(out), fx.numel()));
-  return Back(out, x.dtype());
+  ASSIGN_OR_RETURN(DType type, KernelType(x, op));
+  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(Tensor cd, AsFloat(dy, type, op));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), type, dev));
+  RETURN_IF_ERROR(call(*k, dev.index, Elem(type), cd.raw_data(), cx.raw_data(), out.raw_data(), cx.numel()));
+  return out;
 }
 
 }  // namespace
@@ -142,47 +161,49 @@ absl::StatusOr<Tensor> BiasAdd(const Tensor& x, const Tensor& bias) {
                                                    " does not match the last dim of ", ShapeToString(x.shape())));
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("bias_add", dev, {&bias}));
-  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "bias_add"));
-  ASSIGN_OR_RETURN(Tensor fb, AsF32(bias, "bias_add"));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
-  const int64_t n = LastDim(fx), rows = fx.numel() / std::max<int64_t>(n, 1);
-  RETURN_IF_ERROR(k->BiasAdd(dev.index, F(fx), F(fb), F(out), rows, n));
-  return Back(out, x.dtype());
+  ASSIGN_OR_RETURN(DType type, KernelType(x, "bias_add"));
+  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(Tensor cb, AsFloat(bias, type, "bias_add"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), type, dev));
+  const int64_t n = LastDim(cx), rows = cx.numel() / std::max<int64_t>(n, 1);
+  RETURN_IF_ERROR(k->BiasAdd(dev.index, Elem(type), cx.raw_data(), cb.raw_data(), out.raw_data(), rows, n));
+  return out;
 }
 
 absl::StatusOr<Tensor> BiasGrad(const Tensor& dy) {
   const Device dev = dy.device();
   if (dy.dim() == 0) return absl::InvalidArgumentError("bias_grad: dy must have a last dim");
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
-  ASSIGN_OR_RETURN(Tensor f, AsF32(dy, "bias_grad"));
-  const int64_t n = LastDim(f), rows = n == 0 ? 0 : f.numel() / n;
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({n}, DType::kF32, dev));
-  RETURN_IF_ERROR(k->BiasGrad(dev.index, F(f), F(out), rows, n));
-  return Back(out, dy.dtype());
+  ASSIGN_OR_RETURN(DType type, KernelType(dy, "bias_grad"));
+  const Tensor c = dy.Contiguous();
+  const int64_t n = LastDim(c), rows = n == 0 ? 0 : c.numel() / n;
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({n}, type, dev));
+  RETURN_IF_ERROR(k->BiasGrad(dev.index, Elem(type), c.raw_data(), out.raw_data(), rows, n));
+  return out;
 }
 
 absl::StatusOr<Tensor> Gelu(const Tensor& x, GeluApprox approx) {
-  return Elementwise(x, "gelu", [&](const DeviceKernels& k, int d, const float* in, float* out, int64_t n) {
-    return k.Gelu(d, in, out, n, approx == GeluApprox::kTanh);
-  });
+  return Elementwise(x, "gelu", [&](const DeviceKernels& k, int d, kernels::ElemType t, const void* in, void* out,
+                                    int64_t n) { return k.Gelu(d, t, in, out, n, approx == GeluApprox::kTanh); });
 }
 
 absl::StatusOr<Tensor> GeluBackward(const Tensor& dy, const Tensor& x, GeluApprox approx) {
-  return ElementwiseBackward(
-      dy, x, "gelu_backward", [&](const DeviceKernels& k, int d, const float* g, const float* in, float* out,
-                                  int64_t n) { return k.GeluBackward(d, g, in, out, n, approx == GeluApprox::kTanh); });
+  return ElementwiseBackward(dy, x, "gelu_backward",
+                             [&](const DeviceKernels& k, int d, kernels::ElemType t, const void* g, const void* in,
+                                 void* out, int64_t n) {
+                               return k.GeluBackward(d, t, g, in, out, n, approx == GeluApprox::kTanh);
+                             });
 }
 
 absl::StatusOr<Tensor> Silu(const Tensor& x) {
-  return Elementwise(x, "silu", [](const DeviceKernels& k, int d, const float* in, float* out, int64_t n) {
-    return k.Silu(d, in, out, n);
-  });
+  return Elementwise(x, "silu", [](const DeviceKernels& k, int d, kernels::ElemType t, const void* in, void* out,
+                                   int64_t n) { return k.Silu(d, t, in, out, n); });
 }
 
 absl::StatusOr<Tensor> SiluBackward(const Tensor& dy, const Tensor& x) {
   return ElementwiseBackward(dy, x, "silu_backward",
-                             [](const DeviceKernels& k, int d, const float* g, const float* in, float* out,
-                                int64_t n) { return k.SiluBackward(d, g, in, out, n); });
+                             [](const DeviceKernels& k, int d, kernels::ElemType t, const void* g, const void* in,
+                                void* out, int64_t n) { return k.SiluBackward(d, t, g, in, out, n); });
 }
 
 absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps) {
@@ -194,15 +215,16 @@ absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, 
                                                    ShapeToString(x.shape())));
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("layer_norm", dev, {&gamma, &beta}));
-  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "layer_norm"));
-  ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "layer_norm"));
-  ASSIGN_OR_RETURN(Tensor fb, AsF32(beta, "layer_norm"));
-  const int64_t rows = n == 0 ? 0 : fx.numel() / n;
-  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(DType type, KernelType(x, "layer_norm"));
+  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(Tensor cg, AsFloat(gamma, type, "layer_norm"));
+  ASSIGN_OR_RETURN(Tensor cb, AsFloat(beta, type, "layer_norm"));
+  const int64_t rows = n == 0 ? 0 : cx.numel() / n;
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), type, dev));
   ASSIGN_OR_RETURN(Tensor mean, Tensor::Empty({rows}, DType::kF32, dev));
   ASSIGN_OR_RETURN(Tensor rstd, Tensor::Empty({rows}, DType::kF32, dev));
-  RETURN_IF_ERROR(k->LayerNorm(dev.index, F(fx), F(fg), F(fb), eps, F(y), F(mean), F(rstd), rows, n));
-  ASSIGN_OR_RETURN(y, Back(y, x.dtype()));
+  RETURN_IF_ERROR(k->LayerNorm(dev.index, Elem(type), cx.raw_data(), cg.raw_data(), cb.raw_data(), eps, y.raw_data(),
+                               F(mean), F(rstd), rows, n));
   return LayerNormResult{std::move(y), std::move(mean), std::move(rstd)};
 }
 
@@ -215,19 +237,19 @@ absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor&
     return absl::InvalidArgumentError("layer_norm_backward: gamma, mean or rstd does not match the input");
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("layer_norm_backward", dev, {&dy, &gamma, &mean, &rstd}));
-  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "layer_norm_backward"));
-  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "layer_norm_backward"));
-  ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "layer_norm_backward"));
+  ASSIGN_OR_RETURN(DType type, KernelType(x, "layer_norm_backward"));
+  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(Tensor cd, AsFloat(dy, type, "layer_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor cg, AsFloat(gamma, type, "layer_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fm, AsF32(mean, "layer_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fr, AsF32(rstd, "layer_norm_backward"));
-  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), DType::kF32, dev));
-  ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, DType::kF32, dev));
-  ASSIGN_OR_RETURN(Tensor dbeta, Tensor::Empty({n}, DType::kF32, dev));
-  RETURN_IF_ERROR(k->LayerNormBackward(dev.index, F(fd), F(fx), F(fg), F(fm), F(fr), F(dx), F(dgamma), F(dbeta),
-                                       rows, n));
-  ASSIGN_OR_RETURN(dx, Back(dx, x.dtype()));
-  ASSIGN_OR_RETURN(dgamma, Back(dgamma, gamma.dtype()));
-  ASSIGN_OR_RETURN(dbeta, Back(dbeta, gamma.dtype()));
+  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), type, dev));
+  ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, type, dev));
+  ASSIGN_OR_RETURN(Tensor dbeta, Tensor::Empty({n}, type, dev));
+  RETURN_IF_ERROR(k->LayerNormBackward(dev.index, Elem(type), cd.raw_data(), cx.raw_data(), cg.raw_data(), F(fm),
+                                       F(fr), dx.raw_data(), dgamma.raw_data(), dbeta.raw_data(), rows, n));
+  ASSIGN_OR_RETURN(dgamma, dgamma.ContiguousAs(gamma.dtype()));
+  ASSIGN_OR_RETURN(dbeta, dbeta.ContiguousAs(gamma.dtype()));
   return LayerNormGrads{std::move(dx), std::move(dgamma), std::move(dbeta)};
 }
 
@@ -239,13 +261,14 @@ absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, floa
                                                    "] for input ", ShapeToString(x.shape())));
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("rms_norm", dev, {&gamma}));
-  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "rms_norm"));
-  ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "rms_norm"));
-  const int64_t rows = n == 0 ? 0 : fx.numel() / n;
-  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(DType type, KernelType(x, "rms_norm"));
+  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(Tensor cg, AsFloat(gamma, type, "rms_norm"));
+  const int64_t rows = n == 0 ? 0 : cx.numel() / n;
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), type, dev));
   ASSIGN_OR_RETURN(Tensor rstd, Tensor::Empty({rows}, DType::kF32, dev));
-  RETURN_IF_ERROR(k->RmsNorm(dev.index, F(fx), F(fg), eps, F(y), F(rstd), rows, n));
-  ASSIGN_OR_RETURN(y, Back(y, x.dtype()));
+  RETURN_IF_ERROR(
+      k->RmsNorm(dev.index, Elem(type), cx.raw_data(), cg.raw_data(), eps, y.raw_data(), F(rstd), rows, n));
   return RmsNormResult{std::move(y), std::move(rstd)};
 }
 
@@ -258,15 +281,16 @@ absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, 
     return absl::InvalidArgumentError("rms_norm_backward: gamma or rstd does not match the input");
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("rms_norm_backward", dev, {&dy, &gamma, &rstd}));
-  ASSIGN_OR_RETURN(Tensor fx, AsF32(x, "rms_norm_backward"));
-  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "rms_norm_backward"));
-  ASSIGN_OR_RETURN(Tensor fg, AsF32(gamma, "rms_norm_backward"));
+  ASSIGN_OR_RETURN(DType type, KernelType(x, "rms_norm_backward"));
+  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(Tensor cd, AsFloat(dy, type, "rms_norm_backward"));
+  ASSIGN_OR_RETURN(Tensor cg, AsFloat(gamma, type, "rms_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fr, AsF32(rstd, "rms_norm_backward"));
-  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), DType::kF32, dev));
-  ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, DType::kF32, dev));
-  RETURN_IF_ERROR(k->RmsNormBackward(dev.index, F(fd), F(fx), F(fg), F(fr), F(dx), F(dgamma), rows, n));
-  ASSIGN_OR_RETURN(dx, Back(dx, x.dtype()));
-  ASSIGN_OR_RETURN(dgamma, Back(dgamma, gamma.dtype()));
+  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), type, dev));
+  ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, type, dev));
+  RETURN_IF_ERROR(k->RmsNormBackward(dev.index, Elem(type), cd.raw_data(), cx.raw_data(), cg.raw_data(), F(fr),
+                                     dx.raw_data(), dgamma.raw_data(), rows, n));
+  ASSIGN_OR_RETURN(dgamma, dgamma.ContiguousAs(gamma.dtype()));
   return RmsNormGrads{std::move(dx), std::move(dgamma)};
 }
 
@@ -305,9 +329,12 @@ namespace {
 
 absl::StatusOr<Tensor> ApplyDropout(const Tensor& x, float p, uint64_t seed, uint64_t offset, const char* op) {
   if (!(p >= 0.0f && p < 1.0f)) return absl::InvalidArgumentError(absl::StrCat(op, ": p = ", p, " is not in [0, 1)"));
-  return Elementwise(x, op, [&](const DeviceKernels& k, int d, const float* in, float* out, int64_t n) {
-    return k.Dropout(d, in, out, n, p, seed, offset);
-  });
+  const Device dev = x.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
+  ASSIGN_OR_RETURN(Tensor f, AsF32(x, op));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), DType::kF32, dev));
+  RETURN_IF_ERROR(k->Dropout(dev.index, F(f), F(out), f.numel(), p, seed, offset));
+  return Back(out, x.dtype());
 }
 
 }  // namespace
@@ -558,7 +585,8 @@ absl::Status CheckAttentionShapes(const Tensor& q, const Tensor& k, const Tensor
 
 namespace {
 
-// f32 contiguous copies of q, k and v, after the shape and device checks.
+// Contiguous q, k and v in the attention kernels' type (q's, f32 for f16),
+// after the shape and device checks.
 absl::Status AttentionOperands(const Tensor& q, const Tensor& k, const Tensor& v, const char* op, Tensor& qf,
                                Tensor& kf, Tensor& vf) {
   RETURN_IF_ERROR(CheckAttentionShapes(q, k, v));
@@ -567,9 +595,11 @@ absl::Status AttentionOperands(const Tensor& q, const Tensor& k, const Tensor& v
     return absl::InvalidArgumentError(absl::StrCat(op, ": head dim ", q.shape()[3], " is over the fused kernel's ",
                                                    kernels::kMaxFusedHeadDim));
   }
-  ASSIGN_OR_RETURN(qf, AsF32(q, op));
-  ASSIGN_OR_RETURN(kf, AsF32(k, op));
-  ASSIGN_OR_RETURN(vf, AsF32(v, op));
+  ASSIGN_OR_RETURN(DType type, KernelType(q, op));
+  if (type == DType::kF16) type = DType::kF32;  // the kernels are instantiated for f32 and bf16
+  ASSIGN_OR_RETURN(qf, AsFloat(q, type, op));
+  ASSIGN_OR_RETURN(kf, AsFloat(k, type, op));
+  ASSIGN_OR_RETURN(vf, AsFloat(v, type, op));
   return absl::OkStatus();
 }
 
@@ -584,10 +614,10 @@ absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k
   ASSIGN_OR_RETURN(const DeviceKernels* kern, KernelsFor(dev));
   const int64_t b = q.shape()[0], s = q.shape()[1], hq = q.shape()[2], hkv = k.shape()[2], d = q.shape()[3];
   AttentionForward f;
-  ASSIGN_OR_RETURN(f.out, Tensor::Empty(q.shape(), DType::kF32, dev));
+  ASSIGN_OR_RETURN(f.out, Tensor::Empty(q.shape(), qf.dtype(), dev));
   ASSIGN_OR_RETURN(f.lse, Tensor::Empty({b, hq, s}, DType::kF32, dev));
-  RETURN_IF_ERROR(kern->FlashAttention(dev.index, F(qf), F(kf), F(vf), F(f.out), F(f.lse), b, s, hq, hkv, d, scale,
-                                       causal));
+  RETURN_IF_ERROR(kern->FlashAttention(dev.index, Elem(qf.dtype()), qf.raw_data(), kf.raw_data(), vf.raw_data(),
+                                       f.out.raw_data(), F(f.lse), b, s, hq, hkv, d, scale, causal));
   return f;
 }
 
@@ -599,23 +629,25 @@ absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const 
   RETURN_IF_ERROR(AttentionOperands(q, k, v, op, qf, kf, vf));
   const int64_t b = q.shape()[0], s = q.shape()[1], hq = q.shape()[2], hkv = k.shape()[2], d = q.shape()[3];
   if (dout.shape() != q.shape() || forward.out.shape() != q.shape() || forward.lse.shape() != Shape{b, hq, s} ||
-      forward.out.dtype() != DType::kF32 || forward.lse.dtype() != DType::kF32) {
+      forward.out.dtype() != qf.dtype() || forward.lse.dtype() != DType::kF32) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": dout ", ShapeToString(dout.shape()), " and the forward's out ",
                                                    ShapeToString(forward.out.shape()), " must be ",
-                                                   ShapeToString(q.shape()), ", its lse f32 [", b, ", ", hq, ", ", s,
-                                                   "]"));
+                                                   DTypeName(qf.dtype()), ShapeToString(q.shape()), ", its lse f32 [",
+                                                   b, ", ", hq, ", ", s, "]"));
   }
   const Device dev = q.device();
   ASSIGN_OR_RETURN(const DeviceKernels* kern, Kernels(op, dev, {&dout, &forward.out, &forward.lse}));
-  ASSIGN_OR_RETURN(Tensor dof, AsF32(dout, op));
+  const DType type = qf.dtype();
+  ASSIGN_OR_RETURN(Tensor dof, AsFloat(dout, type, op));
   const Tensor out = forward.out.Contiguous(), lse = forward.lse.Contiguous();
   AttentionGrads g;
   ASSIGN_OR_RETURN(Tensor delta, Tensor::Empty({b, hq, s}, DType::kF32, dev));
-  ASSIGN_OR_RETURN(g.dq, Tensor::Empty(q.shape(), DType::kF32, dev));
-  ASSIGN_OR_RETURN(g.dk, Tensor::Empty(k.shape(), DType::kF32, dev));
-  ASSIGN_OR_RETURN(g.dv, Tensor::Empty(v.shape(), DType::kF32, dev));
-  RETURN_IF_ERROR(kern->FlashAttentionBackward(dev.index, F(qf), F(kf), F(vf), F(out), F(dof), F(lse), F(delta),
-                                               F(g.dq), F(g.dk), F(g.dv), b, s, hq, hkv, d, scale, causal));
+  ASSIGN_OR_RETURN(g.dq, Tensor::Empty(q.shape(), type, dev));
+  ASSIGN_OR_RETURN(g.dk, Tensor::Empty(k.shape(), type, dev));
+  ASSIGN_OR_RETURN(g.dv, Tensor::Empty(v.shape(), type, dev));
+  RETURN_IF_ERROR(kern->FlashAttentionBackward(dev.index, Elem(type), qf.raw_data(), kf.raw_data(), vf.raw_data(),
+                                               out.raw_data(), dof.raw_data(), F(lse), F(delta), g.dq.raw_data(),
+                                               g.dk.raw_data(), g.dv.raw_data(), b, s, hq, hkv, d, scale, causal));
   return g;
 }
 

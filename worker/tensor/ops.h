@@ -152,13 +152,15 @@ absl::Status CheckAttentionShapes(const Tensor& q, const Tensor& k, const Tensor
 // no [S, S] scores in memory) of float q, k, v (any float dtype, computed in
 // f32): out = softmax(q k^T * scale, causal) v. D at most
 // kernels::kMaxFusedHeadDim (INVALID_ARGUMENT beyond).
+// The kernels compute in f32 on operands of q's dtype, f32 or bf16 (f16 is
+// widened to f32): out and the gradients come in that dtype.
 struct AttentionForward {
-  Tensor out;  // [B, S, Hq, D] f32
+  Tensor out;  // [B, S, Hq, D] in the kernels' dtype
   Tensor lse;  // [B, Hq, S] f32: each query row's log-sum-exp, for the backward
 };
 absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                                                 bool causal);
-// The gradients (f32, shaped like q, k and v) from dout [B, S, Hq, D] and
+// The gradients (shaped like q, k and v, in the forward's dtype) from dout [B, S, Hq, D] and
 // the forward of the same q, k, v; deterministic (no atomics).
 struct AttentionGrads {
   Tensor dq, dk, dv;
