@@ -673,6 +673,90 @@ absl::Status RmsNormBackward(int d, ElemType type, const void* dy, const void* x
   });
 }
 
+absl::Status NormRowSums(int, ElemType type, const void* x, const float* center, bool square, int64_t rows,
+                         int64_t n, float* sums) {
+  if (absl::Status st = CheckFloatType(type, "NormRowSums"); !st.ok()) return st;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float c = center ? center[r] : 0.0f;
+    double s = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const float v = LoadF(x, r * n + j, type) - c;
+      s += square ? static_cast<double>(v) * v : v;
+    }
+    sums[r] = static_cast<float>(s);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NormApply(int, ElemType type, const void* x, const void* g, const void* b, const float* mean,
+                       const float* sq_sums, int64_t h, float eps, int64_t rows, int64_t n, void* y, float* rstd) {
+  if (absl::Status st = CheckFloatType(type, "NormApply"); !st.ok()) return st;
+  F32In fg(g, n, type), fb(b, n, type);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m = mean ? mean[r] : 0.0f;
+    const float rs = 1.0f / std::sqrt(sq_sums[r] / static_cast<float>(h) + eps);
+    for (int64_t j = 0; j < n; ++j) {
+      const float v = (LoadF(x, r * n + j, type) - m) * rs * fg.get()[j] + (b ? fb.get()[j] : 0.0f);
+      StoreF(y, r * n + j, type, v);
+    }
+    rstd[r] = rs;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NormBackwardSums(int, ElemType type, const void* dy, const void* x, const void* g, const float* mean,
+                              const float* rstd, int64_t rows, int64_t n, float* sums) {
+  if (absl::Status st = CheckFloatType(type, "NormBackwardSums"); !st.ok()) return st;
+  F32In fg(g, n, type);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m = mean ? mean[r] : 0.0f;
+    double a = 0, c = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const float dxhat = LoadF(dy, r * n + j, type) * fg.get()[j];
+      a += dxhat;
+      c += static_cast<double>(dxhat) * ((LoadF(x, r * n + j, type) - m) * rstd[r]);
+    }
+    sums[r] = static_cast<float>(a);
+    sums[rows + r] = static_cast<float>(c);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NormBackwardApply(int, ElemType type, const void* dy, const void* x, const void* g, const float* mean,
+                               const float* rstd, const float* sums, int64_t h, int64_t rows, int64_t n, void* dx) {
+  if (absl::Status st = CheckFloatType(type, "NormBackwardApply"); !st.ok()) return st;
+  F32In fg(g, n, type);
+  const float inv_h = 1.0f / static_cast<float>(h);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m = mean ? mean[r] : 0.0f, rs = rstd[r];
+    const float a = mean ? sums[r] * inv_h : 0.0f, c = sums[rows + r] * inv_h;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t i = r * n + j;
+      StoreF(dx, i, type, rs * (LoadF(dy, i, type) * fg.get()[j] - a - (LoadF(x, i, type) - m) * rs * c));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NormParamGrad(int, ElemType type, const void* dy, const void* x, const float* mean, const float* rstd,
+                           int64_t rows, int64_t n, float* dg, float* db) {
+  if (absl::Status st = CheckFloatType(type, "NormParamGrad"); !st.ok()) return st;
+  std::vector<double> sg(n, 0.0), sb(n, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m = mean ? mean[r] : 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float d = LoadF(dy, r * n + j, type), xhat = (LoadF(x, r * n + j, type) - m) * rstd[r];
+      sg[j] += static_cast<double>(d) * xhat;
+      sb[j] += d;
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    dg[j] = static_cast<float>(sg[j]);
+    if (db) db[j] = static_cast<float>(sb[j]);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckAttentionType(ElemType type, const char* op) {
   if (type == ElemType::kF32 || type == ElemType::kBF16) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(op, ": f32 or bf16 operands only"));

@@ -66,6 +66,21 @@ __host__ __device__ __forceinline__ int ElemSize(ElemType t) {
 
 __host__ __device__ __forceinline__ bool IsInt(ElemType t) { return t == ElemType::kI32 || t == ElemType::kI64; }
 
+// The sum of v over the block's kThreads threads by a fixed tree in
+// `shared` (kThreads doubles), returned to every thread; the block may call
+// it again at once (it ends with a barrier).
+__device__ __forceinline__ double BlockSumDouble(double v, double* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
+    __syncthreads();
+  }
+  const double total = shared[0];
+  __syncthreads();
+  return total;
+}
+
 // ---- Typed kernel operands ----
 // A layer kernel is instantiated for each float type its tensors may have:
 // float, or bf16/f16 held as bits (Bf16, F16). It reads In<T> and writes
@@ -97,6 +112,7 @@ struct In {
   const T* p;
   __device__ __forceinline__ float operator[](int64_t i) const { return ToF32(p[i]); }
   __device__ __forceinline__ In operator+(int64_t offset) const { return In{p + offset}; }
+  __device__ __forceinline__ explicit operator bool() const { return p != nullptr; }
 };
 
 template <typename T>

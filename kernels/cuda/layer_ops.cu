@@ -188,8 +188,8 @@ __global__ void LayerNormBackwardKernel(In<T> dy, In<T> x, In<T> g, const float*
 
 // dgamma[j] = sum_r dy * xhat, dbeta[j] = sum_r dy (xhat from mean/rstd, or
 // x * rstd for RMSNorm when mean is null); columns split as ColumnSumKernel.
-template <typename T>
-__global__ void NormParamGradKernel(In<T> dy, In<T> x, const float* mean, const float* rstd, Out<T> dg, Out<T> db,
+template <typename T, typename G>
+__global__ void NormParamGradKernel(In<T> dy, In<T> x, const float* mean, const float* rstd, Out<G> dg, Out<G> db,
                                     int64_t rows, int64_t n) {
   __shared__ double shared[kThreads];
   const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
@@ -206,6 +206,68 @@ __global__ void NormParamGradKernel(In<T> dy, In<T> x, const float* mean, const 
   if (j < n && threadIdx.x < kColumns) {
     dg[j] = static_cast<float>(sg);
     if (db) db[j] = static_cast<float>(sb);
+  }
+}
+
+// ---- The sharded norms' passes (a row's hidden dim split over ranks) ----
+// One block per row (grid-strided), sums in double by a fixed tree.
+template <typename T>
+__global__ void NormRowSumsKernel(In<T> x, const float* center, bool square, int64_t rows, int64_t n, float* sums) {
+  __shared__ double shared[kThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float c = center ? center[r] : 0.0f;
+    double s = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      const float v = x[r * n + j] - c;
+      s += square ? static_cast<double>(v) * v : v;
+    }
+    const double total = BlockSumDouble(s, shared);
+    if (threadIdx.x == 0) sums[r] = static_cast<float>(total);
+  }
+}
+
+template <typename T>
+__global__ void NormApplyKernel(In<T> x, In<T> g, In<T> b, const float* mean, const float* sq_sums, float inv_h,
+                                float eps, int64_t rows, int64_t n, Out<T> y, float* rstd) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float m = mean ? mean[r] : 0.0f;
+    const float rs = rsqrtf(sq_sums[r] * inv_h + eps);
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      y[r * n + j] = (x[r * n + j] - m) * rs * g[j] + (b ? b[j] : 0.0f);
+    }
+    if (threadIdx.x == 0) rstd[r] = rs;
+  }
+}
+
+template <typename T>
+__global__ void NormBackwardSumsKernel(In<T> dy, In<T> x, In<T> g, const float* mean, const float* rstd,
+                                       int64_t rows, int64_t n, float* sums) {
+  __shared__ double shared[kThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float m = mean ? mean[r] : 0.0f, rs = rstd[r];
+    double a = 0, c = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      const float dxhat = dy[r * n + j] * g[j];
+      a += dxhat;
+      c += static_cast<double>(dxhat) * ((x[r * n + j] - m) * rs);
+    }
+    const double ta = BlockSumDouble(a, shared);
+    const double tc = BlockSumDouble(c, shared);
+    if (threadIdx.x == 0) {
+      sums[r] = static_cast<float>(ta);
+      sums[rows + r] = static_cast<float>(tc);
+    }
+  }
+}
+
+template <typename T>
+__global__ void NormBackwardApplyKernel(In<T> dy, In<T> x, In<T> g, const float* mean, const float* rstd,
+                                        const float* sums, float inv_h, int64_t rows, int64_t n, Out<T> dx) {
+  GRID_STRIDE(i, rows * n) {
+    const int64_t r = i / n, j = i % n;
+    const float m = mean ? mean[r] : 0.0f, rs = rstd[r];
+    const float a = mean ? sums[r] * inv_h : 0.0f, c = sums[rows + r] * inv_h;
+    dx[i] = rs * (dy[i] * g[j] - a - (x[i] - m) * rs * c);
   }
 }
 
@@ -817,7 +879,7 @@ absl::Status LayerNormBackward(int device, ElemType type, const void* dy, const 
     using T = decltype(t);
     Launch(LayerNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), mean,
            rstd, OutOf<T>(dx), rows, n);
-    Launch(NormParamGradKernel<T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), mean, rstd,
+    Launch(NormParamGradKernel<T, T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), mean, rstd,
            OutOf<T>(dg), OutOf<T>(db), rows, n);
     return Finish("LayerNormBackwardKernel");
   });
@@ -841,9 +903,69 @@ absl::Status RmsNormBackward(int device, ElemType type, const void* dy, const vo
     using T = decltype(t);
     Launch(RmsNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), rstd,
            OutOf<T>(dx), rows, n);
-    Launch(NormParamGradKernel<T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x),
+    Launch(NormParamGradKernel<T, T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x),
            static_cast<const float*>(nullptr), rstd, OutOf<T>(dg), Out<T>{nullptr}, rows, n);
     return Finish("RmsNormBackwardKernel");
+  });
+}
+
+absl::Status NormRowSums(int device, ElemType type, const void* x, const float* center, bool square, int64_t rows,
+                         int64_t n, float* sums) {
+  if (rows == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "NormRowSums", [&](auto t) {
+    using T = decltype(t);
+    Launch(NormRowSumsKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(x), center, square, rows, n, sums);
+    return Finish("NormRowSumsKernel");
+  });
+}
+
+absl::Status NormApply(int device, ElemType type, const void* x, const void* g, const void* b, const float* mean,
+                       const float* sq_sums, int64_t h, float eps, int64_t rows, int64_t n, void* y, float* rstd) {
+  if (rows == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "NormApply", [&](auto t) {
+    using T = decltype(t);
+    Launch(NormApplyKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(x), InOf<T>(g), InOf<T>(b), mean, sq_sums,
+           1.0f / static_cast<float>(h), eps, rows, n, OutOf<T>(y), rstd);
+    return Finish("NormApplyKernel");
+  });
+}
+
+absl::Status NormBackwardSums(int device, ElemType type, const void* dy, const void* x, const void* g,
+                              const float* mean, const float* rstd, int64_t rows, int64_t n, float* sums) {
+  if (rows == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "NormBackwardSums", [&](auto t) {
+    using T = decltype(t);
+    Launch(NormBackwardSumsKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), mean,
+           rstd, rows, n, sums);
+    return Finish("NormBackwardSumsKernel");
+  });
+}
+
+absl::Status NormBackwardApply(int device, ElemType type, const void* dy, const void* x, const void* g,
+                               const float* mean, const float* rstd, const float* sums, int64_t h, int64_t rows,
+                               int64_t n, void* dx) {
+  if (rows * n == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "NormBackwardApply", [&](auto t) {
+    using T = decltype(t);
+    Launch(NormBackwardApplyKernel<T>, Blocks(rows * n), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), mean,
+           rstd, sums, 1.0f / static_cast<float>(h), rows, n, OutOf<T>(dx));
+    return Finish("NormBackwardApplyKernel");
+  });
+}
+
+absl::Status NormParamGrad(int device, ElemType type, const void* dy, const void* x, const float* mean,
+                           const float* rstd, int64_t rows, int64_t n, float* dg, float* db) {
+  if (n == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  return ByFloatType(type, "NormParamGrad", [&](auto t) {
+    using T = decltype(t);
+    Launch(NormParamGradKernel<T, float>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), mean, rstd,
+           Out<float>{dg}, Out<float>{db}, rows, n);
+    return Finish("NormParamGradKernel");
   });
 }
 

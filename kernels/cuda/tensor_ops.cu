@@ -136,18 +136,6 @@ __global__ void ScaleKernel(ElemType t, const char* a, float s, char* out, int64
   }
 }
 
-// The sum of v over the block's kThreads threads by a fixed tree in
-// `shared` (kThreads doubles); thread 0's return value is the total.
-__device__ double BlockTreeSum(double v, double* shared) {
-  shared[threadIdx.x] = v;
-  __syncthreads();
-  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
-    __syncthreads();
-  }
-  return shared[0];
-}
-
 // Pass 1: block b sums the elements b*kThreads + t + k*gridDim*kThreads in a
 // fixed order and tree; pass 2 sums the partials in block order.
 // With `square`, of the elements' squares.
@@ -159,7 +147,7 @@ __global__ void SumPartialsKernel(ElemType t, const char* a, int64_t n, bool squ
     const double v = IsInt(t) ? static_cast<double>(LoadI(a, i, t)) : static_cast<double>(LoadF(a, i, t));
     s += square ? v * v : v;
   }
-  const double total = BlockTreeSum(s, acc);
+  const double total = BlockSumDouble(s, acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
@@ -183,7 +171,7 @@ __global__ void MultiSumPartialsKernel(TensorList<BufferRef> list, bool square, 
     const double v = LoadF(x.data, i, x.type);
     s += square ? v * v : v;
   }
-  const double total = BlockTreeSum(s, acc);
+  const double total = BlockSumDouble(s, acc);
   if (threadIdx.x == 0) partials[partial_offset + blockIdx.x] = total;
 }
 
@@ -193,7 +181,7 @@ __global__ void MultiSumFinalKernel(const double* partials, int64_t count, float
   __shared__ double s[kThreads];
   double v = 0;
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) v += partials[i];
-  const double total = BlockTreeSum(v, s);
+  const double total = BlockSumDouble(v, s);
   if (threadIdx.x == 0) acc[0] += static_cast<float>(total);
 }
 

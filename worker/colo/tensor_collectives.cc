@@ -51,24 +51,10 @@ absl::StatusOr<Tensor> ReduceScatterDim(const Tensor& t, int64_t dim, Communicat
   return ReduceScatterBlocks(blocks, comm, timeout, op);
 }
 
-absl::Status AllReduceValues(std::vector<float>& values, ReduceOp op, Communicator& comm, Device device,
-                             absl::Duration timeout) {
-  const int64_t n = static_cast<int64_t>(values.size());
-  if (comm.backend() != "nccl") {
-    return comm.AllReduce(values.data(), n, DType::kF32, op)->Wait(timeout);
-  }
-  if (!device.is_cuda()) {
-    return absl::FailedPreconditionError("an NCCL communicator needs the values staged on a CUDA device");
-  }
-  ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({n}, values));
-  ASSIGN_OR_RETURN(Tensor buf, host.To(device));
-  RETURN_IF_ERROR(comm.AllReduce(buf.raw_data(), n, DType::kF32, op)->WaitOnDevice(timeout));
-  std::vector<float> got = buf.ToFloats();  // waits for the device
-  // Read after the device passed the collective: if it failed (the watchdog
-  // aborted it) the values are not the reduction, and the error says why.
-  RETURN_IF_ERROR(comm.AsyncError());
-  values = std::move(got);
-  return absl::OkStatus();
+absl::Status AllReduceInPlace(Tensor& t, ReduceOp op, Communicator& comm, absl::Duration timeout) {
+  if (!t.is_contiguous()) return absl::InvalidArgumentError("all-reduce in place: the tensor must be contiguous");
+  if (comm.size() == 1 || t.numel() == 0) return absl::OkStatus();
+  return comm.AllReduce(t.raw_data(), t.numel(), t.dtype(), op)->WaitOnDevice(timeout);
 }
 
 absl::StatusOr<Tensor> BroadcastFrom(const Tensor& t, int root, Communicator& comm, absl::Duration timeout) {

@@ -3,7 +3,7 @@
 // waits for its collective with Work::WaitOnDevice: on CUDA the device waits,
 // not the host, and a collective that fails later is reported by the
 // communicator's AsyncError (checked where results are read on the host:
-// AllReduceValues, the trainer's step). The tensors may be views; the results
+// the trainer's step, the grad norm). The tensors may be views; the results
 // are new contiguous tensors on the input's device.
 #ifndef COLOD_WORKER_COLO_TENSOR_COLLECTIVES_H_
 #define COLOD_WORKER_COLO_TENSOR_COLLECTIVES_H_
@@ -30,11 +30,9 @@ absl::StatusOr<Tensor> ReduceScatterBlocks(const std::vector<Tensor>& blocks, Co
 absl::StatusOr<Tensor> ReduceScatterDim(const Tensor& t, int64_t dim, Communicator& comm, absl::Duration timeout,
                                         ReduceOp op = ReduceOp::kSum);
 
-// All-reduces a host vector of f32 values (row statistics and the like). With
-// an NCCL communicator the values travel through a buffer on `device` (the
-// CUDA device the rank computes on); with Gloo they stay in host memory.
-absl::Status AllReduceValues(std::vector<float>& values, ReduceOp op, Communicator& comm, Device device,
-                             absl::Duration timeout);
+// All-reduces contiguous `t` in place over the group, waited on by the
+// device (Work::WaitOnDevice): on CUDA nothing is read on the host.
+absl::Status AllReduceInPlace(Tensor& t, ReduceOp op, Communicator& comm, absl::Duration timeout);
 
 // Local rank `root`'s `t` on every rank (`t` gives the shape elsewhere).
 absl::StatusOr<Tensor> BroadcastFrom(const Tensor& t, int root, Communicator& comm, absl::Duration timeout);

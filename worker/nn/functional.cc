@@ -305,114 +305,57 @@ absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const V
 namespace {
 
 // LayerNorm (with beta) or RMSNorm (without) over a hidden dim split across
-// `hidden`; see ShardedLayerNorm.
+// `hidden`; see ShardedLayerNorm. Every pass runs where x is (ops::Norm*),
+// and the row statistics are all-reduced there: on CUDA nothing is read on
+// the host. Collectives, in order: the row sums (LayerNorm), the squared
+// deviations; backward: the two row sums, then the parameter gradients over
+// each replica group.
 absl::StatusOr<Variable> ShardedNorm(const Variable& x, const Variable& gamma, const std::optional<Variable>& beta,
                                      float eps, Communicator* hidden, const std::vector<Communicator*>& replicas,
                                      absl::Duration timeout) {
   const bool rms = !beta.has_value();
-  // The statistics are computed on host copies (the values cross devices
-  // once each way); the collectives run where the communicator wants them.
-  const Device dev = x.value().device();
-  ASSIGN_OR_RETURN(const Tensor xv, x.value().To(Device::Cpu()));
+  const Tensor xv = x.value().Contiguous();
   if (xv.dim() == 0 || gamma.value().shape() != Shape{xv.shape().back()} ||
       (!rms && beta->value().shape() != gamma.value().shape())) {
     return absl::InvalidArgumentError(absl::StrCat("sharded norm: gamma ", ShapeToString(gamma.value().shape()),
                                                    rms ? "" : " and beta", " must be [", xv.dim() ? xv.shape().back() : 0,
                                                    "] for the local input ", ShapeToString(xv.shape())));
   }
-  ASSIGN_OR_RETURN(Tensor xm, Rows(xv));
-  ASSIGN_OR_RETURN(xm, xm.ToDType(DType::kF32));
-  const int64_t rows = xm.shape()[0], hl = xm.shape()[1], h = hl * hidden->size();
-  Communicator* row = hidden;
-  const float* px = xm.data<float>();
-  // Two passes over the whole hidden dim (one for RMSNorm, whose mean is
-  // zero), each one all-reduce along the row group.
-  std::vector<float> mean(rows, 0.0f), var(rows, 0.0f);
+  const int64_t h = xv.shape().back() * hidden->size();
+  std::optional<Tensor> mean;
   if (!rms) {
-    for (int64_t r = 0; r < rows; ++r) {
-      double s = 0;
-      for (int64_t j = 0; j < hl; ++j) s += px[r * hl + j];
-      mean[r] = static_cast<float>(s);
-    }
-    RETURN_IF_ERROR(AllReduceValues(mean, ReduceOp::kSum, *row, dev, timeout));
+    ASSIGN_OR_RETURN(Tensor sums, ops::NormRowSums(xv, std::nullopt, /*square=*/false));
+    RETURN_IF_ERROR(AllReduceInPlace(sums, ReduceOp::kSum, *hidden, timeout));
+    ASSIGN_OR_RETURN(mean, Scale(sums, 1.0f / static_cast<float>(h)));
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    mean[r] /= static_cast<float>(h);
-    double s = 0;
-    for (int64_t j = 0; j < hl; ++j) s += static_cast<double>(px[r * hl + j] - mean[r]) * (px[r * hl + j] - mean[r]);
-    var[r] = static_cast<float>(s);
-  }
-  RETURN_IF_ERROR(AllReduceValues(var, ReduceOp::kSum, *row, dev, timeout));
-  ASSIGN_OR_RETURN(Tensor xhat, Tensor::Empty({rows, hl}, DType::kF32));
-  std::vector<float> rstd(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    rstd[r] = static_cast<float>(1.0 / std::sqrt(var[r] / h + eps));
-    for (int64_t j = 0; j < hl; ++j) xhat.data<float>()[r * hl + j] = (px[r * hl + j] - mean[r]) * rstd[r];
-  }
-  ASSIGN_OR_RETURN(Tensor g32, gamma.value().To(Device::Cpu()));
-  ASSIGN_OR_RETURN(g32, g32.ToDType(DType::kF32));
-  ASSIGN_OR_RETURN(Tensor b32, Tensor::Zeros({hl}, DType::kF32));
-  if (!rms) {
-    ASSIGN_OR_RETURN(b32, beta->value().To(Device::Cpu()));
-    ASSIGN_OR_RETURN(b32, b32.ToDType(DType::kF32));
-  }
-  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty({rows, hl}, DType::kF32));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < hl; ++j) {
-      y.data<float>()[r * hl + j] = xhat.data<float>()[r * hl + j] * g32.data<float>()[j] + b32.data<float>()[j];
-    }
-  }
-  ASSIGN_OR_RETURN(y, y.Reshape(xv.shape()));
-  ASSIGN_OR_RETURN(y, y.ToDType(xv.dtype()));
-  ASSIGN_OR_RETURN(y, y.To(dev));
-  const Shape x_shape = xv.shape();
-  const DType dtype = xv.dtype();
+  ASSIGN_OR_RETURN(Tensor squares, ops::NormRowSums(xv, mean, /*square=*/true));
+  RETURN_IF_ERROR(AllReduceInPlace(squares, ReduceOp::kSum, *hidden, timeout));
+  std::optional<Tensor> b;
+  if (!rms) b = beta->value();
+  const Tensor g = gamma.value();
+  ASSIGN_OR_RETURN(ops::NormApplied applied, ops::NormApply(xv, g, b, mean, squares, h, eps));
   std::vector<Variable> inputs = {x, gamma};
   if (!rms) inputs.push_back(*beta);
+  const DType param_dtype = g.dtype();
   return RecordOp(
-      rms ? "sharded_rms_norm" : "sharded_layer_norm", inputs, std::move(y),
-      [xhat, rstd, g32, rows, hl, h, row, replicas, timeout, x_shape, dtype, dev,
-       rms](const Tensor& dy_full) -> absl::StatusOr<Grads> {
-        ASSIGN_OR_RETURN(Tensor dy_host, dy_full.To(Device::Cpu()));
-        ASSIGN_OR_RETURN(Tensor dy, Rows(dy_host));
-        ASSIGN_OR_RETURN(dy, dy.ToDType(DType::kF32));
-        const float* pd = dy.data<float>();
-        const float* xh = xhat.data<float>();
-        const float* g = g32.data<float>();
-        // [sum dxhat | sum dxhat * xhat] per row over the whole hidden dim.
-        std::vector<float> sums(2 * rows, 0.0f);
-        std::vector<float> dgb(2 * hl, 0.0f);  // [dgamma | dbeta] of this block's rows
-        for (int64_t r = 0; r < rows; ++r) {
-          double a = 0, b = 0;
-          for (int64_t j = 0; j < hl; ++j) {
-            const float dxh = pd[r * hl + j] * g[j];
-            a += dxh;
-            b += static_cast<double>(dxh) * xh[r * hl + j];
-            dgb[j] += pd[r * hl + j] * xh[r * hl + j];
-            dgb[hl + j] += pd[r * hl + j];
-          }
-          sums[r] = static_cast<float>(a);
-          sums[rows + r] = static_cast<float>(b);
-        }
-        RETURN_IF_ERROR(AllReduceValues(sums, ReduceOp::kSum, *row, dev, timeout));
-        for (Communicator* replica : replicas) {
-          RETURN_IF_ERROR(AllReduceValues(dgb, ReduceOp::kSum, *replica, dev, timeout));
-        }
-        ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty({rows, hl}, DType::kF32));
-        for (int64_t r = 0; r < rows; ++r) {
-          const float a = rms ? 0.0f : sums[r] / h, b = sums[rows + r] / h;
-          for (int64_t j = 0; j < hl; ++j) {
-            dx.data<float>()[r * hl + j] = rstd[r] * (pd[r * hl + j] * g[j] - a - xh[r * hl + j] * b);
-          }
-        }
-        ASSIGN_OR_RETURN(dx, dx.Reshape(x_shape));
-        ASSIGN_OR_RETURN(dx, dx.ToDType(dtype));
-        ASSIGN_OR_RETURN(dx, dx.To(dev));
-        ASSIGN_OR_RETURN(Tensor dgamma, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data(), hl)));
-        ASSIGN_OR_RETURN(Tensor dbeta, Tensor::FromFloats({hl}, absl::MakeConstSpan(dgb.data() + hl, hl)));
-        ASSIGN_OR_RETURN(dgamma, dgamma.To(dev));
+      rms ? "sharded_rms_norm" : "sharded_layer_norm", inputs, std::move(applied.y),
+      [xv, g, mean, rstd = applied.rstd, h, hidden, replicas, timeout, rms,
+       param_dtype](const Tensor& dy) -> absl::StatusOr<Grads> {
+        ASSIGN_OR_RETURN(Tensor sums, ops::NormBackwardSums(dy, xv, g, mean, rstd));
+        RETURN_IF_ERROR(AllReduceInPlace(sums, ReduceOp::kSum, *hidden, timeout));
+        ASSIGN_OR_RETURN(Tensor dx, ops::NormBackwardApply(dy, xv, g, mean, rstd, sums, h));
+        ASSIGN_OR_RETURN(ops::NormParamGrads pg, ops::NormParamGrad(dy, xv, mean, rstd, !rms));
+        // [dgamma | dbeta] of this block's rows, summed over the replicas in one collective each.
+        std::vector<Tensor> parts = {pg.dgamma};
+        if (!rms) parts.push_back(*pg.dbeta);
+        ASSIGN_OR_RETURN(Tensor dgb, Tensor::Cat(parts, 0));
+        for (Communicator* replica : replicas) RETURN_IF_ERROR(AllReduceInPlace(dgb, ReduceOp::kSum, *replica, timeout));
+        const int64_t hl = g.numel();
+        ASSIGN_OR_RETURN(Tensor dgamma, dgb.Narrow(0, 0, hl));
+        ASSIGN_OR_RETURN(dgamma, dgamma.ContiguousAs(param_dtype));
         if (rms) return Grads{dx, dgamma};
-        ASSIGN_OR_RETURN(dbeta, dbeta.To(dev));
+        ASSIGN_OR_RETURN(Tensor dbeta, dgb.Narrow(0, hl, hl));
+        ASSIGN_OR_RETURN(dbeta, dbeta.ContiguousAs(param_dtype));
         return Grads{dx, dgamma, dbeta};
       });
 }
@@ -459,7 +402,7 @@ absl::StatusOr<Variable> ReduceGradient(const Variable& x, Communicator* comm, a
   return RecordOp("reduce_gradient", {x}, x.value(), [comm, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
     if (comm->size() == 1) return Grads{dy};
     Tensor g = dy.Clone();
-    RETURN_IF_ERROR(comm->AllReduce(g.raw_data(), g.numel(), g.dtype(), ReduceOp::kSum)->WaitOnDevice(timeout));
+    RETURN_IF_ERROR(AllReduceInPlace(g, ReduceOp::kSum, *comm, timeout));
     return Grads{g};
   });
 }

@@ -209,8 +209,7 @@ absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const T
   Variable per_row;
   if (vocab_split) {
     ASSIGN_OR_RETURN(per_row, nn::VocabParallelCrossEntropy(logits, mine, vocab));
-  } else {
-    ASSIGN_OR_RETURN(mine, mine.To(dev));
+  } else {  // the labels stay on the host: checked there and copied up by the loss
     const int64_t width = logits.local().shape().back();
     ASSIGN_OR_RETURN(Variable flat, nn::Reshape(logits.variable(), {mine.numel(), width}));
     if (width > vocab) {

@@ -90,7 +90,7 @@ TEST_F(CudaLayerOps, GemmInEveryLayoutAndType) {
 
 // x rounded to TF32 (10 mantissa bits), ties to even: frexp's mantissa
 // scaled to 11 significant bits and rounded by the FPU's default mode.
-float Tf32(float x) {
+[[maybe_unused]] float Tf32(float x) {  // used under the emulation only
   int e = 0;
   const double m = std::frexp(static_cast<double>(x), &e);
   return static_cast<float>(std::ldexp(std::nearbyint(std::ldexp(m, 11)), e - 11));
@@ -243,7 +243,13 @@ TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
     ExpectNear(*CrossEntropy(Dev(logits), Dev(labels), sm), *CrossEntropy(logits, labels, sm), 1e-5, "cross entropy");
     ExpectNear(*CrossEntropyBackward(Dev(dloss), Dev(logits), Dev(labels), sm),
                *CrossEntropyBackward(dloss, logits, labels, sm), 1e-5, "cross entropy backward");
+    // Host labels with device logits: checked on the host, copied up.
+    ExpectNear(*CrossEntropy(Dev(logits), labels, sm), *CrossEntropy(logits, labels, sm), 1e-5, "host labels");
+    ExpectNear(*CrossEntropyBackward(Dev(dloss), Dev(logits), labels, sm),
+               *CrossEntropyBackward(dloss, logits, labels, sm), 1e-5, "host labels backward");
   }
+  EXPECT_EQ(CrossEntropy(Dev(logits), *Tensor::FromInt64s({6}, {0, 40, 1, 1, 1, 1})).status().code(),
+            absl::StatusCode::kInvalidArgument);  // a host label past the vocabulary
   // The vocab-parallel passes, with the whole vocabulary in one shard whose
   // last 8 columns are padding (large values that must not count): the loss
   // and gradient of the plain cross-entropy, on both devices; none on the

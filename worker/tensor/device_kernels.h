@@ -60,6 +60,18 @@ struct DeviceKernels {
                           int64_t rows, int64_t n);
   absl::Status (*RmsNormBackward)(int device, ElemType type, const void* dy, const void* x, const void* g,
                                   const float* rstd, void* dx, void* dg, int64_t rows, int64_t n);
+  absl::Status (*NormRowSums)(int device, ElemType type, const void* x, const float* center, bool square,
+                              int64_t rows, int64_t n, float* sums);
+  absl::Status (*NormApply)(int device, ElemType type, const void* x, const void* g, const void* b, const float* mean,
+                            const float* sq_sums, int64_t h, float eps, int64_t rows, int64_t n, void* y,
+                            float* rstd);
+  absl::Status (*NormBackwardSums)(int device, ElemType type, const void* dy, const void* x, const void* g,
+                                   const float* mean, const float* rstd, int64_t rows, int64_t n, float* sums);
+  absl::Status (*NormBackwardApply)(int device, ElemType type, const void* dy, const void* x, const void* g,
+                                    const float* mean, const float* rstd, const float* sums, int64_t h, int64_t rows,
+                                    int64_t n, void* dx);
+  absl::Status (*NormParamGrad)(int device, ElemType type, const void* dy, const void* x, const float* mean,
+                                const float* rstd, int64_t rows, int64_t n, float* dg, float* db);
   absl::Status (*Softmax)(int device, const float* x, float* y, int64_t rows, int64_t k, int64_t causal_q);
   absl::Status (*SoftmaxBackward)(int device, const float* dy, const float* y, float* dx, int64_t rows, int64_t k);
   absl::Status (*Dropout)(int device, const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset);
@@ -99,7 +111,8 @@ struct DeviceKernels {
     &ns::Malloc, &ns::Free, &ns::Memset0, &ns::Memcpy, &ns::StridedCopy, &ns::FillRandom, &ns::Binary, \
         &ns::Scale, &ns::Sum, &ns::AccumulateSum, &ns::Gemm, &ns::SetAllowTf32, &ns::BiasAdd, &ns::BiasGrad, \
         &ns::Gelu, &ns::GeluBackward, &ns::Silu, &ns::SiluBackward, &ns::LayerNorm, &ns::LayerNormBackward, \
-        &ns::RmsNorm, &ns::RmsNormBackward, &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout,           \
+        &ns::RmsNorm, &ns::RmsNormBackward, &ns::NormRowSums, &ns::NormApply, &ns::NormBackwardSums,   \
+        &ns::NormBackwardApply, &ns::NormParamGrad, &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout,   \
         &ns::Embedding, &ns::EmbeddingBackward, &ns::CrossEntropy, &ns::CrossEntropyBackward,           \
         &ns::VocabShardMax, &ns::VocabShardSums, &ns::VocabShardLoss, &ns::VocabShardBackward,          \
         &ns::Rope, &ns::FlashAttention, &ns::FlashAttentionBackward, &ns::AdamW                         \

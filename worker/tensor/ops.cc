@@ -294,6 +294,133 @@ absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, 
   return RmsNormGrads{std::move(dx), std::move(dgamma)};
 }
 
+namespace {
+
+// x's rows [rows, n] for the sharded-norm passes, checked against gamma and
+// the f32 [rows] statistics that are present.
+struct NormRows {
+  Tensor x;
+  int64_t rows, n;
+  DType type;
+};
+absl::StatusOr<NormRows> NormPiece(const Tensor& x, const char* op, std::initializer_list<const Tensor*> stats) {
+  if (x.dim() == 0) return absl::InvalidArgumentError(absl::StrCat(op, ": the input needs a last dim"));
+  ASSIGN_OR_RETURN(DType type, KernelType(x, op));
+  NormRows p{x.Contiguous(), 0, LastDim(x), type};
+  p.rows = p.n == 0 ? 0 : x.numel() / p.n;
+  for (const Tensor* t : stats) {
+    if (t->dtype() != DType::kF32 || t->numel() != p.rows || !(t->device() == x.device())) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": row statistics must be f32 [", p.rows, "] on ",
+                                                     x.device().ToString(), ", got ", DTypeName(t->dtype()),
+                                                     ShapeToString(t->shape())));
+    }
+  }
+  return p;
+}
+
+const float* OptF(const std::optional<Tensor>& t) { return t.has_value() ? t->data<float>() : nullptr; }
+
+}  // namespace
+
+absl::StatusOr<Tensor> NormRowSums(const Tensor& x, const std::optional<Tensor>& center, bool square) {
+  const char* op = "norm_row_sums";
+  std::optional<Tensor> c;
+  if (center.has_value()) c = center->Contiguous();
+  ASSIGN_OR_RETURN(NormRows p, c.has_value() ? NormPiece(x, op, {&*c}) : NormPiece(x, op, {}));
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(x.device()));
+  ASSIGN_OR_RETURN(Tensor sums, Tensor::Empty({p.rows}, DType::kF32, x.device()));
+  RETURN_IF_ERROR(k->NormRowSums(x.device().index, Elem(p.type), p.x.raw_data(), OptF(c), square, p.rows, p.n,
+                                 F(sums)));
+  return sums;
+}
+
+absl::StatusOr<NormApplied> NormApply(const Tensor& x, const Tensor& gamma, const std::optional<Tensor>& beta,
+                                      const std::optional<Tensor>& mean, const Tensor& sq_sums, int64_t h,
+                                      float eps) {
+  const char* op = "norm_apply";
+  const Tensor sq = sq_sums.Contiguous();
+  std::optional<Tensor> m;
+  if (mean.has_value()) m = mean->Contiguous();
+  ASSIGN_OR_RETURN(NormRows p, m.has_value() ? NormPiece(x, op, {&sq, &*m}) : NormPiece(x, op, {&sq}));
+  if (gamma.shape() != Shape{p.n} || (beta.has_value() && beta->shape() != Shape{p.n}) || h < p.n) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": gamma and beta must be [", p.n, "] and h >= ", p.n));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, x.device(), {&gamma}));
+  ASSIGN_OR_RETURN(Tensor g, AsFloat(gamma, p.type, op));
+  std::optional<Tensor> b;
+  if (beta.has_value()) {
+    RETURN_IF_ERROR(SameDevice(op, x.device(), {&*beta}));
+    ASSIGN_OR_RETURN(b, AsFloat(*beta, p.type, op));
+  }
+  NormApplied out;
+  ASSIGN_OR_RETURN(out.y, Tensor::Empty(x.shape(), p.type, x.device()));
+  ASSIGN_OR_RETURN(out.rstd, Tensor::Empty({p.rows}, DType::kF32, x.device()));
+  RETURN_IF_ERROR(k->NormApply(x.device().index, Elem(p.type), p.x.raw_data(), g.raw_data(),
+                               b.has_value() ? b->raw_data() : nullptr, OptF(m), F(sq), h, eps, p.rows, p.n,
+                               out.y.raw_data(), F(out.rstd)));
+  return out;
+}
+
+absl::StatusOr<Tensor> NormBackwardSums(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                        const std::optional<Tensor>& mean, const Tensor& rstd) {
+  const char* op = "norm_backward_sums";
+  RETURN_IF_ERROR(SameShapes(dy, x, op));
+  const Tensor rs = rstd.Contiguous();
+  std::optional<Tensor> m;
+  if (mean.has_value()) m = mean->Contiguous();
+  ASSIGN_OR_RETURN(NormRows p, m.has_value() ? NormPiece(x, op, {&rs, &*m}) : NormPiece(x, op, {&rs}));
+  if (gamma.shape() != Shape{p.n}) return absl::InvalidArgumentError(absl::StrCat(op, ": gamma must be [", p.n, "]"));
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, x.device(), {&dy, &gamma}));
+  ASSIGN_OR_RETURN(Tensor d, AsFloat(dy, p.type, op));
+  ASSIGN_OR_RETURN(Tensor g, AsFloat(gamma, p.type, op));
+  ASSIGN_OR_RETURN(Tensor sums, Tensor::Empty({2, p.rows}, DType::kF32, x.device()));
+  RETURN_IF_ERROR(k->NormBackwardSums(x.device().index, Elem(p.type), d.raw_data(), p.x.raw_data(), g.raw_data(),
+                                      OptF(m), F(rs), p.rows, p.n, F(sums)));
+  return sums;
+}
+
+absl::StatusOr<Tensor> NormBackwardApply(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                         const std::optional<Tensor>& mean, const Tensor& rstd, const Tensor& sums,
+                                         int64_t h) {
+  const char* op = "norm_backward_apply";
+  RETURN_IF_ERROR(SameShapes(dy, x, op));
+  const Tensor rs = rstd.Contiguous(), su = sums.Contiguous();
+  std::optional<Tensor> m;
+  if (mean.has_value()) m = mean->Contiguous();
+  ASSIGN_OR_RETURN(NormRows p, m.has_value() ? NormPiece(x, op, {&rs, &*m}) : NormPiece(x, op, {&rs}));
+  if (gamma.shape() != Shape{p.n} || su.dtype() != DType::kF32 || su.numel() != 2 * p.rows || h < p.n) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": gamma must be [", p.n, "], sums f32 [2, ", p.rows,
+                                                   "] and h >= ", p.n));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, x.device(), {&dy, &gamma, &su}));
+  ASSIGN_OR_RETURN(Tensor d, AsFloat(dy, p.type, op));
+  ASSIGN_OR_RETURN(Tensor g, AsFloat(gamma, p.type, op));
+  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), p.type, x.device()));
+  RETURN_IF_ERROR(k->NormBackwardApply(x.device().index, Elem(p.type), d.raw_data(), p.x.raw_data(), g.raw_data(),
+                                       OptF(m), F(rs), F(su), h, p.rows, p.n, dx.raw_data()));
+  return dx;
+}
+
+absl::StatusOr<NormParamGrads> NormParamGrad(const Tensor& dy, const Tensor& x, const std::optional<Tensor>& mean,
+                                             const Tensor& rstd, bool beta) {
+  const char* op = "norm_param_grad";
+  RETURN_IF_ERROR(SameShapes(dy, x, op));
+  const Tensor rs = rstd.Contiguous();
+  std::optional<Tensor> m;
+  if (mean.has_value()) m = mean->Contiguous();
+  ASSIGN_OR_RETURN(NormRows p, m.has_value() ? NormPiece(x, op, {&rs, &*m}) : NormPiece(x, op, {&rs}));
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, x.device(), {&dy}));
+  ASSIGN_OR_RETURN(Tensor d, AsFloat(dy, p.type, op));
+  NormParamGrads out;
+  ASSIGN_OR_RETURN(out.dgamma, Tensor::Empty({p.n}, DType::kF32, x.device()));
+  if (beta) {
+    ASSIGN_OR_RETURN(out.dbeta, Tensor::Empty({p.n}, DType::kF32, x.device()));
+  }
+  RETURN_IF_ERROR(k->NormParamGrad(x.device().index, Elem(p.type), d.raw_data(), p.x.raw_data(), OptF(m), F(rs),
+                                   p.rows, p.n, F(out.dgamma), beta ? out.dbeta->data<float>() : nullptr));
+  return out;
+}
+
 absl::StatusOr<Tensor> Softmax(const Tensor& x, bool causal) {
   const Device dev = x.device();
   if (x.dim() == 0 || (causal && x.dim() < 2)) {
@@ -436,16 +563,19 @@ absl::StatusOr<CeInputs> CheckCe(const Tensor& logits, const Tensor& labels, int
     return absl::InvalidArgumentError(absl::StrCat(op, ": logits ", ShapeToString(logits.shape()), " and labels ",
                                                    ShapeToString(labels.shape()), " must be [N, V] and [N]"));
   }
-  RETURN_IF_ERROR(SameDevice(op, logits.device(), {&labels}));
+  // Labels on the host may go with device logits: checked there and copied
+  // up stream ordered, so the loss reads nothing back (as ops::Embedding's ids).
+  if (labels.device().is_cuda()) RETURN_IF_ERROR(SameDevice(op, logits.device(), {&labels}));
   ASSIGN_OR_RETURN(Tensor l64, AsI64(labels, op));
   const int64_t v = logits.shape()[1];
-  const std::vector<int64_t> lab = l64.ToInt64s();
+  const std::vector<int64_t> lab = l64.ToInt64s();  // free for host labels
   for (size_t i = 0; i < lab.size(); ++i) {
     if (lab[i] != ignore_index && (lab[i] < 0 || lab[i] >= v)) {
       return absl::InvalidArgumentError(
           absl::StrCat(op, ": label ", lab[i], " at row ", i, " is outside the vocabulary [0, ", v, ")"));
     }
   }
+  ASSIGN_OR_RETURN(l64, l64.To(logits.device()));  // a handle where it is already there
   ASSIGN_OR_RETURN(Tensor f, AsF32(logits, op));
   return CeInputs{std::move(f), std::move(l64), logits.shape()[0], v};
 }

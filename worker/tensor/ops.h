@@ -76,6 +76,36 @@ struct RmsNormGrads {
 absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                                              const Tensor& rstd);
 
+// The passes of a norm whose hidden dim is split over ranks (worker/nn's
+// ShardedLayerNorm): x (and dy) hold this rank's piece of n = the last dim
+// of rows of h elements; the caller all-reduces the row statistics between
+// the passes, on the device. `mean` is absent for RMSNorm. Statistics are
+// f32 [rows] on x's device; y and dx come in x's dtype.
+// Per row, the piece's sum of x - center (of its square with `square`).
+absl::StatusOr<Tensor> NormRowSums(const Tensor& x, const std::optional<Tensor>& center, bool square);
+struct NormApplied {
+  Tensor y, rstd;
+};
+// rstd = 1 / sqrt(sq_sums / h + eps) (sq_sums over whole rows); y = (x -
+// mean) * rstd * gamma + beta.
+absl::StatusOr<NormApplied> NormApply(const Tensor& x, const Tensor& gamma, const std::optional<Tensor>& beta,
+                                      const std::optional<Tensor>& mean, const Tensor& sq_sums, int64_t h,
+                                      float eps);
+// [2, rows]: the piece's sums of dy * gamma and of dy * gamma * xhat.
+absl::StatusOr<Tensor> NormBackwardSums(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                        const std::optional<Tensor>& mean, const Tensor& rstd);
+// dx from the whole rows' sums (NormBackwardSums all-reduced).
+absl::StatusOr<Tensor> NormBackwardApply(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                         const std::optional<Tensor>& mean, const Tensor& rstd, const Tensor& sums,
+                                         int64_t h);
+// The piece's gamma (and, with `beta`, beta) gradients over its rows, f32.
+struct NormParamGrads {
+  Tensor dgamma;
+  std::optional<Tensor> dbeta;
+};
+absl::StatusOr<NormParamGrads> NormParamGrad(const Tensor& dy, const Tensor& x, const std::optional<Tensor>& mean,
+                                             const Tensor& rstd, bool beta);
+
 // Softmax over the last dim. With `causal`, x is [..., Q, K] attention scores
 // and key j is masked for query i when j > i + (K - Q) (a query sees the keys
 // up to its own position, counting a cached prefix of K - Q keys).
@@ -107,7 +137,9 @@ absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, in
 // Cross-entropy per row of logits [N, V] against integer labels [N], with
 // label smoothing s: the target is (1 - s) * onehot + s / V. A label equal to
 // `ignore_index` contributes loss 0 and no gradient; any other label outside
-// [0, V) is INVALID_ARGUMENT. Returns the per-row loss [N] (f32).
+// [0, V) is INVALID_ARGUMENT. Returns the per-row loss [N] (f32). Labels may
+// be on logits' device or on the host: host labels are checked there and
+// copied up in stream order, so the loss reads nothing back from a device.
 absl::StatusOr<Tensor> CrossEntropy(const Tensor& logits, const Tensor& labels, float label_smoothing = 0,
                                     int64_t ignore_index = -100);
 // dlogits = dloss[n] * (softmax(logits) - target).

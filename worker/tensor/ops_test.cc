@@ -392,6 +392,66 @@ TEST(CpuKernels, RopeRotatesPairsHalfADimensionApart) {
   EXPECT_EQ(Rope(Random({2, 3, 4}, 1), theta).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The sharded norm's passes on a row split in two column pieces, with the
+// all-reduces done by hand (adding the pieces' statistics), give the
+// unsharded LayerNorm and RMSNorm: values and every gradient.
+TEST(CpuKernels, NormPassesOverSplitRowsMatchTheWholeNorm) {
+  const int64_t rows = 5, h = 12, half = 6;
+  const Tensor x = Random({rows, h}, 51), dy = Random({rows, h}, 52), g = Random({h}, 53), b = Random({h}, 54);
+  auto piece = [&](const Tensor& t, int i) { return t.Narrow(t.dim() - 1, i * half, half)->Contiguous(); };
+  auto add = [](const Tensor& a, const Tensor& c) { return *Add(a, c); };
+  for (bool rms : {false, true}) {
+    const std::string what = rms ? "rms" : "layer";
+    std::optional<Tensor> mean;
+    if (!rms) {
+      const Tensor sums = add(*NormRowSums(piece(x, 0), std::nullopt, false),
+                              *NormRowSums(piece(x, 1), std::nullopt, false));
+      mean = *Scale(sums, 1.0f / h);
+    }
+    const Tensor sq = add(*NormRowSums(piece(x, 0), mean, true), *NormRowSums(piece(x, 1), mean, true));
+    std::optional<Tensor> b0, b1;
+    if (!rms) {
+      b0 = piece(b, 0);
+      b1 = piece(b, 1);
+    }
+    const NormApplied a0 = *NormApply(piece(x, 0), piece(g, 0), b0, mean, sq, h, 1e-5f);
+    const NormApplied a1 = *NormApply(piece(x, 1), piece(g, 1), b1, mean, sq, h, 1e-5f);
+    const Tensor y = *Tensor::Cat({a0.y, a1.y}, 1);
+    const Tensor bsum = add(*NormBackwardSums(piece(dy, 0), piece(x, 0), piece(g, 0), mean, a0.rstd),
+                            *NormBackwardSums(piece(dy, 1), piece(x, 1), piece(g, 1), mean, a1.rstd));
+    const Tensor dx = *Tensor::Cat({*NormBackwardApply(piece(dy, 0), piece(x, 0), piece(g, 0), mean, a0.rstd, bsum, h),
+                                    *NormBackwardApply(piece(dy, 1), piece(x, 1), piece(g, 1), mean, a1.rstd, bsum, h)},
+                                   1);
+    const NormParamGrads p0 = *NormParamGrad(piece(dy, 0), piece(x, 0), mean, a0.rstd, !rms);
+    const NormParamGrads p1 = *NormParamGrad(piece(dy, 1), piece(x, 1), mean, a1.rstd, !rms);
+    const Tensor dg = *Tensor::Cat({p0.dgamma, p1.dgamma}, 0);
+    auto doubles = [](const Tensor& t) {
+      const std::vector<float> v = t.ToFloats();
+      return std::vector<double>(v.begin(), v.end());
+    };
+    if (rms) {
+      const RmsNormResult want = *RmsNorm(x, g, 1e-5f);
+      const RmsNormGrads wg = *RmsNormBackward(dy, x, g, want.rstd);
+      ExpectNear(y.ToFloats(), doubles(want.y), 1e-5, 1e-6, what + " y");
+      ExpectNear(dx.ToFloats(), doubles(wg.dx), 1e-5, 1e-6, what + " dx");
+      ExpectNear(dg.ToFloats(), doubles(wg.dgamma), 1e-5, 1e-6, what + " dgamma");
+      EXPECT_FALSE(p0.dbeta.has_value());
+    } else {
+      const LayerNormResult want = *LayerNorm(x, g, b, 1e-5f);
+      const LayerNormGrads wg = *LayerNormBackward(dy, x, g, want.mean, want.rstd);
+      ExpectNear(y.ToFloats(), doubles(want.y), 1e-5, 1e-6, what + " y");
+      ExpectNear(dx.ToFloats(), doubles(wg.dx), 1e-5, 1e-6, what + " dx");
+      ExpectNear(dg.ToFloats(), doubles(wg.dgamma), 1e-5, 1e-6, what + " dgamma");
+      ExpectNear(Tensor::Cat({*p0.dbeta, *p1.dbeta}, 0)->ToFloats(), doubles(wg.dbeta), 1e-5, 1e-6, what + " dbeta");
+    }
+  }
+  // Statistics of the wrong length or dtype are refused.
+  EXPECT_EQ(NormApply(x, g, b, std::nullopt, *Tensor::Zeros({rows + 1}, DType::kF32), h, 1e-5f).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(NormRowSums(x, *Tensor::Zeros({rows}, DType::kBF16), true).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(CpuKernels, AdamWMatchesTheDoublePrecisionUpdate) {
   // Two parameters in one step: an f32 one, and a bf16 one with f32 master
   // weights and a bf16 gradient (mixed precision); gradients scaled by 0.5

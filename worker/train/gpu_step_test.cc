@@ -54,7 +54,7 @@ Sample Take(int devices) {
 // `steps` steps; after[i] is sampled on rank 0's thread when it finished
 // step i + 1.
 void TrainTiny(int64_t layers, int64_t steps, std::vector<Sample>& after, std::vector<StepStats>& stats,
-               DType dtype = DType::kF32) {
+               DType dtype = DType::kF32, v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D) {
   shardformer::testing::TinyOptions tiny;
   tiny.vocab = kByteVocab;
   tiny.positions = 32;
@@ -72,8 +72,10 @@ void TrainTiny(int64_t layers, int64_t steps, std::vector<Sample>& after, std::v
   o.seed = 7;
   o.cuda = true;
   o.bucket_bytes = 64 << 10;
-  o.shard.layout.set_tensor_parallel_size(2);
-  o.shard.layout.set_data_parallel_size(2);
+  const bool two_d = mode == v1::TENSOR_PARALLEL_MODE_2D;  // tp=4 as a 2x2 mesh, else tp=2 dp=2
+  o.shard.layout.set_tensor_parallel_size(two_d ? 4 : 2);
+  o.shard.layout.set_data_parallel_size(two_d ? 1 : 2);
+  o.shard.layout.set_tensor_parallel_mode(mode);
   o.shard.param_dtype = dtype;
   ASSERT_TRUE(Train(o, [&](const StepStats& st) {
                 after.push_back(Take(4));
@@ -124,6 +126,23 @@ TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
 }
 
 #ifdef COLOD_CUDA_EMULATION
+// 2D (tp=4 as a 2x2 mesh): the sharded LayerNorms compute their statistics
+// on the devices and all-reduce them there, so a warm step still reads only
+// the loss and the grad norm on the host, and takes no device memory.
+TEST(GpuStep, TwoDimensionalStepsReadOnlyTheLossAndTheNorm) {
+  if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices";
+  std::vector<Sample> after;
+  std::vector<StepStats> stats;
+  TrainTiny(/*layers=*/2, /*steps=*/6, after, stats, DType::kF32, v1::TENSOR_PARALLEL_MODE_2D);
+  if (HasFatalFailure()) return;
+  for (size_t i = 3; i < after.size(); ++i) {
+    EXPECT_EQ(after[i].rank0.device_allocations, after[i - 1].rank0.device_allocations) << "step " << i + 1;
+    EXPECT_LE(after[i].rank0.host_synchronizations - after[i - 1].rank0.host_synchronizations,
+              kMaxHostSyncsPerRankStep)
+        << "rank 0's host synchronizations in 2d step " << i + 1;
+  }
+}
+
 // Kernel launches per rank and step grow with the layers by a bounded
 // amount: rank 0's launches in a warm step of a 2-layer and a 4-layer GPT-2
 // (tp=2 dp=2) give the launches per transformer layer and the rest

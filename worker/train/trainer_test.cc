@@ -197,6 +197,10 @@ TEST(Trainer, OnGpusTheRunMatchesTheCpuRun) {
   TrainOptions four = Options(model, 2, 2);
   four.cuda = true;
   ExpectSameLosses(Losses(four), cpu, 1e-4, "tp=2 dp=2 on 4 GPUs");
+  // 2D (a 2x2 mesh): the sharded LayerNorm's passes and statistics on the devices.
+  TrainOptions two_d = Options(model, 4, 1, v1::TENSOR_PARALLEL_MODE_2D);
+  two_d.cuda = true;
+  ExpectSameLosses(Losses(two_d), cpu, 1e-4, "2d tp=4 on 4 GPUs");
 }
 
 TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
