@@ -100,6 +100,11 @@ absl::Status Memcpy(int, void* dst, const void* src, size_t nbytes) {
   return absl::OkStatus();
 }
 
+absl::Status Upload(int, void* dst, const void* src, size_t nbytes) {
+  if (nbytes > 0) std::memcpy(dst, src, nbytes);
+  return absl::OkStatus();
+}
+
 absl::Status StridedCopy(int, const void* src, const Layout& sl, ElemType st, void* dst, const Layout& dl,
                          ElemType dt) {
   if (sl.ndim != dl.ndim || sl.ndim > kMaxDims || sl.ndim < 0) {

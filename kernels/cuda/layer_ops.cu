@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/cuda/elements.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/tensor_ops.h"
 #include "kernels/philox.h"
 
 namespace colod::kernels::cuda {
@@ -1005,30 +1006,28 @@ absl::Status EmbeddingBackward(int device, const float* dy, const std::vector<in
   COLOD_CUDA_BEGIN(stream, device);
   RETURN_IF(CudaCheck(cudaMemsetAsync(dtable, 0, rows * h * sizeof(float), stream), "cudaMemsetAsync"));
   if (segments == 0) return Finish("EmbeddingBackward");
-  // The three index arrays in one stream-ordered allocation; the copies from
-  // pageable memory are staged before cudaMemcpyAsync returns.
+  // The three index arrays in one stream-ordered allocation, uploaded in
+  // one staged copy (tensor_ops.h's Upload: the host does not wait).
   const size_t n_index = seg_rows.size() + seg_starts.size() + tokens.size();
+  std::vector<int64_t> packed;
+  packed.reserve(n_index);
+  packed.insert(packed.end(), seg_rows.begin(), seg_rows.end());
+  packed.insert(packed.end(), seg_starts.begin(), seg_starts.end());
+  packed.insert(packed.end(), tokens.begin(), tokens.end());
   int64_t* index = nullptr;
   RETURN_IF(CudaCheck(cudaMallocAsync(reinterpret_cast<void**>(&index), n_index * sizeof(int64_t), stream),
                       "cudaMallocAsync"));
   int64_t* d_rows = index;
   int64_t* d_starts = d_rows + seg_rows.size();
   int64_t* d_tokens = d_starts + seg_starts.size();
-  cudaError_t e = cudaMemcpyAsync(d_rows, seg_rows.data(), seg_rows.size() * sizeof(int64_t),
-                                  cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess) {
-    e = cudaMemcpyAsync(d_starts, seg_starts.data(), seg_starts.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
-                        stream);
-  }
-  if (e == cudaSuccess && !tokens.empty()) {
-    e = cudaMemcpyAsync(d_tokens, tokens.data(), tokens.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
-                        stream);
-  }
+  const absl::Status uploaded = Upload(device, index, packed.data(), n_index * sizeof(int64_t));
+  cudaError_t e = uploaded.ok() ? cudaSuccess : cudaErrorUnknown;
   if (e == cudaSuccess) {
     e = Launch(EmbeddingBackwardKernel, Blocks(segments * h), kThreads, stream, dy, d_rows, d_starts,
                d_tokens, segments, h, dtable);
   }
   cudaFreeAsync(index, stream);  // after the kernel, in stream order
+  RETURN_IF(uploaded);
   RETURN_IF(CudaCheck(e, "EmbeddingBackward"));
   return Finish("EmbeddingBackwardKernel");
 }

@@ -3,6 +3,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -204,7 +207,89 @@ absl::StatusOr<cudaMemPool_t> KeptPool(int device) {
   return pool;
 }
 
+// The pinned staging ring of one device (Upload): kSlots buffers of 1 MiB
+// (8 MiB of page-locked memory per device, kept until exit), each with
+// the event of the last copy out of it. A slot is taken under the mutex and
+// filled outside it once that copy has run (a query: a slot comes round
+// again kSlots uploads later); the host never waits for the device here.
+constexpr int kStagingSlots = 8;
+constexpr size_t kMaxStagedUpload = 1 << 20;
+
+struct StagingSlot {
+  void* host = nullptr;  // cudaMallocHost, kMaxStagedUpload bytes
+  cudaEvent_t done = nullptr;
+  bool in_use = false;  // taken by an Upload in progress
+};
+
+struct DeviceStaging {
+  std::mutex mu;
+  StagingSlot slots[kStagingSlots];  // guarded by mu (in_use; the rest by in_use's owner)
+  int next = 0;
+};
+
+DeviceStaging& Staging(int device) {
+  static std::mutex mu;
+  static auto* by_device = new std::map<int, std::unique_ptr<DeviceStaging>>;  // kept until exit
+  std::lock_guard<std::mutex> lock(mu);
+  std::unique_ptr<DeviceStaging>& s = (*by_device)[device];
+  if (s == nullptr) s = std::make_unique<DeviceStaging>();
+  return *s;
+}
+
+// Fills `slot` with src and copies it to dst on `stream`; *staged is false
+// (and nothing done) where the slot's previous copy has not run yet.
+absl::Status StagedCopy(StagingSlot& slot, void* dst, const void* src, size_t nbytes, cudaStream_t stream,
+                        bool* staged) {
+  *staged = false;
+  if (slot.done != nullptr) {
+    const cudaError_t q = cudaEventQuery(slot.done);
+    if (q == cudaErrorNotReady) return absl::OkStatus();  // the device is kSlots uploads behind: no host wait
+    RETURN_IF_CUDA(q);
+  } else {
+    RETURN_IF_CUDA(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+  }
+  if (slot.host == nullptr) {
+    // Whole at first use and never freed (cudaFreeHost waits for the device,
+    // which may be inside a collective waiting for this very thread).
+    RETURN_IF_CUDA(cudaMallocHost(&slot.host, kMaxStagedUpload));
+  }
+  std::memcpy(slot.host, src, nbytes);
+  RETURN_IF_CUDA(cudaMemcpyAsync(dst, slot.host, nbytes, cudaMemcpyHostToDevice, stream));
+  RETURN_IF_CUDA(cudaEventRecord(slot.done, stream));
+  *staged = true;
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status Upload(int device, void* dst, const void* src, size_t nbytes) {
+  if (nbytes == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  DeviceStaging& staging = Staging(device);
+  StagingSlot* slot = nullptr;
+  if (nbytes <= kMaxStagedUpload) {
+    std::lock_guard<std::mutex> lock(staging.mu);
+    for (int i = 0; i < kStagingSlots && slot == nullptr; ++i) {
+      const int k = (staging.next + i) % kStagingSlots;
+      if (!staging.slots[k].in_use) {
+        slot = &staging.slots[k];
+        slot->in_use = true;
+        staging.next = (k + 1) % kStagingSlots;
+      }
+    }
+  }
+  bool staged = false;
+  if (slot != nullptr) {
+    const absl::Status s = StagedCopy(*slot, dst, src, nbytes, stream, &staged);
+    std::lock_guard<std::mutex> lock(staging.mu);
+    slot->in_use = false;
+    if (!s.ok()) return s;
+  }
+  if (!staged) {  // large, every slot busy, or the device far behind: CUDA stages it
+    RETURN_IF_CUDA(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyHostToDevice, stream));
+  }
+  return absl::OkStatus();
+}
 
 // Stream ordered on the device's compute stream: the memory is usable by
 // work enqueued there from now on. Another stream (a communicator's) must
@@ -243,10 +328,11 @@ absl::Status Memset0(int device, void* p, size_t nbytes) {
 absl::Status Memcpy(int device, void* dst, const void* src, size_t nbytes) {
   if (nbytes == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
-  // Into pageable host memory (colod allocates no pinned memory) CUDA returns
-  // once the copy has completed, after the work enqueued before it: the
-  // caller may read `dst` at once. From pageable memory CUDA stages the source
-  // before it returns, so the caller may reuse `src` at once.
+  // Into pageable host memory (the callers' buffers; only Upload's staging
+  // is pinned) CUDA returns once the copy has completed, after the work
+  // enqueued before it: the caller may read `dst` at once. From pageable
+  // memory CUDA stages the source before it returns, so the caller may reuse
+  // `src` at once (Upload avoids that path for the per-step uploads).
   RETURN_IF_CUDA(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream));
   return Finish("cudaMemcpyAsync");
 }

@@ -102,6 +102,25 @@ TEST_F(CudaTensor, ViewsCopiesAndConversionsMatchTheHost) {
   EXPECT_EQ(cat->ToFloats(), Tensor::Cat({host, *host.Narrow(0, 1, 2)}, 0)->ToFloats());
 }
 
+// Host-to-device copies go through the pinned staging ring (kernels'
+// Upload): the host buffer may be rewritten as soon as To returns, also
+// when the uploads come round the ring many times faster than the device
+// runs them, and large ones take the pageable path.
+TEST_F(CudaTensor, UploadsMayReuseTheHostBufferAtOnce) {
+  std::vector<Tensor> on_device;
+  Tensor host = *Tensor::Zeros({1000}, DType::kF32);
+  for (int i = 0; i < 40; ++i) {
+    ASSERT_TRUE(host.CopyFrom(*Scale(*Tensor::RandomNormal({1000}, 60 + i), 1.0f)).ok());
+    on_device.push_back(*host.To(gpu_));
+    ASSERT_TRUE(host.CopyFrom(*Tensor::Zeros({1000}, DType::kF32)).ok());  // rewritten at once
+  }
+  for (int i = 0; i < 40; ++i) {
+    EXPECT_EQ(on_device[i].ToFloats(), Tensor::RandomNormal({1000}, 60 + i)->ToFloats()) << i;
+  }
+  const Tensor big = *Tensor::RandomNormal({(2 << 20) / 4 + 3}, 99);  // over the staged size
+  EXPECT_EQ(big.To(gpu_)->ToFloats(), big.ToFloats());
+}
+
 TEST_F(CudaTensor, ElementwiseOpsAndSumsMatchTheHost) {
   for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
     const Tensor a = *Tensor::RandomNormal({333, 77}, 1, t), b = *Tensor::RandomNormal({333, 77}, 2, t);

@@ -311,7 +311,11 @@ absl::StatusOr<Tensor> Tensor::To(Device device) const {
   // addressing). Between two CPUs there is nothing to move.
   const Device side = device.is_cuda() ? device : c.device();
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(side));
-  RETURN_IF_ERROR(k->Memcpy(side.index, out.raw_data(), c.raw_data(), out.nbytes()));
+  if (device.is_cuda() && !c.device().is_cuda()) {  // host to device: staged, the host does not wait
+    RETURN_IF_ERROR(k->Upload(side.index, out.raw_data(), c.raw_data(), out.nbytes()));
+  } else {
+    RETURN_IF_ERROR(k->Memcpy(side.index, out.raw_data(), c.raw_data(), out.nbytes()));
+  }
   return out;
 }
 

@@ -114,6 +114,10 @@ TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
     EXPECT_LE(after[i].rank0.host_synchronizations - after[i - 1].rank0.host_synchronizations,
               kMaxHostSyncsPerRankStep)
         << "rank 0's host synchronizations in step " << i + 1;
+    // Token ids, labels and the embedding's index arrays go up through the
+    // pinned staging buffers: no copy from pageable memory, which a driver
+    // may serve by waiting for the stream.
+    EXPECT_EQ(after[i].rank0.pageable_uploads, after[i - 1].rank0.pageable_uploads) << "step " << i + 1;
   }
   const auto per_step = [&](uint64_t colod_cuda_emu::Counters::*field) {
     return (after[9].counters.*field - after[2].counters.*field) / 7;

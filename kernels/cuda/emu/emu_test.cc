@@ -196,6 +196,39 @@ TEST(CudaEmuStreams, WorkRunsAsynchronouslyInStreamOrder) {
   cudaFree(d);
 }
 
+// Pinned (cudaMallocHost) memory is not staged: a copy from it reads the
+// source when the stream reaches it, and a copy into it does not block the
+// host. A copy from pageable memory reads it at the call (and is counted).
+TEST(CudaEmuStreams, PinnedCopiesAreAsynchronousPageableOnesStaged) {
+  std::atomic<int> flag{0};
+  int* d = DeviceAlloc<int>(2);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  int* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned), 2 * sizeof(int)), cudaSuccess);
+  int pageable = 5;
+  pinned[0] = 1;
+  const colod_cuda_emu::Counters a = colod_cuda_emu::GetThreadCounters();
+  ASSERT_EQ(Launch(WaitForFlag, dim3(1), dim3(1), 0, s, &flag, d + 1), cudaSuccess);  // holds the stream
+  ASSERT_EQ(cudaMemcpyAsync(d, pinned, sizeof(int), cudaMemcpyHostToDevice, s), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(d + 1, &pageable, sizeof(int), cudaMemcpyHostToDevice, s), cudaSuccess);
+  pinned[0] = 2;  // before the stream reaches the copy: it sees 2
+  pageable = 6;   // staged at the call: the device sees 5
+  const colod_cuda_emu::Counters b = colod_cuda_emu::GetThreadCounters();
+  EXPECT_EQ(b.pageable_uploads - a.pageable_uploads, 1u);
+  flag = 1;
+  ASSERT_EQ(cudaMemcpyAsync(pinned, d, 2 * sizeof(int), cudaMemcpyDeviceToHost, s), cudaSuccess);  // no wait
+  EXPECT_EQ(colod_cuda_emu::GetThreadCounters().host_synchronizations, b.host_synchronizations);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(pinned[0], 2);
+  EXPECT_EQ(pinned[1], 5);
+  EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
+  EXPECT_EQ(cudaFreeHost(pinned), cudaErrorInvalidValue);  // not (any longer) pinned
+  cudaGetLastError();
+  EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+  cudaFree(d);
+}
+
 TEST(CudaEmuStreams, StreamWaitEventOrdersTwoStreams) {
   std::atomic<int> flag{0};
   int* d = DeviceAlloc<int>(1);

@@ -160,8 +160,45 @@ struct Pool {
 
 // Calls made on the host, for tests of what a step does (cuda_emu.h): for
 // the process, and for the calling host thread.
-std::atomic<uint64_t> device_allocations{0}, host_synchronizations{0}, stream_queries{0}, kernel_launches{0};
+std::atomic<uint64_t> device_allocations{0}, host_synchronizations{0}, stream_queries{0}, kernel_launches{0},
+    pageable_uploads{0};
 thread_local Counters this_thread_counters;
+
+void CountPageableUpload() {
+  pageable_uploads.fetch_add(1, std::memory_order_relaxed);
+  ++this_thread_counters.pageable_uploads;
+}
+
+// Page-locked host memory (cudaMallocHost): copies from it are not staged
+// and read it when the stream reaches them; copies into it do not block.
+class PinnedRanges {
+ public:
+  static PinnedRanges& Get() {
+    static PinnedRanges* r = new PinnedRanges();
+    return *r;
+  }
+  void Add(const void* p, size_t n) {
+    std::lock_guard<std::mutex> l(mu_);
+    ranges_[reinterpret_cast<uintptr_t>(p)] = n;
+  }
+  bool Remove(const void* p) {
+    std::lock_guard<std::mutex> l(mu_);
+    return ranges_.erase(reinterpret_cast<uintptr_t>(p)) == 1;
+  }
+  // Whether [p, p + n) lies in one pinned allocation.
+  bool Contains(const void* p, size_t n) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = ranges_.upper_bound(a);
+    if (it == ranges_.begin()) return false;
+    --it;
+    return a >= it->first && a + n <= it->first + it->second;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<uintptr_t, size_t> ranges_;
+};
 
 void CountDeviceAllocation() {
   device_allocations.fetch_add(1, std::memory_order_relaxed);
@@ -553,6 +590,7 @@ Counters GetCounters() {
   c.host_synchronizations = host_synchronizations.load();
   c.stream_queries = stream_queries.load();
   c.kernel_launches = kernel_launches.load();
+  c.pageable_uploads = pageable_uploads.load();
   return c;
 }
 
@@ -736,6 +774,25 @@ cudaError_t cudaMalloc(void** ptr, size_t size) {
   return Fail(Registry::Get().Allocate(colod_cuda_emu::current_device, size, ptr));
 }
 
+cudaError_t cudaMallocHost(void** ptr, size_t size) {
+  if (ptr == nullptr) return Fail(cudaErrorInvalidValue);
+  void* p = aligned_alloc(256, (size + 255) / 256 * 256 + 256);
+  if (p == nullptr) return Fail(cudaErrorMemoryAllocation);
+  colod_cuda_emu::PinnedRanges::Get().Add(p, size == 0 ? 1 : size);
+  *ptr = p;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void* ptr) {
+  if (ptr == nullptr) return cudaSuccess;
+  if (!colod_cuda_emu::PinnedRanges::Get().Remove(ptr)) return Fail(cudaErrorInvalidValue);
+  // Like cudaFree, it waits for the (current) device first.
+  colod_cuda_emu::CountHostSynchronization();
+  colod_cuda_emu::SynchronizeDevice(colod_cuda_emu::current_device);
+  free(ptr);
+  return cudaSuccess;
+}
+
 cudaError_t cudaFree(void* ptr) {
   if (ptr == nullptr) return cudaSuccess;
   // cudaFree synchronizes the device before it frees.
@@ -811,16 +868,22 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
   if (count == 0) return cudaSuccess;
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
-  if (!src_dev && dst_dev) {
+  const bool src_pinned = !src_dev && colod_cuda_emu::PinnedRanges::Get().Contains(src, count);
+  const bool dst_pinned = !dst_dev && colod_cuda_emu::PinnedRanges::Get().Contains(dst, count);
+  if (!src_dev && dst_dev && !src_pinned) {
     // From pageable host memory CUDA stages the source before it returns:
-    // the caller may reuse its buffer at once.
+    // the caller may reuse its buffer at once (a real driver may wait for
+    // the stream to do so: counted, so tests can see a step make none).
+    colod_cuda_emu::CountPageableUpload();
     auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
                                                       static_cast<const char*>(src) + count);
     colod_cuda_emu::Enqueue(s, [dst, staged] { memcpy(dst, staged->data(), staged->size()); });
     return cudaSuccess;
   }
+  // From pinned memory the copy reads the source when the stream reaches it:
+  // the caller must not reuse it before then (an event says when).
   colod_cuda_emu::Enqueue(s, [dst, src, count] { memmove(dst, src, count); });
-  if (src_dev && !dst_dev) {
+  if (src_dev && !dst_dev && !dst_pinned) {
     // To pageable host memory the copy is synchronous: it has completed on return.
     colod_cuda_emu::CountHostSynchronization();
     s->Synchronize();

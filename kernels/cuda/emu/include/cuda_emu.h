@@ -23,6 +23,9 @@ struct Counters {
   // cudaStreamQuery and cudaEventQuery calls (host polling).
   uint64_t stream_queries = 0;
   uint64_t kernel_launches = 0;
+  // cudaMemcpyAsync from pageable (not cudaMallocHost) host memory to a
+  // device: CUDA stages it, and may wait for the stream to do so.
+  uint64_t pageable_uploads = 0;
 };
 
 Counters GetCounters();

@@ -133,6 +133,8 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes);
 
 cudaError_t cudaMalloc(void** ptr, size_t size);
 cudaError_t cudaFree(void* ptr);
+cudaError_t cudaMallocHost(void** ptr, size_t size);
+cudaError_t cudaFreeHost(void* ptr);
 cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream);
 
 // Each device's default memory pool, which cudaMallocAsync allocates from.
