@@ -66,17 +66,18 @@ __host__ __device__ __forceinline__ int ElemSize(ElemType t) {
 
 __host__ __device__ __forceinline__ bool IsInt(ElemType t) { return t == ElemType::kI32 || t == ElemType::kI64; }
 
-// The sum of v over the block's kThreads threads by a fixed tree in
-// `shared` (kThreads doubles), returned to every thread; the block may call
-// it again at once (it ends with a barrier).
-__device__ __forceinline__ double BlockSumDouble(double v, double* shared) {
+// The sum of v over the block's kThreads threads (blockDim.x == kThreads)
+// by a fixed tree in `shared` (kThreads of T), returned to every thread; the
+// block may call it again at once (it ends with a barrier).
+template <typename T>
+__device__ __forceinline__ T BlockSum(T v, T* shared) {
   shared[threadIdx.x] = v;
   __syncthreads();
   for (int stride = kThreads / 2; stride > 0; stride /= 2) {
     if (threadIdx.x < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
     __syncthreads();
   }
-  const double total = shared[0];
+  const T total = shared[0];
   __syncthreads();
   return total;
 }

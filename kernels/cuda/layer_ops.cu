@@ -37,19 +37,6 @@ unsigned RowBlocks(int64_t rows) { return static_cast<unsigned>(rows < 1 ? 1 : (
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
 
-// Sum of v over the block's threads (blockDim.x == kThreads), returned to all.
-__device__ float BlockSum(float v, float* shared) {
-  shared[threadIdx.x] = v;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s /= 2) {
-    if (threadIdx.x < s) shared[threadIdx.x] += shared[threadIdx.x + s];
-    __syncthreads();
-  }
-  const float total = shared[0];
-  __syncthreads();
-  return total;
-}
-
 __device__ float BlockMax(float v, float* shared) {
   shared[threadIdx.x] = v;
   __syncthreads();
@@ -222,7 +209,7 @@ __global__ void NormRowSumsKernel(In<T> x, const float* center, bool square, int
       const float v = x[r * n + j] - c;
       s += square ? static_cast<double>(v) * v : v;
     }
-    const double total = BlockSumDouble(s, shared);
+    const double total = BlockSum(s, shared);
     if (threadIdx.x == 0) sums[r] = static_cast<float>(total);
   }
 }
@@ -252,8 +239,8 @@ __global__ void NormBackwardSumsKernel(In<T> dy, In<T> x, In<T> g, const float* 
       a += dxhat;
       c += static_cast<double>(dxhat) * ((x[r * n + j] - m) * rs);
     }
-    const double ta = BlockSumDouble(a, shared);
-    const double tc = BlockSumDouble(c, shared);
+    const double ta = BlockSum(a, shared);
+    const double tc = BlockSum(c, shared);
     if (threadIdx.x == 0) {
       sums[r] = static_cast<float>(ta);
       sums[rows + r] = static_cast<float>(tc);

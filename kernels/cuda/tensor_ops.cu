@@ -150,7 +150,7 @@ __global__ void SumPartialsKernel(ElemType t, const char* a, int64_t n, bool squ
     const double v = IsInt(t) ? static_cast<double>(LoadI(a, i, t)) : static_cast<double>(LoadF(a, i, t));
     s += square ? v * v : v;
   }
-  const double total = BlockSumDouble(s, acc);
+  const double total = BlockSum(s, acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
@@ -174,7 +174,7 @@ __global__ void MultiSumPartialsKernel(TensorList<BufferRef> list, bool square, 
     const double v = LoadF(x.data, i, x.type);
     s += square ? v * v : v;
   }
-  const double total = BlockSumDouble(s, acc);
+  const double total = BlockSum(s, acc);
   if (threadIdx.x == 0) partials[partial_offset + blockIdx.x] = total;
 }
 
@@ -184,7 +184,7 @@ __global__ void MultiSumFinalKernel(const double* partials, int64_t count, float
   __shared__ double s[kThreads];
   double v = 0;
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) v += partials[i];
-  const double total = BlockSumDouble(v, s);
+  const double total = BlockSum(v, s);
   if (threadIdx.x == 0) acc[0] += static_cast<float>(total);
 }
 
