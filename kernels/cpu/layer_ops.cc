@@ -757,15 +757,10 @@ absl::Status NormParamGrad(int, ElemType type, const void* dy, const void* x, co
   return absl::OkStatus();
 }
 
-absl::Status CheckAttentionType(ElemType type, const char* op) {
-  if (type == ElemType::kF32 || type == ElemType::kBF16) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(op, ": f32 or bf16 operands only"));
-}
-
 absl::Status FlashAttention(int dev, ElemType type, const void* q, const void* k, const void* v, void* out,
                             float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
                             bool causal) {
-  if (absl::Status st = CheckAttentionType(type, "FlashAttention"); !st.ok()) return st;
+  if (absl::Status st = CheckFloatType(type, "FlashAttention"); !st.ok()) return st;
   F32In fq(q, b * s * hq * d, type), fk(k, b * s * hkv * d, type), fv(v, b * s * hkv * d, type);
   F32Out fo(out, b * s * hq * d, type);
   return Typed({&fo}, [&] {
@@ -777,7 +772,7 @@ absl::Status FlashAttentionBackward(int dev, ElemType type, const void* q, const
                                     const void* out, const void* dout, const float* lse, float* delta, void* dq,
                                     void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
                                     float scale, bool causal) {
-  if (absl::Status st = CheckAttentionType(type, "FlashAttentionBackward"); !st.ok()) return st;
+  if (absl::Status st = CheckFloatType(type, "FlashAttentionBackward"); !st.ok()) return st;
   const int64_t nq = b * s * hq * d, nkv = b * s * hkv * d;
   F32In fq(q, nq, type), fk(k, nkv, type), fv(v, nkv, type), fo(out, nq, type), fdo(dout, nq, type);
   F32Out fdq(dq, nq, type), fdk(dk, nkv, type), fdv(dv, nkv, type);

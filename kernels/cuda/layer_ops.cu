@@ -1078,13 +1078,6 @@ absl::Status Rope(int device, const float* x, float* y, int64_t b, int64_t s, in
   return Finish("RopeKernel");
 }
 
-// The attention kernels are instantiated for f32 and bf16 operands.
-template <typename Fn>
-absl::Status ByAttentionType(ElemType type, const char* op, Fn fn) {
-  if (type == ElemType::kF32) return fn(float{});
-  if (type == ElemType::kBF16) return fn(Bf16{});
-  return absl::InvalidArgumentError(std::string(op) + ": f32 or bf16 operands only");
-}
 
 absl::Status FlashAttention(int device, ElemType type, const void* q, const void* k, const void* v, void* out,
                             float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
@@ -1093,7 +1086,7 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
   if (!grid.ok()) return grid.status();
   if (b * s == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
-  return ByAttentionType(type, "FlashAttention", [&](auto t) {
+  return ByFloatType(type, "FlashAttention", [&](auto t) {
     using T = decltype(t);
     return ByHeadDim(d, [&](auto dim) {
       Launch(FlashForwardKernel<decltype(dim)::value, T>, *grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k),
@@ -1112,7 +1105,7 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
   if (b * s == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
   const dim3 kv_grid(grid->x, static_cast<unsigned>(hkv), grid->z);
-  return ByAttentionType(type, "FlashAttentionBackward", [&](auto t) {
+  return ByFloatType(type, "FlashAttentionBackward", [&](auto t) {
     using T = decltype(t);
     return ByHeadDim(d, [&](auto dim) {
       constexpr int kD = decltype(dim)::value;

@@ -91,32 +91,36 @@ TEST_P(CudaAttention, FusedKernelMatchesThePerHeadReferenceInValuesAndGradients)
   }
 }
 
-// bf16 operands (the GPU default) are read by the kernels as they are and
-// accumulated in f32: out and the gradients come in bf16, within bf16's
-// rounding of the per-head reference computed in f32 on the same (widened)
-// values. The gradients read the bf16-rounded out (as flash-attention's do),
-// so they are held to a few bf16 ulps of the largest gradient.
-TEST_P(CudaAttention, Bf16OperandsStayBf16AndMatchTheF32Reference) {
+// bf16 (the GPU default) and f16 operands are read by the kernels as they
+// are and accumulated in f32: out and the gradients come in that dtype,
+// within its rounding of the per-head reference computed in f32 on the same
+// (widened) values. The gradients read the rounded out (as flash-attention's
+// do), so they are held to a few ulps of the largest gradient.
+TEST_P(CudaAttention, HalfOperandsStayHalfAndMatchTheF32Reference) {
   const Case c = GetParam();
-  auto bf16 = [](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, DType::kBF16); };
-  const Tensor q = bf16({c.batch, c.seq, c.hq, c.d}, 21), k = bf16({c.batch, c.seq, c.hkv, c.d}, 22);
-  const Tensor v = bf16({c.batch, c.seq, c.hkv, c.d}, 23), r = bf16({c.batch, c.seq, c.hq, c.d}, 24);
-  auto wide = [](const Tensor& t) { return *t.ToDType(DType::kF32); };
-  const Result want = RunAttention(c, Device::Cpu(), AttentionImpl::kPerHead, wide(q), wide(k), wide(v), wide(r));
-  const Result got = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
-  const std::pair<const Tensor*, const Tensor*> pairs[] = {
-      {&got.out, &want.out}, {&got.dq, &want.dq}, {&got.dk, &want.dk}, {&got.dv, &want.dv}};
-  const char* names[] = {"out", "dq", "dk", "dv"};
-  for (int i = 0; i < 4; ++i) {
-    const auto& [g, w] = pairs[i];
-    ASSERT_EQ(g->dtype(), DType::kBF16) << names[i];
-    const std::vector<float> a = g->ToFloats(), b = w->ToFloats();
-    ASSERT_EQ(a.size(), b.size());
-    float scale = 0;
-    for (float x : b) scale = std::max(scale, std::fabs(x));
-    const double tol = i == 0 ? 1.0 / 128 : 4.0 / 128;  // out: rounding of inputs and output; grads: and of out
-    for (size_t j = 0; j < a.size(); ++j) {
-      ASSERT_NEAR(a[j], b[j], tol * (std::fabs(b[j]) + 0.1 * scale)) << names[i] << " at " << j;
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    SCOPED_TRACE(DTypeName(t));
+    const double ulp = t == DType::kBF16 ? 1.0 / 128 : 1.0 / 1024;
+    auto half = [t](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, t); };
+    const Tensor q = half({c.batch, c.seq, c.hq, c.d}, 21), k = half({c.batch, c.seq, c.hkv, c.d}, 22);
+    const Tensor v = half({c.batch, c.seq, c.hkv, c.d}, 23), r = half({c.batch, c.seq, c.hq, c.d}, 24);
+    auto wide = [](const Tensor& x) { return *x.ToDType(DType::kF32); };
+    const Result want = RunAttention(c, Device::Cpu(), AttentionImpl::kPerHead, wide(q), wide(k), wide(v), wide(r));
+    const Result got = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+    const std::pair<const Tensor*, const Tensor*> pairs[] = {
+        {&got.out, &want.out}, {&got.dq, &want.dq}, {&got.dk, &want.dk}, {&got.dv, &want.dv}};
+    const char* names[] = {"out", "dq", "dk", "dv"};
+    for (int i = 0; i < 4; ++i) {
+      const auto& [g, w] = pairs[i];
+      ASSERT_EQ(g->dtype(), t) << names[i];
+      const std::vector<float> a = g->ToFloats(), b = w->ToFloats();
+      ASSERT_EQ(a.size(), b.size());
+      float scale = 0;
+      for (float x : b) scale = std::max(scale, std::fabs(x));
+      const double tol = i == 0 ? ulp : 4 * ulp;  // out: rounding of inputs and output; grads: and of out
+      for (size_t j = 0; j < a.size(); ++j) {
+        ASSERT_NEAR(a[j], b[j], tol * (std::fabs(b[j]) + 0.1 * scale)) << names[i] << " at " << j;
+      }
     }
   }
 }

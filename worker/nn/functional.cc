@@ -197,8 +197,8 @@ namespace {
 absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
                                         bool causal) {
   const DType dtype = q.value().dtype();
-  // The kernels read f32 and bf16 operands as they are (f16 is widened):
-  // the contiguous operands are kept for the backward.
+  // The kernels read f32, bf16 and f16 operands as they are: the
+  // contiguous operands are kept for the backward.
   const Tensor qf = q.value().Contiguous(), kf = k.value().Contiguous(), vf = v.value().Contiguous();
   ASSIGN_OR_RETURN(ops::AttentionForward f, ops::FusedAttention(qf, kf, vf, scale, causal));
   ASSIGN_OR_RETURN(Tensor y, f.out.ContiguousAs(dtype));

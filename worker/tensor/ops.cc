@@ -715,7 +715,7 @@ absl::Status CheckAttentionShapes(const Tensor& q, const Tensor& k, const Tensor
 
 namespace {
 
-// Contiguous q, k and v in the attention kernels' type (q's, f32 for f16),
+// Contiguous q, k and v in the attention kernels' type (q's),
 // after the shape and device checks.
 absl::Status AttentionOperands(const Tensor& q, const Tensor& k, const Tensor& v, const char* op, Tensor& qf,
                                Tensor& kf, Tensor& vf) {
@@ -726,7 +726,6 @@ absl::Status AttentionOperands(const Tensor& q, const Tensor& k, const Tensor& v
                                                    kernels::kMaxFusedHeadDim));
   }
   ASSIGN_OR_RETURN(DType type, KernelType(q, op));
-  if (type == DType::kF16) type = DType::kF32;  // the kernels are instantiated for f32 and bf16
   ASSIGN_OR_RETURN(qf, AsFloat(q, type, op));
   ASSIGN_OR_RETURN(kf, AsFloat(k, type, op));
   ASSIGN_OR_RETURN(vf, AsFloat(v, type, op));

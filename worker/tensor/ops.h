@@ -184,8 +184,8 @@ absl::Status CheckAttentionShapes(const Tensor& q, const Tensor& k, const Tensor
 // no [S, S] scores in memory) of float q, k, v (any float dtype, computed in
 // f32): out = softmax(q k^T * scale, causal) v. D at most
 // kernels::kMaxFusedHeadDim (INVALID_ARGUMENT beyond).
-// The kernels compute in f32 on operands of q's dtype, f32 or bf16 (f16 is
-// widened to f32): out and the gradients come in that dtype.
+// The kernels compute in f32 on operands of q's dtype (f32, bf16 or f16):
+// out and the gradients come in that dtype.
 struct AttentionForward {
   Tensor out;  // [B, S, Hq, D] in the kernels' dtype
   Tensor lse;  // [B, Hq, S] f32: each query row's log-sum-exp, for the backward
