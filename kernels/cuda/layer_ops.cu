@@ -481,7 +481,16 @@ __global__ void AdamWKernel(TensorList<AdamWTensor> list, AdamWHyper h) {
 constexpr int kAttnRows = 64;
 
 template <int kD>
-constexpr int kAttnTile = kD <= 64 ? 64 : 4096 / kD;
+constexpr int kAttnTile =
+#ifdef COLOD_CUDA_EMULATION
+    // The emulation's __shared__ is static thread-local storage, which every
+    // thread of an emulated binary carries in its stack (threads with small
+    // stacks, civetweb's, then fail to start): a quarter of the tile there,
+    // the same code walking more, smaller tiles.
+    (kD <= 64 ? 64 : 4096 / kD) / 4;
+#else
+    kD <= 64 ? 64 : 4096 / kD;
+#endif
 
 // tile[r][c] <- row j0 + r of a [s, stride]-strided head (zero past s or d).
 template <int kD, int kT, typename Src>

@@ -59,8 +59,10 @@ absl::Status Variable::SetGradStorage(std::optional<Tensor> storage) {
                                                      DTypeName(v.dtype()), ShapeToString(v.shape())));
     }
   }
+  // A new storage starts empty; dropping one leaves a gradient already
+  // taken where it is (a view keeps its buffer alive).
+  if (storage.has_value()) impl_->grad.reset();
   impl_->grad_storage = std::move(storage);
-  impl_->grad.reset();
   return absl::OkStatus();
 }
 void Variable::SetGradReadyHook(std::function<void()> hook) { impl_->grad_ready = std::move(hook); }

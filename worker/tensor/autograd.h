@@ -42,8 +42,9 @@ class Variable {
   // and dtype, e.g. a view into a data-parallel bucket, as DDP's
   // gradient_as_bucket_view). Backward copies the first gradient into it
   // instead of allocating one and adds later ones in place; grad() is then
-  // that view. ZeroGrad keeps it; nullopt goes back to allocating.
-  // INVALID_ARGUMENT for a view of another shape or dtype.
+  // that view. Setting one clears the gradient; ZeroGrad keeps the storage;
+  // nullopt goes back to allocating (a gradient already there stays).
+  // INVALID_ARGUMENT for a view of another shape, dtype or device.
   absl::Status SetGradStorage(std::optional<Tensor> storage);
   // For a leaf: called by Backward on its thread as soon as this leaf's
   // gradient is complete (accumulated into grad()), while the rest of the

@@ -53,10 +53,14 @@ TEST(Autograd, GradientStorageHoldsTheGradientInPlace) {
   ASSERT_TRUE(Backward(*Sum(x)).ok());
   EXPECT_TRUE(x.grad()->SharesStorageWith(bucket));
   EXPECT_EQ(view.ToFloats(), std::vector<float>(12, 1.0f));
-  // Back to allocating; storage of another shape or dtype is refused.
+  // Back to allocating (the gradient taken so far stays); storage of
+  // another shape or dtype is refused.
   ASSERT_TRUE(x.SetGradStorage(std::nullopt).ok());
+  EXPECT_TRUE(x.grad()->SharesStorageWith(bucket));
+  x.ZeroGrad();
   ASSERT_TRUE(Backward(*Sum(x)).ok());
   EXPECT_FALSE(x.grad()->SharesStorageWith(bucket));
+  EXPECT_EQ(x.grad()->ToFloats(), std::vector<float>(12, 1.0f));
   EXPECT_EQ(x.SetGradStorage(*Tensor::Zeros({4, 3}, DType::kF32)).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(x.SetGradStorage(*Tensor::Zeros({3, 4}, DType::kBF16)).code(), absl::StatusCode::kInvalidArgument);
 }

@@ -2,6 +2,8 @@
 // zero, inputs (DESIGN.md section 7). Skipped without a GPU.
 #include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
 
+#include <link.h>
+
 #include <algorithm>
 #include <cmath>
 #include <thread>
@@ -40,6 +42,27 @@ void ExpectNear(const Tensor& gpu, const Tensor& cpu, double tol, const std::str
   const std::vector<float> g = gpu.ToFloats(), c = cpu.ToFloats();
   for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], c[i], tol * (1 + std::fabs(c[i]))) << what << " at " << i;
 }
+
+#ifdef COLOD_CUDA_EMULATION
+// The emulation's __shared__ arrays are static thread-local storage, which
+// glibc places in every thread's stack: past about 1 MiB, threads with
+// small stacks (civetweb's, serving a daemon's /metrics) fail to start. The
+// kernels keep their tiles small under the emulation; this holds the
+// process's static TLS to a budget.
+int AddTls(struct dl_phdr_info* info, size_t, void* total) {
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    if (info->dlpi_phdr[i].p_type == PT_TLS) *static_cast<size_t*>(total) += info->dlpi_phdr[i].p_memsz;
+  }
+  return 0;
+}
+
+TEST(CudaEmulation, StaticThreadLocalStorageStaysWithinBudget) {
+  size_t total = 0;
+  dl_iterate_phdr(AddTls, &total);
+  EXPECT_LT(total, size_t{512} << 10) << "static TLS of " << total << " bytes";
+  EXPECT_GT(total, 0u);
+}
+#endif
 
 // docs/TRAINING.md promises bitwise-identical resumed runs: the embedding
 // gradient with ids repeated many times must not depend on the order threads
