@@ -43,7 +43,9 @@ void ExpectNear(const Tensor& gpu, const Tensor& cpu, double tol, const std::str
   for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], c[i], tol * (1 + std::fabs(c[i]))) << what << " at " << i;
 }
 
-#ifdef COLOD_CUDA_EMULATION
+#if defined(COLOD_CUDA_EMULATION) && !defined(COLOD_CUDA_EMU_THREADS)
+// (The thread mode's __shared__ is plain static storage, and ThreadSanitizer
+// keeps its own per-thread state in TLS.)
 // The emulation's __shared__ arrays are static thread-local storage, which
 // glibc places in every thread's stack: past about 1 MiB, threads with
 // small stacks (civetweb's, serving a daemon's /metrics) fail to start. The
