@@ -296,40 +296,50 @@ absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, 
 
 namespace {
 
-// x's rows [rows, n] for the sharded-norm passes, checked against gamma and
-// the f32 [rows] statistics that are present.
+// x's rows [rows, n] for the sharded-norm passes, with the f32 [rows]
+// statistics made contiguous and checked: `stats` always present, `center`
+// (the mean, or a pass's centre) where given (`center_data` null otherwise).
 struct NormRows {
   Tensor x;
   int64_t rows, n;
   DType type;
+  std::vector<Tensor> stats;  // contiguous, in the order given
+  std::optional<Tensor> center;
+  const float* center_data() const { return center.has_value() ? center->data<float>() : nullptr; }
 };
-absl::StatusOr<NormRows> NormPiece(const Tensor& x, const char* op, std::initializer_list<const Tensor*> stats) {
+absl::StatusOr<NormRows> NormPiece(const Tensor& x, const char* op, std::initializer_list<const Tensor*> stats,
+                                   const std::optional<Tensor>& center) {
   if (x.dim() == 0) return absl::InvalidArgumentError(absl::StrCat(op, ": the input needs a last dim"));
   ASSIGN_OR_RETURN(DType type, KernelType(x, op));
-  NormRows p{x.Contiguous(), 0, LastDim(x), type};
+  NormRows p{x.Contiguous(), 0, LastDim(x), type, {}, std::nullopt};
   p.rows = p.n == 0 ? 0 : x.numel() / p.n;
-  for (const Tensor* t : stats) {
-    if (t->dtype() != DType::kF32 || t->numel() != p.rows || !(t->device() == x.device())) {
+  auto check = [&](const Tensor& t) -> absl::StatusOr<Tensor> {
+    if (t.dtype() != DType::kF32 || t.numel() != p.rows || !(t.device() == x.device())) {
       return absl::InvalidArgumentError(absl::StrCat(op, ": row statistics must be f32 [", p.rows, "] on ",
-                                                     x.device().ToString(), ", got ", DTypeName(t->dtype()),
-                                                     ShapeToString(t->shape())));
+                                                     x.device().ToString(), ", got ", DTypeName(t.dtype()),
+                                                     ShapeToString(t.shape())));
     }
+    return t.Contiguous();
+  };
+  for (const Tensor* t : stats) {
+    ASSIGN_OR_RETURN(Tensor c, check(*t));
+    p.stats.push_back(std::move(c));
+  }
+  if (center.has_value()) {
+    ASSIGN_OR_RETURN(p.center, check(*center));
   }
   return p;
 }
-
-const float* OptF(const std::optional<Tensor>& t) { return t.has_value() ? t->data<float>() : nullptr; }
 
 }  // namespace
 
 absl::StatusOr<Tensor> NormRowSums(const Tensor& x, const std::optional<Tensor>& center, bool square) {
   const char* op = "norm_row_sums";
-  std::optional<Tensor> c;
-  if (center.has_value()) c = center->Contiguous();
-  ASSIGN_OR_RETURN(NormRows p, c.has_value() ? NormPiece(x, op, {&*c}) : NormPiece(x, op, {}));
+  ASSIGN_OR_RETURN(NormRows p, NormPiece(x, op, {}, center));
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(x.device()));
   ASSIGN_OR_RETURN(Tensor sums, Tensor::Empty({p.rows}, DType::kF32, x.device()));
-  RETURN_IF_ERROR(k->NormRowSums(x.device().index, Elem(p.type), p.x.raw_data(), OptF(c), square, p.rows, p.n,
+  RETURN_IF_ERROR(k->NormRowSums(x.device().index, Elem(p.type), p.x.raw_data(), p.center_data(), square, p.rows,
+                                 p.n,
                                  F(sums)));
   return sums;
 }
@@ -338,10 +348,8 @@ absl::StatusOr<NormApplied> NormApply(const Tensor& x, const Tensor& gamma, cons
                                       const std::optional<Tensor>& mean, const Tensor& sq_sums, int64_t h,
                                       float eps) {
   const char* op = "norm_apply";
-  const Tensor sq = sq_sums.Contiguous();
-  std::optional<Tensor> m;
-  if (mean.has_value()) m = mean->Contiguous();
-  ASSIGN_OR_RETURN(NormRows p, m.has_value() ? NormPiece(x, op, {&sq, &*m}) : NormPiece(x, op, {&sq}));
+  ASSIGN_OR_RETURN(NormRows p, NormPiece(x, op, {&sq_sums}, mean));
+  const Tensor& sq = p.stats[0];
   if (gamma.shape() != Shape{p.n} || (beta.has_value() && beta->shape() != Shape{p.n}) || h < p.n) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": gamma and beta must be [", p.n, "] and h >= ", p.n));
   }
@@ -356,7 +364,8 @@ absl::StatusOr<NormApplied> NormApply(const Tensor& x, const Tensor& gamma, cons
   ASSIGN_OR_RETURN(out.y, Tensor::Empty(x.shape(), p.type, x.device()));
   ASSIGN_OR_RETURN(out.rstd, Tensor::Empty({p.rows}, DType::kF32, x.device()));
   RETURN_IF_ERROR(k->NormApply(x.device().index, Elem(p.type), p.x.raw_data(), g.raw_data(),
-                               b.has_value() ? b->raw_data() : nullptr, OptF(m), F(sq), h, eps, p.rows, p.n,
+                               b.has_value() ? b->raw_data() : nullptr, p.center_data(), sq.data<float>(), h, eps,
+                               p.rows, p.n,
                                out.y.raw_data(), F(out.rstd)));
   return out;
 }
@@ -365,17 +374,15 @@ absl::StatusOr<Tensor> NormBackwardSums(const Tensor& dy, const Tensor& x, const
                                         const std::optional<Tensor>& mean, const Tensor& rstd) {
   const char* op = "norm_backward_sums";
   RETURN_IF_ERROR(SameShapes(dy, x, op));
-  const Tensor rs = rstd.Contiguous();
-  std::optional<Tensor> m;
-  if (mean.has_value()) m = mean->Contiguous();
-  ASSIGN_OR_RETURN(NormRows p, m.has_value() ? NormPiece(x, op, {&rs, &*m}) : NormPiece(x, op, {&rs}));
+  ASSIGN_OR_RETURN(NormRows p, NormPiece(x, op, {&rstd}, mean));
+  const Tensor& rs = p.stats[0];
   if (gamma.shape() != Shape{p.n}) return absl::InvalidArgumentError(absl::StrCat(op, ": gamma must be [", p.n, "]"));
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, x.device(), {&dy, &gamma}));
   ASSIGN_OR_RETURN(Tensor d, AsFloat(dy, p.type, op));
   ASSIGN_OR_RETURN(Tensor g, AsFloat(gamma, p.type, op));
   ASSIGN_OR_RETURN(Tensor sums, Tensor::Empty({2, p.rows}, DType::kF32, x.device()));
   RETURN_IF_ERROR(k->NormBackwardSums(x.device().index, Elem(p.type), d.raw_data(), p.x.raw_data(), g.raw_data(),
-                                      OptF(m), F(rs), p.rows, p.n, F(sums)));
+                                      p.center_data(), rs.data<float>(), p.rows, p.n, F(sums)));
   return sums;
 }
 
@@ -384,10 +391,9 @@ absl::StatusOr<Tensor> NormBackwardApply(const Tensor& dy, const Tensor& x, cons
                                          int64_t h) {
   const char* op = "norm_backward_apply";
   RETURN_IF_ERROR(SameShapes(dy, x, op));
-  const Tensor rs = rstd.Contiguous(), su = sums.Contiguous();
-  std::optional<Tensor> m;
-  if (mean.has_value()) m = mean->Contiguous();
-  ASSIGN_OR_RETURN(NormRows p, m.has_value() ? NormPiece(x, op, {&rs, &*m}) : NormPiece(x, op, {&rs}));
+  ASSIGN_OR_RETURN(NormRows p, NormPiece(x, op, {&rstd}, mean));
+  const Tensor& rs = p.stats[0];
+  const Tensor su = sums.Contiguous();
   if (gamma.shape() != Shape{p.n} || su.dtype() != DType::kF32 || su.numel() != 2 * p.rows || h < p.n) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": gamma must be [", p.n, "], sums f32 [2, ", p.rows,
                                                    "] and h >= ", p.n));
@@ -397,7 +403,7 @@ absl::StatusOr<Tensor> NormBackwardApply(const Tensor& dy, const Tensor& x, cons
   ASSIGN_OR_RETURN(Tensor g, AsFloat(gamma, p.type, op));
   ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), p.type, x.device()));
   RETURN_IF_ERROR(k->NormBackwardApply(x.device().index, Elem(p.type), d.raw_data(), p.x.raw_data(), g.raw_data(),
-                                       OptF(m), F(rs), F(su), h, p.rows, p.n, dx.raw_data()));
+                                       p.center_data(), rs.data<float>(), F(su), h, p.rows, p.n, dx.raw_data()));
   return dx;
 }
 
@@ -405,10 +411,8 @@ absl::StatusOr<NormParamGrads> NormParamGrad(const Tensor& dy, const Tensor& x, 
                                              const Tensor& rstd, bool beta) {
   const char* op = "norm_param_grad";
   RETURN_IF_ERROR(SameShapes(dy, x, op));
-  const Tensor rs = rstd.Contiguous();
-  std::optional<Tensor> m;
-  if (mean.has_value()) m = mean->Contiguous();
-  ASSIGN_OR_RETURN(NormRows p, m.has_value() ? NormPiece(x, op, {&rs, &*m}) : NormPiece(x, op, {&rs}));
+  ASSIGN_OR_RETURN(NormRows p, NormPiece(x, op, {&rstd}, mean));
+  const Tensor& rs = p.stats[0];
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, x.device(), {&dy}));
   ASSIGN_OR_RETURN(Tensor d, AsFloat(dy, p.type, op));
   NormParamGrads out;
@@ -416,7 +420,8 @@ absl::StatusOr<NormParamGrads> NormParamGrad(const Tensor& dy, const Tensor& x, 
   if (beta) {
     ASSIGN_OR_RETURN(out.dbeta, Tensor::Empty({p.n}, DType::kF32, x.device()));
   }
-  RETURN_IF_ERROR(k->NormParamGrad(x.device().index, Elem(p.type), d.raw_data(), p.x.raw_data(), OptF(m), F(rs),
+  RETURN_IF_ERROR(k->NormParamGrad(x.device().index, Elem(p.type), d.raw_data(), p.x.raw_data(), p.center_data(),
+                                   rs.data<float>(),
                                    p.rows, p.n, F(out.dgamma), beta ? out.dbeta->data<float>() : nullptr));
   return out;
 }
