@@ -5,11 +5,11 @@
 
 #include <cmath>
 #include <map>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "kernels/cuda/elements.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/tensor_ops.h"
@@ -714,12 +714,15 @@ absl::StatusOr<dim3> AttnGrid(int64_t b, int64_t s, int64_t hq, int64_t hkv, int
 // leaked a handle and its workspace per job thread), bound to the device's
 // compute stream, and destroyed at exit. `mu` serializes the enqueues on a
 // handle (a cuBLAS handle is not thread-safe); the GEMMs run in stream order.
+// A std::mutex, as everywhere in kernels/cuda: ThreadSanitizer (the
+// emulation's thread mode) sees pthread locks, not Debian's uninstrumented
+// absl::Mutex, and reported the map read after another thread's insert.
 struct CublasHandles {
-  absl::Mutex mu;
+  std::mutex mu;
   std::map<int, cublasHandle_t> by_device ABSL_GUARDED_BY(mu);
   std::map<int, bool> allow_tf32 ABSL_GUARDED_BY(mu);  // SetAllowTf32, per device
   ~CublasHandles() {
-    absl::MutexLock lock(&mu);
+    std::lock_guard<std::mutex> lock(mu);
     for (auto& [device, h] : by_device) {
       if (cudaSetDevice(device) == cudaSuccess) cublasDestroy(h);  // a driver already gone only fails here
     }
@@ -771,7 +774,7 @@ absl::Status Gemm(int device, ElemType type, bool trans_a, bool trans_b, int64_t
   const int lda = static_cast<int>(trans_a ? m : k), ldb = static_cast<int>(trans_b ? k : n);
   {
     CublasHandles& handles = Handles();
-    absl::MutexLock lock(&handles.mu);  // held for the enqueue only, not for the GEMM
+    std::lock_guard<std::mutex> lock(handles.mu);  // held for the enqueue only, not for the GEMM
     absl::StatusOr<cublasHandle_t> h = HandleLocked(handles, device, stream);
     if (!h.ok()) return h.status();
     const auto tf32 = handles.allow_tf32.find(device);
@@ -794,7 +797,7 @@ absl::Status SetAllowTf32(int device, bool allow) {
     return absl::InvalidArgumentError("SetAllowTf32: no CUDA device " + std::to_string(device));
   }
   CublasHandles& handles = Handles();
-  absl::MutexLock lock(&handles.mu);
+  std::lock_guard<std::mutex> lock(handles.mu);
   handles.allow_tf32[device] = allow;
   return absl::OkStatus();
 }
