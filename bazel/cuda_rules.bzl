@@ -121,12 +121,14 @@ def cuda_library(name, srcs = [], hdrs = [], deps = [], copts = [], cc_srcs = []
         **kwargs
     )
 
-def cuda_cc_test(name, deps = [], **kwargs):
+def cuda_cc_test(name, deps = [], tags = [], **kwargs):
     """A cc_test that needs CUDA to build (it skips at run time without a GPU; under
-    --config=cuda-emu it runs on the emulation)."""
+    --config=cuda-emu it runs on the emulation). Tagged "gpu": ./dev gpu-check runs
+    every test so tagged on the real devices."""
     native.cc_test(
         name = name,
         deps = deps,
+        tags = tags + ["gpu"],
         target_compatible_with = cuda_compatible(),
         **kwargs
     )
