@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/gelu.h"
 #include "kernels/half.h"
 #include "kernels/philox.h"
 
@@ -47,10 +48,6 @@ std::vector<float> Widen(ElemType type, const void* p, int64_t n) {
   return out;
 }
 
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluC = 0.044715f;
-constexpr float kInvSqrt2 = 0.7071067811865476f;
-constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 
 // log(sum(exp(row))) in double.
 double LogSumExp(const float* row, int64_t v) {
@@ -125,40 +122,35 @@ absl::Status BiasGradF32(int, const float* dy, float* db, int64_t rows, int64_t 
   return absl::OkStatus();
 }
 
-absl::Status GeluF32(int, const float* x, float* y, int64_t n, bool tanh_approx) {
-  ParallelFor(n, [&](int64_t begin, int64_t end) {
-    if (tanh_approx) {
-      for (int64_t i = begin; i < end; ++i) {
-        const float v = x[i];
-        y[i] = 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + kGeluC * v * v * v)));
-      }
-    } else {
-      for (int64_t i = begin; i < end; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
+// y = GELU(x + bias) over [rows, n] (bias null: GELU(x)).
+absl::Status GeluF32(int, const float* x, const float* bias, float* y, int64_t rows, int64_t n, bool tanh_approx) {
+  if (n == 0) return absl::OkStatus();
+  ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
+    if (bias == nullptr) {
+      for (int64_t i = begin; i < end; ++i) y[i] = GeluAt(x[i], tanh_approx);
+      return;
+    }
+    for (int64_t i = begin, j = begin % n; i < end; ++i, j = j + 1 == n ? 0 : j + 1) {
+      y[i] = GeluAt(x[i] + bias[j], tanh_approx);
     }
   });
   return absl::OkStatus();
 }
 
-absl::Status GeluBackwardF32(int, const float* dy, const float* x, float* dx, int64_t n, bool tanh_approx) {
-  ParallelFor(n, [&](int64_t begin, int64_t end) {
-    if (tanh_approx) {
-      for (int64_t i = begin; i < end; ++i) {
-        const float v = x[i];
-        const float u = kSqrt2OverPi * (v + kGeluC * v * v * v);
-        const float t = std::tanh(u);
-        const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluC * v * v);
-        dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
-      }
-    } else {
-      for (int64_t i = begin; i < end; ++i) {
-        const float v = x[i];
-        const float cdf = 0.5f * (1.0f + std::erf(v * kInvSqrt2));
-        const float pdf = kInvSqrt2Pi * std::exp(-0.5f * v * v);
-        dx[i] = dy[i] * (cdf + v * pdf);
-      }
+// dx = dy * GELU'(x + bias); db (if not null) = the column sums of dx.
+absl::Status GeluBackwardF32(int d, const float* dy, const float* x, const float* bias, float* dx, float* db,
+                             int64_t rows, int64_t n, bool tanh_approx) {
+  if (n == 0) return absl::OkStatus();
+  ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
+    if (bias == nullptr) {
+      for (int64_t i = begin; i < end; ++i) dx[i] = dy[i] * GeluSlopeAt(x[i], tanh_approx);
+      return;
+    }
+    for (int64_t i = begin, j = begin % n; i < end; ++i, j = j + 1 == n ? 0 : j + 1) {
+      dx[i] = dy[i] * GeluSlopeAt(x[i] + bias[j], tanh_approx);
     }
   });
-  return absl::OkStatus();
+  return db == nullptr ? absl::OkStatus() : BiasGradF32(d, dx, db, rows, n);
 }
 
 absl::Status SiluF32(int, const float* x, float* y, int64_t n) {
@@ -607,19 +599,22 @@ absl::Status BiasGrad(int d, ElemType type, const void* dy, void* db, int64_t ro
   return Typed({&fo}, [&] { return BiasGradF32(d, fd.get(), fo.get(), rows, n); });
 }
 
-absl::Status Gelu(int d, ElemType type, const void* x, void* y, int64_t n, bool tanh_approx) {
+absl::Status Gelu(int d, ElemType type, const void* x, const void* bias, void* y, int64_t rows, int64_t n,
+                  bool tanh_approx) {
   if (absl::Status st = CheckFloatType(type, "Gelu"); !st.ok()) return st;
-  F32In fx(x, n, type);
-  F32Out fy(y, n, type);
-  return Typed({&fy}, [&] { return GeluF32(d, fx.get(), fy.get(), n, tanh_approx); });
+  F32In fx(x, rows * n, type), fb(bias, n, type);
+  F32Out fy(y, rows * n, type);
+  return Typed({&fy}, [&] { return GeluF32(d, fx.get(), fb.get(), fy.get(), rows, n, tanh_approx); });
 }
 
-absl::Status GeluBackward(int d, ElemType type, const void* dy, const void* x, void* dx, int64_t n,
-                          bool tanh_approx) {
+absl::Status GeluBackward(int d, ElemType type, const void* dy, const void* x, const void* bias, void* dx,
+                          void* db, int64_t rows, int64_t n, bool tanh_approx) {
   if (absl::Status st = CheckFloatType(type, "GeluBackward"); !st.ok()) return st;
-  F32In fd(dy, n, type), fx(x, n, type);
-  F32Out fo(dx, n, type);
-  return Typed({&fo}, [&] { return GeluBackwardF32(d, fd.get(), fx.get(), fo.get(), n, tanh_approx); });
+  F32In fd(dy, rows * n, type), fx(x, rows * n, type), fb(bias, n, type);
+  F32Out fo(dx, rows * n, type), fdb(db, n, type);
+  return Typed({&fo, &fdb}, [&] {
+    return GeluBackwardF32(d, fd.get(), fx.get(), fb.get(), fo.get(), fdb.get(), rows, n, tanh_approx);
+  });
 }
 
 absl::Status Silu(int d, ElemType type, const void* x, void* y, int64_t n) {

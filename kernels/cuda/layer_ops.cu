@@ -13,6 +13,7 @@
 #include "kernels/cuda/elements.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/tensor_ops.h"
+#include "kernels/gelu.h"
 #include "kernels/philox.h"
 
 namespace colod::kernels::cuda {
@@ -49,10 +50,6 @@ __device__ float BlockMax(float v, float* shared) {
   return total;
 }
 
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluC = 0.044715f;
-constexpr float kInvSqrt2 = 0.7071067811865476f;
-constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 
 template <typename T>
 __global__ void BiasAddKernel(In<T> x, In<T> b, Out<T> y, int64_t total, int64_t n) {
@@ -97,27 +94,37 @@ __global__ void ColumnSumKernel(In<T> dy, Out<T> db, int64_t rows, int64_t n) {
   if (j < n && threadIdx.x < kColumns) db[j] = static_cast<float>(s);
 }
 
+// y = GELU(x + b) over [total / n, n]; b null: GELU(x).
 template <typename T>
-__global__ void GeluKernel(In<T> x, Out<T> y, int64_t n, bool tanh_approx) {
-  GRID_STRIDE(i, n) {
-    const float v = x[i];
-    y[i] = tanh_approx ? 0.5f * v * (1.0f + tanhf(kSqrt2OverPi * (v + kGeluC * v * v * v)))
-                       : 0.5f * v * (1.0f + erff(v * kInvSqrt2));
-  }
+__global__ void GeluKernel(In<T> x, In<T> b, Out<T> y, int64_t total, int64_t n, bool tanh_approx) {
+  GRID_STRIDE(i, total) { y[i] = GeluAt(b ? x[i] + b[i % n] : x[i], tanh_approx); }
 }
 
 template <typename T>
-__global__ void GeluBackwardKernel(In<T> dy, In<T> x, Out<T> dx, int64_t n, bool tanh_approx) {
-  GRID_STRIDE(i, n) {
-    const float v = x[i];
-    if (tanh_approx) {
-      const float t = tanhf(kSqrt2OverPi * (v + kGeluC * v * v * v));
-      const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluC * v * v);
-      dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
-    } else {
-      dx[i] = dy[i] * (0.5f * (1.0f + erff(v * kInvSqrt2)) + v * kInvSqrt2Pi * expf(-0.5f * v * v));
+__global__ void GeluBackwardKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, int64_t total, int64_t n,
+                                   bool tanh_approx) {
+  GRID_STRIDE(i, total) { dx[i] = dy[i] * GeluSlopeAt(b ? x[i] + b[i % n] : x[i], tanh_approx); }
+}
+
+// The backward with the bias gradient: dx as above and db = its column sums,
+// in ColumnSumKernel's layout (the f32 values are summed, in double).
+template <typename T>
+__global__ void GeluBackwardBiasKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, Out<T> db, int64_t rows, int64_t n,
+                                       bool tanh_approx) {
+  __shared__ double shared[kThreads];
+  const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
+  double s = 0;
+  if (j < n) {
+    const float bj = b ? b[j] : 0.0f;
+    for (int64_t r = threadIdx.x / kColumns; r < rows; r += kRowLanes) {
+      const int64_t i = r * n + j;
+      const float g = dy[i] * GeluSlopeAt(x[i] + bj, tanh_approx);
+      dx[i] = g;
+      s += g;
     }
   }
+  s = SumOverLanes(s, shared);
+  if (j < n && threadIdx.x < kColumns) db[j] = static_cast<float>(s);
 }
 
 template <typename T>
@@ -822,22 +829,32 @@ absl::Status BiasGrad(int device, ElemType type, const void* dy, void* db, int64
   });
 }
 
-absl::Status Gelu(int device, ElemType type, const void* x, void* y, int64_t n, bool tanh_approx) {
+absl::Status Gelu(int device, ElemType type, const void* x, const void* bias, void* y, int64_t rows, int64_t n,
+                  bool tanh_approx) {
+  if (rows * n == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "Gelu", [&](auto t) {
     using T = decltype(t);
-    Launch(GeluKernel<T>, Blocks(n), kThreads, stream, InOf<T>(x), OutOf<T>(y), n, tanh_approx);
+    Launch(GeluKernel<T>, Blocks(rows * n), kThreads, stream, InOf<T>(x), InOf<T>(bias), OutOf<T>(y), rows * n, n,
+           tanh_approx);
     return Finish("GeluKernel");
   });
 }
 
-absl::Status GeluBackward(int device, ElemType type, const void* dy, const void* x, void* dx, int64_t n,
-                          bool tanh_approx) {
+absl::Status GeluBackward(int device, ElemType type, const void* dy, const void* x, const void* bias, void* dx,
+                          void* db, int64_t rows, int64_t n, bool tanh_approx) {
+  if (n == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "GeluBackward", [&](auto t) {
     using T = decltype(t);
-    Launch(GeluBackwardKernel<T>, Blocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), OutOf<T>(dx), n,
-           tanh_approx);
+    if (db != nullptr) {
+      Launch(GeluBackwardBiasKernel<T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(bias),
+             OutOf<T>(dx), OutOf<T>(db), rows, n, tanh_approx);
+      return Finish("GeluBackwardBiasKernel");
+    }
+    if (rows == 0) return absl::OkStatus();
+    Launch(GeluBackwardKernel<T>, Blocks(rows * n), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(bias),
+           OutOf<T>(dx), rows * n, n, tanh_approx);
     return Finish("GeluBackwardKernel");
   });
 }

@@ -19,7 +19,16 @@ absl::StatusOr<Tensor> Rows(const Tensor& t) {
   return t.Reshape({last == 0 ? 0 : t.numel() / last, last});
 }
 
-absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b) {
+Epilogue GeluEpilogue(ops::GeluApprox approx) {
+  return approx == ops::GeluApprox::kTanh ? Epilogue::kGeluTanh : Epilogue::kGelu;
+}
+
+absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b,
+                                Epilogue epilogue) {
+  if (epilogue != Epilogue::kNone) {
+    ASSIGN_OR_RETURN(Variable z, Linear(x, w, std::nullopt));
+    return BiasEpilogue(z, b, epilogue);
+  }
   ASSIGN_OR_RETURN(Tensor y, ops::MatMul(x.value(), w.value(), false, /*trans_b=*/true));
   if (b.has_value()) {
     ASSIGN_OR_RETURN(y, ops::BiasAdd(y, b->value()));
@@ -111,6 +120,18 @@ absl::StatusOr<Variable> BiasAdd(const Variable& x, const Variable& b) {
   return RecordOp("bias_add", {x, b}, std::move(y), [](const Tensor& dy) -> absl::StatusOr<Grads> {
     ASSIGN_OR_RETURN(Tensor db, ops::BiasGrad(dy));
     return Grads{dy, db};
+  });
+}
+
+absl::StatusOr<Variable> BiasEpilogue(const Variable& x, const std::optional<Variable>& b, Epilogue epilogue) {
+  if (epilogue == Epilogue::kNone) return b.has_value() ? BiasAdd(x, *b) : x;
+  const ops::GeluApprox approx = epilogue == Epilogue::kGeluTanh ? ops::GeluApprox::kTanh : ops::GeluApprox::kNone;
+  if (!b.has_value()) return Gelu(x, approx);
+  ASSIGN_OR_RETURN(Tensor y, ops::BiasGelu(x.value(), b->value(), approx));
+  const Tensor xv = x.value(), bv = b->value();
+  return RecordOp("bias_gelu", {x, *b}, std::move(y), [xv, bv, approx](const Tensor& dy) -> absl::StatusOr<Grads> {
+    ASSIGN_OR_RETURN(ops::BiasGeluGrads g, ops::BiasGeluBackward(dy, xv, bv, approx));
+    return Grads{std::move(g.dx), std::move(g.db)};
   });
 }
 

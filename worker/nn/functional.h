@@ -21,9 +21,22 @@ namespace colod::nn {
 // view when `t` is contiguous).
 absl::StatusOr<Tensor> Rows(const Tensor& t);
 
+// What a linear layer applies to its output after the bias (a fused
+// epilogue): nothing, or GELU (exact or tanh-approximated).
+enum class Epilogue { kNone, kGelu, kGeluTanh };
+// The epilogue for an MLP activation (kGelu or kGeluTanh).
+Epilogue GeluEpilogue(ops::GeluApprox approx);
+
 // y = x @ w^T (+ b), torch.nn.Linear's layout: x [..., in], w [out, in],
 // b [out]. Backward: dx = dy @ w, dw = dy^T @ x over all rows, db = sum dy.
-absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b);
+// With an epilogue, y = epilogue(x @ w^T + b), the bias and the epilogue one
+// kernel each way (BiasEpilogue).
+absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b,
+                                Epilogue epilogue = Epilogue::kNone);
+// epilogue(x + b), b over the last dim (absent: epilogue(x)). GELU with a
+// bias is one node of one kernel forward (ops::BiasGelu) and one backward
+// that also gives the bias gradient; kNone is BiasAdd.
+absl::StatusOr<Variable> BiasEpilogue(const Variable& x, const std::optional<Variable>& b, Epilogue epilogue);
 // The same elements in a new shape (a view when x is contiguous).
 absl::StatusOr<Variable> Reshape(const Variable& x, const Shape& shape);
 // x[.., start:start+length, ..] along `dim` (a copy); the backward puts

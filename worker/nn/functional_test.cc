@@ -111,5 +111,32 @@ TEST(Functional, ReshapeAndLinearGradients) {
   }
 }
 
+// A linear with the GELU epilogue is the unfused Linear then Gelu: the same
+// output and the same gradients for x, w and b (f32: the fused kernels round
+// x + b as BiasAdd does); without a bias, plain Gelu.
+TEST(Functional, LinearWithTheGeluEpilogueIsLinearThenGelu) {
+  const Tensor x = *Tensor::RandomNormal({2, 3, 5}, 7), w = *Tensor::RandomNormal({6, 5}, 8),
+               b = *Tensor::RandomNormal({6}, 9), r = *Tensor::RandomNormal({2, 3, 6}, 10);
+  for (auto [epilogue, approx] : {std::pair{Epilogue::kGelu, ops::GeluApprox::kNone},
+                                  std::pair{Epilogue::kGeluTanh, ops::GeluApprox::kTanh}}) {
+    for (bool with_bias : {true, false}) {
+      Variable fx(x, true), fw(w, true), fb(b, true), ux(x, true), uw(w, true), ub(b, true);
+      auto fused = Linear(fx, fw, with_bias ? std::optional<Variable>(fb) : std::nullopt, epilogue);
+      ASSERT_TRUE(fused.ok()) << fused.status();
+      Variable unfused = *Gelu(*Linear(ux, uw, with_bias ? std::optional<Variable>(ub) : std::nullopt), approx);
+      EXPECT_EQ(fused->value().ToBytes(), unfused.value().ToBytes());
+      ASSERT_TRUE(Backward(*Sum(*Mul(*fused, Variable(r)))).ok());
+      ASSERT_TRUE(Backward(*Sum(*Mul(unfused, Variable(r)))).ok());
+      const std::string what = with_bias ? "with a bias" : "without a bias";
+      EXPECT_EQ(fx.grad()->ToBytes(), ux.grad()->ToBytes()) << what;
+      EXPECT_EQ(fw.grad()->ToBytes(), uw.grad()->ToBytes()) << what;
+      if (with_bias) {
+        const std::vector<float> got = fb.grad()->ToFloats(), want = ub.grad()->ToFloats();
+        for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5) << i;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace colod::nn

@@ -90,7 +90,7 @@ absl::StatusOr<Linear1DCol> Linear1DCol::FromParameters(ColoParameter weight, st
   return Linear1DCol(std::move(weight), std::move(bias), pg, options);
 }
 
-absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x) const {
+absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x, Epilogue epilogue) const {
   ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm("tp"));
   ASSIGN_OR_RETURN(int p, pg_->AxisSize("tp"));
   ColoTensor in = x;
@@ -119,7 +119,7 @@ absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x) const {
       ASSIGN_OR_RETURN(b, Reshape(*b, {wl[0] * wl[1]}));
     }
   }
-  ASSIGN_OR_RETURN(Variable y, Linear(xr, w, b));
+  ASSIGN_OR_RETURN(Variable y, Linear(xr, w, b, epilogue));
   if (n > 1) {  // [..., n*o] -> [..., n, o]
     Shape local_shape = y.value().shape();
     local_shape.back() = wl[1];

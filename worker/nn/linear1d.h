@@ -34,6 +34,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/colo/colo_tensor.h"
+#include "worker/nn/functional.h"
 
 namespace colod::nn {
 
@@ -61,7 +62,9 @@ class Linear1DCol {
   // table); INVALID_ARGUMENT when a spec is not Specs()'s.
   static absl::StatusOr<Linear1DCol> FromParameters(ColoParameter weight, std::optional<ColoParameter> bias,
                                                     ProcessGroup* pg, Options options);
-  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
+  // With an epilogue (GELU before a down projection), it is applied to the
+  // local output with the bias, one kernel each way (nn::BiasEpilogue).
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x, Epilogue epilogue = Epilogue::kNone) const;
 
   const ColoParameter& weight() const { return weight_; }
   const std::optional<ColoParameter>& bias() const { return bias_; }

@@ -144,7 +144,7 @@ absl::StatusOr<Linear2D> Linear2D::FromParameters(ColoParameter weight, std::opt
   return Linear2D(std::move(weight), std::move(bias), pg, c.q);
 }
 
-absl::StatusOr<ColoTensor> Linear2D::Forward(const ColoTensor& x) const {
+absl::StatusOr<ColoTensor> Linear2D::Forward(const ColoTensor& x, Epilogue epilogue) const {
   ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg_));
   ASSIGN_OR_RETURN(ColoTensor in, ToActivation2D(x, c));
   // 2.5D: the weight is replicated over depth, so its gradient sums the layers'.
@@ -153,11 +153,12 @@ absl::StatusOr<ColoTensor> Linear2D::Forward(const ColoTensor& x) const {
     ASSIGN_OR_RETURN(w, ReduceGradient(w, c.dep, pg_->timeout()));
   }
   ASSIGN_OR_RETURN(Variable y, Summa(in.variable(), w, c.row, c.col, pg_->timeout()));
+  std::optional<Variable> b;
   if (bias_.has_value()) {
     // The bias is replicated over tp_col (and depth): each row block adds a gradient term.
-    ASSIGN_OR_RETURN(Variable b, SumGradOverReplicas(bias_->variable(), c, pg_->timeout()));
-    ASSIGN_OR_RETURN(y, BiasAdd(y, b));
+    ASSIGN_OR_RETURN(b, SumGradOverReplicas(bias_->variable(), c, pg_->timeout()));
   }
+  ASSIGN_OR_RETURN(y, BiasEpilogue(y, b, epilogue));
   return ColoTensor::FromLocal(y, Activation2D(y.value().dim(), q_, c.depth), pg_);
 }
 

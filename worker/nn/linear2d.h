@@ -56,7 +56,9 @@ class Linear2D {
   static absl::StatusOr<Linear2D> FromParameters(ColoParameter weight, std::optional<ColoParameter> bias,
                                                  ProcessGroup* pg);
   // x in the 2D activation spec; returns y in the same spec.
-  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
+  // With an epilogue (GELU before a down projection), it is applied to the
+  // local output with the bias, one kernel each way (nn::BiasEpilogue).
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x, Epilogue epilogue = Epilogue::kNone) const;
   const ColoParameter& weight() const { return weight_; }
   const std::optional<ColoParameter>& bias() const { return bias_; }
 

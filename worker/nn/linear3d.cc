@@ -97,19 +97,20 @@ absl::StatusOr<Linear3D> Linear3D::FromGlobal(const Tensor& weight, const std::o
   return Linear3D(std::move(w), std::move(b), pg, q, k, c);
 }
 
-absl::StatusOr<ColoTensor> Linear3D::Forward(const ColoTensor& x) const {
+absl::StatusOr<ColoTensor> Linear3D::Forward(const ColoTensor& x, Epilogue epilogue) const {
   ASSIGN_OR_RETURN(Roles g, GetRoles(pg_, k_, c_));
   const int64_t ndim = static_cast<int64_t>(x.global_shape().size());
   ASSIGN_OR_RETURN(ColoTensor in, Into(x, InputSpec(ndim)));
   const Shape& wl = weight_.local().shape();  // [in/q, 1, out/q^2]
   ASSIGN_OR_RETURN(Variable a, Reshape(weight_.variable(), {wl[0], wl[2]}));
   ASSIGN_OR_RETURN(Variable y, Matmul3D(in.variable(), a, g, pg_->timeout()));
+  std::optional<Variable> b;
   if (bias_.has_value()) {
-    ASSIGN_OR_RETURN(Variable b, Reshape(bias_->variable(), {bias_->local().numel()}));
-    ASSIGN_OR_RETURN(b, ReduceGradient(b, g.r, pg_->timeout()));  // replicated over R and C
-    ASSIGN_OR_RETURN(b, ReduceGradient(b, g.c, pg_->timeout()));
-    ASSIGN_OR_RETURN(y, BiasAdd(y, b));
+    ASSIGN_OR_RETURN(b, Reshape(bias_->variable(), {bias_->local().numel()}));
+    ASSIGN_OR_RETURN(b, ReduceGradient(*b, g.r, pg_->timeout()));  // replicated over R and C
+    ASSIGN_OR_RETURN(b, ReduceGradient(*b, g.c, pg_->timeout()));
   }
+  ASSIGN_OR_RETURN(y, BiasEpilogue(y, b, epilogue));
   return ColoTensor::FromLocal(y, OutputSpec(ndim), pg_);
 }
 

@@ -35,6 +35,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/colo/colo_tensor.h"
+#include "worker/nn/functional.h"
 
 namespace colod::nn {
 
@@ -51,7 +52,9 @@ class Linear3D {
   static absl::StatusOr<Linear3D> FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
                                              ProcessGroup* pg, Options options);
   // x in this layer's input spec; y in its output spec.
-  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
+  // With an epilogue (GELU before a down projection), it is applied to the
+  // local output with the bias, one kernel each way (nn::BiasEpilogue).
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x, Epilogue epilogue = Epilogue::kNone) const;
   DistSpec InputSpec(int64_t ndim) const { return Activation3D(ndim, q_, k_, c_); }
   DistSpec OutputSpec(int64_t ndim) const { return Activation3D(ndim, q_, c_, k_); }
   const ColoParameter& weight() const { return weight_; }  // global view [in, q, out/q]

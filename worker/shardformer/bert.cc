@@ -22,10 +22,6 @@ ops::GeluApprox Approx(Module& m) {
   return tanh.ok() && *tanh ? ops::GeluApprox::kTanh : ops::GeluApprox::kNone;
 }
 
-absl::StatusOr<ColoTensor> Gelu(const ColoTensor& x, ops::GeluApprox approx) {
-  return MapLocal(x, [approx](const Variable& v) { return nn::Gelu(v, approx); });
-}
-
 absl::StatusOr<ColoTensor> EmbeddingsForward(Module& self, const ColoTensor& ids) {
   const Shape& shape = ids.local().shape();
   std::vector<int64_t> positions(ids.local().numel());
@@ -66,9 +62,9 @@ absl::StatusOr<ColoTensor> LayerForward(Module& self, const ColoTensor& x) {
   ASSIGN_OR_RETURN(ColoTensor projected, CallWithLocal(self, "attention.output.dense", ctx, x.process_group()));
   ASSIGN_OR_RETURN(ColoTensor sum, AddActivations(projected, x));
   ASSIGN_OR_RETURN(ColoTensor attended, self.Call("attention.output.LayerNorm", sum));
-  ASSIGN_OR_RETURN(ColoTensor inner, self.Call("intermediate.dense", attended));
   ASSIGN_OR_RETURN(Module * intermediate, self.Get("intermediate"));
-  ASSIGN_OR_RETURN(inner, Gelu(inner, Approx(*intermediate)));
+  ASSIGN_OR_RETURN(ColoTensor inner,  // the dense's bias and the GELU fused
+                   self.Call("intermediate.dense", attended, nn::GeluEpilogue(Approx(*intermediate))));
   ASSIGN_OR_RETURN(ColoTensor out, self.Call("output.dense", inner));
   ASSIGN_OR_RETURN(ColoTensor sum2, AddActivations(out, attended));
   return self.Call("output.LayerNorm", sum2);
@@ -81,9 +77,8 @@ absl::StatusOr<ColoTensor> ModelForward(Module& self, const ColoTensor& ids) {
 }
 
 absl::StatusOr<ColoTensor> PredictionHeadForward(Module& self, const ColoTensor& x) {
-  ASSIGN_OR_RETURN(ColoTensor h, self.Call("transform.dense", x));
   ASSIGN_OR_RETURN(Module * transform, self.Get("transform"));
-  ASSIGN_OR_RETURN(h, Gelu(h, Approx(*transform)));
+  ASSIGN_OR_RETURN(ColoTensor h, self.Call("transform.dense", x, nn::GeluEpilogue(Approx(*transform))));
   ASSIGN_OR_RETURN(h, self.Call("transform.LayerNorm", h));
   ASSIGN_OR_RETURN(ColoTensor logits, self.Call("decoder", h));
   return self.Call("bias", logits);

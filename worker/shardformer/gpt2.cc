@@ -46,10 +46,10 @@ absl::StatusOr<ColoTensor> AttentionForward(Module& self, const ColoTensor& x) {
 }
 
 absl::StatusOr<ColoTensor> MlpForward(Module& self, const ColoTensor& x) {
-  ASSIGN_OR_RETURN(ColoTensor h, self.Call("c_fc", x));
   ASSIGN_OR_RETURN(int64_t tanh, self.IntAttr("gelu_tanh"));
-  const auto approx = tanh ? ops::GeluApprox::kTanh : ops::GeluApprox::kNone;
-  ASSIGN_OR_RETURN(ColoTensor act, MapLocal(h, [approx](const Variable& v) { return nn::Gelu(v, approx); }));
+  // c_fc's bias and the GELU are one kernel each way (nn::BiasEpilogue).
+  ASSIGN_OR_RETURN(ColoTensor act,
+                   self.Call("c_fc", x, nn::GeluEpilogue(tanh ? ops::GeluApprox::kTanh : ops::GeluApprox::kNone)));
   return self.Call("c_proj", act);
 }
 

@@ -100,6 +100,13 @@ class NativeLinear : public Layer {
     ASSIGN_OR_RETURN(Variable y, nn::Linear(x.variable(), w_.param.variable(), b));
     return SameSpec(y, x);
   }
+  absl::StatusOr<ColoTensor> ForwardWithEpilogue(const ColoTensor& x, nn::Epilogue epilogue) override {
+    RETURN_IF_ERROR(NoShardedLastDim(x, type()));
+    std::optional<Variable> b;
+    if (b_.has_value()) b = b_->param.variable();
+    ASSIGN_OR_RETURN(Variable y, nn::Linear(x.variable(), w_.param.variable(), b, epilogue));
+    return SameSpec(y, x);
+  }
   absl::StatusOr<DistSpec> InputSpec(int64_t) const override { return DistSpec(); }
   std::vector<BoundParam> Params() override { return tied_ ? std::vector<BoundParam>{} : List(w_, b_); }
 
@@ -247,6 +254,9 @@ class Col1D : public Layer {
   }
   std::string type() const override { return owns_ ? "Linear1D_Col" : "tied vocab-parallel LM head"; }
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override { return layer_.Forward(x); }
+  absl::StatusOr<ColoTensor> ForwardWithEpilogue(const ColoTensor& x, nn::Epilogue epilogue) override {
+    return layer_.Forward(x, epilogue);  // gathered or not, the epilogue is element-wise
+  }
   absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override {
     return sp_ ? TpShard(ndim - 2, p_) : DistSpec();
   }
@@ -427,6 +437,10 @@ class Linear2DLayer : public Layer {
     return LayerPtr(new Linear2DLayer(std::move(parts), g));
   }
   std::string type() const override { return "Linear2D"; }
+  absl::StatusOr<ColoTensor> ForwardWithEpilogue(const ColoTensor& x, nn::Epilogue epilogue) override {
+    if (parts_.size() == 1) return parts_[0].layer.Forward(x, epilogue);
+    return Layer::ForwardWithEpilogue(x, epilogue);
+  }
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
     if (parts_.size() == 1) return parts_[0].layer.Forward(x);
     // Fused: [.., n, out/n], each rank holding its columns of every projection.

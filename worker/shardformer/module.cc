@@ -91,6 +91,31 @@ absl::StatusOr<ColoTensor> Module::Call(const std::string& path, const ColoTenso
   return m->Forward(x);
 }
 
+namespace {
+
+absl::StatusOr<ColoTensor> ApplyEpilogue(const ColoTensor& y, nn::Epilogue epilogue) {
+  if (epilogue == nn::Epilogue::kNone) return y;
+  return MapLocal(y, [epilogue](const Variable& v) { return nn::BiasEpilogue(v, std::nullopt, epilogue); });
+}
+
+}  // namespace
+
+absl::StatusOr<ColoTensor> Layer::ForwardWithEpilogue(const ColoTensor& x, nn::Epilogue epilogue) {
+  ASSIGN_OR_RETURN(ColoTensor y, Forward(x));
+  return ApplyEpilogue(y, epilogue);
+}
+
+absl::StatusOr<ColoTensor> Module::Forward(const ColoTensor& x, nn::Epilogue epilogue) {
+  if (decl_.has_value() && layer_ != nullptr) return layer_->ForwardWithEpilogue(x, epilogue);
+  ASSIGN_OR_RETURN(ColoTensor y, Forward(x));
+  return ApplyEpilogue(y, epilogue);
+}
+
+absl::StatusOr<ColoTensor> Module::Call(const std::string& path, const ColoTensor& x, nn::Epilogue epilogue) {
+  ASSIGN_OR_RETURN(Module * m, Get(path));
+  return m->Forward(x, epilogue);
+}
+
 LayerDecl LayerDecl::Of(Kind kind, std::string prefix, int64_t in, int64_t out, bool bias, float eps) {
   LayerDecl d;
   d.kind = kind;

@@ -23,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/colo/colo_tensor.h"
+#include "worker/nn/functional.h"
 #include "worker/shardformer/hf_tensor.h"
 
 namespace colod::shardformer {
@@ -61,6 +62,10 @@ class Layer {
   virtual ~Layer() = default;
   virtual std::string type() const = 0;  // "Linear1D_Col", "native Linear", ...
   virtual absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) = 0;
+  // Forward, then `epilogue` (GELU) on this rank's piece of the output. A
+  // linear that adds its bias to its local output overrides this to fuse the
+  // bias and the epilogue: one kernel forward, one backward.
+  virtual absl::StatusOr<ColoTensor> ForwardWithEpilogue(const ColoTensor& x, nn::Epilogue epilogue);
   // The spec this layer wants a rank-`ndim` input in; where a forward
   // rebuilds an activation from local pieces (attention heads), it uses this.
   virtual absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const = 0;
@@ -104,8 +109,13 @@ class Module {
   // The layer's forward for a leaf (FAILED_PRECONDITION before it is
   // loaded), the forward function otherwise.
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x);
-  // Get(path)->Forward(x).
+  // Forward followed by `epilogue` on the output; a leaf's layer fuses it
+  // where it can (Layer::ForwardWithEpilogue). The models call their MLP's up
+  // projection so: Call("c_fc", x, nn::GeluEpilogue(approx)).
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x, nn::Epilogue epilogue);
+  // Get(path)->Forward(x) and Get(path)->Forward(x, epilogue).
   absl::StatusOr<ColoTensor> Call(const std::string& path, const ColoTensor& x);
+  absl::StatusOr<ColoTensor> Call(const std::string& path, const ColoTensor& x, nn::Epilogue epilogue);
 
  private:
   std::string cls_;

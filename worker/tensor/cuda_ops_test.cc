@@ -168,6 +168,10 @@ TEST_F(CudaLayerOps, ElementwiseAndNormsMatchTheCpu) {
   for (GeluApprox a : {GeluApprox::kNone, GeluApprox::kTanh}) {
     ExpectNear(*Gelu(Dev(x), a), *Gelu(x, a), 1e-5, "gelu");
     ExpectNear(*GeluBackward(Dev(dy), Dev(x), a), *GeluBackward(dy, x, a), 1e-5, "gelu backward");
+    ExpectNear(*BiasGelu(Dev(x), Dev(b), a), *BiasGelu(x, b, a), 1e-5, "bias_gelu");
+    const BiasGeluGrads bg = *BiasGeluBackward(Dev(dy), Dev(x), Dev(b), a), want = *BiasGeluBackward(dy, x, b, a);
+    ExpectNear(bg.dx, want.dx, 1e-5, "bias_gelu dx");
+    ExpectNear(bg.db, want.db, 1e-4, "bias_gelu db");
   }
   ExpectNear(*Silu(Dev(x)), *Silu(x), 1e-5, "silu");
   ExpectNear(*SiluBackward(Dev(dy), Dev(x)), *SiluBackward(dy, x), 1e-5, "silu backward");
@@ -221,6 +225,12 @@ TEST_F(CudaLayerOps, HalfTypesAreComputedInF32AndRoundedOnce) {
       check(*Gelu(in(x), GeluApprox::kTanh), *Gelu(wide(x), GeluApprox::kTanh), where + " gelu");
       check(*GeluBackward(in(dy), in(x), GeluApprox::kNone), *GeluBackward(wide(dy), wide(x), GeluApprox::kNone),
             where + " gelu_backward");
+      check(*BiasGelu(in(x), in(bias), GeluApprox::kNone), *BiasGelu(wide(x), wide(bias), GeluApprox::kNone),
+            where + " bias_gelu");
+      const BiasGeluGrads bg = *BiasGeluBackward(in(dy), in(x), in(bias), GeluApprox::kTanh);
+      const BiasGeluGrads bg32 = *BiasGeluBackward(wide(dy), wide(x), wide(bias), GeluApprox::kTanh);
+      check(bg.dx, bg32.dx, where + " bias_gelu dx");
+      check(bg.db, bg32.db, where + " bias_gelu db");
       check(*Silu(in(x)), *Silu(wide(x)), where + " silu");
       check(*SiluBackward(in(dy), in(x)), *SiluBackward(wide(dy), wide(x)), where + " silu_backward");
       const LayerNormResult ln = *LayerNorm(in(x), in(g), in(b), 1e-5f);

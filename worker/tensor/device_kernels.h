@@ -47,9 +47,10 @@ struct DeviceKernels {
   absl::Status (*BiasAdd)(int device, ElemType type, const void* x, const void* bias, void* out, int64_t rows,
                           int64_t n);
   absl::Status (*BiasGrad)(int device, ElemType type, const void* dy, void* db, int64_t rows, int64_t n);
-  absl::Status (*Gelu)(int device, ElemType type, const void* x, void* y, int64_t n, bool tanh_approx);
-  absl::Status (*GeluBackward)(int device, ElemType type, const void* dy, const void* x, void* dx, int64_t n,
-                               bool tanh_approx);
+  absl::Status (*Gelu)(int device, ElemType type, const void* x, const void* bias, void* y, int64_t rows, int64_t n,
+                       bool tanh_approx);
+  absl::Status (*GeluBackward)(int device, ElemType type, const void* dy, const void* x, const void* bias, void* dx,
+                               void* db, int64_t rows, int64_t n, bool tanh_approx);
   absl::Status (*Silu)(int device, ElemType type, const void* x, void* y, int64_t n);
   absl::Status (*SiluBackward)(int device, ElemType type, const void* dy, const void* x, void* dx, int64_t n);
   absl::Status (*LayerNorm)(int device, ElemType type, const void* x, const void* g, const void* b, float eps,

@@ -98,6 +98,15 @@ absl::StatusOr<Tensor> Elementwise(const Tensor& x, const char* op, Call call) {
   return out;
 }
 
+// bias [n] for x [..., n].
+absl::Status CheckBias(const Tensor& x, const Tensor& bias, const char* op) {
+  if (bias.dim() != 1 || x.dim() == 0 || LastDim(x) != bias.shape()[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": bias ", ShapeToString(bias.shape()),
+                                                   " does not match the last dim of ", ShapeToString(x.shape())));
+  }
+  return absl::OkStatus();
+}
+
 // dx = kernel(dy, x) elementwise, computed in f32 on x's dtype.
 template <typename Call>
 absl::StatusOr<Tensor> ElementwiseBackward(const Tensor& dy, const Tensor& x, const char* op, Call call) {
@@ -155,11 +164,8 @@ absl::Status SetAllowTf32(Device device, bool allow) {
 }
 
 absl::StatusOr<Tensor> BiasAdd(const Tensor& x, const Tensor& bias) {
+  RETURN_IF_ERROR(CheckBias(x, bias, "bias_add"));
   const Device dev = x.device();
-  if (bias.dim() != 1 || LastDim(x) != bias.shape()[0] || x.dim() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("bias_add: bias ", ShapeToString(bias.shape()),
-                                                   " does not match the last dim of ", ShapeToString(x.shape())));
-  }
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("bias_add", dev, {&bias}));
   ASSIGN_OR_RETURN(DType type, KernelType(x, "bias_add"));
   const Tensor cx = x.Contiguous();
@@ -184,15 +190,50 @@ absl::StatusOr<Tensor> BiasGrad(const Tensor& dy) {
 
 absl::StatusOr<Tensor> Gelu(const Tensor& x, GeluApprox approx) {
   return Elementwise(x, "gelu", [&](const DeviceKernels& k, int d, kernels::ElemType t, const void* in, void* out,
-                                    int64_t n) { return k.Gelu(d, t, in, out, n, approx == GeluApprox::kTanh); });
+                                    int64_t n) {
+    return k.Gelu(d, t, in, /*bias=*/nullptr, out, /*rows=*/1, n, approx == GeluApprox::kTanh);
+  });
 }
 
 absl::StatusOr<Tensor> GeluBackward(const Tensor& dy, const Tensor& x, GeluApprox approx) {
   return ElementwiseBackward(dy, x, "gelu_backward",
                              [&](const DeviceKernels& k, int d, kernels::ElemType t, const void* g, const void* in,
                                  void* out, int64_t n) {
-                               return k.GeluBackward(d, t, g, in, out, n, approx == GeluApprox::kTanh);
+                               return k.GeluBackward(d, t, g, in, /*bias=*/nullptr, out, /*db=*/nullptr, 1, n,
+                                                     approx == GeluApprox::kTanh);
                              });
+}
+
+absl::StatusOr<Tensor> BiasGelu(const Tensor& x, const Tensor& bias, GeluApprox approx) {
+  RETURN_IF_ERROR(CheckBias(x, bias, "bias_gelu"));
+  const Device dev = x.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("bias_gelu", dev, {&bias}));
+  ASSIGN_OR_RETURN(DType type, KernelType(x, "bias_gelu"));
+  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(Tensor cb, AsFloat(bias, type, "bias_gelu"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), type, dev));
+  const int64_t n = LastDim(cx), rows = n == 0 ? 0 : cx.numel() / n;
+  RETURN_IF_ERROR(k->Gelu(dev.index, Elem(type), cx.raw_data(), cb.raw_data(), out.raw_data(), rows, n,
+                          approx == GeluApprox::kTanh));
+  return out;
+}
+
+absl::StatusOr<BiasGeluGrads> BiasGeluBackward(const Tensor& dy, const Tensor& x, const Tensor& bias,
+                                               GeluApprox approx) {
+  RETURN_IF_ERROR(CheckBias(x, bias, "bias_gelu_backward"));
+  RETURN_IF_ERROR(SameShapes(dy, x, "bias_gelu_backward"));
+  const Device dev = x.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("bias_gelu_backward", dev, {&dy, &bias}));
+  ASSIGN_OR_RETURN(DType type, KernelType(x, "bias_gelu_backward"));
+  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(Tensor cd, AsFloat(dy, type, "bias_gelu_backward"));
+  ASSIGN_OR_RETURN(Tensor cb, AsFloat(bias, type, "bias_gelu_backward"));
+  const int64_t n = LastDim(cx), rows = n == 0 ? 0 : cx.numel() / n;
+  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), type, dev));
+  ASSIGN_OR_RETURN(Tensor db, Tensor::Empty({n}, type, dev));
+  RETURN_IF_ERROR(k->GeluBackward(dev.index, Elem(type), cd.raw_data(), cx.raw_data(), cb.raw_data(), dx.raw_data(),
+                                  db.raw_data(), rows, n, approx == GeluApprox::kTanh));
+  return BiasGeluGrads{std::move(dx), std::move(db)};
 }
 
 absl::StatusOr<Tensor> Silu(const Tensor& x) {

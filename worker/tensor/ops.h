@@ -47,6 +47,16 @@ absl::StatusOr<Tensor> BiasGrad(const Tensor& dy);
 enum class GeluApprox { kNone, kTanh };
 absl::StatusOr<Tensor> Gelu(const Tensor& x, GeluApprox approx);
 absl::StatusOr<Tensor> GeluBackward(const Tensor& dy, const Tensor& x, GeluApprox approx);
+// GELU(x + bias), the bias over the last dim, in one kernel (x + bias is
+// not rounded to x's dtype in between); and its backward from the same x and
+// bias, also one kernel: dx = dy * gelu'(x + bias) and db = dx summed over
+// all leading dims.
+absl::StatusOr<Tensor> BiasGelu(const Tensor& x, const Tensor& bias, GeluApprox approx);
+struct BiasGeluGrads {
+  Tensor dx, db;
+};
+absl::StatusOr<BiasGeluGrads> BiasGeluBackward(const Tensor& dy, const Tensor& x, const Tensor& bias,
+                                               GeluApprox approx);
 // SiLU (swish): x * sigmoid(x); backward dy * s * (1 + x * (1 - s)).
 absl::StatusOr<Tensor> Silu(const Tensor& x);
 absl::StatusOr<Tensor> SiluBackward(const Tensor& dy, const Tensor& x);

@@ -120,6 +120,42 @@ TEST(CpuKernels, GeluForwardAndBackwardBothApproximations) {
   }
 }
 
+// GELU fused with the bias before it: the closed form at x + b, the slope by
+// central differences, and the bias gradient the column sums of dx. Also the
+// same bits as the unfused ops in f32 (x + b rounds the same either way) and
+// clear errors for a bias that does not fit.
+TEST(CpuKernels, BiasGeluIsGeluOfTheSumAndGivesTheBiasGradient) {
+  const Tensor x = Random({3, 5, 37}, 12, 2.0f), b = Random({37}, 13), dy = Random({3, 5, 37}, 14);
+  const std::vector<float> xv = x.ToFloats(), bv = b.ToFloats(), dv = dy.ToFloats();
+  for (GeluApprox a : {GeluApprox::kNone, GeluApprox::kTanh}) {
+    std::vector<double> y(xv.size()), dx(xv.size()), db(37, 0.0);
+    for (size_t i = 0; i < xv.size(); ++i) {
+      const double v = static_cast<double>(xv[i]) + bv[i % 37], h = 1e-5;
+      y[i] = GeluRef(v, a);
+      dx[i] = dv[i] * (GeluRef(v + h, a) - GeluRef(v - h, a)) / (2 * h);
+      db[i % 37] += dx[i];
+    }
+    auto fused = BiasGelu(x, b, a);
+    ASSERT_TRUE(fused.ok()) << fused.status();
+    EXPECT_EQ(fused->shape(), x.shape());
+    ExpectNear(fused->ToFloats(), y, 1e-5, 1e-6, "bias_gelu");
+    auto g = BiasGeluBackward(dy, x, b, a);
+    ASSERT_TRUE(g.ok()) << g.status();
+    ExpectNear(g->dx.ToFloats(), dx, 1e-4, 1e-5, "bias_gelu dx");
+    ExpectNear(g->db.ToFloats(), db, 1e-4, 1e-4, "bias_gelu db");
+    const Tensor sum = *BiasAdd(x, b);
+    EXPECT_EQ(fused->ToBytes(), Gelu(sum, a)->ToBytes());
+    EXPECT_EQ(g->dx.ToBytes(), GeluBackward(dy, sum, a)->ToBytes());
+  }
+  EXPECT_EQ(BiasGelu(x, Random({36}, 15), GeluApprox::kNone).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BiasGeluBackward(Random({3, 5, 36}, 16), x, b, GeluApprox::kNone).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Empty rows: an empty output and a zero bias gradient.
+  auto empty = BiasGeluBackward(Random({0, 37}, 17), Random({0, 37}, 18), b, GeluApprox::kNone);
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ(empty->db.ToFloats(), std::vector<float>(37, 0.0f));
+}
+
 TEST(CpuKernels, SiluForwardAndBackwardAgainstTheClosedForm) {
   const Tensor x = Random({3, 29}, 16, 4.0f), dy = Random({3, 29}, 17);
   const std::vector<float> xv = x.ToFloats(), dv = dy.ToFloats();
