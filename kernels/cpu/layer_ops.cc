@@ -574,6 +574,30 @@ class F32Out {
   std::vector<float> buf_;
 };
 
+// A norm's input in f32: x, or with a residual x + residual, which is
+// written to `sum` (rounded to the type) and read back as rounded, so the
+// norm sees what an add before it would have given.
+class ResidualSum {
+ public:
+  ResidualSum(const void* x, const void* residual, void* sum, int64_t n, ElemType type) : fx_(x, n, type) {
+    if (residual == nullptr) return;
+    F32In fr(residual, n, type);
+    buf_.resize(n);
+    const float *a = fx_.get(), *b = fr.get();
+    ParallelFor(n, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        StoreF(sum, i, type, a[i] + b[i]);
+        buf_[i] = LoadF(sum, i, type);
+      }
+    });
+  }
+  const float* get() const { return buf_.empty() ? fx_.get() : buf_.data(); }
+
+ private:
+  F32In fx_;
+  std::vector<float> buf_;
+};
+
 // Runs body() and commits every output after it succeeded.
 template <typename Body>
 absl::Status Typed(std::initializer_list<F32Out*> outs, Body body) {
@@ -631,12 +655,13 @@ absl::Status SiluBackward(int d, ElemType type, const void* dy, const void* x, v
   return Typed({&fo}, [&] { return SiluBackwardF32(d, fd.get(), fx.get(), fo.get(), n); });
 }
 
-absl::Status LayerNorm(int d, ElemType type, const void* x, const void* g, const void* b, float eps, void* y,
-                       float* mean, float* rstd, int64_t rows, int64_t n) {
+absl::Status LayerNorm(int d, ElemType type, const void* x, const void* residual, const void* g, const void* b,
+                       float eps, void* y, void* sum, float* mean, float* rstd, int64_t rows, int64_t n) {
   if (absl::Status st = CheckFloatType(type, "LayerNorm"); !st.ok()) return st;
-  F32In fx(x, rows * n, type), fg(g, n, type), fb(b, n, type);
+  ResidualSum in(x, residual, sum, rows * n, type);
+  F32In fg(g, n, type), fb(b, n, type);
   F32Out fy(y, rows * n, type);
-  return Typed({&fy}, [&] { return LayerNormF32(d, fx.get(), fg.get(), fb.get(), eps, fy.get(), mean, rstd, rows, n); });
+  return Typed({&fy}, [&] { return LayerNormF32(d, in.get(), fg.get(), fb.get(), eps, fy.get(), mean, rstd, rows, n); });
 }
 
 absl::Status LayerNormBackward(int d, ElemType type, const void* dy, const void* x, const void* g,
@@ -650,12 +675,13 @@ absl::Status LayerNormBackward(int d, ElemType type, const void* dy, const void*
   });
 }
 
-absl::Status RmsNorm(int d, ElemType type, const void* x, const void* g, float eps, void* y, float* rstd,
-                     int64_t rows, int64_t n) {
+absl::Status RmsNorm(int d, ElemType type, const void* x, const void* residual, const void* g, float eps, void* y,
+                     void* sum, float* rstd, int64_t rows, int64_t n) {
   if (absl::Status st = CheckFloatType(type, "RmsNorm"); !st.ok()) return st;
-  F32In fx(x, rows * n, type), fg(g, n, type);
+  ResidualSum in(x, residual, sum, rows * n, type);
+  F32In fg(g, n, type);
   F32Out fy(y, rows * n, type);
-  return Typed({&fy}, [&] { return RmsNormF32(d, fx.get(), fg.get(), eps, fy.get(), rstd, rows, n); });
+  return Typed({&fy}, [&] { return RmsNormF32(d, in.get(), fg.get(), eps, fy.get(), rstd, rows, n); });
 }
 
 absl::Status RmsNormBackward(int d, ElemType type, const void* dy, const void* x, const void* g,

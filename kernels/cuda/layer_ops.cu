@@ -140,14 +140,31 @@ __global__ void SiluBackwardKernel(In<T> dy, In<T> x, Out<T> dx, int64_t n) {
   }
 }
 
+// A norm's first pass over row r: x, or with a residual x + residual, written
+// to `sum` rounded to T; returns the row to read in the later passes (`sum`
+// then: each thread reads back the elements it wrote, so no barrier). `f`
+// sees each element as the later passes will.
+template <typename T, typename F>
+__device__ __forceinline__ In<T> FirstPass(In<T> x, In<T> residual, Out<T> sum, int64_t r, int64_t n, F f) {
+  if (!residual) {
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) f(x[r * n + j]);
+    return x + r * n;
+  }
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const float v = ToF32(FromF32<T>(x[r * n + j] + residual[r * n + j]));
+    sum[r * n + j] = v;
+    f(v);
+  }
+  return In<T>{sum.p + r * n};
+}
+
 template <typename T>
-__global__ void LayerNormKernel(In<T> x, In<T> g, In<T> b, float eps, Out<T> y, float* mean, float* rstd, int64_t rows,
-                                int64_t n) {
+__global__ void LayerNormKernel(In<T> x, In<T> residual, In<T> g, In<T> b, float eps, Out<T> y, Out<T> sum,
+                                float* mean, float* rstd, int64_t rows, int64_t n) {
   __shared__ float shared[kThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const In<T> row = x + r * n;
     float s = 0;
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += row[j];
+    const In<T> row = FirstPass(x, residual, sum, r, n, [&](float v) { s += v; });
     const float mu = BlockSum(s, shared) / n;
     float v = 0;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) v += (row[j] - mu) * (row[j] - mu);
@@ -267,13 +284,14 @@ __global__ void NormBackwardApplyKernel(In<T> dy, In<T> x, In<T> g, const float*
 }
 
 template <typename T>
-__global__ void RmsNormKernel(In<T> x, In<T> g, float eps, Out<T> y, float* rstd, int64_t rows, int64_t n) {
+__global__ void RmsNormKernel(In<T> x, In<T> residual, In<T> g, float eps, Out<T> y, Out<T> sum, float* rstd,
+                              int64_t rows, int64_t n) {
   __shared__ float shared[kThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     float s = 0;
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += x[r * n + j] * x[r * n + j];
+    const In<T> row = FirstPass(x, residual, sum, r, n, [&](float v) { s += v * v; });
     const float rs = rsqrtf(BlockSum(s, shared) / n + eps);
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) y[r * n + j] = x[r * n + j] * rs * g[j];
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) y[r * n + j] = row[j] * rs * g[j];
     if (threadIdx.x == 0) rstd[r] = rs;
   }
 }
@@ -877,13 +895,13 @@ absl::Status SiluBackward(int device, ElemType type, const void* dy, const void*
   });
 }
 
-absl::Status LayerNorm(int device, ElemType type, const void* x, const void* g, const void* b, float eps, void* y,
-                       float* mean, float* rstd, int64_t rows, int64_t n) {
+absl::Status LayerNorm(int device, ElemType type, const void* x, const void* residual, const void* g, const void* b,
+                       float eps, void* y, void* sum, float* mean, float* rstd, int64_t rows, int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "LayerNorm", [&](auto t) {
     using T = decltype(t);
-    Launch(LayerNormKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(x), InOf<T>(g), InOf<T>(b), eps,
-           OutOf<T>(y), mean, rstd, rows, n);
+    Launch(LayerNormKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(x), InOf<T>(residual), InOf<T>(g),
+           InOf<T>(b), eps, OutOf<T>(y), OutOf<T>(sum), mean, rstd, rows, n);
     return Finish("LayerNormKernel");
   });
 }
@@ -902,13 +920,13 @@ absl::Status LayerNormBackward(int device, ElemType type, const void* dy, const 
   });
 }
 
-absl::Status RmsNorm(int device, ElemType type, const void* x, const void* g, float eps, void* y, float* rstd,
-                     int64_t rows, int64_t n) {
+absl::Status RmsNorm(int device, ElemType type, const void* x, const void* residual, const void* g, float eps,
+                     void* y, void* sum, float* rstd, int64_t rows, int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "RmsNorm", [&](auto t) {
     using T = decltype(t);
-    Launch(RmsNormKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(x), InOf<T>(g), eps, OutOf<T>(y), rstd, rows,
-           n);
+    Launch(RmsNormKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(x), InOf<T>(residual), InOf<T>(g), eps,
+           OutOf<T>(y), OutOf<T>(sum), rstd, rows, n);
     return Finish("RmsNormKernel");
   });
 }

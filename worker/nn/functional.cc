@@ -144,8 +144,11 @@ absl::StatusOr<Variable> Gelu(const Variable& x, ops::GeluApprox approx) {
   });
 }
 
-absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps) {
-  ASSIGN_OR_RETURN(ops::LayerNormResult r, ops::LayerNorm(x.value(), gamma.value(), beta.value(), eps));
+namespace {
+
+// The tape entries of a norm computed as `r` from x.
+absl::StatusOr<Variable> RecordLayerNorm(const Variable& x, const Variable& gamma, const Variable& beta,
+                                         ops::LayerNormResult r) {
   const Tensor xv = x.value(), gv = gamma.value(), mean = r.mean, rstd = r.rstd;
   return RecordOp("layer_norm", {x, gamma, beta}, std::move(r.y),
                   [xv, gv, mean, rstd](const Tensor& dy) -> absl::StatusOr<Grads> {
@@ -154,13 +157,54 @@ absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& gamma, con
                   });
 }
 
-absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& gamma, float eps) {
-  ASSIGN_OR_RETURN(ops::RmsNormResult r, ops::RmsNorm(x.value(), gamma.value(), eps));
+absl::StatusOr<Variable> RecordRmsNorm(const Variable& x, const Variable& gamma, ops::RmsNormResult r) {
   const Tensor xv = x.value(), gv = gamma.value(), rstd = r.rstd;
   return RecordOp("rms_norm", {x, gamma}, std::move(r.y), [xv, gv, rstd](const Tensor& dy) -> absl::StatusOr<Grads> {
     ASSIGN_OR_RETURN(ops::RmsNormGrads g, ops::RmsNormBackward(dy, xv, gv, rstd));
     return Grads{g.dx, g.dgamma};
   });
+}
+
+}  // namespace
+
+absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps) {
+  ASSIGN_OR_RETURN(ops::LayerNormResult r, ops::LayerNorm(x.value(), gamma.value(), beta.value(), eps));
+  return RecordLayerNorm(x, gamma, beta, std::move(r));
+}
+
+absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& gamma, float eps) {
+  ASSIGN_OR_RETURN(ops::RmsNormResult r, ops::RmsNorm(x.value(), gamma.value(), eps));
+  return RecordRmsNorm(x, gamma, std::move(r));
+}
+
+absl::StatusOr<ResidualNorm> AddNorm(const Variable& x, const Variable& residual, const Variable& gamma,
+                                     const std::optional<Variable>& beta, float eps) {
+  const Tensor &xv = x.value(), &rv = residual.value();
+  if (xv.dtype() != rv.dtype() || xv.shape() != rv.shape() || xv.device() != rv.device()) {
+    ASSIGN_OR_RETURN(Variable sum, Add(x, residual));  // the add's own promotion or error
+    ASSIGN_OR_RETURN(Variable y, beta.has_value() ? LayerNorm(sum, gamma, *beta, eps) : RmsNorm(sum, gamma, eps));
+    return ResidualNorm{std::move(sum), std::move(y)};
+  }
+  Tensor sum_value;
+  std::optional<ops::LayerNormResult> ln;
+  std::optional<ops::RmsNormResult> rms;
+  if (beta.has_value()) {
+    ASSIGN_OR_RETURN(ln, ops::LayerNorm(xv, gamma.value(), beta->value(), eps, &rv));
+    sum_value = ln->sum;
+  } else {
+    ASSIGN_OR_RETURN(rms, ops::RmsNorm(xv, gamma.value(), eps, &rv));
+    sum_value = rms->sum;
+  }
+  // The tape is Add then the norm, as unfused.
+  Variable sum = RecordOp("add", {x, residual}, std::move(sum_value),
+                          [](const Tensor& g) -> absl::StatusOr<Grads> { return Grads{g, g}; });
+  Variable y;
+  if (ln.has_value()) {
+    ASSIGN_OR_RETURN(y, RecordLayerNorm(sum, gamma, *beta, std::move(*ln)));
+  } else {
+    ASSIGN_OR_RETURN(y, RecordRmsNorm(sum, gamma, std::move(*rms)));
+  }
+  return ResidualNorm{std::move(sum), std::move(y)};
 }
 
 absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Tensor& labels, float label_smoothing,

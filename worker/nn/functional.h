@@ -54,6 +54,16 @@ absl::StatusOr<Variable> Rope(const Variable& x, float theta, int64_t position_o
 absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& gamma, const Variable& beta, float eps);
 
 absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& gamma, float eps);
+// The norm of a residual stream: sum = x + residual and y = its LayerNorm
+// (beta given) or RMSNorm (beta absent), the add and the norm one kernel
+// (ops::LayerNorm/RmsNorm with a residual). The tape is Add then the norm, so
+// the gradients are the unfused ones; x and residual of different dtypes are
+// added and normalized apart.
+struct ResidualNorm {
+  Variable sum, y;
+};
+absl::StatusOr<ResidualNorm> AddNorm(const Variable& x, const Variable& residual, const Variable& gamma,
+                                     const std::optional<Variable>& beta, float eps);
 // Inverted dropout with the Philox mask of (seed, offset); see worker/tensor/ops.h.
 absl::StatusOr<Variable> Dropout(const Variable& x, float p, uint64_t seed, uint64_t offset);
 // Rows of `table` for `ids`, as ops::Embedding (the table's gradient is a

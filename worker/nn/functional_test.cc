@@ -111,6 +111,38 @@ TEST(Functional, ReshapeAndLinearGradients) {
   }
 }
 
+// AddNorm is Add then the norm: the same sum, output and gradients (x,
+// residual, gamma, beta), for LayerNorm and RMSNorm; mixed dtypes take the
+// unfused path.
+TEST(Functional, AddNormIsAddThenTheNorm) {
+  const Tensor x = *Tensor::RandomNormal({2, 3, 8}, 11), res = *Tensor::RandomNormal({2, 3, 8}, 12),
+               g = *Tensor::RandomNormal({8}, 13), b = *Tensor::RandomNormal({8}, 14),
+               r1 = *Tensor::RandomNormal({2, 3, 8}, 15), r2 = *Tensor::RandomNormal({2, 3, 8}, 16);
+  for (bool layer_norm : {true, false}) {
+    Variable fx(x, true), fr(res, true), fg(g, true), fb(b, true), ux(x, true), ur(res, true), ug(g, true),
+        ub(b, true);
+    auto fused = AddNorm(fx, fr, fg, layer_norm ? std::optional<Variable>(fb) : std::nullopt, 1e-5f);
+    ASSERT_TRUE(fused.ok()) << fused.status();
+    Variable usum = *Add(ux, ur);
+    Variable uy = layer_norm ? *LayerNorm(usum, ug, ub, 1e-5f) : *RmsNorm(usum, ug, 1e-5f);
+    EXPECT_EQ(fused->sum.value().ToBytes(), usum.value().ToBytes());
+    EXPECT_EQ(fused->y.value().ToBytes(), uy.value().ToBytes());
+    // Both outputs feed the loss, as in a block (the sum goes on down the residual stream).
+    ASSERT_TRUE(Backward(*Add(*Sum(*Mul(fused->y, Variable(r1))), *Sum(*Mul(fused->sum, Variable(r2))))).ok());
+    ASSERT_TRUE(Backward(*Add(*Sum(*Mul(uy, Variable(r1))), *Sum(*Mul(usum, Variable(r2))))).ok());
+    const std::string what = layer_norm ? "layer_norm" : "rms_norm";
+    EXPECT_EQ(fx.grad()->ToBytes(), ux.grad()->ToBytes()) << what;
+    EXPECT_EQ(fr.grad()->ToBytes(), ur.grad()->ToBytes()) << what;
+    EXPECT_EQ(fg.grad()->ToBytes(), ug.grad()->ToBytes()) << what;
+    if (layer_norm) EXPECT_EQ(fb.grad()->ToBytes(), ub.grad()->ToBytes());
+  }
+  // Mixed dtypes are the add's business: AddNorm answers as Add does.
+  Variable half(*x.ToDType(DType::kBF16));
+  auto mixed = AddNorm(half, Variable(res), Variable(g), Variable(b), 1e-5f);
+  auto add = Add(half, Variable(res));
+  EXPECT_EQ(mixed.status().code(), add.status().code()) << mixed.status() << " / " << add.status();
+}
+
 // A linear with the GELU epilogue is the unfused Linear then Gelu: the same
 // output and the same gradients for x, w and b (f32: the fused kernels round
 // x + b as BiasAdd does); without a bias, plain Gelu.

@@ -69,4 +69,25 @@ absl::StatusOr<ColoTensor> Norm1D::Forward(const ColoTensor& x) const {
   return ColoTensor::FromLocal(y, in.spec(), pg_);
 }
 
+absl::StatusOr<Norm1D::WithSum> Norm1D::Forward(const ColoTensor& x, const ColoTensor& residual) const {
+  if (x.global_shape() != residual.global_shape()) {
+    return absl::InvalidArgumentError(absl::StrCat("a residual norm cannot add ", ShapeToString(x.global_shape()),
+                                                   " and ", ShapeToString(residual.global_shape())));
+  }
+  RETURN_IF_ERROR(CheckSpec(residual, x.spec(), "the residual"));
+  if (options_.sequence_parallel || !(x.spec().Get("tp") == Placement::Replicate())) {
+    ASSIGN_OR_RETURN(Variable sum, Add(x.variable(), residual.variable()));
+    ASSIGN_OR_RETURN(ColoTensor s, ColoTensor::FromLocal(sum, x.spec(), pg_));
+    ASSIGN_OR_RETURN(ColoTensor y, Forward(s));
+    return WithSum{std::move(s), std::move(y)};
+  }
+  std::optional<Variable> b;
+  if (beta_.has_value()) b = beta_->variable();
+  ASSIGN_OR_RETURN(ResidualNorm r, AddNorm(x.variable(), residual.variable(), gamma_.variable(),
+                                           options_.kind == Kind::kLayerNorm ? b : std::nullopt, options_.eps));
+  ASSIGN_OR_RETURN(ColoTensor s, ColoTensor::FromLocal(r.sum, x.spec(), pg_));
+  ASSIGN_OR_RETURN(ColoTensor y, ColoTensor::FromLocal(r.y, x.spec(), pg_));
+  return WithSum{std::move(s), std::move(y)};
+}
+
 }  // namespace colod::nn

@@ -30,6 +30,13 @@ class Norm1D {
   static absl::StatusOr<Norm1D> FromParameters(ColoParameter gamma, std::optional<ColoParameter> beta,
                                                ProcessGroup* pg, Options options);
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
+  // The norm of a residual stream: sum = x + residual (specs equal;
+  // INVALID_ARGUMENT otherwise) and Forward(sum). Replicated over tp (no
+  // sequence parallelism), the add and the norm are one kernel (AddNorm).
+  struct WithSum {
+    ColoTensor sum, y;
+  };
+  absl::StatusOr<WithSum> Forward(const ColoTensor& x, const ColoTensor& residual) const;
   const ColoParameter& gamma() const { return gamma_; }
   const std::optional<ColoParameter>& beta() const { return beta_; }
 

@@ -60,14 +60,14 @@ absl::StatusOr<ColoTensor> LayerForward(Module& self, const ColoTensor& x) {
   const Shape& cs = ctx.value().shape();
   ASSIGN_OR_RETURN(ctx, nn::Reshape(ctx, {cs[0], cs[1], heads * head_dim}));
   ASSIGN_OR_RETURN(ColoTensor projected, CallWithLocal(self, "attention.output.dense", ctx, x.process_group()));
-  ASSIGN_OR_RETURN(ColoTensor sum, AddActivations(projected, x));
-  ASSIGN_OR_RETURN(ColoTensor attended, self.Call("attention.output.LayerNorm", sum));
+  ASSIGN_OR_RETURN(Layer::WithSum attended_sum, self.CallResidual("attention.output.LayerNorm", projected, x));
+  const ColoTensor& attended = attended_sum.y;
   ASSIGN_OR_RETURN(Module * intermediate, self.Get("intermediate"));
   ASSIGN_OR_RETURN(ColoTensor inner,  // the dense's bias and the GELU fused
                    self.Call("intermediate.dense", attended, nn::GeluEpilogue(Approx(*intermediate))));
   ASSIGN_OR_RETURN(ColoTensor out, self.Call("output.dense", inner));
-  ASSIGN_OR_RETURN(ColoTensor sum2, AddActivations(out, attended));
-  return self.Call("output.LayerNorm", sum2);
+  ASSIGN_OR_RETURN(Layer::WithSum out_sum, self.CallResidual("output.LayerNorm", out, attended));
+  return out_sum.y;
 }
 
 absl::StatusOr<ColoTensor> ModelForward(Module& self, const ColoTensor& ids) {

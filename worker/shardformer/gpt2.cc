@@ -56,10 +56,10 @@ absl::StatusOr<ColoTensor> MlpForward(Module& self, const ColoTensor& x) {
 absl::StatusOr<ColoTensor> BlockForward(Module& self, const ColoTensor& x) {
   ASSIGN_OR_RETURN(ColoTensor h, self.Call("ln_1", x));
   ASSIGN_OR_RETURN(ColoTensor a, self.Call("attn", h));
-  ASSIGN_OR_RETURN(ColoTensor x1, AddActivations(x, a));
-  ASSIGN_OR_RETURN(ColoTensor h2, self.Call("ln_2", x1));
-  ASSIGN_OR_RETURN(ColoTensor m, self.Call("mlp", h2));
-  return AddActivations(x1, m);
+  // x1 = x + a and ln_2(x1), one kernel where the norm can.
+  ASSIGN_OR_RETURN(Layer::WithSum x1, self.CallResidual("ln_2", x, a));
+  ASSIGN_OR_RETURN(ColoTensor m, self.Call("mlp", x1.y));
+  return AddActivations(x1.sum, m);
 }
 
 // GPT2Model; with sequence_parallel (the policy's forward replacement) the

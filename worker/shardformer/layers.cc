@@ -161,6 +161,18 @@ class NativeNorm : public Layer {
     }
     return SameSpec(y, x);
   }
+  absl::StatusOr<WithSum> ForwardResidual(const ColoTensor& x, const ColoTensor& residual) override {
+    RETURN_IF_ERROR(NoShardedLastDim(x, type()));
+    if (x.global_shape() != residual.global_shape() || !CheckSpec(residual, x.spec(), "the residual").ok()) {
+      return Layer::ForwardResidual(x, residual);  // its error
+    }
+    std::optional<Variable> b;
+    if (b_.has_value()) b = b_->param.variable();
+    ASSIGN_OR_RETURN(nn::ResidualNorm r, nn::AddNorm(x.variable(), residual.variable(), g_.param.variable(), b, eps_));
+    ASSIGN_OR_RETURN(ColoTensor sum, SameSpec(r.sum, x));
+    ASSIGN_OR_RETURN(ColoTensor y, SameSpec(r.y, x));
+    return WithSum{std::move(sum), std::move(y)};
+  }
   absl::StatusOr<DistSpec> InputSpec(int64_t) const override { return DistSpec(); }
   std::vector<BoundParam> Params() override { return List(g_, b_); }
 
@@ -377,6 +389,10 @@ class Norm1DLayer : public Layer {
   }
   std::string type() const override { return "Norm1D"; }
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override { return layer_.Forward(x); }
+  absl::StatusOr<WithSum> ForwardResidual(const ColoTensor& x, const ColoTensor& residual) override {
+    ASSIGN_OR_RETURN(nn::Norm1D::WithSum r, layer_.Forward(x, residual));
+    return WithSum{std::move(r.sum), std::move(r.y)};
+  }
   absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override {
     return sp_ ? TpShard(ndim - 2, p_) : DistSpec();
   }

@@ -59,10 +59,10 @@ absl::StatusOr<ColoTensor> MlpForward(Module& self, const ColoTensor& x) {
 absl::StatusOr<ColoTensor> DecoderLayerForward(Module& self, const ColoTensor& x) {
   ASSIGN_OR_RETURN(ColoTensor h, self.Call("input_layernorm", x));
   ASSIGN_OR_RETURN(ColoTensor a, self.Call("self_attn", h));
-  ASSIGN_OR_RETURN(ColoTensor x1, AddActivations(x, a));
-  ASSIGN_OR_RETURN(ColoTensor h2, self.Call("post_attention_layernorm", x1));
-  ASSIGN_OR_RETURN(ColoTensor m, self.Call("mlp", h2));
-  return AddActivations(x1, m);
+  // x1 = x + a and its norm, one kernel where the norm can.
+  ASSIGN_OR_RETURN(Layer::WithSum x1, self.CallResidual("post_attention_layernorm", x, a));
+  ASSIGN_OR_RETURN(ColoTensor m, self.Call("mlp", x1.y));
+  return AddActivations(x1.sum, m);
 }
 
 // LlamaModel; with sequence_parallel the embeddings are split along the

@@ -105,6 +105,23 @@ absl::StatusOr<ColoTensor> Layer::ForwardWithEpilogue(const ColoTensor& x, nn::E
   return ApplyEpilogue(y, epilogue);
 }
 
+absl::StatusOr<Layer::WithSum> Layer::ForwardResidual(const ColoTensor& x, const ColoTensor& residual) {
+  ASSIGN_OR_RETURN(ColoTensor sum, AddActivations(x, residual));
+  ASSIGN_OR_RETURN(ColoTensor y, Forward(sum));
+  return WithSum{std::move(sum), std::move(y)};
+}
+
+absl::StatusOr<Layer::WithSum> Module::CallResidual(const std::string& path, const ColoTensor& x,
+                                                    const ColoTensor& residual) {
+  ASSIGN_OR_RETURN(Module * m, Get(path));
+  if (!m->decl_.has_value() || m->layer_ == nullptr) {
+    ASSIGN_OR_RETURN(ColoTensor sum, AddActivations(x, residual));
+    ASSIGN_OR_RETURN(ColoTensor y, m->Forward(sum));
+    return Layer::WithSum{std::move(sum), std::move(y)};
+  }
+  return m->layer_->ForwardResidual(x, residual);
+}
+
 absl::StatusOr<ColoTensor> Module::Forward(const ColoTensor& x, nn::Epilogue epilogue) {
   if (decl_.has_value() && layer_ != nullptr) return layer_->ForwardWithEpilogue(x, epilogue);
   ASSIGN_OR_RETURN(ColoTensor y, Forward(x));

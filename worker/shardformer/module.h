@@ -66,6 +66,12 @@ class Layer {
   // linear that adds its bias to its local output overrides this to fuse the
   // bias and the epilogue: one kernel forward, one backward.
   virtual absl::StatusOr<ColoTensor> ForwardWithEpilogue(const ColoTensor& x, nn::Epilogue epilogue);
+  // The layer on a residual stream: sum = x + residual (AddActivations) and
+  // Forward(sum). A norm overrides this to add and normalize in one kernel.
+  struct WithSum {
+    ColoTensor sum, y;
+  };
+  virtual absl::StatusOr<WithSum> ForwardResidual(const ColoTensor& x, const ColoTensor& residual);
   // The spec this layer wants a rank-`ndim` input in; where a forward
   // rebuilds an activation from local pieces (attention heads), it uses this.
   virtual absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const = 0;
@@ -116,6 +122,11 @@ class Module {
   // Get(path)->Forward(x) and Get(path)->Forward(x, epilogue).
   absl::StatusOr<ColoTensor> Call(const std::string& path, const ColoTensor& x);
   absl::StatusOr<ColoTensor> Call(const std::string& path, const ColoTensor& x, nn::Epilogue epilogue);
+  // The leaf at `path` on x + residual, returned with the sum: a block's
+  // "x1 = x + attn(h); h2 = ln_2(x1)" is CallResidual("ln_2", x, a), which a
+  // norm computes in one kernel (Layer::ForwardResidual).
+  absl::StatusOr<Layer::WithSum> CallResidual(const std::string& path, const ColoTensor& x,
+                                              const ColoTensor& residual);
 
  private:
   std::string cls_;

@@ -188,6 +188,16 @@ TEST_F(CudaLayerOps, ElementwiseAndNormsMatchTheCpu) {
   auto rn = RmsNorm(x, g, 1e-6f);
   auto drn = RmsNorm(Dev(x), Dev(g), 1e-6f);
   ExpectNear(drn->y, rn->y, 1e-5, "rms_norm");
+  // With a residual: the sum and the norm in one kernel, as on the CPU.
+  const LayerNormResult rln = *LayerNorm(x, g, b, 1e-5f, &dy);
+  const Tensor ddy = Dev(dy);
+  const LayerNormResult drln = *LayerNorm(Dev(x), Dev(g), Dev(b), 1e-5f, &ddy);
+  ExpectNear(drln.sum, rln.sum, 1e-6, "residual sum");
+  ExpectNear(drln.y, rln.y, 1e-5, "residual layer_norm");
+  ExpectNear(drln.rstd, rln.rstd, 1e-5, "residual layer_norm rstd");
+  const RmsNormResult rrn = *RmsNorm(x, g, 1e-6f, &dy), drrn = *RmsNorm(Dev(x), Dev(g), 1e-6f, &ddy);
+  ExpectNear(drrn.sum, rrn.sum, 1e-6, "residual sum (rms)");
+  ExpectNear(drrn.y, rrn.y, 1e-5, "residual rms_norm");
   auto rg = RmsNormBackward(dy, x, g, rn->rstd);
   auto drg = RmsNormBackward(Dev(dy), Dev(x), Dev(g), drn->rstd);
   ExpectNear(drg->dx, rg->dx, 1e-4, "rms_norm dx");
@@ -236,6 +246,16 @@ TEST_F(CudaLayerOps, HalfTypesAreComputedInF32AndRoundedOnce) {
       const LayerNormResult ln = *LayerNorm(in(x), in(g), in(b), 1e-5f);
       const LayerNormResult ln32 = *LayerNorm(wide(x), wide(g), wide(b), 1e-5f);
       check(ln.y, ln32.y, where + " layer_norm");
+      // With a residual the sum is rounded before the norm, as by an add:
+      // the same as the add then the norm on the device too.
+      const Tensor res = in(dy);
+      const LayerNormResult rln = *LayerNorm(in(x), in(g), in(b), 1e-5f, &res);
+      const Tensor added = *(*Add(in(x), res)).To(Device::Cpu());
+      EXPECT_EQ(rln.sum.ToBytes(), added.ToBytes()) << where << " " << name;
+      check(rln.y, (*LayerNorm(wide(added), wide(g), wide(b), 1e-5f)).y, where + " residual layer_norm");
+      const RmsNormResult rrn = *RmsNorm(in(x), in(g), 1e-6f, &res);
+      EXPECT_EQ(rrn.sum.ToBytes(), added.ToBytes()) << where << " " << name;
+      check(rrn.y, (*RmsNorm(wide(added), wide(g), 1e-6f)).y, where + " residual rms_norm");
       EXPECT_EQ(ln.rstd.dtype(), DType::kF32);
       const LayerNormGrads lg = *LayerNormBackward(in(dy), in(x), in(g), ln.mean, ln.rstd);
       const LayerNormGrads lg32 = *LayerNormBackward(wide(dy), wide(x), wide(g), ln32.mean, ln32.rstd);

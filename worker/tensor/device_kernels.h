@@ -53,13 +53,14 @@ struct DeviceKernels {
                                void* db, int64_t rows, int64_t n, bool tanh_approx);
   absl::Status (*Silu)(int device, ElemType type, const void* x, void* y, int64_t n);
   absl::Status (*SiluBackward)(int device, ElemType type, const void* dy, const void* x, void* dx, int64_t n);
-  absl::Status (*LayerNorm)(int device, ElemType type, const void* x, const void* g, const void* b, float eps,
-                            void* y, float* mean, float* rstd, int64_t rows, int64_t n);
+  absl::Status (*LayerNorm)(int device, ElemType type, const void* x, const void* residual, const void* g,
+                            const void* b, float eps, void* y, void* sum, float* mean, float* rstd, int64_t rows,
+                            int64_t n);
   absl::Status (*LayerNormBackward)(int device, ElemType type, const void* dy, const void* x, const void* g,
                                     const float* mean, const float* rstd, void* dx, void* dg, void* db, int64_t rows,
                                     int64_t n);
-  absl::Status (*RmsNorm)(int device, ElemType type, const void* x, const void* g, float eps, void* y, float* rstd,
-                          int64_t rows, int64_t n);
+  absl::Status (*RmsNorm)(int device, ElemType type, const void* x, const void* residual, const void* g, float eps,
+                          void* y, void* sum, float* rstd, int64_t rows, int64_t n);
   absl::Status (*RmsNormBackward)(int device, ElemType type, const void* dy, const void* x, const void* g,
                                   const float* rstd, void* dx, void* dg, int64_t rows, int64_t n);
   absl::Status (*NormRowSums)(int device, ElemType type, const void* x, const float* center, bool square,

@@ -247,7 +247,30 @@ absl::StatusOr<Tensor> SiluBackward(const Tensor& dy, const Tensor& x) {
                                 void* out, int64_t n) { return k.SiluBackward(d, t, g, in, out, n); });
 }
 
-absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps) {
+namespace {
+
+// A norm's residual in the kernel type, contiguous, and the sum's place
+// (both empty without a residual).
+struct ResidualArgs {
+  bool present = false;
+  Tensor residual, sum;
+  const void* in() const { return present ? residual.raw_data() : nullptr; }
+  void* out() { return present ? sum.raw_data() : nullptr; }
+};
+
+absl::StatusOr<ResidualArgs> Residual(const Tensor& x, const Tensor* residual, DType type, const char* op) {
+  if (residual == nullptr) return ResidualArgs{};
+  RETURN_IF_ERROR(SameShapes(x, *residual, op));
+  RETURN_IF_ERROR(SameDevice(op, x.device(), {residual}));
+  ASSIGN_OR_RETURN(Tensor r, AsFloat(*residual, type, op));
+  ASSIGN_OR_RETURN(Tensor sum, Tensor::Empty(x.shape(), type, x.device()));
+  return ResidualArgs{true, std::move(r), std::move(sum)};
+}
+
+}  // namespace
+
+absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+                                          const Tensor* residual) {
   const Device dev = x.device();
   const int64_t n = LastDim(x);
   if (x.dim() == 0 || gamma.shape() != Shape{n} || beta.shape() != Shape{n}) {
@@ -264,9 +287,10 @@ absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, 
   ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), type, dev));
   ASSIGN_OR_RETURN(Tensor mean, Tensor::Empty({rows}, DType::kF32, dev));
   ASSIGN_OR_RETURN(Tensor rstd, Tensor::Empty({rows}, DType::kF32, dev));
-  RETURN_IF_ERROR(k->LayerNorm(dev.index, Elem(type), cx.raw_data(), cg.raw_data(), cb.raw_data(), eps, y.raw_data(),
-                               F(mean), F(rstd), rows, n));
-  return LayerNormResult{std::move(y), std::move(mean), std::move(rstd)};
+  ASSIGN_OR_RETURN(ResidualArgs res, Residual(x, residual, type, "layer_norm"));
+  RETURN_IF_ERROR(k->LayerNorm(dev.index, Elem(type), cx.raw_data(), res.in(), cg.raw_data(), cb.raw_data(), eps,
+                               y.raw_data(), res.out(), F(mean), F(rstd), rows, n));
+  return LayerNormResult{std::move(y), std::move(mean), std::move(rstd), std::move(res.sum)};
 }
 
 absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
@@ -294,7 +318,7 @@ absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor&
   return LayerNormGrads{std::move(dx), std::move(dgamma), std::move(dbeta)};
 }
 
-absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, float eps) {
+absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, float eps, const Tensor* residual) {
   const Device dev = x.device();
   const int64_t n = LastDim(x);
   if (x.dim() == 0 || gamma.shape() != Shape{n}) {
@@ -308,9 +332,10 @@ absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, floa
   const int64_t rows = n == 0 ? 0 : cx.numel() / n;
   ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), type, dev));
   ASSIGN_OR_RETURN(Tensor rstd, Tensor::Empty({rows}, DType::kF32, dev));
-  RETURN_IF_ERROR(
-      k->RmsNorm(dev.index, Elem(type), cx.raw_data(), cg.raw_data(), eps, y.raw_data(), F(rstd), rows, n));
-  return RmsNormResult{std::move(y), std::move(rstd)};
+  ASSIGN_OR_RETURN(ResidualArgs res, Residual(x, residual, type, "rms_norm"));
+  RETURN_IF_ERROR(k->RmsNorm(dev.index, Elem(type), cx.raw_data(), res.in(), cg.raw_data(), eps, y.raw_data(),
+                             res.out(), F(rstd), rows, n));
+  return RmsNormResult{std::move(y), std::move(rstd), std::move(res.sum)};
 }
 
 absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,

@@ -64,10 +64,17 @@ absl::StatusOr<Tensor> SiluBackward(const Tensor& dy, const Tensor& x);
 // LayerNorm over the last dim: y = (x - mean) * rstd * gamma + beta, with
 // rstd = 1 / sqrt(var + eps) (biased variance). mean and rstd ([rows], f32)
 // are kept for the backward.
+// With a residual (the norm of a residual stream, as a transformer block's
+// x + attn(x) before its second norm), sum = x + residual is computed in the
+// same kernel, returned, and normalized: the result of Add then LayerNorm,
+// bit for bit, one kernel instead of two. The backward is LayerNormBackward
+// at x = sum.
 struct LayerNormResult {
   Tensor y, mean, rstd;
+  Tensor sum;  // x + residual, where a residual was given
 };
-absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps);
+absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+                                          const Tensor* residual = nullptr);
 struct LayerNormGrads {
   Tensor dx, dgamma, dbeta;
 };
@@ -76,10 +83,13 @@ absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor&
 
 // RMSNorm over the last dim (LLaMA): y = x * rstd * gamma, rstd =
 // 1 / sqrt(mean(x^2) + eps); rstd ([rows], f32) is kept for the backward.
+// The residual as for LayerNorm.
 struct RmsNormResult {
   Tensor y, rstd;
+  Tensor sum;  // x + residual, where a residual was given
 };
-absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, float eps);
+absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, float eps,
+                                      const Tensor* residual = nullptr);
 struct RmsNormGrads {
   Tensor dx, dgamma;
 };

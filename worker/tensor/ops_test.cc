@@ -243,6 +243,33 @@ std::vector<double> NumericGrad(const std::vector<float>& x0, const std::functio
   return g;
 }
 
+// A norm given a residual is Add then the norm, bit for bit, in f32 and in
+// bf16 (the sum is rounded before it is normalized, as the add's output is);
+// the sum comes back too. A residual that does not match is an error.
+TEST(CpuKernels, NormsOfAResidualStreamAreAddThenNorm) {
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    const Tensor x = *Random({4, 3, 50}, 60).ToDType(t), r = *Random({4, 3, 50}, 61).ToDType(t);
+    const Tensor g = *Random({50}, 62).ToDType(t), b = *Random({50}, 63).ToDType(t);
+    const Tensor sum = *Add(x, r);
+    auto ln = LayerNorm(x, g, b, 1e-5f, &r);
+    ASSERT_TRUE(ln.ok()) << ln.status();
+    const LayerNormResult want = *LayerNorm(sum, g, b, 1e-5f);
+    EXPECT_EQ(ln->sum.ToBytes(), sum.ToBytes()) << DTypeName(t);
+    EXPECT_EQ(ln->y.ToBytes(), want.y.ToBytes()) << DTypeName(t);
+    EXPECT_EQ(ln->mean.ToBytes(), want.mean.ToBytes()) << DTypeName(t);
+    EXPECT_EQ(ln->rstd.ToBytes(), want.rstd.ToBytes()) << DTypeName(t);
+    auto rn = RmsNorm(x, g, 1e-6f, &r);
+    ASSERT_TRUE(rn.ok()) << rn.status();
+    const RmsNormResult rwant = *RmsNorm(sum, g, 1e-6f);
+    EXPECT_EQ(rn->sum.ToBytes(), sum.ToBytes()) << DTypeName(t);
+    EXPECT_EQ(rn->y.ToBytes(), rwant.y.ToBytes()) << DTypeName(t);
+    EXPECT_EQ(rn->rstd.ToBytes(), rwant.rstd.ToBytes()) << DTypeName(t);
+    const Tensor bad = *Random({4, 3, 49}, 64).ToDType(t);
+    EXPECT_EQ(LayerNorm(x, g, b, 1e-5f, &bad).status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(RmsNorm(x, g, 1e-6f, &bad).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
 TEST(CpuKernels, RmsNormForwardAndBackward) {
   const int64_t n = 13;
   const Tensor x = Random({4, n}, 20, 2.0f), g = Random({n}, 21), dy = Random({4, n}, 22);
