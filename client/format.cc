@@ -62,9 +62,9 @@ std::string RenderWorkersTable(const std::vector<v1::Worker>& workers, absl::Tim
     if (i.device_kind() == v1::DEVICE_KIND_CUDA) {
       absl::StrAppend(&device, ":", i.device_ordinal(), " (", i.device_name(), ")");
     }
-    rows.push_back({i.worker_id(), i.address(), i.host(), device,
-                    EnumSuffix(v1::WorkerState_Name(w.state()), "WORKER_STATE_"),
-                    Age(w.last_heartbeat_time(), now)});
+    std::string state = EnumSuffix(v1::WorkerState_Name(w.state()), "WORKER_STATE_");
+    if (!w.lost_reason().empty()) absl::StrAppend(&state, " (", w.lost_reason(), ")");
+    rows.push_back({i.worker_id(), i.address(), i.host(), device, state, Age(w.last_heartbeat_time(), now)});
   }
   return RenderTable({"ID", "ADDRESS", "HOST", "DEVICE", "STATE", "LAST HEARTBEAT"}, rows);
 }

@@ -27,6 +27,11 @@ TEST(RenderWorkersTable, ShowsDeviceStateAndHeartbeatAge) {
   EXPECT_EQ(table,
             "ID             ADDRESS         HOST   DEVICE         STATE  LAST HEARTBEAT\n"
             "worker-000001  127.0.0.1:7071  node1  cuda:3 (H100)  idle   2.0s ago\n");
+  // A lost worker says why.
+  w.set_state(v1::WORKER_STATE_LOST);
+  w.set_lost_reason("left: shutting down");
+  EXPECT_NE(RenderWorkersTable({w}, absl::FromUnixSeconds(1002)).find("  lost (left: shutting down)  2.0s ago\n"),
+            std::string::npos);
 }
 
 TEST(RenderJson, UsesProto3JsonNames) {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
+#include "common/logging.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "server/rpc_metrics.h"
@@ -63,6 +64,20 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext* ctx, const v
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
     ASSIGN_OR_RETURN(absl::Time expiry, workers_->Heartbeat(req->worker_id(), req->status()));
     *resp->mutable_lease_expire_time() = ToProtoTimestamp(expiry);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status CoordinatorServiceImpl::DeregisterWorker(grpc::ServerContext* ctx,
+                                                      const v1::DeregisterWorkerRequest* req,
+                                                      v1::DeregisterWorkerResponse*) {
+  return Instrument(ctx, "DeregisterWorker", [&]() -> absl::Status {
+    RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
+    if (req->reason().size() > 1024) return absl::InvalidArgumentError("reason: longer than 1024 bytes");
+    RETURN_IF_ERROR(workers_->Deregister(req->worker_id(), req->reason()));
+    COLOD_LOG(INFO) << "worker " << req->worker_id() << " left"
+                    << (req->reason().empty() ? "" : absl::StrCat(": ", req->reason()));
+    if (scheduler_ != nullptr) scheduler_->Wake();  // its job ends now, not at the next sweep
     return absl::OkStatus();
   });
 }

@@ -31,6 +31,8 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
                               v1::RegisterWorkerResponse*) override;
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*,
                          v1::HeartbeatResponse*) override;
+  grpc::Status DeregisterWorker(grpc::ServerContext*, const v1::DeregisterWorkerRequest*,
+                                v1::DeregisterWorkerResponse*) override;
   grpc::Status ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
                            v1::ListWorkersResponse*) override;
   grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest*,

@@ -7,6 +7,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "client/coordinator_client.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
@@ -124,7 +125,13 @@ TEST_F(CoordinatorTest, JobsAreValidatedAndWatchable) {
   }
 
   std::thread canceller([&] {
-    absl::SleepFor(absl::Milliseconds(100));
+    // Once the scheduler said why the job waits (no worker registered).
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      auto got = client_->GetJob(job->job_id());
+      if (got.ok() && absl::StrContains(got->reason(), "needs 4 workers")) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
     grpc::ClientContext ctx;
     v1::CancelJobRequest req;
     req.set_job_id(job->job_id());
@@ -143,10 +150,14 @@ TEST_F(CoordinatorTest, JobsAreValidatedAndWatchable) {
   grpc::Status st = reader->Finish();
   canceller.join();
   EXPECT_TRUE(st.ok()) << st.error_message();
-  ASSERT_EQ(events.size(), 2u);  // the stream ends after the final state
+  ASSERT_EQ(events.size(), 3u);  // the stream ends after the final state
   EXPECT_EQ(events[0].state_change().state(), v1::JOB_STATE_PENDING);
-  EXPECT_EQ(events[1].state_change().state(), v1::JOB_STATE_CANCELLED);
-  EXPECT_EQ(events[1].sequence(), 2);
+  EXPECT_EQ(events[1].state_change().state(), v1::JOB_STATE_PENDING);  // still, and why
+  EXPECT_EQ(events[1].state_change().reason(),
+            "waiting for workers: needs 4 workers of one device kind; 0 registered (0 cpu, 0 cuda), 0 idle; "
+            "jobs behind it that fit run first");
+  EXPECT_EQ(events[2].state_change().state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(events[2].sequence(), 3);
 
   grpc::ClientContext ctx2;
   req.set_job_id("job-999999");

@@ -58,7 +58,8 @@ class JobManager {
   // PENDING -> SCHEDULED with the mesh (ranks assigned) and a new
   // generation. FAILED_PRECONDITION unless the job is PENDING.
   absl::StatusOr<v1::Job> Schedule(absl::string_view job_id, const v1::MeshSpec& mesh);
-  // Moves a job that has not ended to `state` (RUNNING or a final state).
+  // Moves a job that has not ended to `state` (RUNNING or a final state; or
+  // PENDING again, with a new reason, while it waits).
   // FAILED_PRECONDITION if it already ended.
   absl::StatusOr<v1::Job> SetState(absl::string_view job_id, v1::JobState state, absl::string_view reason);
   // Appends rank 0's step (and records step, loss and checkpoint on the

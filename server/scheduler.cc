@@ -90,7 +90,8 @@ void Scheduler::Tick() {
         p.ended.insert(a.rank());
         if (!p.final) {
           EndLocked(p, v1::JOB_STATE_FAILED,
-                    absl::StrCat(RankName(p.mesh, a.rank()), " was lost: no heartbeat within its lease"), a.rank());
+                    absl::StrCat(RankName(p.mesh, a.rank()), " was lost: ", workers_->LostReason(a.worker_id())),
+                    a.rank());
         }
       }
     }
@@ -103,6 +104,11 @@ void Scheduler::Tick() {
 
 void Scheduler::ScheduleQueued() {
   std::vector<v1::Job> pending = jobs_->List({v1::JOB_STATE_PENDING});
+  for (auto it = waiting_.begin(); it != waiting_.end();) {  // cancelled while waiting
+    const bool still = std::any_of(pending.begin(), pending.end(),
+                                   [&](const v1::Job& j) { return j.job_id() == it->first; });
+    it = still ? std::next(it) : waiting_.erase(it);
+  }
   if (pending.empty()) return;
   std::set<std::string> held;
   {
@@ -114,7 +120,9 @@ void Scheduler::ScheduleQueued() {
     }
   }
   std::vector<v1::WorkerInfo> cpu, cuda;
+  int registered_cpu = 0, registered_cuda = 0;  // busy or not
   for (const v1::Worker& w : workers_->List(/*include_lost=*/false)) {
+    ++(w.info().device_kind() == v1::DEVICE_KIND_CUDA ? registered_cuda : registered_cpu);
     // A worker still winding down a rank says BUSY until its next heartbeat.
     if (held.count(w.info().worker_id()) || w.status().state() == v1::WORKER_STATE_BUSY) continue;
     (w.info().device_kind() == v1::DEVICE_KIND_CUDA ? cuda : cpu).push_back(w.info());
@@ -127,11 +135,25 @@ void Scheduler::ScheduleQueued() {
     }
     std::vector<v1::WorkerInfo>& pool = static_cast<int>(cuda.size()) >= mesh->world_size() ? cuda : cpu;
     absl::StatusOr<v1::MeshSpec> placed = AssignRanks(*mesh, pool);
-    if (absl::IsResourceExhausted(placed.status())) {  // first come, first served: the queue waits
-      const std::string why(placed.status().message());
-      if (waiting_[job.job_id()] != why) COLOD_LOG(INFO) << "job " << job.job_id() << " waits: " << why;
+    if (absl::IsResourceExhausted(placed.status())) {
+      // First come, first served while the job fits the registered workers
+      // of a device kind: it waits for busy ones and holds the queue (no job
+      // behind it can starve it). One that needs more workers than are
+      // registered cannot start until workers join, so jobs behind it that
+      // fit go first (backfill).
+      const int world = mesh->world_size();
+      const bool fits_cluster = world <= std::max(registered_cpu, registered_cuda);
+      const std::string why = absl::StrCat(
+          "waiting for workers: needs ", world, " workers of one device kind; ", registered_cpu + registered_cuda,
+          " registered (", registered_cpu, " cpu, ", registered_cuda, " cuda), ", cpu.size() + cuda.size(),
+          " idle", fits_cluster ? "" : "; jobs behind it that fit run first");
+      if (waiting_[job.job_id()] != why) {
+        COLOD_LOG(INFO) << "job " << job.job_id() << " " << why;
+        (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_PENDING, why);  // PENDING says why
+      }
       waiting_[job.job_id()] = why;
-      return;
+      if (fits_cluster) return;
+      continue;
     }
     waiting_.erase(job.job_id());
     if (!placed.ok()) {

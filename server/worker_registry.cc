@@ -74,6 +74,25 @@ absl::StatusOr<absl::Time> WorkerRegistry::Heartbeat(absl::string_view worker_id
   return now + options_.lease_duration;
 }
 
+absl::Status WorkerRegistry::Deregister(absl::string_view worker_id, absl::string_view reason) {
+  absl::MutexLock lock(&mu_);
+  SweepLocked(options_.clock->Now());
+  auto it = workers_.find(std::string(worker_id));
+  if (it == workers_.end()) return absl::NotFoundError(absl::StrCat("unknown worker '", worker_id, "'"));
+  if (!it->second.lost) {
+    it->second.lost = true;
+    it->second.lost_reason = absl::StrCat("left: ", reason.empty() ? "deregistered" : reason);
+  }
+  return absl::OkStatus();
+}
+
+std::string WorkerRegistry::LostReason(absl::string_view worker_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(std::string(worker_id));
+  if (it == workers_.end()) return "no longer registered";
+  return it->second.lost ? it->second.lost_reason : "not lost";
+}
+
 std::vector<v1::Worker> WorkerRegistry::List(bool include_lost) {
   absl::MutexLock lock(&mu_);
   SweepLocked(options_.clock->Now());
@@ -101,6 +120,7 @@ std::vector<std::string> WorkerRegistry::SweepLocked(absl::Time now) {
     }
     if (!e.lost && silent > options_.lease_duration) {
       e.lost = true;
+      e.lost_reason = absl::StrCat("no heartbeat within ", absl::FormatDuration(options_.lease_duration));
       newly_lost.push_back(it->first);
     }
     ++it;
@@ -129,7 +149,10 @@ v1::Worker WorkerRegistry::ToProto(const Entry& e) const {
   *w.mutable_info() = e.info;
   *w.mutable_status() = e.status;
   w.set_state(e.lost ? v1::WORKER_STATE_LOST : e.status.state());
-  if (e.lost) w.mutable_status()->set_state(v1::WORKER_STATE_LOST);
+  if (e.lost) {
+    w.mutable_status()->set_state(v1::WORKER_STATE_LOST);
+    w.set_lost_reason(e.lost_reason);
+  }
   *w.mutable_register_time() = ToProtoTimestamp(e.register_time);
   *w.mutable_last_heartbeat_time() = ToProtoTimestamp(e.last_heartbeat);
   return w;

@@ -54,6 +54,14 @@ class WorkerRegistry {
   // for an unknown worker or one whose lease already expired.
   absl::StatusOr<absl::Time> Heartbeat(absl::string_view worker_id, const v1::WorkerStatus& status);
 
+  // The worker leaves now (it stops cleanly): LOST with `reason` ("left:
+  // REASON"), as if its lease had expired. NOT_FOUND for an unknown id.
+  absl::Status Deregister(absl::string_view worker_id, absl::string_view reason);
+
+  // Why a LOST worker is lost ("no heartbeat within 10s", "left: ..."); for
+  // a forgotten or unknown id, that it is no longer registered.
+  std::string LostReason(absl::string_view worker_id);
+
   // Workers sorted by id; LOST ones only if include_lost.
   std::vector<v1::Worker> List(bool include_lost);
 
@@ -70,6 +78,7 @@ class WorkerRegistry {
     v1::WorkerInfo info;
     v1::WorkerStatus status;
     bool lost = false;
+    std::string lost_reason;  // once lost
     absl::Time register_time;
     absl::Time last_heartbeat;
   };

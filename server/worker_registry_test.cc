@@ -90,6 +90,31 @@ TEST_F(WorkerRegistryTest, LeaseExpiryMarksLostAndForcesReRegistration) {
   EXPECT_TRUE(registry_.List(true).empty());  // dropped: it must register again
 }
 
+// A worker that deregisters is LOST at once, with the reason it gave, and
+// stays so (a later sweep does not change its reason); the lease-expired
+// reason says how long the lease was. Unknown ids are NOT_FOUND.
+TEST_F(WorkerRegistryTest, DeregisteredWorkersAreLostAtOnceWithTheirReason) {
+  auto a = registry_.Register(Info("h:1"));
+  auto b = registry_.Register(Info("h:2"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE(registry_.Deregister(a->worker_id, "shutting down").ok());
+  const std::vector<v1::Worker> live = registry_.List(false);
+  ASSERT_EQ(live.size(), 1u);
+  EXPECT_EQ(live[0].info().worker_id(), b->worker_id);
+  EXPECT_EQ(registry_.LostReason(a->worker_id), "left: shutting down");
+  EXPECT_EQ(registry_.CountByState()["lost"], 1);
+  clock_.Advance(absl::Seconds(6));
+  EXPECT_EQ(registry_.Sweep(), std::vector<std::string>{b->worker_id});  // a was already lost
+  EXPECT_EQ(registry_.LostReason(a->worker_id), "left: shutting down");
+  EXPECT_EQ(registry_.LostReason(b->worker_id), "no heartbeat within 5s");
+  for (const v1::Worker& w : registry_.List(true)) {
+    EXPECT_EQ(w.lost_reason(), registry_.LostReason(w.info().worker_id()));
+  }
+  EXPECT_EQ(registry_.Deregister("worker-999", "").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry_.LostReason("worker-999"), "no longer registered");
+  EXPECT_EQ(registry_.Heartbeat(a->worker_id, v1::WorkerStatus()).status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(WorkerRegistryTest, LostWorkersAreForgottenEventually) {
   ASSERT_TRUE(registry_.Register(Info("h:1")).ok());
   clock_.Advance(absl::Seconds(6));

@@ -479,6 +479,64 @@ TEST_F(JobsTest, AWorkerKilledMidJobFailsTheJobAndFreesTheOthers) {
   EXPECT_TRUE(lost);
 }
 
+// A worker stopped cleanly (SIGTERM) leaves the registry at once, saying
+// so, instead of waiting out its lease: the next job is placed on the
+// others. Here that job needs exactly the 3 workers left.
+TEST_F(JobsTest, AWorkerThatStopsCleanlyLeavesAndTheNextJobRunsElsewhere) {
+  const std::string gone = workers_[2].grpc;
+  workers_[2].process->Signal(SIGTERM);
+  ASSERT_EQ(workers_[2].process->Wait(absl::Seconds(20)), 0) << Logs();
+  auto listed = client_->ListWorkers(/*include_lost=*/true);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  int live = 0;
+  for (const v1::Worker& w : *listed) {
+    if (w.info().address() == gone) {
+      EXPECT_EQ(w.state(), v1::WORKER_STATE_LOST);
+      EXPECT_TRUE(absl::StartsWith(w.lost_reason(), "left: ")) << w.lost_reason();  // not a lease expiry
+    } else {
+      live += w.state() != v1::WORKER_STATE_LOST;
+    }
+  }
+  EXPECT_EQ(live, 3);
+  train::TrainOptions o = Options(2);
+  o.shard.layout.set_tensor_parallel_size(1);
+  o.shard.layout.set_data_parallel_size(3);
+  o.batch_size = 3;
+  auto job = client_->SubmitJob(Spec(o));
+  ASSERT_TRUE(job.ok()) << job.status();
+  Watch(job->job_id());
+  auto done = client_->GetJob(job->job_id());
+  ASSERT_TRUE(done.ok());
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
+  for (const v1::RankAssignment& a : done->mesh().ranks()) EXPECT_NE(a.worker_address(), gone);
+}
+
+// A job bigger than the cluster waits, saying what it needs and what there
+// is, and does not hold back a job behind it that fits (backfill); a job
+// that fits the cluster but not its idle workers keeps its place (FIFO).
+TEST_F(JobsTest, AJobTooBigForTheClusterWaitsWithoutBlockingTheQueue) {
+  train::TrainOptions big = Options(2);
+  big.shard.layout.set_tensor_parallel_size(4);
+  big.shard.layout.set_data_parallel_size(2);
+  auto waiting = client_->SubmitJob(Spec(big));
+  ASSERT_TRUE(waiting.ok()) << waiting.status();
+  train::TrainOptions small = Options(2);
+  small.shard.layout.set_tensor_parallel_size(1);
+  small.shard.layout.set_data_parallel_size(1);
+  auto job = client_->SubmitJob(Spec(small));
+  ASSERT_TRUE(job.ok()) << job.status();
+  Watch(job->job_id());
+  auto done = client_->GetJob(job->job_id());
+  ASSERT_TRUE(done.ok());
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
+  auto still = client_->GetJob(waiting->job_id());
+  ASSERT_TRUE(still.ok());
+  EXPECT_EQ(still->state(), v1::JOB_STATE_PENDING);
+  EXPECT_TRUE(absl::StrContains(still->reason(), "needs 8 workers of one device kind; 4 registered (4 cpu, 0 cuda)"))
+      << still->reason();
+  ASSERT_TRUE(client_->CancelJob(waiting->job_id(), "test over").ok());
+}
+
 TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
   auto uploaded = client_->UploadModel(TempPath("gpt2"), absl::Seconds(60));
   ASSERT_TRUE(uploaded.ok()) << uploaded.status();

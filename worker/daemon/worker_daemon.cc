@@ -209,6 +209,18 @@ absl::Status WorkerDaemon::HeartbeatOnce() {
   return absl::OkStatus();
 }
 
+absl::Status WorkerDaemon::DeregisterOnce(const std::string& id) {
+  grpc::ClientContext ctx;
+  // Shutting down: a coordinator that does not answer soon expires the lease anyway.
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::min(options_.rpc_timeout, absl::Seconds(2))));
+  AddAuthToken(ctx, options_.auth_token);
+  v1::DeregisterWorkerRequest req;
+  req.set_worker_id(id);
+  req.set_reason("the worker is shutting down");
+  v1::DeregisterWorkerResponse resp;
+  return FromGrpcStatus(coordinator_->DeregisterWorker(&ctx, req, &resp));
+}
+
 void WorkerDaemon::CoordinatorLoop() {
   absl::Duration backoff = options_.initial_backoff;
   int failures = 0;
@@ -261,6 +273,13 @@ void WorkerDaemon::Shutdown() {
   }
   COLOD_LOG(INFO) << "worker shutting down";
   if (loop_.joinable()) loop_.join();
+  // Leave the registry now, so no job is placed here meanwhile and a job
+  // running here ends at once, naming this worker.
+  if (const std::string id = worker_id(); !id.empty()) {
+    if (absl::Status s = DeregisterOnce(id); !s.ok()) {
+      COLOD_LOG(WARNING) << "could not deregister from " << options_.coordinator << ": " << s;
+    }
+  }
   StopGrpcServer(*grpc_.server, absl::Seconds(2));
   runner_.reset();  // aborts a running rank and waits for it
   metrics_.reset();

@@ -86,6 +86,8 @@ class WorkerDaemon {
   void CoordinatorLoop();
   absl::Status RegisterOnce();
   absl::Status HeartbeatOnce();
+  // Tells the coordinator this worker (id) leaves; Shutdown's last word.
+  absl::Status DeregisterOnce(const std::string& id);
   v1::WorkerInfo Info() const;
   v1::WorkerStatus Status() const;
 
