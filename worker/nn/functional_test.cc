@@ -134,7 +134,9 @@ TEST(Functional, AddNormIsAddThenTheNorm) {
     EXPECT_EQ(fx.grad()->ToBytes(), ux.grad()->ToBytes()) << what;
     EXPECT_EQ(fr.grad()->ToBytes(), ur.grad()->ToBytes()) << what;
     EXPECT_EQ(fg.grad()->ToBytes(), ug.grad()->ToBytes()) << what;
-    if (layer_norm) EXPECT_EQ(fb.grad()->ToBytes(), ub.grad()->ToBytes());
+    if (layer_norm) {
+      EXPECT_EQ(fb.grad()->ToBytes(), ub.grad()->ToBytes());
+    }
   }
   // Mixed dtypes are the add's business: AddNorm answers as Add does.
   Variable half(*x.ToDType(DType::kBF16));
