@@ -30,6 +30,7 @@ absl::Status RendezvousStore::Set(absl::string_view scope, absl::string_view key
         absl::StrCat("value: ", value.size(), " bytes is over the limit of ", kMaxValueBytes));
   }
   absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(OpenLocked(scope));
   kv_[{std::string(scope), std::string(key)}] = std::move(value);
   return absl::OkStatus();
 }
@@ -52,7 +53,7 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
   RETURN_IF_ERROR(ValidateTimeout(timeout));
   const std::string s(scope);
   auto all_set = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (closed_) return true;
+    if (closed_ || cancelled_.count(s)) return true;
     for (const std::string& k : keys) {
       if (kv_.find({s, k}) == kv_.end()) return false;
     }
@@ -60,7 +61,7 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
   };
   absl::MutexLock lock(&mu_);
   mu_.AwaitWithTimeout(absl::Condition(&all_set), timeout);
-  if (closed_) return absl::CancelledError("rendezvous store is shutting down");
+  RETURN_IF_ERROR(OpenLocked(scope));
   std::vector<std::string> values;
   std::vector<std::string> missing;
   for (const std::string& k : keys) {
@@ -89,7 +90,7 @@ absl::Status RendezvousStore::Barrier(absl::string_view scope, absl::string_view
   }
   RETURN_IF_ERROR(ValidateTimeout(timeout));
   absl::MutexLock lock(&mu_);
-  if (closed_) return absl::CancelledError("rendezvous store is shutting down");
+  RETURN_IF_ERROR(OpenLocked(scope));
   BarrierState& b = barriers_[{std::string(scope), std::string(name)}];
   if (b.world_size == 0) b.world_size = world_size;
   if (b.world_size != world_size) {
@@ -99,12 +100,13 @@ absl::Status RendezvousStore::Barrier(absl::string_view scope, absl::string_view
   if (b.released) return absl::OkStatus();
   b.arrived.insert(rank);
   if (static_cast<int>(b.arrived.size()) == b.world_size) b.released = true;
-  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return b.released || closed_; };
+  const std::string s(scope);
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return b.released || closed_ || cancelled_.count(s) > 0; };
   ++b.waiters;
   mu_.AwaitWithTimeout(absl::Condition(&done), timeout);
   --b.waiters;
   if (b.released) return absl::OkStatus();
-  if (closed_) return absl::CancelledError("rendezvous store is shutting down");
+  RETURN_IF_ERROR(OpenLocked(scope));
   std::vector<int> missing;
   for (int r = 0; r < b.world_size; ++r) {
     if (!b.arrived.count(r)) missing.push_back(r);
@@ -115,9 +117,23 @@ absl::Status RendezvousStore::Barrier(absl::string_view scope, absl::string_view
                                                   absl::StrJoin(missing, ", ")));
 }
 
+absl::Status RendezvousStore::OpenLocked(absl::string_view scope) const {
+  if (closed_) return absl::CancelledError("rendezvous store is shutting down");
+  if (cancelled_.count(std::string(scope))) {
+    return absl::CancelledError(absl::StrCat("scope '", scope, "' was aborted (the job generation stopped)"));
+  }
+  return absl::OkStatus();
+}
+
+void RendezvousStore::CancelScope(absl::string_view scope) {
+  absl::MutexLock lock(&mu_);
+  cancelled_.insert(std::string(scope));
+}
+
 void RendezvousStore::DeleteScope(absl::string_view scope) {
   absl::MutexLock lock(&mu_);
   const std::string s(scope);
+  cancelled_.erase(s);
   for (auto it = kv_.lower_bound({s, ""}); it != kv_.end() && it->first.first == s;) {
     it = kv_.erase(it);
   }

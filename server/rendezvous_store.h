@@ -40,6 +40,11 @@ class RendezvousStore {
                        absl::Duration timeout);
   // Drops every key and barrier of `scope` (a job generation that ended).
   void DeleteScope(absl::string_view scope);
+  // The generation of `scope` was aborted: its waiters wake with CANCELLED
+  // (so a rank blocked in its rendezvous is free at once, not at its
+  // timeout), and later sets, waits and barriers in it fail CANCELLED, until
+  // DeleteScope.
+  void CancelScope(absl::string_view scope);
   // Wakes every waiter with CANCELLED; later waits fail at once.
   void Close();
 
@@ -53,12 +58,15 @@ class RendezvousStore {
   };
   static absl::Status ValidateScopeKey(absl::string_view scope, absl::string_view key);
   static absl::Status ValidateTimeout(absl::Duration timeout);
+  // CANCELLED once closed or once `scope` was cancelled.
+  absl::Status OpenLocked(absl::string_view scope) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Mutex mu_;
   // (scope, key) -> value.
   std::map<std::pair<std::string, std::string>, std::string> kv_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, BarrierState> barriers_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<std::string> cancelled_ ABSL_GUARDED_BY(mu_);  // scopes
 };
 
 }  // namespace colod

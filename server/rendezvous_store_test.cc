@@ -85,5 +85,33 @@ TEST(RendezvousStore, CloseWakesWaiters) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
 }
 
+// An aborted generation's scope wakes its key waiters and barrier waiters
+// with CANCELLED at once and refuses later use; other scopes go on; after
+// DeleteScope the name is usable again.
+TEST(RendezvousStore, CancelScopeWakesItsWaitersOnly) {
+  RendezvousStore s;
+  ASSERT_TRUE(s.Set("other", "k", "v").ok());
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    s.CancelScope("job/gen-1");
+  });
+  const absl::Time start = absl::Now();
+  absl::Status barrier;
+  std::thread in_barrier([&] { barrier = s.Barrier("job/gen-1", "init", 0, 2, absl::Seconds(30)); });
+  auto r = s.Wait("job/gen-1", {"rank-1"}, absl::Seconds(30));
+  in_barrier.join();
+  canceller.join();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
+  EXPECT_NE(r.status().message().find("job/gen-1"), absl::string_view::npos) << r.status();
+  EXPECT_EQ(barrier.code(), absl::StatusCode::kCancelled) << barrier;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(s.Set("job/gen-1", "k", "v").code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(s.Wait("job/gen-1", {"k"}, absl::Seconds(1)).status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(*s.Get("other", "k"), "v");
+  EXPECT_EQ((*s.Wait("other", {"k"}, absl::Seconds(1)))[0], "v");
+  s.DeleteScope("job/gen-1");
+  EXPECT_TRUE(s.Set("job/gen-1", "k", "v").ok());
+}
+
 }  // namespace
 }  // namespace colod

@@ -110,13 +110,28 @@ void Scheduler::ScheduleQueued() {
     it = still ? std::next(it) : waiting_.erase(it);
   }
   if (pending.empty()) return;
-  std::set<std::string> held;
+  std::set<std::string> held;  // running a rank, or sitting out a refusal
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, p] : placed_) {
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
         if (!p.ended.count(a.rank())) held.insert(a.worker_id());
       }
+    }
+    const absl::Time now = absl::Now();
+    for (auto it = refused_until_.begin(); it != refused_until_.end();) {
+      if (it->second <= now) {
+        it = refused_until_.erase(it);
+      } else {
+        held.insert(it->first);
+        ++it;
+      }
+    }
+    for (auto it = refusals_.begin(); it != refusals_.end();) {  // jobs cancelled while queued again
+      const bool live = placed_.count(it->first) || std::any_of(pending.begin(), pending.end(), [&](const v1::Job& j) {
+                          return j.job_id() == it->first;
+                        });
+      it = live ? std::next(it) : refusals_.erase(it);
     }
   }
   std::vector<v1::WorkerInfo> cpu, cuda;
@@ -208,9 +223,22 @@ void Scheduler::Assign(const std::string& job_id) {
     // This rank and the ones after it never started.
     for (int r = a.rank(); r < p.mesh.world_size(); ++r) p.ended.insert(r);
     if (!p.final) {
-      EndLocked(p, v1::JOB_STATE_FAILED,
-                absl::StrCat(RankName(p.mesh, a.rank()), " refused the assignment: ", FromGrpcStatus(s).ToString()),
-                a.rank());
+      const std::string refusal =
+          absl::StrCat(RankName(p.mesh, a.rank()), " refused the assignment: ", FromGrpcStatus(s).ToString());
+      refused_until_[a.worker_id()] = absl::Now() + options_.refusal_cooloff;
+      std::vector<std::string>& refusals = refusals_[job_id];
+      refusals.push_back(refusal);
+      if (static_cast<int>(refusals.size()) < options_.max_placements) {
+        // Placed again once the ranks already started have stopped; the
+        // refusing worker sits out refusal_cooloff.
+        p.requeue = true;
+        p.requeue_reason = absl::StrCat(refusal, "; placing the job again (placement ",
+                                        refusals.size() + 1, " of ", options_.max_placements, ")");
+        StopRanksLocked(p, p.requeue_reason, a.rank());
+      } else {
+        EndLocked(p, v1::JOB_STATE_FAILED,
+                  absl::StrCat("every placement was refused: ", absl::StrJoin(refusals, "; ")), a.rank());
+      }
     }
     ReleaseLocked();
     return;
@@ -355,7 +383,18 @@ void Scheduler::ProbeFailedJobs() {
 
 void Scheduler::EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank) {
   (void)jobs_->SetState(p.job_id, state, reason);  // FAILED_PRECONDITION if it already ended
+  p.requeue = false;  // a cancel while it was being placed again ends it
+  StopRanksLocked(p, reason, except_rank);
+  if (state != v1::JOB_STATE_SUCCEEDED) {
+    COLOD_LOG(WARNING) << "job " << p.job_id << " " << JobStateName(state) << ": " << reason;
+  } else {
+    COLOD_LOG(INFO) << "job " << p.job_id << " succeeded";
+  }
+}
+
+void Scheduler::StopRanksLocked(Placed& p, const std::string& reason, int except_rank) {
   p.final = true;
+  store_->CancelScope(p.scope);  // ranks blocked in this generation's rendezvous are free at once
   for (const v1::RankAssignment& a : p.mesh.ranks()) {
     if (p.ended.count(a.rank()) || a.rank() == except_rank) continue;
     Abort abort;
@@ -365,11 +404,6 @@ void Scheduler::EndLocked(Placed& p, v1::JobState state, const std::string& reas
     abort.request.set_reason(reason);
     aborts_.push_back(std::move(abort));
   }
-  if (state != v1::JOB_STATE_SUCCEEDED) {
-    COLOD_LOG(WARNING) << "job " << p.job_id << " " << JobStateName(state) << ": " << reason;
-  } else {
-    COLOD_LOG(INFO) << "job " << p.job_id << " succeeded";
-  }
   wake_ = true;
 }
 
@@ -378,6 +412,12 @@ void Scheduler::ReleaseLocked() {
     Placed& p = it->second;
     if (p.final && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
       store_->DeleteScope(p.scope);
+      if (p.requeue) {
+        COLOD_LOG(WARNING) << "job " << p.job_id << ": " << p.requeue_reason;
+        (void)jobs_->SetState(p.job_id, v1::JOB_STATE_PENDING, p.requeue_reason);  // not if cancelled meanwhile
+      } else {
+        refusals_.erase(p.job_id);
+      }
       it = placed_.erase(it);
       wake_ = true;  // workers came free
     } else {

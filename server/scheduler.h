@@ -53,6 +53,13 @@ class Scheduler {
     // a worker that died or hangs (its peers' collectives fail first and
     // report only a broken connection). Zero: end at once, unprobed.
     absl::Duration probe_timeout = absl::Seconds(2);
+    // A worker that refuses an assignment (or does not answer it) gets no
+    // other assignment for this long, and the job is placed again (on other
+    // workers, or on the same one once this passed) under a new generation,
+    // up to max_placements times in all before it fails listing every
+    // refusal.
+    absl::Duration refusal_cooloff = absl::Seconds(30);
+    int max_placements = 3;
   };
 
   // The pointed-to objects must outlive the scheduler.
@@ -83,11 +90,15 @@ class Scheduler {
     std::string scope;            // rendezvous scope of this generation
     std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)
     std::set<int> ended;          // ranks that reported their end (or were lost)
-    bool final = false;           // the job reached a final state
+    bool final = false;           // this placement is over: the job ended, or is placed again (requeue)
     // The first rank failure, while its peers are probed (ProbeFailedJobs);
     // the job ends FAILED once they were.
     int failed_rank = -1;
     std::string failure;
+    // An assignment was refused: once every started rank ended, the job goes
+    // back to PENDING (with this reason) instead of staying final.
+    bool requeue = false;
+    std::string requeue_reason;
   };
   struct Abort {
     std::string address;
@@ -103,7 +114,11 @@ class Scheduler {
   // running (not `except_rank`).
   void EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops jobs whose every rank ended, releasing their workers.
+  // Ends this placement: aborts to the ranks still running (not
+  // `except_rank`); the job's state is the caller's.
+  void StopRanksLocked(Placed& p, const std::string& reason, int except_rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops placements whose every rank ended, releasing their workers (and
+  // putting a job placed again back in the queue).
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendAborts();
   // For each job with a rank failure: asks the workers of its ranks that have
@@ -122,6 +137,10 @@ class Scheduler {
   absl::Mutex mu_;
   std::map<std::string, Placed> placed_ ABSL_GUARDED_BY(mu_);
   std::vector<Abort> aborts_ ABSL_GUARDED_BY(mu_);
+  // Workers that refused an assignment: no other until then.
+  std::map<std::string, absl::Time> refused_until_ ABSL_GUARDED_BY(mu_);
+  // Per job placed again after refusals: the refusals so far.
+  std::map<std::string, std::vector<std::string>> refusals_ ABSL_GUARDED_BY(mu_);
   // Workers told to stop a rank of a job not placed here: worker id ->
   // "job/generation", so each is told once.
   std::map<std::string, std::string> stale_aborted_ ABSL_GUARDED_BY(mu_);

@@ -511,6 +511,42 @@ TEST_F(JobsTest, AWorkerThatStopsCleanlyLeavesAndTheNextJobRunsElsewhere) {
   for (const v1::RankAssignment& a : done->mesh().ranks()) EXPECT_NE(a.worker_address(), gone);
 }
 
+// A worker that does not answer its assignment (SIGSTOPped: AssignJob runs
+// out its deadline) no longer fails the job: the ranks already started are
+// stopped, the job goes back to PENDING saying why, and it is placed again
+// under a new generation on the workers that answer, where it succeeds.
+TEST_F(JobsTest, ARefusedAssignmentPlacesTheJobAgainElsewhere) {
+  // Placement goes by device ordinal: ranks 0, 1, 2 on w0, w1, w2.
+  const std::string stopped = workers_[2].grpc;
+  workers_[2].process->Signal(SIGSTOP);
+  train::TrainOptions o = Options(2);
+  o.shard.layout.set_tensor_parallel_size(1);
+  o.shard.layout.set_data_parallel_size(3);
+  o.batch_size = 3;
+  auto job = client_->SubmitJob(Spec(o));
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::vector<v1::JobEvent> events = Watch(job->job_id());
+  workers_[2].process->Signal(SIGCONT);
+  auto done = client_->GetJob(job->job_id());
+  ASSERT_TRUE(done.ok());
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
+  EXPECT_EQ(done->generation(), 2);
+  for (const v1::RankAssignment& a : done->mesh().ranks()) EXPECT_NE(a.worker_address(), stopped);
+  bool requeued = false;
+  for (const v1::JobEvent& e : events) {
+    if (e.has_state_change() && e.state_change().state() == v1::JOB_STATE_PENDING &&
+        absl::StrContains(e.state_change().reason(), "rank 2 (worker ") &&
+        absl::StrContains(e.state_change().reason(), "refused the assignment") &&
+        absl::StrContains(e.state_change().reason(), "placing the job again (placement 2 of 3)")) {
+      requeued = true;
+    }
+  }
+  EXPECT_TRUE(requeued) << "no event says the job was placed again";
+  // The ranks of the first placement that had started were stopped: every
+  // answering worker is idle again.
+  EXPECT_TRUE(AllIdle(absl::Seconds(20), /*except=*/2)) << Logs();
+}
+
 // A job bigger than the cluster waits, saying what it needs and what there
 // is, and does not hold back a job behind it that fits (backfill); a job
 // that fits the cluster but not its idle workers keeps its place (FIFO).
