@@ -511,6 +511,34 @@ TEST_F(JobsTest, AWorkerThatStopsCleanlyLeavesAndTheNextJobRunsElsewhere) {
   for (const v1::RankAssignment& a : done->mesh().ranks()) EXPECT_NE(a.worker_address(), gone);
 }
 
+// A worker stopped cleanly mid-job leaves the registry on its way out, so
+// the job fails at once naming that worker and why ("left: ..."), not after
+// a lease or a peer's broken connection, and the other workers are freed.
+TEST_F(JobsTest, AWorkerThatStopsMidJobFailsItNamingTheWorker) {
+  auto job = client_->SubmitJob(Spec(Options(100000)));
+  ASSERT_TRUE(job.ok()) << job.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline && client_->GetJob(job->job_id())->step() < 2) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_GE(client_->GetJob(job->job_id())->step(), 2) << Logs();
+  auto mesh = client_->GetMesh(job->job_id());
+  ASSERT_TRUE(mesh.ok());
+  int leaving = -1;
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (workers_[i].grpc == mesh->ranks(3).worker_address()) leaving = static_cast<int>(i);
+  }
+  ASSERT_GE(leaving, 0);
+  workers_[leaving].process->Signal(SIGTERM);
+  Watch(job->job_id());
+  auto failed = client_->GetJob(job->job_id());
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED) << failed->reason();
+  EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 3 (worker ", mesh->ranks(3).worker_id())) &&
+              absl::StrContains(failed->reason(), "left: the worker is shutting down"))
+      << failed->reason();
+  EXPECT_EQ(workers_[leaving].process->Wait(absl::Seconds(30)), 0) << Logs();
+  EXPECT_TRUE(AllIdle(absl::Seconds(45), leaving)) << Logs();
+}
+
 // A worker that does not answer its assignment (SIGSTOPped: AssignJob runs
 // out its deadline) no longer fails the job: the ranks already started are
 // stopped, the job goes back to PENDING saying why, and it is placed again
