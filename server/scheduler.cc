@@ -104,10 +104,10 @@ void Scheduler::Tick() {
 
 void Scheduler::ScheduleQueued() {
   std::vector<v1::Job> pending = jobs_->List({v1::JOB_STATE_PENDING});
+  std::set<std::string> pending_ids;
+  for (const v1::Job& j : pending) pending_ids.insert(j.job_id());
   for (auto it = waiting_.begin(); it != waiting_.end();) {  // cancelled while waiting
-    const bool still = std::any_of(pending.begin(), pending.end(),
-                                   [&](const v1::Job& j) { return j.job_id() == it->first; });
-    it = still ? std::next(it) : waiting_.erase(it);
+    it = pending_ids.count(it->first) ? std::next(it) : waiting_.erase(it);
   }
   if (pending.empty()) return;
   std::set<std::string> held;  // running a rank, or sitting out a refusal
@@ -128,9 +128,7 @@ void Scheduler::ScheduleQueued() {
       }
     }
     for (auto it = refusals_.begin(); it != refusals_.end();) {  // jobs cancelled while queued again
-      const bool live = placed_.count(it->first) || std::any_of(pending.begin(), pending.end(), [&](const v1::Job& j) {
-                          return j.job_id() == it->first;
-                        });
+      const bool live = placed_.count(it->first) || pending_ids.count(it->first);
       it = live ? std::next(it) : refusals_.erase(it);
     }
   }

@@ -125,6 +125,33 @@ class JobsTest : public ::testing::Test {
 
   std::string Logs() { return testing::DaemonLogs(coordinator_, workers_); }
 
+  // Submits a long TRAIN job (tp=2 x dp=2) and returns its id once rank 0
+  // reported step 2; "" (and a test failure) if it did not within 60 s.
+  std::string StartLongJob() {
+    auto job = client_->SubmitJob(Spec(Options(100000)));
+    if (!job.ok()) {
+      ADD_FAILURE() << job.status();
+      return "";
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (absl::Now() < deadline && client_->GetJob(job->job_id())->step() < 2) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    if (client_->GetJob(job->job_id())->step() < 2) {
+      ADD_FAILURE() << "job " << job->job_id() << " did not reach step 2\n" << Logs();
+      return "";
+    }
+    return job->job_id();
+  }
+
+  // The index in workers_ of the worker holding `rank` of `mesh`; -1 if none.
+  int WorkerOf(const v1::MeshSpec& mesh, int rank) const {
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (workers_[i].grpc == mesh.ranks(rank).worker_address()) return static_cast<int>(i);
+    }
+    return -1;
+  }
+
   bool AllIdle(absl::Duration within, int except = -1) {
     const absl::Time deadline = absl::Now() + within;
     while (absl::Now() < deadline) {
@@ -439,23 +466,17 @@ TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
 }
 
 TEST_F(JobsTest, AWorkerKilledMidJobFailsTheJobAndFreesTheOthers) {
-  auto job = client_->SubmitJob(Spec(Options(100000)));
-  ASSERT_TRUE(job.ok()) << job.status();
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  while (absl::Now() < deadline && client_->GetJob(job->job_id())->step() < 2) absl::SleepFor(absl::Milliseconds(20));
-  ASSERT_GE(client_->GetJob(job->job_id())->step(), 2) << Logs();
-  auto mesh = client_->GetMesh(job->job_id());
+  const std::string job_id = StartLongJob();
+  ASSERT_FALSE(job_id.empty());
+  auto mesh = client_->GetMesh(job_id);
   ASSERT_TRUE(mesh.ok());
   // Kill the worker of rank 1 without a chance to say goodbye.
-  int victim = -1;
-  for (size_t i = 0; i < workers_.size(); ++i) {
-    if (workers_[i].grpc == mesh->ranks(1).worker_address()) victim = static_cast<int>(i);
-  }
+  const int victim = WorkerOf(*mesh, 1);
   ASSERT_GE(victim, 0);
   workers_[victim].process->Signal(SIGKILL);
   workers_[victim].process->Wait(absl::Seconds(10));
-  Watch(job->job_id());
-  auto failed = client_->GetJob(job->job_id());
+  Watch(job_id);
+  auto failed = client_->GetJob(job_id);
   ASSERT_TRUE(failed.ok());
   EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED) << failed->reason();
   // The reason names the killed worker, not only a peer whose collective
@@ -515,21 +536,15 @@ TEST_F(JobsTest, AWorkerThatStopsCleanlyLeavesAndTheNextJobRunsElsewhere) {
 // the job fails at once naming that worker and why ("left: ..."), not after
 // a lease or a peer's broken connection, and the other workers are freed.
 TEST_F(JobsTest, AWorkerThatStopsMidJobFailsItNamingTheWorker) {
-  auto job = client_->SubmitJob(Spec(Options(100000)));
-  ASSERT_TRUE(job.ok()) << job.status();
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  while (absl::Now() < deadline && client_->GetJob(job->job_id())->step() < 2) absl::SleepFor(absl::Milliseconds(20));
-  ASSERT_GE(client_->GetJob(job->job_id())->step(), 2) << Logs();
-  auto mesh = client_->GetMesh(job->job_id());
+  const std::string job_id = StartLongJob();
+  ASSERT_FALSE(job_id.empty());
+  auto mesh = client_->GetMesh(job_id);
   ASSERT_TRUE(mesh.ok());
-  int leaving = -1;
-  for (size_t i = 0; i < workers_.size(); ++i) {
-    if (workers_[i].grpc == mesh->ranks(3).worker_address()) leaving = static_cast<int>(i);
-  }
+  const int leaving = WorkerOf(*mesh, 3);
   ASSERT_GE(leaving, 0);
   workers_[leaving].process->Signal(SIGTERM);
-  Watch(job->job_id());
-  auto failed = client_->GetJob(job->job_id());
+  Watch(job_id);
+  auto failed = client_->GetJob(job_id);
   ASSERT_TRUE(failed.ok());
   EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED) << failed->reason();
   EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 3 (worker ", mesh->ranks(3).worker_id())) &&
@@ -658,16 +673,13 @@ TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
 }
 
 TEST_F(JobsTest, ACoordinatorRestartFailsTheRunningJobAndStopsItsRanks) {
-  auto job = client_->SubmitJob(Spec(Options(100000)));
-  ASSERT_TRUE(job.ok()) << job.status();
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  while (absl::Now() < deadline && client_->GetJob(job->job_id())->step() < 2) absl::SleepFor(absl::Milliseconds(20));
-  ASSERT_GE(client_->GetJob(job->job_id())->step(), 2) << Logs();
+  const std::string job_id = StartLongJob();
+  ASSERT_FALSE(job_id.empty());
   const std::string address = coordinator_.grpc;
   coordinator_.process->Signal(SIGTERM);
   ASSERT_EQ(coordinator_.process->Wait(absl::Seconds(30)), 0) << ReadFile(coordinator_.log);
   StartCoordinator(address);
-  auto failed = client_->GetJob(job->job_id());
+  auto failed = client_->GetJob(job_id);
   ASSERT_TRUE(failed.ok()) << failed.status();
   EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED);
   EXPECT_TRUE(absl::StrContains(failed->reason(), "coordinator restarted")) << failed->reason();

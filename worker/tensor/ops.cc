@@ -163,17 +163,30 @@ absl::Status SetAllowTf32(Device device, bool allow) {
   return k->SetAllowTf32(device.index, allow);
 }
 
-absl::StatusOr<Tensor> BiasAdd(const Tensor& x, const Tensor& bias) {
-  RETURN_IF_ERROR(CheckBias(x, bias, "bias_add"));
+namespace {
+
+// out = kernel(x, bias) over [rows, n], bias [n] over x's last dim,
+// computed on x's float dtype (the bias converted to it).
+template <typename Call>
+absl::StatusOr<Tensor> WithBias(const Tensor& x, const Tensor& bias, const char* op, Call call) {
+  RETURN_IF_ERROR(CheckBias(x, bias, op));
   const Device dev = x.device();
-  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("bias_add", dev, {&bias}));
-  ASSIGN_OR_RETURN(DType type, KernelType(x, "bias_add"));
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, dev, {&bias}));
+  ASSIGN_OR_RETURN(DType type, KernelType(x, op));
   const Tensor cx = x.Contiguous();
-  ASSIGN_OR_RETURN(Tensor cb, AsFloat(bias, type, "bias_add"));
+  ASSIGN_OR_RETURN(Tensor cb, AsFloat(bias, type, op));
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), type, dev));
-  const int64_t n = LastDim(cx), rows = cx.numel() / std::max<int64_t>(n, 1);
-  RETURN_IF_ERROR(k->BiasAdd(dev.index, Elem(type), cx.raw_data(), cb.raw_data(), out.raw_data(), rows, n));
+  const int64_t n = LastDim(cx), rows = n == 0 ? 0 : cx.numel() / n;
+  RETURN_IF_ERROR(call(*k, dev.index, Elem(type), cx.raw_data(), cb.raw_data(), out.raw_data(), rows, n));
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> BiasAdd(const Tensor& x, const Tensor& bias) {
+  return WithBias(x, bias, "bias_add",
+                  [](const DeviceKernels& k, int d, kernels::ElemType t, const void* in, const void* b, void* out,
+                     int64_t rows, int64_t n) { return k.BiasAdd(d, t, in, b, out, rows, n); });
 }
 
 absl::StatusOr<Tensor> BiasGrad(const Tensor& dy) {
@@ -205,17 +218,11 @@ absl::StatusOr<Tensor> GeluBackward(const Tensor& dy, const Tensor& x, GeluAppro
 }
 
 absl::StatusOr<Tensor> BiasGelu(const Tensor& x, const Tensor& bias, GeluApprox approx) {
-  RETURN_IF_ERROR(CheckBias(x, bias, "bias_gelu"));
-  const Device dev = x.device();
-  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("bias_gelu", dev, {&bias}));
-  ASSIGN_OR_RETURN(DType type, KernelType(x, "bias_gelu"));
-  const Tensor cx = x.Contiguous();
-  ASSIGN_OR_RETURN(Tensor cb, AsFloat(bias, type, "bias_gelu"));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), type, dev));
-  const int64_t n = LastDim(cx), rows = n == 0 ? 0 : cx.numel() / n;
-  RETURN_IF_ERROR(k->Gelu(dev.index, Elem(type), cx.raw_data(), cb.raw_data(), out.raw_data(), rows, n,
-                          approx == GeluApprox::kTanh));
-  return out;
+  return WithBias(x, bias, "bias_gelu",
+                  [&](const DeviceKernels& k, int d, kernels::ElemType t, const void* in, const void* b, void* out,
+                      int64_t rows, int64_t n) {
+                    return k.Gelu(d, t, in, b, out, rows, n, approx == GeluApprox::kTanh);
+                  });
 }
 
 absl::StatusOr<BiasGeluGrads> BiasGeluBackward(const Tensor& dy, const Tensor& x, const Tensor& bias,
