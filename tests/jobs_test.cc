@@ -500,6 +500,39 @@ TEST_F(JobsTest, AWorkerKilledMidJobFailsTheJobAndFreesTheOthers) {
   EXPECT_TRUE(lost);
 }
 
+// A worker SIGSTOPped mid-training: its lease runs out, the job fails naming
+// it, and the healthy workers, whose ranks sit in a Gloo collective with the
+// stopped one, are idle again within 10 s of the job's end (the abort ends
+// the collective in flight instead of waiting out --comm-timeout); their
+// heartbeats never stop, so none of them is marked lost.
+TEST_F(JobsTest, AStoppedPeerFailsTheJobAndTheHealthyWorkersAreIdleWithinSeconds) {
+  const std::string job_id = StartLongJob();
+  ASSERT_FALSE(job_id.empty());
+  auto mesh = client_->GetMesh(job_id);
+  ASSERT_TRUE(mesh.ok());
+  const int stopped = WorkerOf(*mesh, 2);
+  ASSERT_GE(stopped, 0);
+  workers_[stopped].process->Signal(SIGSTOP);
+  Watch(job_id);
+  const absl::Time ended = absl::Now();
+  auto failed = client_->GetJob(job_id);
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED) << failed->reason();
+  EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 2 (worker ", mesh->ranks(2).worker_id())))
+      << failed->reason();
+  EXPECT_TRUE(AllIdle(absl::Seconds(10), stopped)) << "healthy workers still busy 10 s after the job ended\n"
+                                                    << Logs();
+  EXPECT_LT(absl::Now() - ended, absl::Seconds(11));
+  auto listed = client_->ListWorkers(/*include_lost=*/true);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  for (const v1::Worker& w : *listed) {
+    if (w.info().address() != workers_[stopped].grpc) {
+      EXPECT_NE(w.state(), v1::WORKER_STATE_LOST) << w.info().address() << ": " << w.lost_reason();
+    }
+  }
+  workers_[stopped].process->Signal(SIGCONT);
+}
+
 // A worker stopped cleanly (SIGTERM) leaves the registry at once, saying
 // so, instead of waiting out its lease: the next job is placed on the
 // others. Here that job needs exactly the 3 workers left.

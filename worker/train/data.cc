@@ -48,6 +48,23 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
              : absl::EndsWith(path, ".npy") ? DataFormat::kNpy
                                             : DataFormat::kText;
   }
+  // Only a regular file: a FIFO or a device would block the rank in open or
+  // read (where no abort reaches it) or never end, and is read only once
+  // while training samples it again and again.
+  struct stat info;
+  if (::stat(path.c_str(), &info) != 0) {
+    return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  }
+  if (!S_ISREG(info.st_mode)) {
+    const char* kind = S_ISDIR(info.st_mode)    ? "a directory"
+                       : S_ISFIFO(info.st_mode) ? "a FIFO"
+                       : S_ISCHR(info.st_mode)  ? "a character device"
+                       : S_ISBLK(info.st_mode)  ? "a block device"
+                       : S_ISSOCK(info.st_mode) ? "a socket"
+                                                : "not a regular file";
+    return absl::InvalidArgumentError(absl::StrCat(path, " is ", kind, "; training data must be a regular file"));
+  }
+  if (info.st_size == 0) return absl::InvalidArgumentError(absl::StrCat(path, " is empty"));
   std::unique_ptr<TokenCorpus> c(new TokenCorpus());
   c->format_ = format;
   if (format == DataFormat::kNpy) {
@@ -69,7 +86,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     return c;
   }
   const size_t width = format == DataFormat::kU16 ? 2 : 4;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // replaced by a FIFO meanwhile: no wait
   if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
   struct stat st;
   if (::fstat(fd, &st) != 0 || st.st_size == 0 || st.st_size % width != 0) {

@@ -1,9 +1,14 @@
 // Token corpora in each format and the sampler's batches.
 #include "worker/train/data.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <set>
 
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/tensor/npy.h"
@@ -42,6 +47,31 @@ TEST(TokenCorpus, EveryFormat) {
   EXPECT_EQ((*d)->Window(0, 4)->ToInt64s(), (std::vector<int64_t>{'h', 0xc3, 0xa9, kEndOfText}));
   EXPECT_EQ(TokenCorpus::Open(TempPath("missing.bin")).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ((*d)->Window(2, 5).status().code(), absl::StatusCode::kOutOfRange);
+}
+
+// A FIFO (nobody writing), a device that never ends, a directory and an
+// empty file are refused at once in every format, naming what they are; a
+// FIFO never blocks the rank in open or read.
+TEST(TokenCorpus, OnlyNonEmptyRegularFiles) {
+  const std::string fifo = TempPath("fifo.bin");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  std::ofstream(TempPath("empty.txt")).flush();
+  const struct {
+    std::string path;
+    std::string says;
+  } cases[] = {{fifo, "is a FIFO"},
+               {"/dev/zero", "is a character device"},
+               {::testing::TempDir(), "is a directory"},
+               {TempPath("empty.txt"), "is empty"}};
+  for (const auto& c : cases) {
+    for (DataFormat f : {DataFormat::kAuto, DataFormat::kText, DataFormat::kU16, DataFormat::kNpy}) {
+      const absl::Time start = absl::Now();
+      absl::Status s = TokenCorpus::Open(c.path, f).status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.path << ": " << s;
+      EXPECT_NE(s.message().find(c.says), absl::string_view::npos) << s;
+      EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+    }
+  }
 }
 
 TEST(BatchSampler, SeededDisjointReplicasAndNextTokenLabels) {

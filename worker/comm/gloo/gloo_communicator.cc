@@ -4,10 +4,12 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <typeinfo>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
@@ -17,6 +19,7 @@
 #include "gloo/common/error.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/store.h"
+#include "gloo/transport/pair.h"
 #include "gloo/transport/tcp/device.h"
 #include "gloo/types.h"
 
@@ -163,6 +166,32 @@ constexpr uint8_t kP2PSlotPrefix = 0x5c;
 
 }  // namespace
 
+// Ending a collective in flight. Gloo's own path for it is
+// tcp::Pair::signalExceptionExternal: it fails every operation pending on the
+// pair (their waits throw at once), closes the pair's socket (so the peer's
+// operations fail too) and does nothing if the pair already failed. It is
+// exported by libgloo, but Debian's libgloo-dev ships gloo/transport/tcp/pair.h
+// without the gloo/common/memory.h it includes, so the class cannot be named
+// here. The member is declared by its symbol instead: under the Itanium C++
+// ABI a non-virtual member function is called like a free function whose
+// first parameters are the hidden return slot and `this`, and tcp::Pair's
+// primary base is transport::Pair, so the pointer Context::getPair holds is
+// the tcp::Pair's. SignalPair checks the dynamic type before the call; a
+// libgloo without the symbol fails to link, never at run time.
+std::exception_ptr GlooTcpPairSignalExceptionExternal(gloo::transport::Pair* pair, const std::string& msg) __asm__(
+    "_ZN4gloo9transport3tcp4Pair23signalExceptionExternalERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE");
+
+namespace {
+
+// Fails what is pending on `pair` with `msg`; false if it is not a TCP pair.
+bool SignalPair(gloo::transport::Pair* pair, const std::string& msg) {
+  if (pair == nullptr || std::strcmp(typeid(*pair).name(), "N4gloo9transport3tcp4PairE") != 0) return false;
+  (void)GlooTcpPairSignalExceptionExternal(pair, msg);
+  return true;
+}
+
+}  // namespace
+
 class GlooCommunicator::GlooWork final : public Work {
  public:
   absl::Status Wait(absl::Duration timeout) override {
@@ -269,6 +298,10 @@ void GlooCommunicator::Loop() {
       }
     }
     mu_.Lock();
+    // A collective that Abort ended reports the abort, not the pair closure.
+    if (!status.ok() && sticky.ok() && absl::IsAborted(error_)) {
+      status = absl::AbortedError(absl::StrCat("gloo ", task.op, ": ", error_.message()));
+    }
     // Record the sticky error before the waiter can observe the failure.
     if (!status.ok() && error_.ok()) error_ = status;
     mu_.Unlock();
@@ -278,8 +311,22 @@ void GlooCommunicator::Loop() {
 }
 
 void GlooCommunicator::Abort(const absl::Status& reason) {
-  absl::MutexLock lock(&mu_);
-  if (error_.ok()) error_ = absl::AbortedError(absl::StrCat("gloo: aborted: ", reason.message()));
+  std::string message;
+  {
+    absl::MutexLock lock(&mu_);
+    if (error_.ok()) error_ = absl::AbortedError(absl::StrCat("gloo: aborted: ", reason.message()));
+    message = std::string(error_.message());
+  }
+  // Outside mu_: a collective in flight (on the communicator thread) fails at
+  // once instead of at options_.timeout, and the peers' collectives with
+  // this rank fail as their side of each pair closes.
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    if (!SignalPair(context_->getPair(peer).get(), message)) {
+      COLOD_LOG(WARNING) << "gloo abort: the pair to rank " << peer << " is not a TCP pair; a collective in flight "
+                         << "ends at its timeout";
+    }
+  }
 }
 
 absl::Status GlooCommunicator::AsyncError() {

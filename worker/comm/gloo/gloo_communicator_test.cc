@@ -230,6 +230,51 @@ TEST(Gloo, ACollectiveAPeerNeverJoinsTimesOutAndPoisonsTheCommunicator) {
   EXPECT_EQ(later.code(), absl::StatusCode::kAborted) << later;
 }
 
+// Rank 2 of 3 connects but never enters the all-reduce (a stopped peer).
+// Aborting ranks 0 and 1 ends their all-reduces in flight at once, ABORTED
+// with the reason, long before the collective timeout; later work fails too.
+TEST(Gloo, AbortEndsACollectiveInFlight) {
+  auto shared = std::make_shared<RendezvousStore>();
+  const absl::Duration timeout = absl::Seconds(60);
+  std::vector<std::unique_ptr<GlooCommunicator>> comms(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      InMemoryStore store(shared, "test");
+      GlooCommunicator::Options o;
+      o.timeout = timeout;
+      auto c = GlooCommunicator::Create(store, r, 3, o);
+      ASSERT_TRUE(c.ok()) << c.status();
+      comms[r] = std::move(*c);
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(comms[0] && comms[1] && comms[2]);
+  // Big enough to need every rank's data in every segment.
+  std::vector<std::vector<float>> x(2, std::vector<float>(1 << 16, 1.0f));
+  std::vector<std::shared_ptr<Work>> work;
+  for (int r = 0; r < 2; ++r) work.push_back(comms[r]->AllReduce(x[r].data(), 1 << 16, DType::kF32, ReduceOp::kSum));
+  absl::SleepFor(absl::Milliseconds(300));
+  for (int r = 0; r < 2; ++r) EXPECT_FALSE(work[r]->IsCompleted()) << "rank " << r << " ended without rank 2";
+  const absl::Time start = absl::Now();
+  for (int r = 0; r < 2; ++r) comms[r]->Abort(absl::CancelledError("job cancelled"));
+  for (int r = 0; r < 2; ++r) {
+    const absl::Status s = work[r]->Wait(absl::Seconds(10));
+    EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << "rank " << r << ": " << s;
+    EXPECT_NE(s.message().find("job cancelled"), absl::string_view::npos) << s;
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(comms[0]->Barrier()->Wait(kWait).code(), absl::StatusCode::kAborted);
+  // Rank 2's side of its pairs closed: its next collective fails at once.
+  const absl::Time late = absl::Now();
+  EXPECT_FALSE(comms[2]->AllReduce(x[0].data(), 4, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());
+  EXPECT_LT(absl::Now() - late, absl::Seconds(5));
+  // Destroying an aborted communicator does not wait for the timeout.
+  const absl::Time teardown = absl::Now();
+  comms.clear();
+  EXPECT_LT(absl::Now() - teardown, absl::Seconds(5));
+}
+
 TEST(Gloo, AbortFailsQueuedWorkAndBadArgumentsFailAtOnce) {
   RunRanks(2, [&](int rank, Communicator& comm) {
     std::vector<float> x(4, 1.0f);
