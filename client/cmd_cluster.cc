@@ -172,7 +172,10 @@ constexpr Command kCommands[] = {
      "              download them (--upload=false: the workers read DIR themselves). --data\n"
      "              and other paths must be readable by the workers; relative ones are made\n"
      "              absolute. Or --job-file FILE: a colod.v1.JobSpec as JSON, or YAML for\n"
-     "              .yaml/.yml, sent as it is. Prints the job id; --watch follows it.\n",
+     "              .yaml/.yml, sent as it is. Prints the job id; --watch follows it.\n"
+     "              A job whose rank fails or whose worker is lost restarts by itself (up to\n"
+     "              --max-restarts, default 3; 0 never) from its newest checkpoint (--save\n"
+     "              DIR --save-every K), waiting up to --restart-wait (5m) for workers.\n",
      RunSubmit},
     {"jobs", "", "  jobs        List jobs: id, name, state, layout, step, loss, reason. --state running,...\n",
      RunJobs},

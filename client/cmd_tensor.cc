@@ -67,7 +67,8 @@ absl::Status WaitRunning(CoordinatorClient& client, const std::string& job_id, a
     auto job = client.GetJob(job_id);
     if (!job.ok()) return job.status();
     if (job->state() == v1::JOB_STATE_RUNNING) return absl::OkStatus();
-    if (v1::JobState_IsValid(job->state()) && job->state() >= v1::JOB_STATE_SUCCEEDED) {
+    if (job->state() == v1::JOB_STATE_SUCCEEDED || job->state() == v1::JOB_STATE_FAILED ||
+        job->state() == v1::JOB_STATE_CANCELLED) {
       return absl::FailedPreconditionError(
           absl::StrCat("job ", job_id, " ", JobStateLabel(job->state()), ": ", job->reason()));
     }

@@ -100,5 +100,27 @@ TEST(RenderJobsTable, ShowsLayoutProgressAndReason) {
   EXPECT_NE(table.find("all 8 ranks are training"), std::string::npos) << table;
 }
 
+TEST(RenderJob, ShowsRestartsAndEveryAttempt) {
+  v1::Job j;
+  j.set_job_id("job-000008");
+  j.mutable_spec()->set_kind(v1::JOB_KIND_TRAIN);
+  j.set_state(v1::JOB_STATE_RESTARTING);
+  j.set_reason("rank 1 (worker w1 at a:1) was lost; restarting (restart 2 of 3)");
+  j.set_restarts(2);
+  j.add_attempt_failures("rank 0 (worker w0 at a:0): UNAVAILABLE: connection reset");
+  j.add_attempt_failures("rank 1 (worker w1 at a:1) was lost");
+  const std::string out = RenderJob(j, absl::Now());
+  EXPECT_NE(out.find("state:      restarting: rank 1 (worker w1 at a:1) was lost; restarting (restart 2 of 3)\n"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("restarts:   2\n  attempt 1: rank 0 (worker w0 at a:0): UNAVAILABLE: connection reset\n"
+                     "  attempt 2: rank 1 (worker w1 at a:1) was lost\n"),
+            std::string::npos)
+      << out;
+  j.set_restarts(0);
+  j.clear_attempt_failures();
+  EXPECT_EQ(RenderJob(j, absl::Now()).find("restarts:"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace colod

@@ -6,6 +6,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
+#include "common/proto_time.h"
 #include "worker/train/job_options.h"
 
 ABSL_FLAG(std::string, model, "", "forward: the model directory (config.json + model.safetensors or an index).");
@@ -43,6 +44,11 @@ ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugg
 ABSL_FLAG(std::string, device, "cpu",
           "forward, train: cpu (ranks as threads over Gloo) or cuda (rank r on CUDA device r, over NCCL).");
 ABSL_FLAG(std::string, name, "", "submit, train: the job's name (default: the model directory's name).");
+ABSL_FLAG(int32_t, max_restarts, -1,
+          "submit: restarts after a failure (a lost worker, a failed rank) before the job fails; each restart "
+          "resumes from the newest checkpoint (set --save-every). Default (-1): the coordinator's default, 3.");
+ABSL_FLAG(absl::Duration, restart_wait, absl::ZeroDuration(),
+          "submit: how long a restarting job waits for enough workers before it fails (0: 5m).");
 ABSL_FLAG(absl::Duration, comm_timeout, absl::Seconds(60),
           "forward, train with --device cuda: how long a rendezvous or collective may take; a rank that stops "
           "taking part fails the run with DEADLINE_EXCEEDED after it.");
@@ -160,6 +166,12 @@ absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags() {
                             t.mutable_resume_from()}) {
     if (!path->empty()) *path = Absolute(*path);
   }
+  const int32_t max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  if (max_restarts < -1) return absl::InvalidArgumentError("--max-restarts must be >= 0 (or -1: the default)");
+  if (max_restarts >= 0) spec.mutable_restart()->set_max_restarts(max_restarts);
+  const absl::Duration wait = absl::GetFlag(FLAGS_restart_wait);
+  if (wait < absl::ZeroDuration()) return absl::InvalidArgumentError("--restart-wait must be >= 0");
+  if (wait > absl::ZeroDuration()) *spec.mutable_restart()->mutable_worker_wait() = ToProtoDuration(wait);
   return spec;
 }
 

@@ -48,29 +48,50 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
   if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot list '", state_dir, "': ", ec.message()));
   absl::MutexLock lock(&m->mu_);
   for (const std::string& path : files) {
+    // job-NNNNNN.pb: its number is taken even if the record is damaged.
+    const std::string name = fs::path(path).filename().string();
+    int64_t n = 0;
+    if (absl::SimpleAtoi(absl::string_view(name).substr(4, name.size() - 4 - 3), &n)) {
+      m->next_id_ = std::max(m->next_id_, n + 1);
+    }
     ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
     v1::JobRecord record;
-    if (!record.ParseFromString(bytes) || record.job().job_id().empty()) {
-      return absl::FailedPreconditionError(absl::StrCat("job record '", path, "' is damaged"));
+    if (!record.ParseFromString(bytes) || record.job().job_id().empty() ||
+        absl::StrCat(record.job().job_id(), ".pb") != name) {
+      // One bad file must not keep the coordinator (and every other job)
+      // down: it is kept for a human to look at, out of the way.
+      fs::rename(path, path + ".damaged", ec);
+      COLOD_LOG(ERROR) << "job record '" << path << "' is damaged; set aside as " << path << ".damaged"
+                       << (ec ? absl::StrCat(" failed: ", ec.message()) : "");
+      ec.clear();
+      continue;
     }
     Entry e;
     e.job = std::move(*record.mutable_job());
     e.events.assign(record.events().begin(), record.events().end());
-    int64_t n = 0;
-    if (absl::SimpleAtoi(absl::string_view(e.job.job_id()).substr(4), &n)) {
-      m->next_id_ = std::max(m->next_id_, n + 1);
-    }
+    e.request_id = record.request_id();
+    if (!e.request_id.empty()) m->job_by_request_id_[e.request_id] = e.job.job_id();
     m->jobs_.emplace(e.job.job_id(), std::move(e));
   }
   m->state_dir_ = state_dir;
   for (auto& [id, e] : m->jobs_) {
     const v1::JobState state = e.job.state();
-    if (state != v1::JOB_STATE_SCHEDULED && state != v1::JOB_STATE_RUNNING) continue;
-    std::string reason = "the coordinator restarted while the job ran";
-    if (!e.job.last_checkpoint().empty()) {
-      absl::StrAppend(&reason, "; resume from ", e.job.last_checkpoint());
+    if (state != v1::JOB_STATE_SCHEDULED && state != v1::JOB_STATE_RUNNING && state != v1::JOB_STATE_RESTARTING) {
+      continue;
     }
-    m->AppendStateChangeLocked(e, v1::JOB_STATE_FAILED, reason);
+    std::string reason = "the coordinator restarted while the job ran";
+    if (RestartLimitsOf(e.job.spec()).max_restarts > 0) {
+      absl::StrAppend(&reason, "; placing it again");
+      if (!e.job.last_checkpoint().empty()) {
+        absl::StrAppend(&reason, " from the newest checkpoint in ", e.job.spec().train().checkpoint_dir());
+      }
+      m->AppendStateChangeLocked(e, v1::JOB_STATE_RESTARTING, reason);
+    } else {
+      if (!e.job.last_checkpoint().empty()) {
+        absl::StrAppend(&reason, "; resume from ", e.job.last_checkpoint());
+      }
+      m->AppendStateChangeLocked(e, v1::JOB_STATE_FAILED, reason);
+    }
     m->PersistLocked(e);
   }
   return m;
@@ -82,6 +103,7 @@ void JobManager::PersistLocked(Entry& e) {
   v1::JobRecord record;
   *record.mutable_job() = e.job;
   for (const v1::JobEvent& ev : e.events) *record.add_events() = ev;
+  record.set_request_id(e.request_id);
   const std::string path = absl::StrCat(state_dir_, "/", e.job.job_id(), ".pb");
   if (absl::Status s = WriteFileAtomically(path, record.SerializeAsString()); !s.ok()) {
     COLOD_LOG(ERROR) << "cannot record job " << e.job.job_id() << ": " << s;
@@ -121,9 +143,9 @@ void JobManager::AppendStateChangeLocked(Entry& e, v1::JobState state, absl::str
 absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1::MeshSpec& mesh) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-  if (e->job.state() != v1::JOB_STATE_PENDING) {
+  if (e->job.state() != v1::JOB_STATE_PENDING && e->job.state() != v1::JOB_STATE_RESTARTING) {
     return absl::FailedPreconditionError(
-        absl::StrCat("job '", job_id, "' is ", JobStateName(e->job.state()), ", not pending"));
+        absl::StrCat("job '", job_id, "' is ", JobStateName(e->job.state()), ", not pending or restarting"));
   }
   *e->job.mutable_mesh() = mesh;
   e->job.set_generation(e->job.generation() + 1);
@@ -139,6 +161,18 @@ absl::StatusOr<v1::Job> JobManager::SetState(absl::string_view job_id, v1::JobSt
   ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
   RETURN_IF_ERROR(CheckNotEndedLocked(*e));
   AppendStateChangeLocked(*e, state, reason);
+  PersistLocked(*e);
+  return e->job;
+}
+
+absl::StatusOr<v1::Job> JobManager::Restart(absl::string_view job_id, absl::string_view failure,
+                                            absl::string_view reason) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+  RETURN_IF_ERROR(CheckNotEndedLocked(*e));
+  e->job.set_restarts(e->job.restarts() + 1);
+  e->job.add_attempt_failures(std::string(failure));
+  AppendStateChangeLocked(*e, v1::JOB_STATE_RESTARTING, reason);
   PersistLocked(*e);
   return e->job;
 }
@@ -189,6 +223,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   *e.job.mutable_spec() = spec;
   *e.job.mutable_create_time() = ToProtoTimestamp(clock_->Now());
   const std::string id = e.job.job_id();
+  e.request_id = std::string(request_id);
   if (!request_id.empty()) job_by_request_id_[std::string(request_id)] = id;
   Entry& added = jobs_.emplace(id, std::move(e)).first->second;
   AppendStateChangeLocked(added, v1::JOB_STATE_PENDING, "waiting for workers");
@@ -249,8 +284,10 @@ std::map<std::string, int64_t> JobManager::FinishedCounts() {
 std::map<std::string, int> JobManager::CountByState() {
   absl::MutexLock lock(&mu_);
   std::map<std::string, int> counts;
-  for (int s = v1::JOB_STATE_PENDING; s <= v1::JOB_STATE_CANCELLED; ++s) {
-    counts[JobStateName(static_cast<v1::JobState>(s))] = 0;
+  for (int s = v1::JobState_MIN; s <= v1::JobState_MAX; ++s) {
+    if (v1::JobState_IsValid(s) && s != v1::JOB_STATE_UNSPECIFIED) {
+      counts[JobStateName(static_cast<v1::JobState>(s))] = 0;
+    }
   }
   for (const auto& [id, e] : jobs_) ++counts[JobStateName(e.job.state())];
   return counts;

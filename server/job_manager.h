@@ -25,17 +25,22 @@ namespace colod {
 // JobRecord file per job, replaced atomically) before the call returns —
 // step events at most once a second unless they name a checkpoint — so a
 // restarted coordinator knows its jobs, their events and last checkpoints.
-// Jobs that were SCHEDULED or RUNNING when the coordinator stopped are FAILED
-// on restart (their ranks' communicators died with it; the reason names the
-// checkpoint to resume from); PENDING jobs stay queued.
+// Jobs that were SCHEDULED, RUNNING or RESTARTING when the coordinator
+// stopped are RESTARTING on restart (their ranks' communicators died with
+// it), to be placed again from their newest checkpoint, unless their restart
+// policy allows none (then FAILED, the reason naming the checkpoint to resume
+// from). A coordinator restart is not the job's failure: it does not count
+// against max_restarts. PENDING jobs stay queued.
 //
 // Thread-safe. WaitForEvents blocks its caller, never the others.
 class JobManager {
  public:
   explicit JobManager(Clock* clock = Clock::Real());
   // Loads the jobs recorded in `state_dir` (created if missing) and records
-  // every later change there. FAILED_PRECONDITION naming the file for a
-  // directory it cannot use or a record it cannot read.
+  // every later change there; submits' request ids are remembered across
+  // restarts. A record that does not parse is set aside as FILE.damaged
+  // (logged; its job id is not reused). FAILED_PRECONDITION naming the path
+  // for a directory it cannot use or a record it cannot read.
   static absl::StatusOr<std::unique_ptr<JobManager>> Open(const std::string& state_dir,
                                                           Clock* clock = Clock::Real());
 
@@ -55,13 +60,18 @@ class JobManager {
     // True when the job is in a final state and `events` reaches its last event.
     bool finished = false;
   };
-  // PENDING -> SCHEDULED with the mesh (ranks assigned) and a new
-  // generation. FAILED_PRECONDITION unless the job is PENDING.
+  // PENDING or RESTARTING -> SCHEDULED with the mesh (ranks assigned) and a
+  // new generation. FAILED_PRECONDITION unless the job is PENDING or
+  // RESTARTING.
   absl::StatusOr<v1::Job> Schedule(absl::string_view job_id, const v1::MeshSpec& mesh);
   // Moves a job that has not ended to `state` (RUNNING or a final state; or
   // PENDING again, with a new reason, while it waits).
   // FAILED_PRECONDITION if it already ended.
   absl::StatusOr<v1::Job> SetState(absl::string_view job_id, v1::JobState state, absl::string_view reason);
+  // -> RESTARTING with `reason`: counts a restart and records `failure`
+  // (why the attempt ended) in attempt_failures. FAILED_PRECONDITION if the
+  // job already ended.
+  absl::StatusOr<v1::Job> Restart(absl::string_view job_id, absl::string_view failure, absl::string_view reason);
   // Appends rank 0's step (and records step, loss and checkpoint on the
   // job). FAILED_PRECONDITION once the job ended: its history is closed.
   absl::Status AddStep(absl::string_view job_id, const v1::StepProgress& step);
@@ -87,6 +97,7 @@ class JobManager {
  private:
   struct Entry {
     v1::Job job;
+    std::string request_id;  // of the submit that created it; may be empty
     std::vector<v1::JobEvent> events;
     absl::Time persisted = absl::InfinitePast();  // when its record was last written
   };

@@ -1,6 +1,7 @@
 #include "server/job_manager.h"
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
@@ -217,17 +218,27 @@ TEST(JobManager, WaitForEventsDeliversInOrderAndFinishes) {
   EXPECT_TRUE(next->finished);
 }
 
-TEST(JobManager, RecordsSurviveAReopenAndRunningJobsFailWithTheirCheckpoint) {
+TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckpoint) {
   const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-reopen";
   FakeClock clock;
   {
     auto jobs = JobManager::Open(dir, &clock);
     ASSERT_TRUE(jobs.ok()) << jobs.status();
-    auto a = (*jobs)->Submit(TrainSpec(), "");  // stays pending
-    auto b = (*jobs)->Submit(TrainSpec(), "");  // runs, checkpoints, then the coordinator dies
-    ASSERT_TRUE(a.ok() && b.ok());
+    auto a = (*jobs)->Submit(TrainSpec(), "submit-a");  // stays pending
+    v1::JobSpec no_restarts = TrainSpec();
+    no_restarts.mutable_restart()->set_max_restarts(0);
+    auto b = (*jobs)->Submit(no_restarts, "");  // runs, checkpoints, then the coordinator dies
+    auto r = (*jobs)->Submit(TrainSpec(), "");  // the same with the default policy, restarted once before
+    ASSERT_TRUE(a.ok() && b.ok() && r.ok());
     v1::MeshSpec mesh;
     mesh.set_world_size(4);
+    ASSERT_TRUE((*jobs)->Schedule(r->job_id(), mesh).ok());
+    auto restarting = (*jobs)->Restart(r->job_id(), "rank 1 (worker w1 at x) was lost", "restarting (restart 1 of 3)");
+    ASSERT_TRUE(restarting.ok()) << restarting.status();
+    EXPECT_EQ(restarting->state(), v1::JOB_STATE_RESTARTING);
+    EXPECT_EQ(restarting->restarts(), 1);
+    ASSERT_TRUE((*jobs)->Schedule(r->job_id(), mesh).ok());  // placed again from RESTARTING
+    ASSERT_TRUE((*jobs)->SetState(r->job_id(), v1::JOB_STATE_RUNNING, "training").ok());
     ASSERT_TRUE((*jobs)->Schedule(b->job_id(), mesh).ok());
     ASSERT_TRUE((*jobs)->SetState(b->job_id(), v1::JOB_STATE_RUNNING, "training").ok());
     v1::StepProgress step;
@@ -249,17 +260,30 @@ TEST(JobManager, RecordsSurviveAReopenAndRunningJobsFailWithTheirCheckpoint) {
   }
   auto jobs = JobManager::Open(dir, &clock);
   ASSERT_TRUE(jobs.ok()) << jobs.status();
-  // The job failed by the restart counts as one that ended in this process;
-  // the pending one has not ended.
+  // The job without restarts failed by the coordinator's restart counts as
+  // one that ended in this process; the pending one has not ended, and the
+  // other running one restarts (a coordinator restart is not counted
+  // against its policy).
   EXPECT_EQ((*jobs)->FinishedCounts(),
             (std::map<std::string, int64_t>{{"cancelled", 0}, {"failed", 1}, {"succeeded", 0}}));
   const std::vector<v1::Job> all = (*jobs)->List({});
-  ASSERT_EQ(all.size(), 2u);
+  ASSERT_EQ(all.size(), 3u);
   EXPECT_EQ(all[0].state(), v1::JOB_STATE_PENDING);
   EXPECT_EQ(all[1].state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(all[1].reason(), "the coordinator restarted while the job ran; resume from /ck/step-000003");
   EXPECT_EQ(all[1].step(), 5);
   EXPECT_EQ(all[1].generation(), 1);
+  EXPECT_EQ(all[2].state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(all[2].reason(), "the coordinator restarted while the job ran; placing it again");
+  EXPECT_EQ(all[2].restarts(), 1);
+  EXPECT_EQ(all[2].generation(), 2);
+  EXPECT_EQ(std::vector<std::string>(all[2].attempt_failures().begin(), all[2].attempt_failures().end()),
+            std::vector<std::string>{"rank 1 (worker w1 at x) was lost"});
+  ASSERT_TRUE((*jobs)->Schedule(all[2].job_id(), v1::MeshSpec()).ok());
+  // A submit retried with its request id after the restart is recognized.
+  auto again = (*jobs)->Submit(TrainSpec(), "submit-a");
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->job_id(), all[0].job_id());
   // The whole history is there, and new ids do not reuse old ones.
   auto events = (*jobs)->WaitForEvents(all[1].job_id(), 1, absl::ZeroDuration());
   ASSERT_TRUE(events.ok());
@@ -273,13 +297,49 @@ TEST(JobManager, RecordsSurviveAReopenAndRunningJobsFailWithTheirCheckpoint) {
   EXPECT_EQ((*jobs)->AddRankStatus(all[1].job_id(), phase).code(), absl::StatusCode::kFailedPrecondition);
   auto c = (*jobs)->Submit(TrainSpec(), "");
   ASSERT_TRUE(c.ok());
-  EXPECT_EQ(c->job_id(), "job-000003");
+  EXPECT_EQ(c->job_id(), "job-000004");
 
-  // A damaged record is refused, naming the file.
+  // A damaged record is set aside and the others load; its id is not reused.
   std::ofstream(dir + "/job-000009.pb") << "not a record";
-  auto damaged = JobManager::Open(dir, &clock);
-  EXPECT_EQ(damaged.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(damaged.status().message().find("job-000009.pb"), std::string::npos) << damaged.status();
+  auto reopened = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  EXPECT_EQ((*reopened)->List({}).size(), 4u);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/job-000009.pb.damaged"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/job-000009.pb"));
+  auto d = (*reopened)->Submit(TrainSpec(), "");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->job_id(), "job-000010");
+}
+
+TEST(ValidateJobSpec, RestartPolicy) {
+  v1::JobSpec s = TrainSpec();
+  EXPECT_EQ(RestartLimitsOf(s).max_restarts, 3);
+  EXPECT_EQ(RestartLimitsOf(s).worker_wait, absl::Minutes(5));
+  s.mutable_restart()->set_max_restarts(0);
+  EXPECT_EQ(RestartLimitsOf(s).max_restarts, 0);  // set to 0: none, not the default
+  s.mutable_restart()->set_max_restarts(101);
+  ExpectInvalid(s, "spec.restart.max_restarts");
+  s.mutable_restart()->set_max_restarts(-1);
+  ExpectInvalid(s, "spec.restart.max_restarts");
+  s = TrainSpec();
+  s.mutable_restart()->mutable_worker_wait()->set_seconds(-5);
+  ExpectInvalid(s, "spec.restart.worker_wait");
+  s.mutable_restart()->mutable_worker_wait()->set_seconds(30);
+  EXPECT_TRUE(ValidateJobSpec(s).ok());
+  EXPECT_EQ(RestartLimitsOf(s).worker_wait, absl::Seconds(30));
+  v1::JobSpec tensor;
+  tensor.set_kind(v1::JOB_KIND_TENSOR);
+  tensor.mutable_shard()->set_tensor_parallel_size(2);
+  tensor.mutable_shard()->set_data_parallel_size(1);
+  EXPECT_EQ(RestartLimitsOf(tensor).max_restarts, 0);
+  tensor.mutable_restart()->set_max_restarts(1);
+  ExpectInvalid(tensor, "spec.restart.max_restarts");
+  EXPECT_TRUE(IsRetryableRankError(absl::StatusCode::kUnavailable));
+  EXPECT_TRUE(IsRetryableRankError(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_TRUE(IsRetryableRankError(absl::StatusCode::kAborted));
+  EXPECT_FALSE(IsRetryableRankError(absl::StatusCode::kInvalidArgument));
+  EXPECT_FALSE(IsRetryableRankError(absl::StatusCode::kNotFound));
+  EXPECT_FALSE(IsRetryableRankError(absl::StatusCode::kResourceExhausted));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/int_math.h"
+#include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/shardformer/model_config.h"
@@ -148,8 +149,55 @@ absl::Status ValidateShardConfig(const v1::ShardConfig& s, absl::string_view pat
   return absl::OkStatus();
 }
 
+RestartLimits RestartLimitsOf(const v1::JobSpec& spec) {
+  RestartLimits l;
+  const v1::RestartPolicy& r = spec.restart();
+  l.max_restarts = r.has_max_restarts() ? r.max_restarts() : spec.kind() == v1::JOB_KIND_TENSOR ? 0 : 3;
+  l.worker_wait = FromProtoDuration(r.worker_wait());
+  if (l.worker_wait <= absl::ZeroDuration()) l.worker_wait = absl::Minutes(5);
+  return l;
+}
+
+bool IsRetryableRankError(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kUnimplemented:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kAlreadyExists:
+      return false;
+    default:
+      return true;
+  }
+}
+
+namespace {
+
+absl::Status ValidateRestartPolicy(const v1::JobSpec& spec) {
+  const v1::RestartPolicy& r = spec.restart();
+  if (r.has_max_restarts() && (r.max_restarts() < 0 || r.max_restarts() > 100)) {
+    return Invalid("spec.restart", "max_restarts", absl::StrCat(r.max_restarts(), " is outside [0, 100]"));
+  }
+  if (spec.kind() == v1::JOB_KIND_TENSOR && r.max_restarts() > 0) {
+    return Invalid("spec.restart", "max_restarts",
+                   "TENSOR jobs never restart (their tensors live in the ranks' memory); leave it unset or 0");
+  }
+  const google::protobuf::Duration& w = r.worker_wait();
+  if (w.seconds() < 0 || w.nanos() < 0 || w.nanos() >= 1000000000 || w.seconds() > 7 * 24 * 3600) {
+    return Invalid("spec.restart", "worker_wait", "must be between 0 and 7 days");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   RETURN_IF_ERROR(ValidateShardConfig(spec.shard(), "spec.shard"));
+  RETURN_IF_ERROR(ValidateRestartPolicy(spec));
   switch (spec.kind()) {
     case v1::JOB_KIND_TRAIN: {
       ASSIGN_OR_RETURN(shardformer::ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));

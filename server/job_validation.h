@@ -3,6 +3,7 @@
 #define COLOD_SERVER_JOB_VALIDATION_H_
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "colod/v1/job.pb.h"
 
 namespace colod {
@@ -10,6 +11,20 @@ namespace colod {
 // OK, or INVALID_ARGUMENT whose message starts with the offending field's
 // path (e.g. "spec.shard.tensor_parallel_size: ...").
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
+
+// A job's restart policy with the defaults filled in (RestartPolicy in
+// job.proto): 3 restarts for TRAIN and FORWARD jobs, none for TENSOR jobs;
+// 5 minutes of waiting for workers.
+struct RestartLimits {
+  int max_restarts = 0;
+  absl::Duration worker_wait;
+};
+RestartLimits RestartLimitsOf(const v1::JobSpec& spec);
+
+// Whether a rank's error may go away on another attempt (a lost peer, a
+// timeout, an abort) rather than being the job's own (bad input, a missing
+// file, memory; see RestartPolicy).
+bool IsRetryableRankError(absl::StatusCode code);
 
 // Checks the tp/dp/mode/depth combination of a ShardConfig (also used by the
 // mesh builder). Field paths are prefixed with `path`.

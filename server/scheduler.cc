@@ -11,6 +11,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "grpcpp/create_channel.h"
+#include "server/job_validation.h"
 #include "server/placement.h"
 #include "worker/colo/mesh.h"
 
@@ -20,6 +21,15 @@ namespace {
 std::string RankName(const v1::MeshSpec& mesh, int rank) {
   const v1::RankAssignment& a = mesh.ranks(rank);
   return absl::StrCat("rank ", rank, " (worker ", a.worker_id(), " at ", a.worker_address(), ")");
+}
+
+// "attempt 1: ...; attempt 2: ..." from the job's recorded failures and
+// the last one.
+std::string Attempts(const v1::Job& job, const std::string& last) {
+  std::vector<std::string> all;
+  for (const std::string& f : job.attempt_failures()) all.push_back(absl::StrCat("attempt ", all.size() + 1, ": ", f));
+  all.push_back(absl::StrCat("attempt ", all.size() + 1, ": ", last));
+  return absl::StrJoin(all, "; ");
 }
 
 }  // namespace
@@ -89,9 +99,8 @@ void Scheduler::Tick() {
         if (p.ended.count(a.rank()) || live.count(a.worker_id())) continue;
         p.ended.insert(a.rank());
         if (!p.final) {
-          EndLocked(p, v1::JOB_STATE_FAILED,
-                    absl::StrCat(RankName(p.mesh, a.rank()), " was lost: ", workers_->LostReason(a.worker_id())),
-                    a.rank());
+          FailLocked(p, absl::StrCat(RankName(p.mesh, a.rank()), " was lost: ", workers_->LostReason(a.worker_id())),
+                     /*retryable=*/true, a.rank());
         }
       }
     }
@@ -103,22 +112,29 @@ void Scheduler::Tick() {
 }
 
 void Scheduler::ScheduleQueued() {
-  std::vector<v1::Job> pending = jobs_->List({v1::JOB_STATE_PENDING});
-  std::set<std::string> pending_ids;
-  for (const v1::Job& j : pending) pending_ids.insert(j.job_id());
-  for (auto it = waiting_.begin(); it != waiting_.end();) {  // cancelled while waiting
-    it = pending_ids.count(it->first) ? std::next(it) : waiting_.erase(it);
-  }
-  if (pending.empty()) return;
+  std::vector<v1::Job> pending = jobs_->List({v1::JOB_STATE_PENDING, v1::JOB_STATE_RESTARTING});
   std::set<std::string> held;  // running a rank, or sitting out a refusal
+  std::set<std::string> pending_ids;
+  const absl::Time now = absl::Now();
   {
     absl::MutexLock lock(&mu_);
+    // A restarting job waits until its previous placement's ranks all ended.
+    std::vector<v1::Job> ready;
+    for (v1::Job& j : pending) {
+      if (placed_.count(j.job_id())) continue;
+      pending_ids.insert(j.job_id());
+      if (j.state() == v1::JOB_STATE_RESTARTING) restart_since_.try_emplace(j.job_id(), now);
+      ready.push_back(std::move(j));
+    }
+    pending = std::move(ready);
+    for (auto it = restart_since_.begin(); it != restart_since_.end();) {  // placed, or cancelled
+      it = pending_ids.count(it->first) ? std::next(it) : restart_since_.erase(it);
+    }
     for (const auto& [id, p] : placed_) {
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
         if (!p.ended.count(a.rank())) held.insert(a.worker_id());
       }
     }
-    const absl::Time now = absl::Now();
     for (auto it = refused_until_.begin(); it != refused_until_.end();) {
       if (it->second <= now) {
         it = refused_until_.erase(it);
@@ -132,6 +148,10 @@ void Scheduler::ScheduleQueued() {
       it = live ? std::next(it) : refusals_.erase(it);
     }
   }
+  for (auto it = waiting_.begin(); it != waiting_.end();) {  // cancelled while waiting
+    it = pending_ids.count(it->first) ? std::next(it) : waiting_.erase(it);
+  }
+  if (pending.empty()) return;
   std::vector<v1::WorkerInfo> cpu, cuda;
   int registered_cpu = 0, registered_cuda = 0;  // busy or not
   for (const v1::Worker& w : workers_->List(/*include_lost=*/false)) {
@@ -156,13 +176,32 @@ void Scheduler::ScheduleQueued() {
       // fit go first (backfill).
       const int world = mesh->world_size();
       const bool fits_cluster = world <= std::max(registered_cpu, registered_cuda);
-      const std::string why = absl::StrCat(
+      std::string why = absl::StrCat(
           "waiting for workers: needs ", world, " workers of one device kind; ", registered_cpu + registered_cuda,
           " registered (", registered_cpu, " cpu, ", registered_cuda, " cuda), ", cpu.size() + cuda.size(),
           " idle", fits_cluster ? "" : "; jobs behind it that fit run first");
+      if (job.state() == v1::JOB_STATE_RESTARTING) {
+        const RestartLimits limits = RestartLimitsOf(job.spec());
+        absl::Time since = now;
+        {
+          absl::MutexLock lock(&mu_);
+          since = restart_since_[job.job_id()];
+        }
+        if (now - since > limits.worker_wait) {
+          waiting_.erase(job.job_id());
+          const std::string failed = absl::StrCat("no ", world, " workers of one device kind came free within ",
+                                                  absl::FormatDuration(limits.worker_wait), " to restart it");
+          COLOD_LOG(WARNING) << "job " << job.job_id() << " failed: " << failed;
+          (void)jobs_->SetState(
+              job.job_id(), v1::JOB_STATE_FAILED,
+              absl::StrCat(failed, "; ", Attempts(job, "waited for workers")));
+          continue;
+        }
+        why = absl::StrCat("restart ", job.restarts(), ": ", why);
+      }
       if (waiting_[job.job_id()] != why) {
         COLOD_LOG(INFO) << "job " << job.job_id() << " " << why;
-        (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_PENDING, why);  // PENDING says why
+        (void)jobs_->SetState(job.job_id(), job.state(), why);  // PENDING (or RESTARTING) says why
       }
       waiting_[job.job_id()] = why;
       if (fits_cluster) return;
@@ -182,10 +221,17 @@ void Scheduler::ScheduleQueued() {
                pool.end());
     {
       absl::MutexLock lock(&mu_);
+      restart_since_.erase(job.job_id());
       Placed& p = placed_[job.job_id()];
       p.job_id = job.job_id();
       p.generation = scheduled->generation();
       p.spec = scheduled->spec();
+      // Placed again after it wrote a checkpoint: every rank resumes from the
+      // newest complete one in its checkpoint directory.
+      if (p.spec.kind() == v1::JOB_KIND_TRAIN && !scheduled->last_checkpoint().empty() &&
+          !p.spec.train().checkpoint_dir().empty()) {
+        p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
+      }
       p.mesh = *placed;
       p.scope = absl::StrFormat("%s/gen-%d", job.job_id(), p.generation);
     }
@@ -291,10 +337,11 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
         const absl::Status s(static_cast<absl::StatusCode>(r.code()), r.message());
         const std::string reason = absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString());
         if (options_.probe_timeout <= absl::ZeroDuration()) {
-          EndLocked(p, v1::JOB_STATE_FAILED, reason, rank);
+          FailLocked(p, reason, IsRetryableRankError(s.code()), rank);
         } else if (p.failed_rank < 0) {  // the first failure; the scheduler thread probes the peers
           p.failed_rank = rank;
           p.failure = reason;
+          p.failure_code = s.code();
           wake_ = true;
         }
       } else if (!p.final && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
@@ -374,9 +421,46 @@ void Scheduler::ProbeFailedJobs() {
     if (!unreachable.empty()) {
       reason = absl::StrCat(absl::StrJoin(unreachable, "; "), "; first failure reported: ", p.failure);
     }
-    EndLocked(p, v1::JOB_STATE_FAILED, reason, p.failed_rank);
+    // A peer that does not answer is the cluster's failure, whatever the
+    // first rank to notice it reported.
+    FailLocked(p, reason, !unreachable.empty() || IsRetryableRankError(p.failure_code), p.failed_rank);
     ReleaseLocked();
   }
+}
+
+void Scheduler::FailLocked(Placed& p, const std::string& reason, bool retryable, int except_rank) {
+  absl::StatusOr<v1::Job> job = jobs_->Get(p.job_id);
+  if (!job.ok() || JobManager::IsFinal(job->state())) {  // cancelled meanwhile: only stop the ranks
+    EndLocked(p, v1::JOB_STATE_FAILED, reason, except_rank);
+    return;
+  }
+  const RestartLimits limits = RestartLimitsOf(job->spec());
+  if (retryable && job->restarts() < limits.max_restarts) {
+    std::string why = absl::StrCat(reason, "; restarting (restart ", job->restarts() + 1, " of ",
+                                   limits.max_restarts, ")");
+    if (job->spec().kind() == v1::JOB_KIND_TRAIN) {
+      absl::StrAppend(&why, job->last_checkpoint().empty()
+                                ? " from step 0 (no checkpoint yet)"
+                                : absl::StrCat(" from the newest checkpoint in ", job->spec().train().checkpoint_dir()));
+    }
+    if (jobs_->Restart(p.job_id, reason, why).ok()) {
+      COLOD_LOG(WARNING) << "job " << p.job_id << ": " << why;
+      p.requeue = true;
+      p.restart = true;
+      p.requeue_reason = why;
+      StopRanksLocked(p, why, except_rank);
+      return;
+    }
+  }
+  std::string why = reason;
+  if (job->restarts() > 0) {
+    why = absl::StrCat(retryable ? absl::StrCat("failed after ", job->restarts(), " restarts, all its policy allows")
+                                 : "failed with an error a restart does not mend",
+                       ": ", Attempts(*job, reason));
+  } else if (!retryable && limits.max_restarts > 0) {
+    absl::StrAppend(&why, " (not restarted: an error of the job itself)");
+  }
+  EndLocked(p, v1::JOB_STATE_FAILED, why, except_rank);
 }
 
 void Scheduler::EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank) {
@@ -410,11 +494,14 @@ void Scheduler::ReleaseLocked() {
     Placed& p = it->second;
     if (p.final && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
       store_->DeleteScope(p.scope);
-      if (p.requeue) {
+      if (p.requeue && !p.restart) {
         COLOD_LOG(WARNING) << "job " << p.job_id << ": " << p.requeue_reason;
         (void)jobs_->SetState(p.job_id, v1::JOB_STATE_PENDING, p.requeue_reason);  // not if cancelled meanwhile
       } else {
+        // Done, or restarting (it stays RESTARTING; ScheduleQueued places it
+        // again and times its wait for workers from now).
         refusals_.erase(p.job_id);
+        if (p.requeue) restart_since_[p.job_id] = absl::Now();
       }
       it = placed_.erase(it);
       wake_ = true;  // workers came free

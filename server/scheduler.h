@@ -1,15 +1,25 @@
 // The job lifecycle on the workers: PENDING -> SCHEDULED (ranks placed,
 // AssignJob sent) -> RUNNING (every rank loaded and training, or serving its
 // tensors for a TENSOR job, which runs until cancelled) -> SUCCEEDED
-// (every rank finished) / FAILED (a rank failed, a worker was lost, an
-// assignment was refused) / CANCELLED (CancelJob). Workers stay allocated to a
-// job until each of its ranks reported its end (or its worker was lost), so
-// a worker never gets a second rank while the first still winds down.
+// (every rank finished) / FAILED / CANCELLED (CancelJob). Workers stay
+// allocated to a job until each of its ranks reported its end (or its worker
+// was lost), so a worker never gets a second rank while the first still
+// winds down.
+//
+// When a rank fails or its worker is lost, the job restarts while its
+// RestartPolicy allows and the error is not the job's own
+// (IsRetryableRankError): RESTARTING names the failed rank and worker, the
+// other ranks are stopped, and once they all ended the job is placed again
+// under a new generation (a TRAIN job from its newest checkpoint), waiting up
+// to the policy's worker_wait for enough workers. Otherwise, or once its
+// restarts are spent, it is FAILED listing every attempt's failure. A refused
+// assignment places the job again too (a new placement, not a restart).
 //
 // Jobs are scheduled first come, first served: a job that does not fit the
-// idle workers waits and holds the queue (no starvation of large jobs). All
-// of a job's workers are of one device kind: CUDA when enough CUDA workers
-// are idle, else CPU.
+// idle workers waits and holds the queue (no starvation of large jobs), but
+// one larger than the registered workers of every device kind lets the jobs
+// behind it go first. All of a job's workers are of one device kind: CUDA
+// when enough CUDA workers are idle, else CPU.
 #ifndef COLOD_SERVER_SCHEDULER_H_
 #define COLOD_SERVER_SCHEDULER_H_
 
@@ -95,10 +105,14 @@ class Scheduler {
     // the job ends FAILED once they were.
     int failed_rank = -1;
     std::string failure;
-    // An assignment was refused: once every started rank ended, the job goes
-    // back to PENDING (with this reason) instead of staying final.
+    // An assignment was refused, or the job restarts: once every started
+    // rank ended, the job is placed again (back to PENDING with this reason
+    // after a refusal; a restart stays RESTARTING) instead of staying final.
     bool requeue = false;
+    bool restart = false;
     std::string requeue_reason;
+    // The failed rank's error code (for IsRetryableRankError).
+    absl::StatusCode failure_code = absl::StatusCode::kUnknown;
   };
   struct Abort {
     std::string address;
@@ -113,6 +127,11 @@ class Scheduler {
   // Fails or finishes the job: final state, aborts to the ranks still
   // running (not `except_rank`).
   void EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // This attempt failed: restarts the job (RESTARTING; its ranks are
+  // stopped and it is placed again once they ended) while its policy allows
+  // and `retryable`, else ends it FAILED listing every attempt's failure.
+  void FailLocked(Placed& p, const std::string& reason, bool retryable, int except_rank)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends this placement: aborts to the ranks still running (not
   // `except_rank`); the job's state is the caller's.
@@ -139,6 +158,8 @@ class Scheduler {
   std::vector<Abort> aborts_ ABSL_GUARDED_BY(mu_);
   // Workers that refused an assignment: no other until then.
   std::map<std::string, absl::Time> refused_until_ ABSL_GUARDED_BY(mu_);
+  // RESTARTING jobs whose ranks all ended: since when each waits for workers.
+  std::map<std::string, absl::Time> restart_since_ ABSL_GUARDED_BY(mu_);
   // Per job placed again after refusals: the refusals so far.
   std::map<std::string, std::vector<std::string>> refusals_ ABSL_GUARDED_BY(mu_);
   // Workers told to stop a rank of a job not placed here: worker id ->

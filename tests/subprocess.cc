@@ -123,9 +123,10 @@ Daemon StartTestCoordinator(const std::string& listen, std::vector<std::string> 
   return StartDaemon("server/colod-coordinator", "coordinator", std::move(argv));
 }
 
-std::vector<Daemon> StartTestWorkers(const std::string& coordinator, int n, const std::vector<std::string>& flags) {
+std::vector<Daemon> StartTestWorkers(const std::string& coordinator, int n, const std::vector<std::string>& flags,
+                                     int first) {
   std::vector<Daemon> workers;
-  for (int i = 0; i < n; ++i) {
+  for (int i = first; i < first + n; ++i) {
     std::vector<std::string> argv = {"--coordinator", coordinator, "--device", "cpu", "--device-ordinal",
                                      absl::StrCat(i), "--work-dir", TempPath(absl::StrCat("work", i)),
                                      "--comm-timeout", "30s"};

@@ -75,10 +75,11 @@ Daemon StartDaemon(const std::string& binary, const std::string& name, std::vect
 // plus `flags`.
 Daemon StartTestCoordinator(const std::string& listen = "127.0.0.1:0", std::vector<std::string> flags = {});
 
-// `n` CPU workers "w0".."w{n-1}" registering at `coordinator`, device
-// ordinals 0..n-1, work dirs "work{i}" under the test's temp dir, a 30 s
-// --comm-timeout, plus `flags`.
-std::vector<Daemon> StartTestWorkers(const std::string& coordinator, int n, const std::vector<std::string>& flags = {});
+// `n` CPU workers "w{first}".."w{first+n-1}" registering at `coordinator`,
+// device ordinals first..first+n-1, work dirs "work{i}" under the test's temp
+// dir, a 30 s --comm-timeout, plus `flags`.
+std::vector<Daemon> StartTestWorkers(const std::string& coordinator, int n, const std::vector<std::string>& flags = {},
+                                     int first = 0);
 
 // Waits up to `timeout` until the coordinator lists `n` live workers; the
 // last error or count if it never does.

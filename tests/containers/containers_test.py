@@ -13,7 +13,8 @@ checks, each as one named test:
     daemons, loads deploy/prometheus/rules, and PromQL over its HTTP API
     returns what the cluster did (workers ready, a histogram_quantile over the
     step-duration histogram, the tokens trained);
-  - `podman kill` of one worker container mid-job ends the job FAILED naming
+  - `podman kill` of one worker container mid-job ends the job (submitted with
+    --max-restarts 0) FAILED naming
     that worker within the lease, and the other workers take the next job;
   - SIGTERM (podman stop) ends the daemons cleanly, with exit status 0.
 Everything it creates (containers, network, volume, files) is removed at the
@@ -360,7 +361,7 @@ def main():
         def killed_worker_fails_the_job():
             job = cluster.coloctl("submit", "--model", model, "--data", GPL, "--tp", "2", "--dp", "2", "--steps",
                                   "100000", "--batch-size", "8", "--seq-len", "32", "--lr", "1e-3",
-                                  "--name", "doomed").strip()
+                                  "--max-restarts", "0", "--name", "doomed").strip()
 
             def stepping():
                 j = json.loads(cluster.coloctl("status", job, "--output", "json"))

@@ -258,6 +258,12 @@ absl::Status JobRunner::RunRank(Active& active) {
       fs::remove_all(dir, ec);
     }
   } cleanup{dir};
+  {
+    // Left behind by a worker killed mid-job (the cleanup never ran), under a
+    // coordinator that numbers its jobs from 1 again: not this rank's.
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
   const bool training = req.spec().kind() == v1::JOB_KIND_TRAIN;
   std::shared_ptr<const train::PreparedTrain> run;
   shardformer::ShardConfig shard;
@@ -298,6 +304,7 @@ absl::Status JobRunner::RunRank(Active& active) {
     GlooCommunicator::Options o;
     o.hostname = options_.host;
     o.timeout = options_.comm_timeout;
+    o.abort_signal = abort_signal;  // ProcessGroup::Abort reaches a rendezvous waiting for a dead peer
     inner = ProcessGroup::GlooFactory(&store, o);
   }
   // Outlives `pg` (Run ends it after this returns), so its observers outlive the communicators.

@@ -41,35 +41,63 @@ absl::Status FromGlooException(const std::exception& e, absl::string_view op) {
                       absl::StrCat("gloo ", op, ": ", msg));
 }
 
+// A rendezvous in progress, shared by Create and the thread that runs it.
+struct Rendezvous {
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+  // Create returned without it: the store may be gone.
+  bool abandoned ABSL_GUARDED_BY(mu) = false;
+  int store_calls ABSL_GUARDED_BY(mu) = 0;  // in progress
+};
+
 // colod's Store seen through Gloo's rendezvous interface. Errors are thrown,
-// as Gloo expects, with the Status text (which names missing keys).
+// as Gloo expects, with the Status text (which names missing keys). Once the
+// rendezvous is abandoned every call throws without touching the store.
 class StoreAdapter final : public gloo::rendezvous::Store {
  public:
-  StoreAdapter(colod::Store& store, std::string prefix, absl::Duration timeout)
-      : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
+  StoreAdapter(colod::Store& store, std::string prefix, absl::Duration timeout, std::shared_ptr<Rendezvous> r)
+      : store_(store), prefix_(std::move(prefix)), timeout_(timeout), r_(std::move(r)) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
-    absl::Status s = store_.Set(Key(key), std::string(data.begin(), data.end()));
-    if (!s.ok()) throw gloo::IoException(s.ToString());
+    Call([&] { return store_.Set(Key(key), std::string(data.begin(), data.end())); });
   }
   std::vector<char> get(const std::string& key) override {
-    auto v = store_.Wait({Key(key)}, timeout_);
-    if (!v.ok()) throw gloo::IoException(v.status().ToString());
-    return std::vector<char>((*v)[0].begin(), (*v)[0].end());
+    std::vector<std::string> v;
+    Call([&] {
+      auto got = store_.Wait({Key(key)}, timeout_);
+      if (got.ok()) v = *std::move(got);
+      return got.status();
+    });
+    return std::vector<char>(v[0].begin(), v[0].end());
   }
   void wait(const std::vector<std::string>& keys) override { wait(keys, ToMillis(timeout_)); }
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
     std::vector<std::string> full;
     for (const auto& k : keys) full.push_back(Key(k));
-    auto v = store_.Wait(full, absl::Milliseconds(timeout.count()));
-    if (!v.ok()) throw gloo::IoException(v.status().ToString());
+    Call([&] { return store_.Wait(full, absl::Milliseconds(timeout.count())).status(); });
   }
 
  private:
+  template <typename Fn>
+  void Call(Fn&& fn) {
+    {
+      absl::MutexLock lock(&r_->mu);
+      if (r_->abandoned) throw gloo::IoException("the rendezvous was aborted");
+      ++r_->store_calls;
+    }
+    const absl::Status s = fn();
+    {
+      absl::MutexLock lock(&r_->mu);
+      --r_->store_calls;
+    }
+    if (!s.ok()) throw gloo::IoException(s.ToString());
+  }
   std::string Key(const std::string& k) const { return absl::StrCat(prefix_, "/", k); }
   colod::Store& store_;
   const std::string prefix_;
   const absl::Duration timeout_;
+  const std::shared_ptr<Rendezvous> r_;
 };
 
 // Calls fn with a null pointer of the element type Gloo moves for `dtype`.
@@ -231,18 +259,59 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store
   }
   if (options.timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("gloo: timeout must be > 0");
   std::unique_ptr<GlooCommunicator> c(new GlooCommunicator(rank, size, options));
+  const std::string what = absl::StrCat("rendezvous of rank ", rank, "/", size);
+  std::shared_ptr<gloo::rendezvous::Context> context;
   try {
     gloo::transport::tcp::attr attr;
     attr.hostname = options.hostname;
     c->device_ = gloo::transport::tcp::CreateDevice(attr);
-    auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    context = std::make_shared<gloo::rendezvous::Context>(rank, size);
     context->setTimeout(ToMillis(options.timeout));
-    StoreAdapter adapter(store, options.prefix, options.timeout);
-    context->connectFullMesh(adapter, c->device_);
-    c->context_ = std::move(context);
   } catch (const std::exception& e) {
-    return FromGlooException(e, absl::StrCat("rendezvous of rank ", rank, "/", size));
+    return FromGlooException(e, what);
   }
+  // Gloo's connectFullMesh waits for every peer's TCP connection up to the
+  // timeout and offers no way to end it sooner, so it runs on a thread of its
+  // own while this one watches the abort signal. An aborted rendezvous is
+  // abandoned to that thread, which holds what it uses (the context, the
+  // device) and no longer calls the store.
+  auto r = std::make_shared<Rendezvous>();
+  auto adapter = std::make_shared<StoreAdapter>(store, options.prefix, options.timeout, r);
+  std::thread connect([r, adapter, context, device = c->device_, what]() mutable {
+    absl::Status status;
+    try {
+      context->connectFullMesh(*adapter, device);
+    } catch (const std::exception& e) {
+      status = FromGlooException(e, what);
+    }
+    absl::MutexLock lock(&r->mu);
+    r->done = true;
+    r->status = std::move(status);
+  });
+  {
+    absl::MutexLock lock(&r->mu);
+    auto done = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) { return r->done; };
+    while (!r->mu.AwaitWithTimeout(absl::Condition(&done), absl::Milliseconds(20))) {
+      if (options.abort_signal == nullptr || !options.abort_signal->fired()) continue;
+      r->abandoned = true;
+      // A store call in progress returns soon (an aborted generation's waits
+      // are cancelled by the coordinator; each has its own deadline anyway).
+      auto idle = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) { return r->store_calls == 0 || r->done; };
+      r->mu.Await(absl::Condition(&idle));
+      const absl::Status reason = options.abort_signal->Check();
+      if (!r->done) {
+        connect.detach();
+        return absl::AbortedError(absl::StrCat("gloo ", what, ": aborted: ", reason.message()));
+      }
+      break;
+    }
+  }
+  connect.join();
+  {
+    absl::MutexLock lock(&r->mu);
+    if (!r->status.ok()) return r->status;
+  }
+  c->context_ = std::move(context);
   c->thread_ = std::thread([raw = c.get()] { raw->Loop(); });
   return c;
 }

@@ -11,6 +11,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "worker/comm/abort_signal.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/store.h"
 
@@ -36,11 +37,17 @@ class GlooCommunicator final : public Communicator {
     std::string prefix = "gloo";
     // Segment size of the pipelined all-reduce.
     size_t max_segment_bytes = 4 << 20;
+    // If set, firing it ends a Create in progress (ABORTED) within
+    // milliseconds, even while Gloo waits for a dead peer's TCP connection.
+    std::shared_ptr<AbortSignal> abort_signal;
   };
 
   // Connects `size` ranks through `store` (every rank calls it with the same
   // prefix). DEADLINE_EXCEEDED naming the missing ranks if some never join
-  // within options.timeout; INVALID_ARGUMENT for a bad rank or size.
+  // within options.timeout; INVALID_ARGUMENT for a bad rank or size; ABORTED
+  // when options.abort_signal fires first. An aborted rendezvous is left to
+  // Gloo's own timeout on a thread of its own, which no longer touches
+  // `store` once Create returned.
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(Store& store, int rank, int size,
                                                                   Options options);
   // Finishes every submitted collective, then closes the connections. Peers

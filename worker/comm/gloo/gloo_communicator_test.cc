@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "server/rendezvous_store.h"
 
@@ -273,6 +274,87 @@ TEST(Gloo, AbortEndsACollectiveInFlight) {
   const absl::Time teardown = absl::Now();
   comms.clear();
   EXPECT_LT(absl::Now() - teardown, absl::Seconds(5));
+}
+
+// A store whose waits for rank 0's address fail: rank 1 dies right after it
+// published its own.
+class DiesAfterPublishing final : public Store {
+ public:
+  DiesAfterPublishing(std::shared_ptr<RendezvousStore> shared, std::string scope) : inner_(std::move(shared), std::move(scope)) {}
+  absl::Status Set(absl::string_view key, std::string value) override { return inner_.Set(key, std::move(value)); }
+  absl::StatusOr<std::string> Get(absl::string_view key) override { return inner_.Get(key); }
+  absl::StatusOr<std::vector<std::string>> Wait(const std::vector<std::string>& keys, absl::Duration timeout) override {
+    for (const std::string& k : keys) {
+      if (absl::EndsWith(k, "/0")) return absl::UnavailableError("rank 1 died");
+    }
+    return inner_.Wait(keys, timeout);
+  }
+
+ private:
+  InMemoryStore inner_;
+};
+
+// An abort signal ends a rendezvous in progress within milliseconds:
+// - waiting in the store for a peer that never publishes (the coordinator
+//   cancels an aborted generation's scope, which ends the store call);
+// - waiting in Gloo's TCP connect for a peer that published its address and
+//   died before it connected. Which side of a pair listens is decided by the
+//   pairs' ports, so the scenario runs until rank 0 was the listening side
+//   once (a connecting side fails at once with "connection refused").
+TEST(Gloo, AnAbortSignalEndsARendezvousInProgress) {
+  {
+    auto shared = std::make_shared<RendezvousStore>();
+    InMemoryStore store(shared, "scope");
+    GlooCommunicator::Options o;
+    o.timeout = absl::Seconds(60);
+    o.abort_signal = std::make_shared<AbortSignal>();
+    std::thread aborter([&] {
+      absl::SleepFor(absl::Milliseconds(300));
+      o.abort_signal->Abort(absl::CancelledError("job cancelled"));
+      absl::SleepFor(absl::Milliseconds(200));
+      shared->CancelScope("scope");
+    });
+    const absl::Time start = absl::Now();
+    const absl::Status s = GlooCommunicator::Create(store, 0, 2, o).status();
+    aborter.join();
+    EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+    EXPECT_NE(s.message().find("job cancelled"), absl::string_view::npos) << s;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  }
+  int aborted = 0;
+  for (int trial = 0; trial < 40 && aborted == 0; ++trial) {
+    auto shared = std::make_shared<RendezvousStore>();
+    InMemoryStore store(shared, "scope");
+    GlooCommunicator::Options o;
+    o.timeout = absl::Seconds(60);
+    o.abort_signal = std::make_shared<AbortSignal>();
+    absl::Status s;
+    absl::Duration took;
+    std::thread rank0([&] {
+      const absl::Time start = absl::Now();
+      s = GlooCommunicator::Create(store, 0, 2, o).status();
+      took = absl::Now() - start;
+    });
+    {
+      // Rank 1 publishes its address, then dies (its wait for rank 0's
+      // address fails) and closes its sockets before it connects.
+      DiesAfterPublishing dying(shared, "scope");
+      GlooCommunicator::Options o1;
+      o1.timeout = absl::Seconds(10);
+      ASSERT_FALSE(GlooCommunicator::Create(dying, 1, 2, o1).ok());
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+    o.abort_signal->Abort(absl::CancelledError("job cancelled"));
+    rank0.join();
+    EXPECT_LT(took, absl::Seconds(5)) << s;
+    if (s.code() == absl::StatusCode::kAborted) {
+      EXPECT_NE(s.message().find("job cancelled"), absl::string_view::npos) << s;
+      ++aborted;
+    } else {
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;  // the connecting side: refused at once
+    }
+  }
+  EXPECT_EQ(aborted, 1) << "rank 0 never was the listening side";
 }
 
 TEST(Gloo, AbortFailsQueuedWorkAndBadArgumentsFailAtOnce) {
