@@ -135,6 +135,10 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
       bar_open = false;
       std::printf("%s %s%s\n", job_id.c_str(), JobStateLabel(ev.state_change().state()).c_str(),
                   ev.state_change().reason().empty() ? "" : (": " + ev.state_change().reason()).c_str());
+    } else if (ev.has_hang()) {
+      if (bar_open) std::printf("\n");
+      bar_open = false;
+      std::printf("%s stalled: %s\n", job_id.c_str(), ev.hang().message().c_str());
     }
     std::fflush(stdout);
     return true;

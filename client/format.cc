@@ -121,6 +121,7 @@ std::string RenderJob(const v1::Job& j, absl::Time now) {
   absl::StrAppend(&out, "weights:    ", j.spec().model().weights_path(), "\n");
   if (!j.last_checkpoint().empty()) absl::StrAppend(&out, "checkpoint: ", j.last_checkpoint(), "\n");
   absl::StrAppend(&out, "generation: ", j.generation(), "\n");
+  if (!j.stalled().empty()) absl::StrAppend(&out, "stalled:    ", j.stalled(), "\n");
   if (j.restarts() > 0) {
     absl::StrAppend(&out, "restarts:   ", j.restarts(), "\n");
     for (int i = 0; i < j.attempt_failures_size(); ++i) {

@@ -120,6 +120,9 @@ TEST(RenderJob, ShowsRestartsAndEveryAttempt) {
   j.set_restarts(0);
   j.clear_attempt_failures();
   EXPECT_EQ(RenderJob(j, absl::Now()).find("restarts:"), std::string::npos);
+  EXPECT_EQ(RenderJob(j, absl::Now()).find("stalled:"), std::string::npos);
+  j.set_stalled("collective #41 (all_reduce) of group tp/2_3 pending for 7s on ranks 2; not entered by rank 3");
+  EXPECT_NE(RenderJob(j, absl::Now()).find("stalled:    collective #41 (all_reduce) of group tp/2_3"), std::string::npos);
 }
 
 }  // namespace

@@ -80,6 +80,13 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
                            .Name("colod_worker_heartbeat_age_seconds")
                            .Help("Seconds since each registered worker's last heartbeat (updated every second).")
                            .Register(*c->registry_);
+  c->hangs_ = &prometheus::BuildCounter()
+                    .Name("colod_collective_hangs_total")
+                    .Help("Hang reports since the coordinator started: a collective that ranks of a job waited in "
+                          "for longer than --hang-threshold (the job's events name the ranks that had not entered "
+                          "it).")
+                    .Register(*c->registry_)
+                    .Add({});
   c->jobs_finished_ = &prometheus::BuildCounter()
                            .Name("colod_jobs_finished_total")
                            .Help("Jobs that ended since the coordinator started, by final state (succeeded, failed, "
@@ -100,6 +107,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   c->store_ = std::make_unique<RendezvousStore>();
   Scheduler::Options so;
   so.period = options.schedule_period;
+  so.hang_threshold = options.hang_threshold;
   so.auth_token = options.auth_token;
   ASSIGN_OR_RETURN(so.credentials, MakeChannelCredentials(options.tls));
   c->scheduler_ = std::make_unique<Scheduler>(c->jobs_.get(), c->workers_.get(), c->store_.get(), so);
@@ -145,6 +153,8 @@ void Coordinator::UpdateGauges() {
     jobs_gauge_->Add({{"state", state}}).Set(n);
   }
   // Only this thread (and Start, before it) moves the counters.
+  const double hangs = static_cast<double>(jobs_->HangCount());
+  if (hangs > hangs_->Value()) hangs_->Increment(hangs - hangs_->Value());
   for (const auto& [state, n] : jobs_->FinishedCounts()) {
     prometheus::Counter& c = jobs_finished_->Add({{"state", state}});
     if (static_cast<double>(n) > c.Value()) c.Increment(static_cast<double>(n) - c.Value());

@@ -37,6 +37,8 @@ namespace colod {
 //   colod_jobs_finished_total{state}              counter, jobs that ended since this start:
 //                                                 succeeded, failed, cancelled (each from 0;
 //                                                 jobs failed by a restart count as failed)
+//   colod_collective_hangs_total                  counter, hang reports (collectives that ranks
+//                                                 waited in past --hang-threshold) since this start
 //   colod_worker_heartbeat_age_seconds{worker}    gauge, per registered (or lost, until
 //                                                 forgotten) worker id
 //   colod_rpc_duration_seconds{method,code}       histogram (server/rpc_metrics.h)
@@ -62,6 +64,8 @@ class Coordinator {
     TlsFiles tls;
     // How often the scheduler looks at the queue and at running jobs.
     absl::Duration schedule_period = absl::Milliseconds(200);
+    // Scheduler::Options::hang_threshold.
+    absl::Duration hang_threshold = absl::Seconds(30);
   };
 
   // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION if the data dir is
@@ -99,6 +103,7 @@ class Coordinator {
   prometheus::Family<prometheus::Gauge>* jobs_gauge_ = nullptr;
   prometheus::Family<prometheus::Gauge>* heartbeat_age_ = nullptr;
   prometheus::Family<prometheus::Counter>* jobs_finished_ = nullptr;
+  prometheus::Counter* hangs_ = nullptr;
   // The age series by worker id; touched by Start, then only by the sweeper thread.
   std::map<std::string, prometheus::Gauge*> heartbeat_ages_;
   std::unique_ptr<MetricsServer> metrics_;

@@ -149,6 +149,7 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
   }
   *e->job.mutable_mesh() = mesh;
   e->job.set_generation(e->job.generation() + 1);
+  e->job.clear_stalled();  // a new attempt
   AppendStateChangeLocked(*e, v1::JOB_STATE_SCHEDULED,
                           absl::StrCat("ranks assigned to ", mesh.world_size(), " workers; connecting"));
   PersistLocked(*e);
@@ -200,6 +201,22 @@ absl::Status JobManager::SetForwardResult(absl::string_view job_id, const v1::Fo
   *e->job.mutable_forward_result() = result;
   PersistLocked(*e);
   return absl::OkStatus();
+}
+
+absl::Status JobManager::AddHang(absl::string_view job_id, const v1::HangReport& hang) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+  RETURN_IF_ERROR(CheckNotEndedLocked(*e));
+  ++hangs_;
+  e->job.set_stalled(hang.message());
+  *NewEventLocked(*e).mutable_hang() = hang;
+  PersistLocked(*e);
+  return absl::OkStatus();
+}
+
+int64_t JobManager::HangCount() {
+  absl::MutexLock lock(&mu_);
+  return hangs_;
 }
 
 absl::Status JobManager::AddRankStatus(absl::string_view job_id, const v1::RankStatus& status) {

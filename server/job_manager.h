@@ -77,6 +77,11 @@ class JobManager {
   absl::Status AddStep(absl::string_view job_id, const v1::StepProgress& step);
   // Records a FORWARD job's outcome (before it is marked SUCCEEDED).
   absl::Status SetForwardResult(absl::string_view job_id, const v1::ForwardResult& result);
+  // Appends a hang report (event) and sets the job's `stalled` to its
+  // message; FAILED_PRECONDITION once the job ended.
+  absl::Status AddHang(absl::string_view job_id, const v1::HangReport& hang);
+  // Hang reports since this process started.
+  int64_t HangCount();
   // Appends a rank's phase change; FAILED_PRECONDITION once the job ended.
   absl::Status AddRankStatus(absl::string_view job_id, const v1::RankStatus& status);
 
@@ -117,6 +122,7 @@ class JobManager {
   absl::flat_hash_map<std::string, std::string> job_by_request_id_ ABSL_GUARDED_BY(mu_);
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<std::string, int64_t> finished_ ABSL_GUARDED_BY(mu_);
+  int64_t hangs_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // "pending", "scheduled", ... for metrics labels and tables.

@@ -22,6 +22,10 @@ ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(2),
           "How often workers are told to heartbeat, e.g. 2s or 500ms.");
 ABSL_FLAG(absl::Duration, lease_duration, absl::Seconds(10),
           "A worker without a heartbeat for this long is marked lost.");
+ABSL_FLAG(absl::Duration, hang_threshold, absl::Seconds(30),
+          "Ranks that wait in a collective this long are reported: a job event and the job's 'stalled' field "
+          "name the group, the collective and the ranks that have not entered it. Keep it below the workers' "
+          "--comm-timeout; 0 turns it off.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -57,6 +61,7 @@ int main(int argc, char** argv) {
   options.data_dir = absl::GetFlag(FLAGS_data_dir);
   options.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.lease_duration = absl::GetFlag(FLAGS_lease_duration);
+  options.hang_threshold = absl::GetFlag(FLAGS_hang_threshold);
   auto security = colod::SecurityFromFlags();
   if (!security.ok()) {
     COLOD_LOG(ERROR) << security.status().message();

@@ -11,6 +11,8 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "grpcpp/create_channel.h"
+#include "common/proto_time.h"
+#include "server/hang_detector.h"
 #include "server/job_validation.h"
 #include "server/placement.h"
 #include "worker/colo/mesh.h"
@@ -105,6 +107,7 @@ void Scheduler::Tick() {
       }
     }
     ReleaseLocked();
+    if (options_.hang_threshold > absl::ZeroDuration()) ReportHangsLocked(workers);
   }
   SendAborts();
   ScheduleQueued();
@@ -425,6 +428,41 @@ void Scheduler::ProbeFailedJobs() {
     // first rank to notice it reported.
     FailLocked(p, reason, !unreachable.empty() || IsRetryableRankError(p.failure_code), p.failed_rank);
     ReleaseLocked();
+  }
+}
+
+void Scheduler::ReportHangsLocked(const std::vector<v1::Worker>& workers) {
+  std::map<std::string, const v1::Worker*> by_id;
+  for (const v1::Worker& w : workers) by_id[w.info().worker_id()] = &w;
+  const absl::Time now = absl::Now();
+  for (auto& [id, p] : placed_) {
+    if (p.final) continue;
+    std::vector<RankReport> ranks;
+    for (const v1::RankAssignment& a : p.mesh.ranks()) {
+      RankReport r;
+      r.rank = a.rank();
+      r.name = RankName(p.mesh, a.rank());
+      auto w = by_id.find(a.worker_id());
+      if (w != by_id.end()) {
+        const v1::WorkerStatus& st = w->second->status();
+        r.silent_for = now - FromProtoTimestamp(w->second->last_heartbeat_time());
+        if (st.job_id() == p.job_id && st.generation() == p.generation) {
+          r.collectives.assign(st.collectives().begin(), st.collectives().end());
+          // A collective pending at the heartbeat has been pending since.
+          for (v1::CollectiveProgress& c : r.collectives) {
+            if (c.pending_sequence() > 0) {
+              *c.mutable_pending_for() = ToProtoDuration(FromProtoDuration(c.pending_for()) + r.silent_for);
+            }
+          }
+        }
+      }
+      ranks.push_back(std::move(r));
+    }
+    for (const v1::HangReport& h : FindHangs(ranks, options_.hang_threshold)) {
+      if (!p.hangs.insert(absl::StrCat(h.group(), "#", h.sequence())).second) continue;  // reported already
+      COLOD_LOG(WARNING) << "job " << p.job_id << " hangs: " << h.message();
+      (void)jobs_->AddHang(p.job_id, h);
+    }
   }
 }
 

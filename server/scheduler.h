@@ -70,6 +70,10 @@ class Scheduler {
     // refusal.
     absl::Duration refusal_cooloff = absl::Seconds(30);
     int max_placements = 3;
+    // Ranks that wait in a collective this long are reported (FindHangs,
+    // from the workers' heartbeats): once per group and collective, as a job
+    // event. Zero: never.
+    absl::Duration hang_threshold = absl::Seconds(30);
   };
 
   // The pointed-to objects must outlive the scheduler.
@@ -111,6 +115,8 @@ class Scheduler {
     bool requeue = false;
     bool restart = false;
     std::string requeue_reason;
+    // Hangs reported for this placement: "group#sequence".
+    std::set<std::string> hangs;
     // The failed rank's error code (for IsRetryableRankError).
     absl::StatusCode failure_code = absl::StatusCode::kUnknown;
   };
@@ -140,6 +146,9 @@ class Scheduler {
   // putting a job placed again back in the queue).
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendAborts();
+  // Reports the collectives that ranks of running placements wait in past
+  // options_.hang_threshold (FindHangs over `workers`' last heartbeats).
+  void ReportHangsLocked(const std::vector<v1::Worker>& workers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // For each job with a rank failure: asks the workers of its ranks that have
   // not ended for their status (in parallel, options_.probe_timeout), then
   // ends the job FAILED naming the unreachable ones first. No lock is held

@@ -6,6 +6,7 @@
 // daemon's /metrics parses; a restarted coordinator still lists its jobs.
 #include <signal.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -86,7 +87,9 @@ class JobsTest : public ::testing::Test {
   void StartCoordinator(const std::string& listen = "127.0.0.1:0") {
     const std::string data =
         TempPath(absl::StrCat("data-", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
-    coordinator_ = testing::StartTestCoordinator(listen, {"--data-dir", data});
+    std::vector<std::string> flags = {"--data-dir", data};
+    flags.insert(flags.end(), coordinator_flags_.begin(), coordinator_flags_.end());
+    coordinator_ = testing::StartTestCoordinator(listen, flags);
     ASSERT_FALSE(coordinator_.grpc.empty()) << ReadFile(coordinator_.log);
     auto client = CoordinatorClient::Create(coordinator_.grpc);
     ASSERT_TRUE(client.ok());
@@ -207,6 +210,7 @@ class JobsTest : public ::testing::Test {
     return losses;
   }
 
+  std::vector<std::string> coordinator_flags_;  // set before SetUp
   Daemon coordinator_;
   std::vector<Daemon> workers_;
   std::unique_ptr<CoordinatorClient> client_;
@@ -672,6 +676,78 @@ TEST_F(JobsTest, AJobThatSpendsItsRestartsFailsListingEveryAttempt) {
     EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 1 (worker ", id))) << failed->reason();
   }
   EXPECT_TRUE(absl::StrContains(failed->reason(), "; attempt 2: ")) << failed->reason();
+}
+
+// Hang blame: a 1 s hang threshold and a 5 s lease, so that a stopped rank
+// is named while its job still runs.
+class JobsHangTest : public JobsTest {
+ protected:
+  JobsHangTest() { coordinator_flags_ = {"--hang-threshold", "1s", "--lease-duration", "5s"}; }
+};
+
+// A rank's worker SIGSTOPped mid-training: its peers wait in their next
+// collective with it; within 2x the threshold the coordinator reports the
+// group, the collective and the stopped rank as the one that has not
+// entered it (and has not reported since), as a job event, in `coloctl
+// status`, and in colod_collective_hangs_total. The ranks that end dump
+// their flight recorders.
+TEST_F(JobsHangTest, AStoppedRankIsNamedAsTheOneThatHasNotEnteredTheCollective) {
+  const std::string job_id = StartLongJob();
+  ASSERT_FALSE(job_id.empty());
+  auto mesh = client_->GetMesh(job_id);
+  ASSERT_TRUE(mesh.ok());
+  const int stopped = WorkerOf(*mesh, 2);
+  ASSERT_GE(stopped, 0);
+  workers_[stopped].process->Signal(SIGSTOP);
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<v1::Job> job = client_->GetJob(job_id);
+  while (absl::Now() < t0 + absl::Seconds(4) && job.ok() && job->stalled().empty()) {
+    absl::SleepFor(absl::Milliseconds(20));
+    job = client_->GetJob(job_id);
+  }
+  const absl::Duration named = absl::Now() - t0;
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_LE(named, absl::Seconds(2)) << "named after " << named;
+  std::printf("stopped rank named %.2f s after SIGSTOP (threshold 1 s)\n", absl::ToDoubleSeconds(named));
+  const std::string who = absl::StrCat("rank 2 (worker ", mesh->ranks(2).worker_id());
+  EXPECT_TRUE(absl::StrContains(job->stalled(), "not entered by " + who)) << job->stalled();
+  EXPECT_TRUE(absl::StrContains(job->stalled(), who + " at " + mesh->ranks(2).worker_address() + ") has not reported"))
+      << job->stalled();
+  auto status = RunCommand({Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "status", job_id},
+                           TempPath(""));
+  EXPECT_TRUE(absl::StrContains(status.out, "stalled:    collective #")) << status.out << status.err;
+  const std::vector<v1::JobEvent> events = Watch(job_id);
+  workers_[stopped].process->Signal(SIGCONT);
+  bool reported = false;
+  for (const v1::JobEvent& e : events) {
+    if (!e.has_hang()) continue;
+    const v1::HangReport& h = e.hang();
+    if (std::find(h.missing_ranks().begin(), h.missing_ranks().end(), 2) == h.missing_ranks().end()) continue;
+    reported = true;
+    EXPECT_GT(h.sequence(), 0);
+    EXPECT_FALSE(h.op().empty());
+    EXPECT_TRUE(absl::StrContains(h.group(), "2")) << h.group();  // a group rank 2 belongs to
+    EXPECT_EQ(std::count(h.waiting_ranks().begin(), h.waiting_ranks().end(), 2), 0);
+  }
+  EXPECT_TRUE(reported) << "no hang event names rank 2";
+  auto body = testing::HttpGet(coordinator_.metrics, "/metrics");
+  ASSERT_TRUE(body.ok());
+  auto families = testing::ParsePrometheusText(*body);
+  ASSERT_TRUE(families.ok());
+  ASSERT_TRUE(families->count("colod_collective_hangs_total"));
+  EXPECT_GE(families->at("colod_collective_hangs_total").samples.at(0).value, 1);
+  // A healthy rank that ended dumped its flight recorder: its last
+  // collective failed.
+  const int healthy = WorkerOf(*mesh, 0);
+  const std::string dump = absl::StrCat(TempPath(absl::StrCat("work", healthy)), "/flight-recorder/", job_id,
+                                        "-gen-1-rank-0.json");
+  ASSERT_TRUE(AllIdle(absl::Seconds(20), stopped)) << Logs();
+  const nlohmann::json recorded = nlohmann::json::parse(ReadFile(dump), nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(recorded.is_array() && !recorded.empty()) << dump;
+  int failed = 0;
+  for (const nlohmann::json& e : recorded) failed += e["state"] == "failed";
+  EXPECT_GE(failed, 1) << recorded.dump();
+  EXPECT_NE(recorded.back()["state"], "pending") << recorded.back().dump();
 }
 
 // A worker stopped cleanly (SIGTERM) leaves the registry at once, saying

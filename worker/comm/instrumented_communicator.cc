@@ -10,12 +10,16 @@ namespace {
 class ObservedWork final : public Work, public std::enable_shared_from_this<ObservedWork> {
  public:
   ObservedWork(InstrumentedCommunicator* owner, std::shared_ptr<Work> inner,
-               std::function<void(absl::Duration)> done)
+               std::function<void(absl::Duration, bool ok)> done)
       : owner_(owner), inner_(std::move(inner)), start_(absl::Now()), done_(std::move(done)) {}
 
   absl::Status Wait(absl::Duration timeout) override {
     absl::Status s = inner_->Wait(timeout);
-    if (s.ok()) Report();
+    if (s.ok()) {
+      Report(true);
+    } else if (inner_->IsCompleted()) {  // it failed (not only: not done within `timeout`)
+      Report(false);
+    }
     return s;
   }
   // The host does not see the completion of an op the device waits for: a
@@ -23,26 +27,27 @@ class ObservedWork final : public Work, public std::enable_shared_from_this<Obse
   absl::Status WaitOnDevice(absl::Duration timeout) override {
     absl::Status s = inner_->WaitOnDevice(timeout);
     if (s.ok() && !IsCompleted()) owner_->Defer(shared_from_this());
+    if (!s.ok() && inner_->IsCompleted()) Report(false);
     return s;
   }
   bool IsCompleted() override {
     const bool completed = inner_->IsCompleted();
-    if (completed) Report();
+    if (completed) Report(inner_->Wait(absl::ZeroDuration()).ok());
     return completed;
   }
 
  private:
-  void Report() {
+  void Report(bool ok) {
     absl::MutexLock lock(&mu_);
     if (reported_) return;
     reported_ = true;
-    done_(absl::Now() - start_);
+    done_(absl::Now() - start_, ok);
   }
 
   InstrumentedCommunicator* const owner_;  // outlives its works
   const std::shared_ptr<Work> inner_;
   const absl::Time start_;
-  const std::function<void(absl::Duration)> done_;
+  const std::function<void(absl::Duration, bool)> done_;
   absl::Mutex mu_;
   bool reported_ ABSL_GUARDED_BY(mu_) = false;
 };
@@ -58,14 +63,21 @@ std::shared_ptr<Work> InstrumentedCommunicator::Observe(const char* op, int64_t 
     ++s.calls;
     s.bytes += bytes;
   }
-  if (!observer_) return work;
+  if (!observer_ && !recorder_) return work;
+  const int64_t seq = recorder_ ? recorder_->Enqueue(group_, op, bytes) : 0;
   Sweep();
-  return std::make_shared<ObservedWork>(this, std::move(work), [observer = observer_, op, bytes](absl::Duration d) {
-    observer(op, bytes, d);
-  });
+  return std::make_shared<ObservedWork>(
+      this, std::move(work),
+      [observer = observer_, recorder = recorder_, group = group_, seq, op, bytes](absl::Duration d, bool ok) {
+        if (recorder) recorder->End(group, seq, ok);
+        if (observer && ok) observer(op, bytes, d);
+      });
 }
 
-InstrumentedCommunicator::~InstrumentedCommunicator() { Sweep(); }
+InstrumentedCommunicator::~InstrumentedCommunicator() {
+  Sweep();
+  if (recorder_) recorder_->CloseGroup(group_);
+}
 
 void InstrumentedCommunicator::Defer(std::shared_ptr<Work> work) {
   absl::MutexLock lock(&mu_);

@@ -1,6 +1,7 @@
 // A Communicator decorator that counts every collective and the bytes it
 // moves, per op: what the worker's colod_collective_* metrics and the layer
-// tests ("one all-reduce per MLP forward") read.
+// tests ("one all-reduce per MLP forward") read; and, given one, keeps a
+// rank's flight recorder.
 #ifndef COLOD_WORKER_COMM_INSTRUMENTED_COMMUNICATOR_H_
 #define COLOD_WORKER_COMM_INSTRUMENTED_COMMUNICATOR_H_
 
@@ -14,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/flight_recorder.h"
 
 namespace colod {
 
@@ -33,8 +35,14 @@ class InstrumentedCommunicator final : public Communicator {
   // AsyncError or destruction: its time is then an upper bound.
   using Observer = std::function<void(const char* op, int64_t bytes, absl::Duration elapsed)>;
 
-  explicit InstrumentedCommunicator(std::unique_ptr<Communicator> inner, Observer observer = nullptr)
-      : inner_(std::move(inner)), observer_(std::move(observer)) {}
+  // With a `recorder`, every collective is recorded there under `group`
+  // (its enqueue, and its end once seen, as the observer sees it).
+  explicit InstrumentedCommunicator(std::unique_ptr<Communicator> inner, Observer observer = nullptr,
+                                    std::shared_ptr<FlightRecorder> recorder = nullptr, std::string group = "")
+      : inner_(std::move(inner)),
+        observer_(std::move(observer)),
+        recorder_(std::move(recorder)),
+        group_(std::move(group)) {}
 
   // Ops are "all_reduce", "all_gather", "reduce_scatter", "broadcast",
   // "all_to_all", "send", "recv", "barrier".
@@ -71,6 +79,8 @@ class InstrumentedCommunicator final : public Communicator {
 
   const std::unique_ptr<Communicator> inner_;
   const Observer observer_;
+  const std::shared_ptr<FlightRecorder> recorder_;
+  const std::string group_;
   mutable absl::Mutex mu_;
   std::map<std::string, OpStats> stats_ ABSL_GUARDED_BY(mu_);
   // Destroyed before inner_ (a backend's Work must not outlive it).

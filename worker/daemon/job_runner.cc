@@ -180,6 +180,7 @@ v1::WorkerStatus JobRunner::Status() const {
   s.set_job_id(active_->request.job_id());
   s.set_rank(active_->request.rank());
   s.set_generation(active_->request.generation());
+  for (v1::CollectiveProgress& p : active_->recorder->Progress(absl::Now())) *s.add_collectives() = std::move(p);
   return s;
 }
 
@@ -236,6 +237,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   result.mutable_result()->set_code(static_cast<int>(s.code()));
   result.mutable_result()->set_message(std::string(s.message()));
   if (s.ok() && active->forward) *result.mutable_result()->mutable_forward() = *active->forward;
+  if (!s.ok()) DumpFlightRecorder(*active);
   Report(req, result);
   if (s.ok()) {
     COLOD_LOG(INFO) << "job " << req.job_id() << ": rank " << req.rank() << " finished";
@@ -309,14 +311,12 @@ absl::Status JobRunner::RunRank(Active& active) {
   }
   // Outlives `pg` (Run ends it after this returns), so its observers outlive the communicators.
   WorkerMetrics::Rank* metrics = active.metrics.get();
-  ProcessGroup::CommFactory factory = inner;
-  if (metrics != nullptr) {
-    factory = [inner, metrics](const ProcessGroup::GroupInfo& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
-      ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, inner(g));
-      return std::unique_ptr<Communicator>(
-          new InstrumentedCommunicator(std::move(c), metrics->CollectiveObserver(g.axis)));
-    };
-  }
+  ProcessGroup::CommFactory factory = [inner, metrics, recorder = active.recorder](const ProcessGroup::GroupInfo& g)
+      -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, inner(g));
+    return std::unique_ptr<Communicator>(new InstrumentedCommunicator(
+        std::move(c), metrics != nullptr ? metrics->CollectiveObserver(g.axis) : nullptr, recorder, g.prefix));
+  };
   ASSIGN_OR_RETURN(std::shared_ptr<ProcessGroup> pg,
                    ProcessGroup::Create(mesh, req.rank(), factory, options_.comm_timeout, abort_signal));
   {
@@ -362,6 +362,20 @@ absl::Status JobRunner::RunRank(Active& active) {
     if (Report(req, r)) active.stop = true;
   };
   return train::RunTrainRank(*run, req.rank(), *pg, shard, hooks);
+}
+
+void JobRunner::DumpFlightRecorder(const Active& active) {
+  const v1::AssignJobRequest& req = active.request;
+  const std::string dir = options_.work_dir + "/flight-recorder";
+  const std::string path = absl::StrFormat("%s/%s-gen-%d-rank-%d.json", dir, req.job_id(), req.generation(), req.rank());
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  const absl::Status s = WriteFileAtomically(path, active.recorder->ToJson());
+  if (s.ok()) {
+    COLOD_LOG(INFO) << "job " << req.job_id() << ": rank " << req.rank() << "'s last collectives are in " << path;
+  } else {
+    COLOD_LOG(WARNING) << "job " << req.job_id() << ": cannot dump the flight recorder: " << s;
+  }
 }
 
 absl::StatusOr<std::string> JobRunner::Weights(const v1::ModelSpec& model) {

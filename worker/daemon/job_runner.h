@@ -19,6 +19,7 @@
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/worker.pb.h"
 #include "worker/colo/process_group.h"
+#include "worker/comm/flight_recorder.h"
 #include "worker/shardformer/layers.h"
 #include "worker/daemon/tensor_host.h"
 #include "worker/daemon/worker_metrics.h"
@@ -67,8 +68,9 @@ class JobRunner {
   // Stops the job's rank: NOT_FOUND unless it runs that job, ABORTED for an
   // older generation than the one that runs.
   absl::Status Abort(const v1::AbortJobRequest& request);
-  // IDLE, or BUSY with the job, rank and generation; last_error is the
-  // error of the last rank that failed.
+  // IDLE, or BUSY with the job, rank and generation and the rank's
+  // collectives per group (its flight recorder's progress); last_error is
+  // the error of the last rank that failed.
   v1::WorkerStatus Status() const;
   // Blocks until no rank runs or `timeout`; false on timeout.
   bool WaitIdle(absl::Duration timeout) const;
@@ -89,6 +91,9 @@ class JobRunner {
     // used by the rank's thread only.
     std::unique_ptr<WorkerMetrics::Rank> metrics;
     std::string stop_reason ABSL_GUARDED_BY(mu);
+    // Every collective of the rank (thread-safe): its progress goes out with
+    // the heartbeats, and it is dumped to the work dir when the rank fails.
+    const std::shared_ptr<FlightRecorder> recorder = std::make_shared<FlightRecorder>();
   };
 
   void Run(std::shared_ptr<Active> active);
@@ -105,6 +110,9 @@ class JobRunner {
   // Returns true when the coordinator says the job no longer runs.
   bool Report(const v1::AssignJobRequest& request, const v1::ReportProgressRequest& report);
   void Stop(Active& active, const std::string& reason);
+  // Writes the rank's flight recorder to WORK_DIR/flight-recorder/
+  // JOB-gen-G-rank-R.json (kept after the rank's own dir is removed).
+  void DumpFlightRecorder(const Active& active);
 
   const Options options_;
   mutable absl::Mutex mu_;
