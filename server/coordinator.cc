@@ -108,6 +108,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   Scheduler::Options so;
   so.period = options.schedule_period;
   so.hang_threshold = options.hang_threshold;
+  so.clock = options.clock;
   so.auth_token = options.auth_token;
   ASSIGN_OR_RETURN(so.credentials, MakeChannelCredentials(options.tls));
   c->scheduler_ = std::make_unique<Scheduler>(c->jobs_.get(), c->workers_.get(), c->store_.get(), so);

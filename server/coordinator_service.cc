@@ -49,7 +49,7 @@ grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,
                                                     v1::RegisterWorkerResponse* resp) {
   return Instrument(ctx, "RegisterWorker", [&]() -> absl::Status {
     if (!req->has_worker()) return absl::InvalidArgumentError("worker: required");
-    ASSIGN_OR_RETURN(WorkerRegistry::Registration reg, workers_->Register(req->worker()));
+    ASSIGN_OR_RETURN(WorkerRegistry::Registration reg, workers_->Register(req->worker(), req->status()));
     resp->set_worker_id(reg.worker_id);
     *resp->mutable_heartbeat_interval() = ToProtoDuration(reg.heartbeat_interval);
     *resp->mutable_lease_duration() = ToProtoDuration(reg.lease_duration);

@@ -36,6 +36,19 @@ std::vector<v1::HangReport> FindHangs(const std::vector<RankReport>& ranks, absl
     by_rank[r.rank] = &r;
     for (const v1::CollectiveProgress& p : r.collectives) groups[p.group()][r.rank] = &p;
   }
+  // Ranks waiting past the threshold somewhere: "group #seq" of their
+  // longest wait. A missing rank that itself waits elsewhere is a victim of
+  // the hang, not its cause, and the message says so.
+  std::map<int, std::pair<absl::Duration, std::string>> waits;
+  for (const auto& [group, progress] : groups) {
+    for (const auto& [rank, p] : progress) {
+      if (p->pending_sequence() == 0) continue;
+      const absl::Duration pending = FromProtoDuration(p->pending_for());
+      if (pending < threshold) continue;
+      auto& w = waits[rank];
+      if (w.second.empty() || pending > w.first) w = {pending, absl::StrCat(group, " #", p->pending_sequence())};
+    }
+  }
   std::vector<v1::HangReport> out;
   for (const auto& [group, progress] : groups) {
     const v1::CollectiveProgress* longest = nullptr;
@@ -71,7 +84,10 @@ std::vector<v1::HangReport> FindHangs(const std::vector<RankReport>& ranks, absl
       const std::string name = known != by_rank.end() ? known->second->name : absl::StrCat("rank ", m);
       if (entered < seq) {
         h.add_missing_ranks(m);
-        missing.push_back(absl::StrCat(name, " (entered #", entered, ")"));
+        auto w = waits.find(m);
+        missing.push_back(absl::StrCat(name, " (entered #", entered,
+                                       w == waits.end() ? "" : absl::StrCat("; itself waiting in ", w->second.second),
+                                       ")"));
       }
       const absl::Duration quiet = known != by_rank.end() ? known->second->silent_for : absl::InfiniteDuration();
       if (quiet >= threshold) {

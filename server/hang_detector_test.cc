@@ -52,6 +52,16 @@ TEST(FindHangs, NamesTheRankThatHasNotEnteredAndTheSilentOne) {
   EXPECT_EQ(hangs[1].message(),
             "collective #41 (all_reduce) of group tp/2_3 pending for 7s on ranks 2; not entered by rank 3 (worker w3) "
             "(entered #40); rank 3 (worker w3) has not reported for 7s");
+  // Rank 1 waits in dp/1_3 for rank 3; had rank 3 entered dp #10 only and
+  // been waiting in tp/2_3 #40, it would be named as waiting itself.
+  std::vector<RankReport> chained = ranks;
+  chained[3].collectives = {Progress("tp/2_3", 41, 41, absl::Seconds(6)), Progress("dp/1_3", 10, 0, {})};
+  chained[3].silent_for = absl::Milliseconds(200);
+  const std::vector<v1::HangReport> victims = FindHangs(chained, t);
+  ASSERT_EQ(victims.size(), 2u);
+  EXPECT_NE(victims[0].message().find("not entered by rank 3 (worker w3) (entered #10; itself waiting in tp/2_3 #41)"),
+            std::string::npos)
+      << victims[0].message();
   // Below the threshold: nothing.
   EXPECT_TRUE(FindHangs(ranks, absl::Seconds(8)).empty());
 }

@@ -1,7 +1,6 @@
 #include "server/scheduler.h"
 
 #include <algorithm>
-#include <future>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -37,7 +36,14 @@ std::string Attempts(const v1::Job& job, const std::string& last) {
 }  // namespace
 
 Scheduler::Scheduler(JobManager* jobs, WorkerRegistry* workers, RendezvousStore* store, Options options)
-    : jobs_(jobs), workers_(workers), store_(store), options_(std::move(options)) {}
+    : jobs_(jobs),
+      workers_(workers),
+      store_(store),
+      options_(std::move(options)),
+      clock_(options_.clock != nullptr ? options_.clock : Clock::Real()),
+      client_(options_.worker_client != nullptr
+                  ? options_.worker_client
+                  : std::make_shared<GrpcWorkerClient>(options_.credentials, options_.auth_token)) {}
 
 Scheduler::~Scheduler() { Stop(); }
 
@@ -49,6 +55,29 @@ void Scheduler::Stop() {
     stopping_ = true;
   }
   if (thread_.joinable()) thread_.join();
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return assigning_ == 0; };
+  mu_.Await(absl::Condition(&idle));  // each is bounded by rpc_timeout
+}
+
+void Scheduler::TickForTest() {
+  Tick();
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return assigning_ == 0; };
+  mu_.Await(absl::Condition(&idle));
+}
+
+void Scheduler::StartAssign(const std::string& job_id) {
+  {
+    absl::MutexLock lock(&mu_);
+    ++assigning_;
+  }
+  std::thread([this, job_id] {
+    Assign(job_id);
+    absl::MutexLock lock(&mu_);
+    --assigning_;
+    wake_ = true;
+  }).detach();  // Stop waits for assigning_ to drop to zero
 }
 
 void Scheduler::Wake() {
@@ -118,7 +147,7 @@ void Scheduler::ScheduleQueued() {
   std::vector<v1::Job> pending = jobs_->List({v1::JOB_STATE_PENDING, v1::JOB_STATE_RESTARTING});
   std::set<std::string> held;  // running a rank, or sitting out a refusal
   std::set<std::string> pending_ids;
-  const absl::Time now = absl::Now();
+  const absl::Time now = clock_->Now();
   {
     absl::MutexLock lock(&mu_);
     // A restarting job waits until its previous placement's ranks all ended.
@@ -200,7 +229,9 @@ void Scheduler::ScheduleQueued() {
               absl::StrCat(failed, "; ", Attempts(job, "waited for workers")));
           continue;
         }
-        why = absl::StrCat("restart ", job.restarts(), ": ", why);
+        why = job.restarts() > 0 ? absl::StrCat("restarting (restart ", job.restarts(), " of ", limits.max_restarts,
+                                                "): ", why)
+                                 : absl::StrCat("restarting: ", why);
       }
       if (waiting_[job.job_id()] != why) {
         COLOD_LOG(INFO) << "job " << job.job_id() << " " << why;
@@ -239,57 +270,57 @@ void Scheduler::ScheduleQueued() {
       p.scope = absl::StrFormat("%s/gen-%d", job.job_id(), p.generation);
     }
     COLOD_LOG(INFO) << "job " << job.job_id() << ": " << placed->world_size() << " ranks placed";
-    Assign(job.job_id());
+    StartAssign(job.job_id());
   }
 }
 
 void Scheduler::Assign(const std::string& job_id) {
-  v1::AssignJobRequest req;
+  std::vector<WorkerClient::Call<v1::AssignJobRequest>> calls;
   {
     absl::MutexLock lock(&mu_);
     auto it = placed_.find(job_id);
-    if (it == placed_.end()) return;
+    if (it == placed_.end() || it->second.final) return;
+    v1::AssignJobRequest req;
     req.set_job_id(job_id);
     req.set_generation(it->second.generation);
     *req.mutable_spec() = it->second.spec;
     *req.mutable_mesh() = it->second.mesh;
     req.set_rendezvous_scope(it->second.scope);
-  }
-  for (const v1::RankAssignment& a : req.mesh().ranks()) {
-    req.set_rank(a.rank());
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
-    AddAuthToken(ctx, options_.auth_token);
-    v1::AssignJobResponse resp;
-    const grpc::Status s = StubFor(a.worker_address()).AssignJob(&ctx, req, &resp);
-    if (s.ok()) continue;
-    absl::MutexLock lock(&mu_);
-    auto it = placed_.find(job_id);
-    if (it == placed_.end()) return;
-    Placed& p = it->second;
-    // This rank and the ones after it never started.
-    for (int r = a.rank(); r < p.mesh.world_size(); ++r) p.ended.insert(r);
-    if (!p.final) {
-      const std::string refusal =
-          absl::StrCat(RankName(p.mesh, a.rank()), " refused the assignment: ", FromGrpcStatus(s).ToString());
-      refused_until_[a.worker_id()] = absl::Now() + options_.refusal_cooloff;
-      std::vector<std::string>& refusals = refusals_[job_id];
-      refusals.push_back(refusal);
-      if (static_cast<int>(refusals.size()) < options_.max_placements) {
-        // Placed again once the ranks already started have stopped; the
-        // refusing worker sits out refusal_cooloff.
-        p.requeue = true;
-        p.requeue_reason = absl::StrCat(refusal, "; placing the job again (placement ",
-                                        refusals.size() + 1, " of ", options_.max_placements, ")");
-        StopRanksLocked(p, p.requeue_reason, a.rank());
-      } else {
-        EndLocked(p, v1::JOB_STATE_FAILED,
-                  absl::StrCat("every placement was refused: ", absl::StrJoin(refusals, "; ")), a.rank());
-      }
+    for (const v1::RankAssignment& a : it->second.mesh.ranks()) {
+      req.set_rank(a.rank());
+      calls.push_back({a.worker_address(), req});
     }
-    ReleaseLocked();
-    return;
   }
+  const std::vector<absl::Status> answers = client_->Assign(calls, options_.rpc_timeout);  // all at once
+  absl::MutexLock lock(&mu_);
+  auto it = placed_.find(job_id);
+  if (it == placed_.end()) return;
+  Placed& p = it->second;
+  std::vector<std::string> refused;
+  for (size_t i = 0; i < answers.size(); ++i) {
+    if (answers[i].ok()) continue;
+    const v1::RankAssignment& a = p.mesh.ranks(static_cast<int>(i));
+    p.ended.insert(a.rank());  // it never started
+    refused_until_[a.worker_id()] = clock_->Now() + options_.refusal_cooloff;
+    refused.push_back(absl::StrCat(RankName(p.mesh, a.rank()), " refused the assignment: ", answers[i].ToString()));
+  }
+  if (refused.empty()) return;
+  if (!p.final) {
+    // The ranks that started are stopped; the refusing workers sit out
+    // refusal_cooloff; the job is placed again once the started ranks ended.
+    std::vector<std::string>& refusals = refusals_[job_id];
+    refusals.push_back(absl::StrJoin(refused, "; "));
+    if (static_cast<int>(refusals.size()) < options_.max_placements) {
+      p.requeue = true;
+      p.requeue_reason = absl::StrCat(refusals.back(), "; placing the job again (placement ", refusals.size() + 1,
+                                      " of ", options_.max_placements, ")");
+      StopRanksLocked(p, p.requeue_reason, -1);
+    } else {
+      EndLocked(p, v1::JOB_STATE_FAILED, absl::StrCat("every placement was refused: ", absl::StrJoin(refusals, "; ")),
+                -1);
+    }
+  }
+  ReleaseLocked();
 }
 
 absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) {
@@ -397,19 +428,7 @@ void Scheduler::ProbeFailedJobs() {
   for (const Probe& probe : probes) {
     // GetStatus of every live peer at once: a dead worker's address refuses
     // or does not answer, a stopped (SIGSTOP) one does not answer in time.
-    std::vector<std::future<grpc::Status>> answers;
-    for (const std::string& address : probe.addresses) {
-      answers.push_back(std::async(std::launch::async, [this, address] {
-        grpc::ClientContext ctx;
-        ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.probe_timeout));
-        AddAuthToken(ctx, options_.auth_token);
-        v1::GetStatusRequest req;
-        v1::GetStatusResponse resp;
-        return StubFor(address).GetStatus(&ctx, req, &resp);
-      }));
-    }
-    std::vector<grpc::Status> statuses;
-    for (auto& answer : answers) statuses.push_back(answer.get());  // each bounded by its deadline
+    const std::vector<absl::Status> statuses = client_->Probe(probe.addresses, options_.probe_timeout);
     absl::MutexLock lock(&mu_);
     auto it = placed_.find(probe.job_id);
     if (it == placed_.end() || it->second.final || it->second.generation != probe.generation) continue;
@@ -417,8 +436,8 @@ void Scheduler::ProbeFailedJobs() {
     std::vector<std::string> unreachable;
     for (size_t i = 0; i < statuses.size(); ++i) {
       if (statuses[i].ok()) continue;
-      unreachable.push_back(absl::StrCat(RankName(p.mesh, probe.ranks[i]), " does not answer (",
-                                         FromGrpcStatus(statuses[i]).ToString(), ")"));
+      unreachable.push_back(
+          absl::StrCat(RankName(p.mesh, probe.ranks[i]), " does not answer (", statuses[i].ToString(), ")"));
     }
     std::string reason = p.failure;
     if (!unreachable.empty()) {
@@ -434,7 +453,7 @@ void Scheduler::ProbeFailedJobs() {
 void Scheduler::ReportHangsLocked(const std::vector<v1::Worker>& workers) {
   std::map<std::string, const v1::Worker*> by_id;
   for (const v1::Worker& w : workers) by_id[w.info().worker_id()] = &w;
-  const absl::Time now = absl::Now();
+  const absl::Time now = clock_->Now();
   for (auto& [id, p] : placed_) {
     if (p.final) continue;
     std::vector<RankReport> ranks;
@@ -539,7 +558,7 @@ void Scheduler::ReleaseLocked() {
         // Done, or restarting (it stays RESTARTING; ScheduleQueued places it
         // again and times its wait for workers from now).
         refusals_.erase(p.job_id);
-        if (p.requeue) restart_since_[p.job_id] = absl::Now();
+        if (p.requeue) restart_since_[p.job_id] = clock_->Now();
       }
       it = placed_.erase(it);
       wake_ = true;  // workers came free
@@ -550,33 +569,20 @@ void Scheduler::ReleaseLocked() {
 }
 
 void Scheduler::SendAborts() {
-  std::vector<Abort> aborts;
+  std::vector<WorkerClient::Call<v1::AbortJobRequest>> calls;
   {
     absl::MutexLock lock(&mu_);
-    aborts.swap(aborts_);
+    for (Abort& a : aborts_) calls.push_back({std::move(a.address), std::move(a.request)});
+    aborts_.clear();
   }
-  for (const Abort& a : aborts) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::min(options_.rpc_timeout, absl::Seconds(3))));
-    AddAuthToken(ctx, options_.auth_token);
-    v1::AbortJobResponse resp;
-    const grpc::Status s = StubFor(a.address).AbortJob(&ctx, a.request, &resp);
+  const std::vector<absl::Status> answers = client_->Abort(calls, std::min(options_.rpc_timeout, absl::Seconds(3)));
+  for (size_t i = 0; i < answers.size(); ++i) {
     // NOT_FOUND: the rank already ended on its own.
-    if (!s.ok() && s.error_code() != grpc::StatusCode::NOT_FOUND) {
-      COLOD_LOG(WARNING) << "AbortJob " << a.request.job_id() << " to " << a.address << ": " << FromGrpcStatus(s);
+    if (!answers[i].ok() && !absl::IsNotFound(answers[i])) {
+      COLOD_LOG(WARNING) << "AbortJob " << calls[i].request.job_id() << " to " << calls[i].address << ": "
+                         << answers[i];
     }
   }
-}
-
-v1::WorkerService::Stub& Scheduler::StubFor(const std::string& address) {
-  absl::MutexLock lock(&stubs_mu_);  // stubs are never removed, so the reference stays valid
-  auto it = stubs_.find(address);
-  if (it == stubs_.end()) {
-    std::shared_ptr<grpc::ChannelCredentials> creds =
-        options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials();
-    it = stubs_.emplace(address, v1::WorkerService::NewStub(grpc::CreateChannel(address, creds))).first;
-  }
-  return *it->second;
 }
 
 }  // namespace colod

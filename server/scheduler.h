@@ -38,15 +38,19 @@
 #include "colod/v1/worker.grpc.pb.h"
 #include "grpcpp/security/credentials.h"
 #include "server/job_manager.h"
+#include "common/clock.h"
 #include "server/rendezvous_store.h"
+#include "server/worker_client.h"
 #include "server/worker_registry.h"
 
 namespace colod {
 
-// Thread-safe. One background thread places jobs, sends assignments and
-// aborts, watches for lost workers, and stops ranks that workers still run
-// for jobs it does not (after a coordinator restart); Report and Cancel come from gRPC
-// handlers.
+// Thread-safe. One background thread places jobs, sends aborts, watches for
+// lost workers and hangs, and stops ranks that workers still run for jobs it
+// does not (after a coordinator restart); each placement's assignments go out
+// at once on a thread of their own (WorkerClient), so a worker that does not
+// answer delays neither the others nor other jobs. Report and Cancel come
+// from gRPC handlers.
 class Scheduler {
  public:
   struct Options {
@@ -58,6 +62,12 @@ class Scheduler {
     std::string auth_token;
     // How to reach the workers (TLS or insecure).
     std::shared_ptr<grpc::ChannelCredentials> credentials;
+    // How calls reach the workers; null: a GrpcWorkerClient with the two
+    // fields above. Tests give a fake.
+    std::shared_ptr<WorkerClient> worker_client;
+    // Time of cool-offs, restart waits and hang ages; must outlive the
+    // scheduler.
+    Clock* clock = Clock::Real();
     // When a rank fails, its peers that have not ended are asked for their
     // status with this deadline before the job ends, so that the reason names
     // a worker that died or hangs (its peers' collectives fail first and
@@ -82,7 +92,12 @@ class Scheduler {
   ~Scheduler();
 
   void Start();
+  // Stops the thread and waits for assignments in flight.
   void Stop();
+  // One pass of the background thread's work (tests that drive the
+  // scheduler without starting it); returns once the assignments it sent
+  // were answered.
+  void TickForTest();
   // Looks at the queue now (after a submit or a registration).
   void Wake();
 
@@ -129,7 +144,10 @@ class Scheduler {
   void Tick();
   // Places the first pending jobs that fit; sends their assignments.
   void ScheduleQueued();
+  // Sends the placement's assignments (all at once) and handles refusals;
+  // runs on a thread of its own (StartAssign), counted in assigning_.
   void Assign(const std::string& job_id);
+  void StartAssign(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
   // Fails or finishes the job: final state, aborts to the ranks still
   // running (not `except_rank`).
   void EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank)
@@ -154,13 +172,13 @@ class Scheduler {
   // ends the job FAILED naming the unreachable ones first. No lock is held
   // while probing.
   void ProbeFailedJobs() ABSL_LOCKS_EXCLUDED(mu_);
-  // A cached stub per worker address (gRPC stubs are thread-safe).
-  v1::WorkerService::Stub& StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(stubs_mu_);
 
   JobManager* const jobs_;
   WorkerRegistry* const workers_;
   RendezvousStore* const store_;
   const Options options_;
+  Clock* const clock_;
+  const std::shared_ptr<WorkerClient> client_;
 
   absl::Mutex mu_;
   std::map<std::string, Placed> placed_ ABSL_GUARDED_BY(mu_);
@@ -176,13 +194,11 @@ class Scheduler {
   std::map<std::string, std::string> stale_aborted_ ABSL_GUARDED_BY(mu_);
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int assigning_ ABSL_GUARDED_BY(mu_) = 0;  // Assign threads running
   std::thread thread_;
   // Why each waiting job waits (logged when it changes); the scheduler
   // thread's alone.
   std::map<std::string, std::string> waiting_;
-
-  absl::Mutex stubs_mu_;
-  std::map<std::string, std::unique_ptr<v1::WorkerService::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);
 };
 
 }  // namespace colod

@@ -10,7 +10,8 @@ namespace colod {
 
 WorkerRegistry::WorkerRegistry(Options options) : options_(options) {}
 
-absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::WorkerInfo& info) {
+absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::WorkerInfo& info,
+                                                                     const v1::WorkerStatus& status) {
   if (!info.worker_id().empty()) {
     return absl::InvalidArgumentError(
         "worker.worker_id: must be empty; the coordinator assigns worker ids");
@@ -43,7 +44,8 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   if (e.info.host().empty()) {
     e.info.set_host(ParseHostPort(info.address(), "", false)->host);
   }
-  e.status.set_state(v1::WORKER_STATE_IDLE);
+  e.status = status;
+  if (e.status.state() == v1::WORKER_STATE_UNSPECIFIED) e.status.set_state(v1::WORKER_STATE_IDLE);
   e.register_time = now;
   e.last_heartbeat = now;
   Registration out{e.info.worker_id(), options_.heartbeat_interval, options_.lease_duration};

@@ -48,7 +48,8 @@ class WorkerRegistry {
   // worker_id empty) and adds the worker. A registration with the address of a
   // known worker replaces it (the daemon restarted). INVALID_ARGUMENT naming
   // the field otherwise.
-  absl::StatusOr<Registration> Register(const v1::WorkerInfo& info);
+  absl::StatusOr<Registration> Register(const v1::WorkerInfo& info,
+                                        const v1::WorkerStatus& status = v1::WorkerStatus());
 
   // Renews the lease and records `status`; returns the new expiry. NOT_FOUND
   // for an unknown worker or one whose lease already expired.

@@ -150,6 +150,14 @@ TEST_F(WorkerRegistryTest, HeartbeatStatusIsReported) {
   EXPECT_EQ(list[0].state(), v1::WORKER_STATE_BUSY);
   EXPECT_EQ(list[0].status().job_id(), "job-000001");
   EXPECT_EQ(registry_.CountByState()["busy"], 1);
+  // A worker that registers again while a rank of the old coordinator's
+  // still runs is BUSY from its registration on, not from its next heartbeat.
+  auto again = registry_.Register(Info("h:2"), busy);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(registry_.CountByState()["busy"], 2);
+  auto fresh = registry_.Register(Info("h:3"));
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ(registry_.CountByState()["idle"], 1);
 }
 
 }  // namespace

@@ -187,6 +187,7 @@ absl::Status WorkerDaemon::RegisterOnce() {
   AddAuthToken(ctx, options_.auth_token);
   v1::RegisterWorkerRequest req;
   *req.mutable_worker() = info_;
+  *req.mutable_status() = Status();  // BUSY if a rank outlived the coordinator it registered with
   v1::RegisterWorkerResponse resp;
   RETURN_IF_ERROR(FromGrpcStatus(coordinator_->RegisterWorker(&ctx, req, &resp)));
   absl::MutexLock lock(&mu_);

@@ -1,0 +1,352 @@
+// The scheduler as a state machine, driven tick by tick with a fake clock
+// and a fake WorkerClient (no daemons, no threads of its own): placement,
+// RUNNING, SUCCEEDED; restarts after a retryable rank failure (resuming from
+// the checkpoint) until they are spent; errors of the job itself; a lost
+// worker and the wait for workers; refused assignments and their cool-off;
+// hang reports.
+#include "server/scheduler.h"
+
+#include <map>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "common/proto_time.h"
+#include "gtest/gtest.h"
+
+namespace colod {
+namespace {
+
+// Records every call; refuses assignments to the addresses in `refuse`.
+class FakeWorkers final : public WorkerClient {
+ public:
+  std::vector<absl::Status> Assign(const std::vector<Call<v1::AssignJobRequest>>& calls, absl::Duration) override {
+    absl::MutexLock lock(&mu_);
+    std::vector<absl::Status> out;
+    for (const auto& c : calls) {
+      assigned.push_back(c);
+      out.push_back(refuse.count(c.address) ? absl::UnavailableError("stopped") : absl::OkStatus());
+    }
+    return out;
+  }
+  std::vector<absl::Status> Abort(const std::vector<Call<v1::AbortJobRequest>>& calls, absl::Duration) override {
+    absl::MutexLock lock(&mu_);
+    for (const auto& c : calls) aborted.push_back(c);
+    return std::vector<absl::Status>(calls.size());
+  }
+  std::vector<absl::Status> Probe(const std::vector<std::string>& addresses, absl::Duration) override {
+    return std::vector<absl::Status>(addresses.size());
+  }
+
+  absl::Mutex mu_;
+  std::vector<Call<v1::AssignJobRequest>> assigned;
+  std::vector<Call<v1::AbortJobRequest>> aborted;
+  std::set<std::string> refuse;
+};
+
+v1::JobSpec TrainSpec(int tp, int dp) {
+  v1::JobSpec s;
+  s.set_kind(v1::JOB_KIND_TRAIN);
+  s.mutable_model()->set_config_json(
+      R"({"model_type": "gpt2", "vocab_size": 257, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64})");
+  s.mutable_model()->set_weights_path("/models/gpt2-tiny");
+  s.mutable_shard()->set_tensor_parallel_size(tp);
+  s.mutable_shard()->set_data_parallel_size(dp);
+  auto* t = s.mutable_train();
+  t->set_steps(10);
+  t->set_batch_size(4);
+  t->set_seq_len(32);
+  t->set_learning_rate(1e-3);
+  t->set_data_path("/data/corpus.bin");
+  t->set_checkpoint_every(2);
+  t->set_checkpoint_dir("/ck");
+  return s;
+}
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  SchedulerTest() : registry_(RegistryOptions(&clock_)), jobs_(&clock_) {}
+
+  static WorkerRegistry::Options RegistryOptions(Clock* clock) {
+    WorkerRegistry::Options o;
+    o.heartbeat_interval = absl::Seconds(1);
+    o.lease_duration = absl::Seconds(5);
+    o.clock = clock;
+    return o;
+  }
+
+  void Start(int workers, Scheduler::Options o = Scheduler::Options()) {
+    o.worker_client = fake_;
+    o.clock = &clock_;
+    o.probe_timeout = absl::ZeroDuration();  // fail at once, unprobed
+    if (o.hang_threshold == Scheduler::Options().hang_threshold) o.hang_threshold = absl::ZeroDuration();
+    scheduler_ = std::make_unique<Scheduler>(&jobs_, &registry_, &store_, o);
+    for (int i = 0; i < workers; ++i) {
+      v1::WorkerInfo info;
+      info.set_address("10.0.0." + std::to_string(i + 1) + ":7071");
+      info.set_device_kind(v1::DEVICE_KIND_CPU);
+      info.set_device_ordinal(0);
+      auto r = registry_.Register(info);
+      ASSERT_TRUE(r.ok()) << r.status();
+      ids_.push_back(r->worker_id);
+      Beat(i);
+    }
+  }
+  void Beat(int worker, v1::WorkerStatus status = v1::WorkerStatus()) {
+    if (status.state() == v1::WORKER_STATE_UNSPECIFIED) status.set_state(v1::WORKER_STATE_IDLE);
+    ASSERT_TRUE(registry_.Heartbeat(ids_[worker], status).ok());
+  }
+
+  v1::Job Job(const std::string& id) { return *jobs_.Get(id); }
+
+  // Rank `rank` of the job's current placement reports.
+  absl::StatusOr<bool> Report(const std::string& id, int rank, v1::ReportProgressRequest r) {
+    const v1::Job j = Job(id);
+    r.set_job_id(id);
+    r.set_generation(j.generation());
+    r.set_rank(rank);
+    r.set_worker_id(j.mesh().ranks(rank).worker_id());
+    return scheduler_->Report(r);
+  }
+  void Training(const std::string& id) {
+    for (int r = 0; r < Job(id).mesh().world_size(); ++r) {
+      v1::ReportProgressRequest req;
+      req.mutable_status()->set_phase("training");
+      ASSERT_TRUE(Report(id, r, req).ok());
+    }
+  }
+  void Ended(const std::string& id, int rank, absl::StatusCode code, const std::string& message = "") {
+    v1::ReportProgressRequest req;
+    req.mutable_result()->set_code(static_cast<int>(code));
+    req.mutable_result()->set_message(message);
+    ASSERT_TRUE(Report(id, rank, req).ok());
+  }
+  std::vector<v1::JobEvent> Events(const std::string& id) {
+    absl::StatusOr<JobManager::Events> got = jobs_.WaitForEvents(id, 1, absl::ZeroDuration());
+    return got.ok() ? got->events : std::vector<v1::JobEvent>();
+  }
+  std::vector<v1::JobState> States(const std::string& id) {
+    std::vector<v1::JobState> out;
+    for (const v1::JobEvent& e : Events(id)) {
+      if (e.has_state_change()) out.push_back(e.state_change().state());
+    }
+    return out;
+  }
+  // Lets `d` pass in heartbeat-sized steps, every worker but `except`
+  // heartbeating (idle), then sweeps the registry.
+  void Pass(absl::Duration d, int except = -1) {
+    for (absl::Duration left = d; left > absl::ZeroDuration(); left -= absl::Seconds(1)) {
+      clock_.Advance(std::min(left, absl::Seconds(1)));
+      for (int w = 0; w < static_cast<int>(ids_.size()); ++w) {
+        if (w != except) Beat(w);
+      }
+    }
+    registry_.Sweep();
+  }
+
+  FakeClock clock_;
+  WorkerRegistry registry_;
+  JobManager jobs_;
+  RendezvousStore store_;
+  std::shared_ptr<FakeWorkers> fake_ = std::make_shared<FakeWorkers>();
+  std::unique_ptr<Scheduler> scheduler_;
+  std::vector<std::string> ids_;
+};
+
+TEST_F(SchedulerTest, PlacesRunsAndSucceeds) {
+  Start(4);
+  auto job = jobs_.Submit(TrainSpec(2, 2), "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  scheduler_->TickForTest();
+  v1::Job j = Job(job->job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(j.generation(), 1);
+  ASSERT_EQ(fake_->assigned.size(), 4u);  // every rank, at once
+  std::set<std::string> addresses;
+  for (size_t r = 0; r < 4; ++r) {
+    const auto& c = fake_->assigned[r];
+    EXPECT_EQ(c.request.rank(), static_cast<int>(r));
+    EXPECT_EQ(c.request.generation(), 1);
+    EXPECT_EQ(c.request.rendezvous_scope(), job->job_id() + "/gen-1");
+    EXPECT_TRUE(c.request.spec().train().resume_from().empty());  // nothing to resume from yet
+    addresses.insert(c.address);
+  }
+  EXPECT_EQ(addresses.size(), 4u);
+  Training(job->job_id());
+  EXPECT_EQ(Job(job->job_id()).state(), v1::JOB_STATE_RUNNING);
+  for (int r = 0; r < 4; ++r) Ended(job->job_id(), r, absl::StatusCode::kOk);
+  EXPECT_EQ(States(job->job_id()), (std::vector<v1::JobState>{v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED,
+                                                             v1::JOB_STATE_RUNNING, v1::JOB_STATE_SUCCEEDED}));
+  EXPECT_TRUE(fake_->aborted.empty());
+}
+
+TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestartsAreSpent) {
+  Start(2);
+  v1::JobSpec spec = TrainSpec(2, 1);
+  spec.mutable_restart()->set_max_restarts(1);
+  auto job = jobs_.Submit(spec, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  scheduler_->TickForTest();
+  Training(job->job_id());
+  v1::ReportProgressRequest step;
+  step.mutable_step()->set_step(4);
+  step.mutable_step()->set_checkpoint("/ck/step-000004");
+  ASSERT_TRUE(Report(job->job_id(), 0, step).ok());
+  // Rank 1's collective broke: the job restarts and rank 0 is aborted.
+  Ended(job->job_id(), 1, absl::StatusCode::kUnavailable, "connection reset");
+  v1::Job j = Job(job->job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_TRUE(absl::StartsWith(j.reason(), "rank 1 (worker " + j.mesh().ranks(1).worker_id())) << j.reason();
+  EXPECT_TRUE(absl::StrContains(j.reason(), "restarting (restart 1 of 1) from the newest checkpoint in /ck"))
+      << j.reason();
+  EXPECT_EQ(j.restarts(), 1);
+  scheduler_->TickForTest();  // sends the abort
+  ASSERT_EQ(fake_->aborted.size(), 1u);
+  EXPECT_EQ(fake_->aborted[0].request.generation(), 1);
+  EXPECT_EQ(fake_->assigned.size(), 2u);  // not placed again while rank 0 still runs
+  Ended(job->job_id(), 0, absl::StatusCode::kAborted, "aborted");
+  scheduler_->TickForTest();
+  j = Job(job->job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(j.generation(), 2);
+  ASSERT_EQ(fake_->assigned.size(), 4u);
+  EXPECT_EQ(fake_->assigned[2].request.generation(), 2);
+  EXPECT_EQ(fake_->assigned[2].request.spec().train().resume_from(), "/ck");  // every rank resumes
+  EXPECT_EQ(fake_->assigned[3].request.spec().train().resume_from(), "/ck");
+  // The second failure spends the restarts.
+  Training(job->job_id());
+  Ended(job->job_id(), 0, absl::StatusCode::kDeadlineExceeded, "collective timed out");
+  j = Job(job->job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StartsWith(j.reason(), "failed after 1 restarts, all its policy allows: attempt 1: rank 1 "))
+      << j.reason();
+  EXPECT_TRUE(absl::StrContains(j.reason(), "connection reset; attempt 2: rank 0 ")) << j.reason();
+  EXPECT_TRUE(absl::StrContains(j.reason(), "collective timed out")) << j.reason();
+}
+
+TEST_F(SchedulerTest, AnErrorOfTheJobItselfIsNotRetried) {
+  Start(2);
+  auto job = jobs_.Submit(TrainSpec(2, 1), "");  // the default policy: 3 restarts
+  ASSERT_TRUE(job.ok());
+  scheduler_->TickForTest();
+  Ended(job->job_id(), 0, absl::StatusCode::kNotFound, "spec.train.data_path: no such file");
+  const v1::Job j = Job(job->job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::EndsWith(j.reason(), "no such file (not restarted: an error of the job itself)")) << j.reason();
+  EXPECT_EQ(j.restarts(), 0);
+}
+
+TEST_F(SchedulerTest, ALostWorkerRestartsTheJobWhichWaitsForWorkersUpToItsDeadline) {
+  Start(4);
+  v1::JobSpec spec = TrainSpec(2, 2);
+  *spec.mutable_restart()->mutable_worker_wait() = ToProtoDuration(absl::Minutes(1));
+  auto job = jobs_.Submit(spec, "");
+  ASSERT_TRUE(job.ok());
+  scheduler_->TickForTest();
+  Training(job->job_id());
+  const v1::MeshSpec mesh = Job(job->job_id()).mesh();
+  // Worker of rank 3 stops heartbeating; the others go on.
+  int lost = -1;
+  for (int w = 0; w < 4; ++w) lost = mesh.ranks(3).worker_id() == ids_[w] ? w : lost;
+  Pass(absl::Seconds(6), lost);
+  scheduler_->TickForTest();
+  v1::Job j = Job(job->job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_TRUE(absl::StartsWith(j.reason(), "rank 3 (worker " + ids_[lost])) << j.reason();
+  EXPECT_TRUE(absl::StrContains(j.reason(), "was lost: no heartbeat within 5s")) << j.reason();
+  EXPECT_EQ(fake_->aborted.size(), 3u);  // ranks 0-2
+  for (int r = 0; r < 3; ++r) Ended(job->job_id(), r, absl::StatusCode::kAborted);
+  scheduler_->TickForTest();
+  j = Job(job->job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING);  // 3 workers for 4 ranks
+  EXPECT_TRUE(absl::StrContains(j.reason(), "restarting (restart 1 of 3): waiting for workers: needs 4 workers of one device kind; "
+                                            "3 registered (3 cpu, 0 cuda), 3 idle"))
+      << j.reason();
+  Pass(absl::Seconds(61), lost);
+  scheduler_->TickForTest();
+  j = Job(job->job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StartsWith(j.reason(), "no 4 workers of one device kind came free within 1m to restart it; "
+                                           "attempt 1: rank 3 "))
+      << j.reason();
+}
+
+TEST_F(SchedulerTest, ARefusedAssignmentPlacesTheJobAgainWithoutTheRefusingWorkerUntilItsCoolOff) {
+  Start(3);
+  fake_->refuse.insert("10.0.0.2:7071");
+  auto job = jobs_.Submit(TrainSpec(2, 1), "");
+  ASSERT_TRUE(job.ok());
+  scheduler_->TickForTest();
+  v1::Job j = Job(job->job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SCHEDULED);  // rank 0 started; it is being stopped
+  ASSERT_EQ(fake_->aborted.size(), 0u);
+  scheduler_->TickForTest();
+  ASSERT_EQ(fake_->aborted.size(), 1u);
+  EXPECT_EQ(fake_->aborted[0].address, "10.0.0.1:7071");
+  Ended(job->job_id(), 0, absl::StatusCode::kAborted);
+  j = Job(job->job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_PENDING);
+  EXPECT_TRUE(absl::StrContains(j.reason(), "refused the assignment: UNAVAILABLE: stopped; placing the job again "
+                                            "(placement 2 of 3)"))
+      << j.reason();
+  fake_->refuse.clear();
+  scheduler_->TickForTest();
+  j = Job(job->job_id());
+  EXPECT_EQ(j.generation(), 2);
+  for (const v1::RankAssignment& a : j.mesh().ranks()) EXPECT_NE(a.worker_address(), "10.0.0.2:7071");
+  Training(job->job_id());
+  for (int r = 0; r < 2; ++r) Ended(job->job_id(), r, absl::StatusCode::kOk);
+  // After its 30 s cool-off the worker takes jobs again.
+  Pass(absl::Seconds(31));
+  v1::JobSpec wide = TrainSpec(1, 3);
+  wide.mutable_train()->set_batch_size(3);
+  auto next = jobs_.Submit(wide, "");
+  ASSERT_TRUE(next.ok()) << next.status();
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(next->job_id()).state(), v1::JOB_STATE_SCHEDULED);
+}
+
+TEST_F(SchedulerTest, ReportsAHangOncePerCollective) {
+  Scheduler::Options o;
+  o.hang_threshold = absl::Seconds(5);
+  Start(2, o);
+  auto job = jobs_.Submit(TrainSpec(2, 1), "");
+  ASSERT_TRUE(job.ok());
+  scheduler_->TickForTest();
+  Training(job->job_id());
+  const v1::Job j = Job(job->job_id());
+  auto status = [&](int rank, int64_t entered, int64_t pending) {
+    v1::WorkerStatus s;
+    s.set_state(v1::WORKER_STATE_BUSY);
+    s.set_job_id(job->job_id());
+    s.set_rank(rank);
+    s.set_generation(j.generation());
+    v1::CollectiveProgress* p = s.add_collectives();
+    p->set_group("tp/0_1");
+    p->set_entered(entered);
+    if (pending > 0) {
+      p->set_pending_sequence(pending);
+      p->set_pending_op("all_reduce");
+      *p->mutable_pending_for() = ToProtoDuration(absl::Seconds(4));
+    }
+    return s;
+  };
+  int w0 = j.mesh().ranks(0).worker_id() == ids_[0] ? 0 : 1;
+  Beat(w0, status(0, 8, 8));      // rank 0 waits in #8
+  Beat(1 - w0, status(1, 7, 0));  // rank 1 never entered it
+  scheduler_->TickForTest();
+  EXPECT_TRUE(Job(job->job_id()).stalled().empty());  // 4 s < 5 s
+  clock_.Advance(absl::Seconds(2));  // the pending collective aged since its heartbeat
+  scheduler_->TickForTest();
+  scheduler_->TickForTest();  // once only
+  const v1::Job stalled = Job(job->job_id());
+  EXPECT_TRUE(absl::StartsWith(stalled.stalled(), "collective #8 (all_reduce) of group tp/0_1 pending for 6s on ranks 0; "
+                                                  "not entered by rank 1 (worker "))
+      << stalled.stalled();
+  int hangs = 0;
+  for (const v1::JobEvent& e : Events(job->job_id())) hangs += e.has_hang();
+  EXPECT_EQ(hangs, 1);
+  EXPECT_EQ(jobs_.HangCount(), 1);
+}
+
+}  // namespace
+}  // namespace colod

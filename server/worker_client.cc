@@ -1,0 +1,79 @@
+#include "server/worker_client.h"
+
+#include <functional>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "common/auth.h"
+#include "common/grpc_status.h"
+#include "grpcpp/create_channel.h"
+
+namespace colod {
+namespace {
+
+// Runs `n` asynchronous calls; start(i, ctx, done) must start call i on
+// `ctx` and arrange for done(status) once it ends. Returns when all ended.
+std::vector<absl::Status> RunAll(
+    size_t n, absl::Duration deadline, const std::string& token,
+    const std::function<void(size_t, grpc::ClientContext*, std::function<void(grpc::Status)>)>& start) {
+  std::vector<absl::Status> out(n);
+  if (n == 0) return out;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts(n);
+  absl::Mutex mu;
+  size_t left = n;
+  const auto when = absl::ToChronoTime(absl::Now() + deadline);
+  for (size_t i = 0; i < n; ++i) {
+    contexts[i] = std::make_unique<grpc::ClientContext>();
+    contexts[i]->set_deadline(when);
+    AddAuthToken(*contexts[i], token);
+    start(i, contexts[i].get(), [&, i](grpc::Status s) {
+      absl::MutexLock lock(&mu);
+      out[i] = FromGrpcStatus(s);
+      --left;
+    });
+  }
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(+[](size_t* l) { return *l == 0; }, &left));
+  return out;
+}
+
+}  // namespace
+
+GrpcWorkerClient::GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token)
+    : credentials_(credentials ? std::move(credentials) : grpc::InsecureChannelCredentials()),
+      auth_token_(std::move(auth_token)) {}
+
+v1::WorkerService::Stub& GrpcWorkerClient::StubFor(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto it = stubs_.find(address);
+  if (it == stubs_.end()) {
+    it = stubs_.emplace(address, v1::WorkerService::NewStub(grpc::CreateChannel(address, credentials_))).first;
+  }
+  return *it->second;
+}
+
+std::vector<absl::Status> GrpcWorkerClient::Assign(const std::vector<Call<v1::AssignJobRequest>>& calls,
+                                                   absl::Duration deadline) {
+  std::vector<v1::AssignJobResponse> responses(calls.size());
+  return RunAll(calls.size(), deadline, auth_token_, [&](size_t i, grpc::ClientContext* ctx, auto done) {
+    StubFor(calls[i].address).async()->AssignJob(ctx, &calls[i].request, &responses[i], std::move(done));
+  });
+}
+
+std::vector<absl::Status> GrpcWorkerClient::Abort(const std::vector<Call<v1::AbortJobRequest>>& calls,
+                                                  absl::Duration deadline) {
+  std::vector<v1::AbortJobResponse> responses(calls.size());
+  return RunAll(calls.size(), deadline, auth_token_, [&](size_t i, grpc::ClientContext* ctx, auto done) {
+    StubFor(calls[i].address).async()->AbortJob(ctx, &calls[i].request, &responses[i], std::move(done));
+  });
+}
+
+std::vector<absl::Status> GrpcWorkerClient::Probe(const std::vector<std::string>& addresses, absl::Duration deadline) {
+  const v1::GetStatusRequest request;
+  std::vector<v1::GetStatusResponse> responses(addresses.size());
+  return RunAll(addresses.size(), deadline, auth_token_, [&](size_t i, grpc::ClientContext* ctx, auto done) {
+    StubFor(addresses[i]).async()->GetStatus(ctx, &request, &responses[i], std::move(done));
+  });
+}
+
+}  // namespace colod

@@ -1,0 +1,67 @@
+// How the scheduler talks to worker daemons: assignments, aborts and status
+// probes, each batch sent to every worker at once (asynchronously, each call
+// with its own deadline), so that one unreachable or stopped worker never
+// delays the calls to the others. GrpcWorkerClient is the real one; tests
+// give the scheduler a fake.
+#ifndef COLOD_SERVER_WORKER_CLIENT_H_
+#define COLOD_SERVER_WORKER_CLIENT_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "colod/v1/worker.grpc.pb.h"
+#include "grpcpp/security/credentials.h"
+
+namespace colod {
+
+// Implementations are thread-safe. Each method returns once every call of
+// the batch ended (answered, failed or past `deadline`), with their statuses
+// in the order of the batch.
+class WorkerClient {
+ public:
+  template <typename Request>
+  struct Call {
+    std::string address;
+    Request request;
+  };
+
+  virtual ~WorkerClient() = default;
+  virtual std::vector<absl::Status> Assign(const std::vector<Call<v1::AssignJobRequest>>& calls,
+                                           absl::Duration deadline) = 0;
+  virtual std::vector<absl::Status> Abort(const std::vector<Call<v1::AbortJobRequest>>& calls,
+                                          absl::Duration deadline) = 0;
+  // GetStatus of each address: OK when the worker answers.
+  virtual std::vector<absl::Status> Probe(const std::vector<std::string>& addresses, absl::Duration deadline) = 0;
+};
+
+// Over gRPC's callback API, with a cached channel per address (TLS or
+// plaintext) and the bearer token on every call.
+class GrpcWorkerClient final : public WorkerClient {
+ public:
+  GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token);
+
+  std::vector<absl::Status> Assign(const std::vector<Call<v1::AssignJobRequest>>& calls,
+                                   absl::Duration deadline) override;
+  std::vector<absl::Status> Abort(const std::vector<Call<v1::AbortJobRequest>>& calls,
+                                  absl::Duration deadline) override;
+  std::vector<absl::Status> Probe(const std::vector<std::string>& addresses, absl::Duration deadline) override;
+
+ private:
+  // Stubs are never removed, so the reference stays valid.
+  v1::WorkerService::Stub& StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  const std::string auth_token_;
+  absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<v1::WorkerService::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace colod
+
+#endif  // COLOD_SERVER_WORKER_CLIENT_H_
