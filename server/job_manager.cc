@@ -25,6 +25,13 @@ std::string JobStateName(v1::JobState state) {
   return absl::AsciiStrToLower(name);
 }
 
+std::string RankPhaseName(v1::RankPhase phase) {
+  std::string name = v1::RankPhase_Name(phase);
+  const std::string prefix = "RANK_PHASE_";
+  if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
+  return absl::AsciiStrToLower(name);
+}
+
 bool JobManager::IsFinal(v1::JobState state) {
   return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
          state == v1::JOB_STATE_CANCELLED;

@@ -127,6 +127,8 @@ class JobManager {
 
 // "pending", "scheduled", ... for metrics labels and tables.
 std::string JobStateName(v1::JobState state);
+// "training", "serving", ... for reasons and tables.
+std::string RankPhaseName(v1::RankPhase phase);
 
 }  // namespace colod
 

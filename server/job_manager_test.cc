@@ -293,7 +293,7 @@ TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckp
   // An ended job's history is closed.
   EXPECT_EQ((*jobs)->AddStep(all[1].job_id(), v1::StepProgress()).code(), absl::StatusCode::kFailedPrecondition);
   v1::RankStatus phase;
-  phase.set_phase("training");
+  phase.set_phase(v1::RANK_PHASE_TRAINING);
   EXPECT_EQ((*jobs)->AddRankStatus(all[1].job_id(), phase).code(), absl::StatusCode::kFailedPrecondition);
   auto c = (*jobs)->Submit(TrainSpec(), "");
   ASSERT_TRUE(c.ok());

@@ -348,14 +348,15 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       status.set_rank(rank);
       status.set_worker_id(report.worker_id());
       if (!p.final) (void)jobs_->AddRankStatus(p.job_id, status);
-      if (status.phase() == "training" || status.phase() == "serving" || status.phase() == "running") {
+      if (status.phase() == v1::RANK_PHASE_TRAINING || status.phase() == v1::RANK_PHASE_SERVING ||
+          status.phase() == v1::RANK_PHASE_RUNNING) {
         p.training.insert(rank);
       }
       if (!p.final && static_cast<int>(p.training.size()) == p.mesh.world_size()) {
         absl::StatusOr<v1::Job> job = jobs_->Get(p.job_id);
         if (job.ok() && job->state() == v1::JOB_STATE_SCHEDULED) {
           (void)jobs_->SetState(p.job_id, v1::JOB_STATE_RUNNING,
-                                absl::StrCat("all ", p.mesh.world_size(), " ranks are ", status.phase()));
+                                absl::StrCat("all ", p.mesh.world_size(), " ranks are ", RankPhaseName(status.phase())));
         }
       }
       break;

@@ -110,7 +110,7 @@ class SchedulerTest : public ::testing::Test {
   void Training(const std::string& id) {
     for (int r = 0; r < Job(id).mesh().world_size(); ++r) {
       v1::ReportProgressRequest req;
-      req.mutable_status()->set_phase("training");
+      req.mutable_status()->set_phase(v1::RANK_PHASE_TRAINING);
       ASSERT_TRUE(Report(id, r, req).ok());
     }
   }

@@ -419,7 +419,8 @@ def format_event(event):
         what = f"step {s.step} loss {s.loss:.4f} lr {s.learning_rate:.2e} {s.tokens_per_second:.0f} tok/s"
     elif kind == "rank_status":
         r = event.rank_status
-        what = f"rank {r.rank} {r.phase}" + (f": {r.message}" if r.message else "")
+        phase = job_pb2.RankPhase.Name(r.phase).replace("RANK_PHASE_", "").lower()
+        what = f"rank {r.rank} {phase}" + (f": {r.message}" if r.message else "")
     else:
         what = "(unknown event)"
     return f"{event.job_id} #{event.sequence} {what}"

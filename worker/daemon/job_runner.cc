@@ -66,7 +66,7 @@ absl::Status MaterializeModel(const v1::ModelSpec& model, const std::string& wei
   return absl::OkStatus();
 }
 
-v1::ReportProgressRequest Phase(const std::string& phase, const std::string& message = "") {
+v1::ReportProgressRequest Phase(v1::RankPhase phase, const std::string& message = "") {
   v1::ReportProgressRequest r;
   r.mutable_status()->set_phase(phase);
   r.mutable_status()->set_message(message);
@@ -271,7 +271,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   shardformer::ShardConfig shard;
   shard.layout = req.spec().shard();
   if (req.spec().kind() != v1::JOB_KIND_TENSOR) {  // TRAIN and FORWARD jobs load a model
-    if (Report(req, Phase("loading", "opening the model and the data"))) {
+    if (Report(req, Phase(v1::RANK_PHASE_LOADING, "opening the model and the data"))) {
       return absl::AbortedError("the job no longer runs");
     }
     ASSIGN_OR_RETURN(std::string weights, Weights(req.spec().model()));
@@ -285,7 +285,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   }
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(req.spec().shard()));
 
-  if (Report(req, Phase("rendezvous", "connecting to the other ranks"))) {
+  if (Report(req, Phase(v1::RANK_PHASE_RENDEZVOUS, "connecting to the other ranks"))) {
     return absl::AbortedError("the job no longer runs");
   }
   CoordinatorStore store(options_.coordinator, req.rendezvous_scope(), options_.rpc_timeout, options_.auth_token);
@@ -339,7 +339,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   hooks.stop = [&active] { return active.stop.load(); };
   hooks.on_start = [&] {
     if (metrics != nullptr) metrics->TrainingStarted();
-    if (Report(req, Phase("training"))) active.stop = true;
+    if (Report(req, Phase(v1::RANK_PHASE_TRAINING))) active.stop = true;
   };
   hooks.on_step = [&](const train::StepStats& st) {
     if (metrics != nullptr) {
@@ -431,7 +431,7 @@ absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shard
   if (!ids.ok()) return absl::Status(ids.status().code(), absl::StrCat("spec.forward.input_path: ", ids.status().message()));
   request.ids = *ids;
   RETURN_IF_ERROR(shardformer::CheckForward(request).status());
-  if (Report(active.request, Phase("running", "forward pass"))) return absl::AbortedError("the job no longer runs");
+  if (Report(active.request, Phase(v1::RANK_PHASE_RUNNING, "forward pass"))) return absl::AbortedError("the job no longer runs");
   ASSIGN_OR_RETURN(shardformer::ForwardResult out, shardformer::ForwardRank(request, pg, shard));
   if (pg.rank() != 0) return absl::OkStatus();
   v1::ForwardResult result;
@@ -452,7 +452,7 @@ absl::Status JobRunner::ServeTensors(Active& active, ProcessGroup& pg) {
     absl::MutexLock lock(&active.mu);
     active.tensors = host;
   }
-  if (Report(active.request, Phase("serving", "hosting ColoTensors"))) active.stop = true;
+  if (Report(active.request, Phase(v1::RANK_PHASE_SERVING, "hosting ColoTensors"))) active.stop = true;
   while (!active.stop) absl::SleepFor(absl::Milliseconds(20));
   {
     absl::MutexLock lock(&active.mu);
