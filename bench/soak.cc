@@ -18,7 +18,8 @@
 //     measured over).
 // Then it stops submitting and waits for every job to end, and checks: no
 // job lost (each submitted id is listed) or stuck (all final); the
-// coordinator's RSS and open file descriptors over the quiet window; the
+// coordinator's RSS (per job submitted meanwhile: it keeps every job's record
+// and events in memory) and open file descriptors over the quiet window; the
 // coordinator's colod_jobs{state} equal `ListJobs` per state; every worker's
 // colod_rank_running is 0 once nothing runs. Prints a table; exits 1 if a
 // check fails.
@@ -134,6 +135,7 @@ class Soak {
     std::atomic<bool> done{false};
     std::thread heartbeats([&] { HeartbeatLoad(done); });
     Usage at_quiet;
+    size_t jobs_at_quiet = 0;
     bool measured = false;
     absl::Time next_chaos = start + absl::Seconds(absl::GetFlag(FLAGS_chaos_seconds));
     while (absl::Now() < end) {
@@ -144,6 +146,7 @@ class Soak {
       }
       if (!measured && absl::Now() >= quiet) {
         at_quiet = UsageOf(coordinator_.process->pid());
+        jobs_at_quiet = submitted_.size();
         measured = true;
       }
       absl::SleepFor(absl::Milliseconds(500));
@@ -193,8 +196,11 @@ class Soak {
     std::printf("%-44s %s\n", "jobs by state at the end", states.c_str());
     std::printf("%-44s %d\n", "jobs lost (submitted, not listed)", lost);
     std::printf("%-44s %d\n", "jobs stuck (not final 5 min after the load)", open);
-    std::printf("%-44s %lld -> %lld KiB\n", "coordinator RSS over the quiet window", static_cast<long long>(at_quiet.rss_kb),
-                static_cast<long long>(at_end.rss_kb));
+    const size_t window_jobs = submitted_.size() - jobs_at_quiet;
+    std::printf("%-44s %lld -> %lld KiB (%zu jobs submitted meanwhile: %.1f KiB per job)\n",
+                "coordinator RSS over the quiet window", static_cast<long long>(at_quiet.rss_kb),
+                static_cast<long long>(at_end.rss_kb), window_jobs,
+                window_jobs > 0 ? static_cast<double>(at_end.rss_kb - at_quiet.rss_kb) / window_jobs : 0.0);
     std::printf("%-44s %d -> %d\n", "coordinator open fds over the quiet window", at_quiet.fds, at_end.fds);
     std::printf("%-44s %s\n", "colod_jobs{state} == ListJobs per state", gauges_agree ? "yes" : "NO");
     std::printf("%-44s %.0f\n", "workers' colod_rank_running once idle", running_ranks);
@@ -233,6 +239,9 @@ class Soak {
     auto made = CoordinatorClient::Create(address_);
     if (!made.ok()) return;
     std::unique_ptr<CoordinatorClient> client = std::move(*made);
+    v1::WorkerStatus busy;  // registered and heartbeating BUSY: never placed on
+    busy.set_state(v1::WORKER_STATE_BUSY);
+    busy.set_job_id("soak-load");
     const absl::Duration gap = absl::Seconds(1) / rate;
     absl::Time next = absl::Now();
     for (int64_t i = 0; !done; ++i) {
@@ -242,13 +251,10 @@ class Soak {
           v1::WorkerInfo info;
           info.set_address(absl::StrCat("127.0.0.2:", 30000 + w));  // nothing listens: never placed on
           info.set_device_kind(v1::DEVICE_KIND_CPU);
-          auto r = client->RegisterWorker(info);
+          auto r = client->RegisterWorker(info, busy);
           if (r.ok()) ids[w] = r->worker_id();
         } else {
-          v1::WorkerStatus s;
-          s.set_state(v1::WORKER_STATE_BUSY);
-          s.set_job_id("soak-load");
-          auto hb = client->Heartbeat(ids[w], s);
+          auto hb = client->Heartbeat(ids[w], busy);
           ++heartbeats_sent_;
           if (!hb.ok()) {
             ++heartbeats_failed_;
@@ -308,9 +314,11 @@ class Soak {
     if (job.ok()) submitted_.push_back(job->job_id());
   }
 
+  // Every fourth failure outside the quiet window is the coordinator's;
+  // the others are drawn among the workers' kinds.
   void Chaos(bool coordinator_too) {
-    const int kinds = coordinator_too ? 4 : 3;
-    const int kind = std::uniform_int_distribution<int>(0, kinds - 1)(rng_);
+    ++chaos_count_;
+    const int kind = coordinator_too && chaos_count_ % 4 == 0 ? 3 : std::uniform_int_distribution<int>(0, 2)(rng_);
     if (kind == 3) {
       const std::string address = coordinator_.grpc;
       coordinator_.process->Signal(SIGKILL);
@@ -343,6 +351,7 @@ class Soak {
   std::vector<std::string> submitted_;
   std::vector<std::string> chaos_log_;
   int cancels_ = 0;
+  int chaos_count_ = 0;
   std::atomic<int64_t> heartbeats_sent_{0}, heartbeats_failed_{0};
 };
 
@@ -351,6 +360,7 @@ class Soak {
 
 int main(int argc, char** argv) {
   colod::ParseFlags(argc, argv, "soak: the daemons under load and failures (see bench/soak.cc)\n");
+  setvbuf(stdout, nullptr, _IOLBF, 0);
   // The daemons and scratch files, found and kept as the test helpers expect.
   std::string runfiles = std::getenv("RUNFILES_DIR") != nullptr ? std::getenv("RUNFILES_DIR")
                                                                  : std::string(argv[0]) + ".runfiles";

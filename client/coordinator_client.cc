@@ -62,11 +62,13 @@ absl::StatusOr<std::vector<v1::Worker>> CoordinatorClient::ListWorkers(bool incl
   return std::vector<v1::Worker>(resp.workers().begin(), resp.workers().end());
 }
 
-absl::StatusOr<v1::RegisterWorkerResponse> CoordinatorClient::RegisterWorker(const v1::WorkerInfo& info) {
+absl::StatusOr<v1::RegisterWorkerResponse> CoordinatorClient::RegisterWorker(const v1::WorkerInfo& info,
+                                                                         const v1::WorkerStatus& status) {
   grpc::ClientContext ctx;
   SetDeadline(ctx);
   v1::RegisterWorkerRequest req;
   *req.mutable_worker() = info;
+  *req.mutable_status() = status;
   v1::RegisterWorkerResponse resp;
   RETURN_IF_ERROR(Annotate(stub_->RegisterWorker(&ctx, req, &resp), address_, "RegisterWorker"));
   return resp;

@@ -36,7 +36,9 @@ class CoordinatorClient {
   }
 
   absl::StatusOr<std::vector<v1::Worker>> ListWorkers(bool include_lost);
-  absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(const v1::WorkerInfo& info);
+  // `status`: what the worker runs now (RegisterWorkerRequest.status).
+  absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(const v1::WorkerInfo& info,
+                                                            const v1::WorkerStatus& status = v1::WorkerStatus());
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const std::string& worker_id,
                                                   const v1::WorkerStatus& status);
   absl::StatusOr<v1::Job> SubmitJob(const v1::JobSpec& spec, const std::string& request_id = "");

@@ -300,7 +300,8 @@ class DiesAfterPublishing final : public Store {
 // - waiting in Gloo's TCP connect for a peer that published its address and
 //   died before it connected. Which side of a pair listens is decided by the
 //   pairs' ports, so the scenario runs until rank 0 was the listening side
-//   once (a connecting side fails at once with "connection refused").
+//   once (a connecting side fails at once with "connection refused", or
+//   connects if rank 1 still accepted).
 TEST(Gloo, AnAbortSignalEndsARendezvousInProgress) {
   {
     auto shared = std::make_shared<RendezvousStore>();
@@ -350,9 +351,11 @@ TEST(Gloo, AnAbortSignalEndsARendezvousInProgress) {
     if (s.code() == absl::StatusCode::kAborted) {
       EXPECT_NE(s.message().find("job cancelled"), absl::string_view::npos) << s;
       ++aborted;
-    } else {
+    } else if (!s.ok()) {
       EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;  // the connecting side: refused at once
     }
+    // OK: rank 0 connected while rank 1 was still winding down (its pair
+    // accepts until its context is gone); not the case under test.
   }
   EXPECT_EQ(aborted, 1) << "rank 0 never was the listening side";
 }
