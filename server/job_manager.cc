@@ -89,7 +89,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
     std::string reason = "the coordinator restarted while the job ran";
     if (RestartLimitsOf(e.job.spec()).max_restarts > 0) {
       absl::StrAppend(&reason, "; placing it again");
-      if (!e.job.last_checkpoint().empty()) {
+      if (ResumesFromCheckpoint(e.job)) {
         absl::StrAppend(&reason, " from the newest checkpoint in ", e.job.spec().train().checkpoint_dir());
       }
       m->AppendStateChangeLocked(e, v1::JOB_STATE_RESTARTING, reason);

@@ -158,6 +158,11 @@ RestartLimits RestartLimitsOf(const v1::JobSpec& spec) {
   return l;
 }
 
+bool ResumesFromCheckpoint(const v1::Job& job) {
+  return job.spec().kind() == v1::JOB_KIND_TRAIN && !job.last_checkpoint().empty() &&
+         !job.spec().train().checkpoint_dir().empty();
+}
+
 bool IsRetryableRankError(absl::StatusCode code) {
   switch (code) {
     case absl::StatusCode::kInvalidArgument:

@@ -21,6 +21,11 @@ struct RestartLimits {
 };
 RestartLimits RestartLimitsOf(const v1::JobSpec& spec);
 
+// Whether placing `job` again resumes it from its checkpoint directory: a
+// TRAIN job that recorded a checkpoint there. The scheduler sets resume_from
+// by it, and restart reasons say so by it.
+bool ResumesFromCheckpoint(const v1::Job& job);
+
 // Whether a rank's error may go away on another attempt (a lost peer, a
 // timeout, an abort) rather than being the job's own (bad input, a missing
 // file, memory; see RestartPolicy).

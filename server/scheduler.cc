@@ -6,10 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "common/auth.h"
-#include "common/grpc_status.h"
 #include "common/logging.h"
-#include "grpcpp/create_channel.h"
 #include "common/proto_time.h"
 #include "server/hang_detector.h"
 #include "server/job_validation.h"
@@ -55,16 +52,18 @@ void Scheduler::Stop() {
     stopping_ = true;
   }
   if (thread_.joinable()) thread_.join();
-  absl::MutexLock lock(&mu_);
-  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return assigning_ == 0; };
-  mu_.Await(absl::Condition(&idle));  // each is bounded by rpc_timeout
+  WaitForAssignments();
 }
 
 void Scheduler::TickForTest() {
   Tick();
+  WaitForAssignments();
+}
+
+void Scheduler::WaitForAssignments() {
   absl::MutexLock lock(&mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return assigning_ == 0; };
-  mu_.Await(absl::Condition(&idle));
+  mu_.Await(absl::Condition(&idle));  // each is bounded by rpc_timeout
 }
 
 void Scheduler::StartAssign(const std::string& job_id) {
@@ -262,10 +261,7 @@ void Scheduler::ScheduleQueued() {
       p.spec = scheduled->spec();
       // Placed again after it wrote a checkpoint: every rank resumes from the
       // newest complete one in its checkpoint directory.
-      if (p.spec.kind() == v1::JOB_KIND_TRAIN && !scheduled->last_checkpoint().empty() &&
-          !p.spec.train().checkpoint_dir().empty()) {
-        p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
-      }
+      if (ResumesFromCheckpoint(*scheduled)) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
       p.mesh = *placed;
       p.scope = absl::StrFormat("%s/gen-%d", job.job_id(), p.generation);
     }
@@ -496,10 +492,10 @@ void Scheduler::FailLocked(Placed& p, const std::string& reason, bool retryable,
   if (retryable && job->restarts() < limits.max_restarts) {
     std::string why = absl::StrCat(reason, "; restarting (restart ", job->restarts() + 1, " of ",
                                    limits.max_restarts, ")");
-    if (job->spec().kind() == v1::JOB_KIND_TRAIN) {
-      absl::StrAppend(&why, job->last_checkpoint().empty()
-                                ? " from step 0 (no checkpoint yet)"
-                                : absl::StrCat(" from the newest checkpoint in ", job->spec().train().checkpoint_dir()));
+    if (ResumesFromCheckpoint(*job)) {
+      absl::StrAppend(&why, " from the newest checkpoint in ", job->spec().train().checkpoint_dir());
+    } else if (job->spec().kind() == v1::JOB_KIND_TRAIN) {
+      absl::StrAppend(&why, " from step 0 (no checkpoint yet)");
     }
     if (jobs_->Restart(p.job_id, reason, why).ok()) {
       COLOD_LOG(WARNING) << "job " << p.job_id << ": " << why;

@@ -37,8 +37,8 @@
 #include "colod/v1/coordinator.pb.h"
 #include "colod/v1/worker.grpc.pb.h"
 #include "grpcpp/security/credentials.h"
-#include "server/job_manager.h"
 #include "common/clock.h"
+#include "server/job_manager.h"
 #include "server/rendezvous_store.h"
 #include "server/worker_client.h"
 #include "server/worker_registry.h"
@@ -148,6 +148,8 @@ class Scheduler {
   // runs on a thread of its own (StartAssign), counted in assigning_.
   void Assign(const std::string& job_id);
   void StartAssign(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Blocks until no Assign thread runs.
+  void WaitForAssignments() ABSL_LOCKS_EXCLUDED(mu_);
   // Fails or finishes the job: final state, aborts to the ranks still
   // running (not `except_rank`).
   void EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank)

@@ -163,6 +163,29 @@ class JobsTest : public ::testing::Test {
     return -1;
   }
 
+  // A long job (StartLongJob, no restarts) at step 2, its mesh, and the
+  // index in workers_ of the worker holding `rank`: -1 (and a test failure)
+  // if the job did not get there.
+  struct LongJob {
+    std::string job_id;
+    v1::MeshSpec mesh;
+    int worker = -1;
+  };
+  LongJob StartLongJobOn(int rank) {
+    LongJob out;
+    out.job_id = StartLongJob();
+    if (out.job_id.empty()) return out;
+    auto mesh = client_->GetMesh(out.job_id);
+    if (!mesh.ok()) {
+      ADD_FAILURE() << mesh.status();
+      return out;
+    }
+    out.mesh = *mesh;
+    out.worker = WorkerOf(out.mesh, rank);
+    if (out.worker < 0) ADD_FAILURE() << "no worker holds rank " << rank;
+    return out;
+  }
+
   bool AllIdle(absl::Duration within, int except = -1) {
     const absl::Time deadline = absl::Now() + within;
     while (absl::Now() < deadline) {
@@ -512,13 +535,12 @@ TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
 }
 
 TEST_F(JobsTest, AWorkerKilledMidJobFailsTheJobAndFreesTheOthers) {
-  const std::string job_id = StartLongJob();
-  ASSERT_FALSE(job_id.empty());
-  auto mesh = client_->GetMesh(job_id);
-  ASSERT_TRUE(mesh.ok());
+  const LongJob run = StartLongJobOn(1);
+  ASSERT_GE(run.worker, 0);
+  const std::string& job_id = run.job_id;
+  const v1::MeshSpec& mesh = run.mesh;
+  const int victim = run.worker;
   // Kill the worker of rank 1 without a chance to say goodbye.
-  const int victim = WorkerOf(*mesh, 1);
-  ASSERT_GE(victim, 0);
   workers_[victim].process->Signal(SIGKILL);
   workers_[victim].process->Wait(absl::Seconds(10));
   Watch(job_id);
@@ -528,7 +550,7 @@ TEST_F(JobsTest, AWorkerKilledMidJobFailsTheJobAndFreesTheOthers) {
   // The reason names the killed worker, not only a peer whose collective
   // broke first: the coordinator probes the peers of a failed rank (or,
   // should no peer fail first, the lease runs out).
-  EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 1 (worker ", mesh->ranks(1).worker_id())))
+  EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 1 (worker ", mesh.ranks(1).worker_id())))
       << failed->reason();
   // Its peers stop (their collectives fail) and go back to idle; the lost
   // worker is marked so.
@@ -552,19 +574,18 @@ TEST_F(JobsTest, AWorkerKilledMidJobFailsTheJobAndFreesTheOthers) {
 // the collective in flight instead of waiting out --comm-timeout); their
 // heartbeats never stop, so none of them is marked lost.
 TEST_F(JobsTest, AStoppedPeerFailsTheJobAndTheHealthyWorkersAreIdleWithinSeconds) {
-  const std::string job_id = StartLongJob();
-  ASSERT_FALSE(job_id.empty());
-  auto mesh = client_->GetMesh(job_id);
-  ASSERT_TRUE(mesh.ok());
-  const int stopped = WorkerOf(*mesh, 2);
-  ASSERT_GE(stopped, 0);
+  const LongJob run = StartLongJobOn(2);
+  ASSERT_GE(run.worker, 0);
+  const std::string& job_id = run.job_id;
+  const v1::MeshSpec& mesh = run.mesh;
+  const int stopped = run.worker;
   workers_[stopped].process->Signal(SIGSTOP);
   Watch(job_id);
   const absl::Time ended = absl::Now();
   auto failed = client_->GetJob(job_id);
   ASSERT_TRUE(failed.ok());
   EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED) << failed->reason();
-  EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 2 (worker ", mesh->ranks(2).worker_id())))
+  EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 2 (worker ", mesh.ranks(2).worker_id())))
       << failed->reason();
   EXPECT_TRUE(AllIdle(absl::Seconds(10), stopped)) << "healthy workers still busy 10 s after the job ended\n"
                                                     << Logs();
@@ -692,20 +713,19 @@ class JobsHangTest : public JobsTest {
 // status`, and in colod_collective_hangs_total. The ranks that end dump
 // their flight recorders.
 TEST_F(JobsHangTest, AStoppedRankIsNamedAsTheOneThatHasNotEnteredTheCollective) {
-  const std::string job_id = StartLongJob();
-  ASSERT_FALSE(job_id.empty());
-  auto mesh = client_->GetMesh(job_id);
-  ASSERT_TRUE(mesh.ok());
-  const int stopped = WorkerOf(*mesh, 2);
-  ASSERT_GE(stopped, 0);
+  const LongJob run = StartLongJobOn(2);
+  ASSERT_GE(run.worker, 0);
+  const std::string& job_id = run.job_id;
+  const v1::MeshSpec& mesh = run.mesh;
+  const int stopped = run.worker;
   workers_[stopped].process->Signal(SIGSTOP);
   const absl::Time t0 = absl::Now();
-  const std::string who = absl::StrCat("rank 2 (worker ", mesh->ranks(2).worker_id());
+  const std::string who = absl::StrCat("rank 2 (worker ", mesh.ranks(2).worker_id());
   // Its tp peer waits for it, and their dp peers for them: the report that
   // names rank 2 itself is the one to wait for. Stopped before it entered
   // the collective its peer waits in, it is named as not having entered it;
   // stopped inside it, as the rank not heard from.
-  const std::string silent = absl::StrCat(who, " at ", mesh->ranks(2).worker_address(), ") has not reported");
+  const std::string silent = absl::StrCat(who, " at ", mesh.ranks(2).worker_address(), ") has not reported");
   auto names_it = [&](const std::string& stalled) {
     return absl::StrContains(stalled, "not entered by " + who) || absl::StrContains(stalled, silent);
   };
@@ -747,7 +767,7 @@ TEST_F(JobsHangTest, AStoppedRankIsNamedAsTheOneThatHasNotEnteredTheCollective) 
   EXPECT_GE(families->at("colod_collective_hangs_total").samples.at(0).value, 1);
   // A healthy rank that ended dumped its flight recorder: its last
   // collective failed.
-  const int healthy = WorkerOf(*mesh, 0);
+  const int healthy = WorkerOf(mesh, 0);
   const std::string dump = absl::StrCat(TempPath(absl::StrCat("work", healthy)), "/flight-recorder/", job_id,
                                         "-gen-1-rank-0.json");
   ASSERT_TRUE(AllIdle(absl::Seconds(20), stopped)) << Logs();
@@ -795,18 +815,17 @@ TEST_F(JobsTest, AWorkerThatStopsCleanlyLeavesAndTheNextJobRunsElsewhere) {
 // the job fails at once naming that worker and why ("left: ..."), not after
 // a lease or a peer's broken connection, and the other workers are freed.
 TEST_F(JobsTest, AWorkerThatStopsMidJobFailsItNamingTheWorker) {
-  const std::string job_id = StartLongJob();
-  ASSERT_FALSE(job_id.empty());
-  auto mesh = client_->GetMesh(job_id);
-  ASSERT_TRUE(mesh.ok());
-  const int leaving = WorkerOf(*mesh, 3);
-  ASSERT_GE(leaving, 0);
+  const LongJob run = StartLongJobOn(3);
+  ASSERT_GE(run.worker, 0);
+  const std::string& job_id = run.job_id;
+  const v1::MeshSpec& mesh = run.mesh;
+  const int leaving = run.worker;
   workers_[leaving].process->Signal(SIGTERM);
   Watch(job_id);
   auto failed = client_->GetJob(job_id);
   ASSERT_TRUE(failed.ok());
   EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED) << failed->reason();
-  EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 3 (worker ", mesh->ranks(3).worker_id())) &&
+  EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 3 (worker ", mesh.ranks(3).worker_id())) &&
               absl::StrContains(failed->reason(), "left: the worker is shutting down"))
       << failed->reason();
   EXPECT_EQ(workers_[leaving].process->Wait(absl::Seconds(30)), 0) << Logs();

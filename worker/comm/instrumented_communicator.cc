@@ -15,11 +15,8 @@ class ObservedWork final : public Work, public std::enable_shared_from_this<Obse
 
   absl::Status Wait(absl::Duration timeout) override {
     absl::Status s = inner_->Wait(timeout);
-    if (s.ok()) {
-      Report(true);
-    } else if (inner_->IsCompleted()) {  // it failed (not only: not done within `timeout`)
-      Report(false);
-    }
+    if (s.ok()) Report(true);
+    ReportFailure(s);
     return s;
   }
   // The host does not see the completion of an op the device waits for: a
@@ -27,7 +24,7 @@ class ObservedWork final : public Work, public std::enable_shared_from_this<Obse
   absl::Status WaitOnDevice(absl::Duration timeout) override {
     absl::Status s = inner_->WaitOnDevice(timeout);
     if (s.ok() && !IsCompleted()) owner_->Defer(shared_from_this());
-    if (!s.ok() && inner_->IsCompleted()) Report(false);
+    ReportFailure(s);
     return s;
   }
   bool IsCompleted() override {
@@ -37,6 +34,11 @@ class ObservedWork final : public Work, public std::enable_shared_from_this<Obse
   }
 
  private:
+  // After a wait that returned `s`: reports the op's failure, not a wait
+  // that only ran out of time while the op goes on.
+  void ReportFailure(const absl::Status& s) {
+    if (!s.ok() && inner_->IsCompleted()) Report(false);
+  }
   void Report(bool ok) {
     absl::MutexLock lock(&mu_);
     if (reported_) return;
