@@ -23,7 +23,7 @@
 #include "absl/time/clock.h"
 #include "common/flags.h"
 #include "kernels/device.h"
-#include "server/rendezvous_store.h"
+#include "worker/comm/rendezvous_store.h"
 #include "worker/comm/gloo/gloo_communicator.h"
 #ifdef COLOD_WITH_CUDA
 #include <cuda_runtime.h>

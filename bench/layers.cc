@@ -33,7 +33,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/layer_ops.h"
 #include "kernels/device.h"
-#include "server/rendezvous_store.h"
+#include "worker/comm/rendezvous_store.h"
 #include "worker/colo/process_group.h"
 #include "worker/comm/instrumented_communicator.h"
 #include "worker/comm/store.h"

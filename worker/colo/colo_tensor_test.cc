@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "gtest/gtest.h"
-#include "server/rendezvous_store.h"
+#include "worker/comm/rendezvous_store.h"
 #include "worker/colo/testing.h"
 
 namespace colod {

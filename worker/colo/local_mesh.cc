@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "server/rendezvous_store.h"
+#include "worker/comm/rendezvous_store.h"
 #include "worker/comm/instrumented_communicator.h"
 #include "worker/comm/store.h"
 

@@ -10,7 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "server/rendezvous_store.h"
+#include "worker/comm/rendezvous_store.h"
 
 namespace colod {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/rendezvous_store.h"
+#include "worker/comm/rendezvous_store.h"
 
 #include <thread>
 #include <vector>
