@@ -293,8 +293,15 @@ void Scheduler::Assign(const std::string& job_id) {
   if (it == placed_.end()) return;
   Placed& p = it->second;
   std::vector<std::string> refused;
+  // A worker that says it cannot take this job (INVALID_ARGUMENT,
+  // UNIMPLEMENTED) refuses it for the job's own reasons; one that does not
+  // answer, is busy or rejects the coordinator refuses for the cluster's,
+  // and another placement may well succeed.
+  bool jobs_fault = false;
   for (size_t i = 0; i < answers.size(); ++i) {
     if (answers[i].ok()) continue;
+    jobs_fault |= answers[i].code() == absl::StatusCode::kInvalidArgument ||
+                  answers[i].code() == absl::StatusCode::kUnimplemented;
     const v1::RankAssignment& a = p.mesh.ranks(static_cast<int>(i));
     p.ended.insert(a.rank());  // it never started
     refused_until_[a.worker_id()] = clock_->Now() + options_.refusal_cooloff;
@@ -304,12 +311,20 @@ void Scheduler::Assign(const std::string& job_id) {
   if (!p.final) {
     // The ranks that started are stopped; the refusing workers sit out
     // refusal_cooloff; the job is placed again once the started ranks ended.
+    // Only refusals of the job's own count against max_placements.
     std::vector<std::string>& refusals = refusals_[job_id];
-    refusals.push_back(absl::StrJoin(refused, "; "));
-    if (static_cast<int>(refusals.size()) < options_.max_placements) {
+    const std::string now = absl::StrJoin(refused, "; ");
+    if (jobs_fault) refusals.push_back(now);
+    if (!jobs_fault) {
       p.requeue = true;
-      p.requeue_reason = absl::StrCat(refusals.back(), "; placing the job again (placement ", refusals.size() + 1,
-                                      " of ", options_.max_placements, ")");
+      p.requeue_reason = absl::StrCat(now, "; placing the job again without the refusing worker",
+                                      refused.size() > 1 ? "s" : "", " (the cluster's refusal, not counted against ",
+                                      "the job)");
+      StopRanksLocked(p, p.requeue_reason, -1);
+    } else if (static_cast<int>(refusals.size()) < options_.max_placements) {
+      p.requeue = true;
+      p.requeue_reason = absl::StrCat(now, "; placing the job again (placement ", refusals.size() + 1, " of ",
+                                      options_.max_placements, ")");
       StopRanksLocked(p, p.requeue_reason, -1);
     } else {
       EndLocked(p, v1::JOB_STATE_FAILED, absl::StrCat("every placement was refused: ", absl::StrJoin(refusals, "; ")),

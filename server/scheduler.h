@@ -75,9 +75,11 @@ class Scheduler {
     absl::Duration probe_timeout = absl::Seconds(2);
     // A worker that refuses an assignment (or does not answer it) gets no
     // other assignment for this long, and the job is placed again (on other
-    // workers, or on the same one once this passed) under a new generation,
-    // up to max_placements times in all before it fails listing every
-    // refusal.
+    // workers, or on the same one once this passed) under a new generation.
+    // A worker that says the job cannot run (INVALID_ARGUMENT,
+    // UNIMPLEMENTED) refuses for the job's reasons: after max_placements
+    // such placements the job fails listing them. Other refusals (no answer,
+    // busy, unauthenticated) are the cluster's and never fail the job.
     absl::Duration refusal_cooloff = absl::Seconds(30);
     int max_placements = 3;
     // Ranks that wait in a collective this long are reported (FindHangs,

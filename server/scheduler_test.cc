@@ -10,6 +10,7 @@
 #include <set>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "common/proto_time.h"
 #include "gtest/gtest.h"
 
@@ -24,7 +25,7 @@ class FakeWorkers final : public WorkerClient {
     std::vector<absl::Status> out;
     for (const auto& c : calls) {
       assigned.push_back(c);
-      out.push_back(refuse.count(c.address) ? absl::UnavailableError("stopped") : absl::OkStatus());
+      out.push_back(refuse.count(c.address) ? refusal : absl::OkStatus());
     }
     return out;
   }
@@ -41,6 +42,7 @@ class FakeWorkers final : public WorkerClient {
   std::vector<Call<v1::AssignJobRequest>> assigned;
   std::vector<Call<v1::AbortJobRequest>> aborted;
   std::set<std::string> refuse;
+  absl::Status refusal = absl::UnavailableError("stopped");
 };
 
 v1::JobSpec TrainSpec(int tp, int dp) {
@@ -286,7 +288,7 @@ TEST_F(SchedulerTest, ARefusedAssignmentPlacesTheJobAgainWithoutTheRefusingWorke
   j = Job(job->job_id());
   EXPECT_EQ(j.state(), v1::JOB_STATE_PENDING);
   EXPECT_TRUE(absl::StrContains(j.reason(), "refused the assignment: UNAVAILABLE: stopped; placing the job again "
-                                            "(placement 2 of 3)"))
+                                            "without the refusing worker (the cluster's refusal"))
       << j.reason();
   fake_->refuse.clear();
   scheduler_->TickForTest();
@@ -303,6 +305,32 @@ TEST_F(SchedulerTest, ARefusedAssignmentPlacesTheJobAgainWithoutTheRefusingWorke
   ASSERT_TRUE(next.ok()) << next.status();
   scheduler_->TickForTest();
   EXPECT_EQ(Job(next->job_id()).state(), v1::JOB_STATE_SCHEDULED);
+}
+
+// Refusals of the cluster's (no answer) never fail the job, however many;
+// a worker saying the job cannot run does, at the third placement.
+TEST_F(SchedulerTest, OnlyRefusalsOfTheJobsOwnCountAgainstItsPlacements) {
+  Start(1);
+  fake_->refuse.insert("10.0.0.1:7071");
+  auto job = jobs_.Submit(TrainSpec(1, 1), "");
+  ASSERT_TRUE(job.ok());
+  for (int placement = 1; placement <= 5; ++placement) {
+    scheduler_->TickForTest();  // placed, refused: nothing started, so it is pending again at once
+    const v1::Job j = Job(job->job_id());
+    ASSERT_EQ(j.state(), v1::JOB_STATE_PENDING) << "placement " << placement << ": " << j.reason();
+    EXPECT_EQ(j.generation(), placement);
+    Pass(absl::Seconds(31));  // the worker's cool-off
+  }
+  fake_->refusal = absl::InvalidArgumentError("rank: 3 is outside the mesh");
+  for (int placement = 1; placement <= 3; ++placement) {
+    scheduler_->TickForTest();
+    Pass(absl::Seconds(31));
+  }
+  const v1::Job j = Job(job->job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StartsWith(j.reason(), "every placement was refused: rank 0 "));
+  EXPECT_EQ(std::vector<std::string>(absl::StrSplit(j.reason(), "INVALID_ARGUMENT")).size() - 1, 3u) << j.reason();
+  EXPECT_FALSE(absl::StrContains(j.reason(), "UNAVAILABLE")) << j.reason();
 }
 
 TEST_F(SchedulerTest, ReportsAHangOncePerCollective) {
