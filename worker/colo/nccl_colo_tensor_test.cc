@@ -2,12 +2,10 @@
 // (NCCL refuses two ranks of a communicator on one device). Conversions are
 // checked against slicing or summing the global tensor on the host. Skipped
 // without a GPU; the multi-rank cases need two or more.
-#include <thread>
-
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "worker/colo/colo_tensor.h"
-#include "worker/colo/nccl_process_group.h"
+#include "worker/colo/rank_group.h"
 
 namespace colod {
 namespace {
@@ -20,22 +18,16 @@ DeviceMesh TpMesh(int tp) {
 }
 
 void RunNcclMesh(const DeviceMesh& mesh, const std::function<void(int, ProcessGroup&)>& body) {
-  InMemoryStore store;
-  const int n = mesh.world_size();
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      NcclCommunicator::Options o;
-      o.device = r;
-      o.timeout = absl::Seconds(60);
-      auto pg = ProcessGroup::Create(mesh, r, NcclFactory(&store, o, r, n), absl::Seconds(60));
-      ASSERT_TRUE(pg.ok()) << pg.status();
-      absl::Status init = (*pg)->InitAxes();
-      ASSERT_TRUE(init.ok()) << init;
-      body(r, **pg);
-    });
-  }
-  for (auto& t : threads) t.join();
+  LocalRanksOptions options;
+  options.cuda = true;
+  const absl::Status s = RunLocalRanks(
+      mesh,
+      [&body](int rank, ProcessGroup& pg) {
+        body(rank, pg);
+        return absl::OkStatus();
+      },
+      options);
+  ASSERT_TRUE(s.ok()) << s;
 }
 
 Tensor IntTensor(const Shape& shape) {

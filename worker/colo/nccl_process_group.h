@@ -22,17 +22,6 @@ namespace colod {
 ProcessGroup::CommFactory NcclFactory(Store* store, NcclCommunicator::Options options, int world_rank,
                                       int world_size);
 
-// RunLocalMesh (worker/colo/local_mesh.h) over NCCL: rank r of `mesh` is a
-// thread on CUDA device r (FAILED_PRECONDITION when there are fewer devices
-// than ranks); its process group has every axis initialized before `body`
-// runs. When a rank fails, every rank's group is aborted with its error, so
-// the others stop at their next (or current) collective instead of waiting
-// for it. Returns OK or the lowest failing rank's error (an error other than
-// the abort it caused, if there is one).
-absl::Status RunLocalNcclMesh(const DeviceMesh& mesh,
-                              const std::function<absl::Status(int rank, ProcessGroup& pg)>& body,
-                              absl::Duration timeout = absl::Seconds(60));
-
 }  // namespace colod
 
 #endif  // COLOD_WORKER_COLO_NCCL_PROCESS_GROUP_H_

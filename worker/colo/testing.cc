@@ -4,15 +4,19 @@
 
 #include "common/status_macros.h"
 #include "gtest/gtest.h"
-#include "worker/colo/local_mesh.h"
+#include "worker/colo/rank_group.h"
 
 namespace colod::testing {
 
 void RunMesh(const DeviceMesh& mesh, const std::function<void(int, ProcessGroup&)>& body, bool instrument) {
-  LocalMeshOptions options;
+  LocalRanksOptions options;
   options.timeout = absl::Seconds(30);
-  options.instrument = instrument;
-  const absl::Status s = RunLocalMesh(
+  if (instrument) {
+    options.wrap = [](std::unique_ptr<Communicator> c, const ProcessGroup::GroupInfo&) {
+      return std::unique_ptr<Communicator>(new InstrumentedCommunicator(std::move(c)));
+    };
+  }
+  const absl::Status s = RunLocalRanks(
       mesh,
       [&body](int rank, ProcessGroup& pg) {
         body(rank, pg);

@@ -1,77 +1,27 @@
 #include "worker/daemon/job_runner.h"
 
 #include <filesystem>
-#include <fstream>
 #include <system_error>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
-#include "common/auth.h"
-#include "common/grpc_status.h"
 #include "common/logging.h"
-#include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "worker/colo/mesh.h"
+#include "worker/colo/rank_group.h"
 #include "worker/comm/coordinator_store.h"
 #include "worker/comm/instrumented_communicator.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/tensor/npy.h"
 #include "worker/train/job_options.h"
 #include "worker/train/trainer.h"
-#ifdef COLOD_WITH_CUDA
-#include "worker/colo/nccl_process_group.h"
-#endif
 
 namespace colod {
 namespace {
 
 namespace fs = std::filesystem;
-
-// DIR/config.json from the spec and links to the weights (at `weights`, the
-// spec's path or the downloaded upload), so that the model loads like any
-// Hugging Face directory.
-absl::Status MaterializeModel(const v1::ModelSpec& model, const std::string& weights_path, const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
-  RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", model.config_json()));
-  const fs::path weights = fs::absolute(weights_path, ec);
-  if (ec || !fs::exists(weights, ec)) {
-    return absl::NotFoundError(
-        absl::StrCat("spec.model.weights_path: '", weights_path, "' does not exist on this worker"));
-  }
-  std::vector<fs::path> files;
-  if (fs::is_directory(weights, ec)) {
-    for (const fs::directory_entry& e : fs::directory_iterator(weights, ec)) {
-      const std::string name = e.path().filename().string();
-      if (absl::EndsWith(name, ".safetensors") || name == "model.safetensors.index.json") files.push_back(e.path());
-    }
-    if (files.empty()) {
-      return absl::NotFoundError(absl::StrCat("spec.model.weights_path: '", weights_path,
-                                              "' holds no .safetensors file"));
-    }
-  }
-  if (files.empty()) {
-    fs::create_symlink(weights, fs::path(dir) / "model.safetensors", ec);
-  } else {
-    for (const fs::path& f : files) {
-      fs::create_symlink(f, fs::path(dir) / f.filename(), ec);
-      if (ec) break;
-    }
-  }
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot link the weights into '", dir, "': ", ec.message()));
-  return absl::OkStatus();
-}
-
-v1::ReportProgressRequest Phase(v1::RankPhase phase, const std::string& message = "") {
-  v1::ReportProgressRequest r;
-  r.mutable_status()->set_phase(phase);
-  r.mutable_status()->set_message(message);
-  return r;
-}
 
 // The `kind` label of colod_rank_running.
 std::string KindName(v1::JobKind kind) {
@@ -89,7 +39,10 @@ std::string KindName(v1::JobKind kind) {
 
 }  // namespace
 
-JobRunner::JobRunner(Options options) : options_(std::move(options)) {}
+JobRunner::JobRunner(Options options)
+    : options_(std::move(options)),
+      models_(ModelCache::Options{options_.work_dir, options_.coordinator, options_.auth_token,
+                                  options_.download_timeout}) {}
 
 JobRunner::~JobRunner() {
   std::thread t;
@@ -130,8 +83,9 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
                                                       now.job_id(), "' (generation ", now.generation(), ")"));
   }
   if (thread_.joinable()) thread_.join();  // the previous rank's thread has ended (active_ is cleared last)
-  auto active = std::make_shared<Active>();
-  active->request = req;
+  ProgressReporter::Options reporting{options_.coordinator, options_.auth_token, options_.rpc_timeout,
+                                      options_.worker_id};
+  auto active = std::make_shared<Active>(req, ProgressReporter(std::move(reporting), req));
   active_ = active;
   thread_ = std::thread([this, active] { Run(active); });
   return absl::OkStatus();
@@ -145,9 +99,10 @@ void JobRunner::Stop(Active& active, const std::string& reason) {
     if (active.stop_reason.empty()) active.stop_reason = reason;
     pg = active.pg;
   }
-  // Outside every lock (an abort may meet a rendezvous in progress): fails
-  // the rank's next collective at once and ends one in flight, or a
-  // communicator being made.
+  // Outside every lock. The signal ends a download or a communicator being
+  // made; the group's abort fails the rank's next collective at once and
+  // ends one in flight.
+  active.abort->Abort(absl::AbortedError(reason));
   if (pg != nullptr) pg->Abort(absl::AbortedError(reason));
 }
 
@@ -190,31 +145,6 @@ bool JobRunner::WaitIdle(absl::Duration timeout) const {
   return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
 }
 
-bool JobRunner::Report(const v1::AssignJobRequest& request, const v1::ReportProgressRequest& report) {
-  v1::ReportProgressRequest req = report;
-  req.set_job_id(request.job_id());
-  req.set_generation(request.generation());
-  req.set_rank(request.rank());
-  req.set_worker_id(options_.worker_id ? options_.worker_id() : "");
-  const bool final = req.has_result();
-  for (int attempt = 0; attempt < (final ? 5 : 2); ++attempt) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
-    AddAuthToken(ctx, options_.auth_token);
-    v1::ReportProgressResponse resp;
-    const grpc::Status s = options_.coordinator->ReportProgress(&ctx, req, &resp);
-    if (s.ok()) return resp.stop();
-    // The job is gone or moved on: nothing to tell, and nothing to run for.
-    if (s.error_code() == grpc::StatusCode::ABORTED || s.error_code() == grpc::StatusCode::NOT_FOUND ||
-        s.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
-      return true;
-    }
-    COLOD_LOG(WARNING) << "job " << request.job_id() << ": progress report failed: " << FromGrpcStatus(s);
-    absl::SleepFor(absl::Milliseconds(200) * (attempt + 1));
-  }
-  return false;
-}
-
 void JobRunner::Run(std::shared_ptr<Active> active) {
   const v1::AssignJobRequest& req = active->request;
   COLOD_LOG(INFO) << "job " << req.job_id() << " generation " << req.generation() << ": running rank " << req.rank()
@@ -233,12 +163,8 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
     absl::MutexLock lock(&active->mu);
     s = absl::AbortedError(active->stop_reason);
   }
-  v1::ReportProgressRequest result;
-  result.mutable_result()->set_code(static_cast<int>(s.code()));
-  result.mutable_result()->set_message(std::string(s.message()));
-  if (s.ok() && active->forward) *result.mutable_result()->mutable_forward() = *active->forward;
   if (!s.ok()) DumpFlightRecorder(*active);
-  Report(req, result);
+  active->reporter.End(s, active->forward);
   if (s.ok()) {
     COLOD_LOG(INFO) << "job " << req.job_id() << ": rank " << req.rank() << " finished";
   } else {
@@ -251,6 +177,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
 
 absl::Status JobRunner::RunRank(Active& active) {
   const v1::AssignJobRequest& req = active.request;
+  const ProgressReporter& reporter = active.reporter;
   const std::string dir = absl::StrFormat("%s/%s-gen-%d-rank-%d", options_.work_dir, req.job_id(), req.generation(),
                                           req.rank());
   struct Cleanup {
@@ -270,55 +197,39 @@ absl::Status JobRunner::RunRank(Active& active) {
   std::shared_ptr<const train::PreparedTrain> run;
   shardformer::ShardConfig shard;
   shard.layout = req.spec().shard();
+  if (options_.cuda) shard.device = Device::Cuda(options_.device_ordinal);
   if (req.spec().kind() != v1::JOB_KIND_TENSOR) {  // TRAIN and FORWARD jobs load a model
-    if (Report(req, Phase(v1::RANK_PHASE_LOADING, "opening the model and the data"))) {
+    if (reporter.Phase(v1::RANK_PHASE_LOADING, "opening the model and the data")) {
       return absl::AbortedError("the job no longer runs");
     }
-    ASSIGN_OR_RETURN(std::string weights, Weights(req.spec().model()));
-    RETURN_IF_ERROR(MaterializeModel(req.spec().model(), weights, dir + "/model"));
+    RETURN_IF_ERROR(models_.Materialize(req.spec().model(), dir + "/model", *active.abort));
   }
   if (training) {
     ASSIGN_OR_RETURN(train::TrainOptions options,
                      train::TrainOptionsFromSpec(req.spec(), dir + "/model", options_.cuda));
     ASSIGN_OR_RETURN(run, train::PrepareTrain(options));
+    options.shard.device = shard.device;
     shard = options.shard;
   }
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(req.spec().shard()));
 
-  if (Report(req, Phase(v1::RANK_PHASE_RENDEZVOUS, "connecting to the other ranks"))) {
+  if (reporter.Phase(v1::RANK_PHASE_RENDEZVOUS, "connecting to the other ranks")) {
     return absl::AbortedError("the job no longer runs");
   }
   CoordinatorStore store(options_.coordinator, req.rendezvous_scope(), options_.rpc_timeout, options_.auth_token);
-  ProcessGroup::CommFactory inner;
-  auto abort_signal = std::make_shared<AbortSignal>();  // ProcessGroup::Abort reaches NCCL init and splits
-  if (options_.cuda) {
-#ifdef COLOD_WITH_CUDA
-    NcclCommunicator::Options o;
-    o.device = options_.device_ordinal;
-    o.timeout = options_.comm_timeout;
-    o.abort_signal = abort_signal;
-    inner = NcclFactory(&store, o, req.rank(), mesh.world_size());
-    shard.device = Device::Cuda(options_.device_ordinal);
-#else
-    return absl::FailedPreconditionError("this worker was built without CUDA");
-#endif
-  } else {
-    GlooCommunicator::Options o;
-    o.hostname = options_.host;
-    o.timeout = options_.comm_timeout;
-    o.abort_signal = abort_signal;  // ProcessGroup::Abort reaches a rendezvous waiting for a dead peer
-    inner = ProcessGroup::GlooFactory(&store, o);
-  }
   // Outlives `pg` (Run ends it after this returns), so its observers outlive the communicators.
   WorkerMetrics::Rank* metrics = active.metrics.get();
-  ProcessGroup::CommFactory factory = [inner, metrics, recorder = active.recorder](const ProcessGroup::GroupInfo& g)
-      -> absl::StatusOr<std::unique_ptr<Communicator>> {
-    ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, inner(g));
+  RankGroupOptions group;
+  group.device = shard.device;
+  group.host = options_.host;
+  group.timeout = options_.comm_timeout;
+  group.abort_signal = active.abort;
+  group.wrap = [metrics, recorder = active.recorder](std::unique_ptr<Communicator> c,
+                                                     const ProcessGroup::GroupInfo& g) {
     return std::unique_ptr<Communicator>(new InstrumentedCommunicator(
         std::move(c), metrics != nullptr ? metrics->CollectiveObserver(g.axis) : nullptr, recorder, g.prefix));
   };
-  ASSIGN_OR_RETURN(std::shared_ptr<ProcessGroup> pg,
-                   ProcessGroup::Create(mesh, req.rank(), factory, options_.comm_timeout, abort_signal));
+  ASSIGN_OR_RETURN(std::shared_ptr<ProcessGroup> pg, CreateRankGroup(mesh, req.rank(), &store, std::move(group)));
   {
     absl::MutexLock lock(&active.mu);
     active.pg = pg;
@@ -331,7 +242,7 @@ absl::Status JobRunner::RunRank(Active& active) {
       active.pg = nullptr;
     }
   } detach{active};
-  if (options_.cuda) RETURN_IF_ERROR(pg->InitAxes());
+  if (shard.device.is_cuda()) RETURN_IF_ERROR(pg->InitAxes());
   if (req.spec().kind() == v1::JOB_KIND_FORWARD) return RunForward(active, *pg, shard, dir + "/model");
   if (!training) return ServeTensors(active, *pg);
 
@@ -339,27 +250,14 @@ absl::Status JobRunner::RunRank(Active& active) {
   hooks.stop = [&active] { return active.stop.load(); };
   hooks.on_start = [&] {
     if (metrics != nullptr) metrics->TrainingStarted();
-    if (Report(req, Phase(v1::RANK_PHASE_TRAINING))) active.stop = true;
+    if (reporter.Phase(v1::RANK_PHASE_TRAINING)) active.stop = true;
   };
   hooks.on_step = [&](const train::StepStats& st) {
     if (metrics != nullptr) {
       metrics->ObserveStep(st.seconds, st.rank_tokens, st.loss, st.param_bytes, st.grad_bytes, st.optimizer_bytes);
       if (st.cuda) metrics->ObserveDevicePool(st.pool_reserved_bytes, st.pool_used_bytes);
     }
-    if (req.rank() != 0) return;
-    v1::ReportProgressRequest r;
-    v1::StepProgress& p = *r.mutable_step();
-    p.set_step(st.step);
-    p.set_loss(st.loss);
-    p.set_learning_rate(st.lr);
-    p.set_grad_norm(st.grad_norm);
-    p.set_tokens_per_second(st.tokens_per_second);
-    *p.mutable_step_duration() = ToProtoDuration(absl::Seconds(st.seconds));
-    p.set_param_bytes(st.param_bytes);
-    p.set_grad_bytes(st.grad_bytes);
-    p.set_optimizer_bytes(st.optimizer_bytes);
-    p.set_checkpoint(st.checkpoint);
-    if (Report(req, r)) active.stop = true;
+    if (req.rank() == 0 && reporter.Step(st)) active.stop = true;
   };
   return train::RunTrainRank(*run, req.rank(), *pg, shard, hooks);
 }
@@ -378,49 +276,6 @@ void JobRunner::DumpFlightRecorder(const Active& active) {
   }
 }
 
-absl::StatusOr<std::string> JobRunner::Weights(const v1::ModelSpec& model) {
-  if (model.upload_id().empty()) return model.weights_path();
-  // Downloaded once per worker into WORK_DIR/uploads/ID (via ID.tmp, so a
-  // broken download is never mistaken for a whole one).
-  const std::string dir = absl::StrCat(options_.work_dir, "/uploads/", model.upload_id());
-  std::error_code ec;
-  if (fs::is_directory(dir, ec)) return dir;
-  const std::string tmp = dir + ".tmp";
-  fs::remove_all(tmp, ec);
-  fs::create_directories(tmp, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.download_timeout));
-  AddAuthToken(ctx, options_.auth_token);
-  v1::DownloadModelRequest req;
-  req.set_upload_id(model.upload_id());
-  std::unique_ptr<grpc::ClientReaderInterface<v1::ModelChunk>> reader = options_.coordinator->DownloadModel(&ctx, req);
-  v1::ModelChunk chunk;
-  std::ofstream out;
-  std::string file;
-  while (reader->Read(&chunk)) {
-    if (!IsPlainFileName(chunk.file())) {
-      return absl::InternalError(absl::StrCat("the coordinator sent a bad file name '", chunk.file(), "'"));
-    }
-    if (chunk.file() != file) {
-      out.close();
-      file = chunk.file();
-      out.open(tmp + "/" + file, std::ios::binary | std::ios::trunc);
-    }
-    out.write(chunk.data().data(), static_cast<std::streamsize>(chunk.data().size()));
-    if (!out) return absl::InternalError(absl::StrCat("cannot write ", tmp, "/", file));
-  }
-  out.close();
-  const grpc::Status s = reader->Finish();
-  if (!s.ok()) {
-    return absl::Status(FromGrpcStatus(s).code(),
-                        absl::StrCat("downloading upload '", model.upload_id(), "': ", s.error_message()));
-  }
-  fs::rename(tmp, dir, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot rename '", tmp, "': ", ec.message()));
-  return dir;
-}
-
 absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shardformer::ShardConfig& shard,
                                    const std::string& model_dir) {
   const v1::ForwardConfig& f = active.request.spec().forward();
@@ -431,7 +286,7 @@ absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shard
   if (!ids.ok()) return absl::Status(ids.status().code(), absl::StrCat("spec.forward.input_path: ", ids.status().message()));
   request.ids = *ids;
   RETURN_IF_ERROR(shardformer::CheckForward(request).status());
-  if (Report(active.request, Phase(v1::RANK_PHASE_RUNNING, "forward pass"))) return absl::AbortedError("the job no longer runs");
+  if (active.reporter.Phase(v1::RANK_PHASE_RUNNING, "forward pass")) return absl::AbortedError("the job no longer runs");
   ASSIGN_OR_RETURN(shardformer::ForwardResult out, shardformer::ForwardRank(request, pg, shard));
   if (pg.rank() != 0) return absl::OkStatus();
   v1::ForwardResult result;
@@ -452,7 +307,7 @@ absl::Status JobRunner::ServeTensors(Active& active, ProcessGroup& pg) {
     absl::MutexLock lock(&active.mu);
     active.tensors = host;
   }
-  if (Report(active.request, Phase(v1::RANK_PHASE_SERVING, "hosting ColoTensors"))) active.stop = true;
+  if (active.reporter.Phase(v1::RANK_PHASE_SERVING, "hosting ColoTensors")) active.stop = true;
   while (!active.stop) absl::SleepFor(absl::Milliseconds(20));
   {
     absl::MutexLock lock(&active.mu);

@@ -1,7 +1,9 @@
-// Runs the rank of a job that the coordinator assigned to this worker: builds
-// the rank's communicators through the coordinator's rendezvous store, loads
-// its shard of the model, runs the training loop, reports progress and the
-// end to the coordinator, and goes back to idle.
+// Runs the rank of a job that the coordinator assigned to this worker: opens
+// the model (ModelCache), builds the rank's process group through the
+// coordinator's rendezvous store (CreateRankGroup, instrumented for metrics
+// and the flight recorder), runs the training loop, one forward pass or a
+// TensorHost, reports its phases, steps and end (ProgressReporter), and goes
+// back to idle.
 #ifndef COLOD_WORKER_DAEMON_JOB_RUNNER_H_
 #define COLOD_WORKER_DAEMON_JOB_RUNNER_H_
 
@@ -21,6 +23,8 @@
 #include "worker/colo/process_group.h"
 #include "worker/comm/flight_recorder.h"
 #include "worker/shardformer/layers.h"
+#include "worker/daemon/model_cache.h"
+#include "worker/daemon/progress_reporter.h"
 #include "worker/daemon/tensor_host.h"
 #include "worker/daemon/worker_metrics.h"
 
@@ -80,7 +84,13 @@ class JobRunner {
 
  private:
   struct Active {
-    v1::AssignJobRequest request;
+    Active(v1::AssignJobRequest request, ProgressReporter reporter)
+        : request(std::move(request)), reporter(std::move(reporter)) {}
+    const v1::AssignJobRequest request;
+    const ProgressReporter reporter;
+    // Fired by Stop: ends a download in progress and the communicators being
+    // made (the rank's process group shares it).
+    const std::shared_ptr<AbortSignal> abort = std::make_shared<AbortSignal>();
     std::atomic<bool> stop{false};
     absl::Mutex mu;
     // Shared with Stop, which aborts it outside every lock.
@@ -98,23 +108,18 @@ class JobRunner {
 
   void Run(std::shared_ptr<Active> active);
   absl::Status RunRank(Active& active);
-  // Where the model's weights are on this worker: the spec's weights_path,
-  // or its upload downloaded from the coordinator (cached in the work dir).
-  absl::StatusOr<std::string> Weights(const v1::ModelSpec& model);
   // FORWARD jobs: one pass; rank 0 writes the logits and keeps the result.
   absl::Status RunForward(Active& active, ProcessGroup& pg, const shardformer::ShardConfig& shard,
                           const std::string& model_dir);
   // TENSOR jobs: serves the rank's tensors until the job is stopped.
   absl::Status ServeTensors(Active& active, ProcessGroup& pg);
-  // Best effort, with a few retries: the coordinator learns what it can.
-  // Returns true when the coordinator says the job no longer runs.
-  bool Report(const v1::AssignJobRequest& request, const v1::ReportProgressRequest& report);
   void Stop(Active& active, const std::string& reason);
   // Writes the rank's flight recorder to WORK_DIR/flight-recorder/
   // JOB-gen-G-rank-R.json (kept after the rank's own dir is removed).
   void DumpFlightRecorder(const Active& active);
 
   const Options options_;
+  ModelCache models_;  // used by the rank's thread only
   mutable absl::Mutex mu_;
   std::shared_ptr<Active> active_ ABSL_GUARDED_BY(mu_);
   std::thread thread_ ABSL_GUARDED_BY(mu_);

@@ -3,11 +3,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
-#include "worker/colo/local_mesh.h"
+#include "worker/colo/rank_group.h"
 #include "worker/colo/tensor_collectives.h"
-#ifdef COLOD_WITH_CUDA
-#include "worker/colo/nccl_process_group.h"
-#endif
 #include "worker/shardformer/shardformer.h"
 
 namespace colod::shardformer {
@@ -16,23 +13,17 @@ absl::Status RunOnLocalRanks(const ShardConfig& shard, bool cuda,
                              const std::function<absl::Status(int, ProcessGroup&, const ShardConfig&)>& body,
                              absl::Duration comm_timeout) {
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(shard.layout));
-  if (!cuda) {
-    LocalMeshOptions options;
-    options.timeout = comm_timeout;
-    return RunLocalMesh(mesh, [&](int rank, ProcessGroup& pg) { return body(rank, pg, shard); }, options);
-  }
-#ifdef COLOD_WITH_CUDA
-  return RunLocalNcclMesh(
+  LocalRanksOptions options;
+  options.cuda = cuda;
+  options.timeout = comm_timeout;
+  return RunLocalRanks(
       mesh,
       [&](int rank, ProcessGroup& pg) {
         ShardConfig mine = shard;
-        mine.device = Device::Cuda(rank);
+        if (cuda) mine.device = Device::Cuda(rank);
         return body(rank, pg, mine);
       },
-      comm_timeout);
-#else
-  return absl::FailedPreconditionError("this build has no CUDA: run on the CPU (without --device cuda)");
-#endif
+      options);
 }
 
 absl::StatusOr<ModelConfig> CheckForward(const ForwardRequest& request) {

@@ -19,7 +19,8 @@ namespace colod::shardformer {
 // over NCCL, rank r on CUDA device r (`shard.device` set accordingly;
 // FAILED_PRECONDITION in a build without CUDA or with too few devices).
 // `comm_timeout` bounds each rendezvous and collective: a rank that stops
-// taking part fails the others with DEADLINE_EXCEEDED after it.
+// taking part fails the others with DEADLINE_EXCEEDED after it, and a rank
+// that fails aborts the others at once (RunLocalRanks).
 absl::Status RunOnLocalRanks(const ShardConfig& shard, bool cuda,
                              const std::function<absl::Status(int rank, ProcessGroup& pg, const ShardConfig& shard)>& body,
                              absl::Duration comm_timeout = absl::Seconds(60));

@@ -1,0 +1,99 @@
+#include "worker/colo/rank_group.h"
+
+#include <optional>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
+#include "worker/comm/gloo/gloo_communicator.h"
+#include "worker/comm/rendezvous_store.h"
+#ifdef COLOD_WITH_CUDA
+#include "kernels/device.h"
+#include "worker/colo/nccl_process_group.h"
+#endif
+
+namespace colod {
+
+absl::StatusOr<std::unique_ptr<ProcessGroup>> CreateRankGroup(const DeviceMesh& mesh, int rank, Store* store,
+                                                              RankGroupOptions options) {
+  if (options.abort_signal == nullptr) options.abort_signal = std::make_shared<AbortSignal>();
+  ProcessGroup::CommFactory inner;
+  if (options.device.is_cuda()) {
+#ifdef COLOD_WITH_CUDA
+    NcclCommunicator::Options o;
+    o.device = options.device.index;
+    o.timeout = options.timeout;
+    o.abort_signal = options.abort_signal;  // reaches NCCL init and splits in progress
+    inner = NcclFactory(store, o, rank, mesh.world_size());
+#else
+    return absl::FailedPreconditionError(
+        "this build has no CUDA, so it cannot run ranks on a CUDA device: run them on the CPU");
+#endif
+  } else {
+    GlooCommunicator::Options o;
+    o.hostname = options.host;
+    o.timeout = options.timeout;
+    o.abort_signal = options.abort_signal;  // reaches a rendezvous waiting for a dead peer
+    inner = ProcessGroup::GlooFactory(store, o);
+  }
+  ProcessGroup::CommFactory factory = std::move(inner);
+  if (options.wrap) {
+    factory = [made = std::move(factory), wrap = std::move(options.wrap)](const ProcessGroup::GroupInfo& g)
+        -> absl::StatusOr<std::unique_ptr<Communicator>> {
+      ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, made(g));
+      return wrap(std::move(c), g);
+    };
+  }
+  return ProcessGroup::Create(mesh, rank, std::move(factory), options.timeout, std::move(options.abort_signal));
+}
+
+absl::Status RunLocalRanks(const DeviceMesh& mesh, const std::function<absl::Status(int, ProcessGroup&)>& body,
+                           LocalRanksOptions options) {
+  const int n = mesh.world_size();
+  if (options.cuda) {
+#ifdef COLOD_WITH_CUDA
+    const int devices = kernels::CudaDeviceCount();
+    if (devices < n) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(n, " ranks need ", n, " CUDA devices (NCCL puts one rank on a device); found ", devices));
+    }
+#else
+    return absl::FailedPreconditionError("this build has no CUDA: run on the CPU (without --device cuda)");
+#endif
+  }
+  auto shared = std::make_shared<RendezvousStore>();
+  std::vector<std::unique_ptr<InMemoryStore>> stores(n);
+  std::vector<std::unique_ptr<ProcessGroup>> groups(n);
+  for (int r = 0; r < n; ++r) {
+    stores[r] = std::make_unique<InMemoryStore>(shared, "colo");
+    RankGroupOptions o;
+    o.device = options.cuda ? Device::Cuda(r) : Device::Cpu();
+    o.timeout = options.timeout;
+    o.wrap = options.wrap;
+    ASSIGN_OR_RETURN(groups[r], CreateRankGroup(mesh, r, stores[r].get(), std::move(o)));
+  }
+  absl::Mutex mu;
+  std::optional<absl::Status> first;  // the first failure, prefixed with its rank
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      absl::Status s = options.cuda ? groups[r]->InitAxes() : absl::OkStatus();
+      if (s.ok()) s = body(r, *groups[r]);
+      if (s.ok()) return;
+      const absl::Status cause(s.code(), absl::StrCat("rank ", r, ": ", s.message()));
+      {
+        absl::MutexLock lock(&mu);
+        if (first.has_value()) return;  // most likely a consequence of the first
+        first = cause;
+      }
+      // Outside the lock (an abort never waits).
+      for (auto& g : groups) g->Abort(absl::AbortedError(absl::StrCat("rank ", r, " failed: ", s.message())));
+    });
+  }
+  for (auto& t : threads) t.join();
+  absl::MutexLock lock(&mu);
+  return first.value_or(absl::OkStatus());
+}
+
+}  // namespace colod

@@ -1,0 +1,145 @@
+// CreateRankGroup and RunLocalRanks: real ranks as threads over Gloo on
+// loopback (and over NCCL where CUDA is: the emulation in CI), checked
+// against closed-form sums.
+#include "worker/colo/rank_group.h"
+
+#include <atomic>
+#include <map>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "kernels/device.h"
+#include "worker/colo/tensor_collectives.h"
+#include "worker/comm/rendezvous_store.h"
+
+namespace colod {
+namespace {
+
+DeviceMesh Mesh(int tp, int dp) {
+  v1::ShardConfig s;
+  s.set_tensor_parallel_size(tp);
+  s.set_data_parallel_size(dp);
+  return *DeviceMesh::FromShardConfig(s);
+}
+
+// Sums (rank + 1) over the group along `axis`: the group's ranks are known
+// from the mesh, so the sum is a closed form.
+absl::Status CheckSum(ProcessGroup& pg, const std::string& axis, const Device& device) {
+  auto comm = pg.Comm(axis);
+  if (!comm.ok()) return comm.status();
+  Tensor t = *Tensor::FromFloats({3}, {float(pg.rank() + 1), 2.0f * (pg.rank() + 1), 0.5f});
+  t = *t.To(device);
+  if (absl::Status s = AllReduceInPlace(t, ReduceOp::kSum, **comm, pg.timeout()); !s.ok()) return s;
+  auto group = pg.mesh().GroupOf(axis, pg.rank());
+  if (!group.ok()) return group.status();
+  float want = 0;
+  for (int r : *group) want += r + 1;
+  const std::vector<float> got = t.ToFloats();
+  const std::vector<float> expect = {want, 2 * want, 0.5f * group->size()};
+  if (got != expect) return absl::InternalError(absl::StrCat("rank ", pg.rank(), " along ", axis, ": wrong sum"));
+  return absl::OkStatus();
+}
+
+TEST(CreateRankGroup, WrapsEveryCommunicatorItMakesAndTheyReduce) {
+  const DeviceMesh mesh = Mesh(2, 2);
+  auto shared = std::make_shared<RendezvousStore>();
+  absl::Mutex mu;
+  std::map<std::pair<int, std::string>, ProcessGroup::GroupInfo> wrapped;  // (rank, axis) -> group
+  std::vector<absl::Status> results(4);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      InMemoryStore store(shared, "job-1");
+      RankGroupOptions o;
+      o.timeout = absl::Seconds(30);
+      o.wrap = [&, r](std::unique_ptr<Communicator> c, const ProcessGroup::GroupInfo& g) {
+        absl::MutexLock lock(&mu);
+        wrapped[{r, g.axis}] = g;
+        return c;
+      };
+      auto pg = CreateRankGroup(mesh, r, &store, std::move(o));
+      if (!pg.ok()) {
+        results[r] = pg.status();
+        return;
+      }
+      results[r] = CheckSum(**pg, "tp", Device::Cpu());
+      if (results[r].ok()) results[r] = CheckSum(**pg, "dp", Device::Cpu());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 4; ++r) EXPECT_TRUE(results[r].ok()) << results[r];
+  ASSERT_EQ(wrapped.size(), 8u);
+  for (int r = 0; r < 4; ++r) {
+    // tp groups are {0,1} and {2,3}; dp groups {0,2} and {1,3} (rank % tp, rank / tp).
+    EXPECT_EQ((wrapped[{r, "tp"}].rank), r % 2);
+    EXPECT_EQ((wrapped[{r, "tp"}].color), r / 2);
+    EXPECT_EQ((wrapped[{r, "dp"}].rank), r / 2);
+    EXPECT_EQ((wrapped[{r, "dp"}].color), r % 2);
+    EXPECT_EQ((wrapped[{r, "dp"}].size), 2);
+  }
+}
+
+TEST(CreateRankGroup, RefusesARankOutsideTheMesh) {
+  InMemoryStore store;
+  EXPECT_EQ(CreateRankGroup(Mesh(2, 1), 2, &store, {}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(RunLocalRanks, AFailingRankStopsTheOthersLongBeforeTheTimeout) {
+  // Ranks 0, 1 and 3 reduce in a loop; rank 2 fails after its first
+  // reductions. Without the abort the others would wait out the 60 s
+  // timeout in their next collective.
+  LocalRanksOptions options;
+  options.timeout = absl::Seconds(60);
+  std::atomic<int> aborted{0};
+  const absl::Time start = absl::Now();
+  const absl::Status s = RunLocalRanks(
+      Mesh(2, 2),
+      [&](int rank, ProcessGroup& pg) -> absl::Status {
+        for (int i = 0; i < 100000; ++i) {
+          if (rank == 2 && i == 3) return absl::InvalidArgumentError("a bad batch");
+          absl::Status c = CheckSum(pg, i % 2 == 0 ? "tp" : "dp", Device::Cpu());
+          if (!c.ok()) {
+            if (c.code() == absl::StatusCode::kAborted) ++aborted;
+            return c;
+          }
+        }
+        return absl::OkStatus();
+      },
+      options);
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "rank 2: a bad batch");
+  EXPECT_LT(took, absl::Seconds(20)) << "the others waited for the failed rank";
+  EXPECT_GE(aborted.load(), 1) << "no rank saw the abort";
+}
+
+TEST(RunLocalRanks, CudaRanksReduceOnTheirDevicesOrSayThereIsNoCuda) {
+  LocalRanksOptions options;
+  options.cuda = true;
+  options.timeout = absl::Seconds(60);
+  const absl::Status s = RunLocalRanks(
+      Mesh(2, 1),
+      [&](int rank, ProcessGroup& pg) -> absl::Status {
+        if (auto c = pg.Comm("tp"); !c.ok() || (*c)->backend() != "nccl") {
+          return absl::InternalError("not an NCCL communicator");
+        }
+        return CheckSum(pg, "tp", Device::Cuda(rank));
+      },
+      options);
+#ifdef COLOD_WITH_CUDA
+  if (kernels::CudaDeviceCount() >= 2) {
+    EXPECT_TRUE(s.ok()) << s;
+  } else {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("CUDA devices"), std::string::npos) << s;
+  }
+#else
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("no CUDA"), std::string::npos) << s;
+#endif
+}
+
+}  // namespace
+}  // namespace colod

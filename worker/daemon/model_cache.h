@@ -1,0 +1,54 @@
+// A job's model on this worker, as a Hugging Face-style directory: the
+// spec's config.json and links to its weights, which are the spec's
+// weights_path or its upload, downloaded from the coordinator once per
+// worker into WORK_DIR/uploads/ID.
+#ifndef COLOD_WORKER_DAEMON_MODEL_CACHE_H_
+#define COLOD_WORKER_DAEMON_MODEL_CACHE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "colod/v1/coordinator.grpc.pb.h"
+#include "colod/v1/job.pb.h"
+#include "worker/comm/abort_signal.h"
+
+namespace colod {
+
+// Thread-compatible: the JobRunner runs one rank, and so one download, at
+// a time (a lock held across a download would block for minutes).
+class ModelCache {
+ public:
+  struct Options {
+    // Downloads go to WORK_DIR/uploads/ID (via ID.tmp: a broken download is
+    // never mistaken for a whole one).
+    std::string work_dir;
+    // The coordinator (DownloadModel); required for uploads.
+    std::shared_ptr<v1::CoordinatorService::StubInterface> coordinator;
+    std::string auth_token;
+    // Deadline of one download.
+    absl::Duration download_timeout = absl::Minutes(30);
+  };
+
+  explicit ModelCache(Options options);
+
+  // Writes DIR/config.json from `model` and links its weights into DIR (a
+  // file becomes DIR/model.safetensors; a directory's *.safetensors and
+  // index are linked by name). NOT_FOUND for weights that are not on this
+  // worker or a directory without safetensors. A download in progress ends
+  // when `abort` fires, with the abort's reason.
+  absl::Status Materialize(const v1::ModelSpec& model, const std::string& dir, AbortSignal& abort);
+
+  // Where the model's weights are on this worker: the spec's weights_path,
+  // or its upload's directory (downloaded unless it is already here).
+  absl::StatusOr<std::string> Weights(const v1::ModelSpec& model, AbortSignal& abort);
+
+ private:
+  const Options options_;
+};
+
+}  // namespace colod
+
+#endif  // COLOD_WORKER_DAEMON_MODEL_CACHE_H_

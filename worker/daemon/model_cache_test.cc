@@ -1,0 +1,181 @@
+// ModelCache against a real gRPC coordinator stand-in that serves
+// DownloadModel: links for local weights, a download kept once, an abort
+// that ends a download in progress, and a hostile file name.
+#include "worker/daemon/model_cache.h"
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "common/grpc_server.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+
+namespace colod {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Serves one upload: two files, or (endless) chunks until the call is
+// cancelled, or a file name that climbs out of the directory.
+class FakeDownloads final : public v1::CoordinatorService::Service {
+ public:
+  enum class Mode { kTwoFiles, kEndless, kBadName };
+  std::atomic<Mode> mode{Mode::kTwoFiles};
+  std::atomic<int> calls{0};
+  std::atomic<bool> saw_cancel{false};
+  absl::Notification streaming;  // the endless stream has sent its first chunk
+
+  grpc::Status DownloadModel(grpc::ServerContext* ctx, const v1::DownloadModelRequest* req,
+                             grpc::ServerWriter<v1::ModelChunk>* out) override {
+    ++calls;
+    v1::ModelChunk c;
+    switch (mode.load()) {
+      case Mode::kTwoFiles:
+        c.set_file("model-00001.safetensors");
+        c.set_data("first");
+        out->Write(c);
+        c.set_data(" part");
+        out->Write(c);
+        c.set_file("model-00002.safetensors");
+        c.set_data("second");
+        out->Write(c);
+        return grpc::Status::OK;
+      case Mode::kBadName:
+        c.set_file("../escaped.safetensors");
+        c.set_data("x");
+        out->Write(c);
+        return grpc::Status::OK;
+      case Mode::kEndless:
+        c.set_file("model.safetensors");
+        c.set_data(std::string(1024, 'w'));
+        for (int i = 0; i < 600; ++i) {  // 60 s at most
+          if (ctx->IsCancelled()) {
+            saw_cancel = true;
+            return grpc::Status::CANCELLED;
+          }
+          out->Write(c);
+          if (i == 0) streaming.Notify();
+          absl::SleepFor(absl::Milliseconds(100));
+        }
+        return grpc::Status::OK;
+    }
+    return grpc::Status::OK;
+  }
+};
+
+class ModelCacheTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto started = StartGrpcServer("127.0.0.1:0", {&service_});
+    ASSERT_TRUE(started.ok()) << started.status();
+    server_ = std::move(started->server);
+    work_ = testing::TempPath("model-cache-" + std::to_string(counter_++));
+    fs::remove_all(work_);
+    fs::create_directories(work_);
+    ModelCache::Options o;
+    o.work_dir = work_;
+    o.coordinator = v1::CoordinatorService::NewStub(
+        grpc::CreateChannel(started->address, grpc::InsecureChannelCredentials()));
+    o.download_timeout = absl::Seconds(60);
+    cache_ = std::make_unique<ModelCache>(o);
+  }
+  void TearDown() override { StopGrpcServer(*server_, absl::Seconds(1)); }
+
+  static std::string Read(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+
+  static inline int counter_ = 0;
+  FakeDownloads service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string work_;
+  std::unique_ptr<ModelCache> cache_;
+};
+
+TEST_F(ModelCacheTest, LinksLocalWeightsUnderTheSpecsConfig) {
+  const std::string weights = work_ + "/w.safetensors";
+  std::ofstream(weights) << "tensor bytes";
+  v1::ModelSpec spec;
+  spec.set_config_json(R"({"model_type": "gpt2"})");
+  spec.set_weights_path(weights);
+  AbortSignal abort;
+  ASSERT_TRUE(cache_->Materialize(spec, work_ + "/job/model", abort).ok());
+  EXPECT_EQ(Read(work_ + "/job/model/config.json"), spec.config_json());
+  EXPECT_TRUE(fs::is_symlink(work_ + "/job/model/model.safetensors"));
+  EXPECT_EQ(Read(work_ + "/job/model/model.safetensors"), "tensor bytes");
+
+  spec.set_weights_path(work_ + "/nowhere");
+  EXPECT_EQ(cache_->Materialize(spec, work_ + "/job2/model", abort).code(), absl::StatusCode::kNotFound);
+  fs::create_directories(work_ + "/empty");
+  spec.set_weights_path(work_ + "/empty");
+  const absl::Status s = cache_->Materialize(spec, work_ + "/job3/model", abort);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(s.message().find("no .safetensors"), std::string::npos) << s;
+  EXPECT_EQ(service_.calls.load(), 0);
+}
+
+TEST_F(ModelCacheTest, DownloadsAnUploadOnceAndLinksEveryShard) {
+  v1::ModelSpec spec;
+  spec.set_config_json("{}");
+  spec.set_upload_id("u1");
+  AbortSignal abort;
+  ASSERT_TRUE(cache_->Materialize(spec, work_ + "/a/model", abort).ok());
+  EXPECT_EQ(Read(work_ + "/a/model/model-00001.safetensors"), "first part");
+  EXPECT_EQ(Read(work_ + "/a/model/model-00002.safetensors"), "second");
+  ASSERT_TRUE(cache_->Materialize(spec, work_ + "/b/model", abort).ok());
+  EXPECT_EQ(Read(work_ + "/b/model/model-00002.safetensors"), "second");
+  EXPECT_EQ(service_.calls.load(), 1) << "the second job downloaded again";
+  EXPECT_FALSE(fs::exists(work_ + "/uploads/u1.tmp"));
+
+  spec.set_upload_id("../u1");
+  EXPECT_EQ(cache_->Weights(spec, abort).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ModelCacheTest, AnAbortEndsADownloadInProgressAndLeavesNothingBehind) {
+  service_.mode = FakeDownloads::Mode::kEndless;
+  v1::ModelSpec spec;
+  spec.set_upload_id("big");
+  AbortSignal abort;
+  std::thread stopper([&] {
+    service_.streaming.WaitForNotificationWithTimeout(absl::Seconds(30));
+    abort.Abort(absl::AbortedError("cancelled by the user"));
+  });
+  const absl::Time start = absl::Now();
+  const absl::StatusOr<std::string> got = cache_->Weights(spec, abort);
+  const absl::Duration took = absl::Now() - start;
+  stopper.join();
+  ASSERT_TRUE(service_.streaming.HasBeenNotified());
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kAborted) << got.status();
+  EXPECT_EQ(got.status().message(), "cancelled by the user");
+  EXPECT_LT(took, absl::Seconds(10)) << "the download ran on after the abort";
+  EXPECT_FALSE(fs::exists(work_ + "/uploads/big"));
+  EXPECT_FALSE(fs::exists(work_ + "/uploads/big.tmp"));
+  // The stand-in notices the cancel within its 100 ms write period.
+  for (int i = 0; i < 50 && !service_.saw_cancel; ++i) absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_TRUE(service_.saw_cancel.load());
+  // An abort that fired before the call starts no download at all.
+  const int calls = service_.calls.load();
+  EXPECT_EQ(cache_->Weights(spec, abort).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(service_.calls.load(), calls);
+}
+
+TEST_F(ModelCacheTest, AFileNameThatLeavesTheDirectoryIsRefused) {
+  service_.mode = FakeDownloads::Mode::kBadName;
+  v1::ModelSpec spec;
+  spec.set_upload_id("evil");
+  AbortSignal abort;
+  const absl::StatusOr<std::string> got = cache_->Weights(spec, abort);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInternal) << got.status();
+  EXPECT_FALSE(fs::exists(work_ + "/uploads/escaped.safetensors"));
+  EXPECT_FALSE(fs::exists(work_ + "/uploads/evil"));
+  EXPECT_FALSE(fs::exists(work_ + "/uploads/evil.tmp"));
+}
+
+}  // namespace
+}  // namespace colod
