@@ -5,30 +5,14 @@
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "worker/colo/colo_tensor.h"
-#include "worker/colo/rank_group.h"
+#include "worker/colo/testing.h"
 
 namespace colod {
 namespace {
 
-DeviceMesh TpMesh(int tp) {
-  v1::ShardConfig s;
-  s.set_tensor_parallel_size(tp);
-  s.set_data_parallel_size(1);
-  return *DeviceMesh::FromShardConfig(s);
-}
+using ::colod::testing::RunCudaMesh;
 
-void RunNcclMesh(const DeviceMesh& mesh, const std::function<void(int, ProcessGroup&)>& body) {
-  LocalRanksOptions options;
-  options.cuda = true;
-  const absl::Status s = RunLocalRanks(
-      mesh,
-      [&body](int rank, ProcessGroup& pg) {
-        body(rank, pg);
-        return absl::OkStatus();
-      },
-      options);
-  ASSERT_TRUE(s.ok()) << s;
-}
+DeviceMesh TpMesh(int tp) { return ::colod::testing::TpDpMesh(tp); }
 
 Tensor IntTensor(const Shape& shape) {
   std::vector<float> v(NumElements(shape));
@@ -38,7 +22,7 @@ Tensor IntTensor(const Shape& shape) {
 
 TEST(NcclColoTensor, OneGpuGroupRunsConversionsOnTheDevice) {
   if (kernels::CudaDeviceCount() < 1) GTEST_SKIP() << "no CUDA device";
-  RunNcclMesh(TpMesh(1), [](int, ProcessGroup& pg) {
+  RunCudaMesh(TpMesh(1), [](int, ProcessGroup& pg) {
     const Tensor global = IntTensor({6, 5});
     auto p = ColoTensor::FromLocal(*global.To(Device::Cuda(0)), DistSpec().Set("tp", Placement::Partial()), &pg);
     ASSERT_TRUE(p.ok()) << p.status();
@@ -55,7 +39,7 @@ TEST(NcclColoTensor, OneGpuGroupRunsConversionsOnTheDevice) {
 TEST(NcclColoTensor, EveryConversionOnSeveralGpus) {
   const int n = std::min(kernels::CudaDeviceCount(), 4);
   if (n < 2) GTEST_SKIP() << "needs two or more CUDA devices, found " << kernels::CudaDeviceCount();
-  RunNcclMesh(TpMesh(n), [n](int rank, ProcessGroup& pg) {
+  RunCudaMesh(TpMesh(n), [n](int rank, ProcessGroup& pg) {
     const Device gpu = Device::Cuda(rank);
     const Tensor global = IntTensor({12, 12, 5});
     const int k = *pg.tp_local_rank();

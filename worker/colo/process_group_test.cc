@@ -8,16 +8,12 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "worker/colo/testing.h"
 
 namespace colod {
 namespace {
 
-DeviceMesh Mesh(int tp, int dp) {
-  v1::ShardConfig s;
-  s.set_tensor_parallel_size(tp);
-  s.set_data_parallel_size(dp);
-  return *DeviceMesh::FromShardConfig(s);
-}
+using ::colod::testing::TpDpMesh;
 
 TEST(ProcessGroup, AbortDoesNotWaitForACommunicatorBeingMade) {
   auto signal = std::make_shared<AbortSignal>();
@@ -30,7 +26,7 @@ TEST(ProcessGroup, AbortDoesNotWaitForACommunicatorBeingMade) {
     while (!signal->fired() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
     return signal->Check().ok() ? absl::DeadlineExceededError("no peers") : signal->Check();
   };
-  auto pg = ProcessGroup::Create(Mesh(2, 1), 0, slow, absl::Seconds(60), signal);
+  auto pg = ProcessGroup::Create(TpDpMesh(2, 1), 0, slow, absl::Seconds(60), signal);
   ASSERT_TRUE(pg.ok()) << pg.status();
   absl::Status init;
   std::thread rank([&] { init = (*pg)->InitAxes(); });

@@ -12,17 +12,13 @@
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "worker/colo/tensor_collectives.h"
+#include "worker/colo/testing.h"
 #include "worker/comm/rendezvous_store.h"
 
 namespace colod {
 namespace {
 
-DeviceMesh Mesh(int tp, int dp) {
-  v1::ShardConfig s;
-  s.set_tensor_parallel_size(tp);
-  s.set_data_parallel_size(dp);
-  return *DeviceMesh::FromShardConfig(s);
-}
+using ::colod::testing::TpDpMesh;
 
 // Sums (rank + 1) over the group along `axis`: the group's ranks are known
 // from the mesh, so the sum is a closed form.
@@ -43,7 +39,7 @@ absl::Status CheckSum(ProcessGroup& pg, const std::string& axis, const Device& d
 }
 
 TEST(CreateRankGroup, WrapsEveryCommunicatorItMakesAndTheyReduce) {
-  const DeviceMesh mesh = Mesh(2, 2);
+  const DeviceMesh mesh = TpDpMesh(2, 2);
   auto shared = std::make_shared<RendezvousStore>();
   absl::Mutex mu;
   std::map<std::pair<int, std::string>, ProcessGroup::GroupInfo> wrapped;  // (rank, axis) -> group
@@ -83,7 +79,7 @@ TEST(CreateRankGroup, WrapsEveryCommunicatorItMakesAndTheyReduce) {
 
 TEST(CreateRankGroup, RefusesARankOutsideTheMesh) {
   InMemoryStore store;
-  EXPECT_EQ(CreateRankGroup(Mesh(2, 1), 2, &store, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateRankGroup(TpDpMesh(2, 1), 2, &store, {}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(RunLocalRanks, AFailingRankStopsTheOthersLongBeforeTheTimeout) {
@@ -95,7 +91,7 @@ TEST(RunLocalRanks, AFailingRankStopsTheOthersLongBeforeTheTimeout) {
   std::atomic<int> aborted{0};
   const absl::Time start = absl::Now();
   const absl::Status s = RunLocalRanks(
-      Mesh(2, 2),
+      TpDpMesh(2, 2),
       [&](int rank, ProcessGroup& pg) -> absl::Status {
         for (int i = 0; i < 100000; ++i) {
           if (rank == 2 && i == 3) return absl::InvalidArgumentError("a bad batch");
@@ -120,7 +116,7 @@ TEST(RunLocalRanks, CudaRanksReduceOnTheirDevicesOrSayThereIsNoCuda) {
   options.cuda = true;
   options.timeout = absl::Seconds(60);
   const absl::Status s = RunLocalRanks(
-      Mesh(2, 1),
+      TpDpMesh(2, 1),
       [&](int rank, ProcessGroup& pg) -> absl::Status {
         if (auto c = pg.Comm("tp"); !c.ok() || (*c)->backend() != "nccl") {
           return absl::InternalError("not an NCCL communicator");

@@ -8,14 +8,9 @@
 
 namespace colod::testing {
 
-void RunMesh(const DeviceMesh& mesh, const std::function<void(int, ProcessGroup&)>& body, bool instrument) {
-  LocalRanksOptions options;
-  options.timeout = absl::Seconds(30);
-  if (instrument) {
-    options.wrap = [](std::unique_ptr<Communicator> c, const ProcessGroup::GroupInfo&) {
-      return std::unique_ptr<Communicator>(new InstrumentedCommunicator(std::move(c)));
-    };
-  }
+namespace {
+
+void Run(const DeviceMesh& mesh, const std::function<void(int, ProcessGroup&)>& body, LocalRanksOptions options) {
   const absl::Status s = RunLocalRanks(
       mesh,
       [&body](int rank, ProcessGroup& pg) {
@@ -24,6 +19,26 @@ void RunMesh(const DeviceMesh& mesh, const std::function<void(int, ProcessGroup&
       },
       options);
   ASSERT_TRUE(s.ok()) << s;
+}
+
+}  // namespace
+
+void RunMesh(const DeviceMesh& mesh, const std::function<void(int, ProcessGroup&)>& body, bool instrument) {
+  LocalRanksOptions options;
+  options.timeout = absl::Seconds(30);
+  if (instrument) {
+    options.wrap = [](std::unique_ptr<Communicator> c, const ProcessGroup::GroupInfo&) {
+      return std::unique_ptr<Communicator>(new InstrumentedCommunicator(std::move(c)));
+    };
+  }
+  Run(mesh, body, std::move(options));
+}
+
+void RunCudaMesh(const DeviceMesh& mesh, const std::function<void(int, ProcessGroup&)>& body) {
+  LocalRanksOptions options;
+  options.cuda = true;
+  options.timeout = absl::Seconds(60);
+  Run(mesh, body, std::move(options));
 }
 
 InstrumentedCommunicator::OpStats Stats(ProcessGroup& pg, const std::string& axis, const std::string& op) {

@@ -17,6 +17,10 @@ namespace colod::testing {
 void RunMesh(const DeviceMesh& mesh, const std::function<void(int rank, ProcessGroup& pg)>& body,
              bool instrument = false);
 
+// RunMesh over NCCL: rank r on CUDA device r, every axis made before `body`
+// (the CUDA emulation in CI; fails the test without CUDA or devices).
+void RunCudaMesh(const DeviceMesh& mesh, const std::function<void(int rank, ProcessGroup& pg)>& body);
+
 // The collective counts of this rank's group along `axis` (RunMesh with
 // instrument = true).
 InstrumentedCommunicator::OpStats Stats(ProcessGroup& pg, const std::string& axis, const std::string& op);
