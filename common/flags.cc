@@ -10,7 +10,9 @@
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/version.h"
 
@@ -91,6 +93,38 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   for (size_t i = 1; i < positional.size(); ++i) out.emplace_back(positional[i]);
   // `storage` dies here; `out` holds copies.
   return out;
+}
+
+}  // namespace colod
+
+namespace colod {
+
+absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
+  const absl::string_view t = absl::StripAsciiWhitespace(text);
+  size_t digits = 0;
+  while (digits < t.size() && (absl::ascii_isdigit(t[digits]) || t[digits] == '.')) ++digits;
+  const absl::string_view number = t.substr(0, digits), unit = absl::StripAsciiWhitespace(t.substr(digits));
+  auto bad = [&] {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", text, "' is not a byte size: a number of bytes, or one with KiB, MiB, GiB, TiB (or KB, MB, GB, TB)"));
+  };
+  if (number.empty()) return bad();
+  static constexpr struct {
+    const char* name;
+    double factor;
+  } kUnits[] = {{"", 1},          {"B", 1},          {"KiB", 1024.0},   {"MiB", 1048576.0},
+                {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}, {"KB", 1e3}, {"MB", 1e6},
+                {"GB", 1e9},      {"TB", 1e12}};
+  for (const auto& u : kUnits) {
+    if (unit != u.name) continue;
+    double value = 0;
+    if (!absl::SimpleAtod(number, &value) || !(value >= 0)) return bad();
+    const double bytes = value * u.factor;
+    if (!(bytes < 9.2e18)) return absl::InvalidArgumentError(absl::StrCat("'", text, "' is too large"));
+    if (u.factor == 1 && number.find('.') != absl::string_view::npos) return bad();  // a fraction of a byte
+    return static_cast<int64_t>(bytes);
+  }
+  return bad();
 }
 
 }  // namespace colod

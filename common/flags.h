@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace colod {
@@ -14,6 +15,12 @@ namespace colod {
 // prints the colod version and exits 0; an unknown or malformed flag prints
 // an error and exits 1. Returns the positional arguments, argv[0] excluded.
 std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage);
+
+// A byte size as flags spell it: a whole number of bytes, or one with a
+// unit (KiB, MiB, GiB, TiB; KB, MB, GB, TB in powers of 1000), e.g. "8GiB",
+// "512MiB", "1.5GB". INVALID_ARGUMENT for anything else, a negative size or
+// one past int64.
+absl::StatusOr<int64_t> ParseByteSize(absl::string_view text);
 
 }  // namespace colod
 

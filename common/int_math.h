@@ -1,5 +1,14 @@
+// Integer arithmetic on sizes that come from input: every shape, element
+// count and byte size derived from a file, a request or a config goes
+// through the checked helpers here (one place), so that a crafted size is an
+// error instead of a wrapped product that passes a size check.
 #ifndef COLOD_COMMON_INT_MATH_H_
 #define COLOD_COMMON_INT_MATH_H_
+
+#include <cstdint>
+#include <optional>
+
+#include "absl/types/span.h"
 
 namespace colod {
 
@@ -13,6 +22,58 @@ inline int IntegerRoot(int n, int k) {
     if (p == n) return r;
     if (p > n) return 0;
   }
+}
+
+// a * b, or nullopt when it overflows int64.
+inline std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
+  int64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) return std::nullopt;
+  return r;
+}
+
+// a + b, or nullopt when it overflows int64.
+inline std::optional<int64_t> CheckedAdd(int64_t a, int64_t b) {
+  int64_t r = 0;
+  if (__builtin_add_overflow(a, b, &r)) return std::nullopt;
+  return r;
+}
+
+// The number of elements of a shape: the product of `dims` (1 for none).
+// nullopt for a negative dim, or when the product of the non-zero dims
+// overflows int64 (an empty shape like (2^62, 16, 0) is refused too: code
+// that flattens leading dims would overflow on it).
+inline std::optional<int64_t> CheckedProduct(absl::Span<const int64_t> dims) {
+  int64_t nonzero = 1;
+  bool empty = false;
+  for (int64_t d : dims) {
+    if (d < 0) return std::nullopt;
+    if (d == 0) {
+      empty = true;
+      continue;
+    }
+    const std::optional<int64_t> p = CheckedMul(nonzero, d);
+    if (!p.has_value()) return std::nullopt;
+    nonzero = *p;
+  }
+  return empty ? 0 : nonzero;
+}
+
+// The bytes of a shape of `element_bytes`-byte elements (>= 1): as
+// CheckedProduct, and nullopt also when the non-zero dims' bytes overflow.
+inline std::optional<int64_t> CheckedBytes(absl::Span<const int64_t> dims, int64_t element_bytes) {
+  if (element_bytes < 1 || !CheckedProduct(dims).has_value()) return std::nullopt;
+  int64_t bytes = element_bytes;
+  bool empty = false;
+  for (int64_t d : dims) {
+    if (d == 0) {
+      empty = true;
+      continue;
+    }
+    const std::optional<int64_t> p = CheckedMul(bytes, d);
+    if (!p.has_value()) return std::nullopt;
+    bytes = *p;
+  }
+  return empty ? 0 : bytes;
 }
 
 }  // namespace colod

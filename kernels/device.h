@@ -43,7 +43,8 @@ absl::Status CudaSynchronize(int ordinal);
 // NCCL's runtime version code (e.g. 22703 for 2.27.3); UNIMPLEMENTED without CUDA.
 absl::StatusOr<int> NcclVersion();
 
-// Physical memory of this host in bytes (sysconf), for CPU workers.
+// Memory of this host in bytes for CPU workers: the physical memory
+// (sysconf), or the cgroup's limit (a container's) when that is lower.
 int64_t HostMemoryBytes();
 
 }  // namespace colod::kernels

@@ -11,6 +11,7 @@
 #include "common/logging.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
+#include "server/job_validation.h"
 #include "server/rpc_metrics.h"
 
 namespace colod {
@@ -99,6 +100,10 @@ grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v
     if (!upload.empty() && (uploads_ == nullptr || !uploads_->Exists(upload))) {
       return absl::InvalidArgumentError(absl::StrCat("spec.model.upload_id: no upload '", upload, "'"));
     }
+    // A job no registered worker has the memory for is refused now, not
+    // left pending or failed on a worker that ran out.
+    RETURN_IF_ERROR(ValidateJobSpec(req->spec()));
+    RETURN_IF_ERROR(CheckMemoryFits(req->spec(), workers_->List(/*include_lost=*/false)));
     ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Submit(req->spec(), req->request_id()));
     if (scheduler_ != nullptr) scheduler_->Wake();
     return absl::OkStatus();

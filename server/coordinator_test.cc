@@ -167,6 +167,52 @@ TEST_F(CoordinatorTest, JobsAreValidatedAndWatchable) {
   EXPECT_EQ(missing->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+// The issue's hostile configs: a billion layers is refused outright; a
+// model no registered worker has the memory for is refused at submit with
+// the need and the capacity, and accepted while no worker is registered.
+TEST_F(CoordinatorTest, SubmitRefusesModelsNoWorkerCanHold) {
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TRAIN);
+  spec.mutable_model()->set_weights_path("/models/gpt2-tiny");
+  spec.mutable_train()->set_steps(1);
+  spec.mutable_train()->set_batch_size(2);
+  spec.mutable_train()->set_seq_len(16);
+  spec.mutable_train()->set_learning_rate(1e-3);
+  spec.mutable_train()->set_data_path("/usr/share/common-licenses/GPL-3");
+  spec.mutable_shard()->set_tensor_parallel_size(2);
+  spec.mutable_shard()->set_data_parallel_size(1);
+  spec.mutable_model()->set_config_json(
+      R"({"model_type": "gpt2", "vocab_size": 50, "n_embd": 16, "n_layer": 1000000000, "n_head": 4, "n_positions": 16})");
+  auto deep = client_->SubmitJob(spec);
+  EXPECT_EQ(deep.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(deep.status().message(), "at most 4096")) << deep.status();
+
+  // GPT-2 XL's shape: 1,557,611,200 parameters, 16 bytes each with AdamW,
+  // half of them per rank at tp 2: 11.60 GiB.
+  spec.mutable_model()->set_config_json(
+      R"({"model_type": "gpt2", "vocab_size": 50257, "n_embd": 1600, "n_layer": 48, "n_head": 20, "n_positions": 1024})");
+  auto accepted = client_->SubmitJob(spec);  // nobody to ask yet
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  ASSERT_TRUE(client_->CancelJob(accepted->job_id()).ok());
+
+  for (int64_t gib : {4, 8}) {
+    v1::WorkerInfo info;
+    info.set_address(absl::StrCat("127.0.0.1:", 7080 + gib));
+    info.set_device_kind(v1::DEVICE_KIND_CPU);
+    info.set_memory_bytes(gib << 30);
+    ASSERT_TRUE(client_->RegisterWorker(info).ok());
+  }
+  auto refused = client_->SubmitJob(spec);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(),
+                                "spec.model: this job needs at least 11.61 GiB per rank (1557611200 parameters, 1/2 "
+                                "per rank: 1.45 GiB of parameters, 1.45 GiB of gradients, 8.70 GiB of optimizer "
+                                "state), and the largest of the 2 registered workers has 8.00 GiB"))
+      << refused.status();
+  spec.mutable_shard()->set_tensor_parallel_size(4);  // 5.80 GiB per rank: the 8 GiB worker will do
+  ASSERT_TRUE(client_->SubmitJob(spec).ok());
+}
+
 TEST_F(CoordinatorTest, RendezvousStoreOverGrpc) {
   auto& stub = client_->stub();
   std::thread setter([&] {

@@ -163,6 +163,36 @@ bool ResumesFromCheckpoint(const v1::Job& job) {
          !job.spec().train().checkpoint_dir().empty();
 }
 
+namespace {
+
+absl::StatusOr<shardformer::RankMemoryFloor> FloorOf(const v1::JobSpec& spec) {
+  if (spec.kind() == v1::JOB_KIND_TENSOR) return shardformer::RankMemoryFloor();
+  ASSIGN_OR_RETURN(shardformer::ModelConfig config, shardformer::ParseModelConfig(spec.model().config_json()));
+  return shardformer::MemoryFloorPerRank(config, spec);
+}
+
+}  // namespace
+
+int64_t RankMemoryFloorBytes(const v1::JobSpec& spec) {
+  absl::StatusOr<shardformer::RankMemoryFloor> floor = FloorOf(spec);
+  return floor.ok() ? floor->total_bytes : 0;
+}
+
+absl::Status CheckMemoryFits(const v1::JobSpec& spec, const std::vector<v1::Worker>& workers) {
+  absl::StatusOr<shardformer::RankMemoryFloor> floor = FloorOf(spec);
+  if (!floor.ok() || floor->total_bytes == 0 || workers.empty()) return absl::OkStatus();
+  int64_t largest = 0;
+  for (const v1::Worker& w : workers) {
+    if (w.info().memory_bytes() == 0) return absl::OkStatus();  // one that does not say: it decides itself
+    largest = std::max(largest, w.info().memory_bytes());
+  }
+  if (floor->total_bytes <= largest) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "spec.model: this job needs ", shardformer::DescribeMemoryFloor(*floor, spec.shard().tensor_parallel_size()),
+      ", and the largest of the ", workers.size(), " registered workers has ", shardformer::GiB(largest),
+      ": raise tensor_parallel_size or add larger workers"));
+}
+
 bool IsRetryableRankError(absl::StatusCode code) {
   switch (code) {
     case absl::StatusCode::kInvalidArgument:

@@ -4,7 +4,11 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include <cstdint>
+#include <vector>
+
 #include "colod/v1/job.pb.h"
+#include "colod/v1/worker.pb.h"
 
 namespace colod {
 
@@ -30,6 +34,16 @@ bool ResumesFromCheckpoint(const v1::Job& job);
 // timeout, an abort) rather than being the job's own (bad input, a missing
 // file, memory; see RestartPolicy).
 bool IsRetryableRankError(absl::StatusCode code);
+
+// What one rank of `spec` holds at least for its model
+// (shardformer::MemoryFloorPerRank); 0 for TENSOR jobs and for a spec whose
+// model does not parse (ValidateJobSpec reports that).
+int64_t RankMemoryFloorBytes(const v1::JobSpec& spec);
+
+// INVALID_ARGUMENT when workers are registered and none has the memory one
+// rank of `spec` needs, with the need and the largest worker's memory. OK
+// with none registered: the workers check again before they allocate.
+absl::Status CheckMemoryFits(const v1::JobSpec& spec, const std::vector<v1::Worker>& workers);
 
 // Checks the tp/dp/mode/depth combination of a ShardConfig (also used by the
 // mesh builder). Field paths are prefixed with `path`.

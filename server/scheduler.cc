@@ -12,6 +12,7 @@
 #include "server/job_validation.h"
 #include "server/placement.h"
 #include "worker/colo/mesh.h"
+#include "worker/shardformer/model_config.h"
 
 namespace colod {
 namespace {
@@ -183,19 +184,34 @@ void Scheduler::ScheduleQueued() {
     it = pending_ids.count(it->first) ? std::next(it) : waiting_.erase(it);
   }
   if (pending.empty()) return;
-  std::vector<v1::WorkerInfo> cpu, cuda;
-  int registered_cpu = 0, registered_cuda = 0;  // busy or not
-  for (const v1::Worker& w : workers_->List(/*include_lost=*/false)) {
-    ++(w.info().device_kind() == v1::DEVICE_KIND_CUDA ? registered_cuda : registered_cpu);
-    // A worker still winding down a rank says BUSY until its next heartbeat.
-    if (held.count(w.info().worker_id()) || w.status().state() == v1::WORKER_STATE_BUSY) continue;
-    (w.info().device_kind() == v1::DEVICE_KIND_CUDA ? cuda : cpu).push_back(w.info());
-  }
+  std::vector<v1::Worker> live = workers_->List(/*include_lost=*/false);
+  std::set<std::string> taken;  // placed earlier in this pass
   for (const v1::Job& job : pending) {
     absl::StatusOr<DeviceMesh> mesh = DeviceMesh::FromShardConfig(job.spec().shard());
     if (!mesh.ok()) {  // validated on submit; only a changed rule gets here
       (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, mesh.status().message());
       continue;
+    }
+    // The workers that could take one of its ranks: of one device kind, with
+    // the memory a rank needs at least (a worker that does not say how much
+    // it has decides itself).
+    const int64_t need = RankMemoryFloorBytes(job.spec());
+    std::vector<v1::WorkerInfo> cpu, cuda;
+    int registered_cpu = 0, registered_cuda = 0;  // busy or not
+    int too_small = 0;
+    for (const v1::Worker& w : live) {
+      if (need > 0 && w.info().memory_bytes() > 0 && w.info().memory_bytes() < need) {
+        ++too_small;
+        continue;
+      }
+      const bool is_cuda = w.info().device_kind() == v1::DEVICE_KIND_CUDA;
+      ++(is_cuda ? registered_cuda : registered_cpu);
+      // A worker still winding down a rank says BUSY until its next heartbeat.
+      if (held.count(w.info().worker_id()) || taken.count(w.info().worker_id()) ||
+          w.status().state() == v1::WORKER_STATE_BUSY) {
+        continue;
+      }
+      (is_cuda ? cuda : cpu).push_back(w.info());
     }
     std::vector<v1::WorkerInfo>& pool = static_cast<int>(cuda.size()) >= mesh->world_size() ? cuda : cpu;
     absl::StatusOr<v1::MeshSpec> placed = AssignRanks(*mesh, pool);
@@ -207,10 +223,14 @@ void Scheduler::ScheduleQueued() {
       // fit go first (backfill).
       const int world = mesh->world_size();
       const bool fits_cluster = world <= std::max(registered_cpu, registered_cuda);
+      const std::string memory =
+          too_small > 0 ? absl::StrCat(" with ", shardformer::GiB(need), " of memory") : std::string();
       std::string why = absl::StrCat(
-          "waiting for workers: needs ", world, " workers of one device kind; ", registered_cpu + registered_cuda,
-          " registered (", registered_cpu, " cpu, ", registered_cuda, " cuda), ", cpu.size() + cuda.size(),
-          " idle", fits_cluster ? "" : "; jobs behind it that fit run first");
+          "waiting for workers: needs ", world, " workers of one device kind", memory, "; ",
+          registered_cpu + registered_cuda, " registered", memory.empty() ? "" : " that have it", " (",
+          registered_cpu, " cpu, ", registered_cuda, " cuda), ", cpu.size() + cuda.size(), " idle",
+          too_small > 0 ? absl::StrCat("; ", too_small, " more with less memory") : std::string(),
+          fits_cluster ? "" : "; jobs behind it that fit run first");
       if (job.state() == v1::JOB_STATE_RESTARTING) {
         const RestartLimits limits = RestartLimitsOf(job.spec());
         absl::Time since = now;
@@ -247,11 +267,7 @@ void Scheduler::ScheduleQueued() {
     }
     absl::StatusOr<v1::Job> scheduled = jobs_->Schedule(job.job_id(), *placed);
     if (!scheduled.ok()) continue;  // cancelled meanwhile
-    std::set<std::string> used;
-    for (const v1::RankAssignment& a : placed->ranks()) used.insert(a.worker_id());
-    pool.erase(std::remove_if(pool.begin(), pool.end(),
-                              [&](const v1::WorkerInfo& w) { return used.count(w.worker_id()) > 0; }),
-               pool.end());
+    for (const v1::RankAssignment& a : placed->ranks()) taken.insert(a.worker_id());
     {
       absl::MutexLock lock(&mu_);
       restart_since_.erase(job.job_id());

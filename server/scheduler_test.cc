@@ -13,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "common/proto_time.h"
 #include "gtest/gtest.h"
+#include "server/job_validation.h"
 
 namespace colod {
 namespace {
@@ -76,7 +77,8 @@ class SchedulerTest : public ::testing::Test {
     return o;
   }
 
-  void Start(int workers, Scheduler::Options o = Scheduler::Options()) {
+  // `memory`: each worker's memory_bytes (none: 0, not said).
+  void Start(int workers, Scheduler::Options o = Scheduler::Options(), std::vector<int64_t> memory = {}) {
     o.worker_client = fake_;
     o.clock = &clock_;
     o.probe_timeout = absl::ZeroDuration();  // fail at once, unprobed
@@ -87,6 +89,7 @@ class SchedulerTest : public ::testing::Test {
       info.set_address("10.0.0." + std::to_string(i + 1) + ":7071");
       info.set_device_kind(v1::DEVICE_KIND_CPU);
       info.set_device_ordinal(0);
+      if (i < static_cast<int>(memory.size())) info.set_memory_bytes(memory[i]);
       auto r = registry_.Register(info);
       ASSERT_TRUE(r.ok()) << r.status();
       ids_.push_back(r->worker_id);
@@ -280,7 +283,8 @@ TEST_F(SchedulerTest, ARefusedAssignmentPlacesTheJobAgainWithoutTheRefusingWorke
   scheduler_->TickForTest();
   v1::Job j = Job(job->job_id());
   EXPECT_EQ(j.state(), v1::JOB_STATE_SCHEDULED);  // rank 0 started; it is being stopped
-  ASSERT_EQ(fake_->aborted.size(), 0u);
+  // The abort goes out in this tick or the next (the assignments answer on
+  // a thread of their own), and once.
   scheduler_->TickForTest();
   ASSERT_EQ(fake_->aborted.size(), 1u);
   EXPECT_EQ(fake_->aborted[0].address, "10.0.0.1:7071");
@@ -331,6 +335,25 @@ TEST_F(SchedulerTest, OnlyRefusalsOfTheJobsOwnCountAgainstItsPlacements) {
   EXPECT_TRUE(absl::StartsWith(j.reason(), "every placement was refused: rank 0 "));
   EXPECT_EQ(std::vector<std::string>(absl::StrSplit(j.reason(), "INVALID_ARGUMENT")).size() - 1, 3u) << j.reason();
   EXPECT_FALSE(absl::StrContains(j.reason(), "UNAVAILABLE")) << j.reason();
+}
+
+TEST_F(SchedulerTest, RanksGoOnlyToWorkersWithTheMemoryTheyNeed) {
+  const int64_t need = RankMemoryFloorBytes(TrainSpec(1, 1));
+  ASSERT_GT(need, 0);
+  Start(2, Scheduler::Options(), {need - 1, need});
+  auto first = jobs_.Submit(TrainSpec(1, 1), "");
+  auto second = jobs_.Submit(TrainSpec(1, 1), "");
+  ASSERT_TRUE(first.ok() && second.ok());
+  scheduler_->TickForTest();
+  const v1::Job j = Job(first->job_id());
+  ASSERT_EQ(j.state(), v1::JOB_STATE_SCHEDULED) << j.reason();
+  EXPECT_EQ(j.mesh().ranks(0).worker_address(), "10.0.0.2:7071");
+  const v1::Job waiting = Job(second->job_id());
+  EXPECT_EQ(waiting.state(), v1::JOB_STATE_PENDING);
+  EXPECT_TRUE(absl::StrContains(waiting.reason(), "needs 1 workers of one device kind with "));
+  EXPECT_TRUE(absl::StrContains(waiting.reason(), "1 registered that have it (1 cpu, 0 cuda), 0 idle; "
+                                                  "1 more with less memory"))
+      << waiting.reason();
 }
 
 TEST_F(SchedulerTest, ReportsAHangOncePerCollective) {

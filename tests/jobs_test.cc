@@ -471,6 +471,25 @@ TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
   create.set_compute_pattern(static_cast<v1::ComputePattern>(99));
   EXPECT_EQ(client_->CreateTensor(create).status().code(), absl::StatusCode::kInvalidArgument);
   create.set_compute_pattern(v1::COMPUTE_PATTERN_TP1D);
+  {
+    // Shapes whose element counts wrap around int64 (2^62 x 16 is 0 in
+    // plain arithmetic): refused by every rank, which stay up.
+    v1::CreateTensorRequest huge = create;
+    huge.set_name("huge");
+    huge.mutable_value()->clear_shape();
+    huge.mutable_value()->add_shape(int64_t{4611686018427387904});
+    huge.mutable_value()->add_shape(16);
+    huge.mutable_value()->clear_data();
+    auto refused = client_->CreateTensor(huge);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "too large")) << refused.status();
+    huge.clear_value();
+    huge.mutable_random()->add_shape(int64_t{4611686018427387904});
+    huge.mutable_random()->add_shape(16);
+    refused = client_->CreateTensor(huge);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+    EXPECT_FALSE(client_->GetShard(job->job_id(), "huge", 0).ok());
+  }
   auto layout = client_->CreateTensor(create);
   ASSERT_TRUE(layout.ok()) << layout.status();
   EXPECT_EQ(layout->compute_pattern(), v1::COMPUTE_PATTERN_TP1D);
@@ -527,7 +546,9 @@ TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
       creates += sample.value;
     }
   }
-  EXPECT_EQ(creates, 4);  // the demo's, the INVALID_ARGUMENT one, this one, and the ALREADY_EXISTS one
+  // The demo's, the INVALID_ARGUMENT one, the two huge ones, this one, and
+  // the ALREADY_EXISTS one.
+  EXPECT_EQ(creates, 6);
   ASSERT_TRUE(client_->DeleteTensor(job->job_id(), "x").ok());
   EXPECT_TRUE(client_->ListTensors(job->job_id())->empty());
   ASSERT_TRUE(client_->CancelJob(job->job_id()).ok());

@@ -3,6 +3,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 #include "worker/colo/colo_tensor.h"
 
@@ -147,12 +148,15 @@ v1::DistSpec DistSpecToProto(const DistSpec& spec) {
 absl::StatusOr<Tensor> TensorFromProto(const v1::TensorValue& value, const std::string& field) {
   ASSIGN_OR_RETURN(DType dtype, DTypeFromProto(value.dtype(), field + ".dtype"));
   Shape shape(value.shape().begin(), value.shape().end());
-  int64_t n = 1;
   for (int64_t d : shape) {
     if (d < 0) return absl::InvalidArgumentError(absl::StrCat(field, ".shape: negative size ", d));
-    n *= d;
   }
-  const int64_t want = n * static_cast<int64_t>(SizeOf(dtype));
+  const std::optional<int64_t> bytes = CheckedBytes(shape, static_cast<int64_t>(SizeOf(dtype)));
+  if (!bytes.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".shape: ", ShapeToString(shape), " of ", DTypeName(dtype), " is too large"));
+  }
+  const int64_t want = *bytes;
   if (static_cast<int64_t>(value.data().size()) != want) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", value.data().size(), " bytes, but shape ",
                                                    ShapeToString(shape), " of ", DTypeName(dtype), " needs ", want));

@@ -13,6 +13,7 @@
 #include "worker/colo/rank_group.h"
 #include "worker/comm/coordinator_store.h"
 #include "worker/comm/instrumented_communicator.h"
+#include "worker/shardformer/model_config.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/tensor/npy.h"
 #include "worker/train/job_options.h"
@@ -35,6 +36,20 @@ std::string KindName(v1::JobKind kind) {
     default:
       return "unknown";
   }
+}
+
+// RESOURCE_EXHAUSTED when one rank of `spec` needs more memory than
+// `memory_bytes` at least (0: unchecked). A family this config parser does
+// not know (a user policy's) is checked by its own loader instead.
+absl::Status AdmitModel(const v1::JobSpec& spec, int64_t memory_bytes) {
+  if (memory_bytes <= 0) return absl::OkStatus();
+  absl::StatusOr<shardformer::ModelConfig> config = shardformer::ParseModelConfig(spec.model().config_json());
+  if (!config.ok()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(shardformer::RankMemoryFloor floor, shardformer::MemoryFloorPerRank(*config, spec));
+  if (floor.total_bytes <= memory_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the model needs ", shardformer::DescribeMemoryFloor(floor, spec.shard().tensor_parallel_size()),
+      "; this worker has ", shardformer::GiB(memory_bytes)));
 }
 
 }  // namespace
@@ -199,6 +214,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   shard.layout = req.spec().shard();
   if (options_.cuda) shard.device = Device::Cuda(options_.device_ordinal);
   if (req.spec().kind() != v1::JOB_KIND_TENSOR) {  // TRAIN and FORWARD jobs load a model
+    RETURN_IF_ERROR(AdmitModel(req.spec(), options_.memory_bytes));
     if (reporter.Phase(v1::RANK_PHASE_LOADING, "opening the model and the data")) {
       return absl::AbortedError("the job no longer runs");
     }

@@ -58,6 +58,11 @@ class JobRunner {
     WorkerMetrics* metrics = nullptr;
     // Deadline of downloading an uploaded model from the coordinator.
     absl::Duration download_timeout = absl::Minutes(30);
+    // The memory a rank may use (the device's, or the host's for a CPU
+    // worker): a rank whose model needs more at least
+    // (shardformer::MemoryFloorPerRank) fails RESOURCE_EXHAUSTED before it
+    // allocates anything. 0: unchecked.
+    int64_t memory_bytes = 0;
   };
 
   explicit JobRunner(Options options);

@@ -34,6 +34,10 @@ ABSL_FLAG(absl::Duration, comm_timeout, absl::Minutes(2),
 ABSL_FLAG(absl::Duration, metrics_linger, absl::Minutes(1),
           "How long a job rank's metrics (step times, tokens, loss, collectives) stay on /metrics after the "
           "rank ended, so that a scrape sees its final values; then they are removed.");
+ABSL_FLAG(std::string, memory_limit, "",
+          "Memory a job rank may use, e.g. 8GiB or 512MiB; reported to the coordinator, which places no rank "
+          "here whose model needs more (parameters, gradients, optimizer state), and checked again before a rank "
+          "allocates. Default: the GPU's memory, or the host's (its cgroup's limit in a container).");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -73,6 +77,14 @@ int main(int argc, char** argv) {
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.device = absl::GetFlag(FLAGS_device);
+  if (const std::string limit = absl::GetFlag(FLAGS_memory_limit); !limit.empty()) {
+    absl::StatusOr<int64_t> bytes = colod::ParseByteSize(limit);
+    if (!bytes.ok()) {
+      COLOD_LOG(ERROR) << "--memory-limit: " << bytes.status().message();
+      return 2;
+    }
+    options.memory_limit_bytes = *bytes;
+  }
   options.device_ordinal = absl::GetFlag(FLAGS_device_ordinal);
   options.work_dir = absl::GetFlag(FLAGS_work_dir);
   for (absl::string_view pair : absl::StrSplit(absl::GetFlag(FLAGS_labels), ',', absl::SkipWhitespace())) {

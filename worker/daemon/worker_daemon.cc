@@ -60,6 +60,10 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
     info.set_device_name("cpu");
     info.set_memory_bytes(kernels::HostMemoryBytes());
   }
+  if (o.memory_limit_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--memory-limit: must be >= 0, got ", o.memory_limit_bytes));
+  }
+  if (o.memory_limit_bytes > 0) info.set_memory_bytes(o.memory_limit_bytes);
   return absl::OkStatus();
 }
 
@@ -117,6 +121,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     ro.comm_timeout = options.comm_timeout;
     ro.worker_id = [raw] { return raw->worker_id(); };
     ro.metrics = w->job_metrics_.get();
+    ro.memory_bytes = w->info_.memory_bytes();
     w->runner_ = std::make_unique<JobRunner>(ro);
   }
   w->service_ = std::make_unique<WorkerServiceImpl>([raw] { return raw->Info(); }, [raw] { return raw->Status(); },

@@ -56,6 +56,11 @@ class WorkerDaemon {
     std::map<std::string, std::string> labels;
     // Rendezvous and per-collective limit of job ranks.
     absl::Duration comm_timeout = absl::Minutes(2);
+    // The memory this worker offers a rank, reported at registration: the
+    // coordinator places no rank here whose model needs more at least, and
+    // the rank itself refuses one (RESOURCE_EXHAUSTED) before it allocates.
+    // 0: the GPU's memory, or the host's (its cgroup's limit in a container).
+    int64_t memory_limit_bytes = 0;
     // How long an ended rank's series stay on /metrics (WorkerMetrics).
     absl::Duration metrics_linger = absl::Minutes(1);
   };

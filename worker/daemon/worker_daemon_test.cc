@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 
+#include "absl/strings/match.h"
 #include "client/coordinator_client.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -158,6 +159,66 @@ TEST(WorkerDaemon, RejectsBadOptions) {
   o.device_ordinal = 0;
   o.coordinator = "nowhere";
   EXPECT_EQ(WorkerDaemon::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A GPT-2 with 9,799,168 parameters: 149.5 MiB a rank with AdamW at tp 1.
+v1::JobSpec MidSizeTrainSpec() {
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TRAIN);
+  spec.mutable_model()->set_config_json(
+      R"({"model_type": "gpt2", "vocab_size": 1000, "n_embd": 256, "n_layer": 12, "n_head": 4, "n_positions": 256})");
+  spec.mutable_model()->set_weights_path("/nonexistent/model.safetensors");
+  spec.mutable_train()->set_steps(1);
+  spec.mutable_train()->set_batch_size(1);
+  spec.mutable_train()->set_seq_len(8);
+  spec.mutable_train()->set_learning_rate(1e-3);
+  spec.mutable_train()->set_data_path("/usr/share/common-licenses/GPL-3");
+  spec.mutable_shard()->set_tensor_parallel_size(1);
+  spec.mutable_shard()->set_data_parallel_size(1);
+  return spec;
+}
+
+TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-memory");
+  ASSERT_NE(coordinator, nullptr);
+  WorkerDaemon::Options o = FastRetryOptions(coordinator->address());
+  o.memory_limit_bytes = int64_t{64} << 20;
+  auto worker = WorkerDaemon::Start(o);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  ASSERT_TRUE((*worker)->WaitRegistered(absl::Seconds(20)));
+  auto workers = coordinator->workers().List(false);
+  ASSERT_EQ(workers.size(), 1u);
+  EXPECT_EQ(workers[0].info().memory_bytes(), int64_t{64} << 20);
+
+  // The coordinator refuses the job: its one worker is too small.
+  auto client = CoordinatorClient::Create(coordinator->address());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto refused = (*client)->SubmitJob(MidSizeTrainSpec());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "the largest of the 1 registered workers has 0.06 GiB"))
+      << refused.status();
+
+  // A rank sent anyway (an older coordinator) refuses before it allocates.
+  JobRunner::Options ro;
+  ro.work_dir = testing::TempPath("runner-memory");
+  ro.coordinator = v1::CoordinatorService::NewStub(
+      grpc::CreateChannel(coordinator->address(), grpc::InsecureChannelCredentials()));
+  ro.memory_bytes = int64_t{64} << 20;
+  JobRunner runner(ro);
+  v1::AssignJobRequest assign;
+  assign.set_job_id("job-424242");
+  assign.set_generation(1);
+  assign.set_rank(0);
+  assign.set_rendezvous_scope("job-424242/gen-1");
+  assign.mutable_mesh()->set_world_size(1);
+  *assign.mutable_spec() = MidSizeTrainSpec();
+  ASSERT_TRUE(runner.Assign(assign).ok());
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
+  const std::string error = runner.Status().last_error();
+  EXPECT_TRUE(absl::StrContains(error, "RESOURCE_EXHAUSTED: the model needs at least 0.15 GiB per rank (9799168 "
+                                       "parameters"))
+      << error;
+  EXPECT_TRUE(absl::StrContains(error, "this worker has 0.06 GiB")) << error;
 }
 
 }  // namespace

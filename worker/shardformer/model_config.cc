@@ -1,9 +1,14 @@
 #include "worker/shardformer/model_config.h"
 
+#include <algorithm>
 #include <fstream>
+#include <initializer_list>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/colo/mesh.h"
@@ -54,7 +59,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "n_layer"));
     ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "n_head"));
     ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "n_positions"));
-    ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "n_inner", 4 * c.hidden_size));
+    const std::optional<int64_t> inner = CheckedMul(4, c.hidden_size);
+    if (!inner.has_value()) return Field(what, "n_embd", "is too large");
+    ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "n_inner", *inner));
     ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_epsilon", 1e-5));
     ASSIGN_OR_RETURN(c.activation, Str(j, "activation_function", "gelu_new"));
     c.num_kv_heads = c.num_heads;
@@ -94,7 +101,146 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     return absl::InvalidArgumentError(absl::StrCat(what, ": num_attention_heads ", c.num_heads,
                                                    " is not divisible by num_key_value_heads ", c.num_kv_heads));
   }
+  if (c.num_layers > kMaxLayers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", c.num_layers, " layers; colod takes at most ", kMaxLayers));
+  }
+  if (absl::StatusOr<int64_t> n = ParameterCount(c); !n.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", n.status().message()));
+  }
   return c;
+}
+
+namespace {
+
+// Sums of products in int64, failing once on overflow.
+class Counter {
+ public:
+  // Adds the product of `factors`.
+  void Add(std::initializer_list<int64_t> factors) {
+    const std::optional<int64_t> p = CheckedProduct(factors);
+    const std::optional<int64_t> s = p.has_value() ? CheckedAdd(total_, *p) : std::nullopt;
+    if (!s.has_value()) overflow_ = true;
+    if (!overflow_) total_ = *s;
+  }
+  // total * factor.
+  void Times(int64_t factor) {
+    const std::optional<int64_t> p = CheckedMul(total_, factor);
+    if (!p.has_value()) overflow_ = true;
+    if (!overflow_) total_ = *p;
+  }
+  void Add(const Counter& other) {
+    overflow_ |= other.overflow_;
+    Add({other.total_});
+  }
+  absl::StatusOr<int64_t> Total(const std::string& what) const {
+    if (overflow_) return absl::InvalidArgumentError(absl::StrCat(what, " overflows a 64-bit count"));
+    return total_;
+  }
+
+ private:
+  int64_t total_ = 0;
+  bool overflow_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<int64_t> ParameterCount(const ModelConfig& c) {
+  const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size, p = c.max_positions;
+  Counter layer, model;
+  if (c.model_type == "gpt2") {
+    // ln_1, c_attn, c_proj, ln_2, c_fc, mlp.c_proj (Conv1D weights + biases)
+    layer.Add({2, h});
+    layer.Add({h, 3, h});
+    layer.Add({3, h});
+    layer.Add({h, h});
+    layer.Add({h});
+    layer.Add({2, h});
+    layer.Add({h, f});
+    layer.Add({f});
+    layer.Add({f, h});
+    layer.Add({h});
+    layer.Times(c.num_layers);
+    model.Add({v, h});  // wte (lm_head is tied to it)
+    model.Add({p, h});  // wpe
+    model.Add(layer);
+    model.Add({2, h});  // ln_f
+  } else if (c.model_type == "llama") {
+    const int64_t kv = c.num_kv_heads * c.head_dim();  // <= h
+    layer.Add({h});           // input_layernorm
+    layer.Add({2, h, h});     // q_proj, o_proj
+    layer.Add({2, h, kv});    // k_proj, v_proj
+    layer.Add({h});           // post_attention_layernorm
+    layer.Add({3, h, f});     // gate, up, down
+    layer.Times(c.num_layers);
+    model.Add({v, h});  // embed_tokens
+    model.Add(layer);
+    model.Add({h});  // norm
+    if (!c.tie_word_embeddings) model.Add({v, h});  // lm_head
+  } else if (c.model_type == "bert") {
+    layer.Add({4, h, h});  // query, key, value, attention.output.dense
+    layer.Add({4, h});     // their biases
+    layer.Add({2, 2, h});  // the two LayerNorms
+    layer.Add({h, f});     // intermediate.dense
+    layer.Add({f});
+    layer.Add({f, h});  // output.dense
+    layer.Add({h});
+    layer.Times(c.num_layers);
+    model.Add({v, h});                  // word_embeddings (the decoder is tied to them)
+    model.Add({p, h});                  // position_embeddings
+    model.Add({c.type_vocab_size, h});  // token_type_embeddings
+    model.Add({2, h});                  // embeddings.LayerNorm
+    model.Add(layer);
+    model.Add({h, h});  // cls.predictions.transform.dense
+    model.Add({h});
+    model.Add({2, h});  // its LayerNorm
+    model.Add({v});     // cls.predictions.bias
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("no parameter count for model_type '", c.model_type, "'"));
+  }
+  return model.Total(absl::StrCat("the parameter count of this ", c.model_type));
+}
+
+absl::StatusOr<RankMemoryFloor> MemoryFloorPerRank(const ModelConfig& config, const v1::JobSpec& spec) {
+  RankMemoryFloor floor;
+  if (spec.kind() == v1::JOB_KIND_TENSOR) return floor;
+  ASSIGN_OR_RETURN(floor.parameters, ParameterCount(config));
+  const int64_t tp = std::max(1, spec.shard().tensor_parallel_size());
+  const int64_t share = floor.parameters / tp + (floor.parameters % tp != 0 ? 1 : 0);
+  const bool train = spec.kind() == v1::JOB_KIND_TRAIN;
+  // Parameter and gradient bytes by precision; unspecified means f32 on a
+  // CPU and bf16 on a GPU, so the floor takes bf16's.
+  const v1::Precision precision = spec.train().precision();
+  const int64_t width = !train || precision == v1::PRECISION_FP32 ? 4 : 2;
+  const bool adam = spec.train().optimizer() != v1::OPTIMIZER_SGD;
+  const int64_t state = (adam ? 8 : 4) + (width == 2 ? 4 : 0);  // moments (f32), master copy
+  Counter params, grads, optimizer, total;
+  params.Add({share, width});
+  if (train) {
+    grads.Add({share, width});
+    optimizer.Add({share, state});
+  }
+  total.Add(params);
+  total.Add(grads);
+  total.Add(optimizer);
+  const std::string what = "the memory per rank";
+  ASSIGN_OR_RETURN(floor.param_bytes, params.Total(what));
+  ASSIGN_OR_RETURN(floor.grad_bytes, grads.Total(what));
+  ASSIGN_OR_RETURN(floor.optimizer_bytes, optimizer.Total(what));
+  ASSIGN_OR_RETURN(floor.total_bytes, total.Total(what));
+  return floor;
+}
+
+std::string GiB(int64_t bytes) { return absl::StrFormat("%.2f GiB", static_cast<double>(bytes) / (1 << 30)); }
+
+std::string DescribeMemoryFloor(const RankMemoryFloor& floor, int tensor_parallel_size) {
+  std::string parts = absl::StrCat(GiB(floor.param_bytes), " of parameters");
+  if (floor.grad_bytes > 0 || floor.optimizer_bytes > 0) {
+    absl::StrAppend(&parts, ", ", GiB(floor.grad_bytes), " of gradients, ", GiB(floor.optimizer_bytes),
+                    " of optimizer state");
+  }
+  return absl::StrCat("at least ", GiB(floor.total_bytes), " per rank (", floor.parameters, " parameters, 1/",
+                      std::max(1, tensor_parallel_size), " per rank: ", parts, ")");
 }
 
 absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& shard) {

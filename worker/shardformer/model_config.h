@@ -31,13 +31,45 @@ struct ModelConfig {
   int64_t head_dim() const { return num_heads == 0 ? 0 : hidden_size / num_heads; }
 };
 
+// The most layers a config may declare: far deeper than any published model
+// (LLaMA 3.1 405B has 126), and it bounds the module tree a worker builds
+// before it reads the weights.
+inline constexpr int64_t kMaxLayers = 4096;
+
 // Parses config.json text. INVALID_ARGUMENT naming the field for a missing or
 // mistyped required field, an unknown model_type (naming it and the known
-// ones), or sizes that do not fit together (hidden_size not divisible by the
-// heads, heads not divisible by the kv heads).
+// ones), sizes that do not fit together (hidden_size not divisible by the
+// heads, heads not divisible by the kv heads), more than kMaxLayers layers,
+// or a model whose parameter count overflows int64.
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& what = "config.json");
 // DIR/config.json is read by LoadConfig (worker/shardformer/shardformer.h),
 // which lets a registered family parse its own fields.
+
+// The model's parameters as its Hugging Face checkpoint holds them (a tied
+// LM head counted once), from the config alone, in overflow-checked
+// arithmetic: INVALID_ARGUMENT when the count overflows int64.
+absl::StatusOr<int64_t> ParameterCount(const ModelConfig& config);
+
+// The least memory one rank of a job holds for its model. Each parameter
+// lives on at least one rank of a tensor-parallel group, and every layout
+// splits evenly, so a rank holds at least 1/tp of the parameters: in f32 for
+// FORWARD jobs and f32 training; for training also as many gradient bytes
+// and the optimizer's state (an f32 momentum, AdamW's second f32 moment, an
+// f32 master copy under mixed precision: 16 bytes a parameter with AdamW,
+// 12 with SGD, whatever the precision). Activations and workspaces come on
+// top: a job whose floor exceeds a worker's memory cannot run there.
+struct RankMemoryFloor {
+  int64_t parameters = 0;  // of the whole model (ParameterCount)
+  int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  int64_t total_bytes = 0;
+};
+// INVALID_ARGUMENT on overflow; for TENSOR jobs (no model) all zero.
+absl::StatusOr<RankMemoryFloor> MemoryFloorPerRank(const ModelConfig& config, const v1::JobSpec& spec);
+// "at least 25.10 GiB per rank (6738415616 parameters, 1/4 per rank: 3.14 GiB
+// of parameters, 3.14 GiB of gradients, 18.83 GiB of optimizer state)".
+std::string DescribeMemoryFloor(const RankMemoryFloor& floor, int tensor_parallel_size);
+// Bytes in GiB with two decimals: "25.10 GiB".
+std::string GiB(int64_t bytes);
 
 // INVALID_ARGUMENT, naming the field and the numbers, when `shard` cannot
 // shard `config`: heads (and kv heads) not divisible by tp in 1D; hidden or

@@ -1,7 +1,10 @@
 // config.json of each family as Hugging Face writes it, and every error.
 #include "worker/shardformer/model_config.h"
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/shardformer/testing.h"
 
 namespace colod::shardformer {
 namespace {
@@ -25,6 +28,88 @@ TEST(ModelConfig, ParsesGpt2LlamaAndBert) {
       "num_hidden_layers":12,"num_attention_heads":12,"intermediate_size":3072,"type_vocab_size":2})");
   ASSERT_TRUE(bert.ok()) << bert.status();
   EXPECT_EQ(bert->norm_eps, 1e-12);
+}
+
+// Parameter counts against the published ones (transformers'
+// model.num_parameters() of the hub checkpoints).
+TEST(ModelConfig, ParameterCountsMatchThePublishedModels) {
+  auto gpt2 = ParseModelConfig(R"({"model_type":"gpt2","vocab_size":50257,"n_positions":1024,"n_embd":768,
+      "n_layer":12,"n_head":12})");
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  EXPECT_EQ(*ParameterCount(*gpt2), 124439808);  // gpt2
+  auto llama = ParseModelConfig(R"({"model_type":"llama","vocab_size":32000,"hidden_size":4096,
+      "intermediate_size":11008,"num_hidden_layers":32,"num_attention_heads":32,"tie_word_embeddings":false})");
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  EXPECT_EQ(*ParameterCount(*llama), 6738415616);  // meta-llama/Llama-2-7b-hf
+  auto bert = ParseModelConfig(R"({"model_type":"bert","vocab_size":30522,"hidden_size":768,
+      "num_hidden_layers":12,"num_attention_heads":12,"intermediate_size":3072,"type_vocab_size":2,
+      "max_position_embeddings":512})");
+  ASSERT_TRUE(bert.ok()) << bert.status();
+  EXPECT_EQ(*ParameterCount(*bert), 109514298);  // bert-base-uncased as BertForMaskedLM
+}
+
+TEST(ModelConfig, ParameterCountsMatchTheTensorsOfWrittenModels) {
+  // Grouped-query attention and a tied head, which the published models above lack.
+  for (bool tie : {false, true}) {
+    testing::TinyOptions o;
+    o.tie = tie;
+    auto m = testing::WriteTinyLlama(::colod::testing::TempPath(tie ? "count_llama_tied" : "count_llama"), o);
+    ASSERT_TRUE(m.ok()) << m.status();
+    int64_t written = 0;
+    for (const auto& [name, t] : m->tensors) written += t.numel();
+    EXPECT_EQ(*ParameterCount(m->config), written) << "tie " << tie;
+  }
+}
+
+TEST(ModelConfig, HugeModelsAreRefusedBeforeAnythingIsBuilt) {
+  // The issue's config: a billion layers beside tiny weights.
+  auto deep = ParseModelConfig(R"({"model_type":"gpt2","vocab_size":50,"n_positions":16,"n_embd":16,
+      "n_layer":1000000000,"n_head":4})");
+  EXPECT_EQ(deep.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(deep.status().message().find("at most 4096"), std::string::npos) << deep.status();
+  // Sizes whose products overflow int64.
+  for (const char* json : {
+           R"({"model_type":"gpt2","vocab_size":50,"n_positions":16,"n_embd":4611686018427387904,"n_layer":1,"n_head":1})",
+           R"({"model_type":"gpt2","vocab_size":9223372036854775807,"n_positions":16,"n_embd":16,"n_layer":1,"n_head":1})",
+           R"({"model_type":"llama","vocab_size":50,"hidden_size":4294967296,"intermediate_size":4294967296,
+               "num_hidden_layers":4096,"num_attention_heads":1})",
+           R"({"model_type":"bert","vocab_size":50,"hidden_size":16,"num_hidden_layers":1,"num_attention_heads":1,
+               "intermediate_size":9223372036854775807})",
+       }) {
+    auto c = ParseModelConfig(json);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << json;
+    EXPECT_TRUE(absl::StrContains(c.status().message(), "too large") ||
+                absl::StrContains(c.status().message(), "overflows"))
+        << c.status();
+  }
+}
+
+TEST(ModelConfig, TheMemoryFloorPerRank) {
+  auto llama = ParseModelConfig(R"({"model_type":"llama","vocab_size":32000,"hidden_size":4096,
+      "intermediate_size":11008,"num_hidden_layers":32,"num_attention_heads":32,"tie_word_embeddings":false})");
+  ASSERT_TRUE(llama.ok());
+  const int64_t p = 6738415616;
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TRAIN);
+  spec.mutable_shard()->set_tensor_parallel_size(4);
+  spec.mutable_shard()->set_data_parallel_size(2);
+  auto adam = MemoryFloorPerRank(*llama, spec);  // unspecified precision: bf16 (2 + 2 + 4 + 4 + 4 bytes)
+  ASSERT_TRUE(adam.ok());
+  EXPECT_EQ(adam->parameters, p);
+  EXPECT_EQ(adam->param_bytes, p / 4 * 2);
+  EXPECT_EQ(adam->total_bytes, p / 4 * 16);
+  spec.mutable_train()->set_precision(v1::PRECISION_FP32);  // 4 + 4 + 4 + 4
+  EXPECT_EQ(MemoryFloorPerRank(*llama, spec)->total_bytes, p / 4 * 16);
+  spec.mutable_train()->set_optimizer(v1::OPTIMIZER_SGD);  // 4 + 4 + 4
+  EXPECT_EQ(MemoryFloorPerRank(*llama, spec)->total_bytes, p / 4 * 12);
+  spec.set_kind(v1::JOB_KIND_FORWARD);  // f32 parameters only
+  EXPECT_EQ(MemoryFloorPerRank(*llama, spec)->total_bytes, p / 4 * 4);
+  spec.set_kind(v1::JOB_KIND_TENSOR);
+  EXPECT_EQ(MemoryFloorPerRank(*llama, spec)->total_bytes, 0);
+  // A share that does not divide rounds up.
+  spec.set_kind(v1::JOB_KIND_FORWARD);
+  spec.mutable_shard()->set_tensor_parallel_size(3);
+  EXPECT_EQ(MemoryFloorPerRank(*llama, spec)->param_bytes, (p + 2) / 3 * 4);
 }
 
 TEST(ModelConfig, ErrorsNameTheField) {

@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -123,18 +125,18 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     auto dtype = ParseSafetensorsDType(e["dtype"].get<std::string>());
     if (!dtype.ok()) return Invalid(path, absl::StrCat("tensor ", name, ": ", dtype.status().message()));
     info.dtype = *dtype;
-    int64_t elements = 1;
     for (const auto& d : e["shape"]) {
-      if (!d.is_number_unsigned()) return Invalid(path, absl::StrCat("tensor ", name, ": a shape entry is not a size"));
-      const int64_t v = d.get<int64_t>();
-      if (v < 0 || (v > 0 && elements > (int64_t{1} << 50) / v)) {
-        return Invalid(path, absl::StrCat("tensor ", name, ": the shape is too large"));
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+        return Invalid(path, absl::StrCat("tensor ", name, ": a shape entry is not a size"));
       }
-      info.shape.push_back(v);
-      elements *= v;
+      info.shape.push_back(d.get<int64_t>());
     }
+    const std::optional<int64_t> want = CheckedBytes(info.shape, static_cast<int64_t>(SizeOf(info.dtype)));
+    if (!want.has_value()) return Invalid(path, absl::StrCat("tensor ", name, ": the shape is too large"));
     for (const auto& o : e["data_offsets"]) {
-      if (!o.is_number_unsigned()) return Invalid(path, absl::StrCat("tensor ", name, ": an offset is not a size"));
+      if (!o.is_number_unsigned() || o.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+        return Invalid(path, absl::StrCat("tensor ", name, ": an offset is not a size"));
+      }
     }
     info.begin = e["data_offsets"][0].get<int64_t>();
     info.end = e["data_offsets"][1].get<int64_t>();
@@ -142,10 +144,9 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       return Invalid(path, absl::StrCat("tensor ", name, ": data_offsets [", info.begin, ", ", info.end,
                                         ") are outside the ", buffer, "-byte data buffer"));
     }
-    const int64_t want = elements * static_cast<int64_t>(SizeOf(info.dtype));
-    if (info.end - info.begin != want) {
+    if (info.end - info.begin != *want) {
       return Invalid(path, absl::StrCat("tensor ", name, ": ", e["dtype"].get<std::string>(), ShapeToString(info.shape),
-                                        " needs ", want, " bytes but data_offsets span ", info.end - info.begin));
+                                        " needs ", *want, " bytes but data_offsets span ", info.end - info.begin));
     }
     ranges.emplace_back(info.begin, info.end);
     f->tensors_[name] = std::move(info);
@@ -185,7 +186,7 @@ absl::StatusOr<Tensor> SafetensorsFile::ReadSlice(const std::string& name, const
                                                    info.shape.size(), "-d tensor"));
   }
   for (size_t d = 0; d < info.shape.size(); ++d) {
-    if (starts[d] < 0 || lengths[d] < 0 || starts[d] + lengths[d] > info.shape[d]) {
+    if (starts[d] < 0 || lengths[d] < 0 || starts[d] > info.shape[d] || lengths[d] > info.shape[d] - starts[d]) {
       return absl::InvalidArgumentError(absl::StrCat("slice of ", name, ": [", starts[d], ", ", starts[d] + lengths[d],
                                                      ") is outside dim ", d, " of size ", info.shape[d]));
     }

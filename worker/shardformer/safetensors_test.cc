@@ -101,6 +101,14 @@ TEST(Safetensors, MalformedFilesAreInvalidArgumentNamingTheRule) {
       {"hole", Raw(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", w16), "belong to no tensor"},
       {"negative", Raw(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", w16), "not a size"},
       {"metadata", Raw(R"({"__metadata__":{"a":1}})", ""), "is not a string"},
+      // Sizes whose products or values leave int64: (2^62, 16) F32 wraps to
+      // 0 bytes in plain arithmetic and would match empty offsets.
+      {"wrapping_shape", Raw(R"({"w":{"dtype":"F32","shape":[4611686018427387904,16],"data_offsets":[0,0]}})", ""),
+       "the shape is too large"},
+      {"huge_dim", Raw(R"({"w":{"dtype":"I32","shape":[18446744073709551615],"data_offsets":[0,0]}})", ""),
+       "not a size"},
+      {"huge_offset",
+       Raw(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[18446744073709551608,0]}})", w16), "not a size"},
   };
   for (const Case& c : cases) {
     auto f = SafetensorsFile::Open(WriteFile(std::string(c.name) + ".safetensors", c.bytes));

@@ -15,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/atomic_file.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 
 namespace colod {
@@ -80,10 +81,14 @@ absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& wha
     shape.push_back(d);
   }
   const absl::string_view data(bytes.data() + offset + header_len, bytes.size() - offset - header_len);
-  const int64_t n = NumElements(shape);
+  const std::optional<int64_t> elements = CheckedProduct(shape);
+  if (!elements.has_value()) return Bad(what, absl::StrCat("the shape (", shape_text, ") is too large"));
+  const int64_t n = *elements;
   auto expect = [&](size_t es) -> absl::Status {
-    if (data.size() != static_cast<size_t>(n) * es) {
-      return Bad(what, absl::StrCat("shape (", shape_text, ") of ", descr, " needs ", n * es, " bytes, the file has ",
+    const std::optional<int64_t> need = CheckedBytes(shape, static_cast<int64_t>(es));
+    if (!need.has_value()) return Bad(what, absl::StrCat("the shape (", shape_text, ") of ", descr, " is too large"));
+    if (static_cast<int64_t>(data.size()) != *need) {
+      return Bad(what, absl::StrCat("shape (", shape_text, ") of ", descr, " needs ", *need, " bytes, the file has ",
                                     data.size()));
     }
     return absl::OkStatus();

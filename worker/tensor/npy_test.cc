@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace colod {
@@ -67,6 +68,26 @@ TEST(Npy, RejectsWhatItCannotRead) {
   auto short_data = ParseNpy(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (2, 2), }", Bytes<int64_t>({1})));
   EXPECT_NE(short_data.status().message().find("needs 32 bytes"), absl::string_view::npos) << short_data.status();
   EXPECT_EQ(ReadNpy("/nonexistent/ids.npy").status().code(), absl::StatusCode::kNotFound);
+}
+
+// The crafted header: (2^62, 16) elements wrap to 0 in plain int64
+// arithmetic, so an empty data section passed the size check and the
+// tensor's storage was freed with a bad pointer. Every dtype, and a zero
+// dim beside the huge ones, is INVALID_ARGUMENT naming the shape.
+TEST(Npy, ShapesWhoseSizesOverflowAreRefused) {
+  for (const char* descr : {"<i8", "<f4", "<u2", "<u4"}) {
+    for (const char* shape : {"(4611686018427387904, 16)", "(4611686018427387904, 16, 0)",
+                              "(9223372036854775807, 2)", "(3037000500, 3037000500)"}) {
+      auto t = ParseNpy(Npy(absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': ", shape, ", }"),
+                            ""));
+      EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << descr << " " << shape;
+      EXPECT_NE(t.status().message().find("too large"), absl::string_view::npos) << t.status();
+    }
+  }
+  // An empty array is fine.
+  auto empty = ParseNpy(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (0, 16), }", ""));
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ(empty->numel(), 0);
 }
 
 }  // namespace

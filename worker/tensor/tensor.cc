@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/int_math.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/types.h"
@@ -73,16 +74,14 @@ absl::Status ValidateShape(const Shape& shape, DType dtype) {
     return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " has ", shape.size(),
                                                    " dimensions; tensors have at most ", kernels::kMaxDims));
   }
-  int64_t bytes = static_cast<int64_t>(SizeOf(dtype));
   for (int64_t d : shape) {
     if (d < 0) {
       return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " has a negative dimension"));
     }
-    if (d != 0 && bytes > std::numeric_limits<int64_t>::max() / d) {
-      return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " of ", DTypeName(dtype),
-                                                     " is too large (its bytes overflow int64)"));
-    }
-    bytes *= d;
+  }
+  if (!CheckedBytes(shape, static_cast<int64_t>(SizeOf(dtype))).has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeToString(shape), " of ", DTypeName(dtype),
+                                                   " is too large (its bytes overflow int64)"));
   }
   return absl::OkStatus();
 }

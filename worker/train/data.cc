@@ -113,7 +113,7 @@ int64_t TokenCorpus::token(int64_t i) const {
 }
 
 absl::StatusOr<Tensor> TokenCorpus::Window(int64_t start, int64_t length) const {
-  if (start < 0 || length < 0 || start + length > size_) {
+  if (start < 0 || length < 0 || start > size_ || length > size_ - start) {
     return absl::OutOfRangeError(absl::StrCat("tokens [", start, ", ", start + length, ") outside the corpus of ",
                                               size_));
   }

@@ -10,7 +10,10 @@
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "tests/testing/temp_dir.h"
+#include "worker/shardformer/model_config.h"
+#include "worker/shardformer/shardformer.h"
 #include "worker/shardformer/testing.h"
+#include "worker/train/job_options.h"
 #include "worker/train/checkpoint.h"
 
 namespace colod::train {
@@ -178,6 +181,20 @@ TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
   EXPECT_EQ(bf16[0].param_bytes * 2, f32[0].param_bytes);
   EXPECT_EQ(bf16[0].grad_bytes * 2, f32[0].grad_bytes);
   EXPECT_EQ(bf16[0].optimizer_bytes, f32[0].optimizer_bytes * 3 / 2);
+  // The admission floor (what the coordinator and the worker refuse by)
+  // never exceeds what a rank really holds, and is not far below it.
+  auto config = shardformer::LoadConfig(model);
+  ASSERT_TRUE(config.ok()) << config.status();
+  for (const auto& [options, stats] : {std::pair(Options(model, 2, 2), f32[0]), std::pair(mixed, bf16[0])}) {
+    auto floor = shardformer::MemoryFloorPerRank(*config, SpecFromTrainOptions(options));
+    ASSERT_TRUE(floor.ok()) << floor.status();
+    EXPECT_LE(floor->param_bytes, stats.param_bytes);
+    EXPECT_LE(floor->grad_bytes, stats.grad_bytes);
+    EXPECT_LE(floor->optimizer_bytes, stats.optimizer_bytes);
+    const int64_t held = stats.param_bytes + stats.grad_bytes + stats.optimizer_bytes;
+    EXPECT_LE(floor->total_bytes, held);
+    EXPECT_GE(floor->total_bytes, held * 8 / 10) << "the floor is loose";
+  }
 }
 
 TEST(Trainer, OnGpusTheRunMatchesTheCpuRun) {
