@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <map>
 
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -14,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/version.h"
 
 namespace colod {
@@ -53,7 +55,8 @@ void PrintHelp(absl::string_view usage) {
 
 }  // namespace
 
-std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage) {
+std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage,
+                                    const std::set<std::string>& repeatable) {
   absl::FlagsUsageConfig config;
   config.contains_help_flags = IsOwnFlag;
   config.contains_helpshort_flags = IsOwnFlag;
@@ -75,6 +78,8 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   // Rewrite --data-dir[=x] to --data_dir[=x] for Abseil; positional arguments
   // and everything after "--" stay as they are.
   std::vector<std::string> storage(argv, argv + argc);
+  // Values of each repeatable flag, joined with commas into one occurrence.
+  std::map<std::string, std::vector<std::string>> repeated;
   for (size_t i = 1; i < storage.size(); ++i) {
     std::string& a = storage[i];
     if (a == "--") break;
@@ -83,6 +88,20 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
     size_t end = std::min(a.find('='), a.size());
     if (start == std::string::npos || start >= end) continue;
     std::replace(a.begin() + start, a.begin() + end, '-', '_');
+    const std::string name = a.substr(start, end - start);
+    if (repeatable.count(name) == 0) continue;
+    if (end < a.size()) {
+      repeated[name].push_back(a.substr(end + 1));
+      storage.erase(storage.begin() + static_cast<std::ptrdiff_t>(i--));
+    } else if (i + 1 < storage.size()) {
+      repeated[name].push_back(storage[i + 1]);
+      storage.erase(storage.begin() + static_cast<std::ptrdiff_t>(i), storage.begin() + static_cast<std::ptrdiff_t>(i + 2));
+      --i;
+    }
+  }
+  auto flags_end = std::find(storage.begin() + 1, storage.end(), std::string("--"));  // before any "--"
+  for (const auto& [name, values] : repeated) {
+    flags_end = storage.insert(flags_end, absl::StrCat("--", name, "=", absl::StrJoin(values, ","))) + 1;
   }
   std::vector<char*> normalized;
   for (std::string& a : storage) normalized.push_back(a.data());
@@ -94,10 +113,6 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   // `storage` dies here; `out` holds copies.
   return out;
 }
-
-}  // namespace colod
-
-namespace colod {
 
 absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
   const absl::string_view t = absl::StripAsciiWhitespace(text);

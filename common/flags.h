@@ -2,6 +2,7 @@
 #ifndef COLOD_COMMON_FLAGS_H_
 #define COLOD_COMMON_FLAGS_H_
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -14,7 +15,10 @@ namespace colod {
 // binary's own flags (not Abseil's internal ones) and exits 0; --version
 // prints the colod version and exits 0; an unknown or malformed flag prints
 // an error and exits 1. Returns the positional arguments, argv[0] excluded.
-std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage);
+// Flags named in `repeatable` (Abseil's names, with '_'; list-valued) may be
+// given several times: their values are joined with commas.
+std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage,
+                                    const std::set<std::string>& repeatable = {});
 
 // A byte size as flags spell it: a whole number of bytes, or one with a
 // unit (KiB, MiB, GiB, TiB; KB, MB, GB, TB in powers of 1000), e.g. "8GiB",

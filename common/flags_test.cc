@@ -1,6 +1,13 @@
 #include "common/flags.h"
 
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
 #include "gtest/gtest.h"
+
+ABSL_FLAG(std::vector<std::string>, test_roots, {}, "test: a repeatable list flag");
+ABSL_FLAG(int, test_count, 0, "test: a plain flag");
 
 namespace colod {
 namespace {
@@ -17,6 +24,18 @@ TEST(ParseByteSize, UnitsAndErrors) {
     EXPECT_EQ(ParseByteSize(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
   EXPECT_EQ(ParseByteSize("99999999TiB").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ParseFlags, RepeatableFlagsCollectEveryValue) {
+  std::vector<std::string> args = {"prog",         "--test-roots=/a", "--test-count", "3", "--test-roots",
+                                   "/b,/c",        "pos",             "--",           "--test-roots=/not-a-flag"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  const std::vector<std::string> positional =
+      ParseFlags(static_cast<int>(argv.size()), argv.data(), "usage", {"test_roots"});
+  EXPECT_EQ(absl::GetFlag(FLAGS_test_roots), (std::vector<std::string>{"/a", "/b", "/c"}));
+  EXPECT_EQ(absl::GetFlag(FLAGS_test_count), 3);
+  EXPECT_EQ(positional, (std::vector<std::string>{"pos", "--test-roots=/not-a-flag"}));
 }
 
 }  // namespace

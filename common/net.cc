@@ -3,8 +3,10 @@
 #include <unistd.h>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 
 namespace colod {
 
@@ -54,6 +56,19 @@ std::string LocalHostName() {
   char buf[256] = {0};
   if (::gethostname(buf, sizeof(buf) - 1) != 0 || buf[0] == '\0') return "localhost";
   return buf;
+}
+
+bool IsLoopbackHost(absl::string_view host) {
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
+void WarnIfOpenWithoutAuth(absl::string_view daemon, absl::string_view listen, bool has_token) {
+  if (has_token) return;
+  absl::StatusOr<HostPort> hp = ParseHostPort(listen, "--listen", true);
+  if (hp.ok() && IsLoopbackHost(hp->host)) return;
+  COLOD_LOG(WARNING) << daemon << " listens on " << listen
+                     << " without --auth-token-file: anyone who reaches that address may call it (see "
+                        "docs/SECURITY.md)";
 }
 
 }  // namespace colod

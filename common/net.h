@@ -25,6 +25,13 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view text, absl::string_view
 // This machine's host name (gethostname), or "localhost" if it has none.
 std::string LocalHostName();
 
+// Whether `host` names only this machine: "localhost", 127.0.0.0/8 or ::1.
+bool IsLoopbackHost(absl::string_view host);
+
+// Logs a warning when a daemon serves `listen` beyond this machine without
+// a token: anyone who reaches the port may call it.
+void WarnIfOpenWithoutAuth(absl::string_view daemon, absl::string_view listen, bool has_token);
+
 }  // namespace colod
 
 #endif  // COLOD_COMMON_NET_H_

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
+#include "common/net.h"
 #include "common/status_macros.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
@@ -124,6 +125,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   to.auth_token = options.auth_token;
   to.credentials = so.credentials;
   c->tensors_ = std::make_unique<TensorProxy>(c->jobs_.get(), c->registry_.get(), to);
+  WarnIfOpenWithoutAuth("colod-coordinator", options.listen, !options.auth_token.empty());
   ASSIGN_OR_RETURN(c->grpc_, StartGrpcServer(options.listen, {c->service_.get(), c->tensors_.get()}, credentials));
   SetServing(*c->grpc_.server, kServiceName, true);
   c->sweeper_ = std::thread([raw = c.get()] { raw->SweepLoop(); });

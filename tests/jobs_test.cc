@@ -886,7 +886,8 @@ TEST_F(JobsLongLeaseTest, ARefusedAssignmentPlacesTheJobAgainElsewhere) {
     if (e.has_state_change() && e.state_change().state() == v1::JOB_STATE_PENDING &&
         absl::StrContains(e.state_change().reason(), "rank 2 (worker ") &&
         absl::StrContains(e.state_change().reason(), "refused the assignment") &&
-        absl::StrContains(e.state_change().reason(), "placing the job again (placement 2 of 3)")) {
+        absl::StrContains(e.state_change().reason(),
+                          "placing the job again without the refusing worker (the cluster's refusal")) {
       requeued = true;
     }
   }

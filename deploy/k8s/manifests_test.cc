@@ -1071,6 +1071,19 @@ TEST(Manifests, WorkersRegisterWithTheCoordinatorAndAreReachable) {
       const auto v = k.VolumeFor(work_dir);
       EXPECT_TRUE(v.has_value() && v->first["emptyDir"].IsDefined()) << k.where << ": --work-dir must be an emptyDir";
 
+      // Jobs name paths only under --allow-path roots, each on a volume
+      // (the worker refuses to start with a root that does not exist).
+      int roots = 0;
+      for (const auto& [name, value] : k.parsed.flags) {
+        if (name != "allow-path") continue;
+        for (absl::string_view root : absl::StrSplit(value, ',')) {
+          ++roots;
+          EXPECT_TRUE(k.VolumeFor(std::string(root)).has_value())
+              << k.where << ": --allow-path " << root << " is on no volume";
+        }
+      }
+      EXPECT_GE(roots, 1) << k.where << ": no --allow-path: jobs could read and write any path";
+
       // A PodDisruptionBudget covers the workers.
       bool pdb = false;
       for (const YAML::Node& b : r->OfKind("PodDisruptionBudget")) {

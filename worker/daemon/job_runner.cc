@@ -213,6 +213,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   shardformer::ShardConfig shard;
   shard.layout = req.spec().shard();
   if (options_.cuda) shard.device = Device::Cuda(options_.device_ordinal);
+  RETURN_IF_ERROR(options_.paths.CheckJob(req.spec()));
   if (req.spec().kind() != v1::JOB_KIND_TENSOR) {  // TRAIN and FORWARD jobs load a model
     RETURN_IF_ERROR(AdmitModel(req.spec(), options_.memory_bytes));
     if (reporter.Phase(v1::RANK_PHASE_LOADING, "opening the model and the data")) {

@@ -24,6 +24,7 @@
 #include "worker/comm/flight_recorder.h"
 #include "worker/shardformer/layers.h"
 #include "worker/daemon/model_cache.h"
+#include "worker/daemon/path_policy.h"
 #include "worker/daemon/progress_reporter.h"
 #include "worker/daemon/tensor_host.h"
 #include "worker/daemon/worker_metrics.h"
@@ -63,6 +64,9 @@ class JobRunner {
     // (shardformer::MemoryFloorPerRank) fails RESOURCE_EXHAUSTED before it
     // allocates anything. 0: unchecked.
     int64_t memory_bytes = 0;
+    // The paths a job may name; a rank whose spec names another fails
+    // PERMISSION_DENIED before it opens anything.
+    PathPolicy paths;
   };
 
   explicit JobRunner(Options options);

@@ -1,5 +1,6 @@
 // colod-worker: one per GPU (or CPU slot). Hosts ColoTensors and runs ranks.
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_split.h"
@@ -34,6 +35,10 @@ ABSL_FLAG(absl::Duration, comm_timeout, absl::Minutes(2),
 ABSL_FLAG(absl::Duration, metrics_linger, absl::Minutes(1),
           "How long a job rank's metrics (step times, tokens, loss, collectives) stay on /metrics after the "
           "rank ended, so that a scrape sees its final values; then they are removed.");
+ABSL_FLAG(std::vector<std::string>, allow_path, {},
+          "A directory jobs may read and write (model weights, data, checkpoints, outputs); repeat it or separate "
+          "with commas. A job naming a path outside every one fails PERMISSION_DENIED. Default: none, which "
+          "allows every path this worker's user can open (logged at start).");
 ABSL_FLAG(std::string, memory_limit, "",
           "Memory a job rank may use, e.g. 8GiB or 512MiB; reported to the coordinator, which places no rank "
           "here whose model needs more (parameters, gradients, optimizer state), and checked again before a rank "
@@ -66,7 +71,7 @@ constexpr char kUsage[] =
 
 int main(int argc, char** argv) {
   colod::BlockShutdownSignals();
-  std::vector<std::string> args = colod::ParseFlags(argc, argv, kUsage);
+  std::vector<std::string> args = colod::ParseFlags(argc, argv, kUsage, {"allow_path"});
   if (!args.empty()) {
     COLOD_LOG(ERROR) << "unexpected argument '" << args[0] << "' (see --help)";
     return 2;
@@ -77,6 +82,7 @@ int main(int argc, char** argv) {
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.device = absl::GetFlag(FLAGS_device);
+  options.allow_paths = absl::GetFlag(FLAGS_allow_path);
   if (const std::string limit = absl::GetFlag(FLAGS_memory_limit); !limit.empty()) {
     absl::StatusOr<int64_t> bytes = colod::ParseByteSize(limit);
     if (!bytes.ok()) {

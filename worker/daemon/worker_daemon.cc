@@ -73,6 +73,11 @@ WorkerDaemon::WorkerDaemon(Options options) : options_(std::move(options)) {}
 
 absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options options) {
   ASSIGN_OR_RETURN(HostPort listen, ParseHostPort(options.listen, "--listen", true));
+  ASSIGN_OR_RETURN(PathPolicy paths, PathPolicy::Create(options.allow_paths));
+  if (paths.unrestricted()) {
+    COLOD_LOG(WARNING) << "no --allow-path: jobs may read and write any path this worker's user can";
+  }
+  WarnIfOpenWithoutAuth("colod-worker", options.listen, !options.auth_token.empty());
   if (!options.coordinator.empty()) {
     RETURN_IF_ERROR(ParseHostPort(options.coordinator, "--coordinator", false).status());
   }
@@ -122,6 +127,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     ro.worker_id = [raw] { return raw->worker_id(); };
     ro.metrics = w->job_metrics_.get();
     ro.memory_bytes = w->info_.memory_bytes();
+    ro.paths = paths;
     w->runner_ = std::make_unique<JobRunner>(ro);
   }
   w->service_ = std::make_unique<WorkerServiceImpl>([raw] { return raw->Info(); }, [raw] { return raw->Status(); },

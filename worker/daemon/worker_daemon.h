@@ -61,6 +61,8 @@ class WorkerDaemon {
     // the rank itself refuses one (RESOURCE_EXHAUSTED) before it allocates.
     // 0: the GPU's memory, or the host's (its cgroup's limit in a container).
     int64_t memory_limit_bytes = 0;
+    // Directories jobs may read and write (PathPolicy); empty: every path.
+    std::vector<std::string> allow_paths;
     // How long an ended rank's series stay on /metrics (WorkerMetrics).
     absl::Duration metrics_linger = absl::Minutes(1);
   };

@@ -2,6 +2,7 @@
 #include "worker/daemon/worker_daemon.h"
 
 #include <cstdlib>
+#include <filesystem>
 
 #include "absl/strings/match.h"
 #include "client/coordinator_client.h"
@@ -219,6 +220,42 @@ TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
                                        "parameters"))
       << error;
   EXPECT_TRUE(absl::StrContains(error, "this worker has 0.06 GiB")) << error;
+}
+
+// The probe: a client names /etc/shadow as training data. A worker
+// with --allow-path refuses the rank before it opens anything.
+TEST(WorkerDaemon, ARankNamingAPathOutsideTheAllowedOnesIsRefused) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-paths");
+  ASSERT_NE(coordinator, nullptr);
+  const std::string allowed = testing::TempPath("allowed");
+  std::filesystem::create_directories(allowed);
+  WorkerDaemon::Options bad = FastRetryOptions(coordinator->address());
+  bad.allow_paths = {"relative"};
+  EXPECT_EQ(WorkerDaemon::Start(bad).status().code(), absl::StatusCode::kInvalidArgument);
+
+  JobRunner::Options ro;
+  ro.work_dir = testing::TempPath("runner-paths");
+  ro.coordinator = v1::CoordinatorService::NewStub(
+      grpc::CreateChannel(coordinator->address(), grpc::InsecureChannelCredentials()));
+  auto policy = PathPolicy::Create({allowed});
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  ro.paths = *policy;
+  JobRunner runner(ro);
+  v1::AssignJobRequest assign;
+  assign.set_job_id("job-434343");
+  assign.set_generation(1);
+  assign.set_rank(0);
+  assign.set_rendezvous_scope("job-434343/gen-1");
+  assign.mutable_mesh()->set_world_size(1);
+  *assign.mutable_spec() = MidSizeTrainSpec();
+  assign.mutable_spec()->mutable_model()->set_weights_path(allowed + "/model.safetensors");
+  assign.mutable_spec()->mutable_train()->set_data_path("/etc/shadow");
+  ASSERT_TRUE(runner.Assign(assign).ok());
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
+  const std::string error = runner.Status().last_error();
+  EXPECT_TRUE(absl::StrContains(error, "PERMISSION_DENIED: spec.train.data_path: '/etc/shadow' is outside the paths "
+                                       "this worker allows (--allow-path "))
+      << error;
 }
 
 }  // namespace

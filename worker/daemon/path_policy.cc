@@ -1,0 +1,79 @@
+#include "worker/daemon/path_policy.h"
+
+#include <filesystem>
+#include <system_error>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace colod {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Whether `path` is `root` or below it, component-wise ("/data2" is not
+// under "/data").
+bool Under(const std::string& path, const std::string& root) {
+  if (root == "/") return true;
+  return path == root || (absl::StartsWith(path, root) && path[root.size()] == '/');
+}
+
+}  // namespace
+
+absl::StatusOr<PathPolicy> PathPolicy::Create(const std::vector<std::string>& roots) {
+  PathPolicy p;
+  for (const std::string& r : roots) {
+    if (r.empty() || r[0] != '/') {
+      return absl::InvalidArgumentError(absl::StrCat("--allow-path: '", r, "' is not an absolute path"));
+    }
+    std::error_code ec;
+    const fs::path canonical = fs::canonical(r, ec);
+    if (ec || !fs::is_directory(canonical, ec)) {
+      return absl::InvalidArgumentError(absl::StrCat("--allow-path: '", r, "' is not an existing directory"));
+    }
+    std::string s = canonical.string();
+    while (s.size() > 1 && s.back() == '/') s.pop_back();
+    p.roots_.push_back(s);
+  }
+  return p;
+}
+
+absl::Status PathPolicy::Check(absl::string_view field, const std::string& path) const {
+  if (unrestricted() || path.empty()) return absl::OkStatus();
+  std::error_code ec;
+  // The parts that exist are resolved through their links; the rest (an
+  // output not written yet) lexically, so ".." cannot climb out.
+  const fs::path resolved = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  if (!ec) {
+    const std::string s = resolved.lexically_normal().string();
+    for (const std::string& root : roots_) {
+      if (Under(s, root)) return absl::OkStatus();
+    }
+  }
+  return absl::PermissionDeniedError(absl::StrCat(field, ": '", path,
+                                                  "' is outside the paths this worker allows (--allow-path ",
+                                                  absl::StrJoin(roots_, ", "), ")"));
+}
+
+absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
+  struct Named {
+    const char* field;
+    const std::string& path;
+  };
+  const Named paths[] = {
+      {"spec.model.weights_path", spec.model().weights_path()},
+      {"spec.train.data_path", spec.train().data_path()},
+      {"spec.train.checkpoint_dir", spec.train().checkpoint_dir()},
+      {"spec.train.resume_from", spec.train().resume_from()},
+      {"spec.train.final_dir", spec.train().final_dir()},
+      {"spec.forward.input_path", spec.forward().input_path()},
+      {"spec.forward.logits_path", spec.forward().logits_path()},
+  };
+  for (const Named& n : paths) {
+    if (absl::Status s = Check(n.field, n.path); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace colod

@@ -1,0 +1,101 @@
+// PathPolicy on a real directory tree: paths under a root, "..", symbolic
+// links out of a root, sibling names, relative paths, outputs not written
+// yet, and every path field of a job spec.
+#include "worker/daemon/path_policy.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+
+namespace colod {
+namespace {
+
+namespace fs = std::filesystem;
+
+class PathPolicyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    base_ = fs::weakly_canonical(testing::TempPath("paths")).string();
+    fs::remove_all(base_);
+    for (const char* d : {"data", "data2", "ckpt", "outside"}) fs::create_directories(base_ + "/" + d);
+    std::ofstream(base_ + "/data/corpus.bin") << "tokens";
+    std::ofstream(base_ + "/outside/secret") << "secret";
+    fs::create_symlink(base_ + "/outside", base_ + "/data/link");
+    auto p = PathPolicy::Create({base_ + "/data", base_ + "/ckpt/"});
+    ASSERT_TRUE(p.ok()) << p.status();
+    policy_ = *p;
+  }
+  std::string base_;
+  PathPolicy policy_;
+};
+
+TEST_F(PathPolicyTest, OnlyPathsUnderARootAreAllowed) {
+  EXPECT_TRUE(policy_.Check("f", base_ + "/data/corpus.bin").ok());
+  EXPECT_TRUE(policy_.Check("f", base_ + "/data").ok());
+  EXPECT_TRUE(policy_.Check("f", base_ + "/ckpt/run-1/step-000010").ok());  // not written yet
+  EXPECT_TRUE(policy_.Check("f", base_ + "/data/./sub/../corpus.bin").ok());
+  for (const std::string& bad : {base_ + "/outside/secret", base_ + "/data/../outside/secret",
+                                 base_ + "/data/link/secret",  // a link out of the root
+                                 base_ + "/data2/x", std::string("/etc/shadow"), std::string("/proc/x.npy"),
+                                 base_ + "/ckpt/../data2/../outside/new"}) {
+    const absl::Status s = policy_.Check("spec.train.data_path", bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << bad;
+    EXPECT_NE(s.message().find("spec.train.data_path: '" + bad + "' is outside"), std::string::npos) << s;
+  }
+  // Relative paths are the worker's working directory's.
+  const fs::path cwd = fs::current_path();
+  fs::current_path(base_ + "/data");
+  EXPECT_TRUE(policy_.Check("f", "corpus.bin").ok());
+  EXPECT_EQ(policy_.Check("f", "../outside/secret").code(), absl::StatusCode::kPermissionDenied);
+  fs::current_path(cwd);
+}
+
+TEST_F(PathPolicyTest, EveryPathOfAJobSpecIsChecked) {
+  v1::JobSpec ok;
+  ok.mutable_model()->set_weights_path(base_ + "/data/model.safetensors");
+  ok.mutable_train()->set_data_path(base_ + "/data/corpus.bin");
+  ok.mutable_train()->set_checkpoint_dir(base_ + "/ckpt/a");
+  ok.mutable_train()->set_resume_from(base_ + "/ckpt/a");
+  ok.mutable_train()->set_final_dir(base_ + "/ckpt/final");
+  ok.mutable_forward()->set_input_path(base_ + "/data/ids.npy");
+  ok.mutable_forward()->set_logits_path(base_ + "/ckpt/logits.npy");
+  EXPECT_TRUE(policy_.CheckJob(ok).ok());
+  const std::vector<std::pair<std::string, std::function<void(v1::JobSpec&)>>> fields = {
+      {"spec.model.weights_path", [](v1::JobSpec& s) { s.mutable_model()->set_weights_path("/etc/passwd"); }},
+      {"spec.train.data_path", [](v1::JobSpec& s) { s.mutable_train()->set_data_path("/etc/shadow"); }},
+      {"spec.train.checkpoint_dir", [](v1::JobSpec& s) { s.mutable_train()->set_checkpoint_dir("/tmp/x"); }},
+      {"spec.train.resume_from", [](v1::JobSpec& s) { s.mutable_train()->set_resume_from("/tmp/x"); }},
+      {"spec.train.final_dir", [](v1::JobSpec& s) { s.mutable_train()->set_final_dir("/usr/x"); }},
+      {"spec.forward.input_path", [](v1::JobSpec& s) { s.mutable_forward()->set_input_path("/dev/zero"); }},
+      {"spec.forward.logits_path", [](v1::JobSpec& s) { s.mutable_forward()->set_logits_path("/proc/x.npy"); }},
+  };
+  for (const auto& [field, set] : fields) {
+    v1::JobSpec spec = ok;
+    set(spec);
+    const absl::Status s = policy_.CheckJob(spec);
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << field;
+    EXPECT_EQ(s.message().rfind(field + ":", 0), 0u) << s;
+  }
+  // No roots: everything.
+  v1::JobSpec anywhere = ok;
+  anywhere.mutable_train()->set_data_path("/etc/shadow");
+  EXPECT_TRUE(PathPolicy().CheckJob(anywhere).ok());
+}
+
+TEST(PathPolicy, RootsMustBeExistingAbsoluteDirectories) {
+  EXPECT_EQ(PathPolicy::Create({"relative/dir"}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PathPolicy::Create({"/nonexistent/colod"}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PathPolicy::Create({"/etc/passwd"}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PathPolicy::Create({""}).status().code(), absl::StatusCode::kInvalidArgument);
+  auto root = PathPolicy::Create({"/"});
+  ASSERT_TRUE(root.ok());
+  EXPECT_TRUE(root->Check("f", "/etc/shadow").ok());
+}
+
+}  // namespace
+}  // namespace colod
