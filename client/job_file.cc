@@ -43,6 +43,8 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text, bool yaml, con
       json = ToJson(YAML::Load(text)).dump();
     } catch (const YAML::Exception& e) {
       return absl::InvalidArgumentError(absl::StrCat(what, ": not YAML: ", e.what()));
+    } catch (const nlohmann::json::exception& e) {  // a string that is not UTF-8 (found by job_file_fuzz)
+      return absl::InvalidArgumentError(absl::StrCat(what, ": not UTF-8 text: ", e.what()));
     }
   }
   v1::JobSpec spec;

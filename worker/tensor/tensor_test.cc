@@ -215,7 +215,11 @@ TEST(Tensor, HostileShapesAreInvalidArguments) {
     }
   }
   // A zero dim beside large ones holds no bytes, and 16 dims are allowed.
-  EXPECT_TRUE(Tensor::Empty({0, big, 1 << 20}, DType::kF32).ok());
+  EXPECT_TRUE(Tensor::Empty({0, big, 1 << 10}, DType::kF32).ok());
+  // Shapes are checked in the widest dtype: an empty i32 tensor whose i64
+  // bytes overflow would abort its conversion (found by npy_fuzz).
+  const Shape wide{4001, 1, 400, 1001001, 1, 1001, 201, 0, 6};
+  EXPECT_EQ(Tensor::Empty(wide, DType::kI32).status().code(), absl::StatusCode::kInvalidArgument);
   auto deep = Tensor::Zeros(Shape(16, 1), DType::kF32);
   ASSERT_TRUE(deep.ok()) << deep.status();
   EXPECT_EQ(deep->ToFloats(), std::vector<float>{0.0f});

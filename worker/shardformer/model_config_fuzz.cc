@@ -1,0 +1,31 @@
+// ParseModelConfig on arbitrary text, then what the coordinator computes
+// from an accepted config (parameter count, memory floor, shardability for
+// every mode): errors, never a crash or an overflowed number.
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "worker/shardformer/model_config.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string text(reinterpret_cast<const char*>(data), size);
+  absl::StatusOr<colod::shardformer::ModelConfig> c = colod::shardformer::ParseModelConfig(text);
+  if (!c.ok()) return 0;
+  absl::StatusOr<int64_t> n = colod::shardformer::ParameterCount(*c);
+  if (!n.ok() || *n < 1) std::abort();  // an accepted config has a count
+  if (c->num_layers > colod::shardformer::kMaxLayers) std::abort();
+  for (colod::v1::TensorParallelMode mode :
+       {colod::v1::TENSOR_PARALLEL_MODE_1D, colod::v1::TENSOR_PARALLEL_MODE_2D, colod::v1::TENSOR_PARALLEL_MODE_2P5D,
+        colod::v1::TENSOR_PARALLEL_MODE_3D}) {
+    colod::v1::JobSpec spec;
+    spec.set_kind(colod::v1::JOB_KIND_TRAIN);
+    spec.mutable_shard()->set_tensor_parallel_size(mode == colod::v1::TENSOR_PARALLEL_MODE_3D ? 8 : 4);
+    spec.mutable_shard()->set_data_parallel_size(1);
+    spec.mutable_shard()->set_tensor_parallel_mode(mode);
+    if (mode == colod::v1::TENSOR_PARALLEL_MODE_2P5D) spec.mutable_shard()->set_depth(1);
+    (void)colod::shardformer::CheckShardable(*c, spec.shard());
+    absl::StatusOr<colod::shardformer::RankMemoryFloor> floor = colod::shardformer::MemoryFloorPerRank(*c, spec);
+    if (floor.ok() && (floor->total_bytes < floor->param_bytes || floor->param_bytes < 0)) std::abort();
+  }
+  return 0;
+}
