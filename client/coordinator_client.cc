@@ -108,14 +108,21 @@ absl::StatusOr<v1::Job> CoordinatorClient::GetJob(const std::string& job_id) {
   return resp.job();
 }
 
-absl::StatusOr<std::vector<v1::Job>> CoordinatorClient::ListJobs(const std::vector<v1::JobState>& states) {
-  grpc::ClientContext ctx;
-  SetDeadline(ctx);
+absl::StatusOr<std::vector<v1::Job>> CoordinatorClient::ListJobs(const std::vector<v1::JobState>& states,
+                                                                  v1::JobView view) {
   v1::ListJobsRequest req;
   for (v1::JobState s : states) req.add_states(s);
-  v1::ListJobsResponse resp;
-  RETURN_IF_ERROR(Annotate(stub_->ListJobs(&ctx, req, &resp), address_, "ListJobs"));
-  return std::vector<v1::Job>(resp.jobs().begin(), resp.jobs().end());
+  req.set_view(view);
+  std::vector<v1::Job> jobs;
+  do {  // every page, each call with its own deadline
+    grpc::ClientContext ctx;
+    SetDeadline(ctx);
+    v1::ListJobsResponse resp;
+    RETURN_IF_ERROR(Annotate(stub_->ListJobs(&ctx, req, &resp), address_, "ListJobs"));
+    jobs.insert(jobs.end(), resp.jobs().begin(), resp.jobs().end());
+    req.set_page_token(resp.next_page_token());
+  } while (!req.page_token().empty());
+  return jobs;
 }
 
 absl::StatusOr<v1::Job> CoordinatorClient::CancelJob(const std::string& job_id, const std::string& reason) {

@@ -43,8 +43,11 @@ class CoordinatorClient {
                                                   const v1::WorkerStatus& status);
   absl::StatusOr<v1::Job> SubmitJob(const v1::JobSpec& spec, const std::string& request_id = "");
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id);
-  // Jobs in submission order; only `states` if non-empty.
-  absl::StatusOr<std::vector<v1::Job>> ListJobs(const std::vector<v1::JobState>& states = {});
+  // Jobs in submission order; only `states` if non-empty. Follows ListJobs'
+  // pages to the last; summaries (no model config, mesh groups and ranks, or
+  // attempt failure texts) unless `view` is FULL.
+  absl::StatusOr<std::vector<v1::Job>> ListJobs(const std::vector<v1::JobState>& states = {},
+                                                v1::JobView view = v1::JOB_VIEW_SUMMARY);
   absl::StatusOr<v1::Job> CancelJob(const std::string& job_id, const std::string& reason = "");
   // FAILED_PRECONDITION before the job's ranks are assigned.
   absl::StatusOr<v1::MeshSpec> GetMesh(const std::string& job_id);

@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
@@ -16,6 +17,10 @@
 
 namespace colod {
 namespace {
+
+// ListJobs pages.
+constexpr int kDefaultJobsPage = 100;
+constexpr int kMaxJobsPage = 1000;
 
 absl::Status RequireId(absl::string_view field, absl::string_view value) {
   if (value.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));
@@ -102,6 +107,7 @@ grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v
     }
     // A job no registered worker has the memory for is refused now, not
     // left pending or failed on a worker that ran out.
+    if (req->request_id().size() > 256) return absl::InvalidArgumentError("request_id: at most 256 bytes");
     RETURN_IF_ERROR(ValidateJobSpec(req->spec()));
     RETURN_IF_ERROR(CheckMemoryFits(req->spec(), workers_->List(/*include_lost=*/false)));
     ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Submit(req->spec(), req->request_id()));
@@ -124,7 +130,26 @@ grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1
   return Instrument(ctx, "ListJobs", [&]() -> absl::Status {
     std::vector<v1::JobState> states;
     for (int s : req->states()) states.push_back(static_cast<v1::JobState>(s));
-    for (v1::Job& j : jobs_->List(states)) *resp->add_jobs() = std::move(j);
+    if (req->page_size() < 0) return absl::InvalidArgumentError("page_size: must be >= 0");
+    const int limit = req->page_size() == 0 ? kDefaultJobsPage : std::min(req->page_size(), kMaxJobsPage);
+    std::string after;
+    if (!req->page_token().empty()) {
+      constexpr absl::string_view kAfter = "after:";
+      if (!absl::StartsWith(req->page_token(), kAfter) || req->page_token().size() > 256) {
+        return absl::InvalidArgumentError("page_token: not a token from ListJobs' next_page_token");
+      }
+      after = req->page_token().substr(kAfter.size());
+    }
+    const bool full = req->view() == v1::JOB_VIEW_FULL;
+    JobManager::Page page = jobs_->ListPage(states, after, limit, [full](v1::Job& j) {
+      if (full) return;
+      j.mutable_spec()->mutable_model()->clear_config_json();
+      j.mutable_mesh()->clear_groups();
+      j.mutable_mesh()->clear_ranks();
+      j.clear_attempt_failures();
+    });
+    for (v1::Job& j : page.jobs) *resp->add_jobs() = std::move(j);
+    if (page.more) resp->set_next_page_token(absl::StrCat("after:", resp->jobs(resp->jobs_size() - 1).job_id()));
     return absl::OkStatus();
   });
 }

@@ -2,8 +2,10 @@
 // registry, jobs, the rendezvous store and /metrics.
 #include "server/coordinator.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -23,7 +25,9 @@ class CoordinatorTest : public ::testing::Test {
  protected:
   void SetUp() override {
     Coordinator::Options o;
-    o.data_dir = testing::TempPath("coord");
+    // A data dir of each test's own: no test sees another's jobs.
+    o.data_dir = testing::TempPath(
+        std::string("coord-") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
     o.heartbeat_interval = absl::Milliseconds(100);
     o.lease_duration = absl::Seconds(30);
     auto c = Coordinator::Start(o);
@@ -211,6 +215,88 @@ TEST_F(CoordinatorTest, SubmitRefusesModelsNoWorkerCanHold) {
       << refused.status();
   spec.mutable_shard()->set_tensor_parallel_size(4);  // 5.80 GiB per rank: the 8 GiB worker will do
   ASSERT_TRUE(client_->SubmitJob(spec).ok());
+}
+
+// The issue's probe: two jobs with 2.5 MB names made ListJobs larger than a
+// gRPC message for everyone. Names and labels are bounded, and ListJobs
+// pages and sends summaries unless asked for whole jobs.
+TEST_F(CoordinatorTest, ListJobsPagesSummariesAndNamesAreBounded) {
+  v1::JobSpec tensor;
+  tensor.set_kind(v1::JOB_KIND_TENSOR);
+  tensor.mutable_shard()->set_tensor_parallel_size(1);
+  tensor.mutable_shard()->set_data_parallel_size(1);
+  v1::JobSpec huge = tensor;
+  huge.set_name(std::string(2500000, 'n'));
+  auto refused = client_->SubmitJob(huge);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "spec.name: 2500000 bytes; at most 256"))
+      << refused.status();
+  huge = tensor;
+  for (int i = 0; i < 65; ++i) (*huge.mutable_labels())[absl::StrCat("k", i)] = "v";
+  EXPECT_EQ(client_->SubmitJob(huge).status().code(), absl::StatusCode::kInvalidArgument);
+  huge = tensor;
+  (*huge.mutable_labels())["k"] = std::string(1025, 'v');
+  EXPECT_EQ(client_->SubmitJob(huge).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->SubmitJob(tensor, std::string(257, 'r')).status().code(), absl::StatusCode::kInvalidArgument);
+
+  v1::JobSpec train;
+  train.set_kind(v1::JOB_KIND_TRAIN);
+  train.mutable_model()->set_config_json(
+      R"({"model_type": "gpt2", "vocab_size": 257, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64})");
+  train.mutable_model()->set_weights_path("/models/gpt2-tiny");
+  train.mutable_train()->set_steps(1);
+  train.mutable_train()->set_batch_size(2);
+  train.mutable_train()->set_seq_len(16);
+  train.mutable_train()->set_learning_rate(1e-3);
+  train.mutable_train()->set_data_path("/usr/share/common-licenses/GPL-3");
+  train.mutable_shard()->set_tensor_parallel_size(1);
+  train.mutable_shard()->set_data_parallel_size(1);
+  ASSERT_TRUE(client_->SubmitJob(train).ok());
+  for (int i = 0; i < 249; ++i) {
+    tensor.set_name(absl::StrCat("t", i));
+    ASSERT_TRUE(client_->SubmitJob(tensor).ok());
+  }
+  auto page = [&](int size, const std::string& token, v1::JobView view) {
+    grpc::ClientContext ctx;
+    v1::ListJobsRequest req;
+    req.set_page_size(size);
+    req.set_page_token(token);
+    req.set_view(view);
+    v1::ListJobsResponse resp;
+    const grpc::Status s = client_->stub().ListJobs(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  };
+  // Default pages of 100, in submission order, each job once.
+  std::vector<std::string> ids;
+  std::string token;
+  int pages = 0;
+  do {
+    v1::ListJobsResponse r = page(0, token, v1::JOB_VIEW_UNSPECIFIED);
+    EXPECT_LE(r.jobs_size(), 100);
+    for (const v1::Job& j : r.jobs()) ids.push_back(j.job_id());
+    token = r.next_page_token();
+    ++pages;
+  } while (!token.empty() && pages < 10);
+  EXPECT_EQ(pages, 3);
+  ASSERT_EQ(ids.size(), 250u);
+  EXPECT_TRUE(std::is_sorted(ids.begin(), ids.end()));
+  EXPECT_EQ(std::set<std::string>(ids.begin(), ids.end()).size(), 250u);
+  // Summaries leave the model's config out; FULL has it; page sizes cap at 1000.
+  EXPECT_TRUE(page(1, "", v1::JOB_VIEW_SUMMARY).jobs(0).spec().model().config_json().empty());
+  EXPECT_EQ(page(1, "", v1::JOB_VIEW_FULL).jobs(0).spec().model().config_json(), train.model().config_json());
+  EXPECT_EQ(page(5000, "", v1::JOB_VIEW_SUMMARY).jobs_size(), 250);
+  // The client follows every page.
+  auto all = client_->ListJobs();
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->size(), 250u);
+  {
+    grpc::ClientContext ctx;
+    v1::ListJobsRequest req;
+    req.set_page_token("job-000001");
+    v1::ListJobsResponse resp;
+    EXPECT_EQ(client_->stub().ListJobs(&ctx, req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
 }
 
 TEST_F(CoordinatorTest, RendezvousStoreOverGrpc) {

@@ -273,6 +273,24 @@ std::vector<v1::Job> JobManager::List(const std::vector<v1::JobState>& states) {
   return out;
 }
 
+JobManager::Page JobManager::ListPage(const std::vector<v1::JobState>& states, absl::string_view after, int limit,
+                                     const std::function<void(v1::Job&)>& view) {
+  absl::MutexLock lock(&mu_);
+  Page page;
+  auto it = after.empty() ? jobs_.begin() : jobs_.upper_bound(std::string(after));
+  for (; it != jobs_.end(); ++it) {
+    const v1::Job& job = it->second.job;
+    if (!states.empty() && std::find(states.begin(), states.end(), job.state()) == states.end()) continue;
+    if (static_cast<int>(page.jobs.size()) == limit) {
+      page.more = true;
+      break;
+    }
+    page.jobs.push_back(job);
+    if (view) view(page.jobs.back());
+  }
+  return page;
+}
+
 absl::StatusOr<v1::Job> JobManager::Cancel(absl::string_view job_id, absl::string_view reason) {
   return SetState(job_id, v1::JOB_STATE_CANCELLED, reason.empty() ? "cancelled by client" : reason);
 }

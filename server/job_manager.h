@@ -3,6 +3,7 @@
 #define COLOD_SERVER_JOB_MANAGER_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -51,6 +52,15 @@ class JobManager {
   absl::StatusOr<v1::Job> Get(absl::string_view job_id);
   // Jobs in submission order; only `states` if non-empty.
   std::vector<v1::Job> List(const std::vector<v1::JobState>& states);
+  // A page of List: up to `limit` jobs whose ids come after `after` (all
+  // when empty), each passed through `view` as it is copied out; `more` says
+  // whether jobs follow.
+  struct Page {
+    std::vector<v1::Job> jobs;
+    bool more = false;
+  };
+  Page ListPage(const std::vector<v1::JobState>& states, absl::string_view after, int limit,
+                const std::function<void(v1::Job&)>& view = nullptr);
   // Moves a job that has not ended to CANCELLED. FAILED_PRECONDITION if it
   // already ended, NOT_FOUND if unknown.
   absl::StatusOr<v1::Job> Cancel(absl::string_view job_id, absl::string_view reason);

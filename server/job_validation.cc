@@ -231,6 +231,21 @@ absl::Status ValidateRestartPolicy(const v1::JobSpec& spec) {
 }  // namespace
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  // Names and labels are listed with every job: bounded, so that no job can
+  // make ListJobs too large for anyone.
+  if (spec.name().size() > kMaxJobNameBytes) {
+    return Invalid("spec", "name", absl::StrCat(spec.name().size(), " bytes; at most ", kMaxJobNameBytes));
+  }
+  if (spec.labels_size() > kMaxJobLabels) {
+    return Invalid("spec", "labels", absl::StrCat(spec.labels_size(), " labels; at most ", kMaxJobLabels));
+  }
+  for (const auto& [key, value] : spec.labels()) {
+    if (key.empty() || key.size() > kMaxLabelKeyBytes || value.size() > kMaxLabelValueBytes) {
+      return Invalid("spec", "labels",
+                     absl::StrCat("keys take 1 to ", kMaxLabelKeyBytes, " bytes and values at most ",
+                                  kMaxLabelValueBytes, "; '", key.substr(0, 64), "' does not fit"));
+    }
+  }
   RETURN_IF_ERROR(ValidateShardConfig(spec.shard(), "spec.shard"));
   RETURN_IF_ERROR(ValidateRestartPolicy(spec));
   switch (spec.kind()) {

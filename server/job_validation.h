@@ -12,8 +12,15 @@
 
 namespace colod {
 
+// Bounds on what every ListJobs lists with each job.
+inline constexpr size_t kMaxJobNameBytes = 256;
+inline constexpr int kMaxJobLabels = 64;
+inline constexpr size_t kMaxLabelKeyBytes = 128;
+inline constexpr size_t kMaxLabelValueBytes = 1024;
+
 // OK, or INVALID_ARGUMENT whose message starts with the offending field's
-// path (e.g. "spec.shard.tensor_parallel_size: ...").
+// path (e.g. "spec.shard.tensor_parallel_size: ..."). Names and labels are
+// bounded (above).
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 
 // A job's restart policy with the defaults filled in (RestartPolicy in

@@ -210,8 +210,18 @@ class ColodClient:
     def get_job(self, job_id):
         return self._call("GetJob", coordinator_pb2.GetJobRequest(job_id=job_id), _RETRY_TRANSIENT).job
 
-    def list_jobs(self, states=()):
-        return self._call("ListJobs", coordinator_pb2.ListJobsRequest(states=states), _RETRY_TRANSIENT).jobs
+    def list_jobs(self, states=(), full=False):
+        """Every job in submission order (following the pages); summaries
+        (no model config, mesh groups and ranks) unless `full`."""
+        view = coordinator_pb2.JOB_VIEW_FULL if full else coordinator_pb2.JOB_VIEW_SUMMARY
+        jobs, token = [], ""
+        while True:
+            resp = self._call("ListJobs", coordinator_pb2.ListJobsRequest(states=states, view=view, page_token=token),
+                              _RETRY_TRANSIENT)
+            jobs.extend(resp.jobs)
+            token = resp.next_page_token
+            if not token:
+                return jobs
 
     def cancel_job(self, job_id, reason=""):
         """Cancels a job and returns it. FAILED_PRECONDITION (ColodError) if
