@@ -149,6 +149,14 @@ int RunCancel(const std::vector<std::string>& operands) {
   });
 }
 
+int RunDelete(const std::vector<std::string>& operands) {
+  return WithCoordinator([&](CoordinatorClient& client) {
+    if (absl::Status s = client.DeleteJob(operands[0]); !s.ok()) return Fail(s);
+    std::printf("%s deleted\n", operands[0].c_str());
+    return 0;
+  });
+}
+
 int RunMesh(const std::vector<std::string>& operands) {
   return WithCoordinator([&](CoordinatorClient& client) {
     auto mesh = client.GetMesh(operands[0]);
@@ -187,6 +195,10 @@ constexpr Command kCommands[] = {
      RunWatch},
     {"cancel", "JOB", "  cancel JOB  Cancel a job [--reason TEXT]; its ranks are aborted and the workers freed.\n",
      RunCancel},
+    {"delete", "JOB",
+     "  delete JOB  Forget a job that ended: its record, events and request id (the coordinator's\n"
+     "              --job-retention does this by itself after a while). Cancel a running job first.\n",
+     RunDelete},
     {"mesh", "JOB",
      "  mesh JOB    The job's rank grid (a row per dp replica, a column per tp rank, each\n"
      "              cell the rank's worker) and every process group per axis.\n",

@@ -37,7 +37,7 @@ TEST(Commands, EveryCommandHasAUniqueNameAUsageEntryAndARun) {
       }
     }
   }
-  for (const char* expected : {"workers", "submit", "jobs", "status", "watch", "cancel", "mesh", "tensor", "forward",
+  for (const char* expected : {"workers", "submit", "jobs", "status", "watch", "cancel", "delete", "mesh", "tensor", "forward",
                                "train", "init-model", "consolidate", "local", "health", "version"}) {
     EXPECT_EQ(names.count(expected), 1u) << expected;
   }

@@ -136,6 +136,15 @@ absl::StatusOr<v1::Job> CoordinatorClient::CancelJob(const std::string& job_id, 
   return resp.job();
 }
 
+absl::Status CoordinatorClient::DeleteJob(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx);
+  v1::DeleteJobRequest req;
+  req.set_job_id(job_id);
+  v1::DeleteJobResponse resp;
+  return Annotate(stub_->DeleteJob(&ctx, req, &resp), address_, "DeleteJob");
+}
+
 absl::StatusOr<v1::MeshSpec> CoordinatorClient::GetMesh(const std::string& job_id) {
   grpc::ClientContext ctx;
   SetDeadline(ctx);

@@ -49,6 +49,8 @@ class CoordinatorClient {
   absl::StatusOr<std::vector<v1::Job>> ListJobs(const std::vector<v1::JobState>& states = {},
                                                 v1::JobView view = v1::JOB_VIEW_SUMMARY);
   absl::StatusOr<v1::Job> CancelJob(const std::string& job_id, const std::string& reason = "");
+  // Forgets an ended job (DeleteJob).
+  absl::Status DeleteJob(const std::string& job_id);
   // FAILED_PRECONDITION before the job's ranks are assigned.
   absl::StatusOr<v1::MeshSpec> GetMesh(const std::string& job_id);
   // Streams the job's events from `from_sequence` to `on_event` until the

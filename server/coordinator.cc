@@ -166,6 +166,10 @@ void Coordinator::UpdateGauges() {
 
 void Coordinator::SweepLoop() {
   const absl::Duration period = std::min(options_.heartbeat_interval, absl::Seconds(1));
+  // Expiring ended jobs walks every job: at most once a minute, or a tenth
+  // of the retention when that is shorter.
+  const absl::Duration expire_period = std::min(absl::Minutes(1), options_.job_retention / 10);
+  absl::Time next_expiry = absl::Now();
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
@@ -174,6 +178,15 @@ void Coordinator::SweepLoop() {
     for (const std::string& id : workers_->Sweep()) {
       COLOD_LOG(WARNING) << "worker " << id << " lost: no heartbeat within "
                          << absl::FormatDuration(options_.lease_duration);
+    }
+    if (options_.job_retention > absl::ZeroDuration() && absl::Now() >= next_expiry) {
+      next_expiry = absl::Now() + expire_period;
+      const std::vector<std::string> expired = jobs_->Expire(options_.job_retention);
+      if (!expired.empty()) {
+        COLOD_LOG(INFO) << expired.size() << " jobs that ended over "
+                        << absl::FormatDuration(options_.job_retention) << " ago deleted (" << expired.front()
+                        << (expired.size() > 1 ? absl::StrCat(" ... ", expired.back()) : "") << ")";
+      }
     }
     UpdateGauges();
     mu_.Lock();

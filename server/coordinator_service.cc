@@ -154,6 +154,14 @@ grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1
   });
 }
 
+grpc::Status CoordinatorServiceImpl::DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* req,
+                                               v1::DeleteJobResponse*) {
+  return Instrument(ctx, "DeleteJob", [&]() -> absl::Status {
+    RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
+    return jobs_->Delete(req->job_id());
+  });
+}
+
 grpc::Status CoordinatorServiceImpl::CancelJob(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
                                                v1::CancelJobResponse* resp) {
   return Instrument(ctx, "CancelJob", [&]() -> absl::Status {

@@ -42,6 +42,7 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
                         v1::ListJobsResponse*) override;
   grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest*,
                          v1::CancelJobResponse*) override;
+  grpc::Status DeleteJob(grpc::ServerContext*, const v1::DeleteJobRequest*, v1::DeleteJobResponse*) override;
   grpc::Status WatchJob(grpc::ServerContext*, const v1::WatchJobRequest*,
                         grpc::ServerWriter<v1::JobEvent>*) override;
   grpc::Status GetMesh(grpc::ServerContext*, const v1::GetMeshRequest*,

@@ -297,6 +297,14 @@ TEST_F(CoordinatorTest, ListJobsPagesSummariesAndNamesAreBounded) {
     v1::ListJobsResponse resp;
     EXPECT_EQ(client_->stub().ListJobs(&ctx, req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   }
+  // DeleteJob forgets an ended job, and only an ended one.
+  const std::string first = ids.front();
+  EXPECT_EQ(client_->DeleteJob(first).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(client_->CancelJob(first).ok());
+  ASSERT_TRUE(client_->DeleteJob(first).ok());
+  EXPECT_EQ(client_->GetJob(first).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->DeleteJob(first).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->ListJobs()->size(), 249u);
 }
 
 TEST_F(CoordinatorTest, RendezvousStoreOverGrpc) {

@@ -17,6 +17,12 @@
 #include "server/job_validation.h"
 
 namespace colod {
+namespace {
+
+// In the state directory: the next job id, written when a job is deleted.
+constexpr char kNextIdFile[] = "next-id";
+
+}  // namespace
 
 std::string JobStateName(v1::JobState state) {
   std::string name = v1::JobState_Name(state);
@@ -54,6 +60,12 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
   }
   if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot list '", state_dir, "': ", ec.message()));
   absl::MutexLock lock(&m->mu_);
+  // The next id, written when a job is deleted: a deleted job's id is never
+  // handed out again, even when its record was the newest.
+  if (absl::StatusOr<std::string> next = ReadFileToString(state_dir + "/" + kNextIdFile); next.ok()) {
+    int64_t n = 0;
+    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(*next), &n)) m->next_id_ = std::max(m->next_id_, n);
+  }
   for (const std::string& path : files) {
     // job-NNNNNN.pb: its number is taken even if the record is damaged.
     const std::string name = fs::path(path).filename().string();
@@ -291,6 +303,43 @@ JobManager::Page JobManager::ListPage(const std::vector<v1::JobState>& states, a
   return page;
 }
 
+absl::Status JobManager::Delete(absl::string_view job_id) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+  if (!IsFinal(e->job.state())) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' has not ended (",
+                                                      JobStateName(e->job.state()), "): cancel it first"));
+  }
+  DeleteLocked(std::string(job_id));
+  return absl::OkStatus();
+}
+
+std::vector<std::string> JobManager::Expire(absl::Duration retention) {
+  std::vector<std::string> expired;
+  if (retention <= absl::ZeroDuration()) return expired;
+  absl::MutexLock lock(&mu_);
+  const absl::Time cutoff = clock_->Now() - retention;
+  for (const auto& [id, e] : jobs_) {
+    if (IsFinal(e.job.state()) && FromProtoTimestamp(e.job.update_time()) < cutoff) expired.push_back(id);
+  }
+  for (const std::string& id : expired) DeleteLocked(id);
+  return expired;
+}
+
+void JobManager::DeleteLocked(const std::string& job_id) {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return;
+  if (!it->second.request_id.empty()) job_by_request_id_.erase(it->second.request_id);
+  jobs_.erase(it);  // a watcher waiting on it wakes (WaitForEvents looks it up) and finds it gone
+  if (state_dir_.empty()) return;
+  if (absl::Status s = WriteFileAtomically(state_dir_ + "/" + kNextIdFile, absl::StrCat(next_id_, "\n")); !s.ok()) {
+    COLOD_LOG(ERROR) << "cannot record the next job id: " << s;
+  }
+  std::error_code ec;
+  std::filesystem::remove(absl::StrCat(state_dir_, "/", job_id, ".pb"), ec);
+  if (ec) COLOD_LOG(ERROR) << "cannot remove the record of job " << job_id << ": " << ec.message();
+}
+
 absl::StatusOr<v1::Job> JobManager::Cancel(absl::string_view job_id, absl::string_view reason) {
   return SetState(job_id, v1::JOB_STATE_CANCELLED, reason.empty() ? "cancelled by client" : reason);
 }
@@ -300,12 +349,18 @@ absl::StatusOr<JobManager::Events> JobManager::WaitForEvents(absl::string_view j
                                                              absl::Duration timeout) {
   const int64_t from = std::max<int64_t>(from_sequence, 1);
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(const Entry* found, FindLocked(job_id));
-  const Entry& e = *found;  // entries are never erased, so the reference stays valid
+  RETURN_IF_ERROR(FindLocked(job_id).status());
+  // Looked up on every evaluation: an ended job may be deleted meanwhile,
+  // and the condition must never touch a gone entry.
+  const std::string id(job_id);
   auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return static_cast<int64_t>(e.events.size()) >= from || IsFinal(e.job.state());
+    auto it = jobs_.find(id);
+    return it == jobs_.end() || static_cast<int64_t>(it->second.events.size()) >= from ||
+           IsFinal(it->second.job.state());
   };
   mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  ASSIGN_OR_RETURN(const Entry* found, FindLocked(job_id));  // NOT_FOUND once deleted
+  const Entry& e = *found;
   Events out;
   for (int64_t seq = from; seq <= static_cast<int64_t>(e.events.size()); ++seq) {
     out.events.push_back(e.events[seq - 1]);

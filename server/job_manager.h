@@ -64,6 +64,13 @@ class JobManager {
   // Moves a job that has not ended to CANCELLED. FAILED_PRECONDITION if it
   // already ended, NOT_FOUND if unknown.
   absl::StatusOr<v1::Job> Cancel(absl::string_view job_id, absl::string_view reason);
+  // Forgets an ended job: its record, events and request id go, and its id
+  // is never handed out again. FAILED_PRECONDITION while it has not ended
+  // (cancel it first), NOT_FOUND if unknown. Watchers get NOT_FOUND.
+  absl::Status Delete(absl::string_view job_id);
+  // Deletes the jobs that ended more than `retention` ago (by their last
+  // update); returns their ids. Zero or less keeps every job.
+  std::vector<std::string> Expire(absl::Duration retention);
 
   struct Events {
     std::vector<v1::JobEvent> events;
@@ -124,6 +131,7 @@ class JobManager {
   // Writes the job's record to the state directory (if any); a failure is
   // logged: the job goes on, only its record is stale.
   void PersistLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DeleteLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Clock* const clock_;
   std::string state_dir_;  // empty: in memory only

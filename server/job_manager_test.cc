@@ -193,6 +193,63 @@ TEST(JobManager, SubmitGetListCancel) {
   EXPECT_EQ(jobs.List({}).size(), 2u);  // nothing half-created
 }
 
+// Job records are never kept forever: DeleteJob forgets an ended job at
+// once, Expire those that ended longer ago than the retention; ids are never
+// handed out again, not even after a reopen.
+TEST(JobManager, EndedJobsAreDeletedAndExpireWithoutReusingTheirIds) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-delete";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    auto a = (*jobs)->Submit(TrainSpec(), "req-a");
+    auto b = (*jobs)->Submit(TrainSpec(), "");
+    auto c = (*jobs)->Submit(TrainSpec(), "");
+    ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+    EXPECT_EQ((*jobs)->Delete(a->job_id()).code(), absl::StatusCode::kFailedPrecondition);  // still pending
+    EXPECT_EQ((*jobs)->Delete("job-999999").code(), absl::StatusCode::kNotFound);
+    ASSERT_TRUE((*jobs)->Cancel(a->job_id(), "").ok());
+    // A watcher of the job sees it go.
+    std::thread deleter([&] {
+      absl::SleepFor(absl::Milliseconds(30));
+      EXPECT_TRUE((*jobs)->Delete(a->job_id()).ok());
+    });
+    auto waited = (*jobs)->WaitForEvents(a->job_id(), 3, absl::Seconds(10));
+    deleter.join();
+    // The job had ended: the wait returned at once, or found it gone.
+    if (!waited.ok()) EXPECT_EQ(waited.status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ((*jobs)->Get(a->job_id()).status().code(), absl::StatusCode::kNotFound);
+    EXPECT_FALSE(std::filesystem::exists(dir + "/" + a->job_id() + ".pb"));
+    // Its request id is free again: a new job.
+    auto again = (*jobs)->Submit(TrainSpec(), "req-a");
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(again->job_id(), "job-000004");
+
+    // Retention: c ends now, b an hour later; after 90 minutes more with a
+    // retention of 2 hours, only c has been over it.
+    ASSERT_TRUE((*jobs)->SetState(c->job_id(), v1::JOB_STATE_FAILED, "x").ok());
+    clock.Advance(absl::Hours(1));
+    ASSERT_TRUE((*jobs)->SetState(b->job_id(), v1::JOB_STATE_SUCCEEDED, "").ok());
+    clock.Advance(absl::Minutes(90));
+    EXPECT_TRUE((*jobs)->Expire(absl::ZeroDuration()).empty());  // keeps everything
+    EXPECT_EQ((*jobs)->Expire(absl::Hours(2)), std::vector<std::string>{c->job_id()});
+    EXPECT_TRUE((*jobs)->Get(b->job_id()).ok());
+    EXPECT_TRUE((*jobs)->Get(again->job_id()).ok());  // pending: never expires
+    clock.Advance(absl::Hours(1));
+    EXPECT_EQ((*jobs)->Expire(absl::Hours(2)), std::vector<std::string>{b->job_id()});
+    // The newest job is deleted too: its id must not come back.
+    ASSERT_TRUE((*jobs)->Cancel(again->job_id(), "").ok());
+    ASSERT_TRUE((*jobs)->Delete(again->job_id()).ok());
+  }
+  auto reopened = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  EXPECT_TRUE((*reopened)->List({}).empty());
+  auto next = (*reopened)->Submit(TrainSpec(), "");
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next->job_id(), "job-000005");
+}
+
 TEST(JobManager, WaitForEventsDeliversInOrderAndFinishes) {
   JobManager jobs;
   auto a = jobs.Submit(TrainSpec(), "");

@@ -26,6 +26,9 @@ ABSL_FLAG(absl::Duration, hang_threshold, absl::Seconds(30),
           "Ranks that wait in a collective this long are reported: a job event and the job's 'stalled' field "
           "name the group, the collective and the ranks that have not entered it. Keep it below the workers' "
           "--comm-timeout; 0 turns it off.");
+ABSL_FLAG(absl::Duration, job_retention, absl::Hours(7 * 24),
+          "Jobs that ended longer ago than this are forgotten: their records, events and request ids "
+          "(coloctl delete JOB does it at once). 0 keeps every job.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -62,6 +65,7 @@ int main(int argc, char** argv) {
   options.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.lease_duration = absl::GetFlag(FLAGS_lease_duration);
   options.hang_threshold = absl::GetFlag(FLAGS_hang_threshold);
+  options.job_retention = absl::GetFlag(FLAGS_job_retention);
   auto security = colod::SecurityFromFlags();
   if (!security.ok()) {
     COLOD_LOG(ERROR) << security.status().message();

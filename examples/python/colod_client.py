@@ -223,6 +223,10 @@ class ColodClient:
             if not token:
                 return jobs
 
+    def delete_job(self, job_id):
+        """Forgets an ended job (FAILED_PRECONDITION while it runs)."""
+        self._call("DeleteJob", coordinator_pb2.DeleteJobRequest(job_id=job_id), ())
+
     def cancel_job(self, job_id, reason=""):
         """Cancels a job and returns it. FAILED_PRECONDITION (ColodError) if
         it already ended. A retry whose first attempt may have landed gets
