@@ -64,6 +64,10 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
         ") must be longer than --heartbeat-interval (",
         absl::FormatDuration(options.heartbeat_interval), ")"));
   }
+  if (options.max_watch_streams < 1) return absl::InvalidArgumentError("--max-watch-streams: must be >= 1");
+  if (options.job_retention < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--job-retention: must be >= 0 (0 keeps every job)");
+  }
   std::unique_ptr<Coordinator> c(new Coordinator(options));
   ASSIGN_OR_RETURN(c->lock_fd_, LockDataDir(options.data_dir));
 
@@ -116,7 +120,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   ASSIGN_OR_RETURN(c->uploads_, UploadStore::Open(options.data_dir + "/uploads"));
   c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),
                                                           c->registry_.get(), TokenAuth(options.auth_token),
-                                                          c->scheduler_.get(), c->uploads_.get());
+                                                          c->scheduler_.get(), c->uploads_.get(),
+                                                          options.max_watch_streams);
   c->UpdateGauges();
 
   ASSIGN_OR_RETURN(c->metrics_, MetricsServer::Start(options.metrics_listen, c->registry_));

@@ -69,6 +69,9 @@ class Coordinator {
     // Ended jobs older than this are deleted (JobManager::Expire), checked
     // about once a minute; zero keeps them all.
     absl::Duration job_retention = absl::Hours(7 * 24);
+    // WatchJob streams at once (each holds a server thread); more are
+    // RESOURCE_EXHAUSTED.
+    int max_watch_streams = 256;
   };
 
   // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION if the data dir is

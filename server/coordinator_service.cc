@@ -32,14 +32,15 @@ absl::Status RequireId(absl::string_view field, absl::string_view value) {
 CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs,
                                                RendezvousStore* store,
                                                prometheus::Registry* metrics, TokenAuth auth,
-                                               Scheduler* scheduler, UploadStore* uploads)
+                                               Scheduler* scheduler, UploadStore* uploads, int max_watches)
     : workers_(workers),
       jobs_(jobs),
       store_(store),
       rpc_duration_(&RpcDurationFamily(*metrics)),
       auth_(std::move(auth)),
       scheduler_(scheduler),
-      uploads_(uploads) {}
+      uploads_(uploads),
+      max_watches_(max_watches) {}
 
 template <typename Fn>
 grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const char* method, Fn&& fn) {
@@ -179,6 +180,16 @@ grpc::Status CoordinatorServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1
                                               grpc::ServerWriter<v1::JobEvent>* writer) {
   return Instrument(ctx, "WatchJob", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
+    if (watches_.fetch_add(1) >= max_watches_) {
+      watches_.fetch_sub(1);
+      return absl::ResourceExhaustedError(
+          absl::StrCat(max_watches_, " WatchJob streams run already (the coordinator's --max-watch-streams); "
+                       "retry later or poll GetJob"));
+    }
+    struct Release {
+      std::atomic<int>& n;
+      ~Release() { n.fetch_sub(1); }
+    } release{watches_};
     int64_t next = std::max<int64_t>(req->from_sequence(), 1);
     // Poll in short waits so that a cancelled client or a server shutdown
     // ends the stream promptly.

@@ -4,6 +4,8 @@
 #ifndef COLOD_SERVER_COORDINATOR_SERVICE_H_
 #define COLOD_SERVER_COORDINATOR_SERVICE_H_
 
+#include <atomic>
+
 #include "common/auth.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "prometheus/histogram.h"
@@ -23,9 +25,11 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   // Every call is checked against `auth` first (UNAUTHENTICATED).
   // `scheduler` may be null (no job runs: jobs stay PENDING), and so may
   // `uploads` (UploadModel is then UNIMPLEMENTED).
+  // At most `max_watches` WatchJob streams run at once (each holds a server
+  // thread); more are RESOURCE_EXHAUSTED.
   CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs, RendezvousStore* store,
                          prometheus::Registry* metrics, TokenAuth auth = TokenAuth(),
-                         Scheduler* scheduler = nullptr, UploadStore* uploads = nullptr);
+                         Scheduler* scheduler = nullptr, UploadStore* uploads = nullptr, int max_watches = 256);
 
   grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest*,
                               v1::RegisterWorkerResponse*) override;
@@ -72,6 +76,8 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   const TokenAuth auth_;
   Scheduler* const scheduler_;
   UploadStore* const uploads_;
+  const int max_watches_;
+  std::atomic<int> watches_{0};  // WatchJob streams running
 };
 
 }  // namespace colod

@@ -307,6 +307,57 @@ TEST_F(CoordinatorTest, ListJobsPagesSummariesAndNamesAreBounded) {
   EXPECT_EQ(client_->ListJobs()->size(), 249u);
 }
 
+// Each WatchJob stream holds a server thread: past --max-watch-streams they
+// are refused, and a stream that ends makes room.
+TEST(CoordinatorStart, WatchStreamsAreBounded) {
+  Coordinator::Options o;
+  o.data_dir = testing::TempPath("coord-watches");
+  o.max_watch_streams = 2;
+  auto c = Coordinator::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto client = CoordinatorClient::Create((*c)->address());
+  ASSERT_TRUE(client.ok());
+  v1::JobSpec tensor;
+  tensor.set_kind(v1::JOB_KIND_TENSOR);
+  tensor.mutable_shard()->set_tensor_parallel_size(1);
+  tensor.mutable_shard()->set_data_parallel_size(1);
+  auto job = (*client)->SubmitJob(tensor);  // no worker: it stays PENDING and its watches open
+  ASSERT_TRUE(job.ok()) << job.status();
+  struct Watch {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderInterface<v1::JobEvent>> reader;
+  };
+  auto open = [&](Watch& w) {
+    v1::WatchJobRequest req;
+    req.set_job_id(job->job_id());
+    w.reader = (*client)->stub().WatchJob(&w.ctx, req);
+    v1::JobEvent ev;
+    return w.reader->Read(&ev);  // the first event: the stream runs
+  };
+  Watch a, b, c3;
+  ASSERT_TRUE(open(a));
+  ASSERT_TRUE(open(b));
+  EXPECT_FALSE(open(c3));
+  EXPECT_EQ(c3.reader->Finish().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  a.ctx.TryCancel();
+  (void)a.reader->Finish();
+  // The server notices the cancel within its 250 ms poll.
+  bool reopened = false;
+  for (int i = 0; i < 50 && !reopened; ++i) {
+    Watch d;
+    reopened = open(d);
+    d.ctx.TryCancel();
+    (void)d.reader->Finish();
+    if (!reopened) absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(reopened);
+  b.ctx.TryCancel();
+  (void)b.reader->Finish();
+  o.max_watch_streams = 0;
+  o.data_dir = testing::TempPath("coord-watches-0");
+  EXPECT_EQ(Coordinator::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(CoordinatorTest, RendezvousStoreOverGrpc) {
   auto& stub = client_->stub();
   std::thread setter([&] {

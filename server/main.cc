@@ -29,6 +29,8 @@ ABSL_FLAG(absl::Duration, hang_threshold, absl::Seconds(30),
 ABSL_FLAG(absl::Duration, job_retention, absl::Hours(7 * 24),
           "Jobs that ended longer ago than this are forgotten: their records, events and request ids "
           "(coloctl delete JOB does it at once). 0 keeps every job.");
+ABSL_FLAG(int, max_watch_streams, 256,
+          "WatchJob streams served at once (each holds a server thread); more are refused RESOURCE_EXHAUSTED.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -66,6 +68,7 @@ int main(int argc, char** argv) {
   options.lease_duration = absl::GetFlag(FLAGS_lease_duration);
   options.hang_threshold = absl::GetFlag(FLAGS_hang_threshold);
   options.job_retention = absl::GetFlag(FLAGS_job_retention);
+  options.max_watch_streams = absl::GetFlag(FLAGS_max_watch_streams);
   auto security = colod::SecurityFromFlags();
   if (!security.ok()) {
     COLOD_LOG(ERROR) << security.status().message();
