@@ -34,6 +34,7 @@ _LIBS = {
     "json": ("/usr/include/nlohmann/json.hpp", "nlohmann-json3-dev", None, []),
     "yaml": ("/usr/include/yaml-cpp/yaml.h", "libyaml-cpp-dev", ["yaml-cpp"], []),
     "openblas": ("/usr/include/x86_64-linux-gnu/cblas.h", "libopenblas-dev", ["openblas"], []),
+    "crypto": ("/usr/include/openssl/evp.h", "libssl-dev", ["libcrypto"], []),
 }
 
 _TOOLS = {

@@ -67,9 +67,9 @@ int SubmitWith(CoordinatorClient& client, bool json) {
     auto uploaded = client.UploadModel(spec->model().weights_path(), absl::GetFlag(FLAGS_watch_timeout));
     if (!uploaded.ok()) return Fail(uploaded.status());
     if (!json) {
-      std::fprintf(stderr, "coloctl: uploaded %d files (%lld bytes) of %s as %s\n", uploaded->files_size(),
+      std::fprintf(stderr, "coloctl: uploaded %d files (%lld bytes) of %s as %s%s\n", uploaded->files_size(),
                    static_cast<long long>(uploaded->bytes()), spec->model().weights_path().c_str(),
-                   uploaded->upload_id().c_str());
+                   uploaded->upload_id().c_str(), uploaded->deduplicated() ? " (stored already: no new copy)" : "");
     }
     spec->mutable_model()->clear_weights_path();
     spec->mutable_model()->set_upload_id(uploaded->upload_id());

@@ -65,6 +65,10 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
         absl::FormatDuration(options.heartbeat_interval), ")"));
   }
   if (options.max_watch_streams < 1) return absl::InvalidArgumentError("--max-watch-streams: must be >= 1");
+  if (options.upload_quota_bytes < 0 || options.max_uploads < 1) {
+    return absl::InvalidArgumentError("--upload-quota must be >= 0 and --max-uploads >= 1");
+  }
+  if (options.upload_grace <= absl::ZeroDuration()) return absl::InvalidArgumentError("upload grace: must be > 0");
   if (options.job_retention < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--job-retention: must be >= 0 (0 keeps every job)");
   }
@@ -117,7 +121,10 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   so.auth_token = options.auth_token;
   ASSIGN_OR_RETURN(so.credentials, MakeChannelCredentials(options.tls));
   c->scheduler_ = std::make_unique<Scheduler>(c->jobs_.get(), c->workers_.get(), c->store_.get(), so);
-  ASSIGN_OR_RETURN(c->uploads_, UploadStore::Open(options.data_dir + "/uploads"));
+  UploadStore::Limits upload_limits;
+  upload_limits.quota_bytes = options.upload_quota_bytes;
+  upload_limits.max_uploads = options.max_uploads;
+  ASSIGN_OR_RETURN(c->uploads_, UploadStore::Open(options.data_dir + "/uploads", upload_limits, options.clock));
   c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),
                                                           c->registry_.get(), TokenAuth(options.auth_token),
                                                           c->scheduler_.get(), c->uploads_.get(),
@@ -173,7 +180,10 @@ void Coordinator::SweepLoop() {
   const absl::Duration period = std::min(options_.heartbeat_interval, absl::Seconds(1));
   // Expiring ended jobs walks every job: at most once a minute, or a tenth
   // of the retention when that is shorter.
-  const absl::Duration expire_period = std::min(absl::Minutes(1), options_.job_retention / 10);
+  const absl::Duration expire_period =
+      options_.job_retention > absl::ZeroDuration()
+          ? std::min({absl::Minutes(1), options_.job_retention / 10, options_.upload_grace / 10})
+          : std::min(absl::Minutes(1), options_.upload_grace / 10);
   absl::Time next_expiry = absl::Now();
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
@@ -184,9 +194,13 @@ void Coordinator::SweepLoop() {
       COLOD_LOG(WARNING) << "worker " << id << " lost: no heartbeat within "
                          << absl::FormatDuration(options_.lease_duration);
     }
-    if (options_.job_retention > absl::ZeroDuration() && absl::Now() >= next_expiry) {
+    if (absl::Now() >= next_expiry) {
       next_expiry = absl::Now() + expire_period;
-      const std::vector<std::string> expired = jobs_->Expire(options_.job_retention);
+      // Uploads no job names (after their grace), then old ended jobs.
+      for (const std::string& id : uploads_->CollectGarbage(jobs_->UploadIdsInUse(), options_.upload_grace)) {
+        COLOD_LOG(INFO) << "upload " << id << " removed: no job names it";
+      }
+      const std::vector<std::string> expired = jobs_->Expire(options_.job_retention);  // 0: none
       if (!expired.empty()) {
         COLOD_LOG(INFO) << expired.size() << " jobs that ended over "
                         << absl::FormatDuration(options_.job_retention) << " ago deleted (" << expired.front()

@@ -72,6 +72,12 @@ class Coordinator {
     // WatchJob streams at once (each holds a server thread); more are
     // RESOURCE_EXHAUSTED.
     int max_watch_streams = 256;
+    // Uploads (UploadStore::Limits): bytes of all, and how many.
+    int64_t upload_quota_bytes = int64_t{256} << 30;
+    int max_uploads = 1000;
+    // An upload no job names is removed this long after it was made or last
+    // named.
+    absl::Duration upload_grace = absl::Hours(1);
   };
 
   // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION if the data dir is

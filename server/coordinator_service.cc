@@ -226,7 +226,7 @@ grpc::Status CoordinatorServiceImpl::UploadModel(grpc::ServerContext* ctx,
                                                  v1::UploadModelResponse* resp) {
   return Instrument(ctx, "UploadModel", [&]() -> absl::Status {
     if (uploads_ == nullptr) return absl::UnimplementedError("this coordinator stores no uploads");
-    std::unique_ptr<UploadStore::Writer> writer = uploads_->Begin();
+    ASSIGN_OR_RETURN(std::unique_ptr<UploadStore::Writer> writer, uploads_->Begin());
     v1::UploadModelRequest req;
     while (reader->Read(&req)) RETURN_IF_ERROR(writer->Add(req.chunk()));
     if (ctx->IsCancelled()) return absl::CancelledError("the upload was cancelled");

@@ -369,6 +369,15 @@ absl::StatusOr<JobManager::Events> JobManager::WaitForEvents(absl::string_view j
   return out;
 }
 
+std::set<std::string> JobManager::UploadIdsInUse() {
+  absl::MutexLock lock(&mu_);
+  std::set<std::string> ids;
+  for (const auto& [id, e] : jobs_) {
+    if (!e.job.spec().model().upload_id().empty()) ids.insert(e.job.spec().model().upload_id());
+  }
+  return ids;
+}
+
 std::map<std::string, int64_t> JobManager::FinishedCounts() {
   absl::MutexLock lock(&mu_);
   std::map<std::string, int64_t> counts = finished_;

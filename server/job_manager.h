@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -107,6 +108,9 @@ class JobManager {
   absl::StatusOr<Events> WaitForEvents(absl::string_view job_id, int64_t from_sequence,
                                        absl::Duration timeout);
 
+  // The upload ids the jobs' specs name (every job still known, ended ones
+  // included: a restart may need its model).
+  std::set<std::string> UploadIdsInUse();
   // Number of jobs per state name ("pending", "running", ...).
   std::map<std::string, int> CountByState();
   // Jobs that ended in this process, per final state name ("succeeded",

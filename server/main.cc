@@ -31,6 +31,10 @@ ABSL_FLAG(absl::Duration, job_retention, absl::Hours(7 * 24),
           "(coloctl delete JOB does it at once). 0 keeps every job.");
 ABSL_FLAG(int, max_watch_streams, 256,
           "WatchJob streams served at once (each holds a server thread); more are refused RESOURCE_EXHAUSTED.");
+ABSL_FLAG(std::string, upload_quota, "256GiB",
+          "Bytes of all uploaded models together (UploadModel past it is RESOURCE_EXHAUSTED); identical uploads "
+          "are stored once, and an upload no job names is removed an hour after it was made or last named.");
+ABSL_FLAG(int, max_uploads, 1000, "Uploaded models stored at once.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -69,6 +73,15 @@ int main(int argc, char** argv) {
   options.hang_threshold = absl::GetFlag(FLAGS_hang_threshold);
   options.job_retention = absl::GetFlag(FLAGS_job_retention);
   options.max_watch_streams = absl::GetFlag(FLAGS_max_watch_streams);
+  options.max_uploads = absl::GetFlag(FLAGS_max_uploads);
+  {
+    absl::StatusOr<int64_t> quota = colod::ParseByteSize(absl::GetFlag(FLAGS_upload_quota));
+    if (!quota.ok()) {
+      COLOD_LOG(ERROR) << "--upload-quota: " << quota.status().message();
+      return 2;
+    }
+    options.upload_quota_bytes = *quota;
+  }
   auto security = colod::SecurityFromFlags();
   if (!security.ok()) {
     COLOD_LOG(ERROR) << security.status().message();

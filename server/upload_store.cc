@@ -1,23 +1,61 @@
 #include "server/upload_store.h"
 
+#include <openssl/evp.h>
+
 #include <filesystem>
 #include <system_error>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
+#include "common/logging.h"
 
 namespace colod {
 
 namespace fs = std::filesystem;
 
-absl::StatusOr<std::unique_ptr<UploadStore>> UploadStore::Open(const std::string& dir) {
+namespace {
+
+bool IsUploadId(absl::string_view name) {
+  int64_t n = 0;
+  return absl::StartsWith(name, "upload-") && absl::SimpleAtoi(name.substr(7), &n) && n > 0;
+}
+
+int64_t DirectoryBytes(const fs::path& dir) {
+  int64_t bytes = 0;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    if (e.is_regular_file(ec)) bytes += static_cast<int64_t>(e.file_size(ec));
+  }
+  return bytes;
+}
+
+}  // namespace
+
+// SHA-256 through OpenSSL's EVP interface.
+struct UploadStore::Writer::Hash {
+  Hash() : ctx(EVP_MD_CTX_new()) { EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr); }
+  ~Hash() { EVP_MD_CTX_free(ctx); }
+  void Update(absl::string_view bytes) { EVP_DigestUpdate(ctx, bytes.data(), bytes.size()); }
+  std::string HexDigest() {
+    unsigned char digest[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    EVP_DigestFinal_ex(ctx, digest, &n);
+    return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), n));
+  }
+  EVP_MD_CTX* const ctx;
+};
+
+absl::StatusOr<std::unique_ptr<UploadStore>> UploadStore::Open(const std::string& dir, Limits limits, Clock* clock) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
   int64_t next = 1;
+  std::vector<std::string> ids;
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     if (absl::EndsWith(name, ".tmp")) {
@@ -26,22 +64,81 @@ absl::StatusOr<std::unique_ptr<UploadStore>> UploadStore::Open(const std::string
     }
     int64_t n = 0;
     if (absl::StartsWith(name, "upload-") && absl::SimpleAtoi(name.substr(7), &n)) next = std::max(next, n + 1);
+    if (IsUploadId(name) && e.is_directory(ec)) ids.push_back(name);
   }
-  return std::unique_ptr<UploadStore>(new UploadStore(dir, next));
+  std::unique_ptr<UploadStore> store(new UploadStore(dir, next, limits, clock));
+  absl::MutexLock lock(&store->mu_);
+  for (const std::string& id : ids) {
+    Stored s;
+    s.bytes = DirectoryBytes(fs::path(dir) / id);
+    s.last_used = clock->Now();  // a full grace period from this start
+    if (absl::StatusOr<std::string> sha = ReadFileToString(absl::StrCat(dir, "/", id, ".sha256")); sha.ok()) {
+      s.sha256 = std::string(absl::StripAsciiWhitespace(*sha));
+      if (!s.sha256.empty()) store->by_sha_[s.sha256] = id;
+    }
+    store->stored_bytes_ += s.bytes;
+    store->stored_[id] = s;
+  }
+  return store;
 }
 
-std::unique_ptr<UploadStore::Writer> UploadStore::Begin() {
+UploadStore::~UploadStore() = default;
+
+absl::StatusOr<std::unique_ptr<UploadStore::Writer>> UploadStore::Begin() {
   absl::MutexLock lock(&mu_);
+  if (static_cast<int>(stored_.size()) + writers_ >= limits_.max_uploads) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        stored_.size(), " uploads are stored and ", writers_, " in progress, the coordinator's --max-uploads ",
+        limits_.max_uploads, ": uploads no job names go an hour after they were made"));
+  }
+  ++writers_;
   const std::string id = absl::StrFormat("upload-%06d", next_++);
-  return std::unique_ptr<Writer>(new Writer(id, dir_ + "/" + id + ".tmp", dir_ + "/" + id));
+  return std::unique_ptr<Writer>(new Writer(this, id, dir_ + "/" + id + ".tmp", dir_ + "/" + id));
 }
+
+absl::Status UploadStore::Reserve(int64_t n) {
+  absl::MutexLock lock(&mu_);
+  if (stored_bytes_ + reserved_bytes_ + n > limits_.quota_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("the coordinator's --upload-quota of ", limits_.quota_bytes,
+                                                     " bytes is spent (", stored_bytes_, " stored, ",
+                                                     reserved_bytes_, " in uploads in progress)"));
+  }
+  reserved_bytes_ += n;
+  return absl::OkStatus();
+}
+
+void UploadStore::Release(int64_t n, bool writer_done) {
+  absl::MutexLock lock(&mu_);
+  reserved_bytes_ -= n;
+  if (writer_done) --writers_;
+}
+
+int64_t UploadStore::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return stored_bytes_ + reserved_bytes_;
+}
+
+UploadStore::Writer::Writer(UploadStore* store, std::string id, std::string tmp, std::string final_dir)
+    : store_(store), id_(std::move(id)), tmp_(std::move(tmp)), final_(std::move(final_dir)),
+      hash_(std::make_unique<Hash>()) {}
 
 UploadStore::Writer::~Writer() {
   if (finished_) return;
   out_.close();
   std::error_code ec;
   fs::remove_all(tmp_, ec);
+  store_->Release(bytes_, /*writer_done=*/true);
 }
+
+namespace {
+
+std::string SizeBytes(int64_t n) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((static_cast<uint64_t>(n) >> (8 * i)) & 0xff);
+  return out;
+}
+
+}  // namespace
 
 absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
   if (!IsPlainFileName(chunk.file())) {
@@ -58,6 +155,7 @@ absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
           absl::StrCat("chunk.offset: the first chunk of '", chunk.file(), "' starts at ", chunk.offset(), ", not 0"));
     }
     out_.close();
+    if (!file_.empty()) hash_->Update(SizeBytes(offset_));  // the previous file's end
     std::error_code ec;
     fs::create_directories(tmp_, ec);
     out_.open(tmp_ + "/" + chunk.file(), std::ios::binary | std::ios::trunc);
@@ -65,15 +163,20 @@ absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
     file_ = chunk.file();
     offset_ = 0;
     files_.push_back(file_);
+    hash_->Update(file_);
+    hash_->Update(absl::string_view("\0", 1));
   }
   if (chunk.offset() != offset_) {
     return absl::InvalidArgumentError(absl::StrCat("chunk.offset: ", chunk.offset(), " in '", file_, "', expected ",
                                                    offset_, " (chunks must come in order)"));
   }
-  out_.write(chunk.data().data(), static_cast<std::streamsize>(chunk.data().size()));
+  const int64_t n = static_cast<int64_t>(chunk.data().size());
+  if (absl::Status s = store_->Reserve(n); !s.ok()) return s;
+  bytes_ += n;  // reserved: released by Finish or the destructor
+  out_.write(chunk.data().data(), static_cast<std::streamsize>(n));
   if (!out_) return absl::InternalError(absl::StrCat("writing '", file_, "' failed"));
-  offset_ += static_cast<int64_t>(chunk.data().size());
-  bytes_ += static_cast<int64_t>(chunk.data().size());
+  hash_->Update(chunk.data());
+  offset_ += n;
   return absl::OkStatus();
 }
 
@@ -81,28 +184,89 @@ absl::StatusOr<v1::UploadModelResponse> UploadStore::Writer::Finish() {
   if (files_.empty()) return absl::InvalidArgumentError("the upload has no files");
   out_.close();
   if (!out_) return absl::InternalError(absl::StrCat("writing '", file_, "' failed"));
-  std::error_code ec;
-  fs::rename(tmp_, final_, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot publish the upload: ", ec.message()));
-  finished_ = true;
+  hash_->Update(SizeBytes(offset_));
+  const std::string sha = hash_->HexDigest();
   v1::UploadModelResponse resp;
-  resp.set_upload_id(id_);
   for (const std::string& f : files_) resp.add_files(f);
   resp.set_bytes(bytes_);
+  resp.set_sha256(sha);
+  std::error_code ec;
+  {
+    absl::MutexLock lock(&store_->mu_);
+    auto same = store_->by_sha_.find(sha);
+    if (same != store_->by_sha_.end() && store_->stored_.count(same->second)) {
+      // Stored already: keep that one, drop this copy.
+      Stored& s = store_->stored_[same->second];
+      s.last_used = store_->clock_->Now();
+      resp.set_upload_id(same->second);
+      resp.set_deduplicated(true);
+      store_->reserved_bytes_ -= bytes_;
+      --store_->writers_;
+      finished_ = true;
+    }
+  }
+  if (resp.deduplicated()) {
+    fs::remove_all(tmp_, ec);
+    return resp;
+  }
+  fs::rename(tmp_, final_, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot publish the upload: ", ec.message()));
+  if (absl::Status s = WriteFileAtomically(final_ + ".sha256", sha + "\n"); !s.ok()) {
+    COLOD_LOG(WARNING) << "upload " << id_ << ": its hash is not recorded (it will not deduplicate): " << s;
+  }
+  absl::MutexLock lock(&store_->mu_);
+  Stored& s = store_->stored_[id_];
+  s.bytes = bytes_;
+  s.sha256 = sha;
+  s.last_used = store_->clock_->Now();
+  store_->by_sha_[sha] = id_;
+  store_->reserved_bytes_ -= bytes_;
+  store_->stored_bytes_ += bytes_;
+  --store_->writers_;
+  finished_ = true;
+  resp.set_upload_id(id_);
   return resp;
 }
 
 bool UploadStore::Exists(const std::string& upload_id) const { return Path(upload_id).ok(); }
 
 absl::StatusOr<std::string> UploadStore::Path(const std::string& upload_id) const {
-  int64_t n = 0;
   std::error_code ec;
   const std::string path = dir_ + "/" + upload_id;
-  if (!absl::StartsWith(upload_id, "upload-") || !absl::SimpleAtoi(upload_id.substr(7), &n) ||
-      !fs::is_directory(path, ec)) {
+  if (!IsUploadId(upload_id) || !fs::is_directory(path, ec)) {
     return absl::NotFoundError(absl::StrCat("no upload '", upload_id, "'"));
   }
   return path;
+}
+
+std::vector<std::string> UploadStore::CollectGarbage(const std::set<std::string>& in_use, absl::Duration grace) {
+  std::vector<std::string> removed;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = clock_->Now();
+    for (auto it = stored_.begin(); it != stored_.end();) {
+      if (in_use.count(it->first)) {
+        it->second.last_used = now;
+        ++it;
+        continue;
+      }
+      if (now - it->second.last_used <= grace) {
+        ++it;
+        continue;
+      }
+      removed.push_back(it->first);
+      if (!it->second.sha256.empty()) by_sha_.erase(it->second.sha256);
+      stored_bytes_ -= it->second.bytes;
+      it = stored_.erase(it);
+    }
+  }
+  // Outside the lock: removing files blocks.
+  for (const std::string& id : removed) {
+    std::error_code ec;
+    fs::remove_all(dir_ + "/" + id, ec);
+    fs::remove(dir_ + "/" + id + ".sha256", ec);
+  }
+  return removed;
 }
 
 }  // namespace colod

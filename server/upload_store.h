@@ -1,42 +1,63 @@
 // Models uploaded through the coordinator (UploadModel), kept in its data
 // directory as DIR/uploads/upload-NNNNNN/<files>. An upload is written into
 // a .tmp directory and renamed when complete, so a broken stream leaves
-// nothing that a job could name.
+// nothing that a job could name. Uploads are deduplicated by content
+// (SHA-256 over each file's name, size and bytes: DIR/uploads/upload-N.sha256
+// records it), bounded by a quota, and removed when no job names them
+// (CollectGarbage).
 #ifndef COLOD_SERVER_UPLOAD_STORE_H_
 #define COLOD_SERVER_UPLOAD_STORE_H_
 
 #include <cstdint>
 #include <fstream>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "colod/v1/coordinator.pb.h"
+#include "common/clock.h"
 
 namespace colod {
+
+struct UploadLimits {
+  // Bytes of all uploads together, those in progress included.
+  int64_t quota_bytes = int64_t{256} << 30;
+  // Uploads stored and in progress.
+  int max_uploads = 1000;
+};
 
 // Thread-safe; uploads proceed concurrently.
 class UploadStore {
  public:
-  // Creates DIR (and removes the .tmp leftovers of interrupted uploads).
-  static absl::StatusOr<std::unique_ptr<UploadStore>> Open(const std::string& dir);
+  using Limits = UploadLimits;
 
-  // One upload in progress; Add chunks in order, then Finish.
+  // Creates DIR (and removes the .tmp leftovers of interrupted uploads).
+  static absl::StatusOr<std::unique_ptr<UploadStore>> Open(const std::string& dir, Limits limits = Limits(),
+                                                           Clock* clock = Clock::Real());
+  ~UploadStore();
+
+  // One upload in progress; Add chunks in order, then Finish. A Writer must
+  // not outlive its store.
   class Writer {
    public:
     ~Writer();  // an unfinished upload is removed
-    // INVALID_ARGUMENT for a bad file name or a chunk out of order.
+    // INVALID_ARGUMENT for a bad file name or a chunk out of order;
+    // RESOURCE_EXHAUSTED once the store's quota is spent.
     absl::Status Add(const v1::ModelChunk& chunk);
-    // Publishes the upload. INVALID_ARGUMENT if no file came.
+    // Publishes the upload, or returns the stored one with the same content
+    // (deduplicated). INVALID_ARGUMENT if no file came.
     absl::StatusOr<v1::UploadModelResponse> Finish();
 
    private:
     friend class UploadStore;
-    Writer(std::string id, std::string tmp, std::string final_dir)
-        : id_(std::move(id)), tmp_(std::move(tmp)), final_(std::move(final_dir)) {}
+    Writer(UploadStore* store, std::string id, std::string tmp, std::string final_dir);
+    UploadStore* const store_;
     const std::string id_, tmp_, final_;
     std::string file_;  // the file being written
     int64_t offset_ = 0;
@@ -44,18 +65,46 @@ class UploadStore {
     std::vector<std::string> files_;
     int64_t bytes_ = 0;
     bool finished_ = false;
+    struct Hash;
+    std::unique_ptr<Hash> hash_;  // over what came so far
   };
-  std::unique_ptr<Writer> Begin();
+  // RESOURCE_EXHAUSTED when max_uploads are stored or in progress.
+  absl::StatusOr<std::unique_ptr<Writer>> Begin();
 
   bool Exists(const std::string& upload_id) const;
   // The upload's directory; NOT_FOUND for an unknown or malformed id.
   absl::StatusOr<std::string> Path(const std::string& upload_id) const;
 
+  // Removes the uploads that no id in `in_use` names and that were made, or
+  // last seen in use, longer than `grace` ago; returns their ids.
+  std::vector<std::string> CollectGarbage(const std::set<std::string>& in_use, absl::Duration grace);
+
+  // Bytes of the stored uploads and of those in progress.
+  int64_t bytes() const;
+
  private:
-  explicit UploadStore(std::string dir, int64_t next) : dir_(std::move(dir)), next_(next) {}
+  struct Stored {
+    int64_t bytes = 0;
+    std::string sha256;
+    absl::Time last_used;
+  };
+  UploadStore(std::string dir, int64_t next, Limits limits, Clock* clock)
+      : dir_(std::move(dir)), limits_(limits), clock_(clock), next_(next) {}
+  // Reserves `n` more bytes for an upload in progress; RESOURCE_EXHAUSTED
+  // past the quota.
+  absl::Status Reserve(int64_t n);
+  void Release(int64_t n, bool writer_done);
+
   const std::string dir_;
+  const Limits limits_;
+  Clock* const clock_;
   mutable absl::Mutex mu_;
   int64_t next_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Stored> stored_ ABSL_GUARDED_BY(mu_);        // by upload id
+  std::map<std::string, std::string> by_sha_ ABSL_GUARDED_BY(mu_);  // sha256 -> upload id
+  int64_t stored_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of uploads in progress
+  int writers_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace colod

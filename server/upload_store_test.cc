@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "gtest/gtest.h"
+#include "common/clock.h"
 
 namespace colod {
 namespace {
@@ -16,6 +17,12 @@ v1::ModelChunk Chunk(const std::string& file, int64_t offset, const std::string&
   c.set_offset(offset);
   c.set_data(data);
   return c;
+}
+
+std::unique_ptr<UploadStore::Writer> Begin(UploadStore& store) {
+  auto w = store.Begin();
+  EXPECT_TRUE(w.ok()) << w.status();
+  return w.ok() ? std::move(*w) : nullptr;
 }
 
 std::string Read(const std::string& path) {
@@ -29,7 +36,7 @@ TEST(UploadStore, WritesFilesFromOrderedChunksAndPublishesWhole) {
   const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads";
   auto store = UploadStore::Open(dir);
   ASSERT_TRUE(store.ok()) << store.status();
-  auto w = (*store)->Begin();
+  auto w = Begin(**store);
   ASSERT_TRUE(w->Add(Chunk("config.json", 0, "{}")).ok());
   ASSERT_TRUE(w->Add(Chunk("model.safetensors", 0, "abc")).ok());
   ASSERT_TRUE(w->Add(Chunk("model.safetensors", 3, "def")).ok());
@@ -42,7 +49,7 @@ TEST(UploadStore, WritesFilesFromOrderedChunksAndPublishesWhole) {
   EXPECT_EQ(Read(dir + "/upload-000001/model.safetensors"), "abcdef");
 
   // Out of order, a path, a file again: refused; the broken upload leaves nothing.
-  auto bad = (*store)->Begin();
+  auto bad = Begin(**store);
   ASSERT_TRUE(bad->Add(Chunk("a.safetensors", 0, "x")).ok());
   EXPECT_EQ(bad->Add(Chunk("a.safetensors", 5, "y")).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad->Add(Chunk("../evil", 0, "y")).code(), absl::StatusCode::kInvalidArgument);
@@ -52,16 +59,113 @@ TEST(UploadStore, WritesFilesFromOrderedChunksAndPublishesWhole) {
   bad.reset();
   EXPECT_FALSE((*store)->Exists("upload-000002"));
   EXPECT_FALSE(std::filesystem::exists(dir + "/upload-000002.tmp"));
-  EXPECT_EQ((*store)->Begin()->Finish().status().code(), absl::StatusCode::kInvalidArgument);  // no files
+  EXPECT_EQ(Begin(**store)->Finish().status().code(), absl::StatusCode::kInvalidArgument);  // no files
 
   // Reopened, it knows its uploads and numbers on after them.
   auto again = UploadStore::Open(dir);
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE((*again)->Exists("upload-000001"));
   EXPECT_EQ((*again)->Path("../etc").status().code(), absl::StatusCode::kNotFound);
-  auto next = (*again)->Begin();
+  auto next = Begin(**again);
   ASSERT_TRUE(next->Add(Chunk("model.safetensors", 0, "q")).ok());
   EXPECT_EQ(next->Finish()->upload_id(), "upload-000002");  // failed uploads left no id behind
+}
+
+// The probe: 81 submits of one model stored 81 copies. The same
+// files are stored once (SHA-256 over names, sizes and bytes), across a
+// reopen too; different files or names are not the same upload.
+TEST(UploadStore, IdenticalUploadsAreStoredOnce) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-dedupe";
+  std::filesystem::remove_all(dir);
+  auto upload = [](UploadStore& store, const std::string& name, const std::string& data) {
+    auto w = Begin(store);
+    EXPECT_TRUE(w->Add(Chunk("config.json", 0, "{}")).ok());
+    EXPECT_TRUE(w->Add(Chunk(name, 0, data.substr(0, 2))).ok());
+    EXPECT_TRUE(w->Add(Chunk(name, 2, data.substr(2))).ok());
+    auto done = w->Finish();
+    EXPECT_TRUE(done.ok()) << done.status();
+    return *done;
+  };
+  {
+    auto store = UploadStore::Open(dir);
+    ASSERT_TRUE(store.ok());
+    const v1::UploadModelResponse first = upload(**store, "model.safetensors", "weights");
+    EXPECT_FALSE(first.deduplicated());
+    EXPECT_EQ(first.sha256().size(), 64u);
+    for (int i = 0; i < 5; ++i) {
+      const v1::UploadModelResponse again = upload(**store, "model.safetensors", "weights");
+      EXPECT_TRUE(again.deduplicated());
+      EXPECT_EQ(again.upload_id(), first.upload_id());
+      EXPECT_EQ(again.sha256(), first.sha256());
+    }
+    EXPECT_EQ((*store)->bytes(), 9);  // one copy
+    EXPECT_FALSE(upload(**store, "model.safetensors", "weightz").deduplicated());
+    EXPECT_FALSE(upload(**store, "other.safetensors", "weights").deduplicated());
+    int dirs = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) dirs += e.is_directory();
+    EXPECT_EQ(dirs, 3);
+  }
+  auto reopened = UploadStore::Open(dir);
+  ASSERT_TRUE(reopened.ok());
+  EXPECT_EQ((*reopened)->bytes(), 27);
+  EXPECT_EQ(upload(**reopened, "model.safetensors", "weights").upload_id(), "upload-000001");
+}
+
+TEST(UploadStore, QuotasRefuseAndReleaseBytesAndCount) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-quota";
+  std::filesystem::remove_all(dir);
+  UploadLimits limits;
+  limits.quota_bytes = 10;
+  limits.max_uploads = 2;
+  auto store = UploadStore::Open(dir, limits);
+  ASSERT_TRUE(store.ok());
+  auto a = Begin(**store);
+  ASSERT_TRUE(a->Add(Chunk("m.safetensors", 0, "12345678")).ok());
+  auto b = Begin(**store);
+  const absl::Status over = b->Add(Chunk("m.safetensors", 0, "abcde"));
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(over.message().find("--upload-quota"), std::string::npos) << over;
+  EXPECT_EQ((*store)->Begin().status().code(), absl::StatusCode::kResourceExhausted);  // 2 in progress
+  b.reset();  // abandoned: its count and bytes come back
+  ASSERT_TRUE(a->Finish().ok());
+  EXPECT_EQ((*store)->bytes(), 8);
+  auto c = Begin(**store);
+  EXPECT_TRUE(c->Add(Chunk("n.safetensors", 0, "xy")).ok());
+  EXPECT_EQ(c->Add(Chunk("n.safetensors", 2, "z")).code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(UploadStore, UploadsNoJobNamesAreCollectedAfterTheirGrace) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-gc";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  auto store = UploadStore::Open(dir, UploadLimits(), &clock);
+  ASSERT_TRUE(store.ok());
+  std::vector<std::string> ids;
+  for (const char* data : {"aaa", "bbb", "ccc"}) {
+    auto w = Begin(**store);
+    ASSERT_TRUE(w->Add(Chunk("m.safetensors", 0, data)).ok());
+    ids.push_back(w->Finish()->upload_id());
+  }
+  clock.Advance(absl::Minutes(30));
+  EXPECT_TRUE((*store)->CollectGarbage({}, absl::Hours(1)).empty());  // within the grace
+  clock.Advance(absl::Minutes(45));
+  // ids[0] is named by a job: kept, and its grace starts again.
+  EXPECT_EQ((*store)->CollectGarbage({ids[0]}, absl::Hours(1)), (std::vector<std::string>{ids[1], ids[2]}));
+  EXPECT_FALSE((*store)->Exists(ids[1]));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/" + ids[1]));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/" + ids[1] + ".sha256"));
+  EXPECT_EQ((*store)->bytes(), 3);
+  clock.Advance(absl::Minutes(59));
+  EXPECT_TRUE((*store)->CollectGarbage({}, absl::Hours(1)).empty());
+  clock.Advance(absl::Minutes(2));
+  EXPECT_EQ((*store)->CollectGarbage({}, absl::Hours(1)), std::vector<std::string>{ids[0]});
+  EXPECT_EQ((*store)->bytes(), 0);
+  // Collected content uploads anew.
+  auto w = Begin(**store);
+  ASSERT_TRUE(w->Add(Chunk("m.safetensors", 0, "bbb")).ok());
+  auto again = w->Finish();
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->deduplicated());
 }
 
 }  // namespace
