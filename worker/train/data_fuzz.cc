@@ -1,0 +1,46 @@
+// Token data files on arbitrary bytes, in every format (the first byte
+// picks it: uint16 .bin, uint32, .npy, text): TokenCorpus::Open refuses
+// them, or every token reads and lies in its format's range, and a sampler
+// over the corpus yields batches inside it.
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include "worker/train/data.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  using colod::train::DataFormat;
+  const DataFormat formats[] = {DataFormat::kU16, DataFormat::kU32, DataFormat::kNpy, DataFormat::kText};
+  const DataFormat format = formats[data[0] % 4];
+  static const std::string path = [] {
+    const char* dir = std::getenv("TEST_TMPDIR");
+    return std::string(dir != nullptr ? dir : "/tmp") + "/fuzz-" + std::to_string(::getpid()) + ".tokens";
+  }();
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(data + 1), static_cast<std::streamsize>(size - 1));
+  }
+  auto corpus = colod::train::TokenCorpus::Open(path, format);
+  if (!corpus.ok()) return 0;
+  const int64_t n = (*corpus)->size();
+  if (n < 1) std::abort();  // an empty corpus is refused
+  const int64_t limit = format == DataFormat::kU16 ? (int64_t{1} << 16) : format == DataFormat::kU32 ? (int64_t{1} << 32)
+                        : format == DataFormat::kText ? 257 : INT64_MAX;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = (*corpus)->token(i);
+    if (format != DataFormat::kNpy && (t < 0 || t >= limit)) std::abort();
+  }
+  auto window = (*corpus)->Window(0, n);
+  if (!window.ok() || window->numel() != n) std::abort();
+  if ((*corpus)->Window(n - 1, 2).ok()) std::abort();  // past the end
+  auto sampler = colod::train::BatchSampler::Create(n, 1, 2, 1, 7);
+  if (sampler.ok()) {
+    colod::Tensor inputs, labels;
+    if (!sampler->Batch(**corpus, 3, 0, &inputs, &labels).ok()) std::abort();
+  }
+  return 0;
+}
