@@ -1,8 +1,11 @@
 // A worker daemon against a real coordinator over loopback gRPC.
 #include "worker/daemon/worker_daemon.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 
 #include "absl/strings/match.h"
 #include "client/coordinator_client.h"
@@ -220,6 +223,65 @@ TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
                                        "parameters"))
       << error;
   EXPECT_TRUE(absl::StrContains(error, "this worker has 0.06 GiB")) << error;
+}
+
+int64_t RssBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+
+// The process' peak RSS since the last reset (VmHWM).
+int64_t PeakRssBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // kB
+  }
+  return 0;
+}
+
+// The issue's probe: a job that fails after building a large model leaves
+// the worker's memory where it was (the freed memory goes back to the
+// system, not only to the allocator).
+TEST(WorkerDaemon, AFailedRankGivesItsMemoryBack) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-rss");
+  ASSERT_NE(coordinator, nullptr);
+  const std::string dir = testing::TempPath("rss-model");
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/model.safetensors") << std::string("\x02\0\0\0\0\0\0\0{}", 10);  // holds no tensor
+  JobRunner::Options ro;
+  ro.work_dir = testing::TempPath("runner-rss");
+  ro.coordinator = v1::CoordinatorService::NewStub(
+      grpc::CreateChannel(coordinator->address(), grpc::InsecureChannelCredentials()));
+  JobRunner runner(ro);
+  v1::AssignJobRequest assign;
+  assign.set_job_id("job-454545");
+  assign.set_generation(1);
+  assign.set_rank(0);
+  assign.set_rendezvous_scope("job-454545/gen-1");
+  assign.mutable_mesh()->set_world_size(1);
+  v1::JobSpec& spec = *assign.mutable_spec();
+  spec = MidSizeTrainSpec();
+  // As deep as a config may be: its module tree is many small allocations.
+  spec.mutable_model()->set_config_json(
+      R"({"model_type": "gpt2", "vocab_size": 64, "n_embd": 16, "n_layer": 4096, "n_head": 4, "n_positions": 64})");
+  spec.mutable_model()->set_weights_path(dir + "/model.safetensors");
+  // The peak is the kernel's high-water mark, reset here ("5" to
+  // clear_refs), so that no sampling can miss it.
+  std::ofstream("/proc/self/clear_refs") << "5";
+  const int64_t before = RssBytes();
+  ASSERT_TRUE(runner.Assign(assign).ok());
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(60)));
+  const int64_t after = RssBytes();
+  const int64_t peak = PeakRssBytes();
+  const std::string error = runner.Status().last_error();
+  EXPECT_FALSE(error.empty());
+  std::printf("failed rank: RSS %.1f MiB before, %.1f MiB at its peak, %.1f MiB after (%s)\n", before / 1048576.0,
+              peak / 1048576.0, after / 1048576.0, error.c_str());
+  ASSERT_GT(peak - before, int64_t{16} << 20) << "the rank allocated too little to tell";
+  EXPECT_LT(after - before, (peak - before) / 4 + (int64_t{8} << 20)) << "the failed rank kept its memory";
 }
 
 // The issue's probe: a client names /etc/shadow as training data. A worker
