@@ -38,33 +38,16 @@ inline std::optional<int64_t> CheckedAdd(int64_t a, int64_t b) {
   return r;
 }
 
-// The number of elements of a shape: the product of `dims` (1 for none).
-// nullopt for a negative dim, or when the product of the non-zero dims
-// overflows int64 (an empty shape like (2^62, 16, 0) is refused too: code
-// that flattens leading dims would overflow on it).
-inline std::optional<int64_t> CheckedProduct(absl::Span<const int64_t> dims) {
-  int64_t nonzero = 1;
-  bool empty = false;
-  for (int64_t d : dims) {
-    if (d < 0) return std::nullopt;
-    if (d == 0) {
-      empty = true;
-      continue;
-    }
-    const std::optional<int64_t> p = CheckedMul(nonzero, d);
-    if (!p.has_value()) return std::nullopt;
-    nonzero = *p;
-  }
-  return empty ? 0 : nonzero;
-}
-
-// The bytes of a shape of `element_bytes`-byte elements (>= 1): as
-// CheckedProduct, and nullopt also when the non-zero dims' bytes overflow.
+// The bytes of a shape of `element_bytes`-byte elements (>= 1): nullopt
+// for a negative dim, or when the product of the non-zero dims (times the
+// element size) overflows int64. An empty shape like (2^62, 16, 0) is
+// refused too: code that flattens leading dims would overflow on it.
 inline std::optional<int64_t> CheckedBytes(absl::Span<const int64_t> dims, int64_t element_bytes) {
-  if (element_bytes < 1 || !CheckedProduct(dims).has_value()) return std::nullopt;
+  if (element_bytes < 1) return std::nullopt;
   int64_t bytes = element_bytes;
   bool empty = false;
   for (int64_t d : dims) {
+    if (d < 0) return std::nullopt;
     if (d == 0) {
       empty = true;
       continue;
@@ -75,6 +58,10 @@ inline std::optional<int64_t> CheckedBytes(absl::Span<const int64_t> dims, int64
   }
   return empty ? 0 : bytes;
 }
+
+// The number of elements of a shape: the product of `dims` (1 for none),
+// refused as CheckedBytes refuses.
+inline std::optional<int64_t> CheckedProduct(absl::Span<const int64_t> dims) { return CheckedBytes(dims, 1); }
 
 }  // namespace colod
 

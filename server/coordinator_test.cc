@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/grpc_probe.h"
+#include "tests/testing/job_specs.h"
 #include "tests/testing/prometheus_text.h"
 
 namespace colod {
@@ -175,16 +176,7 @@ TEST_F(CoordinatorTest, JobsAreValidatedAndWatchable) {
 // model no registered worker has the memory for is refused at submit with
 // the need and the capacity, and accepted while no worker is registered.
 TEST_F(CoordinatorTest, SubmitRefusesModelsNoWorkerCanHold) {
-  v1::JobSpec spec;
-  spec.set_kind(v1::JOB_KIND_TRAIN);
-  spec.mutable_model()->set_weights_path("/models/gpt2-tiny");
-  spec.mutable_train()->set_steps(1);
-  spec.mutable_train()->set_batch_size(2);
-  spec.mutable_train()->set_seq_len(16);
-  spec.mutable_train()->set_learning_rate(1e-3);
-  spec.mutable_train()->set_data_path("/usr/share/common-licenses/GPL-3");
-  spec.mutable_shard()->set_tensor_parallel_size(2);
-  spec.mutable_shard()->set_data_parallel_size(1);
+  v1::JobSpec spec = testing::TinyTrainSpec(2, 1);
   spec.mutable_model()->set_config_json(
       R"({"model_type": "gpt2", "vocab_size": 50, "n_embd": 16, "n_layer": 1000000000, "n_head": 4, "n_positions": 16})");
   auto deep = client_->SubmitJob(spec);
@@ -221,10 +213,7 @@ TEST_F(CoordinatorTest, SubmitRefusesModelsNoWorkerCanHold) {
 // gRPC message for everyone. Names and labels are bounded, and ListJobs
 // pages and sends summaries unless asked for whole jobs.
 TEST_F(CoordinatorTest, ListJobsPagesSummariesAndNamesAreBounded) {
-  v1::JobSpec tensor;
-  tensor.set_kind(v1::JOB_KIND_TENSOR);
-  tensor.mutable_shard()->set_tensor_parallel_size(1);
-  tensor.mutable_shard()->set_data_parallel_size(1);
+  v1::JobSpec tensor = testing::TensorJobSpec();
   v1::JobSpec huge = tensor;
   huge.set_name(std::string(2500000, 'n'));
   auto refused = client_->SubmitJob(huge);
@@ -239,18 +228,7 @@ TEST_F(CoordinatorTest, ListJobsPagesSummariesAndNamesAreBounded) {
   EXPECT_EQ(client_->SubmitJob(huge).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client_->SubmitJob(tensor, std::string(257, 'r')).status().code(), absl::StatusCode::kInvalidArgument);
 
-  v1::JobSpec train;
-  train.set_kind(v1::JOB_KIND_TRAIN);
-  train.mutable_model()->set_config_json(
-      R"({"model_type": "gpt2", "vocab_size": 257, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64})");
-  train.mutable_model()->set_weights_path("/models/gpt2-tiny");
-  train.mutable_train()->set_steps(1);
-  train.mutable_train()->set_batch_size(2);
-  train.mutable_train()->set_seq_len(16);
-  train.mutable_train()->set_learning_rate(1e-3);
-  train.mutable_train()->set_data_path("/usr/share/common-licenses/GPL-3");
-  train.mutable_shard()->set_tensor_parallel_size(1);
-  train.mutable_shard()->set_data_parallel_size(1);
+  const v1::JobSpec train = testing::TinyTrainSpec();
   ASSERT_TRUE(client_->SubmitJob(train).ok());
   for (int i = 0; i < 249; ++i) {
     tensor.set_name(absl::StrCat("t", i));
@@ -317,11 +295,7 @@ TEST(CoordinatorStart, WatchStreamsAreBounded) {
   ASSERT_TRUE(c.ok()) << c.status();
   auto client = CoordinatorClient::Create((*c)->address());
   ASSERT_TRUE(client.ok());
-  v1::JobSpec tensor;
-  tensor.set_kind(v1::JOB_KIND_TENSOR);
-  tensor.mutable_shard()->set_tensor_parallel_size(1);
-  tensor.mutable_shard()->set_data_parallel_size(1);
-  auto job = (*client)->SubmitJob(tensor);  // no worker: it stays PENDING and its watches open
+  auto job = (*client)->SubmitJob(testing::TensorJobSpec());  // no worker: it stays PENDING and its watches open
   ASSERT_TRUE(job.ok()) << job.status();
   struct Watch {
     grpc::ClientContext ctx;

@@ -15,6 +15,7 @@
 #include "tests/testing/temp_dir.h"
 #include "server/coordinator.h"
 #include "tests/testing/grpc_probe.h"
+#include "tests/testing/job_specs.h"
 #include "tests/testing/prometheus_text.h"
 
 namespace colod {
@@ -167,19 +168,32 @@ TEST(WorkerDaemon, RejectsBadOptions) {
 
 // A GPT-2 with 9,799,168 parameters: 149.5 MiB a rank with AdamW at tp 1.
 v1::JobSpec MidSizeTrainSpec() {
-  v1::JobSpec spec;
-  spec.set_kind(v1::JOB_KIND_TRAIN);
-  spec.mutable_model()->set_config_json(
-      R"({"model_type": "gpt2", "vocab_size": 1000, "n_embd": 256, "n_layer": 12, "n_head": 4, "n_positions": 256})");
+  v1::JobSpec spec = testing::TinyTrainSpec(
+      1, 1, R"({"model_type": "gpt2", "vocab_size": 1000, "n_embd": 256, "n_layer": 12, "n_head": 4, "n_positions": 256})");
   spec.mutable_model()->set_weights_path("/nonexistent/model.safetensors");
-  spec.mutable_train()->set_steps(1);
-  spec.mutable_train()->set_batch_size(1);
-  spec.mutable_train()->set_seq_len(8);
-  spec.mutable_train()->set_learning_rate(1e-3);
-  spec.mutable_train()->set_data_path("/usr/share/common-licenses/GPL-3");
-  spec.mutable_shard()->set_tensor_parallel_size(1);
-  spec.mutable_shard()->set_data_parallel_size(1);
   return spec;
+}
+
+// Rank 0 of a one-rank job `job_id` running `spec`, as the coordinator
+// assigns it.
+v1::AssignJobRequest RankZero(const std::string& job_id, const v1::JobSpec& spec) {
+  v1::AssignJobRequest assign;
+  assign.set_job_id(job_id);
+  assign.set_generation(1);
+  assign.set_rank(0);
+  assign.set_rendezvous_scope(job_id + "/gen-1");
+  assign.mutable_mesh()->set_world_size(1);
+  *assign.mutable_spec() = spec;
+  return assign;
+}
+
+// A JobRunner's options against `coordinator`, working in TEST_TMPDIR/`name`.
+JobRunner::Options RunnerOptions(const Coordinator& coordinator, const std::string& name) {
+  JobRunner::Options ro;
+  ro.work_dir = testing::TempPath(name);
+  ro.coordinator = v1::CoordinatorService::NewStub(
+      grpc::CreateChannel(coordinator.address(), grpc::InsecureChannelCredentials()));
+  return ro;
 }
 
 TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
@@ -203,20 +217,10 @@ TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
       << refused.status();
 
   // A rank sent anyway (an older coordinator) refuses before it allocates.
-  JobRunner::Options ro;
-  ro.work_dir = testing::TempPath("runner-memory");
-  ro.coordinator = v1::CoordinatorService::NewStub(
-      grpc::CreateChannel(coordinator->address(), grpc::InsecureChannelCredentials()));
+  JobRunner::Options ro = RunnerOptions(*coordinator, "runner-memory");
   ro.memory_bytes = int64_t{64} << 20;
   JobRunner runner(ro);
-  v1::AssignJobRequest assign;
-  assign.set_job_id("job-424242");
-  assign.set_generation(1);
-  assign.set_rank(0);
-  assign.set_rendezvous_scope("job-424242/gen-1");
-  assign.mutable_mesh()->set_world_size(1);
-  *assign.mutable_spec() = MidSizeTrainSpec();
-  ASSERT_TRUE(runner.Assign(assign).ok());
+  ASSERT_TRUE(runner.Assign(RankZero("job-424242", MidSizeTrainSpec())).ok());
   ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
   const std::string error = runner.Status().last_error();
   EXPECT_TRUE(absl::StrContains(error, "RESOURCE_EXHAUSTED: the model needs at least 0.15 GiB per rank (9799168 "
@@ -251,19 +255,9 @@ TEST(WorkerDaemon, AFailedRankGivesItsMemoryBack) {
   const std::string dir = testing::TempPath("rss-model");
   std::filesystem::create_directories(dir);
   std::ofstream(dir + "/model.safetensors") << std::string("\x02\0\0\0\0\0\0\0{}", 10);  // holds no tensor
-  JobRunner::Options ro;
-  ro.work_dir = testing::TempPath("runner-rss");
-  ro.coordinator = v1::CoordinatorService::NewStub(
-      grpc::CreateChannel(coordinator->address(), grpc::InsecureChannelCredentials()));
-  JobRunner runner(ro);
-  v1::AssignJobRequest assign;
-  assign.set_job_id("job-454545");
-  assign.set_generation(1);
-  assign.set_rank(0);
-  assign.set_rendezvous_scope("job-454545/gen-1");
-  assign.mutable_mesh()->set_world_size(1);
+  JobRunner runner(RunnerOptions(*coordinator, "runner-rss"));
+  v1::AssignJobRequest assign = RankZero("job-454545", MidSizeTrainSpec());
   v1::JobSpec& spec = *assign.mutable_spec();
-  spec = MidSizeTrainSpec();
   // As deep as a config may be: its module tree is many small allocations.
   spec.mutable_model()->set_config_json(
       R"({"model_type": "gpt2", "vocab_size": 64, "n_embd": 16, "n_layer": 4096, "n_head": 4, "n_positions": 64})");
@@ -295,21 +289,12 @@ TEST(WorkerDaemon, ARankNamingAPathOutsideTheAllowedOnesIsRefused) {
   bad.allow_paths = {"relative"};
   EXPECT_EQ(WorkerDaemon::Start(bad).status().code(), absl::StatusCode::kInvalidArgument);
 
-  JobRunner::Options ro;
-  ro.work_dir = testing::TempPath("runner-paths");
-  ro.coordinator = v1::CoordinatorService::NewStub(
-      grpc::CreateChannel(coordinator->address(), grpc::InsecureChannelCredentials()));
+  JobRunner::Options ro = RunnerOptions(*coordinator, "runner-paths");
   auto policy = PathPolicy::Create({allowed});
   ASSERT_TRUE(policy.ok()) << policy.status();
   ro.paths = *policy;
   JobRunner runner(ro);
-  v1::AssignJobRequest assign;
-  assign.set_job_id("job-434343");
-  assign.set_generation(1);
-  assign.set_rank(0);
-  assign.set_rendezvous_scope("job-434343/gen-1");
-  assign.mutable_mesh()->set_world_size(1);
-  *assign.mutable_spec() = MidSizeTrainSpec();
+  v1::AssignJobRequest assign = RankZero("job-434343", MidSizeTrainSpec());
   assign.mutable_spec()->mutable_model()->set_weights_path(allowed + "/model.safetensors");
   assign.mutable_spec()->mutable_train()->set_data_path("/etc/shadow");
   ASSERT_TRUE(runner.Assign(assign).ok());
