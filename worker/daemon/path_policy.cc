@@ -40,6 +40,10 @@ absl::StatusOr<PathPolicy> PathPolicy::Create(const std::vector<std::string>& ro
 }
 
 absl::Status PathPolicy::Check(absl::string_view field, const std::string& path) const {
+  if (path.find('\0') != std::string::npos) {
+    // The check would see one path and open() another (the bytes before it).
+    return absl::PermissionDeniedError(absl::StrCat(field, ": the path holds a NUL byte"));
+  }
   if (unrestricted() || path.empty()) return absl::OkStatus();
   std::error_code ec;
   // The parts that exist are resolved through their links; the rest (an

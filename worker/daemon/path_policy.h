@@ -31,7 +31,8 @@ class PathPolicy {
   // OK when `path`, resolved as the worker would open it (relative to its
   // working directory, through symbolic links and ".." of the parts that
   // exist), is a root or lies under one. PERMISSION_DENIED naming `field`,
-  // the path and the roots otherwise.
+  // the path and the roots otherwise, and for a path holding a NUL byte
+  // (even with no roots: open() would stop at it).
   absl::Status Check(absl::string_view field, const std::string& path) const;
 
   // Every path `spec` names (empty ones are not paths).

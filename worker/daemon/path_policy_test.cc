@@ -47,6 +47,11 @@ TEST_F(PathPolicyTest, OnlyPathsUnderARootAreAllowed) {
     EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << bad;
     EXPECT_NE(s.message().find("spec.train.data_path: '" + bad + "' is outside"), std::string::npos) << s;
   }
+  // A NUL byte would make the check and open() see different paths; refused
+  // even with no roots.
+  const std::string nul = base_ + "/data/x" + std::string(1, '\0') + "/../../outside/secret";
+  EXPECT_EQ(policy_.Check("f", nul).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(PathPolicy().Check("f", nul).code(), absl::StatusCode::kPermissionDenied);
   // Relative paths are the worker's working directory's.
   const fs::path cwd = fs::current_path();
   fs::current_path(base_ + "/data");
