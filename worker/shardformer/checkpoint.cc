@@ -144,7 +144,8 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) 
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir) {
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(absl::StrCat(dir, "/", kCheckpointIndex)));
   const Json index = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (index.is_discarded() || !index.is_object() || index.value("format", "") != kFormat ||
+  if (index.is_discarded() || !index.is_object() || !index.contains("format") || !index["format"].is_string() ||
+      index["format"].get<std::string>() != kFormat ||
       !index.contains("tensors") || !index["tensors"].is_object()) {
     return Damaged(dir, absl::StrCat(kCheckpointIndex, " is not a ", kFormat, " index"));
   }

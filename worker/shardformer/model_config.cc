@@ -32,6 +32,14 @@ absl::StatusOr<int64_t> Int(const Json& j, const std::string& what, const std::s
   return j[field].get<int64_t>();
 }
 
+// A boolean field; `fallback` if it is absent or null. (json::value() would
+// throw on a number, and end the coordinator: model_config_fuzz found it.)
+absl::StatusOr<bool> Bool(const Json& j, const std::string& what, const std::string& field, bool fallback) {
+  if (!j.contains(field) || j[field].is_null()) return fallback;
+  if (!j[field].is_boolean()) return Field(what, field, "must be true or false");
+  return j[field].get<bool>();
+}
+
 absl::StatusOr<double> Num(const Json& j, const std::string& what, const std::string& field, double fallback) {
   if (!j.contains(field) || j[field].is_null()) return fallback;
   if (!j[field].is_number() || j[field].get<double>() <= 0) return Field(what, field, "must be a positive number");
@@ -77,7 +85,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "rms_norm_eps", 1e-6));
     ASSIGN_OR_RETURN(c.rope_theta, Num(j, what, "rope_theta", 10000));
     ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "silu"));
-    c.tie_word_embeddings = j.value("tie_word_embeddings", false);
+    ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", false));
   } else if (c.model_type == "bert") {
     ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
     ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "hidden_size"));

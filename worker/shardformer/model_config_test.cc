@@ -61,6 +61,15 @@ TEST(ModelConfig, ParameterCountsMatchTheTensorsOfWrittenModels) {
   }
 }
 
+// Found by model_config_fuzz: a boolean field given as a number threw out
+// of the parser (and so out of the coordinator's SubmitJob).
+TEST(ModelConfig, BooleanFieldsMustBeBooleans) {
+  auto c = ParseModelConfig(R"({"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+      "num_hidden_layers": 1, "num_attention_heads": 4, "tie_word_embeddings": 32})");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("tie_word_embeddings"), std::string::npos) << c.status();
+}
+
 TEST(ModelConfig, HugeModelsAreRefusedBeforeAnythingIsBuilt) {
   // The issue's config: a billion layers beside tiny weights.
   auto deep = ParseModelConfig(R"({"model_type":"gpt2","vocab_size":50,"n_positions":16,"n_embd":16,

@@ -37,6 +37,15 @@ Json LayoutJson(const v1::ShardConfig& l) {
           {"sequence_parallel", l.sequence_parallel()}};
 }
 
+// An integer field of `j` (read from `where`); INVALID_ARGUMENT for a
+// missing one or another type (a damaged file, never an exception).
+absl::StatusOr<int64_t> IntField(const Json& j, const char* name, const std::string& where) {
+  if (!j.contains(name) || !j[name].is_number_integer()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", name, " is not an integer"));
+  }
+  return j[name].get<int64_t>();
+}
+
 absl::StatusOr<Json> ReadJson(const std::string& path) {
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
@@ -48,10 +57,10 @@ absl::StatusOr<Json> ReadJson(const std::string& path) {
 absl::Status Validate(const std::string& step_dir) {
   ASSIGN_OR_RETURN(Json state, ReadJson(step_dir + "/" + kState));
   ASSIGN_OR_RETURN(Json index, ReadJson(absl::StrCat(step_dir, "/", shardformer::kCheckpointIndex)));
-  if (!state.contains("step") || !state.contains("world_size")) {
-    return absl::InvalidArgumentError(absl::StrCat(step_dir, "/", kState, " lacks step or world_size"));
-  }
-  const int world = state["world_size"].get<int>();
+  const std::string where = absl::StrCat(step_dir, "/", kState);
+  RETURN_IF_ERROR(IntField(state, "step", where).status());
+  ASSIGN_OR_RETURN(const int64_t world, IntField(state, "world_size", where));
+  if (world < 1 || world > 65536) return absl::InvalidArgumentError(absl::StrCat(where, ": world_size ", world));
   for (int r = 0; r < world; ++r) {
     for (const std::string& name :
          {absl::StrFormat("rank-%05d-of-%05d.safetensors", r, world), OptimFile(r, world)}) {
@@ -120,11 +129,12 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector
 
 absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(Json state, ReadJson(checkpoint + "/" + kState));
-  if (!state.contains("step") || !state.contains("seed")) {
-    return absl::InvalidArgumentError(absl::StrCat(checkpoint, "/", kState, " lacks step or seed"));
-  }
+  const std::string where = absl::StrCat(checkpoint, "/", kState);
   Resumed r;
-  r.step = state["step"].get<int64_t>();
+  ASSIGN_OR_RETURN(r.step, IntField(state, "step", where));
+  if (!state.contains("seed") || !state["seed"].is_number_unsigned()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": seed is not an unsigned integer"));
+  }
   r.seed = state["seed"].get<uint64_t>();
   return r;
 }
@@ -176,11 +186,10 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
     ASSIGN_OR_RETURN(Tensor value, optim->Read(name));
     RETURN_IF_ERROR(t.CopyFrom(value));
   }
-  optimizer.set_steps(state["optimizer_steps"].get<int64_t>());
-  Resumed r;
-  r.step = state["step"].get<int64_t>();
-  r.seed = state["seed"].get<uint64_t>();
-  return r;
+  const std::string where = absl::StrCat(checkpoint, "/", kState);
+  ASSIGN_OR_RETURN(const int64_t optimizer_steps, IntField(state, "optimizer_steps", where));
+  optimizer.set_steps(optimizer_steps);
+  return ReadTrainState(checkpoint);
 }
 
 }  // namespace colod::train

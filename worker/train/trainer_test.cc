@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 
 #include "gtest/gtest.h"
 #include "kernels/device.h"
@@ -144,12 +145,21 @@ TEST(Trainer, AnInterruptedRunResumesWithTheSameLossesBitwise) {
   const std::string damaged = TempPath("ck_full") + "/step-000010/rank-00001-of-00004.safetensors";
   std::filesystem::resize_file(damaged, std::filesystem::file_size(damaged) - 100);
   std::filesystem::create_directories(TempPath("ck_full") + "/step-000015.tmp");
+  // And a newer one whose state file has the wrong types: skipped, not an
+  // exception out of the worker.
+  std::filesystem::create_directories(TempPath("ck_full") + "/step-000012");
+  std::filesystem::copy_file(TempPath("ck_full") + "/step-000005/colod_checkpoint.json",
+                             TempPath("ck_full") + "/step-000012/colod_checkpoint.json");
+  std::ofstream(TempPath("ck_full") + "/step-000012/train_state.json")
+      << R"({"step": 12, "world_size": "four", "seed": 7})";
   std::vector<std::string> skipped;
   auto latest = LatestCheckpoint(TempPath("ck_full"), &skipped);
   ASSERT_TRUE(latest.ok()) << latest.status();
   EXPECT_EQ(*latest, TempPath("ck_full") + "/step-000005");
-  ASSERT_EQ(skipped.size(), 1u);
-  EXPECT_NE(skipped[0].find("rank-00001-of-00004"), std::string::npos) << skipped[0];
+  ASSERT_EQ(skipped.size(), 2u);
+  EXPECT_NE(skipped[0].find("world_size is not an integer"), std::string::npos) << skipped[0];
+  EXPECT_NE(skipped[1].find("rank-00001-of-00004"), std::string::npos) << skipped[1];
+  std::filesystem::remove_all(TempPath("ck_full") + "/step-000012");
   TrainOptions again = full;
   again.save_dir.clear();
   again.resume_dir = TempPath("ck_full");
