@@ -75,6 +75,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     }
     c->owned_ = t.ToInt64s();
     c->size_ = static_cast<int64_t>(c->owned_.size());
+    if (c->size_ == 0) return absl::InvalidArgumentError(absl::StrCat(path, ": the array holds no tokens"));
     return c;
   }
   if (format == DataFormat::kText) {

@@ -56,6 +56,11 @@ TEST(TokenCorpus, OnlyNonEmptyRegularFiles) {
   const std::string fifo = TempPath("fifo.bin");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
   std::ofstream(TempPath("empty.txt")).flush();
+  // Not empty as a file, but an array of no tokens (found by data_fuzz).
+  ASSERT_TRUE(WriteNpy(TempPath("empty.npy"), *Tensor::FromInt64s({0}, {})).ok());
+  auto empty_array = TokenCorpus::Open(TempPath("empty.npy"), DataFormat::kNpy);
+  EXPECT_EQ(empty_array.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(empty_array.status().message().find("holds no tokens"), absl::string_view::npos) << empty_array.status();
   const struct {
     std::string path;
     std::string says;
