@@ -178,12 +178,11 @@ void Coordinator::UpdateGauges() {
 
 void Coordinator::SweepLoop() {
   const absl::Duration period = std::min(options_.heartbeat_interval, absl::Seconds(1));
-  // Expiring ended jobs walks every job: at most once a minute, or a tenth
-  // of the retention when that is shorter.
-  const absl::Duration expire_period =
-      options_.job_retention > absl::ZeroDuration()
-          ? std::min({absl::Minutes(1), options_.job_retention / 10, options_.upload_grace / 10})
-          : std::min(absl::Minutes(1), options_.upload_grace / 10);
+  // Expiring ended jobs and collecting uploads walk every job: at most once
+  // a minute, or a tenth of the retention or upload grace when shorter.
+  const absl::Duration retention =
+      options_.job_retention > absl::ZeroDuration() ? options_.job_retention : absl::InfiniteDuration();
+  const absl::Duration expire_period = std::min({absl::Minutes(1), retention / 10, options_.upload_grace / 10});
   absl::Time next_expiry = absl::Now();
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
