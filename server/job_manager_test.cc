@@ -376,11 +376,16 @@ TEST(ValidateJobSpec, RestartPolicy) {
   EXPECT_EQ(RestartLimitsOf(s).max_restarts, 0);  // set to 0: none, not the default
   s.mutable_restart()->set_max_restarts(101);
   ExpectInvalid(s, "spec.restart.max_restarts");
+  EXPECT_EQ(RestartLimitsOf(s).max_restarts, kMaxRestarts);  // a record no longer checked is bounded still
   s.mutable_restart()->set_max_restarts(-1);
   ExpectInvalid(s, "spec.restart.max_restarts");
+  EXPECT_EQ(RestartLimitsOf(s).max_restarts, 0);  // found by job_validation_fuzz
   s = TrainSpec();
   s.mutable_restart()->mutable_worker_wait()->set_seconds(-5);
   ExpectInvalid(s, "spec.restart.worker_wait");
+  s.mutable_restart()->mutable_worker_wait()->set_seconds(8 * 24 * 3600);
+  ExpectInvalid(s, "spec.restart.worker_wait");
+  EXPECT_EQ(RestartLimitsOf(s).worker_wait, kMaxWorkerWait);
   s.mutable_restart()->mutable_worker_wait()->set_seconds(30);
   EXPECT_TRUE(ValidateJobSpec(s).ok());
   EXPECT_EQ(RestartLimitsOf(s).worker_wait, absl::Seconds(30));

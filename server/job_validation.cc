@@ -153,8 +153,12 @@ RestartLimits RestartLimitsOf(const v1::JobSpec& spec) {
   RestartLimits l;
   const v1::RestartPolicy& r = spec.restart();
   l.max_restarts = r.has_max_restarts() ? r.max_restarts() : spec.kind() == v1::JOB_KIND_TENSOR ? 0 : 3;
+  // Within ValidateJobSpec's bounds whatever the spec says: a job record
+  // read back from disk was validated by an older build, or not at all.
+  l.max_restarts = std::clamp(l.max_restarts, 0, kMaxRestarts);
   l.worker_wait = FromProtoDuration(r.worker_wait());
   if (l.worker_wait <= absl::ZeroDuration()) l.worker_wait = absl::Minutes(5);
+  l.worker_wait = std::min(l.worker_wait, kMaxWorkerWait);
   return l;
 }
 
@@ -214,15 +218,16 @@ namespace {
 
 absl::Status ValidateRestartPolicy(const v1::JobSpec& spec) {
   const v1::RestartPolicy& r = spec.restart();
-  if (r.has_max_restarts() && (r.max_restarts() < 0 || r.max_restarts() > 100)) {
-    return Invalid("spec.restart", "max_restarts", absl::StrCat(r.max_restarts(), " is outside [0, 100]"));
+  if (r.has_max_restarts() && (r.max_restarts() < 0 || r.max_restarts() > kMaxRestarts)) {
+    return Invalid("spec.restart", "max_restarts",
+                   absl::StrCat(r.max_restarts(), " is outside [0, ", kMaxRestarts, "]"));
   }
   if (spec.kind() == v1::JOB_KIND_TENSOR && r.max_restarts() > 0) {
     return Invalid("spec.restart", "max_restarts",
                    "TENSOR jobs never restart (their tensors live in the ranks' memory); leave it unset or 0");
   }
   const google::protobuf::Duration& w = r.worker_wait();
-  if (w.seconds() < 0 || w.nanos() < 0 || w.nanos() >= 1000000000 || w.seconds() > 7 * 24 * 3600) {
+  if (w.seconds() < 0 || w.nanos() < 0 || w.nanos() >= 1000000000 || FromProtoDuration(w) > kMaxWorkerWait) {
     return Invalid("spec.restart", "worker_wait", "must be between 0 and 7 days");
   }
   return absl::OkStatus();

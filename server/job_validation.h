@@ -25,7 +25,11 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 
 // A job's restart policy with the defaults filled in (RestartPolicy in
 // job.proto): 3 restarts for TRAIN and FORWARD jobs, none for TENSOR jobs;
-// 5 minutes of waiting for workers.
+// 5 minutes of waiting for workers. Always within the bounds below, even
+// for a spec ValidateJobSpec refuses.
+// ValidateJobSpec's bounds on a restart policy.
+inline constexpr int kMaxRestarts = 100;
+inline constexpr absl::Duration kMaxWorkerWait = absl::Hours(7 * 24);
 struct RestartLimits {
   int max_restarts = 0;
   absl::Duration worker_wait;
