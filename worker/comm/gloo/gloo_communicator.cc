@@ -1,9 +1,12 @@
 #include "worker/comm/gloo/gloo_communicator.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <typeinfo>
 #include <vector>
 
@@ -251,8 +254,28 @@ class GlooCommunicator::GlooWork final : public Work {
 GlooCommunicator::GlooCommunicator(int rank, int size, Options options)
     : rank_(rank), size_(size), options_(std::move(options)) {}
 
+namespace {
+
+// Gloo writes to its TCP pairs with writev, which has no MSG_NOSIGNAL: a
+// write to a pair whose peer closed (a peer that failed, or aborted) would
+// raise SIGPIPE and end this whole process, a healthy worker included,
+// instead of failing the collective with EPIPE. Ignored once, process-wide,
+// unless the program installed a handler of its own.
+void IgnoreSigpipe() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      ::signal(SIGPIPE, SIG_IGN);
+    }
+  });
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store& store, int rank,
                                                                           int size, Options options) {
+  IgnoreSigpipe();
   if (size < 1) return absl::InvalidArgumentError(absl::StrCat("gloo: size ", size, " must be >= 1"));
   if (rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(absl::StrCat("gloo: rank ", rank, " is outside [0, ", size, ")"));

@@ -3,6 +3,11 @@
 // here from the same inputs.
 #include "worker/comm/gloo/gloo_communicator.h"
 
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -179,6 +184,24 @@ TEST(Gloo, SendRecvRing) {
     }
     for (int i = 0; i < 100; ++i) ASSERT_EQ(in[i], prev * 1000 + i);
   });
+}
+
+// Gloo writes to its pairs with writev, which raises SIGPIPE when the peer
+// closed: a process with Gloo communicators must take a write to a closed
+// socket as EPIPE, not die of the signal (a healthy worker died when a
+// failed or aborted peer closed its pairs; AbortEndsACollectiveInFlight hit
+// it under load, as exit code 141).
+TEST(Gloo, AWriteToAClosedPeerIsAnErrorNotADeadProcess) {
+  RunRanks(2, [](int, Communicator& comm) { ASSERT_TRUE(comm.Barrier()->Wait(kWait).ok()); });
+  int fds[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+  ::close(fds[1]);
+  const char byte = 'x';
+  iovec iov{const_cast<char*>(&byte), 1};
+  errno = 0;
+  EXPECT_EQ(::writev(fds[0], &iov, 1), -1);  // as Gloo writes; without the fix the process ends here
+  EXPECT_EQ(errno, EPIPE);
+  ::close(fds[0]);
 }
 
 TEST(Gloo, AMissingRankFailsRendezvousWithDeadlineExceeded) {
