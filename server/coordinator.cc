@@ -65,6 +65,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
         absl::FormatDuration(options.heartbeat_interval), ")"));
   }
   if (options.max_watch_streams < 1) return absl::InvalidArgumentError("--max-watch-streams: must be >= 1");
+  if (options.max_store_waits < 1 || options.store_quota_bytes < 1) {
+    return absl::InvalidArgumentError("--max-store-waits and --store-quota must be >= 1");
+  }
   if (options.upload_quota_bytes < 0 || options.max_uploads < 1) {
     return absl::InvalidArgumentError("--upload-quota must be >= 0 and --max-uploads >= 1");
   }
@@ -113,7 +116,10 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   wo.id_prefix = absl::StrFormat("worker-%06x-", absl::Uniform<uint32_t>(bits, 0, 1u << 24));
   c->workers_ = std::make_unique<WorkerRegistry>(wo);
   ASSIGN_OR_RETURN(c->jobs_, JobManager::Open(options.data_dir + "/jobs", options.clock));
-  c->store_ = std::make_unique<RendezvousStore>();
+  RendezvousStoreLimits store_limits;
+  store_limits.max_waiters = options.max_store_waits;
+  store_limits.max_bytes = options.store_quota_bytes;
+  c->store_ = std::make_unique<RendezvousStore>(store_limits);
   Scheduler::Options so;
   so.period = options.schedule_period;
   so.hang_threshold = options.hang_threshold;

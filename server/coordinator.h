@@ -72,6 +72,10 @@ class Coordinator {
     // WatchJob streams at once (each holds a server thread); more are
     // RESOURCE_EXHAUSTED.
     int max_watch_streams = 256;
+    // The rendezvous store's limits (RendezvousStoreLimits): waits blocked
+    // at once (more than the largest job's ranks), and bytes held.
+    int max_store_waits = 8192;
+    int64_t store_quota_bytes = int64_t{1} << 30;
     // Uploads (UploadStore::Limits): bytes of all, and how many.
     int64_t upload_quota_bytes = int64_t{256} << 30;
     int max_uploads = 1000;

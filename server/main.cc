@@ -31,6 +31,12 @@ ABSL_FLAG(absl::Duration, job_retention, absl::Hours(7 * 24),
           "(coloctl delete JOB does it at once). 0 keeps every job.");
 ABSL_FLAG(int, max_watch_streams, 256,
           "WatchJob streams served at once (each holds a server thread); more are refused RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int, max_store_waits, 8192,
+          "Rendezvous waits (KvWait, Barrier) blocked at once, each holding a server thread; more are refused "
+          "RESOURCE_EXHAUSTED. Every rank of a job may wait at once: keep it above the largest job's ranks.");
+ABSL_FLAG(std::string, store_quota, "1GiB",
+          "Bytes the rendezvous store holds (keys, values, barriers); a KvSet past it is RESOURCE_EXHAUSTED. A "
+          "job generation's keys are dropped when it ends.");
 ABSL_FLAG(std::string, upload_quota, "256GiB",
           "Bytes of all uploaded models together (UploadModel past it is RESOURCE_EXHAUSTED); identical uploads "
           "are stored once, and an upload no job names is removed an hour after it was made or last named.");
@@ -74,6 +80,15 @@ int main(int argc, char** argv) {
   options.job_retention = absl::GetFlag(FLAGS_job_retention);
   options.max_watch_streams = absl::GetFlag(FLAGS_max_watch_streams);
   options.max_uploads = absl::GetFlag(FLAGS_max_uploads);
+  options.max_store_waits = absl::GetFlag(FLAGS_max_store_waits);
+  {
+    absl::StatusOr<int64_t> quota = colod::ParseByteSize(absl::GetFlag(FLAGS_store_quota));
+    if (!quota.ok()) {
+      COLOD_LOG(ERROR) << "--store-quota: " << quota.status().message();
+      return 2;
+    }
+    options.store_quota_bytes = *quota;
+  }
   {
     absl::StatusOr<int64_t> quota = colod::ParseByteSize(absl::GetFlag(FLAGS_upload_quota));
     if (!quota.ok()) {

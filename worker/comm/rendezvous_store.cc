@@ -23,6 +23,49 @@ absl::Status RendezvousStore::ValidateTimeout(absl::Duration timeout) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// The bookkeeping of a barrier entry, and of each rank that arrived.
+constexpr int64_t kBarrierOverheadBytes = 128;
+constexpr int64_t kArrivalBytes = 48;
+// Ranks a timed-out barrier names, at most.
+constexpr int kMissingShown = 32;
+
+int64_t EntryBytes(absl::string_view scope, absl::string_view key, size_t value) {
+  return static_cast<int64_t>(scope.size() + key.size() + value);
+}
+
+}  // namespace
+
+int64_t RendezvousStore::BarrierBytes(const std::pair<std::string, std::string>& key, const BarrierState& b) {
+  return EntryBytes(key.first, key.second, 0) + kBarrierOverheadBytes +
+         kArrivalBytes * static_cast<int64_t>(b.arrived.size());
+}
+
+absl::Status RendezvousStore::WaiterSlotLocked() const {
+  if (waiters_ < limits_.max_waiters) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the rendezvous store already has ", waiters_, " callers waiting, its limit (the coordinator's ",
+      "--max-store-waits); try again later"));
+}
+
+absl::Status RendezvousStore::RoomLocked(int64_t more) const {
+  if (more <= 0 || bytes_ + more <= limits_.max_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("the rendezvous store holds ", bytes_, " bytes; ", more,
+                                                   " more would pass its limit of ", limits_.max_bytes,
+                                                   " (the coordinator's --store-quota)"));
+}
+
+int RendezvousStore::waiters() const {
+  absl::MutexLock lock(&mu_);
+  return waiters_;
+}
+
+int64_t RendezvousStore::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
+}
+
 absl::Status RendezvousStore::Set(absl::string_view scope, absl::string_view key, std::string value) {
   RETURN_IF_ERROR(ValidateScopeKey(scope, key));
   if (value.size() > kMaxValueBytes) {
@@ -31,7 +74,13 @@ absl::Status RendezvousStore::Set(absl::string_view scope, absl::string_view key
   }
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(OpenLocked(scope));
-  kv_[{std::string(scope), std::string(key)}] = std::move(value);
+  std::pair<std::string, std::string> k{std::string(scope), std::string(key)};
+  auto it = kv_.find(k);
+  const int64_t before = it == kv_.end() ? 0 : EntryBytes(scope, key, it->second.size());
+  const int64_t after = EntryBytes(scope, key, value.size());
+  RETURN_IF_ERROR(RoomLocked(after - before));
+  bytes_ += after - before;
+  kv_[std::move(k)] = std::move(value);
   return absl::OkStatus();
 }
 
@@ -60,7 +109,12 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
     return true;
   };
   absl::MutexLock lock(&mu_);
-  mu_.AwaitWithTimeout(absl::Condition(&all_set), timeout);
+  if (!all_set()) {
+    RETURN_IF_ERROR(WaiterSlotLocked());
+    ++waiters_;
+    mu_.AwaitWithTimeout(absl::Condition(&all_set), timeout);
+    --waiters_;
+  }
   RETURN_IF_ERROR(OpenLocked(scope));
   std::vector<std::string> values;
   std::vector<std::string> missing;
@@ -83,7 +137,9 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
 absl::Status RendezvousStore::Barrier(absl::string_view scope, absl::string_view name, int rank,
                                       int world_size, absl::Duration timeout) {
   RETURN_IF_ERROR(ValidateScopeKey(scope, name));
-  if (world_size < 1) return absl::InvalidArgumentError("world_size: must be >= 1");
+  if (world_size < 1 || world_size > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat("world_size: ", world_size, " is outside [1, ", kMaxWorldSize, "]"));
+  }
   if (rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank: ", rank, " is outside [0, ", world_size, ")"));
@@ -91,30 +147,64 @@ absl::Status RendezvousStore::Barrier(absl::string_view scope, absl::string_view
   RETURN_IF_ERROR(ValidateTimeout(timeout));
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(OpenLocked(scope));
-  BarrierState& b = barriers_[{std::string(scope), std::string(name)}];
-  if (b.world_size == 0) b.world_size = world_size;
+  std::pair<std::string, std::string> key{std::string(scope), std::string(name)};
+  auto it = barriers_.find(key);
+  if (it == barriers_.end()) {
+    BarrierState fresh;
+    fresh.world_size = world_size;
+    const int64_t more = BarrierBytes(key, fresh);
+    RETURN_IF_ERROR(RoomLocked(more));
+    bytes_ += more;
+    it = barriers_.emplace(std::move(key), std::move(fresh)).first;
+  }
+  BarrierState& b = it->second;
   if (b.world_size != world_size) {
     return absl::InvalidArgumentError(absl::StrCat("world_size: ", world_size,
                                                    " differs from the barrier's ", b.world_size));
   }
   if (b.released) return absl::OkStatus();
-  b.arrived.insert(rank);
+  if (!b.arrived.count(rank)) {
+    // A caller that would block is refused before it counts as arrived.
+    if (static_cast<int>(b.arrived.size()) + 1 < b.world_size) RETURN_IF_ERROR(WaiterSlotLocked());
+    RETURN_IF_ERROR(RoomLocked(kArrivalBytes));
+    bytes_ += kArrivalBytes;
+    b.arrived.insert(rank);
+  } else if (static_cast<int>(b.arrived.size()) < b.world_size) {
+    RETURN_IF_ERROR(WaiterSlotLocked());
+  }
   if (static_cast<int>(b.arrived.size()) == b.world_size) b.released = true;
   const std::string s(scope);
-  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return b.released || closed_ || cancelled_.count(s) > 0; };
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return b.released || b.deleted || closed_ || cancelled_.count(s) > 0;
+  };
   ++b.waiters;
+  ++waiters_;
   mu_.AwaitWithTimeout(absl::Condition(&done), timeout);
+  --waiters_;
   --b.waiters;
+  if (b.deleted) {
+    if (b.waiters == 0) {
+      bytes_ -= BarrierBytes(it->first, b);
+      barriers_.erase(it);
+    }
+    return absl::CancelledError(absl::StrCat("scope '", scope, "' was deleted (the job generation ended)"));
+  }
   if (b.released) return absl::OkStatus();
   RETURN_IF_ERROR(OpenLocked(scope));
   std::vector<int> missing;
+  int more = 0;
   for (int r = 0; r < b.world_size; ++r) {
-    if (!b.arrived.count(r)) missing.push_back(r);
+    if (b.arrived.count(r)) continue;
+    if (missing.size() < kMissingShown) {
+      missing.push_back(r);
+    } else {
+      ++more;
+    }
   }
   return absl::DeadlineExceededError(absl::StrCat("barrier '", name, "' in scope '", scope,
                                                   "': after ", absl::FormatDuration(timeout),
-                                                  " ranks still missing: ",
-                                                  absl::StrJoin(missing, ", ")));
+                                                  " ranks still missing: ", absl::StrJoin(missing, ", "),
+                                                  more > 0 ? absl::StrCat(" and ", more, " more") : ""));
 }
 
 absl::Status RendezvousStore::OpenLocked(absl::string_view scope) const {
@@ -135,11 +225,18 @@ void RendezvousStore::DeleteScope(absl::string_view scope) {
   const std::string s(scope);
   cancelled_.erase(s);
   for (auto it = kv_.lower_bound({s, ""}); it != kv_.end() && it->first.first == s;) {
+    bytes_ -= EntryBytes(it->first.first, it->first.second, it->second.size());
     it = kv_.erase(it);
   }
   for (auto it = barriers_.lower_bound({s, ""}); it != barriers_.end() && it->first.first == s;) {
-    // A barrier with blocked callers stays until they time out.
-    it = it->second.waiters == 0 ? barriers_.erase(it) : std::next(it);
+    // A barrier with blocked callers wakes them; the last one out removes it.
+    if (it->second.waiters == 0) {
+      bytes_ -= BarrierBytes(it->first, it->second);
+      it = barriers_.erase(it);
+    } else {
+      it->second.deleted = true;
+      it = std::next(it);
+    }
   }
 }
 

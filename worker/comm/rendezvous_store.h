@@ -15,6 +15,19 @@
 
 namespace colod {
 
+// What the store holds at most, so that a misbehaving client cannot exhaust
+// the coordinator's threads or memory (the coordinator's --max-store-waits
+// and --store-quota).
+struct RendezvousStoreLimits {
+  // Wait and Barrier calls blocked at once (each holds a server thread);
+  // more are RESOURCE_EXHAUSTED. Every rank of a job may wait at once, so
+  // it must exceed the largest job's world size.
+  int max_waiters = 8192;
+  // Bytes of keys, values and barrier state together; a Set past it is
+  // RESOURCE_EXHAUSTED (a job's scope is deleted when its generation ends).
+  int64_t max_bytes = int64_t{1} << 30;
+};
+
 // Thread-safe. Waits block the calling thread (one gRPC handler thread each)
 // until the keys arrive, the timeout passes, or Close() is called.
 class RendezvousStore {
@@ -23,6 +36,9 @@ class RendezvousStore {
   static constexpr size_t kMaxKeyBytes = 1024;
   static constexpr size_t kMaxValueBytes = 4 << 20;
   static constexpr absl::Duration kMaxTimeout = absl::Minutes(30);
+  static constexpr int kMaxWorldSize = 65536;
+
+  explicit RendezvousStore(RendezvousStoreLimits limits = {}) : limits_(limits) {}
 
   absl::Status Set(absl::string_view scope, absl::string_view key, std::string value);
   // NOT_FOUND if unset.
@@ -34,8 +50,9 @@ class RendezvousStore {
                                                 absl::Duration timeout);
   // Returns once `world_size` distinct ranks entered barrier `name` of
   // `scope`. A barrier name is single-use: once released, later arrivals
-  // return at once. INVALID_ARGUMENT for a rank outside [0, world_size) or a
-  // world_size that differs from the first caller's.
+  // return at once. INVALID_ARGUMENT for a rank outside [0, world_size), a
+  // world_size outside [1, kMaxWorldSize] or one that differs from the first
+  // caller's.
   absl::Status Barrier(absl::string_view scope, absl::string_view name, int rank, int world_size,
                        absl::Duration timeout);
   // Drops every key and barrier of `scope` (a job generation that ended).
@@ -48,25 +65,41 @@ class RendezvousStore {
   // Wakes every waiter with CANCELLED; later waits fail at once.
   void Close();
 
+  // Calls blocked in Wait or Barrier now, and the bytes held (for tests and
+  // metrics).
+  int waiters() const;
+  int64_t bytes() const;
+
  private:
   struct BarrierState {
     int world_size = 0;
     std::set<int> arrived;
     bool released = false;
-    // Callers blocked in this barrier; DeleteScope keeps a barrier until it is 0.
+    // Callers blocked in this barrier; DeleteScope keeps a barrier until it
+    // is 0, waking them, and the last one out removes it.
     int waiters = 0;
+    bool deleted = false;
   };
   static absl::Status ValidateScopeKey(absl::string_view scope, absl::string_view key);
   static absl::Status ValidateTimeout(absl::Duration timeout);
   // CANCELLED once closed or once `scope` was cancelled.
   absl::Status OpenLocked(absl::string_view scope) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when no more callers may block.
+  absl::Status WaiterSlotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when `more` bytes would pass max_bytes.
+  absl::Status RoomLocked(int64_t more) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a barrier entry holds besides its arrivals, and each arrival.
+  static int64_t BarrierBytes(const std::pair<std::string, std::string>& key, const BarrierState& b);
 
-  absl::Mutex mu_;
+  const RendezvousStoreLimits limits_;
+  mutable absl::Mutex mu_;
   // (scope, key) -> value.
   std::map<std::pair<std::string, std::string>, std::string> kv_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, BarrierState> barriers_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> cancelled_ ABSL_GUARDED_BY(mu_);  // scopes
+  int waiters_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of kv_ and barriers_ (BarrierBytes)
 };
 
 }  // namespace colod

@@ -113,5 +113,90 @@ TEST(RendezvousStore, CancelScopeWakesItsWaitersOnly) {
   EXPECT_TRUE(s.Set("job/gen-1", "k", "v").ok());
 }
 
+// Each blocked Wait or Barrier holds a server thread: past max_waiters a
+// caller that would block is refused at once (and one that would not is
+// served), and the slots come back when the waits end.
+TEST(RendezvousStore, BlockedCallersAreBounded) {
+  RendezvousStoreLimits limits;
+  limits.max_waiters = 2;
+  RendezvousStore s(limits);
+  std::vector<absl::Status> got(2);
+  std::thread w0([&] { got[0] = s.Wait("sc", {"k"}, absl::Seconds(30)).status(); });
+  std::thread w1([&] { got[1] = s.Barrier("sc", "b", 0, 2, absl::Seconds(30)); });
+  for (int i = 0; i < 3000 && s.waiters() < 2; ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(s.waiters(), 2);
+  const absl::Status third = s.Wait("sc", {"other"}, absl::Seconds(30)).status();
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted) << third;
+  EXPECT_NE(third.message().find("--max-store-waits"), absl::string_view::npos) << third;
+  // A barrier arrival that would wait is refused without counting as arrived.
+  EXPECT_EQ(s.Barrier("sc", "c", 0, 2, absl::Seconds(30)).code(), absl::StatusCode::kResourceExhausted);
+  // Calls that need not block still go through: the barrier's last rank,
+  // and a wait for a key that is set.
+  ASSERT_TRUE(s.Set("sc", "k", "v").ok());
+  EXPECT_TRUE(s.Barrier("sc", "b", 1, 2, absl::Seconds(30)).ok());
+  w0.join();
+  w1.join();
+  EXPECT_TRUE(got[0].ok()) << got[0];
+  EXPECT_TRUE(got[1].ok()) << got[1];
+  EXPECT_EQ(s.waiters(), 0);
+  EXPECT_TRUE(s.Wait("sc", {"k"}, absl::Seconds(1)).ok());
+  // Rank 0 of barrier "c" was refused, not recorded: the barrier still
+  // needs both ranks.
+  EXPECT_EQ(s.Barrier("sc", "c", 1, 2, absl::Milliseconds(20)).code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+// Keys, values and barriers count against max_bytes; a Set past it is
+// refused, replacing a value counts the difference, and deleting the scope
+// gives the bytes back.
+TEST(RendezvousStore, HeldBytesAreBoundedAndGivenBack) {
+  RendezvousStoreLimits limits;
+  limits.max_bytes = 10000;
+  RendezvousStore s(limits);
+  ASSERT_TRUE(s.Set("job/1", "a", std::string(6000, 'x')).ok());
+  const int64_t after_a = s.bytes();
+  EXPECT_EQ(after_a, 6000 + 5 + 1);
+  const absl::Status full = s.Set("job/1", "b", std::string(6000, 'y'));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("--store-quota"), absl::string_view::npos) << full;
+  EXPECT_EQ(s.bytes(), after_a);
+  ASSERT_TRUE(s.Set("job/1", "a", std::string(1000, 'x')).ok());  // replaced: smaller
+  ASSERT_TRUE(s.Set("job/2", "b", std::string(6000, 'y')).ok());
+  ASSERT_TRUE(s.Barrier("job/1", "init", 0, 1, absl::Seconds(1)).ok());
+  EXPECT_GT(s.bytes(), 7000 + 10);
+  s.DeleteScope("job/1");
+  EXPECT_EQ(s.bytes(), 6000 + 5 + 1);
+  s.DeleteScope("job/2");
+  EXPECT_EQ(s.bytes(), 0);
+}
+
+// A world_size past kMaxWorldSize is refused (a timed-out barrier of 2^31
+// ranks would otherwise list them all); a long list of missing ranks is cut.
+TEST(RendezvousStore, BarrierWorldSizesAreBoundedAndMissingRanksListedBriefly) {
+  RendezvousStore s;
+  EXPECT_EQ(s.Barrier("sc", "huge", 0, 1 << 30, absl::Seconds(1)).code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status st = s.Barrier("sc", "wide", 0, 1000, absl::Milliseconds(10));
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(st.message().find("ranks still missing: 1, 2, 3"), absl::string_view::npos) << st;
+  EXPECT_NE(st.message().find("32 and 967 more"), absl::string_view::npos) << st;
+}
+
+// Deleting a scope wakes the callers still blocked in its barriers, and the
+// last one out removes the barrier (no entry or bytes left behind).
+TEST(RendezvousStore, DeleteScopeWakesBarrierWaitersAndLeavesNothing) {
+  RendezvousStore s;
+  absl::Status st;
+  std::thread waiter([&] { st = s.Barrier("job/3", "init", 0, 2, absl::Seconds(30)); });
+  for (int i = 0; i < 3000 && s.waiters() < 1; ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(s.waiters(), 1);
+  const absl::Time start = absl::Now();
+  s.DeleteScope("job/3");
+  waiter.join();
+  EXPECT_EQ(st.code(), absl::StatusCode::kCancelled) << st;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(s.bytes(), 0);
+  // The name is fresh again.
+  EXPECT_TRUE(s.Barrier("job/3", "init", 0, 1, absl::Seconds(1)).ok());
+}
+
 }  // namespace
 }  // namespace colod
