@@ -125,7 +125,7 @@ class Soak {
     if (coordinator_.grpc.empty()) return Fail("the coordinator did not start");
     const int n = absl::GetFlag(FLAGS_workers);
     workers_ = testing::StartTestWorkers(coordinator_.grpc, n);
-    if (!testing::WaitForWorkers(*client_, n).ok()) return Fail("the workers did not register");
+    if (!testing::WaitForWorkers(*Client(), n).ok()) return Fail("the workers did not register");
 
     const absl::Duration total = absl::Seconds(absl::GetFlag(FLAGS_minutes) * 60);
     const absl::Time start = absl::Now();
@@ -157,7 +157,7 @@ class Soak {
     std::vector<v1::Job> jobs;
     int open = 0;
     while (absl::Now() < drain) {
-      auto listed = client_->ListJobs();
+      auto listed = Client()->ListJobs();
       if (listed.ok()) {
         jobs = *listed;
         open = 0;

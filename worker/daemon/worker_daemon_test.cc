@@ -249,7 +249,25 @@ int64_t PeakRssBytes() {
 // The probe: a job that fails after building a large model leaves
 // the worker's memory where it was (the freed memory goes back to the
 // system, not only to the allocator).
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
 TEST(WorkerDaemon, AFailedRankGivesItsMemoryBack) {
+  if (kAddressSanitizer) {
+    // ASan's allocator holds freed memory in quarantine and malloc_trim does
+    // not reach it: resident memory measures the sanitizer, not the worker.
+    // Every other pass runs this test.
+    GTEST_SKIP() << "resident memory is not the worker's under AddressSanitizer";
+  }
   auto coordinator = StartCoordinator("127.0.0.1:0", "c-rss");
   ASSERT_NE(coordinator, nullptr);
   const std::string dir = testing::TempPath("rss-model");

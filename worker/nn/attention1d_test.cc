@@ -26,7 +26,10 @@ struct AttentionCase {
 class Attention1D : public ::testing::TestWithParam<AttentionCase> {};
 
 TEST_P(Attention1D, HeadsSplitOverTpMatchTheUnshardedBlock) {
-  const auto [p, hq, hkv] = GetParam();
+  // Named copies, not a structured binding: lambdas below capture them
+  // (which C++17, and the fuzz pass's clang 14, do not allow of bindings).
+  const int p = GetParam().tp;
+  const int64_t hq = GetParam().hq, hkv = GetParam().hkv;
   const int64_t batch = 2, seq = 5, d = 4, h = hq * d, kvh = hkv * d;
   const float scale = 0.5f;  // 1 / sqrt(d)
   const Tensor x = R({batch, seq, h}, 1), wq = R({h, h}, 2, 0.3f), wk = R({kvh, h}, 3, 0.3f), wv = R({kvh, h}, 4, 0.3f),

@@ -56,7 +56,7 @@ struct MeshCase {
 class GptBlock2D : public ::testing::TestWithParam<MeshCase> {};
 
 TEST_P(GptBlock2D, LogitsLossAndGradientsMatchTheUnshardedModel) {
-  const auto [q, depth] = GetParam();
+  const int q = GetParam().q, depth = GetParam().depth;  // not a binding: lambdas capture them
   const Weights w = MakeWeights();
   const Tensor ids = Ids(3), labels = *Ids(5).Reshape({kBatch * kSeq});
   const float scale = 0.5f;  // 1 / sqrt(head dim)

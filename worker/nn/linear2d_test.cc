@@ -46,7 +46,7 @@ class Mlp2D : public ::testing::TestWithParam<MlpCase> {};
 // outputs [8,512] and [8,128]. 2.5D on 8 ranks (d = 2): the rows split once
 // more, so [4,128], [4,512] and [4,128], with the same weight blocks.
 TEST_P(Mlp2D, ReferenceMlpShapesAndValues) {
-  const auto [q, depth] = GetParam();
+  const int q = GetParam().q, depth = GetParam().depth;  // not a binding: lambdas capture them
   const int64_t rows = 16 / (q * depth);
   const Tensor x = *Tensor::RandomNormal({16, 256}, 1), gamma = *Tensor::RandomNormal({256}, 2),
                beta = *Tensor::RandomNormal({256}, 3), a1 = *Scale(*Tensor::RandomNormal({256, 1024}, 4), 0.05f),

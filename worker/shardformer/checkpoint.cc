@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/shardformer/safetensors.h"
@@ -17,8 +18,6 @@ namespace colod::shardformer {
 namespace {
 
 using Json = nlohmann::json;
-
-constexpr char kFormat[] = "colod-sharded-checkpoint/1";
 
 std::string RankFile(int rank, int world) { return absl::StrFormat("rank-%05d-of-%05d.safetensors", rank, world); }
 
@@ -66,7 +65,7 @@ absl::StatusOr<Json> IndexOf(ShardedModel& model) {
   for (const MeshAxis& a : mesh.axes()) axes.push_back({{"name", a.name}, {"size", a.size}});
   const v1::ShardConfig& layout = model.shard_config().layout;
   Json index = {
-      {"format", kFormat},
+      {"format", kCheckpointFormat},
       {"model_type", model.config().model_type},
       {"world_size", world},
       {"mesh", axes},
@@ -142,75 +141,69 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) 
 }
 
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir) {
-  ASSIGN_OR_RETURN(std::string text, ReadFileToString(absl::StrCat(dir, "/", kCheckpointIndex)));
-  const Json index = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (index.is_discarded() || !index.is_object() || !index.contains("format") || !index["format"].is_string() ||
-      index["format"].get<std::string>() != kFormat ||
-      !index.contains("tensors") || !index["tensors"].is_object()) {
-    return Damaged(dir, absl::StrCat(kCheckpointIndex, " is not a ", kFormat, " index"));
-  }
+  ASSIGN_OR_RETURN(const CheckpointIndex index, ReadCheckpointIndex(dir));
   ASSIGN_OR_RETURN(std::string config, ReadFileToString(dir + "/config.json"));
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
+  auto file = [&](const std::string& name) -> absl::StatusOr<SafetensorsFile*> {
+    auto& f = files[name];
+    if (f == nullptr) {
+      auto opened = SafetensorsFile::Open(absl::StrCat(dir, "/", name));
+      if (!opened.ok()) return Damaged(dir, std::string(opened.status().message()));
+      f = *std::move(opened);
+    }
+    return f.get();
+  };
+  // Every block as stored before any allocation: the index's shapes are
+  // then backed by the rank files' bytes, and the checkpoint tensors they
+  // fill can be no larger than they are.
+  int64_t parameter_elements = 0, hf_elements = 0;
+  std::map<std::string, Shape> hf_shapes;
+  for (const auto& [name, t] : index.tensors) {
+    parameter_elements = CheckedAdd(parameter_elements, *CheckedProduct(t.global_shape)).value_or(INT64_MAX);
+    auto [known, inserted] = hf_shapes.emplace(t.hf.name, t.hf.shape);
+    if (inserted) {
+      hf_elements = CheckedAdd(hf_elements, *CheckedProduct(t.hf.shape)).value_or(INT64_MAX);
+    } else if (known->second != t.hf.shape) {
+      return Damaged(dir, absl::StrCat(name, " and another parameter give ", t.hf.name, " two shapes"));
+    }
+    for (const CheckpointBlock& b : t.blocks) {
+      ASSIGN_OR_RETURN(SafetensorsFile * f, file(b.file));
+      if (!f->Has(name)) return Damaged(dir, absl::StrCat(b.file, " lacks ", name));
+      ASSIGN_OR_RETURN(TensorInfo info, f->Info(name));
+      if (info.shape != Shape(b.lengths.begin(), b.lengths.end())) {
+        return Damaged(dir, absl::StrCat(b.file, " holds ", name, " as ", ShapeToString(info.shape),
+                                         ", the index says ", ShapeToString(b.lengths)));
+      }
+    }
+  }
+  if (hf_elements > parameter_elements) {
+    return Damaged(dir, absl::StrCat("its checkpoint tensors have ", hf_elements, " elements, more than the ",
+                                     parameter_elements, " of the parameters that fill them"));
+  }
   std::map<std::string, Tensor> out;
   std::map<std::string, int64_t> filled;  // elements of each checkpoint tensor written
-  std::map<std::string, Shape> hf_shapes;
-  try {
-    for (const auto& [name, t] : index["tensors"].items()) {
-      const Shape global = t.at("global_shape").get<std::vector<int64_t>>();
-      ASSIGN_OR_RETURN(Tensor whole, Tensor::Zeros(global, DType::kF32));
-      int64_t covered = 0;
-      for (const Json& b : t.at("blocks")) {
-        const std::string file = b.at("file").get<std::string>();
-        const std::vector<int64_t> starts = b.at("starts"), lengths = b.at("lengths");
-        if (starts.size() != global.size() || lengths.size() != global.size()) {
-          return Damaged(dir, absl::StrCat("a block of ", name, " does not match its rank"));
-        }
-        auto& f = files[file];
-        if (f == nullptr) {
-          auto opened = SafetensorsFile::Open(absl::StrCat(dir, "/", file));
-          if (!opened.ok()) return Damaged(dir, std::string(opened.status().message()));
-          f = *std::move(opened);
-        }
-        if (!f->Has(name)) return Damaged(dir, absl::StrCat(file, " lacks ", name));
-        ASSIGN_OR_RETURN(Tensor piece, f->Read(name));
-        if (piece.shape() != Shape(lengths.begin(), lengths.end())) {
-          return Damaged(dir, absl::StrCat(file, " holds ", name, " as ", ShapeToString(piece.shape()),
-                                           ", the index says ", ShapeToString(Shape(lengths.begin(), lengths.end()))));
-        }
-        Tensor dest = whole;
-        for (size_t d = 0; d < global.size(); ++d) {
-          auto narrowed = dest.Narrow(static_cast<int64_t>(d), starts[d], lengths[d]);
-          if (!narrowed.ok()) return Damaged(dir, absl::StrCat("a block of ", name, " lies outside it"));
-          dest = *narrowed;
-        }
-        ASSIGN_OR_RETURN(piece, piece.ToDType(DType::kF32));
-        RETURN_IF_ERROR(dest.CopyFrom(piece));
-        covered += piece.numel();
+  for (const auto& [name, t] : index.tensors) {
+    ASSIGN_OR_RETURN(Tensor whole, Tensor::Zeros(t.global_shape, DType::kF32));
+    for (const CheckpointBlock& b : t.blocks) {
+      ASSIGN_OR_RETURN(SafetensorsFile * f, file(b.file));
+      ASSIGN_OR_RETURN(Tensor piece, f->Read(name));
+      Tensor dest = whole;
+      for (size_t d = 0; d < t.global_shape.size(); ++d) {
+        ASSIGN_OR_RETURN(dest, dest.Narrow(static_cast<int64_t>(d), b.starts[d], b.lengths[d]));
       }
-      if (covered != whole.numel()) {
-        return Damaged(dir, absl::StrCat("the blocks of ", name, " cover ", covered, " of its ", whole.numel(),
-                                         " elements"));
-      }
-      const Json& h = t.at("hf");
-      HfTensor hf;
-      hf.name = h.at("name").get<std::string>();
-      hf.shape = h.at("shape").get<std::vector<int64_t>>();
-      hf.transpose = h.at("transpose").get<bool>();
-      hf.narrow_dim = h.at("narrow_dim").get<int64_t>();
-      hf.narrow_start = h.at("narrow_start").get<int64_t>();
-      hf.valid_rows = h.at("valid_rows").get<int64_t>();
-      ASSIGN_OR_RETURN(Tensor slice, LayerToHf(hf, whole));
-      auto it = out.find(hf.name);
-      if (it == out.end()) {
-        ASSIGN_OR_RETURN(Tensor zeros, Tensor::Zeros(hf.shape, DType::kF32));
-        it = out.emplace(hf.name, zeros).first;
-        hf_shapes[hf.name] = hf.shape;
-      }
-      RETURN_IF_ERROR(PlaceInHf(hf, slice, it->second));
-      filled[hf.name] += slice.numel();
+      ASSIGN_OR_RETURN(piece, piece.ToDType(DType::kF32));
+      RETURN_IF_ERROR(dest.CopyFrom(piece));
     }
-  } catch (const Json::exception& e) {
-    return Damaged(dir, absl::StrCat(kCheckpointIndex, ": ", e.what()));
+    auto slice = LayerToHf(t.hf, whole);
+    if (!slice.ok()) return Damaged(dir, absl::StrCat(name, ": ", slice.status().message()));
+    auto it = out.find(t.hf.name);
+    if (it == out.end()) {
+      ASSIGN_OR_RETURN(Tensor zeros, Tensor::Zeros(t.hf.shape, DType::kF32));
+      it = out.emplace(t.hf.name, zeros).first;
+    }
+    const absl::Status placed = PlaceInHf(t.hf, *slice, it->second);
+    if (!placed.ok()) return Damaged(dir, absl::StrCat(name, ": ", placed.message()));
+    filled[t.hf.name] += slice->numel();
   }
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (const auto& [name, t] : out) {

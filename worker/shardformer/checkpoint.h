@@ -23,11 +23,10 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "worker/shardformer/checkpoint_index.h"
 #include "worker/shardformer/shardformer.h"
 
 namespace colod::shardformer {
-
-inline constexpr char kCheckpointIndex[] = "colod_checkpoint.json";
 
 // Every rank of the model calls it with the same `dir` (created if needed,
 // on a file system all ranks share).
@@ -37,8 +36,11 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir);
 // needed): config.json and one model.safetensors with every tensor under its
 // Hugging Face name and shape. Runs on one process, no ranks. NOT_FOUND for
 // a directory without an index; INVALID_ARGUMENT naming the file or tensor
-// for a damaged or incomplete checkpoint (a missing rank file, a block whose
-// shape does not match the index, blocks that do not cover a tensor).
+// for a damaged or incomplete checkpoint (an index ParseCheckpointIndex
+// refuses, a missing rank file, a block whose shape does not match the
+// index, blocks that do not cover a tensor). Every block's stored shape is
+// checked before anything is allocated, so an index cannot make it allocate
+// more than the rank files hold.
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir);
 
 }  // namespace colod::shardformer

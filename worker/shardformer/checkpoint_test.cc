@@ -162,5 +162,46 @@ TEST(Checkpoint, DamagedCheckpointsAreRefusedNamingWhatIsWrong) {
   EXPECT_FALSE(std::filesystem::exists(TempPath("ck4_out") + "/model.safetensors"));
 }
 
+// An index is input: one edited to read outside its directory, or to make
+// consolidation allocate far more than the rank files hold, is refused
+// before any such file is opened or anything allocated.
+TEST(Checkpoint, AHostileIndexIsRefusedBeforeItIsActedOn) {
+  auto model = testing::WriteTinyGpt2(TempPath("ck5_gpt2"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::string checkpoint = TempPath("ck5_sharded");
+  Save(model->dir, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D), checkpoint);
+  const nlohmann::json good = Index(checkpoint);
+  const std::string name = good["tensors"].begin().key();
+  auto consolidate_with = [&](const nlohmann::json& index) {
+    std::ofstream(checkpoint + "/" + kCheckpointIndex) << index.dump();
+    return ConsolidateCheckpoint(checkpoint, TempPath("ck5_out"));
+  };
+  // A block in a file outside the checkpoint.
+  nlohmann::json bad = good;
+  bad["tensors"][name]["blocks"][0]["file"] = "../ck5_gpt2/model.safetensors";
+  absl::Status s = consolidate_with(bad);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("must sit beside the index"), std::string::npos) << s;
+  // A tensor said to be 2^30 x 2^20 elements whose blocks say so too: the
+  // rank files' headers disagree, so nothing is allocated.
+  bad = good;
+  bad["tensors"][name]["global_shape"] = {int64_t{1} << 30, int64_t{1} << 20};
+  bad["tensors"][name]["blocks"] = {
+      {{"file", "rank-00000-of-00002.safetensors"}, {"starts", {0, 0}}, {"lengths", {int64_t{1} << 30, int64_t{1} << 20}}}};
+  s = consolidate_with(bad);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("the index says [1073741824, 1048576]"), std::string::npos) << s;
+  // A checkpoint tensor far larger than the parameters that fill it.
+  bad = good;
+  bad["tensors"][name]["hf"]["shape"] = {int64_t{1} << 30, int64_t{1} << 20};
+  s = consolidate_with(bad);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("more than the"), std::string::npos) << s;
+  EXPECT_FALSE(std::filesystem::exists(TempPath("ck5_out") + "/model.safetensors"));
+  // The index put back: it consolidates.
+  EXPECT_TRUE(consolidate_with(good).ok());
+  ExpectSameTensors(TempPath("ck5_out"), *model);
+}
+
 }  // namespace
 }  // namespace colod::shardformer

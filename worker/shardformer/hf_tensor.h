@@ -23,18 +23,10 @@
 
 #include "absl/status/statusor.h"
 #include "worker/colo/colo_tensor.h"
+#include "worker/shardformer/hf_binding.h"
 #include "worker/shardformer/model_files.h"
 
 namespace colod::shardformer {
-
-struct HfTensor {
-  std::string name;          // "h.0.attn.c_attn.weight"
-  Shape shape;               // the checkpoint tensor's full shape, as config.json implies
-  bool transpose = false;    // the layer holds the slice transposed (2-D checkpoint tensors)
-  int64_t narrow_dim = -1;   // the layer holds a slice along this checkpoint dim...
-  int64_t narrow_start = 0;  // ...from here (its length is the layer's)
-  int64_t valid_rows = -1;   // flattened layer rows (elements, for a vector) from here on are zero padding
-};
 
 // Reads [starts, starts + lengths) of the checkpoint tensor (its coordinates).
 using HfReader =

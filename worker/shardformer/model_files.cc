@@ -5,14 +5,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "nlohmann/json.hpp"
 #include "worker/colo/redistribute.h"
+#include "worker/shardformer/checkpoint_index.h"
 
 namespace colod::shardformer {
 
 absl::StatusOr<std::unique_ptr<ModelFiles>> ModelFiles::Open(const std::string& dir) {
   std::unique_ptr<ModelFiles> m(new ModelFiles(dir));
-  const std::string single = dir + "/model.safetensors", index = dir + "/model.safetensors.index.json";
+  const std::string single = dir + "/model.safetensors", index = absl::StrCat(dir, "/", kWeightMapIndex);
   std::ifstream in(index);
   if (!in) {
     auto f = SafetensorsFile::Open(single);
@@ -26,28 +26,17 @@ absl::StatusOr<std::unique_ptr<ModelFiles>> ModelFiles::Open(const std::string& 
   }
   std::stringstream text;
   text << in.rdbuf();
-  nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(index, ": not a JSON object with a weight_map object"));
-  }
-  for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-    if (!it.value().is_string()) {
-      return absl::InvalidArgumentError(absl::StrCat(index, ": the file of ", it.key(), " is not a string"));
-    }
-    const std::string file = it.value().get<std::string>();
-    if (file.empty() || file.find('/') != std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(index, ": ", it.key(), " names the file '", file,
-                                                     "'; shard files must sit beside the index"));
-    }
+  ASSIGN_OR_RETURN(const auto weight_map, ParseWeightMap(text.str(), index));
+  for (const auto& [tensor, file] : weight_map) {
     if (!m->files_.count(file)) {
       auto f = SafetensorsFile::Open(dir + "/" + file);
       if (!f.ok()) return absl::InvalidArgumentError(absl::StrCat(index, ": ", f.status().message()));
       m->files_[file] = *std::move(f);
     }
-    if (!m->files_[file]->Has(it.key())) {
-      return absl::InvalidArgumentError(absl::StrCat(index, ": ", file, " has no tensor ", it.key()));
+    if (!m->files_[file]->Has(tensor)) {
+      return absl::InvalidArgumentError(absl::StrCat(index, ": ", file, " has no tensor ", tensor));
     }
-    m->where_[it.key()] = file;
+    m->where_[tensor] = file;
   }
   return m;
 }

@@ -56,7 +56,7 @@ absl::StatusOr<Json> ReadJson(const std::string& path) {
 // Every file of a step directory opens and validates.
 absl::Status Validate(const std::string& step_dir) {
   ASSIGN_OR_RETURN(Json state, ReadJson(step_dir + "/" + kState));
-  ASSIGN_OR_RETURN(Json index, ReadJson(absl::StrCat(step_dir, "/", shardformer::kCheckpointIndex)));
+  RETURN_IF_ERROR(shardformer::ReadCheckpointIndex(step_dir).status());
   const std::string where = absl::StrCat(step_dir, "/", kState);
   RETURN_IF_ERROR(IntField(state, "step", where).status());
   ASSIGN_OR_RETURN(const int64_t world, IntField(state, "world_size", where));
@@ -148,7 +148,7 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
         checkpoint, " was written at layout ", state["layout"].dump(), "; resume at that layout, or consolidate it ",
         "(coloctl consolidate) and train from the consolidated model"));
   }
-  ASSIGN_OR_RETURN(Json index, ReadJson(absl::StrCat(checkpoint, "/", shardformer::kCheckpointIndex)));
+  ASSIGN_OR_RETURN(const shardformer::CheckpointIndex index, shardformer::ReadCheckpointIndex(checkpoint));
   std::map<std::string, std::unique_ptr<shardformer::SafetensorsFile>> files;
   auto file = [&](const std::string& name) -> absl::StatusOr<shardformer::SafetensorsFile*> {
     auto& f = files[name];
@@ -158,28 +158,22 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
     return f.get();
   };
   NoGradScope no_grad;
-  try {
-    for (const shardformer::NamedParam& p : model.Parameters()) {
-      const ColoParameter& param = p.bound.param;
-      if (!index["tensors"].contains(p.name)) {
-        return absl::InvalidArgumentError(absl::StrCat(checkpoint, " has no parameter ", p.name));
-      }
-      ASSIGN_OR_RETURN(Block mine, LocalBlock(param.spec(), param.global_shape(), pg));
-      std::string where;
-      for (const Json& b : index["tensors"][p.name]["blocks"]) {
-        if (b["starts"].get<std::vector<int64_t>>() == mine.starts &&
-            b["lengths"].get<std::vector<int64_t>>() == mine.lengths) {
-          where = b["file"].get<std::string>();
-        }
-      }
-      if (where.empty()) return absl::InvalidArgumentError(absl::StrCat(checkpoint, " lacks this rank's ", p.name));
-      ASSIGN_OR_RETURN(shardformer::SafetensorsFile * f, file(where));
-      ASSIGN_OR_RETURN(Tensor value, f->Read(p.name));
-      Tensor local = param.local();
-      RETURN_IF_ERROR(local.CopyFrom(value));
+  for (const shardformer::NamedParam& p : model.Parameters()) {
+    const ColoParameter& param = p.bound.param;
+    auto entry = index.tensors.find(p.name);
+    if (entry == index.tensors.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(checkpoint, " has no parameter ", p.name));
     }
-  } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(checkpoint, ": ", e.what()));
+    ASSIGN_OR_RETURN(Block mine, LocalBlock(param.spec(), param.global_shape(), pg));
+    std::string where;
+    for (const shardformer::CheckpointBlock& b : entry->second.blocks) {
+      if (b.starts == mine.starts && b.lengths == mine.lengths) where = b.file;
+    }
+    if (where.empty()) return absl::InvalidArgumentError(absl::StrCat(checkpoint, " lacks this rank's ", p.name));
+    ASSIGN_OR_RETURN(shardformer::SafetensorsFile * f, file(where));
+    ASSIGN_OR_RETURN(Tensor value, f->Read(p.name));
+    Tensor local = param.local();
+    RETURN_IF_ERROR(local.CopyFrom(value));
   }
   ASSIGN_OR_RETURN(shardformer::SafetensorsFile * optim, file(OptimFile(pg->rank(), pg->mesh().world_size())));
   for (auto& [name, t] : optimizer.State()) {

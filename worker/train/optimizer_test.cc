@@ -118,8 +118,10 @@ TEST(GradNorm, CountsEveryElementOnceAtEveryLayout) {
   double sq = 0;
   for (const auto& [name, g] : ref->grads) sq += SumAll(*Mul(g, g));
   const double want = std::sqrt(sq);
-  for (auto [tp, mode] : std::vector<std::pair<int, v1::TensorParallelMode>>{
+  for (const auto& layout : std::vector<std::pair<int, v1::TensorParallelMode>>{
            {2, v1::TENSOR_PARALLEL_MODE_1D}, {4, v1::TENSOR_PARALLEL_MODE_2D}}) {
+    const int tp = layout.first;  // not a binding: a lambda captures it
+    const v1::TensorParallelMode mode = layout.second;
     shardformer::ShardConfig shard;
     shard.layout.set_tensor_parallel_size(tp);
     shard.layout.set_data_parallel_size(1);

@@ -1,0 +1,141 @@
+#include "worker/shardformer/checkpoint_index.h"
+
+#include <string>
+
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace colod::shardformer {
+namespace {
+
+using Json = nlohmann::json;
+
+// A two-rank index of one [8, 4] parameter split in two row blocks, bound
+// to a transposed [4, 8] checkpoint tensor.
+Json Good() {
+  return Json::parse(R"({
+    "format": "colod-sharded-checkpoint/1", "model_type": "gpt2", "world_size": 2,
+    "tensors": {"h.0.mlp.c_fc.weight": {
+      "global_shape": [8, 4], "dtype": "F32", "dist_spec": "tp:S(0)/2",
+      "hf": {"name": "h.0.mlp.c_fc.weight", "shape": [4, 8], "transpose": true,
+             "narrow_dim": -1, "narrow_start": 0, "valid_rows": -1},
+      "blocks": [{"file": "rank-00000-of-00002.safetensors", "starts": [0, 0], "lengths": [4, 4]},
+                 {"file": "rank-00001-of-00002.safetensors", "starts": [4, 0], "lengths": [4, 4]}]}}})");
+}
+
+Json& Tensor0(Json& j) { return j["tensors"]["h.0.mlp.c_fc.weight"]; }
+
+void ExpectRefused(const Json& j, const std::string& says) {
+  auto r = ParseCheckpointIndex(j.dump(), "dir/colod_checkpoint.json");
+  ASSERT_FALSE(r.ok()) << j.dump();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("dir/colod_checkpoint.json: "), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find(says), std::string::npos) << r.status();
+}
+
+TEST(ParseCheckpointIndex, ReadsWhatSaveWrites) {
+  auto r = ParseCheckpointIndex(Good().dump(), "x");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->world_size, 2);
+  EXPECT_EQ(r->model_type, "gpt2");
+  ASSERT_EQ(r->tensors.size(), 1u);
+  const CheckpointTensor& t = r->tensors.at("h.0.mlp.c_fc.weight");
+  EXPECT_EQ(t.global_shape, (Shape{8, 4}));
+  EXPECT_EQ(t.dtype, "F32");
+  EXPECT_EQ(t.hf.shape, (Shape{4, 8}));
+  EXPECT_TRUE(t.hf.transpose);
+  ASSERT_EQ(t.blocks.size(), 2u);
+  EXPECT_EQ(t.blocks[1].file, "rank-00001-of-00002.safetensors");
+  EXPECT_EQ(t.blocks[1].starts, (std::vector<int64_t>{4, 0}));
+  EXPECT_EQ(t.blocks[1].lengths, (std::vector<int64_t>{4, 4}));
+}
+
+TEST(ParseCheckpointIndex, FilesOutsideTheDirectoryAreRefused) {
+  for (const char* file : {"../secret.safetensors", "/etc/passwd", "sub/rank.safetensors", "..", ".", ""}) {
+    Json j = Good();
+    Tensor0(j)["blocks"][0]["file"] = file;
+    ExpectRefused(j, "block files must sit beside the index");
+  }
+}
+
+TEST(ParseCheckpointIndex, SizesAreCheckedBeforeUse) {
+  Json j = Good();
+  // (2^62, 16): its bytes overflow int64 (the .npy crash of the issue).
+  Tensor0(j)["global_shape"] = {int64_t{1} << 62, 16};
+  ExpectRefused(j, "is too large");
+  j = Good();
+  Tensor0(j)["hf"]["shape"] = {int64_t{1} << 62, 16};
+  ExpectRefused(j, "is too large");
+  j = Good();
+  Tensor0(j)["global_shape"] = {8, -4};
+  ExpectRefused(j, "non-negative integer");
+  j = Good();
+  Tensor0(j)["global_shape"] = Json::array({1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
+  ExpectRefused(j, "at most 16 integers");
+  // A start near INT64_MAX: start + length overflows.
+  j = Good();
+  Tensor0(j)["blocks"][1]["starts"] = {INT64_MAX - 1, 0};
+  ExpectRefused(j, "lies outside its shape");
+  j = Good();
+  Tensor0(j)["blocks"][1]["starts"] = {5, 0};
+  ExpectRefused(j, "lies outside its shape");
+  j = Good();
+  Tensor0(j)["blocks"][1]["lengths"] = {4};
+  ExpectRefused(j, "does not have its 2 dims");
+}
+
+TEST(ParseCheckpointIndex, BlocksHoldExactlyTheTensor) {
+  Json j = Good();
+  Tensor0(j)["blocks"].erase(1);
+  ExpectRefused(j, "hold 16 of its 32 elements");
+  j = Good();
+  Tensor0(j)["blocks"].push_back(Tensor0(j)["blocks"][0]);
+  ExpectRefused(j, "hold more than its 32 elements");
+  j = Good();
+  Tensor0(j)["blocks"] = Json::array();
+  ExpectRefused(j, "is not a list of 1 to 65536 blocks");
+}
+
+TEST(ParseCheckpointIndex, WrongTypesAndValuesAreErrorsNotExceptions) {
+  ExpectRefused(Json::parse("[1, 2]"), "not a JSON object");
+  Json j = Good();
+  j["format"] = "something-else/1";
+  ExpectRefused(j, "not a colod-sharded-checkpoint/1 index");
+  j = Good();
+  j["world_size"] = 0;
+  ExpectRefused(j, "world_size 0 is outside [1, 65536]");
+  j = Good();
+  j["world_size"] = "2";
+  ExpectRefused(j, "world_size is not an integer");
+  j = Good();
+  Tensor0(j)["hf"]["transpose"] = 1;
+  ExpectRefused(j, "transpose is not a boolean");
+  j = Good();
+  Tensor0(j)["hf"]["narrow_dim"] = 2;
+  ExpectRefused(j, "does not fit the shape [4, 8]");
+  j = Good();
+  Tensor0(j)["global_shape"] = "8,4";
+  ExpectRefused(j, "global_shape is not a list");
+  j = Good();
+  Tensor0(j).erase("blocks");
+  ExpectRefused(j, "has no blocks");
+  j = Good();
+  j["tensors"] = Json::array();
+  ExpectRefused(j, "tensors is not an object");
+  EXPECT_FALSE(ParseCheckpointIndex("{\"format\": \"colod-sharded", "x").ok());
+}
+
+TEST(ParseWeightMap, NamesFilesBesideTheIndexOnly) {
+  auto ok = ParseWeightMap(R"({"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}})", "i");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->at("b"), "model-2.safetensors");
+  for (const char* bad : {R"({"weight_map": {"a": "../x.safetensors"}})", R"({"weight_map": {"a": ".."}})",
+                          R"({"weight_map": {"a": 3}})", R"({"weight_map": []})", R"([])", "not json"}) {
+    auto r = ParseWeightMap(bad, "dir/model.safetensors.index.json");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("dir/model.safetensors.index.json: "), std::string::npos) << r.status();
+  }
+}
+
+}  // namespace
+}  // namespace colod::shardformer
