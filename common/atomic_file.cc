@@ -13,11 +13,15 @@
 #include "absl/strings/str_cat.h"
 
 namespace colod {
+absl::Status FileError(absl::string_view what, absl::string_view path, int err) {
+  const std::string message = absl::StrCat(what, " '", path, "': ", std::strerror(err));
+  if (err == ENOSPC || err == EDQUOT || err == EFBIG) return absl::ResourceExhaustedError(message);
+  return absl::FailedPreconditionError(message);
+}
+
 namespace {
 
-absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::FailedPreconditionError(absl::StrCat(what, " '", path, "': ", std::strerror(errno)));
-}
+absl::Status Errno(const std::string& what, const std::string& path) { return FileError(what, path, errno); }
 
 }  // namespace
 

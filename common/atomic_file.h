@@ -10,10 +10,16 @@ namespace colod {
 
 // Writes `contents` to `path` so that readers see the old file or the whole
 // new one, never a part, even across a crash: a unique temporary name in the
-// same directory, fsync, rename over `path`, fsync of the directory.
-// FAILED_PRECONDITION naming the path and the errno text on failure (the
-// temporary file is removed). Thread-safe.
+// same directory, fsync, rename over `path`, fsync of the directory. On
+// failure the temporary file is removed and the status is FileError's.
+// Thread-safe.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
+
+// A failed file operation as a status naming it, the path and errno's text:
+// RESOURCE_EXHAUSTED when the disk, a quota or the file size limit is full
+// (ENOSPC, EDQUOT, EFBIG), which may pass once space is freed; otherwise
+// FAILED_PRECONDITION.
+absl::Status FileError(absl::string_view what, absl::string_view path, int err);
 
 // The whole content of `path`; NOT_FOUND naming it when it cannot be read.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);

@@ -111,22 +111,22 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
       }
       m->AppendStateChangeLocked(e, v1::JOB_STATE_FAILED, reason);
     }
-    m->PersistLocked(e);
+    (void)m->PersistLocked(e);
   }
   return m;
 }
 
-void JobManager::PersistLocked(Entry& e) {
+absl::Status JobManager::PersistLocked(Entry& e) {
   e.persisted = clock_->Now();
-  if (state_dir_.empty()) return;
+  if (state_dir_.empty()) return absl::OkStatus();
   v1::JobRecord record;
   *record.mutable_job() = e.job;
   for (const v1::JobEvent& ev : e.events) *record.add_events() = ev;
   record.set_request_id(e.request_id);
   const std::string path = absl::StrCat(state_dir_, "/", e.job.job_id(), ".pb");
-  if (absl::Status s = WriteFileAtomically(path, record.SerializeAsString()); !s.ok()) {
-    COLOD_LOG(ERROR) << "cannot record job " << e.job.job_id() << ": " << s;
-  }
+  absl::Status s = WriteFileAtomically(path, record.SerializeAsString());
+  if (!s.ok()) COLOD_LOG(ERROR) << "cannot record job " << e.job.job_id() << ": " << s;
+  return s;
 }
 
 v1::JobEvent& JobManager::NewEventLocked(Entry& e) {
@@ -171,7 +171,7 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
   e->job.clear_stalled();  // a new attempt
   AppendStateChangeLocked(*e, v1::JOB_STATE_SCHEDULED,
                           absl::StrCat("ranks assigned to ", mesh.world_size(), " workers; connecting"));
-  PersistLocked(*e);
+  (void)PersistLocked(*e);  // logged; the change stands
   return e->job;
 }
 
@@ -181,7 +181,7 @@ absl::StatusOr<v1::Job> JobManager::SetState(absl::string_view job_id, v1::JobSt
   ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
   RETURN_IF_ERROR(CheckNotEndedLocked(*e));
   AppendStateChangeLocked(*e, state, reason);
-  PersistLocked(*e);
+  (void)PersistLocked(*e);  // logged; the change stands
   return e->job;
 }
 
@@ -193,7 +193,7 @@ absl::StatusOr<v1::Job> JobManager::Restart(absl::string_view job_id, absl::stri
   e->job.set_restarts(e->job.restarts() + 1);
   e->job.add_attempt_failures(std::string(failure));
   AppendStateChangeLocked(*e, v1::JOB_STATE_RESTARTING, reason);
-  PersistLocked(*e);
+  (void)PersistLocked(*e);  // logged; the change stands
   return e->job;
 }
 
@@ -210,7 +210,7 @@ absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgres
   // job would cost O(steps^2): steps are written at most once a second (and
   // whenever one names a checkpoint); every state change writes at once.
   const absl::Time now = clock_->Now();
-  if (!step.checkpoint().empty() || now - e->persisted >= absl::Seconds(1)) PersistLocked(*e);
+  if (!step.checkpoint().empty() || now - e->persisted >= absl::Seconds(1)) (void)PersistLocked(*e);
   return absl::OkStatus();
 }
 
@@ -218,7 +218,7 @@ absl::Status JobManager::SetForwardResult(absl::string_view job_id, const v1::Fo
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
   *e->job.mutable_forward_result() = result;
-  PersistLocked(*e);
+  (void)PersistLocked(*e);  // logged; the change stands
   return absl::OkStatus();
 }
 
@@ -229,7 +229,7 @@ absl::Status JobManager::AddHang(absl::string_view job_id, const v1::HangReport&
   ++hangs_;
   e->job.set_stalled(hang.message());
   *NewEventLocked(*e).mutable_hang() = hang;
-  PersistLocked(*e);
+  (void)PersistLocked(*e);  // logged; the change stands
   return absl::OkStatus();
 }
 
@@ -243,7 +243,7 @@ absl::Status JobManager::AddRankStatus(absl::string_view job_id, const v1::RankS
   ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
   RETURN_IF_ERROR(CheckNotEndedLocked(*e));
   *NewEventLocked(*e).mutable_rank_status() = status;
-  PersistLocked(*e);
+  (void)PersistLocked(*e);  // logged; the change stands
   return absl::OkStatus();
 }
 
@@ -263,7 +263,12 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   if (!request_id.empty()) job_by_request_id_[std::string(request_id)] = id;
   Entry& added = jobs_.emplace(id, std::move(e)).first->second;
   AppendStateChangeLocked(added, v1::JOB_STATE_PENDING, "waiting for workers");
-  PersistLocked(added);
+  if (absl::Status s = PersistLocked(added); !s.ok()) {
+    // Not accepted: nothing of it stays (its id is not reused either).
+    if (!request_id.empty()) job_by_request_id_.erase(std::string(request_id));
+    jobs_.erase(id);
+    return absl::Status(s.code(), absl::StrCat("the job cannot be recorded: ", s.message()));
+  }
   return added.job;
 }
 

@@ -48,6 +48,10 @@ class JobManager {
 
   // Validates (ValidateJobSpec) and adds a PENDING job. With a non-empty
   // request_id, a repeated submit returns the first job instead of a new one.
+  // A job whose record cannot be written is not added: the error
+  // (RESOURCE_EXHAUSTED for a full disk, atomic_file.h's FileError) is
+  // returned and nothing of it remains, so an accepted job survives a
+  // coordinator restart.
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec, absl::string_view request_id);
   // NOT_FOUND for an unknown id.
   absl::StatusOr<v1::Job> Get(absl::string_view job_id);
@@ -132,9 +136,10 @@ class JobManager {
   v1::JobEvent& NewEventLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Entry*> FindLocked(absl::string_view job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status CheckNotEndedLocked(const Entry& e);
-  // Writes the job's record to the state directory (if any); a failure is
-  // logged: the job goes on, only its record is stale.
-  void PersistLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes the job's record to the state directory (if any). A failure is
+  // logged and returned: a change to a known job goes on with its record
+  // stale; a new job is not accepted (Submit).
+  absl::Status PersistLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DeleteLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Clock* const clock_;

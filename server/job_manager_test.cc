@@ -9,6 +9,7 @@
 
 #include "gtest/gtest.h"
 #include "server/job_validation.h"
+#include "tests/testing/full_disk.h"
 
 namespace colod {
 namespace {
@@ -191,6 +192,34 @@ TEST(JobManager, SubmitGetListCancel) {
   bad.mutable_shard()->set_tensor_parallel_size(0);
   EXPECT_EQ(jobs.Submit(bad, "").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(jobs.List({}).size(), 2u);  // nothing half-created
+}
+
+// A job whose record cannot be written (a full disk) is refused
+// RESOURCE_EXHAUSTED and leaves nothing: not listed, its request id free,
+// not there after a reopen. Accepted jobs are durable.
+TEST(JobManager, AJobThatCannotBeRecordedIsNotAccepted) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-full";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    absl::StatusOr<v1::Job> refused;
+    {
+      testing::FullDisk disk(16);
+      refused = (*jobs)->Submit(TrainSpec(), "req-full");
+    }
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+    EXPECT_NE(refused.status().message().find("cannot be recorded"), std::string::npos) << refused.status();
+    EXPECT_TRUE((*jobs)->List({}).empty());
+    auto accepted = (*jobs)->Submit(TrainSpec(), "req-full");  // the id is free again
+    ASSERT_TRUE(accepted.ok()) << accepted.status();
+    EXPECT_EQ((*jobs)->List({}).size(), 1u);
+  }
+  auto reopened = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  ASSERT_EQ((*reopened)->List({}).size(), 1u);
+  EXPECT_EQ((*reopened)->List({})[0].state(), v1::JOB_STATE_PENDING);
 }
 
 // Job records are never kept forever: DeleteJob forgets an ended job at

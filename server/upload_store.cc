@@ -2,6 +2,7 @@
 
 #include <openssl/evp.h>
 
+#include <cerrno>
 #include <filesystem>
 #include <system_error>
 
@@ -158,8 +159,9 @@ absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
     if (!file_.empty()) hash_->Update(SizeBytes(offset_));  // the previous file's end
     std::error_code ec;
     fs::create_directories(tmp_, ec);
+    errno = 0;
     out_.open(tmp_ + "/" + chunk.file(), std::ios::binary | std::ios::trunc);
-    if (!out_) return absl::InternalError(absl::StrCat("cannot write '", tmp_, "/", chunk.file(), "'"));
+    if (!out_) return FileError("cannot create", tmp_ + "/" + chunk.file(), errno != 0 ? errno : EIO);
     file_ = chunk.file();
     offset_ = 0;
     files_.push_back(file_);
@@ -173,8 +175,10 @@ absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
   const int64_t n = static_cast<int64_t>(chunk.data().size());
   if (absl::Status s = store_->Reserve(n); !s.ok()) return s;
   bytes_ += n;  // reserved: released by Finish or the destructor
+  errno = 0;
   out_.write(chunk.data().data(), static_cast<std::streamsize>(n));
-  if (!out_) return absl::InternalError(absl::StrCat("writing '", file_, "' failed"));
+  if (out_) out_.flush();  // a full disk shows here, with its errno
+  if (!out_) return FileError("cannot write", tmp_ + "/" + file_, errno != 0 ? errno : EIO);
   hash_->Update(chunk.data());
   offset_ += n;
   return absl::OkStatus();
@@ -182,8 +186,9 @@ absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
 
 absl::StatusOr<v1::UploadModelResponse> UploadStore::Writer::Finish() {
   if (files_.empty()) return absl::InvalidArgumentError("the upload has no files");
+  errno = 0;
   out_.close();
-  if (!out_) return absl::InternalError(absl::StrCat("writing '", file_, "' failed"));
+  if (!out_) return FileError("cannot write", tmp_ + "/" + file_, errno != 0 ? errno : EIO);
   hash_->Update(SizeBytes(offset_));
   const std::string sha = hash_->HexDigest();
   v1::UploadModelResponse resp;

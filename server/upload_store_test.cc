@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "common/clock.h"
+#include "tests/testing/full_disk.h"
 
 namespace colod {
 namespace {
@@ -69,6 +70,33 @@ TEST(UploadStore, WritesFilesFromOrderedChunksAndPublishesWhole) {
   auto next = Begin(**again);
   ASSERT_TRUE(next->Add(Chunk("model.safetensors", 0, "q")).ok());
   EXPECT_EQ(next->Finish()->upload_id(), "upload-000002");  // failed uploads left no id behind
+}
+
+// A disk that fills during an upload: the chunk that does not fit is
+// RESOURCE_EXHAUSTED naming the file, the abandoned upload leaves no files
+// and gives back its reserved bytes, and the store goes on.
+TEST(UploadStore, AFullDiskFailsTheUploadAndLeavesNothing) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-full";
+  std::filesystem::remove_all(dir);
+  auto store = UploadStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto w = Begin(**store);
+  ASSERT_TRUE(w->Add(Chunk("model.safetensors", 0, std::string(100, 'a'))).ok());
+  absl::Status full;
+  {
+    testing::FullDisk disk(128);
+    full = w->Add(Chunk("model.safetensors", 100, std::string(100, 'b')));
+  }
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("model.safetensors"), std::string::npos) << full;
+  w.reset();
+  EXPECT_FALSE(std::filesystem::exists(dir + "/upload-000001.tmp"));
+  EXPECT_EQ((*store)->bytes(), 0);  // the reservation given back
+  auto again = Begin(**store);
+  ASSERT_TRUE(again->Add(Chunk("model.safetensors", 0, "fits")).ok());
+  auto done = again->Finish();
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(Read(dir + "/" + done->upload_id() + "/model.safetensors"), "fits");
 }
 
 // The probe: 81 submits of one model stored 81 copies. The same

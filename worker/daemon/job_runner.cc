@@ -59,7 +59,7 @@ absl::Status AdmitModel(const v1::JobSpec& spec, int64_t memory_bytes) {
 JobRunner::JobRunner(Options options)
     : options_(std::move(options)),
       models_(ModelCache::Options{options_.work_dir, options_.coordinator, options_.auth_token,
-                                  options_.download_timeout}) {}
+                                  options_.download_timeout, options_.upload_cache_ttl}) {}
 
 JobRunner::~JobRunner() {
   std::thread t;

@@ -59,6 +59,8 @@ class JobRunner {
     WorkerMetrics* metrics = nullptr;
     // Deadline of downloading an uploaded model from the coordinator.
     absl::Duration download_timeout = absl::Minutes(30);
+    // Downloaded uploads unused this long are removed (ModelCache).
+    absl::Duration upload_cache_ttl = absl::Hours(1);
     // The memory a rank may use (the device's, or the host's for a CPU
     // worker): a rank whose model needs more at least
     // (shardformer::MemoryFloorPerRank) fails RESOURCE_EXHAUSTED before it

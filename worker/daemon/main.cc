@@ -43,6 +43,9 @@ ABSL_FLAG(std::string, memory_limit, "",
           "Memory a job rank may use, e.g. 8GiB or 512MiB; reported to the coordinator, which places no rank "
           "here whose model needs more (parameters, gradients, optimizer state), and checked again before a rank "
           "allocates. Default: the GPU's memory, or the host's (its cgroup's limit in a container).");
+ABSL_FLAG(absl::Duration, upload_cache_ttl, absl::Hours(1),
+          "Uploaded models this worker downloaded (WORK_DIR/uploads) and no rank used for this long are "
+          "removed before the next download.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -83,6 +86,7 @@ int main(int argc, char** argv) {
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.device = absl::GetFlag(FLAGS_device);
   options.allow_paths = absl::GetFlag(FLAGS_allow_path);
+  options.upload_cache_ttl = absl::GetFlag(FLAGS_upload_cache_ttl);
   if (const std::string limit = absl::GetFlag(FLAGS_memory_limit); !limit.empty()) {
     absl::StatusOr<int64_t> bytes = colod::ParseByteSize(limit);
     if (!bytes.ok()) {

@@ -1,5 +1,6 @@
 #include "worker/daemon/model_cache.h"
 
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <system_error>
@@ -11,6 +12,7 @@
 #include "common/atomic_file.h"
 #include "common/auth.h"
 #include "common/grpc_status.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 
 namespace colod {
@@ -63,8 +65,12 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
   }
   const std::string dir = absl::StrCat(options_.work_dir, "/uploads/", model.upload_id());
   std::error_code ec;
-  if (fs::is_directory(dir, ec)) return dir;
+  if (fs::is_directory(dir, ec)) {
+    fs::last_write_time(dir, fs::file_time_type::clock::now(), ec);  // used now: Prune keeps it
+    return dir;
+  }
   RETURN_IF_ERROR(abort.Check());
+  Prune(model.upload_id());
   const std::string tmp = dir + ".tmp";
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp, ec);
@@ -100,9 +106,11 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
       file = chunk.file();
       out.open(tmp + "/" + file, std::ios::binary | std::ios::trunc);
     }
+    errno = 0;
     out.write(chunk.data().data(), static_cast<std::streamsize>(chunk.data().size()));
+    if (out) out.flush();  // a full disk shows here, not at a close whose error is lost
     if (!out) {
-      failed = absl::InternalError(absl::StrCat("cannot write ", tmp, "/", file));
+      failed = FileError("cannot write", tmp + "/" + file, errno != 0 ? errno : EIO);
       ctx.TryCancel();
       break;
     }
@@ -119,6 +127,30 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
   if (ec) return absl::InternalError(absl::StrCat("cannot rename '", tmp, "': ", ec.message()));
   remove_tmp.keep = true;
   return dir;
+}
+
+void ModelCache::Prune(const std::string& keep) {
+  const fs::path uploads = fs::path(options_.work_dir) / "uploads";
+  std::error_code ec;
+  const fs::file_time_type cutoff =
+      fs::file_time_type::clock::now() - absl::ToChronoSeconds(options_.cache_ttl);
+  std::vector<fs::path> stale;
+  for (const fs::directory_entry& e : fs::directory_iterator(uploads, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name == keep) continue;
+    // One rank (and so one download) runs at a time: any .tmp is a leftover.
+    std::error_code time_ec;
+    if (absl::EndsWith(name, ".tmp") || e.last_write_time(time_ec) < cutoff) stale.push_back(e.path());
+  }
+  for (const fs::path& p : stale) {
+    fs::remove_all(p, ec);
+    if (ec) {
+      COLOD_LOG(WARNING) << "cannot remove the cached upload " << p.string() << ": " << ec.message();
+    } else {
+      COLOD_LOG(INFO) << "removed the cached upload " << p.filename().string() << " (unused for "
+                      << absl::FormatDuration(options_.cache_ttl) << ")";
+    }
+  }
 }
 
 }  // namespace colod

@@ -1,7 +1,9 @@
 // A job's model on this worker, as a Hugging Face-style directory: the
 // spec's config.json and links to its weights, which are the spec's
 // weights_path or its upload, downloaded from the coordinator once per
-// worker into WORK_DIR/uploads/ID.
+// worker into WORK_DIR/uploads/ID. Downloaded uploads not used for
+// cache_ttl are removed before the next download (the coordinator removes
+// an upload no job names an hour after its last use too).
 #ifndef COLOD_WORKER_DAEMON_MODEL_CACHE_H_
 #define COLOD_WORKER_DAEMON_MODEL_CACHE_H_
 
@@ -30,6 +32,9 @@ class ModelCache {
     std::string auth_token;
     // Deadline of one download.
     absl::Duration download_timeout = absl::Minutes(30);
+    // A downloaded upload no rank used this long is removed (its use time
+    // is its directory's mtime, set at each use).
+    absl::Duration cache_ttl = absl::Hours(1);
   };
 
   explicit ModelCache(Options options);
@@ -42,8 +47,15 @@ class ModelCache {
   absl::Status Materialize(const v1::ModelSpec& model, const std::string& dir, AbortSignal& abort);
 
   // Where the model's weights are on this worker: the spec's weights_path,
-  // or its upload's directory (downloaded unless it is already here).
+  // or its upload's directory (downloaded unless it is already here). A
+  // disk too full for the download is RESOURCE_EXHAUSTED, and leaves
+  // nothing behind.
   absl::StatusOr<std::string> Weights(const v1::ModelSpec& model, AbortSignal& abort);
+
+  // Removes downloaded uploads unused for cache_ttl, except `keep`, and
+  // downloads a crash left unfinished (*.tmp). Weights calls it before
+  // each download.
+  void Prune(const std::string& keep);
 
  private:
   const Options options_;

@@ -4,6 +4,7 @@
 #include "worker/daemon/model_cache.h"
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -13,6 +14,7 @@
 #include "common/grpc_server.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "tests/testing/full_disk.h"
 #include "tests/testing/temp_dir.h"
 
 namespace colod {
@@ -135,6 +137,58 @@ TEST_F(ModelCacheTest, DownloadsAnUploadOnceAndLinksEveryShard) {
 
   spec.set_upload_id("../u1");
   EXPECT_EQ(cache_->Weights(spec, abort).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Downloads unused for the TTL go before the next download; one used
+// recently (a cache hit refreshes it) stays, and so does the one being
+// fetched; a download a crash left half done goes.
+TEST_F(ModelCacheTest, UploadsUnusedForTheTtlAreRemovedBeforeTheNextDownload) {
+  const fs::path uploads = fs::path(work_) / "uploads";
+  for (const char* id : {"old", "recent", "hit"}) {
+    fs::create_directories(uploads / id);
+    std::ofstream(uploads / id / "model.safetensors") << id;
+  }
+  fs::create_directories(uploads / "crashed.tmp");
+  const auto now = fs::file_time_type::clock::now();
+  fs::last_write_time(uploads / "old", now - std::chrono::hours(2));
+  fs::last_write_time(uploads / "recent", now - std::chrono::minutes(10));
+  fs::last_write_time(uploads / "hit", now - std::chrono::hours(3));
+  v1::ModelSpec spec;
+  spec.set_config_json("{}");
+  AbortSignal abort;
+  spec.set_upload_id("hit");  // already here: used, not downloaded, nothing pruned
+  ASSERT_TRUE(cache_->Weights(spec, abort).ok());
+  EXPECT_TRUE(fs::exists(uploads / "old"));
+  spec.set_upload_id("new");
+  ASSERT_TRUE(cache_->Weights(spec, abort).ok());
+  EXPECT_EQ(service_.calls.load(), 1);
+  EXPECT_FALSE(fs::exists(uploads / "old"));
+  EXPECT_FALSE(fs::exists(uploads / "crashed.tmp"));
+  EXPECT_TRUE(fs::exists(uploads / "recent"));
+  EXPECT_TRUE(fs::exists(uploads / "hit")) << "a cache hit did not count as a use";
+  EXPECT_EQ(Read((uploads / "new" / "model-00002.safetensors").string()), "second");
+}
+
+// A disk too full for a download is RESOURCE_EXHAUSTED, leaves no partial
+// download, and the next attempt with room succeeds.
+TEST_F(ModelCacheTest, AFullDiskFailsTheDownloadCleanly) {
+  v1::ModelSpec spec;
+  spec.set_config_json("{}");
+  spec.set_upload_id("big");
+  service_.mode = FakeDownloads::Mode::kEndless;
+  AbortSignal abort;
+  absl::StatusOr<std::string> got;
+  {
+    testing::FullDisk full(64);
+    got = cache_->Weights(spec, abort);
+  }
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted) << got.status();
+  EXPECT_NE(got.status().message().find("File too large"), std::string::npos) << got.status();
+  EXPECT_FALSE(fs::exists(work_ + "/uploads/big"));
+  EXPECT_FALSE(fs::exists(work_ + "/uploads/big.tmp"));
+  service_.mode = FakeDownloads::Mode::kTwoFiles;
+  ASSERT_TRUE(cache_->Weights(spec, abort).ok());
+  EXPECT_EQ(Read(work_ + "/uploads/big/model-00001.safetensors"), "first part");
 }
 
 TEST_F(ModelCacheTest, AnAbortEndsADownloadInProgressAndLeavesNothingBehind) {

@@ -64,6 +64,9 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
     return absl::InvalidArgumentError(absl::StrCat("--memory-limit: must be >= 0, got ", o.memory_limit_bytes));
   }
   if (o.memory_limit_bytes > 0) info.set_memory_bytes(o.memory_limit_bytes);
+  if (o.upload_cache_ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--upload-cache-ttl: must be >= 0");
+  }
   return absl::OkStatus();
 }
 
@@ -128,6 +131,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     ro.metrics = w->job_metrics_.get();
     ro.memory_bytes = w->info_.memory_bytes();
     ro.paths = paths;
+    ro.upload_cache_ttl = options.upload_cache_ttl;
     w->runner_ = std::make_unique<JobRunner>(ro);
   }
   w->service_ = std::make_unique<WorkerServiceImpl>([raw] { return raw->Info(); }, [raw] { return raw->Status(); },

@@ -63,6 +63,8 @@ class WorkerDaemon {
     int64_t memory_limit_bytes = 0;
     // Directories jobs may read and write (PathPolicy); empty: every path.
     std::vector<std::string> allow_paths;
+    // Uploaded models downloaded here and unused this long are removed.
+    absl::Duration upload_cache_ttl = absl::Hours(1);
     // How long an ended rank's series stay on /metrics (WorkerMetrics).
     absl::Duration metrics_linger = absl::Minutes(1);
   };
