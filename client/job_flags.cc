@@ -16,7 +16,9 @@ ABSL_FLAG(std::string, mode, "1d", "forward: tensor-parallel mode: 1d, 2d, 2.5d 
 ABSL_FLAG(int32_t, depth, 0, "forward: depth of 2.5d (tp = depth * q * q).");
 ABSL_FLAG(bool, sequence_parallel, false, "forward: split activations along the sequence over tp (1d).");
 ABSL_FLAG(std::string, data, "", "train: the corpus: a .bin of uint16 tokens, a .npy, or UTF-8 text (byte-level).");
-ABSL_FLAG(std::string, data_format, "auto", "train: auto, uint16, uint32, npy or text.");
+ABSL_FLAG(std::string, data_format, "auto",
+          "train: auto, uint16, uint32, npy, text or megatron (PREFIX.bin + PREFIX.idx, Megatron-LM's indexed "
+          "dataset; auto picks it for a .bin with an .idx beside it).");
 ABSL_FLAG(int64_t, steps, 10, "train: optimizer steps.");
 ABSL_FLAG(int64_t, batch_size, 8, "train: sequences per step over all dp replicas.");
 ABSL_FLAG(int64_t, seq_len, 64, "train: tokens per sequence.");

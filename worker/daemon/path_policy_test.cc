@@ -86,6 +86,18 @@ TEST_F(PathPolicyTest, EveryPathOfAJobSpecIsChecked) {
     EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << field;
     EXPECT_EQ(s.message().rfind(field + ":", 0), 0u) << s;
   }
+  // A Megatron dataset named by its prefix (or .bin) opens PREFIX.bin and
+  // PREFIX.idx: a sibling that links outside is refused too.
+  v1::JobSpec megatron = ok;
+  std::ofstream(base_ + "/outside/stolen.idx") << "index";
+  std::ofstream(base_ + "/data/ds.bin") << "tokens";
+  fs::create_symlink(base_ + "/outside/stolen.idx", base_ + "/data/ds.idx");
+  for (const std::string& path : {base_ + "/data/ds", base_ + "/data/ds.bin"}) {
+    megatron.mutable_train()->set_data_path(path);
+    const absl::Status s = policy_.CheckJob(megatron);
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << path << ": " << s;
+    EXPECT_NE(s.message().find("ds.idx"), std::string::npos) << s;
+  }
   // No roots: everything.
   v1::JobSpec anywhere = ok;
   anywhere.mutable_train()->set_data_path("/etc/shadow");

@@ -6,12 +6,15 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <optional>
+#include <utility>
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 #include "worker/tensor/npy.h"
 
@@ -26,31 +29,10 @@ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-}  // namespace
-
-absl::StatusOr<DataFormat> ParseDataFormat(const std::string& name) {
-  if (name == "auto") return DataFormat::kAuto;
-  if (name == "uint16") return DataFormat::kU16;
-  if (name == "uint32") return DataFormat::kU32;
-  if (name == "npy") return DataFormat::kNpy;
-  if (name == "text") return DataFormat::kText;
-  return absl::InvalidArgumentError(
-      absl::StrCat("data format '", name, "' is not one of auto, uint16, uint32, npy, text"));
-}
-
-TokenCorpus::~TokenCorpus() {
-  if (map_ != nullptr) ::munmap(const_cast<void*>(map_), map_bytes_);
-}
-
-absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string& path, DataFormat format) {
-  if (format == DataFormat::kAuto) {
-    format = absl::EndsWith(path, ".bin") ? DataFormat::kU16
-             : absl::EndsWith(path, ".npy") ? DataFormat::kNpy
-                                            : DataFormat::kText;
-  }
-  // Only a regular file: a FIFO or a device would block the rank in open or
-  // read (where no abort reaches it) or never end, and is read only once
-  // while training samples it again and again.
+// Only a regular file, not empty: a FIFO or a device would block the rank
+// in open or read (where no abort reaches it) or never end, and is read only
+// once while training samples it again and again. Its size.
+absl::StatusOr<int64_t> RegularFileSize(const std::string& path) {
   struct stat info;
   if (::stat(path.c_str(), &info) != 0) {
     return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
@@ -65,8 +47,200 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     return absl::InvalidArgumentError(absl::StrCat(path, " is ", kind, "; training data must be a regular file"));
   }
   if (info.st_size == 0) return absl::InvalidArgumentError(absl::StrCat(path, " is empty"));
+  return static_cast<int64_t>(info.st_size);
+}
+
+bool IsRegularFile(const std::string& path) {
+  struct stat info;
+  return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
+}
+
+// A read-only map of a whole file, unmapped when it goes.
+class MappedFile {
+ public:
+  static absl::StatusOr<MappedFile> Open(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // replaced by a FIFO meanwhile: no wait
+    if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size == 0) {
+      ::close(fd);
+      return absl::InvalidArgumentError(absl::StrCat(path, " is not a non-empty regular file"));
+    }
+    void* map = ::mmap(nullptr, st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    ::close(fd);
+    if (map == MAP_FAILED) return absl::InternalError(absl::StrCat("cannot map ", path, ": ", std::strerror(errno)));
+    MappedFile f;
+    f.data_ = static_cast<const unsigned char*>(map);
+    f.size_ = static_cast<int64_t>(st.st_size);
+    return f;
+  }
+  MappedFile() = default;
+  MappedFile(MappedFile&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  MappedFile& operator=(MappedFile&&) = delete;
+  ~MappedFile() {
+    if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), static_cast<size_t>(size_));
+  }
+  // Releases the map to the caller.
+  const unsigned char* Release() { return std::exchange(data_, nullptr); }
+  const unsigned char* data() const { return data_; }
+  int64_t size() const { return size_; }
+
+ private:
+  const unsigned char* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+// Little-endian integers of a buffer whose size was checked.
+uint64_t U64At(const unsigned char* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+int64_t I64At(const unsigned char* p) { return static_cast<int64_t>(U64At(p)); }
+int32_t I32At(const unsigned char* p) {
+  return static_cast<int32_t>(static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+                              (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24));
+}
+
+constexpr char kMegatronMagic[] = "MMIDIDX\0\0";  // 9 bytes
+constexpr int64_t kMegatronHeaderBytes = 9 + 8 + 1 + 8 + 8;
+
+// A Megatron index, checked against its .bin's size.
+struct MegatronIndex {
+  int width = 0;
+  bool is_signed = false;
+  int64_t first_byte = 0;  // of the first sequence in the .bin
+  int64_t tokens = 0;
+  std::vector<int64_t> documents;  // token offsets of the documents' starts
+};
+
+absl::StatusOr<MegatronIndex> ParseMegatronIndex(const unsigned char* idx, int64_t idx_bytes, int64_t bin_bytes,
+                                                 const std::string& where) {
+  auto bad = [&](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", what));
+  };
+  if (idx_bytes < kMegatronHeaderBytes || std::memcmp(idx, kMegatronMagic, 9) != 0) {
+    return bad("not a Megatron index (no MMIDIDX header)");
+  }
+  if (U64At(idx + 9) != 1) return bad(absl::StrCat("index version ", U64At(idx + 9), "; only version 1 is known"));
+  MegatronIndex out;
+  switch (idx[17]) {
+    case 1: out.width = 1; break;                          // uint8
+    case 2: out.width = 1, out.is_signed = true; break;    // int8
+    case 3: out.width = 2, out.is_signed = true; break;    // int16
+    case 4: out.width = 4, out.is_signed = true; break;    // int32
+    case 5: out.width = 8, out.is_signed = true; break;    // int64
+    case 8: out.width = 2; break;                          // uint16
+    default:
+      return bad(absl::StrCat("token dtype code ", static_cast<int>(idx[17]),
+                              " is not an integer type (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16)"));
+  }
+  const uint64_t sequences = U64At(idx + 18), docs = U64At(idx + 26);
+  // Each count fits easily once it is below the file's size.
+  if (sequences > static_cast<uint64_t>(idx_bytes) || docs > static_cast<uint64_t>(idx_bytes)) {
+    return bad("its counts are larger than the file");
+  }
+  const int64_t n = static_cast<int64_t>(sequences), d = static_cast<int64_t>(docs);
+  const std::optional<int64_t> need =
+      CheckedAdd(kMegatronHeaderBytes, *CheckedAdd(*CheckedMul(n, 12), *CheckedMul(d, 8)));
+  if (!need.has_value() || *need > idx_bytes) {
+    return bad(absl::StrCat(idx_bytes, " bytes cannot hold ", n, " sequences and ", d, " document boundaries"));
+  }
+  const unsigned char* lengths = idx + kMegatronHeaderBytes;
+  const unsigned char* pointers = lengths + 4 * n;
+  const unsigned char* bounds = pointers + 8 * n;
+  if (n == 0) return bad("it holds no sequence");
+  out.first_byte = I64At(pointers);
+  int64_t expected = out.first_byte;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t len = I32At(lengths + 4 * i);
+    const int64_t at = I64At(pointers + 8 * i);
+    if (len < 0) return bad(absl::StrCat("sequence ", i, " has length ", len));
+    if (at != expected) {
+      return bad(absl::StrCat("sequence ", i, " starts at byte ", at, ", not right after the one before (", expected,
+                              "); only contiguous datasets are read"));
+    }
+    const std::optional<int64_t> end = at < 0 ? std::nullopt : CheckedAdd(at, int64_t{len} * out.width);
+    if (!end.has_value() || *end > bin_bytes) {
+      return bad(absl::StrCat("sequence ", i, " (", len, " tokens from byte ", at, ") runs past the .bin's ",
+                              bin_bytes, " bytes"));
+    }
+    expected = *end;
+    out.tokens += len;
+  }
+  if (out.tokens == 0) return bad("its sequences hold no tokens");
+  if (d < 1 || I64At(bounds) != 0 || I64At(bounds + 8 * (d - 1)) != n) {
+    return bad(absl::StrCat("its document boundaries do not run from sequence 0 to ", n));
+  }
+  for (int64_t j = 0; j + 1 < d; ++j) {
+    const int64_t from = I64At(bounds + 8 * j), to = I64At(bounds + 8 * (j + 1));
+    if (from < 0 || to < from || to > n) return bad(absl::StrCat("document ", j, " spans sequences ", from, "..", to));
+    // An empty last document starts at the end.
+    out.documents.push_back(from == n ? out.tokens : (I64At(pointers + 8 * from) - out.first_byte) / out.width);
+  }
+  if (out.documents.empty()) out.documents.push_back(0);
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<DataFormat> ParseDataFormat(const std::string& name) {
+  if (name == "auto") return DataFormat::kAuto;
+  if (name == "uint16") return DataFormat::kU16;
+  if (name == "uint32") return DataFormat::kU32;
+  if (name == "npy") return DataFormat::kNpy;
+  if (name == "text") return DataFormat::kText;
+  if (name == "megatron") return DataFormat::kMegatron;
+  return absl::InvalidArgumentError(
+      absl::StrCat("data format '", name, "' is not one of auto, uint16, uint32, npy, text, megatron"));
+}
+
+TokenCorpus::~TokenCorpus() {
+  if (map_ != nullptr) ::munmap(const_cast<void*>(map_), map_bytes_);
+}
+
+absl::Status TokenCorpus::MapTokens(const std::string& path, int64_t offset, int64_t tokens) {
+  ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open(path));
+  if (offset < 0 || tokens < 1 || offset > f.size() || tokens > (f.size() - offset) / width_) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", f.size(), " bytes do not hold ", tokens, " ",
+                                                   width_ * 8, "-bit tokens from byte ", offset));
+  }
+  map_bytes_ = static_cast<size_t>(f.size());
+  map_ = f.Release();
+  map_offset_ = offset;
+  size_ = tokens;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string& path, DataFormat format) {
+  const bool named_bin = absl::EndsWith(path, ".bin"), named_idx = absl::EndsWith(path, ".idx");
+  const std::string prefix = named_bin || named_idx ? path.substr(0, path.size() - 4) : path;
+  if (format == DataFormat::kAuto) {
+    format = named_idx || (named_bin && IsRegularFile(prefix + ".idx")) ? DataFormat::kMegatron
+             : named_bin                                                ? DataFormat::kU16
+             : absl::EndsWith(path, ".npy")                              ? DataFormat::kNpy
+             : !IsRegularFile(path) && IsRegularFile(prefix + ".bin") && IsRegularFile(prefix + ".idx")
+                 ? DataFormat::kMegatron
+                 : DataFormat::kText;
+  }
   std::unique_ptr<TokenCorpus> c(new TokenCorpus());
   c->format_ = format;
+  if (format == DataFormat::kMegatron) {
+    const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
+    RETURN_IF_ERROR(RegularFileSize(idx_path).status());
+    ASSIGN_OR_RETURN(const int64_t bin_bytes, RegularFileSize(bin_path));
+    MegatronIndex index;
+    {
+      ASSIGN_OR_RETURN(MappedFile idx, MappedFile::Open(idx_path));
+      ASSIGN_OR_RETURN(index, ParseMegatronIndex(idx.data(), idx.size(), bin_bytes, idx_path));
+    }
+    c->width_ = index.width;
+    c->signed_ = index.is_signed;
+    RETURN_IF_ERROR(c->MapTokens(bin_path, index.first_byte, index.tokens));
+    c->documents_ = std::move(index.documents);
+    return c;
+  }
+  RETURN_IF_ERROR(RegularFileSize(path).status());
   if (format == DataFormat::kNpy) {
     ASSIGN_OR_RETURN(Tensor t, ReadNpy(path));
     if (t.dtype() != DType::kI64 && t.dtype() != DType::kI32) {
@@ -86,31 +260,24 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     c->size_ = static_cast<int64_t>(c->owned_.size());
     return c;
   }
-  const size_t width = format == DataFormat::kU16 ? 2 : 4;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // replaced by a FIFO meanwhile: no wait
-  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
-  struct stat st;
-  if (::fstat(fd, &st) != 0 || st.st_size == 0 || st.st_size % width != 0) {
-    ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", st.st_size, " bytes is not a whole number of ",
-                                                   width * 8, "-bit tokens"));
+  c->width_ = format == DataFormat::kU16 ? 2 : 4;
+  ASSIGN_OR_RETURN(const int64_t bytes, RegularFileSize(path));
+  if (bytes % c->width_ != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", bytes, " bytes is not a whole number of ",
+                                                   c->width_ * 8, "-bit tokens"));
   }
-  void* map = ::mmap(nullptr, st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (map == MAP_FAILED) return absl::InternalError(absl::StrCat("cannot map ", path, ": ", std::strerror(errno)));
-  c->map_ = map;
-  c->map_bytes_ = st.st_size;
-  c->size_ = st.st_size / static_cast<int64_t>(width);
+  RETURN_IF_ERROR(c->MapTokens(path, 0, bytes / c->width_));
   return c;
 }
 
 int64_t TokenCorpus::token(int64_t i) const {
   if (map_ == nullptr) return owned_[i];
   // Little-endian on disk; read byte by byte so the host order does not matter.
-  const auto* p = static_cast<const unsigned char*>(map_);
-  if (format_ == DataFormat::kU16) return p[2 * i] | (p[2 * i + 1] << 8);
-  return static_cast<int64_t>(p[4 * i]) | (static_cast<int64_t>(p[4 * i + 1]) << 8) |
-         (static_cast<int64_t>(p[4 * i + 2]) << 16) | (static_cast<int64_t>(p[4 * i + 3]) << 24);
+  const auto* p = static_cast<const unsigned char*>(map_) + map_offset_ + i * width_;
+  uint64_t v = 0;
+  for (int b = width_ - 1; b >= 0; --b) v = (v << 8) | p[b];
+  if (signed_ && width_ < 8 && (v >> (8 * width_ - 1)) != 0) v |= ~uint64_t{0} << (8 * width_);  // sign-extend
+  return static_cast<int64_t>(v);
 }
 
 absl::StatusOr<Tensor> TokenCorpus::Window(int64_t start, int64_t length) const {

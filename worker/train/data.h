@@ -7,6 +7,19 @@
 //   .npy   an integer array (int64, int32, uint16, uint32), flattened
 //   text   anything else: UTF-8 bytes, tokenized byte-level (token = byte,
 //          0..255) with <|endoftext|> = 256 appended; vocabulary 257
+//   Megatron-LM's indexed dataset (MMapIndexedDataset): PREFIX.bin with
+//          PREFIX.idx beside it (the path names PREFIX, PREFIX.bin or
+//          PREFIX.idx; a .bin with an .idx beside it is this format). The
+//          .idx holds the header "MMIDIDX\0\0", version 1 (u64), the token
+//          dtype code (u8: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64,
+//          8 uint16), the sequence count (u64), the document count (u64),
+//          then each sequence's length (i32), its byte offset in the .bin
+//          (i64), and the documents as sequence-index boundaries (i64,
+//          0 ... sequence count); all little-endian. The corpus is every
+//          sequence in order (memory-mapped), and documents() keeps where
+//          each document starts. As in Megatron's GPT dataset, windows run
+//          across documents (its preprocessing appends an end-of-document
+//          token to each).
 //
 // BatchSampler draws each step's global batch of windows of seq_len + 1
 // tokens at offsets that depend only on (seed, step, row), so a run that
@@ -32,15 +45,19 @@ namespace colod::train {
 inline constexpr int64_t kByteVocab = 257;  // 256 bytes + <|endoftext|>
 inline constexpr int64_t kEndOfText = 256;
 
-enum class DataFormat { kAuto, kU16, kU32, kNpy, kText };
-// "auto", "uint16", "uint32", "npy", "text".
+enum class DataFormat { kAuto, kU16, kU32, kNpy, kText, kMegatron };
+// "auto", "uint16", "uint32", "npy", "text", "megatron".
 absl::StatusOr<DataFormat> ParseDataFormat(const std::string& name);
 
 class TokenCorpus {
  public:
-  // kAuto picks by extension (.bin: uint16, .npy, else text). NOT_FOUND for a
-  // missing file; INVALID_ARGUMENT for a .bin whose size is not a multiple of
-  // the token size, a malformed .npy, or a non-integer array.
+  // kAuto picks by extension (.bin: uint16 unless an .idx is beside it,
+  // .idx: Megatron, .npy, else text; a path that does not exist but whose
+  // .bin and .idx do: Megatron). NOT_FOUND for a missing file;
+  // INVALID_ARGUMENT for a .bin whose size is not a multiple of the token
+  // size, a malformed .npy, a non-integer array, or a Megatron index that
+  // does not describe its .bin (every count and offset is checked against
+  // the files' sizes before use).
   static absl::StatusOr<std::unique_ptr<TokenCorpus>> Open(const std::string& path,
                                                            DataFormat format = DataFormat::kAuto);
   ~TokenCorpus();
@@ -52,14 +69,23 @@ class TokenCorpus {
   DataFormat format() const { return format_; }
   // Tokens [start, start + length) as int64 [length].
   absl::StatusOr<Tensor> Window(int64_t start, int64_t length) const;
+  // Where each document starts (token offsets, non-decreasing, the first
+  // 0; an empty document starts where the next one does):
+  // Megatron's documents; one document for the other formats.
+  const std::vector<int64_t>& documents() const { return documents_; }
 
  private:
   TokenCorpus() = default;
+  absl::Status MapTokens(const std::string& path, int64_t offset, int64_t tokens);
   DataFormat format_ = DataFormat::kText;
   int64_t size_ = 0;
   const void* map_ = nullptr;  // mmap of a .bin
   size_t map_bytes_ = 0;
+  int64_t map_offset_ = 0;  // bytes before the first token
+  int width_ = 2;           // bytes per mapped token
+  bool signed_ = false;     // mapped tokens are two's complement
   std::vector<int64_t> owned_;  // .npy and text
+  std::vector<int64_t> documents_{0};
 };
 
 class BatchSampler {

@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <set>
 
@@ -12,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/tensor/npy.h"
+#include "worker/train/megatron_testing.h"
 
 namespace colod::train {
 namespace {
@@ -47,6 +49,113 @@ TEST(TokenCorpus, EveryFormat) {
   EXPECT_EQ((*d)->Window(0, 4)->ToInt64s(), (std::vector<int64_t>{'h', 0xc3, 0xa9, kEndOfText}));
   EXPECT_EQ(TokenCorpus::Open(TempPath("missing.bin")).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ((*d)->Window(2, 5).status().code(), absl::StatusCode::kOutOfRange);
+}
+
+using Megatron = testing::MegatronDataset;
+using testing::WriteMegatronDataset;
+
+std::string Le(uint64_t v, int bytes) { return testing::LittleEndian(v, bytes); }
+void WriteMegatron(const std::string& prefix, const Megatron& m) { WriteMegatronDataset(prefix, m); }
+
+TEST(TokenCorpus, MegatronIndexedDatasetsReadInOrderWithTheirDocuments) {
+  // Three documents: the first of two sequences (as a document split into
+  // sentences), then one each; uint16 tokens up to 65535.
+  Megatron m;
+  m.sequences = {{10, 11, 12}, {13, 65535}, {20}, {30, 31, 32, 33}};
+  m.doc_bounds = {0, 2, 3, 4};
+  const std::string prefix = TempPath("megatron_text_document");
+  WriteMegatron(prefix, m);
+  const std::vector<int64_t> all = {10, 11, 12, 13, 65535, 20, 30, 31, 32, 33};
+  // Named by its prefix, its .bin (an .idx beside it: not nanoGPT's uint16)
+  // or its .idx; or the format said outright.
+  for (const auto& [path, format] : std::vector<std::pair<std::string, DataFormat>>{
+           {prefix, DataFormat::kAuto}, {prefix + ".bin", DataFormat::kAuto},
+           {prefix + ".idx", DataFormat::kAuto}, {prefix, DataFormat::kMegatron}}) {
+    auto c = TokenCorpus::Open(path, format);
+    ASSERT_TRUE(c.ok()) << path << ": " << c.status();
+    EXPECT_EQ((*c)->format(), DataFormat::kMegatron) << path;
+    EXPECT_EQ((*c)->size(), 10);
+    EXPECT_EQ((*c)->Window(0, 10)->ToInt64s(), all);
+    EXPECT_EQ((*c)->documents(), (std::vector<int64_t>{0, 5, 6})) << path;
+  }
+  // Signed and wider token types: int32 with a negative value reads as
+  // such; int64; uint8.
+  Megatron wide;
+  wide.code = 4;
+  wide.width = 4;
+  wide.sequences = {{70000, -1}, {5}};
+  wide.doc_bounds = {0, 1, 2};
+  WriteMegatron(TempPath("wide"), wide);
+  auto w = TokenCorpus::Open(TempPath("wide"));
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ((*w)->Window(0, 3)->ToInt64s(), (std::vector<int64_t>{70000, -1, 5}));
+  wide.code = 5;
+  wide.width = 8;
+  WriteMegatron(TempPath("wide64"), wide);
+  EXPECT_EQ((*TokenCorpus::Open(TempPath("wide64")))->Window(0, 3)->ToInt64s(),
+            (std::vector<int64_t>{70000, -1, 5}));
+  Megatron bytes;
+  bytes.code = 1;
+  bytes.width = 1;
+  bytes.sequences = {{255, 0, 7}};
+  bytes.doc_bounds = {0, 1};
+  WriteMegatron(TempPath("bytes"), bytes);
+  EXPECT_EQ((*TokenCorpus::Open(TempPath("bytes")))->Window(0, 3)->ToInt64s(), (std::vector<int64_t>{255, 0, 7}));
+  // A sampler's batches over it are windows of the concatenation.
+  auto c = TokenCorpus::Open(prefix);
+  auto sampler = BatchSampler::Create((*c)->size(), 3, 2, 1, 5);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  Tensor inputs, labels;
+  ASSERT_TRUE(sampler->Batch(**c, 0, 0, &inputs, &labels).ok());
+  const std::vector<int64_t> starts = sampler->Starts(0), in = inputs.ToInt64s();
+  for (int r = 0; r < 2; ++r) {
+    for (int j = 0; j < 3; ++j) EXPECT_EQ(in[r * 3 + j], all[starts[r] + j]);
+  }
+}
+
+// An index that does not describe its .bin is refused naming the .idx,
+// before any token is read; so is a float dataset.
+TEST(TokenCorpus, ADamagedMegatronIndexIsRefused) {
+  Megatron m;
+  m.sequences = {{1, 2, 3}, {4}};
+  m.doc_bounds = {0, 2};
+  const std::string prefix = TempPath("damaged");
+  auto refused = [&](const std::string& says) {
+    auto c = TokenCorpus::Open(prefix, DataFormat::kMegatron);
+    ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+    EXPECT_NE(c.status().message().find(says), std::string::npos) << c.status();
+  };
+  auto edit_idx = [&](size_t at, const std::string& bytes) {
+    WriteMegatron(prefix, m);
+    std::fstream f(prefix + ".idx", std::ios::binary | std::ios::in | std::ios::out);
+    f.seekp(static_cast<std::streamoff>(at));
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  };
+  edit_idx(0, "XXIDIDX");
+  refused("no MMIDIDX header");
+  edit_idx(9, Le(2, 8));
+  refused("index version 2");
+  edit_idx(17, Le(7, 1));  // float32
+  refused("not an integer type");
+  edit_idx(18, Le(uint64_t{1} << 62, 8));  // a sequence count that overflows
+  refused("larger than the file");
+  edit_idx(18, Le(5, 8));
+  refused("cannot hold 5 sequences");
+  edit_idx(34, Le(1000, 4));  // the first sequence runs past the .bin
+  refused("runs past the .bin");
+  edit_idx(34 + 8, Le(uint64_t{INT64_MAX}, 8));  // a pointer whose end overflows
+  refused("runs past the .bin");
+  edit_idx(34 + 8 + 8, Le(2, 8));  // the second sequence overlaps the first
+  refused("only contiguous datasets");
+  edit_idx(34 + 8 + 16, Le(1, 8));  // documents start at sequence 1
+  refused("document boundaries");
+  // A .bin cut short.
+  WriteMegatron(prefix, m);
+  std::filesystem::resize_file(prefix + ".bin", 4);
+  refused("runs past the .bin");
+  // No .idx: by its prefix it is not found.
+  std::filesystem::remove(prefix + ".idx");
+  EXPECT_EQ(TokenCorpus::Open(prefix, DataFormat::kMegatron).status().code(), absl::StatusCode::kNotFound);
 }
 
 // A FIFO (nobody writing), a device that never ends, a directory and an

@@ -15,6 +15,7 @@
 #include "worker/shardformer/shardformer.h"
 #include "worker/shardformer/testing.h"
 #include "worker/train/job_options.h"
+#include "worker/train/megatron_testing.h"
 #include "worker/train/checkpoint.h"
 
 namespace colod::train {
@@ -79,6 +80,42 @@ TEST(Trainer, LossesAgreeAcrossLayoutsAndFall) {
   ExpectSameLosses(Losses(Options(model, 1, 2)), base, 1e-4, "dp=2");
   ExpectSameLosses(Losses(Options(model, 2, 2)), base, 1e-4, "tp=2 dp=2");
   ExpectSameLosses(Losses(Options(model, 4, 1, v1::TENSOR_PARALLEL_MODE_2D)), base, 1e-4, "2d");
+}
+
+// Training on a Megatron-LM indexed dataset (uint16 tokens, one document
+// per paragraph, each paragraph a sequence) holding exactly the text
+// corpus's tokens gives the text run's losses bitwise, at tp=2: the same
+// tokens in the same order make the same batches.
+TEST(Trainer, AMegatronDatasetTrainsAsTheSameTokensDo) {
+  const std::string model = TinyModel("train_megatron");
+  TrainOptions text = Options(model, 2, 1);
+  text.steps = 4;
+  auto corpus = TokenCorpus::Open(kText);
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
+  const std::vector<int64_t> tokens = (*corpus)->Window(0, (*corpus)->size())->ToInt64s();
+  testing::MegatronDataset m;
+  std::vector<int64_t> paragraph;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    paragraph.push_back(tokens[i]);
+    const bool blank_line = i >= 1 && tokens[i] == '\n' && tokens[i - 1] == '\n';
+    if (blank_line || i + 1 == tokens.size()) {
+      m.doc_bounds.push_back(static_cast<int64_t>(m.sequences.size()));
+      m.sequences.push_back(std::move(paragraph));
+      paragraph.clear();
+    }
+  }
+  m.doc_bounds.push_back(static_cast<int64_t>(m.sequences.size()));
+  ASSERT_GT(m.sequences.size(), 50u);
+  const std::string prefix = TempPath("gpl_text_document");
+  testing::WriteMegatronDataset(prefix, m);
+  auto megatron = TokenCorpus::Open(prefix);
+  ASSERT_TRUE(megatron.ok()) << megatron.status();
+  EXPECT_EQ((*megatron)->documents().size(), m.sequences.size());
+  TrainOptions from_megatron = text;
+  from_megatron.data_path = prefix + ".bin";  // as Megatron's tools name it; the .idx beside it says the format
+  const std::vector<StepStats> want = Losses(text), got = Losses(from_megatron);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i].loss, want[i].loss) << "step " << i + 1;
 }
 
 TEST(Trainer, GradientAccumulationAndDeterminism) {
