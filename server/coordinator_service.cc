@@ -108,7 +108,9 @@ grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v
     }
     // A job no registered worker has the memory for is refused now, not
     // left pending or failed on a worker that ran out.
-    if (req->request_id().size() > 256) return absl::InvalidArgumentError("request_id: at most 256 bytes");
+    if (req->request_id().size() > kMaxRequestIdBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("request_id: at most ", kMaxRequestIdBytes, " bytes"));
+    }
     RETURN_IF_ERROR(ValidateJobSpec(req->spec()));
     RETURN_IF_ERROR(CheckMemoryFits(req->spec(), workers_->List(/*include_lost=*/false)));
     ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Submit(req->spec(), req->request_id()));

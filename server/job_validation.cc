@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/int_math.h"
+#include "common/limits.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -15,7 +16,6 @@
 namespace colod {
 namespace {
 
-constexpr int kMaxWorldSize = 65536;
 
 absl::Status Invalid(absl::string_view path, absl::string_view field, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(path, ".", field, ": ", why));

@@ -17,6 +17,8 @@ inline constexpr size_t kMaxJobNameBytes = 256;
 inline constexpr int kMaxJobLabels = 64;
 inline constexpr size_t kMaxLabelKeyBytes = 128;
 inline constexpr size_t kMaxLabelValueBytes = 1024;
+// A SubmitJob's request_id.
+inline constexpr size_t kMaxRequestIdBytes = 256;
 
 // OK, or INVALID_ARGUMENT whose message starts with the offending field's
 // path (e.g. "spec.shard.tensor_parallel_size: ..."). Names and labels are

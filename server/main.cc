@@ -81,21 +81,19 @@ int main(int argc, char** argv) {
   options.max_watch_streams = absl::GetFlag(FLAGS_max_watch_streams);
   options.max_uploads = absl::GetFlag(FLAGS_max_uploads);
   options.max_store_waits = absl::GetFlag(FLAGS_max_store_waits);
-  {
-    absl::StatusOr<int64_t> quota = colod::ParseByteSize(absl::GetFlag(FLAGS_store_quota));
-    if (!quota.ok()) {
-      COLOD_LOG(ERROR) << "--store-quota: " << quota.status().message();
-      return 2;
+  // A byte-size flag's value (e.g. 256GiB); false, having said why, if it is not one.
+  auto byte_size = [](const char* flag, const std::string& value, int64_t* out) {
+    absl::StatusOr<int64_t> bytes = colod::ParseByteSize(value);
+    if (!bytes.ok()) {
+      COLOD_LOG(ERROR) << flag << ": " << bytes.status().message();
+      return false;
     }
-    options.store_quota_bytes = *quota;
-  }
-  {
-    absl::StatusOr<int64_t> quota = colod::ParseByteSize(absl::GetFlag(FLAGS_upload_quota));
-    if (!quota.ok()) {
-      COLOD_LOG(ERROR) << "--upload-quota: " << quota.status().message();
-      return 2;
-    }
-    options.upload_quota_bytes = *quota;
+    *out = *bytes;
+    return true;
+  };
+  if (!byte_size("--store-quota", absl::GetFlag(FLAGS_store_quota), &options.store_quota_bytes) ||
+      !byte_size("--upload-quota", absl::GetFlag(FLAGS_upload_quota), &options.upload_quota_bytes)) {
+    return 2;
   }
   auto security = colod::SecurityFromFlags();
   if (!security.ok()) {

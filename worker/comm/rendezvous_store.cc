@@ -80,7 +80,11 @@ absl::Status RendezvousStore::Set(absl::string_view scope, absl::string_view key
   const int64_t after = EntryBytes(scope, key, value.size());
   RETURN_IF_ERROR(RoomLocked(after - before));
   bytes_ += after - before;
-  kv_[std::move(k)] = std::move(value);
+  if (it == kv_.end()) {
+    kv_.emplace(std::move(k), std::move(value));
+  } else {
+    it->second = std::move(value);
+  }
   return absl::OkStatus();
 }
 

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/limits.h"
 
 namespace colod {
 
@@ -36,7 +37,6 @@ class RendezvousStore {
   static constexpr size_t kMaxKeyBytes = 1024;
   static constexpr size_t kMaxValueBytes = 4 << 20;
   static constexpr absl::Duration kMaxTimeout = absl::Minutes(30);
-  static constexpr int kMaxWorldSize = 65536;
 
   explicit RendezvousStore(RendezvousStoreLimits limits = {}) : limits_(limits) {}
 

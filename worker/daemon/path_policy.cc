@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "worker/train/data.h"
 
 namespace colod {
 namespace {
@@ -78,14 +79,11 @@ absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
     if (absl::Status s = Check(n.field, n.path); !s.ok()) return s;
   }
   // Training data may name a Megatron dataset by its prefix, .bin or .idx:
-  // the files opened are PREFIX.bin and PREFIX.idx, and each may be a link.
+  // every file the corpus may open is checked (each may be a link).
   const std::string& data = spec.train().data_path();
   if (!data.empty()) {
-    const std::string prefix = absl::EndsWith(data, ".bin") || absl::EndsWith(data, ".idx")
-                                   ? data.substr(0, data.size() - 4)
-                                   : data;
-    for (const char* ext : {".bin", ".idx"}) {
-      if (absl::Status s = Check("spec.train.data_path", prefix + ext); !s.ok()) return s;
+    for (const std::string& file : train::DataFiles(data)) {
+      if (absl::Status s = Check("spec.train.data_path", file); !s.ok()) return s;
     }
   }
   return absl::OkStatus();

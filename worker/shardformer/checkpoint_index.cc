@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
+#include "common/limits.h"
 #include "common/status_macros.h"
 #include "kernels/types.h"
 #include "nlohmann/json.hpp"
@@ -13,8 +14,6 @@ namespace colod::shardformer {
 namespace {
 
 using Json = nlohmann::json;
-
-constexpr int kMaxWorld = 65536;
 
 // Every field is read through these: a field of the wrong type is an error,
 // never an exception.
@@ -104,8 +103,8 @@ absl::StatusOr<CheckpointTensor> ParseTensor(const Reader& r, const Json& t, con
   ASSIGN_OR_RETURN(const Json* h, r.Field(t, "hf", of));
   ASSIGN_OR_RETURN(out.hf, ParseHf(r, *h, absl::StrCat(of, ".hf")));
   ASSIGN_OR_RETURN(const Json* blocks, r.Field(t, "blocks", of));
-  if (!blocks->is_array() || blocks->empty() || blocks->size() > static_cast<size_t>(kMaxWorld)) {
-    return r.Error(absl::StrCat(of, ".blocks is not a list of 1 to ", kMaxWorld, " blocks"));
+  if (!blocks->is_array() || blocks->empty() || blocks->size() > static_cast<size_t>(kMaxWorldSize)) {
+    return r.Error(absl::StrCat(of, ".blocks is not a list of 1 to ", kMaxWorldSize, " blocks"));
   }
   const int64_t elements = *CheckedProduct(out.global_shape);  // ShapeOf checked it
   int64_t covered = 0;
@@ -151,7 +150,9 @@ absl::StatusOr<CheckpointIndex> ParseCheckpointIndex(absl::string_view text, abs
   if (!format.ok() || *format != kCheckpointFormat) return r.Error(absl::StrCat("not a ", kCheckpointFormat, " index"));
   CheckpointIndex index;
   ASSIGN_OR_RETURN(const int64_t world, r.Int(j, "world_size", "the index"));
-  if (world < 1 || world > kMaxWorld) return r.Error(absl::StrCat("world_size ", world, " is outside [1, ", kMaxWorld, "]"));
+  if (world < 1 || world > kMaxWorldSize) {
+    return r.Error(absl::StrCat("world_size ", world, " is outside [1, ", kMaxWorldSize, "]"));
+  }
   index.world_size = static_cast<int>(world);
   if (j.contains("model_type")) {
     ASSIGN_OR_RETURN(index.model_type, r.String(j, "model_type", "the index"));

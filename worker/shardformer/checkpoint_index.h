@@ -53,7 +53,7 @@ struct CheckpointIndex {
 };
 
 // Parses colod_checkpoint.json. INVALID_ARGUMENT, prefixed with `where`,
-// unless: the format is kCheckpointFormat; world_size is in [1, 65536];
+// unless: the format is kCheckpointFormat; world_size is in [1, kMaxWorldSize];
 // every shape has at most kernels::kMaxDims non-negative dims whose bytes
 // fit int64; every block has one start and length per dim, lies inside the
 // global shape and names a plain file; the blocks of a parameter hold as

@@ -16,6 +16,7 @@
 #include "absl/strings/strip.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
+#include "common/little_endian.h"
 #include "common/status_macros.h"
 
 namespace colod {
@@ -57,11 +58,11 @@ absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& wha
   const int major = static_cast<unsigned char>(bytes[6]);
   size_t header_len = 0, offset = 0;
   if (major == 1) {
-    header_len = static_cast<unsigned char>(bytes[8]) | static_cast<size_t>(static_cast<unsigned char>(bytes[9])) << 8;
+    header_len = LoadLittleEndian(reinterpret_cast<const unsigned char*>(bytes.data()) + 8, 2);
     offset = 10;
   } else if (major == 2 || major == 3) {
     if (bytes.size() < 12) return Bad(what, "a truncated header");
-    for (int i = 0; i < 4; ++i) header_len |= static_cast<size_t>(static_cast<unsigned char>(bytes[8 + i])) << (8 * i);
+    header_len = LoadLittleEndian(reinterpret_cast<const unsigned char*>(bytes.data()) + 8, 4);
     offset = 12;
   } else {
     return Bad(what, absl::StrCat("format version ", major, " is not 1, 2 or 3"));

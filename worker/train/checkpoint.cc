@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
+#include "common/limits.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/shardformer/checkpoint.h"
@@ -60,7 +61,9 @@ absl::Status Validate(const std::string& step_dir) {
   const std::string where = absl::StrCat(step_dir, "/", kState);
   RETURN_IF_ERROR(IntField(state, "step", where).status());
   ASSIGN_OR_RETURN(const int64_t world, IntField(state, "world_size", where));
-  if (world < 1 || world > 65536) return absl::InvalidArgumentError(absl::StrCat(where, ": world_size ", world));
+  if (world < 1 || world > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": world_size ", world));
+  }
   for (int r = 0; r < world; ++r) {
     for (const std::string& name :
          {absl::StrFormat("rank-%05d-of-%05d.safetensors", r, world), OptimFile(r, world)}) {

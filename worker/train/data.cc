@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
+#include "common/little_endian.h"
 #include "common/status_macros.h"
 #include "worker/tensor/npy.h"
 
@@ -91,16 +92,9 @@ class MappedFile {
 };
 
 // Little-endian integers of a buffer whose size was checked.
-uint64_t U64At(const unsigned char* p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
-int64_t I64At(const unsigned char* p) { return static_cast<int64_t>(U64At(p)); }
-int32_t I32At(const unsigned char* p) {
-  return static_cast<int32_t>(static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
-                              (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24));
-}
+uint64_t U64At(const unsigned char* p) { return LoadLittleEndian(p, 8); }
+int64_t I64At(const unsigned char* p) { return LoadLittleEndianSigned(p, 8); }
+int64_t I32At(const unsigned char* p) { return LoadLittleEndianSigned(p, 4); }
 
 constexpr char kMegatronMagic[] = "MMIDIDX\0\0";  // 9 bytes
 constexpr int64_t kMegatronHeaderBytes = 9 + 8 + 1 + 8 + 8;
@@ -153,14 +147,14 @@ absl::StatusOr<MegatronIndex> ParseMegatronIndex(const unsigned char* idx, int64
   out.first_byte = I64At(pointers);
   int64_t expected = out.first_byte;
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t len = I32At(lengths + 4 * i);
+    const int64_t len = I32At(lengths + 4 * i);
     const int64_t at = I64At(pointers + 8 * i);
     if (len < 0) return bad(absl::StrCat("sequence ", i, " has length ", len));
     if (at != expected) {
       return bad(absl::StrCat("sequence ", i, " starts at byte ", at, ", not right after the one before (", expected,
                               "); only contiguous datasets are read"));
     }
-    const std::optional<int64_t> end = at < 0 ? std::nullopt : CheckedAdd(at, int64_t{len} * out.width);
+    const std::optional<int64_t> end = at < 0 ? std::nullopt : CheckedAdd(at, len * out.width);
     if (!end.has_value() || *end > bin_bytes) {
       return bad(absl::StrCat("sequence ", i, " (", len, " tokens from byte ", at, ") runs past the .bin's ",
                               bin_bytes, " bytes"));
@@ -178,8 +172,7 @@ absl::StatusOr<MegatronIndex> ParseMegatronIndex(const unsigned char* idx, int64
     // An empty last document starts at the end.
     out.documents.push_back(from == n ? out.tokens : (I64At(pointers + 8 * from) - out.first_byte) / out.width);
   }
-  if (out.documents.empty()) out.documents.push_back(0);
-  return out;
+  return out;  // d >= 2 here: bounds run from 0 to n >= 1
 }
 
 }  // namespace
@@ -212,9 +205,23 @@ absl::Status TokenCorpus::MapTokens(const std::string& path, int64_t offset, int
   return absl::OkStatus();
 }
 
+namespace {
+
+// PATH without a .bin or .idx: a Megatron dataset's prefix.
+std::string MegatronPrefix(const std::string& path) {
+  return absl::EndsWith(path, ".bin") || absl::EndsWith(path, ".idx") ? path.substr(0, path.size() - 4) : path;
+}
+
+}  // namespace
+
+std::vector<std::string> DataFiles(const std::string& path) {
+  const std::string prefix = MegatronPrefix(path);
+  return {path, prefix + ".bin", prefix + ".idx"};
+}
+
 absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string& path, DataFormat format) {
   const bool named_bin = absl::EndsWith(path, ".bin"), named_idx = absl::EndsWith(path, ".idx");
-  const std::string prefix = named_bin || named_idx ? path.substr(0, path.size() - 4) : path;
+  const std::string prefix = MegatronPrefix(path);
   if (format == DataFormat::kAuto) {
     format = named_idx || (named_bin && IsRegularFile(prefix + ".idx")) ? DataFormat::kMegatron
              : named_bin                                                ? DataFormat::kU16
@@ -240,7 +247,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     c->documents_ = std::move(index.documents);
     return c;
   }
-  RETURN_IF_ERROR(RegularFileSize(path).status());
+  ASSIGN_OR_RETURN(const int64_t bytes, RegularFileSize(path));
   if (format == DataFormat::kNpy) {
     ASSIGN_OR_RETURN(Tensor t, ReadNpy(path));
     if (t.dtype() != DType::kI64 && t.dtype() != DType::kI32) {
@@ -261,7 +268,6 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     return c;
   }
   c->width_ = format == DataFormat::kU16 ? 2 : 4;
-  ASSIGN_OR_RETURN(const int64_t bytes, RegularFileSize(path));
   if (bytes % c->width_ != 0) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", bytes, " bytes is not a whole number of ",
                                                    c->width_ * 8, "-bit tokens"));
@@ -274,10 +280,7 @@ int64_t TokenCorpus::token(int64_t i) const {
   if (map_ == nullptr) return owned_[i];
   // Little-endian on disk; read byte by byte so the host order does not matter.
   const auto* p = static_cast<const unsigned char*>(map_) + map_offset_ + i * width_;
-  uint64_t v = 0;
-  for (int b = width_ - 1; b >= 0; --b) v = (v << 8) | p[b];
-  if (signed_ && width_ < 8 && (v >> (8 * width_ - 1)) != 0) v |= ~uint64_t{0} << (8 * width_);  // sign-extend
-  return static_cast<int64_t>(v);
+  return signed_ ? LoadLittleEndianSigned(p, width_) : static_cast<int64_t>(LoadLittleEndian(p, width_));
 }
 
 absl::StatusOr<Tensor> TokenCorpus::Window(int64_t start, int64_t length) const {

@@ -49,6 +49,11 @@ enum class DataFormat { kAuto, kU16, kU32, kNpy, kText, kMegatron };
 // "auto", "uint16", "uint32", "npy", "text", "megatron".
 absl::StatusOr<DataFormat> ParseDataFormat(const std::string& name);
 
+// The files TokenCorpus::Open(path) may open: the path itself, and the
+// PREFIX.bin and PREFIX.idx of a Megatron dataset it may name (PREFIX is
+// the path without a .bin or .idx). For checks of what a job may read.
+std::vector<std::string> DataFiles(const std::string& path);
+
 class TokenCorpus {
  public:
   // kAuto picks by extension (.bin: uint16 unless an .idx is beside it,
