@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "client/coordinator_client.h"
 #include "colod/v1/job.pb.h"
-#include "worker/shardformer/layers.h"
+#include "worker/shardformer/shard_config.h"
 #include "worker/train/trainer.h"
 
 ABSL_DECLARE_FLAG(std::string, model);

@@ -22,12 +22,12 @@
 #include "colod/v1/worker.pb.h"
 #include "worker/colo/process_group.h"
 #include "worker/comm/flight_recorder.h"
-#include "worker/shardformer/layers.h"
 #include "worker/daemon/model_cache.h"
 #include "worker/daemon/path_policy.h"
 #include "worker/daemon/progress_reporter.h"
 #include "worker/daemon/tensor_host.h"
 #include "worker/daemon/worker_metrics.h"
+#include "worker/shardformer/shard_config.h"
 
 namespace colod {
 

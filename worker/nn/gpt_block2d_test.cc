@@ -87,8 +87,8 @@ TEST_P(GptBlock2D, LogitsLossAndGradientsMatchTheUnshardedModel) {
     const int dep = rank / (q * q), i = (rank / q) % q, j = rank % q;
     const int blocks = depth * q, b = dep * q + i;  // this rank's batch block
     auto emb = Embedding2D::FromGlobal(w.wte, &pg);
-    auto ln1 = LayerNorm2D::FromGlobal(w.ln1_g, w.ln1_b, 1e-5f, &pg);
-    auto ln2 = LayerNorm2D::FromGlobal(w.ln2_g, w.ln2_b, 1e-5f, &pg);
+    auto ln1 = Norm2D::FromGlobal(w.ln1_g, w.ln1_b, &pg, {Norm2D::Kind::kLayerNorm, 1e-5f});
+    auto ln2 = Norm2D::FromGlobal(w.ln2_g, w.ln2_b, &pg, {Norm2D::Kind::kLayerNorm, 1e-5f});
     auto lq = Linear2D::FromGlobal(w.wq, w.bq, &pg), lk = Linear2D::FromGlobal(w.wk, w.bk, &pg),
          lv = Linear2D::FromGlobal(w.wv, w.bv, &pg), lo = Linear2D::FromGlobal(w.wo, w.bo, &pg),
          lfc = Linear2D::FromGlobal(w.fc, w.bfc, &pg), lproj = Linear2D::FromGlobal(w.proj, w.bproj, &pg);

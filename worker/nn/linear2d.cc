@@ -162,66 +162,68 @@ absl::StatusOr<ColoTensor> Linear2D::Forward(const ColoTensor& x, Epilogue epilo
   return ColoTensor::FromLocal(y, Activation2D(y.value().dim(), q_, c.depth), pg_);
 }
 
-absl::StatusOr<LayerNorm2D> LayerNorm2D::FromGlobal(const Tensor& gamma, const Tensor& beta, float eps,
-                                                    ProcessGroup* pg) {
-  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg));
-  if (gamma.dim() != 1 || gamma.shape() != beta.shape()) {
-    return absl::InvalidArgumentError(absl::StrCat("LayerNorm2D: gamma ", ShapeToString(gamma.shape()), " and beta ",
-                                                   ShapeToString(beta.shape()), " must be the same [hidden]"));
+namespace {
+
+absl::Status CheckNormShapes(const Shape& gamma, const std::optional<Shape>& beta, Norm2D::Kind kind) {
+  const bool layer_norm = kind == Norm2D::Kind::kLayerNorm;
+  if (gamma.size() != 1 || layer_norm != beta.has_value() || (beta.has_value() && *beta != gamma)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        layer_norm ? "LayerNorm2D needs gamma and beta" : "RMSNorm2D needs gamma only", " of one shape [hidden]; got gamma ",
+        ShapeToString(gamma), beta.has_value() ? absl::StrCat(" and beta ", ShapeToString(*beta)) : ""));
   }
-  ASSIGN_OR_RETURN(const DistSpec spec, Spec(pg));
-  ASSIGN_OR_RETURN(ColoParameter g, ColoParameter::Create(gamma, spec, pg, "gamma", Compute2D(pg)));
-  ASSIGN_OR_RETURN(ColoParameter b, ColoParameter::Create(beta, spec, pg, "beta", Compute2D(pg)));
-  return LayerNorm2D(std::move(g), std::move(b), eps, pg, c.q);
+  return absl::OkStatus();
 }
 
-absl::StatusOr<DistSpec> LayerNorm2D::Spec(ProcessGroup* pg) {
+}  // namespace
+
+absl::StatusOr<Norm2D> Norm2D::FromGlobal(const Tensor& gamma, const std::optional<Tensor>& beta, ProcessGroup* pg,
+                                          Options options) {
+  std::optional<Shape> beta_shape;
+  if (beta.has_value()) beta_shape = beta->shape();
+  RETURN_IF_ERROR(CheckNormShapes(gamma.shape(), beta_shape, options.kind));
+  ASSIGN_OR_RETURN(const DistSpec spec, Spec(pg));
+  ASSIGN_OR_RETURN(ColoParameter g, ColoParameter::Create(gamma, spec, pg, "gamma", Compute2D(pg)));
+  std::optional<ColoParameter> b;
+  if (beta.has_value()) {
+    ASSIGN_OR_RETURN(b, ColoParameter::Create(*beta, spec, pg, "beta", Compute2D(pg)));
+  }
+  return Norm2D(std::move(g), std::move(b), pg, options);
+}
+
+absl::StatusOr<DistSpec> Norm2D::Spec(ProcessGroup* pg) {
   ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg));
   return DistSpec().Set("tp_row", Placement::Shard({0}, {c.q}));
 }
 
-absl::StatusOr<LayerNorm2D> LayerNorm2D::FromParameters(ColoParameter gamma, ColoParameter beta, float eps,
-                                                        ProcessGroup* pg) {
-  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg));
-  if (gamma.global_shape().size() != 1 || gamma.global_shape() != beta.global_shape()) {
-    return absl::InvalidArgumentError(absl::StrCat("LayerNorm2D: gamma ", ShapeToString(gamma.global_shape()),
-                                                   " and beta ", ShapeToString(beta.global_shape()),
-                                                   " must be the same [hidden]"));
-  }
+absl::StatusOr<Norm2D> Norm2D::FromParameters(ColoParameter gamma, std::optional<ColoParameter> beta,
+                                              ProcessGroup* pg, Options options) {
+  std::optional<Shape> beta_shape;
+  if (beta.has_value()) beta_shape = beta->global_shape();
+  RETURN_IF_ERROR(CheckNormShapes(gamma.global_shape(), beta_shape, options.kind));
   ASSIGN_OR_RETURN(const DistSpec spec, Spec(pg));
-  RETURN_IF_ERROR(CheckSpec(gamma, spec, "LayerNorm2D gamma"));
-  RETURN_IF_ERROR(CheckSpec(beta, spec, "LayerNorm2D beta"));
-  return LayerNorm2D(std::move(gamma), std::move(beta), eps, pg, c.q);
+  RETURN_IF_ERROR(CheckSpec(gamma, spec, "Norm2D gamma"));
+  gamma.set_compute_spec(Compute2D(pg));
+  if (beta.has_value()) {
+    RETURN_IF_ERROR(CheckSpec(*beta, spec, "Norm2D beta"));
+    beta->set_compute_spec(Compute2D(pg));
+  }
+  return Norm2D(std::move(gamma), std::move(beta), pg, options);
 }
 
-absl::StatusOr<ColoTensor> LayerNorm2D::Forward(const ColoTensor& x) const {
+absl::StatusOr<ColoTensor> Norm2D::Forward(const ColoTensor& x) const {
   ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg_));
   ASSIGN_OR_RETURN(ColoTensor in, ToActivation2D(x, c));
   // Hidden split along the row group; gamma and beta replicated over tp_col (and depth).
   std::vector<Communicator*> replicas = {c.col};
   if (c.dep != nullptr) replicas.push_back(c.dep);
-  ASSIGN_OR_RETURN(Variable y, ShardedLayerNorm(in.variable(), gamma_.variable(), beta_.variable(), eps_, c.row,
-                                                replicas, pg_->timeout()));
-  return ColoTensor::FromLocal(y, in.spec(), pg_);
-}
-
-absl::StatusOr<RmsNorm2D> RmsNorm2D::FromParameters(ColoParameter gamma, float eps, ProcessGroup* pg) {
-  if (gamma.global_shape().size() != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("RmsNorm2D: gamma must be [hidden], got ",
-                                                   ShapeToString(gamma.global_shape())));
+  Variable y;
+  if (options_.kind == Kind::kLayerNorm) {
+    ASSIGN_OR_RETURN(y, ShardedLayerNorm(in.variable(), gamma_.variable(), beta_->variable(), options_.eps, c.row,
+                                         replicas, pg_->timeout()));
+  } else {
+    ASSIGN_OR_RETURN(y, ShardedRmsNorm(in.variable(), gamma_.variable(), options_.eps, c.row, replicas,
+                                       pg_->timeout()));
   }
-  ASSIGN_OR_RETURN(const DistSpec spec, LayerNorm2D::Spec(pg));
-  RETURN_IF_ERROR(CheckSpec(gamma, spec, "RmsNorm2D gamma"));
-  gamma.set_compute_spec(Compute2D(pg));
-  return RmsNorm2D(std::move(gamma), eps, pg);
-}
-
-absl::StatusOr<ColoTensor> RmsNorm2D::Forward(const ColoTensor& x) const {
-  ASSIGN_OR_RETURN(Groups2D c, GetGroups2D(pg_));
-  ASSIGN_OR_RETURN(ColoTensor in, ToActivation2D(x, c));
-  std::vector<Communicator*> replicas = {c.col};
-  if (c.dep != nullptr) replicas.push_back(c.dep);
-  ASSIGN_OR_RETURN(Variable y, ShardedRmsNorm(in.variable(), gamma_.variable(), eps_, c.row, replicas, pg_->timeout()));
   return ColoTensor::FromLocal(y, in.spec(), pg_);
 }
 

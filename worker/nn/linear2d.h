@@ -15,7 +15,7 @@
 // runs the same q broadcasts for dX_it = sum_j dY_ij A_tj^T and dA_tj =
 // sum_i X_it^T dY_ij, with the q partial products of each reduced to their
 // owners by one reduce-scatter (along the row group for dX, the column group
-// for dA). LayerNorm2D all-reduces its row statistics along the row group.
+// for dA). Norm2D all-reduces its row statistics along the row group.
 // Parameters replicated over tp_col get their gradients all-reduced over it.
 //
 // 2.5D (Tesseract; mesh tp_dep x tp_col x tp_row = d x q x q, local rank
@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "worker/colo/colo_tensor.h"
 #include "worker/nn/linear1d.h"
+#include "worker/nn/norm.h"
 
 namespace colod::nn {
 
@@ -71,39 +72,36 @@ class Linear2D {
   int q_;
 };
 
-class LayerNorm2D {
+// LayerNorm or RMSNorm (Options::kind, like Norm1D) on 2D / 2.5D
+// activations: gamma (and beta, LayerNorm's) [hidden] {tp_row: S(0)},
+// replicated over tp_col (and depth); the row statistics (the means, or the
+// sums of squares) are all-reduced along the row group.
+class Norm2D {
  public:
-  static absl::StatusOr<LayerNorm2D> FromGlobal(const Tensor& gamma, const Tensor& beta, float eps, ProcessGroup* pg);
+  using Kind = NormKind;
+  struct Options {
+    Kind kind = Kind::kLayerNorm;
+    float eps = 1e-5f;
+  };
+  // `beta` is required for LayerNorm and must be absent for RMSNorm.
+  static absl::StatusOr<Norm2D> FromGlobal(const Tensor& gamma, const std::optional<Tensor>& beta, ProcessGroup* pg,
+                                           Options options);
   // gamma and beta [hidden] {tp_row: S(0)}.
   static absl::StatusOr<DistSpec> Spec(ProcessGroup* pg);
-  static absl::StatusOr<LayerNorm2D> FromParameters(ColoParameter gamma, ColoParameter beta, float eps,
-                                                    ProcessGroup* pg);
+  // From parameters in Spec(); INVALID_ARGUMENT otherwise.
+  static absl::StatusOr<Norm2D> FromParameters(ColoParameter gamma, std::optional<ColoParameter> beta,
+                                               ProcessGroup* pg, Options options);
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
   const ColoParameter& gamma() const { return gamma_; }
-  const ColoParameter& beta() const { return beta_; }
+  const std::optional<ColoParameter>& beta() const { return beta_; }
 
  private:
-  LayerNorm2D(ColoParameter g, ColoParameter b, float eps, ProcessGroup* pg, int q)
-      : gamma_(std::move(g)), beta_(std::move(b)), eps_(eps), pg_(pg), q_(q) {}
-  ColoParameter gamma_, beta_;
-  float eps_;
-  ProcessGroup* pg_;
-  int q_;
-};
-
-// RMSNorm with gamma split like LayerNorm2D's (LLaMA in 2D): one all-reduce
-// of the row sums of squares along the row group.
-class RmsNorm2D {
- public:
-  static absl::StatusOr<RmsNorm2D> FromParameters(ColoParameter gamma, float eps, ProcessGroup* pg);
-  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) const;
-  const ColoParameter& gamma() const { return gamma_; }
-
- private:
-  RmsNorm2D(ColoParameter g, float eps, ProcessGroup* pg) : gamma_(std::move(g)), eps_(eps), pg_(pg) {}
+  Norm2D(ColoParameter g, std::optional<ColoParameter> b, ProcessGroup* pg, Options o)
+      : gamma_(std::move(g)), beta_(std::move(b)), pg_(pg), options_(o) {}
   ColoParameter gamma_;
-  float eps_;
+  std::optional<ColoParameter> beta_;
   ProcessGroup* pg_;
+  Options options_;
 };
 
 // The SUMMA product on this rank's blocks: x_local [.., r, k/q] and
@@ -130,7 +128,7 @@ absl::StatusOr<Variable> SumGradOverReplicas(const Variable& p, const Groups2D& 
 
 // The 2.5D layers are the 2D ones on a mesh with a tp_dep axis.
 using Linear2p5D = Linear2D;
-using LayerNorm2p5D = LayerNorm2D;
+using Norm2p5D = Norm2D;
 
 }  // namespace colod::nn
 

@@ -1,7 +1,7 @@
 // 2D (SUMMA) layers on 4 ranks (q = 2) and 2.5D on 8 (q = 2, d = 2), threads
 // over Gloo on loopback: the reference document's MLP 256 -> 1024 -> 256 with
-// its partition shapes, and a LayerNorm in front, against the unsharded
-// computation.
+// its partition shapes, and a LayerNorm or an RMSNorm (Norm2D) in front,
+// against the unsharded computation.
 #include "worker/nn/linear2d.h"
 
 #include <cmath>
@@ -38,6 +38,7 @@ Tensor Block(const Tensor& m, int q, int i, int j) { return m.Chunk(0, q, i)->Ch
 
 struct MlpCase {
   int q, depth;
+  Norm2D::Kind norm = Norm2D::Kind::kLayerNorm;
 };
 
 class Mlp2D : public ::testing::TestWithParam<MlpCase> {};
@@ -47,15 +48,16 @@ class Mlp2D : public ::testing::TestWithParam<MlpCase> {};
 // more, so [4,128], [4,512] and [4,128], with the same weight blocks.
 TEST_P(Mlp2D, ReferenceMlpShapesAndValues) {
   const int q = GetParam().q, depth = GetParam().depth;  // not a binding: lambdas capture them
+  const bool layer_norm = GetParam().norm == Norm2D::Kind::kLayerNorm;
   const int64_t rows = 16 / (q * depth);
   const Tensor x = *Tensor::RandomNormal({16, 256}, 1), gamma = *Tensor::RandomNormal({256}, 2),
                beta = *Tensor::RandomNormal({256}, 3), a1 = *Scale(*Tensor::RandomNormal({256, 1024}, 4), 0.05f),
                b1 = *Tensor::RandomNormal({1024}, 5), a2 = *Scale(*Tensor::RandomNormal({1024, 256}, 6), 0.03f),
                b2 = *Tensor::RandomNormal({256}, 7), r = *Tensor::RandomNormal({16, 256}, 8);
-  // Unsharded: LayerNorm, then y = GELU(h A1 + b1) A2 + b2 (Linear takes A^T).
+  // Unsharded: the norm, then y = GELU(h A1 + b1) A2 + b2 (Linear takes A^T).
   Variable vx(x, true), vg(gamma, true), vb(beta, true), va1(T(a1), true), vb1(b1, true), va2(T(a2), true),
       vb2(b2, true);
-  Variable h = *LayerNorm(vx, vg, vb, 1e-5f);
+  Variable h = layer_norm ? *LayerNorm(vx, vg, vb, 1e-5f) : *RmsNorm(vx, vg, 1e-5f);
   Variable y = *Linear(*Gelu(*Linear(h, va1, vb1), ops::GeluApprox::kTanh), va2, vb2);
   ASSERT_TRUE(Backward(*Sum(*Mul(y, Variable(r)))).ok());
   const Tensor da1 = T(*va1.grad()), da2 = T(*va2.grad());
@@ -71,7 +73,8 @@ TEST_P(Mlp2D, ReferenceMlpShapesAndValues) {
         auto act_block = [&](const Tensor& m) {
           return m.Chunk(0, depth * q, dep * q + i)->Chunk(1, q, j)->Contiguous();
         };
-        auto norm = LayerNorm2D::FromGlobal(gamma, beta, 1e-5f, &pg);
+        auto norm = Norm2D::FromGlobal(gamma, layer_norm ? std::optional<Tensor>(beta) : std::nullopt, &pg,
+                                       {GetParam().norm, 1e-5f});
         auto l1 = Linear2D::FromGlobal(a1, b1, &pg);
         auto l2 = Linear2D::FromGlobal(a2, b2, &pg);
         ASSERT_TRUE(norm.ok() && l1.ok() && l2.ok()) << l1.status();
@@ -101,13 +104,22 @@ TEST_P(Mlp2D, ReferenceMlpShapesAndValues) {
         ExpectAllClose(*l1->bias()->variable().grad(), *vb1.grad()->Chunk(0, q, j), "b1 gradient", kTol);
         ExpectAllClose(*l2->bias()->variable().grad(), *vb2.grad()->Chunk(0, q, j), "b2 gradient", kTol);
         ExpectAllClose(*norm->gamma().variable().grad(), *vg.grad()->Chunk(0, q, j), "gamma gradient", kTol);
-        ExpectAllClose(*norm->beta().variable().grad(), *vb.grad()->Chunk(0, q, j), "beta gradient", kTol);
+        if (layer_norm) {
+          ExpectAllClose(*norm->beta()->variable().grad(), *vb.grad()->Chunk(0, q, j), "beta gradient", kTol);
+        } else {
+          EXPECT_FALSE(norm->beta().has_value());
+        }
       },
       /*instrument=*/true);
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, Mlp2D, ::testing::Values(MlpCase{2, 1}, MlpCase{2, 2}),
-                         [](const auto& info) { return info.param.depth == 1 ? "2d_q2" : "2p5d_q2_d2"; });
+INSTANTIATE_TEST_SUITE_P(Modes, Mlp2D,
+                         ::testing::Values(MlpCase{2, 1}, MlpCase{2, 2}, MlpCase{2, 1, Norm2D::Kind::kRmsNorm},
+                                           MlpCase{2, 2, Norm2D::Kind::kRmsNorm}),
+                         [](const auto& info) {
+                           return std::string(info.param.depth == 1 ? "2d_q2" : "2p5d_q2_d2") +
+                                  (info.param.norm == Norm2D::Kind::kLayerNorm ? "_layernorm" : "_rmsnorm");
+                         });
 
 TEST(Linear2D, NeedsATwoDimensionalMeshAndDivisibleWeights) {
   RunMesh(::colod::testing::TpDpMesh(4), [](int, ProcessGroup& pg) {

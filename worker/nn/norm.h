@@ -15,9 +15,12 @@
 
 namespace colod::nn {
 
+// LayerNorm (gamma and beta) or RMSNorm (gamma only), for Norm1D and Norm2D.
+enum class NormKind { kLayerNorm, kRmsNorm };
+
 class Norm1D {
  public:
-  enum class Kind { kLayerNorm, kRmsNorm };
+  using Kind = NormKind;
   struct Options {
     Kind kind = Kind::kLayerNorm;
     float eps = 1e-5f;

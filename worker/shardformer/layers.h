@@ -12,13 +12,15 @@
 //   VocabParallelBias1D   a bias added to vocab-parallel logits ([V_pad] tp: S(0))
 //   Norm1D                LayerNorm or RMSNorm (worker/nn/norm.h)
 //   Linear2D              worker/nn/linear2d.h (2D and 2.5D); kwargs n_fused
-//   LayerNorm2D, RMSNorm2D  worker/nn/linear2d.h
+//   LayerNorm2D, RMSNorm2D  nn::Norm2D (worker/nn/linear2d.h)
 //   Embedding2D           worker/nn/embedding2d.h
 //   LMHead2D              an untied LM head [V, H] computed as Embedding2D's
 //                         tied logits
 //
 // Sequence parallelism comes from the ShardConfig. Users add their own
-// layers with LayerRegistry::Register.
+// layers with LayerRegistry::Register. The adapters live by mode in
+// layers_native.cc, layers_1d.cc and layers_2d.cc, and read their
+// parameters through layer_loading.h.
 //
 // Thread-safety: the registry is thread-safe; a layer belongs to one rank thread.
 #ifndef COLOD_WORKER_SHARDFORMER_LAYERS_H_
@@ -33,31 +35,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "colod/v1/job.pb.h"
 #include "worker/shardformer/model_files.h"
 #include "worker/shardformer/module.h"
+#include "worker/shardformer/shard_config.h"
 
 namespace colod::shardformer {
-
-// ShardFormer's ShardConfig: the layout (tp/dp sizes, mode, depth,
-// sequence_parallel, gather_output as in the proto) and the vocabulary
-// padding.
-struct ShardConfig {
-  v1::ShardConfig layout;
-  int64_t make_vocab_size_divisible_by = 64;
-  // The dtype parameters are held and computed in: f32, or bf16 / f16 for
-  // mixed precision (the optimizer then keeps f32 master weights).
-  DType param_dtype = DType::kF32;
-  // Where this rank's parameters and activations live (a CUDA device runs
-  // over NCCL process groups).
-  Device device = Device::Cpu();
-
-  int tp() const { return layout.tensor_parallel_size() < 1 ? 1 : layout.tensor_parallel_size(); }
-  bool is_2d() const;  // 2D or 2.5D
-  // How many ways attention heads split: tp in 1D, q in 2D and 2.5D.
-  int head_split() const;
-  bool sequence_parallel() const { return layout.sequence_parallel(); }
-};
 
 // What a layer factory gets besides the declaration.
 struct LayerContext {

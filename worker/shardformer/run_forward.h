@@ -1,6 +1,6 @@
 // One forward pass of a model directory on a local mesh of ranks (threads
-// over Gloo on loopback): what `coloctl forward` runs. Until jobs run on
-// the worker daemons, this is how a user checks a sharded model end to end.
+// over Gloo on loopback): what `coloctl forward` runs without a cluster,
+// and what a worker daemon's FORWARD job runs on each of its ranks.
 #ifndef COLOD_WORKER_SHARDFORMER_RUN_FORWARD_H_
 #define COLOD_WORKER_SHARDFORMER_RUN_FORWARD_H_
 
@@ -8,8 +8,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "worker/shardformer/layers.h"
+#include "worker/colo/process_group.h"
 #include "worker/shardformer/model_config.h"
+#include "worker/shardformer/shard_config.h"
 #include "worker/tensor/tensor.h"
 
 namespace colod::shardformer {

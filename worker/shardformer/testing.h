@@ -10,8 +10,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "worker/shardformer/layers.h"
 #include "worker/shardformer/model_config.h"
+#include "worker/shardformer/shard_config.h"
 #include "worker/tensor/tensor.h"
 
 namespace colod::shardformer::testing {

@@ -16,7 +16,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "worker/shardformer/layers.h"
+#include "worker/shardformer/shard_config.h"
 #include "worker/train/data.h"
 #include "worker/train/optimizer.h"
 

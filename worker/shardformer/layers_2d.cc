@@ -1,0 +1,179 @@
+// The 2D and 2.5D tensor-parallel layers (SUMMA linears, the norms, the
+// embedding and the LM head computed with its table).
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/nn/embedding2d.h"
+#include "worker/nn/functional.h"
+#include "worker/nn/linear2d.h"
+#include "worker/shardformer/layer_loading.h"
+
+namespace colod::shardformer::layers {
+namespace {
+
+using Kind = LayerDecl::Kind;
+using LayerPtr = std::unique_ptr<Layer>;
+
+class Linear2DLayer : public Layer {
+ public:
+  struct Part {
+    nn::Linear2D layer;
+    WeightAndBias params;
+  };
+  Linear2DLayer(std::vector<Part> parts, nn::Groups2D g) : parts_(std::move(parts)), g_(g) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c) {
+    RETURN_IF_ERROR(Expect(IsMatrix(d), d, "Linear2D"));
+    ASSIGN_OR_RETURN(nn::Groups2D g, nn::GetGroups2D(c.pg));
+    const int n = static_cast<int>(Kwarg(c, "n_fused", 1));
+    if (n < 1 || d.out % n != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(d.prefix, ": ", d.out, " outputs do not split into n_fused = ",
+                                                     n, " projections"));
+    }
+    ASSIGN_OR_RETURN(nn::ParamSpecs specs, nn::Linear2D::Specs(c.pg));
+    const int64_t o = d.out / n;
+    const bool conv = d.kind == Kind::kConv1D;
+    std::vector<Part> parts;
+    for (int k = 0; k < n; ++k) {
+      WeightAndBiasLayout layout;
+      layout.weight_shape = {d.in, o};
+      layout.weight_spec = specs.weight;
+      layout.bias_shape = {o};
+      layout.bias_spec = specs.bias;
+      // Linear2D holds [in, out]: Conv1D's layout; nn.Linear's [out, in] transposed.
+      layout.transpose = !conv;
+      if (n > 1) {
+        // Fused parts are "weight[k]" and "bias[k]": each holds a slice of the tensor.
+        layout.weight_narrow_dim = conv ? 1 : 0;
+        layout.narrow_start = k * o;
+        layout.part = absl::StrCat("[", k, "]");
+      }
+      ASSIGN_OR_RETURN(WeightAndBias p, LoadWeightAndBias(d, c, layout));
+      ASSIGN_OR_RETURN(nn::Linear2D layer, nn::Linear2D::FromParameters(p.weight.param, p.bias_param(), c.pg));
+      parts.push_back(Part{std::move(layer), std::move(p)});
+    }
+    return LayerPtr(new Linear2DLayer(std::move(parts), g));
+  }
+  std::string type() const override { return "Linear2D"; }
+  absl::StatusOr<ColoTensor> ForwardWithEpilogue(const ColoTensor& x, nn::Epilogue epilogue) override {
+    if (parts_.size() == 1) return parts_[0].layer.Forward(x, epilogue);
+    return Layer::ForwardWithEpilogue(x, epilogue);
+  }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
+    if (parts_.size() == 1) return parts_[0].layer.Forward(x);
+    // Fused: [.., n, out/n], each rank holding its columns of every projection.
+    std::vector<Variable> ys;
+    ProcessGroup* pg = x.process_group();
+    for (Part& part : parts_) {
+      ASSIGN_OR_RETURN(ColoTensor y, part.layer.Forward(x));
+      Shape s = y.local().shape();
+      s.insert(s.end() - 1, 1);
+      ASSIGN_OR_RETURN(Variable v, nn::Reshape(y.variable(), s));
+      ys.push_back(v);
+    }
+    const int64_t ndim = ys[0].value().dim();
+    ASSIGN_OR_RETURN(Variable cat, nn::Cat(ys, ndim - 2));
+    return ColoTensor::FromLocal(cat, nn::Activation2D(ndim, g_.q, g_.depth), pg);
+  }
+  absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override { return nn::Activation2D(ndim, g_.q, g_.depth); }
+  std::vector<BoundParam> Params() override {
+    std::vector<BoundParam> out;
+    for (Part& p : parts_) {
+      for (BoundParam& b : p.params.list()) out.push_back(std::move(b));
+    }
+    return out;
+  }
+
+ private:
+  std::vector<Part> parts_;
+  nn::Groups2D g_;
+};
+
+// LayerNorm2D and RMSNorm2D: one layer, the kind the declaration's.
+class Norm2DLayer : public Layer {
+ public:
+  Norm2DLayer(nn::Norm2D layer, WeightAndBias p, nn::Groups2D groups)
+      : layer_(std::move(layer)), p_(std::move(p)), groups_(groups) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c, nn::Norm2D::Kind kind) {
+    const bool layer_norm = kind == nn::Norm2D::Kind::kLayerNorm;
+    RETURN_IF_ERROR(Expect(d.kind == (layer_norm ? Kind::kLayerNorm : Kind::kRmsNorm), d,
+                           layer_norm ? "LayerNorm2D" : "RMSNorm2D"));
+    ASSIGN_OR_RETURN(nn::Groups2D groups, nn::GetGroups2D(c.pg));
+    WeightAndBiasLayout layout;
+    layout.weight_shape = layout.bias_shape = {d.out};
+    ASSIGN_OR_RETURN(layout.weight_spec, nn::Norm2D::Spec(c.pg));
+    layout.bias_spec = layout.weight_spec;
+    ASSIGN_OR_RETURN(WeightAndBias p, LoadWeightAndBias(d, c, layout));
+    ASSIGN_OR_RETURN(nn::Norm2D layer, nn::Norm2D::FromParameters(p.weight.param, p.bias_param(), c.pg, {kind, d.eps}));
+    return LayerPtr(new Norm2DLayer(std::move(layer), std::move(p), groups));
+  }
+  std::string type() const override { return p_.bias.has_value() ? "LayerNorm2D" : "RMSNorm2D"; }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override { return layer_.Forward(x); }
+  absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override {
+    return nn::Activation2D(ndim, groups_.q, groups_.depth);
+  }
+  std::vector<BoundParam> Params() override { return p_.list(); }
+
+ private:
+  nn::Norm2D layer_;
+  WeightAndBias p_;
+  nn::Groups2D groups_;
+};
+
+class Embedding2DLayer : public Layer {
+ public:
+  // `head`: this layer computes the logits of an LM head with the table.
+  Embedding2DLayer(nn::Embedding2D layer, BoundParam w, nn::Groups2D g, bool head, bool owns)
+      : layer_(std::move(layer)), w_(std::move(w)), g_(g), head_(head), owns_(owns) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c, bool head) {
+    if (head) {
+      RETURN_IF_ERROR(Expect(d.kind == Kind::kLinear && !d.bias, d, "LMHead2D"));
+    } else {
+      RETURN_IF_ERROR(Expect(d.kind == Kind::kEmbedding, d, "Embedding2D"));
+    }
+    ASSIGN_OR_RETURN(nn::Groups2D g, nn::GetGroups2D(c.pg));
+    ASSIGN_OR_RETURN(DistSpec spec, nn::Embedding2D::Spec(c.pg));
+    // Both an embedding [V, H] and an LM head Linear(H -> V) store [V, H].
+    const Shape shape = head ? Shape{d.out, d.in} : Shape{d.in, d.out};
+    ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight", WeightTensor(d), shape, spec));
+    ASSIGN_OR_RETURN(nn::Embedding2D layer, nn::Embedding2D::FromParameters(w.param, c.pg));
+    return LayerPtr(new Embedding2DLayer(std::move(layer), std::move(w), g, head, true));
+  }
+  std::string type() const override {
+    return head_ ? (owns_ ? "LMHead2D" : "tied Embedding2D LM head") : "Embedding2D";
+  }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
+    if (head_) return layer_.TiedLogits(x);
+    return layer_.Forward(x.local());
+  }
+  absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override {
+    return head_ ? nn::Activation2D(ndim, g_.q, g_.depth) : DistSpec();
+  }
+  std::vector<BoundParam> Params() override { return owns_ ? std::vector<BoundParam>{w_} : std::vector<BoundParam>{}; }
+  absl::StatusOr<LayerPtr> TiedHead() override {
+    if (head_) return Layer::TiedHead();
+    return LayerPtr(new Embedding2DLayer(layer_, w_, g_, true, false));
+  }
+
+ private:
+  nn::Embedding2D layer_;
+  BoundParam w_;
+  nn::Groups2D g_;
+  bool head_, owns_;
+};
+
+}  // namespace
+
+void Register2DLayers(LayerRegistry& r) {
+  (void)r.Register("Linear2D", Linear2DLayer::Create);
+  (void)r.Register("LayerNorm2D", [](const LayerDecl& d, const LayerContext& c) {
+    return Norm2DLayer::Create(d, c, nn::Norm2D::Kind::kLayerNorm);
+  });
+  (void)r.Register("RMSNorm2D", [](const LayerDecl& d, const LayerContext& c) {
+    return Norm2DLayer::Create(d, c, nn::Norm2D::Kind::kRmsNorm);
+  });
+  (void)r.Register("Embedding2D",
+                   [](const LayerDecl& d, const LayerContext& c) { return Embedding2DLayer::Create(d, c, false); });
+  (void)r.Register("LMHead2D",
+                   [](const LayerDecl& d, const LayerContext& c) { return Embedding2DLayer::Create(d, c, true); });
+}
+
+}  // namespace colod::shardformer::layers

@@ -1,0 +1,123 @@
+// The native layers: the original computation, parameters replicated.
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/nn/embedding1d.h"
+#include "worker/nn/functional.h"
+#include "worker/shardformer/layer_loading.h"
+
+namespace colod::shardformer::layers {
+namespace {
+
+using Kind = LayerDecl::Kind;
+using LayerPtr = std::unique_ptr<Layer>;
+
+class NativeLinear : public Layer {
+ public:
+  // `tied`: an LM head tied to an embedding's table; it shares the parameter and owns none.
+  NativeLinear(WeightAndBias p, bool tied) : p_(std::move(p)), tied_(tied) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c) {
+    RETURN_IF_ERROR(Expect(IsMatrix(d), d, "native Linear"));
+    WeightAndBiasLayout layout;
+    layout.weight_shape = {d.out, d.in};
+    layout.bias_shape = {d.out};
+    layout.transpose = d.kind == Kind::kConv1D;
+    ASSIGN_OR_RETURN(WeightAndBias p, LoadWeightAndBias(d, c, layout));
+    return LayerPtr(new NativeLinear(std::move(p), false));
+  }
+  std::string type() const override { return tied_ ? "native tied LM head" : "native Linear"; }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
+    return ForwardWithEpilogue(x, nn::Epilogue::kNone);
+  }
+  absl::StatusOr<ColoTensor> ForwardWithEpilogue(const ColoTensor& x, nn::Epilogue epilogue) override {
+    RETURN_IF_ERROR(NoShardedLastDim(x, type()));
+    std::optional<Variable> b;
+    if (p_.bias.has_value()) b = p_.bias->param.variable();
+    ASSIGN_OR_RETURN(Variable y, nn::Linear(x.variable(), p_.weight.param.variable(), b, epilogue));
+    return SameSpec(y, x);
+  }
+  absl::StatusOr<DistSpec> InputSpec(int64_t) const override { return DistSpec(); }
+  std::vector<BoundParam> Params() override { return tied_ ? std::vector<BoundParam>{} : p_.list(); }
+
+ private:
+  WeightAndBias p_;
+  bool tied_;
+};
+
+class NativeEmbedding : public Layer {
+ public:
+  explicit NativeEmbedding(BoundParam w) : w_(std::move(w)) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c) {
+    RETURN_IF_ERROR(Expect(d.kind == Kind::kEmbedding, d, "native Embedding"));
+    ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight", WeightTensor(d), {d.in, d.out}, DistSpec()));
+    return LayerPtr(new NativeEmbedding(std::move(w)));
+  }
+  std::string type() const override { return "native Embedding"; }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& ids) override {
+    RETURN_IF_ERROR(nn::CheckIds(ids.local(), w_.param.global_shape()[0]));
+    ASSIGN_OR_RETURN(Variable y, nn::Embedding(w_.param.variable(), ids.local()));
+    return ColoTensor::FromLocal(y, ids.spec(), ids.process_group());
+  }
+  absl::StatusOr<DistSpec> InputSpec(int64_t) const override { return DistSpec(); }
+  std::vector<BoundParam> Params() override { return {w_}; }
+  absl::StatusOr<LayerPtr> TiedHead() override {
+    return LayerPtr(new NativeLinear(WeightAndBias{w_, std::nullopt}, true));
+  }
+
+ private:
+  BoundParam w_;
+};
+
+class NativeNorm : public Layer {
+ public:
+  NativeNorm(WeightAndBias p, float eps) : p_(std::move(p)), eps_(eps) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c) {
+    RETURN_IF_ERROR(Expect(IsNorm(d), d, "native norm"));
+    WeightAndBiasLayout layout;
+    layout.weight_shape = layout.bias_shape = {d.out};
+    ASSIGN_OR_RETURN(WeightAndBias p, LoadWeightAndBias(d, c, layout));
+    return LayerPtr(new NativeNorm(std::move(p), d.eps));
+  }
+  std::string type() const override { return p_.bias.has_value() ? "native LayerNorm" : "native RMSNorm"; }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
+    RETURN_IF_ERROR(NoShardedLastDim(x, type()));
+    Variable y;
+    if (p_.bias.has_value()) {
+      ASSIGN_OR_RETURN(y, nn::LayerNorm(x.variable(), p_.weight.param.variable(), p_.bias->param.variable(), eps_));
+    } else {
+      ASSIGN_OR_RETURN(y, nn::RmsNorm(x.variable(), p_.weight.param.variable(), eps_));
+    }
+    return SameSpec(y, x);
+  }
+  absl::StatusOr<WithSum> ForwardResidual(const ColoTensor& x, const ColoTensor& residual) override {
+    RETURN_IF_ERROR(NoShardedLastDim(x, type()));
+    if (x.global_shape() != residual.global_shape() || !CheckSpec(residual, x.spec(), "the residual").ok()) {
+      return Layer::ForwardResidual(x, residual);  // its error
+    }
+    std::optional<Variable> b;
+    if (p_.bias.has_value()) b = p_.bias->param.variable();
+    ASSIGN_OR_RETURN(nn::ResidualNorm r,
+                     nn::AddNorm(x.variable(), residual.variable(), p_.weight.param.variable(), b, eps_));
+    ASSIGN_OR_RETURN(ColoTensor sum, SameSpec(r.sum, x));
+    ASSIGN_OR_RETURN(ColoTensor y, SameSpec(r.y, x));
+    return WithSum{std::move(sum), std::move(y)};
+  }
+  absl::StatusOr<DistSpec> InputSpec(int64_t) const override { return DistSpec(); }
+  std::vector<BoundParam> Params() override { return p_.list(); }
+
+ private:
+  WeightAndBias p_;
+  float eps_;
+};
+
+absl::StatusOr<LayerPtr> CreateNative(const LayerDecl& d, const LayerContext& c) {
+  if (d.kind == Kind::kBias) return CreateBias(d, c, /*vocab_parallel=*/false);
+  if (IsMatrix(d)) return NativeLinear::Create(d, c);
+  if (d.kind == Kind::kEmbedding) return NativeEmbedding::Create(d, c);
+  return NativeNorm::Create(d, c);
+}
+
+}  // namespace
+
+void RegisterNativeLayers(LayerRegistry& registry) { (void)registry.Register("native", CreateNative); }
+
+}  // namespace colod::shardformer::layers

@@ -1,0 +1,19 @@
+#include "worker/shardformer/shard_config.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace colod::shardformer {
+
+bool ShardConfig::is_2d() const {
+  return layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2D ||
+         layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2P5D;
+}
+
+int ShardConfig::head_split() const {
+  if (!is_2d()) return tp();
+  const int depth = layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2P5D ? std::max(1, layout.depth()) : 1;
+  return static_cast<int>(std::lround(std::sqrt(tp() / depth)));
+}
+
+}  // namespace colod::shardformer

@@ -1,0 +1,37 @@
+// ShardFormer's ShardConfig: how a model is laid out over the ranks (the
+// tp/dp sizes, the tensor-parallel mode and depth, sequence_parallel and
+// gather_output, as in the proto), the vocabulary padding, the dtype the
+// parameters are held in and the device they live on.
+//
+// Thread-safety: a plain value; copies are independent.
+#ifndef COLOD_WORKER_SHARDFORMER_SHARD_CONFIG_H_
+#define COLOD_WORKER_SHARDFORMER_SHARD_CONFIG_H_
+
+#include <cstdint>
+
+#include "colod/v1/job.pb.h"
+#include "worker/tensor/device.h"
+#include "worker/tensor/dtype.h"
+
+namespace colod::shardformer {
+
+struct ShardConfig {
+  v1::ShardConfig layout;
+  int64_t make_vocab_size_divisible_by = 64;
+  // The dtype parameters are held and computed in: f32, or bf16 / f16 for
+  // mixed precision (the optimizer then keeps f32 master weights).
+  DType param_dtype = DType::kF32;
+  // Where this rank's parameters and activations live (a CUDA device runs
+  // over NCCL process groups).
+  Device device = Device::Cpu();
+
+  int tp() const { return layout.tensor_parallel_size() < 1 ? 1 : layout.tensor_parallel_size(); }
+  bool is_2d() const;  // 2D or 2.5D
+  // How many ways attention heads split: tp in 1D, q in 2D and 2.5D.
+  int head_split() const;
+  bool sequence_parallel() const { return layout.sequence_parallel(); }
+};
+
+}  // namespace colod::shardformer
+
+#endif  // COLOD_WORKER_SHARDFORMER_SHARD_CONFIG_H_
