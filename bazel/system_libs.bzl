@@ -34,6 +34,7 @@ _LIBS = {
     "json": ("/usr/include/nlohmann/json.hpp", "nlohmann-json3-dev", None, []),
     "yaml": ("/usr/include/yaml-cpp/yaml.h", "libyaml-cpp-dev", ["yaml-cpp"], []),
     "openblas": ("/usr/include/x86_64-linux-gnu/cblas.h", "libopenblas-dev", ["openblas"], []),
+    "icu": ("/usr/include/unicode/uchar.h", "libicu-dev", ["icu-uc"], []),
     "crypto": ("/usr/include/openssl/evp.h", "libssl-dev", ["libcrypto"], []),
 }
 
@@ -86,5 +87,5 @@ def _system_libs_impl(rctx):
 system_libs = repository_rule(
     implementation = _system_libs_impl,
     local = True,
-    doc = "Debian system libraries (gRPC, protobuf, Abseil, prometheus-cpp, GoogleTest, Gloo, OpenBLAS, nlohmann-json, yaml-cpp) and protoc.",
+    doc = "Debian system libraries (gRPC, protobuf, Abseil, prometheus-cpp, GoogleTest, Gloo, OpenBLAS, nlohmann-json, yaml-cpp, ICU) and protoc.",
 )
