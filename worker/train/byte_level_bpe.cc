@@ -261,14 +261,14 @@ void ByteLevelBpe::EncodeWord(absl::string_view word, std::vector<int32_t>& sym,
   struct Candidate {
     int32_t rank;
     int pos;
-    int32_t left, right;
+    int32_t left, right, result;
     bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
   };
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> heap;
   auto consider = [&](int pos) {
     if (pos < 0 || next[pos] < 0) return;
     auto it = merges_.find(PairKey(sym[pos], sym[next[pos]]));
-    if (it != merges_.end()) heap.push(Candidate{it->second.rank, pos, sym[pos], sym[next[pos]]});
+    if (it != merges_.end()) heap.push(Candidate{it->second.rank, pos, sym[pos], sym[next[pos]], it->second.result});
   };
   for (int i = 0; i + 1 < n; ++i) consider(i);
   while (!heap.empty()) {
@@ -277,7 +277,7 @@ void ByteLevelBpe::EncodeWord(absl::string_view word, std::vector<int32_t>& sym,
     const int j = next[c.pos];
     // Stale: the pair at this position has changed since it was queued.
     if (!alive[c.pos] || j < 0 || sym[c.pos] != c.left || sym[j] != c.right) continue;
-    sym[c.pos] = merges_.at(PairKey(c.left, c.right)).result;
+    sym[c.pos] = c.result;
     alive[j] = false;
     next[c.pos] = next[j];
     if (next[j] >= 0) prev[next[j]] = c.pos;
