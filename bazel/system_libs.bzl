@@ -34,6 +34,10 @@ _LIBS = {
     "json": ("/usr/include/nlohmann/json.hpp", "nlohmann-json3-dev", None, []),
     "yaml": ("/usr/include/yaml-cpp/yaml.h", "libyaml-cpp-dev", ["yaml-cpp"], []),
     "openblas": ("/usr/include/x86_64-linux-gnu/cblas.h", "libopenblas-dev", ["openblas"], []),
+    # Only colod-sentencepiece links it (worker/train/sentencepiece_helper.cc
+    # says why); pkg-config would add the trainer library too.
+    "sentencepiece": ("/usr/include/sentencepiece_processor.h", "libsentencepiece-dev", None, ["-lsentencepiece"]),
+    "sentencepiece_train": ("/usr/include/sentencepiece_trainer.h", "libsentencepiece-dev", None, ["-lsentencepiece_train", "-lsentencepiece"]),
     "icu": ("/usr/include/unicode/uchar.h", "libicu-dev", ["icu-uc"], []),
     "crypto": ("/usr/include/openssl/evp.h", "libssl-dev", ["libcrypto"], []),
 }

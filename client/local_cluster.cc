@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/coordinator_client.h"
+#include "common/find_binary.h"
 #include "common/status_macros.h"
 
 namespace colod {
@@ -53,17 +54,7 @@ std::string ReadyValue(const std::string& path, const std::string& key) {
 }  // namespace
 
 absl::StatusOr<std::string> FindDaemonBinary(const std::string& self, const std::string& name) {
-  const std::filesystem::path dir = std::filesystem::path(self).parent_path();
-  std::vector<std::filesystem::path> tried = {dir / name, dir / ".." / "server" / name,
-                                              dir / ".." / "worker" / "daemon" / name};
-  const char* path = std::getenv("PATH");
-  for (absl::string_view p : absl::StrSplit(path != nullptr ? path : "", ':', absl::SkipEmpty())) {
-    tried.push_back(std::filesystem::path(std::string(p)) / name);
-  }
-  for (const auto& t : tried) {
-    if (::access(t.c_str(), X_OK) == 0) return std::filesystem::weakly_canonical(t).string();
-  }
-  return absl::NotFoundError(absl::StrCat("cannot find ", name, " next to ", self, ", in ../server, ../worker/daemon or on $PATH"));
+  return FindBinary(name, {"../server", "../worker/daemon"}, self);
 }
 
 absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options options) {

@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/train/byte_level_bpe.h"
+#include "worker/train/sentencepiece_tokenizer.h"
 
 namespace colod::train {
 namespace {
@@ -249,7 +250,7 @@ absl::StatusOr<std::vector<int64_t>> Tokenizer::EncodeDocument(absl::string_view
 }
 
 bool HasTokenizer(const std::string& model_dir) {
-  for (const char* name : {"tokenizer.model", "tokenizer.json", "vocab.json"}) {
+  for (const char* name : {"tokenizer.model", "spiece.model", "tokenizer.json", "vocab.json"}) {
     if (IsFile(absl::StrCat(model_dir, "/", name))) return true;
   }
   return false;
@@ -257,12 +258,16 @@ bool HasTokenizer(const std::string& model_dir) {
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& model_dir) {
   ASSIGN_OR_RETURN(TokenizerConfig config, ReadTokenizerConfig(model_dir));
-  const std::string sp = model_dir + "/tokenizer.model";
-  if (IsFile(sp)) {
-    return absl::UnimplementedError(absl::StrCat(
-        sp, " is a SentencePiece model, which colod cannot read yet (Debian's libsentencepiece bundles its own "
-            "protobuf, which cannot share a process with gRPC's); tokenize the text elsewhere into a Megatron dataset "
-            "or a .bin of token ids"));
+  // LLaMA's directories hold a tokenizer.json too (a Metaspace BPE built
+  // from the model); the SentencePiece model is the original.
+  for (const char* name : {"/tokenizer.model", "/spiece.model"}) {
+    const std::string path = model_dir + name;
+    if (!IsFile(path)) continue;
+    RETURN_IF_ERROR(CheckTokenizerFile(path));
+    SentencePieceTokenizer::Options options;
+    options.add_bos = config.add_bos;
+    ASSIGN_OR_RETURN(std::unique_ptr<SentencePieceTokenizer> t, SentencePieceTokenizer::Load(path, options));
+    return std::unique_ptr<Tokenizer>(std::move(t));
   }
   if (IsFile(model_dir + "/tokenizer.json")) return LoadTokenizerJson(model_dir, config);
   if (IsFile(model_dir + "/vocab.json")) {
@@ -271,8 +276,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& mode
     }
     return LoadVocabAndMerges(model_dir, config);
   }
-  return absl::NotFoundError(absl::StrCat(model_dir, " has no tokenizer (tokenizer.model, tokenizer.json, or vocab.json "
-                                          "with merges.txt)"));
+  return absl::NotFoundError(absl::StrCat(model_dir, " has no tokenizer (tokenizer.model, spiece.model, tokenizer.json, "
+                                          "or vocab.json with merges.txt)"));
 }
 
 }  // namespace colod::train

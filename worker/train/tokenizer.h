@@ -5,10 +5,10 @@
 //                   pre-tokenizer, or vocab.json + merges.txt (GPT-2, OPT):
 //                   GPT-2's algorithm (byte_level_bpe.h)
 //
-// SentencePiece models (tokenizer.model: LLaMA, T5) are not read yet:
-// Debian's libsentencepiece carries its own copy of protobuf, whose symbols
-// collide with the libprotobuf gRPC links (the process crashes while
-// loading), so it has to live behind a process or dlopen boundary.
+//   SentencePiece   tokenizer.model (LLaMA) or spiece.model (T5), through
+//                   Debian's libsentencepiece in a helper process
+//                   (sentencepiece_tokenizer.h); preferred when a directory
+//                   also has a tokenizer.json
 //
 // A document is encoded as [bos] + Encode(text) + [eos]: bos when the
 // tokenizer has one and tokenizer_config.json's add_bos_token is true (as
@@ -54,8 +54,8 @@ class Tokenizer {
   absl::StatusOr<std::vector<int64_t>> EncodeDocument(absl::string_view text) const;
 };
 
-// The tokenizer of a model directory: tokenizer.json, else vocab.json with
-// merges.txt (UNIMPLEMENTED for a tokenizer.model, as above). NOT_FOUND
+// The tokenizer of a model directory: tokenizer.model or spiece.model, else
+// tokenizer.json, else vocab.json with merges.txt. NOT_FOUND
 // when the directory has none;
 // INVALID_ARGUMENT naming the file and what is wrong for a malformed one or
 // one of a kind colod does not implement (a WordPiece or Unigram

@@ -116,14 +116,5 @@ TEST(LoadTokenizer, RefusesWhatItDoesNotImplementNamingIt) {
   EXPECT_NE(LoadTokenizer(dir).status().message().find("add_bos_token"), std::string::npos);
 }
 
-TEST(LoadTokenizer, ASentencePieceModelIsRefusedAsNotYetReadable) {
-  const std::string dir = Dir("llama_like");
-  Write(dir + "/tokenizer.model", "a SentencePiece model");
-  ASSERT_TRUE(HasTokenizer(dir));
-  auto s = LoadTokenizer(dir).status();
-  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(s.message().find("tokenizer.model"), std::string::npos) << s;
-}
-
 }  // namespace
 }  // namespace colod::train
