@@ -17,7 +17,8 @@ ABSL_FLAG(std::string, coordinator, "",
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10), "Deadline of each call, e.g. 10s.");
 ABSL_FLAG(std::string, output, "table", "Output format: table or json.");
 ABSL_FLAG(absl::Duration, watch_timeout, absl::Hours(24), "watch, submit --watch, train: give up after this long.");
-ABSL_FLAG(std::string, out, "", "consolidate: the Hugging Face directory to write.");
+ABSL_FLAG(std::string, out, "",
+          "consolidate, init-model: the Hugging Face directory to write; tokenize: the dataset's PREFIX.");
 
 namespace colod::cli {
 

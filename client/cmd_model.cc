@@ -1,6 +1,6 @@
 // Commands that run or make models: forward and train (on --coordinator, an
-// embedded cluster started for the run, or local GPUs), init-model and
-// consolidate (files only).
+// embedded cluster started for the run, or local GPUs), init-model,
+// tokenize and consolidate (files only).
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -19,9 +19,13 @@
 #include "worker/shardformer/run_forward.h"
 #include "worker/tensor/npy.h"
 #include "worker/train/checkpoint.h"
+#include "worker/train/data.h"
+#include "worker/train/megatron_writer.h"
+#include "worker/train/tokenizer.h"
 #include "worker/train/trainer.h"
 
-ABSL_FLAG(std::string, input, "", "forward: int64 (or int32/uint16/uint32) token ids [batch, seq] as .npy.");
+ABSL_FLAG(std::string, input, "",
+          "forward: int64 (or int32/uint16/uint32) token ids [batch, seq] as .npy; tokenize: the text or .jsonl.");
 ABSL_FLAG(std::string, logits, "", "forward: where to write the f32 logits [batch, seq, vocab] as .npy.");
 ABSL_FLAG(std::string, checkpoint, "", "consolidate: the sharded checkpoint directory.");
 ABSL_FLAG(std::string, model_type, "gpt2", "init-model: the model family (gpt2).");
@@ -230,6 +234,49 @@ int RunConsolidate(const std::vector<std::string>&) {
   return 0;
 }
 
+int RunTokenize(const std::vector<std::string>&) {
+  const std::string model = absl::GetFlag(FLAGS_model), input = absl::GetFlag(FLAGS_input),
+                    out = absl::GetFlag(FLAGS_out);
+  if (model.empty()) return Usage("tokenize: --model is required (the directory whose tokenizer encodes the text)");
+  if (input.empty()) return Usage("tokenize: --input is required");
+  if (out.empty()) return Usage("tokenize: --out PREFIX is required");
+  auto format = train::ParseDataFormat(absl::GetFlag(FLAGS_data_format));
+  if (!format.ok()) return Usage(absl::StrCat("tokenize: ", format.status().message()));
+  *format = train::ResolveDataFormat(input, *format);
+  if (!train::IsTextFormat(*format)) {
+    return Usage(absl::StrCat("tokenize: ", input, " is not text or jsonl (--data-format text or jsonl)"));
+  }
+  auto tokenizer = train::LoadTokenizer(model);
+  if (!tokenizer.ok()) return Fail(tokenizer.status());
+  auto writer = train::MegatronWriter::Create(out, (*tokenizer)->vocab_size());
+  if (!writer.ok()) return Fail(writer.status());
+  const absl::Status s = train::ForEachTextDocument(
+      input, *format, /*paragraphs=*/true, [&](absl::string_view doc, const std::string& where) -> absl::Status {
+        absl::StatusOr<std::vector<int64_t>> ids = (*tokenizer)->EncodeDocument(doc);
+        if (!ids.ok()) return absl::Status(ids.status().code(), absl::StrCat(where, ": ", ids.status().message()));
+        return (*writer)->AddDocument(*ids);
+      });
+  if (!s.ok()) return Fail(s);
+  if ((*writer)->documents() == 0) return Fail(absl::InvalidArgumentError(absl::StrCat(input, " holds no document")));
+  if (const absl::Status f = (*writer)->Finish(); !f.ok()) return Fail(f);
+  if (JsonOutput()) {
+    nlohmann::json j = {{"bin", out + ".bin"},
+                        {"idx", out + ".idx"},
+                        {"documents", (*writer)->documents()},
+                        {"tokens", (*writer)->tokens()},
+                        {"dtype", (*writer)->dtype_name()},
+                        {"tokenizer", (*tokenizer)->kind()},
+                        {"vocab_size", (*tokenizer)->vocab_size()}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("wrote %s.bin and %s.idx: %lld documents, %lld tokens (%s), %s tokenizer of %s\n", out.c_str(),
+                out.c_str(), static_cast<long long>((*writer)->documents()),
+                static_cast<long long>((*writer)->tokens()), (*writer)->dtype_name(), (*tokenizer)->kind().c_str(),
+                model.c_str());
+  }
+  return 0;
+}
+
 constexpr Command kCommands[] = {
     {"forward", "",
      "  forward     Run one forward pass of a Hugging Face-style model directory as a\n"
@@ -269,6 +316,17 @@ constexpr Command kCommands[] = {
      "              initialization, seeded) to --out DIR: [--vocab-size 257] [--hidden-size 64]\n"
      "              [--layers 2] [--heads 4] [--positions 64] [--seed S].\n",
      RunInitModel},
+    {"tokenize", "",
+     "  tokenize    Encode text with a model directory's own tokenizer (tokenizer.model or\n"
+     "              spiece.model: SentencePiece; tokenizer.json or vocab.json + merges.txt:\n"
+     "              byte-level BPE) into Megatron-LM's indexed dataset, PREFIX.bin +\n"
+     "              PREFIX.idx, one sequence per document, [bos] text [eos] as the\n"
+     "              tokenizer_config.json says: --model DIR --input FILE --out PREFIX\n"
+     "              [--data-format auto|text|jsonl]. Text's documents are its paragraphs\n"
+     "              (up to a blank line); a .jsonl's are each line's \"text\" (the input of\n"
+     "              Megatron's preprocess_data.py). `train --data PREFIX` reads the result,\n"
+     "              and `train --data FILE` tokenizes the same way on the fly.\n",
+     RunTokenize},
     {"consolidate", "",
      "  consolidate Assemble a sharded checkpoint (one file per rank + colod_checkpoint.json)\n"
      "              into a Hugging Face directory (config.json + model.safetensors) that\n"

@@ -11,7 +11,7 @@ namespace colod::cli {
 CommandGroup ClusterCommands();
 // cmd_tensor.cc: tensor demo/create/reshard/get/list/delete.
 CommandGroup TensorCommands();
-// cmd_model.cc: forward, train, init-model, consolidate.
+// cmd_model.cc: forward, train, init-model, tokenize, consolidate.
 CommandGroup ModelCommands();
 // cmd_local.cc: local, health, version.
 CommandGroup LocalCommands();

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/model_layout.h"
 #include "common/net.h"
 #include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
@@ -260,7 +261,7 @@ absl::StatusOr<v1::UploadModelResponse> CoordinatorClient::UploadModel(const std
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     const bool tensors = absl::EndsWith(name, ".safetensors");
-    if (e.is_regular_file() && (tensors || name == "config.json" || name == "model.safetensors.index.json")) {
+    if (e.is_regular_file() && (IsWeightsFile(name) || IsTokenizerFile(name) || name == "config.json")) {
       files.push_back(name);
       weights = weights || tensors;
     }

@@ -15,9 +15,12 @@ ABSL_FLAG(int32_t, dp, 1, "forward: data-parallel size (splits the batch).");
 ABSL_FLAG(std::string, mode, "1d", "forward: tensor-parallel mode: 1d, 2d, 2.5d or 3d.");
 ABSL_FLAG(int32_t, depth, 0, "forward: depth of 2.5d (tp = depth * q * q).");
 ABSL_FLAG(bool, sequence_parallel, false, "forward: split activations along the sequence over tp (1d).");
-ABSL_FLAG(std::string, data, "", "train: the corpus: a .bin of uint16 tokens, a .npy, or UTF-8 text (byte-level).");
+ABSL_FLAG(std::string, data, "",
+          "train: the corpus: a .bin of uint16 tokens, a .npy, a Megatron dataset (PREFIX), a .jsonl of "
+          "{\"text\": ...} documents, or UTF-8 text (paragraphs tokenized by the model directory's tokenizer; "
+          "byte-level when it has none).");
 ABSL_FLAG(std::string, data_format, "auto",
-          "train: auto, uint16, uint32, npy, text or megatron (PREFIX.bin + PREFIX.idx, Megatron-LM's indexed "
+          "train: auto, uint16, uint32, npy, text, jsonl or megatron (PREFIX.bin + PREFIX.idx, Megatron-LM's indexed "
           "dataset; auto picks it for a .bin with an .idx beside it).");
 ABSL_FLAG(int64_t, steps, 10, "train: optimizer steps.");
 ABSL_FLAG(int64_t, batch_size, 8, "train: sequences per step over all dp replicas.");

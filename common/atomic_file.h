@@ -24,6 +24,9 @@ absl::Status FileError(absl::string_view what, absl::string_view path, int err);
 // The whole content of `path`; NOT_FOUND naming it when it cannot be read.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 
+// Whether `path` names a regular file (following links).
+bool IsRegularFile(const std::string& path);
+
 // True for a name that stays inside the directory it is joined to: not
 // empty, at most 255 bytes, no '/' or NUL, not "." or "..". For file names
 // that arrive over the wire (model uploads).

@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,9 @@
 #include "tests/testing/temp_dir.h"
 #include "worker/shardformer/testing.h"
 #include "worker/tensor/npy.h"
+#include "worker/train/data.h"
+#include "worker/train/tokenizer.h"
+#include "worker/train/tokenizer_testing.h"
 
 namespace colod {
 namespace {
@@ -21,6 +25,7 @@ namespace {
 using ::colod::testing::Runfile;
 using ::colod::testing::TempPath;
 using ::colod::testing::RunCommand;
+using ::colod::testing::ReadFile;
 
 testing::CommandResult Coloctl(std::vector<std::string> args) {
   args.insert(args.begin(), Runfile("client/coloctl"));
@@ -146,6 +151,76 @@ TEST(Train, KilledMidRunResumesFromTheNewestCompleteCheckpoint) {
     EXPECT_EQ(line["loss"], want[step - 1]["loss"]) << "step " << step;
   }
   EXPECT_EQ(got.back()["step"], 40);
+}
+
+// Both tokenizer kinds end to end: `coloctl tokenize` writes a Megatron
+// dataset of the GPL's paragraphs with the model directory's tokenizer,
+// which Megatron's layout reader takes back document for document; and
+// `coloctl train` on the daemons gives, bitwise, the same losses on that
+// dataset as on the text, which the workers tokenize themselves (their job
+// directory links the tokenizer beside the weights).
+TEST(Train, TokenizeThenTrainOnTheDaemonsForBothTokenizerKinds) {
+  const std::string gpl = "/usr/share/common-licenses/GPL-3";
+  for (const std::string kind : {"sentencepiece", "byte-level BPE"}) {
+    SCOPED_TRACE(kind);
+    const bool spm = kind == "sentencepiece";
+    shardformer::testing::TinyOptions o;
+    o.vocab = spm ? 400 : 260;
+    o.positions = 32;
+    auto model = shardformer::testing::WriteTinyGpt2(TempPath(spm ? "gpt2_spm" : "gpt2_bpe"), o);
+    ASSERT_TRUE(model.ok()) << model.status();
+    if (spm) {
+      ASSERT_EQ(train::testing::TrainSentencePiece(model->dir + "/tokenizer", ReadFile(gpl),
+                                                   "--vocab_size=400 --model_type=bpe --byte_fallback=true "
+                                                   "--normalization_rule_name=identity --remove_extra_whitespaces=false"),
+                "");
+    } else {
+      train::testing::WriteSmallGpt2Tokenizer(model->dir);
+    }
+    const std::string prefix = TempPath(spm ? "gpl_spm" : "gpl_bpe");
+    const auto t = Coloctl({"tokenize", "--model", model->dir, "--input", gpl, "--out", prefix, "--output", "json"});
+    ASSERT_EQ(t.code, 0) << t.err;
+    const nlohmann::json summary = Lines(t.out)[0];
+    EXPECT_EQ(summary["tokenizer"], kind);
+    EXPECT_EQ(summary["dtype"], "uint16");
+    auto corpus = train::TokenCorpus::Open(prefix);
+    ASSERT_TRUE(corpus.ok()) << corpus.status();
+    EXPECT_EQ(static_cast<int64_t>((*corpus)->documents().size()), summary["documents"].get<int64_t>());
+    EXPECT_GT((*corpus)->documents().size(), 100u);  // the GPL's paragraphs
+    EXPECT_EQ((*corpus)->size(), summary["tokens"].get<int64_t>());
+    EXPECT_LT((*corpus)->size(), static_cast<int64_t>(ReadFile(gpl).size()));
+    // Each document ends with the tokenizer's eos.
+    auto tok = train::LoadTokenizer(model->dir);
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    const std::vector<int64_t>& docs = (*corpus)->documents();
+    for (size_t d = 1; d < docs.size(); ++d) EXPECT_EQ((*corpus)->token(docs[d] - 1), *(*tok)->eos_id());
+    // The first paragraph decodes back to the GPL's first paragraph.
+    const std::vector<int64_t> first = (*corpus)->Window(0, docs[1])->ToInt64s();
+    const size_t skip = (*tok)->add_bos() ? 1 : 0;
+    auto text = (*tok)->Decode(absl::MakeConstSpan(first).subspan(skip, first.size() - skip - 1));
+    ASSERT_TRUE(text.ok()) << text.status();
+    EXPECT_EQ(*text, ReadFile(gpl).substr(0, ReadFile(gpl).find("\n\n")));
+
+    const std::vector<std::string> common = {"train", "--model", model->dir, "--steps", "3", "--batch-size", "4",
+                                             "--seq-len", "32", "--seed", "5", "--tp", "2", "--output", "json"};
+    std::vector<std::string> from_text = common, from_dataset = common;
+    from_text.insert(from_text.end(), {"--data", gpl});
+    from_dataset.insert(from_dataset.end(), {"--data", prefix});
+    const auto a = Coloctl(from_text), b = Coloctl(from_dataset);
+    ASSERT_EQ(a.code, 0) << a.err;
+    ASSERT_EQ(b.code, 0) << b.err;
+    const auto la = Lines(a.out), lb = Lines(b.out);
+    ASSERT_EQ(la.size(), 3u) << a.out;
+    ASSERT_EQ(lb.size(), 3u) << b.out;
+    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(la[i]["loss"], lb[i]["loss"]) << "step " << i + 1;
+  }
+  // Refused, with a reason: no tokenizer, no input, not text.
+  const auto none = Coloctl({"tokenize", "--model", TempPath("nowhere"), "--input", gpl, "--out", TempPath("x")});
+  EXPECT_EQ(none.code, 1);
+  EXPECT_NE(none.err.find("no tokenizer"), std::string::npos) << none.err;
+  const auto usage = Coloctl({"tokenize", "--model", TempPath("gpt2_bpe")});
+  EXPECT_EQ(usage.code, 2);
+  EXPECT_NE(usage.err.find("--input"), std::string::npos) << usage.err;
 }
 
 }  // namespace

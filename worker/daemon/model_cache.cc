@@ -13,6 +13,7 @@
 #include "common/auth.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "common/model_layout.h"
 #include "common/status_macros.h"
 
 namespace colod {
@@ -37,11 +38,14 @@ absl::Status ModelCache::Materialize(const v1::ModelSpec& model, const std::stri
   }
   std::vector<fs::path> files;
   if (fs::is_directory(weights, ec)) {
+    bool tensors = false;
     for (const fs::directory_entry& e : fs::directory_iterator(weights, ec)) {
       const std::string name = e.path().filename().string();
-      if (absl::EndsWith(name, ".safetensors") || name == "model.safetensors.index.json") files.push_back(e.path());
+      tensors = tensors || IsWeightsFile(name);
+      // The tokenizer comes along: text data is encoded with it.
+      if (IsWeightsFile(name) || IsTokenizerFile(name)) files.push_back(e.path());
     }
-    if (files.empty()) {
+    if (!tensors) {
       return absl::NotFoundError(absl::StrCat("spec.model.weights_path: '", weights_path,
                                               "' holds no .safetensors file"));
     }

@@ -40,8 +40,8 @@ class ModelCache {
   explicit ModelCache(Options options);
 
   // Writes DIR/config.json from `model` and links its weights into DIR (a
-  // file becomes DIR/model.safetensors; a directory's *.safetensors and
-  // index are linked by name). NOT_FOUND for weights that are not on this
+  // file becomes DIR/model.safetensors; a directory's *.safetensors, index
+  // and tokenizer files are linked by name). NOT_FOUND for weights that are not on this
   // worker or a directory without safetensors. A download in progress ends
   // when `abort` fires, with the abort's reason.
   absl::Status Materialize(const v1::ModelSpec& model, const std::string& dir, AbortSignal& abort);

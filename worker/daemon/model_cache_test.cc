@@ -122,6 +122,29 @@ TEST_F(ModelCacheTest, LinksLocalWeightsUnderTheSpecsConfig) {
   EXPECT_EQ(service_.calls.load(), 0);
 }
 
+TEST_F(ModelCacheTest, ADirectorysTokenizerComesWithItsWeights) {
+  const std::string dir = work_ + "/hf";
+  fs::create_directories(dir);
+  for (const char* f : {"model.safetensors", "tokenizer.model", "tokenizer.json", "vocab.json", "merges.txt",
+                        "tokenizer_config.json", "README.md", "config.json"}) {
+    std::ofstream(dir + "/" + f) << f;
+  }
+  v1::ModelSpec spec;
+  spec.set_config_json(R"({"model_type": "llama"})");
+  spec.set_weights_path(dir);
+  AbortSignal abort;
+  ASSERT_TRUE(cache_->Materialize(spec, work_ + "/job/model", abort).ok());
+  for (const char* f : {"model.safetensors", "tokenizer.model", "tokenizer.json", "vocab.json", "merges.txt",
+                        "tokenizer_config.json"}) {
+    EXPECT_EQ(Read(work_ + "/job/model/" + f), f);
+  }
+  EXPECT_FALSE(fs::exists(work_ + "/job/model/README.md"));
+  EXPECT_EQ(Read(work_ + "/job/model/config.json"), spec.config_json());  // the spec's, not the directory's
+  // A tokenizer is no model.
+  fs::remove(dir + "/model.safetensors");
+  EXPECT_EQ(cache_->Materialize(spec, work_ + "/job2/model", abort).code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(ModelCacheTest, DownloadsAnUploadOnceAndLinksEveryShard) {
   v1::ModelSpec spec;
   spec.set_config_json("{}");

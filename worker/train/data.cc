@@ -12,15 +12,20 @@
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
 #include "common/little_endian.h"
 #include "common/status_macros.h"
+#include "nlohmann/json.hpp"
 #include "worker/tensor/npy.h"
 
 namespace colod::train {
 namespace {
+
+using Json = nlohmann::json;
 
 // splitmix64: a well-mixed 64-bit hash of (seed, step, row).
 uint64_t Mix(uint64_t x) {
@@ -49,11 +54,6 @@ absl::StatusOr<int64_t> RegularFileSize(const std::string& path) {
   }
   if (info.st_size == 0) return absl::InvalidArgumentError(absl::StrCat(path, " is empty"));
   return static_cast<int64_t>(info.st_size);
-}
-
-bool IsRegularFile(const std::string& path) {
-  struct stat info;
-  return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
 }
 
 // A read-only map of a whole file, unmapped when it goes.
@@ -183,9 +183,10 @@ absl::StatusOr<DataFormat> ParseDataFormat(const std::string& name) {
   if (name == "uint32") return DataFormat::kU32;
   if (name == "npy") return DataFormat::kNpy;
   if (name == "text") return DataFormat::kText;
+  if (name == "jsonl") return DataFormat::kJsonl;
   if (name == "megatron") return DataFormat::kMegatron;
   return absl::InvalidArgumentError(
-      absl::StrCat("data format '", name, "' is not one of auto, uint16, uint32, npy, text, megatron"));
+      absl::StrCat("data format '", name, "' is not one of auto, uint16, uint32, npy, text, jsonl, megatron"));
 }
 
 TokenCorpus::~TokenCorpus() {
@@ -219,17 +220,89 @@ std::vector<std::string> DataFiles(const std::string& path) {
   return {path, prefix + ".bin", prefix + ".idx"};
 }
 
-absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string& path, DataFormat format) {
+DataFormat ResolveDataFormat(const std::string& path, DataFormat format) {
+  if (format != DataFormat::kAuto) return format;
   const bool named_bin = absl::EndsWith(path, ".bin"), named_idx = absl::EndsWith(path, ".idx");
   const std::string prefix = MegatronPrefix(path);
-  if (format == DataFormat::kAuto) {
-    format = named_idx || (named_bin && IsRegularFile(prefix + ".idx")) ? DataFormat::kMegatron
-             : named_bin                                                ? DataFormat::kU16
-             : absl::EndsWith(path, ".npy")                              ? DataFormat::kNpy
-             : !IsRegularFile(path) && IsRegularFile(prefix + ".bin") && IsRegularFile(prefix + ".idx")
-                 ? DataFormat::kMegatron
-                 : DataFormat::kText;
+  return named_idx || (named_bin && IsRegularFile(prefix + ".idx")) ? DataFormat::kMegatron
+         : named_bin                                                ? DataFormat::kU16
+         : absl::EndsWith(path, ".npy")                              ? DataFormat::kNpy
+         : absl::EndsWith(path, ".jsonl")                            ? DataFormat::kJsonl
+         : !IsRegularFile(path) && IsRegularFile(prefix + ".bin") && IsRegularFile(prefix + ".idx")
+             ? DataFormat::kMegatron
+             : DataFormat::kText;
+}
+
+void TokenCorpus::AddDocument(const std::vector<int64_t>& ids) {
+  if (!owned_.empty()) documents_.push_back(static_cast<int64_t>(owned_.size()));
+  owned_.insert(owned_.end(), ids.begin(), ids.end());
+}
+
+namespace {
+
+// The documents of a text file: paragraphs, each up to a blank line (one
+// of only white space), without the line breaks that separate them.
+std::vector<absl::string_view> Paragraphs(absl::string_view text) {
+  std::vector<absl::string_view> out;
+  size_t start = absl::string_view::npos, end = 0;  // the paragraph so far: [start, end)
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t nl = text.find('\n', pos);
+    if (nl == absl::string_view::npos) nl = text.size();
+    const absl::string_view line = text.substr(pos, nl - pos);
+    if (absl::StripAsciiWhitespace(line).empty()) {
+      if (start != absl::string_view::npos) out.push_back(text.substr(start, end - start));
+      start = absl::string_view::npos;
+    } else {
+      if (start == absl::string_view::npos) start = pos;
+      end = nl;
+    }
+    pos = nl + 1;
   }
+  if (start != absl::string_view::npos) out.push_back(text.substr(start, end - start));
+  return out;
+}
+
+// Byte-level tokens of a document: its bytes, then <|endoftext|>.
+std::vector<int64_t> ByteTokens(absl::string_view text) {
+  std::vector<int64_t> ids;
+  ids.reserve(text.size() + 1);
+  for (unsigned char b : text) ids.push_back(b);
+  ids.push_back(kEndOfText);
+  return ids;
+}
+
+}  // namespace
+
+absl::Status ForEachTextDocument(const std::string& path, DataFormat format, bool paragraphs,
+                                 const std::function<absl::Status(absl::string_view, const std::string&)>& fn) {
+  RETURN_IF_ERROR(RegularFileSize(path).status());
+  ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path));
+  if (format != DataFormat::kJsonl) {
+    if (!paragraphs) return fn(text, path);
+    for (absl::string_view p : Paragraphs(text)) RETURN_IF_ERROR(fn(p, path));
+    return absl::OkStatus();
+  }
+  int64_t line_no = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_no;
+    if (absl::StripAsciiWhitespace(line).empty()) continue;
+    const std::string where = absl::StrCat(path, ":", line_no);
+    Json j = Json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": not a JSON object"));
+    auto it = j.find("text");
+    if (it == j.end() || !it->is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": no string \"text\""));
+    }
+    RETURN_IF_ERROR(fn(it->get_ref<const std::string&>(), where));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string& path, DataFormat format,
+                                                               const Tokenizer* tokenizer) {
+  format = ResolveDataFormat(path, format);
+  const std::string prefix = MegatronPrefix(path);
   std::unique_ptr<TokenCorpus> c(new TokenCorpus());
   c->format_ = format;
   if (format == DataFormat::kMegatron) {
@@ -259,12 +332,24 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     if (c->size_ == 0) return absl::InvalidArgumentError(absl::StrCat(path, ": the array holds no tokens"));
     return c;
   }
-  if (format == DataFormat::kText) {
-    ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path));
-    c->owned_.reserve(text.size() + 1);
-    for (unsigned char b : text) c->owned_.push_back(b);
-    c->owned_.push_back(kEndOfText);
+  if (IsTextFormat(format)) {
+    RETURN_IF_ERROR(ForEachTextDocument(
+        path, format, /*paragraphs=*/tokenizer != nullptr,
+        [&](absl::string_view doc, const std::string& where) -> absl::Status {
+          if (tokenizer == nullptr) {
+            c->AddDocument(ByteTokens(doc));
+            return absl::OkStatus();
+          }
+          absl::StatusOr<std::vector<int64_t>> ids = tokenizer->EncodeDocument(doc);
+          if (!ids.ok()) {
+            return absl::Status(ids.status().code(), absl::StrCat(where, ": the ", tokenizer->kind(),
+                                                                  " tokenizer: ", ids.status().message()));
+          }
+          c->AddDocument(*ids);
+          return absl::OkStatus();
+        }));
     c->size_ = static_cast<int64_t>(c->owned_.size());
+    if (c->size_ == 0) return absl::InvalidArgumentError(absl::StrCat(path, " holds no document"));
     return c;
   }
   c->width_ = format == DataFormat::kU16 ? 2 : 4;

@@ -5,8 +5,15 @@
 //   .bin   a flat little-endian array of uint16 tokens (nanoGPT's layout), or
 //          uint32 with DataFormat::kU32; memory-mapped, not read into memory
 //   .npy   an integer array (int64, int32, uint16, uint32), flattened
-//   text   anything else: UTF-8 bytes, tokenized byte-level (token = byte,
-//          0..255) with <|endoftext|> = 256 appended; vocabulary 257
+//   text   anything else: UTF-8 text. With a tokenizer (the model
+//          directory's own, tokenizer.h; the trainer passes it when the
+//          directory has one) each paragraph (lines up to a blank line) is a
+//          document, encoded [bos] text [eos] as the tokenizer frames it.
+//          Without one the whole file is one document, tokenized byte-level
+//          (token = byte, 0..255) with <|endoftext|> = 256 appended;
+//          vocabulary 257
+//   .jsonl one JSON object per line whose "text" is a document (the input
+//          of Megatron-LM's preprocess_data.py), tokenized as text is
 //   Megatron-LM's indexed dataset (MMapIndexedDataset): PREFIX.bin with
 //          PREFIX.idx beside it (the path names PREFIX, PREFIX.bin or
 //          PREFIX.idx; a .bin with an .idx beside it is this format). The
@@ -33,38 +40,57 @@
 #define COLOD_WORKER_TRAIN_DATA_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "worker/tensor/tensor.h"
+#include "worker/train/tokenizer.h"
 
 namespace colod::train {
 
 inline constexpr int64_t kByteVocab = 257;  // 256 bytes + <|endoftext|>
 inline constexpr int64_t kEndOfText = 256;
 
-enum class DataFormat { kAuto, kU16, kU32, kNpy, kText, kMegatron };
-// "auto", "uint16", "uint32", "npy", "text", "megatron".
+enum class DataFormat { kAuto, kU16, kU32, kNpy, kText, kJsonl, kMegatron };
+// "auto", "uint16", "uint32", "npy", "text", "jsonl", "megatron".
 absl::StatusOr<DataFormat> ParseDataFormat(const std::string& name);
+
+// The format Open reads `path` as: `format` unless it is kAuto, else by
+// extension (.bin: uint16 unless an .idx is beside it, .idx: Megatron,
+// .npy, .jsonl, else text; a path that does not exist but whose .bin and
+// .idx do: Megatron).
+DataFormat ResolveDataFormat(const std::string& path, DataFormat format);
+// Whether the format is text a tokenizer reads (text, jsonl).
+inline bool IsTextFormat(DataFormat f) { return f == DataFormat::kText || f == DataFormat::kJsonl; }
 
 // The files TokenCorpus::Open(path) may open: the path itself, and the
 // PREFIX.bin and PREFIX.idx of a Megatron dataset it may name (PREFIX is
 // the path without a .bin or .idx). For checks of what a job may read.
 std::vector<std::string> DataFiles(const std::string& path);
 
+// Calls `fn` with each document of a text or jsonl file in order, and
+// where it is (the path, or PATH:LINE for jsonl): jsonl's "text"s; text's
+// paragraphs when `paragraphs`, else the whole file. INVALID_ARGUMENT
+// naming the line for a jsonl line that is not an object with a string
+// "text"; `fn`'s error ends the walk.
+absl::Status ForEachTextDocument(const std::string& path, DataFormat format, bool paragraphs,
+                                 const std::function<absl::Status(absl::string_view doc, const std::string& where)>& fn);
+
 class TokenCorpus {
  public:
-  // kAuto picks by extension (.bin: uint16 unless an .idx is beside it,
-  // .idx: Megatron, .npy, else text; a path that does not exist but whose
-  // .bin and .idx do: Megatron). NOT_FOUND for a missing file;
-  // INVALID_ARGUMENT for a .bin whose size is not a multiple of the token
-  // size, a malformed .npy, a non-integer array, or a Megatron index that
-  // does not describe its .bin (every count and offset is checked against
-  // the files' sizes before use).
+  // The format is ResolveDataFormat's; `tokenizer` (may be null) encodes
+  // text and jsonl. NOT_FOUND for a missing file; INVALID_ARGUMENT for a
+  // .bin whose size is not a multiple of the token size, a malformed .npy,
+  // a non-integer array, a Megatron index that does not describe its .bin
+  // (every count and offset is checked against the files' sizes before
+  // use), a jsonl line that is not an object with a string "text" (naming
+  // the line), text with no document, or text the tokenizer refuses.
   static absl::StatusOr<std::unique_ptr<TokenCorpus>> Open(const std::string& path,
-                                                           DataFormat format = DataFormat::kAuto);
+                                                           DataFormat format = DataFormat::kAuto,
+                                                           const Tokenizer* tokenizer = nullptr);
   ~TokenCorpus();
   TokenCorpus(const TokenCorpus&) = delete;
   TokenCorpus& operator=(const TokenCorpus&) = delete;
@@ -76,7 +102,8 @@ class TokenCorpus {
   absl::StatusOr<Tensor> Window(int64_t start, int64_t length) const;
   // Where each document starts (token offsets, non-decreasing, the first
   // 0; an empty document starts where the next one does):
-  // Megatron's documents; one document for the other formats.
+  // Megatron's documents, text's paragraphs and jsonl's lines when a
+  // tokenizer encodes them; one document otherwise.
   const std::vector<int64_t>& documents() const { return documents_; }
 
  private:
@@ -89,6 +116,8 @@ class TokenCorpus {
   int64_t map_offset_ = 0;  // bytes before the first token
   int width_ = 2;           // bytes per mapped token
   bool signed_ = false;     // mapped tokens are two's complement
+  // Appends a document's tokens and where it starts.
+  void AddDocument(const std::vector<int64_t>& ids);
   std::vector<int64_t> owned_;  // .npy and text
   std::vector<int64_t> documents_{0};
 };

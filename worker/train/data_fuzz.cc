@@ -1,5 +1,5 @@
 // Token data files on arbitrary bytes, in every format (the first byte
-// picks it: uint16 .bin, uint32, .npy, text, a Megatron .idx + .bin):
+// picks it: uint16 .bin, uint32, .npy, text, jsonl, a Megatron .idx + .bin):
 // TokenCorpus::Open refuses them, or every token reads and lies in its
 // format's range, the documents start in order inside the corpus, and a
 // sampler over the corpus yields batches inside it.
@@ -16,9 +16,9 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   using colod::train::DataFormat;
-  const DataFormat formats[] = {DataFormat::kU16, DataFormat::kU32, DataFormat::kNpy, DataFormat::kText,
-                                DataFormat::kMegatron};
-  const DataFormat format = formats[data[0] % 5];
+  const DataFormat formats[] = {DataFormat::kU16,  DataFormat::kU32,   DataFormat::kNpy,
+                                DataFormat::kText, DataFormat::kJsonl, DataFormat::kMegatron};
+  const DataFormat format = formats[data[0] % 6];
   static const std::string path = [] {
     const char* dir = std::getenv("TEST_TMPDIR");
     return std::string(dir != nullptr ? dir : "/tmp") + "/fuzz-" + std::to_string(::getpid()) + ".tokens";
@@ -47,7 +47,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (docs[i] < docs[i - 1] || docs[i] > n) std::abort();
   }
   const int64_t limit = format == DataFormat::kU16 ? (int64_t{1} << 16) : format == DataFormat::kU32 ? (int64_t{1} << 32)
-                        : format == DataFormat::kText ? 257 : INT64_MAX;
+                        : colod::train::IsTextFormat(format) ? 257 : INT64_MAX;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = (*corpus)->token(i);
     if (format != DataFormat::kNpy && format != DataFormat::kMegatron && (t < 0 || t >= limit)) std::abort();

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
@@ -185,6 +186,73 @@ TEST(TokenCorpus, OnlyNonEmptyRegularFiles) {
       EXPECT_NE(s.message().find(c.says), absl::string_view::npos) << s;
       EXPECT_LT(absl::Now() - start, absl::Seconds(2));
     }
+  }
+}
+
+// A tokenizer whose ids are worked out by hand: id = byte, bos 300,
+// eos 301; it refuses a text holding '!'.
+class ByteTokenizer final : public Tokenizer {
+ public:
+  std::string kind() const override { return "test"; }
+  int64_t vocab_size() const override { return 302; }
+  std::optional<int64_t> bos_id() const override { return 300; }
+  std::optional<int64_t> eos_id() const override { return 301; }
+  bool add_bos() const override { return true; }
+  absl::StatusOr<std::vector<int64_t>> Encode(absl::string_view text) const override {
+    if (absl::StrContains(text, "!")) return absl::InvalidArgumentError("no '!' here");
+    std::vector<int64_t> ids;
+    for (unsigned char b : text) ids.push_back(b);
+    return ids;
+  }
+  absl::StatusOr<std::string> Decode(absl::Span<const int64_t>) const override { return ""; }
+};
+
+std::vector<int64_t> Tokens(const TokenCorpus& c) { return c.Window(0, c.size())->ToInt64s(); }
+
+TEST(TokenCorpus, TextWithATokenizerIsOneDocumentPerParagraph) {
+  const std::string path = TempPath("paragraphs.txt");
+  std::ofstream(path, std::ios::binary) << "\n\nab\nc\n \t\nd\n\n\n";
+  ByteTokenizer tok;
+  auto c = TokenCorpus::Open(path, DataFormat::kAuto, &tok);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(Tokens(**c), (std::vector<int64_t>{300, 'a', 'b', '\n', 'c', 301, 300, 'd', 301}));
+  EXPECT_EQ((*c)->documents(), (std::vector<int64_t>{0, 6}));
+  // Without a tokenizer: the whole file, byte for byte, then <|endoftext|>.
+  c = TokenCorpus::Open(path);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ((*c)->size(), 15);  // 14 bytes
+  EXPECT_EQ(Tokens(**c).back(), kEndOfText);
+  EXPECT_EQ((*c)->documents(), std::vector<int64_t>{0});
+  // Only blank lines: no document.
+  std::ofstream(path, std::ios::binary) << "\n \n";
+  EXPECT_EQ(TokenCorpus::Open(path, DataFormat::kText, &tok).status().code(), absl::StatusCode::kInvalidArgument);
+  // What the tokenizer refuses is refused, naming the file.
+  std::ofstream(path, std::ios::binary) << "fine\n\nnot fine!\n";
+  auto s = TokenCorpus::Open(path, DataFormat::kText, &tok).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find(path), std::string::npos) << s;
+}
+
+TEST(TokenCorpus, JsonLinesAreDocuments) {
+  const std::string path = TempPath("docs.jsonl");
+  std::ofstream(path, std::ios::binary) << "{\"text\": \"ab\", \"id\": 1}\n\n{\"text\": \"\\u00e9\"}\n";
+  ASSERT_EQ(ResolveDataFormat(path, DataFormat::kAuto), DataFormat::kJsonl);
+  ByteTokenizer tok;
+  auto c = TokenCorpus::Open(path, DataFormat::kAuto, &tok);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(Tokens(**c), (std::vector<int64_t>{300, 'a', 'b', 301, 300, 0xC3, 0xA9, 301}));
+  EXPECT_EQ((*c)->documents(), (std::vector<int64_t>{0, 4}));
+  // Byte-level: each document's bytes and <|endoftext|>.
+  c = TokenCorpus::Open(path);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(Tokens(**c), (std::vector<int64_t>{'a', 'b', kEndOfText, 0xC3, 0xA9, kEndOfText}));
+  EXPECT_EQ((*c)->documents(), (std::vector<int64_t>{0, 3}));
+  // Each bad line is named.
+  for (const std::string bad : {"[1, 2]", "{\"text\": 5}", "{\"txt\": \"a\"}", "{broken", "{\"text\": \"!\"}"}) {
+    std::ofstream(path, std::ios::binary) << "{\"text\": \"ok\"}\n" << bad << "\n";
+    auto s = TokenCorpus::Open(path, DataFormat::kJsonl, &tok).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find(path + ":2"), std::string::npos) << s;
   }
 }
 

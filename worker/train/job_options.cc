@@ -76,6 +76,7 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
     case DataFormat::kU32: t.set_data_format("uint32"); break;
     case DataFormat::kNpy: t.set_data_format("npy"); break;
     case DataFormat::kText: t.set_data_format("text"); break;
+    case DataFormat::kJsonl: t.set_data_format("jsonl"); break;
     case DataFormat::kMegatron: t.set_data_format("megatron"); break;
   }
   t.set_steps(o.steps);

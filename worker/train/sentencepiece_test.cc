@@ -19,14 +19,8 @@
 namespace colod::train {
 namespace {
 
-std::string Dir(const std::string& name) {
-  const std::string dir = colod::testing::TempPath(name);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-void Write(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
+std::string Dir(const std::string& name) { return testing::EmptyDir(name); }
+void Write(const std::string& path, const std::string& text) { testing::WriteFile(path, text); }
 
 std::string HandBuiltDir() {
   const std::string dir = Dir("hand_built");

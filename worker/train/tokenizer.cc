@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/atomic_file.h"
+#include "common/model_layout.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/train/byte_level_bpe.h"
@@ -18,11 +19,6 @@ namespace colod::train {
 namespace {
 
 using Json = nlohmann::json;
-
-bool IsFile(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
 
 // A tokenizer file, refused before it is read when it is not a regular file
 // or larger than kMaxTokenizerFileBytes.
@@ -72,7 +68,7 @@ std::optional<std::string> TokenContent(const Json& j, const char* key) {
 absl::StatusOr<TokenizerConfig> ReadTokenizerConfig(const std::string& dir) {
   TokenizerConfig config;
   const std::string path = dir + "/tokenizer_config.json";
-  if (!IsFile(path)) return config;
+  if (!IsRegularFile(path)) return config;
   ASSIGN_OR_RETURN(Json j, ReadJson(path));
   if (auto it = j.find("add_bos_token"); it != j.end()) {
     if (!it->is_boolean()) return absl::InvalidArgumentError(absl::StrCat(path, ": add_bos_token must be true or false"));
@@ -250,8 +246,11 @@ absl::StatusOr<std::vector<int64_t>> Tokenizer::EncodeDocument(absl::string_view
 }
 
 bool HasTokenizer(const std::string& model_dir) {
-  for (const char* name : {"tokenizer.model", "spiece.model", "tokenizer.json", "vocab.json"}) {
-    if (IsFile(absl::StrCat(model_dir, "/", name))) return true;
+  for (absl::string_view name : kTokenizerFiles) {
+    // merges.txt and tokenizer_config.json alone are no tokenizer.
+    if (name != "merges.txt" && name != "tokenizer_config.json" && IsRegularFile(absl::StrCat(model_dir, "/", name))) {
+      return true;
+    }
   }
   return false;
 }
@@ -262,16 +261,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& mode
   // from the model); the SentencePiece model is the original.
   for (const char* name : {"/tokenizer.model", "/spiece.model"}) {
     const std::string path = model_dir + name;
-    if (!IsFile(path)) continue;
+    if (!IsRegularFile(path)) continue;
     RETURN_IF_ERROR(CheckTokenizerFile(path));
     SentencePieceTokenizer::Options options;
     options.add_bos = config.add_bos;
     ASSIGN_OR_RETURN(std::unique_ptr<SentencePieceTokenizer> t, SentencePieceTokenizer::Load(path, options));
     return std::unique_ptr<Tokenizer>(std::move(t));
   }
-  if (IsFile(model_dir + "/tokenizer.json")) return LoadTokenizerJson(model_dir, config);
-  if (IsFile(model_dir + "/vocab.json")) {
-    if (!IsFile(model_dir + "/merges.txt")) {
+  if (IsRegularFile(model_dir + "/tokenizer.json")) return LoadTokenizerJson(model_dir, config);
+  if (IsRegularFile(model_dir + "/vocab.json")) {
+    if (!IsRegularFile(model_dir + "/merges.txt")) {
       return absl::InvalidArgumentError(absl::StrCat(model_dir, " has vocab.json without merges.txt"));
     }
     return LoadVocabAndMerges(model_dir, config);

@@ -11,34 +11,17 @@
 #include "nlohmann/json.hpp"
 #include "tests/testing/temp_dir.h"
 #include "worker/train/byte_level_bpe.h"
+#include "worker/train/tokenizer_testing.h"
 
 namespace colod::train {
 namespace {
 
 using Json = nlohmann::json;
 
-std::string Dir(const std::string& name) {
-  const std::string dir = colod::testing::TempPath(name);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-void Write(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
-
-// GPT-2's layout in miniature: the 256 byte symbols (id = byte), merges
-// "Ġ t", "h e", "Ġt he", then <|endoftext|>.
-Json SmallVocab() {
-  Json vocab = Json::object();
-  for (int b = 0; b < 256; ++b) vocab[ByteLevelBpe::ByteSymbol(static_cast<uint8_t>(b))] = b;
-  const std::string G = ByteLevelBpe::ByteSymbol(' ');
-  vocab[G + "t"] = 256;
-  vocab["he"] = 257;
-  vocab[G + "the"] = 258;
-  vocab["<|endoftext|>"] = 259;
-  return vocab;
-}
-const char kMerges[] = "#version: 0.2\n\xC4\xA0 t\nh e\n\xC4\xA0t he\n";
+std::string Dir(const std::string& name) { return testing::EmptyDir(name); }
+void Write(const std::string& path, const std::string& text) { testing::WriteFile(path, text); }
+Json SmallVocab() { return testing::SmallGpt2Vocab(); }
+const char* const kMerges = testing::kSmallGpt2Merges;
 
 TEST(LoadTokenizer, VocabJsonAndMergesTxt) {
   const std::string dir = Dir("gpt2_files");

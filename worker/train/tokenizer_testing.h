@@ -7,10 +7,48 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
+#include "nlohmann/json.hpp"
+#include "tests/testing/temp_dir.h"
+#include "worker/train/byte_level_bpe.h"
+
 namespace colod::train::testing {
+
+// A fresh, empty directory under the test's temporary directory.
+inline std::string EmptyDir(const std::string& name) {
+  const std::string dir = colod::testing::TempPath(name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+inline void WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+// GPT-2's byte-level BPE layout in miniature: the 256 byte symbols (id =
+// byte), the merges "Ġ t", "h e", "Ġt he" (ids 256-258), <|endoftext|>
+// (259).
+inline nlohmann::json SmallGpt2Vocab() {
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int b = 0; b < 256; ++b) vocab[ByteLevelBpe::ByteSymbol(static_cast<uint8_t>(b))] = b;
+  const std::string G = ByteLevelBpe::ByteSymbol(' ');
+  vocab[G + "t"] = 256;
+  vocab["he"] = 257;
+  vocab[G + "the"] = 258;
+  vocab["<|endoftext|>"] = 259;
+  return vocab;
+}
+inline constexpr char kSmallGpt2Merges[] = "#version: 0.2\n\xC4\xA0 t\nh e\n\xC4\xA0t he\n";
+
+// DIR/vocab.json and DIR/merges.txt of that tokenizer (260 ids).
+inline void WriteSmallGpt2Tokenizer(const std::string& dir) {
+  WriteFile(dir + "/vocab.json", SmallGpt2Vocab().dump());
+  WriteFile(dir + "/merges.txt", kSmallGpt2Merges);
+}
 
 // Wire format, enough for sentencepiece_model.proto's ModelProto: pieces
 // (1: piece 1, score 2, type 3), trainer_spec (2: model_type 3,

@@ -44,7 +44,25 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
     run->seed = state.seed;  // the sampler continues the stream it was on
   }
-  ASSIGN_OR_RETURN(run->corpus, TokenCorpus::Open(o.data_path, o.data_format));
+  const DataFormat format = ResolveDataFormat(o.data_path, o.data_format);
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (IsTextFormat(format)) {
+    // Text trains with the ids the model knows: its directory's tokenizer,
+    // else bytes.
+    if (HasTokenizer(o.model_dir)) {
+      ASSIGN_OR_RETURN(tokenizer, LoadTokenizer(o.model_dir));
+      if (tokenizer->vocab_size() > config.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat("the model directory's ", tokenizer->kind(), " tokenizer has ",
+                                                       tokenizer->vocab_size(), " ids, over the model's vocab_size ",
+                                                       config.vocab_size));
+      }
+    } else if (config.vocab_size < kByteVocab) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          o.data_path, " is text and ", o.model_dir, " has no tokenizer, so it trains byte-level, which needs a ",
+          "vocab_size of at least ", kByteVocab, ", not ", config.vocab_size));
+    }
+  }
+  ASSIGN_OR_RETURN(run->corpus, TokenCorpus::Open(o.data_path, format, tokenizer.get()));
   ASSIGN_OR_RETURN(BatchSampler sampler,
                    BatchSampler::Create(run->corpus->size(), o.seq_len, o.batch_size, dp, run->seed));
   run->sampler = std::make_unique<BatchSampler>(std::move(sampler));

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "gtest/gtest.h"
 #include "kernels/device.h"
@@ -16,6 +17,7 @@
 #include "worker/shardformer/testing.h"
 #include "worker/train/job_options.h"
 #include "worker/train/megatron_testing.h"
+#include "worker/train/tokenizer_testing.h"
 #include "worker/train/checkpoint.h"
 
 namespace colod::train {
@@ -116,6 +118,92 @@ TEST(Trainer, AMegatronDatasetTrainsAsTheSameTokensDo) {
   const std::vector<StepStats> want = Losses(text), got = Losses(from_megatron);
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i].loss, want[i].loss) << "step " << i + 1;
+}
+
+// Text trains with the model directory's own tokenizer: the run on the
+// GPL's text gives, bitwise, the losses of a run on a Megatron dataset of
+// the same paragraphs encoded by that tokenizer, for a byte-level BPE
+// (GPT-2's layout, a few merges) and a SentencePiece model that
+// libsentencepiece trained on the text.
+TEST(Trainer, TextTrainsWithTheModelDirectorysTokenizer) {
+  std::string gpl;
+  {
+    std::ifstream in(kText, std::ios::binary);
+    gpl.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  // The paragraphs, split here on their own: runs of non-blank lines.
+  std::vector<std::string> paragraphs;
+  {
+    std::string current;
+    std::istringstream lines(gpl);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.find_first_not_of(" \t\r\v\f") == std::string::npos) {
+        if (!current.empty()) paragraphs.push_back(current);
+        current.clear();
+      } else {
+        current += (current.empty() ? "" : "\n") + line;
+      }
+    }
+    if (!current.empty()) paragraphs.push_back(current);
+  }
+  ASSERT_GT(paragraphs.size(), 100u);
+  for (const std::string kind : {"byte-level BPE", "sentencepiece"}) {
+    SCOPED_TRACE(kind);
+    const std::string dir_name = kind == "sentencepiece" ? "train_spm" : "train_bpe";
+    shardformer::testing::TinyOptions tiny;
+    tiny.vocab = kind == "sentencepiece" ? 400 : 260;
+    tiny.positions = 32;
+    auto m = shardformer::testing::WriteTinyGpt2(TempPath(dir_name), tiny);
+    ASSERT_TRUE(m.ok()) << m.status();
+    if (kind == "sentencepiece") {
+      ASSERT_EQ(testing::TrainSentencePiece(m->dir + "/tokenizer", gpl,
+                                            "--vocab_size=400 --model_type=bpe --byte_fallback=true "
+                                            "--normalization_rule_name=identity --remove_extra_whitespaces=false"),
+                "");
+    } else {
+      testing::WriteSmallGpt2Tokenizer(m->dir);
+    }
+    auto tok = LoadTokenizer(m->dir);
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    ASSERT_EQ((*tok)->kind(), kind);
+    testing::MegatronDataset want;
+    size_t tokens = 0;
+    for (const std::string& p : paragraphs) {
+      auto ids = (*tok)->EncodeDocument(p);
+      ASSERT_TRUE(ids.ok()) << ids.status();
+      tokens += ids->size();
+      want.doc_bounds.push_back(static_cast<int64_t>(want.sequences.size()));
+      want.sequences.push_back(std::move(*ids));
+    }
+    want.doc_bounds.push_back(static_cast<int64_t>(want.sequences.size()));
+    EXPECT_LT(tokens, gpl.size());  // merges happened: fewer tokens than bytes, even with an eos per paragraph
+    const std::string prefix = TempPath(dir_name + "_document");
+    testing::WriteMegatronDataset(prefix, want);
+    TrainOptions text = Options(m->dir, 2, 1);
+    text.steps = 3;
+    TrainOptions megatron = text;
+    megatron.data_path = prefix;
+    const std::vector<StepStats> got = Losses(text), expected = Losses(megatron);
+    ASSERT_EQ(got.size(), expected.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].loss, expected[i].loss) << "step " << i + 1;
+  }
+  // A tokenizer larger than the model's vocabulary is refused before training.
+  const std::string small = TinyModel("train_small_vocab");
+  std::ofstream(small + "/tokenizer.model", std::ios::binary) << testing::HandBuiltBpeModel();
+  auto s = Train(Options(small, 1, 1), [](const StepStats&) {});
+  EXPECT_TRUE(s.ok()) << s;  // 11 pieces fit 257
+  shardformer::testing::TinyOptions few;
+  few.vocab = 8;
+  few.positions = 32;
+  auto tiny = shardformer::testing::WriteTinyGpt2(TempPath("train_vocab8"), few);
+  ASSERT_TRUE(tiny.ok());
+  s = Train(Options(tiny->dir, 1, 1), [](const StepStats&) {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("vocab_size of at least 257"), std::string::npos) << s;
+  std::ofstream(tiny->dir + "/tokenizer.model", std::ios::binary) << testing::HandBuiltBpeModel();
+  s = Train(Options(tiny->dir, 1, 1), [](const StepStats&) {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("11 ids, over the model's vocab_size 8"), std::string::npos) << s;
 }
 
 TEST(Trainer, GradientAccumulationAndDeterminism) {
