@@ -276,9 +276,11 @@ TEST(WorkerDaemon, AFailedRankGivesItsMemoryBack) {
   JobRunner runner(RunnerOptions(*coordinator, "runner-rss"));
   v1::AssignJobRequest assign = RankZero("job-454545", MidSizeTrainSpec());
   v1::JobSpec& spec = *assign.mutable_spec();
-  // As deep as a config may be: its module tree is many small allocations.
+  // As deep as a config may be: its module tree is many small allocations
+  // (vocab_size 257: the byte-level text of MidSizeTrainSpec fits it, so
+  // the rank gets as far as reading the weights that are not there).
   spec.mutable_model()->set_config_json(
-      R"({"model_type": "gpt2", "vocab_size": 64, "n_embd": 16, "n_layer": 4096, "n_head": 4, "n_positions": 64})");
+      R"({"model_type": "gpt2", "vocab_size": 257, "n_embd": 16, "n_layer": 4096, "n_head": 4, "n_positions": 64})");
   spec.mutable_model()->set_weights_path(dir + "/model.safetensors");
   // The peak is the kernel's high-water mark, reset here ("5" to
   // clear_refs), so that no sampling can miss it.
