@@ -207,6 +207,11 @@ absl::StatusOr<std::unique_ptr<ByteLevelBpe>> ByteLevelBpe::Create(
     bpe->vocab_.emplace(symbol, static_cast<int32_t>(id));
   }
   for (const auto& [id, content] : bpe->options_.added) {
+    // Decoding gives each id one text: an id both a symbol and an added token would not round-trip.
+    if (bpe->is_id_[id]) {
+      return absl::InvalidArgumentError(absl::StrCat("added token '", content, "' has id ", id, ", which is taken by '",
+                                                     bpe->symbols_[id], "'"));
+    }
     bpe->is_id_[id] = true;
     bpe->symbols_[id] = content;
   }

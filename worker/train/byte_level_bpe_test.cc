@@ -175,6 +175,16 @@ TEST(ByteLevelBpe, RefusesVocabulariesItCannotEncodeWith) {
   ByteLevelBpe::Options o;
   o.eos = 100000;
   EXPECT_FALSE(ByteLevelBpe::Create(v.vocab, v.merges, o).ok());
+  // An added token on an id the vocabulary (or another added token) holds: "ab" would decode as "<|x|>".
+  ByteLevelBpe::Options clash;
+  clash.added = {{v.vocab.at("ab"), "<|x|>"}};
+  s = ByteLevelBpe::Create(v.vocab, v.merges, clash).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("taken by 'ab'"), std::string::npos) << s;
+  const int64_t next = static_cast<int64_t>(v.vocab.size());
+  clash.added = {{next, "<|x|>"}, {next, "<|y|>"}};
+  s = ByteLevelBpe::Create(v.vocab, v.merges, clash).status();
+  EXPECT_NE(s.message().find("taken by '<|x|>'"), std::string::npos) << s;
 }
 
 }  // namespace
