@@ -6,13 +6,7 @@
 
 #include <cmath>
 
-#ifndef COLOD_HOST_DEVICE
-#ifdef __CUDACC__
-#define COLOD_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define COLOD_HOST_DEVICE inline
-#endif
-#endif
+#include "kernels/host_device.h"
 
 namespace colod::kernels {
 

@@ -9,11 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define COLOD_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define COLOD_HOST_DEVICE inline
-#endif
+#include "kernels/host_device.h"
 
 namespace colod::kernels {
 

@@ -11,6 +11,9 @@ namespace colod::kernels {
 // Element types; the order matches colod::DType (worker/tensor/dtype.h).
 enum class ElemType { kF32, kBF16, kF16, kI32, kI64 };
 enum class BinaryOp { kAdd, kSub, kMul };
+// The pointwise activations of the Activation kernels (kernels/activation.h
+// has their math); GELU has kernels of its own, fused with a bias.
+enum class ActivationKind { kSilu, kRelu };
 
 // The most dims a strided layout has; worker/tensor rejects higher ranks.
 constexpr int kMaxDims = 16;

@@ -74,6 +74,34 @@ TEST_F(Forward, LogitsAndLossMatchTheUnshardedModelAtEveryLayout) {
   EXPECT_NE(r.out.find("l.npy"), std::string::npos) << r.out;
 }
 
+// An opt-350m-shaped OPT directory (post-norm, project_in/out) through the
+// same command, at 1D with sequence parallelism and at 2D.
+TEST_F(Forward, OptMatchesItsUnshardedReference) {
+  shardformer::testing::TinyOptions o;
+  o.pre_norm = false;
+  o.embed_dim = 32;
+  o.tie = true;
+  auto opt = shardformer::testing::WriteTinyOpt(TempPath("opt"), o);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  auto ref = shardformer::testing::ReferenceOpt(*opt, ids_);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  for (const std::vector<std::string>& layout : std::vector<std::vector<std::string>>{
+           {"--tp", "2", "--dp", "2", "--mode", "1d", "--sequence-parallel"}, {"--tp", "4", "--mode", "2d"}}) {
+    const std::string what = absl::StrJoin(layout, " ");
+    std::vector<std::string> args = {"forward", "--model", opt->dir, "--input", TempPath("ids.npy"),
+                                     "--logits", TempPath("opt_logits.npy"), "--output", "json"};
+    args.insert(args.end(), layout.begin(), layout.end());
+    const auto r = Coloctl(args);
+    ASSERT_EQ(r.code, 0) << what << ": " << r.err;
+    const auto out = nlohmann::json::parse(r.out, nullptr, false);
+    ASSERT_TRUE(out.is_object()) << r.out;
+    EXPECT_NEAR(out["loss"].get<double>(), ref->loss, 1e-5 * ref->loss) << what;
+    auto logits = ReadNpy(TempPath("opt_logits.npy"));
+    ASSERT_TRUE(logits.ok()) << logits.status();
+    ::colod::testing::ExpectAllClose(*logits, ref->logits, "OPT logits " + what, 2e-4);
+  }
+}
+
 TEST_F(Forward, ACheckpointSavedAtTp2ConsolidatesAndRunsAt2d) {
   shardformer::ShardConfig shard;
   shard.layout.set_tensor_parallel_size(2);

@@ -112,6 +112,41 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   EXPECT_NE(bad.err.find("data_parallel_size 3"), std::string::npos) << bad.err;
 }
 
+// OPT (opt-350m's shape) trains with the same losses at 1D with sequence
+// parallelism and at 2D as unsharded, and its loss falls.
+TEST(Train, OptTrainsAlikeAtEveryLayout) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  o.positions = 32;
+  o.pre_norm = false;
+  o.embed_dim = 32;
+  o.tie = true;
+  auto model = shardformer::testing::WriteTinyOpt(TempPath("opt"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<std::string> common = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
+                                           "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
+                                           "--optimizer", "adamw", "--seed", "5", "--output", "json"};
+  std::vector<std::vector<nlohmann::json>> runs;
+  for (const std::vector<std::string>& layout : std::vector<std::vector<std::string>>{
+           {"--tp", "1", "--dp", "1"},
+           {"--tp", "2", "--dp", "2", "--mode", "1d", "--sequence-parallel"},
+           {"--tp", "4", "--dp", "1", "--mode", "2d"}}) {
+    std::vector<std::string> args = common;
+    args.insert(args.end(), layout.begin(), layout.end());
+    const auto r = Coloctl(args);
+    ASSERT_EQ(r.code, 0) << r.err;
+    runs.push_back(Lines(r.out));
+    ASSERT_EQ(runs.back().size(), 4u) << r.out;
+  }
+  for (size_t run = 1; run < runs.size(); ++run) {
+    for (size_t i = 0; i < 4; ++i) {
+      const double want = runs[0][i]["loss"].get<double>();
+      EXPECT_NEAR(runs[run][i]["loss"].get<double>(), want, 1e-4 * want) << "run " << run << " step " << i + 1;
+    }
+  }
+  EXPECT_LT(runs[0][3]["loss"].get<double>(), runs[0][0]["loss"].get<double>());
+}
+
 // A run killed with SIGKILL while it checkpoints every step resumes from its
 // newest complete checkpoint with the uninterrupted run's losses.
 TEST(Train, KilledMidRunResumesFromTheNewestCompleteCheckpoint) {

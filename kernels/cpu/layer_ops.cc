@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/activation.h"
 #include "kernels/gelu.h"
 #include "kernels/half.h"
 #include "kernels/philox.h"
@@ -153,19 +154,16 @@ absl::Status GeluBackwardF32(int d, const float* dy, const float* x, const float
   return db == nullptr ? absl::OkStatus() : BiasGradF32(d, dx, db, rows, n);
 }
 
-absl::Status SiluF32(int, const float* x, float* y, int64_t n) {
+absl::Status ActivationF32(int, ActivationKind kind, const float* x, float* y, int64_t n) {
   ParallelFor(n, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) y[i] = x[i] / (1.0f + std::exp(-x[i]));
+    for (int64_t i = begin; i < end; ++i) y[i] = ActivationAt(x[i], kind);
   });
   return absl::OkStatus();
 }
 
-absl::Status SiluBackwardF32(int, const float* dy, const float* x, float* dx, int64_t n) {
+absl::Status ActivationBackwardF32(int, ActivationKind kind, const float* dy, const float* x, float* dx, int64_t n) {
   ParallelFor(n, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float s = 1.0f / (1.0f + std::exp(-x[i]));
-      dx[i] = dy[i] * s * (1.0f + x[i] * (1.0f - s));
-    }
+    for (int64_t i = begin; i < end; ++i) dx[i] = dy[i] * ActivationSlopeAt(x[i], kind);
   });
   return absl::OkStatus();
 }
@@ -641,18 +639,19 @@ absl::Status GeluBackward(int d, ElemType type, const void* dy, const void* x, c
   });
 }
 
-absl::Status Silu(int d, ElemType type, const void* x, void* y, int64_t n) {
-  if (absl::Status st = CheckFloatType(type, "Silu"); !st.ok()) return st;
+absl::Status Activation(int d, ElemType type, ActivationKind kind, const void* x, void* y, int64_t n) {
+  if (absl::Status st = CheckFloatType(type, "Activation"); !st.ok()) return st;
   F32In fx(x, n, type);
   F32Out fy(y, n, type);
-  return Typed({&fy}, [&] { return SiluF32(d, fx.get(), fy.get(), n); });
+  return Typed({&fy}, [&] { return ActivationF32(d, kind, fx.get(), fy.get(), n); });
 }
 
-absl::Status SiluBackward(int d, ElemType type, const void* dy, const void* x, void* dx, int64_t n) {
-  if (absl::Status st = CheckFloatType(type, "SiluBackward"); !st.ok()) return st;
+absl::Status ActivationBackward(int d, ElemType type, ActivationKind kind, const void* dy, const void* x, void* dx,
+                                int64_t n) {
+  if (absl::Status st = CheckFloatType(type, "ActivationBackward"); !st.ok()) return st;
   F32In fd(dy, n, type), fx(x, n, type);
   F32Out fo(dx, n, type);
-  return Typed({&fo}, [&] { return SiluBackwardF32(d, fd.get(), fx.get(), fo.get(), n); });
+  return Typed({&fo}, [&] { return ActivationBackwardF32(d, kind, fd.get(), fx.get(), fo.get(), n); });
 }
 
 absl::Status LayerNorm(int d, ElemType type, const void* x, const void* residual, const void* g, const void* b,

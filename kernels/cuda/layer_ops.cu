@@ -12,6 +12,7 @@
 #include "absl/base/thread_annotations.h"
 #include "kernels/cuda/elements.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/activation.h"
 #include "kernels/cuda/tensor_ops.h"
 #include "kernels/gelu.h"
 #include "kernels/philox.h"
@@ -128,16 +129,13 @@ __global__ void GeluBackwardBiasKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, Ou
 }
 
 template <typename T>
-__global__ void SiluKernel(In<T> x, Out<T> y, int64_t n) {
-  GRID_STRIDE(i, n) { y[i] = x[i] / (1.0f + expf(-x[i])); }
+__global__ void ActivationKernel(ActivationKind kind, In<T> x, Out<T> y, int64_t n) {
+  GRID_STRIDE(i, n) { y[i] = ActivationAt(x[i], kind); }
 }
 
 template <typename T>
-__global__ void SiluBackwardKernel(In<T> dy, In<T> x, Out<T> dx, int64_t n) {
-  GRID_STRIDE(i, n) {
-    const float s = 1.0f / (1.0f + expf(-x[i]));
-    dx[i] = dy[i] * s * (1.0f + x[i] * (1.0f - s));
-  }
+__global__ void ActivationBackwardKernel(ActivationKind kind, In<T> dy, In<T> x, Out<T> dx, int64_t n) {
+  GRID_STRIDE(i, n) { dx[i] = dy[i] * ActivationSlopeAt(x[i], kind); }
 }
 
 // A norm's first pass over row r: x, or with a residual x + residual, written
@@ -877,21 +875,23 @@ absl::Status GeluBackward(int device, ElemType type, const void* dy, const void*
   });
 }
 
-absl::Status Silu(int device, ElemType type, const void* x, void* y, int64_t n) {
+absl::Status Activation(int device, ElemType type, ActivationKind kind, const void* x, void* y, int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
-  return ByFloatType(type, "Silu", [&](auto t) {
+  return ByFloatType(type, "Activation", [&](auto t) {
     using T = decltype(t);
-    Launch(SiluKernel<T>, Blocks(n), kThreads, stream, InOf<T>(x), OutOf<T>(y), n);
-    return Finish("SiluKernel");
+    Launch(ActivationKernel<T>, Blocks(n), kThreads, stream, kind, InOf<T>(x), OutOf<T>(y), n);
+    return Finish("ActivationKernel");
   });
 }
 
-absl::Status SiluBackward(int device, ElemType type, const void* dy, const void* x, void* dx, int64_t n) {
+absl::Status ActivationBackward(int device, ElemType type, ActivationKind kind, const void* dy, const void* x,
+                                void* dx, int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
-  return ByFloatType(type, "SiluBackward", [&](auto t) {
+  return ByFloatType(type, "ActivationBackward", [&](auto t) {
     using T = decltype(t);
-    Launch(SiluBackwardKernel<T>, Blocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), OutOf<T>(dx), n);
-    return Finish("SiluBackwardKernel");
+    Launch(ActivationBackwardKernel<T>, Blocks(n), kThreads, stream, kind, InOf<T>(dy), InOf<T>(x), OutOf<T>(dx),
+           n);
+    return Finish("ActivationBackwardKernel");
   });
 }
 

@@ -98,14 +98,18 @@ absl::StatusOr<Variable> Cat(const std::vector<Variable>& parts, int64_t dim) {
   });
 }
 
-absl::StatusOr<Variable> Silu(const Variable& x) {
-  ASSIGN_OR_RETURN(Tensor y, ops::Silu(x.value()));
+absl::StatusOr<Variable> Activation(const Variable& x, ops::ActivationKind kind) {
+  ASSIGN_OR_RETURN(Tensor y, ops::Activation(x.value(), kind));
   const Tensor xv = x.value();
-  return RecordOp("silu", {x}, std::move(y), [xv](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(Tensor dx, ops::SiluBackward(dy, xv));
-    return Grads{dx};
-  });
+  return RecordOp(kind == ops::ActivationKind::kRelu ? "relu" : "silu", {x}, std::move(y),
+                  [xv, kind](const Tensor& dy) -> absl::StatusOr<Grads> {
+                    ASSIGN_OR_RETURN(Tensor dx, ops::ActivationBackward(dy, xv, kind));
+                    return Grads{dx};
+                  });
 }
+
+absl::StatusOr<Variable> Silu(const Variable& x) { return Activation(x, ops::ActivationKind::kSilu); }
+absl::StatusOr<Variable> Relu(const Variable& x) { return Activation(x, ops::ActivationKind::kRelu); }
 
 absl::StatusOr<Variable> Rope(const Variable& x, float theta, int64_t position_offset) {
   ASSIGN_OR_RETURN(Tensor y, ops::Rope(x.value(), theta, position_offset));

@@ -47,7 +47,10 @@ absl::StatusOr<Variable> Cat(const std::vector<Variable>& parts, int64_t dim);
 // x + b over the last dim.
 absl::StatusOr<Variable> BiasAdd(const Variable& x, const Variable& b);
 absl::StatusOr<Variable> Gelu(const Variable& x, ops::GeluApprox approx);
+// A pointwise activation (ops::Activation) on the tape; Silu and Relu name it.
+absl::StatusOr<Variable> Activation(const Variable& x, ops::ActivationKind kind);
 absl::StatusOr<Variable> Silu(const Variable& x);
+absl::StatusOr<Variable> Relu(const Variable& x);
 // Rotary position embedding (ops::Rope) of x [B, S, heads, D].
 absl::StatusOr<Variable> Rope(const Variable& x, float theta, int64_t position_offset = 0);
 // LayerNorm over the last dim with affine gamma and beta.

@@ -23,13 +23,9 @@ ops::GeluApprox Approx(Module& m) {
 }
 
 absl::StatusOr<ColoTensor> EmbeddingsForward(Module& self, const ColoTensor& ids) {
-  const Shape& shape = ids.local().shape();
-  std::vector<int64_t> positions(ids.local().numel());
-  for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int64_t>(i) % shape[1];
-  ASSIGN_OR_RETURN(Tensor pos, Tensor::FromInt64s(shape, positions));
-  ASSIGN_OR_RETURN(pos, pos.To(ids.local().device()));
-  ASSIGN_OR_RETURN(Tensor types, Tensor::Zeros(shape, DType::kI64, ids.local().device()));  // token_type_ids: 0
-  ASSIGN_OR_RETURN(ColoTensor pos_ids, ColoTensor::FromLocal(pos, ids.spec(), ids.process_group()));
+  ASSIGN_OR_RETURN(ColoTensor pos_ids, PositionIds(ids));
+  // token_type_ids: 0
+  ASSIGN_OR_RETURN(Tensor types, Tensor::Zeros(ids.local().shape(), DType::kI64, ids.local().device()));
   ASSIGN_OR_RETURN(ColoTensor type_ids, ColoTensor::FromLocal(types, ids.spec(), ids.process_group()));
   ASSIGN_OR_RETURN(ColoTensor words, self.Call("word_embeddings", ids));
   ASSIGN_OR_RETURN(ColoTensor where, self.Call("position_embeddings", pos_ids));
@@ -48,12 +44,7 @@ absl::StatusOr<ColoTensor> LayerForward(Module& self, const ColoTensor& x) {
   const char* names[] = {"query", "key", "value"};
   for (int i = 0; i < 3; ++i) {
     ASSIGN_OR_RETURN(ColoTensor t, attn->Call(names[i], x));
-    const Shape& s = t.local().shape();
-    if (t.local().numel() != s[0] * s[1] * heads * head_dim) {
-      return absl::InvalidArgumentError(absl::StrCat(names[i], " gave ", ShapeToString(s), " locally, not ", heads,
-                                                     " heads of ", head_dim));
-    }
-    ASSIGN_OR_RETURN(qkv[i], nn::Reshape(t.variable(), {s[0], s[1], heads, head_dim}));
+    ASSIGN_OR_RETURN(qkv[i], SplitHeads(t, heads, head_dim, names[i]));
   }
   ASSIGN_OR_RETURN(Variable ctx, nn::Attention(qkv[0], qkv[1], qkv[2],
                                                1.0f / std::sqrt(static_cast<float>(head_dim)), /*causal=*/false));

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -116,6 +117,35 @@ TEST(Checkpoint, FusedAndTwoDimensionalLayoutsConsolidateExactly) {
   auto ref = testing::ReferenceLlama(*llama, ids);
   ASSERT_TRUE(ref.ok()) << ref.status();
   testing::ExpectShardedMatchesReference(reloaded, *ref, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D, true), ids, 2e-4);
+}
+
+// OPT (opt-350m's shape: post-norm, project_in/out, untied here) saved at
+// 1D with sequence parallelism and at 2D, consolidated to exactly its
+// tensors, and run again at the other layout.
+TEST(Checkpoint, OptConsolidatesAndReloadsAtAnotherLayout) {
+  testing::TinyOptions o;
+  o.pre_norm = false;
+  o.embed_dim = 32;
+  o.tie = false;
+  auto opt = testing::WriteTinyOpt(TempPath("ck_opt"), o);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  const Tensor ids = testing::TokenIds(2, 8, opt->config.vocab_size, 6);
+  auto ref = testing::ReferenceOpt(*opt, ids);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const ShardConfig one_d = Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D, /*sp=*/true);
+  const ShardConfig two_d = Layout(4, 1, v1::TENSOR_PARALLEL_MODE_2D);
+  for (const auto& [saved, reload, name] :
+       {std::make_tuple(one_d, two_d, "1d"), std::make_tuple(two_d, one_d, "2d")}) {
+    const std::string checkpoint = TempPath(std::string("ck_opt_sharded_") + name);
+    const std::string out = TempPath(std::string("ck_opt_hf_") + name);
+    Save(opt->dir, saved, checkpoint);
+    EXPECT_EQ(Index(checkpoint)["model_type"], "opt");
+    ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, out).ok());
+    ExpectSameTensors(out, *opt);
+    testing::TinyModel reloaded = *opt;
+    reloaded.dir = out;
+    testing::ExpectShardedMatchesReference(reloaded, *ref, reload, ids, 2e-4);
+  }
 }
 
 TEST(Checkpoint, SavesTheCurrentValuesNotTheSource) {

@@ -66,12 +66,7 @@ absl::StatusOr<ColoTensor> BlockForward(Module& self, const ColoTensor& x) {
 // embeddings are split along the sequence over tp before the blocks.
 Module::ForwardFn ModelForward(bool sequence_parallel) {
   return [sequence_parallel](Module& self, const ColoTensor& ids) -> absl::StatusOr<ColoTensor> {
-    const Shape& shape = ids.local().shape();
-    std::vector<int64_t> positions(ids.local().numel());
-    for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int64_t>(i) % shape[1];
-    ASSIGN_OR_RETURN(Tensor pos, Tensor::FromInt64s(shape, positions));
-    ASSIGN_OR_RETURN(pos, pos.To(ids.local().device()));
-    ASSIGN_OR_RETURN(ColoTensor pos_ids, ColoTensor::FromLocal(pos, ids.spec(), ids.process_group()));
+    ASSIGN_OR_RETURN(ColoTensor pos_ids, PositionIds(ids));
     ASSIGN_OR_RETURN(ColoTensor tok, self.Call("wte", ids));
     ASSIGN_OR_RETURN(ColoTensor where, self.Call("wpe", pos_ids));
     ASSIGN_OR_RETURN(ColoTensor x, AddActivations(tok, where));

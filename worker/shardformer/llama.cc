@@ -17,15 +17,6 @@ namespace {
 
 using Kind = LayerDecl::Kind;
 
-absl::StatusOr<Variable> Heads(const ColoTensor& t, int64_t heads, int64_t head_dim, const char* what) {
-  const Shape& s = t.local().shape();
-  if (t.local().numel() != s[0] * s[1] * heads * head_dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " gave ", ShapeToString(s), " locally, not ", heads, " heads of ", head_dim));
-  }
-  return nn::Reshape(t.variable(), {s[0], s[1], heads, head_dim});
-}
-
 absl::StatusOr<ColoTensor> AttentionForward(Module& self, const ColoTensor& x) {
   ASSIGN_OR_RETURN(int64_t heads, self.IntAttr("num_heads"));
   ASSIGN_OR_RETURN(int64_t kv_heads, self.IntAttr("num_key_value_heads"));
@@ -34,9 +25,9 @@ absl::StatusOr<ColoTensor> AttentionForward(Module& self, const ColoTensor& x) {
   ASSIGN_OR_RETURN(ColoTensor q, self.Call("q_proj", x));
   ASSIGN_OR_RETURN(ColoTensor k, self.Call("k_proj", x));
   ASSIGN_OR_RETURN(ColoTensor v, self.Call("v_proj", x));
-  ASSIGN_OR_RETURN(Variable qh, Heads(q, heads, head_dim, "q_proj"));
-  ASSIGN_OR_RETURN(Variable kh, Heads(k, kv_heads, head_dim, "k_proj"));
-  ASSIGN_OR_RETURN(Variable vh, Heads(v, kv_heads, head_dim, "v_proj"));
+  ASSIGN_OR_RETURN(Variable qh, SplitHeads(q, heads, head_dim, "q_proj"));
+  ASSIGN_OR_RETURN(Variable kh, SplitHeads(k, kv_heads, head_dim, "k_proj"));
+  ASSIGN_OR_RETURN(Variable vh, SplitHeads(v, kv_heads, head_dim, "v_proj"));
   ASSIGN_OR_RETURN(qh, nn::Rope(qh, static_cast<float>(theta)));
   ASSIGN_OR_RETURN(kh, nn::Rope(kh, static_cast<float>(theta)));
   ASSIGN_OR_RETURN(Variable att, nn::CausalAttention(qh, kh, vh, 1.0f / std::sqrt(static_cast<float>(head_dim))));

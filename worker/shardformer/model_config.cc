@@ -98,9 +98,32 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "gelu"));
     c.num_kv_heads = c.num_heads;
     c.tie_word_embeddings = true;  // BertForMaskedLM ties the decoder to the word embeddings
+  } else if (c.model_type == "opt") {
+    ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
+    ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "hidden_size"));
+    ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_hidden_layers"));
+    ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_attention_heads"));
+    ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "ffn_dim"));
+    ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "max_position_embeddings", 2048));
+    ASSIGN_OR_RETURN(c.embed_dim, Int(j, what, "word_embed_proj_dim", c.hidden_size));
+    ASSIGN_OR_RETURN(c.activation, Str(j, "activation_function", "relu"));
+    ASSIGN_OR_RETURN(c.norm_before, Bool(j, what, "do_layer_norm_before", true));
+    ASSIGN_OR_RETURN(bool remove_final, Bool(j, what, "_remove_final_layer_norm", false));
+    c.final_norm = c.norm_before && !remove_final;  // OPTDecoder's final_layer_norm
+    ASSIGN_OR_RETURN(c.linear_bias, Bool(j, what, "enable_bias", true));
+    ASSIGN_OR_RETURN(bool affine, Bool(j, what, "layer_norm_elementwise_affine", true));
+    if (!affine) return Field(what, "layer_norm_elementwise_affine", "false (LayerNorms without weights) is not supported");
+    ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", true));
+    c.num_kv_heads = c.num_heads;
+    c.norm_eps = 1e-5;  // torch.nn.LayerNorm's default: OPT's config has no epsilon
+    c.position_offset = 2;
+    if (c.max_positions > kMaxPositions) {
+      return Field(what, "max_position_embeddings", absl::StrCat("must be at most ", kMaxPositions));
+    }
   } else {
-    return Field(what, "model_type", absl::StrCat("'", c.model_type, "' is not one of gpt2, llama, bert"));
+    return Field(what, "model_type", absl::StrCat("'", c.model_type, "' is not one of gpt2, llama, bert, opt"));
   }
+  if (c.embed_dim == 0) c.embed_dim = c.hidden_size;
   if (c.hidden_size % c.num_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": the hidden size ", c.hidden_size,
                                                    " is not divisible by the ", c.num_heads, " attention heads"));
@@ -203,6 +226,22 @@ absl::StatusOr<int64_t> ParameterCount(const ModelConfig& c) {
     model.Add({h});
     model.Add({2, h});  // its LayerNorm
     model.Add({v});     // cls.predictions.bias
+  } else if (c.model_type == "opt") {
+    const int64_t e = c.embed_dim, bias = c.linear_bias ? 1 : 0;
+    layer.Add({4, h, h});     // q, k, v, out_proj
+    layer.Add({bias, 4, h});  // their biases
+    layer.Add({2, 2, h});     // self_attn_layer_norm, final_layer_norm
+    layer.Add({2, h, f});     // fc1, fc2
+    layer.Add({bias, f});     // fc1's bias
+    layer.Add({bias, h});     // fc2's
+    layer.Times(c.num_layers);
+    model.Add({v, e});                          // embed_tokens (lm_head tied to it unless said otherwise)
+    model.Add({p, h});                          // embed_positions, and its 2 rows more
+    model.Add({c.position_offset, h});
+    if (e != h) model.Add({2, e, h});           // project_in, project_out
+    if (c.final_norm) model.Add({2, h});
+    model.Add(layer);
+    if (!c.tie_word_embeddings) model.Add({v, e});  // lm_head
   } else {
     return absl::InvalidArgumentError(absl::StrCat("no parameter count for model_type '", c.model_type, "'"));
   }
@@ -285,6 +324,10 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
                                                        config.intermediate_size, ", the ", config.num_heads,
                                                        " heads and the ", config.num_kv_heads,
                                                        " key/value heads must be divisible by q = ", q));
+      }
+      if (config.embed_dim % q != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("word_embed_proj_dim ", config.embed_dim, " must be divisible by q = ", q));
       }
       return absl::OkStatus();
     }

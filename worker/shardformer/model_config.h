@@ -1,5 +1,5 @@
 // A Hugging Face `config.json`, normalized across the model families colod
-// shards (GPT-2, LLaMA, BERT), and the checks a ShardConfig must pass for it.
+// shards (GPT-2, LLaMA, BERT, OPT), and the checks a ShardConfig must pass for it.
 //
 // Thread-safety: a value type.
 #ifndef COLOD_WORKER_SHARDFORMER_MODEL_CONFIG_H_
@@ -13,7 +13,7 @@
 namespace colod::shardformer {
 
 struct ModelConfig {
-  std::string model_type;  // "gpt2", "llama" or "bert"
+  std::string model_type;  // "gpt2", "llama", "bert" or "opt"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t num_layers = 0;
@@ -26,7 +26,18 @@ struct ModelConfig {
   std::string activation;     // "gelu_new", "silu", "gelu"
   bool tie_word_embeddings = true;
   int64_t type_vocab_size = 0;  // BERT
-  std::string json;             // the config.json text it was parsed from
+  // OPT: pre-norm blocks (do_layer_norm_before; post-norm as opt-350m when
+  // false), the decoder's final LayerNorm (pre-norm models not marked
+  // _remove_final_layer_norm), biases on every linear (enable_bias), the
+  // token embeddings' width (word_embed_proj_dim: project_in/out when it
+  // differs from hidden_size), and the learned positions' offset (2: row
+  // s + 2 embeds position s).
+  bool norm_before = true;
+  bool final_norm = true;
+  bool linear_bias = true;
+  int64_t embed_dim = 0;  // = hidden_size but for OPT's word_embed_proj_dim
+  int64_t position_offset = 0;
+  std::string json;  // the config.json text it was parsed from
 
   int64_t head_dim() const { return num_heads == 0 ? 0 : hidden_size / num_heads; }
 };
@@ -35,6 +46,9 @@ struct ModelConfig {
 // (LLaMA 3.1 405B has 126), and it bounds the module tree a worker builds
 // before it reads the weights.
 inline constexpr int64_t kMaxLayers = 4096;
+// The most positions a config with a position offset (OPT) may declare, so
+// that the table's rows (positions + offset) count without overflow.
+inline constexpr int64_t kMaxPositions = int64_t{1} << 40;
 
 // Parses config.json text. INVALID_ARGUMENT naming the field for a missing or
 // mistyped required field, an unknown model_type (naming it and the known

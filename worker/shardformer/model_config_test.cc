@@ -2,6 +2,7 @@
 #include "worker/shardformer/model_config.h"
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/shardformer/testing.h"
@@ -46,6 +47,23 @@ TEST(ModelConfig, ParameterCountsMatchThePublishedModels) {
       "max_position_embeddings":512})");
   ASSERT_TRUE(bert.ok()) << bert.status();
   EXPECT_EQ(*ParameterCount(*bert), 109514298);  // bert-base-uncased as BertForMaskedLM
+  // facebook/opt-125m and facebook/opt-350m (post-norm, 512-wide embeddings
+  // projected in and out, no final LayerNorm), their config.json as published.
+  auto opt125 = ParseModelConfig(R"({"model_type":"opt","vocab_size":50272,"hidden_size":768,"ffn_dim":3072,
+      "num_hidden_layers":12,"num_attention_heads":12,"max_position_embeddings":2048,"do_layer_norm_before":true,
+      "word_embed_proj_dim":768,"activation_function":"relu","enable_bias":true,"_remove_final_layer_norm":false})");
+  ASSERT_TRUE(opt125.ok()) << opt125.status();
+  EXPECT_EQ(*ParameterCount(*opt125), 125239296);
+  auto opt350 = ParseModelConfig(R"({"model_type":"opt","vocab_size":50272,"hidden_size":1024,"ffn_dim":4096,
+      "num_hidden_layers":24,"num_attention_heads":16,"max_position_embeddings":2048,"do_layer_norm_before":false,
+      "word_embed_proj_dim":512,"activation_function":"relu"})");
+  ASSERT_TRUE(opt350.ok()) << opt350.status();
+  EXPECT_EQ(*ParameterCount(*opt350), 331196416);
+  EXPECT_FALSE(opt350->norm_before);
+  EXPECT_FALSE(opt350->final_norm);
+  EXPECT_EQ(opt350->embed_dim, 512);
+  EXPECT_EQ(opt350->position_offset, 2);
+  EXPECT_TRUE(opt350->tie_word_embeddings);
 }
 
 TEST(ModelConfig, ParameterCountsMatchTheTensorsOfWrittenModels) {
@@ -58,6 +76,20 @@ TEST(ModelConfig, ParameterCountsMatchTheTensorsOfWrittenModels) {
     int64_t written = 0;
     for (const auto& [name, t] : m->tensors) written += t.numel();
     EXPECT_EQ(*ParameterCount(m->config), written) << "tie " << tie;
+  }
+  for (bool pre_norm : {false, true}) {
+    for (bool tie : {false, true}) {
+      testing::TinyOptions o;
+      o.tie = tie;
+      o.pre_norm = pre_norm;
+      o.embed_dim = pre_norm ? 0 : 32;
+      auto m = testing::WriteTinyOpt(
+          ::colod::testing::TempPath(absl::StrCat("count_opt_", pre_norm, "_", tie)), o);
+      ASSERT_TRUE(m.ok()) << m.status();
+      int64_t written = 0;
+      for (const auto& [name, t] : m->tensors) written += t.numel();
+      EXPECT_EQ(*ParameterCount(m->config), written) << "pre_norm " << pre_norm << " tie " << tie;
+    }
   }
 }
 
@@ -129,7 +161,7 @@ TEST(ModelConfig, ErrorsNameTheField) {
   for (const Case& c : std::vector<Case>{
            {"[]", "not a JSON object"},
            {R"({"vocab_size":3})", "model_type is missing"},
-           {R"({"model_type":"t5"})", "'t5' is not one of gpt2, llama, bert"},
+           {R"({"model_type":"t5"})", "'t5' is not one of gpt2, llama, bert, opt"},
            {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":2})", "n_head is missing"},
            {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":"2","n_head":4})",
             "n_layer must be a positive integer"},
@@ -138,6 +170,20 @@ TEST(ModelConfig, ErrorsNameTheField) {
            {R"({"model_type":"llama","vocab_size":10,"hidden_size":16,"intermediate_size":32,
                "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":3})",
             "not divisible by num_key_value_heads 3"},
+           {R"({"model_type":"opt","vocab_size":10,"hidden_size":16,"num_hidden_layers":2,"num_attention_heads":4})",
+            "ffn_dim is missing"},
+           {R"({"model_type":"opt","vocab_size":10,"hidden_size":16,"ffn_dim":32,"num_hidden_layers":2,
+               "num_attention_heads":4,"word_embed_proj_dim":0})",
+            "word_embed_proj_dim must be a positive integer"},
+           {R"({"model_type":"opt","vocab_size":10,"hidden_size":16,"ffn_dim":32,"num_hidden_layers":2,
+               "num_attention_heads":4,"layer_norm_elementwise_affine":false})",
+            "layer_norm_elementwise_affine false (LayerNorms without weights) is not supported"},
+           {R"({"model_type":"opt","vocab_size":10,"hidden_size":16,"ffn_dim":32,"num_hidden_layers":2,
+               "num_attention_heads":4,"do_layer_norm_before":1})",
+            "do_layer_norm_before must be true or false"},
+           {R"({"model_type":"opt","vocab_size":10,"hidden_size":16,"ffn_dim":32,"num_hidden_layers":2,
+               "num_attention_heads":4,"max_position_embeddings":9223372036854775807})",
+            "max_position_embeddings must be at most"},
        }) {
     auto r = ParseModelConfig(c.json);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.json;
@@ -158,6 +204,11 @@ TEST(ModelConfig, ShardabilityNamesTheNumbers) {
   EXPECT_NE(bad.message().find("2 key/value heads"), absl::string_view::npos) << bad;
   s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);  // q = 2 divides 64, 96 and 4 heads
   EXPECT_TRUE(CheckShardable(*c, s).ok());
+  auto opt = ParseModelConfig(R"({"model_type":"opt","vocab_size":64,"hidden_size":64,"ffn_dim":96,
+      "num_hidden_layers":2,"num_attention_heads":4,"word_embed_proj_dim":33})");
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  bad = CheckShardable(*opt, s);
+  EXPECT_NE(bad.message().find("word_embed_proj_dim 33 must be divisible by q = 2"), absl::string_view::npos) << bad;
 }
 
 }  // namespace

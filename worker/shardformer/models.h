@@ -10,6 +10,10 @@
 //   bert   BertForMaskedLM: 1d (column-parallel q/k/v and intermediate,
 //          row-parallel outputs, vocab-parallel word embeddings, tied decoder
 //          and its bias).
+//   opt    OPTForCausalLM: 1d (q/k/v, fc1 column-parallel, out_proj, fc2
+//          row-parallel, vocab-parallel embed_tokens and tied head;
+//          project_in/out replicated), sequence_parallel, 2d and 2.5d;
+//          pre- and post-norm layers, positions offset by 2.
 #ifndef COLOD_WORKER_SHARDFORMER_MODELS_H_
 #define COLOD_WORKER_SHARDFORMER_MODELS_H_
 
@@ -20,6 +24,7 @@ namespace colod::shardformer {
 ModelFamily Gpt2Family();
 ModelFamily LlamaFamily();
 ModelFamily BertFamily();
+ModelFamily OptFamily();
 
 }  // namespace colod::shardformer
 

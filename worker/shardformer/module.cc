@@ -152,6 +152,27 @@ absl::StatusOr<ColoTensor> RunSequential(Module& list, ColoTensor x) {
   }
 }
 
+absl::StatusOr<ColoTensor> PositionIds(const ColoTensor& ids, int64_t offset) {
+  const Shape& shape = ids.local().shape();
+  if (shape.size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("token ids must be [batch, seq], got ", ShapeToString(shape)));
+  }
+  std::vector<int64_t> positions(ids.local().numel());
+  for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int64_t>(i) % shape[1] + offset;
+  ASSIGN_OR_RETURN(Tensor pos, Tensor::FromInt64s(shape, positions));
+  ASSIGN_OR_RETURN(pos, pos.To(ids.local().device()));
+  return ColoTensor::FromLocal(pos, ids.spec(), ids.process_group());
+}
+
+absl::StatusOr<Variable> SplitHeads(const ColoTensor& t, int64_t heads, int64_t head_dim, const std::string& what) {
+  const Shape& s = t.local().shape();
+  if (s.size() != 3 || t.local().numel() != s[0] * s[1] * heads * head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " gave ", ShapeToString(s), " locally, not ", heads, " heads of ", head_dim));
+  }
+  return nn::Reshape(t.variable(), {s[0], s[1], heads, head_dim});
+}
+
 absl::StatusOr<ColoTensor> SplitSequence(const ColoTensor& x) {
   ASSIGN_OR_RETURN(int p, x.process_group()->AxisSize("tp"));
   DistSpec spec = x.spec();

@@ -146,6 +146,13 @@ struct NamedParam {
 
 // Forward helpers shared by the model families.
 //
+// The position ids [B, S] of token ids [B, S]: s + offset at position s
+// (OPT's learned positions start at row 2), in ids' spec, on ids' device.
+absl::StatusOr<ColoTensor> PositionIds(const ColoTensor& ids, int64_t offset = 0);
+// A projection's local output [B, S, heads * head_dim] as [B, S, heads,
+// head_dim]; INVALID_ARGUMENT naming `what` when it does not hold this
+// rank's `heads` heads (a policy that split the heads differently).
+absl::StatusOr<Variable> SplitHeads(const ColoTensor& t, int64_t heads, int64_t head_dim, const std::string& what);
 // Runs the children "0", "1", ... of a ModuleList in order.
 absl::StatusOr<ColoTensor> RunSequential(Module& list, ColoTensor x);
 // x (replicated over tp) split along the sequence dim (1) over tp: where

@@ -52,6 +52,7 @@ ModelRegistry& ModelRegistry::Global() {
     r->Register("gpt2", Gpt2Family());
     r->Register("llama", LlamaFamily());
     r->Register("bert", BertFamily());
+    r->Register("opt", OptFamily());
     return r;
   }();
   return *registry;

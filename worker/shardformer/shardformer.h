@@ -100,7 +100,7 @@ struct ModelFamily {
 
 class ModelRegistry {
  public:
-  // Holds gpt2, llama and bert.
+  // Holds gpt2, llama, bert and opt.
   static ModelRegistry& Global();
   // Adds or replaces the family of `model_type`.
   void Register(const std::string& model_type, ModelFamily family);

@@ -40,6 +40,16 @@ struct Writer {
     m.tensors[name] = t;
     return absl::OkStatus();
   }
+  // An nn.Linear's weight [out, in] and bias [out].
+  absl::Status Linear(const std::string& name, int64_t in, int64_t out, float scale) {
+    RETURN_IF_ERROR(Add(name + ".weight", {out, in}, scale));
+    return Add(name + ".bias", {out}, 0.1f);
+  }
+  // A LayerNorm's weight (about 1) and bias.
+  absl::Status Norm(const std::string& name, int64_t size) {
+    RETURN_IF_ERROR(Add(name + ".weight", {size}, 0.1f, 1.0f));
+    return Add(name + ".bias", {size}, 0.1f);
+  }
   absl::Status Write(const std::string& config) {
     ::mkdir(m.dir.c_str(), 0755);
     std::ofstream(m.dir + "/config.json") << config;
@@ -115,31 +125,23 @@ absl::StatusOr<TinyModel> WriteTinyBert(const std::string& dir, const TinyOption
   auto add = [&w](const std::string& name, const Shape& shape, float scale, float mean = 0) {
     return w.Add(name, shape, scale, mean);
   };
-  auto linear = [&](const std::string& name, int64_t in, int64_t out, float scale) -> absl::Status {
-    RETURN_IF_ERROR(add(name + ".weight", {out, in}, scale));
-    return add(name + ".bias", {out}, 0.1f);
-  };
-  auto norm = [&](const std::string& name) -> absl::Status {
-    RETURN_IF_ERROR(add(name + ".weight", {h}, 0.1f, 1.0f));
-    return add(name + ".bias", {h}, 0.1f);
-  };
   RETURN_IF_ERROR(add(p + "embeddings.word_embeddings.weight", {o.vocab, h}, 0.5f));
   RETURN_IF_ERROR(add(p + "embeddings.position_embeddings.weight", {o.positions, h}, 0.1f));
   RETURN_IF_ERROR(add(p + "embeddings.token_type_embeddings.weight", {2, h}, 0.1f));
-  RETURN_IF_ERROR(norm(p + "embeddings.LayerNorm"));
+  RETURN_IF_ERROR(w.Norm(p + "embeddings.LayerNorm", h));
   for (int64_t i = 0; i < o.layers; ++i) {
     const std::string b = absl::StrCat(p, "encoder.layer.", i, ".");
     for (const char* name : {"query", "key", "value"}) {
-      RETURN_IF_ERROR(linear(b + "attention.self." + name, h, h, 0.15f));
+      RETURN_IF_ERROR(w.Linear(b + "attention.self." + name, h, h, 0.15f));
     }
-    RETURN_IF_ERROR(linear(b + "attention.output.dense", h, h, 0.1f));
-    RETURN_IF_ERROR(norm(b + "attention.output.LayerNorm"));
-    RETURN_IF_ERROR(linear(b + "intermediate.dense", h, f, 0.1f));
-    RETURN_IF_ERROR(linear(b + "output.dense", f, h, 0.08f));
-    RETURN_IF_ERROR(norm(b + "output.LayerNorm"));
+    RETURN_IF_ERROR(w.Linear(b + "attention.output.dense", h, h, 0.1f));
+    RETURN_IF_ERROR(w.Norm(b + "attention.output.LayerNorm", h));
+    RETURN_IF_ERROR(w.Linear(b + "intermediate.dense", h, f, 0.1f));
+    RETURN_IF_ERROR(w.Linear(b + "output.dense", f, h, 0.08f));
+    RETURN_IF_ERROR(w.Norm(b + "output.LayerNorm", h));
   }
-  RETURN_IF_ERROR(linear("cls.predictions.transform.dense", h, h, 0.1f));
-  RETURN_IF_ERROR(norm("cls.predictions.transform.LayerNorm"));
+  RETURN_IF_ERROR(w.Linear("cls.predictions.transform.dense", h, h, 0.1f));
+  RETURN_IF_ERROR(w.Norm("cls.predictions.transform.LayerNorm", h));
   RETURN_IF_ERROR(add("cls.predictions.bias", {o.vocab}, 0.1f));
   RETURN_IF_ERROR(w.Write(config));
   return m;
@@ -178,6 +180,51 @@ absl::StatusOr<TinyModel> WriteTinyLlama(const std::string& dir, const TinyOptio
   RETURN_IF_ERROR(add(p + "norm.weight", {h}, 0.1f, 1.0f));
   if (!o.tie) {
     RETURN_IF_ERROR(add("lm_head.weight", {o.vocab, h}, 0.3f));
+  }
+  RETURN_IF_ERROR(w.Write(config));
+  return m;
+}
+
+absl::StatusOr<TinyModel> WriteTinyOpt(const std::string& dir, const TinyOptions& o) {
+  TinyModel m;
+  m.dir = dir;
+  const int64_t h = o.hidden, e = o.embed_dim == 0 ? o.hidden : o.embed_dim, f = o.intermediate;
+  const std::string config = absl::StrCat(
+      R"({"model_type": "opt", "architectures": ["OPTForCausalLM"], "vocab_size": )", o.vocab,
+      R"(, "hidden_size": )", h, R"(, "num_hidden_layers": )", o.layers, R"(, "num_attention_heads": )", o.heads,
+      R"(, "ffn_dim": )", f, R"(, "max_position_embeddings": )", o.positions, R"(, "word_embed_proj_dim": )", e,
+      R"(, "do_layer_norm_before": )", o.pre_norm ? "true" : "false", R"(, "activation_function": ")", o.activation,
+      R"(", "enable_bias": true, "tie_word_embeddings": )", o.tie ? "true" : "false", "}");
+  ASSIGN_OR_RETURN(m.config, ParseModelConfig(config));
+  const std::string p = o.prefixed ? "model.decoder." : "decoder.";
+  Writer w{m, o.seed * 1000 + 900, {}};
+  auto add = [&w](const std::string& name, const Shape& shape, float scale, float mean = 0) {
+    return w.Add(name, shape, scale, mean);
+  };
+  RETURN_IF_ERROR(add(p + "embed_tokens.weight", {o.vocab, e}, 0.5f));
+  RETURN_IF_ERROR(add(p + "embed_positions.weight", {o.positions + 2, h}, 0.3f));
+  if (e != h) {
+    RETURN_IF_ERROR(add(p + "project_in.weight", {h, e}, 0.2f));
+  }
+  for (int64_t i = 0; i < o.layers; ++i) {
+    const std::string b = absl::StrCat(p, "layers.", i, ".");
+    for (const char* proj : {"q_proj", "k_proj", "v_proj"}) {
+      RETURN_IF_ERROR(w.Linear(b + "self_attn." + proj, h, h, 0.15f));
+    }
+    RETURN_IF_ERROR(w.Linear(b + "self_attn.out_proj", h, h, 0.1f));
+    RETURN_IF_ERROR(w.Norm(b + "self_attn_layer_norm", h));
+    RETURN_IF_ERROR(w.Linear(b + "fc1", h, f, 0.15f));
+    RETURN_IF_ERROR(w.Linear(b + "fc2", f, h, 0.1f));
+    RETURN_IF_ERROR(w.Norm(b + "final_layer_norm", h));
+  }
+  if (o.pre_norm) {
+    RETURN_IF_ERROR(w.Norm(p + "final_layer_norm", h));
+  }
+  if (e != h) {
+    RETURN_IF_ERROR(add(p + "project_out.weight", {e, h}, 0.2f));
+  }
+  if (!o.tie) {
+    RETURN_IF_ERROR(add("lm_head.weight", {o.vocab, e}, 0.3f));
   }
   RETURN_IF_ERROR(w.Write(config));
   return m;
@@ -359,6 +406,81 @@ absl::StatusOr<Reference> ReferenceLlama(const TinyModel& m, const Tensor& ids) 
     ASSIGN_OR_RETURN(x, Add(x, down));
   }
   ASSIGN_OR_RETURN(x, rms(x, p + "norm"));
+  ASSIGN_OR_RETURN(Variable head, leaf(c.tie_word_embeddings ? p + "embed_tokens.weight" : "lm_head.weight"));
+  ASSIGN_OR_RETURN(Variable logits, nn::Linear(x, head, std::nullopt));
+  Reference r;
+  ASSIGN_OR_RETURN(r.loss, NextTokenLossBackward(logits, ids));
+  r.tokens = batch * (seq - 1);
+  r.logits = logits.value();
+  ASSIGN_OR_RETURN(r.grads, leaf.Grads());
+  return r;
+}
+
+// OPTForCausalLM.forward as modeling_opt.py writes it: positions from the
+// attention mask's cumsum (all ones: s) plus the offset 2, q scaled by
+// head_dim^-0.5 after its projection, LayerNorms before (or, for
+// do_layer_norm_before false, after) each residual add.
+absl::StatusOr<Reference> ReferenceOpt(const TinyModel& m, const Tensor& ids) {
+  const ModelConfig& c = m.config;
+  const std::string p = m.tensors.count("decoder.embed_tokens.weight") ? "decoder." : "model.decoder.";
+  Leaves leaf(m);
+  const int64_t batch = ids.shape()[0], seq = ids.shape()[1], h = c.hidden_size, nh = c.num_heads,
+                d = c.head_dim();
+  auto linear = [&](const Variable& x, const std::string& name) { return leaf.Linear(x, name); };
+  auto norm = [&](const Variable& x, const std::string& name) { return leaf.LayerNorm(x, name, 1e-5); };
+  std::vector<int64_t> pos(batch * seq);
+  for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int64_t>(i) % seq + 2;
+  ASSIGN_OR_RETURN(Tensor positions, Tensor::FromInt64s({batch, seq}, pos));
+  ASSIGN_OR_RETURN(Variable tokens, leaf(p + "embed_tokens.weight"));
+  ASSIGN_OR_RETURN(Variable wpos, leaf(p + "embed_positions.weight"));
+  ASSIGN_OR_RETURN(Variable x, nn::Embedding(tokens, ids));
+  if (m.tensors.count(p + "project_in.weight")) {
+    ASSIGN_OR_RETURN(x, leaf.Linear(x, p + "project_in", /*bias=*/false));
+  }
+  ASSIGN_OR_RETURN(Variable where, nn::Embedding(wpos, positions));
+  ASSIGN_OR_RETURN(x, Add(x, where));
+  auto act = [&](const Variable& v) -> absl::StatusOr<Variable> {
+    if (c.activation == "relu") return nn::Relu(v);
+    return nn::Gelu(v, c.activation == "gelu" ? ops::GeluApprox::kNone : ops::GeluApprox::kTanh);
+  };
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string b = absl::StrCat(p, "layers.", l, ".");
+    Variable residual = x;
+    if (c.norm_before) {
+      ASSIGN_OR_RETURN(x, norm(x, b + "self_attn_layer_norm"));
+    }
+    ASSIGN_OR_RETURN(Variable q, linear(x, b + "self_attn.q_proj"));
+    ASSIGN_OR_RETURN(q, Scale(q, 1.0f / std::sqrt(static_cast<float>(d))));
+    ASSIGN_OR_RETURN(Variable k, linear(x, b + "self_attn.k_proj"));
+    ASSIGN_OR_RETURN(Variable v, linear(x, b + "self_attn.v_proj"));
+    ASSIGN_OR_RETURN(q, nn::Reshape(q, {batch, seq, nh, d}));
+    ASSIGN_OR_RETURN(k, nn::Reshape(k, {batch, seq, nh, d}));
+    ASSIGN_OR_RETURN(v, nn::Reshape(v, {batch, seq, nh, d}));
+    ASSIGN_OR_RETURN(Variable att, nn::CausalAttention(q, k, v, 1.0f));
+    ASSIGN_OR_RETURN(att, nn::Reshape(att, {batch, seq, h}));
+    ASSIGN_OR_RETURN(Variable o, linear(att, b + "self_attn.out_proj"));
+    ASSIGN_OR_RETURN(x, Add(residual, o));
+    if (!c.norm_before) {
+      ASSIGN_OR_RETURN(x, norm(x, b + "self_attn_layer_norm"));
+    }
+    residual = x;
+    if (c.norm_before) {
+      ASSIGN_OR_RETURN(x, norm(x, b + "final_layer_norm"));
+    }
+    ASSIGN_OR_RETURN(Variable inner, linear(x, b + "fc1"));
+    ASSIGN_OR_RETURN(inner, act(inner));
+    ASSIGN_OR_RETURN(Variable out, linear(inner, b + "fc2"));
+    ASSIGN_OR_RETURN(x, Add(residual, out));
+    if (!c.norm_before) {
+      ASSIGN_OR_RETURN(x, norm(x, b + "final_layer_norm"));
+    }
+  }
+  if (m.tensors.count(p + "final_layer_norm.weight")) {
+    ASSIGN_OR_RETURN(x, norm(x, p + "final_layer_norm"));
+  }
+  if (m.tensors.count(p + "project_out.weight")) {
+    ASSIGN_OR_RETURN(x, leaf.Linear(x, p + "project_out", /*bias=*/false));
+  }
   ASSIGN_OR_RETURN(Variable head, leaf(c.tie_word_embeddings ? p + "embed_tokens.weight" : "lm_head.weight"));
   ASSIGN_OR_RETURN(Variable logits, nn::Linear(x, head, std::nullopt));
   Reference r;

@@ -30,6 +30,12 @@ struct TinyOptions {
   int64_t kv_heads = 2;
   int64_t intermediate = 96;
   bool tie = false;
+  // OPT: pre- or post-norm layers, word_embed_proj_dim (0: the hidden size;
+  // otherwise project_in/out), the MLP's activation_function; `tie` as above
+  // (OPT ties by default: set it).
+  bool pre_norm = true;
+  int64_t embed_dim = 0;
+  std::string activation = "relu";
 };
 
 struct TinyModel {
@@ -48,6 +54,10 @@ absl::StatusOr<TinyModel> WriteTinyLlama(const std::string& dir, const TinyOptio
 // BertForMaskedLM (intermediate size 2 * hidden).
 absl::StatusOr<TinyModel> WriteTinyBert(const std::string& dir, const TinyOptions& options = {});
 
+// Creates `dir` with config.json and model.safetensors of a random
+// OPTForCausalLM (names with "model.decoder.", or "decoder." unprefixed).
+absl::StatusOr<TinyModel> WriteTinyOpt(const std::string& dir, const TinyOptions& options = {});
+
 // The unsharded model's results for int64 ids [B, S].
 struct Reference {
   Tensor logits;                          // [B, S, V]
@@ -58,6 +68,7 @@ struct Reference {
 };
 absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& model, const Tensor& ids);
 absl::StatusOr<Reference> ReferenceLlama(const TinyModel& model, const Tensor& ids);
+absl::StatusOr<Reference> ReferenceOpt(const TinyModel& model, const Tensor& ids);
 // The masked-LM loss against `labels` [B, S] (-100 where nothing is predicted).
 absl::StatusOr<Reference> ReferenceBert(const TinyModel& model, const Tensor& ids, const Tensor& labels);
 

@@ -64,6 +64,26 @@ TEST(Validation, LayoutsTheModelCannotTake) {
   ExpectInvalid(LoadAsRank0(llama->dir, Layout(4, v1::TENSOR_PARALLEL_MODE_2D)), "3 key/value heads");
 }
 
+TEST(Validation, OptsLayoutsAndTensors) {
+  testing::TinyOptions o;
+  o.embed_dim = 40;  // project_in/out; q = 2 divides it, 3 does not divide 64
+  o.tie = true;
+  auto opt = testing::WriteTinyOpt(TempPath("v_opt"), o);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  ExpectInvalid(LoadAsRank0(opt->dir, Layout(8, v1::TENSOR_PARALLEL_MODE_3D)), "the opt policy supports");
+  EditTensors(*opt, [](auto& t) { t.erase("model.decoder.project_in.weight"); });
+  ExpectInvalid(LoadAsRank0(opt->dir, Layout(2, v1::TENSOR_PARALLEL_MODE_1D)), "model.decoder.project_in.weight");
+  // A table without OPT's two extra rows.
+  EditTensors(*opt, [](auto& t) { t["model.decoder.embed_positions.weight"] = *Tensor::Zeros({16, 64}, DType::kF32); });
+  const absl::Status s = LoadAsRank0(opt->dir, Layout(2, v1::TENSOR_PARALLEL_MODE_1D));
+  ExpectInvalid(s, "model.decoder.embed_positions.weight");
+  ExpectInvalid(s, "[18, 64]");
+  o.embed_dim = 33;  // 2D's q = 2 does not divide it
+  auto odd = testing::WriteTinyOpt(TempPath("v_opt_odd"), o);
+  ASSERT_TRUE(odd.ok()) << odd.status();
+  ExpectInvalid(LoadAsRank0(odd->dir, Layout(4, v1::TENSOR_PARALLEL_MODE_2D)), "word_embed_proj_dim 33");
+}
+
 TEST(Validation, AnUnknownModelType) {
   auto gpt2 = testing::WriteTinyGpt2(TempPath("v_t5"));
   ASSERT_TRUE(gpt2.ok());
@@ -71,7 +91,7 @@ TEST(Validation, AnUnknownModelType) {
   const absl::Status s = LoadAsRank0(gpt2->dir, Layout(2, v1::TENSOR_PARALLEL_MODE_1D));
   ExpectInvalid(s, "'t5'");
   ExpectInvalid(s, "model_type");
-  ExpectInvalid(s, "known: bert, gpt2, llama");
+  ExpectInvalid(s, "known: bert, gpt2, llama, opt");
 }
 
 TEST(Validation, MissingAndMisshapedTensorsAreNamed) {

@@ -173,8 +173,11 @@ TEST_F(CudaLayerOps, ElementwiseAndNormsMatchTheCpu) {
     ExpectNear(bg.dx, want.dx, 1e-5, "bias_gelu dx");
     ExpectNear(bg.db, want.db, 1e-4, "bias_gelu db");
   }
-  ExpectNear(*Silu(Dev(x)), *Silu(x), 1e-5, "silu");
-  ExpectNear(*SiluBackward(Dev(dy), Dev(x)), *SiluBackward(dy, x), 1e-5, "silu backward");
+  for (ActivationKind act : {ActivationKind::kSilu, ActivationKind::kRelu}) {
+    ExpectNear(*Activation(Dev(x), act), *Activation(x, act), 1e-5, "activation");
+    ExpectNear(*ActivationBackward(Dev(dy), Dev(x), act), *ActivationBackward(dy, x, act), 1e-5,
+               "activation backward");
+  }
   auto ln = LayerNorm(x, g, b, 1e-5f);
   auto dln = LayerNorm(Dev(x), Dev(g), Dev(b), 1e-5f);
   ASSERT_TRUE(dln.ok()) << dln.status();
@@ -241,8 +244,11 @@ TEST_F(CudaLayerOps, HalfTypesAreComputedInF32AndRoundedOnce) {
       const BiasGeluGrads bg32 = *BiasGeluBackward(wide(dy), wide(x), wide(bias), GeluApprox::kTanh);
       check(bg.dx, bg32.dx, where + " bias_gelu dx");
       check(bg.db, bg32.db, where + " bias_gelu db");
-      check(*Silu(in(x)), *Silu(wide(x)), where + " silu");
-      check(*SiluBackward(in(dy), in(x)), *SiluBackward(wide(dy), wide(x)), where + " silu_backward");
+      for (ActivationKind act : {ActivationKind::kSilu, ActivationKind::kRelu}) {
+        check(*Activation(in(x), act), *Activation(wide(x), act), where + " activation");
+        check(*ActivationBackward(in(dy), in(x), act), *ActivationBackward(wide(dy), wide(x), act),
+              where + " activation_backward");
+      }
       const LayerNormResult ln = *LayerNorm(in(x), in(g), in(b), 1e-5f);
       const LayerNormResult ln32 = *LayerNorm(wide(x), wide(g), wide(b), 1e-5f);
       check(ln.y, ln32.y, where + " layer_norm");

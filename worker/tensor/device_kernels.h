@@ -51,8 +51,10 @@ struct DeviceKernels {
                        bool tanh_approx);
   absl::Status (*GeluBackward)(int device, ElemType type, const void* dy, const void* x, const void* bias, void* dx,
                                void* db, int64_t rows, int64_t n, bool tanh_approx);
-  absl::Status (*Silu)(int device, ElemType type, const void* x, void* y, int64_t n);
-  absl::Status (*SiluBackward)(int device, ElemType type, const void* dy, const void* x, void* dx, int64_t n);
+  absl::Status (*Activation)(int device, ElemType type, kernels::ActivationKind kind, const void* x, void* y,
+                             int64_t n);
+  absl::Status (*ActivationBackward)(int device, ElemType type, kernels::ActivationKind kind, const void* dy,
+                                     const void* x, void* dx, int64_t n);
   absl::Status (*LayerNorm)(int device, ElemType type, const void* x, const void* residual, const void* g,
                             const void* b, float eps, void* y, void* sum, float* mean, float* rstd, int64_t rows,
                             int64_t n);
@@ -114,7 +116,7 @@ struct DeviceKernels {
     &ns::Malloc, &ns::Free, &ns::Memset0, &ns::Memcpy, &ns::Upload, &ns::StridedCopy, &ns::FillRandom,      \
         &ns::Binary,                                                                                  \
         &ns::Scale, &ns::Sum, &ns::AccumulateSum, &ns::Gemm, &ns::SetAllowTf32, &ns::BiasAdd, &ns::BiasGrad, \
-        &ns::Gelu, &ns::GeluBackward, &ns::Silu, &ns::SiluBackward, &ns::LayerNorm, &ns::LayerNormBackward, \
+        &ns::Gelu, &ns::GeluBackward, &ns::Activation, &ns::ActivationBackward, &ns::LayerNorm, &ns::LayerNormBackward, \
         &ns::RmsNorm, &ns::RmsNormBackward, &ns::NormRowSums, &ns::NormApply, &ns::NormBackwardSums,   \
         &ns::NormBackwardApply, &ns::NormParamGrad, &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout,   \
         &ns::Embedding, &ns::EmbeddingBackward, &ns::CrossEntropy, &ns::CrossEntropyBackward,           \

@@ -243,15 +243,15 @@ absl::StatusOr<BiasGeluGrads> BiasGeluBackward(const Tensor& dy, const Tensor& x
   return BiasGeluGrads{std::move(dx), std::move(db)};
 }
 
-absl::StatusOr<Tensor> Silu(const Tensor& x) {
-  return Elementwise(x, "silu", [](const DeviceKernels& k, int d, kernels::ElemType t, const void* in, void* out,
-                                   int64_t n) { return k.Silu(d, t, in, out, n); });
+absl::StatusOr<Tensor> Activation(const Tensor& x, ActivationKind kind) {
+  return Elementwise(x, "activation", [kind](const DeviceKernels& k, int d, kernels::ElemType t, const void* in,
+                                             void* out, int64_t n) { return k.Activation(d, t, kind, in, out, n); });
 }
 
-absl::StatusOr<Tensor> SiluBackward(const Tensor& dy, const Tensor& x) {
-  return ElementwiseBackward(dy, x, "silu_backward",
-                             [](const DeviceKernels& k, int d, kernels::ElemType t, const void* g, const void* in,
-                                void* out, int64_t n) { return k.SiluBackward(d, t, g, in, out, n); });
+absl::StatusOr<Tensor> ActivationBackward(const Tensor& dy, const Tensor& x, ActivationKind kind) {
+  return ElementwiseBackward(dy, x, "activation_backward",
+                             [kind](const DeviceKernels& k, int d, kernels::ElemType t, const void* g, const void* in,
+                                    void* out, int64_t n) { return k.ActivationBackward(d, t, kind, g, in, out, n); });
 }
 
 namespace {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/types.h"
 #include "worker/tensor/tensor.h"
 
 namespace colod::ops {
@@ -57,9 +58,11 @@ struct BiasGeluGrads {
 };
 absl::StatusOr<BiasGeluGrads> BiasGeluBackward(const Tensor& dy, const Tensor& x, const Tensor& bias,
                                                GeluApprox approx);
-// SiLU (swish): x * sigmoid(x); backward dy * s * (1 + x * (1 - s)).
-absl::StatusOr<Tensor> Silu(const Tensor& x);
-absl::StatusOr<Tensor> SiluBackward(const Tensor& dy, const Tensor& x);
+// A pointwise activation (kernels/activation.h): SiLU x * sigmoid(x),
+// backward dy * s * (1 + x * (1 - s)); ReLU max(x, 0), backward dy where x > 0.
+using ActivationKind = kernels::ActivationKind;
+absl::StatusOr<Tensor> Activation(const Tensor& x, ActivationKind kind);
+absl::StatusOr<Tensor> ActivationBackward(const Tensor& dy, const Tensor& x, ActivationKind kind);
 
 // LayerNorm over the last dim: y = (x - mean) * rstd * gamma + beta, with
 // rstd = 1 / sqrt(var + eps) (biased variance). mean and rstd ([rows], f32)

@@ -166,9 +166,25 @@ TEST(CpuKernels, SiluForwardAndBackwardAgainstTheClosedForm) {
     const double h = 1e-5;
     dx[i] = dv[i] * (silu(xv[i] + h) - silu(xv[i] - h)) / (2 * h);
   }
-  ExpectNear(Silu(x)->ToFloats(), y, 1e-5, 1e-6, "silu");
-  ExpectNear(SiluBackward(dy, x)->ToFloats(), dx, 1e-4, 1e-5, "silu backward");
-  EXPECT_EQ(SiluBackward(Random({3, 28}, 1), x).status().code(), absl::StatusCode::kInvalidArgument);
+  ExpectNear(Activation(x, ActivationKind::kSilu)->ToFloats(), y, 1e-5, 1e-6, "silu");
+  ExpectNear(ActivationBackward(dy, x, ActivationKind::kSilu)->ToFloats(), dx, 1e-4, 1e-5, "silu backward");
+  EXPECT_EQ(ActivationBackward(Random({3, 28}, 1), x, ActivationKind::kSilu).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CpuKernels, ReluForwardAndBackwardAgainstTheDefinition) {
+  // Exact zeros among the values: torch's derivative there is 0.
+  std::vector<float> xv = Random({4, 25}, 18, 3.0f).ToFloats();
+  for (size_t i = 0; i < xv.size(); i += 7) xv[i] = 0.0f;
+  const Tensor x = *Tensor::FromFloats({4, 25}, xv), dy = Random({4, 25}, 19);
+  const std::vector<float> dv = dy.ToFloats();
+  std::vector<double> y(xv.size()), dx(xv.size());
+  for (size_t i = 0; i < xv.size(); ++i) {
+    y[i] = xv[i] > 0 ? xv[i] : 0.0;
+    dx[i] = xv[i] > 0 ? dv[i] : 0.0;
+  }
+  ExpectNear(Activation(x, ActivationKind::kRelu)->ToFloats(), y, 0, 0, "relu");
+  ExpectNear(ActivationBackward(dy, x, ActivationKind::kRelu)->ToFloats(), dx, 0, 0, "relu backward");
 }
 
 // LayerNorm of one row in double.
