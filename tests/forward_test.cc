@@ -102,6 +102,35 @@ TEST_F(Forward, OptMatchesItsUnshardedReference) {
   }
 }
 
+// BLOOM (6 heads: ALiBi's second series of slopes, 3 heads a rank) through
+// the same command at tp = 2 with sequence parallelism.
+TEST_F(Forward, BloomMatchesItsUnshardedReference) {
+  shardformer::testing::TinyOptions o;
+  o.heads = 6;
+  o.hidden = 48;
+  o.tie = true;
+  auto bloom = shardformer::testing::WriteTinyBloom(TempPath("bloom"), o);
+  ASSERT_TRUE(bloom.ok()) << bloom.status();
+  auto ref = shardformer::testing::ReferenceBloom(*bloom, ids_);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const auto r = Coloctl({"forward", "--model", bloom->dir, "--input", TempPath("ids.npy"), "--logits",
+                          TempPath("bloom_logits.npy"), "--output", "json", "--tp", "2", "--dp", "2",
+                          "--sequence-parallel"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto out = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(out.is_object()) << r.out;
+  EXPECT_NEAR(out["loss"].get<double>(), ref->loss, 1e-5 * ref->loss);
+  auto logits = ReadNpy(TempPath("bloom_logits.npy"));
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  ::colod::testing::ExpectAllClose(*logits, ref->logits, "BLOOM logits", 2e-4);
+  // 2D is refused before any rank starts, naming the family.
+  const auto two_d = Coloctl({"forward", "--model", bloom->dir, "--input", TempPath("ids.npy"), "--tp", "4",
+                              "--mode", "2d"});
+  EXPECT_NE(two_d.code, 0);
+  EXPECT_NE(two_d.err.find("the bloom policy supports tensor_parallel_mode 1d only"), std::string::npos)
+      << two_d.err;
+}
+
 TEST_F(Forward, ACheckpointSavedAtTp2ConsolidatesAndRunsAt2d) {
   shardformer::ShardConfig shard;
   shard.layout.set_tensor_parallel_size(2);

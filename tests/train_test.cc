@@ -147,6 +147,34 @@ TEST(Train, OptTrainsAlikeAtEveryLayout) {
   EXPECT_LT(runs[0][3]["loss"].get<double>(), runs[0][0]["loss"].get<double>());
 }
 
+// BLOOM trains with the same losses at tp = 2 x dp = 2 with sequence
+// parallelism as unsharded, and its loss falls.
+TEST(Train, BloomTrainsAlikeUnshardedAndSharded) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  o.positions = 32;
+  o.tie = true;
+  auto model = shardformer::testing::WriteTinyBloom(TempPath("bloom"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<std::string> common = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
+                                           "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
+                                           "--optimizer", "adamw", "--seed", "7", "--output", "json"};
+  std::vector<std::string> single = common, sharded = common;
+  single.insert(single.end(), {"--tp", "1", "--dp", "1"});
+  sharded.insert(sharded.end(), {"--tp", "2", "--dp", "2", "--sequence-parallel"});
+  const auto a = Coloctl(single), b = Coloctl(sharded);
+  ASSERT_EQ(a.code, 0) << a.err;
+  ASSERT_EQ(b.code, 0) << b.err;
+  const auto la = Lines(a.out), lb = Lines(b.out);
+  ASSERT_EQ(la.size(), 4u) << a.out;
+  ASSERT_EQ(lb.size(), 4u) << b.out;
+  for (size_t i = 0; i < 4; ++i) {
+    const double want = la[i]["loss"].get<double>();
+    EXPECT_NEAR(lb[i]["loss"].get<double>(), want, 1e-4 * want) << "step " << i + 1;
+  }
+  EXPECT_LT(la[3]["loss"].get<double>(), la[0]["loss"].get<double>());
+}
+
 // A run killed with SIGKILL while it checkpoints every step resumes from its
 // newest complete checkpoint with the uninterrupted run's losses.
 TEST(Train, KilledMidRunResumesFromTheNewestCompleteCheckpoint) {

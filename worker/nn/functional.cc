@@ -283,8 +283,11 @@ absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, co
                   });
 }
 
+// With `slopes` (one per query head), ALiBi's bias slopes[h] * (j - i) is
+// added to the scaled scores before the softmax; being constant, it changes
+// nothing in the backward but the probabilities it is given.
 absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                          bool causal) {
+                                          bool causal, const std::vector<float>& slopes = {}) {
   const Shape& qs = q.value().shape();
   const Shape& ks = k.value().shape();
   const int64_t batch = qs[0], seq = qs[1], hq = qs[2], hkv = ks[2], d = qs[3], group = hq / hkv;
@@ -299,6 +302,19 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({batch, hq, seq, d}, DType::kF32, dev));
   // The probabilities of every (b, h), kept for the backward: [B, Hq, S, S].
   ASSIGN_OR_RETURN(Tensor probs, Tensor::Empty({batch, hq, seq, seq}, DType::kF32, dev));
+  std::optional<Tensor> distance;  // ALiBi's j - i, [S, S]
+  if (!slopes.empty()) {
+    if (static_cast<int64_t>(slopes.size()) != hq) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ALiBi needs a slope for each of the ", hq, " query heads, got ", slopes.size()));
+    }
+    std::vector<float> d(seq * seq);
+    for (int64_t i = 0; i < seq; ++i) {
+      for (int64_t j = 0; j < seq; ++j) d[i * seq + j] = static_cast<float>(j - i);
+    }
+    ASSIGN_OR_RETURN(Tensor t, Tensor::FromFloats({seq, seq}, d));
+    ASSIGN_OR_RETURN(distance, t.To(dev));
+  }
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < hq; ++h) {
       ASSIGN_OR_RETURN(Tensor qm, HeadMatrix(qh, b, h));
@@ -306,6 +322,10 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
       ASSIGN_OR_RETURN(Tensor vm, HeadMatrix(vh, b, h / group));
       ASSIGN_OR_RETURN(Tensor scores, ops::MatMul(qm, km, false, true));
       ASSIGN_OR_RETURN(scores, Scale(scores, scale));
+      if (distance.has_value()) {
+        ASSIGN_OR_RETURN(Tensor bias, Scale(*distance, slopes[h]));
+        ASSIGN_OR_RETURN(scores, Add(scores, bias));
+      }
       ASSIGN_OR_RETURN(Tensor pm, ops::Softmax(scores, causal));
       ASSIGN_OR_RETURN(Tensor om, ops::MatMul(pm, vm));
       ASSIGN_OR_RETURN(Tensor slot, HeadMatrix(out, b, h));
@@ -369,6 +389,27 @@ absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const V
   }
   if (impl == AttentionImpl::kFused) return FusedAttention(q, k, v, scale, causal);
   return PerHeadAttention(q, k, v, scale, causal);
+}
+
+std::vector<float> AlibiSlopes(int64_t heads) {
+  std::vector<float> slopes;
+  if (heads < 1) return slopes;
+  int64_t n = 1;  // the largest power of two <= heads
+  while (n * 2 <= heads) n *= 2;
+  // 2^(-8/n) to the powers 1..n, in double, as torch computes the base.
+  const double base = std::pow(2.0, -8.0 / static_cast<double>(n));
+  for (int64_t k = 1; k <= n; ++k) slopes.push_back(static_cast<float>(std::pow(base, static_cast<double>(k))));
+  const double extra = std::pow(2.0, -4.0 / static_cast<double>(n));
+  for (int64_t k = 1; static_cast<int64_t>(slopes.size()) < heads; k += 2) {
+    slopes.push_back(static_cast<float>(std::pow(extra, static_cast<double>(k))));
+  }
+  return slopes;
+}
+
+absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
+                                        const std::vector<float>& slopes) {
+  RETURN_IF_ERROR(ops::CheckAttentionShapes(q.value(), k.value(), v.value()));
+  return PerHeadAttention(q, k, v, scale, /*causal=*/true, slopes);
 }
 
 namespace {

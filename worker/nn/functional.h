@@ -93,6 +93,20 @@ enum class AttentionImpl { kAuto, kFused, kPerHead };
 absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const Variable& v, float scale, bool causal,
                                    AttentionImpl impl = AttentionImpl::kAuto);
 
+// ALiBi (Press et al., "Train Short, Test Long", 2022; BLOOM): the head
+// slopes of a model with `heads` heads, as transformers' build_alibi_tensor
+// makes them: for the largest power of two n <= heads, 2^(-8k/n) for k = 1..n,
+// then (heads not a power of two) 2^(-4k/n) for the odd k = 1, 3, .. up to
+// the remaining heads.
+std::vector<float> AlibiSlopes(int64_t heads);
+// Causal attention whose score (i, j) of query head h gains slopes[h] *
+// (j - i) (keys further back weigh less; the same softmax as BLOOM's
+// slopes[h] * j, as each row's shift cancels). `slopes` holds one slope per
+// query head of q (a tensor-parallel rank passes its heads' slopes). Per head
+// GEMMs on every device (the fused kernel takes no bias yet).
+absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
+                                        const std::vector<float>& slopes);
+
 // LayerNorm over a hidden dim split across `hidden` (x [.., h/n] and gamma,
 // beta [h/n] on each of its n ranks): the row statistics are all-reduced
 // over `hidden` (two passes: the mean, then the centred squares), and the

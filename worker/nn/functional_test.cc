@@ -12,10 +12,11 @@
 namespace colod::nn {
 namespace {
 
-// out[b,s,h,:] = sum_t softmax_t(q[b,s,h] . k[b,t,g] * scale, t <= s if causal) v[b,t,g], g = h / group.
+// out[b,s,h,:] = sum_t softmax_t(q[b,s,h] . k[b,t,g] * scale, t <= s if causal) v[b,t,g], g = h / group;
+// with ALiBi slopes, the score of key t gains slopes[h] * t (BLOOM's form).
 std::vector<double> NaiveAttention(const std::vector<double>& q, const std::vector<double>& k,
                                    const std::vector<double>& v, int64_t batch, int64_t seq, int64_t hq, int64_t hkv,
-                                   int64_t d, double scale, bool causal) {
+                                   int64_t d, double scale, bool causal, const std::vector<double>& slopes = {}) {
   std::vector<double> out(batch * seq * hq * d, 0.0);
   const int64_t group = hq / hkv;
   auto at = [&](int64_t b, int64_t s, int64_t h, int64_t heads) { return ((b * seq + s) * heads + h) * d; };
@@ -28,7 +29,7 @@ std::vector<double> NaiveAttention(const std::vector<double>& q, const std::vect
         for (int64_t t = 0; t <= last; ++t) {
           double dot = 0;
           for (int64_t j = 0; j < d; ++j) dot += q[at(b, s, h, hq) + j] * k[at(b, t, h / group, hkv) + j];
-          w[t] = dot * scale;
+          w[t] = dot * scale + (slopes.empty() ? 0.0 : slopes[h] * static_cast<double>(t));
           mx = std::max(mx, w[t]);
         }
         for (int64_t t = 0; t <= last; ++t) sum += (w[t] = std::exp(w[t] - mx));
@@ -44,6 +45,24 @@ std::vector<double> NaiveAttention(const std::vector<double>& q, const std::vect
 std::vector<double> D(const Tensor& t) {
   const std::vector<float> f = t.ToFloats();
   return std::vector<double>(f.begin(), f.end());
+}
+
+// The gradients of q, k and v on the tape against central differences of
+// `loss` (naive loops in double) at every element.
+void ExpectFiniteDifferenceGrads(
+    const std::function<double(const std::vector<double>&, const std::vector<double>&, const std::vector<double>&)>&
+        loss,
+    const std::vector<std::vector<double>>& inputs, const std::vector<const Variable*>& vars) {
+  for (size_t which = 0; which < 3; ++which) {
+    const std::vector<float> grad = vars[which]->grad()->ToFloats();
+    for (size_t i = 0; i < grad.size(); ++i) {
+      std::vector<std::vector<double>> up = inputs, down = inputs;
+      up[which][i] += 1e-6;
+      down[which][i] -= 1e-6;
+      const double numeric = (loss(up[0], up[1], up[2]) - loss(down[0], down[1], down[2])) / 2e-6;
+      ASSERT_NEAR(grad[i], numeric, 1e-4) << "input " << which << " element " << i;
+    }
+  }
 }
 
 // Both implementations on the CPU: the per-head GEMMs and the fused kernel's
@@ -71,18 +90,7 @@ TEST_P(AttentionTest, GroupedQueryAttentionMatchesTheNaiveLoopsAndItsGradients) 
     for (size_t i = 0; i < o.size(); ++i) l += o[i] * rd[i];
     return l;
   };
-  std::vector<std::vector<double>> inputs = {D(q), D(k), D(v)};
-  const Variable* vars[] = {&vq, &vk, &vv};
-  for (int which = 0; which < 3; ++which) {
-    const std::vector<float> grad = vars[which]->grad()->ToFloats();
-    for (size_t i = 0; i < grad.size(); ++i) {
-      std::vector<std::vector<double>> up = inputs, down = inputs;
-      up[which][i] += 1e-6;
-      down[which][i] -= 1e-6;
-      const double numeric = (loss(up[0], up[1], up[2]) - loss(down[0], down[1], down[2])) / 2e-6;
-      ASSERT_NEAR(grad[i], numeric, 1e-4) << "input " << which << " element " << i;
-    }
-  }
+  ExpectFiniteDifferenceGrads(loss, {D(q), D(k), D(v)}, {&vq, &vk, &vv});
   EXPECT_EQ(Attention(vq, Variable(*Tensor::Zeros({batch, seq, 3, d}, DType::kF32)),
                       Variable(*Tensor::Zeros({batch, seq, 3, d}, DType::kF32)), 1.0f, causal, impl)
                 .status()
@@ -97,6 +105,51 @@ INSTANTIATE_TEST_SUITE_P(MasksAndImpls, AttentionTest,
                            return std::string(std::get<0>(info.param) ? "causal" : "bidirectional") +
                                   (std::get<1>(info.param) == AttentionImpl::kFused ? "_fused" : "_per_head");
                          });
+
+// transformers' build_alibi_tensor for 12 heads (8 a power of two, 4 more
+// between them) and for 6 (4, and 2 more), worked out by hand.
+TEST(Alibi, SlopesForPowersOfTwoAndNot) {
+  auto p = [](double e) { return static_cast<float>(std::pow(2.0, e)); };
+  EXPECT_EQ(AlibiSlopes(12), (std::vector<float>{p(-1), p(-2), p(-3), p(-4), p(-5), p(-6), p(-7), p(-8), p(-0.5),
+                                                 p(-1.5), p(-2.5), p(-3.5)}));
+  EXPECT_EQ(AlibiSlopes(6), (std::vector<float>{p(-2), p(-4), p(-6), p(-8), p(-1), p(-3)}));
+  EXPECT_EQ(AlibiSlopes(8), (std::vector<float>{p(-1), p(-2), p(-3), p(-4), p(-5), p(-6), p(-7), p(-8)}));
+  EXPECT_EQ(AlibiSlopes(1), (std::vector<float>{p(-8)}));
+}
+
+// ALiBi's attention against the naive loops with BLOOM's bias (slope * key
+// position, where colod adds slope * (key - query)), and its gradients
+// against finite differences of the naive loops.
+TEST(Alibi, AttentionMatchesTheNaiveLoopsAndItsGradients) {
+  const int64_t batch = 2, seq = 5, hq = 4, hkv = 2, d = 3;
+  const double scale = 1 / std::sqrt(3.0);
+  const std::vector<float> slopes = {0.5f, 0.25f, 1.5f, 0.125f};
+  const std::vector<double> sd(slopes.begin(), slopes.end());
+  const Tensor q = *Tensor::RandomNormal({batch, seq, hq, d}, 11), k = *Tensor::RandomNormal({batch, seq, hkv, d}, 12),
+               v = *Tensor::RandomNormal({batch, seq, hkv, d}, 13), r = *Tensor::RandomNormal({batch, seq, hq, d}, 14);
+  Variable vq(q, true), vk(k, true), vv(v, true);
+  auto out = AlibiAttention(vq, vk, vv, static_cast<float>(scale), slopes);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const std::vector<double> want = NaiveAttention(D(q), D(k), D(v), batch, seq, hq, hkv, d, scale, true, sd);
+  const std::vector<double> plain = NaiveAttention(D(q), D(k), D(v), batch, seq, hq, hkv, d, scale, true);
+  const std::vector<float> got = out->value().ToFloats();
+  double moved = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], 1e-5) << i;
+    moved = std::max(moved, std::fabs(want[i] - plain[i]));
+  }
+  EXPECT_GT(moved, 1e-2);  // the slopes matter
+  ASSERT_TRUE(Backward(*Sum(*Mul(*out, Variable(r)))).ok());
+  const std::vector<double> rd = D(r);
+  auto loss = [&](const std::vector<double>& qq, const std::vector<double>& kk, const std::vector<double>& vvv) {
+    const std::vector<double> o = NaiveAttention(qq, kk, vvv, batch, seq, hq, hkv, d, scale, true, sd);
+    double l = 0;
+    for (size_t i = 0; i < o.size(); ++i) l += o[i] * rd[i];
+    return l;
+  };
+  ExpectFiniteDifferenceGrads(loss, {D(q), D(k), D(v)}, {&vq, &vk, &vv});
+  EXPECT_EQ(AlibiAttention(vq, vk, vv, 1.0f, {0.5f, 0.25f}).status().code(), absl::StatusCode::kInvalidArgument);
+}
 
 TEST(Functional, ReshapeAndLinearGradients) {
   const Tensor x = *Tensor::RandomNormal({3, 4}, 5), w = *Tensor::RandomNormal({2, 4}, 6);

@@ -148,6 +148,27 @@ TEST(Checkpoint, OptConsolidatesAndReloadsAtAnotherLayout) {
   }
 }
 
+// BLOOM with 6 heads and an untied head, saved at tp = 2 with sequence
+// parallelism, consolidated, and run again unsharded.
+TEST(Checkpoint, BloomConsolidatesAndReloadsAtAnotherLayout) {
+  testing::TinyOptions o;
+  o.heads = 6;
+  o.hidden = 48;
+  o.tie = false;
+  auto bloom = testing::WriteTinyBloom(TempPath("ck_bloom"), o);
+  ASSERT_TRUE(bloom.ok()) << bloom.status();
+  Save(bloom->dir, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D, /*sp=*/true), TempPath("ck_bloom_sharded"));
+  EXPECT_EQ(Index(TempPath("ck_bloom_sharded"))["model_type"], "bloom");
+  ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ck_bloom_sharded"), TempPath("ck_bloom_hf")).ok());
+  ExpectSameTensors(TempPath("ck_bloom_hf"), *bloom);
+  testing::TinyModel reloaded = *bloom;
+  reloaded.dir = TempPath("ck_bloom_hf");
+  const Tensor ids = testing::TokenIds(2, 8, bloom->config.vocab_size, 8);
+  auto ref = testing::ReferenceBloom(*bloom, ids);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  testing::ExpectShardedMatchesReference(reloaded, *ref, Layout(1, 1, v1::TENSOR_PARALLEL_MODE_1D), ids, 2e-4);
+}
+
 TEST(Checkpoint, SavesTheCurrentValuesNotTheSource) {
   auto model = testing::WriteTinyGpt2(TempPath("ck3_gpt2"));
   ASSERT_TRUE(model.ok()) << model.status();

@@ -120,8 +120,27 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     if (c.max_positions > kMaxPositions) {
       return Field(what, "max_position_embeddings", absl::StrCat("must be at most ", kMaxPositions));
     }
+  } else if (c.model_type == "bloom") {
+    ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
+    // bigscience's configs name the width n_embed; BloomConfig maps it to hidden_size.
+    ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, j.contains("n_embed") ? "n_embed" : "hidden_size"));
+    ASSIGN_OR_RETURN(c.num_layers, Int(j, what, j.contains("num_hidden_layers") ? "num_hidden_layers" : "n_layer"));
+    ASSIGN_OR_RETURN(c.num_heads, Int(j, what, j.contains("num_attention_heads") ? "num_attention_heads" : "n_head"));
+    const std::optional<int64_t> inner = CheckedMul(4, c.hidden_size);
+    if (!inner.has_value()) return Field(what, "hidden_size", "is too large");
+    c.intermediate_size = *inner;  // BloomMLP: 4 * hidden_size
+    // ALiBi has no position table: seq_length, where given, bounds the
+    // sequences; else BLOOM's training length.
+    ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "seq_length", 2048));
+    ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_epsilon", 1e-5));
+    ASSIGN_OR_RETURN(c.residual_post_norm, Bool(j, what, "apply_residual_connection_post_layernorm", false));
+    ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", true));
+    // pretraining_tp and slow_but_exact change how transformers sums the
+    // projections in slices, not what they compute: both are ignored.
+    c.activation = "gelu_tanh";  // BloomGelu
+    c.num_kv_heads = c.num_heads;
   } else {
-    return Field(what, "model_type", absl::StrCat("'", c.model_type, "' is not one of gpt2, llama, bert, opt"));
+    return Field(what, "model_type", absl::StrCat("'", c.model_type, "' is not one of gpt2, llama, bert, opt, bloom"));
   }
   if (c.embed_dim == 0) c.embed_dim = c.hidden_size;
   if (c.hidden_size % c.num_heads != 0) {
@@ -242,6 +261,21 @@ absl::StatusOr<int64_t> ParameterCount(const ModelConfig& c) {
     if (c.final_norm) model.Add({2, h});
     model.Add(layer);
     if (!c.tie_word_embeddings) model.Add({v, e});  // lm_head
+  } else if (c.model_type == "bloom") {
+    layer.Add({2, 2, h});  // input_layernorm, post_attention_layernorm
+    layer.Add({h, 3, h});  // query_key_value
+    layer.Add({3, h});
+    layer.Add({h, h});  // dense
+    layer.Add({h});
+    layer.Add({2, h, f});  // dense_h_to_4h, dense_4h_to_h
+    layer.Add({f});
+    layer.Add({h});
+    layer.Times(c.num_layers);
+    model.Add({v, h});  // word_embeddings (lm_head tied to them unless said otherwise)
+    model.Add({2, h});  // word_embeddings_layernorm
+    model.Add(layer);
+    model.Add({2, h});  // ln_f
+    if (!c.tie_word_embeddings) model.Add({v, h});
   } else {
     return absl::InvalidArgumentError(absl::StrCat("no parameter count for model_type '", c.model_type, "'"));
   }
@@ -308,8 +342,9 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
     case v1::TENSOR_PARALLEL_MODE_2D:
     case v1::TENSOR_PARALLEL_MODE_2P5D:
     case v1::TENSOR_PARALLEL_MODE_3D: {
-      if (config.model_type == "bert") {
-        return absl::InvalidArgumentError("the bert policy supports tensor_parallel_mode 1d only");
+      if (config.model_type == "bert" || config.model_type == "bloom") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d only"));
       }
       v1::ShardConfig tp_only = shard;  // the data-parallel degree does not matter here
       tp_only.set_data_parallel_size(1);

@@ -1,5 +1,5 @@
 // A Hugging Face `config.json`, normalized across the model families colod
-// shards (GPT-2, LLaMA, BERT, OPT), and the checks a ShardConfig must pass for it.
+// shards (GPT-2, LLaMA, BERT, OPT, BLOOM), and the checks a ShardConfig must pass for it.
 //
 // Thread-safety: a value type.
 #ifndef COLOD_WORKER_SHARDFORMER_MODEL_CONFIG_H_
@@ -13,7 +13,7 @@
 namespace colod::shardformer {
 
 struct ModelConfig {
-  std::string model_type;  // "gpt2", "llama", "bert" or "opt"
+  std::string model_type;  // "gpt2", "llama", "bert", "opt" or "bloom"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t num_layers = 0;
@@ -37,6 +37,9 @@ struct ModelConfig {
   bool linear_bias = true;
   int64_t embed_dim = 0;  // = hidden_size but for OPT's word_embed_proj_dim
   int64_t position_offset = 0;
+  // BLOOM: the residuals around attention and MLP are the LayerNorms'
+  // outputs rather than their inputs (apply_residual_connection_post_layernorm).
+  bool residual_post_norm = false;
   std::string json;  // the config.json text it was parsed from
 
   int64_t head_dim() const { return num_heads == 0 ? 0 : hidden_size / num_heads; }

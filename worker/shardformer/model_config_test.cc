@@ -64,6 +64,18 @@ TEST(ModelConfig, ParameterCountsMatchThePublishedModels) {
   EXPECT_EQ(opt350->embed_dim, 512);
   EXPECT_EQ(opt350->position_offset, 2);
   EXPECT_TRUE(opt350->tie_word_embeddings);
+  // bigscience/bloom-560m's config.json (n_embed, n_head, n_layer as published).
+  auto bloom = ParseModelConfig(R"({"apply_residual_connection_post_layernorm":false,"attention_dropout":0.0,
+      "bos_token_id":1,"eos_token_id":2,"hidden_dropout":0.0,"initializer_range":0.02,"layer_norm_epsilon":1e-05,
+      "model_type":"bloom","n_embed":1024,"n_head":16,"n_inner":null,"n_layer":24,"offset_alibi":100,
+      "pad_token_id":3,"pretraining_tp":1,"skip_bias_add":true,"skip_bias_add_qkv":false,"slow_but_exact":false,
+      "unk_token_id":0,"use_cache":true,"vocab_size":250880})");
+  ASSERT_TRUE(bloom.ok()) << bloom.status();
+  EXPECT_EQ(*ParameterCount(*bloom), 559214592);
+  EXPECT_EQ(bloom->hidden_size, 1024);
+  EXPECT_EQ(bloom->intermediate_size, 4096);
+  EXPECT_EQ(bloom->num_heads, 16);
+  EXPECT_TRUE(bloom->tie_word_embeddings);
 }
 
 TEST(ModelConfig, ParameterCountsMatchTheTensorsOfWrittenModels) {
@@ -90,6 +102,15 @@ TEST(ModelConfig, ParameterCountsMatchTheTensorsOfWrittenModels) {
       for (const auto& [name, t] : m->tensors) written += t.numel();
       EXPECT_EQ(*ParameterCount(m->config), written) << "pre_norm " << pre_norm << " tie " << tie;
     }
+  }
+  for (bool tie : {false, true}) {
+    testing::TinyOptions o;
+    o.tie = tie;
+    auto m = testing::WriteTinyBloom(::colod::testing::TempPath(absl::StrCat("count_bloom_", tie)), o);
+    ASSERT_TRUE(m.ok()) << m.status();
+    int64_t written = 0;
+    for (const auto& [name, t] : m->tensors) written += t.numel();
+    EXPECT_EQ(*ParameterCount(m->config), written) << "bloom tie " << tie;
   }
 }
 
@@ -161,7 +182,7 @@ TEST(ModelConfig, ErrorsNameTheField) {
   for (const Case& c : std::vector<Case>{
            {"[]", "not a JSON object"},
            {R"({"vocab_size":3})", "model_type is missing"},
-           {R"({"model_type":"t5"})", "'t5' is not one of gpt2, llama, bert, opt"},
+           {R"({"model_type":"t5"})", "'t5' is not one of gpt2, llama, bert, opt, bloom"},
            {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":2})", "n_head is missing"},
            {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":"2","n_head":4})",
             "n_layer must be a positive integer"},
@@ -172,6 +193,10 @@ TEST(ModelConfig, ErrorsNameTheField) {
             "not divisible by num_key_value_heads 3"},
            {R"({"model_type":"opt","vocab_size":10,"hidden_size":16,"num_hidden_layers":2,"num_attention_heads":4})",
             "ffn_dim is missing"},
+           {R"({"model_type":"bloom","vocab_size":10,"n_embed":16,"n_layer":2})", "n_head is missing"},
+           {R"({"model_type":"bloom","vocab_size":10,"n_embed":16,"n_layer":2,"n_head":4,
+               "apply_residual_connection_post_layernorm":"no"})",
+            "apply_residual_connection_post_layernorm must be true or false"},
            {R"({"model_type":"opt","vocab_size":10,"hidden_size":16,"ffn_dim":32,"num_hidden_layers":2,
                "num_attention_heads":4,"word_embed_proj_dim":0})",
             "word_embed_proj_dim must be a positive integer"},
@@ -209,6 +234,11 @@ TEST(ModelConfig, ShardabilityNamesTheNumbers) {
   ASSERT_TRUE(opt.ok()) << opt.status();
   bad = CheckShardable(*opt, s);
   EXPECT_NE(bad.message().find("word_embed_proj_dim 33 must be divisible by q = 2"), absl::string_view::npos) << bad;
+  auto bloom = ParseModelConfig(R"({"model_type":"bloom","vocab_size":64,"n_embed":64,"n_layer":2,"n_head":4})");
+  ASSERT_TRUE(bloom.ok()) << bloom.status();
+  bad = CheckShardable(*bloom, s);
+  EXPECT_NE(bad.message().find("the bloom policy supports tensor_parallel_mode 1d only"), absl::string_view::npos)
+      << bad;
 }
 
 }  // namespace

@@ -14,6 +14,10 @@
 //          row-parallel, vocab-parallel embed_tokens and tied head;
 //          project_in/out replicated), sequence_parallel, 2d and 2.5d;
 //          pre- and post-norm layers, positions offset by 2.
+//   bloom  BloomForCausalLM: 1d (fused per-head query_key_value and
+//          dense_h_to_4h column-parallel, dense and dense_4h_to_h
+//          row-parallel, vocab-parallel word_embeddings and tied head; each
+//          rank's heads keep their ALiBi slopes), sequence_parallel.
 #ifndef COLOD_WORKER_SHARDFORMER_MODELS_H_
 #define COLOD_WORKER_SHARDFORMER_MODELS_H_
 
@@ -25,6 +29,7 @@ ModelFamily Gpt2Family();
 ModelFamily LlamaFamily();
 ModelFamily BertFamily();
 ModelFamily OptFamily();
+ModelFamily BloomFamily();
 
 }  // namespace colod::shardformer
 

@@ -53,6 +53,7 @@ ModelRegistry& ModelRegistry::Global() {
     r->Register("llama", LlamaFamily());
     r->Register("bert", BertFamily());
     r->Register("opt", OptFamily());
+    r->Register("bloom", BloomFamily());
     return r;
   }();
   return *registry;

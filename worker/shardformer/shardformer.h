@@ -100,7 +100,7 @@ struct ModelFamily {
 
 class ModelRegistry {
  public:
-  // Holds gpt2, llama, bert and opt.
+  // Holds gpt2, llama, bert, opt and bloom.
   static ModelRegistry& Global();
   // Adds or replaces the family of `model_type`.
   void Register(const std::string& model_type, ModelFamily family);

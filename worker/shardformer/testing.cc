@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <set>
@@ -230,6 +231,38 @@ absl::StatusOr<TinyModel> WriteTinyOpt(const std::string& dir, const TinyOptions
   return m;
 }
 
+absl::StatusOr<TinyModel> WriteTinyBloom(const std::string& dir, const TinyOptions& o) {
+  TinyModel m;
+  m.dir = dir;
+  const int64_t h = o.hidden;
+  const std::string config = absl::StrCat(
+      R"({"model_type": "bloom", "architectures": ["BloomForCausalLM"], "vocab_size": )", o.vocab,
+      R"(, "hidden_size": )", h, R"(, "n_layer": )", o.layers, R"(, "n_head": )", o.heads,
+      R"(, "layer_norm_epsilon": 1e-5, "apply_residual_connection_post_layernorm": )",
+      o.residual_post_norm ? "true" : "false", R"(, "pretraining_tp": 1, "slow_but_exact": false, "seq_length": )",
+      o.positions, R"(, "tie_word_embeddings": )", o.tie ? "true" : "false", "}");
+  ASSIGN_OR_RETURN(m.config, ParseModelConfig(config));
+  const std::string p = o.prefixed ? "transformer." : "";
+  Writer w{m, o.seed * 1000 + 300, {}};
+  RETURN_IF_ERROR(w.Add(p + "word_embeddings.weight", {o.vocab, h}, 0.5f));
+  RETURN_IF_ERROR(w.Norm(p + "word_embeddings_layernorm", h));
+  for (int64_t i = 0; i < o.layers; ++i) {
+    const std::string b = absl::StrCat(p, "h.", i, ".");
+    RETURN_IF_ERROR(w.Norm(b + "input_layernorm", h));
+    RETURN_IF_ERROR(w.Linear(b + "self_attention.query_key_value", h, 3 * h, 0.15f));
+    RETURN_IF_ERROR(w.Linear(b + "self_attention.dense", h, h, 0.1f));
+    RETURN_IF_ERROR(w.Norm(b + "post_attention_layernorm", h));
+    RETURN_IF_ERROR(w.Linear(b + "mlp.dense_h_to_4h", h, 4 * h, 0.1f));
+    RETURN_IF_ERROR(w.Linear(b + "mlp.dense_4h_to_h", 4 * h, h, 0.05f));
+  }
+  RETURN_IF_ERROR(w.Norm(p + "ln_f", h));
+  if (!o.tie) {
+    RETURN_IF_ERROR(w.Add("lm_head.weight", {o.vocab, h}, 0.3f));
+  }
+  RETURN_IF_ERROR(w.Write(config));
+  return m;
+}
+
 namespace {
 
 // Leaf Variables of a model's tensors, created on first use, and the layers
@@ -303,6 +336,17 @@ absl::StatusOr<double> NextTokenLossBackward(const Variable& logits, const Tenso
   ASSIGN_OR_RETURN(Variable loss, Scale(total, 1.0f / static_cast<float>(batch * (seq - 1))));
   RETURN_IF_ERROR(Backward(loss));
   return loss.value().ToFloats()[0];
+}
+
+// A causal LM's reference: its logits, the mean next-token loss
+// back-propagated, and every leaf's gradient.
+absl::StatusOr<Reference> NextTokenReference(const Variable& logits, const Tensor& ids, const Leaves& leaf) {
+  Reference r;
+  ASSIGN_OR_RETURN(r.loss, NextTokenLossBackward(logits, ids));
+  r.tokens = ids.shape()[0] * (ids.shape()[1] - 1);
+  r.logits = logits.value();
+  ASSIGN_OR_RETURN(r.grads, leaf.Grads());
+  return r;
 }
 
 }  // namespace
@@ -408,12 +452,7 @@ absl::StatusOr<Reference> ReferenceLlama(const TinyModel& m, const Tensor& ids) 
   ASSIGN_OR_RETURN(x, rms(x, p + "norm"));
   ASSIGN_OR_RETURN(Variable head, leaf(c.tie_word_embeddings ? p + "embed_tokens.weight" : "lm_head.weight"));
   ASSIGN_OR_RETURN(Variable logits, nn::Linear(x, head, std::nullopt));
-  Reference r;
-  ASSIGN_OR_RETURN(r.loss, NextTokenLossBackward(logits, ids));
-  r.tokens = batch * (seq - 1);
-  r.logits = logits.value();
-  ASSIGN_OR_RETURN(r.grads, leaf.Grads());
-  return r;
+  return NextTokenReference(logits, ids, leaf);
 }
 
 // OPTForCausalLM.forward as modeling_opt.py writes it: positions from the
@@ -483,12 +522,65 @@ absl::StatusOr<Reference> ReferenceOpt(const TinyModel& m, const Tensor& ids) {
   }
   ASSIGN_OR_RETURN(Variable head, leaf(c.tie_word_embeddings ? p + "embed_tokens.weight" : "lm_head.weight"));
   ASSIGN_OR_RETURN(Variable logits, nn::Linear(x, head, std::nullopt));
-  Reference r;
-  ASSIGN_OR_RETURN(r.loss, NextTokenLossBackward(logits, ids));
-  r.tokens = batch * (seq - 1);
-  r.logits = logits.value();
-  ASSIGN_OR_RETURN(r.grads, leaf.Grads());
-  return r;
+  return NextTokenReference(logits, ids, leaf);
+}
+
+// build_alibi_tensor's slopes, written from modeling_bloom.py.
+std::vector<float> BloomSlopes(int64_t heads) {
+  const int64_t closest = int64_t{1} << static_cast<int>(std::floor(std::log2(static_cast<double>(heads))));
+  const double base = std::pow(2.0, -std::pow(2.0, -(std::log2(static_cast<double>(closest)) - 3)));
+  std::vector<float> slopes;
+  for (int64_t k = 1; k <= closest; ++k) slopes.push_back(static_cast<float>(std::pow(base, k)));
+  if (closest != heads) {
+    const double extra = std::pow(2.0, -std::pow(2.0, -(std::log2(2.0 * closest) - 3)));
+    const int64_t remaining = std::min(closest, heads - closest);
+    for (int64_t k = 1; k < 1 + 2 * remaining; k += 2) slopes.push_back(static_cast<float>(std::pow(extra, k)));
+  }
+  return slopes;
+}
+
+// BloomForCausalLM.forward as modeling_bloom.py writes it: per-head fused
+// q/k/v ([B, S, heads, 3, head_dim]), ALiBi slopes from build_alibi_tensor,
+// the residual before the LayerNorms unless
+// apply_residual_connection_post_layernorm.
+absl::StatusOr<Reference> ReferenceBloom(const TinyModel& m, const Tensor& ids) {
+  const ModelConfig& c = m.config;
+  const std::string p = m.tensors.count("word_embeddings.weight") ? "" : "transformer.";
+  Leaves leaf(m);
+  const int64_t batch = ids.shape()[0], seq = ids.shape()[1], h = c.hidden_size, nh = c.num_heads,
+                d = c.head_dim();
+  auto linear = [&](const Variable& x, const std::string& name) { return leaf.Linear(x, name); };
+  auto norm = [&](const Variable& x, const std::string& name) { return leaf.LayerNorm(x, name, c.norm_eps); };
+  const std::vector<float> slopes = BloomSlopes(nh);
+  ASSIGN_OR_RETURN(Variable words, leaf(p + "word_embeddings.weight"));
+  ASSIGN_OR_RETURN(Variable x, nn::Embedding(words, ids));
+  ASSIGN_OR_RETURN(x, norm(x, p + "word_embeddings_layernorm"));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string b = absl::StrCat(p, "h.", l, ".");
+    ASSIGN_OR_RETURN(Variable ln, norm(x, b + "input_layernorm"));
+    const Variable residual = c.residual_post_norm ? ln : x;
+    ASSIGN_OR_RETURN(Variable fused, linear(ln, b + "self_attention.query_key_value"));
+    ASSIGN_OR_RETURN(fused, nn::Reshape(fused, {batch, seq, nh, 3, d}));
+    Variable qkv[3];
+    for (int i = 0; i < 3; ++i) {
+      ASSIGN_OR_RETURN(Variable part, nn::Narrow(fused, 3, i, 1));
+      ASSIGN_OR_RETURN(qkv[i], nn::Reshape(part, {batch, seq, nh, d}));
+    }
+    ASSIGN_OR_RETURN(Variable att, nn::AlibiAttention(qkv[0], qkv[1], qkv[2], 1.0f / std::sqrt(float(d)), slopes));
+    ASSIGN_OR_RETURN(att, nn::Reshape(att, {batch, seq, h}));
+    ASSIGN_OR_RETURN(Variable dense, linear(att, b + "self_attention.dense"));
+    ASSIGN_OR_RETURN(Variable attn_out, Add(dense, residual));
+    ASSIGN_OR_RETURN(Variable ln2, norm(attn_out, b + "post_attention_layernorm"));
+    const Variable residual2 = c.residual_post_norm ? ln2 : attn_out;
+    ASSIGN_OR_RETURN(Variable inner, linear(ln2, b + "mlp.dense_h_to_4h"));
+    ASSIGN_OR_RETURN(inner, nn::Gelu(inner, ops::GeluApprox::kTanh));
+    ASSIGN_OR_RETURN(Variable out, linear(inner, b + "mlp.dense_4h_to_h"));
+    ASSIGN_OR_RETURN(x, Add(out, residual2));
+  }
+  ASSIGN_OR_RETURN(x, norm(x, p + "ln_f"));
+  ASSIGN_OR_RETURN(Variable head, leaf(c.tie_word_embeddings ? p + "word_embeddings.weight" : "lm_head.weight"));
+  ASSIGN_OR_RETURN(Variable logits, nn::Linear(x, head, std::nullopt));
+  return NextTokenReference(logits, ids, leaf);
 }
 
 absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& m, const Tensor& ids) {
@@ -529,12 +621,7 @@ absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& m, const Tensor& ids) {
   }
   ASSIGN_OR_RETURN(x, norm(x, p + "ln_f"));
   ASSIGN_OR_RETURN(Variable logits, nn::Linear(x, wte, std::nullopt));  // tied head
-  Reference r;
-  ASSIGN_OR_RETURN(r.loss, NextTokenLossBackward(logits, ids));
-  r.tokens = batch * (seq - 1);
-  r.logits = logits.value();
-  ASSIGN_OR_RETURN(r.grads, leaf.Grads());
-  return r;
+  return NextTokenReference(logits, ids, leaf);
 }
 
 void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref, const ShardConfig& shard,

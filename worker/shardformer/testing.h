@@ -36,6 +36,8 @@ struct TinyOptions {
   bool pre_norm = true;
   int64_t embed_dim = 0;
   std::string activation = "relu";
+  // BLOOM: apply_residual_connection_post_layernorm.
+  bool residual_post_norm = false;
 };
 
 struct TinyModel {
@@ -58,6 +60,10 @@ absl::StatusOr<TinyModel> WriteTinyBert(const std::string& dir, const TinyOption
 // OPTForCausalLM (names with "model.decoder.", or "decoder." unprefixed).
 absl::StatusOr<TinyModel> WriteTinyOpt(const std::string& dir, const TinyOptions& options = {});
 
+// Creates `dir` with config.json and model.safetensors of a random
+// BloomForCausalLM (names with "transformer.", or bare).
+absl::StatusOr<TinyModel> WriteTinyBloom(const std::string& dir, const TinyOptions& options = {});
+
 // The unsharded model's results for int64 ids [B, S].
 struct Reference {
   Tensor logits;                          // [B, S, V]
@@ -69,6 +75,7 @@ struct Reference {
 absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& model, const Tensor& ids);
 absl::StatusOr<Reference> ReferenceLlama(const TinyModel& model, const Tensor& ids);
 absl::StatusOr<Reference> ReferenceOpt(const TinyModel& model, const Tensor& ids);
+absl::StatusOr<Reference> ReferenceBloom(const TinyModel& model, const Tensor& ids);
 // The masked-LM loss against `labels` [B, S] (-100 where nothing is predicted).
 absl::StatusOr<Reference> ReferenceBert(const TinyModel& model, const Tensor& ids, const Tensor& labels);
 

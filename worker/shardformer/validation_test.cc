@@ -84,6 +84,23 @@ TEST(Validation, OptsLayoutsAndTensors) {
   ExpectInvalid(LoadAsRank0(odd->dir, Layout(4, v1::TENSOR_PARALLEL_MODE_2D)), "word_embed_proj_dim 33");
 }
 
+TEST(Validation, BloomsLayoutsAndTensors) {
+  testing::TinyOptions o;
+  o.heads = 6;  // hidden 48: tp = 4 does not divide the heads
+  o.hidden = 48;
+  o.tie = true;
+  auto bloom = testing::WriteTinyBloom(TempPath("v_bloom"), o);
+  ASSERT_TRUE(bloom.ok()) << bloom.status();
+  ExpectInvalid(LoadAsRank0(bloom->dir, Layout(4, v1::TENSOR_PARALLEL_MODE_1D)), "6 attention heads");
+  ExpectInvalid(LoadAsRank0(bloom->dir, Layout(4, v1::TENSOR_PARALLEL_MODE_2D)), "the bloom policy supports");
+  // q | k | v laid out as GPT-2's [3, heads * head_dim] would be the same size: only a wrong shape is caught.
+  EditTensors(*bloom, [](auto& t) { t["transformer.h.1.self_attention.query_key_value.weight"] =
+                                        *Tensor::Zeros({48, 48}, DType::kF32); });
+  const absl::Status s = LoadAsRank0(bloom->dir, Layout(2, v1::TENSOR_PARALLEL_MODE_1D));
+  ExpectInvalid(s, "transformer.h.1.self_attention.query_key_value.weight");
+  ExpectInvalid(s, "[144, 48]");
+}
+
 TEST(Validation, AnUnknownModelType) {
   auto gpt2 = testing::WriteTinyGpt2(TempPath("v_t5"));
   ASSERT_TRUE(gpt2.ok());
@@ -91,7 +108,7 @@ TEST(Validation, AnUnknownModelType) {
   const absl::Status s = LoadAsRank0(gpt2->dir, Layout(2, v1::TENSOR_PARALLEL_MODE_1D));
   ExpectInvalid(s, "'t5'");
   ExpectInvalid(s, "model_type");
-  ExpectInvalid(s, "known: bert, gpt2, llama, opt");
+  ExpectInvalid(s, "known: bert, bloom, gpt2, llama, opt");
 }
 
 TEST(Validation, MissingAndMisshapedTensorsAreNamed) {
