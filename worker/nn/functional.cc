@@ -391,6 +391,22 @@ absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const V
   return PerHeadAttention(q, k, v, scale, causal);
 }
 
+absl::StatusOr<Tensor> ImagePatches(const Tensor& images, int64_t patch) {
+  const Shape& s = images.shape();
+  if (s.size() != 4 || patch < 1 || s[2] % patch != 0 || s[3] % patch != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("images ", ShapeToString(s), " do not split into ", patch, " x ",
+                                                   patch, " patches ([batch, channels, height, width] with height "
+                                                   "and width multiples of the patch size)"));
+  }
+  const int64_t b = s[0], c = s[1], hp = s[2] / patch, wp = s[3] / patch;
+  // [B, C, Hp, P, Wp, P] -> [B, Hp, Wp, C, P, P], as views, then one copy.
+  ASSIGN_OR_RETURN(Tensor t, images.Contiguous().Reshape({b, c, hp, patch, wp, patch}));
+  ASSIGN_OR_RETURN(t, t.Transpose(1, 2));  // [B, Hp, C, P, Wp, P]
+  ASSIGN_OR_RETURN(t, t.Transpose(2, 4));  // [B, Hp, Wp, P, C, P]
+  ASSIGN_OR_RETURN(t, t.Transpose(3, 4));  // [B, Hp, Wp, C, P, P]
+  return t.Contiguous().Reshape({b, hp * wp, c * patch * patch});
+}
+
 std::vector<float> AlibiSlopes(int64_t heads) {
   std::vector<float> slopes;
   if (heads < 1) return slopes;

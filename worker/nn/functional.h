@@ -93,6 +93,15 @@ enum class AttentionImpl { kAuto, kFused, kPerHead };
 absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const Variable& v, float scale, bool causal,
                                    AttentionImpl impl = AttentionImpl::kAuto);
 
+// The non-overlapping patch x patch squares of images [B, C, H, W] as rows
+// [B, (H / patch) * (W / patch), C * patch * patch]: patches in row-major
+// order over the image (the order of a Conv2d's output flattened, ViT's
+// sequence), each flattened as (channel, row, column), the layout of a
+// Conv2d weight [out, C, patch, patch]; so a Conv2d with kernel = stride =
+// patch is a Linear on these rows. INVALID_ARGUMENT unless H and W divide by
+// patch. A copy on x's device (no gradient: images are inputs).
+absl::StatusOr<Tensor> ImagePatches(const Tensor& images, int64_t patch);
+
 // ALiBi (Press et al., "Train Short, Test Long", 2022; BLOOM): the head
 // slopes of a model with `heads` heads, as transformers' build_alibi_tensor
 // makes them: for the largest power of two n <= heads, 2^(-8k/n) for k = 1..n,

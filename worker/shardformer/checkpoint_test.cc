@@ -169,6 +169,21 @@ TEST(Checkpoint, BloomConsolidatesAndReloadsAtAnotherLayout) {
   testing::ExpectShardedMatchesReference(reloaded, *ref, Layout(1, 1, v1::TENSOR_PARALLEL_MODE_1D), ids, 2e-4);
 }
 
+// ViT's tensors of more than two dims (the Conv2d weight, cls_token,
+// position_embeddings) through a tp = 2 checkpoint and consolidation.
+TEST(Checkpoint, VitConsolidatesWithItsFourDimensionalWeights) {
+  testing::TinyOptions o;
+  auto vit = testing::WriteTinyVit(TempPath("ck_vit"), o);
+  ASSERT_TRUE(vit.ok()) << vit.status();
+  Save(vit->dir, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D), TempPath("ck_vit_sharded"));
+  const nlohmann::json index = Index(TempPath("ck_vit_sharded"));
+  EXPECT_EQ(index["tensors"]["vit.embeddings.patch_embeddings.projection.weight"]["global_shape"],
+            nlohmann::json::array({64, 3, 4, 4}));
+  EXPECT_EQ(index["tensors"]["vit.embeddings.cls_token"]["global_shape"], nlohmann::json::array({1, 1, 64}));
+  ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ck_vit_sharded"), TempPath("ck_vit_hf")).ok());
+  ExpectSameTensors(TempPath("ck_vit_hf"), *vit);
+}
+
 TEST(Checkpoint, SavesTheCurrentValuesNotTheSource) {
   auto model = testing::WriteTinyGpt2(TempPath("ck3_gpt2"));
   ASSERT_TRUE(model.ok()) << model.status();

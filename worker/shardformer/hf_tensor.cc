@@ -44,6 +44,16 @@ HfReader MemoryReader(const Tensor& t) {
 absl::StatusOr<Tensor> ReadLayerBlock(const HfTensor& hf, const Shape& layer_shape, const std::vector<int64_t>& starts,
                                       const std::vector<int64_t>& lengths, const HfReader& read) {
   const int64_t nd = static_cast<int64_t>(layer_shape.size());
+  if (hf.shape.size() > 2) {
+    // A tensor of more dims (a Conv2d weight, ViT's cls_token) is held as stored.
+    if (layer_shape != hf.shape || hf.transpose || hf.narrow_dim >= 0 || hf.valid_rows >= 0 ||
+        starts.size() != hf.shape.size() || lengths.size() != hf.shape.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot map a ", ShapeToString(layer_shape),
+                                                     " layer tensor onto ", hf.name, " ", ShapeToString(hf.shape)));
+    }
+    ASSIGN_OR_RETURN(Tensor t, read(starts, lengths));
+    return t.dtype() == DType::kF32 ? t : t.ToDType(DType::kF32);
+  }
   const bool matrix = hf.shape.size() == 2;
   if ((!matrix && hf.shape.size() != 1) || nd < (matrix ? 2 : 1) ||
       static_cast<int64_t>(starts.size()) != nd || static_cast<int64_t>(lengths.size()) != nd) {
@@ -122,6 +132,7 @@ absl::StatusOr<ColoParameter> LoadParameter(const HfTensor& hf, const Shape& lay
 
 absl::StatusOr<Tensor> LayerToHf(const HfTensor& hf, const Tensor& layer_global) {
   Tensor t = layer_global.Contiguous();
+  if (hf.shape.size() > 2) return t;  // held as stored (ReadLayerBlock)
   if (hf.shape.size() == 1) {
     ASSIGN_OR_RETURN(t, t.Reshape({t.numel()}));
     if (hf.valid_rows >= 0) {

@@ -8,7 +8,8 @@
 // with its leading dims flattened ([F, last], or [N] for a 1-D checkpoint
 // tensor), is the checkpoint tensor's slice along `narrow_dim` from
 // `narrow_start`, transposed when `transpose`, padded with zero rows from
-// `valid_rows` on.
+// `valid_rows` on. A checkpoint tensor of more than two dims (a Conv2d
+// weight) is held as it is stored.
 //
 // Each rank reads only the block it owns (ReadLayerBlock), and a gathered
 // layer tensor converts back for consolidation (LayerToHf, PlaceInHf).

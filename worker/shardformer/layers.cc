@@ -93,7 +93,7 @@ absl::Status NoShardedLastDim(const ColoTensor& x, const std::string& layer) {
 HfTensor WeightTensor(const LayerDecl& d) {
   using Kind = LayerDecl::Kind;
   HfTensor hf;
-  hf.name = absl::StrCat(d.prefix, d.kind == Kind::kBias ? ".bias" : ".weight");
+  hf.name = d.kind == Kind::kParameter ? d.prefix : absl::StrCat(d.prefix, d.kind == Kind::kBias ? ".bias" : ".weight");
   switch (d.kind) {
     case Kind::kLinear: hf.shape = {d.out, d.in}; break;
     case Kind::kConv1D: hf.shape = {d.in, d.out}; break;
@@ -101,13 +101,18 @@ HfTensor WeightTensor(const LayerDecl& d) {
     case Kind::kLayerNorm:
     case Kind::kRmsNorm:
     case Kind::kBias: hf.shape = {d.out}; break;
+    case Kind::kParameter:
+    case Kind::kPatchEmbedding: hf.shape = d.shape; break;
   }
   return hf;
 }
 
 std::optional<HfTensor> BiasTensor(const LayerDecl& d) {
   using Kind = LayerDecl::Kind;
-  if (!d.bias || d.kind == Kind::kEmbedding || d.kind == Kind::kRmsNorm || d.kind == Kind::kBias) return std::nullopt;
+  if (!d.bias || d.kind == Kind::kEmbedding || d.kind == Kind::kRmsNorm || d.kind == Kind::kBias ||
+      d.kind == Kind::kParameter) {
+    return std::nullopt;
+  }
   HfTensor hf;
   hf.name = absl::StrCat(d.prefix, ".bias");
   hf.shape = {d.out};

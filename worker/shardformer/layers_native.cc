@@ -109,8 +109,71 @@ class NativeNorm : public Layer {
   float eps_;
 };
 
+// A bare parameter (ViT's cls_token, position_embeddings): its forward
+// returns it, replicated, whatever it is given.
+class NativeParameter : public Layer {
+ public:
+  explicit NativeParameter(BoundParam p) : p_(std::move(p)) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c) {
+    RETURN_IF_ERROR(Expect(d.kind == Kind::kParameter && !d.shape.empty(), d, "native Parameter"));
+    ASSIGN_OR_RETURN(BoundParam p, Load(c, "", WeightTensor(d), d.shape, DistSpec()));
+    return LayerPtr(new NativeParameter(std::move(p)));
+  }
+  std::string type() const override { return "native Parameter"; }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
+    return ColoTensor::FromLocal(p_.param.variable(), DistSpec(), x.process_group());
+  }
+  absl::StatusOr<DistSpec> InputSpec(int64_t) const override { return DistSpec(); }
+  std::vector<BoundParam> Params() override { return {p_}; }
+
+ private:
+  BoundParam p_;
+};
+
+// A Conv2d with kernel = stride = patch (ViT's patch embedding) as a Linear
+// over the flattened patches: images [B, C, H, W] in, [B, patches, out] out.
+class NativePatchEmbedding : public Layer {
+ public:
+  NativePatchEmbedding(WeightAndBias p, int64_t patch) : p_(std::move(p)), patch_(patch) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c) {
+    RETURN_IF_ERROR(Expect(d.kind == Kind::kPatchEmbedding && d.shape.size() == 4 && d.shape[2] == d.shape[3] &&
+                               d.shape[0] == d.out && d.shape[1] * d.shape[2] * d.shape[3] == d.in,
+                           d, "native PatchEmbedding"));
+    WeightAndBiasLayout layout;
+    layout.weight_shape = d.shape;
+    layout.bias_shape = {d.out};
+    ASSIGN_OR_RETURN(WeightAndBias p, LoadWeightAndBias(d, c, layout));
+    return LayerPtr(new NativePatchEmbedding(std::move(p), d.shape[2]));
+  }
+  std::string type() const override { return "native PatchEmbedding"; }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& images) override {
+    RETURN_IF_ERROR(NoShardedLastDim(images, type()));
+    const Shape& w = p_.weight.param.global_shape();
+    if (images.local().dim() != 4 || images.local().shape()[1] != w[1]) {
+      return absl::InvalidArgumentError(absl::StrCat("pixel values must be [batch, ", w[1], ", height, width], got ",
+                                                     ShapeToString(images.local().shape())));
+    }
+    ASSIGN_OR_RETURN(Tensor patches, nn::ImagePatches(images.local(), patch_));
+    ASSIGN_OR_RETURN(patches, patches.ToDType(p_.weight.param.local().dtype()));
+    // The Conv2d weight [out, C, P, P] read as [out, C * P * P] (a view on the tape).
+    ASSIGN_OR_RETURN(Variable flat, nn::Reshape(p_.weight.param.variable(), {w[0], w[1] * w[2] * w[3]}));
+    std::optional<Variable> b;
+    if (p_.bias.has_value()) b = p_.bias->param.variable();
+    ASSIGN_OR_RETURN(Variable y, nn::Linear(Variable(patches), flat, b));
+    return ColoTensor::FromLocal(y, images.spec(), images.process_group());
+  }
+  absl::StatusOr<DistSpec> InputSpec(int64_t) const override { return DistSpec(); }
+  std::vector<BoundParam> Params() override { return p_.list(); }
+
+ private:
+  WeightAndBias p_;
+  int64_t patch_;
+};
+
 absl::StatusOr<LayerPtr> CreateNative(const LayerDecl& d, const LayerContext& c) {
   if (d.kind == Kind::kBias) return CreateBias(d, c, /*vocab_parallel=*/false);
+  if (d.kind == Kind::kParameter) return NativeParameter::Create(d, c);
+  if (d.kind == Kind::kPatchEmbedding) return NativePatchEmbedding::Create(d, c);
   if (IsMatrix(d)) return NativeLinear::Create(d, c);
   if (d.kind == Kind::kEmbedding) return NativeEmbedding::Create(d, c);
   return NativeNorm::Create(d, c);

@@ -139,8 +139,35 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     // projections in slices, not what they compute: both are ignored.
     c.activation = "gelu_tanh";  // BloomGelu
     c.num_kv_heads = c.num_heads;
+  } else if (c.model_type == "vit") {
+    ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "hidden_size"));
+    ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_hidden_layers"));
+    ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_attention_heads"));
+    ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "intermediate_size"));
+    ASSIGN_OR_RETURN(c.image_size, Int(j, what, "image_size", 224));
+    ASSIGN_OR_RETURN(c.patch_size, Int(j, what, "patch_size", 16));
+    ASSIGN_OR_RETURN(c.num_channels, Int(j, what, "num_channels", 3));
+    ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_eps", 1e-12));
+    ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "gelu"));
+    ASSIGN_OR_RETURN(c.linear_bias, Bool(j, what, "qkv_bias", true));
+    // The labels: num_labels, or as many as id2label names (transformers'
+    // PretrainedConfig), 2 without either.
+    int64_t labels = 2;
+    if (j.contains("id2label") && j["id2label"].is_object() && !j["id2label"].empty()) {
+      labels = static_cast<int64_t>(j["id2label"].size());
+    }
+    ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "num_labels", labels));
+    if (c.image_size % c.patch_size != 0) {
+      return Field(what, "image_size", absl::StrCat(c.image_size, " is not a multiple of patch_size ", c.patch_size));
+    }
+    if (c.image_size > (int64_t{1} << 20)) return Field(what, "image_size", "must be at most 1048576");
+    const int64_t side = c.image_size / c.patch_size;
+    c.max_positions = side * side + 1;  // the patches and the CLS token
+    c.num_kv_heads = c.num_heads;
+    c.tie_word_embeddings = false;
   } else {
-    return Field(what, "model_type", absl::StrCat("'", c.model_type, "' is not one of gpt2, llama, bert, opt, bloom"));
+    return Field(what, "model_type",
+                 absl::StrCat("'", c.model_type, "' is not one of gpt2, llama, bert, opt, bloom, vit"));
   }
   if (c.embed_dim == 0) c.embed_dim = c.hidden_size;
   if (c.hidden_size % c.num_heads != 0) {
@@ -276,6 +303,25 @@ absl::StatusOr<int64_t> ParameterCount(const ModelConfig& c) {
     model.Add(layer);
     model.Add({2, h});  // ln_f
     if (!c.tie_word_embeddings) model.Add({v, h});
+  } else if (c.model_type == "vit") {
+    const int64_t bias = c.linear_bias ? 1 : 0;
+    layer.Add({2, 2, h});     // layernorm_before, layernorm_after
+    layer.Add({3, h, h});     // query, key, value
+    layer.Add({bias, 3, h});  // their biases (qkv_bias)
+    layer.Add({h, h});        // attention.output.dense
+    layer.Add({h});
+    layer.Add({2, h, f});  // intermediate.dense, output.dense
+    layer.Add({f});
+    layer.Add({h});
+    layer.Times(c.num_layers);
+    model.Add({h});  // cls_token
+    model.Add({p, h});  // position_embeddings: the patches and the CLS token
+    model.Add({h, c.num_channels, c.patch_size, c.patch_size});  // the patch projection
+    model.Add({h});
+    model.Add(layer);
+    model.Add({2, h});  // layernorm
+    model.Add({v, h});  // classifier
+    model.Add({v});
   } else {
     return absl::InvalidArgumentError(absl::StrCat("no parameter count for model_type '", c.model_type, "'"));
   }
@@ -342,7 +388,7 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
     case v1::TENSOR_PARALLEL_MODE_2D:
     case v1::TENSOR_PARALLEL_MODE_2P5D:
     case v1::TENSOR_PARALLEL_MODE_3D: {
-      if (config.model_type == "bert" || config.model_type == "bloom") {
+      if (config.model_type == "bert" || config.model_type == "bloom" || config.model_type == "vit") {
         return absl::InvalidArgumentError(
             absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d only"));
       }

@@ -1,5 +1,5 @@
 // A Hugging Face `config.json`, normalized across the model families colod
-// shards (GPT-2, LLaMA, BERT, OPT, BLOOM), and the checks a ShardConfig must pass for it.
+// shards (GPT-2, LLaMA, BERT, OPT, BLOOM, ViT), and the checks a ShardConfig must pass for it.
 //
 // Thread-safety: a value type.
 #ifndef COLOD_WORKER_SHARDFORMER_MODEL_CONFIG_H_
@@ -13,8 +13,8 @@
 namespace colod::shardformer {
 
 struct ModelConfig {
-  std::string model_type;  // "gpt2", "llama", "bert", "opt" or "bloom"
-  int64_t vocab_size = 0;
+  std::string model_type;  // "gpt2", "llama", "bert", "opt", "bloom" or "vit"
+  int64_t vocab_size = 0;  // the logits' last dim: the vocabulary, or ViT's num_labels
   int64_t hidden_size = 0;
   int64_t num_layers = 0;
   int64_t num_heads = 0;
@@ -40,9 +40,17 @@ struct ModelConfig {
   // BLOOM: the residuals around attention and MLP are the LayerNorms'
   // outputs rather than their inputs (apply_residual_connection_post_layernorm).
   bool residual_post_norm = false;
+  // ViT: square images of image_size pixels and num_channels channels, cut
+  // into patch_size squares; (image_size / patch_size)^2 patches and the
+  // CLS token make the sequence (max_positions).
+  int64_t image_size = 0;
+  int64_t patch_size = 0;
+  int64_t num_channels = 0;
   std::string json;  // the config.json text it was parsed from
 
   int64_t head_dim() const { return num_heads == 0 ? 0 : hidden_size / num_heads; }
+  // Whether the model reads images [B, C, H, W] (ViT) rather than token ids.
+  bool takes_images() const { return image_size > 0; }
 };
 
 // The most layers a config may declare: far deeper than any published model

@@ -76,6 +76,19 @@ TEST(ModelConfig, ParameterCountsMatchThePublishedModels) {
   EXPECT_EQ(bloom->intermediate_size, 4096);
   EXPECT_EQ(bloom->num_heads, 16);
   EXPECT_TRUE(bloom->tie_word_embeddings);
+  // google/vit-base-patch16-224: 1000 ImageNet labels (its id2label, abridged
+  // here to num_labels).
+  auto vit = ParseModelConfig(R"({"model_type":"vit","hidden_size":768,"num_hidden_layers":12,
+      "num_attention_heads":12,"intermediate_size":3072,"hidden_act":"gelu","layer_norm_eps":1e-12,
+      "image_size":224,"patch_size":16,"num_channels":3,"qkv_bias":true,"num_labels":1000})");
+  ASSERT_TRUE(vit.ok()) << vit.status();
+  EXPECT_EQ(*ParameterCount(*vit), 86567656);
+  EXPECT_EQ(vit->max_positions, 197);
+  EXPECT_TRUE(vit->takes_images());
+  auto labelled = ParseModelConfig(R"({"model_type":"vit","hidden_size":64,"num_hidden_layers":1,
+      "num_attention_heads":4,"intermediate_size":96,"id2label":{"0":"cat","1":"dog","2":"bird"}})");
+  ASSERT_TRUE(labelled.ok()) << labelled.status();
+  EXPECT_EQ(labelled->vocab_size, 3);  // the labels id2label names
 }
 
 TEST(ModelConfig, ParameterCountsMatchTheTensorsOfWrittenModels) {
@@ -102,6 +115,13 @@ TEST(ModelConfig, ParameterCountsMatchTheTensorsOfWrittenModels) {
       for (const auto& [name, t] : m->tensors) written += t.numel();
       EXPECT_EQ(*ParameterCount(m->config), written) << "pre_norm " << pre_norm << " tie " << tie;
     }
+  }
+  {
+    auto m = testing::WriteTinyVit(::colod::testing::TempPath("count_vit"));
+    ASSERT_TRUE(m.ok()) << m.status();
+    int64_t written = 0;
+    for (const auto& [name, t] : m->tensors) written += t.numel();
+    EXPECT_EQ(*ParameterCount(m->config), written) << "vit";
   }
   for (bool tie : {false, true}) {
     testing::TinyOptions o;
@@ -182,7 +202,7 @@ TEST(ModelConfig, ErrorsNameTheField) {
   for (const Case& c : std::vector<Case>{
            {"[]", "not a JSON object"},
            {R"({"vocab_size":3})", "model_type is missing"},
-           {R"({"model_type":"t5"})", "'t5' is not one of gpt2, llama, bert, opt, bloom"},
+           {R"({"model_type":"t5"})", "'t5' is not one of gpt2, llama, bert, opt, bloom, vit"},
            {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":2})", "n_head is missing"},
            {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":"2","n_head":4})",
             "n_layer must be a positive integer"},
@@ -194,6 +214,12 @@ TEST(ModelConfig, ErrorsNameTheField) {
            {R"({"model_type":"opt","vocab_size":10,"hidden_size":16,"num_hidden_layers":2,"num_attention_heads":4})",
             "ffn_dim is missing"},
            {R"({"model_type":"bloom","vocab_size":10,"n_embed":16,"n_layer":2})", "n_head is missing"},
+           {R"({"model_type":"vit","hidden_size":16,"num_hidden_layers":1,"num_attention_heads":4,
+               "intermediate_size":32,"image_size":30,"patch_size":16})",
+            "image_size 30 is not a multiple of patch_size 16"},
+           {R"({"model_type":"vit","hidden_size":16,"num_hidden_layers":1,"num_attention_heads":4,
+               "intermediate_size":32,"image_size":[224, 224]})",
+            "image_size must be a positive integer"},
            {R"({"model_type":"bloom","vocab_size":10,"n_embed":16,"n_layer":2,"n_head":4,
                "apply_residual_connection_post_layernorm":"no"})",
             "apply_residual_connection_post_layernorm must be true or false"},

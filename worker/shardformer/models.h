@@ -18,6 +18,10 @@
 //          dense_h_to_4h column-parallel, dense and dense_4h_to_h
 //          row-parallel, vocab-parallel word_embeddings and tied head; each
 //          rank's heads keep their ALiBi slopes), sequence_parallel.
+//   vit    ViTForImageClassification: 1d (query/key/value and
+//          intermediate.dense column-parallel, attention.output.dense and
+//          output.dense row-parallel; patch embedding, CLS token, positions
+//          and classifier replicated). Reads images, gives [B, 1, labels].
 #ifndef COLOD_WORKER_SHARDFORMER_MODELS_H_
 #define COLOD_WORKER_SHARDFORMER_MODELS_H_
 
@@ -30,6 +34,7 @@ ModelFamily LlamaFamily();
 ModelFamily BertFamily();
 ModelFamily OptFamily();
 ModelFamily BloomFamily();
+ModelFamily VitFamily();
 
 }  // namespace colod::shardformer
 

@@ -16,6 +16,8 @@ const char* KindName(LayerDecl::Kind kind) {
     case LayerDecl::Kind::kLayerNorm: return "LayerNorm";
     case LayerDecl::Kind::kRmsNorm: return "RMSNorm";
     case LayerDecl::Kind::kBias: return "Bias";
+    case LayerDecl::Kind::kParameter: return "Parameter";
+    case LayerDecl::Kind::kPatchEmbedding: return "PatchEmbedding";
   }
   return "?";
 }

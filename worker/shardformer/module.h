@@ -32,8 +32,13 @@ namespace colod::shardformer {
 struct LayerDecl {
 
   // kBias: a vector added to the last dim (BERT's MLM decoder bias), named
-  // "<prefix>.bias".
-  enum class Kind { kLinear, kConv1D, kEmbedding, kLayerNorm, kRmsNorm, kBias };
+  // "<prefix>.bias". kParameter: a bare tensor of `shape` named `prefix`
+  // itself (ViT's cls_token and position_embeddings); its layer's forward
+  // returns it. kPatchEmbedding: a Conv2d whose kernel and stride are its
+  // patch size, weight [out, channels, patch, patch] (`shape`) and bias
+  // [out], computed as a linear over the flattened patches of images
+  // [B, channels, H, W] (nn::ImagePatches): [B, patches, out].
+  enum class Kind { kLinear, kConv1D, kEmbedding, kLayerNorm, kRmsNorm, kBias, kParameter, kPatchEmbedding };
   Kind kind = Kind::kLinear;
   std::string prefix;  // checkpoint name prefix: "transformer.h.0.attn.c_attn"
   // Linear/Conv1D: in and out features; Embedding: rows (in) and dim (out);
@@ -42,16 +47,18 @@ struct LayerDecl {
   bool bias = true;  // Linear/Conv1D bias; LayerNorm beta
   float eps = 1e-5f;
   std::string tied_to;  // an LM head sharing this embedding module's table
+  Shape shape;          // kParameter's and kPatchEmbedding's weight's
 
   static LayerDecl Of(Kind kind, std::string prefix, int64_t in, int64_t out, bool bias = true, float eps = 1e-5f);
 };
-// "Linear", "Conv1D", "Embedding", "LayerNorm", "RMSNorm", "Bias".
+// "Linear", "Conv1D", "Embedding", "LayerNorm", "RMSNorm", "Bias",
+// "Parameter", "PatchEmbedding".
 const char* KindName(LayerDecl::Kind kind);
 
 // A parameter of a layer and where it lives in the checkpoint.
 // The parameter is a handle sharing its tensor and gradient with the layer.
 struct BoundParam {
-  std::string name;  // in the layer: "weight", "bias"
+  std::string name;  // in the layer: "weight", "bias"; empty for a kParameter's tensor (named as its module)
   ColoParameter param;
   HfTensor hf;
 };

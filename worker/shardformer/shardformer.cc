@@ -54,6 +54,7 @@ ModelRegistry& ModelRegistry::Global() {
     r->Register("bert", BertFamily());
     r->Register("opt", OptFamily());
     r->Register("bloom", BloomFamily());
+    r->Register("vit", VitFamily());
     return r;
   }();
   return *registry;
@@ -137,6 +138,20 @@ absl::Status ModelSharder::Shard() {
 }
 
 absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids) {
+  if (config_.takes_images()) {
+    const Shape want = {ids.dim() > 0 ? ids.shape()[0] : 0, config_.num_channels, config_.image_size,
+                        config_.image_size};
+    const bool is_float = ids.dtype() == DType::kF32 || ids.dtype() == DType::kBF16 || ids.dtype() == DType::kF16;
+    if (ids.dim() != 4 || ids.shape() != want || !is_float) {
+      return absl::InvalidArgumentError(absl::StrCat("pixel values must be floats [batch, ", config_.num_channels, ", ",
+                                                     config_.image_size, ", ", config_.image_size, "], got ",
+                                                     DTypeName(ids.dtype()), " ", ShapeToString(ids.shape())));
+    }
+    ASSIGN_OR_RETURN(Tensor pixels, ids.ContiguousAs(DType::kF32));
+    ASSIGN_OR_RETURN(pixels, pixels.To(shard_.device));
+    ASSIGN_OR_RETURN(ColoTensor input, ColoTensor::FromLocal(pixels, DistSpec(), pg_));
+    return root_->Forward(input);
+  }
   if (ids.dim() != 2 || (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32)) {
     return absl::InvalidArgumentError(
         absl::StrCat("token ids must be integers [batch, seq], got ", ShapeToString(ids.shape())));
@@ -152,6 +167,14 @@ absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids) {
   ASSIGN_OR_RETURN(i64, i64.To(Device::Cpu()));
   ASSIGN_OR_RETURN(ColoTensor input, ColoTensor::FromLocal(i64, DistSpec(), pg_));
   return root_->Forward(input);
+}
+
+absl::StatusOr<LmLoss> ShardedModel::ClassificationLoss(const ColoTensor& logits, const Tensor& labels) {
+  if (labels.dim() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("labels must be [batch], got ", ShapeToString(labels.shape())));
+  }
+  ASSIGN_OR_RETURN(Tensor column, labels.Contiguous().Reshape({labels.shape()[0], 1}));
+  return TokenLoss(logits, column);
 }
 
 absl::StatusOr<LmLoss> ShardedModel::NextTokenLoss(const ColoTensor& logits, const Tensor& ids) {
@@ -260,7 +283,7 @@ std::vector<NamedParam> ShardedModel::Parameters() {
   for (auto& [path, m] : root_->Modules()) {
     if (m->layer() == nullptr) continue;
     for (BoundParam& b : m->layer()->Params()) {
-      out.push_back(NamedParam{path.empty() ? b.name : absl::StrCat(path, ".", b.name), b});
+      out.push_back(NamedParam{path.empty() ? b.name : b.name.empty() ? path : absl::StrCat(path, ".", b.name), b});
     }
   }
   return out;

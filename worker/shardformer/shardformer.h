@@ -100,7 +100,7 @@ struct ModelFamily {
 
 class ModelRegistry {
  public:
-  // Holds gpt2, llama, bert, opt and bloom.
+  // Holds gpt2, llama, bert, opt, bloom and vit.
   static ModelRegistry& Global();
   // Adds or replaces the family of `model_type`.
   void Register(const std::string& model_type, ModelFamily family);
@@ -157,8 +157,13 @@ class ShardedModel {
 
   // Logits for int64 token ids [B, S], the batch of this rank's dp replica
   // (the same on every rank of its tp group). INVALID_ARGUMENT for ids
-  // outside the vocabulary or longer than max positions.
+  // outside the vocabulary or longer than max positions. A model that takes
+  // images (ViT, ModelConfig::takes_images) reads float pixel values
+  // [B, channels, image_size, image_size] instead and gives [B, 1, labels].
   absl::StatusOr<ColoTensor> Forward(const Tensor& ids);
+  // The mean cross-entropy of an image classifier's logits [B, 1, labels]
+  // against integer labels [B] (-100: left out).
+  absl::StatusOr<LmLoss> ClassificationLoss(const ColoTensor& logits, const Tensor& labels);
   // Mean next-token cross-entropy of `logits` for `ids` (position s
   // predicts ids[s + 1]); collective over the ranks that split the batch.
   absl::StatusOr<LmLoss> NextTokenLoss(const ColoTensor& logits, const Tensor& ids);

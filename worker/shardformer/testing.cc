@@ -263,6 +263,48 @@ absl::StatusOr<TinyModel> WriteTinyBloom(const std::string& dir, const TinyOptio
   return m;
 }
 
+absl::StatusOr<TinyModel> WriteTinyVit(const std::string& dir, const TinyOptions& o) {
+  TinyModel m;
+  m.dir = dir;
+  const int64_t h = o.hidden, f = o.intermediate, n = (o.image / o.patch) * (o.image / o.patch);
+  const std::string config = absl::StrCat(
+      R"({"model_type": "vit", "architectures": ["ViTForImageClassification"], "hidden_size": )", h,
+      R"(, "num_hidden_layers": )", o.layers, R"(, "num_attention_heads": )", o.heads, R"(, "intermediate_size": )", f,
+      R"(, "image_size": )", o.image, R"(, "patch_size": )", o.patch, R"(, "num_channels": )", o.channels,
+      R"(, "num_labels": )", o.labels, R"(, "hidden_act": "gelu", "layer_norm_eps": 1e-12, "qkv_bias": true})");
+  ASSIGN_OR_RETURN(m.config, ParseModelConfig(config));
+  Writer w{m, o.seed * 1000 + 100, {}};
+  RETURN_IF_ERROR(w.Add("vit.embeddings.cls_token", {1, 1, h}, 0.5f));
+  RETURN_IF_ERROR(w.Add("vit.embeddings.position_embeddings", {1, n + 1, h}, 0.3f));
+  RETURN_IF_ERROR(w.Add("vit.embeddings.patch_embeddings.projection.weight", {h, o.channels, o.patch, o.patch}, 0.2f));
+  RETURN_IF_ERROR(w.Add("vit.embeddings.patch_embeddings.projection.bias", {h}, 0.1f));
+  for (int64_t i = 0; i < o.layers; ++i) {
+    const std::string b = absl::StrCat("vit.encoder.layer.", i, ".");
+    RETURN_IF_ERROR(w.Norm(b + "layernorm_before", h));
+    for (const char* name : {"query", "key", "value"}) {
+      RETURN_IF_ERROR(w.Linear(b + "attention.attention." + name, h, h, 0.15f));
+    }
+    RETURN_IF_ERROR(w.Linear(b + "attention.output.dense", h, h, 0.1f));
+    RETURN_IF_ERROR(w.Norm(b + "layernorm_after", h));
+    RETURN_IF_ERROR(w.Linear(b + "intermediate.dense", h, f, 0.15f));
+    RETURN_IF_ERROR(w.Linear(b + "output.dense", f, h, 0.1f));
+  }
+  RETURN_IF_ERROR(w.Norm("vit.layernorm", h));
+  RETURN_IF_ERROR(w.Linear("classifier", h, o.labels, 0.3f));
+  RETURN_IF_ERROR(w.Write(config));
+  return m;
+}
+
+Tensor PixelValues(int64_t batch, const TinyOptions& o, uint64_t salt) {
+  return *Tensor::RandomNormal({batch, o.channels, o.image, o.image}, 7000 + salt);
+}
+
+Tensor ImageLabels(int64_t batch, int64_t labels, uint64_t salt) {
+  std::vector<int64_t> v(batch);
+  for (int64_t i = 0; i < batch; ++i) v[i] = static_cast<int64_t>((i * 5 + salt * 3) % labels);
+  return *Tensor::FromInt64s({batch}, v);
+}
+
 namespace {
 
 // Leaf Variables of a model's tensors, created on first use, and the layers
@@ -338,6 +380,29 @@ absl::StatusOr<double> NextTokenLossBackward(const Variable& logits, const Tenso
   return loss.value().ToFloats()[0];
 }
 
+// The reference of logits [.., V] against integer labels (as many as the
+// logits' rows; -100 left out): the mean cross-entropy back-propagated, the
+// labels kept in the logits' leading shape.
+absl::StatusOr<Reference> LabelledReference(const Variable& logits, const Tensor& labels, const Leaves& leaf) {
+  const Shape& shape = logits.value().shape();
+  const int64_t vocab = shape.back(), rows = logits.value().numel() / vocab;
+  ASSIGN_OR_RETURN(Variable flat, nn::Reshape(logits, {rows, vocab}));
+  ASSIGN_OR_RETURN(Tensor flat_labels, labels.Contiguous().Reshape({rows}));
+  ASSIGN_OR_RETURN(Variable ce, nn::CrossEntropy(flat, flat_labels));
+  int64_t count = 0;
+  for (int64_t l : labels.ToInt64s()) count += l != -100;
+  ASSIGN_OR_RETURN(Variable total, Sum(ce));
+  ASSIGN_OR_RETURN(Variable loss, Scale(total, 1.0f / static_cast<float>(count)));
+  RETURN_IF_ERROR(Backward(loss));
+  Reference r;
+  r.loss = loss.value().ToFloats()[0];
+  r.logits = logits.value();
+  ASSIGN_OR_RETURN(r.labels, flat_labels.Reshape(Shape(shape.begin(), shape.end() - 1)));
+  r.tokens = count;
+  ASSIGN_OR_RETURN(r.grads, leaf.Grads());
+  return r;
+}
+
 // A causal LM's reference: its logits, the mean next-token loss
 // back-propagated, and every leaf's gradient.
 absl::StatusOr<Reference> NextTokenReference(const Variable& logits, const Tensor& ids, const Leaves& leaf) {
@@ -396,21 +461,7 @@ absl::StatusOr<Reference> ReferenceBert(const TinyModel& m, const Tensor& ids, c
   ASSIGN_OR_RETURN(t, norm(t, "cls.predictions.transform.LayerNorm"));
   ASSIGN_OR_RETURN(Variable bias, leaf("cls.predictions.bias"));
   ASSIGN_OR_RETURN(Variable logits, nn::Linear(t, words, bias));  // decoder tied to the word embeddings
-  ASSIGN_OR_RETURN(Variable flat, nn::Reshape(logits, {batch * seq, c.vocab_size}));
-  ASSIGN_OR_RETURN(Tensor flat_labels, labels.Reshape({batch * seq}));
-  ASSIGN_OR_RETURN(Variable ce, nn::CrossEntropy(flat, flat_labels));
-  int64_t count = 0;
-  for (int64_t l : labels.ToInt64s()) count += l != -100;
-  ASSIGN_OR_RETURN(Variable total, Sum(ce));
-  ASSIGN_OR_RETURN(Variable loss, Scale(total, 1.0f / static_cast<float>(count)));
-  RETURN_IF_ERROR(Backward(loss));
-  Reference r;
-  r.loss = loss.value().ToFloats()[0];
-  r.logits = logits.value();
-  r.labels = labels;
-  r.tokens = count;
-  ASSIGN_OR_RETURN(r.grads, leaf.Grads());
-  return r;
+  return LabelledReference(logits, labels, leaf);
 }
 
 absl::StatusOr<Reference> ReferenceLlama(const TinyModel& m, const Tensor& ids) {
@@ -581,6 +632,74 @@ absl::StatusOr<Reference> ReferenceBloom(const TinyModel& m, const Tensor& ids) 
   ASSIGN_OR_RETURN(Variable head, leaf(c.tie_word_embeddings ? p + "word_embeddings.weight" : "lm_head.weight"));
   ASSIGN_OR_RETURN(Variable logits, nn::Linear(x, head, std::nullopt));
   return NextTokenReference(logits, ids, leaf);
+}
+
+// ViTForImageClassification.forward as modeling_vit.py writes it. The
+// patches are cut by index arithmetic here (the model uses
+// nn::ImagePatches): patch (i, j) is token 1 + i * (W / P) + j, its
+// elements in the Conv2d weight's (channel, row, column) order.
+absl::StatusOr<Reference> ReferenceVit(const TinyModel& m, const Tensor& pixels, const Tensor& labels) {
+  const ModelConfig& c = m.config;
+  Leaves leaf(m);
+  const int64_t batch = pixels.shape()[0], ch = pixels.shape()[1], side = pixels.shape()[2], p = c.patch_size;
+  const int64_t per_side = side / p, n = per_side * per_side, h = c.hidden_size, nh = c.num_heads, d = c.head_dim();
+  const std::vector<float> px = pixels.ToFloats();
+  std::vector<float> rows(batch * n * ch * p * p);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < per_side; ++i) {
+      for (int64_t j = 0; j < per_side; ++j) {
+        for (int64_t k = 0; k < ch; ++k) {
+          for (int64_t y = 0; y < p; ++y) {
+            for (int64_t x = 0; x < p; ++x) {
+              const int64_t token = i * per_side + j, col = (k * p + y) * p + x;
+              rows[(b * n + token) * ch * p * p + col] =
+                  px[((b * ch + k) * side + i * p + y) * side + j * p + x];
+            }
+          }
+        }
+      }
+    }
+  }
+  ASSIGN_OR_RETURN(Tensor patches, Tensor::FromFloats({batch, n, ch * p * p}, rows));
+  ASSIGN_OR_RETURN(Variable conv, leaf("vit.embeddings.patch_embeddings.projection.weight"));
+  ASSIGN_OR_RETURN(Variable conv_bias, leaf("vit.embeddings.patch_embeddings.projection.bias"));
+  ASSIGN_OR_RETURN(Variable kernel, nn::Reshape(conv, {h, ch * p * p}));
+  ASSIGN_OR_RETURN(Variable embedded, nn::Linear(Variable(patches), kernel, conv_bias));
+  ASSIGN_OR_RETURN(Variable cls, leaf("vit.embeddings.cls_token"));
+  ASSIGN_OR_RETURN(Variable pos, leaf("vit.embeddings.position_embeddings"));
+  std::vector<Variable> images;  // each image: [CLS; patches] + positions
+  for (int64_t b = 0; b < batch; ++b) {
+    ASSIGN_OR_RETURN(Variable mine, nn::Narrow(embedded, 0, b, 1));
+    ASSIGN_OR_RETURN(Variable seq, nn::Cat({cls, mine}, 1));
+    ASSIGN_OR_RETURN(seq, Add(seq, pos));
+    images.push_back(seq);
+  }
+  ASSIGN_OR_RETURN(Variable x, nn::Cat(images, 0));
+  auto linear = [&](const Variable& v, const std::string& name) { return leaf.Linear(v, name); };
+  auto norm = [&](const Variable& v, const std::string& name) { return leaf.LayerNorm(v, name, c.norm_eps); };
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string b = absl::StrCat("vit.encoder.layer.", l, ".");
+    ASSIGN_OR_RETURN(Variable ln, norm(x, b + "layernorm_before"));
+    Variable qkv[3];
+    const char* names[] = {"query", "key", "value"};
+    for (int i = 0; i < 3; ++i) {
+      ASSIGN_OR_RETURN(Variable t, linear(ln, b + "attention.attention." + names[i]));
+      ASSIGN_OR_RETURN(qkv[i], nn::Reshape(t, {batch, n + 1, nh, d}));
+    }
+    ASSIGN_OR_RETURN(Variable ctx, nn::Attention(qkv[0], qkv[1], qkv[2], 1.0f / std::sqrt(float(d)), false));
+    ASSIGN_OR_RETURN(ctx, nn::Reshape(ctx, {batch, n + 1, h}));
+    ASSIGN_OR_RETURN(Variable a, linear(ctx, b + "attention.output.dense"));
+    ASSIGN_OR_RETURN(x, Add(a, x));
+    ASSIGN_OR_RETURN(Variable ln2, norm(x, b + "layernorm_after"));
+    ASSIGN_OR_RETURN(Variable inner, linear(ln2, b + "intermediate.dense"));
+    ASSIGN_OR_RETURN(inner, nn::Gelu(inner, ops::GeluApprox::kNone));
+    ASSIGN_OR_RETURN(Variable out, linear(inner, b + "output.dense"));
+    ASSIGN_OR_RETURN(x, Add(out, x));
+  }
+  ASSIGN_OR_RETURN(x, norm(x, "vit.layernorm"));
+  ASSIGN_OR_RETURN(Variable first, nn::Narrow(x, 1, 0, 1));
+  ASSIGN_OR_RETURN(Variable logits, linear(first, "classifier"));  // [B, 1, labels]
+  return LabelledReference(logits, labels, leaf);
 }
 
 absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& m, const Tensor& ids) {

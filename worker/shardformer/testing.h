@@ -38,6 +38,12 @@ struct TinyOptions {
   std::string activation = "relu";
   // BLOOM: apply_residual_connection_post_layernorm.
   bool residual_post_norm = false;
+  // ViT: images of image x image pixels and `channels` channels in patch x
+  // patch squares, `labels` classes.
+  int64_t image = 8;
+  int64_t patch = 4;
+  int64_t channels = 3;
+  int64_t labels = 10;
 };
 
 struct TinyModel {
@@ -64,6 +70,13 @@ absl::StatusOr<TinyModel> WriteTinyOpt(const std::string& dir, const TinyOptions
 // BloomForCausalLM (names with "transformer.", or bare).
 absl::StatusOr<TinyModel> WriteTinyBloom(const std::string& dir, const TinyOptions& options = {});
 
+// Creates `dir` with config.json and model.safetensors of a random
+// ViTForImageClassification (intermediate size `intermediate`).
+absl::StatusOr<TinyModel> WriteTinyVit(const std::string& dir, const TinyOptions& options = {});
+// Deterministic pixel values [batch, channels, image, image] and labels [batch] in [0, labels).
+Tensor PixelValues(int64_t batch, const TinyOptions& options, uint64_t salt);
+Tensor ImageLabels(int64_t batch, int64_t labels, uint64_t salt);
+
 // The unsharded model's results for int64 ids [B, S].
 struct Reference {
   Tensor logits;                          // [B, S, V]
@@ -76,6 +89,9 @@ absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& model, const Tensor& id
 absl::StatusOr<Reference> ReferenceLlama(const TinyModel& model, const Tensor& ids);
 absl::StatusOr<Reference> ReferenceOpt(const TinyModel& model, const Tensor& ids);
 absl::StatusOr<Reference> ReferenceBloom(const TinyModel& model, const Tensor& ids);
+// Logits [B, 1, labels] of images [B, C, H, W] and the classification loss
+// against `labels` [B] (r.labels holds them as [B, 1]).
+absl::StatusOr<Reference> ReferenceVit(const TinyModel& model, const Tensor& pixels, const Tensor& labels);
 // The masked-LM loss against `labels` [B, S] (-100 where nothing is predicted).
 absl::StatusOr<Reference> ReferenceBert(const TinyModel& model, const Tensor& ids, const Tensor& labels);
 

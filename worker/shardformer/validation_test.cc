@@ -108,7 +108,7 @@ TEST(Validation, AnUnknownModelType) {
   const absl::Status s = LoadAsRank0(gpt2->dir, Layout(2, v1::TENSOR_PARALLEL_MODE_1D));
   ExpectInvalid(s, "'t5'");
   ExpectInvalid(s, "model_type");
-  ExpectInvalid(s, "known: bert, bloom, gpt2, llama, opt");
+  ExpectInvalid(s, "known: bert, bloom, gpt2, llama, opt, vit");
 }
 
 TEST(Validation, MissingAndMisshapedTensorsAreNamed) {
