@@ -26,7 +26,15 @@
 
 ABSL_FLAG(std::string, input, "",
           "forward: int64 (or int32/uint16/uint32) token ids [batch, seq] as .npy; tokenize: the text or .jsonl.");
-ABSL_FLAG(std::string, logits, "", "forward: where to write the f32 logits [batch, seq, vocab] as .npy.");
+ABSL_FLAG(std::string, pixel_values, "",
+          "forward: an image classifier's (ViT) float pixel values [batch, channels, height, width] as .npy, in "
+          "place of --input.");
+ABSL_FLAG(std::string, labels, "",
+          "forward: an image classifier's integer labels [batch] as .npy (-100: none); the loss is their "
+          "cross-entropy.");
+ABSL_FLAG(std::string, logits, "",
+          "forward: where to write the f32 logits [batch, seq, vocab] (an image classifier's [batch, num_labels]) "
+          "as .npy.");
 ABSL_FLAG(std::string, checkpoint, "", "consolidate: the sharded checkpoint directory.");
 ABSL_FLAG(std::string, model_type, "gpt2", "init-model: the model family (gpt2).");
 ABSL_FLAG(int64_t, vocab_size, 257, "init-model: vocabulary size (257: byte-level text).");
@@ -63,10 +71,17 @@ absl::StatusOr<v1::ForwardResult> ForwardOnCluster(const std::string& address, c
 
 int RunForward(const std::vector<std::string>&) {
   const bool json = JsonOutput();
-  const std::string model = absl::GetFlag(FLAGS_model), input = absl::GetFlag(FLAGS_input),
-                    logits_path = absl::GetFlag(FLAGS_logits);
+  const std::string model = absl::GetFlag(FLAGS_model), pixels = absl::GetFlag(FLAGS_pixel_values),
+                    labels_path = absl::GetFlag(FLAGS_labels), logits_path = absl::GetFlag(FLAGS_logits);
   if (model.empty()) return Usage("forward: --model is required");
-  if (input.empty()) return Usage("forward: --input is required");
+  if (!absl::GetFlag(FLAGS_input).empty() && !pixels.empty()) {
+    return Usage("forward: give --input (token ids) or --pixel-values (images), not both");
+  }
+  const std::string input = pixels.empty() ? absl::GetFlag(FLAGS_input) : pixels;
+  if (input.empty()) return Usage("forward: --input (or --pixel-values for an image classifier) is required");
+  if (!labels_path.empty() && pixels.empty()) {
+    return Usage("forward: --labels go with --pixel-values (a language model predicts its next tokens)");
+  }
   shardformer::ForwardRequest request;
   request.model_dir = model;
   auto shard = ShardFromFlags();
@@ -80,9 +95,14 @@ int RunForward(const std::vector<std::string>&) {
   request.comm_timeout = *timeout;
   v1::ForwardResult result;
   if (request.cuda) {  // rank r on local GPU r, in this process
-    auto ids = ReadNpy(input);
-    if (!ids.ok()) return Fail(ids.status());
-    request.ids = *ids;
+    auto read = ReadNpy(input);
+    if (!read.ok()) return Fail(read.status());
+    request.input = *read;
+    if (!labels_path.empty()) {
+      auto labels = ReadNpy(labels_path);
+      if (!labels.ok()) return Fail(labels.status());
+      request.labels = *labels;
+    }
     auto run = shardformer::RunForward(request);
     if (!run.ok()) return Fail(run.status());
     if (!logits_path.empty()) {
@@ -100,6 +120,7 @@ int RunForward(const std::vector<std::string>&) {
     *spec.mutable_shard() = request.shard.layout;
     spec.mutable_forward()->set_input_path(Absolute(input));
     if (!logits_path.empty()) spec.mutable_forward()->set_logits_path(Absolute(logits_path));
+    if (!labels_path.empty()) spec.mutable_forward()->set_labels_path(Absolute(labels_path));
     const int code = RunOnCoordinatorOrEmbeddedCluster(WorkersFor(spec.shard()), [&](const std::string& address) {
       auto run = ForwardOnCluster(address, spec);
       if (!run.ok()) return Fail(run.status());
@@ -109,17 +130,29 @@ int RunForward(const std::vector<std::string>&) {
     if (code != 0) return code;
   }
   const std::vector<int64_t> s(result.logits_shape().begin(), result.logits_shape().end());
-  if (s.size() != 3) return Fail(absl::InternalError("the forward pass returned no logits shape"));
+  const bool images = !pixels.empty();
+  if (s.size() != (images ? 2u : 3u)) {
+    return Fail(absl::InternalError("the forward pass returned no logits shape"));
+  }
   if (json) {
-    nlohmann::json out = {{"loss", result.loss()}, {"tokens", result.tokens()}, {"shape", {s[0], s[1], s[2]}}};
+    nlohmann::json out = {{"loss", result.loss()}, {"tokens", result.tokens()}, {"shape", s}};
+    if (images && result.tokens() == 0) out["loss"] = nlohmann::json();  // no labels, no loss
     out["logits"] = logits_path.empty() ? nlohmann::json() : nlohmann::json(logits_path);
     std::printf("%s\n", out.dump().c_str());
   } else {
-    std::printf("loss %.6f (mean next-token cross-entropy over %lld tokens)\n", result.loss(),
-                static_cast<long long>(result.tokens()));
+    if (!images) {
+      std::printf("loss %.6f (mean next-token cross-entropy over %lld tokens)\n", result.loss(),
+                  static_cast<long long>(result.tokens()));
+    } else if (result.tokens() > 0) {
+      std::printf("loss %.6f (mean cross-entropy over %lld labelled images)\n", result.loss(),
+                  static_cast<long long>(result.tokens()));
+    } else {
+      std::printf("no loss (no --labels)\n");
+    }
     if (!logits_path.empty()) {
-      std::printf("logits f32 [%lld, %lld, %lld] written to %s\n", static_cast<long long>(s[0]),
-                  static_cast<long long>(s[1]), static_cast<long long>(s[2]), logits_path.c_str());
+      std::string dims;
+      for (int64_t d : s) absl::StrAppend(&dims, dims.empty() ? "" : ", ", d);
+      std::printf("logits f32 [%s] written to %s\n", dims.c_str(), logits_path.c_str());
     }
   }
   return 0;
@@ -287,8 +320,12 @@ constexpr Command kCommands[] = {
      "              [--mode 1d|2d|2.5d|3d] [--depth D] [--sequence-parallel]\n"
      "              [--device cpu|cuda] [--comm-timeout D]. The ids are\n"
      "              integers [batch, seq]; the logits are written as f32 [batch, seq, vocab]\n"
-     "              without vocabulary padding. --output json prints one JSON object with\n"
-     "              loss, tokens, logits and shape. --comm-timeout (local --device cuda runs,\n"
+     "              without vocabulary padding. An image classifier (ViT) takes\n"
+     "              --pixel-values X.npy (floats [batch, channels, height, width]) instead of\n"
+     "              --input and, with --labels L.npy (integers [batch]), prints their mean\n"
+     "              cross-entropy; its logits are [batch, num_labels]. --output json prints one\n"
+     "              JSON object with loss (null without labels), tokens, logits and shape.\n"
+     "              --comm-timeout (local --device cuda runs,\n"
      "              default 60s): a rank that stops taking part in a collective fails the run\n"
      "              with DEADLINE_EXCEEDED after it, and coloctl exits 1.\n",
      RunForward},

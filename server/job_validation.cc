@@ -257,6 +257,11 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     case v1::JOB_KIND_TRAIN: {
       ASSIGN_OR_RETURN(shardformer::ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));
       RETURN_IF_ERROR(ValidateTrain(spec.train(), spec.shard(), "spec.train"));
+      if (config.takes_images()) {
+        return absl::UnimplementedError(absl::StrCat("spec.model.config_json: a ", config.model_type,
+                                                     " image classifier; TRAIN jobs read token data, and training "
+                                                     "on images is not built yet"));
+      }
       if (spec.train().seq_len() > config.max_positions) {
         return Invalid("spec.train", "seq_len",
                        absl::StrCat(spec.train().seq_len(), " exceeds the model's ", config.max_positions,
@@ -270,7 +275,9 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     case v1::JOB_KIND_FORWARD:
       RETURN_IF_ERROR(ValidateModel(spec.model(), spec.shard(), "spec.model").status());
       if (spec.forward().input_path().empty()) {
-        return Invalid("spec.forward", "input_path", "required for FORWARD jobs: token ids [batch, seq] as .npy");
+        return Invalid("spec.forward", "input_path",
+                       "required for FORWARD jobs: token ids [batch, seq] (an image classifier's pixel values "
+                       "[batch, channels, height, width]) as .npy");
       }
       break;
     case v1::JOB_KIND_TENSOR:

@@ -131,6 +131,64 @@ TEST_F(Forward, BloomMatchesItsUnshardedReference) {
       << two_d.err;
 }
 
+// A ViT directory: pixel values and labels in, logits [batch, num_labels]
+// and the classification loss out, at tp = 2 x dp = 2 on the daemons,
+// against the unsharded reference; without labels, logits and no loss.
+TEST_F(Forward, VitClassifiesImagesAsItsUnshardedReference) {
+  shardformer::testing::TinyOptions o;
+  auto vit = shardformer::testing::WriteTinyVit(TempPath("vit"), o);
+  ASSERT_TRUE(vit.ok()) << vit.status();
+  const Tensor pixels = shardformer::testing::PixelValues(4, o, 5);
+  const Tensor labels = shardformer::testing::ImageLabels(4, o.labels, 6);
+  ASSERT_TRUE(WriteNpy(TempPath("pixels.npy"), pixels).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("labels.npy"), labels).ok());
+  auto ref = shardformer::testing::ReferenceVit(*vit, pixels, labels);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const auto r = Coloctl({"forward", "--model", vit->dir, "--pixel-values", TempPath("pixels.npy"), "--labels",
+                          TempPath("labels.npy"), "--logits", TempPath("vit_logits.npy"), "--output", "json", "--tp",
+                          "2", "--dp", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto out = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(out.is_object()) << r.out;
+  EXPECT_NEAR(out["loss"].get<double>(), ref->loss, 1e-5 * ref->loss);
+  EXPECT_EQ(out["tokens"].get<int64_t>(), 4);
+  EXPECT_EQ(out["shape"], nlohmann::json::array({4, o.labels}));
+  auto logits = ReadNpy(TempPath("vit_logits.npy"));
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  ::colod::testing::ExpectAllClose(*logits, *ref->logits.Reshape({4, o.labels}), "ViT logits", 2e-4);
+  // No labels: the logits, no loss.
+  const auto plain = Coloctl({"forward", "--model", vit->dir, "--pixel-values", TempPath("pixels.npy")});
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  EXPECT_NE(plain.out.find("no loss (no --labels)"), std::string::npos) << plain.out;
+  // What a user can get wrong.
+  ASSERT_TRUE(WriteNpy(TempPath("bad_labels.npy"), *Tensor::FromInt64s({4}, {0, 1, 2, 10})).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("small.npy"), *Tensor::Zeros({4, 3, 4, 4}, DType::kF32)).ok());
+  struct Bad {
+    std::vector<std::string> args;
+    int code;
+    std::string says;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {{"--pixel-values", TempPath("pixels.npy"), "--labels", TempPath("bad_labels.npy")}, 1,
+            "label 10 of image 3 is outside the model's 10 labels"},
+           {{"--pixel-values", TempPath("small.npy")}, 1, "float pixel values [batch, 3, 8, 8]"},
+           {{"--input", TempPath("ids.npy")}, 1, "float pixel values [batch, 3, 8, 8]"},
+           {{"--input", TempPath("ids.npy"), "--pixel-values", TempPath("pixels.npy")}, 2, "not both"},
+           {{"--pixel-values", TempPath("pixels.npy"), "--mode", "2d", "--tp", "4"}, 1,
+            "the vit policy supports tensor_parallel_mode 1d only"},
+       }) {
+    std::vector<std::string> args = {"forward", "--model", vit->dir};
+    args.insert(args.end(), b.args.begin(), b.args.end());
+    const auto bad = Coloctl(args);
+    EXPECT_EQ(bad.code, b.code) << absl::StrJoin(args, " ") << "\n" << bad.err;
+    EXPECT_NE(bad.err.find(b.says), std::string::npos) << absl::StrJoin(args, " ") << "\n" << bad.err;
+  }
+  const auto lm_labels = Coloctl({"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--labels",
+                                  TempPath("labels.npy")});
+  EXPECT_EQ(lm_labels.code, 2);
+  EXPECT_NE(lm_labels.err.find("--labels go with --pixel-values"), std::string::npos) << lm_labels.err;
+}
+
 TEST_F(Forward, ACheckpointSavedAtTp2ConsolidatesAndRunsAt2d) {
   shardformer::ShardConfig shard;
   shard.layout.set_tensor_parallel_size(2);
@@ -169,7 +227,7 @@ TEST_F(Forward, MistakesAreReportedWithWhatIsWrong) {
   ASSERT_TRUE(WriteNpy(TempPath("big.npy"), *Tensor::FromInt64s({1, 3}, std::vector<int64_t>{1, 2, 999})).ok());
   const std::vector<Bad> cases = {
       {{"forward", "--input", TempPath("ids.npy")}, 2, "--model is required"},
-      {{"forward", "--model", model_.dir}, 2, "--input is required"},
+      {{"forward", "--model", model_.dir}, 2, "--input (or --pixel-values for an image classifier) is required"},
       {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--mode", "4d"}, 2, "'4d'"},
       {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--tp", "3"}, 1, "attention heads"},
       {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--dp", "3"}, 1, "data_parallel_size 3"},

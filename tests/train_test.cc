@@ -175,6 +175,16 @@ TEST(Train, BloomTrainsAlikeUnshardedAndSharded) {
   EXPECT_LT(la[3]["loss"].get<double>(), la[0]["loss"].get<double>());
 }
 
+// A ViT directory is refused, saying why, locally and as a job on the daemons.
+TEST(Train, AnImageClassifierIsRefusedForNow) {
+  auto vit = shardformer::testing::WriteTinyVit(TempPath("vit"));
+  ASSERT_TRUE(vit.ok()) << vit.status();
+  const auto r = Coloctl({"train", "--model", vit->dir, "--data", "/usr/share/common-licenses/GPL-3", "--steps", "1",
+                          "--batch-size", "2", "--seq-len", "4"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("image classifier"), std::string::npos) << r.err;
+}
+
 // A run killed with SIGKILL while it checkpoints every step resumes from its
 // newest complete checkpoint with the uninterrupted run's losses.
 TEST(Train, KilledMidRunResumesFromTheNewestCompleteCheckpoint) {

@@ -305,9 +305,18 @@ absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shard
   shardformer::ForwardRequest request;
   request.model_dir = model_dir;
   request.shard = shard;
-  absl::StatusOr<Tensor> ids = ReadNpy(f.input_path());
-  if (!ids.ok()) return absl::Status(ids.status().code(), absl::StrCat("spec.forward.input_path: ", ids.status().message()));
-  request.ids = *ids;
+  absl::StatusOr<Tensor> input = ReadNpy(f.input_path());
+  if (!input.ok()) {
+    return absl::Status(input.status().code(), absl::StrCat("spec.forward.input_path: ", input.status().message()));
+  }
+  request.input = *input;
+  if (!f.labels_path().empty()) {
+    absl::StatusOr<Tensor> labels = ReadNpy(f.labels_path());
+    if (!labels.ok()) {
+      return absl::Status(labels.status().code(), absl::StrCat("spec.forward.labels_path: ", labels.status().message()));
+    }
+    request.labels = *labels;
+  }
   RETURN_IF_ERROR(shardformer::CheckForward(request).status());
   if (active.reporter.Phase(v1::RANK_PHASE_RUNNING, "forward pass")) return absl::AbortedError("the job no longer runs");
   ASSIGN_OR_RETURN(shardformer::ForwardResult out, shardformer::ForwardRank(request, pg, shard));

@@ -74,6 +74,7 @@ absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
       {"spec.train.final_dir", spec.train().final_dir()},
       {"spec.forward.input_path", spec.forward().input_path()},
       {"spec.forward.logits_path", spec.forward().logits_path()},
+      {"spec.forward.labels_path", spec.forward().labels_path()},
   };
   for (const Named& n : paths) {
     if (absl::Status s = Check(n.field, n.path); !s.ok()) return s;

@@ -26,36 +26,82 @@ absl::Status RunOnLocalRanks(const ShardConfig& shard, bool cuda,
       options);
 }
 
-absl::StatusOr<ModelConfig> CheckForward(const ForwardRequest& request) {
-  const Tensor& ids = request.ids;
-  if (ids.dim() != 2 || (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32)) {
-    return absl::InvalidArgumentError(absl::StrCat("the input must be integer token ids [batch, seq], got ",
-                                                   DTypeName(ids.dtype()), " ", ShapeToString(ids.shape())));
+namespace {
+
+bool IsInteger(DType t) { return t == DType::kI64 || t == DType::kI32; }
+
+// An image classifier's input and labels.
+absl::Status CheckImages(const ForwardRequest& request, const ModelConfig& config) {
+  const Tensor& pixels = request.input;
+  const bool is_float = pixels.dtype() == DType::kF32 || pixels.dtype() == DType::kBF16 || pixels.dtype() == DType::kF16;
+  if (pixels.dim() != 4 || !is_float || pixels.shape()[1] != config.num_channels ||
+      pixels.shape()[2] != config.image_size || pixels.shape()[3] != config.image_size) {
+    return absl::InvalidArgumentError(absl::StrCat("the input must be float pixel values [batch, ", config.num_channels,
+                                                   ", ", config.image_size, ", ", config.image_size, "], got ",
+                                                   DTypeName(pixels.dtype()), " ", ShapeToString(pixels.shape())));
   }
-  const int64_t batch = ids.shape()[0], seq = ids.shape()[1];
-  if (seq < 2) return absl::InvalidArgumentError("sequences need at least 2 tokens for a next-token loss");
+  if (!request.labels.has_value()) return absl::OkStatus();
+  const Tensor& labels = *request.labels;
+  if (labels.dim() != 1 || labels.shape()[0] != pixels.shape()[0] || !IsInteger(labels.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat("the labels must be integers [", pixels.shape()[0], "], got ",
+                                                   DTypeName(labels.dtype()), " ", ShapeToString(labels.shape())));
+  }
+  const std::vector<int64_t> v = labels.ToInt64s();
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i] != -100 && (v[i] < 0 || v[i] >= config.vocab_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("label ", v[i], " of image ", i, " is outside the model's ",
+                                                     config.vocab_size, " labels"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> CheckForward(const ForwardRequest& request) {
+  const Tensor& ids = request.input;
+  ASSIGN_OR_RETURN(ModelConfig config, LoadConfig(request.model_dir));
+  if (config.takes_images()) {
+    RETURN_IF_ERROR(CheckImages(request, config));
+  } else {
+    if (ids.dim() != 2 || !IsInteger(ids.dtype())) {
+      return absl::InvalidArgumentError(absl::StrCat("the input must be integer token ids [batch, seq], got ",
+                                                     DTypeName(ids.dtype()), " ", ShapeToString(ids.shape())));
+    }
+    if (ids.shape()[1] < 2) return absl::InvalidArgumentError("sequences need at least 2 tokens for a next-token loss");
+    if (request.labels.has_value()) {
+      return absl::InvalidArgumentError("labels are for image classifiers: a language model predicts its next tokens");
+    }
+  }
+  const int64_t batch = ids.shape()[0];
   RETURN_IF_ERROR(DeviceMesh::FromShardConfig(request.shard.layout).status());
   const int dp = std::max(1, request.shard.layout.data_parallel_size());
   if (batch % dp != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("the batch of ", batch, " sequences does not split over data_parallel_size ", dp));
+        absl::StrCat("the batch of ", batch, " inputs does not split over data_parallel_size ", dp));
   }
-  ASSIGN_OR_RETURN(ModelConfig config, LoadConfig(request.model_dir));
   RETURN_IF_ERROR(CheckShardable(config, request.shard.layout));
   return config;
 }
 
 absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, ProcessGroup& pg, const ShardConfig& shard) {
   NoGradScope no_grad;  // a forward pass: no tape, no gradients
-  const Tensor& ids = request.ids;
+  const Tensor& input = request.input;
   const int dp = std::max(1, request.shard.layout.data_parallel_size());
-  const int64_t rows = ids.shape()[0] / dp;
+  const int64_t rows = input.shape()[0] / dp;
   ASSIGN_OR_RETURN(std::unique_ptr<ShardedModel> model, ShardFormer(shard, &pg).Load(request.model_dir));
   ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
-  ASSIGN_OR_RETURN(Tensor mine, ids.Narrow(0, replica * rows, rows));
+  ASSIGN_OR_RETURN(Tensor mine, input.Narrow(0, replica * rows, rows));
   mine = mine.Contiguous();
   ASSIGN_OR_RETURN(ColoTensor logits, model->Forward(mine));
-  ASSIGN_OR_RETURN(LmLoss loss, model->NextTokenLoss(logits, mine));
+  const bool images = model->config().takes_images();
+  LmLoss loss;
+  if (!images) {
+    ASSIGN_OR_RETURN(loss, model->NextTokenLoss(logits, mine));
+  } else if (request.labels.has_value()) {
+    ASSIGN_OR_RETURN(Tensor labels, request.labels->Narrow(0, replica * rows, rows));
+    ASSIGN_OR_RETURN(loss, model->ClassificationLoss(logits, labels.Contiguous()));
+  }
   ForwardResult result;
   ASSIGN_OR_RETURN(Tensor full, model->GatherLogits(logits));  // this replica's rows, every tp rank
   // Back on the rank's device for the dp gather: an NCCL group moves device memory only.
@@ -63,6 +109,9 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
   ASSIGN_OR_RETURN(Communicator * dp_comm, pg.Comm("dp"));
   ASSIGN_OR_RETURN(result.logits, AllGatherDim(full, 0, *dp_comm, pg.timeout()));  // replicas in order
   ASSIGN_OR_RETURN(result.logits, result.logits.To(Device::Cpu()));
+  if (images) {  // [batch, 1, labels]: one prediction an image
+    ASSIGN_OR_RETURN(result.logits, result.logits.Reshape({input.shape()[0], model->config().vocab_size}));
+  }
   result.loss = loss.value;
   result.tokens = loss.tokens;
   return result;

@@ -5,6 +5,7 @@
 #define COLOD_WORKER_SHARDFORMER_RUN_FORWARD_H_
 
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -28,21 +29,35 @@ absl::Status RunOnLocalRanks(const ShardConfig& shard, bool cuda,
 
 struct ForwardRequest {
   std::string model_dir;
-  Tensor ids;  // integer token ids [batch, seq]; the batch splits over dp
+  // Integer token ids [batch, seq], or for a model that takes images (ViT)
+  // float pixel values [batch, channels, image_size, image_size]; the batch
+  // splits over dp.
+  Tensor input;
+  // An image classifier's integer labels [batch] (-100: left out); without
+  // them its pass has no loss.
+  std::optional<Tensor> labels;
   ShardConfig shard;
   bool cuda = false;  // one rank per CUDA device, over NCCL
   absl::Duration comm_timeout = absl::Seconds(60);  // per rendezvous and collective
 };
 
 struct ForwardResult {
-  Tensor logits;      // f32 [batch, seq, vocab_size], vocabulary padding removed
-  double loss = 0;    // mean next-token cross-entropy
-  int64_t tokens = 0; // how many predictions it averages: batch * (seq - 1)
+  // f32 [batch, seq, vocab_size], vocabulary padding removed; an image
+  // classifier's [batch, num_labels].
+  Tensor logits;
+  // Mean next-token cross-entropy, or an image classifier's cross-entropy
+  // against its labels (0 without them).
+  double loss = 0;
+  // How many predictions it averages: batch * (seq - 1), or the labelled
+  // images (0: no loss).
+  int64_t tokens = 0;
 };
 
-// INVALID_ARGUMENT, before any rank starts, for ids that are not an integer
-// [batch, seq] array, a batch the dp degree does not divide, or a layout the
-// model cannot take; errors of the model directory as ShardFormer::Load.
+// INVALID_ARGUMENT, before any rank starts, for an input that is not what
+// the model reads (integer ids [batch, seq]; an image classifier's float
+// [batch, channels, image_size, image_size] and labels [batch] within its
+// num_labels), a batch the dp degree does not divide, or a layout the model
+// cannot take; errors of the model directory as ShardFormer::Load.
 absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request);
 
 // The checks RunForward makes before any rank starts (above); returns the

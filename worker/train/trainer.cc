@@ -32,6 +32,11 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
   ASSIGN_OR_RETURN(shardformer::ModelConfig config, shardformer::LoadConfig(o.model_dir));
   RETURN_IF_ERROR(shardformer::CheckShardable(config, o.shard.layout));
+  if (config.takes_images()) {
+    return absl::UnimplementedError(absl::StrCat(o.model_dir, " is an image classifier (", config.model_type,
+                                                 "): training reads token data, and training on images is not "
+                                                 "built yet (coloctl forward --pixel-values runs it)"));
+  }
   if (o.seq_len > config.max_positions) {
     return absl::InvalidArgumentError(absl::StrCat("seq_len ", o.seq_len, " exceeds the model's ",
                                                    config.max_positions, " positions"));
