@@ -29,9 +29,6 @@ ABSL_FLAG(std::string, input, "",
 ABSL_FLAG(std::string, pixel_values, "",
           "forward: an image classifier's (ViT) float pixel values [batch, channels, height, width] as .npy, in "
           "place of --input.");
-ABSL_FLAG(std::string, labels, "",
-          "forward: an image classifier's integer labels [batch] as .npy (-100: none); the loss is their "
-          "cross-entropy.");
 ABSL_FLAG(std::string, logits, "",
           "forward: where to write the f32 logits [batch, seq, vocab] (an image classifier's [batch, num_labels]) "
           "as .npy.");
@@ -346,7 +343,10 @@ constexpr Command kCommands[] = {
      "              [--final DIR]\n"
      "              [--save DIR --save-every K]\n"
      "              [--resume DIR] [--stop-after N]. A resumed run continues from the\n"
-     "              newest complete checkpoint with the losses the uninterrupted run has.\n",
+     "              newest complete checkpoint with the losses the uninterrupted run has.\n"
+     "              An image classifier (ViT) trains on --data IMAGES.npy (floats [N, channels,\n"
+     "              height, width]) and --labels LABELS.npy (integers [N]); --seq-len is\n"
+     "              unused and tokens_per_second counts images.\n",
      RunTrain},
     {"init-model", "",
      "  init-model  Write a new GPT-2 (config.json + model.safetensors, GPT-2's published\n"

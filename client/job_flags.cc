@@ -18,7 +18,11 @@ ABSL_FLAG(bool, sequence_parallel, false, "forward: split activations along the 
 ABSL_FLAG(std::string, data, "",
           "train: the corpus: a .bin of uint16 tokens, a .npy, a Megatron dataset (PREFIX), a .jsonl of "
           "{\"text\": ...} documents, or UTF-8 text (paragraphs tokenized by the model directory's tokenizer; "
-          "byte-level when it has none).");
+          "byte-level when it has none); for an image classifier (ViT) the images, floats [N, channels, height, "
+          "width] as .npy, with --labels.");
+ABSL_FLAG(std::string, labels, "",
+          "train, forward: an image classifier's integer labels as .npy, one per image ([N] for train's --data, "
+          "[batch] for forward's --pixel-values; -100: none); the loss is their cross-entropy.");
 ABSL_FLAG(std::string, data_format, "auto",
           "train: auto, uint16, uint32, npy, text, jsonl or megatron (PREFIX.bin + PREFIX.idx, Megatron-LM's indexed "
           "dataset; auto picks it for a .bin with an .idx beside it).");
@@ -100,6 +104,7 @@ absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags() {
   train::TrainOptions o;
   o.model_dir = absl::GetFlag(FLAGS_model);
   o.data_path = absl::GetFlag(FLAGS_data);
+  o.labels_path = absl::GetFlag(FLAGS_labels);
   if (o.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
   if (o.data_path.empty()) return absl::InvalidArgumentError("--data is required");
   auto shard = ShardFromFlags();
@@ -167,8 +172,8 @@ absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags() {
   v1::TrainConfig& t = *spec.mutable_train();
   // The workers' devices decide (job.proto: FP32 on CPUs, BF16 on CUDA).
   if (absl::GetFlag(FLAGS_precision) == "auto") t.set_precision(v1::PRECISION_UNSPECIFIED);
-  for (std::string* path : {t.mutable_data_path(), t.mutable_final_dir(), t.mutable_checkpoint_dir(),
-                            t.mutable_resume_from()}) {
+  for (std::string* path : {t.mutable_data_path(), t.mutable_labels_path(), t.mutable_final_dir(),
+                            t.mutable_checkpoint_dir(), t.mutable_resume_from()}) {
     if (!path->empty()) *path = Absolute(*path);
   }
   const int32_t max_restarts = absl::GetFlag(FLAGS_max_restarts);

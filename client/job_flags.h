@@ -20,6 +20,7 @@ ABSL_DECLARE_FLAG(std::string, model);
 ABSL_DECLARE_FLAG(std::string, name);
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, data_format);
+ABSL_DECLARE_FLAG(std::string, labels);
 
 namespace colod::cli {
 

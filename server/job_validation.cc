@@ -257,12 +257,16 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     case v1::JOB_KIND_TRAIN: {
       ASSIGN_OR_RETURN(shardformer::ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));
       RETURN_IF_ERROR(ValidateTrain(spec.train(), spec.shard(), "spec.train"));
-      if (config.takes_images()) {
-        return absl::UnimplementedError(absl::StrCat("spec.model.config_json: a ", config.model_type,
-                                                     " image classifier; TRAIN jobs read token data, and training "
-                                                     "on images is not built yet"));
+      if (config.takes_images() && spec.train().labels_path().empty()) {
+        return Invalid("spec.train", "labels_path",
+                       absl::StrCat("required for an image classifier (", config.model_type,
+                                    "): integers [N] as .npy, one per image of data_path"));
       }
-      if (spec.train().seq_len() > config.max_positions) {
+      if (!config.takes_images() && !spec.train().labels_path().empty()) {
+        return Invalid("spec.train", "labels_path",
+                       absl::StrCat("is for image classifiers; a ", config.model_type, " predicts its next tokens"));
+      }
+      if (!config.takes_images() && spec.train().seq_len() > config.max_positions) {
         return Invalid("spec.train", "seq_len",
                        absl::StrCat(spec.train().seq_len(), " exceeds the model's ", config.max_positions,
                                     " positions"));

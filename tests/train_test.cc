@@ -175,14 +175,38 @@ TEST(Train, BloomTrainsAlikeUnshardedAndSharded) {
   EXPECT_LT(la[3]["loss"].get<double>(), la[0]["loss"].get<double>());
 }
 
-// A ViT directory is refused, saying why, locally and as a job on the daemons.
-TEST(Train, AnImageClassifierIsRefusedForNow) {
-  auto vit = shardformer::testing::WriteTinyVit(TempPath("vit"));
+// A ViT directory trains on images and labels from .npy files, as jobs on
+// the daemons, with the same losses unsharded and at tp2 x dp2; without
+// labels (or with labels for a language model) the coordinator says which
+// field is wrong.
+TEST(Train, AnImageClassifierTrainsOnImagesAndLabels) {
+  shardformer::testing::TinyOptions o;
+  auto vit = shardformer::testing::WriteTinyVit(TempPath("vit"), o);
   ASSERT_TRUE(vit.ok()) << vit.status();
-  const auto r = Coloctl({"train", "--model", vit->dir, "--data", "/usr/share/common-licenses/GPL-3", "--steps", "1",
-                          "--batch-size", "2", "--seq-len", "4"});
+  ASSERT_TRUE(WriteNpy(TempPath("images.npy"), shardformer::testing::PixelValues(16, o, 3)).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("labels.npy"), shardformer::testing::ImageLabels(16, o.labels, 5)).ok());
+  const std::vector<std::string> common = {"train", "--model", vit->dir, "--data", TempPath("images.npy"),
+                                           "--labels", TempPath("labels.npy"), "--steps", "4", "--batch-size", "4",
+                                           "--lr", "3e-3", "--optimizer", "adamw", "--seed", "2", "--output", "json"};
+  std::vector<std::string> single = common, sharded = common;
+  single.insert(single.end(), {"--tp", "1", "--dp", "1"});
+  sharded.insert(sharded.end(), {"--tp", "2", "--dp", "2"});
+  const auto a = Coloctl(single), b = Coloctl(sharded);
+  ASSERT_EQ(a.code, 0) << a.err;
+  ASSERT_EQ(b.code, 0) << b.err;
+  const auto la = Lines(a.out), lb = Lines(b.out);
+  ASSERT_EQ(la.size(), 4u) << a.out;
+  ASSERT_EQ(lb.size(), 4u) << b.out;
+  for (size_t i = 0; i < 4; ++i) {
+    const double want = la[i]["loss"].get<double>();
+    EXPECT_NEAR(lb[i]["loss"].get<double>(), want, 1e-4 * want) << "step " << i + 1;
+  }
+  EXPECT_LT(la[3]["loss"].get<double>(), la[0]["loss"].get<double>());
+  std::vector<std::string> no_labels = {"train", "--model", vit->dir, "--data", TempPath("images.npy"),
+                                        "--steps", "1", "--batch-size", "4"};
+  const auto r = Coloctl(no_labels);
   EXPECT_EQ(r.code, 1);
-  EXPECT_NE(r.err.find("image classifier"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("spec.train.labels_path: required for an image classifier"), std::string::npos) << r.err;
 }
 
 // A run killed with SIGKILL while it checkpoints every step resumes from its

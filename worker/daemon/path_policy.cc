@@ -69,6 +69,7 @@ absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
   const Named paths[] = {
       {"spec.model.weights_path", spec.model().weights_path()},
       {"spec.train.data_path", spec.train().data_path()},
+      {"spec.train.labels_path", spec.train().labels_path()},
       {"spec.train.checkpoint_dir", spec.train().checkpoint_dir()},
       {"spec.train.resume_from", spec.train().resume_from()},
       {"spec.train.final_dir", spec.train().final_dir()},

@@ -394,6 +394,18 @@ absl::StatusOr<BatchSampler> BatchSampler::Create(int64_t corpus_tokens, int64_t
   return BatchSampler(corpus_tokens, seq_len, global_batch, dp, seed);
 }
 
+absl::StatusOr<BatchSampler> BatchSampler::ForExamples(int64_t examples, int64_t global_batch, int dp,
+                                                       uint64_t seed) {
+  if (examples < 1 || global_batch < 1 || dp < 1) {
+    return absl::InvalidArgumentError("the examples, the batch size and dp must be positive");
+  }
+  if (global_batch % dp != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the batch of ", global_batch, " examples does not split over data_parallel_size ", dp));
+  }
+  return BatchSampler(examples, /*seq_len=*/0, global_batch, dp, seed);  // Starts: [0, examples)
+}
+
 std::vector<int64_t> BatchSampler::Starts(int64_t step) const {
   const uint64_t windows = static_cast<uint64_t>(corpus_tokens_ - seq_len_);  // last start: n - (seq_len + 1)
   std::vector<int64_t> starts(global_batch_);

@@ -128,6 +128,9 @@ class BatchSampler {
   // the batch does not split over dp.
   static absl::StatusOr<BatchSampler> Create(int64_t corpus_tokens, int64_t seq_len, int64_t global_batch, int dp,
                                              uint64_t seed);
+  // A sampler of whole examples (ImageDataset's images): Starts(step) are
+  // indices in [0, examples), drawn as windows are; Batch is not for it.
+  static absl::StatusOr<BatchSampler> ForExamples(int64_t examples, int64_t global_batch, int dp, uint64_t seed);
   // The corpus offsets of the global batch of `step` (0-based).
   std::vector<int64_t> Starts(int64_t step) const;
   // Replica `replica`'s rows of step `step`: inputs [B/dp, seq_len] and

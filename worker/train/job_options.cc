@@ -15,6 +15,7 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
   o.cuda = cuda;
   o.allow_tf32 = t.allow_tf32();
   o.data_path = t.data_path();
+  o.labels_path = t.labels_path();
   ASSIGN_OR_RETURN(o.data_format, ParseDataFormat(t.data_format().empty() ? "auto" : t.data_format()));
   o.steps = t.steps();
   o.batch_size = t.batch_size();
@@ -70,6 +71,7 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
   *spec.mutable_shard() = o.shard.layout;
   v1::TrainConfig& t = *spec.mutable_train();
   t.set_data_path(o.data_path);
+  t.set_labels_path(o.labels_path);
   switch (o.data_format) {
     case DataFormat::kAuto: t.set_data_format("auto"); break;
     case DataFormat::kU16: t.set_data_format("uint16"); break;

@@ -37,6 +37,7 @@ TEST(JobOptions, AnUnspecifiedPrecisionIsTheDevicesDefault) {
 TEST(JobOptions, TheFieldsSurviveTheRoundTrip) {
   TrainOptions o;
   o.data_path = "/data/corpus.bin";
+  o.labels_path = "/data/labels.npy";
   o.steps = 17;
   o.batch_size = 12;
   o.seq_len = 48;
@@ -57,6 +58,7 @@ TEST(JobOptions, TheFieldsSurviveTheRoundTrip) {
   EXPECT_TRUE(back->allow_tf32);
   EXPECT_EQ(back->shard.param_dtype, DType::kF32);  // named, so not the CUDA default
   EXPECT_EQ(back->data_path, o.data_path);
+  EXPECT_EQ(back->labels_path, o.labels_path);
   EXPECT_EQ(back->steps, o.steps);
   EXPECT_EQ(back->batch_size, o.batch_size);
   EXPECT_EQ(back->seq_len, o.seq_len);

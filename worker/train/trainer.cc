@@ -12,6 +12,7 @@
 #include "worker/shardformer/shardformer.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/data_parallel.h"
+#include "worker/train/image_data.h"
 
 namespace colod::train {
 
@@ -21,7 +22,8 @@ struct PreparedTrain {
   TrainOptions options;
   std::string resume;  // the checkpoint to resume from, if any
   uint64_t seed = 0;
-  std::unique_ptr<TokenCorpus> corpus;
+  std::unique_ptr<TokenCorpus> corpus;   // token models
+  std::unique_ptr<ImageDataset> images;  // image classifiers
   std::unique_ptr<BatchSampler> sampler;
   int64_t micro_rows = 0;
 };
@@ -32,12 +34,16 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
   ASSIGN_OR_RETURN(shardformer::ModelConfig config, shardformer::LoadConfig(o.model_dir));
   RETURN_IF_ERROR(shardformer::CheckShardable(config, o.shard.layout));
-  if (config.takes_images()) {
-    return absl::UnimplementedError(absl::StrCat(o.model_dir, " is an image classifier (", config.model_type,
-                                                 "): training reads token data, and training on images is not "
-                                                 "built yet (coloctl forward --pixel-values runs it)"));
+  if (!config.takes_images() && !o.labels_path.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "labels are for image classifiers: ", o.model_dir, " (", config.model_type, ") predicts its next tokens"));
   }
-  if (o.seq_len > config.max_positions) {
+  if (config.takes_images() && o.labels_path.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(o.model_dir, " is an image classifier (", config.model_type,
+                                                   "): it trains on images (the data) and their labels (a labels "
+                                                   ".npy, integers [N])"));
+  }
+  if (!config.takes_images() && o.seq_len > config.max_positions) {
     return absl::InvalidArgumentError(absl::StrCat("seq_len ", o.seq_len, " exceeds the model's ",
                                                    config.max_positions, " positions"));
   }
@@ -48,6 +54,19 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir));
     ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
     run->seed = state.seed;  // the sampler continues the stream it was on
+  }
+  const int64_t rows = o.batch_size / dp;
+  if (rows * dp != o.batch_size || rows % o.micro_batches != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("the batch of ", o.batch_size, " does not split over ", dp,
+                                                   " replicas of ", o.micro_batches, " micro-batches"));
+  }
+  run->micro_rows = rows / o.micro_batches;
+  if (config.takes_images()) {
+    ASSIGN_OR_RETURN(run->images, ImageDataset::Open(o.data_path, o.labels_path, config.num_channels,
+                                                     config.image_size, config.vocab_size));
+    ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(run->images->size(), o.batch_size, dp, run->seed));
+    run->sampler = std::make_unique<BatchSampler>(std::move(sampler));
+    return std::shared_ptr<const PreparedTrain>(std::move(run));
   }
   const DataFormat format = ResolveDataFormat(o.data_path, o.data_format);
   std::unique_ptr<Tokenizer> tokenizer;
@@ -71,12 +90,6 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   ASSIGN_OR_RETURN(BatchSampler sampler,
                    BatchSampler::Create(run->corpus->size(), o.seq_len, o.batch_size, dp, run->seed));
   run->sampler = std::make_unique<BatchSampler>(std::move(sampler));
-  const int64_t rows = o.batch_size / dp;
-  if (rows % o.micro_batches != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("each replica's ", rows, " sequences do not split into ",
-                                                   o.micro_batches, " micro-batches"));
-  }
-  run->micro_rows = rows / o.micro_batches;
   return std::shared_ptr<const PreparedTrain>(std::move(run));
 }
 
@@ -105,14 +118,23 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
     const absl::Time start = absl::Now();
     optimizer.ZeroGrad();
     Tensor inputs, labels;
-    RETURN_IF_ERROR(run.sampler->Batch(*run.corpus, step, replica, &inputs, &labels));
+    if (run.images != nullptr) {
+      const std::vector<int64_t> all = run.sampler->Starts(step);
+      const int64_t rows = micro_rows * o.micro_batches;  // this replica's
+      const std::vector<int64_t> mine(all.begin() + replica * rows, all.begin() + (replica + 1) * rows);
+      RETURN_IF_ERROR(run.images->Batch(mine, &inputs, &labels));
+    } else {
+      RETURN_IF_ERROR(run.sampler->Batch(*run.corpus, step, replica, &inputs, &labels));
+    }
     double loss = 0;
     for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
       ASSIGN_OR_RETURN(Tensor in, inputs.Narrow(0, mb * micro_rows, micro_rows));
       ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, mb * micro_rows, micro_rows));
       sync->set_enabled(mb + 1 == o.micro_batches);  // accumulate, then reduce once
       ASSIGN_OR_RETURN(ColoTensor logits, model->Forward(in.Contiguous()));
-      ASSIGN_OR_RETURN(shardformer::LmLoss l, model->TokenLoss(logits, want.Contiguous()));
+      ASSIGN_OR_RETURN(shardformer::LmLoss l, run.images != nullptr
+                                                  ? model->ClassificationLoss(logits, want.Contiguous())
+                                                  : model->TokenLoss(logits, want.Contiguous()));
       ASSIGN_OR_RETURN(Variable scaled, Scale(l.loss, 1.0f / static_cast<float>(o.micro_batches)));
       RETURN_IF_ERROR(Backward(scaled));
       loss += l.value / static_cast<double>(o.micro_batches);
@@ -132,8 +154,9 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
     s.lr = lr;
     s.grad_norm = norm;
     s.seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    s.tokens_per_second = s.seconds > 0 ? static_cast<double>(o.batch_size * o.seq_len) / s.seconds : 0;
-    s.rank_tokens = micro_rows * o.micro_batches * o.seq_len;
+    const int64_t per_row = run.images != nullptr ? 1 : o.seq_len;  // an image, or a sequence's tokens
+    s.tokens_per_second = s.seconds > 0 ? static_cast<double>(o.batch_size * per_row) / s.seconds : 0;
+    s.rank_tokens = micro_rows * o.micro_batches * per_row;
     for (const NamedParam& p : params) {
       s.param_bytes += p.bound.param.local().nbytes();
       if (auto g = p.bound.param.variable().grad()) s.grad_bytes += g->nbytes();

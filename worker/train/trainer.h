@@ -24,11 +24,14 @@ namespace colod::train {
 
 struct TrainOptions {
   std::string model_dir;
+  // Token data (data.h); for an image classifier (ViT) the images .npy,
+  // with their labels in labels_path (image_data.h).
   std::string data_path;
   DataFormat data_format = DataFormat::kAuto;
+  std::string labels_path;
   int64_t steps = 10;
-  int64_t batch_size = 8;     // sequences per step, over all dp replicas
-  int64_t seq_len = 64;
+  int64_t batch_size = 8;     // sequences (images) per step, over all dp replicas
+  int64_t seq_len = 64;       // unused for images
   int64_t micro_batches = 1;  // gradient accumulation: each replica's rows in this many passes
   double lr = 1e-3;
   double min_lr = 0;          // the cosine schedule's floor
@@ -58,7 +61,7 @@ struct StepStats {
   double loss = 0;
   double lr = 0;
   double grad_norm = 0;  // before clipping
-  double tokens_per_second = 0;
+  double tokens_per_second = 0;  // images per second for an image classifier
   // On a CUDA device: its memory pool after the step (kernels::GetCudaPoolBytes).
   bool cuda = false;
   int64_t pool_reserved_bytes = 0, pool_used_bytes = 0;

@@ -18,7 +18,9 @@
 #include "worker/train/job_options.h"
 #include "worker/train/megatron_testing.h"
 #include "worker/train/tokenizer_testing.h"
+#include "worker/tensor/npy.h"
 #include "worker/train/checkpoint.h"
+#include "worker/train/data.h"
 
 namespace colod::train {
 namespace {
@@ -70,6 +72,61 @@ void ExpectSameLosses(const std::vector<StepStats>& got, const std::vector<StepS
     EXPECT_NEAR(got[i].grad_norm, want[i].grad_norm, 1e-3 * want[i].grad_norm) << what << " step " << i + 1;
     EXPECT_DOUBLE_EQ(got[i].lr, want[i].lr) << what;
   }
+}
+
+// A ViT on 24 labelled random images: the first step's loss is the
+// unsharded reference's on the images the sampler drew, tp2 x dp2 (and 2
+// micro-batches) trains with the same losses, and the loss falls.
+TEST(Trainer, AnImageClassifierTrainsOnItsImagesAndLabels) {
+  shardformer::testing::TinyOptions tiny;
+  auto vit = shardformer::testing::WriteTinyVit(TempPath("train_vit"), tiny);
+  ASSERT_TRUE(vit.ok()) << vit.status();
+  const Tensor images = shardformer::testing::PixelValues(24, tiny, 9);
+  const Tensor labels = shardformer::testing::ImageLabels(24, tiny.labels, 4);
+  ASSERT_TRUE(WriteNpy(TempPath("images.npy"), images).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("image_labels.npy"), labels).ok());
+  TrainOptions o = Options(vit->dir, 1, 1);
+  o.data_path = TempPath("images.npy");
+  o.labels_path = TempPath("image_labels.npy");
+  o.batch_size = 8;
+  o.steps = 6;
+  o.warmup_steps = 0;
+  const std::vector<StepStats> base = Losses(o);
+  ASSERT_EQ(base.size(), 6u);
+  EXPECT_LT(base.back().loss, base[0].loss);
+  // Step 1 against the reference on the same 8 images.
+  auto sampler = BatchSampler::ForExamples(24, 8, 1, o.seed);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  const std::vector<int64_t> drawn = sampler->Starts(0);
+  std::vector<Tensor> rows;
+  std::vector<int64_t> want;
+  const std::vector<int64_t> all = labels.ToInt64s();
+  Tensor batch = *Tensor::Empty({8, 3, 8, 8}, DType::kF32);
+  for (int64_t r = 0; r < 8; ++r) {
+    ASSERT_TRUE(batch.Narrow(0, r, 1)->CopyFrom(*images.Narrow(0, drawn[r], 1)).ok());
+    want.push_back(all[drawn[r]]);
+  }
+  auto ref = shardformer::testing::ReferenceVit(*vit, batch, *Tensor::FromInt64s({8}, want));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_NEAR(base[0].loss, ref->loss, 1e-5 * ref->loss);
+  TrainOptions sharded = o;
+  sharded.shard.layout.set_tensor_parallel_size(2);
+  sharded.shard.layout.set_data_parallel_size(2);
+  sharded.micro_batches = 2;
+  ExpectSameLosses(Losses(sharded), base, 1e-4, "tp2 x dp2, 2 micro-batches");
+  // Labels it cannot take, and none.
+  TrainOptions no_labels = o;
+  no_labels.labels_path.clear();
+  EXPECT_EQ(Train(no_labels, [](const StepStats&) {}).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(WriteNpy(TempPath("few_labels.npy"), *Tensor::FromInt64s({2}, {1, 2})).ok());
+  TrainOptions few = o;
+  few.labels_path = TempPath("few_labels.npy");
+  const absl::Status s = Train(few, [](const StepStats&) {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("one per image"), std::string::npos) << s;
+  TrainOptions lm = Options(TinyModel("train_gpt2_labels"), 1, 1);
+  lm.labels_path = TempPath("image_labels.npy");
+  EXPECT_EQ(Train(lm, [](const StepStats&) {}).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(Trainer, LossesAgreeAcrossLayoutsAndFall) {

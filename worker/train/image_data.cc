@@ -1,0 +1,58 @@
+#include "worker/train/image_data.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/tensor/npy.h"
+
+namespace colod::train {
+
+absl::StatusOr<std::unique_ptr<ImageDataset>> ImageDataset::Open(const std::string& images_path,
+                                                                 const std::string& labels_path, int64_t channels,
+                                                                 int64_t image_size, int64_t num_labels) {
+  ASSIGN_OR_RETURN(Tensor images, ReadNpy(images_path));
+  const bool is_float =
+      images.dtype() == DType::kF32 || images.dtype() == DType::kBF16 || images.dtype() == DType::kF16;
+  if (images.dim() != 4 || !is_float || images.shape()[1] != channels || images.shape()[2] != image_size ||
+      images.shape()[3] != image_size || images.shape()[0] < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(images_path, ": the images must be floats [N, ", channels, ", ",
+                                                   image_size, ", ", image_size, "], got ", DTypeName(images.dtype()),
+                                                   " ", ShapeToString(images.shape())));
+  }
+  ASSIGN_OR_RETURN(Tensor labels, ReadNpy(labels_path));
+  if (labels.dim() != 1 || labels.shape()[0] != images.shape()[0] ||
+      (labels.dtype() != DType::kI64 && labels.dtype() != DType::kI32)) {
+    return absl::InvalidArgumentError(absl::StrCat(labels_path, ": the labels must be integers [",
+                                                   images.shape()[0], "] (one per image), got ",
+                                                   DTypeName(labels.dtype()), " ", ShapeToString(labels.shape())));
+  }
+  std::unique_ptr<ImageDataset> d(new ImageDataset());
+  d->size_ = images.shape()[0];
+  ASSIGN_OR_RETURN(d->images_, images.ContiguousAs(DType::kF32));
+  d->labels_ = labels.ToInt64s();
+  for (size_t i = 0; i < d->labels_.size(); ++i) {
+    const int64_t l = d->labels_[i];
+    if (l != -100 && (l < 0 || l >= num_labels)) {
+      return absl::InvalidArgumentError(absl::StrCat(labels_path, ": label ", l, " of image ", i,
+                                                     " is outside the model's ", num_labels, " labels"));
+    }
+  }
+  return d;
+}
+
+absl::Status ImageDataset::Batch(const std::vector<int64_t>& indices, Tensor* images, Tensor* labels) const {
+  const Shape& s = images_.shape();
+  ASSIGN_OR_RETURN(*images, Tensor::Empty({static_cast<int64_t>(indices.size()), s[1], s[2], s[3]}, DType::kF32));
+  std::vector<int64_t> want(indices.size());
+  for (size_t r = 0; r < indices.size(); ++r) {
+    const int64_t i = indices[r];
+    if (i < 0 || i >= size_) return absl::OutOfRangeError(absl::StrCat("image ", i, " of ", size_));
+    ASSIGN_OR_RETURN(Tensor row, images->Narrow(0, static_cast<int64_t>(r), 1));
+    ASSIGN_OR_RETURN(Tensor src, images_.Narrow(0, i, 1));
+    RETURN_IF_ERROR(row.CopyFrom(src));
+    want[r] = labels_[i];
+  }
+  ASSIGN_OR_RETURN(*labels, Tensor::FromInt64s({static_cast<int64_t>(indices.size())}, want));
+  return absl::OkStatus();
+}
+
+}  // namespace colod::train

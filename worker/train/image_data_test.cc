@@ -1,0 +1,86 @@
+// ImageDataset: what it accepts, what it refuses (naming the file and the
+// image), and the batches it cuts; BatchSampler::ForExamples's indices.
+#include "worker/train/image_data.h"
+
+#include <set>
+
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/tensor/npy.h"
+#include "worker/train/data.h"
+
+namespace colod::train {
+namespace {
+
+using ::colod::testing::TempPath;
+
+std::string Npy(const std::string& name, const Tensor& t) {
+  const std::string path = TempPath(name);
+  EXPECT_TRUE(WriteNpy(path, t).ok());
+  return path;
+}
+
+TEST(ImageDataset, BatchesAreTheImagesAndLabelsAtTheIndices) {
+  std::vector<float> v(5 * 2 * 4 * 4);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i);
+  const std::string images = Npy("images.npy", *Tensor::FromFloats({5, 2, 4, 4}, v));
+  const std::string labels = Npy("labels.npy", *Tensor::FromInt64s({5}, {3, -100, 0, 2, 1}));
+  auto d = ImageDataset::Open(images, labels, 2, 4, 4);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ((*d)->size(), 5);
+  Tensor x, y;
+  ASSERT_TRUE((*d)->Batch({4, 1, 4}, &x, &y).ok());
+  ASSERT_EQ(x.shape(), (Shape{3, 2, 4, 4}));
+  EXPECT_EQ(y.ToInt64s(), (std::vector<int64_t>{1, -100, 1}));
+  const std::vector<float> got = x.ToFloats();
+  for (int64_t r = 0; r < 3; ++r) {
+    const int64_t image = std::vector<int64_t>{4, 1, 4}[r];
+    for (int64_t j = 0; j < 32; ++j) ASSERT_EQ(got[r * 32 + j], static_cast<float>(image * 32 + j));
+  }
+  EXPECT_EQ((*d)->Batch({5}, &x, &y).code(), absl::StatusCode::kOutOfRange);
+}
+
+TEST(ImageDataset, RefusesWhatTheModelCannotRead) {
+  const std::string images = Npy("images2.npy", *Tensor::Zeros({3, 2, 4, 4}, DType::kF32));
+  struct Bad {
+    std::string images, labels;
+    std::string says;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {Npy("small.npy", *Tensor::Zeros({3, 2, 4, 2}, DType::kF32)), Npy("l3.npy", *Tensor::Zeros({3}, DType::kI64)),
+            "the images must be floats [N, 2, 4, 4]"},
+           {Npy("ints.npy", *Tensor::Zeros({3, 2, 4, 4}, DType::kI64)), Npy("l3b.npy", *Tensor::Zeros({3}, DType::kI64)),
+            "the images must be floats"},
+           {images, Npy("l2.npy", *Tensor::Zeros({2}, DType::kI64)), "integers [3] (one per image)"},
+           {images, Npy("lf.npy", *Tensor::Zeros({3}, DType::kF32)), "integers [3]"},
+           {images, Npy("lbig.npy", *Tensor::FromInt64s({3}, {0, 4, 1})), "label 4 of image 1 is outside the model's 4"},
+           {images, Npy("lneg.npy", *Tensor::FromInt64s({3}, {0, -1, 1})), "label -1 of image 1"},
+       }) {
+    auto d = ImageDataset::Open(b.images, b.labels, 2, 4, 4);
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << b.says;
+    EXPECT_NE(d.status().message().find(b.says), std::string::npos) << d.status();
+  }
+  EXPECT_EQ(ImageDataset::Open(TempPath("none.npy"), TempPath("none.npy"), 2, 4, 4).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(BatchSampler, ExamplesAreDrawnFromEveryIndexAndSplitOverDp) {
+  auto s = BatchSampler::ForExamples(7, 4, 2, 3);
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::set<int64_t> seen;
+  for (int64_t step = 0; step < 50; ++step) {
+    const std::vector<int64_t> starts = s->Starts(step);
+    ASSERT_EQ(starts.size(), 4u);
+    for (int64_t i : starts) {
+      ASSERT_GE(i, 0);
+      ASSERT_LT(i, 7);
+      seen.insert(i);
+    }
+  }
+  EXPECT_EQ(seen.size(), 7u);  // the last image too
+  EXPECT_EQ(BatchSampler::ForExamples(7, 3, 2, 3).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BatchSampler::ForExamples(0, 4, 2, 3).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace colod::train
