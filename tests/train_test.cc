@@ -39,6 +39,29 @@ std::vector<nlohmann::json> Lines(const std::string& out) {
   return lines;
 }
 
+// Runs `common` (a coloctl train command line with --steps 4 and --output
+// json) at each of `layouts`, and expects every run's 4 losses to be the
+// first's, and the first's to fall.
+void ExpectSameLossesAtEveryLayout(const std::vector<std::string>& common,
+                                   const std::vector<std::vector<std::string>>& layouts) {
+  std::vector<std::vector<nlohmann::json>> runs;
+  for (const std::vector<std::string>& layout : layouts) {
+    std::vector<std::string> args = common;
+    args.insert(args.end(), layout.begin(), layout.end());
+    const auto r = Coloctl(args);
+    ASSERT_EQ(r.code, 0) << r.err;
+    runs.push_back(Lines(r.out));
+    ASSERT_EQ(runs.back().size(), 4u) << r.out;
+  }
+  for (size_t run = 1; run < runs.size(); ++run) {
+    for (size_t i = 0; i < 4; ++i) {
+      const double want = runs[0][i]["loss"].get<double>();
+      EXPECT_NEAR(runs[run][i]["loss"].get<double>(), want, 1e-4 * want) << "run " << run << " step " << i + 1;
+    }
+  }
+  EXPECT_LT(runs[0][3]["loss"].get<double>(), runs[0][0]["loss"].get<double>());
+}
+
 TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   shardformer::testing::TinyOptions o;
   o.vocab = 257;  // byte-level text
@@ -126,25 +149,9 @@ TEST(Train, OptTrainsAlikeAtEveryLayout) {
   const std::vector<std::string> common = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
                                            "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
                                            "--optimizer", "adamw", "--seed", "5", "--output", "json"};
-  std::vector<std::vector<nlohmann::json>> runs;
-  for (const std::vector<std::string>& layout : std::vector<std::vector<std::string>>{
-           {"--tp", "1", "--dp", "1"},
-           {"--tp", "2", "--dp", "2", "--mode", "1d", "--sequence-parallel"},
-           {"--tp", "4", "--dp", "1", "--mode", "2d"}}) {
-    std::vector<std::string> args = common;
-    args.insert(args.end(), layout.begin(), layout.end());
-    const auto r = Coloctl(args);
-    ASSERT_EQ(r.code, 0) << r.err;
-    runs.push_back(Lines(r.out));
-    ASSERT_EQ(runs.back().size(), 4u) << r.out;
-  }
-  for (size_t run = 1; run < runs.size(); ++run) {
-    for (size_t i = 0; i < 4; ++i) {
-      const double want = runs[0][i]["loss"].get<double>();
-      EXPECT_NEAR(runs[run][i]["loss"].get<double>(), want, 1e-4 * want) << "run " << run << " step " << i + 1;
-    }
-  }
-  EXPECT_LT(runs[0][3]["loss"].get<double>(), runs[0][0]["loss"].get<double>());
+  ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"},
+                                         {"--tp", "2", "--dp", "2", "--mode", "1d", "--sequence-parallel"},
+                                         {"--tp", "4", "--dp", "1", "--mode", "2d"}});
 }
 
 // BLOOM trains with the same losses at tp = 2 x dp = 2 with sequence
@@ -159,20 +166,7 @@ TEST(Train, BloomTrainsAlikeUnshardedAndSharded) {
   const std::vector<std::string> common = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
                                            "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
                                            "--optimizer", "adamw", "--seed", "7", "--output", "json"};
-  std::vector<std::string> single = common, sharded = common;
-  single.insert(single.end(), {"--tp", "1", "--dp", "1"});
-  sharded.insert(sharded.end(), {"--tp", "2", "--dp", "2", "--sequence-parallel"});
-  const auto a = Coloctl(single), b = Coloctl(sharded);
-  ASSERT_EQ(a.code, 0) << a.err;
-  ASSERT_EQ(b.code, 0) << b.err;
-  const auto la = Lines(a.out), lb = Lines(b.out);
-  ASSERT_EQ(la.size(), 4u) << a.out;
-  ASSERT_EQ(lb.size(), 4u) << b.out;
-  for (size_t i = 0; i < 4; ++i) {
-    const double want = la[i]["loss"].get<double>();
-    EXPECT_NEAR(lb[i]["loss"].get<double>(), want, 1e-4 * want) << "step " << i + 1;
-  }
-  EXPECT_LT(la[3]["loss"].get<double>(), la[0]["loss"].get<double>());
+  ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"}, {"--tp", "2", "--dp", "2", "--sequence-parallel"}});
 }
 
 // A ViT directory trains on images and labels from .npy files, as jobs on
@@ -188,20 +182,7 @@ TEST(Train, AnImageClassifierTrainsOnImagesAndLabels) {
   const std::vector<std::string> common = {"train", "--model", vit->dir, "--data", TempPath("images.npy"),
                                            "--labels", TempPath("labels.npy"), "--steps", "4", "--batch-size", "4",
                                            "--lr", "3e-3", "--optimizer", "adamw", "--seed", "2", "--output", "json"};
-  std::vector<std::string> single = common, sharded = common;
-  single.insert(single.end(), {"--tp", "1", "--dp", "1"});
-  sharded.insert(sharded.end(), {"--tp", "2", "--dp", "2"});
-  const auto a = Coloctl(single), b = Coloctl(sharded);
-  ASSERT_EQ(a.code, 0) << a.err;
-  ASSERT_EQ(b.code, 0) << b.err;
-  const auto la = Lines(a.out), lb = Lines(b.out);
-  ASSERT_EQ(la.size(), 4u) << a.out;
-  ASSERT_EQ(lb.size(), 4u) << b.out;
-  for (size_t i = 0; i < 4; ++i) {
-    const double want = la[i]["loss"].get<double>();
-    EXPECT_NEAR(lb[i]["loss"].get<double>(), want, 1e-4 * want) << "step " << i + 1;
-  }
-  EXPECT_LT(la[3]["loss"].get<double>(), la[0]["loss"].get<double>());
+  ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"}, {"--tp", "2", "--dp", "2"}});
   std::vector<std::string> no_labels = {"train", "--model", vit->dir, "--data", TempPath("images.npy"),
                                         "--steps", "1", "--batch-size", "4"};
   const auto r = Coloctl(no_labels);
