@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
 #include "gtest/gtest.h"
+#include "worker/colo/tensor_collectives.h"
 #include "worker/colo/testing.h"
 #include "worker/shardformer/safetensors.h"
 #include "worker/shardformer/shardformer.h"
@@ -769,16 +770,20 @@ void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref,
     ASSERT_TRUE(Backward(loss->loss).ok());
     auto grads = (*sharded)->GatherHf(/*gradients=*/true);
     ASSERT_TRUE(grads.ok()) << grads.status();
-    // Every tensor of the checkpoint is a parameter, and with one replica its
-    // gradient is the whole gradient (with dp, each replica's share).
+    // Every tensor of the checkpoint is a parameter. Each replica's gradient
+    // is its rows' share of the mean's: summed over dp, the whole gradient.
     EXPECT_EQ(grads->size(), ref.grads.size());
-    if (dp == 1) {
-      for (const auto& [bare, want] : ref.grads) {
-        // Heads (lm_head, cls) live outside the bare model and keep their names.
-        const std::string name = grads->count(bare) ? bare : prefix + bare;
-        ASSERT_EQ(grads->count(name), 1u) << name;
-        ExpectAllClose(grads->at(name), want, name + " gradient", tol);
+    auto dp_comm = pg.Comm("dp");
+    ASSERT_TRUE(dp_comm.ok()) << dp_comm.status();
+    for (const auto& [bare, want] : ref.grads) {
+      // Heads (lm_head, cls) live outside the bare model and keep their names.
+      const std::string name = grads->count(bare) ? bare : prefix + bare;
+      ASSERT_EQ(grads->count(name), 1u) << name;
+      Tensor got = grads->at(name).Contiguous();
+      if (dp > 1) {
+        ASSERT_TRUE(AllReduceInPlace(got, ReduceOp::kSum, **dp_comm, pg.timeout()).ok()) << name;
       }
+      ExpectAllClose(got, want, name + " gradient", tol);
     }
   });
 }

@@ -97,8 +97,9 @@ absl::StatusOr<Reference> ReferenceBert(const TinyModel& model, const Tensor& id
 
 // Loads `model` sharded as `shard` on a mesh of threads over Gloo and
 // checks, with gtest, that every rank's logits (each dp replica running its
-// rows of `ids`), the mean next-token loss and, with dp = 1, the gradient of
-// every checkpoint tensor equal `ref`'s within `tol`. The sharded model
+// rows of `ids`), the mean next-token loss and the gradient of every
+// checkpoint tensor (the replicas' shares summed over dp) equal `ref`'s
+// within `tol`. The sharded model
 // names tensors as the LM model saves them: `prefix` + the reference's name
 // for a bare model's checkpoint.
 void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref, const ShardConfig& shard,
