@@ -407,6 +407,35 @@ absl::StatusOr<Tensor> ImagePatches(const Tensor& images, int64_t patch) {
   return t.Contiguous().Reshape({b, hp * wp, c * patch * patch});
 }
 
+std::vector<int64_t> RelativePositionBuckets(int64_t q_len, int64_t k_len, bool bidirectional, int64_t num_buckets,
+                                             int64_t max_distance) {
+  std::vector<int64_t> out(q_len * k_len);
+  const int64_t n = bidirectional ? num_buckets / 2 : num_buckets;
+  const int64_t max_exact = n / 2;
+  // torch: log(rel.float() / max_exact) / math.log(max_distance / max_exact) * (n - max_exact), all in f32.
+  const float divisor = static_cast<float>(std::log(static_cast<double>(max_distance) / static_cast<double>(max_exact)));
+  for (int64_t i = 0; i < q_len; ++i) {
+    for (int64_t j = 0; j < k_len; ++j) {
+      int64_t rel = j - i, bucket = 0;
+      if (bidirectional) {
+        if (rel > 0) bucket += n;
+        rel = rel < 0 ? -rel : rel;
+      } else {
+        rel = rel > 0 ? 0 : -rel;
+      }
+      if (rel < max_exact) {
+        bucket += rel;
+      } else {
+        const float ratio = static_cast<float>(rel) / static_cast<float>(max_exact);
+        const float scaled = std::log(ratio) / divisor * static_cast<float>(n - max_exact);
+        bucket += std::min(max_exact + static_cast<int64_t>(scaled), n - 1);
+      }
+      out[i * k_len + j] = bucket;
+    }
+  }
+  return out;
+}
+
 std::vector<float> AlibiSlopes(int64_t heads) {
   std::vector<float> slopes;
   if (heads < 1) return slopes;

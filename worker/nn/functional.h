@@ -102,6 +102,19 @@ absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const V
 // patch. A copy on x's device (no gradient: images are inputs).
 absl::StatusOr<Tensor> ImagePatches(const Tensor& images, int64_t patch);
 
+// T5's relative position buckets (transformers' _relative_position_bucket):
+// the bucket of key j for query i, relative position r = j - i. Encoder
+// attention is bidirectional: half the buckets for r > 0, r's magnitude in
+// the other half. Decoder self-attention is causal: only r <= 0 counts
+// (r > 0 is bucket 0; the mask hides it). Of the n buckets (of a half),
+// distances below n/2 get one each; the rest are logarithmic up to
+// max_distance, the last bucket holding everything further. Computed in f32
+// as torch does (log(d / (n/2)) / log(max_distance / (n/2)) * (n/2),
+// truncated), so the boundaries are the trained model's. [q_len, k_len]
+// row-major.
+std::vector<int64_t> RelativePositionBuckets(int64_t q_len, int64_t k_len, bool bidirectional, int64_t num_buckets,
+                                             int64_t max_distance);
+
 // ALiBi (Press et al., "Train Short, Test Long", 2022; BLOOM): the head
 // slopes of a model with `heads` heads, as transformers' build_alibi_tensor
 // makes them: for the largest power of two n <= heads, 2^(-8k/n) for k = 1..n,

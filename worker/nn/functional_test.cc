@@ -106,6 +106,47 @@ INSTANTIATE_TEST_SUITE_P(MasksAndImpls, AttentionTest,
                                   (std::get<1>(info.param) == AttentionImpl::kFused ? "_fused" : "_per_head");
                          });
 
+// T5's buckets (32 of them, max_distance 128) at every relative position in
+// [-140, 140]: the first position of each bucket, as transformers'
+// _relative_position_bucket gives them in torch's f32 arithmetic (worked out
+// with IEEE single precision step by step). The logarithmic boundaries sit
+// where truncation decides: |r| = 16 is bucket 10 (log 2 / log 16 * 8 is
+// exactly 2), 15 is 9.
+TEST(T5Buckets, BoundariesAsTransformersComputesThem) {
+  auto check = [](bool bidirectional, const std::vector<std::pair<int64_t, int64_t>>& firsts, int64_t lo, int64_t hi) {
+    // Query 140 (the last of 141) against keys 0..280: r = key - 140.
+    const std::vector<int64_t> all = RelativePositionBuckets(141, 281, bidirectional, 32, 128);
+    const std::vector<int64_t> got(all.begin() + 140 * 281, all.end());
+    for (int64_t r = lo; r <= hi; ++r) {
+      // The bucket of the listed position nearest r on r's side of 0, no further from 0 than r.
+      int64_t want = -1, best = -1;
+      for (const auto& [first, bucket] : firsts) {
+        const bool same_side = r == 0 ? first == 0 : (r > 0 ? first > 0 : first < 0);
+        if (same_side && std::abs(first) <= std::abs(r) && std::abs(first) > best) {
+          best = std::abs(first);
+          want = bucket;
+        }
+      }
+      ASSERT_EQ(got[r + 140], want) << (bidirectional ? "bidirectional" : "causal") << " r = " << r;
+    }
+  };
+  check(true,
+        {{0, 0},   {-1, 1},   {-2, 2},   {-3, 3},   {-4, 4},   {-5, 5},   {-6, 6},   {-7, 7},
+         {-8, 8},  {-12, 9},  {-16, 10}, {-23, 11}, {-32, 12}, {-46, 13}, {-64, 14}, {-91, 15},
+         {1, 17},  {2, 18},   {3, 19},   {4, 20},   {5, 21},   {6, 22},   {7, 23},   {8, 24},
+         {12, 25}, {16, 26},  {23, 27},  {32, 28},  {46, 29},  {64, 30},  {91, 31}},
+        -140, 140);
+  check(false,
+        {{0, 0},    {-1, 1},    {-2, 2},    {-3, 3},    {-4, 4},    {-5, 5},    {-6, 6},    {-7, 7},
+         {-8, 8},   {-9, 9},    {-10, 10},  {-11, 11},  {-12, 12},  {-13, 13},  {-14, 14},  {-15, 15},
+         {-16, 16}, {-19, 17},  {-21, 18},  {-24, 19},  {-27, 20},  {-31, 21},  {-35, 22},  {-40, 23},
+         {-46, 24}, {-52, 25},  {-59, 26},  {-67, 27},  {-77, 28},  {-87, 29},  {-99, 30},  {-113, 31}},
+        -140, 0);
+  // Two queries, three keys: causal keys after the query are bucket 0 (masked anyway).
+  EXPECT_EQ(RelativePositionBuckets(2, 3, false, 32, 128), (std::vector<int64_t>{0, 0, 0, 1, 0, 0}));
+  EXPECT_EQ(RelativePositionBuckets(2, 3, true, 32, 128), (std::vector<int64_t>{0, 17, 18, 1, 0, 17}));
+}
+
 // transformers' build_alibi_tensor for 12 heads (8 a power of two, 4 more
 // between them) and for 6 (4, and 2 more), worked out by hand.
 TEST(Alibi, SlopesForPowersOfTwoAndNot) {
