@@ -283,14 +283,22 @@ absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, co
                   });
 }
 
-// With `slopes` (one per query head), ALiBi's bias slopes[h] * (j - i) is
-// added to the scaled scores before the softmax; being constant, it changes
-// nothing in the backward but the probabilities it is given.
+// What is added to each head's scaled scores before the softmax: ALiBi's
+// slopes[h] * (j - i) (constant: nothing in the backward but the
+// probabilities it shapes), or a learned bias [Hq, Sq, Sk] on the tape
+// (T5's relative position bias), whose gradient is the scores' summed over
+// the batch.
+struct ScoreBias {
+  std::vector<float> slopes;
+  std::optional<Variable> learned;
+};
+
+// q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] (Sq = Sk when causal).
 absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                          bool causal, const std::vector<float>& slopes = {}) {
+                                          bool causal, const ScoreBias& bias = {}) {
   const Shape& qs = q.value().shape();
   const Shape& ks = k.value().shape();
-  const int64_t batch = qs[0], seq = qs[1], hq = qs[2], hkv = ks[2], d = qs[3], group = hq / hkv;
+  const int64_t batch = qs[0], sq = qs[1], sk = ks[1], hq = qs[2], hkv = ks[2], d = qs[3], group = hq / hkv;
   // Computed in f32 whatever the inputs' dtype (bf16 under mixed precision).
   ASSIGN_OR_RETURN(Tensor qh, HeadsFirst(q.value()));
   ASSIGN_OR_RETURN(Tensor kh, HeadsFirst(k.value()));
@@ -299,22 +307,44 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
   ASSIGN_OR_RETURN(kh, kh.ToDType(DType::kF32));
   ASSIGN_OR_RETURN(vh, vh.ToDType(DType::kF32));
   const Device dev = q.value().device();
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({batch, hq, seq, d}, DType::kF32, dev));
-  // The probabilities of every (b, h), kept for the backward: [B, Hq, S, S].
-  ASSIGN_OR_RETURN(Tensor probs, Tensor::Empty({batch, hq, seq, seq}, DType::kF32, dev));
-  std::optional<Tensor> distance;  // ALiBi's j - i, [S, S]
-  if (!slopes.empty()) {
-    if (static_cast<int64_t>(slopes.size()) != hq) {
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({batch, hq, sq, d}, DType::kF32, dev));
+  // The probabilities of every (b, h), kept for the backward: [B, Hq, Sq, Sk].
+  ASSIGN_OR_RETURN(Tensor probs, Tensor::Empty({batch, hq, sq, sk}, DType::kF32, dev));
+  std::optional<Tensor> distance;  // ALiBi's j - i, [Sq, Sk]
+  if (!bias.slopes.empty()) {
+    if (static_cast<int64_t>(bias.slopes.size()) != hq) {
       return absl::InvalidArgumentError(
-          absl::StrCat("ALiBi needs a slope for each of the ", hq, " query heads, got ", slopes.size()));
+          absl::StrCat("ALiBi needs a slope for each of the ", hq, " query heads, got ", bias.slopes.size()));
     }
-    std::vector<float> d(seq * seq);
-    for (int64_t i = 0; i < seq; ++i) {
-      for (int64_t j = 0; j < seq; ++j) d[i * seq + j] = static_cast<float>(j - i);
+    std::vector<float> dist(sq * sk);
+    for (int64_t i = 0; i < sq; ++i) {
+      for (int64_t j = 0; j < sk; ++j) dist[i * sk + j] = static_cast<float>(j - i);
     }
-    ASSIGN_OR_RETURN(Tensor t, Tensor::FromFloats({seq, seq}, d));
+    ASSIGN_OR_RETURN(Tensor t, Tensor::FromFloats({sq, sk}, dist));
     ASSIGN_OR_RETURN(distance, t.To(dev));
   }
+  std::optional<Tensor> learned;  // [Hq, Sq, Sk], f32, contiguous
+  if (bias.learned.has_value()) {
+    if (bias.learned->value().shape() != Shape{hq, sq, sk}) {
+      return absl::InvalidArgumentError(absl::StrCat("an attention bias must be [", hq, ", ", sq, ", ", sk,
+                                                     "] (heads, queries, keys), got ",
+                                                     ShapeToString(bias.learned->value().shape())));
+    }
+    ASSIGN_OR_RETURN(learned, bias.learned->value().ContiguousAs(DType::kF32));
+    ASSIGN_OR_RETURN(learned, learned->To(dev));
+  }
+  auto head_bias = [&](int64_t h) -> absl::StatusOr<std::optional<Tensor>> {
+    if (distance.has_value()) {
+      ASSIGN_OR_RETURN(Tensor b, Scale(*distance, bias.slopes[h]));
+      return std::optional<Tensor>(b);
+    }
+    if (learned.has_value()) {
+      ASSIGN_OR_RETURN(Tensor b, learned->Narrow(0, h, 1));
+      ASSIGN_OR_RETURN(b, b.Reshape({sq, sk}));
+      return std::optional<Tensor>(b);
+    }
+    return std::optional<Tensor>();
+  };
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < hq; ++h) {
       ASSIGN_OR_RETURN(Tensor qm, HeadMatrix(qh, b, h));
@@ -322,9 +352,9 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
       ASSIGN_OR_RETURN(Tensor vm, HeadMatrix(vh, b, h / group));
       ASSIGN_OR_RETURN(Tensor scores, ops::MatMul(qm, km, false, true));
       ASSIGN_OR_RETURN(scores, Scale(scores, scale));
-      if (distance.has_value()) {
-        ASSIGN_OR_RETURN(Tensor bias, Scale(*distance, slopes[h]));
-        ASSIGN_OR_RETURN(scores, Add(scores, bias));
+      ASSIGN_OR_RETURN(std::optional<Tensor> added, head_bias(h));
+      if (added.has_value()) {
+        ASSIGN_OR_RETURN(scores, Add(scores, *added));
       }
       ASSIGN_OR_RETURN(Tensor pm, ops::Softmax(scores, causal));
       ASSIGN_OR_RETURN(Tensor om, ops::MatMul(pm, vm));
@@ -337,14 +367,23 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
   ASSIGN_OR_RETURN(Tensor y, out.Transpose(1, 2));
   const DType dtype = q.value().dtype();
   ASSIGN_OR_RETURN(y, y.ContiguousAs(dtype));
+  std::vector<Variable> inputs = {q, k, v};
+  const bool learns_bias = bias.learned.has_value();
+  const DType bias_dtype = learns_bias ? bias.learned->value().dtype() : DType::kF32;
+  if (learns_bias) inputs.push_back(*bias.learned);
   return RecordOp(
-      causal ? "causal_attention" : "attention", {q, k, v}, std::move(y),
-      [qh, kh, vh, probs, batch, seq, hq, hkv, d, group, scale, dtype, dev](const Tensor& dy) -> absl::StatusOr<Grads> {
+      causal ? "causal_attention" : "attention", inputs, std::move(y),
+      [qh, kh, vh, probs, batch, sq, sk, hq, hkv, d, group, scale, dtype, dev, learns_bias,
+       bias_dtype](const Tensor& dy) -> absl::StatusOr<Grads> {
         ASSIGN_OR_RETURN(Tensor dyh, HeadsFirst(dy));
         ASSIGN_OR_RETURN(dyh, dyh.ToDType(DType::kF32));
-        ASSIGN_OR_RETURN(Tensor dq, Tensor::Zeros({batch, hq, seq, d}, DType::kF32, dev));
-        ASSIGN_OR_RETURN(Tensor dk, Tensor::Zeros({batch, hkv, seq, d}, DType::kF32, dev));
-        ASSIGN_OR_RETURN(Tensor dv, Tensor::Zeros({batch, hkv, seq, d}, DType::kF32, dev));
+        ASSIGN_OR_RETURN(Tensor dq, Tensor::Zeros({batch, hq, sq, d}, DType::kF32, dev));
+        ASSIGN_OR_RETURN(Tensor dk, Tensor::Zeros({batch, hkv, sk, d}, DType::kF32, dev));
+        ASSIGN_OR_RETURN(Tensor dv, Tensor::Zeros({batch, hkv, sk, d}, DType::kF32, dev));
+        std::optional<Tensor> dbias;
+        if (learns_bias) {
+          ASSIGN_OR_RETURN(dbias, Tensor::Zeros({hq, sq, sk}, DType::kF32, dev));
+        }
         for (int64_t b = 0; b < batch; ++b) {
           for (int64_t h = 0; h < hq; ++h) {
             ASSIGN_OR_RETURN(Tensor qm, HeadMatrix(qh, b, h));
@@ -355,6 +394,12 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
             ASSIGN_OR_RETURN(Tensor dp, ops::MatMul(dom, vm, false, true));  // dO v^T
             ASSIGN_OR_RETURN(Tensor dvm, ops::MatMul(pm, dom, true));       // P^T dO
             ASSIGN_OR_RETURN(Tensor ds, ops::SoftmaxBackward(dp, pm));
+            if (dbias.has_value()) {  // the bias enters the scores unscaled
+              ASSIGN_OR_RETURN(Tensor slot, dbias->Narrow(0, h, 1));
+              ASSIGN_OR_RETURN(slot, slot.Reshape({sq, sk}));
+              ASSIGN_OR_RETURN(Tensor sum, Add(slot, ds));
+              RETURN_IF_ERROR(slot.CopyFrom(sum));
+            }
             ASSIGN_OR_RETURN(ds, Scale(ds, scale));
             ASSIGN_OR_RETURN(Tensor dqm, ops::MatMul(ds, km));        // dS k
             ASSIGN_OR_RETURN(Tensor dkm, ops::MatMul(ds, qm, true));  // dS^T q
@@ -373,6 +418,10 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
           ASSIGN_OR_RETURN(Tensor back, t->Transpose(1, 2));
           ASSIGN_OR_RETURN(back, back.ContiguousAs(dtype));
           g.push_back(back);
+        }
+        if (dbias.has_value()) {
+          ASSIGN_OR_RETURN(Tensor db, dbias->ContiguousAs(bias_dtype));
+          g.push_back(db);
         }
         return g;
       });
@@ -413,7 +462,8 @@ std::vector<int64_t> RelativePositionBuckets(int64_t q_len, int64_t k_len, bool 
   const int64_t n = bidirectional ? num_buckets / 2 : num_buckets;
   const int64_t max_exact = n / 2;
   // torch: log(rel.float() / max_exact) / math.log(max_distance / max_exact) * (n - max_exact), all in f32.
-  const float divisor = static_cast<float>(std::log(static_cast<double>(max_distance) / static_cast<double>(max_exact)));
+  const float divisor =
+      static_cast<float>(std::log(static_cast<double>(max_distance) / static_cast<double>(max_exact)));
   for (int64_t i = 0; i < q_len; ++i) {
     for (int64_t j = 0; j < k_len; ++j) {
       int64_t rel = j - i, bucket = 0;
@@ -454,7 +504,24 @@ std::vector<float> AlibiSlopes(int64_t heads) {
 absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
                                         const std::vector<float>& slopes) {
   RETURN_IF_ERROR(ops::CheckAttentionShapes(q.value(), k.value(), v.value()));
-  return PerHeadAttention(q, k, v, scale, /*causal=*/true, slopes);
+  ScoreBias bias;
+  bias.slopes = slopes;
+  return PerHeadAttention(q, k, v, scale, /*causal=*/true, bias);
+}
+
+absl::StatusOr<Variable> BiasedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
+                                         bool causal, const Variable& bias) {
+  const Shape& qs = q.value().shape();
+  const Shape& ks = k.value().shape();
+  if (qs.size() != 4 || ks.size() != 4 || ks != v.value().shape() || qs[0] != ks[0] || qs[3] != ks[3] ||
+      ks[2] == 0 || qs[2] % ks[2] != 0 || (causal && qs[1] != ks[1])) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention: q ", ShapeToString(qs), ", k ", ShapeToString(ks), ", v ", ShapeToString(v.value().shape()),
+        " must be [B, Sq, Hq, D] and [B, Sk, Hkv, D] with Hq a multiple of Hkv (Sq = Sk when causal)"));
+  }
+  ScoreBias b;
+  b.learned = bias;
+  return PerHeadAttention(q, k, v, scale, causal, b);
 }
 
 namespace {

@@ -47,19 +47,19 @@ std::vector<double> D(const Tensor& t) {
   return std::vector<double>(f.begin(), f.end());
 }
 
-// The gradients of q, k and v on the tape against central differences of
-// `loss` (naive loops in double) at every element.
-void ExpectFiniteDifferenceGrads(
-    const std::function<double(const std::vector<double>&, const std::vector<double>&, const std::vector<double>&)>&
-        loss,
-    const std::vector<std::vector<double>>& inputs, const std::vector<const Variable*>& vars) {
-  for (size_t which = 0; which < 3; ++which) {
+// The gradients of `vars` on the tape against central differences of
+// `loss` of the inputs (naive loops in double) at every element.
+using Inputs = std::vector<std::vector<double>>;
+void ExpectFiniteDifferenceGrads(const std::function<double(const Inputs&)>& loss, const Inputs& inputs,
+                                 const std::vector<const Variable*>& vars) {
+  for (size_t which = 0; which < vars.size(); ++which) {
+    ASSERT_TRUE(vars[which]->grad().has_value()) << "input " << which;
     const std::vector<float> grad = vars[which]->grad()->ToFloats();
     for (size_t i = 0; i < grad.size(); ++i) {
-      std::vector<std::vector<double>> up = inputs, down = inputs;
+      Inputs up = inputs, down = inputs;
       up[which][i] += 1e-6;
       down[which][i] -= 1e-6;
-      const double numeric = (loss(up[0], up[1], up[2]) - loss(down[0], down[1], down[2])) / 2e-6;
+      const double numeric = (loss(up) - loss(down)) / 2e-6;
       ASSERT_NEAR(grad[i], numeric, 1e-4) << "input " << which << " element " << i;
     }
   }
@@ -84,8 +84,8 @@ TEST_P(AttentionTest, GroupedQueryAttentionMatchesTheNaiveLoopsAndItsGradients) 
   for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-5) << i;
   ASSERT_TRUE(Backward(*Sum(*Mul(*out, Variable(r)))).ok());
   const std::vector<double> rd = D(r);
-  auto loss = [&](const std::vector<double>& qq, const std::vector<double>& kk, const std::vector<double>& vvv) {
-    const std::vector<double> o = NaiveAttention(qq, kk, vvv, batch, seq, hq, hkv, d, scale, causal);
+  auto loss = [&](const Inputs& in) {
+    const std::vector<double> o = NaiveAttention(in[0], in[1], in[2], batch, seq, hq, hkv, d, scale, causal);
     double l = 0;
     for (size_t i = 0; i < o.size(); ++i) l += o[i] * rd[i];
     return l;
@@ -182,14 +182,77 @@ TEST(Alibi, AttentionMatchesTheNaiveLoopsAndItsGradients) {
   EXPECT_GT(moved, 1e-2);  // the slopes matter
   ASSERT_TRUE(Backward(*Sum(*Mul(*out, Variable(r)))).ok());
   const std::vector<double> rd = D(r);
-  auto loss = [&](const std::vector<double>& qq, const std::vector<double>& kk, const std::vector<double>& vvv) {
-    const std::vector<double> o = NaiveAttention(qq, kk, vvv, batch, seq, hq, hkv, d, scale, true, sd);
+  auto loss = [&](const Inputs& in) {
+    const std::vector<double> o = NaiveAttention(in[0], in[1], in[2], batch, seq, hq, hkv, d, scale, true, sd);
     double l = 0;
     for (size_t i = 0; i < o.size(); ++i) l += o[i] * rd[i];
     return l;
   };
   ExpectFiniteDifferenceGrads(loss, {D(q), D(k), D(v)}, {&vq, &vk, &vv});
   EXPECT_EQ(AlibiAttention(vq, vk, vv, 1.0f, {0.5f, 0.25f}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Cross-attention with T5's learned bias: 3 decoder queries over 5 encoder
+// keys, softmax(q k^T + bias[h]) v against naive loops in double, and the
+// gradients of q, k, v and the bias against finite differences; causal
+// self-attention with a bias too.
+TEST(BiasedAttention, MatchesTheNaiveLoopsAndItsGradients) {
+  for (const bool causal : {false, true}) {
+    const int64_t batch = 2, sq = causal ? 5 : 3, sk = 5, hq = 2, d = 3;
+    const Tensor q = *Tensor::RandomNormal({batch, sq, hq, d}, 21), k = *Tensor::RandomNormal({batch, sk, hq, d}, 22),
+                 v = *Tensor::RandomNormal({batch, sk, hq, d}, 23), bias = *Tensor::RandomNormal({hq, sq, sk}, 24),
+                 r = *Tensor::RandomNormal({batch, sq, hq, d}, 25);
+    Variable vq(q, true), vk(k, true), vv(v, true), vb(bias, true);
+    auto out = BiasedAttention(vq, vk, vv, 1.0f, causal, vb);
+    ASSERT_TRUE(out.ok()) << out.status();
+    auto naive = [&](const Inputs& in) {
+      std::vector<double> o(batch * sq * hq * d, 0.0);
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t h = 0; h < hq; ++h) {
+          for (int64_t i = 0; i < sq; ++i) {
+            const int64_t last = causal ? i : sk - 1;
+            std::vector<double> w(last + 1);
+            double mx = -1e300, sum = 0;
+            for (int64_t t = 0; t <= last; ++t) {
+              double dot = in[3][(h * sq + i) * sk + t];
+              for (int64_t j = 0; j < d; ++j) {
+                dot += in[0][((b * sq + i) * hq + h) * d + j] * in[1][((b * sk + t) * hq + h) * d + j];
+              }
+              w[t] = dot;
+              mx = std::max(mx, dot);
+            }
+            for (int64_t t = 0; t <= last; ++t) sum += (w[t] = std::exp(w[t] - mx));
+            for (int64_t t = 0; t <= last; ++t) {
+              for (int64_t j = 0; j < d; ++j) {
+                o[((b * sq + i) * hq + h) * d + j] += w[t] / sum * in[2][((b * sk + t) * hq + h) * d + j];
+              }
+            }
+          }
+        }
+      }
+      return o;
+    };
+    const Inputs inputs = {D(q), D(k), D(v), D(bias)};
+    const std::vector<double> want = naive(inputs);
+    const std::vector<float> got = out->value().ToFloats();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-5) << i;
+    ASSERT_TRUE(Backward(*Sum(*Mul(*out, Variable(r)))).ok());
+    const std::vector<double> rd = D(r);
+    auto loss = [&](const Inputs& in) {
+      const std::vector<double> o = naive(in);
+      double l = 0;
+      for (size_t i = 0; i < o.size(); ++i) l += o[i] * rd[i];
+      return l;
+    };
+    ExpectFiniteDifferenceGrads(loss, inputs, {&vq, &vk, &vv, &vb});
+  }
+  // A bias of another shape, and a causal cross-attention, are refused.
+  const Variable q(*Tensor::RandomNormal({1, 3, 2, 4}, 1)), kv(*Tensor::RandomNormal({1, 5, 2, 4}, 2));
+  EXPECT_EQ(BiasedAttention(q, kv, kv, 1.0f, false, Variable(*Tensor::Zeros({2, 5, 3}, DType::kF32))).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BiasedAttention(q, kv, kv, 1.0f, true, Variable(*Tensor::Zeros({2, 3, 5}, DType::kF32))).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(Functional, ReshapeAndLinearGradients) {

@@ -112,7 +112,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     c.final_norm = c.norm_before && !remove_final;  // OPTDecoder's final_layer_norm
     ASSIGN_OR_RETURN(c.linear_bias, Bool(j, what, "enable_bias", true));
     ASSIGN_OR_RETURN(bool affine, Bool(j, what, "layer_norm_elementwise_affine", true));
-    if (!affine) return Field(what, "layer_norm_elementwise_affine", "false (LayerNorms without weights) is not supported");
+    if (!affine) {
+      return Field(what, "layer_norm_elementwise_affine", "false (LayerNorms without weights) is not supported");
+    }
     ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", true));
     c.num_kv_heads = c.num_heads;
     c.norm_eps = 1e-5;  // torch.nn.LayerNorm's default: OPT's config has no epsilon
