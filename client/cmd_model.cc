@@ -29,6 +29,8 @@ ABSL_FLAG(std::string, input, "",
 ABSL_FLAG(std::string, pixel_values, "",
           "forward: an image classifier's (ViT) float pixel values [batch, channels, height, width] as .npy, in "
           "place of --input.");
+ABSL_FLAG(std::string, decoder_input, "",
+          "forward: an encoder-decoder's (T5's) decoder input ids [batch, seq] as .npy, beside --input.");
 ABSL_FLAG(std::string, logits, "",
           "forward: where to write the f32 logits [batch, seq, vocab] (an image classifier's [batch, num_labels]) "
           "as .npy.");
@@ -69,7 +71,8 @@ absl::StatusOr<v1::ForwardResult> ForwardOnCluster(const std::string& address, c
 int RunForward(const std::vector<std::string>&) {
   const bool json = JsonOutput();
   const std::string model = absl::GetFlag(FLAGS_model), pixels = absl::GetFlag(FLAGS_pixel_values),
-                    labels_path = absl::GetFlag(FLAGS_labels), logits_path = absl::GetFlag(FLAGS_logits);
+                    labels_path = absl::GetFlag(FLAGS_labels), logits_path = absl::GetFlag(FLAGS_logits),
+                    decoder_path = absl::GetFlag(FLAGS_decoder_input);
   if (model.empty()) return Usage("forward: --model is required");
   if (!absl::GetFlag(FLAGS_input).empty() && !pixels.empty()) {
     return Usage("forward: give --input (token ids) or --pixel-values (images), not both");
@@ -100,6 +103,11 @@ int RunForward(const std::vector<std::string>&) {
       if (!labels.ok()) return Fail(labels.status());
       request.labels = *labels;
     }
+    if (!decoder_path.empty()) {
+      auto decoder = ReadNpy(decoder_path);
+      if (!decoder.ok()) return Fail(decoder.status());
+      request.decoder_input = *decoder;
+    }
     auto run = shardformer::RunForward(request);
     if (!run.ok()) return Fail(run.status());
     if (!logits_path.empty()) {
@@ -118,6 +126,7 @@ int RunForward(const std::vector<std::string>&) {
     spec.mutable_forward()->set_input_path(Absolute(input));
     if (!logits_path.empty()) spec.mutable_forward()->set_logits_path(Absolute(logits_path));
     if (!labels_path.empty()) spec.mutable_forward()->set_labels_path(Absolute(labels_path));
+    if (!decoder_path.empty()) spec.mutable_forward()->set_decoder_input_path(Absolute(decoder_path));
     const int code = RunOnCoordinatorOrEmbeddedCluster(WorkersFor(spec.shard()), [&](const std::string& address) {
       auto run = ForwardOnCluster(address, spec);
       if (!run.ok()) return Fail(run.status());
@@ -320,7 +329,9 @@ constexpr Command kCommands[] = {
      "              without vocabulary padding. An image classifier (ViT) takes\n"
      "              --pixel-values X.npy (floats [batch, channels, height, width]) instead of\n"
      "              --input and, with --labels L.npy (integers [batch]), prints their mean\n"
-     "              cross-entropy; its logits are [batch, num_labels]. --output json prints one\n"
+     "              cross-entropy; its logits are [batch, num_labels]. An encoder-decoder (T5)\n"
+     "              takes --decoder-input DEC.npy (integers [batch, seq]) beside --input; the\n"
+     "              logits and the next-token loss are over the decoder ids. --output json prints one\n"
      "              JSON object with loss (null without labels), tokens, logits and shape.\n"
      "              --comm-timeout (local --device cuda runs,\n"
      "              default 60s): a rank that stops taking part in a collective fails the run\n"

@@ -257,6 +257,11 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     case v1::JOB_KIND_TRAIN: {
       ASSIGN_OR_RETURN(shardformer::ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));
       RETURN_IF_ERROR(ValidateTrain(spec.train(), spec.shard(), "spec.train"));
+      if (config.is_encoder_decoder()) {
+        return absl::UnimplementedError(absl::StrCat("spec.model.config_json: a ", config.model_type,
+                                                     " encoder-decoder; training on (input, target) pairs is not "
+                                                     "built yet"));
+      }
       if (config.takes_images() && spec.train().labels_path().empty()) {
         return Invalid("spec.train", "labels_path",
                        absl::StrCat("required for an image classifier (", config.model_type,

@@ -189,6 +189,50 @@ TEST_F(Forward, VitClassifiesImagesAsItsUnshardedReference) {
   EXPECT_NE(lm_labels.err.find("--labels go with --pixel-values"), std::string::npos) << lm_labels.err;
 }
 
+// A T5 directory (flan-t5's shape: gated GELU, untied head, heads * d_kv
+// unlike d_model): token ids and decoder ids in, the decoder's logits and
+// next-token loss out, at tp = 2 x dp = 2 on the daemons, against the
+// unsharded reference; and what a user can get wrong.
+TEST_F(Forward, T5MatchesItsUnshardedReference) {
+  shardformer::testing::TinyOptions o;
+  o.gated = true;
+  o.tie = false;
+  o.kv_dim = 8;
+  auto t5 = shardformer::testing::WriteTinyT5(TempPath("t5"), o);
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  const Tensor decoder = shardformer::testing::TokenIds(4, 6, t5->config.vocab_size, 41);
+  ASSERT_TRUE(WriteNpy(TempPath("decoder.npy"), decoder).ok());
+  std::vector<int64_t> next(decoder.numel(), -100);
+  const std::vector<int64_t> d = decoder.ToInt64s();
+  for (int64_t b = 0; b < 4; ++b) {
+    for (int64_t s = 0; s + 1 < 6; ++s) next[b * 6 + s] = d[b * 6 + s + 1];
+  }
+  auto ref = shardformer::testing::ReferenceT5(*t5, ids_, decoder, *Tensor::FromInt64s({4, 6}, next));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const auto r = Coloctl({"forward", "--model", t5->dir, "--input", TempPath("ids.npy"), "--decoder-input",
+                          TempPath("decoder.npy"), "--logits", TempPath("t5_logits.npy"), "--output", "json", "--tp",
+                          "2", "--dp", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto out = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(out.is_object()) << r.out;
+  EXPECT_NEAR(out["loss"].get<double>(), ref->loss, 1e-5 * ref->loss);
+  EXPECT_EQ(out["tokens"].get<int64_t>(), 4 * 5);
+  auto logits = ReadNpy(TempPath("t5_logits.npy"));
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  ::colod::testing::ExpectAllClose(*logits, ref->logits, "T5 logits", 2e-4);
+  const auto missing = Coloctl({"forward", "--model", t5->dir, "--input", TempPath("ids.npy")});
+  EXPECT_EQ(missing.code, 1);
+  EXPECT_NE(missing.err.find("encoder-decoder needs decoder input ids"), std::string::npos) << missing.err;
+  const auto gpt2 = Coloctl({"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--decoder-input",
+                             TempPath("decoder.npy")});
+  EXPECT_EQ(gpt2.code, 1);
+  EXPECT_NE(gpt2.err.find("a gpt2 has no decoder input"), std::string::npos) << gpt2.err;
+  const auto train = Coloctl({"train", "--model", t5->dir, "--data", "/usr/share/common-licenses/GPL-3", "--steps",
+                              "1", "--batch-size", "2", "--seq-len", "8"});
+  EXPECT_EQ(train.code, 1);
+  EXPECT_NE(train.err.find("encoder-decoder"), std::string::npos) << train.err;
+}
+
 TEST_F(Forward, ACheckpointSavedAtTp2ConsolidatesAndRunsAt2d) {
   shardformer::ShardConfig shard;
   shard.layout.set_tensor_parallel_size(2);
@@ -219,10 +263,10 @@ TEST_F(Forward, MistakesAreReportedWithWhatIsWrong) {
     std::string says;
   };
   // An unknown model type and a config whose heads tp cannot split.
-  ASSERT_EQ(::system(absl::StrCat("mkdir -p ", TempPath("t5"), " && cp ", model_.dir, "/model.safetensors ", TempPath("t5"))
+  ASSERT_EQ(::system(absl::StrCat("mkdir -p ", TempPath("mamba"), " && cp ", model_.dir, "/model.safetensors ", TempPath("mamba"))
                          .c_str()),
             0);
-  std::ofstream(TempPath("t5") + "/config.json") << R"({"model_type": "t5", "vocab_size": 50})";
+  std::ofstream(TempPath("mamba") + "/config.json") << R"({"model_type": "mamba", "vocab_size": 50})";
   ASSERT_TRUE(WriteNpy(TempPath("floats.npy"), *Tensor::Zeros({2, 3}, DType::kF32)).ok());
   ASSERT_TRUE(WriteNpy(TempPath("big.npy"), *Tensor::FromInt64s({1, 3}, std::vector<int64_t>{1, 2, 999})).ok());
   const std::vector<Bad> cases = {
@@ -232,7 +276,7 @@ TEST_F(Forward, MistakesAreReportedWithWhatIsWrong) {
       {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--tp", "3"}, 1, "attention heads"},
       {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--dp", "3"}, 1, "data_parallel_size 3"},
       {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--tp", "8", "--mode", "3d"}, 1, "1d, 2d"},
-      {{"forward", "--model", TempPath("t5"), "--input", TempPath("ids.npy")}, 1, "t5"},
+      {{"forward", "--model", TempPath("mamba"), "--input", TempPath("ids.npy")}, 1, "mamba"},
       {{"forward", "--model", TempPath("nowhere"), "--input", TempPath("ids.npy")}, 1, "NOT_FOUND"},
       {{"forward", "--model", model_.dir, "--input", TempPath("floats.npy")}, 1, "integer token ids"},
       {{"forward", "--model", model_.dir, "--input", TempPath("big.npy")}, 1, "999"},

@@ -317,6 +317,14 @@ absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shard
     }
     request.labels = *labels;
   }
+  if (!f.decoder_input_path().empty()) {
+    absl::StatusOr<Tensor> decoder = ReadNpy(f.decoder_input_path());
+    if (!decoder.ok()) {
+      return absl::Status(decoder.status().code(),
+                          absl::StrCat("spec.forward.decoder_input_path: ", decoder.status().message()));
+    }
+    request.decoder_input = *decoder;
+  }
   RETURN_IF_ERROR(shardformer::CheckForward(request).status());
   if (active.reporter.Phase(v1::RANK_PHASE_RUNNING, "forward pass")) return absl::AbortedError("the job no longer runs");
   ASSIGN_OR_RETURN(shardformer::ForwardResult out, shardformer::ForwardRank(request, pg, shard));

@@ -76,6 +76,7 @@ absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
       {"spec.forward.input_path", spec.forward().input_path()},
       {"spec.forward.logits_path", spec.forward().logits_path()},
       {"spec.forward.labels_path", spec.forward().labels_path()},
+      {"spec.forward.decoder_input_path", spec.forward().decoder_input_path()},
   };
   for (const Named& n : paths) {
     if (absl::Status s = Check(n.field, n.path); !s.ok()) return s;

@@ -184,6 +184,28 @@ TEST(Checkpoint, VitConsolidatesWithItsFourDimensionalWeights) {
   ExpectSameTensors(TempPath("ck_vit_hf"), *vit);
 }
 
+// T5 (flan-t5's shape) saved at tp = 2, consolidated to exactly its tensors
+// (the relative bias tables included), and run again unsharded.
+TEST(Checkpoint, T5ConsolidatesAndReloadsUnsharded) {
+  testing::TinyOptions o;
+  o.gated = true;
+  o.tie = false;
+  o.kv_dim = 8;
+  auto t5 = testing::WriteTinyT5(TempPath("ck_t5"), o);
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  Save(t5->dir, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D), TempPath("ck_t5_sharded"));
+  EXPECT_EQ(Index(TempPath("ck_t5_sharded"))["model_type"], "t5");
+  ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ck_t5_sharded"), TempPath("ck_t5_hf")).ok());
+  ExpectSameTensors(TempPath("ck_t5_hf"), *t5);
+  testing::TinyModel reloaded = *t5;
+  reloaded.dir = TempPath("ck_t5_hf");
+  const Tensor ids = testing::TokenIds(2, 6, t5->config.vocab_size, 3);
+  const Tensor decoder = testing::TokenIds(2, 4, t5->config.vocab_size, 5);
+  auto ref = testing::ReferenceT5(*t5, ids, decoder, testing::MaskedLabels(decoder));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  testing::ExpectShardedMatchesReference(reloaded, *ref, Layout(1, 1, v1::TENSOR_PARALLEL_MODE_1D), ids, 2e-4);
+}
+
 TEST(Checkpoint, SavesTheCurrentValuesNotTheSource) {
   auto model = testing::WriteTinyGpt2(TempPath("ck3_gpt2"));
   ASSERT_TRUE(model.ok()) << model.status();

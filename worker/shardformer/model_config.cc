@@ -167,12 +167,41 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     c.max_positions = side * side + 1;  // the patches and the CLS token
     c.num_kv_heads = c.num_heads;
     c.tie_word_embeddings = false;
+  } else if (c.model_type == "t5") {
+    ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
+    ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "d_model"));
+    ASSIGN_OR_RETURN(c.kv_dim, Int(j, what, "d_kv"));
+    ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "d_ff"));
+    ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_layers"));
+    ASSIGN_OR_RETURN(c.num_decoder_layers, Int(j, what, "num_decoder_layers", c.num_layers));
+    ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_heads"));
+    ASSIGN_OR_RETURN(c.relative_buckets, Int(j, what, "relative_attention_num_buckets", 32));
+    ASSIGN_OR_RETURN(c.relative_max_distance, Int(j, what, "relative_attention_max_distance", 128));
+    ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_epsilon", 1e-6));
+    // T5 v1.0: "relu" (and a tied head); v1.1 and flan-t5: "gated-gelu".
+    ASSIGN_OR_RETURN(c.activation, Str(j, "feed_forward_proj", "relu"));
+    if (c.activation != "relu" && c.activation != "gated-gelu") {
+      return Field(what, "feed_forward_proj", absl::StrCat("\"", c.activation, "\" is not relu or gated-gelu"));
+    }
+    ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", true));
+    if (c.relative_buckets < 4 || c.relative_buckets > 4096) {
+      return Field(what, "relative_attention_num_buckets", "must be in [4, 4096]");
+    }
+    if (c.relative_max_distance <= c.relative_buckets / 4) {
+      return Field(what, "relative_attention_max_distance",
+                   "must exceed the exact buckets (a quarter of relative_attention_num_buckets)");
+    }
+    if (c.num_decoder_layers > kMaxLayers) {
+      return Field(what, "num_decoder_layers", absl::StrCat("must be at most ", kMaxLayers));
+    }
+    c.num_kv_heads = c.num_heads;
+    c.max_positions = int64_t{1} << 20;  // relative positions: no table bounds the length
   } else {
     return Field(what, "model_type",
-                 absl::StrCat("'", c.model_type, "' is not one of gpt2, llama, bert, opt, bloom, vit"));
+                 absl::StrCat("'", c.model_type, "' is not one of gpt2, llama, bert, opt, bloom, vit, t5"));
   }
   if (c.embed_dim == 0) c.embed_dim = c.hidden_size;
-  if (c.hidden_size % c.num_heads != 0) {
+  if (c.kv_dim == 0 && c.hidden_size % c.num_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": the hidden size ", c.hidden_size,
                                                    " is not divisible by the ", c.num_heads, " attention heads"));
   }
@@ -324,6 +353,23 @@ absl::StatusOr<int64_t> ParameterCount(const ModelConfig& c) {
     model.Add({2, h});  // layernorm
     model.Add({v, h});  // classifier
     model.Add({v});
+  } else if (c.model_type == "t5") {
+    const int64_t inner = c.num_heads * c.kv_dim, ffn = c.activation == "gated-gelu" ? 3 : 2;
+    Counter decoder;
+    layer.Add({4, h, inner});  // q, k, v, o
+    layer.Add({2, h});         // the two layer norms
+    layer.Add({ffn, h, f});    // wi (or wi_0, wi_1) and wo
+    decoder.Add({8, h, inner});  // self- and cross-attention
+    decoder.Add({3, h});
+    decoder.Add({ffn, h, f});
+    layer.Times(c.num_layers);
+    decoder.Times(c.num_decoder_layers);
+    model.Add({v, h});  // shared
+    model.Add(layer);
+    model.Add(decoder);
+    model.Add({2, c.relative_buckets, c.num_heads});  // layer 0's relative_attention_bias, both stacks
+    model.Add({2, h});                                // the stacks' final layer norms
+    if (!c.tie_word_embeddings) model.Add({v, h});    // lm_head
   } else {
     return absl::InvalidArgumentError(absl::StrCat("no parameter count for model_type '", c.model_type, "'"));
   }
@@ -390,7 +436,8 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
     case v1::TENSOR_PARALLEL_MODE_2D:
     case v1::TENSOR_PARALLEL_MODE_2P5D:
     case v1::TENSOR_PARALLEL_MODE_3D: {
-      if (config.model_type == "bert" || config.model_type == "bloom" || config.model_type == "vit") {
+      if (config.model_type == "bert" || config.model_type == "bloom" || config.model_type == "vit" ||
+          config.model_type == "t5") {
         return absl::InvalidArgumentError(
             absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d only"));
       }

@@ -46,9 +46,18 @@ struct ModelConfig {
   int64_t image_size = 0;
   int64_t patch_size = 0;
   int64_t num_channels = 0;
+  // T5: the head dim (d_kv; heads * d_kv need not be hidden_size), the
+  // decoder's layers (num_layers counts the encoder's), and the relative
+  // position buckets of layer 0's attention bias.
+  int64_t kv_dim = 0;
+  int64_t num_decoder_layers = 0;
+  int64_t relative_buckets = 0;
+  int64_t relative_max_distance = 0;
   std::string json;  // the config.json text it was parsed from
 
-  int64_t head_dim() const { return num_heads == 0 ? 0 : hidden_size / num_heads; }
+  int64_t head_dim() const { return kv_dim > 0 ? kv_dim : num_heads == 0 ? 0 : hidden_size / num_heads; }
+  // Whether the model is an encoder-decoder reading token ids and decoder ids (T5).
+  bool is_encoder_decoder() const { return num_decoder_layers > 0; }
   // Whether the model reads images [B, C, H, W] (ViT) rather than token ids.
   bool takes_images() const { return image_size > 0; }
 };

@@ -89,6 +89,20 @@ TEST(ModelConfig, ParameterCountsMatchThePublishedModels) {
       "num_attention_heads":4,"intermediate_size":96,"id2label":{"0":"cat","1":"dog","2":"bird"}})");
   ASSERT_TRUE(labelled.ok()) << labelled.status();
   EXPECT_EQ(labelled->vocab_size, 3);  // the labels id2label names
+  // t5-small (v1.0: relu, tied) and google/flan-t5-small (gated-gelu,
+  // untied, 6 heads of 64: inner 384 of d_model 512), as published.
+  auto t5 = ParseModelConfig(R"({"model_type":"t5","vocab_size":32128,"d_model":512,"d_kv":64,"d_ff":2048,
+      "num_layers":6,"num_heads":8,"relative_attention_num_buckets":32,"feed_forward_proj":"relu"})");
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  EXPECT_EQ(*ParameterCount(*t5), 60506624);
+  EXPECT_TRUE(t5->is_encoder_decoder());
+  EXPECT_EQ(t5->num_decoder_layers, 6);
+  auto flan = ParseModelConfig(R"({"model_type":"t5","vocab_size":32128,"d_model":512,"d_kv":64,"d_ff":1024,
+      "num_layers":8,"num_decoder_layers":8,"num_heads":6,"relative_attention_max_distance":128,
+      "feed_forward_proj":"gated-gelu","tie_word_embeddings":false})");
+  ASSERT_TRUE(flan.ok()) << flan.status();
+  EXPECT_EQ(*ParameterCount(*flan), 76961152);
+  EXPECT_EQ(flan->head_dim(), 64);
 }
 
 TEST(ModelConfig, ParameterCountsMatchTheTensorsOfWrittenModels) {
@@ -115,6 +129,17 @@ TEST(ModelConfig, ParameterCountsMatchTheTensorsOfWrittenModels) {
       for (const auto& [name, t] : m->tensors) written += t.numel();
       EXPECT_EQ(*ParameterCount(m->config), written) << "pre_norm " << pre_norm << " tie " << tie;
     }
+  }
+  for (bool gated : {false, true}) {
+    testing::TinyOptions o;
+    o.gated = gated;
+    o.tie = !gated;
+    o.kv_dim = gated ? 8 : 0;
+    auto m = testing::WriteTinyT5(::colod::testing::TempPath(absl::StrCat("count_t5_", gated)), o);
+    ASSERT_TRUE(m.ok()) << m.status();
+    int64_t written = 0;
+    for (const auto& [name, t] : m->tensors) written += t.numel();
+    EXPECT_EQ(*ParameterCount(m->config), written) << "t5 gated " << gated;
   }
   {
     auto m = testing::WriteTinyVit(::colod::testing::TempPath("count_vit"));
@@ -202,7 +227,15 @@ TEST(ModelConfig, ErrorsNameTheField) {
   for (const Case& c : std::vector<Case>{
            {"[]", "not a JSON object"},
            {R"({"vocab_size":3})", "model_type is missing"},
-           {R"({"model_type":"t5"})", "'t5' is not one of gpt2, llama, bert, opt, bloom, vit"},
+           {R"({"model_type":"mamba"})", "'mamba' is not one of gpt2, llama, bert, opt, bloom, vit, t5"},
+           {R"({"model_type":"t5","vocab_size":10,"d_model":16,"d_kv":4,"d_ff":32,"num_layers":2,"num_heads":4,
+               "feed_forward_proj":"gated-silu"})",
+            "feed_forward_proj \"gated-silu\" is not relu or gated-gelu"},
+           {R"({"model_type":"t5","vocab_size":10,"d_model":16,"d_ff":32,"num_layers":2,"num_heads":4})",
+            "d_kv is missing"},
+           {R"({"model_type":"t5","vocab_size":10,"d_model":16,"d_kv":4,"d_ff":32,"num_layers":2,"num_heads":4,
+               "relative_attention_num_buckets":32,"relative_attention_max_distance":8})",
+            "relative_attention_max_distance must exceed the exact buckets"},
            {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":2})", "n_head is missing"},
            {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":"2","n_head":4})",
             "n_layer must be a positive integer"},

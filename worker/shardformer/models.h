@@ -22,6 +22,10 @@
 //          intermediate.dense column-parallel, attention.output.dense and
 //          output.dense row-parallel; patch embedding, CLS token, positions
 //          and classifier replicated). Reads images, gives [B, 1, labels].
+//   t5     T5ForConditionalGeneration: 1d (q/k/v and wi column-parallel,
+//          o and wo row-parallel, heads split with each rank's columns of
+//          layer 0's relative bias, vocab-parallel shared embedding and
+//          head). Reads token ids and decoder ids.
 #ifndef COLOD_WORKER_SHARDFORMER_MODELS_H_
 #define COLOD_WORKER_SHARDFORMER_MODELS_H_
 
@@ -35,6 +39,7 @@ ModelFamily BertFamily();
 ModelFamily OptFamily();
 ModelFamily BloomFamily();
 ModelFamily VitFamily();
+ModelFamily T5Family();
 
 }  // namespace colod::shardformer
 

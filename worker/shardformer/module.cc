@@ -88,6 +88,11 @@ absl::StatusOr<ColoTensor> Module::Forward(const ColoTensor& x) {
   return forward_(*this, x);
 }
 
+absl::StatusOr<ColoTensor> Module::Forward(const ColoTensor& x, const ColoTensor& context) {
+  if (!cross_forward_) return absl::FailedPreconditionError(absl::StrCat(cls_, " takes one input"));
+  return cross_forward_(*this, x, context);
+}
+
 absl::StatusOr<ColoTensor> Module::Call(const std::string& path, const ColoTensor& x) {
   ASSIGN_OR_RETURN(Module * m, Get(path));
   return m->Forward(x);

@@ -118,6 +118,12 @@ class Module {
   Layer* layer() { return layer_.get(); }
   void set_layer(std::unique_ptr<Layer> layer) { layer_ = std::move(layer); }
   void set_forward(ForwardFn forward) { forward_ = std::move(forward); }
+  // A forward of two inputs: an encoder-decoder's token ids and decoder ids
+  // (T5's root). FAILED_PRECONDITION for a module without one.
+  using CrossForwardFn =
+      std::function<absl::StatusOr<ColoTensor>(Module& self, const ColoTensor& x, const ColoTensor& context)>;
+  void set_cross_forward(CrossForwardFn forward) { cross_forward_ = std::move(forward); }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x, const ColoTensor& context);
 
   // The layer's forward for a leaf (FAILED_PRECONDITION before it is
   // loaded), the forward function otherwise.
@@ -138,6 +144,7 @@ class Module {
  private:
   std::string cls_;
   ForwardFn forward_;
+  CrossForwardFn cross_forward_;
   std::vector<std::pair<std::string, std::unique_ptr<Module>>> children_;
   std::map<std::string, double> attrs_;
   std::optional<LayerDecl> decl_;

@@ -72,6 +72,20 @@ absl::StatusOr<ModelConfig> CheckForward(const ForwardRequest& request) {
     if (request.labels.has_value()) {
       return absl::InvalidArgumentError("labels are for image classifiers: a language model predicts its next tokens");
     }
+    if (config.is_encoder_decoder()) {
+      if (!request.decoder_input.has_value()) {
+        return absl::InvalidArgumentError(absl::StrCat("a ", config.model_type,
+                                                       " encoder-decoder needs decoder input ids [batch, seq] too"));
+      }
+      const Tensor& dec = *request.decoder_input;
+      if (dec.dim() != 2 || !IsInteger(dec.dtype()) || dec.shape()[0] != ids.shape()[0] || dec.shape()[1] < 2) {
+        return absl::InvalidArgumentError(absl::StrCat("the decoder input must be integer ids [", ids.shape()[0],
+                                                       ", seq >= 2], got ", DTypeName(dec.dtype()), " ",
+                                                       ShapeToString(dec.shape())));
+      }
+    } else if (request.decoder_input.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("a ", config.model_type, " has no decoder input"));
+    }
   }
   const int64_t batch = ids.shape()[0];
   RETURN_IF_ERROR(DeviceMesh::FromShardConfig(request.shard.layout).status());
@@ -93,10 +107,17 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
   ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
   ASSIGN_OR_RETURN(Tensor mine, input.Narrow(0, replica * rows, rows));
   mine = mine.Contiguous();
-  ASSIGN_OR_RETURN(ColoTensor logits, model->Forward(mine));
   const bool images = model->config().takes_images();
+  std::optional<Tensor> decoder;
+  if (request.decoder_input.has_value()) {
+    ASSIGN_OR_RETURN(Tensor dec, request.decoder_input->Narrow(0, replica * rows, rows));
+    decoder = dec.Contiguous();
+  }
+  ASSIGN_OR_RETURN(ColoTensor logits, decoder.has_value() ? model->Forward(mine, *decoder) : model->Forward(mine));
   LmLoss loss;
-  if (!images) {
+  if (decoder.has_value()) {
+    ASSIGN_OR_RETURN(loss, model->NextTokenLoss(logits, *decoder));
+  } else if (!images) {
     ASSIGN_OR_RETURN(loss, model->NextTokenLoss(logits, mine));
   } else if (request.labels.has_value()) {
     ASSIGN_OR_RETURN(Tensor labels, request.labels->Narrow(0, replica * rows, rows));

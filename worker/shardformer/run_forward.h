@@ -36,14 +36,17 @@ struct ForwardRequest {
   // An image classifier's integer labels [batch] (-100: left out); without
   // them its pass has no loss.
   std::optional<Tensor> labels;
+  // An encoder-decoder's (T5's) decoder ids [batch, seq]: required for one;
+  // its loss is next-token cross-entropy over them.
+  std::optional<Tensor> decoder_input;
   ShardConfig shard;
   bool cuda = false;  // one rank per CUDA device, over NCCL
   absl::Duration comm_timeout = absl::Seconds(60);  // per rendezvous and collective
 };
 
 struct ForwardResult {
-  // f32 [batch, seq, vocab_size], vocabulary padding removed; an image
-  // classifier's [batch, num_labels].
+  // f32 [batch, seq, vocab_size] (an encoder-decoder's decoder seq),
+  // vocabulary padding removed; an image classifier's [batch, num_labels].
   Tensor logits;
   // Mean next-token cross-entropy, or an image classifier's cross-entropy
   // against its labels (0 without them).

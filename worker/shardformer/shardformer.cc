@@ -55,6 +55,7 @@ ModelRegistry& ModelRegistry::Global() {
     r->Register("opt", OptFamily());
     r->Register("bloom", BloomFamily());
     r->Register("vit", VitFamily());
+    r->Register("t5", T5Family());
     return r;
   }();
   return *registry;
@@ -167,6 +168,29 @@ absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids) {
   ASSIGN_OR_RETURN(i64, i64.To(Device::Cpu()));
   ASSIGN_OR_RETURN(ColoTensor input, ColoTensor::FromLocal(i64, DistSpec(), pg_));
   return root_->Forward(input);
+}
+
+absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids, const Tensor& decoder_ids) {
+  if (!config_.is_encoder_decoder()) {
+    return absl::InvalidArgumentError(absl::StrCat("a ", config_.model_type, " has no decoder input"));
+  }
+  std::vector<ColoTensor> inputs;
+  for (const auto& [t, what] : {std::make_pair(&ids, "token ids"), std::make_pair(&decoder_ids, "decoder ids")}) {
+    if (t->dim() != 2 || (t->dtype() != DType::kI64 && t->dtype() != DType::kI32) || t->shape()[1] < 1 ||
+        t->shape()[0] != ids.shape()[0]) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " must be integers [batch, seq] of one batch, got ",
+                                                     DTypeName(t->dtype()), " ", ShapeToString(t->shape())));
+    }
+    if (t->shape()[1] > config_.max_positions) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": sequences of ", t->shape()[1], " tokens exceed ",
+                                                     config_.max_positions));
+    }
+    ASSIGN_OR_RETURN(Tensor i64, t->ContiguousAs(DType::kI64));
+    ASSIGN_OR_RETURN(i64, i64.To(Device::Cpu()));  // as Forward(ids): the embeddings copy them up
+    ASSIGN_OR_RETURN(ColoTensor input, ColoTensor::FromLocal(i64, DistSpec(), pg_));
+    inputs.push_back(std::move(input));
+  }
+  return root_->Forward(inputs[0], inputs[1]);
 }
 
 absl::StatusOr<LmLoss> ShardedModel::ClassificationLoss(const ColoTensor& logits, const Tensor& labels) {

@@ -100,7 +100,7 @@ struct ModelFamily {
 
 class ModelRegistry {
  public:
-  // Holds gpt2, llama, bert, opt, bloom and vit.
+  // Holds gpt2, llama, bert, opt, bloom, vit and t5.
   static ModelRegistry& Global();
   // Adds or replaces the family of `model_type`.
   void Register(const std::string& model_type, ModelFamily family);
@@ -161,6 +161,10 @@ class ShardedModel {
   // images (ViT, ModelConfig::takes_images) reads float pixel values
   // [B, channels, image_size, image_size] instead and gives [B, 1, labels].
   absl::StatusOr<ColoTensor> Forward(const Tensor& ids);
+  // An encoder-decoder's (T5's) logits [B, Sd, V] for token ids [B, Se]
+  // and decoder ids [B, Sd]. INVALID_ARGUMENT for ids that are not integer
+  // [B, S] of one batch, or a model that is not an encoder-decoder.
+  absl::StatusOr<ColoTensor> Forward(const Tensor& ids, const Tensor& decoder_ids);
   // The mean cross-entropy of an image classifier's logits [B, 1, labels]
   // against integer labels [B] (-100: left out).
   absl::StatusOr<LmLoss> ClassificationLoss(const ColoTensor& logits, const Tensor& labels);

@@ -264,6 +264,56 @@ absl::StatusOr<TinyModel> WriteTinyBloom(const std::string& dir, const TinyOptio
   return m;
 }
 
+absl::StatusOr<TinyModel> WriteTinyT5(const std::string& dir, const TinyOptions& o) {
+  TinyModel m;
+  m.dir = dir;
+  const int64_t h = o.hidden, kv = o.kv_dim == 0 ? o.hidden / o.heads : o.kv_dim, inner = o.heads * kv;
+  const int64_t f = o.intermediate, buckets = 8;
+  const std::string config = absl::StrCat(
+      R"({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "vocab_size": )", o.vocab,
+      R"(, "d_model": )", h, R"(, "d_kv": )", kv, R"(, "d_ff": )", f, R"(, "num_layers": )", o.layers,
+      R"(, "num_decoder_layers": )", o.layers, R"(, "num_heads": )", o.heads,
+      R"(, "relative_attention_num_buckets": 8, "relative_attention_max_distance": 16, "layer_norm_epsilon": 1e-6)",
+      R"(, "feed_forward_proj": ")", o.gated ? "gated-gelu" : "relu", R"(", "tie_word_embeddings": )",
+      o.tie ? "true" : "false", R"(, "decoder_start_token_id": 0})");
+  ASSIGN_OR_RETURN(m.config, ParseModelConfig(config));
+  Writer w{m, o.seed * 1000 + 600, {}};
+  auto norm = [&w, h](const std::string& name) { return w.Add(name + ".weight", {h}, 0.1f, 1.0f); };
+  auto attention = [&](const std::string& p, bool relative) -> absl::Status {
+    for (const char* proj : {"q", "k", "v"}) RETURN_IF_ERROR(w.Add(p + "." + proj + ".weight", {inner, h}, 0.15f));
+    RETURN_IF_ERROR(w.Add(p + ".o.weight", {h, inner}, 0.1f));
+    if (relative) RETURN_IF_ERROR(w.Add(p + ".relative_attention_bias.weight", {buckets, o.heads}, 0.5f));
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(w.Add("shared.weight", {o.vocab, h}, 0.5f));
+  for (const bool decoder : {false, true}) {
+    const std::string s = decoder ? "decoder" : "encoder";
+    for (int64_t i = 0; i < o.layers; ++i) {
+      const std::string b = absl::StrCat(s, ".block.", i, ".layer.");
+      RETURN_IF_ERROR(attention(b + "0.SelfAttention", i == 0));
+      RETURN_IF_ERROR(norm(b + "0.layer_norm"));
+      int ff = 1;
+      if (decoder) {
+        RETURN_IF_ERROR(attention(b + "1.EncDecAttention", false));
+        RETURN_IF_ERROR(norm(b + "1.layer_norm"));
+        ff = 2;
+      }
+      const std::string fp = absl::StrCat(b, ff, ".DenseReluDense.");
+      for (const char* wi : o.gated ? std::vector<const char*>{"wi_0", "wi_1"} : std::vector<const char*>{"wi"}) {
+        RETURN_IF_ERROR(w.Add(fp + wi + ".weight", {f, h}, 0.15f));
+      }
+      RETURN_IF_ERROR(w.Add(fp + "wo.weight", {h, f}, 0.1f));
+      RETURN_IF_ERROR(norm(absl::StrCat(b, ff, ".layer_norm")));
+    }
+    RETURN_IF_ERROR(norm(s + ".final_layer_norm"));
+  }
+  if (!o.tie) {
+    RETURN_IF_ERROR(w.Add("lm_head.weight", {o.vocab, h}, 0.3f));
+  }
+  RETURN_IF_ERROR(w.Write(config));
+  return m;
+}
+
 absl::StatusOr<TinyModel> WriteTinyVit(const std::string& dir, const TinyOptions& o) {
   TinyModel m;
   m.dir = dir;
@@ -635,6 +685,107 @@ absl::StatusOr<Reference> ReferenceBloom(const TinyModel& m, const Tensor& ids) 
   return NextTokenReference(logits, ids, leaf);
 }
 
+// T5ForConditionalGeneration.forward as modeling_t5.py writes it (no
+// attention mask, dropout off): T5LayerNorm is an RMS norm without bias,
+// attention scores are unscaled, layer 0's relative_attention_bias gives
+// the position bias every block of its stack adds (compute_bias:
+// bidirectional buckets in the encoder, causal in the decoder), the
+// cross-attention has none, and a tied head reads the decoder output
+// scaled by d_model^-0.5.
+absl::StatusOr<Reference> ReferenceT5(const TinyModel& m, const Tensor& ids, const Tensor& decoder_ids,
+                                      const Tensor& labels) {
+  const ModelConfig& c = m.config;
+  Leaves leaf(m);
+  const int64_t batch = ids.shape()[0], nh = c.num_heads, d = c.kv_dim, inner = nh * d;
+  const float eps = static_cast<float>(c.norm_eps);
+  auto rms = [&](const Variable& x, const std::string& name) -> absl::StatusOr<Variable> {
+    ASSIGN_OR_RETURN(Variable g, leaf(name + ".weight"));
+    return nn::RmsNorm(x, g, eps);
+  };
+  auto linear = [&](const Variable& x, const std::string& name) { return leaf.Linear(x, name, /*bias=*/false); };
+  auto bias_of = [&](const std::string& table, int64_t sq, int64_t sk, bool bidirectional) -> absl::StatusOr<Variable> {
+    const std::vector<int64_t> buckets =
+        nn::RelativePositionBuckets(sq, sk, bidirectional, c.relative_buckets, c.relative_max_distance);
+    ASSIGN_OR_RETURN(Tensor ids_t, Tensor::FromInt64s({sq, sk}, buckets));
+    ASSIGN_OR_RETURN(Variable t, leaf(table + ".weight"));
+    ASSIGN_OR_RETURN(Variable values, nn::Embedding(t, ids_t));  // [sq, sk, heads]
+    std::vector<Variable> heads;
+    for (int64_t h = 0; h < nh; ++h) {
+      ASSIGN_OR_RETURN(Variable col, nn::Narrow(values, 2, h, 1));
+      ASSIGN_OR_RETURN(col, nn::Reshape(col, {1, sq, sk}));
+      heads.push_back(col);
+    }
+    return nn::Cat(heads, 0);
+  };
+  auto attend = [&](const Variable& x, const Variable& kv, const std::string& p, const Variable& bias,
+                    bool causal) -> absl::StatusOr<Variable> {
+    const int64_t sq = x.value().shape()[1], sk = kv.value().shape()[1];
+    ASSIGN_OR_RETURN(Variable q, linear(x, p + ".q"));
+    ASSIGN_OR_RETURN(Variable k, linear(kv, p + ".k"));
+    ASSIGN_OR_RETURN(Variable v, linear(kv, p + ".v"));
+    ASSIGN_OR_RETURN(q, nn::Reshape(q, {batch, sq, nh, d}));
+    ASSIGN_OR_RETURN(k, nn::Reshape(k, {batch, sk, nh, d}));
+    ASSIGN_OR_RETURN(v, nn::Reshape(v, {batch, sk, nh, d}));
+    ASSIGN_OR_RETURN(Variable att, nn::BiasedAttention(q, k, v, 1.0f, causal, bias));
+    ASSIGN_OR_RETURN(att, nn::Reshape(att, {batch, sq, inner}));
+    return linear(att, p + ".o");
+  };
+  auto ff = [&](const Variable& x, const std::string& p) -> absl::StatusOr<Variable> {
+    Variable inner_act;
+    if (c.activation == "gated-gelu") {
+      ASSIGN_OR_RETURN(Variable g, linear(x, p + ".wi_0"));
+      ASSIGN_OR_RETURN(g, nn::Gelu(g, ops::GeluApprox::kTanh));
+      ASSIGN_OR_RETURN(Variable u, linear(x, p + ".wi_1"));
+      ASSIGN_OR_RETURN(inner_act, Mul(g, u));
+    } else {
+      ASSIGN_OR_RETURN(Variable a, linear(x, p + ".wi"));
+      ASSIGN_OR_RETURN(inner_act, nn::Relu(a));
+    }
+    return linear(inner_act, p + ".wo");
+  };
+  ASSIGN_OR_RETURN(Variable shared, leaf("shared.weight"));
+  Variable encoded;
+  for (const bool decoder : {false, true}) {
+    const std::string s = decoder ? "decoder" : "encoder";
+    const Tensor& in = decoder ? decoder_ids : ids;
+    const int64_t seq = in.shape()[1];
+    ASSIGN_OR_RETURN(Variable x, nn::Embedding(shared, in));
+    ASSIGN_OR_RETURN(Variable bias, bias_of(s + ".block.0.layer.0.SelfAttention.relative_attention_bias", seq, seq,
+                                            !decoder));
+    for (int64_t l = 0; l < (decoder ? c.num_decoder_layers : c.num_layers); ++l) {
+      const std::string b = absl::StrCat(s, ".block.", l, ".layer.");
+      ASSIGN_OR_RETURN(Variable h, rms(x, b + "0.layer_norm"));
+      ASSIGN_OR_RETURN(Variable a, attend(h, h, b + "0.SelfAttention", bias, decoder));
+      ASSIGN_OR_RETURN(x, Add(x, a));
+      int f = 1;
+      if (decoder) {
+        ASSIGN_OR_RETURN(Variable hc, rms(x, b + "1.layer_norm"));
+        ASSIGN_OR_RETURN(Tensor zeros, Tensor::Zeros({nh, seq, encoded.value().shape()[1]}, DType::kF32));
+        ASSIGN_OR_RETURN(Variable cr, attend(hc, encoded, b + "1.EncDecAttention", Variable(zeros), false));
+        ASSIGN_OR_RETURN(x, Add(x, cr));
+        f = 2;
+      }
+      ASSIGN_OR_RETURN(Variable hf, rms(x, absl::StrCat(b, f, ".layer_norm")));
+      ASSIGN_OR_RETURN(Variable o, ff(hf, absl::StrCat(b, f, ".DenseReluDense")));
+      ASSIGN_OR_RETURN(x, Add(x, o));
+    }
+    ASSIGN_OR_RETURN(x, rms(x, s + ".final_layer_norm"));
+    if (!decoder) {
+      encoded = x;
+      continue;
+    }
+    if (c.tie_word_embeddings) {
+      ASSIGN_OR_RETURN(x, Scale(x, static_cast<float>(std::pow(static_cast<double>(c.hidden_size), -0.5))));
+    }
+    ASSIGN_OR_RETURN(Variable head, leaf(c.tie_word_embeddings ? "shared.weight" : "lm_head.weight"));
+    ASSIGN_OR_RETURN(Variable logits, nn::Linear(x, head, std::nullopt));
+    ASSIGN_OR_RETURN(Reference r, LabelledReference(logits, labels, leaf));
+    r.decoder_ids = decoder_ids;
+    return r;
+  }
+  return absl::InternalError("unreachable");
+}
+
 // ViTForImageClassification.forward as modeling_vit.py writes it. The
 // patches are cut by index arithmetic here (the model uses
 // nn::ImagePatches): patch (i, j) is token 1 + i * (W / P) + j, its
@@ -756,7 +907,9 @@ void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref,
     const int dp_rank = *pg.dp_local_rank();
     const int64_t rows = batch / dp;
     const Tensor mine = ids.Narrow(0, dp_rank * rows, rows)->Contiguous();
-    auto logits = (*sharded)->Forward(mine);
+    auto logits = ref.decoder_ids.has_value()
+                      ? (*sharded)->Forward(mine, ref.decoder_ids->Narrow(0, dp_rank * rows, rows)->Contiguous())
+                      : (*sharded)->Forward(mine);
     ASSERT_TRUE(logits.ok()) << logits.status();
     auto full = (*sharded)->GatherLogits(*logits);
     ASSERT_TRUE(full.ok()) << full.status();

@@ -44,6 +44,11 @@ struct TinyOptions {
   int64_t patch = 4;
   int64_t channels = 3;
   int64_t labels = 10;
+  // T5: gated-gelu (v1.1) rather than relu (v1.0), the head dim d_kv (0:
+  // hidden / heads), 8 relative buckets reaching 16 positions (so short
+  // sequences meet the logarithmic buckets); `tie` as above.
+  bool gated = false;
+  int64_t kv_dim = 0;
 };
 
 struct TinyModel {
@@ -72,6 +77,10 @@ absl::StatusOr<TinyModel> WriteTinyBloom(const std::string& dir, const TinyOptio
 
 // Creates `dir` with config.json and model.safetensors of a random
 // ViTForImageClassification (intermediate size `intermediate`).
+// Creates `dir` with config.json and model.safetensors of a random
+// T5ForConditionalGeneration (encoder and decoder of `layers` blocks).
+absl::StatusOr<TinyModel> WriteTinyT5(const std::string& dir, const TinyOptions& options = {});
+
 absl::StatusOr<TinyModel> WriteTinyVit(const std::string& dir, const TinyOptions& options = {});
 // Deterministic pixel values [batch, channels, image, image] and labels [batch] in [0, labels).
 Tensor PixelValues(int64_t batch, const TinyOptions& options, uint64_t salt);
@@ -84,6 +93,7 @@ struct Reference {
   std::map<std::string, Tensor> grads;    // d loss / d tensor, by checkpoint name
   std::optional<Tensor> labels;           // a masked LM's targets (-100: none); none for next-token
   int64_t tokens = 0;                     // how many predictions the loss averages
+  std::optional<Tensor> decoder_ids;      // an encoder-decoder's decoder input [B, Sd]
 };
 absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& model, const Tensor& ids);
 absl::StatusOr<Reference> ReferenceLlama(const TinyModel& model, const Tensor& ids);
@@ -91,6 +101,10 @@ absl::StatusOr<Reference> ReferenceOpt(const TinyModel& model, const Tensor& ids
 absl::StatusOr<Reference> ReferenceBloom(const TinyModel& model, const Tensor& ids);
 // Logits [B, 1, labels] of images [B, C, H, W] and the classification loss
 // against `labels` [B] (r.labels holds them as [B, 1]).
+// T5's logits [B, Sd, V] for `ids` [B, Se] and `decoder_ids` [B, Sd], and
+// the mean cross-entropy against `labels` [B, Sd] (-100: none).
+absl::StatusOr<Reference> ReferenceT5(const TinyModel& model, const Tensor& ids, const Tensor& decoder_ids,
+                                      const Tensor& labels);
 absl::StatusOr<Reference> ReferenceVit(const TinyModel& model, const Tensor& pixels, const Tensor& labels);
 // The masked-LM loss against `labels` [B, S] (-100 where nothing is predicted).
 absl::StatusOr<Reference> ReferenceBert(const TinyModel& model, const Tensor& ids, const Tensor& labels);

@@ -102,13 +102,13 @@ TEST(Validation, BloomsLayoutsAndTensors) {
 }
 
 TEST(Validation, AnUnknownModelType) {
-  auto gpt2 = testing::WriteTinyGpt2(TempPath("v_t5"));
+  auto gpt2 = testing::WriteTinyGpt2(TempPath("v_mamba"));
   ASSERT_TRUE(gpt2.ok());
-  std::ofstream(gpt2->dir + "/config.json") << R"({"model_type": "t5", "vocab_size": 50, "d_model": 64})";
+  std::ofstream(gpt2->dir + "/config.json") << R"({"model_type": "mamba", "vocab_size": 50, "d_model": 64})";
   const absl::Status s = LoadAsRank0(gpt2->dir, Layout(2, v1::TENSOR_PARALLEL_MODE_1D));
-  ExpectInvalid(s, "'t5'");
+  ExpectInvalid(s, "'mamba'");
   ExpectInvalid(s, "model_type");
-  ExpectInvalid(s, "known: bert, bloom, gpt2, llama, opt, vit");
+  ExpectInvalid(s, "known: bert, bloom, gpt2, llama, opt, t5, vit");
 }
 
 TEST(Validation, MissingAndMisshapedTensorsAreNamed) {

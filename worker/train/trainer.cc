@@ -34,6 +34,11 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
   ASSIGN_OR_RETURN(shardformer::ModelConfig config, shardformer::LoadConfig(o.model_dir));
   RETURN_IF_ERROR(shardformer::CheckShardable(config, o.shard.layout));
+  if (config.is_encoder_decoder()) {
+    return absl::UnimplementedError(absl::StrCat(o.model_dir, " is an encoder-decoder (", config.model_type,
+                                                 "): training on (input, target) pairs is not built yet "
+                                                 "(coloctl forward --decoder-input runs it)"));
+  }
   if (!config.takes_images() && !o.labels_path.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "labels are for image classifiers: ", o.model_dir, " (", config.model_type, ") predicts its next tokens"));

@@ -1,0 +1,253 @@
+// T5ForConditionalGeneration (transformers/models/t5/modeling_t5.py),
+// evaluation semantics (dropout off, no padding mask): the shared token
+// embedding, an encoder stack and a decoder stack of pre-norm blocks (T5's
+// RMS norm, no biases anywhere), attention without score scaling whose
+// scores gain a relative position bias that each stack's layer 0 holds
+// (bidirectional buckets in the encoder, causal in the decoder; every layer
+// of the stack uses it), cross-attention of the decoder over the encoder's
+// output, feed-forward blocks of ReLU (T5 v1.0) or gated GELU (v1.1,
+// flan-t5), each stack's final norm, and the LM head (tied to the shared
+// embedding with the decoder output scaled by d_model^-1/2, or untied).
+//
+// The root takes two inputs (Module::Forward(ids, decoder_ids)); the stacks
+// and blocks are walked here rather than through single-input forwards, as
+// the blocks share the position bias and the decoder reads the encoder.
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/nn/functional.h"
+#include "worker/shardformer/models.h"
+
+namespace colod::shardformer {
+namespace {
+
+using Kind = LayerDecl::Kind;
+
+// The relative position bias [local heads, sq, sk] of a stack, from layer
+// 0's relative_attention_bias table [buckets, heads] (replicated): this
+// rank's heads' columns, the table's gradient summed over tp (each rank
+// contributes its heads').
+absl::StatusOr<Variable> PositionBias(Module& attn, const ColoTensor& like, int64_t sq, int64_t sk, bool decoder) {
+  ASSIGN_OR_RETURN(int64_t heads, attn.IntAttr("n_heads"));
+  ASSIGN_OR_RETURN(int64_t total, attn.IntAttr("total_heads"));
+  ASSIGN_OR_RETURN(int64_t buckets, attn.IntAttr("relative_attention_num_buckets"));
+  ASSIGN_OR_RETURN(int64_t max_distance, attn.IntAttr("relative_attention_max_distance"));
+  const std::vector<int64_t> ids = nn::RelativePositionBuckets(sq, sk, !decoder, buckets, max_distance);
+  ASSIGN_OR_RETURN(Tensor bucket_ids, Tensor::FromInt64s({sq, sk}, ids));
+  ASSIGN_OR_RETURN(ColoTensor id_tensor, ColoTensor::FromLocal(bucket_ids, DistSpec(), like.process_group()));
+  ASSIGN_OR_RETURN(ColoTensor values, attn.Call("relative_attention_bias", id_tensor));  // [sq, sk, total]
+  Variable table = values.variable();
+  int64_t first = 0;
+  if (heads != total) {
+    ProcessGroup* pg = like.process_group();
+    ASSIGN_OR_RETURN(int rank, pg->tp_local_rank());
+    ASSIGN_OR_RETURN(Communicator * tp, pg->Comm("tp"));
+    ASSIGN_OR_RETURN(table, nn::ReduceGradient(table, tp, pg->timeout()));
+    first = static_cast<int64_t>(rank) * heads;
+  }
+  std::vector<Variable> per_head;
+  for (int64_t h = 0; h < heads; ++h) {
+    ASSIGN_OR_RETURN(Variable column, nn::Narrow(table, 2, first + h, 1));
+    ASSIGN_OR_RETURN(column, nn::Reshape(column, {1, sq, sk}));
+    per_head.push_back(column);
+  }
+  return nn::Cat(per_head, 0);
+}
+
+// T5Attention without scaling: q from x, k and v from `kv` (x itself, or
+// the encoder's output), the scores plus `bias` [local heads, sq, sk].
+absl::StatusOr<ColoTensor> Attention(Module& attn, const ColoTensor& x, const ColoTensor& kv, const Variable& bias,
+                                     bool causal) {
+  ASSIGN_OR_RETURN(int64_t heads, attn.IntAttr("n_heads"));
+  ASSIGN_OR_RETURN(int64_t head_dim, attn.IntAttr("key_value_proj_dim"));
+  ASSIGN_OR_RETURN(ColoTensor q, attn.Call("q", x));
+  ASSIGN_OR_RETURN(ColoTensor k, attn.Call("k", kv));
+  ASSIGN_OR_RETURN(ColoTensor v, attn.Call("v", kv));
+  ASSIGN_OR_RETURN(Variable qh, SplitHeads(q, heads, head_dim, "q"));
+  ASSIGN_OR_RETURN(Variable kh, SplitHeads(k, heads, head_dim, "k"));
+  ASSIGN_OR_RETURN(Variable vh, SplitHeads(v, heads, head_dim, "v"));
+  ASSIGN_OR_RETURN(Variable att, nn::BiasedAttention(qh, kh, vh, 1.0f, causal, bias));
+  const Shape& s = att.value().shape();
+  ASSIGN_OR_RETURN(att, nn::Reshape(att, {s[0], s[1], heads * head_dim}));
+  return CallWithLocal(attn, "o", att, x.process_group());
+}
+
+// T5DenseActDense (relu) or T5DenseGatedActDense (gelu_new(wi_0) * wi_1).
+absl::StatusOr<ColoTensor> FeedForward(Module& ff, const ColoTensor& x) {
+  if (ff.Find("wi") != nullptr) {
+    ASSIGN_OR_RETURN(ColoTensor inner, ff.Call("wi", x));
+    ASSIGN_OR_RETURN(inner, MapLocal(inner, [](const Variable& v) { return nn::Relu(v); }));
+    return ff.Call("wo", inner);
+  }
+  ASSIGN_OR_RETURN(ColoTensor gate, ff.Call("wi_0", x, nn::GeluEpilogue(ops::GeluApprox::kTanh)));
+  ASSIGN_OR_RETURN(ColoTensor up, ff.Call("wi_1", x));
+  RETURN_IF_ERROR(CheckSpec(up, gate.spec(), "wi_1's output"));
+  ASSIGN_OR_RETURN(ColoTensor h, MapLocal(gate, [&up](const Variable& g) { return Mul(g, up.variable()); }));
+  return ff.Call("wo", h);
+}
+
+// One T5Stack over token ids: the shared embedding, the blocks (each
+// `x + sublayer(norm(x))`), the final norm. `encoder_out` is the encoder's
+// output for the decoder's cross-attention (null for the encoder).
+absl::StatusOr<ColoTensor> Stack(Module& root, const std::string& name, const ColoTensor& ids,
+                                 const ColoTensor* encoder_out) {
+  ASSIGN_OR_RETURN(Module * stack, root.Get(name));
+  const bool decoder = encoder_out != nullptr;
+  ASSIGN_OR_RETURN(ColoTensor x, root.Call("shared", ids));
+  const int64_t seq = ids.local().shape()[1];
+  ASSIGN_OR_RETURN(Module * first_attn, stack->Get("block.0.layer.0.SelfAttention"));
+  ASSIGN_OR_RETURN(Variable bias, PositionBias(*first_attn, x, seq, seq, decoder));
+  std::optional<Variable> no_bias;  // cross-attention has none
+  if (decoder) {
+    ASSIGN_OR_RETURN(int64_t heads, first_attn->IntAttr("n_heads"));
+    ASSIGN_OR_RETURN(Tensor zeros,
+                     Tensor::Zeros({heads, seq, encoder_out->local().shape()[1]}, DType::kF32, x.local().device()));
+    no_bias = Variable(zeros);
+  }
+  ASSIGN_OR_RETURN(Module * blocks, stack->Get("block"));
+  for (int64_t i = 0;; ++i) {
+    Module* block = blocks->Find(absl::StrCat(i));
+    if (block == nullptr) break;
+    ASSIGN_OR_RETURN(ColoTensor h, block->Call("layer.0.layer_norm", x));
+    ASSIGN_OR_RETURN(Module * self_attn, block->Get("layer.0.SelfAttention"));
+    ASSIGN_OR_RETURN(ColoTensor a, Attention(*self_attn, h, h, bias, /*causal=*/decoder));
+    ASSIGN_OR_RETURN(x, AddActivations(x, a));
+    int ff = 1;
+    if (decoder) {
+      ASSIGN_OR_RETURN(ColoTensor hc, block->Call("layer.1.layer_norm", x));
+      ASSIGN_OR_RETURN(Module * cross, block->Get("layer.1.EncDecAttention"));
+      ASSIGN_OR_RETURN(ColoTensor c, Attention(*cross, hc, *encoder_out, *no_bias, /*causal=*/false));
+      ASSIGN_OR_RETURN(x, AddActivations(x, c));
+      ff = 2;
+    }
+    ASSIGN_OR_RETURN(ColoTensor hf, block->Call(absl::StrCat("layer.", ff, ".layer_norm"), x));
+    ASSIGN_OR_RETURN(Module * dense, block->Get(absl::StrCat("layer.", ff, ".DenseReluDense")));
+    ASSIGN_OR_RETURN(ColoTensor f, FeedForward(*dense, hf));
+    ASSIGN_OR_RETURN(x, AddActivations(x, f));
+  }
+  return stack->Call("final_layer_norm", x);
+}
+
+absl::StatusOr<ColoTensor> ConditionalGenerationForward(Module& self, const ColoTensor& ids,
+                                                        const ColoTensor& decoder_ids) {
+  ASSIGN_OR_RETURN(ColoTensor encoded, Stack(self, "encoder", ids, nullptr));
+  ASSIGN_OR_RETURN(ColoTensor decoded, Stack(self, "decoder", decoder_ids, &encoded));
+  ASSIGN_OR_RETURN(int64_t tied, self.IntAttr("tie_word_embeddings"));
+  if (tied) {  // the tied head reads the decoder output scaled by d_model^-1/2
+    ASSIGN_OR_RETURN(double scale, self.Attr("model_dim_scale"));
+    ASSIGN_OR_RETURN(decoded, MapLocal(decoded, [scale](const Variable& v) {
+                       return Scale(v, static_cast<float>(scale));
+                     }));
+  }
+  return self.Call("lm_head", decoded);
+}
+
+absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
+  const int64_t h = c.hidden_size, inner = c.num_heads * c.kv_dim, f = c.intermediate_size;
+  const float eps = static_cast<float>(c.norm_eps);
+  const bool gated = c.activation == "gated-gelu";
+  auto leaf = [](Kind kind, const std::string& prefix, int64_t in, int64_t out, float e = 1e-6f) {
+    return Module::Leaf(LayerDecl::Of(kind, prefix, in, out, /*bias=*/false, e));
+  };
+  auto root = std::make_unique<Module>("T5ForConditionalGeneration", nullptr);
+  root->set_cross_forward(ConditionalGenerationForward);
+  root->SetAttr("tie_word_embeddings", c.tie_word_embeddings ? 1 : 0);
+  root->SetAttr("model_dim_scale", 1.0 / std::sqrt(static_cast<double>(h)));
+  root->Add("shared", leaf(Kind::kEmbedding, "shared", c.vocab_size, h));
+  auto attention = [&](Module* parent, const std::string& name, const std::string& p, bool relative) {
+    Module* attn = parent->Add(name, std::make_unique<Module>("T5Attention", nullptr));
+    attn->SetAttr("n_heads", static_cast<double>(c.num_heads));
+    attn->SetAttr("total_heads", static_cast<double>(c.num_heads));  // the policy leaves it whole
+    attn->SetAttr("key_value_proj_dim", static_cast<double>(c.kv_dim));
+    for (const char* proj : {"q", "k", "v"}) attn->Add(proj, leaf(Kind::kLinear, absl::StrCat(p, ".", proj), h, inner));
+    attn->Add("o", leaf(Kind::kLinear, p + ".o", inner, h));
+    if (relative) {
+      attn->SetAttr("relative_attention_num_buckets", static_cast<double>(c.relative_buckets));
+      attn->SetAttr("relative_attention_max_distance", static_cast<double>(c.relative_max_distance));
+      attn->Add("relative_attention_bias",
+                leaf(Kind::kEmbedding, p + ".relative_attention_bias", c.relative_buckets, c.num_heads));
+    }
+  };
+  for (const bool decoder : {false, true}) {
+    const std::string s = decoder ? "decoder" : "encoder";
+    Module* stack = root->Add(s, std::make_unique<Module>("T5Stack", nullptr));
+    Module* blocks = stack->Add("block", std::make_unique<Module>("ModuleList", nullptr));
+    const int64_t layers = decoder ? c.num_decoder_layers : c.num_layers;
+    for (int64_t i = 0; i < layers; ++i) {
+      const std::string b = absl::StrCat(s, ".block.", i, ".layer.");
+      Module* block = blocks->Add(absl::StrCat(i), std::make_unique<Module>("T5Block", nullptr));
+      Module* sublayers = block->Add("layer", std::make_unique<Module>("ModuleList", nullptr));
+      Module* self_attn = sublayers->Add("0", std::make_unique<Module>("T5LayerSelfAttention", nullptr));
+      attention(self_attn, "SelfAttention", b + "0.SelfAttention", i == 0);
+      self_attn->Add("layer_norm", leaf(Kind::kRmsNorm, b + "0.layer_norm", 0, h, eps));
+      int ff = 1;
+      if (decoder) {
+        Module* cross = sublayers->Add("1", std::make_unique<Module>("T5LayerCrossAttention", nullptr));
+        attention(cross, "EncDecAttention", b + "1.EncDecAttention", false);
+        cross->Add("layer_norm", leaf(Kind::kRmsNorm, b + "1.layer_norm", 0, h, eps));
+        ff = 2;
+      }
+      Module* ffl = sublayers->Add(absl::StrCat(ff), std::make_unique<Module>("T5LayerFF", nullptr));
+      const std::string fp = absl::StrCat(b, ff, ".DenseReluDense");
+      Module* dense = ffl->Add("DenseReluDense", std::make_unique<Module>(gated ? "T5DenseGatedActDense"
+                                                                               : "T5DenseActDense", nullptr));
+      if (gated) {
+        dense->Add("wi_0", leaf(Kind::kLinear, fp + ".wi_0", h, f));
+        dense->Add("wi_1", leaf(Kind::kLinear, fp + ".wi_1", h, f));
+      } else {
+        dense->Add("wi", leaf(Kind::kLinear, fp + ".wi", h, f));
+      }
+      dense->Add("wo", leaf(Kind::kLinear, fp + ".wo", f, h));
+      ffl->Add("layer_norm", leaf(Kind::kRmsNorm, absl::StrCat(b, ff, ".layer_norm"), 0, h, eps));
+    }
+    stack->Add("final_layer_norm", leaf(Kind::kRmsNorm, s + ".final_layer_norm", 0, h, eps));
+  }
+  LayerDecl head = LayerDecl::Of(Kind::kLinear, "lm_head", h, c.vocab_size, false);
+  if (c.tie_word_embeddings) head.tied_to = "shared";
+  root->Add("lm_head", Module::Leaf(std::move(head)));
+  return root;
+}
+
+// ShardFormer's T5 policy, 1D: q, k, v and wi (wi_0, wi_1) column-parallel,
+// o and wo row-parallel, the heads split over tp (layer 0's bias table
+// replicated, each rank reading its heads' columns), vocab-parallel shared
+// embedding and head.
+class T5Policy : public Policy {
+ public:
+  absl::Status Preprocess(const ModelConfig& config, ShardConfig& shard) override {
+    RETURN_IF_ERROR(CheckShardable(config, shard.layout));
+    if (shard.sequence_parallel()) return absl::InvalidArgumentError("the t5 policy has no sequence_parallel");
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
+                                                                              const ShardConfig& shard) override {
+    std::map<std::string, ModulePolicyDescription> policy;
+    ModulePolicyDescription& root = policy["T5ForConditionalGeneration"];
+    root.sub_module_replacement = {{"shared", "VocabParallelEmbedding1D"}};
+    if (!config.tie_word_embeddings) root.sub_module_replacement.push_back({"lm_head", "VocabParallelLMHead1D"});
+    ModulePolicyDescription& attn = policy["T5Attention"];
+    attn.attribute_replacement = {{"n_heads", static_cast<double>(config.num_heads / shard.head_split())}};
+    attn.sub_module_replacement = {
+        {"q", "Linear1D_Col"}, {"k", "Linear1D_Col"}, {"v", "Linear1D_Col"}, {"o", "Linear1D_Row"}};
+    policy["T5DenseActDense"].sub_module_replacement = {{"wi", "Linear1D_Col"}, {"wo", "Linear1D_Row"}};
+    policy["T5DenseGatedActDense"].sub_module_replacement = {
+        {"wi_0", "Linear1D_Col"}, {"wi_1", "Linear1D_Col"}, {"wo", "Linear1D_Row"}};
+    return policy;
+  }
+  absl::Status Postprocess(Module& model, const ModelConfig&, const ShardConfig&) override {
+    return TieLmHeads(model);
+  }
+};
+
+}  // namespace
+
+ModelFamily T5Family() {
+  ModelFamily f;
+  f.base_model_prefix = "";
+  f.build = Build;
+  f.policy = [] { return std::unique_ptr<Policy>(new T5Policy()); };
+  return f;
+}
+
+}  // namespace colod::shardformer
