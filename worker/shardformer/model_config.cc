@@ -191,6 +191,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
       return Field(what, "relative_attention_max_distance",
                    "must exceed the exact buckets (a quarter of relative_attention_num_buckets)");
     }
+    if (!CheckedMul(c.num_heads, c.kv_dim).has_value()) {
+      return Field(what, "d_kv", absl::StrCat("times num_heads ", c.num_heads, " overflows"));
+    }
     if (c.num_decoder_layers > kMaxLayers) {
       return Field(what, "num_decoder_layers", absl::StrCat("must be at most ", kMaxLayers));
     }
@@ -354,12 +357,12 @@ absl::StatusOr<int64_t> ParameterCount(const ModelConfig& c) {
     model.Add({v, h});  // classifier
     model.Add({v});
   } else if (c.model_type == "t5") {
-    const int64_t inner = c.num_heads * c.kv_dim, ffn = c.activation == "gated-gelu" ? 3 : 2;
+    const int64_t ffn = c.activation == "gated-gelu" ? 3 : 2;
     Counter decoder;
-    layer.Add({4, h, inner});  // q, k, v, o
-    layer.Add({2, h});         // the two layer norms
-    layer.Add({ffn, h, f});    // wi (or wi_0, wi_1) and wo
-    decoder.Add({8, h, inner});  // self- and cross-attention
+    layer.Add({4, h, c.num_heads, c.kv_dim});  // q, k, v, o: [heads * d_kv, d_model] each
+    layer.Add({2, h});                         // the two layer norms
+    layer.Add({ffn, h, f});                    // wi (or wi_0, wi_1) and wo
+    decoder.Add({8, h, c.num_heads, c.kv_dim});  // self- and cross-attention
     decoder.Add({3, h});
     decoder.Add({ffn, h, f});
     layer.Times(c.num_layers);

@@ -62,8 +62,9 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   }
   const int64_t rows = o.batch_size / dp;
   if (rows * dp != o.batch_size || rows % o.micro_batches != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("the batch of ", o.batch_size, " does not split over ", dp,
-                                                   " replicas of ", o.micro_batches, " micro-batches"));
+    return absl::InvalidArgumentError(absl::StrCat("the batch of ", o.batch_size,
+                                                   " does not split over data_parallel_size ", dp, " and ",
+                                                   o.micro_batches, " micro-batches a replica"));
   }
   run->micro_rows = rows / o.micro_batches;
   if (config.takes_images()) {
