@@ -33,8 +33,7 @@ bool IsInteger(DType t) { return t == DType::kI64 || t == DType::kI32; }
 // An image classifier's input and labels.
 absl::Status CheckImages(const ForwardRequest& request, const ModelConfig& config) {
   const Tensor& pixels = request.input;
-  const bool is_float = pixels.dtype() == DType::kF32 || pixels.dtype() == DType::kBF16 || pixels.dtype() == DType::kF16;
-  if (pixels.dim() != 4 || !is_float || pixels.shape()[1] != config.num_channels ||
+  if (pixels.dim() != 4 || !IsFloat(pixels.dtype()) || pixels.shape()[1] != config.num_channels ||
       pixels.shape()[2] != config.image_size || pixels.shape()[3] != config.image_size) {
     return absl::InvalidArgumentError(absl::StrCat("the input must be float pixel values [batch, ", config.num_channels,
                                                    ", ", config.image_size, ", ", config.image_size, "], got ",

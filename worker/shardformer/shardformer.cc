@@ -142,8 +142,7 @@ absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids) {
   if (config_.takes_images()) {
     const Shape want = {ids.dim() > 0 ? ids.shape()[0] : 0, config_.num_channels, config_.image_size,
                         config_.image_size};
-    const bool is_float = ids.dtype() == DType::kF32 || ids.dtype() == DType::kBF16 || ids.dtype() == DType::kF16;
-    if (ids.dim() != 4 || ids.shape() != want || !is_float) {
+    if (ids.dim() != 4 || ids.shape() != want || !IsFloat(ids.dtype())) {
       return absl::InvalidArgumentError(absl::StrCat("pixel values must be floats [batch, ", config_.num_channels, ", ",
                                                      config_.image_size, ", ", config_.image_size, "], got ",
                                                      DTypeName(ids.dtype()), " ", ShapeToString(ids.shape())));

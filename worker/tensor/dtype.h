@@ -26,6 +26,9 @@ inline size_t SizeOf(DType t) {
   return 0;
 }
 
+// The floating-point types (f32, bf16, f16).
+inline bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
 // "f32", "bf16", "f16", "i32", "i64".
 absl::string_view DTypeName(DType t);
 // INVALID_ARGUMENT for an unknown name.

@@ -37,8 +37,6 @@ absl::StatusOr<const DeviceKernels*> Kernels(const char* op, Device dev, std::in
 const float* F(const Tensor& t) { return t.data<float>(); }
 float* F(Tensor& t) { return t.data<float>(); }
 
-bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
-
 // A contiguous f32 view or copy of a float tensor.
 absl::StatusOr<Tensor> AsF32(const Tensor& t, const char* op) {
   if (!IsFloat(t.dtype())) {

@@ -115,8 +115,6 @@ absl::Status CopyOnDevice(const DeviceKernels& k, const Tensor& src, Tensor& dst
                        Elem(dst.dtype()));
 }
 
-bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
-
 // A host tensor of `want` from `values` of `have` (the bytes of a contiguous
 // buffer), converted on the CPU.
 absl::StatusOr<Tensor> FromHostValues(const Shape& shape, const void* values, size_t count, DType have, DType want) {

@@ -10,10 +10,8 @@ absl::StatusOr<std::unique_ptr<ImageDataset>> ImageDataset::Open(const std::stri
                                                                  const std::string& labels_path, int64_t channels,
                                                                  int64_t image_size, int64_t num_labels) {
   ASSIGN_OR_RETURN(Tensor images, ReadNpy(images_path));
-  const bool is_float =
-      images.dtype() == DType::kF32 || images.dtype() == DType::kBF16 || images.dtype() == DType::kF16;
-  if (images.dim() != 4 || !is_float || images.shape()[1] != channels || images.shape()[2] != image_size ||
-      images.shape()[3] != image_size || images.shape()[0] < 1) {
+  if (images.dim() != 4 || !IsFloat(images.dtype()) || images.shape()[1] != channels ||
+      images.shape()[2] != image_size || images.shape()[3] != image_size || images.shape()[0] < 1) {
     return absl::InvalidArgumentError(absl::StrCat(images_path, ": the images must be floats [N, ", channels, ", ",
                                                    image_size, ", ", image_size, "], got ", DTypeName(images.dtype()),
                                                    " ", ShapeToString(images.shape())));
