@@ -357,7 +357,11 @@ constexpr Command kCommands[] = {
      "              newest complete checkpoint with the losses the uninterrupted run has.\n"
      "              An image classifier (ViT) trains on --data IMAGES.npy (floats [N, channels,\n"
      "              height, width]) and --labels LABELS.npy (integers [N]); --seq-len is\n"
-     "              unused and tokens_per_second counts images.\n",
+     "              unused and tokens_per_second counts images. An encoder-decoder (T5)\n"
+     "              trains on (input, target) pairs: --data INPUTS.npy (token ids [N, input_len])\n"
+     "              and --labels TARGETS.npy (token ids [N, target_len], -100 after a target's\n"
+     "              end); the decoder reads the targets shifted right after the config's\n"
+     "              decoder_start_token_id, and --seq-len is unused.\n",
      RunTrain},
     {"init-model", "",
      "  init-model  Write a new GPT-2 (config.json + model.safetensors, GPT-2's published\n"

@@ -19,10 +19,13 @@ ABSL_FLAG(std::string, data, "",
           "train: the corpus: a .bin of uint16 tokens, a .npy, a Megatron dataset (PREFIX), a .jsonl of "
           "{\"text\": ...} documents, or UTF-8 text (paragraphs tokenized by the model directory's tokenizer; "
           "byte-level when it has none); for an image classifier (ViT) the images, floats [N, channels, height, "
-          "width] as .npy, with --labels.");
+          "width] as .npy, with --labels; for an encoder-decoder (T5) the inputs, token ids [N, input_len] as .npy, "
+          "with --labels.");
 ABSL_FLAG(std::string, labels, "",
           "train, forward: an image classifier's integer labels as .npy, one per image ([N] for train's --data, "
-          "[batch] for forward's --pixel-values; -100: none); the loss is their cross-entropy.");
+          "[batch] for forward's --pixel-values; -100: none); the loss is their cross-entropy. train: an "
+          "encoder-decoder's (T5's) targets, token ids [N, target_len] as .npy, one row per input of --data (-100: "
+          "none, e.g. after a target's end); the decoder reads them shifted right.");
 ABSL_FLAG(std::string, data_format, "auto",
           "train: auto, uint16, uint32, npy, text, jsonl or megatron (PREFIX.bin + PREFIX.idx, Megatron-LM's indexed "
           "dataset; auto picks it for a .bin with an .idx beside it).");

@@ -156,6 +156,22 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s = TrainSpec();
   s.mutable_train()->set_data_format("csv");
   ExpectInvalid(s, "spec.train.data_format");
+  // Labels: a language model has none; an image classifier and an
+  // encoder-decoder need theirs.
+  s = TrainSpec();
+  s.mutable_train()->set_labels_path("/data/labels.npy");
+  ExpectInvalid(s, "spec.train.labels_path");
+  for (const char* config :
+       {R"({"model_type":"vit","hidden_size":64,"num_hidden_layers":1,"num_attention_heads":4,"intermediate_size":96,
+            "image_size":8,"patch_size":4})",
+        R"({"model_type":"t5","vocab_size":50,"d_model":64,"d_kv":16,"d_ff":96,"num_layers":1,"num_heads":4})"}) {
+    s = TrainSpec();
+    s.mutable_model()->set_config_json(config);
+    s.mutable_train()->set_seq_len(4096);  // unused: the arrays' lengths hold
+    ExpectInvalid(s, "spec.train.labels_path");
+    s.mutable_train()->set_labels_path("/data/labels.npy");
+    EXPECT_TRUE(ValidateJobSpec(s).ok()) << config << "\n" << ValidateJobSpec(s);
+  }
 }
 
 TEST(JobManager, SubmitGetListCancel) {

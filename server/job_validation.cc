@@ -257,21 +257,23 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     case v1::JOB_KIND_TRAIN: {
       ASSIGN_OR_RETURN(shardformer::ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));
       RETURN_IF_ERROR(ValidateTrain(spec.train(), spec.shard(), "spec.train"));
-      if (config.is_encoder_decoder()) {
-        return absl::UnimplementedError(absl::StrCat("spec.model.config_json: a ", config.model_type,
-                                                     " encoder-decoder; training on (input, target) pairs is not "
-                                                     "built yet"));
-      }
+      const bool examples = config.takes_images() || config.is_encoder_decoder();  // rows drawn whole
       if (config.takes_images() && spec.train().labels_path().empty()) {
         return Invalid("spec.train", "labels_path",
                        absl::StrCat("required for an image classifier (", config.model_type,
                                     "): integers [N] as .npy, one per image of data_path"));
       }
-      if (!config.takes_images() && !spec.train().labels_path().empty()) {
+      if (config.is_encoder_decoder() && spec.train().labels_path().empty()) {
         return Invalid("spec.train", "labels_path",
-                       absl::StrCat("is for image classifiers; a ", config.model_type, " predicts its next tokens"));
+                       absl::StrCat("required for an encoder-decoder (", config.model_type,
+                                    "): the targets, integers [N, length] as .npy, one row per input of data_path"));
       }
-      if (!config.takes_images() && spec.train().seq_len() > config.max_positions) {
+      if (!examples && !spec.train().labels_path().empty()) {
+        return Invalid("spec.train", "labels_path",
+                       absl::StrCat("is for image classifiers and encoder-decoders; a ", config.model_type,
+                                    " predicts its next tokens"));
+      }
+      if (!examples && spec.train().seq_len() > config.max_positions) {
         return Invalid("spec.train", "seq_len",
                        absl::StrCat(spec.train().seq_len(), " exceeds the model's ", config.max_positions,
                                     " positions"));

@@ -190,6 +190,45 @@ TEST(Train, AnImageClassifierTrainsOnImagesAndLabels) {
   EXPECT_NE(r.err.find("spec.train.labels_path: required for an image classifier"), std::string::npos) << r.err;
 }
 
+// A T5 directory (flan-t5's shape) trains on (input, target) pairs from
+// .npy files, as jobs on the daemons, with the same losses unsharded and at
+// tp2 x dp2; the trained model is written as a Hugging Face directory that
+// `coloctl forward` runs; pairs without targets are refused naming the field.
+TEST(Train, AnEncoderDecoderTrainsOnInputTargetPairs) {
+  const shardformer::testing::TinyOptions o = shardformer::testing::TinyFlanT5();
+  auto t5 = shardformer::testing::WriteTinyT5(TempPath("t5"), o);
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  const int64_t n = 16, sd = 5;
+  std::vector<int64_t> targets = shardformer::testing::TokenIds(n, sd, t5->config.vocab_size, 7).ToInt64s();
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t s = 2 + i % 4; s < sd; ++s) targets[i * sd + s] = -100;
+  }
+  ASSERT_TRUE(WriteNpy(TempPath("t5_in.npy"), shardformer::testing::TokenIds(n, 8, t5->config.vocab_size, 3)).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("t5_out.npy"), *Tensor::FromInt64s({n, sd}, targets)).ok());
+  const std::vector<std::string> common = {"train", "--model", t5->dir, "--data", TempPath("t5_in.npy"),
+                                           "--labels", TempPath("t5_out.npy"), "--steps", "4", "--batch-size", "4",
+                                           "--lr", "3e-3", "--optimizer", "adamw", "--seed", "2", "--output", "json"};
+  ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"}, {"--tp", "2", "--dp", "2"}});
+  std::vector<std::string> final_run = common;
+  final_run.insert(final_run.end(), {"--tp", "2", "--final", TempPath("t5_trained")});
+  const auto trained = Coloctl(final_run);
+  ASSERT_EQ(trained.code, 0) << trained.err;
+  ASSERT_TRUE(WriteNpy(TempPath("t5_dec.npy"), shardformer::testing::TokenIds(4, sd, t5->config.vocab_size, 9)).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("t5_ids.npy"), shardformer::testing::TokenIds(4, 8, t5->config.vocab_size, 5)).ok());
+  // The trained model loads again, unsharded, and is not the initial one.
+  const auto before = Coloctl({"forward", "--model", t5->dir, "--input", TempPath("t5_ids.npy"), "--decoder-input",
+                               TempPath("t5_dec.npy"), "--output", "json"});
+  const auto after = Coloctl({"forward", "--model", TempPath("t5_trained"), "--input", TempPath("t5_ids.npy"),
+                              "--decoder-input", TempPath("t5_dec.npy"), "--output", "json"});
+  ASSERT_EQ(before.code, 0) << before.err;
+  ASSERT_EQ(after.code, 0) << after.err;
+  EXPECT_NE(Lines(before.out)[0]["loss"], Lines(after.out)[0]["loss"]);
+  const auto r = Coloctl({"train", "--model", t5->dir, "--data", TempPath("t5_in.npy"), "--steps", "1",
+                          "--batch-size", "4"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("spec.train.labels_path: required for an encoder-decoder"), std::string::npos) << r.err;
+}
+
 // A run killed with SIGKILL while it checkpoints every step resumes from its
 // newest complete checkpoint with the uninterrupted run's losses.
 TEST(Train, KilledMidRunResumesFromTheNewestCompleteCheckpoint) {

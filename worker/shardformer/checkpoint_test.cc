@@ -187,10 +187,7 @@ TEST(Checkpoint, VitConsolidatesWithItsFourDimensionalWeights) {
 // T5 (flan-t5's shape) saved at tp = 2, consolidated to exactly its tensors
 // (the relative bias tables included), and run again unsharded.
 TEST(Checkpoint, T5ConsolidatesAndReloadsUnsharded) {
-  testing::TinyOptions o;
-  o.gated = true;
-  o.tie = false;
-  o.kv_dim = 8;
+  const testing::TinyOptions o = testing::TinyFlanT5();
   auto t5 = testing::WriteTinyT5(TempPath("ck_t5"), o);
   ASSERT_TRUE(t5.ok()) << t5.status();
   Save(t5->dir, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D), TempPath("ck_t5_sharded"));

@@ -46,6 +46,18 @@ absl::StatusOr<double> Num(const Json& j, const std::string& what, const std::st
   return j[field].get<double>();
 }
 
+// A token id field below `vocab`; `fallback` if it is absent or null.
+absl::StatusOr<int64_t> TokenId(const Json& j, const std::string& what, const std::string& field, int64_t fallback,
+                                int64_t vocab) {
+  if (!j.contains(field) || j[field].is_null()) return fallback;
+  const Json& v = j[field];
+  if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<uint64_t>() >= static_cast<uint64_t>(vocab)
+                                                         : v.get<int64_t>() < 0 || v.get<int64_t>() >= vocab)) {
+    return Field(what, field, absl::StrCat("must be a token id in [0, vocab_size ", vocab, ")"));
+  }
+  return v.get<int64_t>();
+}
+
 absl::StatusOr<std::string> Str(const Json& j, const std::string& field, const std::string& fallback) {
   if (!j.contains(field) || j[field].is_null()) return fallback;
   if (!j[field].is_string()) return absl::InvalidArgumentError(absl::StrCat(field, " must be a string"));
@@ -197,6 +209,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
     if (c.num_decoder_layers > kMaxLayers) {
       return Field(what, "num_decoder_layers", absl::StrCat("must be at most ", kMaxLayers));
     }
+    // The decoder's input is the targets shifted right after its start
+    // token, with the pad id where a target is -100 (HF's _shift_right).
+    ASSIGN_OR_RETURN(c.pad_token_id, TokenId(j, what, "pad_token_id", 0, c.vocab_size));
+    ASSIGN_OR_RETURN(c.decoder_start_token_id, TokenId(j, what, "decoder_start_token_id", c.pad_token_id, c.vocab_size));
     c.num_kv_heads = c.num_heads;
     c.max_positions = int64_t{1} << 20;  // relative positions: no table bounds the length
   } else {

@@ -1,5 +1,5 @@
 // A Hugging Face `config.json`, normalized across the model families colod
-// shards (GPT-2, LLaMA, BERT, OPT, BLOOM, ViT), and the checks a ShardConfig must pass for it.
+// shards (GPT-2, LLaMA, BERT, OPT, BLOOM, ViT, T5), and the checks a ShardConfig must pass for it.
 //
 // Thread-safety: a value type.
 #ifndef COLOD_WORKER_SHARDFORMER_MODEL_CONFIG_H_
@@ -13,7 +13,7 @@
 namespace colod::shardformer {
 
 struct ModelConfig {
-  std::string model_type;  // "gpt2", "llama", "bert", "opt", "bloom" or "vit"
+  std::string model_type;  // "gpt2", "llama", "bert", "opt", "bloom", "vit" or "t5"
   int64_t vocab_size = 0;  // the logits' last dim: the vocabulary, or ViT's num_labels
   int64_t hidden_size = 0;
   int64_t num_layers = 0;
@@ -53,6 +53,10 @@ struct ModelConfig {
   int64_t num_decoder_layers = 0;
   int64_t relative_buckets = 0;
   int64_t relative_max_distance = 0;
+  // T5: what the decoder reads before the first target, and in place of a
+  // target left out (-100) when training (both 0 in the published configs).
+  int64_t decoder_start_token_id = 0;
+  int64_t pad_token_id = 0;
   std::string json;  // the config.json text it was parsed from
 
   int64_t head_dim() const { return kv_dim > 0 ? kv_dim : num_heads == 0 ? 0 : hidden_size / num_heads; }

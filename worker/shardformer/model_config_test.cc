@@ -97,6 +97,13 @@ TEST(ModelConfig, ParameterCountsMatchThePublishedModels) {
   EXPECT_EQ(*ParameterCount(*t5), 60506624);
   EXPECT_TRUE(t5->is_encoder_decoder());
   EXPECT_EQ(t5->num_decoder_layers, 6);
+  EXPECT_EQ(t5->pad_token_id, 0);  // the published configs' 0, absent here
+  EXPECT_EQ(t5->decoder_start_token_id, 0);
+  auto started = ParseModelConfig(R"({"model_type":"t5","vocab_size":10,"d_model":16,"d_kv":4,"d_ff":32,
+      "num_layers":1,"num_heads":4,"pad_token_id":3,"decoder_start_token_id":9})");
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_EQ(started->pad_token_id, 3);
+  EXPECT_EQ(started->decoder_start_token_id, 9);
   auto flan = ParseModelConfig(R"({"model_type":"t5","vocab_size":32128,"d_model":512,"d_kv":64,"d_ff":1024,
       "num_layers":8,"num_decoder_layers":8,"num_heads":6,"relative_attention_max_distance":128,
       "feed_forward_proj":"gated-gelu","tie_word_embeddings":false})");
@@ -239,6 +246,15 @@ TEST(ModelConfig, ErrorsNameTheField) {
            {R"({"model_type":"t5","vocab_size":10,"d_model":16,"d_kv":4,"d_ff":32,"num_layers":2,"num_heads":4,
                "relative_attention_num_buckets":32,"relative_attention_max_distance":8})",
             "relative_attention_max_distance must exceed the exact buckets"},
+           {R"({"model_type":"t5","vocab_size":10,"d_model":16,"d_kv":4,"d_ff":32,"num_layers":2,"num_heads":4,
+               "decoder_start_token_id":10})",
+            "decoder_start_token_id must be a token id in [0, vocab_size 10)"},
+           {R"({"model_type":"t5","vocab_size":10,"d_model":16,"d_kv":4,"d_ff":32,"num_layers":2,"num_heads":4,
+               "pad_token_id":18446744073709551615})",
+            "pad_token_id must be a token id in [0, vocab_size 10)"},
+           {R"({"model_type":"t5","vocab_size":10,"d_model":16,"d_kv":4,"d_ff":32,"num_layers":2,"num_heads":4,
+               "pad_token_id":-1})",
+            "pad_token_id must be a token id in [0, vocab_size 10)"},
            {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":2})", "n_head is missing"},
            {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":"2","n_head":4})",
             "n_layer must be a positive integer"},

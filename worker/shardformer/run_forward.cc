@@ -28,8 +28,6 @@ absl::Status RunOnLocalRanks(const ShardConfig& shard, bool cuda,
 
 namespace {
 
-bool IsInteger(DType t) { return t == DType::kI64 || t == DType::kI32; }
-
 // An image classifier's input and labels.
 absl::Status CheckImages(const ForwardRequest& request, const ModelConfig& config) {
   const Tensor& pixels = request.input;

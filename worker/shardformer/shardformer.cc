@@ -192,12 +192,13 @@ absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids, const Tensor
   return root_->Forward(inputs[0], inputs[1]);
 }
 
-absl::StatusOr<LmLoss> ShardedModel::ClassificationLoss(const ColoTensor& logits, const Tensor& labels) {
+absl::StatusOr<LmLoss> ShardedModel::ClassificationLoss(const ColoTensor& logits, const Tensor& labels,
+                                                        int64_t denominator) {
   if (labels.dim() != 1) {
     return absl::InvalidArgumentError(absl::StrCat("labels must be [batch], got ", ShapeToString(labels.shape())));
   }
   ASSIGN_OR_RETURN(Tensor column, labels.Contiguous().Reshape({labels.shape()[0], 1}));
-  return TokenLoss(logits, column);
+  return TokenLoss(logits, column, denominator);
 }
 
 absl::StatusOr<LmLoss> ShardedModel::NextTokenLoss(const ColoTensor& logits, const Tensor& ids) {
@@ -216,7 +217,8 @@ absl::StatusOr<LmLoss> ShardedModel::NextTokenLoss(const ColoTensor& logits, con
   return TokenLoss(logits, labels);
 }
 
-absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const Tensor& labels) {
+absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const Tensor& labels,
+                                               int64_t denominator) {
   if (labels.dim() != 2 || logits.global_shape().size() != 3 || logits.global_shape()[0] != labels.shape()[0] ||
       logits.global_shape()[1] != labels.shape()[1]) {
     return absl::InvalidArgumentError(absl::StrCat("logits ", ShapeToString(logits.global_shape()),
@@ -284,9 +286,10 @@ absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const T
   for (Communicator* comm : comms) RETURN_IF_ERROR(comm->AsyncError());  // the sums above may have failed
   LmLoss out;
   out.tokens = static_cast<int64_t>(totals[1]);
-  if (out.tokens == 0) return absl::InvalidArgumentError("no position has a label (all are -100)");
-  out.value = totals[0] / totals[1];
-  ASSIGN_OR_RETURN(out.loss, Scale(sum, 1.0f / totals[1]));
+  if (out.tokens == 0 && denominator <= 0) return absl::InvalidArgumentError("no position has a label (all are -100)");
+  const double divisor = denominator > 0 ? static_cast<double>(denominator) : totals[1];
+  out.value = totals[0] / divisor;
+  ASSIGN_OR_RETURN(out.loss, Scale(sum, static_cast<float>(1.0 / divisor)));
   return out;
 }
 

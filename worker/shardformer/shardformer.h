@@ -142,7 +142,7 @@ class ModelSharder {
 struct LmLoss {
   Variable loss;       // this rank's term of the mean, on the tape: Backward(loss) gives d(mean)
   double value = 0;    // the mean over every token of the batch (all dp ranks)
-  int64_t tokens = 0;  // how many tokens it averages
+  int64_t tokens = 0;  // how many labelled tokens the batch has (all dp ranks)
 };
 
 class ShardedModel {
@@ -166,14 +166,19 @@ class ShardedModel {
   // [B, S] of one batch, or a model that is not an encoder-decoder.
   absl::StatusOr<ColoTensor> Forward(const Tensor& ids, const Tensor& decoder_ids);
   // The mean cross-entropy of an image classifier's logits [B, 1, labels]
-  // against integer labels [B] (-100: left out).
-  absl::StatusOr<LmLoss> ClassificationLoss(const ColoTensor& logits, const Tensor& labels);
+  // against integer labels [B] (-100: left out); `denominator` as for TokenLoss.
+  absl::StatusOr<LmLoss> ClassificationLoss(const ColoTensor& logits, const Tensor& labels, int64_t denominator = 0);
   // Mean next-token cross-entropy of `logits` for `ids` (position s
   // predicts ids[s + 1]); collective over the ranks that split the batch.
   absl::StatusOr<LmLoss> NextTokenLoss(const ColoTensor& logits, const Tensor& ids);
   // Mean cross-entropy of `logits` against integer `labels` [B, S] (a masked
-  // LM's targets), positions labelled -100 left out.
-  absl::StatusOr<LmLoss> TokenLoss(const ColoTensor& logits, const Tensor& labels);
+  // LM's targets), positions labelled -100 left out. The mean divides by the
+  // labelled positions of the batch (over every dp rank), or by
+  // `denominator` when it is > 0: a step's micro-batches, each divided by
+  // the labelled positions of the whole step, add up to the step's mean
+  // however their labels fall. INVALID_ARGUMENT when nothing is labelled and
+  // no denominator is given.
+  absl::StatusOr<LmLoss> TokenLoss(const ColoTensor& logits, const Tensor& labels, int64_t denominator = 0);
   // The logits as a full f32 [B, S, vocab_size] tensor (padding removed) on
   // every rank of the dp replica. Collective.
   absl::StatusOr<Tensor> GatherLogits(const ColoTensor& logits);

@@ -34,10 +34,9 @@ ShardConfig Layout(int tp, int dp) {
 }
 
 testing::TinyOptions Options(bool gated) {
-  testing::TinyOptions o;
-  o.gated = gated;
-  o.tie = !gated;
-  o.kv_dim = gated ? 8 : 0;
+  if (gated) return testing::TinyFlanT5();
+  testing::TinyOptions o;  // v1.0: ReLU, tied head, d_kv = hidden / heads
+  o.tie = true;
   return o;
 }
 

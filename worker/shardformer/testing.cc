@@ -264,6 +264,14 @@ absl::StatusOr<TinyModel> WriteTinyBloom(const std::string& dir, const TinyOptio
   return m;
 }
 
+TinyOptions TinyFlanT5() {
+  TinyOptions o;
+  o.gated = true;
+  o.tie = false;
+  o.kv_dim = 8;
+  return o;
+}
+
 absl::StatusOr<TinyModel> WriteTinyT5(const std::string& dir, const TinyOptions& o) {
   TinyModel m;
   m.dir = dir;

@@ -51,6 +51,10 @@ struct TinyOptions {
   int64_t kv_dim = 0;
 };
 
+// A tiny T5 of flan-t5's shape: gated GELU, an untied head, and d_kv 8, so
+// that heads * d_kv (32) is not the hidden size (64).
+TinyOptions TinyFlanT5();
+
 struct TinyModel {
   std::string dir;
   ModelConfig config;
@@ -76,11 +80,11 @@ absl::StatusOr<TinyModel> WriteTinyOpt(const std::string& dir, const TinyOptions
 absl::StatusOr<TinyModel> WriteTinyBloom(const std::string& dir, const TinyOptions& options = {});
 
 // Creates `dir` with config.json and model.safetensors of a random
-// ViTForImageClassification (intermediate size `intermediate`).
-// Creates `dir` with config.json and model.safetensors of a random
 // T5ForConditionalGeneration (encoder and decoder of `layers` blocks).
 absl::StatusOr<TinyModel> WriteTinyT5(const std::string& dir, const TinyOptions& options = {});
 
+// Creates `dir` with config.json and model.safetensors of a random
+// ViTForImageClassification (intermediate size `intermediate`).
 absl::StatusOr<TinyModel> WriteTinyVit(const std::string& dir, const TinyOptions& options = {});
 // Deterministic pixel values [batch, channels, image, image] and labels [batch] in [0, labels).
 Tensor PixelValues(int64_t batch, const TinyOptions& options, uint64_t salt);
@@ -99,12 +103,12 @@ absl::StatusOr<Reference> ReferenceGpt2(const TinyModel& model, const Tensor& id
 absl::StatusOr<Reference> ReferenceLlama(const TinyModel& model, const Tensor& ids);
 absl::StatusOr<Reference> ReferenceOpt(const TinyModel& model, const Tensor& ids);
 absl::StatusOr<Reference> ReferenceBloom(const TinyModel& model, const Tensor& ids);
-// Logits [B, 1, labels] of images [B, C, H, W] and the classification loss
-// against `labels` [B] (r.labels holds them as [B, 1]).
 // T5's logits [B, Sd, V] for `ids` [B, Se] and `decoder_ids` [B, Sd], and
 // the mean cross-entropy against `labels` [B, Sd] (-100: none).
 absl::StatusOr<Reference> ReferenceT5(const TinyModel& model, const Tensor& ids, const Tensor& decoder_ids,
                                       const Tensor& labels);
+// Logits [B, 1, labels] of images [B, C, H, W] and the classification loss
+// against `labels` [B] (r.labels holds them as [B, 1]).
 absl::StatusOr<Reference> ReferenceVit(const TinyModel& model, const Tensor& pixels, const Tensor& labels);
 // The masked-LM loss against `labels` [B, S] (-100 where nothing is predicted).
 absl::StatusOr<Reference> ReferenceBert(const TinyModel& model, const Tensor& ids, const Tensor& labels);

@@ -28,6 +28,8 @@ inline size_t SizeOf(DType t) {
 
 // The floating-point types (f32, bf16, f16).
 inline bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+// The integer types (i32, i64; a .npy's other integer types load as these).
+inline bool IsInteger(DType t) { return t == DType::kI32 || t == DType::kI64; }
 
 // "f32", "bf16", "f16", "i32", "i64".
 absl::string_view DTypeName(DType t);

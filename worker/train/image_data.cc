@@ -37,6 +37,12 @@ absl::StatusOr<std::unique_ptr<ImageDataset>> ImageDataset::Open(const std::stri
   return d;
 }
 
+int64_t ImageDataset::Labelled(const std::vector<int64_t>& indices) const {
+  int64_t n = 0;
+  for (int64_t i : indices) n += i >= 0 && i < size_ && labels_[i] != -100;
+  return n;
+}
+
 absl::Status ImageDataset::Batch(const std::vector<int64_t>& indices, Tensor* images, Tensor* labels) const {
   const Shape& s = images_.shape();
   ASSIGN_OR_RETURN(*images, Tensor::Empty({static_cast<int64_t>(indices.size()), s[1], s[2], s[3]}, DType::kF32));

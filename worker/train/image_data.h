@@ -30,6 +30,8 @@ class ImageDataset {
                                                             int64_t image_size, int64_t num_labels);
 
   int64_t size() const { return size_; }
+  // How many of the images at `indices` have a label (not -100).
+  int64_t Labelled(const std::vector<int64_t>& indices) const;
   // The images at `indices` as f32 [n, C, H, W] and their labels as int64 [n].
   absl::Status Batch(const std::vector<int64_t>& indices, Tensor* images, Tensor* labels) const;
 

@@ -13,6 +13,7 @@
 #include "worker/train/checkpoint.h"
 #include "worker/train/data_parallel.h"
 #include "worker/train/image_data.h"
+#include "worker/train/seq2seq_data.h"
 
 namespace colod::train {
 
@@ -24,6 +25,7 @@ struct PreparedTrain {
   uint64_t seed = 0;
   std::unique_ptr<TokenCorpus> corpus;   // token models
   std::unique_ptr<ImageDataset> images;  // image classifiers
+  std::unique_ptr<Seq2SeqDataset> pairs; // encoder-decoders
   std::unique_ptr<BatchSampler> sampler;
   int64_t micro_rows = 0;
 };
@@ -34,21 +36,23 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
   ASSIGN_OR_RETURN(shardformer::ModelConfig config, shardformer::LoadConfig(o.model_dir));
   RETURN_IF_ERROR(shardformer::CheckShardable(config, o.shard.layout));
-  if (config.is_encoder_decoder()) {
-    return absl::UnimplementedError(absl::StrCat(o.model_dir, " is an encoder-decoder (", config.model_type,
-                                                 "): training on (input, target) pairs is not built yet "
-                                                 "(coloctl forward --decoder-input runs it)"));
-  }
-  if (!config.takes_images() && !o.labels_path.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "labels are for image classifiers: ", o.model_dir, " (", config.model_type, ") predicts its next tokens"));
+  const bool examples = config.takes_images() || config.is_encoder_decoder();  // rows drawn whole
+  if (!examples && !o.labels_path.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("labels are for image classifiers and encoder-decoders: ",
+                                                   o.model_dir, " (", config.model_type,
+                                                   ") predicts its next tokens"));
   }
   if (config.takes_images() && o.labels_path.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(o.model_dir, " is an image classifier (", config.model_type,
                                                    "): it trains on images (the data) and their labels (a labels "
                                                    ".npy, integers [N])"));
   }
-  if (!config.takes_images() && o.seq_len > config.max_positions) {
+  if (config.is_encoder_decoder() && o.labels_path.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(o.model_dir, " is an encoder-decoder (", config.model_type,
+                                                   "): it trains on (input, target) pairs, the inputs as the data "
+                                                   "and the targets as the labels (.npy, integers [N, length])"));
+  }
+  if (!examples && o.seq_len > config.max_positions) {
     return absl::InvalidArgumentError(absl::StrCat("seq_len ", o.seq_len, " exceeds the model's ",
                                                    config.max_positions, " positions"));
   }
@@ -67,10 +71,16 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
                                                    o.micro_batches, " micro-batches a replica"));
   }
   run->micro_rows = rows / o.micro_batches;
-  if (config.takes_images()) {
-    ASSIGN_OR_RETURN(run->images, ImageDataset::Open(o.data_path, o.labels_path, config.num_channels,
-                                                     config.image_size, config.vocab_size));
-    ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(run->images->size(), o.batch_size, dp, run->seed));
+  if (examples) {  // an image classifier's images, or an encoder-decoder's pairs
+    if (config.takes_images()) {
+      ASSIGN_OR_RETURN(run->images, ImageDataset::Open(o.data_path, o.labels_path, config.num_channels,
+                                                       config.image_size, config.vocab_size));
+    } else {
+      ASSIGN_OR_RETURN(run->pairs, Seq2SeqDataset::Open(o.data_path, o.labels_path, config.vocab_size,
+                                                        config.decoder_start_token_id, config.pad_token_id));
+    }
+    const int64_t n = run->images != nullptr ? run->images->size() : run->pairs->size();
+    ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(n, o.batch_size, dp, run->seed));
     run->sampler = std::make_unique<BatchSampler>(std::move(sampler));
     return std::shared_ptr<const PreparedTrain>(std::move(run));
   }
@@ -123,12 +133,22 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
     }
     const absl::Time start = absl::Now();
     optimizer.ZeroGrad();
-    Tensor inputs, labels;
-    if (run.images != nullptr) {
+    Tensor inputs, labels, decoder_inputs;
+    // The labelled positions of the whole step's batch: each micro-batch's
+    // loss is divided by them, so the step's loss is its mean however the
+    // labels fall across replicas and micro-batches.
+    int64_t step_labels = o.batch_size * o.seq_len;  // every token has its next
+    if (run.images != nullptr || run.pairs != nullptr) {
       const std::vector<int64_t> all = run.sampler->Starts(step);
+      step_labels = run.images != nullptr ? run.images->Labelled(all) : run.pairs->Labelled(all);
+      if (step_labels == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("step ", step + 1, " drew ", all.size(),
+                                                       " images and every one is labelled -100"));
+      }
       const int64_t rows = micro_rows * o.micro_batches;  // this replica's
       const std::vector<int64_t> mine(all.begin() + replica * rows, all.begin() + (replica + 1) * rows);
-      RETURN_IF_ERROR(run.images->Batch(mine, &inputs, &labels));
+      RETURN_IF_ERROR(run.images != nullptr ? run.images->Batch(mine, &inputs, &labels)
+                                            : run.pairs->Batch(mine, &inputs, &decoder_inputs, &labels));
     } else {
       RETURN_IF_ERROR(run.sampler->Batch(*run.corpus, step, replica, &inputs, &labels));
     }
@@ -137,13 +157,17 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
       ASSIGN_OR_RETURN(Tensor in, inputs.Narrow(0, mb * micro_rows, micro_rows));
       ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, mb * micro_rows, micro_rows));
       sync->set_enabled(mb + 1 == o.micro_batches);  // accumulate, then reduce once
-      ASSIGN_OR_RETURN(ColoTensor logits, model->Forward(in.Contiguous()));
-      ASSIGN_OR_RETURN(shardformer::LmLoss l, run.images != nullptr
-                                                  ? model->ClassificationLoss(logits, want.Contiguous())
-                                                  : model->TokenLoss(logits, want.Contiguous()));
-      ASSIGN_OR_RETURN(Variable scaled, Scale(l.loss, 1.0f / static_cast<float>(o.micro_batches)));
-      RETURN_IF_ERROR(Backward(scaled));
-      loss += l.value / static_cast<double>(o.micro_batches);
+      Tensor dec;  // an encoder-decoder's decoder input
+      if (run.pairs != nullptr) {
+        ASSIGN_OR_RETURN(dec, decoder_inputs.Narrow(0, mb * micro_rows, micro_rows));
+      }
+      ASSIGN_OR_RETURN(ColoTensor logits, run.pairs != nullptr ? model->Forward(in.Contiguous(), dec.Contiguous())
+                                                                : model->Forward(in.Contiguous()));
+      ASSIGN_OR_RETURN(shardformer::LmLoss l,
+                       run.images != nullptr ? model->ClassificationLoss(logits, want.Contiguous(), step_labels)
+                                             : model->TokenLoss(logits, want.Contiguous(), step_labels));
+      RETURN_IF_ERROR(Backward(l.loss));
+      loss += l.value;
     }
     RETURN_IF_ERROR(sync->Finish());
     ASSIGN_OR_RETURN(double norm, GlobalGradNorm(params, &pg));
@@ -160,7 +184,10 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
     s.lr = lr;
     s.grad_norm = norm;
     s.seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    const int64_t per_row = run.images != nullptr ? 1 : o.seq_len;  // an image, or a sequence's tokens
+    // An image, a pair's input and target tokens, or a sequence's tokens.
+    const int64_t per_row = run.images != nullptr  ? 1
+                            : run.pairs != nullptr ? run.pairs->input_len() + run.pairs->target_len()
+                                                   : o.seq_len;
     s.tokens_per_second = s.seconds > 0 ? static_cast<double>(o.batch_size * per_row) / s.seconds : 0;
     s.rank_tokens = micro_rows * o.micro_batches * per_row;
     for (const NamedParam& p : params) {

@@ -4,8 +4,8 @@
 // accumulation, bucketed dp gradient sync overlapping backward, global
 // gradient-norm clipping, AdamW or SGD and a warm-up + cosine schedule.
 //
-// Losses are reported as the mean next-token cross-entropy of the whole
-// global batch. Dropout is not modelled (the model families run their
+// Losses are reported as the mean cross-entropy of the whole global batch:
+// over its next tokens, its labelled images, or its pairs' targets. Dropout is not modelled (the model families run their
 // evaluation semantics), so a run is deterministic for a given seed and
 // layout, and runs at different layouts agree up to fp32 rounding.
 #ifndef COLOD_WORKER_TRAIN_TRAINER_H_
@@ -25,13 +25,14 @@ namespace colod::train {
 struct TrainOptions {
   std::string model_dir;
   // Token data (data.h); for an image classifier (ViT) the images .npy,
-  // with their labels in labels_path (image_data.h).
+  // with their labels in labels_path (image_data.h); for an encoder-decoder
+  // (T5) the inputs .npy, with the targets in labels_path (seq2seq_data.h).
   std::string data_path;
   DataFormat data_format = DataFormat::kAuto;
   std::string labels_path;
   int64_t steps = 10;
   int64_t batch_size = 8;     // sequences (images) per step, over all dp replicas
-  int64_t seq_len = 64;       // unused for images
+  int64_t seq_len = 64;       // unused for images and pairs (their arrays' lengths hold)
   int64_t micro_batches = 1;  // gradient accumulation: each replica's rows in this many passes
   double lr = 1e-3;
   double min_lr = 0;          // the cosine schedule's floor
@@ -61,7 +62,7 @@ struct StepStats {
   double loss = 0;
   double lr = 0;
   double grad_norm = 0;  // before clipping
-  double tokens_per_second = 0;  // images per second for an image classifier
+  double tokens_per_second = 0;  // images per second for an image classifier; input + target tokens for pairs
   // On a CUDA device: its memory pool after the step (kernels::GetCudaPoolBytes).
   bool cuda = false;
   int64_t pool_reserved_bytes = 0, pool_used_bytes = 0;

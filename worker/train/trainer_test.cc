@@ -57,6 +57,17 @@ TrainOptions Options(const std::string& model, int tp, int dp, v1::TensorParalle
   return o;
 }
 
+// 6 steps of 8 examples (images, or pairs) from .npy data and labels, unsharded.
+TrainOptions ExampleOptions(const std::string& model, const std::string& data, const std::string& labels) {
+  TrainOptions o = Options(model, 1, 1);
+  o.data_path = data;
+  o.labels_path = labels;
+  o.batch_size = 8;
+  o.steps = 6;
+  o.warmup_steps = 0;
+  return o;
+}
+
 std::vector<StepStats> Losses(const TrainOptions& o) {
   std::vector<StepStats> steps;
   const absl::Status s = Train(o, [&](const StepStats& st) { steps.push_back(st); });
@@ -85,12 +96,7 @@ TEST(Trainer, AnImageClassifierTrainsOnItsImagesAndLabels) {
   const Tensor labels = shardformer::testing::ImageLabels(24, tiny.labels, 4);
   ASSERT_TRUE(WriteNpy(TempPath("images.npy"), images).ok());
   ASSERT_TRUE(WriteNpy(TempPath("image_labels.npy"), labels).ok());
-  TrainOptions o = Options(vit->dir, 1, 1);
-  o.data_path = TempPath("images.npy");
-  o.labels_path = TempPath("image_labels.npy");
-  o.batch_size = 8;
-  o.steps = 6;
-  o.warmup_steps = 0;
+  const TrainOptions o = ExampleOptions(vit->dir, TempPath("images.npy"), TempPath("image_labels.npy"));
   const std::vector<StepStats> base = Losses(o);
   ASSERT_EQ(base.size(), 6u);
   EXPECT_LT(base.back().loss, base[0].loss);
@@ -127,6 +133,71 @@ TEST(Trainer, AnImageClassifierTrainsOnItsImagesAndLabels) {
   TrainOptions lm = Options(TinyModel("train_gpt2_labels"), 1, 1);
   lm.labels_path = TempPath("image_labels.npy");
   EXPECT_EQ(Train(lm, [](const StepStats&) {}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A T5 (flan-t5's shape) on 24 (input, target) pairs whose targets end at
+// different lengths (-100 after): step 1's loss is the unsharded
+// reference's on the pairs the sampler drew, with the decoder input built
+// here as Hugging Face's _shift_right builds it; 4 micro-batches, and tp2 x
+// dp2 with 2, train with the same losses (each micro-batch is divided by
+// the whole step's targets, so uneven targets do not tilt the mean); the
+// loss falls.
+TEST(Trainer, AnEncoderDecoderTrainsOnInputTargetPairs) {
+  const shardformer::testing::TinyOptions tiny = shardformer::testing::TinyFlanT5();
+  auto t5 = shardformer::testing::WriteTinyT5(TempPath("train_t5"), tiny);
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  const int64_t n = 24, se = 10, sd = 6, vocab = t5->config.vocab_size;
+  const Tensor inputs = shardformer::testing::TokenIds(n, se, vocab, 11);
+  std::vector<int64_t> targets = shardformer::testing::TokenIds(n, sd, vocab, 13).ToInt64s();
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t s = 1 + i % sd; s < sd; ++s) targets[i * sd + s] = -100;  // pair i has 1 + i % 6 targets
+  }
+  ASSERT_TRUE(WriteNpy(TempPath("t5_inputs.npy"), *inputs.ToDType(DType::kI32)).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("t5_targets.npy"), *Tensor::FromInt64s({n, sd}, targets)).ok());
+  const TrainOptions o = ExampleOptions(t5->dir, TempPath("t5_inputs.npy"), TempPath("t5_targets.npy"));
+  const std::vector<StepStats> base = Losses(o);
+  ASSERT_EQ(base.size(), 6u);
+  EXPECT_LT(base.back().loss, base[0].loss);
+  // Step 1 against the reference on the same 8 pairs.
+  auto sampler = BatchSampler::ForExamples(n, 8, 1, o.seed);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  const std::vector<int64_t> drawn = sampler->Starts(0);
+  const std::vector<int64_t> in = inputs.ToInt64s();
+  std::vector<int64_t> ids, dec, want;
+  for (int64_t r = 0; r < 8; ++r) {
+    const int64_t i = drawn[r];
+    ids.insert(ids.end(), in.begin() + i * se, in.begin() + (i + 1) * se);
+    want.insert(want.end(), targets.begin() + i * sd, targets.begin() + (i + 1) * sd);
+    dec.push_back(t5->config.decoder_start_token_id);
+    for (int64_t s = 0; s + 1 < sd; ++s) {
+      const int64_t t = targets[i * sd + s];
+      dec.push_back(t == -100 ? t5->config.pad_token_id : t);
+    }
+  }
+  auto ref = shardformer::testing::ReferenceT5(*t5, *Tensor::FromInt64s({8, se}, ids),
+                                               *Tensor::FromInt64s({8, sd}, dec), *Tensor::FromInt64s({8, sd}, want));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_NEAR(base[0].loss, ref->loss, 1e-5 * ref->loss);
+  TrainOptions accumulated = o;
+  accumulated.micro_batches = 4;
+  ExpectSameLosses(Losses(accumulated), base, 1e-4, "4 micro-batches");
+  TrainOptions sharded = o;
+  sharded.shard.layout.set_tensor_parallel_size(2);
+  sharded.shard.layout.set_data_parallel_size(2);
+  sharded.micro_batches = 2;
+  ExpectSameLosses(Losses(sharded), base, 1e-4, "tp2 x dp2, 2 micro-batches");
+  // Pairs need their targets; targets for another count of inputs are refused.
+  TrainOptions no_targets = o;
+  no_targets.labels_path.clear();
+  const absl::Status missing = Train(no_targets, [](const StepStats&) {});
+  EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.message().find("it trains on (input, target) pairs"), std::string::npos) << missing;
+  TrainOptions short_targets = o;
+  short_targets.labels_path = TempPath("t5_few.npy");
+  ASSERT_TRUE(WriteNpy(short_targets.labels_path, *Tensor::FromInt64s({2, 2}, {1, 2, 3, 4})).ok());
+  const absl::Status few = Train(short_targets, [](const StepStats&) {});
+  EXPECT_EQ(few.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(few.message().find("one per input"), std::string::npos) << few;
 }
 
 TEST(Trainer, LossesAgreeAcrossLayoutsAndFall) {
