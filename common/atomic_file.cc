@@ -27,6 +27,11 @@ absl::Status Errno(const std::string& what, const std::string& path) { return Fi
 }  // namespace
 
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
+  return WriteFileAtomically(path, contents, [] { return absl::OkStatus(); });
+}
+
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
+                                 const std::function<absl::Status()>& before_rename) {
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -46,6 +51,7 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
   }
   if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", tmp);
   if (::close(fd) != 0 && s.ok()) s = Errno("cannot close", tmp);
+  if (s.ok()) s = before_rename();
   if (s.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) s = Errno("cannot rename to", path);
   if (!s.ok()) {
     std::remove(tmp.c_str());

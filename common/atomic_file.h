@@ -1,6 +1,7 @@
 #ifndef COLOD_COMMON_ATOMIC_FILE_H_
 #define COLOD_COMMON_ATOMIC_FILE_H_
 
+#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -14,6 +15,12 @@ namespace colod {
 // failure the temporary file is removed and the status is FileError's.
 // Thread-safe.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
+// The same, with `before_rename` run once the temporary file is whole and
+// durable, just before the rename: its error removes the temporary file and
+// is returned. A writer of two files renames the other one there, so that no
+// write (a full disk) can fail between the two renames.
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
+                                 const std::function<absl::Status()>& before_rename);
 
 // A failed file operation as a status naming it, the path and errno's text:
 // RESOURCE_EXHAUSTED when the disk, a quota or the file size limit is full

@@ -510,15 +510,8 @@ absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, co
 }
 
 absl::StatusOr<Variable> BiasedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                         bool causal, const Variable& bias) {
-  const Shape& qs = q.value().shape();
-  const Shape& ks = k.value().shape();
-  if (qs.size() != 4 || ks.size() != 4 || ks != v.value().shape() || qs[0] != ks[0] || qs[3] != ks[3] ||
-      ks[2] == 0 || qs[2] % ks[2] != 0 || (causal && qs[1] != ks[1])) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention: q ", ShapeToString(qs), ", k ", ShapeToString(ks), ", v ", ShapeToString(v.value().shape()),
-        " must be [B, Sq, Hq, D] and [B, Sk, Hkv, D] with Hq a multiple of Hkv (Sq = Sk when causal)"));
-  }
+                                         bool causal, const std::optional<Variable>& bias) {
+  RETURN_IF_ERROR(ops::CheckAttentionShapes(q.value(), k.value(), v.value(), /*same_length=*/causal));
   ScoreBias b;
   b.learned = bias;
   return PerHeadAttention(q, k, v, scale, causal, b);

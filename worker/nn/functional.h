@@ -129,12 +129,13 @@ std::vector<float> AlibiSlopes(int64_t heads);
 absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
                                         const std::vector<float>& slopes);
 // Attention whose scores gain a learned bias [Hq, Sq, Sk] (T5's relative
-// position bias) after the scaling: softmax(q k^T * scale + bias[h]) v.
-// q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]: Sq and Sk may differ
-// (cross-attention) unless causal. The bias gets its gradient (the scores',
-// summed over the batch). Per head GEMMs on every device.
+// position bias) after the scaling: softmax(q k^T * scale + bias[h]) v,
+// or none (T5's cross-attention). q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]:
+// Sq and Sk may differ (cross-attention) unless causal. The bias gets its
+// gradient (the scores', summed over the batch). Per head GEMMs on every
+// device.
 absl::StatusOr<Variable> BiasedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                         bool causal, const Variable& bias);
+                                         bool causal, const std::optional<Variable>& bias);
 
 // LayerNorm over a hidden dim split across `hidden` (x [.., h/n] and gamma,
 // beta [h/n] on each of its n ranks): the row statistics are all-reduced

@@ -253,6 +253,12 @@ TEST(BiasedAttention, MatchesTheNaiveLoopsAndItsGradients) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(BiasedAttention(q, kv, kv, 1.0f, true, Variable(*Tensor::Zeros({2, 3, 5}, DType::kF32))).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // No bias (T5's cross-attention) attends as a zero bias does.
+  auto none = BiasedAttention(q, kv, kv, 0.5f, false, std::nullopt);
+  auto zero = BiasedAttention(q, kv, kv, 0.5f, false, Variable(*Tensor::Zeros({2, 3, 5}, DType::kF32)));
+  ASSERT_TRUE(none.ok()) << none.status();
+  ASSERT_TRUE(zero.ok()) << zero.status();
+  EXPECT_EQ(none->value().ToFloats(), zero->value().ToFloats());
 }
 
 TEST(Functional, ReshapeAndLinearGradients) {

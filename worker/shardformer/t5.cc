@@ -56,9 +56,10 @@ absl::StatusOr<Variable> PositionBias(Module& attn, const ColoTensor& like, int6
 }
 
 // T5Attention without scaling: q from x, k and v from `kv` (x itself, or
-// the encoder's output), the scores plus `bias` [local heads, sq, sk].
-absl::StatusOr<ColoTensor> Attention(Module& attn, const ColoTensor& x, const ColoTensor& kv, const Variable& bias,
-                                     bool causal) {
+// the encoder's output), the scores plus `bias` [local heads, sq, sk] (none
+// for cross-attention).
+absl::StatusOr<ColoTensor> Attention(Module& attn, const ColoTensor& x, const ColoTensor& kv,
+                                     const std::optional<Variable>& bias, bool causal) {
   ASSIGN_OR_RETURN(int64_t heads, attn.IntAttr("n_heads"));
   ASSIGN_OR_RETURN(int64_t head_dim, attn.IntAttr("key_value_proj_dim"));
   ASSIGN_OR_RETURN(ColoTensor q, attn.Call("q", x));
@@ -98,13 +99,6 @@ absl::StatusOr<ColoTensor> Stack(Module& root, const std::string& name, const Co
   const int64_t seq = ids.local().shape()[1];
   ASSIGN_OR_RETURN(Module * first_attn, stack->Get("block.0.layer.0.SelfAttention"));
   ASSIGN_OR_RETURN(Variable bias, PositionBias(*first_attn, x, seq, seq, decoder));
-  std::optional<Variable> no_bias;  // cross-attention has none
-  if (decoder) {
-    ASSIGN_OR_RETURN(int64_t heads, first_attn->IntAttr("n_heads"));
-    ASSIGN_OR_RETURN(Tensor zeros,
-                     Tensor::Zeros({heads, seq, encoder_out->local().shape()[1]}, DType::kF32, x.local().device()));
-    no_bias = Variable(zeros);
-  }
   ASSIGN_OR_RETURN(Module * blocks, stack->Get("block"));
   for (int64_t i = 0;; ++i) {
     Module* block = blocks->Find(absl::StrCat(i));
@@ -117,7 +111,7 @@ absl::StatusOr<ColoTensor> Stack(Module& root, const std::string& name, const Co
     if (decoder) {
       ASSIGN_OR_RETURN(ColoTensor hc, block->Call("layer.1.layer_norm", x));
       ASSIGN_OR_RETURN(Module * cross, block->Get("layer.1.EncDecAttention"));
-      ASSIGN_OR_RETURN(ColoTensor c, Attention(*cross, hc, *encoder_out, *no_bias, /*causal=*/false));
+      ASSIGN_OR_RETURN(ColoTensor c, Attention(*cross, hc, *encoder_out, std::nullopt, /*causal=*/false));
       ASSIGN_OR_RETURN(x, AddActivations(x, c));
       ff = 2;
     }

@@ -776,15 +776,15 @@ absl::StatusOr<Tensor> RopeBackward(const Tensor& dy, float theta, int64_t posit
   return Rotate(dy, theta, position_offset, -1.0f, "rope_backward");
 }
 
-absl::Status CheckAttentionShapes(const Tensor& q, const Tensor& k, const Tensor& v) {
+absl::Status CheckAttentionShapes(const Tensor& q, const Tensor& k, const Tensor& v, bool same_length) {
   const Shape& qs = q.shape();
   const Shape& ks = k.shape();
-  if (qs.size() != 4 || ks.size() != 4 || ks != v.shape() || qs[0] != ks[0] || qs[1] != ks[1] || qs[3] != ks[3] ||
-      ks[2] == 0 || qs[2] % ks[2] != 0) {
+  if (qs.size() != 4 || ks.size() != 4 || ks != v.shape() || qs[0] != ks[0] || (same_length && qs[1] != ks[1]) ||
+      qs[3] != ks[3] || ks[2] == 0 || qs[2] % ks[2] != 0) {
     return absl::InvalidArgumentError(absl::StrCat("attention: q ", ShapeToString(qs), ", k ", ShapeToString(ks),
                                                    ", v ", ShapeToString(v.shape()),
-                                                   " must be [B, S, Hq, D] and [B, S, Hkv, D] with Hq a multiple of "
-                                                   "Hkv"));
+                                                   " must be [B, Sq, Hq, D] and [B, Sk, Hkv, D] with Hq a multiple of "
+                                                   "Hkv", same_length ? " and Sq = Sk" : ""));
   }
   return absl::OkStatus();
 }

@@ -198,10 +198,11 @@ absl::StatusOr<Tensor> VocabShardCrossEntropyBackward(const Tensor& dloss, const
 absl::StatusOr<Tensor> Rope(const Tensor& x, float theta, int64_t position_offset = 0);
 absl::StatusOr<Tensor> RopeBackward(const Tensor& dy, float theta, int64_t position_offset = 0);
 
-// Scaled-dot-product attention operands: q [B, S, Hq, D], k and v
-// [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query attention: query
-// head h reads kv head h / (Hq / Hkv)). INVALID_ARGUMENT otherwise.
-absl::Status CheckAttentionShapes(const Tensor& q, const Tensor& k, const Tensor& v);
+// Scaled-dot-product attention operands: q [B, Sq, Hq, D], k and v
+// [B, Sk, Hkv, D] with Hq a multiple of Hkv (grouped-query attention: query
+// head h reads kv head h / (Hq / Hkv)), and Sq = Sk unless `same_length` is
+// false (cross-attention). INVALID_ARGUMENT otherwise.
+absl::Status CheckAttentionShapes(const Tensor& q, const Tensor& k, const Tensor& v, bool same_length = true);
 
 // Fused attention (the kernels' FlashAttention: one kernel, online softmax,
 // no [S, S] scores in memory) of float q, k, v (any float dtype, computed in

@@ -96,10 +96,14 @@ absl::Status MegatronWriter::Finish() {
     offset += static_cast<uint64_t>(n) * static_cast<uint64_t>(width_);
   }
   for (size_t d = 0; d <= lengths_.size(); ++d) PutLittleEndian(&idx, d, 8);
-  const std::string bin = prefix_ + ".bin";
-  if (std::rename(tmp_.c_str(), bin.c_str()) != 0) return FileError("cannot rename to", bin, errno);
-  finished_ = true;
-  return WriteFileAtomically(prefix_ + ".idx", idx);
+  // The .bin is renamed once the .idx is written and durable, just before
+  // the .idx's own rename: a full disk fails before either.
+  return WriteFileAtomically(prefix_ + ".idx", idx, [this] {
+    const std::string bin = prefix_ + ".bin";
+    if (std::rename(tmp_.c_str(), bin.c_str()) != 0) return FileError("cannot rename to", bin, errno);
+    finished_ = true;
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace colod::train

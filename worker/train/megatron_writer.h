@@ -6,9 +6,11 @@
 //
 // The .bin is streamed to a temporary file beside it. A writer dropped
 // without Finish (an error, a full disk) removes it and leaves any earlier
-// PREFIX.bin/.idx as they were. Finish fsyncs it and renames it into place,
-// then writes the .idx atomically: only a crash between the two leaves a
-// new .bin beside an old .idx (which TokenCorpus checks against it).
+// PREFIX.bin/.idx as they were. Finish fsyncs it, writes the .idx to a
+// temporary file and fsyncs that, then renames both into place: a full disk
+// fails before either rename and leaves the old pair, and only a crash
+// between the two renames leaves a new .bin beside an old .idx (which
+// TokenCorpus checks against it).
 //
 // Thread-compatible: one thread writes.
 #ifndef COLOD_WORKER_TRAIN_MEGATRON_WRITER_H_
