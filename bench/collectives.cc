@@ -1,14 +1,18 @@
-// All-reduce bandwidth of the Gloo communicator on loopback, next to this
-// machine's memcpy bandwidth measured in the same run; where the build has
-// CUDA and the machine GPUs, the NCCL communicator's all-reduce on device
-// buffers (bf16 and f32, a rank per GPU up to the GPUs there are), next to
-// cuda:0's device-to-device copy bandwidth.
+// All-reduce, reduce-scatter and all-gather bandwidth of the Gloo
+// communicator on loopback, next to this machine's memcpy bandwidth measured
+// in the same run; where the build has CUDA and the machine GPUs, the NCCL
+// communicator's all-reduce on device buffers (bf16 and f32, a rank per GPU
+// up to the GPUs there are), next to cuda:0's device-to-device copy
+// bandwidth.
 //
 //   bazel run -c opt //bench:collectives [-- --json] [-- --iters N]
 //       [-- --backend gloo|nccl|all]
 //
-// busbw = algbw * 2(n-1)/n, as nccl-tests define it: the bandwidth each rank's
-// link would need for a ring all-reduce, comparable across rank counts.
+// As nccl-tests define them: size is the whole buffer (all-reduce's, the
+// reduce-scatter's input, the all-gather's output), algbw = size / time, and
+// busbw = algbw * 2(n-1)/n for all-reduce and algbw * (n-1)/n for
+// reduce-scatter and all-gather: the bandwidth each rank's link would need
+// for the ring algorithm, comparable across rank counts and collectives.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -54,13 +58,25 @@ double MemcpyGBps() {
   return best;
 }
 
+enum class Op { kAllReduce, kReduceScatter, kAllGather };
+
+const char* OpName(Op op) {
+  switch (op) {
+    case Op::kAllReduce: return "allreduce";
+    case Op::kReduceScatter: return "reducescatter";
+    case Op::kAllGather: return "allgather";
+  }
+  return "";
+}
+
 struct Row {
+  Op op = Op::kAllReduce;
   int ranks;
   size_t bytes;
   double seconds;  // median of iters
 };
 
-Row Measure(int n, size_t bytes, int iters) {
+Row Measure(Op op, int n, size_t bytes, int iters) {
   auto shared = std::make_shared<RendezvousStore>();
   std::vector<std::unique_ptr<GlooCommunicator>> comms(n);
   std::vector<double> times;
@@ -74,11 +90,23 @@ Row Measure(int n, size_t bytes, int iters) {
         std::exit(1);
       }
       comms[r] = std::move(*c);
-      const int64_t count = static_cast<int64_t>(bytes / sizeof(float));
-      std::vector<float> data(count, 1.0f + r);
+      const int64_t count = static_cast<int64_t>(bytes / sizeof(float));  // the whole buffer
+      const int64_t chunk = count / n;                                     // a rank's share
+      std::vector<float> data(count, 1.0f + r), part(chunk, 1.0f + r);
       auto run = [&] {
-        absl::Status s = comms[r]->AllReduce(data.data(), count, DType::kF32, ReduceOp::kSum)
-                             ->Wait(absl::Minutes(5));
+        std::shared_ptr<Work> w;
+        switch (op) {
+          case Op::kAllReduce:
+            w = comms[r]->AllReduce(data.data(), count, DType::kF32, ReduceOp::kSum);
+            break;
+          case Op::kReduceScatter:
+            w = comms[r]->ReduceScatter(data.data(), part.data(), chunk, DType::kF32, ReduceOp::kSum);
+            break;
+          case Op::kAllGather:
+            w = comms[r]->AllGather(part.data(), data.data(), chunk, DType::kF32);
+            break;
+        }
+        absl::Status s = w->Wait(absl::Minutes(5));
         if (!s.ok()) {
           std::fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
           std::exit(1);
@@ -96,7 +124,7 @@ Row Measure(int n, size_t bytes, int iters) {
   }
   for (auto& t : threads) t.join();
   std::sort(times.begin(), times.end());
-  return Row{n, bytes, times[times.size() / 2]};
+  return Row{op, n, bytes, times[times.size() / 2]};
 }
 
 #ifdef COLOD_WITH_CUDA
@@ -176,22 +204,23 @@ Row MeasureNccl(int n, size_t bytes, DType dtype, int iters) {
   }
   for (auto& t : threads) t.join();
   std::sort(times.begin(), times.end());
-  return Row{n, bytes, times[times.size() / 2]};
+  return Row{Op::kAllReduce, n, bytes, times[times.size() / 2]};
 }
 #endif
 
 void PrintRow(bool json, const char* backend, const char* dtype, const Row& row, const char* limit_name,
               double limit_gbps) {
   const double algbw = row.bytes / row.seconds / 1e9;
-  const double busbw = algbw * 2.0 * (row.ranks - 1) / row.ranks;
+  const double factor = row.op == Op::kAllReduce ? 2.0 : 1.0;
+  const double busbw = algbw * factor * (row.ranks - 1) / row.ranks;
   if (json) {
     std::printf(
-        "{\"bench\":\"allreduce\",\"backend\":\"%s\",\"dtype\":\"%s\",\"ranks\":%d,\"bytes\":%zu,"
+        "{\"bench\":\"%s\",\"backend\":\"%s\",\"dtype\":\"%s\",\"ranks\":%d,\"bytes\":%zu,"
         "\"seconds\":%.6f,\"algbw_gbps\":%.4f,\"busbw_gbps\":%.4f,\"%s_gbps\":%.4f}\n",
-        backend, dtype, row.ranks, row.bytes, row.seconds, algbw, busbw, limit_name, limit_gbps);
+        OpName(row.op), backend, dtype, row.ranks, row.bytes, row.seconds, algbw, busbw, limit_name, limit_gbps);
   } else {
-    std::printf("%-5s  %-4s  %5d  %6zu MiB  %11.3f  %12.3f  %12.3f  %13.1f%%\n", backend, dtype, row.ranks,
-                row.bytes >> 20, row.seconds * 1e3, algbw, busbw, 100 * busbw / limit_gbps);
+    std::printf("%-13s  %-5s  %-4s  %5d  %6zu MiB  %11.3f  %12.3f  %12.3f  %13.1f%%\n", OpName(row.op), backend,
+                dtype, row.ranks, row.bytes >> 20, row.seconds * 1e3, algbw, busbw, 100 * busbw / limit_gbps);
   }
   std::fflush(stdout);
 }
@@ -201,7 +230,8 @@ void PrintRow(bool json, const char* backend, const char* dtype, const Row& row,
 
 int main(int argc, char** argv) {
   colod::ParseFlags(argc, argv,
-                    "collectives: Gloo all-reduce bandwidth on loopback vs memcpy.\n\nUsage:\n"
+                    "collectives: Gloo all-reduce, reduce-scatter and all-gather bandwidth on loopback vs "
+                    "memcpy.\n\nUsage:\n"
                     "  bazel run -c opt //bench:collectives [-- --json] [-- --iters N]\n");
   const bool json = absl::GetFlag(FLAGS_json);
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
@@ -210,18 +240,20 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--backend must be gloo, nccl or all, not '%s'\n", backend.c_str());
     return 2;
   }
-  const char* header = "%-5s  %-4s  %5s  %10s  %11s  %12s  %12s  %14s\n";
+  const char* header = "%-13s  %-5s  %-4s  %5s  %10s  %11s  %12s  %12s  %14s\n";
   if (backend != "nccl") {
     const double memcpy_gbps = colod::MemcpyGBps();
     if (!json) {
-      std::printf("Gloo all-reduce, ranks as threads on loopback; host memcpy %.2f GB/s (same run)\n\n",
+      std::printf("Gloo collectives, ranks as threads on loopback; host memcpy %.2f GB/s (same run)\n\n",
                   memcpy_gbps);
-      std::printf(header, "comm", "type", "ranks", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)",
+      std::printf(header, "op", "comm", "type", "ranks", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)",
                   "busbw/memcpy");
     }
-    for (int n : {2, 4}) {
-      for (size_t mib : {1, 16, 64}) {
-        colod::PrintRow(json, "gloo", "f32", colod::Measure(n, mib << 20, iters), "memcpy", memcpy_gbps);
+    for (colod::Op op : {colod::Op::kAllReduce, colod::Op::kReduceScatter, colod::Op::kAllGather}) {
+      for (int n : {2, 4}) {
+        for (size_t mib : {1, 16, 64}) {
+          colod::PrintRow(json, "gloo", "f32", colod::Measure(op, n, mib << 20, iters), "memcpy", memcpy_gbps);
+        }
       }
     }
   }
@@ -234,7 +266,7 @@ int main(int argc, char** argv) {
       std::printf("\nNCCL all-reduce, a rank thread per GPU, device buffers; cuda:0 device-to-device copy "
                   "%.1f GB/s (same run)\n\n",
                   copy_gbps);
-      std::printf(header, "comm", "type", "ranks", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)",
+      std::printf(header, "op", "comm", "type", "ranks", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)",
                   "busbw/d2d copy");
     }
     for (int n = 2; n <= gpus; n *= 2) {

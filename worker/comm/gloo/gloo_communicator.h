@@ -85,6 +85,11 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
   std::thread thread_;
+  // ReduceScatter's running sum and incoming chunk, kept between calls so
+  // that each call does not fault in fresh pages; only the communicator
+  // thread touches them.
+  std::unique_ptr<char[]> scratch_;
+  size_t scratch_bytes_ = 0;
 
   struct Task {
     std::string op;

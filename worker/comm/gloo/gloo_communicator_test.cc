@@ -3,11 +3,16 @@
 // here from the same inputs.
 #include "worker/comm/gloo/gloo_communicator.h"
 
+#include <linux/tcp.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdlib>
+#include <filesystem>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -163,6 +168,66 @@ TEST_P(GlooRanks, AllGatherReduceScatterBroadcastAllToAll) {
       }
     }
   });
+}
+
+// Bytes every TCP socket of this process has received (the kernel's
+// tcpi_bytes_received): with every rank a thread here, both ends of each
+// Gloo pair are ours, so this is what the ranks sent each other.
+int64_t TcpBytesReceived() {
+  int64_t total = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    const int fd = std::atoi(e.path().filename().c_str());
+    int type = 0;
+    socklen_t len = sizeof(type);
+    if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM) continue;
+    tcp_info info{};
+    len = sizeof(info);
+    if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) == 0) total += static_cast<int64_t>(info.tcpi_bytes_received);
+  }
+  return total;
+}
+
+// The ring reduce-scatter moves (p - 1)/p of the data: over the wire each
+// rank sends p - 1 chunks (plus Gloo's message headers), where an all-reduce
+// of the whole input, measured the same way, sends about twice that. Mean,
+// max and min are reduced too.
+TEST_P(GlooRanks, ReduceScatterSendsEachRankPMinus1Chunks) {
+  const int n = GetParam();
+  const int64_t count = 1 << 16;  // 256 KiB of f32 per chunk
+  std::atomic<int64_t> rs_bytes{0}, ar_bytes{0};
+  RunRanks(n, [&](int rank, Communicator& comm) {
+    std::vector<double> big(count * n);
+    for (int64_t j = 0; j < count * n; ++j) big[j] = Value(rank, j);
+    const std::vector<char> in = Encode(big, DType::kF32);
+    std::vector<char> chunk(count * 4);
+    auto measure = [&](std::atomic<int64_t>& bytes, const std::function<void()>& op) {
+      ASSERT_TRUE(comm.Barrier()->Wait(kWait).ok());
+      const int64_t before = rank == 0 ? TcpBytesReceived() : 0;
+      ASSERT_TRUE(comm.Barrier()->Wait(kWait).ok());
+      op();
+      ASSERT_TRUE(comm.Barrier()->Wait(kWait).ok());
+      if (rank == 0) bytes = TcpBytesReceived() - before;
+    };
+    measure(rs_bytes, [&] {
+      ASSERT_TRUE(comm.ReduceScatter(in.data(), chunk.data(), count, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());
+    });
+    std::vector<char> copy = in;
+    measure(ar_bytes, [&] {
+      ASSERT_TRUE(comm.AllReduce(copy.data(), count * n, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());
+    });
+    for (ReduceOp op : {ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+      ASSERT_TRUE(comm.ReduceScatter(in.data(), chunk.data(), count, DType::kF32, op)->Wait(kWait).ok());
+      const std::vector<double> got = Decode(chunk, DType::kF32);
+      for (int64_t i = 0; i < count; i += 997) {
+        ASSERT_EQ(got[i], Expected(n, rank * count + i, op, DType::kF32)) << static_cast<int>(op) << " " << i;
+      }
+    }
+  });
+  // The barriers around each measurement send a few bytes too.
+  const double ideal = static_cast<double>(n) * (n - 1) * count * 4;
+  EXPECT_GE(static_cast<double>(rs_bytes), ideal) << "reduce-scatter, " << n << " ranks";
+  EXPECT_LT(static_cast<double>(rs_bytes), 1.05 * ideal) << "reduce-scatter, " << n << " ranks";
+  EXPECT_GT(static_cast<double>(ar_bytes), 1.8 * ideal) << "all-reduce, " << n << " ranks";
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, GlooRanks, ::testing::Values(2, 3, 4));
