@@ -314,6 +314,7 @@ int RankMain() {
 }  // namespace colod
 
 int main(int argc, char** argv) {
+  colod::kernels::cpu::PreferAvx512Blas(argv);
   colod::ParseFlags(argc, argv,
                     "layers: the 1D tensor-parallel MLP block, forward + backward, vs sgemm peak.\n\nUsage:\n"
                     "  bazel run -c opt //bench:layers [-- --json] [-- --steps N] [-- --tokens T --hidden H]\n");

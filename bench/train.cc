@@ -3,7 +3,7 @@
 // gradient buckets, clipping, AdamW) on random tokens, in tokens/s and model
 // FLOP utilization against the GEMM peak measured in the same run.
 //
-//   bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --steps N] [-- --json]
+//   bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --model NAME] [-- --steps N] [-- --json]
 //
 // CPU rows (f32; ranks are threads over Gloo on loopback, one BLAS thread
 // and so about one core each):
@@ -42,6 +42,7 @@
 #include "bench/peak.h"
 #include "common/flags.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/layer_ops.h"
 #include "kernels/device.h"
 #include "worker/shardformer/init_model.h"
 #include "worker/train/trainer.h"
@@ -51,6 +52,7 @@ ABSL_FLAG(std::string, rows, "all",
 ABSL_FLAG(int, steps, 0, "Timed steps per row (default: each row's own, 2 to 10).");
 ABSL_FLAG(int, warmup, 2, "Untimed steps before them (pools, connections, optimizer state).");
 ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
+ABSL_FLAG(std::string, model, "", "Only the rows of this model (gpt2-tiny, gpt2-small, ...); default: every row.");
 ABSL_FLAG(std::string, work_dir, "", "Where the models and the corpus go (default: a temporary directory).");
 
 namespace colod {
@@ -182,7 +184,8 @@ absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int step
 int Main(int argc, char** argv) {
   ParseFlags(argc, argv,
             "train: whole-model training throughput (tokens/s, MFU) vs the same run's GEMM peak.\n\nUsage:\n"
-            "  bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --steps N] [-- --json]\n");
+            "  bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --model NAME] [-- --steps N] "
+            "[-- --json]\n");
   const std::string which = absl::GetFlag(FLAGS_rows);
   if (which != "cpu" && which != "gpu" && which != "all" && which != "smoke") {
     std::fprintf(stderr, "--rows: '%s' is not one of cpu, gpu, all, smoke\n", which.c_str());
@@ -219,6 +222,7 @@ int Main(int argc, char** argv) {
   std::string base_of;
   int failed = 0;
   for (const Row& row : Rows(which)) {
+    if (!absl::GetFlag(FLAGS_model).empty() && row.name != absl::GetFlag(FLAGS_model)) continue;
     const int ranks = row.tp * row.dp;
     if (row.cuda && gpus < ranks) {
       if (!json) std::printf("%-10s  cuda  tp=%d dp=%d: skipped, %d CUDA device(s)\n", row.name.c_str(), row.tp,
@@ -265,4 +269,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace colod
 
-int main(int argc, char** argv) { return colod::Main(argc, argv); }
+int main(int argc, char** argv) {
+  colod::kernels::cpu::PreferAvx512Blas(argv);
+  return colod::Main(argc, argv);
+}

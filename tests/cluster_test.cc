@@ -129,6 +129,10 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
   }
   auto worker_help = RunCommand({Runfile(kWorker), "--help"}, TempPath(""));
   EXPECT_TRUE(absl::StrContains(worker_help.out, "--coordinator"));
+  EXPECT_TRUE(absl::StrContains(worker_help.out, "--blas-threads"));
+  auto bad_blas = RunCommand({Runfile(kWorker), "--blas-threads", "-3"}, TempPath(""));
+  EXPECT_EQ(bad_blas.code, 2);
+  EXPECT_TRUE(absl::StrContains(bad_blas.err, "--blas-threads must be in [0, 1024]")) << bad_blas.err;
 
   auto no_dir = RunCommand({Runfile(kCoordinator), "--listen", "127.0.0.1:0", "--metrics-listen",
                             "127.0.0.1:0"},

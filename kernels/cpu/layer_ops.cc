@@ -2,10 +2,14 @@
 
 #include <cblas.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -15,6 +19,7 @@
 #include "kernels/gelu.h"
 #include "kernels/half.h"
 #include "kernels/philox.h"
+#include "kernels/cpu/vec_math.h"
 
 namespace colod::kernels::cpu {
 namespace {
@@ -41,6 +46,18 @@ void ParallelFor(int64_t n, Fn fn) {
   for (auto& th : pool) th.join();
 }
 
+// Calls span(offset, column, len) over the elements [begin, end) of a
+// [rows, n] matrix cut at row ends, so that each span's columns run
+// contiguously from `column`.
+template <typename Span>
+void ByRowSpans(int64_t begin, int64_t end, int64_t n, Span span) {
+  for (int64_t i = begin; i < end;) {
+    const int64_t column = i % n, len = std::min(end - i, n - column);
+    span(i, column, len);
+    i += len;
+  }
+}
+
 // A bf16/f16 buffer widened to f32.
 std::vector<float> Widen(ElemType type, const void* p, int64_t n) {
   std::vector<float> out(n);
@@ -60,6 +77,29 @@ double LogSumExp(const float* row, int64_t v) {
 }
 
 }  // namespace
+
+// OpenBLAS starts with a thread per core, whose helpers spin between calls
+// (sched_yield); colod's CPU ranks each use one unless SetBlasThreads says
+// otherwise, and ranks that are threads of one process would otherwise queue
+// on OpenBLAS's lock for its threaded path.
+[[maybe_unused]] static const bool kOneBlasThreadAtStart = [] {
+  openblas_set_num_threads(1);
+  return true;
+}();
+
+void PreferAvx512Blas(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512cd") ||
+      !__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512dq") ||
+      !__builtin_cpu_supports("avx512vl")) {
+    return;
+  }
+  const char* core = openblas_get_corename();
+  if (core == nullptr || (std::strcmp(core, "Haswell") != 0 && std::strcmp(core, "Zen") != 0)) return;
+  ::setenv("OPENBLAS_CORETYPE", "SKYLAKEX", 1);
+  ::execv("/proc/self/exe", argv);  // returns only on failure: run on with the kernels there are
+}
 
 void SetBlasThreads(int n) {
   blas_threads = n < 1 ? 1 : n;
@@ -109,7 +149,9 @@ absl::Status SetAllowTf32(int, bool) { return absl::OkStatus(); }  // OpenBLAS h
 
 absl::Status BiasAddF32(int, const float* x, const float* bias, float* out, int64_t rows, int64_t n) {
   ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) out[i] = x[i] + bias[i % n];
+    ByRowSpans(begin, end, n, [&](int64_t i, int64_t j, int64_t len) {
+      for (int64_t k = 0; k < len; ++k) out[i + k] = x[i + k] + bias[j + k];
+    });
   });
   return absl::OkStatus();
 }
@@ -123,16 +165,49 @@ absl::Status BiasGradF32(int, const float* dy, float* db, int64_t rows, int64_t 
   return absl::OkStatus();
 }
 
+namespace {
+
+// The tanh-GELU spans: y[i] = GELU(x[i] (+ b[i])) and dx[i] = dy[i] *
+// GELU'(x[i] (+ b[i])) over contiguous elements, with VecTanh so that the
+// loops vectorize; an AVX2 clone where the CPU has it.
+template <bool kBias>
+__attribute__((target_clones("avx2", "default"))) void GeluTanhSpan(const float* x, const float* b, float* y,
+                                                                    int64_t len) {
+  for (int64_t i = 0; i < len; ++i) {
+    const float v = kBias ? x[i] + b[i] : x[i];
+    y[i] = 0.5f * v * (1.0f + VecTanh(kGeluSqrt2OverPi * (v + kGeluC * v * v * v)));
+  }
+}
+
+template <bool kBias>
+__attribute__((target_clones("avx2", "default"))) void GeluTanhSlopeSpan(const float* dy, const float* x,
+                                                                         const float* b, float* dx, int64_t len) {
+  for (int64_t i = 0; i < len; ++i) {
+    const float v = kBias ? x[i] + b[i] : x[i];
+    const float t = VecTanh(kGeluSqrt2OverPi * (v + kGeluC * v * v * v));
+    const float du = kGeluSqrt2OverPi * (1.0f + 3.0f * kGeluC * v * v);
+    dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+  }
+}
+
+}  // namespace
+
 // y = GELU(x + bias) over [rows, n] (bias null: GELU(x)).
 absl::Status GeluF32(int, const float* x, const float* bias, float* y, int64_t rows, int64_t n, bool tanh_approx) {
   if (n == 0) return absl::OkStatus();
   ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
+    if (tanh_approx) {
+      if (bias == nullptr) return GeluTanhSpan<false>(x + begin, nullptr, y + begin, end - begin);
+      return ByRowSpans(begin, end, n, [&](int64_t i, int64_t j, int64_t len) {
+        GeluTanhSpan<true>(x + i, bias + j, y + i, len);
+      });
+    }
     if (bias == nullptr) {
-      for (int64_t i = begin; i < end; ++i) y[i] = GeluAt(x[i], tanh_approx);
+      for (int64_t i = begin; i < end; ++i) y[i] = GeluAt(x[i], false);
       return;
     }
     for (int64_t i = begin, j = begin % n; i < end; ++i, j = j + 1 == n ? 0 : j + 1) {
-      y[i] = GeluAt(x[i] + bias[j], tanh_approx);
+      y[i] = GeluAt(x[i] + bias[j], false);
     }
   });
   return absl::OkStatus();
@@ -143,12 +218,18 @@ absl::Status GeluBackwardF32(int d, const float* dy, const float* x, const float
                              int64_t rows, int64_t n, bool tanh_approx) {
   if (n == 0) return absl::OkStatus();
   ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
+    if (tanh_approx) {
+      if (bias == nullptr) return GeluTanhSlopeSpan<false>(dy + begin, x + begin, nullptr, dx + begin, end - begin);
+      return ByRowSpans(begin, end, n, [&](int64_t i, int64_t j, int64_t len) {
+        GeluTanhSlopeSpan<true>(dy + i, x + i, bias + j, dx + i, len);
+      });
+    }
     if (bias == nullptr) {
-      for (int64_t i = begin; i < end; ++i) dx[i] = dy[i] * GeluSlopeAt(x[i], tanh_approx);
+      for (int64_t i = begin; i < end; ++i) dx[i] = dy[i] * GeluSlopeAt(x[i], false);
       return;
     }
     for (int64_t i = begin, j = begin % n; i < end; ++i, j = j + 1 == n ? 0 : j + 1) {
-      dx[i] = dy[i] * GeluSlopeAt(x[i] + bias[j], tanh_approx);
+      dx[i] = dy[i] * GeluSlopeAt(x[i] + bias[j], false);
     }
   });
   return db == nullptr ? absl::OkStatus() : BiasGradF32(d, dx, db, rows, n);
@@ -802,8 +883,29 @@ absl::Status FlashAttentionBackward(int dev, ElemType type, const void* q, const
   });
 }
 
+namespace {
+
+// AdamW's f32 case (f32 gradients, no 16-bit copy of the parameters): the
+// same operations in the same order as the general loop below, vectorized.
+__attribute__((target_clones("avx2", "default"))) void AdamWF32(float* p, float* m, float* v, const float* grad,
+                                                                  int64_t n, const AdamWHyper& h) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = grad[i] * h.grad_scale;
+    p[i] -= h.lr * h.weight_decay * p[i];
+    m[i] = h.beta1 * m[i] + (1.0f - h.beta1) * g;
+    v[i] = h.beta2 * v[i] + (1.0f - h.beta2) * g * g;
+    p[i] -= h.lr * (m[i] / h.bias_correction1) / (std::sqrt(v[i] / h.bias_correction2) + h.eps);
+  }
+}
+
+}  // namespace
+
 absl::Status AdamW(int, const std::vector<AdamWTensor>& tensors, const AdamWHyper& h) {
   for (const AdamWTensor& t : tensors) {
+    if (t.grad_type == ElemType::kF32 && t.param == nullptr) {
+      AdamWF32(t.master, t.m, t.v, static_cast<const float*>(t.grad), t.n, h);
+      continue;
+    }
     float* p = t.master;
     float* m = t.m;
     float* v = t.v;

@@ -25,6 +25,16 @@ namespace colod::kernels::cpu {
 void SetBlasThreads(int n);
 int BlasThreads();
 
+// OpenBLAS 0.3.21 (Debian 12's) runs its Haswell (AVX2) kernels on AMD Zen
+// 4, which has AVX-512: sgemm at half the speed it could have. For a
+// binary's main(), before any thread starts: when OPENBLAS_CORETYPE is
+// unset, the CPU has AVX-512 F, CD, BW, DQ and VL, and OpenBLAS chose its
+// Haswell or Zen kernels, sets OPENBLAS_CORETYPE=SKYLAKEX and re-executes
+// the binary with the same arguments (OpenBLAS reads the variable only as it
+// loads). Returns when there is nothing to do, or if the re-exec fails. Set
+// OPENBLAS_CORETYPE to keep a choice of one's own.
+void PreferAvx512Blas(char** argv);
+
 #include "kernels/layer_ops.inc"  // NOLINT(build/include): the twins' shared declarations
 
 }  // namespace colod::kernels::cpu

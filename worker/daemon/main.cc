@@ -1,8 +1,10 @@
 // colod-worker: one per GPU (or CPU slot). Hosts ColoTensors and runs ranks.
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/security_flags.h"
@@ -10,6 +12,7 @@
 #include "common/grpc_server.h"
 #include "common/logging.h"
 #include "common/serve.h"
+#include "kernels/cpu/layer_ops.h"
 #include "worker/daemon/worker_daemon.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:7071",
@@ -46,6 +49,10 @@ ABSL_FLAG(std::string, memory_limit, "",
 ABSL_FLAG(absl::Duration, upload_cache_ttl, absl::Hours(1),
           "Uploaded models this worker downloaded (WORK_DIR/uploads) and no rank used for this long are "
           "removed before the next download.");
+ABSL_FLAG(int, blas_threads, 0,
+          "Threads a CPU rank's GEMMs (OpenBLAS) and large elementwise loops use. 0: $OPENBLAS_NUM_THREADS when "
+          "set (the Kubernetes CPU overlay sets it to the CPU limit), else 1, a core per worker. More threads than "
+          "the worker's cores make OpenBLAS's helpers spin against each other.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -73,6 +80,7 @@ constexpr char kUsage[] =
 }  // namespace
 
 int main(int argc, char** argv) {
+  colod::kernels::cpu::PreferAvx512Blas(argv);
   colod::BlockShutdownSignals();
   std::vector<std::string> args = colod::ParseFlags(argc, argv, kUsage, {"allow_path"});
   if (!args.empty()) {
@@ -87,6 +95,16 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   options.allow_paths = absl::GetFlag(FLAGS_allow_path);
   options.upload_cache_ttl = absl::GetFlag(FLAGS_upload_cache_ttl);
+  int blas_threads = absl::GetFlag(FLAGS_blas_threads);
+  if (blas_threads == 0) {
+    const char* env = std::getenv("OPENBLAS_NUM_THREADS");
+    if (env == nullptr || !absl::SimpleAtoi(env, &blas_threads) || blas_threads < 1) blas_threads = 1;
+  }
+  if (blas_threads < 1 || blas_threads > 1024) {
+    COLOD_LOG(ERROR) << "--blas-threads must be in [0, 1024], not " << blas_threads;
+    return 2;
+  }
+  colod::kernels::cpu::SetBlasThreads(blas_threads);
   if (const std::string limit = absl::GetFlag(FLAGS_memory_limit); !limit.empty()) {
     absl::StatusOr<int64_t> bytes = colod::ParseByteSize(limit);
     if (!bytes.ok()) {

@@ -1,0 +1,112 @@
+#!/usr/bin/python3
+"""PyTorch's side of bench:train's CPU rows (docs/PERFORMANCE.md).
+
+The same GPT-2 shapes as //bench:train (GPT-2 tiny: 4 layers, hidden 256,
+4 heads, vocab 256, seq 128, batch 8; GPT-2 small: 12 layers, hidden 768,
+12 heads, vocab 50257, seq 128, batch 4), written out in torch (pre-norm
+blocks, fused qkv, causal attention, tanh GELU, tied head), trained in f32
+with AdamW and gradient clipping at 1.0 on random tokens, at each thread
+count (torch.set_num_threads; the intra-op pool, which is what OpenBLAS and
+PyTorch's own kernels use). tokens/s is batch * seq over the mean step time
+after 2 warm-up steps, as bench:train counts it.
+
+Run with Debian's python3-torch where present (it is not a dependency of
+colod's build or tests):
+
+    /usr/bin/python3 bench/pytorch_gpt2.py [--model gpt2-tiny|gpt2-small] [--steps N] [--threads 1,2]
+"""
+import argparse
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SHAPES = {
+    # name: (vocab, hidden, layers, heads, seq, batch, steps)
+    "gpt2-tiny": (256, 256, 4, 4, 128, 8, 10),
+    "gpt2-small": (50257, 768, 12, 12, 128, 4, 2),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, h, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(h, eps=1e-5)
+        self.c_attn = nn.Linear(h, 3 * h)
+        self.c_proj = nn.Linear(h, h)
+        self.ln_2 = nn.LayerNorm(h, eps=1e-5)
+        self.c_fc = nn.Linear(h, 4 * h)
+        self.mlp_proj = nn.Linear(4 * h, h)
+
+    def forward(self, x, mask):
+        b, s, h = x.shape
+        d = h // self.heads
+        q, k, v = self.c_attn(self.ln_1(x)).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, d).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)
+        scores = scores.masked_fill(mask, float("-inf"))
+        a = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, s, h)
+        x = x + self.c_proj(a)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class Gpt2(nn.Module):
+    def __init__(self, vocab, h, layers, heads, positions):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, h)
+        self.wpe = nn.Embedding(positions, h)
+        self.blocks = nn.ModuleList(Block(h, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(h, eps=1e-5)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, ids):
+        s = ids.shape[1]
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
+        x = self.wte(ids) + self.wpe(torch.arange(s))
+        for blk in self.blocks:
+            x = blk(x, mask)
+        return self.ln_f(x) @ self.wte.weight.t()  # the tied head
+
+
+def run(name, threads, steps, warmup=2):
+    vocab, h, layers, heads, seq, batch, default_steps = SHAPES[name]
+    steps = steps or default_steps
+    torch.set_num_threads(threads)
+    torch.manual_seed(1)
+    model = Gpt2(vocab, h, layers, heads, max(seq, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    ids = torch.randint(0, vocab, (warmup + steps, batch, seq + 1))
+    ends = []
+    for i in range(warmup + steps):
+        x, y = ids[i, :, :-1], ids[i, :, 1:]
+        loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        float(loss)
+        ends.append(time.perf_counter())
+    step = (ends[-1] - ends[warmup - 1]) / steps
+    return step, batch * seq / step
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt2-tiny", choices=sorted(SHAPES))
+    ap.add_argument("--steps", type=int, default=0, help="timed steps (default: bench:train's, 10 or 2)")
+    ap.add_argument("--threads", default="1,2", help="thread counts to run, comma-separated")
+    args = ap.parse_args()
+    print(f"PyTorch {torch.__version__}, {torch.__config__.parallel_info().splitlines()[0]}")
+    print(f"{'model':<11} {'threads':>7} {'step (ms)':>10} {'tokens/s':>9}")
+    for t in (int(x) for x in args.threads.split(",")):
+        step, tps = run(args.model, t, args.steps)
+        print(f"{args.model:<11} {t:>7} {step * 1e3:>10.1f} {tps:>9.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
