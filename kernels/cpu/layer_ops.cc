@@ -169,10 +169,10 @@ namespace {
 
 // The tanh-GELU spans: y[i] = GELU(x[i] (+ b[i])) and dx[i] = dy[i] *
 // GELU'(x[i] (+ b[i])) over contiguous elements, with VecTanh so that the
-// loops vectorize; an AVX2 clone where the CPU has it.
+// loops vectorize; an AVX2 build of each where the CPU has it
+// (COLOD_AVX2_OR_GENERIC).
 template <bool kBias>
-__attribute__((target_clones("avx2", "default"))) void GeluTanhSpan(const float* x, const float* b, float* y,
-                                                                    int64_t len) {
+__attribute__((always_inline)) inline void GeluTanhLoop(const float* x, const float* b, float* y, int64_t len) {
   for (int64_t i = 0; i < len; ++i) {
     const float v = kBias ? x[i] + b[i] : x[i];
     y[i] = 0.5f * v * (1.0f + VecTanh(kGeluSqrt2OverPi * (v + kGeluC * v * v * v)));
@@ -180,8 +180,8 @@ __attribute__((target_clones("avx2", "default"))) void GeluTanhSpan(const float*
 }
 
 template <bool kBias>
-__attribute__((target_clones("avx2", "default"))) void GeluTanhSlopeSpan(const float* dy, const float* x,
-                                                                         const float* b, float* dx, int64_t len) {
+__attribute__((always_inline)) inline void GeluTanhSlopeLoop(const float* dy, const float* x, const float* b,
+                                                             float* dx, int64_t len) {
   for (int64_t i = 0; i < len; ++i) {
     const float v = kBias ? x[i] + b[i] : x[i];
     const float t = VecTanh(kGeluSqrt2OverPi * (v + kGeluC * v * v * v));
@@ -190,6 +190,17 @@ __attribute__((target_clones("avx2", "default"))) void GeluTanhSlopeSpan(const f
   }
 }
 
+COLOD_AVX2_OR_GENERIC(void, GeluTanhSpan, (const float* x, const float* b, float* y, int64_t len), {
+  if (b == nullptr) return GeluTanhLoop<false>(x, nullptr, y, len);
+  GeluTanhLoop<true>(x, b, y, len);
+}, (x, b, y, len))
+
+COLOD_AVX2_OR_GENERIC(void, GeluTanhSlopeSpan,
+                      (const float* dy, const float* x, const float* b, float* dx, int64_t len), {
+  if (b == nullptr) return GeluTanhSlopeLoop<false>(dy, x, nullptr, dx, len);
+  GeluTanhSlopeLoop<true>(dy, x, b, dx, len);
+}, (dy, x, b, dx, len))
+
 }  // namespace
 
 // y = GELU(x + bias) over [rows, n] (bias null: GELU(x)).
@@ -197,9 +208,9 @@ absl::Status GeluF32(int, const float* x, const float* bias, float* y, int64_t r
   if (n == 0) return absl::OkStatus();
   ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
     if (tanh_approx) {
-      if (bias == nullptr) return GeluTanhSpan<false>(x + begin, nullptr, y + begin, end - begin);
+      if (bias == nullptr) return GeluTanhSpan(x + begin, nullptr, y + begin, end - begin);
       return ByRowSpans(begin, end, n, [&](int64_t i, int64_t j, int64_t len) {
-        GeluTanhSpan<true>(x + i, bias + j, y + i, len);
+        GeluTanhSpan(x + i, bias + j, y + i, len);
       });
     }
     if (bias == nullptr) {
@@ -219,9 +230,9 @@ absl::Status GeluBackwardF32(int d, const float* dy, const float* x, const float
   if (n == 0) return absl::OkStatus();
   ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
     if (tanh_approx) {
-      if (bias == nullptr) return GeluTanhSlopeSpan<false>(dy + begin, x + begin, nullptr, dx + begin, end - begin);
+      if (bias == nullptr) return GeluTanhSlopeSpan(dy + begin, x + begin, nullptr, dx + begin, end - begin);
       return ByRowSpans(begin, end, n, [&](int64_t i, int64_t j, int64_t len) {
-        GeluTanhSlopeSpan<true>(dy + i, x + i, bias + j, dx + i, len);
+        GeluTanhSlopeSpan(dy + i, x + i, bias + j, dx + i, len);
       });
     }
     if (bias == nullptr) {
@@ -887,8 +898,8 @@ namespace {
 
 // AdamW's f32 case (f32 gradients, no 16-bit copy of the parameters): the
 // same operations in the same order as the general loop below, vectorized.
-__attribute__((target_clones("avx2", "default"))) void AdamWF32(float* p, float* m, float* v, const float* grad,
-                                                                  int64_t n, const AdamWHyper& h) {
+COLOD_AVX2_OR_GENERIC(void, AdamWF32,
+                      (float* p, float* m, float* v, const float* grad, int64_t n, const AdamWHyper& h), {
   for (int64_t i = 0; i < n; ++i) {
     const float g = grad[i] * h.grad_scale;
     p[i] -= h.lr * h.weight_decay * p[i];
@@ -896,7 +907,7 @@ __attribute__((target_clones("avx2", "default"))) void AdamWF32(float* p, float*
     v[i] = h.beta2 * v[i] + (1.0f - h.beta2) * g * g;
     p[i] -= h.lr * (m[i] / h.bias_correction1) / (std::sqrt(v[i] / h.bias_correction2) + h.eps);
   }
-}
+}, (p, m, v, grad, n, h))
 
 }  // namespace
 

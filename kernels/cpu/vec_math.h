@@ -41,6 +41,29 @@ inline float VecExp(float x) {
 
 inline float VecTanh(float x) { return 1.0f - 2.0f / (VecExp(2.0f * x) + 1.0f); }
 
+// Whether the CPU runs AVX2 (asked once).
+inline bool CpuHasAvx2() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return has;
+}
+
+}  // namespace colod::kernels::cpu
+
+// Defines `ret name params` running `body` compiled for AVX2 where the CPU
+// has it, else for the baseline ISA, chosen at each call from CpuHasAvx2().
+// Not target_clones: its ifunc resolvers run before a sanitizer's runtime
+// starts, and ThreadSanitizer's build crashes in them. `args` passes the
+// parameters on; `body` may hold commas only inside parentheses.
+#define COLOD_AVX2_OR_GENERIC(ret, name, params, body, args) \
+  __attribute__((target("avx2"))) ret name##Avx2 params body \
+  ret name##Generic params body                              \
+  ret name params { return ::colod::kernels::cpu::CpuHasAvx2() ? name##Avx2 args : name##Generic args; }
+
+namespace colod::kernels::cpu {
+
 }  // namespace colod::kernels::cpu
 
 #endif  // COLOD_KERNELS_CPU_VEC_MATH_H_
