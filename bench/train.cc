@@ -3,7 +3,8 @@
 // gradient buckets, clipping, AdamW) on random tokens, in tokens/s and model
 // FLOP utilization against the GEMM peak measured in the same run.
 //
-//   bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --model NAME] [-- --steps N] [-- --json]
+//   bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --model NAME] [-- --layout "tp=T dp=D"]
+//       [-- --sequence_parallel] [-- --steps N] [-- --json]
 //
 // CPU rows (f32; ranks are threads over Gloo on loopback, one BLAS thread
 // and so about one core each):
@@ -53,6 +54,8 @@ ABSL_FLAG(int, steps, 0, "Timed steps per row (default: each row's own, 2 to 10)
 ABSL_FLAG(int, warmup, 2, "Untimed steps before them (pools, connections, optimizer state).");
 ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
 ABSL_FLAG(std::string, model, "", "Only the rows of this model (gpt2-tiny, gpt2-small, ...); default: every row.");
+ABSL_FLAG(std::string, layout, "", "Only the rows of this layout (\"tp=2 dp=1\", ...); default: every row.");
+ABSL_FLAG(bool, sequence_parallel, false, "tp rows with sequence parallelism (norms and residuals split over tp).");
 ABSL_FLAG(std::string, work_dir, "", "Where the models and the corpus go (default: a temporary directory).");
 
 namespace colod {
@@ -167,6 +170,7 @@ absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int step
   o.shard.param_dtype = row.cuda ? DType::kBF16 : DType::kF32;
   o.shard.layout.set_tensor_parallel_size(row.tp);
   o.shard.layout.set_data_parallel_size(row.dp);
+  o.shard.layout.set_sequence_parallel(row.tp > 1 && absl::GetFlag(FLAGS_sequence_parallel));
   o.comm_timeout = absl::Minutes(10);
   std::vector<absl::Time> ends;  // when rank 0 finished each step
   Measured m;
@@ -223,6 +227,10 @@ int Main(int argc, char** argv) {
   int failed = 0;
   for (const Row& row : Rows(which)) {
     if (!absl::GetFlag(FLAGS_model).empty() && row.name != absl::GetFlag(FLAGS_model)) continue;
+    if (!absl::GetFlag(FLAGS_layout).empty() &&
+        absl::StrCat("tp=", row.tp, " dp=", row.dp) != absl::GetFlag(FLAGS_layout)) {
+      continue;
+    }
     const int ranks = row.tp * row.dp;
     if (row.cuda && gpus < ranks) {
       if (!json) std::printf("%-10s  cuda  tp=%d dp=%d: skipped, %d CUDA device(s)\n", row.name.c_str(), row.tp,
