@@ -83,7 +83,7 @@ double LogSumExp(const float* row, int64_t v) {
 // otherwise, and ranks that are threads of one process would otherwise queue
 // on OpenBLAS's lock for its threaded path.
 [[maybe_unused]] static const bool kOneBlasThreadAtStart = [] {
-  openblas_set_num_threads(1);
+  SetBlasThreads(1);
   return true;
 }();
 
@@ -207,19 +207,15 @@ COLOD_AVX2_OR_GENERIC(void, GeluTanhSlopeSpan,
 absl::Status GeluF32(int, const float* x, const float* bias, float* y, int64_t rows, int64_t n, bool tanh_approx) {
   if (n == 0) return absl::OkStatus();
   ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
-    if (tanh_approx) {
-      if (bias == nullptr) return GeluTanhSpan(x + begin, nullptr, y + begin, end - begin);
-      return ByRowSpans(begin, end, n, [&](int64_t i, int64_t j, int64_t len) {
-        GeluTanhSpan(x + i, bias + j, y + i, len);
-      });
-    }
     if (bias == nullptr) {
+      if (tanh_approx) return GeluTanhSpan(x + begin, nullptr, y + begin, end - begin);
       for (int64_t i = begin; i < end; ++i) y[i] = GeluAt(x[i], false);
       return;
     }
-    for (int64_t i = begin, j = begin % n; i < end; ++i, j = j + 1 == n ? 0 : j + 1) {
-      y[i] = GeluAt(x[i] + bias[j], false);
-    }
+    ByRowSpans(begin, end, n, [&](int64_t i, int64_t j, int64_t len) {
+      if (tanh_approx) return GeluTanhSpan(x + i, bias + j, y + i, len);
+      for (int64_t k = 0; k < len; ++k) y[i + k] = GeluAt(x[i + k] + bias[j + k], false);
+    });
   });
   return absl::OkStatus();
 }
@@ -229,19 +225,15 @@ absl::Status GeluBackwardF32(int d, const float* dy, const float* x, const float
                              int64_t rows, int64_t n, bool tanh_approx) {
   if (n == 0) return absl::OkStatus();
   ParallelFor(rows * n, [&](int64_t begin, int64_t end) {
-    if (tanh_approx) {
-      if (bias == nullptr) return GeluTanhSlopeSpan(dy + begin, x + begin, nullptr, dx + begin, end - begin);
-      return ByRowSpans(begin, end, n, [&](int64_t i, int64_t j, int64_t len) {
-        GeluTanhSlopeSpan(dy + i, x + i, bias + j, dx + i, len);
-      });
-    }
     if (bias == nullptr) {
+      if (tanh_approx) return GeluTanhSlopeSpan(dy + begin, x + begin, nullptr, dx + begin, end - begin);
       for (int64_t i = begin; i < end; ++i) dx[i] = dy[i] * GeluSlopeAt(x[i], false);
       return;
     }
-    for (int64_t i = begin, j = begin % n; i < end; ++i, j = j + 1 == n ? 0 : j + 1) {
-      dx[i] = dy[i] * GeluSlopeAt(x[i] + bias[j], false);
-    }
+    ByRowSpans(begin, end, n, [&](int64_t i, int64_t j, int64_t len) {
+      if (tanh_approx) return GeluTanhSlopeSpan(dy + i, x + i, bias + j, dx + i, len);
+      for (int64_t k = 0; k < len; ++k) dx[i + k] = dy[i + k] * GeluSlopeAt(x[i + k] + bias[j + k], false);
+    });
   });
   return db == nullptr ? absl::OkStatus() : BiasGradF32(d, dx, db, rows, n);
 }

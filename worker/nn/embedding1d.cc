@@ -8,7 +8,7 @@
 namespace colod::nn {
 
 absl::Status CheckIds(const Tensor& ids, int64_t vocab_size) {
-  if (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32) {
+  if (!IsInteger(ids.dtype())) {
     return absl::InvalidArgumentError(absl::StrCat("ids must be i32 or i64, got ", DTypeName(ids.dtype())));
   }
   const std::vector<int64_t> v = ids.ToInt64s();

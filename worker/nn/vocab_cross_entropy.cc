@@ -26,7 +26,7 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
     return absl::InvalidArgumentError(
         absl::StrCat("vocab_size ", vocab_size, " must be in [1, ", padded, "], the logits' last dim"));
   }
-  if (labels.numel() != rows || (labels.dtype() != DType::kI64 && labels.dtype() != DType::kI32)) {
+  if (labels.numel() != rows || !IsInteger(labels.dtype())) {
     return absl::InvalidArgumentError(absl::StrCat("labels ", DTypeName(labels.dtype()), ShapeToString(labels.shape()),
                                                    " must be ", rows, " integers, one per row of the logits"));
   }

@@ -152,7 +152,7 @@ absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids) {
     ASSIGN_OR_RETURN(ColoTensor input, ColoTensor::FromLocal(pixels, DistSpec(), pg_));
     return root_->Forward(input);
   }
-  if (ids.dim() != 2 || (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32)) {
+  if (ids.dim() != 2 || !IsInteger(ids.dtype())) {
     return absl::InvalidArgumentError(
         absl::StrCat("token ids must be integers [batch, seq], got ", ShapeToString(ids.shape())));
   }
@@ -175,7 +175,7 @@ absl::StatusOr<ColoTensor> ShardedModel::Forward(const Tensor& ids, const Tensor
   }
   std::vector<ColoTensor> inputs;
   for (const auto& [t, what] : {std::make_pair(&ids, "token ids"), std::make_pair(&decoder_ids, "decoder ids")}) {
-    if (t->dim() != 2 || (t->dtype() != DType::kI64 && t->dtype() != DType::kI32) || t->shape()[1] < 1 ||
+    if (t->dim() != 2 || !IsInteger(t->dtype()) || t->shape()[1] < 1 ||
         t->shape()[0] != ids.shape()[0]) {
       return absl::InvalidArgumentError(absl::StrCat(what, " must be integers [batch, seq] of one batch, got ",
                                                      DTypeName(t->dtype()), " ", ShapeToString(t->shape())));

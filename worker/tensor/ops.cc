@@ -47,7 +47,7 @@ absl::StatusOr<Tensor> AsF32(const Tensor& t, const char* op) {
 
 // A contiguous i64 view or copy of integer ids, on their device.
 absl::StatusOr<Tensor> AsI64(const Tensor& ids, const char* op) {
-  if (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32) {
+  if (!IsInteger(ids.dtype())) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": ids must be i32 or i64, got ", DTypeName(ids.dtype())));
   }
   return ids.ContiguousAs(DType::kI64);
@@ -584,7 +584,7 @@ absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t
 
 absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t rows, int64_t row_offset) {
   const Device dev = dy.device();
-  if (ids.dtype() != DType::kI64 && ids.dtype() != DType::kI32) {
+  if (!IsInteger(ids.dtype())) {
     return absl::InvalidArgumentError(
         absl::StrCat("embedding_backward: ids must be i32 or i64, got ", DTypeName(ids.dtype())));
   }

@@ -323,7 +323,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
   ASSIGN_OR_RETURN(const int64_t bytes, RegularFileSize(path));
   if (format == DataFormat::kNpy) {
     ASSIGN_OR_RETURN(Tensor t, ReadNpy(path));
-    if (t.dtype() != DType::kI64 && t.dtype() != DType::kI32) {
+    if (!IsInteger(t.dtype())) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": token arrays must hold integers, not ",
                                                      DTypeName(t.dtype())));
     }

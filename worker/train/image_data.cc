@@ -18,7 +18,7 @@ absl::StatusOr<std::unique_ptr<ImageDataset>> ImageDataset::Open(const std::stri
   }
   ASSIGN_OR_RETURN(Tensor labels, ReadNpy(labels_path));
   if (labels.dim() != 1 || labels.shape()[0] != images.shape()[0] ||
-      (labels.dtype() != DType::kI64 && labels.dtype() != DType::kI32)) {
+      !IsInteger(labels.dtype())) {
     return absl::InvalidArgumentError(absl::StrCat(labels_path, ": the labels must be integers [",
                                                    images.shape()[0], "] (one per image), got ",
                                                    DTypeName(labels.dtype()), " ", ShapeToString(labels.shape())));
