@@ -2,12 +2,17 @@
 // embedded cluster started for the run, or local GPUs), init-model,
 // tokenize and consolidate (files only).
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/cli.h"
 #include "client/commands.h"
 #include "client/format.h"
@@ -16,10 +21,13 @@
 #include "nlohmann/json.hpp"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/init_model.h"
+#include "worker/shardformer/plan.h"
+#include "worker/shardformer/shardformer.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/tensor/npy.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/data.h"
+#include "worker/train/job_options.h"
 #include "worker/train/megatron_writer.h"
 #include "worker/train/tokenizer.h"
 #include "worker/train/trainer.h"
@@ -41,6 +49,10 @@ ABSL_FLAG(int64_t, hidden_size, 64, "init-model: hidden size (n_embd).");
 ABSL_FLAG(int64_t, layers, 2, "init-model: transformer blocks (n_layer).");
 ABSL_FLAG(int64_t, heads, 4, "init-model: attention heads (n_head).");
 ABSL_FLAG(int64_t, positions, 64, "init-model: maximum sequence length (n_positions).");
+
+ABSL_FLAG(int32_t, world, 0, "plan: list every layout of this many ranks that fits, by communication.");
+ABSL_FLAG(std::string, memory_per_rank, "",
+          "plan: with --world, the memory one rank has: bytes, or with a unit (80GiB, 24GB, 512MiB).");
 
 namespace colod::cli {
 namespace {
@@ -316,6 +328,143 @@ int RunTokenize(const std::vector<std::string>&) {
   return 0;
 }
 
+// "80GiB", "24GB", "512MiB", "1073741824": bytes (GiB and GB alike are 2^30).
+absl::StatusOr<int64_t> ParseBytes(const std::string& text) {
+  static const std::pair<const char*, int> kUnits[] = {{"TiB", 40}, {"TB", 40}, {"GiB", 30}, {"GB", 30}, {"G", 30},
+                                                       {"MiB", 20}, {"MB", 20}, {"M", 20},   {"KiB", 10}, {"KB", 10},
+                                                       {"K", 10},   {"B", 0}};
+  std::string number = text;
+  int shift = 0;
+  for (const auto& [unit, bits] : kUnits) {
+    if (absl::EndsWith(text, unit)) {
+      number = text.substr(0, text.size() - std::strlen(unit));
+      shift = bits;
+      break;
+    }
+  }
+  double value = 0;
+  if (!absl::SimpleAtod(number, &value) || !(value > 0) || value * std::ldexp(1.0, shift) >= 9.0e18) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--memory-per-rank: '", text, "' is not a positive size (bytes, or 80GiB, 24GB, 512MiB)"));
+  }
+  return static_cast<int64_t>(value * std::ldexp(1.0, shift));
+}
+
+std::string Bytes(int64_t n) {
+  const double v = static_cast<double>(n);
+  if (n >= (int64_t{1} << 30)) return absl::StrFormat("%.2f GiB", v / (1 << 30));
+  if (n >= (1 << 20)) return absl::StrFormat("%.2f MiB", v / (1 << 20));
+  if (n >= (1 << 10)) return absl::StrFormat("%.2f KiB", v / (1 << 10));
+  return absl::StrCat(n, " B");
+}
+
+nlohmann::json PlanJson(const shardformer::JobPlan& p) {
+  nlohmann::json comm = nlohmann::json::array();
+  for (const shardformer::PlanComm& c : p.comm) {
+    comm.push_back({{"group", c.group}, {"op", c.op}, {"calls", c.calls}, {"bytes", c.bytes},
+                    {"wire_bytes", c.wire_bytes}});
+  }
+  return {{"parameters", p.parameters},
+          {"rank_parameters", p.rank_parameters},
+          {"param_bytes", p.param_bytes},
+          {"grad_bytes", p.grad_bytes},
+          {"optimizer_bytes", p.optimizer_bytes},
+          {"activation_bytes", p.activation_bytes},
+          {"total_bytes", p.total_bytes},
+          {"batch_size", p.batch_size},
+          {"seq_len", p.seq_len},
+          {"micro_batches", p.micro_batches},
+          {"comm", comm},
+          {"wire_bytes", p.wire_bytes},
+          {"comm_modelled", p.comm_modelled},
+          {"notes", p.notes}};
+}
+
+int RunPlan(const std::vector<std::string>&) {
+  if (absl::GetFlag(FLAGS_model).empty()) return Usage("plan: --model is required (a directory with config.json)");
+  auto options = TrainOptionsFromFlags(/*require_data=*/false);
+  if (!options.ok()) return Usage(absl::StrCat("plan: ", options.status().message()));
+  v1::JobSpec spec = train::SpecFromTrainOptions(*options);
+  // As a job on the workers: auto is fp32 on CPU workers, bf16 on GPUs.
+  if (absl::GetFlag(FLAGS_precision) == "auto") spec.mutable_train()->set_precision(v1::PRECISION_UNSPECIFIED);
+  auto config = shardformer::LoadConfig(options->model_dir);
+  if (!config.ok()) return Fail(config.status());
+  const int world = absl::GetFlag(FLAGS_world);
+  const std::string memory_flag = absl::GetFlag(FLAGS_memory_per_rank);
+  const bool json = JsonOutput();
+  if (world != 0 || !memory_flag.empty()) {
+    if (world < 1) return Usage("plan: --memory-per-rank goes with --world N (N >= 1)");
+    int64_t memory = 0;
+    if (!memory_flag.empty()) {
+      auto parsed = ParseBytes(memory_flag);
+      if (!parsed.ok()) return Usage(std::string(parsed.status().message()));
+      memory = *parsed;
+    }
+    auto search = shardformer::RankLayouts(*config, spec, world, memory);
+    if (!search.ok()) return Fail(search.status());
+    if (json) {
+      nlohmann::json fits = nlohmann::json::array();
+      for (const shardformer::RankedLayout& l : search->fits) {
+        nlohmann::json j = PlanJson(l.plan);
+        j["layout"] = LayoutName(l.shard);
+        fits.push_back(std::move(j));
+      }
+      std::printf("%s\n", nlohmann::json({{"fits", fits}, {"refused", search->refused}}).dump(2).c_str());
+      return 0;
+    }
+    std::vector<std::vector<std::string>> rows;
+    for (const shardformer::RankedLayout& l : search->fits) {
+      rows.push_back({LayoutName(l.shard), Bytes(l.plan.total_bytes), Bytes(l.plan.param_bytes + l.plan.grad_bytes +
+                                                                             l.plan.optimizer_bytes),
+                      Bytes(l.plan.activation_bytes),
+                      l.plan.comm_modelled ? Bytes(l.plan.wire_bytes)
+                                           : absl::StrCat(Bytes(l.plan.wire_bytes), " + tp (not modelled)")});
+    }
+    std::printf("%d ranks%s: %zu layouts fit, least communication first\n", world,
+                memory > 0 ? absl::StrCat(", ", Bytes(memory), " each").c_str() : "", search->fits.size());
+    std::printf("%s", RenderTable({"LAYOUT", "MEMORY/RANK", "PARAMS+GRADS+OPTIMIZER", "ACTIVATIONS", "SENT/STEP"}, rows).c_str());
+    for (const std::string& r : search->refused) std::printf("left out: %s\n", r.c_str());
+    return search->fits.empty() ? 1 : 0;
+  }
+  auto plan = shardformer::PlanJob(*config, spec);
+  if (!plan.ok()) return Fail(plan.status());
+  if (json) {
+    nlohmann::json j = PlanJson(*plan);
+    j["layout"] = LayoutName(spec.shard());
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  const v1::TrainConfig& t = spec.train();
+  std::printf("%s, %lld parameters, %s: %lld sequences x %lld tokens a step, %lld micro-batch%s, %s, %s\n",
+              config->model_type.c_str(), static_cast<long long>(plan->parameters), LayoutName(spec.shard()).c_str(),
+              static_cast<long long>(plan->batch_size), static_cast<long long>(plan->seq_len),
+              static_cast<long long>(plan->micro_batches), plan->micro_batches == 1 ? "" : "es",
+              t.precision() == v1::PRECISION_BF16_MIXED   ? "bf16 mixed"
+              : t.precision() == v1::PRECISION_FP16_MIXED ? "fp16 mixed"
+              : t.precision() == v1::PRECISION_FP32       ? "fp32"
+                                                          : "fp32 (auto, as on CPU workers; bf16 on GPUs)",
+              t.optimizer() == v1::OPTIMIZER_SGD ? "sgd" : "adamw");
+  std::printf("\nper rank (%lld parameters):\n", static_cast<long long>(plan->rank_parameters));
+  std::printf("%s", RenderTable({"MEMORY", "BYTES"}, {{"parameters", Bytes(plan->param_bytes)},
+                                                      {"gradients", Bytes(plan->grad_bytes)},
+                                                      {"optimizer state", Bytes(plan->optimizer_bytes)},
+                                                      {"activations (estimate)", Bytes(plan->activation_bytes)},
+                                                      {"total", Bytes(plan->total_bytes)}})
+                        .c_str());
+  std::vector<std::vector<std::string>> rows;
+  for (const shardformer::PlanComm& c : plan->comm) {
+    rows.push_back({c.group, c.op, absl::StrCat(c.calls), Bytes(c.bytes), Bytes(c.wire_bytes)});
+  }
+  if (rows.empty()) {
+    std::printf("\nper step: no communication\n");
+  } else {
+    std::printf("\nper step, on each rank:\n%s", RenderTable({"GROUP", "OP", "CALLS", "PAYLOAD", "SENT"}, rows).c_str());
+    std::printf("sent in all: %s (ring algorithms)\n", Bytes(plan->wire_bytes).c_str());
+  }
+  for (const std::string& n : plan->notes) std::printf("note: %s\n", n.c_str());
+  return 0;
+}
+
 constexpr Command kCommands[] = {
     {"forward", "",
      "  forward     Run one forward pass of a Hugging Face-style model directory as a\n"
@@ -363,6 +512,20 @@ constexpr Command kCommands[] = {
      "              end); the decoder reads the targets shifted right after the config's\n"
      "              decoder_start_token_id, and --seq-len is unused.\n",
      RunTrain},
+    {"plan", "",
+     "  plan        Dry-run a training job's layout without running it: per rank, the bytes\n"
+     "              of parameters, gradients, optimizer state and (an estimate) activations,\n"
+     "              and per step each process group's collectives (calls, payload, bytes\n"
+     "              sent under ring algorithms). --model DIR (config.json is enough)\n"
+     "              [--tp T] [--dp D] [--mode 1d|2d|2.5d] [--depth D] [--sequence-parallel]\n"
+     "              [--batch-size B] [--seq-len L] [--micro-batches M]\n"
+     "              [--precision auto|fp32|bf16|fp16] [--optimizer adamw|sgd] [--bucket-mb MB]\n"
+     "              [--output json]. With --world N [--memory-per-rank 80GiB]: every layout\n"
+     "              of N ranks (tp x dp in 1d, 2d, 2.5d; 3d) the model takes that fits,\n"
+     "              least communication first, and why each other one was left out (exit 1\n"
+     "              when none fits). The memory and communication match a real step (tested\n"
+     "              within 5 %); 2d/2.5d communication is not modelled yet.\n",
+     RunPlan},
     {"init-model", "",
      "  init-model  Write a new GPT-2 (config.json + model.safetensors, GPT-2's published\n"
      "              initialization, seeded) to --out DIR: [--vocab-size 257] [--hidden-size 64]\n"

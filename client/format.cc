@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/ascii.h"
+#include "worker/shardformer/plan.h"
 #include "common/proto_time.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -81,14 +82,7 @@ absl::StatusOr<std::string> RenderJson(const google::protobuf::Message& message,
   return out;
 }
 
-std::string LayoutName(const v1::ShardConfig& s) {
-  std::string mode = EnumSuffix(v1::TensorParallelMode_Name(s.tensor_parallel_mode()), "TENSOR_PARALLEL_MODE_");
-  if (mode == "unspecified") mode = "1d";
-  if (mode == "2p5d") mode = absl::StrCat("2.5d depth ", s.depth());
-  std::string out = absl::StrCat("tp", s.tensor_parallel_size(), " x dp", s.data_parallel_size(), " ", mode);
-  if (s.sequence_parallel()) absl::StrAppend(&out, " sp");
-  return out;
-}
+std::string LayoutName(const v1::ShardConfig& s) { return shardformer::LayoutName(s); }
 
 std::string JobStateLabel(v1::JobState state) { return EnumSuffix(v1::JobState_Name(state), "JOB_STATE_"); }
 

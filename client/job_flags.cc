@@ -103,13 +103,13 @@ absl::StatusOr<absl::Duration> CommTimeoutFromFlags() {
   return t;
 }
 
-absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags() {
+absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags(bool require_data) {
   train::TrainOptions o;
   o.model_dir = absl::GetFlag(FLAGS_model);
   o.data_path = absl::GetFlag(FLAGS_data);
   o.labels_path = absl::GetFlag(FLAGS_labels);
   if (o.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
-  if (o.data_path.empty()) return absl::InvalidArgumentError("--data is required");
+  if (o.data_path.empty() && require_data) return absl::InvalidArgumentError("--data is required");
   auto shard = ShardFromFlags();
   if (!shard.ok()) return shard.status();
   o.shard = *shard;

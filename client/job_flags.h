@@ -21,6 +21,7 @@ ABSL_DECLARE_FLAG(std::string, name);
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, data_format);
 ABSL_DECLARE_FLAG(std::string, labels);
+ABSL_DECLARE_FLAG(std::string, precision);
 
 namespace colod::cli {
 
@@ -31,8 +32,9 @@ absl::StatusOr<bool> CudaFromFlags();
 // --comm-timeout (INVALID_ARGUMENT unless positive).
 absl::StatusOr<absl::Duration> CommTimeoutFromFlags();
 
-// The train flags (--model, --data, --steps, ...) as training options.
-absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags();
+// The train flags (--model, --data, --steps, ...) as training options;
+// `require_data` false for a plan, which reads no data.
+absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags(bool require_data = true);
 // A TRAIN job from the train flags: the model directory's config.json and its
 // absolute path as the weights every worker reads; every path absolute.
 absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags();

@@ -6,8 +6,12 @@
 #define COLOD_COMMON_INT_MATH_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
+#include <string>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 
 namespace colod {
@@ -62,6 +66,32 @@ inline std::optional<int64_t> CheckedBytes(absl::Span<const int64_t> dims, int64
 // The number of elements of a shape: the product of `dims` (1 for none),
 // refused as CheckedBytes refuses.
 inline std::optional<int64_t> CheckedProduct(absl::Span<const int64_t> dims) { return CheckedBytes(dims, 1); }
+
+// A sum of products of sizes, checked: once a product or the sum overflows
+// int64 the sum stays overflowed, and Total says so. Not thread-safe.
+class CheckedSum {
+ public:
+  // Adds the product of `factors` (CheckedProduct's rules).
+  void Add(std::initializer_list<int64_t> factors) {
+    const std::optional<int64_t> p = CheckedProduct(factors);
+    const std::optional<int64_t> s = p.has_value() ? CheckedAdd(total_, *p) : std::nullopt;
+    if (!s.has_value()) overflow_ = true;
+    if (!overflow_) total_ = *s;
+  }
+  void Add(const CheckedSum& other) {
+    overflow_ |= other.overflow_;
+    Add({other.total_});
+  }
+  // The sum; INVALID_ARGUMENT "`what` overflows a 64-bit count" after an overflow.
+  absl::StatusOr<int64_t> Total(const std::string& what) const {
+    if (overflow_) return absl::InvalidArgumentError(absl::StrCat(what, " overflows a 64-bit count"));
+    return total_;
+  }
+
+ private:
+  int64_t total_ = 0;
+  bool overflow_ = false;
+};
 
 }  // namespace colod
 

@@ -192,7 +192,7 @@ absl::Status CheckMemoryFits(const v1::JobSpec& spec, const std::vector<v1::Work
   }
   if (floor->total_bytes <= largest) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      "spec.model: this job needs ", shardformer::DescribeMemoryFloor(*floor, spec.shard().tensor_parallel_size()),
+      "spec.model: this job needs ", shardformer::DescribeMemoryFloor(*floor),
       ", and the largest of the ", workers.size(), " registered workers has ", shardformer::GiB(largest),
       ": raise tensor_parallel_size or add larger workers"));
 }

@@ -92,6 +92,29 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   EXPECT_LT(lb[0]["param_bytes"].get<int64_t>(), la[0]["param_bytes"].get<int64_t>());
   EXPECT_EQ(la[0]["optimizer_bytes"].get<int64_t>(), 2 * la[0]["param_bytes"].get<int64_t>());  // AdamW: m and v
 
+  // `coloctl plan` of the sharded run, from config.json alone, says what its ranks held.
+  const auto plan = Coloctl({"plan", "--model", model->dir, "--batch-size", "4", "--seq-len", "32", "--tp", "2",
+                             "--dp", "2", "--output", "json"});
+  ASSERT_EQ(plan.code, 0) << plan.err;
+  const nlohmann::json p = nlohmann::json::parse(plan.out, nullptr, false);
+  ASSERT_TRUE(p.is_object()) << plan.out;
+  EXPECT_EQ(p["layout"], "tp2 x dp2 1d");
+  for (const char* key : {"param_bytes", "grad_bytes", "optimizer_bytes"}) {
+    EXPECT_EQ(p[key].get<int64_t>(), lb[0][key].get<int64_t>()) << key;
+  }
+  EXPECT_GT(p["activation_bytes"].get<int64_t>(), 0);
+  ASSERT_TRUE(p["comm"].is_array() && !p["comm"].empty()) << plan.out;
+  const auto layouts = Coloctl({"plan", "--model", model->dir, "--batch-size", "4", "--seq-len", "32", "--world", "4"});
+  ASSERT_EQ(layouts.code, 0) << layouts.err;
+  EXPECT_NE(layouts.out.find("tp2 x dp2 1d"), std::string::npos) << layouts.out;
+  EXPECT_NE(layouts.out.find("tp1 x dp4 1d"), std::string::npos) << layouts.out;
+  const auto tiny =
+      Coloctl({"plan", "--model", model->dir, "--seq-len", "32", "--world", "4", "--memory-per-rank", "1KiB"});
+  EXPECT_EQ(tiny.code, 1) << "nothing fits in 1 KiB: " << tiny.out;
+  EXPECT_NE(tiny.out.find("more than"), std::string::npos) << tiny.out;
+  const auto unsized = Coloctl({"plan", "--model", model->dir, "--world", "4", "--memory-per-rank", "lots"});
+  EXPECT_EQ(unsized.code, 2) << unsized.err;
+
   // The trained model loads again, at another layout, and is not the initial one.
   ASSERT_TRUE(WriteNpy(TempPath("ids.npy"), shardformer::testing::TokenIds(2, 16, 257, 1)).ok());
   const auto before = Coloctl({"forward", "--model", model->dir, "--input", TempPath("ids.npy"), "--output", "json"});

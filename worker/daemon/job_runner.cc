@@ -50,7 +50,7 @@ absl::Status AdmitModel(const v1::JobSpec& spec, int64_t memory_bytes) {
   ASSIGN_OR_RETURN(shardformer::RankMemoryFloor floor, shardformer::MemoryFloorPerRank(*config, spec));
   if (floor.total_bytes <= memory_bytes) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
-      "the model needs ", shardformer::DescribeMemoryFloor(floor, spec.shard().tensor_parallel_size()),
+      "the model needs ", shardformer::DescribeMemoryFloor(floor),
       "; this worker has ", shardformer::GiB(memory_bytes)));
 }
 

@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/colo/mesh.h"
+#include "worker/shardformer/plan.h"
 
 namespace colod::shardformer {
 namespace {
@@ -238,169 +239,26 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
   return c;
 }
 
-namespace {
-
-// Sums of products in int64, failing once on overflow.
-class Counter {
- public:
-  // Adds the product of `factors`.
-  void Add(std::initializer_list<int64_t> factors) {
-    const std::optional<int64_t> p = CheckedProduct(factors);
-    const std::optional<int64_t> s = p.has_value() ? CheckedAdd(total_, *p) : std::nullopt;
-    if (!s.has_value()) overflow_ = true;
-    if (!overflow_) total_ = *s;
-  }
-  // total * factor.
-  void Times(int64_t factor) {
-    const std::optional<int64_t> p = CheckedMul(total_, factor);
-    if (!p.has_value()) overflow_ = true;
-    if (!overflow_) total_ = *p;
-  }
-  void Add(const Counter& other) {
-    overflow_ |= other.overflow_;
-    Add({other.total_});
-  }
-  absl::StatusOr<int64_t> Total(const std::string& what) const {
-    if (overflow_) return absl::InvalidArgumentError(absl::StrCat(what, " overflows a 64-bit count"));
-    return total_;
-  }
-
- private:
-  int64_t total_ = 0;
-  bool overflow_ = false;
-};
-
-}  // namespace
-
 absl::StatusOr<int64_t> ParameterCount(const ModelConfig& c) {
-  const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size, p = c.max_positions;
-  Counter layer, model;
-  if (c.model_type == "gpt2") {
-    // ln_1, c_attn, c_proj, ln_2, c_fc, mlp.c_proj (Conv1D weights + biases)
-    layer.Add({2, h});
-    layer.Add({h, 3, h});
-    layer.Add({3, h});
-    layer.Add({h, h});
-    layer.Add({h});
-    layer.Add({2, h});
-    layer.Add({h, f});
-    layer.Add({f});
-    layer.Add({f, h});
-    layer.Add({h});
-    layer.Times(c.num_layers);
-    model.Add({v, h});  // wte (lm_head is tied to it)
-    model.Add({p, h});  // wpe
-    model.Add(layer);
-    model.Add({2, h});  // ln_f
-  } else if (c.model_type == "llama") {
-    const int64_t kv = c.num_kv_heads * c.head_dim();  // <= h
-    layer.Add({h});           // input_layernorm
-    layer.Add({2, h, h});     // q_proj, o_proj
-    layer.Add({2, h, kv});    // k_proj, v_proj
-    layer.Add({h});           // post_attention_layernorm
-    layer.Add({3, h, f});     // gate, up, down
-    layer.Times(c.num_layers);
-    model.Add({v, h});  // embed_tokens
-    model.Add(layer);
-    model.Add({h});  // norm
-    if (!c.tie_word_embeddings) model.Add({v, h});  // lm_head
-  } else if (c.model_type == "bert") {
-    layer.Add({4, h, h});  // query, key, value, attention.output.dense
-    layer.Add({4, h});     // their biases
-    layer.Add({2, 2, h});  // the two LayerNorms
-    layer.Add({h, f});     // intermediate.dense
-    layer.Add({f});
-    layer.Add({f, h});  // output.dense
-    layer.Add({h});
-    layer.Times(c.num_layers);
-    model.Add({v, h});                  // word_embeddings (the decoder is tied to them)
-    model.Add({p, h});                  // position_embeddings
-    model.Add({c.type_vocab_size, h});  // token_type_embeddings
-    model.Add({2, h});                  // embeddings.LayerNorm
-    model.Add(layer);
-    model.Add({h, h});  // cls.predictions.transform.dense
-    model.Add({h});
-    model.Add({2, h});  // its LayerNorm
-    model.Add({v});     // cls.predictions.bias
-  } else if (c.model_type == "opt") {
-    const int64_t e = c.embed_dim, bias = c.linear_bias ? 1 : 0;
-    layer.Add({4, h, h});     // q, k, v, out_proj
-    layer.Add({bias, 4, h});  // their biases
-    layer.Add({2, 2, h});     // self_attn_layer_norm, final_layer_norm
-    layer.Add({2, h, f});     // fc1, fc2
-    layer.Add({bias, f});     // fc1's bias
-    layer.Add({bias, h});     // fc2's
-    layer.Times(c.num_layers);
-    model.Add({v, e});                          // embed_tokens (lm_head tied to it unless said otherwise)
-    model.Add({p, h});                          // embed_positions, and its 2 rows more
-    model.Add({c.position_offset, h});
-    if (e != h) model.Add({2, e, h});           // project_in, project_out
-    if (c.final_norm) model.Add({2, h});
-    model.Add(layer);
-    if (!c.tie_word_embeddings) model.Add({v, e});  // lm_head
-  } else if (c.model_type == "bloom") {
-    layer.Add({2, 2, h});  // input_layernorm, post_attention_layernorm
-    layer.Add({h, 3, h});  // query_key_value
-    layer.Add({3, h});
-    layer.Add({h, h});  // dense
-    layer.Add({h});
-    layer.Add({2, h, f});  // dense_h_to_4h, dense_4h_to_h
-    layer.Add({f});
-    layer.Add({h});
-    layer.Times(c.num_layers);
-    model.Add({v, h});  // word_embeddings (lm_head tied to them unless said otherwise)
-    model.Add({2, h});  // word_embeddings_layernorm
-    model.Add(layer);
-    model.Add({2, h});  // ln_f
-    if (!c.tie_word_embeddings) model.Add({v, h});
-  } else if (c.model_type == "vit") {
-    const int64_t bias = c.linear_bias ? 1 : 0;
-    layer.Add({2, 2, h});     // layernorm_before, layernorm_after
-    layer.Add({3, h, h});     // query, key, value
-    layer.Add({bias, 3, h});  // their biases (qkv_bias)
-    layer.Add({h, h});        // attention.output.dense
-    layer.Add({h});
-    layer.Add({2, h, f});  // intermediate.dense, output.dense
-    layer.Add({f});
-    layer.Add({h});
-    layer.Times(c.num_layers);
-    model.Add({h});  // cls_token
-    model.Add({p, h});  // position_embeddings: the patches and the CLS token
-    model.Add({h, c.num_channels, c.patch_size, c.patch_size});  // the patch projection
-    model.Add({h});
-    model.Add(layer);
-    model.Add({2, h});  // layernorm
-    model.Add({v, h});  // classifier
-    model.Add({v});
-  } else if (c.model_type == "t5") {
-    const int64_t ffn = c.activation == "gated-gelu" ? 3 : 2;
-    Counter decoder;
-    layer.Add({4, h, c.num_heads, c.kv_dim});  // q, k, v, o: [heads * d_kv, d_model] each
-    layer.Add({2, h});                         // the two layer norms
-    layer.Add({ffn, h, f});                    // wi (or wi_0, wi_1) and wo
-    decoder.Add({8, h, c.num_heads, c.kv_dim});  // self- and cross-attention
-    decoder.Add({3, h});
-    decoder.Add({ffn, h, f});
-    layer.Times(c.num_layers);
-    decoder.Times(c.num_decoder_layers);
-    model.Add({v, h});  // shared
-    model.Add(layer);
-    model.Add(decoder);
-    model.Add({2, c.relative_buckets, c.num_heads});  // layer 0's relative_attention_bias, both stacks
-    model.Add({2, h});                                // the stacks' final layer norms
-    if (!c.tie_word_embeddings) model.Add({v, h});    // lm_head
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat("no parameter count for model_type '", c.model_type, "'"));
+  // The plan's leaves, whole.
+  ASSIGN_OR_RETURN(std::vector<PlanLeaf> leaves, PlanLeaves(c));
+  CheckedSum total;
+  for (const PlanLeaf& l : leaves) {
+    ASSIGN_OR_RETURN(int64_t n, LeafElements(l));
+    total.Add({n});
   }
-  return model.Total(absl::StrCat("the parameter count of this ", c.model_type));
+  return total.Total(absl::StrCat("the parameter count of this ", c.model_type));
 }
 
 absl::StatusOr<RankMemoryFloor> MemoryFloorPerRank(const ModelConfig& config, const v1::JobSpec& spec) {
   RankMemoryFloor floor;
   if (spec.kind() == v1::JOB_KIND_TENSOR) return floor;
   ASSIGN_OR_RETURN(floor.parameters, ParameterCount(config));
+  // What the rank holding the most holds (replicated norms, the padded
+  // vocabulary), or a 1/tp share where the layout has no mesh.
   const int64_t tp = std::max(1, spec.shard().tensor_parallel_size());
-  const int64_t share = floor.parameters / tp + (floor.parameters % tp != 0 ? 1 : 0);
+  absl::StatusOr<int64_t> held = RankParameters(config, spec.shard());
+  const int64_t share = held.ok() ? *held : floor.parameters / tp + (floor.parameters % tp != 0 ? 1 : 0);
   const bool train = spec.kind() == v1::JOB_KIND_TRAIN;
   // Parameter and gradient bytes by precision; unspecified means f32 on a
   // CPU and bf16 on a GPU, so the floor takes bf16's.
@@ -408,7 +266,8 @@ absl::StatusOr<RankMemoryFloor> MemoryFloorPerRank(const ModelConfig& config, co
   const int64_t width = !train || precision == v1::PRECISION_FP32 ? 4 : 2;
   const bool adam = spec.train().optimizer() != v1::OPTIMIZER_SGD;
   const int64_t state = (adam ? 8 : 4) + (width == 2 ? 4 : 0);  // moments (f32), master copy
-  Counter params, grads, optimizer, total;
+  floor.rank_parameters = share;
+  CheckedSum params, grads, optimizer, total;
   params.Add({share, width});
   if (train) {
     grads.Add({share, width});
@@ -427,14 +286,14 @@ absl::StatusOr<RankMemoryFloor> MemoryFloorPerRank(const ModelConfig& config, co
 
 std::string GiB(int64_t bytes) { return absl::StrFormat("%.2f GiB", static_cast<double>(bytes) / (1 << 30)); }
 
-std::string DescribeMemoryFloor(const RankMemoryFloor& floor, int tensor_parallel_size) {
+std::string DescribeMemoryFloor(const RankMemoryFloor& floor) {
   std::string parts = absl::StrCat(GiB(floor.param_bytes), " of parameters");
   if (floor.grad_bytes > 0 || floor.optimizer_bytes > 0) {
     absl::StrAppend(&parts, ", ", GiB(floor.grad_bytes), " of gradients, ", GiB(floor.optimizer_bytes),
                     " of optimizer state");
   }
-  return absl::StrCat("at least ", GiB(floor.total_bytes), " per rank (", floor.parameters, " parameters, 1/",
-                      std::max(1, tensor_parallel_size), " per rank: ", parts, ")");
+  return absl::StrCat("at least ", GiB(floor.total_bytes), " per rank (", floor.parameters, " parameters, ",
+                      floor.rank_parameters, " on the fullest rank: ", parts, ")");
 }
 
 absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& shard) {

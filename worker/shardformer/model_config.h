@@ -88,24 +88,27 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
 // arithmetic: INVALID_ARGUMENT when the count overflows int64.
 absl::StatusOr<int64_t> ParameterCount(const ModelConfig& config);
 
-// The least memory one rank of a job holds for its model. Each parameter
-// lives on at least one rank of a tensor-parallel group, and every layout
-// splits evenly, so a rank holds at least 1/tp of the parameters: in f32 for
+// The least memory one rank of a job holds for its model: the parameters
+// of the rank holding the most (RankParameters in plan.h: split as the
+// layout's layers split them, norms replicated, the vocabulary padded; 1/tp
+// where the layout has no mesh), in f32 for
 // FORWARD jobs and f32 training; for training also as many gradient bytes
 // and the optimizer's state (an f32 momentum, AdamW's second f32 moment, an
 // f32 master copy under mixed precision: 16 bytes a parameter with AdamW,
 // 12 with SGD, whatever the precision). Activations and workspaces come on
 // top: a job whose floor exceeds a worker's memory cannot run there.
 struct RankMemoryFloor {
-  int64_t parameters = 0;  // of the whole model (ParameterCount)
+  int64_t parameters = 0;       // of the whole model (ParameterCount)
+  int64_t rank_parameters = 0;  // on the rank holding the most
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
   int64_t total_bytes = 0;
 };
 // INVALID_ARGUMENT on overflow; for TENSOR jobs (no model) all zero.
 absl::StatusOr<RankMemoryFloor> MemoryFloorPerRank(const ModelConfig& config, const v1::JobSpec& spec);
-// "at least 25.10 GiB per rank (6738415616 parameters, 1/4 per rank: 3.14 GiB
-// of parameters, 3.14 GiB of gradients, 18.83 GiB of optimizer state)".
-std::string DescribeMemoryFloor(const RankMemoryFloor& floor, int tensor_parallel_size);
+// "at least 25.11 GiB per rank (6738415616 parameters, 1684803584 on the
+// fullest rank: 3.14 GiB of parameters, 3.14 GiB of gradients, 18.83 GiB of
+// optimizer state)".
+std::string DescribeMemoryFloor(const RankMemoryFloor& floor);
 // Bytes in GiB with two decimals: "25.10 GiB".
 std::string GiB(int64_t bytes);
 

@@ -1,0 +1,137 @@
+// A dry run of a job: what each rank holds (parameters, gradients,
+// optimizer state, activations) and what each step moves over each process
+// group, from the model's leaves (the families' layers, and how each layout
+// splits them) and the collectives' formulas. No tensor is made and no rank
+// starts, so the coordinator, `coloctl plan` and a worker's admission check
+// all call it; light enough for the coordinator (config.json and the mesh
+// only).
+//
+// What the plan counts is what a run reports: parameter, gradient and
+// optimizer bytes as `colod_tensor_bytes` (and the trainer's StepStats), and
+// each collective's payload as InstrumentedCommunicator counts it (all-reduce
+// and all-gather: the rank's input; reduce-scatter: the whole input). The
+// trainer test holds the two together. Wire bytes are what a rank sends
+// under the ring algorithms Gloo and NCCL use: 2(p-1)/p n for an all-reduce
+// of n bytes, (p-1)/p n for a reduce-scatter of n, (p-1) n for an
+// all-gather of n from each rank.
+//
+// Thread-safety: functions of their arguments.
+#ifndef COLOD_WORKER_SHARDFORMER_PLAN_H_
+#define COLOD_WORKER_SHARDFORMER_PLAN_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "colod/v1/job.pb.h"
+#include "worker/shardformer/model_config.h"
+
+namespace colod::shardformer {
+
+// What a leaf of a model is to the planner: how its parameters split and
+// which collectives it makes in each mode. The roles follow the policies
+// (worker/shardformer/<family>.cc): a role names the layer a policy puts
+// there in 1D and in 2D/2.5D.
+enum class LeafRole {
+  kWhole,        // native everywhere: replicated (BERT's positions, ViT's patches, a classifier)
+  kNorm,         // a norm (gamma, and beta with `bias`): whole in 1D (Norm1D), /q in 2D (Norm2D)
+  kColumn,       // Linear1D_Col / Linear2D: [in -> out] split by out in 1D
+  kRow,          // Linear1D_Row / Linear2D: split by in in 1D; its bias whole in 1D
+  kVocabTable,   // VocabParallelEmbedding1D / Embedding2D: [rows = vocab, out = dim]
+  kVocabHead,    // an untied LM head: VocabParallelLMHead1D / LMHead2D, [rows = vocab, in = dim]
+  kVocabBias,    // VocabParallelBias1D: [rows = vocab]
+  kPositions,    // a position table: native in 1D, Embedding2D in 2D
+  kProjection,   // native in 1D, Linear2D in 2D (OPT's project_in/out)
+  kTiedHead,     // an LM head tied to a kVocabTable: holds nothing, computes [in = dim -> out = vocab]
+};
+
+struct PlanLeaf {
+  std::string name;     // "h.*.attn.c_attn": the leaves it stands for
+  LeafRole role = LeafRole::kWhole;
+  int64_t count = 1;    // how many such leaves the model has (layers)
+  int64_t in = 0, out = 0;  // a matrix's features; a table's rows (in) and dim (out); a vector's size (out)
+  bool bias = false;    // a matrix's bias / a LayerNorm's beta
+  int64_t elements_each = 0;  // kWhole: the leaf's elements (its shape's product)
+  int64_t lookups = 1;        // kVocabTable: lookups per forward (T5's encoder and decoder: 2)
+};
+
+// The model's leaves as its family builds them, tied heads left out (they
+// hold nothing). INVALID_ARGUMENT for a model_type without a table, or a
+// count that overflows.
+absl::StatusOr<std::vector<PlanLeaf>> PlanLeaves(const ModelConfig& config);
+// The parameters of `leaf` (all `count` of them), unsplit: ParameterCount
+// is their sum over PlanLeaves.
+absl::StatusOr<int64_t> LeafElements(const PlanLeaf& leaf);
+
+// The parameters on the rank of `layout` holding the most: each leaf split
+// as its policy's layer splits it (the 1D vocabulary padded). Does not
+// check that the layout fits the model (CheckShardable does);
+// INVALID_ARGUMENT for a mesh that cannot be built, or on overflow.
+absl::StatusOr<int64_t> RankParameters(const ModelConfig& config, const v1::ShardConfig& layout);
+
+// One collective of a step, summed over its calls.
+struct PlanComm {
+  std::string group;  // the mesh axis: "tp", "dp", "tp_row", ...
+  std::string op;     // "all_reduce", "all_gather", "reduce_scatter", "broadcast"
+  int64_t calls = 0;
+  int64_t bytes = 0;       // the payload as InstrumentedCommunicator counts it, on one rank
+  int64_t wire_bytes = 0;  // what one rank sends (ring algorithms)
+};
+
+struct JobPlan {
+  int64_t parameters = 0;       // the whole model's (ParameterCount)
+  int64_t rank_parameters = 0;  // on the rank holding the most (every rank, for the layouts colod has)
+  // Per rank.
+  int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  // What the autograd tape keeps through a micro-batch's forward for its
+  // backward (TRAIN), or one block's working set (FORWARD): an estimate
+  // from the layers' inputs and the attention probabilities.
+  int64_t activation_bytes = 0;
+  int64_t total_bytes = 0;
+  // Per step (TRAIN: every micro-batch, the gradient sync and the
+  // reductions of the loss and the norm), or per forward.
+  std::vector<PlanComm> comm;
+  int64_t wire_bytes = 0;  // the sum over `comm`
+  // False where the plan leaves the tensor-parallel collectives out (2D and
+  // 2.5D for now): `comm` then holds the data-parallel ones only.
+  bool comm_modelled = true;
+  // The tokens of one rank's micro-batch the plan assumed, and its inputs.
+  int64_t batch_size = 0, seq_len = 0, micro_batches = 1;
+  // What the plan leaves out or approximates, in words.
+  std::vector<std::string> notes;
+};
+
+// The plan of `spec` (TRAIN or FORWARD) for `config`: INVALID_ARGUMENT
+// when the layout cannot shard the model (CheckShardable), for sizes that
+// do not divide (the batch over dp and the micro-batches), or on overflow.
+// A TRAIN spec's batch_size, seq_len (default 8 and 64, as the trainer's),
+// micro_batches, precision and optimizer are read; a FORWARD spec plans one
+// sequence of max positions per replica unless its train section gives a
+// batch and a length. TENSOR jobs plan to zero.
+absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& spec);
+
+// Every layout of `world` ranks (tp x dp with tp = world / dp, in each mode
+// whose mesh fits: 1d, 2d (tp = q^2), 2.5d (tp = depth q^2, depth 2 and up),
+// 3d (tp = q^3)) that the model's policy accepts, with its plan, ordered by
+// wire bytes per step (then by memory), the layouts whose communication is
+// not modelled last: the `spec`'s shard section is replaced for each. Layouts whose plan exceeds `memory_per_rank` (> 0) are
+// left out; the reason each other layout was left out is in `refused`.
+struct RankedLayout {
+  v1::ShardConfig shard;
+  JobPlan plan;
+};
+struct LayoutSearch {
+  std::vector<RankedLayout> fits;
+  std::vector<std::string> refused;  // "tp8 x dp1 1d: tensor_parallel_size 8 must divide the 12 attention heads ..."
+};
+absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::JobSpec& spec, int world,
+                                         int64_t memory_per_rank);
+
+// "tp2 x dp2 1d", "tp8 x dp1 2.5d depth 2", with " sp" for sequence
+// parallelism: how coloctl and the plan's refusals name a layout.
+std::string LayoutName(const v1::ShardConfig& shard);
+
+}  // namespace colod::shardformer
+
+#endif  // COLOD_WORKER_SHARDFORMER_PLAN_H_

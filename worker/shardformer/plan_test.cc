@@ -1,0 +1,302 @@
+// The planner's parameters per rank against real sharded models: every
+// family, loaded by ShardFormer on every rank of 1D, sequence-parallel, 2D
+// and 2.5D layouts, holds exactly the elements the plan says; the plan
+// refuses the layouts the policies refuse; and layouts rank by their
+// communication.
+#include "worker/shardformer/plan.h"
+
+#include <malloc.h>
+
+#include <functional>
+#include <map>
+#include <mutex>
+
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/colo/testing.h"
+#include "worker/shardformer/shardformer.h"
+#include "worker/shardformer/testing.h"
+
+namespace colod::shardformer {
+namespace {
+
+using ::colod::testing::TempPath;
+using Writer = std::function<absl::StatusOr<testing::TinyModel>(const std::string&, const testing::TinyOptions&)>;
+
+struct Case {
+  std::string name;
+  Writer write;
+  testing::TinyOptions options;
+  int tp, dp;
+  v1::TensorParallelMode mode;
+  int depth;
+  bool sp;
+};
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+testing::TinyOptions Untied() {
+  testing::TinyOptions o;
+  o.tie = false;
+  return o;
+}
+testing::TinyOptions OptProjected() {
+  testing::TinyOptions o;
+  o.embed_dim = 32;  // project_in / project_out
+  o.tie = true;
+  return o;
+}
+
+class PlannedParameters : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PlannedParameters, EveryRankHoldsThePlannedElements) {
+  const Case& c = GetParam();
+  auto model = c.write(TempPath("plan_" + c.name), c.options);
+  ASSERT_TRUE(model.ok()) << model.status();
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_FORWARD);
+  v1::ShardConfig& layout = *spec.mutable_shard();
+  layout.set_tensor_parallel_size(c.tp);
+  layout.set_data_parallel_size(c.dp);
+  layout.set_tensor_parallel_mode(c.mode);
+  layout.set_depth(c.depth);
+  layout.set_sequence_parallel(c.sp);
+  auto plan = PlanJob(model->config, spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto count = ParameterCount(model->config);
+  ASSERT_TRUE(count.ok()) << count.status();
+  int64_t written = 0;
+  for (const auto& [name, t] : model->tensors) written += t.numel();
+  EXPECT_EQ(*count, written) << "the plan's leaves are the checkpoint's tensors";
+  EXPECT_EQ(plan->parameters, written);
+
+  ShardConfig shard;
+  shard.layout = layout;
+  auto mesh = DeviceMesh::FromShardConfig(layout);
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  std::mutex mu;
+  std::map<int, int64_t> held;
+  colod::testing::RunMesh(*mesh, [&](int rank, ProcessGroup& pg) {
+    ShardFormer sf(shard, &pg);
+    auto sharded = sf.Load(model->dir);
+    ASSERT_TRUE(sharded.ok()) << sharded.status();
+    int64_t n = 0;
+    for (const NamedParam& p : (*sharded)->Parameters()) n += p.bound.param.local().numel();
+    std::lock_guard<std::mutex> lock(mu);
+    held[rank] = n;
+  });
+  ASSERT_EQ(held.size(), static_cast<size_t>(c.tp * c.dp));
+  for (const auto& [rank, n] : held) EXPECT_EQ(n, plan->rank_parameters) << "rank " << rank;
+  EXPECT_EQ(plan->param_bytes, plan->rank_parameters * 4);
+  EXPECT_EQ(plan->grad_bytes, 0) << "a forward job keeps no gradients";
+}
+
+constexpr auto k1D = v1::TENSOR_PARALLEL_MODE_1D;
+constexpr auto k2D = v1::TENSOR_PARALLEL_MODE_2D;
+constexpr auto k2P5D = v1::TENSOR_PARALLEL_MODE_2P5D;
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, PlannedParameters,
+    ::testing::Values(Case{"gpt2_tp1", testing::WriteTinyGpt2, {}, 1, 1, k1D, 0, false},
+                      Case{"gpt2_tp2_dp2", testing::WriteTinyGpt2, {}, 2, 2, k1D, 0, false},
+                      Case{"gpt2_tp4_sp", testing::WriteTinyGpt2, {}, 4, 1, k1D, 0, true},
+                      Case{"gpt2_2d", testing::WriteTinyGpt2, {}, 4, 1, k2D, 0, false},
+                      Case{"gpt2_2p5d", testing::WriteTinyGpt2, {}, 8, 1, k2P5D, 2, false},
+                      Case{"llama_tp2", testing::WriteTinyLlama, Untied(), 2, 1, k1D, 0, false},
+                      Case{"llama_2d", testing::WriteTinyLlama, Untied(), 4, 1, k2D, 0, false},
+                      Case{"bert_tp2", testing::WriteTinyBert, {}, 2, 1, k1D, 0, false},
+                      Case{"opt_tp2", testing::WriteTinyOpt, OptProjected(), 2, 1, k1D, 0, false},
+                      Case{"opt_2d", testing::WriteTinyOpt, OptProjected(), 4, 1, k2D, 0, false},
+                      Case{"bloom_tp2", testing::WriteTinyBloom, Untied(), 2, 1, k1D, 0, false},
+                      Case{"vit_tp2", testing::WriteTinyVit, {}, 2, 1, k1D, 0, false},
+                      Case{"t5_tp2", testing::WriteTinyT5, testing::TinyFlanT5(), 2, 1, k1D, 0, false}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode = k1D);
+
+// Heap bytes in use by the process (every arena, and mmapped chunks).
+int64_t HeapInUse() {
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+}
+
+struct ActivationCase {
+  std::string name;
+  int tp;
+  bool sp;
+  bool llama = false;
+};
+void PrintTo(const ActivationCase& c, std::ostream* os) { *os << c.name; }
+
+class PlannedActivations : public ::testing::TestWithParam<ActivationCase> {};
+
+// What a training forward leaves alive for its backward (the tape's saved
+// tensors, the logits and the loss), measured as the heap's growth from
+// before the forward to after the loss on every rank, against the plan's
+// estimate.
+TEST_P(PlannedActivations, TheEstimateIsNearWhatTheTapeHolds) {
+  const ActivationCase& c = GetParam();
+  testing::TinyOptions o;
+  o.vocab = 512;
+  o.hidden = 128;
+  o.heads = 4;
+  o.layers = 2;
+  o.positions = 128;
+  o.kv_heads = 2;
+  o.intermediate = 384;
+  auto model = c.llama ? testing::WriteTinyLlama(TempPath("plan_act_" + c.name), o)
+                       : testing::WriteTinyGpt2(TempPath("plan_act_" + c.name), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const int64_t batch = 4, seq = 128;
+  v1::JobSpec spec = Train(c.tp, 1);
+  spec.mutable_train()->set_batch_size(batch);
+  spec.mutable_train()->set_seq_len(seq);
+  spec.mutable_shard()->set_sequence_parallel(c.sp);
+  auto plan = PlanJob(model->config, spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ShardConfig shard;
+  shard.layout = spec.shard();
+  auto mesh = DeviceMesh::FromShardConfig(shard.layout);
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  const Tensor ids = testing::TokenIds(batch, seq, o.vocab, 5);
+  int64_t before = 0, after = 0;
+  colod::testing::RunMesh(*mesh, [&](int rank, ProcessGroup& pg) {
+    ShardFormer sf(shard, &pg);
+    auto sharded = sf.Load(model->dir);
+    ASSERT_TRUE(sharded.ok()) << sharded.status();
+    {  // a first step makes the communicators and the gradients
+      auto logits = (*sharded)->Forward(ids);
+      ASSERT_TRUE(logits.ok()) << logits.status();
+      auto loss = (*sharded)->NextTokenLoss(*logits, ids);
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      ASSERT_TRUE(Backward(loss->loss).ok());
+    }
+    ASSERT_TRUE(pg.Barrier().ok());
+    if (rank == 0) before = HeapInUse();
+    ASSERT_TRUE(pg.Barrier().ok());
+    auto logits = (*sharded)->Forward(ids);
+    ASSERT_TRUE(logits.ok()) << logits.status();
+    auto loss = (*sharded)->NextTokenLoss(*logits, ids);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    ASSERT_TRUE(pg.Barrier().ok());
+    if (rank == 0) after = HeapInUse();
+    ASSERT_TRUE(pg.Barrier().ok());
+    ASSERT_TRUE(Backward(loss->loss).ok());
+  });
+  const double held = static_cast<double>(after - before) / c.tp;
+  const double planned = static_cast<double>(plan->activation_bytes);
+  std::cerr << c.name << ": held " << held << " bytes a rank, planned " << planned << "\n";
+  EXPECT_NEAR(planned, held, 0.15 * held);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, PlannedActivations,
+                         ::testing::Values(ActivationCase{"gpt2_tp1", 1, false}, ActivationCase{"gpt2_tp2", 2, false},
+                                           ActivationCase{"gpt2_tp2_sp", 2, true},
+                                           ActivationCase{"llama_tp1", 1, false, true},
+                                           ActivationCase{"llama_tp2", 2, false, true}),
+                         [](const ::testing::TestParamInfo<ActivationCase>& info) { return info.param.name; });
+
+v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode) {
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TRAIN);
+  spec.mutable_shard()->set_tensor_parallel_size(tp);
+  spec.mutable_shard()->set_data_parallel_size(dp);
+  spec.mutable_shard()->set_tensor_parallel_mode(mode);
+  spec.mutable_train()->set_batch_size(16);
+  spec.mutable_train()->set_seq_len(16);  // the tiny models' positions
+  return spec;
+}
+
+TEST(Plan, MemoryFollowsPrecisionAndOptimizerAndActivationsShrinkWithTp) {
+  testing::TinyOptions o;
+  auto model = testing::WriteTinyGpt2(TempPath("plan_memory"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  v1::JobSpec spec = Train(1, 1);
+  auto f32 = PlanJob(model->config, spec);
+  ASSERT_TRUE(f32.ok()) << f32.status();
+  EXPECT_EQ(f32->seq_len, 16);
+  EXPECT_EQ(f32->batch_size, 16);
+  EXPECT_EQ(f32->rank_parameters, f32->parameters) << "tp = 1 holds everything, unpadded";
+  EXPECT_EQ(f32->param_bytes, 4 * f32->parameters);
+  EXPECT_EQ(f32->grad_bytes, 4 * f32->parameters);
+  EXPECT_EQ(f32->optimizer_bytes, 8 * f32->parameters) << "AdamW: two f32 moments";
+  EXPECT_TRUE(f32->comm.empty()) << "one rank moves nothing";
+  spec.mutable_train()->set_precision(v1::PRECISION_BF16_MIXED);
+  spec.mutable_train()->set_optimizer(v1::OPTIMIZER_SGD);
+  auto bf16 = PlanJob(model->config, spec);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  EXPECT_EQ(bf16->param_bytes, 2 * f32->parameters);
+  EXPECT_EQ(bf16->optimizer_bytes, 8 * f32->parameters) << "SGD: an f32 momentum and an f32 master copy";
+  EXPECT_LT(bf16->activation_bytes, f32->activation_bytes) << "activations in the parameters' dtype (logits stay f32)";
+
+  auto tp2 = PlanJob(model->config, Train(2, 1));
+  ASSERT_TRUE(tp2.ok()) << tp2.status();
+  EXPECT_LT(tp2->activation_bytes, f32->activation_bytes);
+  EXPECT_GT(tp2->activation_bytes, f32->activation_bytes / 2) << "the replicated inputs stay whole";
+  v1::JobSpec sp = Train(2, 1);
+  sp.mutable_shard()->set_sequence_parallel(true);
+  auto with_sp = PlanJob(model->config, sp);
+  ASSERT_TRUE(with_sp.ok()) << with_sp.status();
+  EXPECT_LT(with_sp->activation_bytes, tp2->activation_bytes);
+}
+
+TEST(Plan, RefusesWhatThePoliciesRefuse) {
+  testing::TinyOptions o;
+  auto gpt2 = testing::WriteTinyGpt2(TempPath("plan_refuse_gpt2"), o);
+  auto bert = testing::WriteTinyBert(TempPath("plan_refuse_bert"), o);
+  ASSERT_TRUE(gpt2.ok() && bert.ok());
+  auto heads = PlanJob(gpt2->config, Train(8, 1));  // 4 heads
+  EXPECT_EQ(heads.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(heads.status().message().find("heads"), std::string::npos) << heads.status();
+  EXPECT_EQ(PlanJob(bert->config, Train(4, 1, k2D)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanJob(gpt2->config, Train(8, 1, v1::TENSOR_PARALLEL_MODE_3D)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  v1::JobSpec uneven = Train(1, 3);
+  auto batch = PlanJob(gpt2->config, uneven);  // 16 rows over 3 replicas
+  EXPECT_EQ(batch.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(batch.status().message().find("batch_size"), std::string::npos) << batch.status();
+  v1::JobSpec huge = Train(1, 1);
+  huge.mutable_train()->set_batch_size(2147483647);
+  huge.mutable_train()->set_seq_len(16);
+  auto overflow = PlanJob(gpt2->config, huge);
+  EXPECT_TRUE(overflow.ok() || overflow.status().code() == absl::StatusCode::kInvalidArgument) << overflow.status();
+}
+
+TEST(Plan, RanksLayoutsByCommunicationAndLeavesOutWhatDoesNotFit) {
+  testing::TinyOptions o;
+  o.heads = 4;
+  auto model = testing::WriteTinyGpt2(TempPath("plan_rank"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  v1::JobSpec spec = Train(1, 1);
+  auto all = RankLayouts(model->config, spec, 4, 0);
+  ASSERT_TRUE(all.ok()) << all.status();
+  for (const std::string& r : all->refused) std::cerr << "refused: " << r << "\n";
+  std::vector<std::string> names;
+  for (const RankedLayout& l : all->fits) names.push_back(LayoutName(l.shard));
+  // tp4 x dp1 1d, tp2 x dp2 1d, tp1 x dp4 1d and tp4 x dp1 2d.
+  ASSERT_EQ(all->fits.size(), 4u) << ::testing::PrintToString(names);
+  for (size_t i = 1; i < all->fits.size(); ++i) {
+    const JobPlan &a = all->fits[i - 1].plan, &b = all->fits[i].plan;
+    EXPECT_TRUE(a.comm_modelled || !b.comm_modelled) << "layouts without a communication model go last";
+    if (a.comm_modelled == b.comm_modelled) EXPECT_LE(a.wire_bytes, b.wire_bytes) << ::testing::PrintToString(names);
+  }
+  EXPECT_EQ(names.back(), "tp4 x dp1 2d");
+  bool refused_3d = false;
+  for (const std::string& r : all->refused) refused_3d = refused_3d || r.find("3d") != std::string::npos;
+  EXPECT_FALSE(refused_3d) << "4 ranks make no cube: 3d is not a candidate";
+  // A budget between the smallest and the largest footprint leaves some out, with the reason.
+  int64_t least = INT64_MAX, most = 0;
+  for (const RankedLayout& l : all->fits) {
+    least = std::min(least, l.plan.total_bytes);
+    most = std::max(most, l.plan.total_bytes);
+  }
+  ASSERT_LT(least, most);
+  auto some = RankLayouts(model->config, spec, 4, least);
+  ASSERT_TRUE(some.ok()) << some.status();
+  EXPECT_LT(some->fits.size(), all->fits.size());
+  for (const RankedLayout& l : some->fits) EXPECT_LE(l.plan.total_bytes, least);
+  ASSERT_FALSE(some->refused.empty());
+  EXPECT_NE(some->refused.back().find("per rank, more than"), std::string::npos) << some->refused.back();
+}
+
+}  // namespace
+}  // namespace colod::shardformer

@@ -1,0 +1,124 @@
+// The dry-run planner (worker/shardformer/plan.h) against real training
+// steps of a tiny GPT-2 and LLaMA: the bytes each rank holds (what
+// colod_tensor_bytes reports) and the bytes each process group moves (what
+// InstrumentedCommunicator counts) are the plan's, within 5 %.
+#include "worker/shardformer/plan.h"
+
+#include <cmath>
+#include <map>
+#include <mutex>
+
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/colo/testing.h"
+#include "worker/shardformer/shardformer.h"
+#include "worker/shardformer/testing.h"
+#include "worker/train/data.h"
+#include "worker/train/job_options.h"
+#include "worker/train/trainer.h"
+
+namespace colod::train {
+namespace {
+
+using ::colod::testing::TempPath;
+
+constexpr char kText[] = "/usr/share/common-licenses/GPL-3";
+
+struct Case {
+  std::string name;
+  std::string family;  // gpt2, llama
+  int tp, dp;
+  bool sp;
+  int micro;
+};
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class PlanAgainstARun : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
+  const Case& c = GetParam();
+  shardformer::testing::TinyOptions tiny;
+  tiny.vocab = kByteVocab;  // 257: the 1D vocabulary gets padding
+  tiny.hidden = 64;
+  tiny.heads = 4;
+  tiny.kv_heads = 2;
+  tiny.positions = 32;
+  auto model = c.family == "gpt2" ? shardformer::testing::WriteTinyGpt2(TempPath("plan_" + c.name), tiny)
+                                  : shardformer::testing::WriteTinyLlama(TempPath("plan_" + c.name), tiny);
+  ASSERT_TRUE(model.ok()) << model.status();
+
+  TrainOptions o;
+  o.model_dir = model->dir;
+  o.data_path = kText;
+  o.steps = 1;
+  o.batch_size = 8;
+  o.seq_len = 32;
+  o.micro_batches = c.micro;
+  o.seed = 3;
+  o.shard.layout.set_tensor_parallel_size(c.tp);
+  o.shard.layout.set_data_parallel_size(c.dp);
+  o.shard.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_1D);
+  o.shard.layout.set_sequence_parallel(c.sp);
+  o.bucket_bytes = 64 << 10;  // several buckets
+  auto prepared = PrepareTrain(o);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+
+  const v1::JobSpec spec = SpecFromTrainOptions(o);
+  auto plan = shardformer::PlanJob(model->config, spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+
+  auto mesh = DeviceMesh::FromShardConfig(o.shard.layout);
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  std::mutex mu;
+  std::map<int, StepStats> stats;
+  std::map<int, std::map<std::pair<std::string, std::string>, int64_t>> moved;  // rank -> (group, op) -> bytes
+  colod::testing::RunMesh(
+      *mesh,
+      [&](int rank, ProcessGroup& pg) {
+        RankHooks hooks;
+        StepStats last;
+        hooks.on_step = [&](const StepStats& st) { last = st; };
+        const absl::Status s = RunTrainRank(**prepared, rank, pg, o.shard, hooks);
+        ASSERT_TRUE(s.ok()) << s;
+        std::map<std::pair<std::string, std::string>, int64_t> mine;
+        for (const std::string axis : {"tp", "dp"}) {
+          if (*pg.AxisSize(axis) < 2) continue;
+          for (const std::string op : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) {
+            const int64_t bytes = colod::testing::Stats(pg, axis, op).bytes;
+            if (bytes > 0) mine[{axis, op}] = bytes;
+          }
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        stats[rank] = last;
+        moved[rank] = std::move(mine);
+      },
+      /*instrument=*/true);
+
+  ASSERT_EQ(stats.size(), static_cast<size_t>(c.tp * c.dp));
+  auto within = [](int64_t got, int64_t want) { return std::abs(static_cast<double>(got - want)) <= 0.05 * want; };
+  std::map<std::pair<std::string, std::string>, int64_t> planned;
+  for (const shardformer::PlanComm& pc : plan->comm) planned[{pc.group, pc.op}] = pc.bytes;
+  for (const auto& [rank, st] : stats) {
+    EXPECT_PRED2(within, st.param_bytes, plan->param_bytes) << "rank " << rank << " parameters";
+    EXPECT_PRED2(within, st.grad_bytes, plan->grad_bytes) << "rank " << rank << " gradients";
+    EXPECT_PRED2(within, st.optimizer_bytes, plan->optimizer_bytes) << "rank " << rank << " optimizer state";
+    for (const auto& [key, bytes] : moved[rank]) {
+      EXPECT_TRUE(planned.count(key)) << "rank " << rank << " moved " << bytes << " bytes by " << key.second
+                                      << " over " << key.first << ", which the plan does not have";
+    }
+    for (const auto& [key, bytes] : planned) {
+      const int64_t got = moved[rank].count(key) ? moved[rank][key] : 0;
+      EXPECT_PRED2(within, got, bytes) << "rank " << rank << ": " << key.second << " over " << key.first;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, PlanAgainstARun,
+    ::testing::Values(Case{"gpt2_tp2_dp2", "gpt2", 2, 2, false, 1}, Case{"gpt2_tp2_sp", "gpt2", 2, 1, true, 1},
+                      Case{"gpt2_tp2_micro2", "gpt2", 2, 1, false, 2}, Case{"gpt2_dp2", "gpt2", 1, 2, false, 1},
+                      Case{"llama_tp2_dp2", "llama", 2, 2, false, 1}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace colod::train
