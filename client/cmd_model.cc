@@ -376,7 +376,6 @@ nlohmann::json PlanJson(const shardformer::JobPlan& p) {
           {"micro_batches", p.micro_batches},
           {"comm", comm},
           {"wire_bytes", p.wire_bytes},
-          {"comm_modelled", p.comm_modelled},
           {"notes", p.notes}};
 }
 
@@ -416,9 +415,7 @@ int RunPlan(const std::vector<std::string>&) {
     for (const shardformer::RankedLayout& l : search->fits) {
       rows.push_back({LayoutName(l.shard), Bytes(l.plan.total_bytes), Bytes(l.plan.param_bytes + l.plan.grad_bytes +
                                                                              l.plan.optimizer_bytes),
-                      Bytes(l.plan.activation_bytes),
-                      l.plan.comm_modelled ? Bytes(l.plan.wire_bytes)
-                                           : absl::StrCat(Bytes(l.plan.wire_bytes), " + tp (not modelled)")});
+                      Bytes(l.plan.activation_bytes), Bytes(l.plan.wire_bytes)});
     }
     std::printf("%d ranks%s: %zu layouts fit, least communication first\n", world,
                 memory > 0 ? absl::StrCat(", ", Bytes(memory), " each").c_str() : "", search->fits.size());
@@ -524,7 +521,7 @@ constexpr Command kCommands[] = {
      "              of N ranks (tp x dp in 1d, 2d, 2.5d; 3d) the model takes that fits,\n"
      "              least communication first, and why each other one was left out (exit 1\n"
      "              when none fits). The memory and communication match a real step (tested\n"
-     "              within 5 %); 2d/2.5d communication is not modelled yet.\n",
+     "              within 5 %; the activations within 15 %).\n",
      RunPlan},
     {"init-model", "",
      "  init-model  Write a new GPT-2 (config.json + model.safetensors, GPT-2's published\n"

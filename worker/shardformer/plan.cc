@@ -86,6 +86,7 @@ absl::StatusOr<std::vector<PlanLeaf>> PlanLeaves(const ModelConfig& c) {
     m.Model("wte", Role::kVocabTable, v, h).Model("wpe", Role::kPositions, p, h);
     m.Layer("h.*.ln_1", Role::kNorm, 0, h, true);
     m.Layer("h.*.attn.c_attn", Role::kColumn, h, m.Mul({3, h}), true);
+    m.back().fused = 3;  // q|k|v: three Linear2D in 2D
     m.Layer("h.*.attn.c_proj", Role::kRow, h, h, true);
     m.Layer("h.*.ln_2", Role::kNorm, 0, h, true);
     m.Layer("h.*.mlp.c_fc", Role::kColumn, h, f, true);
@@ -588,8 +589,67 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
     }
   }
   if (split.two_d && split.q > 1) {
-    plan.comm_modelled = false;
-    plan.notes.push_back("2d/2.5d tensor-parallel communication is not modelled yet (memory is)");
+    // 2D and 2.5D (worker/nn/linear2d.h, embedding2d.h): a rank holds r
+    // rows and a 1/q of the features of an activation, and a q x q block
+    // of each weight (replicated over depth).
+    const int q = static_cast<int>(split.q), depth = static_cast<int>(split.depth);
+    const int64_t r = CeilDiv(tokens, rows_2d);
+    // Gradients of what is replicated over tp_col (and depth) are summed there.
+    auto replicas = [&](int64_t calls, int64_t n) {
+      if (!train) return;
+      comm.Add("tp_col", "all_reduce", calls, n, width, q);
+      comm.Add("tp_dep", "all_reduce", calls, n, width, depth);
+    };
+    auto linear = [&](int64_t count, int64_t in, int64_t out, bool bias) {
+      const int64_t in_l = CeilDiv(in, q), out_l = CeilDiv(out, q);
+      // SUMMA: q broadcasts of the input's block along the row and of the
+      // weight's block along the column, again in the backward, which then
+      // reduce-scatters the input's and the weight's gradients.
+      const int64_t passes = train ? 2 : 1;
+      comm.Add("tp_row", "broadcast", micro * count * q * passes, r * in_l, act, q);
+      comm.Add("tp_col", "broadcast", micro * count * q * passes, in_l * out_l, width, q);
+      if (train) {
+        comm.Add("tp_row", "reduce_scatter", micro * count, r * in, act, q);
+        comm.Add("tp_col", "reduce_scatter", micro * count, int64_t{q} * in_l * out_l, width, q);
+        comm.Add("tp_dep", "all_reduce", micro * count, in_l * out_l, width, depth);  // the weight, over depth
+      }
+      if (bias) replicas(micro * count, out_l);
+    };
+    for (const PlanLeaf& l : leaves) {
+      switch (l.role) {
+        case Role::kColumn:
+        case Role::kRow:
+        case Role::kProjection:
+          linear(l.count * l.fused, l.in, l.out / l.fused, l.bias);  // a fused q|k|v is one Linear2D each
+          break;
+        case Role::kNorm:
+          // The rows' statistics over the row group (a LayerNorm's mean
+          // and variance, an RMSNorm's mean square), the backward's two
+          // row sums; gamma (and beta) summed over the replicas.
+          comm.Add("tp_row", "all_reduce", micro * l.count * (l.bias ? 2 : 1), r, 4, q);
+          if (train) comm.Add("tp_row", "all_reduce", micro * l.count, 2 * r, 4, q);
+          replicas(micro * l.count, (l.bias ? 2 : 1) * CeilDiv(l.out, q));
+          break;
+        case Role::kVocabTable:
+        case Role::kPositions:
+          replicas(micro * l.lookups, l.in * CeilDiv(l.out, q));
+          break;
+        case Role::kTiedHead:
+        case Role::kVocabHead:
+          // h E^T: partial logits summed over the row group; the table's
+          // gradient (the tied one's second use) over the replicas.
+          comm.Add("tp_row", "all_reduce", micro, r * l.out, act, q);
+          replicas(micro, l.out * CeilDiv(l.in, q));
+          break;
+        default:
+          break;
+      }
+    }
+    // The loss's sum and tokens over the ranks holding other rows; the
+    // gradient norm's sum of squares over the tensor-parallel ranks.
+    comm.Add("tp_col", "all_reduce", micro, 2, 4, q);
+    comm.Add("tp_dep", "all_reduce", micro, 2, 4, depth);
+    if (train) comm.Add("tp", "all_reduce", 1, 1, 4, std::max(1, layout.tensor_parallel_size()));
   }
   ASSIGN_OR_RETURN(plan.comm, comm.Done());
   for (const PlanComm& c : plan.comm) plan.wire_bytes += c.wire_bytes;
@@ -666,9 +726,7 @@ absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::Jo
     search.fits.push_back({s, *std::move(plan)});
   }
   std::stable_sort(search.fits.begin(), search.fits.end(), [](const RankedLayout& x, const RankedLayout& y) {
-    const bool x_unknown = !x.plan.comm_modelled, y_unknown = !y.plan.comm_modelled;
-    return std::tie(x_unknown, x.plan.wire_bytes, x.plan.total_bytes) <
-           std::tie(y_unknown, y.plan.wire_bytes, y.plan.total_bytes);
+    return std::tie(x.plan.wire_bytes, x.plan.total_bytes) < std::tie(y.plan.wire_bytes, y.plan.total_bytes);
   });
   return search;
 }

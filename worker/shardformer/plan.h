@@ -54,6 +54,7 @@ struct PlanLeaf {
   bool bias = false;    // a matrix's bias / a LayerNorm's beta
   int64_t elements_each = 0;  // kWhole: the leaf's elements (its shape's product)
   int64_t lookups = 1;        // kVocabTable: lookups per forward (T5's encoder and decoder: 2)
+  int64_t fused = 1;          // kColumn: projections fused in one leaf (GPT-2's q|k|v: 3)
 };
 
 // The model's leaves as its family builds them, tied heads left out (they
@@ -93,9 +94,6 @@ struct JobPlan {
   // reductions of the loss and the norm), or per forward.
   std::vector<PlanComm> comm;
   int64_t wire_bytes = 0;  // the sum over `comm`
-  // False where the plan leaves the tensor-parallel collectives out (2D and
-  // 2.5D for now): `comm` then holds the data-parallel ones only.
-  bool comm_modelled = true;
   // The tokens of one rank's micro-batch the plan assumed, and its inputs.
   int64_t batch_size = 0, seq_len = 0, micro_batches = 1;
   // What the plan leaves out or approximates, in words.
@@ -114,8 +112,8 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
 // Every layout of `world` ranks (tp x dp with tp = world / dp, in each mode
 // whose mesh fits: 1d, 2d (tp = q^2), 2.5d (tp = depth q^2, depth 2 and up),
 // 3d (tp = q^3)) that the model's policy accepts, with its plan, ordered by
-// wire bytes per step (then by memory), the layouts whose communication is
-// not modelled last: the `spec`'s shard section is replaced for each. Layouts whose plan exceeds `memory_per_rank` (> 0) are
+// wire bytes per step (then by memory): the `spec`'s shard section is
+// replaced for each. Layouts whose plan exceeds `memory_per_rank` (> 0) are
 // left out; the reason each other layout was left out is in `refused`.
 struct RankedLayout {
   v1::ShardConfig shard;
