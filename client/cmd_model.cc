@@ -521,7 +521,7 @@ constexpr Command kCommands[] = {
      "              of N ranks (tp x dp in 1d, 2d, 2.5d; 3d) the model takes that fits,\n"
      "              least communication first, and why each other one was left out (exit 1\n"
      "              when none fits). The memory and communication match a real step (tested\n"
-     "              within 5 %; the activations within 15 %).\n",
+     "              within 5 %; the activation estimate at 80-100 % of a measured step).\n",
      RunPlan},
     {"init-model", "",
      "  init-model  Write a new GPT-2 (config.json + model.safetensors, GPT-2's published\n"

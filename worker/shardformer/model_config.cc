@@ -276,6 +276,18 @@ absl::StatusOr<RankMemoryFloor> MemoryFloorPerRank(const ModelConfig& config, co
   total.Add(params);
   total.Add(grads);
   total.Add(optimizer);
+  if (train) {
+    // A training step's activations (the planner's estimate, which
+    // measured steps never fall below), in bf16 where the precision is left
+    // to the workers. A spec the plan refuses (a batch that does not split)
+    // is refused by validation; its floor leaves them out.
+    v1::JobSpec planned = spec;
+    if (precision == v1::PRECISION_UNSPECIFIED) planned.mutable_train()->set_precision(v1::PRECISION_BF16_MIXED);
+    if (absl::StatusOr<JobPlan> plan = PlanJob(config, planned); plan.ok()) {
+      floor.activation_bytes = plan->activation_bytes;
+      total.Add({floor.activation_bytes});
+    }
+  }
   const std::string what = "the memory per rank";
   ASSIGN_OR_RETURN(floor.param_bytes, params.Total(what));
   ASSIGN_OR_RETURN(floor.grad_bytes, grads.Total(what));
@@ -291,6 +303,9 @@ std::string DescribeMemoryFloor(const RankMemoryFloor& floor) {
   if (floor.grad_bytes > 0 || floor.optimizer_bytes > 0) {
     absl::StrAppend(&parts, ", ", GiB(floor.grad_bytes), " of gradients, ", GiB(floor.optimizer_bytes),
                     " of optimizer state");
+  }
+  if (floor.activation_bytes > 0) {
+    absl::StrAppend(&parts, ", ", GiB(floor.activation_bytes), " of activations");
   }
   return absl::StrCat("at least ", GiB(floor.total_bytes), " per rank (", floor.parameters, " parameters, ",
                       floor.rank_parameters, " on the fullest rank: ", parts, ")");

@@ -95,12 +95,15 @@ absl::StatusOr<int64_t> ParameterCount(const ModelConfig& config);
 // FORWARD jobs and f32 training; for training also as many gradient bytes
 // and the optimizer's state (an f32 momentum, AdamW's second f32 moment, an
 // f32 master copy under mixed precision: 16 bytes a parameter with AdamW,
-// 12 with SGD, whatever the precision). Activations and workspaces come on
-// top: a job whose floor exceeds a worker's memory cannot run there.
+// 12 with SGD, whatever the precision) and a step's activations (PlanJob's
+// estimate, in bf16 unless the spec says fp32; zero where the plan refuses
+// the spec). Workspaces come on top: a job whose floor exceeds a worker's
+// memory cannot run there.
 struct RankMemoryFloor {
   int64_t parameters = 0;       // of the whole model (ParameterCount)
   int64_t rank_parameters = 0;  // on the rank holding the most
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  int64_t activation_bytes = 0;  // TRAIN jobs
   int64_t total_bytes = 0;
 };
 // INVALID_ARGUMENT on overflow; for TENSOR jobs (no model) all zero.

@@ -1,11 +1,13 @@
-// ParseModelConfig on arbitrary text, then what the coordinator computes
-// from an accepted config (parameter count, memory floor, shardability for
-// every mode): errors, never a crash or an overflowed number.
+// ParseModelConfig on arbitrary text, then what the coordinator and
+// `coloctl plan` compute from an accepted config (parameter count, memory
+// floor, shardability and the plan for every mode, the layouts of 8 ranks):
+// errors, never a crash or an overflowed number.
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
 #include "worker/shardformer/model_config.h"
+#include "worker/shardformer/plan.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
@@ -26,6 +28,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)colod::shardformer::CheckShardable(*c, spec.shard());
     absl::StatusOr<colod::shardformer::RankMemoryFloor> floor = colod::shardformer::MemoryFloorPerRank(*c, spec);
     if (floor.ok() && (floor->total_bytes < floor->param_bytes || floor->param_bytes < 0)) std::abort();
+    absl::StatusOr<colod::shardformer::JobPlan> plan = colod::shardformer::PlanJob(*c, spec);
+    if (plan.ok() && (plan->total_bytes < plan->param_bytes || plan->activation_bytes < 0 || plan->wire_bytes < 0)) {
+      std::abort();
+    }
   }
+  // Every layout of 8 ranks, as `coloctl plan --world 8` asks.
+  colod::v1::JobSpec train;
+  train.set_kind(colod::v1::JOB_KIND_TRAIN);
+  (void)colod::shardformer::RankLayouts(*c, train, 8, int64_t{1} << 34);
   return 0;
 }

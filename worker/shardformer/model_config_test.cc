@@ -1,5 +1,6 @@
 // config.json of each family as Hugging Face writes it, and every error.
 #include "worker/shardformer/model_config.h"
+#include "worker/shardformer/plan.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -215,11 +216,23 @@ TEST(ModelConfig, TheMemoryFloorPerRank) {
   EXPECT_EQ(adam->parameters, p);
   EXPECT_EQ(adam->rank_parameters, r);
   EXPECT_EQ(adam->param_bytes, r * 2);
-  EXPECT_EQ(adam->total_bytes, r * 16);
+  // A training step's activations on top: the plan's, in bf16 (8 sequences of 64 tokens, 4 a replica).
+  v1::JobSpec bf16 = spec;
+  bf16.mutable_train()->set_precision(v1::PRECISION_BF16_MIXED);
+  auto plan = PlanJob(*llama, bf16);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_GT(plan->activation_bytes, 0);
+  EXPECT_EQ(adam->activation_bytes, plan->activation_bytes);
+  EXPECT_EQ(adam->total_bytes, r * 16 + plan->activation_bytes);
   spec.mutable_train()->set_precision(v1::PRECISION_FP32);  // 4 + 4 + 4 + 4
-  EXPECT_EQ(MemoryFloorPerRank(*llama, spec)->total_bytes, r * 16);
+  auto f32 = MemoryFloorPerRank(*llama, spec);
+  EXPECT_EQ(f32->total_bytes, r * 16 + PlanJob(*llama, spec)->activation_bytes);
+  EXPECT_GT(f32->activation_bytes, adam->activation_bytes);
   spec.mutable_train()->set_optimizer(v1::OPTIMIZER_SGD);  // 4 + 4 + 4
-  EXPECT_EQ(MemoryFloorPerRank(*llama, spec)->total_bytes, r * 12);
+  EXPECT_EQ(MemoryFloorPerRank(*llama, spec)->total_bytes, r * 12 + f32->activation_bytes);
+  v1::JobSpec uneven = spec;  // a batch the plan refuses: validation's to report; no activations
+  uneven.mutable_train()->set_batch_size(3);
+  EXPECT_EQ(MemoryFloorPerRank(*llama, uneven)->activation_bytes, 0);
   spec.set_kind(v1::JOB_KIND_FORWARD);  // f32 parameters only
   EXPECT_EQ(MemoryFloorPerRank(*llama, spec)->total_bytes, r * 4);
   EXPECT_EQ(DescribeMemoryFloor(*MemoryFloorPerRank(*llama, spec)),

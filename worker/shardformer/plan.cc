@@ -228,7 +228,7 @@ struct Split {
   int64_t VocabRows(int64_t vocab) const {
     if (!sharded() || two_d) return vocab;
     const int64_t multiple = pad * t;
-    return CeilDiv(vocab, multiple) * multiple / t;
+    return CeilDiv(vocab, multiple) * pad;  // ceil(vocab / (pad t)) * pad t rows, a 1/t of them
   }
 };
 
@@ -333,14 +333,21 @@ namespace {
 // The collectives of a step, accumulated by (group, op).
 class CommSum {
  public:
-  // `n` elements of `width` bytes, `calls` times.
-  void Add(const std::string& group, const std::string& op, int64_t calls, int64_t n, int64_t width, int p) {
-    if (p <= 1 || calls <= 0) return;
-    const std::optional<int64_t> bytes = CheckedProduct({calls, n, width});
+  // The product of `elements` of `width` bytes, the product of `calls` times
+  // (products of sizes from the config: checked).
+  void Add(const std::string& group, const std::string& op, std::initializer_list<int64_t> calls_factors,
+           std::initializer_list<int64_t> elements, int64_t width, int p) {
+    const std::optional<int64_t> calls_n = CheckedProduct(calls_factors);
+    const std::optional<int64_t> n = CheckedProduct(elements);
+    const std::optional<int64_t> each = n.has_value() ? CheckedMul(*n, width) : std::nullopt;
+    const std::optional<int64_t> bytes =
+        calls_n.has_value() && each.has_value() ? CheckedMul(*calls_n, *each) : std::nullopt;
     if (!bytes.has_value()) {
       overflow_ = true;
       return;
     }
+    const int64_t calls = *calls_n;
+    if (p <= 1 || calls <= 0) return;
     // What one rank sends: ring all-reduce 2(p-1)/p n, reduce-scatter of a
     // whole input (p-1)/p n, all-gather of a piece (p-1) n, a broadcast
     // from one root (p-1)/p n on average.
@@ -474,10 +481,16 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
       case Role::kColumn:
         a.Add({l.count, col_rows, CeilDiv(l.out, col_div), act});
         if (sp) a.Add({l.count, tokens, l.in, act});  // the gathered input
+        if (split.two_d) {
+          // SUMMA's product before the bias, and a fused leaf's parts before they are joined.
+          if (l.bias) a.Add({l.count, col_rows, CeilDiv(l.out, col_div), act});
+          if (l.fused > 1) a.Add({l.count, col_rows, CeilDiv(l.out, col_div), act});
+        }
         break;
       case Role::kRow:
       case Role::kProjection:
         a.Add({l.count, stream_rows, CeilDiv(l.out, feat_div), act});
+        if (split.two_d && l.bias) a.Add({l.count, stream_rows, CeilDiv(l.out, feat_div), act});  // before the bias
         if (l.role == Role::kRow && !split.two_d && split.t > 1) {
           // The partial product before its reduction, and the sum before the bias.
           a.Add({l.count, tokens, l.out, act});
@@ -504,10 +517,12 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
   }
   const int64_t blocks = config.num_layers + config.num_decoder_layers;
   const int64_t attentions = config.num_layers + 2 * config.num_decoder_layers;
-  const int64_t kv_width = config.num_kv_heads * config.head_dim();
-  const int64_t q_width = config.num_heads * config.head_dim();
+  CheckedSum attention_width;  // q, k, v, the output and the merged heads
+  attention_width.Add({3, config.num_heads, config.head_dim()});
+  attention_width.Add({2, config.num_kv_heads, config.head_dim()});
+  ASSIGN_OR_RETURN(const int64_t attention_features, attention_width.Total("the attention's width"));
   a.Add({blocks, 2, stream_rows, CeilDiv(config.hidden_size, feat_div), act});  // the residual sums
-  a.Add({attentions, col_rows, CeilDiv(3 * q_width + 2 * kv_width, col_div), 4});  // q, k, v, out, merged
+  a.Add({attentions, col_rows, CeilDiv(attention_features, col_div), 4});
   a.Add({attentions, CeilDiv(b, split.two_d ? rows_2d : 1), CeilDiv(heads, head_split), plan.seq_len, plan.seq_len,
          4});  // the probabilities, f32
   a.Add({blocks, gated ? 2 : 1, col_rows, CeilDiv(config.intermediate_size, col_div), act});
@@ -519,8 +534,8 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
                       : activations;
   }
   plan.activation_bytes = activations;
-  plan.notes.push_back("activations are an estimate of what the autograd tape holds (every op's output); "
-                       "tested within 15 % of a measured step");
+  plan.notes.push_back("activations are an estimate of what the autograd tape holds (every op's output): "
+                       "tested at 85-100 % of a measured step (80 % in 2D)");
 
   // Communication, per micro-batch, then per step.
   CommSum comm;
@@ -534,34 +549,34 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
         case Role::kVocabTable:
           // The partial lookups summed; under sequence parallelism each
           // rank then takes its rows, whose gradients the backward gathers.
-          comm.Add(g, "all_reduce", micro * l.lookups, tokens * l.out, act, tp_size);
-          if (sp && train) comm.Add(g, "all_gather", micro * l.lookups, piece * l.out, act, tp_size);
+          comm.Add(g, "all_reduce", {micro, l.lookups}, {tokens, l.out}, act, tp_size);
+          if (sp && train) comm.Add(g, "all_gather", {micro, l.lookups}, {piece, l.out}, act, tp_size);
           break;
         case Role::kColumn:
         case Role::kTiedHead:
         case Role::kVocabHead:
           if (sp) {
-            comm.Add(g, "all_gather", micro * l.count, piece * l.in, act, tp_size);  // forward
-            if (train) comm.Add(g, "reduce_scatter", micro * l.count, tokens * l.in, act, tp_size);
+            comm.Add(g, "all_gather", {micro, l.count}, {piece, l.in}, act, tp_size);  // forward
+            if (train) comm.Add(g, "reduce_scatter", {micro, l.count}, {tokens, l.in}, act, tp_size);
           } else if (train) {
-            comm.Add(g, "all_reduce", micro * l.count, tokens * l.in, act, tp_size);  // the input's gradient
+            comm.Add(g, "all_reduce", {micro, l.count}, {tokens, l.in}, act, tp_size);  // the input's gradient
           }
           break;
         case Role::kRow:
           if (sp) {
-            comm.Add(g, "reduce_scatter", micro * l.count, tokens * l.out, act, tp_size);
+            comm.Add(g, "reduce_scatter", {micro, l.count}, {tokens, l.out}, act, tp_size);
             if (train) {
-              comm.Add(g, "all_gather", micro * l.count, piece * l.out, act, tp_size);
+              comm.Add(g, "all_gather", {micro, l.count}, {piece, l.out}, act, tp_size);
               // The bias, added to each rank's rows, has part of its gradient on each.
-              if (l.bias) comm.Add(g, "all_reduce", l.count, l.out, width, tp_size);
+              if (l.bias) comm.Add(g, "all_reduce", {l.count}, {l.out}, width, tp_size);
             }
           } else {
-            comm.Add(g, "all_reduce", micro * l.count, tokens * l.out, act, tp_size);
+            comm.Add(g, "all_reduce", {micro, l.count}, {tokens, l.out}, act, tp_size);
           }
           break;
         case Role::kNorm:
           // Under sequence parallelism each rank's weight gradient covers its rows only.
-          if (sp && train) comm.Add(g, "all_reduce", (l.bias ? 2 : 1) * l.count, l.out, width, tp_size);
+          if (sp && train) comm.Add(g, "all_reduce", {l.bias ? 2 : 1, l.count}, {l.out}, width, tp_size);
           break;
         default:
           break;
@@ -573,19 +588,19 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
       return l.role == Role::kTiedHead || l.role == Role::kVocabHead;
     });
     if (vocab_loss) {
-      comm.Add(g, "all_reduce", micro, tokens, 4, tp_size);
-      comm.Add(g, "all_reduce", micro, 3 * tokens, 4, tp_size);
+      comm.Add(g, "all_reduce", {micro}, {tokens}, 4, tp_size);
+      comm.Add(g, "all_reduce", {micro}, {3, tokens}, 4, tp_size);
     }
-    if (train) comm.Add(g, "all_reduce", 1, 1, 4, tp_size);  // the gradient norm's sum of squares
+    if (train) comm.Add(g, "all_reduce", {1}, {1}, 4, tp_size);  // the gradient norm's sum of squares
   }
   if (dp > 1) {
-    comm.Add("dp", "all_reduce", micro, 2, 4, dp);  // the loss's sum and tokens
+    comm.Add("dp", "all_reduce", {micro}, {2}, 4, dp);  // the loss's sum and tokens
     if (train) {
       // The gradients, every rank's whole share, in buckets.
       const int64_t bucket = t.bucket_bytes() > 0 ? t.bucket_bytes() : int64_t{25} << 20;
       ASSIGN_OR_RETURN(int64_t grad_bytes, grads.Total("the gradient bytes"));
       const int64_t buckets = std::max<int64_t>(1, CeilDiv(grad_bytes, bucket));
-      comm.Add("dp", "all_reduce", buckets, CeilDiv(plan.rank_parameters, buckets), width, dp);
+      comm.Add("dp", "all_reduce", {buckets}, {CeilDiv(plan.rank_parameters, buckets)}, width, dp);
     }
   }
   if (split.two_d && split.q > 1) {
@@ -595,51 +610,52 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
     const int q = static_cast<int>(split.q), depth = static_cast<int>(split.depth);
     const int64_t r = CeilDiv(tokens, rows_2d);
     // Gradients of what is replicated over tp_col (and depth) are summed there.
-    auto replicas = [&](int64_t calls, int64_t n) {
+    auto replicas = [&](std::initializer_list<int64_t> calls, std::initializer_list<int64_t> n) {
       if (!train) return;
       comm.Add("tp_col", "all_reduce", calls, n, width, q);
       comm.Add("tp_dep", "all_reduce", calls, n, width, depth);
     };
-    auto linear = [&](int64_t count, int64_t in, int64_t out, bool bias) {
+    auto linear = [&](int64_t leaves, int64_t parts, int64_t in, int64_t out, bool bias) {
+      const int64_t count = leaves * parts;  // each at most kMaxLayers * 3
       const int64_t in_l = CeilDiv(in, q), out_l = CeilDiv(out, q);
       // SUMMA: q broadcasts of the input's block along the row and of the
       // weight's block along the column, again in the backward, which then
       // reduce-scatters the input's and the weight's gradients.
       const int64_t passes = train ? 2 : 1;
-      comm.Add("tp_row", "broadcast", micro * count * q * passes, r * in_l, act, q);
-      comm.Add("tp_col", "broadcast", micro * count * q * passes, in_l * out_l, width, q);
+      comm.Add("tp_row", "broadcast", {micro, count, q, passes}, {r, in_l}, act, q);
+      comm.Add("tp_col", "broadcast", {micro, count, q, passes}, {in_l, out_l}, width, q);
       if (train) {
-        comm.Add("tp_row", "reduce_scatter", micro * count, r * in, act, q);
-        comm.Add("tp_col", "reduce_scatter", micro * count, int64_t{q} * in_l * out_l, width, q);
-        comm.Add("tp_dep", "all_reduce", micro * count, in_l * out_l, width, depth);  // the weight, over depth
+        comm.Add("tp_row", "reduce_scatter", {micro, count}, {r, in}, act, q);
+        comm.Add("tp_col", "reduce_scatter", {micro, count}, {q, in_l, out_l}, width, q);
+        comm.Add("tp_dep", "all_reduce", {micro, count}, {in_l, out_l}, width, depth);  // the weight, over depth
       }
-      if (bias) replicas(micro * count, out_l);
+      if (bias) replicas({micro, count}, {out_l});
     };
     for (const PlanLeaf& l : leaves) {
       switch (l.role) {
         case Role::kColumn:
         case Role::kRow:
         case Role::kProjection:
-          linear(l.count * l.fused, l.in, l.out / l.fused, l.bias);  // a fused q|k|v is one Linear2D each
+          linear(l.count, l.fused, l.in, l.out / l.fused, l.bias);  // a fused q|k|v is one Linear2D each
           break;
         case Role::kNorm:
           // The rows' statistics over the row group (a LayerNorm's mean
           // and variance, an RMSNorm's mean square), the backward's two
           // row sums; gamma (and beta) summed over the replicas.
-          comm.Add("tp_row", "all_reduce", micro * l.count * (l.bias ? 2 : 1), r, 4, q);
-          if (train) comm.Add("tp_row", "all_reduce", micro * l.count, 2 * r, 4, q);
-          replicas(micro * l.count, (l.bias ? 2 : 1) * CeilDiv(l.out, q));
+          comm.Add("tp_row", "all_reduce", {micro, l.count, l.bias ? 2 : 1}, {r}, 4, q);
+          if (train) comm.Add("tp_row", "all_reduce", {micro, l.count}, {2, r}, 4, q);
+          replicas({micro, l.count}, {l.bias ? 2 : 1, CeilDiv(l.out, q)});
           break;
         case Role::kVocabTable:
         case Role::kPositions:
-          replicas(micro * l.lookups, l.in * CeilDiv(l.out, q));
+          replicas({micro, l.lookups}, {l.in, CeilDiv(l.out, q)});
           break;
         case Role::kTiedHead:
         case Role::kVocabHead:
           // h E^T: partial logits summed over the row group; the table's
           // gradient (the tied one's second use) over the replicas.
-          comm.Add("tp_row", "all_reduce", micro, r * l.out, act, q);
-          replicas(micro, l.out * CeilDiv(l.in, q));
+          comm.Add("tp_row", "all_reduce", {micro}, {r, l.out}, act, q);
+          replicas({micro}, {l.out, CeilDiv(l.in, q)});
           break;
         default:
           break;
@@ -647,9 +663,9 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
     }
     // The loss's sum and tokens over the ranks holding other rows; the
     // gradient norm's sum of squares over the tensor-parallel ranks.
-    comm.Add("tp_col", "all_reduce", micro, 2, 4, q);
-    comm.Add("tp_dep", "all_reduce", micro, 2, 4, depth);
-    if (train) comm.Add("tp", "all_reduce", 1, 1, 4, std::max(1, layout.tensor_parallel_size()));
+    comm.Add("tp_col", "all_reduce", {micro}, {2}, 4, q);
+    comm.Add("tp_dep", "all_reduce", {micro}, {2}, 4, depth);
+    if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
   }
   ASSIGN_OR_RETURN(plan.comm, comm.Done());
   for (const PlanComm& c : plan.comm) plan.wire_bytes += c.wire_bytes;

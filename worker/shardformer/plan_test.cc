@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/colo/testing.h"
@@ -121,13 +122,26 @@ int64_t HeapInUse() {
 
 struct ActivationCase {
   std::string name;
+  Writer write;
   int tp;
-  bool sp;
-  bool llama = false;
+  bool sp = false;
+  v1::TensorParallelMode mode = k1D;
 };
 void PrintTo(const ActivationCase& c, std::ostream* os) { *os << c.name; }
 
 class PlannedActivations : public ::testing::TestWithParam<ActivationCase> {};
+
+// One training forward's loss, as the trainer computes it for the family.
+absl::StatusOr<LmLoss> ForwardLoss(ShardedModel& model, const Tensor& ids) {
+  const std::string& type = model.config().model_type;
+  if (type == "t5") {
+    ASSIGN_OR_RETURN(ColoTensor logits, model.Forward(ids, ids));
+    return model.TokenLoss(logits, ids);
+  }
+  ASSIGN_OR_RETURN(ColoTensor logits, model.Forward(ids));
+  if (type == "bert") return model.TokenLoss(logits, ids);
+  return model.NextTokenLoss(logits, ids);
+}
 
 // What a training forward leaves alive for its backward (the tape's saved
 // tensors, the logits and the loss), measured as the heap's growth from
@@ -143,11 +157,11 @@ TEST_P(PlannedActivations, TheEstimateIsNearWhatTheTapeHolds) {
   o.positions = 128;
   o.kv_heads = 2;
   o.intermediate = 384;
-  auto model = c.llama ? testing::WriteTinyLlama(TempPath("plan_act_" + c.name), o)
-                       : testing::WriteTinyGpt2(TempPath("plan_act_" + c.name), o);
+  o.tie = true;
+  auto model = c.write(TempPath("plan_act_" + c.name), o);
   ASSERT_TRUE(model.ok()) << model.status();
   const int64_t batch = 4, seq = 128;
-  v1::JobSpec spec = Train(c.tp, 1);
+  v1::JobSpec spec = Train(c.tp, 1, c.mode);
   spec.mutable_train()->set_batch_size(batch);
   spec.mutable_train()->set_seq_len(seq);
   spec.mutable_shard()->set_sequence_parallel(c.sp);
@@ -164,18 +178,14 @@ TEST_P(PlannedActivations, TheEstimateIsNearWhatTheTapeHolds) {
     auto sharded = sf.Load(model->dir);
     ASSERT_TRUE(sharded.ok()) << sharded.status();
     {  // a first step makes the communicators and the gradients
-      auto logits = (*sharded)->Forward(ids);
-      ASSERT_TRUE(logits.ok()) << logits.status();
-      auto loss = (*sharded)->NextTokenLoss(*logits, ids);
+      auto loss = ForwardLoss(**sharded, ids);
       ASSERT_TRUE(loss.ok()) << loss.status();
       ASSERT_TRUE(Backward(loss->loss).ok());
     }
     ASSERT_TRUE(pg.Barrier().ok());
     if (rank == 0) before = HeapInUse();
     ASSERT_TRUE(pg.Barrier().ok());
-    auto logits = (*sharded)->Forward(ids);
-    ASSERT_TRUE(logits.ok()) << logits.status();
-    auto loss = (*sharded)->NextTokenLoss(*logits, ids);
+    auto loss = ForwardLoss(**sharded, ids);
     ASSERT_TRUE(loss.ok()) << loss.status();
     ASSERT_TRUE(pg.Barrier().ok());
     if (rank == 0) after = HeapInUse();
@@ -184,16 +194,28 @@ TEST_P(PlannedActivations, TheEstimateIsNearWhatTheTapeHolds) {
   });
   const double held = static_cast<double>(after - before) / c.tp;
   const double planned = static_cast<double>(plan->activation_bytes);
-  std::cerr << c.name << ": held " << held << " bytes a rank, planned " << planned << "\n";
-  EXPECT_NEAR(planned, held, 0.15 * held);
+  std::cerr << c.name << ": held " << held << " bytes a rank, planned " << planned << " (" << planned / held
+            << ")\n";
+  // Every op's output is counted, a few copies are not: the estimate is
+  // low, never high, which the admission floor relies on.
+  EXPECT_LE(planned, held);
+  EXPECT_GE(planned, (c.mode == k1D ? 0.85 : 0.8) * held);
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, PlannedActivations,
-                         ::testing::Values(ActivationCase{"gpt2_tp1", 1, false}, ActivationCase{"gpt2_tp2", 2, false},
-                                           ActivationCase{"gpt2_tp2_sp", 2, true},
-                                           ActivationCase{"llama_tp1", 1, false, true},
-                                           ActivationCase{"llama_tp2", 2, false, true}),
-                         [](const ::testing::TestParamInfo<ActivationCase>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, PlannedActivations,
+    ::testing::Values(ActivationCase{"gpt2_tp1", testing::WriteTinyGpt2, 1},
+                      ActivationCase{"gpt2_tp2", testing::WriteTinyGpt2, 2},
+                      ActivationCase{"gpt2_tp2_sp", testing::WriteTinyGpt2, 2, true},
+                      ActivationCase{"gpt2_2d", testing::WriteTinyGpt2, 4, false, k2D},
+                      ActivationCase{"llama_tp1", testing::WriteTinyLlama, 1},
+                      ActivationCase{"llama_tp2", testing::WriteTinyLlama, 2},
+                      ActivationCase{"llama_2d", testing::WriteTinyLlama, 4, false, k2D},
+                      ActivationCase{"bert_tp2", testing::WriteTinyBert, 2},
+                      ActivationCase{"opt_tp2", testing::WriteTinyOpt, 2},
+                      ActivationCase{"bloom_tp2", testing::WriteTinyBloom, 2},
+                      ActivationCase{"t5_tp2", testing::WriteTinyT5, 2}),
+    [](const ::testing::TestParamInfo<ActivationCase>& info) { return info.param.name; });
 
 v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode) {
   v1::JobSpec spec;
