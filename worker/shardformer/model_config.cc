@@ -313,6 +313,8 @@ std::string DescribeMemoryFloor(const RankMemoryFloor& floor) {
 
 absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& shard) {
   const int64_t tp = shard.tensor_parallel_size();
+  // (job_validation_fuzz: a spec not yet validated reaches here from the admission floor.)
+  if (tp < 1) return absl::InvalidArgumentError(absl::StrCat("tensor_parallel_size must be >= 1, got ", tp));
   switch (shard.tensor_parallel_mode()) {
     case v1::TENSOR_PARALLEL_MODE_UNSPECIFIED:
     case v1::TENSOR_PARALLEL_MODE_1D:

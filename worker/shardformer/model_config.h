@@ -116,9 +116,9 @@ std::string DescribeMemoryFloor(const RankMemoryFloor& floor);
 std::string GiB(int64_t bytes);
 
 // INVALID_ARGUMENT, naming the field and the numbers, when `shard` cannot
-// shard `config`: heads (and kv heads) not divisible by tp in 1D; hidden or
-// intermediate size not divisible by q in 2D/2.5D/3D; a mode the family's
-// policy does not support.
+// shard `config`: tp below 1; heads (and kv heads) not divisible by tp in
+// 1D; hidden or intermediate size not divisible by q in 2D/2.5D/3D; a mode
+// the family's policy does not support.
 absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& shard);
 
 }  // namespace colod::shardformer

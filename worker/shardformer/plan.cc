@@ -402,12 +402,9 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
         absl::StrCat("the ", config.model_type, " policy has no tensor_parallel_mode 3d (yet)"));
   }
   ASSIGN_OR_RETURN(const Split split, SplitOf(layout));
-  if (split.two_d) {
-    if (config.model_type != "gpt2" && config.model_type != "llama" && config.model_type != "opt") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d only"));
-    }
-    if (sp) return absl::InvalidArgumentError("sequence_parallel applies to tensor_parallel_mode 1d only");
+  // (CheckShardable refused the families that have 1D only.)
+  if (split.two_d && sp) {
+    return absl::InvalidArgumentError("sequence_parallel applies to tensor_parallel_mode 1d only");
   } else if (sp && config.model_type == "t5") {
     return absl::InvalidArgumentError("the t5 policy has no sequence_parallel");
   }
@@ -436,6 +433,9 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
   plan.batch_size = t.batch_size() > 0 ? t.batch_size() : (train ? 8 : dp);
   plan.seq_len = t.seq_len() > 0 ? t.seq_len() : (train ? 64 : config.max_positions);
   if (config.takes_images()) plan.seq_len = config.max_positions;  // the patches and the CLS token
+  if (config.is_encoder_decoder()) {
+    plan.notes.push_back("an encoder-decoder's inputs and targets are both taken to be seq_len long");
+  }
   plan.micro_batches = train && t.micro_batches() > 1 ? t.micro_batches() : 1;
   if (plan.batch_size % dp != 0 || (plan.batch_size / dp) % plan.micro_batches != 0) {
     return absl::InvalidArgumentError(absl::StrCat("batch_size ", plan.batch_size, " does not split over dp = ", dp,

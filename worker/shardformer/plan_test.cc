@@ -7,6 +7,18 @@
 
 #include <malloc.h>
 
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define COLOD_PLAN_TEST_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define COLOD_PLAN_TEST_ASAN 1
+#endif
+#ifdef COLOD_PLAN_TEST_ASAN
+#include <sanitizer/allocator_interface.h>
+#endif
+
 #include <functional>
 #include <map>
 #include <mutex>
@@ -114,10 +126,15 @@ INSTANTIATE_TEST_SUITE_P(
 
 v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode = k1D);
 
-// Heap bytes in use by the process (every arena, and mmapped chunks).
+// Heap bytes in use by the process: glibc's count (every arena, and
+// mmapped chunks), or AddressSanitizer's where it owns the heap.
 int64_t HeapInUse() {
+#ifdef COLOD_PLAN_TEST_ASAN
+  return static_cast<int64_t>(__sanitizer_get_current_allocated_bytes());
+#else
   const struct mallinfo2 m = mallinfo2();
   return static_cast<int64_t>(m.uordblks + m.hblkhd);
+#endif
 }
 
 struct ActivationCase {
@@ -131,9 +148,16 @@ void PrintTo(const ActivationCase& c, std::ostream* os) { *os << c.name; }
 
 class PlannedActivations : public ::testing::TestWithParam<ActivationCase> {};
 
-// One training forward's loss, as the trainer computes it for the family.
-absl::StatusOr<LmLoss> ForwardLoss(ShardedModel& model, const Tensor& ids) {
+// One training forward's loss, as the trainer computes it for the family
+// (an image classifier reads `images` and takes ids[:, 0] as labels).
+absl::StatusOr<LmLoss> ForwardLoss(ShardedModel& model, const Tensor& ids, const Tensor& images) {
   const std::string& type = model.config().model_type;
+  if (model.config().takes_images()) {
+    ASSIGN_OR_RETURN(ColoTensor logits, model.Forward(images));
+    ASSIGN_OR_RETURN(Tensor first, ids.Narrow(1, 0, 1));
+    ASSIGN_OR_RETURN(Tensor labels, first.Contiguous().Reshape({ids.shape()[0]}));
+    return model.ClassificationLoss(logits, labels);
+  }
   if (type == "t5") {
     ASSIGN_OR_RETURN(ColoTensor logits, model.Forward(ids, ids));
     return model.TokenLoss(logits, ids);
@@ -158,6 +182,9 @@ TEST_P(PlannedActivations, TheEstimateIsNearWhatTheTapeHolds) {
   o.kv_heads = 2;
   o.intermediate = 384;
   o.tie = true;
+  o.image = 32;  // ViT: 64 patches of 4 x 4 and the CLS token
+  o.patch = 4;
+  o.labels = 10;
   auto model = c.write(TempPath("plan_act_" + c.name), o);
   ASSERT_TRUE(model.ok()) << model.status();
   const int64_t batch = 4, seq = 128;
@@ -171,21 +198,23 @@ TEST_P(PlannedActivations, TheEstimateIsNearWhatTheTapeHolds) {
   shard.layout = spec.shard();
   auto mesh = DeviceMesh::FromShardConfig(shard.layout);
   ASSERT_TRUE(mesh.ok()) << mesh.status();
-  const Tensor ids = testing::TokenIds(batch, seq, o.vocab, 5);
+  const Tensor ids = testing::TokenIds(batch, seq, model->config.takes_images() ? o.labels : o.vocab, 5);
+  auto images = Tensor::RandomNormal({batch, o.channels, o.image, o.image}, 9);
+  ASSERT_TRUE(images.ok()) << images.status();
   int64_t before = 0, after = 0;
   colod::testing::RunMesh(*mesh, [&](int rank, ProcessGroup& pg) {
     ShardFormer sf(shard, &pg);
     auto sharded = sf.Load(model->dir);
     ASSERT_TRUE(sharded.ok()) << sharded.status();
     {  // a first step makes the communicators and the gradients
-      auto loss = ForwardLoss(**sharded, ids);
+      auto loss = ForwardLoss(**sharded, ids, *images);
       ASSERT_TRUE(loss.ok()) << loss.status();
       ASSERT_TRUE(Backward(loss->loss).ok());
     }
     ASSERT_TRUE(pg.Barrier().ok());
     if (rank == 0) before = HeapInUse();
     ASSERT_TRUE(pg.Barrier().ok());
-    auto loss = ForwardLoss(**sharded, ids);
+    auto loss = ForwardLoss(**sharded, ids, *images);
     ASSERT_TRUE(loss.ok()) << loss.status();
     ASSERT_TRUE(pg.Barrier().ok());
     if (rank == 0) after = HeapInUse();
@@ -214,7 +243,8 @@ INSTANTIATE_TEST_SUITE_P(
                       ActivationCase{"bert_tp2", testing::WriteTinyBert, 2},
                       ActivationCase{"opt_tp2", testing::WriteTinyOpt, 2},
                       ActivationCase{"bloom_tp2", testing::WriteTinyBloom, 2},
-                      ActivationCase{"t5_tp2", testing::WriteTinyT5, 2}),
+                      ActivationCase{"t5_tp2", testing::WriteTinyT5, 2},
+                      ActivationCase{"vit_tp2", testing::WriteTinyVit, 2}),
     [](const ::testing::TestParamInfo<ActivationCase>& info) { return info.param.name; });
 
 v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode) {

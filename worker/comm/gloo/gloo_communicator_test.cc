@@ -322,7 +322,13 @@ TEST(Gloo, ACollectiveAPeerNeverJoinsTimesOutAndPoisonsTheCommunicator) {
 // Rank 2 of 3 connects but never enters the all-reduce (a stopped peer).
 // Aborting ranks 0 and 1 ends their all-reduces in flight at once, ABORTED
 // with the reason, long before the collective timeout; later work fails too.
-TEST(Gloo, AbortEndsACollectiveInFlight) {
+// Abort ends each kind of collective while it waits on a rank that never
+// joins: Gloo's all-reduce and all-gather, and colod's ring reduce-scatter
+// over the same pairs.
+class AbortInFlight : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(AbortInFlight, AbortEndsACollectiveInFlight) {
+  const std::string op = GetParam();
   auto shared = std::make_shared<RendezvousStore>();
   const absl::Duration timeout = absl::Seconds(60);
   std::vector<std::unique_ptr<GlooCommunicator>> comms(3);
@@ -340,9 +346,17 @@ TEST(Gloo, AbortEndsACollectiveInFlight) {
   for (auto& t : threads) t.join();
   ASSERT_TRUE(comms[0] && comms[1] && comms[2]);
   // Big enough to need every rank's data in every segment.
-  std::vector<std::vector<float>> x(2, std::vector<float>(1 << 16, 1.0f));
+  constexpr int64_t kCount = 1 << 16;
+  std::vector<std::vector<float>> x(2, std::vector<float>(3 * kCount, 1.0f)), y(2, std::vector<float>(3 * kCount));
   std::vector<std::shared_ptr<Work>> work;
-  for (int r = 0; r < 2; ++r) work.push_back(comms[r]->AllReduce(x[r].data(), 1 << 16, DType::kF32, ReduceOp::kSum));
+  for (int r = 0; r < 2; ++r) {
+    if (op == "all_reduce") work.push_back(comms[r]->AllReduce(x[r].data(), kCount, DType::kF32, ReduceOp::kSum));
+    if (op == "reduce_scatter") {
+      work.push_back(comms[r]->ReduceScatter(x[r].data(), y[r].data(), kCount, DType::kF32, ReduceOp::kSum));
+    }
+    if (op == "all_gather") work.push_back(comms[r]->AllGather(x[r].data(), y[r].data(), kCount, DType::kF32));
+  }
+  ASSERT_EQ(work.size(), 2u) << op;
   absl::SleepFor(absl::Milliseconds(300));
   for (int r = 0; r < 2; ++r) EXPECT_FALSE(work[r]->IsCompleted()) << "rank " << r << " ended without rank 2";
   const absl::Time start = absl::Now();
@@ -363,6 +377,9 @@ TEST(Gloo, AbortEndsACollectiveInFlight) {
   comms.clear();
   EXPECT_LT(absl::Now() - teardown, absl::Seconds(5));
 }
+
+INSTANTIATE_TEST_SUITE_P(Ops, AbortInFlight, ::testing::Values("all_reduce", "reduce_scatter", "all_gather"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 // A store whose waits for rank 0's address fail: rank 1 dies right after it
 // published its own.
