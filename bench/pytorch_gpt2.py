@@ -6,9 +6,11 @@ The same GPT-2 shapes as //bench:train (GPT-2 tiny: 4 layers, hidden 256,
 12 heads, vocab 50257, seq 128, batch 4), written out in torch (pre-norm
 blocks, fused qkv, causal attention, tanh GELU, tied head), trained in f32
 with AdamW and gradient clipping at 1.0 on random tokens, at each thread
-count (torch.set_num_threads; the intra-op pool, which is what OpenBLAS and
-PyTorch's own kernels use). tokens/s is batch * seq over the mean step time
-after 2 warm-up steps, as bench:train counts it.
+count on that many cores: a process per count, confined to its cores, with
+torch.set_num_threads and OpenBLAS's and OpenMP's pools all set to it
+(set_num_threads alone leaves Debian's OpenBLAS a thread per core). tokens/s
+is batch * seq over the mean step time after 2 warm-up steps, as
+bench:train counts it.
 
 Run with Debian's python3-torch where present (it is not a dependency of
 colod's build or tests):
@@ -17,7 +19,17 @@ colod's build or tests):
 """
 import argparse
 import math
+import os
+import subprocess
+import sys
 import time
+
+# Each thread count runs in a process of its own (main() below), confined to
+# that many cores, with OpenBLAS's and OpenMP's pools sized before torch loads
+# them: torch.set_num_threads does not bind Debian's OpenBLAS, whose own
+# threads would otherwise use every core whatever the count says.
+if os.environ.get("COLOD_BENCH_THREADS"):
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: int(os.environ["COLOD_BENCH_THREADS"])])
 
 import torch
 import torch.nn as nn
@@ -100,12 +112,19 @@ def main():
     ap.add_argument("--model", default="gpt2-tiny", choices=sorted(SHAPES))
     ap.add_argument("--steps", type=int, default=0, help="timed steps (default: bench:train's, 10 or 2)")
     ap.add_argument("--threads", default="1,2", help="thread counts to run, comma-separated")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    print(f"PyTorch {torch.__version__}, {torch.__config__.parallel_info().splitlines()[0]}")
-    print(f"{'model':<11} {'threads':>7} {'step (ms)':>10} {'tokens/s':>9}")
-    for t in (int(x) for x in args.threads.split(",")):
+    if args.child:  # one thread count, in the process main() made for it
+        t = int(os.environ["COLOD_BENCH_THREADS"])
         step, tps = run(args.model, t, args.steps)
-        print(f"{args.model:<11} {t:>7} {step * 1e3:>10.1f} {tps:>9.0f}", flush=True)
+        print(f"{args.model:<11} {t:>7} {len(os.sched_getaffinity(0)):>5} {step * 1e3:>10.1f} {tps:>9.0f}", flush=True)
+        return
+    print(f"PyTorch {torch.__version__}; each row on as many cores as threads (OPENBLAS_NUM_THREADS too)")
+    print(f"{'model':<11} {'threads':>7} {'cores':>5} {'step (ms)':>10} {'tokens/s':>9}", flush=True)
+    for t in (int(x) for x in args.threads.split(",")):
+        env = dict(os.environ, COLOD_BENCH_THREADS=str(t), OPENBLAS_NUM_THREADS=str(t), OMP_NUM_THREADS=str(t))
+        subprocess.run([sys.executable, __file__, "--child", "--model", args.model, "--steps", str(args.steps)],
+                       env=env, check=True)
 
 
 if __name__ == "__main__":
