@@ -708,10 +708,7 @@ absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::Jo
     candidates.push_back(s);
     for (int depth = 2; depth <= tp; ++depth) {
       if (tp % depth != 0) continue;
-      const int64_t qq = tp / depth;
-      int q = 1;
-      while (int64_t{q + 1} * (q + 1) <= qq) ++q;
-      if (int64_t{q} * q != qq || q < 2) continue;
+      if (IntegerRoot(tp / depth, 2) < 2) continue;  // tp = depth * q^2, q >= 2
       s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2P5D);
       s.set_depth(depth);
       candidates.push_back(s);
