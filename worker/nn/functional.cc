@@ -23,10 +23,15 @@ Epilogue GeluEpilogue(ops::GeluApprox approx) {
   return approx == ops::GeluApprox::kTanh ? Epilogue::kGeluTanh : Epilogue::kGelu;
 }
 
-absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b,
-                                Epilogue epilogue) {
+namespace {
+
+// Linear, and with `sum_dx` (LinearSumInputGrad) its input's gradient summed
+// over that group while the weight's gradient is computed.
+absl::StatusOr<Variable> LinearNode(const Variable& x, const Variable& w, const std::optional<Variable>& b,
+                                    Epilogue epilogue, Communicator* sum_dx, absl::Duration timeout) {
+  if (sum_dx != nullptr && sum_dx->size() == 1) sum_dx = nullptr;
   if (epilogue != Epilogue::kNone) {
-    ASSIGN_OR_RETURN(Variable z, Linear(x, w, std::nullopt));
+    ASSIGN_OR_RETURN(Variable z, LinearNode(x, w, std::nullopt, Epilogue::kNone, sum_dx, timeout));
     return BiasEpilogue(z, b, epilogue);
   }
   ASSIGN_OR_RETURN(Tensor y, ops::MatMul(x.value(), w.value(), false, /*trans_b=*/true));
@@ -37,18 +42,47 @@ absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std:
   if (b.has_value()) inputs.push_back(*b);
   const Tensor xv = x.value(), wv = w.value();
   const bool has_bias = b.has_value();
-  return RecordOp("linear", inputs, std::move(y), [xv, wv, has_bias](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(Tensor dx, ops::MatMul(dy, wv));
-    ASSIGN_OR_RETURN(Tensor dy2, Rows(dy));
-    ASSIGN_OR_RETURN(Tensor x2, Rows(xv));
-    ASSIGN_OR_RETURN(Tensor dw, ops::MatMul(dy2, x2, /*trans_a=*/true));
-    Grads g = {dx, dw};
-    if (has_bias) {
-      ASSIGN_OR_RETURN(Tensor db, ops::BiasGrad(dy));
-      g.push_back(db);
-    }
-    return g;
-  });
+  return RecordOp(sum_dx == nullptr ? "linear" : "linear_sum_input_grad", inputs, std::move(y),
+                  [xv, wv, has_bias, sum_dx, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
+                    ASSIGN_OR_RETURN(Tensor dx, ops::MatMul(dy, wv));
+                    // dx is this node's own buffer: summed in place, no copy,
+                    // behind the weight-gradient GEMM.
+                    std::shared_ptr<Work> sum;
+                    if (sum_dx != nullptr && dx.numel() > 0) {
+                      if (!dx.is_contiguous()) return absl::InternalError("linear: dx is not contiguous");
+                      sum = sum_dx->AllReduce(dx.raw_data(), dx.numel(), dx.dtype(), ReduceOp::kSum);
+                    }
+                    auto weight_grads = [&]() -> absl::StatusOr<Grads> {
+                      ASSIGN_OR_RETURN(Tensor dy2, Rows(dy));
+                      ASSIGN_OR_RETURN(Tensor x2, Rows(xv));
+                      ASSIGN_OR_RETURN(Tensor dw, ops::MatMul(dy2, x2, /*trans_a=*/true));
+                      Grads g = {std::nullopt, dw};
+                      if (has_bias) {
+                        ASSIGN_OR_RETURN(Tensor db, ops::BiasGrad(dy));
+                        g.push_back(db);
+                      }
+                      return g;
+                    };
+                    absl::StatusOr<Grads> g = weight_grads();
+                    // Waited for on every path: the all-reduce writes dx.
+                    const absl::Status summed = sum == nullptr ? absl::OkStatus() : sum->WaitOnDevice(timeout);
+                    if (!g.ok()) return g.status();
+                    RETURN_IF_ERROR(summed);
+                    (*g)[0] = dx;
+                    return g;
+                  });
+}
+
+}  // namespace
+
+absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const std::optional<Variable>& b,
+                                Epilogue epilogue) {
+  return LinearNode(x, w, b, epilogue, nullptr, absl::ZeroDuration());
+}
+
+absl::StatusOr<Variable> LinearSumInputGrad(const Variable& x, const Variable& w, const std::optional<Variable>& b,
+                                            Epilogue epilogue, Communicator* comm, absl::Duration timeout) {
+  return LinearNode(x, w, b, epilogue, comm, timeout);
 }
 
 absl::StatusOr<Variable> Reshape(const Variable& x, const Shape& shape) {

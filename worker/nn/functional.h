@@ -165,6 +165,14 @@ absl::StatusOr<Variable> ReduceScatterAlongDim(const Variable& x, int64_t dim, C
 // copy-to-tensor-parallel-region; a Linear1D_Col input).
 absl::StatusOr<Variable> ReduceGradient(const Variable& x, Communicator* comm, absl::Duration timeout);
 
+// Linear(ReduceGradient(x, comm), w, b, epilogue) as one node (a
+// column-parallel linear on a replicated input, Megatron's f then the
+// GEMM): backward computes dx = dy @ w first and sums it over `comm` while it
+// computes dw and db, so the all-reduce runs behind the weight-gradient GEMM
+// (Megatron-LM's asynchronous input-gradient all-reduce).
+absl::StatusOr<Variable> LinearSumInputGrad(const Variable& x, const Variable& w, const std::optional<Variable>& b,
+                                            Epilogue epilogue, Communicator* comm, absl::Duration timeout);
+
 }  // namespace colod::nn
 
 #endif  // COLOD_WORKER_NN_FUNCTIONAL_H_

@@ -107,7 +107,7 @@ absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x, Epilogue ep
     if (!(x.spec().Get("tp") == Placement::Replicate())) {
       ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), Placement::Replicate())));
     }
-    ASSIGN_OR_RETURN(xr, ReduceGradient(in.variable(), comm, pg_->timeout()));
+    xr = in.variable();  // its gradient summed over tp by the linear below
   }
   const int64_t n = options_.fused;
   const Shape& wl = weight_.local().shape();
@@ -119,7 +119,11 @@ absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x, Epilogue ep
       ASSIGN_OR_RETURN(b, Reshape(*b, {wl[0] * wl[1]}));
     }
   }
-  ASSIGN_OR_RETURN(Variable y, Linear(xr, w, b, epilogue));
+  // Sequence parallelism's gather already sums the input gradient (its
+  // backward reduce-scatters); otherwise the linear sums it over tp.
+  ASSIGN_OR_RETURN(Variable y, options_.sequence_parallel
+                                   ? Linear(xr, w, b, epilogue)
+                                   : LinearSumInputGrad(xr, w, b, epilogue, comm, pg_->timeout()));
   if (n > 1) {  // [..., n*o] -> [..., n, o]
     Shape local_shape = y.value().shape();
     local_shape.back() = wl[1];
