@@ -514,7 +514,7 @@ constexpr Command kCommands[] = {
      "              of parameters, gradients, optimizer state and (an estimate) activations,\n"
      "              and per step each process group's collectives (calls, payload, bytes\n"
      "              sent under ring algorithms). --model DIR (config.json is enough)\n"
-     "              [--tp T] [--dp D] [--mode 1d|2d|2.5d] [--depth D] [--sequence-parallel]\n"
+     "              [--tp T] [--dp D] [--mode 1d|2d|2.5d|3d] [--depth D] [--sequence-parallel]\n"
      "              [--batch-size B] [--seq-len L] [--micro-batches M]\n"
      "              [--precision auto|fp32|bf16|fp16] [--optimizer adamw|sgd] [--bucket-mb MB]\n"
      "              [--output json]. With --world N [--memory-per-rank 80GiB]: every layout\n"

@@ -1,6 +1,7 @@
 // `coloctl train` as a user runs it: a tiny GPT-2 trained on the GPL's text
 // at two layouts with the same losses, one JSON object per step, the final
-// model written as a Hugging Face directory that `coloctl forward` runs.
+// model written as a Hugging Face directory that `coloctl forward` runs (2D
+// and 3D); the other families at their layouts, LLaMA in 3D.
 #include <signal.h>
 
 #include <filesystem>
@@ -123,6 +124,20 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   ASSERT_EQ(before.code, 0) << before.err;
   ASSERT_EQ(after.code, 0) << after.err;
   EXPECT_NE(Lines(before.out)[0]["loss"], Lines(after.out)[0]["loss"]);
+  // ... and at 3D on 8 workers, whose batch splits q*q = 4 ways, with the 2D run's loss.
+  ASSERT_TRUE(WriteNpy(TempPath("ids4.npy"), shardformer::testing::TokenIds(4, 16, 257, 1)).ok());
+  const auto in_2d = Coloctl({"forward", "--model", TempPath("trained"), "--input", TempPath("ids4.npy"), "--tp", "4",
+                              "--mode", "2d", "--output", "json"});
+  const auto in_3d = Coloctl({"forward", "--model", TempPath("trained"), "--input", TempPath("ids4.npy"), "--tp", "8",
+                              "--mode", "3d", "--output", "json"});
+  ASSERT_EQ(in_2d.code, 0) << in_2d.err;
+  ASSERT_EQ(in_3d.code, 0) << in_3d.err;
+  const double loss_2d = Lines(in_2d.out)[0]["loss"].get<double>();
+  EXPECT_NEAR(Lines(in_3d.out)[0]["loss"].get<double>(), loss_2d, 1e-4 * loss_2d);
+  const auto odd_3d = Coloctl({"forward", "--model", TempPath("trained"), "--input", TempPath("ids.npy"), "--tp", "8",
+                               "--mode", "3d", "--output", "json"});
+  EXPECT_EQ(odd_3d.code, 1);
+  EXPECT_NE(odd_3d.err.find("must divide into 4 blocks"), std::string::npos) << odd_3d.err;
 
   // Saved every 2 steps and stopped after 3; resumed, steps 3 (from the
   // step-2 checkpoint), 4 and 5 repeat the uninterrupted losses.
@@ -175,6 +190,21 @@ TEST(Train, OptTrainsAlikeAtEveryLayout) {
   ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"},
                                          {"--tp", "2", "--dp", "2", "--mode", "1d", "--sequence-parallel"},
                                          {"--tp", "4", "--dp", "1", "--mode", "2d"}});
+}
+
+// LLaMA (grouped-query attention, untied head) trains with the same losses
+// at 3D on 8 workers as unsharded, and its loss falls.
+TEST(Train, LlamaTrainsAlikeIn3d) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  o.positions = 32;
+  o.tie = false;
+  auto model = shardformer::testing::WriteTinyLlama(TempPath("llama"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<std::string> common = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
+                                           "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
+                                           "--optimizer", "adamw", "--seed", "9", "--output", "json"};
+  ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"}, {"--tp", "8", "--dp", "1", "--mode", "3d"}});
 }
 
 // BLOOM trains with the same losses at tp = 2 x dp = 2 with sequence

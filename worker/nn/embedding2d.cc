@@ -55,6 +55,11 @@ absl::StatusOr<ColoTensor> Embedding2D::Forward(const Tensor& ids) const {
   return ColoTensor::FromLocal(out, Activation2D(out.value().dim(), g.q, g.depth), pg_);
 }
 
+absl::StatusOr<DistSpec> Embedding2D::ActivationSpec(int64_t ndim) const {
+  ASSIGN_OR_RETURN(Groups2D g, GetGroups2D(pg_));
+  return Activation2D(ndim, g.q, g.depth);
+}
+
 absl::StatusOr<ColoTensor> Embedding2D::TiedLogits(const ColoTensor& h) const {
   ASSIGN_OR_RETURN(Groups2D g, GetGroups2D(pg_));
   ASSIGN_OR_RETURN(ColoTensor in, ToActivation2D(h, g));

@@ -30,6 +30,8 @@ class Embedding2D {
   absl::StatusOr<ColoTensor> Forward(const Tensor& ids) const;
   // Logits of the LM head tied to this table, for h in the 2D activation spec.
   absl::StatusOr<ColoTensor> TiedLogits(const ColoTensor& h) const;
+  // The spec of the lookup's output and of the head's input.
+  absl::StatusOr<DistSpec> ActivationSpec(int64_t ndim) const;
   const ColoParameter& weight() const { return weight_; }
 
  private:

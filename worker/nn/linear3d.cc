@@ -29,38 +29,34 @@ absl::StatusOr<Roles> GetRoles(ProcessGroup* pg, const std::string& k, const std
   return Roles{*r, *kk, *cc, (*r)->size()};
 }
 
-absl::StatusOr<ColoTensor> Into(const ColoTensor& x, const DistSpec& want) {
-  bool same = true;
-  for (const char* axis : {"tp_output", "tp_input", "tp_weight"}) same = same && x.spec().Get(axis) == want.Get(axis);
-  if (same) return x;
-  return x.Redistribute(want);
-}
-
 // The 3D product on this rank's blocks: x [.., rows/q^2, in/q] and
-// a [in/q, out/q^2] -> y [.., rows/q^2, out/q], on the tape.
-absl::StatusOr<Variable> Matmul3D(const Variable& x, const Variable& a, const Roles& g, absl::Duration timeout) {
+// at = A^T's block [out/q^2, in/q] -> y [.., rows/q^2, out/q], on the tape.
+absl::StatusOr<Variable> Matmul3D(const Variable& x, const Variable& at, const Roles& g, absl::Duration timeout) {
   ASSIGN_OR_RETURN(Tensor xm, Rows(x.value()));
-  const Tensor am = a.value().Contiguous();
+  const Tensor am = at.value().Contiguous();
   ASSIGN_OR_RETURN(Tensor xg, AllGatherDim(xm, 0, *g.k, timeout));  // X_RC
-  ASSIGN_OR_RETURN(Tensor ag, AllGatherDim(am, 1, *g.r, timeout));  // A_CK
-  ASSIGN_OR_RETURN(Tensor partial, ops::MatMul(xg, ag));
+  ASSIGN_OR_RETURN(Tensor ag, AllGatherDim(am, 0, *g.r, timeout));  // A_CK^T [out/q, in/q]
+  ASSIGN_OR_RETURN(Tensor partial, ops::MatMul(xg, ag, false, /*trans_b=*/true));
   ASSIGN_OR_RETURN(Tensor y, ReduceScatterDim(partial, 0, *g.c, timeout));
   Shape out_shape = x.value().shape();
   out_shape.back() = y.shape()[1];
   ASSIGN_OR_RETURN(y, y.Reshape(out_shape));
   const Shape x_shape = x.value().shape();
-  return RecordOp("matmul_3d", {x, a}, std::move(y),
+  return RecordOp("matmul_3d", {x, at}, std::move(y),
                   [xg, ag, g, timeout, x_shape](const Tensor& dy_full) -> absl::StatusOr<Grads> {
                     ASSIGN_OR_RETURN(Tensor dy, Rows(dy_full));
                     ASSIGN_OR_RETURN(Tensor dyg, AllGatherDim(dy, 0, *g.c, timeout));  // dY_RK
-                    ASSIGN_OR_RETURN(Tensor dxg, ops::MatMul(dyg, ag, false, true));
+                    ASSIGN_OR_RETURN(Tensor dxg, ops::MatMul(dyg, ag));
                     ASSIGN_OR_RETURN(Tensor dx, ReduceScatterDim(dxg, 0, *g.k, timeout));
-                    ASSIGN_OR_RETURN(Tensor dag, ops::MatMul(xg, dyg, true));
-                    ASSIGN_OR_RETURN(Tensor da, ReduceScatterDim(dag, 1, *g.r, timeout));
+                    ASSIGN_OR_RETURN(Tensor dag, ops::MatMul(dyg, xg, /*trans_a=*/true));  // dA^T
+                    ASSIGN_OR_RETURN(Tensor da, ReduceScatterDim(dag, 0, *g.r, timeout));
                     ASSIGN_OR_RETURN(dx, dx.Reshape(x_shape));
                     return Grads{dx, da};
                   });
 }
+
+std::string KAxis(const Linear3D::Options& o) { return o.swap ? "tp_weight" : "tp_input"; }
+std::string CAxis(const Linear3D::Options& o) { return o.swap ? "tp_input" : "tp_weight"; }
 
 }  // namespace
 
@@ -71,39 +67,78 @@ DistSpec Activation3D(int64_t ndim, int q, const std::string& k_axis, const std:
       .Set(c_axis, Placement::Shard({ndim - 1}, {q}));
 }
 
+absl::StatusOr<ColoTensor> ToSpec3D(const ColoTensor& x, const DistSpec& want) {
+  bool same = true;
+  for (const char* axis : {"tp_output", "tp_input", "tp_weight"}) same = same && x.spec().Get(axis) == want.Get(axis);
+  if (same) return x;
+  return x.Redistribute(want);
+}
+
+absl::StatusOr<int> Get3DSize(ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(Roles g, GetRoles(pg, kStreamK, kStreamC));
+  return g.q;
+}
+
+absl::StatusOr<DistSpec> StreamSpec3D(int64_t ndim, ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(int q, Get3DSize(pg));
+  return Activation3D(ndim, q, kStreamK, kStreamC);
+}
+
+absl::StatusOr<ParamSpecs> Linear3D::Specs(ProcessGroup* pg, Options options) {
+  ASSIGN_OR_RETURN(int q, Get3DSize(pg));
+  return ParamSpecs{DistSpec()
+                        .Set(KAxis(options), Placement::Shard({0}, {q}))
+                        .Set(kR, Placement::Shard({1}, {q}))
+                        .Set(CAxis(options), Placement::Shard({2}, {q})),
+                    DistSpec().Set(KAxis(options), Placement::Shard({0}, {q}))};
+}
+
 absl::StatusOr<Linear3D> Linear3D::FromGlobal(const Tensor& weight, const std::optional<Tensor>& bias,
                                               ProcessGroup* pg, Options options) {
-  const std::string k = options.swap ? "tp_weight" : "tp_input", c = options.swap ? "tp_input" : "tp_weight";
-  ASSIGN_OR_RETURN(Roles g, GetRoles(pg, k, c));
-  const int q = g.q;
+  ASSIGN_OR_RETURN(int q, Get3DSize(pg));
   if (weight.dim() != 2 || weight.shape()[1] % q != 0 || (bias.has_value() && bias->shape() != Shape{weight.shape()[1]})) {
     return absl::InvalidArgumentError(absl::StrCat("Linear3D: weight must be [in, out] with out divisible by q = ", q,
                                                    " and bias [out], got ", ShapeToString(weight.shape())));
   }
   const int64_t in = weight.shape()[0], out = weight.shape()[1];
-  ASSIGN_OR_RETURN(Tensor view, weight.Reshape({in, q, out / q}));
-  ASSIGN_OR_RETURN(ColoParameter w, ColoParameter::Create(view,
-                                                          DistSpec()
-                                                              .Set(c, Placement::Shard({0}, {q}))
-                                                              .Set(k, Placement::Shard({1}, {q}))
-                                                              .Set(kR, Placement::Shard({2}, {q})),
-                                                          pg, "weight", kCompute));
+  ASSIGN_OR_RETURN(ParamSpecs specs, Specs(pg, options));
+  ASSIGN_OR_RETURN(Tensor at, weight.Transpose(0, 1));
+  ASSIGN_OR_RETURN(Tensor view, at.Contiguous().Reshape({q, out / q, in}));
+  ASSIGN_OR_RETURN(ColoParameter w, ColoParameter::Create(view, specs.weight, pg, "weight", kCompute));
   std::optional<ColoParameter> b;
   if (bias.has_value()) {
     ASSIGN_OR_RETURN(Tensor bview, bias->Reshape({q, out / q}));
-    ASSIGN_OR_RETURN(b,
-                     ColoParameter::Create(bview, DistSpec().Set(k, Placement::Shard({0}, {q})), pg, "bias", kCompute));
+    ASSIGN_OR_RETURN(b, ColoParameter::Create(bview, specs.bias, pg, "bias", kCompute));
   }
-  return Linear3D(std::move(w), std::move(b), pg, q, k, c);
+  return FromParameters(std::move(w), std::move(b), pg, options);
+}
+
+absl::StatusOr<Linear3D> Linear3D::FromParameters(ColoParameter weight, std::optional<ColoParameter> bias,
+                                                  ProcessGroup* pg, Options options) {
+  ASSIGN_OR_RETURN(int q, Get3DSize(pg));
+  ASSIGN_OR_RETURN(ParamSpecs specs, Specs(pg, options));
+  const Shape& ws = weight.global_shape();
+  if (ws.size() != 3 || ws[0] != q || (bias.has_value() && bias->global_shape() != Shape{q, ws[1]})) {
+    return absl::InvalidArgumentError(absl::StrCat("Linear3D: weight must be [q, out/q, in] and bias [q, out/q] (q = ",
+                                                   q, "), got ", ShapeToString(ws), " and ",
+                                                   bias.has_value() ? ShapeToString(bias->global_shape()) : "none"));
+  }
+  RETURN_IF_ERROR(CheckSpec(weight, specs.weight, "Linear3D weight"));
+  weight.set_compute_spec(kCompute);
+  if (bias.has_value()) {
+    RETURN_IF_ERROR(CheckSpec(*bias, specs.bias, "Linear3D bias"));
+    bias->set_compute_spec(kCompute);
+  }
+  return Linear3D(std::move(weight), std::move(bias), pg, q, KAxis(options), CAxis(options));
 }
 
 absl::StatusOr<ColoTensor> Linear3D::Forward(const ColoTensor& x, Epilogue epilogue) const {
   ASSIGN_OR_RETURN(Roles g, GetRoles(pg_, k_, c_));
   const int64_t ndim = static_cast<int64_t>(x.global_shape().size());
-  ASSIGN_OR_RETURN(ColoTensor in, Into(x, InputSpec(ndim)));
-  const Shape& wl = weight_.local().shape();  // [in/q, 1, out/q^2]
-  ASSIGN_OR_RETURN(Variable a, Reshape(weight_.variable(), {wl[0], wl[2]}));
-  ASSIGN_OR_RETURN(Variable y, Matmul3D(in.variable(), a, g, pg_->timeout()));
+  ASSIGN_OR_RETURN(ColoTensor in, ToSpec3D(x, InputSpec(ndim)));
+  const Shape& wl = weight_.local().shape();  // [1, out/q^2, in/q]
+  ASSIGN_OR_RETURN(Variable at, Reshape(weight_.variable(), {wl[1], wl[2]}));
+  ASSIGN_OR_RETURN(Variable y, Matmul3D(in.variable(), at, g, pg_->timeout()));
   std::optional<Variable> b;
   if (bias_.has_value()) {
     ASSIGN_OR_RETURN(b, Reshape(bias_->variable(), {bias_->local().numel()}));
@@ -114,25 +149,60 @@ absl::StatusOr<ColoTensor> Linear3D::Forward(const ColoTensor& x, Epilogue epilo
   return ColoTensor::FromLocal(y, OutputSpec(ndim), pg_);
 }
 
-absl::StatusOr<LayerNorm3D> LayerNorm3D::FromGlobal(const Tensor& gamma, const Tensor& beta, float eps,
-                                                    ProcessGroup* pg, const std::string& k_axis,
-                                                    const std::string& c_axis) {
-  ASSIGN_OR_RETURN(Roles g, GetRoles(pg, k_axis, c_axis));
-  if (gamma.dim() != 1 || gamma.shape() != beta.shape()) {
-    return absl::InvalidArgumentError(absl::StrCat("LayerNorm3D: gamma ", ShapeToString(gamma.shape()), " and beta ",
-                                                   ShapeToString(beta.shape()), " must be the same [hidden]"));
-  }
-  const DistSpec spec = DistSpec().Set(c_axis, Placement::Shard({0}, {g.q}));
-  ASSIGN_OR_RETURN(ColoParameter gp, ColoParameter::Create(gamma, spec, pg, "gamma", kCompute));
-  ASSIGN_OR_RETURN(ColoParameter bp, ColoParameter::Create(beta, spec, pg, "beta", kCompute));
-  return LayerNorm3D(std::move(gp), std::move(bp), eps, pg, g.q, k_axis, c_axis);
+absl::StatusOr<DistSpec> Norm3D::Spec(ProcessGroup* pg, const Options& options) {
+  ASSIGN_OR_RETURN(Roles g, GetRoles(pg, options.k_axis, options.c_axis));
+  return DistSpec().Set(options.c_axis, Placement::Shard({0}, {g.q}));
 }
 
-absl::StatusOr<ColoTensor> LayerNorm3D::Forward(const ColoTensor& x) const {
-  ASSIGN_OR_RETURN(Roles g, GetRoles(pg_, k_, c_));
-  ASSIGN_OR_RETURN(ColoTensor in, Into(x, Activation3D(static_cast<int64_t>(x.global_shape().size()), q_, k_, c_)));
-  ASSIGN_OR_RETURN(Variable y, ShardedLayerNorm(in.variable(), gamma_.variable(), beta_.variable(), eps_, g.c,
-                                                {g.r, g.k}, pg_->timeout()));
+absl::StatusOr<Norm3D> Norm3D::FromGlobal(const Tensor& gamma, const std::optional<Tensor>& beta, ProcessGroup* pg,
+                                          Options options) {
+  ASSIGN_OR_RETURN(DistSpec spec, Spec(pg, options));
+  if (gamma.dim() != 1 || (beta.has_value() && beta->shape() != gamma.shape())) {
+    return absl::InvalidArgumentError(absl::StrCat("Norm3D: gamma ", ShapeToString(gamma.shape()),
+                                                   beta.has_value() ? " and beta " + ShapeToString(beta->shape()) : "",
+                                                   " must be the same [hidden]"));
+  }
+  ASSIGN_OR_RETURN(ColoParameter gp, ColoParameter::Create(gamma, spec, pg, "gamma", kCompute));
+  std::optional<ColoParameter> bp;
+  if (beta.has_value()) {
+    ASSIGN_OR_RETURN(bp, ColoParameter::Create(*beta, spec, pg, "beta", kCompute));
+  }
+  return FromParameters(std::move(gp), std::move(bp), pg, std::move(options));
+}
+
+absl::StatusOr<Norm3D> Norm3D::FromParameters(ColoParameter gamma, std::optional<ColoParameter> beta,
+                                              ProcessGroup* pg, Options options) {
+  ASSIGN_OR_RETURN(Roles g, GetRoles(pg, options.k_axis, options.c_axis));
+  ASSIGN_OR_RETURN(DistSpec spec, Spec(pg, options));
+  const bool layer_norm = options.kind == Kind::kLayerNorm;
+  if (layer_norm != beta.has_value()) {
+    return absl::InvalidArgumentError(layer_norm ? "LayerNorm3D needs a beta" : "RMSNorm3D has no beta");
+  }
+  if (gamma.global_shape().size() != 1 || (beta.has_value() && beta->global_shape() != gamma.global_shape())) {
+    return absl::InvalidArgumentError(absl::StrCat("Norm3D: gamma and beta must be the same [hidden], got ",
+                                                   ShapeToString(gamma.global_shape())));
+  }
+  RETURN_IF_ERROR(CheckSpec(gamma, spec, "Norm3D gamma"));
+  gamma.set_compute_spec(kCompute);
+  if (beta.has_value()) {
+    RETURN_IF_ERROR(CheckSpec(*beta, spec, "Norm3D beta"));
+    beta->set_compute_spec(kCompute);
+  }
+  return Norm3D(std::move(gamma), std::move(beta), pg, g.q, std::move(options));
+}
+
+absl::StatusOr<ColoTensor> Norm3D::Forward(const ColoTensor& x) const {
+  ASSIGN_OR_RETURN(Roles g, GetRoles(pg_, options_.k_axis, options_.c_axis));
+  ASSIGN_OR_RETURN(ColoTensor in, ToSpec3D(x, Activation3D(static_cast<int64_t>(x.global_shape().size()), q_,
+                                                       options_.k_axis, options_.c_axis)));
+  Variable y;
+  if (beta_.has_value()) {
+    ASSIGN_OR_RETURN(y, ShardedLayerNorm(in.variable(), gamma_.variable(), beta_->variable(), options_.eps, g.c,
+                                         {g.r, g.k}, pg_->timeout()));
+  } else {
+    ASSIGN_OR_RETURN(y, ShardedRmsNorm(in.variable(), gamma_.variable(), options_.eps, g.c, {g.r, g.k},
+                                       pg_->timeout()));
+  }
   return ColoTensor::FromLocal(y, in.spec(), pg_);
 }
 

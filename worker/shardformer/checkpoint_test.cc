@@ -119,6 +119,35 @@ TEST(Checkpoint, FusedAndTwoDimensionalLayoutsConsolidateExactly) {
   testing::ExpectShardedMatchesReference(reloaded, *ref, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D, true), ids, 2e-4);
 }
 
+// 3D on 8 ranks: the weights' [q, out/q, in] blocks, the fused q|k|v parts
+// and the untied LLaMA head consolidate to exactly the checkpoint's
+// tensors, and the 3D checkpoint runs again at 1D.
+TEST(Checkpoint, ThreeDimensionalLayoutsConsolidateExactly) {
+  auto gpt2 = testing::WriteTinyGpt2(TempPath("ck3_gpt2"));
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  Save(gpt2->dir, Layout(8, 1, v1::TENSOR_PARALLEL_MODE_3D), TempPath("ck3_gpt2_sharded"));
+  const nlohmann::json index = Index(TempPath("ck3_gpt2_sharded"));
+  const auto& qkv = index["tensors"]["transformer.h.0.attn.c_attn.weight[1]"];
+  EXPECT_EQ(qkv["global_shape"], nlohmann::json::array({2, 32, 64})) << qkv;
+  EXPECT_EQ(qkv["blocks"].size(), 8u) << "a 1/8 of the k projection on each rank";
+  ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ck3_gpt2_sharded"), TempPath("ck3_gpt2_hf")).ok());
+  ExpectSameTensors(TempPath("ck3_gpt2_hf"), *gpt2);
+
+  testing::TinyOptions untied;
+  untied.tie = false;
+  auto llama = testing::WriteTinyLlama(TempPath("ck3_llama"), untied);
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  Save(llama->dir, Layout(8, 1, v1::TENSOR_PARALLEL_MODE_3D), TempPath("ck3_llama_sharded"));
+  ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ck3_llama_sharded"), TempPath("ck3_llama_hf")).ok());
+  ExpectSameTensors(TempPath("ck3_llama_hf"), *llama);
+  testing::TinyModel reloaded = *llama;
+  reloaded.dir = TempPath("ck3_llama_hf");
+  const Tensor ids = testing::TokenIds(4, 8, llama->config.vocab_size, 6);
+  auto ref = testing::ReferenceLlama(*llama, ids);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  testing::ExpectShardedMatchesReference(reloaded, *ref, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D), ids, 2e-4);
+}
+
 // OPT (opt-350m's shape: post-norm, project_in/out, untied here) saved at
 // 1D with sequence parallelism and at 2D, consolidated to exactly its
 // tensors, and run again at the other layout.

@@ -120,10 +120,10 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
 }
 
 // ShardFormer's GPT2Policy: 1D (Megatron) with optional sequence
-// parallelism, and 2D / 2.5D.
+// parallelism, 2D / 2.5D, and 3D.
 class Gpt2Policy : public CausalLmPolicy {
  public:
-  Gpt2Policy() : CausalLmPolicy("gpt2") {}
+  Gpt2Policy() : CausalLmPolicy("gpt2", /*supports_3d=*/true) {}
 
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
@@ -131,6 +131,20 @@ class Gpt2Policy : public CausalLmPolicy {
     ModulePolicyDescription& model = policy["GPT2Model"];
     ModulePolicyDescription& block = policy["GPT2Block"];
     block.attribute_replacement = {{"attn.num_heads", static_cast<double>(config.num_heads / shard.head_split())}};
+    if (shard.is_3d()) {
+      // Each pair of linears: the first takes the residual stream's spec,
+      // the second (swap) gives it back (worker/nn/linear3d.h).
+      model.sub_module_replacement = {{"wte", "Embedding3D"}, {"wpe", "Embedding3D"}, {"ln_f", "LayerNorm3D"}};
+      block.sub_module_replacement = {
+          {"ln_1", "LayerNorm3D"},
+          {"attn.c_attn", "Linear3D", {{"n_fused", 3}}},
+          {"attn.c_proj", "Linear3D", {{"swap", 1}}},
+          {"ln_2", "LayerNorm3D"},
+          {"mlp.c_fc", "Linear3D"},
+          {"mlp.c_proj", "Linear3D", {{"swap", 1}}},
+      };
+      return policy;
+    }
     if (shard.is_2d()) {
       model.sub_module_replacement = {{"wte", "Embedding2D"}, {"wpe", "Embedding2D"}, {"ln_f", "LayerNorm2D"}};
       block.sub_module_replacement = {

@@ -1,6 +1,6 @@
 // GPT-2 through ShardFormer: a tiny random GPT2LMHeadModel written as a
 // Hugging Face directory, loaded unsharded, 1D at tp = 2 and 4 (with and
-// without sequence parallelism), 2D on 4 ranks and with dp; logits, the
+// without sequence parallelism), 2D on 4 ranks, 3D on 8 and with dp; logits, the
 // mean next-token loss and every parameter's gradient against the
 // independent unsharded reference (worker/shardformer/testing.h).
 #include <sys/stat.h>
@@ -64,7 +64,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"tp2_sp", 2, 1, v1::TENSOR_PARALLEL_MODE_1D, true},
                       Case{"tp4_sp", 4, 1, v1::TENSOR_PARALLEL_MODE_1D, true},
                       Case{"tp2_dp2", 2, 2, v1::TENSOR_PARALLEL_MODE_1D, false},
-                      Case{"2d", 4, 1, v1::TENSOR_PARALLEL_MODE_2D, false}),
+                      Case{"2d", 4, 1, v1::TENSOR_PARALLEL_MODE_2D, false},
+                      Case{"3d", 8, 1, v1::TENSOR_PARALLEL_MODE_3D, false}),
     [](const auto& info) { return info.param.name; });
 
 TEST(Gpt2, TheBareModelsNamesLoadTheSame) {

@@ -1,5 +1,5 @@
-// What the layer adapters of layers_native.cc, layers_1d.cc and
-// layers_2d.cc share: reading a declaration's weight and bias (each rank its
+// What the layer adapters of layers_native.cc, layers_1d.cc, layers_2d.cc
+// and layers_3d.cc share: reading a declaration's weight and bias (each rank its
 // block), the declaration checks, and the registration of each mode's
 // layers. Internal to worker/shardformer; policies use LayerRegistry.
 //
@@ -8,6 +8,7 @@
 #ifndef COLOD_WORKER_SHARDFORMER_LAYER_LOADING_H_
 #define COLOD_WORKER_SHARDFORMER_LAYER_LOADING_H_
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/status_macros.h"
 #include "worker/shardformer/layers.h"
 
 namespace colod::shardformer::layers {
@@ -61,6 +63,12 @@ struct WeightAndBiasLayout {
 absl::StatusOr<WeightAndBias> LoadWeightAndBias(const LayerDecl& d, const LayerContext& c,
                                                 const WeightAndBiasLayout& layout);
 
+// A fused projection's outputs, each this rank's [.., out/n] piece of one
+// projection, joined as [.., n, out/n] in the spec `spec(ndim)` gives for
+// the joined rank (the 2D and 3D linears hold q, k and v as n matrices).
+absl::StatusOr<ColoTensor> JoinFusedParts(const std::vector<ColoTensor>& parts,
+                                          const std::function<DistSpec(int64_t ndim)>& spec);
+
 // The spec that splits dim `dim` over tp in `p` blocks.
 DistSpec TpShard(int64_t dim, int p);
 // `y` with `x`'s spec and process group.
@@ -73,10 +81,58 @@ absl::Status NoShardedLastDim(const ColoTensor& x, const std::string& layer);
 // zero padding from V on).
 absl::StatusOr<std::unique_ptr<Layer>> CreateBias(const LayerDecl& d, const LayerContext& c, bool vocab_parallel);
 
+// An embedding table of the 2D or 3D layouts (`Table` is nn::Embedding2D or
+// nn::Embedding3D, `mode` "2D" or "3D"): the lookup, or with `head` an LM
+// head computing h E^T with the table, which a tied head shares (it owns no
+// parameter).
+template <class Table>
+class TableLayer : public Layer {
+ public:
+  static absl::StatusOr<std::unique_ptr<Layer>> Create(const LayerDecl& d, const LayerContext& c, bool head,
+                                                       const std::string& mode) {
+    if (head) {
+      RETURN_IF_ERROR(Expect(d.kind == LayerDecl::Kind::kLinear && !d.bias, d, "LMHead" + mode));
+    } else {
+      RETURN_IF_ERROR(Expect(d.kind == LayerDecl::Kind::kEmbedding, d, "Embedding" + mode));
+    }
+    ASSIGN_OR_RETURN(DistSpec spec, Table::Spec(c.pg));
+    // Both an embedding [V, H] and an LM head Linear(H -> V) store [V, H].
+    const Shape shape = head ? Shape{d.out, d.in} : Shape{d.in, d.out};
+    ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight", WeightTensor(d), shape, spec));
+    ASSIGN_OR_RETURN(Table table, Table::FromParameters(w.param, c.pg));
+    return std::unique_ptr<Layer>(new TableLayer(std::move(table), std::move(w), mode, head, true));
+  }
+  std::string type() const override {
+    return head_ ? (owns_ ? "LMHead" + mode_ : "tied Embedding" + mode_ + " LM head") : "Embedding" + mode_;
+  }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
+    if (head_) return table_.TiedLogits(x);
+    return table_.Forward(x.local());
+  }
+  absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override {
+    if (head_) return table_.ActivationSpec(ndim);
+    return DistSpec();
+  }
+  std::vector<BoundParam> Params() override { return owns_ ? std::vector<BoundParam>{w_} : std::vector<BoundParam>{}; }
+  absl::StatusOr<std::unique_ptr<Layer>> TiedHead() override {
+    if (head_) return Layer::TiedHead();
+    return std::unique_ptr<Layer>(new TableLayer(table_, w_, mode_, true, false));
+  }
+
+ private:
+  TableLayer(Table table, BoundParam w, std::string mode, bool head, bool owns)
+      : table_(std::move(table)), w_(std::move(w)), mode_(std::move(mode)), head_(head), owns_(owns) {}
+  Table table_;
+  BoundParam w_;
+  std::string mode_;
+  bool head_, owns_;
+};
+
 // Each mode's layers, registered by LayerRegistry::Global().
 void RegisterNativeLayers(LayerRegistry& registry);
 void Register1DLayers(LayerRegistry& registry);
 void Register2DLayers(LayerRegistry& registry);
+void Register3DLayers(LayerRegistry& registry);
 
 }  // namespace colod::shardformer::layers
 

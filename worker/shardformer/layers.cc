@@ -69,6 +69,21 @@ absl::StatusOr<WeightAndBias> LoadWeightAndBias(const LayerDecl& d, const LayerC
   return out;
 }
 
+absl::StatusOr<ColoTensor> JoinFusedParts(const std::vector<ColoTensor>& parts,
+                                          const std::function<DistSpec(int64_t ndim)>& spec) {
+  if (parts.empty()) return absl::InvalidArgumentError("no fused parts to join");
+  std::vector<Variable> ys;
+  for (const ColoTensor& y : parts) {
+    Shape s = y.local().shape();
+    s.insert(s.end() - 1, 1);
+    ASSIGN_OR_RETURN(Variable v, nn::Reshape(y.variable(), s));
+    ys.push_back(v);
+  }
+  const int64_t ndim = ys[0].value().dim();
+  ASSIGN_OR_RETURN(Variable cat, nn::Cat(ys, ndim - 2));
+  return ColoTensor::FromLocal(cat, spec(ndim), parts[0].process_group());
+}
+
 DistSpec TpShard(int64_t dim, int p) { return nn::WithTp({}, Placement::Shard({dim}, {p})); }
 
 absl::StatusOr<ColoTensor> SameSpec(const Variable& y, const ColoTensor& x) {
@@ -125,6 +140,7 @@ LayerRegistry& LayerRegistry::Global() {
     layers::RegisterNativeLayers(*r);
     layers::Register1DLayers(*r);
     layers::Register2DLayers(*r);
+    layers::Register3DLayers(*r);
     return r;
   }();
   return *registry;

@@ -16,10 +16,16 @@
 //   Embedding2D           worker/nn/embedding2d.h
 //   LMHead2D              an untied LM head [V, H] computed as Embedding2D's
 //                         tied logits
+//   Linear3D              worker/nn/linear3d.h; kwargs n_fused, swap (the
+//                         second linear of a pair)
+//   LayerNorm3D, RMSNorm3D  nn::Norm3D (worker/nn/linear3d.h)
+//   Embedding3D           worker/nn/embedding3d.h
+//   LMHead3D              an untied LM head [V, H] computed as Embedding3D's
+//                         logits
 //
 // Sequence parallelism comes from the ShardConfig. Users add their own
 // layers with LayerRegistry::Register. The adapters live by mode in
-// layers_native.cc, layers_1d.cc and layers_2d.cc, and read their
+// layers_native.cc, layers_1d.cc, layers_2d.cc and layers_3d.cc, and read their
 // parameters through layer_loading.h.
 //
 // Thread-safety: the registry is thread-safe; a layer belongs to one rank thread.

@@ -60,18 +60,12 @@ class Linear2DLayer : public Layer {
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
     if (parts_.size() == 1) return parts_[0].layer.Forward(x);
     // Fused: [.., n, out/n], each rank holding its columns of every projection.
-    std::vector<Variable> ys;
-    ProcessGroup* pg = x.process_group();
+    std::vector<ColoTensor> ys;
     for (Part& part : parts_) {
       ASSIGN_OR_RETURN(ColoTensor y, part.layer.Forward(x));
-      Shape s = y.local().shape();
-      s.insert(s.end() - 1, 1);
-      ASSIGN_OR_RETURN(Variable v, nn::Reshape(y.variable(), s));
-      ys.push_back(v);
+      ys.push_back(std::move(y));
     }
-    const int64_t ndim = ys[0].value().dim();
-    ASSIGN_OR_RETURN(Variable cat, nn::Cat(ys, ndim - 2));
-    return ColoTensor::FromLocal(cat, nn::Activation2D(ndim, g_.q, g_.depth), pg);
+    return JoinFusedParts(ys, [this](int64_t ndim) { return nn::Activation2D(ndim, g_.q, g_.depth); });
   }
   absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override { return nn::Activation2D(ndim, g_.q, g_.depth); }
   std::vector<BoundParam> Params() override {
@@ -118,48 +112,6 @@ class Norm2DLayer : public Layer {
   nn::Groups2D groups_;
 };
 
-class Embedding2DLayer : public Layer {
- public:
-  // `head`: this layer computes the logits of an LM head with the table.
-  Embedding2DLayer(nn::Embedding2D layer, BoundParam w, nn::Groups2D g, bool head, bool owns)
-      : layer_(std::move(layer)), w_(std::move(w)), g_(g), head_(head), owns_(owns) {}
-  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c, bool head) {
-    if (head) {
-      RETURN_IF_ERROR(Expect(d.kind == Kind::kLinear && !d.bias, d, "LMHead2D"));
-    } else {
-      RETURN_IF_ERROR(Expect(d.kind == Kind::kEmbedding, d, "Embedding2D"));
-    }
-    ASSIGN_OR_RETURN(nn::Groups2D g, nn::GetGroups2D(c.pg));
-    ASSIGN_OR_RETURN(DistSpec spec, nn::Embedding2D::Spec(c.pg));
-    // Both an embedding [V, H] and an LM head Linear(H -> V) store [V, H].
-    const Shape shape = head ? Shape{d.out, d.in} : Shape{d.in, d.out};
-    ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight", WeightTensor(d), shape, spec));
-    ASSIGN_OR_RETURN(nn::Embedding2D layer, nn::Embedding2D::FromParameters(w.param, c.pg));
-    return LayerPtr(new Embedding2DLayer(std::move(layer), std::move(w), g, head, true));
-  }
-  std::string type() const override {
-    return head_ ? (owns_ ? "LMHead2D" : "tied Embedding2D LM head") : "Embedding2D";
-  }
-  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
-    if (head_) return layer_.TiedLogits(x);
-    return layer_.Forward(x.local());
-  }
-  absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override {
-    return head_ ? nn::Activation2D(ndim, g_.q, g_.depth) : DistSpec();
-  }
-  std::vector<BoundParam> Params() override { return owns_ ? std::vector<BoundParam>{w_} : std::vector<BoundParam>{}; }
-  absl::StatusOr<LayerPtr> TiedHead() override {
-    if (head_) return Layer::TiedHead();
-    return LayerPtr(new Embedding2DLayer(layer_, w_, g_, true, false));
-  }
-
- private:
-  nn::Embedding2D layer_;
-  BoundParam w_;
-  nn::Groups2D g_;
-  bool head_, owns_;
-};
-
 }  // namespace
 
 void Register2DLayers(LayerRegistry& r) {
@@ -170,10 +122,12 @@ void Register2DLayers(LayerRegistry& r) {
   (void)r.Register("RMSNorm2D", [](const LayerDecl& d, const LayerContext& c) {
     return Norm2DLayer::Create(d, c, nn::Norm2D::Kind::kRmsNorm);
   });
-  (void)r.Register("Embedding2D",
-                   [](const LayerDecl& d, const LayerContext& c) { return Embedding2DLayer::Create(d, c, false); });
-  (void)r.Register("LMHead2D",
-                   [](const LayerDecl& d, const LayerContext& c) { return Embedding2DLayer::Create(d, c, true); });
+  (void)r.Register("Embedding2D", [](const LayerDecl& d, const LayerContext& c) {
+    return TableLayer<nn::Embedding2D>::Create(d, c, false, "2D");
+  });
+  (void)r.Register("LMHead2D", [](const LayerDecl& d, const LayerContext& c) {
+    return TableLayer<nn::Embedding2D>::Create(d, c, true, "2D");
+  });
 }
 
 }  // namespace colod::shardformer::layers

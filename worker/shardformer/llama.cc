@@ -117,10 +117,10 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
   return root;
 }
 
-// ShardFormer's LlamaPolicy: 1D with optional sequence parallelism, and 2D / 2.5D.
+// ShardFormer's LlamaPolicy: 1D with optional sequence parallelism, 2D / 2.5D, and 3D.
 class LlamaPolicy : public CausalLmPolicy {
  public:
-  LlamaPolicy() : CausalLmPolicy("llama") {}
+  LlamaPolicy() : CausalLmPolicy("llama", /*supports_3d=*/true) {}
 
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
@@ -135,7 +135,24 @@ class LlamaPolicy : public CausalLmPolicy {
         {"self_attn.num_key_value_heads", static_cast<double>(config.num_kv_heads / split)},
     };
     if (!config.tie_word_embeddings) {
-      lm.sub_module_replacement = {{"lm_head", two_d ? "LMHead2D" : "VocabParallelLMHead1D"}};
+      lm.sub_module_replacement = {
+          {"lm_head", shard.is_3d() ? "LMHead3D" : two_d ? "LMHead2D" : "VocabParallelLMHead1D"}};
+    }
+    if (shard.is_3d()) {
+      // o_proj and down_proj are the second linears of their pairs (swap).
+      model.sub_module_replacement = {{"embed_tokens", "Embedding3D"}, {"norm", "RMSNorm3D"}};
+      layer.sub_module_replacement = {
+          {"input_layernorm", "RMSNorm3D"},
+          {"post_attention_layernorm", "RMSNorm3D"},
+          {"self_attn.q_proj", "Linear3D"},
+          {"self_attn.k_proj", "Linear3D"},
+          {"self_attn.v_proj", "Linear3D"},
+          {"self_attn.o_proj", "Linear3D", {{"swap", 1}}},
+          {"mlp.gate_proj", "Linear3D"},
+          {"mlp.up_proj", "Linear3D"},
+          {"mlp.down_proj", "Linear3D", {{"swap", 1}}},
+      };
+      return policy;
     }
     if (two_d) {
       model.sub_module_replacement = {{"embed_tokens", "Embedding2D"}, {"norm", "RMSNorm2D"}};

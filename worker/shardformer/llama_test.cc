@@ -1,7 +1,7 @@
 // LLaMA through ShardFormer: tiny random LlamaForCausalLM directories
 // (grouped-query attention, SiLU-gated MLP, RMSNorm, rotary embeddings,
 // tied or untied LM head) loaded unsharded, 1D at tp = 2 and 4 (with and
-// without sequence parallelism), 2D on 4 ranks and with dp; logits, loss and
+// without sequence parallelism), 2D on 4 ranks, 3D on 8 and with dp; logits, loss and
 // every gradient against the independent unsharded reference.
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
@@ -55,7 +55,9 @@ INSTANTIATE_TEST_SUITE_P(Layouts, LlamaSharded,
                                            Case{"tp4_sp", 4, 1, k1D, true, 4, false},
                                            Case{"tp2_dp2", 2, 2, k1D, false, 2, false},
                                            Case{"2d_gqa", 4, 1, v1::TENSOR_PARALLEL_MODE_2D, false, 2, false},
-                                           Case{"2d_tied", 4, 1, v1::TENSOR_PARALLEL_MODE_2D, false, 2, true}),
+                                           Case{"2d_tied", 4, 1, v1::TENSOR_PARALLEL_MODE_2D, false, 2, true},
+                                           Case{"3d_gqa", 8, 1, v1::TENSOR_PARALLEL_MODE_3D, false, 2, false},
+                                           Case{"3d_tied", 8, 1, v1::TENSOR_PARALLEL_MODE_3D, false, 2, true}),
                          [](const auto& info) { return info.param.name; });
 
 TEST(Llama, TheBareModelsNamesLoadTheSame) {

@@ -354,6 +354,16 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
         return absl::InvalidArgumentError(
             absl::StrCat("word_embed_proj_dim ", config.embed_dim, " must be divisible by q = ", q));
       }
+      if (shard.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_3D) {
+        // A 3D weight splits its outputs q*q ways (worker/nn/linear3d.h).
+        const int64_t q2 = q * q, kv = config.num_kv_heads * config.head_dim();
+        if (config.hidden_size % q2 != 0 || config.intermediate_size % q2 != 0 || kv % q2 != 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "3d splits each linear's outputs q*q = ", q2, " ways: hidden_size ", config.hidden_size,
+              ", intermediate_size ", config.intermediate_size, " and the key/value width ", kv,
+              " must be divisible by it"));
+        }
+      }
       return absl::OkStatus();
     }
     default:

@@ -216,17 +216,20 @@ absl::StatusOr<std::vector<PlanLeaf>> PlanLeaves(const ModelConfig& c) {
 namespace {
 
 // How the layout splits: 1D over t ranks (with the vocabulary padded to
-// pad * t rows), or 2D/2.5D blocks of q x q.
+// pad * t rows), 2D/2.5D blocks of q x q, or 3D (worker/nn/linear3d.h):
+// weights in q^3 blocks, activations' rows q^2 ways and features q ways.
 struct Split {
   bool two_d = false;
+  bool three_d = false;
   int64_t t = 1;    // 1D: tp
-  int64_t q = 1;    // 2D/2.5D
+  int64_t q = 1;    // 2D/2.5D/3D
   int64_t depth = 1;  // 2.5D: the activations' rows split depth ways more
   int64_t pad = 64;   // make_vocab_size_divisible_by (ShardConfig's)
-  bool sharded() const { return two_d ? q > 1 : t > 1; }
+  bool blocks() const { return two_d || three_d; }
+  bool sharded() const { return blocks() ? q > 1 : t > 1; }
   // The padded vocabulary's rows on one rank (1D).
   int64_t VocabRows(int64_t vocab) const {
-    if (!sharded() || two_d) return vocab;
+    if (!sharded() || blocks()) return vocab;
     const int64_t multiple = pad * t;
     return CeilDiv(vocab, multiple) * pad;  // ceil(vocab / (pad t)) * pad t rows, a 1/t of them
   }
@@ -236,8 +239,8 @@ struct Split {
 absl::StatusOr<int64_t> RankElements(const PlanLeaf& l, const Split& s) {
   CheckedSum n;
   const int64_t bias = l.bias ? 1 : 0;
-  const int64_t t = s.sharded() && !s.two_d ? s.t : 1;
-  const int64_t q = s.sharded() && s.two_d ? s.q : 1;
+  const int64_t t = s.sharded() && !s.blocks() ? s.t : 1;
+  const int64_t q = s.sharded() && s.blocks() ? s.q : 1;
   switch (l.role) {
     case Role::kWhole:
       n.Add({l.elements_each});
@@ -246,6 +249,24 @@ absl::StatusOr<int64_t> RankElements(const PlanLeaf& l, const Split& s) {
       n.Add({1 + bias, CeilDiv(l.out, q)});
       break;
     case Role::kColumn:
+    case Role::kRow:
+    case Role::kProjection:
+      if (s.three_d) {
+        // Each part [q, o/q, in] in blocks [1, o/q^2, in/q]; its bias [q, o/q] split over K.
+        n.Add({l.fused, CeilDiv(l.out / l.fused, q * q), CeilDiv(l.in, q)});
+        n.Add({bias, l.fused, CeilDiv(l.out / l.fused, q)});
+        break;
+      }
+      if (l.role != Role::kColumn) {
+        if (s.two_d) {
+          n.Add({CeilDiv(l.in, q), CeilDiv(l.out, q)});
+          n.Add({bias, CeilDiv(l.out, q)});
+        } else {
+          n.Add({l.role == Role::kRow ? CeilDiv(l.in, t) : l.in, l.out});
+          n.Add({bias, l.out});
+        }
+        break;
+      }
       if (s.two_d) {
         n.Add({CeilDiv(l.in, q), CeilDiv(l.out, q)});
         n.Add({bias, CeilDiv(l.out, q)});
@@ -254,26 +275,16 @@ absl::StatusOr<int64_t> RankElements(const PlanLeaf& l, const Split& s) {
         n.Add({bias, CeilDiv(l.out, t)});
       }
       break;
-    case Role::kRow:
-    case Role::kProjection:
-      if (s.two_d) {
-        n.Add({CeilDiv(l.in, q), CeilDiv(l.out, q)});
-        n.Add({bias, CeilDiv(l.out, q)});
-      } else {
-        n.Add({l.role == Role::kRow ? CeilDiv(l.in, t) : l.in, l.out});
-        n.Add({bias, l.out});
-      }
-      break;
     case Role::kVocabTable:
     case Role::kPositions:
-      if (s.two_d) {
+      if (s.blocks()) {
         n.Add({l.in, CeilDiv(l.out, q)});
       } else {
         n.Add({l.role == Role::kVocabTable ? s.VocabRows(l.in) : l.in, l.out});
       }
       break;
     case Role::kVocabHead:
-      n.Add({s.two_d ? l.out : s.VocabRows(l.out), s.two_d ? CeilDiv(l.in, q) : l.in});
+      n.Add({s.blocks() ? l.out : s.VocabRows(l.out), s.blocks() ? CeilDiv(l.in, q) : l.in});
       break;
     case Role::kVocabBias:
       n.Add({s.VocabRows(l.out)});
@@ -298,14 +309,19 @@ absl::StatusOr<Split> SplitOf(const v1::ShardConfig& layout) {
   const int tp = std::max(1, layout.tensor_parallel_size());
   const v1::TensorParallelMode mode = layout.tensor_parallel_mode();
   split.two_d = mode == v1::TENSOR_PARALLEL_MODE_2D || mode == v1::TENSOR_PARALLEL_MODE_2P5D;
-  if (!split.two_d) {
+  split.three_d = mode == v1::TENSOR_PARALLEL_MODE_3D;
+  if (!split.blocks()) {
     split.t = tp;
     return split;
   }
   v1::ShardConfig tp_only = layout;
   tp_only.set_data_parallel_size(1);
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(tp_only));
-  ASSIGN_OR_RETURN(int q, mesh.AxisSize("tp_row"));
+  ASSIGN_OR_RETURN(int q, mesh.AxisSize(split.three_d ? "tp_weight" : "tp_row"));
+  if (split.three_d) {
+    split.q = q;
+    return split;
+  }
   split.q = q;
   split.depth = std::max(1, tp / (q * q));
   return split;
@@ -397,13 +413,13 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
   const int dp = std::max(1, layout.data_parallel_size());
   const v1::TensorParallelMode mode = layout.tensor_parallel_mode();
   const bool sp = layout.sequence_parallel();
-  if (mode == v1::TENSOR_PARALLEL_MODE_3D) {
+  if (mode == v1::TENSOR_PARALLEL_MODE_3D && config.model_type != "gpt2" && config.model_type != "llama") {
     return absl::InvalidArgumentError(
-        absl::StrCat("the ", config.model_type, " policy has no tensor_parallel_mode 3d (yet)"));
+        absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d, 2d and 2.5d"));
   }
   ASSIGN_OR_RETURN(const Split split, SplitOf(layout));
   // (CheckShardable refused the families that have 1D only.)
-  if (split.two_d && sp) {
+  if (split.blocks() && sp) {
     return absl::InvalidArgumentError("sequence_parallel applies to tensor_parallel_mode 1d only");
   } else if (sp && config.model_type == "t5") {
     return absl::InvalidArgumentError("the t5 policy has no sequence_parallel");
@@ -453,13 +469,14 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
   }());
   const int64_t act = width;  // activations are held in the parameters' dtype
   const int64_t heads = config.num_heads;
-  const int64_t head_split = split.two_d ? split.q : split.t;
+  const int64_t head_split = split.blocks() ? split.q : split.t;
   // 2D: each rank holds a 1/q of the rows and a 1/q of the features of
-  // an activation; 1D: the features of a split layer's output, or (with
-  // sequence parallelism) a 1/t of the rows between them.
-  const int64_t rows_2d = split.q * split.depth;
-  const int64_t rows_div = split.two_d ? rows_2d : sp ? split.t : 1;
-  const int64_t feat_div = split.two_d ? split.q : 1;
+  // an activation (3D: a 1/q^2 of the rows); 1D: the features of a split
+  // layer's output, or (with sequence parallelism) a 1/t of the rows
+  // between them.
+  const int64_t rows_2d = split.three_d ? split.q * split.q : split.q * split.depth;
+  const int64_t rows_div = split.blocks() ? rows_2d : sp ? split.t : 1;
+  const int64_t feat_div = split.blocks() ? split.q : 1;
 
   // Activations. The autograd tape keeps every op's output until the
   // backward passes it (a node holds its inputs), so a training forward
@@ -471,8 +488,8 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
   // 2D), each attention's heads-first q, k, v, its probabilities [b,
   // heads, s, s], output and merged heads, the MLP's activation (GELU's
   // input; a gated MLP's act(gate) and product), and the logits.
-  const int64_t col_rows = CeilDiv(tokens, split.two_d ? rows_2d : 1);  // a column-parallel output's rows
-  const int64_t col_div = split.two_d ? split.q : split.t;               // and its features' split
+  const int64_t col_rows = CeilDiv(tokens, split.blocks() ? rows_2d : 1);  // a column-parallel output's rows
+  const int64_t col_div = split.blocks() ? split.q : split.t;               // and its features' split
   const int64_t stream_rows = CeilDiv(tokens, rows_div);
   const bool gated = config.activation == "silu" || config.activation == "gated-gelu";
   CheckedSum a;
@@ -481,17 +498,26 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
       case Role::kColumn:
         a.Add({l.count, col_rows, CeilDiv(l.out, col_div), act});
         if (sp) a.Add({l.count, tokens, l.in, act});  // the gathered input
-        if (split.two_d) {
-          // SUMMA's product before the bias, and a fused leaf's parts before they are joined.
+        if (split.blocks()) {
+          // SUMMA's (or the 3D) product before the bias, and a fused leaf's parts before they are joined.
           if (l.bias) a.Add({l.count, col_rows, CeilDiv(l.out, col_div), act});
           if (l.fused > 1) a.Add({l.count, col_rows, CeilDiv(l.out, col_div), act});
+        }
+        if (split.three_d) {
+          // The 3D product keeps its gathered input [r q, in/q] and weight [o/q, in/q] for the backward.
+          a.Add({l.count, col_rows * split.q, CeilDiv(l.in, split.q), act});
+          a.Add({l.count, CeilDiv(l.out, split.q), CeilDiv(l.in, split.q), width});
         }
         break;
       case Role::kRow:
       case Role::kProjection:
         a.Add({l.count, stream_rows, CeilDiv(l.out, feat_div), act});
-        if (split.two_d && l.bias) a.Add({l.count, stream_rows, CeilDiv(l.out, feat_div), act});  // before the bias
-        if (l.role == Role::kRow && !split.two_d && split.t > 1) {
+        if (split.blocks() && l.bias) a.Add({l.count, stream_rows, CeilDiv(l.out, feat_div), act});  // before the bias
+        if (split.three_d) {
+          a.Add({l.count, stream_rows * split.q, CeilDiv(l.in, split.q), act});
+          a.Add({l.count, CeilDiv(l.out, split.q), CeilDiv(l.in, split.q), width});
+        }
+        if (l.role == Role::kRow && !split.blocks() && split.t > 1) {
           // The partial product before its reduction, and the sum before the bias.
           a.Add({l.count, tokens, l.out, act});
           if (l.bias) a.Add({l.count, stream_rows, l.out, act});
@@ -503,13 +529,14 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
       case Role::kVocabTable:
       case Role::kPositions:
         a.Add({l.lookups, stream_rows, CeilDiv(l.out, feat_div), act});
-        if (l.role == Role::kVocabTable && !split.two_d && split.t > 1) {
+        if (l.role == Role::kVocabTable && !split.blocks() && split.t > 1) {
           a.Add({l.lookups, tokens, l.out, act});  // the partial lookup before its reduction
         }
         break;
       case Role::kTiedHead:
       case Role::kVocabHead:
-        a.Add({col_rows, split.two_d ? CeilDiv(l.out, split.q) : split.VocabRows(l.out), act});  // the logits
+        // The logits: whole rows in 3D; 2D's are a 1/q of the vocabulary.
+        a.Add({col_rows, split.two_d ? CeilDiv(l.out, split.q) : split.VocabRows(l.out), act});
         break;
       default:
         break;
@@ -523,7 +550,7 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
   ASSIGN_OR_RETURN(const int64_t attention_features, attention_width.Total("the attention's width"));
   a.Add({blocks, 2, stream_rows, CeilDiv(config.hidden_size, feat_div), act});  // the residual sums
   a.Add({attentions, col_rows, CeilDiv(attention_features, col_div), 4});
-  a.Add({attentions, CeilDiv(b, split.two_d ? rows_2d : 1), CeilDiv(heads, head_split), plan.seq_len, plan.seq_len,
+  a.Add({attentions, CeilDiv(b, split.blocks() ? rows_2d : 1), CeilDiv(heads, head_split), plan.seq_len, plan.seq_len,
          4});  // the probabilities, f32
   a.Add({blocks, gated ? 2 : 1, col_rows, CeilDiv(config.intermediate_size, col_div), act});
   ASSIGN_OR_RETURN(int64_t activations, a.Total("the activations per rank"));
@@ -540,8 +567,8 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
   // Communication, per micro-batch, then per step.
   CommSum comm;
   const int64_t micro = plan.micro_batches;
-  const int tp_size = split.two_d ? 1 : split.t;
-  if (!split.two_d && tp_size > 1) {
+  const int tp_size = split.blocks() ? 1 : split.t;
+  if (!split.blocks() && tp_size > 1) {
     const std::string g = "tp";
     const int64_t piece = CeilDiv(tokens, tp_size);  // a sequence-parallel rank's rows
     for (const PlanLeaf& l : leaves) {
@@ -665,6 +692,75 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
     // gradient norm's sum of squares over the tensor-parallel ranks.
     comm.Add("tp_col", "all_reduce", {micro}, {2}, 4, q);
     comm.Add("tp_dep", "all_reduce", {micro}, {2}, 4, depth);
+    if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
+  }
+  if (split.three_d && split.q > 1) {
+    // 3D (worker/nn/linear3d.h, embedding3d.h): a rank holds r rows and a
+    // 1/q of the features of an activation and a 1/q^3 of each weight. A
+    // pair's first linear (column-parallel role) has K = tp_input and C =
+    // tp_weight, its second (row-parallel role) the two swapped; the
+    // residual stream's norms reduce over tp_weight and their parameters'
+    // gradients over tp_output and tp_input.
+    const int q = static_cast<int>(split.q);
+    const int64_t r = CeilDiv(tokens, rows_2d);
+    const std::string out_axis = "tp_output", stream_k = "tp_input", stream_c = "tp_weight";
+    auto linear = [&](int64_t count, int64_t in, int64_t out, bool bias, bool swap) {
+      const std::string& k = swap ? stream_c : stream_k;
+      const std::string& c = swap ? stream_k : stream_c;
+      const int64_t in_l = CeilDiv(in, q), out_l = CeilDiv(out, q);
+      // Forward: the input's rows gathered over K, the weight's over R,
+      // the product reduce-scattered over C. Backward: the output's
+      // gradient gathered over C, the input's and the weight's gradients
+      // reduce-scattered over K and R; the bias's summed over R and C.
+      comm.Add(k, "all_gather", {micro, count}, {r, in_l}, act, q);
+      comm.Add(out_axis, "all_gather", {micro, count}, {CeilDiv(out_l, q), in_l}, width, q);
+      comm.Add(c, "reduce_scatter", {micro, count}, {r, q, out_l}, act, q);
+      if (train) {
+        comm.Add(c, "all_gather", {micro, count}, {r, out_l}, act, q);
+        comm.Add(k, "reduce_scatter", {micro, count}, {r, q, in_l}, act, q);
+        comm.Add(out_axis, "reduce_scatter", {micro, count}, {out_l, in_l}, act, q);
+        if (bias) {
+          comm.Add(out_axis, "all_reduce", {micro, count}, {out_l}, width, q);
+          comm.Add(c, "all_reduce", {micro, count}, {out_l}, width, q);
+        }
+      }
+    };
+    auto replicas = [&](std::initializer_list<int64_t> calls, std::initializer_list<int64_t> n) {
+      if (!train) return;
+      comm.Add(out_axis, "all_reduce", calls, n, width, q);
+      comm.Add(stream_k, "all_reduce", calls, n, width, q);
+    };
+    for (const PlanLeaf& l : leaves) {
+      switch (l.role) {
+        case Role::kColumn:
+        case Role::kRow:
+          // A fused q|k|v is one Linear3D each.
+          linear(l.count * l.fused, l.in, l.out / l.fused, l.bias, l.role == Role::kRow);
+          break;
+        case Role::kNorm:
+          comm.Add(stream_c, "all_reduce", {micro, l.count, l.bias ? 2 : 1}, {r}, 4, q);
+          if (train) comm.Add(stream_c, "all_reduce", {micro, l.count}, {2, r}, 4, q);
+          replicas({micro, l.count}, {l.bias ? 2 : 1, CeilDiv(l.out, q)});  // [dgamma | dbeta], one call
+          break;
+        case Role::kVocabTable:
+        case Role::kPositions:
+          replicas({micro, l.lookups}, {l.in, CeilDiv(l.out, q)});
+          break;
+        case Role::kTiedHead:
+        case Role::kVocabHead:
+          // h E^T: partial logits summed over tp_weight; the table's
+          // gradient over the replicas.
+          comm.Add(stream_c, "all_reduce", {micro}, {r, l.out}, act, q);
+          replicas({micro}, {l.out, CeilDiv(l.in, q)});
+          break;
+        default:
+          break;
+      }
+    }
+    // The loss's sum and tokens over the ranks holding other rows; the
+    // gradient norm's sum of squares over the tensor-parallel ranks.
+    comm.Add(out_axis, "all_reduce", {micro}, {2}, 4, q);
+    comm.Add(stream_k, "all_reduce", {micro}, {2}, 4, q);
     if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
   }
   ASSIGN_OR_RETURN(plan.comm, comm.Done());

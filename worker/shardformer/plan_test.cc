@@ -106,6 +106,7 @@ TEST_P(PlannedParameters, EveryRankHoldsThePlannedElements) {
 constexpr auto k1D = v1::TENSOR_PARALLEL_MODE_1D;
 constexpr auto k2D = v1::TENSOR_PARALLEL_MODE_2D;
 constexpr auto k2P5D = v1::TENSOR_PARALLEL_MODE_2P5D;
+constexpr auto k3D = v1::TENSOR_PARALLEL_MODE_3D;
 
 INSTANTIATE_TEST_SUITE_P(
     Families, PlannedParameters,
@@ -116,6 +117,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gpt2_2p5d", testing::WriteTinyGpt2, {}, 8, 1, k2P5D, 2, false},
                       Case{"llama_tp2", testing::WriteTinyLlama, Untied(), 2, 1, k1D, 0, false},
                       Case{"llama_2d", testing::WriteTinyLlama, Untied(), 4, 1, k2D, 0, false},
+                      Case{"gpt2_3d", testing::WriteTinyGpt2, {}, 8, 1, k3D, 0, false},
+                      Case{"llama_3d_dp2", testing::WriteTinyLlama, Untied(), 8, 2, k3D, 0, false},
                       Case{"bert_tp2", testing::WriteTinyBert, {}, 2, 1, k1D, 0, false},
                       Case{"opt_tp2", testing::WriteTinyOpt, OptProjected(), 2, 1, k1D, 0, false},
                       Case{"opt_2d", testing::WriteTinyOpt, OptProjected(), 4, 1, k2D, 0, false},
@@ -240,6 +243,8 @@ INSTANTIATE_TEST_SUITE_P(
                       ActivationCase{"llama_tp1", testing::WriteTinyLlama, 1},
                       ActivationCase{"llama_tp2", testing::WriteTinyLlama, 2},
                       ActivationCase{"llama_2d", testing::WriteTinyLlama, 4, false, k2D},
+                      ActivationCase{"gpt2_3d", testing::WriteTinyGpt2, 8, false, k3D},
+                      ActivationCase{"llama_3d", testing::WriteTinyLlama, 8, false, k3D},
                       ActivationCase{"bert_tp2", testing::WriteTinyBert, 2},
                       ActivationCase{"opt_tp2", testing::WriteTinyOpt, 2},
                       ActivationCase{"bloom_tp2", testing::WriteTinyBloom, 2},
@@ -300,8 +305,10 @@ TEST(Plan, RefusesWhatThePoliciesRefuse) {
   EXPECT_EQ(heads.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(heads.status().message().find("heads"), std::string::npos) << heads.status();
   EXPECT_EQ(PlanJob(bert->config, Train(4, 1, k2D)).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PlanJob(gpt2->config, Train(8, 1, v1::TENSOR_PARALLEL_MODE_3D)).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanJob(bert->config, Train(8, 1, k3D)).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::JobSpec sp_3d = Train(8, 1, k3D);
+  sp_3d.mutable_shard()->set_sequence_parallel(true);
+  EXPECT_EQ(PlanJob(gpt2->config, sp_3d).status().code(), absl::StatusCode::kInvalidArgument);
   v1::JobSpec uneven = Train(1, 3);
   auto batch = PlanJob(gpt2->config, uneven);  // 16 rows over 3 replicas
   EXPECT_EQ(batch.status().code(), absl::StatusCode::kInvalidArgument);
@@ -338,6 +345,12 @@ TEST(Plan, RanksLayoutsByCommunicationAndLeavesOutWhatDoesNotFit) {
   bool refused_3d = false;
   for (const std::string& r : all->refused) refused_3d = refused_3d || r.find("3d") != std::string::npos;
   EXPECT_FALSE(refused_3d) << "4 ranks make no cube: 3d is not a candidate";
+  // 8 ranks: 3d (q = 2) is one of the layouts that fit.
+  auto eight = RankLayouts(model->config, spec, 8, 0);
+  ASSERT_TRUE(eight.ok()) << eight.status();
+  bool has_3d = false;
+  for (const RankedLayout& l : eight->fits) has_3d = has_3d || LayoutName(l.shard) == "tp8 x dp1 3d";
+  EXPECT_TRUE(has_3d) << ::testing::PrintToString(eight->refused);
   // A budget between the smallest and the largest footprint leaves some out, with the reason.
   int64_t least = INT64_MAX, most = 0;
   for (const RankedLayout& l : all->fits) {

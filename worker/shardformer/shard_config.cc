@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "common/int_math.h"
+
 namespace colod::shardformer {
 
 bool ShardConfig::is_2d() const {
@@ -10,7 +12,10 @@ bool ShardConfig::is_2d() const {
          layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2P5D;
 }
 
+bool ShardConfig::is_3d() const { return layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_3D; }
+
 int ShardConfig::head_split() const {
+  if (is_3d()) return std::max(1, IntegerRoot(tp(), 3));
   if (!is_2d()) return tp();
   const int depth = layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2P5D ? std::max(1, layout.depth()) : 1;
   return static_cast<int>(std::lround(std::sqrt(tp() / depth)));

@@ -27,7 +27,8 @@ struct ShardConfig {
 
   int tp() const { return layout.tensor_parallel_size() < 1 ? 1 : layout.tensor_parallel_size(); }
   bool is_2d() const;  // 2D or 2.5D
-  // How many ways attention heads split: tp in 1D, q in 2D and 2.5D.
+  bool is_3d() const;
+  // How many ways attention heads split: tp in 1D, q in 2D, 2.5D and 3D.
   int head_split() const;
   bool sequence_parallel() const { return layout.sequence_parallel(); }
 };

@@ -27,11 +27,12 @@ absl::Status LoadAsRank0(const std::string& dir, const ShardConfig& shard) {
   return ShardFormer(shard, pg->get()).Load(dir).status();
 }
 
-ShardConfig Layout(int tp, v1::TensorParallelMode mode) {
+ShardConfig Layout(int tp, v1::TensorParallelMode mode, bool sequence_parallel = false) {
   ShardConfig s;
   s.layout.set_tensor_parallel_size(tp);
   s.layout.set_data_parallel_size(1);
   s.layout.set_tensor_parallel_mode(mode);
+  s.layout.set_sequence_parallel(sequence_parallel);
   return s;
 }
 
@@ -53,7 +54,13 @@ TEST(Validation, LayoutsTheModelCannotTake) {
   ASSERT_TRUE(gpt2.ok()) << gpt2.status();
   ExpectInvalid(LoadAsRank0(gpt2->dir, Layout(3, v1::TENSOR_PARALLEL_MODE_1D)), "4 attention heads");
   ExpectInvalid(LoadAsRank0(gpt2->dir, Layout(9, v1::TENSOR_PARALLEL_MODE_2D)), "hidden_size 64");
-  ExpectInvalid(LoadAsRank0(gpt2->dir, Layout(8, v1::TENSOR_PARALLEL_MODE_3D)), "1d, 2d and 2.5d");
+  ExpectInvalid(LoadAsRank0(gpt2->dir, Layout(8, v1::TENSOR_PARALLEL_MODE_3D, /*sp=*/true)), "1d only");
+  testing::TinyOptions narrow;
+  narrow.hidden = 70;  // q = 2 divides it and its 2 heads, but a 3D weight splits outputs q*q = 4 ways
+  narrow.heads = 2;
+  auto gpt2_70 = testing::WriteTinyGpt2(TempPath("v_gpt2_70"), narrow);
+  ASSERT_TRUE(gpt2_70.ok()) << gpt2_70.status();
+  ExpectInvalid(LoadAsRank0(gpt2_70->dir, Layout(8, v1::TENSOR_PARALLEL_MODE_3D)), "q*q = 4 ways");
   testing::TinyOptions o;
   o.hidden = 48;  // 6 query heads of 8, 3 key/value heads: tp = 2 (and q = 2) divide the former only
   o.heads = 6;
@@ -62,6 +69,7 @@ TEST(Validation, LayoutsTheModelCannotTake) {
   ASSERT_TRUE(llama.ok()) << llama.status();
   ExpectInvalid(LoadAsRank0(llama->dir, Layout(2, v1::TENSOR_PARALLEL_MODE_1D)), "3 key/value heads");
   ExpectInvalid(LoadAsRank0(llama->dir, Layout(4, v1::TENSOR_PARALLEL_MODE_2D)), "3 key/value heads");
+  ExpectInvalid(LoadAsRank0(llama->dir, Layout(8, v1::TENSOR_PARALLEL_MODE_3D)), "3 key/value heads");
 }
 
 TEST(Validation, OptsLayoutsAndTensors) {

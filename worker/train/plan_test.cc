@@ -1,6 +1,6 @@
 // The dry-run planner (worker/shardformer/plan.h) against real training
 // steps of a tiny GPT-2 and LLaMA in 1D (with sequence parallelism and
-// micro-batches), 2D and 2.5D, with and without dp: the bytes each rank
+// micro-batches), 2D, 2.5D and 3D, with and without dp: the bytes each rank
 // holds (what colod_tensor_bytes reports) and the bytes each process group
 // moves by each collective (what InstrumentedCommunicator counts) are the
 // plan's within 5 %, and each tensor-parallel group's calls are the plan's.
@@ -86,7 +86,7 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
         const absl::Status s = RunTrainRank(**prepared, rank, pg, o.shard, hooks);
         ASSERT_TRUE(s.ok()) << s;
         std::map<std::pair<std::string, std::string>, InstrumentedCommunicator::OpStats> mine;
-        for (const std::string axis : {"tp", "tp_row", "tp_col", "tp_dep", "dp"}) {
+        for (const std::string axis : {"tp", "tp_row", "tp_col", "tp_dep", "tp_output", "tp_input", "tp_weight", "dp"}) {
           if (!pg.AxisSize(axis).ok() || *pg.AxisSize(axis) < 2) continue;
           for (const std::string op : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) {
             const InstrumentedCommunicator::OpStats st = colod::testing::Stats(pg, axis, op);
@@ -129,7 +129,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"llama_tp2_dp2", "llama", 2, 2, false, 1},
                       Case{"gpt2_2d", "gpt2", 4, 1, false, 1, v1::TENSOR_PARALLEL_MODE_2D},
                       Case{"llama_2d_dp2", "llama", 4, 2, false, 1, v1::TENSOR_PARALLEL_MODE_2D},
-                      Case{"gpt2_2p5d", "gpt2", 8, 1, false, 1, v1::TENSOR_PARALLEL_MODE_2P5D, 2}),
+                      Case{"gpt2_2p5d", "gpt2", 8, 1, false, 1, v1::TENSOR_PARALLEL_MODE_2P5D, 2},
+                      Case{"gpt2_3d", "gpt2", 8, 1, false, 1, v1::TENSOR_PARALLEL_MODE_3D},
+                      Case{"llama_3d_micro2", "llama", 8, 1, false, 2, v1::TENSOR_PARALLEL_MODE_3D}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace

@@ -210,6 +210,7 @@ TEST(Trainer, LossesAgreeAcrossLayoutsAndFall) {
   ExpectSameLosses(Losses(Options(model, 1, 2)), base, 1e-4, "dp=2");
   ExpectSameLosses(Losses(Options(model, 2, 2)), base, 1e-4, "tp=2 dp=2");
   ExpectSameLosses(Losses(Options(model, 4, 1, v1::TENSOR_PARALLEL_MODE_2D)), base, 1e-4, "2d");
+  ExpectSameLosses(Losses(Options(model, 8, 1, v1::TENSOR_PARALLEL_MODE_3D)), base, 1e-4, "3d");
 }
 
 // Training on a Megatron-LM indexed dataset (uint16 tokens, one document
