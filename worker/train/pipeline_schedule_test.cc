@@ -1,0 +1,86 @@
+// The 1F1B schedule: Megatron-LM's order on each stage, no deadlock for any
+// pipeline depth and micro-batch count with uneven stage costs, at most
+// stages - s micro-batches alive on stage s, and the bubble of the closed
+// form (p - 1) / (m + p - 1) when the stages are even; the simulation finds
+// the deadlock of a schedule without warm-up and refuses malformed ones.
+#include "worker/train/pipeline_schedule.h"
+
+#include "gtest/gtest.h"
+
+namespace colod::train {
+namespace {
+
+std::vector<std::vector<PipeTask>> OneFOneB(int stages, int micro) {
+  std::vector<std::vector<PipeTask>> all;
+  for (int s = 0; s < stages; ++s) all.push_back(*OneFOneBSchedule(stages, s, micro));
+  return all;
+}
+
+TEST(OneFOneB, EachStagesOrderIsMegatrons) {
+  EXPECT_EQ(ScheduleToString(*OneFOneBSchedule(4, 0, 6)), "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5");
+  EXPECT_EQ(ScheduleToString(*OneFOneBSchedule(4, 2, 6)), "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5");
+  EXPECT_EQ(ScheduleToString(*OneFOneBSchedule(4, 3, 6)), "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5");
+  // Fewer micro-batches than stages: all forwards, then all backwards.
+  EXPECT_EQ(ScheduleToString(*OneFOneBSchedule(4, 0, 2)), "F0 F1 B0 B1");
+  EXPECT_EQ(ScheduleToString(*OneFOneBSchedule(1, 0, 3)), "F0 B0 F1 B1 F2 B2");
+  EXPECT_FALSE(OneFOneBSchedule(4, 4, 2).ok());
+  EXPECT_FALSE(OneFOneBSchedule(0, 0, 2).ok());
+  EXPECT_FALSE(OneFOneBSchedule(2, 0, 0).ok());
+}
+
+TEST(OneFOneB, NoDeadlockAtAnyDepthWithUnevenStages) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 1; m <= 12; ++m) {
+      // Stages of 1 to 3 layers, unevenly (e.g. 6 layers over 4 stages: 2 1 2 1).
+      std::vector<double> cost;
+      for (int s = 0; s < p; ++s) cost.push_back(1 + (s * 7) % 3);
+      auto sim = SimulatePipeline(OneFOneB(p, m), cost);
+      ASSERT_TRUE(sim.ok()) << sim.status();
+      EXPECT_FALSE(sim->deadlock) << "p=" << p << " m=" << m << ": " << sim->stuck;
+      EXPECT_LE(sim->max_in_flight, std::min(p, m)) << "p=" << p << " m=" << m;
+      double total = 0;
+      for (double c : cost) total += 3 * c * m;
+      EXPECT_GE(sim->makespan * p, total) << "no stage computes more than the makespan";
+    }
+  }
+}
+
+TEST(OneFOneB, TheBubbleOfEvenStagesIsTheClosedForm) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 1; m <= 16; ++m) {
+      auto sim = SimulatePipeline(OneFOneB(p, m), std::vector<double>(p, 1.0));
+      ASSERT_TRUE(sim.ok()) << sim.status();
+      ASSERT_FALSE(sim->deadlock);
+      EXPECT_NEAR(sim->bubble_fraction, static_cast<double>(p - 1) / (m + p - 1), 1e-12) << "p=" << p << " m=" << m;
+      EXPECT_NEAR(sim->makespan, 3.0 * (m + p - 1), 1e-9) << "p=" << p << " m=" << m;
+    }
+  }
+}
+
+TEST(SimulatePipeline, FindsTheDeadlockOfASchedulewithoutWarmUp) {
+  // Stage 0 runs its first backward before stage 1 has the forward it needs
+  // to get there: each waits for the other.
+  std::vector<std::vector<PipeTask>> bad = {
+      {{PipeTask::Kind::kForward, 0}, {PipeTask::Kind::kBackward, 0}, {PipeTask::Kind::kForward, 1},
+       {PipeTask::Kind::kBackward, 1}},
+      {{PipeTask::Kind::kForward, 0}, {PipeTask::Kind::kForward, 1}, {PipeTask::Kind::kBackward, 0},
+       {PipeTask::Kind::kBackward, 1}},
+  };
+  auto sim = SimulatePipeline(bad, {1, 1});
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  EXPECT_TRUE(sim->deadlock);
+  EXPECT_EQ(sim->stuck, "stage 0 waits at B0 for stage 1; stage 1 waits at F1 for stage 0");
+}
+
+TEST(SimulatePipeline, RefusesMalformedSchedules) {
+  using K = PipeTask::Kind;
+  EXPECT_FALSE(SimulatePipeline({}, {}).ok());
+  EXPECT_FALSE(SimulatePipeline({{{K::kForward, 0}, {K::kBackward, 0}}}, {1, 1}).ok());  // costs
+  EXPECT_FALSE(SimulatePipeline({{{K::kBackward, 0}, {K::kForward, 0}}}, {1}).ok());    // B before F
+  EXPECT_FALSE(SimulatePipeline({{{K::kForward, 0}, {K::kForward, 0}}}, {1}).ok());     // F twice
+  EXPECT_FALSE(SimulatePipeline({{{K::kForward, 0}, {K::kBackward, 3}}}, {1}).ok());    // no micro-batch 3
+  EXPECT_FALSE(SimulatePipeline({{{K::kForward, 0}, {K::kBackward, 0}}, {{K::kForward, 0}}}, {1, 1}).ok());
+}
+
+}  // namespace
+}  // namespace colod::train
