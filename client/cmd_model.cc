@@ -57,9 +57,10 @@ ABSL_FLAG(std::string, memory_per_rank, "",
 namespace colod::cli {
 namespace {
 
-// The workers a layout needs: tp * dp (an unset size counts as 1).
+// The workers a layout needs: tp * pp * dp (an unset size counts as 1).
 int WorkersFor(const v1::ShardConfig& layout) {
-  return std::max(1, layout.tensor_parallel_size()) * std::max(1, layout.data_parallel_size());
+  return std::max(1, layout.tensor_parallel_size()) * std::max(1, layout.pipeline_parallel_size()) *
+         std::max(1, layout.data_parallel_size());
 }
 
 // A FORWARD job on the cluster at `address`, followed to its end: the
@@ -493,6 +494,9 @@ constexpr Command kCommands[] = {
      "              optimizer state on rank 0). --model DIR --data FILE [--steps N]\n"
      "              [--batch-size B] [--seq-len L] [--lr LR] [--optimizer adamw|sgd]\n"
      "              [--tp T] [--dp D] [--mode ...] [--micro-batches M] [--warmup-steps W]\n"
+     "              [--pp P [--pp-layers N,N,...] (pipeline stages, gpt2 and llama: each holds a run\n"
+     "              of the layers and a step runs 1F1B over the micro-batches; world = tp * pp * dp;\n"
+     "              no checkpoints yet)]\n"
      "              [--clip-norm C] [--seed S] [--device cpu|cuda]\n"
      "              [--precision auto|fp32|bf16|fp16 (auto: fp32 on CPUs, bf16 on GPUs)]\n"
      "              [--allow-tf32 (GPUs: f32 GEMMs on tensor cores in TF32)]\n"

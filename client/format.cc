@@ -133,18 +133,20 @@ std::string RenderMesh(const v1::MeshSpec& mesh) {
   for (const v1::MeshAxis& a : mesh.axes()) axes.push_back(absl::StrCat(a.name(), "=", a.size()));
   absl::StrAppend(&out, mesh.world_size(), " ranks, axes ", absl::StrJoin(axes, " x "), " (outermost first)\n\n");
   // The grid of the ColoTensor document's figure: a row per dp replica (the
-  // outer axes), a column per tp rank (the innermost axes, neighbours on one
-  // host).
-  int tp = 1;
+  // outer axes; with pipeline stages, a row per stage of each replica), a
+  // column per tp rank (the innermost axes, neighbours on one host).
+  int tp = 1, pp = 1;
   for (const v1::MeshAxis& a : mesh.axes()) {
     if (absl::StartsWith(a.name(), "tp")) tp *= a.size();
+    if (a.name() == "pp") pp = a.size();
   }
   if (tp < 1 || mesh.world_size() % tp != 0) tp = mesh.world_size();
+  if (pp < 1 || (mesh.world_size() / tp) % pp != 0) pp = 1;
   std::vector<std::string> header = {""};
   for (int c = 0; c < tp; ++c) header.push_back(absl::StrCat("tp", c));
   std::vector<std::vector<std::string>> rows;
   for (int r = 0; r < mesh.world_size() / tp; ++r) {
-    std::vector<std::string> row = {absl::StrCat("dp", r)};
+    std::vector<std::string> row = {pp > 1 ? absl::StrCat("dp", r / pp, " pp", r % pp) : absl::StrCat("dp", r)};
     for (int c = 0; c < tp; ++c) {
       const int rank = r * tp + c;
       std::string cell = absl::StrCat("rank ", rank);

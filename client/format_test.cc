@@ -82,6 +82,26 @@ TEST(RenderMesh, DrawsDpRowsTpColumnsAndEveryGroup) {
             "  tp1: {2,3}\n");
 }
 
+TEST(RenderMesh, DrawsARowPerPipelineStageOfEachReplica) {
+  v1::MeshSpec mesh;
+  mesh.set_world_size(8);
+  for (const char* name : {"dp", "pp", "tp"}) {
+    auto* a = mesh.add_axes();
+    a->set_name(name);
+    a->set_size(2);
+  }
+  auto* g = mesh.add_groups();
+  g->set_axis("pp");
+  g->set_index(0);
+  g->add_ranks(0);
+  g->add_ranks(2);
+  const std::string drawn = RenderMesh(mesh);
+  EXPECT_NE(drawn.find("8 ranks, axes dp=2 x pp=2 x tp=2 (outermost first)"), std::string::npos) << drawn;
+  EXPECT_NE(drawn.find("dp0 pp1  rank 2"), std::string::npos) << drawn;
+  EXPECT_NE(drawn.find("dp1 pp0  rank 4"), std::string::npos) << drawn;
+  EXPECT_NE(drawn.find("  pp0: {0,2}"), std::string::npos) << drawn;
+}
+
 TEST(RenderJobsTable, ShowsLayoutProgressAndReason) {
   v1::Job j;
   j.set_job_id("job-000007");

@@ -5,6 +5,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "common/atomic_file.h"
 #include "common/proto_time.h"
 #include "worker/train/job_options.h"
@@ -15,6 +17,11 @@ ABSL_FLAG(int32_t, dp, 1, "forward: data-parallel size (splits the batch).");
 ABSL_FLAG(std::string, mode, "1d", "forward: tensor-parallel mode: 1d, 2d, 2.5d or 3d.");
 ABSL_FLAG(int32_t, depth, 0, "forward: depth of 2.5d (tp = depth * q * q).");
 ABSL_FLAG(bool, sequence_parallel, false, "forward: split activations along the sequence over tp (1d).");
+ABSL_FLAG(int32_t, pp, 1,
+          "train: pipeline stages (gpt2, llama; world = dp * pp * tp): each holds a run of the layers, and each "
+          "step runs the 1F1B schedule over --micro-batches.");
+ABSL_FLAG(std::string, pp_layers, "",
+          "train: the layers of each pipeline stage, first stage first (\"3,1\"); default: as even as they split.");
 ABSL_FLAG(std::string, data, "",
           "train: the corpus: a .bin of uint16 tokens, a .npy, a Megatron dataset (PREFIX), a .jsonl of "
           "{\"text\": ...} documents, or UTF-8 text (paragraphs tokenized by the model directory's tokenizer; "
@@ -87,6 +94,21 @@ absl::StatusOr<shardformer::ShardConfig> ShardFromFlags() {
   shard.layout.set_tensor_parallel_mode(*mode);
   shard.layout.set_depth(absl::GetFlag(FLAGS_depth));
   shard.layout.set_sequence_parallel(absl::GetFlag(FLAGS_sequence_parallel));
+  if (absl::GetFlag(FLAGS_pp) < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--pp must be >= 1, got ", absl::GetFlag(FLAGS_pp)));
+  }
+  shard.layout.set_pipeline_parallel_size(absl::GetFlag(FLAGS_pp));
+  const std::string layers = absl::GetFlag(FLAGS_pp_layers);
+  if (!layers.empty()) {
+    for (absl::string_view part : absl::StrSplit(layers, ',')) {
+      int32_t n = 0;
+      if (!absl::SimpleAtoi(part, &n) || n < 1) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--pp-layers: '", layers, "' is not a comma-separated list of layer counts >= 1"));
+      }
+      shard.layout.add_pipeline_stage_layers(n);
+    }
+  }
   return shard;
 }
 

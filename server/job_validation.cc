@@ -108,9 +108,16 @@ absl::Status ValidateShardConfig(const v1::ShardConfig& s, absl::string_view pat
   const int dp = s.data_parallel_size();
   if (tp < 1) return Invalid(path, "tensor_parallel_size", absl::StrCat("must be >= 1, got ", tp));
   if (dp < 1) return Invalid(path, "data_parallel_size", absl::StrCat("must be >= 1, got ", dp));
-  if (static_cast<long long>(tp) * dp > kMaxWorldSize) {
-    return Invalid(path, "data_parallel_size",
-                   absl::StrCat("tp * dp = ", static_cast<long long>(tp) * dp, " exceeds ", kMaxWorldSize));
+  const int pp = s.pipeline_parallel_size();
+  if (pp < 0) return Invalid(path, "pipeline_parallel_size", absl::StrCat("must be >= 0 (0 or 1: none), got ", pp));
+  const int64_t world = static_cast<int64_t>(tp) * dp * std::max(1, pp);  // each factor < 2^31: fits
+  if (world > kMaxWorldSize) {
+    return Invalid(path, pp > 1 ? "pipeline_parallel_size" : "data_parallel_size",
+                   absl::StrCat(pp > 1 ? "tp * pp * dp = " : "tp * dp = ", world, " exceeds ", kMaxWorldSize));
+  }
+  if (s.pipeline_stage_layers_size() > 0 && s.pipeline_stage_layers_size() != std::max(1, pp)) {
+    return Invalid(path, "pipeline_stage_layers",
+                   absl::StrCat("lists ", s.pipeline_stage_layers_size(), " stages, not pipeline_parallel_size ", pp));
   }
   const int depth = s.depth();
   switch (s.tensor_parallel_mode()) {
@@ -253,6 +260,15 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   }
   RETURN_IF_ERROR(ValidateShardConfig(spec.shard(), "spec.shard"));
   RETURN_IF_ERROR(ValidateRestartPolicy(spec));
+  if (spec.shard().pipeline_parallel_size() > 1 && spec.kind() != v1::JOB_KIND_TRAIN) {
+    return Invalid("spec.shard", "pipeline_parallel_size", "applies to TRAIN jobs (a forward runs unpipelined)");
+  }
+  if (spec.shard().pipeline_parallel_size() > 1 &&
+      (!spec.train().checkpoint_dir().empty() || !spec.train().final_dir().empty() ||
+       !spec.train().resume_from().empty())) {
+    return Invalid("spec.train", spec.train().final_dir().empty() ? "checkpoint_dir" : "final_dir",
+                   "checkpoints (save, final and resume) of pipeline-parallel runs are not written yet");
+  }
   switch (spec.kind()) {
     case v1::JOB_KIND_TRAIN: {
       ASSIGN_OR_RETURN(shardformer::ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));

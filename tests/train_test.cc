@@ -193,8 +193,10 @@ TEST(Train, OptTrainsAlikeAtEveryLayout) {
 }
 
 // LLaMA (grouped-query attention, untied head) trains with the same losses
-// at 3D on 8 workers as unsharded, and its loss falls.
-TEST(Train, LlamaTrainsAlikeIn3d) {
+// at 3D and at tp 2 x pp 2 x dp 2 on 8 workers as unsharded, and GPT-2 (its
+// head tied across the first and last stages) at tp 2 x pp 2 x dp 2; the
+// losses fall.
+TEST(Train, ThreeDimensionalAndPipelineLayoutsTrainAlike) {
   shardformer::testing::TinyOptions o;
   o.vocab = 257;
   o.positions = 32;
@@ -204,7 +206,24 @@ TEST(Train, LlamaTrainsAlikeIn3d) {
   const std::vector<std::string> common = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
                                            "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
                                            "--optimizer", "adamw", "--seed", "9", "--output", "json"};
-  ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"}, {"--tp", "8", "--dp", "1", "--mode", "3d"}});
+  ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"},
+                                         {"--tp", "8", "--dp", "1", "--mode", "3d"},
+                                         {"--tp", "2", "--pp", "2", "--dp", "2", "--micro-batches", "2"}});
+  auto gpt2 = shardformer::testing::WriteTinyGpt2(TempPath("gpt2_pp"), o);
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  std::vector<std::string> gpt2_common = common;
+  gpt2_common[2] = gpt2->dir;
+  ExpectSameLossesAtEveryLayout(gpt2_common, {{"--tp", "1", "--dp", "1"},
+                                              {"--tp", "2", "--pp", "2", "--dp", "2", "--micro-batches", "2"}});
+  // Usage errors, and what the coordinator refuses.
+  std::vector<std::string> bad = gpt2_common;
+  bad.insert(bad.end(), {"--pp", "2", "--pp-layers", "2,x"});
+  EXPECT_EQ(Coloctl(bad).code, 2);
+  bad = gpt2_common;
+  bad.insert(bad.end(), {"--pp", "2", "--final", TempPath("pp_final")});
+  const auto no_final = Coloctl(bad);
+  EXPECT_EQ(no_final.code, 1);
+  EXPECT_NE(no_final.err.find("not written yet"), std::string::npos) << no_final.err;
 }
 
 // BLOOM trains with the same losses at tp = 2 x dp = 2 with sequence

@@ -55,7 +55,12 @@ absl::StatusOr<DeviceMesh> DeviceMesh::FromShardConfig(const v1::ShardConfig& sh
     return absl::InvalidArgumentError(
         absl::StrCat("tensor_parallel_size (", tp, ") and data_parallel_size (", dp, ") must be >= 1"));
   }
+  const int pp = shard.pipeline_parallel_size();
+  if (pp < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline_parallel_size must be >= 0, got ", pp));
+  }
   std::vector<MeshAxis> axes = {{"dp", dp}};
+  if (pp > 1) axes.push_back({"pp", pp});
   switch (shard.tensor_parallel_mode()) {
     case v1::TENSOR_PARALLEL_MODE_UNSPECIFIED:
     case v1::TENSOR_PARALLEL_MODE_1D:

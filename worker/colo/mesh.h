@@ -43,8 +43,10 @@ class DeviceMesh {
   static absl::StatusOr<DeviceMesh> Create(std::vector<MeshAxis> axes);
 
   // The mesh of a ShardConfig: axes {dp, tp} for 1D, with tp replaced by its
-  // sub-axes for 2D, 2.5D and 3D (see the file comment). INVALID_ARGUMENT,
-  // with the numbers, when the degrees do not fit the mode.
+  // sub-axes for 2D, 2.5D and 3D (see the file comment), and {dp, pp, tp..}
+  // with pipeline stages (pipeline_parallel_size > 1): a stage's tp group is
+  // tp consecutive ranks and neighbouring stages are tp apart.
+  // INVALID_ARGUMENT, with the numbers, when the degrees do not fit the mode.
   static absl::StatusOr<DeviceMesh> FromShardConfig(const v1::ShardConfig& shard);
 
   const std::vector<MeshAxis>& axes() const { return axes_; }

@@ -57,7 +57,10 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> ProcessGroup::Make(const std::string& axis) {
-  ASSIGN_OR_RETURN(auto groups, mesh_.Groups(axis));
+  // "pp#back": another communicator of the pp groups (its own rendezvous,
+  // and its own thread on backends that have one).
+  const std::string base = axis.substr(0, axis.find('#'));
+  ASSIGN_OR_RETURN(auto groups, mesh_.Groups(base));
   GroupInfo info;
   info.axis = axis;
   for (size_t i = 0; i < groups.size(); ++i) {

@@ -62,7 +62,10 @@ class ProcessGroup {
   absl::StatusOr<int> tp_local_rank() const { return LocalRank("tp"); }
   absl::StatusOr<int> dp_local_rank() const { return LocalRank("dp"); }
 
-  // The communicator of this rank's group along `axis`.
+  // The communicator of this rank's group along `axis`. "AXIS#NAME" is
+  // another communicator of the same groups, e.g. a pipeline's gradients
+  // ("pp#back") on their own channel beside its activations ("pp"), so that
+  // a send one way never waits behind a send the other way.
   absl::StatusOr<Communicator*> Comm(const std::string& axis);
   // Creates the communicators of `axes` now, in order (all of the mesh's
   // axes, and "tp" where it is split, when empty). Collective.

@@ -63,25 +63,59 @@ absl::StatusOr<ColoTensor> BlockForward(Module& self, const ColoTensor& x) {
 }
 
 // GPT2Model; with sequence_parallel (the policy's forward replacement) the
-// embeddings are split along the sequence over tp before the blocks.
-Module::ForwardFn ModelForward(bool sequence_parallel) {
-  return [sequence_parallel](Module& self, const ColoTensor& ids) -> absl::StatusOr<ColoTensor> {
-    ASSIGN_OR_RETURN(ColoTensor pos_ids, PositionIds(ids));
-    ASSIGN_OR_RETURN(ColoTensor tok, self.Call("wte", ids));
-    ASSIGN_OR_RETURN(ColoTensor where, self.Call("wpe", pos_ids));
-    ASSIGN_OR_RETURN(ColoTensor x, AddActivations(tok, where));
-    if (sequence_parallel) {
-      ASSIGN_OR_RETURN(x, SplitSequence(x));
+// embeddings are split along the sequence over tp before the blocks. A
+// pipeline stage embeds only if it is the first (otherwise `input` is the
+// previous stage's activation) and normalizes only if it is the last.
+Module::ForwardFn ModelForward(bool sequence_parallel, PipelineStage stage = {}) {
+  return [sequence_parallel, stage](Module& self, const ColoTensor& input) -> absl::StatusOr<ColoTensor> {
+    ColoTensor x = input;
+    if (stage.first()) {
+      ASSIGN_OR_RETURN(ColoTensor pos_ids, PositionIds(input));
+      ASSIGN_OR_RETURN(ColoTensor tok, self.Call("wte", input));
+      ASSIGN_OR_RETURN(ColoTensor where, self.Call("wpe", pos_ids));
+      ASSIGN_OR_RETURN(x, AddActivations(tok, where));
+      if (sequence_parallel) {
+        ASSIGN_OR_RETURN(x, SplitSequence(x));
+      }
     }
     ASSIGN_OR_RETURN(Module * blocks, self.Get("h"));
     ASSIGN_OR_RETURN(x, RunSequential(*blocks, x));
+    if (!stage.last()) return x;
     return self.Call("ln_f", x);
   };
 }
 
-absl::StatusOr<ColoTensor> LmHeadModelForward(Module& self, const ColoTensor& ids) {
-  ASSIGN_OR_RETURN(ColoTensor h, self.Call("transformer", ids));
-  return self.Call("lm_head", h);
+Module::ForwardFn LmHeadModelForward(PipelineStage stage = {}) {
+  return [stage](Module& self, const ColoTensor& ids) -> absl::StatusOr<ColoTensor> {
+    ASSIGN_OR_RETURN(ColoTensor h, self.Call("transformer", ids));
+    if (!stage.last()) return h;
+    return self.Call("lm_head", h);
+  };
+}
+
+// A pipeline stage's part of GPT2LMHeadModel: its blocks; the embeddings on
+// the first stage; ln_f and the head on the last, which keeps wte as the
+// tied head's table (a mirror of the first stage's).
+absl::StatusOr<std::vector<std::string>> SplitStage(Module& root, const PipelineStage& stage) {
+  ASSIGN_OR_RETURN(Module * model, root.Get("transformer"));
+  ASSIGN_OR_RETURN(Module * blocks, model->Get("h"));
+  const int64_t layers = static_cast<int64_t>(blocks->Children().size());
+  for (int64_t i = 0; i < layers; ++i) {
+    if (i < stage.begin || i >= stage.end) blocks->Remove(absl::StrCat(i));
+  }
+  std::vector<std::string> tied;
+  if (stage.first() || stage.last()) tied.push_back("transformer.wte");  // the head is always tied
+  if (!stage.first()) {
+    model->Remove("wpe");
+    if (!stage.last()) model->Remove("wte");
+  }
+  if (!stage.last()) {
+    model->Remove("ln_f");
+    root.Remove("lm_head");
+  }
+  model->set_forward(ModelForward(false, stage));
+  root.set_forward(LmHeadModelForward(stage));
+  return tied;
 }
 
 absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
@@ -91,7 +125,7 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
   }
   const int64_t h = c.hidden_size;
   const float eps = static_cast<float>(c.norm_eps);
-  auto root = std::make_unique<Module>("GPT2LMHeadModel", LmHeadModelForward);
+  auto root = std::make_unique<Module>("GPT2LMHeadModel", LmHeadModelForward());
   Module* model = root->Add("transformer", std::make_unique<Module>("GPT2Model", ModelForward(false)));
   model->Add("wte", Leaf(Kind::kEmbedding, "transformer.wte", c.vocab_size, h));
   model->Add("wpe", Leaf(Kind::kEmbedding, "transformer.wpe", c.max_positions, h));
@@ -178,6 +212,7 @@ ModelFamily Gpt2Family() {
   f.base_model_prefix = "transformer";
   f.build = Build;
   f.policy = [] { return std::unique_ptr<Policy>(new Gpt2Policy()); };
+  f.split_stage = SplitStage;
   return f;
 }
 

@@ -57,22 +57,56 @@ absl::StatusOr<ColoTensor> DecoderLayerForward(Module& self, const ColoTensor& x
 }
 
 // LlamaModel; with sequence_parallel the embeddings are split along the
-// sequence over tp before the layers (the policy's forward replacement).
-Module::ForwardFn ModelForward(bool sequence_parallel) {
-  return [sequence_parallel](Module& self, const ColoTensor& ids) -> absl::StatusOr<ColoTensor> {
-    ASSIGN_OR_RETURN(ColoTensor x, self.Call("embed_tokens", ids));
-    if (sequence_parallel) {
-      ASSIGN_OR_RETURN(x, SplitSequence(x));
+// sequence over tp before the layers (the policy's forward replacement). A
+// pipeline stage embeds only if it is the first (otherwise `input` is the
+// previous stage's activation) and normalizes only if it is the last.
+Module::ForwardFn ModelForward(bool sequence_parallel, PipelineStage stage = {}) {
+  return [sequence_parallel, stage](Module& self, const ColoTensor& input) -> absl::StatusOr<ColoTensor> {
+    ColoTensor x = input;
+    if (stage.first()) {
+      ASSIGN_OR_RETURN(x, self.Call("embed_tokens", input));
+      if (sequence_parallel) {
+        ASSIGN_OR_RETURN(x, SplitSequence(x));
+      }
     }
     ASSIGN_OR_RETURN(Module * layers, self.Get("layers"));
     ASSIGN_OR_RETURN(x, RunSequential(*layers, x));
+    if (!stage.last()) return x;
     return self.Call("norm", x);
   };
 }
 
-absl::StatusOr<ColoTensor> CausalLmForward(Module& self, const ColoTensor& ids) {
-  ASSIGN_OR_RETURN(ColoTensor h, self.Call("model", ids));
-  return self.Call("lm_head", h);
+Module::ForwardFn CausalLmForward(PipelineStage stage = {}) {
+  return [stage](Module& self, const ColoTensor& ids) -> absl::StatusOr<ColoTensor> {
+    ASSIGN_OR_RETURN(ColoTensor h, self.Call("model", ids));
+    if (!stage.last()) return h;
+    return self.Call("lm_head", h);
+  };
+}
+
+// A pipeline stage's part of LlamaForCausalLM: its decoder layers;
+// embed_tokens on the first stage; the norm and lm_head on the last, which
+// keeps embed_tokens as the head's table when they are tied (a mirror of
+// the first stage's).
+absl::StatusOr<std::vector<std::string>> SplitStage(Module& root, const PipelineStage& stage) {
+  ASSIGN_OR_RETURN(Module * model, root.Get("model"));
+  ASSIGN_OR_RETURN(Module * layers, model->Get("layers"));
+  const int64_t n = static_cast<int64_t>(layers->Children().size());
+  for (int64_t i = 0; i < n; ++i) {
+    if (i < stage.begin || i >= stage.end) layers->Remove(absl::StrCat(i));
+  }
+  Module* head = root.Find("lm_head");
+  const bool tied = head != nullptr && head->decl().has_value() && !head->decl()->tied_to.empty();
+  std::vector<std::string> shared;
+  if (tied && (stage.first() || stage.last())) shared.push_back("model.embed_tokens");
+  if (!stage.first() && !(stage.last() && tied)) model->Remove("embed_tokens");
+  if (!stage.last()) {
+    model->Remove("norm");
+    root.Remove("lm_head");
+  }
+  model->set_forward(ModelForward(false, stage));
+  root.set_forward(CausalLmForward(stage));
+  return shared;
 }
 
 absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
@@ -87,7 +121,7 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
   auto leaf = [](Kind kind, const std::string& prefix, int64_t in, int64_t out, bool bias, float e = 1e-5f) {
     return Module::Leaf(LayerDecl::Of(kind, prefix, in, out, bias, e));
   };
-  auto root = std::make_unique<Module>("LlamaForCausalLM", CausalLmForward);
+  auto root = std::make_unique<Module>("LlamaForCausalLM", CausalLmForward());
   Module* model = root->Add("model", std::make_unique<Module>("LlamaModel", ModelForward(false)));
   model->Add("embed_tokens", leaf(Kind::kEmbedding, "model.embed_tokens", c.vocab_size, h, false));
   Module* layers = model->Add("layers", std::make_unique<Module>("ModuleList", nullptr));
@@ -189,6 +223,7 @@ ModelFamily LlamaFamily() {
   f.base_model_prefix = "model";
   f.build = Build;
   f.policy = [] { return std::unique_ptr<Policy>(new LlamaPolicy()); };
+  f.split_stage = SplitStage;
   return f;
 }
 

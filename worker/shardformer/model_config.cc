@@ -311,10 +311,52 @@ std::string DescribeMemoryFloor(const RankMemoryFloor& floor) {
                       floor.rank_parameters, " on the fullest rank: ", parts, ")");
 }
 
+absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard) {
+  const int64_t pp = std::max(1, shard.pipeline_parallel_size());
+  const int64_t layers = config.num_layers;
+  if (pp == 1 && shard.pipeline_stage_layers().empty()) return std::vector<int64_t>{layers};
+  if (shard.pipeline_parallel_size() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline_parallel_size must be >= 0, got ", shard.pipeline_parallel_size()));
+  }
+  if (pp > 1 && config.model_type != "gpt2" && config.model_type != "llama") {
+    return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type,
+                                                   " policy has no pipeline stages (gpt2 and llama have)"));
+  }
+  if (pp > layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline_parallel_size ", pp, " is more stages than the model's ", layers, " layers"));
+  }
+  std::vector<int64_t> out;
+  if (shard.pipeline_stage_layers().empty()) {
+    for (int64_t s = 0; s < pp; ++s) out.push_back(layers / pp + (s < layers % pp ? 1 : 0));
+    return out;
+  }
+  if (static_cast<int64_t>(shard.pipeline_stage_layers_size()) != pp) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline_stage_layers lists ", shard.pipeline_stage_layers_size(),
+                                                   " stages, not pipeline_parallel_size = ", pp));
+  }
+  int64_t sum = 0;
+  for (int32_t n : shard.pipeline_stage_layers()) {
+    if (n < 1) return absl::InvalidArgumentError(absl::StrCat("pipeline_stage_layers: a stage of ", n, " layers"));
+    sum += n;
+    out.push_back(n);
+  }
+  if (sum != layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline_stage_layers sum to ", sum, " layers, not the model's ", layers));
+  }
+  return out;
+}
+
 absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& shard) {
   const int64_t tp = shard.tensor_parallel_size();
   // (job_validation_fuzz: a spec not yet validated reaches here from the admission floor.)
   if (tp < 1) return absl::InvalidArgumentError(absl::StrCat("tensor_parallel_size must be >= 1, got ", tp));
+  RETURN_IF_ERROR(PipelineStageLayers(config, shard).status());
+  if (shard.pipeline_parallel_size() > 1 && shard.sequence_parallel()) {
+    return absl::InvalidArgumentError("sequence_parallel does not combine with pipeline_parallel_size yet");
+  }
   switch (shard.tensor_parallel_mode()) {
     case v1::TENSOR_PARALLEL_MODE_UNSPECIFIED:
     case v1::TENSOR_PARALLEL_MODE_1D:

@@ -6,6 +6,7 @@
 #define COLOD_WORKER_SHARDFORMER_MODEL_CONFIG_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "colod/v1/job.pb.h"
@@ -120,6 +121,14 @@ std::string GiB(int64_t bytes);
 // 1D; hidden or intermediate size not divisible by q in 2D/2.5D/3D; a mode
 // the family's policy does not support.
 absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& shard);
+
+// The layers of each pipeline stage (pipeline_parallel_size of them; one
+// stage of every layer without pipeline parallelism): the ShardConfig's
+// pipeline_stage_layers, or as even as they split with the earlier stages
+// taking one more. INVALID_ARGUMENT for more stages than layers, a list of
+// another length or sum, a stage without a layer, or a family without
+// pipeline stages (gpt2 and llama have them).
+absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard);
 
 }  // namespace colod::shardformer
 

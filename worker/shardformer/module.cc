@@ -33,6 +33,22 @@ Module* Module::Add(const std::string& name, std::unique_ptr<Module> child) {
   return children_.back().second.get();
 }
 
+bool Module::Remove(const std::string& name) {
+  for (auto it = children_.begin(); it != children_.end(); ++it) {
+    if (it->first == name) {
+      children_.erase(it);
+      return true;
+    }
+  }
+  return false;
+}
+
+std::vector<Module*> Module::Children() {
+  std::vector<Module*> out;
+  for (auto& [name, child] : children_) out.push_back(child.get());
+  return out;
+}
+
 Module* Module::Find(const std::string& path) {
   Module* m = this;
   if (path.empty()) return m;
@@ -152,11 +168,10 @@ LayerDecl LayerDecl::Of(Kind kind, std::string prefix, int64_t in, int64_t out, 
 }
 
 absl::StatusOr<ColoTensor> RunSequential(Module& list, ColoTensor x) {
-  for (int64_t i = 0;; ++i) {
-    Module* m = list.Find(absl::StrCat(i));
-    if (m == nullptr) return x;
+  for (Module* m : list.Children()) {
     ASSIGN_OR_RETURN(x, m->Forward(x));
   }
+  return x;
 }
 
 absl::StatusOr<ColoTensor> PositionIds(const ColoTensor& ids, int64_t offset) {

@@ -100,6 +100,11 @@ class Module {
 
   const std::string& cls() const { return cls_; }
   Module* Add(const std::string& name, std::unique_ptr<Module> child);
+  // Drops the child `name` (and its subtree); false when there is none. A
+  // pipeline stage drops the layers other stages hold.
+  bool Remove(const std::string& name);
+  // The direct children, in the order added.
+  std::vector<Module*> Children();
   // The descendant at a dotted path ("attn.c_attn"); nullptr when absent.
   Module* Find(const std::string& path);
   // NOT_FOUND naming the path and this module's class.
@@ -156,6 +161,12 @@ class Module {
 struct NamedParam {
   std::string name;
   BoundParam bound;
+  // A table the first and last pipeline stages share (an LM head tied to
+  // the embedding): their gradients are summed.
+  bool tied = false;
+  // The last stage's copy of it, which the first stage owns: neither
+  // counted in the gradient norm nor saved.
+  bool mirror = false;
 };
 
 // Forward helpers shared by the model families.
@@ -167,7 +178,8 @@ absl::StatusOr<ColoTensor> PositionIds(const ColoTensor& ids, int64_t offset = 0
 // head_dim]; INVALID_ARGUMENT naming `what` when it does not hold this
 // rank's `heads` heads (a policy that split the heads differently).
 absl::StatusOr<Variable> SplitHeads(const ColoTensor& t, int64_t heads, int64_t head_dim, const std::string& what);
-// Runs the children "0", "1", ... of a ModuleList in order.
+// Runs the children of a ModuleList ("0", "1", ...; a pipeline stage's run of
+// them) in order.
 absl::StatusOr<ColoTensor> RunSequential(Module& list, ColoTensor x);
 // x (replicated over tp) split along the sequence dim (1) over tp: where
 // sequence-parallel models enter the split region. Backward all-gathers.

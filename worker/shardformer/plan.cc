@@ -341,7 +341,30 @@ absl::StatusOr<int64_t> SumRankElements(const std::vector<PlanLeaf>& leaves, con
 absl::StatusOr<int64_t> RankParameters(const ModelConfig& config, const v1::ShardConfig& layout) {
   ASSIGN_OR_RETURN(Split split, SplitOf(layout));
   ASSIGN_OR_RETURN(std::vector<PlanLeaf> leaves, PlanLeaves(config));
-  return SumRankElements(leaves, split);
+  if (layout.pipeline_parallel_size() <= 1) return SumRankElements(leaves, split);
+  // Pipeline stages (gpt2, llama): the layers' leaves by each stage's share,
+  // the embeddings on the first stage, the final norm and the head on the
+  // last, which also holds a tied head's table; the fullest stage's.
+  ASSIGN_OR_RETURN(std::vector<int64_t> stages, PipelineStageLayers(config, layout));
+  const bool tied = std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) { return l.role == Role::kTiedHead; });
+  int64_t fullest = 0;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    const bool first = s == 0, last = s + 1 == stages.size();
+    CheckedSum total;
+    for (const PlanLeaf& l : leaves) {
+      ASSIGN_OR_RETURN(int64_t n, RankElements(l, split));
+      if (l.count == config.num_layers) {
+        total.Add({n / l.count, stages[s]});
+      } else if (l.role == Role::kVocabTable || l.role == Role::kPositions) {
+        if (first || (last && tied && l.role == Role::kVocabTable)) total.Add({n});
+      } else if (last) {
+        total.Add({n});
+      }
+    }
+    ASSIGN_OR_RETURN(int64_t held, total.Total("a pipeline stage's parameters per rank"));
+    fullest = std::max(fullest, held);
+  }
+  return fullest;
 }
 
 namespace {
@@ -416,6 +439,10 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
   if (mode == v1::TENSOR_PARALLEL_MODE_3D && config.model_type != "gpt2" && config.model_type != "llama") {
     return absl::InvalidArgumentError(
         absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d, 2d and 2.5d"));
+  }
+  if (layout.pipeline_parallel_size() > 1) {
+    return absl::UnimplementedError(
+        "the planner does not plan pipeline stages yet (the admission floor counts their parameters)");
   }
   ASSIGN_OR_RETURN(const Split split, SplitOf(layout));
   // (CheckShardable refused the families that have 1D only.)
@@ -779,7 +806,10 @@ std::string LayoutName(const v1::ShardConfig& s) {
   if (s.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2D) mode = "2d";
   if (s.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2P5D) mode = absl::StrCat("2.5d depth ", s.depth());
   if (s.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_3D) mode = "3d";
-  std::string out = absl::StrCat("tp", s.tensor_parallel_size(), " x dp", s.data_parallel_size(), " ", mode);
+  std::string out = absl::StrCat("tp", s.tensor_parallel_size(), " x ",
+                                 s.pipeline_parallel_size() > 1 ? absl::StrCat("pp", s.pipeline_parallel_size(), " x ")
+                                                                : "",
+                                 "dp", s.data_parallel_size(), " ", mode);
   if (s.sequence_parallel()) absl::StrAppend(&out, " sp");
   return out;
 }

@@ -263,6 +263,45 @@ v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode) {
   return spec;
 }
 
+// Pipeline stages: RankParameters is the fullest stage's count, which the
+// admission floor uses (GPT-2's last stage holds the tied head's table too).
+TEST(Plan, PipelineStagesHoldTheFullestStagesParameters) {
+  testing::TinyOptions o;
+  o.layers = 4;
+  auto gpt2 = testing::WriteTinyGpt2(TempPath("plan_pp_gpt2"), o);
+  o.tie = false;
+  auto llama = testing::WriteTinyLlama(TempPath("plan_pp_llama"), o);
+  ASSERT_TRUE(gpt2.ok() && llama.ok());
+  struct PpCase {
+    const testing::TinyModel* model;
+    int tp, pp;
+    std::vector<int> layers;
+  };
+  for (const PpCase& c : {PpCase{&*gpt2, 2, 2, {3, 1}}, PpCase{&*gpt2, 1, 4, {}}, PpCase{&*llama, 2, 2, {1, 3}}}) {
+    ShardConfig shard;
+    shard.layout.set_tensor_parallel_size(c.tp);
+    shard.layout.set_data_parallel_size(1);
+    shard.layout.set_pipeline_parallel_size(c.pp);
+    for (int n : c.layers) shard.layout.add_pipeline_stage_layers(n);
+    auto planned = RankParameters(c.model->config, shard.layout);
+    ASSERT_TRUE(planned.ok()) << planned.status();
+    std::mutex mu;
+    int64_t most = 0;
+    colod::testing::RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
+      auto sharded = ShardFormer(shard, &pg).Load(c.model->dir);
+      ASSERT_TRUE(sharded.ok()) << sharded.status();
+      int64_t n = 0;
+      for (const NamedParam& p : (*sharded)->Parameters()) n += p.bound.param.local().numel();
+      std::lock_guard<std::mutex> lock(mu);
+      most = std::max(most, n);
+    });
+    EXPECT_EQ(most, *planned) << c.model->config.model_type << " tp" << c.tp << " pp" << c.pp;
+  }
+  v1::JobSpec spec = Train(2, 1);
+  spec.mutable_shard()->set_pipeline_parallel_size(2);
+  EXPECT_EQ(PlanJob(gpt2->config, spec).status().code(), absl::StatusCode::kUnimplemented);
+}
+
 TEST(Plan, MemoryFollowsPrecisionAndOptimizerAndActivationsShrinkWithTp) {
   testing::TinyOptions o;
   auto model = testing::WriteTinyGpt2(TempPath("plan_memory"), o);

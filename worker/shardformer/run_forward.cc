@@ -57,6 +57,9 @@ absl::Status CheckImages(const ForwardRequest& request, const ModelConfig& confi
 
 absl::StatusOr<ModelConfig> CheckForward(const ForwardRequest& request) {
   const Tensor& ids = request.input;
+  if (request.shard.layout.pipeline_parallel_size() > 1) {
+    return absl::InvalidArgumentError("pipeline_parallel_size applies to training (a forward runs unpipelined)");
+  }
   ASSIGN_OR_RETURN(ModelConfig config, LoadConfig(request.model_dir));
   if (config.takes_images()) {
     RETURN_IF_ERROR(CheckImages(request, config));

@@ -15,6 +15,17 @@
 
 namespace colod::shardformer {
 
+// This rank's pipeline stage: which of the model's layers it holds, and
+// whether it embeds the tokens (the first stage) and computes the logits
+// (the last). Without pipeline parallelism, the one stage of every layer.
+struct PipelineStage {
+  int index = 0;
+  int count = 1;
+  int64_t begin = 0, end = 0;  // the layers [begin, end)
+  bool first() const { return index == 0; }
+  bool last() const { return index == count - 1; }
+};
+
 struct ShardConfig {
   v1::ShardConfig layout;
   int64_t make_vocab_size_divisible_by = 64;
@@ -25,7 +36,11 @@ struct ShardConfig {
   // over NCCL process groups).
   Device device = Device::Cpu();
 
+  // Set by ShardFormer::Load from the layout and this rank's pp coordinate.
+  PipelineStage stage;
+
   int tp() const { return layout.tensor_parallel_size() < 1 ? 1 : layout.tensor_parallel_size(); }
+  int pp() const { return layout.pipeline_parallel_size() < 1 ? 1 : layout.pipeline_parallel_size(); }
   bool is_2d() const;  // 2D or 2.5D
   bool is_3d() const;
   // How many ways attention heads split: tp in 1D, q in 2D, 2.5D and 3D.

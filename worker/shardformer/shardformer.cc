@@ -1,5 +1,6 @@
 #include "worker/shardformer/shardformer.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -92,7 +93,8 @@ absl::Status ModelSharder::Apply(Module& module, const std::string& path,
   for (const SubModuleReplacementDescription& d : description.sub_module_replacement) {
     Module* leaf = module.Find(d.suffix);
     if (leaf == nullptr) {
-      if (d.ignore_if_not_exist) continue;
+      // A pipeline stage holds part of the model (ModelFamily::split_stage).
+      if (d.ignore_if_not_exist || shard_.pp() > 1) continue;
       return absl::InvalidArgumentError(
           absl::StrCat("the policy replaces ", d.suffix, " but ", where, " has no such sub-module"));
     }
@@ -308,11 +310,23 @@ std::vector<NamedParam> ShardedModel::Parameters() {
   std::vector<NamedParam> out;
   for (auto& [path, m] : root_->Modules()) {
     if (m->layer() == nullptr) continue;
+    const bool tied = std::find(tied_.begin(), tied_.end(), path) != tied_.end();
     for (BoundParam& b : m->layer()->Params()) {
-      out.push_back(NamedParam{path.empty() ? b.name : b.name.empty() ? path : absl::StrCat(path, ".", b.name), b});
+      out.push_back(NamedParam{path.empty() ? b.name : b.name.empty() ? path : absl::StrCat(path, ".", b.name), b,
+                               tied, tied && !shard_.stage.first()});
     }
   }
   return out;
+}
+
+absl::StatusOr<DistSpec> ShardedModel::StageInputSpec(int64_t ndim) {
+  for (auto& [path, m] : root_->Modules()) {
+    if (m->layer() == nullptr) continue;
+    // The stage's first layer (a mirror is no layer of its forward).
+    if (!shard_.stage.first() && std::find(tied_.begin(), tied_.end(), path) != tied_.end()) continue;
+    return m->layer()->InputSpec(ndim);
+  }
+  return absl::FailedPreconditionError("the stage has no layer");
 }
 
 absl::StatusOr<std::map<std::string, Tensor>> ShardedModel::GatherHf(bool gradients) {
@@ -369,6 +383,23 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::strin
   ASSIGN_OR_RETURN(ModelFamily family, ModelRegistry::Global().Get(config.model_type));
   ASSIGN_OR_RETURN(std::unique_ptr<ModelFiles> files, ModelFiles::Open(dir));
   ASSIGN_OR_RETURN(std::unique_ptr<Module> model, family.build(config));
+  std::vector<std::string> tied;
+  if (shard_.pp() > 1) {
+    ASSIGN_OR_RETURN(std::vector<int64_t> layers, PipelineStageLayers(config, shard_.layout));
+    if (!family.split_stage) {
+      return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type, " policy has no pipeline stages"));
+    }
+    ASSIGN_OR_RETURN(int index, pg_->LocalRank("pp"));
+    PipelineStage& stage = shard_.stage;
+    stage.index = index;
+    stage.count = shard_.pp();
+    stage.begin = 0;
+    for (int s = 0; s < index; ++s) stage.begin += layers[s];
+    stage.end = stage.begin + layers[index];
+    ASSIGN_OR_RETURN(tied, family.split_stage(*model, stage));
+  } else {
+    shard_.stage = PipelineStage{0, 1, 0, config.num_layers};
+  }
   std::unique_ptr<Policy> policy = family.policy();
   // Checkpoints of the bare model (GPT2Model) lack the LM model's prefix
   // ("transformer."); Hugging Face loads both, and so does colod.
@@ -377,7 +408,9 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::strin
     for (const std::string& name : files->Names()) prefixed = prefixed || absl::StartsWith(name, family.base_model_prefix + ".");
     if (!prefixed) files->set_strip_prefix(family.base_model_prefix + ".");
   }
-  return Optimize(std::move(model), config, *files, *policy);
+  ASSIGN_OR_RETURN(std::unique_ptr<ShardedModel> sharded, Optimize(std::move(model), config, *files, *policy));
+  sharded->set_tied_tables(std::move(tied));
+  return sharded;
 }
 
 }  // namespace colod::shardformer

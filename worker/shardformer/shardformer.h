@@ -99,6 +99,13 @@ struct ModelFamily {
   std::function<absl::StatusOr<ModelConfig>(const std::string& json_text, const std::string& what)> parse;
   std::function<absl::StatusOr<std::unique_ptr<Module>>(const ModelConfig& config)> build;
   std::function<std::unique_ptr<Policy>()> policy;
+  // Pipeline stages (empty for a family without them): drops from the
+  // built tree the layers `stage` does not hold and makes its forward the
+  // stage's (the first stage reads token ids, the others the previous
+  // stage's activation; only the last gives logits). Returns the module
+  // paths of the tables the first and last stages share (the embedding an
+  // LM head is tied to, which the last stage keeps as the head's table).
+  std::function<absl::StatusOr<std::vector<std::string>>(Module& root, const PipelineStage& stage)> split_stage;
 };
 
 class ModelRegistry {
@@ -188,6 +195,13 @@ class ShardedModel {
 
   // Every parameter, in module order, with its checkpoint name.
   std::vector<NamedParam> Parameters();
+  // A pipeline stage's input from the previous stage: the spec of the
+  // activation its first layer takes (the residual stream's), rank `ndim`.
+  absl::StatusOr<DistSpec> StageInputSpec(int64_t ndim);
+  // Module paths of the tables this stage shares with the first or last
+  // (ModelFamily::split_stage); on a stage other than the first they are
+  // mirrors.
+  void set_tied_tables(std::vector<std::string> paths) { tied_ = std::move(paths); }
   // The full checkpoint tensors, by name, of the parameters (or of their
   // gradients: FAILED_PRECONDITION naming a parameter that has none).
   // Collective over the model's ranks.
@@ -198,6 +212,7 @@ class ShardedModel {
   ModelConfig config_;
   ShardConfig shard_;
   ProcessGroup* pg_;
+  std::vector<std::string> tied_;
 };
 
 class ShardFormer {

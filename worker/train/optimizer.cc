@@ -140,9 +140,14 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
   const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
   ASSIGN_OR_RETURN(Tensor total, Tensor::Zeros({1}, DType::kF32, device));
   std::vector<Tensor> counted;  // the gradients this rank counts
+  // Pipeline stages hold different parameters: each counts its own.
+  std::vector<int> pp_axes;
+  if (auto pp = mesh.AxisIndices("pp"); pp.ok()) pp_axes = *pp;
   for (const NamedParam& p : params) {
+    if (p.mirror) continue;  // the first stage counts the table the last stage mirrors
     const ColoParameter& param = p.bound.param;
     std::set<int> split(dp_axes.begin(), dp_axes.end());  // dp replicas are equal: not counted again
+    split.insert(pp_axes.begin(), pp_axes.end());
     for (const auto& [axis, placement] : param.spec().placements()) {
       if (placement.kind != Placement::Kind::kShard) continue;
       ASSIGN_OR_RETURN(std::vector<int> indices, mesh.AxisIndices(axis));
@@ -162,8 +167,14 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
     ASSIGN_OR_RETURN(comm, pg->Comm("tp"));
     RETURN_IF_ERROR(comm->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg->timeout()));
   }
+  Communicator* stages = nullptr;
+  if (!pp_axes.empty()) {
+    ASSIGN_OR_RETURN(stages, pg->Comm("pp"));
+    RETURN_IF_ERROR(stages->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg->timeout()));
+  }
   const float squares = total.ToFloats()[0];  // the step's one read of the norm
-  if (comm != nullptr) RETURN_IF_ERROR(comm->AsyncError());  // the all-reduce above may have failed
+  if (comm != nullptr) RETURN_IF_ERROR(comm->AsyncError());  // the all-reduces above may have failed
+  if (stages != nullptr) RETURN_IF_ERROR(stages->AsyncError());
   return std::sqrt(static_cast<double>(squares));
 }
 

@@ -69,8 +69,9 @@ class Optimizer {
   int64_t steps_ = 0;
 };
 
-// The global L2 norm of the gradients (see the file comment). Collective
-// over the tp group of `pg`.
+// The global L2 norm of the gradients (see the file comment), each
+// parameter counted once: pipeline stages each count their own (a mirror
+// not at all). Collective over the tp group of `pg`, and its pp group.
 absl::StatusOr<double> GlobalGradNorm(const std::vector<shardformer::NamedParam>& params, ProcessGroup* pg);
 // torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6) when
 // norm > max_norm > 0, else 1. The trainer passes it to Optimizer::Step,

@@ -13,6 +13,7 @@
 #include "worker/train/checkpoint.h"
 #include "worker/train/data_parallel.h"
 #include "worker/train/image_data.h"
+#include "worker/train/pipeline.h"
 #include "worker/train/seq2seq_data.h"
 
 namespace colod::train {
@@ -36,6 +37,16 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
   ASSIGN_OR_RETURN(shardformer::ModelConfig config, shardformer::LoadConfig(o.model_dir));
   RETURN_IF_ERROR(shardformer::CheckShardable(config, o.shard.layout));
+  if (o.shard.layout.pipeline_parallel_size() > 1) {
+    if (!o.save_dir.empty() || !o.final_dir.empty() || !o.resume_dir.empty()) {
+      return absl::InvalidArgumentError(
+          "checkpoints (save, final and resume) of pipeline-parallel runs are not written yet: train with "
+          "pipeline_parallel_size 1 to keep the model");
+    }
+    if (o.cuda) {
+      return absl::InvalidArgumentError("pipeline parallelism runs on CPU ranks (Gloo) so far, not on CUDA devices");
+    }
+  }
   const bool examples = config.takes_images() || config.is_encoder_decoder();  // rows drawn whole
   if (!examples && !o.labels_path.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("labels are for image classifiers and encoder-decoders: ",
@@ -115,6 +126,9 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
   const int64_t micro_rows = run.micro_rows;
   // Every run sets it: a worker daemon's device outlives its jobs.
   RETURN_IF_ERROR(ops::SetAllowTf32(shard.device, o.allow_tf32));
+  if (shard.pp() > 1 && shard.device.is_cuda()) {
+    return absl::InvalidArgumentError("pipeline parallelism runs on CPU ranks (Gloo) so far, not on CUDA devices");
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
                    shardformer::ShardFormer(shard, &pg).Load(o.model_dir));
   std::vector<NamedParam> params = model->Parameters();
@@ -153,7 +167,10 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
       RETURN_IF_ERROR(run.sampler->Batch(*run.corpus, step, replica, &inputs, &labels));
     }
     double loss = 0;
-    for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
+    if (shard.pp() > 1) {
+      ASSIGN_OR_RETURN(loss, RunPipelineStep(*model, pg, *sync, inputs, labels, o.micro_batches, step_labels));
+    }
+    for (int64_t mb = 0; shard.pp() == 1 && mb < o.micro_batches; ++mb) {
       ASSIGN_OR_RETURN(Tensor in, inputs.Narrow(0, mb * micro_rows, micro_rows));
       ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, mb * micro_rows, micro_rows));
       sync->set_enabled(mb + 1 == o.micro_batches);  // accumulate, then reduce once
@@ -170,6 +187,7 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
       loss += l.value;
     }
     RETURN_IF_ERROR(sync->Finish());
+    RETURN_IF_ERROR(SumTiedGradients(params, *model, pg));
     ASSIGN_OR_RETURN(double norm, GlobalGradNorm(params, &pg));
     // The loss and the norm were read on the host, after the device passed
     // every collective before them: a collective that failed is reported now,

@@ -1,5 +1,6 @@
 // Training a tiny GPT-2 on the text of the GPL (byte-level tokens): the
-// first 10 losses agree across layouts (tp, dp, both, 2D), the loss falls,
+// first 10 losses agree across layouts (tp, dp, both, 2D, 3D, pipeline
+// stages), the loss falls,
 // gradient accumulation and clipping give the same run, and runs are
 // deterministic.
 #include "worker/train/trainer.h"
@@ -211,6 +212,71 @@ TEST(Trainer, LossesAgreeAcrossLayoutsAndFall) {
   ExpectSameLosses(Losses(Options(model, 2, 2)), base, 1e-4, "tp=2 dp=2");
   ExpectSameLosses(Losses(Options(model, 4, 1, v1::TENSOR_PARALLEL_MODE_2D)), base, 1e-4, "2d");
   ExpectSameLosses(Losses(Options(model, 8, 1, v1::TENSOR_PARALLEL_MODE_3D)), base, 1e-4, "3d");
+}
+
+// Pipeline stages (1F1B over the step's micro-batches): GPT-2 of 4 layers
+// and LLaMA of 3, at pp 2, 3 and 4, even and uneven stages, with tp (1D and
+// 2D) and dp, train with the unsharded run's losses and gradient norms
+// (clipping at 1.0 reads the norm across stages), the tied embedding's
+// gradient summed between the first and last stages.
+TEST(Trainer, PipelineStagesTrainWithTheUnshardedLosses) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = kByteVocab;
+  o.positions = 32;
+  o.layers = 4;
+  auto gpt2 = shardformer::testing::WriteTinyGpt2(TempPath("train_pp_gpt2"), o);
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  auto pipeline = [](TrainOptions t, int pp, int micro, std::vector<int> layers = {}) {
+    t.shard.layout.set_pipeline_parallel_size(pp);
+    for (int n : layers) t.shard.layout.add_pipeline_stage_layers(n);
+    t.micro_batches = micro;
+    return t;
+  };
+  const std::vector<StepStats> base = Losses(Options(gpt2->dir, 1, 1));
+  ASSERT_EQ(base.size(), 10u);
+  ExpectSameLosses(Losses(pipeline(Options(gpt2->dir, 1, 1), 2, 4)), base, 1e-4, "pp=2");
+  ExpectSameLosses(Losses(pipeline(Options(gpt2->dir, 1, 1), 2, 4, {3, 1})), base, 1e-4, "pp=2 layers 3+1");
+  ExpectSameLosses(Losses(pipeline(Options(gpt2->dir, 1, 1), 4, 4)), base, 1e-4, "pp=4");
+  ExpectSameLosses(Losses(pipeline(Options(gpt2->dir, 2, 1), 2, 2)), base, 1e-4, "tp=2 pp=2");
+  ExpectSameLosses(Losses(pipeline(Options(gpt2->dir, 1, 2), 2, 2)), base, 1e-4, "pp=2 dp=2");
+  ExpectSameLosses(Losses(pipeline(Options(gpt2->dir, 2, 2), 2, 2)), base, 1e-4, "tp=2 pp=2 dp=2");
+  ExpectSameLosses(Losses(pipeline(Options(gpt2->dir, 4, 1, v1::TENSOR_PARALLEL_MODE_2D), 2, 2)), base, 1e-4,
+                   "2d tp=4 pp=2");
+
+  o.layers = 3;
+  for (bool tie : {false, true}) {
+    o.tie = tie;
+    auto llama = shardformer::testing::WriteTinyLlama(TempPath(tie ? "train_pp_llama_tied" : "train_pp_llama"), o);
+    ASSERT_TRUE(llama.ok()) << llama.status();
+    const std::vector<StepStats> want = Losses(Options(llama->dir, 1, 1));
+    ExpectSameLosses(Losses(pipeline(Options(llama->dir, 2, 1), 3, 4)), want, 1e-4,
+                     tie ? "llama tied tp=2 pp=3" : "llama tp=2 pp=3");
+  }
+}
+
+// What pipeline stages refuse, before any rank starts.
+TEST(Trainer, PipelineStagesRefuseWhatTheyCannotRun) {
+  const std::string model = TinyModel("train_pp_refuse");  // 2 layers
+  auto refused = [&](TrainOptions t, const std::string& why) {
+    const absl::Status s = Train(t, nullptr);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(why), std::string::npos) << s;
+  };
+  TrainOptions t = Options(model, 1, 1);
+  t.shard.layout.set_pipeline_parallel_size(3);
+  refused(t, "more stages than the model's 2 layers");
+  t.shard.layout.set_pipeline_parallel_size(2);
+  t.shard.layout.add_pipeline_stage_layers(2);
+  t.shard.layout.add_pipeline_stage_layers(1);
+  refused(t, "sum to 3 layers");
+  t.shard.layout.clear_pipeline_stage_layers();
+  t.save_dir = TempPath("pp_ck");
+  t.save_every = 1;
+  refused(t, "checkpoints");
+  t.save_dir.clear();
+  t.shard.layout.set_sequence_parallel(true);
+  t.shard.layout.set_tensor_parallel_size(2);
+  refused(t, "sequence_parallel");
 }
 
 // Training on a Megatron-LM indexed dataset (uint16 tokens, one document

@@ -1,0 +1,46 @@
+// A pipeline stage's training step (issue 20): the step's micro-batches
+// through this stage in the 1F1B order (pipeline_schedule.h), activations
+// sent to the next stage and their gradients to the previous one, and what
+// a step needs across stages besides (the tied embedding's gradient, the
+// loss on every stage).
+//
+// Channels: each direction between two neighbours has its own communicator
+// of the pp group ("pp#f0"/"pp#f1" forward, "pp#b0"/"pp#b1" backward, by
+// the sending stage's parity), so each of a stage's communicator threads
+// carries one flow in micro-batch order: a send waits for its receiver on
+// its own thread, never in front of a receive; the schedule's simulation
+// (SimulatePipeline) shows 1F1B deadlock-free under exactly this model.
+//
+// Thread-safety: called by the stage's rank thread.
+#ifndef COLOD_WORKER_TRAIN_PIPELINE_H_
+#define COLOD_WORKER_TRAIN_PIPELINE_H_
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/colo/process_group.h"
+#include "worker/shardformer/shardformer.h"
+#include "worker/train/data_parallel.h"
+
+namespace colod::train {
+
+// Runs one step's forwards and backwards of `model`'s stage over
+// `micro_batches` equal parts of this replica's `inputs` (token ids [rows,
+// seq]) and `labels`, each micro-batch's loss divided by `step_labels`.
+// GradSync reduces over dp during the stage's last backward. Returns the
+// step's loss, the same on every stage. Collective over the pp group (and
+// the groups the layers use).
+absl::StatusOr<double> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
+                                       const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
+                                       int64_t step_labels);
+
+// The first and last stages' gradients of a tied table (NamedParam::tied:
+// the embedding and the last stage's mirror of it) summed, on both; nothing
+// elsewhere or without pipeline stages. After the step's backwards (and the
+// dp reduction).
+absl::Status SumTiedGradients(const std::vector<shardformer::NamedParam>& params,
+                              const shardformer::ShardedModel& model, ProcessGroup& pg);
+
+}  // namespace colod::train
+
+#endif  // COLOD_WORKER_TRAIN_PIPELINE_H_
