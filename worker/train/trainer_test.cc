@@ -13,7 +13,9 @@
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "tests/testing/temp_dir.h"
+#include "absl/time/clock.h"
 #include "worker/shardformer/model_config.h"
+#include "worker/shardformer/safetensors.h"
 #include "worker/shardformer/shardformer.h"
 #include "worker/shardformer/testing.h"
 #include "worker/train/job_options.h"
@@ -277,6 +279,30 @@ TEST(Trainer, PipelineStagesRefuseWhatTheyCannotRun) {
   t.shard.layout.set_sequence_parallel(true);
   t.shard.layout.set_tensor_parallel_size(2);
   refused(t, "sequence_parallel");
+}
+
+// A stage that fails (here the last, whose final norm the checkpoint lacks)
+// ends the whole pipeline with its error, naming the tensor; the stages
+// waiting for it are aborted, not left waiting.
+TEST(Trainer, AFailingStageEndsThePipelineWithItsError) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = kByteVocab;
+  o.positions = 32;
+  auto gpt2 = shardformer::testing::WriteTinyGpt2(TempPath("train_pp_broken"), o);
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  std::vector<std::pair<std::string, Tensor>> kept;
+  for (const auto& [name, t] : gpt2->tensors) {
+    if (name.find("ln_f") == std::string::npos) kept.emplace_back(name, t);
+  }
+  ASSERT_TRUE(shardformer::WriteSafetensors(gpt2->dir + "/model.safetensors", kept).ok());
+  TrainOptions t = Options(gpt2->dir, 1, 1);
+  t.shard.layout.set_pipeline_parallel_size(2);
+  t.micro_batches = 2;
+  const absl::Time start = absl::Now();
+  const absl::Status s = Train(t, nullptr);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("ln_f"), std::string::npos) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << "the first stage was left waiting: " << s;
 }
 
 // Training on a Megatron-LM indexed dataset (uint16 tokens, one document

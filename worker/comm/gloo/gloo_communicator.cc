@@ -71,7 +71,7 @@ class StoreAdapter final : public gloo::rendezvous::Store {
   std::vector<char> get(const std::string& key) override {
     std::vector<std::string> v;
     Call([&] {
-      auto got = store_.Wait({Key(key)}, timeout_);
+      auto got = WaitFor({Key(key)}, timeout_);
       if (got.ok()) v = *std::move(got);
       return got.status();
     });
@@ -81,10 +81,24 @@ class StoreAdapter final : public gloo::rendezvous::Store {
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
     std::vector<std::string> full;
     for (const auto& k : keys) full.push_back(Key(k));
-    Call([&] { return store_.Wait(full, absl::Milliseconds(timeout.count())).status(); });
+    Call([&] { return WaitFor(full, absl::Milliseconds(timeout.count())).status(); });
   }
 
  private:
+  // The store's Wait in slices, so that an abandoned rendezvous (an abort:
+  // a peer that failed will never set its keys) stops waiting within a
+  // slice instead of at the timeout, whatever the store.
+  absl::StatusOr<std::vector<std::string>> WaitFor(const std::vector<std::string>& keys, absl::Duration timeout) {
+    constexpr absl::Duration kSlice = absl::Milliseconds(250);
+    const absl::Time deadline = absl::Now() + timeout;
+    for (;;) {
+      const absl::Duration left = deadline - absl::Now();
+      absl::StatusOr<std::vector<std::string>> got = store_.Wait(keys, std::min(left, kSlice));
+      if (got.ok() || !absl::IsDeadlineExceeded(got.status()) || left <= kSlice) return got;
+      absl::MutexLock lock(&r_->mu);
+      if (r_->abandoned) return absl::AbortedError("the rendezvous was aborted");
+    }
+  }
   template <typename Fn>
   void Call(Fn&& fn) {
     {
