@@ -263,12 +263,6 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   if (spec.shard().pipeline_parallel_size() > 1 && spec.kind() != v1::JOB_KIND_TRAIN) {
     return Invalid("spec.shard", "pipeline_parallel_size", "applies to TRAIN jobs (a forward runs unpipelined)");
   }
-  if (spec.shard().pipeline_parallel_size() > 1 &&
-      (!spec.train().checkpoint_dir().empty() || !spec.train().final_dir().empty() ||
-       !spec.train().resume_from().empty())) {
-    return Invalid("spec.train", spec.train().final_dir().empty() ? "checkpoint_dir" : "final_dir",
-                   "checkpoints (save, final and resume) of pipeline-parallel runs are not written yet");
-  }
   switch (spec.kind()) {
     case v1::JOB_KIND_TRAIN: {
       ASSIGN_OR_RETURN(shardformer::ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));

@@ -1,5 +1,6 @@
 #include "worker/shardformer/checkpoint.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -22,9 +23,12 @@ using Json = nlohmann::json;
 std::string RankFile(int rank, int world) { return absl::StrFormat("rank-%05d-of-%05d.safetensors", rank, world); }
 
 // Whether `rank` writes a parameter of `spec`: the rank at coordinate 0 of
-// every mesh axis the parameter is not split over.
+// every mesh axis the parameter is not split over. Pipeline stages hold
+// different parameters, so the pp axis counts as split (IndexOf asks only
+// the ranks of the parameter's own stage).
 absl::StatusOr<bool> Owns(const DistSpec& spec, const DeviceMesh& mesh, int rank) {
   std::set<int> split;
+  if (auto pp = mesh.AxisIndices("pp"); pp.ok()) split.insert(pp->begin(), pp->end());
   for (const auto& [axis, p] : spec.placements()) {
     if (p.kind == Placement::Kind::kPartial) {
       return absl::FailedPreconditionError(absl::StrCat("a parameter is a partial sum over ", axis));
@@ -58,9 +62,18 @@ Json PlacementsJson(const DistSpec& spec) {
   return out;
 }
 
+// Whether `rank` is on the pipeline stage of `me` (every rank, without stages).
+bool SameStage(const DeviceMesh& mesh, int rank, int me) {
+  auto pp = mesh.AxisIndices("pp");
+  if (!pp.ok()) return true;
+  return mesh.Coordinates(rank)[(*pp)[0]] == mesh.Coordinates(me)[(*pp)[0]];
+}
+
+// The index of this rank's stage's parameters (every parameter, without
+// stages); a stage's mirror of another's table is left to its owner.
 absl::StatusOr<Json> IndexOf(ShardedModel& model) {
   const DeviceMesh& mesh = model.process_group()->mesh();
-  const int world = mesh.world_size();
+  const int world = mesh.world_size(), me = model.process_group()->rank();
   Json axes = Json::array();
   for (const MeshAxis& a : mesh.axes()) axes.push_back({{"name", a.name}, {"size", a.size}});
   const v1::ShardConfig& layout = model.shard_config().layout;
@@ -74,14 +87,17 @@ absl::StatusOr<Json> IndexOf(ShardedModel& model) {
         {"data_parallel_size", layout.data_parallel_size()},
         {"tensor_parallel_mode", v1::TensorParallelMode_Name(layout.tensor_parallel_mode())},
         {"depth", layout.depth()},
-        {"sequence_parallel", layout.sequence_parallel()}}},
+        {"sequence_parallel", layout.sequence_parallel()},
+        {"pipeline_parallel_size", std::max(1, layout.pipeline_parallel_size())}}},
   };
   Json tensors = Json::object();
   for (const NamedParam& p : model.Parameters()) {
+    if (p.mirror) continue;
     const ColoParameter& param = p.bound.param;
     const HfTensor& hf = p.bound.hf;
     Json blocks = Json::array();
     for (int r = 0; r < world; ++r) {
+      if (!SameStage(mesh, r, me)) continue;
       ASSIGN_OR_RETURN(bool owns, Owns(param.spec(), mesh, r));
       if (!owns) continue;
       ASSIGN_OR_RETURN(Block b, LocalBlock(param.spec(), param.global_shape(), mesh, r));
@@ -125,6 +141,7 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) 
   std::set<std::string> names;
   for (const NamedParam& p : model.Parameters()) {
     if (!names.insert(p.name).second) return absl::InternalError(absl::StrCat("two parameters are named ", p.name));
+    if (p.mirror) continue;  // the first stage writes the table
     ASSIGN_OR_RETURN(bool owns, Owns(p.bound.param.spec(), mesh, rank));
     if (!owns) continue;
     ASSIGN_OR_RETURN(Tensor host, p.bound.param.local().To(Device::Cpu()));
@@ -132,10 +149,38 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) 
   }
   RETURN_IF_ERROR(WriteSafetensors(absl::StrCat(dir, "/", RankFile(rank, world)), mine));
   RETURN_IF_ERROR(pg->Barrier());
+  // Pipeline stages: each stage's first rank writes its stage's part of the
+  // index, which rank 0 joins.
+  const int stages = model.shard_config().pp();
+  const std::vector<int> coords = mesh.Coordinates(rank);
+  auto pp_axis = mesh.AxisIndices("pp");
+  bool stage_leader = true;
+  for (size_t i = 0; i < coords.size(); ++i) {
+    const bool is_pp = pp_axis.ok() && static_cast<int>(i) == (*pp_axis)[0];
+    stage_leader = stage_leader && (is_pp || coords[i] == 0);
+  }
+  auto part = [&](int stage) { return absl::StrFormat("%s/index-stage-%05d.json", dir, stage); };
+  if (stages > 1 && stage_leader) {
+    ASSIGN_OR_RETURN(Json fragment, IndexOf(model));
+    RETURN_IF_ERROR(WriteFileAtomically(part(model.shard_config().stage.index), fragment.dump()));
+  }
+  if (stages > 1) RETURN_IF_ERROR(pg->Barrier());
   if (rank == 0) {
     ASSIGN_OR_RETURN(Json index, IndexOf(model));
+    for (int s = 1; s < stages; ++s) {
+      ASSIGN_OR_RETURN(std::string text, ReadFileToString(part(s)));
+      const Json fragment = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+      if (fragment.is_discarded() || !fragment.contains("tensors") || !fragment["tensors"].is_object()) {
+        return absl::InternalError(absl::StrCat(part(s), " is not a stage's index"));
+      }
+      for (const auto& [name, t] : fragment["tensors"].items()) index["tensors"][name] = t;
+    }
     RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", model.config().json));
     RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(dir, "/", kCheckpointIndex), index.dump(1)));
+    for (int s = 0; s < stages && stages > 1; ++s) {
+      std::error_code ec;
+      std::filesystem::remove(part(s), ec);
+    }
   }
   return pg->Barrier();  // the index exists when any rank returns
 }

@@ -12,7 +12,10 @@
 //                                      tensor it maps to (HfTensor) and where
 //                                      each of its blocks is
 // A parameter replicated over some axes is written once, by the rank at
-// coordinate 0 on each of them. The index is written last and atomically
+// coordinate 0 on each of them. With pipeline stages each stage writes its
+// own parameters (the last stage's mirror of a tied table is the first
+// stage's to write) and its first rank its part of the index, which rank 0
+// joins (index-stage-NNNNN.json, removed once joined). The index is written last and atomically
 // (as is every file), after every rank's file: a directory with an index is
 // complete.
 //

@@ -148,6 +148,42 @@ TEST(Checkpoint, ThreeDimensionalLayoutsConsolidateExactly) {
   testing::ExpectShardedMatchesReference(reloaded, *ref, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D), ids, 2e-4);
 }
 
+// Pipeline stages: each stage writes its own layers (the last stage's
+// mirror of the tied table is left to the first), the index joins the
+// stages', and it consolidates to exactly the checkpoint's tensors.
+TEST(Checkpoint, PipelineStagesConsolidateExactly) {
+  testing::TinyOptions o;
+  o.layers = 4;
+  auto gpt2 = testing::WriteTinyGpt2(TempPath("ckpp_gpt2"), o);
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  ShardConfig layout = Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D);
+  layout.layout.set_pipeline_parallel_size(2);
+  layout.layout.add_pipeline_stage_layers(3);
+  layout.layout.add_pipeline_stage_layers(1);
+  Save(gpt2->dir, layout, TempPath("ckpp_gpt2_sharded"));
+  const nlohmann::json index = Index(TempPath("ckpp_gpt2_sharded"));
+  // wte: written once, by the first stage's two tp ranks (ranks 0 and 1).
+  const auto& wte = index["tensors"]["transformer.wte.weight"];
+  ASSERT_EQ(wte["blocks"].size(), 2u) << wte;
+  EXPECT_EQ(wte["blocks"][1]["file"], "rank-00001-of-00004.safetensors");
+  // Layer 3 is the second stage's (ranks 2 and 3).
+  EXPECT_EQ(index["tensors"]["transformer.h.3.mlp.c_fc.weight"]["blocks"][0]["file"],
+            "rank-00002-of-00004.safetensors");
+  EXPECT_FALSE(std::filesystem::exists(TempPath("ckpp_gpt2_sharded") + "/index-stage-00001.json"));
+  ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ckpp_gpt2_sharded"), TempPath("ckpp_gpt2_hf")).ok());
+  ExpectSameTensors(TempPath("ckpp_gpt2_hf"), *gpt2);
+
+  o.layers = 3;
+  o.tie = true;
+  auto llama = testing::WriteTinyLlama(TempPath("ckpp_llama"), o);
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  ShardConfig three = Layout(1, 2, v1::TENSOR_PARALLEL_MODE_1D);
+  three.layout.set_pipeline_parallel_size(3);
+  Save(llama->dir, three, TempPath("ckpp_llama_sharded"));
+  ASSERT_TRUE(ConsolidateCheckpoint(TempPath("ckpp_llama_sharded"), TempPath("ckpp_llama_hf")).ok());
+  ExpectSameTensors(TempPath("ckpp_llama_hf"), *llama);
+}
+
 // OPT (opt-350m's shape: post-norm, project_in/out, untied here) saved at
 // 1D with sequence parallelism and at 2D, consolidated to exactly its
 // tensors, and run again at the other layout.

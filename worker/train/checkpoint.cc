@@ -31,11 +31,17 @@ std::string OptimFile(int rank, int world) {
 }
 
 Json LayoutJson(const v1::ShardConfig& l) {
-  return {{"tensor_parallel_size", l.tensor_parallel_size()},
-          {"data_parallel_size", l.data_parallel_size()},
-          {"tensor_parallel_mode", v1::TensorParallelMode_Name(l.tensor_parallel_mode())},
-          {"depth", l.depth()},
-          {"sequence_parallel", l.sequence_parallel()}};
+  Json j = {{"tensor_parallel_size", l.tensor_parallel_size()},
+            {"data_parallel_size", l.data_parallel_size()},
+            {"tensor_parallel_mode", v1::TensorParallelMode_Name(l.tensor_parallel_mode())},
+            {"depth", l.depth()},
+            {"sequence_parallel", l.sequence_parallel()}};
+  // Only with stages, so that checkpoints written before they existed resume.
+  if (l.pipeline_parallel_size() > 1) {
+    j["pipeline_parallel_size"] = l.pipeline_parallel_size();
+    j["pipeline_stage_layers"] = std::vector<int32_t>(l.pipeline_stage_layers().begin(), l.pipeline_stage_layers().end());
+  }
+  return j;
 }
 
 // An integer field of `j` (read from `where`); INVALID_ARGUMENT for a

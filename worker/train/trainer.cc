@@ -38,11 +38,6 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   ASSIGN_OR_RETURN(shardformer::ModelConfig config, shardformer::LoadConfig(o.model_dir));
   RETURN_IF_ERROR(shardformer::CheckShardable(config, o.shard.layout));
   if (o.shard.layout.pipeline_parallel_size() > 1) {
-    if (!o.save_dir.empty() || !o.final_dir.empty() || !o.resume_dir.empty()) {
-      return absl::InvalidArgumentError(
-          "checkpoints (save, final and resume) of pipeline-parallel runs are not written yet: train with "
-          "pipeline_parallel_size 1 to keep the model");
-    }
     if (o.cuda) {
       return absl::InvalidArgumentError("pipeline parallelism runs on CPU ranks (Gloo) so far, not on CUDA devices");
     }
