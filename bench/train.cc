@@ -9,7 +9,10 @@
 // CPU rows (f32; ranks are threads over Gloo on loopback, one BLAS thread
 // and so about one core each):
 //   gpt2-tiny   4 layers, hidden 256, 4 heads, vocab 256, seq 128, batch 8:
-//               tp=1, tp=2, dp=2
+//               tp=1, tp=2, dp=2, and two pipeline stages (pp=2) with 4
+//               and 8 micro-batches, whose bubble (the first stage's time
+//               waiting for the second, over its step) is printed beside
+//               1F1B's (p - 1) / (m + p - 1)
 //   gpt2-small  GPT-2 124M's shape (12 layers, hidden 768, 12 heads, vocab
 //               50257), seq 128, batch 4, fewer steps: tp=1, tp=2, dp=2
 // GPU rows (bf16 mixed precision, rank r on CUDA device r over NCCL), where
@@ -39,6 +42,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "bench/peak.h"
 #include "common/flags.h"
@@ -54,7 +58,8 @@ ABSL_FLAG(int, steps, 0, "Timed steps per row (default: each row's own, 2 to 10)
 ABSL_FLAG(int, warmup, 2, "Untimed steps before them (pools, connections, optimizer state).");
 ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
 ABSL_FLAG(std::string, model, "", "Only the rows of this model (gpt2-tiny, gpt2-small, ...); default: every row.");
-ABSL_FLAG(std::string, layout, "", "Only the rows of this layout (\"tp=2 dp=1\", ...); default: every row.");
+ABSL_FLAG(std::string, layout, "",
+          "Only the rows of this layout (\"tp=2 dp=1\", \"tp=1 pp=2 dp=1 m=4\", ...); default: every row.");
 ABSL_FLAG(bool, sequence_parallel, false, "tp rows with sequence parallelism (norms and residuals split over tp).");
 ABSL_FLAG(std::string, work_dir, "", "Where the models and the corpus go (default: a temporary directory).");
 
@@ -83,7 +88,13 @@ struct Row {
   int tp = 1, dp = 1;
   int64_t seq = 128, batch = 8;
   int steps = 5;
+  int pp = 1, micro = 1;  // pipeline stages and the micro-batches they run
 };
+
+std::string LayoutOf(const Row& row) {
+  return row.pp > 1 ? absl::StrCat("tp=", row.tp, " pp=", row.pp, " dp=", row.dp, " m=", row.micro)
+                    : absl::StrCat("tp=", row.tp, " dp=", row.dp);
+}
 
 std::vector<Row> Rows(const std::string& which) {
   const ModelShape tiny{"gpt2", 256, 256, 4, 4, 4, 1024};
@@ -94,6 +105,9 @@ std::vector<Row> Rows(const std::string& which) {
     for (auto [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 2}}) {
       rows.push_back({"gpt2-tiny", tiny, false, tp, dp, 128, 8, 10});
     }
+    // Two pipeline stages of 2 layers, 4 and 8 micro-batches: the bubble
+    // against 1F1B's (p - 1) / (m + p - 1).
+    for (int micro : {4, 8}) rows.push_back({"gpt2-tiny", tiny, false, 1, 1, 128, 8, 10, 2, micro});
     for (auto [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 2}}) {
       rows.push_back({"gpt2-small", small, false, tp, dp, 128, 4, 2});
     }
@@ -148,6 +162,7 @@ absl::Status WriteCorpus(const std::string& path, int64_t vocab, int64_t tokens)
 struct Measured {
   double step_seconds = 0;  // mean over the timed steps
   double loss = 0;          // the last step's
+  double bubble = 0;        // pipeline stages: rank 0's waiting over its step time, timed steps
 };
 
 absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int steps, int warmup) {
@@ -170,14 +185,22 @@ absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int step
   o.shard.param_dtype = row.cuda ? DType::kBF16 : DType::kF32;
   o.shard.layout.set_tensor_parallel_size(row.tp);
   o.shard.layout.set_data_parallel_size(row.dp);
-  o.shard.layout.set_sequence_parallel(row.tp > 1 && absl::GetFlag(FLAGS_sequence_parallel));
+  o.shard.layout.set_sequence_parallel(row.tp > 1 && row.pp == 1 && absl::GetFlag(FLAGS_sequence_parallel));
+  o.shard.layout.set_pipeline_parallel_size(row.pp);
+  o.micro_batches = row.micro;
   o.comm_timeout = absl::Minutes(10);
   std::vector<absl::Time> ends;  // when rank 0 finished each step
   Measured m;
+  double waited = 0, stepped = 0;
   RETURN_IF_ERROR(train::Train(o, [&](const train::StepStats& s) {
     ends.push_back(absl::Now());
     m.loss = s.loss;
+    if (static_cast<int>(ends.size()) > warmup) {
+      waited += s.pipeline_wait_seconds;
+      stepped += s.seconds;
+    }
   }));
+  m.bubble = stepped > 0 ? waited / stepped : 0;
   if (ends.size() != static_cast<size_t>(warmup + steps) || warmup < 1) {
     return absl::InternalError("the run reported fewer steps than it ran");
   }
@@ -218,20 +241,17 @@ int Main(int argc, char** argv) {
   if (!json) {
     std::printf("OpenBLAS sgemm 1024^3, 1 thread: %.1f GFLOP/s", cpu_peak / 1e9);
     if (gpu_peak > 0) std::printf("; cuBLAS bf16 GEMM on cuda:0: %.1f TFLOP/s", gpu_peak / 1e12);
-    std::printf(" (same run)\n%-10s  %-4s  %-10s  %-4s  %8s  %6s  %10s  %10s  %11s  %11s  %6s  %8s\n", "model",
-                "dev", "layout", "prec", "params", "tokens", "step (ms)", "tokens/s", "model FLOP/s", "peak FLOP/s",
-                "MFU", "vs tp=1");
+    std::printf(" (same run)\n%-10s  %-4s  %-19s  %-4s  %8s  %6s  %10s  %10s  %11s  %11s  %6s  %8s  %s\n",
+                "model", "dev", "layout", "prec", "params", "tokens", "step (ms)", "tokens/s", "model FLOP/s",
+                "peak FLOP/s", "MFU", "vs tp=1", "bubble (1F1B's)");
   }
   double base = 0;  // tokens/s of the first row of a model on a device
   std::string base_of;
   int failed = 0;
   for (const Row& row : Rows(which)) {
     if (!absl::GetFlag(FLAGS_model).empty() && row.name != absl::GetFlag(FLAGS_model)) continue;
-    if (!absl::GetFlag(FLAGS_layout).empty() &&
-        absl::StrCat("tp=", row.tp, " dp=", row.dp) != absl::GetFlag(FLAGS_layout)) {
-      continue;
-    }
-    const int ranks = row.tp * row.dp;
+    if (!absl::GetFlag(FLAGS_layout).empty() && LayoutOf(row) != absl::GetFlag(FLAGS_layout)) continue;
+    const int ranks = row.tp * row.pp * row.dp;
     if (row.cuda && gpus < ranks) {
       if (!json) std::printf("%-10s  cuda  tp=%d dp=%d: skipped, %d CUDA device(s)\n", row.name.c_str(), row.tp,
                              row.dp, gpus);
@@ -240,7 +260,7 @@ int Main(int argc, char** argv) {
     const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : row.steps;
     absl::StatusOr<Measured> m = RunRow(row, dir, steps, warmup);
     if (!m.ok()) {
-      std::fprintf(stderr, "%s tp=%d dp=%d: %s\n", row.name.c_str(), row.tp, row.dp, m.status().ToString().c_str());
+      std::fprintf(stderr, "%s %s: %s\n", row.name.c_str(), LayoutOf(row).c_str(), m.status().ToString().c_str());
       ++failed;
       continue;
     }
@@ -253,20 +273,27 @@ int Main(int argc, char** argv) {
       base_of = key;
       base = tps;
     }
-    const std::string layout = absl::StrCat("tp=", row.tp, " dp=", row.dp);
+    const std::string layout = LayoutOf(row);
     const double params = row.shape.MatMulParams();
+    // 1F1B's bubble with even stages: (p - 1) / (m + p - 1) of the step.
+    const double closed_form = row.pp > 1 ? static_cast<double>(row.pp - 1) / (row.micro + row.pp - 1) : 0;
     if (json) {
-      std::printf("{\"bench\":\"train\",\"model\":\"%s\",\"device\":\"%s\",\"tp\":%d,\"dp\":%d,\"precision\":\"%s\","
+      std::printf("{\"bench\":\"train\",\"model\":\"%s\",\"device\":\"%s\",\"tp\":%d,\"pp\":%d,\"dp\":%d,"
+                  "\"micro_batches\":%d,\"precision\":\"%s\","
                   "\"matmul_params\":%.0f,\"seq_len\":%lld,\"batch\":%lld,\"steps\":%d,\"step_seconds\":%.6f,"
                   "\"tokens_per_second\":%.1f,\"model_flops_per_second\":%.4g,\"peak_flops_per_second\":%.4g,"
-                  "\"mfu\":%.4f,\"loss\":%.4f}\n",
-                  row.name.c_str(), row.cuda ? "cuda" : "cpu", row.tp, row.dp, row.cuda ? "bf16" : "fp32", params,
-                  static_cast<long long>(row.seq), static_cast<long long>(row.batch), steps, m->step_seconds, tps,
-                  flops, peak, flops / peak, m->loss);
+                  "\"mfu\":%.4f,\"loss\":%.4f,\"bubble\":%.4f,\"bubble_1f1b\":%.4f}\n",
+                  row.name.c_str(), row.cuda ? "cuda" : "cpu", row.tp, row.pp, row.dp, row.micro,
+                  row.cuda ? "bf16" : "fp32", params, static_cast<long long>(row.seq),
+                  static_cast<long long>(row.batch), steps, m->step_seconds, tps, flops, peak, flops / peak, m->loss,
+                  m->bubble, closed_form);
     } else {
-      std::printf("%-10s  %-4s  %-10s  %-4s  %7.1fM  %6.0f  %10.1f  %10.0f  %11.3g  %11.3g  %5.1f%%  %7.2fx\n",
+      const std::string bubble =
+          row.pp > 1 ? absl::StrFormat("%.0f%% (%.0f%%)", 100 * m->bubble, 100 * closed_form) : std::string("-");
+      std::printf("%-10s  %-4s  %-19s  %-4s  %7.1fM  %6.0f  %10.1f  %10.0f  %11.3g  %11.3g  %5.1f%%  %7.2fx  %s\n",
                   row.name.c_str(), row.cuda ? "cuda" : "cpu", layout.c_str(), row.cuda ? "bf16" : "fp32",
-                  params / 1e6, tokens, m->step_seconds * 1e3, tps, flops, peak, 100 * flops / peak, tps / base);
+                  params / 1e6, tokens, m->step_seconds * 1e3, tps, flops, peak, 100 * flops / peak, tps / base,
+                  bubble.c_str());
     }
     std::fflush(stdout);
   }

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "worker/train/pipeline_schedule.h"
 
@@ -33,9 +34,9 @@ absl::Status WaitAll(std::vector<Pending>& sends, absl::Duration timeout) {
 
 }  // namespace
 
-absl::StatusOr<double> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
-                                       const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
-                                       int64_t step_labels) {
+absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
+                                                   const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
+                                                   int64_t step_labels) {
   const shardformer::PipelineStage& stage = model.shard_config().stage;
   const int me = stage.index;
   const int m = static_cast<int>(micro_batches);
@@ -77,6 +78,7 @@ absl::StatusOr<double> RunPipelineStep(shardformer::ShardedModel& model, Process
   std::map<int, InFlight> alive;
   std::vector<Pending> sends;
   double loss = 0;
+  absl::Duration waited;
   auto run = [&]() -> absl::Status {
     for (const PipeTask& task : schedule) {
       const int i = task.micro_batch;
@@ -88,8 +90,10 @@ absl::StatusOr<double> RunPipelineStep(shardformer::ShardedModel& model, Process
           ASSIGN_OR_RETURN(forward, model.Forward(ids.Contiguous()));
         } else {
           ASSIGN_OR_RETURN(Tensor buf, Tensor::Empty(in_local, dtype, device));
+          const absl::Time waiting = absl::Now();
           RETURN_IF_ERROR(recv_fwd->Recv(buf.raw_data(), buf.numel(), dtype, me - 1, static_cast<uint32_t>(i))
                               ->WaitOnDevice(timeout));
+          waited += absl::Now() - waiting;
           f.input = Variable(buf, /*requires_grad=*/true);
           ASSIGN_OR_RETURN(ColoTensor in, ColoTensor::FromLocal(f.input, in_spec, &pg));
           ASSIGN_OR_RETURN(forward, model.root().Forward(in));
@@ -117,8 +121,10 @@ absl::StatusOr<double> RunPipelineStep(shardformer::ShardedModel& model, Process
       } else {
         const Tensor& o = f.output->local();
         ASSIGN_OR_RETURN(Tensor grad, Tensor::Empty(o.shape(), o.dtype(), o.device()));
+        const absl::Time waiting = absl::Now();
         RETURN_IF_ERROR(recv_back->Recv(grad.raw_data(), grad.numel(), grad.dtype(), me + 1, static_cast<uint32_t>(i))
                             ->WaitOnDevice(timeout));
+        waited += absl::Now() - waiting;
         RETURN_IF_ERROR(Backward(f.output->variable(), grad));
       }
       if (!stage.first()) {
@@ -141,7 +147,7 @@ absl::StatusOr<double> RunPipelineStep(shardformer::ShardedModel& model, Process
   ASSIGN_OR_RETURN(Communicator * pp, pg.Comm("pp"));
   ASSIGN_OR_RETURN(Tensor total, Tensor::FromFloats({1}, {stage.last() ? static_cast<float>(loss) : 0.0f}));
   RETURN_IF_ERROR(pp->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->Wait(timeout));
-  return static_cast<double>(total.ToFloats()[0]);
+  return PipelineStepResult{static_cast<double>(total.ToFloats()[0]), absl::ToDoubleSeconds(waited)};
 }
 
 absl::Status SumTiedGradients(const std::vector<shardformer::NamedParam>& params,

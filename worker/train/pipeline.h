@@ -24,15 +24,19 @@
 
 namespace colod::train {
 
+struct PipelineStepResult {
+  double loss = 0;          // the step's, the same on every stage
+  double wait_seconds = 0;  // this stage's time blocked receiving from its neighbours (its bubble)
+};
+
 // Runs one step's forwards and backwards of `model`'s stage over
 // `micro_batches` equal parts of this replica's `inputs` (token ids [rows,
 // seq]) and `labels`, each micro-batch's loss divided by `step_labels`.
-// GradSync reduces over dp during the stage's last backward. Returns the
-// step's loss, the same on every stage. Collective over the pp group (and
-// the groups the layers use).
-absl::StatusOr<double> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
-                                       const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
-                                       int64_t step_labels);
+// GradSync reduces over dp during the stage's last backward. Collective over
+// the pp group (and the groups the layers use).
+absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
+                                                   const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
+                                                   int64_t step_labels);
 
 // The first and last stages' gradients of a tied table (NamedParam::tied:
 // the embedding and the last stage's mirror of it) summed, on both; nothing

@@ -161,9 +161,12 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
     } else {
       RETURN_IF_ERROR(run.sampler->Batch(*run.corpus, step, replica, &inputs, &labels));
     }
-    double loss = 0;
+    double loss = 0, pipeline_wait = 0;
     if (shard.pp() > 1) {
-      ASSIGN_OR_RETURN(loss, RunPipelineStep(*model, pg, *sync, inputs, labels, o.micro_batches, step_labels));
+      ASSIGN_OR_RETURN(PipelineStepResult r,
+                       RunPipelineStep(*model, pg, *sync, inputs, labels, o.micro_batches, step_labels));
+      loss = r.loss;
+      pipeline_wait = r.wait_seconds;
     }
     for (int64_t mb = 0; shard.pp() == 1 && mb < o.micro_batches; ++mb) {
       ASSIGN_OR_RETURN(Tensor in, inputs.Narrow(0, mb * micro_rows, micro_rows));
@@ -197,6 +200,7 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
     s.lr = lr;
     s.grad_norm = norm;
     s.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    s.pipeline_wait_seconds = pipeline_wait;
     // An image, a pair's input and target tokens, or a sequence's tokens.
     const int64_t per_row = run.images != nullptr  ? 1
                             : run.pairs != nullptr ? run.pairs->input_len() + run.pairs->target_len()

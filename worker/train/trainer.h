@@ -67,6 +67,9 @@ struct StepStats {
   bool cuda = false;
   int64_t pool_reserved_bytes = 0, pool_used_bytes = 0;
   double seconds = 0;      // the step's wall time
+  // Pipeline stages: the time this rank's stage waited for its neighbours
+  // during the step (its share of the pipeline's bubble).
+  double pipeline_wait_seconds = 0;
   int64_t rank_tokens = 0; // tokens this rank's replica processed in the step
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
   std::string checkpoint;  // the training checkpoint written after this step, if any
