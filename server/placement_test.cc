@@ -66,6 +66,28 @@ TEST(Placement, AGroupNoHostHoldsSpansHostsInOrder) {
   EXPECT_EQ(Ids(*m), (std::vector<std::string>{"a-gpu0", "a-gpu1", "a-gpu2", "b-gpu0"}));
 }
 
+// Pipeline stages (dp, pp, tp): a stage's tp group on one host, and a
+// replica's neighbouring stages on the same host while it has room.
+TEST(Placement, NeighbouringPipelineStagesShareAHost) {
+  v1::ShardConfig s;
+  s.set_tensor_parallel_size(2);
+  s.set_pipeline_parallel_size(2);
+  s.set_data_parallel_size(2);
+  const DeviceMesh mesh = *DeviceMesh::FromShardConfig(s);
+  std::vector<v1::WorkerInfo> workers;
+  for (const char* host : {"b", "a"}) {
+    for (int i = 0; i < 4; ++i) workers.push_back(W(host, i));
+  }
+  auto m = AssignRanks(mesh, workers);
+  ASSERT_TRUE(m.ok()) << m.status();
+  // Ranks 0-3 are replica 0's stages 0 and 1, ranks 4-7 replica 1's.
+  EXPECT_EQ(Ids(*m), (std::vector<std::string>{"a-gpu0", "a-gpu1", "a-gpu2", "a-gpu3", "b-gpu0", "b-gpu1", "b-gpu2",
+                                               "b-gpu3"}));
+  bool has_pp = false;
+  for (const auto& g : m->groups()) has_pp = has_pp || g.axis() == "pp";
+  EXPECT_TRUE(has_pp) << "the mesh's pp groups are in the spec";
+}
+
 TEST(Placement, TooFewWorkers) {
   auto m = AssignRanks(Mesh(2, 2), {W("a", 0), W("a", 1), W("b", 0)});
   EXPECT_EQ(m.status().code(), absl::StatusCode::kResourceExhausted);

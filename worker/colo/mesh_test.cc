@@ -138,5 +138,27 @@ TEST(DeviceMesh, ProtoListsEveryGroupOfEveryAxis) {
   EXPECT_EQ(per_axis, (std::map<std::string, int>{{"dp", 4}, {"tp", 2}, {"tp_col", 4}, {"tp_row", 4}}));
 }
 
+// Pipeline stages: axes dp, pp, tp (DESIGN.md section 3); a stage's tp
+// group is consecutive ranks, neighbouring stages are tp apart.
+TEST(DeviceMesh, PipelineStagesSitBetweenDpAndTp) {
+  v1::ShardConfig s;
+  s.set_tensor_parallel_size(2);
+  s.set_pipeline_parallel_size(2);
+  s.set_data_parallel_size(2);
+  auto mesh = DeviceMesh::FromShardConfig(s);
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  ASSERT_EQ(mesh->axes().size(), 3u);
+  EXPECT_EQ(mesh->axes()[1].name, "pp");
+  EXPECT_EQ(mesh->world_size(), 8);
+  EXPECT_EQ(*mesh->GroupOf("tp", 5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(*mesh->GroupOf("pp", 5), (std::vector<int>{5, 7}));
+  EXPECT_EQ(*mesh->GroupOf("dp", 5), (std::vector<int>{1, 5}));
+  EXPECT_EQ(*mesh->LocalRank("pp", 7), 1);
+  s.set_pipeline_parallel_size(1);  // no stages: no pp axis
+  EXPECT_EQ(DeviceMesh::FromShardConfig(s)->axes().size(), 2u);
+  s.set_pipeline_parallel_size(-1);
+  EXPECT_FALSE(DeviceMesh::FromShardConfig(s).ok());
+}
+
 }  // namespace
 }  // namespace colod
