@@ -338,30 +338,49 @@ absl::StatusOr<int64_t> SumRankElements(const std::vector<PlanLeaf>& leaves, con
 
 }  // namespace
 
+namespace {
+
+bool HasTiedHead(const std::vector<PlanLeaf>& leaves) {
+  return std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) { return l.role == Role::kTiedHead; });
+}
+
+// The leaves pipeline stage `s` holds (gpt2, llama): the layers' leaves for
+// its share of the layers, the embeddings on the first stage, the final
+// norm and the head on the last, which also holds a tied head's table (its
+// mirror of the first stage's).
+std::vector<PlanLeaf> StageLeaves(const ModelConfig& config, const std::vector<PlanLeaf>& leaves,
+                                  const std::vector<int64_t>& stages, size_t s) {
+  const bool first = s == 0, last = s + 1 == stages.size(), tied = HasTiedHead(leaves);
+  std::vector<PlanLeaf> out;
+  for (const PlanLeaf& l : leaves) {
+    if (l.count == config.num_layers) {
+      PlanLeaf mine = l;
+      mine.count = stages[s];
+      out.push_back(mine);
+    } else if (l.role == Role::kVocabTable || l.role == Role::kPositions) {
+      if (first || (last && tied && l.role == Role::kVocabTable)) {
+        PlanLeaf mine = l;
+        if (!first) mine.lookups = 0;  // the mirror only serves the head
+        out.push_back(mine);
+      }
+    } else if (last) {
+      out.push_back(l);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<int64_t> RankParameters(const ModelConfig& config, const v1::ShardConfig& layout) {
   ASSIGN_OR_RETURN(Split split, SplitOf(layout));
   ASSIGN_OR_RETURN(std::vector<PlanLeaf> leaves, PlanLeaves(config));
   if (layout.pipeline_parallel_size() <= 1) return SumRankElements(leaves, split);
-  // Pipeline stages (gpt2, llama): the layers' leaves by each stage's share,
-  // the embeddings on the first stage, the final norm and the head on the
-  // last, which also holds a tied head's table; the fullest stage's.
+  // Pipeline stages: the fullest stage's.
   ASSIGN_OR_RETURN(std::vector<int64_t> stages, PipelineStageLayers(config, layout));
-  const bool tied = std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) { return l.role == Role::kTiedHead; });
   int64_t fullest = 0;
   for (size_t s = 0; s < stages.size(); ++s) {
-    const bool first = s == 0, last = s + 1 == stages.size();
-    CheckedSum total;
-    for (const PlanLeaf& l : leaves) {
-      ASSIGN_OR_RETURN(int64_t n, RankElements(l, split));
-      if (l.count == config.num_layers) {
-        total.Add({n / l.count, stages[s]});
-      } else if (l.role == Role::kVocabTable || l.role == Role::kPositions) {
-        if (first || (last && tied && l.role == Role::kVocabTable)) total.Add({n});
-      } else if (last) {
-        total.Add({n});
-      }
-    }
-    ASSIGN_OR_RETURN(int64_t held, total.Total("a pipeline stage's parameters per rank"));
+    ASSIGN_OR_RETURN(int64_t held, SumRankElements(StageLeaves(config, leaves, stages, s), split));
     fullest = std::max(fullest, held);
   }
   return fullest;
@@ -391,6 +410,7 @@ class CommSum {
     // whole input (p-1)/p n, all-gather of a piece (p-1) n, a broadcast
     // from one root (p-1)/p n on average.
     double wire = static_cast<double>(*bytes);
+    if (op == "recv") wire = 0;  // what a rank puts on the wire is its sends
     if (op == "all_reduce") wire *= 2.0 * (p - 1) / p;
     if (op == "reduce_scatter" || op == "broadcast") wire *= static_cast<double>(p - 1) / p;
     if (op == "all_gather") wire *= p - 1;
@@ -427,7 +447,10 @@ int64_t ParamWidth(const v1::JobSpec& spec) {
 
 }  // namespace
 
-absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& spec) {
+namespace {
+
+// The plan of one rank of pipeline stage `stage` (-1: no pipeline).
+absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& spec, int stage) {
   JobPlan plan;
   if (spec.kind() == v1::JOB_KIND_TENSOR) return plan;
   const v1::ShardConfig& layout = spec.shard();
@@ -440,10 +463,6 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
     return absl::InvalidArgumentError(
         absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d, 2d and 2.5d"));
   }
-  if (layout.pipeline_parallel_size() > 1) {
-    return absl::UnimplementedError(
-        "the planner does not plan pipeline stages yet (the admission floor counts their parameters)");
-  }
   ASSIGN_OR_RETURN(const Split split, SplitOf(layout));
   // (CheckShardable refused the families that have 1D only.)
   if (split.blocks() && sp) {
@@ -452,6 +471,16 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
     return absl::InvalidArgumentError("the t5 policy has no sequence_parallel");
   }
   ASSIGN_OR_RETURN(std::vector<PlanLeaf> leaves, PlanLeaves(config));
+  // Pipeline stages: this stage's leaves and layers.
+  const int pp = std::max(1, layout.pipeline_parallel_size());
+  std::vector<int64_t> stages = {config.num_layers};
+  const bool tied_head = HasTiedHead(leaves);  // the model's, whichever stage holds the head
+  if (stage >= 0) {
+    if (!train) return absl::InvalidArgumentError("pipeline_parallel_size applies to TRAIN jobs");
+    ASSIGN_OR_RETURN(stages, PipelineStageLayers(config, layout));
+    leaves = StageLeaves(config, leaves, stages, static_cast<size_t>(stage));
+  }
+  const bool tied_stages = stage >= 0 && tied_head && (stage == 0 || stage == pp - 1);
   ASSIGN_OR_RETURN(plan.parameters, ParameterCount(config));
   ASSIGN_OR_RETURN(plan.rank_parameters, SumRankElements(leaves, split));
   const int64_t width = ParamWidth(spec);
@@ -569,8 +598,8 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
         break;
     }
   }
-  const int64_t blocks = config.num_layers + config.num_decoder_layers;
-  const int64_t attentions = config.num_layers + 2 * config.num_decoder_layers;
+  const int64_t blocks = stage >= 0 ? stages[stage] : config.num_layers + config.num_decoder_layers;
+  const int64_t attentions = stage >= 0 ? stages[stage] : config.num_layers + 2 * config.num_decoder_layers;
   CheckedSum attention_width;  // q, k, v, the output and the merged heads
   attention_width.Add({3, config.num_heads, config.head_dim()});
   attention_width.Add({2, config.num_kv_heads, config.head_dim()});
@@ -586,6 +615,13 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
     activations = config.num_layers + config.num_decoder_layers > 0
                       ? activations / (config.num_layers + config.num_decoder_layers)
                       : activations;
+  }
+  if (stage >= 0) {
+    // 1F1B keeps min(p - s, m) micro-batches' activations alive on stage s.
+    const int64_t in_flight = std::min<int64_t>(pp - stage, plan.micro_batches);
+    const std::optional<int64_t> held = CheckedMul(activations, in_flight);
+    if (!held.has_value()) return absl::InvalidArgumentError("the activations per rank overflow");
+    activations = *held;
   }
   plan.activation_bytes = activations;
   plan.notes.push_back("activations are an estimate of what the autograd tape holds (every op's output): "
@@ -790,6 +826,32 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
     comm.Add(stream_k, "all_reduce", {micro}, {2}, 4, q);
     if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
   }
+  if (stage >= 0) {
+    // Pipeline stages (worker/train/pipeline.h): per micro-batch, the
+    // stream's local block [rows, hidden] to the next stage and its gradient
+    // back, each direction on the channel of the sending stage's parity;
+    // the loss and the gradient norm's sum over pp; the first and last
+    // stages' exchange of a tied table's gradient (f0 out, b1 back).
+    auto channel = [](bool forward, int from) { return absl::StrCat("pp#", forward ? "f" : "b", from % 2); };
+    const std::initializer_list<int64_t> block = {stream_rows, CeilDiv(config.hidden_size, feat_div)};
+    if (stage + 1 < pp) {
+      comm.Add(channel(true, stage), "send", {micro}, block, act, pp);
+      comm.Add(channel(false, stage + 1), "recv", {micro}, block, act, pp);
+    }
+    if (stage > 0) {
+      comm.Add(channel(true, stage - 1), "recv", {micro}, block, act, pp);
+      comm.Add(channel(false, stage), "send", {micro}, block, act, pp);
+    }
+    comm.Add("pp", "all_reduce", {2}, {1}, 4, pp);
+    if (tied_stages) {
+      for (const PlanLeaf& l : leaves) {
+        if (l.role != Role::kVocabTable) continue;
+        ASSIGN_OR_RETURN(int64_t n, RankElements(l, split));
+        comm.Add(channel(true, 0), stage == 0 ? "send" : "recv", {1}, {n}, width, pp);
+        comm.Add(channel(false, 1), stage == 0 ? "recv" : "send", {1}, {n}, width, pp);
+      }
+    }
+  }
   ASSIGN_OR_RETURN(plan.comm, comm.Done());
   for (const PlanComm& c : plan.comm) plan.wire_bytes += c.wire_bytes;
   CheckedSum total;
@@ -798,7 +860,27 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
   total.Add({plan.optimizer_bytes});
   total.Add({plan.activation_bytes});
   ASSIGN_OR_RETURN(plan.total_bytes, total.Total("the memory per rank"));
+  if (stage >= 0) {
+    plan.pipeline_stage = stage;
+    plan.notes.push_back(absl::StrCat("pipeline: the plan of stage ", stage, " of ", pp, ", the fullest (",
+                                      blocks, " of the layers, ", std::min<int64_t>(pp - stage, plan.micro_batches),
+                                      " micro-batches' activations alive under 1F1B)"));
+  }
   return plan;
+}
+
+}  // namespace
+
+absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& spec) {
+  const int pp = std::max(1, spec.shard().pipeline_parallel_size());
+  if (pp == 1 || spec.kind() == v1::JOB_KIND_TENSOR) return PlanStage(config, spec, -1);
+  // The fullest stage: the one a layout must fit.
+  std::optional<JobPlan> fullest;
+  for (int s = 0; s < pp; ++s) {
+    ASSIGN_OR_RETURN(JobPlan p, PlanStage(config, spec, s));
+    if (!fullest.has_value() || p.total_bytes > fullest->total_bytes) fullest = std::move(p);
+  }
+  return *std::move(fullest);
 }
 
 std::string LayoutName(const v1::ShardConfig& s) {

@@ -98,6 +98,9 @@ struct JobPlan {
   int64_t batch_size = 0, seq_len = 0, micro_batches = 1;
   // What the plan leaves out or approximates, in words.
   std::vector<std::string> notes;
+  // With pipeline stages, the stage whose rank the plan describes: the
+  // fullest (the others hold less); -1 without stages.
+  int pipeline_stage = -1;
 };
 
 // The plan of `spec` (TRAIN or FORWARD) for `config`: INVALID_ARGUMENT

@@ -297,9 +297,15 @@ TEST(Plan, PipelineStagesHoldTheFullestStagesParameters) {
     });
     EXPECT_EQ(most, *planned) << c.model->config.model_type << " tp" << c.tp << " pp" << c.pp;
   }
+  // PlanJob plans the fullest stage: its parameters are RankParameters'.
   v1::JobSpec spec = Train(2, 1);
   spec.mutable_shard()->set_pipeline_parallel_size(2);
-  EXPECT_EQ(PlanJob(gpt2->config, spec).status().code(), absl::StatusCode::kUnimplemented);
+  auto plan = PlanJob(gpt2->config, spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->rank_parameters, *RankParameters(gpt2->config, spec.shard()));
+  EXPECT_GE(plan->pipeline_stage, 0);
+  spec.set_kind(v1::JOB_KIND_FORWARD);
+  EXPECT_EQ(PlanJob(gpt2->config, spec).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(Plan, MemoryFollowsPrecisionAndOptimizerAndActivationsShrinkWithTp) {

@@ -1,6 +1,7 @@
 // The dry-run planner (worker/shardformer/plan.h) against real training
 // steps of a tiny GPT-2 and LLaMA in 1D (with sequence parallelism and
-// micro-batches), 2D, 2.5D and 3D, with and without dp: the bytes each rank
+// micro-batches), 2D, 2.5D and 3D, pipeline stages (the fullest stage's
+// ranks), with and without dp: the bytes each rank
 // holds (what colod_tensor_bytes reports) and the bytes each process group
 // moves by each collective (what InstrumentedCommunicator counts) are the
 // plan's within 5 %, and each tensor-parallel group's calls are the plan's.
@@ -34,6 +35,7 @@ struct Case {
   int micro;
   v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D;
   int depth = 0;
+  int pp = 1;
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
@@ -64,6 +66,7 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
   o.shard.layout.set_tensor_parallel_mode(c.mode);
   o.shard.layout.set_depth(c.depth);
   o.shard.layout.set_sequence_parallel(c.sp);
+  o.shard.layout.set_pipeline_parallel_size(c.pp);
   o.bucket_bytes = 64 << 10;  // several buckets
   auto prepared = PrepareTrain(o);
   ASSERT_TRUE(prepared.ok()) << prepared.status();
@@ -86,9 +89,11 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
         const absl::Status s = RunTrainRank(**prepared, rank, pg, o.shard, hooks);
         ASSERT_TRUE(s.ok()) << s;
         std::map<std::pair<std::string, std::string>, InstrumentedCommunicator::OpStats> mine;
-        for (const std::string axis : {"tp", "tp_row", "tp_col", "tp_dep", "tp_output", "tp_input", "tp_weight", "dp"}) {
-          if (!pg.AxisSize(axis).ok() || *pg.AxisSize(axis) < 2) continue;
-          for (const std::string op : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) {
+        for (const std::string axis : {"tp", "tp_row", "tp_col", "tp_dep", "tp_output", "tp_input", "tp_weight", "dp",
+                                       "pp", "pp#f0", "pp#f1", "pp#b0", "pp#b1"}) {
+          const std::string base = axis.substr(0, axis.find('#'));
+          if (!pg.AxisSize(base).ok() || *pg.AxisSize(base) < 2) continue;
+          for (const std::string op : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"}) {
             const InstrumentedCommunicator::OpStats st = colod::testing::Stats(pg, axis, op);
             if (st.bytes > 0) mine[{axis, op}] = st;
           }
@@ -99,7 +104,15 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
       },
       /*instrument=*/true);
 
-  ASSERT_EQ(stats.size(), static_cast<size_t>(c.tp * c.dp));
+  ASSERT_EQ(stats.size(), static_cast<size_t>(c.tp * c.pp * c.dp));
+  // With pipeline stages the plan is its fullest stage's ranks'.
+  if (c.pp > 1) {
+    ASSERT_GE(plan->pipeline_stage, 0);
+    for (auto it = stats.begin(); it != stats.end();) {
+      it = *mesh->LocalRank("pp", it->first) == plan->pipeline_stage ? std::next(it) : stats.erase(it);
+    }
+    ASSERT_FALSE(stats.empty());
+  }
   auto within = [](int64_t got, int64_t want) { return std::abs(static_cast<double>(got - want)) <= 0.05 * want; };
   std::map<std::pair<std::string, std::string>, shardformer::PlanComm> planned;
   for (const shardformer::PlanComm& pc : plan->comm) planned[{pc.group, pc.op}] = pc;
@@ -131,7 +144,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"llama_2d_dp2", "llama", 4, 2, false, 1, v1::TENSOR_PARALLEL_MODE_2D},
                       Case{"gpt2_2p5d", "gpt2", 8, 1, false, 1, v1::TENSOR_PARALLEL_MODE_2P5D, 2},
                       Case{"gpt2_3d", "gpt2", 8, 1, false, 1, v1::TENSOR_PARALLEL_MODE_3D},
-                      Case{"llama_3d_micro2", "llama", 8, 1, false, 2, v1::TENSOR_PARALLEL_MODE_3D}),
+                      Case{"llama_3d_micro2", "llama", 8, 1, false, 2, v1::TENSOR_PARALLEL_MODE_3D},
+                      Case{"gpt2_tp2_pp2_micro4", "gpt2", 2, 1, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
+                      Case{"llama_pp2_dp2_micro2", "llama", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace
