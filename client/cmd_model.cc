@@ -17,6 +17,7 @@
 #include "client/commands.h"
 #include "client/format.h"
 #include "client/job_flags.h"
+#include "common/limits.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/shardformer/checkpoint.h"
@@ -57,10 +58,14 @@ ABSL_FLAG(std::string, memory_per_rank, "",
 namespace colod::cli {
 namespace {
 
-// The workers a layout needs: tp * pp * dp (an unset size counts as 1).
+// The workers a layout needs: tp * pp * dp (an unset size counts as 1), at
+// most one more than a mesh may have (the coordinator refuses such a job).
 int WorkersFor(const v1::ShardConfig& layout) {
-  return std::max(1, layout.tensor_parallel_size()) * std::max(1, layout.pipeline_parallel_size()) *
-         std::max(1, layout.data_parallel_size());
+  int64_t n = 1;
+  for (int32_t size : {layout.tensor_parallel_size(), layout.pipeline_parallel_size(), layout.data_parallel_size()}) {
+    n = std::min<int64_t>(n * std::max(1, size), int64_t{kMaxWorldSize} + 1);
+  }
+  return static_cast<int>(n);
 }
 
 // A FORWARD job on the cluster at `address`, followed to its end: the

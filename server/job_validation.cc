@@ -110,7 +110,9 @@ absl::Status ValidateShardConfig(const v1::ShardConfig& s, absl::string_view pat
   if (dp < 1) return Invalid(path, "data_parallel_size", absl::StrCat("must be >= 1, got ", dp));
   const int pp = s.pipeline_parallel_size();
   if (pp < 0) return Invalid(path, "pipeline_parallel_size", absl::StrCat("must be >= 0 (0 or 1: none), got ", pp));
-  const int64_t world = static_cast<int64_t>(tp) * dp * std::max(1, pp);  // each factor < 2^31: fits
+  // tp * dp < 2^62 fits; pp multiplies only what is already in range.
+  const int64_t tp_dp = static_cast<int64_t>(tp) * dp;
+  const int64_t world = tp_dp > kMaxWorldSize ? tp_dp : tp_dp * std::max(1, pp);
   if (world > kMaxWorldSize) {
     return Invalid(path, pp > 1 ? "pipeline_parallel_size" : "data_parallel_size",
                    absl::StrCat(pp > 1 ? "tp * pp * dp = " : "tp * dp = ", world, " exceeds ", kMaxWorldSize));
