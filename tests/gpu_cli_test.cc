@@ -1,7 +1,7 @@
 // `coloctl train --device cuda` and `coloctl forward --device cuda` as a
 // user runs them (rank r on GPU r over NCCL, inside coloctl) against the
-// same runs on CPUs: GPT-2 and LLaMA trained at tp=2 dp=2 with the CPU run's
-// losses, and a forward pass with the unsharded reference's loss and logits.
+// same runs on CPUs: GPT-2 and LLaMA trained at tp=2 dp=2, and GPT-2 at
+// tp=2 x pp=2, with the CPU run's losses, and a forward pass with the unsharded reference's loss and logits.
 // The GPU default precision is bf16, and --allow-tf32 reaches cuBLAS.
 // Runs on GPUs, and without one under --config=cuda-emu (docs/GPU.md).
 #include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
@@ -52,11 +52,12 @@ absl::StatusOr<shardformer::testing::TinyModel> ByteLevelModel(const std::string
                            : shardformer::testing::WriteTinyGpt2(TempPath(name), o);
 }
 
-void TrainOnBothDevices(const std::string& model_dir, const std::string& what) {
-  const std::vector<std::string> common = {"train", "--model", model_dir, "--data", "/usr/share/common-licenses/GPL-3",
-                                           "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
-                                           "--seed", "5", "--tp", "2", "--dp", "2", "--mode", "1d", "--output",
-                                           "json", "--precision", "fp32"};
+void TrainOnBothDevices(const std::string& model_dir, const std::string& what,
+                        const std::vector<std::string>& layout = {"--tp", "2", "--dp", "2", "--mode", "1d"}) {
+  std::vector<std::string> common = {"train", "--model", model_dir, "--data", "/usr/share/common-licenses/GPL-3",
+                                     "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
+                                     "--seed", "5", "--output", "json", "--precision", "fp32"};
+  common.insert(common.end(), layout.begin(), layout.end());
   std::vector<std::string> cpu = common, gpu = common;
   cpu.insert(cpu.end(), {"--device", "cpu"});
   gpu.insert(gpu.end(), {"--device", "cuda"});
@@ -81,6 +82,14 @@ TEST_F(GpuCli, Gpt2TrainsAtTp2Dp2WithTheCpuLosses) {
   auto model = ByteLevelModel("Gpt2", "gpt2");
   ASSERT_TRUE(model.ok()) << model.status();
   TrainOnBothDevices(model->dir, "GPT-2");
+}
+
+// Pipeline stages on the devices: activations and their gradients over
+// NCCL send/recv, the tied table's gradient summed between the stages.
+TEST_F(GpuCli, Gpt2TrainsAtTp2Pp2WithTheCpuLosses) {
+  auto model = ByteLevelModel("Gpt2", "gpt2_pp");
+  ASSERT_TRUE(model.ok()) << model.status();
+  TrainOnBothDevices(model->dir, "GPT-2 pp", {"--tp", "2", "--pp", "2", "--micro-batches", "2"});
 }
 
 TEST_F(GpuCli, LlamaTrainsAtTp2Dp2WithTheCpuLosses) {

@@ -194,8 +194,8 @@ TEST(Train, OptTrainsAlikeAtEveryLayout) {
 
 // LLaMA (grouped-query attention, untied head) trains with the same losses
 // at 3D and at tp 2 x pp 2 x dp 2 on 8 workers as unsharded, and GPT-2 (its
-// head tied across the first and last stages) at tp 2 x pp 2 x dp 2; the
-// losses fall.
+// head tied: to the 3D embedding, and across the first and last stages) at
+// the same two layouts; the losses fall.
 TEST(Train, ThreeDimensionalAndPipelineLayoutsTrainAlike) {
   shardformer::testing::TinyOptions o;
   o.vocab = 257;
@@ -214,6 +214,7 @@ TEST(Train, ThreeDimensionalAndPipelineLayoutsTrainAlike) {
   std::vector<std::string> gpt2_common = common;
   gpt2_common[2] = gpt2->dir;
   ExpectSameLossesAtEveryLayout(gpt2_common, {{"--tp", "1", "--dp", "1"},
+                                              {"--tp", "8", "--dp", "1", "--mode", "3d"},
                                               {"--tp", "2", "--pp", "2", "--dp", "2", "--micro-batches", "2"}});
   // Usage errors, and what the coordinator refuses.
   std::vector<std::string> bad = gpt2_common;

@@ -34,6 +34,15 @@ absl::Status WaitAll(std::vector<Pending>& sends, absl::Duration timeout) {
 
 }  // namespace
 
+absl::Status MakePipelineChannels(ProcessGroup& pg, int stages) {
+  for (const bool forward : {true, false}) {
+    for (int parity = 0; parity < std::min(2, stages - 1); ++parity) {
+      RETURN_IF_ERROR(pg.Comm(Channel(forward, forward ? parity : parity + 1)).status());
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
                                                    int64_t step_labels) {
@@ -43,13 +52,7 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
   ASSIGN_OR_RETURN(std::vector<PipeTask> schedule, OneFOneBSchedule(stage.count, me, m));
   const int64_t rows = inputs.shape()[0] / micro_batches, seq = inputs.shape()[1];
   const absl::Duration timeout = pg.timeout();
-  // Made (collectively over the pp group) by every stage in one order,
-  // whether or not it uses them: a pipeline of 2 uses two of the four.
-  for (const bool forward : {true, false}) {
-    for (int parity = 0; parity < std::min(2, stage.count - 1); ++parity) {
-      RETURN_IF_ERROR(pg.Comm(Channel(forward, forward ? parity : parity + 1)).status());
-    }
-  }
+  RETURN_IF_ERROR(MakePipelineChannels(pg, stage.count));
   Communicator *send_fwd = nullptr, *recv_fwd = nullptr, *send_back = nullptr, *recv_back = nullptr;
   if (!stage.last()) {
     ASSIGN_OR_RETURN(send_fwd, pg.Comm(Channel(true, me)));
@@ -145,8 +148,9 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
   RETURN_IF_ERROR(sent);
   // The loss, which the last stage has, on every stage.
   ASSIGN_OR_RETURN(Communicator * pp, pg.Comm("pp"));
-  ASSIGN_OR_RETURN(Tensor total, Tensor::FromFloats({1}, {stage.last() ? static_cast<float>(loss) : 0.0f}));
-  RETURN_IF_ERROR(pp->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->Wait(timeout));
+  ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({1}, {stage.last() ? static_cast<float>(loss) : 0.0f}));
+  ASSIGN_OR_RETURN(Tensor total, host.To(device));  // NCCL reduces device memory
+  RETURN_IF_ERROR(pp->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(timeout));
   return PipelineStepResult{static_cast<double>(total.ToFloats()[0]), absl::ToDoubleSeconds(waited)};
 }
 

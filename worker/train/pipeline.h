@@ -7,9 +7,11 @@
 // Channels: each direction between two neighbours has its own communicator
 // of the pp group ("pp#f0"/"pp#f1" forward, "pp#b0"/"pp#b1" backward, by
 // the sending stage's parity), so each of a stage's communicator threads
-// carries one flow in micro-batch order: a send waits for its receiver on
-// its own thread, never in front of a receive; the schedule's simulation
-// (SimulatePipeline) shows 1F1B deadlock-free under exactly this model.
+// (Gloo) or streams (NCCL) carries one flow in micro-batch order: a send
+// waits for its receiver on its own thread or stream, never in front of a
+// receive; the schedule's simulation (SimulatePipeline) shows 1F1B
+// deadlock-free under exactly this model. On CUDA ranks a receive is waited
+// for by the compute stream (Work::WaitOnDevice), not the host.
 //
 // Thread-safety: called by the stage's rank thread.
 #ifndef COLOD_WORKER_TRAIN_PIPELINE_H_
@@ -28,6 +30,12 @@ struct PipelineStepResult {
   double loss = 0;          // the step's, the same on every stage
   double wait_seconds = 0;  // this stage's time blocked receiving from its neighbours (its bubble)
 };
+
+// Makes the four channels (those a pipeline of `stages` uses), in one order
+// on every rank: collective over the pp group, and over the whole mesh on
+// NCCL, whose groups are splits of the world communicator; so every rank
+// calls it at the same point, before its first step.
+absl::Status MakePipelineChannels(ProcessGroup& pg, int stages);
 
 // Runs one step's forwards and backwards of `model`'s stage over
 // `micro_batches` equal parts of this replica's `inputs` (token ids [rows,

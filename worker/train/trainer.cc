@@ -37,11 +37,6 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
   ASSIGN_OR_RETURN(shardformer::ModelConfig config, shardformer::LoadConfig(o.model_dir));
   RETURN_IF_ERROR(shardformer::CheckShardable(config, o.shard.layout));
-  if (o.shard.layout.pipeline_parallel_size() > 1) {
-    if (o.cuda) {
-      return absl::InvalidArgumentError("pipeline parallelism runs on CPU ranks (Gloo) so far, not on CUDA devices");
-    }
-  }
   const bool examples = config.takes_images() || config.is_encoder_decoder();  // rows drawn whole
   if (!examples && !o.labels_path.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("labels are for image classifiers and encoder-decoders: ",
@@ -121,11 +116,9 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
   const int64_t micro_rows = run.micro_rows;
   // Every run sets it: a worker daemon's device outlives its jobs.
   RETURN_IF_ERROR(ops::SetAllowTf32(shard.device, o.allow_tf32));
-  if (shard.pp() > 1 && shard.device.is_cuda()) {
-    return absl::InvalidArgumentError("pipeline parallelism runs on CPU ranks (Gloo) so far, not on CUDA devices");
-  }
   ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
                    shardformer::ShardFormer(shard, &pg).Load(o.model_dir));
+  if (shard.pp() > 1) RETURN_IF_ERROR(MakePipelineChannels(pg, shard.pp()));
   std::vector<NamedParam> params = model->Parameters();
   ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer));
   ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(params, &pg, o.bucket_bytes));

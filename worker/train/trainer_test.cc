@@ -616,7 +616,18 @@ TEST(Trainer, OnGpusTheRunMatchesTheCpuRun) {
   const std::vector<StepStats> mixed = Losses(bf16);
   ASSERT_EQ(mixed.size(), cpu.size());
   for (size_t i = 0; i < cpu.size(); ++i) EXPECT_NEAR(mixed[i].loss, cpu[i].loss, 0.03 * cpu[i].loss) << i;
+  if (gpus < 2) return;
+  // Pipeline stages over NCCL send/recv (one-way channels, each its own
+  // stream), with the tied table's gradient summed across the stages.
+  TrainOptions stages = Options(model, 1, 1);
+  stages.cuda = true;
+  stages.shard.layout.set_pipeline_parallel_size(2);
+  stages.micro_batches = 2;
+  ExpectSameLosses(Losses(stages), cpu, 1e-4, "pp=2 on 2 GPUs");
   if (gpus < 4) return;
+  TrainOptions tp_pp = stages;
+  tp_pp.shard.layout.set_tensor_parallel_size(2);
+  ExpectSameLosses(Losses(tp_pp), cpu, 1e-4, "tp=2 pp=2 on 4 GPUs");
   TrainOptions four = Options(model, 2, 2);
   four.cuda = true;
   ExpectSameLosses(Losses(four), cpu, 1e-4, "tp=2 dp=2 on 4 GPUs");
