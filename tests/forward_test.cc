@@ -102,6 +102,33 @@ TEST_F(Forward, OptMatchesItsUnshardedReference) {
   }
 }
 
+// BERT (bidirectional, post-norm, the MLM head tied to the word table) at
+// 3D on 8 workers (q = 2): its logits are the unsharded reference's, and its
+// loss is the 1D run's.
+TEST_F(Forward, BertIn3dMatchesItsUnshardedReference) {
+  auto bert = shardformer::testing::WriteTinyBert(TempPath("bert"));
+  ASSERT_TRUE(bert.ok()) << bert.status();
+  auto ref = shardformer::testing::ReferenceBert(*bert, ids_, shardformer::testing::MaskedLabels(ids_));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  std::vector<double> losses;
+  for (const std::vector<std::string>& layout :
+       std::vector<std::vector<std::string>>{{"--tp", "2", "--mode", "1d"}, {"--tp", "8", "--mode", "3d"}}) {
+    const std::string what = absl::StrJoin(layout, " ");
+    std::vector<std::string> args = {"forward", "--model", bert->dir, "--input", TempPath("ids.npy"),
+                                     "--logits", TempPath("bert_logits.npy"), "--output", "json"};
+    args.insert(args.end(), layout.begin(), layout.end());
+    const auto r = Coloctl(args);
+    ASSERT_EQ(r.code, 0) << what << ": " << r.err;
+    const auto out = nlohmann::json::parse(r.out, nullptr, false);
+    ASSERT_TRUE(out.is_object()) << r.out;
+    losses.push_back(out["loss"].get<double>());
+    auto logits = ReadNpy(TempPath("bert_logits.npy"));
+    ASSERT_TRUE(logits.ok()) << logits.status();
+    ::colod::testing::ExpectAllClose(*logits, ref->logits, "BERT logits " + what, 2e-4);
+  }
+  EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
+}
+
 // BLOOM (6 heads: ALiBi's second series of slopes, 3 heads a rank) through
 // the same command at tp = 2 with sequence parallelism.
 TEST_F(Forward, BloomMatchesItsUnshardedReference) {

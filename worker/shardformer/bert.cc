@@ -136,13 +136,19 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
   return root;
 }
 
-// ShardFormer's BertPolicy, 1D: vocab-parallel word embeddings and tied
+// ShardFormer's BertPolicy. 1D: vocab-parallel word embeddings and tied
 // decoder (with its bias split alike), column-parallel q/k/v and
-// intermediate, row-parallel attention output and output dense.
+// intermediate, row-parallel attention output and output dense. 3D: every
+// table an Embedding3D, every norm a LayerNorm3D; q/k/v and the
+// intermediate dense take the residual stream's spec and the linears after
+// them (swap) give it back (worker/nn/linear3d.h); the MLM transform's
+// dense leaves its output in the swapped spec, which its LayerNorm3D moves
+// back to the stream's (one redistribution); the tied decoder is the word
+// table's head and the vocabulary bias a Bias3D.
 class BertPolicy : public Policy {
  public:
   absl::Status Preprocess(const ModelConfig& config, ShardConfig& shard) override {
-    RETURN_IF_ERROR(CheckShardable(config, shard.layout));  // 1d only
+    RETURN_IF_ERROR(CheckShardable(config, shard.layout));  // 1d and 3d
     if (shard.sequence_parallel()) {
       return absl::InvalidArgumentError("the bert policy does not support sequence_parallel");
     }
@@ -155,10 +161,29 @@ class BertPolicy : public Policy {
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
     std::map<std::string, ModulePolicyDescription> policy;
-    policy["BertEmbeddings"].sub_module_replacement = {{"word_embeddings", "VocabParallelEmbedding1D"}};
     ModulePolicyDescription& layer = policy["BertLayer"];
     layer.attribute_replacement = {
-        {"attention.self.num_attention_heads", static_cast<double>(config.num_heads / shard.tp())}};
+        {"attention.self.num_attention_heads", static_cast<double>(config.num_heads / shard.head_split())}};
+    if (shard.is_3d()) {
+      policy["BertEmbeddings"].sub_module_replacement = {{"word_embeddings", "Embedding3D"},
+                                                         {"position_embeddings", "Embedding3D"},
+                                                         {"token_type_embeddings", "Embedding3D"},
+                                                         {"LayerNorm", "LayerNorm3D"}};
+      layer.sub_module_replacement = {
+          {"attention.self.query", "Linear3D"},
+          {"attention.self.key", "Linear3D"},
+          {"attention.self.value", "Linear3D"},
+          {"attention.output.dense", "Linear3D", {{"swap", 1}}},
+          {"attention.output.LayerNorm", "LayerNorm3D"},
+          {"intermediate.dense", "Linear3D"},
+          {"output.dense", "Linear3D", {{"swap", 1}}},
+          {"output.LayerNorm", "LayerNorm3D"},
+      };
+      policy["BertLMPredictionHead"].sub_module_replacement = {
+          {"transform.dense", "Linear3D"}, {"transform.LayerNorm", "LayerNorm3D"}, {"bias", "Bias3D"}};
+      return policy;
+    }
+    policy["BertEmbeddings"].sub_module_replacement = {{"word_embeddings", "VocabParallelEmbedding1D"}};
     layer.sub_module_replacement = {
         {"attention.self.query", "Linear1D_Col"}, {"attention.self.key", "Linear1D_Col"},
         {"attention.self.value", "Linear1D_Col"}, {"attention.output.dense", "Linear1D_Row"},

@@ -1,6 +1,7 @@
 // BERT through ShardFormer: a tiny random BertForMaskedLM (bidirectional
 // attention, post-norm layers, MLM head with the decoder tied to the word
-// embeddings) loaded unsharded and 1D at tp = 2 and 4 and with dp; logits,
+// embeddings) loaded unsharded, 1D at tp = 2 and 4 and with dp, and 3D on 8
+// ranks; logits,
 // the masked-LM loss and every gradient against the independent reference.
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
@@ -31,6 +32,13 @@ TEST(Bert, LogitsMaskedLmLossAndEveryGradientMatchTheUnshardedModel) {
     SCOPED_TRACE(::testing::Message() << "tp " << tp << " dp " << dp);
     testing::ExpectShardedMatchesReference(*model, *ref, Layout(tp, dp), ids, 2e-4);
   }
+  // 3D on 8 ranks (q = 2): the batch of 4 splits q*q ways, the MLM
+  // transform's output is moved back to the stream's spec, and the
+  // vocabulary bias's gradient is summed over the row blocks.
+  ShardConfig three_d = Layout(8, 1);
+  three_d.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_3D);
+  SCOPED_TRACE("3d tp 8");
+  testing::ExpectShardedMatchesReference(*model, *ref, three_d, ids, 2e-4);
 }
 
 TEST(Bert, TheBareModelsNamesLoadTheSame) {
@@ -44,7 +52,9 @@ TEST(Bert, TheBareModelsNamesLoadTheSame) {
   testing::ExpectShardedMatchesReference(*model, *ref, Layout(2, 1), ids, 2e-4, "bert.");
 }
 
-TEST(Bert, OnlyOneDimensionalTensorParallelism) {
+// 2D and sequence parallelism are refused (1d and 3d only), and so is a 3D
+// batch that does not split q*q ways.
+TEST(Bert, TwoDimensionalAndSequenceParallelismAreRefused) {
   auto model = testing::WriteTinyBert(TempPath("bert_modes"));
   ASSERT_TRUE(model.ok()) << model.status();
   ShardConfig two_d = Layout(4, 1);
@@ -57,6 +67,16 @@ TEST(Bert, OnlyOneDimensionalTensorParallelism) {
       EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
     });
   }
+  ShardConfig three_d = Layout(8, 1);
+  three_d.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_3D);
+  const Tensor two_rows = testing::TokenIds(2, 8, model->config.vocab_size, 5);
+  ::colod::testing::RunMesh(*DeviceMesh::FromShardConfig(three_d.layout), [&](int, ProcessGroup& pg) {
+    auto m = ShardFormer(three_d, &pg).Load(model->dir);
+    ASSERT_TRUE(m.ok()) << m.status();
+    auto logits = (*m)->Forward(two_rows);
+    EXPECT_EQ(logits.status().code(), absl::StatusCode::kInvalidArgument) << logits.status();
+    EXPECT_NE(logits.status().message().find("must divide into 4 blocks"), std::string::npos) << logits.status();
+  });
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // The 3D tensor-parallel layers (worker/nn/linear3d.h, embedding3d.h): the
-// linears, the norms, the embedding and the LM head computed with its table.
+// linears, the norms, the embedding, the LM head computed with its table and
+// the vocabulary bias after it.
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/embedding3d.h"
@@ -118,9 +119,47 @@ class Norm3DLayer : public Layer {
   ProcessGroup* pg_;
 };
 
+// The vocabulary bias after a 3D head (BERT's cls.predictions.bias): the
+// logits' rows are split over tp_output and K and their vocabulary is whole,
+// replicated over C (nn::Embedding3D::TiedLogits), so the bias [V] is
+// replicated on every rank and its gradient, one term per row block, is
+// summed over tp_output and K (not over C, whose ranks hold the same rows).
+class Bias3DLayer : public Layer {
+ public:
+  Bias3DLayer(BoundParam b, ProcessGroup* pg, int q) : b_(std::move(b)), pg_(pg), q_(q) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c) {
+    RETURN_IF_ERROR(Expect(d.kind == Kind::kBias, d, "Bias3D"));
+    ASSIGN_OR_RETURN(int q, nn::Get3DSize(c.pg));
+    ASSIGN_OR_RETURN(BoundParam b, Load(c, "bias", WeightTensor(d), {d.out}, DistSpec(), {ComputePattern::kTP3D}));
+    return LayerPtr(new Bias3DLayer(std::move(b), c.pg, q));
+  }
+  std::string type() const override { return "Bias3D"; }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
+    ASSIGN_OR_RETURN(DistSpec want, InputSpec(static_cast<int64_t>(x.global_shape().size())));
+    RETURN_IF_ERROR(CheckSpec(x, want, "Bias3D input"));
+    ASSIGN_OR_RETURN(Communicator * r, pg_->Comm("tp_output"));
+    ASSIGN_OR_RETURN(Communicator * k, pg_->Comm(nn::kStreamK));
+    ASSIGN_OR_RETURN(Variable b, nn::ReduceGradient(b_.param.variable(), r, pg_->timeout()));
+    ASSIGN_OR_RETURN(b, nn::ReduceGradient(b, k, pg_->timeout()));
+    ASSIGN_OR_RETURN(Variable y, nn::BiasAdd(x.variable(), b));
+    return ColoTensor::FromLocal(y, x.spec(), pg_);
+  }
+  // The logits' spec: rows as every 3D activation's, the vocabulary whole.
+  absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override {
+    return nn::Activation3D(ndim, q_, nn::kStreamK, nn::kStreamC).Set(nn::kStreamC, Placement::Replicate());
+  }
+  std::vector<BoundParam> Params() override { return {b_}; }
+
+ private:
+  BoundParam b_;
+  ProcessGroup* pg_;
+  int q_;
+};
+
 }  // namespace
 
 void Register3DLayers(LayerRegistry& r) {
+  (void)r.Register("Bias3D", Bias3DLayer::Create);
   (void)r.Register("Linear3D", Linear3DLayer::Create);
   (void)r.Register("LayerNorm3D", [](const LayerDecl& d, const LayerContext& c) {
     return Norm3DLayer::Create(d, c, nn::Norm3D::Kind::kLayerNorm);

@@ -373,8 +373,10 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
     case v1::TENSOR_PARALLEL_MODE_2D:
     case v1::TENSOR_PARALLEL_MODE_2P5D:
     case v1::TENSOR_PARALLEL_MODE_3D: {
-      if (config.model_type == "bert" || config.model_type == "bloom" || config.model_type == "vit" ||
-          config.model_type == "t5") {
+      if (config.model_type == "bert" && shard.tensor_parallel_mode() != v1::TENSOR_PARALLEL_MODE_3D) {
+        return absl::InvalidArgumentError("the bert policy supports tensor_parallel_mode 1d and 3d");
+      }
+      if (config.model_type == "bloom" || config.model_type == "vit" || config.model_type == "t5") {
         return absl::InvalidArgumentError(
             absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d only"));
       }

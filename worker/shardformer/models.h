@@ -9,7 +9,7 @@
 //          embedding and LM head), sequence_parallel, 2d and 2.5d.
 //   bert   BertForMaskedLM: 1d (column-parallel q/k/v and intermediate,
 //          row-parallel outputs, vocab-parallel word embeddings, tied decoder
-//          and its bias).
+//          and its bias) and 3d.
 //   opt    OPTForCausalLM: 1d (q/k/v, fc1 column-parallel, out_proj, fc2
 //          row-parallel, vocab-parallel embed_tokens and tied head;
 //          project_in/out replicated), sequence_parallel, 2d and 2.5d;

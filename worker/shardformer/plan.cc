@@ -113,8 +113,8 @@ absl::StatusOr<std::vector<PlanLeaf>> PlanLeaves(const ModelConfig& c) {
     }
   } else if (c.model_type == "bert") {
     m.Model("embeddings.word_embeddings", Role::kVocabTable, v, h);
-    m.Whole("embeddings.position_embeddings", 1, {p, h});
-    m.Whole("embeddings.token_type_embeddings", 1, {c.type_vocab_size, h});
+    m.Model("embeddings.position_embeddings", Role::kPositions, p, h);
+    m.Model("embeddings.token_type_embeddings", Role::kPositions, c.type_vocab_size, h);
     m.Model("embeddings.LayerNorm", Role::kNorm, 0, h, true);
     for (const char* proj : {"query", "key", "value"}) {
       m.Layer(absl::StrCat("encoder.layer.*.attention.self.", proj), Role::kColumn, h, h, true);
@@ -124,7 +124,7 @@ absl::StatusOr<std::vector<PlanLeaf>> PlanLeaves(const ModelConfig& c) {
     m.Layer("encoder.layer.*.intermediate.dense", Role::kColumn, h, f, true);
     m.Layer("encoder.layer.*.output.dense", Role::kRow, f, h, true);
     m.Layer("encoder.layer.*.output.LayerNorm", Role::kNorm, 0, h, true);
-    m.Whole("cls.predictions.transform.dense", 1, {m.Plus(h, 1), h});
+    m.Model("cls.predictions.transform.dense", Role::kProjection, h, h, true);
     m.Model("cls.predictions.transform.LayerNorm", Role::kNorm, 0, h, true);
     m.Model("cls.predictions.decoder (tied to word_embeddings)", Role::kTiedHead, h, v);
     m.Model("cls.predictions.bias", Role::kVocabBias, 0, v);
@@ -459,7 +459,8 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
   const int dp = std::max(1, layout.data_parallel_size());
   const v1::TensorParallelMode mode = layout.tensor_parallel_mode();
   const bool sp = layout.sequence_parallel();
-  if (mode == v1::TENSOR_PARALLEL_MODE_3D && config.model_type != "gpt2" && config.model_type != "llama") {
+  if (mode == v1::TENSOR_PARALLEL_MODE_3D && config.model_type != "gpt2" && config.model_type != "llama" &&
+      config.model_type != "bert") {
     return absl::InvalidArgumentError(
         absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d, 2d and 2.5d"));
   }
@@ -799,6 +800,20 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
         case Role::kRow:
           // A fused q|k|v is one Linear3D each.
           linear(l.count * l.fused, l.in, l.out / l.fused, l.bias, l.role == Role::kRow);
+          break;
+        case Role::kProjection: {
+          // A lone linear (BERT's MLM transform): its output, in the swapped
+          // spec, goes back to the stream's (ColoTensor::Redistribute: the
+          // rows gathered over tp_weight, then the features over tp_input,
+          // and this rank's block kept), and its gradient back the same way.
+          linear(l.count, l.in, l.out, l.bias, false);
+          const int64_t out_l = CeilDiv(l.out, q), passes = train ? 2 : 1;
+          comm.Add(stream_c, "all_gather", {micro, l.count, passes}, {r, out_l}, act, q);
+          comm.Add(stream_k, "all_gather", {micro, l.count, passes}, {q, r, out_l}, act, q);
+          break;
+        }
+        case Role::kVocabBias:
+          replicas({micro}, {l.out});  // replicated, its rows' terms summed (Bias3D)
           break;
         case Role::kNorm:
           comm.Add(stream_c, "all_reduce", {micro, l.count, l.bias ? 2 : 1}, {r}, 4, q);

@@ -34,15 +34,15 @@ namespace colod::shardformer {
 // (worker/shardformer/<family>.cc): a role names the layer a policy puts
 // there in 1D and in 2D/2.5D.
 enum class LeafRole {
-  kWhole,        // native everywhere: replicated (BERT's positions, ViT's patches, a classifier)
+  kWhole,        // native everywhere: replicated (ViT's patches, a classifier)
   kNorm,         // a norm (gamma, and beta with `bias`): whole in 1D (Norm1D), /q in 2D (Norm2D)
   kColumn,       // Linear1D_Col / Linear2D: [in -> out] split by out in 1D
   kRow,          // Linear1D_Row / Linear2D: split by in in 1D; its bias whole in 1D
   kVocabTable,   // VocabParallelEmbedding1D / Embedding2D: [rows = vocab, out = dim]
   kVocabHead,    // an untied LM head: VocabParallelLMHead1D / LMHead2D, [rows = vocab, in = dim]
-  kVocabBias,    // VocabParallelBias1D: [rows = vocab]
-  kPositions,    // a position table: native in 1D, Embedding2D in 2D
-  kProjection,   // native in 1D, Linear2D in 2D (OPT's project_in/out)
+  kVocabBias,    // VocabParallelBias1D, Bias3D (replicated): [rows = vocab]
+  kPositions,    // a position (or token type) table: native in 1D, Embedding2D/3D in 2D/3D
+  kProjection,   // native in 1D, Linear2D/3D in 2D/3D (OPT's project_in/out, BERT's MLM transform)
   kTiedHead,     // an LM head tied to a kVocabTable: holds nothing, computes [in = dim -> out = vocab]
 };
 

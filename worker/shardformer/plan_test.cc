@@ -120,6 +120,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gpt2_3d", testing::WriteTinyGpt2, {}, 8, 1, k3D, 0, false},
                       Case{"llama_3d_dp2", testing::WriteTinyLlama, Untied(), 8, 2, k3D, 0, false},
                       Case{"bert_tp2", testing::WriteTinyBert, {}, 2, 1, k1D, 0, false},
+                      Case{"bert_3d", testing::WriteTinyBert, {}, 8, 1, k3D, 0, false},
                       Case{"opt_tp2", testing::WriteTinyOpt, OptProjected(), 2, 1, k1D, 0, false},
                       Case{"opt_2d", testing::WriteTinyOpt, OptProjected(), 4, 1, k2D, 0, false},
                       Case{"bloom_tp2", testing::WriteTinyBloom, Untied(), 2, 1, k1D, 0, false},
@@ -246,6 +247,7 @@ INSTANTIATE_TEST_SUITE_P(
                       ActivationCase{"gpt2_3d", testing::WriteTinyGpt2, 8, false, k3D},
                       ActivationCase{"llama_3d", testing::WriteTinyLlama, 8, false, k3D},
                       ActivationCase{"bert_tp2", testing::WriteTinyBert, 2},
+                      ActivationCase{"bert_3d", testing::WriteTinyBert, 8, false, k3D},
                       ActivationCase{"opt_tp2", testing::WriteTinyOpt, 2},
                       ActivationCase{"bloom_tp2", testing::WriteTinyBloom, 2},
                       ActivationCase{"t5_tp2", testing::WriteTinyT5, 2},
@@ -350,7 +352,9 @@ TEST(Plan, RefusesWhatThePoliciesRefuse) {
   EXPECT_EQ(heads.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(heads.status().message().find("heads"), std::string::npos) << heads.status();
   EXPECT_EQ(PlanJob(bert->config, Train(4, 1, k2D)).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PlanJob(bert->config, Train(8, 1, k3D)).status().code(), absl::StatusCode::kInvalidArgument);
+  auto bloom = testing::WriteTinyBloom(TempPath("plan_refuse_bloom"), o);
+  ASSERT_TRUE(bloom.ok()) << bloom.status();
+  EXPECT_EQ(PlanJob(bloom->config, Train(8, 1, k3D)).status().code(), absl::StatusCode::kInvalidArgument);
   v1::JobSpec sp_3d = Train(8, 1, k3D);
   sp_3d.mutable_shard()->set_sequence_parallel(true);
   EXPECT_EQ(PlanJob(gpt2->config, sp_3d).status().code(), absl::StatusCode::kInvalidArgument);

@@ -1,7 +1,7 @@
 // The dry-run planner (worker/shardformer/plan.h) against real training
 // steps of a tiny GPT-2 and LLaMA in 1D (with sequence parallelism and
-// micro-batches), 2D, 2.5D and 3D, pipeline stages (the fullest stage's
-// ranks), with and without dp: the bytes each rank
+// micro-batches), 2D, 2.5D and 3D, BERT in 3D, pipeline stages (the fullest
+// stage's ranks), with and without dp: the bytes each rank
 // holds (what colod_tensor_bytes reports) and the bytes each process group
 // moves by each collective (what InstrumentedCommunicator counts) are the
 // plan's within 5 %, and each tensor-parallel group's calls are the plan's.
@@ -29,7 +29,7 @@ constexpr char kText[] = "/usr/share/common-licenses/GPL-3";
 
 struct Case {
   std::string name;
-  std::string family;  // gpt2, llama
+  std::string family;  // gpt2, llama, bert
   int tp, dp;
   bool sp;
   int micro;
@@ -49,8 +49,9 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
   tiny.heads = 4;
   tiny.kv_heads = 2;
   tiny.positions = 32;
-  auto model = c.family == "gpt2" ? shardformer::testing::WriteTinyGpt2(TempPath("plan_" + c.name), tiny)
-                                  : shardformer::testing::WriteTinyLlama(TempPath("plan_" + c.name), tiny);
+  auto model = c.family == "gpt2"   ? shardformer::testing::WriteTinyGpt2(TempPath("plan_" + c.name), tiny)
+               : c.family == "bert" ? shardformer::testing::WriteTinyBert(TempPath("plan_" + c.name), tiny)
+                                    : shardformer::testing::WriteTinyLlama(TempPath("plan_" + c.name), tiny);
   ASSERT_TRUE(model.ok()) << model.status();
 
   TrainOptions o;
@@ -145,6 +146,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gpt2_2p5d", "gpt2", 8, 1, false, 1, v1::TENSOR_PARALLEL_MODE_2P5D, 2},
                       Case{"gpt2_3d", "gpt2", 8, 1, false, 1, v1::TENSOR_PARALLEL_MODE_3D},
                       Case{"llama_3d_micro2", "llama", 8, 1, false, 2, v1::TENSOR_PARALLEL_MODE_3D},
+                      Case{"bert_3d", "bert", 8, 1, false, 1, v1::TENSOR_PARALLEL_MODE_3D},
                       Case{"gpt2_tp2_pp2_micro4", "gpt2", 2, 1, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
                       Case{"llama_pp2_dp2_micro2", "llama", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
