@@ -6,7 +6,10 @@
 //
 // Rows: 1d with tp=1 (1 and 2 BLAS threads in this process) and tp=2, then
 // 2d (q=2, 4 ranks), 2.5d (q=2, d=2, 8 ranks) and 3d (q=2, 8 ranks): the same
-// block built from Linear2D / Linear3D. Multi-rank rows run this binary as
+// block built from Linear2D / Linear3D. A second table runs a whole GPT-2
+// block (ln_1, causal attention, ln_2, MLP, the residuals: the block the
+// ShardFormer policy builds from a 1-layer GPT-2 written with GPT-2's
+// initialization) in the same layouts. Multi-rank rows run this binary as
 // rank processes (re-executed with --rank) with one thread each, talking Gloo
 // over loopback through a file store. Step time is the median of --steps
 // timed steps after one warm-up, each started after a barrier, of the slowest
@@ -41,6 +44,8 @@
 #include "worker/nn/linear1d.h"
 #include "worker/nn/linear2d.h"
 #include "worker/nn/linear3d.h"
+#include "worker/shardformer/init_model.h"
+#include "worker/shardformer/shardformer.h"
 #include "worker/tensor/ops.h"
 
 ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
@@ -52,6 +57,10 @@ ABSL_FLAG(int, world, 2, "Internal: ranks of a multi-process row.");
 ABSL_FLAG(std::string, mode, "1d", "Internal: the tensor-parallel mode of a multi-process row.");
 ABSL_FLAG(bool, all_modes, true, "Also run the 2d, 2.5d and 3d rows (8 processes at most).");
 ABSL_FLAG(std::string, store_dir, "", "Internal: the file store of a multi-process row.");
+ABSL_FLAG(int, seq, 128, "The GPT-2 block's sequence length (tokens / seq sequences a step).");
+ABSL_FLAG(bool, gpt2_block, true, "Also run the whole GPT-2 block's table.");
+ABSL_FLAG(std::string, block, "mlp", "Internal: the block of a multi-process row (mlp or gpt2).");
+ABSL_FLAG(std::string, model_dir, "", "Internal: the 1-layer GPT-2 of the gpt2 rows.");
 
 extern char** environ;
 
@@ -68,8 +77,16 @@ using bench::MatMulFlops;
 // Forward 2 GEMMs, backward 4, each 2*T*H*4H flops.
 double BlockFlops(int64_t t, int64_t h) { return 6 * MatMulFlops(t, h, 4 * h); }
 
-// Best of five GEMMs of the block's own shape [T, H] x [H, 4H].
-double SgemmPeak(int threads, int64_t t, int64_t h) { return bench::SgemmPeak(threads, t, h, 4 * h); }
+// GPT-2's block, forward: q|k|v, the output projection and the MLP's two
+// GEMMs (2 T H^2 (3 + 1 + 4 + 4)), and the attention's scores and their
+// product with v over the whole S x S square (2 * 2 T S H); backward twice
+// that.
+double Gpt2BlockFlops(int64_t t, int64_t s, int64_t h) {
+  return 3 * (24.0 * static_cast<double>(t) * h * h + 4.0 * static_cast<double>(t) * s * h);
+}
+
+// Best of five GEMMs of the block's own shape [T, H] x [H, 4H], in GFLOP/s.
+double SgemmPeak(int threads, int64_t t, int64_t h) { return bench::SgemmPeak(threads, t, h, 4 * h) / 1e9; }
 
 absl::StatusOr<v1::ShardConfig> ShardFor(const std::string& mode, int world) {
   v1::ShardConfig shard;
@@ -90,27 +107,16 @@ absl::StatusOr<v1::ShardConfig> ShardFor(const std::string& mode, int world) {
   return shard;
 }
 
-// One step of the block: forward through two linears with GELU between,
-// backward from a fixed output gradient.
+// One step of a block: its forward from a fixed input `x` (in `x_spec`),
+// backward from a fixed output gradient, the parameters' gradients cleared.
 class Block {
  public:
+  Block(Tensor x, DistSpec x_spec, Tensor dy_full, ProcessGroup* pg)
+      : x_(std::move(x)), x_spec_(std::move(x_spec)), dy_full_(std::move(dy_full)), pg_(pg) {}
   virtual ~Block() = default;
-  virtual absl::Status Step() = 0;
-  virtual std::vector<ColoParameter> Params() const = 0;
-};
-
-template <typename L1, typename L2>
-class LayerBlock final : public Block {
- public:
-  LayerBlock(L1 l1, L2 l2, Tensor x, DistSpec x_spec, Tensor dy_full, ProcessGroup* pg)
-      : l1_(std::move(l1)), l2_(std::move(l2)), x_(std::move(x)), x_spec_(std::move(x_spec)),
-        dy_full_(std::move(dy_full)), pg_(pg) {}
-  absl::Status Step() override {
+  absl::Status Step() {
     ASSIGN_OR_RETURN(ColoTensor x, ColoTensor::FromGlobal(x_, x_spec_, pg_, /*requires_grad=*/true));
-    ASSIGN_OR_RETURN(ColoTensor mid, l1_.Forward(x));
-    ASSIGN_OR_RETURN(Variable act, nn::Gelu(mid.variable(), ops::GeluApprox::kTanh));
-    ASSIGN_OR_RETURN(ColoTensor a, ColoTensor::FromLocal(act, mid.spec(), pg_));
-    ASSIGN_OR_RETURN(ColoTensor y, l2_.Forward(a));
+    ASSIGN_OR_RETURN(ColoTensor y, Forward(x));
     if (!dy_.has_value()) {
       ASSIGN_OR_RETURN(dy_, ColoTensor::FromGlobal(dy_full_, y.spec(), pg_));
     }
@@ -121,13 +127,13 @@ class LayerBlock final : public Block {
     }
     return absl::OkStatus();
   }
-  std::vector<ColoParameter> Params() const override {
-    return {l1_.weight(), *l1_.bias(), l2_.weight(), *l2_.bias()};
-  }
+
+ protected:
+  virtual absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) = 0;
+  virtual std::vector<ColoParameter> Params() const = 0;
+  ProcessGroup* pg() const { return pg_; }
 
  private:
-  L1 l1_;
-  L2 l2_;
   Tensor x_;
   DistSpec x_spec_;
   Tensor dy_full_;
@@ -135,8 +141,70 @@ class LayerBlock final : public Block {
   ProcessGroup* pg_;
 };
 
+// Two linears with a tanh-GELU between them.
+template <typename L1, typename L2>
+class LayerBlock final : public Block {
+ public:
+  LayerBlock(L1 l1, L2 l2, Tensor x, DistSpec x_spec, Tensor dy_full, ProcessGroup* pg)
+      : Block(std::move(x), std::move(x_spec), std::move(dy_full), pg), l1_(std::move(l1)), l2_(std::move(l2)) {}
+
+ protected:
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
+    ASSIGN_OR_RETURN(ColoTensor mid, l1_.Forward(x));
+    ASSIGN_OR_RETURN(Variable act, nn::Gelu(mid.variable(), ops::GeluApprox::kTanh));
+    ASSIGN_OR_RETURN(ColoTensor a, ColoTensor::FromLocal(act, mid.spec(), pg()));
+    return l2_.Forward(a);
+  }
+  std::vector<ColoParameter> Params() const override {
+    return {l1_.weight(), *l1_.bias(), l2_.weight(), *l2_.bias()};
+  }
+
+ private:
+  L1 l1_;
+  L2 l2_;
+};
+
+// transformer.h.0 of a 1-layer GPT-2 sharded as `mode`: x [B, S, H] in the
+// spec its ln_1 takes, the fixed output gradient in the spec it gives.
+class Gpt2Block final : public Block {
+ public:
+  Gpt2Block(std::unique_ptr<shardformer::ShardedModel> model, shardformer::Module* block, Tensor x, DistSpec spec,
+            Tensor dy_full, ProcessGroup* pg)
+      : Block(std::move(x), std::move(spec), std::move(dy_full), pg), model_(std::move(model)), block_(block) {}
+
+ protected:
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override { return block_->Forward(x); }
+  std::vector<ColoParameter> Params() const override {
+    std::vector<ColoParameter> out;
+    for (const shardformer::NamedParam& p : model_->Parameters()) out.push_back(p.bound.param);
+    return out;
+  }
+
+ private:
+  std::unique_ptr<shardformer::ShardedModel> model_;
+  shardformer::Module* block_;
+};
+
+absl::StatusOr<std::unique_ptr<Block>> MakeGpt2Block(const std::string& mode, ProcessGroup* pg, int64_t t,
+                                                     int64_t h) {
+  const int64_t s = absl::GetFlag(FLAGS_seq);
+  if (s < 1 || t % s != 0) return absl::InvalidArgumentError("--seq must divide --tokens");
+  shardformer::ShardConfig shard;
+  ASSIGN_OR_RETURN(shard.layout, ShardFor(mode, pg->mesh().world_size()));
+  ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
+                   shardformer::ShardFormer(shard, pg).Load(absl::GetFlag(FLAGS_model_dir)));
+  ASSIGN_OR_RETURN(shardformer::Module * block, model->root().Get("transformer.h.0"));
+  ASSIGN_OR_RETURN(shardformer::Module * ln_1, block->Get("ln_1"));
+  if (ln_1->layer() == nullptr) return absl::InternalError("ln_1 has no layer");
+  ASSIGN_OR_RETURN(DistSpec spec, ln_1->layer()->InputSpec(3));
+  ASSIGN_OR_RETURN(Tensor x, Tensor::RandomNormal({t / s, s, h}, 15));
+  ASSIGN_OR_RETURN(Tensor dy, Tensor::RandomNormal({t / s, s, h}, 16));
+  return std::unique_ptr<Block>(new Gpt2Block(std::move(model), block, std::move(x), std::move(spec), std::move(dy), pg));
+}
+
 absl::StatusOr<std::unique_ptr<Block>> MakeBlock(const std::string& mode, ProcessGroup* pg, int64_t t, int64_t h,
                                                  Device device, DType dtype) {
+  if (absl::GetFlag(FLAGS_block) == "gpt2") return MakeGpt2Block(mode, pg, t, h);
   // Full tensors from fixed seeds: every rank takes its shards of the same model.
   auto make = [&](const Shape& shape, uint64_t seed, float scale) -> absl::StatusOr<Tensor> {
     ASSIGN_OR_RETURN(Tensor v, Tensor::RandomNormal(shape, seed, dtype, device));
@@ -261,6 +329,9 @@ absl::StatusOr<BlockResult> RunProcesses(const std::string& mode, int world) {
                                      absl::StrCat("--world=", world),
                                      "--mode=" + mode,
                                      "--store_dir=" + dir,
+                                     "--block=" + absl::GetFlag(FLAGS_block),
+                                     "--model_dir=" + absl::GetFlag(FLAGS_model_dir),
+                                     absl::StrCat("--seq=", absl::GetFlag(FLAGS_seq)),
                                      absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
                                      absl::StrCat("--tokens=", absl::GetFlag(FLAGS_tokens)),
                                      absl::StrCat("--hidden=", absl::GetFlag(FLAGS_hidden))};
@@ -313,11 +384,77 @@ int RankMain() {
 }  // namespace
 }  // namespace colod
 
+namespace colod {
+namespace {
+
+struct Config {
+  std::string mode;
+  int ranks, threads;
+  const char* layout;
+};
+
+// One table: `block` (mlp or gpt2) in each layout, with its flops per step;
+// false when a row failed (its error on stderr).
+bool RunTable(const std::string& block, const std::vector<Config>& configs, double flops, double peak1,
+              double peak2) {
+  absl::SetFlag(&FLAGS_block, block);
+  const bool json = absl::GetFlag(FLAGS_json);
+  const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);
+  if (!json) {
+    std::printf("%4s  %5s  %-22s  %9s  %8s  %9s  %16s  %16s  %10s\n", "mode", "ranks", "layout", "step (ms)",
+                "GFLOP/s", "% of peak", "comm B/rank/step", "formula B", "vs tp=1x1");
+  }
+  double base = 0;
+  for (const Config& c : configs) {
+    absl::StatusOr<BlockResult> r;
+    if (c.ranks == 1) {
+      auto shared = std::make_shared<RendezvousStore>();
+      InMemoryStore store(shared, "bench");
+      r = RunBlock(c.mode, 0, 1, c.threads, &store);
+    } else {
+      r = RunProcesses(c.mode, c.ranks);
+    }
+    if (!r.ok()) {
+      std::fprintf(stderr, "%s %s on %d ranks: %s\n", block.c_str(), c.mode.c_str(), c.ranks,
+                   r.status().ToString().c_str());
+      return false;
+    }
+    if (c.ranks == 1 && c.threads == 1) base = r->step_seconds;
+    // Work per rank is flops / ranks; peak is per rank with its thread count.
+    const double achieved = flops / c.ranks / r->step_seconds / 1e9;
+    const double peak = c.threads == 1 ? peak1 : peak2;
+    // The MLP's formula; the whole block's is the planner's business (coloctl plan).
+    const int64_t formula = block == "mlp" ? FormulaBytes(c.mode, c.ranks, t, h) : -1;
+    if (json) {
+      std::printf("{\"bench\":\"%s\",\"mode\":\"%s\",\"dtype\":\"f32\",\"tokens\":%lld,\"hidden\":%lld,"
+                  "\"ranks\":%d,\"threads_per_rank\":%d,\"step_seconds\":%.6f,\"gflops_per_rank\":%.3f,"
+                  "\"sgemm_peak_gflops\":%.3f,\"fraction_of_peak\":%.4f,\"comm_bytes_per_rank_step\":%lld,"
+                  "\"formula_bytes\":%lld,\"step_vs_tp1_1thread\":%.4f}\n",
+                  block == "mlp" ? "mlp_block" : "gpt2_block", c.mode.c_str(), static_cast<long long>(t),
+                  static_cast<long long>(h), c.ranks, c.threads, r->step_seconds, achieved, peak, achieved / peak,
+                  static_cast<long long>(r->comm_bytes_per_step), static_cast<long long>(formula),
+                  r->step_seconds / base);
+    } else {
+      std::printf("%4s  %5d  %-22s  %9.1f  %8.1f  %8.1f%%  %16lld  %16s  %9.2fx\n", c.mode.c_str(), c.ranks,
+                  c.layout, r->step_seconds * 1e3, achieved, 100 * achieved / peak,
+                  static_cast<long long>(r->comm_bytes_per_step),
+                  formula >= 0 ? absl::StrCat(formula).c_str() : "-", r->step_seconds / base);
+    }
+    std::fflush(stdout);
+  }
+  return true;
+}
+
+}  // namespace
+}  // namespace colod
+
 int main(int argc, char** argv) {
   colod::kernels::cpu::PreferAvx512Blas(argv);
   colod::ParseFlags(argc, argv,
-                    "layers: the 1D tensor-parallel MLP block, forward + backward, vs sgemm peak.\n\nUsage:\n"
-                    "  bazel run -c opt //bench:layers [-- --json] [-- --steps N] [-- --tokens T --hidden H]\n");
+                    "layers: the tensor-parallel MLP block and the whole GPT-2 block, forward + backward,\n"
+                    "in 1d, 2d, 2.5d and 3d, vs sgemm peak.\n\nUsage:\n"
+                    "  bazel run -c opt //bench:layers [-- --json] [-- --steps N] [-- --tokens T --hidden H]\n"
+                    "    [-- --seq S] [-- --all_modes=false] [-- --gpt2_block=false]\n");
   if (absl::GetFlag(FLAGS_rank) >= 0) return colod::RankMain();
   const bool json = absl::GetFlag(FLAGS_json);
   const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);
@@ -329,56 +466,45 @@ int main(int argc, char** argv) {
                 "GFLOP/s, 2 threads %.1f GFLOP/s\n\n",
                 static_cast<long long>(t), static_cast<long long>(h), static_cast<long long>(4 * h), flops / 1e9,
                 peak1, peak2);
-    std::printf("%4s  %5s  %-22s  %9s  %8s  %9s  %16s  %16s  %10s\n", "mode", "ranks", "layout", "step (ms)",
-                "GFLOP/s", "% of peak", "comm B/rank/step", "formula B", "vs tp=1x1");
   }
-  double base = 0;
-  struct Config {
-    std::string mode;
-    int ranks, threads;
-    const char* layout;
-  };
-  std::vector<Config> configs = {{"1d", 1, 1, "1 process x 1 thread"},
-                                 {"1d", 1, 2, "1 process x 2 threads"},
-                                 {"1d", 2, 1, "2 processes x 1 thread"}};
+  std::vector<colod::Config> configs = {{"1d", 1, 1, "1 process x 1 thread"},
+                                        {"1d", 1, 2, "1 process x 2 threads"},
+                                        {"1d", 2, 1, "2 processes x 1 thread"}};
   if (absl::GetFlag(FLAGS_all_modes)) {
     configs.push_back({"2d", 4, 1, "4 processes x 1 thread"});
     configs.push_back({"2.5d", 8, 1, "8 processes x 1 thread"});
     configs.push_back({"3d", 8, 1, "8 processes x 1 thread"});
   }
-  for (const Config& c : configs) {
-    absl::StatusOr<colod::BlockResult> r;
-    if (c.ranks == 1) {
-      auto shared = std::make_shared<colod::RendezvousStore>();
-      colod::InMemoryStore store(shared, "bench");
-      r = colod::RunBlock(c.mode, 0, 1, c.threads, &store);
-    } else {
-      r = colod::RunProcesses(c.mode, c.ranks);
-    }
-    if (!r.ok()) {
-      std::fprintf(stderr, "%s on %d ranks: %s\n", c.mode.c_str(), c.ranks, r.status().ToString().c_str());
+  if (!colod::RunTable("mlp", configs, flops, peak1, peak2)) return 1;
+  if (absl::GetFlag(FLAGS_gpt2_block)) {
+    // A 1-layer GPT-2 of the same hidden size, 64-wide heads, for every rank to load.
+    const int64_t seq = absl::GetFlag(FLAGS_seq);
+    char dir_template[] = "/tmp/colod-bench-gpt2-XXXXXX";
+    if (mkdtemp(dir_template) == nullptr) return 1;
+    const std::string dir = dir_template;
+    colod::shardformer::Gpt2Shape shape;
+    shape.hidden_size = h;
+    shape.num_layers = 1;
+    shape.num_heads = std::max<int64_t>(1, h / 64);
+    shape.max_positions = seq;
+    const absl::Status written = colod::shardformer::WriteInitializedGpt2(dir, shape, 1);
+    if (!written.ok()) {
+      std::fprintf(stderr, "writing the GPT-2 block: %s\n", written.ToString().c_str());
       return 1;
     }
-    if (c.ranks == 1 && c.threads == 1) base = r->step_seconds;
-    // Work per rank is flops / ranks; peak is per rank with its thread count.
-    const double achieved = flops / c.ranks / r->step_seconds / 1e9;
-    const double peak = c.threads == 1 ? peak1 : peak2;
-    const int64_t formula = colod::FormulaBytes(c.mode, c.ranks, t, h);
-    if (json) {
-      std::printf("{\"bench\":\"mlp_block\",\"mode\":\"%s\",\"dtype\":\"f32\",\"tokens\":%lld,\"hidden\":%lld,"
-                  "\"ranks\":%d,\"threads_per_rank\":%d,\"step_seconds\":%.6f,\"gflops_per_rank\":%.3f,"
-                  "\"sgemm_peak_gflops\":%.3f,\"fraction_of_peak\":%.4f,\"comm_bytes_per_rank_step\":%lld,"
-                  "\"formula_bytes\":%lld,\"step_vs_tp1_1thread\":%.4f}\n",
-                  c.mode.c_str(), static_cast<long long>(t), static_cast<long long>(h), c.ranks, c.threads,
-                  r->step_seconds, achieved, peak, achieved / peak, static_cast<long long>(r->comm_bytes_per_step),
-                  static_cast<long long>(formula), r->step_seconds / base);
-    } else {
-      std::printf("%4s  %5d  %-22s  %9.1f  %8.1f  %8.1f%%  %16lld  %16lld  %9.2fx\n", c.mode.c_str(), c.ranks,
-                  c.layout, r->step_seconds * 1e3, achieved, 100 * achieved / peak,
-                  static_cast<long long>(r->comm_bytes_per_step), static_cast<long long>(formula),
-                  r->step_seconds / base);
+    absl::SetFlag(&FLAGS_model_dir, dir);
+    const double block_flops = colod::Gpt2BlockFlops(t, seq, h);
+    if (!json) {
+      std::printf("\nGPT-2 block (ln_1 -> causal attention -> ln_2 -> MLP, residuals; the policy's layers), f32, "
+                  "%lld sequences x %lld tokens, hidden %lld, %lld heads: %.1f GFLOP per step (fwd+bwd, the "
+                  "attention's whole S x S)\n\n",
+                  static_cast<long long>(t / std::max<int64_t>(1, seq)), static_cast<long long>(seq),
+                  static_cast<long long>(h), static_cast<long long>(shape.num_heads), block_flops / 1e9);
     }
-    std::fflush(stdout);
+    const bool ok = colod::RunTable("gpt2", configs, block_flops, peak1, peak2);
+    std::string cleanup = "rm -rf " + dir;
+    (void)std::system(cleanup.c_str());
+    if (!ok) return 1;
   }
   // Where a GPU is present: the tp=1 block in bf16 on cuda:0 against cuBLAS's
   // bf16 GEMM on the same shape.

@@ -380,6 +380,8 @@ nlohmann::json PlanJson(const shardformer::JobPlan& p) {
           {"batch_size", p.batch_size},
           {"seq_len", p.seq_len},
           {"micro_batches", p.micro_batches},
+          {"pipeline_stage", p.pipeline_stage},
+          {"bubble_fraction", p.bubble_fraction},
           {"comm", comm},
           {"wire_bytes", p.wire_bytes},
           {"notes", p.notes}};
@@ -421,11 +423,12 @@ int RunPlan(const std::vector<std::string>&) {
     for (const shardformer::RankedLayout& l : search->fits) {
       rows.push_back({LayoutName(l.shard), Bytes(l.plan.total_bytes), Bytes(l.plan.param_bytes + l.plan.grad_bytes +
                                                                              l.plan.optimizer_bytes),
-                      Bytes(l.plan.activation_bytes), Bytes(l.plan.wire_bytes)});
+                      Bytes(l.plan.activation_bytes), Bytes(l.plan.wire_bytes),
+                      l.plan.pipeline_stage < 0 ? "-" : absl::StrFormat("%.0f%%", 100 * l.plan.bubble_fraction)});
     }
     std::printf("%d ranks%s: %zu layouts fit, least communication first\n", world,
                 memory > 0 ? absl::StrCat(", ", Bytes(memory), " each").c_str() : "", search->fits.size());
-    std::printf("%s", RenderTable({"LAYOUT", "MEMORY/RANK", "PARAMS+GRADS+OPTIMIZER", "ACTIVATIONS", "SENT/STEP"}, rows).c_str());
+    std::printf("%s", RenderTable({"LAYOUT", "MEMORY/RANK", "PARAMS+GRADS+OPTIMIZER", "ACTIVATIONS", "SENT/STEP", "BUBBLE"}, rows).c_str());
     for (const std::string& r : search->refused) std::printf("left out: %s\n", r.c_str());
     return search->fits.empty() ? 1 : 0;
   }
@@ -463,6 +466,10 @@ int RunPlan(const std::vector<std::string>&) {
   } else {
     std::printf("\nper step, on each rank:\n%s", RenderTable({"GROUP", "OP", "CALLS", "PAYLOAD", "SENT"}, rows).c_str());
     std::printf("sent in all: %s (ring algorithms)\n", Bytes(plan->wire_bytes).c_str());
+  }
+  if (plan->pipeline_stage >= 0) {
+    std::printf("pipeline bubble: %.0f%% of the step idle ((P - 1) / (M + P - 1), equal stages)\n",
+                100 * plan->bubble_fraction);
   }
   for (const std::string& n : plan->notes) std::printf("note: %s\n", n.c_str());
   return 0;
@@ -522,13 +529,16 @@ constexpr Command kCommands[] = {
      "              of parameters, gradients, optimizer state and (an estimate) activations,\n"
      "              and per step each process group's collectives (calls, payload, bytes\n"
      "              sent under ring algorithms). --model DIR (config.json is enough)\n"
-     "              [--tp T] [--dp D] [--mode 1d|2d|2.5d|3d] [--depth D] [--sequence-parallel]\n"
-     "              [--batch-size B] [--seq-len L] [--micro-batches M]\n"
-     "              [--precision auto|fp32|bf16|fp16] [--optimizer adamw|sgd] [--bucket-mb MB]\n"
-     "              [--output json]. With --world N [--memory-per-rank 80GiB]: every layout\n"
-     "              of N ranks (tp x dp in 1d, 2d, 2.5d; 3d) the model takes that fits,\n"
-     "              least communication first, and why each other one was left out (exit 1\n"
-     "              when none fits). The memory and communication match a real step (tested\n"
+     "              [--tp T] [--dp D] [--pp P [--pp-layers N,...]] [--mode 1d|2d|2.5d|3d]\n"
+     "              [--depth D] [--sequence-parallel] [--batch-size B] [--seq-len L]\n"
+     "              [--micro-batches M] [--precision auto|fp32|bf16|fp16] [--optimizer adamw|sgd]\n"
+     "              [--bucket-mb MB] [--output json]. With pipeline stages the plan is the\n"
+     "              fullest stage's, with the 1F1B bubble (P - 1) / (M + P - 1).\n"
+     "              With --world N [--memory-per-rank 80GiB]: every layout of N ranks\n"
+     "              (tp x pp x dp in 1d, 2d, 2.5d and 3d; pp for gpt2 and llama, equal stages\n"
+     "              with the given --micro-batches) the model takes that fits, least\n"
+     "              communication first, each with its bubble, and why each other one was\n"
+     "              left out (exit 1 when none fits). The memory and communication match a real step (tested\n"
      "              within 5 %; the activation estimate at 80-100 % of a measured step).\n",
      RunPlan},
     {"init-model", "",

@@ -109,6 +109,13 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   ASSERT_EQ(layouts.code, 0) << layouts.err;
   EXPECT_NE(layouts.out.find("tp2 x dp2 1d"), std::string::npos) << layouts.out;
   EXPECT_NE(layouts.out.find("tp1 x dp4 1d"), std::string::npos) << layouts.out;
+  // Two pipeline stages of the 2 layers, one micro-batch: half the step idle.
+  EXPECT_NE(layouts.out.find("tp2 x pp2 x dp1 1d"), std::string::npos) << layouts.out;
+  EXPECT_NE(layouts.out.find("50%"), std::string::npos) << layouts.out;
+  const auto staged = Coloctl({"plan", "--model", model->dir, "--batch-size", "4", "--seq-len", "32", "--pp", "2",
+                               "--micro-batches", "2"});
+  ASSERT_EQ(staged.code, 0) << staged.err;
+  EXPECT_NE(staged.out.find("pipeline bubble: 33%"), std::string::npos) << staged.out;
   const auto tiny =
       Coloctl({"plan", "--model", model->dir, "--seq-len", "32", "--world", "4", "--memory-per-rank", "1KiB"});
   EXPECT_EQ(tiny.code, 1) << "nothing fits in 1 KiB: " << tiny.out;

@@ -895,6 +895,7 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
     ASSIGN_OR_RETURN(JobPlan p, PlanStage(config, spec, s));
     if (!fullest.has_value() || p.total_bytes > fullest->total_bytes) fullest = std::move(p);
   }
+  fullest->bubble_fraction = static_cast<double>(pp - 1) / static_cast<double>(fullest->micro_batches + pp - 1);
   return *std::move(fullest);
 }
 
@@ -915,30 +916,48 @@ absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::Jo
                                          int64_t memory_per_rank) {
   if (world < 1 || world > 65536) return absl::InvalidArgumentError("world must be between 1 and 65536 ranks");
   LayoutSearch search;
+  // Pipeline stages where the spec trains a family that has them (one
+  // refusal says why not otherwise, rather than one per layout).
+  bool stages = spec.kind() == v1::JOB_KIND_TRAIN;
+  if (stages && world > 1) {
+    v1::ShardConfig two;
+    two.set_pipeline_parallel_size(2);
+    const absl::Status s = PipelineStageLayers(config, two).status();
+    if (!s.ok() && s.message().find("no pipeline stages") != std::string::npos) {
+      search.refused.push_back(absl::StrCat("pp > 1: ", s.message()));
+      stages = false;
+    }
+  }
   std::vector<v1::ShardConfig> candidates;
   for (int dp = 1; dp <= world; ++dp) {
     if (world % dp != 0) continue;
-    const int tp = world / dp;
-    v1::ShardConfig s = spec.shard();
-    s.set_tensor_parallel_size(tp);
-    s.set_data_parallel_size(dp);
-    s.set_depth(0);
-    s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_1D);
-    candidates.push_back(s);
-    if (tp == 1) continue;
-    s.set_sequence_parallel(false);
-    s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
-    candidates.push_back(s);
-    for (int depth = 2; depth <= tp; ++depth) {
-      if (tp % depth != 0) continue;
-      if (IntegerRoot(tp / depth, 2) < 2) continue;  // tp = depth * q^2, q >= 2
-      s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2P5D);
-      s.set_depth(depth);
+    for (int pp = 1; pp <= world / dp; ++pp) {
+      if ((world / dp) % pp != 0 || (pp > 1 && !stages)) continue;
+      const int tp = world / dp / pp;
+      v1::ShardConfig s = spec.shard();
+      s.set_tensor_parallel_size(tp);
+      s.set_data_parallel_size(dp);
+      s.set_pipeline_parallel_size(pp);
+      s.clear_pipeline_stage_layers();  // equal stages
+      if (pp > 1) s.set_sequence_parallel(false);  // which pipeline stages do not combine with
+      s.set_depth(0);
+      s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_1D);
+      candidates.push_back(s);
+      if (tp == 1) continue;
+      s.set_sequence_parallel(false);
+      s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+      candidates.push_back(s);
+      for (int depth = 2; depth <= tp; ++depth) {
+        if (tp % depth != 0) continue;
+        if (IntegerRoot(tp / depth, 2) < 2) continue;  // tp = depth * q^2, q >= 2
+        s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2P5D);
+        s.set_depth(depth);
+        candidates.push_back(s);
+      }
+      s.set_depth(0);
+      s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_3D);
       candidates.push_back(s);
     }
-    s.set_depth(0);
-    s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_3D);
-    candidates.push_back(s);
   }
   for (const v1::ShardConfig& s : candidates) {
     v1::JobSpec candidate = spec;
@@ -947,6 +966,7 @@ absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::Jo
     if (s.tensor_parallel_mode() != v1::TENSOR_PARALLEL_MODE_1D) {
       v1::ShardConfig tp_only = s;
       tp_only.set_data_parallel_size(1);
+      tp_only.set_pipeline_parallel_size(1);
       if (!DeviceMesh::FromShardConfig(tp_only).ok()) continue;  // not a square (cube) number of ranks
     }
     absl::StatusOr<JobPlan> plan = PlanJob(config, candidate);

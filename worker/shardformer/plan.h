@@ -101,6 +101,9 @@ struct JobPlan {
   // With pipeline stages, the stage whose rank the plan describes: the
   // fullest (the others hold less); -1 without stages.
   int pipeline_stage = -1;
+  // The idle share of a 1F1B step with P stages and M micro-batches of
+  // equal stages: (P - 1) / (M + P - 1); 0 without stages.
+  double bubble_fraction = 0;
 };
 
 // The plan of `spec` (TRAIN or FORWARD) for `config`: INVALID_ARGUMENT
@@ -112,12 +115,14 @@ struct JobPlan {
 // batch and a length. TENSOR jobs plan to zero.
 absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& spec);
 
-// Every layout of `world` ranks (tp x dp with tp = world / dp, in each mode
-// whose mesh fits: 1d, 2d (tp = q^2), 2.5d (tp = depth q^2, depth 2 and up),
-// 3d (tp = q^3)) that the model's policy accepts, with its plan, ordered by
-// wire bytes per step (then by memory): the `spec`'s shard section is
-// replaced for each. Layouts whose plan exceeds `memory_per_rank` (> 0) are
-// left out; the reason each other layout was left out is in `refused`.
+// Every layout of `world` ranks (tp x pp x dp = world, in each mode whose
+// mesh fits: 1d, 2d (tp = q^2), 2.5d (tp = depth q^2, depth 2 and up), 3d
+// (tp = q^3); pipeline stages of equal layer counts for a TRAIN spec of a
+// family that has them) that the model's policy accepts, with its plan,
+// ordered by wire bytes per step (then by memory): the `spec`'s shard
+// section is replaced for each, its micro-batches kept (each plan states its
+// bubble). Layouts whose plan exceeds `memory_per_rank` (> 0) are left out;
+// the reason each other layout was left out is in `refused`.
 struct RankedLayout {
   v1::ShardConfig shard;
   JobPlan plan;

@@ -19,6 +19,7 @@
 #include <sanitizer/allocator_interface.h>
 #endif
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -380,8 +381,55 @@ TEST(Plan, RanksLayoutsByCommunicationAndLeavesOutWhatDoesNotFit) {
   for (const std::string& r : all->refused) std::cerr << "refused: " << r << "\n";
   std::vector<std::string> names;
   for (const RankedLayout& l : all->fits) names.push_back(LayoutName(l.shard));
-  // tp4 x dp1 1d, tp2 x dp2 1d, tp1 x dp4 1d and tp4 x dp1 2d.
-  ASSERT_EQ(all->fits.size(), 4u) << ::testing::PrintToString(names);
+  // tp4 x dp1 1d, tp2 x dp2 1d, tp1 x dp4 1d and tp4 x dp1 2d; with two
+  // stages (the model's 2 layers) tp2 x pp2 x dp1 1d and tp1 x pp2 x dp2 1d.
+  ASSERT_EQ(all->fits.size(), 6u) << ::testing::PrintToString(names);
+  for (const RankedLayout& l : all->fits) {
+    const int pp = std::max(1, l.shard.pipeline_parallel_size());
+    EXPECT_EQ(l.shard.tensor_parallel_size() * pp * l.shard.data_parallel_size(), 4) << LayoutName(l.shard);
+    // One micro-batch: the 1F1B bubble of 2 stages is half the step.
+    EXPECT_DOUBLE_EQ(l.plan.bubble_fraction, pp == 1 ? 0.0 : 0.5) << LayoutName(l.shard);
+    EXPECT_EQ(l.plan.pipeline_stage >= 0, pp > 1) << LayoutName(l.shard);
+    // Each is the plan PlanJob makes of it.
+    v1::JobSpec one = spec;
+    *one.mutable_shard() = l.shard;
+    auto direct = PlanJob(model->config, one);
+    ASSERT_TRUE(direct.ok()) << direct.status();
+    EXPECT_EQ(direct->wire_bytes, l.plan.wire_bytes) << LayoutName(l.shard);
+    EXPECT_EQ(direct->total_bytes, l.plan.total_bytes) << LayoutName(l.shard);
+  }
+  EXPECT_NE(std::find(names.begin(), names.end(), "tp2 x pp2 x dp1 1d"), names.end())
+      << ::testing::PrintToString(names);
+  bool refused_pp4 = false;
+  for (const std::string& r : all->refused) {
+    refused_pp4 = refused_pp4 || (r.find("pp4") != std::string::npos && r.find("more stages") != std::string::npos);
+  }
+  EXPECT_TRUE(refused_pp4) << ::testing::PrintToString(all->refused);
+  // More micro-batches shrink the bubble: (P - 1) / (M + P - 1).
+  v1::JobSpec micro = spec;
+  micro.mutable_train()->set_micro_batches(4);
+  auto four_micro = RankLayouts(model->config, micro, 4, 0);
+  ASSERT_TRUE(four_micro.ok()) << four_micro.status();
+  for (const RankedLayout& l : four_micro->fits) {
+    if (l.shard.pipeline_parallel_size() == 2) {
+      EXPECT_DOUBLE_EQ(l.plan.bubble_fraction, 1.0 / 5);
+    }
+  }
+  // Without stages in the family or the job: tp x dp only, and one line says why.
+  auto bert = testing::WriteTinyBert(TempPath("plan_rank_bert"), o);
+  ASSERT_TRUE(bert.ok()) << bert.status();
+  auto bert_layouts = RankLayouts(bert->config, spec, 4, 0);
+  ASSERT_TRUE(bert_layouts.ok()) << bert_layouts.status();
+  for (const RankedLayout& l : bert_layouts->fits) EXPECT_LE(l.shard.pipeline_parallel_size(), 1);
+  ASSERT_FALSE(bert_layouts->refused.empty());
+  EXPECT_NE(bert_layouts->refused.front().find("no pipeline stages"), std::string::npos)
+      << bert_layouts->refused.front();
+  v1::JobSpec forward = spec;
+  forward.set_kind(v1::JOB_KIND_FORWARD);
+  auto forward_layouts = RankLayouts(model->config, forward, 4, 0);
+  ASSERT_TRUE(forward_layouts.ok()) << forward_layouts.status();
+  EXPECT_EQ(forward_layouts->fits.size(), 4u);
+  for (const RankedLayout& l : forward_layouts->fits) EXPECT_LE(l.shard.pipeline_parallel_size(), 1);
   for (size_t i = 1; i < all->fits.size(); ++i) {
     EXPECT_LE(all->fits[i - 1].plan.wire_bytes, all->fits[i].plan.wire_bytes) << ::testing::PrintToString(names);
   }

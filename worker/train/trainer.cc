@@ -110,8 +110,10 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   return std::shared_ptr<const PreparedTrain>(std::move(run));
 }
 
-absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard,
-                          const RankHooks& hooks) {
+namespace {
+
+absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard,
+                           const RankHooks& hooks) {
   const TrainOptions& o = run.options;
   const int64_t micro_rows = run.micro_rows;
   // Every run sets it: a worker daemon's device outlives its jobs.
@@ -228,6 +230,18 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
   std::error_code ec;
   std::filesystem::remove_all(sharded, ec);
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard,
+                          const RankHooks& hooks) {
+  const absl::Status s = RunTrainSteps(run, rank, pg, shard, hooks);
+  if (s.ok() || shard.pp() < 2) return s;
+  // A pipelined run's error names the stage it came from.
+  absl::StatusOr<int> stage = pg.LocalRank("pp");
+  if (!stage.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("pipeline stage ", *stage, " of ", shard.pp(), ": ", s.message()));
 }
 
 absl::Status Train(const TrainOptions& o, const std::function<void(const StepStats&)>& on_step) {

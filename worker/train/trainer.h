@@ -103,6 +103,7 @@ struct RankHooks {
 };
 
 // One rank's training loop on `pg` (every rank of the mesh must run it).
+// With pipeline stages an error names the stage ("pipeline stage 1 of 2: ...").
 absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard,
                           const RankHooks& hooks);
 
