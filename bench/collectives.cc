@@ -15,6 +15,7 @@
 // for the ring algorithm, comparable across rank counts and collectives.
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -76,7 +77,10 @@ struct Row {
   double seconds;  // median of iters
 };
 
-Row Measure(Op op, int n, size_t bytes, int iters) {
+// `halving_doubling_max_bytes`: the communicator's all-reduce algorithm
+// switch (GlooCommunicator::Options); the default is the communicator's.
+Row Measure(Op op, int n, size_t bytes, int iters,
+            size_t halving_doubling_max_bytes = GlooCommunicator::Options().halving_doubling_max_bytes) {
   auto shared = std::make_shared<RendezvousStore>();
   std::vector<std::unique_ptr<GlooCommunicator>> comms(n);
   std::vector<double> times;
@@ -84,7 +88,9 @@ Row Measure(Op op, int n, size_t bytes, int iters) {
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       InMemoryStore store(shared, "bench");
-      auto c = GlooCommunicator::Create(store, r, n, GlooCommunicator::Options());
+      GlooCommunicator::Options o;
+      o.halving_doubling_max_bytes = halving_doubling_max_bytes;
+      auto c = GlooCommunicator::Create(store, r, n, o);
       if (!c.ok()) {
         std::fprintf(stderr, "rank %d: %s\n", r, c.status().ToString().c_str());
         std::exit(1);
@@ -254,6 +260,29 @@ int main(int argc, char** argv) {
         for (size_t mib : {1, 16, 64}) {
           colod::PrintRow(json, "gloo", "f32", colod::Measure(op, n, mib << 20, iters), "memcpy", memcpy_gbps);
         }
+      }
+    }
+    // Gloo's two all-reduce algorithms side by side: the crossover that
+    // GlooCommunicator::Options::halving_doubling_max_bytes is set from.
+    const size_t threshold = colod::GlooCommunicator::Options().halving_doubling_max_bytes;
+    if (!json) {
+      std::printf("\nGloo all-reduce, f32: the ring (segments pipelined) against bcube (halving-doubling); the "
+                  "communicator takes bcube up to %zu MiB\n\n%5s  %10s  %14s  %15s  %12s\n",
+                  threshold >> 20, "ranks", "size", "ring (ms)", "bcube (ms)", "ring/bcube");
+    }
+    for (int n : {2, 4}) {
+      for (size_t kib : {64, 256, 1024, 4096, 16384, 65536}) {
+        const colod::Row ring = colod::Measure(colod::Op::kAllReduce, n, kib << 10, iters, 0);
+        const colod::Row bcube = colod::Measure(colod::Op::kAllReduce, n, kib << 10, iters, SIZE_MAX);
+        if (json) {
+          std::printf("{\"bench\":\"allreduce_algorithms\",\"backend\":\"gloo\",\"dtype\":\"f32\",\"ranks\":%d,"
+                      "\"bytes\":%zu,\"ring_seconds\":%.6f,\"bcube_seconds\":%.6f}\n",
+                      n, kib << 10, ring.seconds, bcube.seconds);
+        } else {
+          std::printf("%5d  %6zu KiB  %14.3f  %15.3f  %11.2fx\n", n, kib, ring.seconds * 1e3, bcube.seconds * 1e3,
+                      ring.seconds / bcube.seconds);
+        }
+        std::fflush(stdout);
       }
     }
   }

@@ -458,6 +458,9 @@ std::shared_ptr<Work> GlooCommunicator::AllReduce(void* data, int64_t count, DTy
     opts.setTag(tag);
     opts.setTimeout(ToMillis(options_.timeout));
     opts.setMaxSegmentSize(options_.max_segment_bytes);
+    if (static_cast<size_t>(count) * SizeOf(dtype) <= options_.halving_doubling_max_bytes) {
+      opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::BCUBE);
+    }
     gloo::allreduce(opts);
     if (op == ReduceOp::kAvg) DivideInPlace(data, count, dtype, size_);
   });

@@ -35,8 +35,14 @@ class GlooCommunicator final : public Communicator {
     absl::Duration timeout = absl::Seconds(60);
     // Key prefix in the store, so several groups can share one store.
     std::string prefix = "gloo";
-    // Segment size of the pipelined all-reduce.
+    // Segment size of the pipelined (ring) all-reduce.
     size_t max_segment_bytes = 4 << 20;
+    // All-reduces of at most this many bytes run Gloo's bcube algorithm
+    // (recursive halving and doubling where the size is a power of two: a
+    // reduce-scatter and an all-gather in log2(p) exchanges each, the whole
+    // half-buffer at a time); larger ones its ring, which pipelines
+    // segments. 0: always the ring. docs/PERFORMANCE.md has the crossover.
+    size_t halving_doubling_max_bytes = 4 << 20;
     // If set, firing it ends a Create in progress (ABORTED) within
     // milliseconds, even while Gloo waits for a dead peer's TCP connection.
     std::shared_ptr<AbortSignal> abort_signal;

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -30,7 +31,7 @@ constexpr absl::Duration kWait = absl::Seconds(30);
 // Starts `n` ranks, runs body(rank, comm) on each, then a final barrier; keeps
 // every communicator alive until all ranks are done (Gloo teardown rule).
 void RunRanks(int n, const std::function<void(int, Communicator&)>& body,
-              absl::Duration timeout = absl::Seconds(30)) {
+              absl::Duration timeout = absl::Seconds(30), size_t halving_doubling_max_bytes = 4 << 20) {
   auto shared = std::make_shared<RendezvousStore>();
   std::vector<std::unique_ptr<GlooCommunicator>> comms(n);
   std::vector<std::thread> threads;
@@ -39,6 +40,7 @@ void RunRanks(int n, const std::function<void(int, Communicator&)>& body,
       InMemoryStore store(shared, "test");
       GlooCommunicator::Options o;
       o.timeout = timeout;
+      o.halving_doubling_max_bytes = halving_doubling_max_bytes;
       auto c = GlooCommunicator::Create(store, r, n, o);
       ASSERT_TRUE(c.ok()) << c.status();
       comms[r] = std::move(*c);
@@ -106,24 +108,42 @@ const DType kDTypes[] = {DType::kF32, DType::kBF16, DType::kF16, DType::kI32, DT
 
 class GlooRanks : public ::testing::TestWithParam<int> {};
 
+// Both of Gloo's algorithms the communicator picks between (bcube up to
+// halving_doubling_max_bytes, the ring above), each on counts that do not
+// split evenly, fewer elements than ranks, and one segment or several.
 TEST_P(GlooRanks, AllReduceEveryDTypeAndOp) {
   const int n = GetParam();
-  const int64_t count = 1003;  // not a multiple of anything convenient
-  RunRanks(n, [&](int rank, Communicator& comm) {
-    for (DType t : kDTypes) {
-      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
-        std::vector<double> mine(count);
-        for (int64_t i = 0; i < count; ++i) mine[i] = Value(rank, i);
-        std::vector<char> buf = Encode(mine, t);
-        ASSERT_TRUE(comm.AllReduce(buf.data(), count, t, op)->Wait(kWait).ok());
-        std::vector<double> got = Decode(buf, t);
-        for (int64_t i = 0; i < count; ++i) {
-          ASSERT_EQ(got[i], Expected(n, i, op, t))
-              << DTypeName(t) << " op " << static_cast<int>(op) << " i " << i << " rank " << rank;
-        }
-      }
-    }
-  });
+  for (const size_t bcube_max : {size_t{0}, std::numeric_limits<size_t>::max()}) {
+    RunRanks(
+        n,
+        [&](int rank, Communicator& comm) {
+          for (const int64_t count : {int64_t{1003}, int64_t{n - 1}, int64_t{1}}) {
+            for (DType t : kDTypes) {
+              for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+                std::vector<double> mine(count);
+                for (int64_t i = 0; i < count; ++i) mine[i] = Value(rank, i);
+                std::vector<char> buf = Encode(mine, t);
+                ASSERT_TRUE(comm.AllReduce(buf.data(), count, t, op)->Wait(kWait).ok());
+                std::vector<double> got = Decode(buf, t);
+                for (int64_t i = 0; i < count; ++i) {
+                  ASSERT_EQ(got[i], Expected(n, i, op, t))
+                      << (bcube_max == 0 ? "ring " : "bcube ") << DTypeName(t) << " op " << static_cast<int>(op)
+                      << " count " << count << " i " << i << " rank " << rank;
+                }
+              }
+            }
+          }
+          // 3 MiB of f32: several ring segments in flight, or bcube's halves.
+          const int64_t big = 3 << 18;
+          std::vector<float> v(big);
+          for (int64_t i = 0; i < big; ++i) v[i] = static_cast<float>((i % 97) * (rank + 1));
+          ASSERT_TRUE(comm.AllReduce(v.data(), big, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());
+          for (int64_t i = 0; i < big; ++i) {
+            ASSERT_EQ(v[i], static_cast<float>((i % 97) * n * (n + 1) / 2)) << "i " << i;
+          }
+        },
+        absl::Seconds(30), bcube_max);
+  }
 }
 
 TEST_P(GlooRanks, AllGatherReduceScatterBroadcastAllToAll) {
