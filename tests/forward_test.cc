@@ -38,6 +38,27 @@ class Forward : public ::testing::Test {
     args.insert(args.begin(), Runfile("client/coloctl"));
     return RunCommand(args, std::getenv("TEST_TMPDIR"), absl::Seconds(120));
   }
+  // `coloctl forward --output json` of `dir` on ids.npy at `layout`,
+  // writing the logits to `logits_file` (under TEST_TMPDIR): its JSON
+  // object and the logits read back.
+  struct ForwardRun {
+    nlohmann::json out;
+    Tensor logits;
+  };
+  void ForwardAt(const std::string& dir, const std::vector<std::string>& layout, const std::string& logits_file,
+                 ForwardRun* run) {
+    const std::string what = absl::StrJoin(layout, " ");
+    std::vector<std::string> args = {"forward", "--model", dir, "--input", TempPath("ids.npy"),
+                                     "--logits", TempPath(logits_file), "--output", "json"};
+    args.insert(args.end(), layout.begin(), layout.end());
+    const auto r = Coloctl(args);
+    ASSERT_EQ(r.code, 0) << what << ": " << r.err;
+    run->out = nlohmann::json::parse(r.out, nullptr, false);
+    ASSERT_TRUE(run->out.is_object()) << r.out;
+    auto logits = ReadNpy(TempPath(logits_file));
+    ASSERT_TRUE(logits.ok()) << logits.status();
+    run->logits = *std::move(logits);
+  }
   shardformer::testing::TinyModel model_;
   Tensor ids_;
   shardformer::testing::Reference ref_;
@@ -52,20 +73,13 @@ TEST_F(Forward, LogitsAndLossMatchTheUnshardedModelAtEveryLayout) {
   };
   for (const auto& layout : layouts) {
     const std::string what = absl::StrJoin(layout, " ");
-    std::vector<std::string> args = {"forward", "--model", model_.dir, "--input", TempPath("ids.npy"),
-                                     "--logits", TempPath("logits.npy"), "--output", "json"};
-    args.insert(args.end(), layout.begin(), layout.end());
-    const auto r = Coloctl(args);
-    ASSERT_EQ(r.code, 0) << what << ": " << r.err;
-    const auto out = nlohmann::json::parse(r.out, nullptr, false);
-    ASSERT_TRUE(out.is_object()) << r.out;
-    EXPECT_NEAR(out["loss"].get<double>(), ref_.loss, 1e-5 * ref_.loss) << what;
-    EXPECT_EQ(out["tokens"].get<int64_t>(), 4 * 7) << what;
-    EXPECT_EQ(out["shape"], nlohmann::json::array({4, 8, model_.config.vocab_size})) << what;
-    auto logits = ReadNpy(TempPath("logits.npy"));
-    ASSERT_TRUE(logits.ok()) << logits.status();
-    EXPECT_EQ(logits->dtype(), DType::kF32);
-    ::colod::testing::ExpectAllClose(*logits, ref_.logits, "logits " + what, 2e-4);
+    ForwardRun run;
+    ASSERT_NO_FATAL_FAILURE(ForwardAt(model_.dir, layout, "logits.npy", &run));
+    EXPECT_NEAR(run.out["loss"].get<double>(), ref_.loss, 1e-5 * ref_.loss) << what;
+    EXPECT_EQ(run.out["tokens"].get<int64_t>(), 4 * 7) << what;
+    EXPECT_EQ(run.out["shape"], nlohmann::json::array({4, 8, model_.config.vocab_size})) << what;
+    EXPECT_EQ(run.logits.dtype(), DType::kF32);
+    ::colod::testing::ExpectAllClose(run.logits, ref_.logits, "logits " + what, 2e-4);
   }
   // The human-readable form names the loss and the file.
   const auto r = Coloctl({"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--logits", TempPath("l.npy")});
@@ -88,17 +102,10 @@ TEST_F(Forward, OptMatchesItsUnshardedReference) {
   for (const std::vector<std::string>& layout : std::vector<std::vector<std::string>>{
            {"--tp", "2", "--dp", "2", "--mode", "1d", "--sequence-parallel"}, {"--tp", "4", "--mode", "2d"}}) {
     const std::string what = absl::StrJoin(layout, " ");
-    std::vector<std::string> args = {"forward", "--model", opt->dir, "--input", TempPath("ids.npy"),
-                                     "--logits", TempPath("opt_logits.npy"), "--output", "json"};
-    args.insert(args.end(), layout.begin(), layout.end());
-    const auto r = Coloctl(args);
-    ASSERT_EQ(r.code, 0) << what << ": " << r.err;
-    const auto out = nlohmann::json::parse(r.out, nullptr, false);
-    ASSERT_TRUE(out.is_object()) << r.out;
-    EXPECT_NEAR(out["loss"].get<double>(), ref->loss, 1e-5 * ref->loss) << what;
-    auto logits = ReadNpy(TempPath("opt_logits.npy"));
-    ASSERT_TRUE(logits.ok()) << logits.status();
-    ::colod::testing::ExpectAllClose(*logits, ref->logits, "OPT logits " + what, 2e-4);
+    ForwardRun run;
+    ASSERT_NO_FATAL_FAILURE(ForwardAt(opt->dir, layout, "opt_logits.npy", &run));
+    EXPECT_NEAR(run.out["loss"].get<double>(), ref->loss, 1e-5 * ref->loss) << what;
+    ::colod::testing::ExpectAllClose(run.logits, ref->logits, "OPT logits " + what, 2e-4);
   }
 }
 
@@ -114,17 +121,10 @@ TEST_F(Forward, BertIn3dMatchesItsUnshardedReference) {
   for (const std::vector<std::string>& layout :
        std::vector<std::vector<std::string>>{{"--tp", "2", "--mode", "1d"}, {"--tp", "8", "--mode", "3d"}}) {
     const std::string what = absl::StrJoin(layout, " ");
-    std::vector<std::string> args = {"forward", "--model", bert->dir, "--input", TempPath("ids.npy"),
-                                     "--logits", TempPath("bert_logits.npy"), "--output", "json"};
-    args.insert(args.end(), layout.begin(), layout.end());
-    const auto r = Coloctl(args);
-    ASSERT_EQ(r.code, 0) << what << ": " << r.err;
-    const auto out = nlohmann::json::parse(r.out, nullptr, false);
-    ASSERT_TRUE(out.is_object()) << r.out;
-    losses.push_back(out["loss"].get<double>());
-    auto logits = ReadNpy(TempPath("bert_logits.npy"));
-    ASSERT_TRUE(logits.ok()) << logits.status();
-    ::colod::testing::ExpectAllClose(*logits, ref->logits, "BERT logits " + what, 2e-4);
+    ForwardRun run;
+    ASSERT_NO_FATAL_FAILURE(ForwardAt(bert->dir, layout, "bert_logits.npy", &run));
+    losses.push_back(run.out["loss"].get<double>());
+    ::colod::testing::ExpectAllClose(run.logits, ref->logits, "BERT logits " + what, 2e-4);
   }
   EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
 }

@@ -311,6 +311,10 @@ std::string DescribeMemoryFloor(const RankMemoryFloor& floor) {
                       floor.rank_parameters, " on the fullest rank: ", parts, ")");
 }
 
+bool HasPipelineStages(const ModelConfig& config) {
+  return config.model_type == "gpt2" || config.model_type == "llama";
+}
+
 absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard) {
   const int64_t pp = std::max(1, shard.pipeline_parallel_size());
   const int64_t layers = config.num_layers;
@@ -319,7 +323,7 @@ absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& conf
     return absl::InvalidArgumentError(
         absl::StrCat("pipeline_parallel_size must be >= 0, got ", shard.pipeline_parallel_size()));
   }
-  if (pp > 1 && config.model_type != "gpt2" && config.model_type != "llama") {
+  if (pp > 1 && !HasPipelineStages(config)) {
     return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type,
                                                    " policy has no pipeline stages (gpt2 and llama have)"));
   }

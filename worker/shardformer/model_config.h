@@ -122,6 +122,10 @@ std::string GiB(int64_t bytes);
 // the family's policy does not support.
 absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& shard);
 
+// Whether the family of `config` splits into pipeline stages (gpt2 and
+// llama do).
+bool HasPipelineStages(const ModelConfig& config);
+
 // The layers of each pipeline stage (pipeline_parallel_size of them; one
 // stage of every layer without pipeline parallelism): the ShardConfig's
 // pipeline_stage_layers, or as even as they split with the earlier stages

@@ -919,14 +919,10 @@ absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::Jo
   // Pipeline stages where the spec trains a family that has them (one
   // refusal says why not otherwise, rather than one per layout).
   bool stages = spec.kind() == v1::JOB_KIND_TRAIN;
-  if (stages && world > 1) {
-    v1::ShardConfig two;
-    two.set_pipeline_parallel_size(2);
-    const absl::Status s = PipelineStageLayers(config, two).status();
-    if (!s.ok() && s.message().find("no pipeline stages") != std::string::npos) {
-      search.refused.push_back(absl::StrCat("pp > 1: ", s.message()));
-      stages = false;
-    }
+  if (stages && world > 1 && !HasPipelineStages(config)) {
+    search.refused.push_back(
+        absl::StrCat("pp > 1: the ", config.model_type, " policy has no pipeline stages (gpt2 and llama have)"));
+    stages = false;
   }
   std::vector<v1::ShardConfig> candidates;
   for (int dp = 1; dp <= world; ++dp) {

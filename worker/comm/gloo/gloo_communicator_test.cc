@@ -31,7 +31,8 @@ constexpr absl::Duration kWait = absl::Seconds(30);
 // Starts `n` ranks, runs body(rank, comm) on each, then a final barrier; keeps
 // every communicator alive until all ranks are done (Gloo teardown rule).
 void RunRanks(int n, const std::function<void(int, Communicator&)>& body,
-              absl::Duration timeout = absl::Seconds(30), size_t halving_doubling_max_bytes = 4 << 20) {
+              absl::Duration timeout = absl::Seconds(30),
+              size_t halving_doubling_max_bytes = GlooCommunicator::Options().halving_doubling_max_bytes) {
   auto shared = std::make_shared<RendezvousStore>();
   std::vector<std::unique_ptr<GlooCommunicator>> comms(n);
   std::vector<std::thread> threads;
