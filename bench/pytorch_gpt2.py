@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""PyTorch's side of bench:train's CPU rows (docs/PERFORMANCE.md).
+"""PyTorch's side of bench:train's CPU rows, and of its GPT-2 124M GPU row (docs/PERFORMANCE.md).
 
 The same GPT-2 shapes as //bench:train (GPT-2 tiny: 4 layers, hidden 256,
 4 heads, vocab 256, seq 128, batch 8; GPT-2 small: 12 layers, hidden 768,
@@ -12,12 +12,20 @@ torch.set_num_threads and OpenBLAS's and OpenMP's pools all set to it
 is batch * seq over the mean step time after 2 warm-up steps, as
 bench:train counts it.
 
+--device cuda runs GPT-2 124M as bench:train's GPU row does (seq 1024,
+batch 8, bf16 autocast with f32 master weights, AdamW, clipping at 1.0) on
+cuda:0, with the attention written out as above (--attention manual, the
+same math colod does) or through F.scaled_dot_product_attention (--attention
+sdpa, PyTorch's fused flash attention), in eager mode.
+
 Run with Debian's python3-torch where present (it is not a dependency of
 colod's build or tests):
 
     /usr/bin/python3 bench/pytorch_gpt2.py [--model gpt2-tiny|gpt2-small] [--steps N] [--threads 1,2]
+    python3 bench/pytorch_gpt2.py --device cuda [--model gpt2-124m] [--attention manual|sdpa]
 """
 import argparse
+import contextlib
 import math
 import os
 import subprocess
@@ -39,7 +47,9 @@ SHAPES = {
     # name: (vocab, hidden, layers, heads, seq, batch, steps)
     "gpt2-tiny": (256, 256, 4, 4, 128, 8, 10),
     "gpt2-small": (50257, 768, 12, 12, 128, 4, 2),
+    "gpt2-124m": (50257, 768, 12, 12, 1024, 8, 10),  # bench:train's GPU row
 }
+ATTENTION = "manual"
 
 
 class Block(nn.Module):
@@ -58,9 +68,13 @@ class Block(nn.Module):
         d = h // self.heads
         q, k, v = self.c_attn(self.ln_1(x)).split(h, dim=2)
         q, k, v = (t.view(b, s, self.heads, d).transpose(1, 2) for t in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)
-        scores = scores.masked_fill(mask, float("-inf"))
-        a = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, s, h)
+        if ATTENTION == "sdpa":
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)
+            scores = scores.masked_fill(mask, float("-inf"))
+            a = F.softmax(scores, dim=-1) @ v
+        a = a.transpose(1, 2).reshape(b, s, h)
         x = x + self.c_proj(a)
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
 
@@ -78,25 +92,27 @@ class Gpt2(nn.Module):
 
     def forward(self, ids):
         s = ids.shape[1]
-        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
-        x = self.wte(ids) + self.wpe(torch.arange(s))
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), diagonal=1)
+        x = self.wte(ids) + self.wpe(torch.arange(s, device=ids.device))
         for blk in self.blocks:
             x = blk(x, mask)
         return self.ln_f(x) @ self.wte.weight.t()  # the tied head
 
 
-def run(name, threads, steps, warmup=2):
+def run(name, threads, steps, warmup=2, device="cpu"):
     vocab, h, layers, heads, seq, batch, default_steps = SHAPES[name]
     steps = steps or default_steps
     torch.set_num_threads(threads)
     torch.manual_seed(1)
-    model = Gpt2(vocab, h, layers, heads, max(seq, 64))
+    model = Gpt2(vocab, h, layers, heads, max(seq, 64)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    ids = torch.randint(0, vocab, (warmup + steps, batch, seq + 1))
+    ids = torch.randint(0, vocab, (warmup + steps, batch, seq + 1), device=device)
     ends = []
     for i in range(warmup + steps):
         x, y = ids[i, :, :-1], ids[i, :, 1:]
-        loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        with torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext():
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -112,8 +128,22 @@ def main():
     ap.add_argument("--model", default="gpt2-tiny", choices=sorted(SHAPES))
     ap.add_argument("--steps", type=int, default=0, help="timed steps (default: bench:train's, 10 or 2)")
     ap.add_argument("--threads", default="1,2", help="thread counts to run, comma-separated")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: one run on cuda:0 in bf16 autocast (default model gpt2-124m)")
+    ap.add_argument("--attention", default="manual", choices=["manual", "sdpa"],
+                    help="written-out attention (colod's math) or F.scaled_dot_product_attention")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global ATTENTION
+    ATTENTION = args.attention
+    if args.device == "cuda":
+        name = args.model if "--model" in sys.argv else "gpt2-124m"
+        step, tps = run(name, torch.get_num_threads(), args.steps, warmup=3, device="cuda")
+        print(f"PyTorch {torch.__version__} on {torch.cuda.get_device_name(0)}, bf16 autocast, "
+              f"attention {args.attention}")
+        print(f"{'model':<11} {'step (ms)':>10} {'tokens/s':>9}")
+        print(f"{name:<11} {step * 1e3:>10.1f} {tps:>9.0f}", flush=True)
+        return
     if args.child:  # one thread count, in the process main() made for it
         t = int(os.environ["COLOD_BENCH_THREADS"])
         step, tps = run(args.model, t, args.steps)

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# colod gpu-check from a bundle (`./dev gpu-bundle`, docs/GPU.md): the GPU
+# tests and the benchmarks of the default build (nvcc, cuBLAS, NCCL) on this
+# machine's NVIDIA GPUs, and one report. It needs neither Bazel nor Debian's
+# packages: the bundle carries the binaries and the Debian libraries they link,
+# and takes glibc, the driver, cuBLAS and NCCL from this machine.
+#
+#   ./gpu-check.sh [OUT_DIR]      (default: ./out; the report is OUT_DIR/report.md)
+#
+# Environment: COLOD_CUDA_HOME (where cuBLAS and NCCL are looked for first;
+# default /usr/local/cuda), COLOD_GPU_CHECK_TEST_TIMEOUT (seconds per test
+# binary, default 600), COLOD_GPU_CHECK_BENCH (benchmarks to run, default
+# "layers collectives train"; empty for none), COLOD_GPU_CHECK_BENCH_TIMEOUT
+# (seconds per benchmark, default 1200).
+set -uo pipefail
+root=$(cd "$(dirname "$0")" && pwd)
+out=$(mkdir -p "${1:-$root/out}" && cd "${1:-$root/out}" && pwd)
+die() { printf 'gpu-check: %s\n' "$*" >&2; exit 1; }
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+  die "no NVIDIA GPU is visible (nvidia-smi -L lists none)"
+fi
+
+# cuBLAS and NCCL are hundreds of MB, so the bundle leaves them to the machine:
+# the CUDA toolkit's lib64, else wherever they are (a Python wheel, say).
+cuda=${COLOD_CUDA_HOME:-/usr/local/cuda}
+find_lib() {
+  local d
+  for d in "$cuda/lib64" "$cuda/lib" /usr/lib/x86_64-linux-gnu /usr/lib64; do
+    [[ -e $d/$1 ]] && { echo "$d"; return; }
+  done
+  d=$(find / \( -path /proc -o -path /sys -o -path /dev -o -path "$root" \) -prune -o \
+    -name "$1" -print 2>/dev/null | head -1)
+  [[ -n $d ]] && dirname "$d"
+}
+libpath=$root/lib
+for l in libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+  d=$(find_lib "$l") || true
+  [[ -n $d ]] || die "$l is not on this machine (set COLOD_CUDA_HOME to the CUDA toolkit)"
+  [[ :$libpath: == *":$d:"* ]] || libpath=$libpath:$d
+done
+export LD_LIBRARY_PATH=$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+missing=$(for f in $(cat "$root/tests.txt") client/coloctl; do ldd "$root/colod/$f"; done | grep 'not found' | sort -u)
+[[ -z $missing ]] || die "libraries the binaries need are missing: $missing"
+
+report=$out/report.md
+nccl_version() {  # the NCCL that is loaded, from its own ncclGetVersion
+  python3 - "$1" 2>/dev/null <<'PY' || echo '?'
+import ctypes, sys
+v = ctypes.c_int(); ctypes.CDLL(sys.argv[1]).ncclGetVersion(ctypes.byref(v)); v = v.value
+print(f"{v // 10000}.{v // 100 % 100}.{v % 100}")
+PY
+}
+{
+  echo "# colod gpu-check: $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(cat "$root/COMMIT")"
+  echo
+  echo "## Devices"
+  echo '```'
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version,compute_cap --format=csv
+  echo '```'
+  echo "Built with CUDA $(cat "$root/CUDA_VERSION"); on this machine cuBLAS and NCCL from" \
+    "$(echo "$libpath" | cut -d: -f2- | sed 's/:/, /g'), NCCL $(nccl_version libnccl.so.2)"
+} >"$report"
+
+# The tests: each binary as Bazel would run it (in its runfiles root, with
+# TEST_SRCDIR, a TEST_TMPDIR of its own and its BUILD env), its cases counted
+# from gtest's XML.
+cases=0 skipped=0 failed_bins=0 lines=()
+for t in $(cat "$root/tests.txt"); do
+  name=${t//\//_}
+  tmp=$(mktemp -d)
+  log "gpu-check: $t"
+  start=$(date +%s)
+  mapfile -t env <"$root/colod/$t.env"
+  (cd "$root/colod" && env TEST_SRCDIR="$root" TEST_TMPDIR="$tmp" "${env[@]}" \
+    timeout -k 10 "${COLOD_GPU_CHECK_TEST_TIMEOUT:-600}" \
+    "$root/colod/$t" --gtest_output="xml:$out/$name.xml" >"$out/$name.log" 2>&1)
+  rc=$?
+  rm -rf "$tmp"
+  c=0 s=0 f=0
+  if [[ -f $out/$name.xml ]]; then
+    c=$(grep -c '<testcase ' "$out/$name.xml") s=$(grep -c 'result="skipped"' "$out/$name.xml")
+    f=$(grep -c '<failure' "$out/$name.xml")
+  fi
+  cases=$((cases + c)) skipped=$((skipped + s))
+  status=PASSED
+  ((rc == 124 || rc == 137)) && status=TIMEOUT
+  ((rc != 0 && rc != 124 && rc != 137)) && status=FAILED
+  ((rc != 0)) && failed_bins=$((failed_bins + 1))
+  lines+=("//${t%/*}:${t##*/} $status in $(($(date +%s) - start)) s ($c cases, $s skipped, $f failed)")
+  printf '%s\n' "${lines[-1]}" >&2
+done
+{
+  echo
+  echo "## Tests ($cases cases, $skipped skipped; $failed_bins of ${#lines[@]} binaries failed)"
+  echo '```'
+  printf '%s\n' "${lines[@]}"
+  for t in $(cat "$root/tests.txt"); do  # the failures' own lines
+    grep -h -E '^\[  FAILED  \]|Failure|error:' "$out/${t//\//_}.log" 2>/dev/null | head -20
+  done
+  echo '```'
+} >>"$report"
+
+for bench in ${COLOD_GPU_CHECK_BENCH-layers collectives train}; do
+  args=()
+  [[ $bench == train ]] && args=(--rows gpu)  # GPT-2 124M and LLaMA 1B in bf16, tp=1 and 2
+  log "gpu-check: bench/$bench ${args[*]}"
+  timeout -k 10 "${COLOD_GPU_CHECK_BENCH_TIMEOUT:-1200}" "$root/opt/colod/bench/$bench" "${args[@]}" \
+    >"$out/bench-$bench.txt" 2>&1 || echo "(exit $?)" >>"$out/bench-$bench.txt"
+  { echo; echo "## bench:$bench"; echo '```'; tail -40 "$out/bench-$bench.txt"; echo '```'; } >>"$report"
+done
+cat "$report"
+log "gpu-check: the report is $report (add it to docs/GPU.md)"
+((failed_bins == 0))
