@@ -38,6 +38,7 @@
 #include "kernels/device.h"
 #include "worker/comm/rendezvous_store.h"
 #include "worker/colo/process_group.h"
+#include "worker/colo/rank_group.h"
 #include "worker/comm/instrumented_communicator.h"
 #include "worker/comm/store.h"
 #include "worker/nn/functional.h"
@@ -59,6 +60,8 @@ ABSL_FLAG(bool, all_modes, true, "Also run the 2d, 2.5d and 3d rows (8 processes
 ABSL_FLAG(std::string, store_dir, "", "Internal: the file store of a multi-process row.");
 ABSL_FLAG(int, seq, 128, "The GPT-2 block's sequence length (tokens / seq sequences a step).");
 ABSL_FLAG(bool, gpt2_block, true, "Also run the whole GPT-2 block's table.");
+ABSL_FLAG(bool, cpu_rows, true,
+          "Run the CPU tables (false: only the GPU row, e.g. at --hidden 4096 --tokens 8192 on a GPU machine).");
 ABSL_FLAG(std::string, block, "mlp", "Internal: the block of a multi-process row (mlp or gpt2).");
 ABSL_FLAG(std::string, model_dir, "", "Internal: the 1-layer GPT-2 of the gpt2 rows.");
 
@@ -274,17 +277,18 @@ absl::StatusOr<BlockResult> RunBlock(const std::string& mode, int rank, int worl
   const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);
   ASSIGN_OR_RETURN(v1::ShardConfig shard, ShardFor(mode, world));
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(shard));
-  GlooCommunicator::Options o;
+  // Gloo for host tensors, NCCL on the device for CUDA ones; every
+  // communicator counted.
+  RankGroupOptions o;
+  o.device = device;
   o.timeout = absl::Minutes(5);
-  ProcessGroup::CommFactory gloo = ProcessGroup::GlooFactory(store, o);
   std::vector<InstrumentedCommunicator*> counted;
-  auto factory = [gloo, &counted](const ProcessGroup::GroupInfo& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
-    ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c, gloo(g));
-    auto* inst = new InstrumentedCommunicator(std::move(c));
+  o.wrap = [&counted](std::unique_ptr<Communicator> inner, const ProcessGroup::GroupInfo&) {
+    auto* inst = new InstrumentedCommunicator(std::move(inner));
     counted.push_back(inst);
     return std::unique_ptr<Communicator>(inst);
   };
-  ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> pg, ProcessGroup::Create(mesh, rank, factory, absl::Minutes(5)));
+  ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> pg, CreateRankGroup(mesh, rank, store, std::move(o)));
   RETURN_IF_ERROR(pg->InitAxes());
   ASSIGN_OR_RETURN(Communicator * all, pg->Comm(mesh.AxisIndices("tp").ok() ? "tp" : mesh.axes().back().name));
   ASSIGN_OR_RETURN(std::unique_ptr<Block> block, MakeBlock(mode, pg.get(), t, h, device, dtype));
@@ -448,18 +452,11 @@ bool RunTable(const std::string& block, const std::vector<Config>& configs, doub
 }  // namespace
 }  // namespace colod
 
-int main(int argc, char** argv) {
-  colod::kernels::cpu::PreferAvx512Blas(argv);
-  colod::ParseFlags(argc, argv,
-                    "layers: the tensor-parallel MLP block and the whole GPT-2 block, forward + backward,\n"
-                    "in 1d, 2d, 2.5d and 3d, vs sgemm peak.\n\nUsage:\n"
-                    "  bazel run -c opt //bench:layers [-- --json] [-- --steps N] [-- --tokens T --hidden H]\n"
-                    "    [-- --seq S] [-- --all_modes=false] [-- --gpt2_block=false]\n");
-  if (absl::GetFlag(FLAGS_rank) >= 0) return colod::RankMain();
-  const bool json = absl::GetFlag(FLAGS_json);
-  const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);
-  const double flops = colod::BlockFlops(t, h);
-  const double peak1 = colod::SgemmPeak(1, t, h), peak2 = colod::SgemmPeak(2, t, h);
+namespace colod {
+
+// The MLP block's table and, with --gpt2_block, the GPT-2 block's, on the CPU.
+bool RunCpuTables(int64_t t, int64_t h, double flops, bool json) {
+  const double peak1 = SgemmPeak(1, t, h), peak2 = SgemmPeak(2, t, h);
   if (!json) {
     std::printf("MLP block (Linear1D_Col -> GELU -> Linear1D_Row), f32, tokens %lld, hidden %lld, inner %lld: "
                 "%.1f GFLOP per step (fwd+bwd)\nOpenBLAS sgemm peak, same run, [T,H]x[H,4H]: 1 thread %.1f "
@@ -475,12 +472,12 @@ int main(int argc, char** argv) {
     configs.push_back({"2.5d", 8, 1, "8 processes x 1 thread"});
     configs.push_back({"3d", 8, 1, "8 processes x 1 thread"});
   }
-  if (!colod::RunTable("mlp", configs, flops, peak1, peak2)) return 1;
+  if (!colod::RunTable("mlp", configs, flops, peak1, peak2)) return false;
   if (absl::GetFlag(FLAGS_gpt2_block)) {
     // A 1-layer GPT-2 of the same hidden size, 64-wide heads, for every rank to load.
     const int64_t seq = absl::GetFlag(FLAGS_seq);
     char dir_template[] = "/tmp/colod-bench-gpt2-XXXXXX";
-    if (mkdtemp(dir_template) == nullptr) return 1;
+    if (mkdtemp(dir_template) == nullptr) return false;
     const std::string dir = dir_template;
     colod::shardformer::Gpt2Shape shape;
     shape.hidden_size = h;
@@ -490,7 +487,7 @@ int main(int argc, char** argv) {
     const absl::Status written = colod::shardformer::WriteInitializedGpt2(dir, shape, 1);
     if (!written.ok()) {
       std::fprintf(stderr, "writing the GPT-2 block: %s\n", written.ToString().c_str());
-      return 1;
+      return false;
     }
     absl::SetFlag(&FLAGS_model_dir, dir);
     const double block_flops = colod::Gpt2BlockFlops(t, seq, h);
@@ -504,10 +501,14 @@ int main(int argc, char** argv) {
     const bool ok = colod::RunTable("gpt2", configs, block_flops, peak1, peak2);
     std::string cleanup = "rm -rf " + dir;
     (void)std::system(cleanup.c_str());
-    if (!ok) return 1;
+    if (!ok) return false;
   }
-  // Where a GPU is present: the tp=1 block in bf16 on cuda:0 against cuBLAS's
-  // bf16 GEMM on the same shape.
+  return true;
+}
+
+// Where a GPU is present: the tp=1 MLP block in bf16 on cuda:0 against
+// cuBLAS's bf16 GEMM on the same shape. Returns main's exit code.
+int RunGpuRow(int64_t t, int64_t h, double flops, bool json) {
   if (colod::kernels::CudaDeviceCount() == 0) {
     if (!json) std::printf("\nno CUDA device: the GPU bf16 row is skipped\n");
     return 0;
@@ -538,4 +539,21 @@ int main(int argc, char** argv) {
                 r->step_seconds * 1e3, achieved, 100 * achieved / gpu_peak, gpu_peak);
   }
   return 0;
+}
+
+}  // namespace colod
+
+int main(int argc, char** argv) {
+  colod::kernels::cpu::PreferAvx512Blas(argv);
+  colod::ParseFlags(argc, argv,
+                    "layers: the tensor-parallel MLP block and the whole GPT-2 block, forward + backward,\n"
+                    "in 1d, 2d, 2.5d and 3d, vs sgemm peak.\n\nUsage:\n"
+                    "  bazel run -c opt //bench:layers [-- --json] [-- --steps N] [-- --tokens T --hidden H]\n"
+                    "    [-- --seq S] [-- --all_modes=false] [-- --gpt2_block=false] [-- --cpu_rows=false]\n");
+  if (absl::GetFlag(FLAGS_rank) >= 0) return colod::RankMain();
+  const bool json = absl::GetFlag(FLAGS_json);
+  const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);
+  const double flops = colod::BlockFlops(t, h);
+  if (absl::GetFlag(FLAGS_cpu_rows) && !colod::RunCpuTables(t, h, flops, json)) return 1;
+  return colod::RunGpuRow(t, h, flops, json);
 }

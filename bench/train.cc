@@ -19,7 +19,8 @@
 // devices are (tp=2 needs 2):
 //   gpt2-124m   seq 1024, batch 8: tp=1, tp=2
 //   llama-1b    hidden 2048, 16 layers, 32 heads over 8 kv heads, MLP 5632,
-//               vocab 32000 (1.1B parameters), seq 2048, batch 4: tp=1, tp=2
+//               vocab 32000 (787M parameters by the PARAMS column), seq 2048,
+//               batch 4: tp=1, tp=2
 // --rows smoke: tiny GPT-2 and LLaMA on the GPU path (seq 32, 2 steps), to
 // check the GPU rows run at all, e.g. under --config=cuda-emu, whose devices
 // would take hours over the real rows and time nothing.

@@ -105,6 +105,7 @@ done
 for bench in ${COLOD_GPU_CHECK_BENCH-layers collectives train}; do
   args=()
   [[ $bench == train ]] && args=(--rows gpu)  # GPT-2 124M and LLaMA 1B in bf16, tp=1 and 2
+  [[ $bench == layers ]] && args=(--cpu_rows=false --hidden 4096 --tokens 8192)  # the MLP block in bf16
   log "gpu-check: bench/$bench ${args[*]}"
   timeout -k 10 "${COLOD_GPU_CHECK_BENCH_TIMEOUT:-1200}" "$root/opt/colod/bench/$bench" "${args[@]}" \
     >"$out/bench-$bench.txt" 2>&1 || echo "(exit $?)" >>"$out/bench-$bench.txt"

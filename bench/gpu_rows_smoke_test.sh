@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The benchmarks' GPU rows run end to end (in CI on the CUDA emulation, on
+# GPUs where they are): bench:layers' bf16 MLP row, and bench:train's smoke
+# rows (tiny GPT-2 and LLaMA in bf16 at tp=1 and tp=2). What they compute is
+# tested by the layers' and the trainer's own tests; this holds the
+# benchmarks' wiring (devices, NCCL groups, the peak measurement), which only
+# a GPU run would otherwise reach.
+set -euo pipefail
+layers=$1 train=$2
+fail() { printf 'FAIL: %s\n' "$1"; printf '%s\n' "$2"; exit 1; }
+
+out=$("$layers" --cpu_rows=false --hidden 64 --tokens 64 --steps 1 2>&1) || fail "bench:layers exited $?" "$out"
+grep -qE '^GPU \(cuda:0\), bf16, tp=1: step [0-9.]+ ms' <<<"$out" || fail "bench:layers printed no GPU row" "$out"
+
+# Two emulated devices (the emulation's default is 4); a real machine has its own.
+out=$(COLOD_CUDA_EMU_DEVICES=2 "$train" --rows smoke --steps 1 --warmup 1 2>&1) || fail "bench:train exited $?" "$out"
+for model in gpt2-tiny llama-tiny; do
+  # tp=1 always runs; tp=2 runs, or says it needs a second device.
+  grep -qE "^$model +cuda +tp=1 dp=1 +bf16 .* [1-9][0-9]* +[0-9.e+]+ " <<<"$out" || fail "no timed $model tp=1 row" "$out"
+  grep -qE "^$model +cuda +tp=2 dp=1( +bf16 .* [1-9][0-9]* +[0-9.e+]+ |: skipped, 1 CUDA device)" <<<"$out" ||
+    fail "no $model tp=2 row" "$out"
+done
+echo "PASS: bench:layers' GPU row and bench:train's smoke rows"
