@@ -1,4 +1,6 @@
 // The native layers: the original computation, parameters replicated.
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/embedding1d.h"
@@ -43,17 +45,34 @@ class NativeLinear : public Layer {
   bool tied_;
 };
 
+// On a CUDA device the table is padded with zero rows to a multiple of
+// make_vocab_size_divisible_by, as the vocab-parallel layers pad it at tp > 1:
+// a tied head's GEMMs then have a logits width cuBLAS runs with its
+// vectorized kernels (GPT-2's 50257 columns run its align1 kernels, about 8x
+// slower on an H200; docs/GPU.md). The padding rows are never looked up, stay
+// zero (their gradient is zero), are left out of checkpoints (valid_rows), and
+// the loss and GatherLogits drop their logits.
 class NativeEmbedding : public Layer {
  public:
-  explicit NativeEmbedding(BoundParam w) : w_(std::move(w)) {}
+  NativeEmbedding(BoundParam w, int64_t rows) : w_(std::move(w)), rows_(rows) {}
   static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c) {
     RETURN_IF_ERROR(Expect(d.kind == Kind::kEmbedding, d, "native Embedding"));
-    ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight", WeightTensor(d), {d.in, d.out}, DistSpec()));
-    return LayerPtr(new NativeEmbedding(std::move(w)));
+    HfTensor hf = WeightTensor(d);
+    int64_t rows = d.in;
+    const int64_t multiple = c.shard->make_vocab_size_divisible_by;
+    if (c.shard->device.is_cuda() && multiple > 1 && d.in % multiple != 0) {
+      if (d.in > std::numeric_limits<int64_t>::max() - multiple) {
+        return absl::InvalidArgumentError(absl::StrCat(d.prefix, ": ", d.in, " rows cannot be padded"));
+      }
+      rows = (d.in + multiple - 1) / multiple * multiple;
+      hf.valid_rows = d.in;
+    }
+    ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight", hf, {rows, d.out}, DistSpec()));
+    return LayerPtr(new NativeEmbedding(std::move(w), d.in));
   }
   std::string type() const override { return "native Embedding"; }
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& ids) override {
-    RETURN_IF_ERROR(nn::CheckIds(ids.local(), w_.param.global_shape()[0]));
+    RETURN_IF_ERROR(nn::CheckIds(ids.local(), rows_));
     ASSIGN_OR_RETURN(Variable y, nn::Embedding(w_.param.variable(), ids.local()));
     return ColoTensor::FromLocal(y, ids.spec(), ids.process_group());
   }
@@ -65,6 +84,7 @@ class NativeEmbedding : public Layer {
 
  private:
   BoundParam w_;
+  int64_t rows_;  // the table's own rows (ids must be below), padding not counted
 };
 
 class NativeNorm : public Layer {
