@@ -11,13 +11,17 @@
 # default /usr/local/cuda), COLOD_GPU_CHECK_TEST_TIMEOUT (seconds per test
 # binary, default 600), COLOD_GPU_CHECK_BENCH (benchmarks to run, default
 # "layers collectives train"; empty for none), COLOD_GPU_CHECK_BENCH_TIMEOUT
-# (seconds per benchmark, default 1200).
+# (seconds per benchmark, default 1200), COLOD_GPU_CHECK_SANITIZER (memcheck,
+# racecheck, synccheck or initcheck: each test under compute-sanitizer with
+# that tool, its findings failing the test; CUDA API errors are not reported,
+# since NCCL probes kernels this device has no image of).
 set -uo pipefail
 root=$(cd "$(dirname "$0")" && pwd)
 out=$(mkdir -p "${1:-$root/out}" && cd "${1:-$root/out}" && pwd)
 die() { printf 'gpu-check: %s\n' "$*" >&2; exit 1; }
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
+[[ -f $root/tests.txt && -d $root/colod ]] || die "run the copy of gpu-check.sh inside a bundle (./dev gpu-bundle makes one)"
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
   die "no NVIDIA GPU is visible (nvidia-smi -L lists none)"
 fi
@@ -63,6 +67,14 @@ PY
     "$(echo "$libpath" | cut -d: -f2- | sed 's/:/, /g'), NCCL $(nccl_version libnccl.so.2)"
 } >"$report"
 
+sanitizer=()
+if [[ -n ${COLOD_GPU_CHECK_SANITIZER:-} ]]; then
+  cs=$(command -v compute-sanitizer || echo "$cuda/bin/compute-sanitizer")
+  [[ -x $cs ]] || die "COLOD_GPU_CHECK_SANITIZER: no compute-sanitizer on PATH or in $cuda/bin"
+  sanitizer=("$cs" --tool "$COLOD_GPU_CHECK_SANITIZER" --report-api-errors no --error-exitcode 9)
+  echo "Tests under compute-sanitizer --tool $COLOD_GPU_CHECK_SANITIZER." >>"$report"
+fi
+
 # The tests: each binary as Bazel would run it (in its runfiles root, with
 # TEST_SRCDIR, a TEST_TMPDIR of its own and its BUILD env), its cases counted
 # from gtest's XML.
@@ -75,7 +87,7 @@ for t in $(cat "$root/tests.txt"); do
   mapfile -t env <"$root/colod/$t.env"
   (cd "$root/colod" && env TEST_SRCDIR="$root" TEST_TMPDIR="$tmp" "${env[@]}" \
     timeout -k 10 "${COLOD_GPU_CHECK_TEST_TIMEOUT:-600}" \
-    "$root/colod/$t" --gtest_output="xml:$out/$name.xml" >"$out/$name.log" 2>&1)
+    "${sanitizer[@]}" "$root/colod/$t" --gtest_output="xml:$out/$name.xml" >"$out/$name.log" 2>&1)
   rc=$?
   rm -rf "$tmp"
   c=0 s=0 f=0
@@ -97,7 +109,7 @@ done
   echo '```'
   printf '%s\n' "${lines[@]}"
   for t in $(cat "$root/tests.txt"); do  # the failures' own lines
-    grep -h -E '^\[  FAILED  \]|Failure|error:' "$out/${t//\//_}.log" 2>/dev/null | head -20
+    grep -h -E '^\[  FAILED  \]|Failure|error:|^========= (ERROR|RACECHECK) SUMMARY: [1-9]' "$out/${t//\//_}.log" 2>/dev/null | head -20
   done
   echo '```'
 } >>"$report"
