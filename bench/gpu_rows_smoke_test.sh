@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks' GPU rows run end to end (in CI on the CUDA emulation, on
-# GPUs where they are): bench:layers' bf16 MLP row, and bench:train's smoke
+# GPUs where they are): bench:layers' bf16 MLP and GPT-2 block rows, and bench:train's smoke
 # rows (tiny GPT-2 and LLaMA in bf16 at tp=1 and tp=2). What they compute is
 # tested by the layers' and the trainer's own tests; this holds the
 # benchmarks' wiring (devices, NCCL groups, the peak measurement), which only
@@ -9,8 +9,18 @@ set -euo pipefail
 layers=$1 train=$2
 fail() { printf 'FAIL: %s\n' "$1"; printf '%s\n' "$2"; exit 1; }
 
-out=$("$layers" --cpu_rows=false --hidden 64 --tokens 64 --steps 1 2>&1) || fail "bench:layers exited $?" "$out"
-grep -qE '^GPU \(cuda:0\), bf16, tp=1: step [0-9.]+ ms' <<<"$out" || fail "bench:layers printed no GPU row" "$out"
+# A build with CUDA on a machine without a GPU: nothing to run (the GPU
+# tests skip there too).
+out=$("$layers" --cpu_rows=false --gpt2_block=false --tokens 64 --hidden 64 --steps 1 2>&1) || fail "bench:layers exited $?" "$out"
+if grep -q '^no CUDA device' <<<"$out"; then
+  echo "SKIP: no CUDA device"
+  exit 0
+fi
+out=$("$layers" --cpu_rows=false --hidden 64 --tokens 64 --seq 32 --steps 1 2>&1) || fail "bench:layers exited $?" "$out"
+for block in mlp_block gpt2_block; do
+  grep -qE "^GPU \(cuda:0\), bf16, tp=1, $block( \(seq 32\))?: step [0-9.]+ ms" <<<"$out" ||
+    fail "bench:layers printed no GPU $block row" "$out"
+done
 
 # Two emulated devices (the emulation's default is 4); a real machine has its own.
 out=$(COLOD_CUDA_EMU_DEVICES=2 "$train" --rows smoke --steps 1 --warmup 1 2>&1) || fail "bench:train exited $?" "$out"

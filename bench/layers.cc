@@ -189,10 +189,12 @@ class Gpt2Block final : public Block {
 };
 
 absl::StatusOr<std::unique_ptr<Block>> MakeGpt2Block(const std::string& mode, ProcessGroup* pg, int64_t t,
-                                                     int64_t h) {
+                                                     int64_t h, Device device, DType dtype) {
   const int64_t s = absl::GetFlag(FLAGS_seq);
   if (s < 1 || t % s != 0) return absl::InvalidArgumentError("--seq must divide --tokens");
   shardformer::ShardConfig shard;
+  shard.device = device;
+  shard.param_dtype = dtype;  // bf16: 16-bit parameters and compute, as the trainer's mixed precision
   ASSIGN_OR_RETURN(shard.layout, ShardFor(mode, pg->mesh().world_size()));
   ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
                    shardformer::ShardFormer(shard, pg).Load(absl::GetFlag(FLAGS_model_dir)));
@@ -200,14 +202,14 @@ absl::StatusOr<std::unique_ptr<Block>> MakeGpt2Block(const std::string& mode, Pr
   ASSIGN_OR_RETURN(shardformer::Module * ln_1, block->Get("ln_1"));
   if (ln_1->layer() == nullptr) return absl::InternalError("ln_1 has no layer");
   ASSIGN_OR_RETURN(DistSpec spec, ln_1->layer()->InputSpec(3));
-  ASSIGN_OR_RETURN(Tensor x, Tensor::RandomNormal({t / s, s, h}, 15));
-  ASSIGN_OR_RETURN(Tensor dy, Tensor::RandomNormal({t / s, s, h}, 16));
+  ASSIGN_OR_RETURN(Tensor x, Tensor::RandomNormal({t / s, s, h}, 15, dtype, device));
+  ASSIGN_OR_RETURN(Tensor dy, Tensor::RandomNormal({t / s, s, h}, 16, dtype, device));
   return std::unique_ptr<Block>(new Gpt2Block(std::move(model), block, std::move(x), std::move(spec), std::move(dy), pg));
 }
 
 absl::StatusOr<std::unique_ptr<Block>> MakeBlock(const std::string& mode, ProcessGroup* pg, int64_t t, int64_t h,
                                                  Device device, DType dtype) {
-  if (absl::GetFlag(FLAGS_block) == "gpt2") return MakeGpt2Block(mode, pg, t, h);
+  if (absl::GetFlag(FLAGS_block) == "gpt2") return MakeGpt2Block(mode, pg, t, h, device, dtype);
   // Full tensors from fixed seeds: every rank takes its shards of the same model.
   auto make = [&](const Shape& shape, uint64_t seed, float scale) -> absl::StatusOr<Tensor> {
     ASSIGN_OR_RETURN(Tensor v, Tensor::RandomNormal(shape, seed, dtype, device));
@@ -454,6 +456,26 @@ bool RunTable(const std::string& block, const std::vector<Config>& configs, doub
 
 namespace colod {
 
+// A 1-layer GPT-2 of hidden size h, 64-wide heads, in a new temporary
+// directory (--model_dir names it, for every rank to load); "" on failure.
+std::string WriteGpt2Block(int64_t h, int64_t seq) {
+  char dir_template[] = "/tmp/colod-bench-gpt2-XXXXXX";
+  if (mkdtemp(dir_template) == nullptr) return "";
+  const std::string dir = dir_template;
+  shardformer::Gpt2Shape shape;
+  shape.hidden_size = h;
+  shape.num_layers = 1;
+  shape.num_heads = std::max<int64_t>(1, h / 64);
+  shape.max_positions = seq;
+  const absl::Status written = shardformer::WriteInitializedGpt2(dir, shape, 1);
+  if (!written.ok()) {
+    std::fprintf(stderr, "writing the GPT-2 block: %s\n", written.ToString().c_str());
+    return "";
+  }
+  absl::SetFlag(&FLAGS_model_dir, dir);
+  return dir;
+}
+
 // The MLP block's table and, with --gpt2_block, the GPT-2 block's, on the CPU.
 bool RunCpuTables(int64_t t, int64_t h, double flops, bool json) {
   const double peak1 = SgemmPeak(1, t, h), peak2 = SgemmPeak(2, t, h);
@@ -474,29 +496,16 @@ bool RunCpuTables(int64_t t, int64_t h, double flops, bool json) {
   }
   if (!colod::RunTable("mlp", configs, flops, peak1, peak2)) return false;
   if (absl::GetFlag(FLAGS_gpt2_block)) {
-    // A 1-layer GPT-2 of the same hidden size, 64-wide heads, for every rank to load.
     const int64_t seq = absl::GetFlag(FLAGS_seq);
-    char dir_template[] = "/tmp/colod-bench-gpt2-XXXXXX";
-    if (mkdtemp(dir_template) == nullptr) return false;
-    const std::string dir = dir_template;
-    colod::shardformer::Gpt2Shape shape;
-    shape.hidden_size = h;
-    shape.num_layers = 1;
-    shape.num_heads = std::max<int64_t>(1, h / 64);
-    shape.max_positions = seq;
-    const absl::Status written = colod::shardformer::WriteInitializedGpt2(dir, shape, 1);
-    if (!written.ok()) {
-      std::fprintf(stderr, "writing the GPT-2 block: %s\n", written.ToString().c_str());
-      return false;
-    }
-    absl::SetFlag(&FLAGS_model_dir, dir);
+    const std::string dir = WriteGpt2Block(h, seq);
+    if (dir.empty()) return false;
     const double block_flops = colod::Gpt2BlockFlops(t, seq, h);
     if (!json) {
       std::printf("\nGPT-2 block (ln_1 -> causal attention -> ln_2 -> MLP, residuals; the policy's layers), f32, "
                   "%lld sequences x %lld tokens, hidden %lld, %lld heads: %.1f GFLOP per step (fwd+bwd, the "
                   "attention's whole S x S)\n\n",
                   static_cast<long long>(t / std::max<int64_t>(1, seq)), static_cast<long long>(seq),
-                  static_cast<long long>(h), static_cast<long long>(shape.num_heads), block_flops / 1e9);
+                  static_cast<long long>(h), static_cast<long long>(std::max<int64_t>(1, h / 64)), block_flops / 1e9);
     }
     const bool ok = colod::RunTable("gpt2", configs, block_flops, peak1, peak2);
     std::string cleanup = "rm -rf " + dir;
@@ -506,39 +515,63 @@ bool RunCpuTables(int64_t t, int64_t h, double flops, bool json) {
   return true;
 }
 
-// Where a GPU is present: the tp=1 MLP block in bf16 on cuda:0 against
-// cuBLAS's bf16 GEMM on the same shape. Returns main's exit code.
+// Where a GPU is present, on cuda:0 in bf16 at tp=1: the MLP block, and with
+// --gpt2_block the whole GPT-2 block (attention included), each against
+// cuBLAS's bf16 GEMM on the MLP's shape in the same run. Returns main's exit
+// code.
 int RunGpuRow(int64_t t, int64_t h, double flops, bool json) {
-  if (colod::kernels::CudaDeviceCount() == 0) {
-    if (!json) std::printf("\nno CUDA device: the GPU bf16 row is skipped\n");
+  if (kernels::CudaDeviceCount() == 0) {
+    if (!json) std::printf("\nno CUDA device: the GPU bf16 rows are skipped\n");
     return 0;
   }
-  const colod::Device gpu = colod::Device::Cuda(0);
-  absl::StatusOr<double> peak = colod::bench::CublasBf16Peak(0, t, h, 4 * h);
+  const Device gpu = Device::Cuda(0);
+  absl::StatusOr<double> peak = bench::CublasBf16Peak(0, t, h, 4 * h);
   if (!peak.ok()) {
     std::fprintf(stderr, "cuBLAS bf16 peak: %s\n", peak.status().ToString().c_str());
     return 1;
   }
   const double gpu_peak = *peak / 1e12;
-  auto shared = std::make_shared<colod::RendezvousStore>();
-  colod::InMemoryStore store(shared, "bench-gpu");
-  auto r = colod::RunBlock("1d", 0, 1, 1, &store, gpu, colod::DType::kBF16);
-  if (!r.ok()) {
-    std::fprintf(stderr, "GPU row: %s\n", r.status().ToString().c_str());
-    return 1;
+  const int64_t seq = absl::GetFlag(FLAGS_seq);
+  struct Row {
+    const char* block;  // FLAGS_block
+    const char* bench;  // the JSON's and the line's name
+    double flops;
+  };
+  std::vector<Row> rows = {{"mlp", "mlp_block", flops}};
+  std::string dir;
+  if (absl::GetFlag(FLAGS_gpt2_block)) {
+    dir = WriteGpt2Block(h, seq);
+    if (dir.empty()) return 1;
+    rows.push_back({"gpt2", "gpt2_block", Gpt2BlockFlops(t, seq, h)});
   }
-  const double achieved = flops / r->step_seconds / 1e12;
-  if (json) {
-    std::printf("{\"bench\":\"mlp_block\",\"mode\":\"1d\",\"dtype\":\"bf16\",\"device\":\"cuda:0\",\"tokens\":%lld,"
-                "\"hidden\":%lld,\"ranks\":1,\"step_seconds\":%.6f,\"tflops\":%.3f,\"cublas_bf16_peak_tflops\":%.3f,"
-                "\"fraction_of_peak\":%.4f}\n",
-                static_cast<long long>(t), static_cast<long long>(h), r->step_seconds, achieved, gpu_peak,
-                achieved / gpu_peak);
-  } else {
-    std::printf("\nGPU (cuda:0), bf16, tp=1: step %.2f ms, %.1f TFLOP/s = %.1f%% of cuBLAS bf16 GEMM %.1f TFLOP/s (same run)\n",
-                r->step_seconds * 1e3, achieved, 100 * achieved / gpu_peak, gpu_peak);
+  int rc = 0;
+  for (const Row& row : rows) {
+    absl::SetFlag(&FLAGS_block, row.block);
+    auto shared = std::make_shared<RendezvousStore>();
+    InMemoryStore store(shared, "bench-gpu");
+    auto r = RunBlock("1d", 0, 1, 1, &store, gpu, DType::kBF16);
+    if (!r.ok()) {
+      std::fprintf(stderr, "GPU %s row: %s\n", row.bench, r.status().ToString().c_str());
+      rc = 1;
+      continue;
+    }
+    const double achieved = row.flops / r->step_seconds / 1e12;
+    if (json) {
+      std::printf("{\"bench\":\"%s\",\"mode\":\"1d\",\"dtype\":\"bf16\",\"device\":\"cuda:0\",\"tokens\":%lld,"
+                  "\"hidden\":%lld,\"ranks\":1,\"step_seconds\":%.6f,\"tflops\":%.3f,"
+                  "\"cublas_bf16_peak_tflops\":%.3f,\"fraction_of_peak\":%.4f}\n",
+                  row.bench, static_cast<long long>(t), static_cast<long long>(h), r->step_seconds, achieved,
+                  gpu_peak, achieved / gpu_peak);
+    } else {
+      std::printf("\nGPU (cuda:0), bf16, tp=1, %s%s: step %.2f ms, %.1f TFLOP/s = %.1f%% of cuBLAS bf16 GEMM "
+                  "%.1f TFLOP/s (same run)\n",
+                  row.bench, row.block == std::string("gpt2") ? absl::StrCat(" (seq ", seq, ")").c_str() : "",
+                  r->step_seconds * 1e3, achieved, 100 * achieved / gpu_peak, gpu_peak);
+    }
+    std::fflush(stdout);
   }
-  return 0;
+  if (!dir.empty()) (void)std::system(("rm -rf " + dir).c_str());
+  return rc;
 }
 
 }  // namespace colod

@@ -27,15 +27,15 @@ if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L 2>/dev/null | grep -q '
 fi
 
 # cuBLAS and NCCL are hundreds of MB, so the bundle leaves them to the machine:
-# the CUDA toolkit's lib64, else wherever they are (a Python wheel, say).
+# the CUDA toolkit's lib64, else wherever under /usr or /opt they are (a
+# Python wheel's copy, say).
 cuda=${COLOD_CUDA_HOME:-/usr/local/cuda}
 find_lib() {
   local d
   for d in "$cuda/lib64" "$cuda/lib" /usr/lib/x86_64-linux-gnu /usr/lib64; do
     [[ -e $d/$1 ]] && { echo "$d"; return; }
   done
-  d=$(find / \( -path /proc -o -path /sys -o -path /dev -o -path "$root" \) -prune -o \
-    -name "$1" -print 2>/dev/null | head -1)
+  d=$(find /usr /opt -name "$1" -print 2>/dev/null | head -1)
   [[ -n $d ]] && dirname "$d"
 }
 libpath=$root/lib
@@ -82,6 +82,7 @@ cases=0 skipped=0 failed_bins=0 lines=()
 for t in $(cat "$root/tests.txt"); do
   name=${t//\//_}
   tmp=$(mktemp -d)
+  rm -f "$out/$name.xml"  # gtest writes it at exit: a crash must not leave the last run's
   log "gpu-check: $t"
   start=$(date +%s)
   mapfile -t env <"$root/colod/$t.env"
@@ -97,7 +98,8 @@ for t in $(cat "$root/tests.txt"); do
   fi
   cases=$((cases + c)) skipped=$((skipped + s))
   status=PASSED
-  ((rc == 124 || rc == 137)) && status=TIMEOUT
+  ((rc == 124)) && status=TIMEOUT
+  ((rc == 137)) && status="KILLED (timeout, or out of memory)"
   ((rc != 0 && rc != 124 && rc != 137)) && status=FAILED
   ((rc != 0)) && failed_bins=$((failed_bins + 1))
   lines+=("//${t%/*}:${t##*/} $status in $(($(date +%s) - start)) s ($c cases, $s skipped, $f failed)")

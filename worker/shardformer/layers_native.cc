@@ -1,6 +1,4 @@
 // The native layers: the original computation, parameters replicated.
-#include <limits>
-
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/embedding1d.h"
@@ -30,11 +28,34 @@ class NativeLinear : public Layer {
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
     return ForwardWithEpilogue(x, nn::Epilogue::kNone);
   }
+  // On a CUDA device a weight whose rows (the output width) are not a
+  // multiple of 8 computes padded with zero rows to a multiple of 64, and
+  // the extra output columns are dropped: cuBLAS runs a GEMM with such a
+  // width on its align1 kernels, about 8x slower on an H200 (GPT-2's tied
+  // head, 50257 wide; docs/GPU.md). The parameter keeps its shape, so
+  // checkpoints, the planner and every consumer of the output see nothing of
+  // it; the copies cost about a tenth of the GEMMs' saving.
   absl::StatusOr<ColoTensor> ForwardWithEpilogue(const ColoTensor& x, nn::Epilogue epilogue) override {
     RETURN_IF_ERROR(NoShardedLastDim(x, type()));
+    Variable w = p_.weight.param.variable();
     std::optional<Variable> b;
     if (p_.bias.has_value()) b = p_.bias->param.variable();
-    ASSIGN_OR_RETURN(Variable y, nn::Linear(x.variable(), p_.weight.param.variable(), b, epilogue));
+    const int64_t out = w.value().shape()[0];
+    const int64_t pad = out % 8 == 0 ? 0 : (64 - out % 64);
+    if (pad == 0 || !x.local().device().is_cuda()) {
+      ASSIGN_OR_RETURN(Variable y, nn::Linear(x.variable(), w, b, epilogue));
+      return SameSpec(y, x);
+    }
+    const Tensor& wv = w.value();
+    ASSIGN_OR_RETURN(Tensor w_zeros, Tensor::Zeros({pad, wv.shape()[1]}, wv.dtype(), wv.device()));
+    ASSIGN_OR_RETURN(w, nn::Cat({w, Variable(std::move(w_zeros))}, 0));
+    if (b.has_value()) {
+      const Tensor& bv = b->value();
+      ASSIGN_OR_RETURN(Tensor b_zeros, Tensor::Zeros({pad}, bv.dtype(), bv.device()));
+      ASSIGN_OR_RETURN(b, nn::Cat({*b, Variable(std::move(b_zeros))}, 0));
+    }
+    ASSIGN_OR_RETURN(Variable padded, nn::Linear(x.variable(), w, b, epilogue));
+    ASSIGN_OR_RETURN(Variable y, nn::Narrow(padded, -1, 0, out));
     return SameSpec(y, x);
   }
   absl::StatusOr<DistSpec> InputSpec(int64_t) const override { return DistSpec(); }
@@ -45,34 +66,17 @@ class NativeLinear : public Layer {
   bool tied_;
 };
 
-// On a CUDA device the table is padded with zero rows to a multiple of
-// make_vocab_size_divisible_by, as the vocab-parallel layers pad it at tp > 1:
-// a tied head's GEMMs then have a logits width cuBLAS runs with its
-// vectorized kernels (GPT-2's 50257 columns run its align1 kernels, about 8x
-// slower on an H200; docs/GPU.md). The padding rows are never looked up, stay
-// zero (their gradient is zero), are left out of checkpoints (valid_rows), and
-// the loss and GatherLogits drop their logits.
 class NativeEmbedding : public Layer {
  public:
-  NativeEmbedding(BoundParam w, int64_t rows) : w_(std::move(w)), rows_(rows) {}
+  explicit NativeEmbedding(BoundParam w) : w_(std::move(w)) {}
   static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c) {
     RETURN_IF_ERROR(Expect(d.kind == Kind::kEmbedding, d, "native Embedding"));
-    HfTensor hf = WeightTensor(d);
-    int64_t rows = d.in;
-    const int64_t multiple = c.shard->make_vocab_size_divisible_by;
-    if (c.shard->device.is_cuda() && multiple > 1 && d.in % multiple != 0) {
-      if (d.in > std::numeric_limits<int64_t>::max() - multiple) {
-        return absl::InvalidArgumentError(absl::StrCat(d.prefix, ": ", d.in, " rows cannot be padded"));
-      }
-      rows = (d.in + multiple - 1) / multiple * multiple;
-      hf.valid_rows = d.in;
-    }
-    ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight", hf, {rows, d.out}, DistSpec()));
-    return LayerPtr(new NativeEmbedding(std::move(w), d.in));
+    ASSIGN_OR_RETURN(BoundParam w, Load(c, "weight", WeightTensor(d), {d.in, d.out}, DistSpec()));
+    return LayerPtr(new NativeEmbedding(std::move(w)));
   }
   std::string type() const override { return "native Embedding"; }
   absl::StatusOr<ColoTensor> Forward(const ColoTensor& ids) override {
-    RETURN_IF_ERROR(nn::CheckIds(ids.local(), rows_));
+    RETURN_IF_ERROR(nn::CheckIds(ids.local(), w_.param.global_shape()[0]));
     ASSIGN_OR_RETURN(Variable y, nn::Embedding(w_.param.variable(), ids.local()));
     return ColoTensor::FromLocal(y, ids.spec(), ids.process_group());
   }
@@ -84,7 +88,6 @@ class NativeEmbedding : public Layer {
 
  private:
   BoundParam w_;
-  int64_t rows_;  // the table's own rows (ids must be below), padding not counted
 };
 
 class NativeNorm : public Layer {

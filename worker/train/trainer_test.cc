@@ -659,8 +659,8 @@ TEST(Trainer, OnGpusTheRunMatchesTheCpuRun) {
   const std::vector<StepStats> cpu = Losses(on_cpu);
   TrainOptions one = Options(model, 1, 1);
   one.cuda = true;
-  // On a device the 257-row table is padded to 320 rows (the tied head's
-  // logits width for cuBLAS); the run, and the model it saves, are the CPU's.
+  // On a device the tied head computes its 257 columns padded to 320 (for
+  // cuBLAS); the run, and the model it saves, are the CPU's.
   one.final_dir = TempPath("gpu_vs_cpu_final_gpu");
   ExpectSameLosses(Losses(one), cpu, 1e-4, "1 GPU");
   {
