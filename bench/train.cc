@@ -4,7 +4,7 @@
 // FLOP utilization against the GEMM peak measured in the same run.
 //
 //   bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --model NAME] [-- --layout "tp=T dp=D"]
-//       [-- --sequence_parallel] [-- --steps N] [-- --json]
+//       [-- --sequence_parallel] [-- --steps N] [-- --batch B] [-- --json]
 //
 // CPU rows (f32; ranks are threads over Gloo on loopback, one BLAS thread
 // and so about one core each):
@@ -56,6 +56,8 @@
 ABSL_FLAG(std::string, rows, "all",
           "Which rows: cpu, gpu (where CUDA devices are), all, or smoke (tiny models on the GPU path).");
 ABSL_FLAG(int, steps, 0, "Timed steps per row (default: each row's own, 2 to 10).");
+ABSL_FLAG(int, batch, 0,
+          "Sequences per step, the global batch (default: each row's own; must divide by dp and the micro-batches).");
 ABSL_FLAG(int, warmup, 2, "Untimed steps before them (pools, connections, optimizer state).");
 ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
 ABSL_FLAG(std::string, model, "", "Only the rows of this model (gpt2-tiny, gpt2-small, ...); default: every row.");
@@ -212,7 +214,8 @@ absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int step
 int Main(int argc, char** argv) {
   ParseFlags(argc, argv,
             "train: whole-model training throughput (tokens/s, MFU) vs the same run's GEMM peak.\n\nUsage:\n"
-            "  bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --model NAME] [-- --steps N] "
+            "  bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --model NAME] [-- --layout L] "
+            "[-- --steps N] [-- --batch B] "
             "[-- --json]\n");
   const std::string which = absl::GetFlag(FLAGS_rows);
   if (which != "cpu" && which != "gpu" && which != "all" && which != "smoke") {
@@ -220,6 +223,10 @@ int Main(int argc, char** argv) {
     return 2;
   }
   const bool json = absl::GetFlag(FLAGS_json);
+  if (absl::GetFlag(FLAGS_batch) < 0 || absl::GetFlag(FLAGS_steps) < 0) {
+    std::fprintf(stderr, "--batch and --steps must be >= 0 (0: the row's own)\n");
+    return 2;
+  }
   const int warmup = std::max(1, absl::GetFlag(FLAGS_warmup));
   std::string dir = absl::GetFlag(FLAGS_work_dir);
   if (dir.empty()) dir = (std::filesystem::temp_directory_path() / "colod-bench-train").string();
@@ -259,13 +266,15 @@ int Main(int argc, char** argv) {
       continue;
     }
     const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : row.steps;
-    absl::StatusOr<Measured> m = RunRow(row, dir, steps, warmup);
+    Row sized = row;
+    if (absl::GetFlag(FLAGS_batch) > 0) sized.batch = absl::GetFlag(FLAGS_batch);
+    absl::StatusOr<Measured> m = RunRow(sized, dir, steps, warmup);
     if (!m.ok()) {
       std::fprintf(stderr, "%s %s: %s\n", row.name.c_str(), LayoutOf(row).c_str(), m.status().ToString().c_str());
       ++failed;
       continue;
     }
-    const double tokens = static_cast<double>(row.batch * row.seq);
+    const double tokens = static_cast<double>(sized.batch * row.seq);
     const double tps = tokens / m->step_seconds;
     const double flops = tps * row.shape.TrainFlopsPerToken(row.seq);
     const double peak = (row.cuda ? gpu_peak : cpu_peak) * ranks;
@@ -286,7 +295,7 @@ int Main(int argc, char** argv) {
                   "\"mfu\":%.4f,\"loss\":%.4f,\"bubble\":%.4f,\"bubble_1f1b\":%.4f}\n",
                   row.name.c_str(), row.cuda ? "cuda" : "cpu", row.tp, row.pp, row.dp, row.micro,
                   row.cuda ? "bf16" : "fp32", params, static_cast<long long>(row.seq),
-                  static_cast<long long>(row.batch), steps, m->step_seconds, tps, flops, peak, flops / peak, m->loss,
+                  static_cast<long long>(sized.batch), steps, m->step_seconds, tps, flops, peak, flops / peak, m->loss,
                   m->bubble, closed_form);
     } else {
       const std::string bubble =
