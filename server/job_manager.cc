@@ -59,74 +59,98 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
     if (absl::StartsWith(name, "job-") && absl::EndsWith(name, ".pb")) files.push_back(f.path().string());
   }
   if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot list '", state_dir, "': ", ec.message()));
-  absl::MutexLock lock(&m->mu_);
-  // The next id, written when a job is deleted: a deleted job's id is never
-  // handed out again, even when its record was the newest.
-  if (absl::StatusOr<std::string> next = ReadFileToString(state_dir + "/" + kNextIdFile); next.ok()) {
-    int64_t n = 0;
-    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(*next), &n)) m->next_id_ = std::max(m->next_id_, n);
-  }
-  for (const std::string& path : files) {
-    // job-NNNNNN.pb: its number is taken even if the record is damaged.
-    const std::string name = fs::path(path).filename().string();
-    int64_t n = 0;
-    if (absl::SimpleAtoi(absl::string_view(name).substr(4, name.size() - 4 - 3), &n)) {
-      m->next_id_ = std::max(m->next_id_, n + 1);
+  std::vector<std::optional<RecordWrite>> writes;  // written once the lock is released
+  {
+    absl::MutexLock lock(&m->mu_);
+    // The next id, written when a job is deleted: a deleted job's id is never
+    // handed out again, even when its record was the newest.
+    if (absl::StatusOr<std::string> next = ReadFileToString(state_dir + "/" + kNextIdFile); next.ok()) {
+      int64_t n = 0;
+      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(*next), &n)) m->next_id_ = std::max(m->next_id_, n);
     }
-    ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
-    v1::JobRecord record;
-    if (!record.ParseFromString(bytes) || record.job().job_id().empty() ||
-        absl::StrCat(record.job().job_id(), ".pb") != name) {
-      // One bad file must not keep the coordinator (and every other job)
-      // down: it is kept for a human to look at, out of the way.
-      fs::rename(path, path + ".damaged", ec);
-      COLOD_LOG(ERROR) << "job record '" << path << "' is damaged; set aside as " << path << ".damaged"
-                       << (ec ? absl::StrCat(" failed: ", ec.message()) : "");
-      ec.clear();
-      continue;
-    }
-    Entry e;
-    e.job = std::move(*record.mutable_job());
-    e.events.assign(record.events().begin(), record.events().end());
-    e.request_id = record.request_id();
-    if (!e.request_id.empty()) m->job_by_request_id_[e.request_id] = e.job.job_id();
-    m->jobs_.emplace(e.job.job_id(), std::move(e));
-  }
-  m->state_dir_ = state_dir;
-  for (auto& [id, e] : m->jobs_) {
-    const v1::JobState state = e.job.state();
-    if (state != v1::JOB_STATE_SCHEDULED && state != v1::JOB_STATE_RUNNING && state != v1::JOB_STATE_RESTARTING) {
-      continue;
-    }
-    std::string reason = "the coordinator restarted while the job ran";
-    if (RestartLimitsOf(e.job.spec()).max_restarts > 0) {
-      absl::StrAppend(&reason, "; placing it again");
-      if (ResumesFromCheckpoint(e.job)) {
-        absl::StrAppend(&reason, " from the newest checkpoint in ", e.job.spec().train().checkpoint_dir());
+    for (const std::string& path : files) {
+      // job-NNNNNN.pb: its number is taken even if the record is damaged.
+      const std::string name = fs::path(path).filename().string();
+      int64_t n = 0;
+      if (absl::SimpleAtoi(absl::string_view(name).substr(4, name.size() - 4 - 3), &n)) {
+        m->next_id_ = std::max(m->next_id_, n + 1);
       }
-      m->AppendStateChangeLocked(e, v1::JOB_STATE_RESTARTING, reason);
-    } else {
-      if (!e.job.last_checkpoint().empty()) {
-        absl::StrAppend(&reason, "; resume from ", e.job.last_checkpoint());
+      ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
+      v1::JobRecord record;
+      if (!record.ParseFromString(bytes) || record.job().job_id().empty() ||
+          absl::StrCat(record.job().job_id(), ".pb") != name) {
+        // One bad file must not keep the coordinator (and every other job)
+        // down: it is kept for a human to look at, out of the way.
+        fs::rename(path, path + ".damaged", ec);
+        COLOD_LOG(ERROR) << "job record '" << path << "' is damaged; set aside as " << path << ".damaged"
+                         << (ec ? absl::StrCat(" failed: ", ec.message()) : "");
+        ec.clear();
+        continue;
       }
-      m->AppendStateChangeLocked(e, v1::JOB_STATE_FAILED, reason);
+      Entry e;
+      e.job = std::move(*record.mutable_job());
+      e.events.assign(record.events().begin(), record.events().end());
+      e.request_id = record.request_id();
+      if (!e.request_id.empty()) m->job_by_request_id_[e.request_id] = e.job.job_id();
+      m->jobs_.emplace(e.job.job_id(), std::move(e));
     }
-    (void)m->PersistLocked(e);
+    m->state_dir_ = state_dir;
+    for (auto& [id, e] : m->jobs_) {
+      const v1::JobState state = e.job.state();
+      if (state != v1::JOB_STATE_SCHEDULED && state != v1::JOB_STATE_RUNNING && state != v1::JOB_STATE_RESTARTING) {
+        continue;
+      }
+      std::string reason = "the coordinator restarted while the job ran";
+      if (RestartLimitsOf(e.job.spec()).max_restarts > 0) {
+        absl::StrAppend(&reason, "; placing it again");
+        if (ResumesFromCheckpoint(e.job)) {
+          absl::StrAppend(&reason, " from the newest checkpoint in ", e.job.spec().train().checkpoint_dir());
+        }
+        m->AppendStateChangeLocked(e, v1::JOB_STATE_RESTARTING, reason);
+      } else {
+        if (!e.job.last_checkpoint().empty()) {
+          absl::StrAppend(&reason, "; resume from ", e.job.last_checkpoint());
+        }
+        m->AppendStateChangeLocked(e, v1::JOB_STATE_FAILED, reason);
+      }
+      writes.push_back(m->TakeRecordLocked(e));
+    }
   }
+  for (const auto& w : writes) (void)m->WriteRecord(w);
   return m;
 }
 
-absl::Status JobManager::PersistLocked(Entry& e) {
+std::optional<JobManager::RecordWrite> JobManager::TakeRecordLocked(Entry& e) {
   e.persisted = clock_->Now();
-  if (state_dir_.empty()) return absl::OkStatus();
+  if (state_dir_.empty()) return std::nullopt;
   v1::JobRecord record;
   *record.mutable_job() = e.job;
   for (const v1::JobEvent& ev : e.events) *record.add_events() = ev;
   record.set_request_id(e.request_id);
-  const std::string path = absl::StrCat(state_dir_, "/", e.job.job_id(), ".pb");
-  absl::Status s = WriteFileAtomically(path, record.SerializeAsString());
-  if (!s.ok()) COLOD_LOG(ERROR) << "cannot record job " << e.job.job_id() << ": " << s;
-  return s;
+  RecordWrite w;
+  w.job_id = e.job.job_id();
+  w.seq = ++e.record_seq;
+  w.bytes = record.SerializeAsString();
+  return w;
+}
+
+absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
+  if (!w.has_value()) return absl::OkStatus();
+  absl::MutexLock io(&io_mu_);
+  auto written = written_seq_.find(w->job_id);
+  if (written != written_seq_.end() && written->second >= w->seq) return absl::OkStatus();  // a newer one is there
+  if (w->only_if_known) {
+    absl::MutexLock lock(&mu_);  // brief: io_mu_ is held, so no delete removes files meanwhile
+    if (jobs_.count(w->job_id) == 0) return absl::OkStatus();  // deleted since: its file stays removed
+  }
+  const std::string path = absl::StrCat(state_dir_, "/", w->job_id, ".pb");
+  absl::Status s = WriteFileAtomically(path, w->bytes);
+  if (!s.ok()) {
+    COLOD_LOG(ERROR) << "cannot record job " << w->job_id << ": " << s;
+    return s;
+  }
+  written_seq_[w->job_id] = w->seq;
+  return absl::OkStatus();
 }
 
 v1::JobEvent& JobManager::NewEventLocked(Entry& e) {
@@ -160,76 +184,106 @@ void JobManager::AppendStateChangeLocked(Entry& e, v1::JobState state, absl::str
 }
 
 absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1::MeshSpec& mesh) {
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-  if (e->job.state() != v1::JOB_STATE_PENDING && e->job.state() != v1::JOB_STATE_RESTARTING) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job '", job_id, "' is ", JobStateName(e->job.state()), ", not pending or restarting"));
+  std::optional<RecordWrite> w;
+  v1::Job job;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+    if (e->job.state() != v1::JOB_STATE_PENDING && e->job.state() != v1::JOB_STATE_RESTARTING) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job '", job_id, "' is ", JobStateName(e->job.state()), ", not pending or restarting"));
+    }
+    *e->job.mutable_mesh() = mesh;
+    e->job.set_generation(e->job.generation() + 1);
+    e->job.clear_stalled();  // a new attempt
+    AppendStateChangeLocked(*e, v1::JOB_STATE_SCHEDULED,
+                            absl::StrCat("ranks assigned to ", mesh.world_size(), " workers; connecting"));
+    w = TakeRecordLocked(*e);
+    job = e->job;
   }
-  *e->job.mutable_mesh() = mesh;
-  e->job.set_generation(e->job.generation() + 1);
-  e->job.clear_stalled();  // a new attempt
-  AppendStateChangeLocked(*e, v1::JOB_STATE_SCHEDULED,
-                          absl::StrCat("ranks assigned to ", mesh.world_size(), " workers; connecting"));
-  (void)PersistLocked(*e);  // logged; the change stands
-  return e->job;
+  (void)WriteRecord(w);  // logged; the change stands
+  return job;
 }
 
 absl::StatusOr<v1::Job> JobManager::SetState(absl::string_view job_id, v1::JobState state,
                                              absl::string_view reason) {
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-  RETURN_IF_ERROR(CheckNotEndedLocked(*e));
-  AppendStateChangeLocked(*e, state, reason);
-  (void)PersistLocked(*e);  // logged; the change stands
-  return e->job;
+  std::optional<RecordWrite> w;
+  v1::Job job;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+    RETURN_IF_ERROR(CheckNotEndedLocked(*e));
+    AppendStateChangeLocked(*e, state, reason);
+    w = TakeRecordLocked(*e);
+    job = e->job;
+  }
+  (void)WriteRecord(w);  // logged; the change stands
+  return job;
 }
 
 absl::StatusOr<v1::Job> JobManager::Restart(absl::string_view job_id, absl::string_view failure,
                                             absl::string_view reason) {
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-  RETURN_IF_ERROR(CheckNotEndedLocked(*e));
-  e->job.set_restarts(e->job.restarts() + 1);
-  e->job.add_attempt_failures(std::string(failure));
-  AppendStateChangeLocked(*e, v1::JOB_STATE_RESTARTING, reason);
-  (void)PersistLocked(*e);  // logged; the change stands
-  return e->job;
+  std::optional<RecordWrite> w;
+  v1::Job job;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+    RETURN_IF_ERROR(CheckNotEndedLocked(*e));
+    e->job.set_restarts(e->job.restarts() + 1);
+    e->job.add_attempt_failures(std::string(failure));
+    AppendStateChangeLocked(*e, v1::JOB_STATE_RESTARTING, reason);
+    w = TakeRecordLocked(*e);
+    job = e->job;
+  }
+  (void)WriteRecord(w);  // logged; the change stands
+  return job;
 }
 
 absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgress& step) {
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-  RETURN_IF_ERROR(CheckNotEndedLocked(*e));
-  e->job.set_step(step.step());
-  e->job.set_loss(step.loss());
-  if (!step.checkpoint().empty()) e->job.set_last_checkpoint(step.checkpoint());
-  *e->job.mutable_update_time() = ToProtoTimestamp(clock_->Now());
-  *NewEventLocked(*e).mutable_step() = step;
-  // A record holds the whole history, so writing it on every step of a long
-  // job would cost O(steps^2): steps are written at most once a second (and
-  // whenever one names a checkpoint); every state change writes at once.
-  const absl::Time now = clock_->Now();
-  if (!step.checkpoint().empty() || now - e->persisted >= absl::Seconds(1)) (void)PersistLocked(*e);
+  std::optional<RecordWrite> w;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+    RETURN_IF_ERROR(CheckNotEndedLocked(*e));
+    e->job.set_step(step.step());
+    e->job.set_loss(step.loss());
+    if (!step.checkpoint().empty()) e->job.set_last_checkpoint(step.checkpoint());
+    *e->job.mutable_update_time() = ToProtoTimestamp(clock_->Now());
+    *NewEventLocked(*e).mutable_step() = step;
+    // A record holds the whole history, so writing it on every step of a
+    // long job would cost O(steps^2): steps are written at most once a second
+    // (and whenever one names a checkpoint); every state change writes at once.
+    const absl::Time now = clock_->Now();
+    if (!step.checkpoint().empty() || now - e->persisted >= absl::Seconds(1)) w = TakeRecordLocked(*e);
+  }
+  (void)WriteRecord(w);
   return absl::OkStatus();
 }
 
 absl::Status JobManager::SetForwardResult(absl::string_view job_id, const v1::ForwardResult& result) {
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-  *e->job.mutable_forward_result() = result;
-  (void)PersistLocked(*e);  // logged; the change stands
+  std::optional<RecordWrite> w;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+    *e->job.mutable_forward_result() = result;
+    w = TakeRecordLocked(*e);
+  }
+  (void)WriteRecord(w);  // logged; the change stands
   return absl::OkStatus();
 }
 
 absl::Status JobManager::AddHang(absl::string_view job_id, const v1::HangReport& hang) {
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-  RETURN_IF_ERROR(CheckNotEndedLocked(*e));
-  ++hangs_;
-  e->job.set_stalled(hang.message());
-  *NewEventLocked(*e).mutable_hang() = hang;
-  (void)PersistLocked(*e);  // logged; the change stands
+  std::optional<RecordWrite> w;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+    RETURN_IF_ERROR(CheckNotEndedLocked(*e));
+    ++hangs_;
+    e->job.set_stalled(hang.message());
+    *NewEventLocked(*e).mutable_hang() = hang;
+    w = TakeRecordLocked(*e);
+  }
+  (void)WriteRecord(w);  // logged; the change stands
   return absl::OkStatus();
 }
 
@@ -239,37 +293,54 @@ int64_t JobManager::HangCount() {
 }
 
 absl::Status JobManager::AddRankStatus(absl::string_view job_id, const v1::RankStatus& status) {
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-  RETURN_IF_ERROR(CheckNotEndedLocked(*e));
-  *NewEventLocked(*e).mutable_rank_status() = status;
-  (void)PersistLocked(*e);  // logged; the change stands
+  std::optional<RecordWrite> w;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+    RETURN_IF_ERROR(CheckNotEndedLocked(*e));
+    *NewEventLocked(*e).mutable_rank_status() = status;
+    w = TakeRecordLocked(*e);
+  }
+  (void)WriteRecord(w);  // logged; the change stands
   return absl::OkStatus();
 }
 
 absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string_view request_id) {
   RETURN_IF_ERROR(ValidateJobSpec(spec));
-  absl::MutexLock lock(&mu_);
-  if (!request_id.empty()) {
-    auto it = job_by_request_id_.find(request_id);
-    if (it != job_by_request_id_.end()) return jobs_.at(it->second).job;
-  }
+  const std::string request(request_id);
   Entry e;
-  e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
-  *e.job.mutable_spec() = spec;
-  *e.job.mutable_create_time() = ToProtoTimestamp(clock_->Now());
-  const std::string id = e.job.job_id();
-  e.request_id = std::string(request_id);
-  if (!request_id.empty()) job_by_request_id_[std::string(request_id)] = id;
-  Entry& added = jobs_.emplace(id, std::move(e)).first->second;
-  AppendStateChangeLocked(added, v1::JOB_STATE_PENDING, "waiting for workers");
-  if (absl::Status s = PersistLocked(added); !s.ok()) {
+  std::optional<RecordWrite> w;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!request.empty()) {
+      // A submit of the same request id still writing its record finishes
+      // first: then this one returns its job, or tries again if it failed.
+      auto not_submitting = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !submitting_.contains(request); };
+      mu_.Await(absl::Condition(&not_submitting));
+      auto it = job_by_request_id_.find(request);
+      if (it != job_by_request_id_.end()) return jobs_.at(it->second).job;
+      submitting_.insert(request);
+    }
+    e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
+    *e.job.mutable_spec() = spec;
+    *e.job.mutable_create_time() = ToProtoTimestamp(clock_->Now());
+    e.request_id = request;
+    AppendStateChangeLocked(e, v1::JOB_STATE_PENDING, "waiting for workers");
+    w = TakeRecordLocked(e);
+    if (w.has_value()) w->only_if_known = false;  // added only once it is written
+  }
+  // The record is written before the job is added, so no other call sees a
+  // job that a restart would not know.
+  const absl::Status s = WriteRecord(w);
+  absl::MutexLock lock(&mu_);
+  if (!request.empty()) submitting_.erase(request);
+  if (!s.ok()) {
     // Not accepted: nothing of it stays (its id is not reused either).
-    if (!request_id.empty()) job_by_request_id_.erase(std::string(request_id));
-    jobs_.erase(id);
     return absl::Status(s.code(), absl::StrCat("the job cannot be recorded: ", s.message()));
   }
-  return added.job;
+  const std::string id = e.job.job_id();
+  if (!request.empty()) job_by_request_id_[request] = id;
+  return jobs_.emplace(id, std::move(e)).first->second.job;
 }
 
 absl::StatusOr<v1::Job> JobManager::Get(absl::string_view job_id) {
@@ -309,25 +380,35 @@ JobManager::Page JobManager::ListPage(const std::vector<v1::JobState>& states, a
 }
 
 absl::Status JobManager::Delete(absl::string_view job_id) {
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-  if (!IsFinal(e->job.state())) {
-    return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' has not ended (",
-                                                      JobStateName(e->job.state()), "): cancel it first"));
+  int64_t next_id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+    if (!IsFinal(e->job.state())) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' has not ended (",
+                                                        JobStateName(e->job.state()), "): cancel it first"));
+    }
+    DeleteLocked(std::string(job_id));
+    next_id = next_id_;
   }
-  DeleteLocked(std::string(job_id));
+  RemoveRecords({std::string(job_id)}, next_id);
   return absl::OkStatus();
 }
 
 std::vector<std::string> JobManager::Expire(absl::Duration retention) {
   std::vector<std::string> expired;
   if (retention <= absl::ZeroDuration()) return expired;
-  absl::MutexLock lock(&mu_);
-  const absl::Time cutoff = clock_->Now() - retention;
-  for (const auto& [id, e] : jobs_) {
-    if (IsFinal(e.job.state()) && FromProtoTimestamp(e.job.update_time()) < cutoff) expired.push_back(id);
+  int64_t next_id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time cutoff = clock_->Now() - retention;
+    for (const auto& [id, e] : jobs_) {
+      if (IsFinal(e.job.state()) && FromProtoTimestamp(e.job.update_time()) < cutoff) expired.push_back(id);
+    }
+    for (const std::string& id : expired) DeleteLocked(id);
+    next_id = next_id_;
   }
-  for (const std::string& id : expired) DeleteLocked(id);
+  if (!expired.empty()) RemoveRecords(expired, next_id);
   return expired;
 }
 
@@ -336,13 +417,25 @@ void JobManager::DeleteLocked(const std::string& job_id) {
   if (it == jobs_.end()) return;
   if (!it->second.request_id.empty()) job_by_request_id_.erase(it->second.request_id);
   jobs_.erase(it);  // a watcher waiting on it wakes (WaitForEvents looks it up) and finds it gone
+}
+
+void JobManager::RemoveRecords(const std::vector<std::string>& job_ids, int64_t next_id) {
   if (state_dir_.empty()) return;
-  if (absl::Status s = WriteFileAtomically(state_dir_ + "/" + kNextIdFile, absl::StrCat(next_id_, "\n")); !s.ok()) {
-    COLOD_LOG(ERROR) << "cannot record the next job id: " << s;
+  absl::MutexLock io(&io_mu_);
+  // Deletes write in any order; the file only moves forward.
+  if (next_id > next_id_written_) {
+    if (absl::Status s = WriteFileAtomically(state_dir_ + "/" + kNextIdFile, absl::StrCat(next_id, "\n")); !s.ok()) {
+      COLOD_LOG(ERROR) << "cannot record the next job id: " << s;
+    } else {
+      next_id_written_ = next_id;
+    }
   }
-  std::error_code ec;
-  std::filesystem::remove(absl::StrCat(state_dir_, "/", job_id, ".pb"), ec);
-  if (ec) COLOD_LOG(ERROR) << "cannot remove the record of job " << job_id << ": " << ec.message();
+  for (const std::string& job_id : job_ids) {
+    written_seq_.erase(job_id);
+    std::error_code ec;
+    std::filesystem::remove(absl::StrCat(state_dir_, "/", job_id, ".pb"), ec);
+    if (ec) COLOD_LOG(ERROR) << "cannot remove the record of job " << job_id << ": " << ec.message();
+  }
 }
 
 absl::StatusOr<v1::Job> JobManager::Cancel(absl::string_view job_id, absl::string_view reason) {

@@ -6,12 +6,14 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -34,7 +36,10 @@ namespace colod {
 // from). A coordinator restart is not the job's failure: it does not count
 // against max_restarts. PENDING jobs stay queued.
 //
-// Thread-safe. WaitForEvents blocks its caller, never the others.
+// Thread-safe. WaitForEvents blocks its caller, never the others. Records
+// are written after the jobs' lock is released (a slow or full disk delays
+// the call that changed a job, not the others' reads and changes), one
+// writer at a time; a job's file always ends as its newest record.
 class JobManager {
  public:
   explicit JobManager(Clock* clock = Clock::Real());
@@ -129,18 +134,39 @@ class JobManager {
     v1::Job job;
     std::string request_id;  // of the submit that created it; may be empty
     std::vector<v1::JobEvent> events;
-    absl::Time persisted = absl::InfinitePast();  // when its record was last written
+    absl::Time persisted = absl::InfinitePast();  // when its record was last taken for writing
+    int64_t record_seq = 0;                       // how many records of it were taken
+  };
+  // A job's record as it stood under mu_, to be written after mu_ is
+  // released (file writes and fsyncs never hold mu_).
+  struct RecordWrite {
+    std::string job_id;
+    int64_t seq = 0;  // the entry's record_seq when it was taken
+    std::string bytes;
+    // Skip it if the job is gone by then (deleted); false for a submit's
+    // first record, written before the job is added.
+    bool only_if_known = true;
   };
   void AppendStateChangeLocked(Entry& e, v1::JobState state, absl::string_view reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::JobEvent& NewEventLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Entry*> FindLocked(absl::string_view job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status CheckNotEndedLocked(const Entry& e);
-  // Writes the job's record to the state directory (if any). A failure is
-  // logged and returned: a change to a known job goes on with its record
-  // stale; a new job is not accepted (Submit).
-  absl::Status PersistLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's record to write (nullopt without a state directory); cheap,
+  // under mu_. The caller writes it with WriteRecord once mu_ is released.
+  std::optional<RecordWrite> TakeRecordLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes a taken record to the state directory, never under mu_. Writes
+  // are serialized (io_mu_): a record older than one of the same job already
+  // written, or of a job deleted meanwhile, is skipped, so the file always
+  // holds the newest record taken. A failure is logged and returned: a change
+  // to a known job goes on with its record stale; a new job is not accepted
+  // (Submit).
+  absl::Status WriteRecord(const std::optional<RecordWrite>& w) ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
+  // Forgets the job in memory; its files go in RemoveRecords (after mu_).
   void DeleteLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes deleted jobs' records and records the next id (so a deleted
+  // job's id is never handed out again), never under mu_.
+  void RemoveRecords(const std::vector<std::string>& job_ids, int64_t next_id) ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
 
   Clock* const clock_;
   std::string state_dir_;  // empty: in memory only
@@ -150,6 +176,16 @@ class JobManager {
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<std::string, int64_t> finished_ ABSL_GUARDED_BY(mu_);
   int64_t hangs_ ABSL_GUARDED_BY(mu_) = 0;
+  // Request ids whose submit is writing its first record: a repeated submit
+  // waits for it instead of adding a second job.
+  absl::flat_hash_set<std::string> submitting_ ABSL_GUARDED_BY(mu_);
+
+  // The state directory's writer lock, taken before mu_ where both are held
+  // (WriteRecord checks under mu_ that a job still exists).
+  absl::Mutex io_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  // Per known job, the seq of its newest record on disk.
+  absl::flat_hash_map<std::string, int64_t> written_seq_ ABSL_GUARDED_BY(io_mu_);
+  int64_t next_id_written_ ABSL_GUARDED_BY(io_mu_) = 0;
 };
 
 // "pending", "scheduled", ... for metrics labels and tables.

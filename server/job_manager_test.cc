@@ -295,6 +295,86 @@ TEST(JobManager, EndedJobsAreDeletedAndExpireWithoutReusingTheirIds) {
   EXPECT_EQ(next->job_id(), "job-000005");
 }
 
+// Records are written outside the jobs' lock, so changes of one job from
+// several threads may reach the writer out of order: the file must still end
+// as the newest record, a deleted job's file must not come back, and two
+// submits of one request id at once must make one job.
+TEST(JobManager, ConcurrentChangesLeaveTheNewestRecordOnDisk) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-concurrent";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  std::map<std::string, v1::Job> in_memory;
+  std::map<std::string, size_t> events;
+  {
+    auto opened = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    JobManager& jobs = **opened;
+    constexpr int kThreads = 4, kJobsEach = 6, kStatuses = 8;
+    std::vector<std::string> same_request(2);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        // Threads 0 and 1 submit the same request id at once first.
+        if (t < 2) {
+          auto j = jobs.Submit(TrainSpec(), "req-shared");
+          ASSERT_TRUE(j.ok()) << j.status();
+          same_request[t] = j->job_id();
+        }
+        for (int k = 0; k < kJobsEach; ++k) {
+          auto j = jobs.Submit(TrainSpec(), "");
+          ASSERT_TRUE(j.ok()) << j.status();
+          // Another thread changes this job at the same time.
+          std::thread other([&jobs, id = j->job_id()] {
+            for (int i = 0; i < kStatuses; ++i) {
+              v1::RankStatus r;
+              r.set_rank(1);
+              r.set_phase(v1::RANK_PHASE_TRAINING);
+              (void)jobs.AddRankStatus(id, r);  // FAILED_PRECONDITION once it ended
+            }
+          });
+          for (int i = 0; i < kStatuses; ++i) {
+            v1::RankStatus r;
+            r.set_rank(0);
+            r.set_phase(v1::RANK_PHASE_TRAINING);
+            EXPECT_TRUE(jobs.AddRankStatus(j->job_id(), r).ok());
+            (void)jobs.List({});  // readers meanwhile
+          }
+          // Ended (and deleted) while the other thread may still be writing it.
+          if (k % 3 == 0) {
+            EXPECT_TRUE(jobs.Cancel(j->job_id(), "").ok());
+            EXPECT_TRUE(jobs.Delete(j->job_id()).ok());
+          } else if (k % 3 == 1) {
+            EXPECT_TRUE(jobs.SetState(j->job_id(), v1::JOB_STATE_SUCCEEDED, "done").ok());
+          }
+          other.join();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(same_request[0], same_request[1]);
+    for (const v1::Job& j : jobs.List({})) {
+      in_memory[j.job_id()] = j;
+      auto e = jobs.WaitForEvents(j.job_id(), 1, absl::ZeroDuration());
+      ASSERT_TRUE(e.ok()) << e.status();
+      events[j.job_id()] = e->events.size();
+    }
+    // One shared job, and two of every three of each thread's.
+    EXPECT_EQ(in_memory.size(), 1u + kThreads * (kJobsEach - kJobsEach / 3));
+  }
+  auto reopened = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  std::map<std::string, v1::Job> on_disk;
+  for (const v1::Job& j : (*reopened)->List({})) on_disk[j.job_id()] = j;
+  ASSERT_EQ(on_disk.size(), in_memory.size());
+  for (const auto& [id, job] : in_memory) {
+    ASSERT_EQ(on_disk.count(id), 1u) << id;
+    EXPECT_EQ(on_disk[id].state(), job.state()) << id;
+    auto e = (*reopened)->WaitForEvents(id, 1, absl::ZeroDuration());
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_EQ(e->events.size(), events[id]) << id;  // the newest record, every event in it
+  }
+}
+
 TEST(JobManager, WaitForEventsDeliversInOrderAndFinishes) {
   JobManager jobs;
   auto a = jobs.Submit(TrainSpec(), "");
