@@ -183,108 +183,100 @@ void JobManager::AppendStateChangeLocked(Entry& e, v1::JobState state, absl::str
   ev.mutable_state_change()->set_reason(std::string(reason));
 }
 
-absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1::MeshSpec& mesh) {
+absl::Status JobManager::ChangeJob(absl::string_view job_id, absl::FunctionRef<absl::StatusOr<bool>(Entry&)> change,
+                                   v1::Job* out) {
   std::optional<RecordWrite> w;
-  v1::Job job;
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-    if (e->job.state() != v1::JOB_STATE_PENDING && e->job.state() != v1::JOB_STATE_RESTARTING) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("job '", job_id, "' is ", JobStateName(e->job.state()), ", not pending or restarting"));
-    }
-    *e->job.mutable_mesh() = mesh;
-    e->job.set_generation(e->job.generation() + 1);
-    e->job.clear_stalled();  // a new attempt
-    AppendStateChangeLocked(*e, v1::JOB_STATE_SCHEDULED,
-                            absl::StrCat("ranks assigned to ", mesh.world_size(), " workers; connecting"));
-    w = TakeRecordLocked(*e);
-    job = e->job;
+    ASSIGN_OR_RETURN(const bool record, change(*e));
+    if (record) w = TakeRecordLocked(*e);
+    if (out != nullptr) *out = e->job;
   }
   (void)WriteRecord(w);  // logged; the change stands
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1::MeshSpec& mesh) {
+  v1::Job job;
+  RETURN_IF_ERROR(ChangeJob(
+      job_id,
+      [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
+        if (e.job.state() != v1::JOB_STATE_PENDING && e.job.state() != v1::JOB_STATE_RESTARTING) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("job '", job_id, "' is ", JobStateName(e.job.state()), ", not pending or restarting"));
+        }
+        *e.job.mutable_mesh() = mesh;
+        e.job.set_generation(e.job.generation() + 1);
+        e.job.clear_stalled();  // a new attempt
+        AppendStateChangeLocked(e, v1::JOB_STATE_SCHEDULED,
+                                absl::StrCat("ranks assigned to ", mesh.world_size(), " workers; connecting"));
+        return true;
+      },
+      &job));
   return job;
 }
 
 absl::StatusOr<v1::Job> JobManager::SetState(absl::string_view job_id, v1::JobState state,
                                              absl::string_view reason) {
-  std::optional<RecordWrite> w;
   v1::Job job;
-  {
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-    RETURN_IF_ERROR(CheckNotEndedLocked(*e));
-    AppendStateChangeLocked(*e, state, reason);
-    w = TakeRecordLocked(*e);
-    job = e->job;
-  }
-  (void)WriteRecord(w);  // logged; the change stands
+  RETURN_IF_ERROR(ChangeJob(
+      job_id,
+      [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
+        RETURN_IF_ERROR(CheckNotEndedLocked(e));
+        AppendStateChangeLocked(e, state, reason);
+        return true;
+      },
+      &job));
   return job;
 }
 
 absl::StatusOr<v1::Job> JobManager::Restart(absl::string_view job_id, absl::string_view failure,
                                             absl::string_view reason) {
-  std::optional<RecordWrite> w;
   v1::Job job;
-  {
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-    RETURN_IF_ERROR(CheckNotEndedLocked(*e));
-    e->job.set_restarts(e->job.restarts() + 1);
-    e->job.add_attempt_failures(std::string(failure));
-    AppendStateChangeLocked(*e, v1::JOB_STATE_RESTARTING, reason);
-    w = TakeRecordLocked(*e);
-    job = e->job;
-  }
-  (void)WriteRecord(w);  // logged; the change stands
+  RETURN_IF_ERROR(ChangeJob(
+      job_id,
+      [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
+        RETURN_IF_ERROR(CheckNotEndedLocked(e));
+        e.job.set_restarts(e.job.restarts() + 1);
+        e.job.add_attempt_failures(std::string(failure));
+        AppendStateChangeLocked(e, v1::JOB_STATE_RESTARTING, reason);
+        return true;
+      },
+      &job));
   return job;
 }
 
 absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgress& step) {
-  std::optional<RecordWrite> w;
-  {
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-    RETURN_IF_ERROR(CheckNotEndedLocked(*e));
-    e->job.set_step(step.step());
-    e->job.set_loss(step.loss());
-    if (!step.checkpoint().empty()) e->job.set_last_checkpoint(step.checkpoint());
-    *e->job.mutable_update_time() = ToProtoTimestamp(clock_->Now());
-    *NewEventLocked(*e).mutable_step() = step;
+  return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
+    RETURN_IF_ERROR(CheckNotEndedLocked(e));
+    e.job.set_step(step.step());
+    e.job.set_loss(step.loss());
+    if (!step.checkpoint().empty()) e.job.set_last_checkpoint(step.checkpoint());
+    *e.job.mutable_update_time() = ToProtoTimestamp(clock_->Now());
+    *NewEventLocked(e).mutable_step() = step;
     // A record holds the whole history, so writing it on every step of a
     // long job would cost O(steps^2): steps are written at most once a second
     // (and whenever one names a checkpoint); every state change writes at once.
-    const absl::Time now = clock_->Now();
-    if (!step.checkpoint().empty() || now - e->persisted >= absl::Seconds(1)) w = TakeRecordLocked(*e);
-  }
-  (void)WriteRecord(w);
-  return absl::OkStatus();
+    return !step.checkpoint().empty() || clock_->Now() - e.persisted >= absl::Seconds(1);
+  });
 }
 
 absl::Status JobManager::SetForwardResult(absl::string_view job_id, const v1::ForwardResult& result) {
-  std::optional<RecordWrite> w;
-  {
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-    *e->job.mutable_forward_result() = result;
-    w = TakeRecordLocked(*e);
-  }
-  (void)WriteRecord(w);  // logged; the change stands
-  return absl::OkStatus();
+  return ChangeJob(job_id, [&](Entry& e) -> absl::StatusOr<bool> {
+    *e.job.mutable_forward_result() = result;
+    return true;
+  });
 }
 
 absl::Status JobManager::AddHang(absl::string_view job_id, const v1::HangReport& hang) {
-  std::optional<RecordWrite> w;
-  {
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-    RETURN_IF_ERROR(CheckNotEndedLocked(*e));
+  return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
+    RETURN_IF_ERROR(CheckNotEndedLocked(e));
     ++hangs_;
-    e->job.set_stalled(hang.message());
-    *NewEventLocked(*e).mutable_hang() = hang;
-    w = TakeRecordLocked(*e);
-  }
-  (void)WriteRecord(w);  // logged; the change stands
-  return absl::OkStatus();
+    e.job.set_stalled(hang.message());
+    *NewEventLocked(e).mutable_hang() = hang;
+    return true;
+  });
 }
 
 int64_t JobManager::HangCount() {
@@ -293,16 +285,11 @@ int64_t JobManager::HangCount() {
 }
 
 absl::Status JobManager::AddRankStatus(absl::string_view job_id, const v1::RankStatus& status) {
-  std::optional<RecordWrite> w;
-  {
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
-    RETURN_IF_ERROR(CheckNotEndedLocked(*e));
-    *NewEventLocked(*e).mutable_rank_status() = status;
-    w = TakeRecordLocked(*e);
-  }
-  (void)WriteRecord(w);  // logged; the change stands
-  return absl::OkStatus();
+  return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
+    RETURN_IF_ERROR(CheckNotEndedLocked(e));
+    *NewEventLocked(e).mutable_rank_status() = status;
+    return true;
+  });
 }
 
 absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string_view request_id) {

@@ -14,6 +14,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -152,6 +153,12 @@ class JobManager {
   v1::JobEvent& NewEventLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Entry*> FindLocked(absl::string_view job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status CheckNotEndedLocked(const Entry& e);
+  // Applies `change` to the job under mu_ (NOT_FOUND for an unknown id; the
+  // change's own error leaves nothing written); when it returns true, takes
+  // the job's record and writes it once mu_ is released. `out`, if given,
+  // gets the job as changed.
+  absl::Status ChangeJob(absl::string_view job_id, absl::FunctionRef<absl::StatusOr<bool>(Entry&)> change,
+                         v1::Job* out = nullptr) ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
   // The job's record to write (nullopt without a state directory); cheap,
   // under mu_. The caller writes it with WriteRecord once mu_ is released.
   std::optional<RecordWrite> TakeRecordLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
