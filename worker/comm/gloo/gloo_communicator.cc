@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -24,6 +25,7 @@
 #include "gloo/common/error.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/store.h"
+#include "gloo/transport/context.h"
 #include "gloo/transport/pair.h"
 #include "gloo/transport/tcp/device.h"
 #include "gloo/transport/unbound_buffer.h"
@@ -242,6 +244,121 @@ bool SignalPair(gloo::transport::Pair* pair, const std::string& msg) {
 
 }  // namespace
 
+namespace gloo_detail {
+
+// Signalling the pairs misses one wait: tcp::Pair::signalException wakes the
+// operations pending on the pair, but not the receive whose payload the pair
+// is reading at that moment (prepareRead has already taken it off the
+// pending list). A peer stopped or killed partway through a message thus
+// left that receive, and the collective around it, waiting out the whole
+// timeout after an Abort. So every unbound buffer the communicator's
+// collectives make goes through a TrackedBuffer, and Abort also ends the
+// waits of the buffers alive at that moment (Gloo's abortWaitRecv and
+// abortWaitSend) and fails any later operation on them at once.
+//
+// Thread-safe: buffers come and go on the communicator thread, AbortAll runs
+// on the aborting one; a buffer leaves the set before it is destroyed.
+class LiveBuffers {
+ public:
+  void Add(gloo::transport::UnboundBuffer* buffer) {
+    absl::MutexLock lock(&mu_);
+    live_.push_back(buffer);
+  }
+  void Remove(gloo::transport::UnboundBuffer* buffer) {
+    absl::MutexLock lock(&mu_);
+    live_.erase(std::find(live_.begin(), live_.end(), buffer));
+  }
+  // After it, aborted() is true and every wait of a live buffer returns.
+  void AbortAll() {
+    aborted_.store(true);
+    absl::MutexLock lock(&mu_);
+    for (gloo::transport::UnboundBuffer* buffer : live_) {
+      buffer->abortWaitRecv();
+      buffer->abortWaitSend();
+    }
+  }
+  bool aborted() const { return aborted_.load(); }
+
+ private:
+  std::atomic<bool> aborted_{false};
+  absl::Mutex mu_;
+  // A handful at a time: the buffers of the one collective in flight.
+  std::vector<gloo::transport::UnboundBuffer*> live_ ABSL_GUARDED_BY(mu_);
+};
+
+// One of the transport's unbound buffers, seen by LiveBuffers while it
+// lives. Every call goes to the transport's buffer (which is what the pairs
+// see); once aborted, a wait returns false (aborted, in Gloo's terms) and a
+// send or receive throws, so the Gloo algorithm around it unwinds.
+class TrackedBuffer final : public gloo::transport::UnboundBuffer {
+ public:
+  TrackedBuffer(std::unique_ptr<gloo::transport::UnboundBuffer> inner, std::shared_ptr<LiveBuffers> live)
+      : gloo::transport::UnboundBuffer(inner->ptr, inner->size), inner_(std::move(inner)), live_(std::move(live)) {
+    live_->Add(inner_.get());
+  }
+  ~TrackedBuffer() override { live_->Remove(inner_.get()); }
+
+  bool waitRecv(int* rank, std::chrono::milliseconds timeout) override {
+    return !live_->aborted() && inner_->waitRecv(rank, timeout);
+  }
+  bool waitSend(int* rank, std::chrono::milliseconds timeout) override {
+    return !live_->aborted() && inner_->waitSend(rank, timeout);
+  }
+  void abortWaitRecv() override { inner_->abortWaitRecv(); }
+  void abortWaitSend() override { inner_->abortWaitSend(); }
+  void send(int dst, uint64_t slot, size_t offset, size_t nbytes) override {
+    ThrowIfAborted();
+    inner_->send(dst, slot, offset, nbytes);
+  }
+  void recv(int src, uint64_t slot, size_t offset, size_t nbytes) override {
+    ThrowIfAborted();
+    inner_->recv(src, slot, offset, nbytes);
+  }
+  void recv(std::vector<int> srcs, uint64_t slot, size_t offset, size_t nbytes) override {
+    ThrowIfAborted();
+    inner_->recv(std::move(srcs), slot, offset, nbytes);
+  }
+
+ private:
+  void ThrowIfAborted() const {
+    if (live_->aborted()) throw gloo::IoException("the communicator was aborted");
+  }
+  const std::unique_ptr<gloo::transport::UnboundBuffer> inner_;
+  const std::shared_ptr<LiveBuffers> live_;
+};
+
+// The TCP transport context with its unbound buffers tracked: pairs are the
+// transport's own.
+class TrackingTransportContext final : public gloo::transport::Context {
+ public:
+  TrackingTransportContext(std::shared_ptr<gloo::transport::Context> inner, std::shared_ptr<LiveBuffers> live)
+      : gloo::transport::Context(inner->rank, inner->size), inner_(std::move(inner)), live_(std::move(live)) {
+    setTimeout(inner_->getTimeout());
+  }
+  std::unique_ptr<gloo::transport::Pair>& getPair(int rank) override { return inner_->getPair(rank); }
+  std::unique_ptr<gloo::transport::Pair>& createPair(int rank) override { return inner_->createPair(rank); }
+  std::unique_ptr<gloo::transport::UnboundBuffer> createUnboundBuffer(void* ptr, size_t size) override {
+    return std::make_unique<TrackedBuffer>(inner_->createUnboundBuffer(ptr, size), live_);
+  }
+
+ private:
+  const std::shared_ptr<gloo::transport::Context> inner_;
+  const std::shared_ptr<LiveBuffers> live_;
+};
+
+// A rendezvous context whose transport context, once connected, tracks its
+// unbound buffers (gloo::Context keeps the transport context protected).
+class TrackingContext final : public gloo::rendezvous::Context {
+ public:
+  using gloo::rendezvous::Context::Context;
+  // Call once, after connectFullMesh and before any collective.
+  void TrackBuffers(std::shared_ptr<LiveBuffers> live) {
+    transportContext_ = std::make_shared<TrackingTransportContext>(transportContext_, std::move(live));
+  }
+};
+
+}  // namespace gloo_detail
+
 class GlooCommunicator::GlooWork final : public Work {
  public:
   absl::Status Wait(absl::Duration timeout) override {
@@ -302,12 +419,12 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store
   if (options.timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("gloo: timeout must be > 0");
   std::unique_ptr<GlooCommunicator> c(new GlooCommunicator(rank, size, options));
   const std::string what = absl::StrCat("rendezvous of rank ", rank, "/", size);
-  std::shared_ptr<gloo::rendezvous::Context> context;
+  std::shared_ptr<gloo_detail::TrackingContext> context;
   try {
     gloo::transport::tcp::attr attr;
     attr.hostname = options.hostname;
     c->device_ = gloo::transport::tcp::CreateDevice(attr);
-    context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    context = std::make_shared<gloo_detail::TrackingContext>(rank, size);
     context->setTimeout(ToMillis(options.timeout));
   } catch (const std::exception& e) {
     return FromGlooException(e, what);
@@ -353,6 +470,8 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store
     absl::MutexLock lock(&r->mu);
     if (!r->status.ok()) return r->status;
   }
+  c->live_buffers_ = std::make_shared<gloo_detail::LiveBuffers>();
+  context->TrackBuffers(c->live_buffers_);
   c->context_ = std::move(context);
   c->thread_ = std::thread([raw = c.get()] { raw->Loop(); });
   return c;
@@ -409,8 +528,9 @@ void GlooCommunicator::Loop() {
       }
     }
     mu_.Lock();
-    // A collective that Abort ended reports the abort, not the pair closure.
-    if (!status.ok() && sticky.ok() && absl::IsAborted(error_)) {
+    // A collective that Abort ended reports the abort, not the pair closure;
+    // one that returned after an abort ended its waits holds no result.
+    if (sticky.ok() && absl::IsAborted(error_)) {
       status = absl::AbortedError(absl::StrCat("gloo ", task.op, ": ", error_.message()));
     }
     // Record the sticky error before the waiter can observe the failure.
@@ -431,13 +551,18 @@ void GlooCommunicator::Abort(const absl::Status& reason) {
   // Outside mu_: a collective in flight (on the communicator thread) fails at
   // once instead of at options_.timeout, and the peers' collectives with
   // this rank fail as their side of each pair closes.
+  bool all_closed = true;
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
     if (!SignalPair(context_->getPair(peer).get(), message)) {
+      all_closed = false;
       COLOD_LOG(WARNING) << "gloo abort: the pair to rank " << peer << " is not a TCP pair; a collective in flight "
                          << "ends at its timeout";
     }
   }
+  // Then the waits the pairs missed (LiveBuffers), once no pair can write
+  // into their memory any more: a signalled pair has closed its socket.
+  if (all_closed) live_buffers_->AbortAll();
 }
 
 absl::Status GlooCommunicator::AsyncError() {

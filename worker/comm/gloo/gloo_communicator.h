@@ -24,6 +24,10 @@ class Device;
 
 namespace colod {
 
+namespace gloo_detail {
+class LiveBuffers;
+}  // namespace gloo_detail
+
 // Collectives run one at a time on the communicator's own thread, in
 // submission order. Thread-safe.
 class GlooCommunicator final : public Communicator {
@@ -90,6 +94,8 @@ class GlooCommunicator final : public Communicator {
   const Options options_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
+  // The unbound buffers of the collective in flight, which Abort ends.
+  std::shared_ptr<gloo_detail::LiveBuffers> live_buffers_;
   std::thread thread_;
   // ReduceScatter's running sum and incoming chunk, kept between calls so
   // that each call does not fault in fresh pages; only the communicator

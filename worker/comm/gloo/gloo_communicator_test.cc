@@ -5,15 +5,19 @@
 
 #include <linux/tcp.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <thread>
@@ -22,6 +26,7 @@
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "worker/comm/rendezvous_store.h"
+#include "worker/comm/store.h"
 
 namespace colod {
 namespace {
@@ -401,6 +406,89 @@ TEST_P(AbortInFlight, AbortEndsACollectiveInFlight) {
 
 INSTANTIATE_TEST_SUITE_P(Ops, AbortInFlight, ::testing::Values("all_reduce", "reduce_scatter", "all_gather"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+// Bytes the process `pid` has passed to write(2) and writev(2) (sockets
+// included), from /proc/PID/io; -1 if unreadable.
+int64_t BytesWritten(pid_t pid) {
+  std::ifstream io("/proc/" + std::to_string(pid) + "/io");
+  std::string key;
+  int64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "wchar:") return value;
+  }
+  return -1;
+}
+
+// The sender (another process) is stopped (SIGSTOP) or killed (SIGKILL)
+// partway through one large message. The receive in flight is the one
+// operation Gloo's pair signalling does not reach (tcp::Pair::signalException
+// wakes the pending operations, not the buffer whose payload it is reading),
+// so without colod's own tracking of its buffers this Recv waited out the
+// whole timeout after Abort, and so did the communicator's destructor.
+class PeerGoneMidMessage : public ::testing::TestWithParam<int> {};
+
+TEST_P(PeerGoneMidMessage, AbortEndsTheReceiveInFlight) {
+  const std::string dir = ::testing::TempDir() + "/stopped-peer-store";
+  std::filesystem::remove_all(dir);
+  constexpr int64_t kCount = int64_t{64} << 20;  // 256 MiB of f32: one message
+  const absl::Duration timeout = absl::Seconds(40);
+  GlooCommunicator::Options o;
+  o.timeout = timeout;
+  const pid_t child = ::fork();  // before this process starts any thread
+  ASSERT_GE(child, 0) << std::strerror(errno);
+  if (child == 0) {
+    auto store = FileStore::Open(dir);
+    if (!store.ok()) ::_exit(10);
+    auto c = GlooCommunicator::Create(**store, 1, 2, o);
+    if (!c.ok()) ::_exit(11);
+    std::vector<float> x(kCount, 2.0f);
+    const absl::Status s = (*c)->Send(x.data(), kCount, DType::kF32, 0, 7)->Wait(timeout);
+    ::_exit(s.ok() ? 0 : 12);
+  }
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  } reap{child};
+  auto store = FileStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto c = GlooCommunicator::Create(**store, 0, 2, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const int64_t before = BytesWritten(child);
+  ASSERT_GE(before, 0);
+  std::vector<float> y(kCount);
+  std::shared_ptr<Work> recv = (*c)->Recv(y.data(), kCount, DType::kF32, 1, 7);
+  // Stop the sender once 8 MiB of the message has left it.
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (BytesWritten(child) - before < (8 << 20) && absl::Now() < give_up && !recv->IsCompleted()) {
+    absl::SleepFor(absl::Microseconds(200));
+  }
+  const int64_t sent = BytesWritten(child) - before;
+  ASSERT_EQ(::kill(child, GetParam()), 0);
+  ASSERT_GE(sent, 8 << 20) << "the sender never started";
+  ASSERT_LT(sent, kCount * 4) << "the whole message left before the sender stopped";
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_FALSE(recv->IsCompleted()) << "received all of the message from a stopped sender";
+  const absl::Time start = absl::Now();
+  (*c)->Abort(absl::CancelledError("job cancelled"));
+  const absl::Status s = recv->Wait(absl::Seconds(10));
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("job cancelled"), absl::string_view::npos) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  std::printf("%s sender, %lld of %lld bytes sent: the receive ended %.3f s after the abort\n",
+              GetParam() == SIGSTOP ? "stopped" : "killed", static_cast<long long>(sent),
+              static_cast<long long>(kCount * 4), absl::ToDoubleSeconds(absl::Now() - start));
+  const absl::Time teardown = absl::Now();
+  c->reset();
+  EXPECT_LT(absl::Now() - teardown, absl::Seconds(5));
+}
+
+INSTANTIATE_TEST_SUITE_P(Signals, PeerGoneMidMessage, ::testing::Values(SIGSTOP, SIGKILL),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::string(info.param == SIGSTOP ? "Stopped" : "Killed");
+                         });
 
 // A store whose waits for rank 0's address fail: rank 1 dies right after it
 // published its own.
