@@ -77,10 +77,11 @@ struct Row {
   double seconds;  // median of iters
 };
 
-// `halving_doubling_max_bytes`: the communicator's all-reduce algorithm
-// switch (GlooCommunicator::Options); the default is the communicator's.
-Row Measure(Op op, int n, size_t bytes, int iters,
-            size_t halving_doubling_max_bytes = GlooCommunicator::Options().halving_doubling_max_bytes) {
+// The all-reduce algorithm: the communicator's own choice, or one forced
+// through GlooCommunicator::Options (the exchange is for two ranks).
+enum class Algorithm { kDefault, kRing, kBcube, kExchange };
+
+Row Measure(Op op, int n, size_t bytes, int iters, Algorithm algorithm = Algorithm::kDefault) {
   auto shared = std::make_shared<RendezvousStore>();
   std::vector<std::unique_ptr<GlooCommunicator>> comms(n);
   std::vector<double> times;
@@ -89,7 +90,10 @@ Row Measure(Op op, int n, size_t bytes, int iters,
     threads.emplace_back([&, r] {
       InMemoryStore store(shared, "bench");
       GlooCommunicator::Options o;
-      o.halving_doubling_max_bytes = halving_doubling_max_bytes;
+      if (algorithm != Algorithm::kDefault) {
+        o.halving_doubling_max_bytes = algorithm == Algorithm::kRing ? 0 : SIZE_MAX;
+        o.two_rank_exchange_max_bytes = algorithm == Algorithm::kExchange ? SIZE_MAX : 0;
+      }
       auto c = GlooCommunicator::Create(store, r, n, o);
       if (!c.ok()) {
         std::fprintf(stderr, "rank %d: %s\n", r, c.status().ToString().c_str());
@@ -262,25 +266,34 @@ int main(int argc, char** argv) {
         }
       }
     }
-    // Gloo's two all-reduce algorithms side by side: the crossover that
-    // GlooCommunicator::Options::halving_doubling_max_bytes is set from.
-    const size_t threshold = colod::GlooCommunicator::Options().halving_doubling_max_bytes;
+    // The all-reduce algorithms side by side: the crossovers that
+    // GlooCommunicator::Options::halving_doubling_max_bytes and
+    // two_rank_exchange_max_bytes are set from.
+    const colod::GlooCommunicator::Options defaults;
     if (!json) {
-      std::printf("\nGloo all-reduce, f32: the ring (segments pipelined) against bcube (halving-doubling); the "
-                  "communicator takes bcube up to %zu MiB\n\n%5s  %10s  %14s  %15s  %12s\n",
-                  threshold >> 20, "ranks", "size", "ring (ms)", "bcube (ms)", "ring/bcube");
+      std::printf("\nGloo all-reduce, f32: Gloo's ring (segments pipelined) and bcube (halving-doubling), and "
+                  "colod's two-rank exchange; the communicator takes the exchange up to %zu MiB between two ranks, "
+                  "else bcube up to %zu MiB\n\n%5s  %10s  %14s  %15s  %15s  %12s\n",
+                  defaults.two_rank_exchange_max_bytes >> 20, defaults.halving_doubling_max_bytes >> 20, "ranks",
+                  "size", "ring (ms)", "bcube (ms)", "exchange (ms)", "ring/bcube");
     }
     for (int n : {2, 4}) {
-      for (size_t kib : {64, 256, 1024, 4096, 16384, 65536}) {
-        const colod::Row ring = colod::Measure(colod::Op::kAllReduce, n, kib << 10, iters, 0);
-        const colod::Row bcube = colod::Measure(colod::Op::kAllReduce, n, kib << 10, iters, SIZE_MAX);
+      for (size_t kib : {4, 64, 256, 1024, 4096, 16384, 65536}) {
+        const colod::Row ring = colod::Measure(colod::Op::kAllReduce, n, kib << 10, iters, colod::Algorithm::kRing);
+        const colod::Row bcube = colod::Measure(colod::Op::kAllReduce, n, kib << 10, iters, colod::Algorithm::kBcube);
+        const double exchange =
+            n == 2 ? colod::Measure(colod::Op::kAllReduce, n, kib << 10, iters, colod::Algorithm::kExchange).seconds
+                   : 0;
         if (json) {
           std::printf("{\"bench\":\"allreduce_algorithms\",\"backend\":\"gloo\",\"dtype\":\"f32\",\"ranks\":%d,"
-                      "\"bytes\":%zu,\"ring_seconds\":%.6f,\"bcube_seconds\":%.6f}\n",
+                      "\"bytes\":%zu,\"ring_seconds\":%.6f,\"bcube_seconds\":%.6f",
                       n, kib << 10, ring.seconds, bcube.seconds);
+          if (n == 2) std::printf(",\"exchange_seconds\":%.6f", exchange);
+          std::printf("}\n");
         } else {
-          std::printf("%5d  %6zu KiB  %14.3f  %15.3f  %11.2fx\n", n, kib, ring.seconds * 1e3, bcube.seconds * 1e3,
-                      ring.seconds / bcube.seconds);
+          const std::string ex = n == 2 ? absl::StrFormat("%.3f", exchange * 1e3) : "-";
+          std::printf("%5d  %6zu KiB  %14.3f  %15.3f  %15s  %11.2fx\n", n, kib, ring.seconds * 1e3,
+                      bcube.seconds * 1e3, ex.c_str(), ring.seconds / bcube.seconds);
         }
         std::fflush(stdout);
       }

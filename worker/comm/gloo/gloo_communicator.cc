@@ -215,6 +215,7 @@ void DivideInPlace(void* data, int64_t count, DType dtype, int n) {
 // (Gloo's collectives use 0x01..0x08).
 constexpr uint8_t kP2PSlotPrefix = 0x5c;
 constexpr uint8_t kReduceScatterSlotPrefix = 0x5d;
+constexpr uint8_t kExchangeSlotPrefix = 0x5e;
 
 }  // namespace
 
@@ -574,6 +575,12 @@ std::shared_ptr<Work> GlooCommunicator::AllReduce(void* data, int64_t count, DTy
   if (count < 0) return Failed(absl::InvalidArgumentError("gloo AllReduce: count must be >= 0"));
   return Submit("AllReduce", [=](uint32_t tag) {
     if (count == 0) return;
+    const size_t bytes = static_cast<size_t>(count) * SizeOf(dtype);
+    if (size_ == 2 && bytes <= options_.two_rank_exchange_max_bytes) {
+      ExchangeAndReduce(data, count, dtype, op, tag);
+      if (op == ReduceOp::kAvg) DivideInPlace(data, count, dtype, size_);
+      return;
+    }
     gloo::AllreduceOptions opts(context_);
     WithStorageType(dtype, [&](auto* type) {
       using T = std::remove_pointer_t<decltype(type)>;
@@ -583,7 +590,7 @@ std::shared_ptr<Work> GlooCommunicator::AllReduce(void* data, int64_t count, DTy
     opts.setTag(tag);
     opts.setTimeout(ToMillis(options_.timeout));
     opts.setMaxSegmentSize(options_.max_segment_bytes);
-    if (static_cast<size_t>(count) * SizeOf(dtype) <= options_.halving_doubling_max_bytes) {
+    if (bytes <= options_.halving_doubling_max_bytes) {
       opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::BCUBE);
     }
     gloo::allreduce(opts);
@@ -605,6 +612,35 @@ std::shared_ptr<Work> GlooCommunicator::AllGather(const void* in, void* out, int
     opts.setTimeout(ToMillis(options_.timeout));
     gloo::allgather(opts);
   });
+}
+
+char* GlooCommunicator::Scratch(size_t bytes) {
+  if (scratch_bytes_ < bytes) {
+    scratch_.reset(new char[bytes]);  // not zeroed: every byte is written before it is read
+    scratch_bytes_ = bytes;
+  }
+  return scratch_.get();
+}
+
+void GlooCommunicator::ExchangeAndReduce(void* data, int64_t count, DType dtype, ReduceOp op, uint32_t tag) {
+  // Both ranks send their whole buffer and reduce it with the other's: one
+  // exchange where Gloo's halving-doubling makes two (a reduce-scatter of
+  // halves, then an all-gather), the same bytes on the wire. Both ranks apply
+  // op(rank 0's, rank 1's), so they hold the same bits even where op is not
+  // commutative (a max with a NaN).
+  const size_t bytes = static_cast<size_t>(count) * SizeOf(dtype);
+  char* const incoming = Scratch(bytes);
+  const int peer = 1 - rank_;
+  const uint64_t slot = gloo::Slot::build(kExchangeSlotPrefix, tag);
+  const auto timeout = ToMillis(options_.timeout);
+  auto into = context_->createUnboundBuffer(incoming, bytes);
+  auto from = context_->createUnboundBuffer(data, bytes);
+  into->recv(peer, slot);
+  from->send(peer, slot);
+  if (!into->waitRecv(timeout) || !from->waitSend(timeout)) throw std::runtime_error("all-reduce exchange aborted");
+  const void* first = rank_ == 0 ? data : incoming;
+  const void* second = rank_ == 0 ? incoming : data;
+  ReduceFunction(dtype, op)(data, first, second, static_cast<size_t>(count));
 }
 
 std::shared_ptr<Work> GlooCommunicator::ReduceScatter(const void* in, void* out, int64_t count,
@@ -631,11 +667,7 @@ std::shared_ptr<Work> GlooCommunicator::ReduceScatter(const void* in, void* out,
     const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
     const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
     const auto timeout = ToMillis(options_.timeout);
-    if (scratch_bytes_ < 2 * chunk) {
-      scratch_.reset(new char[2 * chunk]);  // not zeroed: every byte is written before it is read
-      scratch_bytes_ = 2 * chunk;
-    }
-    char* const sum = scratch_.get();
+    char* const sum = Scratch(2 * chunk);
     char* const incoming = sum + chunk;
     auto from_input = context_->createUnboundBuffer(const_cast<char*>(input), chunk * size_);
     auto from_sum = context_->createUnboundBuffer(sum, chunk);

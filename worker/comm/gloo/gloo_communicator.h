@@ -47,6 +47,11 @@ class GlooCommunicator final : public Communicator {
     // half-buffer at a time); larger ones its ring, which pipelines
     // segments. 0: always the ring. docs/PERFORMANCE.md has the crossover.
     size_t halving_doubling_max_bytes = 4 << 20;
+    // Between two ranks, all-reduces of at most this many bytes are one
+    // exchange of the whole buffer (each rank adds the other's) instead of
+    // Gloo's algorithms, which take two exchanges of half of it. 0: never.
+    // docs/PERFORMANCE.md has the measurements.
+    size_t two_rank_exchange_max_bytes = 4 << 20;
     // If set, firing it ends a Create in progress (ABORTED) within
     // milliseconds, even while Gloo waits for a dead peer's TCP connection.
     std::shared_ptr<AbortSignal> abort_signal;
@@ -88,6 +93,10 @@ class GlooCommunicator final : public Communicator {
   // A Work that failed before running (bad arguments).
   std::shared_ptr<Work> Failed(absl::Status status);
   void Loop();
+  // On the communicator thread: scratch_ grown to at least `bytes`.
+  char* Scratch(size_t bytes);
+  // On the communicator thread: the all-reduce of a two-rank communicator.
+  void ExchangeAndReduce(void* data, int64_t count, DType dtype, ReduceOp op, uint32_t tag);
 
   const int rank_;
   const int size_;
@@ -97,7 +106,8 @@ class GlooCommunicator final : public Communicator {
   // The unbound buffers of the collective in flight, which Abort ends.
   std::shared_ptr<gloo_detail::LiveBuffers> live_buffers_;
   std::thread thread_;
-  // ReduceScatter's running sum and incoming chunk, kept between calls so
+  // ReduceScatter's running sum and incoming chunk (the two-rank exchange's
+  // incoming buffer), kept between calls so
   // that each call does not fault in fresh pages; only the communicator
   // thread touches them.
   std::unique_ptr<char[]> scratch_;

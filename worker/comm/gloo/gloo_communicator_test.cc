@@ -37,7 +37,7 @@ constexpr absl::Duration kWait = absl::Seconds(30);
 // every communicator alive until all ranks are done (Gloo teardown rule).
 void RunRanks(int n, const std::function<void(int, Communicator&)>& body,
               absl::Duration timeout = absl::Seconds(30),
-              size_t halving_doubling_max_bytes = GlooCommunicator::Options().halving_doubling_max_bytes) {
+              const std::function<void(GlooCommunicator::Options&)>& configure = nullptr) {
   auto shared = std::make_shared<RendezvousStore>();
   std::vector<std::unique_ptr<GlooCommunicator>> comms(n);
   std::vector<std::thread> threads;
@@ -46,7 +46,7 @@ void RunRanks(int n, const std::function<void(int, Communicator&)>& body,
       InMemoryStore store(shared, "test");
       GlooCommunicator::Options o;
       o.timeout = timeout;
-      o.halving_doubling_max_bytes = halving_doubling_max_bytes;
+      if (configure) configure(o);
       auto c = GlooCommunicator::Create(store, r, n, o);
       ASSERT_TRUE(c.ok()) << c.status();
       comms[r] = std::move(*c);
@@ -114,12 +114,15 @@ const DType kDTypes[] = {DType::kF32, DType::kBF16, DType::kF16, DType::kI32, DT
 
 class GlooRanks : public ::testing::TestWithParam<int> {};
 
-// Both of Gloo's algorithms the communicator picks between (bcube up to
-// halving_doubling_max_bytes, the ring above), each on counts that do not
+// Each algorithm the communicator picks between (between two ranks colod's
+// exchange up to two_rank_exchange_max_bytes; else Gloo's bcube up to
+// halving_doubling_max_bytes and its ring above), each on counts that do not
 // split evenly, fewer elements than ranks, and one segment or several.
 TEST_P(GlooRanks, AllReduceEveryDTypeAndOp) {
   const int n = GetParam();
-  for (const size_t bcube_max : {size_t{0}, std::numeric_limits<size_t>::max()}) {
+  // Gloo's ring, Gloo's bcube, and (two ranks only) colod's exchange.
+  for (const std::string algorithm : {"ring", "bcube", "exchange"}) {
+    if (algorithm == "exchange" && n != 2) continue;
     RunRanks(
         n,
         [&](int rank, Communicator& comm) {
@@ -133,7 +136,7 @@ TEST_P(GlooRanks, AllReduceEveryDTypeAndOp) {
                 std::vector<double> got = Decode(buf, t);
                 for (int64_t i = 0; i < count; ++i) {
                   ASSERT_EQ(got[i], Expected(n, i, op, t))
-                      << (bcube_max == 0 ? "ring " : "bcube ") << DTypeName(t) << " op " << static_cast<int>(op)
+                      << algorithm << " " << DTypeName(t) << " op " << static_cast<int>(op)
                       << " count " << count << " i " << i << " rank " << rank;
                 }
               }
@@ -148,8 +151,30 @@ TEST_P(GlooRanks, AllReduceEveryDTypeAndOp) {
             ASSERT_EQ(v[i], static_cast<float>((i % 97) * n * (n + 1) / 2)) << "i " << i;
           }
         },
-        absl::Seconds(30), bcube_max);
+        absl::Seconds(30), [&](GlooCommunicator::Options& o) {
+          o.halving_doubling_max_bytes = algorithm == "ring" ? 0 : std::numeric_limits<size_t>::max();
+          o.two_rank_exchange_max_bytes = algorithm == "exchange" ? std::numeric_limits<size_t>::max() : 0;
+        });
   }
+}
+
+// The two-rank exchange reduces op(rank 0's, rank 1's) on both ranks, so they
+// end with the same bits even where the op is not commutative: the max of a
+// NaN and a number depends on the order of its operands.
+TEST(Gloo, TheTwoRankExchangeLeavesBothRanksTheSameBits) {
+  constexpr int64_t kCount = 4;
+  std::vector<std::vector<float>> v(2);
+  RunRanks(2, [&](int rank, Communicator& comm) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    // Element 0: NaN on rank 0; element 1: NaN on rank 1; 2 and 3: numbers.
+    v[rank] = rank == 0 ? std::vector<float>{nan, 1.0f, 2.0f, -0.0f} : std::vector<float>{5.0f, nan, 3.0f, 0.0f};
+    ASSERT_TRUE(comm.AllReduce(v[rank].data(), kCount, DType::kF32, ReduceOp::kMax)->Wait(kWait).ok());
+  });
+  ASSERT_EQ(v[0].size(), static_cast<size_t>(kCount));
+  ASSERT_EQ(v[1].size(), static_cast<size_t>(kCount));
+  EXPECT_EQ(std::memcmp(v[0].data(), v[1].data(), kCount * sizeof(float)), 0)
+      << v[0][0] << " " << v[0][1] << " " << v[0][3] << " / " << v[1][0] << " " << v[1][1] << " " << v[1][3];
+  EXPECT_EQ(v[0][2], 3.0f);
 }
 
 TEST_P(GlooRanks, AllGatherReduceScatterBroadcastAllToAll) {
