@@ -253,12 +253,13 @@ absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgres
     e.job.set_step(step.step());
     e.job.set_loss(step.loss());
     if (!step.checkpoint().empty()) e.job.set_last_checkpoint(step.checkpoint());
-    *e.job.mutable_update_time() = ToProtoTimestamp(clock_->Now());
+    const absl::Time now = clock_->Now();
+    *e.job.mutable_update_time() = ToProtoTimestamp(now);
     *NewEventLocked(e).mutable_step() = step;
     // A record holds the whole history, so writing it on every step of a
     // long job would cost O(steps^2): steps are written at most once a second
     // (and whenever one names a checkpoint); every state change writes at once.
-    return !step.checkpoint().empty() || clock_->Now() - e.persisted >= absl::Seconds(1);
+    return !step.checkpoint().empty() || now - e.persisted >= absl::Seconds(1);
   });
 }
 

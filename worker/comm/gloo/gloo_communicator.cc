@@ -578,22 +578,21 @@ std::shared_ptr<Work> GlooCommunicator::AllReduce(void* data, int64_t count, DTy
     const size_t bytes = static_cast<size_t>(count) * SizeOf(dtype);
     if (size_ == 2 && bytes <= options_.two_rank_exchange_max_bytes) {
       ExchangeAndReduce(data, count, dtype, op, tag);
-      if (op == ReduceOp::kAvg) DivideInPlace(data, count, dtype, size_);
-      return;
+    } else {
+      gloo::AllreduceOptions opts(context_);
+      WithStorageType(dtype, [&](auto* type) {
+        using T = std::remove_pointer_t<decltype(type)>;
+        opts.setOutput(static_cast<T*>(data), static_cast<size_t>(count));
+      });
+      opts.setReduceFunction(ReduceFunction(dtype, op));
+      opts.setTag(tag);
+      opts.setTimeout(ToMillis(options_.timeout));
+      opts.setMaxSegmentSize(options_.max_segment_bytes);
+      if (bytes <= options_.halving_doubling_max_bytes) {
+        opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::BCUBE);
+      }
+      gloo::allreduce(opts);
     }
-    gloo::AllreduceOptions opts(context_);
-    WithStorageType(dtype, [&](auto* type) {
-      using T = std::remove_pointer_t<decltype(type)>;
-      opts.setOutput(static_cast<T*>(data), static_cast<size_t>(count));
-    });
-    opts.setReduceFunction(ReduceFunction(dtype, op));
-    opts.setTag(tag);
-    opts.setTimeout(ToMillis(options_.timeout));
-    opts.setMaxSegmentSize(options_.max_segment_bytes);
-    if (bytes <= options_.halving_doubling_max_bytes) {
-      opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::BCUBE);
-    }
-    gloo::allreduce(opts);
     if (op == ReduceOp::kAvg) DivideInPlace(data, count, dtype, size_);
   });
 }

@@ -48,7 +48,7 @@ class GlooCommunicator final : public Communicator {
     // segments. 0: always the ring. docs/PERFORMANCE.md has the crossover.
     size_t halving_doubling_max_bytes = 4 << 20;
     // Between two ranks, all-reduces of at most this many bytes are one
-    // exchange of the whole buffer (each rank adds the other's) instead of
+    // exchange of the whole buffer (each rank reduces both) instead of
     // Gloo's algorithms, which take two exchanges of half of it. 0: never.
     // docs/PERFORMANCE.md has the measurements.
     size_t two_rank_exchange_max_bytes = 4 << 20;
@@ -106,10 +106,9 @@ class GlooCommunicator final : public Communicator {
   // The unbound buffers of the collective in flight, which Abort ends.
   std::shared_ptr<gloo_detail::LiveBuffers> live_buffers_;
   std::thread thread_;
-  // ReduceScatter's running sum and incoming chunk (the two-rank exchange's
-  // incoming buffer), kept between calls so
-  // that each call does not fault in fresh pages; only the communicator
-  // thread touches them.
+  // ReduceScatter's running sum and incoming chunk, and the two-rank
+  // exchange's incoming buffer, kept between calls so that each call does
+  // not fault in fresh pages; only the communicator thread touches them.
   std::unique_ptr<char[]> scratch_;
   size_t scratch_bytes_ = 0;
 

@@ -459,7 +459,10 @@ TEST_P(PeerGoneMidMessage, AbortEndsTheReceiveInFlight) {
   const absl::Duration timeout = absl::Seconds(40);
   GlooCommunicator::Options o;
   o.timeout = timeout;
-  const pid_t child = ::fork();  // before this process starts any thread
+  // The child uses only what it makes after the fork (its own store,
+  // communicator and threads), never a lock another thread of this test
+  // binary may have held at the fork.
+  const pid_t child = ::fork();
   ASSERT_GE(child, 0) << std::strerror(errno);
   if (child == 0) {
     auto store = FileStore::Open(dir);
