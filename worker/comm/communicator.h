@@ -4,10 +4,12 @@
 #define COLOD_WORKER_COMM_COMMUNICATOR_H_
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "worker/tensor/dtype.h"
 
@@ -68,12 +70,29 @@ class Communicator {
   virtual std::shared_ptr<Work> Barrier() = 0;
 
   // Fails every collective not yet started with `reason` (ABORTED) and every
-  // later one. The collective in flight ends at the backend's timeout.
+  // later one, and ends the one in flight (Gloo: its pairs close and its
+  // waits end; NCCL: ncclCommAbort).
   virtual void Abort(const absl::Status& reason) = 0;
   // The first error any collective hit, or OK: errors are sticky, because
   // ranks that disagree about a failed collective cannot continue together.
   virtual absl::Status AsyncError() = 0;
 };
+
+// The check every backend makes before it derives a size from a count:
+// count >= 0, and count x `chunks` elements (the most a buffer of the call
+// holds: size() for AllGather's output, ReduceScatter's input and AllToAll's
+// buffers, 1 otherwise) of `dtype` is a byte size that fits in int64_t.
+// INVALID_ARGUMENT names `what` ("gloo AllReduce") otherwise.
+inline absl::Status CheckCollectiveCount(const char* what, int64_t count, DType dtype, int64_t chunks) {
+  if (count < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": count must be >= 0, got ", count));
+  const int64_t element = static_cast<int64_t>(SizeOf(dtype));
+  if (element == 0) return absl::InvalidArgumentError(absl::StrCat(what, ": unknown dtype"));
+  if (chunks < 1 || count > std::numeric_limits<int64_t>::max() / element / chunks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", count, " x ", chunks, " elements of ", element, " bytes overflow a size"));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace colod
 

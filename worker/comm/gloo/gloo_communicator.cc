@@ -572,7 +572,7 @@ absl::Status GlooCommunicator::AsyncError() {
 }
 
 std::shared_ptr<Work> GlooCommunicator::AllReduce(void* data, int64_t count, DType dtype, ReduceOp op) {
-  if (count < 0) return Failed(absl::InvalidArgumentError("gloo AllReduce: count must be >= 0"));
+  if (absl::Status s = CheckCollectiveCount("gloo AllReduce", count, dtype, 1); !s.ok()) return Failed(s);
   return Submit("AllReduce", [=](uint32_t tag) {
     if (count == 0) return;
     const size_t bytes = static_cast<size_t>(count) * SizeOf(dtype);
@@ -598,7 +598,7 @@ std::shared_ptr<Work> GlooCommunicator::AllReduce(void* data, int64_t count, DTy
 }
 
 std::shared_ptr<Work> GlooCommunicator::AllGather(const void* in, void* out, int64_t count, DType dtype) {
-  if (count < 0) return Failed(absl::InvalidArgumentError("gloo AllGather: count must be >= 0"));
+  if (absl::Status s = CheckCollectiveCount("gloo AllGather", count, dtype, size_); !s.ok()) return Failed(s);
   return Submit("AllGather", [=](uint32_t tag) {
     if (count == 0) return;
     gloo::AllgatherOptions opts(context_);
@@ -644,11 +644,7 @@ void GlooCommunicator::ExchangeAndReduce(void* data, int64_t count, DType dtype,
 
 std::shared_ptr<Work> GlooCommunicator::ReduceScatter(const void* in, void* out, int64_t count,
                                                       DType dtype, ReduceOp op) {
-  if (count < 0) return Failed(absl::InvalidArgumentError("gloo ReduceScatter: count must be >= 0"));
-  if (count > std::numeric_limits<int64_t>::max() / static_cast<int64_t>(SizeOf(dtype)) / size_) {
-    return Failed(absl::InvalidArgumentError(absl::StrCat("gloo ReduceScatter: ", count, " x ", size_,
-                                                          " elements overflow")));
-  }
+  if (absl::Status s = CheckCollectiveCount("gloo ReduceScatter", count, dtype, size_); !s.ok()) return Failed(s);
   // A ring over Gloo's pairs (this Gloo's options API has no reduce-scatter):
   // in p - 1 steps each rank sends one chunk to its right neighbour and adds
   // the chunk from its left into its running sum, so that chunk r's sum ends
@@ -694,7 +690,7 @@ std::shared_ptr<Work> GlooCommunicator::ReduceScatter(const void* in, void* out,
 }
 
 std::shared_ptr<Work> GlooCommunicator::Broadcast(void* data, int64_t count, DType dtype, int root) {
-  if (count < 0) return Failed(absl::InvalidArgumentError("gloo Broadcast: count must be >= 0"));
+  if (absl::Status s = CheckCollectiveCount("gloo Broadcast", count, dtype, 1); !s.ok()) return Failed(s);
   if (root < 0 || root >= size_) {
     return Failed(absl::InvalidArgumentError(
         absl::StrCat("gloo Broadcast: root ", root, " is outside [0, ", size_, ")")));
@@ -714,7 +710,7 @@ std::shared_ptr<Work> GlooCommunicator::Broadcast(void* data, int64_t count, DTy
 }
 
 std::shared_ptr<Work> GlooCommunicator::AllToAll(const void* in, void* out, int64_t count, DType dtype) {
-  if (count < 0) return Failed(absl::InvalidArgumentError("gloo AllToAll: count must be >= 0"));
+  if (absl::Status s = CheckCollectiveCount("gloo AllToAll", count, dtype, size_); !s.ok()) return Failed(s);
   return Submit("AllToAll", [=](uint32_t tag) {
     if (count == 0) return;
     gloo::AlltoallOptions opts(context_);
@@ -731,9 +727,10 @@ std::shared_ptr<Work> GlooCommunicator::AllToAll(const void* in, void* out, int6
 
 std::shared_ptr<Work> GlooCommunicator::Send(const void* data, int64_t count, DType dtype, int dst,
                                              uint32_t tag) {
-  if (count < 0 || dst < 0 || dst >= size_ || dst == rank_) {
+  if (absl::Status s = CheckCollectiveCount("gloo Send", count, dtype, 1); !s.ok()) return Failed(s);
+  if (dst < 0 || dst >= size_ || dst == rank_) {
     return Failed(absl::InvalidArgumentError(
-        absl::StrCat("gloo Send: need count >= 0 and a peer in [0, ", size_, ") other than ", rank_)));
+        absl::StrCat("gloo Send: need a peer in [0, ", size_, ") other than ", rank_, ", got ", dst)));
   }
   return Submit("Send", [=](uint32_t) {
     auto buf = context_->createUnboundBuffer(const_cast<void*>(data), count * SizeOf(dtype));
@@ -744,9 +741,10 @@ std::shared_ptr<Work> GlooCommunicator::Send(const void* data, int64_t count, DT
 
 std::shared_ptr<Work> GlooCommunicator::Recv(void* data, int64_t count, DType dtype, int src,
                                              uint32_t tag) {
-  if (count < 0 || src < 0 || src >= size_ || src == rank_) {
+  if (absl::Status s = CheckCollectiveCount("gloo Recv", count, dtype, 1); !s.ok()) return Failed(s);
+  if (src < 0 || src >= size_ || src == rank_) {
     return Failed(absl::InvalidArgumentError(
-        absl::StrCat("gloo Recv: need count >= 0 and a peer in [0, ", size_, ") other than ", rank_)));
+        absl::StrCat("gloo Recv: need a peer in [0, ", size_, ") other than ", rank_, ", got ", src)));
   }
   return Submit("Recv", [=](uint32_t) {
     auto buf = context_->createUnboundBuffer(data, count * SizeOf(dtype));

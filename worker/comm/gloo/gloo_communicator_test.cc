@@ -609,6 +609,30 @@ TEST(Gloo, AbortFailsQueuedWorkAndBadArgumentsFailAtOnce) {
               absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(comm.Send(x.data(), 4, DType::kF32, rank, 1)->Wait(kWait).code(),
               absl::StatusCode::kInvalidArgument);
+    // Counts no buffer can hold fail before a size is derived from them
+    // (count x size() x element bytes past int64_t), on both ranks alike,
+    // and the communicator stays usable.
+    const int64_t per_rank_overflow = std::numeric_limits<int64_t>::max() / 4 / 2 + 1;
+    std::vector<float> out(8, 0.0f);
+    EXPECT_EQ(comm.AllReduce(x.data(), -1, DType::kF32, ReduceOp::kSum)->Wait(kWait).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(comm.AllReduce(x.data(), std::numeric_limits<int64_t>::max() / 2, DType::kF32, ReduceOp::kSum)
+                  ->Wait(kWait)
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(comm.AllGather(x.data(), out.data(), per_rank_overflow, DType::kF32)->Wait(kWait).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(comm.ReduceScatter(out.data(), x.data(), per_rank_overflow, DType::kF32, ReduceOp::kSum)
+                  ->Wait(kWait)
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(comm.AllToAll(x.data(), out.data(), per_rank_overflow, DType::kF32)->Wait(kWait).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(comm.Recv(x.data(), -3, DType::kF32, 1 - rank, 1)->Wait(kWait).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(comm.AsyncError().ok());
+    ASSERT_TRUE(comm.AllReduce(x.data(), 4, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());
+    EXPECT_EQ(x[0], 2.0f);
     EXPECT_EQ(comm.backend(), "gloo");
   });
   auto shared = std::make_shared<RendezvousStore>();

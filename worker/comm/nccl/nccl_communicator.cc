@@ -451,6 +451,9 @@ std::shared_ptr<Work> NcclCommunicator::Enqueue(const char* op,
 }
 
 std::shared_ptr<Work> NcclCommunicator::AllReduce(void* data, int64_t count, DType dtype, ReduceOp op) {
+  if (absl::Status s = CheckCollectiveCount("nccl AllReduce", count, dtype, 1); !s.ok()) {
+    return std::make_shared<NcclWork>(this, "AllReduce", nullptr, s);
+  }
   return Enqueue("AllReduce", [&](ncclComm_t comm) -> absl::Status {
     NCCL_RETURN_IF_ERROR(ncclAllReduce(data, data, count, ToNccl(dtype), ToNccl(op), comm, stream_));
     return absl::OkStatus();
@@ -458,6 +461,9 @@ std::shared_ptr<Work> NcclCommunicator::AllReduce(void* data, int64_t count, DTy
 }
 
 std::shared_ptr<Work> NcclCommunicator::AllGather(const void* in, void* out, int64_t count, DType dtype) {
+  if (absl::Status s = CheckCollectiveCount("nccl AllGather", count, dtype, size_); !s.ok()) {
+    return std::make_shared<NcclWork>(this, "AllGather", nullptr, s);
+  }
   return Enqueue("AllGather", [&](ncclComm_t comm) -> absl::Status {
     NCCL_RETURN_IF_ERROR(ncclAllGather(in, out, count, ToNccl(dtype), comm, stream_));
     return absl::OkStatus();
@@ -466,6 +472,9 @@ std::shared_ptr<Work> NcclCommunicator::AllGather(const void* in, void* out, int
 
 std::shared_ptr<Work> NcclCommunicator::ReduceScatter(const void* in, void* out, int64_t count, DType dtype,
                                                       ReduceOp op) {
+  if (absl::Status s = CheckCollectiveCount("nccl ReduceScatter", count, dtype, size_); !s.ok()) {
+    return std::make_shared<NcclWork>(this, "ReduceScatter", nullptr, s);
+  }
   return Enqueue("ReduceScatter", [&](ncclComm_t comm) -> absl::Status {
     NCCL_RETURN_IF_ERROR(ncclReduceScatter(in, out, count, ToNccl(dtype), ToNccl(op), comm, stream_));
     return absl::OkStatus();
@@ -473,6 +482,9 @@ std::shared_ptr<Work> NcclCommunicator::ReduceScatter(const void* in, void* out,
 }
 
 std::shared_ptr<Work> NcclCommunicator::Broadcast(void* data, int64_t count, DType dtype, int root) {
+  if (absl::Status s = CheckCollectiveCount("nccl Broadcast", count, dtype, 1); !s.ok()) {
+    return std::make_shared<NcclWork>(this, "Broadcast", nullptr, s);
+  }
   if (root < 0 || root >= size_) {
     return std::make_shared<NcclWork>(this, "Broadcast", nullptr,
                                       absl::InvalidArgumentError(absl::StrCat("nccl Broadcast: root ", root,
@@ -485,6 +497,9 @@ std::shared_ptr<Work> NcclCommunicator::Broadcast(void* data, int64_t count, DTy
 }
 
 std::shared_ptr<Work> NcclCommunicator::AllToAll(const void* in, void* out, int64_t count, DType dtype) {
+  if (absl::Status s = CheckCollectiveCount("nccl AllToAll", count, dtype, size_); !s.ok()) {
+    return std::make_shared<NcclWork>(this, "AllToAll", nullptr, s);
+  }
   return Enqueue("AllToAll", [&](ncclComm_t comm) -> absl::Status {
     NCCL_RETURN_IF_ERROR(ncclAlltoAll(in, out, count, ToNccl(dtype), comm, stream_));
     return absl::OkStatus();
@@ -492,6 +507,9 @@ std::shared_ptr<Work> NcclCommunicator::AllToAll(const void* in, void* out, int6
 }
 
 std::shared_ptr<Work> NcclCommunicator::Send(const void* data, int64_t count, DType dtype, int dst, uint32_t) {
+  if (absl::Status s = CheckCollectiveCount("nccl Send", count, dtype, 1); !s.ok()) {
+    return std::make_shared<NcclWork>(this, "Send", nullptr, s);
+  }
   return Enqueue("Send", [&](ncclComm_t comm) -> absl::Status {
     NCCL_RETURN_IF_ERROR(ncclSend(data, count, ToNccl(dtype), dst, comm, stream_));
     return absl::OkStatus();
@@ -499,6 +517,9 @@ std::shared_ptr<Work> NcclCommunicator::Send(const void* data, int64_t count, DT
 }
 
 std::shared_ptr<Work> NcclCommunicator::Recv(void* data, int64_t count, DType dtype, int src, uint32_t) {
+  if (absl::Status s = CheckCollectiveCount("nccl Recv", count, dtype, 1); !s.ok()) {
+    return std::make_shared<NcclWork>(this, "Recv", nullptr, s);
+  }
   return Enqueue("Recv", [&](ncclComm_t comm) -> absl::Status {
     NCCL_RETURN_IF_ERROR(ncclRecv(data, count, ToNccl(dtype), src, comm, stream_));
     return absl::OkStatus();
@@ -507,6 +528,9 @@ std::shared_ptr<Work> NcclCommunicator::Recv(void* data, int64_t count, DType dt
 
 std::shared_ptr<Work> NcclCommunicator::SendRecv(const void* send, int dst, void* recv, int src, int64_t count,
                                                  DType dtype) {
+  if (absl::Status s = CheckCollectiveCount("nccl SendRecv", count, dtype, 1); !s.ok()) {
+    return std::make_shared<NcclWork>(this, "SendRecv", nullptr, s);
+  }
   return Enqueue("SendRecv", [&](ncclComm_t comm) -> absl::Status {
     NCCL_RETURN_IF_ERROR(ncclGroupStart());
     const ncclResult_t a = ncclSend(send, count, ToNccl(dtype), dst, comm, stream_);

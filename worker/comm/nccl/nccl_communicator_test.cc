@@ -7,6 +7,7 @@
 #include "worker/comm/nccl/nccl_communicator.h"
 
 #include <atomic>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -62,6 +63,17 @@ TEST_F(NcclGpu, OneRankCollectivesMatchTheHostValues) {
   ASSERT_TRUE(sub.ok()) << sub.status();
   EXPECT_EQ((*sub)->size(), 1);
   ASSERT_TRUE((*sub)->AllReduce(dev, n, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());
+
+  // Counts no buffer can hold fail before NCCL sees them (a negative count
+  // would reach it as a huge size_t), and leave the communicator usable.
+  const int64_t huge = std::numeric_limits<int64_t>::max() / 4;
+  EXPECT_EQ((*comm)->AllReduce(dev, -1, DType::kF32, ReduceOp::kSum)->Wait(kWait).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*comm)->AllReduce(dev, huge, DType::kI64, ReduceOp::kSum)->Wait(kWait).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*comm)->Send(dev, -5, DType::kF32, 0, 1)->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*comm)->AsyncError().ok());
+  ASSERT_TRUE((*comm)->AllReduce(dev, n, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());
 
   (*comm)->Abort(absl::CancelledError("job cancelled"));
   absl::Status after = (*comm)->AllReduce(dev, n, DType::kF32, ReduceOp::kSum)->Wait(kWait);
