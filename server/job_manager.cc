@@ -134,8 +134,52 @@ std::optional<JobManager::RecordWrite> JobManager::TakeRecordLocked(Entry& e) {
   return w;
 }
 
+namespace {
+
+// This thread's innermost DeferredWrites scope (of any manager), or null.
+thread_local JobManager::DeferredWrites* current_deferral = nullptr;
+
+}  // namespace
+
+JobManager::DeferredWrites::DeferredWrites(JobManager& manager) : manager_(manager), outer_(current_deferral) {
+  current_deferral = this;
+}
+
+JobManager::DeferredWrites::~DeferredWrites() {
+  current_deferral = outer_;
+  for (DeferredWrites* d = outer_; d != nullptr; d = d->outer_) {
+    if (&d->manager_ == &manager_) {  // an enclosing scope of the same manager writes them
+      for (RecordWrite& w : writes_) d->writes_.push_back(std::move(w));
+      return;
+    }
+  }
+  // Each job's newest record: the older ones would be skipped anyway.
+  absl::flat_hash_set<std::string> newest;
+  std::vector<const RecordWrite*> order;
+  for (auto it = writes_.rbegin(); it != writes_.rend(); ++it) {
+    if (newest.insert(it->job_id).second) order.push_back(&*it);
+  }
+  for (auto it = order.rbegin(); it != order.rend(); ++it) (void)manager_.WriteRecord(**it);
+}
+
+void JobManager::WriteOrDefer(std::optional<RecordWrite> w) {
+  if (!w.has_value()) return;
+  for (DeferredWrites* d = current_deferral; d != nullptr; d = d->outer_) {
+    if (&d->manager_ == this) {
+      d->writes_.push_back(std::move(*w));
+      return;
+    }
+  }
+  (void)WriteRecord(w);  // logged; the change stands
+}
+
+void JobManager::SetBeforeWriteForTest(std::function<void(const std::string& job_id)> hook) {
+  before_write_ = std::move(hook);
+}
+
 absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
   if (!w.has_value()) return absl::OkStatus();
+  if (before_write_) before_write_(w->job_id);
   absl::MutexLock io(&io_mu_);
   auto written = written_seq_.find(w->job_id);
   if (written != written_seq_.end() && written->second >= w->seq) return absl::OkStatus();  // a newer one is there
@@ -193,7 +237,7 @@ absl::Status JobManager::ChangeJob(absl::string_view job_id, absl::FunctionRef<a
     if (record) w = TakeRecordLocked(*e);
     if (out != nullptr) *out = e->job;
   }
-  (void)WriteRecord(w);  // logged; the change stands
+  WriteOrDefer(std::move(w));
   return absl::OkStatus();
 }
 

@@ -130,6 +130,21 @@ class JobManager {
 
   static bool IsFinal(v1::JobState state);
 
+  // While one lives on a thread, the record writes of the changes that
+  // thread makes through `manager` wait, and are written (each job's newest
+  // record, once) when the outermost one ends. A caller that changes jobs
+  // under a lock of its own (the Scheduler) declares one before it takes
+  // that lock, so the disk is written after the lock is released: a slow or
+  // full disk delays that call, not every caller of the lock. The changes are
+  // visible at once, as always, and on disk before the scope ends (instead of
+  // before each change returns). Submit never waits: it needs its record's
+  // outcome. Belongs to the thread that made it.
+  class DeferredWrites;
+
+  // Called with the job id before each record write, on the writing thread
+  // (tests: what locks that thread holds then).
+  void SetBeforeWriteForTest(std::function<void(const std::string& job_id)> hook);
+
  private:
   struct Entry {
     v1::Job job;
@@ -175,8 +190,13 @@ class JobManager {
   // job's id is never handed out again), never under mu_.
   void RemoveRecords(const std::vector<std::string>& job_ids, int64_t next_id) ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
 
+  // Writes `w` now, or hands it to this thread's DeferredWrites for this
+  // manager; never under mu_.
+  void WriteOrDefer(std::optional<RecordWrite> w) ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
+
   Clock* const clock_;
   std::string state_dir_;  // empty: in memory only
+  std::function<void(const std::string&)> before_write_;  // set before any write
   absl::Mutex mu_;
   std::map<std::string, Entry> jobs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::string> job_by_request_id_ ABSL_GUARDED_BY(mu_);
@@ -193,6 +213,20 @@ class JobManager {
   // Per known job, the seq of its newest record on disk.
   absl::flat_hash_map<std::string, int64_t> written_seq_ ABSL_GUARDED_BY(io_mu_);
   int64_t next_id_written_ ABSL_GUARDED_BY(io_mu_) = 0;
+};
+
+class JobManager::DeferredWrites {
+ public:
+  explicit DeferredWrites(JobManager& manager);
+  ~DeferredWrites();  // the outermost writes what its scope changed
+  DeferredWrites(const DeferredWrites&) = delete;
+  DeferredWrites& operator=(const DeferredWrites&) = delete;
+
+ private:
+  friend class JobManager;
+  JobManager& manager_;
+  DeferredWrites* const outer_;  // this thread's enclosing scope, of any manager
+  std::vector<RecordWrite> writes_;
 };
 
 // "pending", "scheduled", ... for metrics labels and tables.

@@ -375,6 +375,56 @@ TEST(JobManager, ConcurrentChangesLeaveTheNewestRecordOnDisk) {
   }
 }
 
+// The state in the job's record file in `dir`.
+v1::JobState StateOnDisk(const std::string& dir, const std::string& id) {
+  std::ifstream in(dir + "/" + id + ".pb", std::ios::binary);
+  v1::JobRecord record;
+  if (!in || !record.ParseFromIstream(&in)) return v1::JOB_STATE_UNSPECIFIED;
+  return record.job().state();
+}
+
+// Changes made inside a DeferredWrites scope are visible at once and on disk
+// once the outermost scope of that manager ends, each job's newest record
+// written once; a change outside any scope, or through another manager, is
+// written before it returns.
+TEST(JobManager, DeferredWritesReachTheDiskWhenTheOutermostScopeEnds) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-deferred";
+  const std::string other_dir = dir + "-other";
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(other_dir);
+  FakeClock clock;
+  auto opened = JobManager::Open(dir, &clock);
+  auto other_opened = JobManager::Open(other_dir, &clock);
+  ASSERT_TRUE(opened.ok() && other_opened.ok());
+  JobManager& jobs = **opened;
+  JobManager& other = **other_opened;
+  std::map<std::string, int> writes;
+  jobs.SetBeforeWriteForTest([&](const std::string& id) { ++writes[id]; });
+  const std::string a = jobs.Submit(TrainSpec(), "")->job_id();
+  const std::string b = jobs.Submit(TrainSpec(), "")->job_id();
+  const std::string c = other.Submit(TrainSpec(), "")->job_id();
+  EXPECT_EQ(writes[a], 1);  // a submit writes at once, scope or not
+  {
+    JobManager::DeferredWrites outer(jobs);
+    {
+      JobManager::DeferredWrites inner(jobs);
+      ASSERT_TRUE(jobs.SetState(a, v1::JOB_STATE_RUNNING, "go").ok());
+      ASSERT_TRUE(other.SetState(c, v1::JOB_STATE_RUNNING, "go").ok());
+    }
+    ASSERT_TRUE(jobs.SetState(a, v1::JOB_STATE_SUCCEEDED, "done").ok());
+    ASSERT_TRUE(jobs.SetState(b, v1::JOB_STATE_FAILED, "broken").ok());
+    EXPECT_EQ(jobs.Get(a)->state(), v1::JOB_STATE_SUCCEEDED);  // visible at once
+    EXPECT_EQ(StateOnDisk(dir, a), v1::JOB_STATE_PENDING) << "written before the outermost scope ended";
+    EXPECT_EQ(StateOnDisk(dir, b), v1::JOB_STATE_PENDING);
+    EXPECT_EQ(StateOnDisk(other_dir, c), v1::JOB_STATE_RUNNING) << "another manager's change waits for nothing";
+    EXPECT_EQ(writes[a], 1);
+  }
+  EXPECT_EQ(StateOnDisk(dir, a), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(StateOnDisk(dir, b), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(writes[a], 2) << "one write of a's newest record for its two changes";
+  EXPECT_EQ(writes[b], 2);
+}
+
 TEST(JobManager, WaitForEventsDeliversInOrderAndFinishes) {
   JobManager jobs;
   auto a = jobs.Submit(TrainSpec(), "");

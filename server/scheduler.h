@@ -50,7 +50,9 @@ namespace colod {
 // does not (after a coordinator restart); each placement's assignments go out
 // at once on a thread of their own (WorkerClient), so a worker that does not
 // answer delays neither the others nor other jobs. Report and Cancel come
-// from gRPC handlers.
+// from gRPC handlers. The job changes made under mu_ are written to the
+// state directory after it is released (JobManager::DeferredWrites), so a
+// slow or full disk holds up the call that changed a job, not the others.
 class Scheduler {
  public:
   struct Options {

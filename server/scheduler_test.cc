@@ -3,9 +3,14 @@
 // RUNNING, SUCCEEDED; restarts after a retryable rank failure (resuming from
 // the checkpoint) until they are spent; errors of the job itself; a lost
 // worker and the wait for workers; refused assignments and their cool-off;
-// hang reports.
+// hang reports; job records written outside the scheduler's lock.
 #include "server/scheduler.h"
 
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <future>
 #include <map>
 #include <set>
 
@@ -67,7 +72,7 @@ v1::JobSpec TrainSpec(int tp, int dp) {
 
 class SchedulerTest : public ::testing::Test {
  protected:
-  SchedulerTest() : registry_(RegistryOptions(&clock_)), jobs_(&clock_) {}
+  SchedulerTest() : registry_(RegistryOptions(&clock_)), jobs_(std::make_unique<JobManager>(&clock_)) {}
 
   static WorkerRegistry::Options RegistryOptions(Clock* clock) {
     WorkerRegistry::Options o;
@@ -83,7 +88,7 @@ class SchedulerTest : public ::testing::Test {
     o.clock = &clock_;
     o.probe_timeout = absl::ZeroDuration();  // fail at once, unprobed
     if (o.hang_threshold == Scheduler::Options().hang_threshold) o.hang_threshold = absl::ZeroDuration();
-    scheduler_ = std::make_unique<Scheduler>(&jobs_, &registry_, &store_, o);
+    scheduler_ = std::make_unique<Scheduler>(jobs_.get(), &registry_, &store_, o);
     for (int i = 0; i < workers; ++i) {
       v1::WorkerInfo info;
       info.set_address("10.0.0." + std::to_string(i + 1) + ":7071");
@@ -101,7 +106,7 @@ class SchedulerTest : public ::testing::Test {
     ASSERT_TRUE(registry_.Heartbeat(ids_[worker], status).ok());
   }
 
-  v1::Job Job(const std::string& id) { return *jobs_.Get(id); }
+  v1::Job Job(const std::string& id) { return *jobs_->Get(id); }
 
   // Rank `rank` of the job's current placement reports.
   absl::StatusOr<bool> Report(const std::string& id, int rank, v1::ReportProgressRequest r) {
@@ -126,7 +131,7 @@ class SchedulerTest : public ::testing::Test {
     ASSERT_TRUE(Report(id, rank, req).ok());
   }
   std::vector<v1::JobEvent> Events(const std::string& id) {
-    absl::StatusOr<JobManager::Events> got = jobs_.WaitForEvents(id, 1, absl::ZeroDuration());
+    absl::StatusOr<JobManager::Events> got = jobs_->WaitForEvents(id, 1, absl::ZeroDuration());
     return got.ok() ? got->events : std::vector<v1::JobEvent>();
   }
   std::vector<v1::JobState> States(const std::string& id) {
@@ -150,7 +155,7 @@ class SchedulerTest : public ::testing::Test {
 
   FakeClock clock_;
   WorkerRegistry registry_;
-  JobManager jobs_;
+  std::unique_ptr<JobManager> jobs_;
   RendezvousStore store_;
   std::shared_ptr<FakeWorkers> fake_ = std::make_shared<FakeWorkers>();
   std::unique_ptr<Scheduler> scheduler_;
@@ -159,7 +164,7 @@ class SchedulerTest : public ::testing::Test {
 
 TEST_F(SchedulerTest, PlacesRunsAndSucceeds) {
   Start(4);
-  auto job = jobs_.Submit(TrainSpec(2, 2), "");
+  auto job = jobs_->Submit(TrainSpec(2, 2), "");
   ASSERT_TRUE(job.ok()) << job.status();
   scheduler_->TickForTest();
   v1::Job j = Job(job->job_id());
@@ -188,7 +193,7 @@ TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestarts
   Start(2);
   v1::JobSpec spec = TrainSpec(2, 1);
   spec.mutable_restart()->set_max_restarts(1);
-  auto job = jobs_.Submit(spec, "");
+  auto job = jobs_->Submit(spec, "");
   ASSERT_TRUE(job.ok()) << job.status();
   scheduler_->TickForTest();
   Training(job->job_id());
@@ -230,7 +235,7 @@ TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestarts
 
 TEST_F(SchedulerTest, AnErrorOfTheJobItselfIsNotRetried) {
   Start(2);
-  auto job = jobs_.Submit(TrainSpec(2, 1), "");  // the default policy: 3 restarts
+  auto job = jobs_->Submit(TrainSpec(2, 1), "");  // the default policy: 3 restarts
   ASSERT_TRUE(job.ok());
   scheduler_->TickForTest();
   Ended(job->job_id(), 0, absl::StatusCode::kNotFound, "spec.train.data_path: no such file");
@@ -244,7 +249,7 @@ TEST_F(SchedulerTest, ALostWorkerRestartsTheJobWhichWaitsForWorkersUpToItsDeadli
   Start(4);
   v1::JobSpec spec = TrainSpec(2, 2);
   *spec.mutable_restart()->mutable_worker_wait() = ToProtoDuration(absl::Minutes(1));
-  auto job = jobs_.Submit(spec, "");
+  auto job = jobs_->Submit(spec, "");
   ASSERT_TRUE(job.ok());
   scheduler_->TickForTest();
   Training(job->job_id());
@@ -278,7 +283,7 @@ TEST_F(SchedulerTest, ALostWorkerRestartsTheJobWhichWaitsForWorkersUpToItsDeadli
 TEST_F(SchedulerTest, ARefusedAssignmentPlacesTheJobAgainWithoutTheRefusingWorkerUntilItsCoolOff) {
   Start(3);
   fake_->refuse.insert("10.0.0.2:7071");
-  auto job = jobs_.Submit(TrainSpec(2, 1), "");
+  auto job = jobs_->Submit(TrainSpec(2, 1), "");
   ASSERT_TRUE(job.ok());
   scheduler_->TickForTest();
   v1::Job j = Job(job->job_id());
@@ -305,7 +310,7 @@ TEST_F(SchedulerTest, ARefusedAssignmentPlacesTheJobAgainWithoutTheRefusingWorke
   Pass(absl::Seconds(31));
   v1::JobSpec wide = TrainSpec(1, 3);
   wide.mutable_train()->set_batch_size(3);
-  auto next = jobs_.Submit(wide, "");
+  auto next = jobs_->Submit(wide, "");
   ASSERT_TRUE(next.ok()) << next.status();
   scheduler_->TickForTest();
   EXPECT_EQ(Job(next->job_id()).state(), v1::JOB_STATE_SCHEDULED);
@@ -316,7 +321,7 @@ TEST_F(SchedulerTest, ARefusedAssignmentPlacesTheJobAgainWithoutTheRefusingWorke
 TEST_F(SchedulerTest, OnlyRefusalsOfTheJobsOwnCountAgainstItsPlacements) {
   Start(1);
   fake_->refuse.insert("10.0.0.1:7071");
-  auto job = jobs_.Submit(TrainSpec(1, 1), "");
+  auto job = jobs_->Submit(TrainSpec(1, 1), "");
   ASSERT_TRUE(job.ok());
   for (int placement = 1; placement <= 5; ++placement) {
     scheduler_->TickForTest();  // placed, refused: nothing started, so it is pending again at once
@@ -341,8 +346,8 @@ TEST_F(SchedulerTest, RanksGoOnlyToWorkersWithTheMemoryTheyNeed) {
   const int64_t need = RankMemoryFloorBytes(TrainSpec(1, 1));
   ASSERT_GT(need, 0);
   Start(2, Scheduler::Options(), {need - 1, need});
-  auto first = jobs_.Submit(TrainSpec(1, 1), "");
-  auto second = jobs_.Submit(TrainSpec(1, 1), "");
+  auto first = jobs_->Submit(TrainSpec(1, 1), "");
+  auto second = jobs_->Submit(TrainSpec(1, 1), "");
   ASSERT_TRUE(first.ok() && second.ok());
   scheduler_->TickForTest();
   const v1::Job j = Job(first->job_id());
@@ -360,7 +365,7 @@ TEST_F(SchedulerTest, ReportsAHangOncePerCollective) {
   Scheduler::Options o;
   o.hang_threshold = absl::Seconds(5);
   Start(2, o);
-  auto job = jobs_.Submit(TrainSpec(2, 1), "");
+  auto job = jobs_->Submit(TrainSpec(2, 1), "");
   ASSERT_TRUE(job.ok());
   scheduler_->TickForTest();
   Training(job->job_id());
@@ -396,7 +401,47 @@ TEST_F(SchedulerTest, ReportsAHangOncePerCollective) {
   int hangs = 0;
   for (const v1::JobEvent& e : Events(job->job_id())) hangs += e.has_hang();
   EXPECT_EQ(hangs, 1);
-  EXPECT_EQ(jobs_.HangCount(), 1);
+  EXPECT_EQ(jobs_->HangCount(), 1);
+}
+
+// The scheduler changes jobs under its lock; their records are written
+// after it is released. While one job's record is being written (a slow
+// disk, here the write hook), another job's report gets through the
+// scheduler: it does not wait for that write.
+TEST_F(SchedulerTest, ARecordBeingWrittenHoldsUpNoOtherReport) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/scheduler-records";
+  std::filesystem::remove_all(dir);
+  auto opened = JobManager::Open(dir, &clock_);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  jobs_ = std::move(*opened);
+  Start(4);
+  const std::string a = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
+  const std::string b = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
+  scheduler_->TickForTest();
+  ASSERT_EQ(Job(a).state(), v1::JOB_STATE_SCHEDULED);
+  ASSERT_EQ(Job(b).state(), v1::JOB_STATE_SCHEDULED);
+  const v1::Job jb = Job(b);
+  std::atomic<int> slow_writes{0};
+  std::atomic<bool> got_through{true};
+  jobs_->SetBeforeWriteForTest([&](const std::string& id) {
+    if (id != a || slow_writes++ > 0) return;
+    auto other = std::async(std::launch::async, [&] {
+      v1::ReportProgressRequest r;
+      r.set_job_id(b);
+      r.set_generation(jb.generation());
+      r.set_rank(0);
+      r.set_worker_id(jb.mesh().ranks(0).worker_id());
+      r.mutable_status()->set_phase(v1::RANK_PHASE_TRAINING);
+      return scheduler_->Report(r);
+    });
+    got_through = other.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+    // (Otherwise the report waits for this write, and ends after it.)
+  });
+  Training(a);  // each rank's status change writes a's record
+  EXPECT_GT(slow_writes.load(), 0);
+  EXPECT_TRUE(got_through) << "job " << b << "'s report waited for job " << a << "'s record";
+  EXPECT_EQ(Job(a).state(), v1::JOB_STATE_RUNNING);
+  jobs_->SetBeforeWriteForTest(nullptr);
 }
 
 }  // namespace
