@@ -458,6 +458,25 @@ absl::Status VocabShardSums(int, const float* z, const int64_t* labels, const fl
   return absl::OkStatus();
 }
 
+absl::Status VocabShardCombine(int, const float* gathered, int64_t shards, int64_t rows, float* mx, float* stats) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < shards; ++k) m = std::max(m, gathered[k * 4 * rows + r]);
+    double se = 0, target = 0, sl = 0;
+    for (int64_t k = 0; k < shards; ++k) {
+      const float* g = gathered + k * 4 * rows;
+      se += g[rows + r] * std::exp(static_cast<double>(g[r]) - m);
+      target += g[2 * rows + r];
+      sl += g[3 * rows + r];
+    }
+    mx[r] = m;
+    stats[r] = static_cast<float>(se);
+    stats[rows + r] = static_cast<float>(target);
+    stats[2 * rows + r] = static_cast<float>(sl);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status VocabShardLoss(int, const float* mx, const float* stats, const int64_t* labels, int64_t rows,
                             int64_t vocab, float smoothing, int64_t ignore_index, float* lse, float* loss) {
   for (int64_t r = 0; r < rows; ++r) {

@@ -433,6 +433,25 @@ __global__ void VocabShardSumsKernel(const float* z, const int64_t* labels, cons
   }
 }
 
+__global__ void VocabShardCombineKernel(const float* gathered, int64_t shards, int64_t rows, float* mx,
+                                        float* stats) {
+  GRID_STRIDE(r, rows) {
+    float m = -INFINITY;
+    for (int64_t k = 0; k < shards; ++k) m = fmaxf(m, gathered[k * 4 * rows + r]);
+    float se = 0, target = 0, sl = 0;
+    for (int64_t k = 0; k < shards; ++k) {
+      const float* g = gathered + k * 4 * rows;
+      se += g[rows + r] * expf(g[r] - m);
+      target += g[2 * rows + r];
+      sl += g[3 * rows + r];
+    }
+    mx[r] = m;
+    stats[r] = se;
+    stats[rows + r] = target;
+    stats[2 * rows + r] = sl;
+  }
+}
+
 __global__ void VocabShardLossKernel(const float* mx, const float* stats, const int64_t* labels, int64_t rows,
                                      int64_t vocab, float smoothing, int64_t ignore_index, float* lse, float* loss) {
   GRID_STRIDE(r, rows) {
@@ -1096,6 +1115,14 @@ absl::Status VocabShardSums(int device, const float* z, const int64_t* labels, c
   Launch(VocabShardSumsKernel, RowBlocks(rows), kThreads, stream, z, labels, mx, rows, width, real, start,
          ignore_index, stats);
   return Finish("VocabShardSumsKernel");
+}
+
+absl::Status VocabShardCombine(int device, const float* gathered, int64_t shards, int64_t rows, float* mx,
+                               float* stats) {
+  if (rows == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(VocabShardCombineKernel, Blocks(rows), kThreads, stream, gathered, shards, rows, mx, stats);
+  return Finish("VocabShardCombineKernel");
 }
 
 absl::Status VocabShardLoss(int device, const float* mx, const float* stats, const int64_t* labels, int64_t rows,

@@ -46,12 +46,11 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
   ASSIGN_OR_RETURN(lab64, lab64.To(dev));
   ASSIGN_OR_RETURN(Tensor z, logits.local().Contiguous().Reshape({rows, local_v}));
   const absl::Duration timeout = pg->timeout();
-  auto all_reduce = [comm, timeout](Tensor& t, bool max) -> absl::Status {
-    return comm->AllReduce(t.raw_data(), t.numel(), t.dtype(), max ? ReduceOp::kMax : ReduceOp::kSum)
-        ->WaitOnDevice(timeout);
+  auto all_gather = [comm, timeout](const Tensor& in, Tensor& out) -> absl::Status {
+    return comm->AllGather(in.raw_data(), out.raw_data(), in.numel(), in.dtype())->WaitOnDevice(timeout);
   };
   ASSIGN_OR_RETURN(auto forward, ops::VocabShardCrossEntropy(z, lab64, real, start, vocab_size, label_smoothing,
-                                                        ignore_index, all_reduce));
+                                                        ignore_index, p, all_gather));
   Tensor loss = forward.loss;
   auto saved = std::make_shared<ops::VocabShardForward>(std::move(forward));
   const Shape local_shape = logits.local().shape();

@@ -1,8 +1,9 @@
 // Cross-entropy over logits sharded on the vocabulary (Megatron's
 // vocab-parallel cross-entropy): the loss of every row without gathering the
-// logits. Forward runs two all-reduces over tp (the row max; then the sum of
-// exponentials, the target logit and, for label smoothing, the sum of
-// logits, packed into one); backward is local. Every pass runs on the
+// logits. Forward runs one all-gather over tp of each rank's row max and its
+// sums against that max (of exponentials, the target logit and, for label
+// smoothing, of logits), which every rank combines in rank order into the
+// same loss; backward is local. Every pass runs on the
 // logits' device (kernels' VocabShard*) and the all-reduces are waited on by
 // the device, so on CUDA nothing is read on the host.
 #ifndef COLOD_WORKER_NN_VOCAB_CROSS_ENTROPY_H_

@@ -673,15 +673,12 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
           break;
       }
     }
-    // The vocabulary-parallel cross-entropy: the rows' max, then their sum
-    // of exponentials, target logit and smoothing term, f32.
+    // The vocabulary-parallel cross-entropy: one all-gather of each rank's
+    // row max, sum of exponentials, target logit and smoothing term, f32.
     const bool vocab_loss = std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) {
       return l.role == Role::kTiedHead || l.role == Role::kVocabHead;
     });
-    if (vocab_loss) {
-      comm.Add(g, "all_reduce", {micro}, {tokens}, 4, tp_size);
-      comm.Add(g, "all_reduce", {micro}, {3, tokens}, 4, tp_size);
-    }
+    if (vocab_loss) comm.Add(g, "all_gather", {micro}, {4, tokens}, 4, tp_size);
     if (train) comm.Add(g, "all_reduce", {1}, {1}, 4, tp_size);  // the gradient norm's sum of squares
   }
   if (dp > 1) {

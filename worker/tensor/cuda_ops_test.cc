@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -279,6 +282,103 @@ TEST_F(CudaLayerOps, HalfTypesAreComputedInF32AndRoundedOnce) {
   }
 }
 
+// An all-gather between `n` threads, each calling Gather once with its
+// shard's tensor: out <- the shards' tensors in shard order.
+class ThreadAllGather {
+ public:
+  explicit ThreadAllGather(int n) : n_(n), parts_(n) {}
+  absl::Status Gather(int k, const Tensor& in, Tensor& out) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      parts_[k] = *in.To(Device::Cpu());
+      ++arrived_;
+      cv_.notify_all();
+      if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return arrived_ == n_; })) {
+        return absl::DeadlineExceededError("a shard never arrived");
+      }
+    }
+    for (int j = 0; j < n_; ++j) {
+      absl::StatusOr<Tensor> dst = out.Narrow(0, j, 1);
+      if (!dst.ok()) return dst.status();
+      absl::Status s = dst->CopyFrom(*parts_[j].Reshape(dst->shape()));
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const int n_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  std::vector<Tensor> parts_;
+};
+
+// The vocab-parallel passes over 1 to 4 shards of a 40-word vocabulary padded
+// to 64 columns (4 shards: 16, 16, 8 and 0 real columns, so one shard holds
+// only padding), each shard on its own thread, combined through one
+// all-gather: every shard's loss is the plain cross-entropy's, with the same
+// bits on every shard, and its gradient the plain one's columns, on both
+// devices.
+TEST_F(CudaLayerOps, VocabShardsCombinedFromOneAllGatherEqualThePlainCrossEntropy) {
+  const Tensor logits = R({6, 40}, 31, 3.0f), labels = *Tensor::FromInt64s({6}, {0, 39, -100, 7, 35, 20});
+  const Tensor dloss = R({6}, 32);
+  const Tensor padded = *Tensor::Cat({logits, R({6, 24}, 33, 50.0f)}, 1);
+  for (int shards : {1, 2, 4}) {
+    for (float sm : {0.0f, 0.1f}) {
+      for (bool gpu : {false, true}) {
+        const std::string what = std::string(gpu ? "cuda" : "cpu") + ", " + std::to_string(shards) +
+                                 " shards, smoothing " + std::to_string(sm);
+        const int64_t width = 64 / shards;
+        ThreadAllGather gather(shards);
+        std::vector<std::vector<float>> loss(shards), grad(shards);
+        std::vector<absl::Status> status(shards);
+        std::vector<std::thread> threads;
+        for (int k = 0; k < shards; ++k) {
+          threads.emplace_back([&, k] {
+            const int64_t start = k * width, real = std::clamp<int64_t>(40 - start, 0, width);
+            const Tensor part = padded.Narrow(1, start, width)->Contiguous();
+            const Tensor z = gpu ? *part.To(Device::Cuda(0)) : part;
+            const Tensor lab = gpu ? *labels.To(Device::Cuda(0)) : labels;
+            auto fwd = VocabShardCrossEntropy(
+                z, lab, real, start, 40, sm, -100, shards,
+                [&](const Tensor& in, Tensor& out) { return gather.Gather(k, in, out); });
+            if (!fwd.ok()) {
+              status[k] = fwd.status();
+              return;
+            }
+            loss[k] = fwd->loss.ToFloats();
+            auto dz = VocabShardCrossEntropyBackward(gpu ? *dloss.To(Device::Cuda(0)) : dloss, *fwd, lab, real,
+                                                     start, 40, sm, -100, DType::kF32);
+            if (!dz.ok()) {
+              status[k] = dz.status();
+              return;
+            }
+            grad[k] = dz->ToFloats();
+          });
+        }
+        for (std::thread& t : threads) t.join();
+        const std::vector<float> want = CrossEntropy(logits, labels, sm)->ToFloats();
+        const std::vector<float> want_grad = CrossEntropyBackward(dloss, logits, labels, sm)->ToFloats();
+        for (int k = 0; k < shards; ++k) {
+          ASSERT_TRUE(status[k].ok()) << what << ": " << status[k];
+          EXPECT_EQ(loss[k], loss[0]) << what << ": shard " << k << " differs from shard 0";
+          for (size_t i = 0; i < want.size(); ++i) {
+            EXPECT_NEAR(loss[k][i], want[i], 1e-5 * (1 + std::fabs(want[i]))) << what << " row " << i;
+          }
+          for (int64_t r = 0; r < 6; ++r) {
+            for (int64_t j = 0; j < width; ++j) {
+              const int64_t col = k * width + j;
+              const float w = col < 40 ? want_grad[r * 40 + col] : 0.0f;
+              ASSERT_NEAR(grad[k][r * width + j], w, 1e-5 * (1 + std::fabs(w))) << what << " at " << r << "," << col;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
   const Tensor s = R({3, 5, 9}, 11, 2.0f), ds = R({3, 5, 9}, 12);
   for (bool causal : {false, true}) {
@@ -314,14 +414,14 @@ TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
   // The vocab-parallel passes, with the whole vocabulary in one shard whose
   // last 8 columns are padding (large values that must not count): the loss
   // and gradient of the plain cross-entropy, on both devices; none on the
-  // padding. With one shard the all-reduces are the identity.
+  // padding. With one shard the all-gather is a copy.
   const Tensor padded = *Tensor::Cat({logits, R({6, 8}, 22, 50.0f)}, 1);
-  const auto identity = [](Tensor&, bool) { return absl::OkStatus(); };
+  const auto identity = [](const Tensor& in, Tensor& out) { return out.CopyFrom(*in.Reshape(out.shape())); };
   for (float sm : {0.0f, 0.1f}) {
     for (bool gpu : {false, true}) {
       const std::string what = std::string(gpu ? "cuda" : "cpu") + " vocab shard, smoothing " + std::to_string(sm);
       const Tensor z = gpu ? Dev(padded) : padded, lab = gpu ? Dev(labels) : labels;
-      auto fwd = VocabShardCrossEntropy(z, lab, 40, 0, 40, sm, -100, identity);
+      auto fwd = VocabShardCrossEntropy(z, lab, 40, 0, 40, sm, -100, 1, identity);
       ASSERT_TRUE(fwd.ok()) << fwd.status();
       const Tensor want = *CrossEntropy(logits, labels, sm);
       const std::vector<float> got = fwd->loss.ToFloats(), w = want.ToFloats();
@@ -338,7 +438,7 @@ TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
       }
     }
   }
-  const auto bad = VocabShardCrossEntropy(padded, labels, 49, 0, 40, 0.0f, -100, identity);  // past the shard
+  const auto bad = VocabShardCrossEntropy(padded, labels, 49, 0, 40, 0.0f, -100, 1, identity);  // past the shard
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   const Tensor q = R({2, 7, 3, 8}, 18);
   ExpectNear(*Rope(Dev(q), 10000.0f, 4), *Rope(q, 10000.0f, 4), 1e-5, "rope");

@@ -92,6 +92,8 @@ struct DeviceKernels {
   absl::Status (*VocabShardMax)(int device, const float* z, int64_t rows, int64_t width, int64_t real, float* mx);
   absl::Status (*VocabShardSums)(int device, const float* z, const int64_t* labels, const float* mx, int64_t rows,
                                  int64_t width, int64_t real, int64_t start, int64_t ignore_index, float* stats);
+  absl::Status (*VocabShardCombine)(int device, const float* gathered, int64_t shards, int64_t rows, float* mx,
+                                    float* stats);
   absl::Status (*VocabShardLoss)(int device, const float* mx, const float* stats, const int64_t* labels, int64_t rows,
                                  int64_t vocab, float smoothing, int64_t ignore_index, float* lse, float* loss);
   absl::Status (*VocabShardBackward)(int device, const float* z, const int64_t* labels, const float* lse,
@@ -120,7 +122,8 @@ struct DeviceKernels {
         &ns::RmsNorm, &ns::RmsNormBackward, &ns::NormRowSums, &ns::NormApply, &ns::NormBackwardSums,   \
         &ns::NormBackwardApply, &ns::NormParamGrad, &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout,   \
         &ns::Embedding, &ns::EmbeddingBackward, &ns::CrossEntropy, &ns::CrossEntropyBackward,           \
-        &ns::VocabShardMax, &ns::VocabShardSums, &ns::VocabShardLoss, &ns::VocabShardBackward,          \
+        &ns::VocabShardMax, &ns::VocabShardSums, &ns::VocabShardCombine, &ns::VocabShardLoss,         \
+        &ns::VocabShardBackward,                                                                      \
         &ns::Rope, &ns::FlashAttention, &ns::FlashAttentionBackward, &ns::AdamW                         \
   }
 

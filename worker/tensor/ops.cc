@@ -705,22 +705,28 @@ absl::Status CheckVocabShard(const char* op, const Tensor& z, const Tensor& labe
 
 absl::StatusOr<VocabShardForward> VocabShardCrossEntropy(
     const Tensor& z, const Tensor& labels, int64_t real, int64_t start, int64_t vocab, float label_smoothing,
-    int64_t ignore_index, const std::function<absl::Status(Tensor& t, bool max)>& all_reduce) {
+    int64_t ignore_index, int64_t shards, const std::function<absl::Status(const Tensor& in, Tensor& out)>& all_gather) {
   const char* op = "vocab_parallel_cross_entropy";
   RETURN_IF_ERROR(CheckVocabShard(op, z, labels, real, start, vocab));
+  if (shards < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": shards ", shards, " must be >= 1"));
   const Device dev = z.device();
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
   const int64_t rows = z.shape()[0], width = z.shape()[1];
   VocabShardForward out;
   ASSIGN_OR_RETURN(out.z, AsF32(z, op));
   const Tensor lab = labels.Contiguous();
+  // This shard's (max, sums against it), then every shard's in one
+  // all-gather: one collective where a max then a sum would take two.
+  ASSIGN_OR_RETURN(Tensor mine, Tensor::Empty({4, rows}, DType::kF32, dev));
+  float* const own_max = F(mine);
+  RETURN_IF_ERROR(k->VocabShardMax(dev.index, F(out.z), rows, width, real, own_max));
+  RETURN_IF_ERROR(k->VocabShardSums(dev.index, F(out.z), lab.data<int64_t>(), own_max, rows, width, real, start,
+                                    ignore_index, own_max + rows));
+  ASSIGN_OR_RETURN(Tensor gathered, Tensor::Empty({shards, 4, rows}, DType::kF32, dev));
+  RETURN_IF_ERROR(all_gather(mine, gathered));
   ASSIGN_OR_RETURN(Tensor mx, Tensor::Empty({rows}, DType::kF32, dev));
-  RETURN_IF_ERROR(k->VocabShardMax(dev.index, F(out.z), rows, width, real, F(mx)));
-  RETURN_IF_ERROR(all_reduce(mx, /*max=*/true));
   ASSIGN_OR_RETURN(Tensor stats, Tensor::Empty({3, rows}, DType::kF32, dev));
-  RETURN_IF_ERROR(k->VocabShardSums(dev.index, F(out.z), lab.data<int64_t>(), F(mx), rows, width, real, start,
-                                    ignore_index, F(stats)));
-  RETURN_IF_ERROR(all_reduce(stats, /*max=*/false));
+  RETURN_IF_ERROR(k->VocabShardCombine(dev.index, F(gathered), shards, rows, F(mx), F(stats)));
   ASSIGN_OR_RETURN(out.lse, Tensor::Empty({rows}, DType::kF32, dev));
   ASSIGN_OR_RETURN(out.loss, Tensor::Empty({rows}, DType::kF32, dev));
   RETURN_IF_ERROR(k->VocabShardLoss(dev.index, F(mx), F(stats), lab.data<int64_t>(), rows, vocab, label_smoothing,

@@ -174,8 +174,10 @@ absl::StatusOr<Tensor> CrossEntropyBackward(const Tensor& dloss, const Tensor& l
 // f32) whose first `real` columns are the vocabulary ids [start, start +
 // real) of a `vocab`-word vocabulary, the rest padding; `labels` [rows] i64
 // on z's device, already checked (each in [0, vocab) or ignore_index).
-// `all_reduce(t, max)` all-reduces an f32 tensor in place over the shards
-// (max or sum), on the device. Nothing is read on the host.
+// `all_gather(in, out)` gathers an f32 tensor over the `shards` shards, on
+// the device (out: `shards` times in's elements, in shard order): one
+// collective, of each shard's (max, sum of exp, label logit, logit sum) per
+// row. Nothing is read on the host.
 struct VocabShardForward {
   Tensor loss;  // [rows] f32, 0 where ignored
   Tensor lse;   // [rows] f32: the log-sum-exp over the whole vocabulary
@@ -183,7 +185,7 @@ struct VocabShardForward {
 };
 absl::StatusOr<VocabShardForward> VocabShardCrossEntropy(
     const Tensor& z, const Tensor& labels, int64_t real, int64_t start, int64_t vocab, float label_smoothing,
-    int64_t ignore_index, const std::function<absl::Status(Tensor& t, bool max)>& all_reduce);
+    int64_t ignore_index, int64_t shards, const std::function<absl::Status(const Tensor& in, Tensor& out)>& all_gather);
 // dz [rows, width] in `dtype`: dloss[r] * (softmax - target) on the real
 // columns of labelled rows, 0 elsewhere.
 absl::StatusOr<Tensor> VocabShardCrossEntropyBackward(const Tensor& dloss, const VocabShardForward& forward,
