@@ -252,47 +252,108 @@ absl::Status ActivationBackwardF32(int, ActivationKind kind, const float* dy, co
   return absl::OkStatus();
 }
 
-absl::Status LayerNormF32(int, const float* x, const float* g, const float* b, float eps, float* y, float* mean,
-                       float* rstd, int64_t rows, int64_t n) {
+namespace {
+
+// The sum over j < n of term(j) in double, kept as 16 interleaved partial
+// sums added at the end. One running sum is a chain of dependent adds that
+// the compiler may not reorder (4 cycles an element, and the norms and
+// softmaxes are row reductions); independent partial sums vectorize.
+template <typename Term>
+__attribute__((always_inline)) inline double RowSum(int64_t n, Term term) {
+  constexpr int64_t kLanes = 16;
+  double part[kLanes] = {};
+  const int64_t body = n - n % kLanes;
+  for (int64_t j = 0; j < body; j += kLanes) {
+    for (int64_t k = 0; k < kLanes; ++k) part[k] += term(j + k);
+  }
+  double s = 0;
+  for (int64_t k = 0; k < kLanes; ++k) s += part[k];
+  for (int64_t j = body; j < n; ++j) s += term(j);
+  return s;
+}
+
+COLOD_AVX2_OR_GENERIC(void, LayerNormRows,
+                      (const float* x, const float* g, const float* b, float eps, float* y, float* mean,
+                       float* rstd, int64_t rows, int64_t n), {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * n;
-    double s = 0;
-    for (int64_t j = 0; j < n; ++j) s += row[j];
-    const double mu = s / n;
-    double v = 0;
-    for (int64_t j = 0; j < n; ++j) v += (row[j] - mu) * (row[j] - mu);
+    const double mu = RowSum(n, [row](int64_t j) { return static_cast<double>(row[j]); }) / n;
+    const double v = RowSum(n, [row, mu](int64_t j) { return (row[j] - mu) * (row[j] - mu); });
     const float rs = static_cast<float>(1.0 / std::sqrt(v / n + eps));
     const float m = static_cast<float>(mu);
-    for (int64_t j = 0; j < n; ++j) y[r * n + j] = (row[j] - m) * rs * g[j] + b[j];
+    float* out = y + r * n;
+    for (int64_t j = 0; j < n; ++j) out[j] = (row[j] - m) * rs * g[j] + b[j];
     mean[r] = m;
     rstd[r] = rs;
   }
+}, (x, g, b, eps, y, mean, rstd, rows, n))
+
+// dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat =
+// dy * gamma; acc_g and acc_b gain each row's dy * xhat and dy.
+COLOD_AVX2_OR_GENERIC(void, LayerNormBackwardRows,
+                      (const float* dy, const float* x, const float* g, const float* mean, const float* rstd,
+                       float* dx, double* acc_g, double* acc_b, int64_t rows, int64_t n), {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m = mean[r];
+    const float rs = rstd[r];
+    const float* row = x + r * n;
+    const float* drow = dy + r * n;
+    const double sum_dxhat = RowSum(n, [drow, g](int64_t j) { return static_cast<double>(drow[j] * g[j]); });
+    const double sum_dxhat_xhat = RowSum(n, [drow, g, row, m, rs](int64_t j) {
+      return static_cast<double>(drow[j] * g[j]) * ((row[j] - m) * rs);
+    });
+    for (int64_t j = 0; j < n; ++j) {
+      acc_g[j] += static_cast<double>(drow[j]) * ((row[j] - m) * rs);
+      acc_b[j] += drow[j];
+    }
+    const float a = static_cast<float>(sum_dxhat / n);
+    const float c = static_cast<float>(sum_dxhat_xhat / n);
+    float* out = dx + r * n;
+    for (int64_t j = 0; j < n; ++j) out[j] = rs * (drow[j] * g[j] - a - (row[j] - m) * rs * c);
+  }
+}, (dy, x, g, mean, rstd, dx, acc_g, acc_b, rows, n))
+
+COLOD_AVX2_OR_GENERIC(void, RmsNormRows,
+                      (const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows, int64_t n), {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * n;
+    const double ss = RowSum(n, [row](int64_t j) { return static_cast<double>(row[j]) * row[j]; });
+    const float rs = static_cast<float>(1.0 / std::sqrt(ss / n + eps));
+    float* out = y + r * n;
+    for (int64_t j = 0; j < n; ++j) out[j] = row[j] * rs * g[j];
+    rstd[r] = rs;
+  }
+}, (x, g, eps, y, rstd, rows, n))
+
+// y = x * rs * g; dx = rs * (dy*g - x * rs^2 * mean(dy*g*x)); acc gains
+// each row's dy * x * rs.
+COLOD_AVX2_OR_GENERIC(void, RmsNormBackwardRows,
+                      (const float* dy, const float* x, const float* g, const float* rstd, float* dx, double* acc,
+                       int64_t rows, int64_t n), {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float rs = rstd[r];
+    const float* row = x + r * n;
+    const float* drow = dy + r * n;
+    const double dot = RowSum(n, [drow, g, row](int64_t j) { return static_cast<double>(drow[j]) * g[j] * row[j]; });
+    for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<double>(drow[j]) * row[j] * rs;
+    const float c = static_cast<float>(dot / n) * rs * rs;
+    float* out = dx + r * n;
+    for (int64_t j = 0; j < n; ++j) out[j] = rs * (drow[j] * g[j] - row[j] * c);
+  }
+}, (dy, x, g, rstd, dx, acc, rows, n))
+
+}  // namespace
+
+absl::Status LayerNormF32(int, const float* x, const float* g, const float* b, float eps, float* y, float* mean,
+                       float* rstd, int64_t rows, int64_t n) {
+  LayerNormRows(x, g, b, eps, y, mean, rstd, rows, n);
   return absl::OkStatus();
 }
 
 absl::Status LayerNormBackwardF32(int, const float* dy, const float* x, const float* g, const float* mean,
                                const float* rstd, float* dx, float* dg, float* db, int64_t rows, int64_t n) {
   std::vector<double> acc_g(n, 0.0), acc_b(n, 0.0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float m = mean[r], rs = rstd[r];
-    const float* row = x + r * n;
-    const float* drow = dy + r * n;
-    // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * gamma.
-    double sum_dxhat = 0, sum_dxhat_xhat = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      const float xhat = (row[j] - m) * rs;
-      const float dxhat = drow[j] * g[j];
-      sum_dxhat += dxhat;
-      sum_dxhat_xhat += static_cast<double>(dxhat) * xhat;
-      acc_g[j] += static_cast<double>(drow[j]) * xhat;
-      acc_b[j] += drow[j];
-    }
-    const float a = static_cast<float>(sum_dxhat / n), c = static_cast<float>(sum_dxhat_xhat / n);
-    for (int64_t j = 0; j < n; ++j) {
-      const float xhat = (row[j] - m) * rs;
-      dx[r * n + j] = rs * (drow[j] * g[j] - a - xhat * c);
-    }
-  }
+  LayerNormBackwardRows(dy, x, g, mean, rstd, dx, acc_g.data(), acc_b.data(), rows, n);
   for (int64_t j = 0; j < n; ++j) {
     dg[j] = static_cast<float>(acc_g[j]);
     db[j] = static_cast<float>(acc_b[j]);
@@ -302,30 +363,14 @@ absl::Status LayerNormBackwardF32(int, const float* dy, const float* x, const fl
 
 absl::Status RmsNormF32(int, const float* x, const float* g, float eps, float* y, float* rstd, int64_t rows,
                      int64_t n) {
-  for (int64_t r = 0; r < rows; ++r) {
-    double ss = 0;
-    for (int64_t j = 0; j < n; ++j) ss += static_cast<double>(x[r * n + j]) * x[r * n + j];
-    const float rs = static_cast<float>(1.0 / std::sqrt(ss / n + eps));
-    for (int64_t j = 0; j < n; ++j) y[r * n + j] = x[r * n + j] * rs * g[j];
-    rstd[r] = rs;
-  }
+  RmsNormRows(x, g, eps, y, rstd, rows, n);
   return absl::OkStatus();
 }
 
 absl::Status RmsNormBackwardF32(int, const float* dy, const float* x, const float* g, const float* rstd, float* dx,
                              float* dg, int64_t rows, int64_t n) {
   std::vector<double> acc(n, 0.0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float rs = rstd[r];
-    // y = x * rs * g; dx = rs * (dy*g - x * rs^2 * mean(dy*g*x)).
-    double dot = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      dot += static_cast<double>(dy[r * n + j]) * g[j] * x[r * n + j];
-      acc[j] += static_cast<double>(dy[r * n + j]) * x[r * n + j] * rs;
-    }
-    const float c = static_cast<float>(dot / n) * rs * rs;
-    for (int64_t j = 0; j < n; ++j) dx[r * n + j] = rs * (dy[r * n + j] * g[j] - x[r * n + j] * c);
-  }
+  RmsNormBackwardRows(dy, x, g, rstd, dx, acc.data(), rows, n);
   for (int64_t j = 0; j < n; ++j) dg[j] = static_cast<float>(acc[j]);
   return absl::OkStatus();
 }
@@ -337,11 +382,8 @@ absl::Status Softmax(int, const float* x, float* y, int64_t rows, int64_t k, int
     float* orow = y + r * k;
     float mx = row[0];
     for (int64_t j = 1; j < visible; ++j) mx = std::max(mx, row[j]);
-    double sum = 0;
-    for (int64_t j = 0; j < visible; ++j) {
-      orow[j] = std::exp(row[j] - mx);
-      sum += orow[j];
-    }
+    for (int64_t j = 0; j < visible; ++j) orow[j] = std::exp(row[j] - mx);
+    const double sum = RowSum(visible, [orow](int64_t j) { return static_cast<double>(orow[j]); });
     const float inv = static_cast<float>(1.0 / sum);
     for (int64_t j = 0; j < visible; ++j) orow[j] *= inv;
     for (int64_t j = visible; j < k; ++j) orow[j] = 0.0f;
@@ -353,8 +395,7 @@ absl::Status SoftmaxBackward(int, const float* dy, const float* y, float* dx, in
   for (int64_t r = 0; r < rows; ++r) {
     const float* py = y + r * k;
     const float* pd = dy + r * k;
-    double dot = 0;
-    for (int64_t j = 0; j < k; ++j) dot += static_cast<double>(pd[j]) * py[j];
+    const double dot = RowSum(k, [pd, py](int64_t j) { return static_cast<double>(pd[j]) * py[j]; });
     for (int64_t j = 0; j < k; ++j) dx[r * k + j] = py[j] * (pd[j] - static_cast<float>(dot));
   }
   return absl::OkStatus();
