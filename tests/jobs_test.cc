@@ -765,7 +765,6 @@ TEST_F(JobsHangTest, AStoppedRankIsNamedAsTheOneThatHasNotEnteredTheCollective) 
                            TempPath(""));
   EXPECT_TRUE(absl::StrContains(status.out, "stalled:    collective #")) << status.out << status.err;
   const std::vector<v1::JobEvent> events = Watch(job_id);
-  workers_[stopped].process->Signal(SIGCONT);
   bool reported = false;
   for (const v1::JobEvent& e : events) {
     if (!e.has_hang()) continue;
@@ -791,7 +790,12 @@ TEST_F(JobsHangTest, AStoppedRankIsNamedAsTheOneThatHasNotEnteredTheCollective) 
   const int healthy = WorkerOf(mesh, 0);
   const std::string dump = absl::StrCat(TempPath(absl::StrCat("work", healthy)), "/flight-recorder/", job_id,
                                         "-gen-1-rank-0.json");
-  ASSERT_TRUE(AllIdle(absl::Seconds(20), stopped)) << Logs();
+  // The stopped worker stays stopped until the others ended: the job's FAILED
+  // event is visible before the coordinator's aborts reach the healthy
+  // ranks, and a peer resumed in between would complete their collective.
+  const bool others_idle = AllIdle(absl::Seconds(20), stopped);
+  workers_[stopped].process->Signal(SIGCONT);
+  ASSERT_TRUE(others_idle) << Logs();
   const nlohmann::json recorded = nlohmann::json::parse(ReadFile(dump), nullptr, /*allow_exceptions=*/false);
   ASSERT_TRUE(recorded.is_array() && !recorded.empty()) << dump;
   int failed = 0;
