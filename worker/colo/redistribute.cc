@@ -105,15 +105,6 @@ absl::StatusOr<Tensor> AllToAllShards(const Tensor& local, const Placement& from
   return out;
 }
 
-// Gloo moves host buffers and NCCL device buffers.
-absl::Status CheckBackend(const Tensor& t, const Communicator& comm) {
-  const bool wants_cuda = comm.backend() == "nccl";
-  if (t.device().is_cuda() == wants_cuda) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat("a ", t.device().ToString(), " tensor cannot move over a ",
-                                                    comm.backend(), " communicator; use ",
-                                                    wants_cuda ? "a gloo" : "an nccl", " process group"));
-}
-
 absl::StatusOr<Tensor> Convert(const Tensor& local, const Placement& from, const Placement& to,
                                Communicator& comm, int local_rank, absl::Duration timeout) {
   if (from == to) return local;

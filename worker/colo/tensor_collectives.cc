@@ -51,9 +51,18 @@ absl::StatusOr<Tensor> ReduceScatterDim(const Tensor& t, int64_t dim, Communicat
   return ReduceScatterBlocks(blocks, comm, timeout, op);
 }
 
+absl::Status CheckBackend(const Tensor& t, const Communicator& comm) {
+  const bool wants_cuda = comm.backend() == "nccl";
+  if (t.device().is_cuda() == wants_cuda) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("a ", t.device().ToString(), " tensor cannot move over a ",
+                                                    comm.backend(), " communicator; use ",
+                                                    wants_cuda ? "a gloo" : "an nccl", " process group"));
+}
+
 absl::Status AllReduceInPlace(Tensor& t, ReduceOp op, Communicator& comm, absl::Duration timeout) {
   if (!t.is_contiguous()) return absl::InvalidArgumentError("all-reduce in place: the tensor must be contiguous");
   if (comm.size() == 1 || t.numel() == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(CheckBackend(t, comm));
   return comm.AllReduce(t.raw_data(), t.numel(), t.dtype(), op)->WaitOnDevice(timeout);
 }
 

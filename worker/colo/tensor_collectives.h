@@ -30,8 +30,14 @@ absl::StatusOr<Tensor> ReduceScatterBlocks(const std::vector<Tensor>& blocks, Co
 absl::StatusOr<Tensor> ReduceScatterDim(const Tensor& t, int64_t dim, Communicator& comm, absl::Duration timeout,
                                         ReduceOp op = ReduceOp::kSum);
 
+// Gloo moves host buffers and NCCL device buffers: FAILED_PRECONDITION for a
+// tensor on the other kind of device, naming the group it needs.
+absl::Status CheckBackend(const Tensor& t, const Communicator& comm);
+
 // All-reduces contiguous `t` in place over the group, waited on by the
-// device (Work::WaitOnDevice): on CUDA nothing is read on the host.
+// device (Work::WaitOnDevice): on CUDA nothing is read on the host. A group
+// of one leaves `t` as it is; otherwise `t` must be on the backend's kind of
+// device (CheckBackend).
 absl::Status AllReduceInPlace(Tensor& t, ReduceOp op, Communicator& comm, absl::Duration timeout);
 
 // Local rank `root`'s `t` on every rank (`t` gives the shape elsewhere).

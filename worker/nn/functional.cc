@@ -35,9 +35,7 @@ absl::StatusOr<Variable> LinearNode(const Variable& x, const Variable& w, const 
     return BiasEpilogue(z, b, epilogue);
   }
   ASSIGN_OR_RETURN(Tensor y, ops::MatMul(x.value(), w.value(), false, /*trans_b=*/true));
-  if (b.has_value()) {
-    ASSIGN_OR_RETURN(y, ops::BiasAdd(y, b->value()));
-  }
+  if (b.has_value()) RETURN_IF_ERROR(ops::BiasAddInPlace(y, b->value()));  // y is the GEMM's fresh output
   std::vector<Variable> inputs = {x, w};
   if (b.has_value()) inputs.push_back(*b);
   const Tensor xv = x.value(), wv = w.value();
@@ -644,6 +642,25 @@ absl::StatusOr<Variable> ReduceScatterAlongDim(const Variable& x, int64_t dim, C
                   [d, comm, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
                     ASSIGN_OR_RETURN(Tensor dx, AllGatherDim(dy, d, *comm, timeout));
                     return Grads{dx};
+                  });
+}
+
+absl::StatusOr<Variable> SumPartialAddBias(const Variable& x, const std::optional<Variable>& b, Communicator* comm,
+                                           absl::Duration timeout) {
+  Tensor y = x.value();
+  RETURN_IF_ERROR(AllReduceInPlace(y, ReduceOp::kSum, *comm, timeout));
+  if (b.has_value()) RETURN_IF_ERROR(ops::BiasAddInPlace(y, b->value()));
+  std::vector<Variable> inputs = {x};
+  if (b.has_value()) inputs.push_back(*b);
+  const bool has_bias = b.has_value();
+  return RecordOp(has_bias ? "sum_partial_add_bias" : "sum_partial", inputs, std::move(y),
+                  [has_bias](const Tensor& dy) -> absl::StatusOr<Grads> {
+                    Grads g = {dy};
+                    if (has_bias) {
+                      ASSIGN_OR_RETURN(Tensor db, ops::BiasGrad(dy));
+                      g.push_back(std::move(db));
+                    }
+                    return g;
                   });
 }
 

@@ -159,6 +159,17 @@ absl::StatusOr<Variable> GatherAlongDim(const Variable& x, int64_t dim, Communic
 absl::StatusOr<Variable> ReduceScatterAlongDim(const Variable& x, int64_t dim, Communicator* comm,
                                                absl::Duration timeout);
 
+// Forward: x, a partial sum over `comm` (what a row-parallel GEMM leaves on
+// each rank), summed over the group, plus b over the last dim if given.
+// Backward: dx = dy, db = dy summed over the rows. Megatron's
+// reduce-from-tensor-parallel region with the bias after it, as one node:
+// the sum and the bias are written over x's own storage (the DistSpec
+// conversion P -> R sums a copy, and a BiasAdd makes another), so x must be
+// an op's fresh output that nothing else reads, its own backward included
+// (a Linear's output). x contiguous, on the device `comm` moves.
+absl::StatusOr<Variable> SumPartialAddBias(const Variable& x, const std::optional<Variable>& b, Communicator* comm,
+                                           absl::Duration timeout);
+
 // Forward: the identity. Backward: the gradient all-reduced (sum) over
 // `comm`. Used where a tensor replicated over a group feeds rank-local math,
 // so that each rank's gradient is one term of the true one (Megatron's

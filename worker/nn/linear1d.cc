@@ -201,8 +201,13 @@ absl::StatusOr<ColoTensor> Linear1DRow::Forward(const ColoTensor& x) const {
       ASSIGN_OR_RETURN(bias, ReduceGradient(bias, comm, pg_->timeout()));
     }
   } else {
-    ASSIGN_OR_RETURN(out, ColoTensor::FromLocal(partial, WithTp(in.spec(), Placement::Partial()), pg_));
-    ASSIGN_OR_RETURN(out, out.Redistribute(WithTp(out.spec(), Placement::Replicate())));
+    // The partial sums are the GEMM's own buffer: summed and biased in place
+    // (the P -> R conversion would sum a copy, and the bias add make another).
+    ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm("tp"));
+    std::optional<Variable> b;
+    if (bias_.has_value()) b = bias_->variable();
+    ASSIGN_OR_RETURN(Variable y, SumPartialAddBias(partial, b, comm, pg_->timeout()));
+    return ColoTensor::FromLocal(y, WithTp(in.spec(), Placement::Replicate()), pg_);
   }
   if (!bias_.has_value()) return out;
   ASSIGN_OR_RETURN(Variable y, BiasAdd(out.variable(), bias));

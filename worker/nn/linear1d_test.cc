@@ -82,6 +82,48 @@ TEST_P(Linear1D, ColThenRowMlpMatchesTheUnshardedModelWithOneAllReduceEachWay) {
       /*instrument=*/true);
 }
 
+TEST_P(Linear1D, SumPartialAddBiasSumsInTheInputsOwnBufferAndPassesTheGradientThrough) {
+  const int p = GetParam();
+  std::vector<Tensor> parts;  // rank k's partial sums
+  for (int k = 0; k < p; ++k) parts.push_back(*Tensor::RandomNormal({3, 5, 12}, 20 + k));
+  const Tensor bias = *Tensor::RandomNormal({12}, 30), r = *Tensor::RandomNormal({3, 5, 12}, 31);
+  std::vector<double> sum(3 * 5 * 12, 0.0), want_db(12, 0.0);
+  for (const Tensor& t : parts) {
+    const std::vector<float> v = t.ToFloats();
+    for (size_t i = 0; i < v.size(); ++i) sum[i] += v[i];
+  }
+  const std::vector<float> bv = bias.ToFloats(), rv = r.ToFloats();
+  std::vector<float> want(sum.size()), want_biased(sum.size());
+  for (size_t i = 0; i < sum.size(); ++i) {
+    want[i] = static_cast<float>(sum[i]);
+    want_biased[i] = static_cast<float>(sum[i] + bv[i % 12]);
+    want_db[i % 12] += rv[i];
+  }
+  RunMesh(TpDpMesh(p), [&](int, ProcessGroup& pg) {
+    const int k = *pg.tp_local_rank();
+    Communicator* comm = *pg.Comm("tp");
+    for (bool with_bias : {true, false}) {
+      const std::string what = with_bias ? "with the bias" : "without a bias";
+      Variable x(parts[k].Clone(), /*requires_grad=*/true), b(bias, /*requires_grad=*/true);
+      const void* buffer = x.value().raw_data();
+      std::optional<Variable> maybe_b;
+      if (with_bias) maybe_b = b;
+      auto y = SumPartialAddBias(x, maybe_b, comm, pg.timeout());
+      ASSERT_TRUE(y.ok()) << y.status();
+      EXPECT_EQ(y->value().raw_data(), buffer) << what << ": the sum is written over the partial, not a copy";
+      ExpectAllClose(y->value(), *Tensor::FromFloats({3, 5, 12}, with_bias ? want_biased : want), what, kTol);
+      ASSERT_TRUE(Backward(*Sum(*Mul(*y, Variable(r)))).ok());
+      ExpectAllClose(*x.grad(), r, what + ": dx = dy", 0);
+      if (with_bias) {
+        std::vector<float> db(want_db.begin(), want_db.end());
+        ExpectAllClose(*b.grad(), *Tensor::FromFloats({12}, db), "db = dy summed over the rows", kTol);
+      } else {
+        EXPECT_FALSE(b.grad().has_value());
+      }
+    }
+  });
+}
+
 TEST_P(Linear1D, GatherOutputAndReplicatedRowInputMatchTheUnshardedLayers) {
   const int p = GetParam();
   const Mlp m = MakeMlp(12, 36);

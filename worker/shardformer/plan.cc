@@ -574,8 +574,11 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
           a.Add({l.count, stream_rows * split.q, CeilDiv(l.in, split.q), act});
           a.Add({l.count, CeilDiv(l.out, split.q), CeilDiv(l.in, split.q), width});
         }
-        if (l.role == Role::kRow && !split.blocks() && split.t > 1) {
-          // The partial product before its reduction, and the sum before the bias.
+        if (l.role == Role::kRow && !split.blocks() && split.t > 1 && sp) {
+          // The partial product before its reduce-scatter, and the scattered
+          // sum before the bias. Without sequence parallelism the partial
+          // product is summed and biased in its own buffer (nn::SumPartialAddBias):
+          // that is the output counted above.
           a.Add({l.count, tokens, l.out, act});
           if (l.bias) a.Add({l.count, stream_rows, l.out, act});
         }

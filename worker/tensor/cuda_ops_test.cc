@@ -167,6 +167,9 @@ TEST_F(CudaLayerOps, Tf32GemmsRoundTheirOperandsOnlyWhenAllowed) {
 TEST_F(CudaLayerOps, ElementwiseAndNormsMatchTheCpu) {
   const Tensor x = R({37, 129}, 7), dy = R({37, 129}, 8), g = R({129}, 9), b = R({129}, 10);
   ExpectNear(*BiasAdd(Dev(x), Dev(b)), *BiasAdd(x, b), 1e-6, "bias_add");
+  Tensor in_place = Dev(x);
+  ASSERT_TRUE(BiasAddInPlace(in_place, Dev(b)).ok());
+  ExpectNear(in_place, *BiasAdd(x, b), 1e-6, "bias_add in place");
   ExpectNear(*BiasGrad(Dev(dy)), *BiasGrad(dy), 1e-5, "bias_grad");
   for (GeluApprox a : {GeluApprox::kNone, GeluApprox::kTanh}) {
     ExpectNear(*Gelu(Dev(x), a), *Gelu(x, a), 1e-5, "gelu");

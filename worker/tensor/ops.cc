@@ -165,15 +165,25 @@ namespace {
 
 // out = kernel(x, bias) over [rows, n], bias [n] over x's last dim,
 // computed on x's float dtype (the bias converted to it).
+// With `in_place`, the result is written over x itself (x's dtype is the
+// kernel's), which must then be contiguous.
 template <typename Call>
-absl::StatusOr<Tensor> WithBias(const Tensor& x, const Tensor& bias, const char* op, Call call) {
+absl::StatusOr<Tensor> WithBias(const Tensor& x, const Tensor& bias, const char* op, Call call,
+                                bool in_place = false) {
   RETURN_IF_ERROR(CheckBias(x, bias, op));
   const Device dev = x.device();
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, dev, {&bias}));
   ASSIGN_OR_RETURN(DType type, KernelType(x, op));
+  if (in_place && !x.is_contiguous()) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": x must be contiguous to be written in place, got a view of ",
+                                                   ShapeToString(x.shape())));
+  }
   const Tensor cx = x.Contiguous();
   ASSIGN_OR_RETURN(Tensor cb, AsFloat(bias, type, op));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), type, dev));
+  Tensor out = cx;
+  if (!in_place) {
+    ASSIGN_OR_RETURN(out, Tensor::Empty(x.shape(), type, dev));
+  }
   const int64_t n = LastDim(cx), rows = n == 0 ? 0 : cx.numel() / n;
   RETURN_IF_ERROR(call(*k, dev.index, Elem(type), cx.raw_data(), cb.raw_data(), out.raw_data(), rows, n));
   return out;
@@ -185,6 +195,15 @@ absl::StatusOr<Tensor> BiasAdd(const Tensor& x, const Tensor& bias) {
   return WithBias(x, bias, "bias_add",
                   [](const DeviceKernels& k, int d, kernels::ElemType t, const void* in, const void* b, void* out,
                      int64_t rows, int64_t n) { return k.BiasAdd(d, t, in, b, out, rows, n); });
+}
+
+absl::Status BiasAddInPlace(Tensor& x, const Tensor& bias) {
+  return WithBias(
+             x, bias, "bias_add_in_place",
+             [](const DeviceKernels& k, int d, kernels::ElemType t, const void* in, const void* b, void* out,
+                int64_t rows, int64_t n) { return k.BiasAdd(d, t, in, b, out, rows, n); },
+             /*in_place=*/true)
+      .status();
 }
 
 absl::StatusOr<Tensor> BiasGrad(const Tensor& dy) {

@@ -41,6 +41,10 @@ absl::Status SetAllowTf32(Device device, bool allow);
 // x + bias over the last dim; and the bias gradient, dy summed over all
 // leading dims.
 absl::StatusOr<Tensor> BiasAdd(const Tensor& x, const Tensor& bias);
+// x += bias in x's own storage, for an op's fresh output that nothing else
+// reads (no new buffer, one pass over x). x must be contiguous and of a float
+// dtype (the bias is converted to it); INVALID_ARGUMENT otherwise.
+absl::Status BiasAddInPlace(Tensor& x, const Tensor& bias);
 absl::StatusOr<Tensor> BiasGrad(const Tensor& dy);
 
 // GELU, exact (x * Phi(x), with erf) or with the tanh approximation

@@ -100,6 +100,26 @@ TEST(CpuKernels, BiasAddAndItsGradient) {
   EXPECT_EQ(BiasAdd(x, Random({6}, 9)).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(CpuKernels, BiasAddInPlaceWritesTheSumOverItsInput) {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const Tensor x = *Random({4, 3, 7}, 7).ToDType(dtype), b = Random({7}, 8);
+    Tensor y = x.Clone();
+    const void* buffer = y.raw_data();
+    ASSERT_TRUE(BiasAddInPlace(y, b).ok());
+    EXPECT_EQ(y.raw_data(), buffer);
+    EXPECT_EQ(y.dtype(), dtype);
+    EXPECT_EQ(y.ToBytes(), BiasAdd(x, b)->ToBytes()) << DTypeName(dtype) << ": the same bits as BiasAdd";
+  }
+  Tensor x = Random({4, 7}, 7);
+  EXPECT_EQ(BiasAddInPlace(x, Random({6}, 9)).code(), absl::StatusCode::kInvalidArgument) << "the bias's size";
+  Tensor view = *x.Narrow(1, 0, 6);  // rows of 6 with a stride of 7
+  const std::vector<float> before = x.ToFloats();
+  EXPECT_EQ(BiasAddInPlace(view, Random({6}, 9)).code(), absl::StatusCode::kInvalidArgument) << "a strided view";
+  EXPECT_EQ(x.ToFloats(), before) << "a refused call writes nothing";
+  Tensor ids = *Tensor::Zeros({4, 7}, DType::kI32, x.device());
+  EXPECT_EQ(BiasAddInPlace(ids, Random({7}, 9)).code(), absl::StatusCode::kInvalidArgument) << "integers";
+}
+
 double GeluRef(double v, GeluApprox a) {
   if (a == GeluApprox::kTanh) return 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)));
   return 0.5 * v * (1 + std::erf(v / std::sqrt(2.0)));
