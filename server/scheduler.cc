@@ -104,8 +104,7 @@ void Scheduler::Tick() {
   const std::vector<v1::Worker> workers = workers_->List(/*include_lost=*/false);
   for (const v1::Worker& w : workers) live.insert(w.info().worker_id());
   {
-    JobManager::DeferredWrites writes(*jobs_);  // written once mu_ is released
-    absl::MutexLock lock(&mu_);
+    JobsLock lock(this);
     // A worker still running a rank of a job this coordinator does not run
     // (it ended, or the coordinator restarted since) is told to stop, once.
     std::map<std::string, std::string> stale;
@@ -305,8 +304,7 @@ void Scheduler::Assign(const std::string& job_id) {
     }
   }
   const std::vector<absl::Status> answers = client_->Assign(calls, options_.rpc_timeout);  // all at once
-  JobManager::DeferredWrites writes(*jobs_);  // written once mu_ is released
-  absl::MutexLock lock(&mu_);
+  JobsLock lock(this);
   auto it = placed_.find(job_id);
   if (it == placed_.end()) return;
   Placed& p = it->second;
@@ -353,8 +351,7 @@ void Scheduler::Assign(const std::string& job_id) {
 }
 
 absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) {
-  JobManager::DeferredWrites writes(*jobs_);  // written once mu_ is released, before this returns
-  absl::MutexLock lock(&mu_);
+  JobsLock lock(this);  // records written once mu_ is released, before this returns
   auto it = placed_.find(report.job_id());
   if (it == placed_.end()) {
     absl::StatusOr<v1::Job> job = jobs_->Get(report.job_id());
@@ -423,8 +420,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
 }
 
 absl::StatusOr<v1::Job> Scheduler::Cancel(absl::string_view job_id, absl::string_view reason) {
-  JobManager::DeferredWrites writes(*jobs_);  // written once mu_ is released, before this returns
-  absl::MutexLock lock(&mu_);  // no report slips in between the cancel and the aborts
+  JobsLock lock(this);  // no report slips in between the cancel and the aborts
   absl::StatusOr<v1::Job> job = jobs_->Cancel(job_id, reason);
   if (!job.ok()) return job;
   auto it = placed_.find(std::string(job_id));
@@ -461,8 +457,7 @@ void Scheduler::ProbeFailedJobs() {
     // GetStatus of every live peer at once: a dead worker's address refuses
     // or does not answer, a stopped (SIGSTOP) one does not answer in time.
     const std::vector<absl::Status> statuses = client_->Probe(probe.addresses, options_.probe_timeout);
-    JobManager::DeferredWrites writes(*jobs_);  // written once mu_ is released
-    absl::MutexLock lock(&mu_);
+    JobsLock lock(this);
     auto it = placed_.find(probe.job_id);
     if (it == placed_.end() || it->second.final || it->second.generation != probe.generation) continue;
     Placed& p = it->second;

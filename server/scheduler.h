@@ -186,6 +186,20 @@ class Scheduler {
   Clock* const clock_;
   const std::shared_ptr<WorkerClient> client_;
 
+  // mu_ held over a section that changes jobs: the changes' record writes
+  // (JobManager::DeferredWrites) run once mu_ is released, before the scope
+  // ends. Every locked section that changes a job takes this, not a bare
+  // MutexLock, so none writes a record (and fsyncs) under mu_.
+  class ABSL_SCOPED_LOCKABLE JobsLock {
+   public:
+    explicit JobsLock(Scheduler* s) ABSL_EXCLUSIVE_LOCK_FUNCTION(s->mu_) : writes_(*s->jobs_), lock_(&s->mu_) {}
+    ~JobsLock() ABSL_UNLOCK_FUNCTION() {}  // lock_ is released first, then writes_ writes
+
+   private:
+    JobManager::DeferredWrites writes_;  // declared first: destroyed last
+    absl::MutexLock lock_;
+  };
+
   absl::Mutex mu_;
   std::map<std::string, Placed> placed_ ABSL_GUARDED_BY(mu_);
   std::vector<Abort> aborts_ ABSL_GUARDED_BY(mu_);
