@@ -188,30 +188,24 @@ absl::StatusOr<ColoTensor> Linear1DRow::Forward(const ColoTensor& x) const {
     ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), sharded)));
   }
   ASSIGN_OR_RETURN(Variable partial, Linear(in.variable(), weight_.variable(), std::nullopt));
-  ColoTensor out = in;
-  Variable bias = bias_.has_value() ? bias_->variable() : Variable();
-  if (options_.sequence_parallel) {
-    const int64_t seq = last - 1;
-    if (seq < 0) return absl::InvalidArgumentError("Linear1D_Row with sequence_parallel needs [.., seq, hidden] input");
-    ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm("tp"));
-    ASSIGN_OR_RETURN(Variable y, ReduceScatterAlongDim(partial, seq, comm, pg_->timeout()));
-    ASSIGN_OR_RETURN(out, ColoTensor::FromLocal(y, WithTp(in.spec(), Placement::Shard({seq}, {p})), pg_));
-    // Each rank adds the bias to its own rows: their gradients sum over tp.
-    if (bias_.has_value()) {
-      ASSIGN_OR_RETURN(bias, ReduceGradient(bias, comm, pg_->timeout()));
-    }
-  } else {
+  ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm("tp"));
+  if (!options_.sequence_parallel) {
     // The partial sums are the GEMM's own buffer: summed and biased in place
-    // (the P -> R conversion would sum a copy, and the bias add make another).
-    ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm("tp"));
+    // (the P -> R conversion would sum a copy, and a bias add make another).
     std::optional<Variable> b;
     if (bias_.has_value()) b = bias_->variable();
     ASSIGN_OR_RETURN(Variable y, SumPartialAddBias(partial, b, comm, pg_->timeout()));
     return ColoTensor::FromLocal(y, WithTp(in.spec(), Placement::Replicate()), pg_);
   }
+  const int64_t seq = last - 1;
+  if (seq < 0) return absl::InvalidArgumentError("Linear1D_Row with sequence_parallel needs [.., seq, hidden] input");
+  ASSIGN_OR_RETURN(Variable y, ReduceScatterAlongDim(partial, seq, comm, pg_->timeout()));
+  ASSIGN_OR_RETURN(ColoTensor out, ColoTensor::FromLocal(y, WithTp(in.spec(), Placement::Shard({seq}, {p})), pg_));
   if (!bias_.has_value()) return out;
-  ASSIGN_OR_RETURN(Variable y, BiasAdd(out.variable(), bias));
-  return ColoTensor::FromLocal(y, out.spec(), pg_);
+  // Each rank adds the bias to its own rows: their gradients sum over tp.
+  ASSIGN_OR_RETURN(Variable bias, ReduceGradient(bias_->variable(), comm, pg_->timeout()));
+  ASSIGN_OR_RETURN(Variable z, BiasAdd(out.variable(), bias));
+  return ColoTensor::FromLocal(z, out.spec(), pg_);
 }
 
 }  // namespace colod::nn
