@@ -37,6 +37,7 @@ class MetricsServer {
   std::unique_ptr<Handler> handler_;
   std::unique_ptr<CivetServer> server_;  // stopped (first) by its destructor
   int port_ = 0;
+  std::string host_;  // as listened on, without brackets
   std::string address_;
 };
 

@@ -232,7 +232,6 @@ void Coordinator::Shutdown() {
   scheduler_->Stop();
   store_->Close();  // wakes KvWait/Barrier handlers
   StopGrpcServer(*grpc_.server, absl::Seconds(2));
-  // civetweb's listener polls in 2 s quanta, so this can take up to 2 s.
   metrics_.reset();
   if (lock_fd_ >= 0) {
     ::flock(lock_fd_, LOCK_UN);
