@@ -51,28 +51,40 @@ def _cuda_configure_impl(rctx):
 
     enabled = not missing
     build = ['package(default_visibility = ["//visibility:public"])', ""]
+    linkopts = {}
     if enabled:
         rctx.symlink(root + "/include", "include")
+
+        # For nvcc (bazel/cuda_rules.bzl), whose include flags come from here.
         build.append('cc_library(\n    name = "cuda_headers",\n    hdrs = glob(["include/**"]),\n    includes = ["include"],\n)\n')
+
+        # The header files alone, without an include path (for
+        # //bazel:cuda_header_files): C++ targets give the path in their own
+        # copts (cuda_private_copts in bazel/cuda_rules.bzl), so it never
+        # reaches their dependents.
+        build.append('filegroup(\n    name = "headers",\n    srcs = glob(["include/**"]),\n)\n')
         for name, so in sonames.items():
+            linkopts[name] = ["-L" + libdir, "-l:" + so, "-Wl,-rpath," + libdir]
             build.append("cc_library(\n    name = %r,\n    deps = [\":cuda_headers\"],\n    linkopts = %r,\n)\n" % (
                 name,
-                ["-L" + libdir, "-l:" + so, "-Wl,-rpath," + libdir],
+                linkopts[name],
             ))
         status = "CUDA found at %s (nvcc, cudart, cuBLAS, NCCL): CUDA targets are built for sm_80 and sm_90." % root
     else:
         print("colod: CUDA not found (%s missing); CUDA and NCCL targets are skipped and the build is CPU-only." % ", ".join(missing))
         for name in ["cuda_headers"] + _LIBS.keys():
             build.append("cc_library(\n    name = %r,\n    target_compatible_with = [\"@colod//bazel:cuda_present\"],\n)\n" % name)
+        build.append('filegroup(\n    name = "headers",\n    srcs = [],\n)\n')
         status = "CUDA not found (%s missing): CUDA targets are skipped." % ", ".join(missing)
 
     rctx.file("BUILD.bazel", "\n".join(build))
     rctx.file("WORKSPACE", 'workspace(name = "local_cuda")\n')
-    rctx.file("defs.bzl", "CUDA_ENABLED = %s\nCUDA_ROOT = %r\nNVCC = %r\nCUDA_STATUS = %r\n" % (
+    rctx.file("defs.bzl", "CUDA_ENABLED = %s\nCUDA_ROOT = %r\nNVCC = %r\nCUDA_STATUS = %r\nCUDA_LINKOPTS = %r\n" % (
         enabled,
         root,
         nvcc,
         status,
+        linkopts,
     ))
 
 cuda_configure = repository_rule(

@@ -1,9 +1,24 @@
 """cuda_library and friends: CUDA code built by nvcc, or by the host compiler
-against colod's CUDA emulation under --config=cuda-emu, and skipped where
-neither is available.
+against colod's CUDA emulation under --config=cuda-emu, and left out where
+neither is available (or under --config=no-cuda).
 
-Without the toolkit (bazel/cuda.bzl) every CUDA target is incompatible and
-skipped, unless --config=cuda-emu is set: the emulation needs no toolkit.
+Without the toolkit (bazel/cuda.bzl) no CUDA source is compiled, unless
+--config=cuda-emu is set: the emulation needs no toolkit.
+
+One dependency graph for every build. A CUDA library (cuda_library,
+cuda_cc_library) is a dependency in every build, with the same headers; only
+its sources are left out, and it links nothing, where the build has no CUDA.
+CUDA tests (cuda_cc_test) are incompatible there and skipped. The CUDA
+include path is private: a target whose own sources include CUDA, cuBLAS or
+NCCL headers names it in its own copts (cuda_private_copts; every
+cuda_library, cuda_cc_library and cuda_cc_test does), which Bazel does not
+pass on, and the header files themselves, the toolkit's and the emulation's
+together, are in every build's graph (//bazel:cuda_header_files). So every
+other target's compile action, whose key holds its command and the list of
+headers it may include, is the same in the default build, under
+--config=cuda-emu and under --config=no-cuda, and the three share it instead
+of compiling the tree once each. A header that other targets include must
+not include CUDA's.
 """
 
 load("@local_cuda//:defs.bzl", "CUDA_ENABLED", "NVCC")
@@ -18,11 +33,14 @@ CUDA_GENCODE = [
 _INCOMPATIBLE = ["//bazel:cuda_present"]
 
 _EMU = "//bazel:cuda_emu"
+_NONE = "//bazel:cuda_none"
 
 def cuda_compatible():
-    """target_compatible_with for targets that need CUDA (the toolkit or the emulation)."""
+    """target_compatible_with for targets that need CUDA to run (the toolkit or the
+    emulation): tests and binaries."""
     return select({
         _EMU: [],
+        _NONE: _INCOMPATIBLE,
         "//conditions:default": [] if CUDA_ENABLED else _INCOMPATIBLE,
     })
 
@@ -30,12 +48,38 @@ def if_cuda(if_true, if_false = []):
     """`if_true` where the build has CUDA (the toolkit or the emulation), else `if_false`."""
     return select({
         _EMU: if_true,
+        _NONE: if_false,
         "//conditions:default": if_true if CUDA_ENABLED else if_false,
     })
 
 def cuda_defines():
     """local_defines for code with CUDA parts behind #ifdef COLOD_WITH_CUDA."""
     return if_cuda(["COLOD_WITH_CUDA"])
+
+def cuda_private_copts():
+    """copts of a target whose own sources include CUDA, cuBLAS or NCCL headers:
+    their directory (the toolkit's or the emulation's) as -isystem, which
+    dependents do not inherit. Goes with cuda_private_deps()."""
+    return select({
+        _EMU: ["-isystem", "kernels/cuda/emu/include"],
+        _NONE: [],
+        "//conditions:default": ["-isystem", "external/local_cuda/include"] if CUDA_ENABLED else [],
+    })
+
+def cuda_private_deps():
+    """deps of such a target: the CUDA header files, without an include path."""
+    return ["//bazel:cuda_header_files"]
+
+def _cuda_link_only_impl(ctx):
+    return [CcInfo(linking_context = ctx.attr.library[CcInfo].linking_context)]
+
+cuda_link_only = rule(
+    implementation = _cuda_link_only_impl,
+    attrs = {"library": attr.label(providers = [CcInfo])},
+    doc = """What linking `library` brings (its objects, shared libraries and linkopts)
+without its headers or include paths: the emulation's libraries as dependents see
+them, like the toolkit's, which have no headers in the graph either.""",
+)
 
 def _cuda_objects_impl(ctx):
     cc_infos = [d[CcInfo] for d in ctx.attr.deps if CcInfo in d]
@@ -78,8 +122,8 @@ _cuda_objects = rule(
 
 def cuda_library(name, srcs = [], hdrs = [], deps = [], copts = [], cc_srcs = [], **kwargs):
     """A cc_library whose .cu srcs are compiled by nvcc (or, under --config=cuda-emu, by
-    the host compiler against the emulation); cc_srcs are compiled by the C++ toolchain."""
-    all_deps = deps + ["//bazel:cudart", "//bazel:cuda_headers"]
+    the host compiler against the emulation); cc_srcs are compiled by the C++ toolchain.
+    Where the build has no CUDA it has only its headers."""
     _cuda_objects(
         name = name + "_cuda_objs",
         srcs = srcs,
@@ -89,6 +133,7 @@ def cuda_library(name, srcs = [], hdrs = [], deps = [], copts = [], cc_srcs = []
         nvcc = NVCC,
         target_compatible_with = select({
             _EMU: _INCOMPATIBLE,
+            _NONE: _INCOMPATIBLE,
             "//conditions:default": [] if CUDA_ENABLED else _INCOMPATIBLE,
         }),
         tags = ["manual"],
@@ -106,38 +151,43 @@ def cuda_library(name, srcs = [], hdrs = [], deps = [], copts = [], cc_srcs = []
     native.cc_library(
         name = name,
         srcs = select({
-            _EMU: [":" + name + "_emu_srcs"],
-            "//conditions:default": [":" + name + "_cuda_objs"],
-        }) + cc_srcs,
+            _EMU: [":" + name + "_emu_srcs"] + cc_srcs,
+            _NONE: [],
+            "//conditions:default": [":" + name + "_cuda_objs"] + cc_srcs if CUDA_ENABLED else [],
+        }),
         hdrs = hdrs,
-        copts = select({
+        copts = cuda_private_copts() + select({
             # nvcc includes cuda_runtime.h implicitly; `#pragma unroll` is
             # nvcc's own (the host compiler unrolls as it sees fit).
             _EMU: ["-include", "cuda_runtime.h", "-Wno-unknown-pragmas"],
             "//conditions:default": [],
         }),
-        deps = all_deps,
-        target_compatible_with = cuda_compatible(),
+        deps = deps + ["//bazel:cudart"] + cuda_private_deps(),
         **kwargs
     )
 
-def cuda_cc_test(name, deps = [], tags = [], **kwargs):
-    """A cc_test that needs CUDA to build (it skips at run time without a GPU; under
-    --config=cuda-emu it runs on the emulation). Tagged "gpu": ./dev gpu-check runs
-    every test so tagged on the real devices."""
-    native.cc_test(
-        name = name,
-        deps = deps,
-        tags = tags + ["gpu"],
-        target_compatible_with = cuda_compatible(),
-        **kwargs
-    )
-
-def cuda_cc_library(name, deps = [], **kwargs):
-    """A C++ (not .cu) library that links CUDA libraries, e.g. the NCCL communicator."""
+def cuda_cc_library(name, srcs = [], deps = [], copts = [], **kwargs):
+    """A C++ (not .cu) library with CUDA code, e.g. the NCCL communicator. Its
+    sources may include CUDA headers; where the build has no CUDA it has only its
+    headers. Its public headers are included with the CUDA include path only by
+    targets that add it themselves."""
     native.cc_library(
         name = name,
-        deps = deps,
+        srcs = if_cuda(srcs),
+        deps = deps + cuda_private_deps(),
+        copts = copts + cuda_private_copts(),
+        **kwargs
+    )
+
+def cuda_cc_test(name, deps = [], copts = [], tags = [], **kwargs):
+    """A cc_test that needs CUDA to build (it skips at run time without a GPU; under
+    --config=cuda-emu it runs on the emulation). Tagged "gpu": ./dev gpu-check runs
+    every test so tagged on the real devices. Its sources may include CUDA headers."""
+    native.cc_test(
+        name = name,
+        deps = deps + cuda_private_deps(),
+        copts = copts + cuda_private_copts(),
+        tags = tags + ["gpu"],
         target_compatible_with = cuda_compatible(),
         **kwargs
     )

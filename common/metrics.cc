@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "civetweb.h"
+#include "common/built_with_cuda.h"
 #include "common/net.h"
 #include "common/status_macros.h"
 #include "common/version.h"
@@ -147,11 +148,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
 }
 
 void AddBuildInfo(prometheus::Registry& registry, absl::string_view component) {
-#ifdef COLOD_WITH_CUDA
-  const char* cuda = "true";
-#else
-  const char* cuda = "false";
-#endif
+  const char* cuda = BuiltWithCuda() ? "true" : "false";
   prometheus::BuildGauge()
       .Name("colod_build_info")
       .Help("Build of this colod binary: always 1, the facts are in the labels.")

@@ -14,14 +14,6 @@
 
 namespace colod::kernels {
 
-bool BuiltWithCuda() {
-#ifdef COLOD_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
-}
-
 int CudaDeviceCount() {
 #ifdef COLOD_WITH_CUDA
   int n = 0;

@@ -6,11 +6,13 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/built_with_cuda.h"
 
 namespace colod::kernels {
 
-// True when this binary was built with the CUDA toolkit (see bazel/cuda.bzl).
-bool BuiltWithCuda();
+// True when this binary was built with CUDA (the toolkit, or the emulation
+// under --config=cuda-emu; bazel/cuda_rules.bzl).
+using ::colod::BuiltWithCuda;
 
 // Number of CUDA devices visible to this process; 0 when built without CUDA,
 // without a driver, or without a GPU. Never fails.
