@@ -14,15 +14,24 @@ bench:train counts it.
 
 --device cuda runs GPT-2 124M as bench:train's GPU row does (seq 1024,
 batch 8, bf16 autocast with f32 master weights, AdamW, clipping at 1.0) on
-cuda:0, with the attention written out as above (--attention manual, the
-same math colod does) or through F.scaled_dot_product_attention (--attention
-sdpa, PyTorch's fused flash attention), in eager mode.
+cuda:0, one row per recipe (--rows, default sdpa,tuned,compile):
+
+  manual   colod's math: the attention written out as above, the vocabulary
+           at GPT-2's 50257, torch's default (foreach) AdamW;
+  sdpa     the same with F.scaled_dot_product_attention (flash attention);
+  tuned    the usual strongest GPT-2 recipe in eager mode (nanoGPT's, llm.c's
+           PyTorch reference): SDPA, the vocabulary padded to 50304 (a
+           multiple of 64), fused AdamW, TF32 allowed for f32 matmuls;
+  compile  tuned, under torch.compile.
+
+Each row is the median step of --repeats (default 3) windows of --steps
+timed steps after warm-up (torch.compile's compilation is in the warm-up).
 
 Run with Debian's python3-torch where present (it is not a dependency of
 colod's build or tests):
 
     /usr/bin/python3 bench/pytorch_gpt2.py [--model gpt2-tiny|gpt2-small] [--steps N] [--threads 1,2]
-    python3 bench/pytorch_gpt2.py --device cuda [--model gpt2-124m] [--attention manual|sdpa]
+    python3 bench/pytorch_gpt2.py --device cuda [--model gpt2-124m] [--rows manual,sdpa,tuned,compile]
 """
 import argparse
 import contextlib
@@ -50,6 +59,7 @@ SHAPES = {
     "gpt2-124m": (50257, 768, 12, 12, 1024, 8, 10),  # bench:train's GPU row
 }
 ATTENTION = "manual"
+CUDA_ROWS = ("manual", "sdpa", "tuned", "compile")
 
 
 class Block(nn.Module):
@@ -99,27 +109,40 @@ class Gpt2(nn.Module):
         return self.ln_f(x) @ self.wte.weight.t()  # the tied head
 
 
-def run(name, threads, steps, warmup=2, device="cpu"):
+def run(name, threads, steps, warmup=2, device="cpu", recipe=None, repeats=1):
+    """Trains `name`; returns (median step seconds, tokens/s) over `repeats` windows of `steps` steps."""
+    global ATTENTION
     vocab, h, layers, heads, seq, batch, default_steps = SHAPES[name]
     steps = steps or default_steps
     torch.set_num_threads(threads)
     torch.manual_seed(1)
-    model = Gpt2(vocab, h, layers, heads, max(seq, 64)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    ids = torch.randint(0, vocab, (warmup + steps, batch, seq + 1), device=device)
+    tuned = recipe in ("tuned", "compile")
+    if recipe is not None:
+        ATTENTION = "manual" if recipe == "manual" else "sdpa"
+    torch.backends.cuda.matmul.allow_tf32 = tuned
+    torch.backends.cudnn.allow_tf32 = tuned
+    table = (vocab + 63) // 64 * 64 if tuned else vocab  # 50304 for GPT-2: tensor-core friendly
+    model = Gpt2(table, h, layers, heads, max(seq, 64)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **({"fused": True} if tuned else {}))
+    step_fn = model
+    if recipe == "compile":
+        step_fn = torch.compile(model)
+    ids = torch.randint(0, vocab, (warmup + steps * repeats, batch, seq + 1), device=device)
     ends = []
-    for i in range(warmup + steps):
+    for i in range(warmup + steps * repeats):
         x, y = ids[i, :, :-1], ids[i, :, 1:]
         with torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext():
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
+            logits = step_fn(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, table), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         float(loss)
         ends.append(time.perf_counter())
-    step = (ends[-1] - ends[warmup - 1]) / steps
+    windows = sorted((ends[warmup - 1 + (r + 1) * steps] - ends[warmup - 1 + r * steps]) / steps
+                     for r in range(repeats))
+    step = windows[len(windows) // 2]
     return step, batch * seq / step
 
 
@@ -131,18 +154,30 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: one run on cuda:0 in bf16 autocast (default model gpt2-124m)")
     ap.add_argument("--attention", default="manual", choices=["manual", "sdpa"],
-                    help="written-out attention (colod's math) or F.scaled_dot_product_attention")
+                    help="CPU rows: written-out attention (colod's math) or F.scaled_dot_product_attention")
+    ap.add_argument("--rows", default="sdpa,tuned,compile",
+                    help="--device cuda: recipes to run, comma-separated, of " + ",".join(CUDA_ROWS))
+    ap.add_argument("--repeats", type=int, default=3, help="--device cuda: timed windows per row (median)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global ATTENTION
     ATTENTION = args.attention
     if args.device == "cuda":
         name = args.model if "--model" in sys.argv else "gpt2-124m"
-        step, tps = run(name, torch.get_num_threads(), args.steps, warmup=3, device="cuda")
-        print(f"PyTorch {torch.__version__} on {torch.cuda.get_device_name(0)}, bf16 autocast, "
-              f"attention {args.attention}")
-        print(f"{'model':<11} {'step (ms)':>10} {'tokens/s':>9}")
-        print(f"{name:<11} {step * 1e3:>10.1f} {tps:>9.0f}", flush=True)
+        rows = [r for r in args.rows.split(",") if r]
+        bad = [r for r in rows if r not in CUDA_ROWS]
+        if bad or not rows:
+            ap.error(f"--rows: unknown recipe(s) {','.join(bad)}; choose from {','.join(CUDA_ROWS)}")
+        if args.repeats < 1:
+            ap.error("--repeats must be at least 1")
+        print(f"PyTorch {torch.__version__} on {torch.cuda.get_device_name(0)}, bf16 autocast; "
+              f"{name}, median of {args.repeats} windows")
+        print(f"{'recipe':<9} {'step (ms)':>10} {'tokens/s':>9}", flush=True)
+        for recipe in rows:
+            step, tps = run(name, torch.get_num_threads(), args.steps, warmup=5 if recipe == "compile" else 3,
+                            device="cuda", recipe=recipe, repeats=args.repeats)
+            print(f"{recipe:<9} {step * 1e3:>10.1f} {tps:>9.0f}", flush=True)
+            torch.cuda.empty_cache()
         return
     if args.child:  # one thread count, in the process main() made for it
         t = int(os.environ["COLOD_BENCH_THREADS"])

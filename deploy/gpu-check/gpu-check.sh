@@ -11,7 +11,10 @@
 # default /usr/local/cuda), COLOD_GPU_CHECK_TEST_TIMEOUT (seconds per test
 # binary, default 600), COLOD_GPU_CHECK_BENCH (benchmarks to run, default
 # "layers collectives train"; empty for none), COLOD_GPU_CHECK_BENCH_TIMEOUT
-# (seconds per benchmark, default 1200), COLOD_GPU_CHECK_SANITIZER (memcheck,
+# (seconds per benchmark, default 1200), COLOD_GPU_CHECK_PYTORCH (the python3
+# that runs bench/pytorch_gpt2.py's GPU rows beside bench:train's, default
+# python3 where it imports torch with CUDA; "none" skips them; rows from
+# COLOD_GPU_CHECK_PYTORCH_ROWS, default sdpa,tuned,compile), COLOD_GPU_CHECK_SANITIZER (memcheck,
 # racecheck, synccheck or initcheck: each test under compute-sanitizer with
 # that tool, its findings failing the test; CUDA API errors are not reported,
 # since NCCL probes kernels this device has no image of).
@@ -125,6 +128,21 @@ for bench in ${COLOD_GPU_CHECK_BENCH-layers collectives train}; do
     >"$out/bench-$bench.txt" 2>&1 || echo "(exit $?)" >>"$out/bench-$bench.txt"
   { echo; echo "## bench:$bench"; echo '```'; tail -40 "$out/bench-$bench.txt"; echo '```'; } >>"$report"
 done
+# PyTorch's side of bench:train's GPT-2 124M row, on the same GPU in the same
+# run: the strongest common recipe, eager and compiled (bench/pytorch_gpt2.py).
+py=${COLOD_GPU_CHECK_PYTORCH:-python3}
+if [[ -n ${COLOD_GPU_CHECK_BENCH-train} && $py != none ]]; then
+  if "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    log "gpu-check: bench/pytorch_gpt2.py --device cuda"
+    timeout -k 10 "${COLOD_GPU_CHECK_BENCH_TIMEOUT:-1200}" "$py" "$root/bench/pytorch_gpt2.py" --device cuda \
+      --rows "${COLOD_GPU_CHECK_PYTORCH_ROWS:-sdpa,tuned,compile}" >"$out/bench-pytorch.txt" 2>&1 ||
+      echo "(exit $?)" >>"$out/bench-pytorch.txt"
+    { echo; echo "## PyTorch, bench/pytorch_gpt2.py --device cuda"; echo '```'; tail -20 "$out/bench-pytorch.txt"; echo '```'; } >>"$report"
+  else
+    { echo; echo "## PyTorch: not run ($py has no torch with CUDA; set COLOD_GPU_CHECK_PYTORCH)"; } >>"$report"
+  fi
+fi
+
 cat "$report"
 log "gpu-check: the report is $report (add it to docs/GPU.md)"
 ((failed_bins == 0))
