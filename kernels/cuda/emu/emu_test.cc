@@ -74,6 +74,46 @@ __global__ void AtomicSum(float* total, int n) {
   if (i < n) atomicAdd(total, 1.0f);
 }
 
+// Lane 5 of each warp returns while the others shuffle: a GPU hangs.
+__global__ void LaneReturnsBeforeAShuffle(int* out) {
+  if (threadIdx.x % 32 == 5) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, static_cast<int>(threadIdx.x), 1);
+}
+
+// Lanes 0-15 wait at __syncthreads while 16-31 shuffle: a GPU hangs.
+__global__ void WarpSplitBetweenBarrierAndShuffle(int* out) {
+  int v = static_cast<int>(threadIdx.x);
+  if (threadIdx.x % 32 < 16) {
+    __syncthreads();
+  } else {
+    v = __shfl_down_sync(0xffffffffu, v, 1);
+    __syncthreads();
+  }
+  out[threadIdx.x] = v;
+}
+
+// Warp 0 returns at once; warp 1 shuffles. Correct CUDA, which the fiber
+// mode runs only where thread 0 reaches a warp-level operation or barrier.
+__global__ void SecondWarpShufflesAlone(int* out) {
+  if (threadIdx.x < 32) return;
+  out[threadIdx.x] = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x), 0);
+}
+
+// A warp-level reduction between barriers in every warp, and a warp's
+// shuffles interleaved with another's in any order: a block-wide sum.
+__global__ void BlockSumThroughWarps(const int* in, int* out) {
+  __shared__ int partial[32];
+  int v = in[blockIdx.x * blockDim.x + threadIdx.x];
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    int w = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0;
+    for (int offset = 16; offset > 0; offset /= 2) w += __shfl_down_sync(0xffffffffu, w, offset);
+    if (threadIdx.x == 0) out[blockIdx.x] = w;
+  }
+}
+
 template <typename T>
 T* DeviceAlloc(size_t n) {
   void* p = nullptr;
@@ -155,6 +195,74 @@ TEST(CudaEmuKernelsDeathTest, AMissingBarrierIsADataRaceUnderThreadSanitizer) {
         cudaStreamSynchronize(cudaStreamPerThread);
       },
       "ThreadSanitizer: data race");
+}
+#endif
+
+TEST(CudaEmuKernels, WarpShufflesBetweenBarriersSumABlock) {
+  const int blocks = 3, threads = 256;
+  std::vector<int> h(blocks * threads);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<int>(i * 7 % 13) - 6;
+  int* in = DeviceAlloc<int>(h.size());
+  int* out = DeviceAlloc<int>(blocks);
+  ASSERT_EQ(cudaMemcpy(in, h.data(), h.size() * sizeof(int), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(Launch(BlockSumThroughWarps, dim3(blocks), dim3(threads), 0, cudaStreamPerThread, in, out), cudaSuccess);
+  std::vector<int> sums(blocks);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(sums.data(), out, blocks * sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int b = 0; b < blocks; ++b) {
+    int want = 0;
+    for (int t = 0; t < threads; ++t) want += h[b * threads + t];
+    EXPECT_EQ(sums[b], want) << "block " << b;
+  }
+  cudaFree(in);
+  cudaFree(out);
+}
+
+TEST(CudaEmuKernelsDeathTest, ALaneThatReturnsBeforeItsWarpsShuffleIsReported) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        int* d = nullptr;
+        cudaMalloc(reinterpret_cast<void**>(&d), 64 * sizeof(int));
+        Launch(LaneReturnsBeforeAShuffle, dim3(1), dim3(64), 0, cudaStreamPerThread, d);
+        cudaStreamSynchronize(cudaStreamPerThread);
+      },
+      "divergent warp");
+}
+
+TEST(CudaEmuKernelsDeathTest, AWarpSplitBetweenABarrierAndAShuffleIsReported) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        int* d = nullptr;
+        cudaMalloc(reinterpret_cast<void**>(&d), 64 * sizeof(int));
+        Launch(WarpSplitBetweenBarrierAndShuffle, dim3(1), dim3(64), 0, cudaStreamPerThread, d);
+        cudaStreamSynchronize(cudaStreamPerThread);
+      },
+      "divergent warp");
+}
+
+#ifndef COLOD_CUDA_EMU_THREADS
+TEST(CudaEmuKernelsDeathTest, AShuffleAfterThreadZeroReturnedWithoutOneIsRefusedInFiberMode) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        int* d = nullptr;
+        cudaMalloc(reinterpret_cast<void**>(&d), 64 * sizeof(int));
+        Launch(SecondWarpShufflesAlone, dim3(1), dim3(64), 0, cudaStreamPerThread, d);
+        cudaStreamSynchronize(cudaStreamPerThread);
+      },
+      "thread 0 of its block returned without one");
+}
+#else
+TEST(CudaEmuKernels, InThreadModeOneWarpMayShuffleWhileAnotherReturned) {
+  int* d = DeviceAlloc<int>(64);
+  ASSERT_EQ(Launch(SecondWarpShufflesAlone, dim3(1), dim3(64), 0, cudaStreamPerThread, d), cudaSuccess);
+  std::vector<int> h(64);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(h.data(), d, h.size() * sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int t = 32; t < 64; ++t) EXPECT_EQ(h[t], 32);
+  cudaFree(d);
 }
 #endif
 

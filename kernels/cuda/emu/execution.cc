@@ -13,6 +13,20 @@
 // round in which some threads ended while others wait at a barrier is the
 // divergent barrier the hardware would hang on, reported and aborted.
 //
+// Warp-level operations (__shfl_sync, __ballot_sync, __syncwarp, mma.sync,
+// ldmatrix: WarpExchange) are barriers of the warp's 32 lanes: a lane puts
+// its contribution in its warp's slot and yields; once every lane of the
+// warp waits there, the scheduler resumes them, and each reads all 32 slots.
+// The slots are double-buffered by the warp's parity, so a lane that runs on
+// to the warp's next operation writes the other half while its laggards
+// still read this one. A lane that returned or waits at __syncthreads while
+// others of its warp wait at a warp-level operation hangs a GPU: reported
+// and aborted. A block whose thread 0 returns without a barrier or a
+// warp-level operation runs its other threads as plain calls, so one of them
+// reaching a warp-level operation is reported too (a kernel where warp 0
+// skips the warp-level operations the others perform would need thread 0 to
+// reach one; none of colod's does).
+//
 // The thread mode (COLOD_CUDA_EMU_THREADS, set by --config=cuda-emu-tsan) runs
 // a block's threads as real host threads instead, so ThreadSanitizer checks
 // the kernels' shared-memory protocol: a missing __syncthreads is a data race
@@ -21,7 +35,11 @@
 // which one block at a time may use); a block ends when all its threads have
 // returned, and __syncthreads is a generation-counted barrier. A thread that
 // returns while others wait at a barrier, or reaches one after another
-// returned, is the divergent barrier, reported and aborted as above.
+// returned, is the divergent barrier, reported and aborted as above. A
+// warp-level operation is a generation-counted barrier of the warp's lanes
+// with the same double-buffered slots; each thread's state (running, at the
+// block barrier, at a warp-level operation, returned) lets whichever lane
+// comes second report a warp divided between them.
 //
 // Thread-safety: LaunchGrid may be called from any thread. Fibers and their
 // stacks belong to the host thread that runs them (thread_local); the thread
@@ -85,6 +103,29 @@ colod_emu_switch:
 
 namespace colod_cuda_emu {
 
+namespace {
+
+// A warp some of whose lanes wait at a warp-level operation while the others
+// returned or wait at __syncthreads: the hardware hangs.
+std::string WarpDivergence(int warp, int at_warp, int returned, int at_barrier, uint3 b) {
+  return "a warp-level operation (__shfl_sync, __ballot_sync, __syncwarp, mma.sync, ldmatrix) reached by " +
+         std::to_string(at_warp) + " lanes of warp " + std::to_string(warp) + " while " + std::to_string(returned) +
+         " had returned and " + std::to_string(at_barrier) +
+         " wait at __syncthreads: a divergent warp, which hangs a GPU (block " + std::to_string(b.x) + "," +
+         std::to_string(b.y) + "," + std::to_string(b.z) + ")";
+}
+
+void CheckWarpArguments(size_t bytes, unsigned mask, int lanes) {
+  if (bytes == 0 || bytes > kWarpSlotBytes) Fatal("WarpExchange of " + std::to_string(bytes) + " bytes");
+  const unsigned all = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1;
+  if ((mask & all) != all) {
+    Fatal("a warp-level operation with mask " + std::to_string(mask) +
+          ", which leaves out lanes the warp has: the emulation runs them by whole warps only");
+  }
+}
+
+}  // namespace
+
 #ifndef COLOD_CUDA_EMU_THREADS
 
 thread_local const ThreadContext* current_thread = nullptr;
@@ -101,7 +142,15 @@ struct Fiber {
 #endif
   void* stack = nullptr;  // kStackBytes plus a guard page below
   bool done = false;
-  bool at_barrier = false;
+  bool at_barrier = false;  // waits at __syncthreads
+  bool at_warp = false;     // waits at a warp-level operation
+};
+
+// A warp's exchange slots, double-buffered by parity (WarpExchange).
+struct WarpSlots {
+  unsigned char slot[2][32][kWarpSlotBytes];
+  int parity = 0;
+  size_t bytes = 0;  // what the lanes waiting now put
 };
 
 // The host thread's block scheduler.
@@ -113,6 +162,7 @@ struct Scheduler {
 #endif
   std::vector<Fiber> fibers;
   std::vector<ThreadContext> contexts;
+  std::vector<WarpSlots> warps;
   const std::function<void()>* body = nullptr;
   int running = -1;    // the fiber running now, or -1
   bool direct = false;  // threads run as plain calls: a barrier is divergence
@@ -142,6 +192,7 @@ struct Scheduler {
     Fiber& f = fibers[i];
     f.done = false;
     f.at_barrier = false;
+    f.at_warp = false;
 #ifdef COLOD_EMU_ASM_SWITCH
     // The frame colod_emu_switch pops: MXCSR and x87 control word, r15, r14,
     // r13, r12, rbx, rbp, then the return address (Entry), above which a
@@ -196,6 +247,9 @@ struct Scheduler {
       contexts[i] = ThreadContext{uint3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)}, block_idx,
                                   block, grid};
     }
+    const int nwarps = (n + 31) / 32;
+    if (static_cast<int>(warps.size()) < nwarps) warps.resize(nwarps);
+    for (int w = 0; w < nwarps; ++w) warps[w].bytes = 0;
     EnsureFibers(1);
     Start(0);
     Resume(0);
@@ -216,6 +270,30 @@ struct Scheduler {
       Resume(i);
     }
     for (;;) {
+      // First the warps all of whose lanes wait at a warp-level operation.
+      bool released = false;
+      for (int w = 0; w < nwarps; ++w) {
+        const int first = 32 * w, end = first + 32 < n ? first + 32 : n;
+        int at_warp = 0, done = 0, at_barrier = 0;
+        for (int i = first; i < end; ++i) {
+          at_warp += fibers[i].at_warp;
+          done += fibers[i].done;
+          at_barrier += fibers[i].at_barrier;
+        }
+        if (at_warp == 0) continue;
+        if (at_warp == end - first) {
+          warps[w].parity ^= 1;
+          warps[w].bytes = 0;
+          for (int i = first; i < end; ++i) {
+            fibers[i].at_warp = false;
+            Resume(i);
+          }
+          released = true;
+        } else if (done + at_barrier == end - first - at_warp) {  // no lane of the warp still running
+          Fatal(WarpDivergence(w, at_warp, done, at_barrier, block_idx));
+        }
+      }
+      if (released) continue;
       int done = 0, waiting = 0;
       for (int i = 0; i < n; ++i) (fibers[i].done ? done : waiting) += 1;
       if (waiting == 0) break;
@@ -264,6 +342,41 @@ void SyncThreads() {
   current_thread = &s.contexts[i];
 }
 
+void WarpExchange(const void* mine, size_t bytes, unsigned mask, void* all) {
+  Scheduler& s = scheduler;
+  if (current_thread == nullptr) Fatal("a warp-level operation called outside a kernel");
+  const ThreadContext& t = *current_thread;
+  const int n = static_cast<int>(t.block_dim.x * t.block_dim.y * t.block_dim.z);
+  if (s.direct) {
+    Fatal("a warp-level operation (__shfl_sync, __ballot_sync, __syncwarp, mma.sync, ldmatrix) reached by a "
+          "thread although thread 0 of its block returned without one: a divergent warp if they share one; "
+          "otherwise thread 0 must reach one for the emulation to run the block's threads as fibers");
+  }
+  const int i = s.running;
+  const int w = i / 32, lane = i % 32;
+  CheckWarpArguments(bytes, mask, n - 32 * w < 32 ? n - 32 * w : 32);
+  WarpSlots& slots = s.warps[w];
+  if (slots.bytes != 0 && slots.bytes != bytes) {
+    Fatal("lanes of warp " + std::to_string(w) + " wait at different warp-level operations (" +
+          std::to_string(slots.bytes) + " and " + std::to_string(bytes) + " bytes)");
+  }
+  slots.bytes = bytes;
+  const int parity = slots.parity;
+  memcpy(slots.slot[parity][lane], mine, bytes);
+  s.fibers[i].at_warp = true;
+  s.Yield(i);
+  current_thread = &s.contexts[i];
+  unsigned char* out = static_cast<unsigned char*>(all);
+  const int lanes = n - 32 * w < 32 ? n - 32 * w : 32;
+  for (int l = 0; l < 32; ++l) {
+    if (l < lanes) {
+      memcpy(out + l * bytes, slots.slot[parity][l], bytes);
+    } else {
+      memset(out + l * bytes, 0, bytes);
+    }
+  }
+}
+
 #endif  // !COLOD_CUDA_EMU_THREADS
 
 #ifdef COLOD_CUDA_EMU_THREADS
@@ -301,6 +414,9 @@ class BlockThreads {
     grid_ = grid;
     block_ = block;
     n_ = n;
+    state_.assign(n, kRunning);
+    warps_.resize((n + 31) / 32);
+    for (Warp& w : warps_) w.arrived = 0;
     blocks_ = uint64_t{grid.x} * grid.y * grid.z;
     block_index_ = 0;
     arrived_ = returned_ = 0;
@@ -312,16 +428,57 @@ class BlockThreads {
 
   // __syncthreads from a CUDA thread of the running block.
   void Barrier() {
+    const int t = Linear(*current_thread);
     std::unique_lock<std::mutex> lock(mu_);
     if (returned_ > 0) Fatal(Divergence(arrived_ + 1, returned_, n_, current_thread->block_idx));
+    CheckWarpUndivided(t, kAtBarrier, current_thread->block_idx);
     if (++arrived_ == n_) {
       arrived_ = 0;
       ++phase_;
+      for (State& st : state_) st = kRunning;
       cv_.notify_all();
       return;
     }
+    state_[t] = kAtBarrier;
     const uint64_t phase = phase_;
     cv_.wait(lock, [&] { return phase_ != phase; });
+  }
+
+  // A warp-level operation from a CUDA thread of the running block.
+  void Exchange(const void* mine, size_t bytes, unsigned mask, void* all) {
+    const int t = Linear(*current_thread);
+    const int w = t / 32, lane = t % 32;
+    std::unique_lock<std::mutex> lock(mu_);
+    const int lanes = n_ - 32 * w < 32 ? n_ - 32 * w : 32;
+    CheckWarpArguments(bytes, mask, lanes);
+    CheckWarpUndivided(t, kAtWarp, current_thread->block_idx);
+    Warp& warp = warps_[w];
+    if (warp.arrived > 0 && warp.bytes != bytes) {
+      Fatal("lanes of warp " + std::to_string(w) + " wait at different warp-level operations (" +
+            std::to_string(warp.bytes) + " and " + std::to_string(bytes) + " bytes)");
+    }
+    warp.bytes = bytes;
+    const int parity = warp.parity;
+    memcpy(warp.slot[parity][lane], mine, bytes);
+    if (++warp.arrived == lanes) {
+      warp.arrived = 0;
+      warp.parity ^= 1;
+      ++warp.phase;
+      for (int i = 32 * w; i < 32 * w + lanes; ++i) state_[i] = kRunning;
+      cv_.notify_all();
+    } else {
+      state_[t] = kAtWarp;
+      const uint64_t phase = warp.phase;
+      cv_.wait(lock, [&] { return warp.phase != phase; });
+    }
+    unsigned char* out = static_cast<unsigned char*>(all);
+    for (int l = 0; l < 32; ++l) {
+      if (l < lanes) {
+        memcpy(out + l * bytes, warp.slot[parity][l], bytes);
+      } else {
+        memset(out + l * bytes, 0, bytes);
+      }
+    }
   }
 
  private:
@@ -350,8 +507,11 @@ class BlockThreads {
         lock.lock();
         // This thread has returned from block b.
         if (arrived_ > 0) Fatal(Divergence(arrived_, returned_ + 1, n_, context.block_idx));
+        CheckWarpUndivided(t, kReturned, context.block_idx);
+        state_[t] = kReturned;
         if (++returned_ == n_) {
           returned_ = 0;
+          for (State& st : state_) st = kRunning;
           ++block_index_;
           ++phase_;
           if (block_index_ == blocks_) done_generation_ = grid_generation_;
@@ -362,6 +522,38 @@ class BlockThreads {
         }
       }
     }
+  }
+
+  enum State { kRunning, kAtBarrier, kAtWarp, kReturned };
+
+  // A warp's exchange slots, double-buffered by parity, and its barrier.
+  struct Warp {
+    unsigned char slot[2][32][kWarpSlotBytes];
+    int parity = 0;
+    int arrived = 0;
+    size_t bytes = 0;
+    uint64_t phase = 0;
+  };
+
+  static int Linear(const ThreadContext& c) {
+    return static_cast<int>(c.thread_idx.x + c.block_dim.x * (c.thread_idx.y + c.block_dim.y * c.thread_idx.z));
+  }
+
+  // Thread t enters `next` (the block barrier, a warp-level operation, or its
+  // return): reports a lane of its warp already in a different one of them
+  // where one of the two is a warp-level operation (a hang on a GPU).
+  void CheckWarpUndivided(int t, State next, uint3 block) {
+    const int first = t / 32 * 32, end = first + 32 < n_ ? first + 32 : n_;
+    int at_warp = next == kAtWarp, returned = next == kReturned, at_barrier = next == kAtBarrier;
+    bool divided = false;
+    for (int i = first; i < end; ++i) {
+      if (i == t || state_[i] == kRunning) continue;
+      at_warp += state_[i] == kAtWarp;
+      returned += state_[i] == kReturned;
+      at_barrier += state_[i] == kAtBarrier;
+      divided = divided || (state_[i] != next && (state_[i] == kAtWarp || next == kAtWarp));
+    }
+    if (divided) Fatal(WarpDivergence(t / 32, at_warp, returned, at_barrier, block));
   }
 
   std::mutex grid_mu_;  // one grid at a time: __shared__ is process-wide static storage
@@ -376,6 +568,8 @@ class BlockThreads {
   int returned_ = 0;                           // returned from the block; guarded by mu_
   uint64_t phase_ = 0;                         // barrier and block-end generations; guarded by mu_
   uint64_t grid_generation_ = 0, done_generation_ = 0;  // guarded by mu_
+  std::vector<State> state_;                   // each thread of the block; guarded by mu_
+  std::vector<Warp> warps_;                    // guarded by mu_
 };
 
 }  // namespace
@@ -383,6 +577,11 @@ class BlockThreads {
 void SyncThreads() {
   if (current_thread == nullptr) Fatal("__syncthreads called outside a kernel");
   BlockThreads::Get().Barrier();
+}
+
+void WarpExchange(const void* mine, size_t bytes, unsigned mask, void* all) {
+  if (current_thread == nullptr) Fatal("a warp-level operation called outside a kernel");
+  BlockThreads::Get().Exchange(mine, bytes, mask, all);
 }
 #endif  // COLOD_CUDA_EMU_THREADS
 

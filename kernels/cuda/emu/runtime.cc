@@ -161,7 +161,7 @@ struct Pool {
 // Calls made on the host, for tests of what a step does (cuda_emu.h): for
 // the process, and for the calling host thread.
 std::atomic<uint64_t> device_allocations{0}, host_synchronizations{0}, stream_queries{0}, kernel_launches{0},
-    pageable_uploads{0};
+    pageable_uploads{0}, warp_mmas{0};
 thread_local Counters this_thread_counters;
 
 void CountPageableUpload() {
@@ -582,6 +582,8 @@ void CountKernelLaunch() {
   ++this_thread_counters.kernel_launches;
 }
 
+void CountWarpMma() { warp_mmas.fetch_add(1, std::memory_order_relaxed); }
+
 Counters GetThreadCounters() { return this_thread_counters; }
 
 Counters GetCounters() {
@@ -591,6 +593,7 @@ Counters GetCounters() {
   c.stream_queries = stream_queries.load();
   c.kernel_launches = kernel_launches.load();
   c.pageable_uploads = pageable_uploads.load();
+  c.warp_mmas = warp_mmas.load();
   return c;
 }
 

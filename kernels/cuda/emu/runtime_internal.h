@@ -51,6 +51,10 @@ std::optional<DeviceRange> FindDeviceRange(const void* p, size_t size);
 // The counters of cuda_emu.h.
 void CountHostSynchronization();
 void CountKernelLaunch();
+void CountWarpMma();
+
+// The most bytes a lane puts in one WarpExchange (cuda_runtime.h).
+constexpr size_t kWarpSlotBytes = 64;
 
 }  // namespace colod_cuda_emu
 

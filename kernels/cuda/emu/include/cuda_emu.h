@@ -26,6 +26,10 @@ struct Counters {
   // cudaMemcpyAsync from pageable (not cudaMallocHost) host memory to a
   // device: CUDA stages it, and may wait for the stream to do so.
   uint64_t pageable_uploads = 0;
+  // Warp-level matrix multiply-accumulates (mma.sync, one per warp): counted
+  // for the process only (they run on streams' threads), 0 in
+  // GetThreadCounters.
+  uint64_t warp_mmas = 0;
 };
 
 Counters GetCounters();

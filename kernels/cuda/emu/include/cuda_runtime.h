@@ -287,4 +287,106 @@ inline int atomicCAS(int* address, int compare, int value) {
 }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
+// ---- Warp-level operations (execution.cc, warp.cc) ----
+// A warp is 32 consecutive threads of the block in linear thread order
+// (x fastest). Every warp-level operation is executed by whole warps: its
+// mask must name every lane the warp has, and a lane that returns, or waits
+// at __syncthreads, while others of its warp wait at one is reported as the
+// hang it is on a GPU.
+namespace colod_cuda_emu {
+
+// The exchange under every warp-level operation: each lane of the calling
+// thread's warp puts `bytes` (at most 64) from `mine`, waits until every lane
+// of the warp has, and gets the 32 lanes' contributions in lane order in
+// `all` (32 * bytes; zeros for lanes a partial last warp does not have).
+void WarpExchange(const void* mine, size_t bytes, unsigned mask, void* all);
+
+// The calling thread's lane: its linear index in the block, modulo 32.
+inline int LaneId() {
+  const ThreadContext& c = *current_thread;
+  return static_cast<int>((c.thread_idx.x + c.block_dim.x * (c.thread_idx.y + c.block_dim.y * c.thread_idx.z)) %
+                          32);
+}
+
+// `var` of the lane src_of(own lane) names, or the caller's own `var` where
+// it names -1.
+template <typename T, typename SrcOf>
+T WarpShuffle(unsigned mask, T var, SrcOf src_of) {
+  static_assert(std::is_trivially_copyable<T>::value && sizeof(T) <= 16, "shuffles move up to 16 bytes");
+  unsigned char all[32 * sizeof(T)];
+  WarpExchange(&var, sizeof(T), mask, all);
+  const int src = src_of(LaneId());
+  if (src < 0 || src > 31) return var;
+  T out;
+  memcpy(&out, all + src * sizeof(T), sizeof(T));
+  return out;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 by the
+// calling warp: D = A B + C with A 16x16 (row-major fragments a[4]), B 16x8
+// (column-major fragments b[2]), C and D 16x8 in f32, in PTX's fragment
+// layout (kernels/cuda/warp.h). Products are exact in f32 and are summed in
+// f32 in k order onto C.
+enum class MmaType { kBf16, kF16 };
+void MmaM16N8K16(MmaType type, float d[4], const unsigned a[4], const unsigned b[2], const float c[4]);
+
+// ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans].shared.b16 by the calling
+// warp: `matrices` 8x8 matrices of 16-bit elements, the rows of matrix j at
+// the addresses lanes 8j..8j+7 give (each 16-byte aligned); lane l gets in
+// r[j] row l/4's elements 2(l%4) and 2(l%4)+1 (the low half first), or with
+// `trans` column l/4's elements of rows 2(l%4) and 2(l%4)+1.
+void LdMatrix(int matrices, bool trans, unsigned* r, const void* row);
+
+}  // namespace colod_cuda_emu
+
+template <typename T>
+T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
+  return colod_cuda_emu::WarpShuffle(mask, var, [=](int lane) { return (lane & ~(width - 1)) + (src_lane & (width - 1)); });
+}
+// Lanes of a later group of `width` get their own value, as on a GPU.
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
+  return colod_cuda_emu::WarpShuffle(mask, var, [=](int lane) {
+    const int src = lane ^ lane_mask;
+    return (src & ~(width - 1)) > (lane & ~(width - 1)) ? -1 : src;
+  });
+}
+template <typename T>
+T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+  return colod_cuda_emu::WarpShuffle(mask, var, [=](int lane) {
+    const int src = lane + static_cast<int>(delta);
+    return (src & ~(width - 1)) != (lane & ~(width - 1)) ? -1 : src;
+  });
+}
+template <typename T>
+T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+  return colod_cuda_emu::WarpShuffle(mask, var, [=](int lane) {
+    const int src = lane - static_cast<int>(delta);
+    return src < (lane & ~(width - 1)) ? -1 : src;
+  });
+}
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+  const unsigned char mine = predicate != 0;
+  unsigned char all[32];
+  colod_cuda_emu::WarpExchange(&mine, 1, mask, all);
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) bits |= static_cast<unsigned>(all[l]) << l;
+  return bits & mask;
+}
+inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
+inline int __all_sync(unsigned mask, int predicate) {
+  const unsigned char mine = predicate != 0 ? 1 : 2;  // 0: a lane the warp does not have
+  unsigned char all[32];
+  colod_cuda_emu::WarpExchange(&mine, 1, mask, all);
+  for (int l = 0; l < 32; ++l) {
+    if (all[l] == 2 && ((mask >> l) & 1u)) return 0;
+  }
+  return 1;
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  const unsigned char mine = 0;
+  unsigned char all[32];
+  colod_cuda_emu::WarpExchange(&mine, 1, mask, all);
+}
+
 #endif  // COLOD_KERNELS_CUDA_EMU_CUDA_RUNTIME_H_
