@@ -14,6 +14,7 @@
 #include "kernels/cuda/launch.h"
 #include "kernels/activation.h"
 #include "kernels/cuda/tensor_ops.h"
+#include "kernels/cuda/warp.h"
 #include "kernels/gelu.h"
 #include "kernels/philox.h"
 
@@ -614,6 +615,202 @@ __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float*
   }
 }
 
+// ---- The tensor-core forward: FlashAttention-2's algorithm on mma.sync ----
+// For bf16 and f16 operands at head dims kMmaDims. A block of 4 warps takes
+// 64 query rows, 16 a warp, and walks the keys in tiles of 64 staged in
+// shared memory: S = Q K^T by mma.sync m16n8k16 (Q's fragments loaded once
+// into registers by ldmatrix, K's by ldmatrix from the tile), the online
+// softmax in base 2 on S's accumulator fragments (each lane holds two rows'
+// values; a row's max and sum over its 4 lanes by shuffles), then O += P V
+// with P's accumulator fragments, rounded to the operand type, reused as
+// the A operand (the layouts coincide) and V's fragments by ldmatrix.trans.
+// f32 accumulators throughout; P's row sums are taken of the rounded P the
+// product uses. Rows of the shared tiles are padded by 16 bytes, so the
+// eight rows an ldmatrix reads fall in different banks.
+constexpr int kMmaRows = 64;  // query rows a block (kAttnRows: the same grid)
+constexpr int kMmaKeys = 64;  // keys a tile
+constexpr int kMmaThreads = 128;
+constexpr int kMmaPad = 8;  // elements of padding a shared row
+constexpr int kMmaMaxD = 128;
+static_assert(kMmaRows == kAttnRows, "the tensor-core forward uses the attention grid");
+
+// Whether the tensor-core forward serves head dim d (its instantiations).
+constexpr bool MmaHeadDim(int64_t d) { return d == 64 || d == 128; }
+
+// The kernel's shared memory: one array for every instantiation (a
+// __shared__ in a device function is per block on a GPU; under the
+// emulation one thread-local array instead of one per instantiation).
+__device__ __forceinline__ uint16_t* MmaShared() {
+  alignas(16) __shared__ uint16_t tiles[2 * kMmaKeys * (kMmaMaxD + kMmaPad)];
+  return tiles;
+}
+
+struct alignas(16) Chunk16 {
+  uint32_t w[4];
+};
+
+// tile[r][...] <- row r0 + r of a [s, stride]-strided head of kD elements, in
+// 16-byte chunks (zeros past s).
+template <int kD>
+__device__ __forceinline__ void StageMmaTile(uint16_t (*tile)[kD + kMmaPad], const uint16_t* base, int64_t stride,
+                                             int64_t r0, int64_t s) {
+  constexpr int kChunks = kD / 8;
+  for (int t = threadIdx.x; t < kMmaKeys * kChunks; t += kMmaThreads) {
+    const int r = t / kChunks, c = t % kChunks;
+    Chunk16 v{};
+    if (r0 + r < s) v = *reinterpret_cast<const Chunk16*>(base + (r0 + r) * stride + 8 * c);
+    *reinterpret_cast<Chunk16*>(&tile[r][8 * c]) = v;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void MmaOf(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
+  if constexpr (std::is_same_v<T, Bf16>) {
+    MmaBf16(d, a, b, c);
+  } else {
+    MmaF16(d, a, b, c);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint16_t BitsOf(float v) {
+  return FromF32<T>(v).bits;
+}
+
+// Rounds lo and hi to T in place and packs them (lo in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t RoundPack(float& lo, float& hi) {
+  const uint16_t a = BitsOf<T>(lo), b = BitsOf<T>(hi);
+  lo = ToF32(T{a});
+  hi = ToF32(T{b});
+  return static_cast<uint32_t>(a) | static_cast<uint32_t>(b) << 16;
+}
+
+// Grid (row blocks, hq, b), kMmaThreads threads. q, k, v, out as
+// FlashAttention's, 16-byte aligned.
+template <int kD, typename T>
+__global__ void __launch_bounds__(kMmaThreads)
+    FlashForwardMmaKernel(const T* q, const T* k, const T* v, T* out, float* lse, int64_t s, int64_t hq, int64_t hkv,
+                          float scale, bool causal) {
+  constexpr int kStride = kD + kMmaPad;
+  static_assert(kD % 16 == 0 && kD <= kMmaMaxD, "head dim");
+  uint16_t(*ks)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
+  uint16_t(*vs)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kMmaKeys * kStride);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
+  const int64_t h = blockIdx.y, bi = blockIdx.z, kvh = h / (hq / hkv);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + (bi * s * hq + h) * kD;
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + (bi * s * hkv + kvh) * kD;
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + (bi * s * hkv + kvh) * kD;
+
+  // The block's query rows through ks; each warp keeps its 16 rows' A fragments.
+  StageMmaTile<kD>(ks, qb, hq * kD, row0, s);
+  __syncthreads();
+  uint32_t qf[kD / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) LdMatrixX4(qf[kk], &ks[16 * warp + lane % 16][16 * kk + 8 * (lane / 16)]);
+  __syncthreads();
+
+  // This lane's rows: r[0] = group, r[1] = group + 8 of the warp's 16.
+  const int64_t rows[2] = {row0 + 16 * warp + group, row0 + 16 * warp + group + 8};
+  float o[kD / 8][4];
+#pragma unroll
+  for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  const float scale2 = scale * 1.4426950408889634f;  // scores in base 2
+  const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
+  for (int64_t j0 = 0; j0 < keys; j0 += kMmaKeys) {
+    StageMmaTile<kD>(ks, kb, hkv * kD, j0, s);
+    StageMmaTile<kD>(vs, vb, hkv * kD, j0, s);
+    __syncthreads();
+    float sc[kMmaKeys / 8][4];
+#pragma unroll
+    for (int j = 0; j < kMmaKeys / 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+#pragma unroll
+      for (int nt = 0; nt < kMmaKeys / 16; ++nt) {
+        // Lanes 0-7: keys 16 nt .. +8 at dims 16 kk; 8-15: the same keys at 16 kk + 8; 16-31: the next 8 keys.
+        uint32_t kf[4];
+        LdMatrixX4(kf, &ks[16 * nt + lane % 8 + 8 * (lane / 16)][16 * kk + 8 * ((lane / 8) % 2)]);
+        MmaOf<T>(sc[2 * nt], qf[kk], kf, sc[2 * nt]);
+        MmaOf<T>(sc[2 * nt + 1], qf[kk], kf + 2, sc[2 * nt + 1]);
+      }
+    }
+    // Scale and mask; each row's max over its 4 lanes.
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < kMmaKeys / 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
+        float x = sc[j][i] * scale2;
+        if (key >= s || (causal && key > rows[i / 2])) x = -INFINITY;
+        sc[j][i] = x;
+        mx[i / 2] = fmaxf(mx[i / 2], x);
+      }
+    }
+    float ref[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      ref[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row without a visible key yet
+      const float corr = exp2f(m[r] - ref[r]);
+      m[r] = mx[r];
+      l[r] *= corr;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) {
+        o[j][2 * r] *= corr;
+        o[j][2 * r + 1] *= corr;
+      }
+    }
+    // P = 2^(x - max), rounded to T, as the A fragments of P V: key tiles
+    // 2 kk and 2 kk + 1 of S are k-step kk of the product.
+#pragma unroll
+    for (int kk = 0; kk < kMmaKeys / 16; ++kk) {
+      uint32_t pf[4];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float* p = sc[2 * kk + half];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p[i] = exp2f(p[i] - ref[i / 2]);
+        pf[2 * half] = RoundPack<T>(p[0], p[1]);
+        pf[2 * half + 1] = RoundPack<T>(p[2], p[3]);
+        l[0] += p[0] + p[1];
+        l[1] += p[2] + p[3];
+      }
+#pragma unroll
+      for (int dt = 0; dt < kD / 16; ++dt) {
+        // Lanes 0-15: keys 16 kk + lane at dims 16 dt; 16-31: the same keys at 16 dt + 8.
+        uint32_t vf[4];
+        LdMatrixX4Trans(vf, &vs[16 * kk + lane % 16][16 * dt + 8 * (lane / 16)]);
+        MmaOf<T>(o[2 * dt], pf, vf, o[2 * dt]);
+        MmaOf<T>(o[2 * dt + 1], pf, vf + 2, o[2 * dt + 1]);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] >= s) continue;
+    const float inv = 1.0f / l[r];
+    T* orow = out + ((bi * s + rows[r]) * hq + h) * kD;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      const uint32_t bits = static_cast<uint32_t>(BitsOf<T>(o[j][2 * r] * inv)) |
+                            static_cast<uint32_t>(BitsOf<T>(o[j][2 * r + 1] * inv)) << 16;
+      *reinterpret_cast<uint32_t*>(orow + 8 * j + 2 * pair) = bits;
+    }
+    if (pair == 0) lse[(bi * hq + h) * s + rows[r]] = (m[r] + log2f(l[r])) * 0.6931471805599453f;
+  }
+}
+
 // Grid (row blocks, hq, b): dq of each query row, over the key tiles; writes
 // delta = rowsum(dout * out) for the dk/dv kernel that follows in the stream.
 template <int kD, typename T>
@@ -1160,6 +1357,22 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
   if (!grid.ok()) return grid.status();
   if (b * s == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (type != ElemType::kF32 && MmaHeadDim(d) && aligned(q) && aligned(k) && aligned(v) && aligned(out)) {
+    return ByFloatType(type, "FlashAttention", [&](auto t) {
+      using T = decltype(t);
+      if constexpr (std::is_same_v<T, float>) {
+        return absl::InternalError("FlashAttention: no tensor-core kernel for f32");
+      } else {
+        auto launch = [&](auto kernel) {
+          Launch(kernel, *grid, kMmaThreads, stream, static_cast<const T*>(q), static_cast<const T*>(k),
+                 static_cast<const T*>(v), static_cast<T*>(out), lse, s, hq, hkv, scale, causal);
+          return Finish("FlashForwardMmaKernel");
+        };
+        return d == 64 ? launch(FlashForwardMmaKernel<64, T>) : launch(FlashForwardMmaKernel<128, T>);
+      }
+    });
+  }
   return ByFloatType(type, "FlashAttention", [&](auto t) {
     using T = decltype(t);
     return ByHeadDim(d, [&](auto dim) {

@@ -117,7 +117,10 @@ TEST_P(CudaAttention, HalfOperandsStayHalfAndMatchTheF32Reference) {
       ASSERT_EQ(a.size(), b.size());
       float scale = 0;
       for (float x : b) scale = std::max(scale, std::fabs(x));
-      const double tol = i == 0 ? ulp : 4 * ulp;  // out: rounding of inputs and output; grads: and of out
+      // out: rounding of the inputs, of P before P V (the tensor-core path
+      // multiplies P in the operand type, as FlashAttention-2 does) and of
+      // the output; the gradients: and of out.
+      const double tol = i == 0 ? 2 * ulp : 4 * ulp;
       for (size_t j = 0; j < a.size(); ++j) {
         ASSERT_NEAR(a[j], b[j], tol * (std::fabs(b[j]) + 0.1 * scale)) << names[i] << " at " << j;
       }
@@ -160,6 +163,36 @@ TEST(CudaAttentionLaunches, OneKernelForwardTwoBackward) {
     const uint64_t backward = colod_cuda_emu::GetCounters().kernel_launches - before_backward;
     EXPECT_EQ(forward, 1u);
     EXPECT_EQ(backward, 2u);
+  }
+}
+
+// bf16 and f16 at head dims 64 and 128 compute on the tensor-core path:
+// every product by mma.sync: per warp and 64-key tile, (d / 16) * 8 for
+// S = Q K^T (16 x 64) and as many for P V (16 x d), 4 warps per 64 query
+// rows; f32 and other head dims stay on the scalar kernel.
+TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSync) {
+  if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  struct Run {
+    DType t;
+    int64_t d;
+    uint64_t mmas;
+  };
+  // b 1, s 100 (two row blocks and two key tiles), hq 2, hkv 1, causal: row
+  // block 0 walks one key tile, row block 1 two.
+  const auto per_tile = [](int64_t d) { return static_cast<uint64_t>(d / 16 * 8 * 2) * 4; };
+  for (Run r : {Run{DType::kBF16, 64, 2 * 3 * per_tile(64)}, Run{DType::kF16, 128, 2 * 3 * per_tile(128)},
+                Run{DType::kF32, 64, 0}, Run{DType::kBF16, 32, 0}}) {
+    SCOPED_TRACE(std::string(DTypeName(r.t)) + " d" + std::to_string(r.d));
+    const Device dev = Device::Cuda(0);
+    Variable q(*Tensor::RandomNormal({1, 100, 2, r.d}, 1, r.t, dev), false);
+    Variable k(*Tensor::RandomNormal({1, 100, 1, r.d}, 2, r.t, dev), false);
+    Variable v(*Tensor::RandomNormal({1, 100, 1, r.d}, 3, r.t, dev), false);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const uint64_t before = colod_cuda_emu::GetCounters().warp_mmas;
+    absl::StatusOr<Variable> out = Attention(q, k, v, 0.125f, /*causal=*/true);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(colod_cuda_emu::GetCounters().warp_mmas - before, r.mmas);
   }
 }
 #endif
