@@ -11,15 +11,20 @@ fail() { printf 'FAIL: %s\n' "$1"; printf '%s\n' "$2"; exit 1; }
 
 # A build with CUDA on a machine without a GPU: nothing to run (the GPU
 # tests skip there too).
-out=$("$layers" --cpu_rows=false --gpt2_block=false --tokens 64 --hidden 64 --steps 1 2>&1) || fail "bench:layers exited $?" "$out"
+out=$("$layers" --cpu_rows=false --gpt2_block=false --attention=false --tokens 64 --hidden 64 --steps 1 2>&1) || fail "bench:layers exited $?" "$out"
 if grep -q '^no CUDA device' <<<"$out"; then
   echo "SKIP: no CUDA device"
   exit 0
 fi
-out=$("$layers" --cpu_rows=false --hidden 64 --tokens 64 --seq 32 --steps 1 2>&1) || fail "bench:layers exited $?" "$out"
+out=$("$layers" --cpu_rows=false --hidden 64 --tokens 64 --seq 32 --steps 1 --attention_seq 80 --attention_batch 1 2>&1) ||
+  fail "bench:layers exited $?" "$out"
 for block in mlp_block gpt2_block; do
   grep -qE "^GPU \(cuda:0\), bf16, tp=1, $block( \(seq 32\))?: step [0-9.]+ ms" <<<"$out" ||
     fail "bench:layers printed no GPU $block row" "$out"
+done
+for shape in "16 +128" "32 +64"; do  # the attention rows: batch, seq, heads, dim, then forward and backward
+  grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$" <<<"$out" ||
+    fail "bench:layers printed no attention row of heads and dim $shape" "$out"
 done
 
 # Two emulated devices (the emulation's default is 4); a real machine has its own.

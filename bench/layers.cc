@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -60,6 +61,9 @@ ABSL_FLAG(bool, all_modes, true, "Also run the 2d, 2.5d and 3d rows (8 processes
 ABSL_FLAG(std::string, store_dir, "", "Internal: the file store of a multi-process row.");
 ABSL_FLAG(int, seq, 128, "The GPT-2 block's sequence length (tokens / seq sequences a step).");
 ABSL_FLAG(bool, gpt2_block, true, "Also run the whole GPT-2 block's table.");
+ABSL_FLAG(bool, attention, true, "On a GPU, also run the fused attention's rows (bf16, causal).");
+ABSL_FLAG(int, attention_seq, 2048, "The attention rows' sequence length.");
+ABSL_FLAG(int, attention_batch, 4, "The attention rows' batch.");
 ABSL_FLAG(bool, cpu_rows, true,
           "Run the CPU tables (false: only the GPU row, e.g. at --hidden 4096 --tokens 8192 on a GPU machine).");
 ABSL_FLAG(std::string, block, "mlp", "Internal: the block of a multi-process row (mlp or gpt2).");
@@ -515,6 +519,80 @@ bool RunCpuTables(int64_t t, int64_t h, double flops, bool json) {
   return true;
 }
 
+// The fused attention alone on `gpu`, bf16, causal, at --attention_seq
+// (2048: issue 44's shapes, 16 heads of 128 and 32 heads of 64, batch
+// --attention_batch, 4): forward, and
+// forward + backward, medians of --steps timed runs after a warm-up, each
+// ended by a device synchronization. FLOPs as FlashAttention-2 counts them:
+// the forward's two matmuls 4 b h s^2 d, halved by the causal mask; the
+// backward 2.5 times the forward.
+bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
+  struct Shape {
+    int64_t b, s, heads, d;
+  };
+  const int steps = std::max(1, absl::GetFlag(FLAGS_steps));
+  if (!json) {
+    std::printf("\nGPU (cuda:0) fused attention, bf16, causal (FlashAttention-2's FLOP count; backward = "
+                "forward + backward - forward):\n%6s %6s %6s %5s  %9s %9s  %9s %9s\n",
+                "batch", "seq", "heads", "dim", "fwd (ms)", "TFLOP/s", "bwd (ms)", "TFLOP/s");
+  }
+  const int64_t b = std::max(1, absl::GetFlag(FLAGS_attention_batch)), s = std::max(1, absl::GetFlag(FLAGS_attention_seq));
+  for (Shape sh : {Shape{b, s, 16, 128}, Shape{b, s, 32, 64}}) {
+    const double fwd_flops = 2.0 * sh.b * sh.heads * static_cast<double>(sh.s) * sh.s * sh.d;
+    auto make = [&](uint64_t seed) -> absl::StatusOr<Tensor> {
+      return Tensor::RandomNormal({sh.b, sh.s, sh.heads, sh.d}, seed, DType::kBF16, gpu);
+    };
+    auto q = make(1), k = make(2), v = make(3), dout = make(4);
+    for (const auto* t : {&q, &k, &v, &dout}) {
+      if (!t->ok()) {
+        std::fprintf(stderr, "attention row: %s\n", t->status().ToString().c_str());
+        return false;
+      }
+    }
+    const float scale = 1.0f / std::sqrt(static_cast<float>(sh.d));
+    // One timed run: the forward (and, with `backward`, its backward) and a synchronization.
+    auto run = [&](bool backward) -> absl::StatusOr<double> {
+      Variable vq(*q, backward), vk(*k, backward), vv(*v, backward);
+      RETURN_IF_ERROR(kernels::CudaSynchronize(gpu.index));
+      const absl::Time start = absl::Now();
+      ASSIGN_OR_RETURN(Variable out, nn::Attention(vq, vk, vv, scale, /*causal=*/true));
+      if (backward) RETURN_IF_ERROR(Backward(out, *dout));
+      RETURN_IF_ERROR(kernels::CudaSynchronize(gpu.index));
+      return absl::ToDoubleSeconds(absl::Now() - start);
+    };
+    std::vector<double> fwd, both;
+    for (int i = 0; i <= steps; ++i) {
+      absl::StatusOr<double> f = run(false), fb = run(true);
+      if (!f.ok() || !fb.ok()) {
+        std::fprintf(stderr, "attention row: %s\n", (f.ok() ? fb.status() : f.status()).ToString().c_str());
+        return false;
+      }
+      if (i > 0) {  // the first is the warm-up
+        fwd.push_back(*f);
+        both.push_back(*fb);
+      }
+    }
+    std::sort(fwd.begin(), fwd.end());
+    std::sort(both.begin(), both.end());
+    const double tf = fwd[fwd.size() / 2], tb = std::max(1e-9, both[both.size() / 2] - tf);
+    const double fwd_tflops = fwd_flops / tf / 1e12, bwd_tflops = 2.5 * fwd_flops / tb / 1e12;
+    if (json) {
+      std::printf("{\"bench\":\"attention\",\"dtype\":\"bf16\",\"device\":\"cuda:0\",\"causal\":true,"
+                  "\"batch\":%lld,\"seq\":%lld,\"heads\":%lld,\"head_dim\":%lld,\"forward_seconds\":%.6f,"
+                  "\"forward_tflops\":%.3f,\"backward_seconds\":%.6f,\"backward_tflops\":%.3f,"
+                  "\"cublas_bf16_peak_tflops\":%.3f}\n",
+                  static_cast<long long>(sh.b), static_cast<long long>(sh.s), static_cast<long long>(sh.heads),
+                  static_cast<long long>(sh.d), tf, fwd_tflops, tb, bwd_tflops, gpu_peak);
+    } else {
+      std::printf("%6lld %6lld %6lld %5lld  %9.3f %9.1f  %9.3f %9.1f\n", static_cast<long long>(sh.b),
+                  static_cast<long long>(sh.s), static_cast<long long>(sh.heads), static_cast<long long>(sh.d),
+                  tf * 1e3, fwd_tflops, tb * 1e3, bwd_tflops);
+    }
+    std::fflush(stdout);
+  }
+  return true;
+}
+
 // Where a GPU is present, on cuda:0 in bf16 at tp=1: the MLP block, and with
 // --gpt2_block the whole GPT-2 block (attention included), each against
 // cuBLAS's bf16 GEMM on the MLP's shape in the same run. Returns main's exit
@@ -571,6 +649,7 @@ int RunGpuRow(int64_t t, int64_t h, double flops, bool json) {
     std::fflush(stdout);
   }
   if (!dir.empty()) (void)std::system(("rm -rf " + dir).c_str());
+  if (absl::GetFlag(FLAGS_attention) && !RunAttentionRows(gpu, gpu_peak, json)) rc = 1;
   return rc;
 }
 
@@ -582,7 +661,8 @@ int main(int argc, char** argv) {
                     "layers: the tensor-parallel MLP block and the whole GPT-2 block, forward + backward,\n"
                     "in 1d, 2d, 2.5d and 3d, vs sgemm peak.\n\nUsage:\n"
                     "  bazel run -c opt //bench:layers [-- --json] [-- --steps N] [-- --tokens T --hidden H]\n"
-                    "    [-- --seq S] [-- --all_modes=false] [-- --gpt2_block=false] [-- --cpu_rows=false]\n");
+                    "    [-- --seq S] [-- --all_modes=false] [-- --gpt2_block=false] [-- --cpu_rows=false]\n"
+                    "    [-- --attention=false] [-- --attention_seq S --attention_batch B]\n");
   if (absl::GetFlag(FLAGS_rank) >= 0) return colod::RankMain();
   const bool json = absl::GetFlag(FLAGS_json);
   const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);
