@@ -124,6 +124,19 @@ void CheckWarpArguments(size_t bytes, unsigned mask, int lanes) {
   }
 }
 
+// What WarpExchange returns: the first `lanes` slots of `bytes` each, then
+// zeros for the lanes a partial warp does not have.
+void CopyLanes(const unsigned char (*slot)[kWarpSlotBytes], int lanes, size_t bytes, void* all) {
+  unsigned char* out = static_cast<unsigned char*>(all);
+  for (int l = 0; l < 32; ++l) {
+    if (l < lanes) {
+      memcpy(out + l * bytes, slot[l], bytes);
+    } else {
+      memset(out + l * bytes, 0, bytes);
+    }
+  }
+}
+
 }  // namespace
 
 #ifndef COLOD_CUDA_EMU_THREADS
@@ -289,7 +302,7 @@ struct Scheduler {
             Resume(i);
           }
           released = true;
-        } else if (done + at_barrier == end - first - at_warp) {  // no lane of the warp still running
+        } else {  // between rounds no fiber runs: the others returned or wait at __syncthreads
           Fatal(WarpDivergence(w, at_warp, done, at_barrier, block_idx));
         }
       }
@@ -366,15 +379,7 @@ void WarpExchange(const void* mine, size_t bytes, unsigned mask, void* all) {
   s.fibers[i].at_warp = true;
   s.Yield(i);
   current_thread = &s.contexts[i];
-  unsigned char* out = static_cast<unsigned char*>(all);
-  const int lanes = n - 32 * w < 32 ? n - 32 * w : 32;
-  for (int l = 0; l < 32; ++l) {
-    if (l < lanes) {
-      memcpy(out + l * bytes, slots.slot[parity][l], bytes);
-    } else {
-      memset(out + l * bytes, 0, bytes);
-    }
-  }
+  CopyLanes(slots.slot[parity], n - 32 * w < 32 ? n - 32 * w : 32, bytes, all);
 }
 
 #endif  // !COLOD_CUDA_EMU_THREADS
@@ -471,14 +476,7 @@ class BlockThreads {
       const uint64_t phase = warp.phase;
       cv_.wait(lock, [&] { return warp.phase != phase; });
     }
-    unsigned char* out = static_cast<unsigned char*>(all);
-    for (int l = 0; l < 32; ++l) {
-      if (l < lanes) {
-        memcpy(out + l * bytes, warp.slot[parity][l], bytes);
-      } else {
-        memset(out + l * bytes, 0, bytes);
-      }
-    }
+    CopyLanes(warp.slot[parity], lanes, bytes, all);
   }
 
  private:
