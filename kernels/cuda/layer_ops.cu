@@ -519,8 +519,8 @@ __global__ void AdamWKernel(TensorList<AdamWTensor> list, AdamWHyper h) {
 // in shared memory. kD is the head dim rounded up to an instantiation (rows
 // padded with zeros, which add nothing to a dot product), so a thread's
 // vectors are indexed by constants; kTile rows keep the staged tiles within
-// 32 KiB of shared memory. Scalar FMAs in f32: the tensor-core version is
-// what docs/GPU.md lists as left.
+// 32 KiB of shared memory. Scalar FMAs in f32: what f32 operands and the
+// head dims without a tensor-core instantiation (MmaHeadDim) run.
 constexpr int kAttnRows = 64;
 
 template <int kD>
@@ -616,7 +616,7 @@ __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float*
 }
 
 // ---- The tensor-core forward: FlashAttention-2's algorithm on mma.sync ----
-// For bf16 and f16 operands at head dims kMmaDims. A block of 4 warps takes
+// For bf16 and f16 operands at the head dims MmaHeadDim names. A block of 4 warps takes
 // 64 query rows, 16 a warp, and walks the keys in tiles of 64 staged in
 // shared memory: S = Q K^T by mma.sync m16n8k16 (Q's fragments loaded once
 // into registers by ldmatrix, K's by ldmatrix from the tile), the online
@@ -634,8 +634,21 @@ constexpr int kMmaPad = 8;  // elements of padding a shared row
 constexpr int kMmaMaxD = 128;
 static_assert(kMmaRows == kAttnRows, "the tensor-core forward uses the attention grid");
 
-// Whether the tensor-core forward serves head dim d (its instantiations).
-constexpr bool MmaHeadDim(int64_t d) { return d == 64 || d == 128; }
+// Whether the tensor-core kernels serve head dim d (their instantiations):
+// the dims of the families (GPT-2 64, LLaMA 64 and 128, phi-style 80, 96).
+constexpr bool MmaHeadDim(int64_t d) { return d == 64 || d == 80 || d == 96 || d == 128; }
+
+// fn(std::integral_constant<int, d>) for a head dim MmaHeadDim serves.
+template <typename Fn>
+absl::Status ByMmaHeadDim(int64_t d, Fn fn) {
+  switch (d) {
+    case 64: return fn(std::integral_constant<int, 64>{});
+    case 80: return fn(std::integral_constant<int, 80>{});
+    case 96: return fn(std::integral_constant<int, 96>{});
+    case 128: return fn(std::integral_constant<int, 128>{});
+    default: return absl::InternalError("no tensor-core attention kernel for head dim " + std::to_string(d));
+  }
+}
 
 // The kernel's shared memory: one array for every instantiation (a
 // __shared__ in a device function is per block on a GPU; under the
@@ -651,11 +664,11 @@ struct alignas(16) Chunk16 {
 
 // tile[r][...] <- row r0 + r of a [s, stride]-strided head of kD elements, in
 // 16-byte chunks (zeros past s).
-template <int kD>
+template <int kD, int kRows = kMmaKeys>
 __device__ __forceinline__ void StageMmaTile(uint16_t (*tile)[kD + kMmaPad], const uint16_t* base, int64_t stride,
                                              int64_t r0, int64_t s) {
   constexpr int kChunks = kD / 8;
-  for (int t = threadIdx.x; t < kMmaKeys * kChunks; t += kMmaThreads) {
+  for (int t = threadIdx.x; t < kRows * kChunks; t += kMmaThreads) {
     const int r = t / kChunks, c = t % kChunks;
     Chunk16 v{};
     if (r0 + r < s) v = *reinterpret_cast<const Chunk16*>(base + (r0 + r) * stride + 8 * c);
@@ -686,6 +699,74 @@ __device__ __forceinline__ uint32_t RoundPack(float& lo, float& hi) {
   return static_cast<uint32_t>(a) | static_cast<uint32_t>(b) << 16;
 }
 
+// Each warp's A fragments of 16 rows (16 w .. 16 w + 16) of a 64-row tile.
+template <int kD>
+__device__ __forceinline__ void LoadRowFragments(uint32_t (*f)[4], uint16_t (*tile)[kD + kMmaPad]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) LdMatrixX4(f[kk], &tile[16 * warp + lane % 16][16 * kk + 8 * (lane / 16)]);
+}
+
+// acc[kN / 8][4] += A (16 x kD, fragments a) times tile^T, tile holding kN
+// rows of kD (a row-major n x k operand: ldmatrix).
+template <int kD, int kN, typename T>
+__device__ __forceinline__ void MmaRowsByTileT(float (*acc)[4], const uint32_t (*a)[4],
+                                               uint16_t (*tile)[kD + kMmaPad]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+#pragma unroll
+    for (int nt = 0; nt < kN / 16; ++nt) {
+      uint32_t b[4];
+      LdMatrixX4(b, &tile[16 * nt + lane % 8 + 8 * (lane / 16)][16 * kk + 8 * ((lane / 8) % 2)]);
+      MmaOf<T>(acc[2 * nt], a[kk], b, acc[2 * nt]);
+      MmaOf<T>(acc[2 * nt + 1], a[kk], b + 2, acc[2 * nt + 1]);
+    }
+  }
+}
+
+// acc[kD / 8][4] += X (16 x kK, the accumulator fragments x[kK / 8][4],
+// rounded to T) times tile (kK rows of kD: a row-major k x n operand:
+// ldmatrix.trans).
+template <int kD, int kK, typename T>
+__device__ __forceinline__ void MmaAccByTile(float (*acc)[4], float (*x)[4], uint16_t (*tile)[kD + kMmaPad]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[4];
+    a[0] = RoundPack<T>(x[2 * kk][0], x[2 * kk][1]);
+    a[1] = RoundPack<T>(x[2 * kk][2], x[2 * kk][3]);
+    a[2] = RoundPack<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+    a[3] = RoundPack<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+#pragma unroll
+    for (int dt = 0; dt < kD / 16; ++dt) {
+      uint32_t b[4];
+      LdMatrixX4Trans(b, &tile[16 * kk + lane % 16][16 * dt + 8 * (lane / 16)]);
+      MmaOf<T>(acc[2 * dt], a, b, acc[2 * dt]);
+      MmaOf<T>(acc[2 * dt + 1], a, b + 2, acc[2 * dt + 1]);
+    }
+  }
+}
+
+// Stores acc (16 rows of the warp, kD columns) * factor to rows [row0 + 16
+// warp, ...) of a [s, stride] head, rows below s.
+template <int kD, typename T>
+__device__ __forceinline__ void StoreRows(T* base, int64_t stride, int64_t row0, int64_t s, float (*acc)[4],
+                                          float factor) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row0 + 16 * warp + group + 8 * r;
+    if (row >= s) continue;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      const uint32_t bits = static_cast<uint32_t>(BitsOf<T>(acc[j][2 * r] * factor)) |
+                            static_cast<uint32_t>(BitsOf<T>(acc[j][2 * r + 1] * factor)) << 16;
+      *reinterpret_cast<uint32_t*>(base + row * stride + 8 * j + 2 * pair) = bits;
+    }
+  }
+}
+
 // Grid (row blocks, hq, b), kMmaThreads threads. q, k, v, out as
 // FlashAttention's, 16-byte aligned.
 template <int kD, typename T>
@@ -707,8 +788,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   StageMmaTile<kD>(ks, qb, hq * kD, row0, s);
   __syncthreads();
   uint32_t qf[kD / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < kD / 16; ++kk) LdMatrixX4(qf[kk], &ks[16 * warp + lane % 16][16 * kk + 8 * (lane / 16)]);
+  LoadRowFragments<kD>(qf, ks);
   __syncthreads();
 
   // This lane's rows: r[0] = group, r[1] = group + 8 of the warp's 16.
@@ -726,17 +806,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     float sc[kMmaKeys / 8][4];
 #pragma unroll
     for (int j = 0; j < kMmaKeys / 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-#pragma unroll
-      for (int nt = 0; nt < kMmaKeys / 16; ++nt) {
-        // Lanes 0-7: keys 16 nt .. +8 at dims 16 kk; 8-15: the same keys at 16 kk + 8; 16-31: the next 8 keys.
-        uint32_t kf[4];
-        LdMatrixX4(kf, &ks[16 * nt + lane % 8 + 8 * (lane / 16)][16 * kk + 8 * ((lane / 8) % 2)]);
-        MmaOf<T>(sc[2 * nt], qf[kk], kf, sc[2 * nt]);
-        MmaOf<T>(sc[2 * nt + 1], qf[kk], kf + 2, sc[2 * nt + 1]);
-      }
-    }
+    MmaRowsByTileT<kD, kMmaKeys, T>(sc, qf, ks);  // S = Q K^T
     // Scale and mask; each row's max over its 4 lanes.
     float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -765,29 +835,18 @@ __global__ void __launch_bounds__(kMmaThreads)
         o[j][2 * r + 1] *= corr;
       }
     }
-    // P = 2^(x - max), rounded to T, as the A fragments of P V: key tiles
-    // 2 kk and 2 kk + 1 of S are k-step kk of the product.
+    // P = 2^(x - max); O += P V rounds P to T in place, and the row sums
+    // are of that P.
 #pragma unroll
-    for (int kk = 0; kk < kMmaKeys / 16; ++kk) {
-      uint32_t pf[4];
+    for (int j = 0; j < kMmaKeys / 8; ++j) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float* p = sc[2 * kk + half];
+      for (int i = 0; i < 4; ++i) sc[j][i] = exp2f(sc[j][i] - ref[i / 2]);
+    }
+    MmaAccByTile<kD, kMmaKeys, T>(o, sc, vs);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) p[i] = exp2f(p[i] - ref[i / 2]);
-        pf[2 * half] = RoundPack<T>(p[0], p[1]);
-        pf[2 * half + 1] = RoundPack<T>(p[2], p[3]);
-        l[0] += p[0] + p[1];
-        l[1] += p[2] + p[3];
-      }
-#pragma unroll
-      for (int dt = 0; dt < kD / 16; ++dt) {
-        // Lanes 0-15: keys 16 kk + lane at dims 16 dt; 16-31: the same keys at 16 dt + 8.
-        uint32_t vf[4];
-        LdMatrixX4Trans(vf, &vs[16 * kk + lane % 16][16 * dt + 8 * (lane / 16)]);
-        MmaOf<T>(o[2 * dt], pf, vf, o[2 * dt]);
-        MmaOf<T>(o[2 * dt + 1], pf, vf + 2, o[2 * dt + 1]);
-      }
+    for (int j = 0; j < kMmaKeys / 8; ++j) {
+      l[0] += sc[j][0] + sc[j][1];
+      l[1] += sc[j][2] + sc[j][3];
     }
     __syncthreads();
   }
@@ -809,6 +868,181 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
     if (pair == 0) lse[(bi * hq + h) * s + rows[r]] = (m[r] + log2f(l[r])) * 0.6931471805599453f;
   }
+}
+
+// ---- The tensor-core backward (FlashAttention-2's, deterministic) ----
+// Two kernels as the scalar backward: dq (and delta) per 64 query rows over
+// the key tiles, then dk and dv per 64 key rows over the query tiles of each
+// query head of the kv head, in a fixed order without atomics. Both
+// recompute P from the forward's log-sum-exp; the other side's tiles are
+// kBwdTile rows (32 above head dim 64, so the accumulators fit the
+// registers). P and dS are rounded to the operand type before the products
+// that take them (dV += P^T dout, dQ += dS K, dK += dS^T Q), as
+// FlashAttention-2 does; every accumulation is in f32, and each output is
+// summed in one fixed order (no atomics), so the gradients repeat bit for bit.
+template <int kD>
+constexpr int kBwdTile = kD <= 64 ? 64 : 32;
+
+// Grid (row blocks, hq, b), kMmaThreads threads: dq and delta of 64 query rows.
+template <int kD, typename T>
+__global__ void __launch_bounds__(kMmaThreads)
+    FlashBackwardDqMmaKernel(const T* q, const T* k, const T* v, const T* out, const T* dout, const float* lse,
+                             float* delta, T* dq, int64_t s, int64_t hq, int64_t hkv, float scale, bool causal) {
+  constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>;
+  __shared__ float row_delta[kMmaRows];
+  uint16_t(*tile_a)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
+  uint16_t(*tile_b)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kMmaRows * kStride);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
+  const int64_t h = blockIdx.y, bi = blockIdx.z, kvh = h / (hq / hkv);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t qoff = (bi * s * hq + h) * kD, kvoff = (bi * s * hkv + kvh) * kD;
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + kvoff;
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + kvoff;
+
+  // delta = rowsum(dout * out) of the block's rows: two threads a row.
+  {
+    const int r = threadIdx.x / 2, half = threadIdx.x % 2;
+    const int64_t row = row0 + r;
+    float sum = 0.0f;
+    if (row < s) {
+      const T* o = out + qoff + row * hq * kD;
+      const T* g = dout + qoff + row * hq * kD;
+      for (int c = half * kD / 2; c < (half + 1) * kD / 2; ++c) sum += ToF32(o[c]) * ToF32(g[c]);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (half == 0) {
+      row_delta[r] = sum;
+      if (row < s) delta[(bi * hq + h) * s + row] = sum;
+    }
+  }
+  // Q's and dout's fragments of each warp's 16 rows, through the shared tiles.
+  StageMmaTile<kD, kMmaRows>(tile_a, reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, row0, s);
+  StageMmaTile<kD, kMmaRows>(tile_b, reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, row0, s);
+  __syncthreads();
+  uint32_t qf[kD / 16][4], gf[kD / 16][4];
+  LoadRowFragments<kD>(qf, tile_a);
+  LoadRowFragments<kD>(gf, tile_b);
+  const int64_t rows[2] = {row0 + 16 * warp + group, row0 + 16 * warp + group + 8};
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    lse2[r] = rows[r] < s ? lse[(bi * hq + h) * s + rows[r]] * 1.4426950408889634f : 0.0f;
+    dlt[r] = row_delta[16 * warp + group + 8 * r];
+  }
+  __syncthreads();
+  uint16_t(*ks)[kStride] = tile_a;
+  uint16_t(*vs)[kStride] = tile_b;
+  float acc[kD / 8][4];
+#pragma unroll
+  for (int j = 0; j < kD / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  const float scale2 = scale * 1.4426950408889634f;
+  const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
+  for (int64_t j0 = 0; j0 < keys; j0 += kN) {
+    StageMmaTile<kD, kN>(ks, kb, hkv * kD, j0, s);
+    StageMmaTile<kD, kN>(vs, vb, hkv * kD, j0, s);
+    __syncthreads();
+    float sc[kN / 8][4], dp[kN / 8][4];
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+      dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
+    }
+    MmaRowsByTileT<kD, kN, T>(sc, qf, ks);  // S = Q K^T
+    MmaRowsByTileT<kD, kN, T>(dp, gf, vs);  // dP = dout V^T
+    // dS = P (dP - delta), P = 2^(S scale2 - lse2), 0 where masked.
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
+        const bool masked = key >= s || (causal && key > rows[i / 2]);
+        const float p = masked ? 0.0f : exp2f(sc[j][i] * scale2 - lse2[i / 2]);
+        sc[j][i] = p * (dp[j][i] - dlt[i / 2]);
+      }
+    }
+    MmaAccByTile<kD, kN, T>(acc, sc, ks);  // dQ += dS K
+    __syncthreads();
+  }
+  StoreRows<kD>(dq + qoff, hq * kD, row0, s, acc, scale);
+}
+
+// Grid (row blocks, hkv, b), kMmaThreads threads: dk and dv of 64 key rows,
+// over the query tiles of every query head of the kv head, in order.
+template <int kD, typename T>
+__global__ void __launch_bounds__(kMmaThreads)
+    FlashBackwardDkvMmaKernel(const T* q, const T* k, const T* v, const T* dout, const float* lse,
+                              const float* delta, T* dk, T* dv, int64_t s, int64_t hq, int64_t hkv, float scale,
+                              bool causal) {
+  constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>;
+  __shared__ float tile_lse2[kBwdTile<kD>];
+  __shared__ float tile_delta[kBwdTile<kD>];
+  uint16_t(*tile_a)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
+  uint16_t(*tile_b)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kMmaRows * kStride);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
+  const int64_t kvh = blockIdx.y, bi = blockIdx.z, heads = hq / hkv;
+  const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t kvoff = (bi * s * hkv + kvh) * kD;
+  // K's and V's fragments of each warp's 16 keys.
+  StageMmaTile<kD, kMmaRows>(tile_a, reinterpret_cast<const uint16_t*>(k) + kvoff, hkv * kD, key0, s);
+  StageMmaTile<kD, kMmaRows>(tile_b, reinterpret_cast<const uint16_t*>(v) + kvoff, hkv * kD, key0, s);
+  __syncthreads();
+  uint32_t kf[kD / 16][4], vf[kD / 16][4];
+  LoadRowFragments<kD>(kf, tile_a);
+  LoadRowFragments<kD>(vf, tile_b);
+  __syncthreads();
+  const int64_t keys[2] = {key0 + 16 * warp + group, key0 + 16 * warp + group + 8};
+  uint16_t(*qs)[kStride] = tile_a;
+  uint16_t(*gs)[kStride] = tile_b;
+  float dk_acc[kD / 8][4], dv_acc[kD / 8][4];
+#pragma unroll
+  for (int j = 0; j < kD / 8; ++j) {
+    dk_acc[j][0] = dk_acc[j][1] = dk_acc[j][2] = dk_acc[j][3] = 0.0f;
+    dv_acc[j][0] = dv_acc[j][1] = dv_acc[j][2] = dv_acc[j][3] = 0.0f;
+  }
+  const float scale2 = scale * 1.4426950408889634f;
+  // Causal: queries before the block's first key see none of its keys.
+  const int64_t first = causal ? key0 : 0;
+  for (int64_t g = 0; g < heads; ++g) {
+    const int64_t h = kvh * heads + g;
+    const int64_t qoff = (bi * s * hq + h) * kD;
+    const float* lb = lse + (bi * hq + h) * s;
+    const float* db = delta + (bi * hq + h) * s;
+    for (int64_t i0 = first; i0 < s; i0 += kN) {
+      StageMmaTile<kD, kN>(qs, reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, i0, s);
+      StageMmaTile<kD, kN>(gs, reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, i0, s);
+      for (int t = threadIdx.x; t < kN; t += kMmaThreads) {
+        tile_lse2[t] = i0 + t < s ? lb[i0 + t] * 1.4426950408889634f : 0.0f;
+        tile_delta[t] = i0 + t < s ? db[i0 + t] : 0.0f;
+      }
+      __syncthreads();
+      float st[kN / 8][4], dpt[kN / 8][4];
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+        st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.0f;
+        dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.0f;
+      }
+      MmaRowsByTileT<kD, kN, T>(st, kf, qs);   // S^T = K Q^T
+      MmaRowsByTileT<kD, kN, T>(dpt, vf, gs);  // dP^T = V dout^T
+      // P^T, and dS^T = P^T (dP^T - delta), columns being queries.
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = 8 * j + 2 * pair + i % 2;
+          const int64_t query = i0 + col;
+          const bool masked = query >= s || (causal && query < keys[i / 2]);
+          const float p = masked ? 0.0f : exp2f(st[j][i] * scale2 - tile_lse2[col]);
+          st[j][i] = p;
+          dpt[j][i] = p * (dpt[j][i] - tile_delta[col]);
+        }
+      }
+      MmaAccByTile<kD, kN, T>(dv_acc, st, gs);   // dV += P^T dout
+      MmaAccByTile<kD, kN, T>(dk_acc, dpt, qs);  // dK += dS^T Q
+      __syncthreads();
+    }
+  }
+  StoreRows<kD>(dk + kvoff, hkv * kD, key0, s, dk_acc, scale);
+  StoreRows<kD>(dv + kvoff, hkv * kD, key0, s, dv_acc, 1.0f);
 }
 
 // Grid (row blocks, hq, b): dq of each query row, over the key tiles; writes
@@ -1364,12 +1598,12 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
       if constexpr (std::is_same_v<T, float>) {
         return absl::InternalError("FlashAttention: no tensor-core kernel for f32");
       } else {
-        auto launch = [&](auto kernel) {
-          Launch(kernel, *grid, kMmaThreads, stream, static_cast<const T*>(q), static_cast<const T*>(k),
-                 static_cast<const T*>(v), static_cast<T*>(out), lse, s, hq, hkv, scale, causal);
+        return ByMmaHeadDim(d, [&](auto dim) {
+          Launch(FlashForwardMmaKernel<decltype(dim)::value, T>, *grid, kMmaThreads, stream, static_cast<const T*>(q),
+                 static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out), lse, s, hq, hkv, scale,
+                 causal);
           return Finish("FlashForwardMmaKernel");
-        };
-        return d == 64 ? launch(FlashForwardMmaKernel<64, T>) : launch(FlashForwardMmaKernel<128, T>);
+        });
       }
     });
   }
@@ -1392,6 +1626,28 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
   if (b * s == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
   const dim3 kv_grid(grid->x, static_cast<unsigned>(hkv), grid->z);
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (type != ElemType::kF32 && MmaHeadDim(d) && aligned(q) && aligned(k) && aligned(v) && aligned(out) &&
+      aligned(dout) && aligned(dq) && aligned(dk) && aligned(dv)) {
+    return ByFloatType(type, "FlashAttentionBackward", [&](auto t) {
+      using T = decltype(t);
+      if constexpr (std::is_same_v<T, float>) {
+        return absl::InternalError("FlashAttentionBackward: no tensor-core kernel for f32");
+      } else {
+        return ByMmaHeadDim(d, [&](auto dim) {
+          constexpr int kD = decltype(dim)::value;
+          Launch(FlashBackwardDqMmaKernel<kD, T>, *grid, kMmaThreads, stream, static_cast<const T*>(q), static_cast<const T*>(k),
+                 static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(dout), lse, delta,
+                 static_cast<T*>(dq), s, hq, hkv, scale, causal);
+          RETURN_IF(Finish("FlashBackwardDqMmaKernel"));
+          Launch(FlashBackwardDkvMmaKernel<kD, T>, kv_grid, kMmaThreads, stream, static_cast<const T*>(q), static_cast<const T*>(k),
+                 static_cast<const T*>(v), static_cast<const T*>(dout), lse, static_cast<const float*>(delta),
+                 static_cast<T*>(dk), static_cast<T*>(dv), s, hq, hkv, scale, causal);
+          return Finish("FlashBackwardDkvMmaKernel");
+        });
+      }
+    });
+  }
   return ByFloatType(type, "FlashAttentionBackward", [&](auto t) {
     using T = decltype(t);
     return ByHeadDim(d, [&](auto dim) {

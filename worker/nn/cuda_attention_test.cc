@@ -1,7 +1,8 @@
 // The fused attention kernel (kernels/cuda FlashAttention and its backward)
 // on a CUDA device against the per-head reference (GEMMs and softmax) on the
 // CPU, in values and in the gradients of q, k and v: causal and
-// bidirectional masks, grouped-query heads, head dims 64 and 128, and
+// bidirectional masks, grouped-query heads, head dims 64, 80, 96 and 128 (the
+// tensor-core kernels' in bf16 and f16) and 8 and 256 (the scalar ones'), and
 // sequence lengths that are not multiples of the kernels' tiles (64 query
 // rows a block, 64 or 32 keys a tile). CI runs it under the CUDA emulation.
 #include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
@@ -119,7 +120,8 @@ TEST_P(CudaAttention, HalfOperandsStayHalfAndMatchTheF32Reference) {
       for (float x : b) scale = std::max(scale, std::fabs(x));
       // out: rounding of the inputs, of P before P V (the tensor-core path
       // multiplies P in the operand type, as FlashAttention-2 does) and of
-      // the output; the gradients: and of out.
+      // the output; the gradients: and of out, and of P and dS before the
+      // products that give dv, dq and dk.
       const double tol = i == 0 ? 2 * ulp : 4 * ulp;
       for (size_t j = 0; j < a.size(); ++j) {
         ASSERT_NEAR(a[j], b[j], tol * (std::fabs(b[j]) + 0.1 * scale)) << names[i] << " at " << j;
@@ -133,6 +135,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{1, 67, 4, 4, 64, true}, Case{1, 67, 4, 4, 64, false},
                       Case{2, 100, 4, 2, 128, true},   // GQA, 2 query heads a kv head
                       Case{1, 100, 8, 2, 128, false},  // GQA, 4 a kv head
+                      Case{1, 70, 4, 2, 80, true},     // the tensor-core path's other head dims
+                      Case{2, 90, 3, 3, 96, false},
                       Case{2, 45, 3, 1, 8, true},      // multi-query, a small head
                       Case{1, 130, 2, 2, 256, true}),  // the largest fused head dim
     [](const auto& info) {
@@ -166,33 +170,55 @@ TEST(CudaAttentionLaunches, OneKernelForwardTwoBackward) {
   }
 }
 
-// bf16 and f16 at head dims 64 and 128 compute on the tensor-core path:
+// bf16 and f16 at head dims 64, 80, 96 and 128 compute on the tensor-core path:
 // every product by mma.sync: per warp and 64-key tile, (d / 16) * 8 for
 // S = Q K^T (16 x 64) and as many for P V (16 x d), 4 warps per 64 query
 // rows; f32 and other head dims stay on the scalar kernel.
+//
+// The backward too: the dq kernel per warp (16 query rows) and tile of n
+// keys (n = 64 at d 64, 32 above): S = Q K^T and dP = dout V^T, (d / 16)
+// (n / 8) each, and dQ += dS K, as many; the dk/dv kernel per warp (16 keys)
+// and tile of n queries of each query head: S^T, dP^T, dV += P^T dout and
+// dK += dS^T Q, (d / 16) (n / 8) each. Causal: row block r of the dq kernel
+// walks the keys up to its last row, the dk/dv kernel's key block r the
+// queries from its first key on.
 TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSync) {
   if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   struct Run {
     DType t;
     int64_t d;
-    uint64_t mmas;
+    uint64_t forward, backward;
   };
-  // b 1, s 100 (two row blocks and two key tiles), hq 2, hkv 1, causal: row
-  // block 0 walks one key tile, row block 1 two.
-  const auto per_tile = [](int64_t d) { return static_cast<uint64_t>(d / 16 * 8 * 2) * 4; };
-  for (Run r : {Run{DType::kBF16, 64, 2 * 3 * per_tile(64)}, Run{DType::kF16, 128, 2 * 3 * per_tile(128)},
-                Run{DType::kF32, 64, 0}, Run{DType::kBF16, 32, 0}}) {
+  // b 1, s 100 (two row blocks), hq 2, hkv 1, causal: row block 0 walks one
+  // 64-key tile forward, row block 1 two.
+  constexpr int64_t kSeq = 100, kHeads = 2, kWarps = 4;
+  const auto forward = [](int64_t d) { return static_cast<uint64_t>(kHeads * 3 * kWarps * (d / 16) * 8 * 2); };
+  const auto backward = [](int64_t d) {
+    const int64_t n = d <= 64 ? 64 : 32, unit = (d / 16) * (n / 8);
+    const auto tiles = [n](int64_t from, int64_t to) { return (to - from + n - 1) / n; };
+    const int64_t dq_tiles = tiles(0, 64) + tiles(0, kSeq);        // row blocks 0 and 1
+    const int64_t dkv_tiles = tiles(0, kSeq) + tiles(64, kSeq);    // key blocks 0 and 1
+    return static_cast<uint64_t>(kHeads * kWarps * (dq_tiles * 3 * unit + dkv_tiles * 4 * unit));
+  };
+  for (Run r : {Run{DType::kBF16, 64, forward(64), backward(64)}, Run{DType::kF16, 128, forward(128), backward(128)},
+                Run{DType::kBF16, 96, forward(96), backward(96)}, Run{DType::kF32, 64, 0, 0},
+                Run{DType::kBF16, 32, 0, 0}}) {
     SCOPED_TRACE(std::string(DTypeName(r.t)) + " d" + std::to_string(r.d));
     const Device dev = Device::Cuda(0);
-    Variable q(*Tensor::RandomNormal({1, 100, 2, r.d}, 1, r.t, dev), false);
-    Variable k(*Tensor::RandomNormal({1, 100, 1, r.d}, 2, r.t, dev), false);
-    Variable v(*Tensor::RandomNormal({1, 100, 1, r.d}, 3, r.t, dev), false);
+    Variable q(*Tensor::RandomNormal({1, kSeq, kHeads, r.d}, 1, r.t, dev), true);
+    Variable k(*Tensor::RandomNormal({1, kSeq, 1, r.d}, 2, r.t, dev), true);
+    Variable v(*Tensor::RandomNormal({1, kSeq, 1, r.d}, 3, r.t, dev), true);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const uint64_t before = colod_cuda_emu::GetCounters().warp_mmas;
     absl::StatusOr<Variable> out = Attention(q, k, v, 0.125f, /*causal=*/true);
     ASSERT_TRUE(out.ok()) << out.status();
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(colod_cuda_emu::GetCounters().warp_mmas - before, r.mmas);
+    const uint64_t after_forward = colod_cuda_emu::GetCounters().warp_mmas;
+    EXPECT_EQ(after_forward - before, r.forward);
+    const Tensor dout = *Tensor::RandomNormal(out->value().shape(), 4, r.t, dev);
+    ASSERT_TRUE(Backward(*out, dout).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(colod_cuda_emu::GetCounters().warp_mmas - after_forward, r.backward);
   }
 }
 #endif
