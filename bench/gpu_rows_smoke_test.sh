@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The benchmarks' GPU rows run end to end (in CI on the CUDA emulation, on
-# GPUs where they are): bench:layers' bf16 MLP and GPT-2 block rows, and bench:train's smoke
+# GPUs where they are): bench:layers' bf16 MLP and GPT-2 block rows, its attention and
+# memory-bound kernels' rows, and bench:train's smoke
 # rows (tiny GPT-2 and LLaMA in bf16 at tp=1 and tp=2). What they compute is
 # tested by the layers' and the trainer's own tests; this holds the
 # benchmarks' wiring (devices, NCCL groups, the peak measurement), which only
@@ -11,12 +12,13 @@ fail() { printf 'FAIL: %s\n' "$1"; printf '%s\n' "$2"; exit 1; }
 
 # A build with CUDA on a machine without a GPU: nothing to run (the GPU
 # tests skip there too).
-out=$("$layers" --cpu_rows=false --gpt2_block=false --attention=false --tokens 64 --hidden 64 --steps 1 2>&1) || fail "bench:layers exited $?" "$out"
+out=$("$layers" --cpu_rows=false --gpt2_block=false --attention=false --bandwidth=false --tokens 64 --hidden 64 --steps 1 2>&1) || fail "bench:layers exited $?" "$out"
 if grep -q '^no CUDA device' <<<"$out"; then
   echo "SKIP: no CUDA device"
   exit 0
 fi
-out=$("$layers" --cpu_rows=false --hidden 64 --tokens 64 --seq 32 --steps 1 --attention_seq 80 --attention_batch 1 2>&1) ||
+out=$("$layers" --cpu_rows=false --hidden 64 --tokens 64 --seq 32 --steps 1 --attention_seq 80 --attention_batch 1 \
+  --bandwidth_rows 64 2>&1) ||
   fail "bench:layers exited $?" "$out"
 for block in mlp_block gpt2_block; do
   grep -qE "^GPU \(cuda:0\), bf16, tp=1, $block( \(seq 32\))?: step [0-9.]+ ms" <<<"$out" ||
@@ -25,6 +27,12 @@ done
 for shape in "16 +128" "32 +64"; do  # the attention rows: batch, seq, heads, dim, then forward and backward
   grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$" <<<"$out" ||
     fail "bench:layers printed no attention row of heads and dim $shape" "$out"
+done
+grep -qE '^GPU \(cuda:0\) memory-bound kernels, bf16, 64 tokens \(copy bandwidth [0-9]+ GB/s' <<<"$out" ||
+  fail "bench:layers printed no memory-bound table" "$out"
+for row in "bias_grad +\[64, 768\]" "bias_grad +\[64, 3072\]" "bias_gelu_backward +\[64, 3072\]" \
+  "norm_param_grad \(layer norm\) +\[64, 768\]"; do
+  grep -qE "^$row +[0-9.]+ +[0-9]+ +[0-9.]+%$" <<<"$out" || fail "bench:layers printed no memory-bound row $row" "$out"
 done
 
 # Two emulated devices (the emulation's default is 4); a real machine has its own.

@@ -64,6 +64,10 @@ ABSL_FLAG(bool, gpt2_block, true, "Also run the whole GPT-2 block's table.");
 ABSL_FLAG(bool, attention, true, "On a GPU, also run the fused attention's rows (bf16, causal).");
 ABSL_FLAG(int, attention_seq, 2048, "The attention rows' sequence length.");
 ABSL_FLAG(int, attention_batch, 4, "The attention rows' batch.");
+ABSL_FLAG(bool, bandwidth, true,
+          "On a GPU, also run the column reductions' rows (bias and norm-parameter gradients, GELU backward "
+          "with the bias gradient) against the device's copy bandwidth.");
+ABSL_FLAG(int, bandwidth_rows, 8192, "The bandwidth rows' token count (GPT-2 124M's 8 x 1024).");
 ABSL_FLAG(bool, cpu_rows, true,
           "Run the CPU tables (false: only the GPU row, e.g. at --hidden 4096 --tokens 8192 on a GPU machine).");
 ABSL_FLAG(std::string, block, "mlp", "Internal: the block of a multi-process row (mlp or gpt2).");
@@ -593,6 +597,89 @@ bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
   return true;
 }
 
+// The memory-bound kernels outside the GEMMs and the attention on `gpu`, in
+// bf16 at GPT-2 124M's shapes (--bandwidth_rows tokens, hidden 768, MLP
+// 3072): each one's bytes read and written once per second, against the
+// device's copy bandwidth measured in the same run (a device-to-device copy
+// of 256 MiB at the default token count, read + write). Medians of --steps timed runs after a warm-up,
+// each between device synchronizations.
+bool RunBandwidthRows(Device gpu, bool json) {
+  const int steps = std::max(1, absl::GetFlag(FLAGS_steps));
+  auto time = [&](auto fn) -> absl::StatusOr<double> {
+    std::vector<double> t;
+    for (int i = 0; i <= steps; ++i) {
+      RETURN_IF_ERROR(kernels::CudaSynchronize(gpu.index));
+      const absl::Time start = absl::Now();
+      RETURN_IF_ERROR(fn());
+      RETURN_IF_ERROR(kernels::CudaSynchronize(gpu.index));
+      if (i > 0) t.push_back(absl::ToDoubleSeconds(absl::Now() - start));
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  auto fail = [](const absl::Status& s) {
+    std::fprintf(stderr, "bandwidth row: %s\n", s.ToString().c_str());
+    return false;
+  };
+  const int64_t rows = std::max(1, absl::GetFlag(FLAGS_bandwidth_rows));
+  // The copy: 128 Mi bf16 elements (less for a small --bandwidth_rows), read and written.
+  const int64_t copy_elems = std::min(int64_t{128} << 20, 16 * rows * 3072);
+  absl::StatusOr<Tensor> src = Tensor::Zeros({copy_elems}, DType::kBF16, gpu);
+  absl::StatusOr<Tensor> dst = Tensor::Zeros({copy_elems}, DType::kBF16, gpu);
+  if (!src.ok() || !dst.ok()) return fail(src.ok() ? dst.status() : src.status());
+  absl::StatusOr<double> copy = time([&] { return dst->CopyFrom(*src); });
+  if (!copy.ok()) return fail(copy.status());
+  const double copy_gbs = 2.0 * copy_elems * 2 / *copy / 1e9;
+  src = dst = absl::CancelledError("freed");  // the copy's 512 MiB back to the pool
+  if (!json) {
+    std::printf("\nGPU (cuda:0) memory-bound kernels, bf16, %d tokens (copy bandwidth %.0f GB/s, same run):\n"
+                "%-34s %14s  %9s %9s %9s\n",
+                absl::GetFlag(FLAGS_bandwidth_rows), copy_gbs, "kernel", "shape", "time (us)", "GB/s", "of copy");
+  }
+  struct Row {
+    const char* name;
+    int64_t n;
+  };
+  for (Row row : {Row{"bias_grad", 768}, Row{"bias_grad", 3072}, Row{"bias_gelu_backward", 3072},
+                  Row{"norm_param_grad (layer norm)", 768}}) {
+    auto make = [&](const Shape& shape, uint64_t seed) { return Tensor::RandomNormal(shape, seed, DType::kBF16, gpu); };
+    absl::StatusOr<Tensor> dy = make({rows, row.n}, 1), x = make({rows, row.n}, 2), b = make({row.n}, 3);
+    absl::StatusOr<Tensor> mean = Tensor::RandomNormal({rows}, 4, DType::kF32, gpu);
+    absl::StatusOr<Tensor> rstd = Tensor::RandomNormal({rows}, 5, DType::kF32, gpu);
+    for (const auto* t : {&dy, &x, &b, &mean, &rstd}) {
+      if (!t->ok()) return fail(t->status());
+    }
+    const double elems = static_cast<double>(rows) * row.n;
+    double bytes = 0;  // read and written once
+    absl::StatusOr<double> t = absl::UnknownError("no kernel");
+    const std::string name = row.name;
+    if (name == "bias_grad") {
+      bytes = elems * 2 + row.n * 2.0;
+      t = time([&]() -> absl::Status { return ops::BiasGrad(*dy).status(); });
+    } else if (name == "bias_gelu_backward") {
+      bytes = elems * 2 * 3 + row.n * 2.0 * 2;  // dy, x read, dx written; b read, db written
+      t = time([&]() -> absl::Status { return ops::BiasGeluBackward(*dy, *x, *b, ops::GeluApprox::kTanh).status(); });
+    } else {
+      bytes = elems * 2 * 2 + rows * 4.0 * 2 + row.n * 4.0 * 2;  // dy, x; mean, rstd; dgamma, dbeta (f32)
+      t = time([&]() -> absl::Status { return ops::NormParamGrad(*dy, *x, *mean, *rstd, /*beta=*/true).status(); });
+    }
+    if (!t.ok()) return fail(t.status());
+    const double gbs = bytes / *t / 1e9;
+    if (json) {
+      std::printf("{\"bench\":\"memory_bound\",\"kernel\":\"%s\",\"dtype\":\"bf16\",\"device\":\"cuda:0\","
+                  "\"rows\":%lld,\"cols\":%lld,\"seconds\":%.7f,\"gb_per_s\":%.1f,\"copy_gb_per_s\":%.1f,"
+                  "\"fraction_of_copy\":%.4f}\n",
+                  row.name, static_cast<long long>(rows), static_cast<long long>(row.n), *t, gbs, copy_gbs,
+                  gbs / copy_gbs);
+    } else {
+      std::printf("%-34s %14s  %9.1f %9.0f %8.1f%%\n", row.name,
+                  absl::StrCat("[", rows, ", ", row.n, "]").c_str(), *t * 1e6, gbs, 100 * gbs / copy_gbs);
+    }
+    std::fflush(stdout);
+  }
+  return true;
+}
+
 // Where a GPU is present, on cuda:0 in bf16 at tp=1: the MLP block, and with
 // --gpt2_block the whole GPT-2 block (attention included), each against
 // cuBLAS's bf16 GEMM on the MLP's shape in the same run. Returns main's exit
@@ -650,6 +737,7 @@ int RunGpuRow(int64_t t, int64_t h, double flops, bool json) {
   }
   if (!dir.empty()) (void)std::system(("rm -rf " + dir).c_str());
   if (absl::GetFlag(FLAGS_attention) && !RunAttentionRows(gpu, gpu_peak, json)) rc = 1;
+  if (absl::GetFlag(FLAGS_bandwidth) && !RunBandwidthRows(gpu, json)) rc = 1;
   return rc;
 }
 
@@ -662,7 +750,8 @@ int main(int argc, char** argv) {
                     "in 1d, 2d, 2.5d and 3d, vs sgemm peak.\n\nUsage:\n"
                     "  bazel run -c opt //bench:layers [-- --json] [-- --steps N] [-- --tokens T --hidden H]\n"
                     "    [-- --seq S] [-- --all_modes=false] [-- --gpt2_block=false] [-- --cpu_rows=false]\n"
-                    "    [-- --attention=false] [-- --attention_seq S --attention_batch B]\n");
+                    "    [-- --attention=false] [-- --attention_seq S --attention_batch B]\n"
+                    "    [-- --bandwidth=false] [-- --bandwidth_rows T]\n");
   if (absl::GetFlag(FLAGS_rank) >= 0) return colod::RankMain();
   const bool json = absl::GetFlag(FLAGS_json);
   const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);

@@ -58,17 +58,38 @@ __global__ void BiasAddKernel(In<T> x, In<T> b, Out<T> y, int64_t total, int64_t
   GRID_STRIDE(i, total) { y[i] = x[i] + b[i % n]; }
 }
 
-// Column reductions (bias and norm-parameter gradients) over [rows, n]: a
-// block owns kColumns adjacent columns and its kThreads / kColumns row lanes
-// split the rows (lane l sums rows l, l + lanes, ...; a warp reads 32
-// adjacent columns of one row, coalesced), then the lanes' partial sums are
-// added in lane order. Sums run in double in a fixed order: deterministic.
+// Column reductions (bias and norm-parameter gradients) over [rows, n], in
+// two levels over a grid that fills the GPU: block (x, y) owns kColumns
+// adjacent columns (x) of a chunk of the rows (y), and its kThreads /
+// kColumns row lanes split the chunk (lane l sums its rows l, l + lanes, ...;
+// a warp reads 32 adjacent columns of one row, coalesced); the lanes'
+// partial sums are added in lane order (SumOverLanes). With more than one
+// chunk each block writes its sums to scratch, and the last block of a
+// column group to finish (a counter) adds the chunks' in chunk order
+// (CombineChunks). Sums run in double in an order fixed by the shape alone:
+// deterministic, whichever block finishes last. GPT-2 124M's [8192, 768]
+// bias gradient was 24 blocks of 8192 rows; now 24 x 43 of 191.
 constexpr int kColumns = 32;
 constexpr int kRowLanes = kThreads / kColumns;
+constexpr int64_t kColumnTargetBlocks = 1024;  // a few waves of an H100's 132 SMs
+constexpr int64_t kColumnMinChunkRows = 128;   // 16 rows a lane at least
 
 unsigned ColumnBlocks(int64_t n) {
   const int64_t b = (n + kColumns - 1) / kColumns;
   return static_cast<unsigned>(b < 1 ? 1 : b);
+}
+
+// A two-level reduction's scratch (none with one chunk): `values` doubles per
+// column and chunk, and a counter of finished chunks per column block.
+struct ColumnScratch {
+  double* partials = nullptr;
+  unsigned* done = nullptr;
+};
+
+// The rows [r0, r1) of this block's chunk.
+__device__ __forceinline__ void ChunkRows(int64_t rows, int64_t chunk_rows, int64_t& r0, int64_t& r1) {
+  r0 = blockIdx.y * chunk_rows;
+  r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
 }
 
 // Adds the lanes' partials of this thread's column: lane 0 returns the total.
@@ -84,16 +105,56 @@ __device__ double SumOverLanes(double v, double* shared) {
   return total;
 }
 
+// The second level: v holds kV sums of this thread's column over the
+// block's chunk (lane 0's, from SumOverLanes). With one chunk they are the
+// totals: true. Otherwise they go to the scratch, and the block of the
+// column group that finishes last adds every chunk's in chunk order (the
+// lanes split the chunks as they split rows) and returns true with the
+// totals in v (lane 0's); the others return false. Every thread of the block
+// calls it (it holds barriers).
+template <int kV>
+__device__ bool CombineChunks(double (&v)[kV], double* shared, const ColumnScratch& scratch, int64_t j, int64_t n) {
+  if (gridDim.y == 1) return true;
+  const int lane = threadIdx.x / kColumns;
+  const int64_t chunks = gridDim.y;
+  if (lane == 0 && j < n) {
+#pragma unroll
+    for (int k = 0; k < kV; ++k) scratch.partials[(k * chunks + blockIdx.y) * n + j] = v[k];
+  }
+  __threadfence();  // the partials before the count, for the block that reads them
+  __syncthreads();
+  if (threadIdx.x == 0) shared[0] = atomicAdd(&scratch.done[blockIdx.x], 1u) == chunks - 1 ? 1.0 : 0.0;
+  __syncthreads();
+  const bool last = shared[0] != 0.0;
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();
+  const volatile double* partials = scratch.partials;  // written by other blocks: not from a stale cache
+#pragma unroll
+  for (int k = 0; k < kV; ++k) {
+    double t = 0;
+    if (j < n) {
+      for (int64_t c = lane; c < chunks; c += kRowLanes) t += partials[(k * chunks + c) * n + j];
+    }
+    v[k] = SumOverLanes(t, shared);
+  }
+  return true;
+}
+
 template <typename T>
-__global__ void ColumnSumKernel(In<T> dy, Out<T> db, int64_t rows, int64_t n) {
+__global__ void ColumnSumKernel(In<T> dy, Out<T> db, int64_t rows, int64_t n, int64_t chunk_rows,
+                                ColumnScratch scratch) {
   __shared__ double shared[kThreads];
   const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
-  double s = 0;
+  int64_t r0, r1;
+  ChunkRows(rows, chunk_rows, r0, r1);
+  double s[1] = {0};
   if (j < n) {
-    for (int64_t r = threadIdx.x / kColumns; r < rows; r += kRowLanes) s += dy[r * n + j];
+    for (int64_t r = r0 + threadIdx.x / kColumns; r < r1; r += kRowLanes) s[0] += dy[r * n + j];
   }
-  s = SumOverLanes(s, shared);
-  if (j < n && threadIdx.x < kColumns) db[j] = static_cast<float>(s);
+  s[0] = SumOverLanes(s[0], shared);
+  if (!CombineChunks(s, shared, scratch, j, n)) return;
+  if (j < n && threadIdx.x < kColumns) db[j] = static_cast<float>(s[0]);
 }
 
 // y = GELU(x + b) over [total / n, n]; b null: GELU(x).
@@ -112,21 +173,24 @@ __global__ void GeluBackwardKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, int64_
 // in ColumnSumKernel's layout (the f32 values are summed, in double).
 template <typename T>
 __global__ void GeluBackwardBiasKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, Out<T> db, int64_t rows, int64_t n,
-                                       bool tanh_approx) {
+                                       bool tanh_approx, int64_t chunk_rows, ColumnScratch scratch) {
   __shared__ double shared[kThreads];
   const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
-  double s = 0;
+  int64_t r0, r1;
+  ChunkRows(rows, chunk_rows, r0, r1);
+  double s[1] = {0};
   if (j < n) {
     const float bj = b ? b[j] : 0.0f;
-    for (int64_t r = threadIdx.x / kColumns; r < rows; r += kRowLanes) {
+    for (int64_t r = r0 + threadIdx.x / kColumns; r < r1; r += kRowLanes) {
       const int64_t i = r * n + j;
       const float g = dy[i] * GeluSlopeAt(x[i] + bj, tanh_approx);
       dx[i] = g;
-      s += g;
+      s[0] += g;
     }
   }
-  s = SumOverLanes(s, shared);
-  if (j < n && threadIdx.x < kColumns) db[j] = static_cast<float>(s);
+  s[0] = SumOverLanes(s[0], shared);
+  if (!CombineChunks(s, shared, scratch, j, n)) return;
+  if (j < n && threadIdx.x < kColumns) db[j] = static_cast<float>(s[0]);
 }
 
 template <typename T>
@@ -201,22 +265,25 @@ __global__ void LayerNormBackwardKernel(In<T> dy, In<T> x, In<T> g, const float*
 // x * rstd for RMSNorm when mean is null); columns split as ColumnSumKernel.
 template <typename T, typename G>
 __global__ void NormParamGradKernel(In<T> dy, In<T> x, const float* mean, const float* rstd, Out<G> dg, Out<G> db,
-                                    int64_t rows, int64_t n) {
+                                    int64_t rows, int64_t n, int64_t chunk_rows, ColumnScratch scratch) {
   __shared__ double shared[kThreads];
   const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
-  double sg = 0, sb = 0;
+  int64_t r0, r1;
+  ChunkRows(rows, chunk_rows, r0, r1);
+  double s[2] = {0, 0};  // dgamma's, dbeta's
   if (j < n) {
-    for (int64_t r = threadIdx.x / kColumns; r < rows; r += kRowLanes) {
+    for (int64_t r = r0 + threadIdx.x / kColumns; r < r1; r += kRowLanes) {
       const float xhat = (x[r * n + j] - (mean ? mean[r] : 0.0f)) * rstd[r];
-      sg += static_cast<double>(dy[r * n + j]) * xhat;
-      sb += dy[r * n + j];
+      s[0] += static_cast<double>(dy[r * n + j]) * xhat;
+      s[1] += dy[r * n + j];
     }
   }
-  sg = SumOverLanes(sg, shared);
-  sb = SumOverLanes(sb, shared);
+  s[0] = SumOverLanes(s[0], shared);
+  s[1] = SumOverLanes(s[1], shared);
+  if (!CombineChunks(s, shared, scratch, j, n)) return;
   if (j < n && threadIdx.x < kColumns) {
-    dg[j] = static_cast<float>(sg);
-    if (db) db[j] = static_cast<float>(sb);
+    dg[j] = static_cast<float>(s[0]);
+    if (db) db[j] = static_cast<float>(s[1]);
   }
 }
 
@@ -547,8 +614,8 @@ __device__ void StageRows(float (*tile)[kD], Src base, int64_t stride, int64_t j
 
 // The keys query row i sees (all, or j <= i when causal) for the block of
 // kAttnRows query rows it is in: stages each tile of kv head (bi, kvh)'s k
-// and v rows in ks and vs, then calls visit(r) for each row r of the tile
-// that row i sees (none for an inactive thread). Every thread of the block
+// and v rows in ks and vs, then calls visit(r, j) for each row r of the tile
+// that row i sees, key j = j0 + r (none for an inactive thread). Every thread of the block
 // calls it: it holds the block's barriers.
 template <int kD, int kT, typename T, typename Visit>
 __device__ __forceinline__ void ForEachVisibleKey(float (*ks)[kD], float (*vs)[kD], In<T> k, In<T> v,
@@ -564,7 +631,7 @@ __device__ __forceinline__ void ForEachVisibleKey(float (*ks)[kD], float (*vs)[k
     __syncthreads();
     int64_t n = s - j0 < kT ? s - j0 : kT;
     if (causal && i - j0 + 1 < n) n = i - j0 + 1;
-    for (int r = 0; active && r < n; ++r) visit(r);
+    for (int r = 0; active && r < n; ++r) visit(r, j0 + r);
     __syncthreads();
   }
 }
@@ -574,7 +641,7 @@ __device__ __forceinline__ void ForEachVisibleKey(float (*ks)[kD], float (*vs)[k
 // exp(score - m) v; a larger score rescales both.
 template <int kD, typename T>
 __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float* lse, int64_t s, int64_t hq,
-                                   int64_t hkv, int d, float scale, bool causal) {
+                                   int64_t hkv, int d, float scale, bool causal, const float* alibi) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float ks[kT][kD];
   __shared__ float vs[kT][kD];
@@ -589,8 +656,9 @@ __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float*
     acc[c] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r) {
-    float sc = 0.0f;
+  const float slope = alibi != nullptr ? alibi[h] : 0.0f;
+  ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r, int64_t j) {
+    float sc = slope * static_cast<float>(j - i);
 #pragma unroll
     for (int c = 0; c < kD; ++c) sc += qi[c] * ks[r][c];
     if (sc > m) {
@@ -772,7 +840,7 @@ __device__ __forceinline__ void StoreRows(T* base, int64_t stride, int64_t row0,
 template <int kD, typename T>
 __global__ void __launch_bounds__(kMmaThreads)
     FlashForwardMmaKernel(const T* q, const T* k, const T* v, T* out, float* lse, int64_t s, int64_t hq, int64_t hkv,
-                          float scale, bool causal) {
+                          float scale, bool causal, const float* alibi) {
   constexpr int kStride = kD + kMmaPad;
   static_assert(kD % 16 == 0 && kD <= kMmaMaxD, "head dim");
   uint16_t(*ks)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
@@ -798,6 +866,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const float scale2 = scale * 1.4426950408889634f;  // scores in base 2
+  const float slope2 = alibi != nullptr ? alibi[h] * 1.4426950408889634f : 0.0f;
   const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
   for (int64_t j0 = 0; j0 < keys; j0 += kMmaKeys) {
     StageMmaTile<kD>(ks, kb, hkv * kD, j0, s);
@@ -814,7 +883,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
-        float x = sc[j][i] * scale2;
+        float x = sc[j][i] * scale2 + slope2 * static_cast<float>(key - rows[i / 2]);
         if (key >= s || (causal && key > rows[i / 2])) x = -INFINITY;
         sc[j][i] = x;
         mx[i / 2] = fmaxf(mx[i / 2], x);
@@ -887,7 +956,8 @@ constexpr int kBwdTile = kD <= 64 ? 64 : 32;
 template <int kD, typename T>
 __global__ void __launch_bounds__(kMmaThreads)
     FlashBackwardDqMmaKernel(const T* q, const T* k, const T* v, const T* out, const T* dout, const float* lse,
-                             float* delta, T* dq, int64_t s, int64_t hq, int64_t hkv, float scale, bool causal) {
+                             float* delta, T* dq, int64_t s, int64_t hq, int64_t hkv, float scale, bool causal,
+                             const float* alibi) {
   constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>;
   __shared__ float row_delta[kMmaRows];
   uint16_t(*tile_a)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
@@ -936,6 +1006,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const float scale2 = scale * 1.4426950408889634f;
+  const float slope2 = alibi != nullptr ? alibi[h] * 1.4426950408889634f : 0.0f;
   const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
   for (int64_t j0 = 0; j0 < keys; j0 += kN) {
     StageMmaTile<kD, kN>(ks, kb, hkv * kD, j0, s);
@@ -956,7 +1027,8 @@ __global__ void __launch_bounds__(kMmaThreads)
       for (int i = 0; i < 4; ++i) {
         const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
         const bool masked = key >= s || (causal && key > rows[i / 2]);
-        const float p = masked ? 0.0f : exp2f(sc[j][i] * scale2 - lse2[i / 2]);
+        const float x = sc[j][i] * scale2 + slope2 * static_cast<float>(key - rows[i / 2]);
+        const float p = masked ? 0.0f : exp2f(x - lse2[i / 2]);
         sc[j][i] = p * (dp[j][i] - dlt[i / 2]);
       }
     }
@@ -972,7 +1044,7 @@ template <int kD, typename T>
 __global__ void __launch_bounds__(kMmaThreads)
     FlashBackwardDkvMmaKernel(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                               const float* delta, T* dk, T* dv, int64_t s, int64_t hq, int64_t hkv, float scale,
-                              bool causal) {
+                              bool causal, const float* alibi) {
   constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>;
   __shared__ float tile_lse2[kBwdTile<kD>];
   __shared__ float tile_delta[kBwdTile<kD>];
@@ -1007,6 +1079,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     const int64_t qoff = (bi * s * hq + h) * kD;
     const float* lb = lse + (bi * hq + h) * s;
     const float* db = delta + (bi * hq + h) * s;
+    const float slope2 = alibi != nullptr ? alibi[h] * 1.4426950408889634f : 0.0f;
     for (int64_t i0 = first; i0 < s; i0 += kN) {
       StageMmaTile<kD, kN>(qs, reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, i0, s);
       StageMmaTile<kD, kN>(gs, reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, i0, s);
@@ -1031,7 +1104,8 @@ __global__ void __launch_bounds__(kMmaThreads)
           const int col = 8 * j + 2 * pair + i % 2;
           const int64_t query = i0 + col;
           const bool masked = query >= s || (causal && query < keys[i / 2]);
-          const float p = masked ? 0.0f : exp2f(st[j][i] * scale2 - tile_lse2[col]);
+          const float x = st[j][i] * scale2 + slope2 * static_cast<float>(keys[i / 2] - query);
+          const float p = masked ? 0.0f : exp2f(x - tile_lse2[col]);
           st[j][i] = p;
           dpt[j][i] = p * (dpt[j][i] - tile_delta[col]);
         }
@@ -1050,7 +1124,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 template <int kD, typename T>
 __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T> dout, const float* lse, float* delta,
                                       Out<T> dq, int64_t s, int64_t hq, int64_t hkv, int d, float scale,
-                                      bool causal) {
+                                      bool causal, const float* alibi) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float ks[kT][kD];
   __shared__ float vs[kT][kD];
@@ -1069,14 +1143,15 @@ __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T
   }
   const float li = active ? lse[(bi * hq + h) * s + i] : 0.0f;
   if (active) delta[(bi * hq + h) * s + i] = di;
-  ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r) {
+  const float slope = alibi != nullptr ? alibi[h] : 0.0f;
+  ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r, int64_t j) {
     float sc = 0.0f, dp = 0.0f;
 #pragma unroll
     for (int c = 0; c < kD; ++c) {
       sc += qi[c] * ks[r][c];
       dp += doi[c] * vs[r][c];
     }
-    const float ds = expf(scale * sc - li) * (dp - di);
+    const float ds = expf(scale * sc + slope * static_cast<float>(j - i) - li) * (dp - di);
 #pragma unroll
     for (int c = 0; c < kD; ++c) dqi[c] += ds * ks[r][c];
   });
@@ -1093,7 +1168,7 @@ __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T
 template <int kD, typename T>
 __global__ void FlashBackwardDkvKernel(In<T> q, In<T> k, In<T> v, In<T> dout, const float* lse, const float* delta,
                                        Out<T> dk, Out<T> dv, int64_t s, int64_t hq, int64_t hkv, int d, float scale,
-                                       bool causal) {
+                                       bool causal, const float* alibi) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float qs[kT][kD];
   __shared__ float dos[kT][kD];
@@ -1119,6 +1194,7 @@ __global__ void FlashBackwardDkvKernel(In<T> q, In<T> k, In<T> v, In<T> dout, co
     const In<T> dob = dout + (bi * s * hq + h) * d;
     const float* lb = lse + (bi * hq + h) * s;
     const float* db = delta + (bi * hq + h) * s;
+    const float slope = alibi != nullptr ? alibi[h] : 0.0f;
     for (int64_t i0 = first; i0 < s; i0 += kT) {
       StageRows<kD, kT>(qs, qb, hq * d, i0, s, d);
       StageRows<kD, kT>(dos, dob, hq * d, i0, s, d);
@@ -1136,7 +1212,7 @@ __global__ void FlashBackwardDkvKernel(In<T> q, In<T> k, In<T> v, In<T> dout, co
           sc += qs[r][c] * kj[c];
           dp += dos[r][c] * vj[c];
         }
-        const float p = expf(scale * sc - ls[r]);
+        const float p = expf(scale * sc + slope * static_cast<float>(j - (i0 + r)) - ls[r]);
         const float ds = p * (dp - deltas[r]);
 #pragma unroll
         for (int c = 0; c < kD; ++c) {
@@ -1286,12 +1362,52 @@ absl::Status BiasAdd(int device, ElemType type, const void* x, const void* bias,
   });
 }
 
+// Launches a column reduction over [rows, n] of `values` sums per column:
+// launch(grid, chunk_rows, scratch) on the grid of ColumnSumKernel's comment,
+// with its scratch allocated and the counters zeroed before, and freed after
+// it in stream order (the pool's blocks are reused from the second step on).
+template <typename LaunchFn>
+absl::Status ColumnReduce(cudaStream_t stream, int64_t rows, int64_t n, int values, const char* name,
+                          LaunchFn launch) {
+  const unsigned x = ColumnBlocks(n);
+  int64_t chunks = (rows + kColumnMinChunkRows - 1) / kColumnMinChunkRows;
+  const int64_t fill = (kColumnTargetBlocks + x - 1) / x;
+  if (chunks > fill) chunks = fill;
+  if (chunks > 65535) chunks = 65535;
+  if (chunks < 1) chunks = 1;
+  const int64_t chunk_rows = chunks == 1 ? rows : (rows + chunks - 1) / chunks;
+  if (chunks > 1) chunks = (rows + chunk_rows - 1) / chunk_rows;  // none empty
+  ColumnScratch scratch;
+  if (chunks > 1) {
+    // chunks <= rows / 64 and n * rows elements exist: no overflow.
+    RETURN_IF(CudaCheck(cudaMallocAsync(reinterpret_cast<void**>(&scratch.partials),
+                                        static_cast<size_t>(values * chunks * n) * sizeof(double), stream),
+                        "cudaMallocAsync"));
+    absl::Status s = CudaCheck(cudaMallocAsync(reinterpret_cast<void**>(&scratch.done), x * sizeof(unsigned), stream),
+                               "cudaMallocAsync");
+    if (s.ok()) s = CudaCheck(cudaMemsetAsync(scratch.done, 0, x * sizeof(unsigned), stream), "cudaMemsetAsync");
+    if (!s.ok()) {
+      cudaFreeAsync(scratch.partials, stream);
+      if (scratch.done != nullptr) cudaFreeAsync(scratch.done, stream);
+      return s;
+    }
+  }
+  launch(dim3(x, static_cast<unsigned>(chunks)), chunk_rows, scratch);
+  absl::Status s = Finish(name);
+  if (chunks > 1) {  // after the kernel, in stream order
+    cudaFreeAsync(scratch.partials, stream);
+    cudaFreeAsync(scratch.done, stream);
+  }
+  return s;
+}
+
 absl::Status BiasGrad(int device, ElemType type, const void* dy, void* db, int64_t rows, int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "BiasGrad", [&](auto t) {
     using T = decltype(t);
-    Launch(ColumnSumKernel<T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), OutOf<T>(db), rows, n);
-    return Finish("ColumnSumKernel");
+    return ColumnReduce(stream, rows, n, 1, "ColumnSumKernel", [&](dim3 grid, int64_t chunk_rows, ColumnScratch s) {
+      Launch(ColumnSumKernel<T>, grid, kThreads, stream, InOf<T>(dy), OutOf<T>(db), rows, n, chunk_rows, s);
+    });
   });
 }
 
@@ -1314,9 +1430,11 @@ absl::Status GeluBackward(int device, ElemType type, const void* dy, const void*
   return ByFloatType(type, "GeluBackward", [&](auto t) {
     using T = decltype(t);
     if (db != nullptr) {
-      Launch(GeluBackwardBiasKernel<T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(bias),
-             OutOf<T>(dx), OutOf<T>(db), rows, n, tanh_approx);
-      return Finish("GeluBackwardBiasKernel");
+      return ColumnReduce(stream, rows, n, 1, "GeluBackwardBiasKernel",
+                          [&](dim3 grid, int64_t chunk_rows, ColumnScratch s) {
+                            Launch(GeluBackwardBiasKernel<T>, grid, kThreads, stream, InOf<T>(dy), InOf<T>(x),
+                                   InOf<T>(bias), OutOf<T>(dx), OutOf<T>(db), rows, n, tanh_approx, chunk_rows, s);
+                          });
     }
     if (rows == 0) return absl::OkStatus();
     Launch(GeluBackwardKernel<T>, Blocks(rows * n), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(bias),
@@ -1364,9 +1482,11 @@ absl::Status LayerNormBackward(int device, ElemType type, const void* dy, const 
     using T = decltype(t);
     Launch(LayerNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), mean,
            rstd, OutOf<T>(dx), rows, n);
-    Launch(NormParamGradKernel<T, T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), mean, rstd,
-           OutOf<T>(dg), OutOf<T>(db), rows, n);
-    return Finish("LayerNormBackwardKernel");
+    RETURN_IF(Finish("LayerNormBackwardKernel"));
+    return ColumnReduce(stream, rows, n, 2, "NormParamGradKernel", [&](dim3 grid, int64_t chunk_rows, ColumnScratch s) {
+      Launch(NormParamGradKernel<T, T>, grid, kThreads, stream, InOf<T>(dy), InOf<T>(x), mean, rstd, OutOf<T>(dg),
+             OutOf<T>(db), rows, n, chunk_rows, s);
+    });
   });
 }
 
@@ -1388,9 +1508,11 @@ absl::Status RmsNormBackward(int device, ElemType type, const void* dy, const vo
     using T = decltype(t);
     Launch(RmsNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), rstd,
            OutOf<T>(dx), rows, n);
-    Launch(NormParamGradKernel<T, T>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x),
-           static_cast<const float*>(nullptr), rstd, OutOf<T>(dg), Out<T>{nullptr}, rows, n);
-    return Finish("RmsNormBackwardKernel");
+    RETURN_IF(Finish("RmsNormBackwardKernel"));
+    return ColumnReduce(stream, rows, n, 2, "NormParamGradKernel", [&](dim3 grid, int64_t chunk_rows, ColumnScratch s) {
+      Launch(NormParamGradKernel<T, T>, grid, kThreads, stream, InOf<T>(dy), InOf<T>(x),
+             static_cast<const float*>(nullptr), rstd, OutOf<T>(dg), Out<T>{nullptr}, rows, n, chunk_rows, s);
+    });
   });
 }
 
@@ -1448,9 +1570,10 @@ absl::Status NormParamGrad(int device, ElemType type, const void* dy, const void
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "NormParamGrad", [&](auto t) {
     using T = decltype(t);
-    Launch(NormParamGradKernel<T, float>, ColumnBlocks(n), kThreads, stream, InOf<T>(dy), InOf<T>(x), mean, rstd,
-           Out<float>{dg}, Out<float>{db}, rows, n);
-    return Finish("NormParamGradKernel");
+    return ColumnReduce(stream, rows, n, 2, "NormParamGradKernel", [&](dim3 grid, int64_t chunk_rows, ColumnScratch s) {
+      Launch(NormParamGradKernel<T, float>, grid, kThreads, stream, InOf<T>(dy), InOf<T>(x), mean, rstd,
+             Out<float>{dg}, Out<float>{db}, rows, n, chunk_rows, s);
+    });
   });
 }
 
@@ -1586,7 +1709,7 @@ absl::Status Rope(int device, const float* x, float* y, int64_t b, int64_t s, in
 
 absl::Status FlashAttention(int device, ElemType type, const void* q, const void* k, const void* v, void* out,
                             float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
-                            bool causal) {
+                            bool causal, const float* alibi) {
   absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttention");
   if (!grid.ok()) return grid.status();
   if (b * s == 0) return absl::OkStatus();
@@ -1601,7 +1724,7 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
         return ByMmaHeadDim(d, [&](auto dim) {
           Launch(FlashForwardMmaKernel<decltype(dim)::value, T>, *grid, kMmaThreads, stream, static_cast<const T*>(q),
                  static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out), lse, s, hq, hkv, scale,
-                 causal);
+                 causal, alibi);
           return Finish("FlashForwardMmaKernel");
         });
       }
@@ -1611,7 +1734,7 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
     using T = decltype(t);
     return ByHeadDim(d, [&](auto dim) {
       Launch(FlashForwardKernel<decltype(dim)::value, T>, *grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k),
-             InOf<T>(v), OutOf<T>(out), lse, s, hq, hkv, static_cast<int>(d), scale, causal);
+             InOf<T>(v), OutOf<T>(out), lse, s, hq, hkv, static_cast<int>(d), scale, causal, alibi);
       return Finish("FlashForwardKernel");
     });
   });
@@ -1620,7 +1743,7 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
 absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, const void* k, const void* v,
                                     const void* out, const void* dout, const float* lse, float* delta, void* dq,
                                     void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
-                                    float scale, bool causal) {
+                                    float scale, bool causal, const float* alibi) {
   absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttentionBackward");
   if (!grid.ok()) return grid.status();
   if (b * s == 0) return absl::OkStatus();
@@ -1638,11 +1761,11 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
           constexpr int kD = decltype(dim)::value;
           Launch(FlashBackwardDqMmaKernel<kD, T>, *grid, kMmaThreads, stream, static_cast<const T*>(q), static_cast<const T*>(k),
                  static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(dout), lse, delta,
-                 static_cast<T*>(dq), s, hq, hkv, scale, causal);
+                 static_cast<T*>(dq), s, hq, hkv, scale, causal, alibi);
           RETURN_IF(Finish("FlashBackwardDqMmaKernel"));
           Launch(FlashBackwardDkvMmaKernel<kD, T>, kv_grid, kMmaThreads, stream, static_cast<const T*>(q), static_cast<const T*>(k),
                  static_cast<const T*>(v), static_cast<const T*>(dout), lse, static_cast<const float*>(delta),
-                 static_cast<T*>(dk), static_cast<T*>(dv), s, hq, hkv, scale, causal);
+                 static_cast<T*>(dk), static_cast<T*>(dv), s, hq, hkv, scale, causal, alibi);
           return Finish("FlashBackwardDkvMmaKernel");
         });
       }
@@ -1653,11 +1776,12 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
     return ByHeadDim(d, [&](auto dim) {
       constexpr int kD = decltype(dim)::value;
       Launch(FlashBackwardDqKernel<kD, T>, *grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k), InOf<T>(v),
-             InOf<T>(out), InOf<T>(dout), lse, delta, OutOf<T>(dq), s, hq, hkv, static_cast<int>(d), scale, causal);
+             InOf<T>(out), InOf<T>(dout), lse, delta, OutOf<T>(dq), s, hq, hkv, static_cast<int>(d), scale, causal,
+             alibi);
       RETURN_IF(Finish("FlashBackwardDqKernel"));
       Launch(FlashBackwardDkvKernel<kD, T>, kv_grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k), InOf<T>(v),
              InOf<T>(dout), lse, static_cast<const float*>(delta), OutOf<T>(dk), OutOf<T>(dv), s, hq, hkv,
-             static_cast<int>(d), scale, causal);
+             static_cast<int>(d), scale, causal, alibi);
       return Finish("FlashBackwardDkvKernel");
     });
   });

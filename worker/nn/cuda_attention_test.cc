@@ -54,13 +54,14 @@ struct Result {
   Tensor out, dq, dk, dv;
 };
 
-// out = Attention(q, k, v) on `dev` with `impl`, and the gradients of
-// sum(out * r).
+// out = Attention(q, k, v) on `dev` with `impl` (AlibiAttention with
+// `slopes` where set), and the gradients of sum(out * r).
 Result RunAttention(const Case& c, Device dev, AttentionImpl impl, const Tensor& q, const Tensor& k, const Tensor& v,
-                 const Tensor& r) {
+                    const Tensor& r, const std::vector<float>& slopes = {}) {
   Variable vq(*q.To(dev), true), vk(*k.To(dev), true), vv(*v.To(dev), true);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
-  absl::StatusOr<Variable> out = Attention(vq, vk, vv, scale, c.causal, impl);
+  absl::StatusOr<Variable> out = slopes.empty() ? Attention(vq, vk, vv, scale, c.causal, impl)
+                                                : AlibiAttention(vq, vk, vv, scale, slopes, impl);
   EXPECT_TRUE(out.ok()) << out.status();
   if (!out.ok()) return {};
   EXPECT_TRUE(Backward(*Sum(*Mul(*out, Variable(*r.To(dev))))).ok());
@@ -144,6 +145,55 @@ INSTANTIATE_TEST_SUITE_P(
       return "s" + std::to_string(c.seq) + "_hq" + std::to_string(c.hq) + "_hkv" + std::to_string(c.hkv) + "_d" +
              std::to_string(c.d) + (c.causal ? "_causal" : "_bidirectional");
     });
+
+// BLOOM's ALiBi on the fused kernels (the slopes passed to them): f32 on the
+// scalar kernels, bf16 on the tensor-core ones (head dims 64 and 128), a
+// head count that is not a power of two (BLOOM's second slope series), GQA,
+// against the per-head path's bias on the CPU in f32; the backward repeats
+// bitwise.
+TEST(CudaAttentionAlibi, FusedKernelsMatchThePerHeadReference) {
+  if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const Case& c : {Case{2, 70, 6, 6, 64, true}, Case{1, 100, 4, 2, 128, true}}) {
+    const std::vector<float> slopes = AlibiSlopes(c.hq);
+    for (DType t : {DType::kF32, DType::kBF16}) {
+      SCOPED_TRACE(::testing::PrintToString(c) + " " + std::string(DTypeName(t)));
+      auto make = [t](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, t); };
+      const Tensor q = make({c.batch, c.seq, c.hq, c.d}, 31), k = make({c.batch, c.seq, c.hkv, c.d}, 32);
+      const Tensor v = make({c.batch, c.seq, c.hkv, c.d}, 33), r = make({c.batch, c.seq, c.hq, c.d}, 34);
+      auto wide = [](const Tensor& x) { return *x.ToDType(DType::kF32); };
+      const Result want =
+          RunAttention(c, Device::Cpu(), AttentionImpl::kPerHead, wide(q), wide(k), wide(v), wide(r), slopes);
+      const Result plain = RunAttention(c, Device::Cpu(), AttentionImpl::kPerHead, wide(q), wide(k), wide(v), wide(r));
+      const Result got = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r, slopes);
+      const double ulp = t == DType::kBF16 ? 1.0 / 128 : 0.0;
+      const std::pair<const Tensor*, const Tensor*> pairs[] = {
+          {&got.out, &want.out}, {&got.dq, &want.dq}, {&got.dk, &want.dk}, {&got.dv, &want.dv}};
+      const char* names[] = {"out", "dq", "dk", "dv"};
+      for (int i = 0; i < 4; ++i) {
+        const std::vector<float> a = pairs[i].first->ToFloats(), b = pairs[i].second->ToFloats();
+        ASSERT_EQ(a.size(), b.size()) << names[i];
+        float scale = 0;
+        for (float x : b) scale = std::max(scale, std::fabs(x));
+        const double tol = t == DType::kF32 ? 2e-4 : (i == 0 ? 2 : 4) * ulp;
+        for (size_t j = 0; j < a.size(); ++j) {
+          ASSERT_NEAR(a[j], b[j], tol * (std::fabs(b[j]) + (t == DType::kF32 ? 1.0 : 0.1 * scale)))
+              << names[i] << " at " << j;
+        }
+      }
+      // The slopes matter: the output moves far beyond the tolerance.
+      const std::vector<float> biased = want.out.ToFloats(), unbiased = plain.out.ToFloats();
+      double moved = 0;
+      for (size_t j = 0; j < biased.size(); ++j) moved = std::max(moved, double{std::fabs(biased[j] - unbiased[j])});
+      EXPECT_GT(moved, 0.1);
+      const Result again = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r, slopes);
+      for (const auto& [first, second] : {std::pair{&got.dq, &again.dq}, {&got.dk, &again.dk}, {&got.dv, &again.dv}}) {
+        const std::vector<float> x = first->ToFloats(), y = second->ToFloats();
+        ASSERT_EQ(x.size(), y.size());
+        EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0);
+      }
+    }
+  }
+}
 
 #ifdef COLOD_CUDA_EMULATION
 // One launch forward and two backward per attention call (the per-head path

@@ -295,17 +295,32 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
 
 namespace {
 
+// What kAuto means for q: the fused kernel on a CUDA device (head dims up to
+// kMaxFusedHeadDim), the per-head GEMMs elsewhere.
+AttentionImpl Resolve(AttentionImpl impl, const Variable& q) {
+  if (impl != AttentionImpl::kAuto) return impl;
+  return q.value().device().is_cuda() && q.value().shape()[3] <= kernels::kMaxFusedHeadDim ? AttentionImpl::kFused
+                                                                                          : AttentionImpl::kPerHead;
+}
+
+// `slopes`, where not empty, are ALiBi's, one per query head.
 absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                        bool causal) {
+                                        bool causal, const std::vector<float>& slopes = {}) {
   const DType dtype = q.value().dtype();
   // The kernels read f32, bf16 and f16 operands as they are: the
   // contiguous operands are kept for the backward.
   const Tensor qf = q.value().Contiguous(), kf = k.value().Contiguous(), vf = v.value().Contiguous();
-  ASSIGN_OR_RETURN(ops::AttentionForward f, ops::FusedAttention(qf, kf, vf, scale, causal));
+  std::optional<Tensor> alibi;
+  if (!slopes.empty()) {
+    ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({static_cast<int64_t>(slopes.size())}, slopes));
+    ASSIGN_OR_RETURN(alibi, host.To(q.value().device()));
+  }
+  ASSIGN_OR_RETURN(ops::AttentionForward f, ops::FusedAttention(qf, kf, vf, scale, causal, alibi));
   ASSIGN_OR_RETURN(Tensor y, f.out.ContiguousAs(dtype));
   return RecordOp(causal ? "causal_attention" : "attention", {q, k, v}, std::move(y),
-                  [qf, kf, vf, f, scale, causal, dtype](const Tensor& dy) -> absl::StatusOr<Grads> {
-                    ASSIGN_OR_RETURN(ops::AttentionGrads g, ops::FusedAttentionBackward(dy, qf, kf, vf, f, scale, causal));
+                  [qf, kf, vf, f, scale, causal, dtype, alibi](const Tensor& dy) -> absl::StatusOr<Grads> {
+                    ASSIGN_OR_RETURN(ops::AttentionGrads g,
+                                     ops::FusedAttentionBackward(dy, qf, kf, vf, f, scale, causal, alibi));
                     Grads out;
                     for (const Tensor* t : {&g.dq, &g.dk, &g.dv}) {
                       ASSIGN_OR_RETURN(Tensor back, t->ContiguousAs(dtype));
@@ -464,11 +479,7 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
 absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const Variable& v, float scale, bool causal,
                                    AttentionImpl impl) {
   RETURN_IF_ERROR(ops::CheckAttentionShapes(q.value(), k.value(), v.value()));
-  if (impl == AttentionImpl::kAuto) {
-    impl = q.value().device().is_cuda() && q.value().shape()[3] <= kernels::kMaxFusedHeadDim ? AttentionImpl::kFused
-                                                                                            : AttentionImpl::kPerHead;
-  }
-  if (impl == AttentionImpl::kFused) return FusedAttention(q, k, v, scale, causal);
+  if (Resolve(impl, q) == AttentionImpl::kFused) return FusedAttention(q, k, v, scale, causal);
   return PerHeadAttention(q, k, v, scale, causal);
 }
 
@@ -534,8 +545,14 @@ std::vector<float> AlibiSlopes(int64_t heads) {
 }
 
 absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                        const std::vector<float>& slopes) {
+                                        const std::vector<float>& slopes, AttentionImpl impl) {
   RETURN_IF_ERROR(ops::CheckAttentionShapes(q.value(), k.value(), v.value()));
+  const int64_t hq = q.value().shape()[2];
+  if (static_cast<int64_t>(slopes.size()) != hq) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ALiBi needs a slope for each of the ", hq, " query heads, got ", slopes.size()));
+  }
+  if (Resolve(impl, q) == AttentionImpl::kFused) return FusedAttention(q, k, v, scale, /*causal=*/true, slopes);
   ScoreBias bias;
   bias.slopes = slopes;
   return PerHeadAttention(q, k, v, scale, /*causal=*/true, bias);

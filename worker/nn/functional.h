@@ -124,10 +124,12 @@ std::vector<float> AlibiSlopes(int64_t heads);
 // Causal attention whose score (i, j) of query head h gains slopes[h] *
 // (j - i) (keys further back weigh less; the same softmax as BLOOM's
 // slopes[h] * j, as each row's shift cancels). `slopes` holds one slope per
-// query head of q (a tensor-parallel rank passes its heads' slopes). Per head
-// GEMMs on every device (the fused kernel takes no bias yet).
+// query head of q (a tensor-parallel rank passes its heads' slopes);
+// INVALID_ARGUMENT for another count. `impl` as Attention's: kAuto is the
+// fused kernel on a CUDA device, per-head GEMMs on the CPU.
 absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                        const std::vector<float>& slopes);
+                                        const std::vector<float>& slopes,
+                                        AttentionImpl impl = AttentionImpl::kAuto);
 // Attention whose scores gain a learned bias [Hq, Sq, Sk] (T5's relative
 // position bias) after the scaling: softmax(q k^T * scale + bias[h]) v,
 // or none (T5's cross-attention). q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]:

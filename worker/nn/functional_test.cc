@@ -160,8 +160,11 @@ TEST(Alibi, SlopesForPowersOfTwoAndNot) {
 
 // ALiBi's attention against the naive loops with BLOOM's bias (slope * key
 // position, where colod adds slope * (key - query)), and its gradients
-// against finite differences of the naive loops.
-TEST(Alibi, AttentionMatchesTheNaiveLoopsAndItsGradients) {
+// against finite differences of the naive loops: the per-head GEMMs and the
+// fused kernels' CPU twin (the slopes passed to the kernels).
+class AlibiAttentionImpl : public ::testing::TestWithParam<AttentionImpl> {};
+
+TEST_P(AlibiAttentionImpl, MatchesTheNaiveLoopsAndItsGradients) {
   const int64_t batch = 2, seq = 5, hq = 4, hkv = 2, d = 3;
   const double scale = 1 / std::sqrt(3.0);
   const std::vector<float> slopes = {0.5f, 0.25f, 1.5f, 0.125f};
@@ -169,7 +172,7 @@ TEST(Alibi, AttentionMatchesTheNaiveLoopsAndItsGradients) {
   const Tensor q = *Tensor::RandomNormal({batch, seq, hq, d}, 11), k = *Tensor::RandomNormal({batch, seq, hkv, d}, 12),
                v = *Tensor::RandomNormal({batch, seq, hkv, d}, 13), r = *Tensor::RandomNormal({batch, seq, hq, d}, 14);
   Variable vq(q, true), vk(k, true), vv(v, true);
-  auto out = AlibiAttention(vq, vk, vv, static_cast<float>(scale), slopes);
+  auto out = AlibiAttention(vq, vk, vv, static_cast<float>(scale), slopes, GetParam());
   ASSERT_TRUE(out.ok()) << out.status();
   const std::vector<double> want = NaiveAttention(D(q), D(k), D(v), batch, seq, hq, hkv, d, scale, true, sd);
   const std::vector<double> plain = NaiveAttention(D(q), D(k), D(v), batch, seq, hq, hkv, d, scale, true);
@@ -189,8 +192,12 @@ TEST(Alibi, AttentionMatchesTheNaiveLoopsAndItsGradients) {
     return l;
   };
   ExpectFiniteDifferenceGrads(loss, {D(q), D(k), D(v)}, {&vq, &vk, &vv});
-  EXPECT_EQ(AlibiAttention(vq, vk, vv, 1.0f, {0.5f, 0.25f}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AlibiAttention(vq, vk, vv, 1.0f, {0.5f, 0.25f}, GetParam()).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
+
+INSTANTIATE_TEST_SUITE_P(Impls, AlibiAttentionImpl, ::testing::Values(AttentionImpl::kPerHead, AttentionImpl::kFused),
+                         [](const auto& info) { return info.param == AttentionImpl::kFused ? "Fused" : "PerHead"; });
 
 // Cross-attention with T5's learned bias: 3 decoder queries over 5 encoder
 // keys, softmax(q k^T + bias[h]) v against naive loops in double, and the

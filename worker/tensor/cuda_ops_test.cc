@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -211,6 +212,46 @@ TEST_F(CudaLayerOps, ElementwiseAndNormsMatchTheCpu) {
   auto drg = RmsNormBackward(Dev(dy), Dev(x), Dev(g), drn->rstd);
   ExpectNear(drg->dx, rg->dx, 1e-4, "rms_norm dx");
   ExpectNear(drg->dgamma, rg->dgamma, 1e-4, "rms_norm dgamma");
+}
+
+// The column reductions (bias gradients, GELU backward with the bias
+// gradient, the norms' parameter gradients) over enough rows that the
+// kernels split them into chunks and add the chunks' sums in a second level
+// (300 rows: 3 chunks of 100; 520: 5 of 104; the chunks are at least 128
+// rows, so small shapes keep one level): equal to the CPU's sums, and
+// bitwise the same on a second run. Small, for the emulation's thread mode
+// under TSan, where each block is 256 host threads.
+TEST_F(CudaLayerOps, ColumnReductionsInTwoLevelsMatchTheCpuAndRepeat) {
+  for (const Shape& shape : {Shape{300, 70}, Shape{520, 33}}) {
+    SCOPED_TRACE(ShapeToString(shape));
+    const int64_t n = shape[1];
+    const Tensor x = R(shape, 21), dy = R(shape, 22), g = R({n}, 23), b = R({n}, 24);
+    const Tensor dx = Dev(x), ddy = Dev(dy), db = Dev(b);
+    auto twice = [](auto run, const std::string& what) {
+      const std::vector<float> first = run().ToFloats(), second = run().ToFloats();
+      ASSERT_EQ(first.size(), second.size());
+      EXPECT_EQ(std::memcmp(first.data(), second.data(), first.size() * sizeof(float)), 0) << what;
+    };
+    ExpectNear(*BiasGrad(ddy), *BiasGrad(dy), 1e-5, "bias_grad");
+    twice([&] { return *BiasGrad(ddy); }, "bias_grad");
+    const BiasGeluGrads bg = *BiasGeluBackward(ddy, dx, db, GeluApprox::kTanh);
+    const BiasGeluGrads bg_cpu = *BiasGeluBackward(dy, x, b, GeluApprox::kTanh);
+    ExpectNear(bg.db, bg_cpu.db, 1e-5, "bias_gelu db");
+    ExpectNear(bg.dx, bg_cpu.dx, 1e-5, "bias_gelu dx");
+    twice([&] { return BiasGeluBackward(ddy, dx, db, GeluApprox::kTanh)->db; }, "bias_gelu db");
+    // The norms' parameter gradients (LayerNormBackward's and
+    // RmsNormBackward's second kernel) from the CPU's row statistics: no
+    // row kernel, whose one block per row is slow on the thread mode.
+    const LayerNormResult ln = *LayerNorm(x, g, b, 1e-5f);
+    const Tensor mean = Dev(ln.mean), rstd = Dev(ln.rstd);
+    const NormParamGrads pg = *NormParamGrad(ddy, dx, mean, rstd, /*beta=*/true);
+    const NormParamGrads pg_cpu = *NormParamGrad(dy, x, ln.mean, ln.rstd, /*beta=*/true);
+    ExpectNear(pg.dgamma, pg_cpu.dgamma, 1e-4, "norm_param_grad dgamma");
+    ExpectNear(*pg.dbeta, *pg_cpu.dbeta, 1e-5, "norm_param_grad dbeta");
+    twice([&] { return NormParamGrad(ddy, dx, mean, rstd, /*beta=*/true)->dgamma; }, "norm_param_grad dgamma");
+    ExpectNear(NormParamGrad(ddy, dx, std::nullopt, rstd, /*beta=*/false)->dgamma,
+               NormParamGrad(dy, x, std::nullopt, ln.rstd, /*beta=*/false)->dgamma, 1e-4, "rms dgamma");
+  }
 }
 
 // The bias, activation and norm kernels read and write bf16 and f16 tensors

@@ -833,13 +833,28 @@ absl::Status AttentionOperands(const Tensor& q, const Tensor& k, const Tensor& v
   return absl::OkStatus();
 }
 
+// The kernels' ALiBi argument: null without slopes; with them, f32 [Hq]
+// on q's device (INVALID_ARGUMENT otherwise).
+absl::StatusOr<const float*> AlibiSlopesOf(const std::optional<Tensor>& alibi, const Tensor& q, const char* op) {
+  if (!alibi.has_value()) return nullptr;
+  if (alibi->dtype() != DType::kF32 || alibi->shape() != Shape{q.shape()[2]} || !alibi->is_contiguous() ||
+      alibi->device() != q.device()) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ALiBi slopes must be contiguous f32 [", q.shape()[2],
+                                                   "] on ", q.device().ToString(), ", not ",
+                                                   DTypeName(alibi->dtype()), ShapeToString(alibi->shape()), " on ",
+                                                   alibi->device().ToString()));
+  }
+  return static_cast<const float*>(alibi->raw_data());
+}
+
 }  // namespace
 
 absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
-                                                bool causal) {
+                                                bool causal, const std::optional<Tensor>& alibi) {
   const char* op = "fused_attention";
   Tensor qf, kf, vf;
   RETURN_IF_ERROR(AttentionOperands(q, k, v, op, qf, kf, vf));
+  ASSIGN_OR_RETURN(const float* slopes, AlibiSlopesOf(alibi, q, op));
   const Device dev = q.device();
   ASSIGN_OR_RETURN(const DeviceKernels* kern, KernelsFor(dev));
   const int64_t b = q.shape()[0], s = q.shape()[1], hq = q.shape()[2], hkv = k.shape()[2], d = q.shape()[3];
@@ -847,16 +862,17 @@ absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k
   ASSIGN_OR_RETURN(f.out, Tensor::Empty(q.shape(), qf.dtype(), dev));
   ASSIGN_OR_RETURN(f.lse, Tensor::Empty({b, hq, s}, DType::kF32, dev));
   RETURN_IF_ERROR(kern->FlashAttention(dev.index, Elem(qf.dtype()), qf.raw_data(), kf.raw_data(), vf.raw_data(),
-                                       f.out.raw_data(), F(f.lse), b, s, hq, hkv, d, scale, causal));
+                                       f.out.raw_data(), F(f.lse), b, s, hq, hkv, d, scale, causal, slopes));
   return f;
 }
 
 absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                       const Tensor& v, const AttentionForward& forward, float scale,
-                                                      bool causal) {
+                                                      bool causal, const std::optional<Tensor>& alibi) {
   const char* op = "fused_attention_backward";
   Tensor qf, kf, vf;
   RETURN_IF_ERROR(AttentionOperands(q, k, v, op, qf, kf, vf));
+  ASSIGN_OR_RETURN(const float* slopes, AlibiSlopesOf(alibi, q, op));
   const int64_t b = q.shape()[0], s = q.shape()[1], hq = q.shape()[2], hkv = k.shape()[2], d = q.shape()[3];
   if (dout.shape() != q.shape() || forward.out.shape() != q.shape() || forward.lse.shape() != Shape{b, hq, s} ||
       forward.out.dtype() != qf.dtype() || forward.lse.dtype() != DType::kF32) {
@@ -877,7 +893,8 @@ absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const 
   ASSIGN_OR_RETURN(g.dv, Tensor::Empty(v.shape(), type, dev));
   RETURN_IF_ERROR(kern->FlashAttentionBackward(dev.index, Elem(type), qf.raw_data(), kf.raw_data(), vf.raw_data(),
                                                out.raw_data(), dof.raw_data(), F(lse), F(delta), g.dq.raw_data(),
-                                               g.dk.raw_data(), g.dv.raw_data(), b, s, hq, hkv, d, scale, causal));
+                                               g.dk.raw_data(), g.dv.raw_data(), b, s, hq, hkv, d, scale, causal,
+                                               slopes));
   return g;
 }
 

@@ -220,8 +220,11 @@ struct AttentionForward {
   Tensor out;  // [B, S, Hq, D] in the kernels' dtype
   Tensor lse;  // [B, Hq, S] f32: each query row's log-sum-exp, for the backward
 };
+// `alibi`, where set, is ALiBi's f32 [Hq] head slopes on q's device: score
+// (i, j) of query head h gains alibi[h] * (j - i) after the scaling (BLOOM's
+// softmax; nn::AlibiAttention). The backward takes the same slopes.
 absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
-                                                bool causal);
+                                                bool causal, const std::optional<Tensor>& alibi = std::nullopt);
 // The gradients (shaped like q, k and v, in the forward's dtype) from dout [B, S, Hq, D] and
 // the forward of the same q, k, v; deterministic (no atomics).
 struct AttentionGrads {
@@ -229,7 +232,7 @@ struct AttentionGrads {
 };
 absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                       const Tensor& v, const AttentionForward& forward, float scale,
-                                                      bool causal);
+                                                      bool causal, const std::optional<Tensor>& alibi = std::nullopt);
 
 // torch.optim.AdamW's step: decoupled weight decay, bias correction with
 // `step` (1-based). grad_scale multiplies every gradient as it is read (the
