@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmarks' GPU rows run end to end (in CI on the CUDA emulation, on
 # GPUs where they are): bench:layers' bf16 MLP and GPT-2 block rows, its attention and
-# memory-bound kernels' rows, and bench:train's smoke
+# memory-bound kernels' and LM head's rows, and bench:train's smoke
 # rows (tiny GPT-2 and LLaMA in bf16 at tp=1 and tp=2). What they compute is
 # tested by the layers' and the trainer's own tests; this holds the
 # benchmarks' wiring (devices, NCCL groups, the peak measurement), which only
@@ -12,13 +12,13 @@ fail() { printf 'FAIL: %s\n' "$1"; printf '%s\n' "$2"; exit 1; }
 
 # A build with CUDA on a machine without a GPU: nothing to run (the GPU
 # tests skip there too).
-out=$("$layers" --cpu_rows=false --gpt2_block=false --attention=false --bandwidth=false --tokens 64 --hidden 64 --steps 1 2>&1) || fail "bench:layers exited $?" "$out"
+out=$("$layers" --cpu_rows=false --gpt2_block=false --attention=false --bandwidth=false --lm_head=false --tokens 64 --hidden 64 --steps 1 2>&1) || fail "bench:layers exited $?" "$out"
 if grep -q '^no CUDA device' <<<"$out"; then
   echo "SKIP: no CUDA device"
   exit 0
 fi
 out=$("$layers" --cpu_rows=false --hidden 64 --tokens 64 --seq 32 --steps 1 --attention_seq 80 --attention_batch 1 \
-  --bandwidth_rows 64 2>&1) ||
+  --bandwidth_rows 64 --lm_head_rows 256 --lm_head_vocab 1024 --lm_head_chunk 64 2>&1) ||
   fail "bench:layers exited $?" "$out"
 for block in mlp_block gpt2_block; do
   grep -qE "^GPU \(cuda:0\), bf16, tp=1, $block( \(seq 32\))?: step [0-9.]+ ms" <<<"$out" ||
@@ -33,6 +33,11 @@ grep -qE '^GPU \(cuda:0\) memory-bound kernels, bf16, 64 tokens \(copy bandwidth
 for row in "bias_grad +\[64, 768\]" "bias_grad +\[64, 3072\]" "bias_gelu_backward +\[64, 3072\]" \
   "norm_param_grad \(layer norm\) +\[64, 768\]"; do
   grep -qE "^$row +[0-9.]+ +[0-9]+ +[0-9.]+%$" <<<"$out" || fail "bench:layers printed no memory-bound row $row" "$out"
+done
+grep -qE '^GPU \(cuda:0\) LM head \+ cross-entropy, bf16, 256 tokens x 768 hidden x 1024 vocab' <<<"$out" ||
+  fail "bench:layers printed no LM head table" "$out"
+for row in "unfused \(linear, then loss\)" "fused, chunks of 64"; do
+  grep -qE "^$row +[0-9.]+ +[0-9.]+$" <<<"$out" || fail "bench:layers printed no LM head row $row" "$out"
 done
 
 # Two emulated devices (the emulation's default is 4); a real machine has its own.

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <memory>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -43,6 +44,7 @@
 #include "worker/comm/instrumented_communicator.h"
 #include "worker/comm/store.h"
 #include "worker/nn/functional.h"
+#include "worker/nn/vocab_cross_entropy.h"
 #include "worker/nn/linear1d.h"
 #include "worker/nn/linear2d.h"
 #include "worker/nn/linear3d.h"
@@ -68,6 +70,12 @@ ABSL_FLAG(bool, bandwidth, true,
           "On a GPU, also run the column reductions' rows (bias and norm-parameter gradients, GELU backward "
           "with the bias gradient) against the device's copy bandwidth.");
 ABSL_FLAG(int, bandwidth_rows, 8192, "The bandwidth rows' token count (GPT-2 124M's 8 x 1024).");
+ABSL_FLAG(bool, lm_head, true,
+          "On a GPU, also run the LM head and loss rows: unfused and fused (VocabParallelLinearCrossEntropy), "
+          "time and peak device memory.");
+ABSL_FLAG(int, lm_head_rows, 8192, "The LM head rows' token count (GPT-2 124M's 8 x 1024).");
+ABSL_FLAG(int, lm_head_vocab, 50304, "The LM head rows' vocabulary (GPT-2's 50257 padded to a multiple of 64).");
+ABSL_FLAG(int, lm_head_chunk, 2048, "The fused LM head row's chunk of rows.");
 ABSL_FLAG(bool, cpu_rows, true,
           "Run the CPU tables (false: only the GPU row, e.g. at --hidden 4096 --tokens 8192 on a GPU machine).");
 ABSL_FLAG(std::string, block, "mlp", "Internal: the block of a multi-process row (mlp or gpt2).");
@@ -680,6 +688,104 @@ bool RunBandwidthRows(Device gpu, bool json) {
   return true;
 }
 
+// A one-rank tp=1 group on `gpu` (NCCL).
+absl::StatusOr<std::unique_ptr<ProcessGroup>> MakeGpuGroup(Store* store, Device gpu) {
+  ASSIGN_OR_RETURN(v1::ShardConfig shard, ShardFor("1d", 1));
+  ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(shard));
+  RankGroupOptions o;
+  o.device = gpu;
+  o.timeout = absl::Minutes(5);
+  ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> pg, CreateRankGroup(mesh, 0, store, std::move(o)));
+  RETURN_IF_ERROR(pg->InitAxes());
+  return pg;
+}
+
+// GPT-2 124M's LM head and loss on `gpu` in bf16 at tp=1 (--lm_head_rows
+// tokens of hidden 768 over --lm_head_vocab words): the head as a linear and
+// VocabParallelCrossEntropy on its logits, against
+// VocabParallelLinearCrossEntropy in chunks of --lm_head_chunk rows; forward
+// + backward, medians of --steps timed runs after a warm-up, and the peak
+// pool memory above what was in use before (the logits, their f32 copy and
+// their gradient, against one chunk's).
+bool RunLmHeadRows(Device gpu, bool json) {
+  const int steps = std::max(1, absl::GetFlag(FLAGS_steps));
+  const int64_t rows = std::max(1, absl::GetFlag(FLAGS_lm_head_rows)), h = 768;
+  const int64_t vocab = std::max(1, absl::GetFlag(FLAGS_lm_head_vocab));
+  const int64_t chunk = std::max(1, absl::GetFlag(FLAGS_lm_head_chunk));
+  auto fail = [](const absl::Status& s) {
+    std::fprintf(stderr, "LM head row: %s\n", s.ToString().c_str());
+    return false;
+  };
+  auto shared = std::make_shared<RendezvousStore>();
+  InMemoryStore store(shared, "bench-lm-head");
+  absl::StatusOr<std::unique_ptr<ProcessGroup>> pg = MakeGpuGroup(&store, gpu);
+  if (!pg.ok()) return fail(pg.status());
+  absl::StatusOr<Tensor> hidden = Tensor::RandomNormal({rows, h}, 1, DType::kBF16, gpu);
+  absl::StatusOr<Tensor> weight = Tensor::RandomNormal({vocab, h}, 2, DType::kBF16, gpu);
+  absl::StatusOr<Tensor> dloss = Tensor::RandomNormal({rows}, 3, DType::kF32, gpu);
+  std::vector<int64_t> lab(rows);
+  for (int64_t i = 0; i < rows; ++i) lab[i] = (i * 7919) % vocab;
+  absl::StatusOr<Tensor> labels = Tensor::FromInt64s({rows}, lab);
+  for (const auto* t : {&hidden, &weight, &dloss, &labels}) {
+    if (!t->ok()) return fail(t->status());
+  }
+  if (!json) {
+    std::printf("\nGPU (cuda:0) LM head + cross-entropy, bf16, %lld tokens x %lld hidden x %lld vocab, forward + "
+                "backward:\n%-28s %9s %16s\n",
+                static_cast<long long>(rows), static_cast<long long>(h), static_cast<long long>(vocab), "path",
+                "time (ms)", "peak memory (MiB)");
+  }
+  for (int fused = 0; fused < 2; ++fused) {
+    std::vector<double> times;
+    int64_t peak = 0;
+    for (int i = 0; i <= steps; ++i) {
+      absl::Status s = kernels::CudaSynchronize(gpu.index);
+      absl::StatusOr<kernels::CudaPoolBytes> before = kernels::GetCudaPoolBytes(gpu.index);
+      if (s.ok() && !before.ok()) s = before.status();
+      if (s.ok()) s = kernels::ResetCudaPoolPeak(gpu.index);
+      if (!s.ok()) return fail(s);
+      const absl::Time start = absl::Now();
+      s = [&]() -> absl::Status {
+        ASSIGN_OR_RETURN(ColoTensor w, ColoTensor::FromGlobal(*weight, DistSpec().Set("tp", Placement::Shard({0}, {1})),
+                                                              pg->get(), /*requires_grad=*/true));
+        Variable x(*hidden, true);
+        Variable loss;
+        if (fused) {
+          ASSIGN_OR_RETURN(loss, nn::VocabParallelLinearCrossEntropy(x, w, *labels, vocab, chunk));
+        } else {
+          ASSIGN_OR_RETURN(Variable z, nn::Linear(x, w.variable(), std::nullopt));
+          ASSIGN_OR_RETURN(ColoTensor logits,
+                           ColoTensor::FromLocal(z, DistSpec().Set("tp", Placement::Shard({1}, {1})), pg->get()));
+          ASSIGN_OR_RETURN(loss, nn::VocabParallelCrossEntropy(logits, *labels, vocab));
+        }
+        RETURN_IF_ERROR(Backward(loss, *dloss));
+        return kernels::CudaSynchronize(gpu.index);
+      }();
+      if (!s.ok()) return fail(s);
+      if (i > 0) times.push_back(absl::ToDoubleSeconds(absl::Now() - start));
+      absl::StatusOr<kernels::CudaPoolBytes> after = kernels::GetCudaPoolBytes(gpu.index);
+      if (!after.ok()) return fail(after.status());
+      peak = std::max(peak, after->used_high - before->used);
+    }
+    std::sort(times.begin(), times.end());
+    const double t = times[times.size() / 2];
+    const char* path = fused ? "fused" : "unfused";
+    if (json) {
+      std::printf("{\"bench\":\"lm_head_loss\",\"path\":\"%s\",\"dtype\":\"bf16\",\"device\":\"cuda:0\","
+                  "\"rows\":%lld,\"hidden\":%lld,\"vocab\":%lld,\"chunk_rows\":%lld,\"seconds\":%.6f,"
+                  "\"peak_bytes\":%lld}\n",
+                  path, static_cast<long long>(rows), static_cast<long long>(h), static_cast<long long>(vocab),
+                  static_cast<long long>(fused ? chunk : rows), t, static_cast<long long>(peak));
+    } else {
+      std::printf("%-28s %9.2f %16.1f\n",
+                  fused ? absl::StrCat("fused, chunks of ", chunk).c_str() : "unfused (linear, then loss)", t * 1e3,
+                  peak / 1048576.0);
+    }
+    std::fflush(stdout);
+  }
+  return true;
+}
+
 // Where a GPU is present, on cuda:0 in bf16 at tp=1: the MLP block, and with
 // --gpt2_block the whole GPT-2 block (attention included), each against
 // cuBLAS's bf16 GEMM on the MLP's shape in the same run. Returns main's exit
@@ -738,6 +844,7 @@ int RunGpuRow(int64_t t, int64_t h, double flops, bool json) {
   if (!dir.empty()) (void)std::system(("rm -rf " + dir).c_str());
   if (absl::GetFlag(FLAGS_attention) && !RunAttentionRows(gpu, gpu_peak, json)) rc = 1;
   if (absl::GetFlag(FLAGS_bandwidth) && !RunBandwidthRows(gpu, json)) rc = 1;
+  if (absl::GetFlag(FLAGS_lm_head) && !RunLmHeadRows(gpu, json)) rc = 1;
   return rc;
 }
 
@@ -751,7 +858,8 @@ int main(int argc, char** argv) {
                     "  bazel run -c opt //bench:layers [-- --json] [-- --steps N] [-- --tokens T --hidden H]\n"
                     "    [-- --seq S] [-- --all_modes=false] [-- --gpt2_block=false] [-- --cpu_rows=false]\n"
                     "    [-- --attention=false] [-- --attention_seq S --attention_batch B]\n"
-                    "    [-- --bandwidth=false] [-- --bandwidth_rows T]\n");
+                    "    [-- --bandwidth=false] [-- --bandwidth_rows T]\n"
+                    "    [-- --lm_head=false] [-- --lm_head_rows T --lm_head_vocab V --lm_head_chunk C]\n");
   if (absl::GetFlag(FLAGS_rank) >= 0) return colod::RankMain();
   const bool json = absl::GetFlag(FLAGS_json);
   const int64_t t = absl::GetFlag(FLAGS_tokens), h = absl::GetFlag(FLAGS_hidden);

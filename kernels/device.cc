@@ -55,14 +55,33 @@ absl::StatusOr<CudaPoolBytes> GetCudaPoolBytes(int ordinal) {
 #ifdef COLOD_WITH_CUDA
   cudaMemPool_t pool = nullptr;
   cudaError_t err = cudaDeviceGetDefaultMemPool(&pool, ordinal);
-  uint64_t reserved = 0, used = 0;
+  uint64_t reserved = 0, used = 0, used_high = 0;
   if (err == cudaSuccess) err = cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved);
   if (err == cudaSuccess) err = cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used);
+  if (err == cudaSuccess) err = cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &used_high);
   if (err != cudaSuccess) {
     cudaGetLastError();
     return absl::InternalError(absl::StrCat("the memory pool of CUDA device ", ordinal, ": ", cudaGetErrorString(err)));
   }
-  return CudaPoolBytes{static_cast<int64_t>(reserved), static_cast<int64_t>(used)};
+  return CudaPoolBytes{static_cast<int64_t>(reserved), static_cast<int64_t>(used), static_cast<int64_t>(used_high)};
+#else
+  (void)ordinal;
+  return absl::UnimplementedError("this colod build has no CUDA support");
+#endif
+}
+
+absl::Status ResetCudaPoolPeak(int ordinal) {
+#ifdef COLOD_WITH_CUDA
+  cudaMemPool_t pool = nullptr;
+  cudaError_t err = cudaDeviceGetDefaultMemPool(&pool, ordinal);
+  uint64_t zero = 0;  // CUDA takes only 0: the high-water mark restarts at the current use
+  if (err == cudaSuccess) err = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InternalError(absl::StrCat("resetting the memory pool peak of CUDA device ", ordinal, ": ",
+                                            cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
 #else
   (void)ordinal;
   return absl::UnimplementedError("this colod build has no CUDA support");

@@ -30,12 +30,16 @@ absl::StatusOr<CudaDeviceInfo> GetCudaDeviceInfo(int ordinal);
 
 // The memory pool of CUDA device `ordinal` that tensors come from
 // (cudaMallocAsync's default pool): what it has reserved from the device and
-// what of that is in use. UNIMPLEMENTED without CUDA.
+// what of that is in use, now and at most since the last ResetCudaPoolPeak
+// (or the start). UNIMPLEMENTED without CUDA.
 struct CudaPoolBytes {
   int64_t reserved = 0;
   int64_t used = 0;
+  int64_t used_high = 0;
 };
 absl::StatusOr<CudaPoolBytes> GetCudaPoolBytes(int ordinal);
+// Starts the pool's used_high over from what is in use now.
+absl::Status ResetCudaPoolPeak(int ordinal);
 
 // Blocks until every stream of CUDA device `ordinal` finished its work
 // (cudaDeviceSynchronize): for timing device work, which ops only enqueue.

@@ -22,6 +22,19 @@ constexpr int kMaxDims = 16;
 // FlashAttention); models with larger heads use the unfused path.
 constexpr int64_t kMaxFusedHeadDim = 256;
 
+// What a fused attention (layer_ops.inc's FlashAttention) adds to score
+// (i, j) of query head h after the scaling, each where set (device
+// pointers; null: none): ALiBi's alibi[h] * (j - i) (hq f32 slopes, BLOOM)
+// and a learned bias[h][i][j] ([hq, s, s] f32, T5's relative position bias).
+// The backward writes dbias[b][h][i][j], the gradient of batch element b's
+// biased score, where set ([b, hq, s, s] f32, zeroed by the caller: entries
+// the causal mask hides stay 0). Passed to CUDA kernels by value.
+struct AttentionBias {
+  const float* alibi = nullptr;
+  const float* bias = nullptr;
+  float* dbias = nullptr;
+};
+
 // A strided view: element (i0, ..., ik) is at data + sum(i_d * strides[d])
 // elements. Passed to CUDA kernels by value.
 struct Layout {

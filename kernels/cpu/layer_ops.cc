@@ -584,6 +584,13 @@ absl::Status CheckAttention(int64_t hq, int64_t hkv, int64_t d, const char* op) 
   return absl::OkStatus();
 }
 
+// What score (i, j) of head h gains after the scaling (AttentionBias).
+float Added(const AttentionBias& extra, float slope, int64_t h, int64_t s, int64_t i, int64_t j) {
+  float a = slope * static_cast<float>(j - i);
+  if (extra.bias != nullptr) a += extra.bias[(h * s + i) * s + j];
+  return a;
+}
+
 float Dot(const float* a, const float* b, int64_t d) {
   float s = 0;
   for (int64_t c = 0; c < d; ++c) s += a[c] * b[c];
@@ -596,7 +603,7 @@ float Dot(const float* a, const float* b, int64_t d) {
 // time (s floats), so the [s, s] matrix never exists here either.
 absl::Status FlashAttentionF32(int, const float* q, const float* k, const float* v, float* out, float* lse, int64_t b,
                             int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale, bool causal,
-                            const float* alibi) {
+                            AttentionBias extra) {
   if (absl::Status st = CheckAttention(hq, hkv, d, "FlashAttention"); !st.ok()) return st;
   const int64_t group = hq / hkv;
   std::vector<float> p(s);
@@ -604,13 +611,13 @@ absl::Status FlashAttentionF32(int, const float* q, const float* k, const float*
   for (int64_t bi = 0; bi < b; ++bi) {
     for (int64_t h = 0; h < hq; ++h) {
       const int64_t kvh = h / group;
-      const float slope = alibi != nullptr ? alibi[h] : 0.0f;
+      const float slope = extra.alibi != nullptr ? extra.alibi[h] : 0.0f;
       for (int64_t i = 0; i < s; ++i) {
         const float* qi = q + ((bi * s + i) * hq + h) * d;
         const int64_t visible = causal ? i + 1 : s;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < visible; ++j) {
-          p[j] = scale * Dot(qi, k + ((bi * s + j) * hkv + kvh) * d, d) + slope * static_cast<float>(j - i);
+          p[j] = scale * Dot(qi, k + ((bi * s + j) * hkv + kvh) * d, d) + Added(extra, slope, h, s, i, j);
           mx = std::max(mx, p[j]);
         }
         double l = 0;
@@ -633,7 +640,7 @@ absl::Status FlashAttentionF32(int, const float* q, const float* k, const float*
 absl::Status FlashAttentionBackwardF32(int, const float* q, const float* k, const float* v, const float* out,
                                     const float* dout, const float* lse, float* delta, float* dq, float* dk,
                                     float* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
-                                    bool causal, const float* alibi) {
+                                    bool causal, AttentionBias extra) {
   if (absl::Status st = CheckAttention(hq, hkv, d, "FlashAttentionBackward"); !st.ok()) return st;
   const int64_t group = hq / hkv;
   std::fill(dk, dk + b * s * hkv * d, 0.0f);
@@ -641,7 +648,7 @@ absl::Status FlashAttentionBackwardF32(int, const float* q, const float* k, cons
   for (int64_t bi = 0; bi < b; ++bi) {
     for (int64_t h = 0; h < hq; ++h) {
       const int64_t kvh = h / group;
-      const float slope = alibi != nullptr ? alibi[h] : 0.0f;
+      const float slope = extra.alibi != nullptr ? extra.alibi[h] : 0.0f;
       for (int64_t i = 0; i < s; ++i) {
         const int64_t row = (bi * s + i) * hq + h;
         delta[(bi * hq + h) * s + i] = Dot(dout + row * d, out + row * d, d);
@@ -655,8 +662,9 @@ absl::Status FlashAttentionBackwardF32(int, const float* q, const float* k, cons
         std::fill(dqi, dqi + d, 0.0f);
         for (int64_t j = 0; j < (causal ? i + 1 : s); ++j) {
           const int64_t kv = ((bi * s + j) * hkv + kvh) * d;
-          const float p = std::exp(scale * Dot(qi, k + kv, d) + slope * static_cast<float>(j - i) - li);
+          const float p = std::exp(scale * Dot(qi, k + kv, d) + Added(extra, slope, h, s, i, j) - li);
           const float ds = p * (Dot(doi, v + kv, d) - di);
+          if (extra.dbias != nullptr) extra.dbias[((bi * hq + h) * s + i) * s + j] = ds;
           for (int64_t c = 0; c < d; ++c) {
             dqi[c] += scale * ds * k[kv + c];
             dk[kv + c] += scale * ds * qi[c];
@@ -926,27 +934,27 @@ absl::Status NormParamGrad(int, ElemType type, const void* dy, const void* x, co
 
 absl::Status FlashAttention(int dev, ElemType type, const void* q, const void* k, const void* v, void* out,
                             float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
-                            bool causal, const float* alibi) {
+                            bool causal, AttentionBias extra) {
   if (absl::Status st = CheckFloatType(type, "FlashAttention"); !st.ok()) return st;
   F32In fq(q, b * s * hq * d, type), fk(k, b * s * hkv * d, type), fv(v, b * s * hkv * d, type);
   F32Out fo(out, b * s * hq * d, type);
   return Typed({&fo}, [&] {
     return FlashAttentionF32(dev, fq.get(), fk.get(), fv.get(), fo.get(), lse, b, s, hq, hkv, d, scale, causal,
-                             alibi);
+                             extra);
   });
 }
 
 absl::Status FlashAttentionBackward(int dev, ElemType type, const void* q, const void* k, const void* v,
                                     const void* out, const void* dout, const float* lse, float* delta, void* dq,
                                     void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
-                                    float scale, bool causal, const float* alibi) {
+                                    float scale, bool causal, AttentionBias extra) {
   if (absl::Status st = CheckFloatType(type, "FlashAttentionBackward"); !st.ok()) return st;
   const int64_t nq = b * s * hq * d, nkv = b * s * hkv * d;
   F32In fq(q, nq, type), fk(k, nkv, type), fv(v, nkv, type), fo(out, nq, type), fdo(dout, nq, type);
   F32Out fdq(dq, nq, type), fdk(dk, nkv, type), fdv(dv, nkv, type);
   return Typed({&fdq, &fdk, &fdv}, [&] {
     return FlashAttentionBackwardF32(dev, fq.get(), fk.get(), fv.get(), fo.get(), fdo.get(), lse, delta, fdq.get(),
-                                     fdk.get(), fdv.get(), b, s, hq, hkv, d, scale, causal, alibi);
+                                     fdk.get(), fdv.get(), b, s, hq, hkv, d, scale, causal, extra);
   });
 }
 

@@ -636,12 +636,25 @@ __device__ __forceinline__ void ForEachVisibleKey(float (*ks)[kD], float (*vs)[k
   }
 }
 
+// What score (i, j) of head h (i, j < s) gains after the scaling
+// (kernels/types.h's AttentionBias); slope is extra.alibi[h] or 0.
+__device__ __forceinline__ float AddedScore(const AttentionBias& extra, float slope, int64_t h, int64_t s, int64_t i,
+                                            int64_t j) {
+  float a = slope * static_cast<float>(j - i);
+  if (extra.bias != nullptr) a += extra.bias[(h * s + i) * s + j];
+  return a;
+}
+
+__device__ __forceinline__ float SlopeOf(const AttentionBias& extra, int64_t h) {
+  return extra.alibi != nullptr ? extra.alibi[h] : 0.0f;
+}
+
 // Grid (row blocks, hq, b). Online softmax over the key tiles: m is the
 // running max, l the running sum of exp(score - m), acc the running sum of
 // exp(score - m) v; a larger score rescales both.
 template <int kD, typename T>
 __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float* lse, int64_t s, int64_t hq,
-                                   int64_t hkv, int d, float scale, bool causal, const float* alibi) {
+                                   int64_t hkv, int d, float scale, bool causal, AttentionBias extra) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float ks[kT][kD];
   __shared__ float vs[kT][kD];
@@ -656,9 +669,9 @@ __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float*
     acc[c] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  const float slope = alibi != nullptr ? alibi[h] : 0.0f;
+  const float slope = SlopeOf(extra, h);
   ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r, int64_t j) {
-    float sc = slope * static_cast<float>(j - i);
+    float sc = AddedScore(extra, slope, h, s, i, j);
 #pragma unroll
     for (int c = 0; c < kD; ++c) sc += qi[c] * ks[r][c];
     if (sc > m) {
@@ -840,7 +853,7 @@ __device__ __forceinline__ void StoreRows(T* base, int64_t stride, int64_t row0,
 template <int kD, typename T>
 __global__ void __launch_bounds__(kMmaThreads)
     FlashForwardMmaKernel(const T* q, const T* k, const T* v, T* out, float* lse, int64_t s, int64_t hq, int64_t hkv,
-                          float scale, bool causal, const float* alibi) {
+                          float scale, bool causal, AttentionBias extra) {
   constexpr int kStride = kD + kMmaPad;
   static_assert(kD % 16 == 0 && kD <= kMmaMaxD, "head dim");
   uint16_t(*ks)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
@@ -866,7 +879,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const float scale2 = scale * 1.4426950408889634f;  // scores in base 2
-  const float slope2 = alibi != nullptr ? alibi[h] * 1.4426950408889634f : 0.0f;
+  const float slope = SlopeOf(extra, h);
+  const bool added = extra.alibi != nullptr || extra.bias != nullptr;
   const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
   for (int64_t j0 = 0; j0 < keys; j0 += kMmaKeys) {
     StageMmaTile<kD>(ks, kb, hkv * kD, j0, s);
@@ -883,8 +897,10 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
-        float x = sc[j][i] * scale2 + slope2 * static_cast<float>(key - rows[i / 2]);
-        if (key >= s || (causal && key > rows[i / 2])) x = -INFINITY;
+        const bool masked = key >= s || rows[i / 2] >= s || (causal && key > rows[i / 2]);
+        float x = sc[j][i] * scale2;
+        if (added && !masked) x += AddedScore(extra, slope, h, s, rows[i / 2], key) * 1.4426950408889634f;
+        if (masked) x = -INFINITY;
         sc[j][i] = x;
         mx[i / 2] = fmaxf(mx[i / 2], x);
       }
@@ -957,7 +973,7 @@ template <int kD, typename T>
 __global__ void __launch_bounds__(kMmaThreads)
     FlashBackwardDqMmaKernel(const T* q, const T* k, const T* v, const T* out, const T* dout, const float* lse,
                              float* delta, T* dq, int64_t s, int64_t hq, int64_t hkv, float scale, bool causal,
-                             const float* alibi) {
+                             AttentionBias extra) {
   constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>;
   __shared__ float row_delta[kMmaRows];
   uint16_t(*tile_a)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
@@ -1006,7 +1022,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const float scale2 = scale * 1.4426950408889634f;
-  const float slope2 = alibi != nullptr ? alibi[h] * 1.4426950408889634f : 0.0f;
+  const float slope = SlopeOf(extra, h);
+  const bool added = extra.alibi != nullptr || extra.bias != nullptr;
   const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
   for (int64_t j0 = 0; j0 < keys; j0 += kN) {
     StageMmaTile<kD, kN>(ks, kb, hkv * kD, j0, s);
@@ -1026,10 +1043,12 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
-        const bool masked = key >= s || (causal && key > rows[i / 2]);
-        const float x = sc[j][i] * scale2 + slope2 * static_cast<float>(key - rows[i / 2]);
+        const bool masked = key >= s || rows[i / 2] >= s || (causal && key > rows[i / 2]);
+        float x = sc[j][i] * scale2;
+        if (added && !masked) x += AddedScore(extra, slope, h, s, rows[i / 2], key) * 1.4426950408889634f;
         const float p = masked ? 0.0f : exp2f(x - lse2[i / 2]);
         sc[j][i] = p * (dp[j][i] - dlt[i / 2]);
+        if (extra.dbias != nullptr && !masked) extra.dbias[((bi * hq + h) * s + rows[i / 2]) * s + key] = sc[j][i];
       }
     }
     MmaAccByTile<kD, kN, T>(acc, sc, ks);  // dQ += dS K
@@ -1044,7 +1063,7 @@ template <int kD, typename T>
 __global__ void __launch_bounds__(kMmaThreads)
     FlashBackwardDkvMmaKernel(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                               const float* delta, T* dk, T* dv, int64_t s, int64_t hq, int64_t hkv, float scale,
-                              bool causal, const float* alibi) {
+                              bool causal, AttentionBias extra) {
   constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>;
   __shared__ float tile_lse2[kBwdTile<kD>];
   __shared__ float tile_delta[kBwdTile<kD>];
@@ -1079,7 +1098,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     const int64_t qoff = (bi * s * hq + h) * kD;
     const float* lb = lse + (bi * hq + h) * s;
     const float* db = delta + (bi * hq + h) * s;
-    const float slope2 = alibi != nullptr ? alibi[h] * 1.4426950408889634f : 0.0f;
+    const float slope = SlopeOf(extra, h);
+    const bool added = extra.alibi != nullptr || extra.bias != nullptr;
     for (int64_t i0 = first; i0 < s; i0 += kN) {
       StageMmaTile<kD, kN>(qs, reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, i0, s);
       StageMmaTile<kD, kN>(gs, reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, i0, s);
@@ -1103,8 +1123,9 @@ __global__ void __launch_bounds__(kMmaThreads)
         for (int i = 0; i < 4; ++i) {
           const int col = 8 * j + 2 * pair + i % 2;
           const int64_t query = i0 + col;
-          const bool masked = query >= s || (causal && query < keys[i / 2]);
-          const float x = st[j][i] * scale2 + slope2 * static_cast<float>(keys[i / 2] - query);
+          const bool masked = query >= s || keys[i / 2] >= s || (causal && query < keys[i / 2]);
+          float x = st[j][i] * scale2;
+          if (added && !masked) x += AddedScore(extra, slope, h, s, query, keys[i / 2]) * 1.4426950408889634f;
           const float p = masked ? 0.0f : exp2f(x - tile_lse2[col]);
           st[j][i] = p;
           dpt[j][i] = p * (dpt[j][i] - tile_delta[col]);
@@ -1124,7 +1145,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 template <int kD, typename T>
 __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T> dout, const float* lse, float* delta,
                                       Out<T> dq, int64_t s, int64_t hq, int64_t hkv, int d, float scale,
-                                      bool causal, const float* alibi) {
+                                      bool causal, AttentionBias extra) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float ks[kT][kD];
   __shared__ float vs[kT][kD];
@@ -1143,7 +1164,7 @@ __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T
   }
   const float li = active ? lse[(bi * hq + h) * s + i] : 0.0f;
   if (active) delta[(bi * hq + h) * s + i] = di;
-  const float slope = alibi != nullptr ? alibi[h] : 0.0f;
+  const float slope = SlopeOf(extra, h);
   ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r, int64_t j) {
     float sc = 0.0f, dp = 0.0f;
 #pragma unroll
@@ -1151,7 +1172,8 @@ __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T
       sc += qi[c] * ks[r][c];
       dp += doi[c] * vs[r][c];
     }
-    const float ds = expf(scale * sc + slope * static_cast<float>(j - i) - li) * (dp - di);
+    const float ds = expf(scale * sc + AddedScore(extra, slope, h, s, i, j) - li) * (dp - di);
+    if (extra.dbias != nullptr) extra.dbias[((bi * hq + h) * s + i) * s + j] = ds;
 #pragma unroll
     for (int c = 0; c < kD; ++c) dqi[c] += ds * ks[r][c];
   });
@@ -1168,7 +1190,7 @@ __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T
 template <int kD, typename T>
 __global__ void FlashBackwardDkvKernel(In<T> q, In<T> k, In<T> v, In<T> dout, const float* lse, const float* delta,
                                        Out<T> dk, Out<T> dv, int64_t s, int64_t hq, int64_t hkv, int d, float scale,
-                                       bool causal, const float* alibi) {
+                                       bool causal, AttentionBias extra) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float qs[kT][kD];
   __shared__ float dos[kT][kD];
@@ -1194,7 +1216,7 @@ __global__ void FlashBackwardDkvKernel(In<T> q, In<T> k, In<T> v, In<T> dout, co
     const In<T> dob = dout + (bi * s * hq + h) * d;
     const float* lb = lse + (bi * hq + h) * s;
     const float* db = delta + (bi * hq + h) * s;
-    const float slope = alibi != nullptr ? alibi[h] : 0.0f;
+    const float slope = SlopeOf(extra, h);
     for (int64_t i0 = first; i0 < s; i0 += kT) {
       StageRows<kD, kT>(qs, qb, hq * d, i0, s, d);
       StageRows<kD, kT>(dos, dob, hq * d, i0, s, d);
@@ -1212,7 +1234,7 @@ __global__ void FlashBackwardDkvKernel(In<T> q, In<T> k, In<T> v, In<T> dout, co
           sc += qs[r][c] * kj[c];
           dp += dos[r][c] * vj[c];
         }
-        const float p = expf(scale * sc + slope * static_cast<float>(j - (i0 + r)) - ls[r]);
+        const float p = expf(scale * sc + AddedScore(extra, slope, h, s, i0 + r, j) - ls[r]);
         const float ds = p * (dp - deltas[r]);
 #pragma unroll
         for (int c = 0; c < kD; ++c) {
@@ -1709,7 +1731,7 @@ absl::Status Rope(int device, const float* x, float* y, int64_t b, int64_t s, in
 
 absl::Status FlashAttention(int device, ElemType type, const void* q, const void* k, const void* v, void* out,
                             float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
-                            bool causal, const float* alibi) {
+                            bool causal, AttentionBias extra) {
   absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttention");
   if (!grid.ok()) return grid.status();
   if (b * s == 0) return absl::OkStatus();
@@ -1724,7 +1746,7 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
         return ByMmaHeadDim(d, [&](auto dim) {
           Launch(FlashForwardMmaKernel<decltype(dim)::value, T>, *grid, kMmaThreads, stream, static_cast<const T*>(q),
                  static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out), lse, s, hq, hkv, scale,
-                 causal, alibi);
+                 causal, extra);
           return Finish("FlashForwardMmaKernel");
         });
       }
@@ -1734,7 +1756,7 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
     using T = decltype(t);
     return ByHeadDim(d, [&](auto dim) {
       Launch(FlashForwardKernel<decltype(dim)::value, T>, *grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k),
-             InOf<T>(v), OutOf<T>(out), lse, s, hq, hkv, static_cast<int>(d), scale, causal, alibi);
+             InOf<T>(v), OutOf<T>(out), lse, s, hq, hkv, static_cast<int>(d), scale, causal, extra);
       return Finish("FlashForwardKernel");
     });
   });
@@ -1743,7 +1765,7 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
 absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, const void* k, const void* v,
                                     const void* out, const void* dout, const float* lse, float* delta, void* dq,
                                     void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
-                                    float scale, bool causal, const float* alibi) {
+                                    float scale, bool causal, AttentionBias extra) {
   absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttentionBackward");
   if (!grid.ok()) return grid.status();
   if (b * s == 0) return absl::OkStatus();
@@ -1761,11 +1783,11 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
           constexpr int kD = decltype(dim)::value;
           Launch(FlashBackwardDqMmaKernel<kD, T>, *grid, kMmaThreads, stream, static_cast<const T*>(q), static_cast<const T*>(k),
                  static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(dout), lse, delta,
-                 static_cast<T*>(dq), s, hq, hkv, scale, causal, alibi);
+                 static_cast<T*>(dq), s, hq, hkv, scale, causal, extra);
           RETURN_IF(Finish("FlashBackwardDqMmaKernel"));
           Launch(FlashBackwardDkvMmaKernel<kD, T>, kv_grid, kMmaThreads, stream, static_cast<const T*>(q), static_cast<const T*>(k),
                  static_cast<const T*>(v), static_cast<const T*>(dout), lse, static_cast<const float*>(delta),
-                 static_cast<T*>(dk), static_cast<T*>(dv), s, hq, hkv, scale, causal, alibi);
+                 static_cast<T*>(dk), static_cast<T*>(dv), s, hq, hkv, scale, causal, extra);
           return Finish("FlashBackwardDkvMmaKernel");
         });
       }
@@ -1777,11 +1799,11 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
       constexpr int kD = decltype(dim)::value;
       Launch(FlashBackwardDqKernel<kD, T>, *grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k), InOf<T>(v),
              InOf<T>(out), InOf<T>(dout), lse, delta, OutOf<T>(dq), s, hq, hkv, static_cast<int>(d), scale, causal,
-             alibi);
+             extra);
       RETURN_IF(Finish("FlashBackwardDqKernel"));
       Launch(FlashBackwardDkvKernel<kD, T>, kv_grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k), InOf<T>(v),
              InOf<T>(dout), lse, static_cast<const float*>(delta), OutOf<T>(dk), OutOf<T>(dv), s, hq, hkv,
-             static_cast<int>(d), scale, causal, alibi);
+             static_cast<int>(d), scale, causal, extra);
       return Finish("FlashBackwardDkvKernel");
     });
   });

@@ -303,33 +303,6 @@ AttentionImpl Resolve(AttentionImpl impl, const Variable& q) {
                                                                                           : AttentionImpl::kPerHead;
 }
 
-// `slopes`, where not empty, are ALiBi's, one per query head.
-absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                        bool causal, const std::vector<float>& slopes = {}) {
-  const DType dtype = q.value().dtype();
-  // The kernels read f32, bf16 and f16 operands as they are: the
-  // contiguous operands are kept for the backward.
-  const Tensor qf = q.value().Contiguous(), kf = k.value().Contiguous(), vf = v.value().Contiguous();
-  std::optional<Tensor> alibi;
-  if (!slopes.empty()) {
-    ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({static_cast<int64_t>(slopes.size())}, slopes));
-    ASSIGN_OR_RETURN(alibi, host.To(q.value().device()));
-  }
-  ASSIGN_OR_RETURN(ops::AttentionForward f, ops::FusedAttention(qf, kf, vf, scale, causal, alibi));
-  ASSIGN_OR_RETURN(Tensor y, f.out.ContiguousAs(dtype));
-  return RecordOp(causal ? "causal_attention" : "attention", {q, k, v}, std::move(y),
-                  [qf, kf, vf, f, scale, causal, dtype, alibi](const Tensor& dy) -> absl::StatusOr<Grads> {
-                    ASSIGN_OR_RETURN(ops::AttentionGrads g,
-                                     ops::FusedAttentionBackward(dy, qf, kf, vf, f, scale, causal, alibi));
-                    Grads out;
-                    for (const Tensor* t : {&g.dq, &g.dk, &g.dv}) {
-                      ASSIGN_OR_RETURN(Tensor back, t->ContiguousAs(dtype));
-                      out.push_back(std::move(back));
-                    }
-                    return out;
-                  });
-}
-
 // What is added to each head's scaled scores before the softmax: ALiBi's
 // slopes[h] * (j - i) (constant: nothing in the backward but the
 // probabilities it shapes), or a learned bias [Hq, Sq, Sk] on the tape
@@ -339,6 +312,45 @@ struct ScoreBias {
   std::vector<float> slopes;
   std::optional<Variable> learned;
 };
+
+// The fused kernels (Sq = Sk) with what `bias` adds to the scores.
+absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
+                                        bool causal, const ScoreBias& bias = {}) {
+  const DType dtype = q.value().dtype();
+  const Device dev = q.value().device();
+  // The kernels read f32, bf16 and f16 operands as they are: the
+  // contiguous operands are kept for the backward.
+  const Tensor qf = q.value().Contiguous(), kf = k.value().Contiguous(), vf = v.value().Contiguous();
+  ops::AttentionExtras extras;
+  if (!bias.slopes.empty()) {
+    ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({static_cast<int64_t>(bias.slopes.size())}, bias.slopes));
+    ASSIGN_OR_RETURN(extras.alibi, host.To(dev));
+  }
+  std::vector<Variable> inputs = {q, k, v};
+  const DType bias_dtype = bias.learned.has_value() ? bias.learned->value().dtype() : DType::kF32;
+  if (bias.learned.has_value()) {
+    ASSIGN_OR_RETURN(extras.bias, bias.learned->value().ContiguousAs(DType::kF32));
+    ASSIGN_OR_RETURN(extras.bias, extras.bias->To(dev));
+    inputs.push_back(*bias.learned);
+  }
+  ASSIGN_OR_RETURN(ops::AttentionForward f, ops::FusedAttention(qf, kf, vf, scale, causal, extras));
+  ASSIGN_OR_RETURN(Tensor y, f.out.ContiguousAs(dtype));
+  return RecordOp(causal ? "causal_attention" : "attention", inputs, std::move(y),
+                  [qf, kf, vf, f, scale, causal, dtype, extras, bias_dtype](const Tensor& dy) -> absl::StatusOr<Grads> {
+                    ASSIGN_OR_RETURN(ops::AttentionGrads g,
+                                     ops::FusedAttentionBackward(dy, qf, kf, vf, f, scale, causal, extras));
+                    Grads out;
+                    for (const Tensor* t : {&g.dq, &g.dk, &g.dv}) {
+                      ASSIGN_OR_RETURN(Tensor back, t->ContiguousAs(dtype));
+                      out.push_back(std::move(back));
+                    }
+                    if (g.dbias.has_value()) {
+                      ASSIGN_OR_RETURN(Tensor db, g.dbias->ContiguousAs(bias_dtype));
+                      out.push_back(std::move(db));
+                    }
+                    return out;
+                  });
+}
 
 // q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] (Sq = Sk when causal).
 absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
@@ -552,17 +564,30 @@ absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, co
     return absl::InvalidArgumentError(
         absl::StrCat("ALiBi needs a slope for each of the ", hq, " query heads, got ", slopes.size()));
   }
-  if (Resolve(impl, q) == AttentionImpl::kFused) return FusedAttention(q, k, v, scale, /*causal=*/true, slopes);
   ScoreBias bias;
   bias.slopes = slopes;
+  if (Resolve(impl, q) == AttentionImpl::kFused) return FusedAttention(q, k, v, scale, /*causal=*/true, bias);
   return PerHeadAttention(q, k, v, scale, /*causal=*/true, bias);
 }
 
 absl::StatusOr<Variable> BiasedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                         bool causal, const std::optional<Variable>& bias) {
+                                         bool causal, const std::optional<Variable>& bias, AttentionImpl impl) {
   RETURN_IF_ERROR(ops::CheckAttentionShapes(q.value(), k.value(), v.value(), /*same_length=*/causal));
   ScoreBias b;
   b.learned = bias;
+  const int64_t hq = q.value().shape()[2], sq = q.value().shape()[1], sk = k.value().shape()[1];
+  if (bias.has_value() && bias->value().shape() != Shape{hq, sq, sk}) {
+    return absl::InvalidArgumentError(absl::StrCat("an attention bias must be [", hq, ", ", sq, ", ", sk,
+                                                   "] (heads, queries, keys), got ",
+                                                   ShapeToString(bias->value().shape())));
+  }
+  // The fused kernels take one sequence length (self-attention); T5's
+  // cross-attention (Sq != Sk, no bias) takes the per-head GEMMs.
+  if (sq == sk && Resolve(impl, q) == AttentionImpl::kFused) return FusedAttention(q, k, v, scale, causal, b);
+  if (impl == AttentionImpl::kFused && sq != sk) {
+    return absl::InvalidArgumentError(absl::StrCat("the fused attention takes one sequence length, not ", sq,
+                                                   " queries over ", sk, " keys"));
+  }
   return PerHeadAttention(q, k, v, scale, causal, b);
 }
 

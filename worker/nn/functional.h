@@ -134,10 +134,12 @@ absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, co
 // position bias) after the scaling: softmax(q k^T * scale + bias[h]) v,
 // or none (T5's cross-attention). q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]:
 // Sq and Sk may differ (cross-attention) unless causal. The bias gets its
-// gradient (the scores', summed over the batch). Per head GEMMs on every
-// device.
+// gradient (the scores', summed over the batch). `impl` as Attention's:
+// kAuto is the fused kernel on a CUDA device where Sq = Sk, the per-head
+// GEMMs otherwise (kFused with Sq != Sk is INVALID_ARGUMENT).
 absl::StatusOr<Variable> BiasedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                         bool causal, const std::optional<Variable>& bias);
+                                         bool causal, const std::optional<Variable>& bias,
+                                         AttentionImpl impl = AttentionImpl::kAuto);
 
 // LayerNorm over a hidden dim split across `hidden` (x [.., h/n] and gamma,
 // beta [h/n] on each of its n ranks): the row statistics are all-reduced

@@ -202,15 +202,19 @@ INSTANTIATE_TEST_SUITE_P(Impls, AlibiAttentionImpl, ::testing::Values(AttentionI
 // Cross-attention with T5's learned bias: 3 decoder queries over 5 encoder
 // keys, softmax(q k^T + bias[h]) v against naive loops in double, and the
 // gradients of q, k, v and the bias against finite differences; causal
-// self-attention with a bias too.
-TEST(BiasedAttention, MatchesTheNaiveLoopsAndItsGradients) {
+// self-attention with a bias too. The fused kernels' CPU twin (self-attention
+// only: 5 queries over 5 keys, bidirectional and causal) likewise.
+class BiasedAttentionImpl : public ::testing::TestWithParam<AttentionImpl> {};
+
+TEST_P(BiasedAttentionImpl, MatchesTheNaiveLoopsAndItsGradients) {
+  const bool fused = GetParam() == AttentionImpl::kFused;
   for (const bool causal : {false, true}) {
-    const int64_t batch = 2, sq = causal ? 5 : 3, sk = 5, hq = 2, d = 3;
+    const int64_t batch = 2, sq = causal || fused ? 5 : 3, sk = 5, hq = 2, d = 3;
     const Tensor q = *Tensor::RandomNormal({batch, sq, hq, d}, 21), k = *Tensor::RandomNormal({batch, sk, hq, d}, 22),
                  v = *Tensor::RandomNormal({batch, sk, hq, d}, 23), bias = *Tensor::RandomNormal({hq, sq, sk}, 24),
                  r = *Tensor::RandomNormal({batch, sq, hq, d}, 25);
     Variable vq(q, true), vk(k, true), vv(v, true), vb(bias, true);
-    auto out = BiasedAttention(vq, vk, vv, 1.0f, causal, vb);
+    auto out = BiasedAttention(vq, vk, vv, 1.0f, causal, vb, GetParam());
     ASSERT_TRUE(out.ok()) << out.status();
     auto naive = [&](const Inputs& in) {
       std::vector<double> o(batch * sq * hq * d, 0.0);
@@ -254,19 +258,35 @@ TEST(BiasedAttention, MatchesTheNaiveLoopsAndItsGradients) {
     };
     ExpectFiniteDifferenceGrads(loss, inputs, {&vq, &vk, &vv, &vb});
   }
-  // A bias of another shape, and a causal cross-attention, are refused.
+  // A bias of another shape, and a causal cross-attention, are refused; the
+  // fused kernels refuse a cross-attention.
   const Variable q(*Tensor::RandomNormal({1, 3, 2, 4}, 1)), kv(*Tensor::RandomNormal({1, 5, 2, 4}, 2));
-  EXPECT_EQ(BiasedAttention(q, kv, kv, 1.0f, false, Variable(*Tensor::Zeros({2, 5, 3}, DType::kF32))).status().code(),
+  const Variable self(*Tensor::RandomNormal({1, 5, 2, 4}, 3));
+  EXPECT_EQ(BiasedAttention(self, kv, kv, 1.0f, false, Variable(*Tensor::Zeros({2, 5, 4}, DType::kF32)), GetParam())
+                .status()
+                .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(BiasedAttention(q, kv, kv, 1.0f, true, Variable(*Tensor::Zeros({2, 3, 5}, DType::kF32))).status().code(),
+  EXPECT_EQ(BiasedAttention(q, kv, kv, 1.0f, true, Variable(*Tensor::Zeros({2, 3, 5}, DType::kF32)), GetParam())
+                .status()
+                .code(),
             absl::StatusCode::kInvalidArgument);
+  if (fused) {
+    EXPECT_EQ(BiasedAttention(q, kv, kv, 1.0f, false, std::nullopt, GetParam()).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
   // No bias (T5's cross-attention) attends as a zero bias does.
-  auto none = BiasedAttention(q, kv, kv, 0.5f, false, std::nullopt);
-  auto zero = BiasedAttention(q, kv, kv, 0.5f, false, Variable(*Tensor::Zeros({2, 3, 5}, DType::kF32)));
+  const Variable& queries = fused ? self : q;
+  const int64_t sq = queries.value().shape()[1];
+  auto none = BiasedAttention(queries, kv, kv, 0.5f, false, std::nullopt, GetParam());
+  auto zero =
+      BiasedAttention(queries, kv, kv, 0.5f, false, Variable(*Tensor::Zeros({2, sq, 5}, DType::kF32)), GetParam());
   ASSERT_TRUE(none.ok()) << none.status();
   ASSERT_TRUE(zero.ok()) << zero.status();
   EXPECT_EQ(none->value().ToFloats(), zero->value().ToFloats());
 }
+
+INSTANTIATE_TEST_SUITE_P(Impls, BiasedAttentionImpl, ::testing::Values(AttentionImpl::kPerHead, AttentionImpl::kFused),
+                         [](const auto& info) { return info.param == AttentionImpl::kFused ? "Fused" : "PerHead"; });
 
 TEST(Functional, ReshapeAndLinearGradients) {
   const Tensor x = *Tensor::RandomNormal({3, 4}, 5), w = *Tensor::RandomNormal({2, 4}, 6);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <mutex>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "worker/colo/testing.h"
 #include "worker/nn/dropout.h"
@@ -105,6 +106,69 @@ TEST_P(Layers1D, VocabParallelCrossEntropyEqualsTheUnshardedLoss) {
         /*instrument=*/true);
   }
 }
+
+// The fused LM head and loss on p ranks against the unfused head and loss on
+// one (x W^T on the whole weight, the cross-entropy over the real vocabulary,
+// their gradients by autograd): the loss, hidden's gradient and each rank's
+// block of the weight's, with chunks that do not divide the rows and one
+// chunk for all, label smoothing and an ignored row. Collectives: one
+// all-gather per chunk forward, one all-reduce of hidden's gradient
+// backward (none at p = 1).
+void ExpectFusedHeadMatchesTheUnfused(int p) {
+  const int64_t n = 11, h = 12, v = 50, vp = 64;
+  const Tensor hidden = *Tensor::RandomNormal({n, h}, 7), weight = *Scale(*Tensor::RandomNormal({vp, h}, 8), 0.5f);
+  const Tensor labels = *Tensor::FromInt64s({n}, {0, 49, 16, -100, 31, 32, 15, 7, 48, 1, 33});
+  const Tensor dloss = *Tensor::RandomNormal({n}, 9);
+  for (float s : {0.0f, 0.1f}) {
+    Variable hv(hidden, true), wv(weight, true);
+    Variable logits = *Narrow(*Linear(hv, wv, std::nullopt), 1, 0, v);
+    Variable want = *CrossEntropy(logits, labels, s);
+    ASSERT_TRUE(Backward(want, dloss).ok());
+    for (int64_t chunk : {int64_t{4}, int64_t{100}}) {
+      SCOPED_TRACE(absl::StrCat("tp ", p, ", smoothing ", s, ", chunks of ", chunk));
+      RunMesh(
+          TpDpMesh(p),
+          [&](int, ProcessGroup& pg) {
+            const int k = *pg.tp_local_rank();
+            const DistSpec spec = p == 1 ? DistSpec() : DistSpec().Set("tp", Placement::Shard({0}, {p}));
+            auto w = ColoTensor::FromGlobal(weight, spec, &pg, /*requires_grad=*/true);
+            ASSERT_TRUE(w.ok()) << w.status();
+            Variable x(hidden, true);
+            auto loss = VocabParallelLinearCrossEntropy(x, *w, labels, v, chunk, s);
+            ASSERT_TRUE(loss.ok()) << loss.status();
+            const int chunks = static_cast<int>((n + chunk - 1) / chunk);
+            if (p > 1) EXPECT_EQ(Stats(pg, "tp", "all_gather").calls, chunks);
+            ExpectAllClose(loss->value(), want.value(), "loss", kTol);
+            ASSERT_TRUE(Backward(*loss, dloss).ok());
+            if (p > 1) {
+              EXPECT_EQ(Stats(pg, "tp", "all_gather").calls, chunks) << "the backward recomputes locally";
+              EXPECT_EQ(Stats(pg, "tp", "all_reduce").calls, 1) << "hidden's gradient, once";
+            }
+            ExpectAllClose(*x.grad(), *hv.grad(), "hidden gradient", kTol);
+            ExpectAllClose(*w->variable().grad(), *wv.grad()->Chunk(0, p, k), "weight gradient", kTol);
+            // Refusals, before any collective.
+            EXPECT_EQ(VocabParallelLinearCrossEntropy(x, *w, labels, v, 0, s).status().code(),
+                      absl::StatusCode::kInvalidArgument);
+            EXPECT_EQ(VocabParallelLinearCrossEntropy(x, *w, labels, vp + 1, chunk, s).status().code(),
+                      absl::StatusCode::kInvalidArgument);
+            auto bad = VocabParallelLinearCrossEntropy(x, *w, *Tensor::FromInt64s({n}, {0, 1, 2, 3, 50, 5, 6, 7, 8,
+                                                                                         9, 10}),
+                                                       v, chunk, s);
+            EXPECT_NE(bad.status().message().find("label 50 at row 4"), absl::string_view::npos) << bad.status();
+            EXPECT_EQ(VocabParallelLinearCrossEntropy(Variable(*Tensor::Zeros({n, h + 1}, DType::kF32)), *w, labels,
+                                                      v, chunk, s)
+                          .status()
+                          .code(),
+                      absl::StatusCode::kInvalidArgument);
+          },
+          /*instrument=*/true);
+    }
+  }
+}
+
+TEST_P(Layers1D, FusedLinearCrossEntropyEqualsTheUnfusedHeadAndLoss) { ExpectFusedHeadMatchesTheUnfused(GetParam()); }
+
+TEST(Layers1DOneRank, FusedLinearCrossEntropyEqualsTheUnfusedHeadAndLoss) { ExpectFusedHeadMatchesTheUnfused(1); }
 
 TEST_P(Layers1D, DropoutMasksDifferForParallelInputAndMatchForReplicatedInput) {
   const int p = GetParam();

@@ -1,7 +1,10 @@
 #include "worker/nn/vocab_cross_entropy.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -9,6 +12,46 @@
 #include "worker/tensor/ops.h"
 
 namespace colod::nn {
+
+namespace {
+
+// The labels as [rows] i64 on `dev`, after checking there is one per row and
+// each is in [0, vocab_size) or ignore_index (read where they are: free for
+// host labels).
+absl::StatusOr<Tensor> CheckedLabels(const Tensor& labels, int64_t rows, int64_t vocab_size, int64_t ignore_index,
+                                     Device dev) {
+  if (labels.numel() != rows || !IsInteger(labels.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat("labels ", DTypeName(labels.dtype()), ShapeToString(labels.shape()),
+                                                   " must be ", rows, " integers, one per row of the logits"));
+  }
+  const std::vector<int64_t> lab = labels.ToInt64s();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (lab[r] != ignore_index && (lab[r] < 0 || lab[r] >= vocab_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("label ", lab[r], " at row ", r,
+                                                     " is outside the vocabulary [0, ", vocab_size, ")"));
+    }
+  }
+  ASSIGN_OR_RETURN(Tensor lab64, labels.ToDType(DType::kI64));
+  ASSIGN_OR_RETURN(lab64, lab64.Reshape({rows}));
+  return lab64.To(dev);
+}
+
+absl::Status CheckVocab(int64_t vocab_size, int64_t padded) {
+  if (vocab_size < 1 || vocab_size > padded) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab_size ", vocab_size, " must be in [1, ", padded, "], the logits' last dim"));
+  }
+  return absl::OkStatus();
+}
+
+// The all-gather of VocabShardCrossEntropy over tp, waited on by the device.
+std::function<absl::Status(const Tensor&, Tensor&)> TpAllGather(Communicator* comm, absl::Duration timeout) {
+  return [comm, timeout](const Tensor& in, Tensor& out) -> absl::Status {
+    return comm->AllGather(in.raw_data(), out.raw_data(), in.numel(), in.dtype())->WaitOnDevice(timeout);
+  };
+}
+
+}  // namespace
 
 absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, const Tensor& labels, int64_t vocab_size,
                                                    float label_smoothing, int64_t ignore_index) {
@@ -22,35 +65,15 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
                                                    "over tp, got ", logits.spec().ToString()));
   }
   const int64_t padded = global[last], local_v = padded / p, rows = NumElements(global) / std::max<int64_t>(padded, 1);
-  if (vocab_size < 1 || vocab_size > padded) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("vocab_size ", vocab_size, " must be in [1, ", padded, "], the logits' last dim"));
-  }
-  if (labels.numel() != rows || !IsInteger(labels.dtype())) {
-    return absl::InvalidArgumentError(absl::StrCat("labels ", DTypeName(labels.dtype()), ShapeToString(labels.shape()),
-                                                   " must be ", rows, " integers, one per row of the logits"));
-  }
-  const std::vector<int64_t> lab = labels.ToInt64s();  // free for host labels
-  for (int64_t r = 0; r < rows; ++r) {
-    if (lab[r] != ignore_index && (lab[r] < 0 || lab[r] >= vocab_size)) {
-      return absl::InvalidArgumentError(absl::StrCat("label ", lab[r], " at row ", r,
-                                                     " is outside the vocabulary [0, ", vocab_size, ")"));
-    }
-  }
+  RETURN_IF_ERROR(CheckVocab(vocab_size, padded));
+  const Device dev = logits.local().device();
+  ASSIGN_OR_RETURN(Tensor lab64, CheckedLabels(labels, rows, vocab_size, ignore_index, dev));
   ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("tp"));
   const int64_t start = k * local_v;
   const int64_t real = std::clamp<int64_t>(vocab_size - start, 0, local_v);  // real columns held here
-  const Device dev = logits.local().device();
-  ASSIGN_OR_RETURN(Tensor lab64, labels.ToDType(DType::kI64));
-  ASSIGN_OR_RETURN(lab64, lab64.Reshape({rows}));
-  ASSIGN_OR_RETURN(lab64, lab64.To(dev));
   ASSIGN_OR_RETURN(Tensor z, logits.local().Contiguous().Reshape({rows, local_v}));
-  const absl::Duration timeout = pg->timeout();
-  auto all_gather = [comm, timeout](const Tensor& in, Tensor& out) -> absl::Status {
-    return comm->AllGather(in.raw_data(), out.raw_data(), in.numel(), in.dtype())->WaitOnDevice(timeout);
-  };
   ASSIGN_OR_RETURN(auto forward, ops::VocabShardCrossEntropy(z, lab64, real, start, vocab_size, label_smoothing,
-                                                        ignore_index, p, all_gather));
+                                                        ignore_index, p, TpAllGather(comm, pg->timeout())));
   Tensor loss = forward.loss;
   auto saved = std::make_shared<ops::VocabShardForward>(std::move(forward));
   const Shape local_shape = logits.local().shape();
@@ -64,6 +87,108 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
                     ASSIGN_OR_RETURN(dz, dz.Reshape(local_shape));
                     return std::vector<std::optional<Tensor>>{dz};
                   });
+}
+
+absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden, const ColoTensor& weight,
+                                                         const Tensor& labels, int64_t vocab_size, int64_t chunk_rows,
+                                                         float label_smoothing, int64_t ignore_index) {
+  ProcessGroup* pg = weight.process_group();
+  ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
+  ASSIGN_OR_RETURN(int k, pg->tp_local_rank());
+  const Shape& global = weight.global_shape();
+  const Shape& hs = hidden.value().shape();
+  if (global.size() != 2 || !(weight.spec().Get("tp") == Placement::Shard({0}, {p}) ||
+                              (p == 1 && weight.spec().Get("tp") == Placement::Replicate()))) {
+    return absl::InvalidArgumentError(absl::StrCat("the fused LM head needs a [vocab, hidden] weight sharded on the "
+                                                   "vocabulary over tp, got ", ShapeToString(global), " ",
+                                                   weight.spec().ToString()));
+  }
+  if (hs.size() != 2 || hs[1] != global[1] || hidden.value().device() != weight.local().device()) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden ", ShapeToString(hs), " must be [rows, ", global[1],
+                                                   "] on the weight's device"));
+  }
+  if (chunk_rows < 1) return absl::InvalidArgumentError(absl::StrCat("chunk_rows ", chunk_rows, " must be positive"));
+  const int64_t padded = global[0], local_v = padded / p, rows = hs[0];
+  RETURN_IF_ERROR(CheckVocab(vocab_size, padded));
+  const Device dev = hidden.value().device();
+  ASSIGN_OR_RETURN(Tensor lab64, CheckedLabels(labels, rows, vocab_size, ignore_index, dev));
+  ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("tp"));
+  const int64_t start = k * local_v;
+  const int64_t real = std::clamp<int64_t>(vocab_size - start, 0, local_v);
+  const Tensor h = hidden.value().Contiguous(), w = weight.local().Contiguous();
+  const absl::Duration timeout = pg->timeout();
+  // Each chunk's rows of hidden and the labels, its logits and their loss.
+  struct Chunk {
+    Tensor h, labels;
+  };
+  std::vector<Chunk> chunks;
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
+    const int64_t n = std::min(chunk_rows, rows - r0);
+    ASSIGN_OR_RETURN(Tensor hc, h.Narrow(0, r0, n));
+    ASSIGN_OR_RETURN(Tensor lc, lab64.Narrow(0, r0, n));
+    chunks.push_back({hc.Contiguous(), lc.Contiguous()});
+  }
+  std::vector<Tensor> losses, lses;
+  for (const Chunk& c : chunks) {
+    ASSIGN_OR_RETURN(Tensor z, ops::MatMul(c.h, w, false, true));  // [n, V_pad / tp], the head's dtype
+    ASSIGN_OR_RETURN(ops::VocabShardForward f,
+                     ops::VocabShardCrossEntropy(z, c.labels, real, start, vocab_size, label_smoothing, ignore_index,
+                                                 p, TpAllGather(comm, timeout)));
+    losses.push_back(std::move(f.loss));
+    lses.push_back(std::move(f.lse));  // f.z, the chunk's f32 logits, goes here
+  }
+  Tensor loss;
+  if (losses.empty()) {
+    ASSIGN_OR_RETURN(loss, Tensor::Zeros({0}, DType::kF32, dev));
+  } else {
+    ASSIGN_OR_RETURN(loss, Tensor::Cat(losses, 0));
+  }
+  auto saved = std::make_shared<std::vector<Tensor>>(std::move(lses));
+  const DType dtype = w.dtype(), hidden_dtype = hidden.value().dtype();
+  return RecordOp(
+      "vocab_parallel_linear_cross_entropy", {hidden, weight.variable()}, std::move(loss),
+      [chunks, saved, w, comm, timeout, p, real, start, vocab_size, label_smoothing, ignore_index, dtype, hidden_dtype,
+       rows, chunk_rows](const Tensor& dloss) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+        std::vector<Tensor> dh;
+        std::optional<Tensor> dw;
+        for (size_t i = 0; i < chunks.size(); ++i) {
+          const Chunk& c = chunks[i];
+          const int64_t r0 = static_cast<int64_t>(i) * chunk_rows, n = c.h.shape()[0];
+          ops::VocabShardForward f;
+          ASSIGN_OR_RETURN(Tensor z, ops::MatMul(c.h, w, false, true));  // recomputed
+          ASSIGN_OR_RETURN(f.z, z.ContiguousAs(DType::kF32));
+          f.lse = (*saved)[i];
+          ASSIGN_OR_RETURN(Tensor dl, dloss.Narrow(0, r0, n));
+          ASSIGN_OR_RETURN(Tensor dz, ops::VocabShardCrossEntropyBackward(dl.Contiguous(), f, c.labels, real, start,
+                                                                     vocab_size, label_smoothing, ignore_index,
+                                                                     dtype));
+          ASSIGN_OR_RETURN(Tensor dhc, ops::MatMul(dz, w));               // [n, H]: this shard's share
+          ASSIGN_OR_RETURN(Tensor dwc, ops::MatMul(dz, c.h, true, false));  // [V_pad / tp, H]
+          dh.push_back(std::move(dhc));
+          // The chunks' shares of a bf16/f16 weight's gradient are summed in
+          // f32 and rounded once at the end.
+          if (dw.has_value()) {
+            ASSIGN_OR_RETURN(dwc, dwc.ToDType(DType::kF32));
+            ASSIGN_OR_RETURN(dw, Add(*dw, dwc));
+          } else if (chunks.size() > 1) {
+            ASSIGN_OR_RETURN(dw, dwc.ToDType(DType::kF32));
+          } else {
+            dw = std::move(dwc);
+          }
+        }
+        Tensor dhidden;
+        if (dh.empty()) {
+          ASSIGN_OR_RETURN(dhidden, Tensor::Zeros({rows, w.shape()[1]}, hidden_dtype, w.device()));
+          ASSIGN_OR_RETURN(dw, Tensor::Zeros(w.shape(), dtype, w.device()));
+        } else {
+          ASSIGN_OR_RETURN(dhidden, Tensor::Cat(dh, 0));
+        }
+        // Every vocabulary shard's share of hidden's gradient, summed over tp.
+        if (p > 1) RETURN_IF_ERROR(AllReduceInPlace(dhidden, ReduceOp::kSum, *comm, timeout));
+        ASSIGN_OR_RETURN(dhidden, dhidden.ContiguousAs(hidden_dtype));
+        ASSIGN_OR_RETURN(Tensor dweight, dw->ContiguousAs(dtype));
+        return std::vector<std::optional<Tensor>>{dhidden, dweight};
+      });
 }
 
 }  // namespace colod::nn

@@ -28,6 +28,26 @@ namespace colod::nn {
 absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, const Tensor& labels, int64_t vocab_size,
                                                    float label_smoothing = 0, int64_t ignore_index = -100);
 
+// The LM head and that loss fused, chunk by chunk over the rows (llm.c's
+// fused classifier, Liger's fused linear cross-entropy): `hidden` [rows, H]
+// (the same on every tp rank) times this rank's vocabulary shard of the
+// head's `weight` ([V_pad, H] sharded on dim 0 over tp: VocabParallelLMHead1D's
+// or a tied VocabParallelEmbedding1D's) gives the logits of `chunk_rows` rows
+// at a time, whose loss is taken as VocabParallelCrossEntropy takes it (one
+// all-gather of the chunk's row statistics); only each row's log-sum-exp is
+// kept. The backward recomputes each chunk's logits and, from their
+// gradient, adds the chunk's share to the weight's gradient and to
+// hidden's, which is all-reduced over tp once (as a column-parallel layer's
+// replicated input's is). So the logits and their gradient exist for at most
+// `chunk_rows` rows at a time, f32 [chunk_rows, V_pad / tp], instead of for
+// the whole batch, for one more GEMM of the head's (the recomputation).
+// Returns the loss per row as VocabParallelCrossEntropy does, equal to it on
+// hidden W^T within f32 rounding; the same errors, and INVALID_ARGUMENT for
+// chunk_rows < 1 or mismatched shapes.
+absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden, const ColoTensor& weight,
+                                                         const Tensor& labels, int64_t vocab_size, int64_t chunk_rows,
+                                                         float label_smoothing = 0, int64_t ignore_index = -100);
+
 }  // namespace colod::nn
 
 #endif  // COLOD_WORKER_NN_VOCAB_CROSS_ENTROPY_H_

@@ -103,11 +103,11 @@ struct DeviceKernels {
                        float theta, int64_t position_offset, float sign);
   absl::Status (*FlashAttention)(int device, ElemType type, const void* q, const void* k, const void* v, void* out,
                                  float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
-                                 bool causal, const float* alibi);
+                                 bool causal, kernels::AttentionBias extra);
   absl::Status (*FlashAttentionBackward)(int device, ElemType type, const void* q, const void* k, const void* v,
                                          const void* out, const void* dout, const float* lse, float* delta, void* dq,
                                          void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv,
-                                         int64_t d, float scale, bool causal, const float* alibi);
+                                         int64_t d, float scale, bool causal, kernels::AttentionBias extra);
   absl::Status (*AdamW)(int device, const std::vector<kernels::AdamWTensor>& tensors, const kernels::AdamWHyper& h);
 };
 

@@ -833,28 +833,35 @@ absl::Status AttentionOperands(const Tensor& q, const Tensor& k, const Tensor& v
   return absl::OkStatus();
 }
 
-// The kernels' ALiBi argument: null without slopes; with them, f32 [Hq]
-// on q's device (INVALID_ARGUMENT otherwise).
-absl::StatusOr<const float*> AlibiSlopesOf(const std::optional<Tensor>& alibi, const Tensor& q, const char* op) {
-  if (!alibi.has_value()) return nullptr;
-  if (alibi->dtype() != DType::kF32 || alibi->shape() != Shape{q.shape()[2]} || !alibi->is_contiguous() ||
-      alibi->device() != q.device()) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ALiBi slopes must be contiguous f32 [", q.shape()[2],
-                                                   "] on ", q.device().ToString(), ", not ",
-                                                   DTypeName(alibi->dtype()), ShapeToString(alibi->shape()), " on ",
-                                                   alibi->device().ToString()));
-  }
-  return static_cast<const float*>(alibi->raw_data());
+// The kernels' view of `extras` (null pointers for what is not set), after
+// checking each is a contiguous f32 tensor of its shape on q's device.
+absl::StatusOr<kernels::AttentionBias> ExtrasOf(const AttentionExtras& extras, const Tensor& q, const char* op) {
+  const int64_t hq = q.shape()[2], s = q.shape()[1];
+  auto check = [&](const std::optional<Tensor>& t, const Shape& shape, const char* what) -> absl::Status {
+    if (!t.has_value()) return absl::OkStatus();
+    if (t->dtype() != DType::kF32 || t->shape() != shape || !t->is_contiguous() || t->device() != q.device()) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": ", what, " must be contiguous f32 ", ShapeToString(shape),
+                                                     " on ", q.device().ToString(), ", not ", DTypeName(t->dtype()),
+                                                     ShapeToString(t->shape()), " on ", t->device().ToString()));
+    }
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(check(extras.alibi, {hq}, "ALiBi slopes"));
+  RETURN_IF_ERROR(check(extras.bias, {hq, s, s}, "an attention bias"));
+  kernels::AttentionBias k;
+  if (extras.alibi.has_value()) k.alibi = static_cast<const float*>(extras.alibi->raw_data());
+  if (extras.bias.has_value()) k.bias = static_cast<const float*>(extras.bias->raw_data());
+  return k;
 }
 
 }  // namespace
 
 absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
-                                                bool causal, const std::optional<Tensor>& alibi) {
+                                                bool causal, const AttentionExtras& extras) {
   const char* op = "fused_attention";
   Tensor qf, kf, vf;
   RETURN_IF_ERROR(AttentionOperands(q, k, v, op, qf, kf, vf));
-  ASSIGN_OR_RETURN(const float* slopes, AlibiSlopesOf(alibi, q, op));
+  ASSIGN_OR_RETURN(const kernels::AttentionBias added, ExtrasOf(extras, q, op));
   const Device dev = q.device();
   ASSIGN_OR_RETURN(const DeviceKernels* kern, KernelsFor(dev));
   const int64_t b = q.shape()[0], s = q.shape()[1], hq = q.shape()[2], hkv = k.shape()[2], d = q.shape()[3];
@@ -862,17 +869,17 @@ absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k
   ASSIGN_OR_RETURN(f.out, Tensor::Empty(q.shape(), qf.dtype(), dev));
   ASSIGN_OR_RETURN(f.lse, Tensor::Empty({b, hq, s}, DType::kF32, dev));
   RETURN_IF_ERROR(kern->FlashAttention(dev.index, Elem(qf.dtype()), qf.raw_data(), kf.raw_data(), vf.raw_data(),
-                                       f.out.raw_data(), F(f.lse), b, s, hq, hkv, d, scale, causal, slopes));
+                                       f.out.raw_data(), F(f.lse), b, s, hq, hkv, d, scale, causal, added));
   return f;
 }
 
 absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                       const Tensor& v, const AttentionForward& forward, float scale,
-                                                      bool causal, const std::optional<Tensor>& alibi) {
+                                                      bool causal, const AttentionExtras& extras) {
   const char* op = "fused_attention_backward";
   Tensor qf, kf, vf;
   RETURN_IF_ERROR(AttentionOperands(q, k, v, op, qf, kf, vf));
-  ASSIGN_OR_RETURN(const float* slopes, AlibiSlopesOf(alibi, q, op));
+  ASSIGN_OR_RETURN(kernels::AttentionBias added, ExtrasOf(extras, q, op));
   const int64_t b = q.shape()[0], s = q.shape()[1], hq = q.shape()[2], hkv = k.shape()[2], d = q.shape()[3];
   if (dout.shape() != q.shape() || forward.out.shape() != q.shape() || forward.lse.shape() != Shape{b, hq, s} ||
       forward.out.dtype() != qf.dtype() || forward.lse.dtype() != DType::kF32) {
@@ -891,10 +898,22 @@ absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const 
   ASSIGN_OR_RETURN(g.dq, Tensor::Empty(q.shape(), type, dev));
   ASSIGN_OR_RETURN(g.dk, Tensor::Empty(k.shape(), type, dev));
   ASSIGN_OR_RETURN(g.dv, Tensor::Empty(v.shape(), type, dev));
+  std::optional<Tensor> dscores;  // [B, Hq, S, S]: each batch element's, 0 where masked
+  if (extras.bias.has_value()) {
+    ASSIGN_OR_RETURN(dscores, Tensor::Zeros({b, hq, s, s}, DType::kF32, dev));
+    added.dbias = F(*dscores);
+  }
   RETURN_IF_ERROR(kern->FlashAttentionBackward(dev.index, Elem(type), qf.raw_data(), kf.raw_data(), vf.raw_data(),
                                                out.raw_data(), dof.raw_data(), F(lse), F(delta), g.dq.raw_data(),
                                                g.dk.raw_data(), g.dv.raw_data(), b, s, hq, hkv, d, scale, causal,
-                                               slopes));
+                                               added));
+  if (dscores.has_value()) {
+    // The bias is shared by the batch: its gradient sums the batch's, in
+    // batch order (the column reduction over [B, Hq S S]).
+    ASSIGN_OR_RETURN(Tensor rows, dscores->Reshape({b, hq * s * s}));
+    ASSIGN_OR_RETURN(Tensor sum, BiasGrad(rows));
+    ASSIGN_OR_RETURN(g.dbias, sum.Reshape({hq, s, s}));
+  }
   return g;
 }
 

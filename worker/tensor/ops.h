@@ -220,19 +220,28 @@ struct AttentionForward {
   Tensor out;  // [B, S, Hq, D] in the kernels' dtype
   Tensor lse;  // [B, Hq, S] f32: each query row's log-sum-exp, for the backward
 };
-// `alibi`, where set, is ALiBi's f32 [Hq] head slopes on q's device: score
-// (i, j) of query head h gains alibi[h] * (j - i) after the scaling (BLOOM's
-// softmax; nn::AlibiAttention). The backward takes the same slopes.
+// What the scores gain after the scaling, each where set, on q's device:
+// ALiBi's f32 [Hq] head slopes, score (i, j) of query head h gaining
+// alibi[h] * (j - i) (BLOOM's softmax; nn::AlibiAttention), and a learned
+// bias, f32 [Hq, S, S], gaining bias[h, i, j] (T5's relative position bias;
+// nn::BiasedAttention). INVALID_ARGUMENT for other shapes, dtypes or devices.
+struct AttentionExtras {
+  std::optional<Tensor> alibi;
+  std::optional<Tensor> bias;
+};
 absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
-                                                bool causal, const std::optional<Tensor>& alibi = std::nullopt);
+                                                bool causal, const AttentionExtras& extras = {});
 // The gradients (shaped like q, k and v, in the forward's dtype) from dout [B, S, Hq, D] and
-// the forward of the same q, k, v; deterministic (no atomics).
+// the forward of the same q, k, v and extras, and the learned bias's (f32
+// [Hq, S, S]: the scores' gradients summed over the batch) where it has one;
+// deterministic (no atomics).
 struct AttentionGrads {
   Tensor dq, dk, dv;
+  std::optional<Tensor> dbias;
 };
 absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                       const Tensor& v, const AttentionForward& forward, float scale,
-                                                      bool causal, const std::optional<Tensor>& alibi = std::nullopt);
+                                                      bool causal, const AttentionExtras& extras = {});
 
 // torch.optim.AdamW's step: decoupled weight decay, bias correction with
 // `step` (1-based). grad_scale multiplies every gradient as it is read (the
