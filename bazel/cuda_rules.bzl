@@ -91,9 +91,17 @@ def _cuda_objects_impl(ctx):
             include_flags.append("-I" + d)
     outs = []
     for src in ctx.files.srcs:
-        out = ctx.actions.declare_file("_cuda_objs/%s/%s.o" % (ctx.label.name, src.basename[:-len(".cu")]))
+        # Each object in a directory of its own, which is also nvcc's
+        # temporary directory (TMPDIR, and --objdir-as-tempdir for the
+        # intermediate files): in the sandbox every nvcc is pid 2, and nvcc
+        # names its files in a shared /tmp by pid, so two concurrent compiles
+        # removed or overwrote each other's files ("cannot open module id
+        # file /tmp/tmpxft_00000002_...").
+        stem = src.basename[:-len(".cu")]
+        out = ctx.actions.declare_file("_cuda_objs/%s/%s/%s.o" % (ctx.label.name, stem, stem))
         args = ctx.actions.args()
         args.add_all(["-c", src.path, "-o", out.path, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-lineinfo"])
+        args.add("--objdir-as-tempdir")
         args.add_all(CUDA_GENCODE)
         args.add_all(include_flags)
         args.add_all(ctx.attr.copts)
@@ -104,7 +112,7 @@ def _cuda_objects_impl(ctx):
             outputs = [out],
             mnemonic = "Nvcc",
             progress_message = "nvcc %s" % src.short_path,
-            env = {"PATH": "/usr/bin:/bin"},
+            env = {"PATH": "/usr/bin:/bin", "TMPDIR": out.dirname},
         )
         outs.append(out)
     return [DefaultInfo(files = depset(outs))]
