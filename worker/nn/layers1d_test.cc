@@ -137,7 +137,9 @@ void ExpectFusedHeadMatchesTheUnfused(int p) {
             auto loss = VocabParallelLinearCrossEntropy(x, *w, labels, v, chunk, s);
             ASSERT_TRUE(loss.ok()) << loss.status();
             const int chunks = static_cast<int>((n + chunk - 1) / chunk);
-            if (p > 1) EXPECT_EQ(Stats(pg, "tp", "all_gather").calls, chunks);
+            if (p > 1) {
+              EXPECT_EQ(Stats(pg, "tp", "all_gather").calls, chunks);
+            }
             ExpectAllClose(loss->value(), want.value(), "loss", kTol);
             ASSERT_TRUE(Backward(*loss, dloss).ok());
             if (p > 1) {
