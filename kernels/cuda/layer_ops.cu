@@ -649,6 +649,24 @@ __device__ __forceinline__ float SlopeOf(const AttentionBias& extra, int64_t h) 
   return extra.alibi != nullptr ? extra.alibi[h] : 0.0f;
 }
 
+constexpr float kLog2e = 1.4426950408889634f;  // the tensor-core kernels' scores are in base 2
+
+// Whether the mask hides key `key` from query `query` (either past s, or
+// the key after the query when causal).
+__device__ __forceinline__ bool Hidden(int64_t query, int64_t key, int64_t s, bool causal) {
+  return query >= s || key >= s || (causal && key > query);
+}
+
+// The tensor-core kernels' score (query, key) of head h in base 2, from the
+// accumulated product q . k: dot * scale2 (scale log2 e) and, times log2 e,
+// what `extra` adds. For a (query, key) the mask does not hide.
+__device__ __forceinline__ float Base2Score(float dot, float scale2, const AttentionBias& extra, float slope,
+                                            int64_t h, int64_t s, int64_t query, int64_t key) {
+  float x = dot * scale2;
+  if (extra.alibi != nullptr || extra.bias != nullptr) x += AddedScore(extra, slope, h, s, query, key) * kLog2e;
+  return x;
+}
+
 // Grid (row blocks, hq, b). Online softmax over the key tiles: m is the
 // running max, l the running sum of exp(score - m), acc the running sum of
 // exp(score - m) v; a larger score rescales both.
@@ -878,9 +896,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  const float scale2 = scale * 1.4426950408889634f;  // scores in base 2
+  const float scale2 = scale * kLog2e;
   const float slope = SlopeOf(extra, h);
-  const bool added = extra.alibi != nullptr || extra.bias != nullptr;
   const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
   for (int64_t j0 = 0; j0 < keys; j0 += kMmaKeys) {
     StageMmaTile<kD>(ks, kb, hkv * kD, j0, s);
@@ -897,10 +914,9 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
-        const bool masked = key >= s || rows[i / 2] >= s || (causal && key > rows[i / 2]);
-        float x = sc[j][i] * scale2;
-        if (added && !masked) x += AddedScore(extra, slope, h, s, rows[i / 2], key) * 1.4426950408889634f;
-        if (masked) x = -INFINITY;
+        const float x = Hidden(rows[i / 2], key, s, causal)
+                            ? -INFINITY
+                            : Base2Score(sc[j][i], scale2, extra, slope, h, s, rows[i / 2], key);
         sc[j][i] = x;
         mx[i / 2] = fmaxf(mx[i / 2], x);
       }
@@ -1012,7 +1028,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   float lse2[2], dlt[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    lse2[r] = rows[r] < s ? lse[(bi * hq + h) * s + rows[r]] * 1.4426950408889634f : 0.0f;
+    lse2[r] = rows[r] < s ? lse[(bi * hq + h) * s + rows[r]] * kLog2e : 0.0f;
     dlt[r] = row_delta[16 * warp + group + 8 * r];
   }
   __syncthreads();
@@ -1021,9 +1037,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   float acc[kD / 8][4];
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  const float scale2 = scale * 1.4426950408889634f;
+  const float scale2 = scale * kLog2e;
   const float slope = SlopeOf(extra, h);
-  const bool added = extra.alibi != nullptr || extra.bias != nullptr;
   const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
   for (int64_t j0 = 0; j0 < keys; j0 += kN) {
     StageMmaTile<kD, kN>(ks, kb, hkv * kD, j0, s);
@@ -1043,10 +1058,9 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
-        const bool masked = key >= s || rows[i / 2] >= s || (causal && key > rows[i / 2]);
-        float x = sc[j][i] * scale2;
-        if (added && !masked) x += AddedScore(extra, slope, h, s, rows[i / 2], key) * 1.4426950408889634f;
-        const float p = masked ? 0.0f : exp2f(x - lse2[i / 2]);
+        const bool masked = Hidden(rows[i / 2], key, s, causal);
+        const float p =
+            masked ? 0.0f : exp2f(Base2Score(sc[j][i], scale2, extra, slope, h, s, rows[i / 2], key) - lse2[i / 2]);
         sc[j][i] = p * (dp[j][i] - dlt[i / 2]);
         if (extra.dbias != nullptr && !masked) extra.dbias[((bi * hq + h) * s + rows[i / 2]) * s + key] = sc[j][i];
       }
@@ -1090,7 +1104,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     dk_acc[j][0] = dk_acc[j][1] = dk_acc[j][2] = dk_acc[j][3] = 0.0f;
     dv_acc[j][0] = dv_acc[j][1] = dv_acc[j][2] = dv_acc[j][3] = 0.0f;
   }
-  const float scale2 = scale * 1.4426950408889634f;
+  const float scale2 = scale * kLog2e;
   // Causal: queries before the block's first key see none of its keys.
   const int64_t first = causal ? key0 : 0;
   for (int64_t g = 0; g < heads; ++g) {
@@ -1099,12 +1113,11 @@ __global__ void __launch_bounds__(kMmaThreads)
     const float* lb = lse + (bi * hq + h) * s;
     const float* db = delta + (bi * hq + h) * s;
     const float slope = SlopeOf(extra, h);
-    const bool added = extra.alibi != nullptr || extra.bias != nullptr;
     for (int64_t i0 = first; i0 < s; i0 += kN) {
       StageMmaTile<kD, kN>(qs, reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, i0, s);
       StageMmaTile<kD, kN>(gs, reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, i0, s);
       for (int t = threadIdx.x; t < kN; t += kMmaThreads) {
-        tile_lse2[t] = i0 + t < s ? lb[i0 + t] * 1.4426950408889634f : 0.0f;
+        tile_lse2[t] = i0 + t < s ? lb[i0 + t] * kLog2e : 0.0f;
         tile_delta[t] = i0 + t < s ? db[i0 + t] : 0.0f;
       }
       __syncthreads();
@@ -1123,10 +1136,10 @@ __global__ void __launch_bounds__(kMmaThreads)
         for (int i = 0; i < 4; ++i) {
           const int col = 8 * j + 2 * pair + i % 2;
           const int64_t query = i0 + col;
-          const bool masked = query >= s || keys[i / 2] >= s || (causal && query < keys[i / 2]);
-          float x = st[j][i] * scale2;
-          if (added && !masked) x += AddedScore(extra, slope, h, s, query, keys[i / 2]) * 1.4426950408889634f;
-          const float p = masked ? 0.0f : exp2f(x - tile_lse2[col]);
+          const float p = Hidden(query, keys[i / 2], s, causal)
+                              ? 0.0f
+                              : exp2f(Base2Score(st[j][i], scale2, extra, slope, h, s, query, keys[i / 2]) -
+                                      tile_lse2[col]);
           st[j][i] = p;
           dpt[j][i] = p * (dpt[j][i] - tile_delta[col]);
         }

@@ -50,6 +50,25 @@ void ExpectNear(const Tensor& got, const Tensor& want, double tol, const std::st
   for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], w[i], tol * (1 + std::fabs(w[i]))) << what << " at " << i;
 }
 
+// For the half types: within tol * (|want| + 0.1 * want's largest magnitude),
+// element by element (values near zero are held to units of the largest).
+void ExpectNearOfLargest(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
+  const std::vector<float> g = got.ToFloats(), w = want.ToFloats();
+  ASSERT_EQ(g.size(), w.size()) << what;
+  float largest = 0;
+  for (float x : w) largest = std::max(largest, std::fabs(x));
+  for (size_t i = 0; i < g.size(); ++i) {
+    ASSERT_NEAR(g[i], w[i], tol * (std::fabs(w[i]) + 0.1 * largest)) << what << " at " << i;
+  }
+}
+
+// The same values, bit for bit (a second run of a deterministic kernel).
+void ExpectSameBits(const Tensor& first, const Tensor& second, const std::string& what) {
+  const std::vector<float> x = first.ToFloats(), y = second.ToFloats();
+  ASSERT_EQ(x.size(), y.size()) << what;
+  EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0) << what;
+}
+
 struct Result {
   Tensor out, dq, dk, dv;
 };
@@ -84,13 +103,9 @@ TEST_P(CudaAttention, FusedKernelMatchesThePerHeadReferenceInValuesAndGradients)
   ExpectNear(got.dv, want.dv, 2e-4, "dv");
   // No atomics: a second run repeats every gradient bit for bit.
   const Result again = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
-  const std::pair<const Tensor*, const Tensor*> runs[] = {{&got.dq, &again.dq}, {&got.dk, &again.dk},
-                                                           {&got.dv, &again.dv}};
-  for (const auto& [first, second] : runs) {
-    const std::vector<float> x = first->ToFloats(), y = second->ToFloats();
-    ASSERT_EQ(x.size(), y.size());
-    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0);
-  }
+  ExpectSameBits(got.dq, again.dq, "dq");
+  ExpectSameBits(got.dk, again.dk, "dk");
+  ExpectSameBits(got.dv, again.dv, "dv");
 }
 
 // bf16 (the GPU default) and f16 operands are read by the kernels as they
@@ -115,18 +130,11 @@ TEST_P(CudaAttention, HalfOperandsStayHalfAndMatchTheF32Reference) {
     for (int i = 0; i < 4; ++i) {
       const auto& [g, w] = pairs[i];
       ASSERT_EQ(g->dtype(), t) << names[i];
-      const std::vector<float> a = g->ToFloats(), b = w->ToFloats();
-      ASSERT_EQ(a.size(), b.size());
-      float scale = 0;
-      for (float x : b) scale = std::max(scale, std::fabs(x));
       // out: rounding of the inputs, of P before P V (the tensor-core path
       // multiplies P in the operand type, as FlashAttention-2 does) and of
       // the output; the gradients: and of out, and of P and dS before the
       // products that give dv, dq and dk.
-      const double tol = i == 0 ? 2 * ulp : 4 * ulp;
-      for (size_t j = 0; j < a.size(); ++j) {
-        ASSERT_NEAR(a[j], b[j], tol * (std::fabs(b[j]) + 0.1 * scale)) << names[i] << " at " << j;
-      }
+      ExpectNearOfLargest(*g, *w, i == 0 ? 2 * ulp : 4 * ulp, names[i]);
     }
   }
 }
@@ -170,14 +178,10 @@ TEST(CudaAttentionAlibi, FusedKernelsMatchThePerHeadReference) {
           {&got.out, &want.out}, {&got.dq, &want.dq}, {&got.dk, &want.dk}, {&got.dv, &want.dv}};
       const char* names[] = {"out", "dq", "dk", "dv"};
       for (int i = 0; i < 4; ++i) {
-        const std::vector<float> a = pairs[i].first->ToFloats(), b = pairs[i].second->ToFloats();
-        ASSERT_EQ(a.size(), b.size()) << names[i];
-        float scale = 0;
-        for (float x : b) scale = std::max(scale, std::fabs(x));
-        const double tol = t == DType::kF32 ? 2e-4 : (i == 0 ? 2 : 4) * ulp;
-        for (size_t j = 0; j < a.size(); ++j) {
-          ASSERT_NEAR(a[j], b[j], tol * (std::fabs(b[j]) + (t == DType::kF32 ? 1.0 : 0.1 * scale)))
-              << names[i] << " at " << j;
+        if (t == DType::kF32) {
+          ExpectNear(*pairs[i].first, *pairs[i].second, 2e-4, names[i]);
+        } else {
+          ExpectNearOfLargest(*pairs[i].first, *pairs[i].second, (i == 0 ? 2 : 4) * ulp, names[i]);
         }
       }
       // The slopes matter: the output moves far beyond the tolerance.
@@ -186,11 +190,9 @@ TEST(CudaAttentionAlibi, FusedKernelsMatchThePerHeadReference) {
       for (size_t j = 0; j < biased.size(); ++j) moved = std::max(moved, double{std::fabs(biased[j] - unbiased[j])});
       EXPECT_GT(moved, 0.1);
       const Result again = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r, slopes);
-      for (const auto& [first, second] : {std::pair{&got.dq, &again.dq}, {&got.dk, &again.dk}, {&got.dv, &again.dv}}) {
-        const std::vector<float> x = first->ToFloats(), y = second->ToFloats();
-        ASSERT_EQ(x.size(), y.size());
-        EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0);
-      }
+      ExpectSameBits(got.dq, again.dq, "dq");
+      ExpectSameBits(got.dk, again.dk, "dk");
+      ExpectSameBits(got.dv, again.dv, "dv");
     }
   }
 }
@@ -238,23 +240,17 @@ TEST(CudaAttentionBias, FusedKernelsMatchThePerHeadReference) {
                                                                {&got.dbias, &want.dbias}};
       const char* names[] = {"out", "dq", "dk", "dv", "dbias"};
       for (int i = 0; i < 5; ++i) {
-        const std::vector<float> a = pairs[i].first->ToFloats(), b = pairs[i].second->ToFloats();
-        ASSERT_EQ(a.size(), b.size()) << names[i];
-        float largest = 0;
-        for (float x : b) largest = std::max(largest, std::fabs(x));
-        const double tol = t == DType::kF32 ? 2e-4 : (i == 0 ? 2 : 8) * ulp;
-        for (size_t j = 0; j < a.size(); ++j) {
-          ASSERT_NEAR(a[j], b[j], tol * (std::fabs(b[j]) + (t == DType::kF32 ? 1.0 : 0.1 * largest)))
-              << names[i] << " at " << j;
+        if (t == DType::kF32) {
+          ExpectNear(*pairs[i].first, *pairs[i].second, 2e-4, names[i]);
+        } else {
+          ExpectNearOfLargest(*pairs[i].first, *pairs[i].second, (i == 0 ? 2 : 8) * ulp, names[i]);
         }
       }
       const Run again = run(Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
-      for (const auto& [first, second] : {std::pair{&got.dq, &again.dq}, {&got.dk, &again.dk},
-                                          {&got.dv, &again.dv}, {&got.dbias, &again.dbias}}) {
-        const std::vector<float> x = first->ToFloats(), y = second->ToFloats();
-        ASSERT_EQ(x.size(), y.size());
-        EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0);
-      }
+      ExpectSameBits(got.dq, again.dq, "dq");
+      ExpectSameBits(got.dk, again.dk, "dk");
+      ExpectSameBits(got.dv, again.dv, "dv");
+      ExpectSameBits(got.dbias, again.dbias, "dbias");
     }
   }
 }
