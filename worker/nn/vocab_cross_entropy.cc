@@ -115,7 +115,18 @@ absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden,
   ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("tp"));
   const int64_t start = k * local_v;
   const int64_t real = std::clamp<int64_t>(vocab_size - start, 0, local_v);
-  const Tensor h = hidden.value().Contiguous(), w = weight.local().Contiguous();
+  const Tensor h = hidden.value().Contiguous();
+  Tensor w = weight.local().Contiguous();
+  // On a CUDA device a shard whose rows (the logits' width) are not a
+  // multiple of 8 computes padded with zero rows to a multiple of 64, as
+  // NativeLinear does (cuBLAS's align1 kernels, docs/GPU.md): the extra
+  // columns lie past `real`, so the loss leaves them out, and their rows of
+  // the weight's gradient are dropped.
+  const int64_t w_rows = w.shape()[0];
+  if (dev.is_cuda() && w_rows % 8 != 0) {
+    ASSIGN_OR_RETURN(Tensor zeros, Tensor::Zeros({64 - w_rows % 64, global[1]}, w.dtype(), dev));
+    ASSIGN_OR_RETURN(w, Tensor::Cat({w, zeros}, 0));
+  }
   const absl::Duration timeout = pg->timeout();
   // Each chunk's rows of hidden and the labels, its logits and their loss.
   struct Chunk {
@@ -147,8 +158,8 @@ absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden,
   const DType dtype = w.dtype(), hidden_dtype = hidden.value().dtype();
   return RecordOp(
       "vocab_parallel_linear_cross_entropy", {hidden, weight.variable()}, std::move(loss),
-      [chunks, saved, w, comm, timeout, p, real, start, vocab_size, label_smoothing, ignore_index, dtype, hidden_dtype,
-       rows, chunk_rows](const Tensor& dloss) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+      [chunks, saved, w, w_rows, comm, timeout, p, real, start, vocab_size, label_smoothing, ignore_index, dtype,
+       hidden_dtype, rows, chunk_rows](const Tensor& dloss) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
         std::vector<Tensor> dh;
         std::optional<Tensor> dw;
         for (size_t i = 0; i < chunks.size(); ++i) {
@@ -179,9 +190,12 @@ absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden,
         Tensor dhidden;
         if (dh.empty()) {
           ASSIGN_OR_RETURN(dhidden, Tensor::Zeros({rows, w.shape()[1]}, hidden_dtype, w.device()));
-          ASSIGN_OR_RETURN(dw, Tensor::Zeros(w.shape(), dtype, w.device()));
+          ASSIGN_OR_RETURN(dw, Tensor::Zeros({w_rows, w.shape()[1]}, dtype, w.device()));
         } else {
           ASSIGN_OR_RETURN(dhidden, Tensor::Cat(dh, 0));
+        }
+        if (dw->shape()[0] != w_rows) {
+          ASSIGN_OR_RETURN(dw, dw->Narrow(0, 0, w_rows));
         }
         // Every vocabulary shard's share of hidden's gradient, summed over tp.
         if (p > 1) RETURN_IF_ERROR(AllReduceInPlace(dhidden, ReduceOp::kSum, *comm, timeout));

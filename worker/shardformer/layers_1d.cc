@@ -74,6 +74,10 @@ class Col1D : public Layer {
   }
   absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override { return sp_ ? TpShard(ndim - 2, tp_) : DistSpec(); }
   std::vector<BoundParam> Params() override { return owns_ ? p_.list() : std::vector<BoundParam>{}; }
+  absl::StatusOr<ColoTensor> HeadWeight() override {
+    if (p_.bias.has_value() || sp_ || p_.weight.param.global_shape().size() != 2) return Layer::HeadWeight();
+    return static_cast<const ColoTensor&>(p_.weight.param);
+  }
 
  private:
   nn::Linear1DCol layer_;

@@ -58,6 +58,11 @@ class NativeLinear : public Layer {
     ASSIGN_OR_RETURN(Variable y, nn::Narrow(padded, -1, 0, out));
     return SameSpec(y, x);
   }
+  // The fused LM head and loss pads the weight as Forward does.
+  absl::StatusOr<ColoTensor> HeadWeight() override {
+    if (p_.bias.has_value()) return Layer::HeadWeight();
+    return static_cast<const ColoTensor&>(p_.weight.param);
+  }
   absl::StatusOr<DistSpec> InputSpec(int64_t) const override { return DistSpec(); }
   std::vector<BoundParam> Params() override { return tied_ ? std::vector<BoundParam>{} : p_.list(); }
 

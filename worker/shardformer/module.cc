@@ -98,6 +98,10 @@ absl::StatusOr<ColoTensor> Module::Forward(const ColoTensor& x) {
     if (layer_ == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(cls_, " ", decl_->prefix, " has no weights loaded"));
     }
+    if (pass_through_ != nullptr) {
+      *pass_through_ = x;
+      return x;
+    }
     return layer_->Forward(x);
   }
   if (!forward_) return absl::FailedPreconditionError(absl::StrCat(cls_, " has no forward"));
@@ -146,7 +150,9 @@ absl::StatusOr<Layer::WithSum> Module::CallResidual(const std::string& path, con
 }
 
 absl::StatusOr<ColoTensor> Module::Forward(const ColoTensor& x, nn::Epilogue epilogue) {
-  if (decl_.has_value() && layer_ != nullptr) return layer_->ForwardWithEpilogue(x, epilogue);
+  if (decl_.has_value() && layer_ != nullptr && pass_through_ == nullptr) {
+    return layer_->ForwardWithEpilogue(x, epilogue);
+  }
   ASSIGN_OR_RETURN(ColoTensor y, Forward(x));
   return ApplyEpilogue(y, epilogue);
 }

@@ -88,6 +88,14 @@ class Layer {
   virtual absl::StatusOr<std::unique_ptr<Layer>> TiedHead() {
     return absl::UnimplementedError(absl::StrCat(type(), " cannot serve as a tied LM head"));
   }
+  // For an LM head that nn::VocabParallelLinearCrossEntropy can compute
+  // fused with the loss: its weight [vocab (padded), hidden], whole or split
+  // on the vocabulary (dim 0) over tp, multiplied as x W^T with no bias,
+  // its input replicated over tp (a native head, VocabParallelLMHead1D, a
+  // tied 1D head; not with sequence parallelism). UNIMPLEMENTED otherwise.
+  virtual absl::StatusOr<ColoTensor> HeadWeight() {
+    return absl::UnimplementedError(absl::StrCat(type(), " is no LM head the fused loss can take"));
+  }
 };
 
 class Module {
@@ -121,6 +129,11 @@ class Module {
 
   const std::optional<LayerDecl>& decl() const { return decl_; }
   Layer* layer() { return layer_.get(); }
+  // While `seen` is set, this leaf computes nothing: its forward stores its
+  // input in *seen and returns it. ShardedModel::ForwardTokenLoss runs a
+  // model up to its LM head so, to fuse the head with the loss; nullptr
+  // restores the layer.
+  void set_pass_through(std::optional<ColoTensor>* seen) { pass_through_ = seen; }
   void set_layer(std::unique_ptr<Layer> layer) { layer_ = std::move(layer); }
   void set_forward(ForwardFn forward) { forward_ = std::move(forward); }
   // A forward of two inputs: an encoder-decoder's token ids and decoder ids
@@ -154,6 +167,7 @@ class Module {
   std::map<std::string, double> attrs_;
   std::optional<LayerDecl> decl_;
   std::unique_ptr<Layer> layer_;
+  std::optional<ColoTensor>* pass_through_ = nullptr;
 };
 
 // A parameter of a model with its full name: the owning module's path and

@@ -209,14 +209,70 @@ absl::StatusOr<LmLoss> ShardedModel::NextTokenLoss(const ColoTensor& logits, con
     return absl::InvalidArgumentError(absl::StrCat("logits ", ShapeToString(logits.global_shape()),
                                                    " do not match ids ", ShapeToString(ids.shape())));
   }
+  ASSIGN_OR_RETURN(Tensor labels, NextTokenLabels(ids));
+  return TokenLoss(logits, labels);
+}
+
+absl::StatusOr<Tensor> ShardedModel::NextTokenLabels(const Tensor& ids) {
+  if (ids.dim() != 2 || !IsInteger(ids.dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token ids must be integers [batch, seq], got ", ShapeToString(ids.shape())));
+  }
   const int64_t batch = ids.shape()[0], seq = ids.shape()[1];
   const std::vector<int64_t> all = ids.ToInt64s();
   std::vector<int64_t> next(all.size(), -100);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t s = 0; s + 1 < seq; ++s) next[b * seq + s] = all[b * seq + s + 1];
   }
-  ASSIGN_OR_RETURN(Tensor labels, Tensor::FromInt64s({batch, seq}, next));
-  return TokenLoss(logits, labels);
+  return Tensor::FromInt64s({batch, seq}, next);
+}
+
+absl::StatusOr<LmLoss> ShardedModel::ForwardTokenLoss(const std::function<absl::StatusOr<ColoTensor>()>& forward,
+                                                      const Tensor& labels, int64_t denominator) {
+  Module* head = root_->Find("lm_head");
+  std::optional<ColoTensor> weight;
+  if (fused_head_rows_ > 0 && head != nullptr && head->decl().has_value() && head->layer() != nullptr) {
+    absl::StatusOr<ColoTensor> w = head->layer()->HeadWeight();
+    if (w.ok()) weight = *std::move(w);
+  }
+  if (!weight.has_value()) {
+    ASSIGN_OR_RETURN(ColoTensor logits, forward());
+    return TokenLoss(logits, labels, denominator);
+  }
+  // The model up to its head: the head's leaf hands its input back.
+  std::optional<ColoTensor> seen;
+  head->set_pass_through(&seen);
+  absl::StatusOr<ColoTensor> out = forward();
+  head->set_pass_through(nullptr);
+  if (!out.ok()) return out.status();
+  if (!seen.has_value() || out->local().raw_data() != seen->local().raw_data() ||
+      out->local().shape() != seen->local().shape()) {
+    return absl::InternalError(absl::StrCat("the ", config_.model_type,
+                                            " model's output is not its lm_head's: the fused loss cannot take it"));
+  }
+  const ColoTensor& hidden = *out;
+  const Shape& hs = hidden.global_shape();
+  bool replicated = true;
+  for (const auto& [axis, p] : hidden.spec().placements()) replicated = replicated && p.kind == Placement::Kind::kReplicate;
+  if (!replicated || hs.size() != 3) {  // the head runs as it would have
+    ASSIGN_OR_RETURN(ColoTensor logits, head->layer()->Forward(hidden));
+    return TokenLoss(logits, labels, denominator);
+  }
+  if (labels.dim() != 2 || hs[0] != labels.shape()[0] || hs[1] != labels.shape()[1]) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden states ", ShapeToString(hs), " do not match labels ",
+                                                   ShapeToString(labels.shape())));
+  }
+  const int64_t rows = hs[0] * hs[1];
+  ASSIGN_OR_RETURN(Tensor mine, labels.ContiguousAs(DType::kI64));
+  ASSIGN_OR_RETURN(mine, mine.Reshape({rows}));
+  int64_t count = 0;
+  for (int64_t l : mine.ToInt64s()) count += l != -100;
+  ASSIGN_OR_RETURN(Variable flat, nn::Reshape(hidden.variable(), {rows, hs[2]}));
+  ASSIGN_OR_RETURN(Variable per_row, nn::VocabParallelLinearCrossEntropy(flat, *weight, mine, config_.vocab_size,
+                                                                         fused_head_rows_));
+  ASSIGN_OR_RETURN(LmLoss out_loss, MeanOfRows(per_row, count, {}, denominator));
+  out_loss.fused_head = true;
+  return out_loss;
 }
 
 absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const Tensor& labels,
@@ -257,7 +313,6 @@ absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const T
   // on the host for the trainer's batches: no device round trip.
   int64_t count = 0;
   for (int64_t l : mine.ToInt64s()) count += l != -100;
-  const Device dev = logits.local().device();
   Variable per_row;
   if (vocab_split) {
     ASSIGN_OR_RETURN(per_row, nn::VocabParallelCrossEntropy(logits, mine, vocab));
@@ -269,6 +324,12 @@ absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const T
     }
     ASSIGN_OR_RETURN(per_row, nn::CrossEntropy(flat, mine));
   }
+  return MeanOfRows(per_row, count, std::move(row_axes), denominator);
+}
+
+absl::StatusOr<LmLoss> ShardedModel::MeanOfRows(const Variable& per_row, int64_t count,
+                                                std::vector<std::string> row_axes, int64_t denominator) {
+  const Device dev = per_row.value().device();
   ASSIGN_OR_RETURN(Variable sum, Sum(per_row));
   // [loss sum, labelled tokens], summed over the ranks that hold other rows,
   // on the device, and read once.

@@ -153,6 +153,8 @@ struct LmLoss {
   Variable loss;       // this rank's term of the mean, on the tape: Backward(loss) gives d(mean)
   double value = 0;    // the mean over every token of the batch (all dp ranks)
   int64_t tokens = 0;  // how many labelled tokens the batch has (all dp ranks)
+  // Whether the LM head and the loss ran fused (ShardedModel::ForwardTokenLoss).
+  bool fused_head = false;
 };
 
 class ShardedModel {
@@ -189,6 +191,28 @@ class ShardedModel {
   // however their labels fall. INVALID_ARGUMENT when nothing is labelled and
   // no denominator is given.
   absl::StatusOr<LmLoss> TokenLoss(const ColoTensor& logits, const Tensor& labels, int64_t denominator = 0);
+  // `forward` (this model's Forward, or a pipeline stage's root().Forward)
+  // and TokenLoss of its logits against `labels`, with the LM head fused
+  // into the loss where the model allows: the model ends in a leaf
+  // "lm_head" whose layer has a HeadWeight (native, VocabParallelLMHead1D or
+  // a tied 1D head, without sequence parallelism) and fused_head_rows() > 0.
+  // Then `forward` runs with the head passed through (Module::
+  // set_pass_through) and nn::VocabParallelLinearCrossEntropy computes the
+  // logits, the loss and, in backward, their gradient fused_head_rows() rows
+  // at a time, so neither the logits nor their gradient are ever whole.
+  // Otherwise (2D/2.5D/3D heads, sequence parallelism, a model without an
+  // lm_head) the head runs as part of `forward` and TokenLoss takes its
+  // logits. The same loss and gradients either way, within f32 rounding;
+  // LmLoss::fused_head says which ran. INTERNAL if the model's output is not
+  // its head's.
+  absl::StatusOr<LmLoss> ForwardTokenLoss(const std::function<absl::StatusOr<ColoTensor>()>& forward,
+                                          const Tensor& labels, int64_t denominator = 0);
+  // Rows of the fused LM head's chunks; 0 runs the head unfused.
+  int64_t fused_head_rows() const { return fused_head_rows_; }
+  void set_fused_head_rows(int64_t rows) { fused_head_rows_ = rows; }
+  // Next-token labels of ids [B, S]: position s is labelled ids[s + 1], the
+  // last position -100.
+  static absl::StatusOr<Tensor> NextTokenLabels(const Tensor& ids);
   // The logits as a full f32 [B, S, vocab_size] tensor (padding removed) on
   // every rank of the dp replica. Collective.
   absl::StatusOr<Tensor> GatherLogits(const ColoTensor& logits);
@@ -211,8 +235,15 @@ class ShardedModel {
   std::unique_ptr<Module> root_;
   ModelConfig config_;
   ShardConfig shard_;
+  // TokenLoss's end: this rank's per-row losses (`count` labelled) summed,
+  // the sum and the count summed over `row_axes` and dp, and divided.
+  absl::StatusOr<LmLoss> MeanOfRows(const Variable& per_row, int64_t count, std::vector<std::string> row_axes,
+                                    int64_t denominator);
+
   ProcessGroup* pg_;
   std::vector<std::string> tied_;
+  // 1024 rows of GPT-2's 50257-word head: 206 MB of f32 logits a chunk.
+  int64_t fused_head_rows_ = 1024;
 };
 
 class ShardFormer {

@@ -936,16 +936,46 @@ void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref,
     EXPECT_EQ(grads->size(), ref.grads.size());
     auto dp_comm = pg.Comm("dp");
     ASSERT_TRUE(dp_comm.ok()) << dp_comm.status();
-    for (const auto& [bare, want] : ref.grads) {
-      // Heads (lm_head, cls) live outside the bare model and keep their names.
-      const std::string name = grads->count(bare) ? bare : prefix + bare;
-      ASSERT_EQ(grads->count(name), 1u) << name;
-      Tensor got = grads->at(name).Contiguous();
-      if (dp > 1) {
-        ASSERT_TRUE(AllReduceInPlace(got, ReduceOp::kSum, **dp_comm, pg.timeout()).ok()) << name;
+    auto expect_grads = [&](const std::map<std::string, Tensor>& got_grads, const std::string& what) {
+      for (const auto& [bare, want] : ref.grads) {
+        // Heads (lm_head, cls) live outside the bare model and keep their names.
+        const std::string name = got_grads.count(bare) ? bare : prefix + bare;
+        ASSERT_EQ(got_grads.count(name), 1u) << name;
+        Tensor got = got_grads.at(name).Contiguous();
+        if (dp > 1) {
+          ASSERT_TRUE(AllReduceInPlace(got, ReduceOp::kSum, **dp_comm, pg.timeout()).ok()) << name;
+        }
+        ExpectAllClose(got, want, name + what, tol);
       }
-      ExpectAllClose(got, want, name + " gradient", tol);
-    }
+    };
+    expect_grads(*grads, " gradient");
+    // Again, the loss taken as the trainer takes it (ForwardTokenLoss): the
+    // LM head fused with the loss in chunks of 3 rows (which do not divide
+    // the batch's) wherever the layout allows, a fresh model so that the
+    // gradients are this pass's alone.
+    auto fused = ShardFormer(shard, &pg).Load(model.dir);
+    ASSERT_TRUE(fused.ok()) << fused.status();
+    (*fused)->set_fused_head_rows(3);
+    absl::StatusOr<Tensor> labels = ref.labels.has_value() ? ref.labels->Narrow(0, dp_rank * rows, rows)
+                                                           : ShardedModel::NextTokenLabels(mine);
+    ASSERT_TRUE(labels.ok()) << labels.status();
+    auto fused_loss = (*fused)->ForwardTokenLoss(
+        [&]() {
+          return ref.decoder_ids.has_value()
+                     ? (*fused)->Forward(mine, ref.decoder_ids->Narrow(0, dp_rank * rows, rows)->Contiguous())
+                     : (*fused)->Forward(mine);
+        },
+        labels->Contiguous());
+    ASSERT_TRUE(fused_loss.ok()) << fused_loss.status();
+    const bool one_d = !shard.is_2d() && !shard.is_3d() && !shard.sequence_parallel();
+    EXPECT_EQ(fused_loss->fused_head,
+              (*fused)->root().Find("lm_head") != nullptr && (shard.layout.tensor_parallel_size() == 1 || one_d));
+    EXPECT_NEAR(fused_loss->value, ref.loss, 1e-5 * std::fabs(ref.loss)) << "rank " << rank;
+    EXPECT_EQ(fused_loss->tokens, ref.tokens);
+    ASSERT_TRUE(Backward(fused_loss->loss).ok());
+    auto fused_grads = (*fused)->GatherHf(/*gradients=*/true);
+    ASSERT_TRUE(fused_grads.ok()) << fused_grads.status();
+    expect_grads(*fused_grads, " gradient, the head fused");
   });
 }
 

@@ -87,27 +87,28 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
       const int i = task.micro_batch;
       if (task.kind == PipeTask::Kind::kForward) {
         InFlight f;
-        std::optional<ColoTensor> forward;
-        if (stage.first()) {
-          ASSIGN_OR_RETURN(Tensor ids, inputs.Narrow(0, i * rows, rows));
-          ASSIGN_OR_RETURN(forward, model.Forward(ids.Contiguous()));
-        } else {
+        std::optional<ColoTensor> in;  // a later stage's input activation
+        if (!stage.first()) {
           ASSIGN_OR_RETURN(Tensor buf, Tensor::Empty(in_local, dtype, device));
           const absl::Time waiting = absl::Now();
           RETURN_IF_ERROR(recv_fwd->Recv(buf.raw_data(), buf.numel(), dtype, me - 1, static_cast<uint32_t>(i))
                               ->WaitOnDevice(timeout));
           waited += absl::Now() - waiting;
           f.input = Variable(buf, /*requires_grad=*/true);
-          ASSIGN_OR_RETURN(ColoTensor in, ColoTensor::FromLocal(f.input, in_spec, &pg));
-          ASSIGN_OR_RETURN(forward, model.root().Forward(in));
+          ASSIGN_OR_RETURN(in, ColoTensor::FromLocal(f.input, in_spec, &pg));
         }
-        const ColoTensor& out = *forward;
-        if (stage.last()) {
+        auto forward = [&]() -> absl::StatusOr<ColoTensor> {
+          if (!stage.first()) return model.root().Forward(*in);
+          ASSIGN_OR_RETURN(Tensor ids, inputs.Narrow(0, i * rows, rows));
+          return model.Forward(ids.Contiguous());
+        };
+        if (stage.last()) {  // the LM head fused with the loss where the model allows
           ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, i * rows, rows));
-          ASSIGN_OR_RETURN(shardformer::LmLoss l, model.TokenLoss(out, want.Contiguous(), step_labels));
+          ASSIGN_OR_RETURN(shardformer::LmLoss l, model.ForwardTokenLoss(forward, want.Contiguous(), step_labels));
           loss += l.value;
           f.loss = l.loss;
         } else {
+          ASSIGN_OR_RETURN(ColoTensor out, forward());
           Tensor o = out.local().Contiguous();
           sends.push_back({send_fwd->Send(o.raw_data(), o.numel(), o.dtype(), me + 1, static_cast<uint32_t>(i)), o});
           f.output = out;

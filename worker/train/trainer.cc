@@ -171,11 +171,16 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       if (run.pairs != nullptr) {
         ASSIGN_OR_RETURN(dec, decoder_inputs.Narrow(0, mb * micro_rows, micro_rows));
       }
-      ASSIGN_OR_RETURN(ColoTensor logits, run.pairs != nullptr ? model->Forward(in.Contiguous(), dec.Contiguous())
-                                                                : model->Forward(in.Contiguous()));
-      ASSIGN_OR_RETURN(shardformer::LmLoss l,
-                       run.images != nullptr ? model->ClassificationLoss(logits, want.Contiguous(), step_labels)
-                                             : model->TokenLoss(logits, want.Contiguous(), step_labels));
+      auto forward = [&]() -> absl::StatusOr<ColoTensor> {
+        return run.pairs != nullptr ? model->Forward(in.Contiguous(), dec.Contiguous()) : model->Forward(in.Contiguous());
+      };
+      shardformer::LmLoss l;
+      if (run.images != nullptr) {
+        ASSIGN_OR_RETURN(ColoTensor logits, forward());
+        ASSIGN_OR_RETURN(l, model->ClassificationLoss(logits, want.Contiguous(), step_labels));
+      } else {  // the LM head fused with the loss where the model allows
+        ASSIGN_OR_RETURN(l, model->ForwardTokenLoss(forward, want.Contiguous(), step_labels));
+      }
       RETURN_IF_ERROR(Backward(l.loss));
       loss += l.value;
     }
