@@ -1,18 +1,31 @@
-// NCCL in colod's CUDA emulation (include/nccl.h): communicators of ranks
-// that are threads of this process. A collective is a task on the caller's
-// stream that deposits its buffers in the clique's slot for its sequence
-// number, waits for every rank, computes its output from all inputs, waits
-// again (so in-place outputs are written only after every rank read every
-// input) and writes it. A point-to-point call waits for its peer's matching
-// call. Waits end when every peer arrived or the rank's communicator was
-// aborted, never by themselves: a lost peer hangs its peers' streams as it
-// does on GPUs, up to a safety limit that ends the test process
-// (COLOD_NCCL_EMU_HANG_LIMIT seconds, default 600).
+// NCCL in colod's CUDA emulation (include/nccl.h). A communicator's clique
+// lives in the process whose ncclGetUniqueId made its id. A collective is a
+// task on the caller's stream that deposits its buffers in the clique's slot
+// for its sequence number, waits for every rank, computes its output from
+// all inputs, waits again (so in-place outputs are written only after every
+// rank read every input) and writes it. A point-to-point call waits for its
+// peer's matching call. Waits end when every peer arrived or the rank's
+// communicator was aborted, never by themselves: a lost peer hangs its
+// peers' streams as it does on GPUs, up to a safety limit that ends the
+// test process (COLOD_NCCL_EMU_HANG_LIMIT seconds, default 600).
+//
+// Ranks in other processes (worker daemons, each with its own emulated
+// device) join over the id's address (nccl_wire.h): the clique's process
+// keeps a stand-in rank for each, which takes part in the slots exactly as
+// a local rank does with the remote rank's input copied over, and sends its
+// output back; the remote rank's stream task waits for that answer, so
+// stream order, groups, abort and injected faults behave as in one process.
+// A remote rank that destroys or aborts its communicator says so; one whose
+// connection ends without that (its process died) breaks the clique: every
+// other rank's communicator reports ncclRemoteError through
+// ncclCommGetAsyncError, as NCCL reports a lost peer, and its waits go on
+// until it is aborted.
 //
 // Thread-safety: every entry point may be called from any thread; clique
-// state is guarded by its mutex, which is never held while copying data or
-// waiting for a stream. Handles are never freed (a destroyed or aborted one
-// is marked dead), so a use after destroy is reported, not undefined.
+// state is guarded by its mutex, which is never held while copying data,
+// on a socket or waiting for a stream. Handles are never freed (a destroyed
+// or aborted one is marked dead), so a use after destroy is reported, not
+// undefined.
 #include <nccl.h>
 #include <nccl_emu.h>
 #include <cuda_bf16.h>
@@ -35,6 +48,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/cuda/emu/nccl_wire.h"
 #include "kernels/cuda/emu/runtime_internal.h"
 
 namespace colod_nccl_emu {
@@ -128,6 +142,20 @@ struct Clique {
   std::map<uint64_t, std::shared_ptr<CollSlot>> colls;
   std::map<std::tuple<int, int, uint64_t>, std::shared_ptr<P2PSlot>> p2p;
   std::map<uint64_t, std::shared_ptr<SplitSlot>> splits;
+  std::vector<std::weak_ptr<struct RankState>> members;  // to tell of a lost peer
+};
+
+// A rank's link to a clique in another process: requests numbered on one
+// connection, answered by number (a group's ops are in flight together).
+struct Remote {
+  std::shared_ptr<Conn> conn;
+  std::string address;  // the clique's process, for a split's child
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t next_req = 1;
+  std::map<uint64_t, Frame> answers;
+  bool closed = false;   // the connection ended
+  bool leaving = false;  // destroyed or aborted here: the end is expected
 };
 
 struct RankState {
@@ -144,6 +172,11 @@ struct RankState {
   uint64_t next_coll = 0, next_split = 0;
   long ops = 0;
   std::map<int, uint64_t> next_send, next_recv;
+  // A rank whose clique is in another process; its `clique` is then a
+  // clique of its own, only a place to wait.
+  std::shared_ptr<Remote> remote;
+  // In the clique's process, the stand-in of a remote rank: its connection.
+  std::shared_ptr<Conn> stand_in_for;
 };
 
 }  // namespace
@@ -328,6 +361,176 @@ void Submit(std::shared_ptr<colod_cuda_emu::Stream> stream, std::shared_ptr<Rank
   }
 }
 
+// The collectives by code, as a remote rank names them.
+const char* const kOps[] = {"AllReduce", "Broadcast", "Reduce", "AllGather", "ReduceScatter", "AlltoAll"};
+constexpr int kNumOps = 6;
+
+int OpCode(const std::string& op) {
+  for (int i = 0; i < kNumOps; ++i) {
+    if (op == kOps[i]) return i;
+  }
+  return -1;
+}
+
+// A collective's byte extents on rank `rank` of `n`, and whether it reads
+// its input and writes its output there.
+struct Extents {
+  size_t send_bytes, recv_bytes;
+  bool sends, recvs;
+};
+Extents ExtentsOf(const std::string& op, size_t count, size_t es, int n, int rank, int root) {
+  Extents e{count * es, count * es, op != "Broadcast" || rank == root, op != "Reduce" || rank == root};
+  if (op == "AllGather") e.recv_bytes *= n;
+  if (op == "ReduceScatter" || op == "AlltoAll") e.send_bytes *= n;
+  if (op == "AlltoAll") e.recv_bytes *= n;
+  return e;
+}
+
+// Rank st's part of collective #seq+1 of its clique: deposits `send`,
+// waits for every rank, computes its output and, once every rank read every
+// input, writes it to `recv`. False if the rank was aborted first.
+bool RunCollective(const std::shared_ptr<RankState>& st, const std::string& op, uint64_t seq, const void* send,
+                   void* recv, size_t count, ncclDataType_t type, ncclRedOp_t red, int root) {
+  const std::string what = op + " #" + std::to_string(seq + 1);
+  const int n = st->nranks;
+  const size_t es = TypeBytes(type);
+  Clique& c = *st->clique;
+  std::shared_ptr<CollSlot> slot;
+  {
+    std::unique_lock<std::mutex> l(c.mu);
+    std::shared_ptr<CollSlot>& sp = c.colls[seq];
+    if (sp == nullptr) {
+      sp = std::make_shared<CollSlot>();
+      sp->op = op;
+      sp->count = count;
+      sp->type = type;
+      sp->red = red;
+      sp->root = root;
+      sp->send.assign(n, nullptr);
+      sp->recv.assign(n, nullptr);
+    } else if (sp->op != op || sp->count != count || sp->type != type || sp->red != red || sp->root != root) {
+      colod_cuda_emu::Fatal("NCCL: rank " + std::to_string(st->rank) + " issued " + op + "(count " +
+                            std::to_string(count) + ") as collective #" + std::to_string(seq + 1) +
+                            " where a peer issued " + sp->op + "(count " + std::to_string(sp->count) +
+                            "): ranks disagree on the order of collectives, which hangs or corrupts a GPU run");
+    }
+    slot = sp;
+    slot->send[st->rank] = send;
+    slot->recv[st->rank] = recv;
+    slot->arrived++;
+    c.cv.notify_all();
+    if (!WaitFor(l, *st, what, [&] { return slot->arrived == n; })) return false;
+  }
+  // Every input is in place: compute this rank's output into a buffer of its own.
+  const int r = st->rank;
+  std::vector<char> out;
+  if (op == "AllReduce" || (op == "Reduce" && r == root)) {
+    out.resize(count * es);
+    Reduce(slot->send, 0, count, type, red, out.data());
+  } else if (op == "ReduceScatter") {
+    out.resize(count * es);
+    Reduce(slot->send, static_cast<size_t>(r) * count, count, type, red, out.data());
+  } else if (op == "Broadcast") {
+    out.assign(static_cast<const char*>(slot->send[root]), static_cast<const char*>(slot->send[root]) + count * es);
+  } else if (op == "AllGather") {
+    out.resize(count * es * n);
+    for (int j = 0; j < n; ++j) memcpy(out.data() + j * count * es, slot->send[j], count * es);
+  } else if (op == "AlltoAll") {
+    out.resize(count * es * n);
+    for (int j = 0; j < n; ++j) {
+      memcpy(out.data() + j * count * es, static_cast<const char*>(slot->send[j]) + r * count * es, count * es);
+    }
+  }
+  {
+    std::unique_lock<std::mutex> l(c.mu);
+    slot->computed++;
+    c.cv.notify_all();
+    // No rank writes its output before every rank read every input.
+    if (!WaitFor(l, *st, what, [&] { return slot->computed == n; })) return false;
+  }
+  if (!out.empty()) memcpy(recv, out.data(), out.size());
+  std::lock_guard<std::mutex> l(c.mu);
+  if (++slot->finished == n) c.colls.erase(seq);
+  return true;
+}
+
+// Rank st's send #seq+1 to `peer`: returns once the receiver copied `src`.
+bool RunSend(const std::shared_ptr<RankState>& st, int peer, uint64_t seq, const void* src, size_t bytes) {
+  const std::string what = "Send to " + std::to_string(peer);
+  const auto key = std::make_tuple(st->rank, peer, seq);
+  Clique& c = *st->clique;
+  std::unique_lock<std::mutex> l(c.mu);
+  std::shared_ptr<P2PSlot>& sp = c.p2p[key];
+  if (sp == nullptr) sp = std::make_shared<P2PSlot>();
+  std::shared_ptr<P2PSlot> slot = sp;
+  slot->src = src;
+  slot->bytes_sent = bytes;
+  slot->sender = true;
+  c.cv.notify_all();
+  // The sender's buffer must stay until the receiver copied it.
+  if (!WaitFor(l, *st, what, [&] { return slot->copied; })) return false;
+  c.p2p.erase(key);
+  return true;
+}
+
+// Rank st's receive #seq+1 from `peer` into `dst`.
+bool RunRecv(const std::shared_ptr<RankState>& st, int peer, uint64_t seq, void* dst, size_t bytes) {
+  const std::string what = "Recv from " + std::to_string(peer);
+  const auto key = std::make_tuple(peer, st->rank, seq);
+  Clique& c = *st->clique;
+  std::unique_lock<std::mutex> l(c.mu);
+  std::shared_ptr<P2PSlot>& sp = c.p2p[key];
+  if (sp == nullptr) sp = std::make_shared<P2PSlot>();
+  std::shared_ptr<P2PSlot> slot = sp;
+  slot->dst = dst;
+  slot->bytes_wanted = bytes;
+  slot->receiver = true;
+  c.cv.notify_all();
+  if (!WaitFor(l, *st, what, [&] { return slot->sender; })) return false;
+  if (slot->bytes_sent != slot->bytes_wanted) {
+    colod_cuda_emu::Fatal("NCCL: rank " + std::to_string(peer) + " sends " + std::to_string(slot->bytes_sent) +
+                          " bytes to rank " + std::to_string(st->rank) + ", which receives " +
+                          std::to_string(slot->bytes_wanted));
+  }
+  l.unlock();
+  memcpy(dst, slot->src, slot->bytes_wanted);
+  l.lock();
+  slot->copied = true;
+  c.cv.notify_all();
+  return true;
+}
+
+// Sends a request of a remote rank and waits for its answer, until the rank
+// is aborted (false). A connection that ended leaves the wait to the abort,
+// as a lost peer does; the reader marked the communicator's error.
+bool RemoteCall(RankState& st, Kind kind, std::initializer_list<int64_t> args, const void* payload, size_t bytes,
+                Frame* answer, const std::string& what) {
+  Remote& rm = *st.remote;
+  uint64_t req;
+  {
+    std::lock_guard<std::mutex> l(rm.mu);
+    req = rm.next_req++;
+  }
+  rm.conn->Write(kind, req, args, payload, bytes);  // a broken connection shows as `closed`
+  const auto deadline = Clock::now() + HangLimit();
+  std::unique_lock<std::mutex> l(rm.mu);
+  for (;;) {
+    auto it = rm.answers.find(req);
+    if (it != rm.answers.end()) {
+      *answer = std::move(it->second);
+      rm.answers.erase(it);
+      return true;
+    }
+    if (st.aborted) return false;
+    if (Clock::now() >= deadline) {
+      colod_cuda_emu::Fatal("NCCL " + what + " (rank " + std::to_string(st.rank) + "/" + std::to_string(st.nranks) +
+                            ", remote) waited " + std::to_string(HangLimit().count()) +
+                            " s for its peers and was never aborted: a hang");
+    }
+    rm.cv.wait_for(l, std::chrono::milliseconds(100));
+  }
+}
+
 ncclResult_t Collective(const char* name, const void* send, void* recv, size_t count, ncclDataType_t type,
                         ncclRedOp_t red, int root, ncclComm_t comm, cudaStream_t stream) {
   std::shared_ptr<RankState> st = Live(comm, name);
@@ -338,13 +541,9 @@ ncclResult_t Collective(const char* name, const void* send, void* recv, size_t c
   const std::string op = name;
   const int n = st->nranks;
   // Buffer extents, checked as NCCL checks its pointers.
-  size_t send_bytes = count * es, recv_bytes = count * es;
-  if (op == "AllGather") recv_bytes *= n;
-  if (op == "ReduceScatter" || op == "AlltoAll") send_bytes *= n;
-  if (op == "AlltoAll") recv_bytes *= n;
-  const bool sends = op != "Broadcast" || st->rank == root;
-  const bool recvs = op != "Reduce" || st->rank == root;
-  if ((sends && !CheckBuffer(send, send_bytes, st->device)) || (recvs && !CheckBuffer(recv, recv_bytes, st->device))) {
+  const Extents e = ExtentsOf(op, count, es, n, st->rank, root);
+  if ((e.sends && !CheckBuffer(send, e.send_bytes, st->device)) ||
+      (e.recvs && !CheckBuffer(recv, e.recv_bytes, st->device))) {
     return ncclInvalidArgument;
   }
   if ((op == "Broadcast" || op == "Reduce") && (root < 0 || root >= n)) return ncclInvalidArgument;
@@ -361,63 +560,18 @@ ncclResult_t Collective(const char* name, const void* send, void* recv, size_t c
   Submit(s, st, [=] {
     const std::string what = op + " #" + std::to_string(seq + 1);
     if (fault != FaultKind::kNone) return Stall(*st, fault == FaultKind::kError ? ncclRemoteError : ncclSuccess, what);
-    Clique& c = *st->clique;
-    std::shared_ptr<CollSlot> slot;
-    {
-      std::unique_lock<std::mutex> l(c.mu);
-      std::shared_ptr<CollSlot>& sp = c.colls[seq];
-      if (sp == nullptr) {
-        sp = std::make_shared<CollSlot>();
-        sp->op = op;
-        sp->count = count;
-        sp->type = type;
-        sp->red = red;
-        sp->root = root;
-        sp->send.assign(n, nullptr);
-        sp->recv.assign(n, nullptr);
-      } else if (sp->op != op || sp->count != count || sp->type != type || sp->red != red || sp->root != root) {
-        colod_cuda_emu::Fatal("NCCL: rank " + std::to_string(st->rank) + " issued " + op + "(count " +
-                              std::to_string(count) + ") as collective #" + std::to_string(seq + 1) +
-                              " where a peer issued " + sp->op + "(count " + std::to_string(sp->count) +
-                              "): ranks disagree on the order of collectives, which hangs or corrupts a GPU run");
-      }
-      slot = sp;
-      slot->send[st->rank] = send;
-      slot->recv[st->rank] = recv;
-      slot->arrived++;
-      c.cv.notify_all();
-      if (!WaitFor(l, *st, what, [&] { return slot->arrived == n; })) return;
+    if (st->remote == nullptr) {
+      RunCollective(st, op, seq, send, recv, count, type, red, root);
+      return;
     }
-    // Every input is in place: compute this rank's output into a buffer of its own.
-    const int r = st->rank;
-    std::vector<char> out;
-    if (op == "AllReduce" || (op == "Reduce" && r == root)) {
-      out.resize(count * es);
-      Reduce(slot->send, 0, count, type, red, out.data());
-    } else if (op == "ReduceScatter") {
-      out.resize(count * es);
-      Reduce(slot->send, static_cast<size_t>(r) * count, count, type, red, out.data());
-    } else if (op == "Broadcast") {
-      out.assign(static_cast<const char*>(slot->send[root]), static_cast<const char*>(slot->send[root]) + count * es);
-    } else if (op == "AllGather") {
-      out.resize(count * es * n);
-      for (int j = 0; j < n; ++j) memcpy(out.data() + j * count * es, slot->send[j], count * es);
-    } else if (op == "AlltoAll") {
-      out.resize(count * es * n);
-      for (int j = 0; j < n; ++j) {
-        memcpy(out.data() + j * count * es, static_cast<const char*>(slot->send[j]) + r * count * es, count * es);
-      }
+    // The input goes to the clique's process; the output comes back.
+    Frame answer;
+    if (!RemoteCall(*st, Kind::kCollective,
+                    {static_cast<int64_t>(seq), static_cast<int64_t>(count), type, red, root, OpCode(op)},
+                    e.sends ? send : nullptr, e.sends ? e.send_bytes : 0, &answer, what)) {
+      return;
     }
-    {
-      std::unique_lock<std::mutex> l(c.mu);
-      slot->computed++;
-      c.cv.notify_all();
-      // No rank writes its output before every rank read every input.
-      if (!WaitFor(l, *st, what, [&] { return slot->computed == n; })) return;
-    }
-    if (!out.empty()) memcpy(recv, out.data(), out.size());
-    std::lock_guard<std::mutex> l(c.mu);
-    if (++slot->finished == n) c.colls.erase(seq);
+    if (e.recvs && answer.payload.size() == e.recv_bytes) memcpy(recv, answer.payload.data(), e.recv_bytes);
   });
   return ncclSuccess;
 }
@@ -441,43 +595,343 @@ ncclResult_t PointToPoint(bool is_send, void* buf, size_t count, ncclDataType_t 
     opno = ++st->ops;
   }
   const FaultKind fault = FaultFor(*st, opno);
-  const int me = st->rank;
-  const auto key = is_send ? std::make_tuple(me, peer, seq) : std::make_tuple(peer, me, seq);
+  const size_t bytes = count * es;
   Submit(s, st, [=] {
     const std::string what = std::string(name) + (is_send ? " to " : " from ") + std::to_string(peer);
     if (fault != FaultKind::kNone) return Stall(*st, fault == FaultKind::kError ? ncclRemoteError : ncclSuccess, what);
-    Clique& c = *st->clique;
-    std::unique_lock<std::mutex> l(c.mu);
-    std::shared_ptr<P2PSlot>& sp = c.p2p[key];
-    if (sp == nullptr) sp = std::make_shared<P2PSlot>();
-    std::shared_ptr<P2PSlot> slot = sp;
+    if (st->remote == nullptr) {
+      is_send ? RunSend(st, peer, seq, buf, bytes) : RunRecv(st, peer, seq, buf, bytes);
+      return;
+    }
+    Frame answer;
+    const int64_t p = peer, q = static_cast<int64_t>(seq), b = static_cast<int64_t>(bytes);
     if (is_send) {
-      slot->src = buf;
-      slot->bytes_sent = count * es;
-      slot->sender = true;
-      c.cv.notify_all();
-      // The sender's buffer must stay until the receiver copied it.
-      if (!WaitFor(l, *st, what, [&] { return slot->copied; })) return;
-      c.p2p.erase(key);
-    } else {
-      slot->dst = buf;
-      slot->bytes_wanted = count * es;
-      slot->receiver = true;
-      c.cv.notify_all();
-      if (!WaitFor(l, *st, what, [&] { return slot->sender; })) return;
-      if (slot->bytes_sent != slot->bytes_wanted) {
-        colod_cuda_emu::Fatal("NCCL: rank " + std::to_string(peer) + " sends " + std::to_string(slot->bytes_sent) +
-                              " bytes to rank " + std::to_string(me) + ", which receives " +
-                              std::to_string(slot->bytes_wanted));
-      }
-      l.unlock();
-      memcpy(buf, slot->src, slot->bytes_wanted);
-      l.lock();
-      slot->copied = true;
-      c.cv.notify_all();
+      RemoteCall(*st, Kind::kSend, {p, q}, buf, bytes, &answer, what);
+    } else if (RemoteCall(*st, Kind::kRecv, {p, q, b}, nullptr, 0, &answer, what) && answer.payload.size() == bytes) {
+      memcpy(buf, answer.payload.data(), bytes);
     }
   });
   return ncclSuccess;
+}
+
+// Joins rank `rank` of an `nranks` communicator on `id` in this process's
+// clique for it; the rank's state is ncclInProgress until every rank joined.
+ncclResult_t Join(const std::string& id, int nranks, int rank, int device, std::shared_ptr<RankState>* out) {
+  auto st = std::make_shared<RankState>();
+  st->rank = rank;
+  st->nranks = nranks;
+  st->device = device;
+  std::shared_ptr<Clique> clique;
+  {
+    std::lock_guard<std::mutex> l(init_mu);
+    if (UsedIds().count(id)) return ncclInvalidUsage;  // a unique id serves one communicator
+    std::shared_ptr<Clique>& c = Pending()[id];
+    if (c == nullptr) c = std::make_shared<Clique>(nranks);
+    if (c->nranks != nranks || c->devices[rank] != -1) return ncclInvalidUsage;
+    c->devices[rank] = device;
+    clique = c;
+    st->clique = c;
+    auto& joined = PendingRanks()[id];
+    joined.push_back(st);
+    if (static_cast<int>(joined.size()) == nranks) {
+      for (auto& r : joined) r->state = ncclSuccess;
+      Pending().erase(id);
+      PendingRanks().erase(id);
+      UsedIds().insert(id);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> l(clique->mu);
+    clique->members.push_back(st);
+    clique->cv.notify_all();
+  }
+  *out = std::move(st);
+  return ncclSuccess;
+}
+
+// Enters split #seq of `parent`'s clique with (color, key); the last rank
+// to enter builds every child clique.
+std::shared_ptr<SplitSlot> EnterSplit(const std::shared_ptr<RankState>& parent, uint64_t seq, int color, int key) {
+  Clique& c = *parent->clique;
+  const int n = parent->nranks;
+  std::lock_guard<std::mutex> l(c.mu);
+  auto& sp = c.splits[seq];
+  if (sp == nullptr) {
+    sp = std::make_shared<SplitSlot>();
+    sp->color.assign(n, 0);
+    sp->key.assign(n, 0);
+    sp->arrived_rank.assign(n, false);
+    sp->children.assign(n, nullptr);
+  }
+  std::shared_ptr<SplitSlot> slot = sp;
+  slot->color[parent->rank] = color;
+  slot->key[parent->rank] = key;
+  slot->arrived_rank[parent->rank] = true;
+  if (++slot->arrived == n) {
+    // The last to arrive builds every child: ranks of one color, ordered by (key, parent rank).
+    std::map<int, std::vector<int>> members;
+    for (int r = 0; r < n; ++r) {
+      if (slot->color[r] != NCCL_SPLIT_NOCOLOR) members[slot->color[r]].push_back(r);
+    }
+    for (auto& [col, ranks] : members) {
+      std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) { return slot->key[a] < slot->key[b]; });
+      auto child_clique = std::make_shared<Clique>(static_cast<int>(ranks.size()));
+      for (size_t i = 0; i < ranks.size(); ++i) {
+        auto ch = std::make_shared<RankState>();
+        ch->clique = child_clique;
+        ch->rank = static_cast<int>(i);
+        ch->nranks = static_cast<int>(ranks.size());
+        ch->state = ncclSuccess;
+        slot->children[ranks[i]] = ch;
+        child_clique->members.push_back(ch);  // not yet shared: no lock needed
+      }
+    }
+    slot->done = true;
+    c.splits.erase(seq);
+    c.cv.notify_all();
+  }
+  return slot;
+}
+
+// Waits for every rank of the split; `child` is this rank's (nullptr for
+// NCCL_SPLIT_NOCOLOR). False if the parent was aborted first.
+bool AwaitSplit(const std::shared_ptr<RankState>& parent, const std::shared_ptr<SplitSlot>& slot,
+                std::shared_ptr<RankState>* child) {
+  std::unique_lock<std::mutex> l(parent->clique->mu);
+  if (!WaitFor(l, *parent, "ncclCommSplit", [&] { return slot->done; })) return false;
+  *child = slot->children[parent->rank];
+  return true;
+}
+
+// Split children that remote ranks have yet to attach to, by token.
+std::mutex tokens_mu;
+int64_t next_token = 0;
+std::map<int64_t, std::shared_ptr<RankState>>& Children() {
+  static auto* c = new std::map<int64_t, std::shared_ptr<RankState>>();
+  return *c;
+}
+
+// A peer's process is gone: every other rank of st's clique reports
+// ncclRemoteError (a remote one through its connection) and keeps waiting
+// until it is aborted, as NCCL ranks do when a peer is lost.
+void BreakClique(RankState& st) {
+  std::vector<std::shared_ptr<RankState>> members;
+  {
+    std::lock_guard<std::mutex> l(st.clique->mu);
+    for (auto& w : st.clique->members) {
+      if (auto m = w.lock()) members.push_back(std::move(m));
+    }
+  }
+  for (auto& m : members) {
+    if (m.get() == &st) continue;
+    int expected = ncclSuccess;
+    m->state.compare_exchange_strong(expected, ncclRemoteError);
+    expected = ncclInProgress;
+    m->state.compare_exchange_strong(expected, ncclRemoteError);
+    if (m->stand_in_for != nullptr) m->stand_in_for->TryWrite(Kind::kAsyncError, {ncclRemoteError});
+  }
+  std::lock_guard<std::mutex> l(st.clique->mu);
+  st.clique->cv.notify_all();
+}
+
+void Release(RankState& st) {
+  st.aborted = true;
+  std::lock_guard<std::mutex> l(st.clique->mu);
+  st.clique->cv.notify_all();
+}
+
+// A request of a remote rank, run by its stand-in `st` on a thread of its
+// own (a group's requests are in flight together); the answer goes back
+// unless the rank was aborted first.
+void Handle(const std::shared_ptr<RankState>& st, Conn& conn, const Frame& f) {
+  switch (f.kind) {
+    case Kind::kCollective: {
+      const int code = static_cast<int>(f.a[5]);
+      const auto type = static_cast<ncclDataType_t>(f.a[2]);
+      const size_t count = static_cast<size_t>(f.a[1]), es = TypeBytes(type);
+      if (code < 0 || code >= kNumOps || es == 0) colod_cuda_emu::Fatal("NCCL: a malformed remote collective");
+      const std::string op = kOps[code];
+      const int root = static_cast<int>(f.a[4]);
+      const Extents e = ExtentsOf(op, count, es, st->nranks, st->rank, root);
+      if (e.sends && f.payload.size() != e.send_bytes) colod_cuda_emu::Fatal("NCCL: a remote input of the wrong size");
+      std::vector<char> out(e.recvs ? e.recv_bytes : 0);
+      if (!RunCollective(st, op, static_cast<uint64_t>(f.a[0]), e.sends ? f.payload.data() : nullptr,
+                         e.recvs ? out.data() : nullptr, count, type, static_cast<ncclRedOp_t>(f.a[3]), root)) {
+        return;
+      }
+      conn.Write(Kind::kDone, f.req, {}, out.data(), out.size());
+      return;
+    }
+    case Kind::kSend:
+      if (RunSend(st, static_cast<int>(f.a[0]), static_cast<uint64_t>(f.a[1]), f.payload.data(), f.payload.size())) {
+        conn.Write(Kind::kDone, f.req, {});
+      }
+      return;
+    case Kind::kRecv: {
+      std::vector<char> out(static_cast<size_t>(f.a[2]));
+      if (RunRecv(st, static_cast<int>(f.a[0]), static_cast<uint64_t>(f.a[1]), out.data(), out.size())) {
+        conn.Write(Kind::kDone, f.req, {}, out.data(), out.size());
+      }
+      return;
+    }
+    case Kind::kSplit: {
+      std::shared_ptr<SplitSlot> slot =
+          EnterSplit(st, static_cast<uint64_t>(f.a[0]), static_cast<int>(f.a[1]), static_cast<int>(f.a[2]));
+      std::shared_ptr<RankState> child;
+      if (!AwaitSplit(st, slot, &child)) return;
+      if (child == nullptr) {
+        conn.Write(Kind::kSplitDone, f.req, {-1, 0, 0});
+        return;
+      }
+      child->device = static_cast<int>(f.a[3]);
+      int64_t token;
+      {
+        std::lock_guard<std::mutex> l(tokens_mu);
+        token = next_token++;
+        Children()[token] = child;
+      }
+      conn.Write(Kind::kSplitDone, f.req, {token, child->rank, child->nranks});
+      return;
+    }
+    default:
+      colod_cuda_emu::Fatal("NCCL: a remote rank sent an unknown request");
+  }
+}
+
+// A connection from a rank in another process: its hello names a
+// communicator to join (or a split's child to attach to); then its
+// requests, until it leaves or its process is gone.
+void ServeRemote(std::shared_ptr<Conn> conn) {
+  Frame hello;
+  if (!conn->Read(&hello)) return;
+  std::shared_ptr<RankState> st;
+  if (hello.kind == Kind::kHelloInit) {
+    const int nranks = static_cast<int>(hello.a[0]), rank = static_cast<int>(hello.a[1]);
+    const std::string id(hello.payload.begin(), hello.payload.end());
+    const ncclResult_t r = nranks < 1 || rank < 0 || rank >= nranks
+                               ? ncclInvalidArgument
+                               : Join(id, nranks, rank, static_cast<int>(hello.a[2]), &st);
+    if (r != ncclSuccess) {
+      conn->Write(Kind::kReady, 0, {r});
+      return;
+    }
+    st->stand_in_for = conn;
+    // Ready once every rank joined, told from a thread of its own so that
+    // this one reads on (a rank that leaves before then releases it).
+    std::thread([st, conn] {
+      std::unique_lock<std::mutex> l(st->clique->mu);
+      if (!WaitFor(l, *st, "ncclCommInitRank", [&] { return st->state != ncclInProgress; })) return;
+      l.unlock();
+      conn->Write(Kind::kReady, 0, {st->state.load()});
+    }).detach();
+  } else if (hello.kind == Kind::kHelloChild) {
+    {
+      std::lock_guard<std::mutex> l(tokens_mu);
+      auto it = Children().find(hello.a[0]);
+      if (it != Children().end()) {
+        st = it->second;
+        Children().erase(it);
+      }
+    }
+    if (st == nullptr) {
+      conn->Write(Kind::kReady, 0, {ncclInvalidUsage});
+      return;
+    }
+    st->stand_in_for = conn;
+    conn->Write(Kind::kReady, 0, {ncclSuccess});
+  } else {
+    return;
+  }
+  Frame f;
+  bool farewell = false;
+  while (conn->Read(&f)) {
+    if (f.kind == Kind::kBye || f.kind == Kind::kAbort) {
+      farewell = true;
+      break;
+    }
+    auto req = std::make_shared<Frame>(std::move(f));
+    f = Frame();
+    std::thread([st, conn, req] { Handle(st, *conn, *req); }).detach();
+  }
+  if (!farewell) BreakClique(*st);
+  Release(*st);  // its stand-in's waits end, as an abort ends a local rank's
+}
+
+// The listener's address, started with the first id this process makes.
+std::string HubAddress() { return ListenerAddress(ServeRemote); }
+
+// The reader of a remote rank's connection: answers by request number, the
+// readiness and async errors into the rank's state.
+void ReadAnswers(std::shared_ptr<Remote> rm, std::weak_ptr<RankState> weak) {
+  Frame f;
+  while (rm->conn->Read(&f)) {
+    std::shared_ptr<RankState> st = weak.lock();
+    if (f.kind == Kind::kReady || f.kind == Kind::kAsyncError) {
+      if (st != nullptr) {
+        if (f.kind == Kind::kReady) {
+          st->state = static_cast<int>(f.a[0]);
+        } else {
+          int expected = ncclSuccess;
+          st->state.compare_exchange_strong(expected, static_cast<int>(f.a[0]));
+        }
+      }
+      std::lock_guard<std::mutex> l(rm->mu);
+      rm->cv.notify_all();
+      continue;
+    }
+    std::lock_guard<std::mutex> l(rm->mu);
+    rm->answers[f.req] = std::move(f);
+    f = Frame();
+    rm->cv.notify_all();
+  }
+  std::shared_ptr<RankState> st = weak.lock();
+  std::lock_guard<std::mutex> l(rm->mu);
+  rm->closed = true;
+  if (!rm->leaving && st != nullptr) {
+    int expected = ncclSuccess;
+    st->state.compare_exchange_strong(expected, ncclRemoteError);
+    expected = ncclInProgress;
+    st->state.compare_exchange_strong(expected, ncclRemoteError);
+  }
+  rm->cv.notify_all();
+}
+
+// A rank whose clique is at `address`: connects, says `hello`, and starts
+// the reader. nullptr if the address cannot be reached.
+std::shared_ptr<RankState> ConnectRemote(const std::string& address, int rank, int nranks, int device) {
+  std::shared_ptr<Conn> conn = Connect(address);
+  if (conn == nullptr) return nullptr;
+  auto st = std::make_shared<RankState>();
+  st->rank = rank;
+  st->nranks = nranks;
+  st->device = device;
+  st->clique = std::make_shared<Clique>(1);  // only a place to wait (Stall)
+  st->remote = std::make_shared<Remote>();
+  st->remote->conn = conn;
+  st->remote->address = address;
+  std::thread(ReadAnswers, st->remote, std::weak_ptr<RankState>(st)).detach();
+  return st;
+}
+
+// Waits until a remote rank's communicator is ready or failed.
+ncclResult_t AwaitReady(RankState& st) {
+  std::unique_lock<std::mutex> l(st.remote->mu);
+  while (st.state == ncclInProgress && !st.aborted) st.remote->cv.wait_for(l, std::chrono::milliseconds(100));
+  return static_cast<ncclResult_t>(st.state.load());
+}
+
+// A remote rank leaves: says so (without blocking: a stopped clique process
+// must not hang an abort; unsaid, the end reads as a lost peer there) and
+// ends the connection.
+void Leave(RankState& st, Kind why) {
+  {
+    std::lock_guard<std::mutex> l(st.remote->mu);
+    st.remote->leaving = true;
+  }
+  st.remote->conn->TryWrite(why, {});
+  st.remote->conn->Shutdown();
+  std::lock_guard<std::mutex> l(st.remote->mu);
+  st.remote->cv.notify_all();
 }
 
 }  // namespace
@@ -503,8 +957,11 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* unique_id) {
   static std::atomic<uint64_t> counter{0};
   std::random_device rd;
   memset(unique_id->internal, 0, sizeof unique_id->internal);
-  snprintf(unique_id->internal, sizeof unique_id->internal, "colod-nccl-emu:%d:%llu:%08x%08x",
-           static_cast<int>(getpid()), static_cast<unsigned long long>(++counter), rd(), rd());
+  // pid:counter:nonce, then where ranks of other processes reach this
+  // process's cliques (as a real id carries its bootstrap root's address).
+  snprintf(unique_id->internal, sizeof unique_id->internal, "colod-nccl-emu:%d:%llu:%08x%08x@%s",
+           static_cast<int>(getpid()), static_cast<unsigned long long>(++counter), rd(), rd(),
+           colod_nccl_emu::HubAddress().c_str());
   return ncclSuccess;
 }
 
@@ -527,43 +984,28 @@ const char* ncclGetLastError(ncclComm_t) { return ""; }
 ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId comm_id, int rank,
                                     ncclConfig_t* config) {
   if (comm == nullptr || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
-  const std::string id(comm_id.internal, strnlen(comm_id.internal, sizeof comm_id.internal));
+  const std::string full(comm_id.internal, strnlen(comm_id.internal, sizeof comm_id.internal));
+  const size_t at = full.find('@');
+  const std::string id = full.substr(0, at), address = at == std::string::npos ? "" : full.substr(at + 1);
   const std::string mine = "colod-nccl-emu:" + std::to_string(getpid()) + ":";
-  if (id.compare(0, mine.size(), mine) != 0) {
-    // Another process's id (or none): the emulation has no network transport.
-    return ncclInvalidUsage;
-  }
   const bool blocking = config == nullptr || config->blocking != 0;
-  auto st = std::make_shared<RankState>();
-  st->rank = rank;
-  st->nranks = nranks;
-  st->device = colod_cuda_emu::CurrentDevice();
-  std::shared_ptr<Clique> clique;
-  {
-    std::lock_guard<std::mutex> l(colod_nccl_emu::init_mu);
-    if (colod_nccl_emu::UsedIds().count(id)) return ncclInvalidUsage;  // a unique id serves one communicator
-    std::shared_ptr<Clique>& c = colod_nccl_emu::Pending()[id];
-    if (c == nullptr) c = std::make_shared<Clique>(nranks);
-    if (c->nranks != nranks || c->devices[rank] != -1) return ncclInvalidUsage;
-    c->devices[rank] = st->device;
-    clique = c;
-    st->clique = c;
-    auto& joined = colod_nccl_emu::PendingRanks()[id];
-    joined.push_back(st);
-    if (static_cast<int>(joined.size()) == nranks) {
-      for (auto& r : joined) r->state = ncclSuccess;
-      colod_nccl_emu::Pending().erase(id);
-      colod_nccl_emu::PendingRanks().erase(id);
-      colod_nccl_emu::UsedIds().insert(id);
-    }
+  const int device = colod_cuda_emu::CurrentDevice();
+  std::shared_ptr<RankState> st;
+  if (id.compare(0, mine.size(), mine) != 0) {
+    // Another process's clique: joined over the id's address.
+    if (id.compare(0, 15, "colod-nccl-emu:") != 0 || address.empty()) return ncclInvalidUsage;
+    st = colod_nccl_emu::ConnectRemote(address, rank, nranks, device);
+    if (st == nullptr) return ncclSystemError;  // as NCCL when its bootstrap root cannot be reached
+    st->remote->conn->Write(colod_nccl_emu::Kind::kHelloInit, 0, {nranks, rank, device}, id.data(), id.size());
+    *comm = colod_nccl_emu::NewHandle(st);
+    if (!blocking) return ncclSuccess;  // ncclCommGetAsyncError says when it is ready
+    return colod_nccl_emu::AwaitReady(*st);
   }
-  {
-    std::lock_guard<std::mutex> l(clique->mu);
-    clique->cv.notify_all();
-  }
+  const ncclResult_t joined = colod_nccl_emu::Join(id, nranks, rank, device, &st);
+  if (joined != ncclSuccess) return joined;
   *comm = colod_nccl_emu::NewHandle(st);
   if (!blocking) return ncclSuccess;  // ncclCommGetAsyncError says when it is ready
-  std::unique_lock<std::mutex> l(clique->mu);
+  std::unique_lock<std::mutex> l(st->clique->mu);
   colod_nccl_emu::WaitFor(l, *st, "ncclCommInitRank", [&] { return st->state != ncclInProgress; });
   return st->state == ncclSuccess ? ncclSuccess : static_cast<ncclResult_t>(st->state.load());
 }
@@ -584,66 +1026,54 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
     std::lock_guard<std::mutex> l(parent->seq_mu);
     seq = parent->next_split++;
   }
-  Clique& c = *parent->clique;
-  const int n = parent->nranks;
-  std::shared_ptr<colod_nccl_emu::SplitSlot> slot;
-  {
-    std::lock_guard<std::mutex> l(c.mu);
-    auto& sp = c.splits[seq];
-    if (sp == nullptr) {
-      sp = std::make_shared<colod_nccl_emu::SplitSlot>();
-      sp->color.assign(n, 0);
-      sp->key.assign(n, 0);
-      sp->arrived_rank.assign(n, false);
-      sp->children.assign(n, nullptr);
-    }
-    slot = sp;
-    slot->color[parent->rank] = color;
-    slot->key[parent->rank] = key;
-    slot->arrived_rank[parent->rank] = true;
-    if (++slot->arrived == n) {
-      // The last to arrive builds every child: ranks of one color, ordered by (key, parent rank).
-      std::map<int, std::vector<int>> members;
-      for (int r = 0; r < n; ++r) {
-        if (slot->color[r] != NCCL_SPLIT_NOCOLOR) members[slot->color[r]].push_back(r);
-      }
-      for (auto& [col, ranks] : members) {
-        std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) { return slot->key[a] < slot->key[b]; });
-        auto child_clique = std::make_shared<Clique>(static_cast<int>(ranks.size()));
-        for (size_t i = 0; i < ranks.size(); ++i) {
-          auto ch = std::make_shared<RankState>();
-          ch->clique = child_clique;
-          ch->rank = static_cast<int>(i);
-          ch->nranks = static_cast<int>(ranks.size());
-          ch->state = ncclSuccess;
-          slot->children[ranks[i]] = ch;
-        }
-      }
-      slot->done = true;
-      c.splits.erase(seq);
-      c.cv.notify_all();
-    }
-  }
   const int device = colod_cuda_emu::CurrentDevice();
-  parent->state = ncclInProgress;
-  // Completes when every parent rank arrived, writing *newcomm then: NCCL's
-  // non-blocking split does the same, so the caller's pointer must stay valid.
-  auto finish = [parent, slot, newcomm, device] {
-    std::unique_lock<std::mutex> l(parent->clique->mu);
-    if (!colod_nccl_emu::WaitFor(l, *parent, "ncclCommSplit", [&] { return slot->done; })) return;
-    std::shared_ptr<RankState> child = slot->children[parent->rank];
-    l.unlock();
-    if (child != nullptr) {
-      child->device = device;
+  std::function<void()> finish;
+  if (parent->remote == nullptr) {
+    std::shared_ptr<colod_nccl_emu::SplitSlot> slot = colod_nccl_emu::EnterSplit(parent, seq, color, key);
+    // Completes when every parent rank arrived, writing *newcomm then:
+    // NCCL's non-blocking split does the same, so the caller's pointer must
+    // stay valid.
+    finish = [parent, slot, newcomm, device] {
+      std::shared_ptr<RankState> child;
+      if (!colod_nccl_emu::AwaitSplit(parent, slot, &child)) return;
+      if (child != nullptr) {
+        child->device = device;
+        *newcomm = colod_nccl_emu::NewHandle(child);
+      } else {
+        *newcomm = nullptr;
+      }
+      parent->state = ncclSuccess;
+    };
+  } else {
+    // The clique's process splits it; this rank's child (if any) attaches
+    // there over a connection of its own.
+    finish = [parent, seq, color, key, newcomm, device] {
+      colod_nccl_emu::Frame answer;
+      if (!colod_nccl_emu::RemoteCall(*parent, colod_nccl_emu::Kind::kSplit, {static_cast<int64_t>(seq), color, key,
+                                      device}, nullptr, 0, &answer, "ncclCommSplit")) {
+        return;
+      }
+      if (answer.a[0] < 0) {
+        *newcomm = nullptr;
+        parent->state = ncclSuccess;
+        return;
+      }
+      std::shared_ptr<RankState> child = colod_nccl_emu::ConnectRemote(
+          parent->remote->address, static_cast<int>(answer.a[1]), static_cast<int>(answer.a[2]), device);
+      if (child == nullptr) {
+        parent->state = ncclSystemError;
+        return;
+      }
+      child->remote->conn->Write(colod_nccl_emu::Kind::kHelloChild, 0, {answer.a[0]});
+      const ncclResult_t ready = colod_nccl_emu::AwaitReady(*child);
       *newcomm = colod_nccl_emu::NewHandle(child);
-    } else {
-      *newcomm = nullptr;
-    }
-    parent->state = ncclSuccess;
-  };
+      parent->state = ready;
+    };
+  }
+  parent->state = ncclInProgress;
   if (blocking) {
     finish();
-    return parent->aborted ? ncclInvalidUsage : ncclSuccess;
+    return parent->aborted ? ncclInvalidUsage : static_cast<ncclResult_t>(parent->state.load());
   }
   std::thread(finish).detach();
   return ncclSuccess;
@@ -673,7 +1103,9 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
-  if (colod_nccl_emu::Live(comm, "ncclCommDestroy") == nullptr) return ncclInvalidArgument;
+  std::shared_ptr<RankState> st = colod_nccl_emu::Live(comm, "ncclCommDestroy");
+  if (st == nullptr) return ncclInvalidArgument;
+  if (st->remote != nullptr) colod_nccl_emu::Leave(*st, colod_nccl_emu::Kind::kBye);
   colod_nccl_emu::Kill(comm);
   return ncclSuccess;
 }
@@ -686,6 +1118,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
     std::lock_guard<std::mutex> l(st->clique->mu);
     st->clique->cv.notify_all();
   }
+  if (st->remote != nullptr) colod_nccl_emu::Leave(*st, colod_nccl_emu::Kind::kAbort);
   colod_nccl_emu::Kill(comm);
   return ncclSuccess;
 }
