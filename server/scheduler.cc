@@ -506,7 +506,14 @@ void Scheduler::ReportHangsLocked(const std::vector<v1::Worker>& workers) {
       ranks.push_back(std::move(r));
     }
     for (const v1::HangReport& h : FindHangs(ranks, options_.hang_threshold)) {
-      if (!p.hangs.insert(absl::StrCat(h.group(), "#", h.sequence())).second) continue;  // reported already
+      // Reported once per collective and set of silent ranks: a rank whose
+      // silence passes the threshold after the first report (a stopped CUDA
+      // rank had enqueued the collective before it stopped: every rank
+      // "entered" it) is named in a second one.
+      if (!p.hangs.insert(absl::StrCat(h.group(), "#", h.sequence(), " silent ", absl::StrJoin(h.silent_ranks(), ",")))
+               .second) {
+        continue;  // reported already
+      }
       COLOD_LOG(WARNING) << "job " << p.job_id << " hangs: " << h.message();
       (void)jobs_->AddHang(p.job_id, h);
     }

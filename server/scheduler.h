@@ -134,7 +134,7 @@ class Scheduler {
     bool requeue = false;
     bool restart = false;
     std::string requeue_reason;
-    // Hangs reported for this placement: "group#sequence".
+    // Hangs reported for this placement: "group#sequence silent RANKS".
     std::set<std::string> hangs;
     // The failed rank's error code (for IsRetryableRankError).
     absl::StatusCode failure_code = absl::StatusCode::kUnknown;

@@ -404,6 +404,57 @@ TEST_F(SchedulerTest, ReportsAHangOncePerCollective) {
   EXPECT_EQ(jobs_->HangCount(), 1);
 }
 
+// On an asynchronous engine (NCCL) a rank enqueues collectives ahead of the
+// device: a rank stopped after enqueueing one has "entered" it, and the first
+// report names nobody. Once that rank's silence passes the threshold the
+// same collective is reported again, naming it; then no more.
+TEST_F(SchedulerTest, ReportsAHangAgainWhenARankFallsSilent) {
+  Scheduler::Options o;
+  o.hang_threshold = absl::Seconds(2);
+  Start(2, o);
+  auto job = jobs_->Submit(TrainSpec(2, 1), "");
+  ASSERT_TRUE(job.ok());
+  scheduler_->TickForTest();
+  Training(job->job_id());
+  const v1::Job j = Job(job->job_id());
+  auto status = [&](int rank) {
+    v1::WorkerStatus s;
+    s.set_state(v1::WORKER_STATE_BUSY);
+    s.set_job_id(job->job_id());
+    s.set_rank(rank);
+    s.set_generation(j.generation());
+    v1::CollectiveProgress* p = s.add_collectives();
+    p->set_group("tp/0_1");
+    p->set_entered(8);
+    p->set_pending_sequence(8);
+    p->set_pending_op("all_reduce");
+    *p->mutable_pending_for() = ToProtoDuration(absl::Seconds(4));
+    return s;
+  };
+  const int w0 = j.mesh().ranks(0).worker_id() == ids_[0] ? 0 : 1;
+  Beat(w0, status(0));
+  Beat(1 - w0, status(1));  // its last heartbeat
+  scheduler_->TickForTest();
+  EXPECT_TRUE(absl::StrContains(Job(job->job_id()).stalled(), "every rank of the group entered it"))
+      << Job(job->job_id()).stalled();
+  clock_.Advance(absl::Seconds(3));  // within the lease
+  Beat(w0, status(0));  // rank 0 reports on; rank 1 has been silent 3 s
+  scheduler_->TickForTest();
+  scheduler_->TickForTest();  // once only
+  const v1::Job stalled = Job(job->job_id());
+  EXPECT_TRUE(absl::StrContains(stalled.stalled(), "collective #8 (all_reduce) of group tp/0_1"));
+  EXPECT_TRUE(absl::StrContains(stalled.stalled(), "rank 1 (worker ")) << stalled.stalled();
+  EXPECT_TRUE(absl::StrContains(stalled.stalled(), "has not reported for 3s")) << stalled.stalled();
+  std::vector<v1::HangReport> reports;
+  for (const v1::JobEvent& e : Events(job->job_id())) {
+    if (e.has_hang()) reports.push_back(e.hang());
+  }
+  ASSERT_EQ(reports.size(), 2u);
+  EXPECT_EQ(reports[0].silent_ranks_size(), 0);
+  ASSERT_EQ(reports[1].silent_ranks_size(), 1);
+  EXPECT_EQ(reports[1].silent_ranks(0), 1);
+}
+
 // The scheduler changes jobs under its lock; their records are written
 // after it is released. While one job's record is being written (a slow
 // disk, here the write hook), another job's report gets through the

@@ -1,0 +1,220 @@
+// The fixture of the cluster tests (jobs_test.cc, cuda_daemons_test.cc): a
+// coordinator and four worker daemons as processes on loopback, a tiny GPT-2,
+// and helpers to submit, watch, stop and find the workers of a job's ranks.
+#ifndef COLOD_TESTS_JOBS_FIXTURE_H_
+#define COLOD_TESTS_JOBS_FIXTURE_H_
+
+#include <signal.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/coordinator_client.h"
+#include "colod/v1/worker.grpc.pb.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "server/job_manager.h"
+#include "tests/subprocess.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/shardformer/testing.h"
+#include "worker/train/job_options.h"
+#include "worker/train/trainer.h"
+
+namespace colod::testing {
+
+inline constexpr char kGpl[] = "/usr/share/common-licenses/GPL-3";
+
+// A worker's status over its gRPC service.
+inline v1::WorkerStatus StatusOf(const std::string& address) {
+  auto stub = v1::WorkerService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  v1::GetStatusResponse resp;
+  EXPECT_TRUE(stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp).ok());
+  return resp.status();
+}
+
+// A coordinator and four workers (CPU ones unless worker_flags_ say
+// otherwise) and a tiny byte-level GPT-2 at TempPath("gpt2"); torn down by
+// the destructors.
+class JobsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    shardformer::testing::TinyOptions tiny;
+    tiny.vocab = 257;  // byte-level text
+    tiny.positions = 32;
+    auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2"), tiny);
+    ASSERT_TRUE(model.ok()) << model.status();
+    StartCoordinator();
+    workers_ = StartTestWorkers(coordinator_.grpc, 4, worker_flags_);
+    for (const Daemon& w : workers_) ASSERT_FALSE(w.grpc.empty()) << ReadFile(w.log);
+    const absl::Status registered = WaitForWorkers(*client_, 4);
+    ASSERT_TRUE(registered.ok()) << registered << "\n" << Logs();
+  }
+
+  // `listen`: where to serve (a restart reuses the address the workers know).
+  // Each test's coordinator has a data dir of its own, so that no test's
+  // unfinished jobs come back (restarting) in the next one.
+  void StartCoordinator(const std::string& listen = "127.0.0.1:0") {
+    const std::string data =
+        TempPath(absl::StrCat("data-", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    std::vector<std::string> flags = {"--data-dir", data};
+    flags.insert(flags.end(), coordinator_flags_.begin(), coordinator_flags_.end());
+    coordinator_ = StartTestCoordinator(listen, flags);
+    ASSERT_FALSE(coordinator_.grpc.empty()) << ReadFile(coordinator_.log);
+    auto client = CoordinatorClient::Create(coordinator_.grpc);
+    ASSERT_TRUE(client.ok());
+    client_ = std::move(*client);
+  }
+
+  train::TrainOptions Options(int64_t steps) const {
+    train::TrainOptions o;
+    o.model_dir = TempPath("gpt2");
+    o.data_path = kGpl;
+    o.steps = steps;
+    o.batch_size = 4;
+    o.seq_len = 32;
+    o.lr = 3e-3;
+    o.min_lr = 3e-4;
+    o.seed = 3;
+    o.shard.layout.set_tensor_parallel_size(2);
+    o.shard.layout.set_data_parallel_size(2);
+    o.shard.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_1D);
+    return o;
+  }
+
+  v1::JobSpec Spec(const train::TrainOptions& o) const {
+    v1::JobSpec spec = train::SpecFromTrainOptions(o);
+    spec.set_name("tiny");
+    spec.mutable_model()->set_config_json(ReadFile(o.model_dir + "/config.json"));
+    spec.mutable_model()->set_weights_path(o.model_dir);
+    return spec;
+  }
+
+  // Events until the job ends.
+  std::vector<v1::JobEvent> Watch(const std::string& job_id) {
+    std::vector<v1::JobEvent> events;
+    const absl::Status s = client_->WatchJob(job_id, 1, absl::Seconds(240), [&](const v1::JobEvent& e) {
+      events.push_back(e);
+      return true;
+    });
+    EXPECT_TRUE(s.ok()) << s;
+    return events;
+  }
+
+  std::string Logs() { return DaemonLogs(coordinator_, workers_); }
+
+  // Submits a long TRAIN job (tp=2 x dp=2; restarts as given) and returns
+  // its id once rank 0 reported step 2; "" (and a test failure) if it did not
+  // within 60 s.
+  std::string StartLongJob(int max_restarts = 0) {
+    v1::JobSpec spec = Spec(Options(100000));
+    spec.mutable_restart()->set_max_restarts(max_restarts);
+    auto job = client_->SubmitJob(spec);
+    if (!job.ok()) {
+      ADD_FAILURE() << job.status();
+      return "";
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (absl::Now() < deadline && client_->GetJob(job->job_id())->step() < 2) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    if (client_->GetJob(job->job_id())->step() < 2) {
+      ADD_FAILURE() << "job " << job->job_id() << " did not reach step 2\n" << Logs();
+      return "";
+    }
+    return job->job_id();
+  }
+
+  // The index in workers_ of the worker holding `rank` of `mesh`; -1 if none.
+  int WorkerOf(const v1::MeshSpec& mesh, int rank) const {
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (workers_[i].grpc == mesh.ranks(rank).worker_address()) return static_cast<int>(i);
+    }
+    return -1;
+  }
+
+  // A long job (StartLongJob, no restarts) at step 2, its mesh, and the
+  // index in workers_ of the worker holding `rank`: -1 (and a test failure)
+  // if the job did not get there.
+  struct LongJob {
+    std::string job_id;
+    v1::MeshSpec mesh;
+    int worker = -1;
+  };
+  LongJob StartLongJobOn(int rank) {
+    LongJob out;
+    out.job_id = StartLongJob();
+    if (out.job_id.empty()) return out;
+    auto mesh = client_->GetMesh(out.job_id);
+    if (!mesh.ok()) {
+      ADD_FAILURE() << mesh.status();
+      return out;
+    }
+    out.mesh = *mesh;
+    out.worker = WorkerOf(out.mesh, rank);
+    if (out.worker < 0) ADD_FAILURE() << "no worker holds rank " << rank;
+    return out;
+  }
+
+  bool AllIdle(absl::Duration within, int except = -1) {
+    const absl::Time deadline = absl::Now() + within;
+    while (absl::Now() < deadline) {
+      bool idle = true;
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        if (static_cast<int>(i) != except) idle = idle && StatusOf(workers_[i].grpc).state() == v1::WORKER_STATE_IDLE;
+      }
+      if (idle) return true;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return false;
+  }
+
+  // Submits `spec` and waits until rank 0 reported at least step `step` and
+  // a checkpoint; then stops (SIGSTOP) the worker of `rank`, so the job
+  // cannot finish meanwhile, and returns the mesh and the step it reached.
+  // False (and a test failure) if the job ended or took longer than 60 s.
+  bool RunUntilStepThenStop(const std::string& job_id, int64_t step, int rank, v1::MeshSpec* mesh, int* worker) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    absl::StatusOr<v1::Job> job = client_->GetJob(job_id);
+    while (absl::Now() < deadline && job.ok() && (job->step() < step || job->last_checkpoint().empty()) &&
+           !JobManager::IsFinal(job->state())) {
+      absl::SleepFor(absl::Milliseconds(5));
+      job = client_->GetJob(job_id);
+    }
+    if (!job.ok() || job->step() < step || JobManager::IsFinal(job->state())) {
+      ADD_FAILURE() << "job " << job_id << " did not reach step " << step << " and run on: "
+                    << (job.ok() ? job->DebugString() : job.status().ToString()) << Logs();
+      return false;
+    }
+    *mesh = job->mesh();
+    *worker = WorkerOf(*mesh, rank);
+    if (*worker < 0) return false;
+    workers_[*worker].process->Signal(SIGSTOP);
+    return true;
+  }
+
+  // Rank 0's loss of each step as last reported (a restart repeats the steps
+  // after its checkpoint), by step.
+  static std::map<int64_t, double> LastLosses(const std::vector<v1::JobEvent>& events) {
+    std::map<int64_t, double> losses;
+    for (const v1::JobEvent& e : events) {
+      if (e.has_step()) losses[e.step().step()] = e.step().loss();
+    }
+    return losses;
+  }
+
+  std::vector<std::string> coordinator_flags_;  // set before SetUp
+  std::vector<std::string> worker_flags_;       // set before SetUp: {"--device", "cuda"} for CUDA workers
+  Daemon coordinator_;
+  std::vector<Daemon> workers_;
+  std::unique_ptr<CoordinatorClient> client_;
+};
+
+}  // namespace colod::testing
+
+#endif  // COLOD_TESTS_JOBS_FIXTURE_H_
