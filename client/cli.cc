@@ -73,9 +73,10 @@ int WithCoordinator(const std::function<int(CoordinatorClient&)>& fn) {
 }
 
 absl::StatusOr<std::unique_ptr<LocalCluster>> StartLocalCluster(int workers, const std::string& listen,
-                                                                const std::string& data_dir) {
+                                                                const std::string& data_dir, const std::string& device) {
   LocalCluster::Options options;
   options.workers = workers;
+  options.device = device;
   options.listen = listen;
   options.data_dir = data_dir;
   char exe[4096];

@@ -73,10 +73,12 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> MakeClient(const std::string&
 // made is a usage error.
 int WithCoordinator(const std::function<int(CoordinatorClient&)>& fn);
 
-// A coordinator and `workers` CPU workers as children of this process (found
-// next to this coloctl), every worker registered.
+// A coordinator and `workers` workers of `device` ("cpu", or "cuda": worker
+// i on CUDA device i) as children of this process (found next to this
+// coloctl), every worker registered.
 absl::StatusOr<std::unique_ptr<LocalCluster>> StartLocalCluster(int workers, const std::string& listen,
-                                                                const std::string& data_dir);
+                                                                const std::string& data_dir,
+                                                                const std::string& device = "cpu");
 // Runs `fn` with the address of ExplicitCoordinator() when one is given, else
 // with that of an embedded cluster of `workers` CPU workers on loopback,
 // started for the call and stopped after it (as on a real cluster, through

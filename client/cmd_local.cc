@@ -11,13 +11,14 @@
 #include "client/cli.h"
 #include "client/commands.h"
 #include "client/health.h"
+#include "client/job_flags.h"
 #include "common/auth.h"
 #include "common/grpc_server.h"
 #include "common/security_flags.h"
 #include "common/version.h"
 #include "nlohmann/json.hpp"
 
-ABSL_FLAG(int, workers, 2, "local: CPU workers to start.");
+ABSL_FLAG(int, workers, 2, "local: workers to start (with --device cuda, one per CUDA device: 0 .. N-1).");
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "local: the coordinator's gRPC address (port 0 picks one).");
 ABSL_FLAG(std::string, data_dir, "",
           "local: coordinator state and worker logs (default: a temporary directory removed on exit).");
@@ -32,8 +33,10 @@ int RunLocal(const std::vector<std::string>&) {
   BlockShutdownSignals();       // before any thread starts; the children unblock
   ::signal(SIGPIPE, SIG_IGN);  // a closed stdout must not skip the cleanup
   if (absl::GetFlag(FLAGS_workers) < 1) return Usage("local: --workers must be at least 1");
+  const absl::StatusOr<bool> cuda = CudaFromFlags();
+  if (!cuda.ok()) return Usage(absl::StrCat("local: ", cuda.status().message()));
   auto cluster = StartLocalCluster(absl::GetFlag(FLAGS_workers), absl::GetFlag(FLAGS_listen),
-                                   absl::GetFlag(FLAGS_data_dir));
+                                   absl::GetFlag(FLAGS_data_dir), *cuda ? "cuda" : "cpu");
   if (!cluster.ok()) return Fail(cluster.status());
   std::printf("coordinator %s (metrics http://%s/metrics), data dir %s\n", (*cluster)->address().c_str(),
               (*cluster)->metrics_address().c_str(), (*cluster)->data_dir().c_str());
@@ -90,8 +93,9 @@ int RunVersion(const std::vector<std::string>&) {
 constexpr Command kCommands[] = {
     {"local", "",
      "  local       Run an embedded cluster on this machine: a coordinator on --listen\n"
-     "              (127.0.0.1:7070) and --workers N CPU workers as child processes on\n"
-     "              loopback. Prints the coordinator's address once every worker has\n"
+     "              (127.0.0.1:7070) and --workers N workers as child processes on\n"
+     "              loopback: CPU ones, or with --device cuda one per CUDA device (worker i\n"
+     "              on device i, over NCCL between the processes). Prints the coordinator's address once every worker has\n"
      "              registered, stays in the foreground, and stops everything on Ctrl-C or\n"
      "              SIGTERM. --data-dir keeps the coordinator's state and the worker logs.\n",
      RunLocal},

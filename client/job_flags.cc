@@ -61,7 +61,8 @@ ABSL_FLAG(std::string, resume, "", "train: continue from the newest complete che
 ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run to --resume later).");
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
 ABSL_FLAG(std::string, device, "cpu",
-          "forward, train: cpu (ranks as threads over Gloo) or cuda (rank r on CUDA device r, over NCCL).");
+          "forward, train: cpu (ranks as threads over Gloo) or cuda (rank r on CUDA device r, over NCCL). "
+          "local: the workers' device (cuda: worker i on CUDA device i, a process each).");
 ABSL_FLAG(std::string, name, "", "submit, train: the job's name (default: the model directory's name).");
 ABSL_FLAG(int32_t, max_restarts, -1,
           "submit: restarts after a failure (a lost worker, a failed rank) before the job fails; each restart "

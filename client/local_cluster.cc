@@ -102,7 +102,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
     // The machine's cores shared among the workers: a rank's GEMMs on its own.
     const int blas_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / options.workers);
     auto pid = Spawn({options.worker_binary, "--coordinator", c->address_, "--listen", "127.0.0.1:0",
-                      "--metrics-listen", "127.0.0.1:0", "--device", "cpu", "--device-ordinal", absl::StrCat(i),
+                      "--metrics-listen", "127.0.0.1:0", "--device", options.device, "--device-ordinal", absl::StrCat(i),
                       "--blas-threads", absl::StrCat(blas_threads)},
                      absl::StrCat(c->data_dir_, "/worker-", i, ".log"));
     if (!pid.ok()) return fail(pid.status());

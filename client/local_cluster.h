@@ -1,6 +1,6 @@
 // An embedded colod cluster on this machine (`coloctl local`): the
-// colod-coordinator and N CPU colod-worker daemons as child processes on
-// loopback. The children die with this process (PR_SET_PDEATHSIG), so a
+// colod-coordinator and N colod-worker daemons (CPU ones, or one per CUDA
+// device) as child processes on loopback. The children die with this process (PR_SET_PDEATHSIG), so a
 // killed coloctl leaves no daemons behind.
 //
 // Thread-safety: Stop() may be called from any thread, more than once.
@@ -24,6 +24,9 @@ class LocalCluster {
  public:
   struct Options {
     int workers = 2;
+    // "cpu", or "cuda": worker i serves CUDA device i (one process per
+    // device, as on a GPU node).
+    std::string device = "cpu";
     std::string listen = "127.0.0.1:0";  // the coordinator's gRPC address
     std::string metrics_listen = "127.0.0.1:0";
     // Coordinator state and worker logs; empty: a fresh directory under

@@ -109,6 +109,47 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"gpt2_2d", "gpt2", {"--tp", "4", "--mode", "2d"}}),
     [](const auto& info) { return info.param.name; });
 
+// `coloctl local --device cuda`: the embedded cluster's workers are CUDA
+// daemons, one per device, and a tp=2 x dp=2 job on them gives the CPU
+// run's losses.
+TEST(CudaLocalCluster, ItsCudaWorkersTrainWithTheCpuLosses) {
+  if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices, found " << kernels::CudaDeviceCount();
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  o.positions = 32;
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2_local"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  testing::Subprocess local({Runfile("client/coloctl"), "local", "--workers", "4", "--device", "cuda", "--listen",
+                             "127.0.0.1:0", "--data-dir", TempPath("local-data")},
+                            TempPath("local.out"), TempPath("local.err"));
+  const std::string address = testing::LocalClusterAddress(TempPath("local.out"));
+  ASSERT_FALSE(address.empty()) << testing::ReadFile(TempPath("local.err"));
+  const std::vector<std::string> common = {
+      "train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3", "--steps", "3", "--batch-size",
+      "4", "--seq-len", "32", "--lr", "3e-3", "--seed", "5", "--tp", "2", "--dp", "2", "--precision", "fp32",
+      "--output", "json"};
+  std::vector<std::string> on_local = common, on_cpu = common;
+  on_local.insert(on_local.end(), {"--coordinator", address});
+  on_cpu.insert(on_cpu.end(), {"--device", "cpu"});
+  const auto d = Coloctl(on_local), c = Coloctl(on_cpu);
+  ASSERT_EQ(d.code, 0) << d.err;
+  ASSERT_EQ(c.code, 0) << c.err;
+  const std::vector<double> ld = Losses(d.out), lc = Losses(c.out);
+  ASSERT_EQ(ld.size(), 3u) << d.out;
+  ASSERT_EQ(lc.size(), 3u) << c.out;
+  for (size_t i = 0; i < lc.size(); ++i) EXPECT_NEAR(ld[i], lc[i], 1e-5 * lc[i]) << "step " << i + 1;
+  auto info = kernels::GetCudaDeviceInfo(0);
+  ASSERT_TRUE(info.ok()) << info.status();
+  for (int i = 0; i < 4; ++i) {
+    const std::string log = testing::ReadFile(TempPath(absl::StrCat("local-data/worker-", i, ".log")));
+    EXPECT_NE(log.find(absl::StrCat("worker device ", info->name, " (ordinal ", i, ")")), std::string::npos) << log;
+  }
+  local.Signal(SIGTERM);
+  const auto code = local.Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 0) << testing::ReadFile(TempPath("local.err"));
+}
+
 // The cluster fixture (tests/jobs_fixture.h) with four CUDA workers, each a
 // process serving its device ordinal.
 class CudaJobsTest : public testing::JobsTest {

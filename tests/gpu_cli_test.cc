@@ -163,8 +163,8 @@ TEST_F(GpuCli, ForwardMatchesTheUnshardedReference) {
 }
 
 // The CUDA worker daemon's path: a TRAIN job on a worker started with
-// --device cuda (one rank: the emulation's NCCL is in-process, so several
-// CUDA workers, each a process, need real GPUs) gives the CPU run's losses.
+// --device cuda (one rank; jobs over several CUDA daemons are
+// cuda_daemons_test's) gives the CPU run's losses.
 TEST_F(GpuCli, ACudaWorkerDaemonTrainsWithTheCpuLosses) {
   auto model = ByteLevelModel("Gpt2", "daemon");
   ASSERT_TRUE(model.ok()) << model.status();

@@ -21,24 +21,6 @@ using ::colod::testing::TempPath;
 using ::colod::testing::RunCommand;
 using ::colod::testing::Subprocess;
 
-// The coordinator address from the "ready:" line, once printed.
-std::string WaitReady(const std::string& out) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  while (absl::Now() < deadline) {
-    std::ifstream in(out);
-    for (std::string line; std::getline(in, line);) {
-      const std::string key = "export COLOD_COORDINATOR=";
-      const size_t at = line.find(key);
-      if (line.rfind("ready:", 0) == 0 && at != std::string::npos) {
-        const std::string rest = line.substr(at + key.size());
-        return rest.substr(0, rest.find(';'));
-      }
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return "";
-}
-
 bool Reachable(const std::string& address) {
   return testing::HealthCheck(address, "").ok();
 }
@@ -46,7 +28,7 @@ bool Reachable(const std::string& address) {
 TEST(Local, AnnouncesServesAndStopsItsCluster) {
   Subprocess local({Runfile("client/coloctl"), "local", "--workers", "3", "--listen", "127.0.0.1:0"},
                    TempPath("local.out"), TempPath("local.err"));
-  const std::string address = WaitReady(TempPath("local.out"));
+  const std::string address = testing::LocalClusterAddress(TempPath("local.out"));
   ASSERT_FALSE(address.empty()) << testing::ReadFile(TempPath("local.err"));
   const auto r = RunCommand({Runfile("client/coloctl"), "--coordinator", address, "workers", "--output", "json"},
                             std::getenv("TEST_TMPDIR"));
@@ -70,7 +52,7 @@ TEST(Local, AnnouncesServesAndStopsItsCluster) {
 TEST(Local, ItsDaemonsDieWithAKilledColoctl) {
   Subprocess local({Runfile("client/coloctl"), "local", "--workers", "2", "--listen", "127.0.0.1:0"},
                    TempPath("killed.out"), TempPath("killed.err"));
-  const std::string address = WaitReady(TempPath("killed.out"));
+  const std::string address = testing::LocalClusterAddress(TempPath("killed.out"));
   ASSERT_FALSE(address.empty()) << testing::ReadFile(TempPath("killed.err"));
   local.Signal(SIGKILL);
   ASSERT_TRUE(local.Wait(absl::Seconds(10)).has_value());

@@ -157,4 +157,21 @@ std::string DaemonLogs(const Daemon& coordinator, const std::vector<Daemon>& wor
   return out;
 }
 
+std::string LocalClusterAddress(const std::string& out_path) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline) {
+    std::ifstream in(out_path);
+    for (std::string line; std::getline(in, line);) {
+      const std::string key = "export COLOD_COORDINATOR=";
+      const size_t at = line.find(key);
+      if (line.rfind("ready:", 0) == 0 && at != std::string::npos) {
+        const std::string rest = line.substr(at + key.size());
+        return rest.substr(0, rest.find(';'));
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return "";
+}
+
 }  // namespace colod::testing

@@ -53,6 +53,10 @@ std::optional<std::string> ReadyValue(const std::string& path, const std::string
 
 std::string ReadFile(const std::string& path);
 
+// The coordinator address of a `coloctl local` whose stdout goes to
+// `out_path`, from its "ready:" line once printed; "" if none within 60 s.
+std::string LocalClusterAddress(const std::string& out_path);
+
 // A data dependency of the test (e.g. "client/coloctl") in its runfiles.
 std::string Runfile(const std::string& path);
 
