@@ -1,34 +1,46 @@
 // All-reduce, reduce-scatter and all-gather bandwidth of the Gloo
 // communicator on loopback, next to this machine's memcpy bandwidth measured
-// in the same run; where the build has CUDA and the machine GPUs, the NCCL
-// communicator's all-reduce on device buffers (bf16 and f32, a rank per GPU
-// up to the GPUs there are), next to cuda:0's device-to-device copy
-// bandwidth.
+// in the same run; where the build has CUDA and the machine two or more
+// GPUs, the NCCL communicator's all-reduce, all-gather, reduce-scatter and
+// ring send/recv on device buffers, bf16, 1 KiB to --nccl_max_bytes (1 GiB),
+// one process per GPU as colod's worker daemons run (this binary started
+// again as each rank, the unique id through a FileStore), on 2, 4, ... GPUs,
+// next to cuda:0's device-to-device copy bandwidth.
 //
 //   bazel run -c opt //bench:collectives [-- --json] [-- --iters N]
-//       [-- --backend gloo|nccl|all]
+//       [-- --backend gloo|nccl|all] [-- --nccl_max_bytes B]
 //
 // As nccl-tests define them: size is the whole buffer (all-reduce's, the
-// reduce-scatter's input, the all-gather's output), algbw = size / time, and
-// busbw = algbw * 2(n-1)/n for all-reduce and algbw * (n-1)/n for
-// reduce-scatter and all-gather: the bandwidth each rank's link would need
-// for the ring algorithm, comparable across rank counts and collectives.
+// reduce-scatter's input, the all-gather's output, what each rank sends),
+// algbw = size / time, and busbw = algbw * 2(n-1)/n for all-reduce, algbw *
+// (n-1)/n for reduce-scatter and all-gather, algbw for send/recv: the
+// bandwidth each rank's link would need for the ring algorithm, comparable
+// across rank counts and collectives.
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/flags.h"
+#include "common/status_macros.h"
 #include "kernels/device.h"
 #include "worker/comm/rendezvous_store.h"
+#include "worker/comm/store.h"
 #include "worker/comm/gloo/gloo_communicator.h"
 #ifdef COLOD_WITH_CUDA
 #include <cuda_runtime.h>
@@ -40,6 +52,12 @@ ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table."
 ABSL_FLAG(int, iters, 5, "Timed all-reduces per row (after one warm-up).");
 ABSL_FLAG(std::string, backend, "all",
           "gloo, nccl or all: which communicators to measure (nccl rows need a CUDA build and 2+ GPUs).");
+ABSL_FLAG(int64_t, nccl_max_bytes, int64_t{1} << 30, "The NCCL rows' largest size: from 1 KiB up, x8 apart, and this.");
+ABSL_FLAG(int, nccl_rank, -1, "Internal: run as NCCL rank N of --nccl_ranks (bench:collectives starts these).");
+ABSL_FLAG(int, nccl_ranks, 0, "Internal: the NCCL ranks' count.");
+ABSL_FLAG(std::string, nccl_store, "", "Internal: the ranks' FileStore directory (the unique id).");
+
+extern char** environ;
 
 namespace colod {
 namespace {
@@ -59,13 +77,14 @@ double MemcpyGBps() {
   return best;
 }
 
-enum class Op { kAllReduce, kReduceScatter, kAllGather };
+enum class Op { kAllReduce, kReduceScatter, kAllGather, kSendRecv };
 
 const char* OpName(Op op) {
   switch (op) {
     case Op::kAllReduce: return "allreduce";
     case Op::kReduceScatter: return "reducescatter";
     case Op::kAllGather: return "allgather";
+    case Op::kSendRecv: return "sendrecv";
   }
   return "";
 }
@@ -115,6 +134,8 @@ Row Measure(Op op, int n, size_t bytes, int iters, Algorithm algorithm = Algorit
           case Op::kAllGather:
             w = comms[r]->AllGather(part.data(), data.data(), chunk, DType::kF32);
             break;
+          case Op::kSendRecv:
+            std::exit(2);  // NCCL rows only
         }
         absl::Status s = w->Wait(absl::Minutes(5));
         if (!s.ok()) {
@@ -167,54 +188,133 @@ double DeviceCopyGBps() {
   return best;
 }
 
-// NCCL all-reduce of `bytes` of `dtype` over n GPUs (a rank thread each),
-// timed from a barrier to the device's completion (cudaDeviceSynchronize):
-// the median of iters on rank 0.
-Row MeasureNccl(int n, size_t bytes, DType dtype, int iters) {
-  InMemoryStore store;
-  std::vector<double> times;
-  std::vector<std::thread> threads;
-  auto fail = [](int r, const absl::Status& s) {
-    std::fprintf(stderr, "nccl rank %d: %s\n", r, s.ToString().c_str());
-    std::exit(1);
+// The NCCL rows' sizes: 1 KiB, x8 apart, and `max`.
+std::vector<size_t> NcclSizes(size_t max) {
+  std::vector<size_t> sizes;
+  for (size_t b = 1024; b < max; b *= 8) sizes.push_back(b);
+  sizes.push_back(max);
+  return sizes;
+}
+
+// Rank `rank` of `n`, a process of its own on GPU `rank`: every op at every
+// size, timed on rank 0 from a barrier (a one-element all-reduce, completed)
+// to the device's completion, the median of `iters`; rank 0 prints each as
+// "row OP N BYTES SECONDS". Exits non-zero on any failure.
+int RunNcclRank(int rank, int n, const std::string& dir, int iters, size_t max_bytes) {
+  auto fail = [rank](const absl::Status& s) {
+    std::fprintf(stderr, "nccl rank %d: %s\n", rank, s.ToString().c_str());
+    return 1;
   };
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      NcclCommunicator::Options o;
-      o.device = r;
-      o.prefix = "bench";
-      auto c = NcclCommunicator::Create(store, r, n, o);
-      if (!c.ok()) fail(r, c.status());
-      const int64_t count = static_cast<int64_t>(bytes / SizeOf(dtype));
-      Check(cudaSetDevice(r), "cudaSetDevice");
-      void* data = nullptr;
-      Check(cudaMalloc(&data, bytes), "cudaMalloc");
-      Check(cudaMemset(data, 0, bytes), "cudaMemset");
-      auto run = [&] {
-        absl::Status s = (*c)->AllReduce(data, count, dtype, ReduceOp::kSum)->Wait(absl::Minutes(5));
-        if (s.ok()) s = kernels::CudaSynchronize(r);
-        if (!s.ok()) fail(r, s);
+  auto store = FileStore::Open(dir);
+  if (!store.ok()) return fail(store.status());
+  NcclCommunicator::Options o;
+  o.device = rank;
+  o.prefix = "bench";
+  auto c = NcclCommunicator::Create(**store, rank, n, o);
+  if (!c.ok()) return fail(c.status());
+  Check(cudaSetDevice(rank), "cudaSetDevice");
+  void *in = nullptr, *out = nullptr, *flag = nullptr;
+  Check(cudaMalloc(&in, max_bytes), "cudaMalloc");
+  Check(cudaMalloc(&out, max_bytes), "cudaMalloc");
+  Check(cudaMalloc(&flag, sizeof(float)), "cudaMalloc");
+  Check(cudaMemset(in, 0, max_bytes), "cudaMemset");
+  Check(cudaMemset(out, 0, max_bytes), "cudaMemset");
+  Check(cudaMemset(flag, 0, sizeof(float)), "cudaMemset");
+  const DType t = DType::kBF16;
+  for (Op op : {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter, Op::kSendRecv}) {
+    for (size_t bytes : NcclSizes(max_bytes)) {
+      const int64_t count = static_cast<int64_t>(bytes / SizeOf(t)), part = count / n;
+      if (part < 1) continue;
+      auto run = [&]() -> absl::Status {
+        std::shared_ptr<Work> w;
+        switch (op) {
+          case Op::kAllReduce: w = (*c)->AllReduce(out, count, t, ReduceOp::kSum); break;
+          case Op::kAllGather: w = (*c)->AllGather(in, out, part, t); break;
+          case Op::kReduceScatter: w = (*c)->ReduceScatter(in, out, part, t, ReduceOp::kSum); break;
+          case Op::kSendRecv: w = (*c)->SendRecv(in, (rank + 1) % n, out, (rank + n - 1) % n, count, t); break;
+        }
+        RETURN_IF_ERROR(w->Wait(absl::Minutes(5)));
+        return kernels::CudaSynchronize(rank);
       };
-      run();  // warm-up: NCCL's channels and buffers
+      if (absl::Status s = run(); !s.ok()) return fail(s);  // warm-up
+      std::vector<double> times;
       for (int i = 0; i < iters; ++i) {
-        float one = 0;  // a barrier: a one-element all-reduce, completed
-        void* flag = nullptr;
-        Check(cudaMalloc(&flag, sizeof(float)), "cudaMalloc");
-        Check(cudaMemcpy(flag, &one, sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
         absl::Status s = (*c)->AllReduce(flag, 1, DType::kF32, ReduceOp::kSum)->Wait(absl::Minutes(1));
-        if (s.ok()) s = kernels::CudaSynchronize(r);
-        if (!s.ok()) fail(r, s);
-        Check(cudaFree(flag), "cudaFree");
+        if (s.ok()) s = kernels::CudaSynchronize(rank);
+        if (!s.ok()) return fail(s);
         const absl::Time t0 = absl::Now();
-        run();
-        if (r == 0) times.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+        if (s = run(); !s.ok()) return fail(s);
+        times.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
       }
-      Check(cudaFree(data), "cudaFree");
-    });
+      std::sort(times.begin(), times.end());
+      if (rank == 0) {
+        std::printf("row %d %d %zu %.9f\n", static_cast<int>(op), n, bytes, times[times.size() / 2]);
+        std::fflush(stdout);
+      }
+    }
   }
-  for (auto& t : threads) t.join();
-  std::sort(times.begin(), times.end());
-  return Row{Op::kAllReduce, n, bytes, times[times.size() / 2]};
+  Check(cudaFree(in), "cudaFree");
+  Check(cudaFree(out), "cudaFree");
+  Check(cudaFree(flag), "cudaFree");
+  return 0;
+}
+
+// Starts this binary as `n` rank processes and reads rank 0's rows; false
+// (after printing why) if a rank failed.
+bool MeasureNcclProcesses(int n, int iters, size_t max_bytes, const std::function<void(const Row&)>& on_row) {
+  char templ[] = "/tmp/colod-bench-nccl-XXXXXX";
+  if (mkdtemp(templ) == nullptr) {
+    std::perror("mkdtemp");
+    return false;
+  }
+  const std::string dir = templ;
+  char exe[4096];
+  const ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (len <= 0) return false;
+  const std::string self(exe, len);
+  int pipe_fds[2];
+  if (pipe(pipe_fds) != 0) return false;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::string> args = {self,
+                                     absl::StrCat("--nccl_rank=", r),
+                                     absl::StrCat("--nccl_ranks=", n),
+                                     "--nccl_store=" + dir,
+                                     absl::StrCat("--iters=", iters),
+                                     absl::StrCat("--nccl_max_bytes=", max_bytes)};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t files;
+    posix_spawn_file_actions_init(&files);
+    if (r == 0) posix_spawn_file_actions_adddup2(&files, pipe_fds[1], 1);
+    posix_spawn_file_actions_addclose(&files, pipe_fds[0]);
+    pid_t pid = -1;
+    if (posix_spawn(&pid, self.c_str(), &files, nullptr, argv.data(), environ) == 0) pids.push_back(pid);
+    posix_spawn_file_actions_destroy(&files);
+  }
+  close(pipe_fds[1]);
+  FILE* rows = fdopen(pipe_fds[0], "r");
+  char line[256];
+  while (rows != nullptr && std::fgets(line, sizeof line, rows) != nullptr) {
+    int op = 0, ranks = 0;
+    size_t bytes = 0;
+    double seconds = 0;
+    if (std::sscanf(line, "row %d %d %zu %lf", &op, &ranks, &bytes, &seconds) == 4) {
+      on_row(Row{static_cast<Op>(op), ranks, bytes, seconds});
+    }
+  }
+  if (rows != nullptr) std::fclose(rows);
+  bool ok = static_cast<int>(pids.size()) == n;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  if (!ok) std::fprintf(stderr, "bench:collectives: an NCCL rank process of %d failed\n", n);
+  return ok;
 }
 #endif
 
@@ -222,15 +322,18 @@ void PrintRow(bool json, const char* backend, const char* dtype, const Row& row,
               double limit_gbps) {
   const double algbw = row.bytes / row.seconds / 1e9;
   const double factor = row.op == Op::kAllReduce ? 2.0 : 1.0;
-  const double busbw = algbw * factor * (row.ranks - 1) / row.ranks;
+  const double busbw = row.op == Op::kSendRecv ? algbw : algbw * factor * (row.ranks - 1) / row.ranks;
   if (json) {
     std::printf(
         "{\"bench\":\"%s\",\"backend\":\"%s\",\"dtype\":\"%s\",\"ranks\":%d,\"bytes\":%zu,"
         "\"seconds\":%.6f,\"algbw_gbps\":%.4f,\"busbw_gbps\":%.4f,\"%s_gbps\":%.4f}\n",
         OpName(row.op), backend, dtype, row.ranks, row.bytes, row.seconds, algbw, busbw, limit_name, limit_gbps);
   } else {
-    std::printf("%-13s  %-5s  %-4s  %5d  %6zu MiB  %11.3f  %12.3f  %12.3f  %13.1f%%\n", OpName(row.op), backend,
-                dtype, row.ranks, row.bytes >> 20, row.seconds * 1e3, algbw, busbw, 100 * busbw / limit_gbps);
+    const std::string size = row.bytes >= (size_t{1} << 30) ? absl::StrCat(row.bytes >> 30, " GiB")
+                             : row.bytes >= (size_t{1} << 20) ? absl::StrCat(row.bytes >> 20, " MiB")
+                                                              : absl::StrCat(row.bytes >> 10, " KiB");
+    std::printf("%-13s  %-5s  %-4s  %5d  %10s  %11.3f  %12.3f  %12.3f  %13.1f%%\n", OpName(row.op), backend, dtype,
+                row.ranks, size.c_str(), row.seconds * 1e3, algbw, busbw, 100 * busbw / limit_gbps);
   }
   std::fflush(stdout);
 }
@@ -242,9 +345,21 @@ int main(int argc, char** argv) {
   colod::ParseFlags(argc, argv,
                     "collectives: Gloo all-reduce, reduce-scatter and all-gather bandwidth on loopback vs "
                     "memcpy.\n\nUsage:\n"
-                    "  bazel run -c opt //bench:collectives [-- --json] [-- --iters N]\n");
+                    "  bazel run -c opt //bench:collectives [-- --json] [-- --iters N] [-- --backend gloo|nccl|all]\n"
+                    "      [-- --nccl_max_bytes B]\n");
   const bool json = absl::GetFlag(FLAGS_json);
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
+  const int64_t max_bytes = absl::GetFlag(FLAGS_nccl_max_bytes);
+  if (max_bytes < 1024) {
+    std::fprintf(stderr, "--nccl_max_bytes must be at least 1024, not %lld\n", static_cast<long long>(max_bytes));
+    return 2;
+  }
+#ifdef COLOD_WITH_CUDA
+  if (absl::GetFlag(FLAGS_nccl_rank) >= 0) {
+    return colod::RunNcclRank(absl::GetFlag(FLAGS_nccl_rank), absl::GetFlag(FLAGS_nccl_ranks),
+                              absl::GetFlag(FLAGS_nccl_store), iters, static_cast<size_t>(max_bytes));
+  }
+#endif
   const std::string backend = absl::GetFlag(FLAGS_backend);
   if (backend != "gloo" && backend != "nccl" && backend != "all") {
     std::fprintf(stderr, "--backend must be gloo, nccl or all, not '%s'\n", backend.c_str());
@@ -305,21 +420,19 @@ int main(int argc, char** argv) {
   if (gpus >= 2) {
     const double copy_gbps = colod::DeviceCopyGBps();
     if (!json) {
-      std::printf("\nNCCL all-reduce, a rank thread per GPU, device buffers; cuda:0 device-to-device copy "
-                  "%.1f GB/s (same run)\n\n",
+      std::printf("\nNCCL, bf16, one process per GPU (rank r on cuda:r), device buffers; cuda:0 device-to-device "
+                  "copy %.1f GB/s (same run)\n\n",
                   copy_gbps);
       std::printf(header, "op", "comm", "type", "ranks", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)",
                   "busbw/d2d copy");
     }
-    for (int n = 2; n <= gpus; n *= 2) {
-      for (colod::DType t : {colod::DType::kBF16, colod::DType::kF32}) {
-        for (size_t mib : {1, 64, 256}) {
-          colod::PrintRow(json, "nccl", t == colod::DType::kBF16 ? "bf16" : "f32",
-                          colod::MeasureNccl(n, mib << 20, t, iters), "d2d_copy", copy_gbps);
-        }
-      }
+    bool ok = true;
+    for (int n = 2; n <= gpus && ok; n *= 2) {
+      ok = colod::MeasureNcclProcesses(n, iters, static_cast<size_t>(max_bytes), [&](const colod::Row& row) {
+        colod::PrintRow(json, "nccl", "bf16", row, "d2d_copy", copy_gbps);
+      });
     }
-    return 0;
+    return ok ? 0 : 1;
   }
 #endif
   if (!json) {

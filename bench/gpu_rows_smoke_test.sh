@@ -2,12 +2,13 @@
 # The benchmarks' GPU rows run end to end (in CI on the CUDA emulation, on
 # GPUs where they are): bench:layers' bf16 MLP and GPT-2 block rows, its attention and
 # memory-bound kernels' and LM head's rows, and bench:train's smoke
-# rows (tiny GPT-2 and LLaMA in bf16 at tp=1 and tp=2). What they compute is
+# rows (tiny GPT-2 and LLaMA in bf16 at tp=1 and tp=2), and bench:collectives'
+# NCCL rows (a process per device). What they compute is
 # tested by the layers' and the trainer's own tests; this holds the
 # benchmarks' wiring (devices, NCCL groups, the peak measurement), which only
 # a GPU run would otherwise reach.
 set -euo pipefail
-layers=$1 train=$2
+layers=$1 train=$2 collectives=$3
 fail() { printf 'FAIL: %s\n' "$1"; printf '%s\n' "$2"; exit 1; }
 
 # A build with CUDA on a machine without a GPU: nothing to run (the GPU
@@ -48,4 +49,16 @@ for model in gpt2-tiny llama-tiny; do
   grep -qE "^$model +cuda +tp=2 dp=1( +bf16 .* [1-9][0-9]* +[0-9.e+]+ |: skipped, 1 CUDA device)" <<<"$out" ||
     fail "no $model tp=2 row" "$out"
 done
-echo "PASS: bench:layers' GPU row and bench:train's smoke rows"
+# The NCCL rows: every op at every size, rank processes on two devices (or
+# the note of why not on a machine with one).
+out=$(COLOD_CUDA_EMU_DEVICES=2 "$collectives" --backend nccl --nccl_max_bytes 8192 --iters 1 2>&1) ||
+  fail "bench:collectives exited $?" "$out"
+if ! grep -q '^NCCL rows skipped: 1 CUDA device' <<<"$out"; then
+  for op in allreduce allgather reducescatter sendrecv; do
+    for size in "1 KiB" "8 KiB"; do
+      grep -qE "^$op +nccl +bf16 +2 +$size +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+%$" <<<"$out" ||
+        fail "bench:collectives printed no NCCL $op row of $size on 2 ranks" "$out"
+    done
+  done
+fi
+echo "PASS: bench:layers' GPU row, bench:train's smoke rows and bench:collectives' NCCL rows"
