@@ -49,6 +49,11 @@ for model in gpt2-tiny llama-tiny; do
   grep -qE "^$model +cuda +tp=2 dp=1( +bf16 .* [1-9][0-9]* +[0-9.e+]+ |: skipped, 1 CUDA device)" <<<"$out" ||
     fail "no $model tp=2 row" "$out"
 done
+# A process per device: tp=2, dp=2 and two pipeline stages.
+for layout in "tp=2 dp=1 procs" "tp=1 dp=2 procs" "tp=1 pp=2 dp=1 m=2 procs"; do
+  grep -qE "^gpt2-tiny +cuda +$layout( +bf16 .* [1-9][0-9]* +[0-9.e+]+ |: skipped, 1 CUDA device)" <<<"$out" ||
+    fail "no gpt2-tiny $layout row" "$out"
+done
 # The NCCL rows: every op at every size, rank processes on two devices (or
 # the note of why not on a machine with one).
 out=$(COLOD_CUDA_EMU_DEVICES=2 "$collectives" --backend nccl --nccl_max_bytes 8192 --iters 1 2>&1) ||

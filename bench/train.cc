@@ -17,13 +17,17 @@
 //               50257), seq 128, batch 4, fewer steps: tp=1, tp=2, dp=2
 // GPU rows (bf16 mixed precision, rank r on CUDA device r over NCCL), where
 // devices are (tp=2 needs 2):
-//   gpt2-124m   seq 1024, batch 8: tp=1, tp=2
+//   gpt2-124m   seq 1024, batch 8: tp=1, tp=2; and one process per device
+//               as colod's worker daemons run ("procs": this binary started
+//               again as each rank, the rendezvous through a FileStore):
+//               tp=2, dp=2, and two pipeline stages with 4 micro-batches
 //   llama-1b    hidden 2048, 16 layers, 32 heads over 8 kv heads, MLP 5632,
 //               vocab 32000 (787M parameters by the PARAMS column), seq 2048,
-//               batch 4: tp=1, tp=2
+//               batch 4: tp=1, tp=2, and tp=2 in processes
 // --rows smoke: tiny GPT-2 and LLaMA on the GPU path (seq 32, 2 steps), to
 // check the GPU rows run at all, e.g. under --config=cuda-emu, whose devices
-// would take hours over the real rows and time nothing.
+// would take hours over the real rows and time nothing; with tiny GPT-2's
+// tp=2, dp=2 and pp=2 rows in processes.
 //
 // Model FLOPs per token (PaLM's MFU convention, no credit for recomputation,
 // causal attention counted whole): 6 N + 12 L S H, N the parameters of every
@@ -33,10 +37,15 @@
 // (each step ends when rank 0 read its loss, which waits for the step's
 // device work). The peak is the same run's best GEMM: OpenBLAS sgemm on one
 // thread times the ranks (CPU), cuBLAS bf16 8192^3 times the devices (GPU).
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -50,6 +59,9 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/layer_ops.h"
 #include "kernels/device.h"
+#include "worker/colo/mesh.h"
+#include "worker/colo/rank_group.h"
+#include "worker/comm/store.h"
 #include "worker/shardformer/init_model.h"
 #include "worker/train/trainer.h"
 
@@ -65,6 +77,10 @@ ABSL_FLAG(std::string, layout, "",
           "Only the rows of this layout (\"tp=2 dp=1\", \"tp=1 pp=2 dp=1 m=4\", ...); default: every row.");
 ABSL_FLAG(bool, sequence_parallel, false, "tp rows with sequence parallelism (norms and residuals split over tp).");
 ABSL_FLAG(std::string, work_dir, "", "Where the models and the corpus go (default: a temporary directory).");
+ABSL_FLAG(int, train_rank, -1, "Internal: run rank N of a \"procs\" row (bench:train starts these).");
+ABSL_FLAG(std::string, train_store, "", "Internal: the rank processes' FileStore directory.");
+
+extern char** environ;
 
 namespace colod {
 namespace {
@@ -92,11 +108,13 @@ struct Row {
   int64_t seq = 128, batch = 8;
   int steps = 5;
   int pp = 1, micro = 1;  // pipeline stages and the micro-batches they run
+  bool processes = false;  // a process per rank (device), as worker daemons run, not threads of one
 };
 
 std::string LayoutOf(const Row& row) {
-  return row.pp > 1 ? absl::StrCat("tp=", row.tp, " pp=", row.pp, " dp=", row.dp, " m=", row.micro)
-                    : absl::StrCat("tp=", row.tp, " dp=", row.dp);
+  return absl::StrCat(row.pp > 1 ? absl::StrCat("tp=", row.tp, " pp=", row.pp, " dp=", row.dp, " m=", row.micro)
+                                 : absl::StrCat("tp=", row.tp, " dp=", row.dp),
+                      row.processes ? " procs" : "");
 }
 
 std::vector<Row> Rows(const std::string& which) {
@@ -119,11 +137,18 @@ std::vector<Row> Rows(const std::string& which) {
     const ModelShape tiny_llama{"llama", 256, 128, 2, 4, 2, 256};
     for (int tp : {1, 2}) rows.push_back({"gpt2-tiny", tiny, true, tp, 1, 32, 4, 2});
     for (int tp : {1, 2}) rows.push_back({"llama-tiny", tiny_llama, true, tp, 1, 32, 4, 2});
+    rows.push_back({"gpt2-tiny", tiny, true, 2, 1, 32, 4, 2, 1, 1, true});
+    rows.push_back({"gpt2-tiny", tiny, true, 1, 2, 32, 4, 2, 1, 1, true});
+    rows.push_back({"gpt2-tiny", tiny, true, 1, 1, 32, 4, 2, 2, 2, true});
     return rows;
   }
   if (which != "cpu") {
     for (int tp : {1, 2}) rows.push_back({"gpt2-124m", small, true, tp, 1, 1024, 8, 10});
+    rows.push_back({"gpt2-124m", small, true, 2, 1, 1024, 8, 10, 1, 1, true});
+    rows.push_back({"gpt2-124m", small, true, 1, 2, 1024, 8, 10, 1, 1, true});
+    rows.push_back({"gpt2-124m", small, true, 1, 1, 1024, 8, 10, 2, 4, true});
     for (int tp : {1, 2}) rows.push_back({"llama-1b", llama, true, tp, 1, 2048, 4, 5});
+    rows.push_back({"llama-1b", llama, true, 2, 1, 2048, 4, 5, 1, 1, true});
   }
   return rows;
 }
@@ -168,7 +193,9 @@ struct Measured {
   double bubble = 0;        // pipeline stages: rank 0's waiting over its step time, timed steps
 };
 
-absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int steps, int warmup) {
+// The row's training options, its model and corpus written under `dir`
+// (once: the rank processes of a row find them there).
+absl::StatusOr<train::TrainOptions> OptionsOf(const Row& row, const std::string& dir, int steps, int warmup) {
   const int64_t positions = std::max<int64_t>(row.seq, 64);
   const std::string model = absl::StrCat(dir, "/", row.name, "-", row.shape.family);
   RETURN_IF_ERROR(WriteModel(row.shape, positions, model));
@@ -192,23 +219,126 @@ absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int step
   o.shard.layout.set_pipeline_parallel_size(row.pp);
   o.micro_batches = row.micro;
   o.comm_timeout = absl::Minutes(10);
-  std::vector<absl::Time> ends;  // when rank 0 finished each step
+  return o;
+}
+
+// What rank 0 reports of each step, in order: when it ended, its loss, its
+// pipeline wait and its time.
+struct StepEnd {
+  absl::Time end;
+  double loss = 0, wait = 0, seconds = 0;
+};
+
+absl::StatusOr<Measured> Summarize(const std::vector<StepEnd>& ends, int steps, int warmup) {
   Measured m;
   double waited = 0, stepped = 0;
-  RETURN_IF_ERROR(train::Train(o, [&](const train::StepStats& s) {
-    ends.push_back(absl::Now());
-    m.loss = s.loss;
-    if (static_cast<int>(ends.size()) > warmup) {
-      waited += s.pipeline_wait_seconds;
-      stepped += s.seconds;
-    }
-  }));
+  for (size_t i = warmup; i < ends.size(); ++i) {
+    waited += ends[i].wait;
+    stepped += ends[i].seconds;
+  }
+  if (!ends.empty()) m.loss = ends.back().loss;
   m.bubble = stepped > 0 ? waited / stepped : 0;
   if (ends.size() != static_cast<size_t>(warmup + steps) || warmup < 1) {
     return absl::InternalError("the run reported fewer steps than it ran");
   }
-  m.step_seconds = absl::ToDoubleSeconds(ends.back() - ends[warmup - 1]) / steps;
+  m.step_seconds = absl::ToDoubleSeconds(ends.back().end - ends[warmup - 1].end) / steps;
   return m;
+}
+
+absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int steps, int warmup) {
+  ASSIGN_OR_RETURN(train::TrainOptions o, OptionsOf(row, dir, steps, warmup));
+  std::vector<StepEnd> ends;
+  RETURN_IF_ERROR(train::Train(o, [&](const train::StepStats& s) {
+    ends.push_back({absl::Now(), s.loss, s.pipeline_wait_seconds, s.seconds});
+  }));
+  return Summarize(ends, steps, warmup);
+}
+
+// Rank `rank` of a "procs" row in this process, on CUDA device `rank`; rank 0
+// prints "step UNIX_SECONDS LOSS WAIT SECONDS" after each step.
+absl::Status RunRank(const Row& row, const std::string& dir, const std::string& store_dir, int rank, int steps,
+                     int warmup) {
+  ASSIGN_OR_RETURN(train::TrainOptions o, OptionsOf(row, dir, steps, warmup));
+  ASSIGN_OR_RETURN(std::shared_ptr<const train::PreparedTrain> run, train::PrepareTrain(o));
+  ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(o.shard.layout));
+  ASSIGN_OR_RETURN(std::unique_ptr<FileStore> store, FileStore::Open(store_dir));
+  shardformer::ShardConfig shard = o.shard;
+  shard.device = Device::Cuda(rank);
+  RankGroupOptions group;
+  group.device = shard.device;
+  group.timeout = o.comm_timeout;
+  ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> pg, CreateRankGroup(mesh, rank, store.get(), std::move(group)));
+  RETURN_IF_ERROR(pg->InitAxes());
+  train::RankHooks hooks;
+  hooks.on_step = [rank](const train::StepStats& s) {
+    if (rank != 0) return;
+    std::printf("step %.6f %.9g %.9g %.9g\n", absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()), s.loss,
+                s.pipeline_wait_seconds, s.seconds);
+    std::fflush(stdout);
+  };
+  return train::RunTrainRank(*run, rank, *pg, shard, hooks);
+}
+
+// A "procs" row: this binary started again as each rank (a process per
+// device), rank 0's steps read from its stdout.
+absl::StatusOr<Measured> RunRowInProcesses(const Row& row, const std::string& dir, int steps, int warmup) {
+  RETURN_IF_ERROR(OptionsOf(row, dir, steps, warmup).status());  // the model and corpus, once
+  char templ[] = "/tmp/colod-bench-train-XXXXXX";
+  if (mkdtemp(templ) == nullptr) return absl::InternalError("mkdtemp failed");
+  const std::string store = templ;
+  char exe[4096];
+  const ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (len <= 0) return absl::InternalError("cannot find this binary (/proc/self/exe)");
+  const std::string self(exe, len);
+  int fds[2];
+  if (pipe(fds) != 0) return absl::InternalError("pipe failed");
+  const int ranks = row.tp * row.pp * row.dp;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<std::string> args = {self,
+                                     absl::StrCat("--train_rank=", r),
+                                     "--train_store=" + store,
+                                     "--work_dir=" + dir,
+                                     "--rows=" + absl::GetFlag(FLAGS_rows),
+                                     "--model=" + row.name,
+                                     "--layout=" + LayoutOf(row),
+                                     absl::StrCat("--steps=", steps),
+                                     absl::StrCat("--warmup=", warmup),
+                                     absl::StrCat("--batch=", row.batch)};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t files;
+    posix_spawn_file_actions_init(&files);
+    if (r == 0) posix_spawn_file_actions_adddup2(&files, fds[1], 1);
+    posix_spawn_file_actions_addclose(&files, fds[0]);
+    pid_t pid = -1;
+    if (posix_spawn(&pid, self.c_str(), &files, nullptr, argv.data(), environ) == 0) pids.push_back(pid);
+    posix_spawn_file_actions_destroy(&files);
+  }
+  close(fds[1]);
+  std::vector<StepEnd> ends;
+  FILE* out = fdopen(fds[0], "r");
+  char line[512];
+  while (out != nullptr && std::fgets(line, sizeof line, out) != nullptr) {
+    double t = 0;
+    StepEnd e;
+    if (std::sscanf(line, "step %lf %lf %lf %lf", &t, &e.loss, &e.wait, &e.seconds) == 4) {
+      e.end = absl::UnixEpoch() + absl::Seconds(t);
+      ends.push_back(e);
+    }
+  }
+  if (out != nullptr) std::fclose(out);
+  bool ok = static_cast<int>(pids.size()) == ranks;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(store, ec);
+  if (!ok) return absl::InternalError(absl::StrCat("a rank process of ", ranks, " failed (its stderr above)"));
+  return Summarize(ends, steps, warmup);
 }
 
 int Main(int argc, char** argv) {
@@ -232,6 +362,18 @@ int Main(int argc, char** argv) {
   if (dir.empty()) dir = (std::filesystem::temp_directory_path() / "colod-bench-train").string();
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
+  if (absl::GetFlag(FLAGS_train_rank) >= 0) {  // a rank of a "procs" row
+    for (Row row : Rows(which)) {
+      if (row.name != absl::GetFlag(FLAGS_model) || LayoutOf(row) != absl::GetFlag(FLAGS_layout)) continue;
+      if (absl::GetFlag(FLAGS_batch) > 0) row.batch = absl::GetFlag(FLAGS_batch);
+      const absl::Status s = RunRank(row, dir, absl::GetFlag(FLAGS_train_store), absl::GetFlag(FLAGS_train_rank),
+                                     absl::GetFlag(FLAGS_steps), warmup);
+      if (!s.ok()) std::fprintf(stderr, "rank %d: %s\n", absl::GetFlag(FLAGS_train_rank), s.ToString().c_str());
+      return s.ok() ? 0 : 1;
+    }
+    std::fprintf(stderr, "no row %s %s\n", absl::GetFlag(FLAGS_model).c_str(), absl::GetFlag(FLAGS_layout).c_str());
+    return 2;
+  }
   const int gpus = kernels::CudaDeviceCount();
   // One BLAS thread per rank (a CPU rank is meant to have a core); the peak
   // measurement leaves the process at that count.
@@ -249,26 +391,26 @@ int Main(int argc, char** argv) {
   if (!json) {
     std::printf("OpenBLAS sgemm 1024^3, 1 thread: %.1f GFLOP/s", cpu_peak / 1e9);
     if (gpu_peak > 0) std::printf("; cuBLAS bf16 GEMM on cuda:0: %.1f TFLOP/s", gpu_peak / 1e12);
-    std::printf(" (same run)\n%-10s  %-4s  %-19s  %-4s  %8s  %6s  %10s  %10s  %11s  %11s  %6s  %8s  %s\n",
+    std::printf(" (same run)\n%-10s  %-4s  %-25s  %-4s  %8s  %6s  %10s  %10s  %11s  %11s  %6s  %8s  %s\n",
                 "model", "dev", "layout", "prec", "params", "tokens", "step (ms)", "tokens/s", "model FLOP/s",
                 "peak FLOP/s", "MFU", "vs tp=1", "bubble (1F1B's)");
   }
-  double base = 0;  // tokens/s of the first row of a model on a device
-  std::string base_of;
+  std::map<std::string, double> base;  // tokens/s of the first row of each model on each device
   int failed = 0;
   for (const Row& row : Rows(which)) {
     if (!absl::GetFlag(FLAGS_model).empty() && row.name != absl::GetFlag(FLAGS_model)) continue;
     if (!absl::GetFlag(FLAGS_layout).empty() && LayoutOf(row) != absl::GetFlag(FLAGS_layout)) continue;
     const int ranks = row.tp * row.pp * row.dp;
     if (row.cuda && gpus < ranks) {
-      if (!json) std::printf("%-10s  cuda  tp=%d dp=%d: skipped, %d CUDA device(s)\n", row.name.c_str(), row.tp,
-                             row.dp, gpus);
+      if (!json) std::printf("%-10s  cuda  %s: skipped, %d CUDA device(s)\n", row.name.c_str(), LayoutOf(row).c_str(),
+                             gpus);
       continue;
     }
     const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : row.steps;
     Row sized = row;
     if (absl::GetFlag(FLAGS_batch) > 0) sized.batch = absl::GetFlag(FLAGS_batch);
-    absl::StatusOr<Measured> m = RunRow(sized, dir, steps, warmup);
+    absl::StatusOr<Measured> m =
+        row.processes ? RunRowInProcesses(sized, dir, steps, warmup) : RunRow(sized, dir, steps, warmup);
     if (!m.ok()) {
       std::fprintf(stderr, "%s %s: %s\n", row.name.c_str(), LayoutOf(row).c_str(), m.status().ToString().c_str());
       ++failed;
@@ -278,11 +420,7 @@ int Main(int argc, char** argv) {
     const double tps = tokens / m->step_seconds;
     const double flops = tps * row.shape.TrainFlopsPerToken(row.seq);
     const double peak = (row.cuda ? gpu_peak : cpu_peak) * ranks;
-    const std::string key = row.name + (row.cuda ? "/cuda" : "/cpu");
-    if (key != base_of) {
-      base_of = key;
-      base = tps;
-    }
+    const double vs = tps / base.emplace(row.name + (row.cuda ? "/cuda" : "/cpu"), tps).first->second;
     const std::string layout = LayoutOf(row);
     const double params = row.shape.MatMulParams();
     // 1F1B's bubble with even stages: (p - 1) / (m + p - 1) of the step.
@@ -300,9 +438,9 @@ int Main(int argc, char** argv) {
     } else {
       const std::string bubble =
           row.pp > 1 ? absl::StrFormat("%.0f%% (%.0f%%)", 100 * m->bubble, 100 * closed_form) : std::string("-");
-      std::printf("%-10s  %-4s  %-19s  %-4s  %7.1fM  %6.0f  %10.1f  %10.0f  %11.3g  %11.3g  %5.1f%%  %7.2fx  %s\n",
+      std::printf("%-10s  %-4s  %-25s  %-4s  %7.1fM  %6.0f  %10.1f  %10.0f  %11.3g  %11.3g  %5.1f%%  %7.2fx  %s\n",
                   row.name.c_str(), row.cuda ? "cuda" : "cpu", layout.c_str(), row.cuda ? "bf16" : "fp32",
-                  params / 1e6, tokens, m->step_seconds * 1e3, tps, flops, peak, 100 * flops / peak, tps / base,
+                  params / 1e6, tokens, m->step_seconds * 1e3, tps, flops, peak, 100 * flops / peak, vs,
                   bubble.c_str());
     }
     std::fflush(stdout);

@@ -121,7 +121,8 @@ done
 
 for bench in ${COLOD_GPU_CHECK_BENCH-layers collectives train}; do
   args=()
-  [[ $bench == train ]] && args=(--rows gpu)  # GPT-2 124M and LLaMA 1B in bf16, tp=1 and 2
+  # GPT-2 124M and LLaMA 1B in bf16: tp=1 and 2, and tp=2, dp=2, pp=2 a process per GPU
+  [[ $bench == train ]] && args=(--rows gpu)
   [[ $bench == layers ]] && args=(--cpu_rows=false --hidden 4096 --tokens 8192)  # the MLP block in bf16
   log "gpu-check: bench/$bench ${args[*]}"
   timeout -k 10 "${COLOD_GPU_CHECK_BENCH_TIMEOUT:-1200}" "$root/opt/colod/bench/$bench" "${args[@]}" \
@@ -143,6 +144,26 @@ if [[ -n ${COLOD_GPU_CHECK_BENCH-train} && $py != none ]]; then
   fi
 fi
 
+# What this machine could not run: the test cases that skipped (those that
+# need more devices than nvidia-smi lists, or none) and the benchmark rows
+# that said so.
+{
+  echo
+  echo "## Not run on this machine ($(nvidia-smi -L | grep -c '^GPU ') GPU(s))"
+  echo '```'
+  for t in $(cat "$root/tests.txt"); do
+    x=$out/${t//\//_}.xml
+    [[ -f $x ]] || continue
+    grep -o '<testcase name="[^"]*"[^>]*result="skipped"[^>]*classname="[^"]*"' "$x" |
+      sed -E "s|<testcase name=\"([^\"]*)\".*classname=\"([^\"]*)\"|//${t%/*}:${t##*/} \2.\1|"
+    grep -h -A1 ': Skipped$' "$out/${t//\//_}.log" 2>/dev/null | grep -v ': Skipped$\|^--$' | sort -u |
+      sed 's/^/    why: /' | head -5
+  done
+  grep -h -E 'skipped' "$out"/bench-*.txt 2>/dev/null | sed 's/^/bench: /'
+  echo '```'
+} >>"$report"
+
 cat "$report"
 log "gpu-check: the report is $report (add it to docs/GPU.md)"
 ((failed_bins == 0))
+
