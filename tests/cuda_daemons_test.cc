@@ -18,6 +18,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/jobs_fixture.h"
 #include "tests/subprocess.h"
+#include "tests/testing/prometheus_text.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/shardformer/testing.h"
 
@@ -100,11 +101,30 @@ TEST_P(CudaDaemons, AJobOnFourDaemonsGivesTheCpuLosses) {
               std::string::npos)
         << testing::ReadFile(workers[i].log);
   }
+  if (l.name != "gpt2_tp2_dp2") return;
+  // Data parallelism across processes: the gradient buckets (32 KiB here,
+  // many of them) are all-reduced between daemons, most enqueued on the dp
+  // communicator's stream before backward's last kernel: the overlap the
+  // workers export (colod_dp_bucket_bytes_total).
+  double during = 0, after = 0;
+  for (const testing::Daemon& w : workers) {
+    auto body = testing::HttpGet(w.metrics, "/metrics");
+    ASSERT_TRUE(body.ok()) << body.status();
+    auto families = testing::ParsePrometheusText(*body);
+    ASSERT_TRUE(families.ok()) << families.status();
+    ASSERT_TRUE(families->count("colod_dp_bucket_bytes_total")) << *body;
+    for (const testing::Sample& s : families->at("colod_dp_bucket_bytes_total").samples) {
+      (s.labels.at("when") == "backward" ? during : after) += s.value;
+    }
+  }
+  std::printf("dp buckets over 4 daemons, 4 steps: %.0f bytes enqueued during backward, %.0f after\n", during, after);
+  EXPECT_GT(after, 0);  // the first layers' bucket: nothing of backward is left after it
+  EXPECT_GE(during, 3 * after);
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, CudaDaemons,
-    ::testing::Values(Layout{"gpt2_tp2_dp2", "gpt2", {"--tp", "2", "--dp", "2", "--mode", "1d"}},
+    ::testing::Values(Layout{"gpt2_tp2_dp2", "gpt2", {"--tp", "2", "--dp", "2", "--mode", "1d", "--bucket-mb", "0.03125"}},
                       Layout{"llama_pp2_tp2", "llama", {"--tp", "2", "--pp", "2", "--micro-batches", "2"}},
                       Layout{"gpt2_2d", "gpt2", {"--tp", "4", "--mode", "2d"}}),
     [](const auto& info) { return info.param.name; });

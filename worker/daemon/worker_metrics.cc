@@ -70,6 +70,12 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, absl::Duration ling
                              .Help("A CUDA job rank's device memory pool after its last step, by kind: reserved "
                                    "(taken from the device and kept for reuse), used (by live tensors).")
                              .Register(registry)),
+      dp_bucket_bytes_(prometheus::BuildCounter()
+                           .Name("colod_dp_bucket_bytes_total")
+                           .Help("Bytes of a job rank's data-parallel gradient buckets all-reduced, by when the "
+                                 "all-reduce was enqueued: during (backward: overlapping the rest of backward) or "
+                                 "after backward (after).")
+                           .Register(registry)),
       collective_duration_(prometheus::BuildHistogram()
                                .Name("colod_collective_duration_seconds")
                                .Help("Time from submitting a collective to seeing it complete, by job rank, op and "
@@ -127,6 +133,7 @@ void WorkerMetrics::RemoveLocked(const Ended& e) {
   RemoveIfPresent(loss_, e.labels);
   for (const char* kind : kTensorKinds) RemoveIfPresent(tensor_bytes_, With(e.labels, {{"kind", kind}}));
   for (const char* kind : {"reserved", "used"}) RemoveIfPresent(device_pool_bytes_, With(e.labels, {{"kind", kind}}));
+  for (const char* when : {"backward", "after"}) RemoveIfPresent(dp_bucket_bytes_, With(e.labels, {{"when", when}}));
   for (const auto& [op, group] : e.collectives) {
     const prometheus::Labels labels = With(e.labels, {{"op", op}, {"group", group}});
     RemoveIfPresent(collective_duration_, labels);
@@ -179,6 +186,12 @@ void WorkerMetrics::Rank::ObserveStep(double seconds, int64_t replica_tokens, do
 void WorkerMetrics::Rank::ObserveDevicePool(int64_t reserved_bytes, int64_t used_bytes) {
   metrics_->device_pool_bytes_.Add(With(labels_, {{"kind", "reserved"}})).Set(static_cast<double>(reserved_bytes));
   metrics_->device_pool_bytes_.Add(With(labels_, {{"kind", "used"}})).Set(static_cast<double>(used_bytes));
+}
+
+void WorkerMetrics::Rank::ObserveGradSync(int64_t bucket_bytes, int64_t overlapped_bytes) {
+  metrics_->dp_bucket_bytes_.Add(With(labels_, {{"when", "backward"}})).Increment(static_cast<double>(overlapped_bytes));
+  metrics_->dp_bucket_bytes_.Add(With(labels_, {{"when", "after"}}))
+      .Increment(static_cast<double>(std::max<int64_t>(bucket_bytes - overlapped_bytes, 0)));
 }
 
 InstrumentedCommunicator::Observer WorkerMetrics::Rank::CollectiveObserver(const std::string& group) {

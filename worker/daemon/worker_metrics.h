@@ -80,6 +80,10 @@ class WorkerMetrics {
                      int64_t optimizer_bytes);
     // A CUDA rank's memory pool after a step (called by the rank's thread).
     void ObserveDevicePool(int64_t reserved_bytes, int64_t used_bytes);
+    // A data-parallel step's gradient buckets: all their bytes, and those
+    // whose all-reduce was enqueued during backward (called by the rank's
+    // thread).
+    void ObserveGradSync(int64_t bucket_bytes, int64_t overlapped_bytes);
     // An observer for the rank's communicators of mesh axis `group`.
     InstrumentedCommunicator::Observer CollectiveObserver(const std::string& group);
 
@@ -129,6 +133,7 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Gauge>& loss_;
   prometheus::Family<prometheus::Gauge>& tensor_bytes_;
   prometheus::Family<prometheus::Gauge>& device_pool_bytes_;
+  prometheus::Family<prometheus::Counter>& dp_bucket_bytes_;
   prometheus::Family<prometheus::Histogram>& collective_duration_;
   prometheus::Family<prometheus::Counter>& collective_bytes_;
   absl::Mutex mu_;

@@ -96,6 +96,13 @@ TEST_F(WorkerMetricsTest, LabelsEachSeriesByJobAndRank) {
   EXPECT_EQ(Value("colod_device_pool_bytes", {{"job_id", "job-000007"}, {"rank", "3"}, {"kind", "reserved"}}),
             1 << 20);
   EXPECT_EQ(Value("colod_device_pool_bytes", {{"job_id", "job-000007"}, {"rank", "3"}, {"kind", "used"}}), 3000);
+  // Two data-parallel steps: 1000 bucket bytes each, 700 then 1000 of them
+  // enqueued during backward.
+  r->ObserveGradSync(1000, 700);
+  r->ObserveGradSync(1000, 1000);
+  EXPECT_EQ(Value("colod_dp_bucket_bytes_total", {{"job_id", "job-000007"}, {"rank", "3"}, {"when", "backward"}}),
+            1700);
+  EXPECT_EQ(Value("colod_dp_bucket_bytes_total", {{"job_id", "job-000007"}, {"rank", "3"}, {"when", "after"}}), 300);
 
   InstrumentedCommunicator::Observer tp = r->CollectiveObserver("tp");
   tp("all_reduce", 4096, absl::Milliseconds(2));
@@ -122,6 +129,7 @@ TEST_F(WorkerMetricsTest, AnEndedRanksSeriesGoAtOnceOrAfterTheLinger) {
     r->TrainingStarted();
     r->ObserveStep(0.1, 128, 3.0, 10, 10, 20);
     r->ObserveDevicePool(4096, 1024);
+    r->ObserveGradSync(10, 5);
     r->CollectiveObserver("dp")("all_reduce", 10, absl::Milliseconds(1));
   }
   // Nothing runs, so nothing can stall: these go at once.
@@ -137,6 +145,7 @@ TEST_F(WorkerMetricsTest, AnEndedRanksSeriesGoAtOnceOrAfterTheLinger) {
   metrics.RemoveExpired();
   for (const char* name : {"colod_step_duration_seconds_count", "colod_step_duration_seconds_bucket",
                            "colod_tokens_total", "colod_loss", "colod_tensor_bytes", "colod_device_pool_bytes",
+                           "colod_dp_bucket_bytes_total",
                            "colod_collective_duration_seconds_count", "colod_collective_duration_seconds_bucket",
                            "colod_collective_bytes_total"}) {
     EXPECT_TRUE(Samples(name).empty()) << name;

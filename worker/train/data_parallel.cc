@@ -91,10 +91,14 @@ absl::Status GradSync::Start(Bucket& b) {
 
 void GradSync::OnReady(int bucket) {
   if (!enabled_ || !error_.ok()) return;
+  ++grads_ready_;
   Bucket& b = buckets_[bucket];
   if (++b.ready < static_cast<int>(b.params.size()) || b.work != nullptr) return;
   error_ = Start(b);
-  if (error_.ok()) ++started_during_backward_;
+  if (error_.ok()) {
+    ++started_during_backward_;
+    b.started_at = grads_ready_;
+  }
 }
 
 absl::Status GradSync::Finish() {
@@ -124,11 +128,18 @@ absl::Status GradSync::Finish() {
       }
     }
   }
+  // A bucket overlapped backward if a gradient was still computed after its
+  // all-reduce was enqueued.
+  last_bucket_bytes_ = last_overlapped_bytes_ = 0;
   for (Bucket& b : buckets_) {
+    last_bucket_bytes_ += b.flat.nbytes();
+    if (b.started_at > 0 && b.started_at < grads_ready_) last_overlapped_bytes_ += b.flat.nbytes();
     b.ready = 0;
+    b.started_at = 0;
     b.work = nullptr;
   }
   started_during_backward_ = 0;
+  grads_ready_ = 0;
   return status;
 }
 

@@ -44,6 +44,14 @@ class GradSync {
   int buckets() const { return static_cast<int>(buckets_.size()); }
   // Buckets whose all-reduce started inside the last Backward (overlapped).
   int started_during_backward() const { return started_during_backward_; }
+  // Of the last reducing step (read after its Finish): the bytes of every
+  // bucket, and of those whose all-reduce was enqueued on the dp
+  // communicator's stream before backward's last kernel (some gradient was
+  // still computed after it started): the communication that can overlap
+  // backward; the rest (at least the bucket of the first layers) waits for
+  // its end.
+  int64_t last_bucket_bytes() const { return last_bucket_bytes_; }
+  int64_t last_overlapped_bytes() const { return last_overlapped_bytes_; }
 
  private:
   struct Bucket {
@@ -51,6 +59,7 @@ class GradSync {
     int ready = 0;
     Tensor flat;  // the params' gradients, back to back (their storage)
     std::shared_ptr<Work> work;
+    int64_t started_at = 0;  // grads_ready_ when it started inside Backward (0: not)
   };
   // The part of b.flat at `offset` elements shaped as `grad`.
   absl::StatusOr<Tensor> Slot(const Bucket& b, int64_t offset, const Tensor& grad) const;
@@ -66,6 +75,8 @@ class GradSync {
   bool enabled_ = true;
   bool in_finish_ = false;
   int started_during_backward_ = 0;
+  int64_t grads_ready_ = 0;  // gradients completed in this Backward so far
+  int64_t last_bucket_bytes_ = 0, last_overlapped_bytes_ = 0;
   absl::Status error_;
 };
 

@@ -35,6 +35,11 @@ TEST(GradSync, BucketsOverlapBackwardAndSumTheReplicasGradients) {
       // All but the buckets holding the earliest layers started inside Backward.
       EXPECT_GE((*sync)->started_during_backward(), (*sync)->buckets() - 1);
       ASSERT_TRUE((*sync)->Finish().ok());
+      // Every bucket but the last to start (the earliest layers': no gradient
+      // is computed after it) was enqueued before backward's last kernel.
+      EXPECT_GT((*sync)->last_overlapped_bytes(), 0);
+      EXPECT_LT((*sync)->last_overlapped_bytes(), (*sync)->last_bucket_bytes());
+      EXPECT_GE((*sync)->last_overlapped_bytes(), (*sync)->last_bucket_bytes() - (64 << 10));
       auto grads = (*m)->GatherHf(/*gradients=*/true);
       ASSERT_TRUE(grads.ok());
       for (const auto& [name, want] : ref->grads) {

@@ -201,6 +201,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.grad_norm = norm;
     s.seconds = absl::ToDoubleSeconds(absl::Now() - start);
     s.pipeline_wait_seconds = pipeline_wait;
+    s.dp_bucket_bytes = sync->last_bucket_bytes();
+    s.dp_overlapped_bytes = sync->last_overlapped_bytes();
     // An image, a pair's input and target tokens, or a sequence's tokens.
     const int64_t per_row = run.images != nullptr  ? 1
                             : run.pairs != nullptr ? run.pairs->input_len() + run.pairs->target_len()

@@ -72,6 +72,9 @@ struct StepStats {
   double pipeline_wait_seconds = 0;
   int64_t rank_tokens = 0; // tokens this rank's replica processed in the step
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  // Data parallelism (GradSync): the step's gradient bucket bytes, and those
+  // whose all-reduce was enqueued during backward (overlapping it).
+  int64_t dp_bucket_bytes = 0, dp_overlapped_bytes = 0;
   std::string checkpoint;  // the training checkpoint written after this step, if any
 };
 
