@@ -378,6 +378,7 @@ struct Render {
   bool tls = false;
   bool gpu = false;
   bool cpu = false;
+  bool nccl_net = false;  // components/nccl-secondary-network
 
   std::vector<YAML::Node> OfKind(const std::string& kind) const {
     std::vector<YAML::Node> out;
@@ -413,6 +414,7 @@ Render RenderDir(const World& s, const std::string& name, const fs::path& dir) {
   r.tls = absl::StrContains(name, "tls");
   r.gpu = absl::StrContains(name, "gpu");
   r.cpu = absl::StrContains(name, "cpu");
+  r.nccl_net = absl::StrContains(name, "nccl-secondary-network");
   const CommandResult k = Kustomize(s, dir);
   if (k.code != 0) {
     r.error = absl::StrCat("`kubectl kustomize ", dir.string(), "` exited ", k.code, ": ", k.err);
@@ -500,7 +502,8 @@ World MakeWorld() {
   } else if (absl::StrContains(probe.err, "components")) {
     s.components_note = absl::StrCat(
         "this kubectl's kustomize has no components (kind: Component needs kustomize >= 3.7, kubectl >= 1.21): "
-        "components/tls, components/shared-storage and components/podmonitor were NOT rendered or checked. ",
+        "components/tls, components/shared-storage, components/podmonitor and components/nccl-secondary-network "
+        "were NOT rendered or checked. ",
         "kustomize said: ", absl::StripAsciiWhitespace(probe.err));
     std::cout << "NOTE: " << s.components_note << "\n";
   } else {
@@ -523,6 +526,8 @@ World MakeWorld() {
     dirs.emplace_back(
         "gpu+tls+shared-storage+podmonitor",
         Combine(s, "gpu+tls+shared-storage+podmonitor", "overlays/gpu", {"tls", "shared-storage", "podmonitor"}));
+    dirs.emplace_back("gpu+tls+nccl-secondary-network",
+                      Combine(s, "gpu+tls+nccl-secondary-network", "overlays/gpu", {"tls", "nccl-secondary-network"}));
   }
   for (const auto& [name, dir] : dirs) {
     s.renders.push_back(RenderDir(s, name, dir));
@@ -1141,6 +1146,24 @@ TEST(Manifests, CpuAndGpuOverlaysChooseTheirDevice) {
         if (requested.IsDefined()) {
           EXPECT_EQ(Str(requested), Str(gpus)) << k.where << ": an extended resource's request must equal its limit";
         }
+        // NCCL across nodes: its sockets on an interface every peer reaches,
+        // the pod network's, or the secondary network Multus attaches.
+        std::vector<std::string> ifname;
+        for (const YAML::Node& e : k.c["env"]) {
+          if (Str(e["name"]) == "NCCL_SOCKET_IFNAME") ifname.push_back(Str(e["value"]));
+        }
+        ASSERT_EQ(ifname.size(), 1u) << k.where << ": NCCL_SOCKET_IFNAME once";
+        const std::string networks =
+            Str(Get(k.doc, {"spec", "template", "metadata", "annotations", "k8s.v1.cni.cncf.io/networks"}));
+        if (r->nccl_net) {
+          EXPECT_EQ(ifname[0], "net1") << k.where;
+          EXPECT_EQ(networks, "colod-nccl") << k.where << ": net1 comes from Multus";
+        } else {
+          EXPECT_EQ(ifname[0], "eth0") << k.where;
+          EXPECT_EQ(networks, "") << k.where;
+        }
+        EXPECT_FALSE(Get(k.pod, {"hostNetwork"}).IsDefined())
+            << k.where << ": one pod per GPU needs a network namespace each (ports)";
       } else if (r->cpu) {
         ++cpu;
         EXPECT_EQ(device, "cpu") << k.where;
