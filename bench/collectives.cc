@@ -16,10 +16,6 @@
 // (n-1)/n for reduce-scatter and all-gather, algbw for send/recv: the
 // bandwidth each rank's link would need for the ring algorithm, comparable
 // across rank counts and collectives.
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -38,6 +34,7 @@
 #include "absl/time/clock.h"
 #include "common/flags.h"
 #include "common/status_macros.h"
+#include "bench/self_ranks.h"
 #include "kernels/device.h"
 #include "worker/comm/rendezvous_store.h"
 #include "worker/comm/store.h"
@@ -57,7 +54,6 @@ ABSL_FLAG(int, nccl_rank, -1, "Internal: run as NCCL rank N of --nccl_ranks (ben
 ABSL_FLAG(int, nccl_ranks, 0, "Internal: the NCCL ranks' count.");
 ABSL_FLAG(std::string, nccl_store, "", "Internal: the ranks' FileStore directory (the unique id).");
 
-extern char** environ;
 
 namespace colod {
 namespace {
@@ -262,59 +258,22 @@ int RunNcclRank(int rank, int n, const std::string& dir, int iters, size_t max_b
 // Starts this binary as `n` rank processes and reads rank 0's rows; false
 // (after printing why) if a rank failed.
 bool MeasureNcclProcesses(int n, int iters, size_t max_bytes, const std::function<void(const Row&)>& on_row) {
-  char templ[] = "/tmp/colod-bench-nccl-XXXXXX";
-  if (mkdtemp(templ) == nullptr) {
-    std::perror("mkdtemp");
-    return false;
-  }
-  const std::string dir = templ;
-  char exe[4096];
-  const ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
-  if (len <= 0) return false;
-  const std::string self(exe, len);
-  int pipe_fds[2];
-  if (pipe(pipe_fds) != 0) return false;
-  std::vector<pid_t> pids;
-  for (int r = 0; r < n; ++r) {
-    std::vector<std::string> args = {self,
-                                     absl::StrCat("--nccl_rank=", r),
-                                     absl::StrCat("--nccl_ranks=", n),
-                                     "--nccl_store=" + dir,
-                                     absl::StrCat("--iters=", iters),
-                                     absl::StrCat("--nccl_max_bytes=", max_bytes)};
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t files;
-    posix_spawn_file_actions_init(&files);
-    if (r == 0) posix_spawn_file_actions_adddup2(&files, pipe_fds[1], 1);
-    posix_spawn_file_actions_addclose(&files, pipe_fds[0]);
-    pid_t pid = -1;
-    if (posix_spawn(&pid, self.c_str(), &files, nullptr, argv.data(), environ) == 0) pids.push_back(pid);
-    posix_spawn_file_actions_destroy(&files);
-  }
-  close(pipe_fds[1]);
-  FILE* rows = fdopen(pipe_fds[0], "r");
-  char line[256];
-  while (rows != nullptr && std::fgets(line, sizeof line, rows) != nullptr) {
-    int op = 0, ranks = 0;
-    size_t bytes = 0;
-    double seconds = 0;
-    if (std::sscanf(line, "row %d %d %zu %lf", &op, &ranks, &bytes, &seconds) == 4) {
-      on_row(Row{static_cast<Op>(op), ranks, bytes, seconds});
-    }
-  }
-  if (rows != nullptr) std::fclose(rows);
-  bool ok = static_cast<int>(pids.size()) == n;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
-  if (!ok) std::fprintf(stderr, "bench:collectives: an NCCL rank process of %d failed\n", n);
-  return ok;
+  const absl::Status s = bench::RunSelfAsRanks(
+      n,
+      [&](int r, const std::string& store) -> std::vector<std::string> {
+        return {absl::StrCat("--nccl_rank=", r), absl::StrCat("--nccl_ranks=", n), "--nccl_store=" + store,
+                absl::StrCat("--iters=", iters), absl::StrCat("--nccl_max_bytes=", max_bytes)};
+      },
+      [&](const std::string& line) {
+        int op = 0, ranks = 0;
+        size_t bytes = 0;
+        double seconds = 0;
+        if (std::sscanf(line.c_str(), "row %d %d %zu %lf", &op, &ranks, &bytes, &seconds) == 4) {
+          on_row(Row{static_cast<Op>(op), ranks, bytes, seconds});
+        }
+      });
+  if (!s.ok()) std::fprintf(stderr, "bench:collectives: NCCL on %d GPUs: %s\n", n, s.ToString().c_str());
+  return s.ok();
 }
 #endif
 

@@ -16,8 +16,6 @@
 // rank. Communication is the payload this rank's collectives carried per step
 // (all groups), next to the payload the layers' algorithm implies (the cost
 // formulas; docs/PERFORMANCE.md derives them).
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,6 +33,7 @@
 #include "common/flags.h"
 #include "common/int_math.h"
 #include "bench/peak.h"
+#include "bench/self_ranks.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/layer_ops.h"
 #include "kernels/device.h"
@@ -80,8 +79,6 @@ ABSL_FLAG(bool, cpu_rows, true,
           "Run the CPU tables (false: only the GPU row, e.g. at --hidden 4096 --tokens 8192 on a GPU machine).");
 ABSL_FLAG(std::string, block, "mlp", "Internal: the block of a multi-process row (mlp or gpt2).");
 ABSL_FLAG(std::string, model_dir, "", "Internal: the 1-layer GPT-2 of the gpt2 rows.");
-
-extern char** environ;
 
 namespace colod {
 namespace {
@@ -341,48 +338,31 @@ absl::StatusOr<BlockResult> RunBlock(const std::string& mode, int rank, int worl
 
 // Runs `world` copies of this binary as ranks; the slowest rank's result.
 absl::StatusOr<BlockResult> RunProcesses(const std::string& mode, int world) {
-  char dir_template[] = "/tmp/colod-bench-layers-XXXXXX";
-  if (mkdtemp(dir_template) == nullptr) return absl::InternalError("mkdtemp failed");
-  const std::string dir = dir_template;
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    std::vector<std::string> args = {"/proc/self/exe",
-                                     absl::StrCat("--rank=", r),
-                                     absl::StrCat("--world=", world),
-                                     "--mode=" + mode,
-                                     "--store_dir=" + dir,
-                                     "--block=" + absl::GetFlag(FLAGS_block),
-                                     "--model_dir=" + absl::GetFlag(FLAGS_model_dir),
-                                     absl::StrCat("--seq=", absl::GetFlag(FLAGS_seq)),
-                                     absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
-                                     absl::StrCat("--tokens=", absl::GetFlag(FLAGS_tokens)),
-                                     absl::StrCat("--hidden=", absl::GetFlag(FLAGS_hidden))};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_t pid;
-    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), environ) != 0) {
-      return absl::InternalError("posix_spawn failed");
-    }
-    pids.push_back(pid);
-  }
-  bool ok = true;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }
-  if (!ok) return absl::InternalError("a rank process failed (see its stderr)");
   BlockResult worst;
-  for (int r = 0; r < world; ++r) {
-    std::ifstream in(absl::StrCat(dir, "/result.", r));
-    BlockResult one;
-    in >> one.step_seconds >> one.comm_bytes_per_step;
-    worst.step_seconds = std::max(worst.step_seconds, one.step_seconds);
-    worst.comm_bytes_per_step = std::max(worst.comm_bytes_per_step, one.comm_bytes_per_step);
-  }
-  std::string cleanup = "rm -rf " + dir;
-  (void)std::system(cleanup.c_str());
+  RETURN_IF_ERROR(bench::RunSelfAsRanks(
+      world,
+      [&](int r, const std::string& dir) -> std::vector<std::string> {
+        return {absl::StrCat("--rank=", r),
+                absl::StrCat("--world=", world),
+                "--mode=" + mode,
+                "--store_dir=" + dir,
+                "--block=" + absl::GetFlag(FLAGS_block),
+                "--model_dir=" + absl::GetFlag(FLAGS_model_dir),
+                absl::StrCat("--seq=", absl::GetFlag(FLAGS_seq)),
+                absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
+                absl::StrCat("--tokens=", absl::GetFlag(FLAGS_tokens)),
+                absl::StrCat("--hidden=", absl::GetFlag(FLAGS_hidden))};
+      },
+      [](const std::string& line) { std::fputs(line.c_str(), stdout); },  // rank 0's output, as before
+      [&](const std::string& dir) {
+        for (int r = 0; r < world; ++r) {
+          std::ifstream in(absl::StrCat(dir, "/result.", r));
+          BlockResult one;
+          in >> one.step_seconds >> one.comm_bytes_per_step;
+          worst.step_seconds = std::max(worst.step_seconds, one.step_seconds);
+          worst.comm_bytes_per_step = std::max(worst.comm_bytes_per_step, one.comm_bytes_per_step);
+        }
+      }));
   return worst;
 }
 

@@ -37,10 +37,6 @@
 // (each step ends when rank 0 read its loss, which waits for the step's
 // device work). The peak is the same run's best GEMM: OpenBLAS sgemm on one
 // thread times the ranks (CPU), cuBLAS bf16 8192^3 times the devices (GPU).
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -55,6 +51,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "bench/peak.h"
+#include "bench/self_ranks.h"
 #include "common/flags.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/layer_ops.h"
@@ -80,7 +77,6 @@ ABSL_FLAG(std::string, work_dir, "", "Where the models and the corpus go (defaul
 ABSL_FLAG(int, train_rank, -1, "Internal: run rank N of a \"procs\" row (bench:train starts these).");
 ABSL_FLAG(std::string, train_store, "", "Internal: the rank processes' FileStore directory.");
 
-extern char** environ;
 
 namespace colod {
 namespace {
@@ -283,61 +279,29 @@ absl::Status RunRank(const Row& row, const std::string& dir, const std::string& 
 // device), rank 0's steps read from its stdout.
 absl::StatusOr<Measured> RunRowInProcesses(const Row& row, const std::string& dir, int steps, int warmup) {
   RETURN_IF_ERROR(OptionsOf(row, dir, steps, warmup).status());  // the model and corpus, once
-  char templ[] = "/tmp/colod-bench-train-XXXXXX";
-  if (mkdtemp(templ) == nullptr) return absl::InternalError("mkdtemp failed");
-  const std::string store = templ;
-  char exe[4096];
-  const ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
-  if (len <= 0) return absl::InternalError("cannot find this binary (/proc/self/exe)");
-  const std::string self(exe, len);
-  int fds[2];
-  if (pipe(fds) != 0) return absl::InternalError("pipe failed");
   const int ranks = row.tp * row.pp * row.dp;
-  std::vector<pid_t> pids;
-  for (int r = 0; r < ranks; ++r) {
-    std::vector<std::string> args = {self,
-                                     absl::StrCat("--train_rank=", r),
-                                     "--train_store=" + store,
-                                     "--work_dir=" + dir,
-                                     "--rows=" + absl::GetFlag(FLAGS_rows),
-                                     "--model=" + row.name,
-                                     "--layout=" + LayoutOf(row),
-                                     absl::StrCat("--steps=", steps),
-                                     absl::StrCat("--warmup=", warmup),
-                                     absl::StrCat("--batch=", row.batch)};
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t files;
-    posix_spawn_file_actions_init(&files);
-    if (r == 0) posix_spawn_file_actions_adddup2(&files, fds[1], 1);
-    posix_spawn_file_actions_addclose(&files, fds[0]);
-    pid_t pid = -1;
-    if (posix_spawn(&pid, self.c_str(), &files, nullptr, argv.data(), environ) == 0) pids.push_back(pid);
-    posix_spawn_file_actions_destroy(&files);
-  }
-  close(fds[1]);
   std::vector<StepEnd> ends;
-  FILE* out = fdopen(fds[0], "r");
-  char line[512];
-  while (out != nullptr && std::fgets(line, sizeof line, out) != nullptr) {
-    double t = 0;
-    StepEnd e;
-    if (std::sscanf(line, "step %lf %lf %lf %lf", &t, &e.loss, &e.wait, &e.seconds) == 4) {
-      e.end = absl::UnixEpoch() + absl::Seconds(t);
-      ends.push_back(e);
-    }
-  }
-  if (out != nullptr) std::fclose(out);
-  bool ok = static_cast<int>(pids.size()) == ranks;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }
-  std::error_code ec;
-  std::filesystem::remove_all(store, ec);
-  if (!ok) return absl::InternalError(absl::StrCat("a rank process of ", ranks, " failed (its stderr above)"));
+  RETURN_IF_ERROR(bench::RunSelfAsRanks(
+      ranks,
+      [&](int r, const std::string& store) -> std::vector<std::string> {
+        return {absl::StrCat("--train_rank=", r),
+                "--train_store=" + store,
+                "--work_dir=" + dir,
+                "--rows=" + absl::GetFlag(FLAGS_rows),
+                "--model=" + row.name,
+                "--layout=" + LayoutOf(row),
+                absl::StrCat("--steps=", steps),
+                absl::StrCat("--warmup=", warmup),
+                absl::StrCat("--batch=", row.batch)};
+      },
+      [&](const std::string& line) {
+        double t = 0;
+        StepEnd e;
+        if (std::sscanf(line.c_str(), "step %lf %lf %lf %lf", &t, &e.loss, &e.wait, &e.seconds) == 4) {
+          e.end = absl::UnixEpoch() + absl::Seconds(t);
+          ends.push_back(e);
+        }
+      }));
   return Summarize(ends, steps, warmup);
 }
 

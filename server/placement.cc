@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/shardformer/model_config.h"
 
 namespace colod {
 
@@ -63,6 +64,42 @@ absl::StatusOr<v1::MeshSpec> AssignRanks(const DeviceMesh& mesh, const std::vect
     a->set_device_ordinal(placed[r]->device_ordinal());
   }
   return spec;
+}
+
+absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memory_need,
+                                           const std::vector<v1::Worker>& live,
+                                           const std::set<std::string>& unavailable) {
+  std::vector<v1::WorkerInfo> cpu, cuda;  // idle candidates
+  int registered_cpu = 0, registered_cuda = 0, too_small = 0;
+  for (const v1::Worker& w : live) {
+    if (memory_need > 0 && w.info().memory_bytes() > 0 && w.info().memory_bytes() < memory_need) {
+      ++too_small;
+      continue;
+    }
+    const bool is_cuda = w.info().device_kind() == v1::DEVICE_KIND_CUDA;
+    ++(is_cuda ? registered_cuda : registered_cpu);
+    // A worker still winding down a rank says BUSY until its next heartbeat.
+    if (unavailable.count(w.info().worker_id()) || w.status().state() == v1::WORKER_STATE_BUSY) continue;
+    (is_cuda ? cuda : cpu).push_back(w.info());
+  }
+  const int world = mesh.world_size();
+  const std::vector<v1::WorkerInfo>& pool = static_cast<int>(cuda.size()) >= world ? cuda : cpu;
+  absl::StatusOr<v1::MeshSpec> placed = AssignRanks(mesh, pool);
+  PlacementDecision d;
+  if (placed.ok()) {
+    d.placed = *std::move(placed);
+    return d;
+  }
+  if (!absl::IsResourceExhausted(placed.status())) return placed.status();
+  d.fits_cluster = world <= std::max(registered_cpu, registered_cuda);
+  const std::string memory =
+      too_small > 0 ? absl::StrCat(" with ", shardformer::GiB(memory_need), " of memory") : std::string();
+  d.waiting = absl::StrCat("waiting for workers: needs ", world, " workers of one device kind", memory, "; ",
+                           registered_cpu + registered_cuda, " registered", memory.empty() ? "" : " that have it",
+                           " (", registered_cpu, " cpu, ", registered_cuda, " cuda), ", cpu.size() + cuda.size(),
+                           " idle", too_small > 0 ? absl::StrCat("; ", too_small, " more with less memory") : "",
+                           d.fits_cluster ? "" : "; jobs behind it that fit run first");
+  return d;
 }
 
 }  // namespace colod

@@ -1,4 +1,5 @@
-// Rank assignment: which worker runs each global rank of a job's mesh.
+// Rank assignment: which worker runs each global rank of a job's mesh, and
+// the placement policy of one scheduling pass (PlaceJob).
 //
 // Deterministic and stable: the result depends only on the set of workers
 // (not on the order they are listed in), so the same cluster gives the same
@@ -13,6 +14,10 @@
 #ifndef COLOD_SERVER_PLACEMENT_H_
 #define COLOD_SERVER_PLACEMENT_H_
 
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -26,6 +31,31 @@ namespace colod {
 // idle ones to choose from). RESOURCE_EXHAUSTED naming both numbers when
 // there are fewer workers than ranks.
 absl::StatusOr<v1::MeshSpec> AssignRanks(const DeviceMesh& mesh, const std::vector<v1::WorkerInfo>& workers);
+
+// Where a job goes in a scheduling pass, or why it waits.
+struct PlacementDecision {
+  // Set: the workers of its ranks (AssignRanks).
+  std::optional<v1::MeshSpec> placed;
+  // Otherwise why it waits ("waiting for workers: needs 4 workers of one
+  // device kind; 3 registered (3 cpu, 0 cuda), 3 idle"), and whether it fits
+  // the registered workers of one device kind: a job that fits waits for
+  // busy ones and holds the queue (first come, first served); one that does
+  // not cannot start until workers join, so jobs behind it go first
+  // (backfill).
+  std::string waiting;
+  bool fits_cluster = false;
+};
+
+// The placement policy for one job: of the `live` workers, those with at
+// least `memory_need` bytes (0: unknown; a worker that does not say decides
+// itself) are registered candidates; of those, the ones not BUSY and not in
+// `unavailable` (holding a rank, sitting out a refusal, taken earlier in the
+// pass) are idle. The job takes idle CUDA workers if there are enough of
+// them, else idle CPU ones (AssignRanks), else waits. Errors other than
+// too few workers (a mesh AssignRanks cannot lay out) are returned.
+absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memory_need,
+                                           const std::vector<v1::Worker>& live,
+                                           const std::set<std::string>& unavailable);
 
 }  // namespace colod
 

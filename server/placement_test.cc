@@ -1,6 +1,8 @@
 // Rank assignment: tp groups packed onto hosts (best fit), device-ordinal
 // order, independence from the listing order, spanning when no host fits,
-// and too few workers.
+// and too few workers; the placement policy (PlaceJob): device kinds, the
+// memory filter, busy and unavailable workers, why a job waits and whether
+// it holds the queue.
 #include "server/placement.h"
 
 #include <algorithm>
@@ -105,6 +107,71 @@ TEST(Placement, A1024RankMeshOn128HostsOf8) {
   for (int r = 0; r < 1024; ++r) {
     EXPECT_EQ(m->ranks(r).host(), m->ranks(r - r % 8).host()) << r;  // the tp group of 8 on one host
     EXPECT_EQ(m->ranks(r).device_ordinal(), r % 8) << r;
+  }
+}
+
+// A registered worker for PlaceJob: `kind` "cpu" or "cuda", its memory (0:
+// not said), BUSY or IDLE.
+v1::Worker Live(const std::string& id, const std::string& kind, int64_t memory = 0, bool busy = false) {
+  v1::Worker w;
+  *w.mutable_info() = W("host-" + kind, static_cast<int>(id.back() - '0'));
+  w.mutable_info()->set_worker_id(id);
+  w.mutable_info()->set_device_kind(kind == "cuda" ? v1::DEVICE_KIND_CUDA : v1::DEVICE_KIND_CPU);
+  w.mutable_info()->set_memory_bytes(memory);
+  w.mutable_status()->set_state(busy ? v1::WORKER_STATE_BUSY : v1::WORKER_STATE_IDLE);
+  return w;
+}
+
+struct PlaceCase {
+  std::string name;
+  int ranks;
+  int64_t need;
+  std::vector<v1::Worker> live;
+  std::set<std::string> unavailable;
+  // Want: the workers placed (empty: it waits), else the waiting reason and
+  // whether the job holds the queue.
+  std::vector<std::string> placed;
+  std::string waiting;
+  bool fits_cluster = false;
+};
+
+TEST(PlaceJob, ChoosesADeviceKindFiltersAndSaysWhyAJobWaits) {
+  constexpr int64_t kGiB = int64_t{1} << 30;
+  const std::vector<PlaceCase> cases = {
+      {"two idle cpu workers", 2, 0, {Live("c0", "cpu"), Live("c1", "cpu")}, {}, {"c0", "c1"}, "", false},
+      {"enough cuda workers win over cpu ones", 2, 0,
+       {Live("c0", "cpu"), Live("c1", "cpu"), Live("g0", "cuda"), Live("g1", "cuda")}, {}, {"g0", "g1"}, "", false},
+      {"too few cuda workers: the cpu ones", 2, 0, {Live("c0", "cpu"), Live("c1", "cpu"), Live("g0", "cuda")}, {},
+       {"c0", "c1"}, "", false},
+      {"a busy worker waits for its heartbeat", 2, 0, {Live("c0", "cpu"), Live("c1", "cpu", 0, true)}, {}, {},
+       "waiting for workers: needs 2 workers of one device kind; 2 registered (2 cpu, 0 cuda), 1 idle", true},
+      {"one holding a rank or refused", 2, 0, {Live("c0", "cpu"), Live("c1", "cpu"), Live("c2", "cpu")}, {"c0", "c2"},
+       {}, "waiting for workers: needs 2 workers of one device kind; 3 registered (3 cpu, 0 cuda), 1 idle", true},
+      {"more ranks than workers: backfill", 4, 0, {Live("c0", "cpu"), Live("g0", "cuda")}, {}, {},
+       "waiting for workers: needs 4 workers of one device kind; 2 registered (1 cpu, 1 cuda), 2 idle; jobs behind "
+       "it that fit run first",
+       false},
+      {"the memory filter", 2, 2 * kGiB,
+       {Live("c0", "cpu", 4 * kGiB), Live("c1", "cpu", kGiB), Live("c2", "cpu")}, {}, {"c0", "c2"}, "", false},
+      {"too little memory anywhere", 2, 2 * kGiB, {Live("c0", "cpu", 4 * kGiB), Live("c1", "cpu", kGiB)}, {}, {},
+       "waiting for workers: needs 2 workers of one device kind with 2.00 GiB of memory; 1 registered that have it "
+       "(1 cpu, 0 cuda), 1 idle; 1 more with less memory; jobs behind it that fit run first",
+       false},
+  };
+  for (const PlaceCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto d = PlaceJob(Mesh(1, c.ranks), c.need, c.live, c.unavailable);
+    ASSERT_TRUE(d.ok()) << d.status();
+    if (!c.placed.empty()) {
+      ASSERT_TRUE(d->placed.has_value()) << d->waiting;
+      std::vector<std::string> got = Ids(*d->placed);
+      std::sort(got.begin(), got.end());
+      EXPECT_EQ(got, c.placed);
+      continue;
+    }
+    EXPECT_FALSE(d->placed.has_value());
+    EXPECT_EQ(d->waiting, c.waiting);
+    EXPECT_EQ(d->fits_cluster, c.fits_cluster);
   }
 }
 

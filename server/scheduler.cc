@@ -192,45 +192,18 @@ void Scheduler::ScheduleQueued() {
       (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, mesh.status().message());
       continue;
     }
-    // The workers that could take one of its ranks: of one device kind, with
-    // the memory a rank needs at least (a worker that does not say how much
-    // it has decides itself).
-    const int64_t need = RankMemoryFloorBytes(job.spec());
-    std::vector<v1::WorkerInfo> cpu, cuda;
-    int registered_cpu = 0, registered_cuda = 0;  // busy or not
-    int too_small = 0;
-    for (const v1::Worker& w : live) {
-      if (need > 0 && w.info().memory_bytes() > 0 && w.info().memory_bytes() < need) {
-        ++too_small;
-        continue;
-      }
-      const bool is_cuda = w.info().device_kind() == v1::DEVICE_KIND_CUDA;
-      ++(is_cuda ? registered_cuda : registered_cpu);
-      // A worker still winding down a rank says BUSY until its next heartbeat.
-      if (held.count(w.info().worker_id()) || taken.count(w.info().worker_id()) ||
-          w.status().state() == v1::WORKER_STATE_BUSY) {
-        continue;
-      }
-      (is_cuda ? cuda : cpu).push_back(w.info());
+    std::set<std::string> unavailable = held;
+    unavailable.insert(taken.begin(), taken.end());
+    absl::StatusOr<PlacementDecision> decision =
+        PlaceJob(*mesh, RankMemoryFloorBytes(job.spec()), live, unavailable);
+    if (!decision.ok()) {
+      waiting_.erase(job.job_id());
+      (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, decision.status().message());
+      continue;
     }
-    std::vector<v1::WorkerInfo>& pool = static_cast<int>(cuda.size()) >= mesh->world_size() ? cuda : cpu;
-    absl::StatusOr<v1::MeshSpec> placed = AssignRanks(*mesh, pool);
-    if (absl::IsResourceExhausted(placed.status())) {
-      // First come, first served while the job fits the registered workers
-      // of a device kind: it waits for busy ones and holds the queue (no job
-      // behind it can starve it). One that needs more workers than are
-      // registered cannot start until workers join, so jobs behind it that
-      // fit go first (backfill).
+    if (!decision->placed.has_value()) {
       const int world = mesh->world_size();
-      const bool fits_cluster = world <= std::max(registered_cpu, registered_cuda);
-      const std::string memory =
-          too_small > 0 ? absl::StrCat(" with ", shardformer::GiB(need), " of memory") : std::string();
-      std::string why = absl::StrCat(
-          "waiting for workers: needs ", world, " workers of one device kind", memory, "; ",
-          registered_cpu + registered_cuda, " registered", memory.empty() ? "" : " that have it", " (",
-          registered_cpu, " cpu, ", registered_cuda, " cuda), ", cpu.size() + cuda.size(), " idle",
-          too_small > 0 ? absl::StrCat("; ", too_small, " more with less memory") : std::string(),
-          fits_cluster ? "" : "; jobs behind it that fit run first");
+      std::string why = decision->waiting;
       if (job.state() == v1::JOB_STATE_RESTARTING) {
         const RestartLimits limits = RestartLimitsOf(job.spec());
         absl::Time since = now;
@@ -257,17 +230,14 @@ void Scheduler::ScheduleQueued() {
         (void)jobs_->SetState(job.job_id(), job.state(), why);  // PENDING (or RESTARTING) says why
       }
       waiting_[job.job_id()] = why;
-      if (fits_cluster) return;
+      if (decision->fits_cluster) return;  // it holds the queue
       continue;
     }
     waiting_.erase(job.job_id());
-    if (!placed.ok()) {
-      (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, placed.status().message());
-      continue;
-    }
-    absl::StatusOr<v1::Job> scheduled = jobs_->Schedule(job.job_id(), *placed);
+    const v1::MeshSpec& placed = *decision->placed;
+    absl::StatusOr<v1::Job> scheduled = jobs_->Schedule(job.job_id(), placed);
     if (!scheduled.ok()) continue;  // cancelled meanwhile
-    for (const v1::RankAssignment& a : placed->ranks()) taken.insert(a.worker_id());
+    for (const v1::RankAssignment& a : placed.ranks()) taken.insert(a.worker_id());
     {
       absl::MutexLock lock(&mu_);
       restart_since_.erase(job.job_id());
@@ -278,10 +248,10 @@ void Scheduler::ScheduleQueued() {
       // Placed again after it wrote a checkpoint: every rank resumes from the
       // newest complete one in its checkpoint directory.
       if (ResumesFromCheckpoint(*scheduled)) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
-      p.mesh = *placed;
+      p.mesh = placed;
       p.scope = absl::StrFormat("%s/gen-%d", job.job_id(), p.generation);
     }
-    COLOD_LOG(INFO) << "job " << job.job_id() << ": " << placed->world_size() << " ranks placed";
+    COLOD_LOG(INFO) << "job " << job.job_id() << ": " << placed.world_size() << " ranks placed";
     StartAssign(job.job_id());
   }
 }

@@ -30,19 +30,10 @@ using ::colod::testing::Runfile;
 using ::colod::testing::TempPath;
 
 testing::CommandResult Coloctl(std::vector<std::string> args) {
-  args.insert(args.begin(), Runfile("client/coloctl"));
-  return RunCommand(args, std::getenv("TEST_TMPDIR"), absl::Seconds(240));
+  return testing::RunColoctl(std::move(args), absl::Seconds(240));
 }
 
-std::vector<double> Losses(const std::string& out) {
-  std::vector<double> losses;
-  std::istringstream in(out);
-  for (std::string line; std::getline(in, line);) {
-    const auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_object() && j.contains("loss")) losses.push_back(j["loss"].get<double>());
-  }
-  return losses;
-}
+std::vector<double> Losses(const std::string& out) { return testing::JsonLosses(out); }
 
 struct Layout {
   std::string name, family;

@@ -29,19 +29,10 @@ using ::colod::testing::Runfile;
 using ::colod::testing::TempPath;
 
 testing::CommandResult Coloctl(std::vector<std::string> args) {
-  args.insert(args.begin(), Runfile("client/coloctl"));
-  return RunCommand(args, std::getenv("TEST_TMPDIR"), absl::Seconds(280));
+  return testing::RunColoctl(std::move(args), absl::Seconds(280));
 }
 
-std::vector<double> Losses(const std::string& out) {
-  std::vector<double> losses;
-  std::istringstream in(out);
-  for (std::string line; std::getline(in, line);) {
-    const auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_object() && j.contains("loss")) losses.push_back(j["loss"].get<double>());
-  }
-  return losses;
-}
+std::vector<double> Losses(const std::string& out) { return testing::JsonLosses(out); }
 
 // A tiny model of `family` ("Gpt2" or "Llama") for byte-level text (the GPL).
 absl::StatusOr<shardformer::testing::TinyModel> ByteLevelModel(const std::string& family, const std::string& name) {

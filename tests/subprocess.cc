@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "nlohmann/json.hpp"
 #include "tests/testing/temp_dir.h"
 
 namespace colod::testing {
@@ -172,6 +173,22 @@ std::string LocalClusterAddress(const std::string& out_path) {
     absl::SleepFor(absl::Milliseconds(20));
   }
   return "";
+}
+
+CommandResult RunColoctl(std::vector<std::string> args, absl::Duration timeout) {
+  args.insert(args.begin(), Runfile("client/coloctl"));
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return RunCommand(std::move(args), tmp != nullptr ? tmp : "/tmp", timeout);
+}
+
+std::vector<double> JsonLosses(const std::string& out) {
+  std::vector<double> losses;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.contains("loss") && j["loss"].is_number()) losses.push_back(j["loss"].get<double>());
+  }
+  return losses;
 }
 
 }  // namespace colod::testing

@@ -47,6 +47,13 @@ struct CommandResult {
 CommandResult RunCommand(std::vector<std::string> argv, const std::string& tmpdir,
                                        absl::Duration timeout = absl::Seconds(60));
 
+// client/coloctl (a runfile) with `args`, in TEST_TMPDIR, within `timeout`.
+CommandResult RunColoctl(std::vector<std::string> args, absl::Duration timeout = absl::Seconds(240));
+
+// The "loss" of each JSON line of `out` that has one (`coloctl train
+// --output json`'s steps), in order.
+std::vector<double> JsonLosses(const std::string& out);
+
 // Reads KEY=VALUE lines of a --ready-file, waiting up to `timeout` for it.
 std::optional<std::string> ReadyValue(const std::string& path, const std::string& key,
                                       absl::Duration timeout);

@@ -182,6 +182,25 @@ absl::StatusOr<int> DeviceMesh::LocalRank(absl::string_view axis, int rank) cons
   return static_cast<int>(std::find(group.begin(), group.end(), rank) - group.begin());
 }
 
+absl::StatusOr<DeviceMesh> DeviceMesh::FromProto(const v1::MeshSpec& spec) {
+  std::vector<MeshAxis> axes;
+  for (const v1::MeshAxis& a : spec.axes()) axes.push_back({a.name(), a.size()});
+  absl::StatusOr<DeviceMesh> mesh = Create(std::move(axes));
+  if (!mesh.ok()) return absl::InvalidArgumentError(absl::StrCat("mesh.axes: ", mesh.status().message()));
+  mesh->mode_ = spec.tensor_parallel_mode();
+  if (spec.world_size() != mesh->world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("mesh.world_size: ", spec.world_size(), " is not the axes' ",
+                                                   mesh->world_size(), " ranks"));
+  }
+  const v1::MeshSpec own = mesh->ToProto();
+  bool same = spec.groups_size() == own.groups_size();
+  for (int i = 0; same && i < own.groups_size(); ++i) {
+    same = spec.groups(i).SerializeAsString() == own.groups(i).SerializeAsString();
+  }
+  if (!same) return absl::InvalidArgumentError("mesh.groups: not the groups of mesh.axes");
+  return mesh;
+}
+
 v1::MeshSpec DeviceMesh::ToProto() const {
   v1::MeshSpec spec;
   spec.set_world_size(world_size_);

@@ -34,6 +34,7 @@ namespace colod {
 struct MeshAxis {
   std::string name;
   int size = 1;
+  bool operator==(const MeshAxis& o) const { return name == o.name && size == o.size; }
 };
 
 // Immutable after Create; thread-safe for concurrent reads.
@@ -48,6 +49,11 @@ class DeviceMesh {
   // tp consecutive ranks and neighbouring stages are tp apart.
   // INVALID_ARGUMENT, with the numbers, when the degrees do not fit the mode.
   static absl::StatusOr<DeviceMesh> FromShardConfig(const v1::ShardConfig& shard);
+  // The mesh a MeshSpec describes (what a worker is sent): its axes and
+  // tensor-parallel mode. INVALID_ARGUMENT, naming the field, for axes Create
+  // refuses, a world_size that is not their product, or groups other than
+  // the axes' own (ToProto's).
+  static absl::StatusOr<DeviceMesh> FromProto(const v1::MeshSpec& spec);
 
   const std::vector<MeshAxis>& axes() const { return axes_; }
   int world_size() const { return world_size_; }

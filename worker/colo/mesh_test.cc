@@ -3,6 +3,7 @@
 #include <map>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 
 namespace colod {
@@ -158,6 +159,38 @@ TEST(DeviceMesh, PipelineStagesSitBetweenDpAndTp) {
   EXPECT_EQ(DeviceMesh::FromShardConfig(s)->axes().size(), 2u);
   s.set_pipeline_parallel_size(-1);
   EXPECT_FALSE(DeviceMesh::FromShardConfig(s).ok());
+}
+
+// A worker builds its mesh from the MeshSpec the coordinator sends: the same
+// mesh back for every layout, and a spec whose numbers do not hold together
+// refused, naming the field.
+TEST(DeviceMesh, FromProtoGivesTheSameMeshBackAndRefusesAnInconsistentSpec) {
+  v1::ShardConfig pp = Shard(2, 2);
+  pp.set_pipeline_parallel_size(2);
+  for (const v1::ShardConfig& s : {Shard(4, 2), Shard(4, 1, v1::TENSOR_PARALLEL_MODE_2D),
+                                   Shard(8, 1, v1::TENSOR_PARALLEL_MODE_2P5D, 2),
+                                   Shard(8, 1, v1::TENSOR_PARALLEL_MODE_3D), pp}) {
+    auto mesh = DeviceMesh::FromShardConfig(s);
+    ASSERT_TRUE(mesh.ok()) << mesh.status();
+    const v1::MeshSpec spec = mesh->ToProto();
+    auto back = DeviceMesh::FromProto(spec);
+    ASSERT_TRUE(back.ok()) << back.status() << " " << s.ShortDebugString();
+    EXPECT_EQ(back->axes(), mesh->axes());
+    EXPECT_EQ(back->ToProto().SerializeAsString(), spec.SerializeAsString()) << s.ShortDebugString();
+    for (int r = 0; r < mesh->world_size(); ++r) EXPECT_EQ(*back->GroupOf("tp", r), *mesh->GroupOf("tp", r));
+  }
+  const v1::MeshSpec good = DeviceMesh::FromShardConfig(Shard(2, 2))->ToProto();
+  v1::MeshSpec bad = good;
+  bad.set_world_size(8);
+  EXPECT_EQ(DeviceMesh::FromProto(bad).status().message(), "mesh.world_size: 8 is not the axes' 4 ranks");
+  bad = good;
+  bad.mutable_groups(0)->set_ranks(0, 3);
+  EXPECT_EQ(DeviceMesh::FromProto(bad).status().message(), "mesh.groups: not the groups of mesh.axes");
+  bad = good;
+  bad.mutable_axes(1)->set_size(0);
+  EXPECT_TRUE(absl::StartsWith(DeviceMesh::FromProto(bad).status().message(), "mesh.axes: "))
+      << DeviceMesh::FromProto(bad).status();
+  EXPECT_EQ(DeviceMesh::FromProto(v1::MeshSpec()).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

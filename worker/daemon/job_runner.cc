@@ -81,14 +81,18 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
                                                    v1::JobKind_Name(req.spec().kind())));
   }
   if (req.rendezvous_scope().empty()) return absl::InvalidArgumentError("rendezvous_scope: required");
-  ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(req.spec().shard()));
+  // The mesh is the one the coordinator sends; it must be the shard
+  // config's.
+  ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromProto(req.mesh()));
+  ASSIGN_OR_RETURN(DeviceMesh of_shard, DeviceMesh::FromShardConfig(req.spec().shard()));
+  if (mesh.axes() != of_shard.axes()) {
+    return absl::InvalidArgumentError(absl::StrCat("mesh.axes: ", req.mesh().axes_size(),
+                                                   " axes that are not spec.shard's mesh (",
+                                                   of_shard.ToProto().ShortDebugString(), ")"));
+  }
   if (req.rank() < 0 || req.rank() >= mesh.world_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank: ", req.rank(), " is outside the mesh of ", mesh.world_size(), " ranks"));
-  }
-  if (req.mesh().world_size() != mesh.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("mesh.world_size: ", req.mesh().world_size(),
-                                                   " does not match the shard config's ", mesh.world_size()));
   }
   absl::MutexLock lock(&mu_);
   if (active_) {
@@ -168,7 +172,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
                   << " of " << req.mesh().world_size();
   if (options_.metrics != nullptr) {
     // Assign checked the mesh; the tensor-parallel ranks of a replica share its tokens.
-    absl::StatusOr<DeviceMesh> mesh = DeviceMesh::FromShardConfig(req.spec().shard());
+    absl::StatusOr<DeviceMesh> mesh = DeviceMesh::FromProto(req.mesh());
     const int replica_ranks = mesh.ok() ? mesh->AxisSize("tp").value_or(1) : 1;
     active->metrics = options_.metrics->StartRank(req.job_id(), req.rank(), KindName(req.spec().kind()), replica_ranks);
   }
@@ -234,7 +238,7 @@ absl::Status JobRunner::RunRank(Active& active) {
     options.shard.device = shard.device;
     shard = options.shard;
   }
-  ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(req.spec().shard()));
+  ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromProto(req.mesh()));  // checked by Assign
 
   if (reporter.Phase(v1::RANK_PHASE_RENDEZVOUS, "connecting to the other ranks")) {
     return absl::AbortedError("the job no longer runs");

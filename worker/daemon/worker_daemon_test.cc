@@ -182,7 +182,7 @@ v1::AssignJobRequest RankZero(const std::string& job_id, const v1::JobSpec& spec
   assign.set_generation(1);
   assign.set_rank(0);
   assign.set_rendezvous_scope(job_id + "/gen-1");
-  assign.mutable_mesh()->set_world_size(1);
+  *assign.mutable_mesh() = DeviceMesh::FromShardConfig(spec.shard())->ToProto();
   *assign.mutable_spec() = spec;
   return assign;
 }

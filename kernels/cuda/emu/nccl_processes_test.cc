@@ -105,6 +105,22 @@ ncclResult_t AwaitAsyncError(ncclComm_t comm) {
   return state;
 }
 
+// With an all-reduce of `comm` waiting on `peer`: kills the peer, and
+// expects the communicator to report the lost peer while the all-reduce
+// waits on, as NCCL's kernel does, until the abort ends it.
+void KillPeerMidAllReduce(Peer& peer, ncclComm_t comm) {
+  float* x = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&x), sizeof(float)), cudaSuccess);
+  ASSERT_EQ(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread), ncclSuccess);
+  peer.Signal(SIGKILL);
+  EXPECT_EQ(peer.Wait(), 128 + SIGKILL);
+  EXPECT_EQ(AwaitAsyncError(comm), ncclRemoteError);
+  EXPECT_EQ(cudaStreamQuery(cudaStreamPerThread), cudaErrorNotReady);
+  ASSERT_EQ(ncclCommAbort(comm), ncclSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  cudaFree(x);
+}
+
 TEST(NcclAcrossProcesses, CollectivesGroupsAndSplitsMatchTheirDefinitions) {
   // Ranks 0 and 2 are threads here, 1 and 3 peer processes.
   const int n = 4;
@@ -131,17 +147,7 @@ TEST(NcclAcrossProcesses, AKilledPeerIsALostPeerAndAbortFreesTheWait) {
   ncclComm_t comm;
   ASSERT_EQ(ncclCommInitRank(&comm, 2, id, 0), ncclSuccess);
   ASSERT_EQ(peer.ReadLine(), "joined");
-  float* x = nullptr;
-  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&x), sizeof(float)), cudaSuccess);
-  ASSERT_EQ(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread), ncclSuccess);
-  peer.Signal(SIGKILL);
-  EXPECT_EQ(peer.Wait(), 128 + SIGKILL);
-  EXPECT_EQ(AwaitAsyncError(comm), ncclRemoteError);
-  // The all-reduce still waits, as NCCL's kernel does, until the abort.
-  EXPECT_EQ(cudaStreamQuery(cudaStreamPerThread), cudaErrorNotReady);
-  ASSERT_EQ(ncclCommAbort(comm), ncclSuccess);
-  EXPECT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
-  cudaFree(x);
+  KillPeerMidAllReduce(peer, comm);
 }
 
 TEST(NcclAcrossProcesses, AStoppedPeerHangsItsPeersWithoutAnErrorUntilTheyAbort) {
@@ -197,16 +203,7 @@ TEST(NcclAcrossProcesses, ARankLosesTheProcessThatHoldsItsClique) {
   ncclComm_t comm;
   ASSERT_EQ(ncclCommInitRank(&comm, 2, id, 1), ncclSuccess);  // over the id's address
   ASSERT_EQ(host.ReadLine(), "joined");
-  float* x = nullptr;
-  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&x), sizeof(float)), cudaSuccess);
-  ASSERT_EQ(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread), ncclSuccess);
-  host.Signal(SIGKILL);
-  EXPECT_EQ(host.Wait(), 128 + SIGKILL);
-  EXPECT_EQ(AwaitAsyncError(comm), ncclRemoteError);
-  EXPECT_EQ(cudaStreamQuery(cudaStreamPerThread), cudaErrorNotReady);
-  ASSERT_EQ(ncclCommAbort(comm), ncclSuccess);
-  EXPECT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
-  cudaFree(x);
+  KillPeerMidAllReduce(host, comm);
 }
 
 TEST(NcclAcrossProcesses, AnUnreachableAddressFailsTheInit) {
