@@ -16,10 +16,11 @@
 // output back; the remote rank's stream task waits for that answer, so
 // stream order, groups, abort and injected faults behave as in one process.
 // A remote rank that destroys or aborts its communicator says so; one whose
-// connection ends without that (its process died) breaks the clique: every
-// other rank's communicator reports ncclRemoteError through
-// ncclCommGetAsyncError, as NCCL reports a lost peer, and its waits go on
-// until it is aborted.
+// connection ends without that (its process died) breaks the clique: a rank
+// that waits for its peers then, or later, reports ncclRemoteError through
+// ncclCommGetAsyncError, as NCCL reports a lost peer, and its wait goes on
+// until it is aborted; a rank whose collectives all completed reports
+// nothing.
 //
 // Thread-safety: every entry point may be called from any thread; clique
 // state is guarded by its mutex, which is never held while copying data,
@@ -142,7 +143,10 @@ struct Clique {
   std::map<uint64_t, std::shared_ptr<CollSlot>> colls;
   std::map<std::tuple<int, int, uint64_t>, std::shared_ptr<P2PSlot>> p2p;
   std::map<uint64_t, std::shared_ptr<SplitSlot>> splits;
-  std::vector<std::weak_ptr<struct RankState>> members;  // to tell of a lost peer
+  std::vector<std::weak_ptr<struct RankState>> members;
+  // A member's process is gone (BreakClique): a rank that waits for its
+  // peers from then on reports ncclRemoteError.
+  bool broken = false;
 };
 
 // A rank's link to a clique in another process: requests numbered on one
@@ -177,6 +181,7 @@ struct RankState {
   std::shared_ptr<Remote> remote;
   // In the clique's process, the stand-in of a remote rank: its connection.
   std::shared_ptr<Conn> stand_in_for;
+  std::atomic<bool> told_lost{false};  // the lost peer reported (to the remote rank too)
 };
 
 }  // namespace
@@ -221,12 +226,30 @@ void Kill(ncclComm_t comm) {
   Handles()[comm] = false;
 }
 
+// A rank that waits on a peer whose process is gone reports it, as NCCL
+// does: ncclRemoteError from ncclCommGetAsyncError (a stand-in tells its
+// remote rank, without waiting). Its wait goes on until it is aborted.
+void ReportLostPeer(RankState& st) {
+  if (st.told_lost.exchange(true)) return;
+  int expected = ncclSuccess;
+  st.state.compare_exchange_strong(expected, ncclRemoteError);
+  expected = ncclInProgress;
+  st.state.compare_exchange_strong(expected, ncclRemoteError);
+  if (st.stand_in_for != nullptr) st.stand_in_for->TryWrite(Kind::kAsyncError, {ncclRemoteError});
+}
+
 // Waits on the clique until `ready` or the rank is aborted; false if aborted.
 template <typename Pred>
 bool WaitFor(std::unique_lock<std::mutex>& l, RankState& st, const std::string& what, Pred ready) {
   const auto deadline = Clock::now() + HangLimit();
   while (!ready()) {
     if (st.aborted) return false;
+    if (st.clique->broken && !st.told_lost) {
+      l.unlock();  // no socket under the clique's lock
+      ReportLostPeer(st);
+      l.lock();
+      continue;
+    }
     if (Clock::now() >= deadline) {
       colod_cuda_emu::Fatal("NCCL " + what + " (rank " + std::to_string(st.rank) + "/" + std::to_string(st.nranks) +
                             ") waited " + std::to_string(HangLimit().count()) +
@@ -522,6 +545,12 @@ bool RemoteCall(RankState& st, Kind kind, std::initializer_list<int64_t> args, c
       return true;
     }
     if (st.aborted) return false;
+    if (rm.closed && !st.told_lost) {  // the clique's process is gone: this wait is on a lost peer
+      l.unlock();
+      ReportLostPeer(st);
+      l.lock();
+      continue;
+    }
     if (Clock::now() >= deadline) {
       colod_cuda_emu::Fatal("NCCL " + what + " (rank " + std::to_string(st.rank) + "/" + std::to_string(st.nranks) +
                             ", remote) waited " + std::to_string(HangLimit().count()) +
@@ -711,26 +740,12 @@ std::map<int64_t, std::shared_ptr<RankState>>& Children() {
   return *c;
 }
 
-// A peer's process is gone: every other rank of st's clique reports
-// ncclRemoteError (a remote one through its connection) and keeps waiting
-// until it is aborted, as NCCL ranks do when a peer is lost.
+// A peer's process is gone: the clique is broken, and every rank that waits
+// for its peers, now or later, reports ncclRemoteError (WaitFor); a rank
+// whose collectives all completed reports nothing, as with NCCL.
 void BreakClique(RankState& st) {
-  std::vector<std::shared_ptr<RankState>> members;
-  {
-    std::lock_guard<std::mutex> l(st.clique->mu);
-    for (auto& w : st.clique->members) {
-      if (auto m = w.lock()) members.push_back(std::move(m));
-    }
-  }
-  for (auto& m : members) {
-    if (m.get() == &st) continue;
-    int expected = ncclSuccess;
-    m->state.compare_exchange_strong(expected, ncclRemoteError);
-    expected = ncclInProgress;
-    m->state.compare_exchange_strong(expected, ncclRemoteError);
-    if (m->stand_in_for != nullptr) m->stand_in_for->TryWrite(Kind::kAsyncError, {ncclRemoteError});
-  }
   std::lock_guard<std::mutex> l(st.clique->mu);
+  st.clique->broken = true;
   st.clique->cv.notify_all();
 }
 
@@ -884,13 +899,14 @@ void ReadAnswers(std::shared_ptr<Remote> rm, std::weak_ptr<RankState> weak) {
     f = Frame();
     rm->cv.notify_all();
   }
+  // The clique's process is gone (or this rank left): a request waiting for
+  // its answer, or a communicator still being made, reports the lost peer
+  // (RemoteCall, below); one with nothing in flight reports nothing.
   std::shared_ptr<RankState> st = weak.lock();
   std::lock_guard<std::mutex> l(rm->mu);
   rm->closed = true;
   if (!rm->leaving && st != nullptr) {
-    int expected = ncclSuccess;
-    st->state.compare_exchange_strong(expected, ncclRemoteError);
-    expected = ncclInProgress;
+    int expected = ncclInProgress;
     st->state.compare_exchange_strong(expected, ncclRemoteError);
   }
   rm->cv.notify_all();

@@ -6,6 +6,8 @@
 //                                         prints "joined", waits for a signal
 //   nccl_peer abort ID RANK NRANKS        joins, enters an all-reduce its peers never
 //                                         enter, aborts after 300 ms, prints "released"
+//   nccl_peer exit ID RANK NRANKS         joins, takes part in one all-reduce of 1.0
+//                                         each, and exits without destroying anything
 // IDs are hex (IdToHex).
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -65,6 +67,17 @@ int main(int argc, char** argv) {
   if (mode == "join") {
     Say("joined");
     WaitForSignal();
+  }
+  if (mode == "exit") {
+    float* x = nullptr;
+    cudaMalloc(reinterpret_cast<void**>(&x), sizeof(float));
+    const float one = 1.0f;
+    cudaMemcpy(x, &one, sizeof one, cudaMemcpyHostToDevice);
+    if (ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread) != ncclSuccess) {
+      return Fail("ncclAllReduce");
+    }
+    if (cudaStreamSynchronize(cudaStreamPerThread) != cudaSuccess) return Fail("the stream failed");
+    return 0;  // the process ends; the communicator with it
   }
   if (mode == "abort") {
     float* x = nullptr;

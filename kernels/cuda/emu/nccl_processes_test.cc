@@ -194,6 +194,39 @@ TEST(NcclAcrossProcesses, ARemoteRankThatAbortsIsFreedAndNoLostPeer) {
   ncclCommDestroy(comm);
 }
 
+// A peer that exits after its last collective completed is no lost peer
+// until a rank waits for it again, as on GPUs: a job's ranks do not end at
+// the same moment.
+TEST(NcclAcrossProcesses, APeerThatExitsAfterItsLastCollectiveIsLostOnlyToTheNextOne) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  Peer peer({"exit", IdToHex(id), "1", "2"});
+  ASSERT_TRUE(peer.started());
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ncclComm_t comm;
+  ASSERT_EQ(ncclCommInitRank(&comm, 2, id, 0), ncclSuccess);
+  float* x = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&x), sizeof(float)), cudaSuccess);
+  const float two = 2.0f;
+  ASSERT_EQ(cudaMemcpy(x, &two, sizeof two, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread), ncclSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  float got = 0;
+  ASSERT_EQ(cudaMemcpy(&got, x, sizeof got, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got, 3.0f);
+  EXPECT_EQ(peer.Wait(), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ncclResult_t state = ncclInternalError;
+  ASSERT_EQ(ncclCommGetAsyncError(comm, &state), ncclSuccess);
+  EXPECT_EQ(state, ncclSuccess);
+  // The next collective waits for the gone peer: a lost peer now.
+  ASSERT_EQ(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread), ncclSuccess);
+  EXPECT_EQ(AwaitAsyncError(comm), ncclRemoteError);
+  ASSERT_EQ(ncclCommAbort(comm), ncclSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  cudaFree(x);
+}
+
 TEST(NcclAcrossProcesses, ARankLosesTheProcessThatHoldsItsClique) {
   Peer host({"host", "2"});
   ASSERT_TRUE(host.started());
