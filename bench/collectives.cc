@@ -36,7 +36,7 @@
 #include "common/status_macros.h"
 #include "bench/self_ranks.h"
 #include "kernels/device.h"
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 #include "worker/comm/store.h"
 #include "worker/comm/gloo/gloo_communicator.h"
 #ifdef COLOD_WITH_CUDA

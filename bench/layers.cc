@@ -37,7 +37,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/layer_ops.h"
 #include "kernels/device.h"
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 #include "worker/colo/process_group.h"
 #include "worker/colo/rank_group.h"
 #include "worker/comm/instrumented_communicator.h"

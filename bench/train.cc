@@ -56,7 +56,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/layer_ops.h"
 #include "kernels/device.h"
-#include "worker/colo/mesh.h"
+#include "spec/mesh.h"
 #include "worker/colo/rank_group.h"
 #include "worker/comm/store.h"
 #include "worker/shardformer/init_model.h"

@@ -4,13 +4,20 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/format.h"
+#include "common/find_binary.h"
+#include "common/flags.h"
 #include "common/security_flags.h"
+#include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, coordinator, "",
           "Coordinator HOST:PORT. Default: $COLOD_COORDINATOR, else 127.0.0.1:7070.");
@@ -163,6 +170,129 @@ int ExitForJob(const v1::Job& job) {
   std::fprintf(stderr, "coloctl: job %s %s: %s\n", job.job_id().c_str(), JobStateLabel(job.state()).c_str(),
                job.reason().c_str());
   return 1;
+}
+
+void PrintStep(const v1::StepProgress& p, int64_t steps, bool json) {
+  if (!p.resumed_from().empty()) std::fprintf(stderr, "coloctl: resuming from %s\n", p.resumed_from().c_str());
+  if (json) {
+    const nlohmann::json line = {{"step", p.step()},
+                                 {"loss", p.loss()},
+                                 {"lr", p.learning_rate()},
+                                 {"grad_norm", p.grad_norm()},
+                                 {"tokens_per_second", p.tokens_per_second()},
+                                 {"param_bytes", p.param_bytes()},
+                                 {"grad_bytes", p.grad_bytes()},
+                                 {"optimizer_bytes", p.optimizer_bytes()}};
+    std::printf("%s\n", line.dump().c_str());
+  } else {
+    std::printf("step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f\n",
+                static_cast<long long>(p.step()), static_cast<long long>(steps), p.loss(), p.learning_rate(),
+                p.grad_norm(), p.tokens_per_second());
+  }
+  std::fflush(stdout);
+}
+
+int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::string& logits_path, bool json) {
+  const std::vector<int64_t> s(result.logits_shape().begin(), result.logits_shape().end());
+  if (s.size() != (images ? 2u : 3u)) {
+    return Fail(absl::InternalError("the forward pass returned no logits shape"));
+  }
+  if (json) {
+    nlohmann::json out = {{"loss", result.loss()}, {"tokens", result.tokens()}, {"shape", s}};
+    if (images && result.tokens() == 0) out["loss"] = nlohmann::json();  // no labels, no loss
+    out["logits"] = logits_path.empty() ? nlohmann::json() : nlohmann::json(logits_path);
+    std::printf("%s\n", out.dump().c_str());
+    return 0;
+  }
+  if (!images) {
+    std::printf("loss %.6f (mean next-token cross-entropy over %lld tokens)\n", result.loss(),
+                static_cast<long long>(result.tokens()));
+  } else if (result.tokens() > 0) {
+    std::printf("loss %.6f (mean cross-entropy over %lld labelled images)\n", result.loss(),
+                static_cast<long long>(result.tokens()));
+  } else {
+    std::printf("no loss (no --labels)\n");
+  }
+  if (!logits_path.empty()) {
+    std::printf("logits f32 [%s] written to %s\n", absl::StrJoin(s, ", ").c_str(), logits_path.c_str());
+  }
+  return 0;
+}
+
+namespace {
+
+// The command line CommandLineMain was given, for RunInProcess.
+std::vector<std::string>& CommandLine() {
+  static auto* args = new std::vector<std::string>();
+  return *args;
+}
+
+std::string HelpText(const std::string& intro, const std::string& epilogue, const std::vector<CommandGroup>& groups) {
+  std::string out = intro;
+  for (const CommandGroup& group : groups) {
+    absl::StrAppend(&out, "\n", group.heading, "\n");
+    for (const Command& command : group.commands) out += command.usage;
+  }
+  absl::StrAppend(&out, "\n", epilogue);
+  return out;
+}
+
+const Command* FindCommand(const std::vector<CommandGroup>& groups, const std::string& name) {
+  for (const CommandGroup& group : groups) {
+    for (const Command& command : group.commands) {
+      if (name == command.name) return &command;
+    }
+  }
+  return nullptr;
+}
+
+// Checks the operands the command declares, then runs it.
+int Dispatch(const Command& command, const std::vector<std::string>& args) {
+  const std::vector<std::string> operands(args.begin() + 1, args.end());
+  if (command.operands != nullptr) {
+    const std::vector<std::string> wanted = absl::StrSplit(command.operands, ' ', absl::SkipEmpty());
+    if (operands.size() < wanted.size()) {
+      return Usage(absl::StrCat(command.name, ": missing ", wanted[operands.size()]));
+    }
+    if (operands.size() > wanted.size()) {
+      return Usage(absl::StrCat("unexpected argument '", operands[wanted.size()], "'"));
+    }
+  }
+  return command.run(operands);
+}
+
+}  // namespace
+
+int RunInProcess() {
+  const std::vector<std::string>& line = CommandLine();
+  auto binary = FindBinary(kRunBinary, {});
+  if (!binary.ok()) {
+    return Fail(absl::FailedPreconditionError(absl::StrCat(
+        "this command runs the model in this process, which is ", kRunBinary, "'s work, and ", kRunBinary,
+        " is not installed beside coloctl or on $PATH (", binary.status().message(), ")")));
+  }
+  std::vector<char*> argv;
+  argv.push_back(const_cast<char*>(kRunBinary));
+  for (size_t i = 1; i < line.size(); ++i) argv.push_back(const_cast<char*>(line[i].c_str()));
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  execv(binary->c_str(), argv.data());
+  return Fail(absl::InternalError(absl::StrCat("cannot run ", *binary, ": ", std::strerror(errno))));
+}
+
+int CommandLineMain(int argc, char** argv, const std::string& intro, const std::string& epilogue,
+                    const std::vector<CommandGroup>& groups) {
+  CommandLine().assign(argv, argv + argc);
+  const std::vector<std::string> args = ParseFlags(argc, argv, HelpText(intro, epilogue, groups));
+  if (args.empty()) return Usage("missing COMMAND");
+  const std::string output = absl::GetFlag(FLAGS_output);
+  if (output != "table" && output != "json") {
+    return Usage(absl::StrCat("--output: '", output, "' is not one of table, json"));
+  }
+  const Command* command = FindCommand(groups, args[0]);
+  if (command == nullptr) return Usage(absl::StrCat("unknown command '", args[0], "'"));
+  return Dispatch(*command, args);
 }
 
 }  // namespace colod::cli

@@ -94,6 +94,31 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
 // 0 for a job that succeeded; otherwise says how it ended on stderr and returns 1.
 int ExitForJob(const v1::Job& job);
 
+// One training step as `train` prints it: "step 3/10  loss ..." (on stdout),
+// or with `json` one JSON object with step, loss, lr, grad_norm,
+// tokens_per_second, param_bytes, grad_bytes and optimizer_bytes; first
+// "coloctl: resuming from DIR" on stderr where the step says it resumed.
+void PrintStep(const v1::StepProgress& step, int64_t steps, bool json);
+// A forward pass's result as `forward` prints it (`images`: an image
+// classifier's, whose loss needs labels; `logits_path`: where the logits were
+// written, if anywhere). Returns the exit code.
+int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::string& logits_path, bool json);
+
+// The program that runs the commands that compute in this process (a model
+// on this machine's GPUs, init-model, tokenize, consolidate): coloctl-run,
+// installed beside coloctl. coloctl links none of the trainer, the models or
+// the kernels; it hands such a command line to coloctl-run.
+inline constexpr char kRunBinary[] = "coloctl-run";
+// Replaces this process with kRunBinary (beside this program, else on $PATH)
+// on the same command line. Returns only when it cannot: 1, saying why.
+int RunInProcess();
+
+// main() of coloctl and of coloctl-run: parses the flags (--help prints
+// `intro`, every group's usages and `epilogue`), checks --output and the
+// command's operands, and runs it. Returns the exit code.
+int CommandLineMain(int argc, char** argv, const std::string& intro, const std::string& epilogue,
+                    const std::vector<CommandGroup>& groups);
+
 }  // namespace colod::cli
 
 #endif  // COLOD_CLIENT_CLI_H_

@@ -12,6 +12,7 @@
 #include "client/cli.h"
 #include "client/commands.h"
 #include "client/format.h"
+#include "spec/plan.h"
 #include "client/job_file.h"
 #include "client/job_flags.h"
 #include "colod/v1/coordinator.pb.h"

@@ -1,9 +1,9 @@
-// Commands that run or make models: forward and train (on --coordinator, an
-// embedded cluster started for the run, or local GPUs), init-model,
-// tokenize and consolidate (files only).
+// coloctl's model commands: forward and train as jobs (on --coordinator, or
+// an embedded cluster started for the run), plan (from config.json alone),
+// and the commands coloctl-run computes in its own process (forward and
+// train --device cuda, init-model, tokenize, consolidate), whose usage is
+// here and whose code is in cmd_run.cc.
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -20,36 +20,8 @@
 #include "common/limits.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "worker/shardformer/checkpoint.h"
-#include "worker/shardformer/init_model.h"
-#include "worker/shardformer/plan.h"
-#include "worker/shardformer/shardformer.h"
-#include "worker/shardformer/run_forward.h"
-#include "worker/tensor/npy.h"
-#include "worker/train/checkpoint.h"
-#include "worker/train/data.h"
-#include "worker/train/job_options.h"
-#include "worker/train/megatron_writer.h"
-#include "worker/train/tokenizer.h"
-#include "worker/train/trainer.h"
-
-ABSL_FLAG(std::string, input, "",
-          "forward: int64 (or int32/uint16/uint32) token ids [batch, seq] as .npy; tokenize: the text or .jsonl.");
-ABSL_FLAG(std::string, pixel_values, "",
-          "forward: an image classifier's (ViT) float pixel values [batch, channels, height, width] as .npy, in "
-          "place of --input.");
-ABSL_FLAG(std::string, decoder_input, "",
-          "forward: an encoder-decoder's (T5's) decoder input ids [batch, seq] as .npy, beside --input.");
-ABSL_FLAG(std::string, logits, "",
-          "forward: where to write the f32 logits [batch, seq, vocab] (an image classifier's [batch, num_labels]) "
-          "as .npy.");
-ABSL_FLAG(std::string, checkpoint, "", "consolidate: the sharded checkpoint directory.");
-ABSL_FLAG(std::string, model_type, "gpt2", "init-model: the model family (gpt2).");
-ABSL_FLAG(int64_t, vocab_size, 257, "init-model: vocabulary size (257: byte-level text).");
-ABSL_FLAG(int64_t, hidden_size, 64, "init-model: hidden size (n_embd).");
-ABSL_FLAG(int64_t, layers, 2, "init-model: transformer blocks (n_layer).");
-ABSL_FLAG(int64_t, heads, 4, "init-model: attention heads (n_head).");
-ABSL_FLAG(int64_t, positions, 64, "init-model: maximum sequence length (n_positions).");
+#include "spec/model_config.h"
+#include "spec/plan.h"
 
 ABSL_FLAG(int32_t, world, 0, "plan: list every layout of this many ranks that fits, by communication.");
 ABSL_FLAG(std::string, memory_per_rank, "",
@@ -87,116 +59,36 @@ absl::StatusOr<v1::ForwardResult> ForwardOnCluster(const std::string& address, c
 }
 
 int RunForward(const std::vector<std::string>&) {
-  const bool json = JsonOutput();
-  const std::string model = absl::GetFlag(FLAGS_model), pixels = absl::GetFlag(FLAGS_pixel_values),
-                    labels_path = absl::GetFlag(FLAGS_labels), logits_path = absl::GetFlag(FLAGS_logits),
-                    decoder_path = absl::GetFlag(FLAGS_decoder_input);
-  if (model.empty()) return Usage("forward: --model is required");
-  if (!absl::GetFlag(FLAGS_input).empty() && !pixels.empty()) {
-    return Usage("forward: give --input (token ids) or --pixel-values (images), not both");
-  }
-  const std::string input = pixels.empty() ? absl::GetFlag(FLAGS_input) : pixels;
-  if (input.empty()) return Usage("forward: --input (or --pixel-values for an image classifier) is required");
-  if (!labels_path.empty() && pixels.empty()) {
-    return Usage("forward: --labels go with --pixel-values (a language model predicts its next tokens)");
-  }
-  shardformer::ForwardRequest request;
-  request.model_dir = model;
-  auto shard = ShardFromFlags();
-  if (!shard.ok()) return Usage(std::string(shard.status().message()));
-  request.shard = *shard;
   auto cuda = CudaFromFlags();
   if (!cuda.ok()) return Usage(std::string(cuda.status().message()));
-  request.cuda = *cuda;
-  auto timeout = CommTimeoutFromFlags();
-  if (!timeout.ok()) return Usage(std::string(timeout.status().message()));
-  request.comm_timeout = *timeout;
+  if (*cuda) return RunInProcess();  // rank r on local GPU r, in coloctl-run's process
+  auto files = ForwardFilesFromFlags();
+  if (!files.ok()) return Usage(std::string(files.status().message()));
+  auto shard = ShardFromFlags();
+  if (!shard.ok()) return Usage(std::string(shard.status().message()));
+  // A FORWARD job on the daemons: --coordinator's, or an embedded cluster.
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_FORWARD);
+  if (absl::Status set = SetModelFromDir(files->model, spec); !set.ok()) return Fail(set);
+  *spec.mutable_shard() = *shard;
+  spec.mutable_forward()->set_input_path(Absolute(files->input));
+  if (!files->logits.empty()) spec.mutable_forward()->set_logits_path(Absolute(files->logits));
+  if (!files->labels.empty()) spec.mutable_forward()->set_labels_path(Absolute(files->labels));
+  if (!files->decoder_input.empty()) spec.mutable_forward()->set_decoder_input_path(Absolute(files->decoder_input));
   v1::ForwardResult result;
-  if (request.cuda) {  // rank r on local GPU r, in this process
-    auto read = ReadNpy(input);
-    if (!read.ok()) return Fail(read.status());
-    request.input = *read;
-    if (!labels_path.empty()) {
-      auto labels = ReadNpy(labels_path);
-      if (!labels.ok()) return Fail(labels.status());
-      request.labels = *labels;
-    }
-    if (!decoder_path.empty()) {
-      auto decoder = ReadNpy(decoder_path);
-      if (!decoder.ok()) return Fail(decoder.status());
-      request.decoder_input = *decoder;
-    }
-    auto run = shardformer::RunForward(request);
+  const int code = RunOnCoordinatorOrEmbeddedCluster(WorkersFor(spec.shard()), [&](const std::string& address) {
+    auto run = ForwardOnCluster(address, spec);
     if (!run.ok()) return Fail(run.status());
-    if (!logits_path.empty()) {
-      const absl::Status written = WriteNpy(logits_path, run->logits);
-      if (!written.ok()) return Fail(written);
-    }
-    result.set_loss(run->loss);
-    result.set_tokens(run->tokens);
-    for (int64_t d : run->logits.shape()) result.add_logits_shape(d);
-  } else {
-    // A FORWARD job on the daemons: --coordinator's, or an embedded cluster.
-    v1::JobSpec spec;
-    spec.set_kind(v1::JOB_KIND_FORWARD);
-    if (absl::Status set = SetModelFromDir(model, spec); !set.ok()) return Fail(set);
-    *spec.mutable_shard() = request.shard.layout;
-    spec.mutable_forward()->set_input_path(Absolute(input));
-    if (!logits_path.empty()) spec.mutable_forward()->set_logits_path(Absolute(logits_path));
-    if (!labels_path.empty()) spec.mutable_forward()->set_labels_path(Absolute(labels_path));
-    if (!decoder_path.empty()) spec.mutable_forward()->set_decoder_input_path(Absolute(decoder_path));
-    const int code = RunOnCoordinatorOrEmbeddedCluster(WorkersFor(spec.shard()), [&](const std::string& address) {
-      auto run = ForwardOnCluster(address, spec);
-      if (!run.ok()) return Fail(run.status());
-      result = *run;
-      return 0;
-    });
-    if (code != 0) return code;
-  }
-  const std::vector<int64_t> s(result.logits_shape().begin(), result.logits_shape().end());
-  const bool images = !pixels.empty();
-  if (s.size() != (images ? 2u : 3u)) {
-    return Fail(absl::InternalError("the forward pass returned no logits shape"));
-  }
-  if (json) {
-    nlohmann::json out = {{"loss", result.loss()}, {"tokens", result.tokens()}, {"shape", s}};
-    if (images && result.tokens() == 0) out["loss"] = nlohmann::json();  // no labels, no loss
-    out["logits"] = logits_path.empty() ? nlohmann::json() : nlohmann::json(logits_path);
-    std::printf("%s\n", out.dump().c_str());
-  } else {
-    if (!images) {
-      std::printf("loss %.6f (mean next-token cross-entropy over %lld tokens)\n", result.loss(),
-                  static_cast<long long>(result.tokens()));
-    } else if (result.tokens() > 0) {
-      std::printf("loss %.6f (mean cross-entropy over %lld labelled images)\n", result.loss(),
-                  static_cast<long long>(result.tokens()));
-    } else {
-      std::printf("no loss (no --labels)\n");
-    }
-    if (!logits_path.empty()) {
-      std::string dims;
-      for (int64_t d : s) absl::StrAppend(&dims, dims.empty() ? "" : ", ", d);
-      std::printf("logits f32 [%s] written to %s\n", dims.c_str(), logits_path.c_str());
-    }
-  }
-  return 0;
-}
-
-void PrintStep(const nlohmann::json& line, int64_t steps, bool json) {
-  if (json) {
-    std::printf("%s\n", line.dump().c_str());
-  } else {
-    std::printf("step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f\n",
-                static_cast<long long>(line["step"].get<int64_t>()), static_cast<long long>(steps),
-                line["loss"].get<double>(), line["lr"].get<double>(), line["grad_norm"].get<double>(),
-                line["tokens_per_second"].get<double>());
-  }
-  std::fflush(stdout);
+    result = *run;
+    return 0;
+  });
+  if (code != 0) return code;
+  return PrintForwardResult(result, files->images, files->logits, JsonOutput());
 }
 
 // coloctl train against a cluster: submit, then print the steps as the
 // local run does.
-int TrainOnCluster(const train::TrainOptions& o, bool json, const std::string& address) {
+int TrainOnCluster(bool json, const std::string& address) {
   auto client = MakeClient(address);
   if (!client.ok()) return Usage(std::string(client.status().message()));
   auto spec = TrainJobSpecFromFlags();
@@ -206,133 +98,27 @@ int TrainOnCluster(const train::TrainOptions& o, bool json, const std::string& a
   if (!ExplicitCoordinator().empty()) {
     std::fprintf(stderr, "coloctl: job %s on %s\n", job->job_id().c_str(), (*client)->address().c_str());
   }
-  auto ended = WatchToEnd(**client, job->job_id(), json, [&](const v1::StepProgress& p) {
-    PrintStep({{"step", p.step()},
-               {"loss", p.loss()},
-               {"lr", p.learning_rate()},
-               {"grad_norm", p.grad_norm()},
-               {"tokens_per_second", p.tokens_per_second()},
-               {"param_bytes", p.param_bytes()},
-               {"grad_bytes", p.grad_bytes()},
-               {"optimizer_bytes", p.optimizer_bytes()}},
-              o.steps, json);
-  });
+  auto ended = WatchToEnd(**client, job->job_id(), json,
+                          [&](const v1::StepProgress& p) { PrintStep(p, spec->train().steps(), json); });
   if (!ended.ok()) return Fail(ended.status());
-  if (ended->state() == v1::JOB_STATE_SUCCEEDED && !o.final_dir.empty() && !json) {
-    std::printf("wrote the trained model to %s\n", o.final_dir.c_str());
+  if (ended->state() == v1::JOB_STATE_SUCCEEDED && !spec->train().final_dir().empty() && !json) {
+    std::printf("wrote the trained model to %s\n", spec->train().final_dir().c_str());
   }
   return ExitForJob(*ended);
 }
 
-// --device cuda: rank r on local GPU r over NCCL, as threads of this process.
-int TrainOnLocalGpus(const train::TrainOptions& o, bool json) {
-  const absl::Status s = train::Train(o, [&](const train::StepStats& st) {
-    PrintStep({{"step", st.step},
-               {"loss", st.loss},
-               {"lr", st.lr},
-               {"grad_norm", st.grad_norm},
-               {"tokens_per_second", st.tokens_per_second},
-               {"param_bytes", st.param_bytes},
-               {"grad_bytes", st.grad_bytes},
-               {"optimizer_bytes", st.optimizer_bytes}},
-              o.steps, json);
-  });
-  if (!s.ok()) return Fail(s);
-  if (!o.final_dir.empty() && !json) std::printf("wrote the trained model to %s\n", o.final_dir.c_str());
-  return 0;
-}
-
 int RunTrain(const std::vector<std::string>&) {
   const bool json = JsonOutput();
-  auto options = TrainOptionsFromFlags();
-  if (!options.ok()) return Usage(absl::StrCat("train: ", options.status().message()));
-  const train::TrainOptions& o = *options;
-  if (!o.resume_dir.empty()) {
-    std::vector<std::string> skipped;
-    auto latest = train::LatestCheckpoint(o.resume_dir, &skipped);
-    for (const std::string& s : skipped) std::fprintf(stderr, "coloctl: skipping damaged checkpoint %s\n", s.c_str());
-    if (!latest.ok()) return Fail(latest.status());
-    std::fprintf(stderr, "coloctl: resuming from %s\n", latest->c_str());
-  }
+  auto spec = TrainSpecFromFlags();
+  if (!spec.ok()) return Usage(absl::StrCat("train: ", spec.status().message()));
   // On a cluster the workers' devices decide (TrainJobSpecFromFlags rejects --device cuda there).
-  if (o.cuda && ExplicitCoordinator().empty()) return TrainOnLocalGpus(o, json);
-  return RunOnCoordinatorOrEmbeddedCluster(
-      WorkersFor(o.shard.layout), [&](const std::string& address) { return TrainOnCluster(o, json, address); });
+  if (*CudaFromFlags() && ExplicitCoordinator().empty()) return RunInProcess();
+  return RunOnCoordinatorOrEmbeddedCluster(WorkersFor(spec->shard()),
+                                           [&](const std::string& address) { return TrainOnCluster(json, address); });
 }
 
-int RunInitModel(const std::vector<std::string>&) {
-  const std::string out = absl::GetFlag(FLAGS_out);
-  if (out.empty()) return Usage("init-model: --out is required");
-  if (absl::GetFlag(FLAGS_model_type) != "gpt2") {
-    return Usage(absl::StrCat("init-model: --model-type '", absl::GetFlag(FLAGS_model_type), "' is not supported (gpt2)"));
-  }
-  shardformer::Gpt2Shape shape;
-  shape.vocab_size = absl::GetFlag(FLAGS_vocab_size);
-  shape.hidden_size = absl::GetFlag(FLAGS_hidden_size);
-  shape.num_layers = absl::GetFlag(FLAGS_layers);
-  shape.num_heads = absl::GetFlag(FLAGS_heads);
-  shape.max_positions = absl::GetFlag(FLAGS_positions);
-  const absl::Status s = shardformer::WriteInitializedGpt2(out, shape, absl::GetFlag(FLAGS_seed));
-  if (!s.ok()) return Fail(s);
-  std::printf("wrote a GPT-2 (vocab %lld, n_embd %lld, n_layer %lld, n_head %lld, n_positions %lld) to %s\n",
-              static_cast<long long>(shape.vocab_size), static_cast<long long>(shape.hidden_size),
-              static_cast<long long>(shape.num_layers), static_cast<long long>(shape.num_heads),
-              static_cast<long long>(shape.max_positions), out.c_str());
-  return 0;
-}
-
-int RunConsolidate(const std::vector<std::string>&) {
-  const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint), out = absl::GetFlag(FLAGS_out);
-  if (checkpoint.empty()) return Usage("consolidate: --checkpoint is required");
-  if (out.empty()) return Usage("consolidate: --out is required");
-  const absl::Status s = shardformer::ConsolidateCheckpoint(checkpoint, out);
-  if (!s.ok()) return Fail(s);
-  std::printf("wrote %s/model.safetensors and %s/config.json\n", out.c_str(), out.c_str());
-  return 0;
-}
-
-int RunTokenize(const std::vector<std::string>&) {
-  const std::string model = absl::GetFlag(FLAGS_model), input = absl::GetFlag(FLAGS_input),
-                    out = absl::GetFlag(FLAGS_out);
-  if (model.empty()) return Usage("tokenize: --model is required (the directory whose tokenizer encodes the text)");
-  if (input.empty()) return Usage("tokenize: --input is required");
-  if (out.empty()) return Usage("tokenize: --out PREFIX is required");
-  auto format = train::ParseDataFormat(absl::GetFlag(FLAGS_data_format));
-  if (!format.ok()) return Usage(absl::StrCat("tokenize: ", format.status().message()));
-  *format = train::ResolveDataFormat(input, *format);
-  if (!train::IsTextFormat(*format)) {
-    return Usage(absl::StrCat("tokenize: ", input, " is not text or jsonl (--data-format text or jsonl)"));
-  }
-  auto tokenizer = train::LoadTokenizer(model);
-  if (!tokenizer.ok()) return Fail(tokenizer.status());
-  auto writer = train::MegatronWriter::Create(out, (*tokenizer)->vocab_size());
-  if (!writer.ok()) return Fail(writer.status());
-  const absl::Status s = train::ForEachTextDocument(
-      input, *format, /*paragraphs=*/true, [&](absl::string_view doc, const std::string& where) -> absl::Status {
-        absl::StatusOr<std::vector<int64_t>> ids = (*tokenizer)->EncodeDocument(doc);
-        if (!ids.ok()) return absl::Status(ids.status().code(), absl::StrCat(where, ": ", ids.status().message()));
-        return (*writer)->AddDocument(*ids);
-      });
-  if (!s.ok()) return Fail(s);
-  if ((*writer)->documents() == 0) return Fail(absl::InvalidArgumentError(absl::StrCat(input, " holds no document")));
-  if (const absl::Status f = (*writer)->Finish(); !f.ok()) return Fail(f);
-  if (JsonOutput()) {
-    nlohmann::json j = {{"bin", out + ".bin"},
-                        {"idx", out + ".idx"},
-                        {"documents", (*writer)->documents()},
-                        {"tokens", (*writer)->tokens()},
-                        {"dtype", (*writer)->dtype_name()},
-                        {"tokenizer", (*tokenizer)->kind()},
-                        {"vocab_size", (*tokenizer)->vocab_size()}};
-    std::printf("%s\n", j.dump().c_str());
-  } else {
-    std::printf("wrote %s.bin and %s.idx: %lld documents, %lld tokens (%s), %s tokenizer of %s\n", out.c_str(),
-                out.c_str(), static_cast<long long>((*writer)->documents()),
-                static_cast<long long>((*writer)->tokens()), (*writer)->dtype_name(), (*tokenizer)->kind().c_str(),
-                model.c_str());
-  }
-  return 0;
-}
+// init-model, tokenize, consolidate: coloctl-run's.
+int RunInProcessCommand(const std::vector<std::string>&) { return RunInProcess(); }
 
 // "80GiB", "24GB", "512MiB", "1073741824": bytes (GiB and GB alike are 2^30).
 absl::StatusOr<int64_t> ParseBytes(const std::string& text) {
@@ -364,9 +150,9 @@ std::string Bytes(int64_t n) {
   return absl::StrCat(n, " B");
 }
 
-nlohmann::json PlanJson(const shardformer::JobPlan& p) {
+nlohmann::json PlanJson(const JobPlan& p) {
   nlohmann::json comm = nlohmann::json::array();
-  for (const shardformer::PlanComm& c : p.comm) {
+  for (const PlanComm& c : p.comm) {
     comm.push_back({{"group", c.group}, {"op", c.op}, {"calls", c.calls}, {"bytes", c.bytes},
                     {"wire_bytes", c.wire_bytes}});
   }
@@ -389,12 +175,11 @@ nlohmann::json PlanJson(const shardformer::JobPlan& p) {
 
 int RunPlan(const std::vector<std::string>&) {
   if (absl::GetFlag(FLAGS_model).empty()) return Usage("plan: --model is required (a directory with config.json)");
-  auto options = TrainOptionsFromFlags(/*require_data=*/false);
-  if (!options.ok()) return Usage(absl::StrCat("plan: ", options.status().message()));
-  v1::JobSpec spec = train::SpecFromTrainOptions(*options);
-  // As a job on the workers: auto is fp32 on CPU workers, bf16 on GPUs.
-  if (absl::GetFlag(FLAGS_precision) == "auto") spec.mutable_train()->set_precision(v1::PRECISION_UNSPECIFIED);
-  auto config = shardformer::LoadConfig(options->model_dir);
+  // As a job on the workers: auto precision is fp32 on CPU workers, bf16 on GPUs.
+  auto parsed = TrainSpecFromFlags(/*require_data=*/false);
+  if (!parsed.ok()) return Usage(absl::StrCat("plan: ", parsed.status().message()));
+  const v1::JobSpec& spec = *parsed;
+  auto config = ReadModelConfig(absl::GetFlag(FLAGS_model));
   if (!config.ok()) return Fail(config.status());
   const int world = absl::GetFlag(FLAGS_world);
   const std::string memory_flag = absl::GetFlag(FLAGS_memory_per_rank);
@@ -407,11 +192,11 @@ int RunPlan(const std::vector<std::string>&) {
       if (!parsed.ok()) return Usage(std::string(parsed.status().message()));
       memory = *parsed;
     }
-    auto search = shardformer::RankLayouts(*config, spec, world, memory);
+    auto search = RankLayouts(*config, spec, world, memory);
     if (!search.ok()) return Fail(search.status());
     if (json) {
       nlohmann::json fits = nlohmann::json::array();
-      for (const shardformer::RankedLayout& l : search->fits) {
+      for (const RankedLayout& l : search->fits) {
         nlohmann::json j = PlanJson(l.plan);
         j["layout"] = LayoutName(l.shard);
         fits.push_back(std::move(j));
@@ -420,7 +205,7 @@ int RunPlan(const std::vector<std::string>&) {
       return 0;
     }
     std::vector<std::vector<std::string>> rows;
-    for (const shardformer::RankedLayout& l : search->fits) {
+    for (const RankedLayout& l : search->fits) {
       rows.push_back({LayoutName(l.shard), Bytes(l.plan.total_bytes), Bytes(l.plan.param_bytes + l.plan.grad_bytes +
                                                                              l.plan.optimizer_bytes),
                       Bytes(l.plan.activation_bytes), Bytes(l.plan.wire_bytes),
@@ -432,7 +217,7 @@ int RunPlan(const std::vector<std::string>&) {
     for (const std::string& r : search->refused) std::printf("left out: %s\n", r.c_str());
     return search->fits.empty() ? 1 : 0;
   }
-  auto plan = shardformer::PlanJob(*config, spec);
+  auto plan = PlanJob(*config, spec);
   if (!plan.ok()) return Fail(plan.status());
   if (json) {
     nlohmann::json j = PlanJson(*plan);
@@ -458,7 +243,7 @@ int RunPlan(const std::vector<std::string>&) {
                                                       {"total", Bytes(plan->total_bytes)}})
                         .c_str());
   std::vector<std::vector<std::string>> rows;
-  for (const shardformer::PlanComm& c : plan->comm) {
+  for (const PlanComm& c : plan->comm) {
     rows.push_back({c.group, c.op, absl::StrCat(c.calls), Bytes(c.bytes), Bytes(c.wire_bytes)});
   }
   if (rows.empty()) {
@@ -545,7 +330,7 @@ constexpr Command kCommands[] = {
      "  init-model  Write a new GPT-2 (config.json + model.safetensors, GPT-2's published\n"
      "              initialization, seeded) to --out DIR: [--vocab-size 257] [--hidden-size 64]\n"
      "              [--layers 2] [--heads 4] [--positions 64] [--seed S].\n",
-     RunInitModel},
+     RunInProcessCommand},
     {"tokenize", "",
      "  tokenize    Encode text with a model directory's own tokenizer (tokenizer.model or\n"
      "              spiece.model: SentencePiece; tokenizer.json or vocab.json + merges.txt:\n"
@@ -556,16 +341,20 @@ constexpr Command kCommands[] = {
      "              (up to a blank line); a .jsonl's are each line's \"text\" (the input of\n"
      "              Megatron's preprocess_data.py). `train --data PREFIX` reads the result,\n"
      "              and `train --data FILE` tokenizes the same way on the fly.\n",
-     RunTokenize},
+     RunInProcessCommand},
     {"consolidate", "",
      "  consolidate Assemble a sharded checkpoint (one file per rank + colod_checkpoint.json)\n"
      "              into a Hugging Face directory (config.json + model.safetensors) that\n"
      "              loads at any layout: --checkpoint DIR --out DIR.\n",
-     RunConsolidate},
+     RunInProcessCommand},
 };
 
 }  // namespace
 
-CommandGroup ModelCommands() { return {"Model commands:", kCommands}; }
+CommandGroup ModelCommands() {
+  return {"Model commands (forward and train --device cuda, init-model, tokenize and consolidate compute in\n"
+          "this process: coloctl runs coloctl-run, installed beside it, for them):",
+          kCommands};
+}
 
 }  // namespace colod::cli

@@ -18,8 +18,7 @@
 #include "client/job_flags.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "worker/colo/tensor_proto.h"
-#include "worker/tensor/npy.h"
+#include "common/atomic_file.h"
 
 ABSL_FLAG(std::string, spec, "R",
           "tensor create/reshard: placements AXIS=R|S(DIM)|S(D1,D2|N1,N2)|P joined by ';', e.g. 'tp=S(-1)'.");
@@ -31,11 +30,12 @@ namespace {
 
 // Nested brackets of a small tensor's values ("[[0.1, 0.2], ...]").
 std::string FormatValues(const v1::TensorValue& value) {
-  auto t = TensorFromProto(value);
-  if (!t.ok()) return std::string(t.status().message());
-  const std::vector<float> v = t->ToFloats();
-  const Shape shape = t->shape();
+  auto floats = TensorValueFloats(value);
+  if (!floats.ok()) return std::string(floats.status().message());
+  const std::vector<float>& v = *floats;
+  const std::vector<int64_t> shape(value.shape().begin(), value.shape().end());
   if (v.size() > 4096) return absl::StrCat("(", v.size(), " values; use --out FILE.npy)");
+  if (v.empty()) return "[]";  // a size-0 dimension: nothing to nest (and no stride to divide by)
   std::function<std::string(size_t, size_t, size_t)> rec = [&](size_t d, size_t offset,
                                                                  size_t stride) -> std::string {
     if (d == shape.size()) return absl::StrFormat("%.4f", v[offset]);
@@ -180,9 +180,9 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
     }
     if (!value.ok()) return Fail(value.status());
     if (!absl::GetFlag(FLAGS_out).empty()) {
-      auto t = TensorFromProto(*value);
-      if (!t.ok()) return Fail(t.status());
-      const absl::Status s = WriteNpy(absl::GetFlag(FLAGS_out), *t);
+      auto npy = TensorValueNpy(*value);
+      if (!npy.ok()) return Fail(npy.status());
+      const absl::Status s = WriteFileAtomically(absl::GetFlag(FLAGS_out), *npy);
       return s.ok() ? 0 : Fail(s);
     }
     if (json) return PrintJson(*value);

@@ -1,14 +1,12 @@
 // coloctl: the colod command line. The commands live in their groups'
-// tables (cmd_*.cc); this file builds --help from them and dispatches.
+// tables (cmd_*.cc); CommandLineMain (cli.h) builds --help from them and
+// dispatches. coloctl talks gRPC; what computes in-process is coloctl-run's
+// (coloctl_run_main.cc).
 #include <string>
 #include <vector>
 
-#include "absl/flags/flag.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "client/cli.h"
 #include "client/commands.h"
-#include "common/flags.h"
 
 namespace colod::cli {
 namespace {
@@ -35,54 +33,10 @@ constexpr char kEpilogue[] =
     "  coloctl train --model ./gpt2 --data train.bin --steps 100 --batch-size 16 --seq-len 256 \\\n"
     "      --lr 3e-4 --optimizer adamw --tp 2 --dp 2 --mode 1d --output json\n";
 
-// In --help's order.
-std::vector<CommandGroup> Groups() { return {LocalCommands(), ModelCommands(), ClusterCommands(), TensorCommands()}; }
-
-std::string HelpText(const std::vector<CommandGroup>& groups) {
-  std::string out = kIntro;
-  for (const CommandGroup& group : groups) {
-    absl::StrAppend(&out, "\n", group.heading, "\n");
-    for (const Command& command : group.commands) out += command.usage;
-  }
-  absl::StrAppend(&out, "\n", kEpilogue);
-  return out;
-}
-
-const Command* FindCommand(const std::vector<CommandGroup>& groups, const std::string& name) {
-  for (const CommandGroup& group : groups) {
-    for (const Command& command : group.commands) {
-      if (name == command.name) return &command;
-    }
-  }
-  return nullptr;
-}
-
-// Checks the operands the command declares, then runs it.
-int Dispatch(const Command& command, const std::vector<std::string>& args) {
-  const std::vector<std::string> operands(args.begin() + 1, args.end());
-  if (command.operands != nullptr) {
-    const std::vector<std::string> wanted = absl::StrSplit(command.operands, ' ', absl::SkipEmpty());
-    if (operands.size() < wanted.size()) {
-      return Usage(absl::StrCat(command.name, ": missing ", wanted[operands.size()]));
-    }
-    if (operands.size() > wanted.size()) {
-      return Usage(absl::StrCat("unexpected argument '", operands[wanted.size()], "'"));
-    }
-  }
-  return command.run(operands);
-}
-
 int Main(int argc, char** argv) {
-  const std::vector<CommandGroup> groups = Groups();
-  const std::vector<std::string> args = ParseFlags(argc, argv, HelpText(groups));
-  if (args.empty()) return Usage("missing COMMAND");
-  const std::string output = absl::GetFlag(FLAGS_output);
-  if (output != "table" && output != "json") {
-    return Usage(absl::StrCat("--output: '", output, "' is not one of table, json"));
-  }
-  const Command* command = FindCommand(groups, args[0]);
-  if (command == nullptr) return Usage(absl::StrCat("unknown command '", args[0], "'"));
-  return Dispatch(*command, args);
+  // In --help's order.
+  return CommandLineMain(argc, argv, kIntro, kEpilogue,
+                         {LocalCommands(), ModelCommands(), ClusterCommands(), TensorCommands()});
 }
 
 }  // namespace

@@ -11,7 +11,8 @@ namespace colod::cli {
 CommandGroup ClusterCommands();
 // cmd_tensor.cc: tensor demo/create/reshard/get/list/delete.
 CommandGroup TensorCommands();
-// cmd_model.cc: forward, train, init-model, tokenize, consolidate.
+// cmd_model.cc: forward, train, plan, init-model, tokenize, consolidate (the
+// last three, and forward and train --device cuda, handed to coloctl-run).
 CommandGroup ModelCommands();
 // cmd_local.cc: local, health, version.
 CommandGroup LocalCommands();

@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/commands.h"
+#include "client/in_process_commands.h"
 #include "gtest/gtest.h"
 
 namespace colod::cli {
@@ -41,6 +42,21 @@ TEST(Commands, EveryCommandHasAUniqueNameAUsageEntryAndARun) {
                                "train", "init-model", "tokenize", "consolidate", "local", "health", "version"}) {
     EXPECT_EQ(names.count(expected), 1u) << expected;
   }
+}
+
+// coloctl hands exactly the commands coloctl-run runs over to it: each of
+// coloctl-run's is one of coloctl's model commands, under the same name.
+TEST(Commands, EveryInProcessCommandIsAColoctlModelCommand) {
+  std::set<std::string> model;
+  for (const Command& c : ModelCommands().commands) model.insert(c.name);
+  std::set<std::string> in_process;
+  for (const Command& c : InProcessCommands().commands) {
+    EXPECT_EQ(model.count(c.name), 1u) << c.name;
+    EXPECT_TRUE(absl::StartsWith(c.usage, absl::StrCat("  ", c.name, " "))) << c.usage;
+    EXPECT_NE(c.run, nullptr) << c.name;
+    in_process.insert(c.name);
+  }
+  EXPECT_EQ(in_process, (std::set<std::string>{"forward", "train", "init-model", "tokenize", "consolidate"}));
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 #include "client/format.h"
 
 #include <algorithm>
+#include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -10,8 +12,12 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/ascii.h"
-#include "worker/shardformer/plan.h"
+#include "spec/plan.h"
+#include "common/half.h"
+#include "common/int_math.h"
+#include "common/npy_header.h"
 #include "common/proto_time.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace colod {
@@ -82,7 +88,62 @@ absl::StatusOr<std::string> RenderJson(const google::protobuf::Message& message,
   return out;
 }
 
-std::string LayoutName(const v1::ShardConfig& s) { return shardformer::LayoutName(s); }
+namespace {
+
+// The element size and .npy type of a value's dtype, after checking its shape
+// and data size.
+struct ValueType {
+  int64_t bytes = 0;
+  const char* descr = nullptr;  // nullptr: .npy has no such type
+};
+
+absl::StatusOr<ValueType> CheckValue(const v1::TensorValue& value) {
+  ValueType t;
+  switch (value.dtype()) {
+    case v1::DTYPE_F32: t = {4, "<f4"}; break;
+    case v1::DTYPE_F16: t = {2, "<f2"}; break;
+    case v1::DTYPE_BF16: t = {2, nullptr}; break;
+    case v1::DTYPE_I64: t = {8, "<i8"}; break;
+    case v1::DTYPE_I32: t = {4, "<i4"}; break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("value.dtype: unknown value ", value.dtype()));
+  }
+  for (int64_t d : value.shape()) {
+    if (d < 0) return absl::InvalidArgumentError(absl::StrCat("value.shape: negative size ", d));
+  }
+  const std::optional<int64_t> want = CheckedBytes(value.shape(), t.bytes);
+  if (!want.has_value()) return absl::InvalidArgumentError("value.shape: too large");
+  if (static_cast<int64_t>(value.data().size()) != *want) {
+    return absl::InvalidArgumentError(absl::StrCat("value.data: ", value.data().size(), " bytes, but shape [",
+                                                   absl::StrJoin(value.shape(), ", "), "] needs ", *want));
+  }
+  return t;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<float>> TensorValueFloats(const v1::TensorValue& value) {
+  ASSIGN_OR_RETURN(const ValueType t, CheckValue(value));
+  const int64_t n = static_cast<int64_t>(value.data().size()) / t.bytes;
+  std::vector<float> out(static_cast<size_t>(n));
+  const char* p = value.data().data();
+  for (int64_t i = 0; i < n; ++i, p += t.bytes) {
+    switch (value.dtype()) {
+      case v1::DTYPE_F32: std::memcpy(&out[i], p, 4); break;
+      case v1::DTYPE_F16: { uint16_t h; std::memcpy(&h, p, 2); out[i] = F16ToFloat(h); break; }
+      case v1::DTYPE_BF16: { uint16_t h; std::memcpy(&h, p, 2); out[i] = BF16ToFloat(h); break; }
+      case v1::DTYPE_I64: { int64_t v; std::memcpy(&v, p, 8); out[i] = static_cast<float>(v); break; }
+      default: { int32_t v; std::memcpy(&v, p, 4); out[i] = static_cast<float>(v); break; }
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> TensorValueNpy(const v1::TensorValue& value) {
+  ASSIGN_OR_RETURN(const ValueType t, CheckValue(value));
+  if (t.descr == nullptr) return absl::InvalidArgumentError(".npy has no bf16; convert to f32 first");
+  return NpyHeader(t.descr, value.shape()) + value.data();
+}
 
 std::string JobStateLabel(v1::JobState state) { return EnumSuffix(v1::JobState_Name(state), "JOB_STATE_"); }
 

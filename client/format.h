@@ -2,6 +2,7 @@
 #ifndef COLOD_CLIENT_FORMAT_H_
 #define COLOD_CLIENT_FORMAT_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -22,8 +23,14 @@ std::string RenderTable(const std::vector<std::string>& header,
 // ID, ADDRESS, HOST, DEVICE, STATE, LAST HEARTBEAT (age relative to `now`).
 std::string RenderWorkersTable(const std::vector<v1::Worker>& workers, absl::Time now);
 
-// "tp2 x dp2 1d", "tp4 x dp1 2d", "tp8 x dp1 2.5d depth 2".
-std::string LayoutName(const v1::ShardConfig& shard);
+// A tensor value's elements as floats (f16, bf16 and integers converted);
+// INVALID_ARGUMENT for an unknown dtype, a negative or overflowing shape, or
+// data that is not the shape's bytes.
+absl::StatusOr<std::vector<float>> TensorValueFloats(const v1::TensorValue& value);
+// A tensor value as a .npy file's bytes (f32, f16, i64, i32; INVALID_ARGUMENT
+// for bf16, which .npy has no type for, and as TensorValueFloats).
+absl::StatusOr<std::string> TensorValueNpy(const v1::TensorValue& value);
+
 // "pending", "running", ...
 std::string JobStateLabel(v1::JobState state);
 // JOB, NAME, KIND, STATE, LAYOUT, STEP, LOSS, UPDATED, REASON.

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -9,7 +10,8 @@
 #include "absl/strings/str_split.h"
 #include "common/atomic_file.h"
 #include "common/proto_time.h"
-#include "worker/train/job_options.h"
+#include "common/status_macros.h"
+#include "spec/job_validation.h"
 
 ABSL_FLAG(std::string, model, "", "forward: the model directory (config.json + model.safetensors or an index).");
 ABSL_FLAG(int32_t, tp, 1, "forward: tensor-parallel size.");
@@ -73,6 +75,27 @@ ABSL_FLAG(absl::Duration, comm_timeout, absl::Seconds(60),
           "forward, train with --device cuda: how long a rendezvous or collective may take; a rank that stops "
           "taking part fails the run with DEADLINE_EXCEEDED after it.");
 
+// The flags of the commands that coloctl-run runs in its process: coloctl
+// knows them too, so that it parses such a command line before it hands it
+// over.
+ABSL_FLAG(std::string, input, "",
+          "forward: int64 (or int32/uint16/uint32) token ids [batch, seq] as .npy; tokenize: the text or .jsonl.");
+ABSL_FLAG(std::string, pixel_values, "",
+          "forward: an image classifier's (ViT) float pixel values [batch, channels, height, width] as .npy, in "
+          "place of --input.");
+ABSL_FLAG(std::string, decoder_input, "",
+          "forward: an encoder-decoder's (T5's) decoder input ids [batch, seq] as .npy, beside --input.");
+ABSL_FLAG(std::string, logits, "",
+          "forward: where to write the f32 logits [batch, seq, vocab] (an image classifier's [batch, num_labels]) "
+          "as .npy.");
+ABSL_FLAG(std::string, checkpoint, "", "consolidate: the sharded checkpoint directory.");
+ABSL_FLAG(std::string, model_type, "gpt2", "init-model: the model family (gpt2).");
+ABSL_FLAG(int64_t, vocab_size, 257, "init-model: vocabulary size (257: byte-level text).");
+ABSL_FLAG(int64_t, hidden_size, 64, "init-model: hidden size (n_embd).");
+ABSL_FLAG(int64_t, layers, 2, "init-model: transformer blocks (n_layer).");
+ABSL_FLAG(int64_t, heads, 4, "init-model: attention heads (n_head).");
+ABSL_FLAG(int64_t, positions, 64, "init-model: maximum sequence length (n_positions).");
+
 namespace colod::cli {
 namespace {
 
@@ -84,21 +107,29 @@ absl::StatusOr<v1::TensorParallelMode> ParseMode(const std::string& mode) {
   return absl::InvalidArgumentError(absl::StrCat("--mode: '", mode, "' is not one of 1d, 2d, 2.5d, 3d"));
 }
 
+// A flag that a 32-bit field of the spec carries.
+absl::StatusOr<int32_t> Int32Flag(const char* name, int64_t value) {
+  if (value < 1 || value > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " must be between 1 and ", std::numeric_limits<int32_t>::max(),
+                                                   ", got ", value));
+  }
+  return static_cast<int32_t>(value);
+}
+
 }  // namespace
 
-absl::StatusOr<shardformer::ShardConfig> ShardFromFlags() {
-  auto mode = ParseMode(absl::GetFlag(FLAGS_mode));
-  if (!mode.ok()) return mode.status();
-  shardformer::ShardConfig shard;
-  shard.layout.set_tensor_parallel_size(absl::GetFlag(FLAGS_tp));
-  shard.layout.set_data_parallel_size(absl::GetFlag(FLAGS_dp));
-  shard.layout.set_tensor_parallel_mode(*mode);
-  shard.layout.set_depth(absl::GetFlag(FLAGS_depth));
-  shard.layout.set_sequence_parallel(absl::GetFlag(FLAGS_sequence_parallel));
+absl::StatusOr<v1::ShardConfig> ShardFromFlags() {
+  ASSIGN_OR_RETURN(const v1::TensorParallelMode mode, ParseMode(absl::GetFlag(FLAGS_mode)));
+  v1::ShardConfig shard;
+  shard.set_tensor_parallel_size(absl::GetFlag(FLAGS_tp));
+  shard.set_data_parallel_size(absl::GetFlag(FLAGS_dp));
+  shard.set_tensor_parallel_mode(mode);
+  shard.set_depth(absl::GetFlag(FLAGS_depth));
+  shard.set_sequence_parallel(absl::GetFlag(FLAGS_sequence_parallel));
   if (absl::GetFlag(FLAGS_pp) < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--pp must be >= 1, got ", absl::GetFlag(FLAGS_pp)));
   }
-  shard.layout.set_pipeline_parallel_size(absl::GetFlag(FLAGS_pp));
+  shard.set_pipeline_parallel_size(absl::GetFlag(FLAGS_pp));
   const std::string layers = absl::GetFlag(FLAGS_pp_layers);
   if (!layers.empty()) {
     for (absl::string_view part : absl::StrSplit(layers, ',')) {
@@ -107,7 +138,7 @@ absl::StatusOr<shardformer::ShardConfig> ShardFromFlags() {
         return absl::InvalidArgumentError(
             absl::StrCat("--pp-layers: '", layers, "' is not a comma-separated list of layer counts >= 1"));
       }
-      shard.layout.add_pipeline_stage_layers(n);
+      shard.add_pipeline_stage_layers(n);
     }
   }
   return shard;
@@ -126,78 +157,85 @@ absl::StatusOr<absl::Duration> CommTimeoutFromFlags() {
   return t;
 }
 
-absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags(bool require_data) {
-  train::TrainOptions o;
-  o.model_dir = absl::GetFlag(FLAGS_model);
-  o.data_path = absl::GetFlag(FLAGS_data);
-  o.labels_path = absl::GetFlag(FLAGS_labels);
-  if (o.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
-  if (o.data_path.empty() && require_data) return absl::InvalidArgumentError("--data is required");
-  auto shard = ShardFromFlags();
-  if (!shard.ok()) return shard.status();
-  o.shard = *shard;
-  auto cuda = CudaFromFlags();
-  if (!cuda.ok()) return cuda.status();
-  o.cuda = *cuda;
-  auto timeout = CommTimeoutFromFlags();
-  if (!timeout.ok()) return timeout.status();
-  o.comm_timeout = *timeout;
-  auto format = train::ParseDataFormat(absl::GetFlag(FLAGS_data_format));
-  if (!format.ok()) return format.status();
-  o.data_format = *format;
-  auto kind = train::ParseOptimizer(absl::GetFlag(FLAGS_optimizer));
-  if (!kind.ok()) return kind.status();
-  o.optimizer.kind = *kind;
-  o.optimizer.weight_decay = absl::GetFlag(FLAGS_weight_decay);
-  o.optimizer.momentum = absl::GetFlag(FLAGS_momentum);
-  o.steps = absl::GetFlag(FLAGS_steps);
-  o.batch_size = absl::GetFlag(FLAGS_batch_size);
-  o.seq_len = absl::GetFlag(FLAGS_seq_len);
-  o.micro_batches = absl::GetFlag(FLAGS_micro_batches);
-  o.lr = absl::GetFlag(FLAGS_lr);
-  o.min_lr = absl::GetFlag(FLAGS_min_lr) < 0 ? o.lr / 10 : absl::GetFlag(FLAGS_min_lr);
-  o.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
-  o.clip_norm = absl::GetFlag(FLAGS_clip_norm);
-  o.seed = absl::GetFlag(FLAGS_seed);
-  o.final_dir = absl::GetFlag(FLAGS_final);
-  if (absl::GetFlag(FLAGS_bucket_mb) <= 0) return absl::InvalidArgumentError("--bucket-mb must be positive");
-  o.bucket_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20));
+absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
+  if (absl::GetFlag(FLAGS_model).empty()) return absl::InvalidArgumentError("--model is required");
+  if (absl::GetFlag(FLAGS_data).empty() && require_data) return absl::InvalidArgumentError("--data is required");
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TRAIN);
+  ASSIGN_OR_RETURN(*spec.mutable_shard(), ShardFromFlags());
+  RETURN_IF_ERROR(CudaFromFlags().status());
+  RETURN_IF_ERROR(CommTimeoutFromFlags().status());
+  v1::TrainConfig& t = *spec.mutable_train();
+  t.set_data_path(absl::GetFlag(FLAGS_data));
+  t.set_labels_path(absl::GetFlag(FLAGS_labels));
+  const std::string format = absl::GetFlag(FLAGS_data_format);
+  if (absl::Status known = CheckDataFormat(format); !known.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--data-format: ", known.message()));
+  }
+  t.set_data_format(format);
+  const std::string optimizer = absl::GetFlag(FLAGS_optimizer);
+  if (optimizer == "adamw") {
+    t.set_optimizer(v1::OPTIMIZER_ADAMW);
+  } else if (optimizer == "sgd") {
+    t.set_optimizer(v1::OPTIMIZER_SGD);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--optimizer: '", optimizer, "' is not one of adamw, sgd"));
+  }
+  t.set_weight_decay(absl::GetFlag(FLAGS_weight_decay));
+  t.set_momentum(absl::GetFlag(FLAGS_momentum));
+  t.set_steps(absl::GetFlag(FLAGS_steps));
+  ASSIGN_OR_RETURN(const int32_t batch_size, Int32Flag("--batch-size", absl::GetFlag(FLAGS_batch_size)));
+  ASSIGN_OR_RETURN(const int32_t seq_len, Int32Flag("--seq-len", absl::GetFlag(FLAGS_seq_len)));
+  ASSIGN_OR_RETURN(const int32_t micro_batches, Int32Flag("--micro-batches", absl::GetFlag(FLAGS_micro_batches)));
+  t.set_batch_size(batch_size);
+  t.set_seq_len(seq_len);
+  t.set_micro_batches(micro_batches);
+  const double lr = absl::GetFlag(FLAGS_lr);
+  t.set_learning_rate(lr);
+  t.set_min_learning_rate(absl::GetFlag(FLAGS_min_lr) < 0 ? lr / 10 : absl::GetFlag(FLAGS_min_lr));
+  t.set_warmup_steps(absl::GetFlag(FLAGS_warmup_steps));
+  t.set_grad_clip_norm(absl::GetFlag(FLAGS_clip_norm));
+  t.set_seed(absl::GetFlag(FLAGS_seed));
+  t.set_final_dir(absl::GetFlag(FLAGS_final));
+  const double bucket_mb = absl::GetFlag(FLAGS_bucket_mb);
+  if (!(bucket_mb > 0) || bucket_mb > 1 << 20) {
+    return absl::InvalidArgumentError("--bucket-mb must be positive (and at most 1 TiB)");
+  }
+  t.set_bucket_bytes(static_cast<int64_t>(bucket_mb * (1 << 20)));
   const std::string precision = absl::GetFlag(FLAGS_precision);
   if (precision == "auto") {
-    o.shard.param_dtype = train::DefaultParamDType(o.cuda);
+    t.set_precision(v1::PRECISION_UNSPECIFIED);
   } else if (precision == "bf16") {
-    o.shard.param_dtype = DType::kBF16;
+    t.set_precision(v1::PRECISION_BF16_MIXED);
   } else if (precision == "fp16") {
-    o.shard.param_dtype = DType::kF16;
+    t.set_precision(v1::PRECISION_FP16_MIXED);
   } else if (precision == "fp32") {
-    o.shard.param_dtype = DType::kF32;
+    t.set_precision(v1::PRECISION_FP32);
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat("--precision: '", precision, "' is not one of auto, fp32, bf16, fp16"));
   }
-  o.allow_tf32 = absl::GetFlag(FLAGS_allow_tf32);
-  o.save_dir = absl::GetFlag(FLAGS_save);
-  o.save_every = absl::GetFlag(FLAGS_save_every);
-  o.resume_dir = absl::GetFlag(FLAGS_resume);
-  o.stop_after = absl::GetFlag(FLAGS_stop_after);
-  if (!o.save_dir.empty() && o.save_every < 1) return absl::InvalidArgumentError("--save needs --save-every K (K >= 1)");
-  return o;
+  t.set_allow_tf32(absl::GetFlag(FLAGS_allow_tf32));
+  t.set_checkpoint_dir(absl::GetFlag(FLAGS_save));
+  t.set_checkpoint_every(absl::GetFlag(FLAGS_save_every));
+  t.set_resume_from(absl::GetFlag(FLAGS_resume));
+  t.set_stop_after(absl::GetFlag(FLAGS_stop_after));
+  if (!t.checkpoint_dir().empty() && t.checkpoint_every() < 1) {
+    return absl::InvalidArgumentError("--save needs --save-every K (K >= 1)");
+  }
+  return spec;
 }
 
 absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags() {
-  auto options = TrainOptionsFromFlags();
-  if (!options.ok()) return options.status();
-  if (options->cuda) {
+  ASSIGN_OR_RETURN(v1::JobSpec spec, TrainSpecFromFlags());
+  if (*CudaFromFlags()) {
     return absl::InvalidArgumentError(
         "--device: on a cluster the workers' devices decide (CUDA workers run CUDA ranks); drop --device");
   }
-  v1::JobSpec spec = train::SpecFromTrainOptions(*options);
-  if (absl::Status set = SetModelFromDir(options->model_dir, spec); !set.ok()) {
+  if (absl::Status set = SetModelFromDir(absl::GetFlag(FLAGS_model), spec); !set.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--model: ", set.message()));
   }
   v1::TrainConfig& t = *spec.mutable_train();
-  // The workers' devices decide (job.proto: FP32 on CPUs, BF16 on CUDA).
-  if (absl::GetFlag(FLAGS_precision) == "auto") t.set_precision(v1::PRECISION_UNSPECIFIED);
   for (std::string* path : {t.mutable_data_path(), t.mutable_labels_path(), t.mutable_final_dir(),
                             t.mutable_checkpoint_dir(), t.mutable_resume_from()}) {
     if (!path->empty()) *path = Absolute(*path);
@@ -211,13 +249,34 @@ absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags() {
   return spec;
 }
 
+absl::StatusOr<ForwardFiles> ForwardFilesFromFlags() {
+  ForwardFiles f;
+  f.model = absl::GetFlag(FLAGS_model);
+  const std::string ids = absl::GetFlag(FLAGS_input), pixels = absl::GetFlag(FLAGS_pixel_values);
+  f.labels = absl::GetFlag(FLAGS_labels);
+  f.logits = absl::GetFlag(FLAGS_logits);
+  f.decoder_input = absl::GetFlag(FLAGS_decoder_input);
+  if (f.model.empty()) return absl::InvalidArgumentError("forward: --model is required");
+  if (!ids.empty() && !pixels.empty()) {
+    return absl::InvalidArgumentError("forward: give --input (token ids) or --pixel-values (images), not both");
+  }
+  f.images = !pixels.empty();
+  f.input = f.images ? pixels : ids;
+  if (f.input.empty()) {
+    return absl::InvalidArgumentError("forward: --input (or --pixel-values for an image classifier) is required");
+  }
+  if (!f.labels.empty() && !f.images) {
+    return absl::InvalidArgumentError(
+        "forward: --labels go with --pixel-values (a language model predicts its next tokens)");
+  }
+  return f;
+}
+
 absl::StatusOr<v1::Job> SubmitTensorJob(CoordinatorClient& client, const std::string& name) {
-  auto shard = ShardFromFlags();
-  if (!shard.ok()) return shard.status();
   v1::JobSpec spec;
   spec.set_kind(v1::JOB_KIND_TENSOR);
   spec.set_name(name);
-  *spec.mutable_shard() = shard->layout;
+  ASSIGN_OR_RETURN(*spec.mutable_shard(), ShardFromFlags());
   return client.SubmitJob(spec);
 }
 

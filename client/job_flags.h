@@ -12,9 +12,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/coordinator_client.h"
+#include "absl/time/time.h"
 #include "colod/v1/job.pb.h"
-#include "worker/shardformer/shard_config.h"
-#include "worker/train/trainer.h"
 
 ABSL_DECLARE_FLAG(std::string, model);
 ABSL_DECLARE_FLAG(std::string, name);
@@ -22,22 +21,46 @@ ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, data_format);
 ABSL_DECLARE_FLAG(std::string, labels);
 ABSL_DECLARE_FLAG(std::string, precision);
+ABSL_DECLARE_FLAG(std::string, data);
+ABSL_DECLARE_FLAG(std::string, input);
+ABSL_DECLARE_FLAG(std::string, checkpoint);
+ABSL_DECLARE_FLAG(std::string, model_type);
+ABSL_DECLARE_FLAG(int64_t, vocab_size);
+ABSL_DECLARE_FLAG(int64_t, hidden_size);
+ABSL_DECLARE_FLAG(int64_t, layers);
+ABSL_DECLARE_FLAG(int64_t, heads);
+ABSL_DECLARE_FLAG(int64_t, positions);
 
 namespace colod::cli {
 
-// --tp, --dp, --mode, --depth, --sequence-parallel.
-absl::StatusOr<shardformer::ShardConfig> ShardFromFlags();
+// --tp, --dp, --pp, --pp-layers, --mode, --depth, --sequence-parallel.
+absl::StatusOr<v1::ShardConfig> ShardFromFlags();
 // --device: false for cpu, true for cuda.
 absl::StatusOr<bool> CudaFromFlags();
 // --comm-timeout (INVALID_ARGUMENT unless positive).
 absl::StatusOr<absl::Duration> CommTimeoutFromFlags();
 
-// The train flags (--model, --data, --steps, ...) as training options;
-// `require_data` false for a plan, which reads no data.
-absl::StatusOr<train::TrainOptions> TrainOptionsFromFlags(bool require_data = true);
-// A TRAIN job from the train flags: the model directory's config.json and its
-// absolute path as the weights every worker reads; every path absolute.
+// The train flags (--data, --steps, --lr, --precision, ...) and the layout
+// as a TRAIN job, written directly: every enum is parsed here, once
+// (--precision auto is PRECISION_UNSPECIFIED, which the ranks' devices
+// decide, job.proto); paths as given; no model. A local run and the worker
+// both read it with train::TrainOptionsFromSpec. `require_data` false for a
+// plan, which reads no data.
+absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data = true);
+// A TRAIN job for the workers: TrainSpecFromFlags with the model directory's
+// config.json and its absolute path as the weights, every path absolute,
+// and the restart policy (--max-restarts, --restart-wait). Refuses --device
+// cuda: on a cluster the workers' devices decide.
 absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags();
+// forward's files: --model, and --input (token ids) or --pixel-values
+// (images, with optional --labels), --decoder-input, --logits. A usage
+// error (INVALID_ARGUMENT "forward: ...") for a missing or wrong combination.
+struct ForwardFiles {
+  std::string model, input, labels, decoder_input, logits;
+  bool images = false;  // --pixel-values: an image classifier's input
+};
+absl::StatusOr<ForwardFiles> ForwardFilesFromFlags();
+
 // Submits a TENSOR job named `name` on the layout of the flags.
 absl::StatusOr<v1::Job> SubmitTensorJob(CoordinatorClient& client, const std::string& name);
 

@@ -8,28 +8,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/half.h"
 #include "kernels/types.h"
 
 namespace colod::kernels {
 
-inline float BF16ToFloat(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t FloatToBF16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
-  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
-  return static_cast<uint16_t>((bits + rounding) >> 16);
-}
-
-// IEEE 754 binary16.
-float F16ToFloat(uint16_t h);
-uint16_t FloatToF16(float f);
+// The scalar conversions are common/half.h's (coloctl reads tensor values
+// with them without linking the kernels).
+using ::colod::BF16ToFloat;
+using ::colod::F16ToFloat;
+using ::colod::FloatToBF16;
+using ::colod::FloatToF16;
 
 // Element i of a host buffer of `t` as a float, and a float stored there
 // (integers convert as static_cast does).

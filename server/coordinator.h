@@ -21,7 +21,7 @@
 #include "prometheus/gauge.h"
 #include "server/coordinator_service.h"
 #include "server/job_manager.h"
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 #include "server/scheduler.h"
 #include "server/tensor_proxy.h"
 #include "server/worker_registry.h"

@@ -12,7 +12,7 @@
 #include "common/logging.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
-#include "server/job_validation.h"
+#include "spec/job_validation.h"
 #include "server/rpc_metrics.h"
 
 namespace colod {

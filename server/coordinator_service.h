@@ -11,7 +11,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "server/job_manager.h"
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 #include "server/scheduler.h"
 #include "server/upload_store.h"
 #include "server/worker_registry.h"

@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "gtest/gtest.h"
-#include "server/job_validation.h"
+#include "spec/job_validation.h"
 #include "tests/testing/full_disk.h"
 
 namespace colod {

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "worker/shardformer/model_config.h"
+#include "spec/model_config.h"
 
 namespace colod {
 
@@ -93,7 +93,7 @@ absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memor
   if (!absl::IsResourceExhausted(placed.status())) return placed.status();
   d.fits_cluster = world <= std::max(registered_cpu, registered_cuda);
   const std::string memory =
-      too_small > 0 ? absl::StrCat(" with ", shardformer::GiB(memory_need), " of memory") : std::string();
+      too_small > 0 ? absl::StrCat(" with ", GiB(memory_need), " of memory") : std::string();
   d.waiting = absl::StrCat("waiting for workers: needs ", world, " workers of one device kind", memory, "; ",
                            registered_cpu + registered_cuda, " registered", memory.empty() ? "" : " that have it",
                            " (", registered_cpu, " cpu, ", registered_cuda, " cuda), ", cpu.size() + cuda.size(),

@@ -4,7 +4,7 @@
 // Deterministic and stable: the result depends only on the set of workers
 // (not on the order they are listed in), so the same cluster gives the same
 // placement every time. Tensor-parallel groups are consecutive ranks (tp is
-// the innermost axis, worker/colo/mesh.h); each is packed onto one host where
+// the innermost axis, spec/mesh.h); each is packed onto one host where
 // one has enough free workers — the host with the fewest free workers that
 // still fits (best fit, ties by host name), keeping larger hosts whole for
 // later groups — and within a host ranks follow device ordinal. A group no
@@ -23,7 +23,7 @@
 #include "absl/status/statusor.h"
 #include "colod/v1/mesh.pb.h"
 #include "colod/v1/worker.pb.h"
-#include "worker/colo/mesh.h"
+#include "spec/mesh.h"
 
 namespace colod {
 

@@ -9,10 +9,10 @@
 #include "common/logging.h"
 #include "common/proto_time.h"
 #include "server/hang_detector.h"
-#include "server/job_validation.h"
+#include "spec/job_validation.h"
 #include "server/placement.h"
-#include "worker/colo/mesh.h"
-#include "worker/shardformer/model_config.h"
+#include "spec/mesh.h"
+#include "spec/model_config.h"
 
 namespace colod {
 namespace {

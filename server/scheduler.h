@@ -39,7 +39,7 @@
 #include "grpcpp/security/credentials.h"
 #include "common/clock.h"
 #include "server/job_manager.h"
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 #include "server/worker_client.h"
 #include "server/worker_registry.h"
 

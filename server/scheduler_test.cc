@@ -18,7 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "common/proto_time.h"
 #include "gtest/gtest.h"
-#include "server/job_validation.h"
+#include "spec/job_validation.h"
 
 namespace colod {
 namespace {

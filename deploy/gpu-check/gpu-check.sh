@@ -48,7 +48,7 @@ for l in libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
   [[ :$libpath: == *":$d:"* ]] || libpath=$libpath:$d
 done
 export LD_LIBRARY_PATH=$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-missing=$(for f in $(cat "$root/tests.txt") client/coloctl; do ldd "$root/colod/$f"; done | grep 'not found' | sort -u)
+missing=$(for f in $(cat "$root/tests.txt") client/coloctl client/coloctl-run worker/daemon/colod-worker; do ldd "$root/colod/$f"; done | grep 'not found' | sort -u)
 [[ -z $missing ]] || die "libraries the binaries need are missing: $missing"
 
 report=$out/report.md

@@ -42,7 +42,7 @@
 #include "absl/time/time.h"
 #include "client/job_file.h"
 #include "gtest/gtest.h"
-#include "server/job_validation.h"
+#include "spec/job_validation.h"
 #include "tests/testing/temp_dir.h"
 #include "yaml-cpp/yaml.h"
 

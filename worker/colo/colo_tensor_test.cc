@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "gtest/gtest.h"
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 #include "worker/colo/testing.h"
 
 namespace colod {

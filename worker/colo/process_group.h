@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "worker/colo/mesh.h"
+#include "spec/mesh.h"
 #include "worker/comm/abort_signal.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/gloo/gloo_communicator.h"

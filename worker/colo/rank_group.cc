@@ -7,7 +7,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "worker/comm/gloo/gloo_communicator.h"
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 #ifdef COLOD_WITH_CUDA
 #include "kernels/device.h"
 #include "worker/colo/nccl_process_group.h"

@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "worker/colo/mesh.h"
+#include "spec/mesh.h"
 #include "worker/colo/process_group.h"
 #include "worker/comm/abort_signal.h"
 #include "worker/comm/communicator.h"

@@ -13,7 +13,7 @@
 #include "kernels/device.h"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/colo/testing.h"
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 
 namespace colod {
 namespace {

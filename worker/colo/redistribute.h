@@ -32,7 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "worker/colo/dist_spec.h"
-#include "worker/colo/mesh.h"
+#include "spec/mesh.h"
 #include "worker/comm/communicator.h"
 #include "worker/tensor/tensor.h"
 

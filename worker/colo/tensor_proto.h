@@ -12,7 +12,7 @@
 #include "colod/v1/tensor.pb.h"
 #include "worker/colo/colo_tensor.h"
 #include "worker/colo/dist_spec.h"
-#include "worker/colo/mesh.h"
+#include "spec/mesh.h"
 #include "worker/tensor/tensor.h"
 
 namespace colod {

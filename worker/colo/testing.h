@@ -4,7 +4,7 @@
 
 #include <functional>
 
-#include "worker/colo/mesh.h"
+#include "spec/mesh.h"
 #include "worker/colo/process_group.h"
 #include "worker/comm/instrumented_communicator.h"
 #include "worker/tensor/tensor.h"

@@ -8,7 +8,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 #include "worker/comm/gloo/gloo_communicator.h"
 #include "worker/comm/instrumented_communicator.h"
 #include "worker/comm/store.h"

@@ -18,7 +18,7 @@
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
 #include "common/status_macros.h"
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 
 namespace colod {
 namespace {

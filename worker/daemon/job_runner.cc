@@ -11,11 +11,11 @@
 #include "common/atomic_file.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "worker/colo/mesh.h"
+#include "spec/mesh.h"
 #include "worker/colo/rank_group.h"
 #include "worker/comm/coordinator_store.h"
 #include "worker/comm/instrumented_communicator.h"
-#include "worker/shardformer/model_config.h"
+#include "spec/model_config.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/tensor/npy.h"
 #include "worker/train/job_options.h"
@@ -45,13 +45,13 @@ std::string KindName(v1::JobKind kind) {
 // not know (a user policy's) is checked by its own loader instead.
 absl::Status AdmitModel(const v1::JobSpec& spec, int64_t memory_bytes) {
   if (memory_bytes <= 0) return absl::OkStatus();
-  absl::StatusOr<shardformer::ModelConfig> config = shardformer::ParseModelConfig(spec.model().config_json());
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(spec.model().config_json());
   if (!config.ok()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(shardformer::RankMemoryFloor floor, shardformer::MemoryFloorPerRank(*config, spec));
+  ASSIGN_OR_RETURN(RankMemoryFloor floor, MemoryFloorPerRank(*config, spec));
   if (floor.total_bytes <= memory_bytes) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
-      "the model needs ", shardformer::DescribeMemoryFloor(floor),
-      "; this worker has ", shardformer::GiB(memory_bytes)));
+      "the model needs ", DescribeMemoryFloor(floor),
+      "; this worker has ", GiB(memory_bytes)));
 }
 
 }  // namespace

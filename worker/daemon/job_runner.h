@@ -63,7 +63,7 @@ class JobRunner {
     absl::Duration upload_cache_ttl = absl::Hours(1);
     // The memory a rank may use (the device's, or the host's for a CPU
     // worker): a rank whose model needs more at least
-    // (shardformer::MemoryFloorPerRank) fails RESOURCE_EXHAUSTED before it
+    // (MemoryFloorPerRank) fails RESOURCE_EXHAUSTED before it
     // allocates anything. 0: unchecked.
     int64_t memory_bytes = 0;
     // The paths a job may name; a rank whose spec names another fails

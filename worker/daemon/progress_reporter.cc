@@ -5,6 +5,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/proto_time.h"
+#include "worker/train/job_options.h"
 
 namespace colod {
 
@@ -23,17 +24,7 @@ bool ProgressReporter::Phase(v1::RankPhase phase, const std::string& message) co
 
 bool ProgressReporter::Step(const train::StepStats& st) const {
   v1::ReportProgressRequest r;
-  v1::StepProgress& p = *r.mutable_step();
-  p.set_step(st.step);
-  p.set_loss(st.loss);
-  p.set_learning_rate(st.lr);
-  p.set_grad_norm(st.grad_norm);
-  p.set_tokens_per_second(st.tokens_per_second);
-  *p.mutable_step_duration() = ToProtoDuration(absl::Seconds(st.seconds));
-  p.set_param_bytes(st.param_bytes);
-  p.set_grad_bytes(st.grad_bytes);
-  p.set_optimizer_bytes(st.optimizer_bytes);
-  p.set_checkpoint(st.checkpoint);
+  *r.mutable_step() = train::StepProgressOf(st);
   return Send(std::move(r));
 }
 

@@ -1,5 +1,5 @@
 // 2D (SUMMA) tensor parallelism, ColossalAI's legacy layout, on the tp_col x
-// tp_row sub-axes of a 2D mesh (q x q ranks; worker/colo/mesh.h). Processor
+// tp_row sub-axes of a 2D mesh (q x q ranks; spec/mesh.h). Processor
 // (i, j) has tp_col coordinate i and tp_row coordinate j, so its tp local
 // rank is i*q + j. Activations X [.., rows, hidden] and weights A [in, out]
 // (y = x A, ColossalAI's Linear2D layout) are split into q x q blocks, block

@@ -1,6 +1,6 @@
 // 3D tensor parallelism (the reference document's algorithm) on the
 // tp_output x tp_input x tp_weight sub-axes of a q x q x q mesh (local rank
-// weight + q*input + q*q*output; worker/colo/mesh.h).
+// weight + q*input + q*q*output; spec/mesh.h).
 //
 // Layout chosen here. Each layer has three roles, R, K and C, taken by the
 // three axes:

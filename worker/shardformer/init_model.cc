@@ -10,7 +10,7 @@
 #include "common/atomic_file.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "worker/shardformer/model_config.h"
+#include "spec/model_config.h"
 #include "worker/shardformer/safetensors.h"
 #include "worker/tensor/tensor.h"
 

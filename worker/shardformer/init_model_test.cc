@@ -10,7 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
-#include "worker/shardformer/model_config.h"
+#include "spec/model_config.h"
 #include "worker/shardformer/safetensors.h"
 
 namespace colod::shardformer {

@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/colo/process_group.h"
-#include "worker/shardformer/model_config.h"
+#include "spec/model_config.h"
 #include "worker/shardformer/shard_config.h"
 #include "worker/tensor/tensor.h"
 

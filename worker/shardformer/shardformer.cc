@@ -425,9 +425,7 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Optimize(std::unique_
 
 absl::StatusOr<ModelConfig> LoadConfig(const std::string& dir) {
   const std::string path = dir + "/config.json";
-  auto read = ReadFileToString(path);
-  if (!read.ok()) return absl::NotFoundError(absl::StrCat("no config.json in ", dir));
-  const std::string& text = *read;
+  ASSIGN_OR_RETURN(const std::string text, ReadConfigJson(dir));
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
   if (!j.contains("model_type") || !j["model_type"].is_string()) {

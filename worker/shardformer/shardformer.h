@@ -29,7 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "worker/shardformer/layers.h"
-#include "worker/shardformer/model_config.h"
+#include "spec/model_config.h"
 #include "worker/shardformer/model_files.h"
 #include "worker/shardformer/module.h"
 

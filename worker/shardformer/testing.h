@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "worker/shardformer/model_config.h"
+#include "spec/model_config.h"
 #include "worker/shardformer/shard_config.h"
 #include "worker/tensor/tensor.h"
 

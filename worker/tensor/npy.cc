@@ -17,6 +17,7 @@
 #include "common/atomic_file.h"
 #include "common/int_math.h"
 #include "common/little_endian.h"
+#include "common/npy_header.h"
 #include "common/status_macros.h"
 
 namespace colod {
@@ -133,19 +134,7 @@ absl::StatusOr<std::string> SerializeNpy(const Tensor& t) {
     case DType::kI32: descr = "<i4"; break;
     case DType::kBF16: return absl::InvalidArgumentError(".npy has no bf16; convert to f32 first");
   }
-  std::string shape = absl::StrJoin(t.shape(), ", ");
-  if (t.dim() == 1) shape += ",";
-  std::string dict = absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (", shape, "), }");
-  // Magic (6) + version (2) + length (2) + dict + padding + '\n' is a multiple of 64.
-  const size_t total = 10 + dict.size() + 1;
-  dict.append((64 - total % 64) % 64, ' ');
-  dict.push_back('\n');
-  std::string out(kMagic, 6);
-  out.push_back('\x01');
-  out.push_back('\x00');
-  out.push_back(static_cast<char>(dict.size() & 0xff));
-  out.push_back(static_cast<char>((dict.size() >> 8) & 0xff));
-  out += dict;
+  std::string out = NpyHeader(descr, t.shape());
   out += t.ToBytes();
   return out;
 }

@@ -1,6 +1,7 @@
 #include "worker/train/job_options.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/proto_time.h"
 #include "common/status_macros.h"
 
 namespace colod::train {
@@ -104,6 +105,22 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
   t.set_resume_from(o.resume_dir);
   t.set_stop_after(o.stop_after);
   return spec;
+}
+
+v1::StepProgress StepProgressOf(const StepStats& st) {
+  v1::StepProgress p;
+  p.set_step(st.step);
+  p.set_loss(st.loss);
+  p.set_learning_rate(st.lr);
+  p.set_grad_norm(st.grad_norm);
+  p.set_tokens_per_second(st.tokens_per_second);
+  *p.mutable_step_duration() = ToProtoDuration(absl::Seconds(st.seconds));
+  p.set_param_bytes(st.param_bytes);
+  p.set_grad_bytes(st.grad_bytes);
+  p.set_optimizer_bytes(st.optimizer_bytes);
+  p.set_checkpoint(st.checkpoint);
+  p.set_resumed_from(st.resumed_from);
+  return p;
 }
 
 }  // namespace colod::train

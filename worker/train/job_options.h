@@ -28,6 +28,10 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
 // (model_dir is not part of it; the caller sets ModelSpec).
 v1::JobSpec SpecFromTrainOptions(const TrainOptions& options);
 
+// A step's report as a job's StepProgress event (what the worker sends the
+// coordinator, and what coloctl prints).
+v1::StepProgress StepProgressOf(const StepStats& st);
+
 }  // namespace colod::train
 
 #endif  // COLOD_WORKER_TRAIN_JOB_OPTIONS_H_

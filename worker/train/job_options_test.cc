@@ -73,5 +73,34 @@ TEST(JobOptions, TheFieldsSurviveTheRoundTrip) {
   EXPECT_FALSE(TrainOptionsFromSpec(SpecFromTrainOptions(o), "/m", true)->allow_tf32);
 }
 
+// The step a worker reports and coloctl prints: every field of the stats,
+// the checkpoint written and the one a resumed run continued from.
+TEST(JobOptions, AStepReportsItsStatsAsProgress) {
+  StepStats st;
+  st.step = 7;
+  st.loss = 2.5;
+  st.lr = 1e-3;
+  st.grad_norm = 0.75;
+  st.tokens_per_second = 1234;
+  st.seconds = 0.25;
+  st.param_bytes = 10;
+  st.grad_bytes = 20;
+  st.optimizer_bytes = 40;
+  st.checkpoint = "/ck/step-000007";
+  st.resumed_from = "/ck/step-000006";
+  const v1::StepProgress p = StepProgressOf(st);
+  EXPECT_EQ(p.step(), 7);
+  EXPECT_EQ(p.loss(), 2.5);
+  EXPECT_EQ(p.learning_rate(), 1e-3);
+  EXPECT_EQ(p.grad_norm(), 0.75);
+  EXPECT_EQ(p.tokens_per_second(), 1234);
+  EXPECT_EQ(p.step_duration().nanos(), 250000000);
+  EXPECT_EQ(p.param_bytes(), 10);
+  EXPECT_EQ(p.grad_bytes(), 20);
+  EXPECT_EQ(p.optimizer_bytes(), 40);
+  EXPECT_EQ(p.checkpoint(), "/ck/step-000007");
+  EXPECT_EQ(p.resumed_from(), "/ck/step-000006");
+}
+
 }  // namespace
 }  // namespace colod::train

@@ -1,11 +1,11 @@
-// The dry-run planner (worker/shardformer/plan.h) against real training
+// The dry-run planner (spec/plan.h) against real training
 // steps of a tiny GPT-2 and LLaMA in 1D (with sequence parallelism and
 // micro-batches), 2D, 2.5D and 3D, BERT in 3D, pipeline stages (the fullest
 // stage's ranks), with and without dp: the bytes each rank
 // holds (what colod_tensor_bytes reports) and the bytes each process group
 // moves by each collective (what InstrumentedCommunicator counts) are the
 // plan's within 5 %, and each tensor-parallel group's calls are the plan's.
-#include "worker/shardformer/plan.h"
+#include "spec/plan.h"
 
 #include <cmath>
 #include <map>
@@ -73,7 +73,7 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
   ASSERT_TRUE(prepared.ok()) << prepared.status();
 
   const v1::JobSpec spec = SpecFromTrainOptions(o);
-  auto plan = shardformer::PlanJob(model->config, spec);
+  auto plan = PlanJob(model->config, spec);
   ASSERT_TRUE(plan.ok()) << plan.status();
 
   auto mesh = DeviceMesh::FromShardConfig(o.shard.layout);
@@ -115,8 +115,8 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
     ASSERT_FALSE(stats.empty());
   }
   auto within = [](int64_t got, int64_t want) { return std::abs(static_cast<double>(got - want)) <= 0.05 * want; };
-  std::map<std::pair<std::string, std::string>, shardformer::PlanComm> planned;
-  for (const shardformer::PlanComm& pc : plan->comm) planned[{pc.group, pc.op}] = pc;
+  std::map<std::pair<std::string, std::string>, PlanComm> planned;
+  for (const PlanComm& pc : plan->comm) planned[{pc.group, pc.op}] = pc;
   for (const auto& [rank, st] : stats) {
     EXPECT_PRED2(within, st.param_bytes, plan->param_bytes) << "rank " << rank << " parameters";
     EXPECT_PRED2(within, st.grad_bytes, plan->grad_bytes) << "rank " << rank << " gradients";

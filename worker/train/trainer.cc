@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
 #include "worker/tensor/ops.h"
@@ -35,8 +36,8 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   if (o.steps < 1 || o.micro_batches < 1) return absl::InvalidArgumentError("steps and micro_batches must be >= 1");
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(o.shard.layout));
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
-  ASSIGN_OR_RETURN(shardformer::ModelConfig config, shardformer::LoadConfig(o.model_dir));
-  RETURN_IF_ERROR(shardformer::CheckShardable(config, o.shard.layout));
+  ASSIGN_OR_RETURN(ModelConfig config, shardformer::LoadConfig(o.model_dir));
+  RETURN_IF_ERROR(CheckShardable(config, o.shard.layout));
   const bool examples = config.takes_images() || config.is_encoder_decoder();  // rows drawn whole
   if (!examples && !o.labels_path.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("labels are for image classifiers and encoder-decoders: ",
@@ -61,7 +62,9 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   run->options = o;
   run->seed = o.seed;
   if (!o.resume_dir.empty()) {
-    ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir));
+    std::vector<std::string> skipped;
+    ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &skipped));
+    for (const std::string& s : skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
     ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
     run->seed = state.seed;  // the sampler continues the stream it was on
   }
@@ -226,6 +229,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       RETURN_IF_ERROR(SaveTrainingCheckpoint(*model, optimizer, o.save_dir, step + 1, run.seed));
       s.checkpoint = StepDir(o.save_dir, step + 1);
     }
+    if (step == first) s.resumed_from = run.resume;
     if (hooks.on_step) hooks.on_step(s);
     if (step + 1 == o.stop_after) return absl::OkStatus();
   }

@@ -76,6 +76,7 @@ struct StepStats {
   // whose all-reduce was enqueued during backward (overlapping it).
   int64_t dp_bucket_bytes = 0, dp_overlapped_bytes = 0;
   std::string checkpoint;  // the training checkpoint written after this step, if any
+  std::string resumed_from;  // the first step of a resumed run: the checkpoint it resumed from
 };
 
 // INVALID_ARGUMENT, before any rank starts, for options that do not fit

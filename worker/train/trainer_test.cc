@@ -15,7 +15,7 @@
 #include "kernels/device.h"
 #include "tests/testing/temp_dir.h"
 #include "absl/time/clock.h"
-#include "worker/shardformer/model_config.h"
+#include "spec/model_config.h"
 #include "worker/shardformer/safetensors.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/shardformer.h"
@@ -645,7 +645,7 @@ TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
   auto config = shardformer::LoadConfig(model);
   ASSERT_TRUE(config.ok()) << config.status();
   for (const auto& [options, stats] : {std::pair(Options(model, 2, 2), f32[0]), std::pair(mixed, bf16[0])}) {
-    auto floor = shardformer::MemoryFloorPerRank(*config, SpecFromTrainOptions(options));
+    auto floor = MemoryFloorPerRank(*config, SpecFromTrainOptions(options));
     ASSERT_TRUE(floor.ok()) << floor.status();
     EXPECT_EQ(floor->param_bytes, stats.param_bytes);
     EXPECT_EQ(floor->grad_bytes, stats.grad_bytes);

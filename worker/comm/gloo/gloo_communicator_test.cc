@@ -25,7 +25,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 #include "worker/comm/store.h"
 
 namespace colod {

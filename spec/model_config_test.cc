@@ -1,6 +1,6 @@
 // config.json of each family as Hugging Face writes it, and every error.
-#include "worker/shardformer/model_config.h"
-#include "worker/shardformer/plan.h"
+#include "spec/model_config.h"
+#include "spec/plan.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"

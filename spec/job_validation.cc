@@ -1,4 +1,4 @@
-#include "server/job_validation.h"
+#include "spec/job_validation.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,12 +6,13 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/int_math.h"
 #include "common/limits.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "worker/shardformer/model_config.h"
+#include "spec/model_config.h"
 
 namespace colod {
 namespace {
@@ -25,7 +26,7 @@ absl::Status Invalid(absl::string_view path, absl::string_view field, absl::stri
 // The model's config.json must parse for a family the workers know, and the
 // shard layout must fit it (heads divisible by tp, ...): a job that cannot
 // load is refused here rather than failing on every worker.
-absl::StatusOr<shardformer::ModelConfig> ValidateModel(const v1::ModelSpec& model, const v1::ShardConfig& shard,
+absl::StatusOr<ModelConfig> ValidateModel(const v1::ModelSpec& model, const v1::ShardConfig& shard,
                                                        absl::string_view path) {
   if (model.config_json().empty()) {
     return Invalid(path, "config_json", "required: the content of the model's config.json");
@@ -37,9 +38,9 @@ absl::StatusOr<shardformer::ModelConfig> ValidateModel(const v1::ModelSpec& mode
   if (it == config.end() || !it->is_string() || it->get<std::string>().empty()) {
     return Invalid(path, "config_json", "has no string field \"model_type\"");
   }
-  absl::StatusOr<shardformer::ModelConfig> parsed = shardformer::ParseModelConfig(model.config_json());
+  absl::StatusOr<ModelConfig> parsed = ParseModelConfig(model.config_json());
   if (!parsed.ok()) return Invalid(path, "config_json", parsed.status().message());
-  if (absl::Status s = shardformer::CheckShardable(*parsed, shard); !s.ok()) {
+  if (absl::Status s = CheckShardable(*parsed, shard); !s.ok()) {
     return Invalid("spec", "shard", s.message());
   }
   if (!model.weights_path().empty() && !model.upload_id().empty()) {
@@ -88,10 +89,8 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
   }
   if (!v1::Optimizer_IsValid(t.optimizer())) return Invalid(path, "optimizer", "unknown value");
   if (!v1::Precision_IsValid(t.precision())) return Invalid(path, "precision", "unknown value");
-  static const char* const kFormats[] = {"", "auto", "uint16", "uint32", "npy", "text"};
-  if (std::find(std::begin(kFormats), std::end(kFormats), t.data_format()) == std::end(kFormats)) {
-    return Invalid(path, "data_format",
-                   absl::StrCat("'", t.data_format(), "' is not one of auto, uint16, uint32, npy, text"));
+  if (absl::Status format = CheckDataFormat(t.data_format()); !format.ok()) {
+    return Invalid(path, "data_format", format.message());
   }
   if (!(t.min_learning_rate() >= 0) || t.min_learning_rate() > t.learning_rate()) {
     return Invalid(path, "min_learning_rate", "must be in [0, learning_rate]");
@@ -178,21 +177,21 @@ bool ResumesFromCheckpoint(const v1::Job& job) {
 
 namespace {
 
-absl::StatusOr<shardformer::RankMemoryFloor> FloorOf(const v1::JobSpec& spec) {
-  if (spec.kind() == v1::JOB_KIND_TENSOR) return shardformer::RankMemoryFloor();
-  ASSIGN_OR_RETURN(shardformer::ModelConfig config, shardformer::ParseModelConfig(spec.model().config_json()));
-  return shardformer::MemoryFloorPerRank(config, spec);
+absl::StatusOr<RankMemoryFloor> FloorOf(const v1::JobSpec& spec) {
+  if (spec.kind() == v1::JOB_KIND_TENSOR) return RankMemoryFloor();
+  ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(spec.model().config_json()));
+  return MemoryFloorPerRank(config, spec);
 }
 
 }  // namespace
 
 int64_t RankMemoryFloorBytes(const v1::JobSpec& spec) {
-  absl::StatusOr<shardformer::RankMemoryFloor> floor = FloorOf(spec);
+  absl::StatusOr<RankMemoryFloor> floor = FloorOf(spec);
   return floor.ok() ? floor->total_bytes : 0;
 }
 
 absl::Status CheckMemoryFits(const v1::JobSpec& spec, const std::vector<v1::Worker>& workers) {
-  absl::StatusOr<shardformer::RankMemoryFloor> floor = FloorOf(spec);
+  absl::StatusOr<RankMemoryFloor> floor = FloorOf(spec);
   if (!floor.ok() || floor->total_bytes == 0 || workers.empty()) return absl::OkStatus();
   int64_t largest = 0;
   for (const v1::Worker& w : workers) {
@@ -201,8 +200,8 @@ absl::Status CheckMemoryFits(const v1::JobSpec& spec, const std::vector<v1::Work
   }
   if (floor->total_bytes <= largest) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      "spec.model: this job needs ", shardformer::DescribeMemoryFloor(*floor),
-      ", and the largest of the ", workers.size(), " registered workers has ", shardformer::GiB(largest),
+      "spec.model: this job needs ", DescribeMemoryFloor(*floor),
+      ", and the largest of the ", workers.size(), " registered workers has ", GiB(largest),
       ": raise tensor_parallel_size or add larger workers"));
 }
 
@@ -244,6 +243,15 @@ absl::Status ValidateRestartPolicy(const v1::JobSpec& spec) {
 
 }  // namespace
 
+absl::Status CheckDataFormat(const std::string& format) {
+  if (format.empty()) return absl::OkStatus();
+  for (const char* known : kDataFormats) {
+    if (format == known) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", format, "' is not one of ", absl::StrJoin(std::begin(kDataFormats), std::end(kDataFormats), ", ")));
+}
+
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   // Names and labels are listed with every job: bounded, so that no job can
   // make ListJobs too large for anyone.
@@ -267,7 +275,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   }
   switch (spec.kind()) {
     case v1::JOB_KIND_TRAIN: {
-      ASSIGN_OR_RETURN(shardformer::ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));
+      ASSIGN_OR_RETURN(ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));
       RETURN_IF_ERROR(ValidateTrain(spec.train(), spec.shard(), "spec.train"));
       const bool examples = config.takes_images() || config.is_encoder_decoder();  // rows drawn whole
       if (config.takes_images() && spec.train().labels_path().empty()) {

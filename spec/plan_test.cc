@@ -3,7 +3,7 @@
 // and 2.5D layouts, holds exactly the elements the plan says; the plan
 // refuses the layouts the policies refuse; and layouts rank by their
 // communication.
-#include "worker/shardformer/plan.h"
+#include "spec/plan.h"
 
 #include <malloc.h>
 

@@ -1,6 +1,8 @@
-#include "kernels/half.h"
+#include "common/half.h"
 
-namespace colod::kernels {
+#include <cstring>
+
+namespace colod {
 
 float F16ToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -56,4 +58,4 @@ uint16_t FloatToF16(float f) {
   return static_cast<uint16_t>(sign | result);
 }
 
-}  // namespace colod::kernels
+}  // namespace colod

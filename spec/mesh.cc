@@ -1,4 +1,4 @@
-#include "worker/colo/mesh.h"
+#include "spec/mesh.h"
 
 #include <algorithm>
 #include <map>

@@ -18,8 +18,8 @@
 // A group "along tp_row" holds the ranks that differ only in their row
 // coordinate: for 2D these are q consecutive ranks, ColossalAI's
 // PARALLEL_2D_ROW group; "along tp_col" is PARALLEL_2D_COL.
-#ifndef COLOD_WORKER_COLO_MESH_H_
-#define COLOD_WORKER_COLO_MESH_H_
+#ifndef COLOD_SPEC_MESH_H_
+#define COLOD_SPEC_MESH_H_
 
 #include <string>
 #include <vector>
@@ -93,4 +93,4 @@ class DeviceMesh {
 
 }  // namespace colod
 
-#endif  // COLOD_WORKER_COLO_MESH_H_
+#endif  // COLOD_SPEC_MESH_H_

@@ -1,10 +1,11 @@
 // Validation of client-submitted job specs, before any worker is touched.
-#ifndef COLOD_SERVER_JOB_VALIDATION_H_
-#define COLOD_SERVER_JOB_VALIDATION_H_
+#ifndef COLOD_SPEC_JOB_VALIDATION_H_
+#define COLOD_SPEC_JOB_VALIDATION_H_
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "colod/v1/job.pb.h"
@@ -19,6 +20,13 @@ inline constexpr size_t kMaxLabelKeyBytes = 128;
 inline constexpr size_t kMaxLabelValueBytes = 1024;
 // A SubmitJob's request_id.
 inline constexpr size_t kMaxRequestIdBytes = 256;
+
+// The values of TrainConfig.data_format ("" is auto): the one list that
+// coloctl's --data-format, the coordinator and the worker check against.
+inline constexpr const char* kDataFormats[] = {"auto", "uint16", "uint32", "npy", "text", "jsonl", "megatron"};
+// INVALID_ARGUMENT "'x' is not one of auto, uint16, ..." unless `format` is
+// one of kDataFormats or empty.
+absl::Status CheckDataFormat(const std::string& format);
 
 // OK, or INVALID_ARGUMENT whose message starts with the offending field's
 // path (e.g. "spec.shard.tensor_parallel_size: ..."). Names and labels are
@@ -49,7 +57,7 @@ bool ResumesFromCheckpoint(const v1::Job& job);
 bool IsRetryableRankError(absl::StatusCode code);
 
 // What one rank of `spec` holds at least for its model
-// (shardformer::MemoryFloorPerRank); 0 for TENSOR jobs and for a spec whose
+// (MemoryFloorPerRank); 0 for TENSOR jobs and for a spec whose
 // model does not parse (ValidateJobSpec reports that).
 int64_t RankMemoryFloorBytes(const v1::JobSpec& spec);
 
@@ -64,4 +72,4 @@ absl::Status ValidateShardConfig(const v1::ShardConfig& shard, absl::string_view
 
 }  // namespace colod
 
-#endif  // COLOD_SERVER_JOB_VALIDATION_H_
+#endif  // COLOD_SPEC_JOB_VALIDATION_H_

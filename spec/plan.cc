@@ -1,4 +1,4 @@
-#include "worker/shardformer/plan.h"
+#include "spec/plan.h"
 
 #include <algorithm>
 #include <map>
@@ -8,9 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
-#include "worker/colo/mesh.h"
+#include "spec/mesh.h"
 
-namespace colod::shardformer {
+namespace colod {
 namespace {
 
 using Role = LeafRole;
@@ -983,4 +983,4 @@ absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::Jo
   return search;
 }
 
-}  // namespace colod::shardformer
+}  // namespace colod

@@ -1,4 +1,4 @@
-#include "worker/shardformer/model_config.h"
+#include "spec/model_config.h"
 
 #include <algorithm>
 #include <fstream>
@@ -8,13 +8,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/atomic_file.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "worker/colo/mesh.h"
-#include "worker/shardformer/plan.h"
+#include "spec/mesh.h"
+#include "spec/plan.h"
 
-namespace colod::shardformer {
+namespace colod {
 namespace {
 
 using Json = nlohmann::json;
@@ -419,4 +420,15 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
   }
 }
 
-}  // namespace colod::shardformer
+absl::StatusOr<std::string> ReadConfigJson(const std::string& dir) {
+  auto text = ReadFileToString(dir + "/config.json");
+  if (!text.ok()) return absl::NotFoundError(absl::StrCat("no config.json in ", dir));
+  return text;
+}
+
+absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& dir) {
+  ASSIGN_OR_RETURN(const std::string text, ReadConfigJson(dir));
+  return ParseModelConfig(text, dir + "/config.json");
+}
+
+}  // namespace colod

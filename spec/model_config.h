@@ -2,8 +2,8 @@
 // shards (GPT-2, LLaMA, BERT, OPT, BLOOM, ViT, T5), and the checks a ShardConfig must pass for it.
 //
 // Thread-safety: a value type.
-#ifndef COLOD_WORKER_SHARDFORMER_MODEL_CONFIG_H_
-#define COLOD_WORKER_SHARDFORMER_MODEL_CONFIG_H_
+#ifndef COLOD_SPEC_MODEL_CONFIG_H_
+#define COLOD_SPEC_MODEL_CONFIG_H_
 
 #include <string>
 #include <vector>
@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "colod/v1/job.pb.h"
 
-namespace colod::shardformer {
+namespace colod {
 
 struct ModelConfig {
   std::string model_type;  // "gpt2", "llama", "bert", "opt", "bloom", "vit" or "t5"
@@ -81,8 +81,13 @@ inline constexpr int64_t kMaxPositions = int64_t{1} << 40;
 // heads, heads not divisible by the kv heads), more than kMaxLayers layers,
 // or a model whose parameter count overflows int64.
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& what = "config.json");
-// DIR/config.json is read by LoadConfig (worker/shardformer/shardformer.h),
-// which lets a registered family parse its own fields.
+// DIR/config.json's text; NOT_FOUND "no config.json in DIR" without it.
+absl::StatusOr<std::string> ReadConfigJson(const std::string& dir);
+// DIR/config.json parsed by ParseModelConfig: the built-in families, as the
+// coordinator and `coloctl plan` know them. The worker reads it with
+// LoadConfig (worker/shardformer/shardformer.h), which also lets a family
+// registered in its process parse its own fields.
+absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& dir);
 
 // The model's parameters as its Hugging Face checkpoint holds them (a tied
 // LM head counted once), from the config alone, in overflow-checked
@@ -134,6 +139,6 @@ bool HasPipelineStages(const ModelConfig& config);
 // pipeline stages (gpt2 and llama have them).
 absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard);
 
-}  // namespace colod::shardformer
+}  // namespace colod
 
-#endif  // COLOD_WORKER_SHARDFORMER_MODEL_CONFIG_H_
+#endif  // COLOD_SPEC_MODEL_CONFIG_H_

@@ -16,8 +16,8 @@
 // all-gather of n from each rank.
 //
 // Thread-safety: functions of their arguments.
-#ifndef COLOD_WORKER_SHARDFORMER_PLAN_H_
-#define COLOD_WORKER_SHARDFORMER_PLAN_H_
+#ifndef COLOD_SPEC_PLAN_H_
+#define COLOD_SPEC_PLAN_H_
 
 #include <cstdint>
 #include <string>
@@ -25,9 +25,9 @@
 
 #include "absl/status/statusor.h"
 #include "colod/v1/job.pb.h"
-#include "worker/shardformer/model_config.h"
+#include "spec/model_config.h"
 
-namespace colod::shardformer {
+namespace colod {
 
 // What a leaf of a model is to the planner: how its parameters split and
 // which collectives it makes in each mode. The roles follow the policies
@@ -138,6 +138,6 @@ absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::Jo
 // parallelism: how coloctl and the plan's refusals name a layout.
 std::string LayoutName(const v1::ShardConfig& shard);
 
-}  // namespace colod::shardformer
+}  // namespace colod
 
-#endif  // COLOD_WORKER_SHARDFORMER_PLAN_H_
+#endif  // COLOD_SPEC_PLAN_H_

@@ -6,7 +6,7 @@
 #include <cstdlib>
 
 #include "colod/v1/job.pb.h"
-#include "server/job_validation.h"
+#include "spec/job_validation.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   colod::v1::JobSpec spec;

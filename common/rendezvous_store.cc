@@ -1,4 +1,4 @@
-#include "worker/comm/rendezvous_store.h"
+#include "common/rendezvous_store.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"

@@ -1,7 +1,7 @@
 // The rendezvous key-value store and barriers that Gloo and NCCL use to find
 // each other (addresses, unique ids), scoped per job and generation.
-#ifndef COLOD_WORKER_COMM_RENDEZVOUS_STORE_H_
-#define COLOD_WORKER_COMM_RENDEZVOUS_STORE_H_
+#ifndef COLOD_COMMON_RENDEZVOUS_STORE_H_
+#define COLOD_COMMON_RENDEZVOUS_STORE_H_
 
 #include <map>
 #include <set>
@@ -104,4 +104,4 @@ class RendezvousStore {
 
 }  // namespace colod
 
-#endif  // COLOD_WORKER_COMM_RENDEZVOUS_STORE_H_
+#endif  // COLOD_COMMON_RENDEZVOUS_STORE_H_

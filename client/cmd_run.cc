@@ -1,0 +1,189 @@
+// coloctl-run: the coloctl commands that compute in this process, which is
+// why they live in a binary of their own: forward and train on this
+// machine's GPUs (--device cuda), init-model, tokenize and consolidate.
+// coloctl hands their command lines to it (cli.h: RunInProcess), so their
+// usage is coloctl's (cmd_model.cc); this file holds what they run.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "client/cli.h"
+#include "client/in_process_commands.h"
+#include "client/job_flags.h"
+#include "colod/v1/job.pb.h"
+#include "nlohmann/json.hpp"
+#include "worker/shardformer/checkpoint.h"
+#include "worker/shardformer/init_model.h"
+#include "worker/shardformer/run_forward.h"
+#include "worker/tensor/npy.h"
+#include "worker/train/data.h"
+#include "worker/train/job_options.h"
+#include "worker/train/megatron_writer.h"
+#include "worker/train/tokenizer.h"
+#include "worker/train/trainer.h"
+
+namespace colod::cli {
+namespace {
+
+// --device cuda (and for train no --coordinator), as coloctl hands them over.
+absl::Status CheckLocalGpus(const char* command, bool coordinator_allowed) {
+  auto cuda = CudaFromFlags();
+  if (!cuda.ok()) return cuda.status();
+  if (!*cuda || (!coordinator_allowed && !ExplicitCoordinator().empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(command, ": ", kRunBinary,
+                                                   " runs it on this machine's GPUs (--device cuda",
+                                                   coordinator_allowed ? "" : ", no --coordinator", "); coloctl ",
+                                                   command, " runs it on a cluster"));
+  }
+  return absl::OkStatus();
+}
+
+// rank r on local GPU r, in this process.
+int RunForwardOnGpus(const std::vector<std::string>&) {
+  if (absl::Status local = CheckLocalGpus("forward", /*coordinator_allowed=*/true); !local.ok()) return Usage(std::string(local.message()));
+  auto files = ForwardFilesFromFlags();
+  if (!files.ok()) return Usage(std::string(files.status().message()));
+  shardformer::ForwardRequest request;
+  request.model_dir = files->model;
+  request.cuda = true;
+  auto shard = ShardFromFlags();
+  if (!shard.ok()) return Usage(std::string(shard.status().message()));
+  request.shard.layout = *shard;
+  auto timeout = CommTimeoutFromFlags();
+  if (!timeout.ok()) return Usage(std::string(timeout.status().message()));
+  request.comm_timeout = *timeout;
+  auto read = ReadNpy(files->input);
+  if (!read.ok()) return Fail(read.status());
+  request.input = *read;
+  if (!files->labels.empty()) {
+    auto labels = ReadNpy(files->labels);
+    if (!labels.ok()) return Fail(labels.status());
+    request.labels = *labels;
+  }
+  if (!files->decoder_input.empty()) {
+    auto decoder = ReadNpy(files->decoder_input);
+    if (!decoder.ok()) return Fail(decoder.status());
+    request.decoder_input = *decoder;
+  }
+  auto run = shardformer::RunForward(request);
+  if (!run.ok()) return Fail(run.status());
+  if (!files->logits.empty()) {
+    const absl::Status written = WriteNpy(files->logits, run->logits);
+    if (!written.ok()) return Fail(written);
+  }
+  v1::ForwardResult result;
+  result.set_loss(run->loss);
+  result.set_tokens(run->tokens);
+  for (int64_t d : run->logits.shape()) result.add_logits_shape(d);
+  return PrintForwardResult(result, files->images, files->logits, JsonOutput());
+}
+
+// rank r on local GPU r over NCCL, as threads of this process; the spec is
+// read as a worker reads it (train::TrainOptionsFromSpec).
+int RunTrainOnGpus(const std::vector<std::string>&) {
+  if (absl::Status local = CheckLocalGpus("train", /*coordinator_allowed=*/false); !local.ok()) return Usage(std::string(local.message()));
+  auto spec = TrainSpecFromFlags();
+  if (!spec.ok()) return Usage(absl::StrCat("train: ", spec.status().message()));
+  auto options = train::TrainOptionsFromSpec(*spec, absl::GetFlag(FLAGS_model), /*cuda=*/true);
+  if (!options.ok()) return Usage(absl::StrCat("train: ", options.status().message()));
+  options->comm_timeout = *CommTimeoutFromFlags();
+  const train::TrainOptions& o = *options;
+  const bool json = JsonOutput();
+  const absl::Status s = train::Train(
+      o, [&](const train::StepStats& st) { PrintStep(train::StepProgressOf(st), o.steps, json); });
+  if (!s.ok()) return Fail(s);
+  if (!o.final_dir.empty() && !json) std::printf("wrote the trained model to %s\n", o.final_dir.c_str());
+  return 0;
+}
+
+int RunInitModel(const std::vector<std::string>&) {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) return Usage("init-model: --out is required");
+  if (absl::GetFlag(FLAGS_model_type) != "gpt2") {
+    return Usage(absl::StrCat("init-model: --model-type '", absl::GetFlag(FLAGS_model_type), "' is not supported (gpt2)"));
+  }
+  shardformer::Gpt2Shape shape;
+  shape.vocab_size = absl::GetFlag(FLAGS_vocab_size);
+  shape.hidden_size = absl::GetFlag(FLAGS_hidden_size);
+  shape.num_layers = absl::GetFlag(FLAGS_layers);
+  shape.num_heads = absl::GetFlag(FLAGS_heads);
+  shape.max_positions = absl::GetFlag(FLAGS_positions);
+  const absl::Status s = shardformer::WriteInitializedGpt2(out, shape, absl::GetFlag(FLAGS_seed));
+  if (!s.ok()) return Fail(s);
+  std::printf("wrote a GPT-2 (vocab %lld, n_embd %lld, n_layer %lld, n_head %lld, n_positions %lld) to %s\n",
+              static_cast<long long>(shape.vocab_size), static_cast<long long>(shape.hidden_size),
+              static_cast<long long>(shape.num_layers), static_cast<long long>(shape.num_heads),
+              static_cast<long long>(shape.max_positions), out.c_str());
+  return 0;
+}
+
+int RunConsolidate(const std::vector<std::string>&) {
+  const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint), out = absl::GetFlag(FLAGS_out);
+  if (checkpoint.empty()) return Usage("consolidate: --checkpoint is required");
+  if (out.empty()) return Usage("consolidate: --out is required");
+  const absl::Status s = shardformer::ConsolidateCheckpoint(checkpoint, out);
+  if (!s.ok()) return Fail(s);
+  std::printf("wrote %s/model.safetensors and %s/config.json\n", out.c_str(), out.c_str());
+  return 0;
+}
+
+int RunTokenize(const std::vector<std::string>&) {
+  const std::string model = absl::GetFlag(FLAGS_model), input = absl::GetFlag(FLAGS_input),
+                    out = absl::GetFlag(FLAGS_out);
+  if (model.empty()) return Usage("tokenize: --model is required (the directory whose tokenizer encodes the text)");
+  if (input.empty()) return Usage("tokenize: --input is required");
+  if (out.empty()) return Usage("tokenize: --out PREFIX is required");
+  auto format = train::ParseDataFormat(absl::GetFlag(FLAGS_data_format));
+  if (!format.ok()) return Usage(absl::StrCat("tokenize: ", format.status().message()));
+  *format = train::ResolveDataFormat(input, *format);
+  if (!train::IsTextFormat(*format)) {
+    return Usage(absl::StrCat("tokenize: ", input, " is not text or jsonl (--data-format text or jsonl)"));
+  }
+  auto tokenizer = train::LoadTokenizer(model);
+  if (!tokenizer.ok()) return Fail(tokenizer.status());
+  auto writer = train::MegatronWriter::Create(out, (*tokenizer)->vocab_size());
+  if (!writer.ok()) return Fail(writer.status());
+  const absl::Status s = train::ForEachTextDocument(
+      input, *format, /*paragraphs=*/true, [&](absl::string_view doc, const std::string& where) -> absl::Status {
+        absl::StatusOr<std::vector<int64_t>> ids = (*tokenizer)->EncodeDocument(doc);
+        if (!ids.ok()) return absl::Status(ids.status().code(), absl::StrCat(where, ": ", ids.status().message()));
+        return (*writer)->AddDocument(*ids);
+      });
+  if (!s.ok()) return Fail(s);
+  if ((*writer)->documents() == 0) return Fail(absl::InvalidArgumentError(absl::StrCat(input, " holds no document")));
+  if (const absl::Status f = (*writer)->Finish(); !f.ok()) return Fail(f);
+  if (JsonOutput()) {
+    nlohmann::json j = {{"bin", out + ".bin"},
+                        {"idx", out + ".idx"},
+                        {"documents", (*writer)->documents()},
+                        {"tokens", (*writer)->tokens()},
+                        {"dtype", (*writer)->dtype_name()},
+                        {"tokenizer", (*tokenizer)->kind()},
+                        {"vocab_size", (*tokenizer)->vocab_size()}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("wrote %s.bin and %s.idx: %lld documents, %lld tokens (%s), %s tokenizer of %s\n", out.c_str(),
+                out.c_str(), static_cast<long long>((*writer)->documents()),
+                static_cast<long long>((*writer)->tokens()), (*writer)->dtype_name(), (*tokenizer)->kind().c_str(),
+                model.c_str());
+  }
+  return 0;
+}
+
+// The usage of each is coloctl's (cmd_model.cc).
+constexpr Command kCommands[] = {
+    {"forward", "", "  forward     --device cuda: on this machine's GPUs, rank r on GPU r.\n", RunForwardOnGpus},
+    {"train", "", "  train       --device cuda: on this machine's GPUs, rank r on GPU r.\n", RunTrainOnGpus},
+    {"init-model", "", "  init-model  Write a new GPT-2 to --out DIR.\n", RunInitModel},
+    {"tokenize", "", "  tokenize    Encode text into a Megatron-LM indexed dataset.\n", RunTokenize},
+    {"consolidate", "", "  consolidate Assemble a sharded checkpoint into a Hugging Face directory.\n",
+     RunConsolidate},
+};
+
+}  // namespace
+
+CommandGroup InProcessCommands() { return {"Commands (see coloctl --help for their flags):", kCommands}; }
+
+}  // namespace colod::cli

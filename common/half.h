@@ -1,0 +1,36 @@
+// f16 and bf16 <-> f32 on the host: exact widening, and narrowing rounded to
+// nearest, ties to even (NaN stays NaN), as CUDA's __float2half_rn and
+// __float2bfloat16 do. The kernels' element loads and stores
+// (kernels/half.h) and coloctl's printing of tensor values use them.
+//
+// Thread-safety: pure functions.
+#ifndef COLOD_COMMON_HALF_H_
+#define COLOD_COMMON_HALF_H_
+
+#include <cstdint>
+#include <cstring>
+
+namespace colod {
+
+inline float BF16ToFloat(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t FloatToBF16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+// IEEE 754 binary16.
+float F16ToFloat(uint16_t h);
+uint16_t FloatToF16(float f);
+
+}  // namespace colod
+
+#endif  // COLOD_COMMON_HALF_H_
