@@ -10,13 +10,13 @@
 #include <limits>
 #include <stdexcept>
 #include <mutex>
-#include <typeinfo>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "worker/comm/gloo/collective_algorithms.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/alltoall.h"
@@ -219,42 +219,16 @@ constexpr uint8_t kExchangeSlotPrefix = 0x5e;
 
 }  // namespace
 
-// Ending a collective in flight. Gloo's own path for it is
-// tcp::Pair::signalExceptionExternal: it fails every operation pending on the
-// pair (their waits throw at once), closes the pair's socket (so the peer's
-// operations fail too) and does nothing if the pair already failed. It is
-// exported by libgloo, but Debian's libgloo-dev ships gloo/transport/tcp/pair.h
-// without the gloo/common/memory.h it includes, so the class cannot be named
-// here. The member is declared by its symbol instead: under the Itanium C++
-// ABI a non-virtual member function is called like a free function whose
-// first parameters are the hidden return slot and `this`, and tcp::Pair's
-// primary base is transport::Pair, so the pointer Context::getPair holds is
-// the tcp::Pair's. SignalPair checks the dynamic type before the call; a
-// libgloo without the symbol fails to link, never at run time.
-std::exception_ptr GlooTcpPairSignalExceptionExternal(gloo::transport::Pair* pair, const std::string& msg) __asm__(
-    "_ZN4gloo9transport3tcp4Pair23signalExceptionExternalERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE");
-
-namespace {
-
-// Fails what is pending on `pair` with `msg`; false if it is not a TCP pair.
-bool SignalPair(gloo::transport::Pair* pair, const std::string& msg) {
-  if (pair == nullptr || std::strcmp(typeid(*pair).name(), "N4gloo9transport3tcp4PairE") != 0) return false;
-  (void)GlooTcpPairSignalExceptionExternal(pair, msg);
-  return true;
-}
-
-}  // namespace
-
 namespace gloo_detail {
 
-// Signalling the pairs misses one wait: tcp::Pair::signalException wakes the
-// operations pending on the pair, but not the receive whose payload the pair
-// is reading at that moment (prepareRead has already taken it off the
-// pending list). A peer stopped or killed partway through a message thus
-// left that receive, and the collective around it, waiting out the whole
-// timeout after an Abort. So every unbound buffer the communicator's
-// collectives make goes through a TrackedBuffer, and Abort also ends the
-// waits of the buffers alive at that moment (Gloo's abortWaitRecv and
+// How Abort ends the waits of a collective in flight: closing a pair
+// (transport::Pair::close, what Gloo's interface offers) wakes none of the
+// operations pending on it, and even Gloo's internal signalException would
+// miss the receive whose payload the pair is reading at that moment. So
+// every unbound buffer the communicator's collectives make, Gloo's
+// algorithms' included (TrackingContext creates them), goes through a
+// TrackedBuffer, and Abort, after closing the pairs, ends the waits of the
+// buffers alive at that moment (UnboundBuffer::abortWaitRecv and
 // abortWaitSend) and fails any later operation on them at once.
 //
 // Thread-safe: buffers come and go on the communicator thread, AbortAll runs
@@ -549,21 +523,20 @@ void GlooCommunicator::Abort(const absl::Status& reason) {
     if (error_.ok()) error_ = absl::AbortedError(absl::StrCat("gloo: aborted: ", reason.message()));
     message = std::string(error_.message());
   }
-  // Outside mu_: a collective in flight (on the communicator thread) fails at
-  // once instead of at options_.timeout, and the peers' collectives with
-  // this rank fail as their side of each pair closes.
-  bool all_closed = true;
+  // Outside mu_. Every pair is closed through the interface Gloo declares
+  // for it (transport::Pair::close; the TCP pair resets its socket, SO_LINGER
+  // 0, under the pair's lock, so its device thread writes into no buffer
+  // after it): the peers' collectives with this rank fail as their side of
+  // the pair reads the reset, and any later operation on the pair throws
+  // ("Socket closed"). Closing wakes no local wait, so then every wait of the
+  // buffers alive (LiveBuffers: all of them, the context makes them) ends,
+  // and the collective in flight fails at once instead of at
+  // options_.timeout.
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
-    if (!SignalPair(context_->getPair(peer).get(), message)) {
-      all_closed = false;
-      COLOD_LOG(WARNING) << "gloo abort: the pair to rank " << peer << " is not a TCP pair; a collective in flight "
-                         << "ends at its timeout";
-    }
+    if (const std::unique_ptr<gloo::transport::Pair>& pair = context_->getPair(peer); pair != nullptr) pair->close();
   }
-  // Then the waits the pairs missed (LiveBuffers), once no pair can write
-  // into their memory any more: a signalled pair has closed its socket.
-  if (all_closed) live_buffers_->AbortAll();
+  live_buffers_->AbortAll();
 }
 
 absl::Status GlooCommunicator::AsyncError() {
@@ -577,7 +550,11 @@ std::shared_ptr<Work> GlooCommunicator::AllReduce(void* data, int64_t count, DTy
     if (count == 0) return;
     const size_t bytes = static_cast<size_t>(count) * SizeOf(dtype);
     if (size_ == 2 && bytes <= options_.two_rank_exchange_max_bytes) {
-      ExchangeAndReduce(data, count, dtype, op, tag);
+      // One exchange (collective_algorithms.h) where halving-doubling makes two.
+      const gloo_algorithms::Call call{context_, gloo::Slot::build(kExchangeSlotPrefix, tag),
+                                       ToMillis(options_.timeout), static_cast<size_t>(count), SizeOf(dtype),
+                                       ReduceFunction(dtype, op)};
+      gloo_algorithms::TwoRankAllReduce(call, data, Scratch(bytes));
     } else {
       gloo::AllreduceOptions opts(context_);
       WithStorageType(dtype, [&](auto* type) {
@@ -621,70 +598,17 @@ char* GlooCommunicator::Scratch(size_t bytes) {
   return scratch_.get();
 }
 
-void GlooCommunicator::ExchangeAndReduce(void* data, int64_t count, DType dtype, ReduceOp op, uint32_t tag) {
-  // Both ranks send their whole buffer and reduce it with the other's: one
-  // exchange where Gloo's halving-doubling makes two (a reduce-scatter of
-  // halves, then an all-gather), the same bytes on the wire. Both ranks apply
-  // op(rank 0's, rank 1's), so they hold the same bits even where op is not
-  // commutative (a max with a NaN).
-  const size_t bytes = static_cast<size_t>(count) * SizeOf(dtype);
-  char* const incoming = Scratch(bytes);
-  const int peer = 1 - rank_;
-  const uint64_t slot = gloo::Slot::build(kExchangeSlotPrefix, tag);
-  const auto timeout = ToMillis(options_.timeout);
-  auto into = context_->createUnboundBuffer(incoming, bytes);
-  auto from = context_->createUnboundBuffer(data, bytes);
-  into->recv(peer, slot);
-  from->send(peer, slot);
-  if (!into->waitRecv(timeout) || !from->waitSend(timeout)) throw std::runtime_error("all-reduce exchange aborted");
-  const void* first = rank_ == 0 ? data : incoming;
-  const void* second = rank_ == 0 ? incoming : data;
-  ReduceFunction(dtype, op)(data, first, second, static_cast<size_t>(count));
-}
-
 std::shared_ptr<Work> GlooCommunicator::ReduceScatter(const void* in, void* out, int64_t count,
                                                       DType dtype, ReduceOp op) {
   if (absl::Status s = CheckCollectiveCount("gloo ReduceScatter", count, dtype, size_); !s.ok()) return Failed(s);
-  // A ring over Gloo's pairs (this Gloo's options API has no reduce-scatter):
-  // in p - 1 steps each rank sends one chunk to its right neighbour and adds
-  // the chunk from its left into its running sum, so that chunk r's sum ends
-  // on rank r. Each rank sends p - 1 chunks, (p - 1)/p of its input, as
-  // NCCL's ring does; an all-reduce of the whole input would send twice that.
+  // A ring over Gloo's pairs (collective_algorithms.h).
   return Submit("ReduceScatter", [=](uint32_t tag) {
     if (count == 0) return;
     const size_t chunk = static_cast<size_t>(count) * SizeOf(dtype);
-    const char* input = static_cast<const char*>(in);
-    if (size_ == 1) {
-      std::memcpy(out, in, chunk);
-      return;
-    }
-    const gloo::AllreduceOptions::Func reduce = ReduceFunction(dtype, op);
-    const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
-    const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
-    const auto timeout = ToMillis(options_.timeout);
-    char* const sum = Scratch(2 * chunk);
-    char* const incoming = sum + chunk;
-    auto from_input = context_->createUnboundBuffer(const_cast<char*>(input), chunk * size_);
-    auto from_sum = context_->createUnboundBuffer(sum, chunk);
-    auto into = context_->createUnboundBuffer(incoming, chunk);
-    for (int step = 0; step + 1 < size_; ++step) {
-      // Send the running sum of chunk r - step - 1 (at step 0, this rank's
-      // own chunk), receive the left's of chunk r - step - 2.
-      const size_t send_chunk = static_cast<size_t>((rank_ + 2 * size_ - step - 1) % size_);
-      const size_t recv_chunk = static_cast<size_t>((rank_ + 2 * size_ - step - 2) % size_);
-      into->recv(left, slot);
-      gloo::transport::UnboundBuffer* sending = step == 0 ? from_input.get() : from_sum.get();
-      if (step == 0) {
-        sending->send(right, slot, send_chunk * chunk, chunk);
-      } else {
-        sending->send(right, slot);
-      }
-      if (!into->waitRecv(timeout) || !sending->waitSend(timeout)) {
-        throw std::runtime_error("reduce-scatter step aborted");
-      }
-      void* dst = step + 2 == size_ ? out : sum;  // the last step leaves chunk r's sum
-      reduce(dst, input + recv_chunk * chunk, incoming, static_cast<size_t>(count));
-    }
+    const gloo_algorithms::Call call{context_, gloo::Slot::build(kReduceScatterSlotPrefix, tag),
+                                     ToMillis(options_.timeout), static_cast<size_t>(count), SizeOf(dtype),
+                                     ReduceFunction(dtype, op)};
+    gloo_algorithms::RingReduceScatter(call, in, out, Scratch(2 * chunk));
     if (op == ReduceOp::kAvg) DivideInPlace(out, count, dtype, size_);
   });
 }

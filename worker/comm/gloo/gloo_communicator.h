@@ -95,8 +95,6 @@ class GlooCommunicator final : public Communicator {
   void Loop();
   // On the communicator thread: scratch_ grown to at least `bytes`.
   char* Scratch(size_t bytes);
-  // On the communicator thread: the all-reduce of a two-rank communicator.
-  void ExchangeAndReduce(void* data, int64_t count, DType dtype, ReduceOp op, uint32_t tag);
 
   const int rank_;
   const int size_;
