@@ -112,8 +112,10 @@ grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v
       return absl::InvalidArgumentError(absl::StrCat("request_id: at most ", kMaxRequestIdBytes, " bytes"));
     }
     RETURN_IF_ERROR(ValidateJobSpec(req->spec()));
-    RETURN_IF_ERROR(CheckMemoryFits(req->spec(), workers_->List(/*include_lost=*/false)));
-    ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Submit(req->spec(), req->request_id()));
+    // The floor is computed here, once, and stored with the job.
+    const v1::MemoryFloor floor = JobMemoryFloor(req->spec());
+    RETURN_IF_ERROR(CheckMemoryFits(floor, workers_->List(/*include_lost=*/false)));
+    ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Submit(req->spec(), req->request_id(), floor));
     if (scheduler_ != nullptr) scheduler_->Wake();
     return absl::OkStatus();
   });

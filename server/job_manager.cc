@@ -89,6 +89,12 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
       }
       Entry e;
       e.job = std::move(*record.mutable_job());
+      // A record written before jobs stored their memory floor gets it now,
+      // once (the scheduler places jobs by it).
+      if (!e.job.has_memory_floor() && e.job.spec().kind() != v1::JOB_KIND_TENSOR) {
+        const v1::MemoryFloor floor = JobMemoryFloor(e.job.spec());
+        if (floor.total_bytes() > 0) *e.job.mutable_memory_floor() = floor;
+      }
       e.events.assign(record.events().begin(), record.events().end());
       e.request_id = record.request_id();
       if (!e.request_id.empty()) m->job_by_request_id_[e.request_id] = e.job.job_id();
@@ -337,8 +343,10 @@ absl::Status JobManager::AddRankStatus(absl::string_view job_id, const v1::RankS
   });
 }
 
-absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string_view request_id) {
+absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string_view request_id,
+                                           std::optional<v1::MemoryFloor> floor) {
   RETURN_IF_ERROR(ValidateJobSpec(spec));
+  if (!floor.has_value()) floor = JobMemoryFloor(spec);
   const std::string request(request_id);
   Entry e;
   std::optional<RecordWrite> w;
@@ -355,6 +363,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
     }
     e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
     *e.job.mutable_spec() = spec;
+    if (floor->total_bytes() > 0) *e.job.mutable_memory_floor() = *floor;
     *e.job.mutable_create_time() = ToProtoTimestamp(clock_->Now());
     e.request_id = request;
     AppendStateChangeLocked(e, v1::JOB_STATE_PENDING, "waiting for workers");

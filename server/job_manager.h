@@ -52,13 +52,16 @@ class JobManager {
   static absl::StatusOr<std::unique_ptr<JobManager>> Open(const std::string& state_dir,
                                                           Clock* clock = Clock::Real());
 
-  // Validates (ValidateJobSpec) and adds a PENDING job. With a non-empty
-  // request_id, a repeated submit returns the first job instead of a new one.
+  // Validates (ValidateJobSpec) and adds a PENDING job with its memory floor
+  // (`floor`, else JobMemoryFloor(spec): computed once, here, and stored with
+  // the job). With a non-empty request_id, a repeated submit returns the
+  // first job instead of a new one.
   // A job whose record cannot be written is not added: the error
   // (RESOURCE_EXHAUSTED for a full disk, atomic_file.h's FileError) is
   // returned and nothing of it remains, so an accepted job survives a
   // coordinator restart.
-  absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec, absl::string_view request_id);
+  absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec, absl::string_view request_id,
+                                 std::optional<v1::MemoryFloor> floor = std::nullopt);
   // NOT_FOUND for an unknown id.
   absl::StatusOr<v1::Job> Get(absl::string_view job_id);
   // Jobs in submission order; only `states` if non-empty.

@@ -7,6 +7,7 @@
 #include <string>
 #include <thread>
 
+#include "common/atomic_file.h"
 #include "gtest/gtest.h"
 #include "spec/job_validation.h"
 #include "tests/testing/full_disk.h"
@@ -208,6 +209,51 @@ TEST(JobManager, SubmitGetListCancel) {
   bad.mutable_shard()->set_tensor_parallel_size(0);
   EXPECT_EQ(jobs.Submit(bad, "").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(jobs.List({}).size(), 2u);  // nothing half-created
+}
+
+// A job stores the memory floor it was submitted with, computed once: the
+// GPT-2 closed form's parameters (V*E + P*E + L*(12E^2 + 13E) + 2E =
+// 120,640 for the tiny config), and bytes that add up. A floor the caller
+// computed is stored as given; one a record lacks (written before jobs
+// stored it) is filled in when the coordinator opens its records.
+TEST(JobManager, AJobStoresItsMemoryFloorComputedOnceAtSubmit) {
+  FakeClock clock;
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/memory-floor";
+  std::filesystem::remove_all(dir);
+  v1::MemoryFloor given;
+  given.set_total_bytes(int64_t{7} << 30);
+  std::string old_record_path;
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    auto job = (*jobs)->Submit(TrainSpec(), "");
+    ASSERT_TRUE(job.ok()) << job.status();
+    const v1::MemoryFloor& f = job->memory_floor();
+    EXPECT_EQ(f.parameters(), 257 * 64 + 64 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64);
+    EXPECT_GT(f.rank_parameters(), 0);
+    EXPECT_LT(f.rank_parameters(), f.parameters());  // tp = 2
+    EXPECT_EQ(f.total_bytes(), f.param_bytes() + f.grad_bytes() + f.optimizer_bytes() + f.activation_bytes());
+    EXPECT_EQ(f.total_bytes(), RankMemoryFloorBytes(TrainSpec()));
+    auto as_given = (*jobs)->Submit(TrainSpec(), "", given);
+    ASSERT_TRUE(as_given.ok()) << as_given.status();
+    EXPECT_EQ(as_given->memory_floor().total_bytes(), given.total_bytes());
+    // A third job's record as an older coordinator wrote it: no floor.
+    auto old = (*jobs)->Submit(TrainSpec(), "");
+    ASSERT_TRUE(old.ok()) << old.status();
+    old_record_path = dir + "/" + old->job_id() + ".pb";
+    v1::JobRecord record;
+    auto bytes = ReadFileToString(old_record_path);
+    ASSERT_TRUE(bytes.ok() && record.ParseFromString(*bytes));
+    record.mutable_job()->clear_memory_floor();
+    ASSERT_TRUE(WriteFileAtomically(old_record_path, record.SerializeAsString()).ok());
+  }
+  auto reopened = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  const std::vector<v1::Job> listed = (*reopened)->List({});
+  ASSERT_EQ(listed.size(), 3u);
+  EXPECT_EQ(listed[0].memory_floor().total_bytes(), RankMemoryFloorBytes(TrainSpec()));
+  EXPECT_EQ(listed[1].memory_floor().total_bytes(), given.total_bytes());
+  EXPECT_EQ(listed[2].memory_floor().total_bytes(), RankMemoryFloorBytes(TrainSpec()));
 }
 
 // A job whose record cannot be written (a full disk) is refused

@@ -195,7 +195,7 @@ void Scheduler::ScheduleQueued() {
     std::set<std::string> unavailable = held;
     unavailable.insert(taken.begin(), taken.end());
     absl::StatusOr<PlacementDecision> decision =
-        PlaceJob(*mesh, RankMemoryFloorBytes(job.spec()), live, unavailable);
+        PlaceJob(*mesh, job.memory_floor().total_bytes(), live, unavailable);
     if (!decision.ok()) {
       waiting_.erase(job.job_id());
       (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, decision.status().message());
@@ -245,6 +245,7 @@ void Scheduler::ScheduleQueued() {
       p.job_id = job.job_id();
       p.generation = scheduled->generation();
       p.spec = scheduled->spec();
+      p.memory_floor = scheduled->memory_floor();
       // Placed again after it wrote a checkpoint: every rank resumes from the
       // newest complete one in its checkpoint directory.
       if (ResumesFromCheckpoint(*scheduled)) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
@@ -268,6 +269,7 @@ void Scheduler::Assign(const std::string& job_id) {
     *req.mutable_spec() = it->second.spec;
     *req.mutable_mesh() = it->second.mesh;
     req.set_rendezvous_scope(it->second.scope);
+    if (it->second.memory_floor.total_bytes() > 0) *req.mutable_memory_floor() = it->second.memory_floor;
     for (const v1::RankAssignment& a : it->second.mesh.ranks()) {
       req.set_rank(a.rank());
       calls.push_back({a.worker_address(), req});

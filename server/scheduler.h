@@ -119,6 +119,7 @@ class Scheduler {
     std::string job_id;
     int64_t generation = 0;
     v1::JobSpec spec;
+    v1::MemoryFloor memory_floor;  // the job's, sent with each assignment
     v1::MeshSpec mesh;
     std::string scope;            // rendezvous scope of this generation
     std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)

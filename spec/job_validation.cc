@@ -185,22 +185,48 @@ absl::StatusOr<RankMemoryFloor> FloorOf(const v1::JobSpec& spec) {
 
 }  // namespace
 
-int64_t RankMemoryFloorBytes(const v1::JobSpec& spec) {
+v1::MemoryFloor JobMemoryFloor(const v1::JobSpec& spec) {
   absl::StatusOr<RankMemoryFloor> floor = FloorOf(spec);
-  return floor.ok() ? floor->total_bytes : 0;
+  return floor.ok() ? MemoryFloorToProto(*floor) : v1::MemoryFloor();
 }
 
-absl::Status CheckMemoryFits(const v1::JobSpec& spec, const std::vector<v1::Worker>& workers) {
-  absl::StatusOr<RankMemoryFloor> floor = FloorOf(spec);
-  if (!floor.ok() || floor->total_bytes == 0 || workers.empty()) return absl::OkStatus();
+int64_t RankMemoryFloorBytes(const v1::JobSpec& spec) { return JobMemoryFloor(spec).total_bytes(); }
+
+RankMemoryFloor MemoryFloorFromProto(const v1::MemoryFloor& f) {
+  RankMemoryFloor floor;
+  floor.parameters = f.parameters();
+  floor.rank_parameters = f.rank_parameters();
+  floor.param_bytes = f.param_bytes();
+  floor.grad_bytes = f.grad_bytes();
+  floor.optimizer_bytes = f.optimizer_bytes();
+  floor.activation_bytes = f.activation_bytes();
+  floor.total_bytes = f.total_bytes();
+  return floor;
+}
+
+v1::MemoryFloor MemoryFloorToProto(const RankMemoryFloor& floor) {
+  v1::MemoryFloor f;
+  f.set_parameters(floor.parameters);
+  f.set_rank_parameters(floor.rank_parameters);
+  f.set_param_bytes(floor.param_bytes);
+  f.set_grad_bytes(floor.grad_bytes);
+  f.set_optimizer_bytes(floor.optimizer_bytes);
+  f.set_activation_bytes(floor.activation_bytes);
+  f.set_total_bytes(floor.total_bytes);
+  return f;
+}
+
+absl::Status CheckMemoryFits(const v1::MemoryFloor& stored, const std::vector<v1::Worker>& workers) {
+  const RankMemoryFloor floor = MemoryFloorFromProto(stored);
+  if (floor.total_bytes <= 0 || workers.empty()) return absl::OkStatus();
   int64_t largest = 0;
   for (const v1::Worker& w : workers) {
     if (w.info().memory_bytes() == 0) return absl::OkStatus();  // one that does not say: it decides itself
     largest = std::max(largest, w.info().memory_bytes());
   }
-  if (floor->total_bytes <= largest) return absl::OkStatus();
+  if (floor.total_bytes <= largest) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      "spec.model: this job needs ", DescribeMemoryFloor(*floor),
+      "spec.model: this job needs ", DescribeMemoryFloor(floor),
       ", and the largest of the ", workers.size(), " registered workers has ", GiB(largest),
       ": raise tensor_parallel_size or add larger workers"));
 }

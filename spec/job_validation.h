@@ -10,6 +10,7 @@
 
 #include "colod/v1/job.pb.h"
 #include "colod/v1/worker.pb.h"
+#include "spec/model_config.h"
 
 namespace colod {
 
@@ -57,14 +58,21 @@ bool ResumesFromCheckpoint(const v1::Job& job);
 bool IsRetryableRankError(absl::StatusCode code);
 
 // What one rank of `spec` holds at least for its model
-// (MemoryFloorPerRank); 0 for TENSOR jobs and for a spec whose
-// model does not parse (ValidateJobSpec reports that).
+// (MemoryFloorPerRank), as a job stores it; empty (all zero) for TENSOR jobs
+// and for a spec whose model does not parse (ValidateJobSpec reports that).
+// The coordinator computes it once, at submit (Job.memory_floor).
+v1::MemoryFloor JobMemoryFloor(const v1::JobSpec& spec);
+// JobMemoryFloor(spec).total_bytes().
 int64_t RankMemoryFloorBytes(const v1::JobSpec& spec);
+// The stored floor, and back.
+RankMemoryFloor MemoryFloorFromProto(const v1::MemoryFloor& floor);
+v1::MemoryFloor MemoryFloorToProto(const RankMemoryFloor& floor);
 
 // INVALID_ARGUMENT when workers are registered and none has the memory one
-// rank of `spec` needs, with the need and the largest worker's memory. OK
-// with none registered: the workers check again before they allocate.
-absl::Status CheckMemoryFits(const v1::JobSpec& spec, const std::vector<v1::Worker>& workers);
+// rank of a job with `floor` needs, with the need and the largest worker's
+// memory. OK with none registered: the workers check again before they
+// allocate.
+absl::Status CheckMemoryFits(const v1::MemoryFloor& floor, const std::vector<v1::Worker>& workers);
 
 // Checks the tp/dp/mode/depth combination of a ShardConfig (also used by the
 // mesh builder). Field paths are prefixed with `path`.

@@ -19,7 +19,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (valid.ok()) {
     std::vector<colod::v1::Worker> workers(1);
     workers[0].mutable_info()->set_memory_bytes(int64_t{1} << 40);
-    (void)colod::CheckMemoryFits(spec, workers);
+    (void)colod::CheckMemoryFits(colod::JobMemoryFloor(spec), workers);
   }
   return 0;
 }

@@ -11,6 +11,7 @@
 #include "common/atomic_file.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "spec/job_validation.h"
 #include "spec/mesh.h"
 #include "worker/colo/rank_group.h"
 #include "worker/comm/coordinator_store.h"
@@ -40,14 +41,15 @@ std::string KindName(v1::JobKind kind) {
   }
 }
 
-// RESOURCE_EXHAUSTED when one rank of `spec` needs more memory than
-// `memory_bytes` at least (0: unchecked). A family this config parser does
-// not know (a user policy's) is checked by its own loader instead.
-absl::Status AdmitModel(const v1::JobSpec& spec, int64_t memory_bytes) {
+// RESOURCE_EXHAUSTED when one rank of the job needs more memory than
+// `memory_bytes` at least (0: unchecked): the floor the coordinator sent
+// (computed once, at submit), or from an older coordinator that sends none,
+// the spec's. A family this config parser does not know (a user policy's)
+// is checked by its own loader instead.
+absl::Status AdmitModel(const v1::AssignJobRequest& req, int64_t memory_bytes) {
   if (memory_bytes <= 0) return absl::OkStatus();
-  absl::StatusOr<ModelConfig> config = ParseModelConfig(spec.model().config_json());
-  if (!config.ok()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(RankMemoryFloor floor, MemoryFloorPerRank(*config, spec));
+  const RankMemoryFloor floor =
+      MemoryFloorFromProto(req.has_memory_floor() ? req.memory_floor() : JobMemoryFloor(req.spec()));
   if (floor.total_bytes <= memory_bytes) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
       "the model needs ", DescribeMemoryFloor(floor),
@@ -225,7 +227,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   if (options_.cuda) shard.device = Device::Cuda(options_.device_ordinal);
   RETURN_IF_ERROR(options_.paths.CheckJob(req.spec()));
   if (req.spec().kind() != v1::JOB_KIND_TENSOR) {  // TRAIN and FORWARD jobs load a model
-    RETURN_IF_ERROR(AdmitModel(req.spec(), options_.memory_bytes));
+    RETURN_IF_ERROR(AdmitModel(req, options_.memory_bytes));
     if (reporter.Phase(v1::RANK_PHASE_LOADING, "opening the model and the data")) {
       return absl::AbortedError("the job no longer runs");
     }

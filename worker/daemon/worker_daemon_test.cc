@@ -12,6 +12,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "spec/job_validation.h"
 #include "tests/testing/temp_dir.h"
 #include "server/coordinator.h"
 #include "tests/testing/grpc_probe.h"
@@ -227,6 +228,28 @@ TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
                                        "parameters"))
       << error;
   EXPECT_TRUE(absl::StrContains(error, "this worker has 0.06 GiB")) << error;
+}
+
+// The worker admits a rank by the memory floor the coordinator sends (computed
+// once, at submit), not by recomputing it: a floor above the worker's memory
+// refuses a model that would fit, naming the floor sent.
+TEST(WorkerDaemon, ARankIsAdmittedByTheMemoryFloorItIsSent) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-floor");
+  ASSERT_NE(coordinator, nullptr);
+  JobRunner::Options ro = RunnerOptions(*coordinator, "runner-floor");
+  ro.memory_bytes = int64_t{1} << 30;
+  JobRunner runner(ro);
+  v1::AssignJobRequest assign = RankZero("job-434343", MidSizeTrainSpec());  // 0.15 GiB a rank: it fits
+  ASSERT_LT(RankMemoryFloorBytes(assign.spec()), ro.memory_bytes);
+  assign.mutable_memory_floor()->set_total_bytes(int64_t{2} << 30);
+  assign.mutable_memory_floor()->set_parameters(123);
+  ASSERT_TRUE(runner.Assign(assign).ok());
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
+  const std::string error = runner.Status().last_error();
+  EXPECT_TRUE(absl::StrContains(error, "RESOURCE_EXHAUSTED: the model needs at least 2.00 GiB per rank (123 "
+                                       "parameters"))
+      << error;
+  EXPECT_TRUE(absl::StrContains(error, "this worker has 1.00 GiB")) << error;
 }
 
 int64_t RssBytes() {
