@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
@@ -68,6 +69,195 @@ absl::StatusOr<std::string> Str(const Json& j, const std::string& field, const s
 
 }  // namespace
 
+namespace {
+
+// The fields transformers' GPT2Config reads, with its defaults.
+absl::Status ParseGpt2Config(const Json& j, const std::string& what, ModelConfig& c) {
+  ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
+  ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "n_embd"));
+  ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "n_layer"));
+  ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "n_head"));
+  ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "n_positions"));
+  const std::optional<int64_t> inner = CheckedMul(4, c.hidden_size);
+  if (!inner.has_value()) return Field(what, "n_embd", "is too large");
+  ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "n_inner", *inner));
+  ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_epsilon", 1e-5));
+  ASSIGN_OR_RETURN(c.activation, Str(j, "activation_function", "gelu_new"));
+  c.num_kv_heads = c.num_heads;
+  c.tie_word_embeddings = true;  // GPT2LMHeadModel always ties lm_head to wte
+  return absl::OkStatus();
+}
+
+// The fields transformers' LlamaConfig reads, with its defaults.
+absl::Status ParseLlamaConfig(const Json& j, const std::string& what, ModelConfig& c) {
+  ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
+  ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "hidden_size"));
+  ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_hidden_layers"));
+  ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_attention_heads"));
+  ASSIGN_OR_RETURN(c.num_kv_heads, Int(j, what, "num_key_value_heads", c.num_heads));
+  ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "intermediate_size"));
+  ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "max_position_embeddings", 2048));
+  ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "rms_norm_eps", 1e-6));
+  ASSIGN_OR_RETURN(c.rope_theta, Num(j, what, "rope_theta", 10000));
+  ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "silu"));
+  ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", false));
+  return absl::OkStatus();
+}
+
+// The fields transformers' BertConfig reads, with its defaults.
+absl::Status ParseBertConfig(const Json& j, const std::string& what, ModelConfig& c) {
+  ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
+  ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "hidden_size"));
+  ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_hidden_layers"));
+  ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_attention_heads"));
+  ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "intermediate_size"));
+  ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "max_position_embeddings", 512));
+  ASSIGN_OR_RETURN(c.type_vocab_size, Int(j, what, "type_vocab_size", 2));
+  ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_eps", 1e-12));
+  ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "gelu"));
+  c.num_kv_heads = c.num_heads;
+  c.tie_word_embeddings = true;  // BertForMaskedLM ties the decoder to the word embeddings
+  return absl::OkStatus();
+}
+
+// The fields transformers' OPTConfig reads, with its defaults.
+absl::Status ParseOptConfig(const Json& j, const std::string& what, ModelConfig& c) {
+  ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
+  ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "hidden_size"));
+  ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_hidden_layers"));
+  ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_attention_heads"));
+  ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "ffn_dim"));
+  ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "max_position_embeddings", 2048));
+  ASSIGN_OR_RETURN(c.embed_dim, Int(j, what, "word_embed_proj_dim", c.hidden_size));
+  ASSIGN_OR_RETURN(c.activation, Str(j, "activation_function", "relu"));
+  ASSIGN_OR_RETURN(c.norm_before, Bool(j, what, "do_layer_norm_before", true));
+  ASSIGN_OR_RETURN(bool remove_final, Bool(j, what, "_remove_final_layer_norm", false));
+  c.final_norm = c.norm_before && !remove_final;  // OPTDecoder's final_layer_norm
+  ASSIGN_OR_RETURN(c.linear_bias, Bool(j, what, "enable_bias", true));
+  ASSIGN_OR_RETURN(bool affine, Bool(j, what, "layer_norm_elementwise_affine", true));
+  if (!affine) {
+    return Field(what, "layer_norm_elementwise_affine", "false (LayerNorms without weights) is not supported");
+  }
+  ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", true));
+  c.num_kv_heads = c.num_heads;
+  c.norm_eps = 1e-5;  // torch.nn.LayerNorm's default: OPT's config has no epsilon
+  c.position_offset = 2;
+  if (c.max_positions > kMaxPositions) {
+    return Field(what, "max_position_embeddings", absl::StrCat("must be at most ", kMaxPositions));
+  }
+  return absl::OkStatus();
+}
+
+// The fields transformers' BloomConfig reads, with its defaults.
+absl::Status ParseBloomConfig(const Json& j, const std::string& what, ModelConfig& c) {
+  ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
+  // bigscience's configs name the width n_embed; BloomConfig maps it to hidden_size.
+  ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, j.contains("n_embed") ? "n_embed" : "hidden_size"));
+  ASSIGN_OR_RETURN(c.num_layers, Int(j, what, j.contains("num_hidden_layers") ? "num_hidden_layers" : "n_layer"));
+  ASSIGN_OR_RETURN(c.num_heads, Int(j, what, j.contains("num_attention_heads") ? "num_attention_heads" : "n_head"));
+  const std::optional<int64_t> inner = CheckedMul(4, c.hidden_size);
+  if (!inner.has_value()) return Field(what, "hidden_size", "is too large");
+  c.intermediate_size = *inner;  // BloomMLP: 4 * hidden_size
+  // ALiBi has no position table: seq_length, where given, bounds the
+  // sequences; else BLOOM's training length.
+  ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "seq_length", 2048));
+  ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_epsilon", 1e-5));
+  ASSIGN_OR_RETURN(c.residual_post_norm, Bool(j, what, "apply_residual_connection_post_layernorm", false));
+  ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", true));
+  // pretraining_tp and slow_but_exact change how transformers sums the
+  // projections in slices, not what they compute: both are ignored.
+  c.activation = "gelu_tanh";  // BloomGelu
+  c.num_kv_heads = c.num_heads;
+  return absl::OkStatus();
+}
+
+// The fields transformers' ViTConfig reads, with its defaults.
+absl::Status ParseVitConfig(const Json& j, const std::string& what, ModelConfig& c) {
+  ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "hidden_size"));
+  ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_hidden_layers"));
+  ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_attention_heads"));
+  ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "intermediate_size"));
+  ASSIGN_OR_RETURN(c.image_size, Int(j, what, "image_size", 224));
+  ASSIGN_OR_RETURN(c.patch_size, Int(j, what, "patch_size", 16));
+  ASSIGN_OR_RETURN(c.num_channels, Int(j, what, "num_channels", 3));
+  ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_eps", 1e-12));
+  ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "gelu"));
+  ASSIGN_OR_RETURN(c.linear_bias, Bool(j, what, "qkv_bias", true));
+  // The labels: num_labels, or as many as id2label names (transformers'
+  // PretrainedConfig), 2 without either.
+  int64_t labels = 2;
+  if (j.contains("id2label") && j["id2label"].is_object() && !j["id2label"].empty()) {
+    labels = static_cast<int64_t>(j["id2label"].size());
+  }
+  ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "num_labels", labels));
+  if (c.image_size % c.patch_size != 0) {
+    return Field(what, "image_size", absl::StrCat(c.image_size, " is not a multiple of patch_size ", c.patch_size));
+  }
+  if (c.image_size > (int64_t{1} << 20)) return Field(what, "image_size", "must be at most 1048576");
+  const int64_t side = c.image_size / c.patch_size;
+  c.max_positions = side * side + 1;  // the patches and the CLS token
+  c.num_kv_heads = c.num_heads;
+  c.tie_word_embeddings = false;
+  return absl::OkStatus();
+}
+
+// The fields transformers' T5Config reads, with its defaults.
+absl::Status ParseT5Config(const Json& j, const std::string& what, ModelConfig& c) {
+  ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
+  ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "d_model"));
+  ASSIGN_OR_RETURN(c.kv_dim, Int(j, what, "d_kv"));
+  ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "d_ff"));
+  ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_layers"));
+  ASSIGN_OR_RETURN(c.num_decoder_layers, Int(j, what, "num_decoder_layers", c.num_layers));
+  ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_heads"));
+  ASSIGN_OR_RETURN(c.relative_buckets, Int(j, what, "relative_attention_num_buckets", 32));
+  ASSIGN_OR_RETURN(c.relative_max_distance, Int(j, what, "relative_attention_max_distance", 128));
+  ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_epsilon", 1e-6));
+  // T5 v1.0: "relu" (and a tied head); v1.1 and flan-t5: "gated-gelu".
+  ASSIGN_OR_RETURN(c.activation, Str(j, "feed_forward_proj", "relu"));
+  if (c.activation != "relu" && c.activation != "gated-gelu") {
+    return Field(what, "feed_forward_proj", absl::StrCat("\"", c.activation, "\" is not relu or gated-gelu"));
+  }
+  ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", true));
+  if (c.relative_buckets < 4 || c.relative_buckets > 4096) {
+    return Field(what, "relative_attention_num_buckets", "must be in [4, 4096]");
+  }
+  if (c.relative_max_distance <= c.relative_buckets / 4) {
+    return Field(what, "relative_attention_max_distance",
+                 "must exceed the exact buckets (a quarter of relative_attention_num_buckets)");
+  }
+  if (!CheckedMul(c.num_heads, c.kv_dim).has_value()) {
+    return Field(what, "d_kv", absl::StrCat("times num_heads ", c.num_heads, " overflows"));
+  }
+  if (c.num_decoder_layers > kMaxLayers) {
+    return Field(what, "num_decoder_layers", absl::StrCat("must be at most ", kMaxLayers));
+  }
+  // The decoder's input is the targets shifted right after its start
+  // token, with the pad id where a target is -100 (HF's _shift_right).
+  ASSIGN_OR_RETURN(c.pad_token_id, TokenId(j, what, "pad_token_id", 0, c.vocab_size));
+  ASSIGN_OR_RETURN(c.decoder_start_token_id, TokenId(j, what, "decoder_start_token_id", c.pad_token_id, c.vocab_size));
+  c.num_kv_heads = c.num_heads;
+  c.max_positions = int64_t{1} << 20;  // relative positions: no table bounds the length
+  return absl::OkStatus();
+}
+
+// Each built-in family's config.json, as transformers' config class reads it.
+struct ConfigParser {
+  const char* model_type;
+  absl::Status (*parse)(const Json& j, const std::string& what, ModelConfig& c);
+};
+constexpr ConfigParser kConfigParsers[] = {
+    {"gpt2", ParseGpt2Config},
+    {"llama", ParseLlamaConfig},
+    {"bert", ParseBertConfig},
+    {"opt", ParseOptConfig},
+    {"bloom", ParseBloomConfig},
+    {"vit", ParseVitConfig},
+    {"t5", ParseT5Config},
+};
+
+}  // namespace
+
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& what) {
   Json j = Json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(what, ": not a JSON object"));
@@ -75,152 +265,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
   ModelConfig c;
   c.json = json_text;
   c.model_type = j["model_type"].get<std::string>();
-  if (c.model_type == "gpt2") {
-    ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
-    ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "n_embd"));
-    ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "n_layer"));
-    ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "n_head"));
-    ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "n_positions"));
-    const std::optional<int64_t> inner = CheckedMul(4, c.hidden_size);
-    if (!inner.has_value()) return Field(what, "n_embd", "is too large");
-    ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "n_inner", *inner));
-    ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_epsilon", 1e-5));
-    ASSIGN_OR_RETURN(c.activation, Str(j, "activation_function", "gelu_new"));
-    c.num_kv_heads = c.num_heads;
-    c.tie_word_embeddings = true;  // GPT2LMHeadModel always ties lm_head to wte
-  } else if (c.model_type == "llama") {
-    ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
-    ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "hidden_size"));
-    ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_hidden_layers"));
-    ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_attention_heads"));
-    ASSIGN_OR_RETURN(c.num_kv_heads, Int(j, what, "num_key_value_heads", c.num_heads));
-    ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "intermediate_size"));
-    ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "max_position_embeddings", 2048));
-    ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "rms_norm_eps", 1e-6));
-    ASSIGN_OR_RETURN(c.rope_theta, Num(j, what, "rope_theta", 10000));
-    ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "silu"));
-    ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", false));
-  } else if (c.model_type == "bert") {
-    ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
-    ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "hidden_size"));
-    ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_hidden_layers"));
-    ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_attention_heads"));
-    ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "intermediate_size"));
-    ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "max_position_embeddings", 512));
-    ASSIGN_OR_RETURN(c.type_vocab_size, Int(j, what, "type_vocab_size", 2));
-    ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_eps", 1e-12));
-    ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "gelu"));
-    c.num_kv_heads = c.num_heads;
-    c.tie_word_embeddings = true;  // BertForMaskedLM ties the decoder to the word embeddings
-  } else if (c.model_type == "opt") {
-    ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
-    ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "hidden_size"));
-    ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_hidden_layers"));
-    ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_attention_heads"));
-    ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "ffn_dim"));
-    ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "max_position_embeddings", 2048));
-    ASSIGN_OR_RETURN(c.embed_dim, Int(j, what, "word_embed_proj_dim", c.hidden_size));
-    ASSIGN_OR_RETURN(c.activation, Str(j, "activation_function", "relu"));
-    ASSIGN_OR_RETURN(c.norm_before, Bool(j, what, "do_layer_norm_before", true));
-    ASSIGN_OR_RETURN(bool remove_final, Bool(j, what, "_remove_final_layer_norm", false));
-    c.final_norm = c.norm_before && !remove_final;  // OPTDecoder's final_layer_norm
-    ASSIGN_OR_RETURN(c.linear_bias, Bool(j, what, "enable_bias", true));
-    ASSIGN_OR_RETURN(bool affine, Bool(j, what, "layer_norm_elementwise_affine", true));
-    if (!affine) {
-      return Field(what, "layer_norm_elementwise_affine", "false (LayerNorms without weights) is not supported");
-    }
-    ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", true));
-    c.num_kv_heads = c.num_heads;
-    c.norm_eps = 1e-5;  // torch.nn.LayerNorm's default: OPT's config has no epsilon
-    c.position_offset = 2;
-    if (c.max_positions > kMaxPositions) {
-      return Field(what, "max_position_embeddings", absl::StrCat("must be at most ", kMaxPositions));
-    }
-  } else if (c.model_type == "bloom") {
-    ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
-    // bigscience's configs name the width n_embed; BloomConfig maps it to hidden_size.
-    ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, j.contains("n_embed") ? "n_embed" : "hidden_size"));
-    ASSIGN_OR_RETURN(c.num_layers, Int(j, what, j.contains("num_hidden_layers") ? "num_hidden_layers" : "n_layer"));
-    ASSIGN_OR_RETURN(c.num_heads, Int(j, what, j.contains("num_attention_heads") ? "num_attention_heads" : "n_head"));
-    const std::optional<int64_t> inner = CheckedMul(4, c.hidden_size);
-    if (!inner.has_value()) return Field(what, "hidden_size", "is too large");
-    c.intermediate_size = *inner;  // BloomMLP: 4 * hidden_size
-    // ALiBi has no position table: seq_length, where given, bounds the
-    // sequences; else BLOOM's training length.
-    ASSIGN_OR_RETURN(c.max_positions, Int(j, what, "seq_length", 2048));
-    ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_epsilon", 1e-5));
-    ASSIGN_OR_RETURN(c.residual_post_norm, Bool(j, what, "apply_residual_connection_post_layernorm", false));
-    ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", true));
-    // pretraining_tp and slow_but_exact change how transformers sums the
-    // projections in slices, not what they compute: both are ignored.
-    c.activation = "gelu_tanh";  // BloomGelu
-    c.num_kv_heads = c.num_heads;
-  } else if (c.model_type == "vit") {
-    ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "hidden_size"));
-    ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_hidden_layers"));
-    ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_attention_heads"));
-    ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "intermediate_size"));
-    ASSIGN_OR_RETURN(c.image_size, Int(j, what, "image_size", 224));
-    ASSIGN_OR_RETURN(c.patch_size, Int(j, what, "patch_size", 16));
-    ASSIGN_OR_RETURN(c.num_channels, Int(j, what, "num_channels", 3));
-    ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_eps", 1e-12));
-    ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "gelu"));
-    ASSIGN_OR_RETURN(c.linear_bias, Bool(j, what, "qkv_bias", true));
-    // The labels: num_labels, or as many as id2label names (transformers'
-    // PretrainedConfig), 2 without either.
-    int64_t labels = 2;
-    if (j.contains("id2label") && j["id2label"].is_object() && !j["id2label"].empty()) {
-      labels = static_cast<int64_t>(j["id2label"].size());
-    }
-    ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "num_labels", labels));
-    if (c.image_size % c.patch_size != 0) {
-      return Field(what, "image_size", absl::StrCat(c.image_size, " is not a multiple of patch_size ", c.patch_size));
-    }
-    if (c.image_size > (int64_t{1} << 20)) return Field(what, "image_size", "must be at most 1048576");
-    const int64_t side = c.image_size / c.patch_size;
-    c.max_positions = side * side + 1;  // the patches and the CLS token
-    c.num_kv_heads = c.num_heads;
-    c.tie_word_embeddings = false;
-  } else if (c.model_type == "t5") {
-    ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
-    ASSIGN_OR_RETURN(c.hidden_size, Int(j, what, "d_model"));
-    ASSIGN_OR_RETURN(c.kv_dim, Int(j, what, "d_kv"));
-    ASSIGN_OR_RETURN(c.intermediate_size, Int(j, what, "d_ff"));
-    ASSIGN_OR_RETURN(c.num_layers, Int(j, what, "num_layers"));
-    ASSIGN_OR_RETURN(c.num_decoder_layers, Int(j, what, "num_decoder_layers", c.num_layers));
-    ASSIGN_OR_RETURN(c.num_heads, Int(j, what, "num_heads"));
-    ASSIGN_OR_RETURN(c.relative_buckets, Int(j, what, "relative_attention_num_buckets", 32));
-    ASSIGN_OR_RETURN(c.relative_max_distance, Int(j, what, "relative_attention_max_distance", 128));
-    ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_epsilon", 1e-6));
-    // T5 v1.0: "relu" (and a tied head); v1.1 and flan-t5: "gated-gelu".
-    ASSIGN_OR_RETURN(c.activation, Str(j, "feed_forward_proj", "relu"));
-    if (c.activation != "relu" && c.activation != "gated-gelu") {
-      return Field(what, "feed_forward_proj", absl::StrCat("\"", c.activation, "\" is not relu or gated-gelu"));
-    }
-    ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", true));
-    if (c.relative_buckets < 4 || c.relative_buckets > 4096) {
-      return Field(what, "relative_attention_num_buckets", "must be in [4, 4096]");
-    }
-    if (c.relative_max_distance <= c.relative_buckets / 4) {
-      return Field(what, "relative_attention_max_distance",
-                   "must exceed the exact buckets (a quarter of relative_attention_num_buckets)");
-    }
-    if (!CheckedMul(c.num_heads, c.kv_dim).has_value()) {
-      return Field(what, "d_kv", absl::StrCat("times num_heads ", c.num_heads, " overflows"));
-    }
-    if (c.num_decoder_layers > kMaxLayers) {
-      return Field(what, "num_decoder_layers", absl::StrCat("must be at most ", kMaxLayers));
-    }
-    // The decoder's input is the targets shifted right after its start
-    // token, with the pad id where a target is -100 (HF's _shift_right).
-    ASSIGN_OR_RETURN(c.pad_token_id, TokenId(j, what, "pad_token_id", 0, c.vocab_size));
-    ASSIGN_OR_RETURN(c.decoder_start_token_id, TokenId(j, what, "decoder_start_token_id", c.pad_token_id, c.vocab_size));
-    c.num_kv_heads = c.num_heads;
-    c.max_positions = int64_t{1} << 20;  // relative positions: no table bounds the length
-  } else {
-    return Field(what, "model_type",
-                 absl::StrCat("'", c.model_type, "' is not one of gpt2, llama, bert, opt, bloom, vit, t5"));
+  const ConfigParser* parser = nullptr;
+  for (const ConfigParser& p : kConfigParsers) {
+    if (c.model_type == p.model_type) parser = &p;
   }
+  if (parser == nullptr) {
+    std::vector<std::string> known;
+    for (const ConfigParser& p : kConfigParsers) known.push_back(p.model_type);
+    return Field(what, "model_type",
+                 absl::StrCat("'", c.model_type, "' is not one of ", absl::StrJoin(known, ", ")));
+  }
+  RETURN_IF_ERROR(parser->parse(j, what, c));
   if (c.embed_dim == 0) c.embed_dim = c.hidden_size;
   if (c.kv_dim == 0 && c.hidden_size % c.num_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": the hidden size ", c.hidden_size,

@@ -79,138 +79,186 @@ class Leaves {
 
 }  // namespace
 
-absl::StatusOr<std::vector<PlanLeaf>> PlanLeaves(const ModelConfig& c) {
+namespace {
+
+// gpt2's leaves, as its policy shards them.
+void Gpt2Leaves(const ModelConfig& c, Leaves& m) {
   const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size, p = c.max_positions;
-  Leaves m(c.num_layers);
-  if (c.model_type == "gpt2") {
-    m.Model("wte", Role::kVocabTable, v, h).Model("wpe", Role::kPositions, p, h);
-    m.Layer("h.*.ln_1", Role::kNorm, 0, h, true);
-    m.Layer("h.*.attn.c_attn", Role::kColumn, h, m.Mul({3, h}), true);
-    m.back().fused = 3;  // q|k|v: three Linear2D in 2D
-    m.Layer("h.*.attn.c_proj", Role::kRow, h, h, true);
-    m.Layer("h.*.ln_2", Role::kNorm, 0, h, true);
-    m.Layer("h.*.mlp.c_fc", Role::kColumn, h, f, true);
-    m.Layer("h.*.mlp.c_proj", Role::kRow, f, h, true);
-    m.Model("ln_f", Role::kNorm, 0, h, true);
-    m.Model("lm_head (tied to wte)", Role::kTiedHead, h, v);
-  } else if (c.model_type == "llama") {
-    const int64_t kv = m.Mul({c.num_kv_heads, c.head_dim()});
-    m.Model("embed_tokens", Role::kVocabTable, v, h);
-    m.Layer("layers.*.input_layernorm", Role::kNorm, 0, h);
-    m.Layer("layers.*.self_attn.q_proj", Role::kColumn, h, h);
-    m.Layer("layers.*.self_attn.k_proj", Role::kColumn, h, kv);
-    m.Layer("layers.*.self_attn.v_proj", Role::kColumn, h, kv);
-    m.Layer("layers.*.self_attn.o_proj", Role::kRow, h, h);
-    m.Layer("layers.*.post_attention_layernorm", Role::kNorm, 0, h);
-    m.Layer("layers.*.mlp.gate_proj", Role::kColumn, h, f);
-    m.Layer("layers.*.mlp.up_proj", Role::kColumn, h, f);
-    m.Layer("layers.*.mlp.down_proj", Role::kRow, f, h);
-    m.Model("norm", Role::kNorm, 0, h);
-    if (c.tie_word_embeddings) {
-      m.Model("lm_head (tied to embed_tokens)", Role::kTiedHead, h, v);
-    } else {
-      m.Model("lm_head", Role::kVocabHead, h, v);
-    }
-  } else if (c.model_type == "bert") {
-    m.Model("embeddings.word_embeddings", Role::kVocabTable, v, h);
-    m.Model("embeddings.position_embeddings", Role::kPositions, p, h);
-    m.Model("embeddings.token_type_embeddings", Role::kPositions, c.type_vocab_size, h);
-    m.Model("embeddings.LayerNorm", Role::kNorm, 0, h, true);
-    for (const char* proj : {"query", "key", "value"}) {
-      m.Layer(absl::StrCat("encoder.layer.*.attention.self.", proj), Role::kColumn, h, h, true);
-    }
-    m.Layer("encoder.layer.*.attention.output.dense", Role::kRow, h, h, true);
-    m.Layer("encoder.layer.*.attention.output.LayerNorm", Role::kNorm, 0, h, true);
-    m.Layer("encoder.layer.*.intermediate.dense", Role::kColumn, h, f, true);
-    m.Layer("encoder.layer.*.output.dense", Role::kRow, f, h, true);
-    m.Layer("encoder.layer.*.output.LayerNorm", Role::kNorm, 0, h, true);
-    m.Model("cls.predictions.transform.dense", Role::kProjection, h, h, true);
-    m.Model("cls.predictions.transform.LayerNorm", Role::kNorm, 0, h, true);
-    m.Model("cls.predictions.decoder (tied to word_embeddings)", Role::kTiedHead, h, v);
-    m.Model("cls.predictions.bias", Role::kVocabBias, 0, v);
-  } else if (c.model_type == "opt") {
-    const int64_t e = c.embed_dim;
-    const bool b = c.linear_bias;
-    m.Model("embed_tokens", Role::kVocabTable, v, e);
-    m.Model("embed_positions", Role::kPositions, m.Plus(p, c.position_offset), h);
-    if (e != h) {
-      m.Model("project_in", Role::kProjection, e, h);
-      m.Model("project_out", Role::kProjection, h, e);
-    }
-    m.Layer("layers.*.self_attn_layer_norm", Role::kNorm, 0, h, true);
-    for (const char* proj : {"q_proj", "k_proj", "v_proj"}) {
-      m.Layer(absl::StrCat("layers.*.self_attn.", proj), Role::kColumn, h, h, b);
-    }
-    m.Layer("layers.*.self_attn.out_proj", Role::kRow, h, h, b);
-    m.Layer("layers.*.final_layer_norm", Role::kNorm, 0, h, true);
-    m.Layer("layers.*.fc1", Role::kColumn, h, f, b);
-    m.Layer("layers.*.fc2", Role::kRow, f, h, b);
-    if (c.final_norm) m.Model("final_layer_norm", Role::kNorm, 0, h, true);
-    if (c.tie_word_embeddings) {
-      m.Model("lm_head (tied to embed_tokens)", Role::kTiedHead, e, v);
-    } else {
-      m.Model("lm_head", Role::kVocabHead, e, v);
-    }
-  } else if (c.model_type == "bloom") {
-    m.Model("word_embeddings", Role::kVocabTable, v, h);
-    m.Model("word_embeddings_layernorm", Role::kNorm, 0, h, true);
-    m.Layer("h.*.input_layernorm", Role::kNorm, 0, h, true);
-    m.Layer("h.*.self_attention.query_key_value", Role::kColumn, h, m.Mul({3, h}), true);
-    m.Layer("h.*.self_attention.dense", Role::kRow, h, h, true);
-    m.Layer("h.*.post_attention_layernorm", Role::kNorm, 0, h, true);
-    m.Layer("h.*.mlp.dense_h_to_4h", Role::kColumn, h, f, true);
-    m.Layer("h.*.mlp.dense_4h_to_h", Role::kRow, f, h, true);
-    m.Model("ln_f", Role::kNorm, 0, h, true);
-    if (c.tie_word_embeddings) {
-      m.Model("lm_head (tied to word_embeddings)", Role::kTiedHead, h, v);
-    } else {
-      m.Model("lm_head", Role::kVocabHead, h, v);
-    }
-  } else if (c.model_type == "vit") {
-    const bool b = c.linear_bias;
-    m.Whole("embeddings.cls_token", 1, {h});
-    m.Whole("embeddings.position_embeddings", 1, {p, h});
-    m.Whole("embeddings.patch_embeddings.projection", 1,
-            {h, m.Plus(m.Mul({c.num_channels, c.patch_size, c.patch_size}), 1)});
-    m.Layer("encoder.layer.*.layernorm_before", Role::kNorm, 0, h, true);
-    for (const char* proj : {"query", "key", "value"}) {
-      m.Layer(absl::StrCat("encoder.layer.*.attention.attention.", proj), Role::kColumn, h, h, b);
-    }
-    m.Layer("encoder.layer.*.attention.output.dense", Role::kRow, h, h, true);
-    m.Layer("encoder.layer.*.layernorm_after", Role::kNorm, 0, h, true);
-    m.Layer("encoder.layer.*.intermediate.dense", Role::kColumn, h, f, true);
-    m.Layer("encoder.layer.*.output.dense", Role::kRow, f, h, true);
-    m.Model("layernorm", Role::kNorm, 0, h, true);
-    m.Whole("classifier", 1, {v, m.Plus(h, 1)});
-  } else if (c.model_type == "t5") {
-    const int64_t inner = m.Mul({c.num_heads, c.kv_dim});
-    const bool gated = c.activation == "gated-gelu";
-    const int64_t enc = c.num_layers, dec = c.num_decoder_layers;  // each at most kMaxLayers
-    const int64_t attentions = enc + 2 * dec, norms = 2 * enc + 3 * dec;
-    m.Model("shared", Role::kVocabTable, v, h);
-    m.back().lookups = 2;  // the encoder's and the decoder's inputs
-    m.Whole("*.block.0.layer.0.SelfAttention.relative_attention_bias", 2, {c.relative_buckets, c.num_heads});
-    // Self-attention in every block, cross-attention in the decoder's.
-    for (const char* proj : {"q", "k", "v"}) {
-      m.Add(absl::StrCat("*.block.*.layer.*.", proj), Role::kColumn, attentions, h, inner, false);
-    }
-    m.Add("*.block.*.layer.*.o", Role::kRow, attentions, inner, h, false);
-    m.Add("*.block.*.layer.*.layer_norm", Role::kNorm, norms, 0, h, false);
-    const std::vector<std::string> wis = gated ? std::vector<std::string>{"wi_0", "wi_1"} : std::vector<std::string>{"wi"};
-    for (const std::string& wi : wis) {
-      m.Add(absl::StrCat("*.block.*.layer.*.DenseReluDense.", wi), Role::kColumn, enc + dec, h, f, false);
-    }
-    m.Add("*.block.*.layer.*.DenseReluDense.wo", Role::kRow, enc + dec, f, h, false);
-    m.Add("*.final_layer_norm", Role::kNorm, 2, 0, h, false);
-    if (c.tie_word_embeddings) {
-      m.Model("lm_head (tied to shared)", Role::kTiedHead, h, v);
-    } else {
-      m.Model("lm_head", Role::kVocabHead, h, v);
-    }
+  m.Model("wte", Role::kVocabTable, v, h).Model("wpe", Role::kPositions, p, h);
+  m.Layer("h.*.ln_1", Role::kNorm, 0, h, true);
+  m.Layer("h.*.attn.c_attn", Role::kColumn, h, m.Mul({3, h}), true);
+  m.back().fused = 3;  // q|k|v: three Linear2D in 2D
+  m.Layer("h.*.attn.c_proj", Role::kRow, h, h, true);
+  m.Layer("h.*.ln_2", Role::kNorm, 0, h, true);
+  m.Layer("h.*.mlp.c_fc", Role::kColumn, h, f, true);
+  m.Layer("h.*.mlp.c_proj", Role::kRow, f, h, true);
+  m.Model("ln_f", Role::kNorm, 0, h, true);
+  m.Model("lm_head (tied to wte)", Role::kTiedHead, h, v);
+}
+
+// llama's leaves, as its policy shards them.
+void LlamaLeaves(const ModelConfig& c, Leaves& m) {
+  const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size;
+  const int64_t kv = m.Mul({c.num_kv_heads, c.head_dim()});
+  m.Model("embed_tokens", Role::kVocabTable, v, h);
+  m.Layer("layers.*.input_layernorm", Role::kNorm, 0, h);
+  m.Layer("layers.*.self_attn.q_proj", Role::kColumn, h, h);
+  m.Layer("layers.*.self_attn.k_proj", Role::kColumn, h, kv);
+  m.Layer("layers.*.self_attn.v_proj", Role::kColumn, h, kv);
+  m.Layer("layers.*.self_attn.o_proj", Role::kRow, h, h);
+  m.Layer("layers.*.post_attention_layernorm", Role::kNorm, 0, h);
+  m.Layer("layers.*.mlp.gate_proj", Role::kColumn, h, f);
+  m.Layer("layers.*.mlp.up_proj", Role::kColumn, h, f);
+  m.Layer("layers.*.mlp.down_proj", Role::kRow, f, h);
+  m.Model("norm", Role::kNorm, 0, h);
+  if (c.tie_word_embeddings) {
+    m.Model("lm_head (tied to embed_tokens)", Role::kTiedHead, h, v);
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("no plan for model_type '", c.model_type, "'"));
+    m.Model("lm_head", Role::kVocabHead, h, v);
   }
-  return m.Done(c.model_type);
+}
+
+// bert's leaves, as its policy shards them.
+void BertLeaves(const ModelConfig& c, Leaves& m) {
+  const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size, p = c.max_positions;
+  m.Model("embeddings.word_embeddings", Role::kVocabTable, v, h);
+  m.Model("embeddings.position_embeddings", Role::kPositions, p, h);
+  m.Model("embeddings.token_type_embeddings", Role::kPositions, c.type_vocab_size, h);
+  m.Model("embeddings.LayerNorm", Role::kNorm, 0, h, true);
+  for (const char* proj : {"query", "key", "value"}) {
+    m.Layer(absl::StrCat("encoder.layer.*.attention.self.", proj), Role::kColumn, h, h, true);
+  }
+  m.Layer("encoder.layer.*.attention.output.dense", Role::kRow, h, h, true);
+  m.Layer("encoder.layer.*.attention.output.LayerNorm", Role::kNorm, 0, h, true);
+  m.Layer("encoder.layer.*.intermediate.dense", Role::kColumn, h, f, true);
+  m.Layer("encoder.layer.*.output.dense", Role::kRow, f, h, true);
+  m.Layer("encoder.layer.*.output.LayerNorm", Role::kNorm, 0, h, true);
+  m.Model("cls.predictions.transform.dense", Role::kProjection, h, h, true);
+  m.Model("cls.predictions.transform.LayerNorm", Role::kNorm, 0, h, true);
+  m.Model("cls.predictions.decoder (tied to word_embeddings)", Role::kTiedHead, h, v);
+  m.Model("cls.predictions.bias", Role::kVocabBias, 0, v);
+}
+
+// opt's leaves, as its policy shards them.
+void OptLeaves(const ModelConfig& c, Leaves& m) {
+  const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size, p = c.max_positions;
+  const int64_t e = c.embed_dim;
+  const bool b = c.linear_bias;
+  m.Model("embed_tokens", Role::kVocabTable, v, e);
+  m.Model("embed_positions", Role::kPositions, m.Plus(p, c.position_offset), h);
+  if (e != h) {
+    m.Model("project_in", Role::kProjection, e, h);
+    m.Model("project_out", Role::kProjection, h, e);
+  }
+  m.Layer("layers.*.self_attn_layer_norm", Role::kNorm, 0, h, true);
+  for (const char* proj : {"q_proj", "k_proj", "v_proj"}) {
+    m.Layer(absl::StrCat("layers.*.self_attn.", proj), Role::kColumn, h, h, b);
+  }
+  m.Layer("layers.*.self_attn.out_proj", Role::kRow, h, h, b);
+  m.Layer("layers.*.final_layer_norm", Role::kNorm, 0, h, true);
+  m.Layer("layers.*.fc1", Role::kColumn, h, f, b);
+  m.Layer("layers.*.fc2", Role::kRow, f, h, b);
+  if (c.final_norm) m.Model("final_layer_norm", Role::kNorm, 0, h, true);
+  if (c.tie_word_embeddings) {
+    m.Model("lm_head (tied to embed_tokens)", Role::kTiedHead, e, v);
+  } else {
+    m.Model("lm_head", Role::kVocabHead, e, v);
+  }
+}
+
+// bloom's leaves, as its policy shards them.
+void BloomLeaves(const ModelConfig& c, Leaves& m) {
+  const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size;
+  m.Model("word_embeddings", Role::kVocabTable, v, h);
+  m.Model("word_embeddings_layernorm", Role::kNorm, 0, h, true);
+  m.Layer("h.*.input_layernorm", Role::kNorm, 0, h, true);
+  m.Layer("h.*.self_attention.query_key_value", Role::kColumn, h, m.Mul({3, h}), true);
+  m.Layer("h.*.self_attention.dense", Role::kRow, h, h, true);
+  m.Layer("h.*.post_attention_layernorm", Role::kNorm, 0, h, true);
+  m.Layer("h.*.mlp.dense_h_to_4h", Role::kColumn, h, f, true);
+  m.Layer("h.*.mlp.dense_4h_to_h", Role::kRow, f, h, true);
+  m.Model("ln_f", Role::kNorm, 0, h, true);
+  if (c.tie_word_embeddings) {
+    m.Model("lm_head (tied to word_embeddings)", Role::kTiedHead, h, v);
+  } else {
+    m.Model("lm_head", Role::kVocabHead, h, v);
+  }
+}
+
+// vit's leaves, as its policy shards them.
+void VitLeaves(const ModelConfig& c, Leaves& m) {
+  const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size, p = c.max_positions;
+  const bool b = c.linear_bias;
+  m.Whole("embeddings.cls_token", 1, {h});
+  m.Whole("embeddings.position_embeddings", 1, {p, h});
+  m.Whole("embeddings.patch_embeddings.projection", 1,
+          {h, m.Plus(m.Mul({c.num_channels, c.patch_size, c.patch_size}), 1)});
+  m.Layer("encoder.layer.*.layernorm_before", Role::kNorm, 0, h, true);
+  for (const char* proj : {"query", "key", "value"}) {
+    m.Layer(absl::StrCat("encoder.layer.*.attention.attention.", proj), Role::kColumn, h, h, b);
+  }
+  m.Layer("encoder.layer.*.attention.output.dense", Role::kRow, h, h, true);
+  m.Layer("encoder.layer.*.layernorm_after", Role::kNorm, 0, h, true);
+  m.Layer("encoder.layer.*.intermediate.dense", Role::kColumn, h, f, true);
+  m.Layer("encoder.layer.*.output.dense", Role::kRow, f, h, true);
+  m.Model("layernorm", Role::kNorm, 0, h, true);
+  m.Whole("classifier", 1, {v, m.Plus(h, 1)});
+}
+
+// t5's leaves, as its policy shards them.
+void T5Leaves(const ModelConfig& c, Leaves& m) {
+  const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size;
+  const int64_t inner = m.Mul({c.num_heads, c.kv_dim});
+  const bool gated = c.activation == "gated-gelu";
+  const int64_t enc = c.num_layers, dec = c.num_decoder_layers;  // each at most kMaxLayers
+  const int64_t attentions = enc + 2 * dec, norms = 2 * enc + 3 * dec;
+  m.Model("shared", Role::kVocabTable, v, h);
+  m.back().lookups = 2;  // the encoder's and the decoder's inputs
+  m.Whole("*.block.0.layer.0.SelfAttention.relative_attention_bias", 2, {c.relative_buckets, c.num_heads});
+  // Self-attention in every block, cross-attention in the decoder's.
+  for (const char* proj : {"q", "k", "v"}) {
+    m.Add(absl::StrCat("*.block.*.layer.*.", proj), Role::kColumn, attentions, h, inner, false);
+  }
+  m.Add("*.block.*.layer.*.o", Role::kRow, attentions, inner, h, false);
+  m.Add("*.block.*.layer.*.layer_norm", Role::kNorm, norms, 0, h, false);
+  const std::vector<std::string> wis = gated ? std::vector<std::string>{"wi_0", "wi_1"} : std::vector<std::string>{"wi"};
+  for (const std::string& wi : wis) {
+    m.Add(absl::StrCat("*.block.*.layer.*.DenseReluDense.", wi), Role::kColumn, enc + dec, h, f, false);
+  }
+  m.Add("*.block.*.layer.*.DenseReluDense.wo", Role::kRow, enc + dec, f, h, false);
+  m.Add("*.final_layer_norm", Role::kNorm, 2, 0, h, false);
+  if (c.tie_word_embeddings) {
+    m.Model("lm_head (tied to shared)", Role::kTiedHead, h, v);
+  } else {
+    m.Model("lm_head", Role::kVocabHead, h, v);
+  }
+}
+
+// Each built-in family's layers, in its checkpoint's names.
+struct LeafTable {
+  const char* model_type;
+  void (*leaves)(const ModelConfig& c, Leaves& m);
+};
+constexpr LeafTable kLeafTables[] = {
+    {"gpt2", Gpt2Leaves},
+    {"llama", LlamaLeaves},
+    {"bert", BertLeaves},
+    {"opt", OptLeaves},
+    {"bloom", BloomLeaves},
+    {"vit", VitLeaves},
+    {"t5", T5Leaves},
+};
+
+}  // namespace
+
+absl::StatusOr<std::vector<PlanLeaf>> PlanLeaves(const ModelConfig& c) {
+  Leaves m(c.num_layers);
+  for (const LeafTable& t : kLeafTables) {
+    if (c.model_type != t.model_type) continue;
+    t.leaves(c, m);
+    return m.Done(c.model_type);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("no plan for model_type '", c.model_type, "'"));
 }
 
 namespace {
@@ -449,14 +497,34 @@ int64_t ParamWidth(const v1::JobSpec& spec) {
 
 namespace {
 
-// The plan of one rank of pipeline stage `stage` (-1: no pipeline).
-absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& spec, int stage) {
-  JobPlan plan;
-  if (spec.kind() == v1::JOB_KIND_TENSOR) return plan;
-  const v1::ShardConfig& layout = spec.shard();
-  RETURN_IF_ERROR(CheckShardable(config, layout));
-  const bool train = spec.kind() == v1::JOB_KIND_TRAIN;
-  const int dp = std::max(1, layout.data_parallel_size());
+// What the parts of one rank's plan share: the spec's numbers, the split of
+// the layout, this stage's leaves and the batch one rank computes.
+struct StageContext {
+  const ModelConfig& config;
+  const v1::JobSpec& spec;
+  int stage = -1;  // -1: no pipeline
+  int pp = 1, dp = 1;
+  bool train = false, sp = false;
+  Split split;
+  std::vector<PlanLeaf> leaves;   // this stage's
+  std::vector<int64_t> stages;    // the layers of each stage
+  bool tied_stages = false;       // the first and last stages share a tied table
+  int64_t width = 4, act = 4;     // bytes of a parameter and of an activation
+  int64_t tokens = 0;             // of one micro-batch on a rank
+  int64_t b = 0;                  // one micro-batch's sequences on a rank
+  int64_t micro = 1;              // micro-batches a step
+  // 2D: each rank holds a 1/q of the rows and a 1/q of the features of an
+  // activation (3D: a 1/q^2 of the rows); 1D: the features of a split
+  // layer's output, or (with sequence parallelism) a 1/t of the rows
+  // between them.
+  int64_t rows_2d = 1, rows_div = 1, feat_div = 1;
+  int64_t col_rows = 0, col_div = 1;  // a column-parallel output's rows, and its features' split
+  int64_t stream_rows = 0;            // the residual stream's rows on a rank
+};
+
+// The layout's checks the planner makes beyond CheckShardable: the modes and
+// sequence parallelism each family's policy has.
+absl::Status CheckPlannable(const ModelConfig& config, const v1::ShardConfig& layout, const Split& split) {
   const v1::TensorParallelMode mode = layout.tensor_parallel_mode();
   const bool sp = layout.sequence_parallel();
   if (mode == v1::TENSOR_PARALLEL_MODE_3D && config.model_type != "gpt2" && config.model_type != "llama" &&
@@ -464,78 +532,89 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
     return absl::InvalidArgumentError(
         absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d, 2d and 2.5d"));
   }
-  ASSIGN_OR_RETURN(const Split split, SplitOf(layout));
   // (CheckShardable refused the families that have 1D only.)
   if (split.blocks() && sp) {
     return absl::InvalidArgumentError("sequence_parallel applies to tensor_parallel_mode 1d only");
   } else if (sp && config.model_type == "t5") {
     return absl::InvalidArgumentError("the t5 policy has no sequence_parallel");
   }
-  ASSIGN_OR_RETURN(std::vector<PlanLeaf> leaves, PlanLeaves(config));
-  // Pipeline stages: this stage's leaves and layers.
-  const int pp = std::max(1, layout.pipeline_parallel_size());
-  std::vector<int64_t> stages = {config.num_layers};
-  const bool tied_head = HasTiedHead(leaves);  // the model's, whichever stage holds the head
-  if (stage >= 0) {
-    if (!train) return absl::InvalidArgumentError("pipeline_parallel_size applies to TRAIN jobs");
-    ASSIGN_OR_RETURN(stages, PipelineStageLayers(config, layout));
-    leaves = StageLeaves(config, leaves, stages, static_cast<size_t>(stage));
-  }
-  const bool tied_stages = stage >= 0 && tied_head && (stage == 0 || stage == pp - 1);
-  ASSIGN_OR_RETURN(plan.parameters, ParameterCount(config));
-  ASSIGN_OR_RETURN(plan.rank_parameters, SumRankElements(leaves, split));
-  const int64_t width = ParamWidth(spec);
-  const bool adam = spec.train().optimizer() != v1::OPTIMIZER_SGD;
-  const int64_t state = 4 + (adam ? 4 : 0) + (width == 2 ? 4 : 0);  // momentum, second moment, f32 master copy
+  return absl::OkStatus();
+}
+
+// The parameters, gradients and optimizer state of the rank holding the
+// most of this stage's leaves.
+absl::Status PlanModelMemory(const StageContext& c, JobPlan& plan) {
+  ASSIGN_OR_RETURN(plan.parameters, ParameterCount(c.config));
+  ASSIGN_OR_RETURN(plan.rank_parameters, SumRankElements(c.leaves, c.split));
+  const bool adam = c.spec.train().optimizer() != v1::OPTIMIZER_SGD;
+  const int64_t state = 4 + (adam ? 4 : 0) + (c.width == 2 ? 4 : 0);  // momentum, second moment, f32 master copy
   CheckedSum params, grads, optimizer;
-  params.Add({plan.rank_parameters, width});
-  if (train) {
-    grads.Add({plan.rank_parameters, width});
+  params.Add({plan.rank_parameters, c.width});
+  if (c.train) {
+    grads.Add({plan.rank_parameters, c.width});
     optimizer.Add({plan.rank_parameters, state});
   }
   ASSIGN_OR_RETURN(plan.param_bytes, params.Total("the parameter bytes per rank"));
   ASSIGN_OR_RETURN(plan.grad_bytes, grads.Total("the gradient bytes per rank"));
   ASSIGN_OR_RETURN(plan.optimizer_bytes, optimizer.Total("the optimizer bytes per rank"));
-  if (spec.kind() == v1::JOB_KIND_FORWARD) {
+  if (c.spec.kind() == v1::JOB_KIND_FORWARD) {
     plan.notes.push_back("a forward job's batch is its input's: the plan takes the batch and length given "
                          "(one sequence of the model's max positions otherwise)");
   }
+  return absl::OkStatus();
+}
 
-  // The batch one rank computes: each dp replica's rows, in micro-batches.
-  const v1::TrainConfig& t = spec.train();
-  plan.batch_size = t.batch_size() > 0 ? t.batch_size() : (train ? 8 : dp);
-  plan.seq_len = t.seq_len() > 0 ? t.seq_len() : (train ? 64 : config.max_positions);
+// The batch one rank computes (each dp replica's rows, in micro-batches)
+// into `plan`, and the context's sizes that follow from it.
+absl::Status PlanBatch(StageContext& c, JobPlan& plan) {
+  const ModelConfig& config = c.config;
+  const v1::TrainConfig& t = c.spec.train();
+  plan.batch_size = t.batch_size() > 0 ? t.batch_size() : (c.train ? 8 : c.dp);
+  plan.seq_len = t.seq_len() > 0 ? t.seq_len() : (c.train ? 64 : config.max_positions);
   if (config.takes_images()) plan.seq_len = config.max_positions;  // the patches and the CLS token
   if (config.is_encoder_decoder()) {
     plan.notes.push_back("an encoder-decoder's inputs and targets are both taken to be seq_len long");
   }
-  plan.micro_batches = train && t.micro_batches() > 1 ? t.micro_batches() : 1;
-  if (plan.batch_size % dp != 0 || (plan.batch_size / dp) % plan.micro_batches != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("batch_size ", plan.batch_size, " does not split over dp = ", dp,
-                                                   " and ", plan.micro_batches, " micro-batches"));
+  plan.micro_batches = c.train && t.micro_batches() > 1 ? t.micro_batches() : 1;
+  if (plan.batch_size % c.dp != 0 || (plan.batch_size / c.dp) % plan.micro_batches != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("batch_size ", plan.batch_size, " does not split over dp = ",
+                                                   c.dp, " and ", plan.micro_batches, " micro-batches"));
   }
   if (plan.seq_len > config.max_positions && !config.is_encoder_decoder()) {
     return absl::InvalidArgumentError(absl::StrCat("seq_len ", plan.seq_len, " exceeds the model's ",
                                                    config.max_positions, " positions"));
   }
-  const int64_t b = plan.batch_size / dp / plan.micro_batches;  // one micro-batch's sequences on a rank
-  ASSIGN_OR_RETURN(const int64_t tokens, [&]() -> absl::StatusOr<int64_t> {
-    const std::optional<int64_t> n = CheckedMul(b, plan.seq_len);
-    if (!n.has_value()) return absl::InvalidArgumentError("batch_size * seq_len overflows");
-    return *n;
-  }());
-  const int64_t act = width;  // activations are held in the parameters' dtype
+  c.micro = plan.micro_batches;
+  c.b = plan.batch_size / c.dp / plan.micro_batches;
+  const std::optional<int64_t> tokens = CheckedMul(c.b, plan.seq_len);
+  if (!tokens.has_value()) return absl::InvalidArgumentError("batch_size * seq_len overflows");
+  c.tokens = *tokens;
+  const Split& split = c.split;
+  c.rows_2d = split.three_d ? split.q * split.q : split.q * split.depth;
+  c.rows_div = split.blocks() ? c.rows_2d : c.sp ? split.t : 1;
+  c.feat_div = split.blocks() ? split.q : 1;
+  c.col_rows = CeilDiv(c.tokens, split.blocks() ? c.rows_2d : 1);
+  c.col_div = split.blocks() ? split.q : split.t;
+  c.stream_rows = CeilDiv(c.tokens, c.rows_div);
+  return absl::OkStatus();
+}
+
+// The activations one rank holds during a step (a training step's tape; a
+// forward pass's one block), with 1F1B's micro-batches in flight.
+absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& plan) {
+  const ModelConfig& config = c.config;
+  const Split& split = c.split;
+  const bool sp = c.sp, train = c.train;
+  const int stage = c.stage;
+  const int64_t width = c.width, act = c.act, tokens = c.tokens, b = c.b;
+  const int64_t rows_2d = c.rows_2d, feat_div = c.feat_div, col_rows = c.col_rows, col_div = c.col_div,
+                stream_rows = c.stream_rows;
   const int64_t heads = config.num_heads;
   const int64_t head_split = split.blocks() ? split.q : split.t;
-  // 2D: each rank holds a 1/q of the rows and a 1/q of the features of
-  // an activation (3D: a 1/q^2 of the rows); 1D: the features of a split
-  // layer's output, or (with sequence parallelism) a 1/t of the rows
-  // between them.
-  const int64_t rows_2d = split.three_d ? split.q * split.q : split.q * split.depth;
-  const int64_t rows_div = split.blocks() ? rows_2d : sp ? split.t : 1;
-  const int64_t feat_div = split.blocks() ? split.q : 1;
-
-  // Activations. The autograd tape keeps every op's output until the
+  const std::vector<PlanLeaf>& leaves = c.leaves;
+  const std::vector<int64_t>& stages = c.stages;
+  const int pp = c.pp;
+  // The autograd tape keeps every op's output until the
   // backward passes it (a node holds its inputs), so a training forward
   // holds each layer's outputs: the column-parallel outputs (split by
   // features; all rows, as the column-parallel layers gather them under
@@ -545,9 +624,6 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
   // 2D), each attention's heads-first q, k, v, its probabilities [b,
   // heads, s, s], output and merged heads, the MLP's activation (GELU's
   // input; a gated MLP's act(gate) and product), and the logits.
-  const int64_t col_rows = CeilDiv(tokens, split.blocks() ? rows_2d : 1);  // a column-parallel output's rows
-  const int64_t col_div = split.blocks() ? split.q : split.t;               // and its features' split
-  const int64_t stream_rows = CeilDiv(tokens, rows_div);
   const bool gated = config.activation == "silu" || config.activation == "gated-gelu";
   CheckedSum a;
   for (const PlanLeaf& l : leaves) {
@@ -627,248 +703,316 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
     if (!held.has_value()) return absl::InvalidArgumentError("the activations per rank overflow");
     activations = *held;
   }
-  plan.activation_bytes = activations;
+  return activations;
+}
+
+// The tensor-parallel group's collectives of 1D (and sequence parallelism).
+void PlanComm1D(const StageContext& c, CommSum& comm) {
+  const int tp_size = c.split.t;
+  const bool sp = c.sp, train = c.train;
+  const int64_t micro = c.micro, tokens = c.tokens, act = c.act, width = c.width;
+  const std::vector<PlanLeaf>& leaves = c.leaves;
+  const std::string g = "tp";
+  const int64_t piece = CeilDiv(tokens, tp_size);  // a sequence-parallel rank's rows
+  for (const PlanLeaf& l : leaves) {
+    switch (l.role) {
+      case Role::kVocabTable:
+        // The partial lookups summed; under sequence parallelism each
+        // rank then takes its rows, whose gradients the backward gathers.
+        comm.Add(g, "all_reduce", {micro, l.lookups}, {tokens, l.out}, act, tp_size);
+        if (sp && train) comm.Add(g, "all_gather", {micro, l.lookups}, {piece, l.out}, act, tp_size);
+        break;
+      case Role::kColumn:
+      case Role::kTiedHead:
+      case Role::kVocabHead:
+        if (sp) {
+          comm.Add(g, "all_gather", {micro, l.count}, {piece, l.in}, act, tp_size);  // forward
+          if (train) comm.Add(g, "reduce_scatter", {micro, l.count}, {tokens, l.in}, act, tp_size);
+        } else if (train) {
+          comm.Add(g, "all_reduce", {micro, l.count}, {tokens, l.in}, act, tp_size);  // the input's gradient
+        }
+        break;
+      case Role::kRow:
+        if (sp) {
+          comm.Add(g, "reduce_scatter", {micro, l.count}, {tokens, l.out}, act, tp_size);
+          if (train) {
+            comm.Add(g, "all_gather", {micro, l.count}, {piece, l.out}, act, tp_size);
+            // The bias, added to each rank's rows, has part of its gradient on each.
+            if (l.bias) comm.Add(g, "all_reduce", {l.count}, {l.out}, width, tp_size);
+          }
+        } else {
+          comm.Add(g, "all_reduce", {micro, l.count}, {tokens, l.out}, act, tp_size);
+        }
+        break;
+      case Role::kNorm:
+        // Under sequence parallelism each rank's weight gradient covers its rows only.
+        if (sp && train) comm.Add(g, "all_reduce", {l.bias ? 2 : 1, l.count}, {l.out}, width, tp_size);
+        break;
+      default:
+        break;
+    }
+  }
+  // The vocabulary-parallel cross-entropy: one all-gather of each rank's
+  // row max, sum of exponentials, target logit and smoothing term, f32.
+  const bool vocab_loss = std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) {
+    return l.role == Role::kTiedHead || l.role == Role::kVocabHead;
+  });
+  if (vocab_loss) comm.Add(g, "all_gather", {micro}, {4, tokens}, 4, tp_size);
+  if (train) comm.Add(g, "all_reduce", {1}, {1}, 4, tp_size);  // the gradient norm's sum of squares
+}
+
+// Data parallelism: the loss, and the gradients in buckets.
+void PlanCommDataParallel(const StageContext& c, const JobPlan& plan, CommSum& comm) {
+  const int dp = c.dp;
+  const int64_t micro = c.micro;
+  comm.Add("dp", "all_reduce", {micro}, {2}, 4, dp);  // the loss's sum and tokens
+  if (c.train) {
+    // The gradients, every rank's whole share, in buckets.
+    const int64_t bucket = c.spec.train().bucket_bytes() > 0 ? c.spec.train().bucket_bytes() : int64_t{25} << 20;
+    const int64_t buckets = std::max<int64_t>(1, CeilDiv(plan.grad_bytes, bucket));
+    comm.Add("dp", "all_reduce", {buckets}, {CeilDiv(plan.rank_parameters, buckets)}, c.width, dp);
+  }
+}
+
+// 2D and 2.5D's collectives (SUMMA over tp_row and tp_col, replicas over tp_dep).
+void PlanComm2D(const StageContext& c, CommSum& comm) {
+  const Split& split = c.split;
+  const bool train = c.train;
+  const int64_t micro = c.micro, tokens = c.tokens, act = c.act, width = c.width, rows_2d = c.rows_2d;
+  const v1::ShardConfig& layout = c.spec.shard();
+  const std::vector<PlanLeaf>& leaves = c.leaves;
+  // 2D and 2.5D (worker/nn/linear2d.h, embedding2d.h): a rank holds r
+  // rows and a 1/q of the features of an activation, and a q x q block
+  // of each weight (replicated over depth).
+  const int q = static_cast<int>(split.q), depth = static_cast<int>(split.depth);
+  const int64_t r = CeilDiv(tokens, rows_2d);
+  // Gradients of what is replicated over tp_col (and depth) are summed there.
+  auto replicas = [&](std::initializer_list<int64_t> calls, std::initializer_list<int64_t> n) {
+    if (!train) return;
+    comm.Add("tp_col", "all_reduce", calls, n, width, q);
+    comm.Add("tp_dep", "all_reduce", calls, n, width, depth);
+  };
+  auto linear = [&](int64_t leaves, int64_t parts, int64_t in, int64_t out, bool bias) {
+    const int64_t count = leaves * parts;  // each at most kMaxLayers * 3
+    const int64_t in_l = CeilDiv(in, q), out_l = CeilDiv(out, q);
+    // SUMMA: q broadcasts of the input's block along the row and of the
+    // weight's block along the column, again in the backward, which then
+    // reduce-scatters the input's and the weight's gradients.
+    const int64_t passes = train ? 2 : 1;
+    comm.Add("tp_row", "broadcast", {micro, count, q, passes}, {r, in_l}, act, q);
+    comm.Add("tp_col", "broadcast", {micro, count, q, passes}, {in_l, out_l}, width, q);
+    if (train) {
+      comm.Add("tp_row", "reduce_scatter", {micro, count}, {r, in}, act, q);
+      comm.Add("tp_col", "reduce_scatter", {micro, count}, {q, in_l, out_l}, width, q);
+      comm.Add("tp_dep", "all_reduce", {micro, count}, {in_l, out_l}, width, depth);  // the weight, over depth
+    }
+    if (bias) replicas({micro, count}, {out_l});
+  };
+  for (const PlanLeaf& l : leaves) {
+    switch (l.role) {
+      case Role::kColumn:
+      case Role::kRow:
+      case Role::kProjection:
+        linear(l.count, l.fused, l.in, l.out / l.fused, l.bias);  // a fused q|k|v is one Linear2D each
+        break;
+      case Role::kNorm:
+        // The rows' statistics over the row group (a LayerNorm's mean
+        // and variance, an RMSNorm's mean square), the backward's two
+        // row sums; gamma (and beta) summed over the replicas.
+        comm.Add("tp_row", "all_reduce", {micro, l.count, l.bias ? 2 : 1}, {r}, 4, q);
+        if (train) comm.Add("tp_row", "all_reduce", {micro, l.count}, {2, r}, 4, q);
+        replicas({micro, l.count}, {l.bias ? 2 : 1, CeilDiv(l.out, q)});
+        break;
+      case Role::kVocabTable:
+      case Role::kPositions:
+        replicas({micro, l.lookups}, {l.in, CeilDiv(l.out, q)});
+        break;
+      case Role::kTiedHead:
+      case Role::kVocabHead:
+        // h E^T: partial logits summed over the row group; the table's
+        // gradient (the tied one's second use) over the replicas.
+        comm.Add("tp_row", "all_reduce", {micro}, {r, l.out}, act, q);
+        replicas({micro}, {l.out, CeilDiv(l.in, q)});
+        break;
+      default:
+        break;
+    }
+  }
+  // The loss's sum and tokens over the ranks holding other rows; the
+  // gradient norm's sum of squares over the tensor-parallel ranks.
+  comm.Add("tp_col", "all_reduce", {micro}, {2}, 4, q);
+  comm.Add("tp_dep", "all_reduce", {micro}, {2}, 4, depth);
+  if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
+}
+
+// 3D's collectives (over tp_input, tp_weight and tp_output).
+void PlanComm3D(const StageContext& c, CommSum& comm) {
+  const Split& split = c.split;
+  const bool train = c.train;
+  const int64_t micro = c.micro, tokens = c.tokens, act = c.act, width = c.width, rows_2d = c.rows_2d;
+  const v1::ShardConfig& layout = c.spec.shard();
+  const std::vector<PlanLeaf>& leaves = c.leaves;
+  // 3D (worker/nn/linear3d.h, embedding3d.h): a rank holds r rows and a
+  // 1/q of the features of an activation and a 1/q^3 of each weight. A
+  // pair's first linear (column-parallel role) has K = tp_input and C =
+  // tp_weight, its second (row-parallel role) the two swapped; the
+  // residual stream's norms reduce over tp_weight and their parameters'
+  // gradients over tp_output and tp_input.
+  const int q = static_cast<int>(split.q);
+  const int64_t r = CeilDiv(tokens, rows_2d);
+  const std::string out_axis = "tp_output", stream_k = "tp_input", stream_c = "tp_weight";
+  auto linear = [&](int64_t count, int64_t in, int64_t out, bool bias, bool swap) {
+    const std::string& k = swap ? stream_c : stream_k;
+    const std::string& c = swap ? stream_k : stream_c;
+    const int64_t in_l = CeilDiv(in, q), out_l = CeilDiv(out, q);
+    // Forward: the input's rows gathered over K, the weight's over R,
+    // the product reduce-scattered over C. Backward: the output's
+    // gradient gathered over C, the input's and the weight's gradients
+    // reduce-scattered over K and R; the bias's summed over R and C.
+    comm.Add(k, "all_gather", {micro, count}, {r, in_l}, act, q);
+    comm.Add(out_axis, "all_gather", {micro, count}, {CeilDiv(out_l, q), in_l}, width, q);
+    comm.Add(c, "reduce_scatter", {micro, count}, {r, q, out_l}, act, q);
+    if (train) {
+      comm.Add(c, "all_gather", {micro, count}, {r, out_l}, act, q);
+      comm.Add(k, "reduce_scatter", {micro, count}, {r, q, in_l}, act, q);
+      comm.Add(out_axis, "reduce_scatter", {micro, count}, {out_l, in_l}, act, q);
+      if (bias) {
+        comm.Add(out_axis, "all_reduce", {micro, count}, {out_l}, width, q);
+        comm.Add(c, "all_reduce", {micro, count}, {out_l}, width, q);
+      }
+    }
+  };
+  auto replicas = [&](std::initializer_list<int64_t> calls, std::initializer_list<int64_t> n) {
+    if (!train) return;
+    comm.Add(out_axis, "all_reduce", calls, n, width, q);
+    comm.Add(stream_k, "all_reduce", calls, n, width, q);
+  };
+  for (const PlanLeaf& l : leaves) {
+    switch (l.role) {
+      case Role::kColumn:
+      case Role::kRow:
+        // A fused q|k|v is one Linear3D each.
+        linear(l.count * l.fused, l.in, l.out / l.fused, l.bias, l.role == Role::kRow);
+        break;
+      case Role::kProjection: {
+        // A lone linear (BERT's MLM transform): its output, in the swapped
+        // spec, goes back to the stream's (ColoTensor::Redistribute: the
+        // rows gathered over tp_weight, then the features over tp_input,
+        // and this rank's block kept), and its gradient back the same way.
+        linear(l.count, l.in, l.out, l.bias, false);
+        const int64_t out_l = CeilDiv(l.out, q), passes = train ? 2 : 1;
+        comm.Add(stream_c, "all_gather", {micro, l.count, passes}, {r, out_l}, act, q);
+        comm.Add(stream_k, "all_gather", {micro, l.count, passes}, {q, r, out_l}, act, q);
+        break;
+      }
+      case Role::kVocabBias:
+        replicas({micro}, {l.out});  // replicated, its rows' terms summed (Bias3D)
+        break;
+      case Role::kNorm:
+        comm.Add(stream_c, "all_reduce", {micro, l.count, l.bias ? 2 : 1}, {r}, 4, q);
+        if (train) comm.Add(stream_c, "all_reduce", {micro, l.count}, {2, r}, 4, q);
+        replicas({micro, l.count}, {l.bias ? 2 : 1, CeilDiv(l.out, q)});  // [dgamma | dbeta], one call
+        break;
+      case Role::kVocabTable:
+      case Role::kPositions:
+        replicas({micro, l.lookups}, {l.in, CeilDiv(l.out, q)});
+        break;
+      case Role::kTiedHead:
+      case Role::kVocabHead:
+        // h E^T: partial logits summed over tp_weight; the table's
+        // gradient over the replicas.
+        comm.Add(stream_c, "all_reduce", {micro}, {r, l.out}, act, q);
+        replicas({micro}, {l.out, CeilDiv(l.in, q)});
+        break;
+      default:
+        break;
+    }
+  }
+  // The loss's sum and tokens over the ranks holding other rows; the
+  // gradient norm's sum of squares over the tensor-parallel ranks.
+  comm.Add(out_axis, "all_reduce", {micro}, {2}, 4, q);
+  comm.Add(stream_k, "all_reduce", {micro}, {2}, 4, q);
+  if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
+}
+
+// A pipeline stage's sends and receives, and the tied table's exchange.
+absl::Status PlanCommPipeline(const StageContext& c, CommSum& comm) {
+  const int stage = c.stage, pp = c.pp;
+  const int64_t micro = c.micro, act = c.act, width = c.width, stream_rows = c.stream_rows, feat_div = c.feat_div;
+  const ModelConfig& config = c.config;
+  const Split& split = c.split;
+  const bool tied_stages = c.tied_stages;
+  const std::vector<PlanLeaf>& leaves = c.leaves;
+  // Pipeline stages (worker/train/pipeline.h): per micro-batch, the
+  // stream's local block [rows, hidden] to the next stage and its gradient
+  // back, each direction on the channel of the sending stage's parity;
+  // the loss and the gradient norm's sum over pp; the first and last
+  // stages' exchange of a tied table's gradient (f0 out, b1 back).
+  auto channel = [](bool forward, int from) { return absl::StrCat("pp#", forward ? "f" : "b", from % 2); };
+  const std::initializer_list<int64_t> block = {stream_rows, CeilDiv(config.hidden_size, feat_div)};
+  if (stage + 1 < pp) {
+    comm.Add(channel(true, stage), "send", {micro}, block, act, pp);
+    comm.Add(channel(false, stage + 1), "recv", {micro}, block, act, pp);
+  }
+  if (stage > 0) {
+    comm.Add(channel(true, stage - 1), "recv", {micro}, block, act, pp);
+    comm.Add(channel(false, stage), "send", {micro}, block, act, pp);
+  }
+  comm.Add("pp", "all_reduce", {2}, {1}, 4, pp);
+  if (tied_stages) {
+    for (const PlanLeaf& l : leaves) {
+      if (l.role != Role::kVocabTable) continue;
+      ASSIGN_OR_RETURN(int64_t n, RankElements(l, split));
+      comm.Add(channel(true, 0), stage == 0 ? "send" : "recv", {1}, {n}, width, pp);
+      comm.Add(channel(false, 1), stage == 0 ? "recv" : "send", {1}, {n}, width, pp);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The plan of one rank of pipeline stage `stage` (-1: no pipeline): the
+// checks, then the model's memory, the batch, the activations and the
+// communication, each its own part.
+absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& spec, int stage) {
+  JobPlan plan;
+  if (spec.kind() == v1::JOB_KIND_TENSOR) return plan;
+  const v1::ShardConfig& layout = spec.shard();
+  RETURN_IF_ERROR(CheckShardable(config, layout));
+  StageContext c{config, spec};
+  c.stage = stage;
+  c.train = spec.kind() == v1::JOB_KIND_TRAIN;
+  c.dp = std::max(1, layout.data_parallel_size());
+  c.pp = std::max(1, layout.pipeline_parallel_size());
+  c.sp = layout.sequence_parallel();
+  ASSIGN_OR_RETURN(c.split, SplitOf(layout));
+  RETURN_IF_ERROR(CheckPlannable(config, layout, c.split));
+  ASSIGN_OR_RETURN(c.leaves, PlanLeaves(config));
+  // Pipeline stages: this stage's leaves and layers.
+  c.stages = {config.num_layers};
+  const bool tied_head = HasTiedHead(c.leaves);  // the model's, whichever stage holds the head
+  if (stage >= 0) {
+    if (!c.train) return absl::InvalidArgumentError("pipeline_parallel_size applies to TRAIN jobs");
+    ASSIGN_OR_RETURN(c.stages, PipelineStageLayers(config, layout));
+    c.leaves = StageLeaves(config, c.leaves, c.stages, static_cast<size_t>(stage));
+  }
+  c.tied_stages = stage >= 0 && tied_head && (stage == 0 || stage == c.pp - 1);
+  c.width = ParamWidth(spec);
+  c.act = c.width;  // activations are held in the parameters' dtype
+  RETURN_IF_ERROR(PlanModelMemory(c, plan));
+  RETURN_IF_ERROR(PlanBatch(c, plan));
+  ASSIGN_OR_RETURN(plan.activation_bytes, PlanActivations(c, plan));
   plan.notes.push_back("activations are an estimate of what the autograd tape holds (every op's output): "
                        "tested at 85-100 % of a measured step (80 % in 2D)");
 
   // Communication, per micro-batch, then per step.
   CommSum comm;
-  const int64_t micro = plan.micro_batches;
-  const int tp_size = split.blocks() ? 1 : split.t;
-  if (!split.blocks() && tp_size > 1) {
-    const std::string g = "tp";
-    const int64_t piece = CeilDiv(tokens, tp_size);  // a sequence-parallel rank's rows
-    for (const PlanLeaf& l : leaves) {
-      switch (l.role) {
-        case Role::kVocabTable:
-          // The partial lookups summed; under sequence parallelism each
-          // rank then takes its rows, whose gradients the backward gathers.
-          comm.Add(g, "all_reduce", {micro, l.lookups}, {tokens, l.out}, act, tp_size);
-          if (sp && train) comm.Add(g, "all_gather", {micro, l.lookups}, {piece, l.out}, act, tp_size);
-          break;
-        case Role::kColumn:
-        case Role::kTiedHead:
-        case Role::kVocabHead:
-          if (sp) {
-            comm.Add(g, "all_gather", {micro, l.count}, {piece, l.in}, act, tp_size);  // forward
-            if (train) comm.Add(g, "reduce_scatter", {micro, l.count}, {tokens, l.in}, act, tp_size);
-          } else if (train) {
-            comm.Add(g, "all_reduce", {micro, l.count}, {tokens, l.in}, act, tp_size);  // the input's gradient
-          }
-          break;
-        case Role::kRow:
-          if (sp) {
-            comm.Add(g, "reduce_scatter", {micro, l.count}, {tokens, l.out}, act, tp_size);
-            if (train) {
-              comm.Add(g, "all_gather", {micro, l.count}, {piece, l.out}, act, tp_size);
-              // The bias, added to each rank's rows, has part of its gradient on each.
-              if (l.bias) comm.Add(g, "all_reduce", {l.count}, {l.out}, width, tp_size);
-            }
-          } else {
-            comm.Add(g, "all_reduce", {micro, l.count}, {tokens, l.out}, act, tp_size);
-          }
-          break;
-        case Role::kNorm:
-          // Under sequence parallelism each rank's weight gradient covers its rows only.
-          if (sp && train) comm.Add(g, "all_reduce", {l.bias ? 2 : 1, l.count}, {l.out}, width, tp_size);
-          break;
-        default:
-          break;
-      }
-    }
-    // The vocabulary-parallel cross-entropy: one all-gather of each rank's
-    // row max, sum of exponentials, target logit and smoothing term, f32.
-    const bool vocab_loss = std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) {
-      return l.role == Role::kTiedHead || l.role == Role::kVocabHead;
-    });
-    if (vocab_loss) comm.Add(g, "all_gather", {micro}, {4, tokens}, 4, tp_size);
-    if (train) comm.Add(g, "all_reduce", {1}, {1}, 4, tp_size);  // the gradient norm's sum of squares
-  }
-  if (dp > 1) {
-    comm.Add("dp", "all_reduce", {micro}, {2}, 4, dp);  // the loss's sum and tokens
-    if (train) {
-      // The gradients, every rank's whole share, in buckets.
-      const int64_t bucket = t.bucket_bytes() > 0 ? t.bucket_bytes() : int64_t{25} << 20;
-      ASSIGN_OR_RETURN(int64_t grad_bytes, grads.Total("the gradient bytes"));
-      const int64_t buckets = std::max<int64_t>(1, CeilDiv(grad_bytes, bucket));
-      comm.Add("dp", "all_reduce", {buckets}, {CeilDiv(plan.rank_parameters, buckets)}, width, dp);
-    }
-  }
-  if (split.two_d && split.q > 1) {
-    // 2D and 2.5D (worker/nn/linear2d.h, embedding2d.h): a rank holds r
-    // rows and a 1/q of the features of an activation, and a q x q block
-    // of each weight (replicated over depth).
-    const int q = static_cast<int>(split.q), depth = static_cast<int>(split.depth);
-    const int64_t r = CeilDiv(tokens, rows_2d);
-    // Gradients of what is replicated over tp_col (and depth) are summed there.
-    auto replicas = [&](std::initializer_list<int64_t> calls, std::initializer_list<int64_t> n) {
-      if (!train) return;
-      comm.Add("tp_col", "all_reduce", calls, n, width, q);
-      comm.Add("tp_dep", "all_reduce", calls, n, width, depth);
-    };
-    auto linear = [&](int64_t leaves, int64_t parts, int64_t in, int64_t out, bool bias) {
-      const int64_t count = leaves * parts;  // each at most kMaxLayers * 3
-      const int64_t in_l = CeilDiv(in, q), out_l = CeilDiv(out, q);
-      // SUMMA: q broadcasts of the input's block along the row and of the
-      // weight's block along the column, again in the backward, which then
-      // reduce-scatters the input's and the weight's gradients.
-      const int64_t passes = train ? 2 : 1;
-      comm.Add("tp_row", "broadcast", {micro, count, q, passes}, {r, in_l}, act, q);
-      comm.Add("tp_col", "broadcast", {micro, count, q, passes}, {in_l, out_l}, width, q);
-      if (train) {
-        comm.Add("tp_row", "reduce_scatter", {micro, count}, {r, in}, act, q);
-        comm.Add("tp_col", "reduce_scatter", {micro, count}, {q, in_l, out_l}, width, q);
-        comm.Add("tp_dep", "all_reduce", {micro, count}, {in_l, out_l}, width, depth);  // the weight, over depth
-      }
-      if (bias) replicas({micro, count}, {out_l});
-    };
-    for (const PlanLeaf& l : leaves) {
-      switch (l.role) {
-        case Role::kColumn:
-        case Role::kRow:
-        case Role::kProjection:
-          linear(l.count, l.fused, l.in, l.out / l.fused, l.bias);  // a fused q|k|v is one Linear2D each
-          break;
-        case Role::kNorm:
-          // The rows' statistics over the row group (a LayerNorm's mean
-          // and variance, an RMSNorm's mean square), the backward's two
-          // row sums; gamma (and beta) summed over the replicas.
-          comm.Add("tp_row", "all_reduce", {micro, l.count, l.bias ? 2 : 1}, {r}, 4, q);
-          if (train) comm.Add("tp_row", "all_reduce", {micro, l.count}, {2, r}, 4, q);
-          replicas({micro, l.count}, {l.bias ? 2 : 1, CeilDiv(l.out, q)});
-          break;
-        case Role::kVocabTable:
-        case Role::kPositions:
-          replicas({micro, l.lookups}, {l.in, CeilDiv(l.out, q)});
-          break;
-        case Role::kTiedHead:
-        case Role::kVocabHead:
-          // h E^T: partial logits summed over the row group; the table's
-          // gradient (the tied one's second use) over the replicas.
-          comm.Add("tp_row", "all_reduce", {micro}, {r, l.out}, act, q);
-          replicas({micro}, {l.out, CeilDiv(l.in, q)});
-          break;
-        default:
-          break;
-      }
-    }
-    // The loss's sum and tokens over the ranks holding other rows; the
-    // gradient norm's sum of squares over the tensor-parallel ranks.
-    comm.Add("tp_col", "all_reduce", {micro}, {2}, 4, q);
-    comm.Add("tp_dep", "all_reduce", {micro}, {2}, 4, depth);
-    if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
-  }
-  if (split.three_d && split.q > 1) {
-    // 3D (worker/nn/linear3d.h, embedding3d.h): a rank holds r rows and a
-    // 1/q of the features of an activation and a 1/q^3 of each weight. A
-    // pair's first linear (column-parallel role) has K = tp_input and C =
-    // tp_weight, its second (row-parallel role) the two swapped; the
-    // residual stream's norms reduce over tp_weight and their parameters'
-    // gradients over tp_output and tp_input.
-    const int q = static_cast<int>(split.q);
-    const int64_t r = CeilDiv(tokens, rows_2d);
-    const std::string out_axis = "tp_output", stream_k = "tp_input", stream_c = "tp_weight";
-    auto linear = [&](int64_t count, int64_t in, int64_t out, bool bias, bool swap) {
-      const std::string& k = swap ? stream_c : stream_k;
-      const std::string& c = swap ? stream_k : stream_c;
-      const int64_t in_l = CeilDiv(in, q), out_l = CeilDiv(out, q);
-      // Forward: the input's rows gathered over K, the weight's over R,
-      // the product reduce-scattered over C. Backward: the output's
-      // gradient gathered over C, the input's and the weight's gradients
-      // reduce-scattered over K and R; the bias's summed over R and C.
-      comm.Add(k, "all_gather", {micro, count}, {r, in_l}, act, q);
-      comm.Add(out_axis, "all_gather", {micro, count}, {CeilDiv(out_l, q), in_l}, width, q);
-      comm.Add(c, "reduce_scatter", {micro, count}, {r, q, out_l}, act, q);
-      if (train) {
-        comm.Add(c, "all_gather", {micro, count}, {r, out_l}, act, q);
-        comm.Add(k, "reduce_scatter", {micro, count}, {r, q, in_l}, act, q);
-        comm.Add(out_axis, "reduce_scatter", {micro, count}, {out_l, in_l}, act, q);
-        if (bias) {
-          comm.Add(out_axis, "all_reduce", {micro, count}, {out_l}, width, q);
-          comm.Add(c, "all_reduce", {micro, count}, {out_l}, width, q);
-        }
-      }
-    };
-    auto replicas = [&](std::initializer_list<int64_t> calls, std::initializer_list<int64_t> n) {
-      if (!train) return;
-      comm.Add(out_axis, "all_reduce", calls, n, width, q);
-      comm.Add(stream_k, "all_reduce", calls, n, width, q);
-    };
-    for (const PlanLeaf& l : leaves) {
-      switch (l.role) {
-        case Role::kColumn:
-        case Role::kRow:
-          // A fused q|k|v is one Linear3D each.
-          linear(l.count * l.fused, l.in, l.out / l.fused, l.bias, l.role == Role::kRow);
-          break;
-        case Role::kProjection: {
-          // A lone linear (BERT's MLM transform): its output, in the swapped
-          // spec, goes back to the stream's (ColoTensor::Redistribute: the
-          // rows gathered over tp_weight, then the features over tp_input,
-          // and this rank's block kept), and its gradient back the same way.
-          linear(l.count, l.in, l.out, l.bias, false);
-          const int64_t out_l = CeilDiv(l.out, q), passes = train ? 2 : 1;
-          comm.Add(stream_c, "all_gather", {micro, l.count, passes}, {r, out_l}, act, q);
-          comm.Add(stream_k, "all_gather", {micro, l.count, passes}, {q, r, out_l}, act, q);
-          break;
-        }
-        case Role::kVocabBias:
-          replicas({micro}, {l.out});  // replicated, its rows' terms summed (Bias3D)
-          break;
-        case Role::kNorm:
-          comm.Add(stream_c, "all_reduce", {micro, l.count, l.bias ? 2 : 1}, {r}, 4, q);
-          if (train) comm.Add(stream_c, "all_reduce", {micro, l.count}, {2, r}, 4, q);
-          replicas({micro, l.count}, {l.bias ? 2 : 1, CeilDiv(l.out, q)});  // [dgamma | dbeta], one call
-          break;
-        case Role::kVocabTable:
-        case Role::kPositions:
-          replicas({micro, l.lookups}, {l.in, CeilDiv(l.out, q)});
-          break;
-        case Role::kTiedHead:
-        case Role::kVocabHead:
-          // h E^T: partial logits summed over tp_weight; the table's
-          // gradient over the replicas.
-          comm.Add(stream_c, "all_reduce", {micro}, {r, l.out}, act, q);
-          replicas({micro}, {l.out, CeilDiv(l.in, q)});
-          break;
-        default:
-          break;
-      }
-    }
-    // The loss's sum and tokens over the ranks holding other rows; the
-    // gradient norm's sum of squares over the tensor-parallel ranks.
-    comm.Add(out_axis, "all_reduce", {micro}, {2}, 4, q);
-    comm.Add(stream_k, "all_reduce", {micro}, {2}, 4, q);
-    if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
-  }
-  if (stage >= 0) {
-    // Pipeline stages (worker/train/pipeline.h): per micro-batch, the
-    // stream's local block [rows, hidden] to the next stage and its gradient
-    // back, each direction on the channel of the sending stage's parity;
-    // the loss and the gradient norm's sum over pp; the first and last
-    // stages' exchange of a tied table's gradient (f0 out, b1 back).
-    auto channel = [](bool forward, int from) { return absl::StrCat("pp#", forward ? "f" : "b", from % 2); };
-    const std::initializer_list<int64_t> block = {stream_rows, CeilDiv(config.hidden_size, feat_div)};
-    if (stage + 1 < pp) {
-      comm.Add(channel(true, stage), "send", {micro}, block, act, pp);
-      comm.Add(channel(false, stage + 1), "recv", {micro}, block, act, pp);
-    }
-    if (stage > 0) {
-      comm.Add(channel(true, stage - 1), "recv", {micro}, block, act, pp);
-      comm.Add(channel(false, stage), "send", {micro}, block, act, pp);
-    }
-    comm.Add("pp", "all_reduce", {2}, {1}, 4, pp);
-    if (tied_stages) {
-      for (const PlanLeaf& l : leaves) {
-        if (l.role != Role::kVocabTable) continue;
-        ASSIGN_OR_RETURN(int64_t n, RankElements(l, split));
-        comm.Add(channel(true, 0), stage == 0 ? "send" : "recv", {1}, {n}, width, pp);
-        comm.Add(channel(false, 1), stage == 0 ? "recv" : "send", {1}, {n}, width, pp);
-      }
-    }
-  }
+  if (!c.split.blocks() && c.split.t > 1) PlanComm1D(c, comm);
+  if (c.dp > 1) PlanCommDataParallel(c, plan, comm);
+  if (c.split.two_d && c.split.q > 1) PlanComm2D(c, comm);
+  if (c.split.three_d && c.split.q > 1) PlanComm3D(c, comm);
+  if (stage >= 0) RETURN_IF_ERROR(PlanCommPipeline(c, comm));
   ASSIGN_OR_RETURN(plan.comm, comm.Done());
-  for (const PlanComm& c : plan.comm) plan.wire_bytes += c.wire_bytes;
+  for (const PlanComm& pc : plan.comm) plan.wire_bytes += pc.wire_bytes;
   CheckedSum total;
   total.Add({plan.param_bytes});
   total.Add({plan.grad_bytes});
@@ -876,9 +1020,10 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
   total.Add({plan.activation_bytes});
   ASSIGN_OR_RETURN(plan.total_bytes, total.Total("the memory per rank"));
   if (stage >= 0) {
+    const int64_t blocks = c.stages[stage];
     plan.pipeline_stage = stage;
-    plan.notes.push_back(absl::StrCat("pipeline: the plan of stage ", stage, " of ", pp, ", the fullest (",
-                                      blocks, " of the layers, ", std::min<int64_t>(pp - stage, plan.micro_batches),
+    plan.notes.push_back(absl::StrCat("pipeline: the plan of stage ", stage, " of ", c.pp, ", the fullest (",
+                                      blocks, " of the layers, ", std::min<int64_t>(c.pp - stage, plan.micro_batches),
                                       " micro-batches' activations alive under 1F1B)"));
   }
   return plan;
