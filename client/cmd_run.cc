@@ -42,7 +42,9 @@ absl::Status CheckLocalGpus(const char* command, bool coordinator_allowed) {
 
 // rank r on local GPU r, in this process.
 int RunForwardOnGpus(const std::vector<std::string>&) {
-  if (absl::Status local = CheckLocalGpus("forward", /*coordinator_allowed=*/true); !local.ok()) return Usage(std::string(local.message()));
+  if (absl::Status local = CheckLocalGpus("forward", /*coordinator_allowed=*/true); !local.ok()) {
+    return Usage(std::string(local.message()));
+  }
   auto files = ForwardFilesFromFlags();
   if (!files.ok()) return Usage(std::string(files.status().message()));
   shardformer::ForwardRequest request;
@@ -83,7 +85,9 @@ int RunForwardOnGpus(const std::vector<std::string>&) {
 // rank r on local GPU r over NCCL, as threads of this process; the spec is
 // read as a worker reads it (train::TrainOptionsFromSpec).
 int RunTrainOnGpus(const std::vector<std::string>&) {
-  if (absl::Status local = CheckLocalGpus("train", /*coordinator_allowed=*/false); !local.ok()) return Usage(std::string(local.message()));
+  if (absl::Status local = CheckLocalGpus("train", /*coordinator_allowed=*/false); !local.ok()) {
+    return Usage(std::string(local.message()));
+  }
   auto spec = TrainSpecFromFlags();
   if (!spec.ok()) return Usage(absl::StrCat("train: ", spec.status().message()));
   auto options = train::TrainOptionsFromSpec(*spec, absl::GetFlag(FLAGS_model), /*cuda=*/true);
@@ -102,7 +106,8 @@ int RunInitModel(const std::vector<std::string>&) {
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) return Usage("init-model: --out is required");
   if (absl::GetFlag(FLAGS_model_type) != "gpt2") {
-    return Usage(absl::StrCat("init-model: --model-type '", absl::GetFlag(FLAGS_model_type), "' is not supported (gpt2)"));
+    return Usage(
+        absl::StrCat("init-model: --model-type '", absl::GetFlag(FLAGS_model_type), "' is not supported (gpt2)"));
   }
   shardformer::Gpt2Shape shape;
   shape.vocab_size = absl::GetFlag(FLAGS_vocab_size);

@@ -13,12 +13,16 @@
 #include "common/status_macros.h"
 #include "spec/job_validation.h"
 
-ABSL_FLAG(std::string, model, "", "forward: the model directory (config.json + model.safetensors or an index).");
-ABSL_FLAG(int32_t, tp, 1, "forward: tensor-parallel size.");
-ABSL_FLAG(int32_t, dp, 1, "forward: data-parallel size (splits the batch).");
-ABSL_FLAG(std::string, mode, "1d", "forward: tensor-parallel mode: 1d, 2d, 2.5d or 3d.");
-ABSL_FLAG(int32_t, depth, 0, "forward: depth of 2.5d (tp = depth * q * q).");
-ABSL_FLAG(bool, sequence_parallel, false, "forward: split activations along the sequence over tp (1d).");
+ABSL_FLAG(std::string, model, "",
+          "forward, train, submit, plan, tokenize: the model directory (config.json + model.safetensors or an "
+          "index; plan needs only config.json).");
+ABSL_FLAG(int32_t, tp, 1, "forward, train, submit, plan, tensor: tensor-parallel size.");
+ABSL_FLAG(int32_t, dp, 1, "forward, train, submit, plan, tensor: data-parallel size (splits the batch).");
+ABSL_FLAG(std::string, mode, "1d",
+          "forward, train, submit, plan, tensor: tensor-parallel mode: 1d, 2d, 2.5d or 3d.");
+ABSL_FLAG(int32_t, depth, 0, "forward, train, submit, plan, tensor: depth of 2.5d (tp = depth * q * q).");
+ABSL_FLAG(bool, sequence_parallel, false,
+          "forward, train, submit, plan: split activations along the sequence over tp (1d).");
 ABSL_FLAG(int32_t, pp, 1,
           "train: pipeline stages (gpt2, llama; world = dp * pp * tp): each holds a run of the layers, and each "
           "step runs the 1F1B schedule over --micro-batches.");

@@ -129,7 +129,7 @@ void Scheduler::Tick() {
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
         if (p.ended.count(a.rank()) || live.count(a.worker_id())) continue;
         p.ended.insert(a.rank());
-        if (!p.final) {
+        if (!p.stopping()) {
           FailLocked(p, absl::StrCat(RankName(p.mesh, a.rank()), " was lost: ", workers_->LostReason(a.worker_id())),
                      /*retryable=*/true, a.rank());
         }
@@ -262,7 +262,7 @@ void Scheduler::Assign(const std::string& job_id) {
   {
     absl::MutexLock lock(&mu_);
     auto it = placed_.find(job_id);
-    if (it == placed_.end() || it->second.final) return;
+    if (it == placed_.end() || it->second.stopping()) return;
     v1::AssignJobRequest req;
     req.set_job_id(job_id);
     req.set_generation(it->second.generation);
@@ -296,7 +296,7 @@ void Scheduler::Assign(const std::string& job_id) {
     refused.push_back(absl::StrCat(RankName(p.mesh, a.rank()), " refused the assignment: ", answers[i].ToString()));
   }
   if (refused.empty()) return;
-  if (!p.final) {
+  if (!p.stopping()) {
     // The ranks that started are stopped; the refusing workers sit out
     // refusal_cooloff; the job is placed again once the started ranks ended.
     // Only refusals of the job's own count against max_placements.
@@ -304,16 +304,14 @@ void Scheduler::Assign(const std::string& job_id) {
     const std::string now = absl::StrJoin(refused, "; ");
     if (jobs_fault) refusals.push_back(now);
     if (!jobs_fault) {
-      p.requeue = true;
       p.requeue_reason = absl::StrCat(now, "; placing the job again without the refusing worker",
                                       refused.size() > 1 ? "s" : "", " (the cluster's refusal, not counted against ",
                                       "the job)");
-      StopRanksLocked(p, p.requeue_reason, -1);
+      StopRanksLocked(p, PlacementState::kRequeueing, p.requeue_reason, -1);
     } else if (static_cast<int>(refusals.size()) < options_.max_placements) {
-      p.requeue = true;
       p.requeue_reason = absl::StrCat(now, "; placing the job again (placement ", refusals.size() + 1, " of ",
                                       options_.max_placements, ")");
-      StopRanksLocked(p, p.requeue_reason, -1);
+      StopRanksLocked(p, PlacementState::kRequeueing, p.requeue_reason, -1);
     } else {
       EndLocked(p, v1::JOB_STATE_FAILED, absl::StrCat("every placement was refused: ", absl::StrJoin(refusals, "; ")),
                 -1);
@@ -346,12 +344,12 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       v1::RankStatus status = report.status();
       status.set_rank(rank);
       status.set_worker_id(report.worker_id());
-      if (!p.final) (void)jobs_->AddRankStatus(p.job_id, status);
+      if (!p.stopping()) (void)jobs_->AddRankStatus(p.job_id, status);
       if (status.phase() == v1::RANK_PHASE_TRAINING || status.phase() == v1::RANK_PHASE_SERVING ||
           status.phase() == v1::RANK_PHASE_RUNNING) {
         p.training.insert(rank);
       }
-      if (!p.final && static_cast<int>(p.training.size()) == p.mesh.world_size()) {
+      if (!p.stopping() && static_cast<int>(p.training.size()) == p.mesh.world_size()) {
         absl::StatusOr<v1::Job> job = jobs_->Get(p.job_id);
         if (job.ok() && job->state() == v1::JOB_STATE_SCHEDULED) {
           (void)jobs_->SetState(p.job_id, v1::JOB_STATE_RUNNING,
@@ -361,24 +359,25 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       break;
     }
     case v1::ReportProgressRequest::kStep:
-      if (!p.final) (void)jobs_->AddStep(p.job_id, report.step());
+      if (!p.stopping()) (void)jobs_->AddStep(p.job_id, report.step());
       break;
     case v1::ReportProgressRequest::kResult: {
       p.ended.insert(rank);
       const v1::RankResult& r = report.result();
-      if (!p.final && r.code() == 0 && r.has_forward()) (void)jobs_->SetForwardResult(p.job_id, r.forward());
-      if (!p.final && r.code() != 0) {
+      if (!p.stopping() && r.code() == 0 && r.has_forward()) (void)jobs_->SetForwardResult(p.job_id, r.forward());
+      if (!p.stopping() && r.code() != 0) {
         const absl::Status s(static_cast<absl::StatusCode>(r.code()), r.message());
         const std::string reason = absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString());
         if (options_.probe_timeout <= absl::ZeroDuration()) {
           FailLocked(p, reason, IsRetryableRankError(s.code()), rank);
-        } else if (p.failed_rank < 0) {  // the first failure; the scheduler thread probes the peers
+        } else if (p.state == PlacementState::kRunning) {  // the first failure; the scheduler thread probes the peers
           p.failed_rank = rank;
           p.failure = reason;
           p.failure_code = s.code();
+          TransitionLocked(p, PlacementState::kProbing);
           wake_ = true;
         }
-      } else if (!p.final && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
+      } else if (!p.stopping() && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
         EndLocked(p, v1::JOB_STATE_SUCCEEDED, absl::StrCat("all ", p.mesh.world_size(), " ranks finished"), -1);
       }
       break;
@@ -386,7 +385,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
     default:
       return absl::InvalidArgumentError("report: one of status, step or result is required");
   }
-  const bool stop = p.final;
+  const bool stop = p.stopping();
   ReleaseLocked();
   return stop;
 }
@@ -415,7 +414,7 @@ void Scheduler::ProbeFailedJobs() {
   {
     absl::MutexLock lock(&mu_);
     for (auto& [id, p] : placed_) {
-      if (p.final || p.failed_rank < 0) continue;
+      if (p.state != PlacementState::kProbing) continue;
       Probe probe{id, p.generation, {}, {}};
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
         if (p.ended.count(a.rank()) || a.rank() == p.failed_rank) continue;
@@ -431,7 +430,10 @@ void Scheduler::ProbeFailedJobs() {
     const std::vector<absl::Status> statuses = client_->Probe(probe.addresses, options_.probe_timeout);
     JobsLock lock(this);
     auto it = placed_.find(probe.job_id);
-    if (it == placed_.end() || it->second.final || it->second.generation != probe.generation) continue;
+    if (it == placed_.end() || it->second.state != PlacementState::kProbing ||
+        it->second.generation != probe.generation) {
+      continue;
+    }
     Placed& p = it->second;
     std::vector<std::string> unreachable;
     for (size_t i = 0; i < statuses.size(); ++i) {
@@ -455,7 +457,7 @@ void Scheduler::ReportHangsLocked(const std::vector<v1::Worker>& workers) {
   for (const v1::Worker& w : workers) by_id[w.info().worker_id()] = &w;
   const absl::Time now = clock_->Now();
   for (auto& [id, p] : placed_) {
-    if (p.final) continue;
+    if (p.stopping()) continue;
     std::vector<RankReport> ranks;
     for (const v1::RankAssignment& a : p.mesh.ranks()) {
       RankReport r;
@@ -509,10 +511,8 @@ void Scheduler::FailLocked(Placed& p, const std::string& reason, bool retryable,
     }
     if (jobs_->Restart(p.job_id, reason, why).ok()) {
       COLOD_LOG(WARNING) << "job " << p.job_id << ": " << why;
-      p.requeue = true;
-      p.restart = true;
       p.requeue_reason = why;
-      StopRanksLocked(p, why, except_rank);
+      StopRanksLocked(p, PlacementState::kRestarting, why, except_rank);
       return;
     }
   }
@@ -529,8 +529,8 @@ void Scheduler::FailLocked(Placed& p, const std::string& reason, bool retryable,
 
 void Scheduler::EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank) {
   (void)jobs_->SetState(p.job_id, state, reason);  // FAILED_PRECONDITION if it already ended
-  p.requeue = false;  // a cancel while it was being placed again ends it
-  StopRanksLocked(p, reason, except_rank);
+  // (A cancel while it was being placed again ends it: kEnding.)
+  StopRanksLocked(p, PlacementState::kEnding, reason, except_rank);
   if (state != v1::JOB_STATE_SUCCEEDED) {
     COLOD_LOG(WARNING) << "job " << p.job_id << " " << JobStateName(state) << ": " << reason;
   } else {
@@ -538,8 +538,33 @@ void Scheduler::EndLocked(Placed& p, v1::JobState state, const std::string& reas
   }
 }
 
-void Scheduler::StopRanksLocked(Placed& p, const std::string& reason, int except_rank) {
-  p.final = true;
+bool Scheduler::TransitionLocked(Placed& p, PlacementState next) {
+  using S = PlacementState;
+  bool legal = false;
+  switch (p.state) {
+    case S::kRunning:
+      legal = next != S::kRunning;
+      break;
+    case S::kProbing:
+      legal = next == S::kEnding || next == S::kRequeueing || next == S::kRestarting;
+      break;
+    case S::kRequeueing:
+    case S::kRestarting:
+    case S::kEnding:
+      legal = next == S::kEnding;
+      break;
+  }
+  if (!legal) {
+    COLOD_LOG(ERROR) << "job " << p.job_id << ": placement state " << static_cast<int>(p.state) << " -> "
+                     << static_cast<int>(next) << " is not a transition the scheduler makes; kept";
+    return false;
+  }
+  p.state = next;
+  return true;
+}
+
+void Scheduler::StopRanksLocked(Placed& p, PlacementState next, const std::string& reason, int except_rank) {
+  if (!TransitionLocked(p, next)) return;
   store_->CancelScope(p.scope);  // ranks blocked in this generation's rendezvous are free at once
   for (const v1::RankAssignment& a : p.mesh.ranks()) {
     if (p.ended.count(a.rank()) || a.rank() == except_rank) continue;
@@ -556,16 +581,16 @@ void Scheduler::StopRanksLocked(Placed& p, const std::string& reason, int except
 void Scheduler::ReleaseLocked() {
   for (auto it = placed_.begin(); it != placed_.end();) {
     Placed& p = it->second;
-    if (p.final && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
+    if (p.stopping() && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
       store_->DeleteScope(p.scope);
-      if (p.requeue && !p.restart) {
+      if (p.state == PlacementState::kRequeueing) {
         COLOD_LOG(WARNING) << "job " << p.job_id << ": " << p.requeue_reason;
         (void)jobs_->SetState(p.job_id, v1::JOB_STATE_PENDING, p.requeue_reason);  // not if cancelled meanwhile
       } else {
         // Done, or restarting (it stays RESTARTING; ScheduleQueued places it
         // again and times its wait for workers from now).
         refusals_.erase(p.job_id);
-        if (p.requeue) restart_since_[p.job_id] = clock_->Now();
+        if (p.state == PlacementState::kRestarting) restart_since_[p.job_id] = clock_->Now();
       }
       it = placed_.erase(it);
       wake_ = true;  // workers came free

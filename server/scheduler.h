@@ -115,6 +115,22 @@ class Scheduler {
 
  private:
   // A job that holds workers.
+  // Where one placement of a job is. Every change goes through
+  // TransitionLocked, which holds the legal ones:
+  //   kRunning    -> kProbing, kEnding, kRequeueing, kRestarting
+  //   kProbing    -> kEnding, kRequeueing, kRestarting
+  //   kRequeueing -> kEnding (cancelled while being placed again)
+  //   kRestarting -> kEnding (cancelled while restarting)
+  //   kEnding     -> kEnding (a cancel after the end only stops ranks)
+  // Once every rank of a stopping placement ended, ReleaseLocked drops it:
+  // kRequeueing puts the job back to PENDING, kRestarting places it again.
+  enum class PlacementState {
+    kRunning,     // ranks assigned and running
+    kProbing,     // a rank failed; its peers are being probed
+    kEnding,      // the job ended (succeeded, failed, cancelled): ranks stopping
+    kRequeueing,  // an assignment was refused: ranks stopping, then PENDING again
+    kRestarting,  // a retryable failure: ranks stopping, then placed again
+  };
   struct Placed {
     std::string job_id;
     int64_t generation = 0;
@@ -124,16 +140,17 @@ class Scheduler {
     std::string scope;            // rendezvous scope of this generation
     std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)
     std::set<int> ended;          // ranks that reported their end (or were lost)
-    bool final = false;           // this placement is over: the job ended, or is placed again (requeue)
-    // The first rank failure, while its peers are probed (ProbeFailedJobs);
-    // the job ends FAILED once they were.
+    PlacementState state = PlacementState::kRunning;  // changed by TransitionLocked only
+    // Whether the placement is over (its ranks are being stopped): ending,
+    // requeueing or restarting.
+    bool stopping() const { return state != PlacementState::kRunning && state != PlacementState::kProbing; }
+    // kProbing: the first rank failure, while its peers are probed
+    // (ProbeFailedJobs); the job fails or restarts once they were.
     int failed_rank = -1;
     std::string failure;
-    // An assignment was refused, or the job restarts: once every started
-    // rank ended, the job is placed again (back to PENDING with this reason
-    // after a refusal; a restart stays RESTARTING) instead of staying final.
-    bool requeue = false;
-    bool restart = false;
+    // kRequeueing and kRestarting: why the job is placed again once every
+    // started rank ended (back to PENDING with this reason after a refusal;
+    // a restart stays RESTARTING).
     std::string requeue_reason;
     // Hangs reported for this placement: "group#sequence silent RANKS".
     std::set<std::string> hangs;
@@ -164,9 +181,14 @@ class Scheduler {
   // and `retryable`, else ends it FAILED listing every attempt's failure.
   void FailLocked(Placed& p, const std::string& reason, bool retryable, int except_rank)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Ends this placement: aborts to the ranks still running (not
-  // `except_rank`); the job's state is the caller's.
-  void StopRanksLocked(Placed& p, const std::string& reason, int except_rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends this placement, moving it to `next` (kEnding, kRequeueing or
+  // kRestarting): aborts to the ranks still running (not `except_rank`); the
+  // job's state is the caller's.
+  void StopRanksLocked(Placed& p, PlacementState next, const std::string& reason, int except_rank)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The one place a placement's state changes: false (logged, nothing
+  // changed) for a transition PlacementState does not list.
+  bool TransitionLocked(Placed& p, PlacementState next) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops placements whose every rank ended, releasing their workers (and
   // putting a job placed again back in the queue).
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -29,12 +29,6 @@ using ::colod::testing::RunCommand;
 using ::colod::testing::Runfile;
 using ::colod::testing::TempPath;
 
-testing::CommandResult Coloctl(std::vector<std::string> args) {
-  return testing::RunColoctl(std::move(args), absl::Seconds(240));
-}
-
-std::vector<double> Losses(const std::string& out) { return testing::JsonLosses(out); }
-
 struct Layout {
   std::string name, family;
   std::vector<std::string> flags;
@@ -76,10 +70,10 @@ TEST_P(CudaDaemons, AJobOnFourDaemonsGivesTheCpuLosses) {
   std::vector<std::string> on_daemons = common, on_cpu = common;
   on_daemons.insert(on_daemons.end(), {"--coordinator", coordinator.grpc});
   on_cpu.insert(on_cpu.end(), {"--device", "cpu"});
-  const auto d = Coloctl(on_daemons), c = Coloctl(on_cpu);
+  const auto d = testing::RunColoctl(on_daemons), c = testing::RunColoctl(on_cpu);
   ASSERT_EQ(d.code, 0) << d.err << testing::DaemonLogs(coordinator, workers);
   ASSERT_EQ(c.code, 0) << c.err;
-  const std::vector<double> ld = Losses(d.out), lc = Losses(c.out);
+  const std::vector<double> ld = testing::JsonLosses(d.out), lc = testing::JsonLosses(c.out);
   ASSERT_EQ(ld.size(), 4u) << d.out;
   ASSERT_EQ(lc.size(), 4u) << c.out;
   for (size_t i = 0; i < lc.size(); ++i) EXPECT_NEAR(ld[i], lc[i], 1e-5 * lc[i]) << "step " << i + 1;
@@ -142,10 +136,10 @@ TEST(CudaLocalCluster, ItsCudaWorkersTrainWithTheCpuLosses) {
   std::vector<std::string> on_local = common, on_cpu = common;
   on_local.insert(on_local.end(), {"--coordinator", address});
   on_cpu.insert(on_cpu.end(), {"--device", "cpu"});
-  const auto d = Coloctl(on_local), c = Coloctl(on_cpu);
+  const auto d = testing::RunColoctl(on_local), c = testing::RunColoctl(on_cpu);
   ASSERT_EQ(d.code, 0) << d.err;
   ASSERT_EQ(c.code, 0) << c.err;
-  const std::vector<double> ld = Losses(d.out), lc = Losses(c.out);
+  const std::vector<double> ld = testing::JsonLosses(d.out), lc = testing::JsonLosses(c.out);
   ASSERT_EQ(ld.size(), 3u) << d.out;
   ASSERT_EQ(lc.size(), 3u) << c.out;
   for (size_t i = 0; i < lc.size(); ++i) EXPECT_NEAR(ld[i], lc[i], 1e-5 * lc[i]) << "step " << i + 1;

@@ -32,8 +32,6 @@ testing::CommandResult Coloctl(std::vector<std::string> args) {
   return testing::RunColoctl(std::move(args), absl::Seconds(280));
 }
 
-std::vector<double> Losses(const std::string& out) { return testing::JsonLosses(out); }
-
 // A tiny model of `family` ("Gpt2" or "Llama") for byte-level text (the GPL).
 absl::StatusOr<shardformer::testing::TinyModel> ByteLevelModel(const std::string& family, const std::string& name) {
   shardformer::testing::TinyOptions o;
@@ -55,7 +53,7 @@ void TrainOnBothDevices(const std::string& model_dir, const std::string& what,
   const auto c = Coloctl(cpu), g = Coloctl(gpu);
   ASSERT_EQ(c.code, 0) << what << " cpu: " << c.err;
   ASSERT_EQ(g.code, 0) << what << " cuda: " << g.err;
-  const std::vector<double> lc = Losses(c.out), lg = Losses(g.out);
+  const std::vector<double> lc = testing::JsonLosses(c.out), lg = testing::JsonLosses(g.out);
   ASSERT_EQ(lc.size(), 4u) << c.out;
   ASSERT_EQ(lg.size(), 4u) << g.out;
   for (size_t i = 0; i < lc.size(); ++i) EXPECT_NEAR(lg[i], lc[i], 1e-4 * lc[i]) << what << " step " << i + 1;
@@ -104,7 +102,7 @@ TEST_F(GpuCli, Bf16IsTheGpuDefaultAndTf32IsAnOption) {
     args.insert(args.end(), extra.begin(), extra.end());
     const auto r = Coloctl(args);
     EXPECT_EQ(r.code, 0) << absl::StrJoin(extra, " ") << ": " << r.err;
-    std::vector<double> l = Losses(r.out);
+    std::vector<double> l = testing::JsonLosses(r.out);
     EXPECT_EQ(l.size(), 3u) << absl::StrJoin(extra, " ") << ": " << r.out;
     l.resize(3);
     return l;
@@ -178,7 +176,7 @@ TEST_F(GpuCli, ACudaWorkerDaemonTrainsWithTheCpuLosses) {
   const auto d = Coloctl(on_daemon), c = Coloctl(embedded);
   ASSERT_EQ(d.code, 0) << d.err << testing::ReadFile(worker.log);
   ASSERT_EQ(c.code, 0) << c.err;
-  const std::vector<double> ld = Losses(d.out), lc = Losses(c.out);
+  const std::vector<double> ld = testing::JsonLosses(d.out), lc = testing::JsonLosses(c.out);
   ASSERT_EQ(ld.size(), 3u) << d.out;
   ASSERT_EQ(lc.size(), 3u) << c.out;
   for (size_t i = 0; i < lc.size(); ++i) EXPECT_NEAR(ld[i], lc[i], 1e-4 * lc[i]) << "step " << i + 1;
@@ -188,7 +186,7 @@ TEST_F(GpuCli, ACudaWorkerDaemonTrainsWithTheCpuLosses) {
   on_daemon_default.insert(on_daemon_default.end(), {"--coordinator", coordinator.grpc});
   const auto b = Coloctl(on_daemon_default);
   ASSERT_EQ(b.code, 0) << b.err << testing::ReadFile(worker.log);
-  const std::vector<double> lb = Losses(b.out);
+  const std::vector<double> lb = testing::JsonLosses(b.out);
   ASSERT_EQ(lb.size(), 3u) << b.out;
   EXPECT_NE(lb, ld);
   for (size_t i = 0; i < lb.size(); ++i) EXPECT_NEAR(lb[i], ld[i], 0.03 * ld[i]) << "bf16 step " << i + 1;
