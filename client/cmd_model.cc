@@ -88,33 +88,36 @@ int RunForward(const std::vector<std::string>&) {
 
 // coloctl train against a cluster: submit, then print the steps as the
 // local run does.
-int TrainOnCluster(bool json, const std::string& address) {
+int TrainOnCluster(const v1::JobSpec& spec, bool json, const std::string& address) {
   auto client = MakeClient(address);
   if (!client.ok()) return Usage(std::string(client.status().message()));
-  auto spec = TrainJobSpecFromFlags();
-  if (!spec.ok()) return Usage(absl::StrCat("train: ", spec.status().message()));
-  auto job = (*client)->SubmitJob(*spec);
+  auto job = (*client)->SubmitJob(spec);
   if (!job.ok()) return Fail(job.status());
   if (!ExplicitCoordinator().empty()) {
     std::fprintf(stderr, "coloctl: job %s on %s\n", job->job_id().c_str(), (*client)->address().c_str());
   }
   auto ended = WatchToEnd(**client, job->job_id(), json,
-                          [&](const v1::StepProgress& p) { PrintStep(p, spec->train().steps(), json); });
+                          [&](const v1::StepProgress& p) { PrintStep(p, spec.train().steps(), json); });
   if (!ended.ok()) return Fail(ended.status());
-  if (ended->state() == v1::JOB_STATE_SUCCEEDED && !spec->train().final_dir().empty() && !json) {
-    std::printf("wrote the trained model to %s\n", spec->train().final_dir().c_str());
+  if (ended->state() == v1::JOB_STATE_SUCCEEDED && !spec.train().final_dir().empty() && !json) {
+    std::printf("wrote the trained model to %s\n", spec.train().final_dir().c_str());
   }
   return ExitForJob(*ended);
 }
 
 int RunTrain(const std::vector<std::string>&) {
   const bool json = JsonOutput();
-  auto spec = TrainSpecFromFlags();
+  auto cuda = CudaFromFlags();
+  if (!cuda.ok()) return Usage(absl::StrCat("train: ", cuda.status().message()));
+  // This machine's GPUs: coloctl-run's, which checks the flags itself. On a
+  // cluster the workers' devices decide (TrainJobSpecFromFlags rejects
+  // --device cuda there).
+  if (*cuda && ExplicitCoordinator().empty()) return RunInProcess();
+  // The job, from the flags once, before any embedded cluster starts.
+  auto spec = TrainJobSpecFromFlags();
   if (!spec.ok()) return Usage(absl::StrCat("train: ", spec.status().message()));
-  // On a cluster the workers' devices decide (TrainJobSpecFromFlags rejects --device cuda there).
-  if (*CudaFromFlags() && ExplicitCoordinator().empty()) return RunInProcess();
-  return RunOnCoordinatorOrEmbeddedCluster(WorkersFor(spec->shard()),
-                                           [&](const std::string& address) { return TrainOnCluster(json, address); });
+  return RunOnCoordinatorOrEmbeddedCluster(
+      WorkersFor(spec->shard()), [&](const std::string& address) { return TrainOnCluster(*spec, json, address); });
 }
 
 // init-model, tokenize, consolidate: coloctl-run's.

@@ -20,6 +20,7 @@
 #include "common/little_endian.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "spec/job_validation.h"
 #include "worker/tensor/npy.h"
 
 namespace colod::train {
@@ -185,8 +186,9 @@ absl::StatusOr<DataFormat> ParseDataFormat(const std::string& name) {
   if (name == "text") return DataFormat::kText;
   if (name == "jsonl") return DataFormat::kJsonl;
   if (name == "megatron") return DataFormat::kMegatron;
-  return absl::InvalidArgumentError(
-      absl::StrCat("data format '", name, "' is not one of auto, uint16, uint32, npy, text, jsonl, megatron"));
+  // The names are spec/'s list (kDataFormats), which the coordinator and
+  // coloctl check against: its message names them all.
+  return absl::InvalidArgumentError(absl::StrCat("data format ", CheckDataFormat(name).message()));
 }
 
 TokenCorpus::~TokenCorpus() {
