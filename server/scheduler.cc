@@ -8,7 +8,6 @@
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/proto_time.h"
-#include "server/hang_detector.h"
 #include "spec/job_validation.h"
 #include "server/placement.h"
 #include "spec/mesh.h"
@@ -16,11 +15,6 @@
 
 namespace colod {
 namespace {
-
-std::string RankName(const v1::MeshSpec& mesh, int rank) {
-  const v1::RankAssignment& a = mesh.ranks(rank);
-  return absl::StrCat("rank ", rank, " (worker ", a.worker_id(), " at ", a.worker_address(), ")");
-}
 
 // "attempt 1: ...; attempt 2: ..." from the job's recorded failures and
 // the last one.
@@ -41,7 +35,9 @@ Scheduler::Scheduler(JobManager* jobs, WorkerRegistry* workers, RendezvousStore*
       clock_(options_.clock != nullptr ? options_.clock : Clock::Real()),
       client_(options_.worker_client != nullptr
                   ? options_.worker_client
-                  : std::make_shared<GrpcWorkerClient>(options_.credentials, options_.auth_token)) {}
+                  : std::make_shared<GrpcWorkerClient>(options_.credentials, options_.auth_token)),
+      supervisor_(client_, RankSupervisor::Options{std::min(options_.rpc_timeout, absl::Seconds(3)),
+                                                   options_.probe_timeout, options_.hang_threshold}) {}
 
 Scheduler::~Scheduler() { Stop(); }
 
@@ -107,24 +103,11 @@ void Scheduler::Tick() {
     JobsLock lock(this);
     // A worker still running a rank of a job this coordinator does not run
     // (it ended, or the coordinator restarted since) is told to stop, once.
-    std::map<std::string, std::string> stale;
-    for (const v1::Worker& w : workers) {
-      const v1::WorkerStatus& st = w.status();
-      if (st.state() != v1::WORKER_STATE_BUSY || st.job_id().empty()) continue;
-      auto it = placed_.find(st.job_id());
-      if (it != placed_.end() && it->second.generation == st.generation()) continue;
-      const std::string key = absl::StrCat(st.job_id(), "/", st.generation());
-      stale[w.info().worker_id()] = key;
-      auto done = stale_aborted_.find(w.info().worker_id());
-      if (done != stale_aborted_.end() && done->second == key) continue;
-      Abort abort;
-      abort.address = w.info().address();
-      abort.request.set_job_id(st.job_id());
-      abort.request.set_generation(st.generation());
-      abort.request.set_reason("the coordinator does not run this job (it ended, or the coordinator restarted)");
-      aborts_.push_back(std::move(abort));
-    }
-    stale_aborted_ = std::move(stale);
+    supervisor_.StopStaleRanks(workers, [this](const std::string& job_id, int64_t generation) {
+      mu_.AssertHeld();
+      auto it = placed_.find(job_id);
+      return it != placed_.end() && it->second.generation == generation;
+    });
     for (auto& [id, p] : placed_) {
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
         if (p.ended.count(a.rank()) || live.count(a.worker_id())) continue;
@@ -138,9 +121,9 @@ void Scheduler::Tick() {
     ReleaseLocked();
     if (options_.hang_threshold > absl::ZeroDuration()) ReportHangsLocked(workers);
   }
-  SendAborts();
+  supervisor_.SendAborts();
   ScheduleQueued();
-  SendAborts();
+  supervisor_.SendAborts();
 }
 
 void Scheduler::ScheduleQueued() {
@@ -404,50 +387,24 @@ absl::StatusOr<v1::Job> Scheduler::Cancel(absl::string_view job_id, absl::string
 }
 
 void Scheduler::ProbeFailedJobs() {
-  struct Probe {
-    std::string job_id;
-    int64_t generation;
-    std::vector<int> ranks;  // not ended, not the failed one
-    std::vector<std::string> addresses;
-  };
-  std::vector<Probe> probes;
+  std::vector<RankSupervisor::Probe> probes;
   {
     absl::MutexLock lock(&mu_);
     for (auto& [id, p] : placed_) {
       if (p.state != PlacementState::kProbing) continue;
-      Probe probe{id, p.generation, {}, {}};
-      for (const v1::RankAssignment& a : p.mesh.ranks()) {
-        if (p.ended.count(a.rank()) || a.rank() == p.failed_rank) continue;
-        probe.ranks.push_back(a.rank());
-        probe.addresses.push_back(a.worker_address());
-      }
-      probes.push_back(std::move(probe));
+      probes.push_back(
+          RankSupervisor::PeersToProbe(id, p.generation, p.mesh, p.ended, p.failed_rank, p.failure, p.failure_code));
     }
   }
-  for (const Probe& probe : probes) {
-    // GetStatus of every live peer at once: a dead worker's address refuses
-    // or does not answer, a stopped (SIGSTOP) one does not answer in time.
-    const std::vector<absl::Status> statuses = client_->Probe(probe.addresses, options_.probe_timeout);
+  for (const RankSupervisor::Probe& probe : probes) {
+    const RankSupervisor::Verdict verdict = supervisor_.ProbePeers(probe);
     JobsLock lock(this);
     auto it = placed_.find(probe.job_id);
     if (it == placed_.end() || it->second.state != PlacementState::kProbing ||
         it->second.generation != probe.generation) {
       continue;
     }
-    Placed& p = it->second;
-    std::vector<std::string> unreachable;
-    for (size_t i = 0; i < statuses.size(); ++i) {
-      if (statuses[i].ok()) continue;
-      unreachable.push_back(
-          absl::StrCat(RankName(p.mesh, probe.ranks[i]), " does not answer (", statuses[i].ToString(), ")"));
-    }
-    std::string reason = p.failure;
-    if (!unreachable.empty()) {
-      reason = absl::StrCat(absl::StrJoin(unreachable, "; "), "; first failure reported: ", p.failure);
-    }
-    // A peer that does not answer is the cluster's failure, whatever the
-    // first rank to notice it reported.
-    FailLocked(p, reason, !unreachable.empty() || IsRetryableRankError(p.failure_code), p.failed_rank);
+    FailLocked(it->second, verdict.reason, verdict.retryable, it->second.failed_rank);
     ReleaseLocked();
   }
 }
@@ -458,36 +415,7 @@ void Scheduler::ReportHangsLocked(const std::vector<v1::Worker>& workers) {
   const absl::Time now = clock_->Now();
   for (auto& [id, p] : placed_) {
     if (p.stopping()) continue;
-    std::vector<RankReport> ranks;
-    for (const v1::RankAssignment& a : p.mesh.ranks()) {
-      RankReport r;
-      r.rank = a.rank();
-      r.name = RankName(p.mesh, a.rank());
-      auto w = by_id.find(a.worker_id());
-      if (w != by_id.end()) {
-        const v1::WorkerStatus& st = w->second->status();
-        r.silent_for = now - FromProtoTimestamp(w->second->last_heartbeat_time());
-        if (st.job_id() == p.job_id && st.generation() == p.generation) {
-          r.collectives.assign(st.collectives().begin(), st.collectives().end());
-          // A collective pending at the heartbeat has been pending since.
-          for (v1::CollectiveProgress& c : r.collectives) {
-            if (c.pending_sequence() > 0) {
-              *c.mutable_pending_for() = ToProtoDuration(FromProtoDuration(c.pending_for()) + r.silent_for);
-            }
-          }
-        }
-      }
-      ranks.push_back(std::move(r));
-    }
-    for (const v1::HangReport& h : FindHangs(ranks, options_.hang_threshold)) {
-      // Reported once per collective and set of silent ranks: a rank whose
-      // silence passes the threshold after the first report (a stopped CUDA
-      // rank had enqueued the collective before it stopped: every rank
-      // "entered" it) is named in a second one.
-      if (!p.hangs.insert(absl::StrCat(h.group(), "#", h.sequence(), " silent ", absl::StrJoin(h.silent_ranks(), ",")))
-               .second) {
-        continue;  // reported already
-      }
+    for (const v1::HangReport& h : supervisor_.NewHangs(p.job_id, p.generation, p.mesh, by_id, now)) {
       COLOD_LOG(WARNING) << "job " << p.job_id << " hangs: " << h.message();
       (void)jobs_->AddHang(p.job_id, h);
     }
@@ -566,15 +494,7 @@ bool Scheduler::TransitionLocked(Placed& p, PlacementState next) {
 void Scheduler::StopRanksLocked(Placed& p, PlacementState next, const std::string& reason, int except_rank) {
   if (!TransitionLocked(p, next)) return;
   store_->CancelScope(p.scope);  // ranks blocked in this generation's rendezvous are free at once
-  for (const v1::RankAssignment& a : p.mesh.ranks()) {
-    if (p.ended.count(a.rank()) || a.rank() == except_rank) continue;
-    Abort abort;
-    abort.address = a.worker_address();
-    abort.request.set_job_id(p.job_id);
-    abort.request.set_generation(p.generation);
-    abort.request.set_reason(reason);
-    aborts_.push_back(std::move(abort));
-  }
+  supervisor_.StopRanks(p.job_id, p.generation, p.mesh, p.ended, except_rank, reason);
   wake_ = true;
 }
 
@@ -583,6 +503,7 @@ void Scheduler::ReleaseLocked() {
     Placed& p = it->second;
     if (p.stopping() && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
       store_->DeleteScope(p.scope);
+      supervisor_.ForgetPlacement(p.job_id);
       if (p.state == PlacementState::kRequeueing) {
         COLOD_LOG(WARNING) << "job " << p.job_id << ": " << p.requeue_reason;
         (void)jobs_->SetState(p.job_id, v1::JOB_STATE_PENDING, p.requeue_reason);  // not if cancelled meanwhile
@@ -596,23 +517,6 @@ void Scheduler::ReleaseLocked() {
       wake_ = true;  // workers came free
     } else {
       ++it;
-    }
-  }
-}
-
-void Scheduler::SendAborts() {
-  std::vector<WorkerClient::Call<v1::AbortJobRequest>> calls;
-  {
-    absl::MutexLock lock(&mu_);
-    for (Abort& a : aborts_) calls.push_back({std::move(a.address), std::move(a.request)});
-    aborts_.clear();
-  }
-  const std::vector<absl::Status> answers = client_->Abort(calls, std::min(options_.rpc_timeout, absl::Seconds(3)));
-  for (size_t i = 0; i < answers.size(); ++i) {
-    // NOT_FOUND: the rank already ended on its own.
-    if (!answers[i].ok() && !absl::IsNotFound(answers[i])) {
-      COLOD_LOG(WARNING) << "AbortJob " << calls[i].request.job_id() << " to " << calls[i].address << ": "
-                         << answers[i];
     }
   }
 }

@@ -39,15 +39,17 @@
 #include "grpcpp/security/credentials.h"
 #include "common/clock.h"
 #include "server/job_manager.h"
+#include "server/rank_supervisor.h"
 #include "common/rendezvous_store.h"
 #include "server/worker_client.h"
 #include "server/worker_registry.h"
 
 namespace colod {
 
-// Thread-safe. One background thread places jobs, sends aborts, watches for
-// lost workers and hangs, and stops ranks that workers still run for jobs it
-// does not (after a coordinator restart); each placement's assignments go out
+// Thread-safe. One background thread places jobs (PlaceJob), watches for
+// lost workers, and has its RankSupervisor send the aborts, probe a failed
+// rank's peers, report hangs and stop ranks that workers still run for jobs
+// it does not (after a coordinator restart); each placement's assignments go out
 // at once on a thread of their own (WorkerClient), so a worker that does not
 // answer delays neither the others nor other jobs. Report and Cancel come
 // from gRPC handlers. The job changes made under mu_ are written to the
@@ -152,16 +154,9 @@ class Scheduler {
     // started rank ended (back to PENDING with this reason after a refusal;
     // a restart stays RESTARTING).
     std::string requeue_reason;
-    // Hangs reported for this placement: "group#sequence silent RANKS".
-    std::set<std::string> hangs;
     // The failed rank's error code (for IsRetryableRankError).
     absl::StatusCode failure_code = absl::StatusCode::kUnknown;
   };
-  struct Abort {
-    std::string address;
-    v1::AbortJobRequest request;
-  };
-
   void Loop();
   void Tick();
   // Places the first pending jobs that fit; sends their assignments.
@@ -192,14 +187,12 @@ class Scheduler {
   // Drops placements whose every rank ended, releasing their workers (and
   // putting a job placed again back in the queue).
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void SendAborts();
-  // Reports the collectives that ranks of running placements wait in past
-  // options_.hang_threshold (FindHangs over `workers`' last heartbeats).
+  // Records, as job events, the hangs of running placements not reported
+  // before (RankSupervisor::NewHangs over `workers`' last heartbeats).
   void ReportHangsLocked(const std::vector<v1::Worker>& workers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // For each job with a rank failure: asks the workers of its ranks that have
-  // not ended for their status (in parallel, options_.probe_timeout), then
-  // ends the job FAILED naming the unreachable ones first. No lock is held
-  // while probing.
+  // For each job with a rank failure: probes its ranks that have not ended
+  // (RankSupervisor::ProbePeers), then fails it with the verdict (restarting
+  // it where the policy allows). No lock is held while probing.
   void ProbeFailedJobs() ABSL_LOCKS_EXCLUDED(mu_);
 
   JobManager* const jobs_;
@@ -208,6 +201,8 @@ class Scheduler {
   const Options options_;
   Clock* const clock_;
   const std::shared_ptr<WorkerClient> client_;
+  // Aborts, probes and hang reports (its lock is a leaf: taken under mu_).
+  RankSupervisor supervisor_;
 
   // mu_ held over a section that changes jobs: the changes' record writes
   // (JobManager::DeferredWrites) run once mu_ is released, before the scope
@@ -225,16 +220,12 @@ class Scheduler {
 
   absl::Mutex mu_;
   std::map<std::string, Placed> placed_ ABSL_GUARDED_BY(mu_);
-  std::vector<Abort> aborts_ ABSL_GUARDED_BY(mu_);
   // Workers that refused an assignment: no other until then.
   std::map<std::string, absl::Time> refused_until_ ABSL_GUARDED_BY(mu_);
   // RESTARTING jobs whose ranks all ended: since when each waits for workers.
   std::map<std::string, absl::Time> restart_since_ ABSL_GUARDED_BY(mu_);
   // Per job placed again after refusals: the refusals so far.
   std::map<std::string, std::vector<std::string>> refusals_ ABSL_GUARDED_BY(mu_);
-  // Workers told to stop a rank of a job not placed here: worker id ->
-  // "job/generation", so each is told once.
-  std::map<std::string, std::string> stale_aborted_ ABSL_GUARDED_BY(mu_);
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int assigning_ ABSL_GUARDED_BY(mu_) = 0;  // Assign threads running
