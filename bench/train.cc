@@ -6,8 +6,12 @@
 //   bazel run -c opt //bench:train [-- --rows cpu|gpu|all|smoke] [-- --model NAME] [-- --layout "tp=T dp=D"]
 //       [-- --sequence_parallel] [-- --steps N] [-- --batch B] [-- --json]
 //
-// CPU rows (f32; ranks are threads over Gloo on loopback, one BLAS thread
-// and so about one core each):
+// CPU rows (f32), as `coloctl train` runs them: an embedded cluster
+// (client/local_cluster.h: a coordinator and tp * pp * dp CPU worker
+// daemons on loopback, over Gloo) that shares this machine's cores (each
+// worker's BLAS gets cores / ranks threads), the TRAIN job submitted over
+// gRPC, each step's time (and pipeline wait) from rank 0's progress events,
+// the very figure coloctl's tokens/s is made from:
 //   gpt2-tiny   4 layers, hidden 256, 4 heads, vocab 256, seq 128, batch 8:
 //               tp=1, tp=2, dp=2, and two pipeline stages (pp=2) with 4
 //               and 8 micro-batches, whose bubble (the first stage's time
@@ -35,12 +39,15 @@
 // lookups), L layers, S the sequence length, H the hidden size. tokens/s is
 // the global batch's tokens over the mean step time after --warmup steps
 // (each step ends when rank 0 read its loss, which waits for the step's
-// device work). The peak is the same run's best GEMM: OpenBLAS sgemm on one
-// thread times the ranks (CPU), cuBLAS bf16 8192^3 times the devices (GPU).
+// device work). The peak is the same run's best GEMM: OpenBLAS sgemm with
+// every core of the machine (CPU: every row shares them, so a layout's "vs
+// tp=1" is its speed-up on the same machine, not on more cores), cuBLAS bf16
+// 8192^3 times the devices (GPU).
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <map>
 #include <random>
 #include <string>
@@ -52,7 +59,11 @@
 #include "absl/time/clock.h"
 #include "bench/peak.h"
 #include "bench/self_ranks.h"
+#include "client/coordinator_client.h"
+#include "client/local_cluster.h"
+#include "common/atomic_file.h"
 #include "common/flags.h"
+#include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/layer_ops.h"
 #include "kernels/device.h"
@@ -60,6 +71,7 @@
 #include "worker/colo/rank_group.h"
 #include "worker/comm/store.h"
 #include "worker/shardformer/init_model.h"
+#include "worker/train/job_options.h"
 #include "worker/train/trainer.h"
 
 ABSL_FLAG(std::string, rows, "all",
@@ -193,7 +205,9 @@ struct Measured {
 // (once: the rank processes of a row find them there).
 absl::StatusOr<train::TrainOptions> OptionsOf(const Row& row, const std::string& dir, int steps, int warmup) {
   const int64_t positions = std::max<int64_t>(row.seq, 64);
-  const std::string model = absl::StrCat(dir, "/", row.name, "-", row.shape.family);
+  // Named by its positions too: the smoke rows' model of the same name is
+  // shorter, and a directory once written is reused.
+  const std::string model = absl::StrCat(dir, "/", row.name, "-", row.shape.family, "-", positions);
   RETURN_IF_ERROR(WriteModel(row.shape, positions, model));
   const std::string corpus = absl::StrCat(dir, "/tokens-", row.shape.vocab, ".bin");
   RETURN_IF_ERROR(WriteCorpus(corpus, row.shape.vocab, int64_t{1} << 22));
@@ -247,6 +261,46 @@ absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int step
   RETURN_IF_ERROR(train::Train(o, [&](const train::StepStats& s) {
     ends.push_back({absl::Now(), s.loss, s.pipeline_wait_seconds, s.seconds});
   }));
+  return Summarize(ends, steps, warmup);
+}
+
+// A CPU row as `coloctl train` runs it (see the top): the job on an
+// embedded cluster of the row's ranks, the daemons found beside this binary
+// (`self`) as coloctl finds them; each step's time is rank 0's
+// step_duration.
+absl::StatusOr<Measured> RunRowOnCluster(const Row& row, const std::string& dir, int steps, int warmup,
+                                         const std::string& self) {
+  ASSIGN_OR_RETURN(train::TrainOptions o, OptionsOf(row, dir, steps, warmup));
+  v1::JobSpec spec = train::SpecFromTrainOptions(o);
+  spec.set_name(absl::StrCat("bench-", row.name));
+  ASSIGN_OR_RETURN(std::string config, ReadFileToString(o.model_dir + "/config.json"));
+  spec.mutable_model()->set_config_json(config);
+  spec.mutable_model()->set_weights_path(o.model_dir);
+  LocalCluster::Options c;
+  c.workers = row.tp * row.pp * row.dp;
+  ASSIGN_OR_RETURN(c.coordinator_binary, FindDaemonBinary(self, "colod-coordinator"));
+  ASSIGN_OR_RETURN(c.worker_binary, FindDaemonBinary(self, "colod-worker"));
+  ASSIGN_OR_RETURN(std::unique_ptr<LocalCluster> cluster, LocalCluster::Start(c));
+  ASSIGN_OR_RETURN(std::unique_ptr<CoordinatorClient> client, CoordinatorClient::Create(cluster->address()));
+  ASSIGN_OR_RETURN(v1::Job job, client->SubmitJob(spec));
+  std::vector<StepEnd> ends;
+  absl::Time at = absl::UnixEpoch();  // the steps' durations laid end to end
+  RETURN_IF_ERROR(client->WatchJob(job.job_id(), 0, absl::Hours(2), [&](const v1::JobEvent& e) {
+    if (!e.has_step()) return true;
+    StepEnd end;
+    end.seconds = absl::ToDoubleSeconds(FromProtoDuration(e.step().step_duration()));
+    end.wait = absl::ToDoubleSeconds(FromProtoDuration(e.step().pipeline_wait()));
+    end.loss = e.step().loss();
+    at += FromProtoDuration(e.step().step_duration());
+    end.end = at;
+    ends.push_back(end);
+    return true;
+  }));
+  ASSIGN_OR_RETURN(job, client->GetJob(job.job_id()));
+  if (job.state() != v1::JOB_STATE_SUCCEEDED) {
+    return absl::InternalError(absl::StrCat("the job ended ", v1::JobState_Name(job.state()), ": ", job.reason(),
+                                            "; logs in ", cluster->data_dir()));
+  }
   return Summarize(ends, steps, warmup);
 }
 
@@ -339,9 +393,11 @@ int Main(int argc, char** argv) {
     return 2;
   }
   const int gpus = kernels::CudaDeviceCount();
-  // One BLAS thread per rank (a CPU rank is meant to have a core); the peak
-  // measurement leaves the process at that count.
-  const double cpu_peak = bench::SgemmPeak(1, 1024, 1024, 1024);
+  // The CPU rows' ranks share the machine's cores, as coloctl's embedded
+  // cluster shares them (LocalCluster); the peak is all of them.
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const double cpu_peak = bench::SgemmPeak(cores, 1024, 1024, 1024);
+  kernels::cpu::SetBlasThreads(1);  // the in-process GPU rows' host work, as before
   double gpu_peak = 0;
   if (gpus > 0 && which != "cpu") {
     const int64_t n = which == "smoke" ? 256 : 8192;
@@ -353,7 +409,7 @@ int Main(int argc, char** argv) {
     gpu_peak = *p;
   }
   if (!json) {
-    std::printf("OpenBLAS sgemm 1024^3, 1 thread: %.1f GFLOP/s", cpu_peak / 1e9);
+    std::printf("OpenBLAS sgemm 1024^3, %d threads (every core): %.1f GFLOP/s", cores, cpu_peak / 1e9);
     if (gpu_peak > 0) std::printf("; cuBLAS bf16 GEMM on cuda:0: %.1f TFLOP/s", gpu_peak / 1e12);
     std::printf(" (same run)\n%-10s  %-4s  %-25s  %-4s  %8s  %6s  %10s  %10s  %11s  %11s  %6s  %8s  %s\n",
                 "model", "dev", "layout", "prec", "params", "tokens", "step (ms)", "tokens/s", "model FLOP/s",
@@ -373,8 +429,9 @@ int Main(int argc, char** argv) {
     const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : row.steps;
     Row sized = row;
     if (absl::GetFlag(FLAGS_batch) > 0) sized.batch = absl::GetFlag(FLAGS_batch);
-    absl::StatusOr<Measured> m =
-        row.processes ? RunRowInProcesses(sized, dir, steps, warmup) : RunRow(sized, dir, steps, warmup);
+    absl::StatusOr<Measured> m = !row.cuda     ? RunRowOnCluster(sized, dir, steps, warmup, argv[0])
+                                 : row.processes ? RunRowInProcesses(sized, dir, steps, warmup)
+                                                 : RunRow(sized, dir, steps, warmup);
     if (!m.ok()) {
       std::fprintf(stderr, "%s %s: %s\n", row.name.c_str(), LayoutOf(row).c_str(), m.status().ToString().c_str());
       ++failed;
@@ -383,7 +440,7 @@ int Main(int argc, char** argv) {
     const double tokens = static_cast<double>(sized.batch * row.seq);
     const double tps = tokens / m->step_seconds;
     const double flops = tps * row.shape.TrainFlopsPerToken(row.seq);
-    const double peak = (row.cuda ? gpu_peak : cpu_peak) * ranks;
+    const double peak = row.cuda ? gpu_peak * ranks : cpu_peak;
     const double vs = tps / base.emplace(row.name + (row.cuda ? "/cuda" : "/cpu"), tps).first->second;
     const std::string layout = LayoutOf(row);
     const double params = row.shape.MatMulParams();

@@ -1,6 +1,7 @@
 #include "client/local_cluster.h"
 
 #include <signal.h>
+#include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -21,7 +22,8 @@
 namespace colod {
 namespace {
 
-// Starts `argv` with stdout and stderr to `log`, dying with this process.
+// Starts `argv` with stderr to `log` and stdout to /dev/null, dying with this
+// process.
 absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log) {
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
@@ -29,17 +31,20 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
   const pid_t pid = ::fork();
   if (pid < 0) return absl::InternalError("fork failed");
   if (pid == 0) {
+    // Only async-signal-safe calls between fork and exec (another thread of
+    // this process may have held a lock), and no stdio: freopen would flush
+    // the parent's buffered stdout a second time, from the child.
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (std::freopen(log.c_str(), "w", stderr) == nullptr || std::freopen("/dev/null", "w", stdout) == nullptr) {
-      std::_Exit(126);
-    }
+    const int err = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (err < 0 || null < 0 || ::dup2(err, STDERR_FILENO) < 0 || ::dup2(null, STDOUT_FILENO) < 0) ::_exit(126);
     // The daemons wait for SIGTERM; the signal mask of a coloctl that blocked
     // it would otherwise carry over.
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
     ::execv(args[0], args.data());
-    std::_Exit(127);
+    ::_exit(127);
   }
   return pid;
 }

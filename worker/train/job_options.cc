@@ -120,6 +120,7 @@ v1::StepProgress StepProgressOf(const StepStats& st) {
   p.set_optimizer_bytes(st.optimizer_bytes);
   p.set_checkpoint(st.checkpoint);
   p.set_resumed_from(st.resumed_from);
+  if (st.pipeline_wait_seconds > 0) *p.mutable_pipeline_wait() = ToProtoDuration(absl::Seconds(st.pipeline_wait_seconds));
   return p;
 }
 

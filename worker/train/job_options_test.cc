@@ -88,6 +88,7 @@ TEST(JobOptions, AStepReportsItsStatsAsProgress) {
   st.optimizer_bytes = 40;
   st.checkpoint = "/ck/step-000007";
   st.resumed_from = "/ck/step-000006";
+  st.pipeline_wait_seconds = 0.125;
   const v1::StepProgress p = StepProgressOf(st);
   EXPECT_EQ(p.step(), 7);
   EXPECT_EQ(p.loss(), 2.5);
@@ -100,6 +101,7 @@ TEST(JobOptions, AStepReportsItsStatsAsProgress) {
   EXPECT_EQ(p.optimizer_bytes(), 40);
   EXPECT_EQ(p.checkpoint(), "/ck/step-000007");
   EXPECT_EQ(p.resumed_from(), "/ck/step-000006");
+  EXPECT_EQ(p.pipeline_wait().nanos(), 125000000);
 }
 
 }  // namespace
