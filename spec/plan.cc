@@ -55,6 +55,19 @@ class Leaves {
     return *this;
   }
   PlanLeaf& back() { return leaves_.back(); }
+  // The last leaf's module kind.
+  Leaves& As(LeafKind kind) {
+    leaves_.back().kind = kind;
+    return *this;
+  }
+  // An LM head, a child of the root; tied to the table at `tied_to` (a path
+  // under the base model) for kTiedHead.
+  Leaves& Head(std::string name, Role role, int64_t in, int64_t out, std::string tied_to = "") {
+    Add(std::move(name), role, 1, in, out, false);
+    leaves_.back().on_root = true;
+    leaves_.back().tied_to = std::move(tied_to);
+    return As(LeafKind::kLinear);
+  }
   // Checked arithmetic on the config's sizes; an overflow fails Done().
   int64_t Mul(std::initializer_list<int64_t> factors) {
     const std::optional<int64_t> p = CheckedProduct(factors);
@@ -83,38 +96,41 @@ namespace {
 
 // gpt2's leaves, as its policy shards them.
 void Gpt2Leaves(const ModelConfig& c, Leaves& m) {
+  using K = LeafKind;
   const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size, p = c.max_positions;
-  m.Model("wte", Role::kVocabTable, v, h).Model("wpe", Role::kPositions, p, h);
-  m.Layer("h.*.ln_1", Role::kNorm, 0, h, true);
-  m.Layer("h.*.attn.c_attn", Role::kColumn, h, m.Mul({3, h}), true);
+  m.Model("wte", Role::kVocabTable, v, h).As(K::kEmbedding);
+  m.Model("wpe", Role::kPositions, p, h).As(K::kEmbedding);
+  m.Layer("h.*.ln_1", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  m.Layer("h.*.attn.c_attn", Role::kColumn, h, m.Mul({3, h}), true).As(K::kConv1D);
   m.back().fused = 3;  // q|k|v: three Linear2D in 2D
-  m.Layer("h.*.attn.c_proj", Role::kRow, h, h, true);
-  m.Layer("h.*.ln_2", Role::kNorm, 0, h, true);
-  m.Layer("h.*.mlp.c_fc", Role::kColumn, h, f, true);
-  m.Layer("h.*.mlp.c_proj", Role::kRow, f, h, true);
-  m.Model("ln_f", Role::kNorm, 0, h, true);
-  m.Model("lm_head (tied to wte)", Role::kTiedHead, h, v);
+  m.Layer("h.*.attn.c_proj", Role::kRow, h, h, true).As(K::kConv1D);
+  m.Layer("h.*.ln_2", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  m.Layer("h.*.mlp.c_fc", Role::kColumn, h, f, true).As(K::kConv1D);
+  m.Layer("h.*.mlp.c_proj", Role::kRow, f, h, true).As(K::kConv1D);
+  m.Model("ln_f", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  m.Head("lm_head", Role::kTiedHead, h, v, "wte");
 }
 
 // llama's leaves, as its policy shards them.
 void LlamaLeaves(const ModelConfig& c, Leaves& m) {
+  using K = LeafKind;
   const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size;
   const int64_t kv = m.Mul({c.num_kv_heads, c.head_dim()});
-  m.Model("embed_tokens", Role::kVocabTable, v, h);
-  m.Layer("layers.*.input_layernorm", Role::kNorm, 0, h);
-  m.Layer("layers.*.self_attn.q_proj", Role::kColumn, h, h);
-  m.Layer("layers.*.self_attn.k_proj", Role::kColumn, h, kv);
-  m.Layer("layers.*.self_attn.v_proj", Role::kColumn, h, kv);
-  m.Layer("layers.*.self_attn.o_proj", Role::kRow, h, h);
-  m.Layer("layers.*.post_attention_layernorm", Role::kNorm, 0, h);
-  m.Layer("layers.*.mlp.gate_proj", Role::kColumn, h, f);
-  m.Layer("layers.*.mlp.up_proj", Role::kColumn, h, f);
-  m.Layer("layers.*.mlp.down_proj", Role::kRow, f, h);
-  m.Model("norm", Role::kNorm, 0, h);
+  m.Model("embed_tokens", Role::kVocabTable, v, h).As(K::kEmbedding);
+  m.Layer("layers.*.input_layernorm", Role::kNorm, 0, h).As(K::kRmsNorm);
+  m.Layer("layers.*.self_attn.q_proj", Role::kColumn, h, h).As(K::kLinear);
+  m.Layer("layers.*.self_attn.k_proj", Role::kColumn, h, kv).As(K::kLinear);
+  m.Layer("layers.*.self_attn.v_proj", Role::kColumn, h, kv).As(K::kLinear);
+  m.Layer("layers.*.self_attn.o_proj", Role::kRow, h, h).As(K::kLinear);
+  m.Layer("layers.*.post_attention_layernorm", Role::kNorm, 0, h).As(K::kRmsNorm);
+  m.Layer("layers.*.mlp.gate_proj", Role::kColumn, h, f).As(K::kLinear);
+  m.Layer("layers.*.mlp.up_proj", Role::kColumn, h, f).As(K::kLinear);
+  m.Layer("layers.*.mlp.down_proj", Role::kRow, f, h).As(K::kLinear);
+  m.Model("norm", Role::kNorm, 0, h).As(K::kRmsNorm);
   if (c.tie_word_embeddings) {
-    m.Model("lm_head (tied to embed_tokens)", Role::kTiedHead, h, v);
+    m.Head("lm_head", Role::kTiedHead, h, v, "embed_tokens");
   } else {
-    m.Model("lm_head", Role::kVocabHead, h, v);
+    m.Head("lm_head", Role::kVocabHead, h, v);
   }
 }
 

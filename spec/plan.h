@@ -46,8 +46,18 @@ enum class LeafRole {
   kTiedHead,     // an LM head tied to a kVocabTable: holds nothing, computes [in = dim -> out = vocab]
 };
 
+// Which module a leaf is (a family that builds its tree from its leaves,
+// worker/shardformer/decoder_family.h, makes that module; kOther: the
+// family builds it by hand).
+enum class LeafKind { kOther, kLinear, kConv1D, kEmbedding, kLayerNorm, kRmsNorm };
+
+// One entry of a family's layer table: its one declaration of a layer, which
+// the planner counts and, for the families built from it, Build makes and
+// the policy replaces.
 struct PlanLeaf {
-  std::string name;     // "h.*.attn.c_attn": the leaves it stands for
+  // The leaves it stands for, by path under the base model ("h.*.attn.c_attn":
+  // "*" is each layer), or under the root (`on_root`: an LM head).
+  std::string name;
   LeafRole role = LeafRole::kWhole;
   int64_t count = 1;    // how many such leaves the model has (layers)
   int64_t in = 0, out = 0;  // a matrix's features; a table's rows (in) and dim (out); a vector's size (out)
@@ -55,6 +65,9 @@ struct PlanLeaf {
   int64_t elements_each = 0;  // kWhole: the leaf's elements (its shape's product)
   int64_t lookups = 1;        // kVocabTable: lookups per forward (T5's encoder and decoder: 2)
   int64_t fused = 1;          // kColumn: projections fused in one leaf (GPT-2's q|k|v: 3)
+  LeafKind kind = LeafKind::kOther;
+  bool on_root = false;       // a child of the root module, not of the base model
+  std::string tied_to;        // kTiedHead: the table's path under the base model
 };
 
 // The model's leaves as its family builds them, tied heads left out (they

@@ -10,12 +10,11 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
+#include "worker/shardformer/decoder_family.h"
 #include "worker/shardformer/models.h"
 
 namespace colod::shardformer {
 namespace {
-
-using Kind = LayerDecl::Kind;
 
 absl::StatusOr<ColoTensor> AttentionForward(Module& self, const ColoTensor& x) {
   ASSIGN_OR_RETURN(int64_t heads, self.IntAttr("num_heads"));
@@ -56,57 +55,33 @@ absl::StatusOr<ColoTensor> DecoderLayerForward(Module& self, const ColoTensor& x
   return AddActivations(x1.sum, m);
 }
 
-// LlamaModel; with sequence_parallel the embeddings are split along the
-// sequence over tp before the layers (the policy's forward replacement). A
-// pipeline stage embeds only if it is the first (otherwise `input` is the
-// previous stage's activation) and normalizes only if it is the last.
-Module::ForwardFn ModelForward(bool sequence_parallel, PipelineStage stage = {}) {
-  return [sequence_parallel, stage](Module& self, const ColoTensor& input) -> absl::StatusOr<ColoTensor> {
-    ColoTensor x = input;
-    if (stage.first()) {
-      ASSIGN_OR_RETURN(x, self.Call("embed_tokens", input));
-      if (sequence_parallel) {
-        ASSIGN_OR_RETURN(x, SplitSequence(x));
-      }
-    }
-    ASSIGN_OR_RETURN(Module * layers, self.Get("layers"));
-    ASSIGN_OR_RETURN(x, RunSequential(*layers, x));
-    if (!stage.last()) return x;
-    return self.Call("norm", x);
-  };
-}
-
-Module::ForwardFn CausalLmForward(PipelineStage stage = {}) {
-  return [stage](Module& self, const ColoTensor& ids) -> absl::StatusOr<ColoTensor> {
-    ASSIGN_OR_RETURN(ColoTensor h, self.Call("model", ids));
-    if (!stage.last()) return h;
-    return self.Call("lm_head", h);
-  };
-}
-
-// A pipeline stage's part of LlamaForCausalLM: its decoder layers;
-// embed_tokens on the first stage; the norm and lm_head on the last, which
-// keeps embed_tokens as the head's table when they are tied (a mirror of
-// the first stage's).
-absl::StatusOr<std::vector<std::string>> SplitStage(Module& root, const PipelineStage& stage) {
-  ASSIGN_OR_RETURN(Module * model, root.Get("model"));
-  ASSIGN_OR_RETURN(Module * layers, model->Get("layers"));
-  const int64_t n = static_cast<int64_t>(layers->Children().size());
-  for (int64_t i = 0; i < n; ++i) {
-    if (i < stage.begin || i >= stage.end) layers->Remove(absl::StrCat(i));
-  }
-  Module* head = root.Find("lm_head");
-  const bool tied = head != nullptr && head->decl().has_value() && !head->decl()->tied_to.empty();
-  std::vector<std::string> shared;
-  if (tied && (stage.first() || stage.last())) shared.push_back("model.embed_tokens");
-  if (!stage.first() && !(stage.last() && tied)) model->Remove("embed_tokens");
-  if (!stage.last()) {
-    model->Remove("norm");
-    root.Remove("lm_head");
-  }
-  model->set_forward(ModelForward(false, stage));
-  root.set_forward(CausalLmForward(stage));
-  return shared;
+// LlamaForCausalLM's names around its layer table (spec/plan.cc): the
+// decoder layers under model.layers, embed_tokens (no learned positions:
+// rotary), the final norm, lm_head (tied to embed_tokens when
+// tie_word_embeddings).
+const DecoderFamily& Llama() {
+  static const DecoderFamily* const f = [] {
+    auto* d = new DecoderFamily;
+    d->root_class = "LlamaForCausalLM";
+    d->base = "model";
+    d->base_class = "LlamaModel";
+    d->layers = "layers";
+    d->layer_class = "LlamaDecoderLayer";
+    d->layer_forward = DecoderLayerForward;
+    d->parts = {{"self_attn", "LlamaAttention", AttentionForward}, {"mlp", "LlamaMLP", MlpForward}};
+    d->tokens = "embed_tokens";
+    d->final_norm = "norm";
+    d->head = "lm_head";
+    d->configure_layer = [](Module& layer, const ModelConfig& c) {
+      Module* attn = layer.Find("self_attn");
+      attn->SetAttr("num_heads", static_cast<double>(c.num_heads));
+      attn->SetAttr("num_key_value_heads", static_cast<double>(c.num_kv_heads));
+      attn->SetAttr("head_dim", static_cast<double>(c.head_dim()));
+      attn->SetAttr("rope_theta", c.rope_theta);
+    };
+    return d;
+  }();
+  return *f;
 }
 
 absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
@@ -116,102 +91,24 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
   if (c.head_dim() % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("rotary embeddings need an even head dim, got ", c.head_dim()));
   }
-  const int64_t h = c.hidden_size, d = c.head_dim(), kv = c.num_kv_heads * d, f = c.intermediate_size;
-  const float eps = static_cast<float>(c.norm_eps);
-  auto leaf = [](Kind kind, const std::string& prefix, int64_t in, int64_t out, bool bias, float e = 1e-5f) {
-    return Module::Leaf(LayerDecl::Of(kind, prefix, in, out, bias, e));
-  };
-  auto root = std::make_unique<Module>("LlamaForCausalLM", CausalLmForward());
-  Module* model = root->Add("model", std::make_unique<Module>("LlamaModel", ModelForward(false)));
-  model->Add("embed_tokens", leaf(Kind::kEmbedding, "model.embed_tokens", c.vocab_size, h, false));
-  Module* layers = model->Add("layers", std::make_unique<Module>("ModuleList", nullptr));
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i);
-    Module* layer = layers->Add(absl::StrCat(i), std::make_unique<Module>("LlamaDecoderLayer", DecoderLayerForward));
-    layer->Add("input_layernorm", leaf(Kind::kRmsNorm, p + ".input_layernorm", 0, h, false, eps));
-    Module* attn = layer->Add("self_attn", std::make_unique<Module>("LlamaAttention", AttentionForward));
-    attn->SetAttr("num_heads", static_cast<double>(c.num_heads));
-    attn->SetAttr("num_key_value_heads", static_cast<double>(c.num_kv_heads));
-    attn->SetAttr("head_dim", static_cast<double>(d));
-    attn->SetAttr("rope_theta", c.rope_theta);
-    attn->Add("q_proj", leaf(Kind::kLinear, p + ".self_attn.q_proj", h, h, false));
-    attn->Add("k_proj", leaf(Kind::kLinear, p + ".self_attn.k_proj", h, kv, false));
-    attn->Add("v_proj", leaf(Kind::kLinear, p + ".self_attn.v_proj", h, kv, false));
-    attn->Add("o_proj", leaf(Kind::kLinear, p + ".self_attn.o_proj", h, h, false));
-    layer->Add("post_attention_layernorm", leaf(Kind::kRmsNorm, p + ".post_attention_layernorm", 0, h, false, eps));
-    Module* mlp = layer->Add("mlp", std::make_unique<Module>("LlamaMLP", MlpForward));
-    mlp->Add("gate_proj", leaf(Kind::kLinear, p + ".mlp.gate_proj", h, f, false));
-    mlp->Add("up_proj", leaf(Kind::kLinear, p + ".mlp.up_proj", h, f, false));
-    mlp->Add("down_proj", leaf(Kind::kLinear, p + ".mlp.down_proj", f, h, false));
-  }
-  model->Add("norm", leaf(Kind::kRmsNorm, "model.norm", 0, h, false, eps));
-  LayerDecl head = LayerDecl::Of(Kind::kLinear, "lm_head", h, c.vocab_size, false);
-  if (c.tie_word_embeddings) head.tied_to = "model.embed_tokens";
-  root->Add("lm_head", Module::Leaf(std::move(head)));
-  return root;
+  return BuildDecoder(Llama(), c);
 }
 
-// ShardFormer's LlamaPolicy: 1D with optional sequence parallelism, 2D / 2.5D, and 3D.
+// ShardFormer's LlamaPolicy: 1D with optional sequence parallelism, 2D /
+// 2.5D, and 3D; the layers' replacements from the layer table, each rank's
+// share of the query and key/value heads here.
 class LlamaPolicy : public CausalLmPolicy {
  public:
   LlamaPolicy() : CausalLmPolicy("llama", /*supports_3d=*/true) {}
 
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
-    std::map<std::string, ModulePolicyDescription> policy;
-    ModulePolicyDescription& lm = policy["LlamaForCausalLM"];
-    ModulePolicyDescription& model = policy["LlamaModel"];
-    ModulePolicyDescription& layer = policy["LlamaDecoderLayer"];
-    const bool two_d = shard.is_2d();
+    ASSIGN_OR_RETURN(auto policy, DecoderPolicy(Llama(), config, shard));
     const int split = shard.head_split();
-    layer.attribute_replacement = {
+    policy["LlamaDecoderLayer"].attribute_replacement = {
         {"self_attn.num_heads", static_cast<double>(config.num_heads / split)},
         {"self_attn.num_key_value_heads", static_cast<double>(config.num_kv_heads / split)},
     };
-    if (!config.tie_word_embeddings) {
-      lm.sub_module_replacement = {
-          {"lm_head", shard.is_3d() ? "LMHead3D" : two_d ? "LMHead2D" : "VocabParallelLMHead1D"}};
-    }
-    if (shard.is_3d()) {
-      // o_proj and down_proj are the second linears of their pairs (swap).
-      model.sub_module_replacement = {{"embed_tokens", "Embedding3D"}, {"norm", "RMSNorm3D"}};
-      layer.sub_module_replacement = {
-          {"input_layernorm", "RMSNorm3D"},
-          {"post_attention_layernorm", "RMSNorm3D"},
-          {"self_attn.q_proj", "Linear3D"},
-          {"self_attn.k_proj", "Linear3D"},
-          {"self_attn.v_proj", "Linear3D"},
-          {"self_attn.o_proj", "Linear3D", {{"swap", 1}}},
-          {"mlp.gate_proj", "Linear3D"},
-          {"mlp.up_proj", "Linear3D"},
-          {"mlp.down_proj", "Linear3D", {{"swap", 1}}},
-      };
-      return policy;
-    }
-    if (two_d) {
-      model.sub_module_replacement = {{"embed_tokens", "Embedding2D"}, {"norm", "RMSNorm2D"}};
-      layer.sub_module_replacement = {
-          {"input_layernorm", "RMSNorm2D"}, {"post_attention_layernorm", "RMSNorm2D"},
-          {"self_attn.q_proj", "Linear2D"}, {"self_attn.k_proj", "Linear2D"},
-          {"self_attn.v_proj", "Linear2D"}, {"self_attn.o_proj", "Linear2D"},
-          {"mlp.gate_proj", "Linear2D"},    {"mlp.up_proj", "Linear2D"},
-          {"mlp.down_proj", "Linear2D"},
-      };
-      return policy;
-    }
-    model.sub_module_replacement = {{"embed_tokens", "VocabParallelEmbedding1D"}};
-    layer.sub_module_replacement = {
-        {"self_attn.q_proj", "Linear1D_Col"}, {"self_attn.k_proj", "Linear1D_Col"},
-        {"self_attn.v_proj", "Linear1D_Col"}, {"self_attn.o_proj", "Linear1D_Row"},
-        {"mlp.gate_proj", "Linear1D_Col"},    {"mlp.up_proj", "Linear1D_Col"},
-        {"mlp.down_proj", "Linear1D_Row"},
-    };
-    if (shard.sequence_parallel()) {
-      model.sub_module_replacement.push_back({"norm", "Norm1D"});
-      model.method_replacement = ModelForward(true);
-      layer.sub_module_replacement.push_back({"input_layernorm", "Norm1D"});
-      layer.sub_module_replacement.push_back({"post_attention_layernorm", "Norm1D"});
-    }
     return policy;
   }
 };
@@ -223,7 +120,7 @@ ModelFamily LlamaFamily() {
   f.base_model_prefix = "model";
   f.build = Build;
   f.policy = [] { return std::unique_ptr<Policy>(new LlamaPolicy()); };
-  f.split_stage = SplitStage;
+  f.split_stage = [](Module& root, const PipelineStage& stage) { return SplitDecoderStage(Llama(), root, stage); };
   return f;
 }
 

@@ -1,0 +1,211 @@
+// GPT-2 and LLaMA state their layers once (spec/plan.cc's table): the
+// module tree and the policy are made from it. Held here against
+// ShardFormer's GPT2Policy and LlamaPolicy as written out by hand (the
+// replacements each mode makes, by module class), and against the module
+// tree's checkpoint names and sizes, for every mode and a tied and an
+// untied LLaMA head. The forwards are held against independent references
+// in gpt2_test and llama_test.
+#include <set>
+#include <string>
+#include <tuple>
+
+#include "gtest/gtest.h"
+#include "spec/model_config.h"
+#include "worker/shardformer/shardformer.h"
+
+namespace colod::shardformer {
+namespace {
+
+// "suffix->Target[n_fused=3,swap=1]" per replacement, per class.
+using Replacements = std::map<std::string, std::set<std::string>>;
+
+Replacements Describe(const std::map<std::string, ModulePolicyDescription>& policy) {
+  Replacements out;
+  for (const auto& [cls, d] : policy) {
+    std::set<std::string>& r = out[cls];
+    for (const SubModuleReplacementDescription& s : d.sub_module_replacement) {
+      std::string kw;
+      for (const auto& [k, v] : s.kwargs) kw += (kw.empty() ? "" : ",") + k + "=" + std::to_string(static_cast<int>(v));
+      r.insert(s.suffix + "->" + s.target_module + (kw.empty() ? "" : "[" + kw + "]"));
+    }
+  }
+  return out;
+}
+
+ShardConfig Layout(v1::TensorParallelMode mode, int tp, bool sp = false) {
+  ShardConfig s;
+  s.layout.set_tensor_parallel_size(tp);
+  s.layout.set_tensor_parallel_mode(mode);
+  s.layout.set_sequence_parallel(sp);
+  if (mode == v1::TENSOR_PARALLEL_MODE_2P5D) s.layout.set_depth(2);
+  return s;
+}
+
+ModelConfig Config(const std::string& json) {
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(json);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+const char kGpt2[] =
+    R"({"model_type":"gpt2","vocab_size":512,"n_embd":64,"n_layer":2,"n_head":8,"n_positions":128})";
+
+std::map<std::string, ModulePolicyDescription> PolicyOf(const std::string& type, const ModelConfig& c,
+                                                        const ShardConfig& s) {
+  absl::StatusOr<ModelFamily> f = ModelRegistry::Global().Get(type);
+  EXPECT_TRUE(f.ok());
+  absl::StatusOr<std::map<std::string, ModulePolicyDescription>> p = f->policy()->ModulePolicy(c, s);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : std::map<std::string, ModulePolicyDescription>{};
+}
+
+TEST(DecoderFamily, Gpt2sPolicyIsShardFormersInEveryMode) {
+  const ModelConfig c = Config(kGpt2);
+  const struct {
+    const char* name;
+    ShardConfig shard;
+    Replacements want;
+  } cases[] = {
+      {"1d", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2),
+       {{"GPT2LMHeadModel", {}},
+        {"GPT2Model", {"wte->VocabParallelEmbedding1D"}},
+        {"GPT2Block",
+         {"attn.c_attn->Linear1D_Col[n_fused=3]", "attn.c_proj->Linear1D_Row", "mlp.c_fc->Linear1D_Col",
+          "mlp.c_proj->Linear1D_Row"}}}},
+      {"1d sp", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2, true),
+       {{"GPT2LMHeadModel", {}},
+        {"GPT2Model", {"wte->VocabParallelEmbedding1D", "ln_f->Norm1D"}},
+        {"GPT2Block",
+         {"ln_1->Norm1D", "attn.c_attn->Linear1D_Col[n_fused=3]", "attn.c_proj->Linear1D_Row", "ln_2->Norm1D",
+          "mlp.c_fc->Linear1D_Col", "mlp.c_proj->Linear1D_Row"}}}},
+      {"2d", Layout(v1::TENSOR_PARALLEL_MODE_2D, 4),
+       {{"GPT2LMHeadModel", {}},
+        {"GPT2Model", {"wte->Embedding2D", "wpe->Embedding2D", "ln_f->LayerNorm2D"}},
+        {"GPT2Block",
+         {"ln_1->LayerNorm2D", "attn.c_attn->Linear2D[n_fused=3]", "attn.c_proj->Linear2D", "ln_2->LayerNorm2D",
+          "mlp.c_fc->Linear2D", "mlp.c_proj->Linear2D"}}}},
+      {"3d", Layout(v1::TENSOR_PARALLEL_MODE_3D, 8),
+       {{"GPT2LMHeadModel", {}},
+        {"GPT2Model", {"wte->Embedding3D", "wpe->Embedding3D", "ln_f->LayerNorm3D"}},
+        {"GPT2Block",
+         {"ln_1->LayerNorm3D", "attn.c_attn->Linear3D[n_fused=3]", "attn.c_proj->Linear3D[swap=1]",
+          "ln_2->LayerNorm3D", "mlp.c_fc->Linear3D", "mlp.c_proj->Linear3D[swap=1]"}}}},
+  };
+  for (const auto& k : cases) {
+    const std::map<std::string, ModulePolicyDescription> policy = PolicyOf("gpt2", c, k.shard);
+    EXPECT_EQ(Describe(policy), k.want) << k.name;
+    // Each rank's share of the heads; the sequence-parallel model forward.
+    ASSERT_TRUE(policy.count("GPT2Block")) << k.name;
+    EXPECT_EQ(policy.at("GPT2Block").attribute_replacement.at("attn.num_heads"), 8 / k.shard.head_split()) << k.name;
+    EXPECT_EQ(static_cast<bool>(policy.at("GPT2Model").method_replacement), k.shard.sequence_parallel()) << k.name;
+  }
+}
+
+std::string LlamaJson(bool tied) {
+  return std::string(R"({"model_type":"llama","vocab_size":512,"hidden_size":64,"num_hidden_layers":2,)") +
+         R"("num_attention_heads":8,"num_key_value_heads":4,"intermediate_size":96,"tie_word_embeddings":)" +
+         (tied ? "true" : "false") + "}";
+}
+
+TEST(DecoderFamily, LlamasPolicyIsShardFormersInEveryModeTiedOrNot) {
+  const std::set<std::string> linears_1d = {
+      "self_attn.q_proj->Linear1D_Col", "self_attn.k_proj->Linear1D_Col", "self_attn.v_proj->Linear1D_Col",
+      "self_attn.o_proj->Linear1D_Row", "mlp.gate_proj->Linear1D_Col",    "mlp.up_proj->Linear1D_Col",
+      "mlp.down_proj->Linear1D_Row"};
+  std::set<std::string> linears_sp = linears_1d;
+  linears_sp.insert({"input_layernorm->Norm1D", "post_attention_layernorm->Norm1D"});
+  const std::set<std::string> layer_2d = {
+      "input_layernorm->RMSNorm2D", "post_attention_layernorm->RMSNorm2D", "self_attn.q_proj->Linear2D",
+      "self_attn.k_proj->Linear2D", "self_attn.v_proj->Linear2D",           "self_attn.o_proj->Linear2D",
+      "mlp.gate_proj->Linear2D",    "mlp.up_proj->Linear2D",                "mlp.down_proj->Linear2D"};
+  const std::set<std::string> layer_3d = {"input_layernorm->RMSNorm3D",
+                                          "post_attention_layernorm->RMSNorm3D",
+                                          "self_attn.q_proj->Linear3D",
+                                          "self_attn.k_proj->Linear3D",
+                                          "self_attn.v_proj->Linear3D",
+                                          "self_attn.o_proj->Linear3D[swap=1]",
+                                          "mlp.gate_proj->Linear3D",
+                                          "mlp.up_proj->Linear3D",
+                                          "mlp.down_proj->Linear3D[swap=1]"};
+  for (bool tied : {false, true}) {
+    const ModelConfig c = Config(LlamaJson(tied));
+    auto head = [tied](const std::string& layer) {
+      return tied ? std::set<std::string>{} : std::set<std::string>{"lm_head->" + layer};
+    };
+    const struct {
+      const char* name;
+      ShardConfig shard;
+      Replacements want;
+    } cases[] = {
+        {"1d", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2),
+         {{"LlamaForCausalLM", head("VocabParallelLMHead1D")},
+          {"LlamaModel", {"embed_tokens->VocabParallelEmbedding1D"}},
+          {"LlamaDecoderLayer", linears_1d}}},
+        {"1d sp", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2, true),
+         {{"LlamaForCausalLM", head("VocabParallelLMHead1D")},
+          {"LlamaModel", {"embed_tokens->VocabParallelEmbedding1D", "norm->Norm1D"}},
+          {"LlamaDecoderLayer", linears_sp}}},
+        {"2.5d", Layout(v1::TENSOR_PARALLEL_MODE_2P5D, 8),
+         {{"LlamaForCausalLM", head("LMHead2D")},
+          {"LlamaModel", {"embed_tokens->Embedding2D", "norm->RMSNorm2D"}},
+          {"LlamaDecoderLayer", layer_2d}}},
+        {"3d", Layout(v1::TENSOR_PARALLEL_MODE_3D, 8),
+         {{"LlamaForCausalLM", head("LMHead3D")},
+          {"LlamaModel", {"embed_tokens->Embedding3D", "norm->RMSNorm3D"}},
+          {"LlamaDecoderLayer", layer_3d}}},
+    };
+    for (const auto& k : cases) {
+      const std::map<std::string, ModulePolicyDescription> policy = PolicyOf("llama", c, k.shard);
+      EXPECT_EQ(Describe(policy), k.want) << k.name << (tied ? " tied" : " untied");
+      ASSERT_TRUE(policy.count("LlamaDecoderLayer"));
+      const auto& attrs = policy.at("LlamaDecoderLayer").attribute_replacement;
+      EXPECT_EQ(attrs.at("self_attn.num_heads"), 8 / k.shard.head_split()) << k.name;
+      EXPECT_EQ(attrs.at("self_attn.num_key_value_heads"), 4 / k.shard.head_split()) << k.name;
+    }
+  }
+}
+
+// Every leaf of the built tree, depth first: "path prefix kind in out
+// [bias] [tied TABLE]".
+std::vector<std::string> Leaves(Module& root) {
+  std::vector<std::string> out;
+  for (const auto& [path, m] : root.Modules()) {
+    if (!m->decl().has_value()) continue;
+    const LayerDecl& d = *m->decl();
+    out.push_back(path + " " + d.prefix + " " + KindName(d.kind) + " " + std::to_string(d.in) + " " +
+                  std::to_string(d.out) + (d.bias ? " bias" : "") + (d.tied_to.empty() ? "" : " tied " + d.tied_to));
+  }
+  return out;
+}
+
+TEST(DecoderFamily, BuildsTheCheckpointsLayersInOrder) {
+  absl::StatusOr<ModelFamily> f = ModelRegistry::Global().Get("gpt2");
+  ASSERT_TRUE(f.ok());
+  absl::StatusOr<std::unique_ptr<Module>> m = f->build(Config(kGpt2));
+  ASSERT_TRUE(m.ok()) << m.status();
+  const std::vector<std::string> leaves = Leaves(**m);
+  std::vector<std::string> want = {"transformer.wte transformer.wte Embedding 512 64",
+                                   "transformer.wpe transformer.wpe Embedding 128 64"};
+  for (int i = 0; i < 2; ++i) {
+    const std::string p = "transformer.h." + std::to_string(i);
+    for (const std::string& l : {p + ".ln_1 " + p + ".ln_1 LayerNorm 0 64 bias",
+                                 p + ".attn.c_attn " + p + ".attn.c_attn Conv1D 64 192 bias",
+                                 p + ".attn.c_proj " + p + ".attn.c_proj Conv1D 64 64 bias",
+                                 p + ".ln_2 " + p + ".ln_2 LayerNorm 0 64 bias",
+                                 p + ".mlp.c_fc " + p + ".mlp.c_fc Conv1D 64 256 bias",
+                                 p + ".mlp.c_proj " + p + ".mlp.c_proj Conv1D 256 64 bias"}) {
+      want.push_back(l);
+    }
+  }
+  want.push_back("transformer.ln_f transformer.ln_f LayerNorm 0 64 bias");
+  want.push_back("lm_head lm_head Linear 64 512 tied transformer.wte");
+  EXPECT_EQ(leaves, want);
+  Module* attn = (*m)->Find("transformer.h.1.attn");
+  ASSERT_NE(attn, nullptr);
+  EXPECT_EQ(attn->cls(), "GPT2Attention");
+  EXPECT_EQ(attn->IntAttr("num_heads").value_or(-1), 8);
+  EXPECT_EQ(attn->IntAttr("head_dim").value_or(-1), 8);
+}
+
+}  // namespace
+}  // namespace colod::shardformer
