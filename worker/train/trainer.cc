@@ -1,6 +1,7 @@
 #include "worker/train/trainer.h"
 
 #include <filesystem>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -21,14 +22,99 @@ namespace colod::train {
 
 using shardformer::NamedParam;
 
+namespace {
+
+// One step's rows on one replica.
+struct StepBatch {
+  Tensor inputs, labels;
+  Tensor decoder_inputs;  // an encoder-decoder's (TrainData::pairs())
+  // The labelled positions of the whole step's batch (every replica): each
+  // micro-batch's loss is divided by them, so the step's loss is its mean
+  // however the labels fall across replicas and micro-batches.
+  int64_t step_labels = 0;
+};
+
+// What a run trains on, as a step reads it: a token corpus (next-token
+// prediction), images and labels (a classifier), or (input, target) pairs
+// (an encoder-decoder), each with its seeded sampler. Thread-safe after
+// construction (read-only; every rank of a local run shares one).
+class TrainData {
+ public:
+  virtual ~TrainData() = default;
+  // Replica `replica`'s `rows` of step `step`.
+  virtual absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows) const = 0;
+  // What one row counts for tokens/s: a sequence's tokens, a pair's input
+  // and target tokens, an image (1).
+  virtual int64_t TokensPerRow() const = 0;
+  // The model classifies its rows (ClassificationLoss), rather than
+  // predicting tokens.
+  virtual bool classifies() const { return false; }
+  // The model reads decoder inputs beside its inputs.
+  virtual bool pairs() const { return false; }
+};
+
+class CorpusData final : public TrainData {
+ public:
+  CorpusData(std::unique_ptr<TokenCorpus> corpus, BatchSampler sampler, int64_t step_tokens)
+      : corpus_(std::move(corpus)), sampler_(std::move(sampler)), step_tokens_(step_tokens) {}
+  absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t) const override {
+    StepBatch b;
+    b.step_labels = step_tokens_;  // every token has its next
+    RETURN_IF_ERROR(sampler_.Batch(*corpus_, step, replica, &b.inputs, &b.labels));
+    return b;
+  }
+  int64_t TokensPerRow() const override { return sampler_.seq_len(); }
+
+ private:
+  std::unique_ptr<TokenCorpus> corpus_;
+  BatchSampler sampler_;
+  int64_t step_tokens_;
+};
+
+// Images with labels, or (input, target) pairs: whole examples, some of
+// whose labels may be -100 (ignored).
+template <typename Dataset>
+class ExampleData final : public TrainData {
+ public:
+  ExampleData(std::unique_ptr<Dataset> set, BatchSampler sampler) : set_(std::move(set)), sampler_(std::move(sampler)) {}
+  absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows) const override {
+    StepBatch b;
+    const std::vector<int64_t> all = sampler_.Starts(step);
+    b.step_labels = set_->Labelled(all);
+    if (b.step_labels == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", step + 1, " drew ", all.size(),
+                                                     " images and every one is labelled -100"));
+    }
+    const std::vector<int64_t> mine(all.begin() + replica * rows, all.begin() + (replica + 1) * rows);
+    if constexpr (std::is_same_v<Dataset, Seq2SeqDataset>) {
+      RETURN_IF_ERROR(set_->Batch(mine, &b.inputs, &b.decoder_inputs, &b.labels));
+    } else {
+      RETURN_IF_ERROR(set_->Batch(mine, &b.inputs, &b.labels));
+    }
+    return b;
+  }
+  int64_t TokensPerRow() const override {
+    if constexpr (std::is_same_v<Dataset, Seq2SeqDataset>) {
+      return set_->input_len() + set_->target_len();
+    } else {
+      return 1;
+    }
+  }
+  bool classifies() const override { return std::is_same_v<Dataset, ImageDataset>; }
+  bool pairs() const override { return std::is_same_v<Dataset, Seq2SeqDataset>; }
+
+ private:
+  std::unique_ptr<Dataset> set_;
+  BatchSampler sampler_;
+};
+
+}  // namespace
+
 struct PreparedTrain {
   TrainOptions options;
   std::string resume;  // the checkpoint to resume from, if any
   uint64_t seed = 0;
-  std::unique_ptr<TokenCorpus> corpus;   // token models
-  std::unique_ptr<ImageDataset> images;  // image classifiers
-  std::unique_ptr<Seq2SeqDataset> pairs; // encoder-decoders
-  std::unique_ptr<BatchSampler> sampler;
+  std::unique_ptr<TrainData> data;
   int64_t micro_rows = 0;
 };
 
@@ -75,17 +161,20 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
                                                    o.micro_batches, " micro-batches a replica"));
   }
   run->micro_rows = rows / o.micro_batches;
-  if (examples) {  // an image classifier's images, or an encoder-decoder's pairs
-    if (config.takes_images()) {
-      ASSIGN_OR_RETURN(run->images, ImageDataset::Open(o.data_path, o.labels_path, config.num_channels,
-                                                       config.image_size, config.vocab_size));
-    } else {
-      ASSIGN_OR_RETURN(run->pairs, Seq2SeqDataset::Open(o.data_path, o.labels_path, config.vocab_size,
-                                                        config.decoder_start_token_id, config.pad_token_id));
-    }
-    const int64_t n = run->images != nullptr ? run->images->size() : run->pairs->size();
-    ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(n, o.batch_size, dp, run->seed));
-    run->sampler = std::make_unique<BatchSampler>(std::move(sampler));
+  if (config.takes_images()) {
+    ASSIGN_OR_RETURN(std::unique_ptr<ImageDataset> images,
+                     ImageDataset::Open(o.data_path, o.labels_path, config.num_channels, config.image_size,
+                                        config.vocab_size));
+    ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(images->size(), o.batch_size, dp, run->seed));
+    run->data = std::make_unique<ExampleData<ImageDataset>>(std::move(images), std::move(sampler));
+    return std::shared_ptr<const PreparedTrain>(std::move(run));
+  }
+  if (config.is_encoder_decoder()) {
+    ASSIGN_OR_RETURN(std::unique_ptr<Seq2SeqDataset> pairs,
+                     Seq2SeqDataset::Open(o.data_path, o.labels_path, config.vocab_size,
+                                          config.decoder_start_token_id, config.pad_token_id));
+    ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(pairs->size(), o.batch_size, dp, run->seed));
+    run->data = std::make_unique<ExampleData<Seq2SeqDataset>>(std::move(pairs), std::move(sampler));
     return std::shared_ptr<const PreparedTrain>(std::move(run));
   }
   const DataFormat format = ResolveDataFormat(o.data_path, o.data_format);
@@ -106,10 +195,10 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
           "vocab_size of at least ", kByteVocab, ", not ", config.vocab_size));
     }
   }
-  ASSIGN_OR_RETURN(run->corpus, TokenCorpus::Open(o.data_path, format, tokenizer.get()));
+  ASSIGN_OR_RETURN(std::unique_ptr<TokenCorpus> corpus, TokenCorpus::Open(o.data_path, format, tokenizer.get()));
   ASSIGN_OR_RETURN(BatchSampler sampler,
-                   BatchSampler::Create(run->corpus->size(), o.seq_len, o.batch_size, dp, run->seed));
-  run->sampler = std::make_unique<BatchSampler>(std::move(sampler));
+                   BatchSampler::Create(corpus->size(), o.seq_len, o.batch_size, dp, run->seed));
+  run->data = std::make_unique<CorpusData>(std::move(corpus), std::move(sampler), o.batch_size * o.seq_len);
   return std::shared_ptr<const PreparedTrain>(std::move(run));
 }
 
@@ -140,25 +229,10 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     }
     const absl::Time start = absl::Now();
     optimizer.ZeroGrad();
-    Tensor inputs, labels, decoder_inputs;
-    // The labelled positions of the whole step's batch: each micro-batch's
-    // loss is divided by them, so the step's loss is its mean however the
-    // labels fall across replicas and micro-batches.
-    int64_t step_labels = o.batch_size * o.seq_len;  // every token has its next
-    if (run.images != nullptr || run.pairs != nullptr) {
-      const std::vector<int64_t> all = run.sampler->Starts(step);
-      step_labels = run.images != nullptr ? run.images->Labelled(all) : run.pairs->Labelled(all);
-      if (step_labels == 0) {
-        return absl::InvalidArgumentError(absl::StrCat("step ", step + 1, " drew ", all.size(),
-                                                       " images and every one is labelled -100"));
-      }
-      const int64_t rows = micro_rows * o.micro_batches;  // this replica's
-      const std::vector<int64_t> mine(all.begin() + replica * rows, all.begin() + (replica + 1) * rows);
-      RETURN_IF_ERROR(run.images != nullptr ? run.images->Batch(mine, &inputs, &labels)
-                                            : run.pairs->Batch(mine, &inputs, &decoder_inputs, &labels));
-    } else {
-      RETURN_IF_ERROR(run.sampler->Batch(*run.corpus, step, replica, &inputs, &labels));
-    }
+    ASSIGN_OR_RETURN(StepBatch batch, run.data->Batch(step, replica, micro_rows * o.micro_batches));
+    const Tensor& inputs = batch.inputs;
+    const Tensor& labels = batch.labels;
+    const int64_t step_labels = batch.step_labels;
     double loss = 0, pipeline_wait = 0;
     if (shard.pp() > 1) {
       ASSIGN_OR_RETURN(PipelineStepResult r,
@@ -171,14 +245,14 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, mb * micro_rows, micro_rows));
       sync->set_enabled(mb + 1 == o.micro_batches);  // accumulate, then reduce once
       Tensor dec;  // an encoder-decoder's decoder input
-      if (run.pairs != nullptr) {
-        ASSIGN_OR_RETURN(dec, decoder_inputs.Narrow(0, mb * micro_rows, micro_rows));
+      if (run.data->pairs()) {
+        ASSIGN_OR_RETURN(dec, batch.decoder_inputs.Narrow(0, mb * micro_rows, micro_rows));
       }
       auto forward = [&]() -> absl::StatusOr<ColoTensor> {
-        return run.pairs != nullptr ? model->Forward(in.Contiguous(), dec.Contiguous()) : model->Forward(in.Contiguous());
+        return run.data->pairs() ? model->Forward(in.Contiguous(), dec.Contiguous()) : model->Forward(in.Contiguous());
       };
       shardformer::LmLoss l;
-      if (run.images != nullptr) {
+      if (run.data->classifies()) {
         ASSIGN_OR_RETURN(ColoTensor logits, forward());
         ASSIGN_OR_RETURN(l, model->ClassificationLoss(logits, want.Contiguous(), step_labels));
       } else {  // the LM head fused with the loss where the model allows
@@ -206,10 +280,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.pipeline_wait_seconds = pipeline_wait;
     s.dp_bucket_bytes = sync->last_bucket_bytes();
     s.dp_overlapped_bytes = sync->last_overlapped_bytes();
-    // An image, a pair's input and target tokens, or a sequence's tokens.
-    const int64_t per_row = run.images != nullptr  ? 1
-                            : run.pairs != nullptr ? run.pairs->input_len() + run.pairs->target_len()
-                                                   : o.seq_len;
+    const int64_t per_row = run.data->TokensPerRow();
     s.tokens_per_second = s.seconds > 0 ? static_cast<double>(o.batch_size * per_row) / s.seconds : 0;
     s.rank_tokens = micro_rows * o.micro_batches * per_row;
     for (const NamedParam& p : params) {
