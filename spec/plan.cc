@@ -157,47 +157,49 @@ void BertLeaves(const ModelConfig& c, Leaves& m) {
 
 // opt's leaves, as its policy shards them.
 void OptLeaves(const ModelConfig& c, Leaves& m) {
+  using K = LeafKind;
   const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size, p = c.max_positions;
   const int64_t e = c.embed_dim;
   const bool b = c.linear_bias;
-  m.Model("embed_tokens", Role::kVocabTable, v, e);
-  m.Model("embed_positions", Role::kPositions, m.Plus(p, c.position_offset), h);
-  if (e != h) {
-    m.Model("project_in", Role::kProjection, e, h);
-    m.Model("project_out", Role::kProjection, h, e);
-  }
-  m.Layer("layers.*.self_attn_layer_norm", Role::kNorm, 0, h, true);
+  m.Model("embed_tokens", Role::kVocabTable, v, e).As(K::kEmbedding);
+  m.Model("embed_positions", Role::kPositions, m.Plus(p, c.position_offset), h).As(K::kEmbedding);
+  if (e != h) m.Model("project_in", Role::kProjection, e, h).As(K::kLinear);
   for (const char* proj : {"q_proj", "k_proj", "v_proj"}) {
-    m.Layer(absl::StrCat("layers.*.self_attn.", proj), Role::kColumn, h, h, b);
+    m.Layer(absl::StrCat("layers.*.self_attn.", proj), Role::kColumn, h, h, b).As(K::kLinear);
   }
-  m.Layer("layers.*.self_attn.out_proj", Role::kRow, h, h, b);
-  m.Layer("layers.*.final_layer_norm", Role::kNorm, 0, h, true);
-  m.Layer("layers.*.fc1", Role::kColumn, h, f, b);
-  m.Layer("layers.*.fc2", Role::kRow, f, h, b);
-  if (c.final_norm) m.Model("final_layer_norm", Role::kNorm, 0, h, true);
+  m.Layer("layers.*.self_attn.out_proj", Role::kRow, h, h, b).As(K::kLinear);
+  m.Layer("layers.*.self_attn_layer_norm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  m.Layer("layers.*.fc1", Role::kColumn, h, f, b).As(K::kLinear);
+  m.Layer("layers.*.fc2", Role::kRow, f, h, b).As(K::kLinear);
+  m.Layer("layers.*.final_layer_norm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  if (c.final_norm) m.Model("final_layer_norm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  if (e != h) m.Model("project_out", Role::kProjection, h, e).As(K::kLinear);
   if (c.tie_word_embeddings) {
-    m.Model("lm_head (tied to embed_tokens)", Role::kTiedHead, e, v);
+    m.Head("lm_head", Role::kTiedHead, e, v, "embed_tokens");
   } else {
-    m.Model("lm_head", Role::kVocabHead, e, v);
+    m.Head("lm_head", Role::kVocabHead, e, v);
   }
 }
 
 // bloom's leaves, as its policy shards them.
 void BloomLeaves(const ModelConfig& c, Leaves& m) {
+  using K = LeafKind;
   const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size;
-  m.Model("word_embeddings", Role::kVocabTable, v, h);
-  m.Model("word_embeddings_layernorm", Role::kNorm, 0, h, true);
-  m.Layer("h.*.input_layernorm", Role::kNorm, 0, h, true);
-  m.Layer("h.*.self_attention.query_key_value", Role::kColumn, h, m.Mul({3, h}), true);
-  m.Layer("h.*.self_attention.dense", Role::kRow, h, h, true);
-  m.Layer("h.*.post_attention_layernorm", Role::kNorm, 0, h, true);
-  m.Layer("h.*.mlp.dense_h_to_4h", Role::kColumn, h, f, true);
-  m.Layer("h.*.mlp.dense_4h_to_h", Role::kRow, f, h, true);
-  m.Model("ln_f", Role::kNorm, 0, h, true);
+  m.Model("word_embeddings", Role::kVocabTable, v, h).As(K::kEmbedding);
+  m.Model("word_embeddings_layernorm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  m.back().sequence_split = false;  // normalizes the embeddings before the split
+  m.Layer("h.*.input_layernorm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  // q|k|v laid out per head: column-parallel as it is (no n_fused).
+  m.Layer("h.*.self_attention.query_key_value", Role::kColumn, h, m.Mul({3, h}), true).As(K::kLinear);
+  m.Layer("h.*.self_attention.dense", Role::kRow, h, h, true).As(K::kLinear);
+  m.Layer("h.*.post_attention_layernorm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  m.Layer("h.*.mlp.dense_h_to_4h", Role::kColumn, h, f, true).As(K::kLinear);
+  m.Layer("h.*.mlp.dense_4h_to_h", Role::kRow, f, h, true).As(K::kLinear);
+  m.Model("ln_f", Role::kNorm, 0, h, true).As(K::kLayerNorm);
   if (c.tie_word_embeddings) {
-    m.Model("lm_head (tied to word_embeddings)", Role::kTiedHead, h, v);
+    m.Head("lm_head", Role::kTiedHead, h, v, "word_embeddings");
   } else {
-    m.Model("lm_head", Role::kVocabHead, h, v);
+    m.Head("lm_head", Role::kVocabHead, h, v);
   }
 }
 

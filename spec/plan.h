@@ -68,6 +68,10 @@ struct PlanLeaf {
   LeafKind kind = LeafKind::kOther;
   bool on_root = false;       // a child of the root module, not of the base model
   std::string tied_to;        // kTiedHead: the table's path under the base model
+  // kNorm: under sequence parallelism its input is split along the
+  // sequence (Norm1D); false for a norm of the embeddings before the split
+  // (BLOOM's word_embeddings_layernorm), which stays native.
+  bool sequence_split = true;
 };
 
 // The model's leaves as its family builds them, tied heads left out (they

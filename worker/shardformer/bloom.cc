@@ -12,12 +12,11 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
+#include "worker/shardformer/decoder_family.h"
 #include "worker/shardformer/models.h"
 
 namespace colod::shardformer {
 namespace {
-
-using Kind = LayerDecl::Kind;
 
 // The slopes of this rank's heads: the heads of a tensor-parallel group are
 // split in rank order, so tp rank r holds heads [r * heads, (r + 1) * heads).
@@ -91,75 +90,52 @@ Module::ForwardFn ModelForward(bool sequence_parallel) {
   };
 }
 
-absl::StatusOr<ColoTensor> CausalLmForward(Module& self, const ColoTensor& ids) {
-  ASSIGN_OR_RETURN(ColoTensor h, self.Call("transformer", ids));
-  return self.Call("lm_head", h);
+// BloomForCausalLM's names around its layer table (spec/plan.cc): the
+// blocks under transformer.h, its own model forward (the embeddings'
+// LayerNorm), the head tied to word_embeddings unless tie_word_embeddings is
+// false.
+const DecoderFamily& Bloom() {
+  static const DecoderFamily* const f = [] {
+    auto* d = new DecoderFamily;
+    d->root_class = "BloomForCausalLM";
+    d->base = "transformer";
+    d->base_class = "BloomModel";
+    d->layers = "h";
+    d->layer_class = "BloomBlock";
+    d->layer_forward = BlockForward;
+    d->parts = {{"self_attention", "BloomAttention", AttentionForward}, {"mlp", "BloomMLP", MlpForward}};
+    d->tokens = "word_embeddings";
+    d->final_norm = "ln_f";
+    d->head = "lm_head";
+    d->model_forward = ModelForward;
+    d->configure_layer = [](Module& block, const ModelConfig& c) {
+      block.SetAttr("apply_residual_connection_post_layernorm", c.residual_post_norm ? 1 : 0);
+      Module* attn = block.Find("self_attention");
+      attn->SetAttr("num_heads", static_cast<double>(c.num_heads));
+      attn->SetAttr("alibi_heads", static_cast<double>(c.num_heads));  // the policy leaves it whole
+      attn->SetAttr("head_dim", static_cast<double>(c.head_dim()));
+    };
+    return d;
+  }();
+  return *f;
 }
 
-absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
-  const int64_t h = c.hidden_size, f = c.intermediate_size;
-  const float eps = static_cast<float>(c.norm_eps);
-  auto leaf = [](Kind kind, const std::string& prefix, int64_t in, int64_t out, bool bias, float ln_eps = 1e-5f) {
-    return Module::Leaf(LayerDecl::Of(kind, prefix, in, out, bias, ln_eps));
-  };
-  auto root = std::make_unique<Module>("BloomForCausalLM", CausalLmForward);
-  Module* model = root->Add("transformer", std::make_unique<Module>("BloomModel", ModelForward(false)));
-  model->Add("word_embeddings", leaf(Kind::kEmbedding, "transformer.word_embeddings", c.vocab_size, h, false));
-  model->Add("word_embeddings_layernorm",
-             leaf(Kind::kLayerNorm, "transformer.word_embeddings_layernorm", 0, h, true, eps));
-  Module* blocks = model->Add("h", std::make_unique<Module>("ModuleList", nullptr));
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = absl::StrCat("transformer.h.", i);
-    Module* block = blocks->Add(absl::StrCat(i), std::make_unique<Module>("BloomBlock", BlockForward));
-    block->SetAttr("apply_residual_connection_post_layernorm", c.residual_post_norm ? 1 : 0);
-    block->Add("input_layernorm", leaf(Kind::kLayerNorm, p + ".input_layernorm", 0, h, true, eps));
-    Module* attn = block->Add("self_attention", std::make_unique<Module>("BloomAttention", AttentionForward));
-    attn->SetAttr("num_heads", static_cast<double>(c.num_heads));
-    attn->SetAttr("alibi_heads", static_cast<double>(c.num_heads));  // the policy leaves it whole
-    attn->SetAttr("head_dim", static_cast<double>(c.head_dim()));
-    attn->Add("query_key_value", leaf(Kind::kLinear, p + ".self_attention.query_key_value", h, 3 * h, true));
-    attn->Add("dense", leaf(Kind::kLinear, p + ".self_attention.dense", h, h, true));
-    block->Add("post_attention_layernorm", leaf(Kind::kLayerNorm, p + ".post_attention_layernorm", 0, h, true, eps));
-    Module* mlp = block->Add("mlp", std::make_unique<Module>("BloomMLP", MlpForward));
-    mlp->Add("dense_h_to_4h", leaf(Kind::kLinear, p + ".mlp.dense_h_to_4h", h, f, true));
-    mlp->Add("dense_4h_to_h", leaf(Kind::kLinear, p + ".mlp.dense_4h_to_h", f, h, true));
-  }
-  model->Add("ln_f", leaf(Kind::kLayerNorm, "transformer.ln_f", 0, h, true, eps));
-  LayerDecl head = LayerDecl::Of(Kind::kLinear, "lm_head", h, c.vocab_size, false);
-  if (c.tie_word_embeddings) head.tied_to = "transformer.word_embeddings";
-  root->Add("lm_head", Module::Leaf(std::move(head)));
-  return root;
-}
+absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) { return BuildDecoder(Bloom(), c); }
 
-// ShardFormer's BloomPolicy: 1D with optional sequence parallelism. The
-// fused query_key_value is column-parallel as it is (its per-head layout
-// gives each rank whole heads with their q, k and v).
+// ShardFormer's BloomPolicy: 1D with optional sequence parallelism (the
+// embeddings' LayerNorm, before the split, stays native). The fused
+// query_key_value is column-parallel as it is (its per-head layout gives each
+// rank whole heads with their q, k and v). The replacements from the layer
+// table, each rank's share of the heads here (their ALiBi slopes stay whole).
 class BloomPolicy : public CausalLmPolicy {
  public:
   BloomPolicy() : CausalLmPolicy("bloom") {}
 
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
-    std::map<std::string, ModulePolicyDescription> policy;
-    ModulePolicyDescription& lm = policy["BloomForCausalLM"];
-    ModulePolicyDescription& model = policy["BloomModel"];
-    ModulePolicyDescription& block = policy["BloomBlock"];
-    block.attribute_replacement = {
+    ASSIGN_OR_RETURN(auto policy, DecoderPolicy(Bloom(), config, shard));
+    policy["BloomBlock"].attribute_replacement = {
         {"self_attention.num_heads", static_cast<double>(config.num_heads / shard.head_split())}};
-    if (!config.tie_word_embeddings) lm.sub_module_replacement = {{"lm_head", "VocabParallelLMHead1D"}};
-    model.sub_module_replacement = {{"word_embeddings", "VocabParallelEmbedding1D"}};
-    block.sub_module_replacement = {
-        {"self_attention.query_key_value", "Linear1D_Col"},
-        {"self_attention.dense", "Linear1D_Row"},
-        {"mlp.dense_h_to_4h", "Linear1D_Col"},
-        {"mlp.dense_4h_to_h", "Linear1D_Row"},
-    };
-    if (shard.sequence_parallel()) {
-      model.sub_module_replacement.push_back({"ln_f", "Norm1D"});
-      model.method_replacement = ModelForward(true);
-      block.sub_module_replacement.push_back({"input_layernorm", "Norm1D"});
-      block.sub_module_replacement.push_back({"post_attention_layernorm", "Norm1D"});
-    }
     return policy;
   }
 };

@@ -82,7 +82,7 @@ absl::StatusOr<SubModuleReplacementDescription> Replacement(const PlanLeaf& leaf
       break;
     case LeafRole::kNorm:
       if (mode.empty()) {
-        if (shard.sequence_parallel()) r.target_module = "Norm1D";
+        if (shard.sequence_parallel() && leaf.sequence_split) r.target_module = "Norm1D";
       } else {
         r.target_module = (rms ? "RMSNorm" : "LayerNorm") + mode;
       }
@@ -92,6 +92,9 @@ absl::StatusOr<SubModuleReplacementDescription> Replacement(const PlanLeaf& leaf
       break;
     case LeafRole::kPositions:
       if (!mode.empty()) r.target_module = "Embedding" + mode;
+      break;
+    case LeafRole::kProjection:  // replicated in 1D
+      if (!mode.empty()) r.target_module = "Linear" + mode;
       break;
     case LeafRole::kVocabHead:
       r.target_module = mode.empty() ? "VocabParallelLMHead1D" : "LMHead" + mode;
@@ -105,12 +108,21 @@ absl::StatusOr<SubModuleReplacementDescription> Replacement(const PlanLeaf& leaf
   return r;
 }
 
+// The family's base model forward: its own, or the shared one.
+Module::ForwardFn ModelForwardOf(const DecoderFamily& f, bool sequence_parallel) {
+  return f.model_forward ? f.model_forward(sequence_parallel) : DecoderModelForward(f, sequence_parallel);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Module>> BuildDecoder(const DecoderFamily& f, const ModelConfig& c) {
   ASSIGN_OR_RETURN(std::vector<PlanLeaf> leaves, PlanLeaves(c));
   auto root = std::make_unique<Module>(f.root_class, DecoderLmForward(f));
-  Module* model = root->Add(f.base, std::make_unique<Module>(f.base_class, DecoderModelForward(f, false)));
+  Module* parent = root.get();
+  for (const DecoderFamily::Part& p : f.outer) parent = parent->Add(p.name, std::make_unique<Module>(p.class_name, p.forward));
+  const std::vector<std::string> base_path = absl::StrSplit(f.base, '.');
+  Module* model = parent->Add(base_path.back(), std::make_unique<Module>(f.base_class, ModelForwardOf(f, false)));
+  if (f.configure_base) f.configure_base(*model, c);
   const std::string in_layer = LayerPrefix(f);
   bool layers_built = false;
   for (const PlanLeaf& leaf : leaves) {
@@ -161,7 +173,7 @@ absl::StatusOr<std::map<std::string, ModulePolicyDescription>> DecoderPolicy(con
     (leaf.on_root ? root : per_layer ? layer : model).sub_module_replacement.push_back(std::move(r));
   }
   if (!shard.is_2d() && !shard.is_3d() && shard.sequence_parallel()) {
-    model.method_replacement = DecoderModelForward(f, /*sequence_parallel=*/true);
+    model.method_replacement = ModelForwardOf(f, /*sequence_parallel=*/true);
   }
   return policy;
 }
@@ -190,8 +202,10 @@ Module::ForwardFn DecoderModelForward(const DecoderFamily& f, bool sequence_para
 }
 
 Module::ForwardFn DecoderLmForward(const DecoderFamily& f, PipelineStage stage) {
-  return [f, stage](Module& self, const ColoTensor& ids) -> absl::StatusOr<ColoTensor> {
-    ASSIGN_OR_RETURN(ColoTensor h, self.Call(f.base, ids));
+  // The root's child on the way to the base model.
+  const std::string first = f.outer.empty() ? f.base : f.outer.front().name;
+  return [f, first, stage](Module& self, const ColoTensor& ids) -> absl::StatusOr<ColoTensor> {
+    ASSIGN_OR_RETURN(ColoTensor h, self.Call(first, ids));
     if (!stage.last()) return h;
     return self.Call(f.head, h);
   };

@@ -1,5 +1,5 @@
 // The decoder-only causal LMs whose layers are declared once, in their
-// layer table in spec/plan.cc (PlanLeaves): GPT-2 and LLaMA. The planner
+// layer table in spec/plan.cc (PlanLeaves): GPT-2, LLaMA, OPT and BLOOM. The planner
 // counts that table; BuildDecoder makes the module tree from it (every
 // leaf's module, checkpoint name, sizes and tying), and DecoderPolicy
 // derives the policy's sub-module replacements from each leaf's role in the
@@ -7,7 +7,8 @@
 // the containers, their classes and forwards, the embedding, norm and head)
 // and its attention and MLP forwards. The model forward (embeddings, layers,
 // final norm; sequence-parallel split; a pipeline stage's part) and the
-// pipeline stage split are shared.
+// pipeline stage split are shared where a family's differ only in names
+// (GPT-2, LLaMA); OPT and BLOOM bring their own model forwards.
 //
 // Thread-safety: pure functions; the forwards they return capture a copy of
 // the DecoderFamily.
@@ -30,8 +31,10 @@ namespace colod::shardformer {
 
 struct DecoderFamily {
   std::string root_class;   // "GPT2LMHeadModel"
-  std::string base;         // the base model's name: "transformer" (checkpoint names start with it)
-  std::string base_class;   // "GPT2Model"
+  // The base model's path under the root: "transformer" (checkpoint names
+  // start with it), "model.decoder" (OPT).
+  std::string base;
+  std::string base_class;   // "GPT2Model", "OPTDecoder"
   std::string layers;       // the layer list under the base model: "h"
   std::string layer_class;  // "GPT2Block"
   Module::ForwardFn layer_forward;
@@ -42,12 +45,21 @@ struct DecoderFamily {
     Module::ForwardFn forward;
   };
   std::vector<Part> parts;
+  // The containers from the root down to the base model, when the base
+  // model is not the root's child: OPT's "model" (OPTModel) holding "decoder".
+  std::vector<Part> outer;
   std::string tokens;      // the token table under the base model: "wte"
   std::string positions;   // the learned position table ("wpe"); empty: none (rotary)
   std::string final_norm;  // "ln_f"
   std::string head;        // the LM head under the root: "lm_head"
-  // Sets a layer's attributes (heads, head dim, ...) once its leaves are in.
+  // Sets a layer's attributes (heads, head dim, ...) once its leaves are in,
+  // and the base model's.
   std::function<void(Module& layer, const ModelConfig& config)> configure_layer;
+  std::function<void(Module& base, const ModelConfig& config)> configure_base;
+  // The base model's forward, where it is the family's own (OPT's offset
+  // positions and projections, BLOOM's embedding norm); unset:
+  // DecoderModelForward. Such a family has no pipeline stages.
+  std::function<Module::ForwardFn(bool sequence_parallel)> model_forward;
 };
 
 // The family's module tree from its layer table (PlanLeaves(config)), in
@@ -74,7 +86,8 @@ absl::StatusOr<std::map<std::string, ModulePolicyDescription>> DecoderPolicy(con
 // family has them) on the first stage, split along the sequence over tp
 // with `sequence_parallel`; the stage's layers; the final norm on the last.
 Module::ForwardFn DecoderModelForward(const DecoderFamily& family, bool sequence_parallel, PipelineStage stage = {});
-// The root's: the base model, then the head on the last stage.
+// The root's: the base model (through the outer containers), then the head
+// on the last stage.
 Module::ForwardFn DecoderLmForward(const DecoderFamily& family, PipelineStage stage = {});
 
 // A pipeline stage's part of the model (ModelFamily::split_stage): its

@@ -165,6 +165,81 @@ TEST(DecoderFamily, LlamasPolicyIsShardFormersInEveryModeTiedOrNot) {
   }
 }
 
+TEST(DecoderFamily, OptsPolicyIsShardFormersWithAndWithoutProjections) {
+  for (bool projected : {false, true}) {
+    const ModelConfig c = Config(std::string(R"({"model_type":"opt","vocab_size":512,"hidden_size":64,)") +
+                                 R"("num_hidden_layers":2,"num_attention_heads":8,"ffn_dim":128,)" +
+                                 R"("max_position_embeddings":64,"word_embed_proj_dim":)" + (projected ? "32" : "64") +
+                                 "}");
+    std::set<std::string> decoder_2d = {"embed_tokens->Embedding2D", "embed_positions->Embedding2D",
+                                        "final_layer_norm->LayerNorm2D"};
+    if (projected) decoder_2d.insert({"project_in->Linear2D", "project_out->Linear2D"});
+    const struct {
+      const char* name;
+      ShardConfig shard;
+      Replacements want;
+    } cases[] = {
+        {"1d", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2),
+         {{"OPTForCausalLM", {}},
+          {"OPTDecoder", {"embed_tokens->VocabParallelEmbedding1D"}},
+          {"OPTDecoderLayer",
+           {"self_attn.q_proj->Linear1D_Col", "self_attn.k_proj->Linear1D_Col", "self_attn.v_proj->Linear1D_Col",
+            "self_attn.out_proj->Linear1D_Row", "fc1->Linear1D_Col", "fc2->Linear1D_Row"}}}},
+        {"1d sp", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2, true),
+         {{"OPTForCausalLM", {}},
+          {"OPTDecoder", {"embed_tokens->VocabParallelEmbedding1D", "final_layer_norm->Norm1D"}},
+          {"OPTDecoderLayer",
+           {"self_attn.q_proj->Linear1D_Col", "self_attn.k_proj->Linear1D_Col", "self_attn.v_proj->Linear1D_Col",
+            "self_attn.out_proj->Linear1D_Row", "fc1->Linear1D_Col", "fc2->Linear1D_Row",
+            "self_attn_layer_norm->Norm1D", "final_layer_norm->Norm1D"}}}},
+        {"2d", Layout(v1::TENSOR_PARALLEL_MODE_2D, 4),
+         {{"OPTForCausalLM", {}},
+          {"OPTDecoder", decoder_2d},
+          {"OPTDecoderLayer",
+           {"self_attn.q_proj->Linear2D", "self_attn.k_proj->Linear2D", "self_attn.v_proj->Linear2D",
+            "self_attn.out_proj->Linear2D", "fc1->Linear2D", "fc2->Linear2D", "self_attn_layer_norm->LayerNorm2D",
+            "final_layer_norm->LayerNorm2D"}}}},
+    };
+    for (const auto& k : cases) {
+      const std::map<std::string, ModulePolicyDescription> policy = PolicyOf("opt", c, k.shard);
+      EXPECT_EQ(Describe(policy), k.want) << k.name << (projected ? " projected" : "");
+      ASSERT_TRUE(policy.count("OPTDecoderLayer"));
+      EXPECT_EQ(policy.at("OPTDecoderLayer").attribute_replacement.at("self_attn.num_heads"),
+                8 / k.shard.head_split());
+      EXPECT_EQ(static_cast<bool>(policy.at("OPTDecoder").method_replacement), k.shard.sequence_parallel());
+    }
+  }
+}
+
+TEST(DecoderFamily, BloomsPolicyIsShardFormersAndLeavesTheEmbeddingNormWhole) {
+  const ModelConfig c = Config(
+      R"({"model_type":"bloom","vocab_size":512,"hidden_size":64,"n_layer":2,"n_head":8,"tie_word_embeddings":false})");
+  const std::set<std::string> layer_1d = {"self_attention.query_key_value->Linear1D_Col",
+                                          "self_attention.dense->Linear1D_Row", "mlp.dense_h_to_4h->Linear1D_Col",
+                                          "mlp.dense_4h_to_h->Linear1D_Row"};
+  std::set<std::string> layer_sp = layer_1d;
+  layer_sp.insert({"input_layernorm->Norm1D", "post_attention_layernorm->Norm1D"});
+  const struct {
+    const char* name;
+    ShardConfig shard;
+    Replacements want;
+  } cases[] = {
+      {"1d", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2),
+       {{"BloomForCausalLM", {"lm_head->VocabParallelLMHead1D"}},
+        {"BloomModel", {"word_embeddings->VocabParallelEmbedding1D"}},
+        {"BloomBlock", layer_1d}}},
+      {"1d sp", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2, true),
+       {{"BloomForCausalLM", {"lm_head->VocabParallelLMHead1D"}},
+        {"BloomModel", {"word_embeddings->VocabParallelEmbedding1D", "ln_f->Norm1D"}},
+        {"BloomBlock", layer_sp}}},
+  };
+  for (const auto& k : cases) {
+    const std::map<std::string, ModulePolicyDescription> policy = PolicyOf("bloom", c, k.shard);
+    EXPECT_EQ(Describe(policy), k.want) << k.name;
+    EXPECT_EQ(policy.at("BloomBlock").attribute_replacement.at("self_attention.num_heads"), 4);
+  }
+}
+
 // Every leaf of the built tree, depth first: "path prefix kind in out
 // [bias] [tied TABLE]".
 std::vector<std::string> Leaves(Module& root) {
@@ -200,6 +275,32 @@ TEST(DecoderFamily, BuildsTheCheckpointsLayersInOrder) {
   want.push_back("transformer.ln_f transformer.ln_f LayerNorm 0 64 bias");
   want.push_back("lm_head lm_head Linear 64 512 tied transformer.wte");
   EXPECT_EQ(leaves, want);
+  // OPT's decoder sits under model; its projections around the layers, its
+  // head tied to the table under the decoder.
+  absl::StatusOr<ModelFamily> opt = ModelRegistry::Global().Get("opt");
+  ASSERT_TRUE(opt.ok());
+  absl::StatusOr<std::unique_ptr<Module>> o = opt->build(Config(
+      R"({"model_type":"opt","vocab_size":512,"hidden_size":64,"num_hidden_layers":1,"num_attention_heads":8,)"
+      R"("ffn_dim":128,"max_position_embeddings":64,"word_embed_proj_dim":32})"));
+  ASSERT_TRUE(o.ok()) << o.status();
+  const std::string l = "model.decoder.layers.0";
+  EXPECT_EQ(Leaves(**o), (std::vector<std::string>{
+                             "model.decoder.embed_tokens model.decoder.embed_tokens Embedding 512 32",
+                             "model.decoder.embed_positions model.decoder.embed_positions Embedding 66 64",
+                             "model.decoder.project_in model.decoder.project_in Linear 32 64",
+                             l + ".self_attn.q_proj " + l + ".self_attn.q_proj Linear 64 64 bias",
+                             l + ".self_attn.k_proj " + l + ".self_attn.k_proj Linear 64 64 bias",
+                             l + ".self_attn.v_proj " + l + ".self_attn.v_proj Linear 64 64 bias",
+                             l + ".self_attn.out_proj " + l + ".self_attn.out_proj Linear 64 64 bias",
+                             l + ".self_attn_layer_norm " + l + ".self_attn_layer_norm LayerNorm 0 64 bias",
+                             l + ".fc1 " + l + ".fc1 Linear 64 128 bias",
+                             l + ".fc2 " + l + ".fc2 Linear 128 64 bias",
+                             l + ".final_layer_norm " + l + ".final_layer_norm LayerNorm 0 64 bias",
+                             "model.decoder.final_layer_norm model.decoder.final_layer_norm LayerNorm 0 64 bias",
+                             "model.decoder.project_out model.decoder.project_out Linear 64 32",
+                             "lm_head lm_head Linear 32 512 tied model.decoder.embed_tokens"}));
+  EXPECT_EQ((*o)->Find("model")->cls(), "OPTModel");
+  EXPECT_EQ((*o)->Find("model.decoder")->IntAttr("position_offset").value_or(-1), 2);
   Module* attn = (*m)->Find("transformer.h.1.attn");
   ASSERT_NE(attn, nullptr);
   EXPECT_EQ(attn->cls(), "GPT2Attention");

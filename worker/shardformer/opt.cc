@@ -12,12 +12,11 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
+#include "worker/shardformer/decoder_family.h"
 #include "worker/shardformer/models.h"
 
 namespace colod::shardformer {
 namespace {
-
-using Kind = LayerDecl::Kind;
 
 absl::StatusOr<ColoTensor> AttentionForward(Module& self, const ColoTensor& x) {
   ASSIGN_OR_RETURN(int64_t heads, self.IntAttr("num_heads"));
@@ -99,114 +98,70 @@ Module::ForwardFn DecoderForward(bool sequence_parallel) {
 
 absl::StatusOr<ColoTensor> ModelForward(Module& self, const ColoTensor& ids) { return self.Call("decoder", ids); }
 
-absl::StatusOr<ColoTensor> CausalLmForward(Module& self, const ColoTensor& ids) {
-  ASSIGN_OR_RETURN(ColoTensor h, self.Call("model", ids));
-  return self.Call("lm_head", h);
+// 0 relu, 1 gelu, 2 gelu tanh (Mlp's "activation"); -1 for another.
+int ActivationCode(const std::string& activation) {
+  if (activation == "relu") return 0;
+  if (activation == "gelu") return 1;
+  if (activation == "gelu_new" || activation == "gelu_pytorch_tanh") return 2;
+  return -1;
+}
+
+// OPTForCausalLM's names around its layer table (spec/plan.cc): the
+// decoder under model.decoder, its own forward (DecoderForward), the head
+// tied to embed_tokens unless tie_word_embeddings is false.
+const DecoderFamily& Opt() {
+  static const DecoderFamily* const f = [] {
+    auto* d = new DecoderFamily;
+    d->root_class = "OPTForCausalLM";
+    d->outer = {{"model", "OPTModel", ModelForward}};
+    d->base = "model.decoder";
+    d->base_class = "OPTDecoder";
+    d->layers = "layers";
+    d->layer_class = "OPTDecoderLayer";
+    d->layer_forward = DecoderLayerForward;
+    d->parts = {{"self_attn", "OPTAttention", AttentionForward}};
+    d->tokens = "embed_tokens";
+    d->positions = "embed_positions";
+    d->final_norm = "final_layer_norm";
+    d->head = "lm_head";
+    d->model_forward = DecoderForward;
+    d->configure_base = [](Module& decoder, const ModelConfig& c) {
+      decoder.SetAttr("position_offset", static_cast<double>(c.position_offset));
+    };
+    d->configure_layer = [](Module& layer, const ModelConfig& c) {
+      layer.SetAttr("do_layer_norm_before", c.norm_before ? 1 : 0);
+      layer.SetAttr("activation", ActivationCode(c.activation));
+      Module* attn = layer.Find("self_attn");
+      attn->SetAttr("num_heads", static_cast<double>(c.num_heads));
+      attn->SetAttr("head_dim", static_cast<double>(c.head_dim()));
+    };
+    return d;
+  }();
+  return *f;
 }
 
 absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
-  int activation = 0;
-  if (c.activation == "relu") {
-    activation = 0;
-  } else if (c.activation == "gelu") {
-    activation = 1;
-  } else if (c.activation == "gelu_new" || c.activation == "gelu_pytorch_tanh") {
-    activation = 2;
-  } else {
+  if (ActivationCode(c.activation) < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("activation_function \"", c.activation, "\" is not one of relu, gelu, gelu_new"));
   }
-  const int64_t h = c.hidden_size, e = c.embed_dim, f = c.intermediate_size;
-  const float eps = static_cast<float>(c.norm_eps);
-  const bool bias = c.linear_bias;
-  auto leaf = [](Kind kind, const std::string& prefix, int64_t in, int64_t out, bool b, float ln_eps = 1e-5f) {
-    return Module::Leaf(LayerDecl::Of(kind, prefix, in, out, b, ln_eps));
-  };
-  auto root = std::make_unique<Module>("OPTForCausalLM", CausalLmForward);
-  Module* model = root->Add("model", std::make_unique<Module>("OPTModel", ModelForward));
-  Module* decoder = model->Add("decoder", std::make_unique<Module>("OPTDecoder", DecoderForward(false)));
-  decoder->SetAttr("position_offset", static_cast<double>(c.position_offset));
-  decoder->Add("embed_tokens", leaf(Kind::kEmbedding, "model.decoder.embed_tokens", c.vocab_size, e, false));
-  decoder->Add("embed_positions",
-               leaf(Kind::kEmbedding, "model.decoder.embed_positions", c.max_positions + c.position_offset, h, false));
-  if (e != h) {
-    decoder->Add("project_in", leaf(Kind::kLinear, "model.decoder.project_in", e, h, false));
-  }
-  Module* layers = decoder->Add("layers", std::make_unique<Module>("ModuleList", nullptr));
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = absl::StrCat("model.decoder.layers.", i);
-    Module* layer = layers->Add(absl::StrCat(i), std::make_unique<Module>("OPTDecoderLayer", DecoderLayerForward));
-    layer->SetAttr("do_layer_norm_before", c.norm_before ? 1 : 0);
-    layer->SetAttr("activation", activation);
-    Module* attn = layer->Add("self_attn", std::make_unique<Module>("OPTAttention", AttentionForward));
-    attn->SetAttr("num_heads", static_cast<double>(c.num_heads));
-    attn->SetAttr("head_dim", static_cast<double>(c.head_dim()));
-    for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
-      attn->Add(proj, leaf(Kind::kLinear, absl::StrCat(p, ".self_attn.", proj), h, h, bias));
-    }
-    layer->Add("self_attn_layer_norm", leaf(Kind::kLayerNorm, p + ".self_attn_layer_norm", 0, h, true, eps));
-    layer->Add("fc1", leaf(Kind::kLinear, p + ".fc1", h, f, bias));
-    layer->Add("fc2", leaf(Kind::kLinear, p + ".fc2", f, h, bias));
-    layer->Add("final_layer_norm", leaf(Kind::kLayerNorm, p + ".final_layer_norm", 0, h, true, eps));
-  }
-  if (c.final_norm) {
-    decoder->Add("final_layer_norm", leaf(Kind::kLayerNorm, "model.decoder.final_layer_norm", 0, h, true, eps));
-  }
-  if (e != h) {
-    decoder->Add("project_out", leaf(Kind::kLinear, "model.decoder.project_out", h, e, false));
-  }
-  LayerDecl head = LayerDecl::Of(Kind::kLinear, "lm_head", e, c.vocab_size, false);
-  if (c.tie_word_embeddings) head.tied_to = "model.decoder.embed_tokens";
-  root->Add("lm_head", Module::Leaf(std::move(head)));
-  return root;
+  return BuildDecoder(Opt(), c);
 }
 
 // ShardFormer's OPTPolicy: 1D (q/k/v and fc1 column-parallel, out_proj and
 // fc2 row-parallel, vocab-parallel embeddings and head) with optional
-// sequence parallelism, and 2D / 2.5D. project_in/out stay replicated in 1D.
+// sequence parallelism, and 2D / 2.5D; project_in/out stay replicated in 1D.
+// The replacements from the layer table, each rank's share of the heads
+// here.
 class OptPolicy : public CausalLmPolicy {
  public:
   OptPolicy() : CausalLmPolicy("opt") {}
 
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
-    std::map<std::string, ModulePolicyDescription> policy;
-    ModulePolicyDescription& lm = policy["OPTForCausalLM"];
-    ModulePolicyDescription& decoder = policy["OPTDecoder"];
-    ModulePolicyDescription& layer = policy["OPTDecoderLayer"];
-    const bool two_d = shard.is_2d();
-    layer.attribute_replacement = {{"self_attn.num_heads", static_cast<double>(config.num_heads / shard.head_split())}};
-    if (!config.tie_word_embeddings) {
-      lm.sub_module_replacement = {{"lm_head", two_d ? "LMHead2D" : "VocabParallelLMHead1D"}};
-    }
-    if (two_d) {
-      decoder.sub_module_replacement = {
-          {"embed_tokens", "Embedding2D"},
-          {"embed_positions", "Embedding2D"},
-          {"project_in", "Linear2D", {}, /*ignore_if_not_exist=*/true},
-          {"project_out", "Linear2D", {}, true},
-          {"final_layer_norm", "LayerNorm2D", {}, true},
-      };
-      layer.sub_module_replacement = {
-          {"self_attn.q_proj", "Linear2D"}, {"self_attn.k_proj", "Linear2D"},
-          {"self_attn.v_proj", "Linear2D"}, {"self_attn.out_proj", "Linear2D"},
-          {"fc1", "Linear2D"},              {"fc2", "Linear2D"},
-          {"self_attn_layer_norm", "LayerNorm2D"}, {"final_layer_norm", "LayerNorm2D"},
-      };
-      return policy;
-    }
-    decoder.sub_module_replacement = {{"embed_tokens", "VocabParallelEmbedding1D"}};
-    layer.sub_module_replacement = {
-        {"self_attn.q_proj", "Linear1D_Col"}, {"self_attn.k_proj", "Linear1D_Col"},
-        {"self_attn.v_proj", "Linear1D_Col"}, {"self_attn.out_proj", "Linear1D_Row"},
-        {"fc1", "Linear1D_Col"},              {"fc2", "Linear1D_Row"},
-    };
-    if (shard.sequence_parallel()) {
-      decoder.sub_module_replacement.push_back({"final_layer_norm", "Norm1D", {}, true});
-      decoder.method_replacement = DecoderForward(true);
-      layer.sub_module_replacement.push_back({"self_attn_layer_norm", "Norm1D"});
-      layer.sub_module_replacement.push_back({"final_layer_norm", "Norm1D"});
-    }
+    ASSIGN_OR_RETURN(auto policy, DecoderPolicy(Opt(), config, shard));
+    policy["OPTDecoderLayer"].attribute_replacement = {
+        {"self_attn.num_heads", static_cast<double>(config.num_heads / shard.head_split())}};
     return policy;
   }
 };
