@@ -95,16 +95,17 @@ namespace {
 struct ValueType {
   int64_t bytes = 0;
   const char* descr = nullptr;  // nullptr: .npy has no such type
+  HostScalar scalar = HostScalar::kF32;
 };
 
 absl::StatusOr<ValueType> CheckValue(const v1::TensorValue& value) {
   ValueType t;
   switch (value.dtype()) {
-    case v1::DTYPE_F32: t = {4, "<f4"}; break;
-    case v1::DTYPE_F16: t = {2, "<f2"}; break;
-    case v1::DTYPE_BF16: t = {2, nullptr}; break;
-    case v1::DTYPE_I64: t = {8, "<i8"}; break;
-    case v1::DTYPE_I32: t = {4, "<i4"}; break;
+    case v1::DTYPE_F32: t = {4, "<f4", HostScalar::kF32}; break;
+    case v1::DTYPE_F16: t = {2, "<f2", HostScalar::kF16}; break;
+    case v1::DTYPE_BF16: t = {2, nullptr, HostScalar::kBF16}; break;
+    case v1::DTYPE_I64: t = {8, "<i8", HostScalar::kI64}; break;
+    case v1::DTYPE_I32: t = {4, "<i4", HostScalar::kI32}; break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("value.dtype: unknown value ", value.dtype()));
   }
@@ -126,16 +127,7 @@ absl::StatusOr<std::vector<float>> TensorValueFloats(const v1::TensorValue& valu
   ASSIGN_OR_RETURN(const ValueType t, CheckValue(value));
   const int64_t n = static_cast<int64_t>(value.data().size()) / t.bytes;
   std::vector<float> out(static_cast<size_t>(n));
-  const char* p = value.data().data();
-  for (int64_t i = 0; i < n; ++i, p += t.bytes) {
-    switch (value.dtype()) {
-      case v1::DTYPE_F32: std::memcpy(&out[i], p, 4); break;
-      case v1::DTYPE_F16: { uint16_t h; std::memcpy(&h, p, 2); out[i] = F16ToFloat(h); break; }
-      case v1::DTYPE_BF16: { uint16_t h; std::memcpy(&h, p, 2); out[i] = BF16ToFloat(h); break; }
-      case v1::DTYPE_I64: { int64_t v; std::memcpy(&v, p, 8); out[i] = static_cast<float>(v); break; }
-      default: { int32_t v; std::memcpy(&v, p, 4); out[i] = static_cast<float>(v); break; }
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = LoadAsFloat(value.data().data(), i, t.scalar);
   return out;
 }
 

@@ -19,19 +19,21 @@ using ::colod::BF16ToFloat;
 using ::colod::F16ToFloat;
 using ::colod::FloatToBF16;
 using ::colod::FloatToF16;
+using ::colod::HostScalar;
+using ::colod::LoadAsFloat;
 
-// Element i of a host buffer of `t` as a float, and a float stored there
-// (integers convert as static_cast does).
+static_assert(static_cast<int>(ElemType::kF32) == static_cast<int>(HostScalar::kF32) &&
+                  static_cast<int>(ElemType::kBF16) == static_cast<int>(HostScalar::kBF16) &&
+                  static_cast<int>(ElemType::kF16) == static_cast<int>(HostScalar::kF16) &&
+                  static_cast<int>(ElemType::kI32) == static_cast<int>(HostScalar::kI32) &&
+                  static_cast<int>(ElemType::kI64) == static_cast<int>(HostScalar::kI64),
+              "ElemType and common/half.h's HostScalar list the types in one order");
+
+// Element i of a host buffer of `t` as a float (common/half.h's
+// LoadAsFloat), and a float stored there (integers convert as static_cast
+// does).
 inline float LoadF(const void* base, int64_t i, ElemType t) {
-  const char* p = static_cast<const char*>(base) + i * ElemBytes(t);
-  switch (t) {
-    case ElemType::kF32: { float v; std::memcpy(&v, p, 4); return v; }
-    case ElemType::kBF16: { uint16_t v; std::memcpy(&v, p, 2); return BF16ToFloat(v); }
-    case ElemType::kF16: { uint16_t v; std::memcpy(&v, p, 2); return F16ToFloat(v); }
-    case ElemType::kI32: { int32_t v; std::memcpy(&v, p, 4); return static_cast<float>(v); }
-    case ElemType::kI64: { int64_t v; std::memcpy(&v, p, 8); return static_cast<float>(v); }
-  }
-  return 0;
+  return LoadAsFloat(base, i, static_cast<HostScalar>(t));
 }
 
 inline void StoreF(void* base, int64_t i, ElemType t, float f) {
