@@ -51,6 +51,7 @@ class Leaves {
     const std::optional<int64_t> e = CheckedProduct(shape);
     if (!e.has_value()) overflow_ = true;
     l.elements_each = e.value_or(0);
+    l.shape = shape;
     leaves_.push_back(std::move(l));
     return *this;
   }
@@ -58,6 +59,12 @@ class Leaves {
   // The last leaf's module kind.
   Leaves& As(LeafKind kind) {
     leaves_.back().kind = kind;
+    return *this;
+  }
+  // The last leaf is a child of the root's tree, not of the base model's
+  // (BERT's MLM head).
+  Leaves& OnRoot() {
+    leaves_.back().on_root = true;
     return *this;
   }
   // An LM head, a child of the root; tied to the table at `tied_to` (a path
@@ -136,23 +143,24 @@ void LlamaLeaves(const ModelConfig& c, Leaves& m) {
 
 // bert's leaves, as its policy shards them.
 void BertLeaves(const ModelConfig& c, Leaves& m) {
+  using K = LeafKind;
   const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size, p = c.max_positions;
-  m.Model("embeddings.word_embeddings", Role::kVocabTable, v, h);
-  m.Model("embeddings.position_embeddings", Role::kPositions, p, h);
-  m.Model("embeddings.token_type_embeddings", Role::kPositions, c.type_vocab_size, h);
-  m.Model("embeddings.LayerNorm", Role::kNorm, 0, h, true);
+  m.Model("embeddings.word_embeddings", Role::kVocabTable, v, h).As(K::kEmbedding);
+  m.Model("embeddings.position_embeddings", Role::kPositions, p, h).As(K::kEmbedding);
+  m.Model("embeddings.token_type_embeddings", Role::kPositions, c.type_vocab_size, h).As(K::kEmbedding);
+  m.Model("embeddings.LayerNorm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
   for (const char* proj : {"query", "key", "value"}) {
-    m.Layer(absl::StrCat("encoder.layer.*.attention.self.", proj), Role::kColumn, h, h, true);
+    m.Layer(absl::StrCat("encoder.layer.*.attention.self.", proj), Role::kColumn, h, h, true).As(K::kLinear);
   }
-  m.Layer("encoder.layer.*.attention.output.dense", Role::kRow, h, h, true);
-  m.Layer("encoder.layer.*.attention.output.LayerNorm", Role::kNorm, 0, h, true);
-  m.Layer("encoder.layer.*.intermediate.dense", Role::kColumn, h, f, true);
-  m.Layer("encoder.layer.*.output.dense", Role::kRow, f, h, true);
-  m.Layer("encoder.layer.*.output.LayerNorm", Role::kNorm, 0, h, true);
-  m.Model("cls.predictions.transform.dense", Role::kProjection, h, h, true);
-  m.Model("cls.predictions.transform.LayerNorm", Role::kNorm, 0, h, true);
-  m.Model("cls.predictions.decoder (tied to word_embeddings)", Role::kTiedHead, h, v);
-  m.Model("cls.predictions.bias", Role::kVocabBias, 0, v);
+  m.Layer("encoder.layer.*.attention.output.dense", Role::kRow, h, h, true).As(K::kLinear);
+  m.Layer("encoder.layer.*.attention.output.LayerNorm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  m.Layer("encoder.layer.*.intermediate.dense", Role::kColumn, h, f, true).As(K::kLinear);
+  m.Layer("encoder.layer.*.output.dense", Role::kRow, f, h, true).As(K::kLinear);
+  m.Layer("encoder.layer.*.output.LayerNorm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  m.Model("cls.predictions.transform.dense", Role::kProjection, h, h, true).As(K::kLinear).OnRoot();
+  m.Model("cls.predictions.transform.LayerNorm", Role::kNorm, 0, h, true).As(K::kLayerNorm).OnRoot();
+  m.Head("cls.predictions.decoder", Role::kTiedHead, h, v, "embeddings.word_embeddings");
+  m.Model("cls.predictions.bias", Role::kVocabBias, 0, v).As(K::kBias).OnRoot();
 }
 
 // opt's leaves, as its policy shards them.
@@ -205,22 +213,33 @@ void BloomLeaves(const ModelConfig& c, Leaves& m) {
 
 // vit's leaves, as its policy shards them.
 void VitLeaves(const ModelConfig& c, Leaves& m) {
+  using K = LeafKind;
   const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size, p = c.max_positions;
+  const int64_t ch = c.num_channels, patch = c.patch_size;
   const bool b = c.linear_bias;
-  m.Whole("embeddings.cls_token", 1, {h});
-  m.Whole("embeddings.position_embeddings", 1, {p, h});
-  m.Whole("embeddings.patch_embeddings.projection", 1,
-          {h, m.Plus(m.Mul({c.num_channels, c.patch_size, c.patch_size}), 1)});
-  m.Layer("encoder.layer.*.layernorm_before", Role::kNorm, 0, h, true);
+  m.Whole("embeddings.cls_token", 1, {1, 1, h}).As(K::kParameter);
+  m.Whole("embeddings.position_embeddings", 1, {1, p, h}).As(K::kParameter);
+  // The patches' Conv2d: weight [h, channels, patch, patch] and a bias.
+  const int64_t pixels = m.Mul({ch, patch, patch});
+  m.Whole("embeddings.patch_embeddings.projection", 1, {h, m.Plus(pixels, 1)}).As(K::kPatchEmbedding);
+  m.back().shape = {h, ch, patch, patch};
+  m.back().in = pixels;
+  m.back().out = h;
+  m.back().bias = true;
+  m.Layer("encoder.layer.*.layernorm_before", Role::kNorm, 0, h, true).As(K::kLayerNorm);
   for (const char* proj : {"query", "key", "value"}) {
-    m.Layer(absl::StrCat("encoder.layer.*.attention.attention.", proj), Role::kColumn, h, h, b);
+    m.Layer(absl::StrCat("encoder.layer.*.attention.attention.", proj), Role::kColumn, h, h, b).As(K::kLinear);
   }
-  m.Layer("encoder.layer.*.attention.output.dense", Role::kRow, h, h, true);
-  m.Layer("encoder.layer.*.layernorm_after", Role::kNorm, 0, h, true);
-  m.Layer("encoder.layer.*.intermediate.dense", Role::kColumn, h, f, true);
-  m.Layer("encoder.layer.*.output.dense", Role::kRow, f, h, true);
-  m.Model("layernorm", Role::kNorm, 0, h, true);
-  m.Whole("classifier", 1, {v, m.Plus(h, 1)});
+  m.Layer("encoder.layer.*.attention.output.dense", Role::kRow, h, h, true).As(K::kLinear);
+  m.Layer("encoder.layer.*.layernorm_after", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  m.Layer("encoder.layer.*.intermediate.dense", Role::kColumn, h, f, true).As(K::kLinear);
+  m.Layer("encoder.layer.*.output.dense", Role::kRow, f, h, true).As(K::kLinear);
+  m.Model("layernorm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  // The classifier, replicated: [labels, h] and its bias.
+  m.Whole("classifier", 1, {v, m.Plus(h, 1)}).As(K::kLinear).OnRoot();
+  m.back().in = h;
+  m.back().out = v;
+  m.back().bias = true;
 }
 
 // t5's leaves, as its policy shards them.

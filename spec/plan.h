@@ -47,9 +47,19 @@ enum class LeafRole {
 };
 
 // Which module a leaf is (a family that builds its tree from its leaves,
-// worker/shardformer/decoder_family.h, makes that module; kOther: the
+// worker/shardformer/table_family.h, makes that module; kOther: the
 // family builds it by hand).
-enum class LeafKind { kOther, kLinear, kConv1D, kEmbedding, kLayerNorm, kRmsNorm };
+enum class LeafKind {
+  kOther,
+  kLinear,
+  kConv1D,
+  kEmbedding,
+  kLayerNorm,
+  kRmsNorm,
+  kBias,            // a vector added to the last dim, named by its owner (BERT's cls.predictions)
+  kParameter,       // a bare tensor of `shape` (ViT's cls_token)
+  kPatchEmbedding,  // a Conv2d over patches, weight `shape` [out, channels, patch, patch] and a bias
+};
 
 // One entry of a family's layer table: its one declaration of a layer, which
 // the planner counts and, for the families built from it, Build makes and
@@ -72,6 +82,7 @@ struct PlanLeaf {
   // sequence (Norm1D); false for a norm of the embeddings before the split
   // (BLOOM's word_embeddings_layernorm), which stays native.
   bool sequence_split = true;
+  std::vector<int64_t> shape;  // kParameter's and kPatchEmbedding's weight's
 };
 
 // The model's leaves as its family builds them, tied heads left out (they

@@ -11,11 +11,10 @@
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
 #include "worker/shardformer/models.h"
+#include "worker/shardformer/table_family.h"
 
 namespace colod::shardformer {
 namespace {
-
-using Kind = LayerDecl::Kind;
 
 ops::GeluApprox Approx(Module& m) {
   auto tanh = m.IntAttr("gelu_tanh");
@@ -80,60 +79,52 @@ absl::StatusOr<ColoTensor> MaskedLmForward(Module& self, const ColoTensor& ids) 
   return self.Call("cls.predictions", h);
 }
 
+// BertForMaskedLM's names around its layer table (spec/plan.cc): the
+// embeddings and the encoder's layers under bert, the MLM head under cls.
+const TableFamily& Bert() {
+  static const TableFamily* const f = [] {
+    auto* d = new TableFamily;
+    d->root_class = "BertForMaskedLM";
+    d->root_forward = MaskedLmForward;
+    d->base = "bert";
+    d->base_class = "BertModel";
+    d->model_forward = [](bool) -> Module::ForwardFn { return ModelForward; };
+    d->layers = "encoder.layer";
+    d->layer_class = "BertLayer";
+    d->layer_forward = LayerForward;
+    const std::string l = "bert.encoder.layer.*";
+    d->containers = {
+        {"bert.embeddings", "BertEmbeddings", EmbeddingsForward},
+        {"bert.encoder", "BertEncoder", nullptr},
+        {l + ".attention", "BertAttention", nullptr},
+        {l + ".attention.self", "BertSelfAttention", nullptr},
+        {l + ".attention.output", "BertSelfOutput", nullptr},
+        {l + ".intermediate", "BertIntermediate", nullptr},
+        {l + ".output", "BertOutput", nullptr},
+        {"cls", "BertOnlyMLMHead", nullptr},
+        {"cls.predictions", "BertLMPredictionHead", PredictionHeadForward},
+        {"cls.predictions.transform", "BertPredictionHeadTransform", nullptr},
+    };
+    d->head = "cls.predictions.decoder";
+    d->configure_layer = [](Module& layer, const ModelConfig& c) {
+      Module* self = layer.Find("attention.self");
+      self->SetAttr("num_attention_heads", static_cast<double>(c.num_heads));
+      self->SetAttr("attention_head_size", static_cast<double>(c.head_dim()));
+      layer.Find("intermediate")->SetAttr("gelu_tanh", c.activation == "gelu" ? 0 : 1);
+    };
+    d->configure = [](Module& root, const ModelConfig& c) {
+      root.Find("cls.predictions.transform")->SetAttr("gelu_tanh", c.activation == "gelu" ? 0 : 1);
+    };
+    return d;
+  }();
+  return *f;
+}
+
 absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
   if (c.activation != "gelu" && c.activation != "gelu_new" && c.activation != "gelu_pytorch_tanh") {
     return absl::InvalidArgumentError(absl::StrCat("hidden_act \"", c.activation, "\" is not one of gelu, gelu_new"));
   }
-  const int64_t h = c.hidden_size, f = c.intermediate_size;
-  const float eps = static_cast<float>(c.norm_eps);
-  const double tanh = c.activation == "gelu" ? 0 : 1;
-  auto leaf = [](Kind kind, const std::string& prefix, int64_t in, int64_t out, bool bias = true, float e = 1e-5f) {
-    return Module::Leaf(LayerDecl::Of(kind, prefix, in, out, bias, e));
-  };
-  auto module = [](const char* cls, Module::ForwardFn fn = nullptr) {
-    return std::make_unique<Module>(cls, std::move(fn));
-  };
-  auto root = module("BertForMaskedLM", MaskedLmForward);
-  Module* bert = root->Add("bert", module("BertModel", ModelForward));
-  Module* emb = bert->Add("embeddings", module("BertEmbeddings", EmbeddingsForward));
-  emb->Add("word_embeddings", leaf(Kind::kEmbedding, "bert.embeddings.word_embeddings", c.vocab_size, h));
-  emb->Add("position_embeddings", leaf(Kind::kEmbedding, "bert.embeddings.position_embeddings", c.max_positions, h));
-  emb->Add("token_type_embeddings",
-           leaf(Kind::kEmbedding, "bert.embeddings.token_type_embeddings", c.type_vocab_size, h));
-  emb->Add("LayerNorm", leaf(Kind::kLayerNorm, "bert.embeddings.LayerNorm", 0, h, true, eps));
-  Module* encoder = bert->Add("encoder", module("BertEncoder"));
-  Module* layers = encoder->Add("layer", module("ModuleList"));
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = absl::StrCat("bert.encoder.layer.", i);
-    Module* layer = layers->Add(absl::StrCat(i), module("BertLayer", LayerForward));
-    Module* attention = layer->Add("attention", module("BertAttention"));
-    Module* self = attention->Add("self", module("BertSelfAttention"));
-    self->SetAttr("num_attention_heads", static_cast<double>(c.num_heads));
-    self->SetAttr("attention_head_size", static_cast<double>(c.head_dim()));
-    for (const char* name : {"query", "key", "value"}) {
-      self->Add(name, leaf(Kind::kLinear, absl::StrCat(p, ".attention.self.", name), h, h));
-    }
-    Module* out = attention->Add("output", module("BertSelfOutput"));
-    out->Add("dense", leaf(Kind::kLinear, p + ".attention.output.dense", h, h));
-    out->Add("LayerNorm", leaf(Kind::kLayerNorm, p + ".attention.output.LayerNorm", 0, h, true, eps));
-    Module* intermediate = layer->Add("intermediate", module("BertIntermediate"));
-    intermediate->SetAttr("gelu_tanh", tanh);
-    intermediate->Add("dense", leaf(Kind::kLinear, p + ".intermediate.dense", h, f));
-    Module* output = layer->Add("output", module("BertOutput"));
-    output->Add("dense", leaf(Kind::kLinear, p + ".output.dense", f, h));
-    output->Add("LayerNorm", leaf(Kind::kLayerNorm, p + ".output.LayerNorm", 0, h, true, eps));
-  }
-  Module* cls = root->Add("cls", module("BertOnlyMLMHead"));
-  Module* predictions = cls->Add("predictions", module("BertLMPredictionHead", PredictionHeadForward));
-  Module* transform = predictions->Add("transform", module("BertPredictionHeadTransform"));
-  transform->SetAttr("gelu_tanh", tanh);
-  transform->Add("dense", leaf(Kind::kLinear, "cls.predictions.transform.dense", h, h));
-  transform->Add("LayerNorm", leaf(Kind::kLayerNorm, "cls.predictions.transform.LayerNorm", 0, h, true, eps));
-  LayerDecl decoder = LayerDecl::Of(Kind::kLinear, "cls.predictions.decoder", h, c.vocab_size, /*bias=*/false);
-  decoder.tied_to = "bert.embeddings.word_embeddings";
-  predictions->Add("decoder", Module::Leaf(std::move(decoder)));
-  predictions->Add("bias", leaf(Kind::kBias, "cls.predictions", 0, c.vocab_size));
-  return root;
+  return BuildFromTable(Bert(), c);
 }
 
 // ShardFormer's BertPolicy. 1D: vocab-parallel word embeddings and tied
@@ -160,36 +151,9 @@ class BertPolicy : public Policy {
 
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
-    std::map<std::string, ModulePolicyDescription> policy;
-    ModulePolicyDescription& layer = policy["BertLayer"];
-    layer.attribute_replacement = {
+    ASSIGN_OR_RETURN(auto policy, TablePolicy(Bert(), config, shard));
+    policy["BertLayer"].attribute_replacement = {
         {"attention.self.num_attention_heads", static_cast<double>(config.num_heads / shard.head_split())}};
-    if (shard.is_3d()) {
-      policy["BertEmbeddings"].sub_module_replacement = {{"word_embeddings", "Embedding3D"},
-                                                         {"position_embeddings", "Embedding3D"},
-                                                         {"token_type_embeddings", "Embedding3D"},
-                                                         {"LayerNorm", "LayerNorm3D"}};
-      layer.sub_module_replacement = {
-          {"attention.self.query", "Linear3D"},
-          {"attention.self.key", "Linear3D"},
-          {"attention.self.value", "Linear3D"},
-          {"attention.output.dense", "Linear3D", {{"swap", 1}}},
-          {"attention.output.LayerNorm", "LayerNorm3D"},
-          {"intermediate.dense", "Linear3D"},
-          {"output.dense", "Linear3D", {{"swap", 1}}},
-          {"output.LayerNorm", "LayerNorm3D"},
-      };
-      policy["BertLMPredictionHead"].sub_module_replacement = {
-          {"transform.dense", "Linear3D"}, {"transform.LayerNorm", "LayerNorm3D"}, {"bias", "Bias3D"}};
-      return policy;
-    }
-    policy["BertEmbeddings"].sub_module_replacement = {{"word_embeddings", "VocabParallelEmbedding1D"}};
-    layer.sub_module_replacement = {
-        {"attention.self.query", "Linear1D_Col"}, {"attention.self.key", "Linear1D_Col"},
-        {"attention.self.value", "Linear1D_Col"}, {"attention.output.dense", "Linear1D_Row"},
-        {"intermediate.dense", "Linear1D_Col"},   {"output.dense", "Linear1D_Row"},
-    };
-    policy["BertLMPredictionHead"].sub_module_replacement = {{"bias", "VocabParallelBias1D"}};
     return policy;
   }
 

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
-#include "worker/shardformer/decoder_family.h"
+#include "worker/shardformer/table_family.h"
 #include "worker/shardformer/models.h"
 
 namespace colod::shardformer {
@@ -94,16 +94,17 @@ Module::ForwardFn ModelForward(bool sequence_parallel) {
 // blocks under transformer.h, its own model forward (the embeddings'
 // LayerNorm), the head tied to word_embeddings unless tie_word_embeddings is
 // false.
-const DecoderFamily& Bloom() {
-  static const DecoderFamily* const f = [] {
-    auto* d = new DecoderFamily;
+const TableFamily& Bloom() {
+  static const TableFamily* const f = [] {
+    auto* d = new TableFamily;
     d->root_class = "BloomForCausalLM";
     d->base = "transformer";
     d->base_class = "BloomModel";
     d->layers = "h";
     d->layer_class = "BloomBlock";
     d->layer_forward = BlockForward;
-    d->parts = {{"self_attention", "BloomAttention", AttentionForward}, {"mlp", "BloomMLP", MlpForward}};
+    d->containers = {{"transformer.h.*.self_attention", "BloomAttention", AttentionForward},
+                     {"transformer.h.*.mlp", "BloomMLP", MlpForward}};
     d->tokens = "word_embeddings";
     d->final_norm = "ln_f";
     d->head = "lm_head";
@@ -120,7 +121,7 @@ const DecoderFamily& Bloom() {
   return *f;
 }
 
-absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) { return BuildDecoder(Bloom(), c); }
+absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) { return BuildFromTable(Bloom(), c); }
 
 // ShardFormer's BloomPolicy: 1D with optional sequence parallelism (the
 // embeddings' LayerNorm, before the split, stays native). The fused
@@ -133,7 +134,7 @@ class BloomPolicy : public CausalLmPolicy {
 
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
-    ASSIGN_OR_RETURN(auto policy, DecoderPolicy(Bloom(), config, shard));
+    ASSIGN_OR_RETURN(auto policy, TablePolicy(Bloom(), config, shard));
     policy["BloomBlock"].attribute_replacement = {
         {"self_attention.num_heads", static_cast<double>(config.num_heads / shard.head_split())}};
     return policy;

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
-#include "worker/shardformer/decoder_family.h"
+#include "worker/shardformer/table_family.h"
 #include "worker/shardformer/models.h"
 
 namespace colod::shardformer {
@@ -59,16 +59,17 @@ absl::StatusOr<ColoTensor> BlockForward(Module& self, const ColoTensor& x) {
 // GPT2LMHeadModel's names around its layer table (spec/plan.cc): the
 // blocks under transformer.h, token and position tables, ln_f, the head
 // tied to wte.
-const DecoderFamily& Gpt2() {
-  static const DecoderFamily* const f = [] {
-    auto* d = new DecoderFamily;
+const TableFamily& Gpt2() {
+  static const TableFamily* const f = [] {
+    auto* d = new TableFamily;
     d->root_class = "GPT2LMHeadModel";
     d->base = "transformer";
     d->base_class = "GPT2Model";
     d->layers = "h";
     d->layer_class = "GPT2Block";
     d->layer_forward = BlockForward;
-    d->parts = {{"attn", "GPT2Attention", AttentionForward}, {"mlp", "GPT2MLP", MlpForward}};
+    d->containers = {{"transformer.h.*.attn", "GPT2Attention", AttentionForward},
+                     {"transformer.h.*.mlp", "GPT2MLP", MlpForward}};
     d->tokens = "wte";
     d->positions = "wpe";
     d->final_norm = "ln_f";
@@ -89,7 +90,7 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("activation_function \"", c.activation, "\" is not one of gelu_new, gelu_pytorch_tanh, gelu"));
   }
-  return BuildDecoder(Gpt2(), c);
+  return BuildFromTable(Gpt2(), c);
 }
 
 // ShardFormer's GPT2Policy: 1D (Megatron) with optional sequence
@@ -101,7 +102,7 @@ class Gpt2Policy : public CausalLmPolicy {
 
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
-    ASSIGN_OR_RETURN(auto policy, DecoderPolicy(Gpt2(), config, shard));
+    ASSIGN_OR_RETURN(auto policy, TablePolicy(Gpt2(), config, shard));
     policy["GPT2Block"].attribute_replacement = {
         {"attn.num_heads", static_cast<double>(config.num_heads / shard.head_split())}};
     return policy;

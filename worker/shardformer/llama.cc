@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
-#include "worker/shardformer/decoder_family.h"
+#include "worker/shardformer/table_family.h"
 #include "worker/shardformer/models.h"
 
 namespace colod::shardformer {
@@ -59,16 +59,17 @@ absl::StatusOr<ColoTensor> DecoderLayerForward(Module& self, const ColoTensor& x
 // decoder layers under model.layers, embed_tokens (no learned positions:
 // rotary), the final norm, lm_head (tied to embed_tokens when
 // tie_word_embeddings).
-const DecoderFamily& Llama() {
-  static const DecoderFamily* const f = [] {
-    auto* d = new DecoderFamily;
+const TableFamily& Llama() {
+  static const TableFamily* const f = [] {
+    auto* d = new TableFamily;
     d->root_class = "LlamaForCausalLM";
     d->base = "model";
     d->base_class = "LlamaModel";
     d->layers = "layers";
     d->layer_class = "LlamaDecoderLayer";
     d->layer_forward = DecoderLayerForward;
-    d->parts = {{"self_attn", "LlamaAttention", AttentionForward}, {"mlp", "LlamaMLP", MlpForward}};
+    d->containers = {{"model.layers.*.self_attn", "LlamaAttention", AttentionForward},
+                     {"model.layers.*.mlp", "LlamaMLP", MlpForward}};
     d->tokens = "embed_tokens";
     d->final_norm = "norm";
     d->head = "lm_head";
@@ -91,7 +92,7 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
   if (c.head_dim() % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("rotary embeddings need an even head dim, got ", c.head_dim()));
   }
-  return BuildDecoder(Llama(), c);
+  return BuildFromTable(Llama(), c);
 }
 
 // ShardFormer's LlamaPolicy: 1D with optional sequence parallelism, 2D /
@@ -103,7 +104,7 @@ class LlamaPolicy : public CausalLmPolicy {
 
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
-    ASSIGN_OR_RETURN(auto policy, DecoderPolicy(Llama(), config, shard));
+    ASSIGN_OR_RETURN(auto policy, TablePolicy(Llama(), config, shard));
     const int split = shard.head_split();
     policy["LlamaDecoderLayer"].attribute_replacement = {
         {"self_attn.num_heads", static_cast<double>(config.num_heads / split)},

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
-#include "worker/shardformer/decoder_family.h"
+#include "worker/shardformer/table_family.h"
 #include "worker/shardformer/models.h"
 
 namespace colod::shardformer {
@@ -109,24 +109,24 @@ int ActivationCode(const std::string& activation) {
 // OPTForCausalLM's names around its layer table (spec/plan.cc): the
 // decoder under model.decoder, its own forward (DecoderForward), the head
 // tied to embed_tokens unless tie_word_embeddings is false.
-const DecoderFamily& Opt() {
-  static const DecoderFamily* const f = [] {
-    auto* d = new DecoderFamily;
+const TableFamily& Opt() {
+  static const TableFamily* const f = [] {
+    auto* d = new TableFamily;
     d->root_class = "OPTForCausalLM";
-    d->outer = {{"model", "OPTModel", ModelForward}};
     d->base = "model.decoder";
     d->base_class = "OPTDecoder";
     d->layers = "layers";
     d->layer_class = "OPTDecoderLayer";
     d->layer_forward = DecoderLayerForward;
-    d->parts = {{"self_attn", "OPTAttention", AttentionForward}};
+    d->containers = {{"model", "OPTModel", ModelForward},
+                     {"model.decoder.layers.*.self_attn", "OPTAttention", AttentionForward}};
     d->tokens = "embed_tokens";
     d->positions = "embed_positions";
     d->final_norm = "final_layer_norm";
     d->head = "lm_head";
     d->model_forward = DecoderForward;
-    d->configure_base = [](Module& decoder, const ModelConfig& c) {
-      decoder.SetAttr("position_offset", static_cast<double>(c.position_offset));
+    d->configure = [](Module& root, const ModelConfig& c) {
+      root.Find("model.decoder")->SetAttr("position_offset", static_cast<double>(c.position_offset));
     };
     d->configure_layer = [](Module& layer, const ModelConfig& c) {
       layer.SetAttr("do_layer_norm_before", c.norm_before ? 1 : 0);
@@ -145,7 +145,7 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("activation_function \"", c.activation, "\" is not one of relu, gelu, gelu_new"));
   }
-  return BuildDecoder(Opt(), c);
+  return BuildFromTable(Opt(), c);
 }
 
 // ShardFormer's OPTPolicy: 1D (q/k/v and fc1 column-parallel, out_proj and
@@ -159,7 +159,7 @@ class OptPolicy : public CausalLmPolicy {
 
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
-    ASSIGN_OR_RETURN(auto policy, DecoderPolicy(Opt(), config, shard));
+    ASSIGN_OR_RETURN(auto policy, TablePolicy(Opt(), config, shard));
     policy["OPTDecoderLayer"].attribute_replacement = {
         {"self_attn.num_heads", static_cast<double>(config.num_heads / shard.head_split())}};
     return policy;

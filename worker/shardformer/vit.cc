@@ -12,11 +12,10 @@
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
 #include "worker/shardformer/models.h"
+#include "worker/shardformer/table_family.h"
 
 namespace colod::shardformer {
 namespace {
-
-using Kind = LayerDecl::Kind;
 
 // `t` [1, ...] repeated `batch` times along dim 0 (each copy on the tape:
 // the gradient of t sums theirs).
@@ -84,54 +83,48 @@ absl::StatusOr<ColoTensor> ClassificationForward(Module& self, const ColoTensor&
   return self.Call("classifier", first);
 }
 
+// ViTForImageClassification's names around its layer table
+// (spec/plan.cc): the embeddings and the encoder's layers under vit, the
+// classifier on the root.
+const TableFamily& Vit() {
+  static const TableFamily* const f = [] {
+    auto* d = new TableFamily;
+    d->root_class = "ViTForImageClassification";
+    d->root_forward = ClassificationForward;
+    d->base = "vit";
+    d->base_class = "ViTModel";
+    d->model_forward = [](bool) -> Module::ForwardFn { return ModelForward; };
+    d->layers = "encoder.layer";
+    d->layer_class = "ViTLayer";
+    d->layer_forward = LayerForward;
+    const std::string l = "vit.encoder.layer.*";
+    d->containers = {
+        {"vit.embeddings", "ViTEmbeddings", EmbeddingsForward},
+        {"vit.embeddings.patch_embeddings", "ViTPatchEmbeddings", nullptr},
+        {"vit.encoder", "ViTEncoder", nullptr},
+        {l + ".attention", "ViTAttention", nullptr},
+        {l + ".attention.attention", "ViTSelfAttention", nullptr},
+        {l + ".attention.output", "ViTSelfOutput", nullptr},
+        {l + ".intermediate", "ViTIntermediate", nullptr},
+        {l + ".output", "ViTOutput", nullptr},
+    };
+    d->head = "classifier";
+    d->configure_layer = [](Module& layer, const ModelConfig& c) {
+      Module* self = layer.Find("attention.attention");
+      self->SetAttr("num_attention_heads", static_cast<double>(c.num_heads));
+      self->SetAttr("attention_head_size", static_cast<double>(c.head_dim()));
+      layer.Find("intermediate")->SetAttr("gelu_tanh", c.activation == "gelu" ? 0 : 1);
+    };
+    return d;
+  }();
+  return *f;
+}
+
 absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
   if (c.activation != "gelu" && c.activation != "gelu_new" && c.activation != "gelu_pytorch_tanh") {
     return absl::InvalidArgumentError(absl::StrCat("hidden_act \"", c.activation, "\" is not one of gelu, gelu_new"));
   }
-  const int64_t h = c.hidden_size, f = c.intermediate_size, p = c.patch_size, ch = c.num_channels;
-  const int64_t patches = (c.image_size / p) * (c.image_size / p);
-  const float eps = static_cast<float>(c.norm_eps);
-  auto leaf = [](Kind kind, const std::string& prefix, int64_t in, int64_t out, bool bias, float ln_eps = 1e-5f) {
-    return Module::Leaf(LayerDecl::Of(kind, prefix, in, out, bias, ln_eps));
-  };
-  auto tensor = [](Kind kind, const std::string& prefix, Shape shape, int64_t in = 0, int64_t out = 0) {
-    LayerDecl d = LayerDecl::Of(kind, prefix, in, out, kind == Kind::kPatchEmbedding);
-    d.shape = std::move(shape);
-    return Module::Leaf(std::move(d));
-  };
-  auto root = std::make_unique<Module>("ViTForImageClassification", ClassificationForward);
-  Module* vit = root->Add("vit", std::make_unique<Module>("ViTModel", ModelForward));
-  Module* emb = vit->Add("embeddings", std::make_unique<Module>("ViTEmbeddings", EmbeddingsForward));
-  emb->Add("cls_token", tensor(Kind::kParameter, "vit.embeddings.cls_token", {1, 1, h}));
-  emb->Add("position_embeddings", tensor(Kind::kParameter, "vit.embeddings.position_embeddings", {1, patches + 1, h}));
-  Module* patch = emb->Add("patch_embeddings", std::make_unique<Module>("ViTPatchEmbeddings", nullptr));
-  patch->Add("projection", tensor(Kind::kPatchEmbedding, "vit.embeddings.patch_embeddings.projection", {h, ch, p, p},
-                                  ch * p * p, h));
-  Module* layers = vit->Add("encoder", std::make_unique<Module>("ViTEncoder", nullptr))
-                       ->Add("layer", std::make_unique<Module>("ModuleList", nullptr));
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string b = absl::StrCat("vit.encoder.layer.", i);
-    Module* layer = layers->Add(absl::StrCat(i), std::make_unique<Module>("ViTLayer", LayerForward));
-    layer->Add("layernorm_before", leaf(Kind::kLayerNorm, b + ".layernorm_before", 0, h, true, eps));
-    Module* attention = layer->Add("attention", std::make_unique<Module>("ViTAttention", nullptr));
-    Module* self_attn = attention->Add("attention", std::make_unique<Module>("ViTSelfAttention", nullptr));
-    self_attn->SetAttr("num_attention_heads", static_cast<double>(c.num_heads));
-    self_attn->SetAttr("attention_head_size", static_cast<double>(c.head_dim()));
-    for (const char* name : {"query", "key", "value"}) {
-      self_attn->Add(name, leaf(Kind::kLinear, absl::StrCat(b, ".attention.attention.", name), h, h, c.linear_bias));
-    }
-    attention->Add("output", std::make_unique<Module>("ViTSelfOutput", nullptr))
-        ->Add("dense", leaf(Kind::kLinear, b + ".attention.output.dense", h, h, true));
-    layer->Add("layernorm_after", leaf(Kind::kLayerNorm, b + ".layernorm_after", 0, h, true, eps));
-    Module* intermediate = layer->Add("intermediate", std::make_unique<Module>("ViTIntermediate", nullptr));
-    intermediate->SetAttr("gelu_tanh", c.activation == "gelu" ? 0 : 1);
-    intermediate->Add("dense", leaf(Kind::kLinear, b + ".intermediate.dense", h, f, true));
-    layer->Add("output", std::make_unique<Module>("ViTOutput", nullptr))
-        ->Add("dense", leaf(Kind::kLinear, b + ".output.dense", f, h, true));
-  }
-  vit->Add("layernorm", leaf(Kind::kLayerNorm, "vit.layernorm", 0, h, true, eps));
-  root->Add("classifier", leaf(Kind::kLinear, "classifier", h, c.vocab_size, true));
-  return root;
+  return BuildFromTable(Vit(), c);
 }
 
 // ShardFormer's ViTPolicy, 1D: query/key/value and intermediate.dense
@@ -147,15 +140,9 @@ class VitPolicy : public Policy {
   }
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
-    std::map<std::string, ModulePolicyDescription> policy;
-    ModulePolicyDescription& layer = policy["ViTLayer"];
-    layer.attribute_replacement = {
+    ASSIGN_OR_RETURN(auto policy, TablePolicy(Vit(), config, shard));
+    policy["ViTLayer"].attribute_replacement = {
         {"attention.attention.num_attention_heads", static_cast<double>(config.num_heads / shard.head_split())}};
-    layer.sub_module_replacement = {
-        {"attention.attention.query", "Linear1D_Col"}, {"attention.attention.key", "Linear1D_Col"},
-        {"attention.attention.value", "Linear1D_Col"}, {"attention.output.dense", "Linear1D_Row"},
-        {"intermediate.dense", "Linear1D_Col"},        {"output.dense", "Linear1D_Row"},
-    };
     return policy;
   }
 };

@@ -1,10 +1,9 @@
-// GPT-2 and LLaMA state their layers once (spec/plan.cc's table): the
-// module tree and the policy are made from it. Held here against
-// ShardFormer's GPT2Policy and LlamaPolicy as written out by hand (the
-// replacements each mode makes, by module class), and against the module
-// tree's checkpoint names and sizes, for every mode and a tied and an
-// untied LLaMA head. The forwards are held against independent references
-// in gpt2_test and llama_test.
+// GPT-2, LLaMA, OPT, BLOOM, BERT and ViT state their layers once
+// (spec/plan.cc's tables): the module trees and the policies are made from
+// them. Held here against ShardFormer's policies as written out by hand (the
+// replacements each mode makes, by the class of the module they are set on),
+// and against the module trees' checkpoint names, sizes and order. The
+// forwards are held against independent references in each family's test.
 #include <set>
 #include <string>
 #include <tuple>
@@ -22,6 +21,7 @@ using Replacements = std::map<std::string, std::set<std::string>>;
 Replacements Describe(const std::map<std::string, ModulePolicyDescription>& policy) {
   Replacements out;
   for (const auto& [cls, d] : policy) {
+    if (d.sub_module_replacement.empty()) continue;
     std::set<std::string>& r = out[cls];
     for (const SubModuleReplacementDescription& s : d.sub_module_replacement) {
       std::string kw;
@@ -30,6 +30,12 @@ Replacements Describe(const std::map<std::string, ModulePolicyDescription>& poli
     }
   }
   return out;
+}
+
+// `want` without its classes of no replacement.
+Replacements NonEmpty(Replacements want) {
+  for (auto it = want.begin(); it != want.end();) it = it->second.empty() ? want.erase(it) : std::next(it);
+  return want;
 }
 
 ShardConfig Layout(v1::TensorParallelMode mode, int tp, bool sp = false) {
@@ -59,46 +65,58 @@ std::map<std::string, ModulePolicyDescription> PolicyOf(const std::string& type,
   return p.ok() ? *p : std::map<std::string, ModulePolicyDescription>{};
 }
 
-TEST(DecoderFamily, Gpt2sPolicyIsShardFormersInEveryMode) {
+struct PolicyCase {
+  const char* name;
+  ShardConfig shard;
+  Replacements want;
+};
+
+// `type`'s policy in each case: its replacements; each of `head_attrs` of
+// `layer_class` set to its count / head_split; with `base_class`, the base
+// model's forward replaced exactly under sequence parallelism.
+void ExpectPolicies(const std::string& type, const ModelConfig& c, const std::vector<PolicyCase>& cases,
+                    const std::string& layer_class, const std::map<std::string, int>& head_attrs,
+                    const std::string& base_class = "") {
+  for (const PolicyCase& k : cases) {
+    SCOPED_TRACE(type + " " + k.name);
+    const std::map<std::string, ModulePolicyDescription> policy = PolicyOf(type, c, k.shard);
+    EXPECT_EQ(Describe(policy), NonEmpty(k.want));
+    ASSERT_TRUE(policy.count(layer_class));
+    for (const auto& [attr, heads] : head_attrs) {
+      EXPECT_EQ(policy.at(layer_class).attribute_replacement.at(attr), heads / k.shard.head_split()) << attr;
+    }
+    if (!base_class.empty()) {
+      auto it = policy.find(base_class);
+      EXPECT_EQ(it != policy.end() && static_cast<bool>(it->second.method_replacement), k.shard.sequence_parallel());
+    }
+  }
+}
+
+TEST(TableFamily, Gpt2sPolicyIsShardFormersInEveryMode) {
   const ModelConfig c = Config(kGpt2);
-  const struct {
-    const char* name;
-    ShardConfig shard;
-    Replacements want;
-  } cases[] = {
+  const std::vector<PolicyCase> cases = {
       {"1d", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2),
-       {{"GPT2LMHeadModel", {}},
-        {"GPT2Model", {"wte->VocabParallelEmbedding1D"}},
+       {{"GPT2Model", {"wte->VocabParallelEmbedding1D"}},
         {"GPT2Block",
          {"attn.c_attn->Linear1D_Col[n_fused=3]", "attn.c_proj->Linear1D_Row", "mlp.c_fc->Linear1D_Col",
           "mlp.c_proj->Linear1D_Row"}}}},
       {"1d sp", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2, true),
-       {{"GPT2LMHeadModel", {}},
-        {"GPT2Model", {"wte->VocabParallelEmbedding1D", "ln_f->Norm1D"}},
+       {{"GPT2Model", {"wte->VocabParallelEmbedding1D", "ln_f->Norm1D"}},
         {"GPT2Block",
          {"ln_1->Norm1D", "attn.c_attn->Linear1D_Col[n_fused=3]", "attn.c_proj->Linear1D_Row", "ln_2->Norm1D",
           "mlp.c_fc->Linear1D_Col", "mlp.c_proj->Linear1D_Row"}}}},
       {"2d", Layout(v1::TENSOR_PARALLEL_MODE_2D, 4),
-       {{"GPT2LMHeadModel", {}},
-        {"GPT2Model", {"wte->Embedding2D", "wpe->Embedding2D", "ln_f->LayerNorm2D"}},
+       {{"GPT2Model", {"wte->Embedding2D", "wpe->Embedding2D", "ln_f->LayerNorm2D"}},
         {"GPT2Block",
          {"ln_1->LayerNorm2D", "attn.c_attn->Linear2D[n_fused=3]", "attn.c_proj->Linear2D", "ln_2->LayerNorm2D",
           "mlp.c_fc->Linear2D", "mlp.c_proj->Linear2D"}}}},
       {"3d", Layout(v1::TENSOR_PARALLEL_MODE_3D, 8),
-       {{"GPT2LMHeadModel", {}},
-        {"GPT2Model", {"wte->Embedding3D", "wpe->Embedding3D", "ln_f->LayerNorm3D"}},
+       {{"GPT2Model", {"wte->Embedding3D", "wpe->Embedding3D", "ln_f->LayerNorm3D"}},
         {"GPT2Block",
          {"ln_1->LayerNorm3D", "attn.c_attn->Linear3D[n_fused=3]", "attn.c_proj->Linear3D[swap=1]",
           "ln_2->LayerNorm3D", "mlp.c_fc->Linear3D", "mlp.c_proj->Linear3D[swap=1]"}}}},
   };
-  for (const auto& k : cases) {
-    const std::map<std::string, ModulePolicyDescription> policy = PolicyOf("gpt2", c, k.shard);
-    EXPECT_EQ(Describe(policy), k.want) << k.name;
-    // Each rank's share of the heads; the sequence-parallel model forward.
-    ASSERT_TRUE(policy.count("GPT2Block")) << k.name;
-    EXPECT_EQ(policy.at("GPT2Block").attribute_replacement.at("attn.num_heads"), 8 / k.shard.head_split()) << k.name;
-    EXPECT_EQ(static_cast<bool>(policy.at("GPT2Model").method_replacement), k.shard.sequence_parallel()) << k.name;
-  }
+  ExpectPolicies("gpt2", c, cases, "GPT2Block", {{"attn.num_heads", 8}}, "GPT2Model");
 }
 
 std::string LlamaJson(bool tied) {
@@ -107,7 +125,7 @@ std::string LlamaJson(bool tied) {
          (tied ? "true" : "false") + "}";
 }
 
-TEST(DecoderFamily, LlamasPolicyIsShardFormersInEveryModeTiedOrNot) {
+TEST(TableFamily, LlamasPolicyIsShardFormersInEveryModeTiedOrNot) {
   const std::set<std::string> linears_1d = {
       "self_attn.q_proj->Linear1D_Col", "self_attn.k_proj->Linear1D_Col", "self_attn.v_proj->Linear1D_Col",
       "self_attn.o_proj->Linear1D_Row", "mlp.gate_proj->Linear1D_Col",    "mlp.up_proj->Linear1D_Col",
@@ -132,11 +150,7 @@ TEST(DecoderFamily, LlamasPolicyIsShardFormersInEveryModeTiedOrNot) {
     auto head = [tied](const std::string& layer) {
       return tied ? std::set<std::string>{} : std::set<std::string>{"lm_head->" + layer};
     };
-    const struct {
-      const char* name;
-      ShardConfig shard;
-      Replacements want;
-    } cases[] = {
+    const std::vector<PolicyCase> cases = {
         {"1d", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2),
          {{"LlamaForCausalLM", head("VocabParallelLMHead1D")},
           {"LlamaModel", {"embed_tokens->VocabParallelEmbedding1D"}},
@@ -154,18 +168,13 @@ TEST(DecoderFamily, LlamasPolicyIsShardFormersInEveryModeTiedOrNot) {
           {"LlamaModel", {"embed_tokens->Embedding3D", "norm->RMSNorm3D"}},
           {"LlamaDecoderLayer", layer_3d}}},
     };
-    for (const auto& k : cases) {
-      const std::map<std::string, ModulePolicyDescription> policy = PolicyOf("llama", c, k.shard);
-      EXPECT_EQ(Describe(policy), k.want) << k.name << (tied ? " tied" : " untied");
-      ASSERT_TRUE(policy.count("LlamaDecoderLayer"));
-      const auto& attrs = policy.at("LlamaDecoderLayer").attribute_replacement;
-      EXPECT_EQ(attrs.at("self_attn.num_heads"), 8 / k.shard.head_split()) << k.name;
-      EXPECT_EQ(attrs.at("self_attn.num_key_value_heads"), 4 / k.shard.head_split()) << k.name;
-    }
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    ExpectPolicies("llama", c, cases, "LlamaDecoderLayer",
+                   {{"self_attn.num_heads", 8}, {"self_attn.num_key_value_heads", 4}}, "LlamaModel");
   }
 }
 
-TEST(DecoderFamily, OptsPolicyIsShardFormersWithAndWithoutProjections) {
+TEST(TableFamily, OptsPolicyIsShardFormersWithAndWithoutProjections) {
   for (bool projected : {false, true}) {
     const ModelConfig c = Config(std::string(R"({"model_type":"opt","vocab_size":512,"hidden_size":64,)") +
                                  R"("num_hidden_layers":2,"num_attention_heads":8,"ffn_dim":128,)" +
@@ -174,44 +183,31 @@ TEST(DecoderFamily, OptsPolicyIsShardFormersWithAndWithoutProjections) {
     std::set<std::string> decoder_2d = {"embed_tokens->Embedding2D", "embed_positions->Embedding2D",
                                         "final_layer_norm->LayerNorm2D"};
     if (projected) decoder_2d.insert({"project_in->Linear2D", "project_out->Linear2D"});
-    const struct {
-      const char* name;
-      ShardConfig shard;
-      Replacements want;
-    } cases[] = {
+    const std::vector<PolicyCase> cases = {
         {"1d", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2),
-         {{"OPTForCausalLM", {}},
-          {"OPTDecoder", {"embed_tokens->VocabParallelEmbedding1D"}},
+         {{"OPTDecoder", {"embed_tokens->VocabParallelEmbedding1D"}},
           {"OPTDecoderLayer",
            {"self_attn.q_proj->Linear1D_Col", "self_attn.k_proj->Linear1D_Col", "self_attn.v_proj->Linear1D_Col",
             "self_attn.out_proj->Linear1D_Row", "fc1->Linear1D_Col", "fc2->Linear1D_Row"}}}},
         {"1d sp", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2, true),
-         {{"OPTForCausalLM", {}},
-          {"OPTDecoder", {"embed_tokens->VocabParallelEmbedding1D", "final_layer_norm->Norm1D"}},
+         {{"OPTDecoder", {"embed_tokens->VocabParallelEmbedding1D", "final_layer_norm->Norm1D"}},
           {"OPTDecoderLayer",
            {"self_attn.q_proj->Linear1D_Col", "self_attn.k_proj->Linear1D_Col", "self_attn.v_proj->Linear1D_Col",
             "self_attn.out_proj->Linear1D_Row", "fc1->Linear1D_Col", "fc2->Linear1D_Row",
             "self_attn_layer_norm->Norm1D", "final_layer_norm->Norm1D"}}}},
         {"2d", Layout(v1::TENSOR_PARALLEL_MODE_2D, 4),
-         {{"OPTForCausalLM", {}},
-          {"OPTDecoder", decoder_2d},
+         {{"OPTDecoder", decoder_2d},
           {"OPTDecoderLayer",
            {"self_attn.q_proj->Linear2D", "self_attn.k_proj->Linear2D", "self_attn.v_proj->Linear2D",
             "self_attn.out_proj->Linear2D", "fc1->Linear2D", "fc2->Linear2D", "self_attn_layer_norm->LayerNorm2D",
             "final_layer_norm->LayerNorm2D"}}}},
     };
-    for (const auto& k : cases) {
-      const std::map<std::string, ModulePolicyDescription> policy = PolicyOf("opt", c, k.shard);
-      EXPECT_EQ(Describe(policy), k.want) << k.name << (projected ? " projected" : "");
-      ASSERT_TRUE(policy.count("OPTDecoderLayer"));
-      EXPECT_EQ(policy.at("OPTDecoderLayer").attribute_replacement.at("self_attn.num_heads"),
-                8 / k.shard.head_split());
-      EXPECT_EQ(static_cast<bool>(policy.at("OPTDecoder").method_replacement), k.shard.sequence_parallel());
-    }
+    SCOPED_TRACE(projected ? "projected" : "not projected");
+    ExpectPolicies("opt", c, cases, "OPTDecoderLayer", {{"self_attn.num_heads", 8}}, "OPTDecoder");
   }
 }
 
-TEST(DecoderFamily, BloomsPolicyIsShardFormersAndLeavesTheEmbeddingNormWhole) {
+TEST(TableFamily, BloomsPolicyIsShardFormersAndLeavesTheEmbeddingNormWhole) {
   const ModelConfig c = Config(
       R"({"model_type":"bloom","vocab_size":512,"hidden_size":64,"n_layer":2,"n_head":8,"tie_word_embeddings":false})");
   const std::set<std::string> layer_1d = {"self_attention.query_key_value->Linear1D_Col",
@@ -219,11 +215,7 @@ TEST(DecoderFamily, BloomsPolicyIsShardFormersAndLeavesTheEmbeddingNormWhole) {
                                           "mlp.dense_4h_to_h->Linear1D_Row"};
   std::set<std::string> layer_sp = layer_1d;
   layer_sp.insert({"input_layernorm->Norm1D", "post_attention_layernorm->Norm1D"});
-  const struct {
-    const char* name;
-    ShardConfig shard;
-    Replacements want;
-  } cases[] = {
+  const std::vector<PolicyCase> cases = {
       {"1d", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2),
        {{"BloomForCausalLM", {"lm_head->VocabParallelLMHead1D"}},
         {"BloomModel", {"word_embeddings->VocabParallelEmbedding1D"}},
@@ -233,11 +225,50 @@ TEST(DecoderFamily, BloomsPolicyIsShardFormersAndLeavesTheEmbeddingNormWhole) {
         {"BloomModel", {"word_embeddings->VocabParallelEmbedding1D", "ln_f->Norm1D"}},
         {"BloomBlock", layer_sp}}},
   };
-  for (const auto& k : cases) {
-    const std::map<std::string, ModulePolicyDescription> policy = PolicyOf("bloom", c, k.shard);
-    EXPECT_EQ(Describe(policy), k.want) << k.name;
-    EXPECT_EQ(policy.at("BloomBlock").attribute_replacement.at("self_attention.num_heads"), 4);
-  }
+  ExpectPolicies("bloom", c, cases, "BloomBlock", {{"self_attention.num_heads", 8}}, "BloomModel");
+}
+
+TEST(TableFamily, BertsPolicyIsShardFormersIn1DAnd3D) {
+  const ModelConfig c = Config(R"({"model_type":"bert","vocab_size":512,"hidden_size":64,"num_hidden_layers":2,)"
+                               R"("num_attention_heads":8,"intermediate_size":128,"max_position_embeddings":64})");
+  const std::vector<PolicyCase> cases = {
+      {"1d", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2),
+       {{"BertEmbeddings", {"word_embeddings->VocabParallelEmbedding1D"}},
+        {"BertLayer",
+         {"attention.self.query->Linear1D_Col", "attention.self.key->Linear1D_Col",
+          "attention.self.value->Linear1D_Col", "attention.output.dense->Linear1D_Row",
+          "intermediate.dense->Linear1D_Col", "output.dense->Linear1D_Row"}},
+        {"BertLMPredictionHead", {"bias->VocabParallelBias1D"}}}},
+      // ShardFormer's sets transform.dense and transform.LayerNorm on
+      // BertLMPredictionHead; here they are set on its transform, the same
+      // modules.
+      {"3d", Layout(v1::TENSOR_PARALLEL_MODE_3D, 8),
+       {{"BertEmbeddings",
+         {"word_embeddings->Embedding3D", "position_embeddings->Embedding3D", "token_type_embeddings->Embedding3D",
+          "LayerNorm->LayerNorm3D"}},
+        {"BertLayer",
+         {"attention.self.query->Linear3D", "attention.self.key->Linear3D", "attention.self.value->Linear3D",
+          "attention.output.dense->Linear3D[swap=1]", "attention.output.LayerNorm->LayerNorm3D",
+          "intermediate.dense->Linear3D", "output.dense->Linear3D[swap=1]", "output.LayerNorm->LayerNorm3D"}},
+        {"BertPredictionHeadTransform", {"dense->Linear3D", "LayerNorm->LayerNorm3D"}},
+        {"BertLMPredictionHead", {"bias->Bias3D"}}}},
+  };
+  ExpectPolicies("bert", c, cases, "BertLayer", {{"attention.self.num_attention_heads", 8}});
+}
+
+TEST(TableFamily, VitsPolicyIsShardFormersAndLeavesTheEmbeddingsAndClassifierWhole) {
+  const ModelConfig c = Config(R"({"model_type":"vit","hidden_size":64,"num_hidden_layers":2,)"
+                               R"("num_attention_heads":8,"intermediate_size":128,"image_size":32,"patch_size":8,)"
+                               R"("num_labels":10})");
+  const std::map<std::string, ModulePolicyDescription> policy =
+      PolicyOf("vit", c, Layout(v1::TENSOR_PARALLEL_MODE_1D, 2));
+  EXPECT_EQ(Describe(policy), (Replacements{{"ViTLayer",
+                                             {"attention.attention.query->Linear1D_Col",
+                                              "attention.attention.key->Linear1D_Col",
+                                              "attention.attention.value->Linear1D_Col",
+                                              "attention.output.dense->Linear1D_Row",
+                                              "intermediate.dense->Linear1D_Col", "output.dense->Linear1D_Row"}}}));
+  EXPECT_EQ(policy.at("ViTLayer").attribute_replacement.at("attention.attention.num_attention_heads"), 4);
 }
 
 // Every leaf of the built tree, depth first: "path prefix kind in out
@@ -253,7 +284,7 @@ std::vector<std::string> Leaves(Module& root) {
   return out;
 }
 
-TEST(DecoderFamily, BuildsTheCheckpointsLayersInOrder) {
+TEST(TableFamily, BuildsTheCheckpointsLayersInOrder) {
   absl::StatusOr<ModelFamily> f = ModelRegistry::Global().Get("gpt2");
   ASSERT_TRUE(f.ok());
   absl::StatusOr<std::unique_ptr<Module>> m = f->build(Config(kGpt2));
@@ -300,6 +331,40 @@ TEST(DecoderFamily, BuildsTheCheckpointsLayersInOrder) {
                              "model.decoder.project_out model.decoder.project_out Linear 64 32",
                              "lm_head lm_head Linear 32 512 tied model.decoder.embed_tokens"}));
   EXPECT_EQ((*o)->Find("model")->cls(), "OPTModel");
+  // BERT's MLM head under cls, its bias named by its owner; ViT's bare
+  // tensors and patch Conv2d with their shapes.
+  absl::StatusOr<ModelFamily> bert = ModelRegistry::Global().Get("bert");
+  ASSERT_TRUE(bert.ok());
+  absl::StatusOr<std::unique_ptr<Module>> bm =
+      bert->build(Config(R"({"model_type":"bert","vocab_size":512,"hidden_size":64,"num_hidden_layers":1,)"
+                         R"("num_attention_heads":8,"intermediate_size":128,"max_position_embeddings":64})"));
+  ASSERT_TRUE(bm.ok()) << bm.status();
+  const std::vector<std::string> bl = Leaves(**bm);
+  ASSERT_EQ(bl.size(), 16u);
+  EXPECT_EQ(bl.front(), "bert.embeddings.word_embeddings bert.embeddings.word_embeddings Embedding 512 64");
+  EXPECT_EQ(bl[4], "bert.encoder.layer.0.attention.self.query bert.encoder.layer.0.attention.self.query Linear 64 64 "
+                   "bias");
+  EXPECT_EQ(bl[12], "cls.predictions.transform.dense cls.predictions.transform.dense Linear 64 64 bias");
+  EXPECT_EQ(bl[14], "cls.predictions.decoder cls.predictions.decoder Linear 64 512 tied bert.embeddings.word_embeddings");
+  EXPECT_EQ(bl[15], "cls.predictions.bias cls.predictions Bias 0 512");
+  EXPECT_EQ((*bm)->Find("cls.predictions")->cls(), "BertLMPredictionHead");
+  EXPECT_EQ((*bm)->Find("bert.encoder.layer.0.attention.self")->IntAttr("num_attention_heads").value_or(-1), 8);
+  absl::StatusOr<ModelFamily> vit = ModelRegistry::Global().Get("vit");
+  ASSERT_TRUE(vit.ok());
+  absl::StatusOr<std::unique_ptr<Module>> vm =
+      vit->build(Config(R"({"model_type":"vit","hidden_size":64,"num_hidden_layers":1,"num_attention_heads":8,)"
+                        R"("intermediate_size":128,"image_size":32,"patch_size":8,"num_labels":10})"));
+  ASSERT_TRUE(vm.ok()) << vm.status();
+  Module* pos = (*vm)->Find("vit.embeddings.position_embeddings");
+  ASSERT_NE(pos, nullptr);
+  EXPECT_EQ(pos->decl()->shape, (Shape{1, 17, 64}));  // 16 patches and the CLS token
+  Module* patches = (*vm)->Find("vit.embeddings.patch_embeddings.projection");
+  ASSERT_NE(patches, nullptr);
+  EXPECT_EQ(patches->decl()->shape, (Shape{64, 3, 8, 8}));
+  EXPECT_EQ(patches->decl()->in, 192);
+  EXPECT_TRUE(patches->decl()->bias);
+  const std::vector<std::string> vl = Leaves(**vm);
+  EXPECT_EQ(vl.back(), "classifier classifier Linear 64 10 bias");
   EXPECT_EQ((*o)->Find("model.decoder")->IntAttr("position_offset").value_or(-1), 2);
   Module* attn = (*m)->Find("transformer.h.1.attn");
   ASSERT_NE(attn, nullptr);
