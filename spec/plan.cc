@@ -244,30 +244,44 @@ void VitLeaves(const ModelConfig& c, Leaves& m) {
 
 // t5's leaves, as its policy shards them.
 void T5Leaves(const ModelConfig& c, Leaves& m) {
+  using K = LeafKind;
   const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size;
   const int64_t inner = m.Mul({c.num_heads, c.kv_dim});
   const bool gated = c.activation == "gated-gelu";
-  const int64_t enc = c.num_layers, dec = c.num_decoder_layers;  // each at most kMaxLayers
-  const int64_t attentions = enc + 2 * dec, norms = 2 * enc + 3 * dec;
-  m.Model("shared", Role::kVocabTable, v, h);
+  m.Model("shared", Role::kVocabTable, v, h).As(K::kEmbedding);
   m.back().lookups = 2;  // the encoder's and the decoder's inputs
-  m.Whole("*.block.0.layer.0.SelfAttention.relative_attention_bias", 2, {c.relative_buckets, c.num_heads});
-  // Self-attention in every block, cross-attention in the decoder's.
-  for (const char* proj : {"q", "k", "v"}) {
-    m.Add(absl::StrCat("*.block.*.layer.*.", proj), Role::kColumn, attentions, h, inner, false);
+  for (const bool decoder : {false, true}) {
+    const std::string stack = decoder ? "decoder" : "encoder";
+    const int64_t n = decoder ? c.num_decoder_layers : c.num_layers;  // each at most kMaxLayers
+    auto layer = [&](const std::string& name, Role role, int64_t in, int64_t out, K kind) {
+      m.Add(absl::StrCat(stack, ".block.*.layer.", name), role, n, in, out, false).As(kind);
+    };
+    // Self-attention in every block, cross-attention in the decoder's, then
+    // the feed-forward; each sublayer's norm after it.
+    std::vector<std::string> attentions = {"0.SelfAttention"};
+    if (decoder) attentions.push_back("1.EncDecAttention");
+    for (size_t a = 0; a < attentions.size(); ++a) {
+      for (const char* proj : {"q", "k", "v"}) layer(attentions[a] + "." + proj, Role::kColumn, h, inner, K::kLinear);
+      layer(attentions[a] + ".o", Role::kRow, inner, h, K::kLinear);
+      layer(absl::StrCat(a, ".layer_norm"), Role::kNorm, 0, h, K::kRmsNorm);
+    }
+    const std::string ff = absl::StrCat(attentions.size(), ".");
+    for (const char* wi : gated ? std::vector<const char*>{"wi_0", "wi_1"} : std::vector<const char*>{"wi"}) {
+      layer(ff + "DenseReluDense." + wi, Role::kColumn, h, f, K::kLinear);
+    }
+    layer(ff + "DenseReluDense.wo", Role::kRow, f, h, K::kLinear);
+    layer(ff + "layer_norm", Role::kNorm, 0, h, K::kRmsNorm);
+    // Block 0's relative position bias table [buckets, heads], replicated.
+    m.Whole(stack + ".block.0.layer.0.SelfAttention.relative_attention_bias", 1, {c.relative_buckets, c.num_heads})
+        .As(K::kEmbedding);
+    m.back().in = c.relative_buckets;
+    m.back().out = c.num_heads;
+    m.Model(stack + ".final_layer_norm", Role::kNorm, 0, h).As(K::kRmsNorm);
   }
-  m.Add("*.block.*.layer.*.o", Role::kRow, attentions, inner, h, false);
-  m.Add("*.block.*.layer.*.layer_norm", Role::kNorm, norms, 0, h, false);
-  const std::vector<std::string> wis = gated ? std::vector<std::string>{"wi_0", "wi_1"} : std::vector<std::string>{"wi"};
-  for (const std::string& wi : wis) {
-    m.Add(absl::StrCat("*.block.*.layer.*.DenseReluDense.", wi), Role::kColumn, enc + dec, h, f, false);
-  }
-  m.Add("*.block.*.layer.*.DenseReluDense.wo", Role::kRow, enc + dec, f, h, false);
-  m.Add("*.final_layer_norm", Role::kNorm, 2, 0, h, false);
   if (c.tie_word_embeddings) {
-    m.Model("lm_head (tied to shared)", Role::kTiedHead, h, v);
+    m.Head("lm_head", Role::kTiedHead, h, v, "shared");
   } else {
-    m.Model("lm_head", Role::kVocabHead, h, v);
+    m.Head("lm_head", Role::kVocabHead, h, v);
   }
 }
 

@@ -89,9 +89,7 @@ const TableFamily& Bert() {
     d->base = "bert";
     d->base_class = "BertModel";
     d->model_forward = [](bool) -> Module::ForwardFn { return ModelForward; };
-    d->layers = "encoder.layer";
-    d->layer_class = "BertLayer";
-    d->layer_forward = LayerForward;
+    d->layer_lists = {{"encoder.layer", "BertLayer", LayerForward}};
     const std::string l = "bert.encoder.layer.*";
     d->containers = {
         {"bert.embeddings", "BertEmbeddings", EmbeddingsForward},

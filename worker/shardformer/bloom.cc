@@ -100,9 +100,7 @@ const TableFamily& Bloom() {
     d->root_class = "BloomForCausalLM";
     d->base = "transformer";
     d->base_class = "BloomModel";
-    d->layers = "h";
-    d->layer_class = "BloomBlock";
-    d->layer_forward = BlockForward;
+    d->layer_lists = {{"h", "BloomBlock", BlockForward}};
     d->containers = {{"transformer.h.*.self_attention", "BloomAttention", AttentionForward},
                      {"transformer.h.*.mlp", "BloomMLP", MlpForward}};
     d->tokens = "word_embeddings";

@@ -65,9 +65,7 @@ const TableFamily& Gpt2() {
     d->root_class = "GPT2LMHeadModel";
     d->base = "transformer";
     d->base_class = "GPT2Model";
-    d->layers = "h";
-    d->layer_class = "GPT2Block";
-    d->layer_forward = BlockForward;
+    d->layer_lists = {{"h", "GPT2Block", BlockForward}};
     d->containers = {{"transformer.h.*.attn", "GPT2Attention", AttentionForward},
                      {"transformer.h.*.mlp", "GPT2MLP", MlpForward}};
     d->tokens = "wte";

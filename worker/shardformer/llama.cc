@@ -65,9 +65,7 @@ const TableFamily& Llama() {
     d->root_class = "LlamaForCausalLM";
     d->base = "model";
     d->base_class = "LlamaModel";
-    d->layers = "layers";
-    d->layer_class = "LlamaDecoderLayer";
-    d->layer_forward = DecoderLayerForward;
+    d->layer_lists = {{"layers", "LlamaDecoderLayer", DecoderLayerForward}};
     d->containers = {{"model.layers.*.self_attn", "LlamaAttention", AttentionForward},
                      {"model.layers.*.mlp", "LlamaMLP", MlpForward}};
     d->tokens = "embed_tokens";

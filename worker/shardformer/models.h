@@ -1,8 +1,8 @@
 // The model families colod shards out of the box (registered in
 // ModelRegistry::Global()): each builds the Hugging Face model's module tree
 // with its tensor names and forward semantics, and brings its policy. Their
-// layers are declared once, in spec/plan.cc's layer tables; all but t5 build
-// their trees and derive their policies' replacements from them
+// layers are declared once, in spec/plan.cc's layer tables; each builds its
+// tree and derives its policy's replacements from its table
 // (table_family.h).
 //
 //   gpt2   GPT2LMHeadModel: 1d (fused c_attn as Linear1D_Col with n_fused = 3,

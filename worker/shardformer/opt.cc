@@ -115,9 +115,7 @@ const TableFamily& Opt() {
     d->root_class = "OPTForCausalLM";
     d->base = "model.decoder";
     d->base_class = "OPTDecoder";
-    d->layers = "layers";
-    d->layer_class = "OPTDecoderLayer";
-    d->layer_forward = DecoderLayerForward;
+    d->layer_lists = {{"layers", "OPTDecoderLayer", DecoderLayerForward}};
     d->containers = {{"model", "OPTModel", ModelForward},
                      {"model.decoder.layers.*.self_attn", "OPTAttention", AttentionForward}};
     d->tokens = "embed_tokens";

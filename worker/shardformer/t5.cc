@@ -18,11 +18,11 @@
 #include "common/status_macros.h"
 #include "worker/nn/functional.h"
 #include "worker/shardformer/models.h"
+#include "worker/shardformer/table_family.h"
 
 namespace colod::shardformer {
 namespace {
 
-using Kind = LayerDecl::Kind;
 
 // The relative position bias [local heads, sq, sk] of a stack, from layer
 // 0's relative_attention_bias table [buckets, heads] (replicated): this
@@ -137,76 +137,61 @@ absl::StatusOr<ColoTensor> ConditionalGenerationForward(Module& self, const Colo
   return self.Call("lm_head", decoded);
 }
 
-absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
-  const int64_t h = c.hidden_size, inner = c.num_heads * c.kv_dim, f = c.intermediate_size;
-  const float eps = static_cast<float>(c.norm_eps);
-  const bool gated = c.activation == "gated-gelu";
-  auto leaf = [](Kind kind, const std::string& prefix, int64_t in, int64_t out, float e = 1e-6f) {
-    return Module::Leaf(LayerDecl::Of(kind, prefix, in, out, /*bias=*/false, e));
+// T5ForConditionalGeneration's names around its layer table (spec/plan.cc):
+// the root holds shared, the two stacks and lm_head; a block's sublayers are
+// layer.0 (self-attention), in the decoder layer.1 (cross-attention), then
+// the feed-forward, whose class says whether it is gated.
+TableFamily T5(const ModelConfig& c) {
+  TableFamily d;
+  d.root_class = "T5ForConditionalGeneration";
+  d.root_cross_forward = ConditionalGenerationForward;
+  d.layer_lists = {{"encoder.block", "T5Block", nullptr}, {"decoder.block", "T5Block", nullptr, /*decoder=*/true}};
+  const std::string dense = c.activation == "gated-gelu" ? "T5DenseGatedActDense" : "T5DenseActDense";
+  for (const bool decoder : {false, true}) {
+    const std::string s = decoder ? "decoder" : "encoder", b = s + ".block.*.layer";
+    const std::string ff = decoder ? ".2" : ".1";
+    d.containers.push_back({s, "T5Stack", nullptr});
+    d.containers.push_back({b, "ModuleList", nullptr});
+    d.containers.push_back({b + ".0", "T5LayerSelfAttention", nullptr});
+    d.containers.push_back({b + ".0.SelfAttention", "T5Attention", nullptr});
+    if (decoder) {
+      d.containers.push_back({b + ".1", "T5LayerCrossAttention", nullptr});
+      d.containers.push_back({b + ".1.EncDecAttention", "T5Attention", nullptr});
+    }
+    d.containers.push_back({b + ff, "T5LayerFF", nullptr});
+    d.containers.push_back({b + ff + ".DenseReluDense", dense, nullptr});
+  }
+  d.head = "lm_head";
+  d.anchor_at_container = true;
+  d.configure_layer = [](Module& block, const ModelConfig& c) {
+    for (const char* path : {"layer.0.SelfAttention", "layer.1.EncDecAttention"}) {
+      Module* attn = block.Find(path);
+      if (attn == nullptr) continue;  // an encoder block has no cross-attention
+      attn->SetAttr("n_heads", static_cast<double>(c.num_heads));
+      attn->SetAttr("total_heads", static_cast<double>(c.num_heads));  // the policy leaves it whole
+      attn->SetAttr("key_value_proj_dim", static_cast<double>(c.kv_dim));
+    }
   };
-  auto root = std::make_unique<Module>("T5ForConditionalGeneration", nullptr);
-  root->set_cross_forward(ConditionalGenerationForward);
-  root->SetAttr("tie_word_embeddings", c.tie_word_embeddings ? 1 : 0);
-  root->SetAttr("model_dim_scale", 1.0 / std::sqrt(static_cast<double>(h)));
-  root->Add("shared", leaf(Kind::kEmbedding, "shared", c.vocab_size, h));
-  auto attention = [&](Module* parent, const std::string& name, const std::string& p, bool relative) {
-    Module* attn = parent->Add(name, std::make_unique<Module>("T5Attention", nullptr));
-    attn->SetAttr("n_heads", static_cast<double>(c.num_heads));
-    attn->SetAttr("total_heads", static_cast<double>(c.num_heads));  // the policy leaves it whole
-    attn->SetAttr("key_value_proj_dim", static_cast<double>(c.kv_dim));
-    for (const char* proj : {"q", "k", "v"}) attn->Add(proj, leaf(Kind::kLinear, absl::StrCat(p, ".", proj), h, inner));
-    attn->Add("o", leaf(Kind::kLinear, p + ".o", inner, h));
-    if (relative) {
+  d.configure = [](Module& root, const ModelConfig& c) {
+    root.SetAttr("tie_word_embeddings", c.tie_word_embeddings ? 1 : 0);
+    root.SetAttr("model_dim_scale", 1.0 / std::sqrt(static_cast<double>(c.hidden_size)));
+    for (const char* stack : {"encoder", "decoder"}) {  // block 0 holds each stack's position bias
+      Module* attn = root.Find(absl::StrCat(stack, ".block.0.layer.0.SelfAttention"));
+      if (attn == nullptr) continue;
       attn->SetAttr("relative_attention_num_buckets", static_cast<double>(c.relative_buckets));
       attn->SetAttr("relative_attention_max_distance", static_cast<double>(c.relative_max_distance));
-      attn->Add("relative_attention_bias",
-                leaf(Kind::kEmbedding, p + ".relative_attention_bias", c.relative_buckets, c.num_heads));
     }
   };
-  for (const bool decoder : {false, true}) {
-    const std::string s = decoder ? "decoder" : "encoder";
-    Module* stack = root->Add(s, std::make_unique<Module>("T5Stack", nullptr));
-    Module* blocks = stack->Add("block", std::make_unique<Module>("ModuleList", nullptr));
-    const int64_t layers = decoder ? c.num_decoder_layers : c.num_layers;
-    for (int64_t i = 0; i < layers; ++i) {
-      const std::string b = absl::StrCat(s, ".block.", i, ".layer.");
-      Module* block = blocks->Add(absl::StrCat(i), std::make_unique<Module>("T5Block", nullptr));
-      Module* sublayers = block->Add("layer", std::make_unique<Module>("ModuleList", nullptr));
-      Module* self_attn = sublayers->Add("0", std::make_unique<Module>("T5LayerSelfAttention", nullptr));
-      attention(self_attn, "SelfAttention", b + "0.SelfAttention", i == 0);
-      self_attn->Add("layer_norm", leaf(Kind::kRmsNorm, b + "0.layer_norm", 0, h, eps));
-      int ff = 1;
-      if (decoder) {
-        Module* cross = sublayers->Add("1", std::make_unique<Module>("T5LayerCrossAttention", nullptr));
-        attention(cross, "EncDecAttention", b + "1.EncDecAttention", false);
-        cross->Add("layer_norm", leaf(Kind::kRmsNorm, b + "1.layer_norm", 0, h, eps));
-        ff = 2;
-      }
-      Module* ffl = sublayers->Add(absl::StrCat(ff), std::make_unique<Module>("T5LayerFF", nullptr));
-      const std::string fp = absl::StrCat(b, ff, ".DenseReluDense");
-      Module* dense = ffl->Add("DenseReluDense", std::make_unique<Module>(gated ? "T5DenseGatedActDense"
-                                                                               : "T5DenseActDense", nullptr));
-      if (gated) {
-        dense->Add("wi_0", leaf(Kind::kLinear, fp + ".wi_0", h, f));
-        dense->Add("wi_1", leaf(Kind::kLinear, fp + ".wi_1", h, f));
-      } else {
-        dense->Add("wi", leaf(Kind::kLinear, fp + ".wi", h, f));
-      }
-      dense->Add("wo", leaf(Kind::kLinear, fp + ".wo", f, h));
-      ffl->Add("layer_norm", leaf(Kind::kRmsNorm, absl::StrCat(b, ff, ".layer_norm"), 0, h, eps));
-    }
-    stack->Add("final_layer_norm", leaf(Kind::kRmsNorm, s + ".final_layer_norm", 0, h, eps));
-  }
-  LayerDecl head = LayerDecl::Of(Kind::kLinear, "lm_head", h, c.vocab_size, false);
-  if (c.tie_word_embeddings) head.tied_to = "shared";
-  root->Add("lm_head", Module::Leaf(std::move(head)));
-  return root;
+  return d;
 }
+
+absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) { return BuildFromTable(T5(c), c); }
 
 // ShardFormer's T5 policy, 1D: q, k, v and wi (wi_0, wi_1) column-parallel,
 // o and wo row-parallel, the heads split over tp (layer 0's bias table
 // replicated, each rank reading its heads' columns), vocab-parallel shared
-// embedding and head.
+// embedding and head; the replacements from the layer table, set on
+// T5Attention and T5Dense*, the head split here.
 class T5Policy : public Policy {
  public:
   absl::Status Preprocess(const ModelConfig& config, ShardConfig& shard) override {
@@ -216,17 +201,9 @@ class T5Policy : public Policy {
   }
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
-    std::map<std::string, ModulePolicyDescription> policy;
-    ModulePolicyDescription& root = policy["T5ForConditionalGeneration"];
-    root.sub_module_replacement = {{"shared", "VocabParallelEmbedding1D"}};
-    if (!config.tie_word_embeddings) root.sub_module_replacement.push_back({"lm_head", "VocabParallelLMHead1D"});
-    ModulePolicyDescription& attn = policy["T5Attention"];
-    attn.attribute_replacement = {{"n_heads", static_cast<double>(config.num_heads / shard.head_split())}};
-    attn.sub_module_replacement = {
-        {"q", "Linear1D_Col"}, {"k", "Linear1D_Col"}, {"v", "Linear1D_Col"}, {"o", "Linear1D_Row"}};
-    policy["T5DenseActDense"].sub_module_replacement = {{"wi", "Linear1D_Col"}, {"wo", "Linear1D_Row"}};
-    policy["T5DenseGatedActDense"].sub_module_replacement = {
-        {"wi_0", "Linear1D_Col"}, {"wi_1", "Linear1D_Col"}, {"wo", "Linear1D_Row"}};
+    ASSIGN_OR_RETURN(auto policy, TablePolicy(T5(config), config, shard));
+    policy["T5Attention"].attribute_replacement = {
+        {"n_heads", static_cast<double>(config.num_heads / shard.head_split())}};
     return policy;
   }
   absl::Status Postprocess(Module& model, const ModelConfig&, const ShardConfig&) override {

@@ -1,6 +1,7 @@
 #include "worker/shardformer/table_family.h"
 
 #include <algorithm>
+#include <set>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -31,25 +32,33 @@ absl::StatusOr<Kind> ModuleKind(const PlanLeaf& leaf) {
   return absl::InternalError(absl::StrCat("layer table entry '", leaf.name, "' names no module kind"));
 }
 
-// "<layers>.*.": the prefix of a leaf in every layer.
-std::string LayerPrefix(const TableFamily& f) { return f.layers + ".*."; }
+// `path` under the base model, as a path under the root.
+std::string UnderBase(const TableFamily& f, const std::string& path) {
+  return f.base.empty() ? path : absl::StrCat(f.base, ".", path);
+}
 
-bool InLayer(const TableFamily& f, const PlanLeaf& leaf) {
-  return !leaf.on_root && absl::StartsWith(leaf.name, LayerPrefix(f));
+// The layer list a leaf is in ("<list>.*." starts its name), or null.
+const TableFamily::LayerList* ListOf(const TableFamily& f, const PlanLeaf& leaf) {
+  if (leaf.on_root) return nullptr;
+  for (const TableFamily::LayerList& l : f.layer_lists) {
+    if (absl::StartsWith(leaf.name, l.path + ".*.")) return &l;
+  }
+  return nullptr;
 }
 
 // A leaf's path under the root: a table path is under the base model unless
 // the leaf is the root's.
 std::string FullPath(const TableFamily& f, const PlanLeaf& leaf) {
-  return leaf.on_root ? leaf.name : absl::StrCat(f.base, ".", leaf.name);
+  return leaf.on_root ? leaf.name : UnderBase(f, leaf.name);
 }
 
 // The container pattern of a path's first `n` components: a layer's index
-// written "*".
-std::string Pattern(const std::vector<std::string>& parts, size_t n) {
+// (the component after a layer list's path) written "*".
+std::string Pattern(const TableFamily& f, const std::vector<std::string>& parts, size_t n) {
   std::vector<std::string> out(parts.begin(), parts.begin() + n);
-  for (std::string& p : out) {
-    if (!p.empty() && std::all_of(p.begin(), p.end(), [](char c) { return absl::ascii_isdigit(c); })) p = "*";
+  for (const TableFamily::LayerList& l : f.layer_lists) {
+    const std::vector<std::string> list = absl::StrSplit(UnderBase(f, l.path), '.');
+    if (out.size() > list.size() && std::equal(list.begin(), list.end(), out.begin())) out[list.size()] = "*";
   }
   return absl::StrJoin(out, ".");
 }
@@ -63,7 +72,9 @@ Module::ForwardFn ModelForwardOf(const TableFamily& f, bool sequence_parallel) {
 absl::StatusOr<std::string> ClassAt(const TableFamily& f, const std::string& pattern) {
   if (pattern.empty()) return f.root_class;
   if (pattern == f.base) return f.base_class;
-  if (pattern == absl::StrCat(f.base, ".", f.layers, ".*")) return f.layer_class;
+  for (const TableFamily::LayerList& l : f.layer_lists) {
+    if (pattern == UnderBase(f, l.path) + ".*") return l.class_name;
+  }
   for (const TableFamily::Container& c : f.containers) {
     if (c.path == pattern) return c.class_name;
   }
@@ -75,9 +86,9 @@ absl::StatusOr<std::string> ClassAt(const TableFamily& f, const std::string& pat
 // (its index in `name`), or one of the family's.
 absl::StatusOr<std::unique_ptr<Module>> NewContainer(const TableFamily& f, const std::string& pattern) {
   if (pattern == f.base) return std::make_unique<Module>(f.base_class, ModelForwardOf(f, false));
-  if (pattern == absl::StrCat(f.base, ".", f.layers)) return std::make_unique<Module>("ModuleList", nullptr);
-  if (pattern == absl::StrCat(f.base, ".", f.layers, ".*")) {
-    return std::make_unique<Module>(f.layer_class, f.layer_forward);
+  for (const TableFamily::LayerList& l : f.layer_lists) {
+    if (pattern == UnderBase(f, l.path)) return std::make_unique<Module>("ModuleList", nullptr);
+    if (pattern == UnderBase(f, l.path) + ".*") return std::make_unique<Module>(l.class_name, l.forward);
   }
   for (const TableFamily::Container& c : f.containers) {
     if (c.path == pattern) return std::make_unique<Module>(c.class_name, c.forward);
@@ -93,7 +104,7 @@ absl::StatusOr<Module*> Ensure(const TableFamily& f, Module& root, const std::ve
   for (size_t i = 0; i < n; ++i) {
     Module* next = at->Find(parts[i]);
     if (next == nullptr) {
-      ASSIGN_OR_RETURN(std::unique_ptr<Module> made, NewContainer(f, Pattern(parts, i + 1)));
+      ASSIGN_OR_RETURN(std::unique_ptr<Module> made, NewContainer(f, Pattern(f, parts, i + 1)));
       next = at->Add(parts[i], std::move(made));
     }
     at = next;
@@ -113,7 +124,7 @@ absl::Status Place(const TableFamily& f, Module& root, const PlanLeaf& leaf, con
   const std::string prefix = kind == Kind::kBias ? absl::StrJoin(parts.begin(), parts.end() - 1, ".") : path;
   LayerDecl d = LayerDecl::Of(kind, prefix, leaf.in, leaf.out, leaf.bias, norm ? static_cast<float>(c.norm_eps) : 1e-5f);
   d.shape = leaf.shape;
-  if (!leaf.tied_to.empty()) d.tied_to = absl::StrCat(f.base, ".", leaf.tied_to);
+  if (!leaf.tied_to.empty()) d.tied_to = UnderBase(f, leaf.tied_to);
   parent->Add(parts.back(), Module::Leaf(std::move(d)));
   return absl::OkStatus();
 }
@@ -171,27 +182,34 @@ absl::StatusOr<SubModuleReplacementDescription> Replacement(const PlanLeaf& leaf
 
 absl::StatusOr<std::unique_ptr<Module>> BuildFromTable(const TableFamily& f, const ModelConfig& c) {
   ASSIGN_OR_RETURN(std::vector<PlanLeaf> leaves, PlanLeaves(c));
-  auto root = std::make_unique<Module>(f.root_class, f.root_forward ? f.root_forward : DecoderLmForward(f));
-  const std::vector<std::string> base = absl::StrSplit(f.base, '.');
-  RETURN_IF_ERROR(Ensure(f, *root, base, base.size()).status());  // the base model first
-  bool layers_built = false;
+  auto root = std::make_unique<Module>(f.root_class, f.root_forward ? f.root_forward
+                                                   : f.root_cross_forward ? nullptr
+                                                                          : DecoderLmForward(f));
+  if (f.root_cross_forward) root->set_cross_forward(f.root_cross_forward);
+  if (!f.base.empty()) {
+    const std::vector<std::string> base = absl::StrSplit(f.base, '.');
+    RETURN_IF_ERROR(Ensure(f, *root, base, base.size()).status());  // the base model first
+  }
+  std::set<const TableFamily::LayerList*> built;
   for (const PlanLeaf& leaf : leaves) {
-    if (!InLayer(f, leaf)) {
+    const TableFamily::LayerList* list = ListOf(f, leaf);
+    if (list == nullptr) {
       RETURN_IF_ERROR(Place(f, *root, leaf, FullPath(f, leaf), c));
       continue;
     }
-    if (layers_built) continue;
-    // The first leaf of a layer: every layer, each with all of its leaves
-    // in the table's order.
-    layers_built = true;
-    const std::vector<std::string> list = absl::StrSplit(absl::StrCat(f.base, ".", f.layers), '.');
-    ASSIGN_OR_RETURN(Module * layers, Ensure(f, *root, list, list.size()));
-    for (int64_t i = 0; i < c.num_layers; ++i) {
-      Module* layer = layers->Add(absl::StrCat(i), std::make_unique<Module>(f.layer_class, f.layer_forward));
+    if (!built.insert(list).second) continue;
+    // The first leaf of a list's layers: every layer of it, each with all
+    // of its leaves in the table's order.
+    const std::string at = UnderBase(f, list->path);
+    const std::vector<std::string> path = absl::StrSplit(at, '.');
+    ASSIGN_OR_RETURN(Module * layers, Ensure(f, *root, path, path.size()));
+    const int64_t n = list->decoder ? c.num_decoder_layers : c.num_layers;
+    for (int64_t i = 0; i < n; ++i) {
+      Module* layer = layers->Add(absl::StrCat(i), std::make_unique<Module>(list->class_name, list->forward));
       for (const PlanLeaf& l : leaves) {
-        if (!InLayer(f, l)) continue;
-        const std::string rel = l.name.substr(LayerPrefix(f).size());
-        RETURN_IF_ERROR(Place(f, *root, l, absl::StrCat(f.base, ".", f.layers, ".", i, ".", rel), c));
+        if (ListOf(f, l) != list) continue;
+        const std::string rel = l.name.substr(list->path.size() + 3);  // after "<list>.*."
+        RETURN_IF_ERROR(Place(f, *root, l, absl::StrCat(at, ".", i, ".", rel), c));
       }
       if (f.configure_layer) f.configure_layer(*layer, c);
     }
@@ -206,13 +224,16 @@ absl::StatusOr<std::map<std::string, ModulePolicyDescription>> TablePolicy(const
   ASSIGN_OR_RETURN(std::vector<PlanLeaf> leaves, PlanLeaves(config));
   std::map<std::string, ModulePolicyDescription> policy;
   for (const PlanLeaf& leaf : leaves) {
-    // A layer's leaf on the layer's class; any other on its container's.
-    std::string cls = f.layer_class, suffix;
-    if (InLayer(f, leaf)) {
-      suffix = leaf.name.substr(LayerPrefix(f).size());
+    // A layer's leaf on the layer's class (unless anchor_at_container); any
+    // other on its container's.
+    const TableFamily::LayerList* list = ListOf(f, leaf);
+    std::string cls, suffix;
+    if (list != nullptr && !f.anchor_at_container) {
+      cls = list->class_name;
+      suffix = leaf.name.substr(list->path.size() + 3);
     } else {
       const std::vector<std::string> parts = absl::StrSplit(FullPath(f, leaf), '.');
-      ASSIGN_OR_RETURN(cls, ClassAt(f, Pattern(parts, parts.size() - 1)));
+      ASSIGN_OR_RETURN(cls, ClassAt(f, Pattern(f, parts, parts.size() - 1)));
       suffix = parts.back();
     }
     ASSIGN_OR_RETURN(SubModuleReplacementDescription r, Replacement(leaf, suffix, shard));
@@ -240,7 +261,7 @@ Module::ForwardFn DecoderModelForward(const TableFamily& f, bool sequence_parall
         ASSIGN_OR_RETURN(x, SplitSequence(x));
       }
     }
-    ASSIGN_OR_RETURN(Module * layers, self.Get(f.layers));
+    ASSIGN_OR_RETURN(Module * layers, self.Get(f.layer_lists.front().path));
     ASSIGN_OR_RETURN(x, RunSequential(*layers, x));
     if (!stage.last()) return x;
     return self.Call(f.final_norm, x);
@@ -260,7 +281,7 @@ Module::ForwardFn DecoderLmForward(const TableFamily& f, PipelineStage stage) {
 absl::StatusOr<std::vector<std::string>> SplitDecoderStage(const TableFamily& f, Module& root,
                                                            const PipelineStage& stage) {
   ASSIGN_OR_RETURN(Module * model, root.Get(f.base));
-  ASSIGN_OR_RETURN(Module * layers, model->Get(f.layers));
+  ASSIGN_OR_RETURN(Module * layers, model->Get(f.layer_lists.front().path));
   const int64_t n = static_cast<int64_t>(layers->Children().size());
   for (int64_t i = 0; i < n; ++i) {
     if (i < stage.begin || i >= stage.end) layers->Remove(absl::StrCat(i));

@@ -1,5 +1,5 @@
 // The model families whose layers are declared once, in their layer table
-// in spec/plan.cc (PlanLeaves): GPT-2, LLaMA, OPT, BLOOM, BERT and ViT. The
+// in spec/plan.cc (PlanLeaves): GPT-2, LLaMA, OPT, BLOOM, BERT, ViT and T5. The
 // planner counts that table; BuildFromTable makes the module tree from it
 // (every leaf's module, checkpoint name, sizes, shape and tying) and
 // TablePolicy derives the policy's sub-module replacements from each leaf's
@@ -8,7 +8,7 @@
 // and its forwards. The decoder-only LMs' model forward (embeddings, layers,
 // final norm; sequence-parallel split; a pipeline stage's part) and their
 // pipeline stage split are shared where the families differ only in names
-// (GPT-2, LLaMA); OPT, BLOOM, BERT and ViT bring their own forwards.
+// (GPT-2, LLaMA); OPT, BLOOM, BERT, ViT and T5 bring their own forwards.
 //
 // Thread-safety: pure functions; the forwards they return capture a copy of
 // the TableFamily.
@@ -32,16 +32,22 @@ namespace colod::shardformer {
 struct TableFamily {
   std::string root_class;  // "GPT2LMHeadModel"
   // The base model's path under the root: "transformer" (checkpoint names
-  // of the table's leaves start with it), "model.decoder" (OPT).
+  // of the table's leaves start with it), "model.decoder" (OPT); empty: the
+  // root is the base model (T5: its table's paths are the root's).
   std::string base;
   std::string base_class;  // "GPT2Model", "OPTDecoder"
-  // The layer list under the base model ("h", "encoder.layer") and each
+  // The layer lists under the base model, the decoder-only LMs' first:
+  // "h", "encoder.layer", T5's "encoder.block" and "decoder.block"; each
   // layer's class and forward.
-  std::string layers;
-  std::string layer_class;  // "GPT2Block"
-  Module::ForwardFn layer_forward;
+  struct LayerList {
+    std::string path;
+    std::string class_name;  // "GPT2Block"
+    Module::ForwardFn forward;
+    bool decoder = false;  // config.num_decoder_layers layers (T5's decoder stack), else num_layers
+  };
+  std::vector<LayerList> layer_lists;
   // Every other container, by its path under the root, a layer's index
-  // written "*": "transformer.h.*.attn" (GPT2Attention), "model" (OPT's
+  // (the component after a layer list) written "*": "transformer.h.*.attn" (GPT2Attention), "model" (OPT's
   // OPTModel above its decoder), "bert.embeddings", "cls.predictions". A
   // leaf's containers are made on the way to it, in the table's order.
   struct Container {
@@ -64,6 +70,11 @@ struct TableFamily {
   // family with its own base model forward has no pipeline stages.
   std::function<Module::ForwardFn(bool sequence_parallel)> model_forward;
   Module::ForwardFn root_forward;
+  Module::CrossForwardFn root_cross_forward;  // a root of two inputs (T5's)
+  // Replacements set on each leaf's container's class, a layer's leaves
+  // included (T5's T5Attention and T5Dense*: its stacks' blocks share a
+  // class but not their sublayers), instead of on the layer's class.
+  bool anchor_at_container = false;
 };
 
 // The family's module tree from its layer table (PlanLeaves(config)), in

@@ -271,6 +271,25 @@ TEST(TableFamily, VitsPolicyIsShardFormersAndLeavesTheEmbeddingsAndClassifierWho
   EXPECT_EQ(policy.at("ViTLayer").attribute_replacement.at("attention.attention.num_attention_heads"), 4);
 }
 
+TEST(TableFamily, T5sPolicyIsShardFormersOnItsAttentionsAndFeedForwards) {
+  for (bool gated : {false, true}) {
+    const ModelConfig c = Config(std::string(R"({"model_type":"t5","vocab_size":512,"d_model":64,"d_kv":8,)") +
+                                 R"("d_ff":128,"num_layers":2,"num_decoder_layers":3,"num_heads":8,)" +
+                                 R"("tie_word_embeddings":false,"feed_forward_proj":)" +
+                                 (gated ? R"("gated-gelu"})" : R"("relu"})"));
+    const Replacements dense =
+        gated ? Replacements{{"T5DenseGatedActDense",
+                              {"wi_0->Linear1D_Col", "wi_1->Linear1D_Col", "wo->Linear1D_Row"}}}
+              : Replacements{{"T5DenseActDense", {"wi->Linear1D_Col", "wo->Linear1D_Row"}}};
+    Replacements want = {
+        {"T5ForConditionalGeneration", {"shared->VocabParallelEmbedding1D", "lm_head->VocabParallelLMHead1D"}},
+        {"T5Attention", {"q->Linear1D_Col", "k->Linear1D_Col", "v->Linear1D_Col", "o->Linear1D_Row"}}};
+    want.insert(dense.begin(), dense.end());
+    SCOPED_TRACE(gated ? "gated" : "relu");
+    ExpectPolicies("t5", c, {{"1d", Layout(v1::TENSOR_PARALLEL_MODE_1D, 2), want}}, "T5Attention", {{"n_heads", 8}});
+  }
+}
+
 // Every leaf of the built tree, depth first: "path prefix kind in out
 // [bias] [tied TABLE]".
 std::vector<std::string> Leaves(Module& root) {
@@ -365,6 +384,26 @@ TEST(TableFamily, BuildsTheCheckpointsLayersInOrder) {
   EXPECT_TRUE(patches->decl()->bias);
   const std::vector<std::string> vl = Leaves(**vm);
   EXPECT_EQ(vl.back(), "classifier classifier Linear 64 10 bias");
+  // T5's two stacks: the encoder's blocks of two sublayers, the decoder's of
+  // three, block 0's position bias after its o, no base model.
+  absl::StatusOr<ModelFamily> t5 = ModelRegistry::Global().Get("t5");
+  ASSERT_TRUE(t5.ok());
+  absl::StatusOr<std::unique_ptr<Module>> tm = t5->build(Config(
+      R"({"model_type":"t5","vocab_size":512,"d_model":64,"d_kv":8,"d_ff":128,"num_layers":1,"num_decoder_layers":1,)"
+      R"("num_heads":8})"));
+  ASSERT_TRUE(tm.ok()) << tm.status();
+  const std::vector<std::string> tl = Leaves(**tm);
+  ASSERT_EQ(tl.size(), 27u);  // shared; 8 + bias + norm; 13 + bias + norm; the tied head
+  EXPECT_EQ(tl[0], "shared shared Embedding 512 64");
+  EXPECT_EQ(tl[5], "encoder.block.0.layer.0.SelfAttention.relative_attention_bias "
+                   "encoder.block.0.layer.0.SelfAttention.relative_attention_bias Embedding 32 8");
+  EXPECT_EQ(tl[8], "encoder.block.0.layer.1.DenseReluDense.wo encoder.block.0.layer.1.DenseReluDense.wo Linear 128 64");
+  EXPECT_EQ(tl[10], "encoder.final_layer_norm encoder.final_layer_norm RMSNorm 0 64");
+  EXPECT_EQ(tl[17], "decoder.block.0.layer.1.EncDecAttention.q decoder.block.0.layer.1.EncDecAttention.q Linear 64 64");
+  EXPECT_EQ(tl.back(), "lm_head lm_head Linear 64 512 tied shared");
+  EXPECT_EQ((*tm)->Find("decoder.block.0.layer.2")->cls(), "T5LayerFF");
+  EXPECT_EQ((*tm)->Find("decoder.block.0.layer.0.SelfAttention")->IntAttr("relative_attention_num_buckets").value_or(0),
+            32);
   EXPECT_EQ((*o)->Find("model.decoder")->IntAttr("position_offset").value_or(-1), 2);
   Module* attn = (*m)->Find("transformer.h.1.attn");
   ASSERT_NE(attn, nullptr);

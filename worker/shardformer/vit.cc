@@ -94,9 +94,7 @@ const TableFamily& Vit() {
     d->base = "vit";
     d->base_class = "ViTModel";
     d->model_forward = [](bool) -> Module::ForwardFn { return ModelForward; };
-    d->layers = "encoder.layer";
-    d->layer_class = "ViTLayer";
-    d->layer_forward = LayerForward;
+    d->layer_lists = {{"encoder.layer", "ViTLayer", LayerForward}};
     const std::string l = "vit.encoder.layer.*";
     d->containers = {
         {"vit.embeddings", "ViTEmbeddings", EmbeddingsForward},
