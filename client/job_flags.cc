@@ -61,6 +61,10 @@ ABSL_FLAG(bool, allow_tf32, false,
           "train: on CUDA devices, f32 GEMMs may round their operands to TF32 and run on tensor cores (CPUs "
           "compute in f32 either way).");
 ABSL_FLAG(double, bucket_mb, 25, "train: MiB of gradients per dp all-reduce bucket.");
+ABSL_FLAG(int32_t, zero, 0,
+          "train: ZeRO over the dp replicas: 0 (none), 1 (each replica keeps and updates 1/dp of the optimizer "
+          "state; the updated weights are all-gathered) or 2 (and keeps 1/dp of the reduced gradients). Losses "
+          "are the plain run's; checkpoints resume at any --dp and --zero.");
 ABSL_FLAG(std::string, save, "", "train: write a training checkpoint here every --save-every steps and at the end.");
 ABSL_FLAG(int64_t, save_every, 0, "train: steps between checkpoints (with --save).");
 ABSL_FLAG(std::string, resume, "", "train: continue from the newest complete checkpoint in this directory.");
@@ -206,6 +210,9 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
     return absl::InvalidArgumentError("--bucket-mb must be positive (and at most 1 TiB)");
   }
   t.set_bucket_bytes(static_cast<int64_t>(bucket_mb * (1 << 20)));
+  const int32_t zero = absl::GetFlag(FLAGS_zero);
+  if (zero < 0 || zero > 2) return absl::InvalidArgumentError(absl::StrCat("--zero: ", zero, " is not one of 0, 1, 2"));
+  t.set_zero_stage(zero);
   const std::string precision = absl::GetFlag(FLAGS_precision);
   if (precision == "auto") {
     t.set_precision(v1::PRECISION_UNSPECIFIED);

@@ -132,6 +132,12 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s.mutable_train()->set_checkpoint_every(5);
   ExpectInvalid(s, "spec.train.checkpoint_dir");
 
+  for (int zero : {-1, 3}) {
+    s = TrainSpec();
+    s.mutable_train()->set_zero_stage(zero);
+    ExpectInvalid(s, "spec.train.zero_stage");
+  }
+
   s = TrainSpec();
   s.mutable_train()->clear_data_path();
   ExpectInvalid(s, "spec.train.data_path");

@@ -560,6 +560,10 @@ struct StageContext {
   std::vector<PlanLeaf> leaves;   // this stage's
   std::vector<int64_t> stages;    // the layers of each stage
   bool tied_stages = false;       // the first and last stages share a tied table
+  // ZeRO over dp (TRAIN, dp > 1): its stage, and the elements per rank it
+  // keeps whole (a table tied across stages: summed between them).
+  int zero = 0;
+  int64_t zero_whole = 0;
   int64_t width = 4, act = 4;     // bytes of a parameter and of an activation
   int64_t tokens = 0;             // of one micro-batch on a rank
   int64_t b = 0;                  // one micro-batch's sequences on a rank
@@ -601,9 +605,13 @@ absl::Status PlanModelMemory(const StageContext& c, JobPlan& plan) {
   const int64_t state = 4 + (adam ? 4 : 0) + (c.width == 2 ? 4 : 0);  // momentum, second moment, f32 master copy
   CheckedSum params, grads, optimizer;
   params.Add({plan.rank_parameters, c.width});
+  // ZeRO: each dp rank keeps the state (stage 2: and the reduced gradients)
+  // of 1/dp of what it partitions; what stays whole, all of it.
+  const int64_t partitioned = plan.rank_parameters - c.zero_whole;
+  const int64_t share = c.zero > 0 ? CeilDiv(partitioned, c.dp) + c.zero_whole : plan.rank_parameters;
   if (c.train) {
-    grads.Add({plan.rank_parameters, c.width});
-    optimizer.Add({plan.rank_parameters, state});
+    grads.Add({c.zero == 2 ? share : plan.rank_parameters, c.width});
+    optimizer.Add({share, state});
   }
   ASSIGN_OR_RETURN(plan.param_bytes, params.Total("the parameter bytes per rank"));
   ASSIGN_OR_RETURN(plan.grad_bytes, grads.Total("the gradient bytes per rank"));
@@ -817,12 +825,27 @@ void PlanCommDataParallel(const StageContext& c, const JobPlan& plan, CommSum& c
   const int dp = c.dp;
   const int64_t micro = c.micro;
   comm.Add("dp", "all_reduce", {micro}, {2}, 4, dp);  // the loss's sum and tokens
-  if (c.train) {
+  if (!c.train) return;
+  const int64_t bucket = c.spec.train().bucket_bytes() > 0 ? c.spec.train().bucket_bytes() : int64_t{25} << 20;
+  auto buckets_of = [&](int64_t elements) { return std::max<int64_t>(1, CeilDiv(elements * c.width, bucket)); };
+  if (c.zero == 0) {
     // The gradients, every rank's whole share, in buckets.
-    const int64_t bucket = c.spec.train().bucket_bytes() > 0 ? c.spec.train().bucket_bytes() : int64_t{25} << 20;
-    const int64_t buckets = std::max<int64_t>(1, CeilDiv(plan.grad_bytes, bucket));
+    const int64_t buckets = buckets_of(plan.rank_parameters);
     comm.Add("dp", "all_reduce", {buckets}, {CeilDiv(plan.rank_parameters, buckets)}, c.width, dp);
+    return;
   }
+  // ZeRO (worker/train/data_parallel.h): what stays whole is all-reduced;
+  // the rest reduce-scattered in buckets (stage 2: every micro-batch), the
+  // updated weights all-gathered, and the gradient norm summed over dp.
+  if (c.zero_whole > 0) {
+    const int64_t buckets = buckets_of(c.zero_whole);
+    comm.Add("dp", "all_reduce", {buckets}, {CeilDiv(c.zero_whole, buckets)}, c.width, dp);
+  }
+  const int64_t partitioned = plan.rank_parameters - c.zero_whole;
+  const int64_t buckets = buckets_of(partitioned);
+  comm.Add("dp", "reduce_scatter", {buckets, c.zero == 2 ? micro : 1}, {CeilDiv(partitioned, buckets)}, c.width, dp);
+  comm.Add("dp", "all_gather", {buckets}, {CeilDiv(partitioned, buckets * dp)}, c.width, dp);
+  comm.Add("dp", "all_reduce", {1}, {1}, 4, dp);
 }
 
 // 2D and 2.5D's collectives (SUMMA over tp_row and tp_col, replicas over tp_dep).
@@ -1047,6 +1070,14 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
     c.leaves = StageLeaves(config, c.leaves, c.stages, static_cast<size_t>(stage));
   }
   c.tied_stages = stage >= 0 && tied_head && (stage == 0 || stage == c.pp - 1);
+  c.zero = c.train && c.dp > 1 ? spec.train().zero_stage() : 0;
+  if (c.zero > 0 && c.tied_stages) {
+    for (const PlanLeaf& l : c.leaves) {
+      if (l.role != Role::kVocabTable) continue;
+      ASSIGN_OR_RETURN(int64_t n, RankElements(l, c.split));
+      c.zero_whole += n;
+    }
+  }
   c.width = ParamWidth(spec);
   c.act = c.width;  // activations are held in the parameters' dtype
   RETURN_IF_ERROR(PlanModelMemory(c, plan));

@@ -3,10 +3,13 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
@@ -96,9 +99,9 @@ absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer&
   RETURN_IF_ERROR(pg->Barrier());
   RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(model, tmp));
   std::vector<std::pair<std::string, Tensor>> state;
-  for (auto& [name, t] : optimizer.State()) {
-    ASSIGN_OR_RETURN(Tensor host, t.To(Device::Cpu()));
-    state.emplace_back(name, host.Contiguous());
+  for (const Optimizer::StateTensor& t : optimizer.State()) {
+    ASSIGN_OR_RETURN(Tensor host, t.value.To(Device::Cpu()));
+    state.emplace_back(t.name, host.Contiguous());
   }
   RETURN_IF_ERROR(shardformer::WriteSafetensors(absl::StrCat(tmp, "/", OptimFile(rank, world)), state));
   RETURN_IF_ERROR(pg->Barrier());
@@ -148,14 +151,63 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
   return r;
 }
 
+namespace {
+
+// The optimizer files of the ranks that held this rank's tensor-parallel
+// and pipeline shards when the checkpoint was written at `saved` (this
+// run's layout with another data_parallel_size): the ranks whose mesh
+// coordinates other than dp are this rank's.
+absl::StatusOr<std::vector<std::string>> PeerOptimFiles(const v1::ShardConfig& saved, ProcessGroup* pg) {
+  ASSIGN_OR_RETURN(const DeviceMesh old, DeviceMesh::FromShardConfig(saved));
+  ASSIGN_OR_RETURN(const std::vector<int> dp_axes, pg->mesh().AxisIndices("dp"));
+  const std::vector<int> mine = pg->mesh().Coordinates(pg->rank());
+  std::vector<std::string> files;
+  for (int r = 0; r < old.world_size(); ++r) {
+    const std::vector<int> theirs = old.Coordinates(r);
+    bool same = theirs.size() == mine.size();
+    for (size_t a = 0; same && a < mine.size(); ++a) {
+      same = std::find(dp_axes.begin(), dp_axes.end(), static_cast<int>(a)) != dp_axes.end() || theirs[a] == mine[a];
+    }
+    if (same) files.push_back(OptimFile(r, old.world_size()));
+  }
+  return files;
+}
+
+// The offset within its parameter of the saved state tensor `name` if it
+// is a piece of `prefix` ("<param>.<state>": offset 0, or
+// "<param>.<state>@<offset>").
+std::optional<int64_t> PieceOffset(const std::string& name, const std::string& prefix) {
+  if (name == prefix) return 0;
+  if (!absl::StartsWith(name, prefix + "@")) return std::nullopt;
+  int64_t offset = 0;
+  if (!absl::SimpleAtoi(name.substr(prefix.size() + 1), &offset) || offset < 0) return std::nullopt;
+  return offset;
+}
+
+}  // namespace
+
 absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint, shardformer::ShardedModel& model,
                                                   Optimizer& optimizer) {
   ProcessGroup* pg = model.process_group();
   ASSIGN_OR_RETURN(Json state, ReadJson(checkpoint + "/" + kState));
-  if (state["layout"] != LayoutJson(model.shard_config().layout)) {
+  const std::string where = absl::StrCat(checkpoint, "/", kState);
+  // Any data_parallel_size resumes (ZeRO's partitions are resharded below);
+  // the rest of the layout must be the one written.
+  const v1::ShardConfig& layout = model.shard_config().layout;
+  Json saved = state.contains("layout") && state["layout"].is_object() ? state["layout"] : Json::object();
+  Json now = LayoutJson(layout);
+  if (!saved.contains("data_parallel_size") || !saved["data_parallel_size"].is_number_integer() ||
+      saved["data_parallel_size"].get<int64_t>() < 1 || saved["data_parallel_size"].get<int64_t>() > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": layout.data_parallel_size is not a valid size"));
+  }
+  v1::ShardConfig saved_layout = layout;
+  saved_layout.set_data_parallel_size(saved["data_parallel_size"].get<int32_t>());
+  saved.erase("data_parallel_size");
+  now.erase("data_parallel_size");
+  if (saved != now) {
     return absl::FailedPreconditionError(absl::StrCat(
-        checkpoint, " was written at layout ", state["layout"].dump(), "; resume at that layout, or consolidate it ",
-        "(coloctl consolidate) and train from the consolidated model"));
+        checkpoint, " was written at layout ", state["layout"].dump(), "; resume at that layout (at any ",
+        "data_parallel_size), or consolidate it (coloctl consolidate) and train from the consolidated model"));
   }
   ASSIGN_OR_RETURN(const shardformer::CheckpointIndex index, shardformer::ReadCheckpointIndex(checkpoint));
   std::map<std::string, std::unique_ptr<shardformer::SafetensorsFile>> files;
@@ -174,22 +226,53 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
       return absl::InvalidArgumentError(absl::StrCat(checkpoint, " has no parameter ", p.name));
     }
     ASSIGN_OR_RETURN(Block mine, LocalBlock(param.spec(), param.global_shape(), pg));
-    std::string where;
+    std::string from;
     for (const shardformer::CheckpointBlock& b : entry->second.blocks) {
-      if (b.starts == mine.starts && b.lengths == mine.lengths) where = b.file;
+      if (b.starts == mine.starts && b.lengths == mine.lengths) from = b.file;
     }
-    if (where.empty()) return absl::InvalidArgumentError(absl::StrCat(checkpoint, " lacks this rank's ", p.name));
-    ASSIGN_OR_RETURN(shardformer::SafetensorsFile * f, file(where));
+    if (from.empty()) return absl::InvalidArgumentError(absl::StrCat(checkpoint, " lacks this rank's ", p.name));
+    ASSIGN_OR_RETURN(shardformer::SafetensorsFile * f, file(from));
     ASSIGN_OR_RETURN(Tensor value, f->Read(p.name));
     Tensor local = param.local();
     RETURN_IF_ERROR(local.CopyFrom(value));
   }
-  ASSIGN_OR_RETURN(shardformer::SafetensorsFile * optim, file(OptimFile(pg->rank(), pg->mesh().world_size())));
-  for (auto& [name, t] : optimizer.State()) {
-    ASSIGN_OR_RETURN(Tensor value, optim->Read(name));
-    RETURN_IF_ERROR(t.CopyFrom(value));
+  // Each state tensor of this rank's slices is put together from the pieces
+  // the ranks holding the same shards wrote (whole, or ZeRO's partitions at
+  // any dp size).
+  ASSIGN_OR_RETURN(const std::vector<std::string> peers, PeerOptimFiles(saved_layout, pg));
+  for (const Optimizer::StateTensor& t : optimizer.State()) {
+    const std::string prefix = absl::StrCat(t.param->name, ".", t.state);
+    const int64_t begin = t.offset, end = t.offset + t.value.numel();
+    ASSIGN_OR_RETURN(Tensor target, t.value.Reshape({t.value.numel()}));
+    std::vector<std::pair<int64_t, int64_t>> covered;
+    for (const std::string& peer : peers) {
+      ASSIGN_OR_RETURN(shardformer::SafetensorsFile * f, file(peer));
+      for (const auto& [name, info] : f->tensors()) {
+        const std::optional<int64_t> at = PieceOffset(name, prefix);
+        if (!at.has_value()) continue;
+        int64_t length = 1;
+        for (int64_t d : info.shape) length *= d;  // bounded by the file's size (validated on open)
+        if (*at > std::numeric_limits<int64_t>::max() - length) {
+          return absl::InvalidArgumentError(absl::StrCat(peer, ": ", name, " overflows its parameter"));
+        }
+        const int64_t lo = std::max(begin, *at), hi = std::min(end, *at + length);
+        if (lo >= hi) continue;
+        ASSIGN_OR_RETURN(Tensor piece, f->Read(name));
+        ASSIGN_OR_RETURN(Tensor flat, piece.Reshape({piece.numel()}));
+        ASSIGN_OR_RETURN(Tensor part, flat.Narrow(0, lo - *at, hi - lo));
+        ASSIGN_OR_RETURN(Tensor into, target.Narrow(0, lo - begin, hi - lo));
+        RETURN_IF_ERROR(into.CopyFrom(part));
+        covered.emplace_back(lo, hi);
+      }
+    }
+    std::sort(covered.begin(), covered.end());
+    int64_t reached = begin;
+    for (const auto& [lo, hi] : covered) reached = lo <= reached ? std::max(reached, hi) : reached;
+    if (reached < end) {
+      return absl::InvalidArgumentError(absl::StrCat(checkpoint, " lacks this rank's ", prefix, " from element ",
+                                                     reached, " (of [", begin, ", ", end, "))"));
+    }
   }
-  const std::string where = absl::StrCat(checkpoint, "/", kState);
   ASSIGN_OR_RETURN(const int64_t optimizer_steps, IntField(state, "optimizer_steps", where));
   optimizer.set_steps(optimizer_steps);
   return ReadTrainState(checkpoint);

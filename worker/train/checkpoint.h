@@ -2,14 +2,19 @@
 //
 // DIR/step-000005/ holds the model as a sharded checkpoint
 // (worker/shardformer/checkpoint.h), each rank's optimizer state
-// (optim-rank-NNNNN-of-MMMMM.safetensors: "<param>.exp_avg", ...) and
+// (optim-rank-NNNNN-of-MMMMM.safetensors: "<param>.exp_avg", ..., or under
+// ZeRO the parts of parameters the rank updates, "<param>.exp_avg@<offset>",
+// 1-D runs of the flattened local shard: Optimizer::State) and
 // train_state.json (the step, the optimizer's step count, the sampler's
 // seed, the layout). Ranks write into step-000005.tmp; after a barrier rank 0
 // writes train_state.json and renames the directory into place, so a crash
 // mid-write leaves step-000005.tmp behind and the previous checkpoint whole.
 // Resuming picks the newest checkpoint whose files all open and validate
 // (a truncated file is detected by the safetensors header checks) and needs
-// the layout it was written with (consolidate it to change layouts).
+// the layout it was written with but for data_parallel_size: each rank puts
+// its optimizer state together from the pieces the ranks with its tp and pp
+// coordinates wrote, so a run resumes at another dp size and with or
+// without ZeRO (consolidate the checkpoint to change the rest).
 //
 // Thread-safety: free functions; SaveTrainingCheckpoint and
 // RestoreTrainingCheckpoint are collective.
@@ -44,7 +49,8 @@ struct Resumed {
 absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint);
 // Loads the parameters and optimizer state of `checkpoint` (a step
 // directory) into this rank's model and optimizer. FAILED_PRECONDITION when
-// it was written at another layout.
+// it was written at another layout (data_parallel_size aside),
+// INVALID_ARGUMENT when a piece this rank needs is missing.
 absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint, shardformer::ShardedModel& model,
                                                   Optimizer& optimizer);
 

@@ -58,6 +58,7 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
       return absl::InvalidArgumentError(absl::StrCat("spec.train.precision: unknown value ", t.precision()));
   }
   if (t.bucket_bytes() > 0) o.bucket_bytes = t.bucket_bytes();
+  o.zero_stage = t.zero_stage();
   o.final_dir = t.final_dir();
   o.save_dir = t.checkpoint_dir();
   o.save_every = t.checkpoint_every();
@@ -98,6 +99,7 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
                   : o.shard.param_dtype == DType::kF16 ? v1::PRECISION_FP16_MIXED
                                                        : v1::PRECISION_FP32);
   t.set_bucket_bytes(o.bucket_bytes);
+  t.set_zero_stage(o.zero_stage);
   t.set_allow_tf32(o.allow_tf32);
   t.set_final_dir(o.final_dir);
   t.set_checkpoint_dir(o.save_dir);

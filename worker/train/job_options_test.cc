@@ -47,6 +47,7 @@ TEST(JobOptions, TheFieldsSurviveTheRoundTrip) {
   o.clip_norm = 0.5;
   o.seed = 9;
   o.bucket_bytes = 1 << 20;
+  o.zero_stage = 2;
   o.allow_tf32 = true;
   o.shard.param_dtype = DType::kF32;
   o.shard.layout.set_tensor_parallel_size(2);
@@ -68,6 +69,7 @@ TEST(JobOptions, TheFieldsSurviveTheRoundTrip) {
   EXPECT_EQ(back->clip_norm, o.clip_norm);
   EXPECT_EQ(back->seed, o.seed);
   EXPECT_EQ(back->bucket_bytes, o.bucket_bytes);
+  EXPECT_EQ(back->zero_stage, 2);
   EXPECT_EQ(back->shard.tp(), 2);
   o.allow_tf32 = false;
   EXPECT_FALSE(TrainOptionsFromSpec(SpecFromTrainOptions(o), "/m", true)->allow_tf32);

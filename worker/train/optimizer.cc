@@ -18,58 +18,107 @@ absl::StatusOr<OptimizerOptions::Kind> ParseOptimizer(const std::string& name) {
   return absl::InvalidArgumentError(absl::StrCat("optimizer '", name, "' is not one of adamw, sgd"));
 }
 
+Partition Partition::Whole(const std::vector<NamedParam>& params) {
+  Partition p;
+  for (size_t i = 0; i < params.size(); ++i) {
+    p.slices.push_back(ParamSlice{static_cast<int>(i), 0, params[i].bound.param.local().numel(), std::nullopt});
+  }
+  return p;
+}
+
 absl::StatusOr<Optimizer> Optimizer::Create(std::vector<NamedParam> params, OptimizerOptions options) {
-  Optimizer o(std::move(params), options);
+  Partition whole = Partition::Whole(params);
+  return Create(std::move(params), options, std::move(whole));
+}
+
+absl::StatusOr<Optimizer> Optimizer::Create(std::vector<NamedParam> params, OptimizerOptions options,
+                                            Partition partition) {
+  Optimizer o(std::move(params), options, std::move(partition));
   for (const NamedParam& p : o.params_) {
     const Tensor& t = p.bound.param.local();
     if (t.dtype() != DType::kF32 && t.dtype() != DType::kBF16 && t.dtype() != DType::kF16) {
       return absl::InvalidArgumentError(absl::StrCat(p.name, " is ", DTypeName(t.dtype()), ", not a float"));
     }
+  }
+  for (size_t i = 0; i < o.partition_.slices.size(); ++i) {
+    const ParamSlice& s = o.partition_.slices[i];
+    if (s.param < 0 || s.param >= static_cast<int>(o.params_.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("slice ", i, " names parameter ", s.param));
+    }
+    const Tensor& t = o.params_[s.param].bound.param.local();
+    if (s.offset < 0 || s.length < 1 || s.offset > t.numel() - s.length) {
+      return absl::InvalidArgumentError(absl::StrCat("slice [", s.offset, ", +", s.length, ") of ",
+                                                     o.params_[s.param].name, " is outside its ", t.numel(),
+                                                     " elements"));
+    }
+    ASSIGN_OR_RETURN(Tensor held, o.SliceOf(i, t));
     Tensor master;
     if (t.dtype() != DType::kF32) {
-      ASSIGN_OR_RETURN(master, t.ToDType(DType::kF32));
+      ASSIGN_OR_RETURN(master, held.ToDType(DType::kF32));
       master = master.Contiguous().Clone();
     }
     o.master_.push_back(master);
-    ASSIGN_OR_RETURN(Tensor m, Tensor::Zeros(t.shape(), DType::kF32, t.device()));
+    ASSIGN_OR_RETURN(Tensor m, Tensor::Zeros(held.shape(), DType::kF32, t.device()));
     o.m_.push_back(m);
     if (options.kind == OptimizerOptions::Kind::kAdamW) {
-      ASSIGN_OR_RETURN(Tensor v, Tensor::Zeros(t.shape(), DType::kF32, t.device()));
+      ASSIGN_OR_RETURN(Tensor v, Tensor::Zeros(held.shape(), DType::kF32, t.device()));
       o.v_.push_back(v);
     }
   }
   return o;
 }
 
+bool Optimizer::Whole(size_t i) const {
+  const ParamSlice& s = partition_.slices[i];
+  return s.offset == 0 && s.length == params_[s.param].bound.param.local().numel();
+}
+
+absl::StatusOr<Tensor> Optimizer::SliceOf(size_t i, const Tensor& t) const {
+  const ParamSlice& s = partition_.slices[i];
+  const Tensor& local = params_[s.param].bound.param.local();
+  if (Whole(i)) return t.numel() == local.numel() && t.shape() != local.shape() ? t.Reshape(local.shape()) : t;
+  if (t.numel() == s.length) return t.Reshape({s.length});
+  ASSIGN_OR_RETURN(Tensor flat, t.Reshape({t.numel()}));
+  return flat.Narrow(0, s.offset, s.length);
+}
+
+absl::StatusOr<Tensor> Optimizer::SliceGrad(size_t i) const {
+  const ParamSlice& s = partition_.slices[i];
+  if (s.grad.has_value()) return SliceOf(i, *s.grad);
+  std::optional<Tensor> grad = params_[s.param].bound.param.variable().grad();
+  if (!grad.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(params_[s.param].name, " has no gradient"));
+  }
+  return SliceOf(i, grad->Contiguous());
+}
+
 absl::Status Optimizer::Step(double lr, double grad_scale) {
   ++steps_;
   std::vector<ops::AdamWParam> adam;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const NamedParam& p = params_[i];
-    Tensor held = p.bound.param.local();
-    const bool mixed = held.dtype() != DType::kF32;
+  for (size_t i = 0; i < partition_.slices.size(); ++i) {
+    ASSIGN_OR_RETURN(Tensor held, SliceOf(i, params_[partition_.slices[i].param].bound.param.local()));
+    const bool mixed = Mixed(i);
     Tensor param = mixed ? master_[i] : held;  // the f32 weights the update runs on
-    std::optional<Tensor> grad = p.bound.param.variable().grad();
-    if (!grad.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
+    ASSIGN_OR_RETURN(Tensor grad, SliceGrad(i));
     if (options_.kind == OptimizerOptions::Kind::kAdamW) {
-      // One fused step over every parameter below: the gradient is read in
-      // its own dtype and the held bf16/f16 copy written by the kernel.
+      // One fused step over every slice below: the gradient is read in its
+      // own dtype and the held bf16/f16 copy written by the kernel.
       ops::AdamWParam a;
       a.master = param;
       if (mixed) a.held = held;
-      a.grad = grad->Contiguous();
+      a.grad = grad;
       a.m = m_[i];
       a.v = v_[i];
       adam.push_back(std::move(a));
       continue;
     }
     if (mixed) {
-      ASSIGN_OR_RETURN(grad, grad->ToDType(DType::kF32));
+      ASSIGN_OR_RETURN(grad, grad.ToDType(DType::kF32));
     }
     if (grad_scale != 1.0) {
-      ASSIGN_OR_RETURN(grad, Scale(*grad, static_cast<float>(grad_scale)));
+      ASSIGN_OR_RETURN(grad, Scale(grad, static_cast<float>(grad_scale)));
     }
-    RETURN_IF_ERROR(SgdStep(param, *grad, m_[i], lr));
+    RETURN_IF_ERROR(SgdStep(param, grad, m_[i], lr));
     if (mixed) {
       ASSIGN_OR_RETURN(Tensor rounded, param.ToDType(held.dtype()));
       RETURN_IF_ERROR(held.CopyFrom(rounded));
@@ -112,13 +161,20 @@ void Optimizer::ZeroGrad() {
   }
 }
 
-std::vector<std::pair<std::string, Tensor>> Optimizer::State() {
-  std::vector<std::pair<std::string, Tensor>> out;
+std::vector<Optimizer::StateTensor> Optimizer::State() {
+  std::vector<StateTensor> out;
   const bool adam = options_.kind == OptimizerOptions::Kind::kAdamW;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    out.emplace_back(params_[i].name + (adam ? ".exp_avg" : ".momentum_buffer"), m_[i]);
-    if (adam) out.emplace_back(params_[i].name + ".exp_avg_sq", v_[i]);
-    if (Mixed(i)) out.emplace_back(params_[i].name + ".master", master_[i]);
+  for (size_t i = 0; i < partition_.slices.size(); ++i) {
+    const ParamSlice& s = partition_.slices[i];
+    const NamedParam* p = &params_[s.param];
+    auto add = [&](const char* state, const Tensor& t) {
+      std::string name = absl::StrCat(p->name, ".", state);
+      if (!Whole(i)) absl::StrAppend(&name, "@", s.offset);
+      out.push_back(StateTensor{std::move(name), p, state, s.offset, t});
+    };
+    add(adam ? "exp_avg" : "momentum_buffer", m_[i]);
+    if (adam) add("exp_avg_sq", v_[i]);
+    if (Mixed(i)) add("master", master_[i]);
   }
   return out;
 }
@@ -131,23 +187,33 @@ int64_t Optimizer::state_bytes() const {
   return n;
 }
 
-absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, ProcessGroup* pg) {
+namespace {
+
+// The sum of squares of `grads`, each of parameter `params[k]`, that this
+// rank counts (see the file comment), summed over tp and pp, and over dp
+// when `over_dp` (ZeRO: the dp ranks hold disjoint slices; a parameter kept
+// whole on every dp rank, `whole[k]`, is then counted on dp rank 0).
+absl::StatusOr<double> NormOf(const std::vector<const NamedParam*>& params, const std::vector<Tensor>& grads,
+                              const std::vector<bool>& whole, bool over_dp, ProcessGroup* pg) {
   const DeviceMesh& mesh = pg->mesh();
   const std::vector<int> coords = mesh.Coordinates(pg->rank());
   ASSIGN_OR_RETURN(std::vector<int> dp_axes, mesh.AxisIndices("dp"));
   // Summed where the gradients are (the parameters' device), all-reduced
   // there, and read on the host once.
-  const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
+  const Device device = params.empty() ? Device::Cpu() : params[0]->bound.param.local().device();
   ASSIGN_OR_RETURN(Tensor total, Tensor::Zeros({1}, DType::kF32, device));
   std::vector<Tensor> counted;  // the gradients this rank counts
   // Pipeline stages hold different parameters: each counts its own.
   std::vector<int> pp_axes;
   if (auto pp = mesh.AxisIndices("pp"); pp.ok()) pp_axes = *pp;
-  for (const NamedParam& p : params) {
+  for (size_t k = 0; k < params.size(); ++k) {
+    const NamedParam& p = *params[k];
     if (p.mirror) continue;  // the first stage counts the table the last stage mirrors
     const ColoParameter& param = p.bound.param;
-    std::set<int> split(dp_axes.begin(), dp_axes.end());  // dp replicas are equal: not counted again
-    split.insert(pp_axes.begin(), pp_axes.end());
+    std::set<int> split(pp_axes.begin(), pp_axes.end());
+    // dp replicas are equal: each counts (the sum is not over dp), or, over
+    // dp, each its own slice, or rank 0 a whole parameter.
+    if (!over_dp || !whole[k]) split.insert(dp_axes.begin(), dp_axes.end());
     for (const auto& [axis, placement] : param.spec().placements()) {
       if (placement.kind != Placement::Kind::kShard) continue;
       ASSIGN_OR_RETURN(std::vector<int> indices, mesh.AxisIndices(axis));
@@ -155,27 +221,53 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
     }
     bool counts = true;
     for (size_t i = 0; i < coords.size(); ++i) counts = counts && (split.count(static_cast<int>(i)) || coords[i] == 0);
-    if (!counts) continue;
-    std::optional<Tensor> g = param.variable().grad();
-    if (!g.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
-    counted.push_back(*g);
+    if (counts) counted.push_back(grads[k]);
   }
   RETURN_IF_ERROR(AddSumOfSquares(counted, total));  // one reduction over them all
-  ASSIGN_OR_RETURN(int tp, pg->AxisSize("tp"));
-  Communicator* comm = nullptr;
-  if (tp > 1) {
-    ASSIGN_OR_RETURN(comm, pg->Comm("tp"));
+  std::vector<Communicator*> comms;
+  for (const char* axis : {"tp", "pp", "dp"}) {
+    if (std::string(axis) == "dp" && !over_dp) continue;
+    absl::StatusOr<int> size = pg->AxisSize(axis);
+    if (!size.ok() || *size < 2) continue;
+    ASSIGN_OR_RETURN(Communicator * comm, pg->Comm(axis));
     RETURN_IF_ERROR(comm->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg->timeout()));
-  }
-  Communicator* stages = nullptr;
-  if (!pp_axes.empty()) {
-    ASSIGN_OR_RETURN(stages, pg->Comm("pp"));
-    RETURN_IF_ERROR(stages->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg->timeout()));
+    comms.push_back(comm);
   }
   const float squares = total.ToFloats()[0];  // the step's one read of the norm
-  if (comm != nullptr) RETURN_IF_ERROR(comm->AsyncError());  // the all-reduces above may have failed
-  if (stages != nullptr) RETURN_IF_ERROR(stages->AsyncError());
+  for (Communicator* comm : comms) RETURN_IF_ERROR(comm->AsyncError());  // the all-reduces above may have failed
   return std::sqrt(static_cast<double>(squares));
+}
+
+}  // namespace
+
+absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, ProcessGroup* pg) {
+  std::vector<const NamedParam*> of;
+  std::vector<Tensor> grads;
+  for (const NamedParam& p : params) {
+    if (p.mirror) continue;
+    std::optional<Tensor> g = p.bound.param.variable().grad();
+    if (!g.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
+    of.push_back(&p);
+    grads.push_back(*g);
+  }
+  return NormOf(of, grads, std::vector<bool>(of.size(), true), /*over_dp=*/false, pg);
+}
+
+absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* pg) {
+  std::vector<const NamedParam*> of;
+  std::vector<Tensor> grads;
+  std::vector<bool> whole;
+  const Partition& partition = optimizer.partition();
+  for (size_t i = 0; i < partition.slices.size(); ++i) {
+    const ParamSlice& s = partition.slices[i];
+    const NamedParam& p = optimizer.params()[s.param];
+    if (p.mirror) continue;
+    ASSIGN_OR_RETURN(Tensor g, optimizer.SliceGrad(i));
+    of.push_back(&p);
+    grads.push_back(g);
+    whole.push_back(!s.grad.has_value());  // kept whole on every dp rank, reading its own gradient
+  }
+  return NormOf(of, grads, whole, partition.over_dp, pg);
 }
 
 double ClipFactor(double norm, double max_norm) {

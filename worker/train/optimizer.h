@@ -8,12 +8,18 @@
 // that hold it, a parameter replicated over some tp axes on the rank at
 // coordinate 0 of those axes; the squares are then summed over the tp group.
 // Gradients are identical across dp replicas when it runs (after the dp
-// reduction), so dp is not summed over.
+// reduction), so dp is not summed over, except under ZeRO, where each dp rank
+// updates (and counts) its own partition of the gradients.
+//
+// ZeRO (stages 1 and 2): an optimizer may update only part of a parameter,
+// a ParamSlice of its flattened local shard, with the state of that part
+// only (GradSync says which parts, data_parallel.h).
 //
 // Thread-safety: an optimizer belongs to one rank thread.
 #ifndef COLOD_WORKER_TRAIN_OPTIMIZER_H_
 #define COLOD_WORKER_TRAIN_OPTIMIZER_H_
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,12 +39,35 @@ struct OptimizerOptions {
 // "adamw" or "sgd".
 absl::StatusOr<OptimizerOptions::Kind> ParseOptimizer(const std::string& name);
 
+// The part of parameter `param` (an index into the optimizer's parameters)
+// one rank updates: elements [offset, offset + length) of its flattened
+// local shard. `grad`, if set, is those elements' gradient kept apart from
+// the parameter (ZeRO: the dp-reduced partition GradSync holds, 1-D of
+// `length`); else the parameter's own gradient is read.
+struct ParamSlice {
+  int param = 0;
+  int64_t offset = 0, length = 0;
+  std::optional<Tensor> grad;
+};
+// What one rank's optimizer updates. `over_dp`: the slices partition the
+// parameters over the dp group (ZeRO), so the gradient norm sums over dp,
+// and a parameter kept whole on every dp rank is counted on dp rank 0 only.
+struct Partition {
+  std::vector<ParamSlice> slices;
+  bool over_dp = false;
+  // Every parameter whole, reading its own gradient (no ZeRO).
+  static Partition Whole(const std::vector<shardformer::NamedParam>& params);
+};
+
 class Optimizer {
  public:
   // Parameters held in bf16 or f16 (mixed precision) get f32 master
   // weights: the update runs on them in f32 with f32 state, and the
-  // parameters are then rounded from them.
+  // parameters are then rounded from them. The state covers `partition`'s
+  // slices only (default: every parameter whole).
   static absl::StatusOr<Optimizer> Create(std::vector<shardformer::NamedParam> params, OptimizerOptions options);
+  static absl::StatusOr<Optimizer> Create(std::vector<shardformer::NamedParam> params, OptimizerOptions options,
+                                          Partition partition);
   // One update with learning rate `lr` from the current gradients times
   // `grad_scale` (ClipFactor's; the gradients themselves are left as they
   // are), FAILED_PRECONDITION naming a parameter without one. AdamW is
@@ -49,23 +78,43 @@ class Optimizer {
   int64_t steps() const { return steps_; }
   void set_steps(int64_t steps) { steps_ = steps; }
 
-  // The state tensors (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer;
-  // "master" with mixed precision) of each parameter, named
-  // "<param>.<state>", for checkpoints.
-  std::vector<std::pair<std::string, Tensor>> State();
+  // One state tensor (AdamW: exp_avg, exp_avg_sq; SGD: momentum_buffer;
+  // "master" with mixed precision) of one slice, for checkpoints: named
+  // "<param>.<state>" in the parameter's shape for a whole parameter, else
+  // "<param>.<state>@<offset>", 1-D.
+  struct StateTensor {
+    std::string name;
+    const shardformer::NamedParam* param;
+    std::string state;
+    int64_t offset = 0;
+    Tensor value;
+  };
+  std::vector<StateTensor> State();
   int64_t state_bytes() const;
   const std::vector<shardformer::NamedParam>& params() const { return params_; }
+  const Partition& partition() const { return partition_; }
+  // Slice i's gradient: its own (Partition) or the parameter's, viewed as
+  // the slice. FAILED_PRECONDITION naming a parameter without one.
+  absl::StatusOr<Tensor> SliceGrad(size_t i) const;
 
  private:
   absl::Status SgdStep(Tensor& param, const Tensor& grad, Tensor& buffer, double lr);
-  Optimizer(std::vector<shardformer::NamedParam> params, OptimizerOptions options)
-      : params_(std::move(params)), options_(options) {}
+  Optimizer(std::vector<shardformer::NamedParam> params, OptimizerOptions options, Partition partition)
+      : params_(std::move(params)), options_(options), partition_(std::move(partition)) {}
+  // `t` (of slice i's parameter's local shape) viewed as slice i: itself for
+  // a whole parameter, else the slice's 1-D run of its flattened elements.
+  absl::StatusOr<Tensor> SliceOf(size_t i, const Tensor& t) const;
+  bool Whole(size_t i) const;
   std::vector<shardformer::NamedParam> params_;
   OptimizerOptions options_;
-  std::vector<Tensor> m_, v_;  // AdamW moments, or SGD momentum in m_
-  std::vector<Tensor> master_;  // f32 copies of low-precision parameters (else empty tensors)
-  // Whether parameter i is held in 16 bits (and so has a master copy).
-  bool Mixed(size_t i) const { return params_[i].bound.param.local().dtype() != DType::kF32; }
+  Partition partition_;
+  // Per slice: AdamW moments, or SGD momentum in m_; f32 copies of
+  // low-precision weights (else empty tensors).
+  std::vector<Tensor> m_, v_, master_;
+  // Whether slice i's parameter is held in 16 bits (and so has a master copy).
+  bool Mixed(size_t i) const {
+    return params_[partition_.slices[i].param].bound.param.local().dtype() != DType::kF32;
+  }
   int64_t steps_ = 0;
 };
 
@@ -73,6 +122,9 @@ class Optimizer {
 // parameter counted once: pipeline stages each count their own (a mirror
 // not at all). Collective over the tp group of `pg`, and its pp group.
 absl::StatusOr<double> GlobalGradNorm(const std::vector<shardformer::NamedParam>& params, ProcessGroup* pg);
+// The same over the gradients `optimizer` reads (its partition's slices;
+// with ZeRO summed over the dp group too).
+absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* pg);
 // torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6) when
 // norm > max_norm > 0, else 1. The trainer passes it to Optimizer::Step,
 // which scales the gradients as the fused update reads them.

@@ -1,7 +1,8 @@
 // The dry-run planner (spec/plan.h) against real training
 // steps of a tiny GPT-2 and LLaMA in 1D (with sequence parallelism and
 // micro-batches), 2D, 2.5D and 3D, BERT in 3D, pipeline stages (the fullest
-// stage's ranks), with and without dp: the bytes each rank
+// stage's ranks), with and without dp, and with ZeRO 1 and 2 (the tied
+// table across stages kept whole): the bytes each rank
 // holds (what colod_tensor_bytes reports) and the bytes each process group
 // moves by each collective (what InstrumentedCommunicator counts) are the
 // plan's within 5 %, and each tensor-parallel group's calls are the plan's.
@@ -36,6 +37,7 @@ struct Case {
   v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D;
   int depth = 0;
   int pp = 1;
+  int zero = 0;
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
@@ -69,6 +71,7 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
   o.shard.layout.set_sequence_parallel(c.sp);
   o.shard.layout.set_pipeline_parallel_size(c.pp);
   o.bucket_bytes = 64 << 10;  // several buckets
+  o.zero_stage = c.zero;
   auto prepared = PrepareTrain(o);
   ASSERT_TRUE(prepared.ok()) << prepared.status();
 
@@ -148,7 +151,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"llama_3d_micro2", "llama", 8, 1, false, 2, v1::TENSOR_PARALLEL_MODE_3D},
                       Case{"bert_3d", "bert", 8, 1, false, 1, v1::TENSOR_PARALLEL_MODE_3D},
                       Case{"gpt2_tp2_pp2_micro4", "gpt2", 2, 1, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
-                      Case{"llama_pp2_dp2_micro2", "llama", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2}),
+                      Case{"llama_pp2_dp2_micro2", "llama", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
+                      Case{"gpt2_tp2_dp2_zero1", "gpt2", 2, 2, false, 1, v1::TENSOR_PARALLEL_MODE_1D, 0, 1, 1},
+                      Case{"llama_tp2_dp2_zero2_micro2", "llama", 2, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 1, 2},
+                      Case{"gpt2_pp2_dp2_zero2_micro2", "gpt2", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2, 2}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace

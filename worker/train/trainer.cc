@@ -120,6 +120,9 @@ struct PreparedTrain {
 
 absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOptions& o) {
   if (o.steps < 1 || o.micro_batches < 1) return absl::InvalidArgumentError("steps and micro_batches must be >= 1");
+  if (o.zero_stage < 0 || o.zero_stage > 2) {
+    return absl::InvalidArgumentError(absl::StrCat("zero_stage ", o.zero_stage, " is not one of 0, 1, 2"));
+  }
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(o.shard.layout));
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
   ASSIGN_OR_RETURN(ModelConfig config, shardformer::LoadConfig(o.model_dir));
@@ -214,8 +217,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
                    shardformer::ShardFormer(shard, &pg).Load(o.model_dir));
   if (shard.pp() > 1) RETURN_IF_ERROR(MakePipelineChannels(pg, shard.pp()));
   std::vector<NamedParam> params = model->Parameters();
-  ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer));
-  ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(params, &pg, o.bucket_bytes));
+  ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(params, &pg, o.bucket_bytes, o.zero_stage));
+  // Under ZeRO each dp rank updates (and keeps the state of) its partition.
+  ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer, sync->partition()));
   ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
   int64_t first = 0;
   if (!run.resume.empty()) {
@@ -263,13 +267,14 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     }
     RETURN_IF_ERROR(sync->Finish());
     RETURN_IF_ERROR(SumTiedGradients(params, *model, pg));
-    ASSIGN_OR_RETURN(double norm, GlobalGradNorm(params, &pg));
+    ASSIGN_OR_RETURN(double norm, GlobalGradNorm(optimizer, &pg));
     // The loss and the norm were read on the host, after the device passed
     // every collective before them: a collective that failed is reported now,
     // before its garbage reaches the weights.
     RETURN_IF_ERROR(pg.AsyncError());
     const double lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
     RETURN_IF_ERROR(optimizer.Step(lr, ClipFactor(norm, o.clip_norm)));  // clipping as the update reads
+    RETURN_IF_ERROR(sync->GatherParams());  // ZeRO: every replica gets the weights the others updated
     StepStats s;
     s.rank = rank;
     s.step = step + 1;
@@ -287,6 +292,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       s.param_bytes += p.bound.param.local().nbytes();
       if (auto g = p.bound.param.variable().grad()) s.grad_bytes += g->nbytes();
     }
+    s.grad_bytes += sync->chunk_bytes();
     s.optimizer_bytes = optimizer.state_bytes();
     if (!params.empty() && params[0].bound.param.local().device().is_cuda()) {
       ASSIGN_OR_RETURN(kernels::CudaPoolBytes pool,

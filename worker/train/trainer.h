@@ -42,6 +42,7 @@ struct TrainOptions {
   uint64_t seed = 1;
   shardformer::ShardConfig shard;
   int64_t bucket_bytes = 25 << 20;
+  int zero_stage = 0;         // ZeRO over dp: 0, 1 (optimizer state) or 2 (and gradients); data_parallel.h
   std::string final_dir;      // if set, the trained model as a Hugging Face directory
   std::string save_dir;       // if set, a training checkpoint every `save_every` steps
   int64_t save_every = 0;     //   (and after the last step)

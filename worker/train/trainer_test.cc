@@ -23,6 +23,7 @@
 #include "worker/train/job_options.h"
 #include "worker/train/megatron_testing.h"
 #include "worker/train/tokenizer_testing.h"
+#include "worker/train/train_testing.h"
 #include "worker/tensor/npy.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/data.h"
@@ -92,22 +93,8 @@ TrainOptions ExampleOptions(const std::string& model, const std::string& data, c
   return o;
 }
 
-std::vector<StepStats> Losses(const TrainOptions& o) {
-  std::vector<StepStats> steps;
-  const absl::Status s = Train(o, [&](const StepStats& st) { steps.push_back(st); });
-  EXPECT_TRUE(s.ok()) << s;
-  return steps;
-}
-
-void ExpectSameLosses(const std::vector<StepStats>& got, const std::vector<StepStats>& want, double rel,
-                      const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_NEAR(got[i].loss, want[i].loss, rel * want[i].loss) << what << " step " << i + 1;
-    EXPECT_NEAR(got[i].grad_norm, want[i].grad_norm, 1e-3 * want[i].grad_norm) << what << " step " << i + 1;
-    EXPECT_DOUBLE_EQ(got[i].lr, want[i].lr) << what;
-  }
-}
+using testing::ExpectSameLosses;
+using testing::Losses;
 
 // A ViT on 24 labelled random images: the first step's loss is the
 // unsharded reference's on the images the sampler drew, tp2 x dp2 (and 2
