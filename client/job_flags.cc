@@ -61,6 +61,10 @@ ABSL_FLAG(bool, allow_tf32, false,
           "train: on CUDA devices, f32 GEMMs may round their operands to TF32 and run on tensor cores (CPUs "
           "compute in f32 either way).");
 ABSL_FLAG(double, bucket_mb, 25, "train: MiB of gradients per dp all-reduce bucket.");
+ABSL_FLAG(std::string, recompute, "none",
+          "train: activation recomputation: none, full (keep each transformer block's input only and run the "
+          "block again in the backward) or selective (keep all but attention's [S, S] probabilities). The "
+          "losses are the plain run's. Not for encoder-decoders (T5).");
 ABSL_FLAG(int32_t, zero, 0,
           "train: ZeRO over the dp replicas: 0 (none), 1 (each replica keeps and updates 1/dp of the optimizer "
           "state; the updated weights are all-gathered) or 2 (and keeps 1/dp of the reduced gradients). Losses "
@@ -213,6 +217,17 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
   const int32_t zero = absl::GetFlag(FLAGS_zero);
   if (zero < 0 || zero > 2) return absl::InvalidArgumentError(absl::StrCat("--zero: ", zero, " is not one of 0, 1, 2"));
   t.set_zero_stage(zero);
+  const std::string recompute = absl::GetFlag(FLAGS_recompute);
+  if (recompute == "none") {
+    t.set_recompute(v1::RECOMPUTE_NONE);
+  } else if (recompute == "full") {
+    t.set_recompute(v1::RECOMPUTE_FULL);
+  } else if (recompute == "selective") {
+    t.set_recompute(v1::RECOMPUTE_SELECTIVE);
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--recompute: '", recompute, "' is not one of none, full, selective"));
+  }
   const std::string precision = absl::GetFlag(FLAGS_precision);
   if (precision == "auto") {
     t.set_precision(v1::PRECISION_UNSPECIFIED);

@@ -89,6 +89,7 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
   }
   if (!v1::Optimizer_IsValid(t.optimizer())) return Invalid(path, "optimizer", "unknown value");
   if (!v1::Precision_IsValid(t.precision())) return Invalid(path, "precision", "unknown value");
+  if (!v1::Recompute_IsValid(t.recompute())) return Invalid(path, "recompute", "unknown value");
   if (absl::Status format = CheckDataFormat(t.data_format()); !format.ok()) {
     return Invalid(path, "data_format", format.message());
   }
@@ -321,6 +322,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
         return Invalid("spec.train", "labels_path",
                        absl::StrCat("is for image classifiers and encoder-decoders; a ", config.model_type,
                                     " predicts its next tokens"));
+      }
+      if (config.is_encoder_decoder() && spec.train().recompute() != v1::RECOMPUTE_UNSPECIFIED &&
+          spec.train().recompute() != v1::RECOMPUTE_NONE) {
+        return Invalid("spec.train", "recompute",
+                       absl::StrCat("is not available for an encoder-decoder (", config.model_type,
+                                    "): its stacks' blocks take two inputs"));
       }
       if (!examples && spec.train().seq_len() > config.max_positions) {
         return Invalid("spec.train", "seq_len",

@@ -683,9 +683,21 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
   // 2D), each attention's heads-first q, k, v, its probabilities [b,
   // heads, s, s], output and merged heads, the MLP's activation (GELU's
   // input; a gated MLP's act(gate) and product), and the logits.
+  //
+  // Activation recomputation (TrainConfig.recompute) changes what the
+  // blocks keep: full keeps each block's input (and the last one's output)
+  // on the stream instead of everything inside them, selective everything
+  // but the probabilities.
   const bool gated = config.activation == "silu" || config.activation == "gated-gelu";
-  CheckedSum a;
+  CheckedSum outside, inside;  // the embeddings', the final norm's and the head's; the blocks'
+  // Tokens' and positions' lookups summed (whole under sequence
+  // parallelism, before the split) into the first block's input.
+  const bool summed = std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) {
+    return l.role == Role::kPositions;
+  });
+  if (summed && sp) outside.Add({tokens, config.hidden_size, act});
   for (const PlanLeaf& l : leaves) {
+    CheckedSum& a = l.name.find('*') != std::string::npos ? inside : outside;
     switch (l.role) {
       case Role::kColumn:
         a.Add({l.count, col_rows, CeilDiv(l.out, col_div), act});
@@ -723,7 +735,8 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
         break;
       case Role::kVocabTable:
       case Role::kPositions:
-        a.Add({l.lookups, stream_rows, CeilDiv(l.out, feat_div), act});
+        // Under sequence parallelism the embeddings are whole, split after.
+        a.Add({l.lookups, sp ? tokens : stream_rows, CeilDiv(l.out, feat_div), act});
         if (l.role == Role::kVocabTable && !split.blocks() && split.t > 1) {
           a.Add({l.lookups, tokens, l.out, act});  // the partial lookup before its reduction
         }
@@ -732,6 +745,7 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
       case Role::kVocabHead:
         // The logits: whole rows in 3D; 2D's are a 1/q of the vocabulary.
         a.Add({col_rows, split.two_d ? CeilDiv(l.out, split.q) : split.VocabRows(l.out), act});
+        if (sp) a.Add({tokens, l.in, act});  // its input gathered from the sequence shards
         break;
       default:
         break;
@@ -743,12 +757,30 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
   attention_width.Add({3, config.num_heads, config.head_dim()});
   attention_width.Add({2, config.num_kv_heads, config.head_dim()});
   ASSIGN_OR_RETURN(const int64_t attention_features, attention_width.Total("the attention's width"));
-  a.Add({blocks, 2, stream_rows, CeilDiv(config.hidden_size, feat_div), act});  // the residual sums
-  a.Add({attentions, col_rows, CeilDiv(attention_features, col_div), 4});
-  a.Add({attentions, CeilDiv(b, split.blocks() ? rows_2d : 1), CeilDiv(heads, head_split), plan.seq_len, plan.seq_len,
-         4});  // the probabilities, f32
-  a.Add({blocks, gated ? 2 : 1, col_rows, CeilDiv(config.intermediate_size, col_div), act});
-  ASSIGN_OR_RETURN(int64_t activations, a.Total("the activations per rank"));
+  inside.Add({blocks, 2, stream_rows, CeilDiv(config.hidden_size, feat_div), act});  // the residual sums
+  inside.Add({attentions, col_rows, CeilDiv(attention_features, col_div), 4});
+  inside.Add({blocks, gated ? 2 : 1, col_rows, CeilDiv(config.intermediate_size, col_div), act});
+  CheckedSum probs;  // the probabilities, f32
+  probs.Add({attentions, CeilDiv(b, split.blocks() ? rows_2d : 1), CeilDiv(heads, head_split), plan.seq_len,
+             plan.seq_len, 4});
+  const v1::Recompute recompute = train ? c.spec.train().recompute() : v1::RECOMPUTE_NONE;
+  if (recompute == v1::RECOMPUTE_FULL) {
+    // Each block's input and the last block's output: the first block's
+    // input is the embeddings' last output (counted above) unless it is a
+    // sum of tokens' and positions' lookups.
+    CheckedSum kept;
+    kept.Add({blocks + (summed ? 1 : 0), stream_rows, CeilDiv(config.hidden_size, feat_div), act});
+    ASSIGN_OR_RETURN(const int64_t inputs, kept.Total("the blocks' inputs"));
+    outside.Add({inputs});
+  } else {
+    ASSIGN_OR_RETURN(const int64_t in_blocks, inside.Total("the blocks' activations"));
+    outside.Add({in_blocks});
+    if (recompute != v1::RECOMPUTE_SELECTIVE) {
+      ASSIGN_OR_RETURN(const int64_t p, probs.Total("attention's probabilities"));
+      outside.Add({p});
+    }
+  }
+  ASSIGN_OR_RETURN(int64_t activations, outside.Total("the activations per rank"));
   if (!train) {
     // Nothing is kept for a backward: about one block's working set.
     activations = config.num_layers + config.num_decoder_layers > 0

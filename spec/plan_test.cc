@@ -5,20 +5,6 @@
 // communication.
 #include "spec/plan.h"
 
-#include <malloc.h>
-
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define COLOD_PLAN_TEST_ASAN 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__)
-#define COLOD_PLAN_TEST_ASAN 1
-#endif
-#ifdef COLOD_PLAN_TEST_ASAN
-#include <sanitizer/allocator_interface.h>
-#endif
-
 #include <algorithm>
 #include <functional>
 #include <map>
@@ -26,6 +12,7 @@
 
 #include "common/status_macros.h"
 #include "gtest/gtest.h"
+#include "tests/testing/heap.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/colo/testing.h"
 #include "worker/shardformer/shardformer.h"
@@ -131,16 +118,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode = k1D);
 
-// Heap bytes in use by the process: glibc's count (every arena, and
-// mmapped chunks), or AddressSanitizer's where it owns the heap.
-int64_t HeapInUse() {
-#ifdef COLOD_PLAN_TEST_ASAN
-  return static_cast<int64_t>(__sanitizer_get_current_allocated_bytes());
-#else
-  const struct mallinfo2 m = mallinfo2();
-  return static_cast<int64_t>(m.uordblks + m.hblkhd);
-#endif
-}
+using ::colod::testing::HeapInUse;
 
 struct ActivationCase {
   std::string name;
@@ -148,6 +126,7 @@ struct ActivationCase {
   int tp;
   bool sp = false;
   v1::TensorParallelMode mode = k1D;
+  v1::Recompute recompute = v1::RECOMPUTE_NONE;
 };
 void PrintTo(const ActivationCase& c, std::ostream* os) { *os << c.name; }
 
@@ -197,10 +176,14 @@ TEST_P(PlannedActivations, TheEstimateIsNearWhatTheTapeHolds) {
   spec.mutable_train()->set_batch_size(batch);
   spec.mutable_train()->set_seq_len(seq);
   spec.mutable_shard()->set_sequence_parallel(c.sp);
+  spec.mutable_train()->set_recompute(c.recompute);
   auto plan = PlanJob(model->config, spec);
   ASSERT_TRUE(plan.ok()) << plan.status();
   ShardConfig shard;
   shard.layout = spec.shard();
+  shard.recompute = c.recompute == v1::RECOMPUTE_FULL        ? Recompute::kFull
+                    : c.recompute == v1::RECOMPUTE_SELECTIVE ? Recompute::kSelective
+                                                             : Recompute::kNone;
   auto mesh = DeviceMesh::FromShardConfig(shard.layout);
   ASSERT_TRUE(mesh.ok()) << mesh.status();
   const Tensor ids = testing::TokenIds(batch, seq, model->config.takes_images() ? o.labels : o.vocab, 5);
@@ -252,7 +235,11 @@ INSTANTIATE_TEST_SUITE_P(
                       ActivationCase{"opt_tp2", testing::WriteTinyOpt, 2},
                       ActivationCase{"bloom_tp2", testing::WriteTinyBloom, 2},
                       ActivationCase{"t5_tp2", testing::WriteTinyT5, 2},
-                      ActivationCase{"vit_tp2", testing::WriteTinyVit, 2}),
+                      ActivationCase{"vit_tp2", testing::WriteTinyVit, 2},
+                      ActivationCase{"gpt2_full", testing::WriteTinyGpt2, 1, false, k1D, v1::RECOMPUTE_FULL},
+                      ActivationCase{"gpt2_selective", testing::WriteTinyGpt2, 1, false, k1D, v1::RECOMPUTE_SELECTIVE},
+                      ActivationCase{"llama_tp2_full", testing::WriteTinyLlama, 2, false, k1D, v1::RECOMPUTE_FULL},
+                      ActivationCase{"gpt2_tp2_sp_full", testing::WriteTinyGpt2, 2, true, k1D, v1::RECOMPUTE_FULL}),
     [](const ::testing::TestParamInfo<ActivationCase>& info) { return info.param.name; });
 
 v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode) {

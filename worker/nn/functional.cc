@@ -352,6 +352,47 @@ absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, co
                   });
 }
 
+thread_local bool recompute_scores = false;
+
+// The scores' additions of one attention call: ALiBi's j - i [Sq, Sk]
+// times each head's slope, or a learned bias [Hq, Sq, Sk] (f32, contiguous).
+struct HeadBias {
+  std::vector<float> slopes;
+  std::optional<Tensor> distance, learned;
+  int64_t sq = 0, sk = 0;
+  absl::StatusOr<std::optional<Tensor>> Of(int64_t h) const {
+    if (distance.has_value()) {
+      ASSIGN_OR_RETURN(Tensor b, Scale(*distance, slopes[h]));
+      return std::optional<Tensor>(b);
+    }
+    if (learned.has_value()) {
+      ASSIGN_OR_RETURN(Tensor b, learned->Narrow(0, h, 1));
+      ASSIGN_OR_RETURN(b, b.Reshape({sq, sk}));
+      return std::optional<Tensor>(b);
+    }
+    return std::optional<Tensor>();
+  }
+};
+
+// Head h's probabilities [Sq, Sk] of query matrix qm and key matrix km.
+absl::StatusOr<Tensor> HeadProbs(const Tensor& qm, const Tensor& km, float scale, bool causal, const HeadBias& bias,
+                                 int64_t h) {
+  ASSIGN_OR_RETURN(Tensor scores, ops::MatMul(qm, km, false, true));
+  ASSIGN_OR_RETURN(scores, Scale(scores, scale));
+  ASSIGN_OR_RETURN(std::optional<Tensor> added, bias.Of(h));
+  if (added.has_value()) {
+    ASSIGN_OR_RETURN(scores, Add(scores, *added));
+  }
+  return ops::Softmax(scores, causal);
+}
+
+}  // namespace
+
+RecomputeScoresScope::RecomputeScoresScope() : previous_(recompute_scores) { recompute_scores = true; }
+RecomputeScoresScope::~RecomputeScoresScope() { recompute_scores = previous_; }
+
+namespace {
+
 // q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] (Sq = Sk when causal); `bias` as
 // its callers checked it (a slope per query head, a learned [Hq, Sq, Sk]).
 absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
@@ -368,51 +409,42 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
   ASSIGN_OR_RETURN(vh, vh.ToDType(DType::kF32));
   const Device dev = q.value().device();
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({batch, hq, sq, d}, DType::kF32, dev));
-  // The probabilities of every (b, h), kept for the backward: [B, Hq, Sq, Sk].
-  ASSIGN_OR_RETURN(Tensor probs, Tensor::Empty({batch, hq, sq, sk}, DType::kF32, dev));
-  std::optional<Tensor> distance;  // ALiBi's j - i, [Sq, Sk]
+  // The probabilities of every (b, h), kept for the backward: [B, Hq, Sq,
+  // Sk], unless the backward recomputes them (RecomputeScoresScope).
+  const bool keep = !recompute_scores;
+  std::optional<Tensor> probs;
+  if (keep) {
+    ASSIGN_OR_RETURN(probs, Tensor::Empty({batch, hq, sq, sk}, DType::kF32, dev));
+  }
+  HeadBias added;
+  added.sq = sq;
+  added.sk = sk;
+  added.slopes = bias.slopes;
   if (!bias.slopes.empty()) {
     std::vector<float> dist(sq * sk);
     for (int64_t i = 0; i < sq; ++i) {
       for (int64_t j = 0; j < sk; ++j) dist[i * sk + j] = static_cast<float>(j - i);
     }
     ASSIGN_OR_RETURN(Tensor t, Tensor::FromFloats({sq, sk}, dist));
-    ASSIGN_OR_RETURN(distance, t.To(dev));
+    ASSIGN_OR_RETURN(added.distance, t.To(dev));
   }
-  std::optional<Tensor> learned;  // [Hq, Sq, Sk], f32, contiguous
   if (bias.learned.has_value()) {
-    ASSIGN_OR_RETURN(learned, bias.learned->value().ContiguousAs(DType::kF32));
-    ASSIGN_OR_RETURN(learned, learned->To(dev));
+    ASSIGN_OR_RETURN(added.learned, bias.learned->value().ContiguousAs(DType::kF32));
+    ASSIGN_OR_RETURN(added.learned, added.learned->To(dev));
   }
-  auto head_bias = [&](int64_t h) -> absl::StatusOr<std::optional<Tensor>> {
-    if (distance.has_value()) {
-      ASSIGN_OR_RETURN(Tensor b, Scale(*distance, bias.slopes[h]));
-      return std::optional<Tensor>(b);
-    }
-    if (learned.has_value()) {
-      ASSIGN_OR_RETURN(Tensor b, learned->Narrow(0, h, 1));
-      ASSIGN_OR_RETURN(b, b.Reshape({sq, sk}));
-      return std::optional<Tensor>(b);
-    }
-    return std::optional<Tensor>();
-  };
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < hq; ++h) {
       ASSIGN_OR_RETURN(Tensor qm, HeadMatrix(qh, b, h));
       ASSIGN_OR_RETURN(Tensor km, HeadMatrix(kh, b, h / group));
       ASSIGN_OR_RETURN(Tensor vm, HeadMatrix(vh, b, h / group));
-      ASSIGN_OR_RETURN(Tensor scores, ops::MatMul(qm, km, false, true));
-      ASSIGN_OR_RETURN(scores, Scale(scores, scale));
-      ASSIGN_OR_RETURN(std::optional<Tensor> added, head_bias(h));
-      if (added.has_value()) {
-        ASSIGN_OR_RETURN(scores, Add(scores, *added));
-      }
-      ASSIGN_OR_RETURN(Tensor pm, ops::Softmax(scores, causal));
+      ASSIGN_OR_RETURN(Tensor pm, HeadProbs(qm, km, scale, causal, added, h));
       ASSIGN_OR_RETURN(Tensor om, ops::MatMul(pm, vm));
       ASSIGN_OR_RETURN(Tensor slot, HeadMatrix(out, b, h));
       RETURN_IF_ERROR(slot.CopyFrom(om));
-      ASSIGN_OR_RETURN(Tensor pslot, HeadMatrix(probs, b, h));
-      RETURN_IF_ERROR(pslot.CopyFrom(pm));
+      if (keep) {
+        ASSIGN_OR_RETURN(Tensor pslot, HeadMatrix(*probs, b, h));
+        RETURN_IF_ERROR(pslot.CopyFrom(pm));
+      }
     }
   }
   ASSIGN_OR_RETURN(Tensor y, out.Transpose(1, 2));
@@ -424,7 +456,7 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
   if (learns_bias) inputs.push_back(*bias.learned);
   return RecordOp(
       causal ? "causal_attention" : "attention", inputs, std::move(y),
-      [qh, kh, vh, probs, batch, sq, sk, hq, hkv, d, group, scale, dtype, dev, learns_bias,
+      [qh, kh, vh, probs, added, causal, batch, sq, sk, hq, hkv, d, group, scale, dtype, dev, learns_bias,
        bias_dtype](const Tensor& dy) -> absl::StatusOr<Grads> {
         ASSIGN_OR_RETURN(Tensor dyh, HeadsFirst(dy));
         ASSIGN_OR_RETURN(dyh, dyh.ToDType(DType::kF32));
@@ -440,7 +472,12 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
             ASSIGN_OR_RETURN(Tensor qm, HeadMatrix(qh, b, h));
             ASSIGN_OR_RETURN(Tensor km, HeadMatrix(kh, b, h / group));
             ASSIGN_OR_RETURN(Tensor vm, HeadMatrix(vh, b, h / group));
-            ASSIGN_OR_RETURN(Tensor pm, HeadMatrix(probs, b, h));
+            Tensor pm;
+            if (probs.has_value()) {
+              ASSIGN_OR_RETURN(pm, HeadMatrix(*probs, b, h));
+            } else {  // recomputed as the forward computed them
+              ASSIGN_OR_RETURN(pm, HeadProbs(qm, km, scale, causal, added, h));
+            }
             ASSIGN_OR_RETURN(Tensor dom, HeadMatrix(dyh, b, h));
             ASSIGN_OR_RETURN(Tensor dp, ops::MatMul(dom, vm, false, true));  // dO v^T
             ASSIGN_OR_RETURN(Tensor dvm, ops::MatMul(pm, dom, true));       // P^T dO

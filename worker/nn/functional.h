@@ -90,6 +90,21 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
 // to kernels::kMaxFusedHeadDim, and per (batch, head) GEMMs through
 // OpenBLAS on the CPU, where they are faster; tests pick either.
 enum class AttentionImpl { kAuto, kFused, kPerHead };
+// While alive, the per-head attention on this thread keeps no [S, S]
+// probabilities for its backward, which computes them again from the
+// queries and keys it keeps (selective activation recomputation, Megatron's
+// --recompute-granularity selective; the gradients are the same, bitwise).
+// The fused attention never keeps them.
+class RecomputeScoresScope {
+ public:
+  RecomputeScoresScope();
+  ~RecomputeScoresScope();
+  RecomputeScoresScope(const RecomputeScoresScope&) = delete;
+  RecomputeScoresScope& operator=(const RecomputeScoresScope&) = delete;
+
+ private:
+  bool previous_;
+};
 absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const Variable& v, float scale, bool causal,
                                    AttentionImpl impl = AttentionImpl::kAuto);
 

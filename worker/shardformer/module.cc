@@ -173,9 +173,53 @@ LayerDecl LayerDecl::Of(Kind kind, std::string prefix, int64_t in, int64_t out, 
   return d;
 }
 
+namespace {
+
+// `block`'s forward of x, recomputed in the backward (RunSequential).
+absl::StatusOr<ColoTensor> ForwardRecomputed(Module& block, const ColoTensor& x) {
+  absl::StatusOr<ColoTensor> ran;
+  {
+    NoGradScope no_tape;  // nothing inside the block is kept
+    ran = block.Forward(x);
+  }
+  if (!ran.ok()) return ran.status();
+  const ColoTensor& out = *ran;
+  const Tensor input = x.local();
+  const DistSpec spec = x.spec();
+  ProcessGroup* pg = x.process_group();
+  Module* m = &block;  // the model outlives its tape
+  Variable y = RecordOp(
+      "recompute(" + block.cls() + ")", {x.variable()}, out.local(),
+      [m, input, spec, pg](const Tensor& dy) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+        EnableGradScope tape;
+        Variable in(input, /*requires_grad=*/true);
+        ASSIGN_OR_RETURN(ColoTensor again, ColoTensor::FromLocal(in, spec, pg));
+        ASSIGN_OR_RETURN(ColoTensor redone, m->Forward(again));
+        if (!redone.variable().requires_grad()) {
+          return absl::InternalError(absl::StrCat("the recomputed ", m->cls(), " recorded nothing"));
+        }
+        RETURN_IF_ERROR(Backward(redone.variable(), dy));
+        return std::vector<std::optional<Tensor>>{in.grad()};
+      });
+  ASSIGN_OR_RETURN(ColoTensor result, ColoTensor::FromLocal(y, out.spec(), out.process_group()));
+  result.set_compute_spec(out.compute_spec());
+  return result;
+}
+
+}  // namespace
+
 absl::StatusOr<ColoTensor> RunSequential(Module& list, ColoTensor x) {
+  const Recompute mode = list.recompute();
+  const bool full = mode == Recompute::kFull && GradEnabled() && x.variable().requires_grad();
   for (Module* m : list.Children()) {
-    ASSIGN_OR_RETURN(x, m->Forward(x));
+    if (full) {
+      ASSIGN_OR_RETURN(x, ForwardRecomputed(*m, x));
+    } else if (mode == Recompute::kSelective) {
+      nn::RecomputeScoresScope scores;
+      ASSIGN_OR_RETURN(x, m->Forward(x));
+    } else {
+      ASSIGN_OR_RETURN(x, m->Forward(x));
+    }
   }
   return x;
 }

@@ -25,6 +25,7 @@
 #include "worker/colo/colo_tensor.h"
 #include "worker/nn/functional.h"
 #include "worker/shardformer/hf_tensor.h"
+#include "worker/shardformer/shard_config.h"
 
 namespace colod::shardformer {
 
@@ -134,6 +135,10 @@ class Module {
   // model up to its LM head so, to fuse the head with the loss; nullptr
   // restores the layer.
   void set_pass_through(std::optional<ColoTensor>* seen) { pass_through_ = seen; }
+  // A layer list's activation recomputation (RunSequential; ShardFormer
+  // sets it from ShardConfig::recompute).
+  void set_recompute(Recompute r) { recompute_ = r; }
+  Recompute recompute() const { return recompute_; }
   void set_layer(std::unique_ptr<Layer> layer) { layer_ = std::move(layer); }
   void set_forward(ForwardFn forward) { forward_ = std::move(forward); }
   // A forward of two inputs: an encoder-decoder's token ids and decoder ids
@@ -168,6 +173,7 @@ class Module {
   std::optional<LayerDecl> decl_;
   std::unique_ptr<Layer> layer_;
   std::optional<ColoTensor>* pass_through_ = nullptr;
+  Recompute recompute_ = Recompute::kNone;
 };
 
 // A parameter of a model with its full name: the owning module's path and
@@ -193,7 +199,13 @@ absl::StatusOr<ColoTensor> PositionIds(const ColoTensor& ids, int64_t offset = 0
 // rank's `heads` heads (a policy that split the heads differently).
 absl::StatusOr<Variable> SplitHeads(const ColoTensor& t, int64_t heads, int64_t head_dim, const std::string& what);
 // Runs the children of a ModuleList ("0", "1", ...; a pipeline stage's run of
-// them) in order.
+// them) in order. With the list's recompute() kFull, and a forward that
+// records (x requires grad), each child runs without recording and is one
+// op on the tape that keeps only its input; its backward runs the child
+// again, recording, and back-propagates through that (the child's
+// collectives re-issued in the order of the backward, the same on every
+// rank; its parameters' gradients complete there). kSelective runs each
+// child under nn::RecomputeScoresScope.
 absl::StatusOr<ColoTensor> RunSequential(Module& list, ColoTensor x);
 // x (replicated over tp) split along the sequence dim (1) over tp: where
 // sequence-parallel models enter the split region. Backward all-gathers.

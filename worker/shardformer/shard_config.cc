@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/strings/str_cat.h"
 #include "common/int_math.h"
 
 namespace colod::shardformer {
@@ -19,6 +20,22 @@ int ShardConfig::head_split() const {
   if (!is_2d()) return tp();
   const int depth = layout.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2P5D ? std::max(1, layout.depth()) : 1;
   return static_cast<int>(std::lround(std::sqrt(tp() / depth)));
+}
+
+absl::StatusOr<Recompute> ParseRecompute(const std::string& name) {
+  if (name == "none") return Recompute::kNone;
+  if (name == "full") return Recompute::kFull;
+  if (name == "selective") return Recompute::kSelective;
+  return absl::InvalidArgumentError(absl::StrCat("recompute '", name, "' is not one of none, full, selective"));
+}
+
+const char* RecomputeName(Recompute r) {
+  switch (r) {
+    case Recompute::kNone: return "none";
+    case Recompute::kFull: return "full";
+    case Recompute::kSelective: return "selective";
+  }
+  return "none";
 }
 
 }  // namespace colod::shardformer

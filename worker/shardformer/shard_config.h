@@ -8,6 +8,9 @@
 #define COLOD_WORKER_SHARDFORMER_SHARD_CONFIG_H_
 
 #include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
 
 #include "colod/v1/job.pb.h"
 #include "worker/tensor/device.h"
@@ -26,6 +29,17 @@ struct PipelineStage {
   bool last() const { return index == count - 1; }
 };
 
+// Activation recomputation (Megatron-LM's --recompute-granularity): kFull
+// keeps only each transformer block's input through the forward and runs the
+// block again in the backward; kSelective keeps the blocks' activations but
+// not attention's [S, S] probabilities, which the backward recomputes from
+// the queries and keys it keeps (on CUDA the fused attention never keeps
+// them: the same as kNone there). Losses and gradients are unchanged.
+enum class Recompute { kNone, kFull, kSelective };
+// "none", "full" or "selective"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<Recompute> ParseRecompute(const std::string& name);
+const char* RecomputeName(Recompute r);
+
 struct ShardConfig {
   v1::ShardConfig layout;
   int64_t make_vocab_size_divisible_by = 64;
@@ -35,6 +49,8 @@ struct ShardConfig {
   // Where this rank's parameters and activations live (a CUDA device runs
   // over NCCL process groups).
   Device device = Device::Cpu();
+
+  Recompute recompute = Recompute::kNone;
 
   // Set by ShardFormer::Load from the layout and this rank's pp coordinate.
   PipelineStage stage;

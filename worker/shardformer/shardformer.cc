@@ -459,6 +459,18 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::strin
   } else {
     shard_.stage = PipelineStage{0, 1, 0, config.num_layers};
   }
+  if (shard_.recompute != Recompute::kNone) {
+    // The blocks RunSequential runs: every family's but an encoder-decoder's
+    // (T5's stacks run their blocks with the encoder's output beside).
+    if (config.is_encoder_decoder()) {
+      return absl::InvalidArgumentError(absl::StrCat("activation recomputation (", RecomputeName(shard_.recompute),
+                                                     ") is not available for ", config.model_type,
+                                                     ": its stacks' blocks take two inputs"));
+    }
+    for (const auto& [path, m] : model->Modules()) {
+      if (m->cls() == "ModuleList") m->set_recompute(shard_.recompute);
+    }
+  }
   std::unique_ptr<Policy> policy = family.policy();
   // Checkpoints of the bare model (GPT2Model) lack the LM model's prefix
   // ("transformer."); Hugging Face loads both, and so does colod.

@@ -71,6 +71,8 @@ std::string Variable::op_name() const { return impl_->node ? impl_->node->name :
 NoGradScope::NoGradScope() : previous_(grad_enabled) { grad_enabled = false; }
 NoGradScope::~NoGradScope() { grad_enabled = previous_; }
 bool GradEnabled() { return grad_enabled; }
+EnableGradScope::EnableGradScope() : previous_(grad_enabled) { grad_enabled = true; }
+EnableGradScope::~EnableGradScope() { grad_enabled = previous_; }
 
 Variable RecordOp(std::string name, const std::vector<Variable>& inputs, Tensor output, BackwardFn backward) {
   Variable out(std::move(output), false);

@@ -88,6 +88,18 @@ class NoGradScope {
   bool previous_;
 };
 bool GradEnabled();
+// While alive, ops on this thread record again (inside a NoGradScope: the
+// recomputed forward of activation recomputation, run during a Backward).
+class EnableGradScope {
+ public:
+  EnableGradScope();
+  ~EnableGradScope();
+  EnableGradScope(const EnableGradScope&) = delete;
+  EnableGradScope& operator=(const EnableGradScope&) = delete;
+
+ private:
+  bool previous_;
+};
 
 // Differentiable elementwise ops and the full sum.
 absl::StatusOr<Variable> Add(const Variable& a, const Variable& b);

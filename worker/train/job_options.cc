@@ -59,6 +59,20 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
   }
   if (t.bucket_bytes() > 0) o.bucket_bytes = t.bucket_bytes();
   o.zero_stage = t.zero_stage();
+  switch (t.recompute()) {
+    case v1::RECOMPUTE_UNSPECIFIED:
+    case v1::RECOMPUTE_NONE:
+      o.shard.recompute = shardformer::Recompute::kNone;
+      break;
+    case v1::RECOMPUTE_FULL:
+      o.shard.recompute = shardformer::Recompute::kFull;
+      break;
+    case v1::RECOMPUTE_SELECTIVE:
+      o.shard.recompute = shardformer::Recompute::kSelective;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("spec.train.recompute: unknown value ", t.recompute()));
+  }
   o.final_dir = t.final_dir();
   o.save_dir = t.checkpoint_dir();
   o.save_every = t.checkpoint_every();
@@ -100,6 +114,9 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
                                                        : v1::PRECISION_FP32);
   t.set_bucket_bytes(o.bucket_bytes);
   t.set_zero_stage(o.zero_stage);
+  t.set_recompute(o.shard.recompute == shardformer::Recompute::kFull        ? v1::RECOMPUTE_FULL
+                  : o.shard.recompute == shardformer::Recompute::kSelective ? v1::RECOMPUTE_SELECTIVE
+                                                                            : v1::RECOMPUTE_NONE);
   t.set_allow_tf32(o.allow_tf32);
   t.set_final_dir(o.final_dir);
   t.set_checkpoint_dir(o.save_dir);

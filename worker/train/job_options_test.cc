@@ -48,6 +48,7 @@ TEST(JobOptions, TheFieldsSurviveTheRoundTrip) {
   o.seed = 9;
   o.bucket_bytes = 1 << 20;
   o.zero_stage = 2;
+  o.shard.recompute = shardformer::Recompute::kSelective;
   o.allow_tf32 = true;
   o.shard.param_dtype = DType::kF32;
   o.shard.layout.set_tensor_parallel_size(2);
@@ -70,6 +71,7 @@ TEST(JobOptions, TheFieldsSurviveTheRoundTrip) {
   EXPECT_EQ(back->seed, o.seed);
   EXPECT_EQ(back->bucket_bytes, o.bucket_bytes);
   EXPECT_EQ(back->zero_stage, 2);
+  EXPECT_EQ(back->shard.recompute, shardformer::Recompute::kSelective);
   EXPECT_EQ(back->shard.tp(), 2);
   o.allow_tf32 = false;
   EXPECT_FALSE(TrainOptionsFromSpec(SpecFromTrainOptions(o), "/m", true)->allow_tf32);

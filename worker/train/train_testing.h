@@ -1,5 +1,5 @@
-// Tests' helpers for training runs: a run's per-step stats, and two runs'
-// losses compared step by step.
+// Tests' helpers for training runs: a small run's options, a run's
+// per-step stats, and two runs' losses compared step by step.
 #ifndef COLOD_WORKER_TRAIN_TRAIN_TESTING_H_
 #define COLOD_WORKER_TRAIN_TRAIN_TESTING_H_
 
@@ -7,9 +7,43 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "worker/shardformer/testing.h"
+#include "worker/train/data.h"
 #include "worker/train/trainer.h"
 
 namespace colod::train::testing {
+
+// What the small runs train on: the GPL's text, byte-level.
+inline constexpr char kGplText[] = "/usr/share/common-licenses/GPL-3";
+
+// A tiny model for it: the byte vocabulary, 32 positions.
+inline shardformer::testing::TinyOptions TinyByteLevel() {
+  shardformer::testing::TinyOptions o;
+  o.vocab = kByteVocab;
+  o.positions = 32;
+  return o;
+}
+
+// `steps` AdamW steps of 8 sequences of 32 tokens of kGplText at tp x dp
+// (1D), lr 3e-3 after 2 warm-up steps decaying to 3e-4, clipped at 1, in
+// 64 KiB gradient buckets (several even for a tiny model).
+inline TrainOptions SmallRun(const std::string& model, int tp, int dp, int64_t steps) {
+  TrainOptions o;
+  o.model_dir = model;
+  o.data_path = kGplText;
+  o.steps = steps;
+  o.batch_size = 8;
+  o.seq_len = 32;
+  o.lr = 3e-3;
+  o.warmup_steps = 2;
+  o.min_lr = 3e-4;
+  o.clip_norm = 1.0;
+  o.seed = 7;
+  o.shard.layout.set_tensor_parallel_size(tp);
+  o.shard.layout.set_data_parallel_size(dp);
+  o.bucket_bytes = 64 << 10;
+  return o;
+}
 
 // Rank 0's stats of every step of Train(o), which must succeed.
 inline std::vector<StepStats> Losses(const TrainOptions& o) {

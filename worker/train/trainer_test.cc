@@ -33,13 +33,10 @@ namespace {
 
 using ::colod::testing::TempPath;
 
-constexpr char kText[] = "/usr/share/common-licenses/GPL-3";
+using testing::kGplText;
 
 std::string TinyModel(const std::string& name) {
-  shardformer::testing::TinyOptions o;
-  o.vocab = kByteVocab;
-  o.positions = 32;
-  auto m = shardformer::testing::WriteTinyGpt2(TempPath(name), o);
+  auto m = shardformer::testing::WriteTinyGpt2(TempPath(name), testing::TinyByteLevel());
   EXPECT_TRUE(m.ok()) << m.status();
   return m->dir;
 }
@@ -64,21 +61,8 @@ void ExpectSameModels(const std::string& a_dir, const std::string& b_dir) {
 }
 
 TrainOptions Options(const std::string& model, int tp, int dp, v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D) {
-  TrainOptions o;
-  o.model_dir = model;
-  o.data_path = kText;
-  o.steps = 10;
-  o.batch_size = 8;
-  o.seq_len = 32;
-  o.lr = 3e-3;
-  o.warmup_steps = 2;
-  o.min_lr = 3e-4;
-  o.clip_norm = 1.0;
-  o.seed = 7;
-  o.shard.layout.set_tensor_parallel_size(tp);
-  o.shard.layout.set_data_parallel_size(dp);
+  TrainOptions o = testing::SmallRun(model, tp, dp, 10);
   o.shard.layout.set_tensor_parallel_mode(mode);
-  o.bucket_bytes = 64 << 10;  // several buckets even for the tiny model
   return o;
 }
 
@@ -402,7 +386,7 @@ TEST(Trainer, AMegatronDatasetTrainsAsTheSameTokensDo) {
   const std::string model = TinyModel("train_megatron");
   TrainOptions text = Options(model, 2, 1);
   text.steps = 4;
-  auto corpus = TokenCorpus::Open(kText);
+  auto corpus = TokenCorpus::Open(kGplText);
   ASSERT_TRUE(corpus.ok()) << corpus.status();
   const std::vector<int64_t> tokens = (*corpus)->Window(0, (*corpus)->size())->ToInt64s();
   testing::MegatronDataset m;
@@ -438,7 +422,7 @@ TEST(Trainer, AMegatronDatasetTrainsAsTheSameTokensDo) {
 TEST(Trainer, TextTrainsWithTheModelDirectorysTokenizer) {
   std::string gpl;
   {
-    std::ifstream in(kText, std::ios::binary);
+    std::ifstream in(kGplText, std::ios::binary);
     gpl.assign(std::istreambuf_iterator<char>(in), {});
   }
   // The paragraphs, split here on their own: runs of non-blank lines.

@@ -22,30 +22,10 @@ namespace {
 
 using ::colod::testing::TempPath;
 
-constexpr char kText[] = "/usr/share/common-licenses/GPL-3";
-
-shardformer::testing::TinyOptions Tiny() {
-  shardformer::testing::TinyOptions o;
-  o.vocab = kByteVocab;
-  o.positions = 32;
-  return o;
-}
+using testing::TinyByteLevel;
 
 TrainOptions Options(const std::string& model, int tp, int dp, int zero) {
-  TrainOptions o;
-  o.model_dir = model;
-  o.data_path = kText;
-  o.steps = 8;
-  o.batch_size = 8;
-  o.seq_len = 32;
-  o.lr = 3e-3;
-  o.warmup_steps = 2;
-  o.min_lr = 3e-4;
-  o.clip_norm = 1.0;  // clipping reads the norm ZeRO sums over dp
-  o.seed = 7;
-  o.shard.layout.set_tensor_parallel_size(tp);
-  o.shard.layout.set_data_parallel_size(dp);
-  o.bucket_bytes = 64 << 10;  // several buckets, and parameters across chunk boundaries
+  TrainOptions o = testing::SmallRun(model, tp, dp, 8);
   o.zero_stage = zero;
   return o;
 }
@@ -61,8 +41,8 @@ void ExpectHalf(int64_t got, int64_t want, const std::string& what) {
 TEST(Zero, StagesOneAndTwoTrainWithThePlainRunsLosses) {
   for (const bool llama : {false, true}) {
     const std::string dir = TempPath(llama ? "zero_llama" : "zero_gpt2");
-    auto model = llama ? shardformer::testing::WriteTinyLlama(dir, Tiny())
-                       : shardformer::testing::WriteTinyGpt2(dir, Tiny());
+    auto model = llama ? shardformer::testing::WriteTinyLlama(dir, TinyByteLevel())
+                       : shardformer::testing::WriteTinyGpt2(dir, TinyByteLevel());
     ASSERT_TRUE(model.ok()) << model.status();
     const std::string name = llama ? "llama" : "gpt2";
     const std::vector<StepStats> base = Losses(Options(model->dir, 2, 2, 0));
@@ -84,7 +64,7 @@ TEST(Zero, StagesOneAndTwoTrainWithThePlainRunsLosses) {
 }
 
 TEST(Zero, AccumulationSgdAndMixedPrecision) {
-  auto model = shardformer::testing::WriteTinyGpt2(TempPath("zero_more"), Tiny());
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("zero_more"), TinyByteLevel());
   ASSERT_TRUE(model.ok()) << model.status();
   // Stage 2 reduces every micro-batch and adds the partitions up.
   TrainOptions accumulate = Options(model->dir, 2, 2, 0);
@@ -113,7 +93,7 @@ TEST(Zero, AccumulationSgdAndMixedPrecision) {
 }
 
 TEST(Zero, PipelineStagesKeepTheTiedTableWhole) {
-  shardformer::testing::TinyOptions tiny = Tiny();
+  shardformer::testing::TinyOptions tiny = TinyByteLevel();
   tiny.layers = 4;
   auto model = shardformer::testing::WriteTinyGpt2(TempPath("zero_pp"), tiny);
   ASSERT_TRUE(model.ok()) << model.status();
@@ -129,7 +109,7 @@ TEST(Zero, PipelineStagesKeepTheTiedTableWhole) {
 
 TEST(Zero, OnTheEmulatedNcclTheRunIsGloos) {
   if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices (the emulation has them)";
-  auto model = shardformer::testing::WriteTinyGpt2(TempPath("zero_nccl"), Tiny());
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("zero_nccl"), TinyByteLevel());
   ASSERT_TRUE(model.ok()) << model.status();
   const std::vector<StepStats> gloo = Losses(Options(model->dir, 2, 2, 0));
   for (int zero : {1, 2}) {
@@ -144,7 +124,7 @@ TEST(Zero, OnTheEmulatedNcclTheRunIsGloos) {
 // ZeRO 1, and a plain run's checkpoint under ZeRO 2: each rank's optimizer
 // state is put together from the pieces the others wrote.
 TEST(Zero, ACheckpointResumesAtAnotherDpSizeAndStage) {
-  auto model = shardformer::testing::WriteTinyGpt2(TempPath("zero_ck"), Tiny());
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("zero_ck"), TinyByteLevel());
   ASSERT_TRUE(model.ok()) << model.status();
   TrainOptions full = Options(model->dir, 2, 2, 2);
   const std::vector<StepStats> want = Losses(full);
