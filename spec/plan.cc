@@ -701,7 +701,6 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
     switch (l.role) {
       case Role::kColumn:
         a.Add({l.count, col_rows, CeilDiv(l.out, col_div), act});
-        if (sp) a.Add({l.count, tokens, l.in, act});  // the gathered input
         if (split.blocks()) {
           // SUMMA's (or the 3D) product before the bias, and a fused leaf's parts before they are joined.
           if (l.bias) a.Add({l.count, col_rows, CeilDiv(l.out, col_div), act});
@@ -721,13 +720,12 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
           a.Add({l.count, stream_rows * split.q, CeilDiv(l.in, split.q), act});
           a.Add({l.count, CeilDiv(l.out, split.q), CeilDiv(l.in, split.q), width});
         }
-        if (l.role == Role::kRow && !split.blocks() && split.t > 1 && sp) {
-          // The partial product before its reduce-scatter, and the scattered
-          // sum before the bias. Without sequence parallelism the partial
-          // product is summed and biased in its own buffer (nn::SumPartialAddBias):
-          // that is the output counted above.
-          a.Add({l.count, tokens, l.out, act});
-          if (l.bias) a.Add({l.count, stream_rows, l.out, act});
+        if (l.role == Role::kRow && !split.blocks() && split.t > 1 && sp && l.bias) {
+          // The scattered sum before the bias (nn::ScatteredLinear keeps no
+          // partial product). Without sequence parallelism the partial
+          // product is summed and biased in its own buffer
+          // (nn::SumPartialAddBias): that is the output counted above.
+          a.Add({l.count, stream_rows, l.out, act});
         }
         break;
       case Role::kNorm:
@@ -745,7 +743,6 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
       case Role::kVocabHead:
         // The logits: whole rows in 3D; 2D's are a 1/q of the vocabulary.
         a.Add({col_rows, split.two_d ? CeilDiv(l.out, split.q) : split.VocabRows(l.out), act});
-        if (sp) a.Add({tokens, l.in, act});  // its input gathered from the sequence shards
         break;
       default:
         break;
@@ -818,7 +815,13 @@ void PlanComm1D(const StageContext& c, CommSum& comm) {
       case Role::kVocabHead:
         if (sp) {
           comm.Add(g, "all_gather", {micro, l.count}, {piece, l.in}, act, tp_size);  // forward
-          if (train) comm.Add(g, "reduce_scatter", {micro, l.count}, {tokens, l.in}, act, tp_size);
+          if (train) {
+            comm.Add(g, "reduce_scatter", {micro, l.count}, {tokens, l.in}, act, tp_size);
+            // A column-parallel linear (the vocabulary-parallel head too)
+            // keeps only its input's shard and gathers it again for the
+            // weight's gradient (nn::GatheredLinear).
+            comm.Add(g, "all_gather", {micro, l.count}, {piece, l.in}, act, tp_size);
+          }
         } else if (train) {
           comm.Add(g, "all_reduce", {micro, l.count}, {tokens, l.in}, act, tp_size);  // the input's gradient
         }

@@ -328,12 +328,23 @@ TEST(Plan, MemoryFollowsPrecisionAndOptimizerAndActivationsShrinkWithTp) {
   sp.mutable_shard()->set_sequence_parallel(true);
   auto with_sp = PlanJob(model->config, sp);
   ASSERT_TRUE(with_sp.ok()) << with_sp.status();
-  // Sequence parallelism splits the norms and residuals by rows, but keeps
-  // each column-parallel layer's gathered input and each row-parallel
-  // product before its reduce-scatter, where the 1D path sums the product in
-  // its own buffer: more, not less (PlannedActivations holds both against
-  // the tape).
-  EXPECT_GT(with_sp->activation_bytes, tp2->activation_bytes);
+  // Sequence parallelism splits the norms and residuals by rows and keeps
+  // neither a column-parallel layer's gathered input nor a row-parallel
+  // product before its reduce-scatter (nn::GatheredLinear, ScatteredLinear):
+  // less than 1D alone (PlannedActivations holds both against the tape).
+  EXPECT_LT(with_sp->activation_bytes, tp2->activation_bytes);
+  // Full recomputation keeps the blocks' inputs only; selective all but the
+  // probabilities.
+  v1::JobSpec full = Train(2, 1);
+  full.mutable_train()->set_recompute(v1::RECOMPUTE_FULL);
+  auto recomputed = PlanJob(model->config, full);
+  ASSERT_TRUE(recomputed.ok()) << recomputed.status();
+  EXPECT_LT(3 * recomputed->activation_bytes, tp2->activation_bytes);
+  full.mutable_train()->set_recompute(v1::RECOMPUTE_SELECTIVE);
+  auto selective = PlanJob(model->config, full);
+  ASSERT_TRUE(selective.ok()) << selective.status();
+  EXPECT_LT(selective->activation_bytes, tp2->activation_bytes);
+  EXPECT_GT(selective->activation_bytes, recomputed->activation_bytes);
 }
 
 TEST(Plan, RefusesWhatThePoliciesRefuse) {

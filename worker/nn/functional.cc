@@ -83,6 +83,80 @@ absl::StatusOr<Variable> LinearSumInputGrad(const Variable& x, const Variable& w
   return LinearNode(x, w, b, epilogue, comm, timeout);
 }
 
+absl::StatusOr<Variable> ScatteredLinear(const Variable& x, const Variable& w, int64_t dim, Communicator* comm,
+                                         absl::Duration timeout) {
+  ASSIGN_OR_RETURN(const int64_t d, x.value().NormalizeDim(dim));
+  Tensor y;
+  {
+    ASSIGN_OR_RETURN(Tensor partial, ops::MatMul(x.value(), w.value(), false, /*trans_b=*/true));  // freed here
+    if (partial.shape()[d] % comm->size() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("dim ", d, " of size ", partial.shape()[d],
+                                                     " is not divisible by ", comm->size()));
+    }
+    ASSIGN_OR_RETURN(y, ReduceScatterDim(partial, d, *comm, timeout));
+  }
+  const Tensor xv = x.value(), wv = w.value();
+  return RecordOp("scattered_linear", {x, w}, std::move(y),
+                  [xv, wv, d, comm, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
+                    ASSIGN_OR_RETURN(Tensor full, AllGatherDim(dy, d, *comm, timeout));
+                    ASSIGN_OR_RETURN(Tensor dx, ops::MatMul(full, wv));
+                    ASSIGN_OR_RETURN(Tensor dy2, Rows(full));
+                    ASSIGN_OR_RETURN(Tensor x2, Rows(xv));
+                    ASSIGN_OR_RETURN(Tensor dw, ops::MatMul(dy2, x2, /*trans_a=*/true));
+                    return Grads{dx, dw};
+                  });
+}
+
+absl::StatusOr<Variable> GatheredLinear(const Variable& x, const Variable& w, const std::optional<Variable>& b,
+                                        Epilogue epilogue, int64_t dim, Communicator* comm, absl::Duration timeout) {
+  if (epilogue != Epilogue::kNone) {
+    ASSIGN_OR_RETURN(Variable z, GatheredLinear(x, w, std::nullopt, Epilogue::kNone, dim, comm, timeout));
+    return BiasEpilogue(z, b, epilogue);
+  }
+  ASSIGN_OR_RETURN(const int64_t d, x.value().NormalizeDim(dim));
+  const Tensor shard = x.value().Contiguous();  // what the node keeps
+  Tensor y;
+  {
+    ASSIGN_OR_RETURN(Tensor gathered, AllGatherDim(shard, d, *comm, timeout));  // freed after the GEMM
+    ASSIGN_OR_RETURN(y, ops::MatMul(gathered, w.value(), false, /*trans_b=*/true));
+  }
+  if (b.has_value()) RETURN_IF_ERROR(ops::BiasAddInPlace(y, b->value()));
+  std::vector<Variable> inputs = {x, w};
+  if (b.has_value()) inputs.push_back(*b);
+  const Tensor wv = w.value();
+  const bool has_bias = b.has_value();
+  return RecordOp(
+      "gathered_linear", inputs, std::move(y),
+      [shard, wv, has_bias, d, comm, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
+        // The shards again, gathered behind dx's GEMM.
+        const int p = comm->size();
+        ASSIGN_OR_RETURN(Tensor pieces, Tensor::Empty({p, shard.numel()}, shard.dtype(), shard.device()));
+        std::shared_ptr<Work> gather =
+            comm->AllGather(shard.raw_data(), pieces.raw_data(), shard.numel(), shard.dtype());
+        absl::StatusOr<Tensor> dx_full = ops::MatMul(dy, wv);
+        // Waited for on every path: the all-gather writes pieces.
+        RETURN_IF_ERROR(gather->WaitOnDevice(timeout));
+        if (!dx_full.ok()) return dx_full.status();
+        std::vector<Tensor> parts;
+        for (int j = 0; j < p; ++j) {
+          ASSIGN_OR_RETURN(Tensor part, pieces.Narrow(0, j, 1));
+          ASSIGN_OR_RETURN(part, part.Reshape(shard.shape()));
+          parts.push_back(std::move(part));
+        }
+        ASSIGN_OR_RETURN(Tensor gathered, Tensor::Cat(parts, d));
+        ASSIGN_OR_RETURN(Tensor dy2, Rows(dy));
+        ASSIGN_OR_RETURN(Tensor x2, Rows(gathered));
+        ASSIGN_OR_RETURN(Tensor dw, ops::MatMul(dy2, x2, /*trans_a=*/true));
+        ASSIGN_OR_RETURN(Tensor dx, ReduceScatterDim(*dx_full, d, *comm, timeout));
+        Grads g = {dx, dw};
+        if (has_bias) {
+          ASSIGN_OR_RETURN(Tensor db, ops::BiasGrad(dy));
+          g.push_back(db);
+        }
+        return g;
+      });
+}
+
 absl::StatusOr<Variable> Reshape(const Variable& x, const Shape& shape) {
   ASSIGN_OR_RETURN(Tensor y, x.value().Reshape(shape));
   const Shape original = x.value().shape();

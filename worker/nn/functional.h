@@ -203,6 +203,20 @@ absl::StatusOr<Variable> ReduceGradient(const Variable& x, Communicator* comm, a
 absl::StatusOr<Variable> LinearSumInputGrad(const Variable& x, const Variable& w, const std::optional<Variable>& b,
                                             Epilogue epilogue, Communicator* comm, absl::Duration timeout);
 
+// Linear(GatherAlongDim(x, dim, comm), w, b, epilogue) as one node that
+// keeps x's shard, not the gathered input (Megatron-LM's sequence
+// parallelism): the backward all-gathers x again, started before dx =
+// dy @ w so the two overlap, computes dw and db from it, and reduce-scatters
+// dx along `dim`. The same arithmetic as the two nodes, bitwise.
+absl::StatusOr<Variable> GatheredLinear(const Variable& x, const Variable& w, const std::optional<Variable>& b,
+                                        Epilogue epilogue, int64_t dim, Communicator* comm, absl::Duration timeout);
+// ReduceScatterAlongDim(Linear(x, w), dim, comm) as one node, which keeps x
+// and w but not the partial product (a row-parallel linear under sequence
+// parallelism): the backward all-gathers dy along `dim` and computes dx and
+// dw from it. The same arithmetic as the two nodes, bitwise.
+absl::StatusOr<Variable> ScatteredLinear(const Variable& x, const Variable& w, int64_t dim, Communicator* comm,
+                                         absl::Duration timeout);
+
 }  // namespace colod::nn
 
 #endif  // COLOD_WORKER_NN_FUNCTIONAL_H_

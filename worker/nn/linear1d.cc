@@ -101,8 +101,7 @@ absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x, Epilogue ep
     if (!(x.spec().Get("tp") == Placement::Shard({seq}, {p}))) {
       ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), Placement::Shard({seq}, {p}))));
     }
-    ASSIGN_OR_RETURN(xr, GatherAlongDim(in.variable(), seq, comm, pg_->timeout()));
-    ASSIGN_OR_RETURN(in, ColoTensor::FromLocal(xr, WithTp(in.spec(), Placement::Replicate()), pg_));
+    xr = in.variable();  // the shard: the linear below gathers it (and again in its backward)
   } else {
     if (!(x.spec().Get("tp") == Placement::Replicate())) {
       ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), Placement::Replicate())));
@@ -119,11 +118,16 @@ absl::StatusOr<ColoTensor> Linear1DCol::Forward(const ColoTensor& x, Epilogue ep
       ASSIGN_OR_RETURN(b, Reshape(*b, {wl[0] * wl[1]}));
     }
   }
-  // Sequence parallelism's gather already sums the input gradient (its
-  // backward reduce-scatters); otherwise the linear sums it over tp.
-  ASSIGN_OR_RETURN(Variable y, options_.sequence_parallel
-                                   ? Linear(xr, w, b, epilogue)
-                                   : LinearSumInputGrad(xr, w, b, epilogue, comm, pg_->timeout()));
+  // Under sequence parallelism the linear gathers the shards and keeps only
+  // them, and its backward reduce-scatters the input gradient (summing it
+  // over tp); otherwise the linear sums it over tp.
+  Variable y;
+  if (options_.sequence_parallel) {
+    const int64_t seq = static_cast<int64_t>(x.global_shape().size()) - 2;
+    ASSIGN_OR_RETURN(y, GatheredLinear(xr, w, b, epilogue, seq, comm, pg_->timeout()));
+  } else {
+    ASSIGN_OR_RETURN(y, LinearSumInputGrad(xr, w, b, epilogue, comm, pg_->timeout()));
+  }
   if (n > 1) {  // [..., n*o] -> [..., n, o]
     Shape local_shape = y.value().shape();
     local_shape.back() = wl[1];
@@ -187,9 +191,9 @@ absl::StatusOr<ColoTensor> Linear1DRow::Forward(const ColoTensor& x) const {
     }
     ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), sharded)));
   }
-  ASSIGN_OR_RETURN(Variable partial, Linear(in.variable(), weight_.variable(), std::nullopt));
   ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm("tp"));
   if (!options_.sequence_parallel) {
+    ASSIGN_OR_RETURN(Variable partial, Linear(in.variable(), weight_.variable(), std::nullopt));
     // The partial sums are the GEMM's own buffer: summed and biased in place
     // (the P -> R conversion would sum a copy, and a bias add make another).
     std::optional<Variable> b;
@@ -199,7 +203,8 @@ absl::StatusOr<ColoTensor> Linear1DRow::Forward(const ColoTensor& x) const {
   }
   const int64_t seq = last - 1;
   if (seq < 0) return absl::InvalidArgumentError("Linear1D_Row with sequence_parallel needs [.., seq, hidden] input");
-  ASSIGN_OR_RETURN(Variable y, ReduceScatterAlongDim(partial, seq, comm, pg_->timeout()));
+  // Summed and scattered in one node that keeps no partial product.
+  ASSIGN_OR_RETURN(Variable y, ScatteredLinear(in.variable(), weight_.variable(), seq, comm, pg_->timeout()));
   ASSIGN_OR_RETURN(ColoTensor out, ColoTensor::FromLocal(y, WithTp(in.spec(), Placement::Shard({seq}, {p})), pg_));
   if (!bias_.has_value()) return out;
   // Each rank adds the bias to its own rows: their gradients sum over tp.

@@ -20,8 +20,10 @@
 //
 // Sequence parallelism (sequence_parallel, Megatron's): outside the
 // column/row pair, activations are split along the sequence dim (ndim-2)
-// over tp. Col then all-gathers its input along it forward and
-// reduce-scatters the input gradient backward; Row reduce-scatters its
+// over tp. Col then all-gathers its input along it forward, keeping only
+// the shard, gathers it again in the backward for the weight's gradient
+// (behind the input gradient's GEMM) and reduce-scatters the input gradient
+// (nn::GatheredLinear); Row reduce-scatters its (never kept)
 // partial output along it forward (out tp: S(ndim-2)) and all-gathers the
 // gradient backward; Row's bias gradient is all-reduced over tp.
 // Placements on other axes (a batch sharded over dp) pass through.

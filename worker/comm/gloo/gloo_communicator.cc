@@ -384,6 +384,10 @@ void IgnoreSigpipe() {
 
 }  // namespace
 
+namespace {
+constexpr uint32_t kConnectedBarrierTag = 0xfffffff0u;
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store& store, int rank,
                                                                           int size, Options options) {
   IgnoreSigpipe();
@@ -415,6 +419,16 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store
     absl::Status status;
     try {
       context->connectFullMesh(*adapter, device);
+      // connectFullMesh returns once this rank's side of every pair is
+      // connected, possibly before a peer's event loop has handled its side;
+      // a rank that then failed and closed its sockets would make that loop
+      // throw (getpeername on a reset socket), ending the process. Every
+      // rank's side is connected once a barrier completes (on a tag of its
+      // own: all its messages are read before the collectives start).
+      gloo::BarrierOptions connected(context);
+      connected.setTag(kConnectedBarrierTag);
+      connected.setTimeout(context->getTimeout());
+      gloo::barrier(connected);
     } catch (const std::exception& e) {
       status = FromGlooException(e, what);
     }
