@@ -323,11 +323,17 @@ absl::StatusOr<RankMemoryFloor> MemoryFloorPerRank(const ModelConfig& config, co
   const bool adam = spec.train().optimizer() != v1::OPTIMIZER_SGD;
   const int64_t state = (adam ? 8 : 4) + (width == 2 ? 4 : 0);  // moments (f32), master copy
   floor.rank_parameters = share;
+  // ZeRO over dp: the optimizer state (stage 2: and the gradients) of 1/dp
+  // of the rank's parameters (a table tied across pipeline stages, kept
+  // whole, is left out: the floor stays a floor).
+  const int64_t dp = std::max(1, spec.shard().data_parallel_size());
+  const int zero = train && dp > 1 ? spec.train().zero_stage() : 0;
+  const int64_t partition = zero > 0 ? share / dp + (share % dp != 0 ? 1 : 0) : share;
   CheckedSum params, grads, optimizer, total;
   params.Add({share, width});
   if (train) {
-    grads.Add({share, width});
-    optimizer.Add({share, state});
+    grads.Add({zero == 2 ? partition : share, width});
+    optimizer.Add({partition, state});
   }
   total.Add(params);
   total.Add(grads);

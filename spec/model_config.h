@@ -101,7 +101,8 @@ absl::StatusOr<int64_t> ParameterCount(const ModelConfig& config);
 // FORWARD jobs and f32 training; for training also as many gradient bytes
 // and the optimizer's state (an f32 momentum, AdamW's second f32 moment, an
 // f32 master copy under mixed precision: 16 bytes a parameter with AdamW,
-// 12 with SGD, whatever the precision) and a step's activations (PlanJob's
+// 12 with SGD, whatever the precision; under ZeRO the state, and with stage 2
+// the gradients, of 1/dp of them) and a step's activations (PlanJob's
 // estimate, in bf16 unless the spec says fp32; zero where the plan refuses
 // the spec). Workspaces come on top: a job whose floor exceeds a worker's
 // memory cannot run there.

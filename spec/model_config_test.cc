@@ -233,6 +233,17 @@ TEST(ModelConfig, TheMemoryFloorPerRank) {
   v1::JobSpec uneven = spec;  // a batch the plan refuses: validation's to report; no activations
   uneven.mutable_train()->set_batch_size(3);
   EXPECT_EQ(MemoryFloorPerRank(*llama, uneven)->activation_bytes, 0);
+  // ZeRO over dp = 2: the state (stage 2: and the gradients) of half the
+  // parameters; recomputation fewer activations.
+  v1::JobSpec zero = spec;
+  zero.mutable_train()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  zero.mutable_train()->set_zero_stage(1);
+  EXPECT_EQ(MemoryFloorPerRank(*llama, zero)->optimizer_bytes, r / 2 * 8);
+  EXPECT_EQ(MemoryFloorPerRank(*llama, zero)->grad_bytes, r * 4);
+  zero.mutable_train()->set_zero_stage(2);
+  EXPECT_EQ(MemoryFloorPerRank(*llama, zero)->grad_bytes, r / 2 * 4);
+  zero.mutable_train()->set_recompute(v1::RECOMPUTE_FULL);
+  EXPECT_LT(3 * MemoryFloorPerRank(*llama, zero)->activation_bytes, f32->activation_bytes);
   spec.set_kind(v1::JOB_KIND_FORWARD);  // f32 parameters only
   EXPECT_EQ(MemoryFloorPerRank(*llama, spec)->total_bytes, r * 4);
   EXPECT_EQ(DescribeMemoryFloor(*MemoryFloorPerRank(*llama, spec)),

@@ -747,6 +747,36 @@ TEST_F(JobsTest, AJobTooBigForTheClusterWaitsWithoutBlockingTheQueue) {
   ASSERT_TRUE(client_->CancelJob(waiting->job_id(), "test over").ok());
 }
 
+// Workers that declare 1.5 MB each (--memory-limit): the tiny GPT-2 at dp=4
+// needs 2.35 MB a rank plainly (its f32 parameters, gradients, AdamW state
+// and activations), 0.91 MB with ZeRO 2 and full recomputation.
+class JobsSmallWorkersTest : public JobsTest {
+ protected:
+  JobsSmallWorkersTest() { worker_flags_ = {"--memory-limit", "1500000"}; }
+};
+
+TEST_F(JobsSmallWorkersTest, ZeroAndRecomputationAdmitAModelTheWorkersWereTooSmallFor) {
+  train::TrainOptions o = Options(3);
+  o.shard.layout.set_tensor_parallel_size(1);
+  o.shard.layout.set_data_parallel_size(4);
+  o.batch_size = 4;
+  auto refused = client_->SubmitJob(Spec(o));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "the largest of the 4 registered workers has"))
+      << refused.status();
+  o.zero_stage = 2;
+  o.shard.recompute = shardformer::Recompute::kFull;
+  auto job = client_->SubmitJob(Spec(o));
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_LT(job->memory_floor().total_bytes(), 1500000);
+  EXPECT_GT(job->memory_floor().total_bytes(), 0);
+  Watch(job->job_id());
+  auto done = client_->GetJob(job->job_id());
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
+  EXPECT_EQ(done->step(), 3);
+}
+
 TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
   auto uploaded = client_->UploadModel(TempPath("gpt2"), absl::Seconds(60));
   ASSERT_TRUE(uploaded.ok()) << uploaded.status();
