@@ -30,7 +30,7 @@ using testing::Losses;
 
 using testing::TinyByteLevel;
 
-TrainOptions Options(const std::string& model, int tp, int dp) { return testing::SmallRun(model, tp, dp, 6); }
+TrainOptions Options(const std::string& model, int tp, int dp) { return testing::SmallRun(model, tp, dp, 4); }
 
 // Every step's loss and gradient norm, bitwise.
 void ExpectBitwise(const std::vector<StepStats>& got, const std::vector<StepStats>& want, const std::string& what) {
