@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "bench/corpus.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -60,17 +61,6 @@ struct Measured {
   JobPlan plan;
 };
 
-// A random uint16 corpus below `vocab`.
-absl::Status WriteCorpus(const std::string& path, int64_t vocab, int64_t tokens) {
-  if (std::filesystem::exists(path)) return absl::OkStatus();
-  std::vector<uint16_t> t(static_cast<size_t>(tokens));
-  std::mt19937_64 rng(7);
-  for (uint16_t& x : t) x = static_cast<uint16_t>(rng() % static_cast<uint64_t>(vocab));
-  std::ofstream out(path, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.size() * sizeof(uint16_t)));
-  if (!out.good()) return absl::InternalError(absl::StrCat("cannot write ", path));
-  return absl::OkStatus();
-}
 
 train::TrainOptions OptionsOf(const Row& r, const std::string& model, const std::string& corpus, int64_t seq) {
   train::TrainOptions o;
@@ -173,7 +163,7 @@ absl::Status Run() {
   const std::string config_json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(config_json));
   const std::string corpus = absl::StrCat(work, "/corpus-", config.vocab_size, ".bin");
-  RETURN_IF_ERROR(WriteCorpus(corpus, config.vocab_size, 1 << 20));
+  RETURN_IF_ERROR(bench::WriteRandomCorpus(corpus, config.vocab_size, 1 << 20));
 
   using shardformer::Recompute;
   const std::vector<Row> rows = {

@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "bench/corpus.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -183,17 +184,6 @@ absl::Status WriteModel(const ModelShape& s, int64_t positions, const std::strin
   return shardformer::WriteInitializedLlama(dir, l, 1);
 }
 
-// `tokens` random uint16 tokens below `vocab` (nanoGPT's .bin layout).
-absl::Status WriteCorpus(const std::string& path, int64_t vocab, int64_t tokens) {
-  if (std::filesystem::exists(path)) return absl::OkStatus();
-  std::vector<uint16_t> t(static_cast<size_t>(tokens));
-  std::mt19937_64 rng(7);
-  for (uint16_t& x : t) x = static_cast<uint16_t>(rng() % static_cast<uint64_t>(vocab));
-  std::ofstream out(path, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.size() * sizeof(uint16_t)));
-  if (!out.good()) return absl::InternalError(absl::StrCat("cannot write ", path));
-  return absl::OkStatus();
-}
 
 struct Measured {
   double step_seconds = 0;  // mean over the timed steps
@@ -210,7 +200,7 @@ absl::StatusOr<train::TrainOptions> OptionsOf(const Row& row, const std::string&
   const std::string model = absl::StrCat(dir, "/", row.name, "-", row.shape.family, "-", positions);
   RETURN_IF_ERROR(WriteModel(row.shape, positions, model));
   const std::string corpus = absl::StrCat(dir, "/tokens-", row.shape.vocab, ".bin");
-  RETURN_IF_ERROR(WriteCorpus(corpus, row.shape.vocab, int64_t{1} << 22));
+  RETURN_IF_ERROR(bench::WriteRandomCorpus(corpus, row.shape.vocab, int64_t{1} << 22));
   train::TrainOptions o;
   o.model_dir = model;
   o.data_path = corpus;
