@@ -528,6 +528,7 @@ absl::StatusOr<Variable> PerHeadAttention(const Variable& q, const Variable& k, 
   const bool learns_bias = bias.learned.has_value();
   const DType bias_dtype = learns_bias ? bias.learned->value().dtype() : DType::kF32;
   if (learns_bias) inputs.push_back(*bias.learned);
+  if (keep) added = HeadBias();  // the backward needs it only to recompute the probabilities
   return RecordOp(
       causal ? "causal_attention" : "attention", inputs, std::move(y),
       [qh, kh, vh, probs, added, causal, batch, sq, sk, hq, hkv, d, group, scale, dtype, dev, learns_bias,

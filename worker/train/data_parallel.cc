@@ -38,6 +38,11 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Create(std::vector<NamedPara
       s->buckets_.back().partitioned = partitioned(i);
       bytes = 0;
     }
+    if (partitioned(i) && !local.is_contiguous()) {
+      // Its slices are updated and gathered through flat views.
+      return absl::InvalidArgumentError(absl::StrCat(s->params_[i].name, " is not contiguous: ZeRO partitions "
+                                                     "contiguous parameters"));
+    }
     Bucket& b = s->buckets_.back();
     b.params.push_back(i);
     s->bucket_of_[i] = static_cast<int>(s->buckets_.size()) - 1;
@@ -97,6 +102,7 @@ GradSync::~GradSync() {
   for (Bucket& b : buckets_) {
     if (b.work != nullptr) (void)b.work->Wait(pg_->timeout());
   }
+  for (Abandoned& a : abandoned_) (void)a.work->Wait(pg_->timeout());
 }
 
 absl::Status GradSync::Start(int index) {
@@ -146,9 +152,16 @@ absl::Status GradSync::Retire(Bucket& b) {
   // The device waits, not the host: what follows is stream ordered, and the
   // buffer is freed (reused) in stream order after the reduction.
   const absl::Status waited = b.work->WaitOnDevice(pg_->timeout());
+  if (!waited.ok()) {
+    // The reduction may still read flat and write partial: they stay alive.
+    abandoned_.push_back(Abandoned{std::move(b.work), std::move(b.flat), std::move(b.partial)});
+    b.work = nullptr;
+    b.flat = b.partial = Tensor();
+    b.pending_add = false;
+    return waited;
+  }
   b.work = nullptr;
   b.flat = Tensor();
-  RETURN_IF_ERROR(waited);
   if (!b.pending_add) return absl::OkStatus();
   b.pending_add = false;
   ASSIGN_OR_RETURN(Tensor sum, Add(b.reduced, b.partial));

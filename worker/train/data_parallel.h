@@ -11,7 +11,7 @@
 // The loss each replica back-propagates is its share of the global mean
 // (ShardedModel::TokenLoss), so a plain sum gives the full gradient. With
 // gradient accumulation, every micro-batch but the last runs with the sync
-// disabled and only accumulates.
+// disabled and only accumulates (but under ZeRO stage 2, below).
 //
 // ZeRO (DeepSpeed's stages 1 and 2, over the dp group): each bucket is
 // padded to a multiple of dp elements and split into dp equal chunks; dp
@@ -78,7 +78,8 @@ class GradSync {
   int64_t chunk_bytes() const;
 
   int buckets() const { return static_cast<int>(buckets_.size()); }
-  // Buckets whose all-reduce started inside the last Backward (overlapped).
+  // Buckets whose all-reduce started inside the last Backward (overlapped;
+  // under stage 2, inside the step's Backward passes).
   int started_during_backward() const { return started_during_backward_; }
   // Of the last reducing step (read after its Finish): the bytes of every
   // bucket, and of those whose all-reduce was enqueued on the dp
@@ -129,6 +130,13 @@ class GradSync {
   int zero_ = 0;
   int dp_size_ = 1, dp_rank_ = 0;
   std::vector<int> in_flight_;  // stage 2: buckets started and not yet retired, oldest first
+  // Stage 2: reductions whose wait failed, with the buffers they may still
+  // read or write: kept until the destructor has waited for them again.
+  struct Abandoned {
+    std::shared_ptr<Work> work;
+    Tensor flat, partial;
+  };
+  std::vector<Abandoned> abandoned_;
   bool enabled_ = true;
   bool in_finish_ = false;
   int started_during_backward_ = 0;

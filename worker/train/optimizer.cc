@@ -46,6 +46,9 @@ absl::StatusOr<Optimizer> Optimizer::Create(std::vector<NamedParam> params, Opti
       return absl::InvalidArgumentError(absl::StrCat("slice ", i, " names parameter ", s.param));
     }
     const Tensor& t = o.params_[s.param].bound.param.local();
+    if (!o.Whole(i) && !t.is_contiguous()) {  // its slice is updated through a flat view
+      return absl::InvalidArgumentError(absl::StrCat(o.params_[s.param].name, " is not contiguous"));
+    }
     if (s.offset < 0 || s.length < 1 || s.offset > t.numel() - s.length) {
       return absl::InvalidArgumentError(absl::StrCat("slice [", s.offset, ", +", s.length, ") of ",
                                                      o.params_[s.param].name, " is outside its ", t.numel(),
@@ -194,13 +197,12 @@ namespace {
 // when `over_dp` (ZeRO: the dp ranks hold disjoint slices; a parameter kept
 // whole on every dp rank, `whole[k]`, is then counted on dp rank 0).
 absl::StatusOr<double> NormOf(const std::vector<const NamedParam*>& params, const std::vector<Tensor>& grads,
-                              const std::vector<bool>& whole, bool over_dp, ProcessGroup* pg) {
+                              const std::vector<bool>& whole, bool over_dp, const Device& device, ProcessGroup* pg) {
   const DeviceMesh& mesh = pg->mesh();
   const std::vector<int> coords = mesh.Coordinates(pg->rank());
   ASSIGN_OR_RETURN(std::vector<int> dp_axes, mesh.AxisIndices("dp"));
-  // Summed where the gradients are (the parameters' device), all-reduced
-  // there, and read on the host once.
-  const Device device = params.empty() ? Device::Cpu() : params[0]->bound.param.local().device();
+  // Summed where the gradients are (the parameters' device, whether or not
+  // this rank counts any), all-reduced there, and read on the host once.
   ASSIGN_OR_RETURN(Tensor total, Tensor::Zeros({1}, DType::kF32, device));
   std::vector<Tensor> counted;  // the gradients this rank counts
   // Pipeline stages hold different parameters: each counts its own.
@@ -250,7 +252,8 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
     of.push_back(&p);
     grads.push_back(*g);
   }
-  return NormOf(of, grads, std::vector<bool>(of.size(), true), /*over_dp=*/false, pg);
+  const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
+  return NormOf(of, grads, std::vector<bool>(of.size(), true), /*over_dp=*/false, device, pg);
 }
 
 absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* pg) {
@@ -267,7 +270,11 @@ absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* 
     grads.push_back(g);
     whole.push_back(!s.grad.has_value());  // kept whole on every dp rank, reading its own gradient
   }
-  return NormOf(of, grads, whole, partition.over_dp, pg);
+  // A rank may own no slice at all (a small bucket over a large dp): the
+  // device is its parameters'.
+  const std::vector<NamedParam>& params = optimizer.params();
+  const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
+  return NormOf(of, grads, whole, partition.over_dp, device, pg);
 }
 
 double ClipFactor(double norm, double max_norm) {
