@@ -245,16 +245,16 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
     const int64_t begin = t.offset, end = t.offset + t.value.numel();
     ASSIGN_OR_RETURN(Tensor target, t.value.Reshape({t.value.numel()}));
     std::vector<std::pair<int64_t, int64_t>> covered;
-    // Whether [lo, hi) is covered already (a whole state every dp replica
-    // wrote is read once).
-    auto done = [&covered](int64_t lo, int64_t hi) {
+    // How far from `lo` the pieces read so far cover without a gap (a whole
+    // state every dp replica wrote is read once).
+    auto reached_from = [&covered](int64_t lo) {
       std::vector<std::pair<int64_t, int64_t>> c = covered;
       std::sort(c.begin(), c.end());
       int64_t reached = lo;
       for (const auto& [a, b] : c) {
         if (a <= reached && b > reached) reached = b;
       }
-      return reached >= hi;
+      return reached;
     };
     for (const std::string& peer : peers) {
       ASSIGN_OR_RETURN(shardformer::SafetensorsFile * f, file(peer));
@@ -267,7 +267,7 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
           return absl::InvalidArgumentError(absl::StrCat(peer, ": ", name, " overflows its parameter"));
         }
         const int64_t lo = std::max(begin, *at), hi = std::min(end, *at + length);
-        if (lo >= hi || done(lo, hi)) continue;
+        if (lo >= hi || reached_from(lo) >= hi) continue;
         ASSIGN_OR_RETURN(Tensor piece, f->Read(name));
         ASSIGN_OR_RETURN(Tensor flat, piece.Reshape({piece.numel()}));
         ASSIGN_OR_RETURN(Tensor part, flat.Narrow(0, lo - *at, hi - lo));
@@ -276,9 +276,7 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
         covered.emplace_back(lo, hi);
       }
     }
-    std::sort(covered.begin(), covered.end());
-    int64_t reached = begin;
-    for (const auto& [lo, hi] : covered) reached = lo <= reached ? std::max(reached, hi) : reached;
+    const int64_t reached = reached_from(begin);
     if (reached < end) {
       return absl::InvalidArgumentError(absl::StrCat(checkpoint, " lacks this rank's ", prefix, " from element ",
                                                      reached, " (of [", begin, ", ", end, "))"));

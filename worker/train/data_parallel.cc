@@ -234,6 +234,11 @@ absl::Status GradSync::Finish() {
   return status;
 }
 
+std::pair<int64_t, int64_t> GradSync::Owned(const Bucket& b, int i) const {
+  const int64_t mine = dp_rank_ * b.chunk, at = offset_of_[i];
+  return {std::max(at, mine), std::min(at + params_[i].bound.param.local().numel(), mine + b.chunk)};
+}
+
 Partition GradSync::partition() const {
   if (dp_ == nullptr || zero_ == 0) return Partition::Whole(params_);
   Partition p;
@@ -245,12 +250,10 @@ Partition GradSync::partition() const {
       p.slices.push_back(ParamSlice{i, 0, n, std::nullopt});
       continue;
     }
-    // The part of the parameter in this rank's chunk, if any.
-    const int64_t mine = dp_rank_ * b.chunk, at = offset_of_[i];
-    const int64_t lo = std::max(at, mine), hi = std::min(at + n, mine + b.chunk);
+    const auto [lo, hi] = Owned(b, i);
     if (lo >= hi) continue;
-    absl::StatusOr<Tensor> grad = b.reduced.Narrow(0, lo - mine, hi - lo);
-    p.slices.push_back(ParamSlice{i, lo - at, hi - lo, *grad});  // in range by construction
+    absl::StatusOr<Tensor> grad = b.reduced.Narrow(0, lo - dp_rank_ * b.chunk, hi - lo);
+    p.slices.push_back(ParamSlice{i, lo - offset_of_[i], hi - lo, *grad});  // in range by construction
   }
   return p;
 }
@@ -265,11 +268,10 @@ absl::Status GradSync::GatherParams() {
     ASSIGN_OR_RETURN(Tensor send, Tensor::Zeros({b.chunk}, b.dtype, b.device));
     for (int i : b.params) {
       const Tensor& local = params_[i].bound.param.local();
-      const int64_t at = offset_of_[i];
-      const int64_t lo = std::max(at, mine), hi = std::min(at + local.numel(), mine + b.chunk);
+      const auto [lo, hi] = Owned(b, i);
       if (lo >= hi) continue;
       ASSIGN_OR_RETURN(Tensor flat, local.Reshape({local.numel()}));
-      ASSIGN_OR_RETURN(Tensor from, flat.Narrow(0, lo - at, hi - lo));
+      ASSIGN_OR_RETURN(Tensor from, flat.Narrow(0, lo - offset_of_[i], hi - lo));
       ASSIGN_OR_RETURN(Tensor to, send.Narrow(0, lo - mine, hi - lo));
       RETURN_IF_ERROR(to.CopyFrom(from));
     }

@@ -35,6 +35,7 @@
 #define COLOD_WORKER_TRAIN_DATA_PARALLEL_H_
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -112,6 +113,9 @@ class GradSync {
     Tensor partial;
   };
   bool Releases(const Bucket& b) const { return b.partitioned && zero_ == 2; }
+  // The elements [lo, hi) of partitioned bucket b's flat buffer that are
+  // both parameter i's and in this rank's chunk; lo >= hi where none.
+  std::pair<int64_t, int64_t> Owned(const Bucket& b, int i) const;
   // Stage 2: waits for b's reduction (on the device), adds a later
   // micro-batch's part and releases its buffer.
   absl::Status Retire(Bucket& b);
