@@ -436,6 +436,12 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store
     r->done = true;
     r->status = std::move(status);
   });
+  // A rendezvous that fails after the abort signal fired reports the abort:
+  // its own error (a cancelled store wait, a closed peer) is the abort's
+  // consequence, whichever of the two threads saw the end first.
+  auto aborted = [&] {
+    return absl::AbortedError(absl::StrCat("gloo ", what, ": aborted: ", options.abort_signal->Check().message()));
+  };
   {
     absl::MutexLock lock(&r->mu);
     auto done = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) { return r->done; };
@@ -446,10 +452,9 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store
       // are cancelled by the coordinator; each has its own deadline anyway).
       auto idle = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) { return r->store_calls == 0 || r->done; };
       r->mu.Await(absl::Condition(&idle));
-      const absl::Status reason = options.abort_signal->Check();
       if (!r->done) {
         connect.detach();
-        return absl::AbortedError(absl::StrCat("gloo ", what, ": aborted: ", reason.message()));
+        return aborted();
       }
       break;
     }
@@ -457,7 +462,10 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store
   connect.join();
   {
     absl::MutexLock lock(&r->mu);
-    if (!r->status.ok()) return r->status;
+    if (!r->status.ok()) {
+      if (options.abort_signal != nullptr && options.abort_signal->fired()) return aborted();
+      return r->status;
+    }
   }
   c->live_buffers_ = std::make_shared<gloo_detail::LiveBuffers>();
   context->TrackBuffers(c->live_buffers_);

@@ -602,6 +602,37 @@ TEST(Gloo, AnAbortSignalEndsARendezvousInProgress) {
   EXPECT_EQ(aborted, 1) << "rank 0 never was the listening side";
 }
 
+// A store whose wait fires the job's abort signal and fails at once, as the
+// coordinator's cancelled scope does when it aborts a generation.
+class AbortsWhileWaiting final : public Store {
+ public:
+  AbortsWhileWaiting(std::shared_ptr<RendezvousStore> shared, std::shared_ptr<AbortSignal> abort)
+      : inner_(std::move(shared), "scope"), abort_(std::move(abort)) {}
+  absl::Status Set(absl::string_view key, std::string value) override { return inner_.Set(key, std::move(value)); }
+  absl::StatusOr<std::string> Get(absl::string_view key) override { return inner_.Get(key); }
+  absl::StatusOr<std::vector<std::string>> Wait(const std::vector<std::string>&, absl::Duration) override {
+    abort_->Abort(absl::CancelledError("job cancelled"));
+    return absl::CancelledError("scope 'scope' was aborted");
+  }
+
+ private:
+  InMemoryStore inner_;
+  std::shared_ptr<AbortSignal> abort_;
+};
+
+// The rendezvous ends with the store's error before the watching thread
+// looks at the abort signal (it looks every 20 ms): the failure still
+// reports the abort and its reason, not the store's consequence of it.
+TEST(Gloo, ARendezvousThatFailsBecauseOfAnAbortReportsTheAbort) {
+  GlooCommunicator::Options o;
+  o.timeout = absl::Seconds(10);
+  o.abort_signal = std::make_shared<AbortSignal>();
+  AbortsWhileWaiting store(std::make_shared<RendezvousStore>(), o.abort_signal);
+  const absl::Status s = GlooCommunicator::Create(store, 0, 2, o).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("job cancelled"), absl::string_view::npos) << s;
+}
+
 TEST(Gloo, AbortFailsQueuedWorkAndBadArgumentsFailAtOnce) {
   RunRanks(2, [&](int rank, Communicator& comm) {
     std::vector<float> x(4, 1.0f);
