@@ -14,6 +14,7 @@
 // 2 with full recomputation; tp=2 x dp=2 without and with sequence
 // parallelism. Every row's model is the same, written once under
 // --work_dir (random weights in the family's initialization).
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
@@ -25,6 +26,7 @@
 #include "absl/flags/flag.h"
 #include "bench/corpus.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/marshalling.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
@@ -43,6 +45,9 @@ ABSL_FLAG(int, layers, 0, "Layers (default: the model's own: 12 for gpt2-124m, 1
 ABSL_FLAG(int, seq_len, 0, "Tokens per sequence (default 256 for gpt2-124m, 512 for llama-1b); one a replica.");
 ABSL_FLAG(std::string, work_dir, "", "Where the model and the corpus go (default: a temporary directory).");
 ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
+ABSL_FLAG(std::vector<std::string>, rows, {},
+          "Only these rows, by name (comma-separated): dp4, dp4/zero1, dp4/zero2, dp4/full, dp4/selective, "
+          "dp4/zero2+full, tp2dp2, tp2dp2/sp (default: every row).");
 
 namespace colod {
 namespace {
@@ -168,20 +173,27 @@ absl::Status Run() {
   using shardformer::Recompute;
   const std::vector<Row> rows = {
       {"dp4", 1, 4},
-      {"dp4 zero1", 1, 4, false, 1},
-      {"dp4 zero2", 1, 4, false, 2},
-      {"dp4 recompute full", 1, 4, false, 0, Recompute::kFull},
-      {"dp4 recompute selective", 1, 4, false, 0, Recompute::kSelective},
-      {"dp4 zero2 + full", 1, 4, false, 2, Recompute::kFull},
-      {"tp2 dp2", 2, 2},
-      {"tp2 dp2 sp", 2, 2, true},
+      {"dp4/zero1", 1, 4, false, 1},
+      {"dp4/zero2", 1, 4, false, 2},
+      {"dp4/full", 1, 4, false, 0, Recompute::kFull},
+      {"dp4/selective", 1, 4, false, 0, Recompute::kSelective},
+      {"dp4/zero2+full", 1, 4, false, 2, Recompute::kFull},
+      {"tp2dp2", 2, 2},
+      {"tp2dp2/sp", 2, 2, true},
   };
+  const std::vector<std::string> only = absl::GetFlag(FLAGS_rows);
+  for (const std::string& name : only) {
+    if (std::none_of(rows.begin(), rows.end(), [&](const Row& r) { return r.name == name; })) {
+      return absl::InvalidArgumentError(absl::StrCat("--rows: no row is named '", name, "'"));
+    }
+  }
   if (!absl::GetFlag(FLAGS_json)) {
     std::printf("%s (%d layers, %lld tokens a replica), f32, AdamW: MiB per rank, measured / planned\n",
                 name.c_str(), layers, static_cast<long long>(seq));
     std::printf("%-24s %9s %20s %20s %20s\n", "setting", "params", "gradients", "optimizer", "activations");
   }
   for (const Row& r : rows) {
+    if (!only.empty() && std::find(only.begin(), only.end(), r.name) == only.end()) continue;
     ASSIGN_OR_RETURN(Measured m, Measure(r, model, corpus, seq, config, config_json));
     const train::StepStats& s = m.step;
     if (absl::GetFlag(FLAGS_json)) {

@@ -65,6 +65,8 @@ struct ModelConfig {
   bool is_encoder_decoder() const { return num_decoder_layers > 0; }
   // Whether the model reads images [B, C, H, W] (ViT) rather than token ids.
   bool takes_images() const { return image_size > 0; }
+  // Whether queries and keys are rotated (RoPE: LLaMA) before the attention.
+  bool rotary() const { return model_type == "llama"; }
 };
 
 // The most layers a config may declare: far deeper than any published model

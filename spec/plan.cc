@@ -680,9 +680,12 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
   // sequence parallelism, whose gathered inputs are kept too), the
   // row-parallel outputs, norms and residual sums on the stream (whole in
   // 1D, split by rows under sequence parallelism, by rows and features in
-  // 2D), each attention's heads-first q, k, v, its probabilities [b,
-  // heads, s, s], output and merged heads, the MLP's activation (GELU's
-  // input; a gated MLP's act(gate) and product), and the logits.
+  // 2D), the tokens' and positions' lookups and their sum, each
+  // attention's heads-first q, k, v, its probabilities [b, heads, s, s] and
+  // output (the merged heads are a view of it; a fused projection's q, k
+  // and v are views of its output), the rotated q and k where the family
+  // rotates them, the MLP's activation (GELU's input; a gated MLP's
+  // act(gate) and product), and the logits.
   //
   // Activation recomputation (TrainConfig.recompute) changes what the
   // blocks keep: full keeps each block's input (and the last one's output)
@@ -691,13 +694,27 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
   const bool gated = config.activation == "silu" || config.activation == "gated-gelu";
   CheckedSum outside, inside;  // the embeddings', the final norm's and the head's; the blocks'
   // Tokens' and positions' lookups summed (whole under sequence
-  // parallelism, before the split) into the first block's input.
-  const bool summed = std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) {
+  // parallelism, and then split) into the first block's input.
+  // One sum for each positions' table (BERT's token types too).
+  const int64_t sums = std::count_if(leaves.begin(), leaves.end(), [](const PlanLeaf& l) {
     return l.role == Role::kPositions;
   });
-  if (summed && sp) outside.Add({tokens, config.hidden_size, act});
+  if (sums > 0) {
+    outside.Add({sums, sp ? tokens : stream_rows, CeilDiv(config.hidden_size, sp ? 1 : feat_div), act});
+    if (sp) outside.Add({stream_rows, CeilDiv(config.hidden_size, feat_div), act});
+  }
   for (const PlanLeaf& l : leaves) {
     CheckedSum& a = l.name.find('*') != std::string::npos ? inside : outside;
+    if (l.kind == LeafKind::kPatchEmbedding) {
+      // ViT's embeddings, whole on every rank: the unfolded patches the
+      // projection keeps, its output, the CLS rows, and [CLS; patches],
+      // the positions repeated over the batch and their sum.
+      a.Add({tokens - b, l.in, act});
+      a.Add({tokens - b, l.out, act});
+      a.Add({b, l.out, act});
+      a.Add({3, tokens, l.out, act});
+      continue;
+    }
     switch (l.role) {
       case Role::kColumn:
         a.Add({l.count, col_rows, CeilDiv(l.out, col_div), act});
@@ -741,6 +758,7 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
         break;
       case Role::kTiedHead:
       case Role::kVocabHead:
+      case Role::kVocabBias:  // the biased logits (BERT's MLM head)
         // The logits: whole rows in 3D; 2D's are a 1/q of the vocabulary.
         a.Add({col_rows, split.two_d ? CeilDiv(l.out, split.q) : split.VocabRows(l.out), act});
         break;
@@ -750,23 +768,35 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
   }
   const int64_t blocks = stage >= 0 ? stages[stage] : config.num_layers + config.num_decoder_layers;
   const int64_t attentions = stage >= 0 ? stages[stage] : config.num_layers + 2 * config.num_decoder_layers;
-  CheckedSum attention_width;  // q, k, v, the output and the merged heads
-  attention_width.Add({3, config.num_heads, config.head_dim()});
-  attention_width.Add({2, config.num_kv_heads, config.head_dim()});
+  CheckedSum attention_width;  // q, k, v and the output, and the rotated q and k
+  const int64_t rotated = config.rotary() ? 1 : 0;
+  attention_width.Add({2 + rotated, config.num_heads, config.head_dim()});
+  attention_width.Add({2 + rotated, config.num_kv_heads, config.head_dim()});
   ASSIGN_OR_RETURN(const int64_t attention_features, attention_width.Total("the attention's width"));
   inside.Add({blocks, 2, stream_rows, CeilDiv(config.hidden_size, feat_div), act});  // the residual sums
   inside.Add({attentions, col_rows, CeilDiv(attention_features, col_div), 4});
   inside.Add({blocks, gated ? 2 : 1, col_rows, CeilDiv(config.intermediate_size, col_div), act});
+  if (config.relative_buckets > 0) {
+    // T5's position bias, once a stack: the looked-up table [s, s, heads],
+    // each local head's copy and their concatenation [heads, s, s]; a
+    // decoder block's third residual sum (after the cross-attention).
+    const int64_t stacks = config.is_encoder_decoder() ? 2 : 1;
+    outside.Add({stacks, plan.seq_len, plan.seq_len, heads, act});
+    outside.Add({stacks, 2, CeilDiv(heads, head_split), plan.seq_len, plan.seq_len, act});
+    inside.Add({config.num_decoder_layers, stream_rows, CeilDiv(config.hidden_size, feat_div), act});
+  }
+  if (config.is_encoder_decoder() && config.tie_word_embeddings) {
+    outside.Add({stream_rows, CeilDiv(config.hidden_size, feat_div), act});  // the decoder's output scaled for the tied head
+  }
   CheckedSum probs;  // the probabilities, f32
   probs.Add({attentions, CeilDiv(b, split.blocks() ? rows_2d : 1), CeilDiv(heads, head_split), plan.seq_len,
              plan.seq_len, 4});
   const v1::Recompute recompute = train ? c.spec.train().recompute() : v1::RECOMPUTE_NONE;
   if (recompute == v1::RECOMPUTE_FULL) {
-    // Each block's input and the last block's output: the first block's
-    // input is the embeddings' last output (counted above) unless it is a
-    // sum of tokens' and positions' lookups.
+    // Each block's output (the next one's input); the first block's input
+    // is the embeddings' last output, counted above.
     CheckedSum kept;
-    kept.Add({blocks + (summed ? 1 : 0), stream_rows, CeilDiv(config.hidden_size, feat_div), act});
+    kept.Add({blocks, stream_rows, CeilDiv(config.hidden_size, feat_div), act});
     ASSIGN_OR_RETURN(const int64_t inputs, kept.Total("the blocks' inputs"));
     outside.Add({inputs});
   } else {
@@ -1119,7 +1149,7 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
   RETURN_IF_ERROR(PlanBatch(c, plan));
   ASSIGN_OR_RETURN(plan.activation_bytes, PlanActivations(c, plan));
   plan.notes.push_back("activations are an estimate of what the autograd tape holds (every op's output): "
-                       "tested at 85-100 % of a measured step (80 % in 2D)");
+                       "tested at 95-100 % of a measured step in 1D (80-100 % in 2D and 3D)");
 
   // Communication, per micro-batch, then per step.
   CommSum comm;

@@ -213,10 +213,11 @@ TEST_P(PlannedActivations, TheEstimateIsNearWhatTheTapeHolds) {
   const double planned = static_cast<double>(plan->activation_bytes);
   std::cerr << c.name << ": held " << held << " bytes a rank, planned " << planned << " (" << planned / held
             << ")\n";
-  // Every op's output is counted, a few copies are not: the estimate is
-  // low, never high, which the admission floor relies on.
+  // Every op's output is counted, a few copies are not (in 2D and 3D the
+  // blocks' gathers and partial products): the estimate is low, never
+  // high, which the admission floor relies on.
   EXPECT_LE(planned, held);
-  EXPECT_GE(planned, (c.mode == k1D ? 0.85 : 0.8) * held);
+  EXPECT_GE(planned, (c.mode == k1D ? 0.95 : 0.8) * held);
 }
 
 INSTANTIATE_TEST_SUITE_P(

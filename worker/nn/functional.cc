@@ -182,6 +182,22 @@ absl::StatusOr<Variable> Narrow(const Variable& x, int64_t dim, int64_t start, i
                   });
 }
 
+absl::StatusOr<Variable> Select(const Variable& x, int64_t dim, int64_t index) {
+  const Tensor xv = x.value();
+  ASSIGN_OR_RETURN(dim, xv.NormalizeDim(dim));
+  ASSIGN_OR_RETURN(Tensor view, xv.Select(dim, index));
+  const Shape shape = xv.shape();
+  const DType dtype = xv.dtype();
+  const Device device = xv.device();
+  return RecordOp("select", {x}, std::move(view),
+                  [shape, dtype, device, dim, index](const Tensor& dy) -> absl::StatusOr<Grads> {
+                    ASSIGN_OR_RETURN(Tensor dx, Tensor::Zeros(shape, dtype, device));
+                    ASSIGN_OR_RETURN(Tensor place, dx.Select(dim, index));
+                    RETURN_IF_ERROR(place.CopyFrom(dy));
+                    return Grads{dx};
+                  });
+}
+
 absl::StatusOr<Variable> Cat(const std::vector<Variable>& parts, int64_t dim) {
   if (parts.empty()) return absl::InvalidArgumentError("Cat of no tensors");
   std::vector<Tensor> values;

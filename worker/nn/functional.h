@@ -42,6 +42,11 @@ absl::StatusOr<Variable> Reshape(const Variable& x, const Shape& shape);
 // x[.., start:start+length, ..] along `dim` (a copy); the backward puts
 // the gradient back in place, zeros elsewhere.
 absl::StatusOr<Variable> Narrow(const Variable& x, int64_t dim, int64_t start, int64_t length);
+// x[.., index, ..] along `dim`, the dimension removed: a strided view of x
+// (no copy; x's storage stays alive), for consumers that take strided
+// operands (the attentions: q, k and v out of one fused projection). The
+// backward puts the gradient back in place, zeros elsewhere.
+absl::StatusOr<Variable> Select(const Variable& x, int64_t dim, int64_t index);
 // Concatenation along `dim`; the backward narrows the gradient.
 absl::StatusOr<Variable> Cat(const std::vector<Variable>& parts, int64_t dim);
 // x + b over the last dim.
@@ -82,7 +87,9 @@ absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Tensor& labe
 // Causal scaled-dot-product attention, per batch and head: q [B, S, Hq, D],
 // k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query attention:
 // query head h reads kv head h / (Hq / Hkv)); out [B, S, Hq, D] =
-// softmax(q k^T * scale, causal) v. INVALID_ARGUMENT for mismatched shapes.
+// softmax(q k^T * scale, causal) v. q, k and v may be strided views (nn::Select
+// of a fused projection); out is contiguous. INVALID_ARGUMENT for
+// mismatched shapes.
 absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, const Variable& v, float scale);
 // The same with or without the causal mask (BERT's attention is bidirectional).
 // kAuto runs the fused kernel (ops::FusedAttention: one launch forward, two

@@ -106,6 +106,43 @@ INSTANTIATE_TEST_SUITE_P(MasksAndImpls, AttentionTest,
                                   (std::get<1>(info.param) == AttentionImpl::kFused ? "_fused" : "_per_head");
                          });
 
+// q, k and v as strided views of one packed projection [B, S, 3, H, D]
+// (GPT-2's c_attn; nn::Select, no copies): the same output and gradients,
+// bitwise, as the attention of contiguous copies, the gradient landing in
+// the packed tensor's three parts.
+TEST_P(AttentionTest, StridedOperandsOfAPackedProjectionGiveTheContiguousResult) {
+  const bool causal = std::get<0>(GetParam());
+  const AttentionImpl impl = std::get<1>(GetParam());
+  const int64_t batch = 2, seq = 5, heads = 2, d = 4;
+  const Tensor packed = *Tensor::RandomNormal({batch, seq, 3, heads, d}, 7);
+  const Tensor r = *Tensor::RandomNormal({batch, seq, heads, d}, 8);
+  Variable vp(packed, true);
+  Variable parts[3];
+  for (int i = 0; i < 3; ++i) {
+    auto part = Select(vp, 2, i);
+    ASSERT_TRUE(part.ok()) << part.status();
+    EXPECT_FALSE(part->value().is_contiguous());
+    EXPECT_TRUE(part->value().SharesStorageWith(packed)) << "a view, not a copy";
+    parts[i] = *part;
+  }
+  auto out = Attention(parts[0], parts[1], parts[2], 0.5f, causal, impl);
+  ASSERT_TRUE(out.ok()) << out.status();
+  ASSERT_TRUE(Backward(*Sum(*Mul(*out, Variable(r)))).ok());
+
+  Variable copies[3];
+  for (int i = 0; i < 3; ++i) copies[i] = Variable(packed.Select(2, i)->Contiguous().Clone(), true);
+  auto want = Attention(copies[0], copies[1], copies[2], 0.5f, causal, impl);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_TRUE(Backward(*Sum(*Mul(*want, Variable(r)))).ok());
+  EXPECT_EQ(out->value().ToFloats(), want->value().ToFloats());
+  ASSERT_TRUE(vp.grad().has_value());
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(vp.grad()->Select(2, i)->ToFloats(), copies[i].grad()->ToFloats()) << "part " << i;
+  }
+  EXPECT_EQ(Select(vp, 2, 3).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Select(vp, 5, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // T5's buckets (32 of them, max_distance 128) at every relative position in
 // [-140, 140]: the first position of each bucket, as transformers'
 // _relative_position_bucket gives them in torch's f32 arithmetic (worked out

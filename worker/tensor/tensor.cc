@@ -273,6 +273,20 @@ absl::StatusOr<Tensor> Tensor::Transpose(int64_t d0, int64_t d1) const {
   return Tensor(storage_, dtype_, std::move(shape), std::move(strides), offset_);
 }
 
+absl::StatusOr<Tensor> Tensor::Select(int64_t d, int64_t index) const {
+  ASSIGN_OR_RETURN(int64_t nd, NormalizeDim(d));
+  if (index < 0 || index >= shape_[nd]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("select ", index, " of dim ", nd, " with size ", shape_[nd]));
+  }
+  Shape shape = shape_;
+  std::vector<int64_t> strides = strides_;
+  const int64_t offset = offset_ + index * strides_[nd];
+  shape.erase(shape.begin() + nd);
+  strides.erase(strides.begin() + nd);
+  return Tensor(storage_, dtype_, std::move(shape), std::move(strides), offset);
+}
+
 Tensor Tensor::Clone() const {
   Tensor out = OrDie(Empty(shape_, dtype_, device()), "Tensor::Clone");
   OrDie(CopyOnDevice(storage_->kernels(), *this, out), "Tensor::Clone");

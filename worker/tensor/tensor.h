@@ -91,6 +91,9 @@ class Tensor {
   // dim, its size and the part count, when the size is not divisible.
   absl::StatusOr<Tensor> Chunk(int64_t d, int64_t parts, int64_t index) const;
   absl::StatusOr<Tensor> Transpose(int64_t d0, int64_t d1) const;
+  // Element `index` of dimension d, that dimension removed (PyTorch's
+  // select): a strided view, contiguous only where d's slices are.
+  absl::StatusOr<Tensor> Select(int64_t d, int64_t index) const;
 
   // Copies.
   Tensor Contiguous() const;  // a handle to this tensor if already contiguous

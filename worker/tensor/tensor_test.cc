@@ -40,6 +40,23 @@ TEST(Tensor, NarrowIsAViewThatWritesThrough) {
   EXPECT_EQ(t.Narrow(1, 4, 2).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(Tensor, SelectDropsTheDimensionAndWritesThrough) {
+  Tensor t = Iota({2, 3, 4});  // element (a, b, c) is 1 + 12a + 4b + c
+  Tensor mid = *t.Select(1, 2);
+  EXPECT_EQ(mid.shape(), (Shape{2, 4}));
+  EXPECT_FALSE(mid.is_contiguous());
+  EXPECT_TRUE(mid.SharesStorageWith(t));
+  EXPECT_EQ(mid.ToFloats(), (std::vector<float>{9, 10, 11, 12, 21, 22, 23, 24}));
+  EXPECT_EQ(t.Select(-1, 3)->ToFloats(), (std::vector<float>{4, 8, 12, 16, 20, 24}));
+  EXPECT_TRUE(t.Select(0, 1)->is_contiguous());
+  ASSERT_TRUE(mid.CopyFrom(*Tensor::Zeros({2, 4}, DType::kF32)).ok());
+  EXPECT_EQ(t.ToFloats()[8], 0.0f);
+  EXPECT_EQ(t.ToFloats()[7], 8.0f);
+  EXPECT_EQ(t.Select(1, 3).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.Select(1, -1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.Select(3, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Tensor, ChunkAndCatAreInverse) {
   Tensor t = Iota({6, 10});
   for (int64_t d : {0, 1}) {
