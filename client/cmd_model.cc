@@ -182,6 +182,11 @@ int RunPlan(const std::vector<std::string>&) {
   auto parsed = TrainSpecFromFlags(/*require_data=*/false);
   if (!parsed.ok()) return Usage(absl::StrCat("plan: ", parsed.status().message()));
   const v1::JobSpec& spec = *parsed;
+  // The attention keeps less on CUDA workers (the fused kernel keeps no
+  // probabilities).
+  auto cuda = CudaFromFlags();
+  if (!cuda.ok()) return Usage(absl::StrCat("plan: ", cuda.status().message()));
+  const PlanDevice device = *cuda ? PlanDevice::kCuda : PlanDevice::kCpu;
   auto config = ReadModelConfig(absl::GetFlag(FLAGS_model));
   if (!config.ok()) return Fail(config.status());
   const int world = absl::GetFlag(FLAGS_world);
@@ -195,7 +200,7 @@ int RunPlan(const std::vector<std::string>&) {
       if (!parsed.ok()) return Usage(std::string(parsed.status().message()));
       memory = *parsed;
     }
-    auto search = RankLayouts(*config, spec, world, memory);
+    auto search = RankLayouts(*config, spec, world, memory, device);
     if (!search.ok()) return Fail(search.status());
     if (json) {
       nlohmann::json fits = nlohmann::json::array();
@@ -220,7 +225,7 @@ int RunPlan(const std::vector<std::string>&) {
     for (const std::string& r : search->refused) std::printf("left out: %s\n", r.c_str());
     return search->fits.empty() ? 1 : 0;
   }
-  auto plan = PlanJob(*config, spec);
+  auto plan = PlanJob(*config, spec, device);
   if (!plan.ok()) return Fail(plan.status());
   if (json) {
     nlohmann::json j = PlanJson(*plan);
@@ -326,8 +331,9 @@ constexpr Command kCommands[] = {
      "              [--depth D] [--sequence-parallel] [--batch-size B] [--seq-len L]\n"
      "              [--micro-batches M] [--precision auto|fp32|bf16|fp16] [--optimizer adamw|sgd]\n"
      "              [--bucket-mb MB] [--zero 0|1|2] [--recompute none|full|selective]\n"
-     "              [--output json]. With pipeline stages the plan is the\n"
-     "              fullest stage's, with the 1F1B bubble (P - 1) / (M + P - 1).\n"
+     "              [--device cpu|cuda] [--output json]. With pipeline stages the plan is the\n"
+     "              fullest stage's, with the 1F1B bubble (P - 1) / (M + P - 1). --device\n"
+     "              cuda plans the fused attention (no [S, S] probabilities kept).\n"
      "              With --world N [--memory-per-rank 80GiB]: every layout of N ranks\n"
      "              (tp x pp x dp in 1d, 2d, 2.5d and 3d; pp for gpt2 and llama, equal stages\n"
      "              with the given --micro-batches) the model takes that fits, least\n"

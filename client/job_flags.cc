@@ -76,6 +76,7 @@ ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
 ABSL_FLAG(std::string, device, "cpu",
           "forward, train: cpu (ranks as threads over Gloo) or cuda (rank r on CUDA device r, over NCCL). "
+          "plan: the workers the job is planned for (cuda: the fused attention). "
           "local: the workers' device (cuda: worker i on CUDA device i, a process each).");
 ABSL_FLAG(std::string, name, "", "submit, train: the job's name (default: the model directory's name).");
 ABSL_FLAG(int32_t, max_restarts, -1,

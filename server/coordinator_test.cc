@@ -201,9 +201,9 @@ TEST_F(CoordinatorTest, SubmitRefusesModelsNoWorkerCanHold) {
   auto refused = client_->SubmitJob(spec);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(refused.status().message(),
-                                "spec.model: this job needs at least 11.70 GiB per rank (1557611200 parameters, 779894400 "
+                                "spec.model: this job needs at least 11.69 GiB per rank (1557611200 parameters, 779894400 "
                                 "on the fullest rank: 1.45 GiB of parameters, 1.45 GiB of gradients, 8.72 GiB of optimizer "
-                                "state, 0.07 GiB of activations), and the largest of the 2 registered workers has 8.00 GiB"))
+                                "state, 0.06 GiB of activations), and the largest of the 2 registered workers has 8.00 GiB"))
       << refused.status();
   spec.mutable_shard()->set_tensor_parallel_size(4);  // 5.90 GiB per rank: the 8 GiB worker will do
   ASSERT_TRUE(client_->SubmitJob(spec).ok());

@@ -341,12 +341,15 @@ absl::StatusOr<RankMemoryFloor> MemoryFloorPerRank(const ModelConfig& config, co
   if (train) {
     // A training step's activations (the planner's estimate, which
     // measured steps never fall below), in bf16 where the precision is left
-    // to the workers. A spec the plan refuses (a batch that does not split)
-    // is refused by validation; its floor leaves them out.
+    // to the workers, on whichever device keeps fewer (the job may run on
+    // CPU or CUDA workers). A spec the plan refuses (a batch that does not
+    // split) is refused by validation; its floor leaves them out.
     v1::JobSpec planned = spec;
     if (precision == v1::PRECISION_UNSPECIFIED) planned.mutable_train()->set_precision(v1::PRECISION_BF16_MIXED);
-    if (absl::StatusOr<JobPlan> plan = PlanJob(config, planned); plan.ok()) {
-      floor.activation_bytes = plan->activation_bytes;
+    absl::StatusOr<JobPlan> cpu = PlanJob(config, planned, PlanDevice::kCpu);
+    absl::StatusOr<JobPlan> cuda = PlanJob(config, planned, PlanDevice::kCuda);
+    if (cpu.ok() && cuda.ok()) {
+      floor.activation_bytes = std::min(cpu->activation_bytes, cuda->activation_bytes);
       total.Add({floor.activation_bytes});
     }
   }

@@ -67,6 +67,9 @@ struct ModelConfig {
   bool takes_images() const { return image_size > 0; }
   // Whether queries and keys are rotated (RoPE: LLaMA) before the attention.
   bool rotary() const { return model_type == "llama"; }
+  // Whether q, k and v come out of one fused projection, the attention
+  // reading them as strided views of its output (GPT-2, BLOOM).
+  bool packed_qkv() const { return model_type == "gpt2" || model_type == "bloom"; }
 };
 
 // The most layers a config may declare: far deeper than any published model

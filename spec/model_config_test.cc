@@ -216,17 +216,22 @@ TEST(ModelConfig, TheMemoryFloorPerRank) {
   EXPECT_EQ(adam->parameters, p);
   EXPECT_EQ(adam->rank_parameters, r);
   EXPECT_EQ(adam->param_bytes, r * 2);
-  // A training step's activations on top: the plan's, in bf16 (8 sequences of 64 tokens, 4 a replica).
+  // A training step's activations on top: the plan's, in bf16 (8 sequences
+  // of 64 tokens, 4 a replica), for CUDA workers, whose fused attention
+  // keeps fewer than the CPU's (the job may run on either).
   v1::JobSpec bf16 = spec;
   bf16.mutable_train()->set_precision(v1::PRECISION_BF16_MIXED);
-  auto plan = PlanJob(*llama, bf16);
+  auto plan = PlanJob(*llama, bf16, PlanDevice::kCuda);
   ASSERT_TRUE(plan.ok()) << plan.status();
+  auto cpu = PlanJob(*llama, bf16, PlanDevice::kCpu);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
   EXPECT_GT(plan->activation_bytes, 0);
+  EXPECT_LT(plan->activation_bytes, cpu->activation_bytes);
   EXPECT_EQ(adam->activation_bytes, plan->activation_bytes);
   EXPECT_EQ(adam->total_bytes, r * 16 + plan->activation_bytes);
   spec.mutable_train()->set_precision(v1::PRECISION_FP32);  // 4 + 4 + 4 + 4
   auto f32 = MemoryFloorPerRank(*llama, spec);
-  EXPECT_EQ(f32->total_bytes, r * 16 + PlanJob(*llama, spec)->activation_bytes);
+  EXPECT_EQ(f32->total_bytes, r * 16 + PlanJob(*llama, spec, PlanDevice::kCuda)->activation_bytes);
   EXPECT_GT(f32->activation_bytes, adam->activation_bytes);
   spec.mutable_train()->set_optimizer(v1::OPTIMIZER_SGD);  // 4 + 4 + 4
   EXPECT_EQ(MemoryFloorPerRank(*llama, spec)->total_bytes, r * 12 + f32->activation_bytes);

@@ -575,6 +575,7 @@ struct StageContext {
   int64_t rows_2d = 1, rows_div = 1, feat_div = 1;
   int64_t col_rows = 0, col_div = 1;  // a column-parallel output's rows, and its features' split
   int64_t stream_rows = 0;            // the residual stream's rows on a rank
+  PlanDevice device = PlanDevice::kCpu;
 };
 
 // The layout's checks the planner makes beyond CheckShardable: the modes and
@@ -768,13 +769,26 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
   }
   const int64_t blocks = stage >= 0 ? stages[stage] : config.num_layers + config.num_decoder_layers;
   const int64_t attentions = stage >= 0 ? stages[stage] : config.num_layers + 2 * config.num_decoder_layers;
-  CheckedSum attention_width;  // q, k, v and the output, and the rotated q and k
+  // What each attention keeps a row, in bytes: its output (the merged
+  // heads are a view of it), the rotated q and k where the family rotates
+  // them, and the kernel's operands: the per-head GEMMs' heads-first f32 q,
+  // k and v, or the fused kernel's contiguous copies of strided ones (a
+  // packed projection's views; contiguous operands are the tensors
+  // themselves) and each query row's log-sum-exp (below).
+  const int64_t hd = config.head_dim(), kv_heads = config.num_kv_heads;
   const int64_t rotated = config.rotary() ? 1 : 0;
-  attention_width.Add({2 + rotated, config.num_heads, config.head_dim()});
-  attention_width.Add({2 + rotated, config.num_kv_heads, config.head_dim()});
-  ASSIGN_OR_RETURN(const int64_t attention_features, attention_width.Total("the attention's width"));
+  const bool fused = c.device == PlanDevice::kCuda && hd <= kPlanMaxFusedHeadDim;
+  CheckedSum attention_row;
+  attention_row.Add({1 + rotated, heads, hd, act});
+  attention_row.Add({rotated, kv_heads, hd, act});
+  if (!fused || config.packed_qkv()) {
+    const int64_t bytes = fused ? act : 4;
+    attention_row.Add({heads, hd, bytes});
+    attention_row.Add({2, kv_heads, hd, bytes});
+  }
+  ASSIGN_OR_RETURN(const int64_t attention_row_bytes, attention_row.Total("the attention's width"));
   inside.Add({blocks, 2, stream_rows, CeilDiv(config.hidden_size, feat_div), act});  // the residual sums
-  inside.Add({attentions, col_rows, CeilDiv(attention_features, col_div), 4});
+  inside.Add({attentions, col_rows, CeilDiv(attention_row_bytes, col_div)});
   inside.Add({blocks, gated ? 2 : 1, col_rows, CeilDiv(config.intermediate_size, col_div), act});
   if (config.relative_buckets > 0) {
     // T5's position bias, once a stack: the looked-up table [s, s, heads],
@@ -788,9 +802,13 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
   if (config.is_encoder_decoder() && config.tie_word_embeddings) {
     outside.Add({stream_rows, CeilDiv(config.hidden_size, feat_div), act});  // the decoder's output scaled for the tied head
   }
-  CheckedSum probs;  // the probabilities, f32
-  probs.Add({attentions, CeilDiv(b, split.blocks() ? rows_2d : 1), CeilDiv(heads, head_split), plan.seq_len,
-             plan.seq_len, 4});
+  CheckedSum probs;  // the per-head GEMMs' probabilities, f32
+  const int64_t attention_batch = CeilDiv(b, split.blocks() ? rows_2d : 1);
+  if (fused) {
+    inside.Add({attentions, attention_batch, CeilDiv(heads, head_split), plan.seq_len, 4});  // the log-sum-exps
+  } else {
+    probs.Add({attentions, attention_batch, CeilDiv(heads, head_split), plan.seq_len, plan.seq_len, 4});
+  }
   const v1::Recompute recompute = train ? c.spec.train().recompute() : v1::RECOMPUTE_NONE;
   if (recompute == v1::RECOMPUTE_FULL) {
     // Each block's output (the next one's input); the first block's input
@@ -1112,13 +1130,14 @@ absl::Status PlanCommPipeline(const StageContext& c, CommSum& comm) {
 // The plan of one rank of pipeline stage `stage` (-1: no pipeline): the
 // checks, then the model's memory, the batch, the activations and the
 // communication, each its own part.
-absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& spec, int stage) {
+absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& spec, int stage, PlanDevice device) {
   JobPlan plan;
   if (spec.kind() == v1::JOB_KIND_TENSOR) return plan;
   const v1::ShardConfig& layout = spec.shard();
   RETURN_IF_ERROR(CheckShardable(config, layout));
   StageContext c{config, spec};
   c.stage = stage;
+  c.device = device;
   c.train = spec.kind() == v1::JOB_KIND_TRAIN;
   c.dp = std::max(1, layout.data_parallel_size());
   c.pp = std::max(1, layout.pipeline_parallel_size());
@@ -1178,13 +1197,13 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
 
 }  // namespace
 
-absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& spec) {
+absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& spec, PlanDevice device) {
   const int pp = std::max(1, spec.shard().pipeline_parallel_size());
-  if (pp == 1 || spec.kind() == v1::JOB_KIND_TENSOR) return PlanStage(config, spec, -1);
+  if (pp == 1 || spec.kind() == v1::JOB_KIND_TENSOR) return PlanStage(config, spec, -1, device);
   // The fullest stage: the one a layout must fit.
   std::optional<JobPlan> fullest;
   for (int s = 0; s < pp; ++s) {
-    ASSIGN_OR_RETURN(JobPlan p, PlanStage(config, spec, s));
+    ASSIGN_OR_RETURN(JobPlan p, PlanStage(config, spec, s, device));
     if (!fullest.has_value() || p.total_bytes > fullest->total_bytes) fullest = std::move(p);
   }
   fullest->bubble_fraction = static_cast<double>(pp - 1) / static_cast<double>(fullest->micro_batches + pp - 1);
@@ -1205,7 +1224,7 @@ std::string LayoutName(const v1::ShardConfig& s) {
 }
 
 absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::JobSpec& spec, int world,
-                                         int64_t memory_per_rank) {
+                                         int64_t memory_per_rank, PlanDevice device) {
   if (world < 1 || world > 65536) return absl::InvalidArgumentError("world must be between 1 and 65536 ranks");
   LayoutSearch search;
   // Pipeline stages where the spec trains a family that has them (one
@@ -1257,7 +1276,7 @@ absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::Jo
       tp_only.set_pipeline_parallel_size(1);
       if (!DeviceMesh::FromShardConfig(tp_only).ok()) continue;  // not a square (cube) number of ranks
     }
-    absl::StatusOr<JobPlan> plan = PlanJob(config, candidate);
+    absl::StatusOr<JobPlan> plan = PlanJob(config, candidate, device);
     if (!plan.ok()) {
       search.refused.push_back(absl::StrCat(name, ": ", plan.status().message()));
       continue;

@@ -141,7 +141,16 @@ struct JobPlan {
 // micro_batches, precision and optimizer are read; a FORWARD spec plans one
 // sequence of max positions per replica unless its train section gives a
 // batch and a length. TENSOR jobs plan to zero.
-absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& spec);
+// Where the ranks compute, which decides what the attention keeps for its
+// backward: the CPU's per-head GEMMs keep f32 heads-first q, k, v and the
+// [S, S] probabilities; the fused CUDA kernel keeps its operands (a copy
+// only of strided ones), its output and each query row's log-sum-exp.
+enum class PlanDevice { kCpu, kCuda };
+// The largest head dim the fused CUDA attention takes (kernels::
+// kMaxFusedHeadDim, which plan_test holds it to); larger ones run per head.
+inline constexpr int64_t kPlanMaxFusedHeadDim = 256;
+absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& spec,
+                                PlanDevice device = PlanDevice::kCpu);
 
 // Every layout of `world` ranks (tp x pp x dp = world, in each mode whose
 // mesh fits: 1d, 2d (tp = q^2), 2.5d (tp = depth q^2, depth 2 and up), 3d
@@ -160,7 +169,7 @@ struct LayoutSearch {
   std::vector<std::string> refused;  // "tp8 x dp1 1d: tensor_parallel_size 8 must divide the 12 attention heads ..."
 };
 absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::JobSpec& spec, int world,
-                                         int64_t memory_per_rank);
+                                         int64_t memory_per_rank, PlanDevice device = PlanDevice::kCpu);
 
 // "tp2 x dp2 1d", "tp8 x dp1 2.5d depth 2", with " sp" for sequence
 // parallelism: how coloctl and the plan's refusals name a layout.

@@ -12,9 +12,12 @@
 
 #include "common/status_macros.h"
 #include "gtest/gtest.h"
+#include "kernels/device.h"
+#include "kernels/types.h"
 #include "tests/testing/heap.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/colo/testing.h"
+#include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/shardformer.h"
 #include "worker/shardformer/testing.h"
 
@@ -241,6 +244,98 @@ INSTANTIATE_TEST_SUITE_P(
                       ActivationCase{"gpt2_selective", testing::WriteTinyGpt2, 1, false, k1D, v1::RECOMPUTE_SELECTIVE},
                       ActivationCase{"llama_tp2_full", testing::WriteTinyLlama, 2, false, k1D, v1::RECOMPUTE_FULL},
                       ActivationCase{"gpt2_tp2_sp_full", testing::WriteTinyGpt2, 2, true, k1D, v1::RECOMPUTE_FULL}),
+    [](const ::testing::TestParamInfo<ActivationCase>& info) { return info.param.name; });
+
+// The same on CUDA devices (the emulation in CI): what a training forward
+// leaves in each rank's device pool (colod_device_pool_bytes' used bytes)
+// against the plan for CUDA workers, whose fused attention keeps no
+// probabilities. The CPU plan of the same job is far above it.
+class PlannedActivationsOnCuda : public ::testing::TestWithParam<ActivationCase> {};
+
+TEST_P(PlannedActivationsOnCuda, TheEstimateIsNearWhatTheDevicePoolHolds) {
+  static_assert(kPlanMaxFusedHeadDim == kernels::kMaxFusedHeadDim, "the planner's fused head dims are the kernel's");
+  const ActivationCase& c = GetParam();
+  if (kernels::CudaDeviceCount() < c.tp) GTEST_SKIP() << "needs " << c.tp << " CUDA devices";
+  testing::TinyOptions o;
+  o.vocab = 512;
+  o.hidden = 128;
+  o.heads = 4;
+  o.layers = 2;
+  o.positions = 128;
+  o.kv_heads = 2;
+  o.intermediate = 384;
+  o.tie = true;
+  auto model = c.write(TempPath("plan_cuda_" + c.name), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const int64_t batch = 4, seq = 128;
+  v1::JobSpec spec = Train(c.tp, 1, c.mode);
+  spec.mutable_train()->set_batch_size(batch);
+  spec.mutable_train()->set_seq_len(seq);
+  auto plan = PlanJob(model->config, spec, PlanDevice::kCuda);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto cpu_plan = PlanJob(model->config, spec, PlanDevice::kCpu);
+  ASSERT_TRUE(cpu_plan.ok()) << cpu_plan.status();
+  ShardConfig shard;
+  shard.layout = spec.shard();
+  const Tensor ids = testing::TokenIds(batch, seq, o.vocab, 5);
+  std::mutex mu;
+  int64_t held = 0;  // over the ranks
+  const absl::Status ran = RunOnLocalRanks(
+      shard, /*cuda=*/true,
+      [&](int rank, ProcessGroup& pg, const ShardConfig& on_device) -> absl::Status {
+        ASSIGN_OR_RETURN(std::unique_ptr<ShardedModel> sharded, ShardFormer(on_device, &pg).Load(model->dir));
+        {  // a first step makes the communicators, the gradients and the kernels' workspaces
+          ASSIGN_OR_RETURN(LmLoss loss, ForwardLoss(*sharded, ids, Tensor()));
+          RETURN_IF_ERROR(Backward(loss.loss));
+        }
+        RETURN_IF_ERROR(pg.Barrier());
+        ASSIGN_OR_RETURN(kernels::CudaPoolBytes before, kernels::GetCudaPoolBytes(rank));
+        ASSIGN_OR_RETURN(LmLoss loss, ForwardLoss(*sharded, ids, Tensor()));
+        ASSIGN_OR_RETURN(kernels::CudaPoolBytes after, kernels::GetCudaPoolBytes(rank));
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          held += after.used - before.used;
+        }
+        RETURN_IF_ERROR(pg.Barrier());
+        return Backward(loss.loss);
+      },
+      absl::Minutes(2));
+  ASSERT_TRUE(ran.ok()) << ran;
+  const double per_rank = static_cast<double>(held) / c.tp;
+  const double planned = static_cast<double>(plan->activation_bytes);
+  std::cerr << c.name << ": held " << per_rank << " device bytes a rank, planned " << planned << " ("
+            << planned / per_rank << "), planned for CPU workers " << cpu_plan->activation_bytes << "\n";
+  EXPECT_LE(planned, per_rank);
+  EXPECT_GE(planned, 0.95 * per_rank);
+  EXPECT_GT(cpu_plan->activation_bytes, plan->activation_bytes) << "the per-head attention keeps the probabilities";
+}
+
+// Selective recomputation drops the probabilities, which the fused CUDA
+// attention never keeps: on CUDA workers it plans as the plain run; on the
+// CPU it saves exactly the f32 [b, heads, s, s] of each attention.
+TEST(Plan, SelectiveRecomputationSavesTheProbabilitiesOnlyWhereTheyAreKept) {
+  testing::TinyOptions o;
+  auto model = testing::WriteTinyGpt2(TempPath("plan_selective_cuda"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  v1::JobSpec plain = Train(1, 1);
+  v1::JobSpec selective = plain;
+  selective.mutable_train()->set_recompute(v1::RECOMPUTE_SELECTIVE);
+  auto bytes = [&](const v1::JobSpec& spec, PlanDevice device) {
+    auto plan = PlanJob(model->config, spec, device);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return plan.ok() ? plan->activation_bytes : 0;
+  };
+  EXPECT_EQ(bytes(selective, PlanDevice::kCuda), bytes(plain, PlanDevice::kCuda));
+  const int64_t probs = model->config.num_layers * 16 * model->config.num_heads * 16 * 16 * 4;  // batch 16, seq 16
+  EXPECT_EQ(bytes(plain, PlanDevice::kCpu) - bytes(selective, PlanDevice::kCpu), probs);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, PlannedActivationsOnCuda,
+    ::testing::Values(ActivationCase{"gpt2_tp1", testing::WriteTinyGpt2, 1},
+                      ActivationCase{"gpt2_tp2", testing::WriteTinyGpt2, 2},
+                      ActivationCase{"llama_tp1", testing::WriteTinyLlama, 1},
+                      ActivationCase{"bloom_tp1", testing::WriteTinyBloom, 1}),
     [](const ::testing::TestParamInfo<ActivationCase>& info) { return info.param.name; });
 
 v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode) {
