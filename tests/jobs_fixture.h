@@ -111,8 +111,10 @@ class JobsTest : public ::testing::Test {
   // Submits a long TRAIN job (tp=2 x dp=2; restarts as given) and returns
   // its id once rank 0 reported step 2; "" (and a test failure) if it did not
   // within 60 s.
-  std::string StartLongJob(int max_restarts = 0) {
-    v1::JobSpec spec = Spec(Options(100000));
+  std::string StartLongJob(int max_restarts = 0, int zero_stage = 0) {
+    train::TrainOptions o = Options(100000);
+    o.zero_stage = zero_stage;
+    v1::JobSpec spec = Spec(o);
     spec.mutable_restart()->set_max_restarts(max_restarts);
     auto job = client_->SubmitJob(spec);
     if (!job.ok()) {
@@ -146,9 +148,9 @@ class JobsTest : public ::testing::Test {
     v1::MeshSpec mesh;
     int worker = -1;
   };
-  LongJob StartLongJobOn(int rank) {
+  LongJob StartLongJobOn(int rank, int zero_stage = 0) {
     LongJob out;
-    out.job_id = StartLongJob();
+    out.job_id = StartLongJob(/*max_restarts=*/0, zero_stage);
     if (out.job_id.empty()) return out;
     auto mesh = client_->GetMesh(out.job_id);
     if (!mesh.ok()) {

@@ -447,9 +447,12 @@ TEST_F(JobsTest, AStoppedPeerFailsTheJobAndTheHealthyWorkersAreIdleWithinSeconds
 // job wrote a checkpoint; the job goes RESTARTING naming the rank and the
 // worker, waits for a fourth worker (one joins), is placed again under
 // generation 2, resumes from the newest checkpoint and SUCCEEDS with the
-// losses of the uninterrupted run, bit for bit, every step.
+// losses of the uninterrupted run, bit for bit, every step. The run uses
+// ZeRO 2 (tp=2 x dp=2): the killed rank held half of its tp shard's
+// optimizer state and gradients, which the checkpoint's partitions restore.
 TEST_F(JobsTest, AWorkerKilledMidRunRestartsTheJobWhichSucceedsWithTheUninterruptedLosses) {
   train::TrainOptions o = Options(60);
+  o.zero_stage = 2;
   std::vector<double> want;
   ASSERT_TRUE(train::Train(o, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
   v1::JobSpec spec = Spec(o);
@@ -554,7 +557,9 @@ class JobsHangTest : public JobsTest {
 // status`, and in colod_collective_hangs_total. The ranks that end dump
 // their flight recorders.
 TEST_F(JobsHangTest, AStoppedRankIsNamedAsTheOneThatHasNotEnteredTheCollective) {
-  const LongJob run = StartLongJobOn(2);
+  // Under ZeRO 2: the dp collectives are the gradients' reduce-scatters and
+  // the updated weights' all-gathers.
+  const LongJob run = StartLongJobOn(2, /*zero_stage=*/2);
   ASSERT_GE(run.worker, 0);
   const std::string& job_id = run.job_id;
   const v1::MeshSpec& mesh = run.mesh;
