@@ -169,6 +169,7 @@ nlohmann::json PlanJson(const JobPlan& p) {
           {"batch_size", p.batch_size},
           {"seq_len", p.seq_len},
           {"micro_batches", p.micro_batches},
+          {"grad_accum", p.grad_accum},
           {"pipeline_stage", p.pipeline_stage},
           {"bubble_fraction", p.bubble_fraction},
           {"comm", comm},
@@ -234,9 +235,10 @@ int RunPlan(const std::vector<std::string>&) {
     return 0;
   }
   const v1::TrainConfig& t = spec.train();
-  std::printf("%s, %lld parameters, %s: %lld sequences x %lld tokens a step, %lld micro-batch%s, %s, %s\n",
+  std::printf("%s, %lld parameters, %s: %lld sequences x %lld tokens a %s, %lld micro-batch%s, %s, %s\n",
               config->model_type.c_str(), static_cast<long long>(plan->parameters), LayoutName(spec.shard()).c_str(),
               static_cast<long long>(plan->batch_size), static_cast<long long>(plan->seq_len),
+              plan->grad_accum > 1 ? absl::StrCat("pass, ", plan->grad_accum, " passes a step").c_str() : "step",
               static_cast<long long>(plan->micro_batches), plan->micro_batches == 1 ? "" : "es",
               t.precision() == v1::PRECISION_BF16_MIXED   ? "bf16 mixed"
               : t.precision() == v1::PRECISION_FP16_MIXED ? "fp16 mixed"
@@ -299,6 +301,8 @@ constexpr Command kCommands[] = {
      "              optimizer state on rank 0). --model DIR --data FILE [--steps N]\n"
      "              [--batch-size B] [--seq-len L] [--lr LR] [--optimizer adamw|sgd]\n"
      "              [--tp T] [--dp D] [--mode ...] [--micro-batches M] [--warmup-steps W]\n"
+     "              [--grad-accum N (N passes of --batch-size sequences a step, as one step on\n"
+     "              N times the batch; the dp gradients reduced once)]\n"
      "              [--pp P [--pp-layers N,N,...] (pipeline stages, gpt2 and llama: each holds a run\n"
      "              of the layers and a step runs 1F1B over the micro-batches; world = tp * pp * dp)]\n"
      "              [--clip-norm C] [--seed S] [--device cpu|cuda]\n"
@@ -329,7 +333,7 @@ constexpr Command kCommands[] = {
      "              sent under ring algorithms). --model DIR (config.json is enough)\n"
      "              [--tp T] [--dp D] [--pp P [--pp-layers N,...]] [--mode 1d|2d|2.5d|3d]\n"
      "              [--depth D] [--sequence-parallel] [--batch-size B] [--seq-len L]\n"
-     "              [--micro-batches M] [--precision auto|fp32|bf16|fp16] [--optimizer adamw|sgd]\n"
+     "              [--micro-batches M] [--grad-accum N] [--precision auto|fp32|bf16|fp16] [--optimizer adamw|sgd]\n"
      "              [--bucket-mb MB] [--zero 0|1|2] [--recompute none|full|selective]\n"
      "              [--device cpu|cuda] [--output json]. With pipeline stages the plan is the\n"
      "              fullest stage's, with the 1F1B bubble (P - 1) / (M + P - 1). --device\n"

@@ -45,7 +45,11 @@ ABSL_FLAG(std::string, data_format, "auto",
 ABSL_FLAG(int64_t, steps, 10, "train: optimizer steps.");
 ABSL_FLAG(int64_t, batch_size, 8, "train: sequences per step over all dp replicas.");
 ABSL_FLAG(int64_t, seq_len, 64, "train: tokens per sequence.");
-ABSL_FLAG(int64_t, micro_batches, 1, "train: gradient accumulation passes per step.");
+ABSL_FLAG(int64_t, micro_batches, 1,
+          "train: each pass's per-replica rows in this many micro-batches (with --pp: the 1F1B schedule's).");
+ABSL_FLAG(int64_t, grad_accum, 1,
+          "train: gradient accumulation: this many passes of --batch-size sequences before each optimizer step, "
+          "as one step on batch-size x grad-accum sequences (dp gradients reduced once a step).");
 ABSL_FLAG(double, lr, 1e-3, "train: peak learning rate.");
 ABSL_FLAG(double, min_lr, -1, "train: the cosine schedule's floor (default lr / 10).");
 ABSL_FLAG(int64_t, warmup_steps, 0, "train: linear warm-up steps.");
@@ -203,6 +207,12 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
   t.set_batch_size(batch_size);
   t.set_seq_len(seq_len);
   t.set_micro_batches(micro_batches);
+  const int64_t grad_accum = absl::GetFlag(FLAGS_grad_accum);
+  if (grad_accum < 1 || grad_accum > kMaxGradAccum) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grad-accum: ", grad_accum, " is not in [1, ", kMaxGradAccum, "]"));
+  }
+  t.set_grad_accum(static_cast<int32_t>(grad_accum));
   const double lr = absl::GetFlag(FLAGS_lr);
   t.set_learning_rate(lr);
   t.set_min_learning_rate(absl::GetFlag(FLAGS_min_lr) < 0 ? lr / 10 : absl::GetFlag(FLAGS_min_lr));

@@ -139,6 +139,16 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
     ExpectInvalid(s, "spec.train.zero_stage");
   }
 
+  for (int accum : {-1, 65537}) {
+    s = TrainSpec();
+    s.mutable_train()->set_grad_accum(accum);
+    ExpectInvalid(s, "spec.train.grad_accum");
+  }
+  s = TrainSpec();
+  s.mutable_train()->set_batch_size(1 << 20);
+  s.mutable_train()->set_grad_accum(1 << 12);  // 2^32 sequences a step
+  ExpectInvalid(s, "spec.train.grad_accum");
+
   s = TrainSpec();
   s.mutable_train()->clear_data_path();
   ExpectInvalid(s, "spec.train.data_path");

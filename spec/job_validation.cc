@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <limits>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -100,6 +101,14 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
   if (t.bucket_bytes() < 0) return Invalid(path, "bucket_bytes", "must be >= 0 (0: 25 MiB)");
   if (t.zero_stage() < 0 || t.zero_stage() > 2) {
     return Invalid(path, "zero_stage", absl::StrCat("must be 0, 1 or 2, got ", t.zero_stage()));
+  }
+  if (t.grad_accum() < 0 || t.grad_accum() > kMaxGradAccum) {
+    return Invalid(path, "grad_accum",
+                   absl::StrCat("must be in [0, ", kMaxGradAccum, "] (0 or 1: none), got ", t.grad_accum()));
+  }
+  if (static_cast<int64_t>(t.batch_size()) * std::max(1, t.grad_accum()) > std::numeric_limits<int32_t>::max()) {
+    return Invalid(path, "grad_accum",
+                   absl::StrCat(t.grad_accum(), " passes of batch_size ", t.batch_size(), " are too many sequences a step"));
   }
   return absl::OkStatus();
 }

@@ -33,6 +33,8 @@ absl::Status CheckDataFormat(const std::string& format);
 // path (e.g. "spec.shard.tensor_parallel_size: ..."). Names and labels are
 // bounded (above).
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
+// The most passes a training step accumulates (TrainConfig.grad_accum).
+inline constexpr int kMaxGradAccum = 65536;
 
 // A job's restart policy with the defaults filled in (RestartPolicy in
 // job.proto): 3 restarts for TRAIN and FORWARD jobs, none for TENSOR jobs;

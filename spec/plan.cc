@@ -644,7 +644,14 @@ absl::Status PlanBatch(StageContext& c, JobPlan& plan) {
     return absl::InvalidArgumentError(absl::StrCat("seq_len ", plan.seq_len, " exceeds the model's ",
                                                    config.max_positions, " positions"));
   }
-  c.micro = plan.micro_batches;
+  // Gradient accumulation runs the micro-batches of each of its passes: the
+  // per-micro-batch collectives come that many times more a step (the dp
+  // sync's buckets are reduced once, ZeRO 2's every micro-batch);
+  // activations are a micro-batch's, as without it.
+  plan.grad_accum = c.train && t.grad_accum() > 1 ? t.grad_accum() : 1;
+  const std::optional<int64_t> passes = CheckedMul(plan.micro_batches, plan.grad_accum);
+  if (!passes.has_value()) return absl::InvalidArgumentError("micro_batches * grad_accum overflows");
+  c.micro = *passes;
   c.b = plan.batch_size / c.dp / plan.micro_batches;
   const std::optional<int64_t> tokens = CheckedMul(c.b, plan.seq_len);
   if (!tokens.has_value()) return absl::InvalidArgumentError("batch_size * seq_len overflows");

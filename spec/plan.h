@@ -124,6 +124,8 @@ struct JobPlan {
   int64_t wire_bytes = 0;  // the sum over `comm`
   // The tokens of one rank's micro-batch the plan assumed, and its inputs.
   int64_t batch_size = 0, seq_len = 0, micro_batches = 1;
+  // Passes of batch_size sequences an optimizer step accumulates (TRAIN).
+  int64_t grad_accum = 1;
   // What the plan leaves out or approximates, in words.
   std::vector<std::string> notes;
   // With pipeline stages, the stage whose rank the plan describes: the
@@ -138,7 +140,7 @@ struct JobPlan {
 // when the layout cannot shard the model (CheckShardable), for sizes that
 // do not divide (the batch over dp and the micro-batches), or on overflow.
 // A TRAIN spec's batch_size, seq_len (default 8 and 64, as the trainer's),
-// micro_batches, precision and optimizer are read; a FORWARD spec plans one
+// micro_batches, grad_accum, precision and optimizer are read; a FORWARD spec plans one
 // sequence of max positions per replica unless its train section gives a
 // batch and a length. TENSOR jobs plan to zero.
 // Where the ranks compute, which decides what the attention keeps for its

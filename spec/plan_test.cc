@@ -310,6 +310,37 @@ TEST_P(PlannedActivationsOnCuda, TheEstimateIsNearWhatTheDevicePoolHolds) {
   EXPECT_GT(cpu_plan->activation_bytes, plan->activation_bytes) << "the per-head attention keeps the probabilities";
 }
 
+// Gradient accumulation: N passes of B sequences communicate what one step
+// on N x B sequences in N micro-batches does (the same micro-batches), and
+// keep one micro-batch's activations, as a single pass of B does.
+TEST(Plan, GradientAccumulationPlansAsTheLargerBatchInMicroBatches) {
+  testing::TinyOptions o;
+  auto model = testing::WriteTinyGpt2(TempPath("plan_accum"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  v1::JobSpec one = Train(2, 2);  // 16 sequences
+  v1::JobSpec accum = one;
+  accum.mutable_train()->set_grad_accum(2);
+  v1::JobSpec micro = one;
+  micro.mutable_train()->set_batch_size(32);
+  micro.mutable_train()->set_micro_batches(2);
+  auto p1 = PlanJob(model->config, one);
+  auto pa = PlanJob(model->config, accum);
+  auto pm = PlanJob(model->config, micro);
+  ASSERT_TRUE(p1.ok() && pa.ok() && pm.ok()) << p1.status() << pa.status() << pm.status();
+  EXPECT_EQ(pa->grad_accum, 2);
+  EXPECT_EQ(pa->activation_bytes, p1->activation_bytes);
+  EXPECT_EQ(pa->total_bytes, p1->total_bytes);
+  EXPECT_EQ(pa->wire_bytes, pm->wire_bytes);
+  ASSERT_EQ(pa->comm.size(), pm->comm.size());
+  for (size_t i = 0; i < pa->comm.size(); ++i) {
+    EXPECT_EQ(pa->comm[i].group, pm->comm[i].group);
+    EXPECT_EQ(pa->comm[i].op, pm->comm[i].op);
+    EXPECT_EQ(pa->comm[i].calls, pm->comm[i].calls) << pa->comm[i].group << " " << pa->comm[i].op;
+    EXPECT_EQ(pa->comm[i].bytes, pm->comm[i].bytes) << pa->comm[i].group << " " << pa->comm[i].op;
+  }
+  EXPECT_GT(pa->wire_bytes, p1->wire_bytes);
+}
+
 // Selective recomputation drops the probabilities, which the fused CUDA
 // attention never keeps: on CUDA workers it plans as the plain run; on the
 // CPU it saves exactly the f32 [b, heads, s, s] of each attention.

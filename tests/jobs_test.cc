@@ -243,6 +243,30 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
   EXPECT_EQ(replayed, got);
 }
 
+// Gradient accumulation on the daemons: a job of 2 passes of 2 sequences a
+// step (tp2 x dp2) trains with the losses of 4 sequences a step in 2
+// micro-batches, run in this process.
+TEST_F(JobsTest, AnAccumulatingJobTrainsWithTheLargerBatchsLosses) {
+  train::TrainOptions larger = Options(3);
+  larger.batch_size = 4;
+  larger.micro_batches = 2;
+  std::vector<double> want;
+  ASSERT_TRUE(train::Train(larger, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
+  train::TrainOptions accum = Options(3);
+  accum.batch_size = 2;
+  accum.grad_accum = 2;
+  v1::JobSpec spec = Spec(accum);
+  EXPECT_EQ(spec.train().grad_accum(), 2);
+  auto job = client_->SubmitJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::map<int64_t, double> got = LastLosses(Watch(job->job_id()));
+  auto done = client_->GetJob(job->job_id());
+  ASSERT_TRUE(done.ok());
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
+  ASSERT_EQ(got.size(), want.size()) << Logs();
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got.at(i + 1), want[i], 1e-6 * want[i]) << "step " << i + 1;
+}
+
 TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
   // The ColoTensor document's example through coloctl: shapes per rank.
   auto demo = RunCommand({Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "--tp", "2", "--dp", "2",

@@ -1,5 +1,7 @@
 #include "worker/train/job_options.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
@@ -59,6 +61,7 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
   }
   if (t.bucket_bytes() > 0) o.bucket_bytes = t.bucket_bytes();
   o.zero_stage = t.zero_stage();
+  o.grad_accum = std::max(1, t.grad_accum());
   switch (t.recompute()) {
     case v1::RECOMPUTE_UNSPECIFIED:
     case v1::RECOMPUTE_NONE:
@@ -114,6 +117,7 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
                                                        : v1::PRECISION_FP32);
   t.set_bucket_bytes(o.bucket_bytes);
   t.set_zero_stage(o.zero_stage);
+  t.set_grad_accum(static_cast<int32_t>(o.grad_accum));
   t.set_recompute(o.shard.recompute == shardformer::Recompute::kFull        ? v1::RECOMPUTE_FULL
                   : o.shard.recompute == shardformer::Recompute::kSelective ? v1::RECOMPUTE_SELECTIVE
                                                                             : v1::RECOMPUTE_NONE);

@@ -45,7 +45,7 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages) {
 
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
-                                                   int64_t step_labels) {
+                                                   int64_t step_labels, bool reduce) {
   const shardformer::PipelineStage& stage = model.shard_config().stage;
   const int me = stage.index;
   const int m = static_cast<int>(micro_batches);
@@ -119,7 +119,7 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
       auto it = alive.find(i);
       if (it == alive.end()) return absl::InternalError(absl::StrCat("pipeline: B", i, " before F", i));
       InFlight& f = it->second;
-      sync.set_enabled(i == m - 1);  // every stage's last task is the last micro-batch's backward
+      sync.set_enabled(reduce && i == m - 1);  // every stage's last task is the last micro-batch's backward
       if (stage.last()) {
         RETURN_IF_ERROR(Backward(f.loss));
       } else {

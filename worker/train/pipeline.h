@@ -40,11 +40,12 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages);
 // Runs one step's forwards and backwards of `model`'s stage over
 // `micro_batches` equal parts of this replica's `inputs` (token ids [rows,
 // seq]) and `labels`, each micro-batch's loss divided by `step_labels`.
-// GradSync reduces over dp during the stage's last backward. Collective over
-// the pp group (and the groups the layers use).
+// With `reduce`, GradSync reduces over dp during the stage's last backward;
+// without (an accumulation pass before the step's last), the gradients
+// only add up. Collective over the pp group (and the groups the layers use).
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
-                                                   int64_t step_labels);
+                                                   int64_t step_labels, bool reduce = true);
 
 // The first and last stages' gradients of a tied table (NamedParam::tied:
 // the embedding and the last stage's mirror of it) summed, on both; nothing

@@ -1,13 +1,17 @@
 #include "worker/train/trainer.h"
 
 #include <filesystem>
+#include <limits>
+#include <optional>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/int_math.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
+#include "spec/job_validation.h"
 #include "worker/tensor/ops.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/checkpoint.h"
@@ -116,10 +120,20 @@ struct PreparedTrain {
   uint64_t seed = 0;
   std::unique_ptr<TrainData> data;
   int64_t micro_rows = 0;
+  int64_t step_batch = 0;  // sequences an optimizer step reads: batch_size * grad_accum
 };
 
 absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOptions& o) {
   if (o.steps < 1 || o.micro_batches < 1) return absl::InvalidArgumentError("steps and micro_batches must be >= 1");
+  if (o.grad_accum < 1 || o.grad_accum > kMaxGradAccum) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grad_accum ", o.grad_accum, " is not in [1, ", kMaxGradAccum, "]"));
+  }
+  const std::optional<int64_t> step_batch = CheckedMul(o.batch_size, o.grad_accum);
+  if (!step_batch.has_value() || *step_batch > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("a step of ", o.grad_accum, " passes of ", o.batch_size,
+                                                   " sequences is too large"));
+  }
   if (o.zero_stage < 0 || o.zero_stage > 2) {
     return absl::InvalidArgumentError(absl::StrCat("zero_stage ", o.zero_stage, " is not one of 0, 1, 2"));
   }
@@ -164,11 +178,13 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
                                                    o.micro_batches, " micro-batches a replica"));
   }
   run->micro_rows = rows / o.micro_batches;
+  run->step_batch = *step_batch;
   if (config.takes_images()) {
     ASSIGN_OR_RETURN(std::unique_ptr<ImageDataset> images,
                      ImageDataset::Open(o.data_path, o.labels_path, config.num_channels, config.image_size,
                                         config.vocab_size));
-    ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(images->size(), o.batch_size, dp, run->seed));
+    ASSIGN_OR_RETURN(BatchSampler sampler,
+                     BatchSampler::ForExamples(images->size(), run->step_batch, dp, run->seed));
     run->data = std::make_unique<ExampleData<ImageDataset>>(std::move(images), std::move(sampler));
     return std::shared_ptr<const PreparedTrain>(std::move(run));
   }
@@ -176,7 +192,7 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     ASSIGN_OR_RETURN(std::unique_ptr<Seq2SeqDataset> pairs,
                      Seq2SeqDataset::Open(o.data_path, o.labels_path, config.vocab_size,
                                           config.decoder_start_token_id, config.pad_token_id));
-    ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(pairs->size(), o.batch_size, dp, run->seed));
+    ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(pairs->size(), run->step_batch, dp, run->seed));
     run->data = std::make_unique<ExampleData<Seq2SeqDataset>>(std::move(pairs), std::move(sampler));
     return std::shared_ptr<const PreparedTrain>(std::move(run));
   }
@@ -200,8 +216,8 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   }
   ASSIGN_OR_RETURN(std::unique_ptr<TokenCorpus> corpus, TokenCorpus::Open(o.data_path, format, tokenizer.get()));
   ASSIGN_OR_RETURN(BatchSampler sampler,
-                   BatchSampler::Create(corpus->size(), o.seq_len, o.batch_size, dp, run->seed));
-  run->data = std::make_unique<CorpusData>(std::move(corpus), std::move(sampler), o.batch_size * o.seq_len);
+                   BatchSampler::Create(corpus->size(), o.seq_len, run->step_batch, dp, run->seed));
+  run->data = std::make_unique<CorpusData>(std::move(corpus), std::move(sampler), run->step_batch * o.seq_len);
   return std::shared_ptr<const PreparedTrain>(std::move(run));
 }
 
@@ -233,37 +249,46 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     }
     const absl::Time start = absl::Now();
     optimizer.ZeroGrad();
-    ASSIGN_OR_RETURN(StepBatch batch, run.data->Batch(step, replica, micro_rows * o.micro_batches));
-    const Tensor& inputs = batch.inputs;
-    const Tensor& labels = batch.labels;
+    // The step's rows on this replica: grad_accum passes of micro_batches
+    // micro-batches each; the dp sync reduces after the last one.
+    const int64_t pass_rows = micro_rows * o.micro_batches;
+    ASSIGN_OR_RETURN(StepBatch batch, run.data->Batch(step, replica, pass_rows * o.grad_accum));
     const int64_t step_labels = batch.step_labels;
     double loss = 0, pipeline_wait = 0;
-    if (shard.pp() > 1) {
-      ASSIGN_OR_RETURN(PipelineStepResult r,
-                       RunPipelineStep(*model, pg, *sync, inputs, labels, o.micro_batches, step_labels));
-      loss = r.loss;
-      pipeline_wait = r.wait_seconds;
-    }
-    for (int64_t mb = 0; shard.pp() == 1 && mb < o.micro_batches; ++mb) {
-      ASSIGN_OR_RETURN(Tensor in, inputs.Narrow(0, mb * micro_rows, micro_rows));
-      ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, mb * micro_rows, micro_rows));
-      sync->set_enabled(mb + 1 == o.micro_batches);  // accumulate, then reduce once
-      Tensor dec;  // an encoder-decoder's decoder input
-      if (run.data->pairs()) {
-        ASSIGN_OR_RETURN(dec, batch.decoder_inputs.Narrow(0, mb * micro_rows, micro_rows));
+    for (int64_t pass = 0; pass < o.grad_accum; ++pass) {
+      const bool last_pass = pass + 1 == o.grad_accum;
+      ASSIGN_OR_RETURN(Tensor inputs, batch.inputs.Narrow(0, pass * pass_rows, pass_rows));
+      ASSIGN_OR_RETURN(Tensor labels, batch.labels.Narrow(0, pass * pass_rows, pass_rows));
+      if (shard.pp() > 1) {
+        ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(*model, pg, *sync, inputs.Contiguous(),
+                                                               labels.Contiguous(), o.micro_batches, step_labels,
+                                                               /*reduce=*/last_pass));
+        loss += r.loss;
+        pipeline_wait += r.wait_seconds;
+        continue;
       }
-      auto forward = [&]() -> absl::StatusOr<ColoTensor> {
-        return run.data->pairs() ? model->Forward(in.Contiguous(), dec.Contiguous()) : model->Forward(in.Contiguous());
-      };
-      shardformer::LmLoss l;
-      if (run.data->classifies()) {
-        ASSIGN_OR_RETURN(ColoTensor logits, forward());
-        ASSIGN_OR_RETURN(l, model->ClassificationLoss(logits, want.Contiguous(), step_labels));
-      } else {  // the LM head fused with the loss where the model allows
-        ASSIGN_OR_RETURN(l, model->ForwardTokenLoss(forward, want.Contiguous(), step_labels));
+      for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
+        ASSIGN_OR_RETURN(Tensor in, inputs.Narrow(0, mb * micro_rows, micro_rows));
+        ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, mb * micro_rows, micro_rows));
+        sync->set_enabled(last_pass && mb + 1 == o.micro_batches);  // accumulate, then reduce once
+        Tensor dec;  // an encoder-decoder's decoder input
+        if (run.data->pairs()) {
+          ASSIGN_OR_RETURN(dec, batch.decoder_inputs.Narrow(0, pass * pass_rows + mb * micro_rows, micro_rows));
+        }
+        auto forward = [&]() -> absl::StatusOr<ColoTensor> {
+          return run.data->pairs() ? model->Forward(in.Contiguous(), dec.Contiguous())
+                                   : model->Forward(in.Contiguous());
+        };
+        shardformer::LmLoss l;
+        if (run.data->classifies()) {
+          ASSIGN_OR_RETURN(ColoTensor logits, forward());
+          ASSIGN_OR_RETURN(l, model->ClassificationLoss(logits, want.Contiguous(), step_labels));
+        } else {  // the LM head fused with the loss where the model allows
+          ASSIGN_OR_RETURN(l, model->ForwardTokenLoss(forward, want.Contiguous(), step_labels));
+        }
+        RETURN_IF_ERROR(Backward(l.loss));
+        loss += l.value;
       }
-      RETURN_IF_ERROR(Backward(l.loss));
-      loss += l.value;
     }
     RETURN_IF_ERROR(sync->Finish());
     RETURN_IF_ERROR(SumTiedGradients(params, *model, pg));
@@ -286,8 +311,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.dp_bucket_bytes = sync->last_bucket_bytes();
     s.dp_overlapped_bytes = sync->last_overlapped_bytes();
     const int64_t per_row = run.data->TokensPerRow();
-    s.tokens_per_second = s.seconds > 0 ? static_cast<double>(o.batch_size * per_row) / s.seconds : 0;
-    s.rank_tokens = micro_rows * o.micro_batches * per_row;
+    s.tokens_per_second = s.seconds > 0 ? static_cast<double>(run.step_batch * per_row) / s.seconds : 0;
+    s.rank_tokens = micro_rows * o.micro_batches * o.grad_accum * per_row;
     for (const NamedParam& p : params) {
       s.param_bytes += p.bound.param.local().nbytes();
       if (auto g = p.bound.param.variable().grad()) s.grad_bytes += g->nbytes();

@@ -33,7 +33,11 @@ struct TrainOptions {
   int64_t steps = 10;
   int64_t batch_size = 8;     // sequences (images) per step, over all dp replicas
   int64_t seq_len = 64;       // unused for images and pairs (their arrays' lengths hold)
-  int64_t micro_batches = 1;  // gradient accumulation: each replica's rows in this many passes
+  int64_t micro_batches = 1;  // each replica's rows in this many passes (a pipeline's micro-batches)
+  // Gradient accumulation: this many passes of batch_size sequences (each
+  // in its micro-batches) before each optimizer step, as one step on
+  // batch_size * grad_accum sequences; the dp sync reduces once a step.
+  int64_t grad_accum = 1;
   double lr = 1e-3;
   double min_lr = 0;          // the cosine schedule's floor
   int64_t warmup_steps = 0;
