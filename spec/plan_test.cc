@@ -154,12 +154,9 @@ absl::StatusOr<LmLoss> ForwardLoss(ShardedModel& model, const Tensor& ids, const
   return model.NextTokenLoss(logits, ids);
 }
 
-// What a training forward leaves alive for its backward (the tape's saved
-// tensors, the logits and the loss), measured as the heap's growth from
-// before the forward to after the loss on every rank, against the plan's
-// estimate.
-TEST_P(PlannedActivations, TheEstimateIsNearWhatTheTapeHolds) {
-  const ActivationCase& c = GetParam();
+// The models the activation estimates are measured on: wide and long
+// enough that the activations dwarf the allocator's rounding.
+testing::TinyOptions ActivationModel() {
   testing::TinyOptions o;
   o.vocab = 512;
   o.hidden = 128;
@@ -172,6 +169,16 @@ TEST_P(PlannedActivations, TheEstimateIsNearWhatTheTapeHolds) {
   o.image = 32;  // ViT: 64 patches of 4 x 4 and the CLS token
   o.patch = 4;
   o.labels = 10;
+  return o;
+}
+
+// What a training forward leaves alive for its backward (the tape's saved
+// tensors, the logits and the loss), measured as the heap's growth from
+// before the forward to after the loss on every rank, against the plan's
+// estimate.
+TEST_P(PlannedActivations, TheEstimateIsNearWhatTheTapeHolds) {
+  const ActivationCase& c = GetParam();
+  const testing::TinyOptions o = ActivationModel();
   auto model = c.write(TempPath("plan_act_" + c.name), o);
   ASSERT_TRUE(model.ok()) << model.status();
   const int64_t batch = 4, seq = 128;
@@ -256,15 +263,7 @@ TEST_P(PlannedActivationsOnCuda, TheEstimateIsNearWhatTheDevicePoolHolds) {
   static_assert(kPlanMaxFusedHeadDim == kernels::kMaxFusedHeadDim, "the planner's fused head dims are the kernel's");
   const ActivationCase& c = GetParam();
   if (kernels::CudaDeviceCount() < c.tp) GTEST_SKIP() << "needs " << c.tp << " CUDA devices";
-  testing::TinyOptions o;
-  o.vocab = 512;
-  o.hidden = 128;
-  o.heads = 4;
-  o.layers = 2;
-  o.positions = 128;
-  o.kv_heads = 2;
-  o.intermediate = 384;
-  o.tie = true;
+  const testing::TinyOptions o = ActivationModel();
   auto model = c.write(TempPath("plan_cuda_" + c.name), o);
   ASSERT_TRUE(model.ok()) << model.status();
   const int64_t batch = 4, seq = 128;
