@@ -43,7 +43,7 @@ ABSL_FLAG(std::string, data_format, "auto",
           "train: auto, uint16, uint32, npy, text, jsonl or megatron (PREFIX.bin + PREFIX.idx, Megatron-LM's indexed "
           "dataset; auto picks it for a .bin with an .idx beside it).");
 ABSL_FLAG(int64_t, steps, 10, "train: optimizer steps.");
-ABSL_FLAG(int64_t, batch_size, 8, "train: sequences per step over all dp replicas.");
+ABSL_FLAG(int64_t, batch_size, 8, "train: sequences per step over all dp replicas (per pass with --grad-accum: a step reads batch-size x grad-accum).");
 ABSL_FLAG(int64_t, seq_len, 64, "train: tokens per sequence.");
 ABSL_FLAG(int64_t, micro_batches, 1,
           "train: each pass's per-replica rows in this many micro-batches (with --pp: the 1F1B schedule's).");

@@ -567,7 +567,8 @@ struct StageContext {
   int64_t width = 4, act = 4;     // bytes of a parameter and of an activation
   int64_t tokens = 0;             // of one micro-batch on a rank
   int64_t b = 0;                  // one micro-batch's sequences on a rank
-  int64_t micro = 1;              // micro-batches a step
+  int64_t micro = 1;              // micro-batches a step (over every accumulation pass)
+  int64_t grad_accum = 1;         // accumulation passes a step
   // 2D: each rank holds a 1/q of the rows and a 1/q of the features of an
   // activation (3D: a 1/q^2 of the rows); 1D: the features of a split
   // layer's output, or (with sequence parallelism) a 1/t of the rows
@@ -652,6 +653,7 @@ absl::Status PlanBatch(StageContext& c, JobPlan& plan) {
   const std::optional<int64_t> passes = CheckedMul(plan.micro_batches, plan.grad_accum);
   if (!passes.has_value()) return absl::InvalidArgumentError("micro_batches * grad_accum overflows");
   c.micro = *passes;
+  c.grad_accum = plan.grad_accum;
   c.b = plan.batch_size / c.dp / plan.micro_batches;
   const std::optional<int64_t> tokens = CheckedMul(c.b, plan.seq_len);
   if (!tokens.has_value()) return absl::InvalidArgumentError("batch_size * seq_len overflows");
@@ -1122,7 +1124,9 @@ absl::Status PlanCommPipeline(const StageContext& c, CommSum& comm) {
     comm.Add(channel(true, stage - 1), "recv", {micro}, block, act, pp);
     comm.Add(channel(false, stage), "send", {micro}, block, act, pp);
   }
-  comm.Add("pp", "all_reduce", {2}, {1}, 4, pp);
+  // The loss over pp once a pass (each accumulation pass's pipeline step),
+  // the norm once a step.
+  comm.Add("pp", "all_reduce", {c.grad_accum + 1}, {1}, 4, pp);
   if (tied_stages) {
     for (const PlanLeaf& l : leaves) {
       if (l.role != Role::kVocabTable) continue;

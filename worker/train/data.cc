@@ -418,12 +418,18 @@ std::vector<int64_t> BatchSampler::Starts(int64_t step) const {
 }
 
 absl::Status BatchSampler::Batch(const TokenCorpus& corpus, int64_t step, int replica, Tensor* inputs,
-                                 Tensor* labels) const {
-  const int64_t rows = global_batch_ / dp_;
+                                 Tensor* labels, int64_t first, int64_t count) const {
+  const int64_t replica_rows = global_batch_ / dp_;
+  if (count < 0) count = replica_rows - first;
+  if (first < 0 || count < 0 || first > replica_rows - count) {
+    return absl::InvalidArgumentError(absl::StrCat("rows [", first, ", ", first + count, ") of a replica's ",
+                                                   replica_rows));
+  }
+  const int64_t rows = count;
   const std::vector<int64_t> starts = Starts(step);
   std::vector<int64_t> in(rows * seq_len_), out(rows * seq_len_);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t s = starts[replica * rows + r];
+    const int64_t s = starts[replica * replica_rows + first + r];
     for (int64_t j = 0; j < seq_len_; ++j) {
       in[r * seq_len_ + j] = corpus.token(s + j);
       out[r * seq_len_ + j] = corpus.token(s + j + 1);

@@ -134,8 +134,10 @@ class BatchSampler {
   // The corpus offsets of the global batch of `step` (0-based).
   std::vector<int64_t> Starts(int64_t step) const;
   // Replica `replica`'s rows of step `step`: inputs [B/dp, seq_len] and
-  // next-token labels [B/dp, seq_len] (int64).
-  absl::Status Batch(const TokenCorpus& corpus, int64_t step, int replica, Tensor* inputs, Tensor* labels) const;
+  // next-token labels [B/dp, seq_len] (int64); with count >= 0, only its
+  // rows [first, first + count) (INVALID_ARGUMENT outside [0, B/dp)).
+  absl::Status Batch(const TokenCorpus& corpus, int64_t step, int replica, Tensor* inputs, Tensor* labels,
+                     int64_t first = 0, int64_t count = -1) const;
 
   int64_t seq_len() const { return seq_len_; }
   int64_t global_batch() const { return global_batch_; }

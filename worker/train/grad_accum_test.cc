@@ -3,7 +3,7 @@
 // Against the larger batch run in N micro-batches the arithmetic is the
 // same (the same rows, the same order of additions): bitwise on Gloo and on
 // the emulated NCCL, with pipeline stages too; against the larger batch in
-// one pass, within f32 rounding. The dp buckets are reduced once a step.
+// one pass, within f32 rounding.
 #include <string>
 #include <vector>
 
@@ -51,10 +51,9 @@ TEST(GradAccum, TwoPassesOfFourAreOneStepOnEight) {
   ASSERT_EQ(accum.size(), 4u);
   ExpectBitwise(accum, micro, "4 x 2 passes against 8 in 2 micro-batches");
   ExpectSameLosses(accum, whole, 1e-5, "4 x 2 passes against 8 in one");
-  // A step reads, and the dp sync reduces, what the larger batch's does.
+  // A step reads the larger batch's tokens. (That the dp buckets are
+  // reduced once a step, PlanAgainstARun's accumulation cases count.)
   EXPECT_EQ(accum[0].rank_tokens, whole[0].rank_tokens);
-  EXPECT_EQ(accum[0].dp_bucket_bytes, whole[0].dp_bucket_bytes) << "the buckets were reduced more than once";
-  EXPECT_GT(accum[0].dp_bucket_bytes, 0);
   // Not the 4-sequence step: a different loss.
   const std::vector<StepStats> small = Losses(RunOptions(model->dir, 2, 1, 2, 4, 1, 1));
   ASSERT_FALSE(small.empty());

@@ -38,6 +38,7 @@ struct Case {
   int depth = 0;
   int pp = 1;
   int zero = 0;
+  int accum = 1;  // gradient accumulation passes
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
@@ -72,6 +73,7 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
   o.shard.layout.set_pipeline_parallel_size(c.pp);
   o.bucket_bytes = 64 << 10;  // several buckets
   o.zero_stage = c.zero;
+  o.grad_accum = c.accum;
   auto prepared = PrepareTrain(o);
   ASSERT_TRUE(prepared.ok()) << prepared.status();
 
@@ -154,7 +156,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"llama_pp2_dp2_micro2", "llama", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
                       Case{"gpt2_tp2_dp2_zero1", "gpt2", 2, 2, false, 1, v1::TENSOR_PARALLEL_MODE_1D, 0, 1, 1},
                       Case{"llama_tp2_dp2_zero2_micro2", "llama", 2, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 1, 2},
-                      Case{"gpt2_pp2_dp2_zero2_micro2", "gpt2", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2, 2}),
+                      Case{"gpt2_pp2_dp2_zero2_micro2", "gpt2", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2, 2},
+                      // Accumulation: the dp buckets reduced once a step, the
+                      // passes' collectives each pass, the loss over pp each pass.
+                      Case{"gpt2_tp2_dp2_accum2", "gpt2", 2, 2, false, 1, v1::TENSOR_PARALLEL_MODE_1D, 0, 1, 0, 2},
+                      Case{"gpt2_pp2_dp2_micro2_accum2", "gpt2", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2, 0,
+                           2}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace

@@ -45,8 +45,11 @@ struct StepBatch {
 class TrainData {
  public:
   virtual ~TrainData() = default;
-  // Replica `replica`'s `rows` of step `step`.
-  virtual absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows) const = 0;
+  // Rows [first, first + count) of replica `replica`'s `rows` of step
+  // `step` (one accumulation pass: a step's passes are loaded one at a
+  // time); step_labels counts the whole step's.
+  virtual absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows, int64_t first,
+                                          int64_t count) const = 0;
   // What one row counts for tokens/s: a sequence's tokens, a pair's input
   // and target tokens, an image (1).
   virtual int64_t TokensPerRow() const = 0;
@@ -61,10 +64,10 @@ class CorpusData final : public TrainData {
  public:
   CorpusData(std::unique_ptr<TokenCorpus> corpus, BatchSampler sampler, int64_t step_tokens)
       : corpus_(std::move(corpus)), sampler_(std::move(sampler)), step_tokens_(step_tokens) {}
-  absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t) const override {
+  absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t, int64_t first, int64_t count) const override {
     StepBatch b;
     b.step_labels = step_tokens_;  // every token has its next
-    RETURN_IF_ERROR(sampler_.Batch(*corpus_, step, replica, &b.inputs, &b.labels));
+    RETURN_IF_ERROR(sampler_.Batch(*corpus_, step, replica, &b.inputs, &b.labels, first, count));
     return b;
   }
   int64_t TokensPerRow() const override { return sampler_.seq_len(); }
@@ -81,7 +84,8 @@ template <typename Dataset>
 class ExampleData final : public TrainData {
  public:
   ExampleData(std::unique_ptr<Dataset> set, BatchSampler sampler) : set_(std::move(set)), sampler_(std::move(sampler)) {}
-  absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows) const override {
+  absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows, int64_t first,
+                                  int64_t count) const override {
     StepBatch b;
     const std::vector<int64_t> all = sampler_.Starts(step);
     b.step_labels = set_->Labelled(all);
@@ -89,7 +93,11 @@ class ExampleData final : public TrainData {
       return absl::InvalidArgumentError(absl::StrCat("step ", step + 1, " drew ", all.size(),
                                                      " images and every one is labelled -100"));
     }
-    const std::vector<int64_t> mine(all.begin() + replica * rows, all.begin() + (replica + 1) * rows);
+    if (first < 0 || count < 0 || first > rows - count || (replica + 1) * rows > static_cast<int64_t>(all.size())) {
+      return absl::InternalError(absl::StrCat("rows [", first, ", ", first + count, ") of replica ", replica,
+                                              "'s ", rows, " of a step of ", all.size()));
+    }
+    const std::vector<int64_t> mine(all.begin() + replica * rows + first, all.begin() + replica * rows + first + count);
     if constexpr (std::is_same_v<Dataset, Seq2SeqDataset>) {
       RETURN_IF_ERROR(set_->Batch(mine, &b.inputs, &b.decoder_inputs, &b.labels));
     } else {
@@ -252,17 +260,17 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     // The step's rows on this replica: grad_accum passes of micro_batches
     // micro-batches each; the dp sync reduces after the last one.
     const int64_t pass_rows = micro_rows * o.micro_batches;
-    ASSIGN_OR_RETURN(StepBatch batch, run.data->Batch(step, replica, pass_rows * o.grad_accum));
-    const int64_t step_labels = batch.step_labels;
     double loss = 0, pipeline_wait = 0;
     for (int64_t pass = 0; pass < o.grad_accum; ++pass) {
       const bool last_pass = pass + 1 == o.grad_accum;
-      ASSIGN_OR_RETURN(Tensor inputs, batch.inputs.Narrow(0, pass * pass_rows, pass_rows));
-      ASSIGN_OR_RETURN(Tensor labels, batch.labels.Narrow(0, pass * pass_rows, pass_rows));
+      ASSIGN_OR_RETURN(const StepBatch batch,
+                       run.data->Batch(step, replica, pass_rows * o.grad_accum, pass * pass_rows, pass_rows));
+      const Tensor& inputs = batch.inputs;
+      const Tensor& labels = batch.labels;
+      const int64_t step_labels = batch.step_labels;
       if (shard.pp() > 1) {
-        ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(*model, pg, *sync, inputs.Contiguous(),
-                                                               labels.Contiguous(), o.micro_batches, step_labels,
-                                                               /*reduce=*/last_pass));
+        ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(*model, pg, *sync, inputs, labels, o.micro_batches,
+                                                               step_labels, /*reduce=*/last_pass));
         loss += r.loss;
         pipeline_wait += r.wait_seconds;
         continue;
@@ -273,7 +281,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
         sync->set_enabled(last_pass && mb + 1 == o.micro_batches);  // accumulate, then reduce once
         Tensor dec;  // an encoder-decoder's decoder input
         if (run.data->pairs()) {
-          ASSIGN_OR_RETURN(dec, batch.decoder_inputs.Narrow(0, pass * pass_rows + mb * micro_rows, micro_rows));
+          ASSIGN_OR_RETURN(dec, batch.decoder_inputs.Narrow(0, mb * micro_rows, micro_rows));
         }
         auto forward = [&]() -> absl::StatusOr<ColoTensor> {
           return run.data->pairs() ? model->Forward(in.Contiguous(), dec.Contiguous())

@@ -31,7 +31,7 @@ struct TrainOptions {
   DataFormat data_format = DataFormat::kAuto;
   std::string labels_path;
   int64_t steps = 10;
-  int64_t batch_size = 8;     // sequences (images) per step, over all dp replicas
+  int64_t batch_size = 8;     // sequences (images) per pass (a step without grad_accum), over all dp replicas
   int64_t seq_len = 64;       // unused for images and pairs (their arrays' lengths hold)
   int64_t micro_batches = 1;  // each replica's rows in this many passes (a pipeline's micro-batches)
   // Gradient accumulation: this many passes of batch_size sequences (each
