@@ -280,6 +280,17 @@ TEST(BatchSampler, SeededDisjointReplicasAndNextTokenLabels) {
       for (int j = 0; j < 16; ++j) EXPECT_EQ(y[r * 16 + j], x[r * 16 + j] + 1);
     }
   }
+  // A range of a replica's rows (an accumulation pass): those rows alone.
+  Tensor in, out, part, part_out;
+  ASSERT_TRUE(s->Batch(**corpus, 3, 1, &in, &out).ok());
+  ASSERT_TRUE(s->Batch(**corpus, 3, 1, &part, &part_out, 1, 2).ok());
+  EXPECT_EQ(part.shape(), (Shape{2, 16}));
+  EXPECT_EQ(part.ToInt64s(), in.Narrow(0, 1, 2)->Contiguous().ToInt64s());
+  EXPECT_EQ(part_out.ToInt64s(), out.Narrow(0, 1, 2)->Contiguous().ToInt64s());
+  for (const auto& [first, count] : std::vector<std::pair<int64_t, int64_t>>{{-1, 2}, {3, 2}, {0, 5}, {4, 1}}) {
+    EXPECT_EQ(s->Batch(**corpus, 3, 1, &part, &part_out, first, count).code(), absl::StatusCode::kInvalidArgument)
+        << first << " + " << count;
+  }
   EXPECT_EQ(BatchSampler::Create(1000, 16, 7, 2, 1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(BatchSampler::Create(10, 16, 8, 1, 1).status().code(), absl::StatusCode::kInvalidArgument);
 }
