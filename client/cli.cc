@@ -115,7 +115,7 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
   const int64_t steps = job->spec().train().steps();
   const bool tty = ::isatty(STDOUT_FILENO) != 0;
   bool bar_open = false;
-  std::vector<double> losses;
+  std::vector<double> losses, evals;
   double tokens_per_second = 0;
   const absl::Status s = client.WatchJob(job_id, 1, absl::GetFlag(FLAGS_watch_timeout), [&](const v1::JobEvent& ev) {
     if (on_step && ev.has_step()) on_step(ev.step());
@@ -126,6 +126,19 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
       }
       std::fflush(stdout);
       return true;
+    }
+    if (ev.has_step() && ev.step().has_eval()) {
+      const v1::StepProgress& p = ev.step();
+      evals.push_back(p.eval().loss());
+      if (!on_step) {
+        if (bar_open) std::printf("\n");
+        bar_open = false;
+        std::printf("eval %s\n", EvalSummary(p.eval()).c_str());
+      }
+      if (!p.has_step_duration()) {  // an eval_only run's report
+        std::fflush(stdout);
+        return true;
+      }
     }
     if (ev.has_step()) {
       const v1::StepProgress& p = ev.step();
@@ -162,6 +175,10 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
                 losses.size(), min_loss, tokens_per_second / static_cast<double>(losses.size()));
     std::printf("loss curve %s\n", Sparkline(losses, 60).c_str());
   }
+  if (!json && !evals.empty() && !on_step) {
+    if (evals.size() > 1) std::printf("eval curve %s\n", Sparkline(evals, 60).c_str());
+    if (job->has_best_eval()) std::printf("best eval %s\n", EvalSummary(job->best_eval()).c_str());
+  }
   return job;
 }
 
@@ -174,20 +191,33 @@ int ExitForJob(const v1::Job& job) {
 
 void PrintStep(const v1::StepProgress& p, int64_t steps, bool json) {
   if (!p.resumed_from().empty()) std::fprintf(stderr, "coloctl: resuming from %s\n", p.resumed_from().c_str());
+  const bool trained = !p.has_eval() || p.has_step_duration();  // not an eval_only run's report
   if (json) {
-    const nlohmann::json line = {{"step", p.step()},
-                                 {"loss", p.loss()},
-                                 {"lr", p.learning_rate()},
-                                 {"grad_norm", p.grad_norm()},
-                                 {"tokens_per_second", p.tokens_per_second()},
-                                 {"param_bytes", p.param_bytes()},
-                                 {"grad_bytes", p.grad_bytes()},
-                                 {"optimizer_bytes", p.optimizer_bytes()}};
+    nlohmann::json line = {{"step", p.step()}};
+    if (trained) {
+      line.update({{"loss", p.loss()},
+                   {"lr", p.learning_rate()},
+                   {"grad_norm", p.grad_norm()},
+                   {"tokens_per_second", p.tokens_per_second()},
+                   {"param_bytes", p.param_bytes()},
+                   {"grad_bytes", p.grad_bytes()},
+                   {"optimizer_bytes", p.optimizer_bytes()}});
+    }
+    if (p.has_eval()) {
+      line["eval_loss"] = p.eval().loss();
+      line["eval_tokens"] = p.eval().tokens();
+      if (p.eval().has_perplexity()) line["eval_perplexity"] = p.eval().perplexity();
+      if (p.eval().has_accuracy()) line["eval_accuracy"] = p.eval().accuracy();
+    }
+    if (!p.checkpoint().empty()) line["checkpoint"] = p.checkpoint();
     std::printf("%s\n", line.dump().c_str());
   } else {
-    std::printf("step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f\n",
-                static_cast<long long>(p.step()), static_cast<long long>(steps), p.loss(), p.learning_rate(),
-                p.grad_norm(), p.tokens_per_second());
+    if (trained) {
+      std::printf("step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f\n",
+                  static_cast<long long>(p.step()), static_cast<long long>(steps), p.loss(), p.learning_rate(),
+                  p.grad_norm(), p.tokens_per_second());
+    }
+    if (p.has_eval()) std::printf("eval %s\n", EvalSummary(p.eval()).c_str());
   }
   std::fflush(stdout);
 }

@@ -139,6 +139,15 @@ absl::StatusOr<std::string> TensorValueNpy(const v1::TensorValue& value) {
 
 std::string JobStateLabel(v1::JobState state) { return EnumSuffix(v1::JobState_Name(state), "JOB_STATE_"); }
 
+std::string EvalSummary(const v1::EvalResult& e) {
+  std::string out = absl::StrFormat("loss %.6f", e.loss());
+  if (e.has_perplexity()) absl::StrAppend(&out, absl::StrFormat("  perplexity %.4g", e.perplexity()));
+  if (e.has_accuracy()) absl::StrAppend(&out, absl::StrFormat("  accuracy %.2f%%", 100 * e.accuracy()));
+  absl::StrAppend(&out, "  after step ", e.step());
+  if (!e.checkpoint().empty()) absl::StrAppend(&out, "  (", e.checkpoint(), ")");
+  return out;
+}
+
 std::string RenderJobsTable(const std::vector<v1::Job>& jobs, absl::Time now) {
   std::vector<std::vector<std::string>> rows;
   for (const v1::Job& j : jobs) {
@@ -164,6 +173,8 @@ std::string RenderJob(const v1::Job& j, absl::Time now) {
     absl::StrAppend(&out, "step:       ", j.step(), "/", j.spec().train().steps(), "\n");
     if (j.step() > 0) absl::StrAppend(&out, "loss:       ", absl::StrFormat("%.6f", j.loss()), "\n");
     absl::StrAppend(&out, "data:       ", j.spec().train().data_path(), "\n");
+    if (j.has_last_eval()) absl::StrAppend(&out, "eval:       ", EvalSummary(j.last_eval()), "\n");
+    if (j.has_best_eval()) absl::StrAppend(&out, "best eval:  ", EvalSummary(j.best_eval()), "\n");
   }
   absl::StrAppend(&out, "weights:    ", j.spec().model().weights_path(), "\n");
   if (!j.last_checkpoint().empty()) absl::StrAppend(&out, "checkpoint: ", j.last_checkpoint(), "\n");

@@ -37,6 +37,9 @@ std::string JobStateLabel(v1::JobState state);
 std::string RenderJobsTable(const std::vector<v1::Job>& jobs, absl::Time now);
 // One job, a field a line.
 std::string RenderJob(const v1::Job& job, absl::Time now);
+// One line of a held-out evaluation: "loss 2.345678  perplexity 10.43
+// after step 20 (/ckpt/step-000020)".
+std::string EvalSummary(const v1::EvalResult& e);
 // The rank grid of the ColoTensor document's figure (a row per dp replica,
 // a column per tp rank, each cell the rank and its worker), then every
 // group per axis.

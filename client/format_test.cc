@@ -1,5 +1,7 @@
 #include "client/format.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
@@ -143,6 +145,27 @@ TEST(RenderJob, ShowsRestartsAndEveryAttempt) {
   EXPECT_EQ(RenderJob(j, absl::Now()).find("stalled:"), std::string::npos);
   j.set_stalled("collective #41 (all_reduce) of group tp/2_3 pending for 7s on ranks 2; not entered by rank 3");
   EXPECT_NE(RenderJob(j, absl::Now()).find("stalled:    collective #41 (all_reduce) of group tp/2_3"), std::string::npos);
+}
+
+TEST(Format, AJobShowsItsLastAndBestEvaluation) {
+  v1::Job j;
+  j.set_job_id("job-000004");
+  j.mutable_spec()->set_kind(v1::JOB_KIND_TRAIN);
+  EXPECT_EQ(RenderJob(j, absl::Now()).find("eval:"), std::string::npos);
+  v1::EvalResult* last = j.mutable_last_eval();
+  last->set_step(30);
+  last->set_loss(2.5);
+  last->set_perplexity(std::exp(2.5));
+  v1::EvalResult* best = j.mutable_best_eval();
+  best->set_step(20);
+  best->set_loss(2.25);
+  best->set_accuracy(0.875);
+  best->set_checkpoint("/ck/step-000020");
+  const std::string out = RenderJob(j, absl::Now());
+  EXPECT_NE(out.find("eval:       loss 2.500000  perplexity 12.18  after step 30\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("best eval:  loss 2.250000  accuracy 87.50%  after step 20  (/ck/step-000020)\n"),
+            std::string::npos)
+      << out;
 }
 
 }  // namespace

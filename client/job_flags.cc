@@ -39,6 +39,20 @@ ABSL_FLAG(std::string, labels, "",
           "[batch] for forward's --pixel-values; -100: none); the loss is their cross-entropy. train: an "
           "encoder-decoder's (T5's) targets, token ids [N, target_len] as .npy, one row per input of --data (-100: "
           "none, e.g. after a target's end); the decoder reads them shifted right.");
+ABSL_FLAG(std::string, eval_data, "",
+          "train: held-out data to evaluate on, read as --data is (its --data-format; an image classifier's or "
+          "encoder-decoder's with --eval-labels).");
+ABSL_FLAG(std::string, eval_labels, "", "train: the labels (targets) of --eval-data, as --labels are of --data.");
+ABSL_FLAG(double, eval_split, 0,
+          "train: hold out this fraction (0 < F < 1) of --data to evaluate on: its trailing documents (a corpus "
+          "without documents: its trailing tokens; examples: its trailing rows); training never reads them.");
+ABSL_FLAG(int64_t, eval_every, 0, "train: evaluate after every K steps and after the last (0: after the last only).");
+ABSL_FLAG(int64_t, eval_steps, 0,
+          "train: batches of --batch-size an evaluation reads, the same each time (0: the held-out data once, at "
+          "most 100).");
+ABSL_FLAG(bool, eval_only, false,
+          "train: evaluate the model (or --resume's newest checkpoint) on the held-out data once and train "
+          "nothing.");
 ABSL_FLAG(std::string, data_format, "auto",
           "train: auto, uint16, uint32, npy, text, jsonl or megatron (PREFIX.bin + PREFIX.idx, Megatron-LM's indexed "
           "dataset; auto picks it for a .bin with an .idx beside it).");
@@ -257,6 +271,27 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
   t.set_checkpoint_every(absl::GetFlag(FLAGS_save_every));
   t.set_resume_from(absl::GetFlag(FLAGS_resume));
   t.set_stop_after(absl::GetFlag(FLAGS_stop_after));
+  t.set_eval_data_path(absl::GetFlag(FLAGS_eval_data));
+  t.set_eval_labels_path(absl::GetFlag(FLAGS_eval_labels));
+  t.set_eval_split(absl::GetFlag(FLAGS_eval_split));
+  t.set_eval_every(absl::GetFlag(FLAGS_eval_every));
+  t.set_eval_steps(absl::GetFlag(FLAGS_eval_steps));
+  t.set_eval_only(absl::GetFlag(FLAGS_eval_only));
+  const bool evaluates = !t.eval_data_path().empty() || t.eval_split() != 0;
+  if (!t.eval_data_path().empty() && t.eval_split() != 0) {
+    return absl::InvalidArgumentError("--eval-data and --eval-split: give one, not both");
+  }
+  if (t.eval_split() != 0 && !(t.eval_split() > 0 && t.eval_split() < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("--eval-split: ", t.eval_split(), " is not in (0, 1)"));
+  }
+  if (t.eval_every() < 0) return absl::InvalidArgumentError("--eval-every must be >= 0 (0: after the last step)");
+  if (t.eval_steps() < 0 || t.eval_steps() > kMaxEvalSteps) {
+    return absl::InvalidArgumentError(absl::StrCat("--eval-steps must be in [0, ", kMaxEvalSteps, "]"));
+  }
+  if (!evaluates && (t.eval_every() != 0 || t.eval_steps() != 0 || t.eval_only() || !t.eval_labels_path().empty())) {
+    return absl::InvalidArgumentError(
+        "--eval-every, --eval-steps, --eval-only and --eval-labels need held-out data: --eval-split or --eval-data");
+  }
   if (!t.checkpoint_dir().empty() && t.checkpoint_every() < 1) {
     return absl::InvalidArgumentError("--save needs --save-every K (K >= 1)");
   }
@@ -274,7 +309,8 @@ absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags() {
   }
   v1::TrainConfig& t = *spec.mutable_train();
   for (std::string* path : {t.mutable_data_path(), t.mutable_labels_path(), t.mutable_final_dir(),
-                            t.mutable_checkpoint_dir(), t.mutable_resume_from()}) {
+                            t.mutable_checkpoint_dir(), t.mutable_resume_from(), t.mutable_eval_data_path(),
+                            t.mutable_eval_labels_path()}) {
     if (!path->empty()) *path = Absolute(*path);
   }
   const int32_t max_restarts = absl::GetFlag(FLAGS_max_restarts);

@@ -1,5 +1,7 @@
 #include "server/job_manager.h"
 
+#include <cmath>
+
 #include <algorithm>
 
 #include <filesystem>
@@ -300,9 +302,19 @@ absl::StatusOr<v1::Job> JobManager::Restart(absl::string_view job_id, absl::stri
 absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgress& step) {
   return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
     RETURN_IF_ERROR(CheckNotEndedLocked(e));
-    e.job.set_step(step.step());
-    e.job.set_loss(step.loss());
+    if (!step.has_eval() || step.has_step_duration()) {  // a trained step, not an eval_only run's report
+      e.job.set_step(step.step());
+      e.job.set_loss(step.loss());
+    }
     if (!step.checkpoint().empty()) e.job.set_last_checkpoint(step.checkpoint());
+    if (step.has_eval()) {
+      *e.job.mutable_last_eval() = step.eval();
+      // The lowest loss, the earliest of equals; a NaN never becomes the best.
+      if (!e.job.has_best_eval() || step.eval().loss() < e.job.best_eval().loss() ||
+          std::isnan(e.job.best_eval().loss())) {
+        *e.job.mutable_best_eval() = step.eval();
+      }
+    }
     const absl::Time now = clock_->Now();
     *e.job.mutable_update_time() = ToProtoTimestamp(now);
     *NewEventLocked(e).mutable_step() = step;

@@ -1,5 +1,7 @@
 #include "server/job_manager.h"
 
+#include <cmath>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -9,6 +11,7 @@
 
 #include "common/atomic_file.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "spec/job_validation.h"
 #include "tests/testing/full_disk.h"
@@ -152,6 +155,45 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s = TrainSpec();
   s.mutable_train()->clear_data_path();
   ExpectInvalid(s, "spec.train.data_path");
+
+  // Held-out evaluation: a split in (0, 1), one source, settings that need
+  // held-out data, labels a language model cannot take.
+  for (double split : {1.0, 1.5, -0.25, std::nan("")}) {
+    s = TrainSpec();
+    s.mutable_train()->set_eval_split(split);
+    ExpectInvalid(s, "spec.train.eval_split");
+  }
+  s = TrainSpec();
+  s.mutable_train()->set_eval_split(0.1);
+  s.mutable_train()->set_eval_data_path("/data/val.bin");
+  ExpectInvalid(s, "spec.train.eval_split");
+  for (const char* field : {"eval_every", "eval_steps", "eval_only"}) {
+    s = TrainSpec();
+    if (std::string(field) == "eval_every") s.mutable_train()->set_eval_every(10);
+    if (std::string(field) == "eval_steps") s.mutable_train()->set_eval_steps(10);
+    if (std::string(field) == "eval_only") s.mutable_train()->set_eval_only(true);
+    ExpectInvalid(s, absl::StrCat("spec.train.", field));
+  }
+  for (int64_t steps : {int64_t{-1}, kMaxEvalSteps + 1}) {
+    s = TrainSpec();
+    s.mutable_train()->set_eval_split(0.1);
+    s.mutable_train()->set_eval_steps(steps);
+    ExpectInvalid(s, "spec.train.eval_steps");
+  }
+  s = TrainSpec();
+  s.mutable_train()->set_eval_split(0.1);
+  s.mutable_train()->set_eval_every(-1);
+  ExpectInvalid(s, "spec.train.eval_every");
+  s = TrainSpec();
+  s.mutable_train()->set_eval_data_path("/data/val.bin");
+  s.mutable_train()->set_eval_labels_path("/data/val_labels.npy");
+  ExpectInvalid(s, "spec.train.eval_labels_path");
+  s = TrainSpec();
+  s.mutable_train()->set_eval_split(0.1);
+  s.mutable_train()->set_eval_every(5);
+  s.mutable_train()->set_eval_steps(3);
+  s.mutable_train()->set_eval_only(true);
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
 
   // The model must load at the layout: 4 heads do not split over tp = 3.
   s = TrainSpec();
@@ -520,6 +562,64 @@ TEST(JobManager, WaitForEventsDeliversInOrderAndFinishes) {
   EXPECT_EQ(next->events[0].state_change().state(), v1::JOB_STATE_CANCELLED);
   EXPECT_EQ(next->events[0].state_change().reason(), "operator");
   EXPECT_TRUE(next->finished);
+}
+
+// Evaluations: the job keeps the newest and the lowest (the earliest of
+// equals; never a NaN over a number), across a reopen; an eval_only run's
+// report (an evaluation without step_duration) leaves the trained step and
+// loss alone.
+TEST(JobManager, AJobKeepsItsLastAndBestEvaluation) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-eval";
+  FakeClock clock;
+  std::string id;
+  auto report = [](int64_t step, double loss, double eval, bool trained) {
+    v1::StepProgress p;
+    p.set_step(step);
+    p.set_loss(loss);
+    if (trained) p.mutable_step_duration()->set_nanos(1000);
+    p.mutable_eval()->set_step(step);
+    p.mutable_eval()->set_loss(eval);
+    p.mutable_eval()->set_checkpoint(absl::StrCat("/ck/step-", step));
+    return p;
+  };
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    auto job = (*jobs)->Submit(TrainSpec(), "");
+    ASSERT_TRUE(job.ok());
+    id = job->job_id();
+    ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
+    ASSERT_TRUE((*jobs)->SetState(id, v1::JOB_STATE_RUNNING, "training").ok());
+    for (const auto& [step, eval] : std::vector<std::pair<int64_t, double>>{
+             {2, std::nan("")}, {4, 3.0}, {6, 2.5}, {8, 2.5}, {10, 2.75}}) {
+      ASSERT_TRUE((*jobs)->AddStep(id, report(step, 4.0 - step / 10.0, eval, true)).ok());
+    }
+    auto got = (*jobs)->Get(id);
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(got->last_eval().step(), 10);
+    EXPECT_EQ(got->best_eval().step(), 6);
+    EXPECT_EQ(got->best_eval().checkpoint(), "/ck/step-6");
+    ASSERT_TRUE((*jobs)->SetState(id, v1::JOB_STATE_SUCCEEDED, "").ok());
+  }
+  auto jobs = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  auto got = (*jobs)->Get(id);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->best_eval().loss(), 2.5);
+  EXPECT_EQ(got->best_eval().step(), 6);
+  EXPECT_EQ(got->step(), 10);
+  // An eval_only job: its one report names the checkpoint's step and
+  // trains nothing.
+  auto only = (*jobs)->Submit(TrainSpec(), "");
+  ASSERT_TRUE(only.ok());
+  ASSERT_TRUE((*jobs)->Schedule(only->job_id(), v1::MeshSpec()).ok());
+  ASSERT_TRUE((*jobs)->SetState(only->job_id(), v1::JOB_STATE_RUNNING, "").ok());
+  ASSERT_TRUE((*jobs)->AddStep(only->job_id(), report(40, 0, 1.5, false)).ok());
+  got = (*jobs)->Get(only->job_id());
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->step(), 0);
+  EXPECT_EQ(got->last_eval().step(), 40);
+  EXPECT_EQ(got->best_eval().loss(), 1.5);
 }
 
 TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckpoint) {

@@ -110,6 +110,27 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
     return Invalid(path, "grad_accum",
                    absl::StrCat(t.grad_accum(), " passes of batch_size ", t.batch_size(), " are too many sequences a step"));
   }
+  if (!t.eval_data_path().empty() && t.eval_split() != 0) {
+    return Invalid(path, "eval_split", "and eval_data_path: hold out a part of data_path or evaluate on "
+                                      "eval_data_path, not both");
+  }
+  if (t.eval_split() != 0 && !(t.eval_split() > 0 && t.eval_split() < 1)) {
+    return Invalid(path, "eval_split", absl::StrCat("must be in (0, 1) (0: none), got ", t.eval_split()));
+  }
+  const bool evaluates = !t.eval_data_path().empty() || t.eval_split() != 0;
+  if (t.eval_every() < 0) return Invalid(path, "eval_every", "must be >= 0 (0: after the last step only)");
+  if (t.eval_steps() < 0 || t.eval_steps() > kMaxEvalSteps) {
+    return Invalid(path, "eval_steps", absl::StrCat("must be in [0, ", kMaxEvalSteps, "] (0: the held-out data "
+                                                    "once, at most 100 batches), got ", t.eval_steps()));
+  }
+  if (!evaluates) {
+    for (const auto& [field, set] : {std::pair<const char*, bool>{"eval_every", t.eval_every() != 0},
+                                     {"eval_steps", t.eval_steps() != 0},
+                                     {"eval_only", t.eval_only()},
+                                     {"eval_labels_path", !t.eval_labels_path().empty()}}) {
+      if (set) return Invalid(path, field, "needs held-out data: eval_data_path or eval_split");
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -329,6 +350,16 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
       }
       if (!examples && !spec.train().labels_path().empty()) {
         return Invalid("spec.train", "labels_path",
+                       absl::StrCat("is for image classifiers and encoder-decoders; a ", config.model_type,
+                                    " predicts its next tokens"));
+      }
+      if (examples && !spec.train().eval_data_path().empty() && spec.train().eval_labels_path().empty()) {
+        return Invalid("spec.train", "eval_labels_path",
+                       absl::StrCat("required with eval_data_path for a ", config.model_type,
+                                    ": the held-out examples' labels, as labels_path holds the training ones"));
+      }
+      if (!examples && !spec.train().eval_labels_path().empty()) {
+        return Invalid("spec.train", "eval_labels_path",
                        absl::StrCat("is for image classifiers and encoder-decoders; a ", config.model_type,
                                     " predicts its next tokens"));
       }

@@ -35,6 +35,8 @@ absl::Status CheckDataFormat(const std::string& format);
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 // The most passes a training step accumulates (TrainConfig.grad_accum).
 inline constexpr int kMaxGradAccum = 65536;
+// The most batches one held-out evaluation reads (TrainConfig.eval_steps).
+inline constexpr int64_t kMaxEvalSteps = 1000000;
 
 // A job's restart policy with the defaults filled in (RestartPolicy in
 // job.proto): 3 restarts for TRAIN and FORWARD jobs, none for TENSOR jobs;

@@ -166,7 +166,8 @@ class DashboardMetricsTest : public ::testing::Test {
     ASSERT_TRUE(registered.ok()) << registered << "\n" << Logs();
   }
 
-  // A tp=2 TRAIN job of `steps` steps of 4 x 32 tokens.
+  // A tp=2 TRAIN job of `steps` steps of 4 x 32 tokens, evaluated after
+  // each on a batch of the held-out tenth of its text.
   v1::JobSpec Spec(int64_t steps) const {
     train::TrainOptions o;
     o.model_dir = TempPath("gpt2");
@@ -179,6 +180,9 @@ class DashboardMetricsTest : public ::testing::Test {
     o.shard.layout.set_tensor_parallel_size(2);
     o.shard.layout.set_data_parallel_size(1);
     o.shard.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_1D);
+    o.eval_split = 0.1;
+    o.eval_every = 1;
+    o.eval_steps = 1;
     v1::JobSpec spec = train::SpecFromTrainOptions(o);
     spec.mutable_model()->set_config_json(ReadFile(o.model_dir + "/config.json"));
     spec.mutable_model()->set_weights_path(o.model_dir);
@@ -236,6 +240,10 @@ TEST_F(DashboardMetricsTest, RulesAndDashboardNameOnlyWhatTheDaemonsExport) {
     const std::vector<testing::Sample> loss = Samples(page, "colod_loss");
     ASSERT_EQ(loss.size(), 1u);
     EXPECT_NEAR(loss[0].value, done->loss(), 1e-5);
+    const std::vector<testing::Sample> eval = Samples(page, "colod_eval_loss");
+    ASSERT_EQ(eval.size(), 1u);
+    EXPECT_EQ(eval[0].labels, loss[0].labels);
+    EXPECT_NEAR(eval[0].value, done->last_eval().loss(), 1e-5);
     EXPECT_EQ(Samples(page, "colod_step_duration_seconds_count").at(0).value, 3);
     EXPECT_TRUE(Samples(page, "colod_rank_running").empty());
     EXPECT_TRUE(Samples(page, "colod_rank_last_step_timestamp_seconds").empty());

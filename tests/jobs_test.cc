@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <cmath>
 #include <map>
 #include <set>
 #include <string>
@@ -265,6 +266,76 @@ TEST_F(JobsTest, AnAccumulatingJobTrainsWithTheLargerBatchsLosses) {
   ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
   ASSERT_EQ(got.size(), want.size()) << Logs();
   for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got.at(i + 1), want[i], 1e-6 * want[i]) << "step " << i + 1;
+}
+
+// Held-out evaluation on the daemons: a tp2 x dp2 job holding out a tenth
+// of its corpus evaluates after steps 2 and 3; the watch stream carries
+// both, the job record the last and the best (with the checkpoint of its
+// step), every worker's colod_eval_loss the last; and an eval_only job at
+// tp=1 on the model the job wrote gives the same loss within 1e-5.
+TEST_F(JobsTest, AnEvaluatingJobsHeldOutLossIsTheTpOneEvaluations) {
+  train::TrainOptions o = Options(3);
+  o.eval_split = 0.1;
+  o.eval_every = 2;
+  o.eval_steps = 2;
+  o.save_dir = TempPath("eval_ck");
+  o.save_every = 2;
+  o.final_dir = TempPath("eval_final");
+  auto job = client_->SubmitJob(Spec(o));
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::map<int64_t, v1::EvalResult> evals;
+  for (const v1::JobEvent& e : Watch(job->job_id())) {
+    if (e.has_step() && e.step().has_eval()) evals[e.step().step()] = e.step().eval();
+  }
+  auto done = client_->GetJob(job->job_id());
+  ASSERT_TRUE(done.ok());
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
+  ASSERT_EQ(evals.size(), 2u) << Logs();
+  ASSERT_TRUE(evals.count(2) && evals.count(3));
+  EXPECT_EQ(evals[2].checkpoint(), TempPath("eval_ck") + "/step-000002");
+  EXPECT_EQ(evals[2].tokens(), 2 * 4 * 32);
+  EXPECT_DOUBLE_EQ(evals[3].perplexity(), std::exp(evals[3].loss()));
+  EXPECT_EQ(done->last_eval().step(), 3);
+  EXPECT_EQ(done->last_eval().loss(), evals[3].loss());
+  const int64_t best = evals[2].loss() <= evals[3].loss() ? 2 : 3;
+  EXPECT_EQ(done->best_eval().step(), best);
+  EXPECT_EQ(done->best_eval().checkpoint(), evals[best].checkpoint());
+  for (const Daemon& w : workers_) {
+    auto body = testing::HttpGet(w.metrics, "/metrics");
+    ASSERT_TRUE(body.ok()) << body.status();
+    auto families = testing::ParsePrometheusText(*body);
+    ASSERT_TRUE(families.ok()) << families.status();
+    ASSERT_EQ(families->count("colod_eval_loss"), 1u) << *body;
+    ASSERT_EQ(families->at("colod_eval_loss").samples.size(), 1u) << *body;
+    EXPECT_NEAR(families->at("colod_eval_loss").samples[0].value, evals[3].loss(), 1e-6 * evals[3].loss());
+  }
+  ASSERT_TRUE(AllIdle(absl::Seconds(30))) << Logs();
+
+  train::TrainOptions tp1 = Options(3);
+  tp1.model_dir = o.final_dir;
+  tp1.shard.layout.set_tensor_parallel_size(1);
+  tp1.shard.layout.set_data_parallel_size(1);
+  tp1.eval_split = 0.1;
+  tp1.eval_steps = 2;
+  tp1.eval_only = true;
+  auto again = client_->SubmitJob(Spec(tp1));
+  ASSERT_TRUE(again.ok()) << again.status();
+  std::vector<v1::EvalResult> got;
+  for (const v1::JobEvent& e : Watch(again->job_id())) {
+    if (e.has_step()) {
+      EXPECT_TRUE(e.step().has_eval());
+      EXPECT_FALSE(e.step().has_step_duration());  // nothing trained
+      got.push_back(e.step().eval());
+    }
+  }
+  auto evaluated = client_->GetJob(again->job_id());
+  ASSERT_TRUE(evaluated.ok());
+  ASSERT_EQ(evaluated->state(), v1::JOB_STATE_SUCCEEDED) << evaluated->reason() << "\n" << Logs();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].step(), 0);  // the model directory, not a checkpoint
+  EXPECT_NEAR(got[0].loss(), evals[3].loss(), 1e-5 * evals[3].loss());
+  EXPECT_EQ(evaluated->step(), 0);  // no step was trained
+  EXPECT_EQ(evaluated->best_eval().loss(), got[0].loss());
 }
 
 TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {

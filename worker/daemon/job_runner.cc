@@ -282,11 +282,12 @@ absl::Status JobRunner::RunRank(Active& active) {
     if (reporter.Phase(v1::RANK_PHASE_TRAINING)) active.stop = true;
   };
   hooks.on_step = [&](const train::StepStats& st) {
-    if (metrics != nullptr) {
+    if (metrics != nullptr && st.trained) {
       metrics->ObserveStep(st.seconds, st.rank_tokens, st.loss, st.param_bytes, st.grad_bytes, st.optimizer_bytes);
       if (st.cuda) metrics->ObserveDevicePool(st.pool_reserved_bytes, st.pool_used_bytes);
       if (st.dp_bucket_bytes > 0) metrics->ObserveGradSync(st.dp_bucket_bytes, st.dp_overlapped_bytes);
     }
+    if (metrics != nullptr && st.eval.has_value()) metrics->ObserveEval(st.eval->loss);
     if (req.rank() == 0 && reporter.Step(st)) active.stop = true;
   };
   return train::RunTrainRank(*run, req.rank(), *pg, shard, hooks);

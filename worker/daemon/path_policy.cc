@@ -70,6 +70,7 @@ absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
       {"spec.model.weights_path", spec.model().weights_path()},
       {"spec.train.data_path", spec.train().data_path()},
       {"spec.train.labels_path", spec.train().labels_path()},
+      {"spec.train.eval_labels_path", spec.train().eval_labels_path()},
       {"spec.train.checkpoint_dir", spec.train().checkpoint_dir()},
       {"spec.train.resume_from", spec.train().resume_from()},
       {"spec.train.final_dir", spec.train().final_dir()},
@@ -83,10 +84,11 @@ absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
   }
   // Training data may name a Megatron dataset by its prefix, .bin or .idx:
   // every file the corpus may open is checked (each may be a link).
-  const std::string& data = spec.train().data_path();
-  if (!data.empty()) {
-    for (const std::string& file : train::DataFiles(data)) {
-      if (absl::Status s = Check("spec.train.data_path", file); !s.ok()) return s;
+  for (const Named& data : {Named{"spec.train.data_path", spec.train().data_path()},
+                            Named{"spec.train.eval_data_path", spec.train().eval_data_path()}}) {
+    if (data.path.empty()) continue;
+    for (const std::string& file : train::DataFiles(data.path)) {
+      if (absl::Status s = Check(data.field, file); !s.ok()) return s;
     }
   }
   return absl::OkStatus();

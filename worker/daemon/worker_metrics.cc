@@ -61,6 +61,11 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, absl::Duration ling
                 .Name("colod_loss")
                 .Help("Loss of the rank's last training step (mean next-token cross-entropy of the global batch).")
                 .Register(registry)),
+      eval_loss_(prometheus::BuildGauge()
+                     .Name("colod_eval_loss")
+                     .Help("Loss of the rank's last held-out evaluation (mean cross-entropy over its labelled "
+                           "positions, all dp replicas; TrainConfig.eval_*).")
+                     .Register(registry)),
       tensor_bytes_(prometheus::BuildGauge()
                         .Name("colod_tensor_bytes")
                         .Help("Bytes a job rank holds on this worker, by kind: params, grads, optimizer_state.")
@@ -131,6 +136,7 @@ void WorkerMetrics::RemoveLocked(const Ended& e) {
   RemoveIfPresent(step_duration_, e.labels);
   RemoveIfPresent(tokens_, e.labels);
   RemoveIfPresent(loss_, e.labels);
+  RemoveIfPresent(eval_loss_, e.labels);
   for (const char* kind : kTensorKinds) RemoveIfPresent(tensor_bytes_, With(e.labels, {{"kind", kind}}));
   for (const char* kind : {"reserved", "used"}) RemoveIfPresent(device_pool_bytes_, With(e.labels, {{"kind", kind}}));
   for (const char* when : {"backward", "after"}) RemoveIfPresent(dp_bucket_bytes_, With(e.labels, {{"when", when}}));
@@ -181,6 +187,11 @@ void WorkerMetrics::Rank::ObserveStep(double seconds, int64_t replica_tokens, do
   for (int i = 0; i < 3; ++i) {
     metrics_->tensor_bytes_.Add(With(labels_, {{"kind", kTensorKinds[i]}})).Set(static_cast<double>(bytes[i]));
   }
+}
+
+void WorkerMetrics::Rank::ObserveEval(double loss) {
+  if (eval_loss_ == nullptr) eval_loss_ = &metrics_->eval_loss_.Add(labels_);
+  eval_loss_->Set(loss);
 }
 
 void WorkerMetrics::Rank::ObserveDevicePool(int64_t reserved_bytes, int64_t used_bytes) {

@@ -37,6 +37,7 @@ namespace colod {
 //                                                 tokens divided by the replica's ranks, so
 //                                                 sum by (job_id) is the job's tokens
 //   colod_loss{job_id,rank}                       gauge, the last step's loss
+//   colod_eval_loss{job_id,rank}                  gauge, the last held-out evaluation's loss
 //   colod_tensor_bytes{job_id,rank,kind}          gauge: params, grads, optimizer_state
 //   colod_device_pool_bytes{job_id,rank,kind}     gauge, a CUDA rank's device memory pool:
 //                                                 reserved (taken from the device),
@@ -78,6 +79,8 @@ class WorkerMetrics {
     // on in the step (each of its ranks sees them all).
     void ObserveStep(double seconds, int64_t replica_tokens, double loss, int64_t param_bytes, int64_t grad_bytes,
                      int64_t optimizer_bytes);
+    // A held-out evaluation's loss (called by the rank's thread).
+    void ObserveEval(double loss);
     // A CUDA rank's memory pool after a step (called by the rank's thread).
     void ObserveDevicePool(int64_t reserved_bytes, int64_t used_bytes);
     // A data-parallel step's gradient buckets: all their bytes, and those
@@ -100,6 +103,7 @@ class WorkerMetrics {
     prometheus::Histogram* step_duration_ = nullptr;
     prometheus::Counter* tokens_ = nullptr;
     prometheus::Gauge* loss_ = nullptr;
+    prometheus::Gauge* eval_loss_ = nullptr;
     absl::Mutex mu_;
     // The {op, group} pairs of the collective series this rank fed.
     std::set<std::pair<std::string, std::string>> collectives_ ABSL_GUARDED_BY(mu_);
@@ -131,6 +135,7 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Histogram>& step_duration_;
   prometheus::Family<prometheus::Counter>& tokens_;
   prometheus::Family<prometheus::Gauge>& loss_;
+  prometheus::Family<prometheus::Gauge>& eval_loss_;
   prometheus::Family<prometheus::Gauge>& tensor_bytes_;
   prometheus::Family<prometheus::Gauge>& device_pool_bytes_;
   prometheus::Family<prometheus::Counter>& dp_bucket_bytes_;

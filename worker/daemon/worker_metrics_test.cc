@@ -119,6 +119,12 @@ TEST_F(WorkerMetricsTest, LabelsEachSeriesByJobAndRank) {
   // A NaN loss is exported as NaN (the alert looks for it).
   r->ObserveStep(0.25, 64, std::nan(""), 1000, 1000, 2000);
   EXPECT_TRUE(std::isnan(Value("colod_loss", rank)));
+
+  // A held-out evaluation: the last one's loss, nothing before the first.
+  EXPECT_TRUE(Samples("colod_eval_loss").empty());
+  r->ObserveEval(3.25);
+  r->ObserveEval(3.125);
+  EXPECT_EQ(Value("colod_eval_loss", rank), 3.125);
 }
 
 TEST_F(WorkerMetricsTest, AnEndedRanksSeriesGoAtOnceOrAfterTheLinger) {
@@ -130,6 +136,7 @@ TEST_F(WorkerMetricsTest, AnEndedRanksSeriesGoAtOnceOrAfterTheLinger) {
     r->ObserveStep(0.1, 128, 3.0, 10, 10, 20);
     r->ObserveDevicePool(4096, 1024);
     r->ObserveGradSync(10, 5);
+    r->ObserveEval(2.0);
     r->CollectiveObserver("dp")("all_reduce", 10, absl::Milliseconds(1));
   }
   // Nothing runs, so nothing can stall: these go at once.
@@ -144,8 +151,8 @@ TEST_F(WorkerMetricsTest, AnEndedRanksSeriesGoAtOnceOrAfterTheLinger) {
   clock_.Advance(absl::Seconds(1));
   metrics.RemoveExpired();
   for (const char* name : {"colod_step_duration_seconds_count", "colod_step_duration_seconds_bucket",
-                           "colod_tokens_total", "colod_loss", "colod_tensor_bytes", "colod_device_pool_bytes",
-                           "colod_dp_bucket_bytes_total",
+                           "colod_tokens_total", "colod_loss", "colod_eval_loss", "colod_tensor_bytes",
+                           "colod_device_pool_bytes", "colod_dp_bucket_bytes_total",
                            "colod_collective_duration_seconds_count", "colod_collective_duration_seconds_bucket",
                            "colod_collective_bytes_total"}) {
     EXPECT_TRUE(Samples(name).empty()) << name;

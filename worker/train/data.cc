@@ -380,39 +380,109 @@ absl::StatusOr<Tensor> TokenCorpus::Window(int64_t start, int64_t length) const 
   return Tensor::FromInt64s({length}, v);
 }
 
+absl::StatusOr<int64_t> HeldOutStart(const TokenCorpus& corpus, double fraction, int64_t min_tokens) {
+  if (!(fraction > 0 && fraction < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("eval_split ", fraction, " is not in (0, 1)"));
+  }
+  const int64_t n = corpus.size();
+  const double target = (1 - fraction) * static_cast<double>(n);
+  const auto fits = [&](int64_t at) { return at >= min_tokens && n - at >= min_tokens; };
+  const std::vector<int64_t>& docs = corpus.documents();
+  std::optional<int64_t> best;
+  for (const int64_t d : docs) {
+    if (d <= 0 || d >= n || !fits(d)) continue;
+    if (!best.has_value() || std::abs(static_cast<double>(d) - target) < std::abs(static_cast<double>(*best) - target)) {
+      best = d;
+    }
+  }
+  if (docs.size() > 1) {
+    if (best.has_value()) return *best;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "eval_split ", fraction, ": no document boundary of the corpus (", docs.size(), " documents, ", n,
+        " tokens) leaves both the training and the held-out part a window of ", min_tokens, " tokens"));
+  }
+  const int64_t at = std::clamp<int64_t>(std::llround(target), 0, n);
+  if (!fits(at)) {
+    return absl::InvalidArgumentError(absl::StrCat("eval_split ", fraction, " of a corpus of ", n,
+                                                   " tokens leaves a part shorter than a window of ", min_tokens,
+                                                   " tokens"));
+  }
+  return at;
+}
+
+absl::StatusOr<int64_t> HeldOutStart(int64_t examples, double fraction) {
+  if (!(fraction > 0 && fraction < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("eval_split ", fraction, " is not in (0, 1)"));
+  }
+  const int64_t held = std::max<int64_t>(1, std::llround(fraction * static_cast<double>(examples)));
+  if (examples - held < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("eval_split ", fraction, " of ", examples, " examples leaves none to train on"));
+  }
+  return examples - held;
+}
+
+absl::StatusOr<SampleRange> BatchSampler::Resolve(SampleRange range, int64_t size) {
+  if (range.end < 0) range.end = size;
+  if (range.begin < 0 || range.begin > range.end || range.end > size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sample range [", range.begin, ", ", range.end, ") is outside [0, ", size, ")"));
+  }
+  return range;
+}
+
 absl::StatusOr<BatchSampler> BatchSampler::Create(int64_t corpus_tokens, int64_t seq_len, int64_t global_batch,
-                                                  int dp, uint64_t seed) {
+                                                  int dp, uint64_t seed, SampleRange range) {
   if (seq_len < 1 || global_batch < 1 || dp < 1) {
     return absl::InvalidArgumentError("seq_len, the batch size and dp must be positive");
   }
-  if (corpus_tokens < seq_len + 1) {
-    return absl::InvalidArgumentError(absl::StrCat("the corpus has ", corpus_tokens,
-                                                   " tokens, fewer than one window of seq_len + 1 = ", seq_len + 1));
+  ASSIGN_OR_RETURN(range, Resolve(range, corpus_tokens));
+  const int64_t tokens = range.end - range.begin;
+  if (tokens < seq_len + 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        range.begin == 0 && range.end == corpus_tokens ? "the corpus has " : "the corpus' part has ", tokens,
+        " tokens, fewer than one window of seq_len + 1 = ", seq_len + 1));
   }
   if (global_batch % dp != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("the batch of ", global_batch, " sequences does not split over data_parallel_size ", dp));
   }
-  return BatchSampler(corpus_tokens, seq_len, global_batch, dp, seed);
+  return BatchSampler(tokens, seq_len, global_batch, dp, seed, range.begin, range.sequential);
 }
 
 absl::StatusOr<BatchSampler> BatchSampler::ForExamples(int64_t examples, int64_t global_batch, int dp,
-                                                       uint64_t seed) {
+                                                       uint64_t seed, SampleRange range) {
   if (examples < 1 || global_batch < 1 || dp < 1) {
     return absl::InvalidArgumentError("the examples, the batch size and dp must be positive");
   }
+  ASSIGN_OR_RETURN(range, Resolve(range, examples));
+  if (range.end == range.begin) return absl::InvalidArgumentError("the sample range holds no example");
   if (global_batch % dp != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("the batch of ", global_batch, " examples does not split over data_parallel_size ", dp));
   }
-  return BatchSampler(examples, /*seq_len=*/0, global_batch, dp, seed);  // Starts: [0, examples)
+  // Starts: the range's examples.
+  return BatchSampler(range.end - range.begin, /*seq_len=*/0, global_batch, dp, seed, range.begin, range.sequential);
+}
+
+int64_t BatchSampler::windows() const {
+  return seq_len_ == 0 ? corpus_tokens_ : (corpus_tokens_ - 1) / seq_len_;
 }
 
 std::vector<int64_t> BatchSampler::Starts(int64_t step) const {
-  const uint64_t windows = static_cast<uint64_t>(corpus_tokens_ - seq_len_);  // last start: n - (seq_len + 1)
   std::vector<int64_t> starts(global_batch_);
+  if (sequential_) {
+    const int64_t stride = std::max<int64_t>(seq_len_, 1);
+    const uint64_t period = static_cast<uint64_t>(windows());
+    for (int64_t r = 0; r < global_batch_; ++r) {
+      const uint64_t w = (static_cast<uint64_t>(step) * static_cast<uint64_t>(global_batch_) + r) % period;
+      starts[r] = begin_ + static_cast<int64_t>(w) * stride;
+    }
+    return starts;
+  }
+  const uint64_t windows = static_cast<uint64_t>(corpus_tokens_ - seq_len_);  // last start: n - (seq_len + 1)
   for (int64_t r = 0; r < global_batch_; ++r) {
-    starts[r] = static_cast<int64_t>(Mix(Mix(seed_ ^ Mix(static_cast<uint64_t>(step))) + r) % windows);
+    starts[r] = begin_ + static_cast<int64_t>(Mix(Mix(seed_ ^ Mix(static_cast<uint64_t>(step))) + r) % windows);
   }
   return starts;
 }

@@ -122,17 +122,45 @@ class TokenCorpus {
   std::vector<int64_t> documents_{0};
 };
 
+// The held-out split of a corpus (TrainConfig.eval_split): the offset from
+// which the trailing `fraction` of its tokens is held out. It is the
+// document start nearest to (1 - fraction) x size where the corpus has
+// documents (Megatron's, tokenized text's paragraphs, jsonl's lines) and
+// that token otherwise (a .bin, a .npy, byte-level text), so that neither
+// side is shorter than `min_tokens` (a window). INVALID_ARGUMENT naming
+// eval_split when no split leaves both sides that long, or the fraction is
+// not in (0, 1).
+absl::StatusOr<int64_t> HeldOutStart(const TokenCorpus& corpus, double fraction, int64_t min_tokens);
+// The same for `examples` whole examples (images, pairs): the trailing
+// round(fraction x examples) of them, at least one, leaving at least one.
+absl::StatusOr<int64_t> HeldOutStart(int64_t examples, double fraction);
+
+// Which part of a corpus (of a dataset's examples) a sampler draws from, and
+// how.
+struct SampleRange {
+  int64_t begin = 0;
+  int64_t end = -1;  // one past the last; -1: the whole corpus
+  // Windows in order from `begin`, each seq_len on from the last (examples:
+  // one on), wrapping at the range's end: a held-out evaluation's, the same
+  // for every evaluation. Otherwise drawn at random from (seed, step, row).
+  bool sequential = false;
+};
+
 class BatchSampler {
  public:
-  // INVALID_ARGUMENT when the corpus has fewer than seq_len + 1 tokens or
+  // INVALID_ARGUMENT when the range has fewer than seq_len + 1 tokens or
   // the batch does not split over dp.
   static absl::StatusOr<BatchSampler> Create(int64_t corpus_tokens, int64_t seq_len, int64_t global_batch, int dp,
-                                             uint64_t seed);
+                                             uint64_t seed, SampleRange range = {});
   // A sampler of whole examples (ImageDataset's images): Starts(step) are
-  // indices in [0, examples), drawn as windows are; Batch is not for it.
-  static absl::StatusOr<BatchSampler> ForExamples(int64_t examples, int64_t global_batch, int dp, uint64_t seed);
+  // indices in the range, drawn as windows are; Batch is not for it.
+  static absl::StatusOr<BatchSampler> ForExamples(int64_t examples, int64_t global_batch, int dp, uint64_t seed,
+                                                  SampleRange range = {});
   // The corpus offsets of the global batch of `step` (0-based).
   std::vector<int64_t> Starts(int64_t step) const;
+  // The distinct windows (examples) of the range: a sequential sampler's
+  // period.
+  int64_t windows() const;
   // Replica `replica`'s rows of step `step`: inputs [B/dp, seq_len] and
   // next-token labels [B/dp, seq_len] (int64); with count >= 0, only its
   // rows [first, first + count) (INVALID_ARGUMENT outside [0, B/dp)).
@@ -144,11 +172,15 @@ class BatchSampler {
   uint64_t seed() const { return seed_; }
 
  private:
-  BatchSampler(int64_t n, int64_t seq_len, int64_t batch, int dp, uint64_t seed)
-      : corpus_tokens_(n), seq_len_(seq_len), global_batch_(batch), dp_(dp), seed_(seed) {}
-  int64_t corpus_tokens_, seq_len_, global_batch_;
+  BatchSampler(int64_t n, int64_t seq_len, int64_t batch, int dp, uint64_t seed, int64_t begin, bool sequential)
+      : corpus_tokens_(n), seq_len_(seq_len), global_batch_(batch), dp_(dp), seed_(seed), begin_(begin),
+        sequential_(sequential) {}
+  static absl::StatusOr<SampleRange> Resolve(SampleRange range, int64_t size);
+  int64_t corpus_tokens_, seq_len_, global_batch_;  // corpus_tokens_: the range's
   int dp_;
   uint64_t seed_;
+  int64_t begin_;
+  bool sequential_;
 };
 
 }  // namespace colod::train

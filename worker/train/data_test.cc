@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -293,6 +294,81 @@ TEST(BatchSampler, SeededDisjointReplicasAndNextTokenLabels) {
   }
   EXPECT_EQ(BatchSampler::Create(1000, 16, 7, 2, 1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(BatchSampler::Create(10, 16, 8, 1, 1).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The held-out split (eval_split): at the document boundary nearest to the
+// fraction where the corpus has documents, at the token otherwise; refused
+// when a side would be shorter than a window or the fraction is out of (0, 1).
+TEST(HeldOut, TheTrailingDocumentsOrTokens) {
+  Megatron m;  // documents of 40, 30, 20 and 10 tokens: boundaries at 40, 70, 90
+  for (const int64_t len : {40, 30, 20, 10}) m.sequences.push_back(std::vector<int64_t>(len, 7));
+  m.doc_bounds = {0, 1, 2, 3, 4};
+  WriteMegatron(TempPath("held_docs"), m);
+  auto docs = TokenCorpus::Open(TempPath("held_docs"), DataFormat::kMegatron);
+  ASSERT_TRUE(docs.ok()) << docs.status();
+  EXPECT_EQ(*HeldOutStart(**docs, 0.1, 5), 90);   // target 90
+  EXPECT_EQ(*HeldOutStart(**docs, 0.25, 5), 70);  // target 75: 70 is nearer than 90
+  EXPECT_EQ(*HeldOutStart(**docs, 0.5, 5), 40);   // target 50
+  EXPECT_EQ(*HeldOutStart(**docs, 0.1, 20), 70);  // 90 would leave 10 tokens, under a window of 20
+  EXPECT_EQ(HeldOutStart(**docs, 0.5, 61).status().code(), absl::StatusCode::kInvalidArgument);
+  // One document (a .npy): the token.
+  std::vector<int64_t> tokens(1000, 3);
+  ASSERT_TRUE(WriteNpy(TempPath("held_flat.npy"), *Tensor::FromInt64s({1000}, tokens)).ok());
+  auto flat = TokenCorpus::Open(TempPath("held_flat.npy"));
+  ASSERT_TRUE(flat.ok()) << flat.status();
+  EXPECT_EQ(*HeldOutStart(**flat, 0.1, 17), 900);
+  EXPECT_EQ(*HeldOutStart(**flat, 0.0123, 5), 988);
+  EXPECT_EQ(HeldOutStart(**flat, 0.001, 17).status().code(), absl::StatusCode::kInvalidArgument);  // 1 token held out
+  for (const double bad : {0.0, 1.0, -0.5, 1.5, std::nan("")}) {
+    const absl::Status s = HeldOutStart(**flat, bad, 17).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("eval_split"), std::string::npos) << s;
+  }
+  // Examples: the trailing round(fraction x N), at least one, leaving one.
+  EXPECT_EQ(*HeldOutStart(24, 0.25), 18);
+  EXPECT_EQ(*HeldOutStart(24, 0.01), 23);
+  EXPECT_EQ(HeldOutStart(1, 0.5).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A sampler over a range: training draws only windows wholly before the
+// held-out start; an evaluation's reads the held-out windows in order, the
+// same for every evaluation, wrapping at the end.
+TEST(BatchSampler, RangesAndTheSequentialEvaluationOrder) {
+  const SampleRange train{.begin = 0, .end = 900};
+  auto s = BatchSampler::Create(1000, 16, 8, 2, 42, train);
+  ASSERT_TRUE(s.ok()) << s.status();
+  for (int64_t step = 0; step < 200; ++step) {
+    for (const int64_t st : s->Starts(step)) {
+      EXPECT_GE(st, 0);
+      EXPECT_LE(st + 17, 900) << "step " << step;
+    }
+  }
+  // The held-out 100 tokens: (100 - 1) / 16 = 6 windows at 900, 916, ..., 980.
+  auto e = BatchSampler::Create(1000, 16, 4, 2, 0, SampleRange{.begin = 900, .sequential = true});
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->windows(), 6);
+  EXPECT_EQ(e->Starts(0), (std::vector<int64_t>{900, 916, 932, 948}));
+  EXPECT_EQ(e->Starts(1), (std::vector<int64_t>{964, 980, 900, 916}));
+  std::vector<int64_t> tokens(1000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>(i);
+  ASSERT_TRUE(WriteNpy(TempPath("range.npy"), *Tensor::FromInt64s({1000}, tokens)).ok());
+  auto corpus = TokenCorpus::Open(TempPath("range.npy"));
+  ASSERT_TRUE(corpus.ok());
+  Tensor in, out;
+  ASSERT_TRUE(e->Batch(**corpus, 1, 0, &in, &out).ok());  // replica 0: rows 0 and 1 of step 1
+  EXPECT_EQ(in.ToInt64s()[0], 964);
+  EXPECT_EQ(out.ToInt64s()[16 + 15], 996);  // the last window's last label: token 996 (980 + 16)
+  // Examples: their indices in order.
+  auto x = BatchSampler::ForExamples(24, 4, 1, 0, SampleRange{.begin = 18, .sequential = true});
+  ASSERT_TRUE(x.ok()) << x.status();
+  EXPECT_EQ(x->Starts(1), (std::vector<int64_t>{22, 23, 18, 19}));
+  // A range too short for a window, or outside the corpus.
+  EXPECT_EQ(BatchSampler::Create(1000, 16, 8, 1, 1, SampleRange{.begin = 990}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BatchSampler::Create(1000, 16, 8, 1, 1, SampleRange{.begin = 0, .end = 1001}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BatchSampler::ForExamples(24, 4, 1, 0, SampleRange{.begin = 24}).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -81,6 +81,12 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
   o.save_every = t.checkpoint_every();
   o.resume_dir = t.resume_from();
   o.stop_after = t.stop_after();
+  o.eval_data_path = t.eval_data_path();
+  o.eval_labels_path = t.eval_labels_path();
+  o.eval_split = t.eval_split();
+  o.eval_every = t.eval_every();
+  o.eval_steps = t.eval_steps();
+  o.eval_only = t.eval_only();
   return o;
 }
 
@@ -127,12 +133,35 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
   t.set_checkpoint_every(o.save_every);
   t.set_resume_from(o.resume_dir);
   t.set_stop_after(o.stop_after);
+  t.set_eval_data_path(o.eval_data_path);
+  t.set_eval_labels_path(o.eval_labels_path);
+  t.set_eval_split(o.eval_split);
+  t.set_eval_every(o.eval_every);
+  t.set_eval_steps(o.eval_steps);
+  t.set_eval_only(o.eval_only);
   return spec;
+}
+
+v1::EvalResult EvalResultOf(const EvalStats& e, const std::string& checkpoint) {
+  v1::EvalResult r;
+  r.set_step(e.step);
+  r.set_loss(e.loss);
+  if (e.perplexity.has_value()) r.set_perplexity(*e.perplexity);
+  if (e.accuracy.has_value()) r.set_accuracy(*e.accuracy);
+  r.set_tokens(e.tokens);
+  *r.mutable_duration() = ToProtoDuration(absl::Seconds(e.seconds));
+  r.set_checkpoint(checkpoint);
+  return r;
 }
 
 v1::StepProgress StepProgressOf(const StepStats& st) {
   v1::StepProgress p;
   p.set_step(st.step);
+  if (st.eval.has_value()) *p.mutable_eval() = EvalResultOf(*st.eval, st.checkpoint);
+  if (!st.trained) {  // an eval_only run's report
+    p.set_resumed_from(st.resumed_from);
+    return p;
+  }
   p.set_loss(st.loss);
   p.set_learning_rate(st.lr);
   p.set_grad_norm(st.grad_norm);

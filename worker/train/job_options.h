@@ -31,6 +31,9 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& options);
 // A step's report as a job's StepProgress event (what the worker sends the
 // coordinator, and what coloctl prints).
 v1::StepProgress StepProgressOf(const StepStats& st);
+// An evaluation as the job reports it, with the checkpoint written after
+// the same step (if any).
+v1::EvalResult EvalResultOf(const EvalStats& e, const std::string& checkpoint);
 
 }  // namespace colod::train
 

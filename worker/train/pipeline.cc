@@ -45,11 +45,16 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages) {
 
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
-                                                   int64_t step_labels, bool reduce) {
+                                                   int64_t step_labels, bool reduce, bool train) {
   const shardformer::PipelineStage& stage = model.shard_config().stage;
   const int me = stage.index;
   const int m = static_cast<int>(micro_batches);
-  ASSIGN_OR_RETURN(std::vector<PipeTask> schedule, OneFOneBSchedule(stage.count, me, m));
+  std::vector<PipeTask> schedule;
+  if (train) {
+    ASSIGN_OR_RETURN(schedule, OneFOneBSchedule(stage.count, me, m));
+  } else {  // forwards only: nothing waits for a backward
+    for (int i = 0; i < m; ++i) schedule.push_back(PipeTask{PipeTask::Kind::kForward, i});
+  }
   const int64_t rows = inputs.shape()[0] / micro_batches, seq = inputs.shape()[1];
   const absl::Duration timeout = pg.timeout();
   RETURN_IF_ERROR(MakePipelineChannels(pg, stage.count));
@@ -113,7 +118,7 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
           sends.push_back({send_fwd->Send(o.raw_data(), o.numel(), o.dtype(), me + 1, static_cast<uint32_t>(i)), o});
           f.output = out;
         }
-        alive[i] = std::move(f);
+        if (train) alive[i] = std::move(f);
         continue;
       }
       auto it = alive.find(i);

@@ -42,10 +42,12 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages);
 // seq]) and `labels`, each micro-batch's loss divided by `step_labels`.
 // With `reduce`, GradSync reduces over dp during the stage's last backward;
 // without (an accumulation pass before the step's last), the gradients
-// only add up. Collective over the pp group (and the groups the layers use).
+// only add up. Without `train` (an evaluation, under a NoGradScope) the
+// micro-batches only go forward, in order, and `sync` is not used.
+// Collective over the pp group (and the groups the layers use).
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
-                                                   int64_t step_labels, bool reduce = true);
+                                                   int64_t step_labels, bool reduce = true, bool train = true);
 
 // The first and last stages' gradients of a tied table (NamedParam::tied:
 // the embedding and the last stage's mirror of it) summed, on both; nothing

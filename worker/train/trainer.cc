@@ -1,5 +1,7 @@
 #include "worker/train/trainer.h"
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <optional>
@@ -40,8 +42,9 @@ struct StepBatch {
 
 // What a run trains on, as a step reads it: a token corpus (next-token
 // prediction), images and labels (a classifier), or (input, target) pairs
-// (an encoder-decoder), each with its seeded sampler. Thread-safe after
-// construction (read-only; every rank of a local run shares one).
+// (an encoder-decoder), each with its seeded sampler; or what it evaluates
+// on, the same with a sequential sampler. Thread-safe after construction
+// (read-only; every rank of a local run shares one).
 class TrainData {
  public:
   virtual ~TrainData() = default;
@@ -50,6 +53,8 @@ class TrainData {
   // time); step_labels counts the whole step's.
   virtual absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows, int64_t first,
                                           int64_t count) const = 0;
+  // The labelled positions of step `step`'s batch (every replica).
+  virtual int64_t Labelled(int64_t step) const = 0;
   // What one row counts for tokens/s: a sequence's tokens, a pair's input
   // and target tokens, an image (1).
   virtual int64_t TokensPerRow() const = 0;
@@ -58,24 +63,29 @@ class TrainData {
   virtual bool classifies() const { return false; }
   // The model reads decoder inputs beside its inputs.
   virtual bool pairs() const { return false; }
+  // The distinct windows (examples) its sampler draws from.
+  virtual int64_t windows() const = 0;
 };
 
 class CorpusData final : public TrainData {
  public:
-  CorpusData(std::unique_ptr<TokenCorpus> corpus, BatchSampler sampler, int64_t step_tokens)
-      : corpus_(std::move(corpus)), sampler_(std::move(sampler)), step_tokens_(step_tokens) {}
+  CorpusData(std::shared_ptr<const TokenCorpus> corpus, BatchSampler sampler)
+      : corpus_(std::move(corpus)), sampler_(std::move(sampler)) {}
   absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t, int64_t first, int64_t count) const override {
     StepBatch b;
-    b.step_labels = step_tokens_;  // every token has its next
+    b.step_labels = Labelled(step);
     RETURN_IF_ERROR(sampler_.Batch(*corpus_, step, replica, &b.inputs, &b.labels, first, count));
     return b;
   }
+  int64_t Labelled(int64_t) const override {  // every token has its next
+    return sampler_.global_batch() * sampler_.seq_len();
+  }
   int64_t TokensPerRow() const override { return sampler_.seq_len(); }
+  int64_t windows() const override { return sampler_.windows(); }
 
  private:
-  std::unique_ptr<TokenCorpus> corpus_;
+  std::shared_ptr<const TokenCorpus> corpus_;
   BatchSampler sampler_;
-  int64_t step_tokens_;
 };
 
 // Images with labels, or (input, target) pairs: whole examples, some of
@@ -83,13 +93,16 @@ class CorpusData final : public TrainData {
 template <typename Dataset>
 class ExampleData final : public TrainData {
  public:
-  ExampleData(std::unique_ptr<Dataset> set, BatchSampler sampler) : set_(std::move(set)), sampler_(std::move(sampler)) {}
+  // `eval`: a batch whose every label is -100 is no error (the evaluation's
+  // other batches may have some).
+  ExampleData(std::shared_ptr<const Dataset> set, BatchSampler sampler, bool eval)
+      : set_(std::move(set)), sampler_(std::move(sampler)), eval_(eval) {}
   absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows, int64_t first,
                                   int64_t count) const override {
     StepBatch b;
     const std::vector<int64_t> all = sampler_.Starts(step);
     b.step_labels = set_->Labelled(all);
-    if (b.step_labels == 0) {
+    if (b.step_labels == 0 && !eval_) {
       return absl::InvalidArgumentError(absl::StrCat("step ", step + 1, " drew ", all.size(),
                                                      " images and every one is labelled -100"));
     }
@@ -105,6 +118,7 @@ class ExampleData final : public TrainData {
     }
     return b;
   }
+  int64_t Labelled(int64_t step) const override { return set_->Labelled(sampler_.Starts(step)); }
   int64_t TokensPerRow() const override {
     if constexpr (std::is_same_v<Dataset, Seq2SeqDataset>) {
       return set_->input_len() + set_->target_len();
@@ -114,10 +128,56 @@ class ExampleData final : public TrainData {
   }
   bool classifies() const override { return std::is_same_v<Dataset, ImageDataset>; }
   bool pairs() const override { return std::is_same_v<Dataset, Seq2SeqDataset>; }
+  int64_t windows() const override { return sampler_.windows(); }
 
  private:
-  std::unique_ptr<Dataset> set_;
+  std::shared_ptr<const Dataset> set_;
   BatchSampler sampler_;
+  bool eval_;
+};
+
+// A dataset opened, before its samplers: a token corpus, images or pairs.
+struct Source {
+  std::shared_ptr<const TokenCorpus> corpus;
+  std::shared_ptr<const ImageDataset> images;
+  std::shared_ptr<const Seq2SeqDataset> pairs;
+  int64_t size() const { return corpus ? corpus->size() : images ? images->size() : pairs->size(); }
+};
+
+// `data` (and its `labels`) as the model reads it; `tokenizer` (may be
+// null) encodes text.
+absl::StatusOr<Source> OpenSource(const ModelConfig& config, const std::string& data, const std::string& labels,
+                                  DataFormat format, const Tokenizer* tokenizer) {
+  Source s;
+  if (config.takes_images()) {
+    ASSIGN_OR_RETURN(s.images, ImageDataset::Open(data, labels, config.num_channels, config.image_size,
+                                                  config.vocab_size));
+  } else if (config.is_encoder_decoder()) {
+    ASSIGN_OR_RETURN(s.pairs, Seq2SeqDataset::Open(data, labels, config.vocab_size, config.decoder_start_token_id,
+                                                   config.pad_token_id));
+  } else {
+    ASSIGN_OR_RETURN(s.corpus, TokenCorpus::Open(data, format, tokenizer));
+  }
+  return s;
+}
+
+// A sampler of `s` over `range` as a TrainData (`eval`: an evaluation's).
+absl::StatusOr<std::unique_ptr<TrainData>> SampleSource(const Source& s, int64_t seq_len, int64_t batch, int dp,
+                                                        uint64_t seed, SampleRange range, bool eval) {
+  if (s.corpus) {
+    ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(s.corpus->size(), seq_len, batch, dp, seed, range));
+    return std::make_unique<CorpusData>(s.corpus, std::move(sampler));
+  }
+  ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(s.size(), batch, dp, seed, range));
+  if (s.images) return std::make_unique<ExampleData<ImageDataset>>(s.images, std::move(sampler), eval);
+  return std::make_unique<ExampleData<Seq2SeqDataset>>(s.pairs, std::move(sampler), eval);
+}
+
+// What a run evaluates on, and how much.
+struct EvalPlan {
+  std::unique_ptr<TrainData> data;  // sequential over the held-out rows
+  int64_t steps = 0;                // batches of batch_size rows
+  int64_t labels = 0;               // labelled positions over all of them
 };
 
 }  // namespace
@@ -127,6 +187,7 @@ struct PreparedTrain {
   std::string resume;  // the checkpoint to resume from, if any
   uint64_t seed = 0;
   std::unique_ptr<TrainData> data;
+  std::optional<EvalPlan> eval;
   int64_t micro_rows = 0;
   int64_t step_batch = 0;  // sequences an optimizer step reads: batch_size * grad_accum
 };
@@ -145,12 +206,27 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   if (o.zero_stage < 0 || o.zero_stage > 2) {
     return absl::InvalidArgumentError(absl::StrCat("zero_stage ", o.zero_stage, " is not one of 0, 1, 2"));
   }
+  const bool evaluates = !o.eval_data_path.empty() || o.eval_split != 0;
+  if (!o.eval_data_path.empty() && o.eval_split != 0) {
+    return absl::InvalidArgumentError("eval_data_path and eval_split: give one, not both");
+  }
+  if (o.eval_split != 0 && !(o.eval_split > 0 && o.eval_split < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("eval_split ", o.eval_split, " is not in (0, 1)"));
+  }
+  if (!evaluates && (o.eval_only || o.eval_every != 0 || o.eval_steps != 0 || !o.eval_labels_path.empty())) {
+    return absl::InvalidArgumentError("eval_only, eval_every, eval_steps and eval_labels_path need eval_data_path "
+                                      "or eval_split");
+  }
+  if (o.eval_every < 0 || o.eval_steps < 0 || o.eval_steps > kMaxEvalSteps) {
+    return absl::InvalidArgumentError(absl::StrCat("eval_every ", o.eval_every, " must be >= 0 and eval_steps ",
+                                                   o.eval_steps, " in [0, ", kMaxEvalSteps, "]"));
+  }
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(o.shard.layout));
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
   ASSIGN_OR_RETURN(ModelConfig config, shardformer::LoadConfig(o.model_dir));
   RETURN_IF_ERROR(CheckShardable(config, o.shard.layout));
   const bool examples = config.takes_images() || config.is_encoder_decoder();  // rows drawn whole
-  if (!examples && !o.labels_path.empty()) {
+  if (!examples && (!o.labels_path.empty() || !o.eval_labels_path.empty())) {
     return absl::InvalidArgumentError(absl::StrCat("labels are for image classifiers and encoder-decoders: ",
                                                    o.model_dir, " (", config.model_type,
                                                    ") predicts its next tokens"));
@@ -164,6 +240,10 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     return absl::InvalidArgumentError(absl::StrCat(o.model_dir, " is an encoder-decoder (", config.model_type,
                                                    "): it trains on (input, target) pairs, the inputs as the data "
                                                    "and the targets as the labels (.npy, integers [N, length])"));
+  }
+  if (examples && !o.eval_data_path.empty() && o.eval_labels_path.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(o.model_dir, " (", config.model_type, ") evaluates on examples ",
+                                                   "with labels: eval_data_path needs eval_labels_path"));
   }
   if (!examples && o.seq_len > config.max_positions) {
     return absl::InvalidArgumentError(absl::StrCat("seq_len ", o.seq_len, " exceeds the model's ",
@@ -187,26 +267,11 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   }
   run->micro_rows = rows / o.micro_batches;
   run->step_batch = *step_batch;
-  if (config.takes_images()) {
-    ASSIGN_OR_RETURN(std::unique_ptr<ImageDataset> images,
-                     ImageDataset::Open(o.data_path, o.labels_path, config.num_channels, config.image_size,
-                                        config.vocab_size));
-    ASSIGN_OR_RETURN(BatchSampler sampler,
-                     BatchSampler::ForExamples(images->size(), run->step_batch, dp, run->seed));
-    run->data = std::make_unique<ExampleData<ImageDataset>>(std::move(images), std::move(sampler));
-    return std::shared_ptr<const PreparedTrain>(std::move(run));
-  }
-  if (config.is_encoder_decoder()) {
-    ASSIGN_OR_RETURN(std::unique_ptr<Seq2SeqDataset> pairs,
-                     Seq2SeqDataset::Open(o.data_path, o.labels_path, config.vocab_size,
-                                          config.decoder_start_token_id, config.pad_token_id));
-    ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(pairs->size(), run->step_batch, dp, run->seed));
-    run->data = std::make_unique<ExampleData<Seq2SeqDataset>>(std::move(pairs), std::move(sampler));
-    return std::shared_ptr<const PreparedTrain>(std::move(run));
-  }
   const DataFormat format = ResolveDataFormat(o.data_path, o.data_format);
+  const bool text = IsTextFormat(format) ||
+                    (!o.eval_data_path.empty() && IsTextFormat(ResolveDataFormat(o.eval_data_path, o.data_format)));
   std::unique_ptr<Tokenizer> tokenizer;
-  if (IsTextFormat(format)) {
+  if (!examples && text) {
     // Text trains with the ids the model knows: its directory's tokenizer,
     // else bytes.
     if (HasTokenizer(o.model_dir)) {
@@ -222,14 +287,147 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
           "vocab_size of at least ", kByteVocab, ", not ", config.vocab_size));
     }
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<TokenCorpus> corpus, TokenCorpus::Open(o.data_path, format, tokenizer.get()));
-  ASSIGN_OR_RETURN(BatchSampler sampler,
-                   BatchSampler::Create(corpus->size(), o.seq_len, run->step_batch, dp, run->seed));
-  run->data = std::make_unique<CorpusData>(std::move(corpus), std::move(sampler), run->step_batch * o.seq_len);
+  ASSIGN_OR_RETURN(const Source train, OpenSource(config, o.data_path, o.labels_path, format, tokenizer.get()));
+  SampleRange train_range;
+  Source held = train;  // what the evaluation reads
+  SampleRange eval_range{.sequential = true};
+  if (o.eval_split != 0) {
+    int64_t at = 0;
+    if (train.corpus) {
+      ASSIGN_OR_RETURN(at, HeldOutStart(*train.corpus, o.eval_split, o.seq_len + 1));
+    } else {
+      ASSIGN_OR_RETURN(at, HeldOutStart(train.size(), o.eval_split));
+    }
+    train_range.end = at;
+    eval_range.begin = at;
+  } else if (!o.eval_data_path.empty()) {
+    absl::StatusOr<Source> opened =
+        OpenSource(config, o.eval_data_path, o.eval_labels_path, ResolveDataFormat(o.eval_data_path, o.data_format),
+                   tokenizer.get());
+    if (!opened.ok()) {
+      return absl::Status(opened.status().code(), absl::StrCat("eval_data_path: ", opened.status().message()));
+    }
+    held = *std::move(opened);
+  }
+  ASSIGN_OR_RETURN(run->data, SampleSource(train, o.seq_len, run->step_batch, dp, run->seed, train_range,
+                                           /*eval=*/false));
+  if (!evaluates) return std::shared_ptr<const PreparedTrain>(std::move(run));
+  EvalPlan eval;
+  absl::StatusOr<std::unique_ptr<TrainData>> sampled =
+      SampleSource(held, o.seq_len, o.batch_size, dp, /*seed=*/0, eval_range, /*eval=*/true);
+  if (!sampled.ok()) {
+    return absl::Status(sampled.status().code(), absl::StrCat("the held-out data: ", sampled.status().message()));
+  }
+  eval.data = *std::move(sampled);
+  eval.steps = o.eval_steps > 0 ? o.eval_steps
+                                : std::min(kDefaultEvalStepsMax, (eval.data->windows() + o.batch_size - 1) / o.batch_size);
+  for (int64_t k = 0; k < eval.steps; ++k) {
+    const std::optional<int64_t> sum = CheckedAdd(eval.labels, eval.data->Labelled(k));
+    if (!sum.has_value()) return absl::InvalidArgumentError("the evaluation's labelled positions overflow");
+    eval.labels = *sum;
+  }
+  if (eval.labels == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("the evaluation's ", eval.steps, " batches hold no labelled "
+                                                   "position (every label is -100)"));
+  }
+  run->eval = std::move(eval);
   return std::shared_ptr<const PreparedTrain>(std::move(run));
 }
 
 namespace {
+
+// `value` summed over the `axis` group (on the rank's device: NCCL reduces
+// device memory).
+absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double value, const Device& device) {
+  ASSIGN_OR_RETURN(Communicator * comm, pg.Comm(axis));
+  ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({1}, {static_cast<float>(value)}));
+  ASSIGN_OR_RETURN(Tensor total, host.To(device));
+  RETURN_IF_ERROR(comm->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg.timeout()));
+  return static_cast<double>(total.ToFloats()[0]);
+}
+
+// The rows of `logits` ([rows, 1, labels], every rank of the replica has
+// them) whose largest logit is their label's.
+int64_t Correct(const Tensor& logits, const Tensor& labels) {
+  const std::vector<float> z = logits.ToFloats();
+  const std::vector<int64_t> want = labels.ToInt64s();
+  const int64_t rows = static_cast<int64_t>(want.size()), classes = rows > 0 ? logits.numel() / rows : 0;
+  int64_t correct = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (want[r] < 0) continue;  // -100: unlabelled
+    const float* row = z.data() + r * classes;
+    correct += std::max_element(row, row + classes) - row == want[r];
+  }
+  return correct;
+}
+
+// The held-out evaluation of `model` (after `step` optimizer steps): every
+// batch of run.eval through the model with no tape, in the run's layout
+// (a pipeline's stages forward only), the loss divided by the evaluation's
+// labelled positions. Collective over the mesh.
+absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, shardformer::ShardedModel& model, ProcessGroup& pg,
+                                   GradSync& sync, int replica, int64_t step) {
+  NoGradScope no_grad;
+  const absl::Time start = absl::Now();
+  const TrainOptions& o = run.options;
+  const EvalPlan& eval = *run.eval;
+  const TrainData& data = *eval.data;
+  const int64_t micro_rows = run.micro_rows, rows = micro_rows * o.micro_batches;
+  double loss = 0;
+  int64_t correct = 0;
+  for (int64_t k = 0; k < eval.steps; ++k) {
+    ASSIGN_OR_RETURN(const StepBatch batch, data.Batch(k, replica, rows, 0, rows));
+    if (model.shard_config().pp() > 1) {
+      ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(model, pg, sync, batch.inputs, batch.labels,
+                                                             o.micro_batches, eval.labels, /*reduce=*/false,
+                                                             /*train=*/false));
+      loss += r.loss;
+      continue;
+    }
+    for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
+      ASSIGN_OR_RETURN(Tensor in, batch.inputs.Narrow(0, mb * micro_rows, micro_rows));
+      ASSIGN_OR_RETURN(Tensor want, batch.labels.Narrow(0, mb * micro_rows, micro_rows));
+      Tensor dec;
+      if (data.pairs()) {
+        ASSIGN_OR_RETURN(dec, batch.decoder_inputs.Narrow(0, mb * micro_rows, micro_rows));
+      }
+      auto forward = [&]() -> absl::StatusOr<ColoTensor> {
+        return data.pairs() ? model.Forward(in.Contiguous(), dec.Contiguous()) : model.Forward(in.Contiguous());
+      };
+      shardformer::LmLoss l;
+      if (data.classifies()) {
+        ASSIGN_OR_RETURN(ColoTensor logits, forward());
+        ASSIGN_OR_RETURN(l, model.ClassificationLoss(logits, want.Contiguous(), eval.labels));
+        ASSIGN_OR_RETURN(Tensor full, model.GatherLogits(logits));
+        correct += Correct(full, want.Contiguous());
+      } else {
+        ASSIGN_OR_RETURN(l, model.ForwardTokenLoss(forward, want.Contiguous(), eval.labels));
+      }
+      loss += l.value;
+    }
+  }
+  EvalStats e;
+  e.step = step;
+  e.loss = loss;
+  e.tokens = eval.labels;
+  if (data.classifies()) {
+    // Every rank of a replica counted its rows; the replicas' counts add up.
+    ASSIGN_OR_RETURN(const double all, SumOver(pg, "dp", static_cast<double>(correct), model.shard_config().device));
+    e.accuracy = all / static_cast<double>(eval.labels);
+  } else {
+    e.perplexity = std::exp(loss);
+  }
+  RETURN_IF_ERROR(pg.AsyncError());
+  e.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  return e;
+}
+
+// Whether the run evaluates after `step` (1-based) of its `steps`.
+bool EvaluatesAfter(const PreparedTrain& run, int64_t step) {
+  if (!run.eval.has_value()) return false;
+  const int64_t every = run.options.eval_every;
+  return step == run.options.steps || (every > 0 && step % every == 0);
+}
 
 absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard,
                            const RankHooks& hooks) {
@@ -251,6 +449,16 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     first = r.step;
   }
   if (hooks.on_start) hooks.on_start();
+  if (o.eval_only) {
+    StepStats s;
+    s.rank = rank;
+    s.step = first;
+    s.trained = false;
+    ASSIGN_OR_RETURN(s.eval, Evaluate(run, *model, pg, *sync, replica, first));
+    s.resumed_from = run.resume;
+    if (hooks.on_step) hooks.on_step(s);
+    return absl::OkStatus();
+  }
   for (int64_t step = first; step < o.steps; ++step) {
     if (hooks.stop && hooks.stop()) {
       return absl::CancelledError(absl::StrCat("stopped before step ", step + 1));
@@ -333,6 +541,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       s.cuda = true;
       s.pool_reserved_bytes = pool.reserved;
       s.pool_used_bytes = pool.used;
+    }
+    if (EvaluatesAfter(run, step + 1)) {
+      ASSIGN_OR_RETURN(s.eval, Evaluate(run, *model, pg, *sync, replica, step + 1));
     }
     const bool last = step + 1 == o.steps;
     if (!o.save_dir.empty() && o.save_every > 0 && ((step + 1) % o.save_every == 0 || last)) {

@@ -13,6 +13,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -47,6 +48,14 @@ struct TrainOptions {
   shardformer::ShardConfig shard;
   int64_t bucket_bytes = 25 << 20;
   int zero_stage = 0;         // ZeRO over dp: 0, 1 (optimizer state) or 2 (and gradients); data_parallel.h
+  // Held-out evaluation (job.proto's TrainConfig.eval_*): eval_data_path
+  // (read as data_path is, with eval_labels_path for examples) or
+  // eval_split, the trailing fraction of the data (HeldOutStart).
+  std::string eval_data_path, eval_labels_path;
+  double eval_split = 0;
+  int64_t eval_every = 0;  // 0: after the last step only
+  int64_t eval_steps = 0;  // batches of batch_size rows; 0: the held-out data once, at most kDefaultEvalStepsMax
+  bool eval_only = false;  // evaluate the model (or resume_dir's checkpoint) once, train nothing
   std::string final_dir;      // if set, the trained model as a Hugging Face directory
   std::string save_dir;       // if set, a training checkpoint every `save_every` steps
   int64_t save_every = 0;     //   (and after the last step)
@@ -57,6 +66,19 @@ struct TrainOptions {
   // Train(): each rendezvous and collective; a rank that stops taking part
   // fails the run with DEADLINE_EXCEEDED after it.
   absl::Duration comm_timeout = absl::Seconds(60);
+};
+
+inline constexpr int64_t kDefaultEvalStepsMax = 100;
+
+// A held-out evaluation: the mean cross-entropy over every labelled
+// position of its batches (all dp replicas), with no gradient.
+struct EvalStats {
+  int64_t step = 0;  // optimizer steps done before it
+  double loss = 0;
+  std::optional<double> perplexity;  // language models (token corpora, pairs): exp(loss)
+  std::optional<double> accuracy;    // classifiers: labelled rows whose largest logit is their label's
+  int64_t tokens = 0;                // labelled positions read
+  double seconds = 0;
 };
 
 // What each step reports. Train() reports rank 0's; RunTrainRank reports
@@ -82,6 +104,10 @@ struct StepStats {
   int64_t dp_bucket_bytes = 0, dp_overlapped_bytes = 0;
   std::string checkpoint;  // the training checkpoint written after this step, if any
   std::string resumed_from;  // the first step of a resumed run: the checkpoint it resumed from
+  std::optional<EvalStats> eval;  // the held-out evaluation after this step, if one ran
+  // False for an eval_only run's one report: `step` is the checkpoint's,
+  // `eval` is set, and nothing else was measured.
+  bool trained = true;
 };
 
 // INVALID_ARGUMENT, before any rank starts, for options that do not fit

@@ -1,0 +1,232 @@
+// Held-out evaluation (TrainOptions::eval_*): the loss on data the run does
+// not train on, with no gradient and no optimizer step, under the run's
+// layout. Held against the unsharded reference implementations on the
+// windows (images) the held-out split names, computed here from the file;
+// the same at every layout (tp x dp, 2D, pp x dp, the emulated NCCL) within
+// 1e-5; and without effect on the training it interleaves with.
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/device.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/tensor/npy.h"
+#include "worker/shardformer/testing.h"
+#include "worker/train/train_testing.h"
+#include "worker/train/trainer.h"
+
+namespace colod::train {
+namespace {
+
+using ::colod::testing::TempPath;
+using testing::Losses;
+using testing::TinyByteLevel;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The one report of an eval_only run.
+EvalStats EvalOnly(TrainOptions o) {
+  o.eval_only = true;
+  const std::vector<StepStats> got = Losses(o);
+  EXPECT_EQ(got.size(), 1u);
+  if (got.size() != 1 || !got[0].eval.has_value()) return EvalStats{.loss = std::nan("")};
+  EXPECT_FALSE(got[0].trained);
+  return *got[0].eval;
+}
+
+TrainOptions WithLayout(TrainOptions o, int tp, int pp, int dp, v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D) {
+  o.shard.layout.set_tensor_parallel_size(tp);
+  o.shard.layout.set_pipeline_parallel_size(pp);
+  o.shard.layout.set_data_parallel_size(dp);
+  o.shard.layout.set_tensor_parallel_mode(mode);
+  return o;
+}
+
+// GPT-2 on the GPL's text, byte-level (one document: the split is at the
+// token): 10 % held out from round(0.9 n), read in windows of 17 tokens
+// 16 apart. Two batches of 8 are the first 16 windows; their mean
+// next-token loss is the reference's on them, at every layout.
+TEST(Eval, TheHeldOutLossIsTheUnshardedReferencesOnTheTrailingWindows) {
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("eval_ref"), TinyByteLevel());
+  ASSERT_TRUE(model.ok()) << model.status();
+  TrainOptions o = testing::SmallRun(model->dir, 1, 1, 1);
+  o.seq_len = 16;
+  o.eval_split = 0.1;
+  o.eval_steps = 2;
+  const std::string text = ReadAll(testing::kGplText);
+  const int64_t n = static_cast<int64_t>(text.size()) + 1;  // the bytes and <|endoftext|>
+  const int64_t split = std::llround(0.9 * static_cast<double>(n));
+  ASSERT_GT((n - split - 1) / 16, 16) << "the held-out part has 16 windows";
+  std::vector<int64_t> ids;
+  for (int64_t w = 0; w < 16; ++w) {
+    for (int64_t j = 0; j <= 16; ++j) {
+      const int64_t i = split + w * 16 + j;
+      ids.push_back(i < static_cast<int64_t>(text.size()) ? static_cast<unsigned char>(text[i]) : 256);
+    }
+  }
+  auto ref = shardformer::testing::ReferenceGpt2(*model, *Tensor::FromInt64s({16, 17}, ids));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const EvalStats plain = EvalOnly(o);
+  EXPECT_EQ(plain.step, 0);
+  EXPECT_EQ(plain.tokens, 16 * 16);
+  EXPECT_NEAR(plain.loss, ref->loss, 1e-5 * ref->loss);
+  ASSERT_TRUE(plain.perplexity.has_value());
+  EXPECT_DOUBLE_EQ(*plain.perplexity, std::exp(plain.loss));
+  EXPECT_FALSE(plain.accuracy.has_value());
+  TrainOptions micro = WithLayout(o, 2, 1, 2);
+  micro.micro_batches = 2;
+  for (const auto& [what, layout] : std::vector<std::pair<std::string, TrainOptions>>{
+           {"tp2 x dp2, 2 micro-batches", micro},
+           {"2D tp4", WithLayout(o, 4, 1, 1, v1::TENSOR_PARALLEL_MODE_2D)},
+           {"pp2 x dp2", [&] {
+              TrainOptions p = WithLayout(o, 1, 2, 2);
+              p.micro_batches = 2;
+              return p;
+            }()}}) {
+    const EvalStats e = EvalOnly(layout);
+    EXPECT_NEAR(e.loss, ref->loss, 1e-5 * ref->loss) << what;
+    EXPECT_EQ(e.tokens, 16 * 16) << what;
+  }
+}
+
+// A run that evaluates every 2 of its 3 steps at tp2 x dp2: evaluations
+// after steps 2 and 3, the last equal to a tp=1 (and pp2 x dp2, and, where
+// the emulation's devices are, an NCCL tp2 x dp2) evaluation of the model it
+// wrote, within 1e-5; and its training losses are bit for bit those of
+// the same run that never evaluates (eval_data_path: another file, so that
+// both train on the same data).
+TEST(Eval, EvaluatingLeavesTrainingAsItIsAndEveryLayoutAgrees) {
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("eval_train"), TinyByteLevel());
+  ASSERT_TRUE(model.ok()) << model.status();
+  TrainOptions plain = WithLayout(testing::SmallRun(model->dir, 1, 1, 3), 2, 1, 2);
+  plain.seq_len = 16;
+  TrainOptions evaluated = plain;
+  evaluated.eval_data_path = "/usr/share/common-licenses/Apache-2.0";
+  evaluated.eval_every = 2;
+  evaluated.eval_steps = 3;
+  evaluated.final_dir = TempPath("eval_train_final");
+  const std::vector<StepStats> a = Losses(plain), b = Losses(evaluated);
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(a[i].loss, b[i].loss) << "step " << i + 1;
+    EXPECT_EQ(a[i].grad_norm, b[i].grad_norm) << "step " << i + 1;
+    EXPECT_FALSE(a[i].eval.has_value());
+  }
+  EXPECT_FALSE(b[0].eval.has_value());
+  ASSERT_TRUE(b[1].eval.has_value());
+  ASSERT_TRUE(b[2].eval.has_value());
+  EXPECT_EQ(b[1].eval->step, 2);
+  EXPECT_EQ(b[2].eval->step, 3);
+  EXPECT_NE(b[1].eval->loss, b[2].eval->loss);  // a step between them
+  const double want = b[2].eval->loss;
+  TrainOptions of_final = testing::SmallRun(evaluated.final_dir, 1, 1, 1);
+  of_final.seq_len = 16;
+  of_final.eval_data_path = evaluated.eval_data_path;
+  of_final.eval_steps = 3;
+  EXPECT_NEAR(EvalOnly(of_final).loss, want, 1e-5 * want) << "tp1";
+  TrainOptions pp = WithLayout(of_final, 1, 2, 2);
+  pp.micro_batches = 2;
+  EXPECT_NEAR(EvalOnly(pp).loss, want, 1e-5 * want) << "pp2 x dp2";
+  if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices (the emulation has them)";
+  TrainOptions nccl = WithLayout(of_final, 2, 1, 2);
+  nccl.cuda = true;
+  nccl.shard.param_dtype = DType::kF32;
+  EXPECT_NEAR(EvalOnly(nccl).loss, want, 1e-5 * want) << "NCCL tp2 x dp2";
+}
+
+// A ViT on 24 labelled images with a quarter held out: the evaluation
+// reads images 18-23 and wraps to 18, 19 (one batch of 8, the default:
+// the held-out images once); its loss and accuracy are the reference's on
+// them, at tp2 x dp2 too (the replicas' correct counts added up).
+TEST(Eval, AnImageClassifierReportsItsAccuracy) {
+  shardformer::testing::TinyOptions tiny;
+  auto vit = shardformer::testing::WriteTinyVit(TempPath("eval_vit"), tiny);
+  ASSERT_TRUE(vit.ok()) << vit.status();
+  const Tensor images = shardformer::testing::PixelValues(24, tiny, 9);
+  const Tensor labels = shardformer::testing::ImageLabels(24, tiny.labels, 4);
+  ASSERT_TRUE(WriteNpy(TempPath("eval_images.npy"), images).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("eval_labels.npy"), labels).ok());
+  TrainOptions o = testing::SmallRun(vit->dir, 1, 1, 1);
+  o.data_path = TempPath("eval_images.npy");
+  o.labels_path = TempPath("eval_labels.npy");
+  o.eval_split = 0.25;
+  const std::vector<int64_t> rows = {18, 19, 20, 21, 22, 23, 18, 19};
+  const std::vector<int64_t> all = labels.ToInt64s();
+  Tensor batch = *Tensor::Empty({8, 3, 8, 8}, DType::kF32);
+  std::vector<int64_t> want;
+  for (int64_t r = 0; r < 8; ++r) {
+    ASSERT_TRUE(batch.Narrow(0, r, 1)->CopyFrom(*images.Narrow(0, rows[r], 1)).ok());
+    want.push_back(all[rows[r]]);
+  }
+  auto ref = shardformer::testing::ReferenceVit(*vit, batch, *Tensor::FromInt64s({8}, want));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const std::vector<float> z = ref->logits.ToFloats();
+  const int64_t classes = static_cast<int64_t>(z.size()) / 8;
+  int correct = 0;
+  for (int64_t r = 0; r < 8; ++r) {
+    correct += std::max_element(z.begin() + r * classes, z.begin() + (r + 1) * classes) - (z.begin() + r * classes) ==
+               want[r];
+  }
+  for (const auto& [what, layout] : std::vector<std::pair<std::string, TrainOptions>>{
+           {"unsharded", o}, {"tp2 x dp2", WithLayout(o, 2, 1, 2)}}) {
+    const EvalStats e = EvalOnly(layout);
+    EXPECT_EQ(e.tokens, 8) << what;
+    EXPECT_NEAR(e.loss, ref->loss, 1e-5 * ref->loss) << what;
+    ASSERT_TRUE(e.accuracy.has_value()) << what;
+    EXPECT_DOUBLE_EQ(*e.accuracy, correct / 8.0) << what;
+    EXPECT_FALSE(e.perplexity.has_value()) << what;
+  }
+}
+
+// Held-out data that is missing, a split out of (0, 1) or too small for a
+// window, evaluation settings without held-out data, both sources at once,
+// labels a language model cannot take: refused before any rank starts,
+// naming the field.
+TEST(Eval, BadSettingsAreRefusedNamingTheField) {
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("eval_bad"), TinyByteLevel());
+  ASSERT_TRUE(model.ok()) << model.status();
+  const TrainOptions base = testing::SmallRun(model->dir, 1, 1, 1);
+  struct Case {
+    std::string what;
+    std::function<void(TrainOptions&)> set;
+    absl::StatusCode code;
+    std::string names;
+  };
+  const std::vector<Case> cases = {
+      {"split 1", [](TrainOptions& o) { o.eval_split = 1; }, absl::StatusCode::kInvalidArgument, "eval_split"},
+      {"split -0.1", [](TrainOptions& o) { o.eval_split = -0.1; }, absl::StatusCode::kInvalidArgument, "eval_split"},
+      {"split NaN", [](TrainOptions& o) { o.eval_split = std::nan(""); }, absl::StatusCode::kInvalidArgument,
+       "eval_split"},
+      {"split under a window", [](TrainOptions& o) { o.eval_split = 1e-5; }, absl::StatusCode::kInvalidArgument,
+       "eval_split"},
+      {"missing file", [](TrainOptions& o) { o.eval_data_path = TempPath("no_such_eval.txt"); },
+       absl::StatusCode::kNotFound, "eval_data_path"},
+      {"both", [](TrainOptions& o) { o.eval_split = 0.1; o.eval_data_path = testing::kGplText; },
+       absl::StatusCode::kInvalidArgument, "eval_split"},
+      {"every alone", [](TrainOptions& o) { o.eval_every = 2; }, absl::StatusCode::kInvalidArgument, "eval_every"},
+      {"only alone", [](TrainOptions& o) { o.eval_only = true; }, absl::StatusCode::kInvalidArgument, "eval_only"},
+      {"negative steps", [](TrainOptions& o) { o.eval_split = 0.1; o.eval_steps = -1; },
+       absl::StatusCode::kInvalidArgument, "eval_steps"},
+      {"labels for a language model", [](TrainOptions& o) { o.eval_split = 0.1; o.eval_labels_path = testing::kGplText; },
+       absl::StatusCode::kInvalidArgument, "labels"},
+  };
+  for (const Case& c : cases) {
+    TrainOptions o = base;
+    c.set(o);
+    const absl::Status s = Train(o, [](const StepStats&) { ADD_FAILURE() << "a step ran"; });
+    EXPECT_EQ(s.code(), c.code) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.names), absl::string_view::npos) << c.what << ": " << s;
+  }
+}
+
+}  // namespace
+}  // namespace colod::train
