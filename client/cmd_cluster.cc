@@ -132,6 +132,25 @@ int RunStatus(const std::vector<std::string>& operands) {
   });
 }
 
+int RunCheckpoints(const std::vector<std::string>& operands) {
+  return WithCoordinator([&](CoordinatorClient& client) {
+    auto job = client.GetJob(operands[0]);
+    if (!job.ok()) return Fail(job.status());
+    if (JsonOutput()) {
+      v1::Job only;  // the checkpoints alone, as the Job's JSON holds them
+      *only.mutable_checkpoints() = job->checkpoints();
+      return PrintJson(only);
+    }
+    if (job->checkpoints_size() == 0) {
+      std::printf("%s has reported no checkpoint%s\n", job->job_id().c_str(),
+                  job->spec().train().checkpoint_dir().empty() ? " (it has no --save directory)" : " yet");
+      return 0;
+    }
+    std::fputs(RenderCheckpoints(*job).c_str(), stdout);
+    return 0;
+  });
+}
+
 int RunWatch(const std::vector<std::string>& operands) {
   return WithCoordinator([&](CoordinatorClient& client) {
     auto ended = WatchToEnd(client, operands[0], JsonOutput(), nullptr);
@@ -189,6 +208,12 @@ constexpr Command kCommands[] = {
     {"jobs", "", "  jobs        List jobs: id, name, state, layout, step, loss, reason. --state running,...\n",
      RunJobs},
     {"status", "JOB", "  status JOB  One job in detail (--output json: the Job).\n", RunStatus},
+    {"checkpoints", "JOB",
+     "  checkpoints JOB\n"
+     "              The training checkpoints a job keeps (after --keep-last/--keep-best), oldest\n"
+     "              first: step, held-out loss, size, path; the best and the latest (where a\n"
+     "              restart resumes) marked. --output json: {\"checkpoints\": [...]}.\n",
+     RunCheckpoints},
     {"watch", "JOB",
      "  watch JOB   Follow a job to its end: state changes and a progress bar with step,\n"
      "              loss and tokens/s, then the loss curve; --output json prints every event\n"

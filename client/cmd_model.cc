@@ -145,13 +145,7 @@ absl::StatusOr<int64_t> ParseBytes(const std::string& text) {
   return static_cast<int64_t>(value * std::ldexp(1.0, shift));
 }
 
-std::string Bytes(int64_t n) {
-  const double v = static_cast<double>(n);
-  if (n >= (int64_t{1} << 30)) return absl::StrFormat("%.2f GiB", v / (1 << 30));
-  if (n >= (1 << 20)) return absl::StrFormat("%.2f MiB", v / (1 << 20));
-  if (n >= (1 << 10)) return absl::StrFormat("%.2f KiB", v / (1 << 10));
-  return absl::StrCat(n, " B");
-}
+std::string Bytes(int64_t n) { return HumanBytes(n); }
 
 nlohmann::json PlanJson(const JobPlan& p) {
   nlohmann::json comm = nlohmann::json::array();
@@ -320,7 +314,9 @@ constexpr Command kCommands[] = {
      "              its loss, perplexity or accuracy after every K steps and the last, over M\n"
      "              batches of --batch-size (default: the held-out data once, at most 100);\n"
      "              --eval-only evaluates the model or --resume's checkpoint and trains nothing)\n"
-     "              [--save DIR --save-every K]\n"
+     "              [--save DIR --save-every K [--keep-last N] [--keep-best] (retention after\n"
+     "              each save: the newest N and the best by held-out loss; `coloctl\n"
+     "              checkpoints JOB` lists what is kept)]\n"
      "              [--resume DIR] [--stop-after N]. A resumed run continues from the\n"
      "              newest complete checkpoint with the losses the uninterrupted run has,\n"
      "              at any --dp and --zero (the rest of the layout as written).\n"

@@ -38,7 +38,7 @@ TEST(Commands, EveryCommandHasAUniqueNameAUsageEntryAndARun) {
       }
     }
   }
-  for (const char* expected : {"workers", "submit", "jobs", "status", "watch", "cancel", "delete", "mesh", "tensor", "forward",
+  for (const char* expected : {"workers", "submit", "jobs", "status", "checkpoints", "watch", "cancel", "delete", "mesh", "tensor", "forward",
                                "train", "init-model", "tokenize", "consolidate", "local", "health", "version"}) {
     EXPECT_EQ(names.count(expected), 1u) << expected;
   }

@@ -1,5 +1,7 @@
 #include "client/format.h"
 
+#include <cmath>
+
 #include <algorithm>
 #include <cstring>
 #include <optional>
@@ -138,6 +140,36 @@ absl::StatusOr<std::string> TensorValueNpy(const v1::TensorValue& value) {
 }
 
 std::string JobStateLabel(v1::JobState state) { return EnumSuffix(v1::JobState_Name(state), "JOB_STATE_"); }
+
+std::string HumanBytes(int64_t n) {
+  const double v = static_cast<double>(n);
+  if (n >= (int64_t{1} << 30)) return absl::StrFormat("%.2f GiB", v / (1 << 30));
+  if (n >= (1 << 20)) return absl::StrFormat("%.2f MiB", v / (1 << 20));
+  if (n >= (1 << 10)) return absl::StrFormat("%.2f KiB", v / (1 << 10));
+  return absl::StrCat(n, " B");
+}
+
+std::string RenderCheckpoints(const v1::Job& j) {
+  std::vector<std::vector<std::string>> rows;
+  const int n = j.checkpoints_size();
+  std::optional<int> best;
+  for (int i = 0; i < n; ++i) {
+    const v1::CheckpointInfo& c = j.checkpoints(i);
+    if (c.has_eval_loss() && !std::isnan(c.eval_loss()) &&
+        (!best.has_value() || c.eval_loss() < j.checkpoints(*best).eval_loss())) {
+      best = i;
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    const v1::CheckpointInfo& c = j.checkpoints(i);
+    std::vector<std::string> notes;
+    if (best == i) notes.push_back("best");
+    if (i + 1 == n) notes.push_back("latest (a restart resumes here)");
+    rows.push_back({absl::StrCat(c.step()), c.has_eval_loss() ? absl::StrFormat("%.6f", c.eval_loss()) : "-",
+                    HumanBytes(c.bytes()), c.path(), absl::StrJoin(notes, ", ")});
+  }
+  return RenderTable({"STEP", "EVAL LOSS", "SIZE", "PATH", ""}, rows);
+}
 
 std::string EvalSummary(const v1::EvalResult& e) {
   std::string out = absl::StrFormat("loss %.6f", e.loss());

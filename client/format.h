@@ -40,6 +40,11 @@ std::string RenderJob(const v1::Job& job, absl::Time now);
 // One line of a held-out evaluation: "loss 2.345678  perplexity 10.43
 // after step 20 (/ckpt/step-000020)".
 std::string EvalSummary(const v1::EvalResult& e);
+// "1.50 MiB", "12 B": bytes for people (powers of 1024).
+std::string HumanBytes(int64_t n);
+// The checkpoints a job keeps (Job.checkpoints), oldest first, one row
+// each: step, eval loss, size, path, and which is the best and the latest.
+std::string RenderCheckpoints(const v1::Job& job);
 // The rank grid of the ColoTensor document's figure (a row per dp replica,
 // a column per tp rank, each cell the rank and its worker), then every
 // group per axis.

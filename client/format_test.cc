@@ -147,6 +147,23 @@ TEST(RenderJob, ShowsRestartsAndEveryAttempt) {
   EXPECT_NE(RenderJob(j, absl::Now()).find("stalled:    collective #41 (all_reduce) of group tp/2_3"), std::string::npos);
 }
 
+TEST(Format, CheckpointsListTheBestAndTheLatest) {
+  v1::Job j;
+  for (const auto& [step, loss] : std::vector<std::pair<int64_t, double>>{{20, 2.25}, {50, 2.5}, {60, 2.75}}) {
+    v1::CheckpointInfo* c = j.add_checkpoints();
+    c->set_step(step);
+    c->set_eval_loss(loss);
+    c->set_bytes(3 << 20);
+    c->set_path(absl::StrCat("/ck/step-0000", step));
+  }
+  j.add_checkpoints()->set_step(70);  // not evaluated
+  const std::string out = RenderCheckpoints(j);
+  EXPECT_NE(out.find("20    2.250000   3.00 MiB  /ck/step-000020  best"), std::string::npos) << out;
+  EXPECT_NE(out.find("70    -          0 B"), std::string::npos) << out;
+  EXPECT_NE(out.find("latest (a restart resumes here)"), std::string::npos) << out;
+  EXPECT_EQ(HumanBytes(1536), "1.50 KiB");
+}
+
 TEST(Format, AJobShowsItsLastAndBestEvaluation) {
   v1::Job j;
   j.set_job_id("job-000004");

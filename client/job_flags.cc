@@ -89,6 +89,12 @@ ABSL_FLAG(int32_t, zero, 0,
           "are the plain run's; checkpoints resume at any --dp and --zero.");
 ABSL_FLAG(std::string, save, "", "train: write a training checkpoint here every --save-every steps and at the end.");
 ABSL_FLAG(int64_t, save_every, 0, "train: steps between checkpoints (with --save).");
+ABSL_FLAG(int64_t, keep_last, -1,
+          "train, submit: keep the newest K checkpoints of --save (K >= 1) and remove older ones after each save "
+          "(default: keep all).");
+ABSL_FLAG(bool, keep_best, false,
+          "train, submit: also keep the checkpoint of the lowest held-out loss (needs --eval-every dividing "
+          "--save-every).");
 ABSL_FLAG(std::string, resume, "", "train: continue from the newest complete checkpoint in this directory.");
 ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run to --resume later).");
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
@@ -291,6 +297,21 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
   if (!evaluates && (t.eval_every() != 0 || t.eval_steps() != 0 || t.eval_only() || !t.eval_labels_path().empty())) {
     return absl::InvalidArgumentError(
         "--eval-every, --eval-steps, --eval-only and --eval-labels need held-out data: --eval-split or --eval-data");
+  }
+  const int64_t keep_last = absl::GetFlag(FLAGS_keep_last);
+  if (keep_last == 0 || keep_last < -1 || keep_last > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--keep-last: ", keep_last, " must be >= 1 (the checkpoints to keep; leave it out to keep all)"));
+  }
+  t.set_keep_last(keep_last < 0 ? 0 : static_cast<int32_t>(keep_last));
+  t.set_keep_best(absl::GetFlag(FLAGS_keep_best));
+  if ((t.keep_last() > 0 || t.keep_best()) && t.checkpoint_dir().empty()) {
+    return absl::InvalidArgumentError("--keep-last and --keep-best prune the checkpoints of --save: give --save DIR");
+  }
+  if (t.keep_best() && (t.eval_every() < 1 || t.checkpoint_every() % t.eval_every() != 0)) {
+    return absl::InvalidArgumentError(
+        "--keep-best keeps the checkpoint of the lowest held-out loss: give --eval-split or --eval-data and an "
+        "--eval-every that divides --save-every");
   }
   if (!t.checkpoint_dir().empty() && t.checkpoint_every() < 1) {
     return absl::InvalidArgumentError("--save needs --save-every K (K >= 1)");

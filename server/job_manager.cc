@@ -307,6 +307,7 @@ absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgres
       e.job.set_loss(step.loss());
     }
     if (!step.checkpoint().empty()) e.job.set_last_checkpoint(step.checkpoint());
+    if (step.checkpoints_size() > 0) *e.job.mutable_checkpoints() = step.checkpoints();
     if (step.has_eval()) {
       *e.job.mutable_last_eval() = step.eval();
       // The lowest loss, the earliest of equals; a NaN never becomes the best.

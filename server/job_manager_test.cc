@@ -195,6 +195,25 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s.mutable_train()->set_eval_only(true);
   EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
 
+  // Retention: keep_last >= 0 with checkpoints to prune; keep_best with an
+  // evaluation at every checkpoint.
+  s = TrainSpec();
+  s.mutable_train()->set_keep_last(-1);
+  ExpectInvalid(s, "spec.train.keep_last");
+  s = TrainSpec();
+  s.mutable_train()->set_keep_last(2);
+  ExpectInvalid(s, "spec.train.keep_last");
+  s.mutable_train()->set_checkpoint_every(4);
+  s.mutable_train()->set_checkpoint_dir("/ck");
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+  s.mutable_train()->set_keep_best(true);
+  ExpectInvalid(s, "spec.train.keep_best");  // nothing evaluated
+  s.mutable_train()->set_eval_split(0.1);
+  s.mutable_train()->set_eval_every(3);
+  ExpectInvalid(s, "spec.train.keep_best");  // checkpoints 4 and 8 unevaluated
+  s.mutable_train()->set_eval_every(2);
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+
   // The model must load at the layout: 4 heads do not split over tp = 3.
   s = TrainSpec();
   s.mutable_shard()->set_tensor_parallel_size(3);

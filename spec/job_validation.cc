@@ -123,6 +123,18 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
     return Invalid(path, "eval_steps", absl::StrCat("must be in [0, ", kMaxEvalSteps, "] (0: the held-out data "
                                                     "once, at most 100 batches), got ", t.eval_steps()));
   }
+  if (t.keep_last() < 0) return Invalid(path, "keep_last", absl::StrCat("must be >= 0 (0: all), got ", t.keep_last()));
+  if ((t.keep_last() > 0 || t.keep_best()) && t.checkpoint_every() < 1) {
+    return Invalid(path, t.keep_last() > 0 ? "keep_last" : "keep_best",
+                   "prunes checkpoints: it needs checkpoint_every > 0 and checkpoint_dir");
+  }
+  if (t.keep_best() && (!evaluates || t.eval_every() < 1 || t.checkpoint_every() % t.eval_every() != 0)) {
+    return Invalid(path, "keep_best",
+                   absl::StrCat("keeps the checkpoint of the lowest eval loss: it needs held-out data (eval_split or "
+                                "eval_data_path) and an eval_every that divides checkpoint_every (",
+                                t.checkpoint_every(), "), so that every checkpoint is evaluated; eval_every is ",
+                                t.eval_every()));
+  }
   if (!evaluates) {
     for (const auto& [field, set] : {std::pair<const char*, bool>{"eval_every", t.eval_every() != 0},
                                      {"eval_steps", t.eval_steps() != 0},

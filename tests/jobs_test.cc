@@ -553,6 +553,7 @@ TEST_F(JobsTest, AWorkerKilledMidRunRestartsTheJobWhichSucceedsWithTheUninterrup
   v1::JobSpec spec = Spec(o);
   spec.mutable_train()->set_checkpoint_every(5);
   spec.mutable_train()->set_checkpoint_dir(TempPath("ck-restart"));
+  spec.mutable_train()->set_keep_last(2);  // retention across the restart
   auto job = client_->SubmitJob(spec);  // the default policy: 3 restarts
   ASSERT_TRUE(job.ok()) << job.status();
   v1::MeshSpec mesh;
@@ -595,6 +596,17 @@ TEST_F(JobsTest, AWorkerKilledMidRunRestartsTheJobWhichSucceedsWithTheUninterrup
   const std::map<int64_t, double> got = LastLosses(events);
   ASSERT_EQ(got.size(), want.size()) << Logs();
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got.at(i + 1), want[i]) << "step " << i + 1;
+  // Retention kept the newest two checkpoints through the restart, and
+  // nothing else is left in the directory; the job lists them.
+  std::set<std::string> left;
+  for (const auto& entry : std::filesystem::directory_iterator(TempPath("ck-restart"))) {
+    left.insert(entry.path().filename().string());
+  }
+  EXPECT_EQ(left, (std::set<std::string>{"step-000055", "step-000060"}));
+  ASSERT_EQ(done->checkpoints_size(), 2);
+  EXPECT_EQ(done->checkpoints(0).step(), 55);
+  EXPECT_EQ(done->checkpoints(1).path(), TempPath("ck-restart") + "/step-000060");
+  EXPECT_GT(done->checkpoints(1).bytes(), 0);
 }
 
 // A job whose restarts are spent fails, listing every attempt's failure.

@@ -15,13 +15,17 @@
 // its optimizer state together from the pieces the ranks with its tp and pp
 // coordinates wrote, so a run resumes at another dp size and with or
 // without ZeRO (consolidate the checkpoint to change the rest).
+// Retention (PruneCheckpoints) keeps the newest K and the best by eval loss
+// (train_state.json's eval_loss) and removes the rest, after each save.
 //
 // Thread-safety: free functions; SaveTrainingCheckpoint and
 // RestoreTrainingCheckpoint are collective.
 #ifndef COLOD_WORKER_TRAIN_CHECKPOINT_H_
 #define COLOD_WORKER_TRAIN_CHECKPOINT_H_
 
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "worker/shardformer/shardformer.h"
@@ -32,14 +36,48 @@ namespace colod::train {
 // The checkpoint directory of `step` under `dir`: DIR/step-NNNNNN.
 std::string StepDir(const std::string& dir, int64_t step);
 
-// After `step` (1-based) optimizer steps, into StepDir(dir, step).
+// After `step` (1-based) optimizer steps, into StepDir(dir, step), with
+// the held-out evaluation's loss of that step if one ran (retention keeps
+// the best by it).
 absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer& optimizer, const std::string& dir,
-                                    int64_t step, uint64_t seed);
+                                    int64_t step, uint64_t seed, std::optional<double> eval_loss = std::nullopt);
 
 // The newest complete checkpoint directory under `dir` (DIR/step-NNNNNN),
 // skipping damaged ones; `skipped` (if given) gets the ones passed over and
 // why. NOT_FOUND when none is complete.
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr);
+
+// A complete checkpoint of a run's directory, as retention and `coloctl
+// checkpoints` see it.
+struct CheckpointInfo {
+  std::string path;  // DIR/step-NNNNNN
+  int64_t step = 0;
+  std::optional<double> eval_loss;  // the held-out evaluation of its step, if one ran
+  int64_t bytes = 0;                // its files' sizes
+};
+
+// The checkpoints under `dir` whose train_state.json reads (rank 0 writes it
+// last, before the directory is renamed into place), oldest first; a
+// directory being written (.tmp) or whose state does not read is left out
+// (`skipped` gets it and why). NOT_FOUND when `dir` cannot be listed.
+absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& dir,
+                                                            std::vector<std::string>* skipped = nullptr);
+
+// Which checkpoints a run keeps (TrainConfig.keep_last, keep_best).
+struct Retention {
+  int64_t keep_last = 0;   // the newest this many; 0: all
+  bool keep_best = false;  // and the one of lowest eval loss (the earliest of equals)
+};
+
+// Removes the checkpoints under `dir` that `keep` does not keep, and the
+// leftovers of removals a crash interrupted; returns those kept, oldest
+// first. The newest is always kept (a restart resumes from it), and nothing
+// being written (.tmp) or unreadable is touched. A removal first renames
+// the directory out of the checkpoints' names (DIR/.trash-step-NNNNNN,
+// atomic, needing no space), so a crash or a failing removal never leaves
+// a half-deleted checkpoint for a resume to pick; a removal that fails
+// leaves the checkpoint in place (kept, and logged), with the rest done.
+absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep);
 
 struct Resumed {
   int64_t step = 0;  // steps done; training continues with step + 1

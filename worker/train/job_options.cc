@@ -87,6 +87,8 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
   o.eval_every = t.eval_every();
   o.eval_steps = t.eval_steps();
   o.eval_only = t.eval_only();
+  o.keep_last = t.keep_last();
+  o.keep_best = t.keep_best();
   return o;
 }
 
@@ -139,6 +141,8 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
   t.set_eval_every(o.eval_every);
   t.set_eval_steps(o.eval_steps);
   t.set_eval_only(o.eval_only);
+  t.set_keep_last(static_cast<int32_t>(o.keep_last));
+  t.set_keep_best(o.keep_best);
   return spec;
 }
 
@@ -158,6 +162,13 @@ v1::StepProgress StepProgressOf(const StepStats& st) {
   v1::StepProgress p;
   p.set_step(st.step);
   if (st.eval.has_value()) *p.mutable_eval() = EvalResultOf(*st.eval, st.checkpoint);
+  for (const CheckpointInfo& c : st.checkpoints) {
+    v1::CheckpointInfo* out = p.add_checkpoints();
+    out->set_path(c.path);
+    out->set_step(c.step);
+    if (c.eval_loss.has_value()) out->set_eval_loss(*c.eval_loss);
+    out->set_bytes(c.bytes);
+  }
   if (!st.trained) {  // an eval_only run's report
     p.set_resumed_from(st.resumed_from);
     return p;

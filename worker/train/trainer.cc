@@ -217,6 +217,17 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     return absl::InvalidArgumentError("eval_only, eval_every, eval_steps and eval_labels_path need eval_data_path "
                                       "or eval_split");
   }
+  if (o.keep_last < 0) return absl::InvalidArgumentError(absl::StrCat("keep_last ", o.keep_last, " must be >= 0"));
+  if ((o.keep_last > 0 || o.keep_best) && (o.save_dir.empty() || o.save_every < 1)) {
+    return absl::InvalidArgumentError("keep_last and keep_best prune checkpoints: they need checkpoint_dir and "
+                                      "checkpoint_every");
+  }
+  if (o.keep_best && (!evaluates || o.eval_every < 1 || o.save_every % o.eval_every != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "keep_best keeps the checkpoint of the lowest eval loss: it needs held-out data and an eval_every that "
+        "divides checkpoint_every (", o.save_every, "), so that every checkpoint is evaluated; eval_every is ",
+        o.eval_every));
+  }
   if (o.eval_every < 0 || o.eval_steps < 0 || o.eval_steps > kMaxEvalSteps) {
     return absl::InvalidArgumentError(absl::StrCat("eval_every ", o.eval_every, " must be >= 0 and eval_steps ",
                                                    o.eval_steps, " in [0, ", kMaxEvalSteps, "]"));
@@ -361,6 +372,32 @@ int64_t Correct(const Tensor& logits, const Tensor& labels) {
   return correct;
 }
 
+// Rows [first, first + rows) of `batch` through the model: their loss
+// divided by `denominator` (the LM head fused with it where the model
+// allows). With `correct`, a classifier's logits are gathered and the rows
+// whose largest logit is their label's added to it.
+absl::StatusOr<shardformer::LmLoss> MicroBatchLoss(shardformer::ShardedModel& model, const TrainData& data,
+                                                   const StepBatch& batch, int64_t first, int64_t rows,
+                                                   int64_t denominator, int64_t* correct = nullptr) {
+  ASSIGN_OR_RETURN(Tensor in, batch.inputs.Narrow(0, first, rows));
+  ASSIGN_OR_RETURN(Tensor want, batch.labels.Narrow(0, first, rows));
+  Tensor dec;  // an encoder-decoder's decoder input
+  if (data.pairs()) {
+    ASSIGN_OR_RETURN(dec, batch.decoder_inputs.Narrow(0, first, rows));
+  }
+  auto forward = [&]() -> absl::StatusOr<ColoTensor> {
+    return data.pairs() ? model.Forward(in.Contiguous(), dec.Contiguous()) : model.Forward(in.Contiguous());
+  };
+  if (!data.classifies()) return model.ForwardTokenLoss(forward, want.Contiguous(), denominator);
+  ASSIGN_OR_RETURN(ColoTensor logits, forward());
+  ASSIGN_OR_RETURN(shardformer::LmLoss l, model.ClassificationLoss(logits, want.Contiguous(), denominator));
+  if (correct != nullptr) {
+    ASSIGN_OR_RETURN(Tensor full, model.GatherLogits(logits));
+    *correct += Correct(full, want.Contiguous());
+  }
+  return l;
+}
+
 // The held-out evaluation of `model` (after `step` optimizer steps): every
 // batch of run.eval through the model with no tape, in the run's layout
 // (a pipeline's stages forward only), the loss divided by the evaluation's
@@ -385,24 +422,8 @@ absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, shardformer::Sharde
       continue;
     }
     for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
-      ASSIGN_OR_RETURN(Tensor in, batch.inputs.Narrow(0, mb * micro_rows, micro_rows));
-      ASSIGN_OR_RETURN(Tensor want, batch.labels.Narrow(0, mb * micro_rows, micro_rows));
-      Tensor dec;
-      if (data.pairs()) {
-        ASSIGN_OR_RETURN(dec, batch.decoder_inputs.Narrow(0, mb * micro_rows, micro_rows));
-      }
-      auto forward = [&]() -> absl::StatusOr<ColoTensor> {
-        return data.pairs() ? model.Forward(in.Contiguous(), dec.Contiguous()) : model.Forward(in.Contiguous());
-      };
-      shardformer::LmLoss l;
-      if (data.classifies()) {
-        ASSIGN_OR_RETURN(ColoTensor logits, forward());
-        ASSIGN_OR_RETURN(l, model.ClassificationLoss(logits, want.Contiguous(), eval.labels));
-        ASSIGN_OR_RETURN(Tensor full, model.GatherLogits(logits));
-        correct += Correct(full, want.Contiguous());
-      } else {
-        ASSIGN_OR_RETURN(l, model.ForwardTokenLoss(forward, want.Contiguous(), eval.labels));
-      }
+      ASSIGN_OR_RETURN(const shardformer::LmLoss l,
+                       MicroBatchLoss(model, data, batch, mb * micro_rows, micro_rows, eval.labels, &correct));
       loss += l.value;
     }
   }
@@ -484,24 +505,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
         continue;
       }
       for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
-        ASSIGN_OR_RETURN(Tensor in, inputs.Narrow(0, mb * micro_rows, micro_rows));
-        ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, mb * micro_rows, micro_rows));
         sync->set_enabled(last_pass && mb + 1 == o.micro_batches);  // accumulate, then reduce once
-        Tensor dec;  // an encoder-decoder's decoder input
-        if (run.data->pairs()) {
-          ASSIGN_OR_RETURN(dec, batch.decoder_inputs.Narrow(0, mb * micro_rows, micro_rows));
-        }
-        auto forward = [&]() -> absl::StatusOr<ColoTensor> {
-          return run.data->pairs() ? model->Forward(in.Contiguous(), dec.Contiguous())
-                                   : model->Forward(in.Contiguous());
-        };
-        shardformer::LmLoss l;
-        if (run.data->classifies()) {
-          ASSIGN_OR_RETURN(ColoTensor logits, forward());
-          ASSIGN_OR_RETURN(l, model->ClassificationLoss(logits, want.Contiguous(), step_labels));
-        } else {  // the LM head fused with the loss where the model allows
-          ASSIGN_OR_RETURN(l, model->ForwardTokenLoss(forward, want.Contiguous(), step_labels));
-        }
+        ASSIGN_OR_RETURN(const shardformer::LmLoss l,
+                         MicroBatchLoss(*model, *run.data, batch, mb * micro_rows, micro_rows, step_labels));
         RETURN_IF_ERROR(Backward(l.loss));
         loss += l.value;
       }
@@ -547,8 +553,18 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     }
     const bool last = step + 1 == o.steps;
     if (!o.save_dir.empty() && o.save_every > 0 && ((step + 1) % o.save_every == 0 || last)) {
-      RETURN_IF_ERROR(SaveTrainingCheckpoint(*model, optimizer, o.save_dir, step + 1, run.seed));
+      RETURN_IF_ERROR(SaveTrainingCheckpoint(*model, optimizer, o.save_dir, step + 1, run.seed,
+                                             s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt));
       s.checkpoint = StepDir(o.save_dir, step + 1);
+      if (rank == 0) {  // the checkpoint is complete on every rank (the save's last barrier)
+        absl::StatusOr<std::vector<CheckpointInfo>> kept =
+            PruneCheckpoints(o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best});
+        if (kept.ok()) {
+          s.checkpoints = *std::move(kept);
+        } else {  // the run goes on: nothing was removed that a resume needs
+          COLOD_LOG(WARNING) << "checkpoint retention in " << o.save_dir << ": " << kept.status();
+        }
+      }
     }
     if (step == first) s.resumed_from = run.resume;
     if (hooks.on_step) hooks.on_step(s);

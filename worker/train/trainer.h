@@ -15,9 +15,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "worker/shardformer/shard_config.h"
+#include "worker/train/checkpoint.h"
 #include "worker/train/data.h"
 #include "worker/train/optimizer.h"
 
@@ -59,6 +61,11 @@ struct TrainOptions {
   std::string final_dir;      // if set, the trained model as a Hugging Face directory
   std::string save_dir;       // if set, a training checkpoint every `save_every` steps
   int64_t save_every = 0;     //   (and after the last step)
+  // Retention after each checkpoint (PruneCheckpoints): the newest
+  // keep_last (0: all) and, with keep_best, the best by eval loss (which
+  // needs eval_every > 0 dividing save_every).
+  int64_t keep_last = 0;
+  bool keep_best = false;
   std::string resume_dir;     // if set, continue from its newest complete checkpoint
   int64_t stop_after = 0;     // if > 0, stop after this step (as an interruption would)
   bool cuda = false;          // one rank per CUDA device over NCCL (else host tensors over Gloo)
@@ -103,6 +110,8 @@ struct StepStats {
   // whose all-reduce was enqueued during backward (overlapping it).
   int64_t dp_bucket_bytes = 0, dp_overlapped_bytes = 0;
   std::string checkpoint;  // the training checkpoint written after this step, if any
+  // Rank 0, after a checkpoint: every checkpoint kept after retention, oldest first.
+  std::vector<CheckpointInfo> checkpoints;
   std::string resumed_from;  // the first step of a resumed run: the checkpoint it resumed from
   std::optional<EvalStats> eval;  // the held-out evaluation after this step, if one ran
   // False for an eval_only run's one report: `step` is the checkpoint's,

@@ -1,0 +1,155 @@
+// Checkpoint retention (PruneCheckpoints, TrainOptions::keep_last and
+// keep_best): the newest K and the best by held-out loss are kept, nothing
+// being written or unreadable is touched, a crashed removal's leftovers go,
+// and a full disk during a save loses no checkpoint.
+#include "worker/train/checkpoint.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "tests/testing/full_disk.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/shardformer/testing.h"
+#include "worker/train/train_testing.h"
+#include "worker/train/trainer.h"
+
+namespace colod::train {
+namespace {
+
+namespace fs = std::filesystem;
+using ::colod::testing::TempPath;
+
+std::set<std::string> Entries(const std::string& dir) {
+  std::set<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+
+// DIR/step-NNNNNN as a save leaves it, as far as retention reads it: its
+// state (with the eval loss, if any) and `bytes` bytes of files.
+void FakeCheckpoint(const std::string& dir, int64_t step, std::optional<double> eval_loss, int64_t bytes) {
+  const std::string path = StepDir(dir, step);
+  fs::create_directories(path);
+  std::ofstream(path + "/train_state.json")
+      << "{\"step\": " << step << (eval_loss ? absl::StrFormat(", \"eval_loss\": %.17g", *eval_loss) : "") << "}";
+  std::ofstream(path + "/rank-00000-of-00001.safetensors") << std::string(bytes, 'x');
+}
+
+TEST(Retention, KeepsTheNewestAndTheBestAndTouchesNothingElse) {
+  const std::string dir = TempPath("retention");
+  const std::vector<double> evals = {3.0, 2.0, 2.5, 2.0, 2.75, 2.9};  // the best: step 2 (the earlier of two 2.0s)
+  for (int64_t step = 1; step <= 6; ++step) FakeCheckpoint(dir, step, evals[step - 1], 100 * step);
+  fs::create_directories(dir + "/step-000007.tmp");  // being written
+  fs::create_directories(dir + "/step-000009");      // unreadable: no state
+  fs::create_directories(dir + "/.trash-step-000000/x");  // a crashed removal's leftovers
+  auto listed = ListCheckpoints(dir);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 6u);
+  EXPECT_EQ((*listed)[1].step, 2);
+  EXPECT_EQ((*listed)[1].eval_loss, 2.0);
+  EXPECT_GE((*listed)[1].bytes, 200);
+
+  auto kept = PruneCheckpoints(dir, Retention{.keep_last = 2, .keep_best = true});
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  std::vector<int64_t> steps;
+  for (const CheckpointInfo& c : *kept) steps.push_back(c.step);
+  EXPECT_EQ(steps, (std::vector<int64_t>{2, 5, 6}));
+  EXPECT_EQ(Entries(dir), (std::set<std::string>{"step-000002", "step-000005", "step-000006", "step-000007.tmp",
+                                                 "step-000009"}));
+  // Without keep_best: the newest only; with nothing set: everything.
+  auto all = PruneCheckpoints(dir, Retention{});
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->size(), 3u);
+  auto newest = PruneCheckpoints(dir, Retention{.keep_last = 1});
+  ASSERT_TRUE(newest.ok());
+  ASSERT_EQ(newest->size(), 1u);
+  EXPECT_EQ(newest->at(0).path, StepDir(dir, 6));
+  EXPECT_EQ(Entries(dir), (std::set<std::string>{"step-000006", "step-000007.tmp", "step-000009"}));
+  EXPECT_EQ(PruneCheckpoints(TempPath("no_such_dir"), Retention{.keep_last = 1}).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+// A run that evaluates and saves every step keeps the newest 2 and its
+// best (by its own reported evaluations); each save reports what is kept.
+// A full disk fails the next save with its error and removes nothing; the
+// newest checkpoint stays the one a resume picks, and the resume runs.
+TEST(Retention, ATrainingRunKeepsItsNewestAndBestAndAFullDiskLosesNothing) {
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("retention_gpt2"), testing::TinyByteLevel());
+  ASSERT_TRUE(model.ok()) << model.status();
+  TrainOptions o = testing::SmallRun(model->dir, 1, 1, 6);
+  o.seq_len = 16;
+  o.lr = 3e-2;  // large: the held-out loss need not fall every step
+  o.eval_split = 0.1;
+  o.eval_every = 1;
+  o.eval_steps = 1;
+  o.save_dir = TempPath("retention_ck");
+  o.save_every = 1;
+  o.keep_last = 2;
+  o.keep_best = true;
+  const std::vector<StepStats> run = testing::Losses(o);
+  ASSERT_EQ(run.size(), 6u);
+  int64_t best = 0;
+  double best_loss = INFINITY;
+  for (const StepStats& s : run) {
+    ASSERT_TRUE(s.eval.has_value());
+    if (s.eval->loss < best_loss) best = s.step, best_loss = s.eval->loss;
+    std::set<int64_t> reported;
+    for (const CheckpointInfo& c : s.checkpoints) reported.insert(c.step);
+    EXPECT_TRUE(reported.count(s.step)) << "step " << s.step;
+    EXPECT_LE(reported.size(), 3u) << "step " << s.step;
+  }
+  std::set<std::string> want = {"step-000005", "step-000006", absl::StrFormat("step-%06d", best)};
+  EXPECT_EQ(Entries(o.save_dir), want);
+  std::set<std::string> last;
+  for (const CheckpointInfo& c : run.back().checkpoints) last.insert(fs::path(c.path).filename().string());
+  EXPECT_EQ(last, want);
+
+  TrainOptions more = o;
+  more.steps = 8;
+  more.resume_dir = o.save_dir;
+  absl::Status full;
+  {
+    ::colod::testing::FullDisk disk(0);
+    full = Train(more, [](const StepStats&) {});
+  }
+  EXPECT_FALSE(full.ok());
+  for (const std::string& name : want) EXPECT_TRUE(Entries(o.save_dir).count(name)) << name << ": " << full;
+  auto latest = LatestCheckpoint(o.save_dir);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, StepDir(o.save_dir, 6));
+  const std::vector<StepStats> resumed = testing::Losses(more);
+  ASSERT_EQ(resumed.size(), 2u);
+  EXPECT_EQ(resumed[0].step, 7);
+}
+
+TEST(Retention, SettingsThatCannotWorkAreRefused) {
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("retention_bad"), testing::TinyByteLevel());
+  ASSERT_TRUE(model.ok()) << model.status();
+  const TrainOptions base = testing::SmallRun(model->dir, 1, 1, 2);
+  TrainOptions o = base;
+  o.keep_last = -1;
+  EXPECT_EQ(Train(o, [](const StepStats&) {}).code(), absl::StatusCode::kInvalidArgument);
+  o = base;
+  o.keep_last = 2;  // no checkpoints to prune
+  EXPECT_EQ(Train(o, [](const StepStats&) {}).code(), absl::StatusCode::kInvalidArgument);
+  o.save_dir = TempPath("retention_bad_ck");
+  o.save_every = 2;
+  o.keep_best = true;  // no evaluation
+  absl::Status s = Train(o, [](const StepStats&) {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("keep_best"), std::string::npos) << s;
+  o.eval_split = 0.1;
+  o.eval_every = 3;  // does not divide save_every: some checkpoints unevaluated
+  s = Train(o, [](const StepStats&) {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("eval_every"), std::string::npos) << s;
+}
+
+}  // namespace
+}  // namespace colod::train
