@@ -21,6 +21,10 @@
 namespace colod {
 namespace {
 
+// A trained step's report, not an eval_only run's (an evaluation without a
+// step_duration).
+bool IsTrainedStep(const v1::StepProgress& step) { return !step.has_eval() || step.has_step_duration(); }
+
 // In the state directory: the next job id, written when a job is deleted.
 constexpr char kNextIdFile[] = "next-id";
 
@@ -98,6 +102,9 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
         if (floor.total_bytes() > 0) *e.job.mutable_memory_floor() = floor;
       }
       e.events.assign(record.events().begin(), record.events().end());
+      for (const v1::JobEvent& ev : e.events) {
+        if (ev.has_step() && IsTrainedStep(ev.step())) e.trained_steps.insert(ev.step().step());
+      }
       e.request_id = record.request_id();
       if (!e.request_id.empty()) m->job_by_request_id_[e.request_id] = e.job.job_id();
       m->jobs_.emplace(e.job.job_id(), std::move(e));
@@ -302,12 +309,16 @@ absl::StatusOr<v1::Job> JobManager::Restart(absl::string_view job_id, absl::stri
 absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgress& step) {
   return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
     RETURN_IF_ERROR(CheckNotEndedLocked(e));
-    if (!step.has_eval() || step.has_step_duration()) {  // a trained step, not an eval_only run's report
+    const bool trained = IsTrainedStep(step);
+    if (step.checkpoints_size() > 0) *e.job.mutable_checkpoints() = step.checkpoints();
+    if (trained && !e.trained_steps.insert(step.step()).second) {
+      return step.checkpoints_size() > 0;  // recorded once; what a re-run's save kept is news
+    }
+    if (trained && step.step() >= e.job.step()) {
       e.job.set_step(step.step());
       e.job.set_loss(step.loss());
     }
     if (!step.checkpoint().empty()) e.job.set_last_checkpoint(step.checkpoint());
-    if (step.checkpoints_size() > 0) *e.job.mutable_checkpoints() = step.checkpoints();
     if (step.has_eval()) {
       *e.job.mutable_last_eval() = step.eval();
       // The lowest loss, the earliest of equals; a NaN never becomes the best.

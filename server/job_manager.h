@@ -104,7 +104,12 @@ class JobManager {
   // job already ended.
   absl::StatusOr<v1::Job> Restart(absl::string_view job_id, absl::string_view failure, absl::string_view reason);
   // Appends rank 0's step (and records step, loss and checkpoint on the
-  // job). FAILED_PRECONDITION once the job ended: its history is closed.
+  // job). Each trained step is recorded once: a step already in the history
+  // (re-run after a resume, or reported late by an earlier attempt) adds no
+  // event and changes neither step nor loss, though its checkpoint list is
+  // taken. A step reported late arrives after later ones; the job's step is
+  // the highest recorded. FAILED_PRECONDITION once the job ended: its
+  // history is closed.
   absl::Status AddStep(absl::string_view job_id, const v1::StepProgress& step);
   // Records a FORWARD job's outcome (before it is marked SUCCEEDED).
   absl::Status SetForwardResult(absl::string_view job_id, const v1::ForwardResult& result);
@@ -155,6 +160,7 @@ class JobManager {
     std::vector<v1::JobEvent> events;
     absl::Time persisted = absl::InfinitePast();  // when its record was last taken for writing
     int64_t record_seq = 0;                       // how many records of it were taken
+    std::set<int64_t> trained_steps;              // the steps its events record
   };
   // A job's record as it stood under mu_, to be written after mu_ is
   // released (file writes and fsyncs never hold mu_).

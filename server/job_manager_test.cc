@@ -641,6 +641,62 @@ TEST(JobManager, AJobKeepsItsLastAndBestEvaluation) {
   EXPECT_EQ(got->best_eval().loss(), 1.5);
 }
 
+// Each trained step once: a resumed run's re-run steps add no event and
+// leave the step and loss alone (a re-run's checkpoint list is taken); a
+// step reported late, after later ones, fills its hole; across a reopen.
+TEST(JobManager, EachStepIsRecordedOnce) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-once";
+  FakeClock clock;
+  auto step = [](int64_t n, double loss) {
+    v1::StepProgress p;
+    p.set_step(n);
+    p.set_loss(loss);
+    p.mutable_step_duration()->set_nanos(1000);
+    return p;
+  };
+  std::string id;
+  auto steps_of = [&](JobManager& jobs) {
+    std::vector<int64_t> out;
+    auto events = jobs.WaitForEvents(id, 1, absl::ZeroDuration());
+    EXPECT_TRUE(events.ok());
+    for (const v1::JobEvent& e : events->events) {
+      if (e.has_step()) out.push_back(e.step().step());
+    }
+    return out;
+  };
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    auto job = (*jobs)->Submit(TrainSpec(), "");
+    ASSERT_TRUE(job.ok());
+    id = job->job_id();
+    ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
+    for (int64_t n : {1, 2, 3, 5, 6}) ASSERT_TRUE((*jobs)->AddStep(id, step(n, 10.0 - n)).ok());
+    v1::StepProgress rerun = step(3, 99);  // resumed from step 2's checkpoint
+    v1::CheckpointInfo* kept = rerun.add_checkpoints();
+    kept->set_step(3);
+    kept->set_path("/ck/step-000003");
+    ASSERT_TRUE((*jobs)->AddStep(id, rerun).ok());
+    ASSERT_TRUE((*jobs)->AddStep(id, step(4, 6.0)).ok());  // late: after 5 and 6
+    auto got = (*jobs)->Get(id);
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(got->step(), 6);
+    EXPECT_EQ(got->loss(), 4.0);
+    ASSERT_EQ(got->checkpoints_size(), 1);
+    EXPECT_EQ(got->checkpoints(0).path(), "/ck/step-000003");
+    EXPECT_EQ(steps_of(**jobs), (std::vector<int64_t>{1, 2, 3, 5, 6, 4}));
+    clock.Advance(absl::Seconds(2));
+    ASSERT_TRUE((*jobs)->AddStep(id, step(7, 3.0)).ok());  // written: more than a second on
+  }
+  auto jobs = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
+  for (int64_t n : {5, 6, 7}) ASSERT_TRUE((*jobs)->AddStep(id, step(n, 0)).ok());  // the restart re-runs them
+  ASSERT_TRUE((*jobs)->AddStep(id, step(8, 2.0)).ok());
+  EXPECT_EQ(steps_of(**jobs), (std::vector<int64_t>{1, 2, 3, 5, 6, 4, 7, 8}));
+  EXPECT_EQ((*jobs)->Get(id)->loss(), 2.0);
+}
+
 TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckpoint) {
   const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-reopen";
   FakeClock clock;

@@ -303,17 +303,31 @@ void Scheduler::Assign(const std::string& job_id) {
   ReleaseLocked();
 }
 
+void Scheduler::RecordLateStep(const v1::ReportProgressRequest& report, int64_t generation) {
+  // `generation`: the first that is not past (the running one, or one past
+  // the job's while none runs).
+  // A step an earlier attempt ran and could not report then (its worker
+  // kept it while the coordinator was away): a fact of the job's history,
+  // recorded unless the history has it (AddStep keeps each step once; an
+  // ended job's history is closed). Its worker cannot be checked against a
+  // mesh that is gone; workers are trusted as for every report.
+  if (!report.has_step() || report.generation() < 1 || report.generation() >= generation) return;
+  (void)jobs_->AddStep(report.job_id(), report.step());
+}
+
 absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) {
   JobsLock lock(this);  // records written once mu_ is released, before this returns
   auto it = placed_.find(report.job_id());
   if (it == placed_.end()) {
     absl::StatusOr<v1::Job> job = jobs_->Get(report.job_id());
     if (!job.ok()) return job.status();
+    RecordLateStep(report, job->generation() + 1);  // no generation runs: the job's own is past too
     return absl::AbortedError(absl::StrCat("job '", report.job_id(), "' generation ", report.generation(),
                                            " no longer runs (", JobStateName(job->state()), ")"));
   }
   Placed& p = it->second;
   if (report.generation() != p.generation) {
+    RecordLateStep(report, p.generation);
     return absl::AbortedError(absl::StrCat("generation ", report.generation(), " of job '", report.job_id(),
                                            "' is stale; the job runs generation ", p.generation));
   }

@@ -110,12 +110,17 @@ class Scheduler {
   // A worker's report about its rank. Returns whether the rank should stop
   // (the job no longer runs). NOT_FOUND for an unknown job, ABORTED for a
   // stale generation, PERMISSION_DENIED when `worker_id` does not hold the
-  // rank, INVALID_ARGUMENT for an empty report.
+  // rank, INVALID_ARGUMENT for an empty report. A step of an earlier
+  // generation (reported late: its worker kept it while the coordinator was
+  // away) is still recorded if the history lacks it, and answered ABORTED.
   absl::StatusOr<bool> Report(const v1::ReportProgressRequest& report);
   // Cancels the job (JobManager::Cancel) and aborts its running ranks.
   absl::StatusOr<v1::Job> Cancel(absl::string_view job_id, absl::string_view reason);
 
  private:
+  // Records the step of a report of a generation before `generation` (the
+  // running one, or the job's + 1 while none runs).
+  void RecordLateStep(const v1::ReportProgressRequest& report, int64_t generation);
   // A job that holds workers.
   // Where one placement of a job is. Every change goes through
   // TransitionLocked, which holds the legal ones:

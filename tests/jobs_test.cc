@@ -951,6 +951,50 @@ TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
 // a new generation, resumes from its newest checkpoint and SUCCEEDS with the
 // uninterrupted losses. A worker is held (SIGSTOP) through the outage so
 // that the ranks cannot finish unseen. The test prints restart-to-running.
+// A coordinator SIGKILLed while every rank trains, and restarted on its
+// data dir a second later: the ranks keep training and rank 0 keeps the
+// steps it cannot report, sends them when the coordinator is back (the
+// coordinator records a step of the earlier generation it lacks), the job
+// resumes from its newest checkpoint, and the re-run steps are not recorded
+// again: the watch stream holds every step's loss exactly once, the
+// uninterrupted run's.
+TEST_F(JobsTest, ACoordinatorKilledWhileRanksTrainLeavesNoHoleInTheHistory) {
+  train::TrainOptions o = Options(40);
+  std::vector<double> want;
+  ASSERT_TRUE(train::Train(o, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
+  v1::JobSpec spec = Spec(o);
+  spec.mutable_train()->set_checkpoint_every(4);
+  spec.mutable_train()->set_checkpoint_dir(TempPath("ck-hole"));
+  auto job = client_->SubmitJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(120);
+  while (absl::Now() < deadline && client_->GetJob(job->job_id())->step() < 5) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GE(client_->GetJob(job->job_id())->step(), 5) << Logs();
+  const std::string address = coordinator_.grpc;
+  coordinator_.process->Signal(SIGKILL);
+  coordinator_.process->Wait(absl::Seconds(10));
+  absl::SleepFor(absl::Seconds(1));  // the ranks train on, unheard
+  StartCoordinator(address);
+  const std::vector<v1::JobEvent> events = Watch(job->job_id());
+  auto done = client_->GetJob(job->job_id());
+  ASSERT_TRUE(done.ok());
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
+  EXPECT_GE(done->generation(), 2);
+  std::map<int64_t, int> seen;
+  std::map<int64_t, double> losses;
+  for (const v1::JobEvent& e : events) {
+    if (!e.has_step()) continue;
+    ++seen[e.step().step()];
+    losses[e.step().step()] = e.step().loss();
+  }
+  ASSERT_EQ(losses.size(), want.size()) << Logs();
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(seen[i + 1], 1) << "step " << i + 1;
+    EXPECT_EQ(losses[i + 1], want[i]) << "step " << i + 1;
+  }
+  EXPECT_EQ(done->step(), 40);
+}
+
 TEST_F(JobsTest, ACoordinatorKilledMidJobResumesItByItself) {
   train::TrainOptions o = Options(60);
   std::vector<double> want;

@@ -108,7 +108,7 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   if (thread_.joinable()) thread_.join();  // the previous rank's thread has ended (active_ is cleared last)
   ProgressReporter::Options reporting{options_.coordinator, options_.auth_token, options_.rpc_timeout,
                                       options_.worker_id};
-  auto active = std::make_shared<Active>(req, ProgressReporter(std::move(reporting), req));
+  auto active = std::make_shared<Active>(req, std::move(reporting));
   active_ = active;
   thread_ = std::thread([this, active] { Run(active); });
   return absl::OkStatus();

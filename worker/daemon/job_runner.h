@@ -95,8 +95,8 @@ class JobRunner {
 
  private:
   struct Active {
-    Active(v1::AssignJobRequest request, ProgressReporter reporter)
-        : request(std::move(request)), reporter(std::move(reporter)) {}
+    Active(v1::AssignJobRequest request, ProgressReporter::Options reporting)
+        : request(std::move(request)), reporter(std::move(reporting), this->request) {}
     const v1::AssignJobRequest request;
     const ProgressReporter reporter;
     // Fired by Stop: ends a download in progress and the communicators being

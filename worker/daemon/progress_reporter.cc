@@ -1,5 +1,6 @@
 #include "worker/daemon/progress_reporter.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/auth.h"
 #include "common/grpc_status.h"
@@ -19,33 +20,95 @@ bool ProgressReporter::Phase(v1::RankPhase phase, const std::string& message) co
   v1::ReportProgressRequest r;
   r.mutable_status()->set_phase(phase);
   r.mutable_status()->set_message(message);
-  return Send(std::move(r));
+  absl::StatusOr<bool> stop = Send(std::move(r));
+  return stop.ok() && *stop;
 }
 
 bool ProgressReporter::Step(const train::StepStats& st) const {
   v1::ReportProgressRequest r;
   *r.mutable_step() = train::StepProgressOf(st);
-  return Send(std::move(r));
+  {
+    absl::MutexLock lock(&mu_);
+    undelivered_.push_back(std::move(r));
+    if (undelivered_.size() > kMaxUndelivered) {
+      COLOD_LOG(WARNING) << "job " << job_id_ << ": the coordinator has been away for " << kMaxUndelivered
+                         << " steps; dropping step " << undelivered_.front().step().step() << "'s report";
+      undelivered_.pop_front();
+    }
+  }
+  bool down = false;
+  return Flush(&down, /*wait=*/false);
+}
+
+bool ProgressReporter::Flush(bool* down, bool wait) const {
+  bool stop = false;
+  for (;;) {
+    v1::ReportProgressRequest next;
+    {
+      absl::MutexLock lock(&mu_);
+      if (undelivered_.empty()) return stop;
+      next = undelivered_.front();
+    }
+    const int64_t step = next.step().step();
+    absl::StatusOr<bool> sent = Send(next, wait);
+    if (!sent.ok() && sent.status().code() == absl::StatusCode::kUnavailable) {
+      *down = true;  // kept for the next report
+      absl::MutexLock lock(&mu_);
+      // The coordinator is away, and may have died: the steps it took last
+      // may not have reached its disk (it writes a job's record at most once
+      // a second). They are sent again with the rest; it keeps each step once.
+      while (!recent_.empty()) {
+        undelivered_.push_front(std::move(recent_.back()));
+        recent_.pop_back();
+      }
+      return stop;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (!undelivered_.empty() && undelivered_.front().step().step() == step) undelivered_.pop_front();
+      recent_.push_back(std::move(next));
+      if (recent_.size() > kResent) recent_.pop_front();
+    }
+    // Answered: recorded, or refused for good (a stale or unknown job, which
+    // records a late step all the same).
+    stop = stop || !sent.ok() || *sent;
+  }
+}
+
+size_t ProgressReporter::undelivered() const {
+  absl::MutexLock lock(&mu_);
+  return undelivered_.size();
 }
 
 void ProgressReporter::End(const absl::Status& status, const std::optional<v1::ForwardResult>& forward) const {
+  // The rank's last chance to deliver what it kept: each waits for the
+  // channel to the coordinator (which may be reconnecting after an outage)
+  // up to the RPC timeout, rather than failing at once.
+  bool down = false;
+  Flush(&down, /*wait=*/true);
+  if (down) {
+    COLOD_LOG(WARNING) << "job " << job_id_ << ": " << undelivered() << " steps' reports could not be delivered";
+  }
   v1::ReportProgressRequest r;
   r.mutable_result()->set_code(static_cast<int>(status.code()));
   r.mutable_result()->set_message(std::string(status.message()));
   if (status.ok() && forward.has_value()) *r.mutable_result()->mutable_forward() = *forward;
-  Send(std::move(r));
+  (void)Send(std::move(r));
 }
 
-bool ProgressReporter::Send(v1::ReportProgressRequest req) const {
+absl::StatusOr<bool> ProgressReporter::Send(v1::ReportProgressRequest req, bool wait) const {
   req.set_job_id(job_id_);
   req.set_generation(generation_);
   req.set_rank(rank_);
   req.set_worker_id(options_.worker_id ? options_.worker_id() : "");
   const bool final = req.has_result();
-  for (int attempt = 0; attempt < (final ? 5 : 2); ++attempt) {
+  absl::Status last;
+  const int attempts = wait ? 1 : final ? 5 : 2;  // a wait is one attempt of the whole timeout
+  for (int attempt = 0; attempt < attempts; ++attempt) {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     AddAuthToken(ctx, options_.auth_token);
+    ctx.set_wait_for_ready(wait);
     v1::ReportProgressResponse resp;
     const grpc::Status s = options_.coordinator->ReportProgress(&ctx, req, &resp);
     if (s.ok()) return resp.stop();
@@ -54,10 +117,13 @@ bool ProgressReporter::Send(v1::ReportProgressRequest req) const {
         s.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
       return true;
     }
-    COLOD_LOG(WARNING) << "job " << job_id_ << ": progress report failed: " << FromGrpcStatus(s);
+    last = FromGrpcStatus(s);
+    COLOD_LOG(WARNING) << "job " << job_id_ << ": progress report failed: " << last;
     absl::SleepFor(absl::Milliseconds(200) * (attempt + 1));
   }
-  return false;
+  // Not delivered (the coordinator is away, or answers with an error that
+  // may pass): UNAVAILABLE, so that a step is kept.
+  return absl::UnavailableError(absl::StrCat("progress report not delivered: ", last.message()));
 }
 
 }  // namespace colod

@@ -4,12 +4,16 @@
 #ifndef COLOD_WORKER_DAEMON_PROGRESS_REPORTER_H_
 #define COLOD_WORKER_DAEMON_PROGRESS_REPORTER_H_
 
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/worker.pb.h"
@@ -17,7 +21,15 @@
 
 namespace colod {
 
-// Thread-safe (it keeps no state of its own between reports).
+// Steps that cannot be delivered (the coordinator is away) are kept, the
+// newest kMaxUndelivered of them, and sent first, in order, with the next
+// report that gets through (at the latest with End), after the last
+// kResent delivered ones again (a coordinator that died may not have
+// written them): the coordinator records each step once, a late one even
+// after the job moved on to a new generation.
+//
+// Thread-safe: the undelivered steps are guarded by a mutex that is never
+// held across an RPC.
 class ProgressReporter {
  public:
   struct Options {
@@ -33,16 +45,34 @@ class ProgressReporter {
   // Reports for the rank `assignment` describes (job, generation, rank).
   ProgressReporter(Options options, const v1::AssignJobRequest& assignment);
 
+  static constexpr size_t kMaxUndelivered = 4096;
+  // Delivered steps sent again after an outage (the coordinator may have
+  // lost the last second of them): the newest this many.
+  static constexpr size_t kResent = 256;
+
   // Each returns true when the coordinator says the job no longer runs (or
   // that this rank is not one of it): the rank should stop. Best effort:
-  // a report that fails twice (five times for the end) is given up, logged.
+  // a report that fails twice (five times for the end) is given up, logged;
+  // a step that fails is kept (above).
   bool Phase(v1::RankPhase phase, const std::string& message = "") const;
   bool Step(const train::StepStats& step) const;
   // The rank's end: its status and, for rank 0 of a FORWARD job, the result.
   void End(const absl::Status& status, const std::optional<v1::ForwardResult>& forward) const;
+  // Steps kept undelivered so far.
+  size_t undelivered() const;
 
  private:
-  bool Send(v1::ReportProgressRequest report) const;
+  // OK with whether to stop, or UNAVAILABLE when it was not delivered.
+  // `wait`: each attempt waits for the channel to be ready (up to the RPC
+  // timeout) instead of failing while it reconnects.
+  absl::StatusOr<bool> Send(v1::ReportProgressRequest report, bool wait = false) const;
+  // Sends the kept steps in order until one fails (`*down` set). Returns
+  // whether one was answered "stop".
+  bool Flush(bool* down, bool wait) const;
+
+  mutable absl::Mutex mu_;
+  mutable std::deque<v1::ReportProgressRequest> undelivered_ ABSL_GUARDED_BY(mu_);
+  mutable std::deque<v1::ReportProgressRequest> recent_ ABSL_GUARDED_BY(mu_);  // delivered, newest last
 
   const Options options_;
   const std::string job_id_;
