@@ -207,6 +207,16 @@ std::string RenderJob(const v1::Job& j, absl::Time now) {
     absl::StrAppend(&out, "data:       ", j.spec().train().data_path(), "\n");
     if (j.has_last_eval()) absl::StrAppend(&out, "eval:       ", EvalSummary(j.last_eval()), "\n");
     if (j.has_best_eval()) absl::StrAppend(&out, "best eval:  ", EvalSummary(j.best_eval()), "\n");
+    if (j.has_summary()) {
+      const v1::RunSummary& r = j.summary();
+      absl::StrAppend(&out, "run:        ", r.steps(), " steps, ", r.tokens(), " tokens in ",
+                      absl::FormatDuration(absl::Trunc(FromProtoDuration(r.train_time()), absl::Milliseconds(1))),
+                      " of steps (wall ",
+                      absl::FormatDuration(absl::Trunc(FromProtoDuration(r.wall_time()), absl::Milliseconds(1))),
+                      absl::StrFormat("); %.0f tokens/s mean, %.0f last", r.mean_tokens_per_second(),
+                                      r.last_tokens_per_second()),
+                      "\n");
+    }
   }
   absl::StrAppend(&out, "weights:    ", j.spec().model().weights_path(), "\n");
   if (!j.last_checkpoint().empty()) absl::StrAppend(&out, "checkpoint: ", j.last_checkpoint(), "\n");

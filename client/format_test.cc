@@ -178,8 +178,19 @@ TEST(Format, AJobShowsItsLastAndBestEvaluation) {
   best->set_loss(2.25);
   best->set_accuracy(0.875);
   best->set_checkpoint("/ck/step-000020");
+  v1::RunSummary* run = j.mutable_summary();
+  run->set_steps(30);
+  run->set_tokens(30 * 4096);
+  run->mutable_train_time()->set_seconds(12);
+  run->mutable_wall_time()->set_seconds(15);
+  run->set_mean_tokens_per_second(10240);
+  run->set_last_tokens_per_second(10500.4);
   const std::string out = RenderJob(j, absl::Now());
   EXPECT_NE(out.find("eval:       loss 2.500000  perplexity 12.18  after step 30\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("run:        30 steps, 122880 tokens in 12s of steps (wall 15s); 10240 tokens/s mean, 10500 "
+                     "last\n"),
+            std::string::npos)
+      << out;
   EXPECT_NE(out.find("best eval:  loss 2.250000  accuracy 87.50%  after step 20  (/ck/step-000020)\n"),
             std::string::npos)
       << out;

@@ -240,6 +240,20 @@ void JobManager::AppendStateChangeLocked(Entry& e, v1::JobState state, absl::str
   v1::JobEvent& ev = NewEventLocked(e);
   ev.mutable_state_change()->set_state(state);
   ev.mutable_state_change()->set_reason(std::string(reason));
+  if (e.job.has_summary()) UpdateWallTimeLocked(e);
+}
+
+void JobManager::UpdateWallTimeLocked(Entry& e) {
+  // From the first RUNNING (the history's first; a record kept only
+  // without it starts at the job's creation) to now.
+  absl::Time start = FromProtoTimestamp(e.job.create_time());
+  for (const v1::JobEvent& ev : e.events) {
+    if (ev.has_state_change() && ev.state_change().state() == v1::JOB_STATE_RUNNING) {
+      start = FromProtoTimestamp(ev.time());
+      break;
+    }
+  }
+  *e.job.mutable_summary()->mutable_wall_time() = ToProtoDuration(std::max(absl::ZeroDuration(), clock_->Now() - start));
 }
 
 absl::Status JobManager::ChangeJob(absl::string_view job_id, absl::FunctionRef<absl::StatusOr<bool>(Entry&)> change,
@@ -313,6 +327,17 @@ absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgres
     if (step.checkpoints_size() > 0) *e.job.mutable_checkpoints() = step.checkpoints();
     if (trained && !e.trained_steps.insert(step.step()).second) {
       return step.checkpoints_size() > 0;  // recorded once; what a re-run's save kept is news
+    }
+    if (trained) {
+      v1::RunSummary& sum = *e.job.mutable_summary();
+      sum.set_steps(sum.steps() + 1);
+      sum.set_tokens(sum.tokens() + std::max<int64_t>(0, step.tokens()));
+      const absl::Duration train = FromProtoDuration(sum.train_time()) + FromProtoDuration(step.step_duration());
+      *sum.mutable_train_time() = ToProtoDuration(train);
+      const double seconds = absl::ToDoubleSeconds(train);
+      sum.set_mean_tokens_per_second(seconds > 0 ? static_cast<double>(sum.tokens()) / seconds : 0);
+      sum.set_last_tokens_per_second(step.tokens_per_second());
+      UpdateWallTimeLocked(e);
     }
     if (trained && step.step() >= e.job.step()) {
       e.job.set_step(step.step());

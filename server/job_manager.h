@@ -175,6 +175,8 @@ class JobManager {
   void AppendStateChangeLocked(Entry& e, v1::JobState state, absl::string_view reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::JobEvent& NewEventLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The summary's wall time: the first RUNNING event to now.
+  void UpdateWallTimeLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Entry*> FindLocked(absl::string_view job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status CheckNotEndedLocked(const Entry& e);
   // Applies `change` to the job under mu_ (NOT_FOUND for an unknown id; the

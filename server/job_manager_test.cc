@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "common/atomic_file.h"
+#include "common/proto_time.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -652,6 +653,8 @@ TEST(JobManager, EachStepIsRecordedOnce) {
     p.set_step(n);
     p.set_loss(loss);
     p.mutable_step_duration()->set_nanos(1000);
+    p.set_tokens(1000);
+    p.set_tokens_per_second(1e9);
     return p;
   };
   std::string id;
@@ -695,6 +698,14 @@ TEST(JobManager, EachStepIsRecordedOnce) {
   ASSERT_TRUE((*jobs)->AddStep(id, step(8, 2.0)).ok());
   EXPECT_EQ(steps_of(**jobs), (std::vector<int64_t>{1, 2, 3, 5, 6, 4, 7, 8}));
   EXPECT_EQ((*jobs)->Get(id)->loss(), 2.0);
+  // The run's summary counts each step once: 8 steps of 1000 tokens and
+  // 1 us each.
+  const v1::RunSummary sum = (*jobs)->Get(id)->summary();
+  EXPECT_EQ(sum.steps(), 8);
+  EXPECT_EQ(sum.tokens(), 8000);
+  EXPECT_EQ(FromProtoDuration(sum.train_time()), absl::Microseconds(8));
+  EXPECT_DOUBLE_EQ(sum.mean_tokens_per_second(), 8000 / 8e-6);
+  EXPECT_EQ(sum.last_tokens_per_second(), 1e9);
 }
 
 TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckpoint) {

@@ -297,6 +297,11 @@ TEST_F(JobsTest, AnEvaluatingJobsHeldOutLossIsTheTpOneEvaluations) {
   EXPECT_DOUBLE_EQ(evals[3].perplexity(), std::exp(evals[3].loss()));
   EXPECT_EQ(done->last_eval().step(), 3);
   EXPECT_EQ(done->last_eval().loss(), evals[3].loss());
+  // The run's summary: 3 steps of 4 x 32 tokens, timed.
+  EXPECT_EQ(done->summary().steps(), 3);
+  EXPECT_EQ(done->summary().tokens(), 3 * 4 * 32);
+  EXPECT_GT(done->summary().mean_tokens_per_second(), 0);
+  EXPECT_GE(FromProtoDuration(done->summary().wall_time()), FromProtoDuration(done->summary().train_time()));
   const int64_t best = evals[2].loss() <= evals[3].loss() ? 2 : 3;
   EXPECT_EQ(done->best_eval().step(), best);
   EXPECT_EQ(done->best_eval().checkpoint(), evals[best].checkpoint());

@@ -174,6 +174,7 @@ v1::StepProgress StepProgressOf(const StepStats& st) {
     return p;
   }
   p.set_loss(st.loss);
+  p.set_tokens(st.step_tokens);
   p.set_learning_rate(st.lr);
   p.set_grad_norm(st.grad_norm);
   p.set_tokens_per_second(st.tokens_per_second);

@@ -535,6 +535,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     const int64_t per_row = run.data->TokensPerRow();
     s.tokens_per_second = s.seconds > 0 ? static_cast<double>(run.step_batch * per_row) / s.seconds : 0;
     s.rank_tokens = micro_rows * o.micro_batches * o.grad_accum * per_row;
+    s.step_tokens = run.step_batch * per_row;
     for (const NamedParam& p : params) {
       s.param_bytes += p.bound.param.local().nbytes();
       if (auto g = p.bound.param.variable().grad()) s.grad_bytes += g->nbytes();

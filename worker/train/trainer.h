@@ -105,6 +105,7 @@ struct StepStats {
   // during the step (its share of the pipeline's bubble).
   double pipeline_wait_seconds = 0;
   int64_t rank_tokens = 0; // tokens this rank's replica processed in the step
+  int64_t step_tokens = 0; // tokens the step trained on, over every replica
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
   // Data parallelism (GradSync): the step's gradient bucket bytes, and those
   // whose all-reduce was enqueued during backward (overlapping it).
