@@ -127,18 +127,20 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
       std::fflush(stdout);
       return true;
     }
-    if (ev.has_step() && ev.step().has_eval()) {
-      const v1::StepProgress& p = ev.step();
+    // A step's evaluation, after its progress line (an eval_only run's
+    // report has no step to show).
+    const auto print_eval = [&](const v1::StepProgress& p) {
+      if (!p.has_eval()) return;
       evals.push_back(p.eval().loss());
-      if (!on_step) {
-        if (bar_open) std::printf("\n");
-        bar_open = false;
-        std::printf("eval %s\n", EvalSummary(p.eval()).c_str());
-      }
-      if (!p.has_step_duration()) {  // an eval_only run's report
-        std::fflush(stdout);
-        return true;
-      }
+      if (on_step) return;
+      if (bar_open) std::printf("\n");
+      bar_open = false;
+      std::printf("eval %s\n", EvalSummary(p.eval()).c_str());
+    };
+    if (ev.has_step() && ev.step().has_eval() && !ev.step().has_step_duration()) {
+      print_eval(ev.step());
+      std::fflush(stdout);
+      return true;
     }
     if (ev.has_step()) {
       const v1::StepProgress& p = ev.step();
@@ -152,6 +154,7 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
                   static_cast<long long>(p.step()), static_cast<long long>(steps), p.loss(), p.tokens_per_second(),
                   tty ? "" : "\n");
       bar_open = tty;
+      print_eval(p);
     } else if (ev.has_state_change()) {
       if (bar_open) std::printf("\n");
       bar_open = false;
