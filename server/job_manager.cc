@@ -1,6 +1,7 @@
 #include "server/job_manager.h"
 
 #include <cmath>
+#include <limits>
 
 #include <algorithm>
 
@@ -324,28 +325,38 @@ absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgres
   return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
     RETURN_IF_ERROR(CheckNotEndedLocked(e));
     const bool trained = IsTrainedStep(step);
-    if (step.checkpoints_size() > 0) *e.job.mutable_checkpoints() = step.checkpoints();
+    // What a report says about now (the kept checkpoints, the last ones)
+    // is taken from the newest step only: a late report of an earlier
+    // step must not roll it back.
+    const bool newest = step.step() >= e.job.step();
+    if (newest && step.checkpoints_size() > 0) *e.job.mutable_checkpoints() = step.checkpoints();
     if (trained && !e.trained_steps.insert(step.step()).second) {
-      return step.checkpoints_size() > 0;  // recorded once; what a re-run's save kept is news
+      return newest && step.checkpoints_size() > 0;  // recorded once; what a re-run's save kept is news
+    }
+    if (!trained && e.job.has_last_eval() && e.job.last_eval().step() == step.eval().step() &&
+        e.job.last_eval().loss() == step.eval().loss()) {
+      return false;  // an eval_only report sent again
     }
     if (trained) {
       v1::RunSummary& sum = *e.job.mutable_summary();
       sum.set_steps(sum.steps() + 1);
-      sum.set_tokens(sum.tokens() + std::max<int64_t>(0, step.tokens()));
+      const int64_t tokens = std::max<int64_t>(0, step.tokens());
+      sum.set_tokens(sum.tokens() > std::numeric_limits<int64_t>::max() - tokens ? std::numeric_limits<int64_t>::max()
+                                                                                 : sum.tokens() + tokens);
       const absl::Duration train = FromProtoDuration(sum.train_time()) + FromProtoDuration(step.step_duration());
       *sum.mutable_train_time() = ToProtoDuration(train);
       const double seconds = absl::ToDoubleSeconds(train);
       sum.set_mean_tokens_per_second(seconds > 0 ? static_cast<double>(sum.tokens()) / seconds : 0);
-      sum.set_last_tokens_per_second(step.tokens_per_second());
+      if (newest) sum.set_last_tokens_per_second(step.tokens_per_second());
       UpdateWallTimeLocked(e);
     }
     if (trained && step.step() >= e.job.step()) {
       e.job.set_step(step.step());
       e.job.set_loss(step.loss());
     }
-    if (!step.checkpoint().empty()) e.job.set_last_checkpoint(step.checkpoint());
+    if (newest && !step.checkpoint().empty()) e.job.set_last_checkpoint(step.checkpoint());
     if (step.has_eval()) {
-      *e.job.mutable_last_eval() = step.eval();
+      if (newest) *e.job.mutable_last_eval() = step.eval();
       // The lowest loss, the earliest of equals; a NaN never becomes the best.
       if (!e.job.has_best_eval() || step.eval().loss() < e.job.best_eval().loss() ||
           std::isnan(e.job.best_eval().loss())) {
@@ -354,7 +365,8 @@ absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgres
     }
     const absl::Time now = clock_->Now();
     *e.job.mutable_update_time() = ToProtoTimestamp(now);
-    *NewEventLocked(e).mutable_step() = step;
+    v1::StepProgress& recorded = *NewEventLocked(e).mutable_step() = step;
+    recorded.clear_checkpoints();  // the job keeps the newest list; the history need not repeat it
     // A record holds the whole history, so writing it on every step of a
     // long job would cost O(steps^2): steps are written at most once a second
     // (and whenever one names a checkpoint); every state change writes at once.

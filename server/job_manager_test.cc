@@ -680,13 +680,18 @@ TEST(JobManager, EachStepIsRecordedOnce) {
     kept->set_step(3);
     kept->set_path("/ck/step-000003");
     ASSERT_TRUE((*jobs)->AddStep(id, rerun).ok());
+    EXPECT_EQ((*jobs)->Get(id)->checkpoints_size(), 0);  // an earlier step's list does not roll the job back
+    v1::StepProgress rerun6 = step(6, 99);  // the newest step, re-run: its save's list is news
+    *rerun6.mutable_checkpoints() = rerun.checkpoints();
+    rerun6.mutable_checkpoints(0)->set_step(6);
+    ASSERT_TRUE((*jobs)->AddStep(id, rerun6).ok());
     ASSERT_TRUE((*jobs)->AddStep(id, step(4, 6.0)).ok());  // late: after 5 and 6
     auto got = (*jobs)->Get(id);
     ASSERT_TRUE(got.ok());
     EXPECT_EQ(got->step(), 6);
     EXPECT_EQ(got->loss(), 4.0);
     ASSERT_EQ(got->checkpoints_size(), 1);
-    EXPECT_EQ(got->checkpoints(0).path(), "/ck/step-000003");
+    EXPECT_EQ(got->checkpoints(0).step(), 6);
     EXPECT_EQ(steps_of(**jobs), (std::vector<int64_t>{1, 2, 3, 5, 6, 4}));
     clock.Advance(absl::Seconds(2));
     ASSERT_TRUE((*jobs)->AddStep(id, step(7, 3.0)).ok());  // written: more than a second on

@@ -311,7 +311,9 @@ void Scheduler::RecordLateStep(const v1::ReportProgressRequest& report, int64_t 
   // recorded unless the history has it (AddStep keeps each step once; an
   // ended job's history is closed). Its worker cannot be checked against a
   // mesh that is gone; workers are trusted as for every report.
-  if (!report.has_step() || report.generation() < 1 || report.generation() >= generation) return;
+  if (!report.has_step() || report.rank() != 0 || report.generation() < 1 || report.generation() >= generation) {
+    return;
+  }
   (void)jobs_->AddStep(report.job_id(), report.step());
 }
 

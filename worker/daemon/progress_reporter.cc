@@ -70,8 +70,8 @@ bool ProgressReporter::Flush(bool* down, bool wait) const {
       if (recent_.size() > kResent) recent_.pop_front();
     }
     // Answered: recorded, or refused for good (a stale or unknown job, which
-    // records a late step all the same).
-    stop = stop || !sent.ok() || *sent;
+    // records a late step all the same; or an error, logged by Send).
+    stop = stop || (sent.ok() && *sent);
   }
 }
 
@@ -119,10 +119,13 @@ absl::StatusOr<bool> ProgressReporter::Send(v1::ReportProgressRequest req, bool 
     }
     last = FromGrpcStatus(s);
     COLOD_LOG(WARNING) << "job " << job_id_ << ": progress report failed: " << last;
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE && s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return last;  // refused, not lost: trying it again would not help
+    }
     absl::SleepFor(absl::Milliseconds(200) * (attempt + 1));
   }
-  // Not delivered (the coordinator is away, or answers with an error that
-  // may pass): UNAVAILABLE, so that a step is kept.
+  // Not delivered (the coordinator is away or did not answer in time):
+  // UNAVAILABLE, so that a step is kept.
   return absl::UnavailableError(absl::StrCat("progress report not delivered: ", last.message()));
 }
 

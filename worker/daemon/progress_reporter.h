@@ -62,7 +62,9 @@ class ProgressReporter {
   size_t undelivered() const;
 
  private:
-  // OK with whether to stop, or UNAVAILABLE when it was not delivered.
+  // OK with whether to stop; UNAVAILABLE when it was not delivered (the
+  // coordinator unreachable or not answering in time), another error when
+  // the coordinator refused it (not kept).
   // `wait`: each attempt waits for the channel to be ready (up to the RPC
   // timeout) instead of failing while it reconnects.
   absl::StatusOr<bool> Send(v1::ReportProgressRequest report, bool wait = false) const;

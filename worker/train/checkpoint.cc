@@ -128,7 +128,8 @@ absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& d
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (!entry.is_directory() || !absl::StartsWith(name, "step-") || absl::EndsWith(name, ".tmp")) continue;
+    std::error_code type;
+    if (!entry.is_directory(type) || !absl::StartsWith(name, "step-") || absl::EndsWith(name, ".tmp")) continue;
     const std::string path = dir + "/" + name;
     absl::StatusOr<Json> state = ReadJson(path + "/" + kState);
     absl::StatusOr<int64_t> step =
@@ -143,9 +144,14 @@ absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& d
     if (state->contains("eval_loss") && (*state)["eval_loss"].is_number()) {
       c.eval_loss = (*state)["eval_loss"].get<double>();
     }
-    for (const auto& f : fs::recursive_directory_iterator(path, ec)) {
-      std::error_code size_ec;
-      if (f.is_regular_file(size_ec)) c.bytes += static_cast<int64_t>(f.file_size(size_ec));
+    // Never throws: an entry that cannot be read or sized is not counted.
+    std::error_code walk;
+    for (fs::recursive_directory_iterator it(path, fs::directory_options::skip_permission_denied, walk), end;
+         !walk && it != end; it.increment(walk)) {
+      std::error_code type, size;
+      if (!it->is_regular_file(type) || type) continue;
+      const uintmax_t bytes = it->file_size(size);
+      if (!size) c.bytes += static_cast<int64_t>(bytes);
     }
     out.push_back(std::move(c));
   }
@@ -154,7 +160,8 @@ absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& d
   return out;
 }
 
-absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep) {
+absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
+                                                             const std::string& must_keep) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {  // removals a crash interrupted
     if (absl::StartsWith(entry.path().filename().string(), ".trash-step-")) {
@@ -175,6 +182,7 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
     }
     if (best.has_value()) kept[*best] = true;
   }
+  for (size_t i = 0; i < all.size(); ++i) kept[i] = kept[i] || all[i].path == must_keep;
   std::vector<CheckpointInfo> out;
   for (size_t i = 0; i < all.size(); ++i) {
     if (kept[i]) {

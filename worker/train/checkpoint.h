@@ -77,7 +77,11 @@ struct Retention {
 // atomic, needing no space), so a crash or a failing removal never leaves
 // a half-deleted checkpoint for a resume to pick; a removal that fails
 // leaves the checkpoint in place (kept, and logged), with the rest done.
-absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep);
+// `must_keep` (a path as ListCheckpoints gives it) is kept whatever the
+// rest: the checkpoint just written, even where the directory holds a
+// higher-numbered one (an earlier run's).
+absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
+                                                             const std::string& must_keep = "");
 
 struct Resumed {
   int64_t step = 0;  // steps done; training continues with step + 1

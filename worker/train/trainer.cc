@@ -403,7 +403,7 @@ absl::StatusOr<shardformer::LmLoss> MicroBatchLoss(shardformer::ShardedModel& mo
 // (a pipeline's stages forward only), the loss divided by the evaluation's
 // labelled positions. Collective over the mesh.
 absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, shardformer::ShardedModel& model, ProcessGroup& pg,
-                                   GradSync& sync, int replica, int64_t step) {
+                                   GradSync& sync, int replica, int64_t step, const RankHooks& hooks) {
   NoGradScope no_grad;
   const absl::Time start = absl::Now();
   const TrainOptions& o = run.options;
@@ -412,7 +412,11 @@ absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, shardformer::Sharde
   const int64_t micro_rows = run.micro_rows, rows = micro_rows * o.micro_batches;
   double loss = 0;
   int64_t correct = 0;
+  double correct_all = 0;  // summed over dp a batch at a time (each count exact in f32)
   for (int64_t k = 0; k < eval.steps; ++k) {
+    if (hooks.stop && hooks.stop()) {
+      return absl::CancelledError(absl::StrCat("stopped during the evaluation after step ", step));
+    }
     ASSIGN_OR_RETURN(const StepBatch batch, data.Batch(k, replica, rows, 0, rows));
     if (model.shard_config().pp() > 1) {
       ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(model, pg, sync, batch.inputs, batch.labels,
@@ -426,15 +430,19 @@ absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, shardformer::Sharde
                        MicroBatchLoss(model, data, batch, mb * micro_rows, micro_rows, eval.labels, &correct));
       loss += l.value;
     }
+    if (data.classifies()) {
+      // Every rank of a replica counted its rows; the replicas' counts add up.
+      ASSIGN_OR_RETURN(const double all, SumOver(pg, "dp", static_cast<double>(correct), model.shard_config().device));
+      correct_all += all;
+      correct = 0;
+    }
   }
   EvalStats e;
   e.step = step;
   e.loss = loss;
   e.tokens = eval.labels;
   if (data.classifies()) {
-    // Every rank of a replica counted its rows; the replicas' counts add up.
-    ASSIGN_OR_RETURN(const double all, SumOver(pg, "dp", static_cast<double>(correct), model.shard_config().device));
-    e.accuracy = all / static_cast<double>(eval.labels);
+    e.accuracy = correct_all / static_cast<double>(eval.labels);
   } else {
     e.perplexity = std::exp(loss);
   }
@@ -475,7 +483,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.rank = rank;
     s.step = first;
     s.trained = false;
-    ASSIGN_OR_RETURN(s.eval, Evaluate(run, *model, pg, *sync, replica, first));
+    ASSIGN_OR_RETURN(s.eval, Evaluate(run, *model, pg, *sync, replica, first, hooks));
     s.resumed_from = run.resume;
     if (hooks.on_step) hooks.on_step(s);
     return absl::OkStatus();
@@ -550,7 +558,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       s.pool_used_bytes = pool.used;
     }
     if (EvaluatesAfter(run, step + 1)) {
-      ASSIGN_OR_RETURN(s.eval, Evaluate(run, *model, pg, *sync, replica, step + 1));
+      ASSIGN_OR_RETURN(s.eval, Evaluate(run, *model, pg, *sync, replica, step + 1, hooks));
     }
     const bool last = step + 1 == o.steps;
     if (!o.save_dir.empty() && o.save_every > 0 && ((step + 1) % o.save_every == 0 || last)) {
@@ -558,10 +566,14 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
                                              s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt));
       s.checkpoint = StepDir(o.save_dir, step + 1);
       if (rank == 0) {  // the checkpoint is complete on every rank (the save's last barrier)
-        absl::StatusOr<std::vector<CheckpointInfo>> kept =
-            PruneCheckpoints(o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best});
+        absl::StatusOr<std::vector<CheckpointInfo>> kept = PruneCheckpoints(
+            o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best}, s.checkpoint);
         if (kept.ok()) {
           s.checkpoints = *std::move(kept);
+          // The report carries the newest kMaxReportedCheckpoints.
+          if (s.checkpoints.size() > kMaxReportedCheckpoints) {
+            s.checkpoints.erase(s.checkpoints.begin(), s.checkpoints.end() - kMaxReportedCheckpoints);
+          }
         } else {  // the run goes on: nothing was removed that a resume needs
           COLOD_LOG(WARNING) << "checkpoint retention in " << o.save_dir << ": " << kept.status();
         }

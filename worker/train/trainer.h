@@ -76,6 +76,8 @@ struct TrainOptions {
 };
 
 inline constexpr int64_t kDefaultEvalStepsMax = 100;
+// The most checkpoints a step reports as kept (the newest).
+inline constexpr size_t kMaxReportedCheckpoints = 1000;
 
 // A held-out evaluation: the mean cross-entropy over every labelled
 // position of its batches (all dp replicas), with no gradient.
@@ -111,7 +113,8 @@ struct StepStats {
   // whose all-reduce was enqueued during backward (overlapping it).
   int64_t dp_bucket_bytes = 0, dp_overlapped_bytes = 0;
   std::string checkpoint;  // the training checkpoint written after this step, if any
-  // Rank 0, after a checkpoint: every checkpoint kept after retention, oldest first.
+  // Rank 0, after a checkpoint: every checkpoint kept after retention
+  // (the newest kMaxReportedCheckpoints), oldest first.
   std::vector<CheckpointInfo> checkpoints;
   std::string resumed_from;  // the first step of a resumed run: the checkpoint it resumed from
   std::optional<EvalStats> eval;  // the held-out evaluation after this step, if one ran
