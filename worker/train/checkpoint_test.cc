@@ -73,6 +73,19 @@ TEST(Retention, KeepsTheNewestAndTheBestAndTouchesNothingElse) {
   EXPECT_EQ(Entries(dir), (std::set<std::string>{"step-000006", "step-000007.tmp", "step-000009"}));
   EXPECT_EQ(PruneCheckpoints(TempPath("no_such_dir"), Retention{.keep_last = 1}).status().code(),
             absl::StatusCode::kNotFound);
+
+  // A directory an earlier run left a higher-numbered checkpoint in: the
+  // one just written is kept all the same (as is the newest), and a
+  // checkpoint with an unreadable file inside is listed without its size
+  // rather than failing the listing.
+  const std::string reused = TempPath("retention_reused");
+  FakeCheckpoint(reused, 10, std::nullopt, 10);  // the earlier run's
+  FakeCheckpoint(reused, 2, std::nullopt, 10);
+  FakeCheckpoint(reused, 3, std::nullopt, 10);  // just written
+  fs::create_symlink("/no/such/target", StepDir(reused, 3) + "/dangling");
+  auto after = PruneCheckpoints(reused, Retention{.keep_last = 1}, StepDir(reused, 3));
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(Entries(reused), (std::set<std::string>{"step-000003", "step-000010"}));
 }
 
 // A run that evaluates and saves every step keeps the newest 2 and its
