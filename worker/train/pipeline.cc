@@ -153,11 +153,16 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
   RETURN_IF_ERROR(ran);
   RETURN_IF_ERROR(sent);
   // The loss, which the last stage has, on every stage.
-  ASSIGN_OR_RETURN(Communicator * pp, pg.Comm("pp"));
-  ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({1}, {stage.last() ? static_cast<float>(loss) : 0.0f}));
-  ASSIGN_OR_RETURN(Tensor total, host.To(device));  // NCCL reduces device memory
-  RETURN_IF_ERROR(pp->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(timeout));
-  return PipelineStepResult{static_cast<double>(total.ToFloats()[0]), absl::ToDoubleSeconds(waited)};
+  ASSIGN_OR_RETURN(const double total, SumOver(pg, "pp", stage.last() ? loss : 0.0, device));
+  return PipelineStepResult{total, absl::ToDoubleSeconds(waited)};
+}
+
+absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double value, const Device& device) {
+  ASSIGN_OR_RETURN(Communicator * comm, pg.Comm(axis));
+  ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({1}, {static_cast<float>(value)}));
+  ASSIGN_OR_RETURN(Tensor total, host.To(device));
+  RETURN_IF_ERROR(comm->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg.timeout()));
+  return static_cast<double>(total.ToFloats()[0]);
 }
 
 absl::Status SumTiedGradients(const std::vector<shardformer::NamedParam>& params,

@@ -17,6 +17,7 @@
 #ifndef COLOD_WORKER_TRAIN_PIPELINE_H_
 #define COLOD_WORKER_TRAIN_PIPELINE_H_
 
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -48,6 +49,10 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages);
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
                                                    int64_t step_labels, bool reduce = true, bool train = true);
+
+// `value` summed over the `axis` group of `pg`, through the rank's
+// `device` (NCCL reduces device memory), in f32. Collective over the group.
+absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double value, const Device& device);
 
 // The first and last stages' gradients of a tied table (NamedParam::tied:
 // the embedding and the last stage's mirror of it) summed, on both; nothing

@@ -347,16 +347,6 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
 
 namespace {
 
-// `value` summed over the `axis` group (on the rank's device: NCCL reduces
-// device memory).
-absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double value, const Device& device) {
-  ASSIGN_OR_RETURN(Communicator * comm, pg.Comm(axis));
-  ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({1}, {static_cast<float>(value)}));
-  ASSIGN_OR_RETURN(Tensor total, host.To(device));
-  RETURN_IF_ERROR(comm->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg.timeout()));
-  return static_cast<double>(total.ToFloats()[0]);
-}
-
 // The rows of `logits` ([rows, 1, labels], every rank of the replica has
 // them) whose largest logit is their label's.
 int64_t Correct(const Tensor& logits, const Tensor& labels) {
