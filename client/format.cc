@@ -216,6 +216,16 @@ std::string RenderJob(const v1::Job& j, absl::Time now) {
                       absl::StrFormat("); %.0f tokens/s mean, %.0f last", r.mean_tokens_per_second(),
                                       r.last_tokens_per_second()),
                       "\n");
+      if (r.mfu() > 0) {
+        absl::StrAppend(&out, absl::StrFormat("mfu:        %.2f%% (%.3g model FLOPs a token; peak %.4g TFLOP/s)\n",
+                                              100 * r.mfu(), r.model_flops_per_token(),
+                                              r.peak_flops_per_second() / 1e12));
+      } else if (r.steps() > 0) {
+        absl::StrAppend(&out, "mfu:        unknown (",
+                        r.model_flops_per_token() == 0 ? "no FLOPs per token for this model"
+                                                       : "a device's peak is not known: colod-worker --peak-tflops",
+                        ")\n");
+      }
     }
   }
   absl::StrAppend(&out, "weights:    ", j.spec().model().weights_path(), "\n");

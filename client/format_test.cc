@@ -194,6 +194,16 @@ TEST(Format, AJobShowsItsLastAndBestEvaluation) {
   EXPECT_NE(out.find("best eval:  loss 2.250000  accuracy 87.50%  after step 20  (/ck/step-000020)\n"),
             std::string::npos)
       << out;
+  EXPECT_NE(out.find("mfu:        unknown (no FLOPs per token for this model)\n"), std::string::npos) << out;
+  run->set_model_flops_per_token(7.5e8);
+  EXPECT_NE(RenderJob(j, absl::Now()).find("mfu:        unknown (a device's peak is not known: colod-worker "
+                                           "--peak-tflops)\n"),
+            std::string::npos);
+  run->set_peak_flops_per_second(4 * 989.4e12);
+  run->set_mfu(10240 * 7.5e8 / (4 * 989.4e12));
+  EXPECT_NE(RenderJob(j, absl::Now()).find("mfu:        0.19% (7.5e+08 model FLOPs a token; peak 3958 TFLOP/s)\n"),
+            std::string::npos)
+      << RenderJob(j, absl::Now());
 }
 
 }  // namespace

@@ -2,10 +2,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 #ifdef COLOD_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -13,6 +16,45 @@
 #endif
 
 namespace colod::kernels {
+
+DevicePeakFlops KnownCudaPeak(const std::string& name) {
+  // The words of the name: "NVIDIA A100-SXM4-80GB" -> NVIDIA, A100, SXM4, 80GB.
+  const std::vector<std::string> words = absl::StrSplit(name, absl::ByAnyChar(" -_"), absl::SkipEmpty());
+  if (words.size() < 2 || words[0] != "NVIDIA") return {};
+  const std::string& model = words[1];
+  auto has = [&](const char* word) { return std::find(words.begin() + 2, words.end(), word) != words.end(); };
+  // NVIDIA's datasheets, dense TFLOP/s (the sparse figures halved).
+  struct Row {
+    const char* model;
+    const char* variant;  // a further word of the name, or nullptr: any other
+    const char* label;
+    double f32, tf32, bf16, f16;
+  };
+  static constexpr Row kRows[] = {
+      {"A100", nullptr, "A100", 19.5, 156, 312, 312},
+      {"A10", nullptr, "A10", 31.2, 62.5, 125, 125},
+      {"L4", nullptr, "L4", 30.3, 60, 121, 121},
+      {"L40", nullptr, "L40", 90.5, 90.5, 181, 181},
+      {"L40S", nullptr, "L40S", 91.6, 183, 362, 362},
+      {"H100", "NVL", "H100 NVL", 60, 417.5, 835.5, 835.5},
+      {"H100", "PCIe", "H100 PCIe", 51, 378, 756, 756},
+      {"H100", nullptr, "H100 SXM", 67, 494.7, 989.4, 989.4},
+      {"H200", "NVL", "H200 NVL", 60, 417.5, 835.5, 835.5},
+      {"H200", nullptr, "H200 SXM", 67, 494.7, 989.4, 989.4},
+      {"B200", nullptr, "B200", 75, 1125, 2250, 2250},
+  };
+  for (const Row& r : kRows) {
+    if (model != r.model || (r.variant != nullptr && !has(r.variant))) continue;
+    DevicePeakFlops p;
+    p.f32 = r.f32 * 1e12;
+    p.tf32 = r.tf32 * 1e12;
+    p.bf16 = r.bf16 * 1e12;
+    p.f16 = r.f16 * 1e12;
+    p.source = absl::StrCat("datasheet: NVIDIA ", r.label);
+    return p;
+  }
+  return {};
+}
 
 int CudaDeviceCount() {
 #ifdef COLOD_WITH_CUDA

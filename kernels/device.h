@@ -49,6 +49,23 @@ absl::Status CudaSynchronize(int ordinal);
 // NCCL's runtime version code (e.g. 22703 for 2.27.3); UNIMPLEMENTED without CUDA.
 absl::StatusOr<int> NcclVersion();
 
+// A device's dense peak FLOP/s (no structured sparsity) by the type its
+// GEMMs run in; 0 where not known.
+struct DevicePeakFlops {
+  double f32 = 0;   // f32 without TF32
+  double tf32 = 0;  // f32 GEMMs on TF32 tensor cores (allow_tf32)
+  double bf16 = 0;
+  double f16 = 0;
+  std::string source;  // "datasheet: NVIDIA H100 SXM"; empty when unknown
+};
+
+// The datasheet peak of the GPU called `name` (cudaDeviceProp::name, e.g.
+// "NVIDIA H100 80GB HBM3"): A100, A10, L4, L40, L40S, H100 SXM/PCIe/NVL,
+// H200 (SXM and NVL) and B200, matched by model and variant word, never by
+// prefix (an "A10G" is not an "A10"). All zero for any other name: an MFU is
+// then not computed rather than computed against a guess.
+DevicePeakFlops KnownCudaPeak(const std::string& name);
+
 // Memory of this host in bytes for CPU workers: the physical memory
 // (sysconf), or the cgroup's limit (a container's) when that is lower.
 int64_t HostMemoryBytes();

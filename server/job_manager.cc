@@ -18,6 +18,8 @@
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "spec/job_validation.h"
+#include "spec/model_config.h"
+#include "spec/plan.h"
 
 namespace colod {
 namespace {
@@ -25,6 +27,15 @@ namespace {
 // A trained step's report, not an eval_only run's (an evaluation without a
 // step_duration).
 bool IsTrainedStep(const v1::StepProgress& step) { return !step.has_eval() || step.has_step_duration(); }
+
+// The run summary's model FLOPs per token (spec/plan.h); 0 where not
+// known (a config that does not parse, an encoder-decoder).
+double TrainFlopsPerTokenOf(const v1::JobSpec& spec) {
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(spec.model().config_json());
+  if (!config.ok()) return 0;
+  absl::StatusOr<double> flops = TrainFlopsPerToken(*config, spec.train().seq_len());
+  return flops.ok() ? *flops : 0;
+}
 
 // In the state directory: the next job id, written when a job is deleted.
 constexpr char kNextIdFile[] = "next-id";
@@ -271,7 +282,8 @@ absl::Status JobManager::ChangeJob(absl::string_view job_id, absl::FunctionRef<a
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1::MeshSpec& mesh) {
+absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1::MeshSpec& mesh,
+                                             double peak_flops) {
   v1::Job job;
   RETURN_IF_ERROR(ChangeJob(
       job_id,
@@ -281,6 +293,7 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
               absl::StrCat("job '", job_id, "' is ", JobStateName(e.job.state()), ", not pending or restarting"));
         }
         *e.job.mutable_mesh() = mesh;
+        e.attempt_peak_flops = peak_flops > 0 && std::isfinite(peak_flops) ? peak_flops : 0;
         e.job.set_generation(e.job.generation() + 1);
         e.job.clear_stalled();  // a new attempt
         AppendStateChangeLocked(e, v1::JOB_STATE_SCHEDULED,
@@ -348,6 +361,11 @@ absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgres
       const double seconds = absl::ToDoubleSeconds(train);
       sum.set_mean_tokens_per_second(seconds > 0 ? static_cast<double>(sum.tokens()) / seconds : 0);
       if (newest) sum.set_last_tokens_per_second(step.tokens_per_second());
+      if (sum.model_flops_per_token() == 0) sum.set_model_flops_per_token(TrainFlopsPerTokenOf(e.job.spec()));
+      if (e.attempt_peak_flops.has_value()) sum.set_peak_flops_per_second(*e.attempt_peak_flops);
+      sum.set_mfu(sum.peak_flops_per_second() > 0
+                      ? sum.mean_tokens_per_second() * sum.model_flops_per_token() / sum.peak_flops_per_second()
+                      : 0);
       UpdateWallTimeLocked(e);
     }
     if (trained && step.step() >= e.job.step()) {

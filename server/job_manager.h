@@ -93,8 +93,10 @@ class JobManager {
   };
   // PENDING or RESTARTING -> SCHEDULED with the mesh (ranks assigned) and a
   // new generation. FAILED_PRECONDITION unless the job is PENDING or
-  // RESTARTING.
-  absl::StatusOr<v1::Job> Schedule(absl::string_view job_id, const v1::MeshSpec& mesh);
+  // RESTARTING. `peak_flops`: the attempt's devices' dense peak
+  // (spec/plan.h's PeakFlopsOf; 0 unknown), which the run summary's MFU
+  // divides by from the attempt's next step on.
+  absl::StatusOr<v1::Job> Schedule(absl::string_view job_id, const v1::MeshSpec& mesh, double peak_flops = 0);
   // Moves a job that has not ended to `state` (RUNNING or a final state; or
   // PENDING again, with a new reason, while it waits).
   // FAILED_PRECONDITION if it already ended.
@@ -161,6 +163,9 @@ class JobManager {
     absl::Time persisted = absl::InfinitePast();  // when its record was last taken for writing
     int64_t record_seq = 0;                       // how many records of it were taken
     std::set<int64_t> trained_steps;              // the steps its events record
+    // The latest attempt's devices' peak (Schedule), once scheduled since
+    // this coordinator started; before that the summary's stored one holds.
+    std::optional<double> attempt_peak_flops;
   };
   // A job's record as it stood under mu_, to be written after mu_ is
   // released (file writes and fsyncs never hold mu_).

@@ -38,6 +38,10 @@ v1::JobSpec TrainSpec() {
   return s;
 }
 
+// TrainSpec's model FLOPs a token at seq_len 32 (spec/plan.h): 6 (L (12 h^2 +
+// 9 h) + V h) + 12 L S h, h = 64, L = 2, V = 257, S = 32.
+constexpr double kTinyFlopsPerToken = 6.0 * (2 * (12 * 64 * 64 + 9 * 64) + 257 * 64) + 12.0 * 2 * 32 * 64;
+
 void ExpectInvalid(const v1::JobSpec& spec, const std::string& field) {
   absl::Status s = ValidateJobSpec(spec);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << field;
@@ -673,8 +677,12 @@ TEST(JobManager, EachStepIsRecordedOnce) {
     auto job = (*jobs)->Submit(TrainSpec(), "");
     ASSERT_TRUE(job.ok());
     id = job->job_id();
-    ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
+    ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec(), /*peak_flops=*/1e12).ok());
     for (int64_t n : {1, 2, 3, 5, 6}) ASSERT_TRUE((*jobs)->AddStep(id, step(n, 10.0 - n)).ok());
+    const v1::RunSummary first = (*jobs)->Get(id)->summary();
+    EXPECT_EQ(first.model_flops_per_token(), kTinyFlopsPerToken);
+    EXPECT_EQ(first.peak_flops_per_second(), 1e12);
+    EXPECT_DOUBLE_EQ(first.mfu(), first.mean_tokens_per_second() * kTinyFlopsPerToken / 1e12);
     v1::StepProgress rerun = step(3, 99);  // resumed from step 2's checkpoint
     v1::CheckpointInfo* kept = rerun.add_checkpoints();
     kept->set_step(3);
@@ -698,7 +706,8 @@ TEST(JobManager, EachStepIsRecordedOnce) {
   }
   auto jobs = JobManager::Open(dir, &clock);
   ASSERT_TRUE(jobs.ok()) << jobs.status();
-  ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
+  EXPECT_EQ((*jobs)->Get(id)->summary().peak_flops_per_second(), 1e12) << "kept with the record";
+  ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec(), /*peak_flops=*/2e12).ok());  // other devices
   for (int64_t n : {5, 6, 7}) ASSERT_TRUE((*jobs)->AddStep(id, step(n, 0)).ok());  // the restart re-runs them
   ASSERT_TRUE((*jobs)->AddStep(id, step(8, 2.0)).ok());
   EXPECT_EQ(steps_of(**jobs), (std::vector<int64_t>{1, 2, 3, 5, 6, 4, 7, 8}));
@@ -711,6 +720,9 @@ TEST(JobManager, EachStepIsRecordedOnce) {
   EXPECT_EQ(FromProtoDuration(sum.train_time()), absl::Microseconds(8));
   EXPECT_DOUBLE_EQ(sum.mean_tokens_per_second(), 8000 / 8e-6);
   EXPECT_EQ(sum.last_tokens_per_second(), 1e9);
+  // MFU against the latest attempt's devices.
+  EXPECT_EQ(sum.peak_flops_per_second(), 2e12);
+  EXPECT_DOUBLE_EQ(sum.mfu(), 8000 / 8e-6 * kTinyFlopsPerToken / 2e12);
 }
 
 TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckpoint) {

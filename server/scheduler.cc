@@ -12,6 +12,7 @@
 #include "server/placement.h"
 #include "spec/mesh.h"
 #include "spec/model_config.h"
+#include "spec/plan.h"
 
 namespace colod {
 namespace {
@@ -23,6 +24,18 @@ std::string Attempts(const v1::Job& job, const std::string& last) {
   for (const std::string& f : job.attempt_failures()) all.push_back(absl::StrCat("attempt ", all.size() + 1, ": ", f));
   all.push_back(absl::StrCat("attempt ", all.size() + 1, ": ", last));
   return absl::StrJoin(all, "; ");
+}
+
+// The placed ranks' devices' peak for the run summary's MFU (0 unknown).
+double PlacedPeakFlops(const v1::JobSpec& spec, const v1::MeshSpec& placed, const std::vector<v1::Worker>& live) {
+  std::vector<v1::WorkerInfo> devices;
+  for (const v1::RankAssignment& a : placed.ranks()) {
+    auto w = std::find_if(live.begin(), live.end(),
+                          [&](const v1::Worker& x) { return x.info().worker_id() == a.worker_id(); });
+    if (w == live.end()) return 0;
+    devices.push_back(w->info());
+  }
+  return PeakFlopsOf(spec, devices);
 }
 
 }  // namespace
@@ -218,7 +231,7 @@ void Scheduler::ScheduleQueued() {
     }
     waiting_.erase(job.job_id());
     const v1::MeshSpec& placed = *decision->placed;
-    absl::StatusOr<v1::Job> scheduled = jobs_->Schedule(job.job_id(), placed);
+    absl::StatusOr<v1::Job> scheduled = jobs_->Schedule(job.job_id(), placed, PlacedPeakFlops(job.spec(), placed, live));
     if (!scheduled.ok()) continue;  // cancelled meanwhile
     for (const v1::RankAssignment& a : placed.ranks()) taken.insert(a.worker_id());
     {

@@ -1,6 +1,7 @@
 #include "spec/plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <optional>
 #include <tuple>
@@ -310,6 +311,68 @@ absl::StatusOr<std::vector<PlanLeaf>> PlanLeaves(const ModelConfig& c) {
     return m.Done(c.model_type);
   }
   return absl::InvalidArgumentError(absl::StrCat("no plan for model_type '", c.model_type, "'"));
+}
+
+absl::StatusOr<double> TrainFlopsPerToken(const ModelConfig& c, int64_t seq_len) {
+  if (c.model_type == "t5") {
+    return absl::UnimplementedError("no FLOPs per token for an encoder-decoder (t5): its inputs and targets differ");
+  }
+  if (seq_len < 1) return absl::InvalidArgumentError(absl::StrCat("seq_len must be >= 1, got ", seq_len));
+  ASSIGN_OR_RETURN(std::vector<PlanLeaf> leaves, PlanLeaves(c));
+  const bool vit = c.model_type == "vit";
+  const double s = static_cast<double>(vit ? c.max_positions : seq_len);
+  // A matrix's FLOPs per token are 2 per weight (and 1 per bias, counted
+  // as a weight as PaLM's N does); training 3x that (forward, input and
+  // weight gradients).
+  double per_token = 0, per_patch = 0, per_image = 0;
+  for (const PlanLeaf& l : leaves) {
+    const double weights = static_cast<double>(l.in) * static_cast<double>(l.out) + (l.bias ? l.out : 0);
+    switch (l.role) {
+      case LeafRole::kColumn:
+      case LeafRole::kRow:
+      case LeafRole::kVocabHead:
+      case LeafRole::kProjection:
+      case LeafRole::kTiedHead:
+        per_token += 6 * weights * static_cast<double>(l.count);
+        break;
+      case LeafRole::kWhole:
+        if (l.kind == LeafKind::kPatchEmbedding) per_patch += 6 * weights;
+        if (l.kind == LeafKind::kLinear) per_image += 6 * weights;  // ViT's classifier, on the CLS token
+        break;
+      default:
+        break;  // lookups, norms, biases added to the vocabulary
+    }
+  }
+  const double width = static_cast<double>(c.num_heads) * static_cast<double>(c.head_dim());
+  per_token += 12 * static_cast<double>(c.num_layers) * s * width;
+  if (!vit) return per_token;
+  return s * per_token + (s - 1) * per_patch + per_image;
+}
+
+double PeakFlopsOf(const v1::JobSpec& spec, const std::vector<v1::WorkerInfo>& devices) {
+  double sum = 0;
+  for (const v1::WorkerInfo& d : devices) {
+    const v1::DevicePeak& p = d.peak();
+    const bool tf32 = spec.train().allow_tf32();
+    double peak = 0;
+    switch (spec.train().precision()) {
+      case v1::PRECISION_BF16_MIXED:
+        peak = p.bf16();
+        break;
+      case v1::PRECISION_FP16_MIXED:
+        peak = p.f16();
+        break;
+      case v1::PRECISION_FP32:
+        peak = tf32 ? p.tf32() : p.f32();
+        break;
+      default:  // the trainer's default: bf16 on a GPU, f32 on a CPU
+        peak = d.device_kind() == v1::DEVICE_KIND_CUDA ? p.bf16() : tf32 ? p.tf32() : p.f32();
+        break;
+    }
+    if (!(peak > 0) || !std::isfinite(peak)) return 0;
+    sum += peak;
+  }
+  return std::isfinite(sum) ? sum : 0;
 }
 
 namespace {

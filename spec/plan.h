@@ -25,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "colod/v1/job.pb.h"
+#include "colod/v1/worker.pb.h"
 #include "spec/model_config.h"
 
 namespace colod {
@@ -172,6 +173,26 @@ struct LayoutSearch {
 };
 absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::JobSpec& spec, int world,
                                          int64_t memory_per_rank, PlanDevice device = PlanDevice::kCpu);
+
+// Model FLOPs of training on one token (on one image for ViT), PaLM's MFU
+// convention: 6 N + 12 L S H per token, N the parameters of every matrix
+// multiply a token goes through (each layer's linears with their biases,
+// OPT's and BERT's projections, the LM head, a tied head counted as the
+// head; not the embedding lookups or the norms), L the layers, S = seq_len
+// and H the attention's width (heads x head dim). No credit for
+// recomputation; causal attention counted whole. ViT: S is its patches and
+// CLS token, and an image counts the patches' convolution on each patch,
+// S tokens' layers and the classifier once. UNIMPLEMENTED for T5 (its
+// tokens are the encoder's and the decoder's, of other lengths);
+// INVALID_ARGUMENT for a model_type without a table or seq_len < 1.
+absl::StatusOr<double> TrainFlopsPerToken(const ModelConfig& config, int64_t seq_len);
+
+// What RunSummary's MFU divides by: the sum of the devices' dense peaks for
+// the dtype `spec`'s GEMMs run in (its precision; FP32 as TF32 with
+// allow_tf32; unspecified: bf16 on CUDA, f32 on a CPU, as the trainer
+// chooses). 0 when a device's peak is not known, not finite or not
+// positive, or for no devices: no MFU rather than a wrong one.
+double PeakFlopsOf(const v1::JobSpec& spec, const std::vector<v1::WorkerInfo>& devices);
 
 // "tp2 x dp2 1d", "tp8 x dp1 2.5d depth 2", with " sp" for sequence
 // parallelism: how coloctl and the plan's refusals name a layout.

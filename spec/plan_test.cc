@@ -6,6 +6,7 @@
 #include "spec/plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -377,6 +378,103 @@ v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode) {
   spec.mutable_train()->set_batch_size(16);
   spec.mutable_train()->set_seq_len(16);  // the tiny models' positions
   return spec;
+}
+
+// TrainFlopsPerToken against the models' own tensors: 6 times every
+// weight and bias a token's matrix multiplies read (the file's tensors
+// less the embedding tables and the norms, a tied head's table counted as
+// the head), plus 12 L S H; and against GPT-2 124M's closed form.
+TEST(Plan, TrainFlopsPerTokenCountsEveryMatrixMultiplyOfTheFile) {
+  auto matmul = [](const testing::TinyModel& m, const std::vector<std::string>& not_matmul) {
+    double n = 0;
+    for (const auto& [name, t] : m.tensors) {
+      const bool skip = std::any_of(not_matmul.begin(), not_matmul.end(),
+                                    [&](const std::string& part) { return name.find(part) != std::string::npos; });
+      if (!skip) n += static_cast<double>(t.numel());
+    }
+    return n;
+  };
+  testing::TinyOptions tied;
+  auto gpt2 = testing::WriteTinyGpt2(TempPath("flops_gpt2"), tied);
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  const ModelConfig& g = gpt2->config;
+  const double head = static_cast<double>(g.vocab_size * g.hidden_size);
+  auto flops = TrainFlopsPerToken(g, 16);
+  ASSERT_TRUE(flops.ok()) << flops.status();
+  EXPECT_DOUBLE_EQ(*flops, 6 * (matmul(*gpt2, {"wte", "wpe", "ln_"}) + head) + 12.0 * g.num_layers * 16 * g.hidden_size);
+
+  auto llama = testing::WriteTinyLlama(TempPath("flops_llama"), Untied());
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  const ModelConfig& l = llama->config;
+  flops = TrainFlopsPerToken(l, 16);
+  ASSERT_TRUE(flops.ok()) << flops.status();
+  EXPECT_DOUBLE_EQ(*flops, 6 * matmul(*llama, {"embed_tokens", "norm"}) + 12.0 * l.num_layers * 16 * l.hidden_size);
+
+  // ViT: per image, its S = patches + 1 tokens through the layers, the
+  // patches' convolution on each patch and the classifier once.
+  auto vit = testing::WriteTinyVit(TempPath("flops_vit"), {});
+  ASSERT_TRUE(vit.ok()) << vit.status();
+  const ModelConfig& v = vit->config;
+  const double s = static_cast<double>(v.max_positions);
+  const double layers = matmul(*vit, {"embeddings", "layernorm", "classifier"});
+  const double patch = matmul(*vit, {"cls_token", "position_embeddings", "encoder", "layernorm", "classifier"});
+  const double classifier = matmul(*vit, {"embeddings", "encoder", "layernorm"});
+  flops = TrainFlopsPerToken(v, 1);
+  ASSERT_TRUE(flops.ok()) << flops.status();
+  EXPECT_DOUBLE_EQ(*flops, s * (6 * layers + 12.0 * v.num_layers * s * v.hidden_size) + (s - 1) * 6 * patch +
+                               6 * classifier);
+
+  // GPT-2 124M at 1024 tokens: 6 (12 L h^2 + 9 L h + V h) + 12 L S h.
+  ModelConfig small = g;
+  small.vocab_size = 50257;
+  small.hidden_size = 768;
+  small.num_layers = 12;
+  small.num_heads = 12;
+  small.intermediate_size = 3072;
+  small.max_positions = 1024;
+  flops = TrainFlopsPerToken(small, 1024);
+  ASSERT_TRUE(flops.ok()) << flops.status();
+  const double h = 768, L = 12;
+  EXPECT_DOUBLE_EQ(*flops, 6 * (12 * L * h * h + 9 * L * h + 50257 * h) + 12 * L * 1024 * h);
+  EXPECT_NEAR(*flops / 1e9, 0.8549, 1e-4) << "about 7 x 124M";
+
+  auto t5 = testing::WriteTinyT5(TempPath("flops_t5"), {});
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  EXPECT_EQ(TrainFlopsPerToken(t5->config, 16).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(TrainFlopsPerToken(g, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The peak MFU divides by: the devices' sum for the spec's dtype, or 0
+// as soon as one is not known (no MFU rather than a wrong one).
+TEST(Plan, PeakFlopsAreTheDevicesSumForTheJobsDtype) {
+  auto device = [](v1::DeviceKind kind, double f32, double tf32, double bf16, double f16) {
+    v1::WorkerInfo w;
+    w.set_device_kind(kind);
+    w.mutable_peak()->set_f32(f32);
+    w.mutable_peak()->set_tf32(tf32);
+    w.mutable_peak()->set_bf16(bf16);
+    w.mutable_peak()->set_f16(f16);
+    return w;
+  };
+  const v1::WorkerInfo gpu = device(v1::DEVICE_KIND_CUDA, 67e12, 494.7e12, 989.4e12, 989.4e12);
+  v1::JobSpec spec = Train(2, 1);
+  EXPECT_DOUBLE_EQ(PeakFlopsOf(spec, {gpu, gpu}), 2 * 989.4e12) << "a GPU's default: bf16";
+  spec.mutable_train()->set_precision(v1::PRECISION_FP32);
+  EXPECT_DOUBLE_EQ(PeakFlopsOf(spec, {gpu, gpu}), 2 * 67e12);
+  spec.mutable_train()->set_allow_tf32(true);
+  EXPECT_DOUBLE_EQ(PeakFlopsOf(spec, {gpu, gpu}), 2 * 494.7e12);
+  spec.mutable_train()->set_precision(v1::PRECISION_FP16_MIXED);
+  EXPECT_DOUBLE_EQ(PeakFlopsOf(spec, {gpu}), 989.4e12);
+  spec = Train(2, 1);
+  const v1::WorkerInfo cpu = device(v1::DEVICE_KIND_CPU, 1e12, 1e12, 1e12, 1e12);
+  EXPECT_DOUBLE_EQ(PeakFlopsOf(spec, {cpu, cpu, cpu}), 3e12) << "a CPU's default: f32";
+  EXPECT_EQ(PeakFlopsOf(spec, {cpu, v1::WorkerInfo()}), 0) << "one device not known";
+  EXPECT_EQ(PeakFlopsOf(spec, {cpu, device(v1::DEVICE_KIND_CPU, -1, 0, 0, 0)}), 0);
+  EXPECT_EQ(PeakFlopsOf(spec, {cpu, device(v1::DEVICE_KIND_CPU, std::nan(""), 0, 0, 0)}), 0);
+  EXPECT_EQ(PeakFlopsOf(spec, {device(v1::DEVICE_KIND_CPU, 1e308, 0, 0, 0), device(v1::DEVICE_KIND_CPU, 1e308, 0, 0, 0)}),
+            0)
+      << "an overflowing sum";
+  EXPECT_EQ(PeakFlopsOf(spec, {}), 0);
 }
 
 // Pipeline stages: RankParameters is the fullest stage's count, which the

@@ -23,6 +23,8 @@
 #include "client/coordinator_client.h"
 #include "common/proto_time.h"
 #include "server/job_manager.h"
+#include "spec/model_config.h"
+#include "spec/plan.h"
 #include "colod/v1/worker.grpc.pb.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
@@ -303,6 +305,9 @@ TEST_F(JobsTest, AnEvaluatingJobsHeldOutLossIsTheTpOneEvaluations) {
   EXPECT_EQ(done->summary().tokens(), 3 * 4 * 32);
   EXPECT_GT(done->summary().mean_tokens_per_second(), 0);
   EXPECT_GE(FromProtoDuration(done->summary().wall_time()), FromProtoDuration(done->summary().train_time()));
+  EXPECT_GT(done->summary().model_flops_per_token(), 0);
+  EXPECT_EQ(done->summary().peak_flops_per_second(), 0) << "CPU workers without --peak-tflops";
+  EXPECT_EQ(done->summary().mfu(), 0);
   const int64_t best = evals[2].loss() <= evals[3].loss() ? 2 : 3;
   EXPECT_EQ(done->best_eval().step(), best);
   EXPECT_EQ(done->best_eval().checkpoint(), evals[best].checkpoint());
@@ -867,10 +872,11 @@ TEST_F(JobsTest, AJobTooBigForTheClusterWaitsWithoutBlockingTheQueue) {
 
 // Workers that declare 1.5 MB each (--memory-limit): the tiny GPT-2 at dp=4
 // needs 2.35 MB a rank plainly (its f32 parameters, gradients, AdamW state
-// and activations), 0.91 MB with ZeRO 2 and full recomputation.
+// and activations), 0.91 MB with ZeRO 2 and full recomputation. And a peak
+// of 2 GFLOP/s each (--peak-tflops), which their jobs' MFU divides by.
 class JobsSmallWorkersTest : public JobsTest {
  protected:
-  JobsSmallWorkersTest() { worker_flags_ = {"--memory-limit", "1500000"}; }
+  JobsSmallWorkersTest() { worker_flags_ = {"--memory-limit", "1500000", "--peak-tflops", "0.002"}; }
 };
 
 TEST_F(JobsSmallWorkersTest, ZeroAndRecomputationAdmitAModelTheWorkersWereTooSmallFor) {
@@ -893,6 +899,17 @@ TEST_F(JobsSmallWorkersTest, ZeroAndRecomputationAdmitAModelTheWorkersWereTooSma
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
   EXPECT_EQ(done->step(), 3);
+  // The summary's MFU: the run's model FLOPs over the 4 workers' declared
+  // peak (recomputation earns nothing).
+  const v1::RunSummary& sum = done->summary();
+  auto config = ReadModelConfig(TempPath("gpt2"));
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto flops = TrainFlopsPerToken(*config, o.seq_len);
+  ASSERT_TRUE(flops.ok()) << flops.status();
+  EXPECT_EQ(sum.model_flops_per_token(), *flops);
+  EXPECT_EQ(sum.peak_flops_per_second(), 4 * 2e9);
+  EXPECT_GT(sum.mfu(), 0);
+  EXPECT_DOUBLE_EQ(sum.mfu(), sum.mean_tokens_per_second() * *flops / 8e9);
 }
 
 TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {

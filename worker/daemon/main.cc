@@ -46,6 +46,10 @@ ABSL_FLAG(std::string, memory_limit, "",
           "Memory a job rank may use, e.g. 8GiB or 512MiB; reported to the coordinator, which places no rank "
           "here whose model needs more (parameters, gradients, optimizer state), and checked again before a rank "
           "allocates. Default: the GPU's memory, or the host's (its cgroup's limit in a container).");
+ABSL_FLAG(double, peak_tflops, 0,
+          "The device's dense peak in TFLOP/s for the dtype its jobs train in, for the jobs' MFU (coloctl "
+          "status). Default: a GPU's datasheet figures where its name is known (A100, A10, L4, L40(S), "
+          "H100, H200, B200), none for a CPU, whose jobs then report no MFU.");
 ABSL_FLAG(absl::Duration, upload_cache_ttl, absl::Hours(1),
           "Uploaded models this worker downloaded (WORK_DIR/uploads) and no rank used for this long are "
           "removed before the next download.");
@@ -113,6 +117,7 @@ int main(int argc, char** argv) {
     }
     options.memory_limit_bytes = *bytes;
   }
+  options.peak_tflops = absl::GetFlag(FLAGS_peak_tflops);
   options.device_ordinal = absl::GetFlag(FLAGS_device_ordinal);
   options.work_dir = absl::GetFlag(FLAGS_work_dir);
   for (absl::string_view pair : absl::StrSplit(absl::GetFlag(FLAGS_labels), ',', absl::SkipWhitespace())) {

@@ -64,6 +64,27 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
     return absl::InvalidArgumentError(absl::StrCat("--memory-limit: must be >= 0, got ", o.memory_limit_bytes));
   }
   if (o.memory_limit_bytes > 0) info.set_memory_bytes(o.memory_limit_bytes);
+  // 1e6 TFLOP/s: a thousand times the largest GPU's, a unit mistake.
+  if (!(o.peak_tflops >= 0 && o.peak_tflops <= 1e6)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--peak-tflops: must be in [0, 1e6] TFLOP/s, got ", o.peak_tflops));
+  }
+  v1::DevicePeak& peak = *info.mutable_peak();
+  if (o.peak_tflops > 0) {
+    const double flops = o.peak_tflops * 1e12;
+    peak.set_f32(flops);
+    peak.set_tf32(flops);
+    peak.set_bf16(flops);
+    peak.set_f16(flops);
+    peak.set_source("--peak-tflops");
+  } else if (use_cuda) {
+    const kernels::DevicePeakFlops known = kernels::KnownCudaPeak(info.device_name());
+    peak.set_f32(known.f32);
+    peak.set_tf32(known.tf32);
+    peak.set_bf16(known.bf16);
+    peak.set_f16(known.f16);
+    peak.set_source(known.source);
+  }
   if (o.upload_cache_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--upload-cache-ttl: must be >= 0");
   }

@@ -61,6 +61,10 @@ class WorkerDaemon {
     // the rank itself refuses one (RESOURCE_EXHAUSTED) before it allocates.
     // 0: the GPU's memory, or the host's (its cgroup's limit in a container).
     int64_t memory_limit_bytes = 0;
+    // The device's dense peak in TFLOP/s for whatever dtype its jobs train
+    // in, reported at registration for the jobs' MFU (RunSummary.mfu);
+    // 0: a GPU's datasheet figures (kernels::KnownCudaPeak), none for a CPU.
+    double peak_tflops = 0;
     // Directories jobs may read and write (PathPolicy); empty: every path.
     std::vector<std::string> allow_paths;
     // Uploaded models downloaded here and unused this long are removed.
