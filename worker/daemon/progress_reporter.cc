@@ -1,5 +1,7 @@
 #include "worker/daemon/progress_reporter.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/auth.h"
@@ -14,7 +16,52 @@ ProgressReporter::ProgressReporter(Options options, const v1::AssignJobRequest& 
     : options_(std::move(options)),
       job_id_(assignment.job_id()),
       generation_(assignment.generation()),
-      rank_(assignment.rank()) {}
+      rank_(assignment.rank()) {
+  absl::MutexLock lock(&join_mu_);
+  sender_ = std::thread([this] { SendLoop(); });
+}
+
+ProgressReporter::~ProgressReporter() { StopSender(); }
+
+void ProgressReporter::StopSender() const {
+  {
+    absl::MutexLock lock(&mu_);
+    closing_ = true;
+  }
+  absl::MutexLock lock(&join_mu_);
+  if (sender_.joinable()) sender_.join();
+}
+
+void ProgressReporter::SendLoop() const {
+  absl::Duration backoff = kRetryFirst;
+  absl::Time retry_at = absl::InfinitePast();
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      // Woken by a queued step or closing_; after a failure, not before
+      // retry_at (closing_ ends the wait at once).
+      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return closing_ || (!undelivered_.empty() && absl::Now() >= retry_at);
+      };
+      while (!ready()) {
+        const absl::Duration wait = retry_at > absl::Now() ? retry_at - absl::Now() : absl::Hours(1);
+        mu_.AwaitWithTimeout(absl::Condition(&ready), wait);
+      }
+      if (closing_) return;
+    }
+    bool down = false;
+    const bool stop = Flush(&down, /*wait=*/false);
+    absl::MutexLock lock(&mu_);
+    stop_ = stop_ || stop;
+    if (down) {
+      retry_at = absl::Now() + backoff;
+      backoff = std::min(kRetryMost, backoff * 2);
+    } else {
+      retry_at = absl::InfinitePast();
+      backoff = kRetryFirst;
+    }
+  }
+}
 
 bool ProgressReporter::Phase(v1::RankPhase phase, const std::string& message) const {
   v1::ReportProgressRequest r;
@@ -27,17 +74,14 @@ bool ProgressReporter::Phase(v1::RankPhase phase, const std::string& message) co
 bool ProgressReporter::Step(const train::StepStats& st) const {
   v1::ReportProgressRequest r;
   *r.mutable_step() = train::StepProgressOf(st);
-  {
-    absl::MutexLock lock(&mu_);
-    undelivered_.push_back(std::move(r));
-    if (undelivered_.size() > kMaxUndelivered) {
-      COLOD_LOG(WARNING) << "job " << job_id_ << ": the coordinator has been away for " << kMaxUndelivered
-                         << " steps; dropping step " << undelivered_.front().step().step() << "'s report";
-      undelivered_.pop_front();
-    }
+  absl::MutexLock lock(&mu_);
+  undelivered_.push_back(std::move(r));
+  if (undelivered_.size() > kMaxUndelivered) {
+    COLOD_LOG(WARNING) << "job " << job_id_ << ": the coordinator has been away for " << kMaxUndelivered
+                       << " steps; dropping step " << undelivered_.front().step().step() << "'s report";
+    undelivered_.pop_front();
   }
-  bool down = false;
-  return Flush(&down, /*wait=*/false);
+  return stop_;
 }
 
 bool ProgressReporter::Flush(bool* down, bool wait) const {
@@ -68,6 +112,7 @@ bool ProgressReporter::Flush(bool* down, bool wait) const {
       if (!undelivered_.empty() && undelivered_.front().step().step() == step) undelivered_.pop_front();
       recent_.push_back(std::move(next));
       if (recent_.size() > kResent) recent_.pop_front();
+      ++delivered_;
     }
     // Answered: recorded, or refused for good (a stale or unknown job, which
     // records a late step all the same; or an error, logged by Send).
@@ -80,10 +125,17 @@ size_t ProgressReporter::undelivered() const {
   return undelivered_.size();
 }
 
+int64_t ProgressReporter::delivered() const {
+  absl::MutexLock lock(&mu_);
+  return delivered_;
+}
+
 void ProgressReporter::End(const absl::Status& status, const std::optional<v1::ForwardResult>& forward) const {
-  // The rank's last chance to deliver what it kept: each waits for the
-  // channel to the coordinator (which may be reconnecting after an outage)
-  // up to the RPC timeout, rather than failing at once.
+  // The sending thread stops (within one RPC timeout, if it is sending);
+  // then the rank's last chance to deliver what it kept: each waits for
+  // the channel to the coordinator (which may be reconnecting after an
+  // outage) up to the RPC timeout, rather than failing at once.
+  StopSender();
   bool down = false;
   Flush(&down, /*wait=*/true);
   if (down) {

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -21,12 +22,16 @@
 
 namespace colod {
 
-// Steps that cannot be delivered (the coordinator is away) are kept, the
-// newest kMaxUndelivered of them, and sent first, in order, with the next
-// report that gets through (at the latest with End), after the last
-// kResent delivered ones again (a coordinator that died may not have
-// written them): the coordinator records each step once, a late one even
-// after the job moved on to a new generation.
+// Steps are sent by a thread of the reporter's own, in order, so that the
+// training thread never waits on the coordinator: a coordinator that is
+// away (or SIGSTOPped, which answers nothing until the RPC timeout) costs
+// a step nothing. Steps that cannot be delivered are kept, the newest
+// kMaxUndelivered of them, and retried with backoff (kRetryFirst doubling
+// to kRetryMost); once one gets through they go first, in order, after
+// the last kResent delivered ones again (a coordinator that died may not
+// have written them): the coordinator records each step once, a late one
+// even after the job moved on to a new generation. End sends what is kept,
+// waiting for the channel, before the rank's result.
 //
 // Thread-safe: the undelivered steps are guarded by a mutex that is never
 // held across an RPC.
@@ -44,22 +49,33 @@ class ProgressReporter {
 
   // Reports for the rank `assignment` describes (job, generation, rank).
   ProgressReporter(Options options, const v1::AssignJobRequest& assignment);
+  // Stops the sending thread (within one RPC timeout); what it had not
+  // delivered is dropped: End delivers it.
+  ~ProgressReporter();
+  ProgressReporter(const ProgressReporter&) = delete;
+  ProgressReporter& operator=(const ProgressReporter&) = delete;
 
   static constexpr size_t kMaxUndelivered = 4096;
   // Delivered steps sent again after an outage (the coordinator may have
   // lost the last second of them): the newest this many.
   static constexpr size_t kResent = 256;
+  static constexpr absl::Duration kRetryFirst = absl::Milliseconds(200);
+  static constexpr absl::Duration kRetryMost = absl::Seconds(5);
 
-  // Each returns true when the coordinator says the job no longer runs (or
+  // Phase returns true when the coordinator says the job no longer runs (or
   // that this rank is not one of it): the rank should stop. Best effort:
-  // a report that fails twice (five times for the end) is given up, logged;
-  // a step that fails is kept (above).
+  // a report that fails twice (five times for the end) is given up, logged.
   bool Phase(v1::RankPhase phase, const std::string& message = "") const;
+  // Queues the step for the sending thread and returns at once: true when
+  // an answer to an earlier report said stop.
   bool Step(const train::StepStats& step) const;
-  // The rank's end: its status and, for rank 0 of a FORWARD job, the result.
+  // The rank's end: what is kept, then its status and, for rank 0 of a
+  // FORWARD job, the result.
   void End(const absl::Status& status, const std::optional<v1::ForwardResult>& forward) const;
-  // Steps kept undelivered so far.
+  // Steps not delivered yet (queued, or kept through an outage).
   size_t undelivered() const;
+  // Steps delivered so far (each counted once, resends too); for tests.
+  int64_t delivered() const;
 
  private:
   // OK with whether to stop; UNAVAILABLE when it was not delivered (the
@@ -69,12 +85,23 @@ class ProgressReporter {
   // timeout) instead of failing while it reconnects.
   absl::StatusOr<bool> Send(v1::ReportProgressRequest report, bool wait = false) const;
   // Sends the kept steps in order until one fails (`*down` set). Returns
-  // whether one was answered "stop".
+  // whether one was answered "stop". One caller at a time: the sending
+  // thread, or End once it has stopped it.
   bool Flush(bool* down, bool wait) const;
+  // The sending thread: Flush whenever steps are queued, backing off while
+  // the coordinator is away, until closing_.
+  void SendLoop() const;
+  // Ends SendLoop and joins its thread (idempotent).
+  void StopSender() const;
 
   mutable absl::Mutex mu_;
   mutable std::deque<v1::ReportProgressRequest> undelivered_ ABSL_GUARDED_BY(mu_);
   mutable std::deque<v1::ReportProgressRequest> recent_ ABSL_GUARDED_BY(mu_);  // delivered, newest last
+  mutable bool stop_ ABSL_GUARDED_BY(mu_) = false;     // an answer said stop
+  mutable bool closing_ ABSL_GUARDED_BY(mu_) = false;  // SendLoop ends
+  mutable int64_t delivered_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable absl::Mutex join_mu_;  // serializes StopSender's join
+  mutable std::thread sender_ ABSL_GUARDED_BY(join_mu_);
 
   const Options options_;
   const std::string job_id_;

@@ -2,7 +2,9 @@
 // cannot be delivered are kept and sent first, in order, once the
 // coordinator answers; after an outage the last delivered ones are sent
 // again; a report the coordinator refuses is dropped, not kept; End sends
-// what is kept before the rank's result.
+// what is kept before the rank's result; a coordinator that answers
+// nothing never holds the training thread; a "stop" answer reaches a
+// later step.
 #include "worker/daemon/progress_reporter.h"
 
 #include <vector>
@@ -19,7 +21,8 @@ namespace {
 // it accepted (and the steps it refused) in arrival order.
 class FakeReports final : public v1::CoordinatorService::Service {
  public:
-  enum class Answer { kOk, kUnavailable, kRefuse };
+  // kHang: no answer until the answer changes (a SIGSTOPped coordinator).
+  enum class Answer { kOk, kUnavailable, kRefuse, kHang, kStop };
   void Set(Answer a) {
     absl::MutexLock lock(&mu_);
     answer_ = a;
@@ -30,11 +33,14 @@ class FakeReports final : public v1::CoordinatorService::Service {
   }
 
   grpc::Status ReportProgress(grpc::ServerContext*, const v1::ReportProgressRequest* req,
-                              v1::ReportProgressResponse*) override {
+                              v1::ReportProgressResponse* resp) override {
     absl::MutexLock lock(&mu_);
+    auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return answer_ != Answer::kHang; };
+    mu_.AwaitWithTimeout(absl::Condition(&answered), absl::Seconds(30));
     if (answer_ == Answer::kUnavailable) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "away");
     if (answer_ == Answer::kRefuse) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "refused");
     accepted_.push_back(req->has_step() ? req->step().step() : -1);  // -1: the result
+    resp->set_stop(answer_ == Answer::kStop);
     return grpc::Status::OK;
   }
 
@@ -67,6 +73,18 @@ class ProgressReporterTest : public ::testing::Test {
     st.seconds = 0.01;
     return reporter_->Step(st);
   }
+  // Waits (bounded) for the sending thread to have delivered `n` steps in
+  // all, or to keep `kept` undelivered after a failed attempt.
+  void WaitDelivered(int64_t n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (reporter_->delivered() < n && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+    ASSERT_EQ(reporter_->delivered(), n);
+  }
+  void WaitKept(size_t kept) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (reporter_->undelivered() != kept && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+    ASSERT_EQ(reporter_->undelivered(), kept);
+  }
 
   FakeReports service_;
   std::unique_ptr<grpc::Server> server_;
@@ -76,13 +94,15 @@ class ProgressReporterTest : public ::testing::Test {
 TEST_F(ProgressReporterTest, StepsKeptDuringAnOutageArriveInOrderAfterTheLastDeliveredOnesAgain) {
   EXPECT_FALSE(Step(1));
   EXPECT_FALSE(Step(2));
+  WaitDelivered(2);
   service_.Set(FakeReports::Answer::kUnavailable);
   EXPECT_FALSE(Step(3));
   EXPECT_FALSE(Step(4));
   // 3 and 4, and 1 and 2 again (the coordinator may not have written them).
-  EXPECT_EQ(reporter_->undelivered(), 4u);
+  WaitKept(4);
   service_.Set(FakeReports::Answer::kOk);
   EXPECT_FALSE(Step(5));
+  WaitDelivered(7);
   EXPECT_EQ(reporter_->undelivered(), 0u);
   EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{1, 2, 1, 2, 3, 4, 5}));
 }
@@ -90,10 +110,34 @@ TEST_F(ProgressReporterTest, StepsKeptDuringAnOutageArriveInOrderAfterTheLastDel
 TEST_F(ProgressReporterTest, ARefusedReportIsDroppedNotKept) {
   service_.Set(FakeReports::Answer::kRefuse);
   EXPECT_FALSE(Step(1));
+  WaitDelivered(1);  // answered: refused for good
   EXPECT_EQ(reporter_->undelivered(), 0u);
   service_.Set(FakeReports::Answer::kOk);
   EXPECT_FALSE(Step(2));
+  WaitDelivered(2);
   EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{2}));
+}
+
+// A coordinator that takes reports and answers none (SIGSTOPped) costs the
+// training thread nothing; the steps arrive in order once it answers.
+TEST_F(ProgressReporterTest, ACoordinatorThatAnswersNothingDoesNotHoldTheTrainingThread) {
+  service_.Set(FakeReports::Answer::kHang);
+  const absl::Time start = absl::Now();
+  for (int64_t n = 1; n <= 20; ++n) EXPECT_FALSE(Step(n));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "Step waited on the coordinator";
+  service_.Set(FakeReports::Answer::kOk);
+  WaitDelivered(20);
+  std::vector<int64_t> want;
+  for (int64_t n = 1; n <= 20; ++n) want.push_back(n);
+  EXPECT_EQ(service_.Accepted(), want);
+}
+
+// "Stop" in an answer reaches the steps after it.
+TEST_F(ProgressReporterTest, AStopAnswerReachesALaterStep) {
+  service_.Set(FakeReports::Answer::kStop);
+  Step(1);
+  WaitDelivered(1);
+  EXPECT_TRUE(Step(2));
 }
 
 TEST_F(ProgressReporterTest, EndSendsWhatIsKeptBeforeTheResult) {
