@@ -1,5 +1,7 @@
 #include "server/coordinator_service.h"
 
+#include <random>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -27,6 +29,14 @@ absl::Status RequireId(absl::string_view field, absl::string_view value) {
   return absl::OkStatus();
 }
 
+// 128 random bits, hex: a coordinator process's incarnation.
+std::string NewIncarnation() {
+  std::random_device rd;
+  std::string out;
+  for (int i = 0; i < 4; ++i) absl::StrAppend(&out, absl::Hex(rd(), absl::kZeroPad8));
+  return out;
+}
+
 }  // namespace
 
 CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs,
@@ -40,6 +50,7 @@ CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManag
       auth_(std::move(auth)),
       scheduler_(scheduler),
       uploads_(uploads),
+      incarnation_(NewIncarnation()),
       max_watches_(max_watches) {}
 
 template <typename Fn>
@@ -276,6 +287,7 @@ grpc::Status CoordinatorServiceImpl::ReportProgress(grpc::ServerContext* ctx, co
     if (scheduler_ == nullptr) return absl::FailedPreconditionError("this coordinator runs no jobs");
     ASSIGN_OR_RETURN(bool stop, scheduler_->Report(*req));
     resp->set_stop(stop);
+    resp->set_coordinator_incarnation(incarnation_);
     return absl::OkStatus();
   });
 }

@@ -76,6 +76,8 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   const TokenAuth auth_;
   Scheduler* const scheduler_;
   UploadStore* const uploads_;
+  // ReportProgressResponse.coordinator_incarnation: random per process.
+  const std::string incarnation_;
   const int max_watches_;
   std::atomic<int> watches_{0};  // WatchJob streams running
 };

@@ -67,8 +67,8 @@ bool ProgressReporter::Phase(v1::RankPhase phase, const std::string& message) co
   v1::ReportProgressRequest r;
   r.mutable_status()->set_phase(phase);
   r.mutable_status()->set_message(message);
-  absl::StatusOr<bool> stop = Send(std::move(r));
-  return stop.ok() && *stop;
+  absl::StatusOr<Answer> answer = Send(std::move(r));
+  return answer.ok() && answer->stop;
 }
 
 bool ProgressReporter::Step(const train::StepStats& st) const {
@@ -94,7 +94,7 @@ bool ProgressReporter::Flush(bool* down, bool wait) const {
       next = undelivered_.front();
     }
     const int64_t step = next.step().step();
-    absl::StatusOr<bool> sent = Send(next, wait);
+    absl::StatusOr<Answer> sent = Send(next, wait);
     if (!sent.ok() && sent.status().code() == absl::StatusCode::kUnavailable) {
       *down = true;  // kept for the next report
       absl::MutexLock lock(&mu_);
@@ -110,13 +110,26 @@ bool ProgressReporter::Flush(bool* down, bool wait) const {
     {
       absl::MutexLock lock(&mu_);
       if (!undelivered_.empty() && undelivered_.front().step().step() == step) undelivered_.pop_front();
+      if (sent.ok() && !sent->incarnation.empty()) {
+        if (!incarnation_.empty() && sent->incarnation != incarnation_) {
+          // Another coordinator process than the last answer's: the one
+          // before may have died before writing the steps it took last.
+          COLOD_LOG(INFO) << "job " << job_id_ << ": the coordinator restarted; sending its last " << recent_.size()
+                          << " steps again";
+          while (!recent_.empty()) {
+            undelivered_.push_front(std::move(recent_.back()));
+            recent_.pop_back();
+          }
+        }
+        incarnation_ = sent->incarnation;
+      }
       recent_.push_back(std::move(next));
       if (recent_.size() > kResent) recent_.pop_front();
       ++delivered_;
     }
     // Answered: recorded, or refused for good (a stale or unknown job, which
     // records a late step all the same; or an error, logged by Send).
-    stop = stop || (sent.ok() && *sent);
+    stop = stop || (sent.ok() && sent->stop);
   }
 }
 
@@ -148,7 +161,7 @@ void ProgressReporter::End(const absl::Status& status, const std::optional<v1::F
   (void)Send(std::move(r));
 }
 
-absl::StatusOr<bool> ProgressReporter::Send(v1::ReportProgressRequest req, bool wait) const {
+absl::StatusOr<ProgressReporter::Answer> ProgressReporter::Send(v1::ReportProgressRequest req, bool wait) const {
   req.set_job_id(job_id_);
   req.set_generation(generation_);
   req.set_rank(rank_);
@@ -163,11 +176,11 @@ absl::StatusOr<bool> ProgressReporter::Send(v1::ReportProgressRequest req, bool 
     ctx.set_wait_for_ready(wait);
     v1::ReportProgressResponse resp;
     const grpc::Status s = options_.coordinator->ReportProgress(&ctx, req, &resp);
-    if (s.ok()) return resp.stop();
+    if (s.ok()) return Answer{resp.stop(), resp.coordinator_incarnation()};
     // The job is gone or moved on: nothing to tell, and nothing to run for.
     if (s.error_code() == grpc::StatusCode::ABORTED || s.error_code() == grpc::StatusCode::NOT_FOUND ||
         s.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
-      return true;
+      return Answer{true, ""};
     }
     last = FromGrpcStatus(s);
     COLOD_LOG(WARNING) << "job " << job_id_ << ": progress report failed: " << last;

@@ -29,9 +29,11 @@ namespace colod {
 // kMaxUndelivered of them, and retried with backoff (kRetryFirst doubling
 // to kRetryMost); once one gets through they go first, in order, after
 // the last kResent delivered ones again (a coordinator that died may not
-// have written them): the coordinator records each step once, a late one
-// even after the job moved on to a new generation. End sends what is kept,
-// waiting for the channel, before the rank's result.
+// have written them; also when an answer's coordinator_incarnation shows a
+// coordinator restarted between two reports): the coordinator records each
+// step once, a late one even after the job moved on to a new generation.
+// End sends what is kept, waiting for the channel, before the rank's
+// result.
 //
 // Thread-safe: the undelivered steps are guarded by a mutex that is never
 // held across an RPC.
@@ -78,12 +80,16 @@ class ProgressReporter {
   int64_t delivered() const;
 
  private:
-  // OK with whether to stop; UNAVAILABLE when it was not delivered (the
+  // OK with whether to stop (and who answered); UNAVAILABLE when it was not delivered (the
   // coordinator unreachable or not answering in time), another error when
   // the coordinator refused it (not kept).
   // `wait`: each attempt waits for the channel to be ready (up to the RPC
   // timeout) instead of failing while it reconnects.
-  absl::StatusOr<bool> Send(v1::ReportProgressRequest report, bool wait = false) const;
+  struct Answer {
+    bool stop = false;
+    std::string incarnation;  // the coordinator's, empty from an older one
+  };
+  absl::StatusOr<Answer> Send(v1::ReportProgressRequest report, bool wait = false) const;
   // Sends the kept steps in order until one fails (`*down` set). Returns
   // whether one was answered "stop". One caller at a time: the sending
   // thread, or End once it has stopped it.
@@ -100,6 +106,7 @@ class ProgressReporter {
   mutable bool stop_ ABSL_GUARDED_BY(mu_) = false;     // an answer said stop
   mutable bool closing_ ABSL_GUARDED_BY(mu_) = false;  // SendLoop ends
   mutable int64_t delivered_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable std::string incarnation_ ABSL_GUARDED_BY(mu_);  // of the last answer to a step
   mutable absl::Mutex join_mu_;  // serializes StopSender's join
   mutable std::thread sender_ ABSL_GUARDED_BY(join_mu_);
 

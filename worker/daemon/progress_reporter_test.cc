@@ -27,6 +27,10 @@ class FakeReports final : public v1::CoordinatorService::Service {
     absl::MutexLock lock(&mu_);
     answer_ = a;
   }
+  void SetIncarnation(std::string incarnation) {
+    absl::MutexLock lock(&mu_);
+    incarnation_ = std::move(incarnation);
+  }
   std::vector<int64_t> Accepted() {
     absl::MutexLock lock(&mu_);
     return accepted_;
@@ -41,6 +45,7 @@ class FakeReports final : public v1::CoordinatorService::Service {
     if (answer_ == Answer::kRefuse) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "refused");
     accepted_.push_back(req->has_step() ? req->step().step() : -1);  // -1: the result
     resp->set_stop(answer_ == Answer::kStop);
+    resp->set_coordinator_incarnation(incarnation_);
     return grpc::Status::OK;
   }
 
@@ -48,6 +53,7 @@ class FakeReports final : public v1::CoordinatorService::Service {
   absl::Mutex mu_;
   Answer answer_ ABSL_GUARDED_BY(mu_) = Answer::kOk;
   std::vector<int64_t> accepted_ ABSL_GUARDED_BY(mu_);
+  std::string incarnation_ ABSL_GUARDED_BY(mu_) = "first";
 };
 
 class ProgressReporterTest : public ::testing::Test {
@@ -130,6 +136,21 @@ TEST_F(ProgressReporterTest, ACoordinatorThatAnswersNothingDoesNotHoldTheTrainin
   std::vector<int64_t> want;
   for (int64_t n = 1; n <= 20; ++n) want.push_back(n);
   EXPECT_EQ(service_.Accepted(), want);
+}
+
+// A coordinator restarted between two reports (no report failed) answers
+// with another incarnation: the steps delivered before are sent again.
+TEST_F(ProgressReporterTest, ACoordinatorRestartedBetweenReportsGetsTheLastStepsAgain) {
+  Step(1);
+  Step(2);
+  WaitDelivered(2);
+  service_.SetIncarnation("second");
+  Step(3);
+  WaitDelivered(5);
+  EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{1, 2, 3, 1, 2}));
+  Step(4);
+  WaitDelivered(6);
+  EXPECT_EQ(service_.Accepted().back(), 4) << "the same incarnation again: nothing resent";
 }
 
 // "Stop" in an answer reaches the steps after it.
