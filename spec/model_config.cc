@@ -376,9 +376,73 @@ std::string DescribeMemoryFloor(const RankMemoryFloor& floor) {
                       floor.rank_parameters, " on the fullest rank: ", parts, ")");
 }
 
-bool HasPipelineStages(const ModelConfig& config) {
-  return config.model_type == "gpt2" || config.model_type == "llama";
+namespace {
+
+// The built-in families' layouts (README's table of families).
+struct FamilyRow {
+  const char* model_type;
+  FamilyLayouts layouts;  // sequence_parallel, two_d, three_d, pipeline_stages
+};
+constexpr FamilyRow kFamilyRows[] = {
+    {"gpt2", {true, true, true, true}},    {"llama", {true, true, true, true}},
+    {"bert", {false, false, true, false}}, {"opt", {true, true, false, false}},
+    {"bloom", {true, true, true, false}},  {"vit", {false, false, false, false}},
+    {"t5", {false, false, false, false}},
+};
+
+// nullptr for a model_type that is not built in.
+const FamilyLayouts* FindLayouts(const std::string& model_type) {
+  for (const FamilyRow& r : kFamilyRows) {
+    if (model_type == r.model_type) return &r.layouts;
+  }
+  return nullptr;
 }
+
+// "gpt2 and llama": the built-in families with pipeline stages.
+std::string FamiliesWithStages() {
+  std::vector<std::string> names;
+  for (const FamilyRow& r : kFamilyRows) {
+    if (r.layouts.pipeline_stages) names.push_back(r.model_type);
+  }
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    absl::StrAppend(&out, i == 0 ? "" : i + 1 == names.size() ? " and " : ", ", names[i]);
+  }
+  return out;
+}
+
+}  // namespace
+
+FamilyLayouts LayoutsOf(const ModelConfig& config) {
+  const FamilyLayouts* f = FindLayouts(config.model_type);
+  return f != nullptr ? *f : FamilyLayouts();
+}
+
+absl::Status CheckFamilyTakes(const ModelConfig& config, const v1::ShardConfig& shard) {
+  if (FindLayouts(config.model_type) == nullptr) return absl::OkStatus();  // a registered policy decides
+  const FamilyLayouts f = LayoutsOf(config);
+  const v1::TensorParallelMode mode = shard.tensor_parallel_mode();
+  const bool blocks = mode == v1::TENSOR_PARALLEL_MODE_2D || mode == v1::TENSOR_PARALLEL_MODE_2P5D;
+  if ((blocks && !f.two_d) || (mode == v1::TENSOR_PARALLEL_MODE_3D && !f.three_d)) {
+    std::vector<std::string> modes = {"1d"};
+    if (f.two_d) modes.insert(modes.end(), {"2d", "2.5d"});
+    if (f.three_d) modes.push_back("3d");
+    std::string list = modes[0];
+    for (size_t i = 1; i < modes.size(); ++i) absl::StrAppend(&list, i + 1 == modes.size() ? " and " : ", ", modes[i]);
+    return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode ",
+                                                   list, modes.size() == 1 ? " only" : ""));
+  }
+  if (shard.sequence_parallel() && !f.sequence_parallel) {
+    return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type, " policy has no sequence_parallel"));
+  }
+  if (shard.pipeline_parallel_size() > 1 && !f.pipeline_stages) {
+    return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type, " policy has no pipeline stages (",
+                                                   FamiliesWithStages(), " have)"));
+  }
+  return absl::OkStatus();
+}
+
+bool HasPipelineStages(const ModelConfig& config) { return LayoutsOf(config).pipeline_stages; }
 
 absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard) {
   const int64_t pp = std::max(1, shard.pipeline_parallel_size());
@@ -389,8 +453,8 @@ absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& conf
         absl::StrCat("pipeline_parallel_size must be >= 0, got ", shard.pipeline_parallel_size()));
   }
   if (pp > 1 && !HasPipelineStages(config)) {
-    return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type,
-                                                   " policy has no pipeline stages (gpt2 and llama have)"));
+    return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type, " policy has no pipeline stages (",
+                                                   FamiliesWithStages(), " have)"));
   }
   if (pp > layers) {
     return absl::InvalidArgumentError(
@@ -422,6 +486,7 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
   const int64_t tp = shard.tensor_parallel_size();
   // (job_validation_fuzz: a spec not yet validated reaches here from the admission floor.)
   if (tp < 1) return absl::InvalidArgumentError(absl::StrCat("tensor_parallel_size must be >= 1, got ", tp));
+  RETURN_IF_ERROR(CheckFamilyTakes(config, shard));
   RETURN_IF_ERROR(PipelineStageLayers(config, shard).status());
   if (shard.pipeline_parallel_size() > 1 && shard.sequence_parallel()) {
     return absl::InvalidArgumentError("sequence_parallel does not combine with pipeline_parallel_size yet");
@@ -442,13 +507,6 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
     case v1::TENSOR_PARALLEL_MODE_2D:
     case v1::TENSOR_PARALLEL_MODE_2P5D:
     case v1::TENSOR_PARALLEL_MODE_3D: {
-      if (config.model_type == "bert" && shard.tensor_parallel_mode() != v1::TENSOR_PARALLEL_MODE_3D) {
-        return absl::InvalidArgumentError("the bert policy supports tensor_parallel_mode 1d and 3d");
-      }
-      if (config.model_type == "bloom" || config.model_type == "vit" || config.model_type == "t5") {
-        return absl::InvalidArgumentError(
-            absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d only"));
-      }
       v1::ShardConfig tp_only = shard;  // the data-parallel degree does not matter here
       tp_only.set_data_parallel_size(1);
       auto mesh = DeviceMesh::FromShardConfig(tp_only);

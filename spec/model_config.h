@@ -133,8 +133,25 @@ std::string GiB(int64_t bytes);
 // the family's policy does not support.
 absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& shard);
 
-// Whether the family of `config` splits into pipeline stages (gpt2 and
-// llama do).
+// The layouts a built-in family's policy takes (worker/shardformer/<family>.cc
+// builds them; README's table of families): the one declaration that
+// CheckShardable, the planner and the policies read.
+struct FamilyLayouts {
+  bool sequence_parallel = false;  // 1D with sequence parallelism
+  bool two_d = false;              // 2D and 2.5D
+  bool three_d = false;
+  bool pipeline_stages = false;
+};
+// The family of `config`'s; all false (1D only) for a model_type that is
+// not built in.
+FamilyLayouts LayoutsOf(const ModelConfig& config);
+// INVALID_ARGUMENT naming the family and what it takes when `shard` asks
+// for a mode, sequence parallelism or pipeline stages its policy lacks. OK
+// for a model_type that is not built in: its registered policy decides.
+absl::Status CheckFamilyTakes(const ModelConfig& config, const v1::ShardConfig& shard);
+
+// Whether the family of `config` splits into pipeline stages
+// (LayoutsOf(config).pipeline_stages).
 bool HasPipelineStages(const ModelConfig& config);
 
 // The layers of each pipeline stage (pipeline_parallel_size of them; one

@@ -642,21 +642,12 @@ struct StageContext {
   PlanDevice device = PlanDevice::kCpu;
 };
 
-// The layout's checks the planner makes beyond CheckShardable: the modes and
-// sequence parallelism each family's policy has.
-absl::Status CheckPlannable(const ModelConfig& config, const v1::ShardConfig& layout, const Split& split) {
-  const v1::TensorParallelMode mode = layout.tensor_parallel_mode();
+// The layout's checks the planner makes beyond CheckShardable (which
+// refuses what the family's policy does not take).
+absl::Status CheckPlannable(const ModelConfig&, const v1::ShardConfig& layout, const Split& split) {
   const bool sp = layout.sequence_parallel();
-  if (mode == v1::TENSOR_PARALLEL_MODE_3D && config.model_type != "gpt2" && config.model_type != "llama" &&
-      config.model_type != "bert") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the ", config.model_type, " policy supports tensor_parallel_mode 1d, 2d and 2.5d"));
-  }
-  // (CheckShardable refused the families that have 1D only.)
   if (split.blocks() && sp) {
     return absl::InvalidArgumentError("sequence_parallel applies to tensor_parallel_mode 1d only");
-  } else if (sp && config.model_type == "t5") {
-    return absl::InvalidArgumentError("the t5 policy has no sequence_parallel");
   }
   return absl::OkStatus();
 }
@@ -1304,9 +1295,10 @@ absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::Jo
   // Pipeline stages where the spec trains a family that has them (one
   // refusal says why not otherwise, rather than one per layout).
   bool stages = spec.kind() == v1::JOB_KIND_TRAIN;
-  if (stages && world > 1 && !HasPipelineStages(config)) {
-    search.refused.push_back(
-        absl::StrCat("pp > 1: the ", config.model_type, " policy has no pipeline stages (gpt2 and llama have)"));
+  v1::ShardConfig two_stages;
+  two_stages.set_pipeline_parallel_size(2);
+  if (absl::Status takes = CheckFamilyTakes(config, two_stages); stages && world > 1 && !takes.ok()) {
+    search.refused.push_back(absl::StrCat("pp > 1: ", takes.message()));
     stages = false;
   }
   std::vector<v1::ShardConfig> candidates;

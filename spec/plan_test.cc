@@ -116,6 +116,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"opt_tp2", testing::WriteTinyOpt, OptProjected(), 2, 1, k1D, 0, false},
                       Case{"opt_2d", testing::WriteTinyOpt, OptProjected(), 4, 1, k2D, 0, false},
                       Case{"bloom_tp2", testing::WriteTinyBloom, Untied(), 2, 1, k1D, 0, false},
+                      Case{"bloom_2p5d", testing::WriteTinyBloom, {}, 8, 1, k2P5D, 2, false},
+                      Case{"bloom_3d", testing::WriteTinyBloom, Untied(), 8, 1, k3D, 0, false},
                       Case{"vit_tp2", testing::WriteTinyVit, {}, 2, 1, k1D, 0, false},
                       Case{"t5_tp2", testing::WriteTinyT5, testing::TinyFlanT5(), 2, 1, k1D, 0, false}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
@@ -580,9 +582,19 @@ TEST(Plan, RefusesWhatThePoliciesRefuse) {
   EXPECT_EQ(heads.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(heads.status().message().find("heads"), std::string::npos) << heads.status();
   EXPECT_EQ(PlanJob(bert->config, Train(4, 1, k2D)).status().code(), absl::StatusCode::kInvalidArgument);
-  auto bloom = testing::WriteTinyBloom(TempPath("plan_refuse_bloom"), o);
-  ASSERT_TRUE(bloom.ok()) << bloom.status();
-  EXPECT_EQ(PlanJob(bloom->config, Train(8, 1, k3D)).status().code(), absl::StatusCode::kInvalidArgument);
+  auto opt = testing::WriteTinyOpt(TempPath("plan_refuse_opt"), o);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  auto opt_3d = PlanJob(opt->config, Train(8, 1, k3D));
+  EXPECT_EQ(opt_3d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(opt_3d.status().message().find("the opt policy supports tensor_parallel_mode 1d, 2d and 2.5d"),
+            std::string::npos)
+      << opt_3d.status();
+  v1::JobSpec stages = Train(1, 1);
+  stages.mutable_shard()->set_pipeline_parallel_size(2);
+  auto opt_pp = PlanJob(opt->config, stages);
+  EXPECT_NE(opt_pp.status().message().find("the opt policy has no pipeline stages (gpt2 and llama have)"),
+            std::string::npos)
+      << opt_pp.status();
   v1::JobSpec sp_3d = Train(8, 1, k3D);
   sp_3d.mutable_shard()->set_sequence_parallel(true);
   EXPECT_EQ(PlanJob(gpt2->config, sp_3d).status().code(), absl::StatusCode::kInvalidArgument);

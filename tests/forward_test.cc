@@ -150,12 +150,13 @@ TEST_F(Forward, BloomMatchesItsUnshardedReference) {
   auto logits = ReadNpy(TempPath("bloom_logits.npy"));
   ASSERT_TRUE(logits.ok()) << logits.status();
   ::colod::testing::ExpectAllClose(*logits, ref->logits, "BLOOM logits", 2e-4);
-  // 2D is refused before any rank starts, naming the family.
-  const auto two_d = Coloctl({"forward", "--model", bloom->dir, "--input", TempPath("ids.npy"), "--tp", "4",
-                              "--mode", "2d"});
-  EXPECT_NE(two_d.code, 0);
-  EXPECT_NE(two_d.err.find("the bloom policy supports tensor_parallel_mode 1d only"), std::string::npos)
-      << two_d.err;
+  // 2D: each rank's heads (over tp_row) keep their slopes.
+  const auto two_d = Coloctl({"forward", "--model", bloom->dir, "--input", TempPath("ids.npy"), "--logits",
+                              TempPath("bloom_2d_logits.npy"), "--output", "json", "--tp", "4", "--mode", "2d"});
+  ASSERT_EQ(two_d.code, 0) << two_d.err;
+  auto logits_2d = ReadNpy(TempPath("bloom_2d_logits.npy"));
+  ASSERT_TRUE(logits_2d.ok()) << logits_2d.status();
+  ::colod::testing::ExpectAllClose(*logits_2d, ref->logits, "BLOOM 2d logits", 2e-4);
 }
 
 // A ViT directory: pixel values and labels in, logits [batch, num_labels]

@@ -243,7 +243,8 @@ TEST(Train, ThreeDimensionalAndPipelineLayoutsTrainAlike) {
 }
 
 // BLOOM trains with the same losses at tp = 2 x dp = 2 with sequence
-// parallelism as unsharded, and its loss falls.
+// parallelism, in 2D (tp = 4) and in 3D (tp = 8) as unsharded, and its loss
+// falls.
 TEST(Train, BloomTrainsAlikeUnshardedAndSharded) {
   shardformer::testing::TinyOptions o;
   o.vocab = 257;
@@ -254,7 +255,10 @@ TEST(Train, BloomTrainsAlikeUnshardedAndSharded) {
   const std::vector<std::string> common = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
                                            "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
                                            "--optimizer", "adamw", "--seed", "7", "--output", "json"};
-  ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"}, {"--tp", "2", "--dp", "2", "--sequence-parallel"}});
+  ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"},
+                                         {"--tp", "2", "--dp", "2", "--sequence-parallel"},
+                                         {"--tp", "4", "--mode", "2d"},
+                                         {"--tp", "8", "--mode", "3d"}});
 }
 
 // A ViT directory trains on images and labels from .npy files, as jobs on

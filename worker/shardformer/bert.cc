@@ -137,10 +137,7 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
 class BertPolicy : public Policy {
  public:
   absl::Status Preprocess(const ModelConfig& config, ShardConfig& shard) override {
-    RETURN_IF_ERROR(CheckShardable(config, shard.layout));  // 1d and 3d
-    if (shard.sequence_parallel()) {
-      return absl::InvalidArgumentError("the bert policy does not support sequence_parallel");
-    }
+    RETURN_IF_ERROR(CheckShardable(config, shard.layout));  // the modes spec's LayoutsOf gives bert
     if (shard.layout.gather_output()) {
       return absl::InvalidArgumentError("the bert policy keeps the logits vocab-parallel; unset gather_output");
     }

@@ -18,14 +18,21 @@
 namespace colod::shardformer {
 namespace {
 
-// The slopes of this rank's heads: the heads of a tensor-parallel group are
-// split in rank order, so tp rank r holds heads [r * heads, (r + 1) * heads).
-absl::StatusOr<std::vector<float>> LocalSlopes(const ColoTensor& x, int64_t heads, int64_t total) {
+// The slopes of this rank's heads: those of the heads its block of the
+// fused projection's output holds (per head, q|k|v of head_dim each), in
+// every mode: 1D splits the heads over tp, 2D/2.5D over tp_row, 3D over the
+// layer's column axis.
+absl::StatusOr<std::vector<float>> LocalSlopes(const ColoTensor& qkv, int64_t heads, int64_t total,
+                                               int64_t head_dim) {
   const std::vector<float> all = nn::AlibiSlopes(total);
   int64_t first = 0;
   if (heads != total) {
-    ASSIGN_OR_RETURN(int rank, x.process_group()->tp_local_rank());
-    first = static_cast<int64_t>(rank) * heads;
+    ASSIGN_OR_RETURN(Block block, LocalBlock(qkv.spec(), qkv.global_shape(), qkv.process_group()));
+    if (block.starts.empty() || block.starts.back() % (3 * head_dim) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("query_key_value's block does not start at a head (",
+                                                     qkv.spec().ToString(), ")"));
+    }
+    first = block.starts.back() / (3 * head_dim);
   }
   if (heads < 1 || first + heads > total) {
     return absl::InvalidArgumentError(
@@ -52,7 +59,7 @@ absl::StatusOr<ColoTensor> AttentionForward(Module& self, const ColoTensor& x) {
   for (int i = 0; i < 3; ++i) {
     ASSIGN_OR_RETURN(parts[i], nn::Select(split, 3, i));
   }
-  ASSIGN_OR_RETURN(std::vector<float> slopes, LocalSlopes(x, heads, total));
+  ASSIGN_OR_RETURN(std::vector<float> slopes, LocalSlopes(qkv, heads, total, head_dim));
   ASSIGN_OR_RETURN(Variable att, nn::AlibiAttention(parts[0], parts[1], parts[2],
                                                     1.0f / std::sqrt(static_cast<float>(head_dim)), slopes));
   ASSIGN_OR_RETURN(att, nn::Reshape(att, {b, s, heads * head_dim}));
@@ -128,8 +135,6 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) { return Bui
 // table, each rank's share of the heads here (their ALiBi slopes stay whole).
 class BloomPolicy : public CausalLmPolicy {
  public:
-  BloomPolicy() : CausalLmPolicy("bloom") {}
-
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
     ASSIGN_OR_RETURN(auto policy, TablePolicy(Bloom(), config, shard));

@@ -22,6 +22,11 @@ using ::colod::testing::TempPath;
 
 constexpr double kTol = 2e-4;
 
+constexpr auto k1D = v1::TENSOR_PARALLEL_MODE_1D;
+constexpr auto k2D = v1::TENSOR_PARALLEL_MODE_2D;
+constexpr auto k2P5D = v1::TENSOR_PARALLEL_MODE_2P5D;
+constexpr auto k3D = v1::TENSOR_PARALLEL_MODE_3D;
+
 struct Case {
   std::string name;
   int tp, dp;
@@ -29,15 +34,18 @@ struct Case {
   int64_t heads;  // hidden 64 or (12 heads) 96
   bool residual_post_norm;
   bool tie;
+  v1::TensorParallelMode mode = k1D;
+  int depth = 1;
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
-ShardConfig Layout(int tp, int dp, bool sp) {
+ShardConfig Layout(int tp, int dp, bool sp, v1::TensorParallelMode mode = k1D, int depth = 1) {
   ShardConfig shard;
   shard.layout.set_tensor_parallel_size(tp);
   shard.layout.set_data_parallel_size(dp);
-  shard.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_1D);
+  shard.layout.set_tensor_parallel_mode(mode);
   shard.layout.set_sequence_parallel(sp);
+  if (depth > 1) shard.layout.set_depth(depth);
   return shard;
 }
 
@@ -59,7 +67,7 @@ TEST_P(BloomSharded, LogitsLossAndEveryGradientMatchTheUnshardedModel) {
   const Tensor ids = testing::TokenIds(4, 8, model->config.vocab_size, 19);
   auto ref = testing::ReferenceBloom(*model, ids);
   ASSERT_TRUE(ref.ok()) << ref.status();
-  testing::ExpectShardedMatchesReference(*model, *ref, Layout(c.tp, c.dp, c.sp), ids, kTol);
+  testing::ExpectShardedMatchesReference(*model, *ref, Layout(c.tp, c.dp, c.sp, c.mode, c.depth), ids, kTol);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, BloomSharded,
@@ -71,7 +79,13 @@ INSTANTIATE_TEST_SUITE_P(Layouts, BloomSharded,
                                            Case{"tp2_sp", 2, 1, true, 4, false, true},
                                            Case{"tp4_sp_post_norm", 4, 1, true, 4, true, true},
                                            Case{"tp2_dp2", 2, 2, false, 6, false, true},
-                                           Case{"tp2_post_norm", 2, 1, false, 4, true, true}),
+                                           Case{"tp2_post_norm", 2, 1, false, 4, true, true},
+                                           // 2D / 2.5D: heads over tp_row; 3D: over each layer's column axis.
+                                           Case{"2d", 4, 1, false, 4, false, true, k2D},
+                                           Case{"2d_post_norm_untied", 4, 1, false, 6, true, false, k2D},
+                                           Case{"2p5d", 8, 1, false, 4, false, true, k2P5D, 2},
+                                           Case{"3d", 8, 1, false, 4, false, true, k3D},
+                                           Case{"3d_untied_12_heads", 8, 1, false, 12, true, false, k3D}),
                          [](const auto& info) { return info.param.name; });
 
 TEST(Bloom, TheBareModelsNamesLoadTheSame) {

@@ -96,8 +96,6 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
 // table, each rank's share of the heads here.
 class Gpt2Policy : public CausalLmPolicy {
  public:
-  Gpt2Policy() : CausalLmPolicy("gpt2", /*supports_3d=*/true) {}
-
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
     ASSIGN_OR_RETURN(auto policy, TablePolicy(Gpt2(), config, shard));

@@ -98,8 +98,6 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
 // share of the query and key/value heads here.
 class LlamaPolicy : public CausalLmPolicy {
  public:
-  LlamaPolicy() : CausalLmPolicy("llama", /*supports_3d=*/true) {}
-
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
     ASSIGN_OR_RETURN(auto policy, TablePolicy(Llama(), config, shard));

@@ -153,8 +153,6 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
 // here.
 class OptPolicy : public CausalLmPolicy {
  public:
-  OptPolicy() : CausalLmPolicy("opt") {}
-
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
                                                                               const ShardConfig& shard) override {
     ASSIGN_OR_RETURN(auto policy, TablePolicy(Opt(), config, shard));

@@ -33,10 +33,6 @@ absl::Status TieLmHeads(Module& model) {
 
 absl::Status CausalLmPolicy::Preprocess(const ModelConfig& config, ShardConfig& shard) {
   RETURN_IF_ERROR(CheckShardable(config, shard.layout));
-  if (shard.is_3d() && !supports_3d_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the ", family_, " policy supports tensor_parallel_mode 1d, 2d and 2.5d"));
-  }
   if (shard.sequence_parallel() && (shard.is_2d() || shard.is_3d())) {
     return absl::InvalidArgumentError("sequence_parallel applies to tensor_parallel_mode 1d only");
   }

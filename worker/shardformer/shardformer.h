@@ -70,19 +70,13 @@ class Policy {
 };
 
 // The common part of the causal-LM policies (GPT-2, LLaMA, OPT, BLOOM):
-// preprocess accepts 1d (with or without sequence parallelism), 2d, 2.5d
-// and, for a family that has its 3D layers, 3d, and checks the model's sizes
-// against the layout; postprocess ties LM heads.
+// preprocess accepts the modes the family takes (spec's LayoutsOf, checked
+// by CheckShardable with the model's sizes against the layout); postprocess
+// ties LM heads.
 class CausalLmPolicy : public Policy {
  public:
-  explicit CausalLmPolicy(std::string family, bool supports_3d = false)
-      : family_(std::move(family)), supports_3d_(supports_3d) {}
   absl::Status Preprocess(const ModelConfig& config, ShardConfig& shard) override;
   absl::Status Postprocess(Module& model, const ModelConfig& config, const ShardConfig& shard) override;
-
- private:
-  std::string family_;
-  bool supports_3d_;
 };
 
 // Makes every leaf whose declaration says it is tied to an embedding

@@ -207,7 +207,7 @@ TEST(TableFamily, OptsPolicyIsShardFormersWithAndWithoutProjections) {
   }
 }
 
-TEST(TableFamily, BloomsPolicyIsShardFormersAndLeavesTheEmbeddingNormWhole) {
+TEST(TableFamily, BloomsPolicyIsShardFormersInEveryModeAndLeavesTheEmbeddingNormWholeIn1D) {
   const ModelConfig c = Config(
       R"({"model_type":"bloom","vocab_size":512,"hidden_size":64,"n_layer":2,"n_head":8,"tie_word_embeddings":false})");
   const std::set<std::string> layer_1d = {"self_attention.query_key_value->Linear1D_Col",
@@ -224,6 +224,23 @@ TEST(TableFamily, BloomsPolicyIsShardFormersAndLeavesTheEmbeddingNormWhole) {
        {{"BloomForCausalLM", {"lm_head->VocabParallelLMHead1D"}},
         {"BloomModel", {"word_embeddings->VocabParallelEmbedding1D", "ln_f->Norm1D"}},
         {"BloomBlock", layer_sp}}},
+      // In 2D and 3D the embeddings' LayerNorm is the stream's, as every norm.
+      {"2d", Layout(v1::TENSOR_PARALLEL_MODE_2D, 4),
+       {{"BloomForCausalLM", {"lm_head->LMHead2D"}},
+        {"BloomModel",
+         {"word_embeddings->Embedding2D", "word_embeddings_layernorm->LayerNorm2D", "ln_f->LayerNorm2D"}},
+        {"BloomBlock",
+         {"input_layernorm->LayerNorm2D", "self_attention.query_key_value->Linear2D",
+          "self_attention.dense->Linear2D", "post_attention_layernorm->LayerNorm2D", "mlp.dense_h_to_4h->Linear2D",
+          "mlp.dense_4h_to_h->Linear2D"}}}},
+      {"3d", Layout(v1::TENSOR_PARALLEL_MODE_3D, 8),
+       {{"BloomForCausalLM", {"lm_head->LMHead3D"}},
+        {"BloomModel",
+         {"word_embeddings->Embedding3D", "word_embeddings_layernorm->LayerNorm3D", "ln_f->LayerNorm3D"}},
+        {"BloomBlock",
+         {"input_layernorm->LayerNorm3D", "self_attention.query_key_value->Linear3D",
+          "self_attention.dense->Linear3D[swap=1]", "post_attention_layernorm->LayerNorm3D",
+          "mlp.dense_h_to_4h->Linear3D", "mlp.dense_4h_to_h->Linear3D[swap=1]"}}}},
   };
   ExpectPolicies("bloom", c, cases, "BloomBlock", {{"self_attention.num_heads", 8}}, "BloomModel");
 }

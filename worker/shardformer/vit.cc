@@ -132,8 +132,7 @@ absl::StatusOr<std::unique_ptr<Module>> Build(const ModelConfig& c) {
 class VitPolicy : public Policy {
  public:
   absl::Status Preprocess(const ModelConfig& config, ShardConfig& shard) override {
-    RETURN_IF_ERROR(CheckShardable(config, shard.layout));
-    if (shard.sequence_parallel()) return absl::InvalidArgumentError("the vit policy has no sequence_parallel");
+    RETURN_IF_ERROR(CheckShardable(config, shard.layout));  // the modes spec's LayoutsOf gives vit
     return absl::OkStatus();
   }
   absl::StatusOr<std::map<std::string, ModulePolicyDescription>> ModulePolicy(const ModelConfig& config,
