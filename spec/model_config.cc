@@ -385,7 +385,7 @@ struct FamilyRow {
 };
 constexpr FamilyRow kFamilyRows[] = {
     {"gpt2", {true, true, true, true}},    {"llama", {true, true, true, true}},
-    {"bert", {false, false, true, false}}, {"opt", {true, true, false, false}},
+    {"bert", {false, true, true, false}}, {"opt", {true, true, false, false}},
     {"bloom", {true, true, true, false}},  {"vit", {false, false, false, false}},
     {"t5", {false, false, false, false}},
 };

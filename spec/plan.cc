@@ -1054,6 +1054,9 @@ void PlanComm2D(const StageContext& c, CommSum& comm) {
         comm.Add("tp_row", "all_reduce", {micro}, {r, l.out}, act, q);
         replicas({micro}, {l.out, CeilDiv(l.in, q)});
         break;
+      case Role::kVocabBias:
+        replicas({micro}, {l.out});  // replicated, its rows' terms summed (Bias2D)
+        break;
       default:
         break;
     }

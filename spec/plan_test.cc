@@ -113,6 +113,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"llama_3d_dp2", testing::WriteTinyLlama, Untied(), 8, 2, k3D, 0, false},
                       Case{"bert_tp2", testing::WriteTinyBert, {}, 2, 1, k1D, 0, false},
                       Case{"bert_3d", testing::WriteTinyBert, {}, 8, 1, k3D, 0, false},
+                      Case{"bert_2d", testing::WriteTinyBert, {}, 4, 1, k2D, 0, false},
                       Case{"opt_tp2", testing::WriteTinyOpt, OptProjected(), 2, 1, k1D, 0, false},
                       Case{"opt_2d", testing::WriteTinyOpt, OptProjected(), 4, 1, k2D, 0, false},
                       Case{"bloom_tp2", testing::WriteTinyBloom, Untied(), 2, 1, k1D, 0, false},
@@ -581,7 +582,11 @@ TEST(Plan, RefusesWhatThePoliciesRefuse) {
   auto heads = PlanJob(gpt2->config, Train(8, 1));  // 4 heads
   EXPECT_EQ(heads.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(heads.status().message().find("heads"), std::string::npos) << heads.status();
-  EXPECT_EQ(PlanJob(bert->config, Train(4, 1, k2D)).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::JobSpec bert_sp = Train(2, 1);
+  bert_sp.mutable_shard()->set_sequence_parallel(true);
+  auto bert_refused = PlanJob(bert->config, bert_sp);
+  EXPECT_NE(bert_refused.status().message().find("the bert policy has no sequence_parallel"), std::string::npos)
+      << bert_refused.status();
   auto opt = testing::WriteTinyOpt(TempPath("plan_refuse_opt"), o);
   ASSERT_TRUE(opt.ok()) << opt.status();
   auto opt_3d = PlanJob(opt->config, Train(8, 1, k3D));

@@ -109,17 +109,18 @@ TEST_F(Forward, OptMatchesItsUnshardedReference) {
   }
 }
 
-// BERT (bidirectional, post-norm, the MLM head tied to the word table) at
-// 3D on 8 workers (q = 2): its logits are the unsharded reference's, and its
-// loss is the 1D run's.
-TEST_F(Forward, BertIn3dMatchesItsUnshardedReference) {
+// BERT (bidirectional, post-norm, the MLM head tied to the word table) in
+// 2D on 4 workers and 3D on 8 (q = 2): its logits are the unsharded
+// reference's, and its loss is the 1D run's.
+TEST_F(Forward, BertIn2dAnd3dMatchesItsUnshardedReference) {
   auto bert = shardformer::testing::WriteTinyBert(TempPath("bert"));
   ASSERT_TRUE(bert.ok()) << bert.status();
   auto ref = shardformer::testing::ReferenceBert(*bert, ids_, shardformer::testing::MaskedLabels(ids_));
   ASSERT_TRUE(ref.ok()) << ref.status();
   std::vector<double> losses;
   for (const std::vector<std::string>& layout :
-       std::vector<std::vector<std::string>>{{"--tp", "2", "--mode", "1d"}, {"--tp", "8", "--mode", "3d"}}) {
+       std::vector<std::vector<std::string>>{
+           {"--tp", "2", "--mode", "1d"}, {"--tp", "4", "--mode", "2d"}, {"--tp", "8", "--mode", "3d"}}) {
     const std::string what = absl::StrJoin(layout, " ");
     ForwardRun run;
     ASSERT_NO_FATAL_FAILURE(ForwardAt(bert->dir, layout, "bert_logits.npy", &run));
@@ -127,6 +128,7 @@ TEST_F(Forward, BertIn3dMatchesItsUnshardedReference) {
     ::colod::testing::ExpectAllClose(run.logits, ref->logits, "BERT logits " + what, 2e-4);
   }
   EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
+  EXPECT_NEAR(losses[2], losses[0], 1e-5 * losses[0]);
 }
 
 // BLOOM (6 heads: ALiBi's second series of slopes, 3 heads a rank) through

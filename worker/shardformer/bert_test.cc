@@ -37,8 +37,23 @@ TEST(Bert, LogitsMaskedLmLossAndEveryGradientMatchTheUnshardedModel) {
   // vocabulary bias's gradient is summed over the row blocks.
   ShardConfig three_d = Layout(8, 1);
   three_d.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_3D);
-  SCOPED_TRACE("3d tp 8");
-  testing::ExpectShardedMatchesReference(*model, *ref, three_d, ids, 2e-4);
+  {
+    SCOPED_TRACE("3d tp 8");
+    testing::ExpectShardedMatchesReference(*model, *ref, three_d, ids, 2e-4);
+  }
+  // 2D (q = 2) and 2.5D (q = 2, depth 2): the logits' rows split over
+  // tp_col (and tp_dep), the vocabulary bias's gradient summed over them.
+  ShardConfig two_d = Layout(4, 1);
+  two_d.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+  {
+    SCOPED_TRACE("2d tp 4");
+    testing::ExpectShardedMatchesReference(*model, *ref, two_d, ids, 2e-4);
+  }
+  ShardConfig two_half_d = Layout(8, 1);
+  two_half_d.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2P5D);
+  two_half_d.layout.set_depth(2);
+  SCOPED_TRACE("2.5d tp 8 depth 2");
+  testing::ExpectShardedMatchesReference(*model, *ref, two_half_d, ids, 2e-4);
 }
 
 TEST(Bert, TheBareModelsNamesLoadTheSame) {
@@ -52,16 +67,14 @@ TEST(Bert, TheBareModelsNamesLoadTheSame) {
   testing::ExpectShardedMatchesReference(*model, *ref, Layout(2, 1), ids, 2e-4, "bert.");
 }
 
-// 2D and sequence parallelism are refused (1d and 3d only), and so is a 3D
-// batch that does not split q*q ways.
-TEST(Bert, TwoDimensionalAndSequenceParallelismAreRefused) {
+// Sequence parallelism is refused, and so is a 3D batch that does not
+// split q*q ways.
+TEST(Bert, SequenceParallelismIsRefused) {
   auto model = testing::WriteTinyBert(TempPath("bert_modes"));
   ASSERT_TRUE(model.ok()) << model.status();
-  ShardConfig two_d = Layout(4, 1);
-  two_d.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
   ShardConfig sp = Layout(2, 1);
   sp.layout.set_sequence_parallel(true);
-  for (const ShardConfig& shard : {two_d, sp}) {
+  for (const ShardConfig& shard : {sp}) {
     ::colod::testing::RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
       auto m = ShardFormer(shard, &pg).Load(model->dir);
       EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();

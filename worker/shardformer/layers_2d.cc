@@ -112,6 +112,42 @@ class Norm2DLayer : public Layer {
   nn::Groups2D groups_;
 };
 
+// The vocabulary bias after a 2D / 2.5D head (BERT's cls.predictions.bias):
+// the logits' rows are split over tp_col (and tp_dep) and their vocabulary
+// is whole, replicated over tp_row (nn::Embedding2D::TiedLogits), so the
+// bias [V] is replicated on every rank and its gradient, one term per row
+// block, is summed over tp_col and tp_dep (not over tp_row, whose ranks
+// hold the same rows).
+class Bias2DLayer : public Layer {
+ public:
+  Bias2DLayer(BoundParam b, ProcessGroup* pg, nn::Groups2D g) : b_(std::move(b)), pg_(pg), g_(g) {}
+  static absl::StatusOr<LayerPtr> Create(const LayerDecl& d, const LayerContext& c) {
+    RETURN_IF_ERROR(Expect(d.kind == Kind::kBias, d, "Bias2D"));
+    ASSIGN_OR_RETURN(nn::Groups2D g, nn::GetGroups2D(c.pg));
+    const ComputeSpec compute{g.depth > 1 ? ComputePattern::kTP2P5D : ComputePattern::kTP2D};
+    ASSIGN_OR_RETURN(BoundParam b, Load(c, "bias", WeightTensor(d), {d.out}, DistSpec(), compute));
+    return LayerPtr(new Bias2DLayer(std::move(b), c.pg, g));
+  }
+  std::string type() const override { return "Bias2D"; }
+  absl::StatusOr<ColoTensor> Forward(const ColoTensor& x) override {
+    ASSIGN_OR_RETURN(DistSpec want, InputSpec(static_cast<int64_t>(x.global_shape().size())));
+    RETURN_IF_ERROR(CheckSpec(x, want, "Bias2D input"));
+    ASSIGN_OR_RETURN(Variable b, nn::SumGradOverReplicas(b_.param.variable(), g_, pg_->timeout()));
+    ASSIGN_OR_RETURN(Variable y, nn::BiasAdd(x.variable(), b));
+    return ColoTensor::FromLocal(y, x.spec(), pg_);
+  }
+  // The logits' spec: rows as every 2D activation's, the vocabulary whole.
+  absl::StatusOr<DistSpec> InputSpec(int64_t ndim) const override {
+    return nn::Activation2D(ndim, g_.q, g_.depth).Set("tp_row", Placement::Replicate());
+  }
+  std::vector<BoundParam> Params() override { return {b_}; }
+
+ private:
+  BoundParam b_;
+  ProcessGroup* pg_;
+  nn::Groups2D g_;
+};
+
 }  // namespace
 
 void Register2DLayers(LayerRegistry& r) {
@@ -122,6 +158,7 @@ void Register2DLayers(LayerRegistry& r) {
   (void)r.Register("RMSNorm2D", [](const LayerDecl& d, const LayerContext& c) {
     return Norm2DLayer::Create(d, c, nn::Norm2D::Kind::kRmsNorm);
   });
+  (void)r.Register("Bias2D", Bias2DLayer::Create);
   (void)r.Register("Embedding2D", [](const LayerDecl& d, const LayerContext& c) {
     return TableLayer<nn::Embedding2D>::Create(d, c, false, "2D");
   });

@@ -169,10 +169,7 @@ absl::StatusOr<SubModuleReplacementDescription> Replacement(const PlanLeaf& leaf
       r.target_module = mode.empty() ? "VocabParallelLMHead1D" : "LMHead" + mode;
       break;
     case LeafRole::kVocabBias:
-      if (shard.is_2d()) {
-        return absl::InternalError(absl::StrCat("layer table entry '", leaf.name, "': no 2D vocabulary bias layer"));
-      }
-      r.target_module = mode.empty() ? "VocabParallelBias1D" : "Bias3D";
+      r.target_module = mode.empty() ? "VocabParallelBias1D" : "Bias" + mode;
       break;
   }
   return r;

@@ -245,7 +245,7 @@ TEST(TableFamily, BloomsPolicyIsShardFormersInEveryModeAndLeavesTheEmbeddingNorm
   ExpectPolicies("bloom", c, cases, "BloomBlock", {{"self_attention.num_heads", 8}}, "BloomModel");
 }
 
-TEST(TableFamily, BertsPolicyIsShardFormersIn1DAnd3D) {
+TEST(TableFamily, BertsPolicyIsShardFormersIn1D2DAnd3D) {
   const ModelConfig c = Config(R"({"model_type":"bert","vocab_size":512,"hidden_size":64,"num_hidden_layers":2,)"
                                R"("num_attention_heads":8,"intermediate_size":128,"max_position_embeddings":64})");
   const std::vector<PolicyCase> cases = {
@@ -269,6 +269,16 @@ TEST(TableFamily, BertsPolicyIsShardFormersIn1DAnd3D) {
           "intermediate.dense->Linear3D", "output.dense->Linear3D[swap=1]", "output.LayerNorm->LayerNorm3D"}},
         {"BertPredictionHeadTransform", {"dense->Linear3D", "LayerNorm->LayerNorm3D"}},
         {"BertLMPredictionHead", {"bias->Bias3D"}}}},
+      {"2d", Layout(v1::TENSOR_PARALLEL_MODE_2D, 4),
+       {{"BertEmbeddings",
+         {"word_embeddings->Embedding2D", "position_embeddings->Embedding2D", "token_type_embeddings->Embedding2D",
+          "LayerNorm->LayerNorm2D"}},
+        {"BertLayer",
+         {"attention.self.query->Linear2D", "attention.self.key->Linear2D", "attention.self.value->Linear2D",
+          "attention.output.dense->Linear2D", "attention.output.LayerNorm->LayerNorm2D", "intermediate.dense->Linear2D",
+          "output.dense->Linear2D", "output.LayerNorm->LayerNorm2D"}},
+        {"BertPredictionHeadTransform", {"dense->Linear2D", "LayerNorm->LayerNorm2D"}},
+        {"BertLMPredictionHead", {"bias->Bias2D"}}}},
   };
   ExpectPolicies("bert", c, cases, "BertLayer", {{"attention.self.num_attention_heads", 8}});
 }
