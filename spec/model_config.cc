@@ -378,24 +378,36 @@ std::string DescribeMemoryFloor(const RankMemoryFloor& floor) {
 
 namespace {
 
-// The built-in families' layouts (README's table of families).
+// The built-in families' layouts (README's table of families), and why a
+// layout cannot exist where that is the reason for a refusal.
 struct FamilyRow {
   const char* model_type;
   FamilyLayouts layouts;  // sequence_parallel, two_d, three_d, pipeline_stages
+  const char* no_sequence_parallel = nullptr;
 };
 constexpr FamilyRow kFamilyRows[] = {
-    {"gpt2", {true, true, true, true}},    {"llama", {true, true, true, true}},
-    {"bert", {false, true, true, false}}, {"opt", {true, true, false, false}},
-    {"bloom", {true, true, true, false}},  {"vit", {false, false, false, false}},
+    {"gpt2", {true, true, true, true}},
+    {"llama", {true, true, true, true}},
+    {"bert", {false, true, true, false}},
+    {"opt", {true, true, false, false}},
+    {"bloom", {true, true, true, false}},
+    {"vit",
+     {false, true, true, false},
+     "its sequence, n^2 patches and the CLS token, never splits evenly 4 ways (n^2 + 1 is 1 or 2 modulo 4) and "
+     "2 ways only for an odd n (not ViT-B/16's 14 x 14 patches), and sequence parallelism splits it evenly"},
     {"t5", {false, false, false, false}},
 };
 
 // nullptr for a model_type that is not built in.
-const FamilyLayouts* FindLayouts(const std::string& model_type) {
+const FamilyRow* FindRow(const std::string& model_type) {
   for (const FamilyRow& r : kFamilyRows) {
-    if (model_type == r.model_type) return &r.layouts;
+    if (model_type == r.model_type) return &r;
   }
   return nullptr;
+}
+const FamilyLayouts* FindLayouts(const std::string& model_type) {
+  const FamilyRow* r = FindRow(model_type);
+  return r != nullptr ? &r->layouts : nullptr;
 }
 
 // "gpt2 and llama": the built-in families with pipeline stages.
@@ -433,7 +445,9 @@ absl::Status CheckFamilyTakes(const ModelConfig& config, const v1::ShardConfig& 
                                                    list, modes.size() == 1 ? " only" : ""));
   }
   if (shard.sequence_parallel() && !f.sequence_parallel) {
-    return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type, " policy has no sequence_parallel"));
+    const char* why = FindRow(config.model_type)->no_sequence_parallel;
+    return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type, " policy has no sequence_parallel",
+                                                   why != nullptr ? absl::StrCat(": ", why) : ""));
   }
   if (shard.pipeline_parallel_size() > 1 && !f.pipeline_stages) {
     return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type, " policy has no pipeline stages (",

@@ -120,6 +120,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"bloom_2p5d", testing::WriteTinyBloom, {}, 8, 1, k2P5D, 2, false},
                       Case{"bloom_3d", testing::WriteTinyBloom, Untied(), 8, 1, k3D, 0, false},
                       Case{"vit_tp2", testing::WriteTinyVit, {}, 2, 1, k1D, 0, false},
+                      Case{"vit_2d", testing::WriteTinyVit, {}, 4, 1, k2D, 0, false},
+                      Case{"vit_3d", testing::WriteTinyVit, {}, 8, 1, k3D, 0, false},
                       Case{"t5_tp2", testing::WriteTinyT5, testing::TinyFlanT5(), 2, 1, k1D, 0, false}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 

@@ -186,6 +186,15 @@ TEST_F(Forward, VitClassifiesImagesAsItsUnshardedReference) {
   auto logits = ReadNpy(TempPath("vit_logits.npy"));
   ASSERT_TRUE(logits.ok()) << logits.status();
   ::colod::testing::ExpectAllClose(*logits, *ref->logits.Reshape({4, o.labels}), "ViT logits", 2e-4);
+  // 2D: the stream in 2D blocks from the replicated embeddings, the CLS
+  // rows gathered for the replicated classifier.
+  const auto two_d = Coloctl({"forward", "--model", vit->dir, "--pixel-values", TempPath("pixels.npy"), "--labels",
+                              TempPath("labels.npy"), "--logits", TempPath("vit_2d_logits.npy"), "--output", "json",
+                              "--tp", "4", "--mode", "2d"});
+  ASSERT_EQ(two_d.code, 0) << two_d.err;
+  auto logits_2d = ReadNpy(TempPath("vit_2d_logits.npy"));
+  ASSERT_TRUE(logits_2d.ok()) << logits_2d.status();
+  ::colod::testing::ExpectAllClose(*logits_2d, *ref->logits.Reshape({4, o.labels}), "ViT 2d logits", 2e-4);
   // No labels: the logits, no loss.
   const auto plain = Coloctl({"forward", "--model", vit->dir, "--pixel-values", TempPath("pixels.npy")});
   ASSERT_EQ(plain.code, 0) << plain.err;
@@ -204,8 +213,8 @@ TEST_F(Forward, VitClassifiesImagesAsItsUnshardedReference) {
            {{"--pixel-values", TempPath("small.npy")}, 1, "float pixel values [batch, 3, 8, 8]"},
            {{"--input", TempPath("ids.npy")}, 1, "float pixel values [batch, 3, 8, 8]"},
            {{"--input", TempPath("ids.npy"), "--pixel-values", TempPath("pixels.npy")}, 2, "not both"},
-           {{"--pixel-values", TempPath("pixels.npy"), "--mode", "2d", "--tp", "4"}, 1,
-            "the vit policy supports tensor_parallel_mode 1d only"},
+           {{"--pixel-values", TempPath("pixels.npy"), "--tp", "2", "--sequence-parallel"}, 1,
+            "the vit policy has no sequence_parallel: its sequence"},
        }) {
     std::vector<std::string> args = {"forward", "--model", vit->dir};
     args.insert(args.end(), b.args.begin(), b.args.end());

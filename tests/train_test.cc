@@ -262,7 +262,8 @@ TEST(Train, BloomTrainsAlikeUnshardedAndSharded) {
 }
 
 // A ViT directory trains on images and labels from .npy files, as jobs on
-// the daemons, with the same losses unsharded and at tp2 x dp2; without
+// the daemons, with the same losses unsharded, at tp2 x dp2, in 2D and in
+// 3D; without
 // labels (or with labels for a language model) the coordinator says which
 // field is wrong.
 TEST(Train, AnImageClassifierTrainsOnImagesAndLabels) {
@@ -274,7 +275,8 @@ TEST(Train, AnImageClassifierTrainsOnImagesAndLabels) {
   const std::vector<std::string> common = {"train", "--model", vit->dir, "--data", TempPath("images.npy"),
                                            "--labels", TempPath("labels.npy"), "--steps", "4", "--batch-size", "4",
                                            "--lr", "3e-3", "--optimizer", "adamw", "--seed", "2", "--output", "json"};
-  ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"}, {"--tp", "2", "--dp", "2"}});
+  ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"}, {"--tp", "2", "--dp", "2"},
+                                         {"--tp", "4", "--mode", "2d"}, {"--tp", "8", "--mode", "3d"}});
   std::vector<std::string> no_labels = {"train", "--model", vit->dir, "--data", TempPath("images.npy"),
                                         "--steps", "1", "--batch-size", "4"};
   const auto r = Coloctl(no_labels);

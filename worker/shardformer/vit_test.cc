@@ -19,17 +19,28 @@ using ::colod::testing::TempPath;
 
 constexpr double kTol = 2e-4;
 
-ShardConfig Layout(int tp, int dp, v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D) {
+ShardConfig Layout(int tp, int dp, v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D, bool sp = false,
+                   int depth = 1) {
   ShardConfig shard;
   shard.layout.set_tensor_parallel_size(tp);
   shard.layout.set_data_parallel_size(dp);
   shard.layout.set_tensor_parallel_mode(mode);
+  shard.layout.set_sequence_parallel(sp);
+  if (depth > 1) shard.layout.set_depth(depth);
   return shard;
 }
+
+constexpr auto k1D = v1::TENSOR_PARALLEL_MODE_1D;
+constexpr auto k2D = v1::TENSOR_PARALLEL_MODE_2D;
+constexpr auto k2P5D = v1::TENSOR_PARALLEL_MODE_2P5D;
+constexpr auto k3D = v1::TENSOR_PARALLEL_MODE_3D;
 
 struct Case {
   std::string name;
   int tp, dp;
+  v1::TensorParallelMode mode = k1D;
+  bool sp = false;
+  int depth = 1;
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
@@ -44,12 +55,14 @@ TEST_P(VitSharded, LogitsLossAndEveryGradientMatchTheUnshardedModel) {
   const Tensor labels = testing::ImageLabels(4, o.labels, 2);
   auto ref = testing::ReferenceVit(*model, pixels, labels);
   ASSERT_TRUE(ref.ok()) << ref.status();
-  testing::ExpectShardedMatchesReference(*model, *ref, Layout(c.tp, c.dp), pixels, kTol);
+  testing::ExpectShardedMatchesReference(*model, *ref, Layout(c.tp, c.dp, c.mode, c.sp, c.depth), pixels, kTol);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, VitSharded,
                          ::testing::Values(Case{"unsharded", 1, 1}, Case{"tp2", 2, 1}, Case{"tp4", 4, 1},
-                                           Case{"tp2_dp2", 2, 2}),
+                                           Case{"tp2_dp2", 2, 2},
+                                           Case{"2d", 4, 1, k2D}, Case{"2p5d", 8, 1, k2P5D, false, 2},
+                                           Case{"3d", 8, 1, k3D}),
                          [](const auto& info) { return info.param.name; });
 
 // Patch (i, j) of a 3-channel 8 x 8 image in 4 x 4 patches is row
@@ -103,11 +116,15 @@ TEST(Vit, InputsAndLayoutsItCannotTake) {
     auto two_d = (*sharded)->ClassificationLoss(*logits, *Tensor::FromInt64s({2, 1}, {3, 4}));
     EXPECT_EQ(two_d.status().code(), absl::StatusCode::kInvalidArgument);
   });
-  const ShardConfig two_d = Layout(4, 1, v1::TENSOR_PARALLEL_MODE_2D);
-  RunMesh(*DeviceMesh::FromShardConfig(two_d.layout), [&](int, ProcessGroup& pg) {
-    auto s = ShardFormer(two_d, &pg).Load(model->dir).status();
+  // Sequence parallelism cannot exist for ViT's n^2 + 1 positions (the
+  // reason in the refusal).
+  const ShardConfig sp = Layout(2, 1, k1D, /*sp=*/true);
+  RunMesh(*DeviceMesh::FromShardConfig(sp.layout), [&](int, ProcessGroup& pg) {
+    auto s = ShardFormer(sp, &pg).Load(model->dir).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(s.message().find("the vit policy supports tensor_parallel_mode 1d only"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("the vit policy has no sequence_parallel: its sequence, n^2 patches and the CLS token"),
+              std::string::npos)
+        << s;
   });
 }
 
