@@ -389,7 +389,7 @@ constexpr FamilyRow kFamilyRows[] = {
     {"gpt2", {true, true, true, true}},
     {"llama", {true, true, true, true}},
     {"bert", {false, true, true, false}},
-    {"opt", {true, true, false, false}},
+    {"opt", {true, true, true, false}},
     {"bloom", {true, true, true, false}},
     {"vit",
      {false, true, true, false},
@@ -547,6 +547,11 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
               "3d splits each linear's outputs q*q = ", q2, " ways: hidden_size ", config.hidden_size,
               ", intermediate_size ", config.intermediate_size, " and the key/value width ", kv,
               " must be divisible by it"));
+        }
+        if (config.embed_dim % q2 != 0) {  // OPT's project_in/out
+          return absl::InvalidArgumentError(absl::StrCat("3d splits each linear's outputs q*q = ", q2,
+                                                         " ways: word_embed_proj_dim ", config.embed_dim,
+                                                         " must be divisible by it"));
         }
       }
       return absl::OkStatus();

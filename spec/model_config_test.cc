@@ -351,11 +351,22 @@ TEST(ModelConfig, ShardabilityNamesTheNumbers) {
   auto bloom = ParseModelConfig(R"({"model_type":"bloom","vocab_size":64,"n_embed":64,"n_layer":2,"n_head":4})");
   ASSERT_TRUE(bloom.ok()) << bloom.status();
   EXPECT_TRUE(CheckShardable(*bloom, s).ok()) << "ALiBi's slopes go with the heads in every mode";
-  auto vit = ParseModelConfig(R"({"model_type":"vit","hidden_size":64,"num_hidden_layers":2,
-      "num_attention_heads":4,"intermediate_size":128,"image_size":8,"patch_size":4,"num_channels":3})");
-  ASSERT_TRUE(vit.ok()) << vit.status();
-  bad = CheckShardable(*vit, s);
-  EXPECT_NE(bad.message().find("the vit policy supports tensor_parallel_mode 1d only"), absl::string_view::npos)
+  auto t5 = ParseModelConfig(R"({"model_type":"t5","vocab_size":64,"d_model":64,"d_kv":16,"d_ff":128,
+      "num_layers":2,"num_heads":4})");
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  bad = CheckShardable(*t5, s);
+  EXPECT_NE(bad.message().find("the t5 policy supports tensor_parallel_mode 1d only"), absl::string_view::npos)
+      << bad;
+  // 3D splits every linear's outputs q^2 ways, OPT's projections too.
+  auto opt_3d = ParseModelConfig(R"({"model_type":"opt","vocab_size":64,"hidden_size":64,"ffn_dim":128,
+      "num_hidden_layers":2,"num_attention_heads":4,"word_embed_proj_dim":34})");
+  ASSERT_TRUE(opt_3d.ok()) << opt_3d.status();
+  v1::ShardConfig three_d;
+  three_d.set_tensor_parallel_size(8);
+  three_d.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_3D);
+  bad = CheckShardable(*opt_3d, three_d);
+  EXPECT_NE(bad.message().find("q*q = 4 ways: word_embed_proj_dim 34 must be divisible by it"),
+            absl::string_view::npos)
       << bad;
 }
 

@@ -116,6 +116,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"bert_2d", testing::WriteTinyBert, {}, 4, 1, k2D, 0, false},
                       Case{"opt_tp2", testing::WriteTinyOpt, OptProjected(), 2, 1, k1D, 0, false},
                       Case{"opt_2d", testing::WriteTinyOpt, OptProjected(), 4, 1, k2D, 0, false},
+                      Case{"opt_3d", testing::WriteTinyOpt, OptProjected(), 8, 1, k3D, 0, false},
                       Case{"bloom_tp2", testing::WriteTinyBloom, Untied(), 2, 1, k1D, 0, false},
                       Case{"bloom_2p5d", testing::WriteTinyBloom, {}, 8, 1, k2P5D, 2, false},
                       Case{"bloom_3d", testing::WriteTinyBloom, Untied(), 8, 1, k3D, 0, false},
@@ -591,11 +592,12 @@ TEST(Plan, RefusesWhatThePoliciesRefuse) {
       << bert_refused.status();
   auto opt = testing::WriteTinyOpt(TempPath("plan_refuse_opt"), o);
   ASSERT_TRUE(opt.ok()) << opt.status();
-  auto opt_3d = PlanJob(opt->config, Train(8, 1, k3D));
-  EXPECT_EQ(opt_3d.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(opt_3d.status().message().find("the opt policy supports tensor_parallel_mode 1d, 2d and 2.5d"),
-            std::string::npos)
-      << opt_3d.status();
+  auto t5 = testing::WriteTinyT5(TempPath("plan_refuse_t5"), testing::TinyFlanT5());
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  auto t5_2d = PlanJob(t5->config, Train(4, 1, k2D));
+  EXPECT_EQ(t5_2d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(t5_2d.status().message().find("the t5 policy supports tensor_parallel_mode 1d only"), std::string::npos)
+      << t5_2d.status();
   v1::JobSpec stages = Train(1, 1);
   stages.mutable_shard()->set_pipeline_parallel_size(2);
   auto opt_pp = PlanJob(opt->config, stages);

@@ -89,7 +89,7 @@ TEST_F(Forward, LogitsAndLossMatchTheUnshardedModelAtEveryLayout) {
 }
 
 // An opt-350m-shaped OPT directory (post-norm, project_in/out) through the
-// same command, at 1D with sequence parallelism and at 2D.
+// same command, at 1D with sequence parallelism, in 2D and in 3D.
 TEST_F(Forward, OptMatchesItsUnshardedReference) {
   shardformer::testing::TinyOptions o;
   o.pre_norm = false;
@@ -100,7 +100,9 @@ TEST_F(Forward, OptMatchesItsUnshardedReference) {
   auto ref = shardformer::testing::ReferenceOpt(*opt, ids_);
   ASSERT_TRUE(ref.ok()) << ref.status();
   for (const std::vector<std::string>& layout : std::vector<std::vector<std::string>>{
-           {"--tp", "2", "--dp", "2", "--mode", "1d", "--sequence-parallel"}, {"--tp", "4", "--mode", "2d"}}) {
+           {"--tp", "2", "--dp", "2", "--mode", "1d", "--sequence-parallel"},
+           {"--tp", "4", "--mode", "2d"},
+           {"--tp", "8", "--mode", "3d"}}) {
     const std::string what = absl::StrJoin(layout, " ");
     ForwardRun run;
     ASSERT_NO_FATAL_FAILURE(ForwardAt(opt->dir, layout, "opt_logits.npy", &run));

@@ -196,7 +196,8 @@ TEST(Train, OptTrainsAlikeAtEveryLayout) {
                                            "--optimizer", "adamw", "--seed", "5", "--output", "json"};
   ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"},
                                          {"--tp", "2", "--dp", "2", "--mode", "1d", "--sequence-parallel"},
-                                         {"--tp", "4", "--dp", "1", "--mode", "2d"}});
+                                         {"--tp", "4", "--dp", "1", "--mode", "2d"},
+                                         {"--tp", "8", "--dp", "1", "--mode", "3d"}});
 }
 
 // LLaMA (grouped-query attention, untied head) trains with the same losses

@@ -77,6 +77,12 @@ Module::ForwardFn DecoderForward(bool sequence_parallel) {
       ASSIGN_OR_RETURN(x, self.Call("project_in", x));
     }
     ASSIGN_OR_RETURN(ColoTensor where, self.Call("embed_positions", pos_ids));
+    // The residual stream's spec; in 3D a lone projection (a Linear3D
+    // without its pair) leaves its output in the swapped spec, moved back.
+    const DistSpec stream = where.spec();
+    if (x.spec().ToString() != stream.ToString()) {
+      ASSIGN_OR_RETURN(x, x.Redistribute(stream));
+    }
     ASSIGN_OR_RETURN(x, AddActivations(x, where));
     if (sequence_parallel) {
       ASSIGN_OR_RETURN(x, SplitSequence(x));
@@ -91,6 +97,9 @@ Module::ForwardFn DecoderForward(bool sequence_parallel) {
         ASSIGN_OR_RETURN(x, x.ToReplicate());
       }
       ASSIGN_OR_RETURN(x, self.Call("project_out", x));
+      if (!sequence_parallel && x.spec().ToString() != stream.ToString()) {
+        ASSIGN_OR_RETURN(x, x.Redistribute(stream));  // 3D: for the head tied to embed_tokens
+      }
     }
     return x;
   };

@@ -61,6 +61,7 @@ TEST_P(OptSharded, LogitsLossAndEveryGradientMatchTheUnshardedModel) {
 constexpr auto k1D = v1::TENSOR_PARALLEL_MODE_1D;
 constexpr auto k2D = v1::TENSOR_PARALLEL_MODE_2D;
 constexpr auto k2P5D = v1::TENSOR_PARALLEL_MODE_2P5D;
+constexpr auto k3D = v1::TENSOR_PARALLEL_MODE_3D;
 INSTANTIATE_TEST_SUITE_P(
     Layouts, OptSharded,
     ::testing::Values(Case{"unsharded", 1, 1, k1D, false, true, 0, true},
@@ -75,7 +76,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"2d", 4, 1, k2D, false, true, 0, true},
                       Case{"2d_350m_untied", 4, 1, k2D, false, false, 32, false},
                       Case{"2p5d", 8, 1, k2P5D, false, true, 0, true, 2},
-                      Case{"2p5d_350m", 8, 1, k2P5D, false, false, 32, true, 2}),
+                      Case{"2p5d_350m", 8, 1, k2P5D, false, false, 32, true, 2},
+                      // 3D: project_in/out are lone Linear3Ds, their outputs moved back to the stream's spec.
+                      Case{"3d", 8, 1, k3D, false, true, 0, true},
+                      Case{"3d_350m", 8, 1, k3D, false, false, 32, true},
+                      Case{"3d_untied", 8, 1, k3D, false, true, 0, false}),
     [](const auto& info) { return info.param.name; });
 
 TEST(Opt, TheBareModelsNamesLoadTheSame) {
