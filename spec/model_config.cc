@@ -388,7 +388,7 @@ struct FamilyRow {
 constexpr FamilyRow kFamilyRows[] = {
     {"gpt2", {true, true, true, true}},
     {"llama", {true, true, true, true}},
-    {"bert", {false, true, true, false}},
+    {"bert", {true, true, true, false}},
     {"opt", {true, true, true, false}},
     {"bloom", {true, true, true, false}},
     {"vit",

@@ -150,6 +150,7 @@ void BertLeaves(const ModelConfig& c, Leaves& m) {
   m.Model("embeddings.position_embeddings", Role::kPositions, p, h).As(K::kEmbedding);
   m.Model("embeddings.token_type_embeddings", Role::kPositions, c.type_vocab_size, h).As(K::kEmbedding);
   m.Model("embeddings.LayerNorm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
+  m.back().sequence_split = false;  // the embeddings stay whole under sequence parallelism
   for (const char* proj : {"query", "key", "value"}) {
     m.Layer(absl::StrCat("encoder.layer.*.attention.self.", proj), Role::kColumn, h, h, true).As(K::kLinear);
   }
@@ -160,6 +161,7 @@ void BertLeaves(const ModelConfig& c, Leaves& m) {
   m.Layer("encoder.layer.*.output.LayerNorm", Role::kNorm, 0, h, true).As(K::kLayerNorm);
   m.Model("cls.predictions.transform.dense", Role::kProjection, h, h, true).As(K::kLinear).OnRoot();
   m.Model("cls.predictions.transform.LayerNorm", Role::kNorm, 0, h, true).As(K::kLayerNorm).OnRoot();
+  m.back().sequence_split = false;  // the MLM transform runs on the whole sequence
   m.Head("cls.predictions.decoder", Role::kTiedHead, h, v, "embeddings.word_embeddings");
   m.Model("cls.predictions.bias", Role::kVocabBias, 0, v).As(K::kBias).OnRoot();
 }
@@ -950,8 +952,20 @@ void PlanComm1D(const StageContext& c, CommSum& comm) {
         }
         break;
       case Role::kNorm:
-        // Under sequence parallelism each rank's weight gradient covers its rows only.
-        if (sp && train) comm.Add(g, "all_reduce", {l.bias ? 2 : 1, l.count}, {l.out}, width, tp_size);
+        // Under sequence parallelism each rank's weight gradient covers its
+        // rows only (not a norm left whole, on the whole sequence).
+        if (sp && train && l.sequence_split) {
+          comm.Add(g, "all_reduce", {l.bias ? 2 : 1, l.count}, {l.out}, width, tp_size);
+        }
+        break;
+      case Role::kProjection:
+        // BERT's MLM transform, replicated, on the whole sequence: the
+        // stream gathered before it, and its output split again for the
+        // decoder, whose gradient the backward gathers.
+        if (sp && l.on_root) {
+          comm.Add(g, "all_gather", {micro, l.count}, {piece, l.in}, act, tp_size);
+          if (train) comm.Add(g, "all_gather", {micro, l.count}, {piece, l.out}, act, tp_size);
+        }
         break;
       default:
         break;

@@ -585,11 +585,14 @@ TEST(Plan, RefusesWhatThePoliciesRefuse) {
   auto heads = PlanJob(gpt2->config, Train(8, 1));  // 4 heads
   EXPECT_EQ(heads.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(heads.status().message().find("heads"), std::string::npos) << heads.status();
-  v1::JobSpec bert_sp = Train(2, 1);
-  bert_sp.mutable_shard()->set_sequence_parallel(true);
-  auto bert_refused = PlanJob(bert->config, bert_sp);
-  EXPECT_NE(bert_refused.status().message().find("the bert policy has no sequence_parallel"), std::string::npos)
-      << bert_refused.status();
+  auto vit = testing::WriteTinyVit(TempPath("plan_refuse_vit"), o);
+  ASSERT_TRUE(vit.ok()) << vit.status();
+  v1::JobSpec vit_sp = Train(2, 1);
+  vit_sp.mutable_shard()->set_sequence_parallel(true);
+  auto vit_refused = PlanJob(vit->config, vit_sp);
+  EXPECT_NE(vit_refused.status().message().find("the vit policy has no sequence_parallel: its sequence"),
+            std::string::npos)
+      << vit_refused.status();
   auto opt = testing::WriteTinyOpt(TempPath("plan_refuse_opt"), o);
   ASSERT_TRUE(opt.ok()) << opt.status();
   auto t5 = testing::WriteTinyT5(TempPath("plan_refuse_t5"), testing::TinyFlanT5());

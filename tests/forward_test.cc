@@ -112,8 +112,8 @@ TEST_F(Forward, OptMatchesItsUnshardedReference) {
 }
 
 // BERT (bidirectional, post-norm, the MLM head tied to the word table) in
-// 2D on 4 workers and 3D on 8 (q = 2): its logits are the unsharded
-// reference's, and its loss is the 1D run's.
+// 2D on 4 workers, 3D on 8 (q = 2) and with sequence parallelism: its
+// logits are the unsharded reference's, and its loss is the 1D run's.
 TEST_F(Forward, BertIn2dAnd3dMatchesItsUnshardedReference) {
   auto bert = shardformer::testing::WriteTinyBert(TempPath("bert"));
   ASSERT_TRUE(bert.ok()) << bert.status();
@@ -122,7 +122,8 @@ TEST_F(Forward, BertIn2dAnd3dMatchesItsUnshardedReference) {
   std::vector<double> losses;
   for (const std::vector<std::string>& layout :
        std::vector<std::vector<std::string>>{
-           {"--tp", "2", "--mode", "1d"}, {"--tp", "4", "--mode", "2d"}, {"--tp", "8", "--mode", "3d"}}) {
+           {"--tp", "2", "--mode", "1d"}, {"--tp", "4", "--mode", "2d"}, {"--tp", "8", "--mode", "3d"},
+           {"--tp", "2", "--mode", "1d", "--sequence-parallel"}}) {
     const std::string what = absl::StrJoin(layout, " ");
     ForwardRun run;
     ASSERT_NO_FATAL_FAILURE(ForwardAt(bert->dir, layout, "bert_logits.npy", &run));
@@ -131,6 +132,7 @@ TEST_F(Forward, BertIn2dAnd3dMatchesItsUnshardedReference) {
   }
   EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
   EXPECT_NEAR(losses[2], losses[0], 1e-5 * losses[0]);
+  EXPECT_NEAR(losses[3], losses[0], 1e-5 * losses[0]);
 }
 
 // BLOOM (6 heads: ALiBi's second series of slopes, 3 heads a rank) through

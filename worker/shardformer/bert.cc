@@ -60,22 +60,34 @@ absl::StatusOr<ColoTensor> LayerForward(Module& self, const ColoTensor& x) {
   return out_sum.y;
 }
 
+// With sequence parallelism the embeddings (their LayerNorm included) are
+// whole and the stream enters the layers split along the sequence, as the
+// first layer's norm takes it.
 absl::StatusOr<ColoTensor> ModelForward(Module& self, const ColoTensor& ids) {
   ASSIGN_OR_RETURN(ColoTensor x, self.Call("embeddings", ids));
   ASSIGN_OR_RETURN(Module * layers, self.Get("encoder.layer"));
+  ASSIGN_OR_RETURN(x, ToInputOf(self, "encoder.layer.0.attention.output.LayerNorm", x));
   return RunSequential(*layers, x);
 }
 
+// The MLM transform (replicated in 1D) runs on the whole sequence: with
+// sequence parallelism the stream is gathered before it, and the decoder,
+// tied to the vocabulary-parallel table, takes its input split again (its
+// forward gathers it: Linear1D_Col with sequence parallelism).
 absl::StatusOr<ColoTensor> PredictionHeadForward(Module& self, const ColoTensor& x) {
   ASSIGN_OR_RETURN(Module * transform, self.Get("transform"));
   ASSIGN_OR_RETURN(ColoTensor h, self.Call("transform.dense", x, nn::GeluEpilogue(Approx(*transform))));
   ASSIGN_OR_RETURN(h, self.Call("transform.LayerNorm", h));
+  ASSIGN_OR_RETURN(h, ToInputOf(self, "decoder", h));
   ASSIGN_OR_RETURN(ColoTensor logits, self.Call("decoder", h));
   return self.Call("bias", logits);
 }
 
 absl::StatusOr<ColoTensor> MaskedLmForward(Module& self, const ColoTensor& ids) {
   ASSIGN_OR_RETURN(ColoTensor h, self.Call("bert", ids));
+  if (SplitsDim(h.spec(), 1)) {
+    ASSIGN_OR_RETURN(h, h.ToReplicate());  // sequence parallelism: the whole sequence for the transform
+  }
   return self.Call("cls.predictions", h);
 }
 

@@ -1,5 +1,7 @@
 #include "worker/shardformer/module.h"
 
+#include <algorithm>
+
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -276,6 +278,21 @@ absl::StatusOr<ColoTensor> AddActivations(const ColoTensor& a, const ColoTensor&
   RETURN_IF_ERROR(CheckSpec(b, a.spec(), "the second summand"));
   ASSIGN_OR_RETURN(Variable sum, Add(a.variable(), b.variable()));
   return ColoTensor::FromLocal(sum, a.spec(), a.process_group());
+}
+
+bool SplitsDim(const DistSpec& spec, int64_t dim) {
+  for (const auto& [axis, p] : spec.placements()) {
+    if (p.kind == Placement::Kind::kShard && std::find(p.dims.begin(), p.dims.end(), dim) != p.dims.end()) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<ColoTensor> ToInputOf(Module& self, const std::string& path, const ColoTensor& x) {
+  ASSIGN_OR_RETURN(Module * m, self.Get(path));
+  if (m->layer() == nullptr) return absl::FailedPreconditionError(absl::StrCat(path, " has no weights loaded"));
+  ASSIGN_OR_RETURN(DistSpec want, m->layer()->InputSpec(static_cast<int64_t>(x.global_shape().size())));
+  if (want.ToString() == x.spec().ToString()) return x;
+  return x.Redistribute(want);
 }
 
 }  // namespace colod::shardformer

@@ -6,7 +6,6 @@
 // with biases, GELU MLP), the final LayerNorm, and the classifier on the CLS
 // token. Its logits are [B, 1, num_labels]: the one position the loss reads
 // (ModelConfig::vocab_size is num_labels).
-#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -69,14 +68,6 @@ absl::StatusOr<ColoTensor> LayerForward(Module& self, const ColoTensor& x) {
   return AddActivations(x1.sum, out);
 }
 
-// Whether `spec` splits dim `dim` on some mesh axis.
-bool SplitsDim(const DistSpec& spec, int64_t dim) {
-  for (const auto& [axis, p] : spec.placements()) {
-    if (p.kind == Placement::Kind::kShard && std::find(p.dims.begin(), p.dims.end(), dim) != p.dims.end()) return true;
-  }
-  return false;
-}
-
 // The embeddings are replicated (native in every mode); the stream enters
 // the layers in the spec the first layer's norm takes: as it is in 1D,
 // split along the sequence with sequence parallelism, the 2D or 3D
@@ -84,12 +75,7 @@ bool SplitsDim(const DistSpec& spec, int64_t dim) {
 absl::StatusOr<ColoTensor> ModelForward(Module& self, const ColoTensor& images) {
   ASSIGN_OR_RETURN(ColoTensor x, self.Call("embeddings", images));
   ASSIGN_OR_RETURN(Module * layers, self.Get("encoder.layer"));
-  ASSIGN_OR_RETURN(Module * first_norm, self.Get("encoder.layer.0.layernorm_before"));
-  if (first_norm->layer() == nullptr) return absl::FailedPreconditionError("layernorm_before has no weights loaded");
-  ASSIGN_OR_RETURN(DistSpec stream, first_norm->layer()->InputSpec(static_cast<int64_t>(x.global_shape().size())));
-  if (stream.ToString() != x.spec().ToString()) {
-    ASSIGN_OR_RETURN(x, x.Redistribute(stream));
-  }
+  ASSIGN_OR_RETURN(x, ToInputOf(self, "encoder.layer.0.layernorm_before", x));
   ASSIGN_OR_RETURN(x, RunSequential(*layers, x));
   return self.Call("layernorm", x);
 }

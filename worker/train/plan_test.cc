@@ -153,6 +153,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"llama_3d_micro2", "llama", 8, 1, false, 2, v1::TENSOR_PARALLEL_MODE_3D},
                       Case{"bert_3d", "bert", 8, 1, false, 1, v1::TENSOR_PARALLEL_MODE_3D},
                       Case{"bert_2d", "bert", 4, 1, false, 1, v1::TENSOR_PARALLEL_MODE_2D},
+                      Case{"bert_tp2_sp", "bert", 2, 1, true, 1},
                       Case{"gpt2_tp2_pp2_micro4", "gpt2", 2, 1, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
                       Case{"llama_pp2_dp2_micro2", "llama", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
                       Case{"gpt2_tp2_dp2_zero1", "gpt2", 2, 2, false, 1, v1::TENSOR_PARALLEL_MODE_1D, 0, 1, 1},
