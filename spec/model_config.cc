@@ -395,7 +395,7 @@ constexpr FamilyRow kFamilyRows[] = {
      {false, true, true, false},
      "its sequence, n^2 patches and the CLS token, never splits evenly 4 ways (n^2 + 1 is 1 or 2 modulo 4) and "
      "2 ways only for an odd n (not ViT-B/16's 14 x 14 patches), and sequence parallelism splits it evenly"},
-    {"t5", {false, false, false, false}},
+    {"t5", {true, true, true, false}},
 };
 
 // nullptr for a model_type that is not built in.

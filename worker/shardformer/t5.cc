@@ -24,10 +24,11 @@ namespace colod::shardformer {
 namespace {
 
 
-// The relative position bias [local heads, sq, sk] of a stack, from layer
-// 0's relative_attention_bias table [buckets, heads] (replicated): this
-// rank's heads' columns, the table's gradient summed over tp (each rank
-// contributes its heads').
+// The relative position bias [heads, sq, sk] of a stack, every head's,
+// from layer 0's relative_attention_bias table [buckets, heads]
+// (replicated); each attention narrows it to its rank's heads. When the
+// heads are split the table's gradient is summed over tp (each rank
+// contributes its heads' columns, for its rows).
 absl::StatusOr<Variable> PositionBias(Module& attn, const ColoTensor& like, int64_t sq, int64_t sk, bool decoder) {
   ASSIGN_OR_RETURN(int64_t heads, attn.IntAttr("n_heads"));
   ASSIGN_OR_RETURN(int64_t total, attn.IntAttr("total_heads"));
@@ -38,17 +39,14 @@ absl::StatusOr<Variable> PositionBias(Module& attn, const ColoTensor& like, int6
   ASSIGN_OR_RETURN(ColoTensor id_tensor, ColoTensor::FromLocal(bucket_ids, DistSpec(), like.process_group()));
   ASSIGN_OR_RETURN(ColoTensor values, attn.Call("relative_attention_bias", id_tensor));  // [sq, sk, total]
   Variable table = values.variable();
-  int64_t first = 0;
   if (heads != total) {
     ProcessGroup* pg = like.process_group();
-    ASSIGN_OR_RETURN(int rank, pg->tp_local_rank());
     ASSIGN_OR_RETURN(Communicator * tp, pg->Comm("tp"));
     ASSIGN_OR_RETURN(table, nn::ReduceGradient(table, tp, pg->timeout()));
-    first = static_cast<int64_t>(rank) * heads;
   }
   std::vector<Variable> per_head;
-  for (int64_t h = 0; h < heads; ++h) {
-    ASSIGN_OR_RETURN(Variable column, nn::Narrow(table, 2, first + h, 1));
+  for (int64_t h = 0; h < total; ++h) {
+    ASSIGN_OR_RETURN(Variable column, nn::Narrow(table, 2, h, 1));
     ASSIGN_OR_RETURN(column, nn::Reshape(column, {1, sq, sk}));
     per_head.push_back(column);
   }
@@ -56,11 +54,14 @@ absl::StatusOr<Variable> PositionBias(Module& attn, const ColoTensor& like, int6
 }
 
 // T5Attention without scaling: q from x, k and v from `kv` (x itself, or
-// the encoder's output), the scores plus `bias` [local heads, sq, sk] (none
-// for cross-attention).
+// the encoder's output), the scores plus the rows of `bias` [heads, sq, sk]
+// of this rank's heads (none for cross-attention): those its block of q's
+// output holds, in any mode (1D splits the heads over tp, 2D/2.5D over
+// tp_row, 3D over the layer's column axis).
 absl::StatusOr<ColoTensor> Attention(Module& attn, const ColoTensor& x, const ColoTensor& kv,
                                      const std::optional<Variable>& bias, bool causal) {
   ASSIGN_OR_RETURN(int64_t heads, attn.IntAttr("n_heads"));
+  ASSIGN_OR_RETURN(int64_t total, attn.IntAttr("total_heads"));
   ASSIGN_OR_RETURN(int64_t head_dim, attn.IntAttr("key_value_proj_dim"));
   ASSIGN_OR_RETURN(ColoTensor q, attn.Call("q", x));
   ASSIGN_OR_RETURN(ColoTensor k, attn.Call("k", kv));
@@ -68,7 +69,17 @@ absl::StatusOr<ColoTensor> Attention(Module& attn, const ColoTensor& x, const Co
   ASSIGN_OR_RETURN(Variable qh, SplitHeads(q, heads, head_dim, "q"));
   ASSIGN_OR_RETURN(Variable kh, SplitHeads(k, heads, head_dim, "k"));
   ASSIGN_OR_RETURN(Variable vh, SplitHeads(v, heads, head_dim, "v"));
-  ASSIGN_OR_RETURN(Variable att, nn::BiasedAttention(qh, kh, vh, 1.0f, causal, bias));
+  std::optional<Variable> local_bias = bias;
+  if (bias.has_value() && heads != total) {
+    ASSIGN_OR_RETURN(Block block, LocalBlock(q.spec(), q.global_shape(), q.process_group()));
+    if (block.starts.empty() || block.starts.back() % head_dim != 0 ||
+        block.starts.back() / head_dim + heads > total) {
+      return absl::InvalidArgumentError(absl::StrCat("q's block does not hold whole heads (", q.spec().ToString(),
+                                                     ")"));
+    }
+    ASSIGN_OR_RETURN(local_bias, nn::Narrow(*bias, 0, block.starts.back() / head_dim, heads));
+  }
+  ASSIGN_OR_RETURN(Variable att, nn::BiasedAttention(qh, kh, vh, 1.0f, causal, local_bias));
   const Shape& s = att.value().shape();
   ASSIGN_OR_RETURN(att, nn::Reshape(att, {s[0], s[1], heads * head_dim}));
   return CallWithLocal(attn, "o", att, x.process_group());
@@ -96,6 +107,10 @@ absl::StatusOr<ColoTensor> Stack(Module& root, const std::string& name, const Co
   ASSIGN_OR_RETURN(Module * stack, root.Get(name));
   const bool decoder = encoder_out != nullptr;
   ASSIGN_OR_RETURN(ColoTensor x, root.Call("shared", ids));
+  // With sequence parallelism the stream is split along the sequence from
+  // here on (as the blocks' norms take it; the attentions' projections
+  // gather it, the decoder's cross-attention the encoder's output too).
+  ASSIGN_OR_RETURN(x, ToInputOf(*stack, "block.0.layer.0.layer_norm", x));
   const int64_t seq = ids.local().shape()[1];
   ASSIGN_OR_RETURN(Module * first_attn, stack->Get("block.0.layer.0.SelfAttention"));
   ASSIGN_OR_RETURN(Variable bias, PositionBias(*first_attn, x, seq, seq, decoder));
