@@ -181,7 +181,8 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
 }
 
 // OPT (opt-350m's shape) trains with the same losses at 1D with sequence
-// parallelism and at 2D as unsharded, and its loss falls.
+// parallelism and in 3D (its projections lone Linear3Ds) as unsharded, and
+// its loss falls.
 TEST(Train, OptTrainsAlikeAtEveryLayout) {
   shardformer::testing::TinyOptions o;
   o.vocab = 257;
@@ -196,7 +197,6 @@ TEST(Train, OptTrainsAlikeAtEveryLayout) {
                                            "--optimizer", "adamw", "--seed", "5", "--output", "json"};
   ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"},
                                          {"--tp", "2", "--dp", "2", "--mode", "1d", "--sequence-parallel"},
-                                         {"--tp", "4", "--dp", "1", "--mode", "2d"},
                                          {"--tp", "8", "--dp", "1", "--mode", "3d"}});
 }
 
@@ -244,8 +244,8 @@ TEST(Train, ThreeDimensionalAndPipelineLayoutsTrainAlike) {
 }
 
 // BLOOM trains with the same losses at tp = 2 x dp = 2 with sequence
-// parallelism, in 2D (tp = 4) and in 3D (tp = 8) as unsharded, and its loss
-// falls.
+// parallelism and in 2D (tp = 4) as unsharded, and its loss falls (every
+// layout's step, 3D's too, is held to the reference in bloom_test).
 TEST(Train, BloomTrainsAlikeUnshardedAndSharded) {
   shardformer::testing::TinyOptions o;
   o.vocab = 257;
@@ -258,13 +258,12 @@ TEST(Train, BloomTrainsAlikeUnshardedAndSharded) {
                                            "--optimizer", "adamw", "--seed", "7", "--output", "json"};
   ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"},
                                          {"--tp", "2", "--dp", "2", "--sequence-parallel"},
-                                         {"--tp", "4", "--mode", "2d"},
-                                         {"--tp", "8", "--mode", "3d"}});
+                                         {"--tp", "4", "--mode", "2d"}});
 }
 
 // A ViT directory trains on images and labels from .npy files, as jobs on
-// the daemons, with the same losses unsharded, at tp2 x dp2, in 2D and in
-// 3D; without
+// the daemons, with the same losses unsharded, at tp2 x dp2 and in 3D;
+// without
 // labels (or with labels for a language model) the coordinator says which
 // field is wrong.
 TEST(Train, AnImageClassifierTrainsOnImagesAndLabels) {
@@ -277,7 +276,7 @@ TEST(Train, AnImageClassifierTrainsOnImagesAndLabels) {
                                            "--labels", TempPath("labels.npy"), "--steps", "4", "--batch-size", "4",
                                            "--lr", "3e-3", "--optimizer", "adamw", "--seed", "2", "--output", "json"};
   ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"}, {"--tp", "2", "--dp", "2"},
-                                         {"--tp", "4", "--mode", "2d"}, {"--tp", "8", "--mode", "3d"}});
+                                         {"--tp", "8", "--mode", "3d"}});
   std::vector<std::string> no_labels = {"train", "--model", vit->dir, "--data", TempPath("images.npy"),
                                         "--steps", "1", "--batch-size", "4"};
   const auto r = Coloctl(no_labels);
@@ -287,7 +286,7 @@ TEST(Train, AnImageClassifierTrainsOnImagesAndLabels) {
 
 // A T5 directory (flan-t5's shape) trains on (input, target) pairs from
 // .npy files, as jobs on the daemons, with the same losses unsharded, at
-// tp2 x dp2, in 2D and in 3D; the trained model is written as a Hugging Face directory that
+// tp2 x dp2 and in 2D; the trained model is written as a Hugging Face directory that
 // `coloctl forward` runs; pairs without targets are refused naming the field.
 TEST(Train, AnEncoderDecoderTrainsOnInputTargetPairs) {
   const shardformer::testing::TinyOptions o = shardformer::testing::TinyFlanT5();
@@ -304,7 +303,7 @@ TEST(Train, AnEncoderDecoderTrainsOnInputTargetPairs) {
                                            "--labels", TempPath("t5_out.npy"), "--steps", "4", "--batch-size", "4",
                                            "--lr", "3e-3", "--optimizer", "adamw", "--seed", "2", "--output", "json"};
   ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"}, {"--tp", "2", "--dp", "2"},
-                                         {"--tp", "4", "--mode", "2d"}, {"--tp", "8", "--mode", "3d"}});
+                                         {"--tp", "4", "--mode", "2d"}});
   std::vector<std::string> final_run = common;
   final_run.insert(final_run.end(), {"--tp", "2", "--final", TempPath("t5_trained")});
   const auto trained = Coloctl(final_run);
