@@ -222,8 +222,9 @@ std::string RenderJob(const v1::Job& j, absl::Time now) {
                                               r.peak_flops_per_second() / 1e12));
       } else if (r.steps() > 0) {
         absl::StrAppend(&out, "mfu:        unknown (",
-                        r.model_flops_per_token() == 0 ? "no FLOPs per token for this model"
-                                                       : "a device's peak is not known: colod-worker --peak-tflops",
+                        r.model_flops_per_token() == 0    ? "no FLOPs per token for this model"
+                        : r.peak_flops_per_second() == 0 ? "a device's peak is not known: colod-worker --peak-tflops"
+                                                          : "no step time yet",
                         ")\n");
       }
     }

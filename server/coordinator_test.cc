@@ -2,6 +2,8 @@
 // registry, jobs, the rendezvous store and /metrics.
 #include "server/coordinator.h"
 
+#include <cmath>
+
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -88,6 +90,16 @@ TEST_F(CoordinatorTest, MalformedRegisterWorkerIsInvalidArgument) {
     auto reg = client_->RegisterWorker(info);
     EXPECT_EQ(reg.status().code(), absl::StatusCode::kInvalidArgument) << address;
     EXPECT_NE(reg.status().message().find("worker.address"), absl::string_view::npos);
+  }
+  // A device peak (what jobs' MFU divides by) that is negative, NaN, tiny
+  // or huge.
+  for (double peak : {-1.0, std::nan(""), 1e-300, 1e300}) {
+    v1::WorkerInfo info;
+    info.set_address("127.0.0.1:7071");
+    info.mutable_peak()->set_bf16(peak);
+    auto reg = client_->RegisterWorker(info);
+    EXPECT_EQ(reg.status().code(), absl::StatusCode::kInvalidArgument) << peak;
+    EXPECT_NE(reg.status().message().find("worker.peak.bf16"), absl::string_view::npos) << reg.status();
   }
   // A request without the worker message at all.
   grpc::ClientContext ctx;

@@ -361,11 +361,14 @@ absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgres
       const double seconds = absl::ToDoubleSeconds(train);
       sum.set_mean_tokens_per_second(seconds > 0 ? static_cast<double>(sum.tokens()) / seconds : 0);
       if (newest) sum.set_last_tokens_per_second(step.tokens_per_second());
-      if (sum.model_flops_per_token() == 0) sum.set_model_flops_per_token(TrainFlopsPerTokenOf(e.job.spec()));
+      if (!e.flops_per_token.has_value()) e.flops_per_token = TrainFlopsPerTokenOf(e.job.spec());
+      sum.set_model_flops_per_token(*e.flops_per_token);
       if (e.attempt_peak_flops.has_value()) sum.set_peak_flops_per_second(*e.attempt_peak_flops);
-      sum.set_mfu(sum.peak_flops_per_second() > 0
-                      ? sum.mean_tokens_per_second() * sum.model_flops_per_token() / sum.peak_flops_per_second()
-                      : 0);
+      const double mfu = sum.peak_flops_per_second() > 0 ? sum.mean_tokens_per_second() *
+                                                               sum.model_flops_per_token() /
+                                                               sum.peak_flops_per_second()
+                                                         : 0;
+      sum.set_mfu(std::isfinite(mfu) ? mfu : 0);
       UpdateWallTimeLocked(e);
     }
     if (trained && step.step() >= e.job.step()) {

@@ -166,6 +166,8 @@ class JobManager {
     // The latest attempt's devices' peak (Schedule), once scheduled since
     // this coordinator started; before that the summary's stored one holds.
     std::optional<double> attempt_peak_flops;
+    // The model's FLOPs a token (0: not known), computed at its first step.
+    std::optional<double> flops_per_token;
   };
   // A job's record as it stood under mu_, to be written after mu_ is
   // released (file writes and fsyncs never hold mu_).

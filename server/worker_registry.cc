@@ -28,6 +28,18 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   if (info.memory_bytes() < 0) {
     return absl::InvalidArgumentError("worker.memory_bytes: must be >= 0");
   }
+  // A device's peak, 0 (unknown) or up to 1e18 FLOP/s (a thousand times
+  // the largest GPU's): what a job's MFU divides by.
+  const std::pair<const char*, double> peaks[] = {{"f32", info.peak().f32()},
+                                                  {"tf32", info.peak().tf32()},
+                                                  {"bf16", info.peak().bf16()},
+                                                  {"f16", info.peak().f16()}};
+  for (const auto& [name, flops] : peaks) {
+    if (!(flops == 0 || (flops >= 1e6 && flops <= 1e18))) {
+      return absl::InvalidArgumentError(absl::StrCat("worker.peak.", name,
+                                                     ": must be 0 (unknown) or in [1e6, 1e18] FLOP/s, got ", flops));
+    }
+  }
 
   absl::MutexLock lock(&mu_);
   const absl::Time now = options_.clock->Now();

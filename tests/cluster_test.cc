@@ -134,12 +134,13 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
   EXPECT_EQ(bad_blas.code, 2);
   EXPECT_TRUE(absl::StrContains(bad_blas.err, "--blas-threads must be in [0, 1024]")) << bad_blas.err;
   EXPECT_TRUE(absl::StrContains(worker_help.out, "--peak-tflops")) << worker_help.out;
-  for (const char* peak : {"-1", "nan", "1e7"}) {
+  for (const char* peak : {"-1", "nan", "1e7", "1e-9"}) {
     auto bad_peak = RunCommand({Runfile(kWorker), "--peak-tflops", peak, "--listen", "127.0.0.1:0",
                                 "--metrics-listen", "127.0.0.1:0", "--device", "cpu"},
                                TempPath(""));
     EXPECT_NE(bad_peak.code, 0) << peak;
-    EXPECT_TRUE(absl::StrContains(bad_peak.err, "--peak-tflops: must be in [0, 1e6] TFLOP/s")) << bad_peak.err;
+    EXPECT_TRUE(absl::StrContains(bad_peak.err, "--peak-tflops: must be 0 (the datasheet's) or in [1e-6, 1e6] TFLOP/s"))
+        << bad_peak.err;
   }
 
   auto no_dir = RunCommand({Runfile(kCoordinator), "--listen", "127.0.0.1:0", "--metrics-listen",

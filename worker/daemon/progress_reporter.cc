@@ -50,9 +50,8 @@ void ProgressReporter::SendLoop() const {
       if (closing_) return;
     }
     bool down = false;
-    const bool stop = Flush(&down, /*wait=*/false);
+    Flush(&down, /*wait=*/false, /*until_closing=*/true, absl::InfiniteFuture());
     absl::MutexLock lock(&mu_);
-    stop_ = stop_ || stop;
     if (down) {
       retry_at = absl::Now() + backoff;
       backoff = std::min(kRetryMost, backoff * 2);
@@ -84,52 +83,59 @@ bool ProgressReporter::Step(const train::StepStats& st) const {
   return stop_;
 }
 
-bool ProgressReporter::Flush(bool* down, bool wait) const {
-  bool stop = false;
+void ProgressReporter::RequeueRecentLocked() const {
+  while (!recent_.empty()) {
+    undelivered_.push_front(std::move(recent_.back()));
+    recent_.pop_back();
+  }
+  // Over the bound the oldest go: resends of delivered steps first.
+  while (undelivered_.size() > kMaxUndelivered) undelivered_.pop_front();
+}
+
+void ProgressReporter::Flush(bool* down, bool wait, bool until_closing, absl::Time deadline) const {
   for (;;) {
     v1::ReportProgressRequest next;
     {
       absl::MutexLock lock(&mu_);
-      if (undelivered_.empty()) return stop;
+      if (undelivered_.empty() || (until_closing && closing_)) return;
+    }
+    if (absl::Now() > deadline) {
+      *down = true;
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
       next = undelivered_.front();
     }
     const int64_t step = next.step().step();
     absl::StatusOr<Answer> sent = Send(next, wait);
+    absl::MutexLock lock(&mu_);
     if (!sent.ok() && sent.status().code() == absl::StatusCode::kUnavailable) {
       *down = true;  // kept for the next report
-      absl::MutexLock lock(&mu_);
       // The coordinator is away, and may have died: the steps it took last
       // may not have reached its disk (it writes a job's record at most once
       // a second). They are sent again with the rest; it keeps each step once.
-      while (!recent_.empty()) {
-        undelivered_.push_front(std::move(recent_.back()));
-        recent_.pop_back();
-      }
-      return stop;
+      RequeueRecentLocked();
+      return;
     }
-    {
-      absl::MutexLock lock(&mu_);
-      if (!undelivered_.empty() && undelivered_.front().step().step() == step) undelivered_.pop_front();
-      if (sent.ok() && !sent->incarnation.empty()) {
-        if (!incarnation_.empty() && sent->incarnation != incarnation_) {
-          // Another coordinator process than the last answer's: the one
-          // before may have died before writing the steps it took last.
-          COLOD_LOG(INFO) << "job " << job_id_ << ": the coordinator restarted; sending its last " << recent_.size()
-                          << " steps again";
-          while (!recent_.empty()) {
-            undelivered_.push_front(std::move(recent_.back()));
-            recent_.pop_back();
-          }
-        }
-        incarnation_ = sent->incarnation;
+    if (!undelivered_.empty() && undelivered_.front().step().step() == step) undelivered_.pop_front();
+    if (sent.ok() && !sent->incarnation.empty()) {
+      if (!incarnation_.empty() && sent->incarnation != incarnation_) {
+        // Another coordinator process than the last answer's: the one
+        // before may have died before writing the steps it took last.
+        COLOD_LOG(INFO) << "job " << job_id_ << ": the coordinator restarted; sending its last " << recent_.size()
+                        << " steps again";
+        RequeueRecentLocked();
       }
-      recent_.push_back(std::move(next));
-      if (recent_.size() > kResent) recent_.pop_front();
-      ++delivered_;
+      incarnation_ = sent->incarnation;
     }
+    recent_.push_back(std::move(next));
+    if (recent_.size() > kResent) recent_.pop_front();
+    ++delivered_;
     // Answered: recorded, or refused for good (a stale or unknown job, which
-    // records a late step all the same; or an error, logged by Send).
-    stop = stop || (sent.ok() && sent->stop);
+    // records a late step all the same; or an error, logged by Send). A
+    // "stop" reaches the training thread's next Step at once.
+    if (sent.ok() && sent->stop) stop_ = true;
   }
 }
 
@@ -144,13 +150,13 @@ int64_t ProgressReporter::delivered() const {
 }
 
 void ProgressReporter::End(const absl::Status& status, const std::optional<v1::ForwardResult>& forward) const {
-  // The sending thread stops (within one RPC timeout, if it is sending);
+  // The sending thread stops (within one report's attempts, if it is sending);
   // then the rank's last chance to deliver what it kept: each waits for
   // the channel to the coordinator (which may be reconnecting after an
   // outage) up to the RPC timeout, rather than failing at once.
   StopSender();
   bool down = false;
-  Flush(&down, /*wait=*/true);
+  Flush(&down, /*wait=*/true, /*until_closing=*/false, absl::Now() + 2 * options_.rpc_timeout);
   if (down) {
     COLOD_LOG(WARNING) << "job " << job_id_ << ": " << undelivered() << " steps' reports could not be delivered";
   }

@@ -51,8 +51,8 @@ class ProgressReporter {
 
   // Reports for the rank `assignment` describes (job, generation, rank).
   ProgressReporter(Options options, const v1::AssignJobRequest& assignment);
-  // Stops the sending thread (within one RPC timeout); what it had not
-  // delivered is dropped: End delivers it.
+  // Stops the sending thread (within one report's attempts: two RPC
+  // timeouts); what it had not delivered is dropped: End delivers it.
   ~ProgressReporter();
   ProgressReporter(const ProgressReporter&) = delete;
   ProgressReporter& operator=(const ProgressReporter&) = delete;
@@ -69,9 +69,10 @@ class ProgressReporter {
   // a report that fails twice (five times for the end) is given up, logged.
   bool Phase(v1::RankPhase phase, const std::string& message = "") const;
   // Queues the step for the sending thread and returns at once: true when
-  // an answer to an earlier report said stop.
+  // an answer to an earlier report said stop (as soon as it came).
   bool Step(const train::StepStats& step) const;
-  // The rank's end: what is kept, then its status and, for rank 0 of a
+  // The rank's end: what is kept (for at most two RPC timeouts, each
+  // report waiting for the channel), then its status and, for rank 0 of a
   // FORWARD job, the result.
   void End(const absl::Status& status, const std::optional<v1::ForwardResult>& forward) const;
   // Steps not delivered yet (queued, or kept through an outage).
@@ -90,10 +91,15 @@ class ProgressReporter {
     std::string incarnation;  // the coordinator's, empty from an older one
   };
   absl::StatusOr<Answer> Send(v1::ReportProgressRequest report, bool wait = false) const;
-  // Sends the kept steps in order until one fails (`*down` set). Returns
-  // whether one was answered "stop". One caller at a time: the sending
-  // thread, or End once it has stopped it.
-  bool Flush(bool* down, bool wait) const;
+  // Sends the kept steps in order until the queue is empty, one fails
+  // (`*down` set; the recent ones are queued again), closing_ is set (when
+  // `until_closing`) or `deadline` passes (`*down` set). An answer "stop"
+  // sets stop_ at once. One caller at a time: the sending thread, or End
+  // once it has stopped it.
+  void Flush(bool* down, bool wait, bool until_closing, absl::Time deadline) const;
+  // The delivered steps kept for a resend, back at the queue's front; the
+  // queue cut to kMaxUndelivered (the oldest go).
+  void RequeueRecentLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The sending thread: Flush whenever steps are queued, backing off while
   // the coordinator is away, until closing_.
   void SendLoop() const;

@@ -64,10 +64,11 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
     return absl::InvalidArgumentError(absl::StrCat("--memory-limit: must be >= 0, got ", o.memory_limit_bytes));
   }
   if (o.memory_limit_bytes > 0) info.set_memory_bytes(o.memory_limit_bytes);
-  // 1e6 TFLOP/s: a thousand times the largest GPU's, a unit mistake.
-  if (!(o.peak_tflops >= 0 && o.peak_tflops <= 1e6)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--peak-tflops: must be in [0, 1e6] TFLOP/s, got ", o.peak_tflops));
+  // Beyond 1e6 TFLOP/s (a thousand times the largest GPU's) or below 1e-6
+  // is a unit mistake; the coordinator refuses such a peak too.
+  if (!(o.peak_tflops == 0 || (o.peak_tflops >= 1e-6 && o.peak_tflops <= 1e6))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--peak-tflops: must be 0 (the datasheet's) or in [1e-6, 1e6] TFLOP/s, got ", o.peak_tflops));
   }
   v1::DevicePeak& peak = *info.mutable_peak();
   if (o.peak_tflops > 0) {

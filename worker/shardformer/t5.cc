@@ -24,12 +24,19 @@ namespace colod::shardformer {
 namespace {
 
 
-// The relative position bias [heads, sq, sk] of a stack, every head's,
-// from layer 0's relative_attention_bias table [buckets, heads]
-// (replicated); each attention narrows it to its rank's heads. When the
-// heads are split the table's gradient is summed over tp (each rank
-// contributes its heads' columns, for its rows).
-absl::StatusOr<Variable> PositionBias(Module& attn, const ColoTensor& like, int64_t sq, int64_t sk, bool decoder) {
+// A stack's relative position bias: layer 0's relative_attention_bias
+// table [buckets, heads] (replicated) looked up for every (query, key)
+// pair, [sq, sk, heads], and this rank's heads' rows of it, [local heads,
+// sq, sk], built at the stack's first attention (which knows the rank's
+// heads) and shared by its blocks. When the heads are split the table's
+// gradient is summed over tp (each rank contributes its heads' columns,
+// for its rows).
+struct StackBias {
+  Variable values;                // [sq, sk, heads]
+  std::optional<Variable> local;  // [local heads, sq, sk]
+};
+
+absl::StatusOr<StackBias> PositionBias(Module& attn, const ColoTensor& like, int64_t sq, int64_t sk, bool decoder) {
   ASSIGN_OR_RETURN(int64_t heads, attn.IntAttr("n_heads"));
   ASSIGN_OR_RETURN(int64_t total, attn.IntAttr("total_heads"));
   ASSIGN_OR_RETURN(int64_t buckets, attn.IntAttr("relative_attention_num_buckets"));
@@ -38,28 +45,34 @@ absl::StatusOr<Variable> PositionBias(Module& attn, const ColoTensor& like, int6
   ASSIGN_OR_RETURN(Tensor bucket_ids, Tensor::FromInt64s({sq, sk}, ids));
   ASSIGN_OR_RETURN(ColoTensor id_tensor, ColoTensor::FromLocal(bucket_ids, DistSpec(), like.process_group()));
   ASSIGN_OR_RETURN(ColoTensor values, attn.Call("relative_attention_bias", id_tensor));  // [sq, sk, total]
-  Variable table = values.variable();
+  StackBias bias{values.variable(), std::nullopt};
   if (heads != total) {
     ProcessGroup* pg = like.process_group();
     ASSIGN_OR_RETURN(Communicator * tp, pg->Comm("tp"));
-    ASSIGN_OR_RETURN(table, nn::ReduceGradient(table, tp, pg->timeout()));
+    ASSIGN_OR_RETURN(bias.values, nn::ReduceGradient(bias.values, tp, pg->timeout()));
   }
+  return bias;
+}
+
+// Rows [first, first + heads) of the bias as [heads, sq, sk].
+absl::StatusOr<Variable> LocalBias(const Variable& values, int64_t first, int64_t heads) {
+  const Shape& s = values.value().shape();  // [sq, sk, total]
   std::vector<Variable> per_head;
-  for (int64_t h = 0; h < total; ++h) {
-    ASSIGN_OR_RETURN(Variable column, nn::Narrow(table, 2, h, 1));
-    ASSIGN_OR_RETURN(column, nn::Reshape(column, {1, sq, sk}));
+  for (int64_t h = 0; h < heads; ++h) {
+    ASSIGN_OR_RETURN(Variable column, nn::Narrow(values, 2, first + h, 1));
+    ASSIGN_OR_RETURN(column, nn::Reshape(column, {1, s[0], s[1]}));
     per_head.push_back(column);
   }
   return nn::Cat(per_head, 0);
 }
 
 // T5Attention without scaling: q from x, k and v from `kv` (x itself, or
-// the encoder's output), the scores plus the rows of `bias` [heads, sq, sk]
-// of this rank's heads (none for cross-attention): those its block of q's
-// output holds, in any mode (1D splits the heads over tp, 2D/2.5D over
-// tp_row, 3D over the layer's column axis).
-absl::StatusOr<ColoTensor> Attention(Module& attn, const ColoTensor& x, const ColoTensor& kv,
-                                     const std::optional<Variable>& bias, bool causal) {
+// the encoder's output), the scores plus the stack's bias (none for
+// cross-attention) for this rank's heads: those its block of q's output
+// holds, in any mode (1D splits the heads over tp, 2D/2.5D over tp_row, 3D
+// over the layer's column axis).
+absl::StatusOr<ColoTensor> Attention(Module& attn, const ColoTensor& x, const ColoTensor& kv, StackBias* bias,
+                                     bool causal) {
   ASSIGN_OR_RETURN(int64_t heads, attn.IntAttr("n_heads"));
   ASSIGN_OR_RETURN(int64_t total, attn.IntAttr("total_heads"));
   ASSIGN_OR_RETURN(int64_t head_dim, attn.IntAttr("key_value_proj_dim"));
@@ -69,17 +82,24 @@ absl::StatusOr<ColoTensor> Attention(Module& attn, const ColoTensor& x, const Co
   ASSIGN_OR_RETURN(Variable qh, SplitHeads(q, heads, head_dim, "q"));
   ASSIGN_OR_RETURN(Variable kh, SplitHeads(k, heads, head_dim, "k"));
   ASSIGN_OR_RETURN(Variable vh, SplitHeads(v, heads, head_dim, "v"));
-  std::optional<Variable> local_bias = bias;
-  if (bias.has_value() && heads != total) {
-    ASSIGN_OR_RETURN(Block block, LocalBlock(q.spec(), q.global_shape(), q.process_group()));
-    if (block.starts.empty() || block.starts.back() % head_dim != 0 ||
-        block.starts.back() / head_dim + heads > total) {
-      return absl::InvalidArgumentError(absl::StrCat("q's block does not hold whole heads (", q.spec().ToString(),
-                                                     ")"));
+  std::optional<Variable> scores_bias;
+  if (bias != nullptr) {
+    if (!bias->local.has_value()) {
+      int64_t first = 0;
+      if (heads != total) {
+        ASSIGN_OR_RETURN(Block block, LocalBlock(q.spec(), q.global_shape(), q.process_group()));
+        if (block.starts.empty() || block.starts.back() % head_dim != 0 ||
+            block.starts.back() / head_dim + heads > total) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("q's block does not hold whole heads (", q.spec().ToString(), ")"));
+        }
+        first = block.starts.back() / head_dim;
+      }
+      ASSIGN_OR_RETURN(bias->local, LocalBias(bias->values, first, heads));
     }
-    ASSIGN_OR_RETURN(local_bias, nn::Narrow(*bias, 0, block.starts.back() / head_dim, heads));
+    scores_bias = bias->local;
   }
-  ASSIGN_OR_RETURN(Variable att, nn::BiasedAttention(qh, kh, vh, 1.0f, causal, local_bias));
+  ASSIGN_OR_RETURN(Variable att, nn::BiasedAttention(qh, kh, vh, 1.0f, causal, scores_bias));
   const Shape& s = att.value().shape();
   ASSIGN_OR_RETURN(att, nn::Reshape(att, {s[0], s[1], heads * head_dim}));
   return CallWithLocal(attn, "o", att, x.process_group());
@@ -113,20 +133,20 @@ absl::StatusOr<ColoTensor> Stack(Module& root, const std::string& name, const Co
   ASSIGN_OR_RETURN(x, ToInputOf(*stack, "block.0.layer.0.layer_norm", x));
   const int64_t seq = ids.local().shape()[1];
   ASSIGN_OR_RETURN(Module * first_attn, stack->Get("block.0.layer.0.SelfAttention"));
-  ASSIGN_OR_RETURN(Variable bias, PositionBias(*first_attn, x, seq, seq, decoder));
+  ASSIGN_OR_RETURN(StackBias bias, PositionBias(*first_attn, x, seq, seq, decoder));
   ASSIGN_OR_RETURN(Module * blocks, stack->Get("block"));
   for (int64_t i = 0;; ++i) {
     Module* block = blocks->Find(absl::StrCat(i));
     if (block == nullptr) break;
     ASSIGN_OR_RETURN(ColoTensor h, block->Call("layer.0.layer_norm", x));
     ASSIGN_OR_RETURN(Module * self_attn, block->Get("layer.0.SelfAttention"));
-    ASSIGN_OR_RETURN(ColoTensor a, Attention(*self_attn, h, h, bias, /*causal=*/decoder));
+    ASSIGN_OR_RETURN(ColoTensor a, Attention(*self_attn, h, h, &bias, /*causal=*/decoder));
     ASSIGN_OR_RETURN(x, AddActivations(x, a));
     int ff = 1;
     if (decoder) {
       ASSIGN_OR_RETURN(ColoTensor hc, block->Call("layer.1.layer_norm", x));
       ASSIGN_OR_RETURN(Module * cross, block->Get("layer.1.EncDecAttention"));
-      ASSIGN_OR_RETURN(ColoTensor c, Attention(*cross, hc, *encoder_out, std::nullopt, /*causal=*/false));
+      ASSIGN_OR_RETURN(ColoTensor c, Attention(*cross, hc, *encoder_out, nullptr, /*causal=*/false));
       ASSIGN_OR_RETURN(x, AddActivations(x, c));
       ff = 2;
     }
