@@ -395,10 +395,11 @@ v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode) {
 TEST(Plan, TrainFlopsPerTokenCountsEveryMatrixMultiplyOfTheFile) {
   auto matmul = [](const testing::TinyModel& m, const std::vector<std::string>& not_matmul) {
     double n = 0;
-    for (const auto& [name, t] : m.tensors) {
+    for (const auto& entry : m.tensors) {
+      const std::string& name = entry.first;  // (a structured binding cannot be captured in C++17)
       const bool skip = std::any_of(not_matmul.begin(), not_matmul.end(),
                                     [&](const std::string& part) { return name.find(part) != std::string::npos; });
-      if (!skip) n += static_cast<double>(t.numel());
+      if (!skip) n += static_cast<double>(entry.second.numel());
     }
     return n;
   };
