@@ -291,8 +291,7 @@ absl::StatusOr<ColoTensor> ToInputOf(Module& self, const std::string& path, cons
   ASSIGN_OR_RETURN(Module * m, self.Get(path));
   if (m->layer() == nullptr) return absl::FailedPreconditionError(absl::StrCat(path, " has no weights loaded"));
   ASSIGN_OR_RETURN(DistSpec want, m->layer()->InputSpec(static_cast<int64_t>(x.global_shape().size())));
-  if (want.ToString() == x.spec().ToString()) return x;
-  return x.Redistribute(want);
+  return x.Redistribute(want);  // no step (and nothing on the tape) where x is in it already
 }
 
 }  // namespace colod::shardformer

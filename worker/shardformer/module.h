@@ -225,7 +225,7 @@ absl::StatusOr<ColoTensor> AddActivations(const ColoTensor& a, const ColoTensor&
 // Whether `spec` splits dim `dim` over some mesh axis.
 bool SplitsDim(const DistSpec& spec, int64_t dim);
 // `x` in the spec the layer at `path` under `self` takes (ColoTensor::
-// Redistribute; as it is when it already is): where a replicated part of a
+// Redistribute, which takes no step when it already is): where a replicated part of a
 // model (embeddings, a head) meets a sharded one. FAILED_PRECONDITION when
 // the module holds no layer.
 absl::StatusOr<ColoTensor> ToInputOf(Module& self, const std::string& path, const ColoTensor& x);

@@ -80,9 +80,7 @@ Module::ForwardFn DecoderForward(bool sequence_parallel) {
     // The residual stream's spec; in 3D a lone projection (a Linear3D
     // without its pair) leaves its output in the swapped spec, moved back.
     const DistSpec stream = where.spec();
-    if (x.spec().ToString() != stream.ToString()) {
-      ASSIGN_OR_RETURN(x, x.Redistribute(stream));
-    }
+    ASSIGN_OR_RETURN(x, x.Redistribute(stream));  // no step where x is in it already
     ASSIGN_OR_RETURN(x, AddActivations(x, where));
     if (sequence_parallel) {
       ASSIGN_OR_RETURN(x, SplitSequence(x));
@@ -97,9 +95,7 @@ Module::ForwardFn DecoderForward(bool sequence_parallel) {
         ASSIGN_OR_RETURN(x, x.ToReplicate());
       }
       ASSIGN_OR_RETURN(x, self.Call("project_out", x));
-      if (!sequence_parallel && x.spec().ToString() != stream.ToString()) {
-        ASSIGN_OR_RETURN(x, x.Redistribute(stream));  // 3D: for the head tied to embed_tokens
-      }
+      ASSIGN_OR_RETURN(x, x.Redistribute(stream));  // 3D: for the head tied to embed_tokens
     }
     return x;
   };
