@@ -16,7 +16,12 @@ ProgressReporter::ProgressReporter(Options options, const v1::AssignJobRequest& 
     : options_(std::move(options)),
       job_id_(assignment.job_id()),
       generation_(assignment.generation()),
-      rank_(assignment.rank()) {
+      rank_(assignment.rank()),
+      worker_id_(assignment.rank() >= 0 && assignment.rank() < assignment.mesh().ranks_size() &&
+                         !assignment.mesh().ranks(assignment.rank()).worker_id().empty()
+                     ? assignment.mesh().ranks(assignment.rank()).worker_id()
+                 : options_.worker_id ? options_.worker_id()
+                                      : "") {
   absl::MutexLock lock(&join_mu_);
   sender_ = std::thread([this] { SendLoop(); });
 }
@@ -171,7 +176,11 @@ absl::StatusOr<ProgressReporter::Answer> ProgressReporter::Send(v1::ReportProgre
   req.set_job_id(job_id_);
   req.set_generation(generation_);
   req.set_rank(rank_);
-  req.set_worker_id(options_.worker_id ? options_.worker_id() : "");
+  // The id the rank was placed on, not the worker's id now: one that
+  // registers again (a coordinator that restarted forgot it) is briefly
+  // without an id, then has another, and a report under either would be
+  // refused and its step lost.
+  req.set_worker_id(worker_id_);
   const bool final = req.has_result();
   absl::Status last;
   const int attempts = wait ? 1 : final ? 5 : 2;  // a wait is one attempt of the whole timeout

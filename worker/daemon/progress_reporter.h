@@ -45,7 +45,10 @@ class ProgressReporter {
     std::string auth_token;
     // Of each attempt.
     absl::Duration rpc_timeout = absl::Seconds(10);
-    // This worker's id; may be empty.
+    // This worker's id, for an assignment whose mesh does not name the
+    // worker of its rank (which is the id every report carries: the one
+    // the coordinator placed the rank on, also while this worker registers
+    // again under a new id); may be empty.
     std::function<std::string()> worker_id;
   };
 
@@ -120,6 +123,9 @@ class ProgressReporter {
   const std::string job_id_;
   const int64_t generation_;
   const int rank_;
+  // The worker the assignment's mesh names for rank_ (options_.worker_id's
+  // when it names none): the one the coordinator checks a report against.
+  const std::string worker_id_;
 };
 
 }  // namespace colod

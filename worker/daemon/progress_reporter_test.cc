@@ -4,7 +4,8 @@
 // again; a report the coordinator refuses is dropped, not kept; End sends
 // what is kept before the rank's result; a coordinator that answers
 // nothing never holds the training thread; a "stop" answer reaches a
-// later step.
+// later step; every report carries the worker the rank was placed on,
+// also while the worker registers again.
 #include "worker/daemon/progress_reporter.h"
 
 #include <vector>
@@ -35,6 +36,11 @@ class FakeReports final : public v1::CoordinatorService::Service {
     absl::MutexLock lock(&mu_);
     return accepted_;
   }
+  // The worker ids of the reports it accepted.
+  std::vector<std::string> Workers() {
+    absl::MutexLock lock(&mu_);
+    return workers_;
+  }
 
   grpc::Status ReportProgress(grpc::ServerContext*, const v1::ReportProgressRequest* req,
                               v1::ReportProgressResponse* resp) override {
@@ -43,7 +49,10 @@ class FakeReports final : public v1::CoordinatorService::Service {
     mu_.AwaitWithTimeout(absl::Condition(&answered), absl::Seconds(30));
     if (answer_ == Answer::kUnavailable) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "away");
     if (answer_ == Answer::kRefuse) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "refused");
+    // As the coordinator's validation does.
+    if (req->worker_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "worker_id: required");
     accepted_.push_back(req->has_step() ? req->step().step() : -1);  // -1: the result
+    workers_.push_back(req->worker_id());
     resp->set_stop(answer_ == Answer::kStop);
     resp->set_coordinator_incarnation(incarnation_);
     return grpc::Status::OK;
@@ -53,6 +62,7 @@ class FakeReports final : public v1::CoordinatorService::Service {
   absl::Mutex mu_;
   Answer answer_ ABSL_GUARDED_BY(mu_) = Answer::kOk;
   std::vector<int64_t> accepted_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> workers_ ABSL_GUARDED_BY(mu_);
   std::string incarnation_ ABSL_GUARDED_BY(mu_) = "first";
 };
 
@@ -66,10 +76,22 @@ class ProgressReporterTest : public ::testing::Test {
     o.coordinator =
         v1::CoordinatorService::NewStub(grpc::CreateChannel(started->address, grpc::InsecureChannelCredentials()));
     o.rpc_timeout = absl::Seconds(5);
+    o.worker_id = [this] {
+      absl::MutexLock lock(&id_mu_);
+      return worker_id_now_;
+    };
+    options_ = o;
     v1::AssignJobRequest assignment;
     assignment.set_job_id("job-000001");
     assignment.set_generation(1);
+    v1::RankAssignment* placed = assignment.mutable_mesh()->add_ranks();
+    placed->set_rank(0);
+    placed->set_worker_id("worker-placed");
     reporter_ = std::make_unique<ProgressReporter>(o, assignment);
+  }
+  void SetWorkerIdNow(std::string id) {
+    absl::MutexLock lock(&id_mu_);
+    worker_id_now_ = std::move(id);
   }
   void TearDown() override { StopGrpcServer(*server_, absl::Seconds(1)); }
 
@@ -93,6 +115,9 @@ class ProgressReporterTest : public ::testing::Test {
   }
 
   FakeReports service_;
+  absl::Mutex id_mu_;
+  std::string worker_id_now_ ABSL_GUARDED_BY(id_mu_) = "worker-now";
+  ProgressReporter::Options options_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<ProgressReporter> reporter_;
 };
@@ -169,6 +194,32 @@ TEST_F(ProgressReporterTest, EndSendsWhatIsKeptBeforeTheResult) {
   reporter_->End(absl::OkStatus(), std::nullopt);
   EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{1, 2, -1}));
   EXPECT_EQ(reporter_->undelivered(), 0u);
+}
+
+// A coordinator that restarted has forgotten the worker, which registers
+// again: for a moment it has no id, then another one. The rank's reports
+// still name the worker the rank was placed on (which the coordinator
+// checks them against); under the id of the moment, the first would be
+// refused (worker_id: required) and its step lost.
+TEST_F(ProgressReporterTest, ReportsNameTheWorkerTheRankWasPlacedOnWhileItRegistersAgain) {
+  SetWorkerIdNow("");
+  Step(1);
+  WaitDelivered(1);
+  SetWorkerIdNow("worker-registered-again");
+  Step(2);
+  reporter_->End(absl::OkStatus(), std::nullopt);
+  EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{1, 2, -1}));
+  EXPECT_EQ(service_.Workers(), (std::vector<std::string>(3, "worker-placed")));
+}
+
+// An assignment whose mesh names no worker for the rank: the worker's own id.
+TEST_F(ProgressReporterTest, WithoutAMeshTheWorkersOwnIdIsSent) {
+  v1::AssignJobRequest assignment;
+  assignment.set_job_id("job-000002");
+  assignment.set_generation(1);
+  ProgressReporter reporter(options_, assignment);
+  reporter.End(absl::OkStatus(), std::nullopt);
+  EXPECT_EQ(service_.Workers(), (std::vector<std::string>{"worker-now"}));
 }
 
 }  // namespace
