@@ -24,7 +24,7 @@ ABSL_FLAG(int32_t, depth, 0, "forward, train, submit, plan, tensor: depth of 2.5
 ABSL_FLAG(bool, sequence_parallel, false,
           "forward, train, submit, plan: split activations along the sequence over tp (1d).");
 ABSL_FLAG(int32_t, pp, 1,
-          "train: pipeline stages (gpt2, llama; world = dp * pp * tp): each holds a run of the layers, and each "
+          "train: pipeline stages (every family but t5; world = dp * pp * tp): each holds a run of the layers, and each "
           "step runs the 1F1B schedule over --micro-batches.");
 ABSL_FLAG(std::string, pp_layers, "",
           "train: the layers of each pipeline stage, first stage first (\"3,1\"); default: as even as they split.");

@@ -388,11 +388,11 @@ struct FamilyRow {
 constexpr FamilyRow kFamilyRows[] = {
     {"gpt2", {true, true, true, true}},
     {"llama", {true, true, true, true}},
-    {"bert", {true, true, true, false}},
-    {"opt", {true, true, true, false}},
-    {"bloom", {true, true, true, false}},
+    {"bert", {true, true, true, true}},
+    {"opt", {true, true, true, true}},
+    {"bloom", {true, true, true, true}},
     {"vit",
-     {false, true, true, false},
+     {false, true, true, true},
      "its sequence, n^2 patches and the CLS token, never splits evenly 4 ways (n^2 + 1 is 1 or 2 modulo 4) and "
      "2 ways only for an odd n (not ViT-B/16's 14 x 14 patches), and sequence parallelism splits it evenly"},
     {"t5", {true, true, true, false}},
@@ -410,7 +410,7 @@ const FamilyLayouts* FindLayouts(const std::string& model_type) {
   return r != nullptr ? &r->layouts : nullptr;
 }
 
-// "gpt2 and llama": the built-in families with pipeline stages.
+// "gpt2, llama, ... and vit": the built-in families with pipeline stages.
 std::string FamiliesWithStages() {
   std::vector<std::string> names;
   for (const FamilyRow& r : kFamilyRows) {

@@ -359,7 +359,7 @@ TEST(ModelConfig, ShardabilityNamesTheNumbers) {
   stages.set_tensor_parallel_size(1);
   stages.set_pipeline_parallel_size(2);
   bad = CheckShardable(*t5, stages);
-  EXPECT_NE(bad.message().find("the t5 policy has no pipeline stages (gpt2 and llama have)"), absl::string_view::npos)
+  EXPECT_NE(bad.message().find("the t5 policy has no pipeline stages (gpt2, llama, bert, opt, bloom and vit have)"), absl::string_view::npos)
       << bad;
   // 3D splits every linear's outputs q^2 ways, OPT's projections too.
   auto opt_3d = ParseModelConfig(R"({"model_type":"opt","vocab_size":64,"hidden_size":64,"ffn_dim":128,

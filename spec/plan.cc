@@ -508,21 +508,29 @@ bool HasTiedHead(const std::vector<PlanLeaf>& leaves) {
   return std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) { return l.role == Role::kTiedHead; });
 }
 
-// The leaves pipeline stage `s` holds (gpt2, llama): the layers' leaves for
-// its share of the layers, the embeddings on the first stage, the final
-// norm and the head on the last, which also holds a tied head's table (its
-// mirror of the first stage's).
-std::vector<PlanLeaf> StageLeaves(const ModelConfig& config, const std::vector<PlanLeaf>& leaves,
-                                  const std::vector<int64_t>& stages, size_t s) {
-  const bool first = s == 0, last = s + 1 == stages.size(), tied = HasTiedHead(leaves);
-  std::vector<PlanLeaf> out;
+// The leaves pipeline stage `s` holds, from their places in the family's
+// table (a single stack's: the leaves before its layers', the layers',
+// the rest): the layers' leaves for its share of the layers, the leaves
+// before them (the embeddings) on the first stage, the leaves after them
+// (the final norm, the heads) on the last, which also holds a tied head's
+// table (its mirror of the first stage's).
+std::vector<PlanLeaf> StageLeaves(const std::vector<PlanLeaf>& leaves, const std::vector<int64_t>& stages, size_t s) {
+  const bool first = s == 0, last = s + 1 == stages.size();
+  std::string tied_table;  // a tied head's table, under the base model
   for (const PlanLeaf& l : leaves) {
-    if (l.count == config.num_layers) {
+    if (l.role == Role::kTiedHead) tied_table = l.tied_to;
+  }
+  std::vector<PlanLeaf> out;
+  bool after_layers = false;
+  for (const PlanLeaf& l : leaves) {
+    const bool layer = l.name.find('*') != std::string::npos;
+    after_layers = after_layers || layer;
+    if (layer) {
       PlanLeaf mine = l;
       mine.count = stages[s];
       out.push_back(mine);
-    } else if (l.role == Role::kVocabTable || l.role == Role::kPositions) {
-      if (first || (last && tied && l.role == Role::kVocabTable)) {
+    } else if (!after_layers) {
+      if (first || (last && !l.on_root && l.name == tied_table)) {
         PlanLeaf mine = l;
         if (!first) mine.lookups = 0;  // the mirror only serves the head
         out.push_back(mine);
@@ -544,7 +552,7 @@ absl::StatusOr<int64_t> RankParameters(const ModelConfig& config, const v1::Shar
   ASSIGN_OR_RETURN(std::vector<int64_t> stages, PipelineStageLayers(config, layout));
   int64_t fullest = 0;
   for (size_t s = 0; s < stages.size(); ++s) {
-    ASSIGN_OR_RETURN(int64_t held, SumRankElements(StageLeaves(config, leaves, stages, s), split));
+    ASSIGN_OR_RETURN(int64_t held, SumRankElements(StageLeaves(leaves, stages, s), split));
     fullest = std::max(fullest, held);
   }
   return fullest;
@@ -642,6 +650,8 @@ struct StageContext {
   int64_t col_rows = 0, col_div = 1;  // a column-parallel output's rows, and its features' split
   int64_t stream_rows = 0;            // the residual stream's rows on a rank
   PlanDevice device = PlanDevice::kCpu;
+  // Whether this rank computes the loss (and reduces it): the last stage's.
+  bool loss() const { return stage < 0 || stage == pp - 1; }
 };
 
 // The layout's checks the planner makes beyond CheckShardable (which
@@ -984,7 +994,7 @@ void PlanComm1D(const StageContext& c, CommSum& comm) {
 void PlanCommDataParallel(const StageContext& c, const JobPlan& plan, CommSum& comm) {
   const int dp = c.dp;
   const int64_t micro = c.micro;
-  comm.Add("dp", "all_reduce", {micro}, {2}, 4, dp);  // the loss's sum and tokens
+  if (c.loss()) comm.Add("dp", "all_reduce", {micro}, {2}, 4, dp);  // the loss's sum and tokens
   if (!c.train) return;
   const int64_t bucket = c.spec.train().bucket_bytes() > 0 ? c.spec.train().bucket_bytes() : int64_t{25} << 20;
   auto buckets_of = [&](int64_t elements) { return std::max<int64_t>(1, CeilDiv(elements * c.width, bucket)); };
@@ -1075,10 +1085,13 @@ void PlanComm2D(const StageContext& c, CommSum& comm) {
         break;
     }
   }
-  // The loss's sum and tokens over the ranks holding other rows; the
-  // gradient norm's sum of squares over the tensor-parallel ranks.
-  comm.Add("tp_col", "all_reduce", {micro}, {2}, 4, q);
-  comm.Add("tp_dep", "all_reduce", {micro}, {2}, 4, depth);
+  // The loss's sum and tokens over the ranks holding other rows (on the
+  // stage that computes it); the gradient norm's sum of squares over the
+  // tensor-parallel ranks.
+  if (c.loss()) {
+    comm.Add("tp_col", "all_reduce", {micro}, {2}, 4, q);
+    comm.Add("tp_dep", "all_reduce", {micro}, {2}, 4, depth);
+  }
   if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
 }
 
@@ -1165,10 +1178,13 @@ void PlanComm3D(const StageContext& c, CommSum& comm) {
         break;
     }
   }
-  // The loss's sum and tokens over the ranks holding other rows; the
-  // gradient norm's sum of squares over the tensor-parallel ranks.
-  comm.Add(out_axis, "all_reduce", {micro}, {2}, 4, q);
-  comm.Add(stream_k, "all_reduce", {micro}, {2}, 4, q);
+  // The loss's sum and tokens over the ranks holding other rows (on the
+  // stage that computes it); the gradient norm's sum of squares over the
+  // tensor-parallel ranks.
+  if (c.loss()) {
+    comm.Add(out_axis, "all_reduce", {micro}, {2}, 4, q);
+    comm.Add(stream_k, "all_reduce", {micro}, {2}, 4, q);
+  }
   if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
 }
 
@@ -1233,7 +1249,7 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
   if (stage >= 0) {
     if (!c.train) return absl::InvalidArgumentError("pipeline_parallel_size applies to TRAIN jobs");
     ASSIGN_OR_RETURN(c.stages, PipelineStageLayers(config, layout));
-    c.leaves = StageLeaves(config, c.leaves, c.stages, static_cast<size_t>(stage));
+    c.leaves = StageLeaves(c.leaves, c.stages, static_cast<size_t>(stage));
   }
   c.tied_stages = stage >= 0 && tied_head && (stage == 0 || stage == c.pp - 1);
   c.zero = c.train && c.dp > 1 ? spec.train().zero_stage() : 0;

@@ -10,7 +10,9 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "kernels/device.h"
@@ -127,6 +129,78 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"t5_2d", testing::WriteTinyT5, testing::TinyFlanT5(), 4, 1, k2D, 0, false},
                       Case{"t5_3d", testing::WriteTinyT5, testing::TinyFlanT5(), 8, 1, k3D, 0, false}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// Pipeline stages of every family that has them (tp2 x pp2): the stages together hold every parameter of the unsplit
+// model once (a tied table's mirror apart), and the fullest stage's ranks
+// hold the elements the plan says.
+TEST(PlannedParameters, EveryFamilysStagesHoldTheModelAndThePlannedElements) {
+  struct Family {
+    std::string name;
+    Writer write;
+    testing::TinyOptions options;
+  };
+  for (const Family& f : std::vector<Family>{{"gpt2", testing::WriteTinyGpt2, {}},
+                                             {"llama", testing::WriteTinyLlama, Untied()},
+                                             {"bert", testing::WriteTinyBert, {}},
+                                             {"opt", testing::WriteTinyOpt, OptProjected()},
+                                             {"bloom", testing::WriteTinyBloom, Untied()},
+                                             {"vit", testing::WriteTinyVit, {}}}) {
+    const std::string& name = f.name;
+    testing::TinyOptions o = f.options;
+    o.layers = 3;
+    auto model = f.write(TempPath("plan_stages_" + name), o);
+    ASSERT_TRUE(model.ok()) << model.status();
+    auto names_of = [&](const v1::ShardConfig& layout) {
+      std::mutex mu;
+      std::map<int, std::pair<int64_t, std::set<std::string>>> held;  // rank -> elements, names
+      ShardConfig shard;
+      shard.layout = layout;
+      auto mesh = DeviceMesh::FromShardConfig(layout);
+      if (!mesh.ok()) {
+        ADD_FAILURE() << mesh.status();
+        return held;
+      }
+      colod::testing::RunMesh(*mesh, [&](int rank, ProcessGroup& pg) {
+        auto sharded = ShardFormer(shard, &pg).Load(model->dir);
+        ASSERT_TRUE(sharded.ok()) << name << ": " << sharded.status();
+        int64_t n = 0;
+        std::set<std::string> names;
+        for (const NamedParam& p : (*sharded)->Parameters()) {
+          n += p.bound.param.local().numel();
+          if (!p.mirror) names.insert(p.name);
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        held[rank] = {n, names};
+      });
+      return held;
+    };
+    v1::ShardConfig whole;
+    whole.set_tensor_parallel_size(2);
+    whole.set_data_parallel_size(1);
+    const std::set<std::string> all = names_of(whole)[0].second;
+    // Stages of 2 and 1 layers, and of 1 and 2: the first stage the
+    // fullest, then the last (with a tied table's mirror).
+    for (const std::vector<int>& split : {std::vector<int>{2, 1}, std::vector<int>{1, 2}}) {
+      v1::ShardConfig staged = whole;
+      staged.set_pipeline_parallel_size(2);
+      for (int n : split) staged.add_pipeline_stage_layers(n);
+      const std::string what = absl::StrCat(name, " stages of ", split[0], " and ", split[1], " layers");
+      std::set<std::string> together;
+      int64_t fullest = 0;
+      for (const auto& [rank, h] : names_of(staged)) {
+        fullest = std::max(fullest, h.first);
+        for (const std::string& n : h.second) {
+          EXPECT_TRUE(all.count(n)) << what << ": rank " << rank << " holds " << n << ", which the model has not";
+          together.insert(n);
+        }
+      }
+      EXPECT_EQ(together, all) << what;
+      auto planned = RankParameters(model->config, staged);
+      ASSERT_TRUE(planned.ok()) << planned.status();
+      EXPECT_EQ(*planned, fullest) << what;
+    }
+  }
+}
 
 v1::JobSpec Train(int tp, int dp, v1::TensorParallelMode mode = k1D);
 
@@ -603,10 +677,12 @@ TEST(Plan, RefusesWhatThePoliciesRefuse) {
   EXPECT_TRUE(PlanJob(t5->config, Train(4, 1, k2D)).ok());
   v1::JobSpec stages = Train(1, 1);
   stages.mutable_shard()->set_pipeline_parallel_size(2);
-  auto opt_pp = PlanJob(opt->config, stages);
-  EXPECT_NE(opt_pp.status().message().find("the opt policy has no pipeline stages (gpt2 and llama have)"),
+  EXPECT_TRUE(PlanJob(opt->config, stages).ok()) << "every single-stack family has stages";
+  auto t5_pp = PlanJob(t5->config, stages);
+  EXPECT_NE(t5_pp.status().message().find("the t5 policy has no pipeline stages (gpt2, llama, bert, opt, bloom "
+                                          "and vit have)"),
             std::string::npos)
-      << opt_pp.status();
+      << t5_pp.status();
   v1::JobSpec sp_3d = Train(8, 1, k3D);
   sp_3d.mutable_shard()->set_sequence_parallel(true);
   EXPECT_EQ(PlanJob(gpt2->config, sp_3d).status().code(), absl::StatusCode::kInvalidArgument);
@@ -667,14 +743,21 @@ TEST(Plan, RanksLayoutsByCommunicationAndLeavesOutWhatDoesNotFit) {
     }
   }
   // Without stages in the family or the job: tp x dp only, and one line says why.
+  auto t5 = testing::WriteTinyT5(TempPath("plan_rank_t5"), testing::TinyFlanT5());
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  auto t5_layouts = RankLayouts(t5->config, spec, 4, 0);
+  ASSERT_TRUE(t5_layouts.ok()) << t5_layouts.status();
+  for (const RankedLayout& l : t5_layouts->fits) EXPECT_LE(l.shard.pipeline_parallel_size(), 1);
+  ASSERT_FALSE(t5_layouts->refused.empty());
+  EXPECT_NE(t5_layouts->refused.front().find("no pipeline stages"), std::string::npos)
+      << t5_layouts->refused.front();
   auto bert = testing::WriteTinyBert(TempPath("plan_rank_bert"), o);
   ASSERT_TRUE(bert.ok()) << bert.status();
   auto bert_layouts = RankLayouts(bert->config, spec, 4, 0);
   ASSERT_TRUE(bert_layouts.ok()) << bert_layouts.status();
-  for (const RankedLayout& l : bert_layouts->fits) EXPECT_LE(l.shard.pipeline_parallel_size(), 1);
-  ASSERT_FALSE(bert_layouts->refused.empty());
-  EXPECT_NE(bert_layouts->refused.front().find("no pipeline stages"), std::string::npos)
-      << bert_layouts->refused.front();
+  bool bert_staged = false;
+  for (const RankedLayout& l : bert_layouts->fits) bert_staged = bert_staged || l.shard.pipeline_parallel_size() == 2;
+  EXPECT_TRUE(bert_staged) << "bert has pipeline stages";
   v1::JobSpec forward = spec;
   forward.set_kind(v1::JOB_KIND_FORWARD);
   auto forward_layouts = RankLayouts(model->config, forward, 4, 0);

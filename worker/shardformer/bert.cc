@@ -62,12 +62,18 @@ absl::StatusOr<ColoTensor> LayerForward(Module& self, const ColoTensor& x) {
 
 // With sequence parallelism the embeddings (their LayerNorm included) are
 // whole and the stream enters the layers split along the sequence, as the
-// first layer's norm takes it.
-absl::StatusOr<ColoTensor> ModelForward(Module& self, const ColoTensor& ids) {
-  ASSIGN_OR_RETURN(ColoTensor x, self.Call("embeddings", ids));
-  ASSIGN_OR_RETURN(Module * layers, self.Get("encoder.layer"));
-  ASSIGN_OR_RETURN(x, ToInputOf(self, "encoder.layer.0.attention.output.LayerNorm", x));
-  return RunSequential(*layers, x);
+// first layer's norm takes it. A pipeline stage's: the embeddings on the
+// first stage (the MLM head, the root's, on the last).
+Module::ForwardFn ModelForward(PipelineStage stage) {
+  return [stage](Module& self, const ColoTensor& input) -> absl::StatusOr<ColoTensor> {
+    ColoTensor x = input;
+    if (stage.first()) {
+      ASSIGN_OR_RETURN(x, self.Call("embeddings", input));
+      ASSIGN_OR_RETURN(x, ToInputOf(self, "encoder.layer.0.attention.output.LayerNorm", x));
+    }
+    ASSIGN_OR_RETURN(Module * layers, self.Get("encoder.layer"));
+    return RunSequential(*layers, x);
+  };
 }
 
 // The MLM transform (replicated in 1D) runs on the whole sequence: with
@@ -100,7 +106,7 @@ const TableFamily& Bert() {
     d->root_forward = MaskedLmForward;
     d->base = "bert";
     d->base_class = "BertModel";
-    d->model_forward = [](bool) -> Module::ForwardFn { return ModelForward; };
+    d->model_forward = [](bool, PipelineStage stage) { return ModelForward(stage); };
     d->layer_lists = {{"encoder.layer", "BertLayer", LayerForward}};
     const std::string l = "bert.encoder.layer.*";
     d->containers = {
@@ -176,6 +182,7 @@ ModelFamily BertFamily() {
   f.base_model_prefix = "bert";
   f.build = Build;
   f.policy = [] { return std::unique_ptr<Policy>(new BertPolicy()); };
+  f.split_stage = [](Module& root, const PipelineStage& stage) { return SplitTableStage(Bert(), root, stage); };
   return f;
 }
 

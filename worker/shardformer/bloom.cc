@@ -83,16 +83,22 @@ absl::StatusOr<ColoTensor> BlockForward(Module& self, const ColoTensor& x) {
 }
 
 // BloomModel; with sequence_parallel (the policy's forward replacement) the
-// normalized embeddings are split along the sequence over tp before the blocks.
-Module::ForwardFn ModelForward(bool sequence_parallel) {
-  return [sequence_parallel](Module& self, const ColoTensor& ids) -> absl::StatusOr<ColoTensor> {
-    ASSIGN_OR_RETURN(ColoTensor x, self.Call("word_embeddings", ids));
-    ASSIGN_OR_RETURN(x, self.Call("word_embeddings_layernorm", x));
-    if (sequence_parallel) {
-      ASSIGN_OR_RETURN(x, SplitSequence(x));
+// normalized embeddings are split along the sequence over tp before the
+// blocks. A pipeline stage's: the embeddings and their norm on the first
+// stage, ln_f on the last.
+Module::ForwardFn ModelForward(bool sequence_parallel, PipelineStage stage) {
+  return [sequence_parallel, stage](Module& self, const ColoTensor& input) -> absl::StatusOr<ColoTensor> {
+    ColoTensor x = input;
+    if (stage.first()) {
+      ASSIGN_OR_RETURN(x, self.Call("word_embeddings", input));
+      ASSIGN_OR_RETURN(x, self.Call("word_embeddings_layernorm", x));
+      if (sequence_parallel) {
+        ASSIGN_OR_RETURN(x, SplitSequence(x));
+      }
     }
     ASSIGN_OR_RETURN(Module * blocks, self.Get("h"));
     ASSIGN_OR_RETURN(x, RunSequential(*blocks, x));
+    if (!stage.last()) return x;
     return self.Call("ln_f", x);
   };
 }
@@ -151,6 +157,7 @@ ModelFamily BloomFamily() {
   f.base_model_prefix = "transformer";
   f.build = Build;
   f.policy = [] { return std::unique_ptr<Policy>(new BloomPolicy()); };
+  f.split_stage = [](Module& root, const PipelineStage& stage) { return SplitTableStage(Bloom(), root, stage); };
   return f;
 }
 

@@ -112,7 +112,7 @@ ModelFamily Gpt2Family() {
   f.base_model_prefix = "transformer";
   f.build = Build;
   f.policy = [] { return std::unique_ptr<Policy>(new Gpt2Policy()); };
-  f.split_stage = [](Module& root, const PipelineStage& stage) { return SplitDecoderStage(Gpt2(), root, stage); };
+  f.split_stage = [](Module& root, const PipelineStage& stage) { return SplitTableStage(Gpt2(), root, stage); };
   return f;
 }
 

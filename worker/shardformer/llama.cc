@@ -117,7 +117,7 @@ ModelFamily LlamaFamily() {
   f.base_model_prefix = "model";
   f.build = Build;
   f.policy = [] { return std::unique_ptr<Policy>(new LlamaPolicy()); };
-  f.split_stage = [](Module& root, const PipelineStage& stage) { return SplitDecoderStage(Llama(), root, stage); };
+  f.split_stage = [](Module& root, const PipelineStage& stage) { return SplitTableStage(Llama(), root, stage); };
   return f;
 }
 

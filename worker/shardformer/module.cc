@@ -51,6 +51,12 @@ std::vector<Module*> Module::Children() {
   return out;
 }
 
+std::vector<std::string> Module::ChildNames() const {
+  std::vector<std::string> out;
+  for (const auto& [name, child] : children_) out.push_back(name);
+  return out;
+}
+
 Module* Module::Find(const std::string& path) {
   Module* m = this;
   if (path.empty()) return m;

@@ -114,6 +114,8 @@ class Module {
   bool Remove(const std::string& name);
   // The direct children, in the order added.
   std::vector<Module*> Children();
+  // Their names, in the same order.
+  std::vector<std::string> ChildNames() const;
   // The descendant at a dotted path ("attn.c_attn"); nullptr when absent.
   Module* Find(const std::string& path);
   // NOT_FOUND naming the path and this module's class.

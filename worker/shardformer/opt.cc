@@ -67,26 +67,33 @@ absl::StatusOr<ColoTensor> DecoderLayerForward(Module& self, const ColoTensor& x
 
 // OPTDecoder; with sequence_parallel (the policy's forward replacement) the
 // embeddings are split along the sequence over tp before the layers, and
-// gathered again before project_out (a replicated layer).
-Module::ForwardFn DecoderForward(bool sequence_parallel) {
-  return [sequence_parallel](Module& self, const ColoTensor& ids) -> absl::StatusOr<ColoTensor> {
-    ASSIGN_OR_RETURN(int64_t offset, self.IntAttr("position_offset"));
-    ASSIGN_OR_RETURN(ColoTensor pos_ids, PositionIds(ids, offset));
-    ASSIGN_OR_RETURN(ColoTensor x, self.Call("embed_tokens", ids));
-    if (self.Find("project_in") != nullptr) {
-      ASSIGN_OR_RETURN(x, self.Call("project_in", x));
-    }
-    ASSIGN_OR_RETURN(ColoTensor where, self.Call("embed_positions", pos_ids));
+// gathered again before project_out (a replicated layer). A pipeline
+// stage's: the embeddings and project_in on the first stage, the final
+// norm and project_out on the last.
+Module::ForwardFn DecoderForward(bool sequence_parallel, PipelineStage stage) {
+  return [sequence_parallel, stage](Module& self, const ColoTensor& input) -> absl::StatusOr<ColoTensor> {
+    ColoTensor x = input;
     // The residual stream's spec; in 3D a lone projection (a Linear3D
     // without its pair) leaves its output in the swapped spec, moved back.
-    const DistSpec stream = where.spec();
-    ASSIGN_OR_RETURN(x, x.Redistribute(stream));  // no step where x is in it already
-    ASSIGN_OR_RETURN(x, AddActivations(x, where));
-    if (sequence_parallel) {
-      ASSIGN_OR_RETURN(x, SplitSequence(x));
+    DistSpec stream = input.spec();  // a later stage's input is the stream
+    if (stage.first()) {
+      ASSIGN_OR_RETURN(int64_t offset, self.IntAttr("position_offset"));
+      ASSIGN_OR_RETURN(ColoTensor pos_ids, PositionIds(input, offset));
+      ASSIGN_OR_RETURN(x, self.Call("embed_tokens", input));
+      if (self.Find("project_in") != nullptr) {
+        ASSIGN_OR_RETURN(x, self.Call("project_in", x));
+      }
+      ASSIGN_OR_RETURN(ColoTensor where, self.Call("embed_positions", pos_ids));
+      stream = where.spec();
+      ASSIGN_OR_RETURN(x, x.Redistribute(stream));  // no step where x is in it already
+      ASSIGN_OR_RETURN(x, AddActivations(x, where));
+      if (sequence_parallel) {
+        ASSIGN_OR_RETURN(x, SplitSequence(x));
+      }
     }
     ASSIGN_OR_RETURN(Module * layers, self.Get("layers"));
     ASSIGN_OR_RETURN(x, RunSequential(*layers, x));
+    if (!stage.last()) return x;
     if (self.Find("final_layer_norm") != nullptr) {
       ASSIGN_OR_RETURN(x, self.Call("final_layer_norm", x));
     }
@@ -174,6 +181,7 @@ ModelFamily OptFamily() {
   f.base_model_prefix = "model";
   f.build = Build;
   f.policy = [] { return std::unique_ptr<Policy>(new OptPolicy()); };
+  f.split_stage = [](Module& root, const PipelineStage& stage) { return SplitTableStage(Opt(), root, stage); };
   return f;
 }
 

@@ -64,8 +64,28 @@ std::string Pattern(const TableFamily& f, const std::vector<std::string>& parts,
 }
 
 // The base model's forward: the family's own, or the shared one.
-Module::ForwardFn ModelForwardOf(const TableFamily& f, bool sequence_parallel) {
-  return f.model_forward ? f.model_forward(sequence_parallel) : DecoderModelForward(f, sequence_parallel);
+Module::ForwardFn ModelForwardOf(const TableFamily& f, bool sequence_parallel, PipelineStage stage = {}) {
+  return f.model_forward ? f.model_forward(sequence_parallel, stage) : DecoderModelForward(f, sequence_parallel, stage);
+}
+
+std::string Join(const std::string& at, const std::string& name) { return at.empty() ? name : absl::StrCat(at, ".", name); }
+
+// Drops the child `name` of `parent` (at `at` under the root) with its
+// subtree, except the modules at `keep` (paths under the root) and the
+// containers on the way to them.
+void DropExcept(Module& parent, const std::string& at, const std::string& name, const std::vector<std::string>& keep) {
+  const std::string path = Join(at, name);
+  bool above = false;
+  for (const std::string& k : keep) {
+    if (k == path) return;
+    above = above || absl::StartsWith(k, path + ".");
+  }
+  if (!above) {
+    parent.Remove(name);
+    return;
+  }
+  Module* child = parent.Find(name);
+  for (const std::string& grand : child->ChildNames()) DropExcept(*child, path, grand, keep);
 }
 
 // The class of the container at `pattern` ("" the root).
@@ -275,29 +295,44 @@ Module::ForwardFn DecoderLmForward(const TableFamily& f, PipelineStage stage) {
   };
 }
 
-absl::StatusOr<std::vector<std::string>> SplitDecoderStage(const TableFamily& f, Module& root,
-                                                           const PipelineStage& stage) {
-  ASSIGN_OR_RETURN(Module * model, root.Get(f.base));
-  ASSIGN_OR_RETURN(Module * layers, model->Get(f.layer_lists.front().path));
-  const int64_t n = static_cast<int64_t>(layers->Children().size());
+absl::StatusOr<std::vector<std::string>> SplitTableStage(const TableFamily& f, Module& root,
+                                                         const PipelineStage& stage) {
+  // The tables tied heads compute with (paths under the root).
+  std::vector<std::string> tied;
+  for (const auto& [path, m] : root.Modules()) {
+    if (m->decl().has_value() && !m->decl()->tied_to.empty()) tied.push_back(m->decl()->tied_to);
+  }
+  // Down the path to the layer list: at each module on it, the children
+  // before the path's next step are the first stage's, those after it the
+  // last's (a tied table is the last stage's too).
+  const std::vector<std::string> steps = absl::StrSplit(UnderBase(f, f.layer_lists.front().path), '.');
+  Module* at = &root;
+  std::string at_path;
+  for (const std::string& step : steps) {
+    bool before = true;
+    for (const std::string& name : at->ChildNames()) {
+      if (name == step) {
+        before = false;
+      } else if (before && !stage.first()) {
+        DropExcept(*at, at_path, name, stage.last() ? tied : std::vector<std::string>{});
+      } else if (!before && !stage.last()) {
+        at->Remove(name);
+      }
+    }
+    at = at->Find(step);
+    if (at == nullptr) {
+      return absl::InternalError(absl::StrCat(f.root_class, " has no '", Join(at_path, step), "' to split"));
+    }
+    at_path = Join(at_path, step);
+  }
+  const int64_t n = static_cast<int64_t>(at->Children().size());
   for (int64_t i = 0; i < n; ++i) {
-    if (i < stage.begin || i >= stage.end) layers->Remove(absl::StrCat(i));
+    if (i < stage.begin || i >= stage.end) at->Remove(absl::StrCat(i));
   }
-  Module* head = root.Find(f.head);
-  const bool tied = head != nullptr && head->decl().has_value() && !head->decl()->tied_to.empty();
-  std::vector<std::string> shared;
-  if (tied && (stage.first() || stage.last())) shared.push_back(absl::StrCat(f.base, ".", f.tokens));
-  if (!stage.first()) {
-    if (!f.positions.empty()) model->Remove(f.positions);
-    if (!(stage.last() && tied)) model->Remove(f.tokens);
-  }
-  if (!stage.last()) {
-    model->Remove(f.final_norm);
-    root.Remove(f.head);
-  }
-  model->set_forward(DecoderModelForward(f, false, stage));
-  root.set_forward(DecoderLmForward(f, stage));
-  return shared;
+  ASSIGN_OR_RETURN(Module * model, root.Get(f.base));
+  model->set_forward(ModelForwardOf(f, false, stage));
+  root.set_forward(stage.last() && f.root_forward ? f.root_forward : DecoderLmForward(f, stage));
+  return stage.first() || stage.last() ? tied : std::vector<std::string>{};
 }
 
 }  // namespace colod::shardformer

@@ -8,7 +8,8 @@
 // and its forwards. The decoder-only LMs' model forward (embeddings, layers,
 // final norm; sequence-parallel split; a pipeline stage's part) and their
 // pipeline stage split are shared where the families differ only in names
-// (GPT-2, LLaMA); OPT, BLOOM, BERT, ViT and T5 bring their own forwards.
+// (GPT-2, LLaMA); OPT, BLOOM, BERT, ViT and T5 bring their own forwards,
+// and every single-stack family shares the stage split.
 //
 // Thread-safety: pure functions; the forwards they return capture a copy of
 // the TableFamily.
@@ -66,9 +67,12 @@ struct TableFamily {
   std::function<void(Module& root, const ModelConfig& config)> configure;
   // The base model's and the root's forwards where they are the family's
   // own (OPT's offset positions and projections, BLOOM's embedding norm,
-  // BERT's and ViT's); unset: DecoderModelForward and DecoderLmForward. A
-  // family with its own base model forward has no pipeline stages.
-  std::function<Module::ForwardFn(bool sequence_parallel)> model_forward;
+  // BERT's and ViT's); unset: DecoderModelForward and DecoderLmForward.
+  // The base model's is made for a pipeline stage (PipelineStage{}: the
+  // whole model): the embeddings on the first stage (the others take the
+  // previous stage's stream), the final norm and whatever follows it on
+  // the last. The root's runs on the last stage (SplitTableStage).
+  std::function<Module::ForwardFn(bool sequence_parallel, PipelineStage stage)> model_forward;
   Module::ForwardFn root_forward;
   Module::CrossForwardFn root_cross_forward;  // a root of two inputs (T5's)
   // Replacements set on each leaf's container's class, a layer's leaves
@@ -106,12 +110,17 @@ Module::ForwardFn DecoderModelForward(const TableFamily& family, bool sequence_p
 // head on the last stage.
 Module::ForwardFn DecoderLmForward(const TableFamily& family, PipelineStage stage = {});
 
-// A pipeline stage's part of the model (ModelFamily::split_stage): its
-// layers; the embeddings on the first stage; the final norm and the head on
-// the last, which keeps the token table as a tied head's (a mirror of the
-// first stage's). Returns the tied table's name on the stages that hold it.
-absl::StatusOr<std::vector<std::string>> SplitDecoderStage(const TableFamily& family, Module& root,
-                                                           const PipelineStage& stage);
+// A pipeline stage's part of the model (ModelFamily::split_stage), from
+// where the tree's modules are around the first layer list (the table's
+// order): the stage's layers; what comes before the layers (the
+// embeddings) on the first stage; what comes after them (the final norm,
+// the heads) on the last, which keeps the table a tied head computes with
+// (a mirror of the first stage's). The base model's forward becomes the
+// stage's (model_forward), and the root's calls only the base model on a
+// stage before the last. Returns the tied tables' paths on the stages
+// that hold them (the first and the last).
+absl::StatusOr<std::vector<std::string>> SplitTableStage(const TableFamily& family, Module& root,
+                                                         const PipelineStage& stage);
 
 }  // namespace colod::shardformer
 

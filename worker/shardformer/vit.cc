@@ -71,13 +71,21 @@ absl::StatusOr<ColoTensor> LayerForward(Module& self, const ColoTensor& x) {
 // The embeddings are replicated (native in every mode); the stream enters
 // the layers in the spec the first layer's norm takes: as it is in 1D,
 // split along the sequence with sequence parallelism, the 2D or 3D
-// activation spec (a rank keeps its block; the backward gathers).
-absl::StatusOr<ColoTensor> ModelForward(Module& self, const ColoTensor& images) {
-  ASSIGN_OR_RETURN(ColoTensor x, self.Call("embeddings", images));
-  ASSIGN_OR_RETURN(Module * layers, self.Get("encoder.layer"));
-  ASSIGN_OR_RETURN(x, ToInputOf(self, "encoder.layer.0.layernorm_before", x));
-  ASSIGN_OR_RETURN(x, RunSequential(*layers, x));
-  return self.Call("layernorm", x);
+// activation spec (a rank keeps its block; the backward gathers). A
+// pipeline stage's: the embeddings on the first stage, the final norm on
+// the last (the classifier, the root's, too).
+Module::ForwardFn ModelForward(PipelineStage stage) {
+  return [stage](Module& self, const ColoTensor& input) -> absl::StatusOr<ColoTensor> {
+    ColoTensor x = input;
+    if (stage.first()) {
+      ASSIGN_OR_RETURN(x, self.Call("embeddings", input));
+      ASSIGN_OR_RETURN(x, ToInputOf(self, "encoder.layer.0.layernorm_before", x));
+    }
+    ASSIGN_OR_RETURN(Module * layers, self.Get("encoder.layer"));
+    ASSIGN_OR_RETURN(x, RunSequential(*layers, x));
+    if (!stage.last()) return x;
+    return self.Call("layernorm", x);
+  };
 }
 
 // The classifier (replicated) on the CLS token, whole on every rank:
@@ -103,7 +111,7 @@ const TableFamily& Vit() {
     d->root_forward = ClassificationForward;
     d->base = "vit";
     d->base_class = "ViTModel";
-    d->model_forward = [](bool) -> Module::ForwardFn { return ModelForward; };
+    d->model_forward = [](bool, PipelineStage stage) { return ModelForward(stage); };
     d->layer_lists = {{"encoder.layer", "ViTLayer", LayerForward}};
     const std::string l = "vit.encoder.layer.*";
     d->containers = {
@@ -161,6 +169,7 @@ ModelFamily VitFamily() {
   f.base_model_prefix = "vit";
   f.build = Build;
   f.policy = [] { return std::unique_ptr<Policy>(new VitPolicy()); };
+  f.split_stage = [](Module& root, const PipelineStage& stage) { return SplitTableStage(Vit(), root, stage); };
   return f;
 }
 

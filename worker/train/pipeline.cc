@@ -55,7 +55,10 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
   } else {  // forwards only: nothing waits for a backward
     for (int i = 0; i < m; ++i) schedule.push_back(PipeTask{PipeTask::Kind::kForward, i});
   }
-  const int64_t rows = inputs.shape()[0] / micro_batches, seq = inputs.shape()[1];
+  // The stream between stages: [rows, seq, hidden]; an image classifier's
+  // sequence is its patches and the CLS token (max_positions).
+  const bool images = model.config().takes_images();
+  const int64_t rows = inputs.shape()[0] / micro_batches, seq = images ? model.config().max_positions : inputs.shape()[1];
   const absl::Duration timeout = pg.timeout();
   RETURN_IF_ERROR(MakePipelineChannels(pg, stage.count));
   Communicator *send_fwd = nullptr, *recv_fwd = nullptr, *send_back = nullptr, *recv_back = nullptr;
@@ -86,6 +89,7 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
   std::map<int, InFlight> alive;
   std::vector<Pending> sends;
   double loss = 0;
+  int64_t correct = 0;  // an evaluation's classifier's, on the last stage
   absl::Duration waited;
   auto run = [&]() -> absl::Status {
     for (const PipeTask& task : schedule) {
@@ -109,7 +113,8 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
         };
         if (stage.last()) {  // the LM head fused with the loss where the model allows
           ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, i * rows, rows));
-          ASSIGN_OR_RETURN(shardformer::LmLoss l, model.ForwardTokenLoss(forward, want.Contiguous(), step_labels));
+          ASSIGN_OR_RETURN(shardformer::LmLoss l, ForwardLoss(model, forward, want.Contiguous(), step_labels,
+                                                              images && !train ? &correct : nullptr));
           loss += l.value;
           f.loss = l.loss;
         } else {
@@ -154,7 +159,38 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
   RETURN_IF_ERROR(sent);
   // The loss, which the last stage has, on every stage.
   ASSIGN_OR_RETURN(const double total, SumOver(pg, "pp", stage.last() ? loss : 0.0, device));
-  return PipelineStepResult{total, absl::ToDoubleSeconds(waited)};
+  PipelineStepResult result{total, absl::ToDoubleSeconds(waited)};
+  if (images && !train) {  // a count below 2^24: exact in f32
+    ASSIGN_OR_RETURN(const double all, SumOver(pg, "pp", static_cast<double>(correct), device));
+    result.correct = static_cast<int64_t>(all);
+  }
+  return result;
+}
+
+int64_t CorrectRows(const Tensor& logits, const Tensor& labels) {
+  const std::vector<float> z = logits.ToFloats();
+  const std::vector<int64_t> want = labels.ToInt64s();
+  const int64_t rows = static_cast<int64_t>(want.size()), classes = rows > 0 ? logits.numel() / rows : 0;
+  int64_t correct = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (want[r] < 0) continue;  // -100: unlabelled
+    const float* row = z.data() + r * classes;
+    correct += std::max_element(row, row + classes) - row == want[r];
+  }
+  return correct;
+}
+
+absl::StatusOr<shardformer::LmLoss> ForwardLoss(shardformer::ShardedModel& model,
+                                                const std::function<absl::StatusOr<ColoTensor>()>& forward,
+                                                const Tensor& labels, int64_t denominator, int64_t* correct) {
+  if (!model.config().takes_images()) return model.ForwardTokenLoss(forward, labels, denominator);
+  ASSIGN_OR_RETURN(ColoTensor logits, forward());
+  ASSIGN_OR_RETURN(shardformer::LmLoss l, model.ClassificationLoss(logits, labels, denominator));
+  if (correct != nullptr) {
+    ASSIGN_OR_RETURN(Tensor full, model.GatherLogits(logits));
+    *correct += CorrectRows(full, labels);
+  }
+  return l;
 }
 
 absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double value, const Device& device) {

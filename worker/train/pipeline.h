@@ -17,6 +17,7 @@
 #ifndef COLOD_WORKER_TRAIN_PIPELINE_H_
 #define COLOD_WORKER_TRAIN_PIPELINE_H_
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,24 @@ namespace colod::train {
 struct PipelineStepResult {
   double loss = 0;          // the step's, the same on every stage
   double wait_seconds = 0;  // this stage's time blocked receiving from its neighbours (its bubble)
+  // An evaluation's classifier (train false): the rows whose largest logit
+  // is their label's, this replica's, on every stage.
+  int64_t correct = 0;
 };
+
+// The rows of `logits` ([rows, 1, labels], whole) whose largest logit is
+// their label's (`labels` [rows]; -100 is no label).
+int64_t CorrectRows(const Tensor& logits, const Tensor& labels);
+
+// `forward`'s output (logits, or the LM head's input where the head is
+// fused) and its loss against `labels`, divided by `denominator`: an image
+// classifier's ClassificationLoss (labels [rows]; with `correct`, the rows
+// it classifies right added to it: the logits gathered), any other model's
+// ForwardTokenLoss (labels [rows, seq]). Collective over the model's ranks.
+absl::StatusOr<shardformer::LmLoss> ForwardLoss(shardformer::ShardedModel& model,
+                                                const std::function<absl::StatusOr<ColoTensor>()>& forward,
+                                                const Tensor& labels, int64_t denominator,
+                                                int64_t* correct = nullptr);
 
 // Makes the four channels (those a pipeline of `stages` uses), in one order
 // on every rank: collective over the pp group, and over the whole mesh on
@@ -40,7 +58,8 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages);
 
 // Runs one step's forwards and backwards of `model`'s stage over
 // `micro_batches` equal parts of this replica's `inputs` (token ids [rows,
-// seq]) and `labels`, each micro-batch's loss divided by `step_labels`.
+// seq], or an image classifier's pixels [rows, channels, side, side]) and
+// `labels`, each micro-batch's loss divided by `step_labels`.
 // With `reduce`, GradSync reduces over dp during the stage's last backward;
 // without (an accumulation pass before the step's last), the gradients
 // only add up. Without `train` (an evaluation, under a NoGradScope) the

@@ -30,7 +30,7 @@ constexpr char kText[] = "/usr/share/common-licenses/GPL-3";
 
 struct Case {
   std::string name;
-  std::string family;  // gpt2, llama, bert
+  std::string family;  // gpt2, llama, bert, opt, bloom
   int tp, dp;
   bool sp;
   int micro;
@@ -52,9 +52,15 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
   tiny.heads = 4;
   tiny.kv_heads = 2;
   tiny.positions = 32;
-  auto model = c.family == "gpt2"   ? shardformer::testing::WriteTinyGpt2(TempPath("plan_" + c.name), tiny)
-               : c.family == "bert" ? shardformer::testing::WriteTinyBert(TempPath("plan_" + c.name), tiny)
-                                    : shardformer::testing::WriteTinyLlama(TempPath("plan_" + c.name), tiny);
+  if (c.family == "opt") {
+    tiny.embed_dim = 32;  // project_in on the first stage, project_out on the last
+    tiny.tie = true;      // and the last stage's mirror of the table
+  }
+  auto model = c.family == "gpt2"    ? shardformer::testing::WriteTinyGpt2(TempPath("plan_" + c.name), tiny)
+               : c.family == "bert"  ? shardformer::testing::WriteTinyBert(TempPath("plan_" + c.name), tiny)
+               : c.family == "opt"   ? shardformer::testing::WriteTinyOpt(TempPath("plan_" + c.name), tiny)
+               : c.family == "bloom" ? shardformer::testing::WriteTinyBloom(TempPath("plan_" + c.name), tiny)
+                                     : shardformer::testing::WriteTinyLlama(TempPath("plan_" + c.name), tiny);
   ASSERT_TRUE(model.ok()) << model.status();
 
   TrainOptions o;
@@ -156,6 +162,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"bert_tp2_sp", "bert", 2, 1, true, 1},
                       Case{"gpt2_tp2_pp2_micro4", "gpt2", 2, 1, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
                       Case{"llama_pp2_dp2_micro2", "llama", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
+                      // Each family's stages from its table: the embeddings
+                      // on the first, the heads (and a tied table's mirror)
+                      // on the last.
+                      Case{"opt_tp2_pp2_micro2", "opt", 2, 1, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
+                      Case{"bloom_pp2_dp2_micro2", "bloom", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
+                      Case{"bert_2d_pp2_micro2", "bert", 4, 1, false, 2, v1::TENSOR_PARALLEL_MODE_2D, 0, 2},
                       Case{"gpt2_tp2_dp2_zero1", "gpt2", 2, 2, false, 1, v1::TENSOR_PARALLEL_MODE_1D, 0, 1, 1},
                       Case{"llama_tp2_dp2_zero2_micro2", "llama", 2, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 1, 2},
                       Case{"gpt2_pp2_dp2_zero2_micro2", "gpt2", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2, 2},

@@ -347,21 +347,6 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
 
 namespace {
 
-// The rows of `logits` ([rows, 1, labels], every rank of the replica has
-// them) whose largest logit is their label's.
-int64_t Correct(const Tensor& logits, const Tensor& labels) {
-  const std::vector<float> z = logits.ToFloats();
-  const std::vector<int64_t> want = labels.ToInt64s();
-  const int64_t rows = static_cast<int64_t>(want.size()), classes = rows > 0 ? logits.numel() / rows : 0;
-  int64_t correct = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    if (want[r] < 0) continue;  // -100: unlabelled
-    const float* row = z.data() + r * classes;
-    correct += std::max_element(row, row + classes) - row == want[r];
-  }
-  return correct;
-}
-
 // Rows [first, first + rows) of `batch` through the model: their loss
 // divided by `denominator` (the LM head fused with it where the model
 // allows). With `correct`, a classifier's logits are gathered and the rows
@@ -378,14 +363,7 @@ absl::StatusOr<shardformer::LmLoss> MicroBatchLoss(shardformer::ShardedModel& mo
   auto forward = [&]() -> absl::StatusOr<ColoTensor> {
     return data.pairs() ? model.Forward(in.Contiguous(), dec.Contiguous()) : model.Forward(in.Contiguous());
   };
-  if (!data.classifies()) return model.ForwardTokenLoss(forward, want.Contiguous(), denominator);
-  ASSIGN_OR_RETURN(ColoTensor logits, forward());
-  ASSIGN_OR_RETURN(shardformer::LmLoss l, model.ClassificationLoss(logits, want.Contiguous(), denominator));
-  if (correct != nullptr) {
-    ASSIGN_OR_RETURN(Tensor full, model.GatherLogits(logits));
-    *correct += Correct(full, want.Contiguous());
-  }
-  return l;
+  return ForwardLoss(model, forward, want.Contiguous(), denominator, correct);
 }
 
 // The held-out evaluation of `model` (after `step` optimizer steps): every
@@ -413,12 +391,13 @@ absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, shardformer::Sharde
                                                              o.micro_batches, eval.labels, /*reduce=*/false,
                                                              /*train=*/false));
       loss += r.loss;
-      continue;
-    }
-    for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
-      ASSIGN_OR_RETURN(const shardformer::LmLoss l,
-                       MicroBatchLoss(model, data, batch, mb * micro_rows, micro_rows, eval.labels, &correct));
-      loss += l.value;
+      correct += r.correct;  // the last stage's count, on every stage
+    } else {
+      for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
+        ASSIGN_OR_RETURN(const shardformer::LmLoss l,
+                         MicroBatchLoss(model, data, batch, mb * micro_rows, micro_rows, eval.labels, &correct));
+        loss += l.value;
+      }
     }
     if (data.classifies()) {
       // Every rank of a replica counted its rows; the replicas' counts add up.
