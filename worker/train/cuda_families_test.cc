@@ -1,0 +1,98 @@
+// Every model family trains in a tensor-parallel mode on CUDA ranks (2D,
+// tp 4 as a 2 x 2 mesh of devices over NCCL: the CUDA emulation's 4 devices
+// in CI) with the one-rank CPU run's losses and gradient norms: GPT-2,
+// LLaMA, OPT (post-norm, project_in/out), BLOOM (ALiBi), BERT (its MLM
+// head), ViT (images and labels) and T5 (input and target pairs). A family
+// whose 2D layers or forward had a path only the CPU takes shows here.
+#include "gtest/gtest.h"
+#include "kernels/device.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/shardformer/testing.h"
+#include "worker/tensor/npy.h"
+#include "worker/train/train_testing.h"
+#include "worker/train/trainer.h"
+
+namespace colod::train {
+namespace {
+
+using ::colod::testing::TempPath;
+using testing::ExpectSameLosses;
+using testing::Losses;
+
+class CudaFamilies : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // The default pass of a machine without a GPU builds this test and
+    // does not run it; the emulation's pass and ./dev gpu-check do.
+    if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices";
+  }
+
+  // `run` (3 steps of one CPU rank) against the same in 2D on 4 CUDA ranks.
+  static void ExpectTwoDOnCudaTrainsAsOneCpuRank(TrainOptions run, const std::string& what) {
+    run.steps = 3;
+    const std::vector<StepStats> want = Losses(run);
+    ASSERT_EQ(want.size(), 3u) << what;
+    TrainOptions cuda = run;
+    cuda.cuda = true;
+    cuda.shard.layout.set_tensor_parallel_size(4);
+    cuda.shard.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+    ExpectSameLosses(Losses(cuda), want, 1e-4, what + ": 2d tp4 on CUDA");
+  }
+};
+
+using Writer = absl::StatusOr<shardformer::testing::TinyModel> (*)(const std::string&,
+                                                                    const shardformer::testing::TinyOptions&);
+
+// The token models on the GPL's text, byte-level.
+TEST_F(CudaFamilies, TokenModels) {
+  struct Family {
+    std::string name;
+    Writer write;
+    shardformer::testing::TinyOptions options;
+  };
+  shardformer::testing::TinyOptions opt = testing::TinyByteLevel();
+  opt.pre_norm = false;
+  opt.embed_dim = 32;
+  for (const Family& f : std::vector<Family>{{"gpt2", shardformer::testing::WriteTinyGpt2, testing::TinyByteLevel()},
+                                             {"llama", shardformer::testing::WriteTinyLlama, testing::TinyByteLevel()},
+                                             {"opt", shardformer::testing::WriteTinyOpt, opt},
+                                             {"bloom", shardformer::testing::WriteTinyBloom, testing::TinyByteLevel()},
+                                             {"bert", shardformer::testing::WriteTinyBert, testing::TinyByteLevel()}}) {
+    auto model = f.write(TempPath("cuda_" + f.name), f.options);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ExpectTwoDOnCudaTrainsAsOneCpuRank(testing::SmallRun(model->dir, 1, 1, 3), f.name);
+  }
+}
+
+TEST_F(CudaFamilies, VitOnImages) {
+  shardformer::testing::TinyOptions tiny;
+  auto vit = shardformer::testing::WriteTinyVit(TempPath("cuda_vit"), tiny);
+  ASSERT_TRUE(vit.ok()) << vit.status();
+  ASSERT_TRUE(WriteNpy(TempPath("cuda_images.npy"), shardformer::testing::PixelValues(24, tiny, 9)).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("cuda_labels.npy"), shardformer::testing::ImageLabels(24, tiny.labels, 4)).ok());
+  TrainOptions run = testing::SmallRun(vit->dir, 1, 1, 3);
+  run.data_path = TempPath("cuda_images.npy");
+  run.labels_path = TempPath("cuda_labels.npy");
+  ExpectTwoDOnCudaTrainsAsOneCpuRank(run, "vit");
+}
+
+TEST_F(CudaFamilies, T5OnPairs) {
+  const shardformer::testing::TinyOptions tiny = shardformer::testing::TinyFlanT5();
+  auto t5 = shardformer::testing::WriteTinyT5(TempPath("cuda_t5"), tiny);
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  const int64_t n = 24, se = 10, sd = 6, vocab = t5->config.vocab_size;
+  std::vector<int64_t> targets = shardformer::testing::TokenIds(n, sd, vocab, 13).ToInt64s();
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t s = 1 + i % sd; s < sd; ++s) targets[i * sd + s] = -100;  // pairs of 1 to 6 targets
+  }
+  const Tensor inputs = shardformer::testing::TokenIds(n, se, vocab, 11);
+  ASSERT_TRUE(WriteNpy(TempPath("cuda_t5_inputs.npy"), *inputs.ToDType(DType::kI32)).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("cuda_t5_targets.npy"), *Tensor::FromInt64s({n, sd}, targets)).ok());
+  TrainOptions run = testing::SmallRun(t5->dir, 1, 1, 3);
+  run.data_path = TempPath("cuda_t5_inputs.npy");
+  run.labels_path = TempPath("cuda_t5_targets.npy");
+  ExpectTwoDOnCudaTrainsAsOneCpuRank(run, "t5");
+}
+
+}  // namespace
+}  // namespace colod::train
