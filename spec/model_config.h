@@ -159,7 +159,7 @@ bool HasPipelineStages(const ModelConfig& config);
 // pipeline_stage_layers, or as even as they split with the earlier stages
 // taking one more. INVALID_ARGUMENT for more stages than layers, a list of
 // another length or sum, a stage without a layer, or a family without
-// pipeline stages (gpt2 and llama have them).
+// pipeline stages (every built-in family but t5 has them).
 absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard);
 
 }  // namespace colod

@@ -86,8 +86,10 @@ struct PlanLeaf {
   std::vector<int64_t> shape;  // kParameter's and kPatchEmbedding's weight's
 };
 
-// The model's leaves as its family builds them, tied heads left out (they
-// hold nothing). INVALID_ARGUMENT for a model_type without a table, or a
+// The model's leaves as its family builds them, in its tree's order (a
+// single stack's: the leaves before its layers', the layers', the rest;
+// pipeline stages split there). A tied head is a leaf of role kTiedHead,
+// which holds nothing. INVALID_ARGUMENT for a model_type without a table, or a
 // count that overflows.
 absl::StatusOr<std::vector<PlanLeaf>> PlanLeaves(const ModelConfig& config);
 // The parameters of `leaf` (all `count` of them), unsplit: ParameterCount

@@ -17,11 +17,9 @@ ProgressReporter::ProgressReporter(Options options, const v1::AssignJobRequest& 
       job_id_(assignment.job_id()),
       generation_(assignment.generation()),
       rank_(assignment.rank()),
-      worker_id_(assignment.rank() >= 0 && assignment.rank() < assignment.mesh().ranks_size() &&
-                         !assignment.mesh().ranks(assignment.rank()).worker_id().empty()
+      placed_on_(assignment.rank() >= 0 && assignment.rank() < assignment.mesh().ranks_size()
                      ? assignment.mesh().ranks(assignment.rank()).worker_id()
-                 : options_.worker_id ? options_.worker_id()
-                                      : "") {
+                     : "") {
   absl::MutexLock lock(&join_mu_);
   sender_ = std::thread([this] { SendLoop(); });
 }
@@ -179,8 +177,9 @@ absl::StatusOr<ProgressReporter::Answer> ProgressReporter::Send(v1::ReportProgre
   // The id the rank was placed on, not the worker's id now: one that
   // registers again (a coordinator that restarted forgot it) is briefly
   // without an id, then has another, and a report under either would be
-  // refused and its step lost.
-  req.set_worker_id(worker_id_);
+  // refused and its step lost. The worker's own id only where the mesh
+  // names none (read now, not when the rank started).
+  req.set_worker_id(!placed_on_.empty() ? placed_on_ : options_.worker_id ? options_.worker_id() : "");
   const bool final = req.has_result();
   absl::Status last;
   const int attempts = wait ? 1 : final ? 5 : 2;  // a wait is one attempt of the whole timeout

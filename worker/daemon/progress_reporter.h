@@ -123,9 +123,9 @@ class ProgressReporter {
   const std::string job_id_;
   const int64_t generation_;
   const int rank_;
-  // The worker the assignment's mesh names for rank_ (options_.worker_id's
-  // when it names none): the one the coordinator checks a report against.
-  const std::string worker_id_;
+  // The worker the assignment's mesh names for rank_ (the one the
+  // coordinator checks a report against); empty when it names none.
+  const std::string placed_on_;
 };
 
 }  // namespace colod

@@ -212,12 +212,15 @@ TEST_F(ProgressReporterTest, ReportsNameTheWorkerTheRankWasPlacedOnWhileItRegist
   EXPECT_EQ(service_.Workers(), (std::vector<std::string>(3, "worker-placed")));
 }
 
-// An assignment whose mesh names no worker for the rank: the worker's own id.
+// An assignment whose mesh names no worker for the rank: the worker's own
+// id at each report (one made while the worker had none gets it later).
 TEST_F(ProgressReporterTest, WithoutAMeshTheWorkersOwnIdIsSent) {
   v1::AssignJobRequest assignment;
   assignment.set_job_id("job-000002");
   assignment.set_generation(1);
+  SetWorkerIdNow("");
   ProgressReporter reporter(options_, assignment);
+  SetWorkerIdNow("worker-now");
   reporter.End(absl::OkStatus(), std::nullopt);
   EXPECT_EQ(service_.Workers(), (std::vector<std::string>{"worker-now"}));
 }

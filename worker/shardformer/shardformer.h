@@ -95,8 +95,9 @@ struct ModelFamily {
   std::function<std::unique_ptr<Policy>()> policy;
   // Pipeline stages (empty for a family without them): drops from the
   // built tree the layers `stage` does not hold and makes its forward the
-  // stage's (the first stage reads token ids, the others the previous
-  // stage's activation; only the last gives logits). Returns the module
+  // stage's (the first stage reads the model's input, token ids or pixels,
+  // the others the previous stage's activation; only the last gives
+  // logits). Returns the module
   // paths of the tables the first and last stages share (the embedding an
   // LM head is tied to, which the last stage keeps as the head's table).
   std::function<absl::StatusOr<std::vector<std::string>>(Module& root, const PipelineStage& stage)> split_stage;

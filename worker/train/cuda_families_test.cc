@@ -44,25 +44,37 @@ using Writer = absl::StatusOr<shardformer::testing::TinyModel> (*)(const std::st
                                                                     const shardformer::testing::TinyOptions&);
 
 // The token models on the GPL's text, byte-level.
-TEST_F(CudaFamilies, TokenModels) {
-  struct Family {
-    std::string name;
-    Writer write;
-    shardformer::testing::TinyOptions options;
-  };
-  shardformer::testing::TinyOptions opt = testing::TinyByteLevel();
-  opt.pre_norm = false;
-  opt.embed_dim = 32;
-  for (const Family& f : std::vector<Family>{{"gpt2", shardformer::testing::WriteTinyGpt2, testing::TinyByteLevel()},
-                                             {"llama", shardformer::testing::WriteTinyLlama, testing::TinyByteLevel()},
-                                             {"opt", shardformer::testing::WriteTinyOpt, opt},
-                                             {"bloom", shardformer::testing::WriteTinyBloom, testing::TinyByteLevel()},
-                                             {"bert", shardformer::testing::WriteTinyBert, testing::TinyByteLevel()}}) {
-    auto model = f.write(TempPath("cuda_" + f.name), f.options);
-    ASSERT_TRUE(model.ok()) << model.status();
-    ExpectTwoDOnCudaTrainsAsOneCpuRank(testing::SmallRun(model->dir, 1, 1, 3), f.name);
-  }
+struct TokenFamily {
+  std::string name;
+  Writer write;
+  shardformer::testing::TinyOptions options;
+};
+void PrintTo(const TokenFamily& f, std::ostream* os) { *os << f.name; }
+
+class CudaTokenFamilies : public CudaFamilies, public ::testing::WithParamInterface<TokenFamily> {};
+
+TEST_P(CudaTokenFamilies, TrainIn2DAsOneCpuRank) {
+  const TokenFamily& f = GetParam();
+  auto model = f.write(TempPath("cuda_" + f.name), f.options);
+  ASSERT_TRUE(model.ok()) << model.status();
+  ExpectTwoDOnCudaTrainsAsOneCpuRank(testing::SmallRun(model->dir, 1, 1, 3), f.name);
 }
+
+shardformer::testing::TinyOptions OptPostNormProjected() {
+  shardformer::testing::TinyOptions o = testing::TinyByteLevel();
+  o.pre_norm = false;
+  o.embed_dim = 32;
+  return o;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, CudaTokenFamilies,
+    ::testing::Values(TokenFamily{"gpt2", shardformer::testing::WriteTinyGpt2, testing::TinyByteLevel()},
+                      TokenFamily{"llama", shardformer::testing::WriteTinyLlama, testing::TinyByteLevel()},
+                      TokenFamily{"opt", shardformer::testing::WriteTinyOpt, OptPostNormProjected()},
+                      TokenFamily{"bloom", shardformer::testing::WriteTinyBloom, testing::TinyByteLevel()},
+                      TokenFamily{"bert", shardformer::testing::WriteTinyBert, testing::TinyByteLevel()}),
+    [](const ::testing::TestParamInfo<TokenFamily>& info) { return info.param.name; });
 
 TEST_F(CudaFamilies, VitOnImages) {
   shardformer::testing::TinyOptions tiny;

@@ -147,7 +147,8 @@ TEST(Eval, EvaluatingLeavesTrainingAsItIsAndEveryLayoutAgrees) {
 // reads images 18-23 and wraps to 18, 19 (one batch of 8, the default:
 // the held-out images once); its loss and accuracy are the reference's on
 // them, at tp2 x dp2 too (the replicas' correct counts added up), and at
-// pp2 x dp2 (the last stage's counts, on every stage).
+// tp2 x pp2 x dp2 (the last stage's counts, its logits gathered over tp,
+// on every stage).
 TEST(Eval, AnImageClassifierReportsItsAccuracy) {
   shardformer::testing::TinyOptions tiny;
   auto vit = shardformer::testing::WriteTinyVit(TempPath("eval_vit"), tiny);
@@ -178,7 +179,7 @@ TEST(Eval, AnImageClassifierReportsItsAccuracy) {
                want[r];
   }
   for (const auto& [what, layout] : std::vector<std::pair<std::string, TrainOptions>>{
-           {"unsharded", o}, {"tp2 x dp2", WithLayout(o, 2, 1, 2)}, {"pp2 x dp2", WithLayout(o, 1, 2, 2)}}) {
+           {"unsharded", o}, {"tp2 x dp2", WithLayout(o, 2, 1, 2)}, {"tp2 x pp2 x dp2", WithLayout(o, 2, 2, 2)}}) {
     const EvalStats e = EvalOnly(layout);
     EXPECT_EQ(e.tokens, 8) << what;
     EXPECT_NEAR(e.loss, ref->loss, 1e-5 * ref->loss) << what;

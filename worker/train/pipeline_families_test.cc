@@ -60,6 +60,23 @@ TEST(PipelineFamilies, OptPostNormWithProjectionsAndATiedHead) {
   ExpectStagesTrainAsOneRank(testing::SmallRun(opt->dir, 1, 1, 4), "opt");
 }
 
+// 3D (tp 8) under two stages: the last stage's project_out, a lone
+// Linear3D, gives its output back in the stream's spec for the tied head.
+TEST(PipelineFamilies, OptIn3DUnderStages) {
+  shardformer::testing::TinyOptions o = Tiny();
+  o.embed_dim = 32;
+  o.tie = true;
+  auto opt = shardformer::testing::WriteTinyOpt(TempPath("pp_opt_3d"), o);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  TrainOptions run = testing::SmallRun(opt->dir, 1, 1, 2);
+  const std::vector<StepStats> want = Losses(run);
+  run.shard.layout.set_tensor_parallel_size(8);
+  run.shard.layout.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_3D);
+  run.shard.layout.set_pipeline_parallel_size(2);
+  run.micro_batches = 2;
+  ExpectSameLosses(Losses(run), want, 1e-4, "opt 3d tp8 x pp2");
+}
+
 TEST(PipelineFamilies, Bloom) {
   auto bloom = shardformer::testing::WriteTinyBloom(TempPath("pp_bloom"), Tiny());
   ASSERT_TRUE(bloom.ok()) << bloom.status();

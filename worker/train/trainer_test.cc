@@ -629,14 +629,20 @@ TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
   }
 }
 
+// One GPU (f32 and bf16) and pipeline stages on two, against the CPU run,
+// 5 steps each. The multi-device layouts beyond have tests of their own:
+// tp2 x dp2 and tp2 x pp2 through coloctl (tests/gpu_cli_test.cc), 2D for
+// every family (cuda_families_test), each family's stages
+// (pipeline_families_test).
 TEST(Trainer, OnGpusTheRunMatchesTheCpuRun) {
   const int gpus = kernels::CudaDeviceCount();
   if (gpus < 1) GTEST_SKIP() << "no CUDA device";
   const std::string model = TinyModel("train_gpu");
   TrainOptions on_cpu = Options(model, 1, 1);
+  on_cpu.steps = 5;
   on_cpu.final_dir = TempPath("gpu_vs_cpu_final_cpu");
   const std::vector<StepStats> cpu = Losses(on_cpu);
-  TrainOptions one = Options(model, 1, 1);
+  TrainOptions one = on_cpu;
   one.cuda = true;
   // On a device the tied head computes its 257 columns padded to 320 (for
   // cuBLAS); the run, and the model it saves, are the CPU's.
@@ -651,6 +657,7 @@ TEST(Trainer, OnGpusTheRunMatchesTheCpuRun) {
     EXPECT_EQ(wte->shape()[0], kByteVocab);
   }
   TrainOptions bf16 = one;
+  bf16.final_dir.clear();
   bf16.shard.param_dtype = DType::kBF16;
   const std::vector<StepStats> mixed = Losses(bf16);
   ASSERT_EQ(mixed.size(), cpu.size());
@@ -658,22 +665,11 @@ TEST(Trainer, OnGpusTheRunMatchesTheCpuRun) {
   if (gpus < 2) return;
   // Pipeline stages over NCCL send/recv (one-way channels, each its own
   // stream), with the tied table's gradient summed across the stages.
-  TrainOptions stages = Options(model, 1, 1);
-  stages.cuda = true;
+  TrainOptions stages = one;
+  stages.final_dir.clear();
   stages.shard.layout.set_pipeline_parallel_size(2);
   stages.micro_batches = 2;
   ExpectSameLosses(Losses(stages), cpu, 1e-4, "pp=2 on 2 GPUs");
-  if (gpus < 4) return;
-  TrainOptions tp_pp = stages;
-  tp_pp.shard.layout.set_tensor_parallel_size(2);
-  ExpectSameLosses(Losses(tp_pp), cpu, 1e-4, "tp=2 pp=2 on 4 GPUs");
-  TrainOptions four = Options(model, 2, 2);
-  four.cuda = true;
-  ExpectSameLosses(Losses(four), cpu, 1e-4, "tp=2 dp=2 on 4 GPUs");
-  // 2D (a 2x2 mesh): the sharded LayerNorm's passes and statistics on the devices.
-  TrainOptions two_d = Options(model, 4, 1, v1::TENSOR_PARALLEL_MODE_2D);
-  two_d.cuda = true;
-  ExpectSameLosses(Losses(two_d), cpu, 1e-4, "2d tp=4 on 4 GPUs");
 }
 
 TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
