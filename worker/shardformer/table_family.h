@@ -56,10 +56,11 @@ struct TableFamily {
     Module::ForwardFn forward;
   };
   std::vector<Container> containers;
-  // The decoder-only LMs' names, for the shared forwards and the stage
-  // split: the token table and the position table ("wte", "wpe"; no
-  // positions: empty) under the base model, its final norm, the LM head
-  // under the root.
+  // The decoder-only LMs' names, for the shared forwards
+  // (DecoderModelForward, DecoderLmForward; the stage split reads the
+  // tree's order, not these): the token table and the position table
+  // ("wte", "wpe"; no positions: empty) under the base model, its final
+  // norm, the LM head under the root.
   std::string tokens, positions, final_norm, head;
   // Sets a layer's attributes (heads, head dim, ...) once its leaves are in,
   // and the rest of the tree's once every leaf is.
