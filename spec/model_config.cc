@@ -466,7 +466,9 @@ absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& conf
     return absl::InvalidArgumentError(
         absl::StrCat("pipeline_parallel_size must be >= 0, got ", shard.pipeline_parallel_size()));
   }
-  if (pp > 1 && !HasPipelineStages(config)) {
+  // A family registered in the worker (ShardFormer's ModelRegistry) rather
+  // than built in: its own declaration (ModelFamily::split_stage) decides.
+  if (pp > 1 && FindLayouts(config.model_type) != nullptr && !HasPipelineStages(config)) {
     return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type, " policy has no pipeline stages (",
                                                    FamiliesWithStages(), " have)"));
   }

@@ -925,7 +925,10 @@ void PlanComm1D(const StageContext& c, CommSum& comm) {
   const std::vector<PlanLeaf>& leaves = c.leaves;
   const std::string g = "tp";
   const int64_t piece = CeilDiv(tokens, tp_size);  // a sequence-parallel rank's rows
+  bool after_layers = false;  // the leaves in table order: those after the layers' (OPT's project_out)
   for (const PlanLeaf& l : leaves) {
+    const bool layer = l.name.find('*') != std::string::npos;
+    after_layers = after_layers || layer;
     switch (l.role) {
       case Role::kVocabTable:
         // The partial lookups summed; under sequence parallelism each
@@ -969,10 +972,11 @@ void PlanComm1D(const StageContext& c, CommSum& comm) {
         }
         break;
       case Role::kProjection:
-        // BERT's MLM transform, replicated, on the whole sequence: the
-        // stream gathered before it, and its output split again for the
-        // decoder, whose gradient the backward gathers.
-        if (sp && l.on_root) {
+        // BERT's MLM transform and OPT's project_out, replicated, on the
+        // whole sequence: the stream gathered before it, and its output
+        // split again for the head, whose gradient the backward gathers.
+        // (OPT's project_in runs before the embeddings are split.)
+        if (sp && (l.on_root || (after_layers && !layer))) {
           comm.Add(g, "all_gather", {micro, l.count}, {piece, l.in}, act, tp_size);
           if (train) comm.Add(g, "all_gather", {micro, l.count}, {piece, l.out}, act, tp_size);
         }
@@ -1016,6 +1020,29 @@ void PlanCommDataParallel(const StageContext& c, const JobPlan& plan, CommSum& c
   comm.Add("dp", "reduce_scatter", {buckets, c.zero == 2 ? micro : 1}, {CeilDiv(partitioned, buckets)}, c.width, dp);
   comm.Add("dp", "all_gather", {buckets}, {CeilDiv(partitioned, buckets * dp)}, c.width, dp);
   comm.Add("dp", "all_reduce", {1}, {1}, 4, dp);
+}
+
+// An image classifier (ViT) in the block modes (worker/shardformer/vit.cc):
+// its embeddings, computed whole on the first stage, are cut to the
+// stream's block (a local slice, whose backward gathers the gradient back),
+// and the last stage gathers the CLS rows whole for its replicated
+// classifier (whose backward is a slice). ColoTensor::Redistribute gathers
+// the features over `feature_axis` first, then the rows over `row_axes`,
+// innermost first, each piece the rows gathered so far.
+void PlanWholeEnds(const StageContext& c, CommSum& comm, const std::string& feature_axis, int q,
+                   const std::vector<std::pair<std::string, int>>& row_axes) {
+  if (!c.config.takes_images()) return;
+  const int64_t h = c.config.hidden_size;
+  auto gather = [&](int64_t rows) {
+    int64_t local = CeilDiv(rows, c.rows_2d);
+    comm.Add(feature_axis, "all_gather", {c.micro}, {local, CeilDiv(h, q)}, c.act, q);
+    for (const auto& [axis, n] : row_axes) {
+      comm.Add(axis, "all_gather", {c.micro}, {local, h}, c.act, n);
+      local *= std::max(1, n);
+    }
+  };
+  if (c.loss()) gather(c.b);                                 // the CLS rows
+  if (c.train && (c.stage < 0 || c.stage == 0)) gather(c.tokens);  // the embeddings' gradient
 }
 
 // 2D and 2.5D's collectives (SUMMA over tp_row and tp_col, replicas over tp_dep).
@@ -1085,10 +1112,12 @@ void PlanComm2D(const StageContext& c, CommSum& comm) {
         break;
     }
   }
+  PlanWholeEnds(c, comm, "tp_row", q, {{"tp_col", q}, {"tp_dep", depth}});
   // The loss's sum and tokens over the ranks holding other rows (on the
-  // stage that computes it); the gradient norm's sum of squares over the
-  // tensor-parallel ranks.
-  if (c.loss()) {
+  // stage that computes it; a classifier's logits are whole on every rank,
+  // its loss summed over dp only); the gradient norm's sum of squares over
+  // the tensor-parallel ranks.
+  if (c.loss() && !c.config.takes_images()) {
     comm.Add("tp_col", "all_reduce", {micro}, {2}, 4, q);
     comm.Add("tp_dep", "all_reduce", {micro}, {2}, 4, depth);
   }
@@ -1178,10 +1207,11 @@ void PlanComm3D(const StageContext& c, CommSum& comm) {
         break;
     }
   }
+  PlanWholeEnds(c, comm, stream_c, q, {{stream_k, q}, {out_axis, q}});
   // The loss's sum and tokens over the ranks holding other rows (on the
-  // stage that computes it); the gradient norm's sum of squares over the
-  // tensor-parallel ranks.
-  if (c.loss()) {
+  // stage that computes it; a classifier's, over dp only, as in 2D); the
+  // gradient norm's sum of squares over the tensor-parallel ranks.
+  if (c.loss() && !c.config.takes_images()) {
     comm.Add(out_axis, "all_reduce", {micro}, {2}, 4, q);
     comm.Add(stream_k, "all_reduce", {micro}, {2}, 4, q);
   }

@@ -442,7 +442,9 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::strin
   if (shard_.pp() > 1) {
     ASSIGN_OR_RETURN(std::vector<int64_t> layers, PipelineStageLayers(config, shard_.layout));
     if (!family.split_stage) {
-      return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type, " policy has no pipeline stages"));
+      return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type,
+                                                     " policy has no pipeline stages: its family declares no "
+                                                     "split_stage (ModelFamily, docs/SHARDFORMER.md)"));
     }
     ASSIGN_OR_RETURN(int index, pg_->LocalRank("pp"));
     PipelineStage& stage = shard_.stage;

@@ -80,30 +80,18 @@ TEST_F(CudaFamilies, VitOnImages) {
   shardformer::testing::TinyOptions tiny;
   auto vit = shardformer::testing::WriteTinyVit(TempPath("cuda_vit"), tiny);
   ASSERT_TRUE(vit.ok()) << vit.status();
-  ASSERT_TRUE(WriteNpy(TempPath("cuda_images.npy"), shardformer::testing::PixelValues(24, tiny, 9)).ok());
-  ASSERT_TRUE(WriteNpy(TempPath("cuda_labels.npy"), shardformer::testing::ImageLabels(24, tiny.labels, 4)).ok());
-  TrainOptions run = testing::SmallRun(vit->dir, 1, 1, 3);
-  run.data_path = TempPath("cuda_images.npy");
-  run.labels_path = TempPath("cuda_labels.npy");
-  ExpectTwoDOnCudaTrainsAsOneCpuRank(run, "vit");
+  const testing::ImageSet images = testing::WriteImages("cuda_vit", tiny);
+  ExpectTwoDOnCudaTrainsAsOneCpuRank(
+      testing::OnExamples(testing::SmallRun(vit->dir, 1, 1, 3), images.images_path, images.labels_path), "vit");
 }
 
 TEST_F(CudaFamilies, T5OnPairs) {
   const shardformer::testing::TinyOptions tiny = shardformer::testing::TinyFlanT5();
   auto t5 = shardformer::testing::WriteTinyT5(TempPath("cuda_t5"), tiny);
   ASSERT_TRUE(t5.ok()) << t5.status();
-  const int64_t n = 24, se = 10, sd = 6, vocab = t5->config.vocab_size;
-  std::vector<int64_t> targets = shardformer::testing::TokenIds(n, sd, vocab, 13).ToInt64s();
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t s = 1 + i % sd; s < sd; ++s) targets[i * sd + s] = -100;  // pairs of 1 to 6 targets
-  }
-  const Tensor inputs = shardformer::testing::TokenIds(n, se, vocab, 11);
-  ASSERT_TRUE(WriteNpy(TempPath("cuda_t5_inputs.npy"), *inputs.ToDType(DType::kI32)).ok());
-  ASSERT_TRUE(WriteNpy(TempPath("cuda_t5_targets.npy"), *Tensor::FromInt64s({n, sd}, targets)).ok());
-  TrainOptions run = testing::SmallRun(t5->dir, 1, 1, 3);
-  run.data_path = TempPath("cuda_t5_inputs.npy");
-  run.labels_path = TempPath("cuda_t5_targets.npy");
-  ExpectTwoDOnCudaTrainsAsOneCpuRank(run, "t5");
+  const testing::PairSet pairs = testing::WritePairs("cuda_t5", t5->config.vocab_size);
+  ExpectTwoDOnCudaTrainsAsOneCpuRank(
+      testing::OnExamples(testing::SmallRun(t5->dir, 1, 1, 3), pairs.inputs_path, pairs.targets_path), "t5");
 }
 
 }  // namespace

@@ -153,13 +153,10 @@ TEST(Eval, AnImageClassifierReportsItsAccuracy) {
   shardformer::testing::TinyOptions tiny;
   auto vit = shardformer::testing::WriteTinyVit(TempPath("eval_vit"), tiny);
   ASSERT_TRUE(vit.ok()) << vit.status();
-  const Tensor images = shardformer::testing::PixelValues(24, tiny, 9);
-  const Tensor labels = shardformer::testing::ImageLabels(24, tiny.labels, 4);
-  ASSERT_TRUE(WriteNpy(TempPath("eval_images.npy"), images).ok());
-  ASSERT_TRUE(WriteNpy(TempPath("eval_labels.npy"), labels).ok());
-  TrainOptions o = testing::SmallRun(vit->dir, 1, 1, 1);
-  o.data_path = TempPath("eval_images.npy");
-  o.labels_path = TempPath("eval_labels.npy");
+  const testing::ImageSet set = testing::WriteImages("eval_vit", tiny);
+  const Tensor& images = set.images;
+  const Tensor& labels = set.labels;
+  TrainOptions o = testing::OnExamples(testing::SmallRun(vit->dir, 1, 1, 1), set.images_path, set.labels_path);
   o.eval_split = 0.25;
   const std::vector<int64_t> rows = {18, 19, 20, 21, 22, 23, 18, 19};
   const std::vector<int64_t> all = labels.ToInt64s();

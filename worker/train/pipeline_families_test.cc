@@ -5,10 +5,15 @@
 // on the last) train with the
 // unsharded run's losses and gradient norms at pp=2 (uneven stages), at
 // tp2 x pp2 x dp2, in 2D under stages, and on CUDA ranks where there are
-// two devices (the emulation's in CI).
+// two devices (the emulation's in CI). A family its user registers has
+// stages by its own split_stage.
+#include <fstream>
+
 #include "gtest/gtest.h"
 #include "kernels/device.h"
+#include "nlohmann/json.hpp"
 #include "tests/testing/temp_dir.h"
+#include "worker/shardformer/shardformer.h"
 #include "worker/shardformer/testing.h"
 #include "worker/tensor/npy.h"
 #include "worker/train/train_testing.h"
@@ -94,12 +99,91 @@ TEST(PipelineFamilies, VitWithItsClassifierOnTheLastStage) {
   tiny.layers = 3;
   auto vit = shardformer::testing::WriteTinyVit(TempPath("pp_vit"), tiny);
   ASSERT_TRUE(vit.ok()) << vit.status();
-  ASSERT_TRUE(WriteNpy(TempPath("pp_images.npy"), shardformer::testing::PixelValues(24, tiny, 9)).ok());
-  ASSERT_TRUE(WriteNpy(TempPath("pp_labels.npy"), shardformer::testing::ImageLabels(24, tiny.labels, 4)).ok());
-  TrainOptions run = testing::SmallRun(vit->dir, 1, 1, 4);
-  run.data_path = TempPath("pp_images.npy");
-  run.labels_path = TempPath("pp_labels.npy");
-  ExpectStagesTrainAsOneRank(run, "vit");
+  const testing::ImageSet images = testing::WriteImages("pp_vit", tiny);
+  ExpectStagesTrainAsOneRank(
+      testing::OnExamples(testing::SmallRun(vit->dir, 1, 1, 4), images.images_path, images.labels_path), "vit");
+}
+
+// A family its user registers (ModelRegistry, docs/SHARDFORMER.md) has
+// pipeline stages by its own declaration, not by a list of colod's: GPT-2's
+// parts registered as "my_gpt2" train at pp=2 as on one rank. Registered
+// without a split_stage, pp=2 is refused, naming it.
+//
+// GPT-2's build and policy read their layer table by model_type: the user's
+// family hands them the config as GPT-2's.
+ModelConfig AsGpt2(ModelConfig c) {
+  c.model_type = "gpt2";
+  return c;
+}
+
+class AsGpt2Policy : public shardformer::Policy {
+ public:
+  explicit AsGpt2Policy(std::unique_ptr<shardformer::Policy> gpt2) : gpt2_(std::move(gpt2)) {}
+  absl::Status Preprocess(const ModelConfig& config, shardformer::ShardConfig& shard) override {
+    return gpt2_->Preprocess(AsGpt2(config), shard);
+  }
+  absl::StatusOr<std::map<std::string, shardformer::ModulePolicyDescription>> ModulePolicy(
+      const ModelConfig& config, const shardformer::ShardConfig& shard) override {
+    return gpt2_->ModulePolicy(AsGpt2(config), shard);
+  }
+  absl::Status Postprocess(shardformer::Module& model, const ModelConfig& config,
+                           const shardformer::ShardConfig& shard) override {
+    return gpt2_->Postprocess(model, AsGpt2(config), shard);
+  }
+
+ private:
+  std::unique_ptr<shardformer::Policy> gpt2_;
+};
+
+void RegisterAsGpt2(const std::string& model_type, bool stages) {
+  auto gpt2 = shardformer::ModelRegistry::Global().Get("gpt2");
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  shardformer::ModelFamily mine;
+  mine.base_model_prefix = gpt2->base_model_prefix;
+  mine.parse = [model_type](const std::string& text, const std::string& what) -> absl::StatusOr<ModelConfig> {
+    nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object()) return absl::InvalidArgumentError(what + ": not a JSON object");
+    j["model_type"] = "gpt2";
+    absl::StatusOr<ModelConfig> c = ParseModelConfig(j.dump(), what);
+    if (c.ok()) c->model_type = model_type;
+    return c;
+  };
+  const shardformer::ModelFamily g = *gpt2;
+  mine.build = [g](const ModelConfig& c) { return g.build(AsGpt2(c)); };
+  mine.policy = [g] { return std::unique_ptr<shardformer::Policy>(new AsGpt2Policy(g.policy())); };
+  if (stages) mine.split_stage = g.split_stage;
+  shardformer::ModelRegistry::Global().Register(model_type, mine);
+}
+
+std::string WriteAs(const std::string& model_type) {
+  auto gpt2 = shardformer::testing::WriteTinyGpt2(TempPath("pp_" + model_type), Tiny());
+  EXPECT_TRUE(gpt2.ok()) << gpt2.status();
+  std::ifstream in(gpt2->dir + "/config.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["model_type"] = model_type;
+  std::ofstream(gpt2->dir + "/config.json") << j.dump();
+  return gpt2->dir;
+}
+
+TEST(PipelineFamilies, ARegisteredFamilyHasStagesByItsOwnDeclaration) {
+  RegisterAsGpt2("my_gpt2", /*stages=*/true);
+  const TrainOptions run = testing::SmallRun(WriteAs("my_gpt2"), 1, 1, 4);
+  const std::vector<StepStats> want = Losses(run);
+  ASSERT_EQ(want.size(), 4u);
+  TrainOptions staged = run;
+  staged.shard.layout.set_pipeline_parallel_size(2);
+  staged.micro_batches = 2;
+  ExpectSameLosses(Losses(staged), want, 1e-4, "my_gpt2 pp=2");
+
+  RegisterAsGpt2("my_whole_gpt2", /*stages=*/false);
+  TrainOptions whole = testing::SmallRun(WriteAs("my_whole_gpt2"), 1, 1, 1);
+  whole.shard.layout.set_pipeline_parallel_size(2);
+  whole.micro_batches = 2;
+  const absl::Status s = Train(whole, [](const StepStats&) {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("my_whole_gpt2 policy has no pipeline stages: its family declares no split_stage"),
+            std::string::npos)
+      << s;
 }
 
 }  // namespace

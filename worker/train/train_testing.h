@@ -3,11 +3,14 @@
 #ifndef COLOD_WORKER_TRAIN_TRAIN_TESTING_H_
 #define COLOD_WORKER_TRAIN_TRAIN_TESTING_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 #include "worker/shardformer/testing.h"
+#include "worker/tensor/npy.h"
 #include "worker/train/data.h"
 #include "worker/train/trainer.h"
 
@@ -66,6 +69,54 @@ inline void ExpectSameLosses(const std::vector<StepStats>& got, const std::vecto
     EXPECT_NEAR(got[i].grad_norm, w.grad_norm, 1e-3 * w.grad_norm) << what << " step " << w.step;
     EXPECT_DOUBLE_EQ(got[i].lr, w.lr) << what << " step " << w.step;
   }
+}
+
+// Labelled images for a ViT of `tiny`'s shape, and the .npy files that hold
+// them (TempPath(name + "_images.npy") and name + "_labels.npy").
+struct ImageSet {
+  Tensor images;  // [24, channels, size, size] f32 (PixelValues, salt 9)
+  Tensor labels;  // [24] i64 (ImageLabels, salt 4)
+  std::string images_path, labels_path;
+};
+
+inline ImageSet WriteImages(const std::string& name, const shardformer::testing::TinyOptions& tiny) {
+  ImageSet set{shardformer::testing::PixelValues(24, tiny, 9), shardformer::testing::ImageLabels(24, tiny.labels, 4),
+               colod::testing::TempPath(name + "_images.npy"), colod::testing::TempPath(name + "_labels.npy")};
+  EXPECT_TRUE(WriteNpy(set.images_path, set.images).ok()) << set.images_path;
+  EXPECT_TRUE(WriteNpy(set.labels_path, set.labels).ok()) << set.labels_path;
+  return set;
+}
+
+// (input, target) pairs for an encoder-decoder of `vocab` tokens, and the
+// .npy files that hold them (TempPath(name + "_inputs.npy"), i32, and
+// name + "_targets.npy"): 24 inputs of 10 tokens (TokenIds, salt 11) and
+// targets of 6 (salt 13), of which pair i has 1 + i % 6, the rest -100.
+struct PairSet {
+  static constexpr int64_t kPairs = 24, kInputLen = 10, kTargetLen = 6;
+  Tensor inputs;                 // [24, 10] i64
+  std::vector<int64_t> targets;  // [24, 6], row-major
+  std::string inputs_path, targets_path;
+};
+
+inline PairSet WritePairs(const std::string& name, int64_t vocab) {
+  constexpr int64_t n = PairSet::kPairs, sd = PairSet::kTargetLen;
+  PairSet set{shardformer::testing::TokenIds(n, PairSet::kInputLen, vocab, 11),
+              shardformer::testing::TokenIds(n, sd, vocab, 13).ToInt64s(),
+              colod::testing::TempPath(name + "_inputs.npy"), colod::testing::TempPath(name + "_targets.npy")};
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t s = 1 + i % sd; s < sd; ++s) set.targets[i * sd + s] = -100;
+  }
+  EXPECT_TRUE(WriteNpy(set.inputs_path, *set.inputs.ToDType(DType::kI32)).ok()) << set.inputs_path;
+  EXPECT_TRUE(WriteNpy(set.targets_path, *Tensor::FromInt64s({n, sd}, set.targets)).ok()) << set.targets_path;
+  return set;
+}
+
+// `o` reading its examples from `data` and their labels (or targets) from
+// `labels`.
+inline TrainOptions OnExamples(TrainOptions o, const std::string& data, const std::string& labels) {
+  o.data_path = data;
+  o.labels_path = labels;
+  return o;
 }
 
 }  // namespace colod::train::testing

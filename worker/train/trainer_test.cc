@@ -87,11 +87,10 @@ TEST(Trainer, AnImageClassifierTrainsOnItsImagesAndLabels) {
   shardformer::testing::TinyOptions tiny;
   auto vit = shardformer::testing::WriteTinyVit(TempPath("train_vit"), tiny);
   ASSERT_TRUE(vit.ok()) << vit.status();
-  const Tensor images = shardformer::testing::PixelValues(24, tiny, 9);
-  const Tensor labels = shardformer::testing::ImageLabels(24, tiny.labels, 4);
-  ASSERT_TRUE(WriteNpy(TempPath("images.npy"), images).ok());
-  ASSERT_TRUE(WriteNpy(TempPath("image_labels.npy"), labels).ok());
-  const TrainOptions o = ExampleOptions(vit->dir, TempPath("images.npy"), TempPath("image_labels.npy"));
+  const testing::ImageSet set = testing::WriteImages("train_vit", tiny);
+  const Tensor& images = set.images;
+  const Tensor& labels = set.labels;
+  const TrainOptions o = ExampleOptions(vit->dir, set.images_path, set.labels_path);
   const std::vector<StepStats> base = Losses(o);
   ASSERT_EQ(base.size(), 6u);
   EXPECT_LT(base.back().loss, base[0].loss);
@@ -126,7 +125,7 @@ TEST(Trainer, AnImageClassifierTrainsOnItsImagesAndLabels) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("one per image"), std::string::npos) << s;
   TrainOptions lm = Options(TinyModel("train_gpt2_labels"), 1, 1);
-  lm.labels_path = TempPath("image_labels.npy");
+  lm.labels_path = set.labels_path;
   EXPECT_EQ(Train(lm, [](const StepStats&) {}).code(), absl::StatusCode::kInvalidArgument);
 }
 
@@ -141,15 +140,11 @@ TEST(Trainer, AnEncoderDecoderTrainsOnInputTargetPairs) {
   const shardformer::testing::TinyOptions tiny = shardformer::testing::TinyFlanT5();
   auto t5 = shardformer::testing::WriteTinyT5(TempPath("train_t5"), tiny);
   ASSERT_TRUE(t5.ok()) << t5.status();
-  const int64_t n = 24, se = 10, sd = 6, vocab = t5->config.vocab_size;
-  const Tensor inputs = shardformer::testing::TokenIds(n, se, vocab, 11);
-  std::vector<int64_t> targets = shardformer::testing::TokenIds(n, sd, vocab, 13).ToInt64s();
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t s = 1 + i % sd; s < sd; ++s) targets[i * sd + s] = -100;  // pair i has 1 + i % 6 targets
-  }
-  ASSERT_TRUE(WriteNpy(TempPath("t5_inputs.npy"), *inputs.ToDType(DType::kI32)).ok());
-  ASSERT_TRUE(WriteNpy(TempPath("t5_targets.npy"), *Tensor::FromInt64s({n, sd}, targets)).ok());
-  const TrainOptions o = ExampleOptions(t5->dir, TempPath("t5_inputs.npy"), TempPath("t5_targets.npy"));
+  const testing::PairSet pairs = testing::WritePairs("train_t5", t5->config.vocab_size);
+  const int64_t n = testing::PairSet::kPairs, se = testing::PairSet::kInputLen, sd = testing::PairSet::kTargetLen;
+  const Tensor& inputs = pairs.inputs;
+  const std::vector<int64_t>& targets = pairs.targets;
+  const TrainOptions o = ExampleOptions(t5->dir, pairs.inputs_path, pairs.targets_path);
   const std::vector<StepStats> base = Losses(o);
   ASSERT_EQ(base.size(), 6u);
   EXPECT_LT(base.back().loss, base[0].loss);
