@@ -3,6 +3,10 @@
 // stages - s micro-batches alive on stage s, and the bubble of the closed
 // form (p - 1) / (m + p - 1) when the stages are even; the simulation finds
 // the deadlock of a schedule without warm-up and refuses malformed ones.
+// The interleaved schedule (V chunks per rank): Megatron-LM's order, every
+// (micro-batch, chunk) once and no deadlock for any depth, chunk count and
+// multiple of the depth, and with even stages the bubble of its closed form,
+// (p - 1) / (V m) of the compute: 1F1B's with V m micro-batches.
 #include "worker/train/pipeline_schedule.h"
 
 #include "gtest/gtest.h"
@@ -57,6 +61,62 @@ TEST(OneFOneB, TheBubbleOfEvenStagesIsTheClosedForm) {
   }
 }
 
+std::vector<std::vector<PipeTask>> Interleaved(int stages, int micro, int chunks) {
+  std::vector<std::vector<PipeTask>> all;
+  for (int s = 0; s < stages; ++s) all.push_back(*InterleavedSchedule(stages, s, micro, chunks));
+  return all;
+}
+
+TEST(Interleaved, EachRanksOrderIsMegatrons) {
+  // p = 2, V = 2, m = 4. Rank 0 warms up with 2 (p - 0 - 1) + (V - 1) p = 4
+  // forwards: micro-batches 0 and 1 through chunk 0, then through chunk 1.
+  // The backwards run the same groups from chunk 1 down.
+  EXPECT_EQ(ScheduleToString(*InterleavedSchedule(2, 0, 4, 2)),
+            "F0c0 F1c0 F0c1 F1c1 F2c0 B0c1 F3c0 B1c1 F2c1 B0c0 F3c1 B1c0 B2c1 B3c1 B2c0 B3c0");
+  EXPECT_EQ(ScheduleToString(*InterleavedSchedule(2, 1, 4, 2)),
+            "F0c0 F1c0 F0c1 B0c1 F1c1 B1c1 F2c0 B0c0 F3c0 B1c0 F2c1 B2c1 F3c1 B3c1 B2c0 B3c0");
+  // As many micro-batches as stages: every forward first.
+  EXPECT_EQ(ScheduleToString(*InterleavedSchedule(2, 1, 2, 2)), "F0c0 F1c0 F0c1 F1c1 B0c1 B1c1 B0c0 B1c0");
+  // One chunk is 1F1B.
+  EXPECT_EQ(*InterleavedSchedule(4, 1, 6, 1), *OneFOneBSchedule(4, 1, 6));
+  EXPECT_FALSE(InterleavedSchedule(4, 0, 6, 2).ok());  // 6 micro-batches are not groups of 4
+  EXPECT_FALSE(InterleavedSchedule(4, 4, 8, 2).ok());
+  EXPECT_FALSE(InterleavedSchedule(4, 0, 8, 0).ok());
+  EXPECT_FALSE(InterleavedSchedule(4, 0, 0, 2).ok());
+}
+
+TEST(Interleaved, NoDeadlockAtAnyDepthChunkCountAndMultipleWithUnevenStages) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int v = 1; v <= 4; ++v) {
+      for (int m = p; m <= 4 * p; m += p) {
+        std::vector<double> cost;
+        for (int s = 0; s < p; ++s) cost.push_back(1 + (s * 7) % 3);
+        auto sim = SimulatePipeline(Interleaved(p, m, v), cost);
+        ASSERT_TRUE(sim.ok()) << sim.status();
+        EXPECT_FALSE(sim->deadlock) << "p=" << p << " V=" << v << " m=" << m << ": " << sim->stuck;
+        EXPECT_LE(sim->max_in_flight, v * m) << "p=" << p << " V=" << v << " m=" << m;
+      }
+    }
+  }
+}
+
+TEST(Interleaved, TheBubbleOfEvenStagesIsAVthOfOneFOneBs) {
+  for (int p = 2; p <= 8; ++p) {
+    for (int v = 1; v <= 4; ++v) {
+      for (int m = p; m <= 4 * p; m += p) {
+        // A chunk is a V-th of a stage: its forward takes 1 / V.
+        auto sim = SimulatePipeline(Interleaved(p, m, v), std::vector<double>(p, 1.0 / v));
+        ASSERT_TRUE(sim.ok()) << sim.status();
+        ASSERT_FALSE(sim->deadlock) << sim->stuck;
+        const double compute = 3.0 * m, idle = sim->makespan - compute;
+        EXPECT_NEAR(idle / compute, static_cast<double>(p - 1) / (v * m), 1e-9) << "p=" << p << " V=" << v << " m=" << m;
+        EXPECT_NEAR(sim->bubble_fraction, static_cast<double>(p - 1) / (v * m + p - 1), 1e-9)
+            << "p=" << p << " V=" << v << " m=" << m;
+      }
+    }
+  }
+}
+
 TEST(SimulatePipeline, FindsTheDeadlockOfASchedulewithoutWarmUp) {
   // Stage 0 runs its first backward before stage 1 has the forward it needs
   // to get there: each waits for the other.
@@ -80,6 +140,11 @@ TEST(SimulatePipeline, RefusesMalformedSchedules) {
   EXPECT_FALSE(SimulatePipeline({{{K::kForward, 0}, {K::kForward, 0}}}, {1}).ok());     // F twice
   EXPECT_FALSE(SimulatePipeline({{{K::kForward, 0}, {K::kBackward, 3}}}, {1}).ok());    // no micro-batch 3
   EXPECT_FALSE(SimulatePipeline({{{K::kForward, 0}, {K::kBackward, 0}}, {{K::kForward, 0}}}, {1, 1}).ok());
+  // Interleaved: chunk 1's backward without its forward; a negative chunk.
+  EXPECT_FALSE(SimulatePipeline({{{K::kForward, 0, 0}, {K::kBackward, 0, 1}, {K::kForward, 0, 1}, {K::kBackward, 0, 0}}},
+                                {1})
+                   .ok());
+  EXPECT_FALSE(SimulatePipeline({{{K::kForward, 0, -1}, {K::kBackward, 0, -1}}}, {1}).ok());
 }
 
 }  // namespace
