@@ -52,7 +52,17 @@ struct ShardConfig {
 
   Recompute recompute = Recompute::kNone;
 
-  // Set by ShardFormer::Load from the layout and this rank's pp coordinate.
+  // Interleaved 1F1B (virtual stages): this model is chunk `chunk` of the
+  // `virtual_stages` (V) this rank holds, and ShardFormer::Load makes it
+  // virtual stage chunk * pp + (this rank's pp coordinate) of the pp * V
+  // the layers are cut into (the layout's pipeline_stage_layers, where
+  // given, lists pp * V stages). 1: plain pipeline stages.
+  int virtual_stages = 1;
+  int chunk = 0;
+
+  // Set by ShardFormer::Load from the layout and this rank's pp coordinate
+  // (and chunk): under virtual stages, index and count are the virtual
+  // stage's.
   PipelineStage stage;
 
   int tp() const { return layout.tensor_parallel_size() < 1 ? 1 : layout.tensor_parallel_size(); }

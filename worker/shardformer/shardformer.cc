@@ -440,16 +440,28 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::strin
   ASSIGN_OR_RETURN(std::unique_ptr<Module> model, family.build(config));
   std::vector<std::string> tied;
   if (shard_.pp() > 1) {
-    ASSIGN_OR_RETURN(std::vector<int64_t> layers, PipelineStageLayers(config, shard_.layout));
+    const int v = shard_.virtual_stages;
+    if (v < 1 || shard_.chunk < 0 || shard_.chunk >= v) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk ", shard_.chunk, " of ", v, " virtual stages"));
+    }
+    v1::ShardConfig cut = shard_.layout;  // the pp * V virtual stages
+    if (int64_t{shard_.pp()} * v > config.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("pipeline_parallel_size ", shard_.pp(), " x ", v,
+                                                     " virtual stages is more stages than the model's ",
+                                                     config.num_layers, " layers"));
+    }
+    cut.set_pipeline_parallel_size(shard_.pp() * v);
+    ASSIGN_OR_RETURN(std::vector<int64_t> layers, PipelineStageLayers(config, cut));
     if (!family.split_stage) {
       return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type,
                                                      " policy has no pipeline stages: its family declares no "
                                                      "split_stage (ModelFamily, docs/SHARDFORMER.md)"));
     }
-    ASSIGN_OR_RETURN(int index, pg_->LocalRank("pp"));
+    ASSIGN_OR_RETURN(int rank, pg_->LocalRank("pp"));
+    const int index = shard_.chunk * shard_.pp() + rank;
     PipelineStage& stage = shard_.stage;
     stage.index = index;
-    stage.count = shard_.pp();
+    stage.count = shard_.pp() * v;
     stage.begin = 0;
     for (int s = 0; s < index; ++s) stage.begin += layers[s];
     stage.end = stage.begin + layers[index];
