@@ -16,6 +16,9 @@ namespace {
 
 // The channel that carries stage `from`'s sends in one direction.
 std::string Channel(bool forward, int from) { return absl::StrCat("pp#", forward ? "f" : "b", from % 2); }
+// Virtual stages: the channel from the last rank to the first (forward),
+// or from the first to the last (backward).
+std::string WrapChannel(bool forward) { return forward ? "pp#fw" : "pp#bw"; }
 
 struct Pending {
   std::shared_ptr<Work> work;
@@ -34,11 +37,14 @@ absl::Status WaitAll(std::vector<Pending>& sends, absl::Duration timeout) {
 
 }  // namespace
 
-absl::Status MakePipelineChannels(ProcessGroup& pg, int stages) {
+absl::Status MakePipelineChannels(ProcessGroup& pg, int stages, int virtual_stages) {
   for (const bool forward : {true, false}) {
     for (int parity = 0; parity < std::min(2, stages - 1); ++parity) {
       RETURN_IF_ERROR(pg.Comm(Channel(forward, forward ? parity : parity + 1)).status());
     }
+  }
+  if (virtual_stages > 1 && stages > 1) {
+    for (const bool forward : {true, false}) RETURN_IF_ERROR(pg.Comm(WrapChannel(forward)).status());
   }
   return absl::OkStatus();
 }
@@ -46,65 +52,101 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages) {
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
                                                    int64_t step_labels, bool reduce, bool train) {
-  const shardformer::PipelineStage& stage = model.shard_config().stage;
-  const int me = stage.index;
-  const int m = static_cast<int>(micro_batches);
-  std::vector<PipeTask> schedule;
-  if (train) {
-    ASSIGN_OR_RETURN(schedule, OneFOneBSchedule(stage.count, me, m));
-  } else {  // forwards only: nothing waits for a backward
-    for (int i = 0; i < m; ++i) schedule.push_back(PipeTask{PipeTask::Kind::kForward, i});
+  return RunPipelineStep(std::vector<shardformer::ShardedModel*>{&model}, pg, sync, inputs, labels, micro_batches,
+                         step_labels, reduce, train);
+}
+
+absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer::ShardedModel*>& chunks,
+                                                   ProcessGroup& pg, GradSync& sync, const Tensor& inputs,
+                                                   const Tensor& labels, int64_t micro_batches, int64_t step_labels,
+                                                   bool reduce, bool train) {
+  if (chunks.empty()) return absl::InvalidArgumentError("pipeline: no model chunk");
+  const int v = static_cast<int>(chunks.size());
+  ASSIGN_OR_RETURN(const int me, pg.LocalRank("pp"));
+  ASSIGN_OR_RETURN(const int p, pg.AxisSize("pp"));
+  const int virtual_stages = p * v;
+  for (int c = 0; c < v; ++c) {
+    const shardformer::PipelineStage& st = chunks[c]->shard_config().stage;
+    if (st.count != virtual_stages || st.index != c * p + me) {
+      return absl::InvalidArgumentError(absl::StrCat("pipeline: chunk ", c, " of rank ", me, " is stage ", st.index,
+                                                     " of ", st.count, ", not ", c * p + me, " of ",
+                                                     virtual_stages));
+    }
   }
+  if (micro_batches < 1 || micro_batches > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline: ", micro_batches, " micro-batches"));
+  }
+  const int m = static_cast<int>(micro_batches);
+  ASSIGN_OR_RETURN(std::vector<PipeTask> schedule, InterleavedSchedule(p, me, m, v));
+  if (!train) {  // forwards only, in the same order: nothing waits for a backward
+    std::vector<PipeTask> forwards;
+    for (const PipeTask& t : schedule) {
+      if (t.kind == PipeTask::Kind::kForward) forwards.push_back(t);
+    }
+    schedule = std::move(forwards);
+  }
+  // A message's tag: its sender's virtual stage and the micro-batch.
+  auto tag = [m](int sender, int i) { return static_cast<uint32_t>(int64_t{sender} * m + i); };
   // The stream between stages: [rows, seq, hidden]; an image classifier's
   // sequence is its patches and the CLS token (max_positions).
-  const bool images = model.config().takes_images();
-  const int64_t rows = inputs.shape()[0] / micro_batches, seq = images ? model.config().max_positions : inputs.shape()[1];
+  shardformer::ShardedModel& head = *chunks.back();
+  const bool images = head.config().takes_images();
+  const int64_t rows = inputs.shape()[0] / micro_batches, seq = images ? head.config().max_positions : inputs.shape()[1];
   const absl::Duration timeout = pg.timeout();
-  RETURN_IF_ERROR(MakePipelineChannels(pg, stage.count));
+  RETURN_IF_ERROR(MakePipelineChannels(pg, p, v));
+  // Each direction's communicators: to and from the neighbouring ranks; the
+  // wrap-around between the last rank and the first (virtual stages only)
+  // on channels of their own.
+  const int next = (me + 1) % p, prev = (me + p - 1) % p;
   Communicator *send_fwd = nullptr, *recv_fwd = nullptr, *send_back = nullptr, *recv_back = nullptr;
-  if (!stage.last()) {
-    ASSIGN_OR_RETURN(send_fwd, pg.Comm(Channel(true, me)));
-    ASSIGN_OR_RETURN(recv_back, pg.Comm(Channel(false, me + 1)));
+  // Only those MakePipelineChannels made: making one is collective.
+  const bool wraps = v > 1 && p > 1;
+  if (me < p - 1 || wraps) {
+    ASSIGN_OR_RETURN(send_fwd, pg.Comm(me == p - 1 ? WrapChannel(true) : Channel(true, me)));
+    ASSIGN_OR_RETURN(recv_back, pg.Comm(me == p - 1 ? WrapChannel(false) : Channel(false, me + 1)));
   }
-  if (!stage.first()) {
-    ASSIGN_OR_RETURN(recv_fwd, pg.Comm(Channel(true, me - 1)));
-    ASSIGN_OR_RETURN(send_back, pg.Comm(Channel(false, me)));
+  if (me > 0 || wraps) {
+    ASSIGN_OR_RETURN(recv_fwd, pg.Comm(me == 0 ? WrapChannel(true) : Channel(true, me - 1)));
+    ASSIGN_OR_RETURN(send_back, pg.Comm(me == 0 ? WrapChannel(false) : Channel(false, me)));
   }
-  // What this stage receives: the residual stream [rows, seq, hidden] in its
-  // first layer's spec, this rank's block of it.
-  DistSpec in_spec;
-  Shape in_local;
-  const DType dtype = model.shard_config().param_dtype;
-  const Device device = model.shard_config().device;
-  if (!stage.first()) {
-    ASSIGN_OR_RETURN(in_spec, model.StageInputSpec(3));
-    ASSIGN_OR_RETURN(Block block, LocalBlock(in_spec, {rows, seq, model.config().hidden_size}, &pg));
-    in_local = Shape(block.lengths.begin(), block.lengths.end());
+  // What each chunk but the first virtual stage receives: the residual
+  // stream [rows, seq, hidden] in its first layer's spec, this rank's block.
+  std::vector<DistSpec> in_spec(v);
+  std::vector<Shape> in_local(v);
+  for (int c = 0; c < v; ++c) {
+    if (chunks[c]->shard_config().stage.first()) continue;
+    ASSIGN_OR_RETURN(in_spec[c], chunks[c]->StageInputSpec(3));
+    ASSIGN_OR_RETURN(Block block, LocalBlock(in_spec[c], {rows, seq, chunks[c]->config().hidden_size}, &pg));
+    in_local[c] = Shape(block.lengths.begin(), block.lengths.end());
   }
   struct InFlight {
     Variable input;     // a received activation (a leaf), or none on the first stage
     std::optional<ColoTensor> output;  // what was sent on
     Variable loss;      // the last stage's
   };
-  std::map<int, InFlight> alive;
+  std::map<std::pair<int, int>, InFlight> alive;  // (chunk, micro-batch)
   std::vector<Pending> sends;
   double loss = 0;
   int64_t correct = 0;  // an evaluation's classifier's, on the last stage
   absl::Duration waited;
   auto run = [&]() -> absl::Status {
     for (const PipeTask& task : schedule) {
-      const int i = task.micro_batch;
+      const int i = task.micro_batch, c = task.chunk;
+      shardformer::ShardedModel& model = *chunks[c];
+      const shardformer::PipelineStage& stage = model.shard_config().stage;
+      const DType dtype = model.shard_config().param_dtype;
+      const Device device = model.shard_config().device;
       if (task.kind == PipeTask::Kind::kForward) {
         InFlight f;
         std::optional<ColoTensor> in;  // a later stage's input activation
         if (!stage.first()) {
-          ASSIGN_OR_RETURN(Tensor buf, Tensor::Empty(in_local, dtype, device));
+          ASSIGN_OR_RETURN(Tensor buf, Tensor::Empty(in_local[c], dtype, device));
           const absl::Time waiting = absl::Now();
-          RETURN_IF_ERROR(recv_fwd->Recv(buf.raw_data(), buf.numel(), dtype, me - 1, static_cast<uint32_t>(i))
-                              ->WaitOnDevice(timeout));
+          RETURN_IF_ERROR(
+              recv_fwd->Recv(buf.raw_data(), buf.numel(), dtype, prev, tag(stage.index - 1, i))->WaitOnDevice(timeout));
           waited += absl::Now() - waiting;
           f.input = Variable(buf, /*requires_grad=*/true);
-          ASSIGN_OR_RETURN(in, ColoTensor::FromLocal(f.input, in_spec, &pg));
+          ASSIGN_OR_RETURN(in, ColoTensor::FromLocal(f.input, in_spec[c], &pg));
         }
         auto forward = [&]() -> absl::StatusOr<ColoTensor> {
           if (!stage.first()) return model.root().Forward(*in);
@@ -120,23 +162,26 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
         } else {
           ASSIGN_OR_RETURN(ColoTensor out, forward());
           Tensor o = out.local().Contiguous();
-          sends.push_back({send_fwd->Send(o.raw_data(), o.numel(), o.dtype(), me + 1, static_cast<uint32_t>(i)), o});
+          sends.push_back({send_fwd->Send(o.raw_data(), o.numel(), o.dtype(), next, tag(stage.index, i)), o});
           f.output = out;
         }
-        if (train) alive[i] = std::move(f);
+        if (train) alive[{c, i}] = std::move(f);
         continue;
       }
-      auto it = alive.find(i);
-      if (it == alive.end()) return absl::InternalError(absl::StrCat("pipeline: B", i, " before F", i));
+      auto it = alive.find({c, i});
+      if (it == alive.end()) {
+        return absl::InternalError(absl::StrCat("pipeline: B", i, " before F", i, " on chunk ", c));
+      }
       InFlight& f = it->second;
-      sync.set_enabled(reduce && i == m - 1);  // every stage's last task is the last micro-batch's backward
+      // Each chunk's last task is its last micro-batch's backward.
+      sync.set_enabled(reduce && i == m - 1);
       if (stage.last()) {
         RETURN_IF_ERROR(Backward(f.loss));
       } else {
         const Tensor& o = f.output->local();
         ASSIGN_OR_RETURN(Tensor grad, Tensor::Empty(o.shape(), o.dtype(), o.device()));
         const absl::Time waiting = absl::Now();
-        RETURN_IF_ERROR(recv_back->Recv(grad.raw_data(), grad.numel(), grad.dtype(), me + 1, static_cast<uint32_t>(i))
+        RETURN_IF_ERROR(recv_back->Recv(grad.raw_data(), grad.numel(), grad.dtype(), next, tag(stage.index + 1, i))
                             ->WaitOnDevice(timeout));
         waited += absl::Now() - waiting;
         RETURN_IF_ERROR(Backward(f.output->variable(), grad));
@@ -145,8 +190,7 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
         std::optional<Tensor> g = f.input.grad();
         if (!g.has_value()) return absl::InternalError(absl::StrCat("pipeline: no gradient for F", i, "'s input"));
         Tensor gc = g->Contiguous();
-        sends.push_back(
-            {send_back->Send(gc.raw_data(), gc.numel(), gc.dtype(), me - 1, static_cast<uint32_t>(i)), gc});
+        sends.push_back({send_back->Send(gc.raw_data(), gc.numel(), gc.dtype(), prev, tag(stage.index, i)), gc});
       }
       alive.erase(it);
     }
@@ -158,7 +202,9 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
   RETURN_IF_ERROR(ran);
   RETURN_IF_ERROR(sent);
   // The loss, which the last stage has, on every stage.
-  ASSIGN_OR_RETURN(const double total, SumOver(pg, "pp", stage.last() ? loss : 0.0, device));
+  const Device device = head.shard_config().device;
+  const bool last = head.shard_config().stage.last();
+  ASSIGN_OR_RETURN(const double total, SumOver(pg, "pp", last ? loss : 0.0, device));
   PipelineStepResult result{total, absl::ToDoubleSeconds(waited)};
   if (images && !train) {  // a count below 2^24: exact in f32
     ASSIGN_OR_RETURN(const double all, SumOver(pg, "pp", static_cast<double>(correct), device));

@@ -54,7 +54,9 @@ absl::StatusOr<shardformer::LmLoss> ForwardLoss(shardformer::ShardedModel& model
 // on every rank: collective over the pp group, and over the whole mesh on
 // NCCL, whose groups are splits of the world communicator; so every rank
 // calls it at the same point, before its first step.
-absl::Status MakePipelineChannels(ProcessGroup& pg, int stages);
+// With virtual_stages > 1, the two channels between the last rank and the
+// first as well ("pp#fw", "pp#bw").
+absl::Status MakePipelineChannels(ProcessGroup& pg, int stages, int virtual_stages = 1);
 
 // Runs one step's forwards and backwards of `model`'s stage over
 // `micro_batches` equal parts of this replica's `inputs` (token ids [rows,
@@ -68,6 +70,17 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages);
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
                                                    int64_t step_labels, bool reduce = true, bool train = true);
+// The interleaved schedule (InterleavedSchedule) over this rank's model
+// chunks, chunks[c] virtual stage c * pp + (its pp coordinate) of pp * V
+// (ShardConfig::virtual_stages): activations and gradients go between
+// virtual stages, the last rank's chunk c sending to the first rank's chunk
+// c + 1 on channels of their own, each message tagged with its sender's
+// virtual stage and micro-batch. micro_batches must be a multiple of pp
+// where V > 1. One chunk is the call above.
+absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer::ShardedModel*>& chunks,
+                                                   ProcessGroup& pg, GradSync& sync, const Tensor& inputs,
+                                                   const Tensor& labels, int64_t micro_batches, int64_t step_labels,
+                                                   bool reduce = true, bool train = true);
 
 // `value` summed over the `axis` group of `pg`, through the rank's
 // `device` (NCCL reduces device memory), in f32. Collective over the group.
