@@ -55,8 +55,9 @@ struct ShardConfig {
   // Interleaved 1F1B (virtual stages): this model is chunk `chunk` of the
   // `virtual_stages` (V) this rank holds, and ShardFormer::Load makes it
   // virtual stage chunk * pp + (this rank's pp coordinate) of the pp * V
-  // the layers are cut into (the layout's pipeline_stage_layers, where
-  // given, lists pp * V stages). 1: plain pipeline stages.
+  // the layers are cut into, evenly (Load reads pipeline_stage_layers as
+  // pp * V stages, which spec's validation does not take yet: the trainer
+  // refuses them with V > 1). 1: plain pipeline stages.
   int virtual_stages = 1;
   int chunk = 0;
 

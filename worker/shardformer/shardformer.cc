@@ -445,7 +445,7 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::strin
       return absl::InvalidArgumentError(absl::StrCat("chunk ", shard_.chunk, " of ", v, " virtual stages"));
     }
     v1::ShardConfig cut = shard_.layout;  // the pp * V virtual stages
-    if (int64_t{shard_.pp()} * v > config.num_layers) {
+    if (v > 1 && int64_t{shard_.pp()} * v > config.num_layers) {
       return absl::InvalidArgumentError(absl::StrCat("pipeline_parallel_size ", shard_.pp(), " x ", v,
                                                      " virtual stages is more stages than the model's ",
                                                      config.num_layers, " layers"));

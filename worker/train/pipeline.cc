@@ -251,7 +251,9 @@ absl::Status SumTiedGradients(const std::vector<shardformer::NamedParam>& params
                               const shardformer::ShardedModel& model, ProcessGroup& pg) {
   const shardformer::PipelineStage& stage = model.shard_config().stage;
   if (stage.count < 2 || !(stage.first() || stage.last())) return absl::OkStatus();
-  const int first = 0, last = stage.count - 1;
+  // The first (virtual) stage is on the first rank, the last on the last.
+  ASSIGN_OR_RETURN(const int ranks, pg.AxisSize("pp"));
+  const int first = 0, last = ranks - 1;
   ASSIGN_OR_RETURN(Communicator * to_last, pg.Comm(Channel(true, 0)));    // first -> last
   ASSIGN_OR_RETURN(Communicator * to_first, pg.Comm(Channel(false, 1)));  // last -> first
   for (const shardformer::NamedParam& p : params) {

@@ -77,8 +77,6 @@ TEST(Interleaved, EachRanksOrderIsMegatrons) {
             "F0c0 F1c0 F0c1 B0c1 F1c1 B1c1 F2c0 B0c0 F3c0 B1c0 F2c1 B2c1 F3c1 B3c1 B2c0 B3c0");
   // As many micro-batches as stages: every forward first.
   EXPECT_EQ(ScheduleToString(*InterleavedSchedule(2, 1, 2, 2)), "F0c0 F1c0 F0c1 F1c1 B0c1 B1c1 B0c0 B1c0");
-  // One chunk is 1F1B.
-  EXPECT_EQ(*InterleavedSchedule(4, 1, 6, 1), *OneFOneBSchedule(4, 1, 6));
   EXPECT_FALSE(InterleavedSchedule(4, 0, 6, 2).ok());  // 6 micro-batches are not groups of 4
   EXPECT_FALSE(InterleavedSchedule(4, 4, 8, 2).ok());
   EXPECT_FALSE(InterleavedSchedule(4, 0, 8, 0).ok());
@@ -94,7 +92,9 @@ TEST(Interleaved, NoDeadlockAtAnyDepthChunkCountAndMultipleWithUnevenStages) {
         auto sim = SimulatePipeline(Interleaved(p, m, v), cost);
         ASSERT_TRUE(sim.ok()) << sim.status();
         EXPECT_FALSE(sim->deadlock) << "p=" << p << " V=" << v << " m=" << m << ": " << sim->stuck;
-        EXPECT_LE(sim->max_in_flight, v * m) << "p=" << p << " V=" << v << " m=" << m;
+        // Rank 0's warm-up and its first steady forward at most.
+        const int warmup = m == p ? v * m : std::min(2 * (p - 1) + (v - 1) * p + 1, v * m);
+        EXPECT_LE(sim->max_in_flight, warmup) << "p=" << p << " V=" << v << " m=" << m;
       }
     }
   }

@@ -232,9 +232,44 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     return absl::InvalidArgumentError(absl::StrCat("eval_every ", o.eval_every, " must be >= 0 and eval_steps ",
                                                    o.eval_steps, " in [0, ", kMaxEvalSteps, "]"));
   }
+  const int chunks = o.shard.virtual_stages;
+  if (chunks < 1 || chunks > kMaxVirtualStages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("virtual_stages ", chunks, " is not in [1, ", kMaxVirtualStages, "]"));
+  }
+  if (chunks > 1) {
+    const int pp = o.shard.pp();
+    if (pp < 2) {
+      return absl::InvalidArgumentError(absl::StrCat("virtual_stages ", chunks, " interleaves pipeline stages: it "
+                                                     "needs pipeline_parallel_size >= 2"));
+    }
+    if (o.micro_batches % pp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the interleaved schedule (virtual_stages ", chunks, ") runs the micro-batches in groups of the ", pp,
+          " pipeline stages: micro_batches ", o.micro_batches, " is not a multiple of ", pp));
+    }
+    if (!o.save_dir.empty() || !o.resume_dir.empty() || !o.final_dir.empty()) {
+      return absl::InvalidArgumentError("an interleaved pipeline's (virtual_stages > 1) checkpoints are not written "
+                                        "or read yet: leave out the checkpoint, resume and final directories");
+    }
+    if (!o.shard.layout.pipeline_stage_layers().empty()) {
+      return absl::InvalidArgumentError("pipeline_stage_layers with virtual_stages > 1: not yet (the layers are cut "
+                                        "evenly into the virtual stages)");
+    }
+    // ZeRO 2 counts a bucket's gradients at every backward; one bucket may
+    // span two chunks, whose backwards come at different times.
+    if (o.zero_stage == 2) {
+      return absl::InvalidArgumentError("zero_stage 2 with virtual_stages > 1: not yet (zero_stage 1 is)");
+    }
+  }
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(o.shard.layout));
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
   ASSIGN_OR_RETURN(ModelConfig config, shardformer::LoadConfig(o.model_dir));
+  if (chunks > 1 && int64_t{o.shard.pp()} * chunks > config.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline_parallel_size ", o.shard.pp(), " x ", chunks,
+                                                   " virtual stages is more stages than the model's ",
+                                                   config.num_layers, " layers"));
+  }
   RETURN_IF_ERROR(CheckShardable(config, o.shard.layout));
   const bool examples = config.takes_images() || config.is_encoder_decoder();  // rows drawn whole
   if (!examples && (!o.labels_path.empty() || !o.eval_labels_path.empty())) {
@@ -370,8 +405,10 @@ absl::StatusOr<shardformer::LmLoss> MicroBatchLoss(shardformer::ShardedModel& mo
 // batch of run.eval through the model with no tape, in the run's layout
 // (a pipeline's stages forward only), the loss divided by the evaluation's
 // labelled positions. Collective over the mesh.
-absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, shardformer::ShardedModel& model, ProcessGroup& pg,
-                                   GradSync& sync, int replica, int64_t step, const RankHooks& hooks) {
+absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, const std::vector<shardformer::ShardedModel*>& chunks,
+                                   ProcessGroup& pg, GradSync& sync, int replica, int64_t step,
+                                   const RankHooks& hooks) {
+  shardformer::ShardedModel& model = *chunks.front();
   NoGradScope no_grad;
   const absl::Time start = absl::Now();
   const TrainOptions& o = run.options;
@@ -387,7 +424,7 @@ absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, shardformer::Sharde
     }
     ASSIGN_OR_RETURN(const StepBatch batch, data.Batch(k, replica, rows, 0, rows));
     if (model.shard_config().pp() > 1) {
-      ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(model, pg, sync, batch.inputs, batch.labels,
+      ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(chunks, pg, sync, batch.inputs, batch.labels,
                                                              o.micro_batches, eval.labels, /*reduce=*/false,
                                                              /*train=*/false));
       loss += r.loss;
@@ -433,10 +470,25 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   const int64_t micro_rows = run.micro_rows;
   // Every run sets it: a worker daemon's device outlives its jobs.
   RETURN_IF_ERROR(ops::SetAllowTf32(shard.device, o.allow_tf32));
-  ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
-                   shardformer::ShardFormer(shard, &pg).Load(o.model_dir));
-  if (shard.pp() > 1) RETURN_IF_ERROR(MakePipelineChannels(pg, shard.pp()));
-  std::vector<NamedParam> params = model->Parameters();
+  // The rank's model: one, or (an interleaved pipeline) its virtual
+  // stages' chunks, whose parameters the optimizer and the dp sync take as one.
+  const int v = shard.pp() > 1 ? shard.virtual_stages : 1;
+  std::vector<std::unique_ptr<shardformer::ShardedModel>> owned;
+  std::vector<shardformer::ShardedModel*> chunks;
+  std::vector<std::vector<NamedParam>> chunk_params;
+  std::vector<NamedParam> params;
+  for (int c = 0; c < v; ++c) {
+    shardformer::ShardConfig mine = shard;
+    mine.chunk = c;
+    ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> loaded,
+                     shardformer::ShardFormer(mine, &pg).Load(o.model_dir));
+    chunk_params.push_back(loaded->Parameters());
+    params.insert(params.end(), chunk_params.back().begin(), chunk_params.back().end());
+    chunks.push_back(loaded.get());
+    owned.push_back(std::move(loaded));
+  }
+  std::unique_ptr<shardformer::ShardedModel>& model = owned.front();  // the one model but for interleaving
+  if (shard.pp() > 1) RETURN_IF_ERROR(MakePipelineChannels(pg, shard.pp(), v));
   ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(params, &pg, o.bucket_bytes, o.zero_stage));
   // Under ZeRO each dp rank updates (and keeps the state of) its partition.
   ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer, sync->partition()));
@@ -452,7 +504,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.rank = rank;
     s.step = first;
     s.trained = false;
-    ASSIGN_OR_RETURN(s.eval, Evaluate(run, *model, pg, *sync, replica, first, hooks));
+    ASSIGN_OR_RETURN(s.eval, Evaluate(run, chunks, pg, *sync, replica, first, hooks));
     s.resumed_from = run.resume;
     if (hooks.on_step) hooks.on_step(s);
     return absl::OkStatus();
@@ -475,7 +527,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       const Tensor& labels = batch.labels;
       const int64_t step_labels = batch.step_labels;
       if (shard.pp() > 1) {
-        ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(*model, pg, *sync, inputs, labels, o.micro_batches,
+        ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(chunks, pg, *sync, inputs, labels, o.micro_batches,
                                                                step_labels, /*reduce=*/last_pass));
         loss += r.loss;
         pipeline_wait += r.wait_seconds;
@@ -490,7 +542,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       }
     }
     RETURN_IF_ERROR(sync->Finish());
-    RETURN_IF_ERROR(SumTiedGradients(params, *model, pg));
+    for (int c = 0; c < v; ++c) RETURN_IF_ERROR(SumTiedGradients(chunk_params[c], *chunks[c], pg));
     ASSIGN_OR_RETURN(double norm, GlobalGradNorm(optimizer, &pg));
     // The loss and the norm were read on the host, after the device passed
     // every collective before them: a collective that failed is reported now,
@@ -527,7 +579,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       s.pool_used_bytes = pool.used;
     }
     if (EvaluatesAfter(run, step + 1)) {
-      ASSIGN_OR_RETURN(s.eval, Evaluate(run, *model, pg, *sync, replica, step + 1, hooks));
+      ASSIGN_OR_RETURN(s.eval, Evaluate(run, chunks, pg, *sync, replica, step + 1, hooks));
     }
     const bool last = step + 1 == o.steps;
     if (!o.save_dir.empty() && o.save_every > 0 && ((step + 1) % o.save_every == 0 || last)) {
