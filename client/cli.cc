@@ -115,7 +115,7 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
   const int64_t steps = job->spec().train().steps();
   const bool tty = ::isatty(STDOUT_FILENO) != 0;
   bool bar_open = false;
-  std::vector<double> losses, evals;
+  std::vector<StepPoint> losses, evals;
   double tokens_per_second = 0;
   const absl::Status s = client.WatchJob(job_id, 1, absl::GetFlag(FLAGS_watch_timeout), [&](const v1::JobEvent& ev) {
     if (on_step && ev.has_step()) on_step(ev.step());
@@ -131,7 +131,7 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
     // report has no step to show).
     const auto print_eval = [&](const v1::StepProgress& p) {
       if (!p.has_eval()) return;
-      evals.push_back(p.eval().loss());
+      evals.push_back({p.eval().step(), p.eval().loss()});
       if (on_step) return;
       if (bar_open) std::printf("\n");
       bar_open = false;
@@ -144,7 +144,7 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
     }
     if (ev.has_step()) {
       const v1::StepProgress& p = ev.step();
-      losses.push_back(p.loss());
+      losses.push_back({p.step(), p.loss()});
       tokens_per_second += p.tokens_per_second();
       if (on_step) return true;
       const int width = 30;
@@ -172,15 +172,10 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
   if (!s.ok()) return s;
   job = client.GetJob(job_id);
   if (!job.ok()) return job.status();
-  if (!json && !losses.empty() && !on_step) {
-    const double min_loss = *std::min_element(losses.begin(), losses.end());
-    std::printf("loss %.4f -> %.4f over %zu steps (min %.4f), mean %.0f tokens/s\n", losses.front(), losses.back(),
-                losses.size(), min_loss, tokens_per_second / static_cast<double>(losses.size()));
-    std::printf("loss curve %s\n", Sparkline(losses, 60).c_str());
-  }
-  if (!json && !evals.empty() && !on_step) {
-    if (evals.size() > 1) std::printf("eval curve %s\n", Sparkline(evals, 60).c_str());
-    if (job->has_best_eval()) std::printf("best eval %s\n", EvalSummary(job->best_eval()).c_str());
+  if (!json && !on_step) {
+    const bool evaluated = !evals.empty();
+    std::fputs(RenderRunCurves(std::move(losses), tokens_per_second, std::move(evals)).c_str(), stdout);
+    if (evaluated && job->has_best_eval()) std::printf("best eval %s\n", EvalSummary(job->best_eval()).c_str());
   }
   return job;
 }

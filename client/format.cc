@@ -303,6 +303,29 @@ std::string Sparkline(const std::vector<double>& values, size_t width) {
   return out;
 }
 
+std::string RenderRunCurves(std::vector<StepPoint> losses, double tokens_per_second_sum,
+                            std::vector<StepPoint> evals) {
+  const auto by_step = [](const StepPoint& a, const StepPoint& b) { return a.step < b.step; };
+  const auto values = [](const std::vector<StepPoint>& points) {
+    std::vector<double> v;
+    v.reserve(points.size());
+    for (const StepPoint& p : points) v.push_back(p.value);
+    return v;
+  };
+  std::stable_sort(losses.begin(), losses.end(), by_step);
+  std::stable_sort(evals.begin(), evals.end(), by_step);
+  std::string out;
+  if (!losses.empty()) {
+    const std::vector<double> v = values(losses);
+    absl::StrAppendFormat(&out, "loss %.4f -> %.4f over %zu steps (min %.4f), mean %.0f tokens/s\n", v.front(),
+                          v.back(), v.size(), *std::min_element(v.begin(), v.end()),
+                          tokens_per_second_sum / static_cast<double>(v.size()));
+    absl::StrAppend(&out, "loss curve ", Sparkline(v, 60), "\n");
+  }
+  if (evals.size() > 1) absl::StrAppend(&out, "eval curve ", Sparkline(values(evals), 60), "\n");
+  return out;
+}
+
 absl::StatusOr<v1::DistSpec> ParseDistSpecText(const std::string& text, const v1::MeshSpec& mesh) {
   v1::DistSpec spec;
   const std::string trimmed(absl::StripAsciiWhitespace(text));

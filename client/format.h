@@ -54,6 +54,17 @@ std::string RenderMesh(const v1::MeshSpec& mesh);
 // to high; longer series are averaged into `width` buckets.
 std::string Sparkline(const std::vector<double>& values, size_t width);
 
+// The end of `coloctl watch`: the losses' first, last and least with the
+// mean tokens/s, the loss curve, and the held-out curve, each in the order
+// of its steps (a step a restarted coordinator heard late arrives after
+// later ones; each step is in the stream once). Empty without steps.
+struct StepPoint {
+  int64_t step = 0;
+  double value = 0;
+};
+std::string RenderRunCurves(std::vector<StepPoint> losses, double tokens_per_second_sum,
+                            std::vector<StepPoint> evals);
+
 // A dist spec from text: placements "AXIS=R", "AXIS=S(DIM)" (split into the
 // axis' size), "AXIS=S(D1,D2|N1,N2)" or "AXIS=P" (pending sum), separated by
 // ';', e.g. "tp=S(-1)" or "dp=S(0);tp=S(1)". "R" alone is replicate

@@ -54,6 +54,19 @@ TEST(Sparkline, MapsTheRangeOntoEightLevelsAndAveragesLongSeries) {
   EXPECT_EQ(Sparkline({}, 10), "");
 }
 
+TEST(RenderRunCurves, ALateStepTakesItsPlaceByStep) {
+  // Steps 1, 2, 4, then 3 (a restarted coordinator heard it late): the
+  // curve rises 1..4 in step order, the last loss is step 4's.
+  const std::string out = RenderRunCurves({{1, 1.0}, {2, 2.0}, {4, 4.0}, {3, 3.0}}, 400, {{4, 0.5}, {2, 0.25}});
+  EXPECT_NE(out.find("loss 1.0000 -> 4.0000 over 4 steps (min 1.0000), mean 100 tokens/s\n"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("loss curve \u2581\u2583\u2586\u2588\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("eval curve \u2581\u2588\n"), std::string::npos) << out;
+  EXPECT_EQ(RenderRunCurves({}, 0, {}), "");
+  // One evaluation draws no curve.
+  EXPECT_EQ(RenderRunCurves({{1, 2.0}}, 10, {{1, 1.0}}).find("eval curve"), std::string::npos);
+}
+
 TEST(RenderMesh, DrawsDpRowsTpColumnsAndEveryGroup) {
   v1::MeshSpec mesh;
   mesh.set_world_size(4);

@@ -295,6 +295,7 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
         *e.job.mutable_mesh() = mesh;
         e.attempt_peak_flops = peak_flops > 0 && std::isfinite(peak_flops) ? peak_flops : 0;
         e.job.set_generation(e.job.generation() + 1);
+        if (mesh.ranks_size() > 0) (*e.job.mutable_rank0_workers())[e.job.generation()] = mesh.ranks(0).worker_id();
         e.job.clear_stalled();  // a new attempt
         AppendStateChangeLocked(e, v1::JOB_STATE_SCHEDULED,
                                 absl::StrCat("ranks assigned to ", mesh.world_size(), " workers; connecting"));
@@ -335,64 +336,81 @@ absl::StatusOr<v1::Job> JobManager::Restart(absl::string_view job_id, absl::stri
 }
 
 absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgress& step) {
+  return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return AddStepLocked(e, step); });
+}
+
+absl::Status JobManager::AddLateStep(absl::string_view job_id, int64_t generation, absl::string_view worker_id,
+                                     const v1::StepProgress& step) {
   return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
-    RETURN_IF_ERROR(CheckNotEndedLocked(e));
-    const bool trained = IsTrainedStep(step);
-    // What a report says about now (the kept checkpoints, the last ones)
-    // is taken from the newest step only: a late report of an earlier
-    // step must not roll it back.
-    const bool newest = step.step() >= e.job.step();
-    if (newest && step.checkpoints_size() > 0) *e.job.mutable_checkpoints() = step.checkpoints();
-    if (trained && !e.trained_steps.insert(step.step()).second) {
-      return newest && step.checkpoints_size() > 0;  // recorded once; what a re-run's save kept is news
-    }
-    if (!trained && e.job.has_last_eval() && e.job.last_eval().step() == step.eval().step() &&
-        e.job.last_eval().loss() == step.eval().loss()) {
-      return false;  // an eval_only report sent again
-    }
-    if (trained) {
-      v1::RunSummary& sum = *e.job.mutable_summary();
-      sum.set_steps(sum.steps() + 1);
-      const int64_t tokens = std::max<int64_t>(0, step.tokens());
-      sum.set_tokens(sum.tokens() > std::numeric_limits<int64_t>::max() - tokens ? std::numeric_limits<int64_t>::max()
-                                                                                 : sum.tokens() + tokens);
-      const absl::Duration train = FromProtoDuration(sum.train_time()) + FromProtoDuration(step.step_duration());
-      *sum.mutable_train_time() = ToProtoDuration(train);
-      const double seconds = absl::ToDoubleSeconds(train);
-      sum.set_mean_tokens_per_second(seconds > 0 ? static_cast<double>(sum.tokens()) / seconds : 0);
-      if (newest) sum.set_last_tokens_per_second(step.tokens_per_second());
-      if (!e.flops_per_token.has_value()) e.flops_per_token = TrainFlopsPerTokenOf(e.job.spec());
-      sum.set_model_flops_per_token(*e.flops_per_token);
-      if (e.attempt_peak_flops.has_value()) sum.set_peak_flops_per_second(*e.attempt_peak_flops);
-      const double mfu = sum.peak_flops_per_second() > 0 ? sum.mean_tokens_per_second() *
-                                                               sum.model_flops_per_token() /
-                                                               sum.peak_flops_per_second()
-                                                         : 0;
-      sum.set_mfu(std::isfinite(mfu) ? mfu : 0);
-      UpdateWallTimeLocked(e);
-    }
-    if (trained && step.step() >= e.job.step()) {
-      e.job.set_step(step.step());
-      e.job.set_loss(step.loss());
-    }
-    if (newest && !step.checkpoint().empty()) e.job.set_last_checkpoint(step.checkpoint());
-    if (step.has_eval()) {
-      if (newest) *e.job.mutable_last_eval() = step.eval();
-      // The lowest loss, the earliest of equals; a NaN never becomes the best.
-      if (!e.job.has_best_eval() || step.eval().loss() < e.job.best_eval().loss() ||
-          std::isnan(e.job.best_eval().loss())) {
-        *e.job.mutable_best_eval() = step.eval();
+    const auto& holders = e.job.rank0_workers();
+    if (!holders.empty()) {
+      const auto it = holders.find(generation);
+      if (it == holders.end() || it->second != worker_id) {
+        return absl::PermissionDeniedError(absl::StrCat("worker '", worker_id, "' did not hold rank 0 of job '",
+                                                        job_id, "' generation ", generation));
       }
     }
-    const absl::Time now = clock_->Now();
-    *e.job.mutable_update_time() = ToProtoTimestamp(now);
-    v1::StepProgress& recorded = *NewEventLocked(e).mutable_step() = step;
-    recorded.clear_checkpoints();  // the job keeps the newest list; the history need not repeat it
-    // A record holds the whole history, so writing it on every step of a
-    // long job would cost O(steps^2): steps are written at most once a second
-    // (and whenever one names a checkpoint); every state change writes at once.
-    return !step.checkpoint().empty() || now - e.persisted >= absl::Seconds(1);
+    return AddStepLocked(e, step);
   });
+}
+
+absl::StatusOr<bool> JobManager::AddStepLocked(Entry& e, const v1::StepProgress& step) {
+  RETURN_IF_ERROR(CheckNotEndedLocked(e));
+  const bool trained = IsTrainedStep(step);
+  // What a report says about now (the kept checkpoints, the last ones)
+  // is taken from the newest step only: a late report of an earlier
+  // step must not roll it back.
+  const bool newest = step.step() >= e.job.step();
+  if (newest && step.checkpoints_size() > 0) *e.job.mutable_checkpoints() = step.checkpoints();
+  if (trained && !e.trained_steps.insert(step.step()).second) {
+    return newest && step.checkpoints_size() > 0;  // recorded once; what a re-run's save kept is news
+  }
+  if (!trained && e.job.has_last_eval() && e.job.last_eval().step() == step.eval().step() &&
+      e.job.last_eval().loss() == step.eval().loss()) {
+    return false;  // an eval_only report sent again
+  }
+  if (trained) {
+    v1::RunSummary& sum = *e.job.mutable_summary();
+    sum.set_steps(sum.steps() + 1);
+    const int64_t tokens = std::max<int64_t>(0, step.tokens());
+    sum.set_tokens(sum.tokens() > std::numeric_limits<int64_t>::max() - tokens ? std::numeric_limits<int64_t>::max()
+                                                                               : sum.tokens() + tokens);
+    const absl::Duration train = FromProtoDuration(sum.train_time()) + FromProtoDuration(step.step_duration());
+    *sum.mutable_train_time() = ToProtoDuration(train);
+    const double seconds = absl::ToDoubleSeconds(train);
+    sum.set_mean_tokens_per_second(seconds > 0 ? static_cast<double>(sum.tokens()) / seconds : 0);
+    if (newest) sum.set_last_tokens_per_second(step.tokens_per_second());
+    if (!e.flops_per_token.has_value()) e.flops_per_token = TrainFlopsPerTokenOf(e.job.spec());
+    sum.set_model_flops_per_token(*e.flops_per_token);
+    if (e.attempt_peak_flops.has_value()) sum.set_peak_flops_per_second(*e.attempt_peak_flops);
+    const double mfu = sum.peak_flops_per_second() > 0 ? sum.mean_tokens_per_second() *
+                                                             sum.model_flops_per_token() /
+                                                             sum.peak_flops_per_second()
+                                                       : 0;
+    sum.set_mfu(std::isfinite(mfu) ? mfu : 0);
+    UpdateWallTimeLocked(e);
+  }
+  if (trained && step.step() >= e.job.step()) {
+    e.job.set_step(step.step());
+    e.job.set_loss(step.loss());
+  }
+  if (newest && !step.checkpoint().empty()) e.job.set_last_checkpoint(step.checkpoint());
+  if (step.has_eval()) {
+    if (newest) *e.job.mutable_last_eval() = step.eval();
+    // The lowest loss, the earliest of equals; a NaN never becomes the best.
+    if (!e.job.has_best_eval() || step.eval().loss() < e.job.best_eval().loss() ||
+        std::isnan(e.job.best_eval().loss())) {
+      *e.job.mutable_best_eval() = step.eval();
+    }
+  }
+  const absl::Time now = clock_->Now();
+  *e.job.mutable_update_time() = ToProtoTimestamp(now);
+  v1::StepProgress& recorded = *NewEventLocked(e).mutable_step() = step;
+  recorded.clear_checkpoints();  // the job keeps the newest list; the history need not repeat it
+  // A record holds the whole history, so writing it on every step of a
+  // long job would cost O(steps^2): steps are written at most once a second
+  // (and whenever one names a checkpoint); every state change writes at once.
+  return !step.checkpoint().empty() || now - e.persisted >= absl::Seconds(1);
 }
 
 absl::Status JobManager::SetForwardResult(absl::string_view job_id, const v1::ForwardResult& result) {

@@ -113,6 +113,12 @@ class JobManager {
   // the highest recorded. FAILED_PRECONDITION once the job ended: its
   // history is closed.
   absl::Status AddStep(absl::string_view job_id, const v1::StepProgress& step);
+  // AddStep for a step that generation `generation` (an earlier one) ran
+  // and could not report then, from `worker_id`: PERMISSION_DENIED unless
+  // that worker held rank 0 of that generation (Job.rank0_workers; a record
+  // written before that field existed names none and is trusted).
+  absl::Status AddLateStep(absl::string_view job_id, int64_t generation, absl::string_view worker_id,
+                           const v1::StepProgress& step);
   // Records a FORWARD job's outcome (before it is marked SUCCEEDED).
   absl::Status SetForwardResult(absl::string_view job_id, const v1::ForwardResult& result);
   // Appends a hang report (event) and sets the job's `stalled` to its
@@ -184,6 +190,8 @@ class JobManager {
   v1::JobEvent& NewEventLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The summary's wall time: the first RUNNING event to now.
   void UpdateWallTimeLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AddStep's change of the entry (whether to write the record now).
+  absl::StatusOr<bool> AddStepLocked(Entry& e, const v1::StepProgress& step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Entry*> FindLocked(absl::string_view job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status CheckNotEndedLocked(const Entry& e);
   // Applies `change` to the job under mu_ (NOT_FOUND for an unknown id; the

@@ -725,6 +725,49 @@ TEST(JobManager, EachStepIsRecordedOnce) {
   EXPECT_DOUBLE_EQ(sum.mfu(), 8000 / 8e-6 * kTinyFlopsPerToken / 2e12);
 }
 
+// A late step (of an earlier generation) is recorded only from the worker
+// that held rank 0 of that generation, across a reopen.
+TEST(JobManager, ALateStepIsTakenOnlyFromItsGenerationsRankZeroWorker) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-late";
+  FakeClock clock;
+  auto mesh_on = [](const std::string& rank0, const std::string& rank1) {
+    v1::MeshSpec mesh;
+    mesh.set_world_size(2);
+    mesh.add_ranks()->set_worker_id(rank0);
+    mesh.add_ranks()->set_worker_id(rank1);
+    return mesh;
+  };
+  auto step = [](int64_t n) {
+    v1::StepProgress p;
+    p.set_step(n);
+    p.set_loss(1.0);
+    p.mutable_step_duration()->set_nanos(1000);
+    return p;
+  };
+  std::string id;
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    auto job = (*jobs)->Submit(TrainSpec(), "");
+    ASSERT_TRUE(job.ok());
+    id = job->job_id();
+    ASSERT_TRUE((*jobs)->Schedule(id, mesh_on("w-a", "w-b")).ok());
+    ASSERT_TRUE((*jobs)->Restart(id, "rank 1 was lost", "restarting").ok());
+    ASSERT_TRUE((*jobs)->Schedule(id, mesh_on("w-b", "w-c")).ok());
+    EXPECT_EQ((*jobs)->Get(id)->rank0_workers().at(1), "w-a");
+    EXPECT_EQ((*jobs)->Get(id)->rank0_workers().at(2), "w-b");
+  }
+  auto jobs = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  // Generation 1's rank 1, generation 2's rank 0, a generation never placed.
+  EXPECT_EQ((*jobs)->AddLateStep(id, 1, "w-b", step(3)).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ((*jobs)->AddLateStep(id, 7, "w-a", step(3)).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ((*jobs)->Get(id)->summary().steps(), 0);
+  ASSERT_TRUE((*jobs)->AddLateStep(id, 1, "w-a", step(3)).ok());
+  EXPECT_EQ((*jobs)->Get(id)->summary().steps(), 1);
+  EXPECT_EQ((*jobs)->Get(id)->step(), 3);
+}
+
 TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckpoint) {
   const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-reopen";
   FakeClock clock;

@@ -322,12 +322,13 @@ void Scheduler::RecordLateStep(const v1::ReportProgressRequest& report, int64_t 
   // A step an earlier attempt ran and could not report then (its worker
   // kept it while the coordinator was away): a fact of the job's history,
   // recorded unless the history has it (AddStep keeps each step once; an
-  // ended job's history is closed). Its worker cannot be checked against a
-  // mesh that is gone; workers are trusted as for every report.
+  // ended job's history is closed), and only from the worker that held rank
+  // 0 of that generation.
   if (!report.has_step() || report.rank() != 0 || report.generation() < 1 || report.generation() >= generation) {
     return;
   }
-  (void)jobs_->AddStep(report.job_id(), report.step());
+  const absl::Status s = jobs_->AddLateStep(report.job_id(), report.generation(), report.worker_id(), report.step());
+  if (absl::IsPermissionDenied(s)) COLOD_LOG(WARNING) << "late step " << report.step().step() << " refused: " << s;
 }
 
 absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) {

@@ -127,11 +127,18 @@ TEST(Retention, ATrainingRunKeepsItsNewestAndBestAndAFullDiskLosesNothing) {
   more.steps = 8;
   more.resume_dir = o.save_dir;
   absl::Status full;
+  std::vector<StepStats> unsaved;
   {
     ::colod::testing::FullDisk disk(0);
-    full = Train(more, [](const StepStats&) {});
+    full = Train(more, [&](const StepStats& s) { unsaved.push_back(s); });
   }
   EXPECT_FALSE(full.ok());
+  // Step 7 trained and is reported, naming no checkpoint: a save that fails
+  // after rank 0 put it in place (a peer stopped at the last barrier) would
+  // otherwise leave a hole in the job's history.
+  ASSERT_EQ(unsaved.size(), 1u) << full;
+  EXPECT_EQ(unsaved[0].step, 7);
+  EXPECT_TRUE(unsaved[0].checkpoint.empty());
   for (const std::string& name : want) EXPECT_TRUE(Entries(o.save_dir).count(name)) << name << ": " << full;
   auto latest = LatestCheckpoint(o.save_dir);
   ASSERT_TRUE(latest.ok()) << latest.status();

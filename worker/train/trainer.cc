@@ -583,8 +583,17 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     }
     const bool last = step + 1 == o.steps;
     if (!o.save_dir.empty() && o.save_every > 0 && ((step + 1) % o.save_every == 0 || last)) {
-      RETURN_IF_ERROR(SaveTrainingCheckpoint(*model, optimizer, o.save_dir, step + 1, run.seed,
-                                             s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt));
+      const absl::Status saved = SaveTrainingCheckpoint(
+          *model, optimizer, o.save_dir, step + 1, run.seed,
+          s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt);
+      if (!saved.ok()) {
+        // The step trained, and its checkpoint may be whole on disk all the
+        // same (rank 0 renames it into place before the save's last barrier,
+        // which a peer that was stopped fails), so that a restart resumes
+        // after it: the step is reported, or the job's history would lack it.
+        if (hooks.on_step) hooks.on_step(s);
+        return saved;
+      }
       s.checkpoint = StepDir(o.save_dir, step + 1);
       if (rank == 0) {  // the checkpoint is complete on every rank (the save's last barrier)
         absl::StatusOr<std::vector<CheckpointInfo>> kept = PruneCheckpoints(
