@@ -13,10 +13,14 @@
 // gRPC, each step's time (and pipeline wait) from rank 0's progress events,
 // the very figure coloctl's tokens/s is made from:
 //   gpt2-tiny   4 layers, hidden 256, 4 heads, vocab 256, seq 128, batch 8:
-//               tp=1, tp=2, dp=2, and two pipeline stages (pp=2) with 4
-//               and 8 micro-batches, whose bubble (the first stage's time
-//               waiting for the second, over its step) is printed beside
-//               1F1B's (p - 1) / (m + p - 1)
+//               tp=1, tp=2, dp=2
+//   gpt2-pipe   8 layers, hidden 256, 4 heads, vocab 64 (even stages: the
+//               head is 1 % of a layer), seq 128, batch 32: two pipeline
+//               stages (pp=2) with 4 and 8 micro-batches, 1F1B and
+//               interleaved (2 virtual stages a rank, v=2), whose bubble
+//               (the first stage's time waiting for the second, over its
+//               step) is printed beside the schedule's
+//               (p - 1) / (V m + p - 1) (1F1B: V = 1)
 //   gpt2-small  GPT-2 124M's shape (12 layers, hidden 768, 12 heads, vocab
 //               50257), seq 128, batch 4, fewer steps: tp=1, tp=2, dp=2
 // GPU rows (bf16 mixed precision, rank r on CUDA device r over NCCL), where
@@ -118,16 +122,22 @@ struct Row {
   int steps = 5;
   int pp = 1, micro = 1;  // pipeline stages and the micro-batches they run
   bool processes = false;  // a process per rank (device), as worker daemons run, not threads of one
+  int v = 1;               // model chunks a pipeline stage holds (interleaved 1F1B)
 };
 
 std::string LayoutOf(const Row& row) {
-  return absl::StrCat(row.pp > 1 ? absl::StrCat("tp=", row.tp, " pp=", row.pp, " dp=", row.dp, " m=", row.micro)
+  return absl::StrCat(row.pp > 1 ? absl::StrCat("tp=", row.tp, " pp=", row.pp, " dp=", row.dp, " m=", row.micro,
+                                               row.v > 1 ? absl::StrCat(" v=", row.v) : "")
                                  : absl::StrCat("tp=", row.tp, " dp=", row.dp),
                       row.processes ? " procs" : "");
 }
 
 std::vector<Row> Rows(const std::string& which) {
   const ModelShape tiny{"gpt2", 256, 256, 4, 4, 4, 1024};
+  // The pipeline rows' model: 8 layers, and a head of a 64-token
+  // vocabulary (1 % of a layer's multiplies), so that the stages are
+  // even, as the schedules' closed forms assume.
+  const ModelShape pipe{"gpt2", 64, 256, 8, 4, 4, 1024};
   const ModelShape small{"gpt2", 50257, 768, 12, 12, 12, 3072};
   const ModelShape llama{"llama", 32000, 2048, 16, 32, 8, 5632};
   std::vector<Row> rows;
@@ -135,9 +145,12 @@ std::vector<Row> Rows(const std::string& which) {
     for (auto [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 2}}) {
       rows.push_back({"gpt2-tiny", tiny, false, tp, dp, 128, 8, 10});
     }
-    // Two pipeline stages of 2 layers, 4 and 8 micro-batches: the bubble
-    // against 1F1B's (p - 1) / (m + p - 1).
-    for (int micro : {4, 8}) rows.push_back({"gpt2-tiny", tiny, false, 1, 1, 128, 8, 10, 2, micro});
+    // Two pipeline stages of 4 layers, 4 and 8 micro-batches of 32
+    // sequences, under 1F1B and interleaved (two chunks of 2 layers a
+    // stage): the bubble against the schedule's (p - 1) / (V m + p - 1).
+    for (int v : {1, 2}) {
+      for (int micro : {4, 8}) rows.push_back({"gpt2-pipe", pipe, false, 1, 1, 128, 32, 10, 2, micro, false, v});
+    }
     for (auto [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 2}}) {
       rows.push_back({"gpt2-small", small, false, tp, dp, 128, 4, 2});
     }
@@ -217,6 +230,7 @@ absl::StatusOr<train::TrainOptions> OptionsOf(const Row& row, const std::string&
   o.shard.layout.set_data_parallel_size(row.dp);
   o.shard.layout.set_sequence_parallel(row.tp > 1 && row.pp == 1 && absl::GetFlag(FLAGS_sequence_parallel));
   o.shard.layout.set_pipeline_parallel_size(row.pp);
+  if (row.v > 1) o.shard.layout.set_virtual_stages(row.v);
   o.micro_batches = row.micro;
   o.comm_timeout = absl::Minutes(10);
   return o;
@@ -403,7 +417,7 @@ int Main(int argc, char** argv) {
     if (gpu_peak > 0) std::printf("; cuBLAS bf16 GEMM on cuda:0: %.1f TFLOP/s", gpu_peak / 1e12);
     std::printf(" (same run)\n%-10s  %-4s  %-25s  %-4s  %8s  %6s  %10s  %10s  %11s  %11s  %6s  %8s  %s\n",
                 "model", "dev", "layout", "prec", "params", "tokens", "step (ms)", "tokens/s", "model FLOP/s",
-                "peak FLOP/s", "MFU", "vs tp=1", "bubble (1F1B's)");
+                "peak FLOP/s", "MFU", "vs tp=1", "bubble (schedule's)");
   }
   std::map<std::string, double> base;  // tokens/s of the first row of each model on each device
   int failed = 0;
@@ -434,15 +448,17 @@ int Main(int argc, char** argv) {
     const double vs = tps / base.emplace(row.name + (row.cuda ? "/cuda" : "/cpu"), tps).first->second;
     const std::string layout = LayoutOf(row);
     const double params = row.shape.MatMulParams();
-    // 1F1B's bubble with even stages: (p - 1) / (m + p - 1) of the step.
-    const double closed_form = row.pp > 1 ? static_cast<double>(row.pp - 1) / (row.micro + row.pp - 1) : 0;
+    // The schedule's bubble with even stages: (p - 1) / (V m + p - 1) of the
+    // step (1F1B: V = 1).
+    const double closed_form =
+        row.pp > 1 ? static_cast<double>(row.pp - 1) / (row.v * row.micro + row.pp - 1) : 0;
     if (json) {
       std::printf("{\"bench\":\"train\",\"model\":\"%s\",\"device\":\"%s\",\"tp\":%d,\"pp\":%d,\"dp\":%d,"
-                  "\"micro_batches\":%d,\"precision\":\"%s\","
+                  "\"micro_batches\":%d,\"virtual_stages\":%d,\"precision\":\"%s\","
                   "\"matmul_params\":%.0f,\"seq_len\":%lld,\"batch\":%lld,\"steps\":%d,\"step_seconds\":%.6f,"
                   "\"tokens_per_second\":%.1f,\"model_flops_per_second\":%.4g,\"peak_flops_per_second\":%.4g,"
-                  "\"mfu\":%.4f,\"loss\":%.4f,\"bubble\":%.4f,\"bubble_1f1b\":%.4f}\n",
-                  row.name.c_str(), row.cuda ? "cuda" : "cpu", row.tp, row.pp, row.dp, row.micro,
+                  "\"mfu\":%.4f,\"loss\":%.4f,\"bubble\":%.4f,\"bubble_schedule\":%.4f}\n",
+                  row.name.c_str(), row.cuda ? "cuda" : "cpu", row.tp, row.pp, row.dp, row.micro, row.v,
                   row.cuda ? "bf16" : "fp32", params, static_cast<long long>(row.seq),
                   static_cast<long long>(sized.batch), steps, m->step_seconds, tps, flops, peak, flops / peak, m->loss,
                   m->bubble, closed_form);

@@ -257,8 +257,8 @@ int RunPlan(const std::vector<std::string>&) {
     std::printf("sent in all: %s (ring algorithms)\n", Bytes(plan->wire_bytes).c_str());
   }
   if (plan->pipeline_stage >= 0) {
-    std::printf("pipeline bubble: %.0f%% of the step idle ((P - 1) / (M + P - 1), equal stages)\n",
-                100 * plan->bubble_fraction);
+    std::printf("pipeline bubble: %.0f%% of the step idle (%s, equal stages)\n", 100 * plan->bubble_fraction,
+                spec.shard().virtual_stages() > 1 ? "(P - 1) / (V M + P - 1), interleaved" : "(P - 1) / (M + P - 1)");
   }
   for (const std::string& n : plan->notes) std::printf("note: %s\n", n.c_str());
   return 0;
@@ -299,6 +299,8 @@ constexpr Command kCommands[] = {
      "              N times the batch; the dp gradients reduced once)]\n"
      "              [--pp P [--pp-layers N,N,...] (pipeline stages, every family but t5: each holds a run\n"
      "              of the layers and a step runs 1F1B over the micro-batches; world = tp * pp * dp)]\n"
+     "              [--virtual-stages V (interleaved 1F1B: V model chunks a pipeline rank, the bubble\n"
+     "              a V-th of 1F1B's; --micro-batches a multiple of --pp)]\n"
      "              [--clip-norm C] [--seed S] [--device cpu|cuda]\n"
      "              [--precision auto|fp32|bf16|fp16 (auto: fp32 on CPUs, bf16 on GPUs)]\n"
      "              [--allow-tf32 (GPUs: f32 GEMMs on tensor cores in TF32)]\n"
@@ -333,12 +335,14 @@ constexpr Command kCommands[] = {
      "              of parameters, gradients, optimizer state and (an estimate) activations,\n"
      "              and per step each process group's collectives (calls, payload, bytes\n"
      "              sent under ring algorithms). --model DIR (config.json is enough)\n"
-     "              [--tp T] [--dp D] [--pp P [--pp-layers N,...]] [--mode 1d|2d|2.5d|3d]\n"
+     "              [--tp T] [--dp D] [--pp P [--pp-layers N,...] [--virtual-stages V]]\n"
+     "              [--mode 1d|2d|2.5d|3d]\n"
      "              [--depth D] [--sequence-parallel] [--batch-size B] [--seq-len L]\n"
      "              [--micro-batches M] [--grad-accum N] [--precision auto|fp32|bf16|fp16] [--optimizer adamw|sgd]\n"
      "              [--bucket-mb MB] [--zero 0|1|2] [--recompute none|full|selective]\n"
      "              [--device cpu|cuda] [--output json]. With pipeline stages the plan is the\n"
-     "              fullest stage's, with the 1F1B bubble (P - 1) / (M + P - 1). --device\n"
+     "              fullest stage's, with the 1F1B bubble (P - 1) / (M + P - 1) (interleaved:\n"
+     "              (P - 1) / (V M + P - 1)). --device\n"
      "              cuda plans the fused attention (no [S, S] probabilities kept).\n"
      "              With --world N [--memory-per-rank 80GiB]: every layout of N ranks\n"
      "              (tp x pp x dp in 1d, 2d, 2.5d and 3d; pp for every family but t5, equal stages\n"

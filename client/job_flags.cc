@@ -27,7 +27,12 @@ ABSL_FLAG(int32_t, pp, 1,
           "train: pipeline stages (every family but t5; world = dp * pp * tp): each holds a run of the layers, and each "
           "step runs the 1F1B schedule over --micro-batches.");
 ABSL_FLAG(std::string, pp_layers, "",
-          "train: the layers of each pipeline stage, first stage first (\"3,1\"); default: as even as they split.");
+          "train: the layers of each pipeline stage, first stage first (\"3,1\"); default: as even as they split. "
+          "With --virtual-stages V, of each of the pp * V virtual stages.");
+ABSL_FLAG(int32_t, virtual_stages, 1,
+          "train: interleaved 1F1B (Megatron-LM's virtual pipeline stages): each of the --pp ranks holds V model "
+          "chunks (virtual stages r, pp + r, ...), and the bubble falls from (pp - 1) / m to (pp - 1) / (V m) of a "
+          "step. Needs --pp >= 2 and --micro-batches a multiple of --pp; no checkpoints or --zero 2 yet.");
 ABSL_FLAG(std::string, data, "",
           "train: the corpus: a .bin of uint16 tokens, a .npy, a Megatron dataset (PREFIX), a .jsonl of "
           "{\"text\": ...} documents, or UTF-8 text (paragraphs tokenized by the model directory's tokenizer; "
@@ -167,6 +172,11 @@ absl::StatusOr<v1::ShardConfig> ShardFromFlags() {
     return absl::InvalidArgumentError(absl::StrCat("--pp must be >= 1, got ", absl::GetFlag(FLAGS_pp)));
   }
   shard.set_pipeline_parallel_size(absl::GetFlag(FLAGS_pp));
+  if (absl::GetFlag(FLAGS_virtual_stages) < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--virtual-stages must be >= 1, got ", absl::GetFlag(FLAGS_virtual_stages)));
+  }
+  if (absl::GetFlag(FLAGS_virtual_stages) > 1) shard.set_virtual_stages(absl::GetFlag(FLAGS_virtual_stages));
   const std::string layers = absl::GetFlag(FLAGS_pp_layers);
   if (!layers.empty()) {
     for (absl::string_view part : absl::StrSplit(layers, ',')) {

@@ -219,6 +219,54 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s.mutable_train()->set_eval_every(2);
   EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
 
+  // Interleaved 1F1B: V in [0, 4096] over pp >= 2 stages of at least a
+  // layer each, micro-batches in groups of pp, the stage list pp * V long;
+  // no checkpoints or ZeRO 2 yet.
+  auto interleaved = [] {
+    v1::JobSpec spec = TrainSpec();
+    spec.mutable_model()->set_config_json(
+        R"({"model_type": "gpt2", "vocab_size": 257, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 64})");
+    spec.mutable_shard()->set_tensor_parallel_size(1);
+    spec.mutable_shard()->set_pipeline_parallel_size(2);
+    spec.mutable_shard()->set_virtual_stages(2);
+    spec.mutable_train()->set_micro_batches(2);
+    return spec;
+  };
+  s = interleaved();
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+  for (int v : {-1, kMaxVirtualStages + 1}) {
+    s = interleaved();
+    s.mutable_shard()->set_virtual_stages(v);
+    ExpectInvalid(s, "spec.shard.virtual_stages");
+  }
+  s = interleaved();
+  s.mutable_shard()->set_pipeline_parallel_size(1);
+  ExpectInvalid(s, "spec.shard.virtual_stages");
+  s = interleaved();
+  s.mutable_shard()->set_virtual_stages(3);  // 6 stages of 4 layers
+  ExpectInvalid(s, "spec.shard");
+  s = interleaved();
+  for (int n : {1, 1, 2}) s.mutable_shard()->add_pipeline_stage_layers(n);
+  ExpectInvalid(s, "spec.shard.pipeline_stage_layers");
+  s.mutable_shard()->add_pipeline_stage_layers(1);
+  ExpectInvalid(s, "spec.shard");  // 4 stages of 5 layers
+  s.mutable_shard()->set_pipeline_stage_layers(2, 1);
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+  s = interleaved();
+  s.mutable_train()->set_micro_batches(1);
+  ExpectInvalid(s, "spec.train.micro_batches");
+  s = interleaved();
+  s.mutable_train()->set_checkpoint_every(2);
+  s.mutable_train()->set_checkpoint_dir("/ck");
+  ExpectInvalid(s, "spec.train.checkpoint_every");
+  s = interleaved();
+  s.mutable_train()->set_final_dir("/final");
+  ExpectInvalid(s, "spec.train.final_dir");
+  s = interleaved();
+  s.mutable_shard()->set_data_parallel_size(2);
+  s.mutable_train()->set_zero_stage(2);
+  ExpectInvalid(s, "spec.train.zero_stage");
+
   // The model must load at the layout: 4 heads do not split over tp = 3.
   s = TrainSpec();
   s.mutable_shard()->set_tensor_parallel_size(3);

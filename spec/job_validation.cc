@@ -84,6 +84,28 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
                                 " is not divisible by micro_batches ", t.micro_batches()));
   }
   if (t.data_path().empty()) return Invalid(path, "data_path", "required for TRAIN jobs");
+  if (shard.virtual_stages() > 1) {
+    // The interleaved schedule (Megatron-LM's) runs the micro-batches
+    // through the chunks in groups of pp.
+    const int pp = std::max(1, shard.pipeline_parallel_size());
+    if (std::max(1, t.micro_batches()) % pp != 0) {
+      return Invalid(path, "micro_batches",
+                     absl::StrCat("the interleaved schedule (virtual_stages ", shard.virtual_stages(),
+                                  ") runs the micro-batches in groups of the ", pp, " pipeline stages: ",
+                                  std::max(1, t.micro_batches()), " is not a multiple of ", pp));
+    }
+    for (const auto& [field, set] : {std::pair<const char*, bool>{"checkpoint_every", t.checkpoint_every() > 0},
+                                     {"resume_from", !t.resume_from().empty()},
+                                     {"final_dir", !t.final_dir().empty()}}) {
+      if (set) {
+        return Invalid(path, field, "with virtual_stages > 1: not yet (an interleaved pipeline's checkpoints are "
+                                    "not written or read)");
+      }
+    }
+    // ZeRO 2 counts a bucket's gradients at every backward; one bucket may
+    // span two chunks, whose backwards come at different times.
+    if (t.zero_stage() == 2) return Invalid(path, "zero_stage", "2 with virtual_stages > 1: not yet (1 is)");
+  }
   if (t.checkpoint_every() < 0) return Invalid(path, "checkpoint_every", "must be >= 0");
   if (t.checkpoint_every() > 0 && t.checkpoint_dir().empty()) {
     return Invalid(path, "checkpoint_dir", "required when checkpoint_every > 0");
@@ -162,9 +184,21 @@ absl::Status ValidateShardConfig(const v1::ShardConfig& s, absl::string_view pat
     return Invalid(path, pp > 1 ? "pipeline_parallel_size" : "data_parallel_size",
                    absl::StrCat(pp > 1 ? "tp * pp * dp = " : "tp * dp = ", world, " exceeds ", kMaxWorldSize));
   }
-  if (s.pipeline_stage_layers_size() > 0 && s.pipeline_stage_layers_size() != std::max(1, pp)) {
+  const int v = s.virtual_stages();
+  if (v < 0 || v > kMaxVirtualStages) {
+    return Invalid(path, "virtual_stages",
+                   absl::StrCat("must be in [0, ", kMaxVirtualStages, "] (0 or 1: one model chunk a pipeline rank), got ",
+                                v));
+  }
+  if (v > 1 && pp < 2) {
+    return Invalid(path, "virtual_stages",
+                   absl::StrCat(v, " interleaves pipeline stages: it needs pipeline_parallel_size >= 2"));
+  }
+  const int64_t stages = int64_t{std::max(1, pp)} * std::max(1, v);
+  if (s.pipeline_stage_layers_size() > 0 && s.pipeline_stage_layers_size() != stages) {
     return Invalid(path, "pipeline_stage_layers",
-                   absl::StrCat("lists ", s.pipeline_stage_layers_size(), " stages, not pipeline_parallel_size ", pp));
+                   absl::StrCat("lists ", s.pipeline_stage_layers_size(), " stages, not pipeline_parallel_size ", pp,
+                                v > 1 ? absl::StrCat(" x virtual_stages ", v, " = ", stages) : ""));
   }
   const int depth = s.depth();
   switch (s.tensor_parallel_mode()) {

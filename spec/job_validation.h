@@ -35,9 +35,6 @@ absl::Status CheckDataFormat(const std::string& format);
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 // The most passes a training step accumulates (TrainConfig.grad_accum).
 inline constexpr int kMaxGradAccum = 65536;
-// The most model chunks a rank holds in an interleaved pipeline (virtual
-// stages; each at least one layer of the model's at most 4,096).
-inline constexpr int kMaxVirtualStages = 4096;
 // The most batches one held-out evaluation reads (TrainConfig.eval_steps).
 inline constexpr int64_t kMaxEvalSteps = 1000000;
 

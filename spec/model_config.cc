@@ -459,13 +459,27 @@ absl::Status CheckFamilyTakes(const ModelConfig& config, const v1::ShardConfig& 
 bool HasPipelineStages(const ModelConfig& config) { return LayoutsOf(config).pipeline_stages; }
 
 absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard) {
-  const int64_t pp = std::max(1, shard.pipeline_parallel_size());
+  const int64_t ranks = std::max(1, shard.pipeline_parallel_size());
   const int64_t layers = config.num_layers;
+  if (shard.virtual_stages() < 0 || shard.virtual_stages() > kMaxVirtualStages) {
+    return absl::InvalidArgumentError(absl::StrCat("virtual_stages must be in [0, ", kMaxVirtualStages,
+                                                   "] (0 or 1: one model chunk a pipeline rank), got ",
+                                                   shard.virtual_stages()));
+  }
+  const int64_t v = std::max(1, shard.virtual_stages());
+  if (v > 1 && ranks < 2) {
+    return absl::InvalidArgumentError(absl::StrCat("virtual_stages ", v, " interleaves pipeline stages: it needs "
+                                                   "pipeline_parallel_size >= 2"));
+  }
+  const int64_t pp = ranks * v;  // the (virtual) stages
   if (pp == 1 && shard.pipeline_stage_layers().empty()) return std::vector<int64_t>{layers};
   if (shard.pipeline_parallel_size() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("pipeline_parallel_size must be >= 0, got ", shard.pipeline_parallel_size()));
   }
+  const std::string stages_name =
+      v > 1 ? absl::StrCat("pipeline_parallel_size ", ranks, " x ", v, " virtual stages")
+            : absl::StrCat("pipeline_parallel_size ", pp);
   // A family registered in the worker (ShardFormer's ModelRegistry) rather
   // than built in: its own declaration (ModelFamily::split_stage) decides.
   if (pp > 1 && FindLayouts(config.model_type) != nullptr && !HasPipelineStages(config)) {
@@ -474,7 +488,7 @@ absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& conf
   }
   if (pp > layers) {
     return absl::InvalidArgumentError(
-        absl::StrCat("pipeline_parallel_size ", pp, " is more stages than the model's ", layers, " layers"));
+        absl::StrCat(stages_name, " is more stages than the model's ", layers, " layers"));
   }
   std::vector<int64_t> out;
   if (shard.pipeline_stage_layers().empty()) {
@@ -483,7 +497,8 @@ absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& conf
   }
   if (static_cast<int64_t>(shard.pipeline_stage_layers_size()) != pp) {
     return absl::InvalidArgumentError(absl::StrCat("pipeline_stage_layers lists ", shard.pipeline_stage_layers_size(),
-                                                   " stages, not pipeline_parallel_size = ", pp));
+                                                   " stages, not ",
+                                                   v > 1 ? stages_name : "pipeline_parallel_size", " = ", pp));
   }
   int64_t sum = 0;
   for (int32_t n : shard.pipeline_stage_layers()) {

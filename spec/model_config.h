@@ -154,11 +154,19 @@ absl::Status CheckFamilyTakes(const ModelConfig& config, const v1::ShardConfig& 
 // (LayoutsOf(config).pipeline_stages).
 bool HasPipelineStages(const ModelConfig& config);
 
-// The layers of each pipeline stage (pipeline_parallel_size of them; one
-// stage of every layer without pipeline parallelism): the ShardConfig's
-// pipeline_stage_layers, or as even as they split with the earlier stages
-// taking one more. INVALID_ARGUMENT for more stages than layers, a list of
-// another length or sum, a stage without a layer, or a family without
+// The most model chunks a rank holds in an interleaved pipeline
+// (ShardConfig.virtual_stages; each at least one layer of the model's at
+// most 4,096).
+inline constexpr int kMaxVirtualStages = 4096;
+
+// The layers of each pipeline stage (pipeline_parallel_size of them, times
+// virtual_stages V: the virtual stages of an interleaved pipeline, of which
+// pipeline rank r holds r, pp + r, ...; one stage of every layer without
+// pipeline parallelism): the ShardConfig's pipeline_stage_layers, or as
+// even as they split with the earlier stages taking one more.
+// INVALID_ARGUMENT for more stages than layers, a list of another length
+// or sum, a stage without a layer, V outside [0, kMaxVirtualStages] or
+// above 1 without pipeline_parallel_size >= 2, or a family without
 // pipeline stages (every built-in family but t5 has them).
 absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard);
 

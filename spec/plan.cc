@@ -542,17 +542,31 @@ std::vector<PlanLeaf> StageLeaves(const std::vector<PlanLeaf>& leaves, const std
   return out;
 }
 
+// What pipeline rank `rank` of `pp` holds: its stage's leaves, or under
+// interleaving (stages lists pp * V virtual stages) those of each of its
+// virtual stages rank, pp + rank, ... (a layer list once per chunk).
+std::vector<PlanLeaf> RankStageLeaves(const std::vector<PlanLeaf>& leaves, const std::vector<int64_t>& stages, int pp,
+                                      int rank) {
+  std::vector<PlanLeaf> out;
+  for (size_t vs = static_cast<size_t>(rank); vs < stages.size(); vs += static_cast<size_t>(pp)) {
+    std::vector<PlanLeaf> part = StageLeaves(leaves, stages, vs);
+    out.insert(out.end(), part.begin(), part.end());
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<int64_t> RankParameters(const ModelConfig& config, const v1::ShardConfig& layout) {
   ASSIGN_OR_RETURN(Split split, SplitOf(layout));
   ASSIGN_OR_RETURN(std::vector<PlanLeaf> leaves, PlanLeaves(config));
-  if (layout.pipeline_parallel_size() <= 1) return SumRankElements(leaves, split);
-  // Pipeline stages: the fullest stage's.
+  const int pp = layout.pipeline_parallel_size();
+  if (pp <= 1) return SumRankElements(leaves, split);
+  // Pipeline stages: the fullest pipeline rank's (its virtual stages').
   ASSIGN_OR_RETURN(std::vector<int64_t> stages, PipelineStageLayers(config, layout));
   int64_t fullest = 0;
-  for (size_t s = 0; s < stages.size(); ++s) {
-    ASSIGN_OR_RETURN(int64_t held, SumRankElements(StageLeaves(leaves, stages, s), split));
+  for (int r = 0; r < pp; ++r) {
+    ASSIGN_OR_RETURN(int64_t held, SumRankElements(RankStageLeaves(leaves, stages, pp, r), split));
     fullest = std::max(fullest, held);
   }
   return fullest;
@@ -631,7 +645,9 @@ struct StageContext {
   bool train = false, sp = false;
   Split split;
   std::vector<PlanLeaf> leaves;   // this stage's
-  std::vector<int64_t> stages;    // the layers of each stage
+  std::vector<int64_t> stages;    // the layers of each (virtual) stage
+  int v = 1;                      // model chunks a pipeline rank holds (interleaved 1F1B: virtual stages)
+  int64_t stage_layers = 0;       // the layers this pipeline rank holds, over its chunks
   bool tied_stages = false;       // the first and last stages share a tied table
   // ZeRO over dp (TRAIN, dp > 1): its stage, and the elements per rank it
   // keeps whole (a table tied across stages: summed between them).
@@ -732,6 +748,15 @@ absl::Status PlanBatch(StageContext& c, JobPlan& plan) {
   c.col_div = split.blocks() ? split.q : split.t;
   c.stream_rows = CeilDiv(c.tokens, c.rows_div);
   return absl::OkStatus();
+}
+
+// The chunk forwards whose activations pipeline rank c.stage holds at the
+// peak of a step: 1F1B's min(p - s, m) micro-batches, or the interleaved
+// schedule's warm-up (InterleavedSchedule) and one more, at most V m.
+int64_t InFlight(const StageContext& c, const JobPlan& plan) {
+  const int64_t p = c.pp, s = c.stage, v = c.v, m = plan.micro_batches;
+  if (v == 1) return std::min<int64_t>(p - s, m);
+  return std::min<int64_t>(2 * (p - s - 1) + (v - 1) * p + 1, v * m);
 }
 
 // The activations one rank holds during a step (a training step's tape; a
@@ -842,8 +867,8 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
         break;
     }
   }
-  const int64_t blocks = stage >= 0 ? stages[stage] : config.num_layers + config.num_decoder_layers;
-  const int64_t attentions = stage >= 0 ? stages[stage] : config.num_layers + 2 * config.num_decoder_layers;
+  const int64_t blocks = stage >= 0 ? c.stage_layers : config.num_layers + config.num_decoder_layers;
+  const int64_t attentions = stage >= 0 ? c.stage_layers : config.num_layers + 2 * config.num_decoder_layers;
   // What each attention keeps a row, in bytes: its output (the merged
   // heads are a view of it), the rotated q and k where the family rotates
   // them, and the kernel's operands: the per-head GEMMs' heads-first f32 q,
@@ -908,11 +933,13 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
                       : activations;
   }
   if (stage >= 0) {
-    // 1F1B keeps min(p - s, m) micro-batches' activations alive on stage s.
-    const int64_t in_flight = std::min<int64_t>(pp - stage, plan.micro_batches);
-    const std::optional<int64_t> held = CheckedMul(activations, in_flight);
+    // 1F1B keeps min(p - s, m) micro-batches' activations alive on stage s;
+    // the interleaved schedule, its warm-up's chunk forwards and one more:
+    // min(2 (p - s - 1) + (V - 1) p + 1, V m), each a chunk's (a 1/V of
+    // what one micro-batch leaves through all of the rank's chunks).
+    const std::optional<int64_t> held = CheckedMul(activations, InFlight(c, plan));
     if (!held.has_value()) return absl::InvalidArgumentError("the activations per rank overflow");
-    activations = *held;
+    activations = CeilDiv(*held, c.v);
   }
   return activations;
 }
@@ -1233,13 +1260,25 @@ absl::Status PlanCommPipeline(const StageContext& c, CommSum& comm) {
   // stages' exchange of a tied table's gradient (f0 out, b1 back).
   auto channel = [](bool forward, int from) { return absl::StrCat("pp#", forward ? "f" : "b", from % 2); };
   const std::initializer_list<int64_t> block = {stream_rows, CeilDiv(config.hidden_size, feat_div)};
-  if (stage + 1 < pp) {
-    comm.Add(channel(true, stage), "send", {micro}, block, act, pp);
-    comm.Add(channel(false, stage + 1), "recv", {micro}, block, act, pp);
+  // Interleaved (V chunks a rank): each chunk's forward sends to the next
+  // virtual stage (the last rank's to the first rank's next chunk, on the
+  // wrap channels pp#fw and pp#bw) but the last virtual stage's, and each
+  // chunk receives but the first virtual stage's.
+  const int v = c.v;
+  const bool wraps = v > 1;
+  if (stage + 1 < pp || wraps) {
+    const int64_t sends = stage + 1 < pp ? v : v - 1;  // the last rank's last chunk sends nothing on
+    const std::string fwd = stage + 1 < pp ? channel(true, stage) : "pp#fw";
+    const std::string back = stage + 1 < pp ? channel(false, stage + 1) : "pp#bw";
+    comm.Add(fwd, "send", {micro, sends}, block, act, pp);
+    comm.Add(back, "recv", {micro, sends}, block, act, pp);
   }
-  if (stage > 0) {
-    comm.Add(channel(true, stage - 1), "recv", {micro}, block, act, pp);
-    comm.Add(channel(false, stage), "send", {micro}, block, act, pp);
+  if (stage > 0 || wraps) {
+    const int64_t recvs = stage > 0 ? v : v - 1;  // the first rank's first chunk receives nothing
+    const std::string fwd = stage > 0 ? channel(true, stage - 1) : "pp#fw";
+    const std::string back = stage > 0 ? channel(false, stage) : "pp#bw";
+    comm.Add(fwd, "recv", {micro, recvs}, block, act, pp);
+    comm.Add(back, "send", {micro, recvs}, block, act, pp);
   }
   // The loss over pp once a pass (each accumulation pass's pipeline step),
   // the norm once a step.
@@ -1275,11 +1314,17 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
   ASSIGN_OR_RETURN(c.leaves, PlanLeaves(config));
   // Pipeline stages: this stage's leaves and layers.
   c.stages = {config.num_layers};
+  c.stage_layers = config.num_layers;
   const bool tied_head = HasTiedHead(c.leaves);  // the model's, whichever stage holds the head
   if (stage >= 0) {
     if (!c.train) return absl::InvalidArgumentError("pipeline_parallel_size applies to TRAIN jobs");
-    ASSIGN_OR_RETURN(c.stages, PipelineStageLayers(config, layout));
-    c.leaves = StageLeaves(c.leaves, c.stages, static_cast<size_t>(stage));
+    c.v = std::max(1, layout.virtual_stages());
+    ASSIGN_OR_RETURN(c.stages, PipelineStageLayers(config, layout));  // pp * V
+    c.leaves = RankStageLeaves(c.leaves, c.stages, c.pp, stage);
+    c.stage_layers = 0;
+    for (size_t vs = static_cast<size_t>(stage); vs < c.stages.size(); vs += static_cast<size_t>(c.pp)) {
+      c.stage_layers += c.stages[vs];
+    }
   }
   c.tied_stages = stage >= 0 && tied_head && (stage == 0 || stage == c.pp - 1);
   c.zero = c.train && c.dp > 1 ? spec.train().zero_stage() : 0;
@@ -1314,11 +1359,14 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
   total.Add({plan.activation_bytes});
   ASSIGN_OR_RETURN(plan.total_bytes, total.Total("the memory per rank"));
   if (stage >= 0) {
-    const int64_t blocks = c.stages[stage];
     plan.pipeline_stage = stage;
-    plan.notes.push_back(absl::StrCat("pipeline: the plan of stage ", stage, " of ", c.pp, ", the fullest (",
-                                      blocks, " of the layers, ", std::min<int64_t>(c.pp - stage, plan.micro_batches),
-                                      " micro-batches' activations alive under 1F1B)"));
+    plan.notes.push_back(
+        c.v == 1 ? absl::StrCat("pipeline: the plan of stage ", stage, " of ", c.pp, ", the fullest (",
+                                c.stage_layers, " of the layers, ", InFlight(c, plan),
+                                " micro-batches' activations alive under 1F1B)")
+                 : absl::StrCat("pipeline: the plan of pipeline rank ", stage, " of ", c.pp, ", the fullest (",
+                                c.v, " chunks of ", c.stage_layers, " layers in all; ", InFlight(c, plan),
+                                " chunk forwards' activations alive under interleaved 1F1B)"));
   }
   return plan;
 }
@@ -1334,7 +1382,10 @@ absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& sp
     ASSIGN_OR_RETURN(JobPlan p, PlanStage(config, spec, s, device));
     if (!fullest.has_value() || p.total_bytes > fullest->total_bytes) fullest = std::move(p);
   }
-  fullest->bubble_fraction = static_cast<double>(pp - 1) / static_cast<double>(fullest->micro_batches + pp - 1);
+  // Of a step's time: (p - 1) chunk-times idle against V m of work (1F1B: V = 1).
+  const int64_t v = std::max(1, spec.shard().virtual_stages());
+  fullest->bubble_fraction =
+      static_cast<double>(pp - 1) / static_cast<double>(v * fullest->micro_batches + pp - 1);
   return *std::move(fullest);
 }
 
@@ -1344,8 +1395,11 @@ std::string LayoutName(const v1::ShardConfig& s) {
   if (s.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_2P5D) mode = absl::StrCat("2.5d depth ", s.depth());
   if (s.tensor_parallel_mode() == v1::TENSOR_PARALLEL_MODE_3D) mode = "3d";
   std::string out = absl::StrCat("tp", s.tensor_parallel_size(), " x ",
-                                 s.pipeline_parallel_size() > 1 ? absl::StrCat("pp", s.pipeline_parallel_size(), " x ")
-                                                                : "",
+                                 s.pipeline_parallel_size() > 1
+                                     ? absl::StrCat("pp", s.pipeline_parallel_size(),
+                                                    s.virtual_stages() > 1 ? absl::StrCat("v", s.virtual_stages()) : "",
+                                                    " x ")
+                                     : "",
                                  "dp", s.data_parallel_size(), " ", mode);
   if (s.sequence_parallel()) absl::StrAppend(&out, " sp");
   return out;

@@ -196,7 +196,8 @@ absl::StatusOr<double> TrainFlopsPerToken(const ModelConfig& config, int64_t seq
 // positive, or for no devices: no MFU rather than a wrong one.
 double PeakFlopsOf(const v1::JobSpec& spec, const std::vector<v1::WorkerInfo>& devices);
 
-// "tp2 x dp2 1d", "tp8 x dp1 2.5d depth 2", with " sp" for sequence
+// "tp2 x dp2 1d", "tp8 x dp1 2.5d depth 2", "tp1 x pp2v2 x dp1 1d" (2 model
+// chunks a pipeline rank), with " sp" for sequence
 // parallelism: how coloctl and the plan's refusals name a layout.
 std::string LayoutName(const v1::ShardConfig& shard);
 

@@ -697,6 +697,52 @@ TEST(Plan, RefusesWhatThePoliciesRefuse) {
   EXPECT_TRUE(overflow.ok() || overflow.status().code() == absl::StatusCode::kInvalidArgument) << overflow.status();
 }
 
+// Interleaved 1F1B: a pipeline rank holds its V chunks' layers (as many
+// as at V = 1 with even stages), V times the micro-batches' sends, the
+// bubble (p - 1) / (V m + p - 1), and the warm-up's chunk forwards alive:
+// min(2 (p - s - 1) + (V - 1) p + 1, V m) of a V-th of a micro-batch's
+// activations through all of its chunks.
+TEST(Plan, AnInterleavedPipelineHoldsItsChunksAndCutsTheBubble) {
+  testing::TinyOptions o;
+  o.layers = 8;
+  auto model = testing::WriteTinyGpt2(TempPath("plan_interleaved"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto plan_of = [&](int v) {
+    v1::JobSpec spec = Train(1, 1);
+    spec.mutable_shard()->set_pipeline_parallel_size(2);
+    spec.mutable_shard()->set_virtual_stages(v);
+    spec.mutable_train()->set_micro_batches(4);
+    auto plan = PlanJob(model->config, spec);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return plan.ok() ? *plan : JobPlan();
+  };
+  const JobPlan plain = plan_of(1), interleaved = plan_of(2);
+  EXPECT_DOUBLE_EQ(plain.bubble_fraction, 1.0 / 5);
+  EXPECT_DOUBLE_EQ(interleaved.bubble_fraction, 1.0 / 9);
+  ASSERT_EQ(plain.pipeline_stage, interleaved.pipeline_stage);
+  EXPECT_EQ(interleaved.rank_parameters, plain.rank_parameters);
+  // Rank 0 (the fullest: it holds the embeddings): 1F1B keeps 2 micro-batches,
+  // the interleaved schedule 2 (p - 1) + (V - 1) p + 1 = 5 chunk forwards,
+  // 2.5 micro-batches' worth; the embeddings' part is counted per chunk.
+  ASSERT_EQ(plain.pipeline_stage, 0);
+  EXPECT_GT(interleaved.activation_bytes, plain.activation_bytes);
+  EXPECT_LT(interleaved.activation_bytes, plain.activation_bytes * 5 / 4 * 11 / 10);
+  std::map<std::pair<std::string, std::string>, int64_t> calls;
+  for (const PlanComm& c : interleaved.comm) calls[{c.group, c.op}] = c.calls;
+  // Both chunks' forwards on to rank 1 (and the tied table's gradient out
+  // once), chunk 1's inputs from rank 1's chunk 0 on the wrap channel.
+  EXPECT_EQ((calls[{"pp#f0", "send"}]), 2 * 4 + 1);
+  EXPECT_EQ((calls[{"pp#fw", "recv"}]), 4);
+  EXPECT_EQ((calls[{"pp#bw", "send"}]), 4);
+  EXPECT_EQ((calls[{"pp#b1", "recv"}]), 2 * 4 + 1);
+  v1::ShardConfig layout;
+  layout.set_tensor_parallel_size(1);
+  layout.set_data_parallel_size(1);
+  layout.set_pipeline_parallel_size(2);
+  layout.set_virtual_stages(2);
+  EXPECT_EQ(LayoutName(layout), "tp1 x pp2v2 x dp1 1d");
+}
+
 TEST(Plan, RanksLayoutsByCommunicationAndLeavesOutWhatDoesNotFit) {
   testing::TinyOptions o;
   o.heads = 4;

@@ -52,13 +52,10 @@ struct ShardConfig {
 
   Recompute recompute = Recompute::kNone;
 
-  // Interleaved 1F1B (virtual stages): this model is chunk `chunk` of the
-  // `virtual_stages` (V) this rank holds, and ShardFormer::Load makes it
-  // virtual stage chunk * pp + (this rank's pp coordinate) of the pp * V
-  // the layers are cut into, evenly (Load reads pipeline_stage_layers as
-  // pp * V stages, which spec's validation does not take yet: the trainer
-  // refuses them with V > 1). 1: plain pipeline stages.
-  int virtual_stages = 1;
+  // Interleaved 1F1B (layout.virtual_stages, V): this model is chunk
+  // `chunk` of the V this rank holds, and ShardFormer::Load makes it virtual
+  // stage chunk * pp + (this rank's pp coordinate) of the pp * V the layers
+  // are cut into (spec's PipelineStageLayers).
   int chunk = 0;
 
   // Set by ShardFormer::Load from the layout and this rank's pp coordinate
@@ -68,6 +65,8 @@ struct ShardConfig {
 
   int tp() const { return layout.tensor_parallel_size() < 1 ? 1 : layout.tensor_parallel_size(); }
   int pp() const { return layout.pipeline_parallel_size() < 1 ? 1 : layout.pipeline_parallel_size(); }
+  // The model chunks a pipeline rank holds (1 without interleaving).
+  int virtual_stages() const { return layout.virtual_stages() < 1 ? 1 : layout.virtual_stages(); }
   bool is_2d() const;  // 2D or 2.5D
   bool is_3d() const;
   // How many ways attention heads split: tp in 1D, q in 2D, 2.5D and 3D.

@@ -433,6 +433,18 @@ absl::StatusOr<ModelConfig> LoadConfig(const std::string& dir) {
   return ParseModelConfig(text, path);
 }
 
+absl::StatusOr<std::vector<std::unique_ptr<ShardedModel>>> ShardFormer::LoadChunks(const std::string& dir) {
+  const int v = shard_.pp() > 1 ? shard_.virtual_stages() : 1;
+  std::vector<std::unique_ptr<ShardedModel>> chunks;
+  for (int c = 0; c < v; ++c) {
+    ShardConfig mine = shard_;
+    mine.chunk = c;
+    ASSIGN_OR_RETURN(std::unique_ptr<ShardedModel> chunk, ShardFormer(std::move(mine), pg_).Load(dir));
+    chunks.push_back(std::move(chunk));
+  }
+  return chunks;
+}
+
 absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::string& dir) {
   ASSIGN_OR_RETURN(ModelConfig config, LoadConfig(dir));
   ASSIGN_OR_RETURN(ModelFamily family, ModelRegistry::Global().Get(config.model_type));
@@ -440,18 +452,11 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::strin
   ASSIGN_OR_RETURN(std::unique_ptr<Module> model, family.build(config));
   std::vector<std::string> tied;
   if (shard_.pp() > 1) {
-    const int v = shard_.virtual_stages;
-    if (v < 1 || shard_.chunk < 0 || shard_.chunk >= v) {
+    const int v = shard_.virtual_stages();
+    if (shard_.chunk < 0 || shard_.chunk >= v) {
       return absl::InvalidArgumentError(absl::StrCat("chunk ", shard_.chunk, " of ", v, " virtual stages"));
     }
-    v1::ShardConfig cut = shard_.layout;  // the pp * V virtual stages
-    if (v > 1 && int64_t{shard_.pp()} * v > config.num_layers) {
-      return absl::InvalidArgumentError(absl::StrCat("pipeline_parallel_size ", shard_.pp(), " x ", v,
-                                                     " virtual stages is more stages than the model's ",
-                                                     config.num_layers, " layers"));
-    }
-    cut.set_pipeline_parallel_size(shard_.pp() * v);
-    ASSIGN_OR_RETURN(std::vector<int64_t> layers, PipelineStageLayers(config, cut));
+    ASSIGN_OR_RETURN(std::vector<int64_t> layers, PipelineStageLayers(config, shard_.layout));  // pp * V
     if (!family.split_stage) {
       return absl::InvalidArgumentError(absl::StrCat("the ", config.model_type,
                                                      " policy has no pipeline stages: its family declares no "

@@ -249,6 +249,11 @@ class ShardFormer {
   // an unknown model_type, a layout the model cannot take (heads not
   // divisible by tp, ...), a missing or misshaped tensor.
   absl::StatusOr<std::unique_ptr<ShardedModel>> Load(const std::string& dir);
+  // Every model chunk this rank holds, chunk 0 first: layout.virtual_stages
+  // of them under interleaved 1F1B (chunk c is virtual stage c * pp + this
+  // rank's pp coordinate), Load's one model otherwise; the config's chunk
+  // is ignored.
+  absl::StatusOr<std::vector<std::unique_ptr<ShardedModel>>> LoadChunks(const std::string& dir);
   // Shards `model` with `policy`, loading from `files`.
   absl::StatusOr<std::unique_ptr<ShardedModel>> Optimize(std::unique_ptr<Module> model, const ModelConfig& config,
                                                          const ModelFiles& files, Policy& policy);

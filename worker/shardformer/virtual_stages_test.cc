@@ -1,4 +1,4 @@
-// Interleaved 1F1B's model chunks (ShardConfig::virtual_stages): at pp = 2
+// Interleaved 1F1B's model chunks (ShardConfig.layout.virtual_stages, ShardFormer::LoadChunks): at pp = 2
 // with V = 2, a rank's chunk c loads virtual stage c * 2 + (its pp
 // coordinate) of 4, so it holds exactly what stage c * 2 + s holds at
 // pp = 4 (names, blocks and values of every parameter, the tied table's
@@ -32,16 +32,17 @@ std::map<Key, Held> Load(const std::string& dir, int pp, int chunks) {
   shard.layout.set_pipeline_parallel_size(pp);
   std::mutex mu;
   std::map<Key, Held> out;
+  shard.layout.set_virtual_stages(chunks);
   RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
+    auto models = ShardFormer(shard, &pg).LoadChunks(dir);
+    ASSERT_TRUE(models.ok()) << models.status();
+    ASSERT_EQ(models->size(), static_cast<size_t>(chunks));
     for (int c = 0; c < chunks; ++c) {
-      ShardConfig mine = shard;
-      mine.virtual_stages = chunks;
-      mine.chunk = c;
-      auto model = ShardFormer(mine, &pg).Load(dir);
-      ASSERT_TRUE(model.ok()) << model.status();
-      EXPECT_EQ((*model)->shard_config().stage.count, pp * chunks);
+      ShardedModel& model = *(*models)[c];
+      EXPECT_EQ(model.shard_config().stage.count, pp * chunks);
+      EXPECT_EQ(model.shard_config().stage.index, c * pp + *pg.LocalRank("pp"));
       Held held;
-      for (const NamedParam& p : (*model)->Parameters()) {
+      for (const NamedParam& p : model.Parameters()) {
         held[p.name] = {p.bound.param.local().ContiguousAs(DType::kF32)->ToFloats(), p.mirror};
       }
       std::lock_guard<std::mutex> lock(mu);
@@ -95,10 +96,10 @@ TEST(VirtualStages, MistakenChunksAreRefused) {
     for (const auto& [v, c, message] : std::vector<std::tuple<int, int, std::string>>{
              {2, 0, "pipeline_parallel_size 2 x 2 virtual stages is more stages than the model's 3 layers"},
              {2, 2, "chunk 2 of 2 virtual stages"},
-             {0, 0, "chunk 0 of 0 virtual stages"},
+             {-1, 0, "virtual_stages must be in [0, 4096]"},
              {1, -1, "chunk -1 of 1 virtual stages"}}) {
       ShardConfig mine = shard;
-      mine.virtual_stages = v;
+      mine.layout.set_virtual_stages(v);
       mine.chunk = c;
       auto model = ShardFormer(mine, &pg).Load(gpt2->dir);
       EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument) << message;

@@ -7,10 +7,10 @@
 // each layer computes the same micro-batches from the same inputs, and the
 // last stage sums the micro-batches' losses in the same order. An
 // evaluation (forwards only) gives the same loss. The trainer with
-// shard.virtual_stages = 2 trains as with 1F1B: bit for bit without
+// layout.virtual_stages = 2 trains as with 1F1B: bit for bit without
 // clipping, and within f32 rounding of the gradient norm with it (the norm
 // sums each rank's squares in a different grouping), at pp = 2 and 4, at
-// tp2 x pp2 x dp2, with a held-out evaluation, and on CUDA ranks (the
+// tp2 x pp2 x dp2, on uneven virtual stages, with a held-out evaluation, and on CUDA ranks (the
 // emulation's in CI); what it cannot take is refused.
 #include <map>
 #include <mutex>
@@ -46,19 +46,15 @@ Step RunStep(const std::string& dir, int pp, int chunks, int micro, const Tensor
   shard.layout.set_pipeline_parallel_size(pp);
   std::mutex mu;
   Step out;
+  shard.layout.set_virtual_stages(chunks);
   RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
-    std::vector<std::unique_ptr<shardformer::ShardedModel>> owned;
+    auto owned = shardformer::ShardFormer(shard, &pg).LoadChunks(dir);
+    ASSERT_TRUE(owned.ok()) << owned.status();
     std::vector<shardformer::ShardedModel*> models;
     std::vector<shardformer::NamedParam> params;
-    for (int c = 0; c < chunks; ++c) {
-      shardformer::ShardConfig mine = shard;
-      mine.virtual_stages = chunks;
-      mine.chunk = c;
-      auto model = shardformer::ShardFormer(mine, &pg).Load(dir);
-      ASSERT_TRUE(model.ok()) << model.status();
-      for (shardformer::NamedParam& p : (*model)->Parameters()) params.push_back(p);
-      models.push_back(model->get());
-      owned.push_back(*std::move(model));
+    for (const std::unique_ptr<shardformer::ShardedModel>& model : *owned) {
+      for (shardformer::NamedParam& p : model->Parameters()) params.push_back(p);
+      models.push_back(model.get());
     }
     auto sync = GradSync::Create(params, &pg, 64 << 10);
     ASSERT_TRUE(sync.ok()) << sync.status();
@@ -130,7 +126,7 @@ TEST(Interleaved, ChunksThatAreNotTheRanksVirtualStagesAreRefused) {
   shard.layout.set_pipeline_parallel_size(2);
   RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
     shardformer::ShardConfig mine = shard;
-    mine.virtual_stages = 2;
+    mine.layout.set_virtual_stages(2);
     mine.chunk = 1;
     auto model = shardformer::ShardFormer(mine, &pg).Load(gpt2->dir);
     ASSERT_TRUE(model.ok()) << model.status();
@@ -159,7 +155,7 @@ TrainOptions PipelineRun(const std::string& name, int layers, int pp, int micro)
 }
 
 TrainOptions Chunked(TrainOptions run, int chunks) {
-  run.shard.virtual_stages = chunks;
+  run.shard.layout.set_virtual_stages(chunks);
   return run;
 }
 
@@ -183,6 +179,17 @@ TEST(Interleaved, TrainsAsOneFOneB) {
     run.clip_norm = 1.0;
     testing::ExpectSameLosses(testing::Losses(Chunked(run, 2)), testing::Losses(run), 1e-5, what + ", clipped");
   }
+}
+
+// Virtual stages of the layers pipeline_stage_layers lists (pp * V of
+// them, uneven): 1F1B's losses all the same.
+TEST(Interleaved, TrainsAsOneFOneBOnUnevenVirtualStages) {
+  TrainOptions run = PipelineRun("interleaved_uneven", 6, 2, 4);
+  run.clip_norm = 0;
+  const std::vector<StepStats> plain = testing::Losses(run);
+  TrainOptions uneven = Chunked(run, 2);
+  for (int n : {2, 1, 1, 2}) uneven.shard.layout.add_pipeline_stage_layers(n);
+  ExpectBitwiseLosses(testing::Losses(uneven), plain, "pp=2 V=2 of 2+1+1+2 layers");
 }
 
 TEST(Interleaved, TrainsAsOneFOneBWithTensorAndDataParallelismAndEvaluates) {
@@ -225,7 +232,7 @@ TEST(Interleaved, WhatTheTrainerCannotTakeIsRefused) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find(message), std::string::npos) << s;
   };
-  refused(Chunked(run, 0), "virtual_stages 0 is not in [1, 4096]");
+  refused(Chunked(run, -1), "virtual_stages must be in [0, 4096]");
   TrainOptions flat = Chunked(run, 2);
   flat.shard.layout.set_pipeline_parallel_size(1);
   refused(flat, "it needs pipeline_parallel_size >= 2");
@@ -238,8 +245,8 @@ TEST(Interleaved, WhatTheTrainerCannotTakeIsRefused) {
   saved.save_every = 1;
   refused(saved, "checkpoints are not written or read yet");
   TrainOptions uneven = Chunked(run, 2);
-  for (int n : {1, 1, 1, 1}) uneven.shard.layout.add_pipeline_stage_layers(n);
-  refused(uneven, "pipeline_stage_layers with virtual_stages > 1: not yet");
+  for (int n : {2, 1, 1}) uneven.shard.layout.add_pipeline_stage_layers(n);
+  refused(uneven, "pipeline_stage_layers lists 3 stages, not pipeline_parallel_size 2 x 2 virtual stages = 4");
   refused(Chunked(run, 3), "pipeline_parallel_size 2 x 3 virtual stages is more stages than the model's 4 layers");
   TrainOptions zero2 = Chunked(run, 2);
   zero2.shard.layout.set_data_parallel_size(2);

@@ -41,6 +41,7 @@ struct Case {
   int pp = 1;
   int zero = 0;
   int accum = 1;  // gradient accumulation passes
+  int v = 1;      // model chunks a pipeline rank holds (interleaved 1F1B)
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
@@ -54,6 +55,7 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
   tiny.heads = 4;
   tiny.kv_heads = 2;
   tiny.positions = 32;
+  tiny.layers = std::max<int64_t>(tiny.layers, int64_t{c.pp} * c.v);
   if (c.family == "opt") {
     tiny.embed_dim = 32;  // project_in on the first stage, project_out on the last
     tiny.tie = true;      // and the last stage's mirror of the table
@@ -80,6 +82,7 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
   o.shard.layout.set_depth(c.depth);
   o.shard.layout.set_sequence_parallel(c.sp);
   o.shard.layout.set_pipeline_parallel_size(c.pp);
+  o.shard.layout.set_virtual_stages(c.v);
   o.bucket_bytes = 64 << 10;  // several buckets
   o.zero_stage = c.zero;
   o.grad_accum = c.accum;
@@ -109,7 +112,7 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
         ASSERT_TRUE(s.ok()) << s;
         std::map<std::pair<std::string, std::string>, InstrumentedCommunicator::OpStats> mine;
         for (const std::string axis : {"tp", "tp_row", "tp_col", "tp_dep", "tp_output", "tp_input", "tp_weight", "dp",
-                                       "pp", "pp#f0", "pp#f1", "pp#b0", "pp#b1"}) {
+                                       "pp", "pp#f0", "pp#f1", "pp#b0", "pp#b1", "pp#fw", "pp#bw"}) {
           const std::string base = axis.substr(0, axis.find('#'));
           if (!pg.AxisSize(base).ok() || *pg.AxisSize(base) < 2) continue;
           for (const std::string op : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"}) {
@@ -190,7 +193,13 @@ INSTANTIATE_TEST_SUITE_P(
                       // passes' collectives each pass, the loss over pp each pass.
                       Case{"gpt2_tp2_dp2_accum2", "gpt2", 2, 2, false, 1, v1::TENSOR_PARALLEL_MODE_1D, 0, 1, 0, 2},
                       Case{"gpt2_pp2_dp2_micro2_accum2", "gpt2", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2, 0,
-                           2}),
+                           2},
+                      // Interleaved 1F1B: V chunks a rank, the wrap channels
+                      // between the last rank and the first.
+                      Case{"gpt2_pp2_v2_micro4", "gpt2", 1, 1, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 2, 0, 1, 2},
+                      Case{"llama_tp2_pp2_v2_dp2_micro2", "llama", 2, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2, 0, 1,
+                           2},
+                      Case{"gpt2_pp4_v2_micro4", "gpt2", 1, 1, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 4, 0, 1, 2}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace

@@ -47,7 +47,7 @@ struct TrainOptions {
   OptimizerOptions optimizer;
   double clip_norm = 1.0;     // 0: no clipping (the norm is still reported)
   uint64_t seed = 1;
-  // The layout; with pipeline stages, shard.virtual_stages > 1 runs the
+  // The layout; with pipeline stages, shard.layout.virtual_stages > 1 runs the
   // interleaved schedule over that many model chunks a rank (micro_batches a
   // multiple of the stages; no checkpoints yet).
   shardformer::ShardConfig shard;
