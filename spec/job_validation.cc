@@ -94,14 +94,6 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
                                   ") runs the micro-batches in groups of the ", pp, " pipeline stages: ",
                                   std::max(1, t.micro_batches()), " is not a multiple of ", pp));
     }
-    for (const auto& [field, set] : {std::pair<const char*, bool>{"checkpoint_every", t.checkpoint_every() > 0},
-                                     {"resume_from", !t.resume_from().empty()},
-                                     {"final_dir", !t.final_dir().empty()}}) {
-      if (set) {
-        return Invalid(path, field, "with virtual_stages > 1: not yet (an interleaved pipeline's checkpoints are "
-                                    "not written or read)");
-      }
-    }
     // ZeRO 2 counts a bucket's gradients at every backward; one bucket may
     // span two chunks, whose backwards come at different times.
     if (t.zero_stage() == 2) return Invalid(path, "zero_stage", "2 with virtual_stages > 1: not yet (1 is)");

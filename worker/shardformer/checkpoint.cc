@@ -130,6 +130,12 @@ absl::Status Damaged(const std::string& dir, const std::string& what) {
 }  // namespace
 
 absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) {
+  return SaveShardedCheckpoint(std::vector<ShardedModel*>{&model}, dir);
+}
+
+absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, const std::string& dir) {
+  if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
+  ShardedModel& model = *chunks.front();
   ProcessGroup* pg = model.process_group();
   const DeviceMesh& mesh = pg->mesh();
   const int rank = pg->rank(), world = mesh.world_size();
@@ -139,19 +145,21 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) 
   NoGradScope no_grad;
   std::vector<std::pair<std::string, Tensor>> mine;
   std::set<std::string> names;
-  for (const NamedParam& p : model.Parameters()) {
-    if (!names.insert(p.name).second) return absl::InternalError(absl::StrCat("two parameters are named ", p.name));
-    if (p.mirror) continue;  // the first stage writes the table
-    ASSIGN_OR_RETURN(bool owns, Owns(p.bound.param.spec(), mesh, rank));
-    if (!owns) continue;
-    ASSIGN_OR_RETURN(Tensor host, p.bound.param.local().To(Device::Cpu()));
-    mine.emplace_back(p.name, host.Contiguous());
+  for (ShardedModel* chunk : chunks) {
+    for (const NamedParam& p : chunk->Parameters()) {
+      if (!names.insert(p.name).second) return absl::InternalError(absl::StrCat("two parameters are named ", p.name));
+      if (p.mirror) continue;  // the first stage writes the table
+      ASSIGN_OR_RETURN(bool owns, Owns(p.bound.param.spec(), mesh, rank));
+      if (!owns) continue;
+      ASSIGN_OR_RETURN(Tensor host, p.bound.param.local().To(Device::Cpu()));
+      mine.emplace_back(p.name, host.Contiguous());
+    }
   }
   RETURN_IF_ERROR(WriteSafetensors(absl::StrCat(dir, "/", RankFile(rank, world)), mine));
   RETURN_IF_ERROR(pg->Barrier());
-  // Pipeline stages: each stage's first rank writes its stage's part of the
-  // index, which rank 0 joins.
-  const int stages = model.shard_config().pp();
+  // Pipeline stages: each stage's first rank writes its stages' parts of
+  // the index (one a virtual stage), which rank 0 joins.
+  const int stages = std::max(1, model.shard_config().stage.count);
   const std::vector<int> coords = mesh.Coordinates(rank);
   auto pp_axis = mesh.AxisIndices("pp");
   bool stage_leader = true;
@@ -161,8 +169,10 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) 
   }
   auto part = [&](int stage) { return absl::StrFormat("%s/index-stage-%05d.json", dir, stage); };
   if (stages > 1 && stage_leader) {
-    ASSIGN_OR_RETURN(Json fragment, IndexOf(model));
-    RETURN_IF_ERROR(WriteFileAtomically(part(model.shard_config().stage.index), fragment.dump()));
+    for (ShardedModel* chunk : chunks) {
+      ASSIGN_OR_RETURN(Json fragment, IndexOf(*chunk));
+      RETURN_IF_ERROR(WriteFileAtomically(part(chunk->shard_config().stage.index), fragment.dump()));
+    }
   }
   if (stages > 1) RETURN_IF_ERROR(pg->Barrier());
   if (rank == 0) {

@@ -24,6 +24,7 @@
 #define COLOD_WORKER_SHARDFORMER_CHECKPOINT_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "worker/shardformer/checkpoint_index.h"
@@ -34,6 +35,10 @@ namespace colod::shardformer {
 // Every rank of the model calls it with the same `dir` (created if needed,
 // on a file system all ranks share).
 absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir);
+// The same of every model chunk a rank holds (interleaved 1F1B's virtual
+// stages: ShardFormer::LoadChunks), chunk 0 first: one rank file of all of
+// them, the index of every virtual stage.
+absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, const std::string& dir);
 
 // Assembles the sharded checkpoint in `dir` into `out_dir` (created if
 // needed): config.json and one model.safetensors with every tensor under its

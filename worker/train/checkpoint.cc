@@ -45,6 +45,7 @@ Json LayoutJson(const v1::ShardConfig& l) {
   if (l.pipeline_parallel_size() > 1) {
     j["pipeline_parallel_size"] = l.pipeline_parallel_size();
     j["pipeline_stage_layers"] = std::vector<int32_t>(l.pipeline_stage_layers().begin(), l.pipeline_stage_layers().end());
+    if (l.virtual_stages() > 1) j["virtual_stages"] = l.virtual_stages();
   }
   return j;
 }
@@ -89,6 +90,14 @@ absl::Status Validate(const std::string& step_dir) {
 
 absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer& optimizer, const std::string& dir,
                                     int64_t step, uint64_t seed, std::optional<double> eval_loss) {
+  return SaveTrainingCheckpoint(std::vector<shardformer::ShardedModel*>{&model}, optimizer, dir, step, seed, eval_loss);
+}
+
+absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*>& chunks, Optimizer& optimizer,
+                                    const std::string& dir, int64_t step, uint64_t seed,
+                                    std::optional<double> eval_loss) {
+  if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
+  shardformer::ShardedModel& model = *chunks.front();
   ProcessGroup* pg = model.process_group();
   const int rank = pg->rank(), world = pg->mesh().world_size();
   const std::string final_dir = StepDir(dir, step), tmp = final_dir + ".tmp";
@@ -99,7 +108,7 @@ absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer&
     if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", tmp, ": ", ec.message()));
   }
   RETURN_IF_ERROR(pg->Barrier());
-  RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(model, tmp));
+  RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, tmp));
   std::vector<std::pair<std::string, Tensor>> state;
   for (const Optimizer::StateTensor& t : optimizer.State()) {
     ASSIGN_OR_RETURN(Tensor host, t.value.To(Device::Cpu()));
@@ -271,6 +280,14 @@ std::optional<int64_t> PieceOffset(const std::string& name, const std::string& p
 
 absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint, shardformer::ShardedModel& model,
                                                   Optimizer& optimizer) {
+  return RestoreTrainingCheckpoint(checkpoint, std::vector<shardformer::ShardedModel*>{&model}, optimizer);
+}
+
+absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
+                                                  const std::vector<shardformer::ShardedModel*>& chunks,
+                                                  Optimizer& optimizer) {
+  if (chunks.empty()) return absl::InvalidArgumentError("a restore into no model chunk");
+  shardformer::ShardedModel& model = *chunks.front();
   ProcessGroup* pg = model.process_group();
   ASSIGN_OR_RETURN(Json state, ReadJson(checkpoint + "/" + kState));
   const std::string where = absl::StrCat(checkpoint, "/", kState);
@@ -302,7 +319,11 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
     return f.get();
   };
   NoGradScope no_grad;
-  for (const shardformer::NamedParam& p : model.Parameters()) {
+  std::vector<shardformer::NamedParam> params;
+  for (shardformer::ShardedModel* chunk : chunks) {
+    for (shardformer::NamedParam& p : chunk->Parameters()) params.push_back(std::move(p));
+  }
+  for (const shardformer::NamedParam& p : params) {
     const ColoParameter& param = p.bound.param;
     auto entry = index.tensors.find(p.name);
     if (entry == index.tensors.end()) {

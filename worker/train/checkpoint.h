@@ -41,6 +41,11 @@ std::string StepDir(const std::string& dir, int64_t step);
 // the best by it).
 absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer& optimizer, const std::string& dir,
                                     int64_t step, uint64_t seed, std::optional<double> eval_loss = std::nullopt);
+// The same of every model chunk a rank holds (interleaved 1F1B), chunk 0
+// first, whose parameters `optimizer` takes together.
+absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*>& chunks, Optimizer& optimizer,
+                                    const std::string& dir, int64_t step, uint64_t seed,
+                                    std::optional<double> eval_loss = std::nullopt);
 
 // The newest complete checkpoint directory under `dir` (DIR/step-NNNNNN),
 // skipping damaged ones; `skipped` (if given) gets the ones passed over and
@@ -94,6 +99,10 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint);
 // it was written at another layout (data_parallel_size aside),
 // INVALID_ARGUMENT when a piece this rank needs is missing.
 absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint, shardformer::ShardedModel& model,
+                                                  Optimizer& optimizer);
+// Into every model chunk a rank holds (written at the same virtual stages).
+absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
+                                                  const std::vector<shardformer::ShardedModel*>& chunks,
                                                   Optimizer& optimizer);
 
 }  // namespace colod::train

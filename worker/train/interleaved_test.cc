@@ -23,6 +23,8 @@
 #include "worker/colo/testing.h"
 #include "worker/shardformer/shardformer.h"
 #include "worker/shardformer/testing.h"
+#include "common/atomic_file.h"
+#include "worker/train/checkpoint.h"
 #include "worker/train/pipeline.h"
 #include "worker/train/train_testing.h"
 #include "worker/train/trainer.h"
@@ -225,6 +227,47 @@ TEST(Interleaved, TrainsAsOneFOneBWithTensorAndDataParallelismAndEvaluates) {
   }
 }
 
+// An interleaved run's checkpoints: interrupted after step 2 and resumed
+// from its checkpoint, it gives the uninterrupted run's losses bit for bit;
+// its final model (every virtual stage's parameters, consolidated) is 1F1B's
+// byte for byte; and its checkpoint resumes only at the virtual stages it
+// was written at.
+TEST(Interleaved, ResumesFromItsCheckpointsAndWritesItsFinalModel) {
+  TrainOptions run = PipelineRun("interleaved_ck", 4, 2, 2);
+  run.clip_norm = 0;
+  TrainOptions plain = run;
+  plain.final_dir = TempPath("interleaved_ck_final_1f1b");
+  const std::vector<StepStats> want = testing::Losses(plain);
+  ASSERT_EQ(want.size(), 4u);
+
+  TrainOptions first = Chunked(run, 2);
+  first.save_dir = TempPath("interleaved_ck_steps");
+  first.save_every = 2;
+  first.stop_after = 2;
+  const std::vector<StepStats> before = testing::Losses(first);
+  ASSERT_EQ(before.size(), 2u);
+  EXPECT_EQ(before[1].checkpoint, StepDir(first.save_dir, 2));
+  TrainOptions second = Chunked(run, 2);
+  second.resume_dir = first.save_dir;
+  second.final_dir = TempPath("interleaved_ck_final");
+  std::vector<StepStats> got = before;
+  for (const StepStats& s : testing::Losses(second)) got.push_back(s);
+  ExpectBitwiseLosses(got, want, "interrupted after step 2");
+  ASSERT_EQ(got.size(), 4u);
+  EXPECT_EQ(got[2].step, 3);
+  for (const char* file : {"model.safetensors", "config.json"}) {
+    auto a = ReadFileToString(plain.final_dir + "/" + file), b = ReadFileToString(second.final_dir + "/" + file);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+    EXPECT_TRUE(*a == *b) << file << " differs from 1F1B's";
+  }
+  // Its layout names the virtual stages: 1F1B does not resume from it.
+  TrainOptions other = run;
+  other.resume_dir = first.save_dir;
+  const absl::Status s = Train(other, [](const StepStats&) {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("virtual_stages"), std::string::npos) << s;
+}
+
 TEST(Interleaved, WhatTheTrainerCannotTakeIsRefused) {
   const TrainOptions run = PipelineRun("interleaved_refusals", 4, 2, 2);
   auto refused = [](TrainOptions o, const std::string& message) {
@@ -240,10 +283,6 @@ TEST(Interleaved, WhatTheTrainerCannotTakeIsRefused) {
   three.batch_size = 12;
   three.micro_batches = 3;
   refused(three, "micro_batches 3 is not a multiple of 2");
-  TrainOptions saved = Chunked(run, 2);
-  saved.save_dir = TempPath("interleaved_saved");
-  saved.save_every = 1;
-  refused(saved, "checkpoints are not written or read yet");
   TrainOptions uneven = Chunked(run, 2);
   for (int n : {2, 1, 1}) uneven.shard.layout.add_pipeline_stage_layers(n);
   refused(uneven, "pipeline_stage_layers lists 3 stages, not pipeline_parallel_size 2 x 2 virtual stages = 4");

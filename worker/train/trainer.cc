@@ -243,10 +243,6 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
           "the interleaved schedule (virtual_stages ", chunks, ") runs the micro-batches in groups of the ", pp,
           " pipeline stages: micro_batches ", o.micro_batches, " is not a multiple of ", pp));
     }
-    if (!o.save_dir.empty() || !o.resume_dir.empty() || !o.final_dir.empty()) {
-      return absl::InvalidArgumentError("an interleaved pipeline's (virtual_stages > 1) checkpoints are not written "
-                                        "or read yet: leave out the checkpoint, resume and final directories");
-    }
     // ZeRO 2 counts a bucket's gradients at every backward; one bucket may
     // span two chunks, whose backwards come at different times.
     if (o.zero_stage == 2) {
@@ -477,7 +473,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
   int64_t first = 0;
   if (!run.resume.empty()) {
-    ASSIGN_OR_RETURN(Resumed r, RestoreTrainingCheckpoint(run.resume, *model, optimizer));
+    ASSIGN_OR_RETURN(Resumed r, RestoreTrainingCheckpoint(run.resume, chunks, optimizer));
     first = r.step;
   }
   if (hooks.on_start) hooks.on_start();
@@ -566,7 +562,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     const bool last = step + 1 == o.steps;
     if (!o.save_dir.empty() && o.save_every > 0 && ((step + 1) % o.save_every == 0 || last)) {
       const absl::Status saved = SaveTrainingCheckpoint(
-          *model, optimizer, o.save_dir, step + 1, run.seed,
+          chunks, optimizer, o.save_dir, step + 1, run.seed,
           s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt);
       if (!saved.ok()) {
         // The step trained, and its checkpoint may be whole on disk all the
@@ -597,7 +593,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   }
   if (o.final_dir.empty()) return absl::OkStatus();
   const std::string sharded = o.final_dir + "/.sharded";
-  RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(*model, sharded));
+  RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, sharded));
   if (rank != 0) return absl::OkStatus();
   RETURN_IF_ERROR(shardformer::ConsolidateCheckpoint(sharded, o.final_dir));
   std::error_code ec;

@@ -49,7 +49,7 @@ struct TrainOptions {
   uint64_t seed = 1;
   // The layout; with pipeline stages, shard.layout.virtual_stages > 1 runs the
   // interleaved schedule over that many model chunks a rank (micro_batches a
-  // multiple of the stages; no checkpoints yet).
+  // multiple of the stages).
   shardformer::ShardConfig shard;
   int64_t bucket_bytes = 25 << 20;
   int zero_stage = 0;         // ZeRO over dp: 0, 1 (optimizer state) or 2 (and gradients); data_parallel.h
