@@ -620,6 +620,55 @@ TEST_F(JobsTest, AWorkerKilledMidRunRestartsTheJobWhichSucceedsWithTheUninterrup
   EXPECT_GT(done->checkpoints(1).bytes(), 0);
 }
 
+// An interleaved pipeline (pp2 x dp2, two virtual stages a rank) on the
+// daemons: a worker SIGKILLed mid-run restarts the job from its checkpoint
+// of every rank's chunks, and it succeeds with the uninterrupted in-process
+// run's losses, bit for bit.
+TEST_F(JobsTest, AnInterleavedJobKilledMidRunRestartsWithTheUninterruptedLosses) {
+  shardformer::testing::TinyOptions tiny;
+  tiny.vocab = 257;
+  tiny.positions = 32;
+  tiny.layers = 4;
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2-4"), tiny);
+  ASSERT_TRUE(model.ok()) << model.status();
+  train::TrainOptions o = Options(24);
+  o.model_dir = model->dir;
+  o.shard.layout.set_tensor_parallel_size(1);
+  o.shard.layout.set_pipeline_parallel_size(2);
+  o.shard.layout.set_virtual_stages(2);
+  o.micro_batches = 2;
+  std::vector<double> want;
+  ASSERT_TRUE(train::Train(o, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
+  v1::JobSpec spec = Spec(o);
+  spec.mutable_train()->set_checkpoint_every(4);
+  spec.mutable_train()->set_checkpoint_dir(TempPath("ck-interleaved"));
+  auto job = client_->SubmitJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::MeshSpec mesh;
+  int victim = -1;
+  ASSERT_TRUE(RunUntilStepThenStop(job->job_id(), 6, 1, &mesh, &victim));
+  workers_[victim].process->Signal(SIGKILL);
+  workers_[victim].process->Wait(absl::Seconds(10));
+  std::vector<Daemon> joined = testing::StartTestWorkers(coordinator_.grpc, 1, {}, /*first=*/4);
+  ASSERT_EQ(joined.size(), 1u);
+  workers_.push_back(std::move(joined[0]));
+  const std::vector<v1::JobEvent> events = Watch(job->job_id());
+  auto done = client_->GetJob(job->job_id());
+  ASSERT_TRUE(done.ok());
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
+  EXPECT_EQ(done->restarts(), 1);
+  bool restarting = false;
+  for (const v1::JobEvent& e : events) {
+    restarting = restarting || (e.has_state_change() && e.state_change().state() == v1::JOB_STATE_RESTARTING &&
+                                absl::StrContains(e.state_change().reason(),
+                                                  "from the newest checkpoint in " + TempPath("ck-interleaved")));
+  }
+  EXPECT_TRUE(restarting) << "no RESTARTING event resumes from the checkpoints";
+  const std::map<int64_t, double> got = LastLosses(events);
+  ASSERT_EQ(got.size(), want.size()) << Logs();
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got.at(i + 1), want[i]) << "step " << i + 1;
+}
+
 // A job whose restarts are spent fails, listing every attempt's failure.
 TEST_F(JobsTest, AJobThatSpendsItsRestartsFailsListingEveryAttempt) {
   train::TrainOptions o = Options(100000);
