@@ -220,8 +220,7 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
 
   // Interleaved 1F1B: V in [0, 4096] over pp >= 2 stages of at least a
-  // layer each, micro-batches in groups of pp, the stage list pp * V long;
-  // no ZeRO 2 yet.
+  // layer each, micro-batches in groups of pp, the stage list pp * V long.
   auto interleaved = [] {
     v1::JobSpec spec = TrainSpec();
     spec.mutable_model()->set_config_json(
@@ -260,10 +259,6 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s.mutable_train()->set_checkpoint_dir("/ck");
   s.mutable_train()->set_final_dir("/final");
   EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
-  s = interleaved();
-  s.mutable_shard()->set_data_parallel_size(2);
-  s.mutable_train()->set_zero_stage(2);
-  ExpectInvalid(s, "spec.train.zero_stage");
 
   // The model must load at the layout: 4 heads do not split over tp = 3.
   s = TrainSpec();

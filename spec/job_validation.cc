@@ -94,9 +94,6 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
                                   ") runs the micro-batches in groups of the ", pp, " pipeline stages: ",
                                   std::max(1, t.micro_batches()), " is not a multiple of ", pp));
     }
-    // ZeRO 2 counts a bucket's gradients at every backward; one bucket may
-    // span two chunks, whose backwards come at different times.
-    if (t.zero_stage() == 2) return Invalid(path, "zero_stage", "2 with virtual_stages > 1: not yet (1 is)");
   }
   if (t.checkpoint_every() < 0) return Invalid(path, "checkpoint_every", "must be >= 0");
   if (t.checkpoint_every() > 0 && t.checkpoint_dir().empty()) {

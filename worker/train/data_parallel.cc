@@ -11,7 +11,8 @@ namespace colod::train {
 using shardformer::NamedParam;
 
 absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Create(std::vector<NamedParam> params, ProcessGroup* pg,
-                                                           int64_t bucket_bytes, int zero_stage) {
+                                                           int64_t bucket_bytes, int zero_stage,
+                                                           const std::vector<int>& chunk_starts) {
   if (zero_stage < 0 || zero_stage > 2) {
     return absl::InvalidArgumentError(absl::StrCat("zero stage ", zero_stage, " is not one of 0, 1, 2"));
   }
@@ -31,7 +32,10 @@ absl::StatusOr<std::unique_ptr<GradSync>> GradSync::Create(std::vector<NamedPara
   for (int i = n - 1; i >= 0; --i) {
     const Tensor& local = s->params_[i].bound.param.local();
     const int64_t size = local.nbytes();
-    if (s->buckets_.empty() || (bytes > 0 && bytes + size > bucket_bytes) ||
+    // The last parameter of a chunk that another follows (filled in
+    // reverse): a new bucket.
+    const bool chunk_ends = std::find(chunk_starts.begin(), chunk_starts.end(), i + 1) != chunk_starts.end();
+    if (s->buckets_.empty() || chunk_ends || (bytes > 0 && bytes + size > bucket_bytes) ||
         s->params_[s->buckets_.back().params.back()].bound.param.local().dtype() != local.dtype() ||
         s->buckets_.back().partitioned != partitioned(i)) {
       s->buckets_.emplace_back();

@@ -49,8 +49,12 @@ class GradSync {
  public:
   // Installs the hooks. dp = 1 makes every call a no-op. `zero_stage`: 0
   // (all-reduce), 1 or 2 (see the file comment); INVALID_ARGUMENT otherwise.
+  // `chunk_starts`: the indices of `params` where another model chunk's
+  // parameters begin (interleaved 1F1B: a rank's chunks run their
+  // backwards at different times); no bucket spans two chunks.
   static absl::StatusOr<std::unique_ptr<GradSync>> Create(std::vector<shardformer::NamedParam> params,
-                                                          ProcessGroup* pg, int64_t bucket_bytes, int zero_stage = 0);
+                                                          ProcessGroup* pg, int64_t bucket_bytes, int zero_stage = 0,
+                                                          const std::vector<int>& chunk_starts = {});
   ~GradSync();
   GradSync(const GradSync&) = delete;
   GradSync& operator=(const GradSync&) = delete;

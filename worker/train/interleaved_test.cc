@@ -218,6 +218,10 @@ TEST(Interleaved, TrainsAsOneFOneBWithTensorAndDataParallelismAndEvaluates) {
   run.eval_every = 0;
   run.zero_stage = 1;
   ExpectBitwiseLosses(testing::Losses(Chunked(run, 2)), testing::Losses(run), "tp2 x pp2 x dp2, ZeRO 1");
+  // ZeRO 2: no bucket spans two chunks (their backwards come at different
+  // times); the chunks' sums are added in another order than 1F1B's.
+  run.zero_stage = 2;
+  testing::ExpectSameLosses(testing::Losses(Chunked(run, 2)), testing::Losses(run), 1e-5, "tp2 x pp2 x dp2, ZeRO 2");
   if (kernels::CudaDeviceCount() >= 2) {  // the emulation's 4 devices in CI; skipped only in the no-GPU default pass
     TrainOptions cuda = PipelineRun("interleaved_cuda", 4, 2, 2);
     cuda.clip_norm = 0;
@@ -287,10 +291,6 @@ TEST(Interleaved, WhatTheTrainerCannotTakeIsRefused) {
   for (int n : {2, 1, 1}) uneven.shard.layout.add_pipeline_stage_layers(n);
   refused(uneven, "pipeline_stage_layers lists 3 stages, not pipeline_parallel_size 2 x 2 virtual stages = 4");
   refused(Chunked(run, 3), "pipeline_parallel_size 2 x 3 virtual stages is more stages than the model's 4 layers");
-  TrainOptions zero2 = Chunked(run, 2);
-  zero2.shard.layout.set_data_parallel_size(2);
-  zero2.zero_stage = 2;
-  refused(zero2, "zero_stage 2 with virtual_stages > 1: not yet");
 }
 
 }  // namespace

@@ -233,8 +233,8 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
                                                    o.eval_steps, " in [0, ", kMaxEvalSteps, "]"));
   }
   // The range of virtual_stages, pp >= 2 and pp * V <= layers: spec's
-  // PipelineStageLayers (CheckShardable, below); what the interleaved
-  // trainer cannot do yet, here (spec's validation of a job says the same).
+  // PipelineStageLayers (CheckShardable, below); the schedule's grouping of
+  // the micro-batches here (spec's validation of a job says the same).
   const int chunks = o.shard.virtual_stages();
   if (chunks > 1) {
     const int pp = o.shard.pp();
@@ -242,11 +242,6 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
       return absl::InvalidArgumentError(absl::StrCat(
           "the interleaved schedule (virtual_stages ", chunks, ") runs the micro-batches in groups of the ", pp,
           " pipeline stages: micro_batches ", o.micro_batches, " is not a multiple of ", pp));
-    }
-    // ZeRO 2 counts a bucket's gradients at every backward; one bucket may
-    // span two chunks, whose backwards come at different times.
-    if (o.zero_stage == 2) {
-      return absl::InvalidArgumentError("zero_stage 2 with virtual_stages > 1: not yet (zero_stage 1 is)");
     }
   }
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(o.shard.layout));
@@ -459,15 +454,19 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   std::vector<shardformer::ShardedModel*> chunks;
   std::vector<std::vector<NamedParam>> chunk_params;
   std::vector<NamedParam> params;
+  std::vector<int> chunk_starts;  // where each chunk's parameters begin in `params`
   ASSIGN_OR_RETURN(owned, shardformer::ShardFormer(shard, &pg).LoadChunks(o.model_dir));
   for (const std::unique_ptr<shardformer::ShardedModel>& loaded : owned) {
+    chunk_starts.push_back(static_cast<int>(params.size()));
     chunk_params.push_back(loaded->Parameters());
     params.insert(params.end(), chunk_params.back().begin(), chunk_params.back().end());
     chunks.push_back(loaded.get());
   }
   std::unique_ptr<shardformer::ShardedModel>& model = owned.front();  // the one model but for interleaving
   if (shard.pp() > 1) RETURN_IF_ERROR(MakePipelineChannels(pg, shard.pp(), v));
-  ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(params, &pg, o.bucket_bytes, o.zero_stage));
+  // No bucket spans two chunks, whose backwards come at different times.
+  ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync,
+                   GradSync::Create(params, &pg, o.bucket_bytes, o.zero_stage, chunk_starts));
   // Under ZeRO each dp rank updates (and keeps the state of) its partition.
   ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer, sync->partition()));
   ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
