@@ -31,8 +31,8 @@ ABSL_FLAG(std::string, pp_layers, "",
           "With --virtual-stages V, of each of the pp * V virtual stages.");
 ABSL_FLAG(int32_t, virtual_stages, 1,
           "train: interleaved 1F1B (Megatron-LM's virtual pipeline stages): each of the --pp ranks holds V model "
-          "chunks (virtual stages r, pp + r, ...), and the bubble falls from (pp - 1) / m to (pp - 1) / (V m) of a "
-          "step. Needs --pp >= 2 and --micro-batches a multiple of --pp.");
+          "chunks (virtual stages r, pp + r, ...), and the bubble falls from (pp - 1) / m to (pp - 1) / (V m) of the "
+          "compute (of a step: (pp - 1) / (V m + pp - 1)). Needs --pp >= 2 and --micro-batches a multiple of --pp.");
 ABSL_FLAG(std::string, data, "",
           "train: the corpus: a .bin of uint16 tokens, a .npy, a Megatron dataset (PREFIX), a .jsonl of "
           "{\"text\": ...} documents, or UTF-8 text (paragraphs tokenized by the model directory's tokenizer; "

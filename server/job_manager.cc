@@ -295,7 +295,15 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
         *e.job.mutable_mesh() = mesh;
         e.attempt_peak_flops = peak_flops > 0 && std::isfinite(peak_flops) ? peak_flops : 0;
         e.job.set_generation(e.job.generation() + 1);
-        if (mesh.ranks_size() > 0) (*e.job.mutable_rank0_workers())[e.job.generation()] = mesh.ranks(0).worker_id();
+        if (mesh.ranks_size() > 0) {
+          auto& holders = *e.job.mutable_rank0_workers();
+          if (e.job.rank0_first_generation() == 0) e.job.set_rank0_first_generation(e.job.generation());
+          holders[e.job.generation()] = mesh.ranks(0).worker_id();
+          while (holders.size() > kMaxRank0Workers) {  // the oldest go (a map's order is not kept: find it)
+            holders.erase(std::min_element(holders.begin(), holders.end(),
+                                           [](const auto& a, const auto& b) { return a.first < b.first; }));
+          }
+        }
         e.job.clear_stalled();  // a new attempt
         AppendStateChangeLocked(e, v1::JOB_STATE_SCHEDULED,
                                 absl::StrCat("ranks assigned to ", mesh.world_size(), " workers; connecting"));
@@ -342,8 +350,10 @@ absl::Status JobManager::AddStep(absl::string_view job_id, const v1::StepProgres
 absl::Status JobManager::AddLateStep(absl::string_view job_id, int64_t generation, absl::string_view worker_id,
                                      const v1::StepProgress& step) {
   return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
+    // A generation before the first recorded (a record written before
+    // rank0_workers existed) is trusted, as every report was then.
     const auto& holders = e.job.rank0_workers();
-    if (!holders.empty()) {
+    if (e.job.rank0_first_generation() > 0 && generation >= e.job.rank0_first_generation()) {
       const auto it = holders.find(generation);
       if (it == holders.end() || it->second != worker_id) {
         return absl::PermissionDeniedError(absl::StrCat("worker '", worker_id, "' did not hold rank 0 of job '",

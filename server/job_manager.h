@@ -115,8 +115,10 @@ class JobManager {
   absl::Status AddStep(absl::string_view job_id, const v1::StepProgress& step);
   // AddStep for a step that generation `generation` (an earlier one) ran
   // and could not report then, from `worker_id`: PERMISSION_DENIED unless
-  // that worker held rank 0 of that generation (Job.rank0_workers; a record
-  // written before that field existed names none and is trusted).
+  // that worker held rank 0 of that generation (Job.rank0_workers, the
+  // newest kMaxRank0Workers generations; a generation before the record's
+  // rank0_first_generation, placed before those fields existed, is trusted).
+  static constexpr size_t kMaxRank0Workers = 64;
   absl::Status AddLateStep(absl::string_view job_id, int64_t generation, absl::string_view worker_id,
                            const v1::StepProgress& step);
   // Records a FORWARD job's outcome (before it is marked SUCCEEDED).

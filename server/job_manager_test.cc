@@ -807,6 +807,44 @@ TEST(JobManager, ALateStepIsTakenOnlyFromItsGenerationsRankZeroWorker) {
   ASSERT_TRUE((*jobs)->AddLateStep(id, 1, "w-a", step(3)).ok());
   EXPECT_EQ((*jobs)->Get(id)->summary().steps(), 1);
   EXPECT_EQ((*jobs)->Get(id)->step(), 3);
+  EXPECT_EQ((*jobs)->Get(id)->rank0_first_generation(), 1);
+}
+
+// A job placed before Job.rank0_workers existed (its record names no
+// worker for its generation 1), placed again by an upgraded coordinator:
+// generation 1's late steps are trusted, generation 2's are checked; the
+// map keeps the newest kMaxRank0Workers generations.
+TEST(JobManager, ALateStepOfAGenerationPlacedBeforeTheRecordNamedWorkersIsTrusted) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-late-upgrade";
+  FakeClock clock;
+  auto jobs = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  auto job = (*jobs)->Submit(TrainSpec(), "");
+  ASSERT_TRUE(job.ok());
+  const std::string id = job->job_id();
+  ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());  // no ranks: nothing recorded, as an older coordinator
+  ASSERT_TRUE((*jobs)->Restart(id, "the coordinator restarted", "restarting").ok());
+  v1::MeshSpec mesh;
+  mesh.set_world_size(1);
+  mesh.add_ranks()->set_worker_id("w-new");
+  ASSERT_TRUE((*jobs)->Schedule(id, mesh).ok());
+  EXPECT_EQ((*jobs)->Get(id)->rank0_first_generation(), 2);
+  v1::StepProgress p;
+  p.set_step(4);
+  p.set_loss(1.0);
+  p.mutable_step_duration()->set_nanos(1000);
+  EXPECT_TRUE((*jobs)->AddLateStep(id, 1, "w-old", p).ok());
+  p.set_step(5);
+  EXPECT_EQ((*jobs)->AddLateStep(id, 2, "w-old", p).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ((*jobs)->Get(id)->summary().steps(), 1);
+  for (size_t g = 0; g < JobManager::kMaxRank0Workers + 5; ++g) {
+    ASSERT_TRUE((*jobs)->Restart(id, "lost", "restarting").ok());
+    ASSERT_TRUE((*jobs)->Schedule(id, mesh).ok());
+  }
+  const v1::Job j = *(*jobs)->Get(id);
+  EXPECT_EQ(j.rank0_workers_size(), static_cast<int>(JobManager::kMaxRank0Workers));
+  EXPECT_EQ(j.rank0_workers().count(2), 0u);  // the oldest went
+  EXPECT_EQ(j.rank0_workers().count(j.generation()), 1u);
 }
 
 TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckpoint) {

@@ -372,7 +372,11 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       break;
     }
     case v1::ReportProgressRequest::kStep:
-      if (!p.stopping()) (void)jobs_->AddStep(p.job_id, report.step());
+      // A trained step is recorded while the placement stops too: its
+      // checkpoint may be on disk (a save fails at its last barrier when a
+      // peer died) and the restart resume after it. Once, as every step;
+      // nothing once the job ended.
+      (void)jobs_->AddStep(p.job_id, report.step());
       break;
     case v1::ReportProgressRequest::kResult: {
       p.ended.insert(rank);

@@ -84,16 +84,8 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
                                 " is not divisible by micro_batches ", t.micro_batches()));
   }
   if (t.data_path().empty()) return Invalid(path, "data_path", "required for TRAIN jobs");
-  if (shard.virtual_stages() > 1) {
-    // The interleaved schedule (Megatron-LM's) runs the micro-batches
-    // through the chunks in groups of pp.
-    const int pp = std::max(1, shard.pipeline_parallel_size());
-    if (std::max(1, t.micro_batches()) % pp != 0) {
-      return Invalid(path, "micro_batches",
-                     absl::StrCat("the interleaved schedule (virtual_stages ", shard.virtual_stages(),
-                                  ") runs the micro-batches in groups of the ", pp, " pipeline stages: ",
-                                  std::max(1, t.micro_batches()), " is not a multiple of ", pp));
-    }
+  if (absl::Status grouped = CheckInterleavedMicroBatches(shard, t.micro_batches()); !grouped.ok()) {
+    return Invalid(path, "micro_batches", grouped.message());
   }
   if (t.checkpoint_every() < 0) return Invalid(path, "checkpoint_every", "must be >= 0");
   if (t.checkpoint_every() > 0 && t.checkpoint_dir().empty()) {

@@ -513,6 +513,15 @@ absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& conf
   return out;
 }
 
+absl::Status CheckInterleavedMicroBatches(const v1::ShardConfig& shard, int64_t micro_batches) {
+  if (shard.virtual_stages() <= 1) return absl::OkStatus();
+  const int64_t pp = std::max(1, shard.pipeline_parallel_size()), m = std::max<int64_t>(1, micro_batches);
+  if (m % pp == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("the interleaved schedule (virtual_stages ", shard.virtual_stages(),
+                                                 ") runs the micro-batches in groups of the ", pp,
+                                                 " pipeline stages: micro_batches ", m, " is not a multiple of ", pp));
+}
+
 absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& shard) {
   const int64_t tp = shard.tensor_parallel_size();
   // (job_validation_fuzz: a spec not yet validated reaches here from the admission floor.)

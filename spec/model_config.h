@@ -170,6 +170,12 @@ inline constexpr int kMaxVirtualStages = 4096;
 // pipeline stages (every built-in family but t5 has them).
 absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard);
 
+// Interleaved 1F1B (virtual_stages > 1) runs the micro-batches through a
+// rank's chunks in groups of pipeline_parallel_size: INVALID_ARGUMENT
+// "... micro_batches M is not a multiple of P" otherwise (micro_batches 0
+// counts as 1). OK without interleaving.
+absl::Status CheckInterleavedMicroBatches(const v1::ShardConfig& shard, int64_t micro_batches);
+
 }  // namespace colod
 
 #endif  // COLOD_SPEC_MODEL_CONFIG_H_

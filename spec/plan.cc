@@ -759,9 +759,10 @@ int64_t InFlight(const StageContext& c, const JobPlan& plan) {
   return std::min<int64_t>(2 * (p - s - 1) + (v - 1) * p + 1, v * m);
 }
 
-// The activations one rank holds during a step (a training step's tape; a
-// forward pass's one block), with 1F1B's micro-batches in flight.
-absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& plan) {
+// The activations one micro-batch leaves on one rank (a training step's
+// tape; a forward pass's one block) through the context's leaves and
+// c.stage_layers blocks (with stages: one chunk's).
+absl::StatusOr<int64_t> MicroBatchActivations(const StageContext& c, const JobPlan& plan) {
   const ModelConfig& config = c.config;
   const Split& split = c.split;
   const bool sp = c.sp, train = c.train;
@@ -932,16 +933,40 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
                       ? activations / (config.num_layers + config.num_decoder_layers)
                       : activations;
   }
-  if (stage >= 0) {
-    // 1F1B keeps min(p - s, m) micro-batches' activations alive on stage s;
-    // the interleaved schedule, its warm-up's chunk forwards and one more:
-    // min(2 (p - s - 1) + (V - 1) p + 1, V m), each a chunk's (a 1/V of
-    // what one micro-batch leaves through all of the rank's chunks).
-    const std::optional<int64_t> held = CheckedMul(activations, InFlight(c, plan));
-    if (!held.has_value()) return absl::InvalidArgumentError("the activations per rank overflow");
-    activations = CeilDiv(*held, c.v);
-  }
   return activations;
+}
+
+// The activations one rank holds at the peak of a step. Without stages,
+// one micro-batch's. 1F1B keeps min(p - s, m) micro-batches' alive on
+// stage s. The interleaved schedule keeps its warm-up's chunk forwards and
+// one more (InFlight), forward k running chunk (k mod p V) / p
+// (InterleavedSchedule, Megatron-LM's order): each counted as its chunk's
+// (the embeddings on the first virtual stage's, the head on the last's).
+absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& plan) {
+  if (c.stage < 0) return MicroBatchActivations(c, plan);
+  const int64_t forwards = InFlight(c, plan);
+  CheckedSum held;
+  if (c.v == 1) {
+    ASSIGN_OR_RETURN(const int64_t one, MicroBatchActivations(c, plan));
+    held.Add({one, forwards});
+  } else {
+    ASSIGN_OR_RETURN(const std::vector<PlanLeaf> all, PlanLeaves(c.config));
+    const int64_t p = c.pp, group = p * c.v;
+    for (int64_t chunk = 0; chunk < c.v; ++chunk) {
+      // Of the first `forwards`: whole rounds of p V, then what is left of
+      // the last, p a chunk in order.
+      const int64_t count =
+          forwards / group * p + std::min(p, std::max<int64_t>(0, forwards % group - chunk * p));
+      if (count == 0) continue;
+      StageContext mine = c;
+      const size_t vs = static_cast<size_t>(chunk * p + c.stage);
+      mine.leaves = StageLeaves(all, c.stages, vs);
+      mine.stage_layers = c.stages[vs];
+      ASSIGN_OR_RETURN(const int64_t one, MicroBatchActivations(mine, plan));
+      held.Add({one, count});
+    }
+  }
+  return held.Total("the activations per rank");
 }
 
 // The tensor-parallel group's collectives of 1D (and sequence parallelism).
@@ -1376,6 +1401,7 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
 absl::StatusOr<JobPlan> PlanJob(const ModelConfig& config, const v1::JobSpec& spec, PlanDevice device) {
   const int pp = std::max(1, spec.shard().pipeline_parallel_size());
   if (pp == 1 || spec.kind() == v1::JOB_KIND_TENSOR) return PlanStage(config, spec, -1, device);
+  RETURN_IF_ERROR(CheckInterleavedMicroBatches(spec.shard(), spec.train().micro_batches()));
   // The fullest stage: the one a layout must fit.
   std::optional<JobPlan> fullest;
   for (int s = 0; s < pp; ++s) {
@@ -1429,6 +1455,7 @@ absl::StatusOr<LayoutSearch> RankLayouts(const ModelConfig& config, const v1::Jo
       s.set_data_parallel_size(dp);
       s.set_pipeline_parallel_size(pp);
       s.clear_pipeline_stage_layers();  // equal stages
+      if (pp == 1) s.clear_virtual_stages();        // interleaving needs stages: the spec's V for pp > 1
       if (pp > 1) s.set_sequence_parallel(false);  // which pipeline stages do not combine with
       s.set_depth(0);
       s.set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_1D);

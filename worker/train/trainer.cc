@@ -233,17 +233,9 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
                                                    o.eval_steps, " in [0, ", kMaxEvalSteps, "]"));
   }
   // The range of virtual_stages, pp >= 2 and pp * V <= layers: spec's
-  // PipelineStageLayers (CheckShardable, below); the schedule's grouping of
-  // the micro-batches here (spec's validation of a job says the same).
-  const int chunks = o.shard.virtual_stages();
-  if (chunks > 1) {
-    const int pp = o.shard.pp();
-    if (o.micro_batches % pp != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the interleaved schedule (virtual_stages ", chunks, ") runs the micro-batches in groups of the ", pp,
-          " pipeline stages: micro_batches ", o.micro_batches, " is not a multiple of ", pp));
-    }
-  }
+  // PipelineStageLayers (CheckShardable, below); the interleaved schedule's
+  // grouping of the micro-batches: spec's check, as the coordinator's.
+  RETURN_IF_ERROR(CheckInterleavedMicroBatches(o.shard.layout, o.micro_batches));
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromShardConfig(o.shard.layout));
   ASSIGN_OR_RETURN(int dp, mesh.AxisSize("dp"));
   ASSIGN_OR_RETURN(ModelConfig config, shardformer::LoadConfig(o.model_dir));
