@@ -165,16 +165,10 @@ absl::Status ValidateShardConfig(const v1::ShardConfig& s, absl::string_view pat
     return Invalid(path, pp > 1 ? "pipeline_parallel_size" : "data_parallel_size",
                    absl::StrCat(pp > 1 ? "tp * pp * dp = " : "tp * dp = ", world, " exceeds ", kMaxWorldSize));
   }
+  if (absl::Status chunks = CheckVirtualStages(s); !chunks.ok()) {
+    return Invalid(path, "virtual_stages", chunks.message());
+  }
   const int v = s.virtual_stages();
-  if (v < 0 || v > kMaxVirtualStages) {
-    return Invalid(path, "virtual_stages",
-                   absl::StrCat("must be in [0, ", kMaxVirtualStages, "] (0 or 1: one model chunk a pipeline rank), got ",
-                                v));
-  }
-  if (v > 1 && pp < 2) {
-    return Invalid(path, "virtual_stages",
-                   absl::StrCat(v, " interleaves pipeline stages: it needs pipeline_parallel_size >= 2"));
-  }
   const int64_t stages = int64_t{std::max(1, pp)} * std::max(1, v);
   if (s.pipeline_stage_layers_size() > 0 && s.pipeline_stage_layers_size() != stages) {
     return Invalid(path, "pipeline_stage_layers",

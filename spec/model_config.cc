@@ -461,16 +461,8 @@ bool HasPipelineStages(const ModelConfig& config) { return LayoutsOf(config).pip
 absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard) {
   const int64_t ranks = std::max(1, shard.pipeline_parallel_size());
   const int64_t layers = config.num_layers;
-  if (shard.virtual_stages() < 0 || shard.virtual_stages() > kMaxVirtualStages) {
-    return absl::InvalidArgumentError(absl::StrCat("virtual_stages must be in [0, ", kMaxVirtualStages,
-                                                   "] (0 or 1: one model chunk a pipeline rank), got ",
-                                                   shard.virtual_stages()));
-  }
+  RETURN_IF_ERROR(CheckVirtualStages(shard));
   const int64_t v = std::max(1, shard.virtual_stages());
-  if (v > 1 && ranks < 2) {
-    return absl::InvalidArgumentError(absl::StrCat("virtual_stages ", v, " interleaves pipeline stages: it needs "
-                                                   "pipeline_parallel_size >= 2"));
-  }
   const int64_t pp = ranks * v;  // the (virtual) stages
   if (pp == 1 && shard.pipeline_stage_layers().empty()) return std::vector<int64_t>{layers};
   if (shard.pipeline_parallel_size() < 0) {
@@ -511,6 +503,19 @@ absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& conf
         absl::StrCat("pipeline_stage_layers sum to ", sum, " layers, not the model's ", layers));
   }
   return out;
+}
+
+absl::Status CheckVirtualStages(const v1::ShardConfig& shard) {
+  const int v = shard.virtual_stages();
+  if (v < 0 || v > kMaxVirtualStages) {
+    return absl::InvalidArgumentError(absl::StrCat("virtual_stages must be in [0, ", kMaxVirtualStages,
+                                                   "] (0 or 1: one model chunk a pipeline rank), got ", v));
+  }
+  if (v > 1 && shard.pipeline_parallel_size() < 2) {
+    return absl::InvalidArgumentError(absl::StrCat("virtual_stages ", v, " interleaves pipeline stages: it needs "
+                                                   "pipeline_parallel_size >= 2"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckInterleavedMicroBatches(const v1::ShardConfig& shard, int64_t micro_batches) {

@@ -170,6 +170,11 @@ inline constexpr int kMaxVirtualStages = 4096;
 // pipeline stages (every built-in family but t5 has them).
 absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard);
 
+// ShardConfig.virtual_stages in [0, kMaxVirtualStages], and above 1 only
+// with pipeline_parallel_size >= 2: INVALID_ARGUMENT naming it otherwise
+// (PipelineStageLayers checks it; the coordinator's validation too).
+absl::Status CheckVirtualStages(const v1::ShardConfig& shard);
+
 // Interleaved 1F1B (virtual_stages > 1) runs the micro-batches through a
 // rank's chunks in groups of pipeline_parallel_size: INVALID_ARGUMENT
 // "... micro_batches M is not a multiple of P" otherwise (micro_batches 0

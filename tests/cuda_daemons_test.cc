@@ -200,9 +200,7 @@ TEST_F(CudaJobsTest, ADaemonKilledMidJobRestartsItWithTheUninterruptedLosses) {
   EXPECT_TRUE(absl::StrContains(done->attempt_failures(0), absl::StrCat("rank 1 (worker ", mesh.ranks(1).worker_id())))
       << done->attempt_failures(0);
   for (const v1::RankAssignment& a : done->mesh().ranks()) EXPECT_NE(a.worker_address(), workers_[victim].grpc);
-  const std::map<int64_t, double> got = LastLosses(events);
-  ASSERT_EQ(got.size(), want.size()) << Logs();
-  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got.at(i + 1), want[i]) << "step " << i + 1;
+  ASSERT_NO_FATAL_FAILURE(ExpectLastLosses(events, want));
 }
 
 class CudaJobsHangTest : public CudaJobsTest {

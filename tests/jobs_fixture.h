@@ -200,6 +200,24 @@ class JobsTest : public ::testing::Test {
     return true;
   }
 
+  // SIGKILLs worker `victim` and starts a CPU worker in its stead (numbered
+  // after the first four), registered with the coordinator.
+  void KillAndReplaceWorker(int victim) {
+    workers_[victim].process->Signal(SIGKILL);
+    workers_[victim].process->Wait(absl::Seconds(10));
+    std::vector<Daemon> joined = StartTestWorkers(coordinator_.grpc, 1, {}, /*first=*/4);
+    ASSERT_EQ(joined.size(), 1u);
+    workers_.push_back(std::move(joined[0]));
+  }
+
+  // Every step of `events` once, with rank 0's last reported loss `want`
+  // (steps 1, 2, ... in order), exactly. Callers ASSERT_NO_FATAL_FAILURE it.
+  void ExpectLastLosses(const std::vector<v1::JobEvent>& events, const std::vector<double>& want) {
+    const std::map<int64_t, double> got = LastLosses(events);
+    ASSERT_EQ(got.size(), want.size()) << Logs();
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got.at(i + 1), want[i]) << "step " << i + 1;
+  }
+
   // Rank 0's loss of each step as last reported (a restart repeats the steps
   // after its checkpoint), by step.
   static std::map<int64_t, double> LastLosses(const std::vector<v1::JobEvent>& events) {

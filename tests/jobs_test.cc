@@ -570,12 +570,8 @@ TEST_F(JobsTest, AWorkerKilledMidRunRestartsTheJobWhichSucceedsWithTheUninterrup
   v1::MeshSpec mesh;
   int victim = -1;
   ASSERT_TRUE(RunUntilStepThenStop(job->job_id(), 7, 1, &mesh, &victim));
-  workers_[victim].process->Signal(SIGKILL);
   const absl::Time killed = absl::Now();
-  workers_[victim].process->Wait(absl::Seconds(10));
-  std::vector<Daemon> joined = testing::StartTestWorkers(coordinator_.grpc, 1, {}, /*first=*/4);
-  ASSERT_EQ(joined.size(), 1u);
-  workers_.push_back(std::move(joined[0]));
+  ASSERT_NO_FATAL_FAILURE(KillAndReplaceWorker(victim));
   const std::vector<v1::JobEvent> events = Watch(job->job_id());
   auto done = client_->GetJob(job->job_id());
   ASSERT_TRUE(done.ok());
@@ -604,9 +600,7 @@ TEST_F(JobsTest, AWorkerKilledMidRunRestartsTheJobWhichSucceedsWithTheUninterrup
   std::printf("worker SIGKILL: RESTARTING after %.2f s, RUNNING again after %.2f s\n",
               absl::ToDoubleSeconds(restart_time - killed), absl::ToDoubleSeconds(running_again - killed));
   for (const v1::RankAssignment& a : done->mesh().ranks()) EXPECT_NE(a.worker_address(), workers_[victim].grpc);
-  const std::map<int64_t, double> got = LastLosses(events);
-  ASSERT_EQ(got.size(), want.size()) << Logs();
-  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got.at(i + 1), want[i]) << "step " << i + 1;
+  ASSERT_NO_FATAL_FAILURE(ExpectLastLosses(events, want));
   // Retention kept the newest two checkpoints through the restart, and
   // nothing else is left in the directory; the job lists them.
   std::set<std::string> left;
@@ -647,11 +641,7 @@ TEST_F(JobsTest, AnInterleavedJobKilledMidRunRestartsWithTheUninterruptedLosses)
   v1::MeshSpec mesh;
   int victim = -1;
   ASSERT_TRUE(RunUntilStepThenStop(job->job_id(), 6, 1, &mesh, &victim));
-  workers_[victim].process->Signal(SIGKILL);
-  workers_[victim].process->Wait(absl::Seconds(10));
-  std::vector<Daemon> joined = testing::StartTestWorkers(coordinator_.grpc, 1, {}, /*first=*/4);
-  ASSERT_EQ(joined.size(), 1u);
-  workers_.push_back(std::move(joined[0]));
+  ASSERT_NO_FATAL_FAILURE(KillAndReplaceWorker(victim));
   const std::vector<v1::JobEvent> events = Watch(job->job_id());
   auto done = client_->GetJob(job->job_id());
   ASSERT_TRUE(done.ok());
@@ -664,9 +654,7 @@ TEST_F(JobsTest, AnInterleavedJobKilledMidRunRestartsWithTheUninterruptedLosses)
                                                   "from the newest checkpoint in " + TempPath("ck-interleaved")));
   }
   EXPECT_TRUE(restarting) << "no RESTARTING event resumes from the checkpoints";
-  const std::map<int64_t, double> got = LastLosses(events);
-  ASSERT_EQ(got.size(), want.size()) << Logs();
-  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got.at(i + 1), want[i]) << "step " << i + 1;
+  ASSERT_NO_FATAL_FAILURE(ExpectLastLosses(events, want));
 }
 
 // A job whose restarts are spent fails, listing every attempt's failure.
@@ -1142,9 +1130,7 @@ TEST_F(JobsTest, ACoordinatorKilledMidJobResumesItByItself) {
                     absl::StrContains(e.state_change().reason(), "the coordinator restarted while the job ran"));
   }
   EXPECT_TRUE(said) << "no RESTARTING event says the coordinator restarted";
-  const std::map<int64_t, double> got = LastLosses(events);
-  ASSERT_EQ(got.size(), want.size()) << Logs();
-  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got.at(i + 1), want[i]) << "step " << i + 1;
+  ASSERT_NO_FATAL_FAILURE(ExpectLastLosses(events, want));
   // The queued job runs after it.
   Watch(queued->job_id());
   EXPECT_EQ(client_->GetJob(queued->job_id())->state(), v1::JOB_STATE_SUCCEEDED) << Logs();

@@ -441,13 +441,13 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   RETURN_IF_ERROR(ops::SetAllowTf32(shard.device, o.allow_tf32));
   // The rank's model: one, or (an interleaved pipeline) its virtual
   // stages' chunks, whose parameters the optimizer and the dp sync take as one.
-  const int v = shard.pp() > 1 ? shard.virtual_stages() : 1;
-  std::vector<std::unique_ptr<shardformer::ShardedModel>> owned;
+  ASSIGN_OR_RETURN(std::vector<std::unique_ptr<shardformer::ShardedModel>> owned,
+                   shardformer::ShardFormer(shard, &pg).LoadChunks(o.model_dir));
+  const int v = static_cast<int>(owned.size());
   std::vector<shardformer::ShardedModel*> chunks;
   std::vector<std::vector<NamedParam>> chunk_params;
   std::vector<NamedParam> params;
   std::vector<int> chunk_starts;  // where each chunk's parameters begin in `params`
-  ASSIGN_OR_RETURN(owned, shardformer::ShardFormer(shard, &pg).LoadChunks(o.model_dir));
   for (const std::unique_ptr<shardformer::ShardedModel>& loaded : owned) {
     chunk_starts.push_back(static_cast<int>(params.size()));
     chunk_params.push_back(loaded->Parameters());
