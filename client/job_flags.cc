@@ -24,8 +24,8 @@ ABSL_FLAG(int32_t, depth, 0, "forward, train, submit, plan, tensor: depth of 2.5
 ABSL_FLAG(bool, sequence_parallel, false,
           "forward, train, submit, plan: split activations along the sequence over tp (1d).");
 ABSL_FLAG(int32_t, pp, 1,
-          "train: pipeline stages (every family but t5; world = dp * pp * tp): each holds a run of the layers, and each "
-          "step runs the 1F1B schedule over --micro-batches.");
+          "train: pipeline stages (every family; world = dp * pp * tp): each holds a run of the layers (t5: the encoder's "
+          "layers, then the decoder's, each stage one stack's), and each step runs the 1F1B schedule over --micro-batches.");
 ABSL_FLAG(std::string, pp_layers, "",
           "train: the layers of each pipeline stage, first stage first (\"3,1\"); default: as even as they split. "
           "With --virtual-stages V, of each of the pp * V virtual stages.");

@@ -395,7 +395,7 @@ constexpr FamilyRow kFamilyRows[] = {
      {false, true, true, true},
      "its sequence, n^2 patches and the CLS token, never splits evenly 4 ways (n^2 + 1 is 1 or 2 modulo 4) and "
      "2 ways only for an odd n (not ViT-B/16's 14 x 14 patches), and sequence parallelism splits it evenly"},
-    {"t5", {true, true, true, false}},
+    {"t5", {true, true, true, true}},
 };
 
 // nullptr for a model_type that is not built in.
@@ -460,7 +460,9 @@ bool HasPipelineStages(const ModelConfig& config) { return LayoutsOf(config).pip
 
 absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard) {
   const int64_t ranks = std::max(1, shard.pipeline_parallel_size());
-  const int64_t layers = config.num_layers;
+  // An encoder-decoder's layers: the encoder's, then the decoder's (each at
+  // most kMaxLayers).
+  const int64_t encoder = config.num_layers, layers = config.num_layers + config.num_decoder_layers;
   RETURN_IF_ERROR(CheckVirtualStages(shard));
   const int64_t v = std::max(1, shard.virtual_stages());
   const int64_t pp = ranks * v;  // the (virtual) stages
@@ -483,8 +485,22 @@ absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& conf
         absl::StrCat(stages_name, " is more stages than the model's ", layers, " layers"));
   }
   std::vector<int64_t> out;
+  // Even stages of `n` layers over `k` stages, the earlier taking one more.
+  auto even = [&out](int64_t n, int64_t k) {
+    for (int64_t s = 0; s < k; ++s) out.push_back(n / k + (s < n % k ? 1 : 0));
+  };
   if (shard.pipeline_stage_layers().empty()) {
-    for (int64_t s = 0; s < pp; ++s) out.push_back(layers / pp + (s < layers % pp ? 1 : 0));
+    if (!config.is_encoder_decoder() || pp == 1) {
+      even(layers, pp);
+      return out;
+    }
+    // Encoder stages, then decoder stages, in proportion to the stacks'
+    // layers (each at least one stage, and at most one a layer).
+    const int64_t decoder = config.num_decoder_layers;
+    int64_t first = (pp * encoder + layers / 2) / layers;
+    first = std::min(std::max({first, int64_t{1}, pp - decoder}), std::min(encoder, pp - 1));
+    even(encoder, first);
+    even(decoder, pp - first);
     return out;
   }
   if (static_cast<int64_t>(shard.pipeline_stage_layers_size()) != pp) {
@@ -500,7 +516,22 @@ absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& conf
   }
   if (sum != layers) {
     return absl::InvalidArgumentError(
-        absl::StrCat("pipeline_stage_layers sum to ", sum, " layers, not the model's ", layers));
+        absl::StrCat("pipeline_stage_layers sum to ", sum, " layers, not the model's ", layers,
+                     config.is_encoder_decoder() ? absl::StrCat(" (the encoder's ", encoder, " and the decoder's ",
+                                                                config.num_decoder_layers, ")")
+                                                 : ""));
+  }
+  if (config.is_encoder_decoder()) {
+    int64_t at = 0;
+    for (size_t s = 0; s < out.size(); ++s) {
+      if (at < encoder && at + out[s] > encoder) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "pipeline_stage_layers: stage ", s, " (layers ", at, " to ", at + out[s] - 1,
+            ") holds both the encoder's and the decoder's; a ", config.model_type,
+            " stage holds one stack's layers, and the encoder's are the first ", encoder));
+      }
+      at += out[s];
+    }
   }
   return out;
 }

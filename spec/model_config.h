@@ -163,11 +163,14 @@ inline constexpr int kMaxVirtualStages = 4096;
 // virtual_stages V: the virtual stages of an interleaved pipeline, of which
 // pipeline rank r holds r, pp + r, ...; one stage of every layer without
 // pipeline parallelism): the ShardConfig's pipeline_stage_layers, or as
-// even as they split with the earlier stages taking one more.
+// even as they split with the earlier stages taking one more. An
+// encoder-decoder's (t5's) layers are the encoder's, then the decoder's, and
+// no stage holds both: by default the stages split between the stacks in
+// proportion to their layers, each stack's as even as they go.
 // INVALID_ARGUMENT for more stages than layers, a list of another length
-// or sum, a stage without a layer, V outside [0, kMaxVirtualStages] or
-// above 1 without pipeline_parallel_size >= 2, or a family without
-// pipeline stages (every built-in family but t5 has them).
+// or sum, a stage without a layer, a stage across the encoder's end, V
+// outside [0, kMaxVirtualStages] or above 1 without pipeline_parallel_size
+// >= 2, or a family without pipeline stages (every built-in family has them).
 absl::StatusOr<std::vector<int64_t>> PipelineStageLayers(const ModelConfig& config, const v1::ShardConfig& shard);
 
 // ShardConfig.virtual_stages in [0, kMaxVirtualStages], and above 1 only

@@ -358,9 +358,7 @@ TEST(ModelConfig, ShardabilityNamesTheNumbers) {
   v1::ShardConfig stages;
   stages.set_tensor_parallel_size(1);
   stages.set_pipeline_parallel_size(2);
-  bad = CheckShardable(*t5, stages);
-  EXPECT_NE(bad.message().find("the t5 policy has no pipeline stages (gpt2, llama, bert, opt, bloom and vit have)"), absl::string_view::npos)
-      << bad;
+  EXPECT_TRUE(CheckShardable(*t5, stages).ok()) << "t5 has pipeline stages";
   // 3D splits every linear's outputs q^2 ways, OPT's projections too.
   auto opt_3d = ParseModelConfig(R"({"model_type":"opt","vocab_size":64,"hidden_size":64,"ffn_dim":128,
       "num_hidden_layers":2,"num_attention_heads":4,"word_embed_proj_dim":34})");
@@ -375,4 +373,41 @@ TEST(ModelConfig, ShardabilityNamesTheNumbers) {
 }
 
 }  // namespace
+// An encoder-decoder's stages: the encoder's layers, then the decoder's,
+// never one stage across both; by default the stages split between the
+// stacks in proportion to their layers.
+TEST(PipelineStageLayers, AnEncoderDecodersStagesHoldOneStackEach) {
+  auto t5 = ParseModelConfig(R"({"model_type":"t5","vocab_size":64,"d_model":64,"d_kv":16,"d_ff":128,
+      "num_layers":6,"num_decoder_layers":3,"num_heads":4})");
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  auto cut = [&](int pp, int v, std::vector<int> layers = {}) {
+    v1::ShardConfig s;
+    s.set_tensor_parallel_size(1);
+    s.set_pipeline_parallel_size(pp);
+    s.set_virtual_stages(v);
+    for (int n : layers) s.add_pipeline_stage_layers(n);
+    return PipelineStageLayers(*t5, s);
+  };
+  EXPECT_EQ(*cut(1, 0), (std::vector<int64_t>{9}));
+  EXPECT_EQ(*cut(2, 0), (std::vector<int64_t>{6, 3}));        // not 5 and 4: no stage across the stacks
+  EXPECT_EQ(*cut(3, 0), (std::vector<int64_t>{3, 3, 3}));     // 2 encoder stages of 3 (6 of 9 layers)
+  EXPECT_EQ(*cut(4, 0), (std::vector<int64_t>{2, 2, 2, 3}));   // 3 encoder stages: round(4 * 6 / 9)
+  EXPECT_EQ(*cut(2, 2), (std::vector<int64_t>{2, 2, 2, 3}));   // pp * V virtual stages, cut alike
+  EXPECT_EQ(*cut(3, 3), (std::vector<int64_t>{1, 1, 1, 1, 1, 1, 1, 1, 1}));
+  EXPECT_EQ(cut(2, 0, {4, 2, 3}).status().code(), absl::StatusCode::kInvalidArgument);  // 3 stages for pp 2
+  EXPECT_EQ(*cut(3, 0, {4, 2, 3}), (std::vector<int64_t>{4, 2, 3}));
+  auto across = cut(2, 0, {5, 4});
+  ASSERT_EQ(across.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(across.status().message().find("stage 1 (layers 5 to 8) holds both the encoder's and the decoder's"),
+            absl::string_view::npos)
+      << across.status();
+  across = cut(3, 0, {4, 4, 1});
+  EXPECT_NE(across.status().message().find("stage 1 (layers 4 to 7)"), absl::string_view::npos) << across.status();
+  auto sum = cut(2, 0, {6, 2});
+  EXPECT_NE(sum.status().message().find("sum to 8 layers, not the model's 9 (the encoder's 6 and the decoder's 3)"),
+            absl::string_view::npos)
+      << sum.status();
+  EXPECT_EQ(cut(10, 0).status().code(), absl::StatusCode::kInvalidArgument);  // 10 stages, 9 layers
+}
+
 }  // namespace colod::shardformer

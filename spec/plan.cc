@@ -6,6 +6,7 @@
 #include <optional>
 #include <tuple>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
@@ -504,8 +505,21 @@ absl::StatusOr<int64_t> SumRankElements(const std::vector<PlanLeaf>& leaves, con
 
 namespace {
 
-bool HasTiedHead(const std::vector<PlanLeaf>& leaves) {
-  return std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) { return l.role == Role::kTiedHead; });
+// Where stage `s`'s layers begin among the model's.
+int64_t StageBegin(const std::vector<int64_t>& stages, size_t s) {
+  int64_t begin = 0;
+  for (size_t k = 0; k < s; ++k) begin += stages[k];
+  return begin;
+}
+
+// An encoder-decoder's first decoder stage: the one whose layers begin at
+// the encoder's end (spec's PipelineStageLayers puts one there); -1 when
+// none does.
+int FirstDecoderStage(const ModelConfig& config, const std::vector<int64_t>& stages) {
+  for (size_t s = 1; s < stages.size(); ++s) {
+    if (StageBegin(stages, s) == config.num_layers) return static_cast<int>(s);
+  }
+  return -1;
 }
 
 // The leaves pipeline stage `s` holds, from their places in the family's
@@ -513,14 +527,43 @@ bool HasTiedHead(const std::vector<PlanLeaf>& leaves) {
 // the rest): the layers' leaves for its share of the layers, the leaves
 // before them (the embeddings) on the first stage, the leaves after them
 // (the final norm, the heads) on the last, which also holds a tied head's
-// table (its mirror of the first stage's).
-std::vector<PlanLeaf> StageLeaves(const std::vector<PlanLeaf>& leaves, const std::vector<int64_t>& stages, size_t s) {
+// table (its mirror of the first stage's). An encoder-decoder's stage
+// (t5.cc) holds one stack's layers and that stack's position bias table
+// (its mirror, but on the stack's first stage), the stack's final norm on
+// its last stage, the shared embedding on the first stage and the first
+// decoder stage (each embedding its stack's ids) and, tied to the head, on
+// the last, and the head on the last.
+std::vector<PlanLeaf> StageLeaves(const ModelConfig& config, const std::vector<PlanLeaf>& leaves,
+                                  const std::vector<int64_t>& stages, size_t s) {
   const bool first = s == 0, last = s + 1 == stages.size();
   std::string tied_table;  // a tied head's table, under the base model
   for (const PlanLeaf& l : leaves) {
     if (l.role == Role::kTiedHead) tied_table = l.tied_to;
   }
   std::vector<PlanLeaf> out;
+  if (config.is_encoder_decoder()) {
+    const int64_t begin = StageBegin(stages, s), end = begin + stages[s];
+    const bool encoder = end <= config.num_layers;
+    const bool first_decoder = static_cast<int>(s) == FirstDecoderStage(config, stages);
+    const std::string stack = encoder ? "encoder." : "decoder.";
+    for (const PlanLeaf& l : leaves) {
+      PlanLeaf mine = l;
+      if (l.name.find('*') != std::string::npos) {
+        if (!absl::StartsWith(l.name, stack)) continue;
+        mine.count = stages[s];
+      } else if (l.role == Role::kVocabTable) {
+        if (!first && !first_decoder && !(last && l.name == tied_table)) continue;
+        mine.lookups = first || first_decoder ? 1 : 0;  // its stack's ids; the last stage's mirror serves the head
+      } else if (absl::StartsWith(l.name, stack)) {
+        // The stack's position bias on each of its stages; its final norm on its last.
+        if (l.role == Role::kNorm && !(encoder ? end == config.num_layers : last)) continue;
+      } else if (absl::StartsWith(l.name, "encoder.") || absl::StartsWith(l.name, "decoder.") || !last) {
+        continue;  // the other stack's; the head
+      }
+      out.push_back(mine);
+    }
+    return out;
+  }
   bool after_layers = false;
   for (const PlanLeaf& l : leaves) {
     const bool layer = l.name.find('*') != std::string::npos;
@@ -545,12 +588,50 @@ std::vector<PlanLeaf> StageLeaves(const std::vector<PlanLeaf>& leaves, const std
 // What pipeline rank `rank` of `pp` holds: its stage's leaves, or under
 // interleaving (stages lists pp * V virtual stages) those of each of its
 // virtual stages rank, pp + rank, ... (a layer list once per chunk).
-std::vector<PlanLeaf> RankStageLeaves(const std::vector<PlanLeaf>& leaves, const std::vector<int64_t>& stages, int pp,
-                                      int rank) {
+std::vector<PlanLeaf> RankStageLeaves(const ModelConfig& config, const std::vector<PlanLeaf>& leaves,
+                                      const std::vector<int64_t>& stages, int pp, int rank) {
   std::vector<PlanLeaf> out;
   for (size_t vs = static_cast<size_t>(rank); vs < stages.size(); vs += static_cast<size_t>(pp)) {
-    std::vector<PlanLeaf> part = StageLeaves(leaves, stages, vs);
+    std::vector<PlanLeaf> part = StageLeaves(config, leaves, stages, vs);
     out.insert(out.end(), part.begin(), part.end());
+  }
+  return out;
+}
+
+// The tables several (virtual) stages hold (the worker's TiedTable), each
+// with its holders, ascending: a tied head's table on the first and last
+// stage; an encoder-decoder's shared embedding on the first stage, the
+// first decoder stage and (tied) the last, and each stack's position bias
+// table on each of the stack's stages (when it has more than one).
+std::vector<std::pair<std::string, std::vector<int>>> TiedTables(const ModelConfig& config,
+                                                                const std::vector<PlanLeaf>& leaves,
+                                                                const std::vector<int64_t>& stages) {
+  std::vector<std::pair<std::string, std::vector<int>>> out;
+  const int count = static_cast<int>(stages.size());
+  if (count < 2) return out;
+  std::string tied_table;
+  for (const PlanLeaf& l : leaves) {
+    if (l.role == Role::kTiedHead) tied_table = l.tied_to;
+  }
+  if (!config.is_encoder_decoder()) {
+    if (!tied_table.empty()) out.push_back({tied_table, {0, count - 1}});
+    return out;
+  }
+  const int first_decoder = FirstDecoderStage(config, stages);
+  if (first_decoder < 1) return out;
+  for (const PlanLeaf& l : leaves) {
+    if (l.role == Role::kVocabTable) {
+      std::vector<int> holders = {0, first_decoder};
+      if (l.name == tied_table && count - 1 != first_decoder) holders.push_back(count - 1);
+      out.push_back({l.name, holders});
+    } else if (l.name.find("relative_attention_bias") != std::string::npos) {
+      const bool encoder = absl::StartsWith(l.name, "encoder.");
+      const int from = encoder ? 0 : first_decoder, to = encoder ? first_decoder : count;
+      if (to - from < 2) continue;
+      std::vector<int> holders;
+      for (int h = from; h < to; ++h) holders.push_back(h);
+      out.push_back({l.name, holders});
+    }
   }
   return out;
 }
@@ -566,7 +647,7 @@ absl::StatusOr<int64_t> RankParameters(const ModelConfig& config, const v1::Shar
   ASSIGN_OR_RETURN(std::vector<int64_t> stages, PipelineStageLayers(config, layout));
   int64_t fullest = 0;
   for (int r = 0; r < pp; ++r) {
-    ASSIGN_OR_RETURN(int64_t held, SumRankElements(RankStageLeaves(leaves, stages, pp, r), split));
+    ASSIGN_OR_RETURN(int64_t held, SumRankElements(RankStageLeaves(config, leaves, stages, pp, r), split));
     fullest = std::max(fullest, held);
   }
   return fullest;
@@ -648,7 +729,8 @@ struct StageContext {
   std::vector<int64_t> stages;    // the layers of each (virtual) stage
   int v = 1;                      // model chunks a pipeline rank holds (interleaved 1F1B: virtual stages)
   int64_t stage_layers = 0;       // the layers this pipeline rank holds, over its chunks
-  bool tied_stages = false;       // the first and last stages share a tied table
+  // The tables several stages hold (TiedTables), with their holders.
+  std::vector<std::pair<std::string, std::vector<int>>> tied;
   // ZeRO over dp (TRAIN, dp > 1): its stage, and the elements per rank it
   // keeps whole (a table tied across stages: summed between them).
   int zero = 0;
@@ -773,8 +855,6 @@ absl::StatusOr<int64_t> MicroBatchActivations(const StageContext& c, const JobPl
   const int64_t heads = config.num_heads;
   const int64_t head_split = split.blocks() ? split.q : split.t;
   const std::vector<PlanLeaf>& leaves = c.leaves;
-  const std::vector<int64_t>& stages = c.stages;
-  const int pp = c.pp;
   // The autograd tape keeps every op's output until the
   // backward passes it (a node holds its inputs), so a training forward
   // holds each layer's outputs: the column-parallel outputs (split by
@@ -868,8 +948,17 @@ absl::StatusOr<int64_t> MicroBatchActivations(const StageContext& c, const JobPl
         break;
     }
   }
-  const int64_t blocks = stage >= 0 ? c.stage_layers : config.num_layers + config.num_decoder_layers;
-  const int64_t attentions = stage >= 0 ? c.stage_layers : config.num_layers + 2 * config.num_decoder_layers;
+  // An encoder-decoder's blocks, each stack's, from its leaves (a
+  // pipeline stage holds one stack's): a decoder block has two attentions.
+  int64_t encoder_blocks = 0, decoder_blocks = 0;
+  for (const PlanLeaf& l : leaves) {
+    if (l.name == "encoder.block.*.layer.0.layer_norm") encoder_blocks = l.count;
+    if (l.name == "decoder.block.*.layer.0.layer_norm") decoder_blocks = l.count;
+  }
+  const int64_t blocks = config.is_encoder_decoder() ? encoder_blocks + decoder_blocks
+                         : stage >= 0                ? c.stage_layers
+                                                     : config.num_layers;
+  const int64_t attentions = config.is_encoder_decoder() ? encoder_blocks + 2 * decoder_blocks : blocks;
   // What each attention keeps a row, in bytes: its output (the merged
   // heads are a view of it), the rotated q and k where the family rotates
   // them, and the kernel's operands: the per-head GEMMs' heads-first f32 q,
@@ -895,13 +984,25 @@ absl::StatusOr<int64_t> MicroBatchActivations(const StageContext& c, const JobPl
     // T5's position bias, once a stack: the looked-up table [s, s, heads],
     // each local head's copy and their concatenation [heads, s, s]; a
     // decoder block's third residual sum (after the cross-attention).
-    const int64_t stacks = config.is_encoder_decoder() ? 2 : 1;
+    const int64_t stacks = config.is_encoder_decoder() ? (encoder_blocks > 0) + (decoder_blocks > 0) : 1;
     outside.Add({stacks, plan.seq_len, plan.seq_len, heads, act});
     outside.Add({stacks, 2, CeilDiv(heads, head_split), plan.seq_len, plan.seq_len, act});
-    inside.Add({config.num_decoder_layers, stream_rows, CeilDiv(config.hidden_size, feat_div), act});
+    inside.Add({decoder_blocks, stream_rows, CeilDiv(config.hidden_size, feat_div), act});
   }
-  if (config.is_encoder_decoder() && config.tie_word_embeddings) {
+  const bool head = std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) {
+    return l.role == Role::kTiedHead || l.role == Role::kVocabHead;
+  });
+  if (config.is_encoder_decoder() && config.tie_word_embeddings && head) {
     outside.Add({stream_rows, CeilDiv(config.hidden_size, feat_div), act});  // the decoder's output scaled for the tied head
+  }
+  if (config.is_encoder_decoder() && stage >= 0 && decoder_blocks > 0) {
+    // A decoder stage's stream and the encoder's output: taken apart from
+    // the joined input (but on the first decoder stage), joined for the
+    // next stage (but on the last).
+    const bool takes_joined = !std::any_of(leaves.begin(), leaves.end(), [](const PlanLeaf& l) {
+      return l.role == Role::kVocabTable && l.lookups > 0;
+    });
+    outside.Add({(takes_joined ? 2 : 0) + (head ? 0 : 2), stream_rows, CeilDiv(config.hidden_size, feat_div), act});
   }
   CheckedSum probs;  // the per-head GEMMs' probabilities, f32
   const int64_t attention_batch = CeilDiv(b, split.blocks() ? rows_2d : 1);
@@ -960,7 +1061,7 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
       if (count == 0) continue;
       StageContext mine = c;
       const size_t vs = static_cast<size_t>(chunk * p + c.stage);
-      mine.leaves = StageLeaves(all, c.stages, vs);
+      mine.leaves = StageLeaves(c.config, all, c.stages, vs);
       mine.stage_layers = c.stages[vs];
       ASSIGN_OR_RETURN(const int64_t one, MicroBatchActivations(mine, plan));
       held.Add({one, count});
@@ -1021,6 +1122,15 @@ void PlanComm1D(const StageContext& c, CommSum& comm) {
         // rows only (not a norm left whole, on the whole sequence).
         if (sp && train && l.sequence_split) {
           comm.Add(g, "all_reduce", {l.bias ? 2 : 1, l.count}, {l.out}, width, tp_size);
+        }
+        break;
+      case Role::kWhole:
+        // T5's position bias [s, s, heads], looked up whole once a stack
+        // (a stage) and micro-batch, each rank reading its heads: its
+        // gradient summed over tp in the backward.
+        if (train && l.name.find("relative_attention_bias") != std::string::npos && c.b > 0) {
+          const int64_t seq = tokens / c.b;
+          comm.Add(g, "all_reduce", {micro}, {seq, seq, l.out}, act, tp_size);
         }
         break;
       case Role::kProjection:
@@ -1270,50 +1380,76 @@ void PlanComm3D(const StageContext& c, CommSum& comm) {
   if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
 }
 
-// A pipeline stage's sends and receives, and the tied table's exchange.
+// A pipeline rank's sends and receives, and the tied tables' exchanges.
 absl::Status PlanCommPipeline(const StageContext& c, CommSum& comm) {
   const int stage = c.stage, pp = c.pp;
   const int64_t micro = c.micro, act = c.act, width = c.width, stream_rows = c.stream_rows, feat_div = c.feat_div;
   const ModelConfig& config = c.config;
   const Split& split = c.split;
-  const bool tied_stages = c.tied_stages;
-  const std::vector<PlanLeaf>& leaves = c.leaves;
   // Pipeline stages (worker/train/pipeline.h): per micro-batch, the
   // stream's local block [rows, hidden] to the next stage and its gradient
   // back, each direction on the channel of the sending stage's parity;
-  // the loss and the gradient norm's sum over pp; the first and last
-  // stages' exchange of a tied table's gradient (f0 out, b1 back).
+  // the loss and the gradient norm's sum over pp. An encoder-decoder's
+  // decoder stage (t5.cc) sends the decoder's stream and the encoder's
+  // output joined, twice the block.
   auto channel = [](bool forward, int from) { return absl::StrCat("pp#", forward ? "f" : "b", from % 2); };
-  const std::initializer_list<int64_t> block = {stream_rows, CeilDiv(config.hidden_size, feat_div)};
+  const int64_t features = CeilDiv(config.hidden_size, feat_div);
+  const int first_decoder = config.is_encoder_decoder() ? FirstDecoderStage(config, c.stages) : -1;
+  // The blocks virtual stage vs sends on (1, or 2 from a decoder stage).
+  auto blocks_sent = [&](int vs) -> int64_t { return first_decoder > 0 && vs >= first_decoder ? 2 : 1; };
   // Interleaved (V chunks a rank): each chunk's forward sends to the next
   // virtual stage (the last rank's to the first rank's next chunk, on the
   // wrap channels pp#fw and pp#bw) but the last virtual stage's, and each
   // chunk receives but the first virtual stage's.
-  const int v = c.v;
-  const bool wraps = v > 1;
-  if (stage + 1 < pp || wraps) {
-    const int64_t sends = stage + 1 < pp ? v : v - 1;  // the last rank's last chunk sends nothing on
-    const std::string fwd = stage + 1 < pp ? channel(true, stage) : "pp#fw";
-    const std::string back = stage + 1 < pp ? channel(false, stage + 1) : "pp#bw";
-    comm.Add(fwd, "send", {micro, sends}, block, act, pp);
-    comm.Add(back, "recv", {micro, sends}, block, act, pp);
+  const int v = c.v, count = pp * v;
+  // Calls of one block and of two, over this rank's chunks.
+  int64_t sends[3] = {0, 0, 0}, recvs[3] = {0, 0, 0};
+  for (int chunk = 0; chunk < v; ++chunk) {
+    const int vs = chunk * pp + stage;
+    if (vs + 1 < count) ++sends[blocks_sent(vs)];
+    if (vs > 0) ++recvs[blocks_sent(vs - 1)];
   }
-  if (stage > 0 || wraps) {
-    const int64_t recvs = stage > 0 ? v : v - 1;  // the first rank's first chunk receives nothing
-    const std::string fwd = stage > 0 ? channel(true, stage - 1) : "pp#fw";
-    const std::string back = stage > 0 ? channel(false, stage) : "pp#bw";
-    comm.Add(fwd, "recv", {micro, recvs}, block, act, pp);
-    comm.Add(back, "send", {micro, recvs}, block, act, pp);
+  for (int64_t b : {1, 2}) {
+    if (sends[b] > 0) {
+      const std::string fwd = stage + 1 < pp ? channel(true, stage) : "pp#fw";
+      const std::string back = stage + 1 < pp ? channel(false, stage + 1) : "pp#bw";
+      comm.Add(fwd, "send", {micro, sends[b]}, {stream_rows, features, b}, act, pp);
+      comm.Add(back, "recv", {micro, sends[b]}, {stream_rows, features, b}, act, pp);
+    }
+    if (recvs[b] > 0) {
+      const std::string fwd = stage > 0 ? channel(true, stage - 1) : "pp#fw";
+      const std::string back = stage > 0 ? channel(false, stage) : "pp#bw";
+      comm.Add(fwd, "recv", {micro, recvs[b]}, {stream_rows, features, b}, act, pp);
+      comm.Add(back, "send", {micro, recvs[b]}, {stream_rows, features, b}, act, pp);
+    }
   }
   // The loss over pp once a pass (each accumulation pass's pipeline step),
   // the norm once a step.
   comm.Add("pp", "all_reduce", {c.grad_accum + 1}, {1}, 4, pp);
-  if (tied_stages) {
-    for (const PlanLeaf& l : leaves) {
-      if (l.role != Role::kVocabTable) continue;
-      ASSIGN_OR_RETURN(int64_t n, RankElements(l, split));
-      comm.Add(channel(true, 0), stage == 0 ? "send" : "recv", {1}, {n}, width, pp);
-      comm.Add(channel(false, 1), stage == 0 ? "recv" : "send", {1}, {n}, width, pp);
+  // Each tied table's gradients summed once a step (SumTiedGradients): a
+  // holder on another rank than the owner's sends its copy's over pp#f0
+  // and receives the sum over pp#b1; the owner's rank takes each and sends
+  // the sum back. Copies on the owner's rank move nothing.
+  for (const auto& [name, holders] : c.tied) {
+    std::optional<PlanLeaf> leaf;
+    for (const PlanLeaf& l : c.leaves) {
+      if (l.name == name) leaf = l;
+    }
+    if (!leaf.has_value()) continue;  // held by other ranks only
+    ASSIGN_OR_RETURN(const int64_t n, RankElements(*leaf, split));
+    const int owner = holders.front() % pp;
+    int64_t remote = 0, mine = 0;  // holders off the owner's rank; of them, this rank's
+    for (int h : holders) {
+      if (h % pp == owner) continue;
+      ++remote;
+      if (h % pp == stage) ++mine;
+    }
+    if (stage == owner && remote > 0) {
+      comm.Add(channel(true, 0), "recv", {remote}, {n}, width, pp);
+      comm.Add(channel(false, 1), "send", {remote}, {n}, width, pp);
+    } else if (mine > 0) {
+      comm.Add(channel(true, 0), "send", {mine}, {n}, width, pp);
+      comm.Add(channel(false, 1), "recv", {mine}, {n}, width, pp);
     }
   }
   return absl::OkStatus();
@@ -1340,24 +1476,32 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
   // Pipeline stages: this stage's leaves and layers.
   c.stages = {config.num_layers};
   c.stage_layers = config.num_layers;
-  const bool tied_head = HasTiedHead(c.leaves);  // the model's, whichever stage holds the head
+  const std::vector<PlanLeaf> all_leaves = c.leaves;
   if (stage >= 0) {
     if (!c.train) return absl::InvalidArgumentError("pipeline_parallel_size applies to TRAIN jobs");
     c.v = std::max(1, layout.virtual_stages());
     ASSIGN_OR_RETURN(c.stages, PipelineStageLayers(config, layout));  // pp * V
-    c.leaves = RankStageLeaves(c.leaves, c.stages, c.pp, stage);
+    c.leaves = RankStageLeaves(config, c.leaves, c.stages, c.pp, stage);
     c.stage_layers = 0;
     for (size_t vs = static_cast<size_t>(stage); vs < c.stages.size(); vs += static_cast<size_t>(c.pp)) {
       c.stage_layers += c.stages[vs];
     }
   }
-  c.tied_stages = stage >= 0 && tied_head && (stage == 0 || stage == c.pp - 1);
+  if (stage >= 0) c.tied = TiedTables(config, all_leaves, c.stages);
   c.zero = c.train && c.dp > 1 ? spec.train().zero_stage() : 0;
-  if (c.zero > 0 && c.tied_stages) {
-    for (const PlanLeaf& l : c.leaves) {
-      if (l.role != Role::kVocabTable) continue;
-      ASSIGN_OR_RETURN(int64_t n, RankElements(l, c.split));
-      c.zero_whole += n;
+  if (c.zero > 0 && !c.tied.empty()) {
+    // ZeRO keeps a tied table whole on each stage holding it (the sum
+    // between the stages reads it whole): every copy this rank holds.
+    for (size_t vs = static_cast<size_t>(stage); vs < c.stages.size(); vs += static_cast<size_t>(c.pp)) {
+      for (const PlanLeaf& l : StageLeaves(config, all_leaves, c.stages, vs)) {
+        for (const auto& [name, holders] : c.tied) {
+          if (l.name != name || std::find(holders.begin(), holders.end(), static_cast<int>(vs)) == holders.end()) {
+            continue;
+          }
+          ASSIGN_OR_RETURN(int64_t n, RankElements(l, c.split));
+          c.zero_whole += n;
+        }
+      }
     }
   }
   c.width = ParamWidth(spec);

@@ -286,7 +286,8 @@ TEST(Train, AnImageClassifierTrainsOnImagesAndLabels) {
 
 // A T5 directory (flan-t5's shape) trains on (input, target) pairs from
 // .npy files, as jobs on the daemons, with the same losses unsharded, at
-// tp2 x dp2 and in 2D; the trained model is written as a Hugging Face directory that
+// tp2 x dp2, in 2D, in encoder and decoder stages (pp 2) and interleaved
+// (pp 2, V 2); the trained model is written as a Hugging Face directory that
 // `coloctl forward` runs; pairs without targets are refused naming the field.
 TEST(Train, AnEncoderDecoderTrainsOnInputTargetPairs) {
   const shardformer::testing::TinyOptions o = shardformer::testing::TinyFlanT5();
@@ -303,7 +304,9 @@ TEST(Train, AnEncoderDecoderTrainsOnInputTargetPairs) {
                                            "--labels", TempPath("t5_out.npy"), "--steps", "4", "--batch-size", "4",
                                            "--lr", "3e-3", "--optimizer", "adamw", "--seed", "2", "--output", "json"};
   ExpectSameLossesAtEveryLayout(common, {{"--tp", "1", "--dp", "1"}, {"--tp", "2", "--dp", "2"},
-                                         {"--tp", "4", "--mode", "2d"}});
+                                         {"--tp", "4", "--mode", "2d"},
+                                         {"--pp", "2", "--micro-batches", "2"},
+                                         {"--pp", "2", "--virtual-stages", "2", "--micro-batches", "2"}});
   std::vector<std::string> final_run = common;
   final_run.insert(final_run.end(), {"--tp", "2", "--final", TempPath("t5_trained")});
   const auto trained = Coloctl(final_run);

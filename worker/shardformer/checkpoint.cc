@@ -147,8 +147,8 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, con
   std::set<std::string> names;
   for (ShardedModel* chunk : chunks) {
     for (const NamedParam& p : chunk->Parameters()) {
+      if (p.mirror) continue;  // the table's owner writes it (a rank may hold it and a mirror of it)
       if (!names.insert(p.name).second) return absl::InternalError(absl::StrCat("two parameters are named ", p.name));
-      if (p.mirror) continue;  // the first stage writes the table
       ASSIGN_OR_RETURN(bool owns, Owns(p.bound.param.spec(), mesh, rank));
       if (!owns) continue;
       ASSIGN_OR_RETURN(Tensor host, p.bound.param.local().To(Device::Cpu()));

@@ -183,12 +183,15 @@ class Module {
 struct NamedParam {
   std::string name;
   BoundParam bound;
-  // A table the first and last pipeline stages share (an LM head tied to
-  // the embedding): their gradients are summed.
+  // A table several pipeline stages share (an LM head tied to the
+  // embedding): their gradients are summed.
   bool tied = false;
-  // The last stage's copy of it, which the first stage owns: neither
-  // counted in the gradient norm nor saved.
+  // A copy of a table another stage owns (the last stage's of a tied
+  // embedding): neither counted in the gradient norm nor saved.
   bool mirror = false;
+  // The (virtual) stages holding a tied table, ascending (the first owns
+  // it; TiedTable).
+  std::vector<int> tie_stages;
 };
 
 // Forward helpers shared by the model families.

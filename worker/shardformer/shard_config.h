@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -25,6 +26,9 @@ struct PipelineStage {
   int index = 0;
   int count = 1;
   int64_t begin = 0, end = 0;  // the layers [begin, end)
+  // Every stage's layer count (spec's PipelineStageLayers), so a stage knows
+  // which others hold what it shares with them; empty without stages.
+  std::vector<int64_t> layers;
   bool first() const { return index == 0; }
   bool last() const { return index == count - 1; }
 };

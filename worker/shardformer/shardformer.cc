@@ -363,14 +363,22 @@ absl::StatusOr<Tensor> ShardedModel::GatherLogits(const ColoTensor& logits) {
   return t.ContiguousAs(DType::kF32);
 }
 
+const TiedTable* ShardedModel::FindTied(const std::string& path) const {
+  for (const TiedTable& t : tied_) {
+    if (t.path == path) return &t;
+  }
+  return nullptr;
+}
+
 std::vector<NamedParam> ShardedModel::Parameters() {
   std::vector<NamedParam> out;
   for (auto& [path, m] : root_->Modules()) {
     if (m->layer() == nullptr) continue;
-    const bool tied = std::find(tied_.begin(), tied_.end(), path) != tied_.end();
+    const TiedTable* tied = FindTied(path);
+    const bool mirror = tied != nullptr && !tied->stages.empty() && tied->stages.front() != shard_.stage.index;
     for (BoundParam& b : m->layer()->Params()) {
       out.push_back(NamedParam{path.empty() ? b.name : b.name.empty() ? path : absl::StrCat(path, ".", b.name), b,
-                               tied, tied && !shard_.stage.first()});
+                               tied != nullptr, mirror, tied != nullptr ? tied->stages : std::vector<int>{}});
     }
   }
   return out;
@@ -379,11 +387,22 @@ std::vector<NamedParam> ShardedModel::Parameters() {
 absl::StatusOr<DistSpec> ShardedModel::StageInputSpec(int64_t ndim) {
   for (auto& [path, m] : root_->Modules()) {
     if (m->layer() == nullptr) continue;
-    // The stage's first layer (a mirror is no layer of its forward).
-    if (!shard_.stage.first() && std::find(tied_.begin(), tied_.end(), path) != tied_.end()) continue;
+    // The stage's first layer of the stream: a table it shares (an
+    // embedding, a position bias) takes no stream.
+    if (!shard_.stage.first() && FindTied(path) != nullptr) continue;
     return m->layer()->InputSpec(ndim);
   }
   return absl::FailedPreconditionError("the stage has no layer");
+}
+
+Shape ShardedModel::StageInputShape(int64_t rows, int64_t seq, int64_t decoder_seq) const {
+  const int64_t hidden = config_.hidden_size;
+  if (config_.takes_images()) return {rows, config_.max_positions, hidden};
+  // An encoder-decoder's decoder stage after the first (t5.cc's stages).
+  if (config_.is_encoder_decoder() && shard_.stage.begin > config_.num_layers) {
+    return {rows, decoder_seq + seq, hidden};
+  }
+  return {rows, seq, hidden};
 }
 
 absl::StatusOr<std::map<std::string, Tensor>> ShardedModel::GatherHf(bool gradients) {
@@ -450,7 +469,7 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::strin
   ASSIGN_OR_RETURN(ModelFamily family, ModelRegistry::Global().Get(config.model_type));
   ASSIGN_OR_RETURN(std::unique_ptr<ModelFiles> files, ModelFiles::Open(dir));
   ASSIGN_OR_RETURN(std::unique_ptr<Module> model, family.build(config));
-  std::vector<std::string> tied;
+  std::vector<TiedTable> tied;
   if (shard_.pp() > 1) {
     const int v = shard_.virtual_stages();
     if (shard_.chunk < 0 || shard_.chunk >= v) {
@@ -470,6 +489,7 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::strin
     stage.begin = 0;
     for (int s = 0; s < index; ++s) stage.begin += layers[s];
     stage.end = stage.begin + layers[index];
+    stage.layers = layers;
     ASSIGN_OR_RETURN(tied, family.split_stage(*model, stage));
   } else {
     shard_.stage = PipelineStage{0, 1, 0, config.num_layers};

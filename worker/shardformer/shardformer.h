@@ -83,6 +83,16 @@ class CausalLmPolicy : public Policy {
 // (LayerDecl::tied_to) that embedding layer's TiedHead.
 absl::Status TieLmHeads(Module& model);
 
+// A table several pipeline stages hold, each computing with its own copy:
+// the module at `path` under the root, held by the (virtual) stages
+// `stages` (ascending), of which the first owns it and the others mirror
+// it. Their gradients are summed over the holders in stage order after each
+// step (train's SumTiedGradients), so every copy takes the same update.
+struct TiedTable {
+  std::string path;
+  std::vector<int> stages;
+};
+
 // A model family: its native module tree and its policy.
 struct ModelFamily {
   // The bare model's name inside the LM model ("transformer" for GPT-2):
@@ -97,10 +107,10 @@ struct ModelFamily {
   // built tree the layers `stage` does not hold and makes its forward the
   // stage's (the first stage reads the model's input, token ids or pixels,
   // the others the previous stage's activation; only the last gives
-  // logits). Returns the module
-  // paths of the tables the first and last stages share (the embedding an
-  // LM head is tied to, which the last stage keeps as the head's table).
-  std::function<absl::StatusOr<std::vector<std::string>>(Module& root, const PipelineStage& stage)> split_stage;
+  // logits). Returns the tables this stage shares with other stages (the
+  // embedding an LM head is tied to, which the last stage keeps as the
+  // head's table; T5's shared embedding and position bias tables).
+  std::function<absl::StatusOr<std::vector<TiedTable>>(Module& root, const PipelineStage& stage)> split_stage;
 };
 
 class ModelRegistry {
@@ -217,10 +227,18 @@ class ShardedModel {
   // A pipeline stage's input from the previous stage: the spec of the
   // activation its first layer takes (the residual stream's), rank `ndim`.
   absl::StatusOr<DistSpec> StageInputSpec(int64_t ndim);
-  // Module paths of the tables this stage shares with the first or last
-  // (ModelFamily::split_stage); on a stage other than the first they are
-  // mirrors.
-  void set_tied_tables(std::vector<std::string> paths) { tied_ = std::move(paths); }
+  // The global shape of a stage's input from the previous stage, for
+  // micro-batches of `rows` sequences of `seq` tokens (`decoder_seq` the
+  // decoder's, an encoder-decoder's): the residual stream [rows, seq,
+  // hidden] (an image classifier's seq its patches and CLS token); an
+  // encoder-decoder's (t5.cc) the encoder's stream, or its output on the
+  // first decoder stage, [rows, seq, hidden], and on a later decoder stage
+  // the decoder's stream and the encoder's output joined along the
+  // sequence, [rows, decoder_seq + seq, hidden].
+  Shape StageInputShape(int64_t rows, int64_t seq, int64_t decoder_seq) const;
+  // The tables this stage shares with others (ModelFamily::split_stage):
+  // mirrors on every holder but the first.
+  void set_tied_tables(std::vector<TiedTable> tables) { tied_ = std::move(tables); }
   // The full checkpoint tensors, by name, of the parameters (or of their
   // gradients: FAILED_PRECONDITION naming a parameter that has none).
   // Collective over the model's ranks.
@@ -236,7 +254,8 @@ class ShardedModel {
                                     int64_t denominator);
 
   ProcessGroup* pg_;
-  std::vector<std::string> tied_;
+  std::vector<TiedTable> tied_;
+  const TiedTable* FindTied(const std::string& path) const;
   // 1024 rows of GPT-2's 50257-word head: 206 MB of f32 logits a chunk.
   int64_t fused_head_rows_ = 1024;
 };

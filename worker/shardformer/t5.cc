@@ -12,7 +12,10 @@
 // The root takes two inputs (Module::Forward(ids, decoder_ids)); the stacks
 // and blocks are walked here rather than through single-input forwards, as
 // the blocks share the position bias and the decoder reads the encoder.
+#include <algorithm>
 #include <cmath>
+#include <optional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -119,25 +122,20 @@ absl::StatusOr<ColoTensor> FeedForward(Module& ff, const ColoTensor& x) {
   return ff.Call("wo", h);
 }
 
-// One T5Stack over token ids: the shared embedding, the blocks (each
-// `x + sublayer(norm(x))`), the final norm. `encoder_out` is the encoder's
-// output for the decoder's cross-attention (null for the encoder).
-absl::StatusOr<ColoTensor> Stack(Module& root, const std::string& name, const ColoTensor& ids,
-                                 const ColoTensor* encoder_out) {
-  ASSIGN_OR_RETURN(Module * stack, root.Get(name));
+// The blocks [lo, hi) of `stack` on the stream x (in their norms' input
+// spec), each `x + sublayer(norm(x))`, the decoder's with cross-attention
+// over `encoder_out` (null for the encoder). Every block reads the stack's
+// position bias, from block 0's table (a pipeline stage without block 0
+// holds a mirror of it at the same path).
+absl::StatusOr<ColoTensor> Blocks(Module& stack, int64_t lo, int64_t hi, ColoTensor x,
+                                  const ColoTensor* encoder_out) {
   const bool decoder = encoder_out != nullptr;
-  ASSIGN_OR_RETURN(ColoTensor x, root.Call("shared", ids));
-  // With sequence parallelism the stream is split along the sequence from
-  // here on (as the blocks' norms take it; the attentions' projections
-  // gather it, the decoder's cross-attention the encoder's output too).
-  ASSIGN_OR_RETURN(x, ToInputOf(*stack, "block.0.layer.0.layer_norm", x));
-  const int64_t seq = ids.local().shape()[1];
-  ASSIGN_OR_RETURN(Module * first_attn, stack->Get("block.0.layer.0.SelfAttention"));
+  const int64_t seq = x.global_shape()[1];
+  ASSIGN_OR_RETURN(Module * first_attn, stack.Get("block.0.layer.0.SelfAttention"));
   ASSIGN_OR_RETURN(StackBias bias, PositionBias(*first_attn, x, seq, seq, decoder));
-  ASSIGN_OR_RETURN(Module * blocks, stack->Get("block"));
-  for (int64_t i = 0;; ++i) {
-    Module* block = blocks->Find(absl::StrCat(i));
-    if (block == nullptr) break;
+  ASSIGN_OR_RETURN(Module * blocks, stack.Get("block"));
+  for (int64_t i = lo; i < hi; ++i) {
+    ASSIGN_OR_RETURN(Module * block, blocks->Get(absl::StrCat(i)));
     ASSIGN_OR_RETURN(ColoTensor h, block->Call("layer.0.layer_norm", x));
     ASSIGN_OR_RETURN(Module * self_attn, block->Get("layer.0.SelfAttention"));
     ASSIGN_OR_RETURN(ColoTensor a, Attention(*self_attn, h, h, &bias, /*causal=*/decoder));
@@ -155,21 +153,181 @@ absl::StatusOr<ColoTensor> Stack(Module& root, const std::string& name, const Co
     ASSIGN_OR_RETURN(ColoTensor f, FeedForward(*dense, hf));
     ASSIGN_OR_RETURN(x, AddActivations(x, f));
   }
+  return x;
+}
+
+// A stack's input: the shared embedding of `ids` in the input spec of block
+// `first`'s norm. With sequence parallelism the stream is split along the
+// sequence from here on (as the blocks' norms take it; the attentions'
+// projections gather it, the decoder's cross-attention the encoder's output
+// too).
+absl::StatusOr<ColoTensor> Embed(Module& root, Module& stack, const ColoTensor& ids, int64_t first) {
+  ASSIGN_OR_RETURN(ColoTensor x, root.Call("shared", ids));
+  return ToInputOf(stack, absl::StrCat("block.", first, ".layer.0.layer_norm"), x);
+}
+
+// One T5Stack over token ids: the shared embedding, the blocks, the final
+// norm. `encoder_out` is the encoder's output for the decoder's
+// cross-attention (null for the encoder).
+absl::StatusOr<ColoTensor> Stack(Module& root, const std::string& name, const ColoTensor& ids,
+                                 const ColoTensor* encoder_out) {
+  ASSIGN_OR_RETURN(Module * stack, root.Get(name));
+  ASSIGN_OR_RETURN(Module * blocks, stack->Get("block"));
+  const int64_t n = static_cast<int64_t>(blocks->Children().size());
+  ASSIGN_OR_RETURN(ColoTensor x, Embed(root, *stack, ids, 0));
+  ASSIGN_OR_RETURN(x, Blocks(*stack, 0, n, x, encoder_out));
   return stack->Call("final_layer_norm", x);
 }
 
-absl::StatusOr<ColoTensor> ConditionalGenerationForward(Module& self, const ColoTensor& ids,
-                                                        const ColoTensor& decoder_ids) {
-  ASSIGN_OR_RETURN(ColoTensor encoded, Stack(self, "encoder", ids, nullptr));
-  ASSIGN_OR_RETURN(ColoTensor decoded, Stack(self, "decoder", decoder_ids, &encoded));
+// The LM head over the decoder's output; the tied head reads it scaled by
+// d_model^-1/2.
+absl::StatusOr<ColoTensor> Head(Module& self, ColoTensor decoded) {
   ASSIGN_OR_RETURN(int64_t tied, self.IntAttr("tie_word_embeddings"));
-  if (tied) {  // the tied head reads the decoder output scaled by d_model^-1/2
+  if (tied) {
     ASSIGN_OR_RETURN(double scale, self.Attr("model_dim_scale"));
     ASSIGN_OR_RETURN(decoded, MapLocal(decoded, [scale](const Variable& v) {
                        return Scale(v, static_cast<float>(scale));
                      }));
   }
   return self.Call("lm_head", decoded);
+}
+
+absl::StatusOr<ColoTensor> ConditionalGenerationForward(Module& self, const ColoTensor& ids,
+                                                        const ColoTensor& decoder_ids) {
+  ASSIGN_OR_RETURN(ColoTensor encoded, Stack(self, "encoder", ids, nullptr));
+  ASSIGN_OR_RETURN(ColoTensor decoded, Stack(self, "decoder", decoder_ids, &encoded));
+  return Head(self, decoded);
+}
+
+// Pipeline stages. The stages' layers are the encoder's blocks, then the
+// decoder's, and no stage holds both stacks' (spec's PipelineStageLayers):
+//   - an encoder stage runs its blocks on the encoder's stream (the first
+//     embeds the token ids); the last encoder stage ends in the encoder's
+//     final norm, and its output is the encoder's;
+//   - the first decoder stage takes the encoder's output and embeds the
+//     decoder ids (it holds a mirror of the shared embedding);
+//   - every decoder stage sends on its stream and the encoder's output
+//     joined along the sequence, [rows, decoder seq + seq, hidden], so each
+//     decoder stage has the encoder's output for its cross-attention, and
+//     the gradient of the encoder's output comes back the same way, each
+//     decoder stage's cross-attentions adding theirs;
+//   - the last stage ends in the decoder's final norm and the LM head.
+// Each stack's position bias table (block 0's) is mirrored on the stack's
+// other stages; the shared embedding on the first decoder stage and, tied
+// to the head, on the last. The holders' gradients are summed after each
+// step (TiedTable).
+
+// An activation [rows, decoder seq + seq, hidden] split into the decoder's
+// stream (its first `decoder_seq` positions) and the encoder's output, each
+// in its spec.
+absl::StatusOr<std::pair<ColoTensor, ColoTensor>> Unjoin(const ColoTensor& x, int64_t decoder_seq) {
+  const Variable& joined = x.variable();
+  const int64_t total = joined.value().dim() == 3 ? joined.value().shape()[1] : 0;
+  if (total <= decoder_seq) {
+    return absl::InvalidArgumentError(absl::StrCat("a decoder stage's input of ", total, " positions does not hold ",
+                                                   "the decoder's ", decoder_seq, " and the encoder's output"));
+  }
+  ASSIGN_OR_RETURN(Variable stream, nn::Narrow(joined, 1, 0, decoder_seq));
+  ASSIGN_OR_RETURN(Variable encoded, nn::Narrow(joined, 1, decoder_seq, total - decoder_seq));
+  ASSIGN_OR_RETURN(ColoTensor a, ColoTensor::FromLocal(stream, x.spec(), x.process_group()));
+  ASSIGN_OR_RETURN(ColoTensor b, ColoTensor::FromLocal(encoded, x.spec(), x.process_group()));
+  return std::make_pair(std::move(a), std::move(b));
+}
+
+// The forward of stage `stage` of a T5 whose encoder has `encoder` layers:
+// x is the token ids on the first stage, the previous stage's activation on
+// the others; decoder_ids the decoder's input ids (every decoder stage
+// reads their length, the first embeds them).
+Module::CrossForwardFn StageForward(PipelineStage stage, int64_t encoder) {
+  return [stage, encoder](Module& self, const ColoTensor& x,
+                          const ColoTensor& decoder_ids) -> absl::StatusOr<ColoTensor> {
+    if (stage.end <= encoder) {
+      ASSIGN_OR_RETURN(Module * stack, self.Get("encoder"));
+      ColoTensor h = x;
+      if (stage.first()) {
+        ASSIGN_OR_RETURN(h, Embed(self, *stack, x, stage.begin));
+      }
+      ASSIGN_OR_RETURN(h, Blocks(*stack, stage.begin, stage.end, h, nullptr));
+      if (stage.end < encoder) return h;
+      return stack->Call("final_layer_norm", h);  // the encoder's output
+    }
+    ASSIGN_OR_RETURN(Module * stack, self.Get("decoder"));
+    const int64_t lo = stage.begin - encoder, hi = stage.end - encoder;
+    std::optional<std::pair<ColoTensor, ColoTensor>> parts;  // the stream and the encoder's output
+    if (lo == 0) {
+      ASSIGN_OR_RETURN(ColoTensor h, Embed(self, *stack, decoder_ids, 0));
+      parts.emplace(std::move(h), x);
+    } else {
+      ASSIGN_OR_RETURN(parts, Unjoin(x, decoder_ids.global_shape()[1]));
+    }
+    auto& [h, encoded] = *parts;
+    ASSIGN_OR_RETURN(h, Blocks(*stack, lo, hi, h, &encoded));
+    if (stage.last()) {
+      ASSIGN_OR_RETURN(ColoTensor decoded, stack->Call("final_layer_norm", h));
+      return Head(self, decoded);
+    }
+    RETURN_IF_ERROR(CheckSpec(encoded, h.spec(), "the encoder's output"));
+    ASSIGN_OR_RETURN(Variable joined, nn::Cat({h.variable(), encoded.variable()}, 1));
+    return ColoTensor::FromLocal(joined, h.spec(), h.process_group());
+  };
+}
+
+// ModelFamily::split_stage of T5 (above).
+absl::StatusOr<std::vector<TiedTable>> SplitStage(Module& root, const PipelineStage& stage) {
+  ASSIGN_OR_RETURN(Module * encoder_blocks, root.Get("encoder.block"));
+  const int64_t encoder = static_cast<int64_t>(encoder_blocks->Children().size());
+  int first_decoder = -1;  // the stage whose layers begin the decoder's
+  int64_t at = 0;
+  for (size_t s = 0; s < stage.layers.size(); ++s) {
+    if (at == encoder) first_decoder = static_cast<int>(s);
+    at += stage.layers[s];
+  }
+  if (first_decoder < 1 || (stage.begin < encoder && stage.end > encoder)) {
+    return absl::InvalidArgumentError(absl::StrCat("T5 pipeline stages hold one stack's layers each: no stage may ",
+                                                   "hold both the encoder's first ", encoder,
+                                                   " layers and the decoder's"));
+  }
+  const bool in_encoder = stage.end <= encoder;
+  const std::string stack = in_encoder ? "encoder" : "decoder";
+  const int64_t lo = in_encoder ? stage.begin : stage.begin - encoder;
+  const int64_t hi = in_encoder ? stage.end : stage.end - encoder;
+  Module* head = root.Find("lm_head");
+  const bool tied_head = head != nullptr && head->decl().has_value() && head->decl()->tied_to == "shared";
+  // The shared embedding's holders: the encoder's first stage, the
+  // decoder's, and the last stage when the head is tied to it.
+  std::vector<int> embedders = {0, first_decoder};
+  if (tied_head && stage.count - 1 != first_decoder) embedders.push_back(stage.count - 1);
+  const bool embeds = std::find(embedders.begin(), embedders.end(), stage.index) != embedders.end();
+  root.Remove(in_encoder ? "decoder" : "encoder");
+  if (!embeds) root.Remove("shared");
+  if (!stage.last()) root.Remove("lm_head");
+  const std::string blocks_path = stack + ".block";
+  const std::string bias = blocks_path + ".0.layer.0.SelfAttention.relative_attention_bias";
+  ASSIGN_OR_RETURN(Module * blocks, root.Get(blocks_path));
+  const int64_t n = static_cast<int64_t>(blocks->Children().size());
+  for (int64_t i = 0; i < n; ++i) {
+    if (i >= lo && i < hi) continue;
+    if (i == 0) {
+      DropExcept(*blocks, blocks_path, "0", {bias});  // the mirror of the stack's position bias
+    } else {
+      blocks->Remove(absl::StrCat(i));
+    }
+  }
+  if (hi < n) {
+    ASSIGN_OR_RETURN(Module * s, root.Get(stack));
+    s->Remove("final_layer_norm");
+  }
+  root.set_cross_forward(StageForward(stage, encoder));
+  std::vector<TiedTable> tied;
+  if (embeds) tied.push_back(TiedTable{"shared", embedders});
+  // The stack's stages: the encoder's [0, first_decoder), the decoder's the rest.
+  const int from = in_encoder ? 0 : first_decoder, to = in_encoder ? first_decoder : stage.count;
+  if (to - from > 1) {
+    TiedTable t{bias, {}};
+    for (int s = from; s < to; ++s) t.stages.push_back(s);
+    tied.push_back(std::move(t));
+  }
+  return tied;
 }
 
 // T5ForConditionalGeneration's names around its layer table (spec/plan.cc):
@@ -252,6 +410,7 @@ ModelFamily T5Family() {
   f.base_model_prefix = "";
   f.build = Build;
   f.policy = [] { return std::unique_ptr<Policy>(new T5Policy()); };
+  f.split_stage = SplitStage;
   return f;
 }
 

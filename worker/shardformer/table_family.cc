@@ -70,9 +70,8 @@ Module::ForwardFn ModelForwardOf(const TableFamily& f, bool sequence_parallel, P
 
 std::string Join(const std::string& at, const std::string& name) { return at.empty() ? name : absl::StrCat(at, ".", name); }
 
-// Drops the child `name` of `parent` (at `at` under the root) with its
-// subtree, except the modules at `keep` (paths under the root) and the
-// containers on the way to them.
+}  // namespace
+
 void DropExcept(Module& parent, const std::string& at, const std::string& name, const std::vector<std::string>& keep) {
   const std::string path = Join(at, name);
   bool above = false;
@@ -87,6 +86,8 @@ void DropExcept(Module& parent, const std::string& at, const std::string& name, 
   Module* child = parent.Find(name);
   for (const std::string& grand : child->ChildNames()) DropExcept(*child, path, grand, keep);
 }
+
+namespace {
 
 // The class of the container at `pattern` ("" the root).
 absl::StatusOr<std::string> ClassAt(const TableFamily& f, const std::string& pattern) {
@@ -295,8 +296,8 @@ Module::ForwardFn DecoderLmForward(const TableFamily& f, PipelineStage stage) {
   };
 }
 
-absl::StatusOr<std::vector<std::string>> SplitTableStage(const TableFamily& f, Module& root,
-                                                         const PipelineStage& stage) {
+absl::StatusOr<std::vector<TiedTable>> SplitTableStage(const TableFamily& f, Module& root,
+                                                       const PipelineStage& stage) {
   // The tables tied heads compute with (paths under the root).
   std::vector<std::string> tied;
   for (const auto& [path, m] : root.Modules()) {
@@ -332,7 +333,11 @@ absl::StatusOr<std::vector<std::string>> SplitTableStage(const TableFamily& f, M
   ASSIGN_OR_RETURN(Module * model, root.Get(f.base));
   model->set_forward(ModelForwardOf(f, false, stage));
   root.set_forward(stage.last() && f.root_forward ? f.root_forward : DecoderLmForward(f, stage));
-  return stage.first() || stage.last() ? tied : std::vector<std::string>{};
+  std::vector<TiedTable> shared;
+  if (stage.first() || stage.last()) {
+    for (const std::string& path : tied) shared.push_back(TiedTable{path, {0, stage.count - 1}});
+  }
+  return shared;
 }
 
 }  // namespace colod::shardformer

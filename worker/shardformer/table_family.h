@@ -118,10 +118,15 @@ Module::ForwardFn DecoderLmForward(const TableFamily& family, PipelineStage stag
 // the heads) on the last, which keeps the table a tied head computes with
 // (a mirror of the first stage's). The base model's forward becomes the
 // stage's (model_forward), and the root's calls only the base model on a
-// stage before the last. Returns the tied tables' paths on the stages
-// that hold them (the first and the last).
-absl::StatusOr<std::vector<std::string>> SplitTableStage(const TableFamily& family, Module& root,
-                                                         const PipelineStage& stage);
+// stage before the last. Returns the tied tables on the stages that hold
+// them, the first and the last (TiedTable::stages {0, count - 1}).
+absl::StatusOr<std::vector<TiedTable>> SplitTableStage(const TableFamily& family, Module& root,
+                                                       const PipelineStage& stage);
+
+// Drops the child `name` of `parent` (at `at` under the root) with its
+// subtree, except the modules at `keep` (paths under the root) and the
+// containers on the way to them.
+void DropExcept(Module& parent, const std::string& at, const std::string& name, const std::vector<std::string>& keep);
 
 }  // namespace colod::shardformer
 

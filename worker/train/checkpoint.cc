@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <sstream>
+#include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -110,7 +111,11 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
   RETURN_IF_ERROR(pg->Barrier());
   RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, tmp));
   std::vector<std::pair<std::string, Tensor>> state;
+  std::set<std::string> written;
   for (const Optimizer::StateTensor& t : optimizer.State()) {
+    // A rank holding a table and a mirror of it (chunks of one interleaved
+    // pipeline rank) keeps the same state for both: written once.
+    if (!written.insert(t.name).second) continue;
     ASSIGN_OR_RETURN(Tensor host, t.value.To(Device::Cpu()));
     state.emplace_back(t.name, host.Contiguous());
   }

@@ -51,16 +51,27 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages, int virtual_stag
 
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
-                                                   int64_t step_labels, bool reduce, bool train) {
+                                                   int64_t step_labels, bool reduce, bool train,
+                                                   const Tensor* decoder_inputs) {
   return RunPipelineStep(std::vector<shardformer::ShardedModel*>{&model}, pg, sync, inputs, labels, micro_batches,
-                         step_labels, reduce, train);
+                         step_labels, reduce, train, decoder_inputs);
 }
 
 absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer::ShardedModel*>& chunks,
                                                    ProcessGroup& pg, GradSync& sync, const Tensor& inputs,
                                                    const Tensor& labels, int64_t micro_batches, int64_t step_labels,
-                                                   bool reduce, bool train) {
+                                                   bool reduce, bool train, const Tensor* decoder_inputs) {
   if (chunks.empty()) return absl::InvalidArgumentError("pipeline: no model chunk");
+  const bool pairs = chunks.front()->config().is_encoder_decoder();
+  if (pairs != (decoder_inputs != nullptr)) {
+    return absl::InvalidArgumentError(pairs ? "pipeline: an encoder-decoder's stages need the decoder's inputs"
+                                            : "pipeline: decoder inputs for a model without a decoder");
+  }
+  if (pairs && (decoder_inputs->dim() != 2 || inputs.dim() != 2 ||
+                decoder_inputs->shape()[0] != inputs.shape()[0])) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline: decoder inputs ", ShapeToString(decoder_inputs->shape()),
+                                                   " for inputs ", ShapeToString(inputs.shape())));
+  }
   const int v = static_cast<int>(chunks.size());
   ASSIGN_OR_RETURN(const int me, pg.LocalRank("pp"));
   ASSIGN_OR_RETURN(const int p, pg.AxisSize("pp"));
@@ -92,6 +103,7 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
   shardformer::ShardedModel& head = *chunks.back();
   const bool images = head.config().takes_images();
   const int64_t rows = inputs.shape()[0] / micro_batches, seq = images ? head.config().max_positions : inputs.shape()[1];
+  const int64_t decoder_seq = pairs ? decoder_inputs->shape()[1] : 0;
   const absl::Duration timeout = pg.timeout();
   RETURN_IF_ERROR(MakePipelineChannels(pg, p, v));
   // Each direction's communicators: to and from the neighbouring ranks; the
@@ -110,13 +122,15 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
     ASSIGN_OR_RETURN(send_back, pg.Comm(me == 0 ? WrapChannel(false) : Channel(false, me)));
   }
   // What each chunk but the first virtual stage receives: the residual
-  // stream [rows, seq, hidden] in its first layer's spec, this rank's block.
+  // stream [rows, seq, hidden] (ShardedModel::StageInputShape: an
+  // encoder-decoder's decoder stages take the encoder's output too) in its
+  // first layer's spec, this rank's block.
   std::vector<DistSpec> in_spec(v);
   std::vector<Shape> in_local(v);
   for (int c = 0; c < v; ++c) {
     if (chunks[c]->shard_config().stage.first()) continue;
     ASSIGN_OR_RETURN(in_spec[c], chunks[c]->StageInputSpec(3));
-    ASSIGN_OR_RETURN(Block block, LocalBlock(in_spec[c], {rows, seq, chunks[c]->config().hidden_size}, &pg));
+    ASSIGN_OR_RETURN(Block block, LocalBlock(in_spec[c], chunks[c]->StageInputShape(rows, seq, decoder_seq), &pg));
     in_local[c] = Shape(block.lengths.begin(), block.lengths.end());
   }
   struct InFlight {
@@ -149,8 +163,19 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
           ASSIGN_OR_RETURN(in, ColoTensor::FromLocal(f.input, in_spec[c], &pg));
         }
         auto forward = [&]() -> absl::StatusOr<ColoTensor> {
-          if (!stage.first()) return model.root().Forward(*in);
+          std::optional<Tensor> decoder_ids;  // an encoder-decoder's, which every stage takes
+          if (pairs) {
+            ASSIGN_OR_RETURN(Tensor d, decoder_inputs->Narrow(0, i * rows, rows));
+            ASSIGN_OR_RETURN(decoder_ids, d.ContiguousAs(DType::kI64));
+          }
+          if (!stage.first()) {
+            if (!pairs) return model.root().Forward(*in);
+            ASSIGN_OR_RETURN(Tensor host, decoder_ids->To(Device::Cpu()));
+            ASSIGN_OR_RETURN(ColoTensor context, ColoTensor::FromLocal(host, DistSpec(), &pg));
+            return model.root().Forward(*in, context);
+          }
           ASSIGN_OR_RETURN(Tensor ids, inputs.Narrow(0, i * rows, rows));
+          if (pairs) return model.Forward(ids.Contiguous(), *decoder_ids);
           return model.Forward(ids.Contiguous());
         };
         if (stage.last()) {  // the LM head fused with the loss where the model allows
@@ -247,35 +272,88 @@ absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double
   return static_cast<double>(total.ToFloats()[0]);
 }
 
-absl::Status SumTiedGradients(const std::vector<shardformer::NamedParam>& params,
-                              const shardformer::ShardedModel& model, ProcessGroup& pg) {
-  const shardformer::PipelineStage& stage = model.shard_config().stage;
-  if (stage.count < 2 || !(stage.first() || stage.last())) return absl::OkStatus();
-  // The first (virtual) stage is on the first rank, the last on the last.
-  ASSIGN_OR_RETURN(const int ranks, pg.AxisSize("pp"));
-  const int first = 0, last = ranks - 1;
-  ASSIGN_OR_RETURN(Communicator * to_last, pg.Comm(Channel(true, 0)));    // first -> last
-  ASSIGN_OR_RETURN(Communicator * to_first, pg.Comm(Channel(false, 1)));  // last -> first
-  for (const shardformer::NamedParam& p : params) {
-    if (!p.tied) continue;  // in the same order on both stages: the module order
-    std::optional<Tensor> g = p.bound.param.variable().grad();
-    if (!g.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
-    Tensor mine = g->Contiguous();
-    ASSIGN_OR_RETURN(Tensor theirs, Tensor::Empty(mine.shape(), mine.dtype(), mine.device()));
-    std::shared_ptr<Work> sent, got;
-    if (stage.first()) {
-      sent = to_last->Send(mine.raw_data(), mine.numel(), mine.dtype(), last, 0);
-      got = to_first->Recv(theirs.raw_data(), theirs.numel(), theirs.dtype(), last, 0);
-    } else {
-      got = to_last->Recv(theirs.raw_data(), theirs.numel(), theirs.dtype(), first, 0);
-      sent = to_first->Send(mine.raw_data(), mine.numel(), mine.dtype(), first, 0);
+absl::Status SumTiedGradients(const std::vector<shardformer::ShardedModel*>& chunks,
+                              const std::vector<std::vector<shardformer::NamedParam>>& chunk_params,
+                              ProcessGroup& pg) {
+  if (chunks.size() != chunk_params.size()) {
+    return absl::InvalidArgumentError("SumTiedGradients: one parameter list a chunk");
+  }
+  // This rank's holders of each table, by name (the same on every holder):
+  // the holders' stages (ascending) and, for each held here, its gradient.
+  struct Table {
+    std::vector<int> stages;
+    std::map<int, Tensor> mine;  // stage -> the gradient (sharing the parameter's)
+  };
+  std::map<std::string, Table> tables;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const int stage = chunks[c]->shard_config().stage.index;
+    for (const shardformer::NamedParam& p : chunk_params[c]) {
+      if (!p.tied || p.tie_stages.size() < 2) continue;
+      std::optional<Tensor> g = p.bound.param.variable().grad();
+      if (!g.has_value()) return absl::FailedPreconditionError(absl::StrCat(p.name, " has no gradient"));
+      Table& t = tables[p.name];
+      if (!t.stages.empty() && t.stages != p.tie_stages) {
+        return absl::InternalError(absl::StrCat(p.name, ": its chunks disagree on the stages that hold it"));
+      }
+      t.stages = p.tie_stages;
+      t.mine[stage] = *g;
     }
-    const absl::Status a = sent->WaitOnDevice(pg.timeout()), b = got->WaitOnDevice(pg.timeout());
-    RETURN_IF_ERROR(a);
-    RETURN_IF_ERROR(b);
-    // first + last on both (addition commutes exactly).
-    ASSIGN_OR_RETURN(Tensor sum, stage.first() ? Add(mine, theirs) : Add(theirs, mine));
-    RETURN_IF_ERROR(g->CopyFrom(sum));
+  }
+  if (tables.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const int ranks, pg.AxisSize("pp"));
+  // Virtual stage s is on pipeline rank s mod pp (chunk s / pp).
+  auto rank_of = [ranks](int stage) { return stage % ranks; };
+  ASSIGN_OR_RETURN(Communicator * gather, pg.Comm(Channel(true, 0)));    // holders -> owner
+  ASSIGN_OR_RETURN(Communicator * scatter, pg.Comm(Channel(false, 1)));  // owner -> holders
+  const absl::Duration timeout = pg.timeout();
+  // The tables in name order on every rank, each exchanged whole before the
+  // next: no rank waits on one that is still in an earlier table. Each
+  // message's tag is the holder's stage.
+  for (auto& [name, t] : tables) {
+    const int owner = t.stages.front();
+    std::vector<Pending> sends;
+    absl::Status done;
+    if (t.mine.count(owner) > 0) {
+      // The sum in stage order, whichever ranks hold the copies: the same
+      // bits for any placement of the stages.
+      Tensor sum = t.mine[owner].Contiguous();
+      for (size_t k = 1; k < t.stages.size() && done.ok(); ++k) {
+        const int s = t.stages[k];
+        Tensor theirs;
+        if (auto it = t.mine.find(s); it != t.mine.end()) {
+          theirs = it->second;
+        } else {
+          ASSIGN_OR_RETURN(theirs, Tensor::Empty(sum.shape(), sum.dtype(), sum.device()));
+          done = gather->Recv(theirs.raw_data(), theirs.numel(), theirs.dtype(), rank_of(s), static_cast<uint32_t>(s))
+                     ->WaitOnDevice(timeout);
+          if (!done.ok()) break;
+        }
+        ASSIGN_OR_RETURN(sum, Add(sum, theirs));
+      }
+      RETURN_IF_ERROR(done);
+      for (int s : t.stages) {
+        if (auto it = t.mine.find(s); it != t.mine.end()) {
+          RETURN_IF_ERROR(it->second.CopyFrom(sum));
+        } else {
+          sends.push_back({scatter->Send(sum.raw_data(), sum.numel(), sum.dtype(), rank_of(s), static_cast<uint32_t>(s)),
+                           sum});
+        }
+      }
+      RETURN_IF_ERROR(WaitAll(sends, timeout));
+      continue;
+    }
+    for (auto& [s, g] : t.mine) {  // in stage order, as the owner receives them
+      Tensor mine = g.Contiguous();
+      sends.push_back(
+          {gather->Send(mine.raw_data(), mine.numel(), mine.dtype(), rank_of(owner), static_cast<uint32_t>(s)), mine});
+    }
+    RETURN_IF_ERROR(WaitAll(sends, timeout));
+    for (auto& [s, g] : t.mine) {
+      ASSIGN_OR_RETURN(Tensor sum, Tensor::Empty(g.shape(), g.dtype(), g.device()));
+      RETURN_IF_ERROR(scatter->Recv(sum.raw_data(), sum.numel(), sum.dtype(), rank_of(owner), static_cast<uint32_t>(s))
+                          ->WaitOnDevice(timeout));
+      RETURN_IF_ERROR(g.CopyFrom(sum));
+    }
   }
   return absl::OkStatus();
 }

@@ -67,9 +67,12 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages, int virtual_stag
 // only add up. Without `train` (an evaluation, under a NoGradScope) the
 // micro-batches only go forward, in order, and `sync` is not used.
 // Collective over the pp group (and the groups the layers use).
+// An encoder-decoder (T5) takes its decoder's input ids [rows, decoder
+// seq] as `decoder_inputs` (required for one, refused for any other).
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
-                                                   int64_t step_labels, bool reduce = true, bool train = true);
+                                                   int64_t step_labels, bool reduce = true, bool train = true,
+                                                   const Tensor* decoder_inputs = nullptr);
 // The interleaved schedule (InterleavedSchedule) over this rank's model
 // chunks, chunks[c] virtual stage c * pp + (its pp coordinate) of pp * V
 // (ShardConfig::virtual_stages): activations and gradients go between
@@ -80,18 +83,25 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& mo
 absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer::ShardedModel*>& chunks,
                                                    ProcessGroup& pg, GradSync& sync, const Tensor& inputs,
                                                    const Tensor& labels, int64_t micro_batches, int64_t step_labels,
-                                                   bool reduce = true, bool train = true);
+                                                   bool reduce = true, bool train = true,
+                                                   const Tensor* decoder_inputs = nullptr);
 
 // `value` summed over the `axis` group of `pg`, through the rank's
 // `device` (NCCL reduces device memory), in f32. Collective over the group.
 absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double value, const Device& device);
 
-// The first and last stages' gradients of a tied table (NamedParam::tied:
-// the embedding and the last stage's mirror of it) summed, on both; nothing
-// elsewhere or without pipeline stages. After the step's backwards (and the
-// dp reduction).
-absl::Status SumTiedGradients(const std::vector<shardformer::NamedParam>& params,
-                              const shardformer::ShardedModel& model, ProcessGroup& pg);
+// The gradients of every table several (virtual) stages hold
+// (NamedParam::tie_stages: an embedding and the last stage's mirror of it
+// for a tied head; T5's shared embedding and position bias tables) summed
+// over their holders in stage order, the same bits on each: the owner
+// (the first holder) gathers the others' over "pp#f0" and sends the sum
+// back over "pp#b1"; copies on one rank (chunks of an interleaved rank) are
+// added in place. `chunk_params[c]` are chunks[c]'s Parameters(). Nothing
+// without such tables. After the step's backwards (and the dp
+// reduction); collective over the holders' ranks.
+absl::Status SumTiedGradients(const std::vector<shardformer::ShardedModel*>& chunks,
+                              const std::vector<std::vector<shardformer::NamedParam>>& chunk_params,
+                              ProcessGroup& pg);
 
 }  // namespace colod::train
 

@@ -1,8 +1,8 @@
-// Pipeline stages for every single-stack family, beyond GPT-2 and LLaMA
-// (trainer_test): OPT (post-norm, project_in/out, the head tied to the
-// table), BLOOM, BERT (its MLM head on the last stage) and ViT (the
-// patches and the CLS token between stages, the classifier and its loss
-// on the last) train with the
+// Pipeline stages for every family beyond GPT-2 and LLaMA (trainer_test):
+// OPT (post-norm, project_in/out, the head tied to the table), BLOOM, BERT
+// (its MLM head on the last stage), ViT (the patches and the CLS token
+// between stages, the classifier and its loss on the last) and T5
+// (encoder and decoder stages) train with the
 // unsharded run's losses and gradient norms at pp=2 (uneven stages), at
 // tp2 x pp2 x dp2, in 2D under stages, and on CUDA ranks where there are
 // two devices (the emulation's in CI). A family its user registers has
@@ -26,22 +26,37 @@ using ::colod::testing::TempPath;
 using testing::ExpectSameLosses;
 using testing::Losses;
 
-// `run` (4 steps of one rank) and the same under pipeline stages.
-void ExpectStagesTrainAsOneRank(const TrainOptions& run, const std::string& what) {
+// `run` at tp x pp 2 x dp in `mode` with `micro` micro-batches.
+TrainOptions TwoStages(TrainOptions run, int tp, int dp, int micro,
+                       v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D) {
+  run.shard.layout.set_tensor_parallel_size(tp);
+  run.shard.layout.set_data_parallel_size(dp);
+  run.shard.layout.set_tensor_parallel_mode(mode);
+  run.shard.layout.set_pipeline_parallel_size(2);
+  run.micro_batches = micro;
+  return run;
+}
+
+// `run` (4 steps of one rank) and the same under pipeline stages. With
+// `two_d_alone`, 2D under stages is held to 2D without them (T5's 2D run
+// drifts from the unsharded one by up to 2e-4 over four steps, stages or
+// none).
+void ExpectStagesTrainAsOneRank(const TrainOptions& run, const std::string& what, bool two_d_alone = false) {
   const std::vector<StepStats> want = Losses(run);
   ASSERT_EQ(want.size(), 4u) << what;
   auto staged = [&](int tp, int dp, int micro, v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D) {
-    TrainOptions t = run;
-    t.shard.layout.set_tensor_parallel_size(tp);
-    t.shard.layout.set_data_parallel_size(dp);
-    t.shard.layout.set_tensor_parallel_mode(mode);
-    t.shard.layout.set_pipeline_parallel_size(2);
-    t.micro_batches = micro;
-    return t;
+    return TwoStages(run, tp, dp, micro, mode);
   };
   ExpectSameLosses(Losses(staged(1, 1, 4)), want, 1e-4, what + " pp=2");
   ExpectSameLosses(Losses(staged(2, 2, 2)), want, 1e-4, what + " tp2 x pp2 x dp2");
-  ExpectSameLosses(Losses(staged(4, 1, 2, v1::TENSOR_PARALLEL_MODE_2D)), want, 1e-4, what + " 2d tp4 x pp2");
+  const TrainOptions two_d = staged(4, 1, 2, v1::TENSOR_PARALLEL_MODE_2D);
+  if (two_d_alone) {
+    TrainOptions alone = two_d;
+    alone.shard.layout.set_pipeline_parallel_size(1);
+    ExpectSameLosses(Losses(two_d), Losses(alone), 1e-5, what + " 2d tp4 x pp2 (against 2d tp4)");
+  } else {
+    ExpectSameLosses(Losses(two_d), want, 1e-4, what + " 2d tp4 x pp2");
+  }
   if (kernels::CudaDeviceCount() >= 2) {  // the emulation's 4 devices in CI; skipped only in the no-GPU default pass
     TrainOptions t = staged(1, 1, 2);
     t.cuda = true;
@@ -102,6 +117,59 @@ TEST(PipelineFamilies, VitWithItsClassifierOnTheLastStage) {
   const testing::ImageSet images = testing::WriteImages("pp_vit", tiny);
   ExpectStagesTrainAsOneRank(
       testing::OnExamples(testing::SmallRun(vit->dir, 1, 1, 4), images.images_path, images.labels_path), "vit");
+}
+
+// T5's stages (t5.cc): the encoder's layers, then the decoder's; the
+// encoder's output joins the decoder's stream between decoder stages, each
+// adding its cross-attentions' gradient on the way back; the shared
+// embedding on the first stage, the first decoder stage and, tied to the
+// head (v1.0), the last; each stack's position bias table mirrored on the
+// stack's later stages, their gradients summed. At pp=2 (a stage a stack),
+// tp2 x pp2 x dp2 and on CUDA ranks, at pp=4 (two stages a stack: both
+// tables mirrored, the shared embedding on three stages) and on uneven
+// stages, v1.0 and flan-t5 train with the unsharded run's losses; in 2D
+// (tp4) under two stages, with 2D's own (which drifts from the unsharded
+// run's by up to 2e-4 over four steps, stages or none).
+TEST(PipelineFamilies, T5EncoderAndDecoderStages) {
+  for (const bool flan : {false, true}) {
+    shardformer::testing::TinyOptions o = flan ? shardformer::testing::TinyFlanT5() : Tiny();
+    o.layers = 3;  // a stack
+    o.tie = !flan;
+    const std::string what = flan ? "flan-t5" : "t5 v1.0";
+    auto t5 = shardformer::testing::WriteTinyT5(TempPath(flan ? "pp_flan_t5" : "pp_t5"), o);
+    ASSERT_TRUE(t5.ok()) << t5.status();
+    const testing::PairSet pairs = testing::WritePairs(flan ? "pp_flan_t5" : "pp_t5", t5->config.vocab_size);
+    const TrainOptions run =
+        testing::OnExamples(testing::SmallRun(t5->dir, 1, 1, 4), pairs.inputs_path, pairs.targets_path);
+    ExpectStagesTrainAsOneRank(run, what, /*two_d_alone=*/true);
+    const std::vector<StepStats> want = Losses(run);
+    TrainOptions four = run;
+    four.shard.layout.set_pipeline_parallel_size(4);  // stages of 2, 1 | 2, 1 layers
+    four.micro_batches = 4;
+    ExpectSameLosses(Losses(four), want, 1e-4, what + " pp=4");
+    TrainOptions uneven = run;
+    uneven.shard.layout.set_pipeline_parallel_size(3);
+    for (int n : {3, 1, 2}) uneven.shard.layout.add_pipeline_stage_layers(n);
+    uneven.micro_batches = 2;
+    ExpectSameLosses(Losses(uneven), want, 1e-4, what + " pp=3 of 3 | 1, 2 layers");
+    // A held-out evaluation through the stages: the unsharded run's.
+    TrainOptions evaluated = run;
+    evaluated.eval_split = 0.25;
+    evaluated.eval_every = 2;
+    const std::vector<StepStats> plain = Losses(evaluated);
+    evaluated.shard.layout.set_pipeline_parallel_size(2);
+    evaluated.micro_batches = 2;
+    const std::vector<StepStats> staged = Losses(evaluated);
+    ASSERT_EQ(staged.size(), plain.size()) << what;
+    int evals = 0;
+    for (size_t i = 0; i < plain.size(); ++i) {
+      ASSERT_EQ(staged[i].eval.has_value(), plain[i].eval.has_value()) << what << " step " << plain[i].step;
+      if (!plain[i].eval.has_value()) continue;
+      ++evals;
+      EXPECT_NEAR(staged[i].eval->loss, plain[i].eval->loss, 1e-4 * plain[i].eval->loss) << what << " step " << i;
+    }
+    EXPECT_EQ(evals, 2) << what;
+  }
 }
 
 // A family its user registers (ModelRegistry, docs/SHARDFORMER.md) has

@@ -1,7 +1,7 @@
 // The dry-run planner (spec/plan.h) against real training
 // steps of a tiny GPT-2 and LLaMA in 1D (with sequence parallelism and
 // micro-batches), 2D, 2.5D and 3D, BERT, ViT and OPT's projections in other
-// modes, pipeline stages (the fullest
+// modes, pipeline stages (T5's encoder and decoder stages too; the fullest
 // stage's ranks), with and without dp, and with ZeRO 1 and 2 (the tied
 // table across stages kept whole): the bytes each rank
 // holds (what colod_tensor_bytes reports) and the bytes each process group
@@ -18,6 +18,7 @@
 #include "worker/colo/testing.h"
 #include "worker/shardformer/shardformer.h"
 #include "worker/shardformer/testing.h"
+#include "worker/tensor/npy.h"
 #include "worker/train/data.h"
 #include "worker/train/job_options.h"
 #include "worker/train/train_testing.h"
@@ -32,7 +33,7 @@ constexpr char kText[] = "/usr/share/common-licenses/GPL-3";
 
 struct Case {
   std::string name;
-  std::string family;  // gpt2, llama, bert, opt, bloom, vit
+  std::string family;  // gpt2, llama, bert, opt, bloom, vit, t5
   int tp, dp;
   bool sp;
   int micro;
@@ -60,11 +61,13 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
     tiny.embed_dim = 32;  // project_in on the first stage, project_out on the last
     tiny.tie = true;      // and the last stage's mirror of the table
   }
+  if (c.family == "t5") tiny.tie = true;  // the shared embedding on the first, first decoder and last stages
   auto model = c.family == "gpt2"    ? shardformer::testing::WriteTinyGpt2(TempPath("plan_" + c.name), tiny)
                : c.family == "bert"  ? shardformer::testing::WriteTinyBert(TempPath("plan_" + c.name), tiny)
                : c.family == "opt"   ? shardformer::testing::WriteTinyOpt(TempPath("plan_" + c.name), tiny)
                : c.family == "bloom" ? shardformer::testing::WriteTinyBloom(TempPath("plan_" + c.name), tiny)
                : c.family == "vit"   ? shardformer::testing::WriteTinyVit(TempPath("plan_" + c.name), tiny)
+               : c.family == "t5"    ? shardformer::testing::WriteTinyT5(TempPath("plan_" + c.name), tiny)
                                      : shardformer::testing::WriteTinyLlama(TempPath("plan_" + c.name), tiny);
   ASSERT_TRUE(model.ok()) << model.status();
 
@@ -89,6 +92,14 @@ TEST_P(PlanAgainstARun, MemoryAndEachGroupsBytesAreThePlans) {
   if (c.family == "vit") {  // labelled images
     const testing::ImageSet images = testing::WriteImages("plan_" + c.name, tiny);
     o = testing::OnExamples(o, images.images_path, images.labels_path);
+  }
+  if (c.family == "t5") {  // pairs of seq_len tokens each way, as the plan takes them
+    const std::string inputs = TempPath("plan_" + c.name + "_inputs.npy");
+    const std::string targets = TempPath("plan_" + c.name + "_targets.npy");
+    ASSERT_TRUE(
+        WriteNpy(inputs, *shardformer::testing::TokenIds(16, o.seq_len, tiny.vocab, 11).ToDType(DType::kI32)).ok());
+    ASSERT_TRUE(WriteNpy(targets, shardformer::testing::TokenIds(16, o.seq_len, tiny.vocab, 13)).ok());
+    o = testing::OnExamples(o, inputs, targets);
   }
   auto prepared = PrepareTrain(o);
   ASSERT_TRUE(prepared.ok()) << prepared.status();
@@ -199,7 +210,14 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gpt2_pp2_v2_micro4", "gpt2", 1, 1, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 2, 0, 1, 2},
                       Case{"llama_tp2_pp2_v2_dp2_micro2", "llama", 2, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2, 0, 1,
                            2},
-                      Case{"gpt2_pp4_v2_micro4", "gpt2", 1, 1, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 4, 0, 1, 2}),
+                      Case{"gpt2_pp4_v2_micro4", "gpt2", 1, 1, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 4, 0, 1, 2},
+                      // T5's encoder and decoder stages: the decoder's stream and the encoder's output
+                      // between decoder stages; the shared embedding on three stages, each stack's
+                      // position bias on two (ZeRO keeps them whole); an interleaved rank holding the
+                      // shared embedding twice.
+                      Case{"t5_tp2_pp2_micro2", "t5", 2, 1, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
+                      Case{"t5_pp4_dp2_zero1_micro4", "t5", 1, 2, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 4, 1},
+                      Case{"t5_pp2_v2_micro4", "t5", 1, 1, false, 4, v1::TENSOR_PARALLEL_MODE_1D, 0, 2, 0, 1, 2}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace

@@ -395,7 +395,8 @@ absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, const std::vector<s
     if (model.shard_config().pp() > 1) {
       ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(chunks, pg, sync, batch.inputs, batch.labels,
                                                              o.micro_batches, eval.labels, /*reduce=*/false,
-                                                             /*train=*/false));
+                                                             /*train=*/false,
+                                                             data.pairs() ? &batch.decoder_inputs : nullptr));
       loss += r.loss;
       correct += r.correct;  // the last stage's count, on every stage
     } else {
@@ -496,8 +497,10 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       const Tensor& labels = batch.labels;
       const int64_t step_labels = batch.step_labels;
       if (shard.pp() > 1) {
-        ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(chunks, pg, *sync, inputs, labels, o.micro_batches,
-                                                               step_labels, /*reduce=*/last_pass));
+        ASSIGN_OR_RETURN(PipelineStepResult r,
+                         RunPipelineStep(chunks, pg, *sync, inputs, labels, o.micro_batches, step_labels,
+                                         /*reduce=*/last_pass, /*train=*/true,
+                                         run.data->pairs() ? &batch.decoder_inputs : nullptr));
         loss += r.loss;
         pipeline_wait += r.wait_seconds;
         continue;
@@ -511,7 +514,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       }
     }
     RETURN_IF_ERROR(sync->Finish());
-    for (int c = 0; c < v; ++c) RETURN_IF_ERROR(SumTiedGradients(chunk_params[c], *chunks[c], pg));
+    RETURN_IF_ERROR(SumTiedGradients(chunks, chunk_params, pg));
     ASSIGN_OR_RETURN(double norm, GlobalGradNorm(optimizer, &pg));
     // The loss and the norm were read on the host, after the device passed
     // every collective before them: a collective that failed is reported now,
