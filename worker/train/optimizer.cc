@@ -1,5 +1,6 @@
 #include "worker/train/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -197,13 +198,16 @@ namespace {
 // when `over_dp` (ZeRO: the dp ranks hold disjoint slices; a parameter kept
 // whole on every dp rank, `whole[k]`, is then counted on dp rank 0).
 absl::StatusOr<double> NormOf(const std::vector<const NamedParam*>& params, const std::vector<Tensor>& grads,
-                              const std::vector<bool>& whole, bool over_dp, const Device& device, ProcessGroup* pg) {
+                              const std::vector<bool>& whole, bool over_dp, const Device& device, ProcessGroup* pg,
+                              const NormOrder* order = nullptr) {
   const DeviceMesh& mesh = pg->mesh();
   const std::vector<int> coords = mesh.Coordinates(pg->rank());
   ASSIGN_OR_RETURN(std::vector<int> dp_axes, mesh.AxisIndices("dp"));
   // Summed where the gradients are (the parameters' device, whether or not
-  // this rank counts any), all-reduced there, and read on the host once.
-  ASSIGN_OR_RETURN(Tensor total, Tensor::Zeros({1}, DType::kF32, device));
+  // this rank counts any), all-reduced there, and read on the host once;
+  // with an order, a slot a parameter, added in slot order on the host.
+  const bool slotted = order != nullptr && !order->empty();
+  ASSIGN_OR_RETURN(Tensor total, Tensor::Zeros({slotted ? order->size() : 1}, DType::kF32, device));
   std::vector<Tensor> counted;  // the gradients this rank counts
   // Pipeline stages hold different parameters: each counts its own.
   std::vector<int> pp_axes;
@@ -223,21 +227,33 @@ absl::StatusOr<double> NormOf(const std::vector<const NamedParam*>& params, cons
     }
     bool counts = true;
     for (size_t i = 0; i < coords.size(); ++i) counts = counts && (split.count(static_cast<int>(i)) || coords[i] == 0);
-    if (counts) counted.push_back(grads[k]);
+    if (!counts) continue;
+    if (slotted) {
+      const int64_t slot = order->Slot(p.name);
+      if (slot < 0) return absl::InternalError(absl::StrCat(p.name, " has no slot in the gradient norm's order"));
+      ASSIGN_OR_RETURN(Tensor at, total.Narrow(0, slot, 1));
+      RETURN_IF_ERROR(AddSumOfSquares({grads[k]}, at));
+    } else {
+      counted.push_back(grads[k]);
+    }
   }
-  RETURN_IF_ERROR(AddSumOfSquares(counted, total));  // one reduction over them all
+  if (!slotted) RETURN_IF_ERROR(AddSumOfSquares(counted, total));  // one reduction over them all
   std::vector<Communicator*> comms;
   for (const char* axis : {"tp", "pp", "dp"}) {
     if (std::string(axis) == "dp" && !over_dp) continue;
     absl::StatusOr<int> size = pg->AxisSize(axis);
     if (!size.ok() || *size < 2) continue;
     ASSIGN_OR_RETURN(Communicator * comm, pg->Comm(axis));
-    RETURN_IF_ERROR(comm->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg->timeout()));
+    RETURN_IF_ERROR(
+        comm->AllReduce(total.raw_data(), total.numel(), DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg->timeout()));
     comms.push_back(comm);
   }
-  const float squares = total.ToFloats()[0];  // the step's one read of the norm
+  const std::vector<float> squares = total.ToFloats();  // the step's one read of the norm
   for (Communicator* comm : comms) RETURN_IF_ERROR(comm->AsyncError());  // the all-reduces above may have failed
-  return std::sqrt(static_cast<double>(squares));
+  if (!slotted) return std::sqrt(static_cast<double>(squares[0]));
+  double sum = 0;
+  for (float s : squares) sum += s;  // in slot order
+  return std::sqrt(sum);
 }
 
 }  // namespace
@@ -256,7 +272,7 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
   return NormOf(of, grads, std::vector<bool>(of.size(), true), /*over_dp=*/false, device, pg);
 }
 
-absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* pg) {
+absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* pg, const NormOrder* order) {
   std::vector<const NamedParam*> of;
   std::vector<Tensor> grads;
   std::vector<bool> whole;
@@ -274,7 +290,73 @@ absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* 
   // device is its parameters'.
   const std::vector<NamedParam>& params = optimizer.params();
   const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
-  return NormOf(of, grads, whole, partition.over_dp, device, pg);
+  return NormOf(of, grads, whole, partition.over_dp, device, pg, order);
+}
+
+namespace {
+
+// FNV-1a, 64 bits: a name's hash, the same in every process.
+int64_t NameHash(const std::string& name) {
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : name) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h);
+}
+
+}  // namespace
+
+absl::StatusOr<NormOrder> NormOrder::Create(const std::vector<NamedParam>& params, ProcessGroup* pg) {
+  NormOrder order;
+  absl::StatusOr<int> stages = pg->AxisSize("pp");
+  if (!stages.ok() || *stages < 2) return order;
+  const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
+  std::vector<int64_t> mine;
+  std::set<std::string> names;
+  for (const NamedParam& p : params) {
+    if (!p.mirror && names.insert(p.name).second) mine.push_back(NameHash(p.name));
+  }
+  ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("pp"));
+  const absl::Duration timeout = pg->timeout();
+  const int n = *stages;
+  // Every stage's count, then its hashes (padded to the largest count).
+  ASSIGN_OR_RETURN(Tensor count, Tensor::FromInt64s({1}, {static_cast<int64_t>(mine.size())}));
+  ASSIGN_OR_RETURN(count, count.To(device));
+  ASSIGN_OR_RETURN(Tensor counts, Tensor::Empty({n}, DType::kI64, device));
+  RETURN_IF_ERROR(comm->AllGather(count.raw_data(), counts.raw_data(), 1, DType::kI64)->WaitOnDevice(timeout));
+  const std::vector<int64_t> each = counts.ToInt64s();
+  int64_t most = 0;
+  for (int64_t c : each) most = std::max(most, c);
+  std::vector<int64_t> padded = mine;
+  padded.resize(static_cast<size_t>(most), 0);
+  ASSIGN_OR_RETURN(Tensor hashes, Tensor::FromInt64s({most}, padded));
+  ASSIGN_OR_RETURN(hashes, hashes.To(device));
+  ASSIGN_OR_RETURN(Tensor all, Tensor::Empty({n * most}, DType::kI64, device));
+  if (most > 0) {
+    RETURN_IF_ERROR(comm->AllGather(hashes.raw_data(), all.raw_data(), most, DType::kI64)->WaitOnDevice(timeout));
+  }
+  const std::vector<int64_t> gathered = all.ToInt64s();
+  std::vector<int64_t> sorted;
+  for (int s = 0; s < n; ++s) {
+    for (int64_t i = 0; i < each[s]; ++i) sorted.push_back(gathered[static_cast<size_t>(s * most + i)]);
+  }
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    return absl::InternalError("two parameters' names hash alike (or two stages hold one parameter): the gradient "
+                               "norm cannot order them");
+  }
+  for (const std::string& name : names) {
+    const int64_t h = NameHash(name);
+    order.slots_[name] = std::lower_bound(sorted.begin(), sorted.end(), h) - sorted.begin();
+  }
+  order.size_ = static_cast<int64_t>(sorted.size());
+  return order;
+}
+
+int64_t NormOrder::Slot(const std::string& name) const {
+  auto it = slots_.find(name);
+  return it == slots_.end() ? -1 : it->second;
 }
 
 double ClipFactor(double norm, double max_norm) {

@@ -21,6 +21,7 @@
 
 #include <optional>
 #include <string>
+#include <map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -118,13 +119,39 @@ class Optimizer {
   int64_t steps_ = 0;
 };
 
+// The order a pipeline's gradient norm adds its parameters' squares in:
+// one slot a parameter (a mirror has none) in a vector the same on every
+// rank, the slots in the order of the parameters' names' hashes over the
+// whole model, so the norm's bits do not depend on which stages hold which
+// layers (interleaved 1F1B's norm is 1F1B's over the same layers).
+// Empty without pipeline stages, where each rank sums its own into one
+// number. Thread-safety: a plain value.
+class NormOrder {
+ public:
+  // This rank's parameters' slots, from every pipeline stage's names
+  // (hashed, all-gathered over the pp group: collective over it, on the
+  // parameters' device). INTERNAL if two names hash alike.
+  static absl::StatusOr<NormOrder> Create(const std::vector<shardformer::NamedParam>& params, ProcessGroup* pg);
+  bool empty() const { return size_ == 0; }
+  int64_t size() const { return size_; }
+  // The slot of this rank's parameter `name`; -1 for one it has none for.
+  int64_t Slot(const std::string& name) const;
+
+ private:
+  std::map<std::string, int64_t> slots_;
+  int64_t size_ = 0;
+};
+
 // The global L2 norm of the gradients (see the file comment), each
 // parameter counted once: pipeline stages each count their own (a mirror
 // not at all). Collective over the tp group of `pg`, and its pp group.
 absl::StatusOr<double> GlobalGradNorm(const std::vector<shardformer::NamedParam>& params, ProcessGroup* pg);
 // The same over the gradients `optimizer` reads (its partition's slices;
-// with ZeRO summed over the dp group too).
-absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* pg);
+// with ZeRO summed over the dp group too). With a non-empty `order`, each
+// parameter's squares go to its slot and the slots, reduced over the
+// groups, are added in slot order (NormOrder).
+absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* pg,
+                                      const NormOrder* order = nullptr);
 // torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6) when
 // norm > max_norm > 0, else 1. The trainer passes it to Optimizer::Step,
 // which scales the gradients as the fused update reads them.

@@ -462,6 +462,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
                    GradSync::Create(params, &pg, o.bucket_bytes, o.zero_stage, chunk_starts));
   // Under ZeRO each dp rank updates (and keeps the state of) its partition.
   ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer, sync->partition()));
+  // Pipelines: the norm adds the parameters' squares in one order whichever
+  // stages hold them.
+  ASSIGN_OR_RETURN(const NormOrder norm_order, NormOrder::Create(params, &pg));
   ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
   int64_t first = 0;
   if (!run.resume.empty()) {
@@ -515,7 +518,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     }
     RETURN_IF_ERROR(sync->Finish());
     RETURN_IF_ERROR(SumTiedGradients(chunks, chunk_params, pg));
-    ASSIGN_OR_RETURN(double norm, GlobalGradNorm(optimizer, &pg));
+    ASSIGN_OR_RETURN(double norm, GlobalGradNorm(optimizer, &pg, &norm_order));
     // The loss and the norm were read on the host, after the device passed
     // every collective before them: a collective that failed is reported now,
     // before its garbage reaches the weights.
