@@ -505,6 +505,26 @@ absl::StatusOr<int64_t> SumRankElements(const std::vector<PlanLeaf>& leaves, con
 
 namespace {
 
+// The parameter tensors a leaf declares, over its count (a tied head's
+// table is its embedding's).
+int64_t ParamTensors(const PlanLeaf& l) {
+  if (l.role == Role::kTiedHead) return 0;
+  int64_t each = 1;
+  switch (l.kind) {
+    case LeafKind::kLinear:
+    case LeafKind::kConv1D:
+    case LeafKind::kLayerNorm:
+      each += l.bias ? 1 : 0;
+      break;
+    case LeafKind::kPatchEmbedding:
+      each = 2;
+      break;
+    default:
+      break;
+  }
+  return each * l.count;
+}
+
 // Where stage `s`'s layers begin among the model's.
 int64_t StageBegin(const std::vector<int64_t>& stages, size_t s) {
   int64_t begin = 0;
@@ -731,6 +751,9 @@ struct StageContext {
   int64_t stage_layers = 0;       // the layers this pipeline rank holds, over its chunks
   // The tables several stages hold (TiedTables), with their holders.
   std::vector<std::pair<std::string, std::vector<int>>> tied;
+  // The floats the gradient norm reduces: 1, or with stages one a
+  // parameter tensor of the model (worker/train's NormOrder).
+  int64_t norm_slots = 1;
   // ZeRO over dp (TRAIN, dp > 1): its stage, and the elements per rank it
   // keeps whole (a table tied across stages: summed between them).
   int zero = 0;
@@ -1070,6 +1093,19 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
   return held.Total("the activations per rank");
 }
 
+// T5's position bias [s, s, heads], looked up whole once a stack (a
+// stage holding it) and micro-batch, each rank reading its heads' rows
+// (for its rows of the batch): its gradient summed over the whole tp group
+// in the backward, in every mode.
+void PlanPositionBiasGradient(const StageContext& c, CommSum& comm, int tp_size) {
+  if (!c.train || c.b <= 0) return;
+  for (const PlanLeaf& l : c.leaves) {
+    if (l.name.find("relative_attention_bias") == std::string::npos) continue;
+    const int64_t seq = c.tokens / c.b;
+    comm.Add("tp", "all_reduce", {c.micro}, {seq, seq, l.out}, c.act, tp_size);
+  }
+}
+
 // The tensor-parallel group's collectives of 1D (and sequence parallelism).
 void PlanComm1D(const StageContext& c, CommSum& comm) {
   const int tp_size = c.split.t;
@@ -1124,15 +1160,6 @@ void PlanComm1D(const StageContext& c, CommSum& comm) {
           comm.Add(g, "all_reduce", {l.bias ? 2 : 1, l.count}, {l.out}, width, tp_size);
         }
         break;
-      case Role::kWhole:
-        // T5's position bias [s, s, heads], looked up whole once a stack
-        // (a stage) and micro-batch, each rank reading its heads: its
-        // gradient summed over tp in the backward.
-        if (train && l.name.find("relative_attention_bias") != std::string::npos && c.b > 0) {
-          const int64_t seq = tokens / c.b;
-          comm.Add(g, "all_reduce", {micro}, {seq, seq, l.out}, act, tp_size);
-        }
-        break;
       case Role::kProjection:
         // BERT's MLM transform and OPT's project_out, replicated, on the
         // whole sequence: the stream gathered before it, and its output
@@ -1153,7 +1180,8 @@ void PlanComm1D(const StageContext& c, CommSum& comm) {
     return l.role == Role::kTiedHead || l.role == Role::kVocabHead;
   });
   if (vocab_loss) comm.Add(g, "all_gather", {micro}, {4, tokens}, 4, tp_size);
-  if (train) comm.Add(g, "all_reduce", {1}, {1}, 4, tp_size);  // the gradient norm's sum of squares
+  PlanPositionBiasGradient(c, comm, tp_size);
+  if (train) comm.Add(g, "all_reduce", {1}, {c.norm_slots}, 4, tp_size);  // the gradient norm's sum of squares
 }
 
 // Data parallelism: the loss, and the gradients in buckets.
@@ -1181,7 +1209,7 @@ void PlanCommDataParallel(const StageContext& c, const JobPlan& plan, CommSum& c
   const int64_t buckets = buckets_of(partitioned);
   comm.Add("dp", "reduce_scatter", {buckets, c.zero == 2 ? micro : 1}, {CeilDiv(partitioned, buckets)}, c.width, dp);
   comm.Add("dp", "all_gather", {buckets}, {CeilDiv(partitioned, buckets * dp)}, c.width, dp);
-  comm.Add("dp", "all_reduce", {1}, {1}, 4, dp);
+  comm.Add("dp", "all_reduce", {1}, {c.norm_slots}, 4, dp);
 }
 
 // An image classifier (ViT) in the block modes (worker/shardformer/vit.cc):
@@ -1283,7 +1311,8 @@ void PlanComm2D(const StageContext& c, CommSum& comm) {
     comm.Add("tp_col", "all_reduce", {micro}, {2}, 4, q);
     comm.Add("tp_dep", "all_reduce", {micro}, {2}, 4, depth);
   }
-  if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
+  PlanPositionBiasGradient(c, comm, std::max(1, layout.tensor_parallel_size()));
+  if (train) comm.Add("tp", "all_reduce", {1}, {c.norm_slots}, 4, std::max(1, layout.tensor_parallel_size()));
 }
 
 // 3D's collectives (over tp_input, tp_weight and tp_output).
@@ -1377,7 +1406,8 @@ void PlanComm3D(const StageContext& c, CommSum& comm) {
     comm.Add(out_axis, "all_reduce", {micro}, {2}, 4, q);
     comm.Add(stream_k, "all_reduce", {micro}, {2}, 4, q);
   }
-  if (train) comm.Add("tp", "all_reduce", {1}, {1}, 4, std::max(1, layout.tensor_parallel_size()));
+  PlanPositionBiasGradient(c, comm, std::max(1, layout.tensor_parallel_size()));
+  if (train) comm.Add("tp", "all_reduce", {1}, {c.norm_slots}, 4, std::max(1, layout.tensor_parallel_size()));
 }
 
 // A pipeline rank's sends and receives, and the tied tables' exchanges.
@@ -1424,8 +1454,10 @@ absl::Status PlanCommPipeline(const StageContext& c, CommSum& comm) {
     }
   }
   // The loss over pp once a pass (each accumulation pass's pipeline step),
-  // the norm once a step.
-  comm.Add("pp", "all_reduce", {c.grad_accum + 1}, {1}, 4, pp);
+  // the norm's slots once a step (NormOrder's all-gather of the names, once
+  // a run, is not a step's).
+  comm.Add("pp", "all_reduce", {c.grad_accum}, {1}, 4, pp);
+  comm.Add("pp", "all_reduce", {1}, {c.norm_slots}, 4, pp);
   // Each tied table's gradients summed once a step (SumTiedGradients): a
   // holder on another rank than the owner's sends its copy's over pp#f0
   // and receives the sum over pp#b1; the owner's rank takes each and sends
@@ -1487,7 +1519,11 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
       c.stage_layers += c.stages[vs];
     }
   }
-  if (stage >= 0) c.tied = TiedTables(config, all_leaves, c.stages);
+  if (stage >= 0) {
+    c.tied = TiedTables(config, all_leaves, c.stages);
+    c.norm_slots = 0;
+    for (const PlanLeaf& l : all_leaves) c.norm_slots += ParamTensors(l);
+  }
   c.zero = c.train && c.dp > 1 ? spec.train().zero_stage() : 0;
   if (c.zero > 0 && !c.tied.empty()) {
     // ZeRO keeps a tied table whole on each stage holding it (the sum

@@ -107,7 +107,8 @@ struct ModelFamily {
   // built tree the layers `stage` does not hold and makes its forward the
   // stage's (the first stage reads the model's input, token ids or pixels,
   // the others the previous stage's activation; only the last gives
-  // logits). Returns the tables this stage shares with other stages (the
+  // logits; an encoder-decoder's forward of two inputs takes the decoder's
+  // ids on every stage as its second). Returns the tables this stage shares with other stages (the
   // embedding an LM head is tied to, which the last stage keeps as the
   // head's table; T5's shared embedding and position bias tables).
   std::function<absl::StatusOr<std::vector<TiedTable>>(Module& root, const PipelineStage& stage)> split_stage;

@@ -206,8 +206,8 @@ absl::StatusOr<ColoTensor> ConditionalGenerationForward(Module& self, const Colo
 //     final norm, and its output is the encoder's;
 //   - the first decoder stage takes the encoder's output and embeds the
 //     decoder ids (it holds a mirror of the shared embedding);
-//   - every decoder stage sends on its stream and the encoder's output
-//     joined along the sequence, [rows, decoder seq + seq, hidden], so each
+//   - every decoder stage but the last sends on its stream and the
+//     encoder's output joined along the sequence, [rows, decoder seq + seq, hidden], so each
 //     decoder stage has the encoder's output for its cross-attention, and
 //     the gradient of the encoder's output comes back the same way, each
 //     decoder stage's cross-attentions adding theirs;

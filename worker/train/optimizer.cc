@@ -214,7 +214,7 @@ absl::StatusOr<double> NormOf(const std::vector<const NamedParam*>& params, cons
   if (auto pp = mesh.AxisIndices("pp"); pp.ok()) pp_axes = *pp;
   for (size_t k = 0; k < params.size(); ++k) {
     const NamedParam& p = *params[k];
-    if (p.mirror) continue;  // the first stage counts the table the last stage mirrors
+    if (p.mirror) continue;  // a shared table's owner (its first holder) counts it
     const ColoParameter& param = p.bound.param;
     std::set<int> split(pp_axes.begin(), pp_axes.end());
     // dp replicas are equal: each counts (the sum is not over dp), or, over

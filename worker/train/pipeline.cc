@@ -67,10 +67,16 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
     return absl::InvalidArgumentError(pairs ? "pipeline: an encoder-decoder's stages need the decoder's inputs"
                                             : "pipeline: decoder inputs for a model without a decoder");
   }
-  if (pairs && (decoder_inputs->dim() != 2 || inputs.dim() != 2 ||
-                decoder_inputs->shape()[0] != inputs.shape()[0])) {
-    return absl::InvalidArgumentError(absl::StrCat("pipeline: decoder inputs ", ShapeToString(decoder_inputs->shape()),
-                                                   " for inputs ", ShapeToString(inputs.shape())));
+  // Checked on every rank (the first stage's forward checks the ids again):
+  // a rank that refused them alone would leave the others waiting.
+  if (pairs && (decoder_inputs->dim() != 2 || inputs.dim() != 2 || !IsInteger(decoder_inputs->dtype()) ||
+                decoder_inputs->shape()[0] != inputs.shape()[0] || decoder_inputs->shape()[1] < 1 ||
+                decoder_inputs->shape()[1] > chunks.front()->config().max_positions)) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline: decoder inputs must be integers [rows, 1 to ",
+                                                   chunks.front()->config().max_positions, "] for inputs ",
+                                                   ShapeToString(inputs.shape()), ", got ",
+                                                   DTypeName(decoder_inputs->dtype()), " ",
+                                                   ShapeToString(decoder_inputs->shape())));
   }
   const int v = static_cast<int>(chunks.size());
   ASSIGN_OR_RETURN(const int me, pg.LocalRank("pp"));
