@@ -506,8 +506,10 @@ absl::StatusOr<int64_t> SumRankElements(const std::vector<PlanLeaf>& leaves, con
 namespace {
 
 // The parameter tensors a leaf declares, over its count (a tied head's
-// table is its embedding's).
-int64_t ParamTensors(const PlanLeaf& l) {
+// table is its embedding's): in 2D, 2.5D and 3D (`blocks`) a fused
+// projection's parts are parameters of their own (Linear2D's and
+// Linear3D's weight[k], bias[k]).
+int64_t ParamTensors(const PlanLeaf& l, bool blocks) {
   if (l.role == Role::kTiedHead) return 0;
   int64_t each = 1;
   switch (l.kind) {
@@ -522,7 +524,7 @@ int64_t ParamTensors(const PlanLeaf& l) {
     default:
       break;
   }
-  return each * l.count;
+  return each * (blocks && l.fused > 1 ? l.fused : 1) * l.count;
 }
 
 // Where stage `s`'s layers begin among the model's.
@@ -1522,7 +1524,7 @@ absl::StatusOr<JobPlan> PlanStage(const ModelConfig& config, const v1::JobSpec& 
   if (stage >= 0) {
     c.tied = TiedTables(config, all_leaves, c.stages);
     c.norm_slots = 0;
-    for (const PlanLeaf& l : all_leaves) c.norm_slots += ParamTensors(l);
+    for (const PlanLeaf& l : all_leaves) c.norm_slots += ParamTensors(l, c.split.blocks());
   }
   c.zero = c.train && c.dp > 1 ? spec.train().zero_stage() : 0;
   if (c.zero > 0 && !c.tied.empty()) {

@@ -7,9 +7,10 @@
 // each layer computes the same micro-batches from the same inputs, and the
 // last stage sums the micro-batches' losses in the same order. An
 // evaluation (forwards only) gives the same loss. The trainer with
-// layout.virtual_stages = 2 trains as with 1F1B bit for bit, clipped or
-// not (the gradient norm adds each parameter's squares in one order
-// whichever ranks hold it: NormOrder), at pp = 2 and 4, at
+// layout.virtual_stages = 2 trains as with 1F1B bit for bit (clipped too
+// at pp = 2 and 4: the gradient norm adds each parameter's squares in one
+// order whichever ranks hold it, NormOrder; ZeRO's norm within f32
+// rounding), at pp = 2 and 4, at
 // tp2 x pp2 x dp2, on uneven virtual stages, with a held-out evaluation, and on CUDA ranks (the
 // emulation's in CI); what it cannot take is refused.
 #include <map>
@@ -140,6 +141,51 @@ TEST(Interleaved, ChunksThatAreNotTheRanksVirtualStagesAreRefused) {
     EXPECT_EQ(step.status().code(), absl::StatusCode::kInvalidArgument) << step.status();
     EXPECT_NE(step.status().message().find(" of 4, not "), std::string::npos) << step.status();
   });
+}
+
+// Inputs no stage can read are refused by every rank before any message
+// (the first stage alone refusing them would leave the others waiting for
+// its activations): ids longer than GPT-2's positions, float ids, rows
+// that do not split into the micro-batches, an encoder-decoder without its
+// decoder inputs or with empty ones.
+TEST(Interleaved, InputsNoStageCanReadAreRefusedOnEveryRank) {
+  shardformer::testing::TinyOptions o;
+  o.layers = 2;
+  auto gpt2 = shardformer::testing::WriteTinyGpt2(TempPath("pipeline_refused_gpt2"), o);
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  auto t5 = shardformer::testing::WriteTinyT5(TempPath("pipeline_refused_t5"), o);
+  ASSERT_TRUE(t5.ok()) << t5.status();
+  shardformer::ShardConfig shard;
+  shard.layout.set_tensor_parallel_size(1);
+  shard.layout.set_data_parallel_size(1);
+  shard.layout.set_pipeline_parallel_size(2);
+  const Tensor ids = shardformer::testing::TokenIds(4, 8, o.vocab, 3);
+  const Tensor too_long = shardformer::testing::TokenIds(4, o.positions + 1, o.vocab, 3);
+  const Tensor floats = *ids.ToDType(DType::kF32);
+  const Tensor no_decoder = shardformer::testing::TokenIds(4, 0, o.vocab, 3);
+  for (const std::string& dir : {gpt2->dir, t5->dir}) {
+    RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
+      auto model = shardformer::ShardFormer(shard, &pg).Load(dir);
+      ASSERT_TRUE(model.ok()) << model.status();
+      auto sync = GradSync::Create((*model)->Parameters(), &pg, 64 << 10);
+      ASSERT_TRUE(sync.ok()) << sync.status();
+      const bool pairs = (*model)->config().is_encoder_decoder();
+      const Tensor* dec = pairs ? &ids : nullptr;
+      auto refused = [&](const Tensor& in, int64_t micro, const Tensor* decoder, const std::string& what) {
+        auto step = RunPipelineStep(**model, pg, **sync, in, ids, micro, 32, true, true, decoder);
+        EXPECT_EQ(step.status().code(), absl::StatusCode::kInvalidArgument) << what << ": " << step.status();
+      };
+      if (!pairs) refused(too_long, 2, dec, "ids longer than the positions");  // T5's relative positions: any
+      refused(floats, 2, dec, "float ids");
+      refused(ids, 3, dec, "4 rows in 3 micro-batches");
+      if (pairs) {
+        refused(ids, 2, nullptr, "no decoder inputs");
+        refused(ids, 2, &no_decoder, "empty decoder inputs");
+      } else {
+        refused(ids, 2, &ids, "decoder inputs for a decoder-only model");
+      }
+    });
+  }
 }
 
 // A tiny tied GPT-2 of `layers` layers, 4 steps at pp with `micro`

@@ -307,11 +307,11 @@ int64_t NameHash(const std::string& name) {
 
 }  // namespace
 
-absl::StatusOr<NormOrder> NormOrder::Create(const std::vector<NamedParam>& params, ProcessGroup* pg) {
+absl::StatusOr<NormOrder> NormOrder::Create(const std::vector<NamedParam>& params, ProcessGroup* pg,
+                                            const Device& device) {
   NormOrder order;
   absl::StatusOr<int> stages = pg->AxisSize("pp");
   if (!stages.ok() || *stages < 2) return order;
-  const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
   std::vector<int64_t> mine;
   std::set<std::string> names;
   for (const NamedParam& p : params) {

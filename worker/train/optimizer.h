@@ -6,7 +6,9 @@
 // their gradients are (the layers sum them over the replicas). The global
 // gradient norm counts every element of the model once: a shard on the ranks
 // that hold it, a parameter replicated over some tp axes on the rank at
-// coordinate 0 of those axes; the squares are then summed over the tp group.
+// coordinate 0 of those axes; the squares are then summed over the tp group
+// (and the pp group: each stage counts its own parameters, a mirror none;
+// under stages in the fixed order of NormOrder).
 // Gradients are identical across dp replicas when it runs (after the dp
 // reduction), so dp is not summed over, except under ZeRO, where each dp rank
 // updates (and counts) its own partition of the gradients.
@@ -129,9 +131,10 @@ class Optimizer {
 class NormOrder {
  public:
   // This rank's parameters' slots, from every pipeline stage's names
-  // (hashed, all-gathered over the pp group: collective over it, on the
-  // parameters' device). INTERNAL if two names hash alike.
-  static absl::StatusOr<NormOrder> Create(const std::vector<shardformer::NamedParam>& params, ProcessGroup* pg);
+  // (hashed, all-gathered over the pp group through `device`, the rank's:
+  // collective over it). INTERNAL if two names hash alike.
+  static absl::StatusOr<NormOrder> Create(const std::vector<shardformer::NamedParam>& params, ProcessGroup* pg,
+                                          const Device& device);
   bool empty() const { return size_ == 0; }
   int64_t size() const { return size_; }
   // The slot of this rank's parameter `name`; -1 for one it has none for.

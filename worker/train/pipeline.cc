@@ -69,6 +69,25 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
   }
   // Checked on every rank (the first stage's forward checks the ids again):
   // a rank that refused them alone would leave the others waiting.
+  const ModelConfig& config = chunks.front()->config();
+  if (micro_batches < 1 || inputs.dim() < 1 || inputs.shape()[0] % micro_batches != 0 || labels.dim() < 1 ||
+      labels.shape()[0] != inputs.shape()[0]) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline: inputs ", ShapeToString(inputs.shape()), " and labels ",
+                                                   ShapeToString(labels.shape()), " in ", micro_batches,
+                                                   " micro-batches"));
+  }
+  if (config.takes_images()
+          ? (inputs.dim() != 4 || !IsFloat(inputs.dtype()) || inputs.shape()[1] != config.num_channels ||
+             inputs.shape()[2] != config.image_size || inputs.shape()[3] != config.image_size)
+          : (inputs.dim() != 2 || !IsInteger(inputs.dtype()) || inputs.shape()[1] < 1 ||
+             inputs.shape()[1] > config.max_positions)) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline: inputs must be ",
+                                                   config.takes_images() ? "float pixels [rows, channels, side, side]"
+                                                                         : absl::StrCat("integer ids [rows, 1 to ",
+                                                                                        config.max_positions, "]"),
+                                                   ", got ", DTypeName(inputs.dtype()), " ",
+                                                   ShapeToString(inputs.shape())));
+  }
   if (pairs && (decoder_inputs->dim() != 2 || inputs.dim() != 2 || !IsInteger(decoder_inputs->dtype()) ||
                 decoder_inputs->shape()[0] != inputs.shape()[0] || decoder_inputs->shape()[1] < 1 ||
                 decoder_inputs->shape()[1] > chunks.front()->config().max_positions)) {

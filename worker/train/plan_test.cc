@@ -197,6 +197,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"opt_tp2_pp2_micro2", "opt", 2, 1, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
                       Case{"bloom_pp2_dp2_micro2", "bloom", 1, 2, false, 2, v1::TENSOR_PARALLEL_MODE_1D, 0, 2},
                       Case{"bert_2d_pp2_micro2", "bert", 4, 1, false, 2, v1::TENSOR_PARALLEL_MODE_2D, 0, 2},
+                      // GPT-2's fused q|k|v: three parameters in 2D (the norm's slots).
+                      Case{"gpt2_2d_pp2_micro2", "gpt2", 4, 1, false, 2, v1::TENSOR_PARALLEL_MODE_2D, 0, 2},
                       // A classifier: its logits replicated over the
                       // tensor-parallel ranks, the loss reduced over dp only;
                       // OPT's project_in/out under sequence parallelism.

@@ -464,7 +464,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   ASSIGN_OR_RETURN(Optimizer optimizer, Optimizer::Create(params, o.optimizer, sync->partition()));
   // Pipelines: the norm adds the parameters' squares in one order whichever
   // stages hold them.
-  ASSIGN_OR_RETURN(const NormOrder norm_order, NormOrder::Create(params, &pg));
+  ASSIGN_OR_RETURN(const NormOrder norm_order, NormOrder::Create(params, &pg, shard.device));
   ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
   int64_t first = 0;
   if (!run.resume.empty()) {
