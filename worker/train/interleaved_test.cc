@@ -118,15 +118,21 @@ TEST(Interleaved, TwoChunksOnFourRanksAreOneFOneB) {
   ExpectInterleavedIsOneFOneB(4, 8, 8);  // forwards and backwards in turn
 }
 
+// Two pipeline stages of one rank each.
+shardformer::ShardConfig TwoStages() {
+  shardformer::ShardConfig shard;
+  shard.layout.set_tensor_parallel_size(1);
+  shard.layout.set_data_parallel_size(1);
+  shard.layout.set_pipeline_parallel_size(2);
+  return shard;
+}
+
 TEST(Interleaved, ChunksThatAreNotTheRanksVirtualStagesAreRefused) {
   shardformer::testing::TinyOptions o;
   o.layers = 4;
   auto gpt2 = shardformer::testing::WriteTinyGpt2(TempPath("interleaved_refused"), o);
   ASSERT_TRUE(gpt2.ok()) << gpt2.status();
-  shardformer::ShardConfig shard;
-  shard.layout.set_tensor_parallel_size(1);
-  shard.layout.set_data_parallel_size(1);
-  shard.layout.set_pipeline_parallel_size(2);
+  const shardformer::ShardConfig shard = TwoStages();
   RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int, ProcessGroup& pg) {
     shardformer::ShardConfig mine = shard;
     mine.layout.set_virtual_stages(2);
@@ -155,10 +161,7 @@ TEST(Interleaved, InputsNoStageCanReadAreRefusedOnEveryRank) {
   ASSERT_TRUE(gpt2.ok()) << gpt2.status();
   auto t5 = shardformer::testing::WriteTinyT5(TempPath("pipeline_refused_t5"), o);
   ASSERT_TRUE(t5.ok()) << t5.status();
-  shardformer::ShardConfig shard;
-  shard.layout.set_tensor_parallel_size(1);
-  shard.layout.set_data_parallel_size(1);
-  shard.layout.set_pipeline_parallel_size(2);
+  const shardformer::ShardConfig shard = TwoStages();
   const Tensor ids = shardformer::testing::TokenIds(4, 8, o.vocab, 3);
   const Tensor too_long = shardformer::testing::TokenIds(4, o.positions + 1, o.vocab, 3);
   const Tensor floats = *ids.ToDType(DType::kF32);
