@@ -312,11 +312,12 @@ absl::StatusOr<NormOrder> NormOrder::Create(const std::vector<NamedParam>& param
   NormOrder order;
   absl::StatusOr<int> stages = pg->AxisSize("pp");
   if (!stages.ok() || *stages < 2) return order;
-  std::vector<int64_t> mine;
-  std::set<std::string> names;
+  std::map<std::string, int64_t> hashes_of;  // this rank's parameters (a mirror is its owner's)
   for (const NamedParam& p : params) {
-    if (!p.mirror && names.insert(p.name).second) mine.push_back(NameHash(p.name));
+    if (!p.mirror) hashes_of.emplace(p.name, NameHash(p.name));
   }
+  std::vector<int64_t> mine;
+  for (const auto& [name, h] : hashes_of) mine.push_back(h);
   ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("pp"));
   const absl::Duration timeout = pg->timeout();
   const int n = *stages;
@@ -346,8 +347,7 @@ absl::StatusOr<NormOrder> NormOrder::Create(const std::vector<NamedParam>& param
     return absl::InternalError("two parameters' names hash alike (or two stages hold one parameter): the gradient "
                                "norm cannot order them");
   }
-  for (const std::string& name : names) {
-    const int64_t h = NameHash(name);
+  for (const auto& [name, h] : hashes_of) {
     order.slots_[name] = std::lower_bound(sorted.begin(), sorted.end(), h) - sorted.begin();
   }
   order.size_ = static_cast<int64_t>(sorted.size());

@@ -62,15 +62,16 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
                                                    const Tensor& labels, int64_t micro_batches, int64_t step_labels,
                                                    bool reduce, bool train, const Tensor* decoder_inputs) {
   if (chunks.empty()) return absl::InvalidArgumentError("pipeline: no model chunk");
-  const bool pairs = chunks.front()->config().is_encoder_decoder();
+  const ModelConfig& config = chunks.front()->config();
+  const bool pairs = config.is_encoder_decoder();
   if (pairs != (decoder_inputs != nullptr)) {
     return absl::InvalidArgumentError(pairs ? "pipeline: an encoder-decoder's stages need the decoder's inputs"
                                             : "pipeline: decoder inputs for a model without a decoder");
   }
   // Checked on every rank (the first stage's forward checks the ids again):
   // a rank that refused them alone would leave the others waiting.
-  const ModelConfig& config = chunks.front()->config();
-  if (micro_batches < 1 || inputs.dim() < 1 || inputs.shape()[0] % micro_batches != 0 || labels.dim() < 1 ||
+  if (micro_batches < 1 || micro_batches > (int64_t{1} << 20) || inputs.dim() < 1 ||
+      inputs.shape()[0] % micro_batches != 0 || labels.dim() < 1 ||
       labels.shape()[0] != inputs.shape()[0]) {
     return absl::InvalidArgumentError(absl::StrCat("pipeline: inputs ", ShapeToString(inputs.shape()), " and labels ",
                                                    ShapeToString(labels.shape()), " in ", micro_batches,
@@ -90,9 +91,9 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
   }
   if (pairs && (decoder_inputs->dim() != 2 || inputs.dim() != 2 || !IsInteger(decoder_inputs->dtype()) ||
                 decoder_inputs->shape()[0] != inputs.shape()[0] || decoder_inputs->shape()[1] < 1 ||
-                decoder_inputs->shape()[1] > chunks.front()->config().max_positions)) {
+                decoder_inputs->shape()[1] > config.max_positions)) {
     return absl::InvalidArgumentError(absl::StrCat("pipeline: decoder inputs must be integers [rows, 1 to ",
-                                                   chunks.front()->config().max_positions, "] for inputs ",
+                                                   config.max_positions, "] for inputs ",
                                                    ShapeToString(inputs.shape()), ", got ",
                                                    DTypeName(decoder_inputs->dtype()), " ",
                                                    ShapeToString(decoder_inputs->shape())));
@@ -108,9 +109,6 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
                                                      " of ", st.count, ", not ", c * p + me, " of ",
                                                      virtual_stages));
     }
-  }
-  if (micro_batches < 1 || micro_batches > (int64_t{1} << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat("pipeline: ", micro_batches, " micro-batches"));
   }
   const int m = static_cast<int>(micro_batches);
   ASSIGN_OR_RETURN(std::vector<PipeTask> schedule, InterleavedSchedule(p, me, m, v));
@@ -337,25 +335,23 @@ absl::Status SumTiedGradients(const std::vector<shardformer::ShardedModel*>& chu
   for (auto& [name, t] : tables) {
     const int owner = t.stages.front();
     std::vector<Pending> sends;
-    absl::Status done;
     if (t.mine.count(owner) > 0) {
       // The sum in stage order, whichever ranks hold the copies: the same
       // bits for any placement of the stages.
       Tensor sum = t.mine[owner].Contiguous();
-      for (size_t k = 1; k < t.stages.size() && done.ok(); ++k) {
+      for (size_t k = 1; k < t.stages.size(); ++k) {
         const int s = t.stages[k];
         Tensor theirs;
         if (auto it = t.mine.find(s); it != t.mine.end()) {
           theirs = it->second;
         } else {
           ASSIGN_OR_RETURN(theirs, Tensor::Empty(sum.shape(), sum.dtype(), sum.device()));
-          done = gather->Recv(theirs.raw_data(), theirs.numel(), theirs.dtype(), rank_of(s), static_cast<uint32_t>(s))
-                     ->WaitOnDevice(timeout);
-          if (!done.ok()) break;
+          RETURN_IF_ERROR(
+              gather->Recv(theirs.raw_data(), theirs.numel(), theirs.dtype(), rank_of(s), static_cast<uint32_t>(s))
+                  ->WaitOnDevice(timeout));
         }
         ASSIGN_OR_RETURN(sum, Add(sum, theirs));
       }
-      RETURN_IF_ERROR(done);
       for (int s : t.stages) {
         if (auto it = t.mine.find(s); it != t.mine.end()) {
           RETURN_IF_ERROR(it->second.CopyFrom(sum));
