@@ -9,7 +9,8 @@
 // CPU rows (f32), as `coloctl train` runs them: an embedded cluster
 // (client/local_cluster.h: a coordinator and tp * pp * dp CPU worker
 // daemons on loopback, over Gloo) that shares this machine's cores (each
-// worker's BLAS gets cores / ranks threads), the TRAIN job submitted over
+// worker's BLAS gets cores / ranks threads; with --pin_workers each worker
+// daemon's threads run on cores of their own), the TRAIN job submitted over
 // gRPC, each step's time (and pipeline wait) from rank 0's progress events,
 // the very figure coloctl's tokens/s is made from:
 //   gpt2-tiny   4 layers, hidden 256, 4 heads, vocab 256, seq 128, batch 8:
@@ -18,9 +19,12 @@
 //               head is 1 % of a layer), seq 128, batch 32: two pipeline
 //               stages (pp=2) with 4 and 8 micro-batches, 1F1B and
 //               interleaved (2 virtual stages a rank, v=2), whose bubble
-//               (the first stage's time waiting for the second, over its
-//               step) is printed beside the schedule's
-//               (p - 1) / (V m + p - 1) (1F1B: V = 1)
+//               (the first stage's time waiting for the second, the
+//               median timed step's) is printed over its step beside the
+//               schedule's
+//               (p - 1) / (V m + p - 1), and over the rest of its step
+//               (Megatron-LM's bubble time fraction) beside (p - 1) / (V m)
+//               (1F1B: V = 1)
 //   gpt2-small  GPT-2 124M's shape (12 layers, hidden 768, 12 heads, vocab
 //               50257), seq 128, batch 4, fewer steps: tp=1, tp=2, dp=2
 // GPU rows (bf16 mixed precision, rank r on CUDA device r over NCCL), where
@@ -47,14 +51,19 @@
 // every core of the machine (CPU: every row shares them, so a layout's "vs
 // tp=1" is its speed-up on the same machine, not on more cores), cuBLAS bf16
 // 8192^3 times the devices (GPU).
+#include <sched.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <thread>
 #include <map>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -91,6 +100,10 @@ ABSL_FLAG(std::string, layout, "",
           "Only the rows of this layout (\"tp=2 dp=1\", \"tp=1 pp=2 dp=1 m=4\", ...); default: every row.");
 ABSL_FLAG(bool, sequence_parallel, false, "tp rows with sequence parallelism (norms and residuals split over tp).");
 ABSL_FLAG(std::string, work_dir, "", "Where the models and the corpus go (default: a temporary directory).");
+ABSL_FLAG(bool, pin_workers, false,
+          "CPU rows: each worker daemon (every one of its threads) on cores of its own, cores / workers each, so "
+          "that no two ranks (pipeline stages) share a core; the coordinator and this process float. Needs at "
+          "least as many cores as the row has ranks.");
 ABSL_FLAG(int, train_rank, -1, "Internal: run rank N of a \"procs\" row (bench:train starts these).");
 ABSL_FLAG(std::string, train_store, "", "Internal: the rank processes' FileStore directory.");
 
@@ -149,7 +162,7 @@ std::vector<Row> Rows(const std::string& which) {
     // sequences, under 1F1B and interleaved (two chunks of 2 layers a
     // stage): the bubble against the schedule's (p - 1) / (V m + p - 1).
     for (int v : {1, 2}) {
-      for (int micro : {4, 8}) rows.push_back({"gpt2-pipe", pipe, false, 1, 1, 128, 32, 10, 2, micro, false, v});
+      for (int micro : {4, 8}) rows.push_back({"gpt2-pipe", pipe, false, 1, 1, 128, 32, 15, 2, micro, false, v});
     }
     for (auto [tp, dp] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 2}}) {
       rows.push_back({"gpt2-small", small, false, tp, dp, 128, 4, 2});
@@ -201,7 +214,10 @@ absl::Status WriteModel(const ModelShape& s, int64_t positions, const std::strin
 struct Measured {
   double step_seconds = 0;  // mean over the timed steps
   double loss = 0;          // the last step's
-  double bubble = 0;        // pipeline stages: rank 0's waiting over its step time, timed steps
+  // Pipeline stages, the median timed step's: rank 0's waiting over its
+  // step time, and over the rest of its step (Megatron-LM's bubble time
+  // fraction).
+  double bubble = 0, bubble_work = 0;
 };
 
 // The row's training options, its model and corpus written under `dir`
@@ -245,13 +261,21 @@ struct StepEnd {
 
 absl::StatusOr<Measured> Summarize(const std::vector<StepEnd>& ends, int steps, int warmup) {
   Measured m;
-  double waited = 0, stepped = 0;
+  // The bubble of the median timed step (by its waiting's share of it): a
+  // step that the machine's other work (the coordinator, another row's
+  // daemons exiting, Gloo's threads on a shared core) held up is an outlier
+  // here, not a tenth of the mean.
+  std::vector<std::pair<double, double>> bubbles;  // (of the step, of the rest of it)
   for (size_t i = warmup; i < ends.size(); ++i) {
-    waited += ends[i].wait;
-    stepped += ends[i].seconds;
+    if (ends[i].seconds <= 0) continue;
+    const double rest = ends[i].seconds - ends[i].wait;
+    bubbles.push_back({ends[i].wait / ends[i].seconds, rest > 0 ? ends[i].wait / rest : 0});
   }
   if (!ends.empty()) m.loss = ends.back().loss;
-  m.bubble = stepped > 0 ? waited / stepped : 0;
+  if (!bubbles.empty()) {
+    std::nth_element(bubbles.begin(), bubbles.begin() + bubbles.size() / 2, bubbles.end());
+    std::tie(m.bubble, m.bubble_work) = bubbles[bubbles.size() / 2];
+  }
   if (ends.size() != static_cast<size_t>(warmup + steps) || warmup < 1) {
     return absl::InternalError("the run reported fewer steps than it ran");
   }
@@ -266,6 +290,35 @@ absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int step
     ends.push_back({absl::Now(), s.loss, s.pipeline_wait_seconds, s.seconds});
   }));
   return Summarize(ends, steps, warmup);
+}
+
+// --pin_workers: worker i's threads (pids[i + 1]; pids[0] is the
+// coordinator) on cores [i k, (i + 1) k), k = cores / workers. Threads a
+// pinned thread starts later inherit its cores. FAILED_PRECONDITION where
+// there are fewer cores than workers.
+absl::Status PinWorkers(const std::vector<pid_t>& pids) {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int workers = static_cast<int>(pids.size()) - 1;
+  if (workers < 1 || cores < workers) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--pin_workers: ", workers, " workers on ", cores, " cores cannot have cores of their own"));
+  }
+  const int each = cores / workers;
+  for (int w = 0; w < workers; ++w) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int c = w * each; c < (w + 1) * each; ++c) CPU_SET(c, &set);
+    std::error_code ec;
+    int pinned = 0;
+    for (const auto& task : std::filesystem::directory_iterator(absl::StrCat("/proc/", pids[w + 1], "/task"), ec)) {
+      const pid_t tid = static_cast<pid_t>(std::strtol(task.path().filename().c_str(), nullptr, 10));
+      if (tid > 0 && sched_setaffinity(tid, sizeof(set), &set) == 0) ++pinned;
+    }
+    if (ec || pinned == 0) {
+      return absl::InternalError(absl::StrCat("--pin_workers: could not pin worker ", w, " (pid ", pids[w + 1], ")"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // A CPU row as `coloctl train` runs it (see the top): the job on an
@@ -285,6 +338,7 @@ absl::StatusOr<Measured> RunRowOnCluster(const Row& row, const std::string& dir,
   ASSIGN_OR_RETURN(c.coordinator_binary, FindDaemonBinary(self, "colod-coordinator"));
   ASSIGN_OR_RETURN(c.worker_binary, FindDaemonBinary(self, "colod-worker"));
   ASSIGN_OR_RETURN(std::unique_ptr<LocalCluster> cluster, LocalCluster::Start(c));
+  if (absl::GetFlag(FLAGS_pin_workers)) RETURN_IF_ERROR(PinWorkers(cluster->pids()));
   ASSIGN_OR_RETURN(std::unique_ptr<CoordinatorClient> client, CoordinatorClient::Create(cluster->address()));
   ASSIGN_OR_RETURN(v1::Job job, client->SubmitJob(spec));
   std::vector<StepEnd> ends;
@@ -417,7 +471,7 @@ int Main(int argc, char** argv) {
     if (gpu_peak > 0) std::printf("; cuBLAS bf16 GEMM on cuda:0: %.1f TFLOP/s", gpu_peak / 1e12);
     std::printf(" (same run)\n%-10s  %-4s  %-25s  %-4s  %8s  %6s  %10s  %10s  %11s  %11s  %6s  %8s  %s\n",
                 "model", "dev", "layout", "prec", "params", "tokens", "step (ms)", "tokens/s", "model FLOP/s",
-                "peak FLOP/s", "MFU", "vs tp=1", "bubble (schedule's)");
+                "peak FLOP/s", "MFU", "vs tp=1", "bubble of the step; of the work (schedule's)");
   }
   std::map<std::string, double> base;  // tokens/s of the first row of each model on each device
   int failed = 0;
@@ -449,22 +503,27 @@ int Main(int argc, char** argv) {
     const std::string layout = LayoutOf(row);
     const double params = row.shape.MatMulParams();
     // The schedule's bubble with even stages: (p - 1) / (V m + p - 1) of the
-    // step (1F1B: V = 1).
+    // step, which is (p - 1) / (V m) of the work (1F1B: V = 1).
     const double closed_form =
         row.pp > 1 ? static_cast<double>(row.pp - 1) / (row.v * row.micro + row.pp - 1) : 0;
+    const double closed_form_work = row.pp > 1 ? static_cast<double>(row.pp - 1) / (row.v * row.micro) : 0;
     if (json) {
       std::printf("{\"bench\":\"train\",\"model\":\"%s\",\"device\":\"%s\",\"tp\":%d,\"pp\":%d,\"dp\":%d,"
                   "\"micro_batches\":%d,\"virtual_stages\":%d,\"precision\":\"%s\","
                   "\"matmul_params\":%.0f,\"seq_len\":%lld,\"batch\":%lld,\"steps\":%d,\"step_seconds\":%.6f,"
                   "\"tokens_per_second\":%.1f,\"model_flops_per_second\":%.4g,\"peak_flops_per_second\":%.4g,"
-                  "\"mfu\":%.4f,\"loss\":%.4f,\"bubble\":%.4f,\"bubble_schedule\":%.4f}\n",
+                  "\"mfu\":%.4f,\"loss\":%.4f,\"bubble\":%.4f,\"bubble_schedule\":%.4f,\"bubble_over_work\":%.4f,"
+                  "\"bubble_over_work_schedule\":%.4f,\"pinned\":%s}\n",
                   row.name.c_str(), row.cuda ? "cuda" : "cpu", row.tp, row.pp, row.dp, row.micro, row.v,
                   row.cuda ? "bf16" : "fp32", params, static_cast<long long>(row.seq),
                   static_cast<long long>(sized.batch), steps, m->step_seconds, tps, flops, peak, flops / peak, m->loss,
-                  m->bubble, closed_form);
+                  m->bubble, closed_form, m->bubble_work, closed_form_work,
+                  !row.cuda && absl::GetFlag(FLAGS_pin_workers) ? "true" : "false");
     } else {
       const std::string bubble =
-          row.pp > 1 ? absl::StrFormat("%.0f%% (%.0f%%)", 100 * m->bubble, 100 * closed_form) : std::string("-");
+          row.pp > 1 ? absl::StrFormat("%.1f%% (%.1f%%); %.1f%% (%.1f%%)", 100 * m->bubble, 100 * closed_form,
+                                       100 * m->bubble_work, 100 * closed_form_work)
+                     : std::string("-");
       std::printf("%-10s  %-4s  %-25s  %-4s  %7.1fM  %6.0f  %10.1f  %10.0f  %11.3g  %11.3g  %5.1f%%  %7.2fx  %s\n",
                   row.name.c_str(), row.cuda ? "cuda" : "cpu", layout.c_str(), row.cuda ? "bf16" : "fp32",
                   params / 1e6, tokens, m->step_seconds * 1e3, tps, flops, peak, 100 * flops / peak, vs,

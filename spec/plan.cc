@@ -866,6 +866,14 @@ int64_t InFlight(const StageContext& c, const JobPlan& plan) {
   return std::min<int64_t>(2 * (p - s - 1) + (v - 1) * p + 1, v * m);
 }
 
+// The stream blocks virtual stage `vs` sends the next (and gets its
+// gradient back in): 1, or 2 from an encoder-decoder's decoder stage, the
+// decoder's stream and the encoder's output joined (t5.cc).
+int64_t BlocksSent(const StageContext& c, int64_t vs) {
+  const int first_decoder = c.config.is_encoder_decoder() ? FirstDecoderStage(c.config, c.stages) : -1;
+  return first_decoder > 0 && vs >= first_decoder ? 2 : 1;
+}
+
 // The activations one micro-batch leaves on one rank (a training step's
 // tape; a forward pass's one block) through the context's leaves and
 // c.stage_layers blocks (with stages: one chunk's).
@@ -1092,6 +1100,20 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
       held.Add({one, count});
     }
   }
+  // The receives posted ahead of the tasks that read them
+  // (worker/train/pipeline.cc): a block of the stream from the previous
+  // stage, and in training its gradient from the next, one each at a time
+  // (a T5 decoder stage's is two blocks: the stream and the encoder's
+  // output).
+  const int64_t count = c.pp * c.v;
+  int64_t from_prev = 0, from_next = 0;
+  for (int64_t chunk = 0; chunk < c.v; ++chunk) {
+    const int64_t vs = chunk * c.pp + c.stage;
+    if (vs > 0) from_prev = std::max(from_prev, BlocksSent(c, vs - 1));
+    if (c.train && vs + 1 < count) from_next = std::max(from_next, BlocksSent(c, vs));
+  }
+  const int64_t features = CeilDiv(c.config.hidden_size, c.feat_div);
+  held.Add({c.stream_rows, features, from_prev + from_next, c.act});
   return held.Total("the activations per rank");
 }
 
@@ -1426,9 +1448,6 @@ absl::Status PlanCommPipeline(const StageContext& c, CommSum& comm) {
   // output joined, twice the block.
   auto channel = [](bool forward, int from) { return absl::StrCat("pp#", forward ? "f" : "b", from % 2); };
   const int64_t features = CeilDiv(config.hidden_size, feat_div);
-  const int first_decoder = config.is_encoder_decoder() ? FirstDecoderStage(config, c.stages) : -1;
-  // The blocks virtual stage vs sends on (1, or 2 from a decoder stage).
-  auto blocks_sent = [&](int vs) -> int64_t { return first_decoder > 0 && vs >= first_decoder ? 2 : 1; };
   // Interleaved (V chunks a rank): each chunk's forward sends to the next
   // virtual stage (the last rank's to the first rank's next chunk, on the
   // wrap channels pp#fw and pp#bw) but the last virtual stage's, and each
@@ -1438,8 +1457,8 @@ absl::Status PlanCommPipeline(const StageContext& c, CommSum& comm) {
   int64_t sends[3] = {0, 0, 0}, recvs[3] = {0, 0, 0};
   for (int chunk = 0; chunk < v; ++chunk) {
     const int vs = chunk * pp + stage;
-    if (vs + 1 < count) ++sends[blocks_sent(vs)];
-    if (vs > 0) ++recvs[blocks_sent(vs - 1)];
+    if (vs + 1 < count) ++sends[BlocksSent(c, vs)];
+    if (vs > 0) ++recvs[BlocksSent(c, vs - 1)];
   }
   for (int64_t b : {1, 2}) {
     if (sends[b] > 0) {

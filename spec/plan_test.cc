@@ -698,6 +698,32 @@ TEST(Plan, RefusesWhatThePoliciesRefuse) {
   EXPECT_TRUE(overflow.ok() || overflow.status().code() == absl::StatusCode::kInvalidArgument) << overflow.status();
 }
 
+// A pipeline stage posts each channel's next receive ahead of the task that
+// reads it (worker/train/pipeline.cc): one block of the stream [rows, seq,
+// hidden] held besides the micro-batches' activations. The first stage (the
+// fullest: the embeddings, and under 1F1B at pp = 2 two micro-batches
+// alive) keeps A + b over one micro-batch of R rows and 2 A + b over two:
+// twice the first plan less the second is the block, exactly.
+TEST(Plan, APipelineStagePlansTheReceivesItPostsAhead) {
+  testing::TinyOptions o;
+  auto model = testing::WriteTinyGpt2(TempPath("plan_posted"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto plan_of = [&](int micro) {
+    v1::JobSpec spec = Train(1, 1);
+    spec.mutable_shard()->set_pipeline_parallel_size(2);
+    spec.mutable_train()->set_micro_batches(micro);
+    spec.mutable_train()->set_batch_size(4 * micro);  // 4 rows a micro-batch
+    auto plan = PlanJob(model->config, spec);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return plan.ok() ? *plan : JobPlan();
+  };
+  const JobPlan one = plan_of(1), two = plan_of(2);
+  const int64_t block = 4 * 16 * o.hidden * 4;  // rows x seq x hidden, f32
+  ASSERT_EQ(one.pipeline_stage, 0);
+  ASSERT_EQ(two.pipeline_stage, 0);
+  EXPECT_EQ(2 * one.activation_bytes - two.activation_bytes, block);
+}
+
 // Interleaved 1F1B: a pipeline rank holds its V chunks' layers (as many
 // as at V = 1 with even stages), V times the micro-batches' sends, the
 // bubble (p - 1) / (V m + p - 1), and the warm-up's chunk forwards alive:

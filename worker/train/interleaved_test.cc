@@ -21,10 +21,14 @@
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "tests/testing/temp_dir.h"
+#include "worker/colo/rank_group.h"
 #include "worker/colo/testing.h"
+#include "worker/comm/flight_recorder.h"
+#include "worker/comm/instrumented_communicator.h"
 #include "worker/shardformer/shardformer.h"
 #include "worker/shardformer/testing.h"
 #include "common/atomic_file.h"
+#include "common/status_macros.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/pipeline.h"
 #include "worker/train/train_testing.h"
@@ -188,6 +192,69 @@ TEST(Interleaved, InputsNoStageCanReadAreRefusedOnEveryRank) {
         refused(ids, 2, &ids, "decoder inputs for a decoder-only model");
       }
     });
+  }
+}
+
+// Each receive is posted ahead of the task that reads it: as soon as its
+// channel's previous message was read (a gradient's once its forward ran),
+// so that the transfer overlaps the rank's compute. Seen in the order a
+// rank enqueues its point-to-point operations (its flight recorder) in
+// 1F1B at pp = 2 over 4 micro-batches: the last stage posts F(k+1)'s
+// activation before it sends B(k)'s gradient back (posted only when
+// needed, after it); the first posts B(k)'s gradient before it sends
+// F(k+1)'s activation on. The step's loss is unchanged.
+TEST(PipelineReceives, ArePostedAheadOfTheTasksThatReadThem) {
+  shardformer::testing::TinyOptions o;
+  o.layers = 2;
+  auto gpt2 = shardformer::testing::WriteTinyGpt2(TempPath("pipeline_posted_gpt2"), o);
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  const int micro = 4;
+  const Tensor ids = shardformer::testing::TokenIds(2 * micro, 8, o.vocab, 3);
+  const Tensor labels = shardformer::testing::TokenIds(2 * micro, 8, o.vocab, 5);
+  const shardformer::ShardConfig shard = TwoStages();
+  std::vector<std::shared_ptr<FlightRecorder>> recorders{std::make_shared<FlightRecorder>(),
+                                                         std::make_shared<FlightRecorder>()};
+  LocalRanksOptions options;
+  options.timeout = absl::Seconds(30);
+  options.wrap = [&](std::unique_ptr<Communicator> c, const ProcessGroup::GroupInfo& g) {
+    return std::unique_ptr<Communicator>(new InstrumentedCommunicator(std::move(c), nullptr, recorders[g.rank], g.axis));
+  };
+  std::vector<double> losses(2);
+  const absl::Status ran = RunLocalRanks(
+      *DeviceMesh::FromShardConfig(shard.layout),
+      [&](int rank, ProcessGroup& pg) -> absl::Status {
+        ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
+                         shardformer::ShardFormer(shard, &pg).Load(gpt2->dir));
+        ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(model->Parameters(), &pg, 64 << 10));
+        ASSIGN_OR_RETURN(PipelineStepResult step,
+                         RunPipelineStep(*model, pg, *sync, ids, labels, micro, labels.numel()));
+        losses[rank] = step.loss;
+        return sync->Finish();
+      },
+      std::move(options));
+  ASSERT_TRUE(ran.ok()) << ran;
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_GT(losses[0], 0);
+  // Where (group, op, sequence) was enqueued on `rank`: its index in the
+  // rank's record, or -1.
+  auto at = [&](int rank, const std::string& group, const std::string& op, int64_t sequence) {
+    const std::vector<FlightRecorder::Entry> entries = recorders[rank]->Entries();
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (entries[i].group == group && entries[i].op == op && entries[i].sequence == sequence) return static_cast<int>(i);
+    }
+    return -1;
+  };
+  // Stage 0 sends forward on pp#f0, stage 1 back on pp#b1; micro-batch k
+  // is each channel's (k+1)-th message.
+  for (int k = 0; k + 1 < micro; ++k) {
+    const int next_input = at(1, "pp#f0", "recv", k + 2), gradient_sent = at(1, "pp#b1", "send", k + 1);
+    ASSERT_GE(next_input, 0) << k;
+    ASSERT_GE(gradient_sent, 0) << k;
+    EXPECT_LT(next_input, gradient_sent) << "the last stage posts F" << k + 1 << "'s input before it sends B" << k;
+    const int gradient = at(0, "pp#b1", "recv", k + 1), next_sent = at(0, "pp#f0", "send", k + 2);
+    ASSERT_GE(gradient, 0) << k;
+    ASSERT_GE(next_sent, 0) << k;
+    EXPECT_LT(gradient, next_sent) << "the first stage posts B" << k << "'s gradient before it sends F" << k + 1;
   }
 }
 

@@ -166,22 +166,75 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
   double loss = 0;
   int64_t correct = 0;  // an evaluation's classifier's, on the last stage
   absl::Duration waited;
+  // Receives are posted ahead of the tasks that read them: each channel's
+  // next one as soon as its previous one was read (a gradient's once its
+  // forward ran, which fixes its shape), so that the transfer overlaps this
+  // rank's compute. On Gloo a send waits until its receiver posted; posted
+  // only when needed, every receive cost the round trip and the sender's
+  // wake-up on top of the bubble. Each channel's receives stay in the order
+  // its sender sends them, one posted at a time.
+  struct Inbox {
+    Communicator* comm = nullptr;
+    bool forward = true;
+    std::vector<size_t> tasks;  // the schedule's tasks that read from it, in order
+    size_t posted = 0;          // how many of them were posted
+    std::optional<Pending> next;  // posted and not yet read: tasks[posted - 1]'s
+  };
+  Inbox from_prev{recv_fwd, true}, from_next{recv_back, false};
+  for (size_t t = 0; t < schedule.size(); ++t) {
+    const shardformer::PipelineStage& st = chunks[schedule[t].chunk]->shard_config().stage;
+    if (schedule[t].kind == PipeTask::Kind::kForward) {
+      if (!st.first()) from_prev.tasks.push_back(t);
+    } else if (!st.last()) {
+      from_next.tasks.push_back(t);
+    }
+  }
+  auto post = [&](Inbox& in) -> absl::Status {
+    if (in.next.has_value() || in.posted == in.tasks.size()) return absl::OkStatus();
+    const PipeTask& task = schedule[in.tasks[in.posted]];
+    const int c = task.chunk, i = task.micro_batch;
+    const shardformer::ShardConfig& shard = chunks[c]->shard_config();
+    Tensor buf;
+    if (in.forward) {
+      ASSIGN_OR_RETURN(buf, Tensor::Empty(in_local[c], shard.param_dtype, shard.device));
+    } else {
+      auto it = alive.find({c, i});
+      if (it == alive.end() || !it->second.output.has_value()) return absl::OkStatus();  // its forward is to come
+      const Tensor& o = it->second.output->local();
+      ASSIGN_OR_RETURN(buf, Tensor::Empty(o.shape(), o.dtype(), o.device()));
+    }
+    const int from = in.forward ? shard.stage.index - 1 : shard.stage.index + 1;
+    in.next = Pending{in.comm->Recv(buf.raw_data(), buf.numel(), buf.dtype(), in.forward ? prev : next, tag(from, i)),
+                      buf};
+    ++in.posted;
+    return absl::OkStatus();
+  };
+  // Task t's message, waited for on the device; the channel's next posted.
+  auto take = [&](Inbox& in, size_t t) -> absl::StatusOr<Tensor> {
+    RETURN_IF_ERROR(post(in));
+    if (!in.next.has_value() || in.tasks[in.posted - 1] != t) {
+      return absl::InternalError(absl::StrCat("pipeline: task ", t, "'s receive was not posted"));
+    }
+    Pending p = std::move(*in.next);
+    in.next.reset();
+    const absl::Time waiting = absl::Now();
+    RETURN_IF_ERROR(p.work->WaitOnDevice(timeout));
+    waited += absl::Now() - waiting;
+    RETURN_IF_ERROR(post(in));
+    return p.keep;
+  };
   auto run = [&]() -> absl::Status {
-    for (const PipeTask& task : schedule) {
+    RETURN_IF_ERROR(post(from_prev));
+    for (size_t t = 0; t < schedule.size(); ++t) {
+      const PipeTask& task = schedule[t];
       const int i = task.micro_batch, c = task.chunk;
       shardformer::ShardedModel& model = *chunks[c];
       const shardformer::PipelineStage& stage = model.shard_config().stage;
-      const DType dtype = model.shard_config().param_dtype;
-      const Device device = model.shard_config().device;
       if (task.kind == PipeTask::Kind::kForward) {
         InFlight f;
         std::optional<ColoTensor> in;  // a later stage's input activation
         if (!stage.first()) {
-          ASSIGN_OR_RETURN(Tensor buf, Tensor::Empty(in_local[c], dtype, device));
-          const absl::Time waiting = absl::Now();
-          RETURN_IF_ERROR(
-              recv_fwd->Recv(buf.raw_data(), buf.numel(), dtype, prev, tag(stage.index - 1, i))->WaitOnDevice(timeout));
-          waited += absl::Now() - waiting;
+          ASSIGN_OR_RETURN(Tensor buf, take(from_prev, t));
           f.input = Variable(buf, /*requires_grad=*/true);
           ASSIGN_OR_RETURN(in, ColoTensor::FromLocal(f.input, in_spec[c], &pg));
         }
@@ -213,7 +266,10 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
           sends.push_back({send_fwd->Send(o.raw_data(), o.numel(), o.dtype(), next, tag(stage.index, i)), o});
           f.output = out;
         }
-        if (train) alive[{c, i}] = std::move(f);
+        if (train) {
+          alive[{c, i}] = std::move(f);
+          RETURN_IF_ERROR(post(from_next));  // this forward's gradient, if it is the next to come
+        }
         continue;
       }
       auto it = alive.find({c, i});
@@ -226,12 +282,7 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
       if (stage.last()) {
         RETURN_IF_ERROR(Backward(f.loss));
       } else {
-        const Tensor& o = f.output->local();
-        ASSIGN_OR_RETURN(Tensor grad, Tensor::Empty(o.shape(), o.dtype(), o.device()));
-        const absl::Time waiting = absl::Now();
-        RETURN_IF_ERROR(recv_back->Recv(grad.raw_data(), grad.numel(), grad.dtype(), next, tag(stage.index + 1, i))
-                            ->WaitOnDevice(timeout));
-        waited += absl::Now() - waiting;
+        ASSIGN_OR_RETURN(Tensor grad, take(from_next, t));
         RETURN_IF_ERROR(Backward(f.output->variable(), grad));
       }
       if (!stage.first()) {
@@ -245,7 +296,15 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
     return absl::OkStatus();
   };
   absl::Status ran = run();
-  // Every send is waited for, on every path: they read buffers freed below.
+  // Every send and posted receive is waited for, on every path: they use
+  // buffers freed below. After a failure a posted receive may never be
+  // answered (its sender waits for this rank), nor a send taken: the
+  // group is aborted first, which ends their waits at once; its peers
+  // cannot go on with this step either.
+  for (Inbox* in : {&from_prev, &from_next}) {
+    if (in->next.has_value()) sends.push_back(std::move(*in->next));
+  }
+  if (!ran.ok() && !sends.empty()) pg.Abort(ran);
   absl::Status sent = WaitAll(sends, timeout);
   RETURN_IF_ERROR(ran);
   RETURN_IF_ERROR(sent);

@@ -10,8 +10,14 @@
 // (Gloo) or streams (NCCL) carries one flow in micro-batch order: a send
 // waits for its receiver on its own thread or stream, never in front of a
 // receive; the schedule's simulation (SimulatePipeline) shows 1F1B
-// deadlock-free under exactly this model. On CUDA ranks a receive is waited
-// for by the compute stream (Work::WaitOnDevice), not the host.
+// deadlock-free under exactly this model. Each channel's next receive is
+// posted as soon as its previous one was read (a gradient's once its
+// forward ran), ahead of the task that reads it, so that the transfer
+// overlaps the stage's compute: a Gloo send waits until its receiver
+// posted. On CUDA ranks a receive is waited for by the compute stream
+// (Work::WaitOnDevice), not the host. A step that fails aborts the group
+// (ProcessGroup::Abort) before it returns, where a send or posted receive
+// is still outstanding: its peers cannot go on with the step either.
 //
 // Thread-safety: called by the stage's rank thread.
 #ifndef COLOD_WORKER_TRAIN_PIPELINE_H_
