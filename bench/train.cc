@@ -19,12 +19,11 @@
 //               head is 1 % of a layer), seq 128, batch 32: two pipeline
 //               stages (pp=2) with 4 and 8 micro-batches, 1F1B and
 //               interleaved (2 virtual stages a rank, v=2), whose bubble
-//               (the first stage's time waiting for the second, the
-//               median timed step's) is printed over its step beside the
-//               schedule's
-//               (p - 1) / (V m + p - 1), and over the rest of its step
-//               (Megatron-LM's bubble time fraction) beside (p - 1) / (V m)
-//               (1F1B: V = 1)
+//               (the stages' mean idle time in the pipeline's span, the
+//               median timed step's) is printed over the span beside the
+//               schedule's (p - 1) / (V m + p - 1), and over the stages'
+//               busy time (Megatron-LM's bubble time fraction) beside
+//               (p - 1) / (V m) (1F1B: V = 1)
 //   gpt2-small  GPT-2 124M's shape (12 layers, hidden 768, 12 heads, vocab
 //               50257), seq 128, batch 4, fewer steps: tp=1, tp=2, dp=2
 // GPU rows (bf16 mixed precision, rank r on CUDA device r over NCCL), where
@@ -214,9 +213,9 @@ absl::Status WriteModel(const ModelShape& s, int64_t positions, const std::strin
 struct Measured {
   double step_seconds = 0;  // mean over the timed steps
   double loss = 0;          // the last step's
-  // Pipeline stages, the median timed step's: rank 0's waiting over its
-  // step time, and over the rest of its step (Megatron-LM's bubble time
-  // fraction).
+  // Pipeline stages, the median timed step's: the stages' mean idle time
+  // over the pipeline's span (StepProgress.pipeline_span), and over their
+  // mean busy time (Megatron-LM's bubble time fraction).
   double bubble = 0, bubble_work = 0;
 };
 
@@ -257,6 +256,7 @@ absl::StatusOr<train::TrainOptions> OptionsOf(const Row& row, const std::string&
 struct StepEnd {
   absl::Time end;
   double loss = 0, wait = 0, seconds = 0;
+  double span = 0;  // the pipeline's part of `seconds`
 };
 
 absl::StatusOr<Measured> Summarize(const std::vector<StepEnd>& ends, int steps, int warmup) {
@@ -267,9 +267,9 @@ absl::StatusOr<Measured> Summarize(const std::vector<StepEnd>& ends, int steps, 
   // here, not a tenth of the mean.
   std::vector<std::pair<double, double>> bubbles;  // (of the step, of the rest of it)
   for (size_t i = warmup; i < ends.size(); ++i) {
-    if (ends[i].seconds <= 0) continue;
-    const double rest = ends[i].seconds - ends[i].wait;
-    bubbles.push_back({ends[i].wait / ends[i].seconds, rest > 0 ? ends[i].wait / rest : 0});
+    if (ends[i].span <= 0) continue;
+    const double busy = ends[i].span - ends[i].wait;
+    bubbles.push_back({ends[i].wait / ends[i].span, busy > 0 ? ends[i].wait / busy : 0});
   }
   if (!ends.empty()) m.loss = ends.back().loss;
   if (!bubbles.empty()) {
@@ -287,7 +287,7 @@ absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int step
   ASSIGN_OR_RETURN(train::TrainOptions o, OptionsOf(row, dir, steps, warmup));
   std::vector<StepEnd> ends;
   RETURN_IF_ERROR(train::Train(o, [&](const train::StepStats& s) {
-    ends.push_back({absl::Now(), s.loss, s.pipeline_wait_seconds, s.seconds});
+    ends.push_back({absl::Now(), s.loss, s.pipeline_wait_seconds, s.seconds, s.pipeline_span_seconds});
   }));
   return Summarize(ends, steps, warmup);
 }
@@ -348,6 +348,7 @@ absl::StatusOr<Measured> RunRowOnCluster(const Row& row, const std::string& dir,
     StepEnd end;
     end.seconds = absl::ToDoubleSeconds(FromProtoDuration(e.step().step_duration()));
     end.wait = absl::ToDoubleSeconds(FromProtoDuration(e.step().pipeline_wait()));
+    end.span = absl::ToDoubleSeconds(FromProtoDuration(e.step().pipeline_span()));
     end.loss = e.step().loss();
     at += FromProtoDuration(e.step().step_duration());
     end.end = at;
@@ -380,8 +381,8 @@ absl::Status RunRank(const Row& row, const std::string& dir, const std::string& 
   train::RankHooks hooks;
   hooks.on_step = [rank](const train::StepStats& s) {
     if (rank != 0) return;
-    std::printf("step %.6f %.9g %.9g %.9g\n", absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()), s.loss,
-                s.pipeline_wait_seconds, s.seconds);
+    std::printf("step %.6f %.9g %.9g %.9g %.9g\n", absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()), s.loss,
+                s.pipeline_wait_seconds, s.seconds, s.pipeline_span_seconds);
     std::fflush(stdout);
   };
   return train::RunTrainRank(*run, rank, *pg, shard, hooks);
@@ -409,7 +410,7 @@ absl::StatusOr<Measured> RunRowInProcesses(const Row& row, const std::string& di
       [&](const std::string& line) {
         double t = 0;
         StepEnd e;
-        if (std::sscanf(line.c_str(), "step %lf %lf %lf %lf", &t, &e.loss, &e.wait, &e.seconds) == 4) {
+        if (std::sscanf(line.c_str(), "step %lf %lf %lf %lf %lf", &t, &e.loss, &e.wait, &e.seconds, &e.span) == 5) {
           e.end = absl::UnixEpoch() + absl::Seconds(t);
           ends.push_back(e);
         }
@@ -471,7 +472,7 @@ int Main(int argc, char** argv) {
     if (gpu_peak > 0) std::printf("; cuBLAS bf16 GEMM on cuda:0: %.1f TFLOP/s", gpu_peak / 1e12);
     std::printf(" (same run)\n%-10s  %-4s  %-25s  %-4s  %8s  %6s  %10s  %10s  %11s  %11s  %6s  %8s  %s\n",
                 "model", "dev", "layout", "prec", "params", "tokens", "step (ms)", "tokens/s", "model FLOP/s",
-                "peak FLOP/s", "MFU", "vs tp=1", "bubble of the step; of the work (schedule's)");
+                "peak FLOP/s", "MFU", "vs tp=1", "bubble of the span; of the work (schedule's)");
   }
   std::map<std::string, double> base;  // tokens/s of the first row of each model on each device
   int failed = 0;

@@ -1474,10 +1474,10 @@ absl::Status PlanCommPipeline(const StageContext& c, CommSum& comm) {
       comm.Add(back, "send", {micro, recvs[b]}, {stream_rows, features, b}, act, pp);
     }
   }
-  // The loss over pp once a pass (each accumulation pass's pipeline step),
-  // the norm's slots once a step (NormOrder's all-gather of the names, once
-  // a run, is not a step's).
-  comm.Add("pp", "all_reduce", {c.grad_accum}, {1}, 4, pp);
+  // The loss and the stages' waits over pp once a pass (each accumulation
+  // pass's pipeline step), the norm's slots once a step (NormOrder's all-gather
+  // of the names, once a run, is not a step's).
+  comm.Add("pp", "all_reduce", {c.grad_accum}, {2}, 4, pp);
   comm.Add("pp", "all_reduce", {1}, {c.norm_slots}, 4, pp);
   // Each tied table's gradients summed once a step (SumTiedGradients): a
   // holder on another rank than the owner's sends its copy's over pp#f0

@@ -229,6 +229,13 @@ TEST(PipelineReceives, ArePostedAheadOfTheTasksThatReadThem) {
         ASSIGN_OR_RETURN(PipelineStepResult step,
                          RunPipelineStep(*model, pg, *sync, ids, labels, micro, labels.numel()));
         losses[rank] = step.loss;
+        // The idle times lie in the span: the first stage's is its waits,
+        // the last stage's also its time after its last task.
+        EXPECT_GT(step.span_seconds, 0) << rank;
+        EXPECT_GE(step.wait_seconds, 0) << rank;
+        EXPECT_LT(step.wait_seconds, step.span_seconds) << rank;
+        EXPECT_GE(step.mean_wait_seconds, 0) << rank;
+        EXPECT_LT(step.mean_wait_seconds, step.span_seconds) << rank;
         return sync->Finish();
       },
       std::move(options));

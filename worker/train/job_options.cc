@@ -185,6 +185,7 @@ v1::StepProgress StepProgressOf(const StepStats& st) {
   p.set_checkpoint(st.checkpoint);
   p.set_resumed_from(st.resumed_from);
   if (st.pipeline_wait_seconds > 0) *p.mutable_pipeline_wait() = ToProtoDuration(absl::Seconds(st.pipeline_wait_seconds));
+  if (st.pipeline_span_seconds > 0) *p.mutable_pipeline_span() = ToProtoDuration(absl::Seconds(st.pipeline_span_seconds));
   return p;
 }
 

@@ -93,6 +93,7 @@ TEST(JobOptions, AStepReportsItsStatsAsProgress) {
   st.checkpoint = "/ck/step-000007";
   st.resumed_from = "/ck/step-000006";
   st.pipeline_wait_seconds = 0.125;
+  st.pipeline_span_seconds = 0.1875;
   const v1::StepProgress p = StepProgressOf(st);
   EXPECT_EQ(p.step(), 7);
   EXPECT_EQ(p.loss(), 2.5);
@@ -106,6 +107,7 @@ TEST(JobOptions, AStepReportsItsStatsAsProgress) {
   EXPECT_EQ(p.checkpoint(), "/ck/step-000007");
   EXPECT_EQ(p.resumed_from(), "/ck/step-000006");
   EXPECT_EQ(p.pipeline_wait().nanos(), 125000000);
+  EXPECT_EQ(p.pipeline_span().nanos(), 187500000);
 }
 
 }  // namespace

@@ -295,7 +295,10 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
     }
     return absl::OkStatus();
   };
+  const absl::Time began = absl::Now();
   absl::Status ran = run();
+  // This stage's busy time: its tasks, less their waits for a neighbour.
+  const double busy = absl::ToDoubleSeconds(absl::Now() - began - waited);
   // Every send and posted receive is waited for, on every path: they use
   // buffers freed below. After a failure a posted receive may never be
   // answered (its sender waits for this rank), nor a send taken: the
@@ -308,15 +311,24 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
   absl::Status sent = WaitAll(sends, timeout);
   RETURN_IF_ERROR(ran);
   RETURN_IF_ERROR(sent);
-  // The loss, which the last stage has, on every stage.
+  // In one all-reduce over pp: the loss, which the last stage has, the
+  // stages' busy times, and an evaluation's correct rows (a count below
+  // 2^24: exact in f32). The all-reduce ends the step's span on every
+  // stage at once, so a stage's idle time is the span less its busy time:
+  // its waits for a neighbour, and the last stages' time after their last
+  // task, until the first stage's last backward.
   const Device device = head.shard_config().device;
   const bool last = head.shard_config().stage.last();
-  ASSIGN_OR_RETURN(const double total, SumOver(pg, "pp", last ? loss : 0.0, device));
-  PipelineStepResult result{total, absl::ToDoubleSeconds(waited)};
-  if (images && !train) {  // a count below 2^24: exact in f32
-    ASSIGN_OR_RETURN(const double all, SumOver(pg, "pp", static_cast<double>(correct), device));
-    result.correct = static_cast<int64_t>(all);
-  }
+  std::vector<double> sums = {last ? loss : 0.0, busy};
+  if (images && !train) sums.push_back(static_cast<double>(correct));
+  ASSIGN_OR_RETURN(sums, SumOver(pg, "pp", std::move(sums), device));
+  const double span = absl::ToDoubleSeconds(absl::Now() - began);
+  PipelineStepResult result;
+  result.loss = sums[0];
+  result.wait_seconds = std::max(0.0, span - busy);
+  result.mean_wait_seconds = std::max(0.0, span - sums[1] / p);
+  result.span_seconds = span;
+  if (images && !train) result.correct = static_cast<int64_t>(sums[2]);
   return result;
 }
 
@@ -346,12 +358,22 @@ absl::StatusOr<shardformer::LmLoss> ForwardLoss(shardformer::ShardedModel& model
   return l;
 }
 
-absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double value, const Device& device) {
+absl::StatusOr<std::vector<double>> SumOver(ProcessGroup& pg, const std::string& axis, std::vector<double> values,
+                                            const Device& device) {
+  if (values.empty()) return values;
   ASSIGN_OR_RETURN(Communicator * comm, pg.Comm(axis));
-  ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({1}, {static_cast<float>(value)}));
+  const std::vector<float> f(values.begin(), values.end());
+  const int64_t n = static_cast<int64_t>(f.size());
+  ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({n}, f));
   ASSIGN_OR_RETURN(Tensor total, host.To(device));
-  RETURN_IF_ERROR(comm->AllReduce(total.raw_data(), 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg.timeout()));
-  return static_cast<double>(total.ToFloats()[0]);
+  RETURN_IF_ERROR(comm->AllReduce(total.raw_data(), n, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg.timeout()));
+  const std::vector<float> sums = total.ToFloats();
+  return std::vector<double>(sums.begin(), sums.end());
+}
+
+absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double value, const Device& device) {
+  ASSIGN_OR_RETURN(const std::vector<double> sums, SumOver(pg, axis, std::vector<double>{value}, device));
+  return sums[0];
 }
 
 absl::Status SumTiedGradients(const std::vector<shardformer::ShardedModel*>& chunks,

@@ -36,7 +36,18 @@ namespace colod::train {
 
 struct PipelineStepResult {
   double loss = 0;          // the step's, the same on every stage
-  double wait_seconds = 0;  // this stage's time blocked receiving from its neighbours (its bubble)
+  // The step's span on this stage: from its first task until the loss's
+  // all-reduce over pp, which every stage leaves at once, ended it.
+  double span_seconds = 0;
+  // This stage's idle time in the span: the span less its tasks' busy time
+  // (its waits for a neighbour, and a later stage's time after its last
+  // task). Its bubble.
+  double wait_seconds = 0;
+  // The pipeline's stages' idle time, averaged: the span less their mean
+  // busy time (the schedule's bubble, (p - 1) / (V m + p - 1) of the span
+  // with even stages). All three are host times: on CUDA ranks the host
+  // does not wait for the device, so they describe its enqueueing there.
+  double mean_wait_seconds = 0;
   // An evaluation's classifier (train false): the rows whose largest logit
   // is their label's, this replica's, on every stage.
   int64_t correct = 0;
@@ -95,6 +106,9 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
 // `value` summed over the `axis` group of `pg`, through the rank's
 // `device` (NCCL reduces device memory), in f32. Collective over the group.
 absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double value, const Device& device);
+// The same, element by element, in one all-reduce.
+absl::StatusOr<std::vector<double>> SumOver(ProcessGroup& pg, const std::string& axis, std::vector<double> values,
+                                            const Device& device);
 
 // The gradients of every table several (virtual) stages hold
 // (NamedParam::tie_stages: an embedding and the last stage's mirror of it

@@ -491,7 +491,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     // The step's rows on this replica: grad_accum passes of micro_batches
     // micro-batches each; the dp sync reduces after the last one.
     const int64_t pass_rows = micro_rows * o.micro_batches;
-    double loss = 0, pipeline_wait = 0;
+    double loss = 0, pipeline_wait = 0, pipeline_span = 0;
     for (int64_t pass = 0; pass < o.grad_accum; ++pass) {
       const bool last_pass = pass + 1 == o.grad_accum;
       ASSIGN_OR_RETURN(const StepBatch batch,
@@ -505,7 +505,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
                                          /*reduce=*/last_pass, /*train=*/true,
                                          run.data->pairs() ? &batch.decoder_inputs : nullptr));
         loss += r.loss;
-        pipeline_wait += r.wait_seconds;
+        pipeline_wait += r.mean_wait_seconds;
+        pipeline_span += r.span_seconds;
         continue;
       }
       for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
@@ -534,6 +535,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.grad_norm = norm;
     s.seconds = absl::ToDoubleSeconds(absl::Now() - start);
     s.pipeline_wait_seconds = pipeline_wait;
+    s.pipeline_span_seconds = pipeline_span;
     s.dp_bucket_bytes = sync->last_bucket_bytes();
     s.dp_overlapped_bytes = sync->last_overlapped_bytes();
     const int64_t per_row = run.data->TokensPerRow();

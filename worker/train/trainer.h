@@ -106,9 +106,12 @@ struct StepStats {
   bool cuda = false;
   int64_t pool_reserved_bytes = 0, pool_used_bytes = 0;
   double seconds = 0;      // the step's wall time
-  // Pipeline stages: the time this rank's stage waited for its neighbours
-  // during the step (its share of the pipeline's bubble).
+  // Pipeline stages: the idle time of this rank's pipeline's stages in the
+  // step, averaged over the stages (the schedule's bubble;
+  // PipelineStepResult::mean_wait_seconds), and the span it is idle in
+  // (span_seconds), each accumulation pass's added.
   double pipeline_wait_seconds = 0;
+  double pipeline_span_seconds = 0;
   int64_t rank_tokens = 0; // tokens this rank's replica processed in the step
   int64_t step_tokens = 0; // tokens the step trained on, over every replica
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
