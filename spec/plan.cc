@@ -1101,10 +1101,11 @@ absl::StatusOr<int64_t> PlanActivations(const StageContext& c, const JobPlan& pl
     }
   }
   // The receives posted ahead of the tasks that read them
-  // (worker/train/pipeline.cc): a block of the stream from the previous
-  // stage, and in training its gradient from the next, one each at a time
-  // (a T5 decoder stage's is two blocks: the stream and the encoder's
-  // output).
+  // (worker/train/pipeline.cc, on Gloo; NCCL posts them when needed, and
+  // the plan counts them all the same): a block of the stream from the
+  // previous stage, and in training its gradient from the next, one each
+  // at a time (a T5 decoder stage's is two blocks: the stream and the
+  // encoder's output).
   const int64_t count = c.pp * c.v;
   int64_t from_prev = 0, from_next = 0;
   for (int64_t chunk = 0; chunk < c.v; ++chunk) {
@@ -1474,7 +1475,7 @@ absl::Status PlanCommPipeline(const StageContext& c, CommSum& comm) {
       comm.Add(back, "send", {micro, recvs[b]}, {stream_rows, features, b}, act, pp);
     }
   }
-  // The loss and the stages' waits over pp once a pass (each accumulation
+  // The loss and the stages' busy times over pp once a pass (each accumulation
   // pass's pipeline step), the norm's slots once a step (NormOrder's all-gather
   // of the names, once a run, is not a step's).
   comm.Add("pp", "all_reduce", {c.grad_accum}, {2}, 4, pp);

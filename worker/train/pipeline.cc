@@ -166,21 +166,29 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
   double loss = 0;
   int64_t correct = 0;  // an evaluation's classifier's, on the last stage
   absl::Duration waited;
-  // Receives are posted ahead of the tasks that read them: each channel's
-  // next one as soon as its previous one was read (a gradient's once its
-  // forward ran, which fixes its shape), so that the transfer overlaps this
-  // rank's compute. On Gloo a send waits until its receiver posted; posted
-  // only when needed, every receive cost the round trip and the sender's
-  // wake-up on top of the bubble. Each channel's receives stay in the order
-  // its sender sends them, one posted at a time.
+  // On Gloo, receives are posted ahead of the tasks that read them: each
+  // channel's next one as soon as its previous one was read (a gradient's
+  // once its forward ran, which fixes its shape), so that the transfer
+  // overlaps this rank's compute. A Gloo send waits until its receiver
+  // posted; posted only when needed, every receive cost the round trip and
+  // the sender's wake-up on top of the bubble. Each channel's receives stay
+  // in the order its sender sends them, one posted at a time, on the
+  // channel's own thread, where they hold up nothing else. On NCCL they are
+  // posted when needed: NCCL connects a pair of ranks at its first
+  // operation, which holds the host until the peer's matching one, and a
+  // first receive posted ahead of the schedule's need could wait for a peer
+  // that waits for this rank (the wrap channel's at V > 1, a gradient's at
+  // p > 2); the device, not the host, waits for a receive there.
   struct Inbox {
     Communicator* comm = nullptr;
     bool forward = true;
+    bool ahead = false;  // posted ahead (Gloo), or when needed (NCCL)
     std::vector<size_t> tasks;  // the schedule's tasks that read from it, in order
     size_t posted = 0;          // how many of them were posted
     std::optional<Pending> next;  // posted and not yet read: tasks[posted - 1]'s
   };
-  Inbox from_prev{recv_fwd, true}, from_next{recv_back, false};
+  Inbox from_prev{recv_fwd, true, recv_fwd != nullptr && recv_fwd->backend() == "gloo"},
+      from_next{recv_back, false, recv_back != nullptr && recv_back->backend() == "gloo"};
   for (size_t t = 0; t < schedule.size(); ++t) {
     const shardformer::PipelineStage& st = chunks[schedule[t].chunk]->shard_config().stage;
     if (schedule[t].kind == PipeTask::Kind::kForward) {
@@ -189,8 +197,10 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
       from_next.tasks.push_back(t);
     }
   }
-  auto post = [&](Inbox& in) -> absl::Status {
-    if (in.next.has_value() || in.posted == in.tasks.size()) return absl::OkStatus();
+  // Posts the channel's next receive, if none is posted and it may be now:
+  // ahead, or `needed` by the task at hand.
+  auto post = [&](Inbox& in, bool needed = false) -> absl::Status {
+    if (in.next.has_value() || in.posted == in.tasks.size() || !(in.ahead || needed)) return absl::OkStatus();
     const PipeTask& task = schedule[in.tasks[in.posted]];
     const int c = task.chunk, i = task.micro_batch;
     const shardformer::ShardConfig& shard = chunks[c]->shard_config();
@@ -210,18 +220,19 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
     return absl::OkStatus();
   };
   // Task t's message, waited for on the device; the channel's next posted.
+  // A receive whose wait failed stays posted: the step's end waits it out.
   auto take = [&](Inbox& in, size_t t) -> absl::StatusOr<Tensor> {
-    RETURN_IF_ERROR(post(in));
+    RETURN_IF_ERROR(post(in, /*needed=*/true));
     if (!in.next.has_value() || in.tasks[in.posted - 1] != t) {
       return absl::InternalError(absl::StrCat("pipeline: task ", t, "'s receive was not posted"));
     }
-    Pending p = std::move(*in.next);
-    in.next.reset();
     const absl::Time waiting = absl::Now();
-    RETURN_IF_ERROR(p.work->WaitOnDevice(timeout));
+    RETURN_IF_ERROR(in.next->work->WaitOnDevice(timeout));
     waited += absl::Now() - waiting;
+    Tensor got = std::move(in.next->keep);
+    in.next.reset();
     RETURN_IF_ERROR(post(in));
-    return p.keep;
+    return got;
   };
   auto run = [&]() -> absl::Status {
     RETURN_IF_ERROR(post(from_prev));
@@ -300,14 +311,15 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
   // This stage's busy time: its tasks, less their waits for a neighbour.
   const double busy = absl::ToDoubleSeconds(absl::Now() - began - waited);
   // Every send and posted receive is waited for, on every path: they use
-  // buffers freed below. After a failure a posted receive may never be
-  // answered (its sender waits for this rank), nor a send taken: the
-  // group is aborted first, which ends their waits at once; its peers
-  // cannot go on with this step either.
+  // buffers freed below. After a failure a receive posted ahead may never
+  // be answered (its sender may wait for this rank): its channel is
+  // aborted first, which ends the wait at once (the channel's sender then
+  // fails too; no other communicator of the group is touched).
   for (Inbox* in : {&from_prev, &from_next}) {
-    if (in->next.has_value()) sends.push_back(std::move(*in->next));
+    if (!in->next.has_value()) continue;
+    if (!ran.ok()) in->comm->Abort(ran);
+    sends.push_back(std::move(*in->next));
   }
-  if (!ran.ok() && !sends.empty()) pg.Abort(ran);
   absl::Status sent = WaitAll(sends, timeout);
   RETURN_IF_ERROR(ran);
   RETURN_IF_ERROR(sent);

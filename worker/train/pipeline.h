@@ -10,14 +10,17 @@
 // (Gloo) or streams (NCCL) carries one flow in micro-batch order: a send
 // waits for its receiver on its own thread or stream, never in front of a
 // receive; the schedule's simulation (SimulatePipeline) shows 1F1B
-// deadlock-free under exactly this model. Each channel's next receive is
-// posted as soon as its previous one was read (a gradient's once its
-// forward ran), ahead of the task that reads it, so that the transfer
-// overlaps the stage's compute: a Gloo send waits until its receiver
-// posted. On CUDA ranks a receive is waited for by the compute stream
-// (Work::WaitOnDevice), not the host. A step that fails aborts the group
-// (ProcessGroup::Abort) before it returns, where a send or posted receive
-// is still outstanding: its peers cannot go on with the step either.
+// deadlock-free under exactly this model, receives posted when needed. On
+// Gloo each channel's next receive is posted as soon as its previous one
+// was read (a gradient's once its forward ran), ahead of the task that
+// reads it, so that the transfer overlaps the stage's compute (a Gloo send
+// waits until its receiver posted); a receive posted ahead holds up only
+// its channel's own thread, which only receives. On NCCL receives are
+// posted when needed: NCCL connects a pair of ranks at its first
+// operation, holding the host until the peer's matching one. On CUDA ranks
+// a receive is waited for by the compute stream (Work::WaitOnDevice), not
+// the host. A step that fails with a receive posted ahead aborts that
+// channel before it returns (its sender may wait for this rank).
 //
 // Thread-safety: called by the stage's rank thread.
 #ifndef COLOD_WORKER_TRAIN_PIPELINE_H_
