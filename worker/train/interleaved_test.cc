@@ -196,40 +196,54 @@ TEST(Interleaved, InputsNoStageCanReadAreRefusedOnEveryRank) {
   }
 }
 
-// On Gloo each receive is posted ahead of the task that reads it: as soon as its
-// channel's previous message was read (a gradient's once its forward ran),
-// so that the transfer overlaps the rank's compute. Seen in the order a
-// rank enqueues its point-to-point operations (its flight recorder) in
-// 1F1B at pp = 2 over 4 micro-batches: the last stage posts F(k+1)'s
-// activation before it sends B(k)'s gradient back (posted only when
-// needed, after it); the first posts B(k)'s gradient before it sends
-// F(k+1)'s activation on. The step's loss is unchanged.
-TEST(PipelineReceives, ArePostedAheadOfTheTasksThatReadThem) {
+// The order in which each rank of a two-stage 1F1B step over 4
+// micro-batches enqueues its point-to-point operations (its flight
+// recorder), over Gloo or on CUDA ranks over NCCL.
+struct Posting {
+  std::vector<std::shared_ptr<FlightRecorder>> recorders;
+  std::vector<double> losses;
+  // Where (group, op, sequence) was enqueued on `rank`: its index in the
+  // rank's record, or -1.
+  int At(int rank, const std::string& group, const std::string& op, int64_t sequence) const {
+    const std::vector<FlightRecorder::Entry> entries = recorders[rank]->Entries();
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (entries[i].group == group && entries[i].op == op && entries[i].sequence == sequence) return static_cast<int>(i);
+    }
+    return -1;
+  }
+};
+
+constexpr int kPostingMicro = 4;
+
+Posting PostingOrder(bool cuda) {
   shardformer::testing::TinyOptions o;
   o.layers = 2;
   auto gpt2 = shardformer::testing::WriteTinyGpt2(TempPath("pipeline_posted_gpt2"), o);
-  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
-  const int micro = 4;
-  const Tensor ids = shardformer::testing::TokenIds(2 * micro, 8, o.vocab, 3);
-  const Tensor labels = shardformer::testing::TokenIds(2 * micro, 8, o.vocab, 5);
+  EXPECT_TRUE(gpt2.ok()) << gpt2.status();
+  if (!gpt2.ok()) return {};
+  const Tensor ids = shardformer::testing::TokenIds(2 * kPostingMicro, 8, o.vocab, 3);
+  const Tensor labels = shardformer::testing::TokenIds(2 * kPostingMicro, 8, o.vocab, 5);
   const shardformer::ShardConfig shard = TwoStages();
-  std::vector<std::shared_ptr<FlightRecorder>> recorders{std::make_shared<FlightRecorder>(),
-                                                         std::make_shared<FlightRecorder>()};
+  Posting out;
+  out.recorders = {std::make_shared<FlightRecorder>(), std::make_shared<FlightRecorder>()};
+  out.losses.resize(2);
   LocalRanksOptions options;
-  options.timeout = absl::Seconds(30);
+  options.cuda = cuda;
+  options.timeout = absl::Seconds(60);
   options.wrap = [&](std::unique_ptr<Communicator> c, const ProcessGroup::GroupInfo& g) {
-    return std::unique_ptr<Communicator>(new InstrumentedCommunicator(std::move(c), nullptr, recorders[g.rank], g.axis));
+    return std::unique_ptr<Communicator>(new InstrumentedCommunicator(std::move(c), nullptr, out.recorders[g.rank], g.axis));
   };
-  std::vector<double> losses(2);
   const absl::Status ran = RunLocalRanks(
       *DeviceMesh::FromShardConfig(shard.layout),
       [&](int rank, ProcessGroup& pg) -> absl::Status {
+        shardformer::ShardConfig mine = shard;
+        if (cuda) mine.device = Device::Cuda(rank);
         ASSIGN_OR_RETURN(std::unique_ptr<shardformer::ShardedModel> model,
-                         shardformer::ShardFormer(shard, &pg).Load(gpt2->dir));
+                         shardformer::ShardFormer(mine, &pg).Load(gpt2->dir));
         ASSIGN_OR_RETURN(std::unique_ptr<GradSync> sync, GradSync::Create(model->Parameters(), &pg, 64 << 10));
         ASSIGN_OR_RETURN(PipelineStepResult step,
-                         RunPipelineStep(*model, pg, *sync, ids, labels, micro, labels.numel()));
-        losses[rank] = step.loss;
+                         RunPipelineStep(*model, pg, *sync, ids, labels, kPostingMicro, labels.numel()));
+        out.losses[rank] = step.loss;
         // The idle times lie in the span: the first stage's is its waits,
         // the last stage's also its time after its last task.
         EXPECT_GT(step.span_seconds, 0) << rank;
@@ -238,29 +252,52 @@ TEST(PipelineReceives, ArePostedAheadOfTheTasksThatReadThem) {
         return sync->Finish();
       },
       std::move(options));
-  ASSERT_TRUE(ran.ok()) << ran;
-  EXPECT_EQ(losses[0], losses[1]);
-  EXPECT_GT(losses[0], 0);
-  // Where (group, op, sequence) was enqueued on `rank`: its index in the
-  // rank's record, or -1.
-  auto at = [&](int rank, const std::string& group, const std::string& op, int64_t sequence) {
-    const std::vector<FlightRecorder::Entry> entries = recorders[rank]->Entries();
-    for (size_t i = 0; i < entries.size(); ++i) {
-      if (entries[i].group == group && entries[i].op == op && entries[i].sequence == sequence) return static_cast<int>(i);
-    }
-    return -1;
-  };
-  // Stage 0 sends forward on pp#f0, stage 1 back on pp#b1; micro-batch k
-  // is each channel's (k+1)-th message.
-  for (int k = 0; k + 1 < micro; ++k) {
-    const int next_input = at(1, "pp#f0", "recv", k + 2), gradient_sent = at(1, "pp#b1", "send", k + 1);
+  EXPECT_TRUE(ran.ok()) << ran;
+  EXPECT_EQ(out.losses[0], out.losses[1]);
+  EXPECT_GT(out.losses[0], 0);
+  return out;
+}
+
+// On Gloo each receive is posted ahead of the task that reads it: as soon
+// as its channel's previous message was read (a gradient's once its
+// forward ran), so that the transfer overlaps the rank's compute. Stage 0
+// sends forward on pp#f0, stage 1 back on pp#b1; micro-batch k is each
+// channel's (k+1)-th message. The last stage posts F(k+1)'s input before it
+// sends B(k)'s gradient back (posted only when needed, after it); the first
+// posts B(k)'s gradient before it sends F(k+1)'s activation on.
+TEST(PipelineReceives, ArePostedAheadOfTheTasksThatReadThemOnGloo) {
+  const Posting p = PostingOrder(/*cuda=*/false);
+  ASSERT_EQ(p.recorders.size(), 2u);
+  for (int k = 0; k + 1 < kPostingMicro; ++k) {
+    const int next_input = p.At(1, "pp#f0", "recv", k + 2), gradient_sent = p.At(1, "pp#b1", "send", k + 1);
     ASSERT_GE(next_input, 0) << k;
     ASSERT_GE(gradient_sent, 0) << k;
     EXPECT_LT(next_input, gradient_sent) << "the last stage posts F" << k + 1 << "'s input before it sends B" << k;
-    const int gradient = at(0, "pp#b1", "recv", k + 1), next_sent = at(0, "pp#f0", "send", k + 2);
+    const int gradient = p.At(0, "pp#b1", "recv", k + 1), next_sent = p.At(0, "pp#f0", "send", k + 2);
     ASSERT_GE(gradient, 0) << k;
     ASSERT_GE(next_sent, 0) << k;
     EXPECT_LT(gradient, next_sent) << "the first stage posts B" << k << "'s gradient before it sends F" << k + 1;
+  }
+}
+
+// On NCCL receives are posted when their task needs them: NCCL connects a
+// pair of ranks at its first operation, holding the host until the peer's
+// matching one, so a first receive posted ahead could wait for a peer that
+// waits for this rank (the emulation has no such step: this order is what
+// keeps a GPU pipeline from it). The reverse of Gloo's order above.
+TEST(PipelineReceives, AreNotPostedAheadOnNccl) {
+  if (kernels::CudaDeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices (the emulation's in CI)";
+  const Posting p = PostingOrder(/*cuda=*/true);
+  ASSERT_EQ(p.recorders.size(), 2u);
+  for (int k = 0; k + 1 < kPostingMicro; ++k) {
+    const int next_input = p.At(1, "pp#f0", "recv", k + 2), gradient_sent = p.At(1, "pp#b1", "send", k + 1);
+    ASSERT_GE(next_input, 0) << k;
+    ASSERT_GE(gradient_sent, 0) << k;
+    EXPECT_GT(next_input, gradient_sent) << "the last stage posts F" << k + 1 << "'s input after it sends B" << k;
+    const int gradient = p.At(0, "pp#b1", "recv", k + 1), next_sent = p.At(0, "pp#f0", "send", k + 2);
+    ASSERT_GE(gradient, 0) << k;
+    ASSERT_GE(next_sent, 0) << k;
+    EXPECT_GT(gradient, next_sent) << "the first stage posts B" << k << "'s gradient after it sends F" << k + 1;
   }
 }
 

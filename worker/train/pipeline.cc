@@ -220,13 +220,16 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
     return absl::OkStatus();
   };
   // Task t's message, waited for on the device; the channel's next posted.
-  // A receive whose wait failed stays posted: the step's end waits it out.
+  // A receive whose wait failed stays posted: the step's end aborts its
+  // channel and waits it out.
+  // Posting it here is waiting too (NCCL's first operation on a channel
+  // holds the host until the peer's).
   auto take = [&](Inbox& in, size_t t) -> absl::StatusOr<Tensor> {
+    const absl::Time waiting = absl::Now();
     RETURN_IF_ERROR(post(in, /*needed=*/true));
     if (!in.next.has_value() || in.tasks[in.posted - 1] != t) {
       return absl::InternalError(absl::StrCat("pipeline: task ", t, "'s receive was not posted"));
     }
-    const absl::Time waiting = absl::Now();
     RETURN_IF_ERROR(in.next->work->WaitOnDevice(timeout));
     waited += absl::Now() - waiting;
     Tensor got = std::move(in.next->keep);
@@ -311,10 +314,11 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
   // This stage's busy time: its tasks, less their waits for a neighbour.
   const double busy = absl::ToDoubleSeconds(absl::Now() - began - waited);
   // Every send and posted receive is waited for, on every path: they use
-  // buffers freed below. After a failure a receive posted ahead may never
-  // be answered (its sender may wait for this rank): its channel is
-  // aborted first, which ends the wait at once (the channel's sender then
-  // fails too; no other communicator of the group is touched).
+  // buffers freed below. After a failure a receive still posted (one
+  // posted ahead, on Gloo, or one whose wait failed) may never be answered
+  // (its sender may wait for this rank): its channel is aborted first,
+  // which ends the wait at once (the channel's sender then fails too; no
+  // other communicator of the group is touched).
   for (Inbox* in : {&from_prev, &from_next}) {
     if (!in->next.has_value()) continue;
     if (!ran.ok()) in->comm->Abort(ran);

@@ -19,8 +19,9 @@
 // posted when needed: NCCL connects a pair of ranks at its first
 // operation, holding the host until the peer's matching one. On CUDA ranks
 // a receive is waited for by the compute stream (Work::WaitOnDevice), not
-// the host. A step that fails with a receive posted ahead aborts that
-// channel before it returns (its sender may wait for this rank).
+// the host. A step that fails with a receive still posted (one posted
+// ahead, or one whose wait failed) aborts that channel before it returns
+// (its sender may wait for this rank).
 //
 // Thread-safety: called by the stage's rank thread.
 #ifndef COLOD_WORKER_TRAIN_PIPELINE_H_
