@@ -21,12 +21,14 @@ for layout in "tp=1 dp=1" "tp=2 dp=1" "tp=1 dp=2"; do
     <<<"$out" || fail "no timed gpt2-tiny $layout row" "$out"
 done
 # The pipeline rows (a model of 8 layers, 8 sequences here to keep it short):
-# rank 0's measured wait beside the schedule's closed form, 1F1B's 1/5 and 1/9,
-# interleaved's 1/9 and 1/17.
+# the stages' measured idle time over the span beside the schedule's closed
+# form (1F1B's 1/5 and 1/9, interleaved's 1/9 and 1/17), and over the busy
+# time beside (p - 1) / (V m) (1/4, 1/8, 1/8, 1/16).
 pipe=$("$train" --rows cpu --model gpt2-pipe --steps 1 --warmup 1 --batch 8 --work_dir "$work" 2>&1) ||
   fail "bench:train's pipeline rows exited $?" "$pipe"
-for want in "m=4 +fp32 .* [0-9]+% \(20%\)" "m=8 +fp32 .* [0-9]+% \(11%\)" "m=4 v=2 +fp32 .* [0-9]+% \(11%\)" \
-  "m=8 v=2 +fp32 .* [0-9]+% \(6%\)"; do
+bubble='[0-9]+\.[0-9]%'
+for want in "m=4 +fp32 .* $bubble \(20\.0%\); $bubble \(25\.0%\)" "m=8 +fp32 .* $bubble \(11\.1%\); $bubble \(12\.5%\)" \
+  "m=4 v=2 +fp32 .* $bubble \(11\.1%\); $bubble \(12\.5%\)" "m=8 v=2 +fp32 .* $bubble \(5\.9%\); $bubble \(6\.2%\)"; do
   grep -qE "^gpt2-pipe +cpu +tp=1 pp=2 dp=1 $want$" <<<"$pipe" || fail "no gpt2-pipe pp=2 row $want with its bubble" "$pipe"
 done
 echo "PASS: bench:train's CPU rows on an embedded cluster"
