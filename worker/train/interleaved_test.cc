@@ -258,6 +258,26 @@ Posting PostingOrder(bool cuda) {
   return out;
 }
 
+// Ahead: the last stage posts F(k+1)'s input before it sends B(k)'s
+// gradient, the first posts B(k)'s gradient before it sends F(k+1)'s
+// activation. When needed: each after, the reverse.
+void ExpectPostingOrder(const Posting& p, bool ahead) {
+  ASSERT_EQ(p.recorders.size(), 2u);
+  const std::string when = ahead ? " before " : " after ";
+  for (int k = 0; k + 1 < kPostingMicro; ++k) {
+    const int next_input = p.At(1, "pp#f0", "recv", k + 2), gradient_sent = p.At(1, "pp#b1", "send", k + 1);
+    ASSERT_GE(next_input, 0) << k;
+    ASSERT_GE(gradient_sent, 0) << k;
+    EXPECT_EQ(next_input < gradient_sent, ahead)
+        << "the last stage posts F" << k + 1 << "'s input" << when << "it sends B" << k;
+    const int gradient = p.At(0, "pp#b1", "recv", k + 1), next_sent = p.At(0, "pp#f0", "send", k + 2);
+    ASSERT_GE(gradient, 0) << k;
+    ASSERT_GE(next_sent, 0) << k;
+    EXPECT_EQ(gradient < next_sent, ahead)
+        << "the first stage posts B" << k << "'s gradient" << when << "it sends F" << k + 1;
+  }
+}
+
 // On Gloo each receive is posted ahead of the task that reads it: as soon
 // as its channel's previous message was read (a gradient's once its
 // forward ran), so that the transfer overlaps the rank's compute. Stage 0
@@ -266,18 +286,7 @@ Posting PostingOrder(bool cuda) {
 // sends B(k)'s gradient back (posted only when needed, after it); the first
 // posts B(k)'s gradient before it sends F(k+1)'s activation on.
 TEST(PipelineReceives, ArePostedAheadOfTheTasksThatReadThemOnGloo) {
-  const Posting p = PostingOrder(/*cuda=*/false);
-  ASSERT_EQ(p.recorders.size(), 2u);
-  for (int k = 0; k + 1 < kPostingMicro; ++k) {
-    const int next_input = p.At(1, "pp#f0", "recv", k + 2), gradient_sent = p.At(1, "pp#b1", "send", k + 1);
-    ASSERT_GE(next_input, 0) << k;
-    ASSERT_GE(gradient_sent, 0) << k;
-    EXPECT_LT(next_input, gradient_sent) << "the last stage posts F" << k + 1 << "'s input before it sends B" << k;
-    const int gradient = p.At(0, "pp#b1", "recv", k + 1), next_sent = p.At(0, "pp#f0", "send", k + 2);
-    ASSERT_GE(gradient, 0) << k;
-    ASSERT_GE(next_sent, 0) << k;
-    EXPECT_LT(gradient, next_sent) << "the first stage posts B" << k << "'s gradient before it sends F" << k + 1;
-  }
+  ExpectPostingOrder(PostingOrder(/*cuda=*/false), /*ahead=*/true);
 }
 
 // On NCCL receives are posted when their task needs them: NCCL connects a
@@ -287,18 +296,7 @@ TEST(PipelineReceives, ArePostedAheadOfTheTasksThatReadThemOnGloo) {
 // keeps a GPU pipeline from it). The reverse of Gloo's order above.
 TEST(PipelineReceives, AreNotPostedAheadOnNccl) {
   if (kernels::CudaDeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices (the emulation's in CI)";
-  const Posting p = PostingOrder(/*cuda=*/true);
-  ASSERT_EQ(p.recorders.size(), 2u);
-  for (int k = 0; k + 1 < kPostingMicro; ++k) {
-    const int next_input = p.At(1, "pp#f0", "recv", k + 2), gradient_sent = p.At(1, "pp#b1", "send", k + 1);
-    ASSERT_GE(next_input, 0) << k;
-    ASSERT_GE(gradient_sent, 0) << k;
-    EXPECT_GT(next_input, gradient_sent) << "the last stage posts F" << k + 1 << "'s input after it sends B" << k;
-    const int gradient = p.At(0, "pp#b1", "recv", k + 1), next_sent = p.At(0, "pp#f0", "send", k + 2);
-    ASSERT_GE(gradient, 0) << k;
-    ASSERT_GE(next_sent, 0) << k;
-    EXPECT_GT(gradient, next_sent) << "the first stage posts B" << k << "'s gradient after it sends F" << k + 1;
-  }
+  ExpectPostingOrder(PostingOrder(/*cuda=*/true), /*ahead=*/false);
 }
 
 // A stage that fails with a receive posted ahead that will never be
