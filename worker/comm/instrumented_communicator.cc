@@ -9,9 +9,9 @@ namespace {
 // (by Wait or IsCompleted), with the time since it was submitted.
 class ObservedWork final : public Work, public std::enable_shared_from_this<ObservedWork> {
  public:
-  ObservedWork(InstrumentedCommunicator* owner, std::shared_ptr<Work> inner,
+  ObservedWork(InstrumentedCommunicator* owner, std::shared_ptr<Work> inner, absl::Time start,
                std::function<void(absl::Duration, bool ok)> done)
-      : owner_(owner), inner_(std::move(inner)), start_(absl::Now()), done_(std::move(done)) {}
+      : owner_(owner), inner_(std::move(inner)), start_(start), done_(std::move(done)) {}
 
   absl::Status Wait(absl::Duration timeout) override {
     absl::Status s = inner_->Wait(timeout);
@@ -57,7 +57,7 @@ class ObservedWork final : public Work, public std::enable_shared_from_this<Obse
 }  // namespace
 
 std::shared_ptr<Work> InstrumentedCommunicator::Observe(const char* op, int64_t elements, DType dtype,
-                                                        std::shared_ptr<Work> work) {
+                                                        const std::function<std::shared_ptr<Work>()>& submit) {
   const int64_t bytes = elements * static_cast<int64_t>(SizeOf(dtype));
   {
     absl::MutexLock lock(&mu_);
@@ -65,11 +65,15 @@ std::shared_ptr<Work> InstrumentedCommunicator::Observe(const char* op, int64_t 
     ++s.calls;
     s.bytes += bytes;
   }
-  if (!observer_ && !recorder_) return work;
+  if (!observer_ && !recorder_) return submit();
+  // Recorded before the backend takes it: a submission can wait on the host
+  // (NCCL connects at first use), and the hang detector must see it then.
   const int64_t seq = recorder_ ? recorder_->Enqueue(group_, op, bytes) : 0;
+  const absl::Time start = absl::Now();
+  std::shared_ptr<Work> work = submit();
   Sweep();
   return std::make_shared<ObservedWork>(
-      this, std::move(work),
+      this, std::move(work), start,
       [observer = observer_, recorder = recorder_, group = group_, seq, op, bytes](absl::Duration d, bool ok) {
         if (recorder) recorder->End(group, seq, ok);
         if (observer && ok) observer(op, bytes, d);
@@ -113,37 +117,38 @@ std::map<std::string, InstrumentedCommunicator::OpStats> InstrumentedCommunicato
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::AllReduce(void* data, int64_t count, DType dtype, ReduceOp op) {
-  return Observe("all_reduce", count, dtype, inner_->AllReduce(data, count, dtype, op));
+  return Observe("all_reduce", count, dtype, [&] { return inner_->AllReduce(data, count, dtype, op); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::AllGather(const void* in, void* out, int64_t count, DType dtype) {
-  return Observe("all_gather", count, dtype, inner_->AllGather(in, out, count, dtype));
+  return Observe("all_gather", count, dtype, [&] { return inner_->AllGather(in, out, count, dtype); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::ReduceScatter(const void* in, void* out, int64_t count, DType dtype,
                                                               ReduceOp op) {
-  return Observe("reduce_scatter", count * size(), dtype, inner_->ReduceScatter(in, out, count, dtype, op));
+  return Observe("reduce_scatter", count * size(), dtype,
+                 [&] { return inner_->ReduceScatter(in, out, count, dtype, op); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Broadcast(void* data, int64_t count, DType dtype, int root) {
-  return Observe("broadcast", count, dtype, inner_->Broadcast(data, count, dtype, root));
+  return Observe("broadcast", count, dtype, [&] { return inner_->Broadcast(data, count, dtype, root); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::AllToAll(const void* in, void* out, int64_t count, DType dtype) {
-  return Observe("all_to_all", count * size(), dtype, inner_->AllToAll(in, out, count, dtype));
+  return Observe("all_to_all", count * size(), dtype, [&] { return inner_->AllToAll(in, out, count, dtype); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Send(const void* data, int64_t count, DType dtype, int dst,
                                                      uint32_t tag) {
-  return Observe("send", count, dtype, inner_->Send(data, count, dtype, dst, tag));
+  return Observe("send", count, dtype, [&] { return inner_->Send(data, count, dtype, dst, tag); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Recv(void* data, int64_t count, DType dtype, int src, uint32_t tag) {
-  return Observe("recv", count, dtype, inner_->Recv(data, count, dtype, src, tag));
+  return Observe("recv", count, dtype, [&] { return inner_->Recv(data, count, dtype, src, tag); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Barrier() {
-  return Observe("barrier", 0, DType::kF32, inner_->Barrier());
+  return Observe("barrier", 0, DType::kF32, [&] { return inner_->Barrier(); });
 }
 
 }  // namespace colod

@@ -74,8 +74,10 @@ class InstrumentedCommunicator final : public Communicator {
   // Reports the deferred works that have completed.
   void Sweep();
 
-  // Counts the op and wraps its work for the observer.
-  std::shared_ptr<Work> Observe(const char* op, int64_t elements, DType dtype, std::shared_ptr<Work> work);
+  // Counts the op, records it, submits it (`submit`: the backend's call)
+  // and wraps its work for the observer.
+  std::shared_ptr<Work> Observe(const char* op, int64_t elements, DType dtype,
+                                const std::function<std::shared_ptr<Work>()>& submit);
 
   const std::unique_ptr<Communicator> inner_;
   const Observer observer_;

@@ -292,8 +292,9 @@ TEST(PipelineReceives, ArePostedAheadOfTheTasksThatReadThemOnGloo) {
 // On NCCL receives are posted when their task needs them: NCCL connects a
 // pair of ranks at its first operation, holding the host until the peer's
 // matching one, so a first receive posted ahead could wait for a peer that
-// waits for this rank (the emulation has no such step: this order is what
-// keeps a GPU pipeline from it). The reverse of Gloo's order above.
+// waits for this rank (the emulation connects so too: posted ahead, the
+// runs of Interleaved.TrainsOnNcclRanksAtThreeAndFourStages hang). The
+// reverse of Gloo's order above.
 TEST(PipelineReceives, AreNotPostedAheadOnNccl) {
   if (kernels::CudaDeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices (the emulation's in CI)";
   ExpectPostingOrder(PostingOrder(/*cuda=*/true), /*ahead=*/false);
@@ -494,6 +495,29 @@ TEST(Interleaved, TrainsAsOneFOneBWithTensorAndDataParallelismAndEvaluates) {
     const std::vector<StepStats> cpu = testing::Losses(cuda);
     cuda.cuda = true;
     testing::ExpectSameLosses(testing::Losses(Chunked(cuda, 2)), cpu, 1e-4, "pp=2 V=2 on CUDA");
+  }
+}
+
+// On NCCL ranks, where each rank's first send to a peer and first receive
+// from it hold the host until the peer reaches the other end (the
+// emulation's NCCL connects pairs so, as NCCL does): the interleaved
+// schedule at pp=3 and pp=4, whose wrap channels and gradients first meet
+// in the middle of the schedule, and 1F1B at pp=3, give the CPU run's
+// losses. Receives are posted when needed there (pipeline.cc): posted
+// ahead, a first receive would wait for a peer that waits for this rank.
+TEST(Interleaved, TrainsOnNcclRanksAtThreeAndFourStages) {
+  if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices (the emulation's in CI)";
+  struct Case {
+    int pp, chunks;
+  };
+  for (const Case c : {Case{4, 2}, Case{3, 2}, Case{3, 1}}) {
+    const std::string what = absl::StrCat("pp=", c.pp, " V=", c.chunks, " on CUDA");
+    TrainOptions run = PipelineRun(absl::StrCat("interleaved_nccl_", c.pp, "_", c.chunks), c.pp * 2, c.pp, c.pp);
+    run.batch_size = 2 * c.pp;  // a micro-batch of 2 rows a stage
+    run.clip_norm = 0;
+    const std::vector<StepStats> cpu = testing::Losses(run);
+    run.cuda = true;
+    testing::ExpectSameLosses(testing::Losses(Chunked(run, c.chunks)), cpu, 1e-4, what);
   }
 }
 

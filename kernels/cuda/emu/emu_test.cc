@@ -814,6 +814,147 @@ TEST(CudaEmuNccl, UngroupedExchangeDeadlocksGroupedOneCompletes) {
   });
 }
 
+// ---- Connections at first use (nccl.cc) ----
+
+// ncclCommGetAsyncError of `comm`.
+ncclResult_t StateOf(ncclComm_t comm) {
+  ncclResult_t state = ncclInternalError;
+  EXPECT_EQ(ncclCommGetAsyncError(comm, &state), ncclSuccess);
+  return state;
+}
+
+// Polls until `comm` leaves ncclInProgress, at most 10 s.
+ncclResult_t Settle(ncclComm_t comm) {
+  ncclResult_t state = ncclInProgress;
+  for (int i = 0; i < 1000 && (state = StateOf(comm)) == ncclInProgress; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return state;
+}
+
+TEST(CudaEmuNccl, AFirstSendHoldsTheHostUntilItsPeerReceivesALaterOneDoesNot) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  std::atomic<int> sent{0};
+  OnRanks(2, [&](int r) {
+    ncclComm_t comm;
+    ASSERT_EQ(ncclCommInitRank(&comm, 2, id, r), ncclSuccess);  // blocking
+    float* x = ToDevice({static_cast<float>(r + 1), static_cast<float>(r + 2)});
+    if (r == 0) {
+      ASSERT_EQ(ncclSend(x, 1, ncclFloat32, 1, comm, cudaStreamPerThread), ncclSuccess);  // connects 0 -> 1
+      sent = 1;
+      ASSERT_EQ(ncclSend(x + 1, 1, ncclFloat32, 1, comm, cudaStreamPerThread), ncclSuccess);  // connected
+      sent = 2;
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      EXPECT_EQ(sent, 0) << "the first send returned before its peer's receive connected the pair";
+      ASSERT_EQ(ncclRecv(x, 1, ncclFloat32, 0, comm, cudaStreamPerThread), ncclSuccess);
+      for (int i = 0; i < 1000 && sent != 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      EXPECT_EQ(sent, 2) << "the second send waited for its receive on the host";
+      ASSERT_EQ(ncclRecv(x + 1, 1, ncclFloat32, 0, comm, cudaStreamPerThread), ncclSuccess);
+      EXPECT_EQ(ToHost(x, 2), (std::vector<float>{1, 2}));
+    }
+    ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+    ncclCommDestroy(comm);
+    cudaFree(x);
+  });
+}
+
+TEST(CudaEmuNccl, ANonBlockingFirstUseIsInProgressUntilEveryEndArrived) {
+  // Both ranks on this thread: non-blocking calls return at once.
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t c[2];
+  float* x[2];
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    ASSERT_EQ(ncclCommInitRankConfig(&c[r], 2, id, r, &config), ncclSuccess);
+    x[r] = ToDevice({static_cast<float>(r + 1)});
+  }
+  ASSERT_EQ(Settle(c[0]), ncclSuccess);
+  // The first collective connects the ranks: in progress until both called it.
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  EXPECT_EQ(ncclAllReduce(x[0], x[0], 1, ncclFloat32, ncclSum, c[0], cudaStreamPerThread), ncclInProgress);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(StateOf(c[0]), ncclInProgress);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  EXPECT_EQ(ncclAllReduce(x[1], x[1], 1, ncclFloat32, ncclSum, c[1], cudaStreamPerThread), ncclInProgress);
+  EXPECT_EQ(Settle(c[0]), ncclSuccess);
+  EXPECT_EQ(Settle(c[1]), ncclSuccess);
+  // The next one is enqueued at once.
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  EXPECT_EQ(ncclAllReduce(x[0], x[0], 1, ncclFloat32, ncclSum, c[0], cudaStreamPerThread), ncclSuccess);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  EXPECT_EQ(ncclAllReduce(x[1], x[1], 1, ncclFloat32, ncclSum, c[1], cudaStreamPerThread), ncclSuccess);
+  // A first receive (1 from 0): in progress until rank 0's first send to 1.
+  EXPECT_EQ(ncclRecv(x[1], 1, ncclFloat32, 0, c[1], cudaStreamPerThread), ncclInProgress);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(StateOf(c[1]), ncclInProgress);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  EXPECT_EQ(ncclSend(x[0], 1, ncclFloat32, 1, c[0], cudaStreamPerThread), ncclInProgress);
+  EXPECT_EQ(Settle(c[0]), ncclSuccess);
+  EXPECT_EQ(Settle(c[1]), ncclSuccess);
+  // 1 + 2 twice summed is 6 on both; rank 1 then receives rank 0's 6.
+  EXPECT_EQ(ToHost(x[0], 1)[0], 6.0f);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  EXPECT_EQ(ToHost(x[1], 1)[0], 6.0f);
+  for (int r = 0; r < 2; ++r) {
+    ncclCommDestroy(c[r]);
+    cudaFree(x[r]);
+  }
+}
+
+// Three ranks each send to the next, then receive from the previous, on
+// streams of their own, each call alone: every first send waits for a
+// receive its peer makes only after its own first send, so the hosts hang
+// as on GPUs, where the data path alone would not (the streams differ);
+// the same exchange in one group connects. An abort ends the wait.
+TEST(CudaEmuNccl, FirstUsesThatWaitInACycleHangOnTheHostGroupedTheyConnect) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const int n = 3;
+  OnRanks(n, [&](int r) {
+    ncclComm_t comm;
+    ASSERT_EQ(ncclCommInitRankConfig(&comm, n, id, r, &config), ncclSuccess);
+    ASSERT_EQ(Settle(comm), ncclSuccess);
+    float* x = ToDevice({static_cast<float>(r)});
+    EXPECT_EQ(ncclSend(x, 1, ncclFloat32, (r + 1) % n, comm, cudaStreamPerThread), ncclInProgress);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    EXPECT_EQ(StateOf(comm), ncclInProgress) << "rank " << r;  // its receive never comes
+    ASSERT_EQ(ncclCommAbort(comm), ncclSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);  // nothing was enqueued
+    cudaFree(x);
+  });
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  OnRanks(n, [&](int r) {
+    ncclComm_t comm;
+    ASSERT_EQ(ncclCommInitRankConfig(&comm, n, id, r, &config), ncclSuccess);
+    ASSERT_EQ(Settle(comm), ncclSuccess);
+    float* out = ToDevice({static_cast<float>(r)});
+    float* in = ToDevice({-1});
+    cudaStream_t recv_stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&recv_stream, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(ncclGroupStart(), ncclSuccess);
+    ASSERT_EQ(ncclSend(out, 1, ncclFloat32, (r + 1) % n, comm, cudaStreamPerThread), ncclSuccess);
+    ASSERT_EQ(ncclRecv(in, 1, ncclFloat32, (r + n - 1) % n, comm, recv_stream), ncclSuccess);
+    EXPECT_EQ(ncclGroupEnd(), ncclInProgress);
+    EXPECT_EQ(Settle(comm), ncclSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(recv_stream), cudaSuccess);
+    float got = 0;
+    ASSERT_EQ(cudaMemcpy(&got, in, sizeof got, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(got, static_cast<float>((r + n - 1) % n));
+    ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+    cudaStreamDestroy(recv_stream);
+    ncclCommDestroy(comm);
+    cudaFree(out);
+    cudaFree(in);
+  });
+}
+
 TEST(CudaEmuNccl, ARankThatNeverEntersBlocksItsPeersUntilAbort) {
   ncclUniqueId id;
   ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
@@ -856,6 +997,26 @@ TEST(CudaEmuNccl, AnInjectedErrorIsReportedAsync) {
     cudaFree(x);
   });
   colod_nccl_emu::SetFault({});
+}
+
+// Rank 0 sends twice on a non-blocking communicator whose rank 1 never
+// receives: the second call comes while the first still connects.
+void SendWhileTheFirstSendConnects() {
+  ncclUniqueId id;
+  ncclGetUniqueId(&id);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t c0, c1;
+  ncclCommInitRankConfig(&c0, 2, id, 0, &config);
+  ncclCommInitRankConfig(&c1, 2, id, 1, &config);
+  float* x = DeviceAlloc<float>(1);
+  ncclSend(x, 1, ncclFloat32, 1, c0, cudaStreamPerThread);
+  ncclSend(x, 1, ncclFloat32, 1, c0, cudaStreamPerThread);
+}
+
+TEST(CudaEmuNcclDeathTest, ACallWhileTheLastIsInProgressIsReported) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(SendWhileTheFirstSendConnects(), "last call is in progress");
 }
 
 TEST(CudaEmuNcclDeathTest, UseAfterAbortIsReported) {

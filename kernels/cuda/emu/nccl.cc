@@ -4,7 +4,26 @@
 // for its sequence number, waits for every rank, computes its output from
 // all inputs, waits again (so in-place outputs are written only after every
 // rank read every input) and writes it. A point-to-point call waits for its
-// peer's matching call. Waits end when every peer arrived or the rank's
+// peer's matching call.
+//
+// Connections are made at first use, as NCCL makes them (its runtime
+// connection, the default since 2.22, and point-to-point connections
+// always): a communicator's first collective connects its ranks, and a
+// rank's first send to a peer, or receive from one, connects that pair in
+// that direction. The call (or ncclGroupEnd) that needs a connection holds
+// its host thread until the peer reaches the other end, or, on a
+// non-blocking communicator, returns ncclInProgress and enqueues its work
+// only once connected; ncclCommGetAsyncError says ncclInProgress until
+// then, and a call on the communicator meanwhile is a misuse (reported).
+// Pairs are connected in NCCL's order (ConnectLinks), so host code that
+// reaches its first uses of pairs in orders that cross hangs here as on
+// GPUs. Stricter than NCCL in one way: the first collective waits for every
+// rank, where NCCL's ring and tree connections wait for their neighbours
+// (a deadlock on GPUs is one here too). Not modelled: NCCL connects each
+// algorithm at its first use, so a later collective that first uses
+// another one can hold the host again.
+//
+// Waits end when every peer arrived or the rank's
 // communicator was aborted, never by themselves: a lost peer hangs its
 // peers' streams as it does on GPUs, up to a safety limit that ends the
 // test process (COLOD_NCCL_EMU_HANG_LIMIT seconds, default 600).
@@ -143,6 +162,11 @@ struct Clique {
   std::map<uint64_t, std::shared_ptr<CollSlot>> colls;
   std::map<std::tuple<int, int, uint64_t>, std::shared_ptr<P2PSlot>> p2p;
   std::map<uint64_t, std::shared_ptr<SplitSlot>> splits;
+  // Connections at first use (ConnectLinks): the ranks that reached their
+  // first collective, and each directed pair's ends that arrived
+  // (kSenderEnd | kReceiverEnd once connected).
+  int collective_links = 0;
+  std::map<std::pair<int, int>, int> links;
   std::vector<std::weak_ptr<struct RankState>> members;
   // A member's process is gone (BreakClique): a rank that waits for its
   // peers from then on reports ncclRemoteError.
@@ -170,12 +194,18 @@ struct RankState {
   std::atomic<int> state{ncclInProgress};
   std::atomic<bool> aborted{false};
   std::atomic<int> pending{0};
+  // ncclConfig_t.blocking of this process's handle: whether a call that
+  // needs a connection waits for it, or returns ncclInProgress.
+  bool blocking = true;
   // Sequence numbers, advanced by the calling thread at enqueue (ops of one
-  // communicator must be issued in one order, as NCCL requires).
+  // communicator must be issued in one order, as NCCL requires), and the
+  // connections this rank's calls asked for so far.
   std::mutex seq_mu;
   uint64_t next_coll = 0, next_split = 0;
   long ops = 0;
   std::map<int, uint64_t> next_send, next_recv;
+  bool collectives_linked = false;
+  std::set<int> sent_to, received_from;
   // A rank whose clique is in another process; its `clique` is then a
   // clique of its own, only a place to wait.
   std::shared_ptr<Remote> remote;
@@ -361,27 +391,166 @@ void Stall(RankState& st, ncclResult_t error, const std::string& what) {
   WaitFor(l, st, what + " (injected fault)", [] { return false; });
 }
 
+// The connections an operation needs before it runs (the header comment).
+struct Links {
+  bool collectives = false;
+  std::vector<int> to, from;  // the peers of a first send, of a first receive
+  bool empty() const { return !collectives && to.empty() && from.empty(); }
+};
+
+constexpr int kSenderEnd = 1, kReceiverEnd = 2;
+
+// Sends a request of a remote rank and waits for its answer (below).
+bool RemoteCall(RankState& st, Kind kind, std::initializer_list<int64_t> args, const void* payload, size_t bytes,
+                Frame* answer, const std::string& what);
+
+// Rank st makes `links` as NCCL's transport setup does: first the
+// collectives' (every rank takes part), then its pairs by distance
+// d = 1..n-1, the send to rank+d together with the receive from rank-d,
+// each end waiting for the peer to reach the other. A rank held at one
+// distance makes no later one. False if the rank was aborted first.
+bool ConnectLinks(const std::shared_ptr<RankState>& st, const Links& links) {
+  if (st->remote != nullptr) {  // made by its stand-in in the clique's process
+    std::vector<int32_t> peers(links.to.begin(), links.to.end());
+    peers.insert(peers.end(), links.from.begin(), links.from.end());
+    Frame answer;
+    return RemoteCall(*st, Kind::kConnect,
+                      {links.collectives ? 1 : 0, static_cast<int64_t>(links.to.size()),
+                       static_cast<int64_t>(links.from.size())},
+                      peers.data(), peers.size() * sizeof(int32_t), &answer, "connection setup");
+  }
+  Clique& c = *st->clique;
+  const int n = st->nranks, r = st->rank;
+  std::unique_lock<std::mutex> l(c.mu);
+  if (links.collectives) {
+    c.collective_links++;
+    c.cv.notify_all();
+    if (!WaitFor(l, *st, "the first collective's connection setup", [&] { return c.collective_links == n; })) {
+      return false;
+    }
+  }
+  for (int d = 1; d < n; ++d) {
+    const int to = (r + d) % n, from = (r - d + n) % n;
+    const bool s = std::find(links.to.begin(), links.to.end(), to) != links.to.end();
+    const bool q = std::find(links.from.begin(), links.from.end(), from) != links.from.end();
+    if (!s && !q) continue;
+    if (s) c.links[{r, to}] |= kSenderEnd;
+    if (q) c.links[{from, r}] |= kReceiverEnd;
+    c.cv.notify_all();
+    const std::string what = "connection setup (" +
+                             (s ? "a first send to " + std::to_string(to) + (q ? ", " : "") : std::string()) +
+                             (q ? "a first receive from " + std::to_string(from) : std::string()) + ")";
+    const int both = kSenderEnd | kReceiverEnd;
+    if (!WaitFor(l, *st, what, [&] { return (!s || c.links[{r, to}] == both) && (!q || c.links[{from, r}] == both); })) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // ---- Group calls: ops issued between ncclGroupStart and ncclGroupEnd ----
 struct GroupOp {
   std::shared_ptr<colod_cuda_emu::Stream> stream;
   std::function<void()> run;
+  std::shared_ptr<RankState> st;
+  Links links;
 };
 thread_local int group_depth = 0;
 thread_local std::vector<GroupOp> group_ops;
 
-// Runs `run` on `stream` now, or with the group's other ops on the same
-// stream, concurrently, at ncclGroupEnd.
-void Submit(std::shared_ptr<colod_cuda_emu::Stream> stream, std::shared_ptr<RankState> st, std::function<void()> run) {
+// Enqueues one call's or one group's ops: those on one stream become one
+// task that runs them concurrently, as one fused NCCL kernel progresses
+// all of them.
+void EnqueueOps(std::vector<GroupOp> ops) {
+  std::map<colod_cuda_emu::Stream*, std::vector<std::function<void()>>> by_stream;
+  std::map<colod_cuda_emu::Stream*, std::shared_ptr<colod_cuda_emu::Stream>> streams;
+  for (auto& op : ops) {
+    by_stream[op.stream.get()].push_back(std::move(op.run));
+    streams[op.stream.get()] = op.stream;
+  }
+  for (auto& [key, runs] : by_stream) {
+    colod_cuda_emu::Enqueue(streams[key], [runs = std::move(runs)] {
+      std::vector<std::thread> threads;
+      for (size_t i = 1; i < runs.size(); ++i) threads.emplace_back(runs[i]);
+      if (!runs.empty()) runs[0]();
+      for (auto& t : threads) t.join();
+    });
+  }
+}
+
+// Enqueues `ops` once the connections they need are made: a blocking
+// communicator's call waits for them; a non-blocking one's returns
+// ncclInProgress, and its state says so until they are made and the ops
+// enqueued, as NCCL's group launch does. An abort ends the wait, and the
+// ops never run.
+ncclResult_t Launch(std::vector<GroupOp> ops) {
+  std::vector<std::pair<std::shared_ptr<RankState>, Links>> needs;
+  for (const GroupOp& op : ops) {
+    if (op.links.empty()) continue;
+    auto it = std::find_if(needs.begin(), needs.end(), [&](const auto& n) { return n.first == op.st; });
+    if (it == needs.end()) it = needs.insert(needs.end(), {op.st, Links()});
+    it->second.collectives |= op.links.collectives;
+    it->second.to.insert(it->second.to.end(), op.links.to.begin(), op.links.to.end());
+    it->second.from.insert(it->second.from.end(), op.links.from.begin(), op.links.from.end());
+  }
+  if (needs.empty()) {
+    EnqueueOps(std::move(ops));
+    return ncclSuccess;
+  }
+  auto shared = std::make_shared<std::vector<GroupOp>>(std::move(ops));
+  auto connect_and_enqueue = [needs, shared] {
+    for (const auto& need : needs) {
+      if (!ConnectLinks(need.first, need.second)) {
+        for (const GroupOp& op : *shared) op.st->pending--;  // never run
+        return false;
+      }
+    }
+    EnqueueOps(std::move(*shared));
+    return true;
+  };
+  if (needs.front().first->blocking) return connect_and_enqueue() ? ncclSuccess : ncclInvalidUsage;
+  for (const auto& need : needs) {
+    int expected = ncclSuccess;
+    need.first->state.compare_exchange_strong(expected, ncclInProgress);
+  }
+  std::thread([needs, connect_and_enqueue] {
+    if (!connect_and_enqueue()) return;
+    for (const auto& need : needs) {
+      int expected = ncclInProgress;
+      need.first->state.compare_exchange_strong(expected, ncclSuccess);
+    }
+  }).detach();
+  return ncclInProgress;
+}
+
+// A call on a communicator whose last call is still in progress: NCCL
+// requires waiting for ncclCommGetAsyncError to leave ncclInProgress first.
+void CheckNotInProgress(const RankState& st, const char* call) {
+  if (st.state == ncclInProgress) {
+    colod_cuda_emu::Fatal(std::string("NCCL: ") + call + " on rank " + std::to_string(st.rank) + "/" +
+                          std::to_string(st.nranks) +
+                          " while the communicator's last call is in progress (ncclCommGetAsyncError says "
+                          "ncclInProgress): NCCL requires waiting for it to end first");
+  }
+}
+
+// Runs `run` on `stream` now (once its connections are made), or with the
+// group's other ops at ncclGroupEnd.
+ncclResult_t Submit(std::shared_ptr<colod_cuda_emu::Stream> stream, std::shared_ptr<RankState> st, Links links,
+                    std::function<void()> run) {
   st->pending++;
   auto task = [st, run = std::move(run)] {
     run();
     st->pending--;
   };
+  GroupOp op{std::move(stream), std::move(task), std::move(st), std::move(links)};
   if (group_depth > 0) {
-    group_ops.push_back(GroupOp{std::move(stream), std::move(task)});
-  } else {
-    colod_cuda_emu::Enqueue(stream, std::move(task));
+    group_ops.push_back(std::move(op));
+    return ncclSuccess;
   }
+  std::vector<GroupOp> ops;
+  ops.push_back(std::move(op));
+  return Launch(std::move(ops));
 }
 
 // The collectives by code, as a remote rank names them.
@@ -578,15 +747,19 @@ ncclResult_t Collective(const char* name, const void* send, void* recv, size_t c
   if ((op == "Broadcast" || op == "Reduce") && (root < 0 || root >= n)) return ncclInvalidArgument;
   auto s = colod_cuda_emu::Resolve(stream);
   if (s == nullptr) return ncclInvalidArgument;
+  CheckNotInProgress(*st, name);
   uint64_t seq;
   long opno;
+  Links links;
   {
     std::lock_guard<std::mutex> l(st->seq_mu);
     seq = st->next_coll++;
     opno = ++st->ops;
+    links.collectives = n > 1 && !st->collectives_linked;
+    st->collectives_linked = true;
   }
   const FaultKind fault = FaultFor(*st, opno);
-  Submit(s, st, [=] {
+  return Submit(s, st, std::move(links), [=] {
     const std::string what = op + " #" + std::to_string(seq + 1);
     if (fault != FaultKind::kNone) return Stall(*st, fault == FaultKind::kError ? ncclRemoteError : ncclSuccess, what);
     if (st->remote == nullptr) {
@@ -602,7 +775,6 @@ ncclResult_t Collective(const char* name, const void* send, void* recv, size_t c
     }
     if (e.recvs && answer.payload.size() == e.recv_bytes) memcpy(recv, answer.payload.data(), e.recv_bytes);
   });
-  return ncclSuccess;
 }
 
 ncclResult_t PointToPoint(bool is_send, void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
@@ -616,16 +788,22 @@ ncclResult_t PointToPoint(bool is_send, void* buf, size_t count, ncclDataType_t 
   if (!CheckBuffer(buf, count * es, st->device)) return ncclInvalidArgument;
   auto s = colod_cuda_emu::Resolve(stream);
   if (s == nullptr) return ncclInvalidArgument;
+  CheckNotInProgress(*st, name);
   uint64_t seq;
   long opno;
+  Links links;
   {
     std::lock_guard<std::mutex> l(st->seq_mu);
     seq = is_send ? st->next_send[peer]++ : st->next_recv[peer]++;
     opno = ++st->ops;
+    // A rank's sends to itself need no connection.
+    if (peer != st->rank && (is_send ? st->sent_to : st->received_from).insert(peer).second) {
+      (is_send ? links.to : links.from).push_back(peer);
+    }
   }
   const FaultKind fault = FaultFor(*st, opno);
   const size_t bytes = count * es;
-  Submit(s, st, [=] {
+  return Submit(s, st, std::move(links), [=] {
     const std::string what = std::string(name) + (is_send ? " to " : " from ") + std::to_string(peer);
     if (fault != FaultKind::kNone) return Stall(*st, fault == FaultKind::kError ? ncclRemoteError : ncclSuccess, what);
     if (st->remote == nullptr) {
@@ -640,7 +818,6 @@ ncclResult_t PointToPoint(bool is_send, void* buf, size_t count, ncclDataType_t 
       memcpy(buf, answer.payload.data(), bytes);
     }
   });
-  return ncclSuccess;
 }
 
 // Joins rank `rank` of an `nranks` communicator on `id` in this process's
@@ -787,6 +964,23 @@ void Handle(const std::shared_ptr<RankState>& st, Conn& conn, const Frame& f) {
       if (RunRecv(st, static_cast<int>(f.a[0]), static_cast<uint64_t>(f.a[1]), out.data(), out.size())) {
         conn.Write(Kind::kDone, f.req, {}, out.data(), out.size());
       }
+      return;
+    }
+    case Kind::kConnect: {
+      const int64_t to = f.a[1], from = f.a[2];
+      if (to < 0 || from < 0 || to >= st->nranks || from >= st->nranks ||
+          f.payload.size() != static_cast<size_t>(to + from) * sizeof(int32_t)) {
+        colod_cuda_emu::Fatal("NCCL: a malformed remote connection request");
+      }
+      std::vector<int32_t> peers(static_cast<size_t>(to + from));
+      memcpy(peers.data(), f.payload.data(), f.payload.size());
+      Links links;
+      links.collectives = f.a[0] != 0;
+      for (size_t i = 0; i < peers.size(); ++i) {
+        if (peers[i] < 0 || peers[i] >= st->nranks) colod_cuda_emu::Fatal("NCCL: a remote connection to no rank");
+        (static_cast<int64_t>(i) < to ? links.to : links.from).push_back(peers[i]);
+      }
+      if (ConnectLinks(st, links)) conn.Write(Kind::kDone, f.req, {});
       return;
     }
     case Kind::kSplit: {
@@ -1012,6 +1206,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId c
     if (id.compare(0, 15, "colod-nccl-emu:") != 0 || address.empty()) return ncclInvalidUsage;
     st = colod_nccl_emu::ConnectRemote(address, rank, nranks, device);
     if (st == nullptr) return ncclSystemError;  // as NCCL when its bootstrap root cannot be reached
+    st->blocking = blocking;
     st->remote->conn->Write(colod_nccl_emu::Kind::kHelloInit, 0, {nranks, rank, device}, id.data(), id.size());
     *comm = colod_nccl_emu::NewHandle(st);
     if (!blocking) return ncclSuccess;  // ncclCommGetAsyncError says when it is ready
@@ -1019,6 +1214,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId c
   }
   const ncclResult_t joined = colod_nccl_emu::Join(id, nranks, rank, device, &st);
   if (joined != ncclSuccess) return joined;
+  st->blocking = blocking;
   *comm = colod_nccl_emu::NewHandle(st);
   if (!blocking) return ncclSuccess;  // ncclCommGetAsyncError says when it is ready
   std::unique_lock<std::mutex> l(st->clique->mu);
@@ -1049,11 +1245,12 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
     // Completes when every parent rank arrived, writing *newcomm then:
     // NCCL's non-blocking split does the same, so the caller's pointer must
     // stay valid.
-    finish = [parent, slot, newcomm, device] {
+    finish = [parent, slot, newcomm, device, blocking] {
       std::shared_ptr<RankState> child;
       if (!colod_nccl_emu::AwaitSplit(parent, slot, &child)) return;
       if (child != nullptr) {
         child->device = device;
+        child->blocking = blocking;
         *newcomm = colod_nccl_emu::NewHandle(child);
       } else {
         *newcomm = nullptr;
@@ -1063,7 +1260,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   } else {
     // The clique's process splits it; this rank's child (if any) attaches
     // there over a connection of its own.
-    finish = [parent, seq, color, key, newcomm, device] {
+    finish = [parent, seq, color, key, newcomm, device, blocking] {
       colod_nccl_emu::Frame answer;
       if (!colod_nccl_emu::RemoteCall(*parent, colod_nccl_emu::Kind::kSplit, {static_cast<int64_t>(seq), color, key,
                                       device}, nullptr, 0, &answer, "ncclCommSplit")) {
@@ -1080,6 +1277,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
         parent->state = ncclSystemError;
         return;
       }
+      child->blocking = blocking;
       child->remote->conn->Write(colod_nccl_emu::Kind::kHelloChild, 0, {answer.a[0]});
       const ncclResult_t ready = colod_nccl_emu::AwaitReady(*child);
       *newcomm = colod_nccl_emu::NewHandle(child);
@@ -1208,23 +1406,7 @@ ncclResult_t ncclGroupStart() {
 ncclResult_t ncclGroupEnd() {
   if (colod_nccl_emu::group_depth == 0) return ncclInvalidUsage;
   if (--colod_nccl_emu::group_depth > 0) return ncclSuccess;
-  // The group's ops on each stream become one task that runs them
-  // concurrently, as one fused NCCL kernel progresses all of them.
   std::vector<colod_nccl_emu::GroupOp> ops = std::move(colod_nccl_emu::group_ops);
   colod_nccl_emu::group_ops.clear();
-  std::map<colod_cuda_emu::Stream*, std::vector<std::function<void()>>> by_stream;
-  std::map<colod_cuda_emu::Stream*, std::shared_ptr<colod_cuda_emu::Stream>> streams;
-  for (auto& op : ops) {
-    by_stream[op.stream.get()].push_back(std::move(op.run));
-    streams[op.stream.get()] = op.stream;
-  }
-  for (auto& [key, runs] : by_stream) {
-    colod_cuda_emu::Enqueue(streams[key], [runs = std::move(runs)] {
-      std::vector<std::thread> threads;
-      for (size_t i = 1; i < runs.size(); ++i) threads.emplace_back(runs[i]);
-      if (!runs.empty()) runs[0]();
-      for (auto& t : threads) t.join();
-    });
-  }
-  return ncclSuccess;
+  return colod_nccl_emu::Launch(std::move(ops));
 }

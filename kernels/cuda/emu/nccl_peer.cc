@@ -1,14 +1,17 @@
 // A rank of the emulated NCCL in a process of its own, for
 // nccl_processes_test.cc (test code):
 //   nccl_peer collectives ID RANK NRANKS  RunCollectives; exit 0 if all held
-//   nccl_peer join ID RANK NRANKS         joins, prints "joined", waits for a signal
+//   nccl_peer join ID RANK NRANKS         joins, connects, prints "joined", waits for a signal
 //   nccl_peer host NRANKS                 makes an id and prints it, joins as rank 0,
-//                                         prints "joined", waits for a signal
-//   nccl_peer abort ID RANK NRANKS        joins, enters an all-reduce its peers never
-//                                         enter, aborts after 300 ms, prints "released"
+//                                         connects, prints "joined", waits for a signal
+//   nccl_peer abort ID RANK NRANKS        joins, connects, enters an all-reduce its peers
+//                                         never enter, aborts after 300 ms, prints "released"
 //   nccl_peer exit ID RANK NRANKS         joins, takes part in one all-reduce of 1.0
 //                                         each, and exits without destroying anything
-// IDs are hex (IdToHex).
+// To connect is to take part in one all-reduce with every rank: a
+// communicator's first collective connects its ranks, holding each host
+// until all arrived, so the all-reduces that wait for a lost peer come
+// after it. IDs are hex (IdToHex).
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <unistd.h>
@@ -36,6 +39,16 @@ void Say(const char* line) {
   for (;;) pause();
 }
 
+// The first all-reduce, with every rank (connect above).
+bool Connect(ncclComm_t comm) {
+  float* x = nullptr;
+  if (cudaMalloc(reinterpret_cast<void**>(&x), sizeof(float)) != cudaSuccess) return false;
+  const bool ok = ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread) == ncclSuccess &&
+                  cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess;
+  cudaFree(x);
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -49,6 +62,7 @@ int main(int argc, char** argv) {
     Say(IdToHex(id).c_str());
     ncclComm_t comm;
     if (ncclCommInitRank(&comm, atoi(argv[2]), id, 0) != ncclSuccess) return Fail("ncclCommInitRank");
+    if (!Connect(comm)) return Fail("the first all-reduce");
     Say("joined");
     WaitForSignal();
   }
@@ -64,6 +78,7 @@ int main(int argc, char** argv) {
   }
   ncclComm_t comm;
   if (ncclCommInitRank(&comm, nranks, id, rank) != ncclSuccess) return Fail("ncclCommInitRank");
+  if ((mode == "join" || mode == "abort") && !Connect(comm)) return Fail("the first all-reduce");
   if (mode == "join") {
     Say("joined");
     WaitForSignal();

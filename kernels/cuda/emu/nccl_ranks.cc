@@ -76,12 +76,23 @@ std::string RunCollectives(const ncclUniqueId& id, int rank, int nranks, int dev
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   if (ncclCommInitRankConfig(&comm, n, id, r, &config) != ncclSuccess) return "ncclCommInitRankConfig failed";
-  ncclResult_t state = ncclInProgress;
-  for (int i = 0; i < 3000 && state == ncclInProgress; ++i) {
-    ncclCommGetAsyncError(comm, &state);
-    if (state == ncclInProgress) usleep(10000);
-  }
-  if (state != ncclSuccess) return "rank " + std::to_string(r) + ": the communicator never got ready";
+  // Polls the communicator's state until it leaves ncclInProgress (30 s at most).
+  auto settle = [&] {
+    ncclResult_t state = ncclInProgress;
+    for (int i = 0; i < 3000 && state == ncclInProgress; ++i) {
+      ncclCommGetAsyncError(comm, &state);
+      if (state == ncclInProgress) usleep(10000);
+    }
+    return state;
+  };
+  if (settle() != ncclSuccess) return "rank " + std::to_string(r) + ": the communicator never got ready";
+  // A call on it: ncclSuccess, or ncclInProgress where it first connects
+  // (`connects`: the first collective, the first send to or receive from a
+  // peer), enqueued once the state is ncclSuccess again.
+  auto enqueued = [&](ncclResult_t result, bool connects) {
+    return result == (connects && n > 1 ? ncclInProgress : ncclSuccess) && settle() == ncclSuccess;
+  };
+  ncclResult_t state = ncclSuccess;
   int got_rank = -1, got_size = -1;
   ncclCommUserRank(comm, &got_rank);
   ncclCommCount(comm, &got_size);
@@ -93,7 +104,7 @@ std::string RunCollectives(const ncclUniqueId& id, int rank, int nranks, int dev
   const cudaStream_t s = cudaStreamPerThread;
   // AllReduce, in place.
   float* ar = Upload(std::vector<float>(mine.begin(), mine.begin() + count));
-  c.Expect(ncclAllReduce(ar, ar, count, ncclFloat32, ncclSum, comm, s) == ncclSuccess, "AllReduce enqueued");
+  c.Expect(enqueued(ncclAllReduce(ar, ar, count, ncclFloat32, ncclSum, comm, s), true), "AllReduce enqueued");
   std::vector<float> got = Download(ar, count);
   for (size_t i = 0; i < count; ++i) {
     float want = 0;
@@ -101,22 +112,22 @@ std::string RunCollectives(const ncclUniqueId& id, int rank, int nranks, int dev
     c.Expect(got[i] == want, "AllReduce[" + std::to_string(i) + "] " + std::to_string(got[i]));
   }
   // AllGather.
-  c.Expect(ncclAllGather(in, out, count, ncclFloat32, comm, s) == ncclSuccess, "AllGather enqueued");
+  c.Expect(enqueued(ncclAllGather(in, out, count, ncclFloat32, comm, s), false), "AllGather enqueued");
   got = Download(out, count * n);
   for (int j = 0; j < n; ++j) {
     for (size_t i = 0; i < count; ++i) c.Expect(got[j * count + i] == value(j, i), "AllGather");
   }
   // ReduceScatter (max): chunk r of every rank's input.
-  c.Expect(ncclReduceScatter(in, out, count, ncclFloat32, ncclMax, comm, s) == ncclSuccess, "ReduceScatter enqueued");
+  c.Expect(enqueued(ncclReduceScatter(in, out, count, ncclFloat32, ncclMax, comm, s), false), "ReduceScatter enqueued");
   got = Download(out, count);
   for (size_t i = 0; i < count; ++i) c.Expect(got[i] == value(n - 1, r * count + i), "ReduceScatter");
   // Broadcast from the last rank.
-  c.Expect(ncclBroadcast(in, out, count, ncclFloat32, n - 1, comm, s) == ncclSuccess, "Broadcast enqueued");
+  c.Expect(enqueued(ncclBroadcast(in, out, count, ncclFloat32, n - 1, comm, s), false), "Broadcast enqueued");
   got = Download(out, count);
   for (size_t i = 0; i < count; ++i) c.Expect(got[i] == value(n - 1, i), "Broadcast");
   // Reduce (sum) to rank 0; the others' outputs untouched.
   float* red = Upload(std::vector<float>(count, -7.0f));
-  c.Expect(ncclReduce(in, red, count, ncclFloat32, ncclSum, 0, comm, s) == ncclSuccess, "Reduce enqueued");
+  c.Expect(enqueued(ncclReduce(in, red, count, ncclFloat32, ncclSum, 0, comm, s), false), "Reduce enqueued");
   got = Download(red, count);
   for (size_t i = 0; i < count; ++i) {
     float want = 0;
@@ -124,7 +135,7 @@ std::string RunCollectives(const ncclUniqueId& id, int rank, int nranks, int dev
     c.Expect(got[i] == (r == 0 ? want : -7.0f), "Reduce");
   }
   // AlltoAll: chunk j of the output is chunk r of rank j's input.
-  c.Expect(ncclAlltoAll(in, out, count, ncclFloat32, comm, s) == ncclSuccess, "AlltoAll enqueued");
+  c.Expect(enqueued(ncclAlltoAll(in, out, count, ncclFloat32, comm, s), false), "AlltoAll enqueued");
   got = Download(out, count * n);
   for (int j = 0; j < n; ++j) {
     for (size_t i = 0; i < count; ++i) c.Expect(got[j * count + i] == value(j, r * count + i), "AlltoAll");
@@ -134,14 +145,14 @@ std::string RunCollectives(const ncclUniqueId& id, int rank, int nranks, int dev
   ncclGroupStart();
   ncclSend(in, count, ncclFloat32, (r + 1) % n, comm, s);
   ncclRecv(ring, count, ncclFloat32, (r + n - 1) % n, comm, s);
-  c.Expect(ncclGroupEnd() == ncclSuccess, "the ring's group");
+  c.Expect(enqueued(ncclGroupEnd(), true), "the ring's group");
   got = Download(ring, count);
   for (size_t i = 0; i < count; ++i) c.Expect(got[i] == value((r + n - 1) % n, i), "ring Recv");
   // bf16, widened and summed in rank order, rounded once.
   std::vector<__nv_bfloat16> h16(count);
   for (size_t i = 0; i < count; ++i) h16[i] = __float2bfloat16_rn(static_cast<float>(r + 1) * 0.5f);
   __nv_bfloat16* d16 = Upload(h16);
-  c.Expect(ncclAllReduce(d16, d16, count, ncclBfloat16, ncclSum, comm, s) == ncclSuccess, "bf16 enqueued");
+  c.Expect(enqueued(ncclAllReduce(d16, d16, count, ncclBfloat16, ncclSum, comm, s), false), "bf16 enqueued");
   std::vector<__nv_bfloat16> g16 = Download(d16, count);
   for (size_t i = 0; i < count; ++i) {
     c.Expect(__bfloat162float(g16[i]) == 0.5f * n * (n + 1) / 2, "bf16 AllReduce");

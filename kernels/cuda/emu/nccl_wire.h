@@ -37,6 +37,7 @@ enum class Kind : uint32_t {
   kAsyncError,      // a: the error a peer's loss gives (ncclRemoteError)
   kBye,             // the rank destroyed its communicator
   kAbort,           // the rank aborted its communicator
+  kConnect,         // a: first collective (0/1), sends, receives; payload: their peers (int32)
 };
 
 struct Frame {

@@ -189,11 +189,15 @@ class NcclCommunicator::NcclWork final : public Work {
 };
 
 std::string NcclCommunicator::Describe(const std::string& op, uint64_t seq) const {
-  return absl::StrCat(op, " #", seq, " on group ", options_.group, " (rank ", rank_, "/", size_, ", device ",
-                      options_.device, ")");
+  return Describe(absl::StrCat(op, " #", seq));
 }
 
-absl::Status NcclCommunicator::WaitReady(absl::Time deadline, const std::string& what) {
+std::string NcclCommunicator::Describe(const std::string& what) const {
+  return absl::StrCat(what, " on group ", options_.group, " (rank ", rank_, "/", size_, ", device ", options_.device,
+                      ")");
+}
+
+absl::Status NcclCommunicator::WaitReady(absl::Time deadline, const std::string& what, bool joining) {
   for (;;) {
     ncclResult_t state = ncclSuccess;
     {
@@ -213,10 +217,12 @@ absl::Status NcclCommunicator::WaitReady(absl::Time deadline, const std::string&
       return AsyncError();
     }
     if (absl::Now() >= deadline) {
-      AbortWith(absl::DeadlineExceededError(absl::StrCat("nccl ", what, " (rank ", rank_, "/", size_, " of group ",
-                                                         options_.group, "): still in progress after ",
-                                                         absl::FormatDuration(options_.timeout),
-                                                         " (a peer never joined?); the communicator was aborted")));
+      AbortWith(absl::DeadlineExceededError(absl::StrCat(
+          "nccl ", what, ": still in progress after ", absl::FormatDuration(options_.timeout), " (",
+          joining ? "a peer never joined?"
+                  : "NCCL connects a communicator's ranks at its first collective, and a pair at its first send "
+                    "and receive: a peer that never reached its end?",
+          "); the communicator was aborted")));
       return AsyncError();
     }
     absl::SleepFor(absl::Microseconds(100));
@@ -265,7 +271,7 @@ absl::Status NcclCommunicator::Adopt(ncclComm_t comm, const std::string& what) {
   }
   Watchdog::Get().Add(this);
   // On failure WaitReady has aborted the half-made communicator.
-  RETURN_IF_ERROR(WaitReady(absl::Now() + options_.timeout, what));
+  RETURN_IF_ERROR(WaitReady(absl::Now() + options_.timeout, Describe(what), /*joining=*/true));
   COLOD_RETURN_IF_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   COLOD_RETURN_IF_CUDA(cudaMalloc(&scratch_, sizeof(int32_t)));
   events_ = std::make_shared<EventPool>();
@@ -291,7 +297,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(int co
     NCCL_RETURN_IF_ERROR(ncclCommSplit(comm_, color, key, slot.get(), &config));
   }
   const std::string what = absl::StrCat("split into group ", group.empty() ? "?" : group);
-  absl::Status ready = WaitReady(absl::Now() + options_.timeout, what);
+  absl::Status ready = WaitReady(absl::Now() + options_.timeout, Describe(what), /*joining=*/true);
   if (!ready.ok()) {
     // The parent is aborted, which ends the split; a child NCCL already made is aborted too.
     if (*slot != nullptr) ncclCommAbort(*slot);
@@ -437,7 +443,9 @@ std::shared_ptr<Work> NcclCommunicator::Enqueue(const char* op,
       s = enqueue(comm_);
     }
   }
-  if (s.ok()) s = WaitReady(absl::Now() + options_.timeout, what);  // the non-blocking enqueue finished
+  // The non-blocking enqueue finished: at once, or once the connection of a
+  // first use was made (both ends).
+  if (s.ok()) s = WaitReady(absl::Now() + options_.timeout, what, /*joining=*/false);
   if (s.ok()) {
     e = cudaEventRecord(done->event, stream_);
     if (e != cudaSuccess) s = kernels::cuda::CudaStatus(e, "cudaEventRecord");

@@ -45,7 +45,12 @@ absl::Status NcclStatus(ncclResult_t r, const char* call, const char* file, int 
 // (kernels/cuda/stream.h), so the collective sees every kernel and
 // stream-ordered allocation enqueued there before it was submitted, and
 // Work::WaitOnDevice makes the compute stream wait on the collective's
-// completion event. Neither blocks the host; events come from a pool.
+// completion event. Neither blocks the host; events come from a pool. The
+// exception is a first use: NCCL connects the ranks at a communicator's
+// first collective and a pair at its first send and receive, and the
+// submission waits (WaitReady, under the op's deadline) until the peers
+// reach their ends; a later submission on this communicator waits behind it
+// on `enqueue_mu_`, as NCCL allows no call while one is in progress.
 //
 // Failure handling (c10d's ProcessGroupNCCL pattern): every collective has a
 // sequence number and a deadline (options.timeout from its enqueue). A
@@ -132,10 +137,16 @@ class NcclCommunicator final : public Communicator {
   absl::Status Adopt(ncclComm_t comm, const std::string& what);
   // "AllReduce #17 on group tp (rank 1/2, device 1)"
   std::string Describe(const std::string& op, uint64_t seq) const;
+  // `what`, its group, rank and device.
+  std::string Describe(const std::string& what) const;
   // Finishes a non-blocking NCCL call: polls the async error until the
   // communicator is no longer in progress; at `deadline` aborts it with
-  // DEADLINE_EXCEEDED naming `what`.
-  absl::Status WaitReady(absl::Time deadline, const std::string& what);
+  // DEADLINE_EXCEEDED naming `what` (a description: Describe) and what it
+  // waited for: the peers to join (init, split: `joining`), or the peer's
+  // end of a connection (NCCL connects at first use: a communicator's first
+  // collective, a pair's first send and receive, hold the caller until the
+  // peers make theirs).
+  absl::Status WaitReady(absl::Time deadline, const std::string& what, bool joining);
   // Runs `enqueue` (NCCL calls on stream_, given the handle) and returns a
   // Work for its completion.
   std::shared_ptr<Work> Enqueue(const char* op, const std::function<absl::Status(ncclComm_t)>& enqueue);

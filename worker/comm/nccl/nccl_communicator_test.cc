@@ -17,6 +17,7 @@
 #include "kernels/cuda/tensor_ops.h"
 #include "kernels/device.h"
 #include "worker/comm/abort_signal.h"
+#include "worker/comm/flight_recorder.h"
 #include "worker/comm/instrumented_communicator.h"
 #include "worker/comm/store.h"
 
@@ -259,6 +260,53 @@ TEST_F(NcclRanks, SendRecvExchangesWithoutDeadlock) {
     cudaFree(out);
     cudaFree(in);
   });
+}
+
+// NCCL connects a pair at its first send and receive, holding the caller
+// until the peer reaches its end (the emulation's NCCL too). A first Send
+// whose receiver never comes is in the flight recorder while it waits, as
+// the hang detector must see it, and fails with DEADLINE_EXCEEDED within
+// the timeout, saying what it waited for.
+TEST_F(NcclRanks, AFirstSendWhosePeerNeverReceivesIsRecordedAndFailsWithinTheTimeout) {
+  const absl::Duration timeout = absl::Seconds(2);
+  InMemoryStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      NcclCommunicator::Options o;
+      o.device = r;
+      o.timeout = timeout;
+      auto made = NcclCommunicator::Create(store, r, 2, o);
+      ASSERT_TRUE(made.ok()) << made.status();
+      if (r == 1) {  // never receives
+        absl::SleepFor(timeout + absl::Seconds(1));
+        (*made)->Abort(absl::CancelledError("rank 1 gives up"));
+        return;
+      }
+      auto recorder = std::make_shared<FlightRecorder>();
+      InstrumentedCommunicator comm(*std::move(made), nullptr, recorder, "pp");
+      std::atomic<bool> seen{false};
+      std::thread watcher([&] {
+        for (int i = 0; i < 100 && !seen; ++i) {
+          for (const v1::CollectiveProgress& g : recorder->Progress(absl::Now())) {
+            if (g.group() == "pp" && g.pending_sequence() == 1 && g.pending_op() == "send") seen = true;
+          }
+          absl::SleepFor(absl::Milliseconds(10));
+        }
+      });
+      float* x = DeviceFloats({1.0f});
+      const absl::Time start = absl::Now();
+      const absl::Status s = comm.Send(x, 1, DType::kF32, 1, 0)->Wait(kWait);
+      watcher.join();
+      EXPECT_TRUE(seen) << "the send was not pending in the flight recorder while it connected";
+      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+      EXPECT_LT(absl::Now() - start, timeout + absl::Seconds(2)) << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), "Send #1 on group world (rank 0/2")) << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), "a pair at its first send and receive")) << s;
+      cudaFree(x);
+    });
+  }
+  for (auto& t : threads) t.join();
 }
 
 TEST_F(NcclRanks, APeerThatNeverSplitsFailsTheSplitAndAbortsTheParent) {
