@@ -906,6 +906,54 @@ TEST(CudaEmuNccl, ANonBlockingFirstUseIsInProgressUntilEveryEndArrived) {
   }
 }
 
+// One thread's group over both ranks of a communicator (as one process
+// driving two devices does): each communicator connects on its own, so the
+// group connects and runs. Blocking and non-blocking communicators in one
+// group are refused, as NCCL refuses them.
+TEST(CudaEmuNccl, AGroupOverSeveralCommunicatorsConnectsEachOnItsOwn) {
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t c[2];
+  float* x[2];
+  cudaStream_t s[2];
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    ASSERT_EQ(ncclCommInitRankConfig(&c[r], 2, id, r, &config), ncclSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s[r], cudaStreamNonBlocking), cudaSuccess);
+    x[r] = ToDevice({static_cast<float>(10 * (r + 1))});
+  }
+  ASSERT_EQ(Settle(c[0]), ncclSuccess);
+  ASSERT_EQ(ncclGroupStart(), ncclSuccess);
+  ASSERT_EQ(ncclSend(x[0], 1, ncclFloat32, 1, c[0], s[0]), ncclSuccess);
+  ASSERT_EQ(ncclRecv(x[1], 1, ncclFloat32, 0, c[1], s[1]), ncclSuccess);
+  EXPECT_EQ(ncclGroupEnd(), ncclInProgress);
+  EXPECT_EQ(Settle(c[0]), ncclSuccess);
+  EXPECT_EQ(Settle(c[1]), ncclSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s[1]), cudaSuccess);
+  float got = 0;
+  ASSERT_EQ(cudaMemcpy(&got, x[1], sizeof got, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got, 10.0f);
+  ASSERT_EQ(cudaStreamSynchronize(s[0]), cudaSuccess);
+  // A blocking communicator beside the non-blocking ones.
+  ncclUniqueId solo_id;
+  ASSERT_EQ(ncclGetUniqueId(&solo_id), ncclSuccess);
+  ncclComm_t solo;
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_EQ(ncclCommInitRank(&solo, 1, solo_id, 0), ncclSuccess);
+  ASSERT_EQ(ncclGroupStart(), ncclSuccess);
+  ASSERT_EQ(ncclAllReduce(x[0], x[0], 1, ncclFloat32, ncclSum, solo, s[0]), ncclSuccess);
+  ASSERT_EQ(ncclAllReduce(x[0], x[0], 1, ncclFloat32, ncclSum, c[0], s[0]), ncclSuccess);
+  EXPECT_EQ(ncclGroupEnd(), ncclInvalidUsage);
+  for (int r = 0; r < 2; ++r) {
+    cudaStreamDestroy(s[r]);
+    ncclCommDestroy(c[r]);
+    cudaFree(x[r]);
+  }
+  ncclCommDestroy(solo);
+}
+
 // Three ranks each send to the next, then receive from the previous, on
 // streams of their own, each call alone: every first send waits for a
 // receive its peer makes only after its own first send, so the hosts hang

@@ -197,6 +197,9 @@ struct RankState {
   // ncclConfig_t.blocking of this process's handle: whether a call that
   // needs a connection waits for it, or returns ncclInProgress.
   bool blocking = true;
+  // A non-blocking group's connections are being made (Launch): no call
+  // but an abort may come until they are.
+  std::atomic<bool> connecting{false};
   // Sequence numbers, advanced by the calling thread at enqueue (ops of one
   // communicator must be issued in one order, as NCCL requires), and the
   // connections this rank's calls asked for so far.
@@ -425,7 +428,7 @@ bool ConnectLinks(const std::shared_ptr<RankState>& st, const Links& links) {
   if (links.collectives) {
     c.collective_links++;
     c.cv.notify_all();
-    if (!WaitFor(l, *st, "the first collective's connection setup", [&] { return c.collective_links == n; })) {
+    if (!WaitFor(l, *st, "the first collective's connection setup", [&] { return c.collective_links >= n; })) {
       return false;
     }
   }
@@ -479,13 +482,17 @@ void EnqueueOps(std::vector<GroupOp> ops) {
 }
 
 // Enqueues `ops` once the connections they need are made: a blocking
-// communicator's call waits for them; a non-blocking one's returns
-// ncclInProgress, and its state says so until they are made and the ops
-// enqueued, as NCCL's group launch does. An abort ends the wait, and the
-// ops never run.
+// group's call waits for them; a non-blocking one's returns ncclInProgress,
+// and every communicator of the group says so until they are made and the
+// ops enqueued, as NCCL's group launch does. Each communicator connects on
+// a thread of its own, as NCCL runs each one's connection as a job of its
+// own. An abort of any of them ends the waits: no op of the group runs, and
+// the group's other communicators report ncclInvalidUsage.
 ncclResult_t Launch(std::vector<GroupOp> ops) {
   std::vector<std::pair<std::shared_ptr<RankState>, Links>> needs;
+  std::vector<std::shared_ptr<RankState>> members;
   for (const GroupOp& op : ops) {
+    if (std::find(members.begin(), members.end(), op.st) == members.end()) members.push_back(op.st);
     if (op.links.empty()) continue;
     auto it = std::find_if(needs.begin(), needs.end(), [&](const auto& n) { return n.first == op.st; });
     if (it == needs.end()) it = needs.insert(needs.end(), {op.st, Links()});
@@ -493,31 +500,46 @@ ncclResult_t Launch(std::vector<GroupOp> ops) {
     it->second.to.insert(it->second.to.end(), op.links.to.begin(), op.links.to.end());
     it->second.from.insert(it->second.from.end(), op.links.from.begin(), op.links.from.end());
   }
+  for (const auto& m : members) {
+    if (m->blocking != members.front()->blocking) {
+      for (const GroupOp& op : ops) op.st->pending--;  // never run
+      return ncclInvalidUsage;  // NCCL: blocking and non-blocking communicators in one group
+    }
+  }
   if (needs.empty()) {
     EnqueueOps(std::move(ops));
     return ncclSuccess;
   }
   auto shared = std::make_shared<std::vector<GroupOp>>(std::move(ops));
-  auto connect_and_enqueue = [needs, shared] {
-    for (const auto& need : needs) {
-      if (!ConnectLinks(need.first, need.second)) {
-        for (const GroupOp& op : *shared) op.st->pending--;  // never run
-        return false;
-      }
+  auto connect_and_enqueue = [needs, members, shared] {
+    std::vector<char> made(needs.size(), 0);
+    std::vector<std::thread> others;
+    for (size_t i = 1; i < needs.size(); ++i) {
+      others.emplace_back([&, i] { made[i] = ConnectLinks(needs[i].first, needs[i].second); });
+    }
+    made[0] = ConnectLinks(needs[0].first, needs[0].second);
+    for (auto& t : others) t.join();
+    bool ok = std::all_of(made.begin(), made.end(), [](char m) { return m != 0; });
+    for (const auto& m : members) ok = ok && !m->aborted;  // an abort before the enqueue
+    if (!ok) {
+      for (const GroupOp& op : *shared) op.st->pending--;  // never run
+      return false;
     }
     EnqueueOps(std::move(*shared));
     return true;
   };
-  if (needs.front().first->blocking) return connect_and_enqueue() ? ncclSuccess : ncclInvalidUsage;
-  for (const auto& need : needs) {
+  if (members.front()->blocking) return connect_and_enqueue() ? ncclSuccess : ncclInvalidUsage;
+  for (const auto& m : members) {
+    m->connecting = true;
     int expected = ncclSuccess;
-    need.first->state.compare_exchange_strong(expected, ncclInProgress);
+    m->state.compare_exchange_strong(expected, ncclInProgress);
   }
-  std::thread([needs, connect_and_enqueue] {
-    if (!connect_and_enqueue()) return;
-    for (const auto& need : needs) {
+  std::thread([members, connect_and_enqueue] {
+    const bool ok = connect_and_enqueue();
+    for (const auto& m : members) {
       int expected = ncclInProgress;
-      need.first->state.compare_exchange_strong(expected, ncclSuccess);
+      m->state.compare_exchange_strong(expected, ok ? ncclSuccess : ncclInvalidUsage);
+      m->connecting = false;
     }
   }).detach();
   return ncclInProgress;
@@ -526,7 +548,7 @@ ncclResult_t Launch(std::vector<GroupOp> ops) {
 // A call on a communicator whose last call is still in progress: NCCL
 // requires waiting for ncclCommGetAsyncError to leave ncclInProgress first.
 void CheckNotInProgress(const RankState& st, const char* call) {
-  if (st.state == ncclInProgress) {
+  if (st.state == ncclInProgress || st.connecting) {
     colod_cuda_emu::Fatal(std::string("NCCL: ") + call + " on rank " + std::to_string(st.rank) + "/" +
                           std::to_string(st.nranks) +
                           " while the communicator's last call is in progress (ncclCommGetAsyncError says "
@@ -540,7 +562,7 @@ ncclResult_t Submit(std::shared_ptr<colod_cuda_emu::Stream> stream, std::shared_
                     std::function<void()> run) {
   st->pending++;
   auto task = [st, run = std::move(run)] {
-    run();
+    if (!st->aborted) run();  // an aborted rank's op touches no buffer
     st->pending--;
   };
   GroupOp op{std::move(stream), std::move(task), std::move(st), std::move(links)};
@@ -973,11 +995,13 @@ void Handle(const std::shared_ptr<RankState>& st, Conn& conn, const Frame& f) {
         colod_cuda_emu::Fatal("NCCL: a malformed remote connection request");
       }
       std::vector<int32_t> peers(static_cast<size_t>(to + from));
-      memcpy(peers.data(), f.payload.data(), f.payload.size());
+      if (!peers.empty()) memcpy(peers.data(), f.payload.data(), f.payload.size());
       Links links;
       links.collectives = f.a[0] != 0;
       for (size_t i = 0; i < peers.size(); ++i) {
-        if (peers[i] < 0 || peers[i] >= st->nranks) colod_cuda_emu::Fatal("NCCL: a remote connection to no rank");
+        if (peers[i] < 0 || peers[i] >= st->nranks || peers[i] == st->rank) {
+          colod_cuda_emu::Fatal("NCCL: a remote connection to no rank or to itself");
+        }
         (static_cast<int64_t>(i) < to ? links.to : links.from).push_back(peers[i]);
       }
       if (ConnectLinks(st, links)) conn.Write(Kind::kDone, f.req, {});
@@ -1231,8 +1255,9 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   if (parent == nullptr || newcomm == nullptr || (color < 0 && color != NCCL_SPLIT_NOCOLOR)) {
     return ncclInvalidArgument;
   }
-  if (parent->aborted || parent->state != ncclSuccess) return ncclInvalidUsage;
-  const bool blocking = config == nullptr || config->blocking != 0;
+  if (parent->aborted || parent->state != ncclSuccess || parent->connecting) return ncclInvalidUsage;
+  // A null config is the parent's (NCCL 2.18 on): the split, and its child.
+  const bool blocking = config == nullptr ? parent->blocking : config->blocking != 0;
   uint64_t seq;
   {
     std::lock_guard<std::mutex> l(parent->seq_mu);
@@ -1303,6 +1328,7 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
 ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   std::shared_ptr<RankState> st = colod_nccl_emu::Live(comm, "ncclCommFinalize");
   if (st == nullptr) return ncclInvalidArgument;
+  colod_nccl_emu::CheckNotInProgress(*st, "ncclCommFinalize");
   if (st->pending == 0) return ncclSuccess;
   // Non-blocking: ncclCommGetAsyncError reports ncclInProgress until the
   // communicator's outstanding operations completed.
@@ -1319,6 +1345,7 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   std::shared_ptr<RankState> st = colod_nccl_emu::Live(comm, "ncclCommDestroy");
   if (st == nullptr) return ncclInvalidArgument;
+  if (st->connecting) colod_nccl_emu::CheckNotInProgress(*st, "ncclCommDestroy");
   if (st->remote != nullptr) colod_nccl_emu::Leave(*st, colod_nccl_emu::Kind::kBye);
   colod_nccl_emu::Kill(comm);
   return ncclSuccess;

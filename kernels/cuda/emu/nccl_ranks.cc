@@ -77,20 +77,20 @@ std::string RunCollectives(const ncclUniqueId& id, int rank, int nranks, int dev
   config.blocking = 0;
   if (ncclCommInitRankConfig(&comm, n, id, r, &config) != ncclSuccess) return "ncclCommInitRankConfig failed";
   // Polls the communicator's state until it leaves ncclInProgress (30 s at most).
-  auto settle = [&] {
+  auto settle = [&](ncclComm_t of) {
     ncclResult_t state = ncclInProgress;
     for (int i = 0; i < 3000 && state == ncclInProgress; ++i) {
-      ncclCommGetAsyncError(comm, &state);
+      ncclCommGetAsyncError(of, &state);
       if (state == ncclInProgress) usleep(10000);
     }
     return state;
   };
-  if (settle() != ncclSuccess) return "rank " + std::to_string(r) + ": the communicator never got ready";
+  if (settle(comm) != ncclSuccess) return "rank " + std::to_string(r) + ": the communicator never got ready";
   // A call on it: ncclSuccess, or ncclInProgress where it first connects
   // (`connects`: the first collective, the first send to or receive from a
   // peer), enqueued once the state is ncclSuccess again.
-  auto enqueued = [&](ncclResult_t result, bool connects) {
-    return result == (connects && n > 1 ? ncclInProgress : ncclSuccess) && settle() == ncclSuccess;
+  auto enqueued = [&](ncclResult_t result, bool connects, ncclComm_t of = nullptr) {
+    return result == (connects && n > 1 ? ncclInProgress : ncclSuccess) && settle(of ? of : comm) == ncclSuccess;
   };
   ncclResult_t state = ncclSuccess;
   int got_rank = -1, got_size = -1;
@@ -157,9 +157,10 @@ std::string RunCollectives(const ncclUniqueId& id, int rank, int nranks, int dev
   for (size_t i = 0; i < count; ++i) {
     c.Expect(__bfloat162float(g16[i]) == 0.5f * n * (n + 1) / 2, "bf16 AllReduce");
   }
-  // A split: colors r % 2, keys reversing the order.
+  // A split: colors r % 2, keys reversing the order. A null config is the
+  // parent's: non-blocking, the child written once every rank split.
   ncclComm_t sub = nullptr;
-  c.Expect(ncclCommSplit(comm, r % 2, -r, &sub, nullptr) == ncclSuccess && sub != nullptr, "split");
+  c.Expect(enqueued(ncclCommSplit(comm, r % 2, -r, &sub, nullptr), false) && sub != nullptr, "split");
   if (sub != nullptr) {
     int sub_rank = -1, sub_size = -1;
     ncclCommUserRank(sub, &sub_rank);
@@ -170,7 +171,8 @@ std::string RunCollectives(const ncclUniqueId& id, int rank, int nranks, int dev
     c.Expect(sub_size == same && sub_rank == above,
              "split rank " + std::to_string(sub_rank) + " of " + std::to_string(sub_size));
     float* x = Upload(std::vector<float>{static_cast<float>(r)});
-    c.Expect(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, sub, s) == ncclSuccess, "split AllReduce enqueued");
+    c.Expect(enqueued(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, sub, s), /*connects=*/sub_size > 1, sub),
+             "split AllReduce enqueued");
     float want = 0;
     for (int j = r % 2; j < n; j += 2) want += static_cast<float>(j);
     c.Expect(Download(x, 1)[0] == want, "split AllReduce");
@@ -178,7 +180,7 @@ std::string RunCollectives(const ncclUniqueId& id, int rank, int nranks, int dev
     ncclCommDestroy(sub);
   }
   ncclComm_t none = reinterpret_cast<ncclComm_t>(0x1);
-  c.Expect(ncclCommSplit(comm, r == 0 ? 0 : NCCL_SPLIT_NOCOLOR, 0, &none, nullptr) == ncclSuccess, "second split");
+  c.Expect(enqueued(ncclCommSplit(comm, r == 0 ? 0 : NCCL_SPLIT_NOCOLOR, 0, &none, nullptr), false), "second split");
   c.Expect((none == nullptr) == (r != 0), "NCCL_SPLIT_NOCOLOR gives no communicator");
   if (none != nullptr && r == 0) ncclCommDestroy(none);
   ncclCommGetAsyncError(comm, &state);
