@@ -63,12 +63,21 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
   return LayoutLocked(req.name(), e);
 }
 
+absl::StatusOr<ColoTensor> TensorHost::Snapshot(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(name));
+  return e->tensor;
+}
+
 absl::StatusOr<v1::TensorLayout> TensorHost::SetDistSpec(const v1::SetDistSpecRequest& req) {
   ASSIGN_OR_RETURN(DistSpec spec, DistSpecFromProto(req.dist_spec()));
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(req.name()));
+  absl::MutexLock order(&collective_mu_);
+  ASSIGN_OR_RETURN(ColoTensor current, Snapshot(req.name()));
   NoGradScope no_grad;
-  RETURN_IF_ERROR(e->tensor.SetDistSpec(spec));
+  ASSIGN_OR_RETURN(ColoTensor next, current.Redistribute(spec));  // the collective, without the map's lock
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Entry * e, FindLocked(req.name()));  // deleted meanwhile: NOT_FOUND
+  e->tensor = std::move(next);
   return LayoutLocked(req.name(), *e);
 }
 
@@ -86,10 +95,10 @@ absl::StatusOr<v1::GetShardResponse> TensorHost::GetShard(const v1::GetShardRequ
 }
 
 absl::StatusOr<v1::TensorValue> TensorHost::GetGlobal(const std::string& name) {
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(name));
+  absl::MutexLock order(&collective_mu_);
+  ASSIGN_OR_RETURN(ColoTensor t, Snapshot(name));
   NoGradScope no_grad;
-  ASSIGN_OR_RETURN(ColoTensor whole, e->tensor.ToReplicate());
+  ASSIGN_OR_RETURN(ColoTensor whole, t.ToReplicate());
   return TensorToProto(whole.local());
 }
 
@@ -109,6 +118,7 @@ std::vector<v1::TensorLayout> TensorHost::List() {
 }
 
 void TensorHost::Close() {
+  absl::MutexLock order(&collective_mu_);  // the collective in progress ends first
   absl::MutexLock lock(&mu_);
   closed_ = true;
   tensors_.clear();

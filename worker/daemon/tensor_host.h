@@ -19,8 +19,14 @@
 
 namespace colod {
 
-// Thread-safe: calls are serialized (a collective one holds the lock until
-// every rank took part).
+// Thread-safe. The collective calls (SetDistSpec, GetGlobal) run one at a
+// time, in the order they arrive, under an ordering lock that only they and
+// Close take; the rank's collectives must be issued in one order. They
+// work on a handle to the tensor (a ColoTensor shares its storage) and
+// store the result under the map's lock, which is held only briefly and
+// never across a collective: Create, GetShard, Describe, List and Delete
+// do not wait for one (NCCL's first use of a group can hold a collective
+// for its whole timeout).
 class TensorHost {
  public:
   // `pg` is the rank's process group and must outlive the host; tensors
@@ -40,8 +46,9 @@ class TensorHost {
   absl::StatusOr<v1::TensorLayout> Describe(const std::string& name);
   std::vector<v1::TensorLayout> List();
   absl::Status Delete(const std::string& name);
-  // Waits for the call in progress, drops every tensor, and makes later
-  // calls UNAVAILABLE: the process group is about to go away.
+  // Waits for the collective call in progress (an aborted group ends it),
+  // drops every tensor, and makes later calls UNAVAILABLE: the process
+  // group is about to go away.
   void Close();
 
  private:
@@ -49,11 +56,15 @@ class TensorHost {
     ColoTensor tensor;  // its ComputeSpec carries the request's compute_pattern
   };
   absl::StatusOr<Entry*> FindLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A handle to the named tensor, taken under the map's lock.
+  absl::StatusOr<ColoTensor> Snapshot(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::TensorLayout> LayoutLocked(const std::string& name, const Entry& e)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   ProcessGroup* const pg_;
   const Device device_;
+  // Held across a collective call; taken before mu_.
+  absl::Mutex collective_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex mu_;
   std::map<std::string, Entry> tensors_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;

@@ -1,0 +1,77 @@
+// TensorHost (tensor_host.h) on the 2 ranks of a tp mesh over Gloo on
+// loopback: a collective call holds only the ordering lock, so while one
+// rank's GetGlobal waits for its peer its other calls answer at once; the
+// gather gives the unsharded value, and SetDistSpec stores the
+// redistributed tensor.
+#include "worker/daemon/tensor_host.h"
+
+#include <atomic>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "worker/colo/tensor_proto.h"
+#include "worker/colo/testing.h"
+
+namespace colod {
+namespace {
+
+TEST(TensorHost, ItsCallsDoNotWaitForACollectiveInProgressAndTheCollectivesGiveTheWhole) {
+  auto want = Tensor::RandomNormal({4, 6}, /*seed=*/7);
+  ASSERT_TRUE(want.ok()) << want.status();
+  testing::RunMesh(testing::TpDpMesh(2), [&](int rank, ProcessGroup& pg) {
+    TensorHost host(&pg, Device::Cpu());
+    v1::CreateTensorRequest create;
+    create.set_name("w");
+    create.mutable_random()->set_seed(7);
+    create.mutable_random()->add_shape(4);
+    create.mutable_random()->add_shape(6);
+    *create.mutable_dist_spec() = DistSpecToProto(DistSpec().Set("tp", Placement::Shard({0}, {2})));
+    ASSERT_TRUE(host.Create(create).ok());
+    v1::GetShardRequest shard;
+    shard.set_name("w");
+    shard.set_rank(rank);
+    if (rank == 0) {
+      std::atomic<bool> done{false};
+      absl::StatusOr<v1::TensorValue> whole;
+      std::thread gather([&] {
+        whole = host.GetGlobal("w");
+        done = true;
+      });
+      absl::SleepFor(absl::Milliseconds(300));  // the gather waits for rank 1 (1 s)
+      const absl::Time start = absl::Now();
+      EXPECT_TRUE(host.Describe("w").ok());
+      EXPECT_EQ(host.List().size(), 1u);
+      EXPECT_TRUE(host.GetShard(shard).ok());
+      v1::CreateTensorRequest other = create;
+      other.set_name("b");
+      EXPECT_TRUE(host.Create(other).ok());
+      EXPECT_TRUE(host.Delete("b").ok());
+      EXPECT_LT(absl::Now() - start, absl::Milliseconds(500)) << "the calls waited for the collective";
+      EXPECT_FALSE(done) << "the gather completed before its peer entered it";
+      gather.join();
+      ASSERT_TRUE(whole.ok()) << whole.status();
+      auto got = TensorFromProto(*whole);
+      ASSERT_TRUE(got.ok()) << got.status();
+      testing::ExpectAllClose(*got, *want, "GetGlobal", 0);
+    } else {
+      absl::SleepFor(absl::Seconds(1));
+      ASSERT_TRUE(host.GetGlobal("w").ok());
+    }
+    // Replicated on both ranks: each shard is the whole.
+    v1::SetDistSpecRequest set;
+    set.set_name("w");
+    auto layout = host.SetDistSpec(set);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    auto mine = host.GetShard(shard);
+    ASSERT_TRUE(mine.ok()) << mine.status();
+    auto value = TensorFromProto(mine->value());
+    ASSERT_TRUE(value.ok()) << value.status();
+    testing::ExpectAllClose(*value, *want, "the replicated shard", 0);
+    host.Close();
+    EXPECT_EQ(host.Describe("w").status().code(), absl::StatusCode::kUnavailable);
+  });
+}
+
+}  // namespace
+}  // namespace colod
