@@ -59,46 +59,56 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
   absl::StatusOr<ColoTensor> t = ColoTensor::FromGlobal(global, spec, pg_);
   if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("dist_spec: ", t.status().message()));
   t->set_compute_spec({pattern});
-  Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t)}).first->second;
+  Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t), next_id_++}).first->second;
   return LayoutLocked(req.name(), e);
 }
 
-absl::StatusOr<ColoTensor> TensorHost::Snapshot(const std::string& name) {
+absl::StatusOr<TensorHost::Entry> TensorHost::Snapshot(const std::string& name) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * e, FindLocked(name));
-  return e->tensor;
+  return *e;
 }
 
 absl::StatusOr<v1::TensorLayout> TensorHost::SetDistSpec(const v1::SetDistSpecRequest& req) {
   ASSIGN_OR_RETURN(DistSpec spec, DistSpecFromProto(req.dist_spec()));
   absl::MutexLock order(&collective_mu_);
-  ASSIGN_OR_RETURN(ColoTensor current, Snapshot(req.name()));
+  ASSIGN_OR_RETURN(Entry current, Snapshot(req.name()));
   NoGradScope no_grad;
-  ASSIGN_OR_RETURN(ColoTensor next, current.Redistribute(spec));  // the collective, without the map's lock
+  ASSIGN_OR_RETURN(ColoTensor next, current.tensor.Redistribute(spec));  // the collective, without the map's lock
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(req.name()));  // deleted meanwhile: NOT_FOUND
-  e->tensor = std::move(next);
-  return LayoutLocked(req.name(), *e);
+  auto it = tensors_.find(req.name());
+  if (it == tensors_.end() || it->second.id != current.id) {  // deleted (and maybe made again) meanwhile
+    return absl::NotFoundError(absl::StrCat("tensor '", req.name(), "' was deleted while it was redistributed"));
+  }
+  it->second.tensor = std::move(next);
+  return LayoutLocked(req.name(), it->second);
 }
 
 absl::StatusOr<v1::GetShardResponse> TensorHost::GetShard(const v1::GetShardRequest& req) {
-  if (req.rank() != pg_->rank()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank: this worker holds rank ", pg_->rank(), ", not ", req.rank()));
-  }
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(Entry * e, FindLocked(req.name()));
-  ASSIGN_OR_RETURN(v1::TensorLayout layout, LayoutLocked(req.name(), *e));
   v1::GetShardResponse resp;
-  *resp.mutable_layout() = layout.shards(pg_->rank());
-  ASSIGN_OR_RETURN(*resp.mutable_value(), TensorToProto(e->tensor.local()));
+  Tensor local;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Entry * e, FindLocked(req.name()));  // UNAVAILABLE once closed: the group may be gone
+    if (req.rank() != pg_->rank()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank: this worker holds rank ", pg_->rank(), ", not ", req.rank()));
+    }
+    ASSIGN_OR_RETURN(v1::TensorLayout layout, LayoutLocked(req.name(), *e));
+    *resp.mutable_layout() = layout.shards(pg_->rank());
+    local = e->tensor.local();
+  }
+  // The copy to the host waits for the device (on CUDA behind a collective
+  // in progress), without the map's lock.
+  ASSIGN_OR_RETURN(*resp.mutable_value(), TensorToProto(local));
   return resp;
 }
 
 absl::StatusOr<v1::TensorValue> TensorHost::GetGlobal(const std::string& name) {
   absl::MutexLock order(&collective_mu_);
-  ASSIGN_OR_RETURN(ColoTensor t, Snapshot(name));
+  ASSIGN_OR_RETURN(Entry current, Snapshot(name));
   NoGradScope no_grad;
-  ASSIGN_OR_RETURN(ColoTensor whole, t.ToReplicate());
+  ASSIGN_OR_RETURN(ColoTensor whole, current.tensor.ToReplicate());
   return TensorToProto(whole.local());
 }
 

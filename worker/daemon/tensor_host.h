@@ -20,13 +20,15 @@
 namespace colod {
 
 // Thread-safe. The collective calls (SetDistSpec, GetGlobal) run one at a
-// time, in the order they arrive, under an ordering lock that only they and
-// Close take; the rank's collectives must be issued in one order. They
-// work on a handle to the tensor (a ColoTensor shares its storage) and
-// store the result under the map's lock, which is held only briefly and
-// never across a collective: Create, GetShard, Describe, List and Delete
-// do not wait for one (NCCL's first use of a group can hold a collective
-// for its whole timeout).
+// time under an ordering lock that only they and Close take (the
+// coordinator sends every rank its calls in one order). They work on a
+// handle to the tensor (a ColoTensor shares its storage, which nothing
+// writes in place) and store the result under the map's lock, which is
+// held only briefly and never across a collective or a copy to the host:
+// Create, GetShard, Describe, List and Delete do not wait for a collective
+// (NCCL's first use of a group can hold one for its whole timeout). A
+// tensor deleted, or deleted and made again, while it was redistributed
+// keeps the newer state: the SetDistSpec is NOT_FOUND.
 class TensorHost {
  public:
   // `pg` is the rank's process group and must outlive the host; tensors
@@ -38,26 +40,28 @@ class TensorHost {
   // shape, or a spec that does not fit the mesh or the shape.
   absl::StatusOr<v1::TensorLayout> Create(const v1::CreateTensorRequest& request);
   // Collective. NOT_FOUND for an unknown name.
-  absl::StatusOr<v1::TensorLayout> SetDistSpec(const v1::SetDistSpecRequest& request);
+  absl::StatusOr<v1::TensorLayout> SetDistSpec(const v1::SetDistSpecRequest& request)
+      ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
   // This rank's shard. INVALID_ARGUMENT unless request.rank is this rank.
   absl::StatusOr<v1::GetShardResponse> GetShard(const v1::GetShardRequest& request);
   // The whole value (gathered and reduced). Collective.
-  absl::StatusOr<v1::TensorValue> GetGlobal(const std::string& name);
+  absl::StatusOr<v1::TensorValue> GetGlobal(const std::string& name) ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
   absl::StatusOr<v1::TensorLayout> Describe(const std::string& name);
   std::vector<v1::TensorLayout> List();
   absl::Status Delete(const std::string& name);
   // Waits for the collective call in progress (an aborted group ends it),
   // drops every tensor, and makes later calls UNAVAILABLE: the process
   // group is about to go away.
-  void Close();
+  void Close() ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
 
  private:
   struct Entry {
     ColoTensor tensor;  // its ComputeSpec carries the request's compute_pattern
+    uint64_t id = 0;    // which Create made it
   };
   absl::StatusOr<Entry*> FindLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A handle to the named tensor, taken under the map's lock.
-  absl::StatusOr<ColoTensor> Snapshot(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  // A copy of the named tensor's entry (a handle), taken under the map's lock.
+  absl::StatusOr<Entry> Snapshot(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::TensorLayout> LayoutLocked(const std::string& name, const Entry& e)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -68,6 +72,7 @@ class TensorHost {
   absl::Mutex mu_;
   std::map<std::string, Entry> tensors_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace colod

@@ -1,8 +1,8 @@
 // TensorHost (tensor_host.h) on the 2 ranks of a tp mesh over Gloo on
 // loopback: a collective call holds only the ordering lock, so while one
 // rank's GetGlobal waits for its peer its other calls answer at once; the
-// gather gives the unsharded value, and SetDistSpec stores the
-// redistributed tensor.
+// gather gives the unsharded value, SetDistSpec stores the redistributed
+// tensor, and a tensor deleted and made again meanwhile is not overwritten.
 #include "worker/daemon/tensor_host.h"
 
 #include <atomic>
@@ -68,8 +68,39 @@ TEST(TensorHost, ItsCallsDoNotWaitForACollectiveInProgressAndTheCollectivesGiveT
     auto value = TensorFromProto(mine->value());
     ASSERT_TRUE(value.ok()) << value.status();
     testing::ExpectAllClose(*value, *want, "the replicated shard", 0);
+    // A tensor deleted and made again while it is redistributed keeps the
+    // new one: the SetDistSpec is NOT_FOUND on that rank.
+    v1::CreateTensorRequest v = create;
+    v.set_name("v");
+    ASSERT_TRUE(host.Create(v).ok());
+    v1::SetDistSpecRequest replicate_v;
+    replicate_v.set_name("v");
+    if (rank == 0) {
+      absl::StatusOr<v1::TensorLayout> set_v;
+      std::thread redistribute([&] { set_v = host.SetDistSpec(replicate_v); });
+      absl::SleepFor(absl::Milliseconds(300));  // rank 1 enters after 1 s
+      ASSERT_TRUE(host.Delete("v").ok());
+      v.mutable_random()->set_seed(8);
+      ASSERT_TRUE(host.Create(v).ok());
+      redistribute.join();
+      EXPECT_EQ(set_v.status().code(), absl::StatusCode::kNotFound) << set_v.status();
+      v1::GetShardRequest shard_v = shard;
+      shard_v.set_name("v");
+      auto kept = host.GetShard(shard_v);
+      ASSERT_TRUE(kept.ok()) << kept.status();
+      auto kept_value = TensorFromProto(kept->value());
+      auto made = Tensor::RandomNormal({4, 6}, /*seed=*/8);
+      ASSERT_TRUE(kept_value.ok() && made.ok());
+      ASSERT_EQ(kept_value->shape(), (Shape{2, 6})) << "the new tensor's rank-0 shard";
+      const std::vector<float> all = made->ToFloats(), first = kept_value->ToFloats();
+      EXPECT_EQ(first, std::vector<float>(all.begin(), all.begin() + 12));
+    } else {
+      absl::SleepFor(absl::Seconds(1));
+      ASSERT_TRUE(host.SetDistSpec(replicate_v).ok());
+    }
     host.Close();
     EXPECT_EQ(host.Describe("w").status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_EQ(host.GetShard(shard).status().code(), absl::StatusCode::kUnavailable);
   });
 }
 
