@@ -39,19 +39,10 @@ void Say(const char* line) {
   for (;;) pause();
 }
 
-// The first all-reduce, with every rank (connect above).
-bool Connect(ncclComm_t comm) {
-  float* x = nullptr;
-  if (cudaMalloc(reinterpret_cast<void**>(&x), sizeof(float)) != cudaSuccess) return false;
-  const bool ok = ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread) == ncclSuccess &&
-                  cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess;
-  cudaFree(x);
-  return ok;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
+  using colod_nccl_emu_test::Connect;
   using colod_nccl_emu_test::IdFromHex;
   using colod_nccl_emu_test::IdToHex;
   const std::string mode = argc > 1 ? argv[1] : "";

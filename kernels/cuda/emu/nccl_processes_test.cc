@@ -24,6 +24,7 @@ extern char** environ;
 
 namespace {
 
+using colod_nccl_emu_test::Connect;
 using colod_nccl_emu_test::IdFromHex;
 using colod_nccl_emu_test::IdToHex;
 using colod_nccl_emu_test::RunCollectives;
@@ -95,16 +96,6 @@ class Peer {
   bool reaped_ = false;
 };
 
-// The first all-reduce of `comm`, with every rank (nccl_peer's connect):
-// it connects the communicator's ranks.
-void Connect(ncclComm_t comm) {
-  float* x = nullptr;
-  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&x), sizeof(float)), cudaSuccess);
-  ASSERT_EQ(ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread), ncclSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
-  cudaFree(x);
-}
-
 // ncclCommGetAsyncError until it is not ncclSuccess, at most 10 s.
 ncclResult_t AwaitAsyncError(ncclComm_t comm) {
   ncclResult_t state = ncclSuccess;
@@ -156,7 +147,7 @@ TEST(NcclAcrossProcesses, AKilledPeerIsALostPeerAndAbortFreesTheWait) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   ncclComm_t comm;
   ASSERT_EQ(ncclCommInitRank(&comm, 2, id, 0), ncclSuccess);
-  Connect(comm);
+  ASSERT_TRUE(Connect(comm));
   ASSERT_EQ(peer.ReadLine(), "joined");
   KillPeerMidAllReduce(peer, comm);
 }
@@ -169,7 +160,7 @@ TEST(NcclAcrossProcesses, AStoppedPeerHangsItsPeersWithoutAnErrorUntilTheyAbort)
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   ncclComm_t comm;
   ASSERT_EQ(ncclCommInitRank(&comm, 2, id, 0), ncclSuccess);
-  Connect(comm);
+  ASSERT_TRUE(Connect(comm));
   ASSERT_EQ(peer.ReadLine(), "joined");
   peer.Signal(SIGSTOP);
   float* x = nullptr;
@@ -195,7 +186,7 @@ TEST(NcclAcrossProcesses, ARemoteRankThatAbortsIsFreedAndNoLostPeer) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   ncclComm_t comm;
   ASSERT_EQ(ncclCommInitRank(&comm, 2, id, 0), ncclSuccess);
-  Connect(comm);
+  ASSERT_TRUE(Connect(comm));
   // The peer's next all-reduce waits for this rank, which never enters; its
   // abort frees it.
   EXPECT_EQ(peer.ReadLine(), "released");
@@ -248,7 +239,7 @@ TEST(NcclAcrossProcesses, ARankLosesTheProcessThatHoldsItsClique) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   ncclComm_t comm;
   ASSERT_EQ(ncclCommInitRank(&comm, 2, id, 1), ncclSuccess);  // over the id's address
-  Connect(comm);
+  ASSERT_TRUE(Connect(comm));
   ASSERT_EQ(host.ReadLine(), "joined");
   KillPeerMidAllReduce(host, comm);
 }

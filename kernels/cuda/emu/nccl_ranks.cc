@@ -65,6 +65,15 @@ bool IdFromHex(const std::string& hex, ncclUniqueId* id) {
   return true;
 }
 
+bool Connect(ncclComm_t comm) {
+  float* x = nullptr;
+  if (cudaMalloc(reinterpret_cast<void**>(&x), sizeof(float)) != cudaSuccess) return false;
+  const bool ok = ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, comm, cudaStreamPerThread) == ncclSuccess &&
+                  cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess;
+  cudaFree(x);
+  return ok;
+}
+
 std::string RunCollectives(const ncclUniqueId& id, int rank, int nranks, int device) {
   Checker c(rank);
   const int n = nranks, r = rank;

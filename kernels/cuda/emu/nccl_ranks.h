@@ -14,6 +14,12 @@ namespace colod_nccl_emu_test {
 std::string IdToHex(const ncclUniqueId& id);
 bool IdFromHex(const std::string& hex, ncclUniqueId* id);
 
+// One all-reduce of `comm` with every rank, waited for: a communicator's
+// first collective connects its ranks, holding each host until all
+// arrived, so a test whose later collective waits for a lost peer makes
+// this one first. False if it failed.
+bool Connect(ncclComm_t comm);
+
 // Rank `rank` of `nranks` on `id`, on `device` of its process (ranks that
 // share a process need devices of their own: a synchronous copy waits for
 // every stream of its device, a peer's waiting collective included), runs every
