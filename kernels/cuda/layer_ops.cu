@@ -725,7 +725,11 @@ __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float*
 // the A operand (the layouts coincide) and V's fragments by ldmatrix.trans.
 // f32 accumulators throughout; P's row sums are taken of the rounded P the
 // product uses. Rows of the shared tiles are padded by 16 bytes, so the
-// eight rows an ldmatrix reads fall in different banks.
+// eight rows an ldmatrix reads fall in different banks. Tiles arrive by
+// cp.async (warp.h), FlashAttention-2's pipeline on one buffer each: V's
+// tile is in flight while S = Q K^T runs, the next K tile while P V runs.
+// Only tiles that cross the causal diagonal or the sequence's end are
+// masked.
 constexpr int kMmaRows = 64;  // query rows a block (kAttnRows: the same grid)
 constexpr int kMmaKeys = 64;  // keys a tile
 constexpr int kMmaThreads = 128;
@@ -751,28 +755,44 @@ absl::Status ByMmaHeadDim(int64_t d, Fn fn) {
 
 // The kernel's shared memory: one array for every instantiation (a
 // __shared__ in a device function is per block on a GPU; under the
-// emulation one thread-local array instead of one per instantiation).
+// emulation one thread-local array instead of one per instantiation). Two
+// tiles of 64 rows at the largest head dim, or the backward's four tiles of
+// kBwdTile rows (64 rows at head dim 64).
+constexpr int kMmaSharedElements = 2 * kMmaKeys * (kMmaMaxD + kMmaPad) > 4 * 64 * (64 + kMmaPad)
+                                       ? 2 * kMmaKeys * (kMmaMaxD + kMmaPad)
+                                       : 4 * 64 * (64 + kMmaPad);
 __device__ __forceinline__ uint16_t* MmaShared() {
-  alignas(16) __shared__ uint16_t tiles[2 * kMmaKeys * (kMmaMaxD + kMmaPad)];
+  alignas(16) __shared__ uint16_t tiles[kMmaSharedElements];
   return tiles;
 }
 
-struct alignas(16) Chunk16 {
-  uint32_t w[4];
-};
-
-// tile[r][...] <- row r0 + r of a [s, stride]-strided head of kD elements, in
-// 16-byte chunks (zeros past s).
+// Starts the copies tile[r][...] <- row r0 + r of a [s, stride]-strided head
+// of kD elements, 16 bytes each by cp.async (zeros past s). The caller
+// commits, waits and synchronizes before the block reads the tile.
 template <int kD, int kRows = kMmaKeys>
 __device__ __forceinline__ void StageMmaTile(uint16_t (*tile)[kD + kMmaPad], const uint16_t* base, int64_t stride,
                                              int64_t r0, int64_t s) {
   constexpr int kChunks = kD / 8;
+#pragma unroll
   for (int t = threadIdx.x; t < kRows * kChunks; t += kMmaThreads) {
     const int r = t / kChunks, c = t % kChunks;
-    Chunk16 v{};
-    if (r0 + r < s) v = *reinterpret_cast<const Chunk16*>(base + (r0 + r) * stride + 8 * c);
-    *reinterpret_cast<Chunk16*>(&tile[r][8 * c]) = v;
+    const bool valid = r0 + r < s;
+    CpAsync16(&tile[r][8 * c], base + (valid ? (r0 + r) * stride : 0) + 8 * c, valid);
   }
+}
+
+// The row block a block of the forward or dq kernel takes: under a causal
+// mask the last first, since later rows see more keys (the GPU starts blocks
+// in index order, so the longest start first and the short ones fill the
+// tail).
+__device__ __forceinline__ int64_t RowBlockOf(bool causal) {
+  return causal ? static_cast<int64_t>(gridDim.x) - 1 - blockIdx.x : static_cast<int64_t>(blockIdx.x);
+}
+
+// Every key of the tile [j0, j0 + keys) visible to every row of [row0, row0 +
+// rows): no element of the tile needs the mask (a block-uniform test).
+__device__ __forceinline__ bool TileUnmasked(int64_t row0, int rows, int64_t j0, int keys, int64_t s, bool causal) {
+  return row0 + rows <= s && j0 + keys <= s && (!causal || j0 + keys - 1 <= row0);
 }
 
 template <typename T>
@@ -878,13 +898,15 @@ __global__ void __launch_bounds__(kMmaThreads)
   uint16_t(*vs)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kMmaKeys * kStride);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
   const int64_t h = blockIdx.y, bi = blockIdx.z, kvh = h / (hq / hkv);
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t row0 = RowBlockOf(causal) * kMmaRows;
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + (bi * s * hq + h) * kD;
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + (bi * s * hkv + kvh) * kD;
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + (bi * s * hkv + kvh) * kD;
 
   // The block's query rows through ks; each warp keeps its 16 rows' A fragments.
   StageMmaTile<kD>(ks, qb, hq * kD, row0, s);
+  CpAsyncCommit();
+  CpAsyncWait<0>();
   __syncthreads();
   uint32_t qf[kD / 16][4];
   LoadRowFragments<kD>(qf, ks);
@@ -899,27 +921,37 @@ __global__ void __launch_bounds__(kMmaThreads)
   const float scale2 = scale * kLog2e;
   const float slope = SlopeOf(extra, h);
   const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
+  StageMmaTile<kD>(ks, kb, hkv * kD, 0, s);
+  CpAsyncCommit();
   for (int64_t j0 = 0; j0 < keys; j0 += kMmaKeys) {
-    StageMmaTile<kD>(ks, kb, hkv * kD, j0, s);
+    CpAsyncWait<0>();  // this K tile
+    __syncthreads();   // ... visible; every warp is done with vs
     StageMmaTile<kD>(vs, vb, hkv * kD, j0, s);
-    __syncthreads();
+    CpAsyncCommit();
     float sc[kMmaKeys / 8][4];
 #pragma unroll
     for (int j = 0; j < kMmaKeys / 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
     MmaRowsByTileT<kD, kMmaKeys, T>(sc, qf, ks);  // S = Q K^T
     // Scale and mask; each row's max over its 4 lanes.
     float mx[2] = {m[0], m[1]};
+    auto scores = [&](auto masked) {
 #pragma unroll
-    for (int j = 0; j < kMmaKeys / 8; ++j) {
+      for (int j = 0; j < kMmaKeys / 8; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
-        const float x = Hidden(rows[i / 2], key, s, causal)
-                            ? -INFINITY
-                            : Base2Score(sc[j][i], scale2, extra, slope, h, s, rows[i / 2], key);
-        sc[j][i] = x;
-        mx[i / 2] = fmaxf(mx[i / 2], x);
+        for (int i = 0; i < 4; ++i) {
+          const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
+          const float x = decltype(masked)::value && Hidden(rows[i / 2], key, s, causal)
+                              ? -INFINITY
+                              : Base2Score(sc[j][i], scale2, extra, slope, h, s, rows[i / 2], key);
+          sc[j][i] = x;
+          mx[i / 2] = fmaxf(mx[i / 2], x);
+        }
       }
+    };
+    if (TileUnmasked(row0, kMmaRows, j0, kMmaKeys, s, causal)) {
+      scores(std::false_type{});
+    } else {
+      scores(std::true_type{});
     }
     float ref[2];
 #pragma unroll
@@ -936,6 +968,10 @@ __global__ void __launch_bounds__(kMmaThreads)
         o[j][2 * r + 1] *= corr;
       }
     }
+    CpAsyncWait<0>();  // this V tile
+    __syncthreads();   // ... visible; every warp is done with ks
+    if (j0 + kMmaKeys < keys) StageMmaTile<kD>(ks, kb, hkv * kD, j0 + kMmaKeys, s);
+    CpAsyncCommit();
     // P = 2^(x - max); O += P V rounds P to T in place, and the row sums
     // are of that P.
 #pragma unroll
@@ -949,7 +985,6 @@ __global__ void __launch_bounds__(kMmaThreads)
       l[0] += sc[j][0] + sc[j][1];
       l[1] += sc[j][2] + sc[j][3];
     }
-    __syncthreads();
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -981,6 +1016,9 @@ __global__ void __launch_bounds__(kMmaThreads)
 // that take them (dV += P^T dout, dQ += dS K, dK += dS^T Q), as
 // FlashAttention-2 does; every accumulation is in f32, and each output is
 // summed in one fixed order (no atomics), so the gradients repeat bit for bit.
+// The streamed tiles (K and V for dq; Q, dout and the rows' statistics for
+// dk and dv) are double-buffered: the next tile's cp.async copies are in
+// flight while this one's products run.
 template <int kD>
 constexpr int kBwdTile = kD <= 64 ? 64 : 32;
 
@@ -996,7 +1034,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   uint16_t(*tile_b)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kMmaRows * kStride);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
   const int64_t h = blockIdx.y, bi = blockIdx.z, kvh = h / (hq / hkv);
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t row0 = RowBlockOf(causal) * kMmaRows;
   const int64_t qoff = (bi * s * hq + h) * kD, kvoff = (bi * s * hkv + kvh) * kD;
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + kvoff;
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + kvoff;
@@ -1020,6 +1058,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   // Q's and dout's fragments of each warp's 16 rows, through the shared tiles.
   StageMmaTile<kD, kMmaRows>(tile_a, reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, row0, s);
   StageMmaTile<kD, kMmaRows>(tile_b, reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, row0, s);
+  CpAsyncCommit();
+  CpAsyncWait<0>();
   __syncthreads();
   uint32_t qf[kD / 16][4], gf[kD / 16][4];
   LoadRowFragments<kD>(qf, tile_a);
@@ -1032,18 +1072,30 @@ __global__ void __launch_bounds__(kMmaThreads)
     dlt[r] = row_delta[16 * warp + group + 8 * r];
   }
   __syncthreads();
-  uint16_t(*ks)[kStride] = tile_a;
-  uint16_t(*vs)[kStride] = tile_b;
+  // Two buffers of K and V tiles of kN rows each.
+  uint16_t(*kbuf[2])[kStride] = {reinterpret_cast<uint16_t(*)[kStride]>(MmaShared()),
+                                 reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + 2 * kN * kStride)};
+  uint16_t(*vbuf[2])[kStride] = {reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kN * kStride),
+                                 reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + 3 * kN * kStride)};
   float acc[kD / 8][4];
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const float scale2 = scale * kLog2e;
   const float slope = SlopeOf(extra, h);
   const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
-  for (int64_t j0 = 0; j0 < keys; j0 += kN) {
-    StageMmaTile<kD, kN>(ks, kb, hkv * kD, j0, s);
-    StageMmaTile<kD, kN>(vs, vb, hkv * kD, j0, s);
+  StageMmaTile<kD, kN>(kbuf[0], kb, hkv * kD, 0, s);
+  StageMmaTile<kD, kN>(vbuf[0], vb, hkv * kD, 0, s);
+  CpAsyncCommit();
+  for (int64_t j0 = 0, t = 0; j0 < keys; j0 += kN, t ^= 1) {
+    if (j0 + kN < keys) {
+      StageMmaTile<kD, kN>(kbuf[t ^ 1], kb, hkv * kD, j0 + kN, s);
+      StageMmaTile<kD, kN>(vbuf[t ^ 1], vb, hkv * kD, j0 + kN, s);
+    }
+    CpAsyncCommit();
+    CpAsyncWait<1>();  // this tile's copies (the next tile's may be in flight)
     __syncthreads();
+    uint16_t(*ks)[kStride] = kbuf[t];
+    uint16_t(*vs)[kStride] = vbuf[t];
     float sc[kN / 8][4], dp[kN / 8][4];
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {
@@ -1053,20 +1105,28 @@ __global__ void __launch_bounds__(kMmaThreads)
     MmaRowsByTileT<kD, kN, T>(sc, qf, ks);  // S = Q K^T
     MmaRowsByTileT<kD, kN, T>(dp, gf, vs);  // dP = dout V^T
     // dS = P (dP - delta), P = 2^(S scale2 - lse2), 0 where masked.
+    auto grads = [&](auto masking) {
 #pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
+      for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
-        const bool masked = Hidden(rows[i / 2], key, s, causal);
-        const float p =
-            masked ? 0.0f : exp2f(Base2Score(sc[j][i], scale2, extra, slope, h, s, rows[i / 2], key) - lse2[i / 2]);
-        sc[j][i] = p * (dp[j][i] - dlt[i / 2]);
-        if (extra.dbias != nullptr && !masked) extra.dbias[((bi * hq + h) * s + rows[i / 2]) * s + key] = sc[j][i];
+        for (int i = 0; i < 4; ++i) {
+          const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
+          const bool masked = decltype(masking)::value && Hidden(rows[i / 2], key, s, causal);
+          const float p = masked ? 0.0f
+                                 : exp2f(Base2Score(sc[j][i], scale2, extra, slope, h, s, rows[i / 2], key) -
+                                         lse2[i / 2]);
+          sc[j][i] = p * (dp[j][i] - dlt[i / 2]);
+          if (extra.dbias != nullptr && !masked) extra.dbias[((bi * hq + h) * s + rows[i / 2]) * s + key] = sc[j][i];
+        }
       }
+    };
+    if (TileUnmasked(row0, kMmaRows, j0, kN, s, causal)) {
+      grads(std::false_type{});
+    } else {
+      grads(std::true_type{});
     }
     MmaAccByTile<kD, kN, T>(acc, sc, ks);  // dQ += dS K
-    __syncthreads();
+    __syncthreads();  // every warp is done with this buffer before the next tile but one lands in it
   }
   StoreRows<kD>(dq + qoff, hq * kD, row0, s, acc, scale);
 }
@@ -1079,8 +1139,8 @@ __global__ void __launch_bounds__(kMmaThreads)
                               const float* delta, T* dk, T* dv, int64_t s, int64_t hq, int64_t hkv, float scale,
                               bool causal, AttentionBias extra) {
   constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>;
-  __shared__ float tile_lse2[kBwdTile<kD>];
-  __shared__ float tile_delta[kBwdTile<kD>];
+  alignas(16) __shared__ float tile_lse2[2][kBwdTile<kD>];
+  alignas(16) __shared__ float tile_delta[2][kBwdTile<kD>];
   uint16_t(*tile_a)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
   uint16_t(*tile_b)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kMmaRows * kStride);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
@@ -1090,14 +1150,14 @@ __global__ void __launch_bounds__(kMmaThreads)
   // K's and V's fragments of each warp's 16 keys.
   StageMmaTile<kD, kMmaRows>(tile_a, reinterpret_cast<const uint16_t*>(k) + kvoff, hkv * kD, key0, s);
   StageMmaTile<kD, kMmaRows>(tile_b, reinterpret_cast<const uint16_t*>(v) + kvoff, hkv * kD, key0, s);
+  CpAsyncCommit();
+  CpAsyncWait<0>();
   __syncthreads();
   uint32_t kf[kD / 16][4], vf[kD / 16][4];
   LoadRowFragments<kD>(kf, tile_a);
   LoadRowFragments<kD>(vf, tile_b);
   __syncthreads();
   const int64_t keys[2] = {key0 + 16 * warp + group, key0 + 16 * warp + group + 8};
-  uint16_t(*qs)[kStride] = tile_a;
-  uint16_t(*gs)[kStride] = tile_b;
   float dk_acc[kD / 8][4], dv_acc[kD / 8][4];
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j) {
@@ -1106,48 +1166,86 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
   const float scale2 = scale * kLog2e;
   // Causal: queries before the block's first key see none of its keys.
-  const int64_t first = causal ? key0 : 0;
-  for (int64_t g = 0; g < heads; ++g) {
-    const int64_t h = kvh * heads + g;
+  // The query tiles of each query head of the kv head in order, double-
+  // buffered: buffer b holds Q's tile at 2 b kN rows and dout's after it.
+  const int64_t first = causal ? key0 : 0, h_end = (kvh + 1) * heads;
+  auto buffer = [&](int b, int which) {
+    return reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + (2 * b + which) * kN * kStride);
+  };
+  // Starts the copies of head h's query tile at i0 into buffer b: Q's and
+  // dout's rows, the rows' log-sum-exp and delta (zeros past s).
+  auto stage = [&](int64_t h, int64_t i0, int b) {
     const int64_t qoff = (bi * s * hq + h) * kD;
-    const float* lb = lse + (bi * hq + h) * s;
-    const float* db = delta + (bi * hq + h) * s;
+    StageMmaTile<kD, kN>(buffer(b, 0), reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, i0, s);
+    StageMmaTile<kD, kN>(buffer(b, 1), reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, i0, s);
+    for (int t = threadIdx.x; t < kN; t += kMmaThreads) {
+      const bool valid = i0 + t < s;
+      CpAsync4(&tile_lse2[b][t], lse + (bi * hq + h) * s + (valid ? i0 + t : 0), valid);
+      CpAsync4(&tile_delta[b][t], delta + (bi * hq + h) * s + (valid ? i0 + t : 0), valid);
+    }
+  };
+  // (h, i0) to the next tile: the head's next, or the next head's first.
+  auto advance = [&](int64_t& h, int64_t& i0) {
+    i0 += kN;
+    if (i0 >= s) {
+      i0 = first;
+      ++h;
+    }
+  };
+  int64_t next_h = kvh * heads, next_i0 = first;  // the next tile to stage
+  if (first < s) {
+    stage(next_h, next_i0, 0);
+    advance(next_h, next_i0);
+  }
+  CpAsyncCommit();
+  for (int64_t h = kvh * heads, i0 = first, b = 0; first < s && h < h_end; advance(h, i0), b ^= 1) {
+    if (next_h < h_end) {
+      stage(next_h, next_i0, static_cast<int>(b ^ 1));
+      advance(next_h, next_i0);
+    }
+    CpAsyncCommit();
+    CpAsyncWait<1>();  // this tile's copies (the next tile's may be in flight)
+    // The log-sum-exp in base 2, by the thread whose copy it is.
+    for (int t = threadIdx.x; t < kN; t += kMmaThreads) tile_lse2[b][t] *= kLog2e;
+    __syncthreads();
     const float slope = SlopeOf(extra, h);
-    for (int64_t i0 = first; i0 < s; i0 += kN) {
-      StageMmaTile<kD, kN>(qs, reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, i0, s);
-      StageMmaTile<kD, kN>(gs, reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, i0, s);
-      for (int t = threadIdx.x; t < kN; t += kMmaThreads) {
-        tile_lse2[t] = i0 + t < s ? lb[i0 + t] * kLog2e : 0.0f;
-        tile_delta[t] = i0 + t < s ? db[i0 + t] : 0.0f;
-      }
-      __syncthreads();
-      float st[kN / 8][4], dpt[kN / 8][4];
+    uint16_t(*qs)[kStride] = buffer(static_cast<int>(b), 0);
+    uint16_t(*gs)[kStride] = buffer(static_cast<int>(b), 1);
+    float st[kN / 8][4], dpt[kN / 8][4];
 #pragma unroll
-      for (int j = 0; j < kN / 8; ++j) {
-        st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.0f;
-        dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.0f;
-      }
-      MmaRowsByTileT<kD, kN, T>(st, kf, qs);   // S^T = K Q^T
-      MmaRowsByTileT<kD, kN, T>(dpt, vf, gs);  // dP^T = V dout^T
-      // P^T, and dS^T = P^T (dP^T - delta), columns being queries.
+    for (int j = 0; j < kN / 8; ++j) {
+      st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.0f;
+      dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.0f;
+    }
+    MmaRowsByTileT<kD, kN, T>(st, kf, qs);   // S^T = K Q^T
+    MmaRowsByTileT<kD, kN, T>(dpt, vf, gs);  // dP^T = V dout^T
+    // P^T, and dS^T = P^T (dP^T - delta), columns being queries.
+    auto grads = [&](auto masking) {
 #pragma unroll
       for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int col = 8 * j + 2 * pair + i % 2;
           const int64_t query = i0 + col;
-          const float p = Hidden(query, keys[i / 2], s, causal)
+          const float p = decltype(masking)::value && Hidden(query, keys[i / 2], s, causal)
                               ? 0.0f
                               : exp2f(Base2Score(st[j][i], scale2, extra, slope, h, s, query, keys[i / 2]) -
-                                      tile_lse2[col]);
+                                      tile_lse2[b][col]);
           st[j][i] = p;
-          dpt[j][i] = p * (dpt[j][i] - tile_delta[col]);
+          dpt[j][i] = p * (dpt[j][i] - tile_delta[b][col]);
         }
       }
-      MmaAccByTile<kD, kN, T>(dv_acc, st, gs);   // dV += P^T dout
-      MmaAccByTile<kD, kN, T>(dk_acc, dpt, qs);  // dK += dS^T Q
-      __syncthreads();
+    };
+    // Rows are queries here, columns keys: unmasked where every query of
+    // the tile sees every key of the block.
+    if (TileUnmasked(i0, kN, key0, kMmaRows, s, causal)) {
+      grads(std::false_type{});
+    } else {
+      grads(std::true_type{});
     }
+    MmaAccByTile<kD, kN, T>(dv_acc, st, gs);   // dV += P^T dout
+    MmaAccByTile<kD, kN, T>(dk_acc, dpt, qs);  // dK += dS^T Q
+    __syncthreads();  // every warp is done with buffer b before the tile after next lands in it
   }
   StoreRows<kD>(dk + kvoff, hkv * kD, key0, s, dk_acc, scale);
   StoreRows<kD>(dv + kvoff, hkv * kD, key0, s, dv_acc, 1.0f);

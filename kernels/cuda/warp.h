@@ -1,5 +1,6 @@
 // Warp-level matrix instructions for colod's kernels: mma.sync m16n8k16 (bf16
-// or f16 operands, f32 accumulators) and ldmatrix, as inline PTX under nvcc
+// or f16 operands, f32 accumulators) and ldmatrix, and the asynchronous
+// copies (cp.async) that stage their tiles, as inline PTX under nvcc
 // and as the CUDA emulation's models of them (kernels/cuda/emu/warp.cc)
 // under --config=cuda-emu, so a tensor-core kernel runs in CI against its CPU
 // twin. Both need sm_80 or newer (the build's targets are sm_80 and sm_90).
@@ -17,8 +18,10 @@
 // (k x n stored as n rows of k, that is K-major like A) lanes 0-7 and 8-15
 // point at rows n of columns 0 and 8 (x2, or x4 for two n-tiles).
 //
-// Thread-safety: device code; every lane of a warp must execute these
-// together (they are .sync.aligned).
+// Thread-safety: device code; every lane of a warp must execute the
+// matrix instructions together (they are .sync.aligned). The copies are
+// per thread: a copy is visible to its own thread after its CpAsyncWait, and
+// to the block's other threads after a __syncthreads that follows it.
 #ifndef COLOD_KERNELS_CUDA_WARP_H_
 #define COLOD_KERNELS_CUDA_WARP_H_
 
@@ -104,6 +107,53 @@ __device__ __forceinline__ void LdMatrixX2Trans(uint32_t r[2], const void* row) 
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
                : "r"(address));
+#endif
+}
+
+// ---- Asynchronous copies from global to shared memory (cp.async) ----
+// A tile load that does not pass through registers and overlaps the
+// computation issued after it: CpAsync16 starts a copy, CpAsyncCommit groups
+// this thread's copies started since the last commit, CpAsyncWait<n> waits
+// until at most n of its groups are in flight. Under the emulation the
+// destination holds NaN bytes from the start until that wait, so reading a
+// tile before it, or copying over a tile another warp still reads, shows.
+
+// 16 bytes from global `src` to shared `dst` (both 16-byte aligned), or 16
+// zero bytes without reading src where !valid (src must still be a global
+// address). Bypasses L1 (.cg): the tiles are read once a block.
+__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
+#ifdef COLOD_CUDA_EMULATION
+  ::colod_cuda_emu::CpAsync(dst, src, 16, valid ? 16 : 0);
+#else
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(src), "r"(valid ? 16 : 0));
+#endif
+}
+
+// 4 bytes (4-byte aligned), as CpAsync16.
+__device__ __forceinline__ void CpAsync4(void* dst, const void* src, bool valid) {
+#ifdef COLOD_CUDA_EMULATION
+  ::colod_cuda_emu::CpAsync(dst, src, 4, valid ? 4 : 0);
+#else
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(address), "l"(src), "r"(valid ? 4 : 0));
+#endif
+}
+
+__device__ __forceinline__ void CpAsyncCommit() {
+#ifdef COLOD_CUDA_EMULATION
+  ::colod_cuda_emu::CpAsyncCommit();
+#else
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <int kGroups>
+__device__ __forceinline__ void CpAsyncWait() {
+#ifdef COLOD_CUDA_EMULATION
+  ::colod_cuda_emu::CpAsyncWait(kGroups);
+#else
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kGroups) : "memory");
 #endif
 }
 

@@ -2,7 +2,8 @@
 // reductions against closed forms; mma.sync m16n8k16 against a double
 // product through the fragment layouts kernels/cuda/warp.h documents;
 // ldmatrix (and .trans) against the elements those layouts name; and a
-// tensor-core GEMM built from them against a double product. On a GPU this
+// tensor-core GEMM built from them against a double product; cp.async's
+// groups, zero fill and visibility against the copied words. On a GPU this
 // checks warp.h's PTX and the layouts; under --config=cuda-emu the
 // emulation's models of them, which the tensor-core kernels rely on in CI.
 #include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -118,6 +120,30 @@ TEST_F(WarpTest, LdMatrixGivesTheFragmentsItsLayoutNames) {
       }
     }
   }
+}
+
+TEST_F(WarpTest, AsyncCopiesLandByGroupAndZeroFillWhatTheyDoNotRead) {
+  std::vector<uint32_t> src(64 * 4);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = 0x01000000u + static_cast<uint32_t>(i) * 7919u;
+  auto out = AsyncCopies(src);
+  ASSERT_TRUE(out.ok()) << out.status();
+  for (int t = 0; t < 64; ++t) {
+    SCOPED_TRACE("thread " + std::to_string(t));
+    const uint32_t* o = out->data() + 14 * t;
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(o[i], src[4 * t + i]) << "group 0 after its wait";
+      EXPECT_EQ(o[8 + i], t % 3 != 0 ? src[4 * (63 - t) + i] : 0u) << "group 1 after its wait (zeros unread)";
+#ifdef COLOD_CUDA_EMULATION
+      // The emulation's model of a copy in flight (undefined on a GPU).
+      EXPECT_EQ(o[4 + i], 0xffffffffu) << "group 1 before its wait";
+#endif
+    }
+    EXPECT_EQ(o[12], src[4 * t]) << "the 4-byte copy";
+    EXPECT_EQ(o[13], src[4 * ((t + 1) % 64)]) << "another thread's copy after the barrier";
+  }
+#ifdef COLOD_CUDA_EMULATION
+  EXPECT_GE(colod_cuda_emu::GetCounters().async_copies, 64u * 3);
+#endif
 }
 
 TEST_F(WarpTest, ATensorCoreGemmFromThemMatchesADoubleProduct) {

@@ -158,6 +158,28 @@ __global__ void TileGemmKernel(int m, int n, int k, const uint16_t* a, const uin
   }
 }
 
+__global__ void AsyncCopiesKernel(const uint32_t* src, uint32_t* out) {
+  alignas(16) __shared__ uint32_t first[64][4];
+  alignas(16) __shared__ uint32_t second[64][4];
+  alignas(16) __shared__ uint32_t word[64];
+  const int t = threadIdx.x;
+  uint32_t* o = out + 14 * t;
+  CpAsync16(first[t], src + 4 * t, true);
+  CpAsyncCommit();
+  const int back = 63 - t;
+  CpAsync16(second[t], src + 4 * back, t % 3 != 0);
+  CpAsync4(&word[t], src + 4 * t, true);
+  CpAsyncCommit();
+  CpAsyncWait<1>();
+  for (int i = 0; i < 4; ++i) o[i] = first[t][i];
+  for (int i = 0; i < 4; ++i) o[4 + i] = second[t][i];
+  CpAsyncWait<0>();
+  for (int i = 0; i < 4; ++i) o[8 + i] = second[t][i];
+  o[12] = word[t];
+  __syncthreads();
+  o[13] = first[(t + 1) % 64][0];
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<int64_t>> Shuffles(int threads) {
@@ -217,6 +239,18 @@ absl::StatusOr<std::vector<float>> TileGemm(int m, int n, int k, const std::vect
          da.get(), db.get(), b_k_major, dc.get());
   if (absl::Status s = Wait(stream, "TileGemmKernel"); !s.ok()) return s;
   return dc.Read();
+}
+
+absl::StatusOr<std::vector<uint32_t>> AsyncCopies(const std::vector<uint32_t>& src) {
+  if (src.size() != 64 * 4) return absl::InvalidArgumentError("AsyncCopies: 64 chunks of 4 words");
+  COLOD_CUDA_BEGIN(stream, 0);
+  Buffer<uint32_t> ds, out;
+  for (absl::Status s : {ds.Init(src.size(), src.data()), out.Init(64 * 14)}) {
+    if (!s.ok()) return s;
+  }
+  Launch(AsyncCopiesKernel, dim3(1), dim3(64), stream, ds.get(), out.get());
+  if (absl::Status s = Wait(stream, "AsyncCopiesKernel"); !s.ok()) return s;
+  return out.Read();
 }
 
 }  // namespace colod::kernels::cuda::warp_test

@@ -1,5 +1,6 @@
 // Test kernels of the warp-level operations (kernels/cuda/warp.h and the
-// CUDA intrinsics __shfl_*_sync, __ballot_sync, __any_sync, __all_sync),
+// CUDA intrinsics __shfl_*_sync, __ballot_sync, __any_sync, __all_sync) and
+// of warp.h's asynchronous copies,
 // behind a host API without CUDA types, for //kernels:cuda_warp_test: on a
 // GPU they check warp.h's inline PTX and the fragment layouts it documents,
 // and under --config=cuda-emu the emulation's models of the same
@@ -49,6 +50,16 @@ absl::StatusOr<std::vector<uint32_t>> LdMatrix(const std::vector<uint16_t>& tile
 // are zero-padded).
 absl::StatusOr<std::vector<float>> TileGemm(int m, int n, int k, const std::vector<uint16_t>& a,
                                             const std::vector<uint16_t>& b, bool b_k_major);
+
+// One block of 64 threads stages 16-byte chunks of `src` (64 x 4 words) into
+// shared memory by cp.async in two groups: group 0 thread t's chunk t, group
+// 1 chunk 63 - t where t % 3 != 0 (zeros elsewhere) and, by a 4-byte copy,
+// word 0 of chunk t. Per thread, 14 words: [0, 4) its group-0 chunk after
+// CpAsyncWait<1>; [4, 8) its group-1 chunk read before its CpAsyncWait<0>
+// (undefined on a GPU; the emulation's 0xff bytes); [8, 12) the same after
+// that wait; [12] the 4-byte copy after it; [13] word 0 of thread (t + 1) %
+// 64's group-0 chunk after a __syncthreads.
+absl::StatusOr<std::vector<uint32_t>> AsyncCopies(const std::vector<uint32_t>& src);
 
 }  // namespace colod::kernels::cuda::warp_test
 

@@ -292,12 +292,13 @@ TEST(CudaAttentionLaunches, OneKernelForwardTwoBackward) {
 // dK += dS^T Q, (d / 16) (n / 8) each. Causal: row block r of the dq kernel
 // walks the keys up to its last row, the dk/dv kernel's key block r the
 // queries from its first key on.
-TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSync) {
+// The products on mma.sync, from tiles that cp.async staged once each.
+TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSyncFromTilesStagedByCpAsync) {
   if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   struct Run {
     DType t;
     int64_t d;
-    uint64_t forward, backward;
+    uint64_t forward, backward, forward_copies, backward_copies;
   };
   // b 1, s 100 (two row blocks), hq 2, hkv 1, causal: row block 0 walks one
   // 64-key tile forward, row block 1 two.
@@ -310,25 +311,43 @@ TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSync) {
     const int64_t dkv_tiles = tiles(0, kSeq) + tiles(64, kSeq);    // key blocks 0 and 1
     return static_cast<uint64_t>(kHeads * kWarps * (dq_tiles * 3 * unit + dkv_tiles * 4 * unit));
   };
-  for (Run r : {Run{DType::kBF16, 64, forward(64), backward(64)}, Run{DType::kF16, 128, forward(128), backward(128)},
-                Run{DType::kBF16, 96, forward(96), backward(96)}, Run{DType::kF32, 64, 0, 0},
-                Run{DType::kBF16, 32, 0, 0}}) {
+  // 16-byte copies of a tile of `rows` rows; forward: per head, both row
+  // blocks' Q tiles and 1 + 2 K and V tiles.
+  const auto chunks = [](int64_t rows, int64_t d) { return rows * (d / 8); };
+  const auto forward_copies = [&](int64_t d) { return static_cast<uint64_t>(kHeads * (2 + 2 * 3) * chunks(64, d)); };
+  // dq: per head and row block Q and dout, then K and V tiles; dk/dv: per
+  // key block K and V, then per head and query tile Q, dout and the rows'
+  // log-sum-exp and delta (4 bytes a row each).
+  const auto backward_copies = [&](int64_t d) {
+    const int64_t n = d <= 64 ? 64 : 32;
+    const auto tiles = [n](int64_t from, int64_t to) { return (to - from + n - 1) / n; };
+    const int64_t dq = 2 * 2 * chunks(64, d) + (tiles(0, 64) + tiles(0, kSeq)) * 2 * chunks(n, d);
+    const int64_t dkv = 2 * 2 * chunks(64, d) + kHeads * (tiles(0, kSeq) + tiles(64, kSeq)) * (2 * chunks(n, d) + 2 * n);
+    return static_cast<uint64_t>(kHeads * dq + dkv);
+  };
+  for (Run r : {Run{DType::kBF16, 64, forward(64), backward(64), forward_copies(64), backward_copies(64)},
+                Run{DType::kF16, 128, forward(128), backward(128), forward_copies(128), backward_copies(128)},
+                Run{DType::kBF16, 96, forward(96), backward(96), forward_copies(96), backward_copies(96)},
+                Run{DType::kF32, 64, 0, 0, 0, 0}, Run{DType::kBF16, 32, 0, 0, 0, 0}}) {
     SCOPED_TRACE(std::string(DTypeName(r.t)) + " d" + std::to_string(r.d));
     const Device dev = Device::Cuda(0);
     Variable q(*Tensor::RandomNormal({1, kSeq, kHeads, r.d}, 1, r.t, dev), true);
     Variable k(*Tensor::RandomNormal({1, kSeq, 1, r.d}, 2, r.t, dev), true);
     Variable v(*Tensor::RandomNormal({1, kSeq, 1, r.d}, 3, r.t, dev), true);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const uint64_t before = colod_cuda_emu::GetCounters().warp_mmas;
+    const colod_cuda_emu::Counters before = colod_cuda_emu::GetCounters();
     absl::StatusOr<Variable> out = Attention(q, k, v, 0.125f, /*causal=*/true);
     ASSERT_TRUE(out.ok()) << out.status();
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const uint64_t after_forward = colod_cuda_emu::GetCounters().warp_mmas;
-    EXPECT_EQ(after_forward - before, r.forward);
+    const colod_cuda_emu::Counters after_forward = colod_cuda_emu::GetCounters();
+    EXPECT_EQ(after_forward.warp_mmas - before.warp_mmas, r.forward);
+    EXPECT_EQ(after_forward.async_copies - before.async_copies, r.forward_copies);
     const Tensor dout = *Tensor::RandomNormal(out->value().shape(), 4, r.t, dev);
     ASSERT_TRUE(Backward(*out, dout).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(colod_cuda_emu::GetCounters().warp_mmas - after_forward, r.backward);
+    const colod_cuda_emu::Counters after_backward = colod_cuda_emu::GetCounters();
+    EXPECT_EQ(after_backward.warp_mmas - after_forward.warp_mmas, r.backward);
+    EXPECT_EQ(after_backward.async_copies - after_forward.async_copies, r.backward_copies);
   }
 }
 #endif

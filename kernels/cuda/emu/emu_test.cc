@@ -54,6 +54,19 @@ __global__ void Rotate(int* out) {
   out[t] = s[(t + 1) % blockDim.x];
 }
 
+// Each warp writes its slots after a barrier, then reads the other warp's
+// without one: a race, whose outcome on a GPU depends on how far apart the
+// warps run.
+[[maybe_unused]] __global__ void ReadOtherWarpWithoutBarrier(int* out) {
+  __shared__ int s[64];
+  const int t = threadIdx.x;
+  s[t] = 0;
+  __syncthreads();
+  s[t] = t + 1;
+  __syncwarp();
+  out[t] = s[(t + 32) % 64];
+}
+
 __global__ void DivergentBarrier(int* out) {
   if (threadIdx.x == 0) return;
   __syncthreads();
@@ -180,6 +193,25 @@ TEST(CudaEmuKernelsDeathTest, ADivergentBarrierIsReported) {
       },
       "divergent barrier");
 }
+
+#ifndef COLOD_CUDA_EMU_THREADS
+// The fiber mode runs a warp on to its next __syncthreads before the next
+// warp moves: warp 0 reads warp 1's slots before warp 1 wrote them, where
+// warps in lock step would both read the other's writes (a race the fiber
+// mode makes show; the thread mode leaves it to TSan).
+TEST(CudaEmuKernels, WarpsRunApartUntilABlockBarrier) {
+  int* d = DeviceAlloc<int>(64);
+  ASSERT_EQ(cudaMemset(d, 0xff, 64 * sizeof(int)), cudaSuccess);
+  ASSERT_EQ(Launch(ReadOtherWarpWithoutBarrier, dim3(1), dim3(64), 0, cudaStreamPerThread, d), cudaSuccess);
+  std::vector<int> h(64);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(h.data(), d, h.size() * sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int t = 0; t < 64; ++t) {
+    EXPECT_EQ(h[t], t < 32 ? 0 : t - 32 + 1) << "thread " << t;
+  }
+  cudaFree(d);
+}
+#endif
 
 #if defined(__SANITIZE_THREAD__) && defined(COLOD_CUDA_EMU_THREADS)
 // Under --config=cuda-emu-tsan a block's threads are host threads, so the

@@ -9,9 +9,11 @@
 // requires a barrier to be reached by every thread of the block or by none),
 // and the remaining threads run as plain calls, without fibers: the cost of
 // barrier-free kernels. Otherwise every thread gets a fiber, and the block
-// runs in rounds: each live thread runs to its next barrier or its end; a
-// round in which some threads ended while others wait at a barrier is the
-// divergent barrier the hardware would hang on, reported and aborted.
+// runs in rounds from one __syncthreads to the next: warp by warp, each warp's
+// lanes run through their warp-level operations to the barrier or their end
+// before the next warp starts; a round in which some threads ended while
+// others wait at a barrier is the divergent barrier the hardware would hang
+// on, reported and aborted.
 //
 // Warp-level operations (__shfl_sync, __ballot_sync, __syncwarp, mma.sync,
 // ldmatrix: WarpExchange) are barriers of the warp's 32 lanes: a lane puts
@@ -19,7 +21,10 @@
 // warp waits there, the scheduler resumes them, and each reads all 32 slots.
 // The slots are double-buffered by the warp's parity, so a lane that runs on
 // to the warp's next operation writes the other half while its laggards
-// still read this one. A lane that returned or waits at __syncthreads while
+// still read this one. Warps are as far apart as a GPU may let them be, not
+// in lock step (the rounds above), so a warp that overwrites shared memory
+// another still reads without a barrier shows (with cp.async's NaN bytes,
+// warp.cc). A lane that returned or waits at __syncthreads while
 // others of its warp wait at a warp-level operation hangs a GPU: reported
 // and aborted. A block whose thread 0 returns without a barrier or a
 // warp-level operation runs its other threads as plain calls, so one of them
@@ -252,6 +257,29 @@ struct Scheduler {
 #endif
   }
 
+  // Releases warp w from its warp-level operations until none of its lanes
+  // waits at one (they wait at __syncthreads or returned); a warp some of
+  // whose lanes wait at one while the others do not is divergent.
+  void RunWarp(int w, int n, uint3 block_idx) {
+    const int first = 32 * w, end = first + 32 < n ? first + 32 : n;
+    for (;;) {
+      int at_warp = 0, done = 0, at_barrier = 0;
+      for (int i = first; i < end; ++i) {
+        at_warp += fibers[i].at_warp;
+        done += fibers[i].done;
+        at_barrier += fibers[i].at_barrier;
+      }
+      if (at_warp == 0) return;
+      if (at_warp != end - first) Fatal(WarpDivergence(w, at_warp, done, at_barrier, block_idx));
+      warps[w].parity ^= 1;
+      warps[w].bytes = 0;
+      for (int i = first; i < end; ++i) {
+        fibers[i].at_warp = false;
+        Resume(i);
+      }
+    }
+  }
+
   void RunBlock(dim3 grid, dim3 block, uint3 block_idx) {
     const int n = static_cast<int>(block.x * block.y * block.z);
     contexts.resize(n);
@@ -278,35 +306,20 @@ struct Scheduler {
       return;
     }
     EnsureFibers(n);
-    for (int i = 1; i < n; ++i) {
-      Start(i);
-      Resume(i);
+    // Warps run as far apart as a GPU may let them be: each warp is run on
+    // through its warp-level operations to its next __syncthreads (or its
+    // end) before the next warp moves, from the start and after each
+    // barrier, so a warp that overwrites shared memory another still reads
+    // without a barrier between them shows.
+    for (int w = 0; w < nwarps; ++w) {
+      for (int i = 32 * w; i < 32 * w + 32 && i < n; ++i) {
+        if (i == 0) continue;  // started above
+        Start(i);
+        Resume(i);
+      }
+      RunWarp(w, n, block_idx);
     }
     for (;;) {
-      // First the warps all of whose lanes wait at a warp-level operation.
-      bool released = false;
-      for (int w = 0; w < nwarps; ++w) {
-        const int first = 32 * w, end = first + 32 < n ? first + 32 : n;
-        int at_warp = 0, done = 0, at_barrier = 0;
-        for (int i = first; i < end; ++i) {
-          at_warp += fibers[i].at_warp;
-          done += fibers[i].done;
-          at_barrier += fibers[i].at_barrier;
-        }
-        if (at_warp == 0) continue;
-        if (at_warp == end - first) {
-          warps[w].parity ^= 1;
-          warps[w].bytes = 0;
-          for (int i = first; i < end; ++i) {
-            fibers[i].at_warp = false;
-            Resume(i);
-          }
-          released = true;
-        } else {  // between rounds no fiber runs: the others returned or wait at __syncthreads
-          Fatal(WarpDivergence(w, at_warp, done, at_barrier, block_idx));
-        }
-      }
-      if (released) continue;
       int done = 0, waiting = 0;
       for (int i = 0; i < n; ++i) (fibers[i].done ? done : waiting) += 1;
       if (waiting == 0) break;
@@ -317,9 +330,12 @@ struct Scheduler {
               std::to_string(block_idx.x) + "," + std::to_string(block_idx.y) + "," + std::to_string(block_idx.z) +
               ")");
       }
-      for (int i = 0; i < n; ++i) {
-        fibers[i].at_barrier = false;
-        Resume(i);
+      for (int w = 0; w < nwarps; ++w) {
+        for (int i = 32 * w; i < 32 * w + 32 && i < n; ++i) {
+          fibers[i].at_barrier = false;
+          Resume(i);
+        }
+        RunWarp(w, n, block_idx);
       }
     }
     current_thread = nullptr;

@@ -161,7 +161,7 @@ struct Pool {
 // Calls made on the host, for tests of what a step does (cuda_emu.h): for
 // the process, and for the calling host thread.
 std::atomic<uint64_t> device_allocations{0}, host_synchronizations{0}, stream_queries{0}, kernel_launches{0},
-    pageable_uploads{0}, warp_mmas{0};
+    pageable_uploads{0}, warp_mmas{0}, async_copies{0};
 thread_local Counters this_thread_counters;
 
 void CountPageableUpload() {
@@ -583,6 +583,7 @@ void CountKernelLaunch() {
 }
 
 void CountWarpMma() { warp_mmas.fetch_add(1, std::memory_order_relaxed); }
+void CountAsyncCopy() { async_copies.fetch_add(1, std::memory_order_relaxed); }
 
 Counters GetThreadCounters() { return this_thread_counters; }
 
@@ -594,6 +595,7 @@ Counters GetCounters() {
   c.kernel_launches = kernel_launches.load();
   c.pageable_uploads = pageable_uploads.load();
   c.warp_mmas = warp_mmas.load();
+  c.async_copies = async_copies.load();
   return c;
 }
 

@@ -52,6 +52,7 @@ std::optional<DeviceRange> FindDeviceRange(const void* p, size_t size);
 void CountHostSynchronization();
 void CountKernelLaunch();
 void CountWarpMma();
+void CountAsyncCopy();
 
 // The most bytes a lane puts in one WarpExchange (cuda_runtime.h).
 constexpr size_t kWarpSlotBytes = 64;

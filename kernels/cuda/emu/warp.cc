@@ -2,16 +2,21 @@
 // WarpExchange (execution.cc): mma.sync m16n8k16 and ldmatrix, with PTX's
 // fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16" and
 // "ldmatrix"). Each lane contributes its registers, gets the warp's, and
-// computes its own outputs from them.
+// computes its own outputs from them. Also the per-thread asynchronous copies
+// (cp.async): NaN bytes at the start, the data at the thread's wait.
 //
 // Thread-safety: called by the CUDA threads of a running block, as the
-// hardware instructions are; holds no state of its own.
+// hardware instructions are; the copies in flight are the calling CUDA
+// thread's (its ThreadContext), no state of this file's own.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstddef>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kernels/cuda/emu/runtime_internal.h"
 
@@ -81,6 +86,44 @@ void LdMatrix(int matrices, bool trans, unsigned* r, const void* row) {
     }
     r[j] = static_cast<unsigned>(lo) | static_cast<unsigned>(hi) << 16;
   }
+}
+
+void CpAsync(void* dst, const void* src, int bytes, int src_bytes) {
+  if (current_thread == nullptr) Fatal("cp.async called outside a kernel");
+  if (bytes != 4 && bytes != 8 && bytes != 16) Fatal("cp.async of " + std::to_string(bytes) + " bytes");
+  if (src_bytes < 0 || src_bytes > bytes) {
+    Fatal("cp.async reading " + std::to_string(src_bytes) + " of " + std::to_string(bytes) + " bytes");
+  }
+  if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 || reinterpret_cast<uintptr_t>(src) % bytes != 0) {
+    Fatal("cp.async of " + std::to_string(bytes) + " bytes between addresses not aligned to it, which faults on a GPU");
+  }
+  // Until the wait the destination holds neither its old contents nor the
+  // copy's for sure: NaN bytes there make a read before the wait, or a copy
+  // over a tile another warp still reads, show in the results.
+  memset(dst, 0xff, static_cast<size_t>(bytes));
+  current_thread->async_open.push_back(AsyncCopy{dst, src, bytes, src_bytes});
+  CountAsyncCopy();
+}
+
+void CpAsyncCommit() {
+  if (current_thread == nullptr) Fatal("cp.async.commit_group called outside a kernel");
+  current_thread->async_groups.push_back(std::move(current_thread->async_open));
+  current_thread->async_open.clear();
+}
+
+void CpAsyncWait(int groups) {
+  if (current_thread == nullptr) Fatal("cp.async.wait_group called outside a kernel");
+  if (groups < 0) Fatal("cp.async.wait_group " + std::to_string(groups));
+  std::vector<std::vector<AsyncCopy>>& pending = current_thread->async_groups;
+  if (pending.size() <= static_cast<size_t>(groups)) return;
+  const size_t land = pending.size() - static_cast<size_t>(groups);
+  for (size_t g = 0; g < land; ++g) {
+    for (const AsyncCopy& c : pending[g]) {
+      memcpy(c.dst, c.src, static_cast<size_t>(c.src_bytes));
+      memset(static_cast<char*>(c.dst) + c.src_bytes, 0, static_cast<size_t>(c.bytes - c.src_bytes));
+    }
+  }
+  pending.erase(pending.begin(), pending.begin() + static_cast<std::ptrdiff_t>(land));
 }
 
 }  // namespace colod_cuda_emu

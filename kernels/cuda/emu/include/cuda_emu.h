@@ -30,6 +30,9 @@ struct Counters {
   // for the process only (they run on streams' threads), 0 in
   // GetThreadCounters.
   uint64_t warp_mmas = 0;
+  // Asynchronous copies to shared memory (cp.async, one per thread and
+  // copy), counted as warp_mmas are.
+  uint64_t async_copies = 0;
 };
 
 Counters GetCounters();

@@ -33,6 +33,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #define COLOD_CUDA_EMULATION 1
 #define CUDART_VERSION 13000
@@ -178,11 +179,23 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event);
 // ---- The execution model (kernels/cuda/emu/execution.cc) ----
 namespace colod_cuda_emu {
 
+// A cp.async the calling thread started and has not waited for (CpAsync).
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  int bytes;      // copied: 4, 8 or 16
+  int src_bytes;  // read from src, the rest zeros
+};
+
 struct ThreadContext {
   uint3 thread_idx;
   uint3 block_idx;
   dim3 block_dim;
   dim3 grid_dim;
+  // The thread's cp.async copies: committed groups, oldest first, and those
+  // started since the last commit (a new block starts without any).
+  mutable std::vector<std::vector<AsyncCopy>> async_groups = {};
+  mutable std::vector<AsyncCopy> async_open = {};
 };
 
 // The CUDA thread the calling host code runs as (set while a kernel runs).
@@ -336,6 +349,22 @@ void MmaM16N8K16(MmaType type, float d[4], const unsigned a[4], const unsigned b
 // r[j] row l/4's elements 2(l%4) and 2(l%4)+1 (the low half first), or with
 // `trans` column l/4's elements of rows 2(l%4) and 2(l%4)+1.
 void LdMatrix(int matrices, bool trans, unsigned* r, const void* row);
+
+// cp.async.{ca,cg}.shared.global [dst], [src], bytes, src_bytes by the
+// calling thread: `bytes` (4, 8 or 16; dst and src aligned to it) from global
+// src to shared dst, src_bytes of them read and the rest zeros. On a GPU the
+// destination is undefined from the start until the thread's wait for the
+// group (CpAsyncWait): here it holds 0xff bytes (NaN as f32, bf16 and f16)
+// until that wait, which makes the copy. So a kernel that reads a tile
+// before its wait, or starts a copy over a tile another warp still reads,
+// computes with NaNs.
+void CpAsync(void* dst, const void* src, int bytes, int src_bytes);
+// cp.async.commit_group: the copies started since the last commit become a
+// group.
+void CpAsyncCommit();
+// cp.async.wait_group n: makes the copies of all but the newest n committed
+// groups (copies not yet committed are not waited for).
+void CpAsyncWait(int groups);
 
 }  // namespace colod_cuda_emu
 
