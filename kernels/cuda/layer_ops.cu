@@ -651,6 +651,22 @@ __device__ __forceinline__ float SlopeOf(const AttentionBias& extra, int64_t h) 
 
 constexpr float kLog2e = 1.4426950408889634f;  // the tensor-core kernels' scores are in base 2
 
+// 2^x on the special-function unit with a denormal result flushed to zero
+// (ex2.approx.ftz.f32, what exp2f becomes under --use_fast_math, as
+// FlashAttention is built): exp2f's ex2.approx.f32 adds a denormal fix-up
+// to every call. Relative error about 2^-22. The emulation flushes as the
+// hardware does.
+__device__ __forceinline__ float Exp2Ftz(float x) {
+#ifdef COLOD_CUDA_EMULATION
+  const float r = exp2f(x);
+  return r < 1.17549435e-38f ? 0.0f : r;  // below FLT_MIN
+#else
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#endif
+}
+
 // Whether the mask hides key `key` from query `query` (either past s, or
 // the key after the query when causal).
 __device__ __forceinline__ bool Hidden(int64_t query, int64_t key, int64_t s, bool causal) {
@@ -959,7 +975,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
       ref[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row without a visible key yet
-      const float corr = exp2f(m[r] - ref[r]);
+      const float corr = Exp2Ftz(m[r] - ref[r]);
       m[r] = mx[r];
       l[r] *= corr;
 #pragma unroll
@@ -977,7 +993,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
     for (int j = 0; j < kMmaKeys / 8; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sc[j][i] = exp2f(sc[j][i] - ref[i / 2]);
+      for (int i = 0; i < 4; ++i) sc[j][i] = Exp2Ftz(sc[j][i] - ref[i / 2]);
     }
     MmaAccByTile<kD, kMmaKeys, T>(o, sc, vs);
 #pragma unroll
@@ -1018,7 +1034,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 // summed in one fixed order (no atomics), so the gradients repeat bit for bit.
 // The streamed tiles (K and V for dq; Q, dout and the rows' statistics for
 // dk and dv) are double-buffered: the next tile's cp.async copies are in
-// flight while this one's products run.
+// flight while this one's products run, one barrier a tile (after the wait
+// for this tile, which also ends every warp's reads of the other buffer).
 template <int kD>
 constexpr int kBwdTile = kD <= 64 ? 64 : 32;
 
@@ -1087,13 +1104,13 @@ __global__ void __launch_bounds__(kMmaThreads)
   StageMmaTile<kD, kN>(vbuf[0], vb, hkv * kD, 0, s);
   CpAsyncCommit();
   for (int64_t j0 = 0, t = 0; j0 < keys; j0 += kN, t ^= 1) {
+    CpAsyncWait<0>();  // this tile's copies
+    __syncthreads();   // ... visible; every warp is done with the other buffer (the last tile)
     if (j0 + kN < keys) {
       StageMmaTile<kD, kN>(kbuf[t ^ 1], kb, hkv * kD, j0 + kN, s);
       StageMmaTile<kD, kN>(vbuf[t ^ 1], vb, hkv * kD, j0 + kN, s);
     }
     CpAsyncCommit();
-    CpAsyncWait<1>();  // this tile's copies (the next tile's may be in flight)
-    __syncthreads();
     uint16_t(*ks)[kStride] = kbuf[t];
     uint16_t(*vs)[kStride] = vbuf[t];
     float sc[kN / 8][4], dp[kN / 8][4];
@@ -1113,8 +1130,8 @@ __global__ void __launch_bounds__(kMmaThreads)
           const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
           const bool masked = decltype(masking)::value && Hidden(rows[i / 2], key, s, causal);
           const float p = masked ? 0.0f
-                                 : exp2f(Base2Score(sc[j][i], scale2, extra, slope, h, s, rows[i / 2], key) -
-                                         lse2[i / 2]);
+                                 : Exp2Ftz(Base2Score(sc[j][i], scale2, extra, slope, h, s, rows[i / 2], key) -
+                                           lse2[i / 2]);
           sc[j][i] = p * (dp[j][i] - dlt[i / 2]);
           if (extra.dbias != nullptr && !masked) extra.dbias[((bi * hq + h) * s + rows[i / 2]) * s + key] = sc[j][i];
         }
@@ -1126,7 +1143,6 @@ __global__ void __launch_bounds__(kMmaThreads)
       grads(std::true_type{});
     }
     MmaAccByTile<kD, kN, T>(acc, sc, ks);  // dQ += dS K
-    __syncthreads();  // every warp is done with this buffer before the next tile but one lands in it
   }
   StoreRows<kD>(dq + qoff, hq * kD, row0, s, acc, scale);
 }
@@ -1199,15 +1215,15 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
   CpAsyncCommit();
   for (int64_t h = kvh * heads, i0 = first, b = 0; first < s && h < h_end; advance(h, i0), b ^= 1) {
+    CpAsyncWait<0>();  // this tile's copies
+    // The log-sum-exp in base 2, by the thread whose copy it is.
+    for (int t = threadIdx.x; t < kN; t += kMmaThreads) tile_lse2[b][t] *= kLog2e;
+    __syncthreads();  // ... visible; every warp is done with the other buffer (the last tile)
     if (next_h < h_end) {
       stage(next_h, next_i0, static_cast<int>(b ^ 1));
       advance(next_h, next_i0);
     }
     CpAsyncCommit();
-    CpAsyncWait<1>();  // this tile's copies (the next tile's may be in flight)
-    // The log-sum-exp in base 2, by the thread whose copy it is.
-    for (int t = threadIdx.x; t < kN; t += kMmaThreads) tile_lse2[b][t] *= kLog2e;
-    __syncthreads();
     const float slope = SlopeOf(extra, h);
     uint16_t(*qs)[kStride] = buffer(static_cast<int>(b), 0);
     uint16_t(*gs)[kStride] = buffer(static_cast<int>(b), 1);
@@ -1229,8 +1245,8 @@ __global__ void __launch_bounds__(kMmaThreads)
           const int64_t query = i0 + col;
           const float p = decltype(masking)::value && Hidden(query, keys[i / 2], s, causal)
                               ? 0.0f
-                              : exp2f(Base2Score(st[j][i], scale2, extra, slope, h, s, query, keys[i / 2]) -
-                                      tile_lse2[b][col]);
+                              : Exp2Ftz(Base2Score(st[j][i], scale2, extra, slope, h, s, query, keys[i / 2]) -
+                                        tile_lse2[b][col]);
           st[j][i] = p;
           dpt[j][i] = p * (dpt[j][i] - tile_delta[b][col]);
         }
@@ -1245,7 +1261,6 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
     MmaAccByTile<kD, kN, T>(dv_acc, st, gs);   // dV += P^T dout
     MmaAccByTile<kD, kN, T>(dk_acc, dpt, qs);  // dK += dS^T Q
-    __syncthreads();  // every warp is done with buffer b before the tile after next lands in it
   }
   StoreRows<kD>(dk + kvoff, hkv * kD, key0, s, dk_acc, scale);
   StoreRows<kD>(dv + kvoff, hkv * kD, key0, s, dv_acc, 1.0f);

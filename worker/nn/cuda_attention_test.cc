@@ -322,7 +322,8 @@ TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSyncFromTilesStagedByCpA
     const int64_t n = d <= 64 ? 64 : 32;
     const auto tiles = [n](int64_t from, int64_t to) { return (to - from + n - 1) / n; };
     const int64_t dq = 2 * 2 * chunks(64, d) + (tiles(0, 64) + tiles(0, kSeq)) * 2 * chunks(n, d);
-    const int64_t dkv = 2 * 2 * chunks(64, d) + kHeads * (tiles(0, kSeq) + tiles(64, kSeq)) * (2 * chunks(n, d) + 2 * n);
+    const int64_t dkv_tiles = tiles(0, kSeq) + tiles(64, kSeq);
+    const int64_t dkv = 2 * 2 * chunks(64, d) + kHeads * dkv_tiles * (2 * chunks(n, d) + 2 * n);
     return static_cast<uint64_t>(kHeads * dq + dkv);
   };
   for (Run r : {Run{DType::kBF16, 64, forward(64), backward(64), forward_copies(64), backward_copies(64)},

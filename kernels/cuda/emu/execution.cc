@@ -9,8 +9,9 @@
 // requires a barrier to be reached by every thread of the block or by none),
 // and the remaining threads run as plain calls, without fibers: the cost of
 // barrier-free kernels. Otherwise every thread gets a fiber, and the block
-// runs in rounds from one __syncthreads to the next: warp by warp, each warp's
-// lanes run through their warp-level operations to the barrier or their end
+// runs in rounds from one __syncthreads to the next: warp by warp (the first
+// warp first, after each odd-numbered barrier the last), each warp's lanes
+// run through their warp-level operations to the barrier or their end
 // before the next warp starts; a round in which some threads ended while
 // others wait at a barrier is the divergent barrier the hardware would hang
 // on, reported and aborted.
@@ -319,7 +320,7 @@ struct Scheduler {
       }
       RunWarp(w, n, block_idx);
     }
-    for (;;) {
+    for (int round = 1;; ++round) {
       int done = 0, waiting = 0;
       for (int i = 0; i < n; ++i) (fibers[i].done ? done : waiting) += 1;
       if (waiting == 0) break;
@@ -330,7 +331,10 @@ struct Scheduler {
               std::to_string(block_idx.x) + "," + std::to_string(block_idx.y) + "," + std::to_string(block_idx.z) +
               ")");
       }
-      for (int w = 0; w < nwarps; ++w) {
+      // Odd rounds the last warp first: a buffer only higher warps write
+      // and lower ones read shows too.
+      for (int k = 0; k < nwarps; ++k) {
+        const int w = round % 2 == 1 ? nwarps - 1 - k : k;
         for (int i = 32 * w; i < 32 * w + 32 && i < n; ++i) {
           fibers[i].at_barrier = false;
           Resume(i);
