@@ -1039,6 +1039,15 @@ __global__ void __launch_bounds__(kMmaThreads)
 template <int kD>
 constexpr int kBwdTile = kD <= 64 ? 64 : 32;
 
+// Tile `which` (0 or 1) of buffer b (0 or 1) of the backward's double-
+// buffered streamed tiles, kBwdTile rows each (K and V for dq; Q and dout
+// for dk/dv): buffer b's two tiles from row 2 b kBwdTile of MmaShared.
+template <int kD>
+__device__ __forceinline__ auto StreamedTile(int b, int which) {
+  constexpr int kStride = kD + kMmaPad;
+  return reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + (2 * b + which) * kBwdTile<kD> * kStride);
+}
+
 // Grid (row blocks, hq, b), kMmaThreads threads: dq and delta of 64 query rows.
 template <int kD, typename T>
 __global__ void __launch_bounds__(kMmaThreads)
@@ -1089,30 +1098,25 @@ __global__ void __launch_bounds__(kMmaThreads)
     dlt[r] = row_delta[16 * warp + group + 8 * r];
   }
   __syncthreads();
-  // Two buffers of K and V tiles of kN rows each.
-  uint16_t(*kbuf[2])[kStride] = {reinterpret_cast<uint16_t(*)[kStride]>(MmaShared()),
-                                 reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + 2 * kN * kStride)};
-  uint16_t(*vbuf[2])[kStride] = {reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kN * kStride),
-                                 reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + 3 * kN * kStride)};
   float acc[kD / 8][4];
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const float scale2 = scale * kLog2e;
   const float slope = SlopeOf(extra, h);
   const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
-  StageMmaTile<kD, kN>(kbuf[0], kb, hkv * kD, 0, s);
-  StageMmaTile<kD, kN>(vbuf[0], vb, hkv * kD, 0, s);
+  StageMmaTile<kD, kN>(StreamedTile<kD>(0, 0), kb, hkv * kD, 0, s);
+  StageMmaTile<kD, kN>(StreamedTile<kD>(0, 1), vb, hkv * kD, 0, s);
   CpAsyncCommit();
   for (int64_t j0 = 0, t = 0; j0 < keys; j0 += kN, t ^= 1) {
     CpAsyncWait<0>();  // this tile's copies
     __syncthreads();   // ... visible; every warp is done with the other buffer (the last tile)
     if (j0 + kN < keys) {
-      StageMmaTile<kD, kN>(kbuf[t ^ 1], kb, hkv * kD, j0 + kN, s);
-      StageMmaTile<kD, kN>(vbuf[t ^ 1], vb, hkv * kD, j0 + kN, s);
+      StageMmaTile<kD, kN>(StreamedTile<kD>(static_cast<int>(t ^ 1), 0), kb, hkv * kD, j0 + kN, s);
+      StageMmaTile<kD, kN>(StreamedTile<kD>(static_cast<int>(t ^ 1), 1), vb, hkv * kD, j0 + kN, s);
     }
     CpAsyncCommit();
-    uint16_t(*ks)[kStride] = kbuf[t];
-    uint16_t(*vs)[kStride] = vbuf[t];
+    uint16_t(*ks)[kStride] = StreamedTile<kD>(static_cast<int>(t), 0);
+    uint16_t(*vs)[kStride] = StreamedTile<kD>(static_cast<int>(t), 1);
     float sc[kN / 8][4], dp[kN / 8][4];
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {
@@ -1183,17 +1187,14 @@ __global__ void __launch_bounds__(kMmaThreads)
   const float scale2 = scale * kLog2e;
   // Causal: queries before the block's first key see none of its keys.
   // The query tiles of each query head of the kv head in order, double-
-  // buffered: buffer b holds Q's tile at 2 b kN rows and dout's after it.
+  // buffered (StreamedTile: Q's tile, then dout's).
   const int64_t first = causal ? key0 : 0, h_end = (kvh + 1) * heads;
-  auto buffer = [&](int b, int which) {
-    return reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + (2 * b + which) * kN * kStride);
-  };
   // Starts the copies of head h's query tile at i0 into buffer b: Q's and
   // dout's rows, the rows' log-sum-exp and delta (zeros past s).
   auto stage = [&](int64_t h, int64_t i0, int b) {
     const int64_t qoff = (bi * s * hq + h) * kD;
-    StageMmaTile<kD, kN>(buffer(b, 0), reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, i0, s);
-    StageMmaTile<kD, kN>(buffer(b, 1), reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, i0, s);
+    StageMmaTile<kD, kN>(StreamedTile<kD>(b, 0), reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, i0, s);
+    StageMmaTile<kD, kN>(StreamedTile<kD>(b, 1), reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, i0, s);
     for (int t = threadIdx.x; t < kN; t += kMmaThreads) {
       const bool valid = i0 + t < s;
       CpAsync4(&tile_lse2[b][t], lse + (bi * hq + h) * s + (valid ? i0 + t : 0), valid);
@@ -1225,8 +1226,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
     CpAsyncCommit();
     const float slope = SlopeOf(extra, h);
-    uint16_t(*qs)[kStride] = buffer(static_cast<int>(b), 0);
-    uint16_t(*gs)[kStride] = buffer(static_cast<int>(b), 1);
+    uint16_t(*qs)[kStride] = StreamedTile<kD>(static_cast<int>(b), 0);
+    uint16_t(*gs)[kStride] = StreamedTile<kD>(static_cast<int>(b), 1);
     float st[kN / 8][4], dpt[kN / 8][4];
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {
