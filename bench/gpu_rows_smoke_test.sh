@@ -31,7 +31,8 @@ for shape in "16 +128" "32 +64"; do  # the attention rows: batch, seq, heads, di
 done
 grep -qE '^GPU \(cuda:0\) memory-bound kernels, bf16, 64 tokens \(copy bandwidth [0-9]+ GB/s' <<<"$out" ||
   fail "bench:layers printed no memory-bound table" "$out"
-for row in "bias_grad +\[64, 768\]" "bias_grad +\[64, 3072\]" "bias_gelu_backward +\[64, 3072\]" \
+for row in "bias_add +\[64, 2304\]" "bias_gelu +\[64, 3072\]" "add \(residual\) +\[64, 768\]" "head_split +\[64, 768\]" \
+  "bias_grad +\[64, 768\]" "bias_grad +\[64, 3072\]" "bias_gelu_backward +\[64, 3072\]" \
   "norm_param_grad \(layer norm\) +\[64, 768\]"; do
   grep -qE "^$row +[0-9.]+ +[0-9]+ +[0-9.]+%$" <<<"$out" || fail "bench:layers printed no memory-bound row $row" "$out"
 done

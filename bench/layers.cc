@@ -628,8 +628,12 @@ bool RunBandwidthRows(Device gpu, bool json) {
     const char* name;
     int64_t n;
   };
-  for (Row row : {Row{"bias_grad", 768}, Row{"bias_grad", 3072}, Row{"bias_gelu_backward", 3072},
-                  Row{"norm_param_grad (layer norm)", 768}}) {
+  // GPT-2 124M's shapes: the QKV projection's bias (2304), the MLP's bias
+  // and GELU (3072), the residual add (768), the head split (one of Q, K, V
+  // of [tokens, 3, 12, 64] heads first), the bias and norm gradients.
+  for (Row row : {Row{"bias_add", 2304}, Row{"bias_gelu", 3072}, Row{"add (residual)", 768},
+                  Row{"head_split", 768}, Row{"bias_grad", 768}, Row{"bias_grad", 3072},
+                  Row{"bias_gelu_backward", 3072}, Row{"norm_param_grad (layer norm)", 768}}) {
     auto make = [&](const Shape& shape, uint64_t seed) { return Tensor::RandomNormal(shape, seed, DType::kBF16, gpu); };
     absl::StatusOr<Tensor> dy = make({rows, row.n}, 1), x = make({rows, row.n}, 2), b = make({row.n}, 3);
     absl::StatusOr<Tensor> mean = Tensor::RandomNormal({rows}, 4, DType::kF32, gpu);
@@ -641,7 +645,25 @@ bool RunBandwidthRows(Device gpu, bool json) {
     double bytes = 0;  // read and written once
     absl::StatusOr<double> t = absl::UnknownError("no kernel");
     const std::string name = row.name;
-    if (name == "bias_grad") {
+    if (name == "bias_add" || name == "bias_gelu") {
+      bytes = elems * 2 * 2 + row.n * 2.0;  // x read, y written; b read
+      t = time([&]() -> absl::Status {
+        return (name == "bias_add" ? ops::BiasAdd(*x, *b) : ops::BiasGelu(*x, *b, ops::GeluApprox::kTanh)).status();
+      });
+    } else if (name == "add (residual)") {
+      bytes = elems * 2 * 3;
+      t = time([&]() -> absl::Status { return Add(*x, *dy).status(); });
+    } else if (name == "head_split") {
+      absl::StatusOr<Tensor> qkv = make({rows, 3, 12, 64}, 6);
+      if (!qkv.ok()) return fail(qkv.status());
+      bytes = elems * 2 * 2;  // one third of qkv read, written heads first
+      t = time([&]() -> absl::Status {
+        ASSIGN_OR_RETURN(Tensor k, qkv->Narrow(1, 1, 1));
+        ASSIGN_OR_RETURN(Tensor heads_first, k.Transpose(0, 2));
+        (void)heads_first.Contiguous();  // a device error shows at time()'s synchronization
+        return absl::OkStatus();
+      });
+    } else if (name == "bias_grad") {
       bytes = elems * 2 + row.n * 2.0;
       t = time([&]() -> absl::Status { return ops::BiasGrad(*dy).status(); });
     } else if (name == "bias_gelu_backward") {

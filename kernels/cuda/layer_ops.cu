@@ -58,6 +58,22 @@ __global__ void BiasAddKernel(In<T> x, In<T> b, Out<T> y, int64_t total, int64_t
   GRID_STRIDE(i, total) { y[i] = x[i] + b[i % n]; }
 }
 
+// The element-wise bias and GELU kernels' arithmetic for PackedRows (x, the
+// row operand d, the bias b), as their scalar kernels do it.
+struct BiasAddOp {
+  __device__ float operator()(float x, float, float b) const { return x + b; }
+};
+struct GeluOp {
+  bool bias, tanh_approx;
+  __device__ float operator()(float x, float, float b) const { return GeluAt(bias ? x + b : x, tanh_approx); }
+};
+struct GeluBackwardOp {  // x: the input, d: dy
+  bool bias, tanh_approx;
+  __device__ float operator()(float x, float dy, float b) const {
+    return dy * GeluSlopeAt(bias ? x + b : x, tanh_approx);
+  }
+};
+
 // Column reductions (bias and norm-parameter gradients) over [rows, n], in
 // two levels over a grid that fills the GPU: block (x, y) owns kColumns
 // adjacent columns (x) of a chunk of the rows (y), and its kThreads /
@@ -1505,6 +1521,7 @@ absl::Status BiasAdd(int device, ElemType type, const void* x, const void* bias,
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "BiasAdd", [&](auto t) {
     using T = decltype(t);
+    if (PackedRows<T>(stream, BiasAddOp{}, x, nullptr, bias, out, rows * n, n)) return Finish("PackedRowsKernel");
     Launch(BiasAddKernel<T>, Blocks(rows * n), kThreads, stream, InOf<T>(x), InOf<T>(bias), OutOf<T>(out), rows * n,
            n);
     return Finish("BiasAddKernel");
@@ -1566,6 +1583,9 @@ absl::Status Gelu(int device, ElemType type, const void* x, const void* bias, vo
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "Gelu", [&](auto t) {
     using T = decltype(t);
+    if (PackedRows<T>(stream, GeluOp{bias != nullptr, tanh_approx}, x, nullptr, bias, y, rows * n, n)) {
+      return Finish("PackedRowsKernel");
+    }
     Launch(GeluKernel<T>, Blocks(rows * n), kThreads, stream, InOf<T>(x), InOf<T>(bias), OutOf<T>(y), rows * n, n,
            tanh_approx);
     return Finish("GeluKernel");
@@ -1586,6 +1606,9 @@ absl::Status GeluBackward(int device, ElemType type, const void* dy, const void*
                           });
     }
     if (rows == 0) return absl::OkStatus();
+    if (PackedRows<T>(stream, GeluBackwardOp{bias != nullptr, tanh_approx}, x, dy, bias, dx, rows * n, n)) {
+      return Finish("PackedRowsKernel");
+    }
     Launch(GeluBackwardKernel<T>, Blocks(rows * n), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(bias),
            OutOf<T>(dx), rows * n, n, tanh_approx);
     return Finish("GeluBackwardKernel");

@@ -21,31 +21,94 @@ namespace {
 
 #define RETURN_IF_CUDA(call) COLOD_RETURN_IF_CUDA(call)
 
-// The general copy: element i's offsets from its index in the (coalesced)
-// shape, one div/mod per remaining dim, in 32-bit arithmetic where every
-// extent fits (Index = uint32_t), as 64-bit division is several times slower.
+// Element i's offsets in two layouts of one (coalesced) shape: one div/mod
+// per dim, in 32-bit arithmetic where every extent fits (Index = uint32_t),
+// as 64-bit division is several times slower.
+template <typename Index>
+__device__ __forceinline__ void StridedOffsets(int64_t i, const Layout& sl, const Layout& dl, int64_t* so,
+                                               int64_t* dof) {
+  Index rem = static_cast<Index>(i);
+  *so = 0;
+  *dof = 0;
+  for (int d = sl.ndim - 1; d >= 0; --d) {
+    const Index extent = static_cast<Index>(sl.shape[d]);
+    const Index idx = rem % extent;
+    rem /= extent;
+    *so += static_cast<int64_t>(idx) * sl.strides[d];
+    *dof += static_cast<int64_t>(idx) * dl.strides[d];
+  }
+}
+
+// The general converting copy (a same-type copy is StridedWordCopyKernel).
 template <typename Index>
 __global__ void StridedCopyKernel(const char* src, Layout sl, ElemType st, char* dst, Layout dl, ElemType dt,
                                   int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    Index rem = static_cast<Index>(i);
-    int64_t so = 0, dof = 0;
-    for (int d = sl.ndim - 1; d >= 0; --d) {
-      const Index extent = static_cast<Index>(sl.shape[d]);
-      const Index idx = rem % extent;
-      rem /= extent;
-      so += static_cast<int64_t>(idx) * sl.strides[d];
-      dof += static_cast<int64_t>(idx) * dl.strides[d];
-    }
-    if (st == dt) {
-      const int es = ElemSize(st);
-      for (int b = 0; b < es; ++b) dst[dof * es + b] = src[so * es + b];
-    } else if (IsInt(st) && IsInt(dt)) {
+    int64_t so, dof;
+    StridedOffsets<Index>(i, sl, dl, &so, &dof);
+    if (IsInt(st) && IsInt(dt)) {
       StoreI(dst, dof, dt, LoadI(src, so, st));
     } else {
       StoreF(dst, dof, dt, LoadF(src, so, st));
     }
+  }
+}
+
+// A same-type copy in words of kWord bytes (WidenLayouts): element i of the
+// word-unit layouts, one 16-byte access for a word of 16.
+template <int kWord>
+struct alignas(kWord) Word {
+  unsigned char b[kWord];
+};
+
+template <typename Index, int kWord>
+__global__ void StridedWordCopyKernel(const Word<kWord>* src, Layout sl, Word<kWord>* dst, Layout dl, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t so, dof;
+    StridedOffsets<Index>(i, sl, dl, &so, &dof);
+    dst[dof] = src[so];
+  }
+}
+
+// Rewrites element layouts of `es`-byte elements as layouts of `word`-byte
+// words where that is exact: the innermost dimension contiguous on both
+// sides, its bytes and every other stride's bytes multiples of the word,
+// both pointers aligned to it; a word of the element's own size always.
+// QKV's split into heads moves rows of 64 bf16 (128 bytes) 16 bytes at a
+// time; the general kernel copied them a byte at a time.
+bool WidenLayouts(Layout* sl, Layout* dl, int es, int word, const void* src, const void* dst) {
+  const int last = sl->ndim - 1;
+  const int64_t k = word / es;
+  if (last < 0 || word % es != 0 || reinterpret_cast<uintptr_t>(src) % word != 0 ||
+      reinterpret_cast<uintptr_t>(dst) % word != 0) {
+    return false;
+  }
+  if (k == 1) return true;  // the element itself: any strides
+  if (sl->strides[last] != 1 || dl->strides[last] != 1 || sl->shape[last] % k != 0) return false;
+  for (int d = 0; d < last; ++d) {
+    if (sl->strides[d] % k != 0 || dl->strides[d] % k != 0) return false;
+  }
+  sl->shape[last] /= k;
+  dl->shape[last] /= k;
+  for (int d = 0; d < last; ++d) {
+    sl->strides[d] /= k;
+    dl->strides[d] /= k;
+  }
+  return true;
+}
+
+template <int kWord>
+void LaunchWordCopy(const void* src, const Layout& sl, void* dst, const Layout& dl, int64_t n, bool narrow,
+                    cudaStream_t stream) {
+  using W = Word<kWord>;
+  if (narrow) {
+    Launch(StridedWordCopyKernel<uint32_t, kWord>, Blocks(n), kThreads, stream, static_cast<const W*>(src), sl,
+           static_cast<W*>(dst), dl, n);
+  } else {
+    Launch(StridedWordCopyKernel<int64_t, kWord>, Blocks(n), kThreads, stream, static_cast<const W*>(src), sl,
+           static_cast<W*>(dst), dl, n);
   }
 }
 
@@ -131,6 +194,12 @@ __global__ void BinaryKernel(BinaryOp op, ElemType t, const char* a, const char*
     }
   }
 }
+
+// Binary's arithmetic for PackedRows (x = a, d = b).
+struct BinaryPackOp {
+  BinaryOp op;
+  __device__ float operator()(float x, float y, float) const { return Apply(op, x, y); }
+};
 
 __global__ void ScaleKernel(ElemType t, const char* a, float s, char* out, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -361,6 +430,18 @@ absl::Status StridedCopy(int device, const void* src, const Layout& src_layout, 
   }
   bool narrow = n <= INT32_MAX;
   for (int d = 0; d < sl.ndim; ++d) narrow = narrow && sl.shape[d] <= INT32_MAX;
+  if (src_type == dst_type) {  // in the widest words the layouts allow, at least the element
+    const int es = ElemSize(src_type);
+    for (int word : {16, 8, 4, 2}) {
+      if (word < es || !WidenLayouts(&sl, &dl, es, word, src, dst)) continue;
+      const int64_t words = n / (word / es);
+      if (word == 16) LaunchWordCopy<16>(src, sl, dst, dl, words, narrow, stream);
+      if (word == 8) LaunchWordCopy<8>(src, sl, dst, dl, words, narrow, stream);
+      if (word == 4) LaunchWordCopy<4>(src, sl, dst, dl, words, narrow, stream);
+      if (word == 2) LaunchWordCopy<2>(src, sl, dst, dl, words, narrow, stream);
+      return Finish("StridedWordCopyKernel");
+    }
+  }
   if (narrow) {
     Launch(StridedCopyKernel<uint32_t>, Blocks(n), kThreads, stream, static_cast<const char*>(src), sl, src_type,
            static_cast<char*>(dst), dl, dst_type, n);
@@ -381,6 +462,12 @@ absl::Status FillRandom(int device, void* p, ElemType type, int64_t n, uint64_t 
 absl::Status Binary(int device, BinaryOp op, ElemType type, const void* a, const void* b, void* out, int64_t n) {
   if (n == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
+  // Float operands in packs of 16 bytes where aligned: one row of n.
+  bool packed = false;
+  if (type == ElemType::kF32) packed = PackedRows<float>(stream, BinaryPackOp{op}, a, b, nullptr, out, n, n);
+  if (type == ElemType::kBF16) packed = PackedRows<Bf16>(stream, BinaryPackOp{op}, a, b, nullptr, out, n, n);
+  if (type == ElemType::kF16) packed = PackedRows<F16>(stream, BinaryPackOp{op}, a, b, nullptr, out, n, n);
+  if (packed) return Finish("PackedRowsKernel");
   Launch(BinaryKernel, Blocks(n), kThreads, stream,
       op, type, static_cast<const char*>(a), static_cast<const char*>(b), static_cast<char*>(out), n);
   return Finish("BinaryKernel");

@@ -214,6 +214,53 @@ TEST_F(CudaLayerOps, ElementwiseAndNormsMatchTheCpu) {
   ExpectNear(drg->dgamma, rg->dgamma, 1e-4, "rms_norm dgamma");
 }
 
+// The element-wise kernels run in packs of 16 bytes where every operand is
+// 16-byte aligned and the row a multiple of the pack (8 bf16, 4 f32), else
+// element by element: both give the same bits, as they do the same f32
+// arithmetic, and equal the CPU twin. A view one element into a buffer is
+// misaligned, so it takes the scalar kernels. Same-type strided copies move
+// words of up to 16 bytes: a head split (one of Q, K, V of [tokens, 3,
+// heads, 64], heads first), aligned or not, and a transpose of the inner
+// dimension equal the CPU's copies bit for bit.
+TEST_F(CudaLayerOps, PackedElementwiseKernelsGiveTheScalarKernelsBits) {
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    const std::string name(DTypeName(t));
+    auto low = [&](const Tensor& v) { return *v.ToDType(t); };
+    auto misaligned = [&](const Tensor& v) {  // v's values on the device, one element into a buffer
+      const Tensor buffer = *Tensor::Zeros({v.numel() + 1}, t, Device::Cuda(0));
+      Tensor view = *(*buffer.Narrow(0, 1, v.numel())).Reshape(v.shape());
+      EXPECT_TRUE(view.CopyFrom(Dev(low(v))).ok());
+      return view;
+    };
+    auto same_bits = [&](const Tensor& packed, const Tensor& scalar, const Tensor& cpu, const std::string& what) {
+      EXPECT_EQ(packed.ToBytes(), scalar.ToBytes()) << what << " " << name;
+      const std::vector<float> g = packed.ToFloats(), c = cpu.ToFloats();
+      ASSERT_EQ(g.size(), c.size()) << what;
+      for (size_t i = 0; i < g.size(); ++i) {
+        ASSERT_NEAR(g[i], c[i], 1e-5 * (1 + std::fabs(c[i]))) << what << " " << name << " at " << i;
+      }
+    };
+    const Tensor x = low(R({24, 64}, 51)), dy = low(R({24, 64}, 52)), b = low(R({64}, 53));
+    const Tensor dx = Dev(x), ddy = Dev(dy), db = Dev(b), mx = misaligned(x), mdy = misaligned(dy);
+    same_bits(*BiasAdd(dx, db), *BiasAdd(mx, db), *BiasAdd(x, b), "bias_add");
+    same_bits(*Add(dx, ddy), *Add(mx, mdy), *Add(x, dy), "add");
+    for (GeluApprox a : {GeluApprox::kNone, GeluApprox::kTanh}) {
+      same_bits(*Gelu(dx, a), *Gelu(mx, a), *Gelu(x, a), "gelu");
+      same_bits(*BiasGelu(dx, db, a), *BiasGelu(mx, db, a), *BiasGelu(x, b, a), "bias_gelu");
+      same_bits(*GeluBackward(ddy, dx, a), *GeluBackward(mdy, mx, a), *GeluBackward(dy, x, a), "gelu_backward");
+    }
+    const Tensor qkv = low(R({10, 3, 4, 64}, 54));
+    auto head_split = [](const Tensor& v) {  // K, heads first
+      return (*(*(*v.Narrow(1, 1, 1)).Reshape({10, 4, 64})).Transpose(0, 1)).Contiguous();
+    };
+    const Tensor want = head_split(qkv);
+    EXPECT_EQ(head_split(Dev(qkv)).ToBytes(), want.ToBytes()) << "head split " << name;
+    EXPECT_EQ(head_split(misaligned(qkv)).ToBytes(), want.ToBytes()) << "misaligned head split " << name;
+    const Tensor inner = (*want.Transpose(1, 2)).Contiguous();
+    EXPECT_EQ((*Dev(want).Transpose(1, 2)).Contiguous().ToBytes(), inner.ToBytes()) << "transpose " << name;
+  }
+}
+
 // The column reductions (bias gradients, GELU backward with the bias
 // gradient, the norms' parameter gradients) over enough rows that the
 // kernels split them into chunks and add the chunks' sums in a second level

@@ -42,26 +42,27 @@ TrainOptions TwoStages(TrainOptions run, int tp, int dp, int micro,
 // drifts from the unsharded one by up to 2e-4 over four AdamW steps, stages
 // or none (AdamW's first steps, about lr times the gradient's sign, amplify
 // f32 rounding; under SGD 2D and 1D tp 2 stay within 1e-5 of it).
-void ExpectStagesTrainAsOneRank(const TrainOptions& run, const std::string& what, bool two_d_alone = false) {
+void ExpectStagesTrainAsOneRank(const TrainOptions& run, const std::string& what, bool two_d_alone = false,
+                                double grad_rel = 1e-3) {
   const std::vector<StepStats> want = Losses(run);
   ASSERT_EQ(want.size(), 4u) << what;
   auto staged = [&](int tp, int dp, int micro, v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D) {
     return TwoStages(run, tp, dp, micro, mode);
   };
-  ExpectSameLosses(Losses(staged(1, 1, 4)), want, 1e-4, what + " pp=2");
-  ExpectSameLosses(Losses(staged(2, 2, 2)), want, 1e-4, what + " tp2 x pp2 x dp2");
+  ExpectSameLosses(Losses(staged(1, 1, 4)), want, 1e-4, what + " pp=2", 0, grad_rel);
+  ExpectSameLosses(Losses(staged(2, 2, 2)), want, 1e-4, what + " tp2 x pp2 x dp2", 0, grad_rel);
   const TrainOptions two_d = staged(4, 1, 2, v1::TENSOR_PARALLEL_MODE_2D);
   if (two_d_alone) {
     TrainOptions alone = two_d;
     alone.shard.layout.set_pipeline_parallel_size(1);
-    ExpectSameLosses(Losses(two_d), Losses(alone), 1e-5, what + " 2d tp4 x pp2 (against 2d tp4)");
+    ExpectSameLosses(Losses(two_d), Losses(alone), 1e-5, what + " 2d tp4 x pp2 (against 2d tp4)", 0, grad_rel);
   } else {
-    ExpectSameLosses(Losses(two_d), want, 1e-4, what + " 2d tp4 x pp2");
+    ExpectSameLosses(Losses(two_d), want, 1e-4, what + " 2d tp4 x pp2", 0, grad_rel);
   }
   if (kernels::CudaDeviceCount() >= 2) {  // the emulation's 4 devices in CI; skipped only in the no-GPU default pass
     TrainOptions t = staged(1, 1, 2);
     t.cuda = true;
-    ExpectSameLosses(Losses(t), want, 1e-4, what + " pp=2 on CUDA");
+    ExpectSameLosses(Losses(t), want, 1e-4, what + " pp=2 on CUDA", 0, grad_rel);
   }
 }
 
@@ -130,6 +131,12 @@ TEST(PipelineFamilies, VitWithItsClassifierOnTheLastStage) {
 // tables mirrored, the shared embedding on three stages) and on uneven
 // stages, v1.0 and flan-t5 train with the unsharded run's losses; in 2D
 // (tp4) under two stages, with 2D's own (ExpectStagesTrainAsOneRank).
+// T5's gradient norm is chaotic under Adam (ExpectSameLosses): measured
+// against the unsharded run, 1e-8 relative at step 1, up to 1e-5 at step 2,
+// 1e-4 at step 3 and 1e-3 at step 4, where the OpenBLAS kernel differs
+// (OPENBLAS_CORETYPE=Sandybridge here; the H200 host's), while the losses
+// stay within 4e-6. So after the first step its norms are held to 1e-2.
+constexpr double kT5GradRel = 1e-2;
 TEST(PipelineFamilies, T5EncoderAndDecoderStages) {
   for (const bool flan : {false, true}) {
     shardformer::testing::TinyOptions o = flan ? shardformer::testing::TinyFlanT5() : Tiny();
@@ -141,17 +148,17 @@ TEST(PipelineFamilies, T5EncoderAndDecoderStages) {
     const testing::PairSet pairs = testing::WritePairs(flan ? "pp_flan_t5" : "pp_t5", t5->config.vocab_size);
     const TrainOptions run =
         testing::OnExamples(testing::SmallRun(t5->dir, 1, 1, 4), pairs.inputs_path, pairs.targets_path);
-    ExpectStagesTrainAsOneRank(run, what, /*two_d_alone=*/true);
+    ExpectStagesTrainAsOneRank(run, what, /*two_d_alone=*/true, kT5GradRel);
     const std::vector<StepStats> want = Losses(run);
     TrainOptions four = run;
     four.shard.layout.set_pipeline_parallel_size(4);  // stages of 2, 1 | 2, 1 layers
     four.micro_batches = 4;
-    ExpectSameLosses(Losses(four), want, 1e-4, what + " pp=4");
+    ExpectSameLosses(Losses(four), want, 1e-4, what + " pp=4", 0, kT5GradRel);
     TrainOptions uneven = run;
     uneven.shard.layout.set_pipeline_parallel_size(3);
     for (int n : {3, 1, 2}) uneven.shard.layout.add_pipeline_stage_layers(n);
     uneven.micro_batches = 2;
-    ExpectSameLosses(Losses(uneven), want, 1e-4, what + " pp=3 of 3 | 1, 2 layers");
+    ExpectSameLosses(Losses(uneven), want, 1e-4, what + " pp=3 of 3 | 1, 2 layers", 0, kT5GradRel);
     // A held-out evaluation through the stages: the unsharded run's.
     TrainOptions evaluated = run;
     evaluated.eval_split = 0.25;

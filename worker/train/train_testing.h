@@ -3,6 +3,7 @@
 #ifndef COLOD_WORKER_TRAIN_TRAIN_TESTING_H_
 #define COLOD_WORKER_TRAIN_TRAIN_TESTING_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -58,15 +59,21 @@ inline std::vector<StepStats> Losses(const TrainOptions& o) {
 
 // `got` is `want` from its step `from` + 1 on (a resumed run: 0 for a whole
 // one): the same steps and learning rates, the losses within `rel`
-// relative, the gradient norms within 1e-3.
+// relative, the gradient norms within 1e-3 (the first step's, before any
+// update), then within `grad_rel`. A model whose gradient norm is chaotic
+// under Adam passes a larger `grad_rel`: where a gradient is rounding noise,
+// Adam's update is +-lr whatever its size, so a different summation order
+// (another OpenBLAS kernel, another split) moves the norm 10-100x more each
+// step, while the losses stay within `rel`.
 inline void ExpectSameLosses(const std::vector<StepStats>& got, const std::vector<StepStats>& want, double rel,
-                             const std::string& what, size_t from = 0) {
+                             const std::string& what, size_t from = 0, double grad_rel = 1e-3) {
   ASSERT_EQ(got.size() + from, want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i) {
     const StepStats& w = want[i + from];
+    const double g = i + from == 0 ? std::min(grad_rel, 1e-3) : grad_rel;
     EXPECT_EQ(got[i].step, w.step) << what;
     EXPECT_NEAR(got[i].loss, w.loss, rel * w.loss) << what << " step " << w.step;
-    EXPECT_NEAR(got[i].grad_norm, w.grad_norm, 1e-3 * w.grad_norm) << what << " step " << w.step;
+    EXPECT_NEAR(got[i].grad_norm, w.grad_norm, g * w.grad_norm) << what << " step " << w.step;
     EXPECT_DOUBLE_EQ(got[i].lr, w.lr) << what << " step " << w.step;
   }
 }
