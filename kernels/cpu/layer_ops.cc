@@ -473,19 +473,34 @@ absl::Status CrossEntropyBackward(int, const float* dloss, const float* logits, 
   return absl::OkStatus();
 }
 
-absl::Status VocabShardMax(int, const float* z, int64_t rows, int64_t width, int64_t real, float* mx) {
+namespace {
+
+// Row r's first n logits as f32: z itself for f32, else widened into `scratch`.
+const float* LogitsRow(const void* z, ElemType type, int64_t r, int64_t width, int64_t n, std::vector<float>& scratch) {
+  if (type == ElemType::kF32) return static_cast<const float*>(z) + r * width;
+  scratch.resize(n);
+  for (int64_t j = 0; j < n; ++j) scratch[j] = LoadF(z, r * width + j, type);
+  return scratch.data();
+}
+
+}  // namespace
+
+absl::Status VocabShardMax(int, ElemType type, const void* z, int64_t rows, int64_t width, int64_t real, float* mx) {
+  std::vector<float> scratch;
   for (int64_t r = 0; r < rows; ++r) {
+    const float* row = LogitsRow(z, type, r, width, real, scratch);
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < real; ++j) m = std::max(m, z[r * width + j]);
+    for (int64_t j = 0; j < real; ++j) m = std::max(m, row[j]);
     mx[r] = m;
   }
   return absl::OkStatus();
 }
 
-absl::Status VocabShardSums(int, const float* z, const int64_t* labels, const float* mx, int64_t rows, int64_t width,
-                            int64_t real, int64_t start, int64_t ignore_index, float* stats) {
+absl::Status VocabShardSums(int, ElemType type, const void* z, const int64_t* labels, const float* mx, int64_t rows,
+                            int64_t width, int64_t real, int64_t start, int64_t ignore_index, float* stats) {
+  std::vector<float> scratch;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = z + r * width;
+    const float* row = LogitsRow(z, type, r, width, real, scratch);
     double se = 0, sl = 0;
     for (int64_t j = 0; j < real; ++j) {
       se += std::exp(row[j] - mx[r]);
@@ -529,18 +544,23 @@ absl::Status VocabShardLoss(int, const float* mx, const float* stats, const int6
   return absl::OkStatus();
 }
 
-absl::Status VocabShardBackward(int, const float* z, const int64_t* labels, const float* lse, const float* dloss,
-                                int64_t rows, int64_t width, int64_t real, int64_t start, int64_t vocab,
-                                float smoothing, int64_t ignore_index, float* dz) {
+absl::Status VocabShardBackward(int, ElemType type, const void* z, const int64_t* labels, const float* lse,
+                                const float* dloss, int64_t rows, int64_t width, int64_t real, int64_t start,
+                                int64_t vocab, float smoothing, int64_t ignore_index, ElemType dz_type, void* dz) {
   const float smooth = smoothing / static_cast<float>(vocab);
+  std::vector<float> scratch, wide(dz_type == ElemType::kF32 ? 0 : width);
   for (int64_t r = 0; r < rows; ++r) {
-    float* out = dz + r * width;
+    float* out = dz_type == ElemType::kF32 ? static_cast<float*>(dz) + r * width : wide.data();
     std::fill(out, out + width, 0.0f);
-    if (labels[r] == ignore_index) continue;
-    const float* row = z + r * width;
-    for (int64_t j = 0; j < real; ++j) {
-      const float target = smooth + (start + j == labels[r] ? 1.0f - smoothing : 0.0f);
-      out[j] = dloss[r] * (std::exp(row[j] - lse[r]) - target);
+    if (labels[r] != ignore_index) {
+      const float* row = LogitsRow(z, type, r, width, real, scratch);
+      for (int64_t j = 0; j < real; ++j) {
+        const float target = smooth + (start + j == labels[r] ? 1.0f - smoothing : 0.0f);
+        out[j] = dloss[r] * (std::exp(row[j] - lse[r]) - target);
+      }
+    }
+    if (dz_type != ElemType::kF32) {
+      for (int64_t j = 0; j < width; ++j) StoreF(dz, r * width + j, dz_type, out[j]);
     }
   }
   return absl::OkStatus();

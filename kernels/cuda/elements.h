@@ -152,7 +152,7 @@ __device__ __forceinline__ void LoadPack(const T* base, int64_t pack, float (&f)
 }
 
 template <typename T>
-__device__ __forceinline__ void StorePack(T* base, int64_t pack, const float (&f)[kPack<T>]) {
+__device__ __forceinline__ void StorePack(T* base, int64_t pack, const float* f) {  // f: kPack<T> values
   Pack<T> out;
 #pragma unroll
   for (int k = 0; k < kPack<T>; ++k) out.v[k] = FromF32<T>(f[k]);

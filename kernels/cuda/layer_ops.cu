@@ -485,34 +485,64 @@ __global__ void CrossEntropyBackwardKernel(const float* dloss, const float* logi
   }
 }
 
-__global__ void VocabShardMaxKernel(const float* z, int64_t rows, int64_t width, int64_t real, float* mx) {
+// f(j, z[r, j]) for this thread's share of row r's real columns [0, real):
+// packs of kPack<T> (pack p to thread p % blockDim.x) where `packed` (width
+// a multiple of the pack and z 16-byte aligned, so no pack crosses a row or
+// the buffer's end), else element j to thread j % blockDim.x.
+template <typename T, typename F>
+__device__ __forceinline__ void ForRealColumns(const T* z, int64_t r, int64_t width, int64_t real, bool packed,
+                                               F f) {
+  const T* row = z + r * width;
+  if (packed) {
+    constexpr int kN = kPack<T>;
+    for (int64_t p = threadIdx.x; p * kN < real; p += blockDim.x) {
+      float v[kN];
+      LoadPack(row, p, v);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        if (p * kN + k < real) f(p * kN + k, v[k]);
+      }
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < real; j += blockDim.x) f(j, ToF32(row[j]));
+  }
+}
+
+template <typename T>
+bool PackedLogits(const void* z, int64_t width) {
+  return width % kPack<T> == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0;
+}
+
+template <typename T>
+__global__ void VocabShardMaxKernel(const T* z, int64_t rows, int64_t width, int64_t real, bool packed, float* mx) {
   __shared__ float shared[kThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     float m = -INFINITY;
-    for (int64_t j = threadIdx.x; j < real; j += blockDim.x) m = fmaxf(m, z[r * width + j]);
+    ForRealColumns(z, r, width, real, packed, [&](int64_t, float v) { m = fmaxf(m, v); });
     m = BlockMax(m, shared);
     if (threadIdx.x == 0) mx[r] = m;
   }
 }
 
-__global__ void VocabShardSumsKernel(const float* z, const int64_t* labels, const float* mx, int64_t rows,
-                                     int64_t width, int64_t real, int64_t start, int64_t ignore_index,
+template <typename T>
+__global__ void VocabShardSumsKernel(const T* z, const int64_t* labels, const float* mx, int64_t rows,
+                                     int64_t width, int64_t real, int64_t start, int64_t ignore_index, bool packed,
                                      float* stats) {
   __shared__ float shared[kThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const float* row = z + r * width;
     float se = 0, sl = 0;
-    for (int64_t j = threadIdx.x; j < real; j += blockDim.x) {
-      se += expf(row[j] - mx[r]);
-      sl += row[j];
-    }
+    const float m = mx[r];
+    ForRealColumns(z, r, width, real, packed, [&](int64_t, float v) {
+      se += expf(v - m);
+      sl += v;
+    });
     se = BlockSum(se, shared);
     sl = BlockSum(sl, shared);
     if (threadIdx.x == 0) {
       const int64_t label = labels[r], t = label - start;
       stats[r] = se;
       stats[2 * rows + r] = sl;
-      stats[rows + r] = label != ignore_index && label >= start && t < real ? row[t] : 0.0f;
+      stats[rows + r] = label != ignore_index && label >= start && t < real ? ToF32(z[r * width + t]) : 0.0f;
     }
   }
 }
@@ -546,18 +576,36 @@ __global__ void VocabShardLossKernel(const float* mx, const float* stats, const 
   }
 }
 
-__global__ void VocabShardBackwardKernel(const float* z, const int64_t* labels, const float* lse, const float* dloss,
+// A block a row (no 64-bit division per element): dz in TD, f32 or z's T.
+template <typename T, typename TD>
+__global__ void VocabShardBackwardKernel(const T* z, const int64_t* labels, const float* lse, const float* dloss,
                                          int64_t rows, int64_t width, int64_t real, int64_t start, int64_t vocab,
-                                         float smoothing, int64_t ignore_index, float* dz) {
+                                         float smoothing, int64_t ignore_index, bool packed, TD* dz) {
   const float smooth = smoothing / static_cast<float>(vocab);
-  GRID_STRIDE(i, rows * width) {
-    const int64_t r = i / width, j = i % width;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t label = labels[r];
-    if (label == ignore_index || j >= real) {
-      dz[i] = 0.0f;
-    } else {
+    const bool ignored = label == ignore_index;
+    const float l = lse[r], d = dloss[r];
+    TD* out = dz + r * width;
+    auto grad = [&](int64_t j, float v) {
+      if (ignored || j >= real) return 0.0f;
       const float target = smooth + (start + j == label ? 1.0f - smoothing : 0.0f);
-      dz[i] = dloss[r] * (expf(z[i] - lse[r]) - target);
+      return d * (expf(v - l) - target);
+    };
+    if (packed) {  // whole packs of the row, padding columns included (they get 0)
+      constexpr int kN = kPack<T>;
+      for (int64_t p = threadIdx.x; p * kN < width; p += blockDim.x) {
+        float v[kN];
+        LoadPack(z + r * width, p, v);
+        float g[kN];
+#pragma unroll
+        for (int k = 0; k < kN; ++k) g[k] = grad(p * kN + k, v[k]);
+        constexpr int kOut = kPack<TD>;  // kN or kN / 2 (TD f32, T 16-bit): one or two 16-byte stores
+#pragma unroll
+        for (int q = 0; q < kN / kOut; ++q) StorePack(out + p * kN, q, g + q * kOut);
+      }
+    } else {
+      for (int64_t j = threadIdx.x; j < width; j += blockDim.x) out[j] = FromF32<TD>(grad(j, ToF32(z[r * width + j])));
     }
   }
 }
@@ -1827,20 +1875,29 @@ absl::Status CrossEntropyBackward(int device, const float* dloss, const float* l
   return Finish("CrossEntropyBackwardKernel");
 }
 
-absl::Status VocabShardMax(int device, const float* z, int64_t rows, int64_t width, int64_t real, float* mx) {
+absl::Status VocabShardMax(int device, ElemType type, const void* z, int64_t rows, int64_t width, int64_t real,
+                           float* mx) {
   if (rows == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
-  Launch(VocabShardMaxKernel, RowBlocks(rows), kThreads, stream, z, rows, width, real, mx);
-  return Finish("VocabShardMaxKernel");
+  return ByFloatType(type, "VocabShardMax", [&](auto t) {
+    using T = decltype(t);
+    Launch(VocabShardMaxKernel<T>, RowBlocks(rows), kThreads, stream, static_cast<const T*>(z), rows, width, real,
+           PackedLogits<T>(z, width), mx);
+    return Finish("VocabShardMaxKernel");
+  });
 }
 
-absl::Status VocabShardSums(int device, const float* z, const int64_t* labels, const float* mx, int64_t rows,
-                            int64_t width, int64_t real, int64_t start, int64_t ignore_index, float* stats) {
+absl::Status VocabShardSums(int device, ElemType type, const void* z, const int64_t* labels, const float* mx,
+                            int64_t rows, int64_t width, int64_t real, int64_t start, int64_t ignore_index,
+                            float* stats) {
   if (rows == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
-  Launch(VocabShardSumsKernel, RowBlocks(rows), kThreads, stream, z, labels, mx, rows, width, real, start,
-         ignore_index, stats);
-  return Finish("VocabShardSumsKernel");
+  return ByFloatType(type, "VocabShardSums", [&](auto t) {
+    using T = decltype(t);
+    Launch(VocabShardSumsKernel<T>, RowBlocks(rows), kThreads, stream, static_cast<const T*>(z), labels, mx, rows,
+           width, real, start, ignore_index, PackedLogits<T>(z, width), stats);
+    return Finish("VocabShardSumsKernel");
+  });
 }
 
 absl::Status VocabShardCombine(int device, const float* gathered, int64_t shards, int64_t rows, float* mx,
@@ -1860,14 +1917,26 @@ absl::Status VocabShardLoss(int device, const float* mx, const float* stats, con
   return Finish("VocabShardLossKernel");
 }
 
-absl::Status VocabShardBackward(int device, const float* z, const int64_t* labels, const float* lse,
+absl::Status VocabShardBackward(int device, ElemType type, const void* z, const int64_t* labels, const float* lse,
                                 const float* dloss, int64_t rows, int64_t width, int64_t real, int64_t start,
-                                int64_t vocab, float smoothing, int64_t ignore_index, float* dz) {
+                                int64_t vocab, float smoothing, int64_t ignore_index, ElemType dz_type, void* dz) {
+  if (dz_type != ElemType::kF32 && dz_type != type) {
+    return absl::InvalidArgumentError("VocabShardBackward: dz must be f32 or the logits' type");
+  }
   if (rows * width == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
-  Launch(VocabShardBackwardKernel, Blocks(rows * width), kThreads, stream, z, labels, lse, dloss, rows, width, real,
-         start, vocab, smoothing, ignore_index, dz);
-  return Finish("VocabShardBackwardKernel");
+  return ByFloatType(type, "VocabShardBackward", [&](auto t) {
+    using T = decltype(t);
+    const bool packed = PackedLogits<T>(z, width) && reinterpret_cast<uintptr_t>(dz) % 16 == 0;
+    if (dz_type == ElemType::kF32) {
+      Launch(VocabShardBackwardKernel<T, float>, RowBlocks(rows), kThreads, stream, static_cast<const T*>(z), labels,
+             lse, dloss, rows, width, real, start, vocab, smoothing, ignore_index, packed, static_cast<float*>(dz));
+    } else {
+      Launch(VocabShardBackwardKernel<T, T>, RowBlocks(rows), kThreads, stream, static_cast<const T*>(z), labels, lse,
+             dloss, rows, width, real, start, vocab, smoothing, ignore_index, packed, static_cast<T*>(dz));
+    }
+    return Finish("VocabShardBackwardKernel");
+  });
 }
 
 absl::Status Rope(int device, const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d, float theta,

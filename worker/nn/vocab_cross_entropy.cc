@@ -146,7 +146,7 @@ absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden,
                      ops::VocabShardCrossEntropy(z, c.labels, real, start, vocab_size, label_smoothing, ignore_index,
                                                  p, TpAllGather(comm, timeout)));
     losses.push_back(std::move(f.loss));
-    lses.push_back(std::move(f.lse));  // f.z, the chunk's f32 logits, goes here
+    lses.push_back(std::move(f.lse));  // f.z, the chunk's logits, goes here
   }
   Tensor loss;
   if (losses.empty()) {
@@ -167,7 +167,7 @@ absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden,
           const int64_t r0 = static_cast<int64_t>(i) * chunk_rows, n = c.h.shape()[0];
           ops::VocabShardForward f;
           ASSIGN_OR_RETURN(Tensor z, ops::MatMul(c.h, w, false, true));  // recomputed
-          ASSIGN_OR_RETURN(f.z, z.ContiguousAs(DType::kF32));
+          f.z = std::move(z);  // in the head's dtype: the kernels read it as it is
           f.lse = (*saved)[i];
           ASSIGN_OR_RETURN(Tensor dl, dloss.Narrow(0, r0, n));
           ASSIGN_OR_RETURN(Tensor dz, ops::VocabShardCrossEntropyBackward(dl.Contiguous(), f, c.labels, real, start,

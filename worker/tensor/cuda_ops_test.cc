@@ -529,6 +529,41 @@ TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
       }
     }
   }
+  // bf16 logits, read as they are (no f32 copy): in 16-byte packs where the
+  // width is a multiple of 8 (48; the 37 real columns end inside a pack), else
+  // element by element (45); the gradient in bf16 (one rounding of the f32
+  // value) or in f32. The plain cross-entropy of the same values widened is
+  // the reference.
+  const Tensor labels37 = *Tensor::FromInt64s({6}, {0, 36, -100, 7, 7, 20});
+  for (int64_t width : {48, 45}) {
+    const Tensor zb = *(*padded.Narrow(1, 0, width)).ToDType(DType::kBF16);
+    const Tensor wide = (*(*zb.ToDType(DType::kF32)).Narrow(1, 0, 37)).Contiguous();
+    const Tensor want = *CrossEntropy(wide, labels37, 0.1f);
+    const std::vector<float> dwant = CrossEntropyBackward(dloss, wide, labels37, 0.1f)->ToFloats();
+    for (bool gpu : {false, true}) {
+      const std::string what = std::string(gpu ? "cuda" : "cpu") + " bf16 vocab shard, width " + std::to_string(width);
+      const Tensor lab = gpu ? Dev(labels37) : labels37;
+      auto fwd = VocabShardCrossEntropy(gpu ? Dev(zb) : zb, lab, 37, 0, 37, 0.1f, -100, 1, identity);
+      ASSERT_TRUE(fwd.ok()) << fwd.status();
+      EXPECT_EQ(fwd->z.dtype(), DType::kBF16) << what;
+      const std::vector<float> got = fwd->loss.ToFloats(), w = want.ToFloats();
+      for (size_t i = 0; i < w.size(); ++i) EXPECT_NEAR(got[i], w[i], 1e-5 * (1 + std::fabs(w[i]))) << what;
+      for (DType dt : {DType::kBF16, DType::kF32}) {
+        auto dz = VocabShardCrossEntropyBackward(gpu ? Dev(dloss) : dloss, *fwd, lab, 37, 0, 37, 0.1f, -100, dt);
+        ASSERT_TRUE(dz.ok()) << dz.status();
+        ASSERT_EQ(dz->dtype(), dt) << what;
+        const double rel = dt == DType::kBF16 ? 1.0 / 256 : 1e-5;
+        const std::vector<float> g = dz->ToFloats();
+        for (int64_t r = 0; r < 6; ++r) {
+          for (int64_t j = 0; j < width; ++j) {
+            const float want_g = j < 37 ? dwant[r * 37 + j] : 0.0f;
+            ASSERT_NEAR(g[r * width + j], want_g, rel * std::fabs(want_g) + 1e-6)
+                << what << " " << DTypeName(dt) << " at " << r << "," << j;
+          }
+        }
+      }
+    }
+  }
   const auto bad = VocabShardCrossEntropy(padded, labels, 49, 0, 40, 0.0f, -100, 1, identity);  // past the shard
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   const Tensor q = R({2, 7, 3, 8}, 18);

@@ -89,16 +89,19 @@ struct DeviceKernels {
                                int64_t v, float smoothing, int64_t ignore_index);
   absl::Status (*CrossEntropyBackward)(int device, const float* dloss, const float* logits, const int64_t* labels,
                                        float* dlogits, int64_t n, int64_t v, float smoothing, int64_t ignore_index);
-  absl::Status (*VocabShardMax)(int device, const float* z, int64_t rows, int64_t width, int64_t real, float* mx);
-  absl::Status (*VocabShardSums)(int device, const float* z, const int64_t* labels, const float* mx, int64_t rows,
-                                 int64_t width, int64_t real, int64_t start, int64_t ignore_index, float* stats);
+  absl::Status (*VocabShardMax)(int device, ElemType type, const void* z, int64_t rows, int64_t width, int64_t real,
+                                float* mx);
+  absl::Status (*VocabShardSums)(int device, ElemType type, const void* z, const int64_t* labels, const float* mx,
+                                 int64_t rows, int64_t width, int64_t real, int64_t start, int64_t ignore_index,
+                                 float* stats);
   absl::Status (*VocabShardCombine)(int device, const float* gathered, int64_t shards, int64_t rows, float* mx,
                                     float* stats);
   absl::Status (*VocabShardLoss)(int device, const float* mx, const float* stats, const int64_t* labels, int64_t rows,
                                  int64_t vocab, float smoothing, int64_t ignore_index, float* lse, float* loss);
-  absl::Status (*VocabShardBackward)(int device, const float* z, const int64_t* labels, const float* lse,
+  absl::Status (*VocabShardBackward)(int device, ElemType type, const void* z, const int64_t* labels, const float* lse,
                                      const float* dloss, int64_t rows, int64_t width, int64_t real, int64_t start,
-                                     int64_t vocab, float smoothing, int64_t ignore_index, float* dz);
+                                     int64_t vocab, float smoothing, int64_t ignore_index, ElemType dz_type,
+                                     void* dz);
   absl::Status (*Rope)(int device, const float* x, float* y, int64_t b, int64_t s, int64_t heads, int64_t d,
                        float theta, int64_t position_offset, float sign);
   absl::Status (*FlashAttention)(int device, ElemType type, const void* q, const void* k, const void* v, void* out,

@@ -732,15 +732,16 @@ absl::StatusOr<VocabShardForward> VocabShardCrossEntropy(
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
   const int64_t rows = z.shape()[0], width = z.shape()[1];
   VocabShardForward out;
-  ASSIGN_OR_RETURN(out.z, AsF32(z, op));
+  ASSIGN_OR_RETURN(const DType type, KernelType(z, op));
+  ASSIGN_OR_RETURN(out.z, AsFloat(z, type, op));  // the logits as they are (contiguous), no f32 copy
   const Tensor lab = labels.Contiguous();
   // This shard's (max, sums against it), then every shard's in one
   // all-gather: one collective where a max then a sum would take two.
   ASSIGN_OR_RETURN(Tensor mine, Tensor::Empty({4, rows}, DType::kF32, dev));
   float* const own_max = F(mine);
-  RETURN_IF_ERROR(k->VocabShardMax(dev.index, F(out.z), rows, width, real, own_max));
-  RETURN_IF_ERROR(k->VocabShardSums(dev.index, F(out.z), lab.data<int64_t>(), own_max, rows, width, real, start,
-                                    ignore_index, own_max + rows));
+  RETURN_IF_ERROR(k->VocabShardMax(dev.index, Elem(type), out.z.raw_data(), rows, width, real, own_max));
+  RETURN_IF_ERROR(k->VocabShardSums(dev.index, Elem(type), out.z.raw_data(), lab.data<int64_t>(), own_max, rows,
+                                    width, real, start, ignore_index, own_max + rows));
   ASSIGN_OR_RETURN(Tensor gathered, Tensor::Empty({shards, 4, rows}, DType::kF32, dev));
   RETURN_IF_ERROR(all_gather(mine, gathered));
   ASSIGN_OR_RETURN(Tensor mx, Tensor::Empty({rows}, DType::kF32, dev));
@@ -768,10 +769,19 @@ absl::StatusOr<Tensor> VocabShardCrossEntropyBackward(const Tensor& dloss, const
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, dev, {&dloss, &forward.lse}));
   ASSIGN_OR_RETURN(Tensor dl, AsF32(dloss, op));
   const Tensor lab = labels.Contiguous();
-  ASSIGN_OR_RETURN(Tensor dz, Tensor::Empty({rows, width}, DType::kF32, dev));
-  RETURN_IF_ERROR(k->VocabShardBackward(dev.index, F(forward.z), lab.data<int64_t>(), F(forward.lse), F(dl), rows,
-                                        width, real, start, vocab, label_smoothing, ignore_index, F(dz)));
-  if (dtype == DType::kF32) return dz;
+  // dz in the logits' type where that is what is asked for, else in f32
+  // and converted: each value rounded once either way.
+  const DType z_type = forward.z.dtype();
+  if (!IsFloat(z_type) || !forward.z.is_contiguous()) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": the saved logits must be contiguous floats, got ",
+                                                   DTypeName(z_type)));
+  }
+  const DType dz_type = dtype == z_type ? z_type : DType::kF32;
+  ASSIGN_OR_RETURN(Tensor dz, Tensor::Empty({rows, width}, dz_type, dev));
+  RETURN_IF_ERROR(k->VocabShardBackward(dev.index, Elem(z_type), forward.z.raw_data(), lab.data<int64_t>(),
+                                        F(forward.lse), F(dl), rows, width, real, start, vocab, label_smoothing,
+                                        ignore_index, Elem(dz_type), dz.raw_data()));
+  if (dtype == dz_type) return dz;
   return dz.ToDType(dtype);
 }
 

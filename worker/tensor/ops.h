@@ -185,7 +185,7 @@ absl::StatusOr<Tensor> CrossEntropyBackward(const Tensor& dloss, const Tensor& l
 struct VocabShardForward {
   Tensor loss;  // [rows] f32, 0 where ignored
   Tensor lse;   // [rows] f32: the log-sum-exp over the whole vocabulary
-  Tensor z;     // [rows, width] f32: the logits the backward needs
+  Tensor z;     // [rows, width]: the logits the backward needs, in their float type
 };
 absl::StatusOr<VocabShardForward> VocabShardCrossEntropy(
     const Tensor& z, const Tensor& labels, int64_t real, int64_t start, int64_t vocab, float label_smoothing,
