@@ -227,7 +227,7 @@ absl::StatusOr<LmLoss> ShardedModel::ForwardTokenLoss(const std::function<absl::
                                                       const Tensor& labels, int64_t denominator) {
   Module* head = root_->Find("lm_head");
   std::optional<ColoTensor> weight;
-  if (fused_head_rows_ > 0 && head != nullptr && head->decl().has_value() && head->layer() != nullptr) {
+  if (fused_head_rows_ != 0 && head != nullptr && head->decl().has_value() && head->layer() != nullptr) {
     absl::StatusOr<ColoTensor> w = head->layer()->HeadWeight();
     if (w.ok()) weight = *std::move(w);
   }
@@ -264,8 +264,13 @@ absl::StatusOr<LmLoss> ShardedModel::ForwardTokenLoss(const std::function<absl::
   int64_t count = 0;
   for (int64_t l : mine.ToInt64s()) count += l != -100;
   ASSIGN_OR_RETURN(Variable flat, nn::Reshape(hidden.variable(), {rows, hs[2]}));
+  int64_t chunk_rows = fused_head_rows_;
+  if (chunk_rows < 0) {  // kFusedHeadByBytes: the rows whose logits fit the budget
+    const int64_t row_bytes = weight->local().shape()[0] * static_cast<int64_t>(SizeOf(weight->local().dtype()));
+    chunk_rows = std::max<int64_t>(1, kFusedHeadChunkBytes / std::max<int64_t>(row_bytes, 1));
+  }
   ASSIGN_OR_RETURN(Variable per_row, nn::VocabParallelLinearCrossEntropy(flat, *weight, mine, config_.vocab_size,
-                                                                         fused_head_rows_));
+                                                                         chunk_rows));
   ASSIGN_OR_RETURN(LmLoss out_loss, MeanOfRows(per_row, count, {}, denominator));
   out_loss.fused_head = true;
   return out_loss;

@@ -201,11 +201,12 @@ class ShardedModel {
   // and TokenLoss of its logits against `labels`, with the LM head fused
   // into the loss where the model allows: the model ends in a leaf
   // "lm_head" whose layer has a HeadWeight (native, VocabParallelLMHead1D or
-  // a tied 1D head, without sequence parallelism) and fused_head_rows() > 0.
+  // a tied 1D head, without sequence parallelism) and fused_head_rows() != 0.
   // Then `forward` runs with the head passed through (Module::
   // set_pass_through) and nn::VocabParallelLinearCrossEntropy computes the
-  // logits, the loss and, in backward, their gradient fused_head_rows() rows
-  // at a time, so neither the logits nor their gradient are ever whole.
+  // logits, the loss and, in backward, their gradient a chunk of rows at a
+  // time (fused_head_rows()), so neither the logits nor their gradient need
+  // be whole.
   // Otherwise (2D/2.5D/3D heads, sequence parallelism, a model without an
   // lm_head) the head runs as part of `forward` and TokenLoss takes its
   // logits. The same loss and gradients either way, within f32 rounding;
@@ -213,7 +214,15 @@ class ShardedModel {
   // its head's.
   absl::StatusOr<LmLoss> ForwardTokenLoss(const std::function<absl::StatusOr<ColoTensor>()>& forward,
                                           const Tensor& labels, int64_t denominator = 0);
-  // Rows of the fused LM head's chunks; 0 runs the head unfused.
+  // Rows of the fused LM head's chunks; 0 runs the head unfused;
+  // kFusedHeadByBytes (the default) as many rows as keep a chunk's logits
+  // (and so their gradient) within kFusedHeadChunkBytes: GPT-2 124M's 8192
+  // rows of 50304 bf16 logits go in two chunks, LLaMA's 32000-word
+  // vocabulary's in one, a 256k vocabulary's 1024 rows at a time. Each chunk
+  // costs a head GEMM again in backward and its share of the weight's
+  // gradient an f32 accumulation, so fewer and larger chunks are faster.
+  static constexpr int64_t kFusedHeadByBytes = -1;
+  static constexpr int64_t kFusedHeadChunkBytes = int64_t{512} << 20;
   int64_t fused_head_rows() const { return fused_head_rows_; }
   void set_fused_head_rows(int64_t rows) { fused_head_rows_ = rows; }
   // Next-token labels of ids [B, S]: position s is labelled ids[s + 1], the
@@ -258,7 +267,7 @@ class ShardedModel {
   std::vector<TiedTable> tied_;
   const TiedTable* FindTied(const std::string& path) const;
   // 1024 rows of GPT-2's 50257-word head: 206 MB of f32 logits a chunk.
-  int64_t fused_head_rows_ = 1024;
+  int64_t fused_head_rows_ = kFusedHeadByBytes;
 };
 
 class ShardFormer {
