@@ -69,11 +69,15 @@ struct AdamWTensor {
 
 // torch.optim.AdamW's hyperparameters for one step; bias_correction1/2 are
 // 1 - beta^step. grad_scale multiplies every gradient as it is read (the
-// global-norm clipping factor; 1 for none).
+// global-norm clipping factor; 1 for none); where grad_scale_at is set, the
+// f32 it points to (in the tensors' memory: on CUDA a device pointer, the
+// factor GradNormClip computed there) does instead, so the host need not
+// read the norm before it enqueues the update.
 struct AdamWHyper {
   float lr = 0, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0;
   float bias_correction1 = 1, bias_correction2 = 1;
   float grad_scale = 1;
+  const float* grad_scale_at = nullptr;
 };
 
 // The most tensors one launch of a multi-tensor kernel carries (they travel

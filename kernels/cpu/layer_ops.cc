@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/activation.h"
+#include "kernels/clip.h"
 #include "kernels/gelu.h"
 #include "kernels/half.h"
 #include "kernels/philox.h"
@@ -547,6 +548,9 @@ absl::Status VocabShardLoss(int, const float* mx, const float* stats, const int6
 absl::Status VocabShardBackward(int, ElemType type, const void* z, const int64_t* labels, const float* lse,
                                 const float* dloss, int64_t rows, int64_t width, int64_t real, int64_t start,
                                 int64_t vocab, float smoothing, int64_t ignore_index, ElemType dz_type, void* dz) {
+  if (dz_type != ElemType::kF32 && dz_type != type) {  // as the CUDA twin
+    return absl::InvalidArgumentError("VocabShardBackward: dz must be f32 or the logits' type");
+  }
   const float smooth = smoothing / static_cast<float>(vocab);
   std::vector<float> scratch, wide(dz_type == ElemType::kF32 ? 0 : width);
   for (int64_t r = 0; r < rows; ++r) {
@@ -995,7 +999,9 @@ COLOD_AVX2_OR_GENERIC(void, AdamWF32,
 
 }  // namespace
 
-absl::Status AdamW(int, const std::vector<AdamWTensor>& tensors, const AdamWHyper& h) {
+absl::Status AdamW(int, const std::vector<AdamWTensor>& tensors, const AdamWHyper& hyper) {
+  AdamWHyper h = hyper;
+  if (h.grad_scale_at != nullptr) h.grad_scale = *h.grad_scale_at;  // host memory here
   for (const AdamWTensor& t : tensors) {
     if (t.grad_type == ElemType::kF32 && t.param == nullptr) {
       AdamWF32(t.master, t.m, t.v, static_cast<const float*>(t.grad), t.n, h);
@@ -1013,6 +1019,15 @@ absl::Status AdamW(int, const std::vector<AdamWTensor>& tensors, const AdamWHype
       if (t.param != nullptr) StoreF(t.param, i, t.param_type, p[i]);
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status GradNormClip(int, const float* squares, int64_t n, double max_norm, float* out) {
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += squares[i];
+  const double norm = std::sqrt(sum);
+  out[0] = static_cast<float>(norm);
+  out[1] = static_cast<float>(ClipFactor(norm, max_norm));
   return absl::OkStatus();
 }
 

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <string>
@@ -13,6 +14,7 @@
 #include "kernels/cuda/elements.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/activation.h"
+#include "kernels/clip.h"
 #include "kernels/cuda/tensor_ops.h"
 #include "kernels/cuda/warp.h"
 #include "kernels/gelu.h"
@@ -76,23 +78,63 @@ struct GeluBackwardOp {  // x: the input, d: dy
 
 // Column reductions (bias and norm-parameter gradients) over [rows, n], in
 // two levels over a grid that fills the GPU: block (x, y) owns kColumns
-// adjacent columns (x) of a chunk of the rows (y), and its kThreads /
-// kColumns row lanes split the chunk (lane l sums its rows l, l + lanes, ...;
-// a warp reads 32 adjacent columns of one row, coalesced); the lanes'
-// partial sums are added in lane order (SumOverLanes). With more than one
-// chunk each block writes its sums to scratch, and the last block of a
-// column group to finish (a counter) adds the chunks' in chunk order
-// (CombineChunks). Sums run in double in an order fixed by the shape alone:
-// deterministic, whichever block finishes last. GPT-2 124M's [8192, 768]
-// bias gradient was 24 blocks of 8192 rows; now 24 x 43 of 191.
+// adjacent column groups (x) of a chunk of the rows (y), and its kThreads /
+// kColumns row lanes split the chunk (lane l sums its rows l, l + lanes, ...);
+// the lanes' partial sums are added in lane order (SumOverLanes). A column
+// group is kP adjacent columns: one (a warp reads 32 adjacent elements of a
+// row, 64 bytes of bf16), or where n and the operands allow (Packable) a
+// 16-byte pack, kPack<T> columns a thread (a warp reads 512 bytes of a row
+// in one instruction). With more than one chunk each block writes its sums
+// to scratch, and the last block of a column block to finish (a counter)
+// adds the chunks' in chunk order (CombineChunks). Sums run in double in an
+// order fixed by the shape alone (each column's: its chunks in order, each
+// the lanes' in order of their rows in order): deterministic, whichever
+// block finishes last. GPT-2 124M's [8192, 768] bias gradient was 24 blocks
+// of 8192 rows; then 24 x 43 of 191; packed, 3 x 128 of 64.
 constexpr int kColumns = 32;
 constexpr int kRowLanes = kThreads / kColumns;
 constexpr int64_t kColumnTargetBlocks = 1024;  // a few waves of an H100's 132 SMs
 constexpr int64_t kColumnMinChunkRows = 128;   // 16 rows a lane at least
+constexpr int64_t kPackedMinChunkRows = 64;    // 8 packs a lane at least
 
-unsigned ColumnBlocks(int64_t n) {
-  const int64_t b = (n + kColumns - 1) / kColumns;
+unsigned ColumnBlocks(int64_t groups) {
+  const int64_t b = (groups + kColumns - 1) / kColumns;
   return static_cast<unsigned>(b < 1 ? 1 : b);
+}
+
+// Whether a row kernel (a column reduction, a norm) over rows of n elements
+// of T runs in 16-byte packs: n a multiple of kPack<T> and every operand
+// (null ones aside) 16-byte aligned.
+template <typename T>
+bool Packable(int64_t n, std::initializer_list<const void*> operands) {
+  if (n <= 0 || n % kPack<T> != 0) return false;
+  for (const void* p : operands) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// kP elements of T at base[i], i the first of kP adjacent columns: one
+// 16-byte load where kP is the pack (i then a multiple of it).
+template <typename T, int kP>
+__device__ __forceinline__ void LoadColumns(const T* base, int64_t i, float (&f)[kP]) {
+  static_assert(kP == 1 || kP == kPack<T>, "a column group is one element or one pack");
+  if constexpr (kP == 1) {
+    f[0] = ToF32(base[i]);
+  } else {
+    const Pack<T> in = *reinterpret_cast<const Pack<T>*>(base + i);
+#pragma unroll
+    for (int k = 0; k < kP; ++k) f[k] = ToF32(in.v[k]);
+  }
+}
+
+template <typename T, int kP>
+__device__ __forceinline__ void StoreColumns(T* base, int64_t i, const float (&f)[kP]) {
+  if constexpr (kP == 1) {
+    base[i] = FromF32<T>(f[0]);
+  } else {
+    StorePack(base + i, 0, f);
+  }
 }
 
 // A two-level reduction's scratch (none with one chunk): `values` doubles per
@@ -108,6 +150,12 @@ __device__ __forceinline__ void ChunkRows(int64_t rows, int64_t chunk_rows, int6
   r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
 }
 
+// This thread's first column: its group's.
+template <int kP>
+__device__ __forceinline__ int64_t GroupColumn() {
+  return (blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns) * kP;
+}
+
 // Adds the lanes' partials of this thread's column: lane 0 returns the total.
 __device__ double SumOverLanes(double v, double* shared) {
   const int col = threadIdx.x % kColumns, lane = threadIdx.x / kColumns;
@@ -121,21 +169,35 @@ __device__ double SumOverLanes(double v, double* shared) {
   return total;
 }
 
-// The second level: v holds kV sums of this thread's column over the
-// block's chunk (lane 0's, from SumOverLanes). With one chunk they are the
-// totals: true. Otherwise they go to the scratch, and the block of the
-// column group that finishes last adds every chunk's in chunk order (the
-// lanes split the chunks as they split rows) and returns true with the
-// totals in v (lane 0's); the others return false. Every thread of the block
-// calls it (it holds barriers).
-template <int kV>
-__device__ bool CombineChunks(double (&v)[kV], double* shared, const ColumnScratch& scratch, int64_t j, int64_t n) {
+// SumOverLanes of each of this thread's kV x kP sums.
+template <int kV, int kP>
+__device__ void SumGroupOverLanes(double (&v)[kV][kP], double* shared) {
+#pragma unroll
+  for (int k = 0; k < kV; ++k) {
+#pragma unroll
+    for (int e = 0; e < kP; ++e) v[k][e] = SumOverLanes(v[k][e], shared);
+  }
+}
+
+// The second level: v holds kV sums of each of this thread's kP columns (j
+// the first) over the block's chunk (lane 0's, from SumGroupOverLanes). With
+// one chunk they are the totals: true. Otherwise they go to the scratch, and
+// the block of the column block that finishes last adds every chunk's in
+// chunk order (the lanes split the chunks as they split rows) and returns
+// true with the totals in v (lane 0's); the others return false. Every
+// thread of the block calls it (it holds barriers).
+template <int kV, int kP>
+__device__ bool CombineChunks(double (&v)[kV][kP], double* shared, const ColumnScratch& scratch, int64_t j,
+                              int64_t n) {
   if (gridDim.y == 1) return true;
   const int lane = threadIdx.x / kColumns;
   const int64_t chunks = gridDim.y;
   if (lane == 0 && j < n) {
 #pragma unroll
-    for (int k = 0; k < kV; ++k) scratch.partials[(k * chunks + blockIdx.y) * n + j] = v[k];
+    for (int k = 0; k < kV; ++k) {
+#pragma unroll
+      for (int e = 0; e < kP; ++e) scratch.partials[(k * chunks + blockIdx.y) * n + j + e] = v[k][e];
+    }
   }
   __threadfence();  // the partials before the count, for the block that reads them
   __syncthreads();
@@ -148,29 +210,40 @@ __device__ bool CombineChunks(double (&v)[kV], double* shared, const ColumnScrat
   const volatile double* partials = scratch.partials;  // written by other blocks: not from a stale cache
 #pragma unroll
   for (int k = 0; k < kV; ++k) {
-    double t = 0;
-    if (j < n) {
-      for (int64_t c = lane; c < chunks; c += kRowLanes) t += partials[(k * chunks + c) * n + j];
+#pragma unroll
+    for (int e = 0; e < kP; ++e) {
+      double t = 0;
+      if (j < n) {
+        for (int64_t c = lane; c < chunks; c += kRowLanes) t += partials[(k * chunks + c) * n + j + e];
+      }
+      v[k][e] = SumOverLanes(t, shared);
     }
-    v[k] = SumOverLanes(t, shared);
   }
   return true;
 }
 
-template <typename T>
+template <typename T, int kP>
 __global__ void ColumnSumKernel(In<T> dy, Out<T> db, int64_t rows, int64_t n, int64_t chunk_rows,
                                 ColumnScratch scratch) {
   __shared__ double shared[kThreads];
-  const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
+  const int64_t j = GroupColumn<kP>();
   int64_t r0, r1;
   ChunkRows(rows, chunk_rows, r0, r1);
-  double s[1] = {0};
+  double s[1][kP] = {};
   if (j < n) {
-    for (int64_t r = r0 + threadIdx.x / kColumns; r < r1; r += kRowLanes) s[0] += dy[r * n + j];
+    for (int64_t r = r0 + threadIdx.x / kColumns; r < r1; r += kRowLanes) {
+      float v[kP];
+      LoadColumns<T, kP>(dy.p, r * n + j, v);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) s[0][e] += v[e];
+    }
   }
-  s[0] = SumOverLanes(s[0], shared);
+  SumGroupOverLanes(s, shared);
   if (!CombineChunks(s, shared, scratch, j, n)) return;
-  if (j < n && threadIdx.x < kColumns) db[j] = static_cast<float>(s[0]);
+  if (j < n && threadIdx.x < kColumns) {
+#pragma unroll
+    for (int e = 0; e < kP; ++e) db[j + e] = static_cast<float>(s[0][e]);
+  }
 }
 
 // y = GELU(x + b) over [total / n, n]; b null: GELU(x).
@@ -187,26 +260,35 @@ __global__ void GeluBackwardKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, int64_
 
 // The backward with the bias gradient: dx as above and db = its column sums,
 // in ColumnSumKernel's layout (the f32 values are summed, in double).
-template <typename T>
+template <typename T, int kP>
 __global__ void GeluBackwardBiasKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, Out<T> db, int64_t rows, int64_t n,
                                        bool tanh_approx, int64_t chunk_rows, ColumnScratch scratch) {
   __shared__ double shared[kThreads];
-  const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
+  const int64_t j = GroupColumn<kP>();
   int64_t r0, r1;
   ChunkRows(rows, chunk_rows, r0, r1);
-  double s[1] = {0};
+  double s[1][kP] = {};
   if (j < n) {
-    const float bj = b ? b[j] : 0.0f;
+    float bj[kP] = {};
+    if (b) LoadColumns<T, kP>(b.p, j, bj);
     for (int64_t r = r0 + threadIdx.x / kColumns; r < r1; r += kRowLanes) {
       const int64_t i = r * n + j;
-      const float g = dy[i] * GeluSlopeAt(x[i] + bj, tanh_approx);
-      dx[i] = g;
-      s[0] += g;
+      float dyv[kP], xv[kP], g[kP];
+      LoadColumns<T, kP>(dy.p, i, dyv);
+      LoadColumns<T, kP>(x.p, i, xv);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) g[e] = dyv[e] * GeluSlopeAt(xv[e] + bj[e], tanh_approx);
+      StoreColumns<T, kP>(dx.p, i, g);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) s[0][e] += g[e];
     }
   }
-  s[0] = SumOverLanes(s[0], shared);
+  SumGroupOverLanes(s, shared);
   if (!CombineChunks(s, shared, scratch, j, n)) return;
-  if (j < n && threadIdx.x < kColumns) db[j] = static_cast<float>(s[0]);
+  if (j < n && threadIdx.x < kColumns) {
+#pragma unroll
+    for (int e = 0; e < kP; ++e) db[j + e] = static_cast<float>(s[0][e]);
+  }
 }
 
 template <typename T>
@@ -277,29 +359,216 @@ __global__ void LayerNormBackwardKernel(In<T> dy, In<T> x, In<T> g, const float*
   }
 }
 
+// ---- The norms a warp a row ----
+// Where n is a multiple of kPack<T> and every operand 16-byte aligned
+// (Packable's test), each warp of a block normalizes a row of its own in
+// 16-byte packs (lane l the packs l, l + 32, ...), its sums a butterfly of
+// shuffles: no barrier and no shared memory, kWarpRows rows a block. (A block
+// a row spent most of its time in its two block-wide sums at GPT-2's 768.)
+// The block kernels' arithmetic element by element; the sums in another
+// fixed order, so the rows repeat bitwise. The later passes read the row
+// again (from L1: the warp has just read it), as the block kernels do.
+constexpr int kWarpRows = kThreads / 32;
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+unsigned WarpRowBlocks(int64_t rows) { return RowBlocks((rows + kWarpRows - 1) / kWarpRows); }
+
+// The packed FirstPass: row r of x, or of x + residual rounded to T and
+// written to `sum`; f(values) sees each pack of the row as the later passes
+// will read it; returns the row to read (each lane reads back the packs it
+// wrote: no barrier).
+template <typename T, typename F>
+__device__ __forceinline__ const T* PackedFirstPass(const T* x, const T* residual, T* sum, int64_t r, int64_t n,
+                                                    F f) {
+  constexpr int kP = kPack<T>;
+  const int64_t packs = n / kP;
+  const T* xr = x + r * n;
+  for (int64_t p = threadIdx.x % 32; p < packs; p += 32) {
+    float v[kP];
+    LoadPack(xr, p, v);
+    if (residual != nullptr) {
+      float rv[kP];
+      LoadPack(residual + r * n, p, rv);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) v[e] = ToF32(FromF32<T>(v[e] + rv[e]));
+      StorePack(sum + r * n, p, v);
+    }
+    f(v);
+  }
+  return residual != nullptr ? sum + r * n : xr;
+}
+
+// This warp's rows: r, r + the grid's warps, ...
+#define WARP_ROWS(r, rows)                                                                                      \
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpRows + threadIdx.x / 32; r < (rows);               \
+       r += static_cast<int64_t>(gridDim.x) * kWarpRows)
+
+template <typename T>
+__global__ void LayerNormWarpKernel(const T* x, const T* residual, const T* g, const T* b, float eps, T* y, T* sum,
+                                    float* mean, float* rstd, int64_t rows, int64_t n) {
+  constexpr int kP = kPack<T>;
+  const int64_t packs = n / kP;
+  WARP_ROWS(r, rows) {
+    float s = 0;
+    const T* row = PackedFirstPass(x, residual, sum, r, n, [&](const float (&v)[kP]) {
+#pragma unroll
+      for (int e = 0; e < kP; ++e) s += v[e];
+    });
+    const float mu = WarpSum(s) / n;
+    float q = 0;
+    for (int64_t p = threadIdx.x % 32; p < packs; p += 32) {
+      float v[kP];
+      LoadPack(row, p, v);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) q += (v[e] - mu) * (v[e] - mu);
+    }
+    const float rs = rsqrtf(WarpSum(q) / n + eps);
+    for (int64_t p = threadIdx.x % 32; p < packs; p += 32) {
+      float v[kP], gv[kP], bv[kP], out[kP];
+      LoadPack(row, p, v);
+      LoadPack(g, p, gv);
+      LoadPack(b, p, bv);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) out[e] = (v[e] - mu) * rs * gv[e] + bv[e];
+      StorePack(y + r * n, p, out);
+    }
+    if (threadIdx.x % 32 == 0) {
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+  }
+}
+
+// A norm backward's pack p of row r of dy and x, and of the gain g.
+template <typename T>
+__device__ __forceinline__ void LoadBackwardPacks(const T* dy, const T* x, const T* g, int64_t r, int64_t n,
+                                                  int64_t p, float (&dyv)[kPack<T>], float (&xv)[kPack<T>],
+                                                  float (&gv)[kPack<T>]) {
+  LoadPack(dy + r * n, p, dyv);
+  LoadPack(x + r * n, p, xv);
+  LoadPack(g, p, gv);
+}
+
+template <typename T>
+__global__ void LayerNormBackwardWarpKernel(const T* dy, const T* x, const T* g, const float* mean, const float* rstd,
+                                            T* dx, int64_t rows, int64_t n) {
+  constexpr int kP = kPack<T>;
+  const int64_t packs = n / kP;
+  WARP_ROWS(r, rows) {
+    const float m = mean[r], rs = rstd[r];
+    float a = 0, c = 0;
+    for (int64_t p = threadIdx.x % 32; p < packs; p += 32) {
+      float dyv[kP], xv[kP], gv[kP];
+      LoadBackwardPacks(dy, x, g, r, n, p, dyv, xv, gv);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) {
+        const float xhat = (xv[e] - m) * rs, dxhat = dyv[e] * gv[e];
+        a += dxhat;
+        c += dxhat * xhat;
+      }
+    }
+    a = WarpSum(a) / n;
+    c = WarpSum(c) / n;
+    for (int64_t p = threadIdx.x % 32; p < packs; p += 32) {
+      float dyv[kP], xv[kP], gv[kP], out[kP];
+      LoadBackwardPacks(dy, x, g, r, n, p, dyv, xv, gv);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) {
+        const float xhat = (xv[e] - m) * rs;
+        out[e] = rs * (dyv[e] * gv[e] - a - xhat * c);
+      }
+      StorePack(dx + r * n, p, out);
+    }
+  }
+}
+
+template <typename T>
+__global__ void RmsNormWarpKernel(const T* x, const T* residual, const T* g, float eps, T* y, T* sum, float* rstd,
+                                  int64_t rows, int64_t n) {
+  constexpr int kP = kPack<T>;
+  const int64_t packs = n / kP;
+  WARP_ROWS(r, rows) {
+    float s = 0;
+    const T* row = PackedFirstPass(x, residual, sum, r, n, [&](const float (&v)[kP]) {
+#pragma unroll
+      for (int e = 0; e < kP; ++e) s += v[e] * v[e];
+    });
+    const float rs = rsqrtf(WarpSum(s) / n + eps);
+    for (int64_t p = threadIdx.x % 32; p < packs; p += 32) {
+      float v[kP], gv[kP], out[kP];
+      LoadPack(row, p, v);
+      LoadPack(g, p, gv);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) out[e] = v[e] * rs * gv[e];
+      StorePack(y + r * n, p, out);
+    }
+    if (threadIdx.x % 32 == 0) rstd[r] = rs;
+  }
+}
+
+template <typename T>
+__global__ void RmsNormBackwardWarpKernel(const T* dy, const T* x, const T* g, const float* rstd, T* dx, int64_t rows,
+                                          int64_t n) {
+  constexpr int kP = kPack<T>;
+  const int64_t packs = n / kP;
+  WARP_ROWS(r, rows) {
+    const float rs = rstd[r];
+    float dot = 0;
+    for (int64_t p = threadIdx.x % 32; p < packs; p += 32) {
+      float dyv[kP], xv[kP], gv[kP];
+      LoadBackwardPacks(dy, x, g, r, n, p, dyv, xv, gv);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) dot += dyv[e] * gv[e] * xv[e];
+    }
+    const float c = WarpSum(dot) / n * rs * rs;
+    for (int64_t p = threadIdx.x % 32; p < packs; p += 32) {
+      float dyv[kP], xv[kP], gv[kP], out[kP];
+      LoadBackwardPacks(dy, x, g, r, n, p, dyv, xv, gv);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) out[e] = rs * (dyv[e] * gv[e] - xv[e] * c);
+      StorePack(dx + r * n, p, out);
+    }
+  }
+}
+
+#undef WARP_ROWS
+
 // dgamma[j] = sum_r dy * xhat, dbeta[j] = sum_r dy (xhat from mean/rstd, or
 // x * rstd for RMSNorm when mean is null); columns split as ColumnSumKernel.
-template <typename T, typename G>
+template <typename T, typename G, int kP>
 __global__ void NormParamGradKernel(In<T> dy, In<T> x, const float* mean, const float* rstd, Out<G> dg, Out<G> db,
                                     int64_t rows, int64_t n, int64_t chunk_rows, ColumnScratch scratch) {
   __shared__ double shared[kThreads];
-  const int64_t j = blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns;
+  const int64_t j = GroupColumn<kP>();
   int64_t r0, r1;
   ChunkRows(rows, chunk_rows, r0, r1);
-  double s[2] = {0, 0};  // dgamma's, dbeta's
+  double s[2][kP] = {};  // dgamma's, dbeta's
   if (j < n) {
     for (int64_t r = r0 + threadIdx.x / kColumns; r < r1; r += kRowLanes) {
-      const float xhat = (x[r * n + j] - (mean ? mean[r] : 0.0f)) * rstd[r];
-      s[0] += static_cast<double>(dy[r * n + j]) * xhat;
-      s[1] += dy[r * n + j];
+      float dyv[kP], xv[kP];
+      LoadColumns<T, kP>(dy.p, r * n + j, dyv);
+      LoadColumns<T, kP>(x.p, r * n + j, xv);
+      const float m = mean ? mean[r] : 0.0f, rs = rstd[r];
+#pragma unroll
+      for (int e = 0; e < kP; ++e) {
+        const float xhat = (xv[e] - m) * rs;
+        s[0][e] += static_cast<double>(dyv[e]) * xhat;
+        s[1][e] += dyv[e];
+      }
     }
   }
-  s[0] = SumOverLanes(s[0], shared);
-  s[1] = SumOverLanes(s[1], shared);
+  SumGroupOverLanes(s, shared);
   if (!CombineChunks(s, shared, scratch, j, n)) return;
   if (j < n && threadIdx.x < kColumns) {
-    dg[j] = static_cast<float>(s[0]);
-    if (db) db[j] = static_cast<float>(s[1]);
+#pragma unroll
+    for (int e = 0; e < kP; ++e) {
+      dg[j + e] = static_cast<float>(s[0][e]);
+      if (db) db[j + e] = static_cast<float>(s[1][e]);
+    }
   }
 }
 
@@ -629,8 +898,9 @@ __global__ void RopeKernel(const float* x, float* y, int64_t b, int64_t s, int64
 __global__ void AdamWKernel(TensorList<AdamWTensor> list, AdamWHyper h) {
   int64_t begin = 0, end = 0;
   const AdamWTensor& x = BlockTensor(list, &begin, &end);
+  const float grad_scale = h.grad_scale_at != nullptr ? *h.grad_scale_at : h.grad_scale;
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float g = LoadF(x.grad, i, x.grad_type) * h.grad_scale;
+    const float g = LoadF(x.grad, i, x.grad_type) * grad_scale;
     float p = x.master[i];
     p -= h.lr * h.weight_decay * p;
     const float m = h.beta1 * x.m[i] + (1.0f - h.beta1) * g;
@@ -643,6 +913,14 @@ __global__ void AdamWKernel(TensorList<AdamWTensor> list, AdamWHyper h) {
   }
 }
 
+// GradNormClip's one thread: the CPU twin's sum, in its order.
+__global__ void GradNormClipKernel(const float* squares, int64_t n, double max_norm, float* out) {
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += squares[i];
+  const double norm = sqrt(sum);
+  out[0] = static_cast<float>(norm);
+  out[1] = static_cast<float>(ClipFactor(norm, max_norm));
+}
 
 // ---- Fused attention (FlashAttention, FlashAttentionBackward) ----
 // One thread per query row (forward, dq) or key row (dk, dv), kAttnRows rows
@@ -1576,15 +1854,19 @@ absl::Status BiasAdd(int device, ElemType type, const void* x, const void* bias,
   });
 }
 
-// Launches a column reduction over [rows, n] of `values` sums per column:
-// launch(grid, chunk_rows, scratch) on the grid of ColumnSumKernel's comment,
-// with its scratch allocated and the counters zeroed before, and freed after
-// it in stream order (the pool's blocks are reused from the second step on).
-template <typename LaunchFn>
-absl::Status ColumnReduce(cudaStream_t stream, int64_t rows, int64_t n, int values, const char* name,
+// Launches a column reduction over [rows, n] of T of `values` sums per
+// column: launch(kP, grid, chunk_rows, scratch), kP a std::integral_constant
+// of the column group's width (kPack<T> where `packed`, else 1), on the grid
+// of ColumnSumKernel's comment, with its scratch allocated and the counters
+// zeroed before, and freed after it in stream order (the pool's blocks are
+// reused from the second step on).
+template <typename T, typename LaunchFn>
+absl::Status ColumnReduce(cudaStream_t stream, int64_t rows, int64_t n, int values, bool packed, const char* name,
                           LaunchFn launch) {
-  const unsigned x = ColumnBlocks(n);
-  int64_t chunks = (rows + kColumnMinChunkRows - 1) / kColumnMinChunkRows;
+  const int64_t pack = packed ? kPack<T> : 1;
+  const unsigned x = ColumnBlocks(n / pack);
+  const int64_t min_rows = packed ? kPackedMinChunkRows : kColumnMinChunkRows;
+  int64_t chunks = (rows + min_rows - 1) / min_rows;
   const int64_t fill = (kColumnTargetBlocks + x - 1) / x;
   if (chunks > fill) chunks = fill;
   if (chunks > 65535) chunks = 65535;
@@ -1593,20 +1875,25 @@ absl::Status ColumnReduce(cudaStream_t stream, int64_t rows, int64_t n, int valu
   if (chunks > 1) chunks = (rows + chunk_rows - 1) / chunk_rows;  // none empty
   ColumnScratch scratch;
   if (chunks > 1) {
-    // chunks <= rows / 64 and n * rows elements exist: no overflow.
+    // chunks <= (rows + 63) / 64 and n * rows elements exist: no overflow.
     RETURN_IF(CudaCheck(cudaMallocAsync(reinterpret_cast<void**>(&scratch.partials),
                                         static_cast<size_t>(values * chunks * n) * sizeof(double), stream),
                         "cudaMallocAsync"));
     absl::Status s = CudaCheck(cudaMallocAsync(reinterpret_cast<void**>(&scratch.done), x * sizeof(unsigned), stream),
                                "cudaMallocAsync");
-    if (s.ok()) s = CudaCheck(cudaMemsetAsync(scratch.done, 0, x * sizeof(unsigned), stream), "cudaMemsetAsync");
+    if (s.ok()) s.Update(CudaCheck(cudaMemsetAsync(scratch.done, 0, x * sizeof(unsigned), stream), "cudaMemsetAsync"));
     if (!s.ok()) {
       cudaFreeAsync(scratch.partials, stream);
       if (scratch.done != nullptr) cudaFreeAsync(scratch.done, stream);
       return s;
     }
   }
-  launch(dim3(x, static_cast<unsigned>(chunks)), chunk_rows, scratch);
+  const dim3 grid(x, static_cast<unsigned>(chunks));
+  if (packed) {
+    launch(std::integral_constant<int, kPack<T>>{}, grid, chunk_rows, scratch);
+  } else {
+    launch(std::integral_constant<int, 1>{}, grid, chunk_rows, scratch);
+  }
   absl::Status s = Finish(name);
   if (chunks > 1) {  // after the kernel, in stream order
     cudaFreeAsync(scratch.partials, stream);
@@ -1619,9 +1906,11 @@ absl::Status BiasGrad(int device, ElemType type, const void* dy, void* db, int64
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "BiasGrad", [&](auto t) {
     using T = decltype(t);
-    return ColumnReduce(stream, rows, n, 1, "ColumnSumKernel", [&](dim3 grid, int64_t chunk_rows, ColumnScratch s) {
-      Launch(ColumnSumKernel<T>, grid, kThreads, stream, InOf<T>(dy), OutOf<T>(db), rows, n, chunk_rows, s);
-    });
+    return ColumnReduce<T>(stream, rows, n, 1, Packable<T>(n, {dy}), "ColumnSumKernel",
+                           [&](auto p, dim3 grid, int64_t chunk_rows, ColumnScratch s) {
+                             Launch(ColumnSumKernel<T, decltype(p)::value>, grid, kThreads, stream, InOf<T>(dy),
+                                    OutOf<T>(db), rows, n, chunk_rows, s);
+                           });
   });
 }
 
@@ -1647,11 +1936,12 @@ absl::Status GeluBackward(int device, ElemType type, const void* dy, const void*
   return ByFloatType(type, "GeluBackward", [&](auto t) {
     using T = decltype(t);
     if (db != nullptr) {
-      return ColumnReduce(stream, rows, n, 1, "GeluBackwardBiasKernel",
-                          [&](dim3 grid, int64_t chunk_rows, ColumnScratch s) {
-                            Launch(GeluBackwardBiasKernel<T>, grid, kThreads, stream, InOf<T>(dy), InOf<T>(x),
-                                   InOf<T>(bias), OutOf<T>(dx), OutOf<T>(db), rows, n, tanh_approx, chunk_rows, s);
-                          });
+      return ColumnReduce<T>(stream, rows, n, 1, Packable<T>(n, {dy, x, bias, dx}), "GeluBackwardBiasKernel",
+                             [&](auto p, dim3 grid, int64_t chunk_rows, ColumnScratch s) {
+                               Launch(GeluBackwardBiasKernel<T, decltype(p)::value>, grid, kThreads, stream,
+                                      InOf<T>(dy), InOf<T>(x), InOf<T>(bias), OutOf<T>(dx), OutOf<T>(db), rows, n,
+                                      tanh_approx, chunk_rows, s);
+                             });
     }
     if (rows == 0) return absl::OkStatus();
     if (PackedRows<T>(stream, GeluBackwardOp{bias != nullptr, tanh_approx}, x, dy, bias, dx, rows * n, n)) {
@@ -1688,6 +1978,12 @@ absl::Status LayerNorm(int device, ElemType type, const void* x, const void* res
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "LayerNorm", [&](auto t) {
     using T = decltype(t);
+    if (Packable<T>(n, {x, residual, g, b, y, sum})) {
+      Launch(LayerNormWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(x),
+             static_cast<const T*>(residual), static_cast<const T*>(g), static_cast<const T*>(b), eps,
+             static_cast<T*>(y), static_cast<T*>(sum), mean, rstd, rows, n);
+      return Finish("LayerNormWarpKernel");
+    }
     Launch(LayerNormKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(x), InOf<T>(residual), InOf<T>(g),
            InOf<T>(b), eps, OutOf<T>(y), OutOf<T>(sum), mean, rstd, rows, n);
     return Finish("LayerNormKernel");
@@ -1700,13 +1996,21 @@ absl::Status LayerNormBackward(int device, ElemType type, const void* dy, const 
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "LayerNormBackward", [&](auto t) {
     using T = decltype(t);
-    Launch(LayerNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), mean,
-           rstd, OutOf<T>(dx), rows, n);
-    RETURN_IF(Finish("LayerNormBackwardKernel"));
-    return ColumnReduce(stream, rows, n, 2, "NormParamGradKernel", [&](dim3 grid, int64_t chunk_rows, ColumnScratch s) {
-      Launch(NormParamGradKernel<T, T>, grid, kThreads, stream, InOf<T>(dy), InOf<T>(x), mean, rstd, OutOf<T>(dg),
-             OutOf<T>(db), rows, n, chunk_rows, s);
-    });
+    if (Packable<T>(n, {dy, x, g, dx})) {
+      Launch(LayerNormBackwardWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(dy),
+             static_cast<const T*>(x), static_cast<const T*>(g), mean, rstd, static_cast<T*>(dx), rows, n);
+      RETURN_IF(Finish("LayerNormBackwardWarpKernel"));
+    } else {
+      Launch(LayerNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g),
+             mean, rstd, OutOf<T>(dx), rows, n);
+      RETURN_IF(Finish("LayerNormBackwardKernel"));
+    }
+    return ColumnReduce<T>(stream, rows, n, 2, Packable<T>(n, {dy, x}), "NormParamGradKernel",
+                           [&](auto p, dim3 grid, int64_t chunk_rows, ColumnScratch s) {
+                             Launch(NormParamGradKernel<T, T, decltype(p)::value>, grid, kThreads, stream,
+                                    InOf<T>(dy), InOf<T>(x), mean, rstd, OutOf<T>(dg), OutOf<T>(db), rows, n,
+                                    chunk_rows, s);
+                           });
   });
 }
 
@@ -1715,6 +2019,12 @@ absl::Status RmsNorm(int device, ElemType type, const void* x, const void* resid
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "RmsNorm", [&](auto t) {
     using T = decltype(t);
+    if (Packable<T>(n, {x, residual, g, y, sum})) {
+      Launch(RmsNormWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(x),
+             static_cast<const T*>(residual), static_cast<const T*>(g), eps, static_cast<T*>(y), static_cast<T*>(sum),
+             rstd, rows, n);
+      return Finish("RmsNormWarpKernel");
+    }
     Launch(RmsNormKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(x), InOf<T>(residual), InOf<T>(g), eps,
            OutOf<T>(y), OutOf<T>(sum), rstd, rows, n);
     return Finish("RmsNormKernel");
@@ -1726,13 +2036,21 @@ absl::Status RmsNormBackward(int device, ElemType type, const void* dy, const vo
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "RmsNormBackward", [&](auto t) {
     using T = decltype(t);
-    Launch(RmsNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), rstd,
-           OutOf<T>(dx), rows, n);
-    RETURN_IF(Finish("RmsNormBackwardKernel"));
-    return ColumnReduce(stream, rows, n, 2, "NormParamGradKernel", [&](dim3 grid, int64_t chunk_rows, ColumnScratch s) {
-      Launch(NormParamGradKernel<T, T>, grid, kThreads, stream, InOf<T>(dy), InOf<T>(x),
-             static_cast<const float*>(nullptr), rstd, OutOf<T>(dg), Out<T>{nullptr}, rows, n, chunk_rows, s);
-    });
+    if (Packable<T>(n, {dy, x, g, dx})) {
+      Launch(RmsNormBackwardWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(dy),
+             static_cast<const T*>(x), static_cast<const T*>(g), rstd, static_cast<T*>(dx), rows, n);
+      RETURN_IF(Finish("RmsNormBackwardWarpKernel"));
+    } else {
+      Launch(RmsNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), rstd,
+             OutOf<T>(dx), rows, n);
+      RETURN_IF(Finish("RmsNormBackwardKernel"));
+    }
+    return ColumnReduce<T>(stream, rows, n, 2, Packable<T>(n, {dy, x}), "NormParamGradKernel",
+                           [&](auto p, dim3 grid, int64_t chunk_rows, ColumnScratch s) {
+                             Launch(NormParamGradKernel<T, T, decltype(p)::value>, grid, kThreads, stream,
+                                    InOf<T>(dy), InOf<T>(x), static_cast<const float*>(nullptr), rstd, OutOf<T>(dg),
+                                    Out<T>{nullptr}, rows, n, chunk_rows, s);
+                           });
   });
 }
 
@@ -1790,10 +2108,12 @@ absl::Status NormParamGrad(int device, ElemType type, const void* dy, const void
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "NormParamGrad", [&](auto t) {
     using T = decltype(t);
-    return ColumnReduce(stream, rows, n, 2, "NormParamGradKernel", [&](dim3 grid, int64_t chunk_rows, ColumnScratch s) {
-      Launch(NormParamGradKernel<T, float>, grid, kThreads, stream, InOf<T>(dy), InOf<T>(x), mean, rstd,
-             Out<float>{dg}, Out<float>{db}, rows, n, chunk_rows, s);
-    });
+    return ColumnReduce<T>(stream, rows, n, 2, Packable<T>(n, {dy, x}), "NormParamGradKernel",
+                           [&](auto p, dim3 grid, int64_t chunk_rows, ColumnScratch s) {
+                             Launch(NormParamGradKernel<T, float, decltype(p)::value>, grid, kThreads, stream,
+                                    InOf<T>(dy), InOf<T>(x), mean, rstd, Out<float>{dg}, Out<float>{db}, rows, n,
+                                    chunk_rows, s);
+                           });
   });
 }
 
@@ -2034,6 +2354,12 @@ absl::Status AdamW(int device, const std::vector<AdamWTensor>& tensors, const Ad
     Launch(AdamWKernel, static_cast<unsigned>(blocks), kThreads, stream, list, h);
     return Finish("AdamWKernel");
   });
+}
+
+absl::Status GradNormClip(int device, const float* squares, int64_t n, double max_norm, float* out) {
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(GradNormClipKernel, 1, 1, stream, squares, n, max_norm, out);
+  return Finish("GradNormClipKernel");
 }
 
 }  // namespace colod::kernels::cuda

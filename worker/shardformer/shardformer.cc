@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -265,8 +266,12 @@ absl::StatusOr<LmLoss> ShardedModel::ForwardTokenLoss(const std::function<absl::
   for (int64_t l : mine.ToInt64s()) count += l != -100;
   ASSIGN_OR_RETURN(Variable flat, nn::Reshape(hidden.variable(), {rows, hs[2]}));
   int64_t chunk_rows = fused_head_rows_;
-  if (chunk_rows < 0) {  // kFusedHeadByBytes: the rows whose logits fit the budget
-    const int64_t row_bytes = weight->local().shape()[0] * static_cast<int64_t>(SizeOf(weight->local().dtype()));
+  if (chunk_rows == kFusedHeadByBytes) {  // the rows whose logits fit the budget
+    // The logits come in the head's dtype, or in f32 where the hidden
+    // states' differs (ops::MatMul).
+    const DType w_dtype = weight->local().dtype();
+    const DType z_dtype = flat.value().dtype() == w_dtype ? w_dtype : DType::kF32;
+    const int64_t row_bytes = weight->local().shape()[0] * static_cast<int64_t>(SizeOf(z_dtype));
     chunk_rows = std::max<int64_t>(1, kFusedHeadChunkBytes / std::max<int64_t>(row_bytes, 1));
   }
   ASSIGN_OR_RETURN(Variable per_row, nn::VocabParallelLinearCrossEntropy(flat, *weight, mine, config_.vocab_size,
@@ -345,6 +350,15 @@ absl::StatusOr<LmLoss> ShardedModel::MeanOfRows(const Variable& per_row, int64_t
     ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm(axis));
     RETURN_IF_ERROR(comm->AllReduce(both.raw_data(), 2, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg_->timeout()));
     comms.push_back(comm);
+  }
+  if (loss_read_deferred_ && denominator > 0) {  // the caller reads both[0] with the rest of its step
+    LmLoss out;
+    out.value = std::numeric_limits<double>::quiet_NaN();
+    out.tokens = -1;
+    ASSIGN_OR_RETURN(out.sum_on_device, both.Narrow(0, 0, 1));
+    out.denominator = denominator;
+    ASSIGN_OR_RETURN(out.loss, Scale(sum, static_cast<float>(1.0 / static_cast<double>(denominator))));
+    return out;
   }
   const std::vector<float> totals = both.ToFloats();
   for (Communicator* comm : comms) RETURN_IF_ERROR(comm->AsyncError());  // the sums above may have failed

@@ -22,11 +22,13 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "worker/shardformer/layers.h"
 #include "spec/model_config.h"
@@ -159,6 +161,15 @@ struct LmLoss {
   Variable loss;       // this rank's term of the mean, on the tape: Backward(loss) gives d(mean)
   double value = 0;    // the mean over every token of the batch (all dp ranks)
   int64_t tokens = 0;  // how many labelled tokens the batch has (all dp ranks)
+  // Where the model defers the read (ShardedModel::set_loss_read_deferred)
+  // and a denominator is given: `value` and `tokens` are not read (NaN, -1),
+  // and value is sum_on_device's one f32 (the loss summed over the batch's
+  // tokens, all dp ranks; ready in stream order on the loss's device)
+  // divided by `denominator`, for the caller to read with the rest of its
+  // step. A communicator's failure is then seen by the process group's
+  // AsyncError after that read.
+  std::optional<Tensor> sum_on_device;
+  int64_t denominator = 0;
   // Whether the LM head and the loss ran fused (ShardedModel::ForwardTokenLoss).
   bool fused_head = false;
 };
@@ -216,15 +227,30 @@ class ShardedModel {
                                           const Tensor& labels, int64_t denominator = 0);
   // Rows of the fused LM head's chunks; 0 runs the head unfused;
   // kFusedHeadByBytes (the default) as many rows as keep a chunk's logits
-  // (and so their gradient) within kFusedHeadChunkBytes: GPT-2 124M's 8192
-  // rows of 50304 bf16 logits go in two chunks, LLaMA's 32000-word
-  // vocabulary's in one, a 256k vocabulary's 1024 rows at a time. Each chunk
-  // costs a head GEMM again in backward and its share of the weight's
-  // gradient an f32 accumulation, so fewer and larger chunks are faster.
+  // within kFusedHeadChunkBytes: GPT-2 124M's 8192 rows of 50304 bf16 logits
+  // go in two chunks, LLaMA's 32000-word vocabulary's in one, a 256k
+  // vocabulary's 1024 rows at a time. The budget counts the logits alone, in
+  // their dtype (f32 where the hidden states' and the head's differ); a
+  // chunk's backward holds their gradient beside them, so its peak is about
+  // twice the budget. Each chunk costs a head GEMM again in backward and its
+  // share of the weight's gradient an f32 accumulation, so fewer and larger
+  // chunks are faster. INVALID_ARGUMENT for a negative count other than
+  // kFusedHeadByBytes.
   static constexpr int64_t kFusedHeadByBytes = -1;
   static constexpr int64_t kFusedHeadChunkBytes = int64_t{512} << 20;
   int64_t fused_head_rows() const { return fused_head_rows_; }
-  void set_fused_head_rows(int64_t rows) { fused_head_rows_ = rows; }
+  absl::Status set_fused_head_rows(int64_t rows) {
+    if (rows < 0 && rows != kFusedHeadByBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("fused head rows ", rows, " is negative"));
+    }
+    fused_head_rows_ = rows;
+    return absl::OkStatus();
+  }
+  // Whether the losses with a denominator leave their value on the device
+  // (LmLoss::sum_on_device) instead of reading it: a training step reads it
+  // after its update is enqueued, so the device does not drain at the end
+  // of forward. Off by default.
+  void set_loss_read_deferred(bool deferred) { loss_read_deferred_ = deferred; }
   // Next-token labels of ids [B, S]: position s is labelled ids[s + 1], the
   // last position -100.
   static absl::StatusOr<Tensor> NextTokenLabels(const Tensor& ids);
@@ -268,6 +294,7 @@ class ShardedModel {
   const TiedTable* FindTied(const std::string& path) const;
   // 1024 rows of GPT-2's 50257-word head: 206 MB of f32 logits a chunk.
   int64_t fused_head_rows_ = kFusedHeadByBytes;
+  bool loss_read_deferred_ = false;
 };
 
 class ShardFormer {

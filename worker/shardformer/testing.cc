@@ -955,7 +955,9 @@ void ExpectShardedMatchesReference(const TinyModel& model, const Reference& ref,
     // gradients are this pass's alone.
     auto fused = ShardFormer(shard, &pg).Load(model.dir);
     ASSERT_TRUE(fused.ok()) << fused.status();
-    (*fused)->set_fused_head_rows(3);
+    ASSERT_TRUE((*fused)->set_fused_head_rows(3).ok());
+    EXPECT_EQ((*fused)->set_fused_head_rows(-2).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ((*fused)->fused_head_rows(), 3);
     absl::StatusOr<Tensor> labels = ref.labels.has_value() ? ref.labels->Narrow(0, dp_rank * rows, rows)
                                                            : ShardedModel::NextTokenLabels(mine);
     ASSERT_TRUE(labels.ok()) << labels.status();

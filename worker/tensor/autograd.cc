@@ -145,7 +145,12 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
                  v->grad_storage->shape() == it->second.shape()) {
         RETURN_IF_ERROR(v->grad_storage->CopyFrom(it->second));
         v->grad = *v->grad_storage;
-      } else {
+      } else if (it->second.IsSoleHandle()) {
+        // A fresh gradient no other tensor shares (a GEMM's, a bias
+        // gradient's): kept as it is. Without a flat buffer (dp = 1) this
+        // was a copy of every parameter's gradient each step.
+        v->grad = std::move(it->second);
+      } else {  // it may be another leaf's too, or a view of a larger tensor
         v->grad = it->second.Contiguous().Clone();
       }
       grads.erase(it);
@@ -153,10 +158,10 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
     if (v->grad_ready) v->grad_ready();
     return absl::OkStatus();
   };
-  auto accumulate = [&](const ImplPtr& v, const Tensor& g) -> absl::Status {
+  auto accumulate = [&](const ImplPtr& v, Tensor g) -> absl::Status {
     auto it = grads.find(v.get());
     if (it == grads.end()) {
-      grads.emplace(v.get(), g);
+      grads.emplace(v.get(), std::move(g));
       return absl::OkStatus();
     }
     ASSIGN_OR_RETURN(it->second, Add(it->second, g));
@@ -191,7 +196,8 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
     }
     for (size_t i = 0; i < node.inputs.size(); ++i) {
       if (!(*in_grads)[i] || !node.inputs[i]->requires_grad) continue;
-      RETURN_IF_ERROR(accumulate(node.inputs[i], *(*in_grads)[i]));
+      // Moved: the map's handle is then a fresh gradient's only one.
+      RETURN_IF_ERROR(accumulate(node.inputs[i], *std::move((*in_grads)[i])));
     }
     grads.erase(it);  // this op's output gradient is spent
     RETURN_IF_ERROR(consumed(node));

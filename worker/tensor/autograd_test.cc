@@ -29,6 +29,37 @@ TEST(Autograd, GradientsMatchTheClosedForm) {
   EXPECT_FALSE(x.grad().has_value());
 }
 
+// A leaf keeps the gradient backward made for it where nothing else holds
+// that tensor (no copy), and a copy where something does: add's backward
+// hands its one gradient to both inputs, whose gradients must not share
+// memory (accumulating into one would change the other).
+TEST(Autograd, ALeafKeepsAFreshGradientAndCopiesASharedOne) {
+  Variable x = Leaf({3, 4}, 11), y = Leaf({3, 4}, 12), w = Leaf({3, 4}, 13);
+  Variable out = *Add(*Mul(w, w), *Add(x, y));
+  ASSERT_TRUE(Backward(*Sum(out)).ok());
+  ASSERT_TRUE(x.grad().has_value() && y.grad().has_value() && w.grad().has_value());
+  EXPECT_FALSE(x.grad()->SharesStorageWith(*y.grad())) << "x and y were given one gradient tensor";
+  Tensor gx = *x.grad();
+  ASSERT_TRUE(AddInPlace(gx, *Tensor::FromFloats({3, 4}, std::vector<float>(12, 5.0f))).ok());
+  EXPECT_EQ(y.grad()->ToFloats(), std::vector<float>(12, 1.0f)) << "x's accumulation reached y's gradient";
+  EXPECT_EQ(x.grad()->ToFloats(), std::vector<float>(12, 6.0f));
+  const std::vector<float> wv = w.value().ToFloats(), gw = w.grad()->ToFloats();
+  for (size_t i = 0; i < wv.size(); ++i) EXPECT_FLOAT_EQ(gw[i], 2.0f * wv[i]);
+  // Tensor::IsSoleHandle: the only handle of all of its storage.
+  Tensor t = *Tensor::Zeros({4, 2}, DType::kF32);
+  EXPECT_TRUE(t.IsSoleHandle());
+  {
+    Tensor copy = t;
+    EXPECT_FALSE(t.IsSoleHandle());
+  }
+  EXPECT_TRUE(t.IsSoleHandle());
+  Tensor part = *t.Narrow(0, 1, 2);
+  t = Tensor();
+  EXPECT_FALSE(part.IsSoleHandle()) << "a view of part of its storage";
+  Tensor transposed = *Tensor::Zeros({4, 2}, DType::kF32)->Transpose(0, 1);
+  EXPECT_FALSE(transposed.IsSoleHandle()) << "not contiguous";
+}
+
 TEST(Autograd, GradientStorageHoldsTheGradientInPlace) {
   // d/dx sum(x * x) = 2x, written into the storage given (a view into a
   // larger buffer, as a data-parallel bucket), accumulated there in place.

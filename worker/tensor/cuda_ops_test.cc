@@ -165,53 +165,59 @@ TEST_F(CudaLayerOps, Tf32GemmsRoundTheirOperandsOnlyWhenAllowed) {
 #endif
 }
 
+// Rows of 129 take the scalar kernels (a block a row for the norms); rows of
+// 128 the packed ones (a warp a row, 16-byte packs: Packable in
+// layer_ops.cu). Both equal the CPU.
 TEST_F(CudaLayerOps, ElementwiseAndNormsMatchTheCpu) {
-  const Tensor x = R({37, 129}, 7), dy = R({37, 129}, 8), g = R({129}, 9), b = R({129}, 10);
-  ExpectNear(*BiasAdd(Dev(x), Dev(b)), *BiasAdd(x, b), 1e-6, "bias_add");
-  Tensor in_place = Dev(x);
-  ASSERT_TRUE(BiasAddInPlace(in_place, Dev(b)).ok());
-  ExpectNear(in_place, *BiasAdd(x, b), 1e-6, "bias_add in place");
-  ExpectNear(*BiasGrad(Dev(dy)), *BiasGrad(dy), 1e-5, "bias_grad");
-  for (GeluApprox a : {GeluApprox::kNone, GeluApprox::kTanh}) {
-    ExpectNear(*Gelu(Dev(x), a), *Gelu(x, a), 1e-5, "gelu");
-    ExpectNear(*GeluBackward(Dev(dy), Dev(x), a), *GeluBackward(dy, x, a), 1e-5, "gelu backward");
-    ExpectNear(*BiasGelu(Dev(x), Dev(b), a), *BiasGelu(x, b, a), 1e-5, "bias_gelu");
-    const BiasGeluGrads bg = *BiasGeluBackward(Dev(dy), Dev(x), Dev(b), a), want = *BiasGeluBackward(dy, x, b, a);
-    ExpectNear(bg.dx, want.dx, 1e-5, "bias_gelu dx");
-    ExpectNear(bg.db, want.db, 1e-4, "bias_gelu db");
+  for (int64_t n : {129, 128}) {
+    SCOPED_TRACE(n);
+    const Tensor x = R({37, n}, 7), dy = R({37, n}, 8), g = R({n}, 9), b = R({n}, 10);
+    ExpectNear(*BiasAdd(Dev(x), Dev(b)), *BiasAdd(x, b), 1e-6, "bias_add");
+    Tensor in_place = Dev(x);
+    ASSERT_TRUE(BiasAddInPlace(in_place, Dev(b)).ok());
+    ExpectNear(in_place, *BiasAdd(x, b), 1e-6, "bias_add in place");
+    ExpectNear(*BiasGrad(Dev(dy)), *BiasGrad(dy), 1e-5, "bias_grad");
+    for (GeluApprox a : {GeluApprox::kNone, GeluApprox::kTanh}) {
+      ExpectNear(*Gelu(Dev(x), a), *Gelu(x, a), 1e-5, "gelu");
+      ExpectNear(*GeluBackward(Dev(dy), Dev(x), a), *GeluBackward(dy, x, a), 1e-5, "gelu backward");
+      ExpectNear(*BiasGelu(Dev(x), Dev(b), a), *BiasGelu(x, b, a), 1e-5, "bias_gelu");
+      const BiasGeluGrads bg = *BiasGeluBackward(Dev(dy), Dev(x), Dev(b), a), want = *BiasGeluBackward(dy, x, b, a);
+      ExpectNear(bg.dx, want.dx, 1e-5, "bias_gelu dx");
+      ExpectNear(bg.db, want.db, 1e-4, "bias_gelu db");
+    }
+    for (ActivationKind act : {ActivationKind::kSilu, ActivationKind::kRelu}) {
+      ExpectNear(*Activation(Dev(x), act), *Activation(x, act), 1e-5, "activation");
+      ExpectNear(*ActivationBackward(Dev(dy), Dev(x), act), *ActivationBackward(dy, x, act), 1e-5,
+                 "activation backward");
+    }
+    auto ln = LayerNorm(x, g, b, 1e-5f);
+    auto dln = LayerNorm(Dev(x), Dev(g), Dev(b), 1e-5f);
+    ASSERT_TRUE(dln.ok()) << dln.status();
+    ExpectNear(dln->y, ln->y, 1e-5, "layer_norm");
+    auto lg = LayerNormBackward(dy, x, g, ln->mean, ln->rstd);
+    auto dlg = LayerNormBackward(Dev(dy), Dev(x), Dev(g), dln->mean, dln->rstd);
+    ASSERT_TRUE(dlg.ok()) << dlg.status();
+    ExpectNear(dlg->dx, lg->dx, 1e-4, "layer_norm dx");
+    ExpectNear(dlg->dgamma, lg->dgamma, 1e-4, "layer_norm dgamma");
+    ExpectNear(dlg->dbeta, lg->dbeta, 1e-4, "layer_norm dbeta");
+    auto rn = RmsNorm(x, g, 1e-6f);
+    auto drn = RmsNorm(Dev(x), Dev(g), 1e-6f);
+    ExpectNear(drn->y, rn->y, 1e-5, "rms_norm");
+    // With a residual: the sum and the norm in one kernel, as on the CPU.
+    const LayerNormResult rln = *LayerNorm(x, g, b, 1e-5f, &dy);
+    const Tensor ddy = Dev(dy);
+    const LayerNormResult drln = *LayerNorm(Dev(x), Dev(g), Dev(b), 1e-5f, &ddy);
+    ExpectNear(drln.sum, rln.sum, 1e-6, "residual sum");
+    ExpectNear(drln.y, rln.y, 1e-5, "residual layer_norm");
+    ExpectNear(drln.rstd, rln.rstd, 1e-5, "residual layer_norm rstd");
+    const RmsNormResult rrn = *RmsNorm(x, g, 1e-6f, &dy), drrn = *RmsNorm(Dev(x), Dev(g), 1e-6f, &ddy);
+    ExpectNear(drrn.sum, rrn.sum, 1e-6, "residual sum (rms)");
+    ExpectNear(drrn.y, rrn.y, 1e-5, "residual rms_norm");
+    auto rg = RmsNormBackward(dy, x, g, rn->rstd);
+    auto drg = RmsNormBackward(Dev(dy), Dev(x), Dev(g), drn->rstd);
+    ExpectNear(drg->dx, rg->dx, 1e-4, "rms_norm dx");
+    ExpectNear(drg->dgamma, rg->dgamma, 1e-4, "rms_norm dgamma");
   }
-  for (ActivationKind act : {ActivationKind::kSilu, ActivationKind::kRelu}) {
-    ExpectNear(*Activation(Dev(x), act), *Activation(x, act), 1e-5, "activation");
-    ExpectNear(*ActivationBackward(Dev(dy), Dev(x), act), *ActivationBackward(dy, x, act), 1e-5,
-               "activation backward");
-  }
-  auto ln = LayerNorm(x, g, b, 1e-5f);
-  auto dln = LayerNorm(Dev(x), Dev(g), Dev(b), 1e-5f);
-  ASSERT_TRUE(dln.ok()) << dln.status();
-  ExpectNear(dln->y, ln->y, 1e-5, "layer_norm");
-  auto lg = LayerNormBackward(dy, x, g, ln->mean, ln->rstd);
-  auto dlg = LayerNormBackward(Dev(dy), Dev(x), Dev(g), dln->mean, dln->rstd);
-  ASSERT_TRUE(dlg.ok()) << dlg.status();
-  ExpectNear(dlg->dx, lg->dx, 1e-4, "layer_norm dx");
-  ExpectNear(dlg->dgamma, lg->dgamma, 1e-4, "layer_norm dgamma");
-  ExpectNear(dlg->dbeta, lg->dbeta, 1e-4, "layer_norm dbeta");
-  auto rn = RmsNorm(x, g, 1e-6f);
-  auto drn = RmsNorm(Dev(x), Dev(g), 1e-6f);
-  ExpectNear(drn->y, rn->y, 1e-5, "rms_norm");
-  // With a residual: the sum and the norm in one kernel, as on the CPU.
-  const LayerNormResult rln = *LayerNorm(x, g, b, 1e-5f, &dy);
-  const Tensor ddy = Dev(dy);
-  const LayerNormResult drln = *LayerNorm(Dev(x), Dev(g), Dev(b), 1e-5f, &ddy);
-  ExpectNear(drln.sum, rln.sum, 1e-6, "residual sum");
-  ExpectNear(drln.y, rln.y, 1e-5, "residual layer_norm");
-  ExpectNear(drln.rstd, rln.rstd, 1e-5, "residual layer_norm rstd");
-  const RmsNormResult rrn = *RmsNorm(x, g, 1e-6f, &dy), drrn = *RmsNorm(Dev(x), Dev(g), 1e-6f, &ddy);
-  ExpectNear(drrn.sum, rrn.sum, 1e-6, "residual sum (rms)");
-  ExpectNear(drrn.y, rrn.y, 1e-5, "residual rms_norm");
-  auto rg = RmsNormBackward(dy, x, g, rn->rstd);
-  auto drg = RmsNormBackward(Dev(dy), Dev(x), Dev(g), drn->rstd);
-  ExpectNear(drg->dx, rg->dx, 1e-4, "rms_norm dx");
-  ExpectNear(drg->dgamma, rg->dgamma, 1e-4, "rms_norm dgamma");
 }
 
 // The element-wise kernels run in packs of 16 bytes where every operand is
@@ -298,6 +304,64 @@ TEST_F(CudaLayerOps, ColumnReductionsInTwoLevelsMatchTheCpuAndRepeat) {
     twice([&] { return NormParamGrad(ddy, dx, mean, rstd, /*beta=*/true)->dgamma; }, "norm_param_grad dgamma");
     ExpectNear(NormParamGrad(ddy, dx, std::nullopt, rstd, /*beta=*/false)->dgamma,
                NormParamGrad(dy, x, std::nullopt, ln.rstd, /*beta=*/false)->dgamma, 1e-4, "rms dgamma");
+  }
+}
+
+// The column reductions in 16-byte packs (n a multiple of the pack, 4 f32
+// or 8 bf16, and the operands aligned) and element by element (the same
+// values in a misaligned view). Within one chunk of rows both add each
+// column's values in the same order, so they give the same bits; over
+// chunks (packed, 64 rows a chunk at least: 300 rows are 5 chunks of 60)
+// both equal the CPU's sums. 136 and 264 columns leave the last column
+// block part empty.
+TEST_F(CudaLayerOps, PackedColumnReductionsMatchTheScalarKernels) {
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    const std::string name(DTypeName(t));
+    const double tol = t == DType::kF32 ? 1e-5 : 1.0 / 128;
+    auto low = [&](const Tensor& v) { return *v.ToDType(t); };
+    auto misaligned = [&](const Tensor& v) {  // v on the device, one element into a buffer
+      const Tensor buffer = *Tensor::Zeros({v.numel() + 1}, v.dtype(), Device::Cuda(0));
+      Tensor view = *(*buffer.Narrow(0, 1, v.numel())).Reshape(v.shape());
+      EXPECT_TRUE(view.CopyFrom(Dev(v)).ok());
+      return view;
+    };
+    for (const Shape& shape : {Shape{40, 136}, Shape{300, 264}}) {
+      SCOPED_TRACE(name + " " + ShapeToString(shape));
+      const bool one_chunk = shape[0] <= 64;
+      const int64_t n = shape[1];
+      const Tensor x = low(R(shape, 61)), dy = low(R(shape, 62)), b = low(R({n}, 63));
+      const Tensor dx = Dev(x), ddy = Dev(dy), db = Dev(b), mx = misaligned(x), mdy = misaligned(dy);
+      auto compare = [&](const Tensor& packed, const Tensor& scalar, const Tensor& cpu, const std::string& what) {
+        if (one_chunk) {
+          EXPECT_EQ(packed.ToBytes(), scalar.ToBytes()) << what;
+        }
+        for (const Tensor* got : {&packed, &scalar}) {
+          const std::vector<float> g = got->ToFloats(), c = cpu.ToFloats();
+          ASSERT_EQ(g.size(), c.size()) << what;
+          for (size_t i = 0; i < g.size(); ++i) {
+            ASSERT_NEAR(g[i], c[i], tol * (1 + std::fabs(c[i]))) << what << " at " << i;
+          }
+        }
+      };
+      compare(*BiasGrad(ddy), *BiasGrad(mdy), *BiasGrad(dy), "bias_grad");
+      const BiasGeluGrads bg = *BiasGeluBackward(ddy, dx, db, GeluApprox::kTanh);
+      const BiasGeluGrads sg = *BiasGeluBackward(mdy, mx, misaligned(b), GeluApprox::kTanh);
+      const BiasGeluGrads cg = *BiasGeluBackward(dy, x, b, GeluApprox::kTanh);
+      compare(bg.db, sg.db, cg.db, "bias_gelu db");
+      EXPECT_EQ(bg.dx.ToBytes(), sg.dx.ToBytes()) << "bias_gelu dx";
+      compare(bg.dx, sg.dx, cg.dx, "bias_gelu dx");
+      const LayerNormResult ln = *LayerNorm(*x.ToDType(DType::kF32), *R({n}, 64).ToDType(DType::kF32),
+                                            *R({n}, 65).ToDType(DType::kF32), 1e-5f);
+      const Tensor mean = Dev(ln.mean), rstd = Dev(ln.rstd);
+      const NormParamGrads pg = *NormParamGrad(ddy, dx, mean, rstd, /*beta=*/true);
+      const NormParamGrads ps = *NormParamGrad(mdy, mx, mean, rstd, /*beta=*/true);
+      const NormParamGrads pc = *NormParamGrad(dy, x, ln.mean, ln.rstd, /*beta=*/true);
+      compare(pg.dgamma, ps.dgamma, pc.dgamma, "norm_param_grad dgamma");
+      compare(*pg.dbeta, *ps.dbeta, *pc.dbeta, "norm_param_grad dbeta");
+      compare(NormParamGrad(ddy, dx, std::nullopt, rstd, /*beta=*/false)->dgamma,
+              NormParamGrad(mdy, mx, std::nullopt, rstd, /*beta=*/false)->dgamma,
+              NormParamGrad(dy, x, std::nullopt, ln.rstd, /*beta=*/false)->dgamma, "rms dgamma");
+    }
   }
 }
 
@@ -590,9 +654,14 @@ TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
   AdamWOptions o;
   o.grad_scale = 0.25f;
   o.weight_decay = 0.1f;
+  // The device's step from a factor on the device (the trainer's, computed
+  // there by GradNormClip): the host's from grad_scale.
+  AdamWOptions od = o;
+  od.grad_scale = 3.0f;  // not read
+  od.grad_scale_at = Dev(*Tensor::FromFloats({1}, {0.25f}));
   for (int step = 1; step <= 3; ++step) {
     ASSERT_TRUE(AdamW(host, step, o).ok());
-    ASSERT_TRUE(AdamW(dev, step, o).ok());
+    ASSERT_TRUE(AdamW(dev, step, od).ok());
   }
   for (size_t i = 0; i < host.size(); ++i) {
     const std::string what = "adamw parameter " + std::to_string(i);
@@ -602,6 +671,21 @@ TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
     if (host[i].held.has_value()) {
       EXPECT_EQ(dev[i].held->ToBytes(), host[i].master.ToDType(DType::kBF16)->ToBytes()) << what;
     }
+  }
+}
+
+// GradNormClip on the device: the CPU twin's bits (the same sum in double,
+// the same factor), clipping or not.
+TEST_F(CudaLayerOps, GradNormClipHasTheCpuTwinsBits) {
+  std::vector<float> sq;
+  for (int i = 0; i < 37; ++i) sq.push_back(0.37f * static_cast<float>(i * i % 11) + 1e-6f * static_cast<float>(i));
+  const Tensor squares = *Tensor::FromFloats({37}, sq);
+  for (double max_norm : {0.0, 1.0, 5.0, 1e3}) {
+    const absl::StatusOr<Tensor> cpu = GradNormClip(squares, max_norm);
+    const absl::StatusOr<Tensor> gpu = GradNormClip(Dev(squares), max_norm);
+    ASSERT_TRUE(cpu.ok() && gpu.ok()) << cpu.status() << gpu.status();
+    EXPECT_TRUE(gpu->device().is_cuda());
+    EXPECT_EQ(gpu->ToBytes(), cpu->ToBytes()) << "max_norm " << max_norm;
   }
 }
 

@@ -112,6 +112,7 @@ struct DeviceKernels {
                                          void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv,
                                          int64_t d, float scale, bool causal, kernels::AttentionBias extra);
   absl::Status (*AdamW)(int device, const std::vector<kernels::AdamWTensor>& tensors, const kernels::AdamWHyper& h);
+  absl::Status (*GradNormClip)(int device, const float* squares, int64_t n, double max_norm, float* out);
 };
 
 // The table of a kernels/ namespace; a twin whose signature drifts is a
@@ -127,7 +128,7 @@ struct DeviceKernels {
         &ns::Embedding, &ns::EmbeddingBackward, &ns::CrossEntropy, &ns::CrossEntropyBackward,           \
         &ns::VocabShardMax, &ns::VocabShardSums, &ns::VocabShardCombine, &ns::VocabShardLoss,         \
         &ns::VocabShardBackward,                                                                      \
-        &ns::Rope, &ns::FlashAttention, &ns::FlashAttentionBackward, &ns::AdamW                         \
+        &ns::Rope, &ns::FlashAttention, &ns::FlashAttentionBackward, &ns::AdamW, &ns::GradNormClip     \
   }
 
 const DeviceKernels& CpuKernels();

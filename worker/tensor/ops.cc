@@ -968,8 +968,29 @@ absl::Status AdamW(const std::vector<AdamWParam>& params, int64_t step, const Ad
   h.bias_correction1 = 1.0f - std::pow(o.beta1, static_cast<float>(step));
   h.bias_correction2 = 1.0f - std::pow(o.beta2, static_cast<float>(step));
   h.grad_scale = o.grad_scale;
+  if (o.grad_scale_at.has_value()) {
+    const Tensor& at = *o.grad_scale_at;
+    if (at.dtype() != DType::kF32 || at.numel() != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("adamw: grad_scale_at must be one f32, got ", DTypeName(at.dtype()), ShapeToString(at.shape())));
+    }
+    RETURN_IF_ERROR(SameDevice("adamw", dev, {&at}));
+    h.grad_scale_at = static_cast<const float*>(at.raw_data());
+  }
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
   return k->AdamW(dev.index, list, h);
+}
+
+absl::StatusOr<Tensor> GradNormClip(const Tensor& squares, double max_norm) {
+  if (squares.dtype() != DType::kF32 || squares.dim() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("grad norm: the squares must be f32 [n], got ",
+                                                   DTypeName(squares.dtype()), ShapeToString(squares.shape())));
+  }
+  const Tensor in = squares.Contiguous();
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({2}, DType::kF32, in.device()));
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(in.device()));
+  RETURN_IF_ERROR(k->GradNormClip(in.device().index, in.data<float>(), in.numel(), max_norm, out.data<float>()));
+  return out;
 }
 
 }  // namespace colod::ops

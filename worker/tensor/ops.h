@@ -249,6 +249,10 @@ absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const 
 struct AdamWOptions {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.01f;
   float grad_scale = 1.0f;
+  // Where set, a one-element f32 tensor on the parameters' device whose
+  // value multiplies the gradients instead of grad_scale: GradNormClip's
+  // factor, read by the update where it is, with no host read before it.
+  std::optional<Tensor> grad_scale_at;
 };
 // One parameter of the step: the f32 weights `master` the update runs on,
 // its gradient (f32, bf16 or f16), the f32 moments m and v, all contiguous
@@ -263,6 +267,13 @@ struct AdamWParam {
 // One fused step over every parameter, on their device (all on one): on
 // CUDA a launch per 32 parameters, the casts of mixed precision included.
 absl::Status AdamW(const std::vector<AdamWParam>& params, int64_t step, const AdamWOptions& o);
+
+// The global gradient norm and its clipping factor from `squares` (f32, the
+// norm's sums of squares, added in order in double), on their device: a
+// new [2] f32 tensor there, the norm and kernels::ClipFactor(norm, max_norm)
+// (kernels/clip.h), the bits the host computes from the same squares. The
+// factor's view is AdamWOptions::grad_scale_at.
+absl::StatusOr<Tensor> GradNormClip(const Tensor& squares, double max_norm);
 
 }  // namespace colod::ops
 

@@ -597,6 +597,45 @@ TEST(CpuKernels, AdamWMatchesTheDoublePrecisionUpdate) {
   EXPECT_EQ(AdamW({{q, held, *Tensor::Zeros({3, 5}, DType::kBF16), qm, qv}}, 4, o).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(AdamW({{p, std::nullopt, g, m, v}}, 0, o).code(), absl::StatusCode::kInvalidArgument);
+  // The factor read from a tensor (the trainer's, computed where the
+  // gradients are) instead of grad_scale: the same bits as grad_scale.
+  Tensor p2 = p.Clone(), m2 = m.Clone(), v2 = v.Clone();
+  ASSERT_TRUE(AdamW({{p, std::nullopt, g, m, v}}, 4, o).ok());
+  AdamWOptions at = o;
+  at.grad_scale = 3.0f;  // not read
+  at.grad_scale_at = *Tensor::FromFloats({1}, {0.5f});
+  ASSERT_TRUE(AdamW({{p2, std::nullopt, g, m2, v2}}, 4, at).ok());
+  EXPECT_EQ(p2.ToBytes(), p.ToBytes());
+  EXPECT_EQ(v2.ToBytes(), v.ToBytes());
+  at.grad_scale_at = *Tensor::FromFloats({2}, {0.5f, 0.5f});
+  EXPECT_EQ(AdamW({{p2, std::nullopt, g, m2, v2}}, 5, at).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// GradNormClip against its closed form: the norm of the squares added in
+// double, and torch's clip_grad_norm_ factor.
+TEST(CpuKernels, GradNormClipIsTheNormAndTorchsFactor) {
+  const std::vector<float> sq = {2.5f, 1e-7f, 6.25f, 3.0f};
+  double sum = 0;
+  for (float v : sq) sum += v;
+  const double norm = std::sqrt(sum);  // 3.4278...
+  const Tensor squares = *Tensor::FromFloats({4}, sq);
+  for (double max_norm : {0.0, -1.0, 100.0, norm, 1.0}) {
+    const absl::StatusOr<Tensor> out = GradNormClip(squares, max_norm);
+    ASSERT_TRUE(out.ok()) << out.status();
+    const std::vector<float> got = out->ToFloats();
+    ASSERT_EQ(got.size(), 2u);
+    EXPECT_EQ(got[0], static_cast<float>(norm));
+    const double want = max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
+    EXPECT_EQ(got[1], static_cast<float>(want)) << "max_norm " << max_norm;
+  }
+  EXPECT_NEAR(GradNormClip(squares, 1.0)->ToFloats()[1], 1.0 / 3.4278273, 1e-6);
+  // A NaN among the squares gives a NaN norm and factor, as torch's does.
+  const std::vector<float> nan = GradNormClip(*Tensor::FromFloats({2}, {1.0f, NAN}), 1.0)->ToFloats();
+  EXPECT_TRUE(std::isnan(nan[0]) && std::isnan(nan[1]));
+  EXPECT_EQ(GradNormClip(*Tensor::Zeros({2, 2}, DType::kF32), 1.0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GradNormClip(*Tensor::Zeros({2}, DType::kBF16), 1.0).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -25,12 +25,15 @@ class Storage {
   Storage& operator=(const Storage&) = delete;
 
   char* data() const { return data_; }
+  size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
   const DeviceKernels& kernels() const { return *kernels_; }
 
  private:
-  Storage(char* data, Device device, const DeviceKernels* kernels) : data_(data), device_(device), kernels_(kernels) {}
+  Storage(char* data, size_t nbytes, Device device, const DeviceKernels* kernels)
+      : data_(data), nbytes_(nbytes), device_(device), kernels_(kernels) {}
   char* const data_;
+  const size_t nbytes_;
   const Device device_;
   const DeviceKernels* const kernels_;
 };
@@ -151,7 +154,7 @@ std::string ShapeToString(const Shape& shape) { return absl::StrCat("[", absl::S
 absl::StatusOr<std::shared_ptr<Storage>> Storage::Allocate(size_t nbytes, Device device, bool zero) {
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(device));
   ASSIGN_OR_RETURN(void* p, k->Malloc(device.index, nbytes));
-  std::shared_ptr<Storage> s(new Storage(static_cast<char*>(p), device, k));
+  std::shared_ptr<Storage> s(new Storage(static_cast<char*>(p), nbytes, device, k));
   if (zero) RETURN_IF_ERROR(k->Memset0(device.index, p, nbytes));
   return s;
 }
@@ -212,6 +215,10 @@ absl::StatusOr<Tensor> Tensor::RandomUniform(const Shape& shape, uint64_t seed, 
   ASSIGN_OR_RETURN(Tensor t, Empty(shape, dtype, device));
   RETURN_IF_ERROR(t.storage_->kernels().FillRandom(device.index, t.base(), Elem(dtype), t.numel(), seed, false));
   return t;
+}
+
+bool Tensor::IsSoleHandle() const {
+  return storage_.use_count() == 1 && offset_ == 0 && is_contiguous() && nbytes() == storage_->nbytes();
 }
 
 bool Tensor::is_contiguous() const {

@@ -76,6 +76,10 @@ class Tensor {
   int64_t nbytes() const { return numel() * static_cast<int64_t>(SizeOf(dtype_)); }
   // Row-major without gaps (dims of size 1 may have any stride).
   bool is_contiguous() const;
+  // True when this handle is its storage's only one and views all of it,
+  // contiguously: nothing else can read or write these bytes, so the
+  // handle may be kept as it is where a copy would otherwise be taken.
+  bool IsSoleHandle() const;
   // True when both handles view the same bytes with the same layout.
   bool SharesStorageWith(const Tensor& other) const { return storage_ == other.storage_; }
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/clip.h"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/tensor/ops.h"
 
@@ -96,7 +97,18 @@ absl::StatusOr<Tensor> Optimizer::SliceGrad(size_t i) const {
   return SliceOf(i, grad->Contiguous());
 }
 
-absl::Status Optimizer::Step(double lr, double grad_scale) {
+absl::Status Optimizer::Step(double lr, double grad_scale) { return Step(lr, grad_scale, std::nullopt); }
+
+absl::Status Optimizer::Step(double lr, const Tensor& grad_scale_at) {
+  if (options_.kind != OptimizerOptions::Kind::kAdamW) {  // SGD scales on the host: read it
+    const std::vector<float> scale = grad_scale_at.ToFloats();
+    if (scale.size() != 1) return absl::InvalidArgumentError("the gradients' scale must be one number");
+    return Step(lr, scale[0], std::nullopt);
+  }
+  return Step(lr, 1.0, grad_scale_at);
+}
+
+absl::Status Optimizer::Step(double lr, double grad_scale, const std::optional<Tensor>& grad_scale_at) {
   ++steps_;
   std::vector<ops::AdamWParam> adam;
   for (size_t i = 0; i < partition_.slices.size(); ++i) {
@@ -136,6 +148,7 @@ absl::Status Optimizer::Step(double lr, double grad_scale) {
   o.eps = static_cast<float>(options_.eps);
   o.weight_decay = static_cast<float>(options_.weight_decay);
   o.grad_scale = static_cast<float>(grad_scale);
+  o.grad_scale_at = grad_scale_at;
   return ops::AdamW(adam, steps_, o);
 }
 
@@ -197,15 +210,21 @@ namespace {
 // rank counts (see the file comment), summed over tp and pp, and over dp
 // when `over_dp` (ZeRO: the dp ranks hold disjoint slices; a parameter kept
 // whole on every dp rank, `whole[k]`, is then counted on dp rank 0).
-absl::StatusOr<double> NormOf(const std::vector<const NamedParam*>& params, const std::vector<Tensor>& grads,
-                              const std::vector<bool>& whole, bool over_dp, const Device& device, ProcessGroup* pg,
-                              const NormOrder* order = nullptr) {
+// Enqueued where the gradients are (the parameters' device, whether or not
+// this rank counts any) and all-reduced there: `squares` holds one sum, or
+// with an order a sum a slot (NormOrder), which the norm adds in slot order
+// in double. `comms` ran the all-reduces (their errors are seen once the
+// host has waited for them).
+struct Squares {
+  Tensor squares;
+  std::vector<Communicator*> comms;
+};
+absl::StatusOr<Squares> SquaresOf(const std::vector<const NamedParam*>& params, const std::vector<Tensor>& grads,
+                                  const std::vector<bool>& whole, bool over_dp, const Device& device,
+                                  ProcessGroup* pg, const NormOrder* order) {
   const DeviceMesh& mesh = pg->mesh();
   const std::vector<int> coords = mesh.Coordinates(pg->rank());
   ASSIGN_OR_RETURN(std::vector<int> dp_axes, mesh.AxisIndices("dp"));
-  // Summed where the gradients are (the parameters' device, whether or not
-  // this rank counts any), all-reduced there, and read on the host once;
-  // with an order, a slot a parameter, added in slot order on the host.
   const bool slotted = order != nullptr && !order->empty();
   ASSIGN_OR_RETURN(Tensor total, Tensor::Zeros({slotted ? order->size() : 1}, DType::kF32, device));
   std::vector<Tensor> counted;  // the gradients this rank counts
@@ -248,12 +267,45 @@ absl::StatusOr<double> NormOf(const std::vector<const NamedParam*>& params, cons
         comm->AllReduce(total.raw_data(), total.numel(), DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg->timeout()));
     comms.push_back(comm);
   }
-  const std::vector<float> squares = total.ToFloats();  // the step's one read of the norm
-  for (Communicator* comm : comms) RETURN_IF_ERROR(comm->AsyncError());  // the all-reduces above may have failed
-  if (!slotted) return std::sqrt(static_cast<double>(squares[0]));
+  return Squares{std::move(total), std::move(comms)};
+}
+
+// The norm of SquaresOf's sums, read on the host.
+absl::StatusOr<double> NormOf(const std::vector<const NamedParam*>& params, const std::vector<Tensor>& grads,
+                              const std::vector<bool>& whole, bool over_dp, const Device& device, ProcessGroup* pg,
+                              const NormOrder* order = nullptr) {
+  ASSIGN_OR_RETURN(Squares sq, SquaresOf(params, grads, whole, over_dp, device, pg, order));
+  const std::vector<float> squares = sq.squares.ToFloats();
+  for (Communicator* comm : sq.comms) RETURN_IF_ERROR(comm->AsyncError());  // the all-reduces above may have failed
   double sum = 0;
-  for (float s : squares) sum += s;  // in slot order
+  for (float s : squares) sum += s;  // in slot order (GradNormClip's sum)
   return std::sqrt(sum);
+}
+
+// The gradients `optimizer` reads that the norm counts, as NormOf takes them.
+struct OptimizerGrads {
+  std::vector<const NamedParam*> of;
+  std::vector<Tensor> grads;
+  std::vector<bool> whole;
+  Device device = Device::Cpu();
+};
+absl::StatusOr<OptimizerGrads> GradsOf(const Optimizer& optimizer) {
+  OptimizerGrads g;
+  const Partition& partition = optimizer.partition();
+  for (size_t i = 0; i < partition.slices.size(); ++i) {
+    const ParamSlice& s = partition.slices[i];
+    const NamedParam& p = optimizer.params()[s.param];
+    if (p.mirror) continue;
+    ASSIGN_OR_RETURN(Tensor grad, optimizer.SliceGrad(i));
+    g.of.push_back(&p);
+    g.grads.push_back(grad);
+    g.whole.push_back(!s.grad.has_value());  // kept whole on every dp rank, reading its own gradient
+  }
+  // A rank may own no slice at all (a small bucket over a large dp): the
+  // device is its parameters'.
+  const std::vector<NamedParam>& params = optimizer.params();
+  if (!params.empty()) g.device = params[0].bound.param.local().device();
+  return g;
 }
 
 }  // namespace
@@ -273,24 +325,18 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<NamedParam>& params, Pro
 }
 
 absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* pg, const NormOrder* order) {
-  std::vector<const NamedParam*> of;
-  std::vector<Tensor> grads;
-  std::vector<bool> whole;
-  const Partition& partition = optimizer.partition();
-  for (size_t i = 0; i < partition.slices.size(); ++i) {
-    const ParamSlice& s = partition.slices[i];
-    const NamedParam& p = optimizer.params()[s.param];
-    if (p.mirror) continue;
-    ASSIGN_OR_RETURN(Tensor g, optimizer.SliceGrad(i));
-    of.push_back(&p);
-    grads.push_back(g);
-    whole.push_back(!s.grad.has_value());  // kept whole on every dp rank, reading its own gradient
-  }
-  // A rank may own no slice at all (a small bucket over a large dp): the
-  // device is its parameters'.
-  const std::vector<NamedParam>& params = optimizer.params();
-  const Device device = params.empty() ? Device::Cpu() : params[0].bound.param.local().device();
-  return NormOf(of, grads, whole, partition.over_dp, device, pg, order);
+  ASSIGN_OR_RETURN(const OptimizerGrads g, GradsOf(optimizer));
+  return NormOf(g.of, g.grads, g.whole, optimizer.partition().over_dp, g.device, pg, order);
+}
+
+absl::StatusOr<DeviceClip> ClipOnDevice(const Optimizer& optimizer, double max_norm, ProcessGroup* pg,
+                                        const NormOrder* order) {
+  ASSIGN_OR_RETURN(const OptimizerGrads g, GradsOf(optimizer));
+  ASSIGN_OR_RETURN(Squares sq, SquaresOf(g.of, g.grads, g.whole, optimizer.partition().over_dp, g.device, pg, order));
+  DeviceClip clip;
+  ASSIGN_OR_RETURN(clip.norm_and_scale, ops::GradNormClip(sq.squares, max_norm));
+  ASSIGN_OR_RETURN(clip.scale, clip.norm_and_scale.Narrow(0, 1, 1));
+  return clip;
 }
 
 namespace {
@@ -359,10 +405,7 @@ int64_t NormOrder::Slot(const std::string& name) const {
   return it == slots_.end() ? -1 : it->second;
 }
 
-double ClipFactor(double norm, double max_norm) {
-  if (max_norm <= 0 || norm <= max_norm) return 1.0;
-  return max_norm / (norm + 1e-6);
-}
+double ClipFactor(double norm, double max_norm) { return kernels::ClipFactor(norm, max_norm); }
 
 absl::StatusOr<double> ClipGradNorm(const std::vector<NamedParam>& params, double max_norm, ProcessGroup* pg) {
   ASSIGN_OR_RETURN(double norm, GlobalGradNorm(params, pg));

@@ -77,6 +77,10 @@ class Optimizer {
   // torch.optim.AdamW, one fused multi-tensor step (ops::AdamW); SGD is
   // torch.optim.SGD with momentum (the first step's buffer is the gradient).
   absl::Status Step(double lr, double grad_scale = 1.0);
+  // The same with the scale a one-element f32 tensor on the parameters'
+  // device (ClipOnDevice's): AdamW reads it there, so nothing waits for the
+  // device; SGD reads it on the host first.
+  absl::Status Step(double lr, const Tensor& grad_scale_at);
   void ZeroGrad();
   int64_t steps() const { return steps_; }
   void set_steps(int64_t steps) { steps_ = steps; }
@@ -101,6 +105,7 @@ class Optimizer {
   absl::StatusOr<Tensor> SliceGrad(size_t i) const;
 
  private:
+  absl::Status Step(double lr, double grad_scale, const std::optional<Tensor>& grad_scale_at);
   absl::Status SgdStep(Tensor& param, const Tensor& grad, Tensor& buffer, double lr);
   Optimizer(std::vector<shardformer::NamedParam> params, OptimizerOptions options, Partition partition)
       : params_(std::move(params)), options_(options), partition_(std::move(partition)) {}
@@ -156,9 +161,22 @@ absl::StatusOr<double> GlobalGradNorm(const std::vector<shardformer::NamedParam>
 absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* pg,
                                       const NormOrder* order = nullptr);
 // torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6) when
-// norm > max_norm > 0, else 1. The trainer passes it to Optimizer::Step,
-// which scales the gradients as the fused update reads them.
+// norm > max_norm > 0, else 1 (kernels/clip.h). Optimizer::Step scales the
+// gradients by it as the fused update reads them.
 double ClipFactor(double norm, double max_norm);
+// GlobalGradNorm(optimizer, pg, order) and its ClipFactor computed where the
+// gradients are, enqueued with no host read: the trainer's step passes
+// `scale` to Optimizer::Step and reads `norm_and_scale` ([2] f32: the norm,
+// rounded to f32, and the factor, the bits ClipFactor gives) after the
+// update is enqueued, so the device does not wait for the host between
+// backward and the update. Collective as GlobalGradNorm; a failed all-reduce
+// is seen by ProcessGroup::AsyncError once the host has read the norm.
+struct DeviceClip {
+  Tensor norm_and_scale;
+  Tensor scale;  // norm_and_scale's element 1
+};
+absl::StatusOr<DeviceClip> ClipOnDevice(const Optimizer& optimizer, double max_norm, ProcessGroup* pg,
+                                        const NormOrder* order = nullptr);
 // Scales every gradient by ClipFactor in place; returns the norm before
 // clipping.
 absl::StatusOr<double> ClipGradNorm(const std::vector<shardformer::NamedParam>& params, double max_norm,

@@ -354,10 +354,12 @@ namespace {
 // Rows [first, first + rows) of `batch` through the model: their loss
 // divided by `denominator` (the LM head fused with it where the model
 // allows). With `correct`, a classifier's logits are gathered and the rows
-// whose largest logit is their label's added to it.
+// whose largest logit is their label's added to it. `defer_read`: the value
+// is left on the device (LmLoss::sum_on_device).
 absl::StatusOr<shardformer::LmLoss> MicroBatchLoss(shardformer::ShardedModel& model, const TrainData& data,
                                                    const StepBatch& batch, int64_t first, int64_t rows,
-                                                   int64_t denominator, int64_t* correct = nullptr) {
+                                                   int64_t denominator, int64_t* correct = nullptr,
+                                                   bool defer_read = false) {
   ASSIGN_OR_RETURN(Tensor in, batch.inputs.Narrow(0, first, rows));
   ASSIGN_OR_RETURN(Tensor want, batch.labels.Narrow(0, first, rows));
   Tensor dec;  // an encoder-decoder's decoder input
@@ -367,7 +369,10 @@ absl::StatusOr<shardformer::LmLoss> MicroBatchLoss(shardformer::ShardedModel& mo
   auto forward = [&]() -> absl::StatusOr<ColoTensor> {
     return data.pairs() ? model.Forward(in.Contiguous(), dec.Contiguous()) : model.Forward(in.Contiguous());
   };
-  return ForwardLoss(model, forward, want.Contiguous(), denominator, correct);
+  model.set_loss_read_deferred(defer_read);
+  absl::StatusOr<shardformer::LmLoss> loss = ForwardLoss(model, forward, want.Contiguous(), denominator, correct);
+  model.set_loss_read_deferred(false);
+  return loss;
 }
 
 // The held-out evaluation of `model` (after `step` optimizer steps): every
@@ -492,6 +497,10 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     // micro-batches each; the dp sync reduces after the last one.
     const int64_t pass_rows = micro_rows * o.micro_batches;
     double loss = 0, pipeline_wait = 0, pipeline_span = 0;
+    // The micro-batches' loss sums left on the device, read with the norm
+    // after the update is enqueued, and their denominators.
+    std::vector<Tensor> loss_sums;
+    std::vector<int64_t> loss_denominators;
     for (int64_t pass = 0; pass < o.grad_accum; ++pass) {
       const bool last_pass = pass + 1 == o.grad_accum;
       ASSIGN_OR_RETURN(const StepBatch batch,
@@ -512,21 +521,39 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
         sync->set_enabled(last_pass && mb + 1 == o.micro_batches);  // accumulate, then reduce once
         ASSIGN_OR_RETURN(const shardformer::LmLoss l,
-                         MicroBatchLoss(*model, *run.data, batch, mb * micro_rows, micro_rows, step_labels));
+                         MicroBatchLoss(*model, *run.data, batch, mb * micro_rows, micro_rows, step_labels,
+                                        /*correct=*/nullptr, /*defer_read=*/true));
         RETURN_IF_ERROR(Backward(l.loss));
-        loss += l.value;
+        if (l.sum_on_device.has_value()) {
+          loss_sums.push_back(*l.sum_on_device);
+          loss_denominators.push_back(l.denominator);
+        } else {
+          loss += l.value;
+        }
       }
     }
     RETURN_IF_ERROR(sync->Finish());
     RETURN_IF_ERROR(SumTiedGradients(chunks, chunk_params, pg));
-    ASSIGN_OR_RETURN(double norm, GlobalGradNorm(optimizer, &pg, &norm_order));
-    // The loss and the norm were read on the host, after the device passed
-    // every collective before them: a collective that failed is reported now,
-    // before its garbage reaches the weights.
-    RETURN_IF_ERROR(pg.AsyncError());
+    // The norm and the clipping factor are computed on the device and the
+    // update reads the factor there: from the first micro-batch's forward to
+    // the update nothing waits for the device, which so never drains.
+    ASSIGN_OR_RETURN(const DeviceClip clip, ClipOnDevice(optimizer, o.clip_norm, &pg, &norm_order));
     const double lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
-    RETURN_IF_ERROR(optimizer.Step(lr, ClipFactor(norm, o.clip_norm)));  // clipping as the update reads
+    RETURN_IF_ERROR(optimizer.Step(lr, clip.scale));  // clipping as the update reads
     RETURN_IF_ERROR(sync->GatherParams());  // ZeRO: every replica gets the weights the others updated
+    // The step's one read: the norm and the losses, after every kernel and
+    // collective of the step. A collective that failed is reported now. Its
+    // garbage may have reached the weights in memory, but not a checkpoint
+    // or a report: the run ends here and a restart loads the last checkpoint.
+    std::vector<Tensor> read = {clip.norm_and_scale};
+    read.insert(read.end(), loss_sums.begin(), loss_sums.end());
+    ASSIGN_OR_RETURN(const Tensor all, Tensor::Cat(read, 0));
+    const std::vector<float> values = all.ToFloats();
+    RETURN_IF_ERROR(pg.AsyncError());
+    const double norm = values[0];
+    for (size_t k = 0; k < loss_sums.size(); ++k) {
+      loss += static_cast<double>(values[2 + k]) / static_cast<double>(loss_denominators[k]);
+    }
     StepStats s;
     s.rank = rank;
     s.step = step + 1;
