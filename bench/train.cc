@@ -217,6 +217,9 @@ struct Measured {
   // over the pipeline's span (StepProgress.pipeline_span), and over their
   // mean busy time (Megatron-LM's bubble time fraction).
   double bubble = 0, bubble_work = 0;
+  // CUDA rows run in this process: the mean of the timed steps' host waits
+  // for the device (StepStats::device_wait_seconds); -1 where not measured.
+  double device_wait = -1;
 };
 
 // The row's training options, its model and corpus written under `dir`
@@ -257,6 +260,7 @@ struct StepEnd {
   absl::Time end;
   double loss = 0, wait = 0, seconds = 0;
   double span = 0;  // the pipeline's part of `seconds`
+  double device_wait = -1;  // StepStats::device_wait_seconds, where reported
 };
 
 absl::StatusOr<Measured> Summarize(const std::vector<StepEnd>& ends, int steps, int warmup) {
@@ -280,6 +284,11 @@ absl::StatusOr<Measured> Summarize(const std::vector<StepEnd>& ends, int steps, 
     return absl::InternalError("the run reported fewer steps than it ran");
   }
   m.step_seconds = absl::ToDoubleSeconds(ends.back().end - ends[warmup - 1].end) / steps;
+  if (ends.back().device_wait >= 0) {
+    double sum = 0;
+    for (size_t i = warmup; i < ends.size(); ++i) sum += ends[i].device_wait;
+    m.device_wait = sum / steps;
+  }
   return m;
 }
 
@@ -287,7 +296,8 @@ absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int step
   ASSIGN_OR_RETURN(train::TrainOptions o, OptionsOf(row, dir, steps, warmup));
   std::vector<StepEnd> ends;
   RETURN_IF_ERROR(train::Train(o, [&](const train::StepStats& s) {
-    ends.push_back({absl::Now(), s.loss, s.pipeline_wait_seconds, s.seconds, s.pipeline_span_seconds});
+    ends.push_back({absl::Now(), s.loss, s.pipeline_wait_seconds, s.seconds, s.pipeline_span_seconds,
+                    s.cuda ? s.device_wait_seconds : -1});
   }));
   return Summarize(ends, steps, warmup);
 }
@@ -514,11 +524,11 @@ int Main(int argc, char** argv) {
                   "\"matmul_params\":%.0f,\"seq_len\":%lld,\"batch\":%lld,\"steps\":%d,\"step_seconds\":%.6f,"
                   "\"tokens_per_second\":%.1f,\"model_flops_per_second\":%.4g,\"peak_flops_per_second\":%.4g,"
                   "\"mfu\":%.4f,\"loss\":%.4f,\"bubble\":%.4f,\"bubble_schedule\":%.4f,\"bubble_over_work\":%.4f,"
-                  "\"bubble_over_work_schedule\":%.4f,\"pinned\":%s}\n",
+                  "\"bubble_over_work_schedule\":%.4f,\"device_wait_seconds\":%.6f,\"pinned\":%s}\n",
                   row.name.c_str(), row.cuda ? "cuda" : "cpu", row.tp, row.pp, row.dp, row.micro, row.v,
                   row.cuda ? "bf16" : "fp32", params, static_cast<long long>(row.seq),
                   static_cast<long long>(sized.batch), steps, m->step_seconds, tps, flops, peak, flops / peak, m->loss,
-                  m->bubble, closed_form, m->bubble_work, closed_form_work,
+                  m->bubble, closed_form, m->bubble_work, closed_form_work, m->device_wait,
                   !row.cuda && absl::GetFlag(FLAGS_pin_workers) ? "true" : "false");
     } else {
       const std::string bubble =
@@ -529,6 +539,12 @@ int Main(int argc, char** argv) {
                   row.name.c_str(), row.cuda ? "cuda" : "cpu", layout.c_str(), row.cuda ? "bf16" : "fp32",
                   params / 1e6, tokens, m->step_seconds * 1e3, tps, flops, peak, 100 * flops / peak, vs,
                   bubble.c_str());
+      if (m->device_wait >= 0) {
+        // Where the host's wait for the device at the step's end is near 0,
+        // the host, not the device, sets the pace.
+        std::printf("%-10s  the host waited %.2f ms a step for the device at the step's end\n", "",
+                    m->device_wait * 1e3);
+      }
     }
     std::fflush(stdout);
   }

@@ -109,8 +109,11 @@ void SetBlasThreads(int n) {
 
 int BlasThreads() { return blas_threads; }
 
-absl::Status Gemm(int, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a,
-                  const void* b, void* c) {
+namespace {
+
+// Gemm's checks: INVALID_ARGUMENT for operands that are not float or
+// dimensions BLAS's ints cannot hold.
+absl::Status CheckGemm(ElemType type, int64_t m, int64_t n, int64_t k) {
   if (type != ElemType::kF32 && type != ElemType::kBF16 && type != ElemType::kF16) {
     return absl::InvalidArgumentError("Gemm: f32, bf16 or f16 operands only");
   }
@@ -118,31 +121,52 @@ absl::Status Gemm(int, ElemType type, bool trans_a, bool trans_b, int64_t m, int
     return absl::InvalidArgumentError(absl::StrCat("Gemm: [", m, ", ", k, "] @ [", k, ", ", n,
                                                    "] exceeds BLAS's int dimensions"));
   }
-  if (m == 0 || n == 0) return absl::OkStatus();
-  float* out = static_cast<float*>(c);
-  std::vector<float> wa, wb, wc;
+  return absl::OkStatus();
+}
+
+// out [m, n] f32 = op(A) op(B) + beta * out, the operands widened from `type`.
+void WidenedSgemm(ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a,
+                  const void* b, float* out, float beta) {
+  std::vector<float> wa, wb;
   const float* pa = static_cast<const float*>(a);
   const float* pb = static_cast<const float*>(b);
   if (type != ElemType::kF32) {
     wa = Widen(type, a, m * k);
     wb = Widen(type, b, k * n);
-    wc.resize(m * n);
     pa = wa.data();
     pb = wb.data();
-    out = wc.data();
   }
   if (k == 0) {
-    std::fill(out, out + m * n, 0.0f);
-  } else {
-    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-                static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1.0f, pa,
-                static_cast<int>(trans_a ? m : k), pb, static_cast<int>(trans_b ? k : n), 0.0f, out,
-                static_cast<int>(n));
+    if (beta == 0.0f) std::fill(out, out + m * n, 0.0f);
+    return;
   }
-  if (type != ElemType::kF32) {
-    uint16_t* h = static_cast<uint16_t*>(c);
-    for (int64_t i = 0; i < m * n; ++i) h[i] = type == ElemType::kBF16 ? FloatToBF16(wc[i]) : FloatToF16(wc[i]);
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1.0f, pa,
+              static_cast<int>(trans_a ? m : k), pb, static_cast<int>(trans_b ? k : n), beta, out, static_cast<int>(n));
+}
+
+}  // namespace
+
+absl::Status Gemm(int, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a,
+                  const void* b, void* c) {
+  if (absl::Status s = CheckGemm(type, m, n, k); !s.ok()) return s;
+  if (m == 0 || n == 0) return absl::OkStatus();
+  if (type == ElemType::kF32) {
+    WidenedSgemm(type, trans_a, trans_b, m, n, k, a, b, static_cast<float*>(c), 0.0f);
+    return absl::OkStatus();
   }
+  std::vector<float> wc(m * n);
+  WidenedSgemm(type, trans_a, trans_b, m, n, k, a, b, wc.data(), 0.0f);
+  uint16_t* h = static_cast<uint16_t*>(c);
+  for (int64_t i = 0; i < m * n; ++i) h[i] = type == ElemType::kBF16 ? FloatToBF16(wc[i]) : FloatToF16(wc[i]);
+  return absl::OkStatus();
+}
+
+absl::Status GemmF32Out(int, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                        const void* a, const void* b, float* c, bool accumulate) {
+  if (absl::Status s = CheckGemm(type, m, n, k); !s.ok()) return s;
+  if (m == 0 || n == 0) return absl::OkStatus();
+  WidenedSgemm(type, trans_a, trans_b, m, n, k, a, b, c, accumulate ? 1.0f : 0.0f);
   return absl::OkStatus();
 }
 

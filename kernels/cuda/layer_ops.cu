@@ -1802,15 +1802,19 @@ cudaDataType_t CudaType(ElemType t) {
 
 }  // namespace
 
-absl::Status Gemm(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
-                  const void* a, const void* b, void* c) {
+namespace {
+
+// Row-major C (c_type: `type`, or f32) = op(A) op(B) + beta C, A and B of
+// `type`, on cuBLAS with f32 accumulation.
+absl::Status GemmEx(int device, ElemType type, ElemType c_type, float beta, bool trans_a, bool trans_b, int64_t m,
+                    int64_t n, int64_t k, const void* a, const void* b, void* c) {
   if (type != ElemType::kF32 && type != ElemType::kBF16 && type != ElemType::kF16) {
     return absl::InvalidArgumentError("Gemm: f32, bf16 or f16 only");
   }
   if (m == 0 || n == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
-  const float one = 1.0f, zero = 0.0f;
+  const float one = 1.0f;
   const int lda = static_cast<int>(trans_a ? m : k), ldb = static_cast<int>(trans_b ? k : n);
   {
     CublasHandles& handles = Handles();
@@ -1824,11 +1828,23 @@ absl::Status Gemm(int device, ElemType type, bool trans_a, bool trans_b, int64_t
     RETURN_IF(CublasCheck(
         cublasGemmEx(*h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
                      static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one, b, CudaType(type), ldb, a,
-                     CudaType(type), lda, &zero, c, CudaType(type), static_cast<int>(n), compute,
+                     CudaType(type), lda, &beta, c, CudaType(c_type), static_cast<int>(n), compute,
                      CUBLAS_GEMM_DEFAULT),
         "cublasGemmEx"));
   }
   return Finish("cublasGemmEx");
+}
+
+}  // namespace
+
+absl::Status Gemm(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                  const void* a, const void* b, void* c) {
+  return GemmEx(device, type, type, 0.0f, trans_a, trans_b, m, n, k, a, b, c);
+}
+
+absl::Status GemmF32Out(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                        const void* a, const void* b, float* c, bool accumulate) {
+  return GemmEx(device, type, ElemType::kF32, accumulate ? 1.0f : 0.0f, trans_a, trans_b, m, n, k, a, b, c);
 }
 
 absl::Status SetAllowTf32(int device, bool allow) {

@@ -174,10 +174,18 @@ absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden,
                                                                      vocab_size, label_smoothing, ignore_index,
                                                                      dtype));
           ASSIGN_OR_RETURN(Tensor dhc, ops::MatMul(dz, w));               // [n, H]: this shard's share
-          ASSIGN_OR_RETURN(Tensor dwc, ops::MatMul(dz, c.h, true, false));  // [V_pad / tp, H]
           dh.push_back(std::move(dhc));
           // The chunks' shares of a bf16/f16 weight's gradient are summed in
-          // f32 and rounded once at the end.
+          // f32 and rounded once at the end: each chunk's GEMM adds its
+          // share to the f32 sum (beta = 1), unrounded.
+          if (chunks.size() > 1 && dz.dtype() == c.h.dtype()) {
+            if (!dw.has_value()) {
+              ASSIGN_OR_RETURN(dw, Tensor::Empty({w.shape()[0], w.shape()[1]}, DType::kF32, w.device()));
+            }
+            RETURN_IF_ERROR(ops::MatMulF32Into(dz, c.h, true, false, *dw, /*accumulate=*/i > 0));
+            continue;
+          }
+          ASSIGN_OR_RETURN(Tensor dwc, ops::MatMul(dz, c.h, true, false));  // [V_pad / tp, H]
           if (dw.has_value()) {
             ASSIGN_OR_RETURN(dwc, dwc.ToDType(DType::kF32));
             ASSIGN_OR_RETURN(dw, Add(*dw, dwc));

@@ -232,10 +232,9 @@ class ShardedModel {
   // vocabulary's 1024 rows at a time. The budget counts the logits alone, in
   // their dtype (f32 where the hidden states' and the head's differ); a
   // chunk's backward holds their gradient beside them, so its peak is about
-  // twice the budget. Each chunk costs a head GEMM again in backward and its
-  // share of the weight's gradient an f32 accumulation, so fewer and larger
-  // chunks are faster. INVALID_ARGUMENT for a negative count other than
-  // kFusedHeadByBytes.
+  // twice the budget. Each chunk costs a head GEMM again in backward, so
+  // fewer and larger chunks are faster. INVALID_ARGUMENT for a negative
+  // count other than kFusedHeadByBytes.
   static constexpr int64_t kFusedHeadByBytes = -1;
   static constexpr int64_t kFusedHeadChunkBytes = int64_t{512} << 20;
   int64_t fused_head_rows() const { return fused_head_rows_; }

@@ -674,6 +674,21 @@ TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {
   }
 }
 
+// MatMulF32Into on cuBLAS (bf16 operands, f32 output, beta 1 the second
+// time): the CPU twin's sums.
+TEST_F(CudaLayerOps, MatMulF32IntoMatchesTheCpu) {
+  const Tensor a0 = *R({33, 20}, 81).ToDType(DType::kBF16), b0 = *R({33, 12}, 82).ToDType(DType::kBF16);
+  const Tensor a1 = *R({33, 20}, 83).ToDType(DType::kBF16), b1 = *R({33, 12}, 84).ToDType(DType::kBF16);
+  Tensor host = *Tensor::Zeros({20, 12}, DType::kF32), dev = Dev(host);
+  for (bool accumulate : {false, true}) {
+    const Tensor& a = accumulate ? a1 : a0;
+    const Tensor& b = accumulate ? b1 : b0;
+    ASSERT_TRUE(MatMulF32Into(a, b, true, false, host, accumulate).ok());
+    ASSERT_TRUE(MatMulF32Into(Dev(a), Dev(b), true, false, dev, accumulate).ok());
+  }
+  ExpectNear(dev, host, 1e-5, "matmul into f32");
+}
+
 // GradNormClip on the device: the CPU twin's bits (the same sum in double,
 // the same factor), clipping or not.
 TEST_F(CudaLayerOps, GradNormClipHasTheCpuTwinsBits) {

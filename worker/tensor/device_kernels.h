@@ -113,6 +113,8 @@ struct DeviceKernels {
                                          int64_t d, float scale, bool causal, kernels::AttentionBias extra);
   absl::Status (*AdamW)(int device, const std::vector<kernels::AdamWTensor>& tensors, const kernels::AdamWHyper& h);
   absl::Status (*GradNormClip)(int device, const float* squares, int64_t n, double max_norm, float* out);
+  absl::Status (*GemmF32Out)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                             const void* a, const void* b, float* c, bool accumulate);
 };
 
 // The table of a kernels/ namespace; a twin whose signature drifts is a
@@ -128,7 +130,8 @@ struct DeviceKernels {
         &ns::Embedding, &ns::EmbeddingBackward, &ns::CrossEntropy, &ns::CrossEntropyBackward,           \
         &ns::VocabShardMax, &ns::VocabShardSums, &ns::VocabShardCombine, &ns::VocabShardLoss,         \
         &ns::VocabShardBackward,                                                                      \
-        &ns::Rope, &ns::FlashAttention, &ns::FlashAttentionBackward, &ns::AdamW, &ns::GradNormClip     \
+        &ns::Rope, &ns::FlashAttention, &ns::FlashAttentionBackward, &ns::AdamW, &ns::GradNormClip,    \
+        &ns::GemmF32Out                                                                               \
   }
 
 const DeviceKernels& CpuKernels();

@@ -156,6 +156,26 @@ absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a, bo
   return Back(out, a.dtype());
 }
 
+absl::Status MatMulF32Into(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, Tensor& c,
+                           bool accumulate) {
+  if (a.dim() != 2 || b.dim() != 2 || a.dtype() != b.dtype() || !IsFloat(a.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat("matmul into f32: ", DTypeName(a.dtype()), ShapeToString(a.shape()),
+                                                   " @ ", DTypeName(b.dtype()), ShapeToString(b.shape()),
+                                                   " needs two matrices of one float dtype"));
+  }
+  const int64_t m = trans_a ? a.shape()[1] : a.shape()[0], kk = trans_a ? a.shape()[0] : a.shape()[1];
+  const int64_t kb = trans_b ? b.shape()[1] : b.shape()[0], n = trans_b ? b.shape()[0] : b.shape()[1];
+  if (kk != kb || c.dtype() != DType::kF32 || !c.is_contiguous() || c.shape() != Shape{m, n}) {
+    return absl::InvalidArgumentError(absl::StrCat("matmul into f32: ", ShapeToString(a.shape()), (trans_a ? "^T" : ""),
+                                                   " @ ", ShapeToString(b.shape()), (trans_b ? "^T" : ""), " into ",
+                                                   DTypeName(c.dtype()), ShapeToString(c.shape())));
+  }
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("matmul into f32", a.device(), {&b, &c}));
+  const Tensor fa = a.Contiguous(), fb = b.Contiguous();
+  return k->GemmF32Out(a.device().index, Elem(a.dtype()), trans_a, trans_b, m, n, kk, fa.raw_data(), fb.raw_data(),
+                       c.data<float>(), accumulate);
+}
+
 absl::Status SetAllowTf32(Device device, bool allow) {
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(device));
   return k->SetAllowTf32(device.index, allow);

@@ -32,6 +32,13 @@ namespace colod::ops {
 // is a matrix or, without trans_a, a batch of rows [..., K] whose leading
 // dims are kept: [B, S, K] @ [K, N] -> [B, S, N].
 absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+// c = op(a) @ op(b), or c += it where `accumulate`, in f32: a and b
+// matrices of one float dtype, c a contiguous f32 [m, n] on their device.
+// bf16/f16 products are kept in f32, not rounded to their dtype: a sum over
+// chunks (the fused LM head's weight gradient) in one GEMM a chunk.
+// INVALID_ARGUMENT for other shapes or dtypes.
+absl::Status MatMulF32Into(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, Tensor& c,
+                           bool accumulate);
 // Whether the f32 MatMuls on `device` that follow may round their operands
 // to TF32 (10-bit mantissa) on tensor cores, as PyTorch's allow_tf32 does;
 // off until set, and a setting of the whole process for that device (a rank

@@ -611,6 +611,36 @@ TEST(CpuKernels, AdamWMatchesTheDoublePrecisionUpdate) {
   EXPECT_EQ(AdamW({{p2, std::nullopt, g, m2, v2}}, 5, at).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// MatMulF32Into: bf16 products written, then added, into f32, against the
+// double-precision sums of the widened operands (a bf16 GEMM's output would
+// be rounded to bf16, 2^-8 relative: the tolerance here is f32's).
+TEST(CpuKernels, MatMulF32IntoWritesThenAccumulatesInF32) {
+  const int64_t m = 7, n = 5, k = 9;
+  const Tensor a0 = *Random({k, m}, 71).ToDType(DType::kBF16), b0 = *Random({k, n}, 72).ToDType(DType::kBF16);
+  const Tensor a1 = *Random({k, m}, 73).ToDType(DType::kBF16), b1 = *Random({k, n}, 74).ToDType(DType::kBF16);
+  Tensor c = *Tensor::FromFloats({m, n}, std::vector<float>(m * n, 1e9f));  // overwritten, not added to
+  ASSERT_TRUE(MatMulF32Into(a0, b0, true, false, c, /*accumulate=*/false).ok());
+  ASSERT_TRUE(MatMulF32Into(a1, b1, true, false, c, /*accumulate=*/true).ok());
+  const std::vector<float> av0 = a0.ToFloats(), bv0 = b0.ToFloats(), av1 = a1.ToFloats(), bv1 = b1.ToFloats();
+  std::vector<double> want(m * n, 0.0);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t p = 0; p < k; ++p) {
+        want[i * n + j] += double{av0[p * m + i]} * bv0[p * n + j] + double{av1[p * m + i]} * bv1[p * n + j];
+      }
+    }
+  }
+  ExpectNear(c.ToFloats(), want, 1e-5, 1e-5, "matmul into f32");
+  EXPECT_EQ(c.dtype(), DType::kF32);
+  Tensor wrong = *Tensor::Zeros({m, n + 1}, DType::kF32);
+  EXPECT_EQ(MatMulF32Into(a0, b0, true, false, wrong, false).code(), absl::StatusCode::kInvalidArgument);
+  Tensor half = *Tensor::Zeros({m, n}, DType::kBF16);
+  EXPECT_EQ(MatMulF32Into(a0, b0, true, false, half, false).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MatMulF32Into(a0, *b0.ToDType(DType::kF32), true, false, c, false).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MatMulF32Into(a0, b0, false, false, c, false).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // GradNormClip against its closed form: the norm of the squares added in
 // double, and torch's clip_grad_norm_ factor.
 TEST(CpuKernels, GradNormClipIsTheNormAndTorchsFactor) {

@@ -98,6 +98,11 @@ TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
   EXPECT_GT(stats[9].pool_reserved_bytes, 0);
   EXPECT_GE(stats[9].pool_reserved_bytes, stats[9].pool_used_bytes);
   EXPECT_GE(stats[9].pool_used_bytes, stats[9].param_bytes);
+  // The host's wait in the step's one read is part of the step.
+  for (const StepStats& st : stats) {
+    EXPECT_GE(st.device_wait_seconds, 0.0);
+    EXPECT_LE(st.device_wait_seconds, st.seconds) << "step " << st.step;
+  }
   ASSERT_EQ(after.size(), 10u);
   // Steps 1 and 2 warm up (the optimizer's state appears in step 1); the
   // other ranks are at most a step behind rank 0, so steps 4 to 10 are warm

@@ -548,7 +548,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     std::vector<Tensor> read = {clip.norm_and_scale};
     read.insert(read.end(), loss_sums.begin(), loss_sums.end());
     ASSIGN_OR_RETURN(const Tensor all, Tensor::Cat(read, 0));
+    const absl::Time read_start = absl::Now();
     const std::vector<float> values = all.ToFloats();
+    const double device_wait = all.device().is_cuda() ? absl::ToDoubleSeconds(absl::Now() - read_start) : 0;
     RETURN_IF_ERROR(pg.AsyncError());
     const double norm = values[0];
     for (size_t k = 0; k < loss_sums.size(); ++k) {
@@ -561,6 +563,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.lr = lr;
     s.grad_norm = norm;
     s.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    s.device_wait_seconds = device_wait;
     s.pipeline_wait_seconds = pipeline_wait;
     s.pipeline_span_seconds = pipeline_span;
     s.dp_bucket_bytes = sync->last_bucket_bytes();

@@ -106,6 +106,11 @@ struct StepStats {
   bool cuda = false;
   int64_t pool_reserved_bytes = 0, pool_used_bytes = 0;
   double seconds = 0;      // the step's wall time
+  // The host's wait in the step's one read of the device (the loss and the
+  // grad norm, after the update is enqueued): how long the device was still
+  // busy once the host had enqueued the whole step. Near 0 where the host,
+  // not the device, sets the step's pace. 0 on the CPU (nothing to wait for).
+  double device_wait_seconds = 0;
   // Pipeline stages: the idle time of this rank's pipeline's stages in the
   // step, averaged over the stages (the schedule's bubble;
   // PipelineStepResult::mean_wait_seconds), and the span it is idle in
