@@ -267,8 +267,8 @@ absl::StatusOr<LmLoss> ShardedModel::ForwardTokenLoss(const std::function<absl::
   ASSIGN_OR_RETURN(Variable flat, nn::Reshape(hidden.variable(), {rows, hs[2]}));
   int64_t chunk_rows = fused_head_rows_;
   if (chunk_rows == kFusedHeadByBytes) {  // the rows whose logits fit the budget
-    // The logits come in the head's dtype, or in f32 where the hidden
-    // states' differs (ops::MatMul).
+    // The logits are computed in the head's dtype, or through an f32
+    // temporary where the hidden states' differs (ops::MatMul): counted so.
     const DType w_dtype = weight->local().dtype();
     const DType z_dtype = flat.value().dtype() == w_dtype ? w_dtype : DType::kF32;
     const int64_t row_bytes = weight->local().shape()[0] * static_cast<int64_t>(SizeOf(z_dtype));

@@ -230,7 +230,8 @@ class ShardedModel {
   // within kFusedHeadChunkBytes: GPT-2 124M's 8192 rows of 50304 bf16 logits
   // go in two chunks, LLaMA's 32000-word vocabulary's in one, a 256k
   // vocabulary's 1024 rows at a time. The budget counts the logits alone, in
-  // their dtype (f32 where the hidden states' and the head's differ); a
+  // the dtype they are computed in (f32 where the hidden states' and the
+  // head's differ); a
   // chunk's backward holds their gradient beside them, so its peak is about
   // twice the budget. Each chunk costs a head GEMM again in backward, so
   // fewer and larger chunks are faster. INVALID_ARGUMENT for a negative

@@ -167,7 +167,8 @@ double ClipFactor(double norm, double max_norm);
 // GlobalGradNorm(optimizer, pg, order) and its ClipFactor computed where the
 // gradients are, enqueued with no host read: the trainer's step passes
 // `scale` to Optimizer::Step and reads `norm_and_scale` ([2] f32: the norm,
-// rounded to f32, and the factor, the bits ClipFactor gives) after the
+// rounded to f32, and ClipFactor's value rounded to f32, the bits the host
+// passed as grad_scale) after the
 // update is enqueued, so the device does not wait for the host between
 // backward and the update. Collective as GlobalGradNorm; a failed all-reduce
 // is seen by ProcessGroup::AsyncError once the host has read the norm.

@@ -535,8 +535,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     RETURN_IF_ERROR(sync->Finish());
     RETURN_IF_ERROR(SumTiedGradients(chunks, chunk_params, pg));
     // The norm and the clipping factor are computed on the device and the
-    // update reads the factor there: from the first micro-batch's forward to
-    // the update nothing waits for the device, which so never drains.
+    // update reads the factor there: without pipeline stages (whose steps
+    // read each micro-batch's loss) and with AdamW (SGD reads the factor),
+    // nothing waits for the device from the first forward to the update.
     ASSIGN_OR_RETURN(const DeviceClip clip, ClipOnDevice(optimizer, o.clip_norm, &pg, &norm_order));
     const double lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
     RETURN_IF_ERROR(optimizer.Step(lr, clip.scale));  // clipping as the update reads

@@ -100,7 +100,7 @@ struct StepStats {
   int64_t step = 0;  // 1-based
   double loss = 0;
   double lr = 0;
-  double grad_norm = 0;  // before clipping
+  double grad_norm = 0;  // before clipping; computed on the device, rounded to f32
   double tokens_per_second = 0;  // images per second for an image classifier; input + target tokens for pairs
   // On a CUDA device: its memory pool after the step (kernels::GetCudaPoolBytes).
   bool cuda = false;
