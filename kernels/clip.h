@@ -4,6 +4,9 @@
 #ifndef COLOD_KERNELS_CLIP_H_
 #define COLOD_KERNELS_CLIP_H_
 
+#include <math.h>
+#include <stdint.h>
+
 #include "kernels/host_device.h"
 
 namespace colod::kernels {
@@ -13,6 +16,17 @@ namespace colod::kernels {
 COLOD_HOST_DEVICE double ClipFactor(double norm, double max_norm) {
   if (max_norm <= 0 || norm <= max_norm) return 1.0;
   return max_norm / (norm + 1e-6);
+}
+
+// GradNormClip's work (layer_ops.inc), the same on either twin: out[0] = the
+// square root of squares[0..n) added in order in double, out[1] = its
+// ClipFactor, each rounded to f32.
+COLOD_HOST_DEVICE void NormAndClipFactor(const float* squares, int64_t n, double max_norm, float* out) {
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += squares[i];
+  const double norm = sqrt(sum);
+  out[0] = static_cast<float>(norm);
+  out[1] = static_cast<float>(ClipFactor(norm, max_norm));
 }
 
 }  // namespace colod::kernels

@@ -1047,11 +1047,7 @@ absl::Status AdamW(int, const std::vector<AdamWTensor>& tensors, const AdamWHype
 }
 
 absl::Status GradNormClip(int, const float* squares, int64_t n, double max_norm, float* out) {
-  double sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += squares[i];
-  const double norm = std::sqrt(sum);
-  out[0] = static_cast<float>(norm);
-  out[1] = static_cast<float>(ClipFactor(norm, max_norm));
+  NormAndClipFactor(squares, n, max_norm, out);
   return absl::OkStatus();
 }
 

@@ -913,13 +913,9 @@ __global__ void AdamWKernel(TensorList<AdamWTensor> list, AdamWHyper h) {
   }
 }
 
-// GradNormClip's one thread: the CPU twin's sum, in its order.
+// GradNormClip's one thread: the CPU twin's code (kernels/clip.h).
 __global__ void GradNormClipKernel(const float* squares, int64_t n, double max_norm, float* out) {
-  double sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += squares[i];
-  const double norm = sqrt(sum);
-  out[0] = static_cast<float>(norm);
-  out[1] = static_cast<float>(ClipFactor(norm, max_norm));
+  NormAndClipFactor(squares, n, max_norm, out);
 }
 
 // ---- Fused attention (FlashAttention, FlashAttentionBackward) ----
