@@ -940,6 +940,44 @@ TEST(CudaEmuNccl, ANonBlockingFirstUseIsInProgressUntilEveryEndArrived) {
   }
 }
 
+// A call issued the moment ncclCommGetAsyncError leaves ncclInProgress is
+// legal, as on NCCL. The emulation once ended a connection by publishing the
+// state before clearing its own mark of a connection being made, and such a
+// call died between the two (a pp=2 CLI test hit it in CI). The pause holds
+// the connecting thread between its two marks.
+TEST(CudaEmuNccl, ACallRightAfterTheConnectionSettlesIsAccepted) {
+  constexpr int kComms = 3;
+  ncclUniqueId ids[kComms];
+  for (auto& id : ids) ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  colod_nccl_emu::SetConnectEndPause(100);
+  OnRanks(2, [&](int r) {
+    float* x = ToDevice({static_cast<float>(r + 1)});
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    for (int i = 0; i < kComms; ++i) {
+      ncclComm_t comm = nullptr;
+      ASSERT_EQ(ncclCommInitRankConfig(&comm, 2, ids[i], r, &config), ncclSuccess);
+      ASSERT_EQ(Settle(comm), ncclSuccess);
+      const ncclResult_t first = ncclAllReduce(x, x, 1, ncclFloat32, ncclMax, comm, cudaStreamPerThread);
+      ASSERT_TRUE(first == ncclSuccess || first == ncclInProgress) << first;
+      // Polled without sleeping, at most 10 s.
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      ncclResult_t state = ncclInProgress;
+      while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
+        ASSERT_EQ(ncclCommGetAsyncError(comm, &state), ncclSuccess);
+      }
+      ASSERT_EQ(state, ncclSuccess);
+      // At once: the connection is made.
+      ASSERT_EQ(ncclAllReduce(x, x, 1, ncclFloat32, ncclMax, comm, cudaStreamPerThread), ncclSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+      ncclCommDestroy(comm);
+    }
+    EXPECT_EQ(ToHost(x, 1)[0], 2.0f);  // the max of 1 and 2
+    cudaFree(x);
+  });
+  colod_nccl_emu::SetConnectEndPause(0);
+}
+
 // One thread's group over both ranks of a communicator (as one process
 // driving two devices does): each communicator connects on its own, so the
 // group connects and runs. Blocking and non-blocking communicators in one

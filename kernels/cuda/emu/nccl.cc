@@ -85,6 +85,9 @@ std::chrono::seconds HangLimit() {
   return std::chrono::seconds(limit);
 }
 
+// SetConnectEndPause's pause, in milliseconds.
+std::atomic<int> connect_end_pause_ms{0};
+
 std::mutex fault_mu;
 Fault& CurrentFault() {
   static Fault* f = [] {
@@ -537,9 +540,13 @@ ncclResult_t Launch(std::vector<GroupOp> ops) {
   std::thread([members, connect_and_enqueue] {
     const bool ok = connect_and_enqueue();
     for (const auto& m : members) {
+      // The mark of the connection goes first: a caller that sees the state
+      // leave ncclInProgress may call again at once, and CheckNotInProgress
+      // must not find the connection still being made.
+      m->connecting = false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(connect_end_pause_ms.load()));
       int expected = ncclInProgress;
       m->state.compare_exchange_strong(expected, ok ? ncclSuccess : ncclInvalidUsage);
-      m->connecting = false;
     }
   }).detach();
   return ncclInProgress;
@@ -1174,6 +1181,8 @@ void SetFault(const Fault& fault) {
   std::lock_guard<std::mutex> l(fault_mu);
   CurrentFault() = fault;
 }
+
+void SetConnectEndPause(int ms) { connect_end_pause_ms = ms > 0 ? ms : 0; }
 
 }  // namespace colod_nccl_emu
 

@@ -24,6 +24,12 @@ struct Fault {
 // enqueued after the call.
 void SetFault(const Fault& fault);
 
+// Pauses the thread that ends a non-blocking connection for `ms` between its
+// two marks of the end (the connection made, the communicator's state), for
+// a test that a caller who sees the state change may call at once. 0 (the
+// default) pauses nothing.
+void SetConnectEndPause(int ms);
+
 }  // namespace colod_nccl_emu
 
 #endif  // COLOD_KERNELS_CUDA_EMU_NCCL_EMU_H_
