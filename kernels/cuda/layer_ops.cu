@@ -1070,7 +1070,9 @@ __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float*
 
 // ---- The tensor-core forward: FlashAttention-2's algorithm on mma.sync ----
 // For bf16 and f16 operands at the head dims MmaHeadDim names. A block of 4 warps takes
-// 64 query rows, 16 a warp, and walks the keys in tiles of 64 staged in
+// 64 kTiles query rows, 16 kTiles a warp (kTiles = 2 at head dim 64, where
+// the registers allow it, as FlashAttention-2's 128-row blocks; 1 above),
+// and walks the keys in tiles of 64 staged in
 // shared memory: S = Q K^T by mma.sync m16n8k16 (Q's fragments loaded once
 // into registers by ldmatrix, K's by ldmatrix from the tile), the online
 // softmax in base 2 on S's accumulator fragments (each lane holds two rows'
@@ -1084,7 +1086,7 @@ __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float*
 // tile is in flight while S = Q K^T runs, the next K tile while P V runs.
 // Only tiles that cross the causal diagonal or the sequence's end are
 // masked.
-constexpr int kMmaRows = 64;  // query rows a block (kAttnRows: the same grid)
+constexpr int kMmaRows = 64;  // query rows a block at one row tile a warp (kAttnRows: the same grid)
 constexpr int kMmaKeys = 64;  // keys a tile
 constexpr int kMmaThreads = 128;
 constexpr int kMmaPad = 8;  // elements of padding a shared row
@@ -1172,19 +1174,33 @@ __device__ __forceinline__ uint32_t RoundPack(float& lo, float& hi) {
   return static_cast<uint32_t>(a) | static_cast<uint32_t>(b) << 16;
 }
 
+// Each warp's A fragments of its kTiles row tiles of 16 (warp w's rows 16
+// (kTiles w + t) .. + 16 in f[t]) of a tile of 64 kTiles rows.
+template <int kD, int kTiles>
+__device__ __forceinline__ void LoadRowTileFragments(uint32_t (*f)[kD / 16][4], uint16_t (*tile)[kD + kMmaPad]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      LdMatrixX4(f[t][kk], &tile[16 * (kTiles * warp + t) + lane % 16][16 * kk + 8 * (lane / 16)]);
+    }
+  }
+}
+
 // Each warp's A fragments of 16 rows (16 w .. 16 w + 16) of a 64-row tile.
 template <int kD>
 __device__ __forceinline__ void LoadRowFragments(uint32_t (*f)[4], uint16_t (*tile)[kD + kMmaPad]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int kk = 0; kk < kD / 16; ++kk) LdMatrixX4(f[kk], &tile[16 * warp + lane % 16][16 * kk + 8 * (lane / 16)]);
+  LoadRowTileFragments<kD, 1>(reinterpret_cast<uint32_t(*)[kD / 16][4]>(f), tile);
 }
 
-// acc[kN / 8][4] += A (16 x kD, fragments a) times tile^T, tile holding kN
-// rows of kD (a row-major n x k operand: ldmatrix).
-template <int kD, int kN, typename T>
-__device__ __forceinline__ void MmaRowsByTileT(float (*acc)[4], const uint32_t (*a)[4],
-                                               uint16_t (*tile)[kD + kMmaPad]) {
+// acc[t][kN / 8][4] += A_t (16 x kD, fragments a[t]) times tile^T for each
+// of kTiles row tiles, tile holding kN rows of kD (a row-major n x k
+// operand: ldmatrix). Each B fragment read from shared memory feeds 2 kTiles
+// products.
+template <int kD, int kN, typename T, int kTiles>
+__device__ __forceinline__ void MmaTilesByTileT(float (*acc)[kN / 8][4], const uint32_t (*a)[kD / 16][4],
+                                                uint16_t (*tile)[kD + kMmaPad]) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
@@ -1192,33 +1208,60 @@ __device__ __forceinline__ void MmaRowsByTileT(float (*acc)[4], const uint32_t (
     for (int nt = 0; nt < kN / 16; ++nt) {
       uint32_t b[4];
       LdMatrixX4(b, &tile[16 * nt + lane % 8 + 8 * (lane / 16)][16 * kk + 8 * ((lane / 8) % 2)]);
-      MmaOf<T>(acc[2 * nt], a[kk], b, acc[2 * nt]);
-      MmaOf<T>(acc[2 * nt + 1], a[kk], b + 2, acc[2 * nt + 1]);
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        MmaOf<T>(acc[t][2 * nt], a[t][kk], b, acc[t][2 * nt]);
+        MmaOf<T>(acc[t][2 * nt + 1], a[t][kk], b + 2, acc[t][2 * nt + 1]);
+      }
     }
   }
 }
 
-// acc[kD / 8][4] += X (16 x kK, the accumulator fragments x[kK / 8][4],
-// rounded to T) times tile (kK rows of kD: a row-major k x n operand:
-// ldmatrix.trans).
-template <int kD, int kK, typename T>
-__device__ __forceinline__ void MmaAccByTile(float (*acc)[4], float (*x)[4], uint16_t (*tile)[kD + kMmaPad]) {
+// acc[kN / 8][4] += A (16 x kD, fragments a) times tile^T: one row tile.
+template <int kD, int kN, typename T>
+__device__ __forceinline__ void MmaRowsByTileT(float (*acc)[4], const uint32_t (*a)[4],
+                                               uint16_t (*tile)[kD + kMmaPad]) {
+  MmaTilesByTileT<kD, kN, T, 1>(reinterpret_cast<float(*)[kN / 8][4]>(acc),
+                                reinterpret_cast<const uint32_t(*)[kD / 16][4]>(a), tile);
+}
+
+// acc[t][kD / 8][4] += X_t (16 x kK, the accumulator fragments x[t][kK /
+// 8][4], rounded to T in place) times tile (kK rows of kD: a row-major k x n
+// operand: ldmatrix.trans), for each of kTiles row tiles; each B fragment
+// feeds 2 kTiles products.
+template <int kD, int kK, typename T, int kTiles>
+__device__ __forceinline__ void MmaTilesAccByTile(float (*acc)[kD / 8][4], float (*x)[kK / 8][4],
+                                                  uint16_t (*tile)[kD + kMmaPad]) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[4];
-    a[0] = RoundPack<T>(x[2 * kk][0], x[2 * kk][1]);
-    a[1] = RoundPack<T>(x[2 * kk][2], x[2 * kk][3]);
-    a[2] = RoundPack<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
-    a[3] = RoundPack<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+    uint32_t a[kTiles][4];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+      a[t][0] = RoundPack<T>(x[t][2 * kk][0], x[t][2 * kk][1]);
+      a[t][1] = RoundPack<T>(x[t][2 * kk][2], x[t][2 * kk][3]);
+      a[t][2] = RoundPack<T>(x[t][2 * kk + 1][0], x[t][2 * kk + 1][1]);
+      a[t][3] = RoundPack<T>(x[t][2 * kk + 1][2], x[t][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int dt = 0; dt < kD / 16; ++dt) {
       uint32_t b[4];
       LdMatrixX4Trans(b, &tile[16 * kk + lane % 16][16 * dt + 8 * (lane / 16)]);
-      MmaOf<T>(acc[2 * dt], a, b, acc[2 * dt]);
-      MmaOf<T>(acc[2 * dt + 1], a, b + 2, acc[2 * dt + 1]);
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        MmaOf<T>(acc[t][2 * dt], a[t], b, acc[t][2 * dt]);
+        MmaOf<T>(acc[t][2 * dt + 1], a[t], b + 2, acc[t][2 * dt + 1]);
+      }
     }
   }
+}
+
+// acc[kD / 8][4] += X (16 x kK, fragments x[kK / 8][4]) times tile: one row
+// tile.
+template <int kD, int kK, typename T>
+__device__ __forceinline__ void MmaAccByTile(float (*acc)[4], float (*x)[4], uint16_t (*tile)[kD + kMmaPad]) {
+  MmaTilesAccByTile<kD, kK, T, 1>(reinterpret_cast<float(*)[kD / 8][4]>(acc), reinterpret_cast<float(*)[kK / 8][4]>(x),
+                                  tile);
 }
 
 // Stores acc (16 rows of the warp, kD columns) * factor to rows [row0 + 16
@@ -1240,41 +1283,58 @@ __device__ __forceinline__ void StoreRows(T* base, int64_t stride, int64_t row0,
   }
 }
 
-// Grid (row blocks, hq, b), kMmaThreads threads. q, k, v, out as
-// FlashAttention's, 16-byte aligned.
-template <int kD, typename T>
+// Grid (row blocks of 64 kTiles rows, hq, b), kMmaThreads threads. q, k, v,
+// out as FlashAttention's, 16-byte aligned. Each warp takes kTiles row tiles
+// of 16 (FlashAttention-2's 128-row blocks at kTiles = 2): every K and V
+// fragment read from shared memory then feeds kTiles times as many
+// mma.sync, which halves the shared-memory reads a product, for kTiles
+// times the registers of Q's fragments, the scores and the output.
+template <int kD, typename T, int kTiles>
 __global__ void __launch_bounds__(kMmaThreads)
     FlashForwardMmaKernel(const T* q, const T* k, const T* v, T* out, float* lse, int64_t s, int64_t hq, int64_t hkv,
                           float scale, bool causal, AttentionBias extra) {
-  constexpr int kStride = kD + kMmaPad;
+  constexpr int kStride = kD + kMmaPad, kRows = kMmaRows * kTiles;
   static_assert(kD % 16 == 0 && kD <= kMmaMaxD, "head dim");
+  static_assert(kRows <= 2 * kMmaKeys, "the block's query rows are staged through ks and vs");
   uint16_t(*ks)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
   uint16_t(*vs)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kMmaKeys * kStride);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
   const int64_t h = blockIdx.y, bi = blockIdx.z, kvh = h / (hq / hkv);
-  const int64_t row0 = RowBlockOf(causal) * kMmaRows;
+  const int64_t row0 = RowBlockOf(causal) * kRows;
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + (bi * s * hq + h) * kD;
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + (bi * s * hkv + kvh) * kD;
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + (bi * s * hkv + kvh) * kD;
 
-  // The block's query rows through ks; each warp keeps its 16 rows' A fragments.
-  StageMmaTile<kD>(ks, qb, hq * kD, row0, s);
+  // The block's query rows through ks (and vs, which follows it); each warp
+  // keeps its row tiles' A fragments.
+  StageMmaTile<kD, kRows>(ks, qb, hq * kD, row0, s);
   CpAsyncCommit();
   CpAsyncWait<0>();
   __syncthreads();
-  uint32_t qf[kD / 16][4];
-  LoadRowFragments<kD>(qf, ks);
+  uint32_t qf[kTiles][kD / 16][4];
+  LoadRowTileFragments<kD, kTiles>(qf, ks);
   __syncthreads();
 
-  // This lane's rows: r[0] = group, r[1] = group + 8 of the warp's 16.
-  const int64_t rows[2] = {row0 + 16 * warp + group, row0 + 16 * warp + group + 8};
-  float o[kD / 8][4];
+  // This lane's rows of row tile t: rows[t][0] = group, rows[t][1] = group + 8
+  // of the tile's 16.
+  int64_t rows[kTiles][2];
 #pragma unroll
-  for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  for (int t = 0; t < kTiles; ++t) {
+    rows[t][0] = row0 + 16 * (kTiles * warp + t) + group;
+    rows[t][1] = rows[t][0] + 8;
+  }
+  float o[kTiles][kD / 8][4];
+  float m[kTiles][2], l[kTiles][2];
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) o[t][j][0] = o[t][j][1] = o[t][j][2] = o[t][j][3] = 0.0f;
+    m[t][0] = m[t][1] = -INFINITY;
+    l[t][0] = l[t][1] = 0.0f;
+  }
   const float scale2 = scale * kLog2e;
   const float slope = SlopeOf(extra, h);
-  const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
+  const int64_t keys = causal && row0 + kRows < s ? row0 + kRows : s;
   StageMmaTile<kD>(ks, kb, hkv * kD, 0, s);
   CpAsyncCommit();
   for (int64_t j0 = 0; j0 < keys; j0 += kMmaKeys) {
@@ -1282,44 +1342,55 @@ __global__ void __launch_bounds__(kMmaThreads)
     __syncthreads();   // ... visible; every warp is done with vs
     StageMmaTile<kD>(vs, vb, hkv * kD, j0, s);
     CpAsyncCommit();
-    float sc[kMmaKeys / 8][4];
+    float sc[kTiles][kMmaKeys / 8][4];
 #pragma unroll
-    for (int j = 0; j < kMmaKeys / 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
-    MmaRowsByTileT<kD, kMmaKeys, T>(sc, qf, ks);  // S = Q K^T
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int j = 0; j < kMmaKeys / 8; ++j) sc[t][j][0] = sc[t][j][1] = sc[t][j][2] = sc[t][j][3] = 0.0f;
+    }
+    MmaTilesByTileT<kD, kMmaKeys, T, kTiles>(sc, qf, ks);  // S = Q K^T
     // Scale and mask; each row's max over its 4 lanes.
-    float mx[2] = {m[0], m[1]};
+    float mx[kTiles][2];
     auto scores = [&](auto masked) {
 #pragma unroll
-      for (int j = 0; j < kMmaKeys / 8; ++j) {
+      for (int t = 0; t < kTiles; ++t) {
+        mx[t][0] = m[t][0];
+        mx[t][1] = m[t][1];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
-          const float x = decltype(masked)::value && Hidden(rows[i / 2], key, s, causal)
-                              ? -INFINITY
-                              : Base2Score(sc[j][i], scale2, extra, slope, h, s, rows[i / 2], key);
-          sc[j][i] = x;
-          mx[i / 2] = fmaxf(mx[i / 2], x);
+        for (int j = 0; j < kMmaKeys / 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
+            const float x = decltype(masked)::value && Hidden(rows[t][i / 2], key, s, causal)
+                                ? -INFINITY
+                                : Base2Score(sc[t][j][i], scale2, extra, slope, h, s, rows[t][i / 2], key);
+            sc[t][j][i] = x;
+            mx[t][i / 2] = fmaxf(mx[t][i / 2], x);
+          }
         }
       }
     };
-    if (TileUnmasked(row0, kMmaRows, j0, kMmaKeys, s, causal)) {
+    if (TileUnmasked(row0, kRows, j0, kMmaKeys, s, causal)) {
       scores(std::false_type{});
     } else {
       scores(std::true_type{});
     }
-    float ref[2];
+    float ref[kTiles][2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      ref[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row without a visible key yet
-      const float corr = Exp2Ftz(m[r] - ref[r]);
-      m[r] = mx[r];
-      l[r] *= corr;
+    for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
-      for (int j = 0; j < kD / 8; ++j) {
-        o[j][2 * r] *= corr;
-        o[j][2 * r + 1] *= corr;
+      for (int r = 0; r < 2; ++r) {
+        mx[t][r] = fmaxf(mx[t][r], __shfl_xor_sync(0xffffffffu, mx[t][r], 1));
+        mx[t][r] = fmaxf(mx[t][r], __shfl_xor_sync(0xffffffffu, mx[t][r], 2));
+        ref[t][r] = mx[t][r] == -INFINITY ? 0.0f : mx[t][r];  // a row without a visible key yet
+        const float corr = Exp2Ftz(m[t][r] - ref[t][r]);
+        m[t][r] = mx[t][r];
+        l[t][r] *= corr;
+#pragma unroll
+        for (int j = 0; j < kD / 8; ++j) {
+          o[t][j][2 * r] *= corr;
+          o[t][j][2 * r + 1] *= corr;
+        }
       }
     }
     CpAsyncWait<0>();  // this V tile
@@ -1329,34 +1400,46 @@ __global__ void __launch_bounds__(kMmaThreads)
     // P = 2^(x - max); O += P V rounds P to T in place, and the row sums
     // are of that P.
 #pragma unroll
-    for (int j = 0; j < kMmaKeys / 8; ++j) {
+    for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sc[j][i] = Exp2Ftz(sc[j][i] - ref[i / 2]);
+      for (int j = 0; j < kMmaKeys / 8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[t][j][i] = Exp2Ftz(sc[t][j][i] - ref[t][i / 2]);
+      }
     }
-    MmaAccByTile<kD, kMmaKeys, T>(o, sc, vs);
+    MmaTilesAccByTile<kD, kMmaKeys, T, kTiles>(o, sc, vs);
 #pragma unroll
-    for (int j = 0; j < kMmaKeys / 8; ++j) {
-      l[0] += sc[j][0] + sc[j][1];
-      l[1] += sc[j][2] + sc[j][3];
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int j = 0; j < kMmaKeys / 8; ++j) {
+        l[t][0] += sc[t][j][0] + sc[t][j][1];
+        l[t][1] += sc[t][j][2] + sc[t][j][3];
+      }
     }
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[t][r] += __shfl_xor_sync(0xffffffffu, l[t][r], 1);
+      l[t][r] += __shfl_xor_sync(0xffffffffu, l[t][r], 2);
+    }
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (rows[r] >= s) continue;
-    const float inv = 1.0f / l[r];
-    T* orow = out + ((bi * s + rows[r]) * hq + h) * kD;
+  for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
-      const uint32_t bits = static_cast<uint32_t>(BitsOf<T>(o[j][2 * r] * inv)) |
-                            static_cast<uint32_t>(BitsOf<T>(o[j][2 * r + 1] * inv)) << 16;
-      *reinterpret_cast<uint32_t*>(orow + 8 * j + 2 * pair) = bits;
+    for (int r = 0; r < 2; ++r) {
+      if (rows[t][r] >= s) continue;
+      const float inv = 1.0f / l[t][r];
+      T* orow = out + ((bi * s + rows[t][r]) * hq + h) * kD;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) {
+        const uint32_t bits = static_cast<uint32_t>(BitsOf<T>(o[t][j][2 * r] * inv)) |
+                              static_cast<uint32_t>(BitsOf<T>(o[t][j][2 * r + 1] * inv)) << 16;
+        *reinterpret_cast<uint32_t*>(orow + 8 * j + 2 * pair) = bits;
+      }
+      if (pair == 0) lse[(bi * hq + h) * s + rows[t][r]] = (m[t][r] + log2f(l[t][r])) * 0.6931471805599453f;
     }
-    if (pair == 0) lse[(bi * hq + h) * s + rows[r]] = (m[r] + log2f(l[r])) * 0.6931471805599453f;
   }
 }
 
@@ -2295,7 +2378,13 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
         return absl::InternalError("FlashAttention: no tensor-core kernel for f32");
       } else {
         return ByMmaHeadDim(d, [&](auto dim) {
-          Launch(FlashForwardMmaKernel<decltype(dim)::value, T>, *grid, kMmaThreads, stream, static_cast<const T*>(q),
+          constexpr int kD = decltype(dim)::value;
+          // Two row tiles a warp where their registers fit (158 a thread at
+          // one tile, head dim 64); one above.
+          constexpr int kTiles = kD <= 64 ? 2 : 1;
+          dim3 tiles_grid = *grid;
+          tiles_grid.x = static_cast<unsigned>((s + kMmaRows * kTiles - 1) / (kMmaRows * kTiles));
+          Launch(FlashForwardMmaKernel<kD, T, kTiles>, tiles_grid, kMmaThreads, stream, static_cast<const T*>(q),
                  static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out), lse, s, hq, hkv, scale,
                  causal, extra);
           return Finish("FlashForwardMmaKernel");

@@ -4,7 +4,8 @@
 // bidirectional masks, grouped-query heads, head dims 64, 80, 96 and 128 (the
 // tensor-core kernels' in bf16 and f16) and 8 and 256 (the scalar ones'), and
 // sequence lengths that are not multiples of the kernels' tiles (64 query
-// rows a block, 64 or 32 keys a tile). CI runs it under the CUDA emulation.
+// rows a block, 128 in the tensor-core forward at head dim 64; 64 or 32 keys
+// a tile). CI runs it under the CUDA emulation.
 #include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
 
 #include <algorithm>
@@ -142,6 +143,7 @@ TEST_P(CudaAttention, HalfOperandsStayHalfAndMatchTheF32Reference) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaAttention,
     ::testing::Values(Case{1, 67, 4, 4, 64, true}, Case{1, 67, 4, 4, 64, false},
+                      Case{1, 200, 4, 2, 64, true},    // GQA; two 128-row blocks of the forward, one partial
                       Case{2, 100, 4, 2, 128, true},   // GQA, 2 query heads a kv head
                       Case{1, 100, 8, 2, 128, false},  // GQA, 4 a kv head
                       Case{1, 70, 4, 2, 80, true},     // the tensor-core path's other head dims
@@ -281,9 +283,10 @@ TEST(CudaAttentionLaunches, OneKernelForwardTwoBackward) {
 }
 
 // bf16 and f16 at head dims 64, 80, 96 and 128 compute on the tensor-core path:
-// every product by mma.sync: per warp and 64-key tile, (d / 16) * 8 for
-// S = Q K^T (16 x 64) and as many for P V (16 x d), 4 warps per 64 query
-// rows; f32 and other head dims stay on the scalar kernel.
+// every product by mma.sync: per warp, row tile of 16 and 64-key tile,
+// (d / 16) * 8 for S = Q K^T (16 x 64) and as many for P V (16 x d), 4
+// warps a row block, a row tile each (two at head dim 64, 128-row blocks);
+// f32 and other head dims stay on the scalar kernel.
 //
 // The backward too: the dq kernel per warp (16 query rows) and tile of n
 // keys (n = 64 at d 64, 32 above): S = Q K^T and dP = dout V^T, (d / 16)
@@ -300,10 +303,21 @@ TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSyncFromTilesStagedByCpA
     int64_t d;
     uint64_t forward, backward, forward_copies, backward_copies;
   };
-  // b 1, s 100 (two row blocks), hq 2, hkv 1, causal: row block 0 walks one
-  // 64-key tile forward, row block 1 two.
+  // b 1, s 100, hq 2, hkv 1, causal. The forward's warps take two row tiles
+  // of 16 at head dim 64 (one row block of 128, which walks two 64-key
+  // tiles), one above (two row blocks of 64: block 0 walks one key tile,
+  // block 1 two).
   constexpr int64_t kSeq = 100, kHeads = 2, kWarps = 4;
-  const auto forward = [](int64_t d) { return static_cast<uint64_t>(kHeads * 3 * kWarps * (d / 16) * 8 * 2); };
+  const auto row_tiles = [](int64_t d) -> int64_t { return d == 64 ? 2 : 1; };
+  const auto key_tile_walks = [&](int64_t d) {
+    const int64_t rows = 64 * row_tiles(d);
+    int64_t walks = 0;
+    for (int64_t row0 = 0; row0 < kSeq; row0 += rows) walks += (std::min(kSeq, row0 + rows) + 63) / 64;
+    return walks;
+  };
+  const auto forward = [&](int64_t d) {
+    return static_cast<uint64_t>(kHeads * key_tile_walks(d) * kWarps * row_tiles(d) * (d / 16) * 8 * 2);
+  };
   const auto backward = [](int64_t d) {
     const int64_t n = d <= 64 ? 64 : 32, unit = (d / 16) * (n / 8);
     const auto tiles = [n](int64_t from, int64_t to) { return (to - from + n - 1) / n; };
@@ -311,10 +325,14 @@ TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSyncFromTilesStagedByCpA
     const int64_t dkv_tiles = tiles(0, kSeq) + tiles(64, kSeq);    // key blocks 0 and 1
     return static_cast<uint64_t>(kHeads * kWarps * (dq_tiles * 3 * unit + dkv_tiles * 4 * unit));
   };
-  // 16-byte copies of a tile of `rows` rows; forward: per head, both row
-  // blocks' Q tiles and 1 + 2 K and V tiles.
+  // 16-byte copies of a tile of `rows` rows; forward: per head, the row
+  // blocks' Q tiles (the rows of the sequence rounded up to the blocks) and
+  // a K and a V tile a walk.
   const auto chunks = [](int64_t rows, int64_t d) { return rows * (d / 8); };
-  const auto forward_copies = [&](int64_t d) { return static_cast<uint64_t>(kHeads * (2 + 2 * 3) * chunks(64, d)); };
+  const auto forward_copies = [&](int64_t d) {
+    const int64_t rows = 64 * row_tiles(d), q_rows = (kSeq + rows - 1) / rows * rows;
+    return static_cast<uint64_t>(kHeads * (chunks(q_rows, d) + 2 * key_tile_walks(d) * chunks(64, d)));
+  };
   // dq: per head and row block Q and dout, then K and V tiles; dk/dv: per
   // key block K and V, then per head and query tile Q, dout and the rows'
   // log-sum-exp and delta (4 bytes a row each).
