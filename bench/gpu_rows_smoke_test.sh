@@ -29,6 +29,8 @@ for shape in "16 +128" "32 +64"; do  # the attention rows: batch, seq, heads, di
   grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$" <<<"$out" ||
     fail "bench:layers printed no attention row of heads and dim $shape" "$out"
 done
+grep -qE "^ +1 +80 +32 +64 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \(one row tile a warp: COLOD_ATTENTION_ROW_TILES=1\)$" \
+  <<<"$out" || fail "bench:layers printed no attention row of one row tile a warp" "$out"
 grep -qE '^GPU \(cuda:0\) memory-bound kernels, bf16, 64 tokens \(copy bandwidth [0-9]+ GB/s' <<<"$out" ||
   fail "bench:layers printed no memory-bound table" "$out"
 for row in "bias_add +\[64, 2304\]" "bias_gelu +\[64, 3072\]" "add \(residual\) +\[64, 768\]" "head_split +\[64, 768\]" \

@@ -521,6 +521,7 @@ bool RunCpuTables(int64_t t, int64_t h, double flops, bool json) {
 bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
   struct Shape {
     int64_t b, s, heads, d;
+    bool one_row_tile = false;  // COLOD_ATTENTION_ROW_TILES=1: the kernels' 64-row blocks at head dim 64
   };
   const int steps = std::max(1, absl::GetFlag(FLAGS_steps));
   if (!json) {
@@ -529,7 +530,14 @@ bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
                 "batch", "seq", "heads", "dim", "fwd (ms)", "TFLOP/s", "bwd (ms)", "TFLOP/s");
   }
   const int64_t b = std::max(1, absl::GetFlag(FLAGS_attention_batch)), s = std::max(1, absl::GetFlag(FLAGS_attention_seq));
-  for (Shape sh : {Shape{b, s, 16, 128}, Shape{b, s, 32, 64}}) {
+  // Head dim 64 twice: the kernels' 128-row blocks (two row tiles of 16 a
+  // warp), then the 64-row blocks (one), to compare the two on this GPU.
+  for (Shape sh : {Shape{b, s, 16, 128}, Shape{b, s, 32, 64}, Shape{b, s, 32, 64, true}}) {
+    if (sh.one_row_tile) {
+      setenv("COLOD_ATTENTION_ROW_TILES", "1", 1);
+    } else {
+      unsetenv("COLOD_ATTENTION_ROW_TILES");
+    }
     const double fwd_flops = 2.0 * sh.b * sh.heads * static_cast<double>(sh.s) * sh.s * sh.d;
     auto make = [&](uint64_t seed) -> absl::StatusOr<Tensor> {
       return Tensor::RandomNormal({sh.b, sh.s, sh.heads, sh.d}, seed, DType::kBF16, gpu);
@@ -572,16 +580,19 @@ bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
       std::printf("{\"bench\":\"attention\",\"dtype\":\"bf16\",\"device\":\"cuda:0\",\"causal\":true,"
                   "\"batch\":%lld,\"seq\":%lld,\"heads\":%lld,\"head_dim\":%lld,\"forward_seconds\":%.6f,"
                   "\"forward_tflops\":%.3f,\"backward_seconds\":%.6f,\"backward_tflops\":%.3f,"
-                  "\"cublas_bf16_peak_tflops\":%.3f}\n",
+                  "\"row_tiles_a_warp\":%d,\"cublas_bf16_peak_tflops\":%.3f}\n",
                   static_cast<long long>(sh.b), static_cast<long long>(sh.s), static_cast<long long>(sh.heads),
-                  static_cast<long long>(sh.d), tf, fwd_tflops, tb, bwd_tflops, gpu_peak);
+                  static_cast<long long>(sh.d), tf, fwd_tflops, tb, bwd_tflops, sh.d == 64 && !sh.one_row_tile ? 2 : 1,
+                  gpu_peak);
     } else {
-      std::printf("%6lld %6lld %6lld %5lld  %9.3f %9.1f  %9.3f %9.1f\n", static_cast<long long>(sh.b),
+      std::printf("%6lld %6lld %6lld %5lld  %9.3f %9.1f  %9.3f %9.1f%s\n", static_cast<long long>(sh.b),
                   static_cast<long long>(sh.s), static_cast<long long>(sh.heads), static_cast<long long>(sh.d),
-                  tf * 1e3, fwd_tflops, tb * 1e3, bwd_tflops);
+                  tf * 1e3, fwd_tflops, tb * 1e3, bwd_tflops,
+                  sh.one_row_tile ? "  (one row tile a warp: COLOD_ATTENTION_ROW_TILES=1)" : "");
     }
     std::fflush(stdout);
   }
+  unsetenv("COLOD_ATTENTION_ROW_TILES");
   return true;
 }
 

@@ -3,11 +3,14 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <initializer_list>
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "absl/base/thread_annotations.h"
@@ -1109,6 +1112,24 @@ absl::Status ByMmaHeadDim(int64_t d, Fn fn) {
   }
 }
 
+// Row tiles of 16 a warp in the tensor-core forward and dq kernels at head
+// dim 64: 2 (128-row blocks), or 1 (64-row blocks, the kernels before) where
+// the environment sets COLOD_ATTENTION_ROW_TILES=1, for bench:layers' rows
+// that compare the two on one GPU. Read at each call. Other head dims take 1.
+int RowTilesAtHeadDim64() {
+  const char* v = getenv("COLOD_ATTENTION_ROW_TILES");
+  return v != nullptr && std::string_view(v) == "1" ? 1 : 2;
+}
+
+// fn(std::integral_constant<int, tiles>) for the row tiles a warp at head dim kD.
+template <int kD, typename Fn>
+absl::Status ByRowTiles(Fn fn) {
+  if constexpr (kD == 64) {
+    if (RowTilesAtHeadDim64() == 2) return fn(std::integral_constant<int, 2>{});
+  }
+  return fn(std::integral_constant<int, 1>{});
+}
+
 // The kernel's shared memory: one array for every instantiation (a
 // __shared__ in a device function is per block on a GPU; under the
 // emulation one thread-local array instead of one per instantiation). Two
@@ -1469,26 +1490,36 @@ __device__ __forceinline__ auto StreamedTile(int b, int which) {
   return reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + (2 * b + which) * kBwdTile<kD> * kStride);
 }
 
-// Grid (row blocks, hq, b), kMmaThreads threads: dq and delta of 64 query rows.
-template <int kD, typename T>
+// The dq kernel's key tile: kBwdTile<kD> rows at one row tile a warp; 32 at
+// two, so the scores and dP of both fit the registers.
+template <int kD, int kTiles>
+constexpr int kDqKeyTile = kTiles == 1 ? kBwdTile<kD> : 16;
+
+// Grid (row blocks of 64 kTiles rows, hq, b), kMmaThreads threads: dq and
+// delta of the block's query rows, kTiles row tiles of 16 a warp (as the
+// forward: each K and V fragment read from shared memory feeds kTiles times
+// the products).
+template <int kD, typename T, int kTiles>
 __global__ void __launch_bounds__(kMmaThreads)
     FlashBackwardDqMmaKernel(const T* q, const T* k, const T* v, const T* out, const T* dout, const float* lse,
                              float* delta, T* dq, int64_t s, int64_t hq, int64_t hkv, float scale, bool causal,
                              AttentionBias extra) {
-  constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>;
-  __shared__ float row_delta[kMmaRows];
+  constexpr int kStride = kD + kMmaPad, kN = kDqKeyTile<kD, kTiles>, kRows = kMmaRows * kTiles;
+  static_assert(kN <= kBwdTile<kD>, "the streamed tiles' buffers hold kBwdTile rows");
+  static_assert(2 * kRows * kStride <= kMmaSharedElements, "Q's and dout's rows are staged together");
+  __shared__ float row_delta[kRows];
   uint16_t(*tile_a)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
-  uint16_t(*tile_b)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kMmaRows * kStride);
+  uint16_t(*tile_b)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kRows * kStride);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
   const int64_t h = blockIdx.y, bi = blockIdx.z, kvh = h / (hq / hkv);
-  const int64_t row0 = RowBlockOf(causal) * kMmaRows;
+  const int64_t row0 = RowBlockOf(causal) * kRows;
   const int64_t qoff = (bi * s * hq + h) * kD, kvoff = (bi * s * hkv + kvh) * kD;
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + kvoff;
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + kvoff;
 
   // delta = rowsum(dout * out) of the block's rows: two threads a row.
-  {
-    const int r = threadIdx.x / 2, half = threadIdx.x % 2;
+  for (int r = threadIdx.x / 2; r < kRows; r += kMmaThreads / 2) {
+    const int half = threadIdx.x % 2;
     const int64_t row = row0 + r;
     float sum = 0.0f;
     if (row < s) {
@@ -1502,74 +1533,93 @@ __global__ void __launch_bounds__(kMmaThreads)
       if (row < s) delta[(bi * hq + h) * s + row] = sum;
     }
   }
-  // Q's and dout's fragments of each warp's 16 rows, through the shared tiles.
-  StageMmaTile<kD, kMmaRows>(tile_a, reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, row0, s);
-  StageMmaTile<kD, kMmaRows>(tile_b, reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, row0, s);
+  // Q's and dout's fragments of each warp's row tiles, through the shared tiles.
+  StageMmaTile<kD, kRows>(tile_a, reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, row0, s);
+  StageMmaTile<kD, kRows>(tile_b, reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, row0, s);
   CpAsyncCommit();
   CpAsyncWait<0>();
   __syncthreads();
-  uint32_t qf[kD / 16][4], gf[kD / 16][4];
-  LoadRowFragments<kD>(qf, tile_a);
-  LoadRowFragments<kD>(gf, tile_b);
-  const int64_t rows[2] = {row0 + 16 * warp + group, row0 + 16 * warp + group + 8};
-  float lse2[2], dlt[2];
+  uint32_t qf[kTiles][kD / 16][4], gf[kTiles][kD / 16][4];
+  LoadRowTileFragments<kD, kTiles>(qf, tile_a);
+  LoadRowTileFragments<kD, kTiles>(gf, tile_b);
+  int64_t rows[kTiles][2];
+  float lse2[kTiles][2], dlt[kTiles][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    lse2[r] = rows[r] < s ? lse[(bi * hq + h) * s + rows[r]] * kLog2e : 0.0f;
-    dlt[r] = row_delta[16 * warp + group + 8 * r];
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int local = 16 * (kTiles * warp + t) + group + 8 * r;
+      rows[t][r] = row0 + local;
+      lse2[t][r] = rows[t][r] < s ? lse[(bi * hq + h) * s + rows[t][r]] * kLog2e : 0.0f;
+      dlt[t][r] = row_delta[local];
+    }
   }
   __syncthreads();
-  float acc[kD / 8][4];
+  float acc[kTiles][kD / 8][4];
 #pragma unroll
-  for (int j = 0; j < kD / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) acc[t][j][0] = acc[t][j][1] = acc[t][j][2] = acc[t][j][3] = 0.0f;
+  }
   const float scale2 = scale * kLog2e;
   const float slope = SlopeOf(extra, h);
-  const int64_t keys = causal && row0 + kMmaRows < s ? row0 + kMmaRows : s;
+  const int64_t keys = causal && row0 + kRows < s ? row0 + kRows : s;
   StageMmaTile<kD, kN>(StreamedTile<kD>(0, 0), kb, hkv * kD, 0, s);
   StageMmaTile<kD, kN>(StreamedTile<kD>(0, 1), vb, hkv * kD, 0, s);
   CpAsyncCommit();
-  for (int64_t j0 = 0, t = 0; j0 < keys; j0 += kN, t ^= 1) {
+  for (int64_t j0 = 0, b = 0; j0 < keys; j0 += kN, b ^= 1) {
     CpAsyncWait<0>();  // this tile's copies
     __syncthreads();   // ... visible; every warp is done with the other buffer (the last tile)
     if (j0 + kN < keys) {
-      StageMmaTile<kD, kN>(StreamedTile<kD>(static_cast<int>(t ^ 1), 0), kb, hkv * kD, j0 + kN, s);
-      StageMmaTile<kD, kN>(StreamedTile<kD>(static_cast<int>(t ^ 1), 1), vb, hkv * kD, j0 + kN, s);
+      StageMmaTile<kD, kN>(StreamedTile<kD>(static_cast<int>(b ^ 1), 0), kb, hkv * kD, j0 + kN, s);
+      StageMmaTile<kD, kN>(StreamedTile<kD>(static_cast<int>(b ^ 1), 1), vb, hkv * kD, j0 + kN, s);
     }
     CpAsyncCommit();
-    uint16_t(*ks)[kStride] = StreamedTile<kD>(static_cast<int>(t), 0);
-    uint16_t(*vs)[kStride] = StreamedTile<kD>(static_cast<int>(t), 1);
-    float sc[kN / 8][4], dp[kN / 8][4];
+    uint16_t(*ks)[kStride] = StreamedTile<kD>(static_cast<int>(b), 0);
+    uint16_t(*vs)[kStride] = StreamedTile<kD>(static_cast<int>(b), 1);
+    float sc[kTiles][kN / 8][4], dp[kTiles][kN / 8][4];
 #pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
-      dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+        sc[t][j][0] = sc[t][j][1] = sc[t][j][2] = sc[t][j][3] = 0.0f;
+        dp[t][j][0] = dp[t][j][1] = dp[t][j][2] = dp[t][j][3] = 0.0f;
+      }
     }
-    MmaRowsByTileT<kD, kN, T>(sc, qf, ks);  // S = Q K^T
-    MmaRowsByTileT<kD, kN, T>(dp, gf, vs);  // dP = dout V^T
+    MmaTilesByTileT<kD, kN, T, kTiles>(sc, qf, ks);  // S = Q K^T
+    MmaTilesByTileT<kD, kN, T, kTiles>(dp, gf, vs);  // dP = dout V^T
     // dS = P (dP - delta), P = 2^(S scale2 - lse2), 0 where masked.
     auto grads = [&](auto masking) {
 #pragma unroll
-      for (int j = 0; j < kN / 8; ++j) {
+      for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
-          const bool masked = decltype(masking)::value && Hidden(rows[i / 2], key, s, causal);
-          const float p = masked ? 0.0f
-                                 : Exp2Ftz(Base2Score(sc[j][i], scale2, extra, slope, h, s, rows[i / 2], key) -
-                                           lse2[i / 2]);
-          sc[j][i] = p * (dp[j][i] - dlt[i / 2]);
-          if (extra.dbias != nullptr && !masked) extra.dbias[((bi * hq + h) * s + rows[i / 2]) * s + key] = sc[j][i];
+        for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int64_t key = j0 + 8 * j + 2 * pair + i % 2, row = rows[t][i / 2];
+            const bool masked = decltype(masking)::value && Hidden(row, key, s, causal);
+            const float p =
+                masked ? 0.0f
+                       : Exp2Ftz(Base2Score(sc[t][j][i], scale2, extra, slope, h, s, row, key) - lse2[t][i / 2]);
+            sc[t][j][i] = p * (dp[t][j][i] - dlt[t][i / 2]);
+            if (extra.dbias != nullptr && !masked) extra.dbias[((bi * hq + h) * s + row) * s + key] = sc[t][j][i];
+          }
         }
       }
     };
-    if (TileUnmasked(row0, kMmaRows, j0, kN, s, causal)) {
+    if (TileUnmasked(row0, kRows, j0, kN, s, causal)) {
       grads(std::false_type{});
     } else {
       grads(std::true_type{});
     }
-    MmaAccByTile<kD, kN, T>(acc, sc, ks);  // dQ += dS K
+    MmaTilesAccByTile<kD, kN, T, kTiles>(acc, sc, ks);  // dQ += dS K
   }
-  StoreRows<kD>(dq + qoff, hq * kD, row0, s, acc, scale);
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    // StoreRows writes a warp's 16 rows from row0 + 16 warp: tile t's are
+    // 16 (kTiles - 1) warp + 16 t further on.
+    StoreRows<kD>(dq + qoff, hq * kD, row0 + 16 * ((kTiles - 1) * warp + t), s, acc[t], scale);
+  }
 }
 
 // Grid (row blocks, hkv, b), kMmaThreads threads: dk and dv of 64 key rows,
@@ -1889,6 +1939,11 @@ absl::Status GemmEx(int device, ElemType type, ElemType c_type, float beta, bool
                     int64_t n, int64_t k, const void* a, const void* b, void* c) {
   if (type != ElemType::kF32 && type != ElemType::kBF16 && type != ElemType::kF16) {
     return absl::InvalidArgumentError("Gemm: f32, bf16 or f16 only");
+  }
+  if (m < 0 || n < 0 || k < 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX) {  // as the CPU twin's CheckGemm
+    return absl::InvalidArgumentError("Gemm: [" + std::to_string(m) + ", " + std::to_string(k) + "] @ [" +
+                                      std::to_string(k) + ", " + std::to_string(n) +
+                                      "] exceeds cuBLAS's int dimensions");
   }
   if (m == 0 || n == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
@@ -2379,15 +2434,16 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
       } else {
         return ByMmaHeadDim(d, [&](auto dim) {
           constexpr int kD = decltype(dim)::value;
-          // Two row tiles a warp where their registers fit (158 a thread at
-          // one tile, head dim 64); one above.
-          constexpr int kTiles = kD <= 64 ? 2 : 1;
-          dim3 tiles_grid = *grid;
-          tiles_grid.x = static_cast<unsigned>((s + kMmaRows * kTiles - 1) / (kMmaRows * kTiles));
-          Launch(FlashForwardMmaKernel<kD, T, kTiles>, tiles_grid, kMmaThreads, stream, static_cast<const T*>(q),
-                 static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out), lse, s, hq, hkv, scale,
-                 causal, extra);
-          return Finish("FlashForwardMmaKernel");
+          // Two row tiles a warp where their registers fit (head dim 64).
+          return ByRowTiles<kD>([&](auto tiles) {
+            constexpr int kTiles = decltype(tiles)::value;
+            dim3 tiles_grid = *grid;
+            tiles_grid.x = static_cast<unsigned>((s + kMmaRows * kTiles - 1) / (kMmaRows * kTiles));
+            Launch(FlashForwardMmaKernel<kD, T, kTiles>, tiles_grid, kMmaThreads, stream, static_cast<const T*>(q),
+                   static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out), lse, s, hq, hkv, scale,
+                   causal, extra);
+            return Finish("FlashForwardMmaKernel");
+          });
         });
       }
     });
@@ -2421,10 +2477,16 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
       } else {
         return ByMmaHeadDim(d, [&](auto dim) {
           constexpr int kD = decltype(dim)::value;
-          Launch(FlashBackwardDqMmaKernel<kD, T>, *grid, kMmaThreads, stream, static_cast<const T*>(q), static_cast<const T*>(k),
-                 static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(dout), lse, delta,
-                 static_cast<T*>(dq), s, hq, hkv, scale, causal, extra);
-          RETURN_IF(Finish("FlashBackwardDqMmaKernel"));
+          // Two row tiles a warp at head dim 64, as the forward.
+          RETURN_IF(ByRowTiles<kD>([&](auto tiles) {
+            constexpr int kTiles = decltype(tiles)::value;
+            dim3 dq_grid = *grid;
+            dq_grid.x = static_cast<unsigned>((s + kMmaRows * kTiles - 1) / (kMmaRows * kTiles));
+            Launch(FlashBackwardDqMmaKernel<kD, T, kTiles>, dq_grid, kMmaThreads, stream, static_cast<const T*>(q),
+                   static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(out),
+                   static_cast<const T*>(dout), lse, delta, static_cast<T*>(dq), s, hq, hkv, scale, causal, extra);
+            return Finish("FlashBackwardDqMmaKernel");
+          }));
           Launch(FlashBackwardDkvMmaKernel<kD, T>, kv_grid, kMmaThreads, stream, static_cast<const T*>(q), static_cast<const T*>(k),
                  static_cast<const T*>(v), static_cast<const T*>(dout), lse, static_cast<const float*>(delta),
                  static_cast<T*>(dk), static_cast<T*>(dv), s, hq, hkv, scale, causal, extra);

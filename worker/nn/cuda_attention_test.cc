@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <ostream>
 #include <string>
@@ -156,6 +157,44 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(c.d) + (c.causal ? "_causal" : "_bidirectional");
     });
 
+// At head dim 64 the tensor-core forward and dq kernels give each warp two
+// row tiles of 16 (128-row blocks; dq walks keys in tiles of 16); with
+// COLOD_ATTENTION_ROW_TILES=1, one (64-row blocks, 64-key tiles: the kernels
+// as they were, which bench:layers compares on a GPU). A row's products and
+// sums are the same either way, in the same order (keys in steps of 16), so
+// out and every gradient agree bit for bit, in bf16 and f16, causal or not,
+// over row blocks of either size that end past the sequence.
+TEST(CudaAttentionTensorCores, TwoRowTilesAWarpGiveOneTilesBits) {
+  if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const auto& [t, c] : {std::pair{DType::kBF16, Case{1, 200, 4, 2, 64, true}},
+                             std::pair{DType::kF16, Case{1, 150, 2, 1, 64, false}}}) {
+    SCOPED_TRACE(std::string(DTypeName(t)) + (c.causal ? " causal" : " bidirectional"));
+    auto half = [t = t](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, t); };
+    const Tensor q = half({c.batch, c.seq, c.hq, c.d}, 31), k = half({c.batch, c.seq, c.hkv, c.d}, 32);
+    const Tensor v = half({c.batch, c.seq, c.hkv, c.d}, 33), r = half({c.batch, c.seq, c.hq, c.d}, 34);
+#ifdef COLOD_CUDA_EMULATION
+    const uint64_t copies_before = colod_cuda_emu::GetCounters().async_copies;
+#endif
+    const Result two = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+    ASSERT_EQ(setenv("COLOD_ATTENTION_ROW_TILES", "1", 1), 0);
+#ifdef COLOD_CUDA_EMULATION
+    const uint64_t copies_between = colod_cuda_emu::GetCounters().async_copies;
+#endif
+    const Result one = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+    ASSERT_EQ(unsetenv("COLOD_ATTENTION_ROW_TILES"), 0);
+#ifdef COLOD_CUDA_EMULATION
+    // The two ran different kernels: 128-row blocks stage each K and V tile
+    // half as often.
+    const uint64_t copies_after = colod_cuda_emu::GetCounters().async_copies;
+    EXPECT_LT(copies_between - copies_before, copies_after - copies_between);
+#endif
+    ExpectSameBits(two.out, one.out, "out");
+    ExpectSameBits(two.dq, one.dq, "dq");
+    ExpectSameBits(two.dk, one.dk, "dk");
+    ExpectSameBits(two.dv, one.dv, "dv");
+  }
+}
+
 // BLOOM's ALiBi on the fused kernels (the slopes passed to them): f32 on the
 // scalar kernels, bf16 on the tensor-core ones (head dims 64 and 128), a
 // head count that is not a power of two (BLOOM's second slope series), GQA,
@@ -288,8 +327,8 @@ TEST(CudaAttentionLaunches, OneKernelForwardTwoBackward) {
 // warps a row block, a row tile each (two at head dim 64, 128-row blocks);
 // f32 and other head dims stay on the scalar kernel.
 //
-// The backward too: the dq kernel per warp (16 query rows) and tile of n
-// keys (n = 64 at d 64, 32 above): S = Q K^T and dP = dout V^T, (d / 16)
+// The backward too: the dq kernel per warp, row tile of 16 query rows (two
+// at d 64, as the forward) and tile of n keys (16 at d 64, 32 above): S = Q K^T and dP = dout V^T, (d / 16)
 // (n / 8) each, and dQ += dS K, as many; the dk/dv kernel per warp (16 keys)
 // and tile of n queries of each query head: S^T, dP^T, dV += P^T dout and
 // dK += dS^T Q, (d / 16) (n / 8) each. Causal: row block r of the dq kernel
@@ -318,12 +357,22 @@ TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSyncFromTilesStagedByCpA
   const auto forward = [&](int64_t d) {
     return static_cast<uint64_t>(kHeads * key_tile_walks(d) * kWarps * row_tiles(d) * (d / 16) * 8 * 2);
   };
-  const auto backward = [](int64_t d) {
+  // The dq kernel's row blocks as the forward's, its key tiles 16 at two
+  // row tiles a warp; the dk/dv kernel's key blocks of 64 and query tiles of
+  // n.
+  const auto dq_key_tile = [&](int64_t d) -> int64_t { return row_tiles(d) == 2 ? 16 : (d <= 64 ? 64 : 32); };
+  const auto dq_key_tiles = [&](int64_t d) {
+    const int64_t rows = 64 * row_tiles(d), n = dq_key_tile(d);
+    int64_t walks = 0;
+    for (int64_t row0 = 0; row0 < kSeq; row0 += rows) walks += (std::min(kSeq, row0 + rows) + n - 1) / n;
+    return walks;
+  };
+  const auto backward = [&](int64_t d) {
     const int64_t n = d <= 64 ? 64 : 32, unit = (d / 16) * (n / 8);
+    const int64_t dq_unit = (d / 16) * (dq_key_tile(d) / 8) * row_tiles(d);
     const auto tiles = [n](int64_t from, int64_t to) { return (to - from + n - 1) / n; };
-    const int64_t dq_tiles = tiles(0, 64) + tiles(0, kSeq);        // row blocks 0 and 1
     const int64_t dkv_tiles = tiles(0, kSeq) + tiles(64, kSeq);    // key blocks 0 and 1
-    return static_cast<uint64_t>(kHeads * kWarps * (dq_tiles * 3 * unit + dkv_tiles * 4 * unit));
+    return static_cast<uint64_t>(kHeads * kWarps * (dq_key_tiles(d) * 3 * dq_unit + dkv_tiles * 4 * unit));
   };
   // 16-byte copies of a tile of `rows` rows; forward: per head, the row
   // blocks' Q tiles (the rows of the sequence rounded up to the blocks) and
@@ -339,7 +388,8 @@ TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSyncFromTilesStagedByCpA
   const auto backward_copies = [&](int64_t d) {
     const int64_t n = d <= 64 ? 64 : 32;
     const auto tiles = [n](int64_t from, int64_t to) { return (to - from + n - 1) / n; };
-    const int64_t dq = 2 * 2 * chunks(64, d) + (tiles(0, 64) + tiles(0, kSeq)) * 2 * chunks(n, d);
+    const int64_t rows = 64 * row_tiles(d), q_rows = (kSeq + rows - 1) / rows * rows;
+    const int64_t dq = 2 * chunks(q_rows, d) + dq_key_tiles(d) * 2 * chunks(dq_key_tile(d), d);
     const int64_t dkv_tiles = tiles(0, kSeq) + tiles(64, kSeq);
     const int64_t dkv = 2 * 2 * chunks(64, d) + kHeads * dkv_tiles * (2 * chunks(n, d) + 2 * n);
     return static_cast<uint64_t>(kHeads * dq + dkv);
