@@ -524,11 +524,12 @@ int Main(int argc, char** argv) {
                   "\"matmul_params\":%.0f,\"seq_len\":%lld,\"batch\":%lld,\"steps\":%d,\"step_seconds\":%.6f,"
                   "\"tokens_per_second\":%.1f,\"model_flops_per_second\":%.4g,\"peak_flops_per_second\":%.4g,"
                   "\"mfu\":%.4f,\"loss\":%.4f,\"bubble\":%.4f,\"bubble_schedule\":%.4f,\"bubble_over_work\":%.4f,"
-                  "\"bubble_over_work_schedule\":%.4f,\"device_wait_seconds\":%.6f,\"pinned\":%s}\n",
+                  "\"bubble_over_work_schedule\":%.4f,\"device_wait_seconds\":%s,\"pinned\":%s}\n",
                   row.name.c_str(), row.cuda ? "cuda" : "cpu", row.tp, row.pp, row.dp, row.micro, row.v,
                   row.cuda ? "bf16" : "fp32", params, static_cast<long long>(row.seq),
                   static_cast<long long>(sized.batch), steps, m->step_seconds, tps, flops, peak, flops / peak, m->loss,
-                  m->bubble, closed_form, m->bubble_work, closed_form_work, m->device_wait,
+                  m->bubble, closed_form, m->bubble_work, closed_form_work,
+                  m->device_wait >= 0 ? absl::StrFormat("%.6f", m->device_wait).c_str() : "null",
                   !row.cuda && absl::GetFlag(FLAGS_pin_workers) ? "true" : "false");
     } else {
       const std::string bubble =

@@ -338,24 +338,29 @@ absl::StatusOr<LmLoss> ShardedModel::MeanOfRows(const Variable& per_row, int64_t
   const Device dev = per_row.value().device();
   ASSIGN_OR_RETURN(Variable sum, Sum(per_row));
   // [loss sum, labelled tokens], summed over the ranks that hold other rows,
-  // on the device, and read once.
-  ASSIGN_OR_RETURN(Tensor n, Tensor::FromFloats({1}, {static_cast<float>(count)}));
-  ASSIGN_OR_RETURN(n, n.To(dev));
+  // on the device, and read once. Deferred, the caller divides by its own
+  // denominator: the sum alone (a fresh f32 copy), no count uploaded.
+  const bool deferred = loss_read_deferred_ && denominator > 0;
   ASSIGN_OR_RETURN(Tensor sum1, sum.value().Reshape({1}));
-  ASSIGN_OR_RETURN(Tensor sum32, sum1.ToDType(DType::kF32));
-  ASSIGN_OR_RETURN(Tensor both, Tensor::Cat({sum32, n}, 0));
+  ASSIGN_OR_RETURN(Tensor both, sum1.ToDType(DType::kF32));
+  if (!deferred) {
+    ASSIGN_OR_RETURN(Tensor n, Tensor::FromFloats({1}, {static_cast<float>(count)}));
+    ASSIGN_OR_RETURN(n, n.To(dev));
+    ASSIGN_OR_RETURN(both, Tensor::Cat({both, n}, 0));
+  }
   if (pg_->mesh().AxisIndices("dp").ok() && *pg_->AxisSize("dp") > 1) row_axes.push_back("dp");
   std::vector<Communicator*> comms;
   for (const std::string& axis : row_axes) {
     ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm(axis));
-    RETURN_IF_ERROR(comm->AllReduce(both.raw_data(), 2, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg_->timeout()));
+    RETURN_IF_ERROR(
+        comm->AllReduce(both.raw_data(), both.numel(), DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg_->timeout()));
     comms.push_back(comm);
   }
-  if (loss_read_deferred_ && denominator > 0) {  // the caller reads both[0] with the rest of its step
+  if (deferred) {  // the caller reads the sum with the rest of its step
     LmLoss out;
     out.value = std::numeric_limits<double>::quiet_NaN();
     out.tokens = -1;
-    ASSIGN_OR_RETURN(out.sum_on_device, both.Narrow(0, 0, 1));
+    out.sum_on_device = both;
     out.denominator = denominator;
     ASSIGN_OR_RETURN(out.loss, Scale(sum, static_cast<float>(1.0 / static_cast<double>(denominator))));
     return out;

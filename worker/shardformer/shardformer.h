@@ -251,6 +251,7 @@ class ShardedModel {
   // after its update is enqueued, so the device does not drain at the end
   // of forward. Off by default.
   void set_loss_read_deferred(bool deferred) { loss_read_deferred_ = deferred; }
+  bool loss_read_deferred() const { return loss_read_deferred_; }
   // Next-token labels of ids [B, S]: position s is labelled ids[s + 1], the
   // last position -100.
   static absl::StatusOr<Tensor> NextTokenLabels(const Tensor& ids);

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #ifdef COLOD_CUDA_EMULATION
@@ -19,6 +20,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/device.h"
+#include "worker/tensor/device_kernels.h"
 #include "worker/tensor/ops.h"
 
 namespace colod::ops {
@@ -115,6 +117,23 @@ TEST_F(CudaLayerOps, GemmInEveryLayoutAndType) {
   ExpectNear(*MatMul(Dev(a), Dev(b)), *MatMul(a, b), 1e-2, "bf16 gemm");
   const Tensor ah = *R({64, 96}, 5).ToDType(DType::kF16), bh = *R({96, 32}, 6).ToDType(DType::kF16);
   ExpectNear(*MatMul(Dev(ah), Dev(bh)), *MatMul(ah, bh), 1e-3, "f16 gemm");
+}
+
+// A GEMM's dimensions are cuBLAS's (and BLAS's) ints: larger or negative
+// ones are refused before anything is enqueued, by both twins alike.
+TEST_F(CudaLayerOps, GemmRefusesDimensionsOutsideInt) {
+  const int64_t big = int64_t{1} << 31;
+  for (const DeviceKernels* kern : {&CpuKernels(), CudaKernels()}) {
+    ASSERT_NE(kern, nullptr);
+    for (const auto& [m, n, k] : {std::tuple{big, int64_t{1}, int64_t{1}}, std::tuple{int64_t{1}, big, int64_t{1}},
+                                  std::tuple{int64_t{1}, int64_t{1}, big}, std::tuple{int64_t{1}, int64_t{1}, int64_t{-1}}}) {
+      const absl::Status s = kern->Gemm(0, kernels::ElemType::kBF16, false, false, m, n, k, nullptr, nullptr, nullptr);
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << m << " " << n << " " << k << ": " << s;
+      const absl::Status f = kern->GemmF32Out(0, kernels::ElemType::kBF16, true, false, m, n, k, nullptr, nullptr,
+                                              nullptr, true);
+      EXPECT_EQ(f.code(), absl::StatusCode::kInvalidArgument) << m << " " << n << " " << k << ": " << f;
+    }
+  }
 }
 
 // x rounded to TF32 (10 mantissa bits), ties to even: frexp's mantissa

@@ -369,9 +369,11 @@ absl::StatusOr<shardformer::LmLoss> MicroBatchLoss(shardformer::ShardedModel& mo
   auto forward = [&]() -> absl::StatusOr<ColoTensor> {
     return data.pairs() ? model.Forward(in.Contiguous(), dec.Contiguous()) : model.Forward(in.Contiguous());
   };
+  // The model's own setting again afterwards, whatever the forward returns.
+  const bool was_deferred = model.loss_read_deferred();
   model.set_loss_read_deferred(defer_read);
   absl::StatusOr<shardformer::LmLoss> loss = ForwardLoss(model, forward, want.Contiguous(), denominator, correct);
-  model.set_loss_read_deferred(false);
+  model.set_loss_read_deferred(was_deferred);
   return loss;
 }
 
