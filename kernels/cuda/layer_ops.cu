@@ -1517,15 +1517,26 @@ __global__ void __launch_bounds__(kMmaThreads)
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + kvoff;
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + kvoff;
 
-  // delta = rowsum(dout * out) of the block's rows: two threads a row.
+  // delta = rowsum(dout * out) of the block's rows: two threads a row, each
+  // summing its half in column order, read in 16-byte packs (kD / 2 is a
+  // multiple of 8 at every tensor-core head dim; the rows are 16-byte
+  // aligned).
+  static_assert(kD / 2 % kPack<T> == 0, "half a row is whole 16-byte packs");
   for (int r = threadIdx.x / 2; r < kRows; r += kMmaThreads / 2) {
     const int half = threadIdx.x % 2;
     const int64_t row = row0 + r;
     float sum = 0.0f;
     if (row < s) {
-      const T* o = out + qoff + row * hq * kD;
-      const T* g = dout + qoff + row * hq * kD;
-      for (int c = half * kD / 2; c < (half + 1) * kD / 2; ++c) sum += ToF32(o[c]) * ToF32(g[c]);
+      const T* o = out + qoff + row * hq * kD + half * kD / 2;
+      const T* g = dout + qoff + row * hq * kD + half * kD / 2;
+#pragma unroll
+      for (int p = 0; p < kD / 2 / kPack<T>; ++p) {
+        float ov[kPack<T>], gv[kPack<T>];
+        LoadPack(o, p, ov);
+        LoadPack(g, p, gv);
+#pragma unroll
+        for (int c = 0; c < kPack<T>; ++c) sum += ov[c] * gv[c];
+      }
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     if (half == 0) {
