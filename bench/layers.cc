@@ -532,6 +532,10 @@ bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
   const int64_t b = std::max(1, absl::GetFlag(FLAGS_attention_batch)), s = std::max(1, absl::GetFlag(FLAGS_attention_seq));
   // Head dim 64 twice: the kernels' 128-row blocks (two row tiles of 16 a
   // warp), then the 64-row blocks (one), to compare the two on this GPU.
+  // The rows set the switch themselves; the table ends with it unset.
+  struct UnsetAtExit {
+    ~UnsetAtExit() { unsetenv("COLOD_ATTENTION_ROW_TILES"); }
+  } unset_at_exit;
   for (Shape sh : {Shape{b, s, 16, 128}, Shape{b, s, 32, 64}, Shape{b, s, 32, 64, true}}) {
     if (sh.one_row_tile) {
       setenv("COLOD_ATTENTION_ROW_TILES", "1", 1);
@@ -592,7 +596,6 @@ bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
     }
     std::fflush(stdout);
   }
-  unsetenv("COLOD_ATTENTION_ROW_TILES");
   return true;
 }
 

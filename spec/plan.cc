@@ -775,6 +775,11 @@ struct StageContext {
   PlanDevice device = PlanDevice::kCpu;
   // Whether this rank computes the loss (and reduces it): the last stage's.
   bool loss() const { return stage < 0 || stage == pp - 1; }
+  // The f32s of the loss's all-reduce: a training step without pipeline
+  // stages leaves the loss's sum on the device and reduces it alone (its
+  // denominator is the step's label count: ShardedModel::
+  // set_loss_read_deferred); otherwise the sum and the labelled tokens.
+  int64_t loss_elements() const { return train && pp == 1 ? 1 : 2; }
 };
 
 // The layout's checks the planner makes beyond CheckShardable (which
@@ -1213,7 +1218,7 @@ void PlanComm1D(const StageContext& c, CommSum& comm) {
 void PlanCommDataParallel(const StageContext& c, const JobPlan& plan, CommSum& comm) {
   const int dp = c.dp;
   const int64_t micro = c.micro;
-  if (c.loss()) comm.Add("dp", "all_reduce", {micro}, {2}, 4, dp);  // the loss's sum and tokens
+  if (c.loss()) comm.Add("dp", "all_reduce", {micro}, {c.loss_elements()}, 4, dp);  // the loss's sum (and tokens)
   if (!c.train) return;
   const int64_t bucket = c.spec.train().bucket_bytes() > 0 ? c.spec.train().bucket_bytes() : int64_t{25} << 20;
   auto buckets_of = [&](int64_t elements) { return std::max<int64_t>(1, CeilDiv(elements * c.width, bucket)); };
@@ -1333,8 +1338,8 @@ void PlanComm2D(const StageContext& c, CommSum& comm) {
   // its loss summed over dp only); the gradient norm's sum of squares over
   // the tensor-parallel ranks.
   if (c.loss() && !c.config.takes_images()) {
-    comm.Add("tp_col", "all_reduce", {micro}, {2}, 4, q);
-    comm.Add("tp_dep", "all_reduce", {micro}, {2}, 4, depth);
+    comm.Add("tp_col", "all_reduce", {micro}, {c.loss_elements()}, 4, q);
+    comm.Add("tp_dep", "all_reduce", {micro}, {c.loss_elements()}, 4, depth);
   }
   PlanPositionBiasGradient(c, comm, std::max(1, layout.tensor_parallel_size()));
   if (train) comm.Add("tp", "all_reduce", {1}, {c.norm_slots}, 4, std::max(1, layout.tensor_parallel_size()));
@@ -1428,8 +1433,8 @@ void PlanComm3D(const StageContext& c, CommSum& comm) {
   // stage that computes it; a classifier's, over dp only, as in 2D); the
   // gradient norm's sum of squares over the tensor-parallel ranks.
   if (c.loss() && !c.config.takes_images()) {
-    comm.Add(out_axis, "all_reduce", {micro}, {2}, 4, q);
-    comm.Add(stream_k, "all_reduce", {micro}, {2}, 4, q);
+    comm.Add(out_axis, "all_reduce", {micro}, {c.loss_elements()}, 4, q);
+    comm.Add(stream_k, "all_reduce", {micro}, {c.loss_elements()}, 4, q);
   }
   PlanPositionBiasGradient(c, comm, std::max(1, layout.tensor_parallel_size()));
   if (train) comm.Add("tp", "all_reduce", {1}, {c.norm_slots}, 4, std::max(1, layout.tensor_parallel_size()));

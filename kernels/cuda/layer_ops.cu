@@ -1089,12 +1089,12 @@ __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float*
 // tile is in flight while S = Q K^T runs, the next K tile while P V runs.
 // Only tiles that cross the causal diagonal or the sequence's end are
 // masked.
-constexpr int kMmaRows = 64;  // query rows a block at one row tile a warp (kAttnRows: the same grid)
+constexpr int kMmaRows = 64;  // query rows a block at one row tile a warp (kAttnRows: AttnGrid's blocks)
 constexpr int kMmaKeys = 64;  // keys a tile
 constexpr int kMmaThreads = 128;
 constexpr int kMmaPad = 8;  // elements of padding a shared row
 constexpr int kMmaMaxD = 128;
-static_assert(kMmaRows == kAttnRows, "the tensor-core forward uses the attention grid");
+static_assert(kMmaRows == kAttnRows, "at one row tile a warp the tensor-core kernels use AttnGrid's blocks");
 
 // Whether the tensor-core kernels serve head dim d (their instantiations):
 // the dims of the families (GPT-2 64, LLaMA 64 and 128, phi-style 80, 96).
@@ -1465,8 +1465,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 }
 
 // ---- The tensor-core backward (FlashAttention-2's, deterministic) ----
-// Two kernels as the scalar backward: dq (and delta) per 64 query rows over
-// the key tiles, then dk and dv per 64 key rows over the query tiles of each
+// Two kernels as the scalar backward: dq (and delta) per 64 query rows (128
+// at head dim 64: kDqKeyTile) over the key tiles, then dk and dv per 64 key rows over the query tiles of each
 // query head of the kv head, in a fixed order without atomics. Both
 // recompute P from the forward's log-sum-exp; the other side's tiles are
 // kBwdTile rows (32 above head dim 64, so the accumulators fit the
@@ -1490,8 +1490,8 @@ __device__ __forceinline__ auto StreamedTile(int b, int which) {
   return reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + (2 * b + which) * kBwdTile<kD> * kStride);
 }
 
-// The dq kernel's key tile: kBwdTile<kD> rows at one row tile a warp; 32 at
-// two, so the scores and dP of both fit the registers.
+// The dq kernel's key tile: kBwdTile<kD> rows at one row tile a warp; 16 at
+// two, so the scores and dP of both fit the registers (at 32 they spilled).
 template <int kD, int kTiles>
 constexpr int kDqKeyTile = kTiles == 1 ? kBwdTile<kD> : 16;
 

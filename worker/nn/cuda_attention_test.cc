@@ -4,14 +4,15 @@
 // bidirectional masks, grouped-query heads, head dims 64, 80, 96 and 128 (the
 // tensor-core kernels' in bf16 and f16) and 8 and 256 (the scalar ones'), and
 // sequence lengths that are not multiples of the kernels' tiles (64 query
-// rows a block, 128 in the tensor-core forward at head dim 64; 64 or 32 keys
-// a tile). CI runs it under the CUDA emulation.
+// rows a block, 128 in the tensor-core forward and dq kernels at head dim
+// 64; 64, 32 or 16 keys a tile). CI runs it under the CUDA emulation.
 #include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <utility>
@@ -157,6 +158,29 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(c.d) + (c.causal ? "_causal" : "_bidirectional");
     });
 
+// Sets COLOD_ATTENTION_ROW_TILES to `value` (nullptr: unset, the kernels'
+// default) for its scope, and puts back what the environment had.
+class ScopedRowTiles {
+ public:
+  explicit ScopedRowTiles(const char* value) {
+    const char* old = getenv(kName);
+    if (old != nullptr) saved_ = old;
+    Set(value);
+  }
+  ~ScopedRowTiles() { Set(saved_.has_value() ? saved_->c_str() : nullptr); }
+  void Set(const char* value) {
+    if (value != nullptr) {
+      setenv(kName, value, 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+
+ private:
+  static constexpr const char* kName = "COLOD_ATTENTION_ROW_TILES";
+  std::optional<std::string> saved_;
+};
+
 // At head dim 64 the tensor-core forward and dq kernels give each warp two
 // row tiles of 16 (128-row blocks; dq walks keys in tiles of 16); with
 // COLOD_ATTENTION_ROW_TILES=1, one (64-row blocks, 64-key tiles: the kernels
@@ -175,13 +199,13 @@ TEST(CudaAttentionTensorCores, TwoRowTilesAWarpGiveOneTilesBits) {
 #ifdef COLOD_CUDA_EMULATION
     const uint64_t copies_before = colod_cuda_emu::GetCounters().async_copies;
 #endif
+    ScopedRowTiles tiles(nullptr);
     const Result two = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
-    ASSERT_EQ(setenv("COLOD_ATTENTION_ROW_TILES", "1", 1), 0);
+    tiles.Set("1");
 #ifdef COLOD_CUDA_EMULATION
     const uint64_t copies_between = colod_cuda_emu::GetCounters().async_copies;
 #endif
     const Result one = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
-    ASSERT_EQ(unsetenv("COLOD_ATTENTION_ROW_TILES"), 0);
 #ifdef COLOD_CUDA_EMULATION
     // The two ran different kernels: 128-row blocks stage each K and V tile
     // half as often.
@@ -337,6 +361,7 @@ TEST(CudaAttentionLaunches, OneKernelForwardTwoBackward) {
 // The products on mma.sync, from tiles that cp.async staged once each.
 TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSyncFromTilesStagedByCpAsync) {
   if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  ScopedRowTiles default_tiles(nullptr);  // the counts below are the default kernels
   struct Run {
     DType t;
     int64_t d;
