@@ -22,8 +22,10 @@ out=$("$layers" --cpu_rows=false --hidden 64 --tokens 64 --seq 32 --steps 1 --at
   --bandwidth_rows 64 --lm_head_rows 256 --lm_head_vocab 1024 --lm_head_chunk 64 2>&1) ||
   fail "bench:layers exited $?" "$out"
 for block in mlp_block gpt2_block; do
-  grep -qE "^GPU \(cuda:0\), bf16, tp=1, $block( \(seq 32\))?: step [0-9.]+ ms" <<<"$out" ||
+  grep -qE "^GPU \(cuda:0\), bf16, tp=1, $block( \(seq 32\))?: step [0-9.]+ ms.*\(same run\)$" <<<"$out" ||
     fail "bench:layers printed no GPU $block row" "$out"
+  grep -qE "^GPU \(cuda:0\), bf16, tp=1, $block( \(seq 32\))?: step [0-9.]+ ms.*  \(bias apart: COLOD_GEMM_EPILOGUES=0\)$" \
+    <<<"$out" || fail "bench:layers printed no GPU $block row with the bias apart" "$out"
 done
 for shape in "16 +128" "32 +64"; do  # the attention rows: batch, seq, heads, dim, then forward and backward
   grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$" <<<"$out" ||

@@ -823,16 +823,28 @@ int RunGpuRow(int64_t t, int64_t h, double flops, bool json) {
     const char* block;  // FLAGS_block
     const char* bench;  // the JSON's and the line's name
     double flops;
+    bool bias_apart;  // COLOD_GEMM_EPILOGUES=0: the linear layers' bias kernels apart from their GEMMs
   };
-  std::vector<Row> rows = {{"mlp", "mlp_block", flops}};
+  // Each block twice: the bias in cuBLASLt's epilogues (the default), then
+  // apart, the A/B that decides the default on a GPU.
+  std::vector<Row> rows = {{"mlp", "mlp_block", flops, false}, {"mlp", "mlp_block", flops, true}};
   std::string dir;
   if (absl::GetFlag(FLAGS_gpt2_block)) {
     dir = WriteGpt2Block(h, seq);
     if (dir.empty()) return 1;
-    rows.push_back({"gpt2", "gpt2_block", Gpt2BlockFlops(t, seq, h)});
+    rows.push_back({"gpt2", "gpt2_block", Gpt2BlockFlops(t, seq, h), false});
+    rows.push_back({"gpt2", "gpt2_block", Gpt2BlockFlops(t, seq, h), true});
   }
+  struct UnsetAtExit {  // the switch is this process's own
+    ~UnsetAtExit() { unsetenv("COLOD_GEMM_EPILOGUES"); }
+  } unset_at_exit;
   int rc = 0;
   for (const Row& row : rows) {
+    if (row.bias_apart) {
+      setenv("COLOD_GEMM_EPILOGUES", "0", 1);
+    } else {
+      unsetenv("COLOD_GEMM_EPILOGUES");
+    }
     absl::SetFlag(&FLAGS_block, row.block);
     auto shared = std::make_shared<RendezvousStore>();
     InMemoryStore store(shared, "bench-gpu");
@@ -846,14 +858,16 @@ int RunGpuRow(int64_t t, int64_t h, double flops, bool json) {
     if (json) {
       std::printf("{\"bench\":\"%s\",\"mode\":\"1d\",\"dtype\":\"bf16\",\"device\":\"cuda:0\",\"tokens\":%lld,"
                   "\"hidden\":%lld,\"ranks\":1,\"step_seconds\":%.6f,\"tflops\":%.3f,"
-                  "\"cublas_bf16_peak_tflops\":%.3f,\"fraction_of_peak\":%.4f}\n",
+                  "\"cublas_bf16_peak_tflops\":%.3f,\"fraction_of_peak\":%.4f,\"gemm_epilogues\":%s}\n",
                   row.bench, static_cast<long long>(t), static_cast<long long>(h), r->step_seconds, achieved,
-                  gpu_peak, achieved / gpu_peak);
+                  gpu_peak, achieved / gpu_peak, row.bias_apart ? "false" : "true");
     } else {
-      std::printf("\nGPU (cuda:0), bf16, tp=1, %s%s: step %.2f ms, %.1f TFLOP/s = %.1f%% of cuBLAS bf16 GEMM "
-                  "%.1f TFLOP/s (same run)\n",
-                  row.bench, row.block == std::string("gpt2") ? absl::StrCat(" (seq ", seq, ")").c_str() : "",
-                  r->step_seconds * 1e3, achieved, 100 * achieved / gpu_peak, gpu_peak);
+      std::printf("%sGPU (cuda:0), bf16, tp=1, %s%s: step %.2f ms, %.1f TFLOP/s = %.1f%% of cuBLAS bf16 GEMM "
+                  "%.1f TFLOP/s (same run)%s\n",
+                  row.bias_apart ? "" : "\n", row.bench,
+                  row.block == std::string("gpt2") ? absl::StrCat(" (seq ", seq, ")").c_str() : "",
+                  r->step_seconds * 1e3, achieved, 100 * achieved / gpu_peak, gpu_peak,
+                  row.bias_apart ? "  (bias apart: COLOD_GEMM_EPILOGUES=0)" : "");
     }
     std::fflush(stdout);
   }

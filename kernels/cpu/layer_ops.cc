@@ -170,7 +170,77 @@ absl::Status GemmF32Out(int, ElemType type, bool trans_a, bool trans_b, int64_t 
   return absl::OkStatus();
 }
 
+absl::Status GeluF32(int, const float* x, const float* bias, float* y, int64_t rows, int64_t n, bool tanh_approx);
+
+namespace {
+
+// out [m, n] f32 = op(A) op(B) + bias, the bias widened from `type`.
+void ProductsPlusBias(ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a,
+                      const void* b, const void* bias, float* out) {
+  WidenedSgemm(type, trans_a, trans_b, m, n, k, a, b, out, 0.0f);
+  std::vector<float> wbias;
+  const float* fb = static_cast<const float*>(bias);
+  if (type != ElemType::kF32) {
+    wbias = Widen(type, bias, n);
+    fb = wbias.data();
+  }
+  ParallelFor(m * n, [&](int64_t begin, int64_t end) {
+    ByRowSpans(begin, end, n, [&](int64_t i, int64_t j, int64_t len) {
+      for (int64_t e = 0; e < len; ++e) out[i + e] += fb[j + e];
+    });
+  });
+}
+
+// dst (of bf16 or f16 `type`) <- the f32 values rounded to nearest even.
+void RoundInto(ElemType type, const float* f, void* dst, int64_t count) {
+  uint16_t* h = static_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < count; ++i) h[i] = type == ElemType::kBF16 ? FloatToBF16(f[i]) : FloatToF16(f[i]);
+}
+
+}  // namespace
+
+absl::Status GemmBias(int, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a,
+                      const void* b, const void* bias, void* c) {
+  if (absl::Status s = CheckGemm(type, m, n, k); !s.ok()) return s;
+  if (m == 0 || n == 0) return absl::OkStatus();
+  // The products in f32 (C itself where it is f32), the bias added there,
+  // each element rounded to `type` once.
+  if (type == ElemType::kF32) {
+    ProductsPlusBias(type, trans_a, trans_b, m, n, k, a, b, bias, static_cast<float*>(c));
+    return absl::OkStatus();
+  }
+  std::vector<float> wc(static_cast<size_t>(m * n));
+  ProductsPlusBias(type, trans_a, trans_b, m, n, k, a, b, bias, wc.data());
+  RoundInto(type, wc.data(), c, m * n);
+  return absl::OkStatus();
+}
+
+absl::Status GemmBiasGelu(int d, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                          const void* a, const void* b, const void* bias, void* c, void* pre) {
+  if (absl::Status s = CheckGemm(type, m, n, k); !s.ok()) return s;
+  if (m == 0 || n == 0) return absl::OkStatus();
+  if (type == ElemType::kF32) {
+    ProductsPlusBias(type, trans_a, trans_b, m, n, k, a, b, bias, static_cast<float*>(pre));
+    return GeluF32(d, static_cast<const float*>(pre), nullptr, static_cast<float*>(c), 1, m * n, true);
+  }
+  std::vector<float> v(static_cast<size_t>(m * n)), y(static_cast<size_t>(m * n));
+  ProductsPlusBias(type, trans_a, trans_b, m, n, k, a, b, bias, v.data());
+  if (absl::Status s = GeluF32(d, v.data(), nullptr, y.data(), 1, m * n, true); !s.ok()) return s;
+  RoundInto(type, v.data(), pre, m * n);
+  RoundInto(type, y.data(), c, m * n);
+  return absl::OkStatus();
+}
+
+absl::Status GemmBiasGrad(int d, ElemType type, int64_t m, int64_t n, int64_t k, const void* dy, const void* x,
+                          void* dw, void* db) {
+  if (absl::Status s = CheckGemm(type, m, n, k); !s.ok()) return s;
+  if (absl::Status s = Gemm(d, type, /*trans_a=*/true, /*trans_b=*/false, m, n, k, dy, x, dw); !s.ok()) return s;
+  return BiasGrad(d, type, dy, db, k, m);  // dy [k, m]: its column sums, in double
+}
+
 absl::Status SetAllowTf32(int, bool) { return absl::OkStatus(); }  // OpenBLAS has no TF32
+
+bool GemmEpilogues(int) { return true; }  // the bias added to the f32 products saves a pass and a rounding
 
 absl::Status BiasAddF32(int, const float* x, const float* bias, float* out, int64_t rows, int64_t n) {
   ParallelFor(rows * n, [&](int64_t begin, int64_t end) {

@@ -1,5 +1,6 @@
 #include "kernels/cuda/layer_ops.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -9,9 +10,12 @@
 #include <initializer_list>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "kernels/cuda/elements.h"
@@ -2001,6 +2005,266 @@ absl::Status SetAllowTf32(int device, bool allow) {
   std::lock_guard<std::mutex> lock(handles.mu);
   handles.allow_tf32[device] = allow;
   return absl::OkStatus();
+}
+
+// ---- GEMMs with the bias in cuBLASLt's epilogue ----
+namespace {
+
+// Whether GemmBias and GemmBiasGrad put the bias (its add, its gradient) in
+// the GEMM's epilogue: yes unless COLOD_GEMM_EPILOGUES=0, read at each call,
+// which runs them as the GEMM and the bias kernel apart (bench:layers's A/B
+// rows; the same values up to the one rounding the fused add saves).
+bool EpiloguesFromEnv() {
+  const char* v = getenv("COLOD_GEMM_EPILOGUES");
+  return v == nullptr || std::string_view(v) != "0";
+}
+
+// The largest power of two up to 256 that divides p's address: what
+// cuBLASLt's heuristic is told of each operand (it assumes 256 bytes unless
+// told less, and an algorithm chosen for more would fault).
+uint32_t Alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && a % align != 0) align /= 2;
+  return align;
+}
+
+// A cuBLASLt problem: the algorithm its heuristic chose depends on nothing
+// else.
+struct LtKey {
+  int device;
+  ElemType type;
+  bool trans_a, trans_b;
+  int64_t m, n, k;
+  uint32_t epilogue;
+  uint32_t align[5];  // A, B, C (= D), the vector, the auxiliary output
+  bool operator<(const LtKey& o) const {
+    return std::tie(device, type, trans_a, trans_b, m, n, k, epilogue, align[0], align[1], align[2], align[3],
+                    align[4]) < std::tie(o.device, o.type, o.trans_a, o.trans_b, o.m, o.n, o.k, o.epilogue,
+                                         o.align[0], o.align[1], o.align[2], o.align[3], o.align[4]);
+  }
+};
+
+// cuBLASLt's state for the process: a handle and a workspace per device (8
+// MiB of cudaMalloc, outside the pool, as cuBLAS keeps its own; none where
+// that failed), and the heuristic's algorithm per problem (none where it
+// found none or cuBLASLt refused the call: those GEMMs run unfused), so that
+// a step asks the heuristic nothing after its first. `mu` serializes the
+// enqueues as Handles().mu does cuBLAS's; the workspace is used by the
+// device's compute stream alone, in stream order.
+constexpr size_t kLtWorkspaceBytes = size_t{8} << 20;
+constexpr size_t kLtMaxAlgos = 4096;  // problems remembered; a job has a few dozen
+
+struct LtState {
+  std::mutex mu;
+  std::map<int, cublasLtHandle_t> handles ABSL_GUARDED_BY(mu);
+  std::map<int, std::pair<void*, size_t>> workspaces ABSL_GUARDED_BY(mu);
+  std::map<LtKey, std::optional<cublasLtMatmulAlgo_t>> algos ABSL_GUARDED_BY(mu);
+  ~LtState() {
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto& [device, h] : handles) {
+      if (cudaSetDevice(device) != cudaSuccess) continue;  // a driver already gone only fails here
+      cublasLtDestroy(h);
+      auto w = workspaces.find(device);
+      if (w != workspaces.end() && w->second.first != nullptr) cudaFree(w->second.first);
+    }
+  }
+};
+
+LtState& Lt() {
+  static LtState state;  // destroyed at exit
+  return state;
+}
+
+// The descriptors of one cuBLASLt call, destroyed with it.
+struct LtCall {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~LtCall() {
+    if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
+    for (cublasLtMatrixLayout_t l : {a, b, c}) {
+      if (l != nullptr) cublasLtMatrixLayoutDestroy(l);
+    }
+    if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+// Row-major C [m, n] = op(A) op(B) of `type` with `epilogue` (BIAS: `vector`
+// [n] added; GELU_AUX_BIAS: that, then GELU, `aux` [m, n] <- GELU's input;
+// BGRADB: `vector` [m] <- op(A)'s row sums), enqueued on the device's
+// compute stream. false, with nothing enqueued, where cuBLASLt has no
+// algorithm for the problem (the caller runs it unfused).
+absl::StatusOr<bool> LtGemm(int device, cudaStream_t stream, ElemType type, bool trans_a, bool trans_b, int64_t m,
+                            int64_t n, int64_t k, const void* a, const void* b, void* c, cublasLtEpilogue_t epilogue,
+                            const void* vector, void* aux = nullptr) {
+  // Column-major C^T [n, m] = op(B)^T op(A)^T: cuBLASLt's A is our b, its B
+  // our a, stored as the transposes of our row-major operands.
+  const LtKey key{device,       type, trans_a, trans_b, m, n, k, static_cast<uint32_t>(epilogue),
+                  {Alignment(b), Alignment(a), Alignment(c), Alignment(vector), Alignment(aux)}};
+  const cudaDataType_t t = CudaType(type);
+  LtCall call;
+  RETURN_IF(CublasCheck(cublasLtMatmulDescCreate(&call.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                        "cublasLtMatmulDescCreate"));
+  const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const uint32_t epi = epilogue;
+  RETURN_IF(CublasCheck(cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a),
+                        "cublasLtMatmulDescSetAttribute"));
+  RETURN_IF(CublasCheck(cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b),
+                        "cublasLtMatmulDescSetAttribute"));
+  RETURN_IF(CublasCheck(cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi),
+                        "cublasLtMatmulDescSetAttribute"));
+  RETURN_IF(CublasCheck(
+      cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vector, sizeof vector),
+      "cublasLtMatmulDescSetAttribute"));
+  if (aux != nullptr) {  // GELU's input, laid out as C
+    const int64_t aux_ld = n;
+    RETURN_IF(CublasCheck(
+        cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
+        "cublasLtMatmulDescSetAttribute"));
+    RETURN_IF(CublasCheck(
+        cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld),
+        "cublasLtMatmulDescSetAttribute"));
+  }
+  const uint64_t a_rows = static_cast<uint64_t>(trans_b ? k : n), a_cols = static_cast<uint64_t>(trans_b ? n : k);
+  const uint64_t b_rows = static_cast<uint64_t>(trans_a ? m : k), b_cols = static_cast<uint64_t>(trans_a ? k : m);
+  RETURN_IF(CublasCheck(cublasLtMatrixLayoutCreate(&call.a, t, a_rows, a_cols, static_cast<int64_t>(a_rows)),
+                        "cublasLtMatrixLayoutCreate"));
+  RETURN_IF(CublasCheck(cublasLtMatrixLayoutCreate(&call.b, t, b_rows, b_cols, static_cast<int64_t>(b_rows)),
+                        "cublasLtMatrixLayoutCreate"));
+  RETURN_IF(CublasCheck(cublasLtMatrixLayoutCreate(&call.c, t, static_cast<uint64_t>(n), static_cast<uint64_t>(m), n),
+                        "cublasLtMatrixLayoutCreate"));
+  const float one = 1.0f, zero = 0.0f;
+  LtState& lt = Lt();
+  std::lock_guard<std::mutex> lock(lt.mu);  // held for the enqueue only, not for the GEMM
+  auto h = lt.handles.find(device);
+  if (h == lt.handles.end()) {
+    cublasLtHandle_t handle = nullptr;
+    RETURN_IF(CublasCheck(cublasLtCreate(&handle), "cublasLtCreate"));
+    void* workspace = nullptr;
+    if (cudaMalloc(&workspace, kLtWorkspaceBytes) == cudaSuccess) {
+      lt.workspaces[device] = {workspace, kLtWorkspaceBytes};
+    } else {
+      (void)cudaGetLastError();  // a full device: the algorithms that need no workspace
+      lt.workspaces[device] = {nullptr, 0};
+    }
+    h = lt.handles.emplace(device, handle).first;
+  }
+  const auto [workspace, workspace_bytes] = lt.workspaces[device];
+  auto found = lt.algos.find(key);
+  if (found == lt.algos.end()) {
+    RETURN_IF(CublasCheck(cublasLtMatmulPreferenceCreate(&call.pref), "cublasLtMatmulPreferenceCreate"));
+    const uint64_t bytes = workspace_bytes;
+    RETURN_IF(CublasCheck(cublasLtMatmulPreferenceSetAttribute(call.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                               &bytes, sizeof bytes),
+                          "cublasLtMatmulPreferenceSetAttribute"));
+    const cublasLtMatmulPreferenceAttributes_t aligns[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t align = key.align[i < 3 ? i : 2];  // D is C
+      RETURN_IF(CublasCheck(cublasLtMatmulPreferenceSetAttribute(call.pref, aligns[i], &align, sizeof align),
+                            "cublasLtMatmulPreferenceSetAttribute"));
+    }
+    cublasLtMatmulHeuristicResult_t result{};
+    int count = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h->second, call.desc, call.a, call.b, call.c, call.c,
+                                                             call.pref, 1, &result, &count);
+    // Whatever the heuristic answers short of an algorithm (no algorithm,
+    // NOT_SUPPORTED, INVALID_VALUE for a rule of cuBLASLt's not modelled
+    // here), the problem runs unfused.
+    std::optional<cublasLtMatmulAlgo_t> algo;
+    if (st == CUBLAS_STATUS_SUCCESS && count > 0 && result.state == CUBLAS_STATUS_SUCCESS &&
+        result.workspaceSize <= workspace_bytes) {
+      algo = result.algo;
+    }
+    if (lt.algos.size() >= kLtMaxAlgos) lt.algos.clear();
+    found = lt.algos.emplace(key, algo).first;
+  }
+  if (!found->second.has_value()) return false;
+  const cublasStatus_t st = cublasLtMatmul(h->second, call.desc, &one, b, call.a, a, call.b, &zero, c, call.c, c,
+                                           call.c, &*found->second, workspace, workspace_bytes, stream);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+    found->second.reset();  // refused before anything ran: unfused from now on
+    return false;
+  }
+  RETURN_IF(CublasCheck(st, "cublasLtMatmul"));
+  RETURN_IF(Finish("cublasLtMatmul"));
+  return true;
+}
+
+// GemmEx's checks, for the GEMMs of cuBLASLt.
+absl::Status CheckLtGemm(ElemType type, int64_t m, int64_t n, int64_t k, const char* op) {
+  if (type != ElemType::kF32 && type != ElemType::kBF16 && type != ElemType::kF16) {
+    return absl::InvalidArgumentError(std::string(op) + ": f32, bf16 or f16 only");
+  }
+  if (m < 0 || n < 0 || k < 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX) {
+    return absl::InvalidArgumentError(std::string(op) + ": [" + std::to_string(m) + ", " + std::to_string(k) +
+                                      "] @ [" + std::to_string(k) + ", " + std::to_string(n) +
+                                      "] exceeds cuBLAS's int dimensions");
+  }
+  return absl::OkStatus();
+}
+
+// Whether the f32 GEMMs of `device` run in TF32 (SetAllowTf32): cuBLASLt's
+// calls above compute in f32, so those GEMMs take cuBLAS's path.
+bool Tf32Allowed(int device) {
+  CublasHandles& handles = Handles();
+  std::lock_guard<std::mutex> lock(handles.mu);
+  const auto it = handles.allow_tf32.find(device);
+  return it != handles.allow_tf32.end() && it->second;
+}
+
+}  // namespace
+
+bool GemmEpilogues(int) { return EpiloguesFromEnv(); }
+
+absl::Status GemmBias(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                      const void* a, const void* b, const void* bias, void* c) {
+  RETURN_IF(CheckLtGemm(type, m, n, k, "GemmBias"));
+  if (m == 0 || n == 0) return absl::OkStatus();
+  if (k > 0 && EpiloguesFromEnv() && !(type == ElemType::kF32 && Tf32Allowed(device))) {
+    COLOD_CUDA_BEGIN(stream, device);
+    absl::StatusOr<bool> fused =
+        LtGemm(device, stream, type, trans_a, trans_b, m, n, k, a, b, c, CUBLASLT_EPILOGUE_BIAS, bias);
+    if (!fused.ok()) return fused.status();
+    if (*fused) return absl::OkStatus();
+  }
+  RETURN_IF(Gemm(device, type, trans_a, trans_b, m, n, k, a, b, c));
+  return BiasAdd(device, type, c, bias, c, m, n);
+}
+
+absl::Status GemmBiasGelu(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                          const void* a, const void* b, const void* bias, void* c, void* pre) {
+  RETURN_IF(CheckLtGemm(type, m, n, k, "GemmBiasGelu"));
+  if (m == 0 || n == 0) return absl::OkStatus();
+  // cuBLASLt's auxiliary output needs a leading dimension divisible by 8.
+  if (k > 0 && n % 8 == 0 && EpiloguesFromEnv() && !(type == ElemType::kF32 && Tf32Allowed(device))) {
+    COLOD_CUDA_BEGIN(stream, device);
+    absl::StatusOr<bool> fused =
+        LtGemm(device, stream, type, trans_a, trans_b, m, n, k, a, b, c, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias, pre);
+    if (!fused.ok()) return fused.status();
+    if (*fused) return absl::OkStatus();
+  }
+  // Apart: pre = the product plus the bias, then c = GELU(pre).
+  RETURN_IF(GemmBias(device, type, trans_a, trans_b, m, n, k, a, b, bias, pre));
+  return Gelu(device, type, pre, nullptr, c, m, n, /*tanh_approx=*/true);
+}
+
+absl::Status GemmBiasGrad(int device, ElemType type, int64_t m, int64_t n, int64_t k, const void* dy, const void* x,
+                          void* dw, void* db) {
+  RETURN_IF(CheckLtGemm(type, m, n, k, "GemmBiasGrad"));
+  if (m > 0 && n > 0 && k > 0 && EpiloguesFromEnv() && !(type == ElemType::kF32 && Tf32Allowed(device))) {
+    COLOD_CUDA_BEGIN(stream, device);
+    // dw^T = x^T dy in cuBLASLt's terms: its B is dy, whose sums over k are
+    // BGRADB's.
+    absl::StatusOr<bool> fused = LtGemm(device, stream, type, /*trans_a=*/true, /*trans_b=*/false, m, n, k, dy, x, dw,
+                                        CUBLASLT_EPILOGUE_BGRADB, db);
+    if (!fused.ok()) return fused.status();
+    if (*fused) return absl::OkStatus();
+  }
+  RETURN_IF(Gemm(device, type, /*trans_a=*/true, /*trans_b=*/false, m, n, k, dy, x, dw));
+  return BiasGrad(device, type, dy, db, k, m);
 }
 
 absl::Status BiasAdd(int device, ElemType type, const void* x, const void* bias, void* out, int64_t rows,

@@ -25,49 +25,68 @@ Epilogue GeluEpilogue(ops::GeluApprox approx) {
 
 namespace {
 
+// A linear node's gradients from dy, its input xv and weight wv: dx (summed
+// over `sum_dx` where set), dw and, with a bias, db.
+absl::StatusOr<Grads> LinearBackward(const Tensor& dy, const Tensor& xv, const Tensor& wv, bool has_bias,
+                                     Communicator* sum_dx, absl::Duration timeout) {
+  ASSIGN_OR_RETURN(Tensor dx, ops::MatMul(dy, wv));
+  // dx is this node's own buffer: summed in place, no copy, behind the
+  // weight-gradient GEMM.
+  std::shared_ptr<Work> sum;
+  if (sum_dx != nullptr && dx.numel() > 0) {
+    if (!dx.is_contiguous()) return absl::InternalError("linear: dx is not contiguous");
+    sum = sum_dx->AllReduce(dx.raw_data(), dx.numel(), dx.dtype(), ReduceOp::kSum);
+  }
+  auto weight_grads = [&]() -> absl::StatusOr<Grads> {
+    if (has_bias) {  // one GEMM, the bias's sums in its epilogue
+      ASSIGN_OR_RETURN(ops::LinearGrads lg, ops::LinearWeightGrads(dy, xv));
+      return Grads{std::nullopt, std::move(lg.dw), std::move(lg.db)};
+    }
+    ASSIGN_OR_RETURN(Tensor dy2, Rows(dy));
+    ASSIGN_OR_RETURN(Tensor x2, Rows(xv));
+    ASSIGN_OR_RETURN(Tensor dw, ops::MatMul(dy2, x2, /*trans_a=*/true));
+    return Grads{std::nullopt, dw};
+  };
+  absl::StatusOr<Grads> g = weight_grads();
+  // Waited for on every path: the all-reduce writes dx.
+  const absl::Status summed = sum == nullptr ? absl::OkStatus() : sum->WaitOnDevice(timeout);
+  if (!g.ok()) return g.status();
+  RETURN_IF_ERROR(summed);
+  (*g)[0] = dx;
+  return g;
+}
+
 // Linear, and with `sum_dx` (LinearSumInputGrad) its input's gradient summed
 // over that group while the weight's gradient is computed.
 absl::StatusOr<Variable> LinearNode(const Variable& x, const Variable& w, const std::optional<Variable>& b,
                                     Epilogue epilogue, Communicator* sum_dx, absl::Duration timeout) {
   if (sum_dx != nullptr && sum_dx->size() == 1) sum_dx = nullptr;
+  const Tensor xv = x.value(), wv = w.value();
+  if (epilogue == Epilogue::kGeluTanh && b.has_value() && xv.dtype() == wv.dtype() && xv.dim() >= 2 &&
+      ops::FusesGemmEpilogues(xv.device())) {
+    // The bias and GELU in the GEMM's epilogue: one node, which keeps GELU's
+    // input (x W^T + b) for its backward.
+    ASSIGN_OR_RETURN(ops::BiasGeluProduct yp, ops::MatMulBiasGelu(xv, wv, b->value(), /*trans_b=*/true));
+    const Tensor pre = yp.pre;
+    return RecordOp(sum_dx == nullptr ? "linear_bias_gelu" : "linear_bias_gelu_sum_input_grad", {x, w, *b},
+                    std::move(yp.y), [xv, wv, pre, sum_dx, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
+                      ASSIGN_OR_RETURN(Tensor dz, ops::GeluBackward(dy, pre, ops::GeluApprox::kTanh));
+                      return LinearBackward(dz, xv, wv, /*has_bias=*/true, sum_dx, timeout);
+                    });
+  }
   if (epilogue != Epilogue::kNone) {
     ASSIGN_OR_RETURN(Variable z, LinearNode(x, w, std::nullopt, Epilogue::kNone, sum_dx, timeout));
     return BiasEpilogue(z, b, epilogue);
   }
-  ASSIGN_OR_RETURN(Tensor y, ops::MatMul(x.value(), w.value(), false, /*trans_b=*/true));
-  if (b.has_value()) RETURN_IF_ERROR(ops::BiasAddInPlace(y, b->value()));  // y is the GEMM's fresh output
+  // The bias in the GEMM's epilogue (ops::MatMulBias).
+  ASSIGN_OR_RETURN(Tensor y, b.has_value() ? ops::MatMulBias(xv, wv, b->value(), false, /*trans_b=*/true)
+                                           : ops::MatMul(xv, wv, false, /*trans_b=*/true));
   std::vector<Variable> inputs = {x, w};
   if (b.has_value()) inputs.push_back(*b);
-  const Tensor xv = x.value(), wv = w.value();
   const bool has_bias = b.has_value();
   return RecordOp(sum_dx == nullptr ? "linear" : "linear_sum_input_grad", inputs, std::move(y),
                   [xv, wv, has_bias, sum_dx, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
-                    ASSIGN_OR_RETURN(Tensor dx, ops::MatMul(dy, wv));
-                    // dx is this node's own buffer: summed in place, no copy,
-                    // behind the weight-gradient GEMM.
-                    std::shared_ptr<Work> sum;
-                    if (sum_dx != nullptr && dx.numel() > 0) {
-                      if (!dx.is_contiguous()) return absl::InternalError("linear: dx is not contiguous");
-                      sum = sum_dx->AllReduce(dx.raw_data(), dx.numel(), dx.dtype(), ReduceOp::kSum);
-                    }
-                    auto weight_grads = [&]() -> absl::StatusOr<Grads> {
-                      ASSIGN_OR_RETURN(Tensor dy2, Rows(dy));
-                      ASSIGN_OR_RETURN(Tensor x2, Rows(xv));
-                      ASSIGN_OR_RETURN(Tensor dw, ops::MatMul(dy2, x2, /*trans_a=*/true));
-                      Grads g = {std::nullopt, dw};
-                      if (has_bias) {
-                        ASSIGN_OR_RETURN(Tensor db, ops::BiasGrad(dy));
-                        g.push_back(db);
-                      }
-                      return g;
-                    };
-                    absl::StatusOr<Grads> g = weight_grads();
-                    // Waited for on every path: the all-reduce writes dx.
-                    const absl::Status summed = sum == nullptr ? absl::OkStatus() : sum->WaitOnDevice(timeout);
-                    if (!g.ok()) return g.status();
-                    RETURN_IF_ERROR(summed);
-                    (*g)[0] = dx;
-                    return g;
+                    return LinearBackward(dy, xv, wv, has_bias, sum_dx, timeout);
                   });
 }
 
@@ -118,9 +137,9 @@ absl::StatusOr<Variable> GatheredLinear(const Variable& x, const Variable& w, co
   Tensor y;
   {
     ASSIGN_OR_RETURN(Tensor gathered, AllGatherDim(shard, d, *comm, timeout));  // freed after the GEMM
-    ASSIGN_OR_RETURN(y, ops::MatMul(gathered, w.value(), false, /*trans_b=*/true));
+    ASSIGN_OR_RETURN(y, b.has_value() ? ops::MatMulBias(gathered, w.value(), b->value(), false, /*trans_b=*/true)
+                                      : ops::MatMul(gathered, w.value(), false, /*trans_b=*/true));
   }
-  if (b.has_value()) RETURN_IF_ERROR(ops::BiasAddInPlace(y, b->value()));
   std::vector<Variable> inputs = {x, w};
   if (b.has_value()) inputs.push_back(*b);
   const Tensor wv = w.value();
@@ -144,15 +163,18 @@ absl::StatusOr<Variable> GatheredLinear(const Variable& x, const Variable& w, co
           parts.push_back(std::move(part));
         }
         ASSIGN_OR_RETURN(Tensor gathered, Tensor::Cat(parts, d));
-        ASSIGN_OR_RETURN(Tensor dy2, Rows(dy));
-        ASSIGN_OR_RETURN(Tensor x2, Rows(gathered));
-        ASSIGN_OR_RETURN(Tensor dw, ops::MatMul(dy2, x2, /*trans_a=*/true));
-        ASSIGN_OR_RETURN(Tensor dx, ReduceScatterDim(*dx_full, d, *comm, timeout));
-        Grads g = {dx, dw};
-        if (has_bias) {
-          ASSIGN_OR_RETURN(Tensor db, ops::BiasGrad(dy));
-          g.push_back(db);
+        Grads g = {std::nullopt};
+        if (has_bias) {  // one GEMM, the bias's sums in its epilogue
+          ASSIGN_OR_RETURN(ops::LinearGrads lg, ops::LinearWeightGrads(dy, gathered));
+          g.push_back(std::move(lg.dw));
+          g.push_back(std::move(lg.db));
+        } else {
+          ASSIGN_OR_RETURN(Tensor dy2, Rows(dy));
+          ASSIGN_OR_RETURN(Tensor x2, Rows(gathered));
+          ASSIGN_OR_RETURN(Tensor dw, ops::MatMul(dy2, x2, /*trans_a=*/true));
+          g.push_back(std::move(dw));
         }
+        ASSIGN_OR_RETURN(g[0], ReduceScatterDim(*dx_full, d, *comm, timeout));
         return g;
       });
 }

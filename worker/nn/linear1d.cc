@@ -192,6 +192,11 @@ absl::StatusOr<ColoTensor> Linear1DRow::Forward(const ColoTensor& x) const {
     ASSIGN_OR_RETURN(in, x.Redistribute(WithTp(x.spec(), sharded)));
   }
   ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm("tp"));
+  if (comm->size() == 1 && bias_.has_value() && !options_.sequence_parallel) {
+    // Nothing to sum: the bias in the GEMM's epilogue.
+    ASSIGN_OR_RETURN(Variable y, Linear(in.variable(), weight_.variable(), bias_->variable()));
+    return ColoTensor::FromLocal(y, WithTp(in.spec(), Placement::Replicate()), pg_);
+  }
   if (!options_.sequence_parallel) {
     ASSIGN_OR_RETURN(Variable partial, Linear(in.variable(), weight_.variable(), std::nullopt));
     // The partial sums are the GEMM's own buffer: summed and biased in place

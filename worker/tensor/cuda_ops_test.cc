@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -16,6 +17,7 @@
 
 #ifdef COLOD_CUDA_EMULATION
 #include <cublas_emu.h>
+#include <cuda_emu.h>
 #endif
 
 #include "gtest/gtest.h"
@@ -133,6 +135,145 @@ TEST_F(CudaLayerOps, GemmRefusesDimensionsOutsideInt) {
                                               nullptr, true);
       EXPECT_EQ(f.code(), absl::StatusCode::kInvalidArgument) << m << " " << n << " " << k << ": " << f;
     }
+  }
+}
+
+// Sets COLOD_GEMM_EPILOGUES (null: unset) for a scope, and restores it.
+class ScopedGemmEpilogues {
+ public:
+  explicit ScopedGemmEpilogues(const char* value) {
+    if (const char* old = getenv(kName); old != nullptr) saved_ = old;
+    Set(value);
+  }
+  ~ScopedGemmEpilogues() { Set(saved_.has_value() ? saved_->c_str() : nullptr); }
+
+ private:
+  static void Set(const char* value) {
+    if (value != nullptr) {
+      setenv(kName, value, 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+  static constexpr const char* kName = "COLOD_GEMM_EPILOGUES";
+  std::optional<std::string> saved_;
+};
+
+// A linear layer's bias in its GEMMs (MatMulBias, LinearWeightGrads: on
+// CUDA cuBLASLt's BIAS and BGRADB epilogues) against the CPU twins, in every
+// layout and float type, fused and with COLOD_GEMM_EPILOGUES=0 (the GEMM and
+// the bias kernels apart); the CPU's own against MatMul, BiasAdd and
+// BiasGrad.
+TEST_F(CudaLayerOps, GemmBiasEpiloguesMatchTheCpu) {
+  for (const char* fuse : {static_cast<const char*>(nullptr), "0"}) {
+    ScopedGemmEpilogues scope(fuse);
+    const std::string mode = fuse == nullptr ? "fused" : "unfused";
+    for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+      const double tol = t == DType::kF32 ? 1e-5 : (t == DType::kBF16 ? 1e-2 : 2e-3);
+      const std::string what = mode + " " + std::string(DTypeName(t));
+      for (bool ta : {false, true}) {
+        for (bool tb : {false, true}) {
+          const Tensor a = *R(ta ? Shape{40, 24} : Shape{24, 40}, 11).ToDType(t);
+          const Tensor b = *R(tb ? Shape{36, 40} : Shape{40, 36}, 12).ToDType(t);
+          const Tensor bias = *R({36}, 13).ToDType(t);
+          const Tensor cpu = *MatMulBias(a, b, bias, ta, tb);
+          ExpectNear(*MatMulBias(Dev(a), Dev(b), Dev(bias), ta, tb), cpu, tol, what + " gemm + bias");
+          Tensor unfused = *MatMul(*a.ToDType(DType::kF32), *b.ToDType(DType::kF32), ta, tb);
+          ASSERT_TRUE(BiasAddInPlace(unfused, *bias.ToDType(DType::kF32)).ok());
+          ExpectNear(*Dev(cpu).ToDType(DType::kF32), unfused, tol, what + " cpu gemm + bias against f32");
+        }
+      }
+      // Bias + tanh GELU in the epilogue: y from pre's f32 value, pre the
+      // product plus the bias. 36 outputs run unfused on CUDA (cuBLASLt's
+      // GELU input needs a leading dimension divisible by 8), 32 fused.
+      for (int64_t n : {36, 32}) {
+        const Tensor x = *R({2, 6, 40}, 26).ToDType(t), w = *R({n, 40}, 27).ToDType(t);
+        const Tensor bias = *R({n}, 28).ToDType(t);
+        const std::string gw = what + " n=" + std::to_string(n);
+        const BiasGeluProduct cpu = *MatMulBiasGelu(x, w, bias, /*trans_b=*/true);
+        const BiasGeluProduct gpu = *MatMulBiasGelu(Dev(x), Dev(w), Dev(bias), /*trans_b=*/true);
+        ExpectNear(gpu.y, cpu.y, tol, gw + " gemm + bias + gelu");
+        ExpectNear(gpu.pre, cpu.pre, tol, gw + " gemm + bias + gelu's input");
+        const Tensor pre32 = *MatMul(*x.ToDType(DType::kF32), *w.ToDType(DType::kF32), false, true);
+        Tensor want_pre = pre32;
+        ASSERT_TRUE(BiasAddInPlace(want_pre, *bias.ToDType(DType::kF32)).ok());
+        ExpectNear(*Dev(cpu.pre).ToDType(DType::kF32), want_pre, tol, gw + " cpu gelu's input against f32");
+        ExpectNear(*Dev(cpu.y).ToDType(DType::kF32), *Gelu(want_pre, GeluApprox::kTanh), tol,
+                   gw + " cpu gelu against f32");
+      }
+      // Rows [2, 5, ..] of a layer's output gradient and input; a bias of
+      // f32 on bf16 rows converted as BiasAdd converts it.
+      const Tensor dy = *R({2, 5, 24}, 14).ToDType(t), x = *R({2, 5, 40}, 15).ToDType(t);
+      const LinearGrads cpu = *LinearWeightGrads(dy, x);
+      const LinearGrads gpu = *LinearWeightGrads(Dev(dy), Dev(x));
+      ExpectNear(gpu.dw, cpu.dw, tol, what + " dw");
+      ExpectNear(gpu.db, cpu.db, tol, what + " db");
+      const Tensor dy2 = *dy.Reshape({10, 24}), x2 = *x.Reshape({10, 40});
+      ExpectNear(*Dev(cpu.dw).ToDType(DType::kF32),
+                 *MatMul(*dy2.ToDType(DType::kF32), *x2.ToDType(DType::kF32), /*trans_a=*/true), tol,
+                 what + " cpu dw against f32");
+      ExpectNear(*Dev(cpu.db).ToDType(DType::kF32), *BiasGrad(*dy2.ToDType(DType::kF32)), tol,
+                 what + " cpu db against f32");
+      ExpectNear(*MatMulBias(Dev(R({3, 4, 40}, 16)), Dev(R({40, 36}, 17)), Dev(R({36}, 18))),
+                 *MatMulBias(R({3, 4, 40}, 16), R({40, 36}, 17), R({36}, 18)), 1e-5, what + " rows [3, 4, 40]");
+    }
+  }
+  // A bias of f32 on bf16 operands: converted to bf16, as BiasAdd converts it.
+  {
+    const Tensor a = *R({16, 40}, 34).ToDType(DType::kBF16), b = *R({40, 32}, 35).ToDType(DType::kBF16);
+    const Tensor bias = R({32}, 36);
+    const Tensor cpu = *MatMulBias(a, b, bias);
+    ExpectNear(*MatMulBias(Dev(a), Dev(b), Dev(bias)), cpu, 1e-2, "an f32 bias on bf16 operands");
+    Tensor want = *MatMul(*a.ToDType(DType::kF32), *b.ToDType(DType::kF32));
+    ASSERT_TRUE(BiasAddInPlace(want, *bias.ToDType(DType::kBF16)->ToDType(DType::kF32)).ok());
+    ExpectNear(*Dev(cpu).ToDType(DType::kF32), want, 1e-2, "the cpu's f32 bias on bf16 operands");
+  }
+  // Mixed dtypes and bad shapes: as MatMul and BiasAdd answer them.
+  const Tensor a = R({4, 8}, 19), b = *R({8, 6}, 20).ToDType(DType::kBF16);
+  ExpectNear(*MatMulBias(Dev(a), Dev(b), Dev(R({6}, 21))), *MatMulBias(a, b, R({6}, 21)), 1e-2, "mixed dtypes");
+  EXPECT_EQ(MatMulBias(Dev(a), Dev(R({8, 6}, 22)), Dev(R({5}, 23))).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MatMulBias(Dev(a), Dev(R({8, 6}, 22)), R({6}, 23)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LinearWeightGrads(Dev(R({3, 4}, 24)), Dev(R({2, 5}, 25))).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// The fused bias is added to the f32 products, and the sum rounded once: a
+// bf16 product of 1 + 3 * 2^-9 plus a bias of -2^-9 is the tie 1 + 2^-8,
+// which rounds to even, 1; the product rounded first (1 + 2^-7) plus the
+// bias rounds to 1 + 2^-7. Under the emulation the fused GEMMs (bias; bias
+// and GELU; the weight gradient) launch no kernel of colod's (cuBLASLt's
+// epilogues did the adds, the GELU and the sums); apart, the bias, GELU and
+// column-sum kernels run.
+TEST_F(CudaLayerOps, AFusedBiasIsAddedToTheProductsBeforeTheOneRounding) {
+  const Tensor a = *Tensor::FromFloats({1, 2}, {1.0f, 3 * std::ldexp(1.0f, -9)})->ToDType(DType::kBF16);
+  const Tensor b = *Tensor::FromFloats({2, 1}, {1.0f, 1.0f})->ToDType(DType::kBF16);
+  const Tensor bias = *Tensor::FromFloats({1}, {-std::ldexp(1.0f, -9)})->ToDType(DType::kBF16);
+  EXPECT_EQ(MatMulBias(a, b, bias)->ToFloats(), std::vector<float>{1.0f}) << "the CPU rounds once";
+  const Tensor da = Dev(a), db = Dev(b), dbias = Dev(bias);
+  const Tensor dy = Dev(*R({64, 24}, 30).ToDType(DType::kBF16)), x = Dev(*R({64, 40}, 31).ToDType(DType::kBF16));
+  for (const char* fuse : {static_cast<const char*>(nullptr), "0"}) {
+    ScopedGemmEpilogues scope(fuse);
+    const bool fused = fuse == nullptr;
+#ifdef COLOD_CUDA_EMULATION
+    const uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
+#endif
+    const Tensor y = *MatMulBias(da, db, dbias);
+    ASSERT_TRUE(LinearWeightGrads(dy, x).ok());
+    ASSERT_TRUE(MatMulBiasGelu(x, Dev(*R({24, 40}, 32).ToDType(DType::kBF16)),
+                               Dev(*R({24}, 33).ToDType(DType::kBF16)), /*trans_b=*/true)
+                    .ok());
+    EXPECT_EQ(FusesGemmEpilogues(Device::Cuda(0)), fused);
+#ifdef COLOD_CUDA_EMULATION
+    const uint64_t launches = colod_cuda_emu::GetCounters().kernel_launches - before;
+    if (fused) {
+      EXPECT_EQ(launches, 0u) << "the bias and GELU in cuBLASLt's epilogues";
+    } else {
+      EXPECT_GE(launches, 4u) << "a bias add, a column sum, a bias add and a GELU";
+    }
+#endif
+    EXPECT_EQ(y.ToFloats(), std::vector<float>{fused ? 1.0f : 1.0f + std::ldexp(1.0f, -7)})
+        << (fused ? "fused" : "unfused");
   }
 }
 

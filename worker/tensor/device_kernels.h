@@ -115,6 +115,13 @@ struct DeviceKernels {
   absl::Status (*GradNormClip)(int device, const float* squares, int64_t n, double max_norm, float* out);
   absl::Status (*GemmF32Out)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                              const void* a, const void* b, float* c, bool accumulate);
+  absl::Status (*GemmBias)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                           const void* a, const void* b, const void* bias, void* c);
+  absl::Status (*GemmBiasGrad)(int device, ElemType type, int64_t m, int64_t n, int64_t k, const void* dy,
+                               const void* x, void* dw, void* db);
+  absl::Status (*GemmBiasGelu)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                               int64_t k, const void* a, const void* b, const void* bias, void* c, void* pre);
+  bool (*GemmEpilogues)(int device);
 };
 
 // The table of a kernels/ namespace; a twin whose signature drifts is a
@@ -131,7 +138,7 @@ struct DeviceKernels {
         &ns::VocabShardMax, &ns::VocabShardSums, &ns::VocabShardCombine, &ns::VocabShardLoss,         \
         &ns::VocabShardBackward,                                                                      \
         &ns::Rope, &ns::FlashAttention, &ns::FlashAttentionBackward, &ns::AdamW, &ns::GradNormClip,    \
-        &ns::GemmF32Out                                                                               \
+        &ns::GemmF32Out, &ns::GemmBias, &ns::GemmBiasGrad, &ns::GemmBiasGelu, &ns::GemmEpilogues       \
   }
 
 const DeviceKernels& CpuKernels();

@@ -121,7 +121,10 @@ absl::StatusOr<Tensor> ElementwiseBackward(const Tensor& dy, const Tensor& x, co
 
 }  // namespace
 
-absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
+namespace {
+
+// MatMul, and with a bias (not null) MatMulBias.
+absl::StatusOr<Tensor> MatMulImpl(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, const Tensor* bias) {
   const Device dev = a.device();
   if (b.dim() != 2 || a.dim() < 2 || (trans_a && a.dim() != 2)) {
     return absl::InvalidArgumentError(absl::StrCat("matmul: ", ShapeToString(a.shape()), " @ ",
@@ -149,11 +152,108 @@ absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a, bo
     out_shape = a.shape();
     out_shape.back() = n;
   }
-  if (kk == 0) return Tensor::Zeros(out_shape, a.dtype(), dev);
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_shape, type, dev));
-  RETURN_IF_ERROR(
-      k->Gemm(dev.index, Elem(type), trans_a, trans_b, m, n, kk, fa.raw_data(), fb.raw_data(), out.raw_data()));
-  return Back(out, a.dtype());
+  if (bias != nullptr) {
+    if (bias->dim() != 1 || bias->shape()[0] != n) {
+      return absl::InvalidArgumentError(absl::StrCat("matmul_bias: bias ", ShapeToString(bias->shape()),
+                                                     " does not match the product's last dim ", n));
+    }
+    RETURN_IF_ERROR(SameDevice("matmul_bias", dev, {bias}));
+  }
+  // The bias in the GEMM's epilogue where the product is computed in a's own
+  // dtype; otherwise added to the product (rounded to a's dtype) after it.
+  const bool fused = bias != nullptr && kk > 0 && type == a.dtype();
+  Tensor out;
+  if (kk == 0) {
+    ASSIGN_OR_RETURN(out, Tensor::Zeros(out_shape, a.dtype(), dev));
+  } else {
+    ASSIGN_OR_RETURN(out, Tensor::Empty(out_shape, type, dev));
+    if (fused) {
+      ASSIGN_OR_RETURN(Tensor cb, AsFloat(*bias, type, "matmul_bias"));
+      RETURN_IF_ERROR(k->GemmBias(dev.index, Elem(type), trans_a, trans_b, m, n, kk, fa.raw_data(), fb.raw_data(),
+                                  cb.raw_data(), out.raw_data()));
+      return out;
+    }
+    RETURN_IF_ERROR(
+        k->Gemm(dev.index, Elem(type), trans_a, trans_b, m, n, kk, fa.raw_data(), fb.raw_data(), out.raw_data()));
+    ASSIGN_OR_RETURN(out, Back(out, a.dtype()));
+  }
+  if (bias != nullptr) RETURN_IF_ERROR(BiasAddInPlace(out, *bias));
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
+  return MatMulImpl(a, b, trans_a, trans_b, nullptr);
+}
+
+absl::StatusOr<Tensor> MatMulBias(const Tensor& a, const Tensor& b, const Tensor& bias, bool trans_a, bool trans_b) {
+  return MatMulImpl(a, b, trans_a, trans_b, &bias);
+}
+
+absl::StatusOr<BiasGeluProduct> MatMulBiasGelu(const Tensor& a, const Tensor& b, const Tensor& bias, bool trans_b) {
+  if (a.dtype() != b.dtype() || !IsFloat(a.dtype()) || b.dim() != 2 || a.dim() < 2) {
+    return absl::InvalidArgumentError(absl::StrCat("matmul_bias_gelu: ", DTypeName(a.dtype()), ShapeToString(a.shape()),
+                                                   " @ ", DTypeName(b.dtype()), ShapeToString(b.shape()),
+                                                   " needs rows [..., K] and a matrix of one float dtype"));
+  }
+  const int64_t kk = a.shape().back(), kb = trans_b ? b.shape()[1] : b.shape()[0];
+  const int64_t n = trans_b ? b.shape()[0] : b.shape()[1];
+  if (kk != kb || bias.dim() != 1 || bias.shape()[0] != n) {
+    return absl::InvalidArgumentError(absl::StrCat("matmul_bias_gelu: ", ShapeToString(a.shape()), " @ ",
+                                                   ShapeToString(b.shape()), (trans_b ? "^T" : ""), " + bias ",
+                                                   ShapeToString(bias.shape()), " do not match"));
+  }
+  const Device dev = a.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("matmul_bias_gelu", dev, {&b, &bias}));
+  const int64_t m = kk == 0 ? 0 : a.numel() / kk;
+  if (m == 0 || kk == 0 || n == 0) {  // nothing to multiply: the unfused ops
+    ASSIGN_OR_RETURN(Tensor pre, MatMulBias(a, b, bias, false, trans_b));
+    ASSIGN_OR_RETURN(Tensor y, Gelu(pre, GeluApprox::kTanh));
+    return BiasGeluProduct{std::move(y), std::move(pre)};
+  }
+  Shape out_shape = a.shape();
+  out_shape.back() = n;
+  const DType type = a.dtype();
+  const Tensor fa = a.Contiguous(), fb = b.Contiguous();
+  ASSIGN_OR_RETURN(Tensor cb, AsFloat(bias, type, "matmul_bias_gelu"));
+  ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(out_shape, type, dev));
+  ASSIGN_OR_RETURN(Tensor pre, Tensor::Empty(out_shape, type, dev));
+  RETURN_IF_ERROR(k->GemmBiasGelu(dev.index, Elem(type), false, trans_b, m, n, kk, fa.raw_data(), fb.raw_data(),
+                                  cb.raw_data(), y.raw_data(), pre.raw_data()));
+  return BiasGeluProduct{std::move(y), std::move(pre)};
+}
+
+bool FusesGemmEpilogues(Device device) {
+  absl::StatusOr<const DeviceKernels*> k = KernelsFor(device);
+  return k.ok() && (*k)->GemmEpilogues(device.index);
+}
+
+absl::StatusOr<LinearGrads> LinearWeightGrads(const Tensor& dy, const Tensor& x) {
+  if (dy.dim() == 0 || x.dim() == 0) return absl::InvalidArgumentError("linear_weight_grads: dy and x need a last dim");
+  const int64_t m = dy.shape().back(), n = x.shape().back();
+  const int64_t rows = m == 0 ? 0 : dy.numel() / m, x_rows = n == 0 ? 0 : x.numel() / n;
+  if ((m > 0 && n > 0 && rows != x_rows) || !IsFloat(dy.dtype()) || !IsFloat(x.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat("linear_weight_grads: dy ", DTypeName(dy.dtype()),
+                                                   ShapeToString(dy.shape()), " and x ", DTypeName(x.dtype()),
+                                                   ShapeToString(x.shape()), " need float rows of one count"));
+  }
+  const Device dev = dy.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("linear_weight_grads", dev, {&x}));
+  ASSIGN_OR_RETURN(Tensor dy2, dy.Reshape({rows, m}));
+  ASSIGN_OR_RETURN(Tensor x2, x.Reshape({x_rows, n}));
+  if (dy.dtype() != x.dtype() || rows == 0 || m == 0 || n == 0) {  // as the unfused ops compute them
+    ASSIGN_OR_RETURN(Tensor dw, MatMul(dy2, x2, /*trans_a=*/true));
+    ASSIGN_OR_RETURN(Tensor db, BiasGrad(dy2));
+    return LinearGrads{std::move(dw), std::move(db)};
+  }
+  const DType type = dy.dtype();
+  const Tensor cd = dy2.Contiguous(), cx = x2.Contiguous();
+  ASSIGN_OR_RETURN(Tensor dw, Tensor::Empty({m, n}, type, dev));
+  ASSIGN_OR_RETURN(Tensor db, Tensor::Empty({m}, type, dev));
+  RETURN_IF_ERROR(k->GemmBiasGrad(dev.index, Elem(type), m, n, rows, cd.raw_data(), cx.raw_data(), dw.raw_data(),
+                                  db.raw_data()));
+  return LinearGrads{std::move(dw), std::move(db)};
 }
 
 absl::Status MatMulF32Into(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, Tensor& c,

@@ -32,6 +32,36 @@ namespace colod::ops {
 // is a matrix or, without trans_a, a batch of rows [..., K] whose leading
 // dims are kept: [B, S, K] @ [K, N] -> [B, S, N].
 absl::StatusOr<Tensor> MatMul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+// MatMul(a, b) + bias over its last dim (bias [N]), the bias added in the
+// GEMM's epilogue where a and b share a float dtype: to the f32 products,
+// rounded to the dtype once, with no pass of its own over the result
+// (kernels' GemmBias). Otherwise the product and then BiasAddInPlace.
+absl::StatusOr<Tensor> MatMulBias(const Tensor& a, const Tensor& b, const Tensor& bias, bool trans_a = false,
+                                  bool trans_b = false);
+// MatMulBias(a, b) followed by the tanh-approximated GELU, an MLP's up
+// projection: y = GELU_tanh(pre), pre = a @ op(b) + bias (GELU's input, for
+// GeluBackward), both from the f32 products, each rounded once; the bias and
+// GELU in the GEMM's epilogue (kernels' GemmBiasGelu). a rows [..., K] and b
+// a matrix of one float dtype; INVALID_ARGUMENT otherwise.
+struct BiasGeluProduct {
+  Tensor y, pre;
+};
+absl::StatusOr<BiasGeluProduct> MatMulBiasGelu(const Tensor& a, const Tensor& b, const Tensor& bias,
+                                               bool trans_b = false);
+// Whether `device` puts biases in its GEMMs' epilogues (kernels'
+// GemmEpilogues: the CPU always, CUDA unless COLOD_GEMM_EPILOGUES=0). Where
+// it does not, a linear layer's bias + GELU is the GEMM and one fused
+// kernel each way, as it was before the epilogues.
+bool FusesGemmEpilogues(Device device);
+// A linear layer's weight and bias gradients from its output gradient dy
+// [..., M] and input x [..., N] (leading dims flattened to rows): dw [M, N] =
+// dy^T @ x and db [M] = dy summed over its rows, in dy's dtype; one GEMM
+// with the sums in its epilogue where dy and x share a float dtype (kernels'
+// GemmBiasGrad), MatMul and BiasGrad otherwise.
+struct LinearGrads {
+  Tensor dw, db;
+};
+absl::StatusOr<LinearGrads> LinearWeightGrads(const Tensor& dy, const Tensor& x);
 // c = op(a) @ op(b), or c += it where `accumulate`, in f32: a and b
 // matrices of one float dtype, c a contiguous f32 [m, n] on their device.
 // bf16/f16 products are kept in f32, not rounded to their dtype: a sum over

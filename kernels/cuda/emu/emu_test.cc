@@ -3,6 +3,8 @@
 // asynchronously and in order, the legacy stream and events order work, GEMM
 // matches a naive triple loop through the row-major mapping colod uses, and
 // the NCCL collectives match their definitions, including hangs and aborts.
+#include <cublasLt.h>
+#include <cublas_emu.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_emu.h>
@@ -683,6 +685,155 @@ TEST(CudaEmuCublasDeathTest, AnOperandPastItsAllocationIsAnIllegalAddress) {
         cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 8, &one, d, 4, d, 8, &zero, d, 4);  // A is 4 x 8
       },
       "illegal address");
+}
+
+// ---- cuBLASLt ----
+
+// D [m x n] (column-major, f32) = op(A) op(B) with `epilogue` through
+// cuBLASLt as colod calls it: descriptor, layouts, preference with the
+// given alignment, heuristic, matmul. Returns the heuristic's or matmul's
+// status.
+cublasStatus_t LtMatmul(cublasLtHandle_t h, cublasLtEpilogue_t epilogue, bool ta, bool tb, int m, int n, int k,
+                        const float* a, const float* b, float* d, float* bias, uint32_t align, float* aux = nullptr) {
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa);
+  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb);
+  const uint32_t e = epilogue;
+  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof e);
+  if (bias != nullptr) cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias);
+  if (aux != nullptr) {
+    const int64_t aux_ld = m;
+    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
+    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld);
+  }
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, ta ? k : m, ta ? m : k, ta ? k : m);
+  cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, tb ? n : k, tb ? k : n, tb ? n : k);
+  cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, m, n, m);
+  cublasLtMatmulPreference_t pref;
+  cublasLtMatmulPreferenceCreate(&pref);
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof align);
+  }
+  cublasLtMatmulHeuristicResult_t result;
+  int found = 0;
+  cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, 1, &result, &found);
+  if (st == CUBLAS_STATUS_SUCCESS && found == 1) {
+    const float one = 1, zero = 0;
+    st = cublasLtMatmul(h, desc, &one, a, la, b, lb, &zero, d, lc, d, lc, &result.algo, nullptr, 0,
+                        cudaStreamPerThread);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatmulDescDestroy(desc);
+  return st;
+}
+
+TEST(CudaEmuCublasLt, BiasGeluAndBiasGradientEpiloguesMatchANaiveProduct) {
+  cublasLtHandle_t h;
+  ASSERT_EQ(cublasLtCreate(&h), CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(colod_cublas_emu::LiveLtHandles(), 1);
+  const int m = 8, n = 5, k = 4;  // m: the GELU input's leading dimension, divisible by 8
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  for (int ta = 0; ta < 2; ++ta) {
+    for (int tb = 0; tb < 2; ++tb) {
+      // Column-major storage as cuBLASLt reads it: A is m x k (k x m where
+      // transposed), B is k x n (n x k).
+      std::vector<float> a(m * k), b(k * n), bias(m);
+      for (float& v : a) v = dist(rng);
+      for (float& v : b) v = dist(rng);
+      for (float& v : bias) v = dist(rng);
+      auto opa = [&](int i, int p) { return ta ? a[i * k + p] : a[p * m + i]; };
+      auto opb = [&](int p, int j) { return tb ? b[p * n + j] : b[j * k + p]; };
+      float* da = DeviceAlloc<float>(a.size());
+      float* db = DeviceAlloc<float>(b.size());
+      float* dd = DeviceAlloc<float>(m * n);
+      float* dv = DeviceAlloc<float>(std::max(m, n));
+      float* daux = DeviceAlloc<float>(m * n);
+      cudaMemcpy(da, a.data(), a.size() * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(db, b.data(), b.size() * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(dv, bias.data(), bias.size() * 4, cudaMemcpyHostToDevice);
+      ASSERT_EQ(LtMatmul(h, CUBLASLT_EPILOGUE_BIAS, ta, tb, m, n, k, da, db, dd, dv, 16), CUBLAS_STATUS_SUCCESS);
+      std::vector<float> d(m * n);
+      ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+      cudaMemcpy(d.data(), dd, d.size() * 4, cudaMemcpyDeviceToHost);
+      for (int i = 0; i < m; ++i) {
+        for (int j = 0; j < n; ++j) {
+          double want = bias[i];  // the bias runs along D's rows
+          for (int p = 0; p < k; ++p) want += double{opa(i, p)} * opb(p, j);
+          EXPECT_NEAR(d[j * m + i], want, 1e-5) << "bias ta=" << ta << " tb=" << tb << " at " << i << "," << j;
+        }
+      }
+      // Bias, then GELU (the tanh approximation), its input to aux.
+      ASSERT_EQ(LtMatmul(h, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, ta, tb, m, n, k, da, db, dd, dv, 16, daux),
+                CUBLAS_STATUS_SUCCESS);
+      std::vector<float> aux(m * n);
+      ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+      cudaMemcpy(d.data(), dd, d.size() * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(aux.data(), daux, aux.size() * 4, cudaMemcpyDeviceToHost);
+      for (int i = 0; i < m; ++i) {
+        for (int j = 0; j < n; ++j) {
+          double z = bias[i];
+          for (int p = 0; p < k; ++p) z += double{opa(i, p)} * opb(p, j);
+          const double gelu = 0.5 * z * (1 + std::tanh(std::sqrt(2 / M_PI) * (z + 0.044715 * z * z * z)));
+          EXPECT_NEAR(aux[j * m + i], z, 1e-5) << "gelu's input at " << i << "," << j;
+          EXPECT_NEAR(d[j * m + i], gelu, 1e-5) << "gelu at " << i << "," << j;
+        }
+      }
+      ASSERT_EQ(LtMatmul(h, CUBLASLT_EPILOGUE_BGRADB, ta, tb, m, n, k, da, db, dd, dv, 16), CUBLAS_STATUS_SUCCESS);
+      std::vector<float> grad(n);
+      ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+      cudaMemcpy(d.data(), dd, d.size() * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(grad.data(), dv, grad.size() * 4, cudaMemcpyDeviceToHost);
+      for (int j = 0; j < n; ++j) {
+        double want = 0;  // op(B)'s column j summed over k
+        for (int p = 0; p < k; ++p) want += opb(p, j);
+        EXPECT_NEAR(grad[j], want, 1e-6) << "bgradb ta=" << ta << " tb=" << tb << " at " << j;
+        for (int i = 0; i < m; ++i) {
+          double prod = 0;
+          for (int p = 0; p < k; ++p) prod += double{opa(i, p)} * opb(p, j);
+          EXPECT_NEAR(d[j * m + i], prod, 1e-5) << "bgradb's product at " << i << "," << j;
+        }
+      }
+      for (float* p : {da, db, dd, dv, daux}) cudaFree(p);
+    }
+  }
+  float* d = DeviceAlloc<float>(64);
+  // Epilogues the emulation does not model are refused, not run wrong; and a
+  // bias epilogue needs its vector.
+  EXPECT_EQ(LtMatmul(h, CUBLASLT_EPILOGUE_DGELU_BGRAD, false, false, 4, 4, 4, d, d, d, d, 16),
+            CUBLAS_STATUS_NOT_SUPPORTED);
+  EXPECT_EQ(LtMatmul(h, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, false, false, 4, 4, 4, d, d, d, d, 16),
+            CUBLAS_STATUS_INVALID_VALUE)
+      << "GELU_AUX_BIAS without its auxiliary output";
+  EXPECT_EQ(LtMatmul(h, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, false, false, 4, 4, 4, d, d, d, d, 16, d + 32),
+            CUBLAS_STATUS_NOT_SUPPORTED)
+      << "GELU's input with a leading dimension of 4";
+  EXPECT_EQ(LtMatmul(h, CUBLASLT_EPILOGUE_BIAS, false, false, 4, 4, 4, d, d, d, nullptr, 16),
+            CUBLAS_STATUS_INVALID_VALUE);
+  cudaFree(d);
+  EXPECT_EQ(cublasLtDestroy(h), CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(colod_cublas_emu::LiveLtHandles(), 0);
+}
+
+TEST(CudaEmuCublasLtDeathTest, AnOperandLessAlignedThanTheHeuristicWasToldFaults) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        cublasLtHandle_t h;
+        cublasLtCreate(&h);
+        float* d = nullptr;
+        cudaMalloc(reinterpret_cast<void**>(&d), 256 * sizeof(float));
+        // A starts 4 bytes into the allocation; the preference promised 16.
+        LtMatmul(h, CUBLASLT_EPILOGUE_DEFAULT, false, false, 4, 4, 4, d + 1, d + 64, d + 128, nullptr, 16);
+      },
+      "A is 4-byte aligned");
 }
 
 // ---- NCCL ----

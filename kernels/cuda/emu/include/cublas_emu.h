@@ -6,6 +6,8 @@ namespace colod_cublas_emu {
 
 // Handles created and not yet destroyed in this process.
 int LiveHandles();
+// cuBLASLt handles created and not yet destroyed.
+int LiveLtHandles();
 
 }  // namespace colod_cublas_emu
 
