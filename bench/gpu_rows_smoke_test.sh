@@ -42,7 +42,7 @@ for row in "bias_add +\[64, 2304\]" "bias_gelu +\[64, 3072\]" "add \(residual\) 
 done
 grep -qE '^GPU \(cuda:0\) LM head \+ cross-entropy, bf16, 256 tokens x 768 hidden x 1024 vocab' <<<"$out" ||
   fail "bench:layers printed no LM head table" "$out"
-for row in "unfused \(linear, then loss\)" "fused, chunks of 64"; do
+for row in "unfused \(linear, then loss\)" "fused, chunks of 64" "fused, chunks of 256 \(the default\)"; do
   grep -qE "^$row +[0-9.]+ +[0-9.]+$" <<<"$out" || fail "bench:layers printed no LM head row $row" "$out"
 done
 
@@ -58,6 +58,9 @@ for model in gpt2-tiny llama-tiny; do
   grep -qE "^$model +cuda +tp=2 dp=1( +bf16 .* [1-9][0-9]* +[0-9.e+]+ |: skipped, 1 CUDA device)" <<<"$out" ||
     fail "no $model tp=2 row" "$out"
 done
+# The A/B row of the bias in the GEMMs' epilogues (COLOD_GEMM_EPILOGUES=0).
+grep -qE "^gpt2-tiny +cuda +tp=1 dp=1 bias apart +bf16 .* [1-9][0-9]* +[0-9.e+]+ " <<<"$out" ||
+  fail "no timed gpt2-tiny row with the bias apart" "$out"
 # A process per device: tp=2, dp=2 and two pipeline stages.
 for layout in "tp=2 dp=1 procs" "tp=1 dp=2 procs" "tp=1 pp=2 dp=1 m=2 procs"; do
   grep -qE "^gpt2-tiny +cuda +$layout( +bf16 .* [1-9][0-9]* +[0-9.e+]+ |: skipped, 1 CUDA device)" <<<"$out" ||

@@ -135,13 +135,14 @@ struct Row {
   int pp = 1, micro = 1;  // pipeline stages and the micro-batches they run
   bool processes = false;  // a process per rank (device), as worker daemons run, not threads of one
   int v = 1;               // model chunks a pipeline stage holds (interleaved 1F1B)
+  bool bias_apart = false;  // COLOD_GEMM_EPILOGUES=0: the linears' bias kernels apart from their GEMMs
 };
 
 std::string LayoutOf(const Row& row) {
   return absl::StrCat(row.pp > 1 ? absl::StrCat("tp=", row.tp, " pp=", row.pp, " dp=", row.dp, " m=", row.micro,
                                                row.v > 1 ? absl::StrCat(" v=", row.v) : "")
                                  : absl::StrCat("tp=", row.tp, " dp=", row.dp),
-                      row.processes ? " procs" : "");
+                      row.processes ? " procs" : "", row.bias_apart ? " bias apart" : "");
 }
 
 std::vector<Row> Rows(const std::string& which) {
@@ -170,6 +171,7 @@ std::vector<Row> Rows(const std::string& which) {
   if (which == "smoke") {
     const ModelShape tiny_llama{"llama", 256, 128, 2, 4, 2, 256};
     for (int tp : {1, 2}) rows.push_back({"gpt2-tiny", tiny, true, tp, 1, 32, 4, 2});
+    rows.push_back({"gpt2-tiny", tiny, true, 1, 1, 32, 4, 2, 1, 1, false, 1, true});
     for (int tp : {1, 2}) rows.push_back({"llama-tiny", tiny_llama, true, tp, 1, 32, 4, 2});
     rows.push_back({"gpt2-tiny", tiny, true, 2, 1, 32, 4, 2, 1, 1, true});
     rows.push_back({"gpt2-tiny", tiny, true, 1, 2, 32, 4, 2, 1, 1, true});
@@ -178,6 +180,8 @@ std::vector<Row> Rows(const std::string& which) {
   }
   if (which != "cpu") {
     for (int tp : {1, 2}) rows.push_back({"gpt2-124m", small, true, tp, 1, 1024, 8, 10});
+    // The A/B of the bias in the GEMMs' epilogues, beside the row above.
+    rows.push_back({"gpt2-124m", small, true, 1, 1, 1024, 8, 10, 1, 1, false, 1, true});
     rows.push_back({"gpt2-124m", small, true, 2, 1, 1024, 8, 10, 1, 1, true});
     rows.push_back({"gpt2-124m", small, true, 1, 2, 1024, 8, 10, 1, 1, true});
     rows.push_back({"gpt2-124m", small, true, 1, 1, 1024, 8, 10, 2, 4, true});
@@ -498,9 +502,15 @@ int Main(int argc, char** argv) {
     const int steps = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps) : row.steps;
     Row sized = row;
     if (absl::GetFlag(FLAGS_batch) > 0) sized.batch = absl::GetFlag(FLAGS_batch);
+    if (row.bias_apart) {  // read at each GEMM by this process's kernels (in-process rows only)
+      setenv("COLOD_GEMM_EPILOGUES", "0", 1);
+    } else {
+      unsetenv("COLOD_GEMM_EPILOGUES");
+    }
     absl::StatusOr<Measured> m = !row.cuda     ? RunRowOnCluster(sized, dir, steps, warmup, argv[0])
                                  : row.processes ? RunRowInProcesses(sized, dir, steps, warmup)
                                                  : RunRow(sized, dir, steps, warmup);
+    unsetenv("COLOD_GEMM_EPILOGUES");
     if (!m.ok()) {
       std::fprintf(stderr, "%s %s: %s\n", row.name.c_str(), LayoutOf(row).c_str(), m.status().ToString().c_str());
       ++failed;
@@ -524,13 +534,14 @@ int Main(int argc, char** argv) {
                   "\"matmul_params\":%.0f,\"seq_len\":%lld,\"batch\":%lld,\"steps\":%d,\"step_seconds\":%.6f,"
                   "\"tokens_per_second\":%.1f,\"model_flops_per_second\":%.4g,\"peak_flops_per_second\":%.4g,"
                   "\"mfu\":%.4f,\"loss\":%.4f,\"bubble\":%.4f,\"bubble_schedule\":%.4f,\"bubble_over_work\":%.4f,"
-                  "\"bubble_over_work_schedule\":%.4f,\"device_wait_seconds\":%s,\"pinned\":%s}\n",
+                  "\"bubble_over_work_schedule\":%.4f,\"device_wait_seconds\":%s,\"pinned\":%s,"
+                  "\"gemm_epilogues\":%s}\n",
                   row.name.c_str(), row.cuda ? "cuda" : "cpu", row.tp, row.pp, row.dp, row.micro, row.v,
                   row.cuda ? "bf16" : "fp32", params, static_cast<long long>(row.seq),
                   static_cast<long long>(sized.batch), steps, m->step_seconds, tps, flops, peak, flops / peak, m->loss,
                   m->bubble, closed_form, m->bubble_work, closed_form_work,
                   m->device_wait >= 0 ? absl::StrFormat("%.6f", m->device_wait).c_str() : "null",
-                  !row.cuda && absl::GetFlag(FLAGS_pin_workers) ? "true" : "false");
+                  !row.cuda && absl::GetFlag(FLAGS_pin_workers) ? "true" : "false", row.bias_apart ? "false" : "true");
     } else {
       const std::string bubble =
           row.pp > 1 ? absl::StrFormat("%.1f%% (%.1f%%); %.1f%% (%.1f%%)", 100 * m->bubble, 100 * closed_form,
