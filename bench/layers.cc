@@ -774,7 +774,8 @@ bool RunLmHeadRows(Device gpu, bool json) {
         Variable x(*hidden, true);
         Variable loss;
         if (fused) {
-          ASSIGN_OR_RETURN(loss, nn::VocabParallelLinearCrossEntropy(x, w, *labels, vocab, rows_a_chunk));
+          ASSIGN_OR_RETURN(loss, nn::VocabParallelLinearCrossEntropy(x, w, *labels, vocab, rows_a_chunk, 0, -100,
+                                                                     /*keep_last_chunk=*/true));  // as without pp
         } else {
           ASSIGN_OR_RETURN(Variable z, nn::Linear(x, w.variable(), std::nullopt));
           ASSIGN_OR_RETURN(ColoTensor logits,

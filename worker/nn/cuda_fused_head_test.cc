@@ -34,7 +34,7 @@ struct Grads {
 // (chunk 0), of hidden [n, H] and the weight [V_pad, H] sharded over tp;
 // hidden's gradient summed over tp in both.
 Grads RunHead(ProcessGroup& pg, Device dev, DType t, const Tensor& hidden, const Tensor& weight, const Tensor& labels,
-          const Tensor& dloss, int64_t vocab, int64_t chunk) {
+          const Tensor& dloss, int64_t vocab, int64_t chunk, bool keep_last_chunk = false) {
   const int p = *pg.AxisSize("tp");
   const DistSpec spec = DistSpec().Set("tp", Placement::Shard({0}, {p}));
   auto w = ColoTensor::FromGlobal(*weight.ToDType(t)->To(dev), spec, &pg, /*requires_grad=*/true);
@@ -42,7 +42,7 @@ Grads RunHead(ProcessGroup& pg, Device dev, DType t, const Tensor& hidden, const
   Variable x(*hidden.ToDType(t)->To(dev), true);
   absl::StatusOr<Variable> loss;
   if (chunk > 0) {
-    loss = VocabParallelLinearCrossEntropy(x, *w, labels, vocab, chunk);
+    loss = VocabParallelLinearCrossEntropy(x, *w, labels, vocab, chunk, 0, -100, keep_last_chunk);
   } else {
     const DistSpec by_vocab = DistSpec().Set("tp", Placement::Shard({1}, {p}));
     auto logits = ColoTensor::FromLocal(*Linear(x, w->variable(), std::nullopt), by_vocab, &pg);
@@ -89,6 +89,11 @@ TEST(CudaFusedHead, EqualsTheUnfusedHeadAndLossAtTp1And2) {
         ExpectClose(got.loss, want.loss, t == DType::kF32 ? 1e-5 : 1e-5, "loss");  // f32 losses of the same logits
         ExpectClose(got.dhidden, want.dhidden, tol, "hidden gradient");
         ExpectClose(got.dweight, want.dweight, tol, "weight gradient");
+        // The last chunk's logits kept from forward: the same values.
+        const Grads kept = RunHead(pg, dev, t, hidden, weight, labels, dloss, v, 8, /*keep_last_chunk=*/true);
+        EXPECT_EQ(kept.loss.ToBytes(), got.loss.ToBytes());
+        EXPECT_EQ(kept.dhidden.ToBytes(), got.dhidden.ToBytes());
+        EXPECT_EQ(kept.dweight.ToBytes(), got.dweight.ToBytes());
       });
     }
   }
@@ -108,12 +113,13 @@ TEST(CudaFusedHead, PeakDeviceMemoryIsAChunkNotTheBatch) {
   const Tensor labels = *Tensor::FromInt64s({n}, lab), dloss = *Tensor::RandomNormal({n}, 6);
   RunCudaMesh(TpDpMesh(1), [&](int, ProcessGroup& pg) {
     const Device dev = Device::Cuda(0);
-    int64_t peak[2] = {0, 0};
-    for (int fused = 0; fused < 2; ++fused) {
+    int64_t peak[3] = {0, 0, 0};  // unfused, fused, fused with the last chunk's logits kept
+    for (int fused = 0; fused < 3; ++fused) {
       ASSERT_TRUE(kernels::CudaSynchronize(0).ok());
       const int64_t before = kernels::GetCudaPoolBytes(0)->used;
       ASSERT_TRUE(kernels::ResetCudaPoolPeak(0).ok());
-      const Grads g = RunHead(pg, dev, DType::kF32, hidden, weight, labels, dloss, v, fused ? 64 : 0);
+      const Grads g =
+          RunHead(pg, dev, DType::kF32, hidden, weight, labels, dloss, v, fused ? 64 : 0, /*keep=*/fused == 2);
       ASSERT_TRUE(kernels::CudaSynchronize(0).ok());
       peak[fused] = kernels::GetCudaPoolBytes(0)->used_high - before;
       ASSERT_EQ(g.loss.numel(), n);
@@ -122,6 +128,10 @@ TEST(CudaFusedHead, PeakDeviceMemoryIsAChunkNotTheBatch) {
                 peak[0] / 1048576.0, peak[1] / 1048576.0);
     EXPECT_GE(peak[0], n * v * 4) << "the unfused path holds the f32 logits";
     EXPECT_LT(peak[1] * 4, peak[0]);
+    // Kept, the last chunk's logits wait for the backward, which takes
+    // that chunk first: the peak (a chunk's logits and their gradient) is
+    // no higher.
+    EXPECT_LE(peak[2], peak[1]);
   });
 }
 

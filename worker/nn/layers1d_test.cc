@@ -124,8 +124,9 @@ void ExpectFusedHeadMatchesTheUnfused(int p) {
     Variable logits = *Narrow(*Linear(hv, wv, std::nullopt), 1, 0, v);
     Variable want = *CrossEntropy(logits, labels, s);
     ASSERT_TRUE(Backward(want, dloss).ok());
-    for (int64_t chunk : {int64_t{4}, int64_t{100}}) {
-      SCOPED_TRACE(absl::StrCat("tp ", p, ", smoothing ", s, ", chunks of ", chunk));
+    for (auto [chunk, keep] : {std::pair{int64_t{4}, false}, std::pair{int64_t{4}, true}, std::pair{int64_t{100}, false},
+                               std::pair{int64_t{100}, true}}) {
+      SCOPED_TRACE(absl::StrCat("tp ", p, ", smoothing ", s, ", chunks of ", chunk, keep ? ", the last kept" : ""));
       RunMesh(
           TpDpMesh(p),
           [&](int, ProcessGroup& pg) {
@@ -134,7 +135,7 @@ void ExpectFusedHeadMatchesTheUnfused(int p) {
             auto w = ColoTensor::FromGlobal(weight, spec, &pg, /*requires_grad=*/true);
             ASSERT_TRUE(w.ok()) << w.status();
             Variable x(hidden, true);
-            auto loss = VocabParallelLinearCrossEntropy(x, *w, labels, v, chunk, s);
+            auto loss = VocabParallelLinearCrossEntropy(x, *w, labels, v, chunk, s, -100, keep);
             ASSERT_TRUE(loss.ok()) << loss.status();
             const int chunks = static_cast<int>((n + chunk - 1) / chunk);
             if (p > 1) {

@@ -91,7 +91,8 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
 
 absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden, const ColoTensor& weight,
                                                          const Tensor& labels, int64_t vocab_size, int64_t chunk_rows,
-                                                         float label_smoothing, int64_t ignore_index) {
+                                                         float label_smoothing, int64_t ignore_index,
+                                                         bool keep_last_chunk) {
   ProcessGroup* pg = weight.process_group();
   ASSIGN_OR_RETURN(int p, pg->AxisSize("tp"));
   ASSIGN_OR_RETURN(int k, pg->tp_local_rank());
@@ -140,13 +141,19 @@ absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden,
     chunks.push_back({hc.Contiguous(), lc.Contiguous()});
   }
   std::vector<Tensor> losses, lses;
-  for (const Chunk& c : chunks) {
+  // With keep_last_chunk, the last chunk's logits are kept for the
+  // backward, which takes that chunk first and frees them. Either way the
+  // backward runs the chunks from the last down.
+  auto kept = std::make_shared<std::optional<Tensor>>();
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const Chunk& c = chunks[i];
     ASSIGN_OR_RETURN(Tensor z, ops::MatMul(c.h, w, false, true));  // [n, V_pad / tp], the head's dtype
     ASSIGN_OR_RETURN(ops::VocabShardForward f,
                      ops::VocabShardCrossEntropy(z, c.labels, real, start, vocab_size, label_smoothing, ignore_index,
                                                  p, TpAllGather(comm, timeout)));
     losses.push_back(std::move(f.loss));
     lses.push_back(std::move(f.lse));  // f.z, the chunk's logits, goes here
+    if (keep_last_chunk && i + 1 == chunks.size()) *kept = std::move(z);
   }
   Tensor loss;
   if (losses.empty()) {
@@ -158,23 +165,33 @@ absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden,
   const DType dtype = w.dtype(), hidden_dtype = hidden.value().dtype();
   return RecordOp(
       "vocab_parallel_linear_cross_entropy", {hidden, weight.variable()}, std::move(loss),
-      [chunks, saved, w, w_rows, comm, timeout, p, real, start, vocab_size, label_smoothing, ignore_index, dtype,
-       hidden_dtype, rows, chunk_rows](const Tensor& dloss) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
-        std::vector<Tensor> dh;
+      [chunks, saved, kept, w, w_rows, comm, timeout, p, real, start, vocab_size, label_smoothing, ignore_index,
+       dtype, hidden_dtype, rows,
+       chunk_rows](const Tensor& dloss) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+        std::vector<Tensor> dh(chunks.size());
         std::optional<Tensor> dw;
-        for (size_t i = 0; i < chunks.size(); ++i) {
+        // The last chunk first (its logits kept from forward), then the rest
+        // from the last down, each summed into the weight's gradient in that
+        // order.
+        for (size_t j = 0; j < chunks.size(); ++j) {
+          const size_t i = chunks.size() - 1 - j;
           const Chunk& c = chunks[i];
           const int64_t r0 = static_cast<int64_t>(i) * chunk_rows, n = c.h.shape()[0];
           ops::VocabShardForward f;
-          ASSIGN_OR_RETURN(Tensor z, ops::MatMul(c.h, w, false, true));  // recomputed
-          f.z = std::move(z);  // in the head's dtype: the kernels read it as it is
+          if (j == 0 && kept->has_value()) {
+            f.z = std::move(**kept);
+            kept->reset();
+          } else {
+            ASSIGN_OR_RETURN(f.z, ops::MatMul(c.h, w, false, true));  // recomputed
+          }
+          // f.z is in the head's dtype: the kernels read it as it is.
           f.lse = (*saved)[i];
           ASSIGN_OR_RETURN(Tensor dl, dloss.Narrow(0, r0, n));
           ASSIGN_OR_RETURN(Tensor dz, ops::VocabShardCrossEntropyBackward(dl.Contiguous(), f, c.labels, real, start,
                                                                      vocab_size, label_smoothing, ignore_index,
                                                                      dtype));
-          ASSIGN_OR_RETURN(Tensor dhc, ops::MatMul(dz, w));               // [n, H]: this shard's share
-          dh.push_back(std::move(dhc));
+          f.z = Tensor();  // the logits' memory back before the GEMMs that follow
+          ASSIGN_OR_RETURN(dh[i], ops::MatMul(dz, w));  // [n, H]: this shard's share
           // The chunks' shares of a bf16/f16 weight's gradient are summed in
           // f32 and rounded once at the end: each chunk's GEMM adds its
           // share to the f32 sum (beta = 1), unrounded.
@@ -182,7 +199,7 @@ absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden,
             if (!dw.has_value()) {
               ASSIGN_OR_RETURN(dw, Tensor::Empty({w.shape()[0], w.shape()[1]}, DType::kF32, w.device()));
             }
-            RETURN_IF_ERROR(ops::MatMulF32Into(dz, c.h, true, false, *dw, /*accumulate=*/i > 0));
+            RETURN_IF_ERROR(ops::MatMulF32Into(dz, c.h, true, false, *dw, /*accumulate=*/j > 0));
             continue;
           }
           ASSIGN_OR_RETURN(Tensor dwc, ops::MatMul(dz, c.h, true, false));  // [V_pad / tp, H]

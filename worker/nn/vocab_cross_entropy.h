@@ -41,12 +41,19 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
 // replicated input's is). So the logits and their gradient exist for at most
 // `chunk_rows` rows at a time, f32 [chunk_rows, V_pad / tp], instead of for
 // the whole batch, for one more GEMM of the head's (the recomputation).
+// With `keep_last_chunk`, the last chunk's logits are kept from forward and
+// the backward takes that chunk first: its GEMM does not run again (with one
+// chunk, no GEMM does), and the peak, a chunk's logits beside their
+// gradient in backward, is the same where nothing of another step's head
+// lies between this forward and its backward (one micro-batch in flight; a
+// pipeline's schedule may hold several).
 // Returns the loss per row as VocabParallelCrossEntropy does, equal to it on
 // hidden W^T within f32 rounding; the same errors, and INVALID_ARGUMENT for
 // chunk_rows < 1 or mismatched shapes.
 absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden, const ColoTensor& weight,
                                                          const Tensor& labels, int64_t vocab_size, int64_t chunk_rows,
-                                                         float label_smoothing = 0, int64_t ignore_index = -100);
+                                                         float label_smoothing = 0, int64_t ignore_index = -100,
+                                                         bool keep_last_chunk = false);
 
 }  // namespace colod::nn
 

@@ -274,8 +274,12 @@ absl::StatusOr<LmLoss> ShardedModel::ForwardTokenLoss(const std::function<absl::
     const int64_t row_bytes = weight->local().shape()[0] * static_cast<int64_t>(SizeOf(z_dtype));
     chunk_rows = std::max<int64_t>(1, kFusedHeadChunkBytes / std::max<int64_t>(row_bytes, 1));
   }
-  ASSIGN_OR_RETURN(Variable per_row, nn::VocabParallelLinearCrossEntropy(flat, *weight, mine, config_.vocab_size,
-                                                                         chunk_rows));
+  // Without pipeline stages one micro-batch is in flight: the last chunk's
+  // logits wait for its backward at no cost in peak memory.
+  ASSIGN_OR_RETURN(Variable per_row,
+                   nn::VocabParallelLinearCrossEntropy(flat, *weight, mine, config_.vocab_size, chunk_rows,
+                                                       /*label_smoothing=*/0, /*ignore_index=*/-100,
+                                                       /*keep_last_chunk=*/shard_.pp() == 1));
   ASSIGN_OR_RETURN(LmLoss out_loss, MeanOfRows(per_row, count, {}, denominator));
   out_loss.fused_head = true;
   return out_loss;
