@@ -1948,18 +1948,25 @@ cudaDataType_t CudaType(ElemType t) {
 
 namespace {
 
+// Every GEMM's checks (GemmEx's and cuBLASLt's), as the CPU twin's
+// CheckGemm: a float type, and dimensions cuBLAS's ints hold.
+absl::Status CheckGemm(ElemType type, int64_t m, int64_t n, int64_t k, const char* op) {
+  if (type != ElemType::kF32 && type != ElemType::kBF16 && type != ElemType::kF16) {
+    return absl::InvalidArgumentError(std::string(op) + ": f32, bf16 or f16 only");
+  }
+  if (m < 0 || n < 0 || k < 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX) {
+    return absl::InvalidArgumentError(std::string(op) + ": [" + std::to_string(m) + ", " + std::to_string(k) +
+                                      "] @ [" + std::to_string(k) + ", " + std::to_string(n) +
+                                      "] exceeds cuBLAS's int dimensions");
+  }
+  return absl::OkStatus();
+}
+
 // Row-major C (c_type: `type`, or f32) = op(A) op(B) + beta C, A and B of
 // `type`, on cuBLAS with f32 accumulation.
 absl::Status GemmEx(int device, ElemType type, ElemType c_type, float beta, bool trans_a, bool trans_b, int64_t m,
                     int64_t n, int64_t k, const void* a, const void* b, void* c) {
-  if (type != ElemType::kF32 && type != ElemType::kBF16 && type != ElemType::kF16) {
-    return absl::InvalidArgumentError("Gemm: f32, bf16 or f16 only");
-  }
-  if (m < 0 || n < 0 || k < 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX) {  // as the CPU twin's CheckGemm
-    return absl::InvalidArgumentError("Gemm: [" + std::to_string(m) + ", " + std::to_string(k) + "] @ [" +
-                                      std::to_string(k) + ", " + std::to_string(n) +
-                                      "] exceeds cuBLAS's int dimensions");
-  }
+  RETURN_IF(CheckGemm(type, m, n, k, "Gemm"));
   if (m == 0 || n == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
@@ -2193,19 +2200,6 @@ absl::StatusOr<bool> LtGemm(int device, cudaStream_t stream, ElemType type, bool
   return true;
 }
 
-// GemmEx's checks, for the GEMMs of cuBLASLt.
-absl::Status CheckLtGemm(ElemType type, int64_t m, int64_t n, int64_t k, const char* op) {
-  if (type != ElemType::kF32 && type != ElemType::kBF16 && type != ElemType::kF16) {
-    return absl::InvalidArgumentError(std::string(op) + ": f32, bf16 or f16 only");
-  }
-  if (m < 0 || n < 0 || k < 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX) {
-    return absl::InvalidArgumentError(std::string(op) + ": [" + std::to_string(m) + ", " + std::to_string(k) +
-                                      "] @ [" + std::to_string(k) + ", " + std::to_string(n) +
-                                      "] exceeds cuBLAS's int dimensions");
-  }
-  return absl::OkStatus();
-}
-
 // Whether the f32 GEMMs of `device` run in TF32 (SetAllowTf32): cuBLASLt's
 // calls above compute in f32, so those GEMMs take cuBLAS's path.
 bool Tf32Allowed(int device) {
@@ -2215,15 +2209,21 @@ bool Tf32Allowed(int device) {
   return it != handles.allow_tf32.end() && it->second;
 }
 
+// Whether a GEMM of `type` on `device` asks cuBLASLt for its epilogue: the
+// switch is on and the GEMM computes in f32 or its half type, not TF32.
+bool TryEpilogue(int device, ElemType type) {
+  return EpiloguesFromEnv() && !(type == ElemType::kF32 && Tf32Allowed(device));
+}
+
 }  // namespace
 
 bool GemmEpilogues(int) { return EpiloguesFromEnv(); }
 
 absl::Status GemmBias(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                       const void* a, const void* b, const void* bias, void* c) {
-  RETURN_IF(CheckLtGemm(type, m, n, k, "GemmBias"));
+  RETURN_IF(CheckGemm(type, m, n, k, "GemmBias"));
   if (m == 0 || n == 0) return absl::OkStatus();
-  if (k > 0 && EpiloguesFromEnv() && !(type == ElemType::kF32 && Tf32Allowed(device))) {
+  if (k > 0 && TryEpilogue(device, type)) {
     COLOD_CUDA_BEGIN(stream, device);
     absl::StatusOr<bool> fused =
         LtGemm(device, stream, type, trans_a, trans_b, m, n, k, a, b, c, CUBLASLT_EPILOGUE_BIAS, bias);
@@ -2236,10 +2236,10 @@ absl::Status GemmBias(int device, ElemType type, bool trans_a, bool trans_b, int
 
 absl::Status GemmBiasGelu(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                           const void* a, const void* b, const void* bias, void* c, void* pre) {
-  RETURN_IF(CheckLtGemm(type, m, n, k, "GemmBiasGelu"));
+  RETURN_IF(CheckGemm(type, m, n, k, "GemmBiasGelu"));
   if (m == 0 || n == 0) return absl::OkStatus();
   // cuBLASLt's auxiliary output needs a leading dimension divisible by 8.
-  if (k > 0 && n % 8 == 0 && EpiloguesFromEnv() && !(type == ElemType::kF32 && Tf32Allowed(device))) {
+  if (k > 0 && n % 8 == 0 && TryEpilogue(device, type)) {
     COLOD_CUDA_BEGIN(stream, device);
     absl::StatusOr<bool> fused =
         LtGemm(device, stream, type, trans_a, trans_b, m, n, k, a, b, c, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias, pre);
@@ -2253,8 +2253,8 @@ absl::Status GemmBiasGelu(int device, ElemType type, bool trans_a, bool trans_b,
 
 absl::Status GemmBiasGrad(int device, ElemType type, int64_t m, int64_t n, int64_t k, const void* dy, const void* x,
                           void* dw, void* db) {
-  RETURN_IF(CheckLtGemm(type, m, n, k, "GemmBiasGrad"));
-  if (m > 0 && n > 0 && k > 0 && EpiloguesFromEnv() && !(type == ElemType::kF32 && Tf32Allowed(device))) {
+  RETURN_IF(CheckGemm(type, m, n, k, "GemmBiasGrad"));
+  if (m > 0 && n > 0 && k > 0 && TryEpilogue(device, type)) {
     COLOD_CUDA_BEGIN(stream, device);
     // dw^T = x^T dy in cuBLASLt's terms: its B is dy, whose sums over k are
     // BGRADB's.
