@@ -30,9 +30,11 @@ done
 for shape in "16 +128" "32 +64"; do  # the attention rows: batch, seq, heads, dim, then forward and backward
   grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$" <<<"$out" ||
     fail "bench:layers printed no attention row of heads and dim $shape" "$out"
+  grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \(two backward kernels, no atomics: COLOD_DETERMINISTIC=1\)$" \
+    <<<"$out" || fail "bench:layers printed no deterministic attention row of heads and dim $shape" "$out"
+  grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \(one row tile a warp: COLOD_ATTENTION_ROW_TILES=1\)$" \
+    <<<"$out" || fail "bench:layers printed no attention row of one row tile a warp, heads and dim $shape" "$out"
 done
-grep -qE "^ +1 +80 +32 +64 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \(one row tile a warp: COLOD_ATTENTION_ROW_TILES=1\)$" \
-  <<<"$out" || fail "bench:layers printed no attention row of one row tile a warp" "$out"
 grep -qE '^GPU \(cuda:0\) memory-bound kernels, bf16, 64 tokens \(copy bandwidth [0-9]+ GB/s' <<<"$out" ||
   fail "bench:layers printed no memory-bound table" "$out"
 for row in "bias_add +\[64, 2304\]" "bias_gelu +\[64, 3072\]" "add \(residual\) +\[64, 768\]" "head_split +\[64, 768\]" \
@@ -42,7 +44,8 @@ for row in "bias_add +\[64, 2304\]" "bias_gelu +\[64, 3072\]" "add \(residual\) 
 done
 grep -qE '^GPU \(cuda:0\) LM head \+ cross-entropy, bf16, 256 tokens x 768 hidden x 1024 vocab' <<<"$out" ||
   fail "bench:layers printed no LM head table" "$out"
-for row in "unfused \(linear, then loss\)" "fused, chunks of 64" "fused, chunks of 256 \(the default\)"; do
+for row in "unfused \(linear, then loss\)" "fused, chunks of 64 \(pipeline stages\)" \
+  "fused, grads in forward, chunks of 256 \(the default\)"; do
   grep -qE "^$row +[0-9.]+ +[0-9.]+$" <<<"$out" || fail "bench:layers printed no LM head row $row" "$out"
 done
 

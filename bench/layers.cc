@@ -71,8 +71,9 @@ ABSL_FLAG(bool, bandwidth, true,
           "with the bias gradient) against the device's copy bandwidth.");
 ABSL_FLAG(int, bandwidth_rows, 8192, "The bandwidth rows' token count (GPT-2 124M's 8 x 1024).");
 ABSL_FLAG(bool, lm_head, true,
-          "On a GPU, also run the LM head and loss rows: unfused and fused (VocabParallelLinearCrossEntropy), "
-          "time and peak device memory.");
+          "On a GPU, also run the LM head and loss rows: unfused, fused with the logits recomputed in backward "
+          "(VocabParallelLinearCrossEntropy, chunks of --lm_head_chunk) and fused with the gradients taken in forward "
+          "(VocabParallelLinearCrossEntropySum, the default chunks), time and peak device memory.");
 ABSL_FLAG(int, lm_head_rows, 8192, "The LM head rows' token count (GPT-2 124M's 8 x 1024).");
 ABSL_FLAG(int, lm_head_vocab, 50304, "The LM head rows' vocabulary (GPT-2's 50257 padded to a multiple of 64).");
 ABSL_FLAG(int, lm_head_chunk, 2048, "The fused LM head row's chunk of rows.");
@@ -523,6 +524,7 @@ bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
   struct Shape {
     int64_t b, s, heads, d;
     bool one_row_tile = false;  // COLOD_ATTENTION_ROW_TILES=1: the kernels' 64-row blocks at head dim 64
+    bool deterministic = false;  // COLOD_DETERMINISTIC=1: the two-kernel backward without atomics
   };
   const int steps = std::max(1, absl::GetFlag(FLAGS_steps));
   if (!json) {
@@ -531,17 +533,28 @@ bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
                 "batch", "seq", "heads", "dim", "fwd (ms)", "TFLOP/s", "bwd (ms)", "TFLOP/s");
   }
   const int64_t b = std::max(1, absl::GetFlag(FLAGS_attention_batch)), s = std::max(1, absl::GetFlag(FLAGS_attention_seq));
-  // Head dim 64 twice: the kernels' 128-row blocks (two row tiles of 16 a
-  // warp), then the 64-row blocks (one), to compare the two on this GPU.
-  // The rows set the switch themselves; the table ends with it unset.
+  // Each head dim with the one-pass backward (the default), with the
+  // deterministic two kernels, and with the forward's 64-row blocks (one row
+  // tile of 16 a warp, where the default takes two), to compare them on this
+  // GPU. The rows set the switches themselves; the table ends with
+  // them unset.
   struct UnsetAtExit {
-    ~UnsetAtExit() { unsetenv("COLOD_ATTENTION_ROW_TILES"); }
+    ~UnsetAtExit() {
+      unsetenv("COLOD_ATTENTION_ROW_TILES");
+      unsetenv("COLOD_DETERMINISTIC");
+    }
   } unset_at_exit;
-  for (Shape sh : {Shape{b, s, 16, 128}, Shape{b, s, 32, 64}, Shape{b, s, 32, 64, true}}) {
+  for (Shape sh : {Shape{b, s, 16, 128}, Shape{b, s, 16, 128, false, true}, Shape{b, s, 16, 128, true},
+                   Shape{b, s, 32, 64}, Shape{b, s, 32, 64, false, true}, Shape{b, s, 32, 64, true}}) {
     if (sh.one_row_tile) {
       setenv("COLOD_ATTENTION_ROW_TILES", "1", 1);
     } else {
       unsetenv("COLOD_ATTENTION_ROW_TILES");
+    }
+    if (sh.deterministic) {
+      setenv("COLOD_DETERMINISTIC", "1", 1);
+    } else {
+      unsetenv("COLOD_DETERMINISTIC");
     }
     const double fwd_flops = 2.0 * sh.b * sh.heads * static_cast<double>(sh.s) * sh.s * sh.d;
     auto make = [&](uint64_t seed) -> absl::StatusOr<Tensor> {
@@ -585,15 +598,17 @@ bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
       std::printf("{\"bench\":\"attention\",\"dtype\":\"bf16\",\"device\":\"cuda:0\",\"causal\":true,"
                   "\"batch\":%lld,\"seq\":%lld,\"heads\":%lld,\"head_dim\":%lld,\"forward_seconds\":%.6f,"
                   "\"forward_tflops\":%.3f,\"backward_seconds\":%.6f,\"backward_tflops\":%.3f,"
-                  "\"row_tiles_a_warp\":%d,\"cublas_bf16_peak_tflops\":%.3f}\n",
+                  "\"row_tiles_a_warp\":%d,\"deterministic_backward\":%s,\"cublas_bf16_peak_tflops\":%.3f}\n",
                   static_cast<long long>(sh.b), static_cast<long long>(sh.s), static_cast<long long>(sh.heads),
-                  static_cast<long long>(sh.d), tf, fwd_tflops, tb, bwd_tflops, sh.d == 64 && !sh.one_row_tile ? 2 : 1,
-                  gpu_peak);
+                  static_cast<long long>(sh.d), tf, fwd_tflops, tb, bwd_tflops, (sh.d == 64 || sh.d == 128) && !sh.one_row_tile ? 2 : 1,
+                  sh.deterministic ? "true" : "false", gpu_peak);
     } else {
       std::printf("%6lld %6lld %6lld %5lld  %9.3f %9.1f  %9.3f %9.1f%s\n", static_cast<long long>(sh.b),
                   static_cast<long long>(sh.s), static_cast<long long>(sh.heads), static_cast<long long>(sh.d),
                   tf * 1e3, fwd_tflops, tb * 1e3, bwd_tflops,
-                  sh.one_row_tile ? "  (one row tile a warp: COLOD_ATTENTION_ROW_TILES=1)" : "");
+                  sh.one_row_tile   ? "  (one row tile a warp: COLOD_ATTENTION_ROW_TILES=1)"
+                  : sh.deterministic ? "  (two backward kernels, no atomics: COLOD_DETERMINISTIC=1)"
+                                     : "");
     }
     std::fflush(stdout);
   }
@@ -720,10 +735,13 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> MakeGpuGroup(Store* store, Device 
 // GPT-2 124M's LM head and loss on `gpu` in bf16 at tp=1 (--lm_head_rows
 // tokens of hidden 768 over --lm_head_vocab words): the head as a linear and
 // VocabParallelCrossEntropy on its logits, against
-// VocabParallelLinearCrossEntropy in chunks of --lm_head_chunk rows; forward
-// + backward, medians of --steps timed runs after a warm-up, and the peak
-// pool memory above what was in use before (the logits, their f32 copy and
-// their gradient, against one chunk's).
+// VocabParallelLinearCrossEntropy in chunks of --lm_head_chunk rows (the
+// logits recomputed in backward: the head with pipeline stages) and
+// VocabParallelLinearCrossEntropySum in the product's default chunks (the
+// gradients taken in forward: the head without them); forward + backward,
+// medians of --steps timed runs after a warm-up, and the peak pool memory
+// above what was in use before (the logits, their f32 copy and their
+// gradient, against one chunk's).
 bool RunLmHeadRows(Device gpu, bool json) {
   const int steps = std::max(1, absl::GetFlag(FLAGS_steps));
   const int64_t rows = std::max(1, absl::GetFlag(FLAGS_lm_head_rows)), h = 768;
@@ -748,16 +766,18 @@ bool RunLmHeadRows(Device gpu, bool json) {
   }
   if (!json) {
     std::printf("\nGPU (cuda:0) LM head + cross-entropy, bf16, %lld tokens x %lld hidden x %lld vocab, forward + "
-                "backward:\n%-28s %9s %16s\n",
+                "backward:\n%-52s %9s %16s\n",
                 static_cast<long long>(rows), static_cast<long long>(h), static_cast<long long>(vocab), "path",
                 "time (ms)", "peak memory (MiB)");
   }
   // The product's default chunk (ShardedModel's kFusedHeadByBytes: the
-  // rows whose bf16 logits fit kFusedHeadChunkBytes) beside the flag's.
+  // rows whose bf16 logits fit kFusedHeadChunkBytes).
   const int64_t by_bytes = std::min<int64_t>(
       rows, std::max<int64_t>(1, shardformer::ShardedModel::kFusedHeadChunkBytes / (vocab * static_cast<int64_t>(2))));
-  const int paths = by_bytes != std::min(chunk, rows) ? 3 : 2;
-  for (int fused = 0; fused < paths; ++fused) {
+  absl::StatusOr<Tensor> dsum = dloss->Narrow(0, 0, 1);
+  if (dsum.ok()) dsum = dsum->Reshape({});
+  if (!dsum.ok()) return fail(dsum.status());
+  for (int fused = 0; fused < 3; ++fused) {
     const int64_t rows_a_chunk = fused == 2 ? by_bytes : chunk;
     std::vector<double> times;
     int64_t peak = 0;
@@ -773,9 +793,13 @@ bool RunLmHeadRows(Device gpu, bool json) {
                                                               pg->get(), /*requires_grad=*/true));
         Variable x(*hidden, true);
         Variable loss;
-        if (fused) {
-          ASSIGN_OR_RETURN(loss, nn::VocabParallelLinearCrossEntropy(x, w, *labels, vocab, rows_a_chunk, 0, -100,
-                                                                     /*keep_last_chunk=*/true));  // as without pp
+        if (fused == 2) {  // as without pipeline stages
+          ASSIGN_OR_RETURN(loss, nn::VocabParallelLinearCrossEntropySum(x, w, *labels, vocab, rows_a_chunk));
+          RETURN_IF_ERROR(Backward(loss, *dsum));
+          return kernels::CudaSynchronize(gpu.index);
+        }
+        if (fused == 1) {  // as with them
+          ASSIGN_OR_RETURN(loss, nn::VocabParallelLinearCrossEntropy(x, w, *labels, vocab, rows_a_chunk));
         } else {
           ASSIGN_OR_RETURN(Variable z, nn::Linear(x, w.variable(), std::nullopt));
           ASSIGN_OR_RETURN(ColoTensor logits,
@@ -793,7 +817,7 @@ bool RunLmHeadRows(Device gpu, bool json) {
     }
     std::sort(times.begin(), times.end());
     const double t = times[times.size() / 2];
-    const char* path = fused ? "fused" : "unfused";
+    const char* path = fused == 2 ? "fused_grads_in_forward" : fused ? "fused" : "unfused";
     if (json) {
       std::printf("{\"bench\":\"lm_head_loss\",\"path\":\"%s\",\"dtype\":\"bf16\",\"device\":\"cuda:0\","
                   "\"rows\":%lld,\"hidden\":%lld,\"vocab\":%lld,\"chunk_rows\":%lld,\"seconds\":%.6f,"
@@ -801,10 +825,11 @@ bool RunLmHeadRows(Device gpu, bool json) {
                   path, static_cast<long long>(rows), static_cast<long long>(h), static_cast<long long>(vocab),
                   static_cast<long long>(fused ? rows_a_chunk : rows), t, static_cast<long long>(peak));
     } else {
-      const std::string name = !fused     ? std::string("unfused (linear, then loss)")
-                               : fused == 1 ? absl::StrCat("fused, chunks of ", chunk)
-                                            : absl::StrCat("fused, chunks of ", by_bytes, " (the default)");
-      std::printf("%-28s %9.2f %16.1f\n", name.c_str(), t * 1e3, peak / 1048576.0);
+      const std::string name =
+          !fused       ? std::string("unfused (linear, then loss)")
+          : fused == 1 ? absl::StrCat("fused, chunks of ", chunk, " (pipeline stages)")
+                       : absl::StrCat("fused, grads in forward, chunks of ", by_bytes, " (the default)");
+      std::printf("%-52s %9.2f %16.1f\n", name.c_str(), t * 1e3, peak / 1048576.0);
     }
     std::fflush(stdout);
   }

@@ -187,6 +187,15 @@ absl::Status Binary(int, BinaryOp op, ElemType type, const void* a, const void* 
   return absl::OkStatus();
 }
 
+absl::Status ScaleBy(int, ElemType type, const void* a, const float* s, ElemType out_type, void* out, int64_t n) {
+  if (IsInt(type) || IsInt(out_type)) return absl::InvalidArgumentError("ScaleBy: float types only");
+  const char* x = static_cast<const char*>(a);
+  char* z = static_cast<char*>(out);
+  const float f = *s;
+  for (int64_t i = 0; i < n; ++i) StoreF(z, i, out_type, LoadF(x, i, type) * f);
+  return absl::OkStatus();
+}
+
 absl::Status Scale(int, ElemType type, const void* a, float s, void* out, int64_t n) {
   if (IsInt(type)) return absl::InvalidArgumentError("Scale: float types only");
   const char* x = static_cast<const char*>(a);

@@ -41,6 +41,27 @@ cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_
 #endif
 }
 
+// kernel<<<grid, block, shared_bytes, stream>>>(args...) for a kernel that
+// takes `shared_bytes` of dynamic shared memory (DynamicShared, warp.h):
+// above the 48 KiB any launch may take, the kernel's limit is raised first
+// (cudaFuncSetAttribute, a host-side call made before every such launch, as
+// FlashAttention-2 makes it).
+template <typename... Params, typename... Args>
+cudaError_t LaunchShared(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                         Args&&... args) {
+  if (shared_bytes > (48u << 10)) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
+    if (e != cudaSuccess) return e;
+  }
+#ifdef COLOD_CUDA_EMULATION
+  return ::colod_cuda_emu::Launch(kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...);
+#else
+  kernel<<<grid, block, shared_bytes, stream>>>(std::forward<Args>(args)...);
+  return cudaPeekAtLastError();
+#endif
+}
+
 // Declares `stream`, the compute stream of `device` (selected for the calling
 // thread), or returns the error from the enclosing function.
 #define COLOD_CUDA_BEGIN(stream, device)                                      \

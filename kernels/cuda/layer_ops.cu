@@ -1116,23 +1116,50 @@ absl::Status ByMmaHeadDim(int64_t d, Fn fn) {
   }
 }
 
-// Row tiles of 16 a warp in the tensor-core forward and dq kernels at head
-// dim 64: 2 (128-row blocks), or 1 (64-row blocks, the kernels before) where
-// the environment sets COLOD_ATTENTION_ROW_TILES=1, for bench:layers' rows
-// that compare the two on one GPU. Read at each call. Other head dims take 1.
-int RowTilesAtHeadDim64() {
+// Row tiles of 16 a warp in the tensor-core forward (head dims 64 and 128)
+// and dq (64) kernels: 2 (128-row blocks), or 1 (64-row blocks, the kernels
+// before) where the environment sets COLOD_ATTENTION_ROW_TILES=1, for
+// bench:layers' rows that compare the two on one GPU. Read at each call.
+// Other head dims take 1.
+bool OneRowTileRequested() {
   const char* v = getenv("COLOD_ATTENTION_ROW_TILES");
-  return v != nullptr && std::string_view(v) == "1" ? 1 : 2;
+  return v != nullptr && std::string_view(v) == "1";
 }
 
-// fn(std::integral_constant<int, tiles>) for the row tiles a warp at head dim kD.
+// fn(std::integral_constant<int, tiles>) for the dq kernel's row tiles a
+// warp at head dim kD (two at 64: at 128 its Q and dout fragments and dQ's
+// accumulators would not fit the registers twice).
 template <int kD, typename Fn>
 absl::Status ByRowTiles(Fn fn) {
   if constexpr (kD == 64) {
-    if (RowTilesAtHeadDim64() == 2) return fn(std::integral_constant<int, 2>{});
+    if (!OneRowTileRequested()) return fn(std::integral_constant<int, 2>{});
   }
   return fn(std::integral_constant<int, 1>{});
 }
+
+// The forward's: two at head dims 64 and 128 (at 128 Q is read from shared
+// memory at each key tile, so that the output's accumulators fit twice).
+template <int kD, typename Fn>
+absl::Status ByForwardRowTiles(Fn fn) {
+  if constexpr (kD == 64 || kD == 128) {
+    if (!OneRowTileRequested()) return fn(std::integral_constant<int, 2>{});
+  }
+  return fn(std::integral_constant<int, 1>{});
+}
+
+// Whether the forward at head dim kD and kTiles row tiles reads Q's
+// fragments from shared memory at each key tile instead of keeping them in
+// registers (then its tiles are in dynamic shared memory: Q's kTiles 64
+// rows, K's and V's kForwardKeys each, kForwardShared bytes).
+template <int kD, int kTiles>
+constexpr bool kQFromShared = kD == 128 && kTiles == 2;
+// The forward's key tile: 64 keys, 32 where Q comes from shared memory (two
+// row tiles at head dim 128: the scores of 64 keys beside the output's
+// accumulators spilled).
+template <int kD, int kTiles>
+constexpr int kForwardKeys = kQFromShared<kD, kTiles> ? 32 : kMmaKeys;
+template <int kD, int kTiles>
+constexpr int kForwardShared = 2 * (kMmaRows * kTiles + 2 * kForwardKeys<kD, kTiles>) * (kD + kMmaPad);
 
 // The kernel's shared memory: one array for every instantiation (a
 // __shared__ in a device function is per block on a GPU; under the
@@ -1319,10 +1346,21 @@ __global__ void __launch_bounds__(kMmaThreads)
     FlashForwardMmaKernel(const T* q, const T* k, const T* v, T* out, float* lse, int64_t s, int64_t hq, int64_t hkv,
                           float scale, bool causal, AttentionBias extra) {
   constexpr int kStride = kD + kMmaPad, kRows = kMmaRows * kTiles;
+  constexpr bool kQShared = kQFromShared<kD, kTiles>;
+  constexpr int kKeys = kForwardKeys<kD, kTiles>;
   static_assert(kD % 16 == 0 && kD <= kMmaMaxD, "head dim");
-  static_assert(kRows <= 2 * kMmaKeys, "the block's query rows are staged through ks and vs");
-  uint16_t(*ks)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
-  uint16_t(*vs)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kMmaKeys * kStride);
+  static_assert(kQShared || kRows <= 2 * kKeys, "the block's query rows are staged through ks and vs");
+  // Q's rows (kQShared only), then K's and V's tiles.
+  uint16_t* shared;
+  if constexpr (kQShared) {
+    shared = reinterpret_cast<uint16_t*>(DynamicShared());
+  } else {
+    shared = MmaShared();
+  }
+  uint16_t(*qs)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(shared);
+  uint16_t* kv = kQShared ? shared + kRows * kStride : shared;
+  uint16_t(*ks)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(kv);
+  uint16_t(*vs)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(kv + kKeys * kStride);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
   const int64_t h = blockIdx.y, bi = blockIdx.z, kvh = h / (hq / hkv);
   const int64_t row0 = RowBlockOf(causal) * kRows;
@@ -1330,15 +1368,21 @@ __global__ void __launch_bounds__(kMmaThreads)
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + (bi * s * hkv + kvh) * kD;
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + (bi * s * hkv + kvh) * kD;
 
-  // The block's query rows through ks (and vs, which follows it); each warp
-  // keeps its row tiles' A fragments.
-  StageMmaTile<kD, kRows>(ks, qb, hq * kD, row0, s);
-  CpAsyncCommit();
-  CpAsyncWait<0>();
-  __syncthreads();
-  uint32_t qf[kTiles][kD / 16][4];
-  LoadRowTileFragments<kD, kTiles>(qf, ks);
-  __syncthreads();
+  // The block's query rows: kept in qs (kQShared), their fragments read at
+  // each key tile; or through ks (and vs, which follows it), each warp
+  // keeping its row tiles' A fragments.
+  uint32_t qf[kQShared ? 1 : kTiles][kD / 16][4];
+  if constexpr (kQShared) {
+    StageMmaTile<kD, kRows>(qs, qb, hq * kD, row0, s);
+    CpAsyncCommit();  // waited for with K's first tile
+  } else {
+    StageMmaTile<kD, kRows>(ks, qb, hq * kD, row0, s);
+    CpAsyncCommit();
+    CpAsyncWait<0>();
+    __syncthreads();
+    LoadRowTileFragments<kD, kTiles>(qf, ks);
+    __syncthreads();
+  }
 
   // This lane's rows of row tile t: rows[t][0] = group, rows[t][1] = group + 8
   // of the tile's 16.
@@ -1360,20 +1404,41 @@ __global__ void __launch_bounds__(kMmaThreads)
   const float scale2 = scale * kLog2e;
   const float slope = SlopeOf(extra, h);
   const int64_t keys = causal && row0 + kRows < s ? row0 + kRows : s;
-  StageMmaTile<kD>(ks, kb, hkv * kD, 0, s);
+  StageMmaTile<kD, kKeys>(ks, kb, hkv * kD, 0, s);
   CpAsyncCommit();
-  for (int64_t j0 = 0; j0 < keys; j0 += kMmaKeys) {
+  for (int64_t j0 = 0; j0 < keys; j0 += kKeys) {
     CpAsyncWait<0>();  // this K tile
     __syncthreads();   // ... visible; every warp is done with vs
-    StageMmaTile<kD>(vs, vb, hkv * kD, j0, s);
+    StageMmaTile<kD, kKeys>(vs, vb, hkv * kD, j0, s);
     CpAsyncCommit();
-    float sc[kTiles][kMmaKeys / 8][4];
+    float sc[kTiles][kKeys / 8][4];
 #pragma unroll
     for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
-      for (int j = 0; j < kMmaKeys / 8; ++j) sc[t][j][0] = sc[t][j][1] = sc[t][j][2] = sc[t][j][3] = 0.0f;
+      for (int j = 0; j < kKeys / 8; ++j) sc[t][j][0] = sc[t][j][1] = sc[t][j][2] = sc[t][j][3] = 0.0f;
     }
-    MmaTilesByTileT<kD, kMmaKeys, T, kTiles>(sc, qf, ks);  // S = Q K^T
+    if constexpr (kQShared) {  // S = Q K^T, Q's fragments from qs, in MmaTilesByTileT's order
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t a[kTiles][4];
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) {
+          LdMatrixX4(a[t], &qs[16 * (kTiles * warp + t) + lane % 16][16 * kk + 8 * (lane / 16)]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 16; ++nt) {
+          uint32_t b[4];
+          LdMatrixX4(b, &ks[16 * nt + lane % 8 + 8 * (lane / 16)][16 * kk + 8 * ((lane / 8) % 2)]);
+#pragma unroll
+          for (int t = 0; t < kTiles; ++t) {
+            MmaOf<T>(sc[t][2 * nt], a[t], b, sc[t][2 * nt]);
+            MmaOf<T>(sc[t][2 * nt + 1], a[t], b + 2, sc[t][2 * nt + 1]);
+          }
+        }
+      }
+    } else {
+      MmaTilesByTileT<kD, kKeys, T, kTiles>(sc, qf, ks);  // S = Q K^T
+    }
     // Scale and mask; each row's max over its 4 lanes.
     float mx[kTiles][2];
     auto scores = [&](auto masked) {
@@ -1382,7 +1447,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         mx[t][0] = m[t][0];
         mx[t][1] = m[t][1];
 #pragma unroll
-        for (int j = 0; j < kMmaKeys / 8; ++j) {
+        for (int j = 0; j < kKeys / 8; ++j) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int64_t key = j0 + 8 * j + 2 * pair + i % 2;
@@ -1395,7 +1460,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         }
       }
     };
-    if (TileUnmasked(row0, kRows, j0, kMmaKeys, s, causal)) {
+    if (TileUnmasked(row0, kRows, j0, kKeys, s, causal)) {
       scores(std::false_type{});
     } else {
       scores(std::true_type{});
@@ -1420,23 +1485,23 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
     CpAsyncWait<0>();  // this V tile
     __syncthreads();   // ... visible; every warp is done with ks
-    if (j0 + kMmaKeys < keys) StageMmaTile<kD>(ks, kb, hkv * kD, j0 + kMmaKeys, s);
+    if (j0 + kKeys < keys) StageMmaTile<kD, kKeys>(ks, kb, hkv * kD, j0 + kKeys, s);
     CpAsyncCommit();
     // P = 2^(x - max); O += P V rounds P to T in place, and the row sums
     // are of that P.
 #pragma unroll
     for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
-      for (int j = 0; j < kMmaKeys / 8; ++j) {
+      for (int j = 0; j < kKeys / 8; ++j) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) sc[t][j][i] = Exp2Ftz(sc[t][j][i] - ref[t][i / 2]);
       }
     }
-    MmaTilesAccByTile<kD, kMmaKeys, T, kTiles>(o, sc, vs);
+    MmaTilesAccByTile<kD, kKeys, T, kTiles>(o, sc, vs);
 #pragma unroll
     for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
-      for (int j = 0; j < kMmaKeys / 8; ++j) {
+      for (int j = 0; j < kKeys / 8; ++j) {
         l[t][0] += sc[t][j][0] + sc[t][j][1];
         l[t][1] += sc[t][j][2] + sc[t][j][3];
       }
@@ -1748,6 +1813,257 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
     MmaAccByTile<kD, kN, T>(dv_acc, st, gs);   // dV += P^T dout
     MmaAccByTile<kD, kN, T>(dk_acc, dpt, qs);  // dK += dS^T Q
+  }
+  StoreRows<kD>(dk + kvoff, hkv * kD, key0, s, dk_acc, scale);
+  StoreRows<kD>(dv + kvoff, hkv * kD, key0, s, dv_acc, 1.0f);
+}
+
+// ---- The tensor-core backward in one pass (FlashAttention-2's, with atomics) ----
+// The default backward (unless COLOD_DETERMINISTIC=1): the dk/dv kernel's
+// walk above, which also gives dQ: each block writes its dS^T tile (rounded
+// to T, as the deterministic kernels round it) to shared memory, and dQ's
+// share of the tile's queries, dS K over the block's 64 keys, is added to an
+// f32 [b, s, hq, d] buffer by red.global.add (one reduction for two
+// adjacent columns). So S, P and dP are computed once, where the two-kernel
+// backward computes them twice (7 products a tile against 5), at the price
+// of the reductions, whose order the GPU's scheduling sets: the last bits
+// of dq may differ between runs (dk and dv do not). Before it,
+// FlashBackwardPrepKernel writes delta and zeroes the buffer; after it,
+// FlashDqConvertKernel rounds buffer * scale to dq.
+// Dynamic shared memory (kFusedShared<kD> bytes, over 48 KiB at head dims
+// 64 and 128): K's 64 rows, stayed for dS K, the double-buffered Q and dout
+// tiles, and dS^T, [key][query].
+template <int kD>
+constexpr int kFusedShared =
+    2 * ((kMmaRows + 4 * kBwdTile<kD>) * (kD + kMmaPad) + kMmaRows * (kBwdTile<kD> + kMmaPad));
+
+// delta [b, hq, s] = rowsum(dout * out), the two halves of a row summed in
+// column order and then added (the dq kernel's order): a thread per (b,
+// row, head), rows in 16-byte packs (kD / 2 is whole packs at every
+// tensor-core head dim); and the f32 dQ buffer [b, s, hq, kD] zeroed, a
+// 16-byte pack a thread, consecutive threads on consecutive packs.
+template <int kD, typename T>
+__global__ void FlashBackwardPrepKernel(const T* out, const T* dout, float* delta, float* dq_acc, int64_t b,
+                                        int64_t s, int64_t hq) {
+  static_assert(kD / 2 % kPack<T> == 0 && kD % kPack<float> == 0, "whole 16-byte packs");
+  const int64_t rows = b * s * hq;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t h = r % hq, row = (r / hq) % s, bi = r / (hq * s);
+    float half_sums[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const T* o = out + r * kD + half * kD / 2;
+      const T* g = dout + r * kD + half * kD / 2;
+#pragma unroll
+      for (int p = 0; p < kD / 2 / kPack<T>; ++p) {
+        float ov[kPack<T>], gv[kPack<T>];
+        LoadPack(o, p, ov);
+        LoadPack(g, p, gv);
+#pragma unroll
+        for (int c = 0; c < kPack<T>; ++c) half_sums[half] += ov[c] * gv[c];
+      }
+    }
+    delta[(bi * hq + h) * s + row] = half_sums[0] + half_sums[1];
+  }
+  const float zeros[kPack<float>] = {};
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < rows * (kD / kPack<float>);
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    StorePack(dq_acc, p, zeros);
+  }
+}
+
+// dq = acc * scale rounded to T, n elements (a multiple of kPack<T>), in
+// 16-byte packs.
+template <typename T>
+__global__ void FlashDqConvertKernel(const float* acc, T* dq, int64_t n, float scale) {
+  constexpr int kN = kPack<T>, kF = kPack<float>;
+  static_assert(kN % kF == 0, "a pack of T is whole packs of f32");
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < n / kN;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v[kN];
+#pragma unroll
+    for (int i = 0; i < kN / kF; ++i) {
+      float f[kF];
+      LoadPack(acc, p * (kN / kF) + i, f);
+#pragma unroll
+      for (int c = 0; c < kF; ++c) v[kF * i + c] = f[c] * scale;
+    }
+    StorePack(dq, p, v);
+  }
+}
+
+// Grid (key blocks of 64, hkv, b), kMmaThreads threads, kFusedShared<kD>
+// bytes of dynamic shared memory: dk and dv of the block's 64 keys as
+// FlashBackwardDkvMmaKernel gives them (the same walk, products and order:
+// the same bits), and each tile's dQ share added to dq_acc (unscaled).
+template <int kD, typename T>
+__global__ void __launch_bounds__(kMmaThreads)
+    FlashBackwardFusedMmaKernel(const T* q, const T* k, const T* v, const T* dout, const float* lse,
+                                const float* delta, float* dq_acc, T* dk, T* dv, int64_t s, int64_t hq, int64_t hkv,
+                                float scale, bool causal, AttentionBias extra) {
+  constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>, kDsStride = kN + kMmaPad;
+  // dQ's tile [kN queries, kD] among the 4 warps: kN / 16 row tiles, each
+  // split over kSplit warps by 16-column chunks (kPer a warp, the last
+  // warp's fewer where they do not divide).
+  constexpr int kRowTiles = kN / 16, kSplit = 4 / kRowTiles, kChunks = kD / 16;
+  constexpr int kPer = (kChunks + kSplit - 1) / kSplit;
+  static_assert(kRowTiles * kSplit == 4, "dQ's tile is shared by the 4 warps");
+  alignas(16) __shared__ float tile_lse2[2][kN];
+  alignas(16) __shared__ float tile_delta[2][kN];
+  uint16_t* shared = reinterpret_cast<uint16_t*>(DynamicShared());
+  uint16_t(*ks)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(shared);
+  uint16_t* streamed = shared + kMmaRows * kStride;
+  auto streamed_tile = [&](int b, int which) {
+    return reinterpret_cast<uint16_t(*)[kStride]>(streamed + (2 * b + which) * kN * kStride);
+  };
+  uint16_t(*ds)[kDsStride] = reinterpret_cast<uint16_t(*)[kDsStride]>(streamed + 4 * kN * kStride);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
+  const int64_t kvh = blockIdx.y, bi = blockIdx.z, heads = hq / hkv;
+  const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t kvoff = (bi * s * hkv + kvh) * kD;
+  // K's rows stay in ks; V's pass through the streamed tiles (4 kN >= 64
+  // rows) before the walk, each warp keeping its 16 keys' fragments.
+  static_assert(4 * kN >= kMmaRows, "V's rows are staged through the streamed tiles");
+  uint16_t(*vs)[kStride] = streamed_tile(0, 0);
+  StageMmaTile<kD, kMmaRows>(ks, reinterpret_cast<const uint16_t*>(k) + kvoff, hkv * kD, key0, s);
+  StageMmaTile<kD, kMmaRows>(vs, reinterpret_cast<const uint16_t*>(v) + kvoff, hkv * kD, key0, s);
+  CpAsyncCommit();
+  CpAsyncWait<0>();
+  __syncthreads();
+  uint32_t vf[kD / 16][4];  // K's are read from ks at each tile: their registers are dQ's
+  LoadRowFragments<kD>(vf, vs);
+  __syncthreads();
+  const int64_t keys[2] = {key0 + 16 * warp + group, key0 + 16 * warp + group + 8};
+  float dk_acc[kD / 8][4], dv_acc[kD / 8][4];
+#pragma unroll
+  for (int j = 0; j < kD / 8; ++j) {
+    dk_acc[j][0] = dk_acc[j][1] = dk_acc[j][2] = dk_acc[j][3] = 0.0f;
+    dv_acc[j][0] = dv_acc[j][1] = dv_acc[j][2] = dv_acc[j][3] = 0.0f;
+  }
+  const float scale2 = scale * kLog2e;
+  const int64_t first = causal ? key0 : 0, h_end = (kvh + 1) * heads;
+  auto stage = [&](int64_t h, int64_t i0, int b) {
+    const int64_t qoff = (bi * s * hq + h) * kD;
+    StageMmaTile<kD, kN>(streamed_tile(b, 0), reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, i0, s);
+    StageMmaTile<kD, kN>(streamed_tile(b, 1), reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, i0, s);
+    for (int t = threadIdx.x; t < kN; t += kMmaThreads) {
+      const bool valid = i0 + t < s;
+      CpAsync4(&tile_lse2[b][t], lse + (bi * hq + h) * s + (valid ? i0 + t : 0), valid);
+      CpAsync4(&tile_delta[b][t], delta + (bi * hq + h) * s + (valid ? i0 + t : 0), valid);
+    }
+  };
+  auto advance = [&](int64_t& h, int64_t& i0) {
+    i0 += kN;
+    if (i0 >= s) {
+      i0 = first;
+      ++h;
+    }
+  };
+  int64_t next_h = kvh * heads, next_i0 = first;
+  if (first < s) {
+    stage(next_h, next_i0, 0);
+    advance(next_h, next_i0);
+  }
+  CpAsyncCommit();
+  for (int64_t h = kvh * heads, i0 = first, b = 0; first < s && h < h_end; advance(h, i0), b ^= 1) {
+    CpAsyncWait<0>();  // this tile's copies
+    for (int t = threadIdx.x; t < kN; t += kMmaThreads) tile_lse2[b][t] *= kLog2e;
+    // ... visible; every warp is done with the other buffer and with ds (the
+    // last tile's dQ products)
+    __syncthreads();
+    if (next_h < h_end) {
+      stage(next_h, next_i0, static_cast<int>(b ^ 1));
+      advance(next_h, next_i0);
+    }
+    CpAsyncCommit();
+    const float slope = SlopeOf(extra, h);
+    uint16_t(*qs)[kStride] = streamed_tile(static_cast<int>(b), 0);
+    uint16_t(*gs)[kStride] = streamed_tile(static_cast<int>(b), 1);
+    float st[kN / 8][4], dpt[kN / 8][4];
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.0f;
+      dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.0f;
+    }
+    // S^T = K Q^T, the warp's 16 rows of K as A fragments from ks.
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[4];
+      LdMatrixX4(a, &ks[16 * warp + lane % 16][16 * kk + 8 * (lane / 16)]);
+#pragma unroll
+      for (int nt = 0; nt < kN / 16; ++nt) {
+        uint32_t bq[4];
+        LdMatrixX4(bq, &qs[16 * nt + lane % 8 + 8 * (lane / 16)][16 * kk + 8 * ((lane / 8) % 2)]);
+        MmaOf<T>(st[2 * nt], a, bq, st[2 * nt]);
+        MmaOf<T>(st[2 * nt + 1], a, bq + 2, st[2 * nt + 1]);
+      }
+    }
+    MmaRowsByTileT<kD, kN, T>(dpt, vf, gs);  // dP^T = V dout^T
+    auto grads = [&](auto masking) {
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = 8 * j + 2 * pair + i % 2;
+          const int64_t query = i0 + col;
+          const bool masked = decltype(masking)::value && Hidden(query, keys[i / 2], s, causal);
+          const float p =
+              masked ? 0.0f
+                     : Exp2Ftz(Base2Score(st[j][i], scale2, extra, slope, h, s, query, keys[i / 2]) -
+                               tile_lse2[b][col]);
+          st[j][i] = p;
+          dpt[j][i] = p * (dpt[j][i] - tile_delta[b][col]);
+          if (extra.dbias != nullptr && !masked) extra.dbias[((bi * hq + h) * s + query) * s + keys[i / 2]] = dpt[j][i];
+        }
+      }
+    };
+    if (TileUnmasked(i0, kN, key0, kMmaRows, s, causal)) {
+      grads(std::false_type{});
+    } else {
+      grads(std::true_type{});
+    }
+    MmaAccByTile<kD, kN, T>(dv_acc, st, gs);   // dV += P^T dout
+    MmaAccByTile<kD, kN, T>(dk_acc, dpt, qs);  // dK += dS^T Q (rounds dS^T in place)
+    // dS^T, rounded, to ds[key][query]: this warp's 16 keys.
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        uint16_t* pair_of = &ds[16 * warp + group + 8 * r][8 * j + 2 * pair];  // 4-byte aligned: one store
+        pair_of[0] = BitsOf<T>(dpt[j][2 * r]);
+        pair_of[1] = BitsOf<T>(dpt[j][2 * r + 1]);
+      }
+    }
+    __syncthreads();  // every warp's dS^T
+    // dQ[row tile qt, chunk c0 + c] += dS (16 queries x the 64 keys) K, a
+    // 16-column chunk at a time (8 accumulators: the registers are dk's and
+    // dv's), added to dq_acc as soon as it is done: dS read transposed from
+    // ds, K (a row-major k x n operand) from ks.
+    const int qt = warp % kRowTiles, c0 = (warp / kRowTiles) * kPer;
+    const int64_t query_rows[2] = {i0 + 16 * qt + group, i0 + 16 * qt + group + 8};
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) {
+      if (kChunks % kSplit == 0 || c0 + c < kChunks) {  // warp-uniform; always where the chunks divide
+        const int col0 = 16 * (c0 + c);
+        float acc[2][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < kMmaRows / 16; ++kk) {
+          uint32_t a[4], bf[4];
+          LdMatrixX4Trans(a, &ds[16 * kk + lane % 8 + 8 * (lane / 16)][16 * qt + 8 * ((lane / 8) % 2)]);
+          LdMatrixX4Trans(bf, &ks[16 * kk + lane % 16][col0 + 8 * (lane / 16)]);
+          MmaOf<T>(acc[0], a, bf, acc[0]);
+          MmaOf<T>(acc[1], a, bf + 2, acc[1]);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (query_rows[r] >= s) continue;
+          float* row = dq_acc + ((bi * s + query_rows[r]) * hq + h) * kD + col0 + 2 * pair;
+          RedAddF32x2(row, acc[0][2 * r], acc[0][2 * r + 1]);
+          RedAddF32x2(row + 8, acc[1][2 * r], acc[1][2 * r + 1]);
+        }
+      }
+    }
   }
   StoreRows<kD>(dk + kvoff, hkv * kD, key0, s, dk_acc, scale);
   StoreRows<kD>(dv + kvoff, hkv * kD, key0, s, dv_acc, 1.0f);
@@ -2709,15 +3025,19 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
       } else {
         return ByMmaHeadDim(d, [&](auto dim) {
           constexpr int kD = decltype(dim)::value;
-          // Two row tiles a warp where their registers fit (head dim 64).
-          return ByRowTiles<kD>([&](auto tiles) {
+          // Two row tiles a warp where their registers fit (head dims 64 and
+          // 128, Q read from shared memory at 128).
+          return ByForwardRowTiles<kD>([&](auto tiles) {
             constexpr int kTiles = decltype(tiles)::value;
             dim3 tiles_grid = *grid;
             tiles_grid.x = static_cast<unsigned>((s + kMmaRows * kTiles - 1) / (kMmaRows * kTiles));
-            Launch(FlashForwardMmaKernel<kD, T, kTiles>, tiles_grid, kMmaThreads, stream, static_cast<const T*>(q),
-                   static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out), lse, s, hq, hkv, scale,
-                   causal, extra);
-            return Finish("FlashForwardMmaKernel");
+            const size_t shared_bytes = kQFromShared<kD, kTiles> ? kForwardShared<kD, kTiles> : 0;
+            const cudaError_t launched =
+                LaunchShared(FlashForwardMmaKernel<kD, T, kTiles>, tiles_grid, kMmaThreads, shared_bytes, stream,
+                             static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
+                             static_cast<T*>(out), lse, s, hq, hkv, scale, causal, extra);
+            RETURN_IF(Finish("FlashForwardMmaKernel"));
+            return CudaCheck(launched, "FlashForwardMmaKernel");
           });
         });
       }
@@ -2731,6 +3051,41 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
       return Finish("FlashForwardKernel");
     });
   });
+}
+
+// Whether the environment asks for bitwise-repeatable kernels
+// (COLOD_DETERMINISTIC=1): the attention backward then runs the two
+// kernels without atomics. Read at each call.
+bool DeterministicRequested() {
+  const char* v = getenv("COLOD_DETERMINISTIC");
+  return v != nullptr && std::string_view(v) == "1";
+}
+
+// The one-pass tensor-core backward: delta and the zeroed f32 dQ buffer
+// dq_acc ([b, s, hq, kD], from the stream's pool; given back here after the
+// last kernel that reads it), the fused kernel, dq rounded from the buffer.
+template <int kD, typename T>
+absl::Status FusedBackward(cudaStream_t stream, const T* q, const T* k, const T* v, const T* out, const T* dout,
+                           const float* lse, float* delta, T* dq, T* dk, T* dv, int64_t b, int64_t s, int64_t hq,
+                           int64_t hkv, float scale, bool causal, AttentionBias extra, dim3 kv_grid, float* dq_acc) {
+  const int64_t rows = b * s * hq, n = rows * kD;
+  auto run = [&]() -> absl::Status {
+    Launch(FlashBackwardPrepKernel<kD, T>, Blocks(n / kPack<float>), kThreads, stream, out, dout, delta, dq_acc, b, s,
+           hq);
+    RETURN_IF(Finish("FlashBackwardPrepKernel"));
+    // A refused cudaFuncSetAttribute is reported too (Finish clears it).
+    const cudaError_t launched =
+        LaunchShared(FlashBackwardFusedMmaKernel<kD, T>, kv_grid, kMmaThreads, kFusedShared<kD>, stream, q, k, v,
+                     dout, lse, static_cast<const float*>(delta), dq_acc, dk, dv, s, hq, hkv, scale, causal, extra);
+    RETURN_IF(Finish("FlashBackwardFusedMmaKernel"));
+    RETURN_IF(CudaCheck(launched, "FlashBackwardFusedMmaKernel"));
+    Launch(FlashDqConvertKernel<T>, Blocks(n / kPack<T>), kThreads, stream, static_cast<const float*>(dq_acc), dq, n,
+           scale);
+    return Finish("FlashDqConvertKernel");
+  };
+  const absl::Status st = run();
+  const absl::Status freed = CudaCheck(cudaFreeAsync(dq_acc, stream), "FlashAttentionBackward's dQ buffer");
+  return st.ok() ? freed : st;
 }
 
 absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, const void* k, const void* v,
@@ -2752,6 +3107,20 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
       } else {
         return ByMmaHeadDim(d, [&](auto dim) {
           constexpr int kD = decltype(dim)::value;
+          // The one-pass backward unless asked for repeatable bits, or where
+          // its f32 dQ buffer cannot be had (the two kernels need none).
+          void* buffer = nullptr;
+          if (!DeterministicRequested()) {
+            if (cudaMallocAsync(&buffer, static_cast<size_t>(b * s * hq * kD) * sizeof(float), stream) ==
+                cudaSuccess) {
+              return FusedBackward<kD, T>(stream, static_cast<const T*>(q), static_cast<const T*>(k),
+                                          static_cast<const T*>(v), static_cast<const T*>(out),
+                                          static_cast<const T*>(dout), lse, delta, static_cast<T*>(dq),
+                                          static_cast<T*>(dk), static_cast<T*>(dv), b, s, hq, hkv, scale, causal,
+                                          extra, kv_grid, static_cast<float*>(buffer));
+            }
+            (void)cudaGetLastError();  // not sticky: the failed allocation only
+          }
           // Two row tiles a warp at head dim 64, as the forward.
           RETURN_IF(ByRowTiles<kD>([&](auto tiles) {
             constexpr int kTiles = decltype(tiles)::value;

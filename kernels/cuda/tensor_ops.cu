@@ -208,6 +208,15 @@ __global__ void ScaleKernel(ElemType t, const char* a, float s, char* out, int64
   }
 }
 
+// out (out_t) = a (t) * s[0]: the factor read on the device.
+__global__ void ScaleByKernel(ElemType t, const char* a, const float* s, ElemType out_t, char* out, int64_t n) {
+  const float f = *s;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    StoreF(out, i, out_t, LoadF(a, i, t) * f);
+  }
+}
+
 // Pass 1: block b sums the elements b*kThreads + t + k*gridDim*kThreads in a
 // fixed order and tree; pass 2 sums the partials in block order.
 // With `square`, of the elements' squares.
@@ -480,6 +489,16 @@ absl::Status Scale(int device, ElemType type, const void* a, float s, void* out,
   Launch(ScaleKernel, Blocks(n), kThreads, stream, type, static_cast<const char*>(a), s,
                                                                static_cast<char*>(out), n);
   return Finish("ScaleKernel");
+}
+
+absl::Status ScaleBy(int device, ElemType type, const void* a, const float* s, ElemType out_type, void* out,
+                     int64_t n) {
+  if (IsInt(type) || IsInt(out_type)) return absl::InvalidArgumentError("ScaleBy: float types only");
+  if (n == 0) return absl::OkStatus();
+  COLOD_CUDA_BEGIN(stream, device);
+  Launch(ScaleByKernel, Blocks(n), kThreads, stream, type, static_cast<const char*>(a), s, out_type,
+         static_cast<char*>(out), n);
+  return Finish("ScaleByKernel");
 }
 
 absl::StatusOr<double> Sum(int device, ElemType type, const void* a, int64_t n) {

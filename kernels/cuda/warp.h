@@ -157,6 +157,34 @@ __device__ __forceinline__ void CpAsyncWait() {
 #endif
 }
 
+// ---- Dynamic shared memory and vector reductions to global memory ----
+
+// The block's dynamic shared memory: the shared_bytes of its launch
+// (LaunchShared, launch.h), 16-byte aligned. A kernel whose tiles need more
+// than the 48 KiB of static shared memory takes them here.
+__device__ __forceinline__ unsigned char* DynamicShared() {
+#ifdef COLOD_CUDA_EMULATION
+  return ::colod_cuda_emu::DynamicShared();
+#else
+  extern __shared__ __align__(16) unsigned char dynamic_shared[];
+  return dynamic_shared;
+#endif
+}
+
+// p[0] += a and p[1] += b atomically, each element on its own (p 8-byte
+// aligned, in global memory), without reading the old values back: one
+// red.global.add.v2.f32 on sm_90 (PTX ISA 8.1, CUDA 12.1), two float
+// reductions elsewhere.
+__device__ __forceinline__ void RedAddF32x2(float* p, float a, float b) {
+#if defined(COLOD_CUDA_EMULATION) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900 || \
+    __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ < 1201
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#else
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#endif
+}
+
 }  // namespace colod::kernels::cuda
 
 #endif  // COLOD_KERNELS_CUDA_WARP_H_

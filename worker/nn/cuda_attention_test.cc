@@ -158,41 +158,79 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(c.d) + (c.causal ? "_causal" : "_bidirectional");
     });
 
-// Sets COLOD_ATTENTION_ROW_TILES to `value` (nullptr: unset, the kernels'
-// default) for its scope, and puts back what the environment had.
-class ScopedRowTiles {
+// Sets the environment variable `name` to `value` (nullptr: unset) for its
+// scope, and puts back what the environment had: COLOD_ATTENTION_ROW_TILES
+// (1: one row tile a warp), COLOD_DETERMINISTIC (1: the two-kernel backward
+// without atomics).
+class ScopedEnv {
  public:
-  explicit ScopedRowTiles(const char* value) {
-    const char* old = getenv(kName);
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = getenv(name_);
     if (old != nullptr) saved_ = old;
     Set(value);
   }
-  ~ScopedRowTiles() { Set(saved_.has_value() ? saved_->c_str() : nullptr); }
+  ~ScopedEnv() { Set(saved_.has_value() ? saved_->c_str() : nullptr); }
   void Set(const char* value) {
     if (value != nullptr) {
-      setenv(kName, value, 1);
+      setenv(name_, value, 1);
     } else {
-      unsetenv(kName);
+      unsetenv(name_);
     }
   }
 
  private:
-  static constexpr const char* kName = "COLOD_ATTENTION_ROW_TILES";
+  const char* name_;
   std::optional<std::string> saved_;
 };
 
+class ScopedRowTiles : public ScopedEnv {
+ public:
+  explicit ScopedRowTiles(const char* value) : ScopedEnv("COLOD_ATTENTION_ROW_TILES", value) {}
+};
+
+class ScopedDeterministic : public ScopedEnv {
+ public:
+  explicit ScopedDeterministic(const char* value) : ScopedEnv("COLOD_DETERMINISTIC", value) {}
+};
+
+// A second run's gradients against the first's. dk and dv (and the bias's
+// gradient) come out of a fixed order either way: the same bits. dq too on
+// the scalar kernels and under COLOD_DETERMINISTIC=1; the one-pass
+// tensor-core backward adds its dq in an order the GPU's scheduling sets,
+// so there within one unit of `type` (an f32 sum's last bits, rounded).
+void ExpectRepeats(const Result& first, const Result& second, DType type) {
+  ExpectSameBits(first.dk, second.dk, "dk");
+  ExpectSameBits(first.dv, second.dv, "dv");
+  const char* det = getenv("COLOD_DETERMINISTIC");
+  if (type == DType::kF32 || (det != nullptr && std::string(det) == "1")) {
+    ExpectSameBits(first.dq, second.dq, "dq");
+  } else {
+    ExpectNearOfLargest(first.dq, second.dq, type == DType::kBF16 ? 1.0 / 128 : 1.0 / 1024, "dq");
+  }
+}
+
 // At head dim 64 the tensor-core forward and dq kernels give each warp two
-// row tiles of 16 (128-row blocks; dq walks keys in tiles of 16); with
-// COLOD_ATTENTION_ROW_TILES=1, one (64-row blocks, 64-key tiles: the kernels
-// as they were, which bench:layers compares on a GPU). A row's products and
-// sums are the same either way, in the same order (keys in steps of 16), so
-// out and every gradient agree bit for bit, in bf16 and f16, causal or not,
-// over row blocks of either size that end past the sequence.
+// row tiles of 16 (128-row blocks; dq walks keys in tiles of 16), at 128 the
+// forward (Q's fragments read from shared memory at each key tile, keys in
+// tiles of 32); with COLOD_ATTENTION_ROW_TILES=1, one (64-row blocks, 64-key
+// tiles: the kernels as they were, which bench:layers compares on a GPU). At
+// 64 a row's products and sums are the same either way, in the same order
+// (keys in steps of 16), so out and every gradient agree bit for bit, in
+// bf16 and f16, causal or not, over row blocks of either size that end past
+// the sequence (the backward's under COLOD_DETERMINISTIC=1, the dq kernel's
+// row tiles). At 128 the online softmax rescales every 32 keys where it
+// rescaled every 64, so P, rounded to the half type before P V, is rounded
+// from other values: the two agree as each agrees with the f32 reference
+// (HalfOperandsStayHalfAndMatchTheF32Reference), within two units of the
+// half type for out and four for the gradients (of the largest value, for
+// those near zero).
 TEST(CudaAttentionTensorCores, TwoRowTilesAWarpGiveOneTilesBits) {
   if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   for (const auto& [t, c] : {std::pair{DType::kBF16, Case{1, 200, 4, 2, 64, true}},
-                             std::pair{DType::kF16, Case{1, 150, 2, 1, 64, false}}}) {
-    SCOPED_TRACE(std::string(DTypeName(t)) + (c.causal ? " causal" : " bidirectional"));
+                             std::pair{DType::kF16, Case{1, 150, 2, 1, 64, false}},
+                             std::pair{DType::kBF16, Case{2, 140, 2, 1, 128, true}},
+                             std::pair{DType::kF16, Case{1, 100, 4, 2, 128, false}}}) {
+    SCOPED_TRACE(std::string(DTypeName(t)) + " d" + std::to_string(c.d) + (c.causal ? " causal" : " bidirectional"));
     auto half = [t = t](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, t); };
     const Tensor q = half({c.batch, c.seq, c.hq, c.d}, 31), k = half({c.batch, c.seq, c.hkv, c.d}, 32);
     const Tensor v = half({c.batch, c.seq, c.hkv, c.d}, 33), r = half({c.batch, c.seq, c.hq, c.d}, 34);
@@ -200,6 +238,7 @@ TEST(CudaAttentionTensorCores, TwoRowTilesAWarpGiveOneTilesBits) {
     const uint64_t copies_before = colod_cuda_emu::GetCounters().async_copies;
 #endif
     ScopedRowTiles tiles(nullptr);
+    ScopedDeterministic deterministic("1");  // the dq kernel's row tiles
     const Result two = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
     tiles.Set("1");
 #ifdef COLOD_CUDA_EMULATION
@@ -212,10 +251,68 @@ TEST(CudaAttentionTensorCores, TwoRowTilesAWarpGiveOneTilesBits) {
     const uint64_t copies_after = colod_cuda_emu::GetCounters().async_copies;
     EXPECT_LT(copies_between - copies_before, copies_after - copies_between);
 #endif
-    ExpectSameBits(two.out, one.out, "out");
-    ExpectSameBits(two.dq, one.dq, "dq");
-    ExpectSameBits(two.dk, one.dk, "dk");
-    ExpectSameBits(two.dv, one.dv, "dv");
+    if (c.d == 64) {
+      ExpectSameBits(two.out, one.out, "out");
+      ExpectSameBits(two.dq, one.dq, "dq");
+      ExpectSameBits(two.dk, one.dk, "dk");
+      ExpectSameBits(two.dv, one.dv, "dv");
+    } else {
+      const double ulp = t == DType::kBF16 ? 1.0 / 128 : 1.0 / 1024;
+      ExpectNearOfLargest(two.out, one.out, 2 * ulp, "out");
+      ExpectNearOfLargest(two.dq, one.dq, 4 * ulp, "dq");
+      ExpectNearOfLargest(two.dk, one.dk, 4 * ulp, "dk");
+      ExpectNearOfLargest(two.dv, one.dv, 4 * ulp, "dv");
+    }
+  }
+}
+
+// The one-pass tensor-core backward (the default) against the two kernels
+// of COLOD_DETERMINISTIC=1: the same walk, products and order for dk and
+// dv, so the same bits; dq summed over the key blocks by f32 reductions in
+// another order, so within one unit of the half type of the deterministic
+// kernel's, element by element (plus a hundredth of a unit of the largest,
+// for sums that cancel). At every tensor-core head dim, causal or not, GQA,
+// lengths off the 64-key blocks and the query tiles.
+TEST(CudaAttentionTensorCores, OnePassBackwardMatchesTheDeterministicKernels) {
+  if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const auto& [t, c] : {std::pair{DType::kBF16, Case{1, 200, 4, 2, 64, true}},
+                             std::pair{DType::kF16, Case{2, 67, 2, 2, 64, false}},
+                             std::pair{DType::kBF16, Case{1, 70, 4, 2, 80, true}},
+                             std::pair{DType::kF16, Case{2, 90, 3, 3, 96, false}},
+                             std::pair{DType::kBF16, Case{1, 100, 8, 2, 128, false}},
+                             std::pair{DType::kF16, Case{2, 100, 4, 2, 128, true}}}) {
+    SCOPED_TRACE(::testing::PrintToString(c) + " " + std::string(DTypeName(t)));
+    auto half = [t = t](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, t); };
+    const Tensor q = half({c.batch, c.seq, c.hq, c.d}, 51), k = half({c.batch, c.seq, c.hkv, c.d}, 52);
+    const Tensor v = half({c.batch, c.seq, c.hkv, c.d}, 53), r = half({c.batch, c.seq, c.hq, c.d}, 54);
+#ifdef COLOD_CUDA_EMULATION
+    const uint64_t launches = colod_cuda_emu::GetCounters().kernel_launches;
+#endif
+    ScopedDeterministic mode("1");
+    const Result two = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+    mode.Set(nullptr);
+#ifdef COLOD_CUDA_EMULATION
+    const uint64_t between = colod_cuda_emu::GetCounters().kernel_launches;
+#endif
+    const Result one = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+#ifdef COLOD_CUDA_EMULATION
+    // The one-pass backward launches 3 kernels (delta and the zeroed
+    // buffer, the pass, dq's rounding) where the deterministic one launches
+    // 2 (dq, then dk and dv).
+    EXPECT_EQ(colod_cuda_emu::GetCounters().kernel_launches - between, between - launches + 1);
+#endif
+    ExpectSameBits(one.out, two.out, "out");
+    ExpectSameBits(one.dk, two.dk, "dk");
+    ExpectSameBits(one.dv, two.dv, "dv");
+    const double ulp = t == DType::kBF16 ? 1.0 / 128 : 1.0 / 1024;
+    const std::vector<float> got = one.dq.ToFloats(), want = two.dq.ToFloats();
+    ASSERT_EQ(got.size(), want.size());
+    float largest = 0;
+    for (float x : want) largest = std::max(largest, std::fabs(x));
+    ASSERT_GT(largest, 0.0f);
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], want[i], ulp * std::fabs(want[i]) + 0.01 * ulp * largest) << "dq at " << i;
+    }
   }
 }
 
@@ -223,7 +320,7 @@ TEST(CudaAttentionTensorCores, TwoRowTilesAWarpGiveOneTilesBits) {
 // scalar kernels, bf16 on the tensor-core ones (head dims 64 and 128), a
 // head count that is not a power of two (BLOOM's second slope series), GQA,
 // against the per-head path's bias on the CPU in f32; the backward repeats
-// bitwise.
+// (ExpectRepeats).
 TEST(CudaAttentionAlibi, FusedKernelsMatchThePerHeadReference) {
   if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   for (const Case& c : {Case{2, 70, 6, 6, 64, true}, Case{1, 100, 4, 2, 128, true}}) {
@@ -255,9 +352,7 @@ TEST(CudaAttentionAlibi, FusedKernelsMatchThePerHeadReference) {
       for (size_t j = 0; j < biased.size(); ++j) moved = std::max(moved, double{std::fabs(biased[j] - unbiased[j])});
       EXPECT_GT(moved, 0.1);
       const Result again = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r, slopes);
-      ExpectSameBits(got.dq, again.dq, "dq");
-      ExpectSameBits(got.dk, again.dk, "dk");
-      ExpectSameBits(got.dv, again.dv, "dv");
+      ExpectRepeats(got, again, t);
     }
   }
 }
@@ -266,7 +361,8 @@ TEST(CudaAttentionAlibi, FusedKernelsMatchThePerHeadReference) {
 // encoder bidirectional and decoder causal): f32 on the scalar kernels, bf16
 // and f16 on the tensor-core ones, against the per-head path's bias on the
 // CPU in f32, in values, the gradients of q, k, v and of the bias (the
-// scores' gradients summed over the batch); the backward repeats bitwise.
+// scores' gradients summed over the batch); the backward repeats
+// (ExpectRepeats; the bias's gradient bit for bit).
 // The half types' gradients are held to 8 units of their precision: a
 // unit-variance bias sharpens the rows (and the first causal rows see few
 // keys), so the rounding of P and dS weighs more than in the unbiased cases
@@ -312,9 +408,7 @@ TEST(CudaAttentionBias, FusedKernelsMatchThePerHeadReference) {
         }
       }
       const Run again = run(Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
-      ExpectSameBits(got.dq, again.dq, "dq");
-      ExpectSameBits(got.dk, again.dk, "dk");
-      ExpectSameBits(got.dv, again.dv, "dv");
+      ExpectRepeats({got.out, got.dq, got.dk, got.dv}, {again.out, again.dq, again.dk, again.dv}, t);
       ExpectSameBits(got.dbias, again.dbias, "dbias");
     }
   }
@@ -355,7 +449,9 @@ TEST(CudaAttentionLaunches, OneKernelForwardTwoBackward) {
 // at d 64, as the forward) and tile of n keys (16 at d 64, 32 above): S = Q K^T and dP = dout V^T, (d / 16)
 // (n / 8) each, and dQ += dS K, as many; the dk/dv kernel per warp (16 keys)
 // and tile of n queries of each query head: S^T, dP^T, dV += P^T dout and
-// dK += dS^T Q, (d / 16) (n / 8) each. Causal: row block r of the dq kernel
+// dK += dS^T Q, (d / 16) (n / 8) each (under COLOD_DETERMINISTIC=1; the
+// one-pass backward is the dk/dv kernel's walk and dQ's share of each tile).
+// Causal: row block r of the dq kernel
 // walks the keys up to its last row, the dk/dv kernel's key block r the
 // queries from its first key on.
 // The products on mma.sync, from tiles that cp.async staged once each.
@@ -368,21 +464,25 @@ TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSyncFromTilesStagedByCpA
     uint64_t forward, backward, forward_copies, backward_copies;
   };
   // b 1, s 100, hq 2, hkv 1, causal. The forward's warps take two row tiles
-  // of 16 at head dim 64 (one row block of 128, which walks two 64-key
-  // tiles), one above (two row blocks of 64: block 0 walks one key tile,
-  // block 1 two).
+  // of 16 at head dims 64 and 128 (one row block of 128, which walks two
+  // 64-key tiles), one at 80 and 96 (two row blocks of 64: block 0 walks one
+  // key tile, block 1 two); the dq kernel's two at 64 only.
   constexpr int64_t kSeq = 100, kHeads = 2, kWarps = 4;
+  // At 128 the forward's key tiles are 32 keys (Q read from shared memory).
+  const auto fwd_row_tiles = [](int64_t d) -> int64_t { return d == 64 || d == 128 ? 2 : 1; };
+  const auto fwd_keys = [](int64_t d) -> int64_t { return d == 128 ? 32 : 64; };
   const auto row_tiles = [](int64_t d) -> int64_t { return d == 64 ? 2 : 1; };
   const auto key_tile_walks = [&](int64_t d) {
-    const int64_t rows = 64 * row_tiles(d);
+    const int64_t rows = 64 * fwd_row_tiles(d), n = fwd_keys(d);
     int64_t walks = 0;
-    for (int64_t row0 = 0; row0 < kSeq; row0 += rows) walks += (std::min(kSeq, row0 + rows) + 63) / 64;
+    for (int64_t row0 = 0; row0 < kSeq; row0 += rows) walks += (std::min(kSeq, row0 + rows) + n - 1) / n;
     return walks;
   };
   const auto forward = [&](int64_t d) {
-    return static_cast<uint64_t>(kHeads * key_tile_walks(d) * kWarps * row_tiles(d) * (d / 16) * 8 * 2);
+    return static_cast<uint64_t>(kHeads * key_tile_walks(d) * kWarps * fwd_row_tiles(d) * (d / 16) *
+                                 (fwd_keys(d) / 8) * 2);
   };
-  // The dq kernel's row blocks as the forward's, its key tiles 16 at two
+  // The dq kernel's row blocks of 64 row_tiles(d) rows, its key tiles 16 at two
   // row tiles a warp; the dk/dv kernel's key blocks of 64 and query tiles of
   // n.
   const auto dq_key_tile = [&](int64_t d) -> int64_t { return row_tiles(d) == 2 ? 16 : (d <= 64 ? 64 : 32); };
@@ -404,8 +504,8 @@ TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSyncFromTilesStagedByCpA
   // a K and a V tile a walk.
   const auto chunks = [](int64_t rows, int64_t d) { return rows * (d / 8); };
   const auto forward_copies = [&](int64_t d) {
-    const int64_t rows = 64 * row_tiles(d), q_rows = (kSeq + rows - 1) / rows * rows;
-    return static_cast<uint64_t>(kHeads * (chunks(q_rows, d) + 2 * key_tile_walks(d) * chunks(64, d)));
+    const int64_t rows = 64 * fwd_row_tiles(d), q_rows = (kSeq + rows - 1) / rows * rows;
+    return static_cast<uint64_t>(kHeads * (chunks(q_rows, d) + 2 * key_tile_walks(d) * chunks(fwd_keys(d), d)));
   };
   // dq: per head and row block Q and dout, then K and V tiles; dk/dv: per
   // key block K and V, then per head and query tile Q, dout and the rows'
@@ -419,29 +519,51 @@ TEST(CudaAttentionTensorCores, HalfOperandsMultiplyOnMmaSyncFromTilesStagedByCpA
     const int64_t dkv = 2 * 2 * chunks(64, d) + kHeads * dkv_tiles * (2 * chunks(n, d) + 2 * n);
     return static_cast<uint64_t>(kHeads * dq + dkv);
   };
-  for (Run r : {Run{DType::kBF16, 64, forward(64), backward(64), forward_copies(64), backward_copies(64)},
-                Run{DType::kF16, 128, forward(128), backward(128), forward_copies(128), backward_copies(128)},
-                Run{DType::kBF16, 96, forward(96), backward(96), forward_copies(96), backward_copies(96)},
-                Run{DType::kF32, 64, 0, 0, 0, 0}, Run{DType::kBF16, 32, 0, 0, 0, 0}}) {
-    SCOPED_TRACE(std::string(DTypeName(r.t)) + " d" + std::to_string(r.d));
-    const Device dev = Device::Cuda(0);
-    Variable q(*Tensor::RandomNormal({1, kSeq, kHeads, r.d}, 1, r.t, dev), true);
-    Variable k(*Tensor::RandomNormal({1, kSeq, 1, r.d}, 2, r.t, dev), true);
-    Variable v(*Tensor::RandomNormal({1, kSeq, 1, r.d}, 3, r.t, dev), true);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const colod_cuda_emu::Counters before = colod_cuda_emu::GetCounters();
-    absl::StatusOr<Variable> out = Attention(q, k, v, 0.125f, /*causal=*/true);
-    ASSERT_TRUE(out.ok()) << out.status();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const colod_cuda_emu::Counters after_forward = colod_cuda_emu::GetCounters();
-    EXPECT_EQ(after_forward.warp_mmas - before.warp_mmas, r.forward);
-    EXPECT_EQ(after_forward.async_copies - before.async_copies, r.forward_copies);
-    const Tensor dout = *Tensor::RandomNormal(out->value().shape(), 4, r.t, dev);
-    ASSERT_TRUE(Backward(*out, dout).ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const colod_cuda_emu::Counters after_backward = colod_cuda_emu::GetCounters();
-    EXPECT_EQ(after_backward.warp_mmas - after_forward.warp_mmas, r.backward);
-    EXPECT_EQ(after_backward.async_copies - after_forward.async_copies, r.backward_copies);
+  // The one-pass backward (the default): the dk/dv kernel's walk and
+  // copies, and per tile dQ's share, n queries by d over the block's 64 keys
+  // (n d / 32 mma.sync).
+  const auto one_pass = [&](int64_t d) {
+    const int64_t n = d <= 64 ? 64 : 32, unit = (d / 16) * (n / 8);
+    const auto tiles = [n](int64_t from, int64_t to) { return (to - from + n - 1) / n; };
+    const int64_t dkv_tiles = tiles(0, kSeq) + tiles(64, kSeq);
+    return static_cast<uint64_t>(kHeads * dkv_tiles * (kWarps * 4 * unit + n * d / 32));
+  };
+  const auto one_pass_copies = [&](int64_t d) {
+    const int64_t n = d <= 64 ? 64 : 32;
+    const auto tiles = [n](int64_t from, int64_t to) { return (to - from + n - 1) / n; };
+    const int64_t dkv_tiles = tiles(0, kSeq) + tiles(64, kSeq);
+    return static_cast<uint64_t>(2 * 2 * chunks(64, d) + kHeads * dkv_tiles * (2 * chunks(n, d) + 2 * n));
+  };
+  for (const bool deterministic : {true, false}) {
+    ScopedDeterministic mode(deterministic ? "1" : nullptr);
+    const auto bwd = [&](int64_t d) { return deterministic ? backward(d) : one_pass(d); };
+    const auto bwd_copies = [&](int64_t d) { return deterministic ? backward_copies(d) : one_pass_copies(d); };
+    for (Run r : {Run{DType::kBF16, 64, forward(64), bwd(64), forward_copies(64), bwd_copies(64)},
+                  Run{DType::kF16, 128, forward(128), bwd(128), forward_copies(128), bwd_copies(128)},
+                  Run{DType::kBF16, 96, forward(96), bwd(96), forward_copies(96), bwd_copies(96)},
+                  Run{DType::kBF16, 80, forward(80), bwd(80), forward_copies(80), bwd_copies(80)},
+                  Run{DType::kF32, 64, 0, 0, 0, 0}, Run{DType::kBF16, 32, 0, 0, 0, 0}}) {
+      SCOPED_TRACE(std::string(DTypeName(r.t)) + " d" + std::to_string(r.d) +
+                   (deterministic ? " COLOD_DETERMINISTIC=1" : " one pass"));
+      const Device dev = Device::Cuda(0);
+      Variable q(*Tensor::RandomNormal({1, kSeq, kHeads, r.d}, 1, r.t, dev), true);
+      Variable k(*Tensor::RandomNormal({1, kSeq, 1, r.d}, 2, r.t, dev), true);
+      Variable v(*Tensor::RandomNormal({1, kSeq, 1, r.d}, 3, r.t, dev), true);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const colod_cuda_emu::Counters before = colod_cuda_emu::GetCounters();
+      absl::StatusOr<Variable> out = Attention(q, k, v, 0.125f, /*causal=*/true);
+      ASSERT_TRUE(out.ok()) << out.status();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const colod_cuda_emu::Counters after_forward = colod_cuda_emu::GetCounters();
+      EXPECT_EQ(after_forward.warp_mmas - before.warp_mmas, r.forward);
+      EXPECT_EQ(after_forward.async_copies - before.async_copies, r.forward_copies);
+      const Tensor dout = *Tensor::RandomNormal(out->value().shape(), 4, r.t, dev);
+      ASSERT_TRUE(Backward(*out, dout).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const colod_cuda_emu::Counters after_backward = colod_cuda_emu::GetCounters();
+      EXPECT_EQ(after_backward.warp_mmas - after_forward.warp_mmas, r.backward);
+      EXPECT_EQ(after_backward.async_copies - after_forward.async_copies, r.backward_copies);
+    }
   }
 }
 #endif

@@ -111,22 +111,30 @@ TEST_P(Layers1D, VocabParallelCrossEntropyEqualsTheUnshardedLoss) {
 // one (x W^T on the whole weight, the cross-entropy over the real vocabulary,
 // their gradients by autograd): the loss, hidden's gradient and each rank's
 // block of the weight's, with chunks that do not divide the rows and one
-// chunk for all, label smoothing and an ignored row. Collectives: one
-// all-gather per chunk forward, one all-reduce of hidden's gradient
-// backward (none at p = 1).
+// chunk for all, label smoothing and an ignored row. Both heads:
+// VocabParallelLinearCrossEntropy (per-row losses, a gradient per row, the
+// logits recomputed in backward) and VocabParallelLinearCrossEntropySum (the
+// losses' sum, the gradients taken in forward and scaled by the sum's
+// gradient in backward). Collectives: one all-gather per chunk forward, one
+// all-reduce of hidden's gradient backward (none at p = 1).
 void ExpectFusedHeadMatchesTheUnfused(int p) {
   const int64_t n = 11, h = 12, v = 50, vp = 64;
   const Tensor hidden = *Tensor::RandomNormal({n, h}, 7), weight = *Scale(*Tensor::RandomNormal({vp, h}, 8), 0.5f);
   const Tensor labels = *Tensor::FromInt64s({n}, {0, 49, 16, -100, 31, 32, 15, 7, 48, 1, 33});
   const Tensor dloss = *Tensor::RandomNormal({n}, 9);
+  const float g = 0.37f;  // the sum's gradient
+  const Tensor dsum = *Tensor::FromFloats({}, {g});
   for (float s : {0.0f, 0.1f}) {
-    Variable hv(hidden, true), wv(weight, true);
-    Variable logits = *Narrow(*Linear(hv, wv, std::nullopt), 1, 0, v);
-    Variable want = *CrossEntropy(logits, labels, s);
+    // The references: per-row gradients dloss, and g at every row.
+    Variable hv(hidden, true), wv(weight, true), hs(hidden, true), ws(weight, true);
+    Variable want = *CrossEntropy(*Narrow(*Linear(hv, wv, std::nullopt), 1, 0, v), labels, s);
     ASSERT_TRUE(Backward(want, dloss).ok());
-    for (auto [chunk, keep] : {std::pair{int64_t{4}, false}, std::pair{int64_t{4}, true}, std::pair{int64_t{100}, false},
-                               std::pair{int64_t{100}, true}}) {
-      SCOPED_TRACE(absl::StrCat("tp ", p, ", smoothing ", s, ", chunks of ", chunk, keep ? ", the last kept" : ""));
+    Variable want_rows = *CrossEntropy(*Narrow(*Linear(hs, ws, std::nullopt), 1, 0, v), labels, s);
+    ASSERT_TRUE(Backward(want_rows, *BroadcastScalar(dsum, {n}, DType::kF32)).ok());
+    const Tensor want_sum = *Tensor::FromFloats({}, {static_cast<float>(SumAll(want_rows.value()))});
+    for (auto [chunk, sum] : {std::pair{int64_t{4}, false}, std::pair{int64_t{4}, true}, std::pair{int64_t{100}, false},
+                              std::pair{int64_t{100}, true}}) {
+      SCOPED_TRACE(absl::StrCat("tp ", p, ", smoothing ", s, ", chunks of ", chunk, sum ? ", summed" : ""));
       RunMesh(
           TpDpMesh(p),
           [&](int, ProcessGroup& pg) {
@@ -135,34 +143,35 @@ void ExpectFusedHeadMatchesTheUnfused(int p) {
             auto w = ColoTensor::FromGlobal(weight, spec, &pg, /*requires_grad=*/true);
             ASSERT_TRUE(w.ok()) << w.status();
             Variable x(hidden, true);
-            auto loss = VocabParallelLinearCrossEntropy(x, *w, labels, v, chunk, s, -100, keep);
+            auto loss = sum ? VocabParallelLinearCrossEntropySum(x, *w, labels, v, chunk, s)
+                            : VocabParallelLinearCrossEntropy(x, *w, labels, v, chunk, s);
             ASSERT_TRUE(loss.ok()) << loss.status();
             const int chunks = static_cast<int>((n + chunk - 1) / chunk);
             if (p > 1) {
               EXPECT_EQ(Stats(pg, "tp", "all_gather").calls, chunks);
+              EXPECT_EQ(Stats(pg, "tp", "all_reduce").calls, 0);
             }
-            ExpectAllClose(loss->value(), want.value(), "loss", kTol);
-            ASSERT_TRUE(Backward(*loss, dloss).ok());
+            ExpectAllClose(loss->value(), sum ? want_sum : want.value(), "loss", kTol);
+            ASSERT_TRUE(Backward(*loss, sum ? dsum : dloss).ok());
             if (p > 1) {
-              EXPECT_EQ(Stats(pg, "tp", "all_gather").calls, chunks) << "the backward recomputes locally";
+              EXPECT_EQ(Stats(pg, "tp", "all_gather").calls, chunks) << "the backward is local";
               EXPECT_EQ(Stats(pg, "tp", "all_reduce").calls, 1) << "hidden's gradient, once";
             }
-            ExpectAllClose(*x.grad(), *hv.grad(), "hidden gradient", kTol);
-            ExpectAllClose(*w->variable().grad(), *wv.grad()->Chunk(0, p, k), "weight gradient", kTol);
+            ExpectAllClose(*x.grad(), *(sum ? hs : hv).grad(), "hidden gradient", kTol);
+            ExpectAllClose(*w->variable().grad(), *(sum ? ws : wv).grad()->Chunk(0, p, k), "weight gradient", kTol);
             // Refusals, before any collective.
-            EXPECT_EQ(VocabParallelLinearCrossEntropy(x, *w, labels, v, 0, s).status().code(),
-                      absl::StatusCode::kInvalidArgument);
-            EXPECT_EQ(VocabParallelLinearCrossEntropy(x, *w, labels, vp + 1, chunk, s).status().code(),
-                      absl::StatusCode::kInvalidArgument);
-            auto bad = VocabParallelLinearCrossEntropy(x, *w, *Tensor::FromInt64s({n}, {0, 1, 2, 3, 50, 5, 6, 7, 8,
-                                                                                         9, 10}),
-                                                       v, chunk, s);
-            EXPECT_NE(bad.status().message().find("label 50 at row 4"), absl::string_view::npos) << bad.status();
-            EXPECT_EQ(VocabParallelLinearCrossEntropy(Variable(*Tensor::Zeros({n, h + 1}, DType::kF32)), *w, labels,
-                                                      v, chunk, s)
-                          .status()
-                          .code(),
-                      absl::StatusCode::kInvalidArgument);
+            for (const bool summed : {false, true}) {
+              auto head = [&](const Variable& xx, const Tensor& ll, int64_t vv, int64_t cc) {
+                return summed ? VocabParallelLinearCrossEntropySum(xx, *w, ll, vv, cc, s)
+                              : VocabParallelLinearCrossEntropy(xx, *w, ll, vv, cc, s);
+              };
+              EXPECT_EQ(head(x, labels, v, 0).status().code(), absl::StatusCode::kInvalidArgument);
+              EXPECT_EQ(head(x, labels, vp + 1, chunk).status().code(), absl::StatusCode::kInvalidArgument);
+              auto bad = head(x, *Tensor::FromInt64s({n}, {0, 1, 2, 3, 50, 5, 6, 7, 8, 9, 10}), v, chunk);
+              EXPECT_NE(bad.status().message().find("label 50 at row 4"), absl::string_view::npos) << bad.status();
+              EXPECT_EQ(head(Variable(*Tensor::Zeros({n, h + 1}, DType::kF32)), labels, v, chunk).status().code(),
+                        absl::StatusCode::kInvalidArgument);
+            }
           },
           /*instrument=*/true);
     }

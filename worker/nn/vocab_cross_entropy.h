@@ -41,19 +41,33 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
 // replicated input's is). So the logits and their gradient exist for at most
 // `chunk_rows` rows at a time, f32 [chunk_rows, V_pad / tp], instead of for
 // the whole batch, for one more GEMM of the head's (the recomputation).
-// With `keep_last_chunk`, the last chunk's logits are kept from forward and
-// the backward takes that chunk first: its GEMM does not run again (with one
-// chunk, no GEMM does), and the peak, a chunk's logits beside their
-// gradient in backward, is the same where nothing of another step's head
-// lies between this forward and its backward (one micro-batch in flight; a
-// pipeline's schedule may hold several).
 // Returns the loss per row as VocabParallelCrossEntropy does, equal to it on
 // hidden W^T within f32 rounding; the same errors, and INVALID_ARGUMENT for
 // chunk_rows < 1 or mismatched shapes.
 absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden, const ColoTensor& weight,
                                                          const Tensor& labels, int64_t vocab_size, int64_t chunk_rows,
-                                                         float label_smoothing = 0, int64_t ignore_index = -100,
-                                                         bool keep_last_chunk = false);
+                                                         float label_smoothing = 0, int64_t ignore_index = -100);
+
+// The same fused head and loss with the gradients taken in forward, as
+// llm.c's fused classifier and Liger's fused linear cross-entropy take them:
+// returns the sum of the rows' losses, [] f32 (replicated over tp; the loss
+// per row VocabParallelLinearCrossEntropy gives, summed as Sum sums it). Each
+// chunk's logits give its loss and, for a gradient of 1 at each row, the
+// logits' gradient, from which its share of hidden's and the weight's
+// gradients are added up in f32; then the chunk's logits and their gradient
+// are freed. The backward only multiplies those sums by the sum's gradient
+// g (read on the device) and rounds them once: no chunk's logits are
+// computed again. The price is memory from forward until that backward,
+// which lets them go: the f32 sums, [rows, H] and this rank's [V_pad / tp,
+// H] (154 MB at GPT-2 124M). Without a tape (NoGradScope, or no input that
+// requires grad) only the losses are computed.
+// That is cheap with one micro-batch in flight, but a pipeline schedule
+// holds several, so ShardedModel takes it only without pipeline stages. The
+// same errors as VocabParallelLinearCrossEntropy.
+absl::StatusOr<Variable> VocabParallelLinearCrossEntropySum(const Variable& hidden, const ColoTensor& weight,
+                                                            const Tensor& labels, int64_t vocab_size,
+                                                            int64_t chunk_rows, float label_smoothing = 0,
+                                                            int64_t ignore_index = -100);
 
 }  // namespace colod::nn
 

@@ -274,12 +274,17 @@ absl::StatusOr<LmLoss> ShardedModel::ForwardTokenLoss(const std::function<absl::
     const int64_t row_bytes = weight->local().shape()[0] * static_cast<int64_t>(SizeOf(z_dtype));
     chunk_rows = std::max<int64_t>(1, kFusedHeadChunkBytes / std::max<int64_t>(row_bytes, 1));
   }
-  // Without pipeline stages one micro-batch is in flight: the last chunk's
-  // logits wait for its backward at no cost in peak memory.
+  if (shard_.pp() == 1) {
+    // One micro-batch in flight: the gradients are taken in forward and
+    // held, in f32, until its backward; no chunk's logits are recomputed.
+    ASSIGN_OR_RETURN(Variable sum,
+                     nn::VocabParallelLinearCrossEntropySum(flat, *weight, mine, config_.vocab_size, chunk_rows));
+    ASSIGN_OR_RETURN(LmLoss out_loss, MeanOfSum(sum, count, {}, denominator));
+    out_loss.fused_head = true;
+    return out_loss;
+  }
   ASSIGN_OR_RETURN(Variable per_row,
-                   nn::VocabParallelLinearCrossEntropy(flat, *weight, mine, config_.vocab_size, chunk_rows,
-                                                       /*label_smoothing=*/0, /*ignore_index=*/-100,
-                                                       /*keep_last_chunk=*/shard_.pp() == 1));
+                   nn::VocabParallelLinearCrossEntropy(flat, *weight, mine, config_.vocab_size, chunk_rows));
   ASSIGN_OR_RETURN(LmLoss out_loss, MeanOfRows(per_row, count, {}, denominator));
   out_loss.fused_head = true;
   return out_loss;
@@ -339,8 +344,13 @@ absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const T
 
 absl::StatusOr<LmLoss> ShardedModel::MeanOfRows(const Variable& per_row, int64_t count,
                                                 std::vector<std::string> row_axes, int64_t denominator) {
-  const Device dev = per_row.value().device();
   ASSIGN_OR_RETURN(Variable sum, Sum(per_row));
+  return MeanOfSum(sum, count, std::move(row_axes), denominator);
+}
+
+absl::StatusOr<LmLoss> ShardedModel::MeanOfSum(const Variable& sum, int64_t count, std::vector<std::string> row_axes,
+                                               int64_t denominator) {
+  const Device dev = sum.value().device();
   // [loss sum, labelled tokens], summed over the ranks that hold other rows,
   // on the device, and read once. Deferred, the caller divides by its own
   // denominator: the sum alone (a fresh f32 copy), no count uploaded.

@@ -214,10 +214,14 @@ class ShardedModel {
   // "lm_head" whose layer has a HeadWeight (native, VocabParallelLMHead1D or
   // a tied 1D head, without sequence parallelism) and fused_head_rows() != 0.
   // Then `forward` runs with the head passed through (Module::
-  // set_pass_through) and nn::VocabParallelLinearCrossEntropy computes the
-  // logits, the loss and, in backward, their gradient a chunk of rows at a
-  // time (fused_head_rows()), so neither the logits nor their gradient need
-  // be whole.
+  // set_pass_through) and the fused head computes the logits, the loss and
+  // their gradient a chunk of rows at a time (fused_head_rows()), so neither
+  // the logits nor their gradient need be whole: without pipeline stages
+  // nn::VocabParallelLinearCrossEntropySum, which takes the gradients in
+  // forward (no chunk's logits computed twice), else
+  // nn::VocabParallelLinearCrossEntropy, which recomputes them in backward
+  // (a schedule holding several micro-batches would hold each one's f32
+  // gradient sums).
   // Otherwise (2D/2.5D/3D heads, sequence parallelism, a model without an
   // lm_head) the head runs as part of `forward` and TokenLoss takes its
   // logits. The same loss and gradients either way, within f32 rounding;
@@ -233,8 +237,9 @@ class ShardedModel {
   // the dtype they are computed in (f32 where the hidden states' and the
   // head's differ); a
   // chunk's backward holds their gradient beside them, so its peak is about
-  // twice the budget. Each chunk costs a head GEMM again in backward, so
-  // fewer and larger chunks are faster. INVALID_ARGUMENT for a negative
+  // twice the budget. With pipeline stages each chunk costs a head GEMM
+  // again in backward, so fewer and larger chunks are faster.
+  // INVALID_ARGUMENT for a negative
   // count other than kFusedHeadByBytes.
   static constexpr int64_t kFusedHeadByBytes = -1;
   static constexpr int64_t kFusedHeadChunkBytes = int64_t{512} << 20;
@@ -289,6 +294,9 @@ class ShardedModel {
   // the sum and the count summed over `row_axes` and dp, and divided.
   absl::StatusOr<LmLoss> MeanOfRows(const Variable& per_row, int64_t count, std::vector<std::string> row_axes,
                                     int64_t denominator);
+  // The same from the rows' losses already summed on this rank (`sum`, []).
+  absl::StatusOr<LmLoss> MeanOfSum(const Variable& sum, int64_t count, std::vector<std::string> row_axes,
+                                   int64_t denominator);
 
   ProcessGroup* pg_;
   std::vector<TiedTable> tied_;

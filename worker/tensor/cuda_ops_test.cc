@@ -849,6 +849,32 @@ TEST_F(CudaLayerOps, MatMulF32IntoMatchesTheCpu) {
   ExpectNear(dev, host, 1e-5, "matmul into f32");
 }
 
+// ScaleBy: a times a factor that lives on the tensors' device, rounded once
+// into the output's dtype: the CPU twin's bits on CUDA, f32 -> bf16 within
+// a rounding of the f32 product (one rounding, not two), and the factor
+// refused unless it is one f32 on a's device.
+TEST_F(CudaLayerOps, ScaleByAFactorOnTheDeviceMatchesTheCpu) {
+  const Tensor a = R({37, 11}, 91);
+  const Tensor s = *Tensor::FromFloats({}, {-0.3f});
+  for (DType out : {DType::kF32, DType::kBF16, DType::kF16}) {
+    SCOPED_TRACE(DTypeName(out));
+    const Tensor host = *ScaleBy(a, s, out);
+    const Tensor dev = *ScaleBy(Dev(a), Dev(s), out);
+    ASSERT_EQ(dev.dtype(), out);
+    EXPECT_EQ(dev.To(Device::Cpu())->ToBytes(), host.ToBytes());
+    const std::vector<float> x = a.ToFloats(), y = host.ToFloats();
+    for (size_t i = 0; i < x.size(); ++i) {
+      const float want = x[i] * -0.3f;
+      EXPECT_EQ(y[i], *Tensor::FromFloats({1}, {want})->ToDType(out)->ToFloats().data()) << i;
+    }
+  }
+  EXPECT_EQ(ScaleBy(Dev(a), s, DType::kF32).status().code(), absl::StatusCode::kInvalidArgument);  // on the host
+  EXPECT_EQ(ScaleBy(a, *Tensor::FromFloats({2}, {1, 2}), DType::kF32).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ScaleBy(a, *s.ToDType(DType::kBF16), DType::kF32).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ScaleBy(a, s, DType::kI64).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // GradNormClip on the device: the CPU twin's bits (the same sum in double,
 // the same factor), clipping or not.
 TEST_F(CudaLayerOps, GradNormClipHasTheCpuTwinsBits) {

@@ -37,6 +37,8 @@ struct DeviceKernels {
   absl::Status (*Binary)(int device, kernels::BinaryOp op, ElemType type, const void* a, const void* b, void* out,
                          int64_t n);
   absl::Status (*Scale)(int device, ElemType type, const void* a, float s, void* out, int64_t n);
+  absl::Status (*ScaleBy)(int device, ElemType type, const void* a, const float* s, ElemType out_type, void* out,
+                          int64_t n);
   absl::StatusOr<double> (*Sum)(int device, ElemType type, const void* a, int64_t n);
   absl::Status (*AccumulateSum)(int device, const std::vector<kernels::BufferRef>& parts, bool square, float* acc);
 
@@ -130,7 +132,7 @@ struct DeviceKernels {
   ::colod::DeviceKernels {                                                                            \
     &ns::Malloc, &ns::Free, &ns::Memset0, &ns::Memcpy, &ns::Upload, &ns::StridedCopy, &ns::FillRandom,      \
         &ns::Binary,                                                                                  \
-        &ns::Scale, &ns::Sum, &ns::AccumulateSum, &ns::Gemm, &ns::SetAllowTf32, &ns::BiasAdd, &ns::BiasGrad, \
+        &ns::Scale, &ns::ScaleBy, &ns::Sum, &ns::AccumulateSum, &ns::Gemm, &ns::SetAllowTf32, &ns::BiasAdd, &ns::BiasGrad, \
         &ns::Gelu, &ns::GeluBackward, &ns::Activation, &ns::ActivationBackward, &ns::LayerNorm, &ns::LayerNormBackward, \
         &ns::RmsNorm, &ns::RmsNormBackward, &ns::NormRowSums, &ns::NormApply, &ns::NormBackwardSums,   \
         &ns::NormBackwardApply, &ns::NormParamGrad, &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout,   \

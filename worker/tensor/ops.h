@@ -270,8 +270,10 @@ absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k
                                                 bool causal, const AttentionExtras& extras = {});
 // The gradients (shaped like q, k and v, in the forward's dtype) from dout [B, S, Hq, D] and
 // the forward of the same q, k, v and extras, and the learned bias's (f32
-// [Hq, S, S]: the scores' gradients summed over the batch) where it has one;
-// deterministic (no atomics).
+// [Hq, S, S]: the scores' gradients summed over the batch) where it has one.
+// Bitwise repeatable on the CPU, and on CUDA but for dq of the tensor-core
+// path, whose one-pass backward adds it up with atomics unless the
+// environment sets COLOD_DETERMINISTIC=1 (kernels' FlashAttentionBackward).
 struct AttentionGrads {
   Tensor dq, dk, dv;
   std::optional<Tensor> dbias;

@@ -434,6 +434,21 @@ absl::StatusOr<Tensor> Scale(const Tensor& a, float s) {
   return out;
 }
 
+absl::StatusOr<Tensor> ScaleBy(const Tensor& a, const Tensor& s, DType dtype) {
+  if (!IsFloat(a.dtype()) || !IsFloat(dtype)) return absl::InvalidArgumentError("scale_by: float dtypes only");
+  if (s.numel() != 1 || s.dtype() != DType::kF32 || !(s.device() == a.device())) {
+    return absl::InvalidArgumentError(absl::StrCat("scale_by: the factor must be one f32 on ", a.device().ToString(),
+                                                   ", got ", DTypeName(s.dtype()), ShapeToString(s.shape()), " on ",
+                                                   s.device().ToString()));
+  }
+  const Tensor ca = a.Contiguous(), cs = s.Contiguous();
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), dtype, a.device()));
+  ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
+  RETURN_IF_ERROR(k->ScaleBy(a.device().index, Elem(a.dtype()), ca.raw_data(), static_cast<const float*>(cs.raw_data()),
+                             Elem(dtype), out.raw_data(), out.numel()));
+  return out;
+}
+
 absl::Status AddInPlace(Tensor& a, const Tensor& b) {
   RETURN_IF_ERROR(SameShape(a, b, "add_"));
   if (!a.is_contiguous()) return absl::InvalidArgumentError("add_: the destination must be contiguous");

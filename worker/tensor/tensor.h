@@ -153,6 +153,10 @@ absl::StatusOr<Tensor> Add(const Tensor& a, const Tensor& b);
 absl::StatusOr<Tensor> Sub(const Tensor& a, const Tensor& b);
 absl::StatusOr<Tensor> Mul(const Tensor& a, const Tensor& b);
 absl::StatusOr<Tensor> Scale(const Tensor& a, float s);
+// a * s as a new contiguous tensor of `dtype` on a's device, where s is one
+// f32 element on that device (shape [] or [1]: a gradient, a loss scale),
+// read there; computed in f32, rounded once. Float dtypes.
+absl::StatusOr<Tensor> ScaleBy(const Tensor& a, const Tensor& s, DType dtype);
 // a += b in place (gradient accumulation); a must be contiguous.
 absl::Status AddInPlace(Tensor& a, const Tensor& b);
 // Sum of all elements, accumulated in double.

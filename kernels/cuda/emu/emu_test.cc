@@ -129,6 +129,18 @@ __global__ void BlockSumThroughWarps(const int* in, int* out) {
   }
 }
 
+// Each block writes 1000 * its index + i into word i of `words` ints of its
+// dynamic shared memory (the launch's shared_bytes); after a barrier each
+// thread sums the words after its own (another thread's writes).
+__global__ void DynamicSharedRotate(int* out, int words) {
+  int* shared = reinterpret_cast<int*>(colod_cuda_emu::DynamicShared());
+  for (int i = threadIdx.x; i < words; i += blockDim.x) shared[i] = 1000 * static_cast<int>(blockIdx.x) + i;
+  __syncthreads();
+  int sum = 0;
+  for (int i = threadIdx.x; i < words; i += blockDim.x) sum += shared[(i + 1) % words];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+}
+
 template <typename T>
 T* DeviceAlloc(size_t n) {
   void* p = nullptr;
@@ -308,6 +320,54 @@ TEST(CudaEmuKernels, BadLaunchConfigurationsFail) {
   EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // cleared
   EXPECT_EQ(Launch(Increment, dim3(0), dim3(1), 0, cudaStreamPerThread, d), cudaErrorInvalidConfiguration);
+  cudaGetLastError();
+  cudaFree(d);
+}
+
+// Dynamic shared memory as CUDA gives it: up to 48 KiB a block without
+// asking, more (up to sm_90's 227 KiB) once cudaFuncSetAttribute raised the
+// kernel's limit; a block's threads share it, and a launch past the limit,
+// or a limit past 227 KiB, is refused.
+TEST(CudaEmuKernels, DynamicSharedMemoryIsTheBlocksAndAbove48KiBNeedsTheAttribute) {
+  const int blocks = 3, threads = 64;
+  int* d = DeviceAlloc<int>(blocks * threads);
+  const auto check = [&](int words) {
+    std::vector<int> h(blocks * threads);
+    ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(h.data(), d, h.size() * sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int b = 0; b < blocks; ++b) {
+      for (int t = 0; t < threads; ++t) {
+        int want = 0;
+        for (int i = t; i < words; i += threads) want += 1000 * b + (i + 1) % words;
+        ASSERT_EQ(h[b * threads + t], want) << "block " << b << " thread " << t << " words " << words;
+      }
+    }
+  };
+  const int small = 1000, large = 30000;  // 4000 bytes; 120,000 bytes
+  // The attribute is the process's: back to the default, for --gtest_repeat.
+  ASSERT_EQ(cudaFuncSetAttribute(DynamicSharedRotate, cudaFuncAttributeMaxDynamicSharedMemorySize, 48 << 10),
+            cudaSuccess);
+  ASSERT_EQ(Launch(DynamicSharedRotate, dim3(blocks), dim3(threads), small * sizeof(int), cudaStreamPerThread, d,
+                   small),
+            cudaSuccess);
+  check(small);
+  EXPECT_EQ(Launch(DynamicSharedRotate, dim3(blocks), dim3(threads), large * sizeof(int), cudaStreamPerThread, d,
+                   large),
+            cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaFuncSetAttribute(DynamicSharedRotate, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 << 10),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);
+  ASSERT_EQ(cudaFuncSetAttribute(DynamicSharedRotate, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(large * sizeof(int))),
+            cudaSuccess);
+  ASSERT_EQ(Launch(DynamicSharedRotate, dim3(blocks), dim3(threads), large * sizeof(int), cudaStreamPerThread, d,
+                   large),
+            cudaSuccess);
+  check(large);
+  EXPECT_EQ(Launch(DynamicSharedRotate, dim3(blocks), dim3(threads), large * sizeof(int) + 16, cudaStreamPerThread,
+                   d, large),
+            cudaErrorInvalidConfiguration);
   cudaGetLastError();
   cudaFree(d);
 }

@@ -57,6 +57,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -183,6 +184,7 @@ struct Scheduler {
   std::vector<ThreadContext> contexts;
   std::vector<WarpSlots> warps;
   const std::function<void()>* body = nullptr;
+  unsigned char* dynamic_shared = nullptr;  // the grid's dynamic shared memory
   int running = -1;    // the fiber running now, or -1
   bool direct = false;  // threads run as plain calls: a barrier is divergence
   size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
@@ -287,7 +289,7 @@ struct Scheduler {
     for (int i = 0; i < n; ++i) {
       const unsigned t = static_cast<unsigned>(i);
       contexts[i] = ThreadContext{uint3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)}, block_idx,
-                                  block, grid};
+                                  block, grid, dynamic_shared};
     }
     const int nwarps = (n + 31) / 32;
     if (static_cast<int>(warps.size()) < nwarps) warps.resize(nwarps);
@@ -427,7 +429,7 @@ class BlockThreads {
 
   // Runs `body` as every thread of every block of the grid; returns when all
   // have returned.
-  void Run(dim3 grid, dim3 block, const std::function<void()>& body) {
+  void Run(dim3 grid, dim3 block, unsigned char* dynamic_shared, const std::function<void()>& body) {
     std::lock_guard<std::mutex> one_grid(grid_mu_);
     const int n = static_cast<int>(block.x * block.y * block.z);
     std::unique_lock<std::mutex> lock(mu_);
@@ -436,6 +438,7 @@ class BlockThreads {
       workers_.emplace_back([this, t] { Work(t); });
     }
     body_ = &body;
+    dynamic_shared_ = dynamic_shared;
     grid_ = grid;
     block_ = block;
     n_ = n;
@@ -516,7 +519,7 @@ class BlockThreads {
                        z = static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y));
         const unsigned u = static_cast<unsigned>(t);
         context = ThreadContext{uint3{u % block.x, (u / block.x) % block.y, u / (block.x * block.y)},
-                                uint3{x, y, z}, block, grid};
+                                uint3{x, y, z}, block, grid, dynamic_shared_};
         const std::function<void()>* body = body_;
         lock.unlock();
         current_thread = &context;
@@ -579,6 +582,7 @@ class BlockThreads {
   std::condition_variable cv_;
   std::vector<std::thread> workers_;           // guarded by mu_
   const std::function<void()>* body_ = nullptr;  // guarded by mu_, set while a grid runs
+  unsigned char* dynamic_shared_ = nullptr;      // guarded by mu_, the running grid's
   dim3 grid_, block_;                          // guarded by mu_
   int n_ = 0;                                  // threads per block; guarded by mu_
   uint64_t blocks_ = 0, block_index_ = 0;      // guarded by mu_
@@ -603,11 +607,39 @@ void WarpExchange(const void* mine, size_t bytes, unsigned mask, void* all) {
 }
 #endif  // COLOD_CUDA_EMU_THREADS
 
-cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+namespace {
+
+// Dynamic shared memory a block: what any launch may ask for, and the
+// opt-in limit of sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+constexpr size_t kDefaultDynamicShared = 48 << 10;
+constexpr size_t kOptInDynamicShared = 227 << 10;
+
+struct alignas(16) Pack16 {
+  unsigned char bytes[16];
+};
+
+// Each kernel's cudaFuncAttributeMaxDynamicSharedMemorySize where set.
+std::mutex func_attributes_mu;
+std::map<const void*, int>& FuncMaxDynamicShared() {
+  static auto* m = new std::map<const void*, int>;  // guarded by func_attributes_mu; never destroyed
+  return *m;
+}
+
+// The dynamic shared memory a launch of `kernel` may ask for.
+size_t MaxDynamicShared(const void* kernel) {
+  std::lock_guard<std::mutex> lock(func_attributes_mu);
+  auto it = FuncMaxDynamicShared().find(kernel);
+  return it == FuncMaxDynamicShared().end() ? kDefaultDynamicShared : static_cast<size_t>(it->second);
+}
+
+}  // namespace
+
+cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, const void* kernel,
                        std::function<void()> thread) {
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > 1024 || block.z > 64 ||
-      grid.y > 65535 || grid.z > 65535 || grid.x > 0x7fffffffu || shared_bytes > (48u << 10)) {
+      grid.y > 65535 || grid.z > 65535 || grid.x > 0x7fffffffu ||
+      (shared_bytes > kDefaultDynamicShared && shared_bytes > MaxDynamicShared(kernel))) {
     SetLastError(cudaErrorInvalidConfiguration);
     return cudaErrorInvalidConfiguration;
   }
@@ -617,21 +649,40 @@ cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t 
     return cudaErrorInvalidResourceHandle;
   }
   CountKernelLaunch();
-  Enqueue(s, [grid, block, thread = std::move(thread)] {
+  Enqueue(s, [grid, block, shared_bytes, thread = std::move(thread)] {
+    // 16-byte aligned, as `extern __shared__ __align__(16)` is; garbage
+    // (NaNs) at first, as on a GPU.
+    std::vector<Pack16> dynamic((shared_bytes + 15) / 16);
+    if (!dynamic.empty()) memset(dynamic.data(), 0xff, dynamic.size() * sizeof(Pack16));
+    unsigned char* shared = dynamic.empty() ? nullptr : reinterpret_cast<unsigned char*>(dynamic.data());
 #ifdef COLOD_CUDA_EMU_THREADS
-    BlockThreads::Get().Run(grid, block, thread);
+    BlockThreads::Get().Run(grid, block, shared, thread);
 #else
     Scheduler& sched = scheduler;
     sched.body = &thread;
+    sched.dynamic_shared = shared;
     for (unsigned z = 0; z < grid.z; ++z) {
       for (unsigned y = 0; y < grid.y; ++y) {
         for (unsigned x = 0; x < grid.x; ++x) sched.RunBlock(grid, block, uint3{x, y, z});
       }
     }
     sched.body = nullptr;
+    sched.dynamic_shared = nullptr;
 #endif
   });
   return cudaSuccess;
 }
 
 }  // namespace colod_cuda_emu
+
+cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
+  using colod_cuda_emu::kOptInDynamicShared;
+  if (func == nullptr || attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+      static_cast<size_t>(value) > kOptInDynamicShared) {
+    colod_cuda_emu::SetLastError(cudaErrorInvalidValue);
+    return cudaErrorInvalidValue;
+  }
+  std::lock_guard<std::mutex> lock(colod_cuda_emu::func_attributes_mu);
+  colod_cuda_emu::FuncMaxDynamicShared()[func] = value;
+  return cudaSuccess;
+}

@@ -169,6 +169,17 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 cudaError_t cudaStreamQuery(cudaStream_t stream);
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags = 0);
 
+// Kernel attributes: the dynamic shared memory a launch may ask for beyond
+// the default 48 KiB, up to the device's opt-in limit (227 KiB on sm_90).
+enum cudaFuncAttribute {
+  cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+};
+cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value);
+template <typename T>
+cudaError_t cudaFuncSetAttribute(T* entry, cudaFuncAttribute attr, int value) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(entry), attr, value);
+}
+
 cudaError_t cudaEventCreate(cudaEvent_t* event);
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags);
 cudaError_t cudaEventDestroy(cudaEvent_t event);
@@ -192,6 +203,9 @@ struct ThreadContext {
   uint3 block_idx;
   dim3 block_dim;
   dim3 grid_dim;
+  // The block's dynamic shared memory (the launch's shared_bytes; null for
+  // none): one buffer a grid, since blocks run one at a time.
+  unsigned char* dynamic_shared = nullptr;
   // The thread's cp.async copies: committed groups, oldest first, and those
   // started since the last commit (a new block starts without any).
   mutable std::vector<std::vector<AsyncCopy>> async_groups = {};
@@ -204,10 +218,13 @@ extern thread_local const ThreadContext* current_thread;
 // __syncthreads: every thread of the block waits here until all have arrived.
 void SyncThreads();
 
-// Enqueues `thread` to run as each of grid x block CUDA threads on `stream`.
+// Enqueues `thread` to run as each of grid x block CUDA threads on `stream`,
+// with `shared_bytes` of dynamic shared memory a block (DynamicShared).
 // Records and returns cudaErrorInvalidConfiguration for an empty grid or
-// block, more than 1024 threads per block, or grid dimensions CUDA refuses.
-cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+// block, more than 1024 threads per block, grid dimensions CUDA refuses, or
+// more than 48 KiB of dynamic shared memory unless cudaFuncSetAttribute
+// raised `kernel`'s cudaFuncAttributeMaxDynamicSharedMemorySize that far.
+cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, const void* kernel,
                        std::function<void()> thread);
 
 // kernel<<<grid, block, shared_bytes, stream>>>(args...): the arguments are
@@ -217,8 +234,15 @@ cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shar
                    Args&&... args) {
   static_assert(sizeof...(Params) == sizeof...(Args), "kernel launched with the wrong number of arguments");
   auto params = std::make_shared<std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
-  return LaunchGrid(grid, block, shared_bytes, stream, [kernel, params] { std::apply(kernel, *params); });
+  return LaunchGrid(grid, block, shared_bytes, stream, reinterpret_cast<const void*>(kernel),
+                    [kernel, params] { std::apply(kernel, *params); });
 }
+
+// The running block's dynamic shared memory (`extern __shared__` under
+// nvcc): the launch's shared_bytes, 16-byte aligned, filled with 0xff bytes
+// (NaN as f32, bf16 and f16) when the grid starts, since a GPU leaves it
+// uninitialized.
+inline unsigned char* DynamicShared() { return current_thread->dynamic_shared; }
 
 }  // namespace colod_cuda_emu
 
