@@ -1702,125 +1702,10 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
 }
 
-// Grid (row blocks, hkv, b), kMmaThreads threads: dk and dv of 64 key rows,
-// over the query tiles of every query head of the kv head, in order.
-template <int kD, typename T>
-__global__ void __launch_bounds__(kMmaThreads)
-    FlashBackwardDkvMmaKernel(const T* q, const T* k, const T* v, const T* dout, const float* lse,
-                              const float* delta, T* dk, T* dv, int64_t s, int64_t hq, int64_t hkv, float scale,
-                              bool causal, AttentionBias extra) {
-  constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>;
-  alignas(16) __shared__ float tile_lse2[2][kBwdTile<kD>];
-  alignas(16) __shared__ float tile_delta[2][kBwdTile<kD>];
-  uint16_t(*tile_a)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared());
-  uint16_t(*tile_b)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(MmaShared() + kMmaRows * kStride);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
-  const int64_t kvh = blockIdx.y, bi = blockIdx.z, heads = hq / hkv;
-  const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
-  const int64_t kvoff = (bi * s * hkv + kvh) * kD;
-  // K's and V's fragments of each warp's 16 keys.
-  StageMmaTile<kD, kMmaRows>(tile_a, reinterpret_cast<const uint16_t*>(k) + kvoff, hkv * kD, key0, s);
-  StageMmaTile<kD, kMmaRows>(tile_b, reinterpret_cast<const uint16_t*>(v) + kvoff, hkv * kD, key0, s);
-  CpAsyncCommit();
-  CpAsyncWait<0>();
-  __syncthreads();
-  uint32_t kf[kD / 16][4], vf[kD / 16][4];
-  LoadRowFragments<kD>(kf, tile_a);
-  LoadRowFragments<kD>(vf, tile_b);
-  __syncthreads();
-  const int64_t keys[2] = {key0 + 16 * warp + group, key0 + 16 * warp + group + 8};
-  float dk_acc[kD / 8][4], dv_acc[kD / 8][4];
-#pragma unroll
-  for (int j = 0; j < kD / 8; ++j) {
-    dk_acc[j][0] = dk_acc[j][1] = dk_acc[j][2] = dk_acc[j][3] = 0.0f;
-    dv_acc[j][0] = dv_acc[j][1] = dv_acc[j][2] = dv_acc[j][3] = 0.0f;
-  }
-  const float scale2 = scale * kLog2e;
-  // Causal: queries before the block's first key see none of its keys.
-  // The query tiles of each query head of the kv head in order, double-
-  // buffered (StreamedTile: Q's tile, then dout's).
-  const int64_t first = causal ? key0 : 0, h_end = (kvh + 1) * heads;
-  // Starts the copies of head h's query tile at i0 into buffer b: Q's and
-  // dout's rows, the rows' log-sum-exp and delta (zeros past s).
-  auto stage = [&](int64_t h, int64_t i0, int b) {
-    const int64_t qoff = (bi * s * hq + h) * kD;
-    StageMmaTile<kD, kN>(StreamedTile<kD>(b, 0), reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, i0, s);
-    StageMmaTile<kD, kN>(StreamedTile<kD>(b, 1), reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, i0, s);
-    for (int t = threadIdx.x; t < kN; t += kMmaThreads) {
-      const bool valid = i0 + t < s;
-      CpAsync4(&tile_lse2[b][t], lse + (bi * hq + h) * s + (valid ? i0 + t : 0), valid);
-      CpAsync4(&tile_delta[b][t], delta + (bi * hq + h) * s + (valid ? i0 + t : 0), valid);
-    }
-  };
-  // (h, i0) to the next tile: the head's next, or the next head's first.
-  auto advance = [&](int64_t& h, int64_t& i0) {
-    i0 += kN;
-    if (i0 >= s) {
-      i0 = first;
-      ++h;
-    }
-  };
-  int64_t next_h = kvh * heads, next_i0 = first;  // the next tile to stage
-  if (first < s) {
-    stage(next_h, next_i0, 0);
-    advance(next_h, next_i0);
-  }
-  CpAsyncCommit();
-  for (int64_t h = kvh * heads, i0 = first, b = 0; first < s && h < h_end; advance(h, i0), b ^= 1) {
-    CpAsyncWait<0>();  // this tile's copies
-    // The log-sum-exp in base 2, by the thread whose copy it is.
-    for (int t = threadIdx.x; t < kN; t += kMmaThreads) tile_lse2[b][t] *= kLog2e;
-    __syncthreads();  // ... visible; every warp is done with the other buffer (the last tile)
-    if (next_h < h_end) {
-      stage(next_h, next_i0, static_cast<int>(b ^ 1));
-      advance(next_h, next_i0);
-    }
-    CpAsyncCommit();
-    const float slope = SlopeOf(extra, h);
-    uint16_t(*qs)[kStride] = StreamedTile<kD>(static_cast<int>(b), 0);
-    uint16_t(*gs)[kStride] = StreamedTile<kD>(static_cast<int>(b), 1);
-    float st[kN / 8][4], dpt[kN / 8][4];
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-      st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.0f;
-      dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.0f;
-    }
-    MmaRowsByTileT<kD, kN, T>(st, kf, qs);   // S^T = K Q^T
-    MmaRowsByTileT<kD, kN, T>(dpt, vf, gs);  // dP^T = V dout^T
-    // P^T, and dS^T = P^T (dP^T - delta), columns being queries.
-    auto grads = [&](auto masking) {
-#pragma unroll
-      for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = 8 * j + 2 * pair + i % 2;
-          const int64_t query = i0 + col;
-          const float p = decltype(masking)::value && Hidden(query, keys[i / 2], s, causal)
-                              ? 0.0f
-                              : Exp2Ftz(Base2Score(st[j][i], scale2, extra, slope, h, s, query, keys[i / 2]) -
-                                        tile_lse2[b][col]);
-          st[j][i] = p;
-          dpt[j][i] = p * (dpt[j][i] - tile_delta[b][col]);
-        }
-      }
-    };
-    // Rows are queries here, columns keys: unmasked where every query of
-    // the tile sees every key of the block.
-    if (TileUnmasked(i0, kN, key0, kMmaRows, s, causal)) {
-      grads(std::false_type{});
-    } else {
-      grads(std::true_type{});
-    }
-    MmaAccByTile<kD, kN, T>(dv_acc, st, gs);   // dV += P^T dout
-    MmaAccByTile<kD, kN, T>(dk_acc, dpt, qs);  // dK += dS^T Q
-  }
-  StoreRows<kD>(dk + kvoff, hkv * kD, key0, s, dk_acc, scale);
-  StoreRows<kD>(dv + kvoff, hkv * kD, key0, s, dv_acc, 1.0f);
-}
-
-// ---- The tensor-core backward in one pass (FlashAttention-2's, with atomics) ----
-// The default backward (unless COLOD_DETERMINISTIC=1): the dk/dv kernel's
-// walk above, which also gives dQ: each block writes its dS^T tile (rounded
+// ---- The dk/dv kernel, and the backward in one pass (FlashAttention-2's, with atomics) ----
+// The default backward (unless COLOD_DETERMINISTIC=1) is the dk/dv kernel
+// (FlashBackwardKvMmaKernel) with kDq, which also gives dQ: each block
+// writes its dS^T tile (rounded
 // to T, as the deterministic kernels round it) to shared memory, and dQ's
 // share of the tile's queries, dS K over the block's 64 keys, is added to an
 // f32 [b, s, hq, d] buffer by red.global.add (one reduction for two
@@ -1831,7 +1716,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 // FlashBackwardPrepKernel writes delta and zeroes the buffer; after it,
 // FlashDqConvertKernel rounds buffer * scale to dq.
 // Dynamic shared memory (kFusedShared<kD> bytes, over 48 KiB at head dims
-// 64 and 128): K's 64 rows, stayed for dS K, the double-buffered Q and dout
+// 64 and 128): K's 64 rows, kept for dS K, the double-buffered Q and dout
 // tiles, and dS^T, [key][query].
 template <int kD>
 constexpr int kFusedShared =
@@ -1893,15 +1778,20 @@ __global__ void FlashDqConvertKernel(const float* acc, T* dq, int64_t n, float s
   }
 }
 
-// Grid (key blocks of 64, hkv, b), kMmaThreads threads, kFusedShared<kD>
-// bytes of dynamic shared memory: dk and dv of the block's 64 keys as
-// FlashBackwardDkvMmaKernel gives them (the same walk, products and order:
-// the same bits), and each tile's dQ share added to dq_acc (unscaled).
-template <int kD, typename T>
+// Grid (key blocks of 64, hkv, b), kMmaThreads threads: dk and dv of the
+// block's 64 keys, over the query tiles of every query head of the kv head,
+// in order. With kDq (the one pass) also each tile's dQ share, added to
+// dq_acc (unscaled), and the scores' gradients to extra.dbias; its tiles
+// are in kFusedShared<kD> bytes of dynamic shared memory, and K's fragments
+// are read from ks at each tile (their registers go to dQ's accumulators),
+// in the order the registers' product takes: dk and dv are the same bits
+// either way. Without kDq (COLOD_DETERMINISTIC=1, after the dq kernel) the
+// static tiles of MmaShared, the streamed ones over K's and V's.
+template <int kD, typename T, bool kDq>
 __global__ void __launch_bounds__(kMmaThreads)
-    FlashBackwardFusedMmaKernel(const T* q, const T* k, const T* v, const T* dout, const float* lse,
-                                const float* delta, float* dq_acc, T* dk, T* dv, int64_t s, int64_t hq, int64_t hkv,
-                                float scale, bool causal, AttentionBias extra) {
+    FlashBackwardKvMmaKernel(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
+                             float* dq_acc, T* dk, T* dv, int64_t s, int64_t hq, int64_t hkv, float scale,
+                             bool causal, AttentionBias extra) {
   constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>, kDsStride = kN + kMmaPad;
   // dQ's tile [kN queries, kD] among the 4 warps: kN / 16 row tiles, each
   // split over kSplit warps by 16-column chunks (kPer a warp, the last
@@ -1911,27 +1801,37 @@ __global__ void __launch_bounds__(kMmaThreads)
   static_assert(kRowTiles * kSplit == 4, "dQ's tile is shared by the 4 warps");
   alignas(16) __shared__ float tile_lse2[2][kN];
   alignas(16) __shared__ float tile_delta[2][kN];
-  uint16_t* shared = reinterpret_cast<uint16_t*>(DynamicShared());
+  // K's 64 rows at the start, V's after them; the streamed tiles after K's
+  // (kDq: K stays) or from the start (V's and K's fragments are loaded
+  // before the walk); then, with kDq, dS^T.
+  uint16_t* shared;
+  if constexpr (kDq) {
+    shared = reinterpret_cast<uint16_t*>(DynamicShared());
+  } else {
+    shared = MmaShared();
+  }
   uint16_t(*ks)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(shared);
-  uint16_t* streamed = shared + kMmaRows * kStride;
+  uint16_t(*vs)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(shared + kMmaRows * kStride);
+  uint16_t* streamed = kDq ? shared + kMmaRows * kStride : shared;
   auto streamed_tile = [&](int b, int which) {
     return reinterpret_cast<uint16_t(*)[kStride]>(streamed + (2 * b + which) * kN * kStride);
   };
-  uint16_t(*ds)[kDsStride] = reinterpret_cast<uint16_t(*)[kDsStride]>(streamed + 4 * kN * kStride);
+  uint16_t(*ds)[kDsStride] = reinterpret_cast<uint16_t(*)[kDsStride]>(streamed + 4 * kN * kStride);  // kDq only
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
   const int64_t kvh = blockIdx.y, bi = blockIdx.z, heads = hq / hkv;
   const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
   const int64_t kvoff = (bi * s * hkv + kvh) * kD;
-  // K's rows stay in ks; V's pass through the streamed tiles (4 kN >= 64
-  // rows) before the walk, each warp keeping its 16 keys' fragments.
-  static_assert(4 * kN >= kMmaRows, "V's rows are staged through the streamed tiles");
-  uint16_t(*vs)[kStride] = streamed_tile(0, 0);
+  static_assert(4 * kN >= kMmaRows, "with kDq V's rows are staged through the streamed tiles");
+  static_assert(kDq || (2 * kMmaRows * kStride <= kMmaSharedElements && 4 * kN * kStride <= kMmaSharedElements),
+                "K's and V's tiles, and then the streamed ones, fit the static tiles");
   StageMmaTile<kD, kMmaRows>(ks, reinterpret_cast<const uint16_t*>(k) + kvoff, hkv * kD, key0, s);
   StageMmaTile<kD, kMmaRows>(vs, reinterpret_cast<const uint16_t*>(v) + kvoff, hkv * kD, key0, s);
   CpAsyncCommit();
   CpAsyncWait<0>();
   __syncthreads();
-  uint32_t vf[kD / 16][4];  // K's are read from ks at each tile: their registers are dQ's
+  [[maybe_unused]] uint32_t kf[kDq ? 1 : kD / 16][4];
+  uint32_t vf[kD / 16][4];
+  if constexpr (!kDq) LoadRowFragments<kD>(kf, ks);
   LoadRowFragments<kD>(vf, vs);
   __syncthreads();
   const int64_t keys[2] = {key0 + 16 * warp + group, key0 + 16 * warp + group + 8};
@@ -1986,17 +1886,22 @@ __global__ void __launch_bounds__(kMmaThreads)
       st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.0f;
       dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.0f;
     }
-    // S^T = K Q^T, the warp's 16 rows of K as A fragments from ks.
+    // S^T = K Q^T, the warp's 16 rows of K as A fragments from ks (kDq) or
+    // the registers.
+    if constexpr (!kDq) {
+      MmaRowsByTileT<kD, kN, T>(st, kf, qs);
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t a[4];
-      LdMatrixX4(a, &ks[16 * warp + lane % 16][16 * kk + 8 * (lane / 16)]);
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t a[4];
+        LdMatrixX4(a, &ks[16 * warp + lane % 16][16 * kk + 8 * (lane / 16)]);
 #pragma unroll
-      for (int nt = 0; nt < kN / 16; ++nt) {
-        uint32_t bq[4];
-        LdMatrixX4(bq, &qs[16 * nt + lane % 8 + 8 * (lane / 16)][16 * kk + 8 * ((lane / 8) % 2)]);
-        MmaOf<T>(st[2 * nt], a, bq, st[2 * nt]);
-        MmaOf<T>(st[2 * nt + 1], a, bq + 2, st[2 * nt + 1]);
+        for (int nt = 0; nt < kN / 16; ++nt) {
+          uint32_t bq[4];
+          LdMatrixX4(bq, &qs[16 * nt + lane % 8 + 8 * (lane / 16)][16 * kk + 8 * ((lane / 8) % 2)]);
+          MmaOf<T>(st[2 * nt], a, bq, st[2 * nt]);
+          MmaOf<T>(st[2 * nt + 1], a, bq + 2, st[2 * nt + 1]);
+        }
       }
     }
     MmaRowsByTileT<kD, kN, T>(dpt, vf, gs);  // dP^T = V dout^T
@@ -2014,7 +1919,9 @@ __global__ void __launch_bounds__(kMmaThreads)
                                tile_lse2[b][col]);
           st[j][i] = p;
           dpt[j][i] = p * (dpt[j][i] - tile_delta[b][col]);
-          if (extra.dbias != nullptr && !masked) extra.dbias[((bi * hq + h) * s + query) * s + keys[i / 2]] = dpt[j][i];
+          if (kDq && extra.dbias != nullptr && !masked) {  // else the dq kernel's
+            extra.dbias[((bi * hq + h) * s + query) * s + keys[i / 2]] = dpt[j][i];
+          }
         }
       }
     };
@@ -2025,42 +1932,44 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
     MmaAccByTile<kD, kN, T>(dv_acc, st, gs);   // dV += P^T dout
     MmaAccByTile<kD, kN, T>(dk_acc, dpt, qs);  // dK += dS^T Q (rounds dS^T in place)
-    // dS^T, rounded, to ds[key][query]: this warp's 16 keys.
+    if constexpr (kDq) {
+      // dS^T, rounded, to ds[key][query]: this warp's 16 keys.
 #pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        uint16_t* pair_of = &ds[16 * warp + group + 8 * r][8 * j + 2 * pair];  // 4-byte aligned: one store
-        pair_of[0] = BitsOf<T>(dpt[j][2 * r]);
-        pair_of[1] = BitsOf<T>(dpt[j][2 * r + 1]);
-      }
-    }
-    __syncthreads();  // every warp's dS^T
-    // dQ[row tile qt, chunk c0 + c] += dS (16 queries x the 64 keys) K, a
-    // 16-column chunk at a time (8 accumulators: the registers are dk's and
-    // dv's), added to dq_acc as soon as it is done: dS read transposed from
-    // ds, K (a row-major k x n operand) from ks.
-    const int qt = warp % kRowTiles, c0 = (warp / kRowTiles) * kPer;
-    const int64_t query_rows[2] = {i0 + 16 * qt + group, i0 + 16 * qt + group + 8};
-#pragma unroll
-    for (int c = 0; c < kPer; ++c) {
-      if (kChunks % kSplit == 0 || c0 + c < kChunks) {  // warp-uniform; always where the chunks divide
-        const int col0 = 16 * (c0 + c);
-        float acc[2][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < kMmaRows / 16; ++kk) {
-          uint32_t a[4], bf[4];
-          LdMatrixX4Trans(a, &ds[16 * kk + lane % 8 + 8 * (lane / 16)][16 * qt + 8 * ((lane / 8) % 2)]);
-          LdMatrixX4Trans(bf, &ks[16 * kk + lane % 16][col0 + 8 * (lane / 16)]);
-          MmaOf<T>(acc[0], a, bf, acc[0]);
-          MmaOf<T>(acc[1], a, bf + 2, acc[1]);
-        }
+      for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          if (query_rows[r] >= s) continue;
-          float* row = dq_acc + ((bi * s + query_rows[r]) * hq + h) * kD + col0 + 2 * pair;
-          RedAddF32x2(row, acc[0][2 * r], acc[0][2 * r + 1]);
-          RedAddF32x2(row + 8, acc[1][2 * r], acc[1][2 * r + 1]);
+          uint16_t* pair_of = &ds[16 * warp + group + 8 * r][8 * j + 2 * pair];  // 4-byte aligned: one store
+          pair_of[0] = BitsOf<T>(dpt[j][2 * r]);
+          pair_of[1] = BitsOf<T>(dpt[j][2 * r + 1]);
+        }
+      }
+      __syncthreads();  // every warp's dS^T
+      // dQ[row tile qt, chunk c0 + c] += dS (16 queries x the 64 keys) K, a
+      // 16-column chunk at a time (8 accumulators: the registers are dk's and
+      // dv's), added to dq_acc as soon as it is done: dS read transposed from
+      // ds, K (a row-major k x n operand) from ks.
+      const int qt = warp % kRowTiles, c0 = (warp / kRowTiles) * kPer;
+      const int64_t query_rows[2] = {i0 + 16 * qt + group, i0 + 16 * qt + group + 8};
+#pragma unroll
+      for (int c = 0; c < kPer; ++c) {
+        if (kChunks % kSplit == 0 || c0 + c < kChunks) {  // warp-uniform; always where the chunks divide
+          const int col0 = 16 * (c0 + c);
+          float acc[2][4] = {};
+#pragma unroll
+          for (int kk = 0; kk < kMmaRows / 16; ++kk) {
+            uint32_t a[4], bf[4];
+            LdMatrixX4Trans(a, &ds[16 * kk + lane % 8 + 8 * (lane / 16)][16 * qt + 8 * ((lane / 8) % 2)]);
+            LdMatrixX4Trans(bf, &ks[16 * kk + lane % 16][col0 + 8 * (lane / 16)]);
+            MmaOf<T>(acc[0], a, bf, acc[0]);
+            MmaOf<T>(acc[1], a, bf + 2, acc[1]);
+          }
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            if (query_rows[r] >= s) continue;
+            float* row = dq_acc + ((bi * s + query_rows[r]) * hq + h) * kD + col0 + 2 * pair;
+            RedAddF32x2(row, acc[0][2 * r], acc[0][2 * r + 1]);
+            RedAddF32x2(row + 8, acc[1][2 * r], acc[1][2 * r + 1]);
+          }
         }
       }
     }
@@ -3075,10 +2984,10 @@ absl::Status FusedBackward(cudaStream_t stream, const T* q, const T* k, const T*
     RETURN_IF(Finish("FlashBackwardPrepKernel"));
     // A refused cudaFuncSetAttribute is reported too (Finish clears it).
     const cudaError_t launched =
-        LaunchShared(FlashBackwardFusedMmaKernel<kD, T>, kv_grid, kMmaThreads, kFusedShared<kD>, stream, q, k, v,
+        LaunchShared(FlashBackwardKvMmaKernel<kD, T, true>, kv_grid, kMmaThreads, kFusedShared<kD>, stream, q, k, v,
                      dout, lse, static_cast<const float*>(delta), dq_acc, dk, dv, s, hq, hkv, scale, causal, extra);
-    RETURN_IF(Finish("FlashBackwardFusedMmaKernel"));
-    RETURN_IF(CudaCheck(launched, "FlashBackwardFusedMmaKernel"));
+    RETURN_IF(Finish("FlashBackwardKvMmaKernel"));
+    RETURN_IF(CudaCheck(launched, "FlashBackwardKvMmaKernel"));
     Launch(FlashDqConvertKernel<T>, Blocks(n / kPack<T>), kThreads, stream, static_cast<const float*>(dq_acc), dq, n,
            scale);
     return Finish("FlashDqConvertKernel");
@@ -3131,10 +3040,11 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
                    static_cast<const T*>(dout), lse, delta, static_cast<T*>(dq), s, hq, hkv, scale, causal, extra);
             return Finish("FlashBackwardDqMmaKernel");
           }));
-          Launch(FlashBackwardDkvMmaKernel<kD, T>, kv_grid, kMmaThreads, stream, static_cast<const T*>(q), static_cast<const T*>(k),
-                 static_cast<const T*>(v), static_cast<const T*>(dout), lse, static_cast<const float*>(delta),
-                 static_cast<T*>(dk), static_cast<T*>(dv), s, hq, hkv, scale, causal, extra);
-          return Finish("FlashBackwardDkvMmaKernel");
+          Launch(FlashBackwardKvMmaKernel<kD, T, false>, kv_grid, kMmaThreads, stream, static_cast<const T*>(q),
+                 static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(dout), lse,
+                 static_cast<const float*>(delta), static_cast<float*>(nullptr), static_cast<T*>(dk),
+                 static_cast<T*>(dv), s, hq, hkv, scale, causal, extra);
+          return Finish("FlashBackwardKvMmaKernel");
         });
       }
     });
