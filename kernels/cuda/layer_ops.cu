@@ -1173,6 +1173,16 @@ __device__ __forceinline__ uint16_t* MmaShared() {
   alignas(16) __shared__ uint16_t tiles[kMmaSharedElements];
   return tiles;
 }
+// A kernel's tiles: its dynamic shared memory (kDynamic: the kernels that
+// need more than MmaShared's, launched by LaunchShared) or MmaShared().
+template <bool kDynamic>
+__device__ __forceinline__ uint16_t* TileBase() {
+  if constexpr (kDynamic) {
+    return reinterpret_cast<uint16_t*>(DynamicShared());
+  } else {
+    return MmaShared();
+  }
+}
 
 // Starts the copies tile[r][...] <- row r0 + r of a [s, stride]-strided head
 // of kD elements, 16 bytes each by cp.async (zeros past s). The caller
@@ -1269,6 +1279,34 @@ __device__ __forceinline__ void MmaTilesByTileT(float (*acc)[kN / 8][4], const u
   }
 }
 
+// The same product with the A fragments read from shared memory at each kk
+// (the registers they would hold go to other accumulators): A_t the warp's
+// row tile t of `rows`, rows 16 (kTiles w + t) .. + 16 as in
+// LoadRowTileFragments, in MmaTilesByTileT's order of products.
+template <int kD, int kN, typename T, int kTiles>
+__device__ __forceinline__ void MmaSharedTilesByTileT(float (*acc)[kN / 8][4], uint16_t (*rows)[kD + kMmaPad],
+                                                      uint16_t (*tile)[kD + kMmaPad]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    uint32_t a[kTiles][4];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+      LdMatrixX4(a[t], &rows[16 * (kTiles * warp + t) + lane % 16][16 * kk + 8 * (lane / 16)]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kN / 16; ++nt) {
+      uint32_t b[4];
+      LdMatrixX4(b, &tile[16 * nt + lane % 8 + 8 * (lane / 16)][16 * kk + 8 * ((lane / 8) % 2)]);
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        MmaOf<T>(acc[t][2 * nt], a[t], b, acc[t][2 * nt]);
+        MmaOf<T>(acc[t][2 * nt + 1], a[t], b + 2, acc[t][2 * nt + 1]);
+      }
+    }
+  }
+}
+
 // acc[kN / 8][4] += A (16 x kD, fragments a) times tile^T: one row tile.
 template <int kD, int kN, typename T>
 __device__ __forceinline__ void MmaRowsByTileT(float (*acc)[4], const uint32_t (*a)[4],
@@ -1351,12 +1389,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   static_assert(kD % 16 == 0 && kD <= kMmaMaxD, "head dim");
   static_assert(kQShared || kRows <= 2 * kKeys, "the block's query rows are staged through ks and vs");
   // Q's rows (kQShared only), then K's and V's tiles.
-  uint16_t* shared;
-  if constexpr (kQShared) {
-    shared = reinterpret_cast<uint16_t*>(DynamicShared());
-  } else {
-    shared = MmaShared();
-  }
+  uint16_t* shared = TileBase<kQShared>();
   uint16_t(*qs)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(shared);
   uint16_t* kv = kQShared ? shared + kRows * kStride : shared;
   uint16_t(*ks)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(kv);
@@ -1417,27 +1450,10 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
       for (int j = 0; j < kKeys / 8; ++j) sc[t][j][0] = sc[t][j][1] = sc[t][j][2] = sc[t][j][3] = 0.0f;
     }
-    if constexpr (kQShared) {  // S = Q K^T, Q's fragments from qs, in MmaTilesByTileT's order
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t a[kTiles][4];
-#pragma unroll
-        for (int t = 0; t < kTiles; ++t) {
-          LdMatrixX4(a[t], &qs[16 * (kTiles * warp + t) + lane % 16][16 * kk + 8 * (lane / 16)]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < kKeys / 16; ++nt) {
-          uint32_t b[4];
-          LdMatrixX4(b, &ks[16 * nt + lane % 8 + 8 * (lane / 16)][16 * kk + 8 * ((lane / 8) % 2)]);
-#pragma unroll
-          for (int t = 0; t < kTiles; ++t) {
-            MmaOf<T>(sc[t][2 * nt], a[t], b, sc[t][2 * nt]);
-            MmaOf<T>(sc[t][2 * nt + 1], a[t], b + 2, sc[t][2 * nt + 1]);
-          }
-        }
-      }
+    if constexpr (kQShared) {  // S = Q K^T
+      MmaSharedTilesByTileT<kD, kKeys, T, kTiles>(sc, qs, ks);
     } else {
-      MmaTilesByTileT<kD, kKeys, T, kTiles>(sc, qf, ks);  // S = Q K^T
+      MmaTilesByTileT<kD, kKeys, T, kTiles>(sc, qf, ks);
     }
     // Scale and mask; each row's max over its 4 lanes.
     float mx[kTiles][2];
@@ -1804,12 +1820,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   // K's 64 rows at the start, V's after them; the streamed tiles after K's
   // (kDq: K stays) or from the start (V's and K's fragments are loaded
   // before the walk); then, with kDq, dS^T.
-  uint16_t* shared;
-  if constexpr (kDq) {
-    shared = reinterpret_cast<uint16_t*>(DynamicShared());
-  } else {
-    shared = MmaShared();
-  }
+  uint16_t* shared = TileBase<kDq>();
   uint16_t(*ks)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(shared);
   uint16_t(*vs)[kStride] = reinterpret_cast<uint16_t(*)[kStride]>(shared + kMmaRows * kStride);
   uint16_t* streamed = kDq ? shared + kMmaRows * kStride : shared;
@@ -1891,18 +1902,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     if constexpr (!kDq) {
       MmaRowsByTileT<kD, kN, T>(st, kf, qs);
     } else {
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t a[4];
-        LdMatrixX4(a, &ks[16 * warp + lane % 16][16 * kk + 8 * (lane / 16)]);
-#pragma unroll
-        for (int nt = 0; nt < kN / 16; ++nt) {
-          uint32_t bq[4];
-          LdMatrixX4(bq, &qs[16 * nt + lane % 8 + 8 * (lane / 16)][16 * kk + 8 * ((lane / 8) % 2)]);
-          MmaOf<T>(st[2 * nt], a, bq, st[2 * nt]);
-          MmaOf<T>(st[2 * nt + 1], a, bq + 2, st[2 * nt + 1]);
-        }
-      }
+      MmaSharedTilesByTileT<kD, kN, T, 1>(reinterpret_cast<float(*)[kN / 8][4]>(st), ks, qs);
     }
     MmaRowsByTileT<kD, kN, T>(dpt, vf, gs);  // dP^T = V dout^T
     auto grads = [&](auto masking) {

@@ -72,6 +72,18 @@ void ExpectSameBits(const Tensor& first, const Tensor& second, const std::string
   EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0) << what;
 }
 
+// An attention's inputs, standard normal in `type`: q [batch, seq, hq, d],
+// k and v [batch, seq, hkv, d], and r (out's gradient, as q), drawn with
+// seeds seed .. seed + 3.
+struct Inputs {
+  Tensor q, k, v, r;
+};
+Inputs RandomInputs(const Case& c, uint64_t seed, DType type = DType::kF32) {
+  auto make = [type](const Shape& shape, uint64_t s) { return *Tensor::RandomNormal(shape, s, type); };
+  return {make({c.batch, c.seq, c.hq, c.d}, seed), make({c.batch, c.seq, c.hkv, c.d}, seed + 1),
+          make({c.batch, c.seq, c.hkv, c.d}, seed + 2), make({c.batch, c.seq, c.hq, c.d}, seed + 3)};
+}
+
 struct Result {
   Tensor out, dq, dk, dv;
 };
@@ -93,10 +105,7 @@ Result RunAttention(const Case& c, Device dev, AttentionImpl impl, const Tensor&
 
 TEST_P(CudaAttention, FusedKernelMatchesThePerHeadReferenceInValuesAndGradients) {
   const Case c = GetParam();
-  const Tensor q = *Tensor::RandomNormal({c.batch, c.seq, c.hq, c.d}, 11);
-  const Tensor k = *Tensor::RandomNormal({c.batch, c.seq, c.hkv, c.d}, 12);
-  const Tensor v = *Tensor::RandomNormal({c.batch, c.seq, c.hkv, c.d}, 13);
-  const Tensor r = *Tensor::RandomNormal({c.batch, c.seq, c.hq, c.d}, 14);
+  const auto [q, k, v, r] = RandomInputs(c, 11);
   const Result want = RunAttention(c, Device::Cpu(), AttentionImpl::kPerHead, q, k, v, r);
   // kAuto: what the models run on a CUDA device (the fused kernel).
   const Result got = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
@@ -121,9 +130,7 @@ TEST_P(CudaAttention, HalfOperandsStayHalfAndMatchTheF32Reference) {
   for (DType t : {DType::kBF16, DType::kF16}) {
     SCOPED_TRACE(DTypeName(t));
     const double ulp = t == DType::kBF16 ? 1.0 / 128 : 1.0 / 1024;
-    auto half = [t](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, t); };
-    const Tensor q = half({c.batch, c.seq, c.hq, c.d}, 21), k = half({c.batch, c.seq, c.hkv, c.d}, 22);
-    const Tensor v = half({c.batch, c.seq, c.hkv, c.d}, 23), r = half({c.batch, c.seq, c.hq, c.d}, 24);
+    const auto [q, k, v, r] = RandomInputs(c, 21, t);
     auto wide = [](const Tensor& x) { return *x.ToDType(DType::kF32); };
     const Result want = RunAttention(c, Device::Cpu(), AttentionImpl::kPerHead, wide(q), wide(k), wide(v), wide(r));
     const Result got = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
@@ -231,9 +238,7 @@ TEST(CudaAttentionTensorCores, TwoRowTilesAWarpGiveOneTilesBits) {
                              std::pair{DType::kBF16, Case{2, 140, 2, 1, 128, true}},
                              std::pair{DType::kF16, Case{1, 100, 4, 2, 128, false}}}) {
     SCOPED_TRACE(std::string(DTypeName(t)) + " d" + std::to_string(c.d) + (c.causal ? " causal" : " bidirectional"));
-    auto half = [t = t](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, t); };
-    const Tensor q = half({c.batch, c.seq, c.hq, c.d}, 31), k = half({c.batch, c.seq, c.hkv, c.d}, 32);
-    const Tensor v = half({c.batch, c.seq, c.hkv, c.d}, 33), r = half({c.batch, c.seq, c.hq, c.d}, 34);
+    const auto [q, k, v, r] = RandomInputs(c, 31, t);
 #ifdef COLOD_CUDA_EMULATION
     const uint64_t copies_before = colod_cuda_emu::GetCounters().async_copies;
 #endif
@@ -282,9 +287,7 @@ TEST(CudaAttentionTensorCores, OnePassBackwardMatchesTheDeterministicKernels) {
                              std::pair{DType::kBF16, Case{1, 100, 8, 2, 128, false}},
                              std::pair{DType::kF16, Case{2, 100, 4, 2, 128, true}}}) {
     SCOPED_TRACE(::testing::PrintToString(c) + " " + std::string(DTypeName(t)));
-    auto half = [t = t](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, t); };
-    const Tensor q = half({c.batch, c.seq, c.hq, c.d}, 51), k = half({c.batch, c.seq, c.hkv, c.d}, 52);
-    const Tensor v = half({c.batch, c.seq, c.hkv, c.d}, 53), r = half({c.batch, c.seq, c.hq, c.d}, 54);
+    const auto [q, k, v, r] = RandomInputs(c, 51, t);
 #ifdef COLOD_CUDA_EMULATION
     const uint64_t launches = colod_cuda_emu::GetCounters().kernel_launches;
 #endif
@@ -327,9 +330,7 @@ TEST(CudaAttentionAlibi, FusedKernelsMatchThePerHeadReference) {
     const std::vector<float> slopes = AlibiSlopes(c.hq);
     for (DType t : {DType::kF32, DType::kBF16}) {
       SCOPED_TRACE(::testing::PrintToString(c) + " " + std::string(DTypeName(t)));
-      auto make = [t](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, t); };
-      const Tensor q = make({c.batch, c.seq, c.hq, c.d}, 31), k = make({c.batch, c.seq, c.hkv, c.d}, 32);
-      const Tensor v = make({c.batch, c.seq, c.hkv, c.d}, 33), r = make({c.batch, c.seq, c.hq, c.d}, 34);
+      const auto [q, k, v, r] = RandomInputs(c, 31, t);
       auto wide = [](const Tensor& x) { return *x.ToDType(DType::kF32); };
       const Result want =
           RunAttention(c, Device::Cpu(), AttentionImpl::kPerHead, wide(q), wide(k), wide(v), wide(r), slopes);
@@ -374,9 +375,7 @@ TEST(CudaAttentionBias, FusedKernelsMatchThePerHeadReference) {
   for (const Case& c : {Case{2, 70, 4, 4, 64, false}, Case{2, 67, 2, 2, 128, true}}) {
     for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
       SCOPED_TRACE(::testing::PrintToString(c) + " " + std::string(DTypeName(t)));
-      auto make = [t](const Shape& shape, uint64_t seed) { return *Tensor::RandomNormal(shape, seed, t); };
-      const Tensor q = make({c.batch, c.seq, c.hq, c.d}, 41), k = make({c.batch, c.seq, c.hkv, c.d}, 42);
-      const Tensor v = make({c.batch, c.seq, c.hkv, c.d}, 43), r = make({c.batch, c.seq, c.hq, c.d}, 44);
+      const auto [q, k, v, r] = RandomInputs(c, 41, t);
       const Tensor bias = *Tensor::RandomNormal({c.hq, c.seq, c.seq}, 45);  // f32, as T5's table gives it
       auto wide = [](const Tensor& x) { return *x.ToDType(DType::kF32); };
       const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
