@@ -20,6 +20,7 @@
 #include "kernels/gelu.h"
 #include "kernels/half.h"
 #include "kernels/philox.h"
+#include "kernels/cpu/tensor_ops.h"
 #include "kernels/cpu/vec_math.h"
 
 namespace colod::kernels::cpu {
@@ -937,14 +938,19 @@ absl::Status LayerNorm(int d, ElemType type, const void* x, const void* residual
 }
 
 absl::Status LayerNormBackward(int d, ElemType type, const void* dy, const void* x, const void* g,
-                               const float* mean, const float* rstd, void* dx, void* dg, void* db, int64_t rows,
-                               int64_t n) {
+                               const float* mean, const float* rstd, const void* acc, void* dx, void* dg, void* db,
+                               int64_t rows, int64_t n) {
   if (absl::Status st = CheckFloatType(type, "LayerNormBackward"); !st.ok()) return st;
-  F32In fd(dy, rows * n, type), fx(x, rows * n, type), fg(g, n, type);
-  F32Out fdx(dx, rows * n, type), fdg(dg, n, type), fdb(db, n, type);
-  return Typed({&fdx, &fdg, &fdb}, [&] {
-    return LayerNormBackwardF32(d, fd.get(), fx.get(), fg.get(), mean, rstd, fdx.get(), fdg.get(), fdb.get(), rows, n);
-  });
+  {
+    F32In fd(dy, rows * n, type), fx(x, rows * n, type), fg(g, n, type);
+    F32Out fdx(dx, rows * n, type), fdg(dg, n, type), fdb(db, n, type);
+    const absl::Status st = Typed({&fdx, &fdg, &fdb}, [&] {
+      return LayerNormBackwardF32(d, fd.get(), fx.get(), fg.get(), mean, rstd, fdx.get(), fdg.get(), fdb.get(), rows,
+                                  n);
+    });
+    if (!st.ok()) return st;
+  }  // dx rounded to `type` and written
+  return acc == nullptr ? absl::OkStatus() : Binary(d, BinaryOp::kAdd, type, acc, dx, dx, rows * n);
 }
 
 absl::Status RmsNorm(int d, ElemType type, const void* x, const void* residual, const void* g, float eps, void* y,
@@ -957,13 +963,17 @@ absl::Status RmsNorm(int d, ElemType type, const void* x, const void* residual, 
 }
 
 absl::Status RmsNormBackward(int d, ElemType type, const void* dy, const void* x, const void* g,
-                             const float* rstd, void* dx, void* dg, int64_t rows, int64_t n) {
+                             const float* rstd, const void* acc, void* dx, void* dg, int64_t rows, int64_t n) {
   if (absl::Status st = CheckFloatType(type, "RmsNormBackward"); !st.ok()) return st;
-  F32In fd(dy, rows * n, type), fx(x, rows * n, type), fg(g, n, type);
-  F32Out fdx(dx, rows * n, type), fdg(dg, n, type);
-  return Typed({&fdx, &fdg}, [&] {
-    return RmsNormBackwardF32(d, fd.get(), fx.get(), fg.get(), rstd, fdx.get(), fdg.get(), rows, n);
-  });
+  {
+    F32In fd(dy, rows * n, type), fx(x, rows * n, type), fg(g, n, type);
+    F32Out fdx(dx, rows * n, type), fdg(dg, n, type);
+    const absl::Status st = Typed({&fdx, &fdg}, [&] {
+      return RmsNormBackwardF32(d, fd.get(), fx.get(), fg.get(), rstd, fdx.get(), fdg.get(), rows, n);
+    });
+    if (!st.ok()) return st;
+  }  // dx rounded to `type` and written
+  return acc == nullptr ? absl::OkStatus() : Binary(d, BinaryOp::kAdd, type, acc, dx, dx, rows * n);
 }
 
 absl::Status NormRowSums(int, ElemType type, const void* x, const float* center, bool square, int64_t rows,

@@ -345,9 +345,17 @@ __global__ void LayerNormKernel(In<T> x, In<T> residual, In<T> g, In<T> b, float
   }
 }
 
+// A backward's dx[i] = v, or with `acc` (the gradient a residual stream
+// had) acc[i] + v with Add's bits: v rounded to T, the sum rounded once
+// (never an FMA with the product that gave v).
 template <typename T>
-__global__ void LayerNormBackwardKernel(In<T> dy, In<T> x, In<T> g, const float* mean, const float* rstd, Out<T> dx,
-                                        int64_t rows, int64_t n) {
+__device__ __forceinline__ float Folded(In<T> acc, int64_t i, float v) {
+  return acc ? __fadd_rn(acc[i], ToF32(FromF32<T>(v))) : v;
+}
+
+template <typename T>
+__global__ void LayerNormBackwardKernel(In<T> dy, In<T> x, In<T> g, const float* mean, const float* rstd, In<T> acc,
+                                        Out<T> dx, int64_t rows, int64_t n) {
   __shared__ float shared[kThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float m = mean[r], rs = rstd[r];
@@ -361,7 +369,7 @@ __global__ void LayerNormBackwardKernel(In<T> dy, In<T> x, In<T> g, const float*
     c = BlockSum(c, shared) / n;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
       const float xhat = (x[r * n + j] - m) * rs;
-      dx[r * n + j] = rs * (dy[r * n + j] * g[j] - a - xhat * c);
+      dx[r * n + j] = Folded(acc, r * n + j, rs * (dy[r * n + j] * g[j] - a - xhat * c));
     }
   }
 }
@@ -460,9 +468,24 @@ __device__ __forceinline__ void LoadBackwardPacks(const T* dy, const T* x, const
   LoadPack(g, p, gv);
 }
 
+// Pack p of row r of a backward's dx: out, or with `acc` acc + out with
+// Add's bits (out rounded to T, the sum rounded once by the store; never an
+// FMA with the product that gave out).
+template <typename T>
+__device__ __forceinline__ void StoreFoldedPack(const T* acc, T* dx, int64_t r, int64_t n, int64_t p,
+                                                float (&out)[kPack<T>]) {
+  if (acc != nullptr) {
+    float av[kPack<T>];
+    LoadPack(acc + r * n, p, av);
+#pragma unroll
+    for (int e = 0; e < kPack<T>; ++e) out[e] = __fadd_rn(av[e], ToF32(FromF32<T>(out[e])));
+  }
+  StorePack(dx + r * n, p, out);
+}
+
 template <typename T>
 __global__ void LayerNormBackwardWarpKernel(const T* dy, const T* x, const T* g, const float* mean, const float* rstd,
-                                            T* dx, int64_t rows, int64_t n) {
+                                            const T* acc, T* dx, int64_t rows, int64_t n) {
   constexpr int kP = kPack<T>;
   const int64_t packs = n / kP;
   WARP_ROWS(r, rows) {
@@ -488,7 +511,7 @@ __global__ void LayerNormBackwardWarpKernel(const T* dy, const T* x, const T* g,
         const float xhat = (xv[e] - m) * rs;
         out[e] = rs * (dyv[e] * gv[e] - a - xhat * c);
       }
-      StorePack(dx + r * n, p, out);
+      StoreFoldedPack(acc, dx, r, n, p, out);
     }
   }
 }
@@ -518,8 +541,8 @@ __global__ void RmsNormWarpKernel(const T* x, const T* residual, const T* g, flo
 }
 
 template <typename T>
-__global__ void RmsNormBackwardWarpKernel(const T* dy, const T* x, const T* g, const float* rstd, T* dx, int64_t rows,
-                                          int64_t n) {
+__global__ void RmsNormBackwardWarpKernel(const T* dy, const T* x, const T* g, const float* rstd, const T* acc, T* dx,
+                                          int64_t rows, int64_t n) {
   constexpr int kP = kPack<T>;
   const int64_t packs = n / kP;
   WARP_ROWS(r, rows) {
@@ -537,7 +560,7 @@ __global__ void RmsNormBackwardWarpKernel(const T* dy, const T* x, const T* g, c
       LoadBackwardPacks(dy, x, g, r, n, p, dyv, xv, gv);
 #pragma unroll
       for (int e = 0; e < kP; ++e) out[e] = rs * (dyv[e] * gv[e] - xv[e] * c);
-      StorePack(dx + r * n, p, out);
+      StoreFoldedPack(acc, dx, r, n, p, out);
     }
   }
 }
@@ -655,15 +678,17 @@ __global__ void RmsNormKernel(In<T> x, In<T> residual, In<T> g, float eps, Out<T
 }
 
 template <typename T>
-__global__ void RmsNormBackwardKernel(In<T> dy, In<T> x, In<T> g, const float* rstd, Out<T> dx, int64_t rows,
-                                      int64_t n) {
+__global__ void RmsNormBackwardKernel(In<T> dy, In<T> x, In<T> g, const float* rstd, In<T> acc, Out<T> dx,
+                                      int64_t rows, int64_t n) {
   __shared__ float shared[kThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float rs = rstd[r];
     float dot = 0;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) dot += dy[r * n + j] * g[j] * x[r * n + j];
     const float c = BlockSum(dot, shared) / n * rs * rs;
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) dx[r * n + j] = rs * (dy[r * n + j] * g[j] - x[r * n + j] * c);
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      dx[r * n + j] = Folded(acc, r * n + j, rs * (dy[r * n + j] * g[j] - x[r * n + j] * c));
+    }
   }
 }
 
@@ -2641,18 +2666,19 @@ absl::Status LayerNorm(int device, ElemType type, const void* x, const void* res
 }
 
 absl::Status LayerNormBackward(int device, ElemType type, const void* dy, const void* x, const void* g,
-                               const float* mean, const float* rstd, void* dx, void* dg, void* db, int64_t rows,
-                               int64_t n) {
+                               const float* mean, const float* rstd, const void* acc, void* dx, void* dg, void* db,
+                               int64_t rows, int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "LayerNormBackward", [&](auto t) {
     using T = decltype(t);
-    if (Packable<T>(n, {dy, x, g, dx})) {
+    if (Packable<T>(n, {dy, x, g, acc, dx})) {
       Launch(LayerNormBackwardWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(dy),
-             static_cast<const T*>(x), static_cast<const T*>(g), mean, rstd, static_cast<T*>(dx), rows, n);
+             static_cast<const T*>(x), static_cast<const T*>(g), mean, rstd, static_cast<const T*>(acc),
+             static_cast<T*>(dx), rows, n);
       RETURN_IF(Finish("LayerNormBackwardWarpKernel"));
     } else {
       Launch(LayerNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g),
-             mean, rstd, OutOf<T>(dx), rows, n);
+             mean, rstd, InOf<T>(acc), OutOf<T>(dx), rows, n);
       RETURN_IF(Finish("LayerNormBackwardKernel"));
     }
     return ColumnReduce<T>(stream, rows, n, 2, Packable<T>(n, {dy, x}), "NormParamGradKernel",
@@ -2682,17 +2708,18 @@ absl::Status RmsNorm(int device, ElemType type, const void* x, const void* resid
 }
 
 absl::Status RmsNormBackward(int device, ElemType type, const void* dy, const void* x, const void* g,
-                             const float* rstd, void* dx, void* dg, int64_t rows, int64_t n) {
+                             const float* rstd, const void* acc, void* dx, void* dg, int64_t rows, int64_t n) {
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "RmsNormBackward", [&](auto t) {
     using T = decltype(t);
-    if (Packable<T>(n, {dy, x, g, dx})) {
+    if (Packable<T>(n, {dy, x, g, acc, dx})) {
       Launch(RmsNormBackwardWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(dy),
-             static_cast<const T*>(x), static_cast<const T*>(g), rstd, static_cast<T*>(dx), rows, n);
+             static_cast<const T*>(x), static_cast<const T*>(g), rstd, static_cast<const T*>(acc),
+             static_cast<T*>(dx), rows, n);
       RETURN_IF(Finish("RmsNormBackwardWarpKernel"));
     } else {
       Launch(RmsNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), rstd,
-             OutOf<T>(dx), rows, n);
+             InOf<T>(acc), OutOf<T>(dx), rows, n);
       RETURN_IF(Finish("RmsNormBackwardKernel"));
     }
     return ColumnReduce<T>(stream, rows, n, 2, Packable<T>(n, {dy, x}), "NormParamGradKernel",

@@ -294,23 +294,29 @@ absl::StatusOr<Variable> Gelu(const Variable& x, ops::GeluApprox approx) {
 
 namespace {
 
-// The tape entries of a norm computed as `r` from x.
+// The tape entries of a norm computed as `r` from x. The backward folds the
+// gradient x already has (a residual stream's, from its skip connection)
+// into its dx where ops::FoldsInto allows: the add Backward would otherwise
+// launch, with its bits.
 absl::StatusOr<Variable> RecordLayerNorm(const Variable& x, const Variable& gamma, const Variable& beta,
                                          ops::LayerNormResult r) {
   const Tensor xv = x.value(), gv = gamma.value(), mean = r.mean, rstd = r.rstd;
-  return RecordOp("layer_norm", {x, gamma, beta}, std::move(r.y),
-                  [xv, gv, mean, rstd](const Tensor& dy) -> absl::StatusOr<Grads> {
-                    ASSIGN_OR_RETURN(ops::LayerNormGrads g, ops::LayerNormBackward(dy, xv, gv, mean, rstd));
-                    return Grads{g.dx, g.dgamma, g.dbeta};
-                  });
+  return RecordFoldingOp("layer_norm", {x, gamma, beta}, std::move(r.y),
+                         [xv, gv, mean, rstd](const Tensor& dy, const Tensor* pending) -> absl::StatusOr<FoldedGrads> {
+                           const Tensor* acc = pending != nullptr && ops::FoldsInto(xv, *pending) ? pending : nullptr;
+                           ASSIGN_OR_RETURN(ops::LayerNormGrads g, ops::LayerNormBackward(dy, xv, gv, mean, rstd, acc));
+                           return FoldedGrads{{g.dx, g.dgamma, g.dbeta}, acc != nullptr};
+                         });
 }
 
 absl::StatusOr<Variable> RecordRmsNorm(const Variable& x, const Variable& gamma, ops::RmsNormResult r) {
   const Tensor xv = x.value(), gv = gamma.value(), rstd = r.rstd;
-  return RecordOp("rms_norm", {x, gamma}, std::move(r.y), [xv, gv, rstd](const Tensor& dy) -> absl::StatusOr<Grads> {
-    ASSIGN_OR_RETURN(ops::RmsNormGrads g, ops::RmsNormBackward(dy, xv, gv, rstd));
-    return Grads{g.dx, g.dgamma};
-  });
+  return RecordFoldingOp("rms_norm", {x, gamma}, std::move(r.y),
+                         [xv, gv, rstd](const Tensor& dy, const Tensor* pending) -> absl::StatusOr<FoldedGrads> {
+                           const Tensor* acc = pending != nullptr && ops::FoldsInto(xv, *pending) ? pending : nullptr;
+                           ASSIGN_OR_RETURN(ops::RmsNormGrads g, ops::RmsNormBackward(dy, xv, gv, rstd, acc));
+                           return FoldedGrads{{g.dx, g.dgamma}, acc != nullptr};
+                         });
 }
 
 }  // namespace

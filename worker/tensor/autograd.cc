@@ -13,7 +13,8 @@ struct AutogradNode {
   std::string name;
   int64_t sequence = 0;  // recording order on its thread
   std::vector<std::shared_ptr<Variable::Impl>> inputs;
-  BackwardFn backward;
+  BackwardFn backward;         // one of the two
+  FoldingBackwardFn folding;
 };
 
 struct Variable::Impl {
@@ -74,7 +75,10 @@ bool GradEnabled() { return grad_enabled; }
 EnableGradScope::EnableGradScope() : previous_(grad_enabled) { grad_enabled = true; }
 EnableGradScope::~EnableGradScope() { grad_enabled = previous_; }
 
-Variable RecordOp(std::string name, const std::vector<Variable>& inputs, Tensor output, BackwardFn backward) {
+namespace {
+
+Variable Record(std::string name, const std::vector<Variable>& inputs, Tensor output, BackwardFn backward,
+                FoldingBackwardFn folding) {
   Variable out(std::move(output), false);
   const bool needs = grad_enabled && std::any_of(inputs.begin(), inputs.end(),
                                                  [](const Variable& v) { return v.requires_grad(); });
@@ -84,10 +88,22 @@ Variable RecordOp(std::string name, const std::vector<Variable>& inputs, Tensor 
   node->sequence = next_sequence++;
   for (const Variable& v : inputs) node->inputs.push_back(AutogradAccess::impl(v));
   node->backward = std::move(backward);
+  node->folding = std::move(folding);
   auto& impl = AutogradAccess::impl(out);
   impl->requires_grad = true;
   impl->node = std::move(node);
   return out;
+}
+
+}  // namespace
+
+Variable RecordOp(std::string name, const std::vector<Variable>& inputs, Tensor output, BackwardFn backward) {
+  return Record(std::move(name), inputs, std::move(output), std::move(backward), nullptr);
+}
+
+Variable RecordFoldingOp(std::string name, const std::vector<Variable>& inputs, Tensor output,
+                         FoldingBackwardFn backward) {
+  return Record(std::move(name), inputs, std::move(output), nullptr, std::move(backward));
 }
 
 absl::Status Backward(const Variable& root) {
@@ -185,10 +201,32 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
       RETURN_IF_ERROR(consumed(node));
       continue;
     }
-    auto in_grads = node.backward(it->second);
+    // A folding backward sees input 0's gradient so far (a leaf's too: it
+    // is still in `grads` until its consumers have all run).
+    bool folded = false;
+    absl::StatusOr<std::vector<std::optional<Tensor>>> in_grads;
+    if (node.folding) {
+      const Tensor* pending = nullptr;
+      if (!node.inputs.empty() && node.inputs[0]->requires_grad) {
+        auto p = grads.find(node.inputs[0].get());
+        if (p != grads.end()) pending = &p->second;
+      }
+      absl::StatusOr<FoldedGrads> f = node.folding(it->second, pending);
+      if (f.ok()) {
+        folded = pending != nullptr && f->folded;
+        in_grads = std::move(f->grads);
+      } else {
+        in_grads = f.status();
+      }
+    } else {
+      in_grads = node.backward(it->second);
+    }
     if (!in_grads.ok()) {
       return absl::Status(in_grads.status().code(),
                           absl::StrCat("backward of ", node.name, ": ", in_grads.status().message()));
+    }
+    if (folded && (in_grads->empty() || !(*in_grads)[0].has_value())) {
+      return absl::InternalError(absl::StrCat("backward of ", node.name, " folded no gradient into its input"));
     }
     if (in_grads->size() != node.inputs.size()) {
       return absl::InternalError(absl::StrCat("backward of ", node.name, " returned ", in_grads->size(),
@@ -196,6 +234,10 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
     }
     for (size_t i = 0; i < node.inputs.size(); ++i) {
       if (!(*in_grads)[i] || !node.inputs[i]->requires_grad) continue;
+      if (i == 0 && folded) {  // the sum, in place of what was there
+        grads[node.inputs[0].get()] = *std::move((*in_grads)[0]);
+        continue;
+      }
       // Moved: the map's handle is then a fresh gradient's only one.
       RETURN_IF_ERROR(accumulate(node.inputs[i], *std::move((*in_grads)[i])));
     }

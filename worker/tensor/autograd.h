@@ -71,6 +71,22 @@ using BackwardFn =
 // mode is on and some input requires grad.
 Variable RecordOp(std::string name, const std::vector<Variable>& inputs, Tensor output, BackwardFn backward);
 
+// A backward that may add its first input's gradient so far into the one it
+// returns for that input, in its own kernel rather than Backward's add (a
+// norm's input: the residual stream, whose skip connection's gradient
+// arrives first). `pending` is what the ops after this one gave input 0
+// (null: nothing yet); `folded` says the returned gradient for input 0
+// includes it, and Backward then takes that gradient in its place instead
+// of adding the two. A fold must give the bits of Add(*pending, gradient).
+struct FoldedGrads {
+  std::vector<std::optional<Tensor>> grads;
+  bool folded = false;
+};
+using FoldingBackwardFn =
+    std::function<absl::StatusOr<FoldedGrads>(const Tensor& grad_output, const Tensor* pending)>;
+Variable RecordFoldingOp(std::string name, const std::vector<Variable>& inputs, Tensor output,
+                         FoldingBackwardFn backward);
+
 // Back-propagates from a scalar (one element) root with gradient 1.
 absl::Status Backward(const Variable& root);
 // Back-propagates `grad` (same shape as root) from any root.

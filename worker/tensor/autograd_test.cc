@@ -1,5 +1,6 @@
 #include "worker/tensor/autograd.h"
 
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
 
 namespace colod {
@@ -101,6 +102,60 @@ TEST(Autograd, AVariableUsedTwiceGetsBothContributions) {
   Variable f = *Sum(*Add(*Scale(x, 2.0f), *Scale(x, 5.0f)));
   ASSERT_TRUE(Backward(f).ok());
   for (float g : x.grad()->ToFloats()) EXPECT_FLOAT_EQ(g, 7.0f);
+}
+
+// y = 2 x recorded with a folding backward: dx = 2 dy, plus input 0's
+// gradient so far where `fold` (the sum computed here, returned folded); the
+// pending gradients it saw are counted in `seen`.
+Variable Doubled(const Variable& x, bool fold, std::vector<bool>* seen) {
+  return RecordFoldingOp("doubled", {x}, *Scale(x.value(), 2.0f),
+                         [fold, seen](const Tensor& dy, const Tensor* pending) -> absl::StatusOr<FoldedGrads> {
+                           seen->push_back(pending != nullptr);
+                           ASSIGN_OR_RETURN(Tensor dx, Scale(dy, 2.0f));
+                           if (fold && pending != nullptr) {
+                             ASSIGN_OR_RETURN(dx, Add(*pending, dx));
+                             return FoldedGrads{{dx}, true};
+                           }
+                           return FoldedGrads{{dx}, false};
+                         });
+}
+
+// A folding backward sees its first input's gradient so far (what the ops
+// recorded after it gave that input) and, where it folds it in, Backward
+// takes the result in its place: the gradients are those of the sum either
+// way, never the pending part twice. With no later consumer it sees none;
+// a leaf's pending gradient is offered too. A fold that returns no gradient
+// for the input is an error.
+TEST(Autograd, AFoldingBackwardTakesItsInputsPendingGradient) {
+  for (bool fold : {true, false}) {
+    SCOPED_TRACE(fold ? "folded" : "added by Backward");
+    // f = sum(2 h + h), h = x * x: df/dh = 3, df/dx = 6 x.
+    Variable x = Leaf({3, 4}, 41);
+    std::vector<bool> seen;
+    Variable h = *Mul(x, x);
+    ASSERT_TRUE(Backward(*Sum(*Add(Doubled(h, fold, &seen), h))).ok());
+    EXPECT_EQ(seen, std::vector<bool>{true});  // add's share came first
+    const std::vector<float> xv = x.value().ToFloats(), gx = x.grad()->ToFloats();
+    for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(gx[i], 6.0f * xv[i], 1e-5f) << i;
+    // The only consumer: nothing pending. A leaf: its pending gradient.
+    Variable y = Leaf({3, 4}, 42);
+    seen.clear();
+    ASSERT_TRUE(Backward(*Sum(Doubled(y, fold, &seen))).ok());
+    EXPECT_EQ(seen, std::vector<bool>{false});
+    for (float g : y.grad()->ToFloats()) EXPECT_EQ(g, 2.0f);
+    y.ZeroGrad();
+    seen.clear();
+    ASSERT_TRUE(Backward(*Sum(*Add(Doubled(y, fold, &seen), y))).ok());
+    EXPECT_EQ(seen, std::vector<bool>{true});
+    for (float g : y.grad()->ToFloats()) EXPECT_EQ(g, 3.0f);
+  }
+  Variable z = Leaf({2}, 43);
+  Variable broken = RecordFoldingOp("broken", {z}, z.value(), [](const Tensor&, const Tensor*) {
+    return absl::StatusOr<FoldedGrads>(FoldedGrads{{std::nullopt}, true});
+  });
+  const absl::Status st = Backward(*Sum(*Add(broken, z)));
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_NE(st.message().find("backward of broken"), std::string::npos) << st;
 }
 
 TEST(Autograd, NoGradScopeRecordsNothing) {

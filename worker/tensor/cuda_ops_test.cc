@@ -427,6 +427,40 @@ TEST_F(CudaLayerOps, PackedElementwiseKernelsGiveTheScalarKernelsBits) {
   }
 }
 
+// The norm backwards with the residual stream's gradient folded in (the
+// warp kernels in 16-byte packs at n = 64, the block kernels at 70): dx has
+// the bits of Add after the unfolded backward on the device, and the CPU
+// twin's values; the parameter gradients are the unfolded ones.
+TEST_F(CudaLayerOps, NormBackwardsFoldTheResidualGradientWithTheAddsBits) {
+  for (int64_t n : {64, 70}) {
+    for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+      SCOPED_TRACE(std::string(DTypeName(t)) + " n=" + std::to_string(n));
+      auto in = [t](const Shape& shape, uint64_t seed) { return *R(shape, seed).ToDType(t); };
+      const Tensor x = in({8, n}, 81), dy = in({8, n}, 82), acc = in({8, n}, 83), g = in({n}, 84),
+                   b = in({n}, 85);
+      const Tensor dx = Dev(x), ddy = Dev(dy), dacc = Dev(acc), dg = Dev(g), db = Dev(b);
+      const LayerNormResult ln = *LayerNorm(dx, dg, db, 1e-5f);
+      const LayerNormGrads plain = *LayerNormBackward(ddy, dx, dg, ln.mean, ln.rstd);
+      auto folded = LayerNormBackward(ddy, dx, dg, ln.mean, ln.rstd, &dacc);
+      ASSERT_TRUE(folded.ok()) << folded.status();
+      EXPECT_EQ(folded->dx.ToBytes(), Add(dacc, plain.dx)->ToBytes());
+      EXPECT_EQ(folded->dgamma.ToBytes(), plain.dgamma.ToBytes());
+      EXPECT_EQ(folded->dbeta.ToBytes(), plain.dbeta.ToBytes());
+      const LayerNormResult cln = *LayerNorm(x, g, b, 1e-5f);
+      const double tol = t == DType::kF32 ? 1e-4 : (t == DType::kBF16 ? 4.0 / 128 : 4.0 / 1024);
+      ExpectNear(folded->dx, LayerNormBackward(dy, x, g, cln.mean, cln.rstd, &acc)->dx, tol, "layer_norm dx");
+      const RmsNormResult rn = *RmsNorm(dx, dg, 1e-6f);
+      const RmsNormGrads rplain = *RmsNormBackward(ddy, dx, dg, rn.rstd);
+      auto rfolded = RmsNormBackward(ddy, dx, dg, rn.rstd, &dacc);
+      ASSERT_TRUE(rfolded.ok()) << rfolded.status();
+      EXPECT_EQ(rfolded->dx.ToBytes(), Add(dacc, rplain.dx)->ToBytes());
+      EXPECT_EQ(rfolded->dgamma.ToBytes(), rplain.dgamma.ToBytes());
+      const RmsNormResult crn = *RmsNorm(x, g, 1e-6f);
+      ExpectNear(rfolded->dx, RmsNormBackward(dy, x, g, crn.rstd, &acc)->dx, tol, "rms_norm dx");
+    }
+  }
+}
+
 // The column reductions (bias gradients, GELU backward with the bias
 // gradient, the norms' parameter gradients) over enough rows that the
 // kernels split them into chunks and add the chunks' sums in a second level

@@ -61,12 +61,12 @@ struct DeviceKernels {
                             const void* b, float eps, void* y, void* sum, float* mean, float* rstd, int64_t rows,
                             int64_t n);
   absl::Status (*LayerNormBackward)(int device, ElemType type, const void* dy, const void* x, const void* g,
-                                    const float* mean, const float* rstd, void* dx, void* dg, void* db, int64_t rows,
-                                    int64_t n);
+                                    const float* mean, const float* rstd, const void* acc, void* dx, void* dg,
+                                    void* db, int64_t rows, int64_t n);
   absl::Status (*RmsNorm)(int device, ElemType type, const void* x, const void* residual, const void* g, float eps,
                           void* y, void* sum, float* rstd, int64_t rows, int64_t n);
   absl::Status (*RmsNormBackward)(int device, ElemType type, const void* dy, const void* x, const void* g,
-                                  const float* rstd, void* dx, void* dg, int64_t rows, int64_t n);
+                                  const float* rstd, const void* acc, void* dx, void* dg, int64_t rows, int64_t n);
   absl::Status (*NormRowSums)(int device, ElemType type, const void* x, const float* center, bool square,
                               int64_t rows, int64_t n, float* sums);
   absl::Status (*NormApply)(int device, ElemType type, const void* x, const void* g, const void* b, const float* mean,

@@ -437,8 +437,30 @@ absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, 
   return LayerNormResult{std::move(y), std::move(mean), std::move(rstd), std::move(res.sum)};
 }
 
+bool FoldsInto(const Tensor& x, const Tensor& acc) {
+  absl::StatusOr<DType> type = KernelType(x, "norm backward");
+  return type.ok() && acc.dtype() == *type && acc.shape() == x.shape() && acc.device() == x.device() &&
+         acc.is_contiguous();
+}
+
+namespace {
+
+// The raw data of a norm backward's `acc`, checked (null when absent).
+absl::StatusOr<const void*> FoldedData(const Tensor& x, const Tensor* acc, const char* op) {
+  if (acc == nullptr) return nullptr;
+  if (!FoldsInto(x, *acc)) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": cannot fold a gradient ", DTypeName(acc->dtype()),
+                                                   ShapeToString(acc->shape()), " on ", acc->device().ToString(),
+                                                   " into the input ", DTypeName(x.dtype()),
+                                                   ShapeToString(x.shape()), " on ", x.device().ToString()));
+  }
+  return acc->raw_data();
+}
+
+}  // namespace
+
 absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
-                                                 const Tensor& mean, const Tensor& rstd) {
+                                                 const Tensor& mean, const Tensor& rstd, const Tensor* acc) {
   const Device dev = x.device();
   RETURN_IF_ERROR(SameShapes(dy, x, "layer_norm_backward"));
   const int64_t n = LastDim(x), rows = n == 0 ? 0 : x.numel() / n;
@@ -452,11 +474,12 @@ absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor&
   ASSIGN_OR_RETURN(Tensor cg, AsFloat(gamma, type, "layer_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fm, AsF32(mean, "layer_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fr, AsF32(rstd, "layer_norm_backward"));
+  ASSIGN_OR_RETURN(const void* fold, FoldedData(x, acc, "layer_norm_backward"));
   ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), type, dev));
   ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, type, dev));
   ASSIGN_OR_RETURN(Tensor dbeta, Tensor::Empty({n}, type, dev));
   RETURN_IF_ERROR(k->LayerNormBackward(dev.index, Elem(type), cd.raw_data(), cx.raw_data(), cg.raw_data(), F(fm),
-                                       F(fr), dx.raw_data(), dgamma.raw_data(), dbeta.raw_data(), rows, n));
+                                       F(fr), fold, dx.raw_data(), dgamma.raw_data(), dbeta.raw_data(), rows, n));
   ASSIGN_OR_RETURN(dgamma, dgamma.ContiguousAs(gamma.dtype()));
   ASSIGN_OR_RETURN(dbeta, dbeta.ContiguousAs(gamma.dtype()));
   return LayerNormGrads{std::move(dx), std::move(dgamma), std::move(dbeta)};
@@ -483,7 +506,7 @@ absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, floa
 }
 
 absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
-                                             const Tensor& rstd) {
+                                             const Tensor& rstd, const Tensor* acc) {
   const Device dev = x.device();
   RETURN_IF_ERROR(SameShapes(dy, x, "rms_norm_backward"));
   const int64_t n = LastDim(x), rows = n == 0 ? 0 : x.numel() / n;
@@ -496,9 +519,10 @@ absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, 
   ASSIGN_OR_RETURN(Tensor cd, AsFloat(dy, type, "rms_norm_backward"));
   ASSIGN_OR_RETURN(Tensor cg, AsFloat(gamma, type, "rms_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fr, AsF32(rstd, "rms_norm_backward"));
+  ASSIGN_OR_RETURN(const void* fold, FoldedData(x, acc, "rms_norm_backward"));
   ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(x.shape(), type, dev));
   ASSIGN_OR_RETURN(Tensor dgamma, Tensor::Empty({n}, type, dev));
-  RETURN_IF_ERROR(k->RmsNormBackward(dev.index, Elem(type), cd.raw_data(), cx.raw_data(), cg.raw_data(), F(fr),
+  RETURN_IF_ERROR(k->RmsNormBackward(dev.index, Elem(type), cd.raw_data(), cx.raw_data(), cg.raw_data(), F(fr), fold,
                                      dx.raw_data(), dgamma.raw_data(), rows, n));
   ASSIGN_OR_RETURN(dgamma, dgamma.ContiguousAs(gamma.dtype()));
   return RmsNormGrads{std::move(dx), std::move(dgamma)};

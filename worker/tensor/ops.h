@@ -122,8 +122,12 @@ absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, 
 struct LayerNormGrads {
   Tensor dx, dgamma, dbeta;
 };
+// With `acc` (the gradient x already has, in the kernels' dtype for x:
+// FoldsInto's test), dx = acc + the norm's dx in the backward's kernel, with
+// the bits of Add(*acc, dx): the residual stream's add folded in.
 absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
-                                                 const Tensor& mean, const Tensor& rstd);
+                                                 const Tensor& mean, const Tensor& rstd,
+                                                 const Tensor* acc = nullptr);
 
 // RMSNorm over the last dim (LLaMA): y = x * rstd * gamma, rstd =
 // 1 / sqrt(mean(x^2) + eps); rstd ([rows], f32) is kept for the backward.
@@ -138,7 +142,11 @@ struct RmsNormGrads {
   Tensor dx, dgamma;
 };
 absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
-                                             const Tensor& rstd);
+                                             const Tensor& rstd, const Tensor* acc = nullptr);
+// Whether a norm backward of x can fold `acc` into its dx: acc is
+// contiguous, of x's shape and device, in the dtype the backward computes
+// x's gradient in (where not, the caller adds).
+bool FoldsInto(const Tensor& x, const Tensor& acc);
 
 // The passes of a norm whose hidden dim is split over ranks (worker/nn's
 // ShardedLayerNorm): x (and dy) hold this rank's piece of n = the last dim

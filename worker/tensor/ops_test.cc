@@ -306,6 +306,43 @@ TEST(CpuKernels, NormsOfAResidualStreamAreAddThenNorm) {
   }
 }
 
+// A norm backward given the gradient its input already has (a residual
+// stream's, from the skip connection) folds it into dx with the bits of Add
+// after the unfolded backward (dx rounded to the dtype, then the add rounded
+// once); the parameter gradients are the unfolded ones. A gradient of
+// another dtype or shape is refused (FoldsInto says no: Backward adds).
+TEST(CpuKernels, NormBackwardsFoldTheResidualGradientWithTheAddsBits) {
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(t));
+    auto in = [t](const Shape& shape, uint64_t seed) { return *Random(shape, seed).ToDType(t); };
+    const Tensor x = in({4, 3, 50}, 70), dy = in({4, 3, 50}, 71), acc = in({4, 3, 50}, 72);
+    const Tensor g = in({50}, 73), b = in({50}, 74);
+    ASSERT_TRUE(FoldsInto(x, acc));
+    const LayerNormResult ln = *LayerNorm(x, g, b, 1e-5f);
+    const LayerNormGrads plain = *LayerNormBackward(dy, x, g, ln.mean, ln.rstd);
+    auto folded = LayerNormBackward(dy, x, g, ln.mean, ln.rstd, &acc);
+    ASSERT_TRUE(folded.ok()) << folded.status();
+    EXPECT_EQ(folded->dx.ToBytes(), Add(acc, plain.dx)->ToBytes());
+    EXPECT_EQ(folded->dgamma.ToBytes(), plain.dgamma.ToBytes());
+    EXPECT_EQ(folded->dbeta.ToBytes(), plain.dbeta.ToBytes());
+    const RmsNormResult rn = *RmsNorm(x, g, 1e-6f);
+    const RmsNormGrads rplain = *RmsNormBackward(dy, x, g, rn.rstd);
+    auto rfolded = RmsNormBackward(dy, x, g, rn.rstd, &acc);
+    ASSERT_TRUE(rfolded.ok()) << rfolded.status();
+    EXPECT_EQ(rfolded->dx.ToBytes(), Add(acc, rplain.dx)->ToBytes());
+    EXPECT_EQ(rfolded->dgamma.ToBytes(), rplain.dgamma.ToBytes());
+    const Tensor other = *acc.ToDType(t == DType::kF32 ? DType::kBF16 : DType::kF32);
+    const Tensor narrow = in({4, 3, 49}, 75);
+    const Tensor strided = *in({3, 4, 50}, 76).Transpose(0, 1);
+    for (const Tensor* bad : {&other, &narrow, &strided}) {
+      EXPECT_FALSE(FoldsInto(x, *bad));
+      EXPECT_EQ(LayerNormBackward(dy, x, g, ln.mean, ln.rstd, bad).status().code(),
+                absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(RmsNormBackward(dy, x, g, rn.rstd, bad).status().code(), absl::StatusCode::kInvalidArgument);
+    }
+  }
+}
+
 TEST(CpuKernels, RmsNormForwardAndBackward) {
   const int64_t n = 13;
   const Tensor x = Random({4, n}, 20, 2.0f), g = Random({n}, 21), dy = Random({4, n}, 22);

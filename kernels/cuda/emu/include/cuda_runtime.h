@@ -278,6 +278,10 @@ inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __expf(float x) { return expf(x); }
 inline float __logf(float x) { return logf(x); }
 inline float __fdividef(float x, float y) { return x / y; }
+// An add the compiler never contracts into an FMA with a product before it
+// (nvcc contracts a * b + c unless told; the host build is ISO C++, which does
+// not).
+inline float __fadd_rn(float x, float y) { return x + y; }
 
 // Atomics on device memory: the block's threads are fibers, but blocks of
 // concurrent kernels (other streams) run on other host threads.
