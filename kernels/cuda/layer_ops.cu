@@ -2671,11 +2671,13 @@ absl::Status LayerNormBackward(int device, ElemType type, const void* dy, const 
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "LayerNormBackward", [&](auto t) {
     using T = decltype(t);
-    if (Packable<T>(n, {dy, x, g, acc, dx})) {
+    if (Packable<T>(n, {dy, x, g, dx})) {  // the kernel the unfolded backward runs
+      const bool in_pass = Packable<T>(n, {acc});
       Launch(LayerNormBackwardWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(dy),
-             static_cast<const T*>(x), static_cast<const T*>(g), mean, rstd, static_cast<const T*>(acc),
-             static_cast<T*>(dx), rows, n);
+             static_cast<const T*>(x), static_cast<const T*>(g), mean, rstd,
+             static_cast<const T*>(in_pass ? acc : nullptr), static_cast<T*>(dx), rows, n);
       RETURN_IF(Finish("LayerNormBackwardWarpKernel"));
+      if (!in_pass) RETURN_IF(Binary(device, BinaryOp::kAdd, type, acc, dx, dx, rows * n));  // a misaligned acc
     } else {
       Launch(LayerNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g),
              mean, rstd, InOf<T>(acc), OutOf<T>(dx), rows, n);
@@ -2712,11 +2714,13 @@ absl::Status RmsNormBackward(int device, ElemType type, const void* dy, const vo
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "RmsNormBackward", [&](auto t) {
     using T = decltype(t);
-    if (Packable<T>(n, {dy, x, g, acc, dx})) {
+    if (Packable<T>(n, {dy, x, g, dx})) {  // the kernel the unfolded backward runs
+      const bool in_pass = Packable<T>(n, {acc});
       Launch(RmsNormBackwardWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(dy),
-             static_cast<const T*>(x), static_cast<const T*>(g), rstd, static_cast<const T*>(acc),
+             static_cast<const T*>(x), static_cast<const T*>(g), rstd, static_cast<const T*>(in_pass ? acc : nullptr),
              static_cast<T*>(dx), rows, n);
       RETURN_IF(Finish("RmsNormBackwardWarpKernel"));
+      if (!in_pass) RETURN_IF(Binary(device, BinaryOp::kAdd, type, acc, dx, dx, rows * n));  // a misaligned acc
     } else {
       Launch(RmsNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), rstd,
              InOf<T>(acc), OutOf<T>(dx), rows, n);

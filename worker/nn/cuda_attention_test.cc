@@ -319,6 +319,47 @@ TEST(CudaAttentionTensorCores, OnePassBackwardMatchesTheDeterministicKernels) {
   }
 }
 
+#ifdef COLOD_CUDA_EMULATION
+// Where the one-pass backward's f32 dQ buffer cannot be allocated (a full
+// device: the emulation fails that one cudaMallocAsync), the backward runs
+// the two kernels of COLOD_DETERMINISTIC=1 instead: their launches and
+// their bits, dq's too; the failed allocation leaves no error behind, and
+// the next backward gets its buffer and runs in one pass again.
+TEST(CudaAttentionTensorCores, OnePassBackwardWithoutItsBufferRunsTheTwoKernels) {
+  if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const auto& [t, c] : {std::pair{DType::kBF16, Case{1, 70, 4, 2, 64, true}},
+                             std::pair{DType::kF16, Case{2, 40, 2, 2, 128, false}}}) {
+    SCOPED_TRACE(::testing::PrintToString(c) + " " + std::string(DTypeName(t)));
+    const auto [q, k, v, r] = RandomInputs(c, 61, t);
+    const size_t buffer_bytes = static_cast<size_t>(c.batch * c.seq * c.hq * c.d) * sizeof(float);
+    auto launches = [] { return colod_cuda_emu::GetCounters().kernel_launches; };
+    ScopedDeterministic mode(nullptr);
+    const uint64_t l0 = launches();
+    const Result one_pass = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+    const uint64_t l1 = launches();
+    mode.Set("1");
+    const Result two = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+    mode.Set(nullptr);
+    const uint64_t l2 = launches();
+    ASSERT_EQ(l1 - l0, l2 - l1 + 1);  // 3 backward kernels, 2 deterministic
+    colod_cuda_emu::FailNextAsyncAllocation(buffer_bytes);
+    const Result fallback = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+    const uint64_t l3 = launches();
+    EXPECT_FALSE(colod_cuda_emu::AsyncAllocationFailureArmed()) << "nothing asked for the buffer";
+    colod_cuda_emu::FailNextAsyncAllocation(0);
+    EXPECT_EQ(l3 - l2, l2 - l1);
+    ExpectSameBits(fallback.out, two.out, "out");
+    ExpectSameBits(fallback.dq, two.dq, "dq");
+    ExpectSameBits(fallback.dk, two.dk, "dk");
+    ExpectSameBits(fallback.dv, two.dv, "dv");
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    const Result again = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+    EXPECT_EQ(launches() - l3, l1 - l0);
+    ExpectSameBits(again.dk, one_pass.dk, "dk, one pass again");
+  }
+}
+#endif
+
 // BLOOM's ALiBi on the fused kernels (the slopes passed to them): f32 on the
 // scalar kernels, bf16 on the tensor-core ones (head dims 64 and 128), a
 // head count that is not a power of two (BLOOM's second slope series), GQA,

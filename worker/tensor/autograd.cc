@@ -206,14 +206,14 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
     bool folded = false;
     absl::StatusOr<std::vector<std::optional<Tensor>>> in_grads;
     if (node.folding) {
-      const Tensor* pending = nullptr;
+      const Tensor* so_far = nullptr;
       if (!node.inputs.empty() && node.inputs[0]->requires_grad) {
         auto p = grads.find(node.inputs[0].get());
-        if (p != grads.end()) pending = &p->second;
+        if (p != grads.end()) so_far = &p->second;
       }
-      absl::StatusOr<FoldedGrads> f = node.folding(it->second, pending);
+      absl::StatusOr<FoldedGrads> f = node.folding(it->second, so_far);
       if (f.ok()) {
-        folded = pending != nullptr && f->folded;
+        folded = so_far != nullptr && f->folded;
         in_grads = std::move(f->grads);
       } else {
         in_grads = f.status();

@@ -428,7 +428,8 @@ TEST_F(CudaLayerOps, PackedElementwiseKernelsGiveTheScalarKernelsBits) {
 }
 
 // The norm backwards with the residual stream's gradient folded in (the
-// warp kernels in 16-byte packs at n = 64, the block kernels at 70): dx has
+// warp kernels in 16-byte packs at n = 64, the block kernels at 70; a
+// misaligned gradient too): dx has
 // the bits of Add after the unfolded backward on the device, and the CPU
 // twin's values; the parameter gradients are the unfolded ones.
 TEST_F(CudaLayerOps, NormBackwardsFoldTheResidualGradientWithTheAddsBits) {
@@ -457,6 +458,15 @@ TEST_F(CudaLayerOps, NormBackwardsFoldTheResidualGradientWithTheAddsBits) {
       EXPECT_EQ(rfolded->dgamma.ToBytes(), rplain.dgamma.ToBytes());
       const RmsNormResult crn = *RmsNorm(x, g, 1e-6f);
       ExpectNear(rfolded->dx, RmsNormBackward(dy, x, g, crn.rstd, &acc)->dx, tol, "rms_norm dx");
+      // The gradient as a view one element into a buffer (misaligned for the
+      // packs): the row kernel the unfolded backward runs, then the add's
+      // kernel; the same bits.
+      const Tensor buffer = *Tensor::Zeros({acc.numel() + 1}, t, Device::Cuda(0));
+      Tensor off = *(*buffer.Narrow(0, 1, acc.numel())).Reshape(acc.shape());
+      ASSERT_TRUE(off.CopyFrom(dacc).ok());
+      ASSERT_TRUE(FoldsInto(dx, off));
+      EXPECT_EQ(LayerNormBackward(ddy, dx, dg, ln.mean, ln.rstd, &off)->dx.ToBytes(), folded->dx.ToBytes());
+      EXPECT_EQ(RmsNormBackward(ddy, dx, dg, rn.rstd, &off)->dx.ToBytes(), rfolded->dx.ToBytes());
     }
   }
 }

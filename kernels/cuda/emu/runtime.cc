@@ -587,6 +587,23 @@ void CountAsyncCopy() { async_copies.fetch_add(1, std::memory_order_relaxed); }
 
 Counters GetThreadCounters() { return this_thread_counters; }
 
+namespace {
+std::atomic<size_t> fail_async_allocation{0};  // 0: disarmed
+}  // namespace
+
+void FailNextAsyncAllocation(size_t min_bytes) { fail_async_allocation.store(min_bytes); }
+bool AsyncAllocationFailureArmed() { return fail_async_allocation.load() != 0; }
+
+// Whether this allocation of `size` bytes is the one the hook fails (it
+// disarms then, so exactly one does).
+bool TakeAsyncAllocationFailure(size_t size) {
+  size_t armed = fail_async_allocation.load();
+  while (armed != 0 && size >= armed) {
+    if (fail_async_allocation.compare_exchange_weak(armed, 0)) return true;
+  }
+  return false;
+}
+
 Counters GetCounters() {
   Counters c;
   c.device_allocations = device_allocations.load();
@@ -840,6 +857,7 @@ cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream) {
   if (ptr == nullptr) return Fail(cudaErrorInvalidValue);
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  if (colod_cuda_emu::TakeAsyncAllocationFailure(size)) return Fail(cudaErrorMemoryAllocation);
   // Usable in stream order from here: allocating now is at least as early.
   return Fail(Registry::Get().AllocateFromPool(s->device(), size, s.get(), ptr));
 }

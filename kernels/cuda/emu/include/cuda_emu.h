@@ -8,6 +8,7 @@
 #ifndef COLOD_KERNELS_CUDA_EMU_CUDA_EMU_H_
 #define COLOD_KERNELS_CUDA_EMU_CUDA_EMU_H_
 
+#include <cstddef>
 #include <cstdint>
 
 namespace colod_cuda_emu {
@@ -39,6 +40,14 @@ Counters GetCounters();
 // The calls the calling host thread made (a kernel launch counts on the
 // thread that launched it, not on the stream that runs it).
 Counters GetThreadCounters();
+
+// A test's full device, once: the next cudaMallocAsync (any thread, any
+// device) asking for at least `min_bytes` fails with
+// cudaErrorMemoryAllocation, as a device without that much free memory
+// would, and the hook disarms; 0 disarms it. Whether it is still armed:
+// AsyncAllocationFailureArmed().
+void FailNextAsyncAllocation(size_t min_bytes);
+bool AsyncAllocationFailureArmed();
 
 }  // namespace colod_cuda_emu
 
