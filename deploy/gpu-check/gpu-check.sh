@@ -14,7 +14,9 @@
 # (seconds per benchmark, default 1200), COLOD_GPU_CHECK_PYTORCH (the python3
 # that runs bench/pytorch_gpt2.py's GPU rows beside bench:train's, default
 # python3 where it imports torch with CUDA; "none" skips them; rows from
-# COLOD_GPU_CHECK_PYTORCH_ROWS, default sdpa,tuned,compile), COLOD_GPU_CHECK_SANITIZER (memcheck,
+# COLOD_GPU_CHECK_PYTORCH_ROWS, default sdpa,tuned,compile), COLOD_GPU_CHECK_PROFILE (the nsys that
+# traces a GPT-2 124M step for step_profile.py's timeline, default nsys on PATH or under
+# COLOD_CUDA_HOME or /opt/nvidia; "none" skips it), COLOD_GPU_CHECK_SANITIZER (memcheck,
 # racecheck, synccheck or initcheck: each test under compute-sanitizer with
 # that tool, its findings failing the test; CUDA API errors are not reported,
 # since NCCL probes kernels this device has no image of).
@@ -141,6 +143,34 @@ if [[ -n ${COLOD_GPU_CHECK_BENCH-train} && $py != none ]]; then
     { echo; echo "## PyTorch, bench/pytorch_gpt2.py --device cuda"; echo '```'; tail -20 "$out/bench-pytorch.txt"; echo '```'; } >>"$report"
   else
     { echo; echo "## PyTorch: not run ($py has no torch with CUDA; set COLOD_GPU_CHECK_PYTORCH)"; } >>"$report"
+  fi
+fi
+
+# One GPT-2 124M step's timeline (bench:train's tp=1 row in bf16, traced by
+# Nsight Systems): how long the GPU was busy and idle between the step's
+# reads, the longest gaps and the kernels by time (step_profile.py).
+if [[ -n ${COLOD_GPU_CHECK_BENCH-train} && ${COLOD_GPU_CHECK_PROFILE:-} != none ]]; then
+  nsys=${COLOD_GPU_CHECK_PROFILE:-$(command -v nsys || ls "$cuda"/bin/nsys /opt/nvidia/nsight-systems*/*/bin/nsys 2>/dev/null | head -1)}
+  if [[ -n $nsys && -x $nsys ]]; then
+    log "gpu-check: $nsys profile bench/train, GPT-2 124M at tp=1"
+    rm -f "$out"/gpt2-step.nsys-rep "$out"/gpt2-step*_cuda_gpu_trace*.csv
+    { timeout -k 10 "${COLOD_GPU_CHECK_BENCH_TIMEOUT:-1200}" "$nsys" profile -t cuda -s none --cpuctxsw none \
+        --force-overwrite true -o "$out/gpt2-step" "$root/opt/colod/bench/train" --rows gpu --model gpt2-124m \
+        --layout "tp=1 dp=1" --steps 3 --warmup 1 &&
+      "$nsys" stats --report cuda_gpu_trace --format csv --force-export true --output "$out/gpt2-step" \
+        "$out/gpt2-step.nsys-rep"; } >"$out/profile.log" 2>&1 || echo "(exit $?)" >>"$out/profile.log"
+    trace=$(ls "$out"/gpt2-step*_cuda_gpu_trace*.csv 2>/dev/null | head -1)
+    {
+      echo
+      echo "## One GPT-2 124M step under Nsight Systems (bench:train, tp=1, bf16)"
+      if [[ -n $trace ]]; then
+        python3 "$root/step_profile.py" "$trace" 2>&1
+      else
+        echo '```'; tail -20 "$out/profile.log"; echo '```'
+      fi
+    } >>"$report"
+  else
+    { echo; echo "## Step timeline: not run (no nsys found; set COLOD_GPU_CHECK_PROFILE to one)"; } >>"$report"
   fi
 fi
 
