@@ -155,6 +155,32 @@ TEST(GpuStep, TwoDimensionalStepsReadOnlyTheLossAndTheNorm) {
   }
 }
 
+// The host runs a step ahead of the device: it reads step n (its loss and
+// grad norm) once it has enqueued step n + 1, so the device starts a step
+// without waiting for the host's report, batch and launches. The last step
+// is read at once. Rank 0's counters at each report: the report of step 4
+// comes after step 5's launches (as many as step 4's, between the reports
+// of 2 and 3), and the report of step 5 after no launch, one synchronization.
+TEST(GpuStep, TheHostEnqueuesTheNextStepBeforeItReadsOne) {
+  if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices";
+  std::vector<Sample> after;
+  std::vector<StepStats> stats;
+  TrainTiny(/*layers=*/2, /*steps=*/5, after, stats);
+  if (HasFatalFailure()) return;
+  const auto launches = [&](size_t from, size_t to) {
+    return after[to].rank0.kernel_launches - after[from].rank0.kernel_launches;
+  };
+  const uint64_t step_launches = launches(1, 2);
+  EXPECT_GT(step_launches, 0u);
+  EXPECT_EQ(launches(2, 3), step_launches) << "between the reports of steps 3 and 4 rank 0 enqueued step 5";
+  EXPECT_EQ(launches(3, 4), 0u) << "the last step was not enqueued before step 4 was read";
+  EXPECT_EQ(after[4].rank0.host_synchronizations - after[3].rank0.host_synchronizations, 1u);
+  for (size_t i = 0; i < stats.size(); ++i) {
+    EXPECT_EQ(stats[i].step, static_cast<int64_t>(i) + 1);
+    EXPECT_GT(stats[i].seconds, 0.0) << "step " << i + 1;
+  }
+}
+
 // Kernel launches per rank and step grow with the layers by a bounded
 // amount: rank 0's launches in a warm step of a 2-layer and a 4-layer GPT-2
 // (tp=2 dp=2) give the launches per transformer layer and the rest
@@ -186,9 +212,11 @@ TEST_P(GpuStepLaunches, KernelLaunchesPerLayerAreBounded) {
     std::vector<StepStats> stats;
     TrainTiny(/*layers=*/2 + 2 * i, /*steps=*/5, after, stats, GetParam());
     if (HasFatalFailure()) return;
-    launches[i] = after[4].rank0.kernel_launches - after[3].rank0.kernel_launches;
+    // Step n is reported once step n + 1 is enqueued: between the reports
+    // of steps 3 and 4 rank 0 enqueued step 5, between 2 and 3 step 4.
+    launches[i] = after[3].rank0.kernel_launches - after[2].rank0.kernel_launches;
     // Every warm step launches the same kernels.
-    EXPECT_EQ(after[3].rank0.kernel_launches - after[2].rank0.kernel_launches, launches[i]);
+    EXPECT_EQ(after[2].rank0.kernel_launches - after[1].rank0.kernel_launches, launches[i]);
   }
   ASSERT_GT(launches[1], launches[0]);
   const uint64_t per_layer = (launches[1] - launches[0]) / 2, rest = launches[0] - 2 * per_layer;

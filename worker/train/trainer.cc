@@ -6,6 +6,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -441,6 +442,19 @@ bool EvaluatesAfter(const PreparedTrain& run, int64_t step) {
   return step == run.options.steps || (every > 0 && step % every == 0);
 }
 
+// A training step enqueued on the device, its one read still to come
+// (RunTrainSteps' finish).
+struct EnqueuedStep {
+  int64_t step = 0;  // 0-based
+  absl::Time start;  // when the host began enqueueing it
+  double lr = 0;
+  double loss = 0;  // the part the host read already (pipeline stages)
+  double pipeline_wait = 0, pipeline_span = 0;
+  Tensor read;  // the norm and the clipping factor, then the micro-batches' loss sums
+  std::vector<int64_t> loss_denominators;  // one a loss sum
+  int64_t dp_bucket_bytes = 0, dp_overlapped_bytes = 0;
+};
+
 absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard,
                            const RankHooks& hooks) {
   const TrainOptions& o = run.options;
@@ -489,20 +503,23 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     if (hooks.on_step) hooks.on_step(s);
     return absl::OkStatus();
   }
-  for (int64_t step = first; step < o.steps; ++step) {
-    if (hooks.stop && hooks.stop()) {
-      return absl::CancelledError(absl::StrCat("stopped before step ", step + 1));
-    }
-    const absl::Time start = absl::Now();
+  // Where the run saves a training checkpoint after `done` steps.
+  auto saves_after = [&](int64_t done) {
+    return !o.save_dir.empty() && o.save_every > 0 && (done % o.save_every == 0 || done == o.steps);
+  };
+  // Enqueues step `step` (0-based): its forwards, backwards, dp sync and
+  // update, up to the tensor its one read takes.
+  auto enqueue = [&](int64_t step) -> absl::StatusOr<EnqueuedStep> {
+    EnqueuedStep e;
+    e.step = step;
+    e.start = absl::Now();
     optimizer.ZeroGrad();
     // The step's rows on this replica: grad_accum passes of micro_batches
     // micro-batches each; the dp sync reduces after the last one.
     const int64_t pass_rows = micro_rows * o.micro_batches;
-    double loss = 0, pipeline_wait = 0, pipeline_span = 0;
     // The micro-batches' loss sums left on the device, read with the norm
-    // after the update is enqueued, and their denominators.
+    // after the update is enqueued.
     std::vector<Tensor> loss_sums;
-    std::vector<int64_t> loss_denominators;
     for (int64_t pass = 0; pass < o.grad_accum; ++pass) {
       const bool last_pass = pass + 1 == o.grad_accum;
       ASSIGN_OR_RETURN(const StepBatch batch,
@@ -515,9 +532,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
                          RunPipelineStep(chunks, pg, *sync, inputs, labels, o.micro_batches, step_labels,
                                          /*reduce=*/last_pass, /*train=*/true,
                                          run.data->pairs() ? &batch.decoder_inputs : nullptr));
-        loss += r.loss;
-        pipeline_wait += r.mean_wait_seconds;
-        pipeline_span += r.span_seconds;
+        e.loss += r.loss;
+        e.pipeline_wait += r.mean_wait_seconds;
+        e.pipeline_span += r.span_seconds;
         continue;
       }
       for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
@@ -528,9 +545,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
         RETURN_IF_ERROR(Backward(l.loss));
         if (l.sum_on_device.has_value()) {
           loss_sums.push_back(*l.sum_on_device);
-          loss_denominators.push_back(l.denominator);
+          e.loss_denominators.push_back(l.denominator);
         } else {
-          loss += l.value;
+          e.loss += l.value;
         }
       }
     }
@@ -541,36 +558,49 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     // read each micro-batch's loss) and with AdamW (SGD reads the factor),
     // nothing waits for the device from the first forward to the update.
     ASSIGN_OR_RETURN(const DeviceClip clip, ClipOnDevice(optimizer, o.clip_norm, &pg, &norm_order));
-    const double lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
-    RETURN_IF_ERROR(optimizer.Step(lr, clip.scale));  // clipping as the update reads
+    e.lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
+    RETURN_IF_ERROR(optimizer.Step(e.lr, clip.scale));  // clipping as the update reads
     RETURN_IF_ERROR(sync->GatherParams());  // ZeRO: every replica gets the weights the others updated
-    // The step's one read: the norm and the losses, after every kernel and
-    // collective of the step. A collective that failed is reported now. Its
-    // garbage may have reached the weights in memory, but not a checkpoint
-    // or a report: the run ends here and a restart loads the last checkpoint.
     std::vector<Tensor> read = {clip.norm_and_scale};
     read.insert(read.end(), loss_sums.begin(), loss_sums.end());
-    ASSIGN_OR_RETURN(const Tensor all, Tensor::Cat(read, 0));
+    ASSIGN_OR_RETURN(e.read, Tensor::Cat(read, 0));
+    e.dp_bucket_bytes = sync->last_bucket_bytes();
+    e.dp_overlapped_bytes = sync->last_overlapped_bytes();
+    return e;
+  };
+  absl::Time last_read = absl::InfinitePast();  // when the previous step's read returned
+  // The step's one read (the norm and the losses, after every kernel and
+  // collective of the step), then its report, evaluation and checkpoint. A
+  // collective that failed is reported now. Its garbage may have reached the
+  // weights in memory, but not a checkpoint or a report: the run ends here
+  // and a restart loads the last checkpoint.
+  auto finish = [&](const EnqueuedStep& e) -> absl::Status {
+    const int64_t step = e.step;
     const absl::Time read_start = absl::Now();
-    const std::vector<float> values = all.ToFloats();
-    const double device_wait = all.device().is_cuda() ? absl::ToDoubleSeconds(absl::Now() - read_start) : 0;
+    const std::vector<float> values = e.read.ToFloats();
+    const absl::Time read_end = absl::Now();
+    const double device_wait = e.read.device().is_cuda() ? absl::ToDoubleSeconds(read_end - read_start) : 0;
     RETURN_IF_ERROR(pg.AsyncError());
-    const double norm = values[0];
-    for (size_t k = 0; k < loss_sums.size(); ++k) {
-      loss += static_cast<double>(values[2 + k]) / static_cast<double>(loss_denominators[k]);
+    double loss = e.loss;
+    for (size_t k = 0; k < e.loss_denominators.size(); ++k) {
+      loss += static_cast<double>(values[2 + k]) / static_cast<double>(e.loss_denominators[k]);
     }
     StepStats s;
     s.rank = rank;
     s.step = step + 1;
     s.loss = loss;
-    s.lr = lr;
-    s.grad_norm = norm;
-    s.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    s.lr = e.lr;
+    s.grad_norm = values[0];
+    // From the step's start, or from the previous step's read where the
+    // step was enqueued before it: the device's time for the step where the
+    // host runs ahead.
+    s.seconds = absl::ToDoubleSeconds(read_end - std::max(e.start, last_read));
+    last_read = read_end;
     s.device_wait_seconds = device_wait;
-    s.pipeline_wait_seconds = pipeline_wait;
-    s.pipeline_span_seconds = pipeline_span;
-    s.dp_bucket_bytes = sync->last_bucket_bytes();
-    s.dp_overlapped_bytes = sync->last_overlapped_bytes();
+    s.pipeline_wait_seconds = e.pipeline_wait;
+    s.pipeline_span_seconds = e.pipeline_span;
+    s.dp_bucket_bytes = e.dp_bucket_bytes;
+    s.dp_overlapped_bytes = e.dp_overlapped_bytes;
     const int64_t per_row = run.data->TokensPerRow();
     s.tokens_per_second = s.seconds > 0 ? static_cast<double>(run.step_batch * per_row) / s.seconds : 0;
     s.rank_tokens = micro_rows * o.micro_batches * o.grad_accum * per_row;
@@ -591,8 +621,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     if (EvaluatesAfter(run, step + 1)) {
       ASSIGN_OR_RETURN(s.eval, Evaluate(run, chunks, pg, *sync, replica, step + 1, hooks));
     }
-    const bool last = step + 1 == o.steps;
-    if (!o.save_dir.empty() && o.save_every > 0 && ((step + 1) % o.save_every == 0 || last)) {
+    if (saves_after(step + 1)) {
       const absl::Status saved = SaveTrainingCheckpoint(
           chunks, optimizer, o.save_dir, step + 1, run.seed,
           s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt);
@@ -621,7 +650,36 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     }
     if (step == first) s.resumed_from = run.resume;
     if (hooks.on_step) hooks.on_step(s);
-    if (step + 1 == o.stop_after) return absl::OkStatus();
+    return absl::OkStatus();
+  };
+  // On a CUDA device the host runs a step ahead: step n is read once step
+  // n + 1 is enqueued, so the device starts step n + 1 without waiting for
+  // the host's report, data and launches. A step after which the run
+  // evaluates, saves, stops or ends is read at once (eval and the checkpoint
+  // read the weights it updated); so is every step with pipeline stages,
+  // which read each micro-batch's loss.
+  std::optional<EnqueuedStep> ahead;
+  for (int64_t step = first; step < o.steps; ++step) {
+    if (hooks.stop && hooks.stop()) {
+      if (ahead.has_value()) RETURN_IF_ERROR(finish(*ahead));
+      return absl::CancelledError(absl::StrCat("stopped before step ", step + 1));
+    }
+    absl::StatusOr<EnqueuedStep> e = enqueue(step);
+    if (ahead.has_value()) {
+      // Reported even where this step failed to enqueue: it trained.
+      const absl::Status previous = finish(*ahead);
+      ahead.reset();
+      RETURN_IF_ERROR(previous);
+    }
+    if (!e.ok()) return e.status();
+    const int64_t done = step + 1;
+    if (shard.device.is_cuda() && shard.pp() == 1 && done < o.steps && done != o.stop_after &&
+        !EvaluatesAfter(run, done) && !saves_after(done)) {
+      ahead = *std::move(e);
+      continue;
+    }
+    RETURN_IF_ERROR(finish(*e));
+    if (done == o.stop_after) return absl::OkStatus();
   }
   if (o.final_dir.empty()) return absl::OkStatus();
   const std::string sharded = o.final_dir + "/.sharded";

@@ -105,11 +105,15 @@ struct StepStats {
   // On a CUDA device: its memory pool after the step (kernels::GetCudaPoolBytes).
   bool cuda = false;
   int64_t pool_reserved_bytes = 0, pool_used_bytes = 0;
-  double seconds = 0;      // the step's wall time
+  // The step's wall time: from its start, or, where the host ran a step
+  // ahead (on a CUDA device the step is read once the next one is enqueued),
+  // from the previous step's read to its own, the device's time for it.
+  double seconds = 0;
   // The host's wait in the step's one read of the device (the loss and the
-  // grad norm, after the update is enqueued): how long the device was still
-  // busy once the host had enqueued the whole step. Near 0 where the host,
-  // not the device, sets the step's pace. 0 on the CPU (nothing to wait for).
+  // grad norm, after the update and, running ahead, the next step are
+  // enqueued): how long the device was still busy with the step once the
+  // host had enqueued that much. Near 0 where the host, not the device, sets
+  // the pace. 0 on the CPU (nothing to wait for).
   double device_wait_seconds = 0;
   // Pipeline stages: the idle time of this rank's pipeline's stages in the
   // step, averaged over the stages (the schedule's bubble;
@@ -153,11 +157,13 @@ struct RankHooks {
   // Called on this rank once the model (and any checkpoint) is loaded,
   // before the first step.
   std::function<void()> on_start;
-  // Called on this rank after each step.
+  // Called on this rank after each step, in step order; on a CUDA device
+  // once the next step is enqueued, except after the run's last step and
+  // where it evaluates, saves or stops.
   std::function<void(const StepStats&)> on_step;
-  // Polled before each step; when it returns true the rank stops with
-  // CANCELLED (its peers see their collectives fail or time out, and are
-  // stopped by the same signal).
+  // Polled before each step; when it returns true the rank reports a step
+  // it has enqueued and stops with CANCELLED (its peers see their
+  // collectives fail or time out, and are stopped by the same signal).
   std::function<bool()> stop;
 };
 

@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "tests/testing/temp_dir.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "spec/model_config.h"
 #include "worker/shardformer/safetensors.h"
@@ -372,6 +373,42 @@ TEST(Trainer, AStageThatStopsMidRunAbortsTheOthers) {
     // (the abort can reach it before it reports the step): never step 2.
     EXPECT_LE(first_stage_steps.load(), 1);
     EXPECT_LT(absl::Now() - start, absl::Seconds(60)) << (cuda ? "NCCL" : "Gloo") << ": " << s;
+  }
+}
+
+// A stop request ends a rank before its next step. On a CUDA device the
+// host runs a step ahead (it reads step n once step n + 1 is enqueued), so
+// a stop polled after step 2's report finds step 3 enqueued: the rank
+// reports it, with the loss the uninterrupted run gives, and stops before
+// step 4. On the CPU each step is read as it ends: it stops before step 3.
+TEST(Trainer, AStopReportsTheStepEnqueuedAheadOfIt) {
+  const std::string model = TinyModel("train_stop_ahead");
+  TrainOptions t = Options(model, 1, 1);
+  t.steps = 6;
+  const std::vector<StepStats> whole = Losses(t);
+  for (const bool cuda : {false, true}) {
+    if (cuda && kernels::CudaDeviceCount() < 1) continue;
+    t.cuda = cuda;
+    auto prepared = PrepareTrain(t);
+    ASSERT_TRUE(prepared.ok()) << prepared.status();
+    std::vector<StepStats> reported;
+    const absl::Status s = shardformer::RunOnLocalRanks(
+        t.shard, cuda,
+        [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
+          RankHooks hooks;
+          hooks.on_step = [&](const StepStats& st) { reported.push_back(st); };
+          hooks.stop = [&] { return reported.size() >= 2; };
+          return RunTrainRank(**prepared, rank, pg, shard, hooks);
+        },
+        t.comm_timeout);
+    const int64_t last = cuda ? 3 : 2;
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+    EXPECT_NE(s.message().find(absl::StrCat("stopped before step ", last + 1)), std::string::npos) << s;
+    ASSERT_EQ(reported.size(), static_cast<size_t>(last)) << (cuda ? "CUDA" : "CPU");
+    for (int64_t i = 0; i < last; ++i) {
+      EXPECT_EQ(reported[i].step, i + 1);
+      EXPECT_NEAR(reported[i].loss, whole[i].loss, 1e-4 * whole[i].loss) << "step " << i + 1;
+    }
   }
 }
 
