@@ -54,10 +54,11 @@ out=$(COLOD_CUDA_EMU_DEVICES=2 "$train" --rows smoke --steps 1 --warmup 1 2>&1) 
 for model in gpt2-tiny llama-tiny; do
   # tp=1 always runs; tp=2 runs, or says it needs a second device.
   grep -qE "^$model +cuda +tp=1 dp=1 +bf16 .* [1-9][0-9]* +[0-9.e+]+ " <<<"$out" || fail "no timed $model tp=1 row" "$out"
-  # Below each in-process row: how long the host waited for the device.
+  # Below each in-process row: how long the host took to enqueue a step and
+  # waited for the device.
   below=$(grep -A1 -E "^$model +cuda +tp=1 dp=1 +bf16" <<<"$out")
-  grep -qE "^ +the host waited [0-9]+\.[0-9]{2} ms a step for the device at the step's end$" <<<"$below" ||
-    fail "no host wait under the $model tp=1 row" "$out"
+  grep -qE "^ +the host enqueued a step in [0-9]+\.[0-9]{2} ms and waited [0-9]+\.[0-9]{2} ms a step for the device in its read$" <<<"$below" ||
+    fail "no host enqueue and wait under the $model tp=1 row" "$out"
   grep -qE "^$model +cuda +tp=2 dp=1( +bf16 .* [1-9][0-9]* +[0-9.e+]+ |: skipped, 1 CUDA device)" <<<"$out" ||
     fail "no $model tp=2 row" "$out"
 done

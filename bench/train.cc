@@ -224,6 +224,9 @@ struct Measured {
   // CUDA rows run in this process: the mean of the timed steps' host waits
   // for the device (StepStats::device_wait_seconds); -1 where not measured.
   double device_wait = -1;
+  // The same rows: the mean of the timed steps' enqueue times
+  // (StepStats::enqueue_seconds); -1 where not measured.
+  double enqueue = -1;
 };
 
 // The row's training options, its model and corpus written under `dir`
@@ -265,6 +268,7 @@ struct StepEnd {
   double loss = 0, wait = 0, seconds = 0;
   double span = 0;  // the pipeline's part of `seconds`
   double device_wait = -1;  // StepStats::device_wait_seconds, where reported
+  double enqueue = -1;      // StepStats::enqueue_seconds, where device_wait is
 };
 
 absl::StatusOr<Measured> Summarize(const std::vector<StepEnd>& ends, int steps, int warmup) {
@@ -289,9 +293,13 @@ absl::StatusOr<Measured> Summarize(const std::vector<StepEnd>& ends, int steps, 
   }
   m.step_seconds = absl::ToDoubleSeconds(ends.back().end - ends[warmup - 1].end) / steps;
   if (ends.back().device_wait >= 0) {
-    double sum = 0;
-    for (size_t i = warmup; i < ends.size(); ++i) sum += ends[i].device_wait;
+    double sum = 0, enqueue = 0;
+    for (size_t i = warmup; i < ends.size(); ++i) {
+      sum += ends[i].device_wait;
+      enqueue += ends[i].enqueue;
+    }
     m.device_wait = sum / steps;
+    m.enqueue = enqueue / steps;
   }
   return m;
 }
@@ -301,7 +309,7 @@ absl::StatusOr<Measured> RunRow(const Row& row, const std::string& dir, int step
   std::vector<StepEnd> ends;
   RETURN_IF_ERROR(train::Train(o, [&](const train::StepStats& s) {
     ends.push_back({absl::Now(), s.loss, s.pipeline_wait_seconds, s.seconds, s.pipeline_span_seconds,
-                    s.cuda ? s.device_wait_seconds : -1});
+                    s.cuda ? s.device_wait_seconds : -1, s.cuda ? s.enqueue_seconds : -1});
   }));
   return Summarize(ends, steps, warmup);
 }
@@ -534,13 +542,14 @@ int Main(int argc, char** argv) {
                   "\"matmul_params\":%.0f,\"seq_len\":%lld,\"batch\":%lld,\"steps\":%d,\"step_seconds\":%.6f,"
                   "\"tokens_per_second\":%.1f,\"model_flops_per_second\":%.4g,\"peak_flops_per_second\":%.4g,"
                   "\"mfu\":%.4f,\"loss\":%.4f,\"bubble\":%.4f,\"bubble_schedule\":%.4f,\"bubble_over_work\":%.4f,"
-                  "\"bubble_over_work_schedule\":%.4f,\"device_wait_seconds\":%s,\"pinned\":%s,"
+                  "\"bubble_over_work_schedule\":%.4f,\"device_wait_seconds\":%s,\"enqueue_seconds\":%s,\"pinned\":%s,"
                   "\"gemm_epilogues\":%s}\n",
                   row.name.c_str(), row.cuda ? "cuda" : "cpu", row.tp, row.pp, row.dp, row.micro, row.v,
                   row.cuda ? "bf16" : "fp32", params, static_cast<long long>(row.seq),
                   static_cast<long long>(sized.batch), steps, m->step_seconds, tps, flops, peak, flops / peak, m->loss,
                   m->bubble, closed_form, m->bubble_work, closed_form_work,
                   m->device_wait >= 0 ? absl::StrFormat("%.6f", m->device_wait).c_str() : "null",
+                  m->enqueue >= 0 ? absl::StrFormat("%.6f", m->enqueue).c_str() : "null",
                   !row.cuda && absl::GetFlag(FLAGS_pin_workers) ? "true" : "false", row.bias_apart ? "false" : "true");
     } else {
       const std::string bubble =
@@ -552,10 +561,12 @@ int Main(int argc, char** argv) {
                   params / 1e6, tokens, m->step_seconds * 1e3, tps, flops, peak, 100 * flops / peak, vs,
                   bubble.c_str());
       if (m->device_wait >= 0) {
-        // Where the host's wait for the device at the step's end is near 0,
-        // the host, not the device, sets the pace.
-        std::printf("%-10s  the host waited %.2f ms a step for the device at the step's end\n", "",
-                    m->device_wait * 1e3);
+        // Where the host's wait for the device in a step's read is near 0
+        // (and its enqueue near the step's time), the host, not the device,
+        // sets the pace.
+        std::printf("%-10s  the host enqueued a step in %.2f ms and waited %.2f ms a step for the device in its "
+                    "read\n",
+                    "", m->enqueue * 1e3, m->device_wait * 1e3);
       }
     }
     std::fflush(stdout);

@@ -102,6 +102,7 @@ TEST(GpuStep, AfterWarmUpAStepTakesNoNewDeviceMemory) {
   for (const StepStats& st : stats) {
     EXPECT_GE(st.device_wait_seconds, 0.0);
     EXPECT_LE(st.device_wait_seconds, st.seconds) << "step " << st.step;
+    EXPECT_GT(st.enqueue_seconds, 0.0) << "step " << st.step;
   }
   ASSERT_EQ(after.size(), 10u);
   // Steps 1 and 2 warm up (the optimizer's state appears in step 1); the

@@ -447,6 +447,7 @@ bool EvaluatesAfter(const PreparedTrain& run, int64_t step) {
 struct EnqueuedStep {
   int64_t step = 0;  // 0-based
   absl::Time start;  // when the host began enqueueing it
+  double enqueue_seconds = 0;  // how long that took
   double lr = 0;
   double loss = 0;  // the part the host read already (pipeline stages)
   double pipeline_wait = 0, pipeline_span = 0;
@@ -566,6 +567,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     ASSIGN_OR_RETURN(e.read, Tensor::Cat(read, 0));
     e.dp_bucket_bytes = sync->last_bucket_bytes();
     e.dp_overlapped_bytes = sync->last_overlapped_bytes();
+    e.enqueue_seconds = absl::ToDoubleSeconds(absl::Now() - e.start);
     return e;
   };
   absl::Time last_read = absl::InfinitePast();  // when the previous step's read returned
@@ -597,6 +599,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.seconds = absl::ToDoubleSeconds(read_end - std::max(e.start, last_read));
     last_read = read_end;
     s.device_wait_seconds = device_wait;
+    s.enqueue_seconds = e.enqueue_seconds;
     s.pipeline_wait_seconds = e.pipeline_wait;
     s.pipeline_span_seconds = e.pipeline_span;
     s.dp_bucket_bytes = e.dp_bucket_bytes;

@@ -115,6 +115,10 @@ struct StepStats {
   // host had enqueued that much. Near 0 where the host, not the device, sets
   // the pace. 0 on the CPU (nothing to wait for).
   double device_wait_seconds = 0;
+  // The host's time to enqueue the step: from its start (its batch) to its
+  // update and the tensor of its read. Near `seconds` where the host, not
+  // the device, sets the pace (a CUDA step's launches outrun by its kernels).
+  double enqueue_seconds = 0;
   // Pipeline stages: the idle time of this rank's pipeline's stages in the
   // step, averaged over the stages (the schedule's bubble;
   // PipelineStepResult::mean_wait_seconds), and the span it is idle in
