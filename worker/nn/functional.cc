@@ -294,6 +294,12 @@ absl::StatusOr<Variable> Gelu(const Variable& x, ops::GeluApprox approx) {
 
 namespace {
 
+// The gradient a norm's backward folds into its dx: x's pending one where
+// ops::FoldsInto allows, else none (Backward adds it).
+const Tensor* FoldedInto(const Tensor& x, const Tensor* pending) {
+  return pending != nullptr && ops::FoldsInto(x, *pending) ? pending : nullptr;
+}
+
 // The tape entries of a norm computed as `r` from x. The backward folds the
 // gradient x already has (a residual stream's, from its skip connection)
 // into its dx where ops::FoldsInto allows: the add Backward would otherwise
@@ -303,7 +309,7 @@ absl::StatusOr<Variable> RecordLayerNorm(const Variable& x, const Variable& gamm
   const Tensor xv = x.value(), gv = gamma.value(), mean = r.mean, rstd = r.rstd;
   return RecordFoldingOp("layer_norm", {x, gamma, beta}, std::move(r.y),
                          [xv, gv, mean, rstd](const Tensor& dy, const Tensor* pending) -> absl::StatusOr<FoldedGrads> {
-                           const Tensor* acc = pending != nullptr && ops::FoldsInto(xv, *pending) ? pending : nullptr;
+                           const Tensor* acc = FoldedInto(xv, pending);
                            ASSIGN_OR_RETURN(ops::LayerNormGrads g, ops::LayerNormBackward(dy, xv, gv, mean, rstd, acc));
                            return FoldedGrads{{g.dx, g.dgamma, g.dbeta}, acc != nullptr};
                          });
@@ -313,7 +319,7 @@ absl::StatusOr<Variable> RecordRmsNorm(const Variable& x, const Variable& gamma,
   const Tensor xv = x.value(), gv = gamma.value(), rstd = r.rstd;
   return RecordFoldingOp("rms_norm", {x, gamma}, std::move(r.y),
                          [xv, gv, rstd](const Tensor& dy, const Tensor* pending) -> absl::StatusOr<FoldedGrads> {
-                           const Tensor* acc = pending != nullptr && ops::FoldsInto(xv, *pending) ? pending : nullptr;
+                           const Tensor* acc = FoldedInto(xv, pending);
                            ASSIGN_OR_RETURN(ops::RmsNormGrads g, ops::RmsNormBackward(dy, xv, gv, rstd, acc));
                            return FoldedGrads{{g.dx, g.dgamma}, acc != nullptr};
                          });

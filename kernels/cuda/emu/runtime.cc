@@ -589,10 +589,6 @@ Counters GetThreadCounters() { return this_thread_counters; }
 
 namespace {
 std::atomic<size_t> fail_async_allocation{0};  // 0: disarmed
-}  // namespace
-
-void FailNextAsyncAllocation(size_t min_bytes) { fail_async_allocation.store(min_bytes); }
-bool AsyncAllocationFailureArmed() { return fail_async_allocation.load() != 0; }
 
 // Whether this allocation of `size` bytes is the one the hook fails (it
 // disarms then, so exactly one does).
@@ -603,6 +599,10 @@ bool TakeAsyncAllocationFailure(size_t size) {
   }
   return false;
 }
+}  // namespace
+
+void FailNextAsyncAllocation(size_t min_bytes) { fail_async_allocation.store(min_bytes); }
+bool AsyncAllocationFailureArmed() { return fail_async_allocation.load() != 0; }
 
 Counters GetCounters() {
   Counters c;
