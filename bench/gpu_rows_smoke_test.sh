@@ -65,6 +65,9 @@ done
 # The A/B row of the bias in the GEMMs' epilogues (COLOD_GEMM_EPILOGUES=0).
 grep -qE "^gpt2-tiny +cuda +tp=1 dp=1 bias apart +bf16 .* [1-9][0-9]* +[0-9.e+]+ " <<<"$out" ||
   fail "no timed gpt2-tiny row with the bias apart" "$out"
+# The A/B of the host running a step ahead (TrainOptions::read_each_step).
+grep -qE "^gpt2-tiny +cuda +tp=1 dp=1 read each step +bf16 .* [1-9][0-9]* +[0-9.e+]+ " <<<"$out" ||
+  fail "no timed gpt2-tiny row that reads each step" "$out"
 # A process per device: tp=2, dp=2 and two pipeline stages.
 for layout in "tp=2 dp=1 procs" "tp=1 dp=2 procs" "tp=1 pp=2 dp=1 m=2 procs"; do
   grep -qE "^gpt2-tiny +cuda +$layout( +bf16 .* [1-9][0-9]* +[0-9.e+]+ |: skipped, 1 CUDA device)" <<<"$out" ||

@@ -136,13 +136,15 @@ struct Row {
   bool processes = false;  // a process per rank (device), as worker daemons run, not threads of one
   int v = 1;               // model chunks a pipeline stage holds (interleaved 1F1B)
   bool bias_apart = false;  // COLOD_GEMM_EPILOGUES=0: the linears' bias kernels apart from their GEMMs
+  bool read_each_step = false;  // TrainOptions::read_each_step: the host not a step ahead
 };
 
 std::string LayoutOf(const Row& row) {
   return absl::StrCat(row.pp > 1 ? absl::StrCat("tp=", row.tp, " pp=", row.pp, " dp=", row.dp, " m=", row.micro,
                                                row.v > 1 ? absl::StrCat(" v=", row.v) : "")
                                  : absl::StrCat("tp=", row.tp, " dp=", row.dp),
-                      row.processes ? " procs" : "", row.bias_apart ? " bias apart" : "");
+                      row.processes ? " procs" : "", row.bias_apart ? " bias apart" : "",
+                      row.read_each_step ? " read each step" : "");
 }
 
 std::vector<Row> Rows(const std::string& which) {
@@ -172,6 +174,7 @@ std::vector<Row> Rows(const std::string& which) {
     const ModelShape tiny_llama{"llama", 256, 128, 2, 4, 2, 256};
     for (int tp : {1, 2}) rows.push_back({"gpt2-tiny", tiny, true, tp, 1, 32, 4, 2});
     rows.push_back({"gpt2-tiny", tiny, true, 1, 1, 32, 4, 2, 1, 1, false, 1, true});
+    rows.push_back({"gpt2-tiny", tiny, true, 1, 1, 32, 4, 2, 1, 1, false, 1, false, true});
     for (int tp : {1, 2}) rows.push_back({"llama-tiny", tiny_llama, true, tp, 1, 32, 4, 2});
     rows.push_back({"gpt2-tiny", tiny, true, 2, 1, 32, 4, 2, 1, 1, true});
     rows.push_back({"gpt2-tiny", tiny, true, 1, 2, 32, 4, 2, 1, 1, true});
@@ -182,6 +185,8 @@ std::vector<Row> Rows(const std::string& which) {
     for (int tp : {1, 2}) rows.push_back({"gpt2-124m", small, true, tp, 1, 1024, 8, 10});
     // The A/B of the bias in the GEMMs' epilogues, beside the row above.
     rows.push_back({"gpt2-124m", small, true, 1, 1, 1024, 8, 10, 1, 1, false, 1, true});
+    // The A/B of the host running a step ahead of the device.
+    rows.push_back({"gpt2-124m", small, true, 1, 1, 1024, 8, 10, 1, 1, false, 1, false, true});
     rows.push_back({"gpt2-124m", small, true, 2, 1, 1024, 8, 10, 1, 1, true});
     rows.push_back({"gpt2-124m", small, true, 1, 2, 1024, 8, 10, 1, 1, true});
     rows.push_back({"gpt2-124m", small, true, 1, 1, 1024, 8, 10, 2, 4, true});
@@ -258,6 +263,7 @@ absl::StatusOr<train::TrainOptions> OptionsOf(const Row& row, const std::string&
   if (row.v > 1) o.shard.layout.set_virtual_stages(row.v);
   o.micro_batches = row.micro;
   o.comm_timeout = absl::Minutes(10);
+  o.read_each_step = row.read_each_step;
   return o;
 }
 

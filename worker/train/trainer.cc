@@ -660,7 +660,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   // the host's report, data and launches. A step after which the run
   // evaluates, saves, stops or ends is read at once (eval and the checkpoint
   // read the weights it updated); so is every step with pipeline stages,
-  // which read each micro-batch's loss.
+  // which read each micro-batch's loss, and every step of a run that asks
+  // for it (TrainOptions::read_each_step).
   std::optional<EnqueuedStep> ahead;
   for (int64_t step = first; step < o.steps; ++step) {
     if (hooks.stop && hooks.stop()) {
@@ -676,8 +677,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     }
     if (!e.ok()) return e.status();
     const int64_t done = step + 1;
-    if (shard.device.is_cuda() && shard.pp() == 1 && done < o.steps && done != o.stop_after &&
-        !EvaluatesAfter(run, done) && !saves_after(done)) {
+    if (shard.device.is_cuda() && !o.read_each_step && shard.pp() == 1 && done < o.steps &&
+        done != o.stop_after && !EvaluatesAfter(run, done) && !saves_after(done)) {
       ahead = *std::move(e);
       continue;
     }

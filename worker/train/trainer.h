@@ -73,6 +73,9 @@ struct TrainOptions {
   int64_t stop_after = 0;     // if > 0, stop after this step (as an interruption would)
   bool cuda = false;          // one rank per CUDA device over NCCL (else host tensors over Gloo)
   bool allow_tf32 = false;    // CUDA: f32 GEMMs may round their operands to TF32 (ops::SetAllowTf32)
+  // CUDA: read each step as it ends, not once the next step is enqueued (the
+  // host then never runs ahead of the device; bench:train's A/B row).
+  bool read_each_step = false;
   // Train(): each rendezvous and collective; a rank that stops taking part
   // fails the run with DEADLINE_EXCEEDED after it.
   absl::Duration comm_timeout = absl::Seconds(60);
