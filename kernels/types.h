@@ -4,6 +4,7 @@
 #ifndef COLOD_KERNELS_TYPES_H_
 #define COLOD_KERNELS_TYPES_H_
 
+#include <cstddef>
 #include <cstdint>
 
 namespace colod::kernels {
@@ -29,6 +30,9 @@ constexpr int64_t kMaxFusedHeadDim = 256;
 // The backward writes dbias[b][h][i][j], the gradient of batch element b's
 // biased score, where set ([b, hq, s, s] f32, zeroed by the caller: entries
 // the causal mask hides stay 0). Passed to CUDA kernels by value.
+// The most bytes one started read (StartRead, tensor_ops.inc) copies.
+inline constexpr size_t kMaxStartedRead = size_t{64} << 10;
+
 struct AttentionBias {
   const float* alibi = nullptr;
   const float* bias = nullptr;

@@ -4,7 +4,11 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/half.h"
 #include "kernels/philox.h"
@@ -116,6 +120,58 @@ absl::Status Memcpy(int, void* dst, const void* src, size_t nbytes) {
 absl::Status Upload(int, void* dst, const void* src, size_t nbytes) {
   if (nbytes > 0) std::memcpy(dst, src, nbytes);
   return absl::OkStatus();
+}
+
+namespace {
+
+// The CPU twin's started reads: their bytes, copied at StartRead.
+struct StartedReads {
+  std::mutex mu;
+  uint64_t next ABSL_GUARDED_BY(mu) = 1;
+  std::map<uint64_t, std::string> bytes ABSL_GUARDED_BY(mu);
+};
+
+StartedReads& Started() {
+  static auto* reads = new StartedReads;  // kept until exit
+  return *reads;
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> StartRead(int, const void* src, size_t nbytes) {
+  if (nbytes > kMaxStartedRead) {
+    return absl::InvalidArgumentError(absl::StrCat("StartRead: ", nbytes, " bytes (at most ", kMaxStartedRead, ")"));
+  }
+  std::string copy(static_cast<const char*>(src), nbytes);
+  StartedReads& r = Started();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const uint64_t ticket = r.next++;
+  r.bytes.emplace(ticket, std::move(copy));
+  return ticket;
+}
+
+absl::Status FinishRead(int, uint64_t ticket, void* dst, size_t nbytes) {
+  std::string copy;
+  {
+    StartedReads& r = Started();
+    std::lock_guard<std::mutex> lock(r.mu);
+    auto it = r.bytes.find(ticket);
+    if (it == r.bytes.end()) return absl::InvalidArgumentError(absl::StrCat("FinishRead: no read ", ticket));
+    copy = std::move(it->second);
+    r.bytes.erase(it);
+  }
+  if (copy.size() != nbytes) {
+    return absl::InvalidArgumentError(absl::StrCat("FinishRead: read ", ticket, " holds ", copy.size(), " bytes, not ",
+                                                   nbytes));
+  }
+  if (nbytes > 0) std::memcpy(dst, copy.data(), nbytes);
+  return absl::OkStatus();
+}
+
+void DropRead(int, uint64_t ticket) {
+  StartedReads& r = Started();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.bytes.erase(ticket);
 }
 
 absl::Status StridedCopy(int, const void* src, const Layout& sl, ElemType st, void* dst, const Layout& dl,

@@ -286,11 +286,12 @@ absl::StatusOr<cudaMemPool_t> KeptPool(int device) {
 }
 
 // The pinned staging ring of one device (Upload): kSlots buffers of 1 MiB
-// (8 MiB of page-locked memory per device, kept until exit), each with
-// the event of the last copy out of it. A slot is taken under the mutex and
-// filled outside it once that copy has run (a query: a slot comes round
-// again kSlots uploads later); the host never waits for the device here.
-constexpr int kStagingSlots = 8;
+// (16 MiB of page-locked memory per device, allocated as used and kept
+// until exit), each with the event of the last copy out of it. A slot is
+// taken under the mutex and filled outside it once that copy has run (a
+// query; a slot still in flight is passed over); the host never waits for
+// the device here.
+constexpr int kStagingSlots = 16;
 constexpr size_t kMaxStagedUpload = 1 << 20;
 
 struct StagingSlot {
@@ -305,14 +306,19 @@ struct DeviceStaging {
   int next = 0;
 };
 
-DeviceStaging& Staging(int device) {
+// The process's one T of `device`, made at first use and kept until exit
+// (the staging ring, the started reads).
+template <typename T>
+T& OfDevice(int device) {
   static std::mutex mu;
-  static auto* by_device = new std::map<int, std::unique_ptr<DeviceStaging>>;  // kept until exit
+  static auto* by_device = new std::map<int, std::unique_ptr<T>>;
   std::lock_guard<std::mutex> lock(mu);
-  std::unique_ptr<DeviceStaging>& s = (*by_device)[device];
-  if (s == nullptr) s = std::make_unique<DeviceStaging>();
-  return *s;
+  std::unique_ptr<T>& t = (*by_device)[device];
+  if (t == nullptr) t = std::make_unique<T>();
+  return *t;
 }
+
+DeviceStaging& Staging(int device) { return OfDevice<DeviceStaging>(device); }
 
 // Fills `slot` with src and copies it to dst on `stream`; *staged is false
 // (and nothing done) where the slot's previous copy has not run yet.
@@ -344,20 +350,24 @@ absl::Status Upload(int device, void* dst, const void* src, size_t nbytes) {
   if (nbytes == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
   DeviceStaging& staging = Staging(device);
-  StagingSlot* slot = nullptr;
-  if (nbytes <= kMaxStagedUpload) {
-    std::lock_guard<std::mutex> lock(staging.mu);
-    for (int i = 0; i < kStagingSlots && slot == nullptr; ++i) {
-      const int k = (staging.next + i) % kStagingSlots;
-      if (!staging.slots[k].in_use) {
-        slot = &staging.slots[k];
-        slot->in_use = true;
-        staging.next = (k + 1) % kStagingSlots;
+  bool staged = false;
+  // Each slot at most once, from the next one round: a slot whose last copy
+  // has not run yet (the host runs a step ahead, so the uploads of two
+  // steps may be in flight) is passed over for the next.
+  for (int tried = 0; nbytes <= kMaxStagedUpload && !staged && tried < kStagingSlots; ++tried) {
+    StagingSlot* slot = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(staging.mu);
+      for (int i = 0; i < kStagingSlots && slot == nullptr; ++i) {
+        const int k = (staging.next + i) % kStagingSlots;
+        if (!staging.slots[k].in_use) {
+          slot = &staging.slots[k];
+          slot->in_use = true;
+          staging.next = (k + 1) % kStagingSlots;
+        }
       }
     }
-  }
-  bool staged = false;
-  if (slot != nullptr) {
+    if (slot == nullptr) break;  // every slot is being filled by another thread
     const absl::Status s = StagedCopy(*slot, dst, src, nbytes, stream, &staged);
     std::lock_guard<std::mutex> lock(staging.mu);
     slot->in_use = false;
@@ -367,6 +377,149 @@ absl::Status Upload(int device, void* dst, const void* src, size_t nbytes) {
     RETURN_IF_CUDA(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyHostToDevice, stream));
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// The started reads of one device (StartRead): page-locked slots of
+// kMaxStartedRead bytes, each with the event of its copy. A slot is taken
+// under the mutex and used outside it by its ticket's holder; a dropped
+// slot is free again once its copy has run (an event query), so that no
+// two copies into it are ever pending. At most kMaxReadSlots a device.
+constexpr size_t kMaxReadSlots = 64;
+
+struct ReadSlot {
+  void* host = nullptr;  // cudaMallocHost, kMaxStartedRead bytes; kept until exit
+  cudaEvent_t done = nullptr;
+  bool in_use = false;   // a ticket holds it
+  bool dropped = false;  // dropped unread: free once `done` has completed
+};
+
+struct DeviceReads {
+  std::mutex mu;
+  std::vector<std::unique_ptr<ReadSlot>> slots;  // guarded by mu (the vector, and in_use/dropped)
+};
+
+DeviceReads& Reads(int device) { return OfDevice<DeviceReads>(device); }
+
+// The slot of `ticket` (its index + 1) on `device`, or null.
+ReadSlot* SlotOf(int device, uint64_t ticket) {
+  DeviceReads& reads = Reads(device);
+  std::lock_guard<std::mutex> lock(reads.mu);
+  if (ticket == 0 || ticket > reads.slots.size()) return nullptr;
+  ReadSlot* slot = reads.slots[ticket - 1].get();
+  return slot->in_use ? slot : nullptr;
+}
+
+void ReleaseSlot(int device, ReadSlot* slot, bool dropped) {
+  DeviceReads& reads = Reads(device);
+  std::lock_guard<std::mutex> lock(reads.mu);
+  slot->in_use = false;
+  slot->dropped = dropped;
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> StartRead(int device, const void* src, size_t nbytes) {
+  if (nbytes > kMaxStartedRead) {
+    return absl::InvalidArgumentError(absl::StrCat("StartRead: ", nbytes, " bytes (at most ", kMaxStartedRead, ")"));
+  }
+  COLOD_CUDA_BEGIN(stream, device);
+  DeviceReads& reads = Reads(device);
+  ReadSlot* slot = nullptr;
+  uint64_t ticket = 0;
+  {
+    std::unique_lock<std::mutex> lock(reads.mu);
+    for (size_t i = 0; i < reads.slots.size() && slot == nullptr; ++i) {
+      ReadSlot& s = *reads.slots[i];
+      if (s.in_use) continue;
+      if (s.dropped) {
+        const cudaError_t q = cudaEventQuery(s.done);
+        if (q == cudaErrorNotReady) continue;  // its copy is still to run
+        if (q != cudaSuccess) cudaGetLastError();  // a failed device: the copy below reports it
+        s.dropped = false;
+      }
+      slot = &s;
+      ticket = i + 1;
+    }
+    if (slot == nullptr && reads.slots.size() < kMaxReadSlots) {
+      reads.slots.push_back(std::make_unique<ReadSlot>());
+      slot = reads.slots.back().get();
+      ticket = reads.slots.size();
+    }
+    bool in_flight = false;  // a dropped slot whose copy is still to run
+    for (size_t i = 0; i < reads.slots.size() && slot == nullptr; ++i) {
+      if (!reads.slots[i]->in_use) {  // dropped, its copy queued ahead of ours
+        slot = reads.slots[i].get();
+        ticket = i + 1;
+        in_flight = true;
+      }
+    }
+    if (slot == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("StartRead: ", kMaxReadSlots, " reads of CUDA device ", device, " are pending"));
+    }
+    slot->in_use = true;
+    slot->dropped = false;
+    if (in_flight) {
+      // Its copy was enqueued before anything this read waits for: the wait
+      // is for work the caller's read waits for anyway. Outside the lock.
+      lock.unlock();
+      if (cudaEventSynchronize(slot->done) != cudaSuccess) cudaGetLastError();  // the copy below reports it
+    }
+  }
+  // The ticket's holder owns the slot from here.
+  auto fail = [&](cudaError_t e, const char* what) {
+    ReleaseSlot(device, slot, /*dropped=*/slot->done != nullptr);
+    cudaGetLastError();
+    return absl::InternalError(absl::StrCat("StartRead on CUDA device ", device, ": ", what, ": ",
+                                            cudaGetErrorString(e)));
+  };
+  if (slot->done == nullptr) {
+    const cudaError_t e = cudaEventCreateWithFlags(&slot->done, cudaEventDisableTiming | cudaEventBlockingSync);
+    if (e != cudaSuccess) {
+      slot->done = nullptr;
+      return fail(e, "cudaEventCreateWithFlags");
+    }
+  }
+  if (slot->host == nullptr) {
+    const cudaError_t e = cudaMallocHost(&slot->host, kMaxStartedRead);
+    if (e != cudaSuccess) {
+      slot->host = nullptr;
+      return fail(e, "cudaMallocHost");
+    }
+  }
+  if (nbytes > 0) {
+    const cudaError_t e = cudaMemcpyAsync(slot->host, src, nbytes, cudaMemcpyDeviceToHost, stream);
+    if (e != cudaSuccess) return fail(e, "cudaMemcpyAsync");
+  }
+  const cudaError_t e = cudaEventRecord(slot->done, stream);
+  if (e != cudaSuccess) return fail(e, "cudaEventRecord");
+  return ticket;
+}
+
+absl::Status FinishRead(int device, uint64_t ticket, void* dst, size_t nbytes) {
+  ReadSlot* slot = SlotOf(device, ticket);
+  if (slot == nullptr) return absl::InvalidArgumentError(absl::StrCat("FinishRead: no read ", ticket));
+  if (nbytes > kMaxStartedRead) {
+    ReleaseSlot(device, slot, /*dropped=*/true);
+    return absl::InvalidArgumentError(absl::StrCat("FinishRead: ", nbytes, " bytes (at most ", kMaxStartedRead, ")"));
+  }
+  // The copy's event, not the stream: work enqueued after the read runs on.
+  const cudaError_t e = cudaEventSynchronize(slot->done);
+  if (e != cudaSuccess) {
+    ReleaseSlot(device, slot, /*dropped=*/true);
+    cudaGetLastError();
+    return absl::InternalError(absl::StrCat("FinishRead on CUDA device ", device, ": cudaEventSynchronize: ",
+                                            cudaGetErrorString(e)));
+  }
+  if (nbytes > 0) std::memcpy(dst, slot->host, nbytes);
+  ReleaseSlot(device, slot, /*dropped=*/false);
+  return absl::OkStatus();
+}
+
+void DropRead(int device, uint64_t ticket) {
+  if (ReadSlot* slot = SlotOf(device, ticket)) ReleaseSlot(device, slot, /*dropped=*/true);
 }
 
 // Stream ordered on the device's compute stream: the memory is usable by

@@ -1,10 +1,22 @@
 // CUDA tensors against their CPU twins. Runs where a GPU is present and skips
 // elsewhere; built only where the toolkit is (bazel/cuda.bzl).
+#include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
+
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
+#include <vector>
+
+#ifdef COLOD_CUDA_EMULATION
+#include <cuda_emu.h>
+#endif
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/stream.h"
 #include "kernels/device.h"
+#include "kernels/types.h"
 #include "worker/tensor/autograd.h"
 #include "worker/tensor/tensor.h"
 
@@ -120,6 +132,92 @@ TEST_F(CudaTensor, UploadsMayReuseTheHostBufferAtOnce) {
   const Tensor big = *Tensor::RandomNormal({(2 << 20) / 4 + 3}, 99);  // over the staged size
   EXPECT_EQ(big.To(gpu_)->ToFloats(), big.ToFloats());
 }
+
+// Tensor::StartRead copies in stream order: the values as they were when
+// the read started, whatever is enqueued after it; any dtype, read as f32.
+TEST_F(CudaTensor, AStartedReadGivesTheValuesOfItsPlaceInTheStream) {
+  auto x = Tensor::FromFloats({2, 3}, {1, 2, 3, 4, 5, 6})->To(gpu_);
+  auto later = Tensor::FromFloats({2, 3}, {-1, -1, -1, -1, -1, -1})->To(gpu_);
+  ASSERT_TRUE(x.ok() && later.ok());
+  absl::StatusOr<PendingRead> read = x->StartRead();
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_TRUE(x->CopyFrom(*later).ok());  // enqueued after the read
+  absl::StatusOr<std::vector<float>> got = read->Floats();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(x->ToFloats(), later->ToFloats());
+  EXPECT_EQ(read->Floats().status().code(), absl::StatusCode::kFailedPrecondition) << "a second finish";
+  // bf16 values, converted on the device; a transposed view, made contiguous.
+  auto half = Tensor::FromFloats({2, 3}, {0.5f, -1.25f, 3, 7, 1024, -0.0625f}, DType::kBF16)->To(gpu_);
+  ASSERT_TRUE(half.ok());
+  auto t = half->Transpose(0, 1);
+  ASSERT_TRUE(t.ok());
+  absl::StatusOr<PendingRead> hr = t->StartRead();
+  ASSERT_TRUE(hr.ok()) << hr.status();
+  got = hr->Floats();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, t->ToFloats());
+  // Too large for a read slot: refused, nothing started.
+  auto big = Tensor::Zeros(Shape{static_cast<int64_t>(kernels::kMaxStartedRead / sizeof(float)) + 1}, DType::kF32,
+                           gpu_);
+  ASSERT_TRUE(big.ok());
+  EXPECT_EQ(big->StartRead().status().code(), absl::StatusCode::kInvalidArgument);
+  // Reads dropped unfinished free their slots: far more than a device holds
+  // at once start one after another.
+  for (int i = 0; i < 300; ++i) {
+    absl::StatusOr<PendingRead> dropped = x->StartRead();
+    ASSERT_TRUE(dropped.ok()) << "read " << i << ": " << dropped.status();
+  }
+  // As many pending as a device holds, then one more is refused, not blocked.
+  std::vector<PendingRead> pending;
+  absl::Status last;
+  for (int i = 0; i < 1000 && last.ok(); ++i) {
+    absl::StatusOr<PendingRead> r = x->StartRead();
+    if (r.ok()) pending.push_back(*std::move(r));
+    last = r.status();
+  }
+  EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
+  EXPECT_GE(pending.size(), 8u);
+  for (PendingRead& r : pending) {
+    absl::StatusOr<std::vector<float>> v = r.Floats();
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_EQ(*v, later->ToFloats());
+  }
+}
+
+#ifdef COLOD_CUDA_EMULATION
+// Holds the stream that runs it until *release is set (at most 20 s; it
+// says whether it was released in time).
+void HoldTheStream(std::atomic<bool>* release, std::atomic<bool>* released_in_time) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!release->load() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  released_in_time->store(release->load());
+}
+
+// A started read waits for the work enqueued before it, not after: it
+// returns while a kernel enqueued after it still holds the stream (which a
+// read through pageable memory, ToFloats, would wait for), so a host that
+// runs a step ahead reads one step while the next runs.
+TEST_F(CudaTensor, AStartedReadWaitsForTheWorkBeforeItNotAfter) {
+  auto x = Tensor::FromFloats({4}, {1, 2, 3, 4})->To(gpu_);
+  ASSERT_TRUE(x.ok());
+  absl::StatusOr<PendingRead> read = x->StartRead();
+  ASSERT_TRUE(read.ok()) << read.status();
+  absl::StatusOr<cudaStream_t> stream = kernels::cuda::ComputeStream(0);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  std::atomic<bool> release{false}, released_in_time{false};
+  ASSERT_EQ(colod_cuda_emu::Launch(HoldTheStream, dim3(1), dim3(1), 0, *stream, &release, &released_in_time),
+            cudaSuccess);
+  absl::StatusOr<std::vector<float>> got = read->Floats();  // before the release
+  release.store(true);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, (std::vector<float>{1, 2, 3, 4}));
+  ASSERT_TRUE(kernels::CudaSynchronize(0).ok());
+  EXPECT_TRUE(released_in_time.load()) << "the read waited for the kernel enqueued after it";
+}
+#endif
 
 TEST_F(CudaTensor, ElementwiseOpsAndSumsMatchTheHost) {
   for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {

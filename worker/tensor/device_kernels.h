@@ -31,6 +31,9 @@ struct DeviceKernels {
   absl::Status (*Memset0)(int device, void* p, size_t nbytes);
   absl::Status (*Memcpy)(int device, void* dst, const void* src, size_t nbytes);
   absl::Status (*Upload)(int device, void* dst, const void* src, size_t nbytes);
+  absl::StatusOr<uint64_t> (*StartRead)(int device, const void* src, size_t nbytes);
+  absl::Status (*FinishRead)(int device, uint64_t ticket, void* dst, size_t nbytes);
+  void (*DropRead)(int device, uint64_t ticket);
   absl::Status (*StridedCopy)(int device, const void* src, const Layout& src_layout, ElemType src_type, void* dst,
                               const Layout& dst_layout, ElemType dst_type);
   absl::Status (*FillRandom)(int device, void* p, ElemType type, int64_t n, uint64_t seed, bool normal);
@@ -130,8 +133,8 @@ struct DeviceKernels {
 // compile error here.
 #define COLOD_DEVICE_KERNELS(ns)                                                                      \
   ::colod::DeviceKernels {                                                                            \
-    &ns::Malloc, &ns::Free, &ns::Memset0, &ns::Memcpy, &ns::Upload, &ns::StridedCopy, &ns::FillRandom,      \
-        &ns::Binary,                                                                                  \
+    &ns::Malloc, &ns::Free, &ns::Memset0, &ns::Memcpy, &ns::Upload, &ns::StartRead, &ns::FinishRead,   \
+        &ns::DropRead, &ns::StridedCopy, &ns::FillRandom, &ns::Binary,                                \
         &ns::Scale, &ns::ScaleBy, &ns::Sum, &ns::AccumulateSum, &ns::Gemm, &ns::SetAllowTf32, &ns::BiasAdd, &ns::BiasGrad, \
         &ns::Gelu, &ns::GeluBackward, &ns::Activation, &ns::ActivationBackward, &ns::LayerNorm, &ns::LayerNormBackward, \
         &ns::RmsNorm, &ns::RmsNormBackward, &ns::NormRowSums, &ns::NormApply, &ns::NormBackwardSums,   \

@@ -394,6 +394,48 @@ std::string Tensor::ToBytes() const {
   return std::string(c.base() + c.offset_ * SizeOf(dtype_), nbytes());
 }
 
+absl::StatusOr<PendingRead> Tensor::StartRead() const {
+  ASSIGN_OR_RETURN(const Tensor f, ContiguousAs(DType::kF32));
+  const DeviceKernels& k = storage_->kernels();
+  const int64_t n = f.numel();
+  ASSIGN_OR_RETURN(const uint64_t ticket,
+                   k.StartRead(device().index, f.raw_data(), static_cast<size_t>(n) * sizeof(float)));
+  return PendingRead(&k, device(), ticket, n);
+}
+
+PendingRead::PendingRead(PendingRead&& other) noexcept
+    : kernels_(other.kernels_), device_(other.device_), ticket_(other.ticket_), n_(other.n_) {
+  other.ticket_ = 0;
+}
+
+PendingRead& PendingRead::operator=(PendingRead&& other) noexcept {
+  if (this != &other) {
+    Drop();
+    kernels_ = other.kernels_;
+    device_ = other.device_;
+    ticket_ = other.ticket_;
+    n_ = other.n_;
+    other.ticket_ = 0;
+  }
+  return *this;
+}
+
+PendingRead::~PendingRead() { Drop(); }
+
+void PendingRead::Drop() {
+  if (ticket_ != 0) kernels_->DropRead(device_.index, ticket_);
+  ticket_ = 0;
+}
+
+absl::StatusOr<std::vector<float>> PendingRead::Floats() {
+  if (ticket_ == 0) return absl::FailedPreconditionError("this read was finished already");
+  std::vector<float> values(static_cast<size_t>(n_));
+  const uint64_t ticket = ticket_;
+  ticket_ = 0;  // FinishRead frees it, whatever it returns
+  RETURN_IF_ERROR(kernels_->FinishRead(device_.index, ticket, values.data(), values.size() * sizeof(float)));
+  return values;
+}
+
 void* Tensor::raw_data() { return base() + offset_ * SizeOf(dtype_); }
 const void* Tensor::raw_data() const { return base() + offset_ * SizeOf(dtype_); }
 

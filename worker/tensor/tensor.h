@@ -40,6 +40,37 @@ std::string ShapeToString(const Shape& shape);
 
 // Bytes on one device, freed with the last handle. Thread-safe.
 class Storage;
+struct DeviceKernels;
+
+// A tensor's values on their way to the host (Tensor::StartRead): the copy
+// was enqueued in stream order when the read started, so Floats() waits
+// for the work enqueued before that (on CUDA the copy's event), not for the
+// work enqueued since: a host that runs ahead of its device reads a step's
+// values while the next step's kernels run. Floats() once; a read never
+// finished is dropped with it. Movable; thread-compatible.
+class PendingRead {
+ public:
+  PendingRead(PendingRead&& other) noexcept;
+  PendingRead& operator=(PendingRead&& other) noexcept;
+  PendingRead(const PendingRead&) = delete;
+  PendingRead& operator=(const PendingRead&) = delete;
+  ~PendingRead();
+
+  // The f32 values, row-major. FAILED_PRECONDITION for a read already
+  // finished; the device's error where the copy failed.
+  absl::StatusOr<std::vector<float>> Floats();
+
+ private:
+  friend class Tensor;
+  PendingRead(const DeviceKernels* kernels, Device device, uint64_t ticket, int64_t n)
+      : kernels_(kernels), device_(device), ticket_(ticket), n_(n) {}
+  void Drop();
+
+  const DeviceKernels* kernels_ = nullptr;
+  Device device_;
+  uint64_t ticket_ = 0;  // 0: finished (or moved from)
+  int64_t n_ = 0;        // f32 values
+};
 
 class Tensor {
  public:
@@ -119,6 +150,10 @@ class Tensor {
   std::vector<int64_t> ToInt64s() const;
   // Row-major bytes of a contiguous copy.
   std::string ToBytes() const;
+  // Starts reading the values as f32 (converted on the device first where
+  // they are not): PendingRead. At most kernels::kMaxStartedRead bytes
+  // (16384 values; INVALID_ARGUMENT beyond).
+  absl::StatusOr<PendingRead> StartRead() const;
 
   // Raw access for kernels: the first element of a view (a device pointer
   // for CUDA tensors). Only for the dtype, layout and device the caller checked.

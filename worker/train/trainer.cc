@@ -451,9 +451,14 @@ struct EnqueuedStep {
   double lr = 0;
   double loss = 0;  // the part the host read already (pipeline stages)
   double pipeline_wait = 0, pipeline_span = 0;
-  Tensor read;  // the norm and the clipping factor, then the micro-batches' loss sums
+  // The norm and the clipping factor, then the micro-batches' loss sums:
+  // their copy to the host, enqueued right after the step's work.
+  std::optional<PendingRead> read;
   std::vector<int64_t> loss_denominators;  // one a loss sum
+  // Taken once the step is enqueued (the next step's changes them).
   int64_t dp_bucket_bytes = 0, dp_overlapped_bytes = 0;
+  int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  std::optional<kernels::CudaPoolBytes> pool;
 };
 
 absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard,
@@ -564,9 +569,22 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     RETURN_IF_ERROR(sync->GatherParams());  // ZeRO: every replica gets the weights the others updated
     std::vector<Tensor> read = {clip.norm_and_scale};
     read.insert(read.end(), loss_sums.begin(), loss_sums.end());
-    ASSIGN_OR_RETURN(e.read, Tensor::Cat(read, 0));
+    ASSIGN_OR_RETURN(const Tensor all, Tensor::Cat(read, 0));
+    // In stream order after the step's work, before the next step's: its
+    // read waits for this step alone.
+    ASSIGN_OR_RETURN(PendingRead started, all.StartRead());
+    e.read.emplace(std::move(started));
     e.dp_bucket_bytes = sync->last_bucket_bytes();
     e.dp_overlapped_bytes = sync->last_overlapped_bytes();
+    for (const NamedParam& p : params) {
+      e.param_bytes += p.bound.param.local().nbytes();
+      if (auto g = p.bound.param.variable().grad()) e.grad_bytes += g->nbytes();
+    }
+    e.grad_bytes += sync->chunk_bytes();
+    e.optimizer_bytes = optimizer.state_bytes();
+    if (!params.empty() && params[0].bound.param.local().device().is_cuda()) {
+      ASSIGN_OR_RETURN(e.pool, kernels::GetCudaPoolBytes(params[0].bound.param.local().device().index));
+    }
     e.enqueue_seconds = absl::ToDoubleSeconds(absl::Now() - e.start);
     return e;
   };
@@ -576,12 +594,12 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   // collective that failed is reported now. Its garbage may have reached the
   // weights in memory, but not a checkpoint or a report: the run ends here
   // and a restart loads the last checkpoint.
-  auto finish = [&](const EnqueuedStep& e) -> absl::Status {
+  auto finish = [&](EnqueuedStep& e) -> absl::Status {
     const int64_t step = e.step;
     const absl::Time read_start = absl::Now();
-    const std::vector<float> values = e.read.ToFloats();
+    ASSIGN_OR_RETURN(const std::vector<float> values, e.read->Floats());
     const absl::Time read_end = absl::Now();
-    const double device_wait = e.read.device().is_cuda() ? absl::ToDoubleSeconds(read_end - read_start) : 0;
+    const double device_wait = shard.device.is_cuda() ? absl::ToDoubleSeconds(read_end - read_start) : 0;
     RETURN_IF_ERROR(pg.AsyncError());
     double loss = e.loss;
     for (size_t k = 0; k < e.loss_denominators.size(); ++k) {
@@ -608,18 +626,13 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.tokens_per_second = s.seconds > 0 ? static_cast<double>(run.step_batch * per_row) / s.seconds : 0;
     s.rank_tokens = micro_rows * o.micro_batches * o.grad_accum * per_row;
     s.step_tokens = run.step_batch * per_row;
-    for (const NamedParam& p : params) {
-      s.param_bytes += p.bound.param.local().nbytes();
-      if (auto g = p.bound.param.variable().grad()) s.grad_bytes += g->nbytes();
-    }
-    s.grad_bytes += sync->chunk_bytes();
-    s.optimizer_bytes = optimizer.state_bytes();
-    if (!params.empty() && params[0].bound.param.local().device().is_cuda()) {
-      ASSIGN_OR_RETURN(kernels::CudaPoolBytes pool,
-                       kernels::GetCudaPoolBytes(params[0].bound.param.local().device().index));
+    s.param_bytes = e.param_bytes;
+    s.grad_bytes = e.grad_bytes;
+    s.optimizer_bytes = e.optimizer_bytes;
+    if (e.pool.has_value()) {
       s.cuda = true;
-      s.pool_reserved_bytes = pool.reserved;
-      s.pool_used_bytes = pool.used;
+      s.pool_reserved_bytes = e.pool->reserved;
+      s.pool_used_bytes = e.pool->used;
     }
     if (EvaluatesAfter(run, step + 1)) {
       ASSIGN_OR_RETURN(s.eval, Evaluate(run, chunks, pg, *sync, replica, step + 1, hooks));
@@ -670,10 +683,15 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     }
     absl::StatusOr<EnqueuedStep> e = enqueue(step);
     if (ahead.has_value()) {
-      // Reported even where this step failed to enqueue: it trained.
+      // Reported even where this step failed to enqueue (it trained), unless
+      // a communicator failed before its read: the error is then sticky and
+      // could be its own, so it is not reported (a restart redoes it).
       const absl::Status previous = finish(*ahead);
       ahead.reset();
-      RETURN_IF_ERROR(previous);
+      if (!previous.ok()) {
+        if (!e.ok()) COLOD_LOG(WARNING) << "step " << step + 1 << " failed too: " << e.status();
+        return previous;
+      }
     }
     if (!e.ok()) return e.status();
     const int64_t done = step + 1;

@@ -169,8 +169,9 @@ struct RankHooks {
   // where it evaluates, saves or stops.
   std::function<void(const StepStats&)> on_step;
   // Polled before each step; when it returns true the rank reports a step
-  // it has enqueued and stops with CANCELLED (its peers see their
-  // collectives fail or time out, and are stopped by the same signal).
+  // it has enqueued (unless its communicators failed or were aborted
+  // first) and stops with CANCELLED (its peers see their collectives fail
+  // or time out, and are stopped by the same signal).
   std::function<bool()> stop;
 };
 
