@@ -23,6 +23,9 @@ constexpr int kMaxDims = 16;
 // FlashAttention); models with larger heads use the unfused path.
 constexpr int64_t kMaxFusedHeadDim = 256;
 
+// The most bytes one started read (StartRead, tensor_ops.inc) copies.
+inline constexpr size_t kMaxStartedRead = size_t{64} << 10;
+
 // What a fused attention (layer_ops.inc's FlashAttention) adds to score
 // (i, j) of query head h after the scaling, each where set (device
 // pointers; null: none): ALiBi's alibi[h] * (j - i) (hq f32 slopes, BLOOM)
@@ -30,9 +33,6 @@ constexpr int64_t kMaxFusedHeadDim = 256;
 // The backward writes dbias[b][h][i][j], the gradient of batch element b's
 // biased score, where set ([b, hq, s, s] f32, zeroed by the caller: entries
 // the causal mask hides stay 0). Passed to CUDA kernels by value.
-// The most bytes one started read (StartRead, tensor_ops.inc) copies.
-inline constexpr size_t kMaxStartedRead = size_t{64} << 10;
-
 struct AttentionBias {
   const float* alibi = nullptr;
   const float* bias = nullptr;

@@ -339,7 +339,13 @@ absl::Status StagedCopy(StagingSlot& slot, void* dst, const void* src, size_t nb
   }
   std::memcpy(slot.host, src, nbytes);
   RETURN_IF_CUDA(cudaMemcpyAsync(dst, slot.host, nbytes, cudaMemcpyHostToDevice, stream));
-  RETURN_IF_CUDA(cudaEventRecord(slot.done, stream));
+  const cudaError_t recorded = cudaEventRecord(slot.done, stream);
+  if (recorded != cudaSuccess) {
+    // The event still marks the slot's previous copy: let this one run
+    // before anything refills the slot.
+    (void)cudaStreamSynchronize(stream);
+    RETURN_IF_CUDA(recorded);
+  }
   *staged = true;
   return absl::OkStatus();
 }
@@ -382,40 +388,45 @@ absl::Status Upload(int device, void* dst, const void* src, size_t nbytes) {
 namespace {
 
 // The started reads of one device (StartRead): page-locked slots of
-// kMaxStartedRead bytes, each with the event of its copy. A slot is taken
-// under the mutex and used outside it by its ticket's holder; a dropped
-// slot is free again once its copy has run (an event query), so that no
-// two copies into it are ever pending. At most kMaxReadSlots a device.
+// kMaxStartedRead bytes, each with the event of its copy, at most
+// kMaxReadSlots a device. A slot is taken under the mutex and used outside
+// it by its ticket's holder. A device has one compute stream in the process
+// (stream.h), so the copies into a slot run in the order they were
+// enqueued: a slot dropped with its copy still to run is free at once, as
+// the next copy into it runs after that one. A ticket is the slot's index
+// + 1 in its low 8 bits and the slot's use count above them, so a stale
+// ticket names no slot.
 constexpr size_t kMaxReadSlots = 64;
 
 struct ReadSlot {
   void* host = nullptr;  // cudaMallocHost, kMaxStartedRead bytes; kept until exit
   cudaEvent_t done = nullptr;
-  bool in_use = false;   // a ticket holds it
-  bool dropped = false;  // dropped unread: free once `done` has completed
+  bool in_use = false;  // a ticket holds it
+  uint64_t uses = 0;    // times taken
+  size_t nbytes = 0;    // the holder's read
 };
 
 struct DeviceReads {
   std::mutex mu;
-  std::vector<std::unique_ptr<ReadSlot>> slots;  // guarded by mu (the vector, and in_use/dropped)
+  std::vector<std::unique_ptr<ReadSlot>> slots;  // guarded by mu (the vector, in_use and uses)
 };
 
 DeviceReads& Reads(int device) { return OfDevice<DeviceReads>(device); }
 
-// The slot of `ticket` (its index + 1) on `device`, or null.
+// The slot `ticket` holds on `device`, or null for a ticket no read holds.
 ReadSlot* SlotOf(int device, uint64_t ticket) {
   DeviceReads& reads = Reads(device);
   std::lock_guard<std::mutex> lock(reads.mu);
-  if (ticket == 0 || ticket > reads.slots.size()) return nullptr;
-  ReadSlot* slot = reads.slots[ticket - 1].get();
-  return slot->in_use ? slot : nullptr;
+  const uint64_t index = ticket & 0xff;
+  if (index == 0 || index > reads.slots.size()) return nullptr;
+  ReadSlot* slot = reads.slots[index - 1].get();
+  return slot->in_use && (ticket >> 8) == slot->uses ? slot : nullptr;
 }
 
-void ReleaseSlot(int device, ReadSlot* slot, bool dropped) {
+void ReleaseSlot(int device, ReadSlot* slot) {
   DeviceReads& reads = Reads(device);
   std::lock_guard<std::mutex> lock(reads.mu);
   slot->in_use = false;
-  slot->dropped = dropped;
 }
 
 }  // namespace
@@ -429,48 +440,25 @@ absl::StatusOr<uint64_t> StartRead(int device, const void* src, size_t nbytes) {
   ReadSlot* slot = nullptr;
   uint64_t ticket = 0;
   {
-    std::unique_lock<std::mutex> lock(reads.mu);
-    for (size_t i = 0; i < reads.slots.size() && slot == nullptr; ++i) {
-      ReadSlot& s = *reads.slots[i];
-      if (s.in_use) continue;
-      if (s.dropped) {
-        const cudaError_t q = cudaEventQuery(s.done);
-        if (q == cudaErrorNotReady) continue;  // its copy is still to run
-        if (q != cudaSuccess) cudaGetLastError();  // a failed device: the copy below reports it
-        s.dropped = false;
+    std::lock_guard<std::mutex> lock(reads.mu);
+    size_t index = 0;
+    while (index < reads.slots.size() && reads.slots[index]->in_use) ++index;
+    if (index == reads.slots.size()) {
+      if (reads.slots.size() >= kMaxReadSlots) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("StartRead: ", kMaxReadSlots, " reads of CUDA device ", device, " are pending"));
       }
-      slot = &s;
-      ticket = i + 1;
-    }
-    if (slot == nullptr && reads.slots.size() < kMaxReadSlots) {
       reads.slots.push_back(std::make_unique<ReadSlot>());
-      slot = reads.slots.back().get();
-      ticket = reads.slots.size();
     }
-    bool in_flight = false;  // a dropped slot whose copy is still to run
-    for (size_t i = 0; i < reads.slots.size() && slot == nullptr; ++i) {
-      if (!reads.slots[i]->in_use) {  // dropped, its copy queued ahead of ours
-        slot = reads.slots[i].get();
-        ticket = i + 1;
-        in_flight = true;
-      }
-    }
-    if (slot == nullptr) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("StartRead: ", kMaxReadSlots, " reads of CUDA device ", device, " are pending"));
-    }
+    slot = reads.slots[index].get();
     slot->in_use = true;
-    slot->dropped = false;
-    if (in_flight) {
-      // Its copy was enqueued before anything this read waits for: the wait
-      // is for work the caller's read waits for anyway. Outside the lock.
-      lock.unlock();
-      if (cudaEventSynchronize(slot->done) != cudaSuccess) cudaGetLastError();  // the copy below reports it
-    }
+    ++slot->uses;
+    slot->nbytes = nbytes;
+    ticket = (slot->uses << 8) | (index + 1);
   }
   // The ticket's holder owns the slot from here.
   auto fail = [&](cudaError_t e, const char* what) {
-    ReleaseSlot(device, slot, /*dropped=*/slot->done != nullptr);
+    ReleaseSlot(device, slot);
     cudaGetLastError();
     return absl::InternalError(absl::StrCat("StartRead on CUDA device ", device, ": ", what, ": ",
                                             cudaGetErrorString(e)));
@@ -501,25 +489,27 @@ absl::StatusOr<uint64_t> StartRead(int device, const void* src, size_t nbytes) {
 absl::Status FinishRead(int device, uint64_t ticket, void* dst, size_t nbytes) {
   ReadSlot* slot = SlotOf(device, ticket);
   if (slot == nullptr) return absl::InvalidArgumentError(absl::StrCat("FinishRead: no read ", ticket));
-  if (nbytes > kMaxStartedRead) {
-    ReleaseSlot(device, slot, /*dropped=*/true);
-    return absl::InvalidArgumentError(absl::StrCat("FinishRead: ", nbytes, " bytes (at most ", kMaxStartedRead, ")"));
+  if (nbytes != slot->nbytes) {
+    const size_t started = slot->nbytes;
+    ReleaseSlot(device, slot);
+    return absl::InvalidArgumentError(
+        absl::StrCat("FinishRead: read ", ticket, " holds ", started, " bytes, not ", nbytes));
   }
   // The copy's event, not the stream: work enqueued after the read runs on.
   const cudaError_t e = cudaEventSynchronize(slot->done);
   if (e != cudaSuccess) {
-    ReleaseSlot(device, slot, /*dropped=*/true);
+    ReleaseSlot(device, slot);
     cudaGetLastError();
     return absl::InternalError(absl::StrCat("FinishRead on CUDA device ", device, ": cudaEventSynchronize: ",
                                             cudaGetErrorString(e)));
   }
   if (nbytes > 0) std::memcpy(dst, slot->host, nbytes);
-  ReleaseSlot(device, slot, /*dropped=*/false);
+  ReleaseSlot(device, slot);
   return absl::OkStatus();
 }
 
 void DropRead(int device, uint64_t ticket) {
-  if (ReadSlot* slot = SlotOf(device, ticket)) ReleaseSlot(device, slot, /*dropped=*/true);
+  if (ReadSlot* slot = SlotOf(device, ticket)) ReleaseSlot(device, slot);
 }
 
 // Stream ordered on the device's compute stream: the memory is usable by

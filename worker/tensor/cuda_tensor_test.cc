@@ -2,11 +2,13 @@
 // elsewhere; built only where the toolkit is (bazel/cuda.bzl).
 #include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #ifdef COLOD_CUDA_EMULATION
@@ -18,6 +20,7 @@
 #include "kernels/device.h"
 #include "kernels/types.h"
 #include "worker/tensor/autograd.h"
+#include "worker/tensor/device_kernels.h"
 #include "worker/tensor/tensor.h"
 
 namespace colod {
@@ -182,6 +185,36 @@ TEST_F(CudaTensor, AStartedReadGivesTheValuesOfItsPlaceInTheStream) {
     absl::StatusOr<std::vector<float>> v = r.Floats();
     ASSERT_TRUE(v.ok()) << v.status();
     EXPECT_EQ(*v, later->ToFloats());
+  }
+}
+
+// The twins' tickets: a finished or dropped ticket names no read, even once
+// its slot serves another; a read is finished with the size it started with.
+TEST_F(CudaTensor, StartedReadTicketsAreOneUseOnBothTwins) {
+  auto x = Tensor::FromFloats({4}, {1, 2, 3, 4})->To(gpu_);
+  ASSERT_TRUE(x.ok());
+  const Tensor host = Tensor::FromFloats({4}, {1, 2, 3, 4}).value();
+  for (const auto& [k, src, index] : {std::tuple{&CpuKernels(), host.raw_data(), 0},
+                                      std::tuple{CudaKernels(), static_cast<const void*>(x->raw_data()), gpu_.index}}) {
+    ASSERT_NE(k, nullptr);
+    float out[4] = {};
+    absl::StatusOr<uint64_t> first = k->StartRead(index, src, sizeof out);
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_NE(*first, 0u);
+    ASSERT_TRUE(k->FinishRead(index, *first, out, sizeof out).ok());
+    EXPECT_EQ(out[3], 4.0f);
+    EXPECT_EQ(k->FinishRead(index, *first, out, sizeof out).code(), absl::StatusCode::kInvalidArgument);
+    absl::StatusOr<uint64_t> second = k->StartRead(index, src, sizeof out);
+    ASSERT_TRUE(second.ok()) << second.status();
+    EXPECT_NE(*second, *first);
+    k->DropRead(index, *first);  // stale: leaves the second alone
+    EXPECT_EQ(k->FinishRead(index, *first, out, sizeof out).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(k->FinishRead(index, *second, out, 8).code(), absl::StatusCode::kInvalidArgument) << "half of it";
+    absl::StatusOr<uint64_t> third = k->StartRead(index, src, sizeof out);
+    ASSERT_TRUE(third.ok()) << third.status();
+    std::fill(out, out + 4, 0.0f);
+    ASSERT_TRUE(k->FinishRead(index, *third, out, sizeof out).ok());
+    EXPECT_EQ(out[0], 1.0f);
   }
 }
 

@@ -395,6 +395,10 @@ std::string Tensor::ToBytes() const {
 }
 
 absl::StatusOr<PendingRead> Tensor::StartRead() const {
+  if (static_cast<uint64_t>(numel()) > kernels::kMaxStartedRead / sizeof(float)) {
+    return absl::InvalidArgumentError(absl::StrCat("StartRead: ", numel(), " values (at most ",
+                                                   kernels::kMaxStartedRead / sizeof(float), ")"));
+  }
   ASSIGN_OR_RETURN(const Tensor f, ContiguousAs(DType::kF32));
   const DeviceKernels& k = storage_->kernels();
   const int64_t n = f.numel();

@@ -597,7 +597,13 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   auto finish = [&](EnqueuedStep& e) -> absl::Status {
     const int64_t step = e.step;
     const absl::Time read_start = absl::Now();
-    ASSIGN_OR_RETURN(const std::vector<float> values, e.read->Floats());
+    absl::StatusOr<std::vector<float>> read = e.read->Floats();
+    if (!read.ok()) {
+      // A communicator's failure, where one is the cause, says more.
+      RETURN_IF_ERROR(pg.AsyncError());
+      return read.status();
+    }
+    const std::vector<float>& values = *read;
     const absl::Time read_end = absl::Now();
     const double device_wait = shard.device.is_cuda() ? absl::ToDoubleSeconds(read_end - read_start) : 0;
     RETURN_IF_ERROR(pg.AsyncError());
