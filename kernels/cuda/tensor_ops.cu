@@ -295,7 +295,7 @@ constexpr int kStagingSlots = 16;
 constexpr size_t kMaxStagedUpload = 1 << 20;
 
 struct StagingSlot {
-  void* host = nullptr;  // cudaMallocHost, kMaxStagedUpload bytes
+  void* host = nullptr;  // kMaxStagedUpload bytes (MakePinnedSlot)
   cudaEvent_t done = nullptr;
   bool in_use = false;  // taken by an Upload in progress
 };
@@ -320,6 +320,28 @@ T& OfDevice(int device) {
 
 DeviceStaging& Staging(int device) { return OfDevice<DeviceStaging>(device); }
 
+// Makes a slot's event (`event_flags`) and its page-locked buffer of
+// `bytes` where it has none yet (the staging ring's, the started reads'),
+// both kept until exit: cudaFreeHost waits for the device, which may be
+// inside a collective waiting for this very thread. What failed stays null.
+cudaError_t MakePinnedSlot(cudaEvent_t* done, unsigned event_flags, void** host, size_t bytes) {
+  if (*done == nullptr) {
+    const cudaError_t e = cudaEventCreateWithFlags(done, event_flags);
+    if (e != cudaSuccess) {
+      *done = nullptr;
+      return e;
+    }
+  }
+  if (*host == nullptr) {
+    const cudaError_t e = cudaMallocHost(host, bytes);
+    if (e != cudaSuccess) {
+      *host = nullptr;
+      return e;
+    }
+  }
+  return cudaSuccess;
+}
+
 // Fills `slot` with src and copies it to dst on `stream`; *staged is false
 // (and nothing done) where the slot's previous copy has not run yet.
 absl::Status StagedCopy(StagingSlot& slot, void* dst, const void* src, size_t nbytes, cudaStream_t stream,
@@ -327,16 +349,10 @@ absl::Status StagedCopy(StagingSlot& slot, void* dst, const void* src, size_t nb
   *staged = false;
   if (slot.done != nullptr) {
     const cudaError_t q = cudaEventQuery(slot.done);
-    if (q == cudaErrorNotReady) return absl::OkStatus();  // the device is kSlots uploads behind: no host wait
+    if (q == cudaErrorNotReady) return absl::OkStatus();  // its copy is still to run: Upload tries the next
     RETURN_IF_CUDA(q);
-  } else {
-    RETURN_IF_CUDA(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
   }
-  if (slot.host == nullptr) {
-    // Whole at first use and never freed (cudaFreeHost waits for the device,
-    // which may be inside a collective waiting for this very thread).
-    RETURN_IF_CUDA(cudaMallocHost(&slot.host, kMaxStagedUpload));
-  }
+  RETURN_IF_CUDA(MakePinnedSlot(&slot.done, cudaEventDisableTiming, &slot.host, kMaxStagedUpload));
   std::memcpy(slot.host, src, nbytes);
   RETURN_IF_CUDA(cudaMemcpyAsync(dst, slot.host, nbytes, cudaMemcpyHostToDevice, stream));
   const cudaError_t recorded = cudaEventRecord(slot.done, stream);
@@ -399,7 +415,7 @@ namespace {
 constexpr size_t kMaxReadSlots = 64;
 
 struct ReadSlot {
-  void* host = nullptr;  // cudaMallocHost, kMaxStartedRead bytes; kept until exit
+  void* host = nullptr;  // kMaxStartedRead bytes (MakePinnedSlot)
   cudaEvent_t done = nullptr;
   bool in_use = false;  // a ticket holds it
   uint64_t uses = 0;    // times taken
@@ -463,20 +479,9 @@ absl::StatusOr<uint64_t> StartRead(int device, const void* src, size_t nbytes) {
     return absl::InternalError(absl::StrCat("StartRead on CUDA device ", device, ": ", what, ": ",
                                             cudaGetErrorString(e)));
   };
-  if (slot->done == nullptr) {
-    const cudaError_t e = cudaEventCreateWithFlags(&slot->done, cudaEventDisableTiming | cudaEventBlockingSync);
-    if (e != cudaSuccess) {
-      slot->done = nullptr;
-      return fail(e, "cudaEventCreateWithFlags");
-    }
-  }
-  if (slot->host == nullptr) {
-    const cudaError_t e = cudaMallocHost(&slot->host, kMaxStartedRead);
-    if (e != cudaSuccess) {
-      slot->host = nullptr;
-      return fail(e, "cudaMallocHost");
-    }
-  }
+  const cudaError_t made =
+      MakePinnedSlot(&slot->done, cudaEventDisableTiming | cudaEventBlockingSync, &slot->host, kMaxStartedRead);
+  if (made != cudaSuccess) return fail(made, "its event or page-locked buffer");
   if (nbytes > 0) {
     const cudaError_t e = cudaMemcpyAsync(slot->host, src, nbytes, cudaMemcpyDeviceToHost, stream);
     if (e != cudaSuccess) return fail(e, "cudaMemcpyAsync");
