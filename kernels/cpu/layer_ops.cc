@@ -232,6 +232,31 @@ absl::Status GemmBiasGelu(int d, ElemType type, bool trans_a, bool trans_b, int6
   return absl::OkStatus();
 }
 
+absl::Status GeluBackwardF32(int d, const float* dy, const float* x, const float* bias, float* dx, float* db,
+                             int64_t rows, int64_t n, bool tanh_approx);
+
+absl::Status GemmDGelu(int d, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                       const void* a, const void* b, const void* pre, void* c) {
+  if (absl::Status s = CheckGemm(type, m, n, k); !s.ok()) return s;
+  if (m == 0 || n == 0) return absl::OkStatus();
+  // The f32 products times GELU's slope, GeluBackward's arithmetic: at f32
+  // the bits of Gemm then GeluBackward.
+  if (type == ElemType::kF32) {
+    float* out = static_cast<float*>(c);
+    WidenedSgemm(type, trans_a, trans_b, m, n, k, a, b, out, 0.0f);
+    return GeluBackwardF32(d, out, static_cast<const float*>(pre), nullptr, out, nullptr, 1, m * n, true);
+  }
+  std::vector<float> v(static_cast<size_t>(m * n));
+  WidenedSgemm(type, trans_a, trans_b, m, n, k, a, b, v.data(), 0.0f);
+  const std::vector<float> wpre = Widen(type, pre, m * n);
+  if (absl::Status s = GeluBackwardF32(d, v.data(), wpre.data(), nullptr, v.data(), nullptr, 1, m * n, true);
+      !s.ok()) {
+    return s;
+  }
+  RoundInto(type, v.data(), c, m * n);
+  return absl::OkStatus();
+}
+
 absl::Status GemmBiasGrad(int d, ElemType type, int64_t m, int64_t n, int64_t k, const void* dy, const void* x,
                           void* dw, void* db) {
   if (absl::Status s = CheckGemm(type, m, n, k); !s.ok()) return s;

@@ -2349,7 +2349,8 @@ struct LtCall {
 
 // Row-major C [m, n] = op(A) op(B) of `type` with `epilogue` (BIAS: `vector`
 // [n] added; GELU_AUX_BIAS: that, then GELU, `aux` [m, n] <- GELU's input;
-// BGRADB: `vector` [m] <- op(A)'s row sums), enqueued on the device's
+// DGELU: times GELU's slope at `aux` [m, n], no vector; BGRADB: `vector`
+// [m] <- op(A)'s row sums), enqueued on the device's
 // compute stream. false, with nothing enqueued, where cuBLASLt has no
 // algorithm for the problem (the caller runs it unfused).
 absl::StatusOr<bool> LtGemm(int device, cudaStream_t stream, ElemType type, bool trans_a, bool trans_b, int64_t m,
@@ -2374,7 +2375,7 @@ absl::StatusOr<bool> LtGemm(int device, cudaStream_t stream, ElemType type, bool
   RETURN_IF(CublasCheck(
       cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vector, sizeof vector),
       "cublasLtMatmulDescSetAttribute"));
-  if (aux != nullptr) {  // GELU's input, laid out as C
+  if (aux != nullptr) {  // GELU's input, laid out as C (written by GELU_AUX_BIAS, read by DGELU)
     const int64_t aux_ld = n;
     RETURN_IF(CublasCheck(
         cublasLtMatmulDescSetAttribute(call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
@@ -2499,6 +2500,25 @@ absl::Status GemmBiasGelu(int device, ElemType type, bool trans_a, bool trans_b,
   // Apart: pre = the product plus the bias, then c = GELU(pre).
   RETURN_IF(GemmBias(device, type, trans_a, trans_b, m, n, k, a, b, bias, pre));
   return Gelu(device, type, pre, nullptr, c, m, n, /*tanh_approx=*/true);
+}
+
+absl::Status GemmDGelu(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                       const void* a, const void* b, const void* pre, void* c) {
+  RETURN_IF(CheckGemm(type, m, n, k, "GemmDGelu"));
+  if (m == 0 || n == 0) return absl::OkStatus();
+  // GELU's input as the auxiliary input: a leading dimension divisible by 8,
+  // as GemmBiasGelu's output.
+  if (k > 0 && n % 8 == 0 && TryEpilogue(device, type)) {
+    COLOD_CUDA_BEGIN(stream, device);
+    absl::StatusOr<bool> fused = LtGemm(device, stream, type, trans_a, trans_b, m, n, k, a, b, c,
+                                        CUBLASLT_EPILOGUE_DGELU, /*vector=*/nullptr, const_cast<void*>(pre));
+    if (!fused.ok()) return fused.status();
+    if (*fused) return absl::OkStatus();
+  }
+  // Apart: the product rounded to `type`, then GELU's backward over it in
+  // place.
+  RETURN_IF(Gemm(device, type, trans_a, trans_b, m, n, k, a, b, c));
+  return GeluBackward(device, type, c, pre, /*bias=*/nullptr, c, /*db=*/nullptr, 1, m * n, /*tanh_approx=*/true);
 }
 
 absl::Status GemmBiasGrad(int device, ElemType type, int64_t m, int64_t n, int64_t k, const void* dy, const void* x,

@@ -479,6 +479,45 @@ TEST(CudaAttentionLaunches, OneKernelForwardTwoBackward) {
   }
 }
 
+// Attention over packed q, k and v (PackedQkv: GPT-2's c_attn output)
+// writes the packed tensor's gradient slice by slice: two launches fewer
+// backward than three Selects, whose zeroed gradients Backward adds twice,
+// and the same values; the forward is the same launches and bits.
+TEST(CudaAttentionLaunches, PackedQkvGradientIsOneBufferNotThreeAdded) {
+  if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(t));
+    const Device dev = Device::Cuda(0);
+    const Tensor qkv = *Tensor::RandomNormal({2, 40, 3, 4, 64}, 5, t, dev);
+    const Tensor dout = *Tensor::RandomNormal({2, 40, 4, 64}, 6, t, dev);
+    uint64_t forward[2], backward[2];
+    Variable grads[2];
+    Tensor outs[2];
+    for (int packed = 0; packed < 2; ++packed) {
+      grads[packed] = Variable(qkv, true);
+      const uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
+      absl::StatusOr<Variable> out;
+      if (packed == 1) {
+        out = CausalAttention(PackedQkv{grads[packed], 2}, 0.125f);
+      } else {
+        Variable parts[3];
+        for (int i = 0; i < 3; ++i) parts[i] = *Select(grads[packed], 2, i);
+        out = CausalAttention(parts[0], parts[1], parts[2], 0.125f);
+      }
+      ASSERT_TRUE(out.ok()) << out.status();
+      forward[packed] = colod_cuda_emu::GetCounters().kernel_launches - before;
+      outs[packed] = out->value();
+      const uint64_t before_backward = colod_cuda_emu::GetCounters().kernel_launches;
+      ASSERT_TRUE(Backward(*out, dout).ok());
+      backward[packed] = colod_cuda_emu::GetCounters().kernel_launches - before_backward;
+    }
+    EXPECT_EQ(outs[1].ToBytes(), outs[0].ToBytes());
+    EXPECT_EQ(grads[1].grad()->ToFloats(), grads[0].grad()->ToFloats());
+    EXPECT_EQ(forward[1], forward[0]) << "q, k and v copied out of the strided slices either way";
+    EXPECT_EQ(backward[1] + 2, backward[0]) << "the Selects' two adds";
+  }
+}
+
 // bf16 and f16 at head dims 64, 80, 96 and 128 compute on the tensor-core path:
 // every product by mma.sync: per warp, row tile of 16 and 64-key tile,
 // (d / 16) * 8 for S = Q K^T (16 x 64) and as many for P V (16 x d), 4

@@ -26,10 +26,14 @@ Epilogue GeluEpilogue(ops::GeluApprox approx) {
 namespace {
 
 // A linear node's gradients from dy, its input xv and weight wv: dx (summed
-// over `sum_dx` where set), dw and, with a bias, db.
+// over `sum_dx` where set; where `gelu_pre` is set, taken on through the
+// GELU before the node, whose input that is, in the GEMM: no sum then), dw
+// and, with a bias, db.
 absl::StatusOr<Grads> LinearBackward(const Tensor& dy, const Tensor& xv, const Tensor& wv, bool has_bias,
-                                     Communicator* sum_dx, absl::Duration timeout) {
-  ASSIGN_OR_RETURN(Tensor dx, ops::MatMul(dy, wv));
+                                     Communicator* sum_dx, absl::Duration timeout,
+                                     const Tensor* gelu_pre = nullptr) {
+  if (gelu_pre != nullptr && sum_dx != nullptr) return absl::InternalError("linear: a GELU taken before a sum");
+  ASSIGN_OR_RETURN(Tensor dx, gelu_pre != nullptr ? ops::MatMulGeluBackward(dy, wv, *gelu_pre) : ops::MatMul(dy, wv));
   // dx is this node's own buffer: summed in place, no copy, behind the
   // weight-gradient GEMM.
   std::shared_ptr<Work> sum;
@@ -66,13 +70,21 @@ absl::StatusOr<Variable> LinearNode(const Variable& x, const Variable& w, const 
       ops::FusesGemmEpilogues(xv.device())) {
     // The bias and GELU in the GEMM's epilogue: one node, which keeps GELU's
     // input (x W^T + b) for its backward.
+    // Its consumer (the down projection) may take GELU's backward into its
+    // own input gradient's GEMM: the offer's backward starts at GELU's
+    // input.
     ASSIGN_OR_RETURN(ops::BiasGeluProduct yp, ops::MatMulBiasGelu(xv, wv, b->value(), /*trans_b=*/true));
     const Tensor pre = yp.pre;
-    return RecordOp(sum_dx == nullptr ? "linear_bias_gelu" : "linear_bias_gelu_sum_input_grad", {x, w, *b},
-                    std::move(yp.y), [xv, wv, pre, sum_dx, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
-                      ASSIGN_OR_RETURN(Tensor dz, ops::GeluBackward(dy, pre, ops::GeluApprox::kTanh));
-                      return LinearBackward(dz, xv, wv, /*has_bias=*/true, sum_dx, timeout);
-                    });
+    auto from_pre = [xv, wv, sum_dx, timeout](const Tensor& dz) -> absl::StatusOr<Grads> {
+      return LinearBackward(dz, xv, wv, /*has_bias=*/true, sum_dx, timeout);
+    };
+    return RecordOfferingOp(sum_dx == nullptr ? "linear_bias_gelu" : "linear_bias_gelu_sum_input_grad", {x, w, *b},
+                            std::move(yp.y),
+                            [pre, from_pre](const Tensor& dy) -> absl::StatusOr<Grads> {
+                              ASSIGN_OR_RETURN(Tensor dz, ops::GeluBackward(dy, pre, ops::GeluApprox::kTanh));
+                              return from_pre(dz);
+                            },
+                            GeluGradOffer{pre, from_pre});
   }
   if (epilogue != Epilogue::kNone) {
     ASSIGN_OR_RETURN(Variable z, LinearNode(x, w, std::nullopt, Epilogue::kNone, sum_dx, timeout));
@@ -84,10 +96,17 @@ absl::StatusOr<Variable> LinearNode(const Variable& x, const Variable& w, const 
   std::vector<Variable> inputs = {x, w};
   if (b.has_value()) inputs.push_back(*b);
   const bool has_bias = b.has_value();
-  return RecordOp(sum_dx == nullptr ? "linear" : "linear_sum_input_grad", inputs, std::move(y),
-                  [xv, wv, has_bias, sum_dx, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
-                    return LinearBackward(dy, xv, wv, has_bias, sum_dx, timeout);
-                  });
+  // An offer of the GELU before it (an MLP's down projection after the up
+  // projection's GELU) is taken into dx's GEMM where dx is not summed and
+  // the dtypes agree.
+  return RecordOfferTakingOp(
+      sum_dx == nullptr ? "linear" : "linear_sum_input_grad", inputs, std::move(y),
+      [xv, wv, has_bias, sum_dx, timeout](const Tensor& dy, const GeluGradOffer* offer) -> absl::StatusOr<OfferedGrads> {
+        const bool take = offer != nullptr && sum_dx == nullptr && offer->pre.shape() == xv.shape() &&
+                          offer->pre.dtype() == dy.dtype() && wv.dtype() == dy.dtype();
+        ASSIGN_OR_RETURN(Grads g, LinearBackward(dy, xv, wv, has_bias, sum_dx, timeout, take ? &offer->pre : nullptr));
+        return OfferedGrads{std::move(g), take};
+      });
 }
 
 }  // namespace
@@ -437,9 +456,12 @@ struct ScoreBias {
   std::optional<Variable> learned;
 };
 
-// The fused kernels (Sq = Sk) with what `bias` adds to the scores.
+// The fused kernels (Sq = Sk) with what `bias` adds to the scores. With
+// `packed`, q, k and v are its three slices, and the node's input is the
+// packed tensor, whose gradient the backward writes slice by slice into one
+// buffer.
 absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                        bool causal, const ScoreBias& bias = {}) {
+                                        bool causal, const ScoreBias& bias = {}, const PackedQkv* packed = nullptr) {
   const DType dtype = q.value().dtype();
   const Device dev = q.value().device();
   // The kernels read f32, bf16 and f16 operands as they are: the
@@ -451,6 +473,13 @@ absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, co
     ASSIGN_OR_RETURN(extras.alibi, host.To(dev));
   }
   std::vector<Variable> inputs = {q, k, v};
+  std::optional<Shape> packed_shape;  // the packed tensor's, where the node's input is it
+  int64_t packed_dim = 0;
+  if (packed != nullptr) {
+    inputs = {packed->qkv};
+    packed_shape = packed->qkv.value().shape();
+    packed_dim = packed->dim;
+  }
   const DType bias_dtype = bias.learned.has_value() ? bias.learned->value().dtype() : DType::kF32;
   if (bias.learned.has_value()) {
     ASSIGN_OR_RETURN(extras.bias, bias.learned->value().ContiguousAs(DType::kF32));
@@ -459,13 +488,26 @@ absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, co
   }
   ASSIGN_OR_RETURN(ops::AttentionForward f, ops::FusedAttention(qf, kf, vf, scale, causal, extras));
   ASSIGN_OR_RETURN(Tensor y, f.out.ContiguousAs(dtype));
-  return RecordOp(causal ? "causal_attention" : "attention", inputs, std::move(y),
-                  [qf, kf, vf, f, scale, causal, dtype, extras, bias_dtype](const Tensor& dy) -> absl::StatusOr<Grads> {
+  const std::string name = std::string(packed != nullptr ? "packed_" : "") + (causal ? "causal_attention" : "attention");
+  return RecordOp(name, inputs, std::move(y),
+                  [qf, kf, vf, f, scale, causal, dtype, extras, bias_dtype, packed_shape, packed_dim,
+                   dev](const Tensor& dy) -> absl::StatusOr<Grads> {
                     ASSIGN_OR_RETURN(ops::AttentionGrads g,
                                      ops::FusedAttentionBackward(dy, qf, kf, vf, f, scale, causal, extras));
                     Grads out;
+                    std::optional<Tensor> dqkv;  // packed: every slice written below
+                    if (packed_shape.has_value()) {
+                      ASSIGN_OR_RETURN(dqkv, Tensor::Empty(*packed_shape, dtype, dev));
+                      out.push_back(*dqkv);
+                    }
+                    int64_t slice = 0;
                     for (const Tensor* t : {&g.dq, &g.dk, &g.dv}) {
                       ASSIGN_OR_RETURN(Tensor back, t->ContiguousAs(dtype));
+                      if (dqkv.has_value()) {
+                        ASSIGN_OR_RETURN(Tensor place, dqkv->Select(packed_dim, slice++));
+                        RETURN_IF_ERROR(place.CopyFrom(back));
+                        continue;
+                      }
                       out.push_back(std::move(back));
                     }
                     if (g.dbias.has_value()) {
@@ -743,6 +785,45 @@ absl::StatusOr<Variable> BiasedAttention(const Variable& q, const Variable& k, c
                                                    " queries over ", sk, " keys"));
   }
   return PerHeadAttention(q, k, v, scale, causal, b);
+}
+
+namespace {
+
+// q, k and v: the three slices of `packed` (views), after its checks.
+absl::Status Unpack(const PackedQkv& packed, Variable (&parts)[3]) {
+  const Tensor& t = packed.qkv.value();
+  if (packed.dim < 0 || packed.dim >= t.dim() || t.shape()[packed.dim] != 3) {
+    return absl::InvalidArgumentError(absl::StrCat("packed q, k and v need a dim of 3 at ", packed.dim, ", not ",
+                                                   ShapeToString(t.shape())));
+  }
+  for (int i = 0; i < 3; ++i) {
+    ASSIGN_OR_RETURN(parts[i], Select(packed.qkv, packed.dim, i));
+  }
+  return ops::CheckAttentionShapes(parts[0].value(), parts[1].value(), parts[2].value());
+}
+
+}  // namespace
+
+absl::StatusOr<Variable> CausalAttention(const PackedQkv& packed, float scale, AttentionImpl impl) {
+  Variable parts[3];
+  RETURN_IF_ERROR(Unpack(packed, parts));
+  if (Resolve(impl, parts[0]) != AttentionImpl::kFused) return PerHeadAttention(parts[0], parts[1], parts[2], scale, true);
+  return FusedAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, {}, &packed);
+}
+
+absl::StatusOr<Variable> AlibiAttention(const PackedQkv& packed, float scale, const std::vector<float>& slopes,
+                                        AttentionImpl impl) {
+  Variable parts[3];
+  RETURN_IF_ERROR(Unpack(packed, parts));
+  if (Resolve(impl, parts[0]) != AttentionImpl::kFused) {
+    return AlibiAttention(parts[0], parts[1], parts[2], scale, slopes, AttentionImpl::kPerHead);
+  }
+  if (static_cast<int64_t>(slopes.size()) != parts[0].value().shape()[2]) {
+    return AlibiAttention(parts[0], parts[1], parts[2], scale, slopes, impl);  // its error
+  }
+  ScoreBias bias;
+  bias.slopes = slopes;
+  return FusedAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, bias, &packed);
 }
 
 namespace {

@@ -124,6 +124,22 @@ absl::StatusOr<Variable> Attention(const Variable& q, const Variable& k, const V
 // patch. A copy on x's device (no gradient: images are inputs).
 absl::StatusOr<Tensor> ImagePatches(const Tensor& images, int64_t patch);
 
+// q, k and v as slices 0, 1 and 2 along `dim` of one fused projection's
+// output: GPT-2's c_attn as [B, S, 3, H, D] at dim 2, BLOOM's
+// query_key_value as [B, S, H, 3, D] at dim 3. The attention functions that
+// take one give the projection's output one gradient on the fused kernel,
+// written slice by slice: three nn::Selects each give a zeroed gradient of
+// the whole output, and Backward adds the three (GPT-2 124M: three [8192,
+// 2304] buffers zeroed and two added a layer). With the per-head GEMMs they
+// are the three Selects. INVALID_ARGUMENT unless the dim has 3 entries and
+// the slices are attention operands.
+struct PackedQkv {
+  Variable qkv;
+  int64_t dim = 0;
+};
+absl::StatusOr<Variable> CausalAttention(const PackedQkv& packed, float scale,
+                                         AttentionImpl impl = AttentionImpl::kAuto);
+
 // T5's relative position buckets (transformers' _relative_position_bucket):
 // the bucket of key j for query i, relative position r = j - i. Encoder
 // attention is bidirectional: half the buckets for r > 0, r's magnitude in
@@ -151,6 +167,8 @@ std::vector<float> AlibiSlopes(int64_t heads);
 // fused kernel on a CUDA device, per-head GEMMs on the CPU.
 absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
                                         const std::vector<float>& slopes,
+                                        AttentionImpl impl = AttentionImpl::kAuto);
+absl::StatusOr<Variable> AlibiAttention(const PackedQkv& packed, float scale, const std::vector<float>& slopes,
                                         AttentionImpl impl = AttentionImpl::kAuto);
 // Attention whose scores gain a learned bias [Hq, Sq, Sk] (T5's relative
 // position bias) after the scaling: softmax(q k^T * scale + bias[h]) v,

@@ -399,5 +399,76 @@ TEST(Functional, LinearWithTheGeluEpilogueIsLinearThenGelu) {
   }
 }
 
+// An MLP, the up projection with tanh GELU in its epilogue and the down
+// projection after it: the down projection takes GELU's backward into its
+// input gradient's GEMM (the up projection's offer), and the gradients are
+// the unfused Linear, Gelu, Linear's (f32: the bits; the bias's sums within
+// rounding). The GELU output used again beside the down projection is no
+// offer to take, and gives the unfused gradients too.
+TEST(Functional, AnMlpsDownProjectionTakesGelusBackward) {
+  const Tensor x = *Tensor::RandomNormal({2, 3, 5}, 71), w1 = *Tensor::RandomNormal({8, 5}, 72),
+               b1 = *Tensor::RandomNormal({8}, 73), w2 = *Tensor::RandomNormal({4, 8}, 74),
+               b2 = *Tensor::RandomNormal({4}, 75), r = *Tensor::RandomNormal({2, 3, 4}, 76),
+               r8 = *Tensor::RandomNormal({2, 3, 8}, 77);
+  for (bool reused : {false, true}) {
+    const std::string what = reused ? "GELU's output used twice" : "one consumer";
+    Variable fx(x, true), fw1(w1, true), fb1(b1, true), fw2(w2, true), fb2(b2, true);
+    Variable ux(x, true), uw1(w1, true), ub1(b1, true), uw2(w2, true), ub2(b2, true);
+    Variable fh = *Linear(fx, fw1, fb1, Epilogue::kGeluTanh);
+    EXPECT_EQ(fh.op_name(), "linear_bias_gelu");
+    Variable uh = *Gelu(*Linear(ux, uw1, ub1), ops::GeluApprox::kTanh);
+    auto loss = [&](const Variable& h, const Variable& w, const Variable& b) {
+      Variable f = *Sum(*Mul(*Linear(h, w, b), Variable(r)));
+      return reused ? *Add(f, *Sum(*Mul(h, Variable(r8)))) : f;
+    };
+    ASSERT_TRUE(Backward(loss(fh, fw2, fb2)).ok()) << what;
+    ASSERT_TRUE(Backward(loss(uh, uw2, ub2)).ok()) << what;
+    EXPECT_EQ(fx.grad()->ToBytes(), ux.grad()->ToBytes()) << what;
+    EXPECT_EQ(fw1.grad()->ToBytes(), uw1.grad()->ToBytes()) << what;
+    EXPECT_EQ(fw2.grad()->ToBytes(), uw2.grad()->ToBytes()) << what;
+    EXPECT_EQ(fb2.grad()->ToBytes(), ub2.grad()->ToBytes()) << what;
+    const std::vector<float> got = fb1.grad()->ToFloats(), want = ub1.grad()->ToFloats();
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5) << what << " " << i;
+  }
+}
+
+// Attention over q, k and v packed in one tensor (GPT-2's [B, S, 3, H, D] at
+// dim 2, BLOOM's [B, S, H, 3, D] at dim 3 with ALiBi) is the attention over
+// its three Selects: the same output, and one gradient of the packed tensor
+// with the three slices' gradients (as values: the Selects' sum adds zeros,
+// which turns a -0 into +0), on the fused kernels' CPU twin and on the
+// per-head path. A dim that is not 3 wide is refused.
+TEST(Functional, AttentionOverPackedQkvIsAttentionOverItsSlices) {
+  for (bool bloom : {false, true}) {
+    const Shape shape = bloom ? Shape{2, 9, 4, 3, 8} : Shape{2, 9, 3, 4, 8};
+    const int64_t dim = bloom ? 3 : 2;
+    const std::vector<float> slopes = AlibiSlopes(4);
+    const Tensor qkv = *Tensor::RandomNormal(shape, 81), dout = *Tensor::RandomNormal({2, 9, 4, 8}, 82);
+    for (AttentionImpl impl : {AttentionImpl::kFused, AttentionImpl::kPerHead}) {
+      const std::string what = std::string(bloom ? "bloom" : "gpt2") +
+                               (impl == AttentionImpl::kFused ? " fused" : " per head");
+      Variable packed(qkv, true), apart(qkv, true);
+      absl::StatusOr<Variable> p = bloom ? AlibiAttention(PackedQkv{packed, dim}, 0.35f, slopes, impl)
+                                         : CausalAttention(PackedQkv{packed, dim}, 0.35f, impl);
+      ASSERT_TRUE(p.ok()) << what << ": " << p.status();
+      Variable parts[3];
+      for (int i = 0; i < 3; ++i) parts[i] = *Select(apart, dim, i);
+      Variable want = bloom ? *AlibiAttention(parts[0], parts[1], parts[2], 0.35f, slopes, impl)
+                            : *Attention(parts[0], parts[1], parts[2], 0.35f, /*causal=*/true, impl);
+      EXPECT_EQ(p->value().ToBytes(), want.value().ToBytes()) << what;
+      if (impl == AttentionImpl::kFused) {
+        EXPECT_EQ(p->op_name(), "packed_causal_attention") << what;
+      }
+      ASSERT_TRUE(Backward(*p, dout).ok()) << what;
+      ASSERT_TRUE(Backward(want, dout).ok()) << what;
+      ASSERT_EQ(packed.grad()->shape(), shape) << what;
+      EXPECT_EQ(packed.grad()->ToFloats(), apart.grad()->ToFloats()) << what;
+    }
+  }
+  Variable wide(*Tensor::RandomNormal({2, 9, 4, 4, 8}, 83), true);
+  EXPECT_EQ(CausalAttention(PackedQkv{wide, 2}, 0.35f).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CausalAttention(PackedQkv{wide, 5}, 0.35f).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace colod::nn

@@ -54,13 +54,10 @@ absl::StatusOr<ColoTensor> AttentionForward(Module& self, const ColoTensor& x) {
   const int64_t b = local[0], s = local[1];
   // Per head: q, k, v of head_dim each (BloomAttention._split_heads).
   ASSIGN_OR_RETURN(Variable split, nn::Reshape(qkv.variable(), {b, s, heads, 3, head_dim}));
-  // Strided views of the fused projection's output, read as they are.
-  Variable parts[3];
-  for (int i = 0; i < 3; ++i) {
-    ASSIGN_OR_RETURN(parts[i], nn::Select(split, 3, i));
-  }
+  // q, k and v: slices of the fused projection's output, whose gradient the
+  // attention writes into one buffer.
   ASSIGN_OR_RETURN(std::vector<float> slopes, LocalSlopes(qkv, heads, total, head_dim));
-  ASSIGN_OR_RETURN(Variable att, nn::AlibiAttention(parts[0], parts[1], parts[2],
+  ASSIGN_OR_RETURN(Variable att, nn::AlibiAttention(nn::PackedQkv{split, 3},
                                                     1.0f / std::sqrt(static_cast<float>(head_dim)), slopes));
   ASSIGN_OR_RETURN(att, nn::Reshape(att, {b, s, heads * head_dim}));
   return CallWithLocal(self, "dense", att, x.process_group());

@@ -28,12 +28,9 @@ absl::StatusOr<ColoTensor> AttentionForward(Module& self, const ColoTensor& x) {
                                                    " heads of q, k and v"));
   }
   ASSIGN_OR_RETURN(Variable split, nn::Reshape(qkv.variable(), {b, s, 3, heads, head_dim}));
-  // Strided views of c_attn's output, which the attention reads as they are.
-  Variable qkv_parts[3];
-  for (int i = 0; i < 3; ++i) {
-    ASSIGN_OR_RETURN(qkv_parts[i], nn::Select(split, 2, i));
-  }
-  ASSIGN_OR_RETURN(Variable att, nn::CausalAttention(qkv_parts[0], qkv_parts[1], qkv_parts[2],
+  // q, k and v: slices of c_attn's output, whose gradient the attention
+  // writes into one buffer.
+  ASSIGN_OR_RETURN(Variable att, nn::CausalAttention(nn::PackedQkv{split, 2},
                                                      1.0f / std::sqrt(static_cast<float>(head_dim))));
   ASSIGN_OR_RETURN(att, nn::Reshape(att, {b, s, heads * head_dim}));
   return CallWithLocal(self, "c_proj", att, x.process_group());

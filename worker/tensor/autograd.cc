@@ -13,8 +13,10 @@ struct AutogradNode {
   std::string name;
   int64_t sequence = 0;  // recording order on its thread
   std::vector<std::shared_ptr<Variable::Impl>> inputs;
-  BackwardFn backward;         // one of the two
+  BackwardFn backward;         // one of the three
   FoldingBackwardFn folding;
+  OfferTakingBackwardFn taking;
+  std::optional<GeluGradOffer> offer;  // RecordOfferingOp's
 };
 
 struct Variable::Impl {
@@ -78,7 +80,8 @@ EnableGradScope::~EnableGradScope() { grad_enabled = previous_; }
 namespace {
 
 Variable Record(std::string name, const std::vector<Variable>& inputs, Tensor output, BackwardFn backward,
-                FoldingBackwardFn folding) {
+                FoldingBackwardFn folding, OfferTakingBackwardFn taking = nullptr,
+                std::optional<GeluGradOffer> offer = std::nullopt) {
   Variable out(std::move(output), false);
   const bool needs = grad_enabled && std::any_of(inputs.begin(), inputs.end(),
                                                  [](const Variable& v) { return v.requires_grad(); });
@@ -89,6 +92,8 @@ Variable Record(std::string name, const std::vector<Variable>& inputs, Tensor ou
   for (const Variable& v : inputs) node->inputs.push_back(AutogradAccess::impl(v));
   node->backward = std::move(backward);
   node->folding = std::move(folding);
+  node->taking = std::move(taking);
+  node->offer = std::move(offer);
   auto& impl = AutogradAccess::impl(out);
   impl->requires_grad = true;
   impl->node = std::move(node);
@@ -104,6 +109,16 @@ Variable RecordOp(std::string name, const std::vector<Variable>& inputs, Tensor 
 Variable RecordFoldingOp(std::string name, const std::vector<Variable>& inputs, Tensor output,
                          FoldingBackwardFn backward) {
   return Record(std::move(name), inputs, std::move(output), nullptr, std::move(backward));
+}
+
+Variable RecordOfferingOp(std::string name, const std::vector<Variable>& inputs, Tensor output, BackwardFn backward,
+                          GeluGradOffer offer) {
+  return Record(std::move(name), inputs, std::move(output), std::move(backward), nullptr, nullptr, std::move(offer));
+}
+
+Variable RecordOfferTakingOp(std::string name, const std::vector<Variable>& inputs, Tensor output,
+                             OfferTakingBackwardFn backward) {
+  return Record(std::move(name), inputs, std::move(output), nullptr, nullptr, std::move(backward));
 }
 
 absl::Status Backward(const Variable& root) {
@@ -143,14 +158,19 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
   for (Variable::Impl* v : seen) {
     if (!v->node && v->requires_grad) consumers[v] = 0;
   }
+  // For each output of an offering op, how many of those ops consume it:
+  // its offer may be taken only by the one.
+  std::map<Variable::Impl*, int> offer_uses;
   for (const auto& [seq, v] : pending) {
     std::set<Variable::Impl*> distinct;
     for (const ImplPtr& in : v->node->inputs) distinct.insert(in.get());
     for (Variable::Impl* in : distinct) {
       auto c = consumers.find(in);
       if (c != consumers.end()) ++c->second;
+      if (in->node && in->node->offer) ++offer_uses[in];
     }
   }
+  std::set<Variable::Impl*> taken;  // whose gradient came through their op's offer
   grads[AutogradAccess::impl(root).get()] = grad.Clone();
   auto finish_leaf = [&](Variable::Impl* v) -> absl::Status {
     auto it = grads.find(v);
@@ -218,6 +238,31 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
       } else {
         in_grads = f.status();
       }
+    } else if (node.taking) {
+      // The offer of input 0's op, where this op alone consumes input 0
+      // and names it once, and nothing else has given it a gradient.
+      const GeluGradOffer* offer = nullptr;
+      const ImplPtr* in0 = node.inputs.empty() ? nullptr : &node.inputs[0];
+      if (in0 != nullptr && (*in0)->requires_grad && (*in0)->node && (*in0)->node->offer &&
+          offer_uses[in0->get()] == 1 && grads.count(in0->get()) == 0 &&
+          std::count(node.inputs.begin(), node.inputs.end(), *in0) == 1) {
+        offer = &*(*in0)->node->offer;
+      }
+      absl::StatusOr<OfferedGrads> t = node.taking(it->second, offer);
+      if (t.ok()) {
+        if (t->taken && offer == nullptr) {
+          return absl::InternalError(absl::StrCat("backward of ", node.name, " took an offer it was not given"));
+        }
+        if (t->taken && (t->grads.empty() || !t->grads[0].has_value())) {
+          return absl::InternalError(absl::StrCat("backward of ", node.name, " took an offer and gave no gradient"));
+        }
+        if (t->taken) taken.insert(in0->get());
+        in_grads = std::move(t->grads);
+      } else {
+        in_grads = t.status();
+      }
+    } else if (taken.count(v.get()) > 0) {  // the gradient at its GELU's input
+      in_grads = node.offer->backward(it->second);
     } else {
       in_grads = node.backward(it->second);
     }

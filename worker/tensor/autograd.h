@@ -87,6 +87,34 @@ using FoldingBackwardFn =
 Variable RecordFoldingOp(std::string name, const std::vector<Variable>& inputs, Tensor output,
                          FoldingBackwardFn backward);
 
+// What an op ending in the tanh-approximated GELU (an MLP's up projection
+// with GELU in its GEMM's epilogue) offers the one op that consumes its
+// output: to take that output's gradient already through GELU's derivative
+// at `pre`, GELU's input, which the consumer applies in its own kernel (its
+// input gradient's GEMM: ops::MatMulGeluBackward), so that GELU's backward
+// is no pass of its own. `backward` is then the op's backward, given the
+// gradient at GELU's input instead of at its output.
+struct GeluGradOffer {
+  Tensor pre;
+  BackwardFn backward;
+};
+// RecordOp with the offer.
+Variable RecordOfferingOp(std::string name, const std::vector<Variable>& inputs, Tensor output, BackwardFn backward,
+                          GeluGradOffer offer);
+// A backward that may take the offer of the op producing its first input:
+// `offer` is that op's where this op is the only one the backward reaches
+// that consumes the input, and takes it once (null otherwise); `taken` says
+// the gradient returned for input 0 is through the offer's derivative, and
+// Backward then gives it to the offer's backward in place of the op's own.
+struct OfferedGrads {
+  std::vector<std::optional<Tensor>> grads;
+  bool taken = false;
+};
+using OfferTakingBackwardFn =
+    std::function<absl::StatusOr<OfferedGrads>(const Tensor& grad_output, const GeluGradOffer* offer)>;
+Variable RecordOfferTakingOp(std::string name, const std::vector<Variable>& inputs, Tensor output,
+                             OfferTakingBackwardFn backward);
+
 // Back-propagates from a scalar (one element) root with gradient 1.
 absl::Status Backward(const Variable& root);
 // Back-propagates `grad` (same shape as root) from any root.

@@ -158,6 +158,103 @@ TEST(Autograd, AFoldingBackwardTakesItsInputsPendingGradient) {
   EXPECT_NE(st.message().find("backward of broken"), std::string::npos) << st;
 }
 
+// h = x * x offering its consumer to take the gradient on through h's
+// derivative (2x at `pre` = x); which of its backwards ran is counted.
+struct OfferCounts {
+  int own = 0, offered = 0;
+};
+Variable Squared(const Variable& x, OfferCounts* counts) {
+  const Tensor xv = x.value();
+  return RecordOfferingOp(
+      "squared", {x}, *Mul(xv, xv),
+      [xv, counts](const Tensor& dh) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+        ++counts->own;
+        ASSIGN_OR_RETURN(Tensor dx, Mul(dh, *Scale(xv, 2.0f)));
+        return std::vector<std::optional<Tensor>>{dx};
+      },
+      GeluGradOffer{xv, [counts](const Tensor& dz) -> absl::StatusOr<std::vector<std::optional<Tensor>>> {
+                      ++counts->offered;  // dz is the gradient at x already
+                      return std::vector<std::optional<Tensor>>{dz};
+                    }});
+}
+// y = 3 * in (named `uses` times among its inputs), taking an offer (as
+// 3 * dy * 2 * pre) where `take` and one comes; whether one came is counted.
+Variable Tripled(const Variable& in, bool take, int uses, std::vector<bool>* offered) {
+  std::vector<Variable> inputs(static_cast<size_t>(uses), in);
+  return RecordOfferTakingOp(
+      "tripled", inputs, *Scale(in.value(), 3.0f * static_cast<float>(uses)),
+      [take, uses, offered](const Tensor& dy, const GeluGradOffer* offer) -> absl::StatusOr<OfferedGrads> {
+        offered->push_back(offer != nullptr);
+        ASSIGN_OR_RETURN(Tensor g, Scale(dy, 3.0f));
+        OfferedGrads out;
+        out.grads.assign(static_cast<size_t>(uses), g);
+        if (take && offer != nullptr) {
+          ASSIGN_OR_RETURN(out.grads[0], Mul(g, *Scale(offer->pre, 2.0f)));
+          out.taken = true;
+        }
+        return out;
+      });
+}
+
+// An offering op's offer reaches the one op consuming its output: taken,
+// that op's gradient for it is already through the offering op's
+// derivative and Backward runs the offer's backward in place of the op's
+// own, with the same gradients. Not offered where another op consumes the
+// output too, or the consumer names it twice; declined, the op's own
+// backward runs. A backward that takes an offer it was not given, or gives
+// no gradient with it, is an error.
+TEST(Autograd, AnOffersDerivativeIsTakenByItsOnlyConsumer) {
+  for (bool take : {true, false}) {
+    SCOPED_TRACE(take ? "taken" : "declined");
+    // f = sum(3 x^2): df/dx = 6x.
+    Variable x = Leaf({3, 4}, 51);
+    OfferCounts counts;
+    std::vector<bool> offered;
+    ASSERT_TRUE(Backward(*Sum(Tripled(Squared(x, &counts), take, 1, &offered))).ok());
+    EXPECT_EQ(offered, std::vector<bool>{true});
+    EXPECT_EQ(counts.offered, take ? 1 : 0);
+    EXPECT_EQ(counts.own, take ? 0 : 1);
+    const std::vector<float> xv = x.value().ToFloats(), gx = x.grad()->ToFloats();
+    for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(gx[i], 6.0f * xv[i], 1e-5f) << i;
+  }
+  {  // f = sum(3 h + h), h = x^2: two consumers, no offer; df/dx = 8x.
+    Variable x = Leaf({3, 4}, 52);
+    OfferCounts counts;
+    std::vector<bool> offered;
+    Variable h = Squared(x, &counts);
+    ASSERT_TRUE(Backward(*Sum(*Add(Tripled(h, true, 1, &offered), h))).ok());
+    EXPECT_EQ(offered, std::vector<bool>{false});
+    EXPECT_EQ(counts.own, 1);
+    const std::vector<float> xv = x.value().ToFloats(), gx = x.grad()->ToFloats();
+    for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(gx[i], 8.0f * xv[i], 1e-5f) << i;
+  }
+  {  // f = sum(6 h) with h named twice by its consumer: no offer; df/dx = 12x.
+    Variable x = Leaf({3, 4}, 53);
+    OfferCounts counts;
+    std::vector<bool> offered;
+    ASSERT_TRUE(Backward(*Sum(Tripled(Squared(x, &counts), true, 2, &offered))).ok());
+    EXPECT_EQ(offered, std::vector<bool>{false});
+    EXPECT_EQ(counts.own, 1);
+    const std::vector<float> xv = x.value().ToFloats(), gx = x.grad()->ToFloats();
+    for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(gx[i], 12.0f * xv[i], 1e-5f) << i;
+  }
+  Variable z = Leaf({2}, 54);
+  Variable rogue = RecordOfferTakingOp("rogue", {z}, z.value(), [](const Tensor& dy, const GeluGradOffer*) {
+    return absl::StatusOr<OfferedGrads>(OfferedGrads{{dy}, true});
+  });
+  absl::Status st = Backward(*Sum(rogue));
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_NE(st.message().find("backward of rogue"), std::string::npos) << st;
+  OfferCounts counts;
+  Variable empty = RecordOfferTakingOp("empty", {Squared(z, &counts)}, z.value(),
+                                       [](const Tensor&, const GeluGradOffer* offer) {
+                                         return absl::StatusOr<OfferedGrads>(OfferedGrads{{std::nullopt}, offer != nullptr});
+                                       });
+  st = Backward(*Sum(empty));
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_NE(st.message().find("backward of empty"), std::string::npos) << st;
+}
+
 TEST(Autograd, NoGradScopeRecordsNothing) {
   Variable x = Leaf({3}, 4);
   {

@@ -238,6 +238,67 @@ TEST_F(CudaLayerOps, GemmBiasEpiloguesMatchTheCpu) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// An MLP's down projection's input gradient through the up projection's
+// GELU in one GEMM (MatMulGeluBackward; on CUDA cuBLASLt's DGELU epilogue)
+// against the CPU twin, in every float type, fused and with
+// COLOD_GEMM_EPILOGUES=0 (the GEMM, then GELU's backward kernel); the
+// CPU's against MatMul then GeluBackward: the same bits at f32, within a
+// rounding of the half types (one rounding fewer). K = 36 runs unfused on
+// CUDA (GELU's input needs a leading dimension divisible by 8), 32 fused,
+// where the emulation launches no kernel of colod's.
+TEST_F(CudaLayerOps, GeluBackwardInTheGemmMatchesTheCpu) {
+  for (const char* fuse : {static_cast<const char*>(nullptr), "0"}) {
+    ScopedGemmEpilogues scope(fuse);
+    const bool fused = fuse == nullptr;
+    for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+      const double tol = t == DType::kF32 ? 1e-5 : (t == DType::kBF16 ? 1e-2 : 2e-3);
+      for (int64_t kk : {36, 32}) {
+        const std::string what = std::string(fused ? "fused " : "unfused ") + std::string(DTypeName(t)) +
+                                 " K=" + std::to_string(kk);
+        const Tensor dy = *R({2, 6, 40}, 61).ToDType(t), w = *R({40, kk}, 62).ToDType(t);
+        const Tensor pre = *R({2, 6, kk}, 63).ToDType(t);
+        const Tensor cpu = *MatMulGeluBackward(dy, w, pre);
+        ASSERT_EQ(cpu.shape(), pre.shape()) << what;
+        const Tensor ddy = Dev(dy), dw = Dev(w), dpre = Dev(pre);
+#ifdef COLOD_CUDA_EMULATION
+        const uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
+#endif
+        const Tensor gpu = *MatMulGeluBackward(ddy, dw, dpre);
+#ifdef COLOD_CUDA_EMULATION
+        const uint64_t launches = colod_cuda_emu::GetCounters().kernel_launches - before;
+        if (fused && kk == 32) {
+          EXPECT_EQ(launches, 0u) << what << ": GELU's backward in cuBLASLt's epilogue";
+        } else {
+          EXPECT_GE(launches, 1u) << what << ": GELU's backward kernel after the GEMM";
+        }
+#endif
+        ExpectNear(gpu, cpu, tol, what + " against the cpu");
+        const Tensor apart = *GeluBackward(*MatMul(dy, w), pre, GeluApprox::kTanh);
+        if (t == DType::kF32) {
+          EXPECT_EQ(cpu.ToBytes(), apart.ToBytes()) << what << ": the cpu's bits of MatMul then GeluBackward";
+        }
+        const Tensor want = *GeluBackward(*MatMul(*dy.ToDType(DType::kF32), *w.ToDType(DType::kF32)),
+                                          *pre.ToDType(DType::kF32), GeluApprox::kTanh);
+        ExpectNear(*Dev(cpu).ToDType(DType::kF32), want, tol, what + " cpu against f32");
+      }
+    }
+  }
+  // Shapes and dtypes that do not chain: refused on both devices.
+  const Tensor dy = R({2, 3, 8}, 64), w = R({8, 16}, 65), pre = R({2, 3, 16}, 66);
+  for (bool cuda : {false, true}) {
+    auto on = [&](const Tensor& t) { return cuda ? Dev(t) : t; };
+    EXPECT_TRUE(MatMulGeluBackward(on(dy), on(w), on(pre)).ok());
+    EXPECT_EQ(MatMulGeluBackward(on(dy), on(w), on(R({2, 3, 15}, 67))).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(MatMulGeluBackward(on(dy), on(w), on(R({3, 2, 16}, 67))).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(MatMulGeluBackward(on(dy), on(R({9, 16}, 68)), on(pre)).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(MatMulGeluBackward(on(dy), on(*w.ToDType(DType::kBF16)), on(pre)).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+
 // The fused bias is added to the f32 products, and the sum rounded once: a
 // bf16 product of 1 + 3 * 2^-9 plus a bias of -2^-9 is the tie 1 + 2^-8,
 // which rounds to even, 1; the product rounded first (1 + 2^-7) plus the

@@ -126,6 +126,8 @@ struct DeviceKernels {
                                const void* x, void* dw, void* db);
   absl::Status (*GemmBiasGelu)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n,
                                int64_t k, const void* a, const void* b, const void* bias, void* c, void* pre);
+  absl::Status (*GemmDGelu)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                            const void* a, const void* b, const void* pre, void* c);
   bool (*GemmEpilogues)(int device);
 };
 
@@ -143,7 +145,8 @@ struct DeviceKernels {
         &ns::VocabShardMax, &ns::VocabShardSums, &ns::VocabShardCombine, &ns::VocabShardLoss,         \
         &ns::VocabShardBackward,                                                                      \
         &ns::Rope, &ns::FlashAttention, &ns::FlashAttentionBackward, &ns::AdamW, &ns::GradNormClip,    \
-        &ns::GemmF32Out, &ns::GemmBias, &ns::GemmBiasGrad, &ns::GemmBiasGelu, &ns::GemmEpilogues       \
+        &ns::GemmF32Out, &ns::GemmBias, &ns::GemmBiasGrad, &ns::GemmBiasGelu, &ns::GemmDGelu,          \
+        &ns::GemmEpilogues                                                                            \
   }
 
 const DeviceKernels& CpuKernels();

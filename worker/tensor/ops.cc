@@ -224,6 +224,29 @@ absl::StatusOr<BiasGeluProduct> MatMulBiasGelu(const Tensor& a, const Tensor& b,
   return BiasGeluProduct{std::move(y), std::move(pre)};
 }
 
+absl::StatusOr<Tensor> MatMulGeluBackward(const Tensor& dy, const Tensor& w, const Tensor& pre) {
+  const int64_t n = dy.dim() == 0 ? 0 : dy.shape().back();
+  if (dy.dtype() != w.dtype() || dy.dtype() != pre.dtype() || !IsFloat(dy.dtype()) || w.dim() != 2 || dy.dim() < 2 ||
+      w.shape()[0] != n || pre.dim() != dy.dim() || pre.shape().back() != w.shape()[1] ||
+      !std::equal(dy.shape().begin(), dy.shape().end() - 1, pre.shape().begin())) {
+    return absl::InvalidArgumentError(absl::StrCat("matmul_gelu_backward: dy ", DTypeName(dy.dtype()),
+                                                   ShapeToString(dy.shape()), " @ w ", DTypeName(w.dtype()),
+                                                   ShapeToString(w.shape()), " through GELU's input ",
+                                                   DTypeName(pre.dtype()), ShapeToString(pre.shape()),
+                                                   " need rows [..., N] @ [N, K] -> pre's [..., K] of one float dtype"));
+  }
+  const Device dev = dy.device();
+  ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("matmul_gelu_backward", dev, {&w, &pre}));
+  const int64_t kk = w.shape()[1];
+  const int64_t m = n == 0 ? pre.numel() / std::max<int64_t>(kk, 1) : dy.numel() / n;
+  const DType type = dy.dtype();
+  const Tensor fd = dy.Contiguous(), fw = w.Contiguous(), fp = pre.Contiguous();
+  ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(pre.shape(), type, dev));
+  RETURN_IF_ERROR(k->GemmDGelu(dev.index, Elem(type), false, false, m, kk, n, fd.raw_data(), fw.raw_data(),
+                               fp.raw_data(), dx.raw_data()));
+  return dx;
+}
+
 bool FusesGemmEpilogues(Device device) {
   absl::StatusOr<const DeviceKernels*> k = KernelsFor(device);
   return k.ok() && (*k)->GemmEpilogues(device.index);

@@ -48,6 +48,14 @@ struct BiasGeluProduct {
 };
 absl::StatusOr<BiasGeluProduct> MatMulBiasGelu(const Tensor& a, const Tensor& b, const Tensor& bias,
                                                bool trans_b = false);
+// An MLP's down projection's input gradient through the up projection's
+// tanh GELU: (dy @ w) * GELU_tanh'(pre), for dy [..., N], w [N, K] and pre
+// [..., K] (MatMulBiasGelu's), GELU's derivative applied to the f32
+// products in the GEMM's epilogue and the result rounded once (kernels'
+// GemmDGelu): the bits of MatMul then GeluBackward at f32, one rounding
+// fewer at bf16/f16. Operands of one float dtype; INVALID_ARGUMENT
+// otherwise.
+absl::StatusOr<Tensor> MatMulGeluBackward(const Tensor& dy, const Tensor& w, const Tensor& pre);
 // Whether `device` puts biases in its GEMMs' epilogues (kernels'
 // GemmEpilogues: the CPU always, CUDA unless COLOD_GEMM_EPILOGUES=0). Where
 // it does not, a linear layer's bias + GELU is the GEMM and one fused

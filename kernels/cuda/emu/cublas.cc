@@ -266,7 +266,7 @@ struct LtDesc {
   uint32_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   void* bias = nullptr;
   int32_t bias_type = -1;  // -1: D's type
-  void* aux = nullptr;     // GELU_AUX_BIAS: GELU's input, of D's type
+  void* aux = nullptr;     // GELU's input, of D's type: GELU_AUX_BIAS writes it, DGELU reads it
   int64_t aux_ld = 0;
 };
 
@@ -340,16 +340,17 @@ cublasStatus_t CheckProblem(const LtDesc* desc, const LtLayout* a, const LtLayou
   p.d = d->type;
   // The epilogues the emulation has: the others are for cuBLASLt alone.
   if (desc->epilogue != CUBLASLT_EPILOGUE_DEFAULT && desc->epilogue != CUBLASLT_EPILOGUE_BIAS &&
-      desc->epilogue != CUBLASLT_EPILOGUE_GELU_AUX_BIAS && desc->epilogue != CUBLASLT_EPILOGUE_BGRADB) {
+      desc->epilogue != CUBLASLT_EPILOGUE_GELU_AUX_BIAS && desc->epilogue != CUBLASLT_EPILOGUE_DGELU &&
+      desc->epilogue != CUBLASLT_EPILOGUE_BGRADB) {
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
-  if (desc->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {
+  if (desc->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || desc->epilogue == CUBLASLT_EPILOGUE_DGELU) {
     if (desc->aux == nullptr || desc->aux_ld < p.m) return CUBLAS_STATUS_INVALID_VALUE;
     if (desc->aux_ld % 8 != 0) return CUBLAS_STATUS_NOT_SUPPORTED;  // cuBLASLt: "must be divisible by 8"
   }
   // The vector is of D's type (cuBLASLt's rule outside IMMA and fp8).
   p.bias = desc->bias_type == -1 ? d->type : static_cast<cudaDataType_t>(desc->bias_type);
-  if (desc->epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+  if (desc->epilogue != CUBLASLT_EPILOGUE_DEFAULT && desc->epilogue != CUBLASLT_EPILOGUE_DGELU) {  // DGELU: no vector
     if (desc->bias == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
     if (p.bias != d->type) return CUBLAS_STATUS_NOT_SUPPORTED;
   }
@@ -514,8 +515,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
     for (int i = 0; i < 6; ++i) align[i] = algo->data[kAlignA + i];
   }
   const bool gelu = desc.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-  const void* ptrs[6] = {A, B, C, D, desc.bias, gelu ? desc.aux : nullptr};
-  const char* names[6] = {"A", "B", "C", "D", "the bias vector", "the auxiliary output"};
+  const bool dgelu = desc.epilogue == CUBLASLT_EPILOGUE_DGELU;
+  const bool vector_used = desc.epilogue != CUBLASLT_EPILOGUE_DEFAULT && !dgelu;
+  const void* ptrs[6] = {A, B, C, D, vector_used ? desc.bias : nullptr, gelu || dgelu ? desc.aux : nullptr};
+  const char* names[6] = {"A", "B", "C", "D", "the bias vector", "the auxiliary matrix"};
   for (int i = 0; i < 6; ++i) {
     if (ptrs[i] != nullptr && AlignmentOf(ptrs[i]) < align[i]) {
       colod_cuda_emu::Fatal(std::string("cublasLtMatmul: ") + names[i] + " is " +
@@ -531,8 +534,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
   if ((k > 0 && !InDeviceMemory(A, static_cast<int64_t>(la.rows), static_cast<int64_t>(la.cols), la.ld, ab, device)) ||
       (k > 0 && !InDeviceMemory(B, static_cast<int64_t>(lb.rows), static_cast<int64_t>(lb.cols), lb.ld, ab, device)) ||
       !InDeviceMemory(C, m, n, lc.ld, db, device) || !InDeviceMemory(D, m, n, ld.ld, db, device) ||
-      (desc.epilogue != CUBLASLT_EPILOGUE_DEFAULT && !InDeviceMemory(desc.bias, vector, 1, vector, db, device)) ||
-      (gelu && !InDeviceMemory(desc.aux, m, n, desc.aux_ld, db, device))) {
+      (vector_used && !InDeviceMemory(desc.bias, vector, 1, vector, db, device)) ||
+      ((gelu || dgelu) && !InDeviceMemory(desc.aux, m, n, desc.aux_ld, db, device))) {
     colod_cuda_emu::Fatal("cublasLtMatmul: an operand reaches outside the device allocation it starts in (m=" +
                           std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                           "): an illegal address on a GPU");
@@ -576,6 +579,17 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
           float& v = c[col * m + row];
           Store(desc.aux, static_cast<size_t>(col * desc.aux_ld + row), p.d, v);
           v = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+        }
+      }
+    }
+    if (dgelu) {  // the f32 result times the tanh-approximated GELU's slope at the auxiliary input
+      for (int64_t col = 0; col < n; ++col) {
+        for (int64_t row = 0; row < m; ++row) {
+          const float v = Load(desc.aux, static_cast<size_t>(col * desc.aux_ld + row), p.d);
+          const float t = std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v));
+          const float slope =
+              0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * v * v);
+          c[col * m + row] *= slope;
         }
       }
     }
