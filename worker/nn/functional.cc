@@ -752,14 +752,24 @@ std::vector<float> AlibiSlopes(int64_t heads) {
   return slopes;
 }
 
-absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
-                                        const std::vector<float>& slopes, AttentionImpl impl) {
-  RETURN_IF_ERROR(ops::CheckAttentionShapes(q.value(), k.value(), v.value()));
-  const int64_t hq = q.value().shape()[2];
+namespace {
+
+// A slope for each query head of q.
+absl::Status CheckSlopes(const std::vector<float>& slopes, const Tensor& q) {
+  const int64_t hq = q.shape()[2];
   if (static_cast<int64_t>(slopes.size()) != hq) {
     return absl::InvalidArgumentError(
         absl::StrCat("ALiBi needs a slope for each of the ", hq, " query heads, got ", slopes.size()));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Variable> AlibiAttention(const Variable& q, const Variable& k, const Variable& v, float scale,
+                                        const std::vector<float>& slopes, AttentionImpl impl) {
+  RETURN_IF_ERROR(ops::CheckAttentionShapes(q.value(), k.value(), v.value()));
+  RETURN_IF_ERROR(CheckSlopes(slopes, q.value()));
   ScoreBias bias;
   bias.slopes = slopes;
   if (Resolve(impl, q) == AttentionImpl::kFused) return FusedAttention(q, k, v, scale, /*causal=*/true, bias);
@@ -789,17 +799,28 @@ absl::StatusOr<Variable> BiasedAttention(const Variable& q, const Variable& k, c
 
 namespace {
 
-// q, k and v: the three slices of `packed` (views), after its checks.
+// q, k and v: the three slices of `packed` (views, recorded as nothing: the
+// fused node's input is the packed tensor), after its checks.
 absl::Status Unpack(const PackedQkv& packed, Variable (&parts)[3]) {
   const Tensor& t = packed.qkv.value();
-  if (packed.dim < 0 || packed.dim >= t.dim() || t.shape()[packed.dim] != 3) {
+  absl::StatusOr<int64_t> dim = t.NormalizeDim(packed.dim);
+  if (!dim.ok() || t.shape()[*dim] != 3) {
     return absl::InvalidArgumentError(absl::StrCat("packed q, k and v need a dim of 3 at ", packed.dim, ", not ",
                                                    ShapeToString(t.shape())));
   }
   for (int i = 0; i < 3; ++i) {
-    ASSIGN_OR_RETURN(parts[i], Select(packed.qkv, packed.dim, i));
+    ASSIGN_OR_RETURN(Tensor view, t.Select(*dim, i));
+    parts[i] = Variable(std::move(view));
   }
   return ops::CheckAttentionShapes(parts[0].value(), parts[1].value(), parts[2].value());
+}
+
+// The three Selects of `packed` on the tape, for the per-head path.
+absl::Status Selects(const PackedQkv& packed, Variable (&parts)[3]) {
+  for (int i = 0; i < 3; ++i) {
+    ASSIGN_OR_RETURN(parts[i], Select(packed.qkv, packed.dim, i));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -807,23 +828,29 @@ absl::Status Unpack(const PackedQkv& packed, Variable (&parts)[3]) {
 absl::StatusOr<Variable> CausalAttention(const PackedQkv& packed, float scale, AttentionImpl impl) {
   Variable parts[3];
   RETURN_IF_ERROR(Unpack(packed, parts));
-  if (Resolve(impl, parts[0]) != AttentionImpl::kFused) return PerHeadAttention(parts[0], parts[1], parts[2], scale, true);
-  return FusedAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, {}, &packed);
+  if (Resolve(impl, parts[0]) != AttentionImpl::kFused) {
+    RETURN_IF_ERROR(Selects(packed, parts));
+    return PerHeadAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true);
+  }
+  PackedQkv normalized = packed;
+  ASSIGN_OR_RETURN(normalized.dim, packed.qkv.value().NormalizeDim(packed.dim));
+  return FusedAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, {}, &normalized);
 }
 
 absl::StatusOr<Variable> AlibiAttention(const PackedQkv& packed, float scale, const std::vector<float>& slopes,
                                         AttentionImpl impl) {
   Variable parts[3];
   RETURN_IF_ERROR(Unpack(packed, parts));
-  if (Resolve(impl, parts[0]) != AttentionImpl::kFused) {
-    return AlibiAttention(parts[0], parts[1], parts[2], scale, slopes, AttentionImpl::kPerHead);
-  }
-  if (static_cast<int64_t>(slopes.size()) != parts[0].value().shape()[2]) {
-    return AlibiAttention(parts[0], parts[1], parts[2], scale, slopes, impl);  // its error
-  }
+  RETURN_IF_ERROR(CheckSlopes(slopes, parts[0].value()));
   ScoreBias bias;
   bias.slopes = slopes;
-  return FusedAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, bias, &packed);
+  if (Resolve(impl, parts[0]) != AttentionImpl::kFused) {
+    RETURN_IF_ERROR(Selects(packed, parts));
+    return PerHeadAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, bias);
+  }
+  PackedQkv normalized = packed;
+  ASSIGN_OR_RETURN(normalized.dim, packed.qkv.value().NormalizeDim(packed.dim));
+  return FusedAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, bias, &normalized);
 }
 
 namespace {

@@ -126,7 +126,8 @@ absl::StatusOr<Tensor> ImagePatches(const Tensor& images, int64_t patch);
 
 // q, k and v as slices 0, 1 and 2 along `dim` of one fused projection's
 // output: GPT-2's c_attn as [B, S, 3, H, D] at dim 2, BLOOM's
-// query_key_value as [B, S, H, 3, D] at dim 3. The attention functions that
+// query_key_value as [B, S, H, 3, D] at dim 3 (a negative dim counts from
+// the end). The attention functions that
 // take one give the projection's output one gradient on the fused kernel,
 // written slice by slice: three nn::Selects each give a zeroed gradient of
 // the whole output, and Backward adds the three (GPT-2 124M: three [8192,

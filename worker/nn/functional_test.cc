@@ -465,6 +465,10 @@ TEST(Functional, AttentionOverPackedQkvIsAttentionOverItsSlices) {
       EXPECT_EQ(packed.grad()->ToFloats(), apart.grad()->ToFloats()) << what;
     }
   }
+  // A dim counted from the end is the same slices.
+  const Tensor q5 = *Tensor::RandomNormal({2, 9, 3, 4, 8}, 84);
+  EXPECT_EQ(CausalAttention(PackedQkv{Variable(q5), -3}, 0.35f, AttentionImpl::kFused)->value().ToBytes(),
+            CausalAttention(PackedQkv{Variable(q5), 2}, 0.35f, AttentionImpl::kFused)->value().ToBytes());
   Variable wide(*Tensor::RandomNormal({2, 9, 4, 4, 8}, 83), true);
   EXPECT_EQ(CausalAttention(PackedQkv{wide, 2}, 0.35f).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CausalAttention(PackedQkv{wide, 5}, 0.35f).status().code(), absl::StatusCode::kInvalidArgument);

@@ -240,12 +240,12 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
       }
     } else if (node.taking) {
       // The offer of input 0's op, where this op alone consumes input 0
-      // and names it once, and nothing else has given it a gradient.
+      // and names it once (so nothing else gives it a gradient: the root
+      // has no consumer behind it).
       const GeluGradOffer* offer = nullptr;
       const ImplPtr* in0 = node.inputs.empty() ? nullptr : &node.inputs[0];
       if (in0 != nullptr && (*in0)->requires_grad && (*in0)->node && (*in0)->node->offer &&
-          offer_uses[in0->get()] == 1 && grads.count(in0->get()) == 0 &&
-          std::count(node.inputs.begin(), node.inputs.end(), *in0) == 1) {
+          offer_uses[in0->get()] == 1 && std::count(node.inputs.begin(), node.inputs.end(), *in0) == 1) {
         offer = &*(*in0)->node->offer;
       }
       absl::StatusOr<OfferedGrads> t = node.taking(it->second, offer);

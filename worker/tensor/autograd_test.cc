@@ -217,16 +217,29 @@ TEST(Autograd, AnOffersDerivativeIsTakenByItsOnlyConsumer) {
     const std::vector<float> xv = x.value().ToFloats(), gx = x.grad()->ToFloats();
     for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(gx[i], 6.0f * xv[i], 1e-5f) << i;
   }
-  {  // f = sum(3 h + h), h = x^2: two consumers, no offer; df/dx = 8x.
+  for (bool other_first : {false, true}) {
+    // f = sum(3 h + 2 h), h = x^2: two consumers, no offer, whichever
+    // Backward reaches first (the other recorded before the taker: it runs
+    // after it, nothing pending yet when the taker runs); df/dx = 10x.
+    SCOPED_TRACE(other_first ? "the other consumer recorded first" : "the taker recorded first");
     Variable x = Leaf({3, 4}, 52);
     OfferCounts counts;
     std::vector<bool> offered;
     Variable h = Squared(x, &counts);
-    ASSERT_TRUE(Backward(*Sum(*Add(Tripled(h, true, 1, &offered), h))).ok());
+    Variable other, taker;
+    if (other_first) {
+      other = *Scale(h, 2.0f);
+      taker = Tripled(h, true, 1, &offered);
+    } else {
+      taker = Tripled(h, true, 1, &offered);
+      other = *Scale(h, 2.0f);
+    }
+    ASSERT_TRUE(Backward(*Sum(*Add(taker, other))).ok());
     EXPECT_EQ(offered, std::vector<bool>{false});
     EXPECT_EQ(counts.own, 1);
+    EXPECT_EQ(counts.offered, 0);
     const std::vector<float> xv = x.value().ToFloats(), gx = x.grad()->ToFloats();
-    for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(gx[i], 8.0f * xv[i], 1e-5f) << i;
+    for (size_t i = 0; i < xv.size(); ++i) EXPECT_NEAR(gx[i], 10.0f * xv[i], 1e-5f) << i;
   }
   {  // f = sum(6 h) with h named twice by its consumer: no offer; df/dx = 12x.
     Variable x = Leaf({3, 4}, 53);

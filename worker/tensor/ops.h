@@ -52,9 +52,10 @@ absl::StatusOr<BiasGeluProduct> MatMulBiasGelu(const Tensor& a, const Tensor& b,
 // tanh GELU: (dy @ w) * GELU_tanh'(pre), for dy [..., N], w [N, K] and pre
 // [..., K] (MatMulBiasGelu's), GELU's derivative applied to the f32
 // products in the GEMM's epilogue and the result rounded once (kernels'
-// GemmDGelu): the bits of MatMul then GeluBackward at f32, one rounding
-// fewer at bf16/f16. Operands of one float dtype; INVALID_ARGUMENT
-// otherwise.
+// GemmDGelu; on the CPU the bits of MatMul then GeluBackward at f32, one
+// rounding fewer at bf16/f16; on CUDA cuBLASLt's epilogue, or where it is
+// not taken the GEMM and GeluBackward, rounding twice). Operands of one
+// float dtype; INVALID_ARGUMENT otherwise.
 absl::StatusOr<Tensor> MatMulGeluBackward(const Tensor& dy, const Tensor& w, const Tensor& pre);
 // Whether `device` puts biases in its GEMMs' epilogues (kernels'
 // GemmEpilogues: the CPU always, CUDA unless COLOD_GEMM_EPILOGUES=0). Where
