@@ -172,6 +172,8 @@ absl::Status GemmF32Out(int, ElemType type, bool trans_a, bool trans_b, int64_t 
 }
 
 absl::Status GeluF32(int, const float* x, const float* bias, float* y, int64_t rows, int64_t n, bool tanh_approx);
+absl::Status GeluBackwardF32(int d, const float* dy, const float* x, const float* bias, float* dx, float* db,
+                             int64_t rows, int64_t n, bool tanh_approx);
 
 namespace {
 
@@ -231,9 +233,6 @@ absl::Status GemmBiasGelu(int d, ElemType type, bool trans_a, bool trans_b, int6
   RoundInto(type, y.data(), c, m * n);
   return absl::OkStatus();
 }
-
-absl::Status GeluBackwardF32(int d, const float* dy, const float* x, const float* bias, float* dx, float* db,
-                             int64_t rows, int64_t n, bool tanh_approx);
 
 absl::Status GemmDGelu(int d, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                        const void* a, const void* b, const void* pre, void* c) {

@@ -799,58 +799,48 @@ absl::StatusOr<Variable> BiasedAttention(const Variable& q, const Variable& k, c
 
 namespace {
 
-// q, k and v: the three slices of `packed` (views, recorded as nothing: the
-// fused node's input is the packed tensor), after its checks.
-absl::Status Unpack(const PackedQkv& packed, Variable (&parts)[3]) {
+// Causal attention over `packed`'s three slices, their scores gaining
+// ALiBi's `slopes` where set: the fused node over the packed tensor (the
+// slices, views, recorded as nothing), or the per-head path over three
+// Selects on the tape.
+absl::StatusOr<Variable> PackedCausalAttention(const PackedQkv& packed, float scale,
+                                               const std::vector<float>* slopes, AttentionImpl impl) {
   const Tensor& t = packed.qkv.value();
   absl::StatusOr<int64_t> dim = t.NormalizeDim(packed.dim);
   if (!dim.ok() || t.shape()[*dim] != 3) {
     return absl::InvalidArgumentError(absl::StrCat("packed q, k and v need a dim of 3 at ", packed.dim, ", not ",
                                                    ShapeToString(t.shape())));
   }
+  Variable parts[3];
   for (int i = 0; i < 3; ++i) {
     ASSIGN_OR_RETURN(Tensor view, t.Select(*dim, i));
     parts[i] = Variable(std::move(view));
   }
-  return ops::CheckAttentionShapes(parts[0].value(), parts[1].value(), parts[2].value());
-}
-
-// The three Selects of `packed` on the tape, for the per-head path.
-absl::Status Selects(const PackedQkv& packed, Variable (&parts)[3]) {
-  for (int i = 0; i < 3; ++i) {
-    ASSIGN_OR_RETURN(parts[i], Select(packed.qkv, packed.dim, i));
+  RETURN_IF_ERROR(ops::CheckAttentionShapes(parts[0].value(), parts[1].value(), parts[2].value()));
+  ScoreBias bias;
+  if (slopes != nullptr) {
+    RETURN_IF_ERROR(CheckSlopes(*slopes, parts[0].value()));
+    bias.slopes = *slopes;
   }
-  return absl::OkStatus();
+  if (Resolve(impl, parts[0]) == AttentionImpl::kFused) {
+    const PackedQkv normalized{packed.qkv, *dim};
+    return FusedAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, bias, &normalized);
+  }
+  for (int i = 0; i < 3; ++i) {
+    ASSIGN_OR_RETURN(parts[i], Select(packed.qkv, *dim, i));
+  }
+  return PerHeadAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, bias);
 }
 
 }  // namespace
 
 absl::StatusOr<Variable> CausalAttention(const PackedQkv& packed, float scale, AttentionImpl impl) {
-  Variable parts[3];
-  RETURN_IF_ERROR(Unpack(packed, parts));
-  if (Resolve(impl, parts[0]) != AttentionImpl::kFused) {
-    RETURN_IF_ERROR(Selects(packed, parts));
-    return PerHeadAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true);
-  }
-  PackedQkv normalized = packed;
-  ASSIGN_OR_RETURN(normalized.dim, packed.qkv.value().NormalizeDim(packed.dim));
-  return FusedAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, {}, &normalized);
+  return PackedCausalAttention(packed, scale, nullptr, impl);
 }
 
 absl::StatusOr<Variable> AlibiAttention(const PackedQkv& packed, float scale, const std::vector<float>& slopes,
                                         AttentionImpl impl) {
-  Variable parts[3];
-  RETURN_IF_ERROR(Unpack(packed, parts));
-  RETURN_IF_ERROR(CheckSlopes(slopes, parts[0].value()));
-  ScoreBias bias;
-  bias.slopes = slopes;
-  if (Resolve(impl, parts[0]) != AttentionImpl::kFused) {
-    RETURN_IF_ERROR(Selects(packed, parts));
-    return PerHeadAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, bias);
-  }
-  PackedQkv normalized = packed;
-  ASSIGN_OR_RETURN(normalized.dim, packed.qkv.value().NormalizeDim(packed.dim));
-  return FusedAttention(parts[0], parts[1], parts[2], scale, /*causal=*/true, bias, &normalized);
+  return PackedCausalAttention(packed, scale, &slopes, impl);
 }
 
 namespace {
