@@ -39,6 +39,39 @@ struct AttentionBias {
   float* dbias = nullptr;
 };
 
+// Where the rows of an attention operand [b, s, heads, d] are (layer_ops.inc's
+// FlashAttention): row (b, i) of head h starts `token` (b s + i) + `head` h
+// elements in, its d elements contiguous. {heads d, d} is the contiguous
+// layout; a slice of q, k and v packed in one tensor is not: [b, s, 3,
+// heads, d] (GPT-2's c_attn) gives {3 heads d, d}, [b, s, heads, 3, d]
+// (BLOOM's) {3 heads d, 3 d}.
+struct HeadRows {
+  int64_t token = 0;
+  int64_t head = 0;
+};
+inline HeadRows ContiguousHeadRows(int64_t heads, int64_t d) { return {heads * d, d}; }
+
+// The attention's operands' layouts: q's, k's and v's (alike), and the
+// backward's dq's, and dk's and dv's (alike); out, dout and the row
+// statistics are contiguous. Passed to CUDA kernels by value.
+struct AttentionLayout {
+  HeadRows q;
+  HeadRows kv;
+  HeadRows dq;
+  HeadRows dkv;
+};
+inline AttentionLayout ContiguousAttention(int64_t hq, int64_t hkv, int64_t d) {
+  return {ContiguousHeadRows(hq, d), ContiguousHeadRows(hkv, d), ContiguousHeadRows(hq, d),
+          ContiguousHeadRows(hkv, d)};
+}
+// Every stride at least 1 (the kernels refuse the rest).
+inline bool StridesPositive(const AttentionLayout& l) {
+  for (const HeadRows& r : {l.q, l.kv, l.dq, l.dkv}) {
+    if (r.token < 1 || r.head < 1) return false;
+  }
+  return true;
+}
+
 // A strided view: element (i0, ..., ik) is at data + sum(i_d * strides[d])
 // elements. Passed to CUDA kernels by value.
 struct Layout {

@@ -719,11 +719,13 @@ absl::Status Rope(int, const float* x, float* y, int64_t b, int64_t s, int64_t h
 
 namespace {
 
-absl::Status CheckAttention(int64_t hq, int64_t hkv, int64_t d, const char* op) {
+absl::Status CheckAttention(int64_t hq, int64_t hkv, int64_t d, const char* op,
+                            const AttentionLayout& layout = AttentionLayout{{1, 1}, {1, 1}, {1, 1}, {1, 1}}) {
   if (hkv < 1 || hq % hkv != 0 || d < 1 || d > kMaxFusedHeadDim) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": ", hq, " query heads over ", hkv, " kv heads of dim ", d,
                                                    " (at most ", kMaxFusedHeadDim, ")"));
   }
+  if (!StridesPositive(layout)) return absl::InvalidArgumentError(absl::StrCat(op, ": a stride below 1"));
   return absl::OkStatus();
 }
 
@@ -830,16 +832,37 @@ absl::Status CheckFloatType(ElemType type, const char* op) {
   return absl::InvalidArgumentError(absl::StrCat(op, ": float types only"));
 }
 
-// An f32 view of a typed input of n elements.
+// Where element i of a contiguous [tokens, heads, d] operand is in one laid
+// out as HeadRows (an attention operand; kernels/types.h); the identity for
+// every other operand.
+class Placement {
+ public:
+  Placement() = default;
+  Placement(int64_t heads, int64_t d, HeadRows rows)
+      : heads_(heads), d_(d), rows_(rows), strided_(rows.token != heads * d || rows.head != d) {}
+  bool strided() const { return strided_; }
+  int64_t operator()(int64_t i) const {
+    if (!strided_) return i;
+    const int64_t row = i / d_;
+    return row / heads_ * rows_.token + row % heads_ * rows_.head + i % d_;
+  }
+
+ private:
+  int64_t heads_ = 1, d_ = 1;
+  HeadRows rows_;
+  bool strided_ = false;
+};
+
+// An f32 view of a typed input of n elements (where `at` places them).
 class F32In {
  public:
-  F32In(const void* p, int64_t n, ElemType type) {
-    if (type == ElemType::kF32 || p == nullptr) {
+  F32In(const void* p, int64_t n, ElemType type, Placement at = {}) {
+    if ((type == ElemType::kF32 && !at.strided()) || p == nullptr) {
       p_ = static_cast<const float*>(p);
       return;
     }
     buf_.resize(n);
-    for (int64_t i = 0; i < n; ++i) buf_[i] = LoadF(p, i, type);
+    for (int64_t i = 0; i < n; ++i) buf_[i] = LoadF(p, at(i), type);
     p_ = buf_.data();
   }
   const float* get() const { return p_; }
@@ -850,23 +873,25 @@ class F32In {
 };
 
 // An f32 place for a typed output of n elements (null stays null); Commit
-// rounds it into the output.
+// rounds it into the output (where `at` places them).
 class F32Out {
  public:
-  F32Out(void* p, int64_t n, ElemType type) : out_(p), n_(n), type_(type) {
-    if (type == ElemType::kF32 || p == nullptr) return;
+  F32Out(void* p, int64_t n, ElemType type, Placement at = {}) : out_(p), n_(n), type_(type), at_(at) {
+    if (Direct() || p == nullptr) return;
     buf_.resize(n);
   }
-  float* get() { return out_ == nullptr ? nullptr : (type_ == ElemType::kF32 ? static_cast<float*>(out_) : buf_.data()); }
+  float* get() { return out_ == nullptr ? nullptr : (Direct() ? static_cast<float*>(out_) : buf_.data()); }
   void Commit() {
-    if (out_ == nullptr || type_ == ElemType::kF32) return;
-    for (int64_t i = 0; i < n_; ++i) StoreF(out_, i, type_, buf_[i]);
+    if (out_ == nullptr || Direct()) return;
+    for (int64_t i = 0; i < n_; ++i) StoreF(out_, at_(i), type_, buf_[i]);
   }
 
  private:
+  bool Direct() const { return type_ == ElemType::kF32 && !at_.strided(); }
   void* out_;
   int64_t n_;
   ElemType type_;
+  Placement at_;
   std::vector<float> buf_;
 };
 
@@ -1086,9 +1111,11 @@ absl::Status NormParamGrad(int, ElemType type, const void* dy, const void* x, co
 
 absl::Status FlashAttention(int dev, ElemType type, const void* q, const void* k, const void* v, void* out,
                             float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
-                            bool causal, AttentionBias extra) {
+                            bool causal, AttentionBias extra, AttentionLayout layout) {
   if (absl::Status st = CheckFloatType(type, "FlashAttention"); !st.ok()) return st;
-  F32In fq(q, b * s * hq * d, type), fk(k, b * s * hkv * d, type), fv(v, b * s * hkv * d, type);
+  if (absl::Status st = CheckAttention(hq, hkv, d, "FlashAttention", layout); !st.ok()) return st;
+  const Placement at_q(hq, d, layout.q), at_kv(hkv, d, layout.kv);
+  F32In fq(q, b * s * hq * d, type, at_q), fk(k, b * s * hkv * d, type, at_kv), fv(v, b * s * hkv * d, type, at_kv);
   F32Out fo(out, b * s * hq * d, type);
   return Typed({&fo}, [&] {
     return FlashAttentionF32(dev, fq.get(), fk.get(), fv.get(), fo.get(), lse, b, s, hq, hkv, d, scale, causal,
@@ -1099,11 +1126,15 @@ absl::Status FlashAttention(int dev, ElemType type, const void* q, const void* k
 absl::Status FlashAttentionBackward(int dev, ElemType type, const void* q, const void* k, const void* v,
                                     const void* out, const void* dout, const float* lse, float* delta, void* dq,
                                     void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
-                                    float scale, bool causal, AttentionBias extra) {
+                                    float scale, bool causal, AttentionBias extra, AttentionLayout layout) {
   if (absl::Status st = CheckFloatType(type, "FlashAttentionBackward"); !st.ok()) return st;
+  if (absl::Status st = CheckAttention(hq, hkv, d, "FlashAttentionBackward", layout); !st.ok()) return st;
   const int64_t nq = b * s * hq * d, nkv = b * s * hkv * d;
-  F32In fq(q, nq, type), fk(k, nkv, type), fv(v, nkv, type), fo(out, nq, type), fdo(dout, nq, type);
-  F32Out fdq(dq, nq, type), fdk(dk, nkv, type), fdv(dv, nkv, type);
+  const Placement at_q(hq, d, layout.q), at_kv(hkv, d, layout.kv);
+  F32In fq(q, nq, type, at_q), fk(k, nkv, type, at_kv), fv(v, nkv, type, at_kv), fo(out, nq, type),
+      fdo(dout, nq, type);
+  const Placement at_dq(hq, d, layout.dq), at_dkv(hkv, d, layout.dkv);
+  F32Out fdq(dq, nq, type, at_dq), fdk(dk, nkv, type, at_dkv), fdv(dv, nkv, type, at_dkv);
   return Typed({&fdq, &fdk, &fdv}, [&] {
     return FlashAttentionBackwardF32(dev, fq.get(), fk.get(), fv.get(), fo.get(), fdo.get(), lse, delta, fdq.get(),
                                      fdk.get(), fdv.get(), b, s, hq, hkv, d, scale, causal, extra);

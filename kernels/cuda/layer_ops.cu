@@ -982,22 +982,28 @@ __device__ void StageRows(float (*tile)[kD], Src base, int64_t stride, int64_t j
   }
 }
 
+// Where head h of batch element bi starts in an operand laid out as `rows`
+// (its s rows then `rows.token` apart).
+__device__ __forceinline__ int64_t HeadBase(HeadRows rows, int64_t bi, int64_t s, int64_t h) {
+  return bi * s * rows.token + h * rows.head;
+}
+
 // The keys query row i sees (all, or j <= i when causal) for the block of
 // kAttnRows query rows it is in: stages each tile of kv head (bi, kvh)'s k
-// and v rows in ks and vs, then calls visit(r, j) for each row r of the tile
+// and v rows (laid out as kv) in ks and vs, then calls visit(r, j) for each row r of the tile
 // that row i sees, key j = j0 + r (none for an inactive thread). Every thread of the block
 // calls it: it holds the block's barriers.
 template <int kD, int kT, typename T, typename Visit>
 __device__ __forceinline__ void ForEachVisibleKey(float (*ks)[kD], float (*vs)[kD], In<T> k, In<T> v,
-                                                  int64_t bi, int64_t kvh, int64_t hkv, int64_t i, int64_t s, int d,
+                                                  int64_t bi, int64_t kvh, HeadRows kv, int64_t i, int64_t s, int d,
                                                   bool causal, bool active, Visit visit) {
   const int64_t block_end = static_cast<int64_t>(blockIdx.x + 1) * kAttnRows;
   const int64_t keys = causal && block_end < s ? block_end : s;
-  const In<T> kb = k + (bi * s * hkv + kvh) * d;
-  const In<T> vb = v + (bi * s * hkv + kvh) * d;
+  const In<T> kb = k + HeadBase(kv, bi, s, kvh);
+  const In<T> vb = v + HeadBase(kv, bi, s, kvh);
   for (int64_t j0 = 0; j0 < keys; j0 += kT) {
-    StageRows<kD, kT>(ks, kb, hkv * d, j0, s, d);
-    StageRows<kD, kT>(vs, vb, hkv * d, j0, s, d);
+    StageRows<kD, kT>(ks, kb, kv.token, j0, s, d);
+    StageRows<kD, kT>(vs, vb, kv.token, j0, s, d);
     __syncthreads();
     int64_t n = s - j0 < kT ? s - j0 : kT;
     if (causal && i - j0 + 1 < n) n = i - j0 + 1;
@@ -1058,7 +1064,8 @@ __device__ __forceinline__ float Base2Score(float dot, float scale2, const Atten
 // exp(score - m) v; a larger score rescales both.
 template <int kD, typename T>
 __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float* lse, int64_t s, int64_t hq,
-                                   int64_t hkv, int d, float scale, bool causal, AttentionBias extra) {
+                                   int64_t hkv, int d, float scale, bool causal, AttentionBias extra,
+                                   AttentionLayout layout) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float ks[kT][kD];
   __shared__ float vs[kT][kD];
@@ -1066,15 +1073,16 @@ __global__ void FlashForwardKernel(In<T> q, In<T> k, In<T> v, Out<T> out, float*
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kAttnRows + threadIdx.x;
   const bool active = i < s;
   const int64_t row = (bi * s + i) * hq + h;
+  const In<T> qrow = q + HeadBase(layout.q, bi, s, h) + i * layout.q.token;
   float qi[kD], acc[kD];
 #pragma unroll
   for (int c = 0; c < kD; ++c) {
-    qi[c] = (active && c < d) ? q[row * d + c] * scale : 0.0f;
+    qi[c] = (active && c < d) ? qrow[c] * scale : 0.0f;
     acc[c] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
   const float slope = SlopeOf(extra, h);
-  ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r, int64_t j) {
+  ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, layout.kv, i, s, d, causal, active, [&](int r, int64_t j) {
     float sc = AddedScore(extra, slope, h, s, i, j);
 #pragma unroll
     for (int c = 0; c < kD; ++c) sc += qi[c] * ks[r][c];
@@ -1407,7 +1415,7 @@ __device__ __forceinline__ void StoreRows(T* base, int64_t stride, int64_t row0,
 template <int kD, typename T, int kTiles>
 __global__ void __launch_bounds__(kMmaThreads)
     FlashForwardMmaKernel(const T* q, const T* k, const T* v, T* out, float* lse, int64_t s, int64_t hq, int64_t hkv,
-                          float scale, bool causal, AttentionBias extra) {
+                          float scale, bool causal, AttentionBias extra, AttentionLayout layout) {
   constexpr int kStride = kD + kMmaPad, kRows = kMmaRows * kTiles;
   constexpr bool kQShared = kQFromShared<kD, kTiles>;
   constexpr int kKeys = kForwardKeys<kD, kTiles>;
@@ -1422,19 +1430,19 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
   const int64_t h = blockIdx.y, bi = blockIdx.z, kvh = h / (hq / hkv);
   const int64_t row0 = RowBlockOf(causal) * kRows;
-  const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + (bi * s * hq + h) * kD;
-  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + (bi * s * hkv + kvh) * kD;
-  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + (bi * s * hkv + kvh) * kD;
+  const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + HeadBase(layout.q, bi, s, h);
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + HeadBase(layout.kv, bi, s, kvh);
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + HeadBase(layout.kv, bi, s, kvh);
 
   // The block's query rows: kept in qs (kQShared), their fragments read at
   // each key tile; or through ks (and vs, which follows it), each warp
   // keeping its row tiles' A fragments.
   uint32_t qf[kQShared ? 1 : kTiles][kD / 16][4];
   if constexpr (kQShared) {
-    StageMmaTile<kD, kRows>(qs, qb, hq * kD, row0, s);
+    StageMmaTile<kD, kRows>(qs, qb, layout.q.token, row0, s);
     CpAsyncCommit();  // waited for with K's first tile
   } else {
-    StageMmaTile<kD, kRows>(ks, qb, hq * kD, row0, s);
+    StageMmaTile<kD, kRows>(ks, qb, layout.q.token, row0, s);
     CpAsyncCommit();
     CpAsyncWait<0>();
     __syncthreads();
@@ -1462,12 +1470,12 @@ __global__ void __launch_bounds__(kMmaThreads)
   const float scale2 = scale * kLog2e;
   const float slope = SlopeOf(extra, h);
   const int64_t keys = causal && row0 + kRows < s ? row0 + kRows : s;
-  StageMmaTile<kD, kKeys>(ks, kb, hkv * kD, 0, s);
+  StageMmaTile<kD, kKeys>(ks, kb, layout.kv.token, 0, s);
   CpAsyncCommit();
   for (int64_t j0 = 0; j0 < keys; j0 += kKeys) {
     CpAsyncWait<0>();  // this K tile
     __syncthreads();   // ... visible; every warp is done with vs
-    StageMmaTile<kD, kKeys>(vs, vb, hkv * kD, j0, s);
+    StageMmaTile<kD, kKeys>(vs, vb, layout.kv.token, j0, s);
     CpAsyncCommit();
     float sc[kTiles][kKeys / 8][4];
 #pragma unroll
@@ -1526,7 +1534,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
     CpAsyncWait<0>();  // this V tile
     __syncthreads();   // ... visible; every warp is done with ks
-    if (j0 + kKeys < keys) StageMmaTile<kD, kKeys>(ks, kb, hkv * kD, j0 + kKeys, s);
+    if (j0 + kKeys < keys) StageMmaTile<kD, kKeys>(ks, kb, layout.kv.token, j0 + kKeys, s);
     CpAsyncCommit();
     // P = 2^(x - max); O += P V rounds P to T in place, and the row sums
     // are of that P.
@@ -1613,7 +1621,7 @@ template <int kD, typename T, int kTiles>
 __global__ void __launch_bounds__(kMmaThreads)
     FlashBackwardDqMmaKernel(const T* q, const T* k, const T* v, const T* out, const T* dout, const float* lse,
                              float* delta, T* dq, int64_t s, int64_t hq, int64_t hkv, float scale, bool causal,
-                             AttentionBias extra) {
+                             AttentionBias extra, AttentionLayout layout) {
   constexpr int kStride = kD + kMmaPad, kN = kDqKeyTile<kD, kTiles>, kRows = kMmaRows * kTiles;
   static_assert(kN <= kBwdTile<kD>, "the streamed tiles' buffers hold kBwdTile rows");
   static_assert(2 * kRows * kStride <= kMmaSharedElements, "Q's and dout's rows are staged together");
@@ -1623,9 +1631,10 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
   const int64_t h = blockIdx.y, bi = blockIdx.z, kvh = h / (hq / hkv);
   const int64_t row0 = RowBlockOf(causal) * kRows;
-  const int64_t qoff = (bi * s * hq + h) * kD, kvoff = (bi * s * hkv + kvh) * kD;
-  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + kvoff;
-  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + kvoff;
+  // out's and dout's head (contiguous), q's and dq's, k's and v's.
+  const int64_t ooff = (bi * s * hq + h) * kD, qoff = HeadBase(layout.q, bi, s, h);
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k) + HeadBase(layout.kv, bi, s, kvh);
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v) + HeadBase(layout.kv, bi, s, kvh);
 
   // delta = rowsum(dout * out) of the block's rows: two threads a row, each
   // summing its half in column order, read in 16-byte packs (kD / 2 is a
@@ -1637,8 +1646,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     const int64_t row = row0 + r;
     float sum = 0.0f;
     if (row < s) {
-      const T* o = out + qoff + row * hq * kD + half * kD / 2;
-      const T* g = dout + qoff + row * hq * kD + half * kD / 2;
+      const T* o = out + ooff + row * hq * kD + half * kD / 2;
+      const T* g = dout + ooff + row * hq * kD + half * kD / 2;
 #pragma unroll
       for (int p = 0; p < kD / 2 / kPack<T>; ++p) {
         float ov[kPack<T>], gv[kPack<T>];
@@ -1655,8 +1664,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
   }
   // Q's and dout's fragments of each warp's row tiles, through the shared tiles.
-  StageMmaTile<kD, kRows>(tile_a, reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, row0, s);
-  StageMmaTile<kD, kRows>(tile_b, reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, row0, s);
+  StageMmaTile<kD, kRows>(tile_a, reinterpret_cast<const uint16_t*>(q) + qoff, layout.q.token, row0, s);
+  StageMmaTile<kD, kRows>(tile_b, reinterpret_cast<const uint16_t*>(dout) + ooff, hq * kD, row0, s);
   CpAsyncCommit();
   CpAsyncWait<0>();
   __syncthreads();
@@ -1685,15 +1694,15 @@ __global__ void __launch_bounds__(kMmaThreads)
   const float scale2 = scale * kLog2e;
   const float slope = SlopeOf(extra, h);
   const int64_t keys = causal && row0 + kRows < s ? row0 + kRows : s;
-  StageMmaTile<kD, kN>(StreamedTile<kD>(0, 0), kb, hkv * kD, 0, s);
-  StageMmaTile<kD, kN>(StreamedTile<kD>(0, 1), vb, hkv * kD, 0, s);
+  StageMmaTile<kD, kN>(StreamedTile<kD>(0, 0), kb, layout.kv.token, 0, s);
+  StageMmaTile<kD, kN>(StreamedTile<kD>(0, 1), vb, layout.kv.token, 0, s);
   CpAsyncCommit();
   for (int64_t j0 = 0, b = 0; j0 < keys; j0 += kN, b ^= 1) {
     CpAsyncWait<0>();  // this tile's copies
     __syncthreads();   // ... visible; every warp is done with the other buffer (the last tile)
     if (j0 + kN < keys) {
-      StageMmaTile<kD, kN>(StreamedTile<kD>(static_cast<int>(b ^ 1), 0), kb, hkv * kD, j0 + kN, s);
-      StageMmaTile<kD, kN>(StreamedTile<kD>(static_cast<int>(b ^ 1), 1), vb, hkv * kD, j0 + kN, s);
+      StageMmaTile<kD, kN>(StreamedTile<kD>(static_cast<int>(b ^ 1), 0), kb, layout.kv.token, j0 + kN, s);
+      StageMmaTile<kD, kN>(StreamedTile<kD>(static_cast<int>(b ^ 1), 1), vb, layout.kv.token, j0 + kN, s);
     }
     CpAsyncCommit();
     uint16_t(*ks)[kStride] = StreamedTile<kD>(static_cast<int>(b), 0);
@@ -1739,7 +1748,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   for (int t = 0; t < kTiles; ++t) {
     // StoreRows writes a warp's 16 rows from row0 + 16 warp: tile t's are
     // 16 (kTiles - 1) warp + 16 t further on.
-    StoreRows<kD>(dq + qoff, hq * kD, row0 + 16 * ((kTiles - 1) * warp + t), s, acc[t], scale);
+    StoreRows<kD>(dq + HeadBase(layout.dq, bi, s, h), layout.dq.token, row0 + 16 * ((kTiles - 1) * warp + t), s,
+                  acc[t], scale);
   }
 }
 
@@ -1800,9 +1810,10 @@ __global__ void FlashBackwardPrepKernel(const T* out, const T* dout, float* delt
 }
 
 // dq = acc * scale rounded to T, n elements (a multiple of kPack<T>), in
-// 16-byte packs.
-template <typename T>
-__global__ void FlashDqConvertKernel(const float* acc, T* dq, int64_t n, float scale) {
+// 16-byte packs: acc is contiguous [b, s, hq, kD], dq laid out as `rows`
+// (whose strides are whole packs).
+template <int kD, typename T>
+__global__ void FlashDqConvertKernel(const float* acc, T* dq, int64_t n, float scale, int64_t hq, HeadRows rows) {
   constexpr int kN = kPack<T>, kF = kPack<float>;
   static_assert(kN % kF == 0, "a pack of T is whole packs of f32");
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < n / kN;
@@ -1815,7 +1826,8 @@ __global__ void FlashDqConvertKernel(const float* acc, T* dq, int64_t n, float s
 #pragma unroll
       for (int c = 0; c < kF; ++c) v[kF * i + c] = f[c] * scale;
     }
-    StorePack(dq, p, v);
+    const int64_t e = p * kN, row = e / kD;  // row (b s + i) hq + h
+    StorePack(dq + row / hq * rows.token + row % hq * rows.head + e % kD, 0, v);
   }
 }
 
@@ -1832,7 +1844,7 @@ template <int kD, typename T, bool kDq>
 __global__ void __launch_bounds__(kMmaThreads)
     FlashBackwardKvMmaKernel(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
                              float* dq_acc, T* dk, T* dv, int64_t s, int64_t hq, int64_t hkv, float scale,
-                             bool causal, AttentionBias extra) {
+                             bool causal, AttentionBias extra, AttentionLayout layout) {
   constexpr int kStride = kD + kMmaPad, kN = kBwdTile<kD>, kDsStride = kN + kMmaPad;
   // dQ's tile [kN queries, kD] among the 4 warps: kN / 16 row tiles, each
   // split over kSplit warps by 16-column chunks (kPer a warp, the last
@@ -1856,12 +1868,12 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, pair = lane % 4;
   const int64_t kvh = blockIdx.y, bi = blockIdx.z, heads = hq / hkv;
   const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
-  const int64_t kvoff = (bi * s * hkv + kvh) * kD;
+  const int64_t kvoff = HeadBase(layout.kv, bi, s, kvh);
   static_assert(4 * kN >= kMmaRows, "with kDq V's rows are staged through the streamed tiles");
   static_assert(kDq || (2 * kMmaRows * kStride <= kMmaSharedElements && 4 * kN * kStride <= kMmaSharedElements),
                 "K's and V's tiles, and then the streamed ones, fit the static tiles");
-  StageMmaTile<kD, kMmaRows>(ks, reinterpret_cast<const uint16_t*>(k) + kvoff, hkv * kD, key0, s);
-  StageMmaTile<kD, kMmaRows>(vs, reinterpret_cast<const uint16_t*>(v) + kvoff, hkv * kD, key0, s);
+  StageMmaTile<kD, kMmaRows>(ks, reinterpret_cast<const uint16_t*>(k) + kvoff, layout.kv.token, key0, s);
+  StageMmaTile<kD, kMmaRows>(vs, reinterpret_cast<const uint16_t*>(v) + kvoff, layout.kv.token, key0, s);
   CpAsyncCommit();
   CpAsyncWait<0>();
   __syncthreads();
@@ -1880,9 +1892,10 @@ __global__ void __launch_bounds__(kMmaThreads)
   const float scale2 = scale * kLog2e;
   const int64_t first = causal ? key0 : 0, h_end = (kvh + 1) * heads;
   auto stage = [&](int64_t h, int64_t i0, int b) {
-    const int64_t qoff = (bi * s * hq + h) * kD;
-    StageMmaTile<kD, kN>(streamed_tile(b, 0), reinterpret_cast<const uint16_t*>(q) + qoff, hq * kD, i0, s);
-    StageMmaTile<kD, kN>(streamed_tile(b, 1), reinterpret_cast<const uint16_t*>(dout) + qoff, hq * kD, i0, s);
+    StageMmaTile<kD, kN>(streamed_tile(b, 0), reinterpret_cast<const uint16_t*>(q) + HeadBase(layout.q, bi, s, h),
+                         layout.q.token, i0, s);
+    StageMmaTile<kD, kN>(streamed_tile(b, 1), reinterpret_cast<const uint16_t*>(dout) + (bi * s * hq + h) * kD,
+                         hq * kD, i0, s);
     for (int t = threadIdx.x; t < kN; t += kMmaThreads) {
       const bool valid = i0 + t < s;
       CpAsync4(&tile_lse2[b][t], lse + (bi * hq + h) * s + (valid ? i0 + t : 0), valid);
@@ -1999,8 +2012,9 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
   }
-  StoreRows<kD>(dk + kvoff, hkv * kD, key0, s, dk_acc, scale);
-  StoreRows<kD>(dv + kvoff, hkv * kD, key0, s, dv_acc, 1.0f);
+  const int64_t dkvoff = HeadBase(layout.dkv, bi, s, kvh);
+  StoreRows<kD>(dk + dkvoff, layout.dkv.token, key0, s, dk_acc, scale);
+  StoreRows<kD>(dv + dkvoff, layout.dkv.token, key0, s, dv_acc, 1.0f);
 }
 
 // Grid (row blocks, hq, b): dq of each query row, over the key tiles; writes
@@ -2008,7 +2022,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 template <int kD, typename T>
 __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T> dout, const float* lse, float* delta,
                                       Out<T> dq, int64_t s, int64_t hq, int64_t hkv, int d, float scale,
-                                      bool causal, AttentionBias extra) {
+                                      bool causal, AttentionBias extra, AttentionLayout layout) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float ks[kT][kD];
   __shared__ float vs[kT][kD];
@@ -2016,11 +2030,12 @@ __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kAttnRows + threadIdx.x;
   const bool active = i < s;
   const int64_t row = (bi * s + i) * hq + h;
+  const int64_t qrow = HeadBase(layout.q, bi, s, h) + i * layout.q.token;
   float qi[kD], doi[kD], dqi[kD];
   float di = 0.0f;
 #pragma unroll
   for (int c = 0; c < kD; ++c) {
-    qi[c] = (active && c < d) ? q[row * d + c] : 0.0f;
+    qi[c] = (active && c < d) ? q[qrow + c] : 0.0f;
     doi[c] = (active && c < d) ? dout[row * d + c] : 0.0f;
     di += (active && c < d) ? doi[c] * out[row * d + c] : 0.0f;
     dqi[c] = 0.0f;
@@ -2028,7 +2043,7 @@ __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T
   const float li = active ? lse[(bi * hq + h) * s + i] : 0.0f;
   if (active) delta[(bi * hq + h) * s + i] = di;
   const float slope = SlopeOf(extra, h);
-  ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, hkv, i, s, d, causal, active, [&](int r, int64_t j) {
+  ForEachVisibleKey<kD, kT, T>(ks, vs, k, v, bi, kvh, layout.kv, i, s, d, causal, active, [&](int r, int64_t j) {
     float sc = 0.0f, dp = 0.0f;
 #pragma unroll
     for (int c = 0; c < kD; ++c) {
@@ -2043,7 +2058,7 @@ __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T
   if (active) {
 #pragma unroll
     for (int c = 0; c < kD; ++c) {
-      if (c < d) dq[row * d + c] = dqi[c] * scale;
+      if (c < d) dq[HeadBase(layout.dq, bi, s, h) + i * layout.dq.token + c] = dqi[c] * scale;
     }
   }
 }
@@ -2053,7 +2068,7 @@ __global__ void FlashBackwardDqKernel(In<T> q, In<T> k, In<T> v, In<T> out, In<T
 template <int kD, typename T>
 __global__ void FlashBackwardDkvKernel(In<T> q, In<T> k, In<T> v, In<T> dout, const float* lse, const float* delta,
                                        Out<T> dk, Out<T> dv, int64_t s, int64_t hq, int64_t hkv, int d, float scale,
-                                       bool causal, AttentionBias extra) {
+                                       bool causal, AttentionBias extra, AttentionLayout layout) {
   constexpr int kT = kAttnTile<kD>;
   __shared__ float qs[kT][kD];
   __shared__ float dos[kT][kD];
@@ -2062,12 +2077,12 @@ __global__ void FlashBackwardDkvKernel(In<T> q, In<T> k, In<T> v, In<T> dout, co
   const int64_t kvh = blockIdx.y, bi = blockIdx.z, group = hq / hkv;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * kAttnRows + threadIdx.x;
   const bool active = j < s;
-  const int64_t krow = (bi * s + j) * hkv + kvh;
+  const int64_t krow = HeadBase(layout.kv, bi, s, kvh) + j * layout.kv.token;
   float kj[kD], vj[kD], dkj[kD], dvj[kD];
 #pragma unroll
   for (int c = 0; c < kD; ++c) {
-    kj[c] = (active && c < d) ? k[krow * d + c] : 0.0f;
-    vj[c] = (active && c < d) ? v[krow * d + c] : 0.0f;
+    kj[c] = (active && c < d) ? k[krow + c] : 0.0f;
+    vj[c] = (active && c < d) ? v[krow + c] : 0.0f;
     dkj[c] = 0.0f;
     dvj[c] = 0.0f;
   }
@@ -2075,13 +2090,13 @@ __global__ void FlashBackwardDkvKernel(In<T> q, In<T> k, In<T> v, In<T> dout, co
   const int64_t first = causal ? static_cast<int64_t>(blockIdx.x) * kAttnRows : 0;
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = kvh * group + g;
-    const In<T> qb = q + (bi * s * hq + h) * d;
+    const In<T> qb = q + HeadBase(layout.q, bi, s, h);
     const In<T> dob = dout + (bi * s * hq + h) * d;
     const float* lb = lse + (bi * hq + h) * s;
     const float* db = delta + (bi * hq + h) * s;
     const float slope = SlopeOf(extra, h);
     for (int64_t i0 = first; i0 < s; i0 += kT) {
-      StageRows<kD, kT>(qs, qb, hq * d, i0, s, d);
+      StageRows<kD, kT>(qs, qb, layout.q.token, i0, s, d);
       StageRows<kD, kT>(dos, dob, hq * d, i0, s, d);
       for (int t = threadIdx.x; t < kT; t += blockDim.x) {
         ls[t] = i0 + t < s ? lb[i0 + t] : 0.0f;
@@ -2112,8 +2127,9 @@ __global__ void FlashBackwardDkvKernel(In<T> q, In<T> k, In<T> v, In<T> dout, co
 #pragma unroll
     for (int c = 0; c < kD; ++c) {
       if (c < d) {
-        dk[krow * d + c] = dkj[c] * scale;
-        dv[krow * d + c] = dvj[c];
+        const int64_t at = HeadBase(layout.dkv, bi, s, kvh) + j * layout.dkv.token + c;
+        dk[at] = dkj[c] * scale;
+        dv[at] = dvj[c];
       }
     }
   }
@@ -2969,15 +2985,26 @@ absl::Status Rope(int device, const float* x, float* y, int64_t b, int64_t s, in
 }
 
 
+// Whether the tensor-core kernels can stage rows laid out as `layout` (16
+// bytes at a time: strides of whole 8-element packs).
+static bool RowsInPacks(const AttentionLayout& layout) {
+  for (const HeadRows& r : {layout.q, layout.kv, layout.dq, layout.dkv}) {
+    if (r.token % 8 != 0 || r.head % 8 != 0) return false;
+  }
+  return true;
+}
+
 absl::Status FlashAttention(int device, ElemType type, const void* q, const void* k, const void* v, void* out,
                             float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
-                            bool causal, AttentionBias extra) {
+                            bool causal, AttentionBias extra, AttentionLayout layout) {
   absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttention");
   if (!grid.ok()) return grid.status();
+  if (!StridesPositive(layout)) return absl::InvalidArgumentError("FlashAttention: a stride below 1");
   if (b * s == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (type != ElemType::kF32 && MmaHeadDim(d) && aligned(q) && aligned(k) && aligned(v) && aligned(out)) {
+  if (type != ElemType::kF32 && MmaHeadDim(d) && aligned(q) && aligned(k) && aligned(v) && aligned(out) &&
+      RowsInPacks(layout)) {
     return ByFloatType(type, "FlashAttention", [&](auto t) {
       using T = decltype(t);
       if constexpr (std::is_same_v<T, float>) {
@@ -2995,7 +3022,7 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
             const cudaError_t launched =
                 LaunchShared(FlashForwardMmaKernel<kD, T, kTiles>, tiles_grid, kMmaThreads, shared_bytes, stream,
                              static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-                             static_cast<T*>(out), lse, s, hq, hkv, scale, causal, extra);
+                             static_cast<T*>(out), lse, s, hq, hkv, scale, causal, extra, layout);
             RETURN_IF(Finish("FlashForwardMmaKernel"));
             return CudaCheck(launched, "FlashForwardMmaKernel");
           });
@@ -3007,7 +3034,7 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
     using T = decltype(t);
     return ByHeadDim(d, [&](auto dim) {
       Launch(FlashForwardKernel<decltype(dim)::value, T>, *grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k),
-             InOf<T>(v), OutOf<T>(out), lse, s, hq, hkv, static_cast<int>(d), scale, causal, extra);
+             InOf<T>(v), OutOf<T>(out), lse, s, hq, hkv, static_cast<int>(d), scale, causal, extra, layout);
       return Finish("FlashForwardKernel");
     });
   });
@@ -3027,7 +3054,8 @@ bool DeterministicRequested() {
 template <int kD, typename T>
 absl::Status FusedBackward(cudaStream_t stream, const T* q, const T* k, const T* v, const T* out, const T* dout,
                            const float* lse, float* delta, T* dq, T* dk, T* dv, int64_t b, int64_t s, int64_t hq,
-                           int64_t hkv, float scale, bool causal, AttentionBias extra, dim3 kv_grid, float* dq_acc) {
+                           int64_t hkv, float scale, bool causal, AttentionBias extra, AttentionLayout layout,
+                           dim3 kv_grid, float* dq_acc) {
   const int64_t rows = b * s * hq, n = rows * kD;
   auto run = [&]() -> absl::Status {
     Launch(FlashBackwardPrepKernel<kD, T>, Blocks(n / kPack<float>), kThreads, stream, out, dout, delta, dq_acc, b, s,
@@ -3036,11 +3064,12 @@ absl::Status FusedBackward(cudaStream_t stream, const T* q, const T* k, const T*
     // A refused cudaFuncSetAttribute is reported too (Finish clears it).
     const cudaError_t launched =
         LaunchShared(FlashBackwardKvMmaKernel<kD, T, true>, kv_grid, kMmaThreads, kFusedShared<kD>, stream, q, k, v,
-                     dout, lse, static_cast<const float*>(delta), dq_acc, dk, dv, s, hq, hkv, scale, causal, extra);
+                     dout, lse, static_cast<const float*>(delta), dq_acc, dk, dv, s, hq, hkv, scale, causal, extra,
+                     layout);
     RETURN_IF(Finish("FlashBackwardKvMmaKernel"));
     RETURN_IF(CudaCheck(launched, "FlashBackwardKvMmaKernel"));
-    Launch(FlashDqConvertKernel<T>, Blocks(n / kPack<T>), kThreads, stream, static_cast<const float*>(dq_acc), dq, n,
-           scale);
+    Launch(FlashDqConvertKernel<kD, T>, Blocks(n / kPack<T>), kThreads, stream, static_cast<const float*>(dq_acc), dq,
+           n, scale, hq, layout.dq);
     return Finish("FlashDqConvertKernel");
   };
   const absl::Status st = run();
@@ -3051,15 +3080,16 @@ absl::Status FusedBackward(cudaStream_t stream, const T* q, const T* k, const T*
 absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, const void* k, const void* v,
                                     const void* out, const void* dout, const float* lse, float* delta, void* dq,
                                     void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
-                                    float scale, bool causal, AttentionBias extra) {
+                                    float scale, bool causal, AttentionBias extra, AttentionLayout layout) {
   absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttentionBackward");
   if (!grid.ok()) return grid.status();
+  if (!StridesPositive(layout)) return absl::InvalidArgumentError("FlashAttentionBackward: a stride below 1");
   if (b * s == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
   const dim3 kv_grid(grid->x, static_cast<unsigned>(hkv), grid->z);
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (type != ElemType::kF32 && MmaHeadDim(d) && aligned(q) && aligned(k) && aligned(v) && aligned(out) &&
-      aligned(dout) && aligned(dq) && aligned(dk) && aligned(dv)) {
+      aligned(dout) && aligned(dq) && aligned(dk) && aligned(dv) && RowsInPacks(layout)) {
     return ByFloatType(type, "FlashAttentionBackward", [&](auto t) {
       using T = decltype(t);
       if constexpr (std::is_same_v<T, float>) {
@@ -3077,7 +3107,7 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
                                           static_cast<const T*>(v), static_cast<const T*>(out),
                                           static_cast<const T*>(dout), lse, delta, static_cast<T*>(dq),
                                           static_cast<T*>(dk), static_cast<T*>(dv), b, s, hq, hkv, scale, causal,
-                                          extra, kv_grid, static_cast<float*>(buffer));
+                                          extra, layout, kv_grid, static_cast<float*>(buffer));
             }
             (void)cudaGetLastError();  // not sticky: the failed allocation only
           }
@@ -3088,13 +3118,14 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
             dq_grid.x = static_cast<unsigned>((s + kMmaRows * kTiles - 1) / (kMmaRows * kTiles));
             Launch(FlashBackwardDqMmaKernel<kD, T, kTiles>, dq_grid, kMmaThreads, stream, static_cast<const T*>(q),
                    static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(out),
-                   static_cast<const T*>(dout), lse, delta, static_cast<T*>(dq), s, hq, hkv, scale, causal, extra);
+                   static_cast<const T*>(dout), lse, delta, static_cast<T*>(dq), s, hq, hkv, scale, causal, extra,
+                   layout);
             return Finish("FlashBackwardDqMmaKernel");
           }));
           Launch(FlashBackwardKvMmaKernel<kD, T, false>, kv_grid, kMmaThreads, stream, static_cast<const T*>(q),
                  static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(dout), lse,
                  static_cast<const float*>(delta), static_cast<float*>(nullptr), static_cast<T*>(dk),
-                 static_cast<T*>(dv), s, hq, hkv, scale, causal, extra);
+                 static_cast<T*>(dv), s, hq, hkv, scale, causal, extra, layout);
           return Finish("FlashBackwardKvMmaKernel");
         });
       }
@@ -3106,11 +3137,11 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
       constexpr int kD = decltype(dim)::value;
       Launch(FlashBackwardDqKernel<kD, T>, *grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k), InOf<T>(v),
              InOf<T>(out), InOf<T>(dout), lse, delta, OutOf<T>(dq), s, hq, hkv, static_cast<int>(d), scale, causal,
-             extra);
+             extra, layout);
       RETURN_IF(Finish("FlashBackwardDqKernel"));
       Launch(FlashBackwardDkvKernel<kD, T>, kv_grid, kAttnRows, stream, InOf<T>(q), InOf<T>(k), InOf<T>(v),
              InOf<T>(dout), lse, static_cast<const float*>(delta), OutOf<T>(dk), OutOf<T>(dv), s, hq, hkv,
-             static_cast<int>(d), scale, causal, extra);
+             static_cast<int>(d), scale, causal, extra, layout);
       return Finish("FlashBackwardDkvKernel");
     });
   });

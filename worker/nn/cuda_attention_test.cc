@@ -25,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "worker/nn/functional.h"
+#include "worker/tensor/ops.h"
 
 namespace colod::nn {
 namespace {
@@ -454,6 +455,127 @@ TEST(CudaAttentionBias, FusedKernelsMatchThePerHeadReference) {
   }
 }
 
+// The kernels read q, k and v where they are (kernels::AttentionLayout):
+// the slices of GPT-2's packed [B, S, 3, H, D] and BLOOM's [B, S, H, 3, D],
+// and grouped-query q, k and v packed apart (q a BLOOM-style slice, k and v
+// GPT-2-style ones), and write dq, dk and dv into the slices of packed
+// buffers (ops::AttentionGradPlaces; in the grouped-query case dq's place
+// contiguous and dk's and dv's BLOOM-style: every layout of the four
+// differs there): the same out and lse bits as over contiguous copies, the
+// same gradients (ExpectRepeats: dq of the one-pass tensor-core backward
+// within a unit), and on the emulation no launch but the attention's. The
+// scalar kernels (f32, head dim 16) and the tensor-core ones (bf16, 64;
+// 128, whose forward reads Q from shared memory), the one-pass backward and
+// the two kernels of COLOD_DETERMINISTIC=1. And gradients written over q, k
+// and v themselves.
+TEST(CudaAttentionLayouts, PackedSlicesAreReadAndWrittenInPlace) {
+  if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  const Device dev = Device::Cuda(0);
+  // A tensor and which slice of which dim an operand is (dim -1: the tensor).
+  struct Slice {
+    Shape shape;
+    int64_t dim, index;
+  };
+  struct Packing {
+    const char* name;
+    Slice q, k, v, dq, dk, dv;  // the gradients' places alike
+  };
+  for (const auto& [type, d] : {std::pair{DType::kF32, int64_t{16}}, std::pair{DType::kBF16, int64_t{64}},
+                                std::pair{DType::kBF16, int64_t{128}}}) {
+    const Shape gpt2{2, 70, 3, 2, d}, bloom{2, 70, 2, 3, d};
+    const Shape q_apart{2, 70, 4, 2, d}, kv_apart{2, 70, 2, 2, d}, dq_apart{2, 70, 4, d};
+    for (const Packing& p :
+         {Packing{"gpt2", {gpt2, 2, 0}, {gpt2, 2, 1}, {gpt2, 2, 2}, {gpt2, 2, 0}, {gpt2, 2, 1}, {gpt2, 2, 2}},
+          Packing{"bloom", {bloom, 3, 0}, {bloom, 3, 1}, {bloom, 3, 2}, {bloom, 3, 0}, {bloom, 3, 1}, {bloom, 3, 2}},
+          Packing{"gqa", {q_apart, 3, 1}, {kv_apart, 2, 0}, {kv_apart, 2, 1}, {dq_apart, -1, 0}, {kv_apart, 3, 0},
+                  {kv_apart, 3, 1}}}) {
+      for (const char* det : {"1", static_cast<const char*>(nullptr)}) {
+        ScopedDeterministic mode(det);
+        SCOPED_TRACE(std::string(DTypeName(type)) + " d" + std::to_string(d) + " " + p.name +
+                     (det != nullptr ? " deterministic" : " one pass"));
+        // The operands from their tensors (one each; q, k and v share the
+        // packed one where their shapes agree), seeds 101.. .
+        std::vector<std::pair<Shape, Tensor>> sources, buffers;
+        const auto tensor_of = [&](std::vector<std::pair<Shape, Tensor>>& pool, const Shape& shape, bool random) {
+          for (const auto& [sh, t] : pool) {
+            if (sh == shape) return t;
+          }
+          const uint64_t seed = 101 + pool.size();
+          pool.emplace_back(shape, random ? *Tensor::RandomNormal(shape, seed, type, dev)
+                                          : *Tensor::Empty(shape, type, dev));
+          return pool.back().second;
+        };
+        const auto view = [&](std::vector<std::pair<Shape, Tensor>>& pool, const Slice& sl, bool random) {
+          const Tensor t = tensor_of(pool, sl.shape, random);
+          return sl.dim < 0 ? t : *t.Select(sl.dim, sl.index);
+        };
+        const Tensor q = view(sources, p.q, true), k = view(sources, p.k, true), v = view(sources, p.v, true);
+        ASSERT_TRUE(ops::AttentionReadsInPlace(q) && ops::AttentionReadsInPlace(k));
+        ASSERT_FALSE(q.is_contiguous() || k.is_contiguous());
+        const Tensor dout = *Tensor::RandomNormal(q.shape(), 110, type, dev);
+        const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+        const absl::StatusOr<ops::AttentionForward> want =
+            ops::FusedAttention(q.Contiguous(), k.Contiguous(), v.Contiguous(), scale, true);
+        ASSERT_TRUE(want.ok()) << want.status();
+        const absl::StatusOr<ops::AttentionGrads> g_want =
+            ops::FusedAttentionBackward(dout, q.Contiguous(), k.Contiguous(), v.Contiguous(), *want, scale, true);
+        ASSERT_TRUE(g_want.ok()) << g_want.status();
+
+        ops::AttentionGradPlaces places;
+        places.dq = view(buffers, p.dq, false);
+        places.dk = view(buffers, p.dk, false);
+        places.dv = view(buffers, p.dv, false);
+#ifdef COLOD_CUDA_EMULATION
+        const uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
+#endif
+        const absl::StatusOr<ops::AttentionForward> f = ops::FusedAttention(q, k, v, scale, true);
+        ASSERT_TRUE(f.ok()) << f.status();
+#ifdef COLOD_CUDA_EMULATION
+        const uint64_t forward = colod_cuda_emu::GetCounters().kernel_launches - before;
+#endif
+        const absl::StatusOr<ops::AttentionGrads> g =
+            ops::FusedAttentionBackward(dout, q, k, v, *f, scale, true, {}, places);
+        ASSERT_TRUE(g.ok()) << g.status();
+#ifdef COLOD_CUDA_EMULATION
+        const uint64_t backward = colod_cuda_emu::GetCounters().kernel_launches - before - forward;
+        EXPECT_EQ(forward, 1u);
+        EXPECT_EQ(backward, det != nullptr || type == DType::kF32 ? 2u : 3u)
+            << "dq (or delta and the dQ buffer), dk and dv (and dQ's share), dq's rounding: no copies";
+#endif
+        EXPECT_EQ(g->dq.raw_data(), places.dq->raw_data());
+        EXPECT_EQ(g->dk.raw_data(), places.dk->raw_data());
+        ExpectSameBits(*f->out.To(Device::Cpu()), *want->out.To(Device::Cpu()), "out");
+        ExpectSameBits(*f->lse.To(Device::Cpu()), *want->lse.To(Device::Cpu()), "lse");
+        const auto host = [](const ops::AttentionGrads& x) {
+          return Result{Tensor(), *x.dq.To(Device::Cpu()), *x.dk.To(Device::Cpu()), *x.dv.To(Device::Cpu())};
+        };
+        ExpectRepeats(host(*g), host(*g_want), type);
+      }
+    }
+    // Gradients written over q, k and v themselves (places in the storage
+    // the kernels read): copied in after the kernels, so the two-kernel
+    // backward's second kernel still reads q, not dq.
+    ScopedDeterministic mode("1");
+    SCOPED_TRACE(std::string(DTypeName(type)) + " d" + std::to_string(d) + " over q, k and v");
+    const Tensor qkv = *Tensor::RandomNormal(gpt2, 120, type, dev), dout = *Tensor::RandomNormal({2, 70, 2, d}, 121, type, dev);
+    std::vector<Tensor> parts;
+    for (int i = 0; i < 3; ++i) parts.push_back(*qkv.Select(2, i));
+    const absl::StatusOr<ops::AttentionForward> f = ops::FusedAttention(parts[0], parts[1], parts[2], 0.3f, true);
+    ASSERT_TRUE(f.ok()) << f.status();
+    const absl::StatusOr<ops::AttentionGrads> want = ops::FusedAttentionBackward(
+        dout, parts[0].Contiguous(), parts[1].Contiguous(), parts[2].Contiguous(), *f, 0.3f, true);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ops::AttentionGradPlaces over;
+    over.dq = parts[0];
+    over.dk = parts[1];
+    over.dv = parts[2];
+    ASSERT_TRUE(ops::FusedAttentionBackward(dout, parts[0], parts[1], parts[2], *f, 0.3f, true, {}, over).ok());
+    ExpectSameBits(*parts[0].To(Device::Cpu()), *want->dq.To(Device::Cpu()), "dq over q");
+    ExpectSameBits(*parts[1].To(Device::Cpu()), *want->dk.To(Device::Cpu()), "dk over k");
+    ExpectSameBits(*parts[2].To(Device::Cpu()), *want->dv.To(Device::Cpu()), "dv over v");
+  }
+}
+
 #ifdef COLOD_CUDA_EMULATION
 // One launch forward and two backward per attention call (the per-head path
 // launched about 6 per (batch, head) forward and 12 backward).
@@ -480,9 +602,10 @@ TEST(CudaAttentionLaunches, OneKernelForwardTwoBackward) {
 }
 
 // Attention over packed q, k and v (PackedQkv: GPT-2's c_attn output)
-// writes the packed tensor's gradient slice by slice: two launches fewer
-// backward than three Selects, whose zeroed gradients Backward adds twice,
-// and the same values; the forward is the same launches and bits.
+// reads the slices in place and writes the packed tensor's gradient slice
+// by slice: the attention's own launches and no more (three Selects' zeroed
+// gradients, which Backward adds, take more), and the same values; the
+// forward is one launch either way, the slices read in place.
 TEST(CudaAttentionLaunches, PackedQkvGradientIsOneBufferNotThreeAdded) {
   if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   for (DType t : {DType::kF32, DType::kBF16}) {
@@ -511,10 +634,20 @@ TEST(CudaAttentionLaunches, PackedQkvGradientIsOneBufferNotThreeAdded) {
       ASSERT_TRUE(Backward(*out, dout).ok());
       backward[packed] = colod_cuda_emu::GetCounters().kernel_launches - before_backward;
     }
+    // The attention's own launches over contiguous q, k and v.
+    Variable q(qkv.Select(2, 0)->Contiguous(), true), k(qkv.Select(2, 1)->Contiguous(), true),
+        v(qkv.Select(2, 2)->Contiguous(), true);
+    absl::StatusOr<Variable> plain = CausalAttention(q, k, v, 0.125f);
+    ASSERT_TRUE(plain.ok()) << plain.status();
+    const uint64_t before_plain = colod_cuda_emu::GetCounters().kernel_launches;
+    ASSERT_TRUE(Backward(*plain, dout).ok());
+    const uint64_t kernels_alone = colod_cuda_emu::GetCounters().kernel_launches - before_plain;
     EXPECT_EQ(outs[1].ToBytes(), outs[0].ToBytes());
     EXPECT_EQ(grads[1].grad()->ToFloats(), grads[0].grad()->ToFloats());
-    EXPECT_EQ(forward[1], forward[0]) << "q, k and v copied out of the strided slices either way";
-    EXPECT_EQ(backward[1] + 2, backward[0]) << "the Selects' two adds";
+    EXPECT_EQ(forward[0], 1u) << "q, k and v read in place from the strided slices";
+    EXPECT_EQ(forward[1], 1u) << "q, k and v read in place from the strided slices";
+    EXPECT_EQ(backward[1], kernels_alone) << "dq, dk and dv written into the packed buffer's slices";
+    EXPECT_GT(backward[0], backward[1]) << "the Selects' zeroed buffers and adds";
   }
 }
 

@@ -464,9 +464,10 @@ absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, co
                                         bool causal, const ScoreBias& bias = {}, const PackedQkv* packed = nullptr) {
   const DType dtype = q.value().dtype();
   const Device dev = q.value().device();
-  // The kernels read f32, bf16 and f16 operands as they are: the
-  // contiguous operands are kept for the backward.
-  const Tensor qf = q.value().Contiguous(), kf = k.value().Contiguous(), vf = v.value().Contiguous();
+  // The kernels read f32, bf16 and f16 operands as they are, and views in
+  // place (the slices of packed q, k and v; ops::FusedAttention): the
+  // operands are kept for the backward.
+  const Tensor qf = q.value(), kf = k.value(), vf = v.value();
   ops::AttentionExtras extras;
   if (!bias.slopes.empty()) {
     ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({static_cast<int64_t>(bias.slopes.size())}, bias.slopes));
@@ -492,23 +493,24 @@ absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, co
   return RecordOp(name, inputs, std::move(y),
                   [qf, kf, vf, f, scale, causal, dtype, extras, bias_dtype, packed_shape, packed_dim,
                    dev](const Tensor& dy) -> absl::StatusOr<Grads> {
-                    ASSIGN_OR_RETURN(ops::AttentionGrads g,
-                                     ops::FusedAttentionBackward(dy, qf, kf, vf, f, scale, causal, extras));
+                    // Packed: one gradient buffer, whose three slices the
+                    // backward writes (ops::AttentionGradPlaces).
                     Grads out;
-                    std::optional<Tensor> dqkv;  // packed: every slice written below
+                    ops::AttentionGradPlaces places;
                     if (packed_shape.has_value()) {
-                      ASSIGN_OR_RETURN(dqkv, Tensor::Empty(*packed_shape, dtype, dev));
-                      out.push_back(*dqkv);
+                      ASSIGN_OR_RETURN(Tensor dqkv, Tensor::Empty(*packed_shape, dtype, dev));
+                      ASSIGN_OR_RETURN(places.dq, dqkv.Select(packed_dim, 0));
+                      ASSIGN_OR_RETURN(places.dk, dqkv.Select(packed_dim, 1));
+                      ASSIGN_OR_RETURN(places.dv, dqkv.Select(packed_dim, 2));
+                      out.push_back(std::move(dqkv));
                     }
-                    int64_t slice = 0;
-                    for (const Tensor* t : {&g.dq, &g.dk, &g.dv}) {
-                      ASSIGN_OR_RETURN(Tensor back, t->ContiguousAs(dtype));
-                      if (dqkv.has_value()) {
-                        ASSIGN_OR_RETURN(Tensor place, dqkv->Select(packed_dim, slice++));
-                        RETURN_IF_ERROR(place.CopyFrom(back));
-                        continue;
+                    ASSIGN_OR_RETURN(ops::AttentionGrads g,
+                                     ops::FusedAttentionBackward(dy, qf, kf, vf, f, scale, causal, extras, places));
+                    if (!packed_shape.has_value()) {
+                      for (const Tensor* t : {&g.dq, &g.dk, &g.dv}) {
+                        ASSIGN_OR_RETURN(Tensor back, t->ContiguousAs(dtype));
+                        out.push_back(std::move(back));
                       }
-                      out.push_back(std::move(back));
                     }
                     if (g.dbias.has_value()) {
                       ASSIGN_OR_RETURN(Tensor db, g.dbias->ContiguousAs(bias_dtype));

@@ -111,11 +111,12 @@ struct DeviceKernels {
                        float theta, int64_t position_offset, float sign);
   absl::Status (*FlashAttention)(int device, ElemType type, const void* q, const void* k, const void* v, void* out,
                                  float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
-                                 bool causal, kernels::AttentionBias extra);
+                                 bool causal, kernels::AttentionBias extra, kernels::AttentionLayout layout);
   absl::Status (*FlashAttentionBackward)(int device, ElemType type, const void* q, const void* k, const void* v,
                                          const void* out, const void* dout, const float* lse, float* delta, void* dq,
                                          void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv,
-                                         int64_t d, float scale, bool causal, kernels::AttentionBias extra);
+                                         int64_t d, float scale, bool causal, kernels::AttentionBias extra,
+                                         kernels::AttentionLayout layout);
   absl::Status (*AdamW)(int device, const std::vector<kernels::AdamWTensor>& tensors, const kernels::AdamWHyper& h);
   absl::Status (*GradNormClip)(int device, const float* squares, int64_t n, double max_norm, float* out);
   absl::Status (*GemmF32Out)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,

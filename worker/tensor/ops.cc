@@ -993,10 +993,34 @@ absl::Status CheckAttentionShapes(const Tensor& q, const Tensor& k, const Tensor
 
 namespace {
 
-// Contiguous q, k and v in the attention kernels' type (q's),
-// after the shape and device checks.
+// Where the attention kernels find t's rows ([B, S, heads, D] of `type`:
+// kernels::HeadRows), if they read it as it is: its elements of `type`, D
+// contiguous, the batch S tokens apart, and every row starting at a 16-byte
+// boundary (what the tensor-core kernels stage). A slice of packed q, k and
+// v is such a view; a transposed or odd-strided one is not.
+std::optional<kernels::HeadRows> HeadRowsOf(const Tensor& t, DType type) {
+  const std::vector<int64_t>& st = t.strides();
+  const int64_t size = static_cast<int64_t>(SizeOf(type));
+  const auto whole = [&](int64_t stride) { return stride > 0 && stride * size % 16 == 0; };
+  if (t.dtype() != type || t.dim() != 4 || st[3] != 1 || !whole(st[1]) || !whole(st[2]) ||
+      (t.shape()[0] > 1 && st[0] != t.shape()[1] * st[1]) || reinterpret_cast<uintptr_t>(t.raw_data()) % 16 != 0) {
+    return std::nullopt;
+  }
+  return kernels::HeadRows{st[1], st[2]};
+}
+
+}  // namespace
+
+bool AttentionReadsInPlace(const Tensor& t) { return t.dim() == 4 && HeadRowsOf(t, t.dtype()).has_value(); }
+
+namespace {
+
+// q, k and v as the attention kernels read them, in their type (q's), after
+// the shape and device checks: each as it is where the kernels can read it
+// so (HeadRowsOf; k and v alike), else a contiguous copy; and where their
+// rows are.
 absl::Status AttentionOperands(const Tensor& q, const Tensor& k, const Tensor& v, const char* op, Tensor& qf,
-                               Tensor& kf, Tensor& vf) {
+                               Tensor& kf, Tensor& vf, kernels::AttentionLayout& layout) {
   RETURN_IF_ERROR(CheckAttentionShapes(q, k, v));
   RETURN_IF_ERROR(SameDevice(op, q.device(), {&k, &v}));
   if (q.shape()[3] > kernels::kMaxFusedHeadDim) {
@@ -1004,10 +1028,42 @@ absl::Status AttentionOperands(const Tensor& q, const Tensor& k, const Tensor& v
                                                    kernels::kMaxFusedHeadDim));
   }
   ASSIGN_OR_RETURN(DType type, KernelType(q, op));
-  ASSIGN_OR_RETURN(qf, AsFloat(q, type, op));
+  const int64_t hq = q.shape()[2], hkv = k.shape()[2], d = q.shape()[3];
+  layout = kernels::ContiguousAttention(hq, hkv, d);
+  if (std::optional<kernels::HeadRows> rows = HeadRowsOf(q, type)) {
+    qf = q;
+    layout.q = *rows;
+  } else {
+    ASSIGN_OR_RETURN(qf, AsFloat(q, type, op));
+  }
+  const std::optional<kernels::HeadRows> krows = HeadRowsOf(k, type), vrows = HeadRowsOf(v, type);
+  if (krows.has_value() && vrows.has_value() && krows->token == vrows->token && krows->head == vrows->head) {
+    kf = k;
+    vf = v;
+    layout.kv = *krows;
+    return absl::OkStatus();
+  }
   ASSIGN_OR_RETURN(kf, AsFloat(k, type, op));
   ASSIGN_OR_RETURN(vf, AsFloat(v, type, op));
   return absl::OkStatus();
+}
+
+// Where the backward's kernels can write a gradient into `place`
+// (AttentionGradPlaces) as they go, if they can: rows they write (HeadRowsOf)
+// that do not overlap. INVALID_ARGUMENT unless `place` has `shape` and
+// `type` and is on `dev`.
+absl::StatusOr<std::optional<kernels::HeadRows>> PlaceRows(const Tensor& place, const Shape& shape, DType type,
+                                                           const Device& dev, const char* what, const char* op) {
+  if (place.shape() != shape || place.dtype() != type || place.device() != dev) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", what, "'s place must be ", DTypeName(type),
+                                                   ShapeToString(shape), " on ", dev.ToString(), ", not ",
+                                                   DTypeName(place.dtype()), ShapeToString(place.shape()), " on ",
+                                                   place.device().ToString()));
+  }
+  std::optional<kernels::HeadRows> rows = HeadRowsOf(place, type);
+  const int64_t heads = shape[2], d = shape[3];
+  if (rows.has_value() && (rows->head < d || rows->token < (heads - 1) * rows->head + d)) rows.reset();
+  return rows;
 }
 
 // The kernels' view of `extras` (null pointers for what is not set), after
@@ -1037,7 +1093,8 @@ absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k
                                                 bool causal, const AttentionExtras& extras) {
   const char* op = "fused_attention";
   Tensor qf, kf, vf;
-  RETURN_IF_ERROR(AttentionOperands(q, k, v, op, qf, kf, vf));
+  kernels::AttentionLayout layout;
+  RETURN_IF_ERROR(AttentionOperands(q, k, v, op, qf, kf, vf, layout));
   ASSIGN_OR_RETURN(const kernels::AttentionBias added, ExtrasOf(extras, q, op));
   const Device dev = q.device();
   ASSIGN_OR_RETURN(const DeviceKernels* kern, KernelsFor(dev));
@@ -1046,16 +1103,20 @@ absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k
   ASSIGN_OR_RETURN(f.out, Tensor::Empty(q.shape(), qf.dtype(), dev));
   ASSIGN_OR_RETURN(f.lse, Tensor::Empty({b, hq, s}, DType::kF32, dev));
   RETURN_IF_ERROR(kern->FlashAttention(dev.index, Elem(qf.dtype()), qf.raw_data(), kf.raw_data(), vf.raw_data(),
-                                       f.out.raw_data(), F(f.lse), b, s, hq, hkv, d, scale, causal, added));
+                                       f.out.raw_data(), F(f.lse), b, s, hq, hkv, d, scale, causal, added,
+                                       layout));
   return f;
 }
 
 absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                       const Tensor& v, const AttentionForward& forward, float scale,
-                                                      bool causal, const AttentionExtras& extras) {
+                                                      bool causal, const AttentionExtras& extras,
+                                                      const AttentionGradPlaces& places_in) {
+  AttentionGradPlaces places = places_in;  // views: copies share the elements
   const char* op = "fused_attention_backward";
   Tensor qf, kf, vf;
-  RETURN_IF_ERROR(AttentionOperands(q, k, v, op, qf, kf, vf));
+  kernels::AttentionLayout layout;
+  RETURN_IF_ERROR(AttentionOperands(q, k, v, op, qf, kf, vf, layout));
   ASSIGN_OR_RETURN(kernels::AttentionBias added, ExtrasOf(extras, q, op));
   const int64_t b = q.shape()[0], s = q.shape()[1], hq = q.shape()[2], hkv = k.shape()[2], d = q.shape()[3];
   if (dout.shape() != q.shape() || forward.out.shape() != q.shape() || forward.lse.shape() != Shape{b, hq, s} ||
@@ -1072,9 +1133,43 @@ absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const 
   const Tensor out = forward.out.Contiguous(), lse = forward.lse.Contiguous();
   AttentionGrads g;
   ASSIGN_OR_RETURN(Tensor delta, Tensor::Empty({b, hq, s}, DType::kF32, dev));
-  ASSIGN_OR_RETURN(g.dq, Tensor::Empty(q.shape(), type, dev));
-  ASSIGN_OR_RETURN(g.dk, Tensor::Empty(k.shape(), type, dev));
-  ASSIGN_OR_RETURN(g.dv, Tensor::Empty(v.shape(), type, dev));
+  // The gradients' places: the caller's (laid out as it chose: the kernels
+  // read q, k and v, and write dq, dk and dv, each in its own layout), or
+  // new contiguous tensors.
+  const bool placed = places.dq.has_value() || places.dk.has_value() || places.dv.has_value();
+  bool in_place = false;  // the kernels write into the places
+  if (placed) {
+    if (!places.dq.has_value() || !places.dk.has_value() || !places.dv.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": places for all of dq, dk and dv or for none"));
+    }
+    ASSIGN_OR_RETURN(const std::optional<kernels::HeadRows> dq_rows,
+                     PlaceRows(*places.dq, q.shape(), type, dev, "dq", op));
+    ASSIGN_OR_RETURN(const std::optional<kernels::HeadRows> dk_rows,
+                     PlaceRows(*places.dk, k.shape(), type, dev, "dk", op));
+    ASSIGN_OR_RETURN(const std::optional<kernels::HeadRows> dv_rows,
+                     PlaceRows(*places.dv, v.shape(), type, dev, "dv", op));
+    in_place = dq_rows.has_value() && dk_rows.has_value() && dv_rows.has_value() &&
+               dk_rows->token == dv_rows->token && dk_rows->head == dv_rows->head;
+    // The two-kernel backward writes dq before the second kernel reads q:
+    // a place in the storage of what the kernels read takes a copy after.
+    for (const Tensor* read : std::initializer_list<const Tensor*>{&qf, &kf, &vf, &dout, &forward.out}) {
+      for (const std::optional<Tensor>* place : {&places.dq, &places.dk, &places.dv}) {
+        if ((*place)->SharesStorageWith(*read)) in_place = false;
+      }
+    }
+    if (in_place) {
+      layout.dq = *dq_rows;
+      layout.dkv = *dk_rows;
+      g.dq = *places.dq;
+      g.dk = *places.dk;
+      g.dv = *places.dv;
+    }
+  }
+  if (!in_place) {
+    ASSIGN_OR_RETURN(g.dq, Tensor::Empty(q.shape(), type, dev));
+    ASSIGN_OR_RETURN(g.dk, Tensor::Empty(k.shape(), type, dev));
+    ASSIGN_OR_RETURN(g.dv, Tensor::Empty(v.shape(), type, dev));
+  }
   std::optional<Tensor> dscores;  // [B, Hq, S, S]: each batch element's, 0 where masked
   if (extras.bias.has_value()) {
     ASSIGN_OR_RETURN(dscores, Tensor::Zeros({b, hq, s, s}, DType::kF32, dev));
@@ -1083,7 +1178,15 @@ absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const 
   RETURN_IF_ERROR(kern->FlashAttentionBackward(dev.index, Elem(type), qf.raw_data(), kf.raw_data(), vf.raw_data(),
                                                out.raw_data(), dof.raw_data(), F(lse), F(delta), g.dq.raw_data(),
                                                g.dk.raw_data(), g.dv.raw_data(), b, s, hq, hkv, d, scale, causal,
-                                               added));
+                                               added, layout));
+  if (placed && !in_place) {  // copied into places the kernels cannot write
+    RETURN_IF_ERROR(places.dq->CopyFrom(g.dq));
+    RETURN_IF_ERROR(places.dk->CopyFrom(g.dk));
+    RETURN_IF_ERROR(places.dv->CopyFrom(g.dv));
+    g.dq = *places.dq;
+    g.dk = *places.dk;
+    g.dv = *places.dv;
+  }
   if (dscores.has_value()) {
     // The bias is shared by the batch: its gradient sums the batch's, in
     // batch order (the column reduction over [B, Hq S S]).

@@ -285,19 +285,39 @@ struct AttentionExtras {
 };
 absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                                                 bool causal, const AttentionExtras& extras = {});
+// Whether the attention kernels read (or write) t [B, S, heads, D] where it
+// is: D contiguous, the batch S tokens apart, and every row 16-byte aligned
+// (kernels::HeadRows; the tensor-core kernels stage rows 16 bytes at a time).
+// A slice of GPT-2's or BLOOM's packed q, k and v is; a transposed view is not.
+bool AttentionReadsInPlace(const Tensor& t);
 // The gradients (shaped like q, k and v, in the forward's dtype) from dout [B, S, Hq, D] and
 // the forward of the same q, k, v and extras, and the learned bias's (f32
 // [Hq, S, S]: the scores' gradients summed over the batch) where it has one.
 // Bitwise repeatable on the CPU, and on CUDA but for dq of the tensor-core
 // path, whose one-pass backward adds it up with atomics unless the
 // environment sets COLOD_DETERMINISTIC=1 (kernels' FlashAttentionBackward).
+// q, k and v may be views (the slices of one packed projection): the
+// kernels read them in place where AttentionReadsInPlace, else from a
+// contiguous copy (k and v in place only where both are, laid out alike).
+// Where `places` are set (all three: tensors or views of q's, k's and v's
+// shapes in the forward's dtype on q's device; INVALID_ARGUMENT otherwise),
+// dq, dk and dv are written into them and returned as them: by the kernels
+// themselves where the places are read in place so, their rows do not
+// overlap, dk's and dv's are laid out alike, and none shares storage with
+// q, k, v, out or dout (the slices of one packed gradient buffer: no
+// copies); else copied in after the kernels. The three places must not
+// share elements with each other.
 struct AttentionGrads {
   Tensor dq, dk, dv;
   std::optional<Tensor> dbias;
 };
+struct AttentionGradPlaces {
+  std::optional<Tensor> dq, dk, dv;
+};
 absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                       const Tensor& v, const AttentionForward& forward, float scale,
-                                                      bool causal, const AttentionExtras& extras = {});
+                                                      bool causal, const AttentionExtras& extras = {},
+                                                      const AttentionGradPlaces& places = {});
 
 // torch.optim.AdamW's step: decoupled weight decay, bias correction with
 // `step` (1-based). grad_scale multiplies every gradient as it is read (the

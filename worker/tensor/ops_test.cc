@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <functional>
+#include <string>
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/layer_ops.h"
@@ -703,6 +704,91 @@ TEST(CpuKernels, GradNormClipIsTheNormAndTorchsFactor) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(GradNormClip(*Tensor::Zeros({2}, DType::kBF16), 1.0).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The fused attention reads q, k and v in place where they are slices of one
+// packed projection (GPT-2's [B, S, 3, H, D], BLOOM's [B, S, H, 3, D]) and
+// writes dq, dk and dv into the slices of one packed buffer: the bits of the
+// same attention over contiguous copies, and no copy made of the gradients
+// (they are the buffer's slices). At D = 3 (rows of 12 or 6 bytes, not the
+// kernels' 16-byte aligned ones) both are copied, to the same bits. Places
+// of another shape or dtype are refused; a place sharing q's storage is
+// written after the kernels, which read q, are done.
+TEST(Ops, FusedAttentionReadsAndWritesPackedSlicesInPlace) {
+  for (DType type : {DType::kF32, DType::kBF16}) {
+    for (int64_t d : {8, 3}) {
+      for (bool bloom : {false, true}) {
+        const std::string what = std::string(DTypeName(type)) + " d" + std::to_string(d) + (bloom ? " bloom" : " gpt2");
+        const int64_t dim = bloom ? 3 : 2, heads = 2;
+        const Shape shape = bloom ? Shape{2, 7, heads, 3, d} : Shape{2, 7, 3, heads, d};
+        const Tensor qkv = *Tensor::RandomNormal(shape, 91, type);
+        const Tensor dout = *Tensor::RandomNormal({2, 7, heads, d}, 92, type);
+        Tensor parts[3], copies[3];
+        for (int i = 0; i < 3; ++i) {
+          parts[i] = *qkv.Select(dim, i);
+          copies[i] = parts[i].Contiguous();
+        }
+        ASSERT_FALSE(parts[0].is_contiguous()) << what;
+        EXPECT_EQ(AttentionReadsInPlace(parts[0]), d == 8) << what;
+        EXPECT_EQ(AttentionReadsInPlace(parts[1]), d == 8) << what;
+        const absl::StatusOr<AttentionForward> f = FusedAttention(parts[0], parts[1], parts[2], 0.4f, true);
+        const absl::StatusOr<AttentionForward> want = FusedAttention(copies[0], copies[1], copies[2], 0.4f, true);
+        ASSERT_TRUE(f.ok() && want.ok()) << what << ": " << f.status() << " " << want.status();
+        EXPECT_EQ(f->out.ToBytes(), want->out.ToBytes()) << what;
+        EXPECT_EQ(f->lse.ToBytes(), want->lse.ToBytes()) << what;
+        Tensor buffer = *Tensor::Zeros(shape, type);
+        AttentionGradPlaces places;
+        places.dq = *buffer.Select(dim, 0);
+        places.dk = *buffer.Select(dim, 1);
+        places.dv = *buffer.Select(dim, 2);
+        const absl::StatusOr<AttentionGrads> g =
+            FusedAttentionBackward(dout, parts[0], parts[1], parts[2], *f, 0.4f, true, {}, places);
+        const absl::StatusOr<AttentionGrads> g_want =
+            FusedAttentionBackward(dout, copies[0], copies[1], copies[2], *want, 0.4f, true);
+        ASSERT_TRUE(g.ok() && g_want.ok()) << what << ": " << g.status() << " " << g_want.status();
+        EXPECT_EQ(g->dq.raw_data(), places.dq->raw_data()) << what;
+        EXPECT_EQ(g->dv.raw_data(), places.dv->raw_data()) << what;
+        const Tensor* got[3] = {&g->dq, &g->dk, &g->dv};
+        const Tensor* wanted[3] = {&g_want->dq, &g_want->dk, &g_want->dv};
+        for (int i = 0; i < 3; ++i) {
+          EXPECT_EQ(buffer.Select(dim, i)->ToBytes(), wanted[i]->ToBytes()) << what << " gradient " << i;
+          EXPECT_EQ(got[i]->ToBytes(), wanted[i]->ToBytes()) << what << " gradient " << i;
+        }
+      }
+    }
+  }
+  const Tensor q = *Tensor::RandomNormal({1, 4, 2, 8}, 93);
+  const absl::StatusOr<AttentionForward> f = FusedAttention(q, q, q, 0.4f, false);
+  ASSERT_TRUE(f.ok()) << f.status();
+  AttentionGradPlaces wrong;
+  wrong.dq = *Tensor::Zeros({1, 4, 2, 8}, DType::kF32);
+  wrong.dk = *Tensor::Zeros({1, 4, 2, 8}, DType::kF32);
+  wrong.dv = *Tensor::Zeros({1, 4, 2, 8}, DType::kBF16);
+  EXPECT_EQ(FusedAttentionBackward(q, q, q, q, *f, 0.4f, false, {}, wrong).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  wrong.dv.reset();
+  EXPECT_EQ(FusedAttentionBackward(q, q, q, q, *f, 0.4f, false, {}, wrong).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // dq, dk and dv written over q, k and v themselves (packed in one tensor).
+  const Tensor qkv = *Tensor::RandomNormal({1, 6, 3, 2, 8}, 94), dout = *Tensor::RandomNormal({1, 6, 2, 8}, 95);
+  Tensor parts[3];
+  for (int i = 0; i < 3; ++i) parts[i] = *qkv.Select(2, i);
+  const absl::StatusOr<AttentionForward> fwd = FusedAttention(parts[0], parts[1], parts[2], 0.4f, true);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  const absl::StatusOr<AttentionGrads> want =
+      FusedAttentionBackward(dout, parts[0].Contiguous(), parts[1].Contiguous(), parts[2].Contiguous(), *fwd, 0.4f,
+                             true);
+  ASSERT_TRUE(want.ok()) << want.status();
+  AttentionGradPlaces over;
+  over.dq = parts[0];
+  over.dk = parts[1];
+  over.dv = parts[2];
+  const absl::StatusOr<AttentionGrads> got = FusedAttentionBackward(dout, parts[0], parts[1], parts[2], *fwd, 0.4f,
+                                                                    true, {}, over);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(parts[0].ToBytes(), want->dq.ToBytes());
+  EXPECT_EQ(parts[1].ToBytes(), want->dk.ToBytes());
+  EXPECT_EQ(parts[2].ToBytes(), want->dv.ToBytes());
 }
 
 }  // namespace
