@@ -605,25 +605,19 @@ const float* LogitsRow(const void* z, ElemType type, int64_t r, int64_t width, i
 
 }  // namespace
 
-absl::Status VocabShardMax(int, ElemType type, const void* z, int64_t rows, int64_t width, int64_t real, float* mx) {
+absl::Status VocabShardStats(int, ElemType type, const void* z, const int64_t* labels, int64_t rows, int64_t width,
+                             int64_t real, int64_t start, int64_t ignore_index, float* mine) {
+  float* const mx = mine;
+  float* const stats = mine + rows;
   std::vector<float> scratch;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = LogitsRow(z, type, r, width, real, scratch);
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < real; ++j) m = std::max(m, row[j]);
     mx[r] = m;
-  }
-  return absl::OkStatus();
-}
-
-absl::Status VocabShardSums(int, ElemType type, const void* z, const int64_t* labels, const float* mx, int64_t rows,
-                            int64_t width, int64_t real, int64_t start, int64_t ignore_index, float* stats) {
-  std::vector<float> scratch;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = LogitsRow(z, type, r, width, real, scratch);
     double se = 0, sl = 0;
     for (int64_t j = 0; j < real; ++j) {
-      se += std::exp(row[j] - mx[r]);
+      se += std::exp(row[j] - m);
       sl += row[j];
     }
     stats[r] = static_cast<float>(se);

@@ -797,6 +797,15 @@ TEST_F(CudaLayerOps, VocabShardsCombinedFromOneAllGatherEqualThePlainCrossEntrop
       }
     }
   }
+#ifdef COLOD_CUDA_EMULATION
+  // The forward is three kernels: a shard's max and sums (one read of each
+  // row: VocabShardStats), the shards' combined, the loss.
+  const Tensor z = *padded.To(Device::Cuda(0)), lab = *labels.To(Device::Cuda(0));
+  const uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
+  const auto identity = [](const Tensor& in, Tensor& out) { return out.CopyFrom(*in.Reshape(out.shape())); };
+  ASSERT_TRUE(VocabShardCrossEntropy(z, lab, 40, 0, 40, 0.0f, -100, 1, identity).ok());
+  EXPECT_EQ(colod_cuda_emu::GetCounters().kernel_launches - before, 3u);
+#endif
 }
 
 TEST_F(CudaLayerOps, SoftmaxDropoutEmbeddingCrossEntropyRopeAdamW) {

@@ -94,11 +94,8 @@ struct DeviceKernels {
                                int64_t v, float smoothing, int64_t ignore_index);
   absl::Status (*CrossEntropyBackward)(int device, const float* dloss, const float* logits, const int64_t* labels,
                                        float* dlogits, int64_t n, int64_t v, float smoothing, int64_t ignore_index);
-  absl::Status (*VocabShardMax)(int device, ElemType type, const void* z, int64_t rows, int64_t width, int64_t real,
-                                float* mx);
-  absl::Status (*VocabShardSums)(int device, ElemType type, const void* z, const int64_t* labels, const float* mx,
-                                 int64_t rows, int64_t width, int64_t real, int64_t start, int64_t ignore_index,
-                                 float* stats);
+  absl::Status (*VocabShardStats)(int device, ElemType type, const void* z, const int64_t* labels, int64_t rows,
+                                  int64_t width, int64_t real, int64_t start, int64_t ignore_index, float* mine);
   absl::Status (*VocabShardCombine)(int device, const float* gathered, int64_t shards, int64_t rows, float* mx,
                                     float* stats);
   absl::Status (*VocabShardLoss)(int device, const float* mx, const float* stats, const int64_t* labels, int64_t rows,
@@ -143,7 +140,7 @@ struct DeviceKernels {
         &ns::RmsNorm, &ns::RmsNormBackward, &ns::NormRowSums, &ns::NormApply, &ns::NormBackwardSums,   \
         &ns::NormBackwardApply, &ns::NormParamGrad, &ns::Softmax, &ns::SoftmaxBackward, &ns::Dropout,   \
         &ns::Embedding, &ns::EmbeddingBackward, &ns::CrossEntropy, &ns::CrossEntropyBackward,           \
-        &ns::VocabShardMax, &ns::VocabShardSums, &ns::VocabShardCombine, &ns::VocabShardLoss,         \
+        &ns::VocabShardStats, &ns::VocabShardCombine, &ns::VocabShardLoss,                            \
         &ns::VocabShardBackward,                                                                      \
         &ns::Rope, &ns::FlashAttention, &ns::FlashAttentionBackward, &ns::AdamW, &ns::GradNormClip,    \
         &ns::GemmF32Out, &ns::GemmBias, &ns::GemmBiasGrad, &ns::GemmBiasGelu, &ns::GemmDGelu,          \

@@ -905,10 +905,8 @@ absl::StatusOr<VocabShardForward> VocabShardCrossEntropy(
   // This shard's (max, sums against it), then every shard's in one
   // all-gather: one collective where a max then a sum would take two.
   ASSIGN_OR_RETURN(Tensor mine, Tensor::Empty({4, rows}, DType::kF32, dev));
-  float* const own_max = F(mine);
-  RETURN_IF_ERROR(k->VocabShardMax(dev.index, Elem(type), out.z.raw_data(), rows, width, real, own_max));
-  RETURN_IF_ERROR(k->VocabShardSums(dev.index, Elem(type), out.z.raw_data(), lab.data<int64_t>(), own_max, rows,
-                                    width, real, start, ignore_index, own_max + rows));
+  RETURN_IF_ERROR(k->VocabShardStats(dev.index, Elem(type), out.z.raw_data(), lab.data<int64_t>(), rows, width,
+                                     real, start, ignore_index, F(mine)));
   ASSIGN_OR_RETURN(Tensor gathered, Tensor::Empty({shards, 4, rows}, DType::kF32, dev));
   RETURN_IF_ERROR(all_gather(mine, gathered));
   ASSIGN_OR_RETURN(Tensor mx, Tensor::Empty({rows}, DType::kF32, dev));
