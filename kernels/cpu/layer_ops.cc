@@ -529,8 +529,10 @@ absl::Status Dropout(int, const float* x, float* y, int64_t n, float p, uint64_t
   return absl::OkStatus();
 }
 
-absl::Status Embedding(int, const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows,
-                       int64_t h, int64_t row_offset) {
+namespace {
+
+absl::Status EmbeddingF32(const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows, int64_t h,
+                          int64_t row_offset) {
   for (int64_t i = 0; i < count; ++i) {
     if (ids[i] < row_offset || ids[i] >= row_offset + rows) {  // masked: another shard's row
       std::fill(out + i * h, out + (i + 1) * h, 0.0f);
@@ -542,9 +544,9 @@ absl::Status Embedding(int, const float* table, const int64_t* ids, float* out, 
   return absl::OkStatus();
 }
 
-absl::Status EmbeddingBackward(int, const float* dy, const std::vector<int64_t>& seg_rows,
-                               const std::vector<int64_t>& seg_starts, const std::vector<int64_t>& tokens,
-                               float* dtable, int64_t rows, int64_t h) {
+absl::Status EmbeddingBackwardF32(const float* dy, const std::vector<int64_t>& seg_rows,
+                                  const std::vector<int64_t>& seg_starts, const std::vector<int64_t>& tokens,
+                                  float* dtable, int64_t rows, int64_t h) {
   std::fill(dtable, dtable + rows * h, 0.0f);
   std::vector<double> acc(h);
   for (size_t s = 0; s < seg_rows.size(); ++s) {
@@ -557,6 +559,8 @@ absl::Status EmbeddingBackward(int, const float* dy, const std::vector<int64_t>&
   }
   return absl::OkStatus();
 }
+
+}  // namespace
 
 absl::Status CrossEntropy(int, const float* logits, const int64_t* labels, float* loss, int64_t n, int64_t v,
                           float smoothing, int64_t ignore_index) {
@@ -1101,6 +1105,25 @@ absl::Status NormParamGrad(int, ElemType type, const void* dy, const void* x, co
     if (db) db[j] = static_cast<float>(sb[j]);
   }
   return absl::OkStatus();
+}
+
+absl::Status Embedding(int, ElemType type, const void* table, const int64_t* ids, void* out, int64_t count,
+                       int64_t rows, int64_t h, int64_t row_offset) {
+  if (absl::Status st = CheckFloatType(type, "Embedding"); !st.ok()) return st;
+  F32In ft(table, rows * h, type);
+  F32Out fo(out, count * h, type);
+  return Typed({&fo}, [&] { return EmbeddingF32(ft.get(), ids, fo.get(), count, rows, h, row_offset); });
+}
+
+absl::Status EmbeddingBackward(int, ElemType type, const void* dy, const std::vector<int64_t>& seg_rows,
+                               const std::vector<int64_t>& seg_starts, const std::vector<int64_t>& tokens,
+                               void* dtable, int64_t rows, int64_t h) {
+  if (absl::Status st = CheckFloatType(type, "EmbeddingBackward"); !st.ok()) return st;
+  int64_t tokens_in = 0;  // the rows of dy read: up to the largest token index
+  for (int64_t t : tokens) tokens_in = std::max(tokens_in, t + 1);
+  F32In fd(dy, tokens_in * h, type);
+  F32Out fo(dtable, rows * h, type);
+  return Typed({&fo}, [&] { return EmbeddingBackwardF32(fd.get(), seg_rows, seg_starts, tokens, fo.get(), rows, h); });
 }
 
 absl::Status FlashAttention(int dev, ElemType type, const void* q, const void* k, const void* v, void* out,

@@ -722,8 +722,9 @@ __global__ void DropoutKernel(const float* x, float* y, int64_t n, float p, uint
   GRID_STRIDE(i, n) { y[i] = PhiloxUniform(seed, offset + static_cast<uint64_t>(i)) >= p ? x[i] * scale : 0.0f; }
 }
 
-__global__ void EmbeddingKernel(const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows,
-                                int64_t h, int64_t row_offset) {
+template <typename T>
+__global__ void EmbeddingKernel(In<T> table, const int64_t* ids, Out<T> out, int64_t count, int64_t rows, int64_t h,
+                                int64_t row_offset) {
   GRID_STRIDE(i, count * h) {
     const int64_t id = ids[i / h];  // compared before subtracting: a hostile id must not overflow
     out[i] = (id >= row_offset && id < row_offset + rows) ? table[(id - row_offset) * h + i % h] : 0.0f;
@@ -732,13 +733,14 @@ __global__ void EmbeddingKernel(const float* table, const int64_t* ids, float* o
 
 // One thread per (row with tokens, column): the row's tokens in token order,
 // summed in double. No two threads write one element: deterministic.
-__global__ void EmbeddingBackwardKernel(const float* dy, const int64_t* seg_rows, const int64_t* seg_starts,
-                                        const int64_t* tokens, int64_t segments, int64_t h, float* dtable) {
+template <typename T>
+__global__ void EmbeddingBackwardKernel(In<T> dy, const int64_t* seg_rows, const int64_t* seg_starts,
+                                        const int64_t* tokens, int64_t segments, int64_t h, Out<T> dtable) {
   GRID_STRIDE(i, segments * h) {
     const int64_t s = i / h, j = i % h;
     double acc = 0;
     for (int64_t k = seg_starts[s]; k < seg_starts[s + 1]; ++k) acc += dy[tokens[k] * h + j];
-    dtable[seg_rows[s] * h + j] = static_cast<float>(acc);
+    dtable[seg_rows[s] * h + j] = static_cast<float>(acc);  // rounded to f32, then to T
   }
 }
 
@@ -2846,23 +2848,30 @@ absl::Status Dropout(int device, const float* x, float* y, int64_t n, float p, u
   return Finish("DropoutKernel");
 }
 
-absl::Status Embedding(int device, const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows,
-                       int64_t h, int64_t row_offset) {
+absl::Status Embedding(int device, ElemType type, const void* table, const int64_t* ids, void* out, int64_t count,
+                       int64_t rows, int64_t h, int64_t row_offset) {
   COLOD_CUDA_BEGIN(stream, device);
-  Launch(EmbeddingKernel, Blocks(count * h), kThreads, stream, table, ids, out, count, rows, h,
-                                                                            row_offset);
-  return Finish("EmbeddingKernel");
+  return ByFloatType(type, "Embedding", [&](auto t) {
+    using T = decltype(t);
+    Launch(EmbeddingKernel<T>, Blocks(count * h), kThreads, stream, InOf<T>(table), ids, OutOf<T>(out), count, rows,
+           h, row_offset);
+    return Finish("EmbeddingKernel");
+  });
 }
 
-absl::Status EmbeddingBackward(int device, const float* dy, const std::vector<int64_t>& seg_rows,
+absl::Status EmbeddingBackward(int device, ElemType type, const void* dy, const std::vector<int64_t>& seg_rows,
                                const std::vector<int64_t>& seg_starts, const std::vector<int64_t>& tokens,
-                               float* dtable, int64_t rows, int64_t h) {
+                               void* dtable, int64_t rows, int64_t h) {
   const int64_t segments = static_cast<int64_t>(seg_rows.size());
   if (seg_starts.size() != seg_rows.size() + 1 || seg_starts.back() != static_cast<int64_t>(tokens.size())) {
     return absl::InvalidArgumentError("EmbeddingBackward: inconsistent token segments");
   }
   COLOD_CUDA_BEGIN(stream, device);
-  RETURN_IF(CudaCheck(cudaMemsetAsync(dtable, 0, rows * h * sizeof(float), stream), "cudaMemsetAsync"));
+  if (type != ElemType::kF32 && type != ElemType::kBF16 && type != ElemType::kF16) {
+    return absl::InvalidArgumentError("EmbeddingBackward: float types only");
+  }
+  const size_t size = type == ElemType::kF32 ? sizeof(float) : sizeof(uint16_t);
+  RETURN_IF(CudaCheck(cudaMemsetAsync(dtable, 0, rows * h * size, stream), "cudaMemsetAsync"));  // 0.0 in each
   if (segments == 0) return Finish("EmbeddingBackward");
   // The three index arrays in one stream-ordered allocation, uploaded in
   // one staged copy (tensor_ops.h's Upload: the host does not wait).
@@ -2880,12 +2889,18 @@ absl::Status EmbeddingBackward(int device, const float* dy, const std::vector<in
   int64_t* d_tokens = d_starts + seg_starts.size();
   const absl::Status uploaded = Upload(device, index, packed.data(), n_index * sizeof(int64_t));
   cudaError_t e = uploaded.ok() ? cudaSuccess : cudaErrorUnknown;
+  absl::Status typed;
   if (e == cudaSuccess) {
-    e = Launch(EmbeddingBackwardKernel, Blocks(segments * h), kThreads, stream, dy, d_rows, d_starts,
-               d_tokens, segments, h, dtable);
+    typed = ByFloatType(type, "EmbeddingBackward", [&](auto t) {
+      using T = decltype(t);
+      e = Launch(EmbeddingBackwardKernel<T>, Blocks(segments * h), kThreads, stream, InOf<T>(dy), d_rows, d_starts,
+                 d_tokens, segments, h, OutOf<T>(dtable));
+      return absl::OkStatus();
+    });
   }
   cudaFreeAsync(index, stream);  // after the kernel, in stream order
   RETURN_IF(uploaded);
+  RETURN_IF(typed);
   RETURN_IF(CudaCheck(e, "EmbeddingBackward"));
   return Finish("EmbeddingBackwardKernel");
 }

@@ -93,6 +93,41 @@ TEST_F(CudaLayerOps, EmbeddingBackwardIsDeterministicWithRepeatedIds) {
   }
 }
 
+// In bf16 and f16 the embedding reads the table and writes its rows, and
+// the backward reads dy and writes the gradient, in that type: the bits of
+// the f32 computation rounded once (what converting the table and dy to
+// f32 and the results back gave), on both devices, and on the emulation
+// one launch forward (no conversion of the table) and one backward.
+TEST_F(CudaLayerOps, HalfEmbeddingsCopyRowsAndRoundEachGradientOnce) {
+  std::vector<int64_t> idv(3 * 50);
+  for (size_t i = 0; i < idv.size(); ++i) idv[i] = static_cast<int64_t>((i * 11) % 37);
+  const Tensor ids = *Tensor::FromInt64s({3, 50}, idv);
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    const Tensor table = *R({40, 24}, 41, 3.0f).ToDType(t), dy = *R({3, 50, 24}, 42, 5.0f).ToDType(t);
+    const Tensor want = *Embedding(*table.ToDType(DType::kF32), ids, 4, true)->ToDType(t);
+    const Tensor want_grad = *EmbeddingBackward(*dy.ToDType(DType::kF32), ids, 40, 4)->ToDType(t);
+    for (bool gpu : {false, true}) {
+      const std::string what = std::string(DTypeName(t)) + (gpu ? " cuda" : " cpu");
+#ifdef COLOD_CUDA_EMULATION
+      const uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
+#endif
+      const Tensor got = *Embedding(gpu ? Dev(table) : table, ids, 4, true);
+#ifdef COLOD_CUDA_EMULATION
+      if (gpu) EXPECT_EQ(colod_cuda_emu::GetCounters().kernel_launches - before, 1u) << what;
+      const uint64_t before_grad = colod_cuda_emu::GetCounters().kernel_launches;
+#endif
+      const Tensor grad = *EmbeddingBackward(gpu ? Dev(dy) : dy, ids, 40, 4);
+#ifdef COLOD_CUDA_EMULATION
+      if (gpu) EXPECT_EQ(colod_cuda_emu::GetCounters().kernel_launches - before_grad, 1u) << what;
+#endif
+      EXPECT_EQ(got.dtype(), t) << what;
+      EXPECT_EQ(grad.dtype(), t) << what;
+      EXPECT_EQ(got.ToBytes(), want.ToBytes()) << what;
+      EXPECT_EQ(grad.ToBytes(), want_grad.ToBytes()) << what;
+    }
+  }
+}
+
 // GEMMs from several threads share the device's one cuBLAS handle (a
 // handle per thread leaked one, with its workspace, per job thread).
 TEST_F(CudaLayerOps, OneCublasHandlePerDeviceWhateverTheThreads) {

@@ -85,11 +85,11 @@ struct DeviceKernels {
   absl::Status (*Softmax)(int device, const float* x, float* y, int64_t rows, int64_t k, int64_t causal_q);
   absl::Status (*SoftmaxBackward)(int device, const float* dy, const float* y, float* dx, int64_t rows, int64_t k);
   absl::Status (*Dropout)(int device, const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset);
-  absl::Status (*Embedding)(int device, const float* table, const int64_t* ids, float* out, int64_t count,
+  absl::Status (*Embedding)(int device, ElemType type, const void* table, const int64_t* ids, void* out, int64_t count,
                             int64_t rows, int64_t h, int64_t row_offset);
-  absl::Status (*EmbeddingBackward)(int device, const float* dy, const std::vector<int64_t>& seg_rows,
+  absl::Status (*EmbeddingBackward)(int device, ElemType type, const void* dy, const std::vector<int64_t>& seg_rows,
                                     const std::vector<int64_t>& seg_starts, const std::vector<int64_t>& tokens,
-                                    float* dtable, int64_t rows, int64_t h);
+                                    void* dtable, int64_t rows, int64_t h);
   absl::Status (*CrossEntropy)(int device, const float* logits, const int64_t* labels, float* loss, int64_t n,
                                int64_t v, float smoothing, int64_t ignore_index);
   absl::Status (*CrossEntropyBackward)(int device, const float* dloss, const float* logits, const int64_t* labels,

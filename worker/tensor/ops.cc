@@ -760,12 +760,15 @@ absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t
     }
   }
   ASSIGN_OR_RETURN(id64, id64.To(dev));  // stream ordered; host ids are staged
-  ASSIGN_OR_RETURN(Tensor ft, AsF32(table, "embedding"));
+  // The table's rows copied in its dtype: no f32 copy of the table.
+  ASSIGN_OR_RETURN(const DType type, KernelType(table, "embedding"));
+  ASSIGN_OR_RETURN(Tensor ft, AsFloat(table, type, "embedding"));
   Shape shape = ids.shape();
   shape.push_back(h);
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(shape, DType::kF32, dev));
-  RETURN_IF_ERROR(k->Embedding(dev.index, F(ft), id64.data<int64_t>(), F(out), id64.numel(), rows, h, row_offset));
-  return Back(out, table.dtype());
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(shape, type, dev));
+  RETURN_IF_ERROR(k->Embedding(dev.index, Elem(type), ft.raw_data(), id64.data<int64_t>(), out.raw_data(),
+                               id64.numel(), rows, h, row_offset));
+  return out;
 }
 
 absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t rows, int64_t row_offset) {
@@ -785,11 +788,14 @@ absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, in
                                                    " for dy on ", dev.ToString()));
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
-  ASSIGN_OR_RETURN(Tensor fd, AsF32(dy, "embedding_backward"));
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({rows, h}, DType::kF32, dev));
+  // dy read and the gradient written in dy's dtype (each sum in double,
+  // rounded to f32 and then to the dtype, as an f32 gradient converted).
+  ASSIGN_OR_RETURN(const DType type, KernelType(dy, "embedding_backward"));
+  ASSIGN_OR_RETURN(Tensor fd, AsFloat(dy, type, "embedding_backward"));
+  ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({rows, h}, type, dev));
   // The tokens grouped by their row (a counting sort), in token order within
   // a row: both twins sum each row's tokens in that order, without atomics.
-  if (rows == 0 || h == 0) return Back(out, dy.dtype());
+  if (rows == 0 || h == 0) return out;
   const std::vector<int64_t> idv = ids.ToInt64s();
   const auto in_shard = [&](int64_t id) { return id >= row_offset && id < row_offset + rows; };
   std::vector<int64_t> start(rows + 1, 0);
@@ -808,8 +814,9 @@ absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, in
     seg_starts.push_back(start[r]);
   }
   seg_starts.push_back(start[rows]);
-  RETURN_IF_ERROR(k->EmbeddingBackward(dev.index, F(fd), seg_rows, seg_starts, tokens, F(out), rows, h));
-  return Back(out, dy.dtype());
+  RETURN_IF_ERROR(k->EmbeddingBackward(dev.index, Elem(type), fd.raw_data(), seg_rows, seg_starts, tokens,
+                                       out.raw_data(), rows, h));
+  return out;
 }
 
 namespace {
