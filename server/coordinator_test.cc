@@ -213,7 +213,7 @@ TEST_F(CoordinatorTest, SubmitRefusesModelsNoWorkerCanHold) {
   auto refused = client_->SubmitJob(spec);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(refused.status().message(),
-                                "spec.model: this job needs at least 11.69 GiB per rank (1557611200 parameters, 779894400 "
+                                "spec.model: this job needs at least 11.68 GiB per rank (1557611200 parameters, 779894400 "
                                 "on the fullest rank: 1.45 GiB of parameters, 1.45 GiB of gradients, 8.72 GiB of optimizer "
                                 "state, 0.06 GiB of activations), and the largest of the 2 registered workers has 8.00 GiB"))
       << refused.status();

@@ -1001,15 +1001,18 @@ absl::StatusOr<int64_t> MicroBatchActivations(const StageContext& c, const JobPl
   // heads are a view of it), the rotated q and k where the family rotates
   // them, and the kernel's operands: the per-head GEMMs' heads-first f32 q,
   // k and v, or the fused kernel's contiguous copies of strided ones (a
-  // packed projection's views; contiguous operands are the tensors
-  // themselves) and each query row's log-sum-exp (below).
+  // packed projection's views whose rows are not 16-byte aligned:
+  // ops::AttentionReadsInPlace; the kernels read aligned views, and
+  // contiguous operands, as they are) and each query row's log-sum-exp
+  // (below).
   const int64_t hd = config.head_dim(), kv_heads = config.num_kv_heads;
   const int64_t rotated = config.rotary() ? 1 : 0;
   const bool fused = c.device == PlanDevice::kCuda && hd <= kPlanMaxFusedHeadDim;
+  const bool copied = config.packed_qkv() && hd * act % 16 != 0;  // the slices' rows and starts
   CheckedSum attention_row;
   attention_row.Add({1 + rotated, heads, hd, act});
   attention_row.Add({rotated, kv_heads, hd, act});
-  if (!fused || config.packed_qkv()) {
+  if (!fused || copied) {
     const int64_t bytes = fused ? act : 4;
     attention_row.Add({heads, hd, bytes});
     attention_row.Add({2, kv_heads, hd, bytes});

@@ -113,12 +113,16 @@ TEST_F(CudaLayerOps, HalfEmbeddingsCopyRowsAndRoundEachGradientOnce) {
 #endif
       const Tensor got = *Embedding(gpu ? Dev(table) : table, ids, 4, true);
 #ifdef COLOD_CUDA_EMULATION
-      if (gpu) EXPECT_EQ(colod_cuda_emu::GetCounters().kernel_launches - before, 1u) << what;
+      if (gpu) {
+        EXPECT_EQ(colod_cuda_emu::GetCounters().kernel_launches - before, 1u) << what;
+      }
       const uint64_t before_grad = colod_cuda_emu::GetCounters().kernel_launches;
 #endif
       const Tensor grad = *EmbeddingBackward(gpu ? Dev(dy) : dy, ids, 40, 4);
 #ifdef COLOD_CUDA_EMULATION
-      if (gpu) EXPECT_EQ(colod_cuda_emu::GetCounters().kernel_launches - before_grad, 1u) << what;
+      if (gpu) {
+        EXPECT_EQ(colod_cuda_emu::GetCounters().kernel_launches - before_grad, 1u) << what;
+      }
 #endif
       EXPECT_EQ(got.dtype(), t) << what;
       EXPECT_EQ(grad.dtype(), t) << what;
