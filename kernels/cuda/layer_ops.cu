@@ -2872,7 +2872,7 @@ absl::Status EmbeddingBackward(int device, ElemType type, const void* dy, const 
   if (type != ElemType::kF32 && type != ElemType::kBF16 && type != ElemType::kF16) {
     return absl::InvalidArgumentError("EmbeddingBackward: float types only");
   }
-  const size_t size = type == ElemType::kF32 ? sizeof(float) : sizeof(uint16_t);
+  const size_t size = static_cast<size_t>(ElemSize(type));
   RETURN_IF(CudaCheck(cudaMemsetAsync(dtable, 0, rows * h * size, stream), "cudaMemsetAsync"));  // 0.0 in each
   if (segments == 0) return Finish("EmbeddingBackward");
   // The three index arrays in one stream-ordered allocation, uploaded in
