@@ -567,6 +567,155 @@ __global__ void RmsNormBackwardWarpKernel(const T* dy, const T* x, const T* g, c
 
 #undef WARP_ROWS
 
+// ---- A norm's backward with its parameter gradients, in one kernel ----
+// LayerNormBackwardWarpKernel's (kLayer) or RmsNormBackwardWarpKernel's dx,
+// row by row with the same arithmetic, and in the same pass over dy and x
+// the terms of dgamma (dy * xhat) and dbeta (dy) that NormParamGradKernel
+// would read both again for: GPT-2 124M's [8192, 768] bf16 is 25 MB a norm.
+// Block b owns the rows [b * chunk_rows, ...) and its warp w their rows w,
+// w + kWarpRows, ...; lane l holds the sums of its packs l, l + 32, ... (at
+// most kLanePacks: registers), over its warp's rows in f32. The block adds
+// its warps' sums in warp order (double), and with one block those are the
+// totals. Otherwise each block writes its sums to scratch (f32), blocks come
+// in groups of scratch.group, the last of a group to finish (a counter) adds
+// its group's in block order, and the last group to finish adds the groups'
+// in group order and writes dgamma and dbeta (double, rounded to T once).
+// Every column's sum runs in an order fixed by the shape alone: the bits
+// repeat, whichever block finishes last.
+struct FoldedNormScratch {
+  float* partials = nullptr;     // [blocks, values, n]
+  double* group_sums = nullptr;  // [groups, values, n]
+  unsigned* done = nullptr;      // [groups + 1]: each group's finished blocks, then the finished groups
+  int64_t group = 1;             // blocks a group
+};
+
+// Whether this block is the last of `count` to reach the counter: its
+// writes before and the others' after are visible (fences). Every thread of
+// the block calls it; `flag` is in shared memory.
+__device__ bool LastToFinish(unsigned* counter, int64_t count, unsigned* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1u) == static_cast<unsigned>(count - 1) ? 1u : 0u;
+  __syncthreads();
+  const bool last = *flag != 0;
+  if (last) __threadfence();
+  return last;
+}
+
+template <typename T, bool kLayer, int kLanePacks>
+__global__ void __launch_bounds__(kThreads, 2)
+    NormBackwardFoldedKernel(const T* dy, const T* x, const T* g, const float* mean, const float* rstd, const T* acc,
+                             T* dx, T* dg, T* db, int64_t rows, int64_t n, int64_t chunk_rows,
+                             FoldedNormScratch scratch) {
+  constexpr int kP = kPack<T>;
+  constexpr int kV = kLayer ? 2 : 1;
+  // Dynamic shared memory (FoldedNormShared): a flag, then [kV, n] sums.
+  unsigned* flag = reinterpret_cast<unsigned*>(DynamicShared());
+  double* shared = reinterpret_cast<double*>(DynamicShared() + 16);
+  const int64_t packs = n / kP;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float s[kV][kLanePacks][kP] = {};
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * chunk_rows;
+  const int64_t r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+  for (int64_t r = r0 + warp; r < r1; r += kWarpRows) {
+    const float m = kLayer ? mean[r] : 0.0f, rs = rstd[r];
+    float a = 0, c = 0;
+#pragma unroll
+    for (int k = 0; k < kLanePacks; ++k) {
+      const int64_t p = lane + 32 * k;
+      if (p >= packs) continue;
+      float dyv[kP], xv[kP], gv[kP];
+      LoadBackwardPacks(dy, x, g, r, n, p, dyv, xv, gv);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) {
+        if constexpr (kLayer) {
+          const float xhat = (xv[e] - m) * rs, dxhat = dyv[e] * gv[e];
+          a += dxhat;
+          c += dxhat * xhat;
+        } else {
+          c += dyv[e] * gv[e] * xv[e];
+        }
+      }
+    }
+    if constexpr (kLayer) {
+      a = WarpSum(a) / n;
+      c = WarpSum(c) / n;
+    } else {
+      c = WarpSum(c) / n * rs * rs;
+    }
+#pragma unroll
+    for (int k = 0; k < kLanePacks; ++k) {
+      const int64_t p = lane + 32 * k;
+      if (p >= packs) continue;
+      float dyv[kP], xv[kP], gv[kP], out[kP];
+      LoadBackwardPacks(dy, x, g, r, n, p, dyv, xv, gv);
+#pragma unroll
+      for (int e = 0; e < kP; ++e) {
+        const float xhat = (xv[e] - m) * rs;
+        if constexpr (kLayer) {
+          out[e] = rs * (dyv[e] * gv[e] - a - xhat * c);
+          s[1][k][e] += dyv[e];
+        } else {
+          out[e] = rs * (dyv[e] * gv[e] - xv[e] * c);
+        }
+        s[0][k][e] += dyv[e] * xhat;
+      }
+      StoreFoldedPack(acc, dx, r, n, p, out);
+    }
+  }
+  // The block's sums: its warps' in warp order.
+  for (int w = 0; w < kWarpRows; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int v = 0; v < kV; ++v) {
+#pragma unroll
+        for (int k = 0; k < kLanePacks; ++k) {
+          const int64_t p = lane + 32 * k;
+          if (p >= packs) continue;
+#pragma unroll
+          for (int e = 0; e < kP; ++e) {
+            double& t = shared[v * n + p * kP + e];
+            t = (w == 0 ? 0.0 : t) + s[v][k][e];
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const int64_t cols = kV * n, blocks = gridDim.x;
+  auto put = [&](int64_t c, double total) {  // column c of [dgamma | dbeta]
+    const T v = FromF32<T>(static_cast<float>(total));
+    if (c < n) {
+      dg[c] = v;
+    } else if (db != nullptr) {
+      db[c - n] = v;
+    }
+  };
+  if (blocks == 1) {
+    for (int64_t c = threadIdx.x; c < cols; c += kThreads) put(c, shared[c]);
+    return;
+  }
+  float* mine = scratch.partials + blockIdx.x * cols;
+  for (int64_t c = threadIdx.x; c < cols; c += kThreads) mine[c] = static_cast<float>(shared[c]);
+  const int64_t group = blockIdx.x / scratch.group, groups = (blocks + scratch.group - 1) / scratch.group;
+  const int64_t first = group * scratch.group;
+  const int64_t members = first + scratch.group < blocks ? scratch.group : blocks - first;
+  if (!LastToFinish(&scratch.done[group], members, flag)) return;
+  const volatile float* parts = scratch.partials;  // written by other blocks: not from a stale cache
+  for (int64_t c = threadIdx.x; c < cols; c += kThreads) {
+    double t = 0;
+    for (int64_t b = first; b < first + members; ++b) t += parts[b * cols + c];
+    scratch.group_sums[group * cols + c] = t;
+  }
+  if (!LastToFinish(&scratch.done[groups], groups, flag)) return;
+  const volatile double* sums = scratch.group_sums;
+  for (int64_t c = threadIdx.x; c < cols; c += kThreads) {
+    double t = 0;
+    for (int64_t q = 0; q < groups; ++q) t += sums[q * cols + c];
+    put(c, t);
+  }
+}
+
 // dgamma[j] = sum_r dy * xhat, dbeta[j] = sum_r dy (xhat from mean/rstd, or
 // x * rstd for RMSNorm when mean is null); columns split as ColumnSumKernel.
 template <typename T, typename G, int kP>
@@ -2699,6 +2848,73 @@ absl::Status LayerNorm(int device, ElemType type, const void* x, const void* res
   });
 }
 
+// NormBackwardFoldedKernel's dynamic shared memory: at most 16 KiB and 16
+// bytes (n <= 1024 for LayerNorm's two sums, 2048 for RMSNorm's one).
+size_t FoldedNormShared(int64_t values, int64_t n) { return 16 + static_cast<size_t>(values * n) * sizeof(double); }
+
+// NormBackwardFoldedKernel's rows a block (4 a warp) and its most blocks
+// (rows beyond give a block more; the second level's groups are then 32).
+constexpr int64_t kFoldedChunkRows = 4 * kWarpRows;
+constexpr int64_t kFoldedMaxBlocks = 1024;
+
+// Runs NormBackwardFoldedKernel (kLayer: LayerNorm's, else RMSNorm's) and
+// returns true where a row's packs fit its lanes' registers (n / kPack<T>
+// at most 32 x 4 for LayerNorm, 32 x 8 for RMSNorm: GPT-2's and LLaMA 1B's
+// bf16 rows), with its scratch allocated and the counters zeroed before,
+// and freed after it in stream order; false, launching nothing, where they
+// do not. dx, dy, x and g are packable; acc is packable or null.
+template <typename T, bool kLayer>
+absl::StatusOr<bool> FoldedNormBackward(cudaStream_t stream, const void* dy, const void* x, const void* g,
+                                        const float* mean, const float* rstd, const T* acc, void* dx, void* dg,
+                                        void* db, int64_t rows, int64_t n) {
+  constexpr int64_t kMaxLanePacks = kLayer ? 4 : 8;
+  const int64_t lane_packs = (n / kPack<T> + 31) / 32;
+  if (lane_packs > kMaxLanePacks) return false;
+  int64_t chunk = kFoldedChunkRows;
+  if (rows > chunk * kFoldedMaxBlocks) chunk = (rows + kFoldedMaxBlocks - 1) / kFoldedMaxBlocks;
+  const int64_t blocks = rows <= chunk ? 1 : (rows + chunk - 1) / chunk;
+  FoldedNormScratch scratch;
+  void* buffer = nullptr;
+  if (blocks > 1) {
+    while (scratch.group * scratch.group < blocks) ++scratch.group;
+    const int64_t groups = (blocks + scratch.group - 1) / scratch.group;
+    const int64_t cols = (kLayer ? 2 : 1) * n;  // n <= 2048: no overflow below
+    const size_t sums = static_cast<size_t>(groups * cols) * sizeof(double);
+    const size_t parts = (static_cast<size_t>(blocks * cols) * sizeof(float) + 7) / 8 * 8;
+    const size_t done = static_cast<size_t>(groups + 1) * sizeof(unsigned);
+    RETURN_IF(CudaCheck(cudaMallocAsync(&buffer, sums + parts + done, stream), "cudaMallocAsync"));
+    char* base = static_cast<char*>(buffer);
+    scratch.group_sums = reinterpret_cast<double*>(base);
+    scratch.partials = reinterpret_cast<float*>(base + sums);
+    scratch.done = reinterpret_cast<unsigned*>(base + sums + parts);
+    if (absl::Status s = CudaCheck(cudaMemsetAsync(scratch.done, 0, done, stream), "cudaMemsetAsync"); !s.ok()) {
+      cudaFreeAsync(buffer, stream);
+      return s;
+    }
+  }
+  auto launch = [&](auto lane_packs_c) {
+    LaunchShared(NormBackwardFoldedKernel<T, kLayer, decltype(lane_packs_c)::value>, static_cast<unsigned>(blocks),
+                 kThreads, FoldedNormShared(kLayer ? 2 : 1, n), stream, static_cast<const T*>(dy),
+                 static_cast<const T*>(x), static_cast<const T*>(g), mean, rstd, acc, static_cast<T*>(dx),
+                 static_cast<T*>(dg), static_cast<T*>(db), rows, n, chunk, scratch);
+  };
+  if (lane_packs <= 1) {
+    launch(std::integral_constant<int, 1>{});
+  } else if (lane_packs <= 2) {
+    launch(std::integral_constant<int, 2>{});
+  } else if (lane_packs <= 3) {  // GPT-2's 768 in bf16: fewer registers than 4
+    launch(std::integral_constant<int, 3>{});
+  } else if (lane_packs <= 4) {
+    launch(std::integral_constant<int, 4>{});
+  } else if constexpr (!kLayer) {
+    launch(std::integral_constant<int, 8>{});
+  }
+  absl::Status s = Finish("NormBackwardFoldedKernel");
+  if (buffer != nullptr) cudaFreeAsync(buffer, stream);  // after the kernel, in stream order
+  if (!s.ok()) return s;
+  return true;
+}
+
 absl::Status LayerNormBackward(int device, ElemType type, const void* dy, const void* x, const void* g,
                                const float* mean, const float* rstd, const void* acc, void* dx, void* dg, void* db,
                                int64_t rows, int64_t n) {
@@ -2707,11 +2923,18 @@ absl::Status LayerNormBackward(int device, ElemType type, const void* dy, const 
     using T = decltype(t);
     if (Packable<T>(n, {dy, x, g, dx})) {  // the kernel the unfolded backward runs
       const bool in_pass = Packable<T>(n, {acc});
-      Launch(LayerNormBackwardWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(dy),
-             static_cast<const T*>(x), static_cast<const T*>(g), mean, rstd,
-             static_cast<const T*>(in_pass ? acc : nullptr), static_cast<T*>(dx), rows, n);
-      RETURN_IF(Finish("LayerNormBackwardWarpKernel"));
+      const T* pass_acc = static_cast<const T*>(in_pass ? acc : nullptr);
+      absl::StatusOr<bool> folded =
+          FoldedNormBackward<T, true>(stream, dy, x, g, mean, rstd, pass_acc, dx, dg, db, rows, n);
+      if (!folded.ok()) return folded.status();
+      if (!*folded) {
+        Launch(LayerNormBackwardWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(dy),
+               static_cast<const T*>(x), static_cast<const T*>(g), mean, rstd, pass_acc, static_cast<T*>(dx), rows,
+               n);
+        RETURN_IF(Finish("LayerNormBackwardWarpKernel"));
+      }
       if (!in_pass) RETURN_IF(Binary(device, BinaryOp::kAdd, type, acc, dx, dx, rows * n));  // a misaligned acc
+      if (*folded) return absl::OkStatus();
     } else {
       Launch(LayerNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g),
              mean, rstd, InOf<T>(acc), OutOf<T>(dx), rows, n);
@@ -2750,11 +2973,17 @@ absl::Status RmsNormBackward(int device, ElemType type, const void* dy, const vo
     using T = decltype(t);
     if (Packable<T>(n, {dy, x, g, dx})) {  // the kernel the unfolded backward runs
       const bool in_pass = Packable<T>(n, {acc});
-      Launch(RmsNormBackwardWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(dy),
-             static_cast<const T*>(x), static_cast<const T*>(g), rstd, static_cast<const T*>(in_pass ? acc : nullptr),
-             static_cast<T*>(dx), rows, n);
-      RETURN_IF(Finish("RmsNormBackwardWarpKernel"));
+      const T* pass_acc = static_cast<const T*>(in_pass ? acc : nullptr);
+      absl::StatusOr<bool> folded =
+          FoldedNormBackward<T, false>(stream, dy, x, g, nullptr, rstd, pass_acc, dx, dg, nullptr, rows, n);
+      if (!folded.ok()) return folded.status();
+      if (!*folded) {
+        Launch(RmsNormBackwardWarpKernel<T>, WarpRowBlocks(rows), kThreads, stream, static_cast<const T*>(dy),
+               static_cast<const T*>(x), static_cast<const T*>(g), rstd, pass_acc, static_cast<T*>(dx), rows, n);
+        RETURN_IF(Finish("RmsNormBackwardWarpKernel"));
+      }
       if (!in_pass) RETURN_IF(Binary(device, BinaryOp::kAdd, type, acc, dx, dx, rows * n));  // a misaligned acc
+      if (*folded) return absl::OkStatus();
     } else {
       Launch(RmsNormBackwardKernel<T>, RowBlocks(rows), kThreads, stream, InOf<T>(dy), InOf<T>(x), InOf<T>(g), rstd,
              InOf<T>(acc), OutOf<T>(dx), rows, n);

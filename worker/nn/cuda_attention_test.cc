@@ -651,6 +651,45 @@ TEST(CudaAttentionLaunches, PackedQkvGradientIsOneBufferNotThreeAdded) {
   }
 }
 
+// q, k and v the kernels cannot read in place (transposed views of [B, H,
+// S, D]) are copied once, in the forward, and the node keeps the copies:
+// its backward launches what it does over contiguous q, k and v, and gives
+// the same values, bit for bit (S = 40 is one key block, so dq's atomic
+// adds come from one block).
+TEST(CudaAttentionLaunches, ViewsCopiedForTheForwardAreNotCopiedAgainForTheBackward) {
+  if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(t));
+    const Device dev = Device::Cuda(0);
+    const Tensor dout = *Tensor::RandomNormal({2, 40, 4, 64}, 6, t, dev);
+    Variable views[3], plain[3];
+    for (int i = 0; i < 3; ++i) {
+      const Tensor heads_first = *Tensor::RandomNormal({2, 4, 40, 64}, 7 + i, t, dev);
+      views[i] = Variable(*heads_first.Transpose(1, 2), true);
+      plain[i] = Variable(views[i].value().Contiguous(), true);
+    }
+    ASSERT_FALSE(ops::AttentionReadsInPlace(views[0].value()));
+    uint64_t forward[2], backward[2];
+    Tensor outs[2];
+    for (int contiguous = 0; contiguous < 2; ++contiguous) {
+      Variable* in = contiguous == 1 ? plain : views;
+      const uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
+      absl::StatusOr<Variable> out = CausalAttention(in[0], in[1], in[2], 0.125f);
+      ASSERT_TRUE(out.ok()) << out.status();
+      forward[contiguous] = colod_cuda_emu::GetCounters().kernel_launches - before;
+      outs[contiguous] = out->value();
+      const uint64_t before_backward = colod_cuda_emu::GetCounters().kernel_launches;
+      ASSERT_TRUE(Backward(*out, dout).ok());
+      backward[contiguous] = colod_cuda_emu::GetCounters().kernel_launches - before_backward;
+    }
+    EXPECT_EQ(forward[1], 1u);
+    EXPECT_EQ(forward[0], 4u) << "q, k and v copied, then the kernel";
+    EXPECT_EQ(backward[0], backward[1]) << "the forward's copies kept, not made again";
+    EXPECT_EQ(outs[0].ToBytes(), outs[1].ToBytes());
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(views[i].grad()->ToBytes(), plain[i].grad()->ToBytes()) << i;
+  }
+}
+
 // bf16 and f16 at head dims 64, 80, 96 and 128 compute on the tensor-core path:
 // every product by mma.sync: per warp, row tile of 16 and 64-key tile,
 // (d / 16) * 8 for S = Q K^T (16 x 64) and as many for P V (16 x d), 4
