@@ -2849,7 +2849,8 @@ absl::Status LayerNorm(int device, ElemType type, const void* x, const void* res
 }
 
 // NormBackwardFoldedKernel's dynamic shared memory: at most 16 KiB and 16
-// bytes (n <= 1024 for LayerNorm's two sums, 2048 for RMSNorm's one).
+// bytes (n <= 1024 for LayerNorm's two sums, 2048 for RMSNorm's one:
+// FoldedNormBackward).
 size_t FoldedNormShared(int64_t values, int64_t n) { return 16 + static_cast<size_t>(values * n) * sizeof(double); }
 
 // NormBackwardFoldedKernel's rows a block (4 a warp) and its most blocks
@@ -2858,16 +2859,17 @@ constexpr int64_t kFoldedChunkRows = 4 * kWarpRows;
 constexpr int64_t kFoldedMaxBlocks = 1024;
 
 // Runs NormBackwardFoldedKernel (kLayer: LayerNorm's, else RMSNorm's) and
-// returns true where a row's packs fit its lanes' registers (n / kPack<T>
-// at most 32 x 4 for LayerNorm, 32 x 8 for RMSNorm: GPT-2's and LLaMA 1B's
-// bf16 rows), with its scratch allocated and the counters zeroed before,
-// and freed after it in stream order; false, launching nothing, where they
-// do not. dx, dy, x and g are packable; acc is packable or null.
+// returns true where a row's sums fit its lanes' registers, 64 f32 a lane
+// (LayerNorm's two sums of rows up to 1024 elements, RMSNorm's one of rows
+// up to 2048, in any type: GPT-2's and LLaMA 1B's rows), with its scratch
+// allocated and the counters zeroed before, and freed after it in stream
+// order; false, launching nothing, where they do not. dx, dy, x and g are
+// packable; acc is packable or null.
 template <typename T, bool kLayer>
 absl::StatusOr<bool> FoldedNormBackward(cudaStream_t stream, const void* dy, const void* x, const void* g,
                                         const float* mean, const float* rstd, const T* acc, void* dx, void* dg,
                                         void* db, int64_t rows, int64_t n) {
-  constexpr int64_t kMaxLanePacks = kLayer ? 4 : 8;
+  constexpr int64_t kMaxLanePacks = 64 / ((kLayer ? 2 : 1) * kPack<T>);  // 4, 8 or 16
   const int64_t lane_packs = (n / kPack<T> + 31) / 32;
   if (lane_packs > kMaxLanePacks) return false;
   int64_t chunk = kFoldedChunkRows;
@@ -2906,8 +2908,12 @@ absl::StatusOr<bool> FoldedNormBackward(cudaStream_t stream, const void* dy, con
     launch(std::integral_constant<int, 3>{});
   } else if (lane_packs <= 4) {
     launch(std::integral_constant<int, 4>{});
-  } else if constexpr (!kLayer) {
-    launch(std::integral_constant<int, 8>{});
+  } else if constexpr (kMaxLanePacks >= 8) {
+    if (lane_packs <= 8) {
+      launch(std::integral_constant<int, 8>{});
+    } else if constexpr (kMaxLanePacks >= 16) {
+      launch(std::integral_constant<int, 16>{});
+    }
   }
   absl::Status s = Finish("NormBackwardFoldedKernel");
   if (buffer != nullptr) cudaFreeAsync(buffer, stream);  // after the kernel, in stream order
@@ -3122,12 +3128,13 @@ absl::Status EmbeddingBackward(int device, ElemType type, const void* dy, const 
   cudaError_t e = uploaded.ok() ? cudaSuccess : cudaErrorUnknown;
   absl::Status typed;
   if (e == cudaSuccess) {
-    typed = ByFloatType(type, "EmbeddingBackward", [&](auto t) {
+    // Update, not =: nvcc warns that operator='s Status& result goes unused.
+    typed.Update(ByFloatType(type, "EmbeddingBackward", [&](auto t) {
       using T = decltype(t);
       e = Launch(EmbeddingBackwardKernel<T>, Blocks(segments * h), kThreads, stream, InOf<T>(dy), d_rows, d_starts,
                  d_tokens, segments, h, OutOf<T>(dtable));
       return absl::OkStatus();
-    });
+    }));
   }
   cudaFreeAsync(index, stream);  // after the kernel, in stream order
   RETURN_IF(uploaded);

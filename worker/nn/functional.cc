@@ -472,6 +472,7 @@ absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, co
   // the forward and the backward.
   const Tensor qf = ops::AttentionReadsInPlace(q.value()) ? q.value() : q.value().Contiguous();
   const bool kv_in_place = ops::AttentionReadsInPlace(k.value()) && ops::AttentionReadsInPlace(v.value()) &&
+                           k.value().dtype() == dtype && v.value().dtype() == dtype &&
                            k.value().strides()[1] == v.value().strides()[1] &&
                            k.value().strides()[2] == v.value().strides()[2];
   const Tensor kf = kv_in_place ? k.value() : k.value().Contiguous();

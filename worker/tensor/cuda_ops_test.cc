@@ -572,12 +572,15 @@ TEST_F(CudaLayerOps, NormBackwardsFoldTheResidualGradientWithTheAddsBits) {
 }
 
 // The norm backwards give dgamma and dbeta from the pass that gives dx
-// (NormBackwardFoldedKernel, layer_ops.cu) where a row's 16-byte packs fit
-// 4 a lane (LayerNorm) or 8 (RMSNorm): one launch. Rows go to blocks of 32:
-// one block (8 rows), 2 blocks in one group (40), 3 blocks in groups of 2
-// (70) and 10 in groups of 4 (300), the last group part full. Widths of 1,
-// 2, 3 (GPT-2's 768 in bf16), 4 and 8 (LLaMA 1B's 2048, RMSNorm) packs a
-// lane; LayerNorm at 2048 in bf16 is too wide and runs the row kernel and
+// (NormBackwardFoldedKernel, layer_ops.cu) where a row's sums fit 64 f32
+// registers a lane (LayerNorm's rows up to 1024, RMSNorm's up to 2048): one
+// launch. Rows go to blocks of 32: one block (8 rows), 2 blocks in one group
+// (40), 3 blocks in groups of 2 (70), 10 in groups of 4 (300), the last
+// group part full; past 32768 rows
+// a block takes rows / 1024 (33000: 1000 blocks of 33 in 32 groups; not in
+// the thread mode). Widths of 1, 2, 3 (GPT-2's 768 in bf16), 4, 8 (LLaMA
+// 1B's 2048 in bf16, RMSNorm; 768 in f32) and 16 (2048 in f32, RMSNorm)
+// packs a lane; LayerNorm at 2048 is too wide and runs the row kernel and
 // NormParamGrad's (2 launches). dx, dgamma and dbeta equal the CPU's and
 // repeat bitwise, and dgamma and dbeta equal NormParamGrad's over the same
 // row statistics within f32 rounding.
@@ -587,9 +590,14 @@ TEST_F(CudaLayerOps, NormBackwardsGiveTheParameterGradientsInTheSamePass) {
     int64_t rows, n;
     uint64_t ln_launches, rms_launches;
   };
-  for (const Case& c : {Case{DType::kF32, 300, 64, 1, 1}, Case{DType::kBF16, 70, 768, 1, 1},
-                        Case{DType::kBF16, 40, 2048, 2, 1}, Case{DType::kF16, 8, 136, 1, 1},
-                        Case{DType::kF32, 40, 200, 1, 1}, Case{DType::kF32, 8, 512, 1, 1}}) {
+  std::vector<Case> cases = {Case{DType::kF32, 300, 64, 1, 1},  Case{DType::kBF16, 70, 768, 1, 1},
+                             Case{DType::kBF16, 40, 2048, 2, 1}, Case{DType::kF16, 8, 136, 1, 1},
+                             Case{DType::kF32, 40, 200, 1, 1},   Case{DType::kF32, 8, 512, 1, 1},
+                             Case{DType::kF32, 40, 768, 1, 1},   Case{DType::kF32, 8, 2048, 2, 1}};
+#ifndef COLOD_CUDA_EMU_THREADS  // 1000 blocks of 256 host threads would be slow there
+  cases.push_back(Case{DType::kF32, 33000, 8, 1, 1});
+#endif
+  for (const Case& c : cases) {
     SCOPED_TRACE(std::string(DTypeName(c.t)) + " " + std::to_string(c.rows) + " x " + std::to_string(c.n));
     auto in = [&](const Shape& shape, uint64_t seed) { return *R(shape, seed).ToDType(c.t); };
     const Tensor x = in({c.rows, c.n}, 91), dy = in({c.rows, c.n}, 92), g = in({c.n}, 93), b = in({c.n}, 94);
@@ -597,40 +605,42 @@ TEST_F(CudaLayerOps, NormBackwardsGiveTheParameterGradientsInTheSamePass) {
     const double tol = c.t == DType::kF32 ? 1e-4 : (c.t == DType::kBF16 ? 4.0 / 128 : 4.0 / 1024);
     // The parameter gradients are rounded to the type once: within 2 units.
     const double param_tol = c.t == DType::kF32 ? 1e-4 : (c.t == DType::kBF16 ? 2.0 / 128 : 2.0 / 1024);
-    const LayerNormResult ln = *LayerNorm(dx, dg, db, 1e-5f);
+    // The CPU's row statistics (no forward: its row kernel is slow in the
+    // emulation at 33000 rows).
+    const LayerNormResult cln = *LayerNorm(x, g, b, 1e-5f);
+    const Tensor mean = Dev(cln.mean), rstd = Dev(cln.rstd);
 #ifdef COLOD_CUDA_EMULATION
     uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
 #endif
-    const LayerNormGrads got = *LayerNormBackward(ddy, dx, dg, ln.mean, ln.rstd);
+    const LayerNormGrads got = *LayerNormBackward(ddy, dx, dg, mean, rstd);
 #ifdef COLOD_CUDA_EMULATION
     EXPECT_EQ(colod_cuda_emu::GetCounters().kernel_launches - before, c.ln_launches) << "layer_norm backward";
 #endif
-    const LayerNormGrads again = *LayerNormBackward(ddy, dx, dg, ln.mean, ln.rstd);
+    const LayerNormGrads again = *LayerNormBackward(ddy, dx, dg, mean, rstd);
     EXPECT_EQ(got.dx.ToBytes(), again.dx.ToBytes());
     EXPECT_EQ(got.dgamma.ToBytes(), again.dgamma.ToBytes());
     EXPECT_EQ(got.dbeta.ToBytes(), again.dbeta.ToBytes());
-    const LayerNormResult cln = *LayerNorm(x, g, b, 1e-5f);
     const LayerNormGrads want = *LayerNormBackward(dy, x, g, cln.mean, cln.rstd);
     ExpectNear(got.dx, want.dx, tol, "layer_norm dx");
     ExpectNear(got.dgamma, want.dgamma, param_tol, "layer_norm dgamma");
     ExpectNear(got.dbeta, want.dbeta, param_tol, "layer_norm dbeta");
-    const NormParamGrads two = *NormParamGrad(ddy, dx, ln.mean, ln.rstd, /*beta=*/true);
+    const NormParamGrads two = *NormParamGrad(ddy, dx, mean, rstd, /*beta=*/true);
     auto host = [](const Tensor& t) { return *Tensor::FromFloats(t.shape(), t.ToFloats()); };
     ExpectNear(got.dgamma, host(two.dgamma), param_tol, "layer_norm dgamma, NormParamGrad's");
     ExpectNear(got.dbeta, host(*two.dbeta), param_tol, "layer_norm dbeta, NormParamGrad's");
 
-    const RmsNormResult rn = *RmsNorm(dx, dg, 1e-6f);
+    const RmsNormResult crn = *RmsNorm(x, g, 1e-6f);
+    const Tensor rms_rstd = Dev(crn.rstd);
 #ifdef COLOD_CUDA_EMULATION
     before = colod_cuda_emu::GetCounters().kernel_launches;
 #endif
-    const RmsNormGrads rgot = *RmsNormBackward(ddy, dx, dg, rn.rstd);
+    const RmsNormGrads rgot = *RmsNormBackward(ddy, dx, dg, rms_rstd);
 #ifdef COLOD_CUDA_EMULATION
     EXPECT_EQ(colod_cuda_emu::GetCounters().kernel_launches - before, c.rms_launches) << "rms_norm backward";
 #endif
-    const RmsNormGrads ragain = *RmsNormBackward(ddy, dx, dg, rn.rstd);
+    const RmsNormGrads ragain = *RmsNormBackward(ddy, dx, dg, rms_rstd);
     EXPECT_EQ(rgot.dx.ToBytes(), ragain.dx.ToBytes());
     EXPECT_EQ(rgot.dgamma.ToBytes(), ragain.dgamma.ToBytes());
-    const RmsNormResult crn = *RmsNorm(x, g, 1e-6f);
     const RmsNormGrads rwant = *RmsNormBackward(dy, x, g, crn.rstd);
     ExpectNear(rgot.dx, rwant.dx, tol, "rms_norm dx");
     ExpectNear(rgot.dgamma, rwant.dgamma, param_tol, "rms_norm dgamma");
