@@ -39,7 +39,8 @@ grep -qE '^GPU \(cuda:0\) memory-bound kernels, bf16, 64 tokens \(copy bandwidth
   fail "bench:layers printed no memory-bound table" "$out"
 for row in "bias_add +\[64, 2304\]" "bias_gelu +\[64, 3072\]" "add \(residual\) +\[64, 768\]" "head_split +\[64, 768\]" \
   "bias_grad +\[64, 768\]" "bias_grad +\[64, 3072\]" "bias_gelu_backward +\[64, 3072\]" \
-  "norm_param_grad \(layer norm\) +\[64, 768\]"; do
+  "norm_param_grad \(layer norm\) +\[64, 768\]" "layer_norm_backward +\[64, 768\]" \
+  "rms_norm_backward +\[64, 2048\]"; do
   grep -qE "^$row +[0-9.]+ +[0-9]+ +[0-9.]+%$" <<<"$out" || fail "bench:layers printed no memory-bound row $row" "$out"
 done
 grep -qE '^GPU \(cuda:0\) LM head \+ cross-entropy, bf16, 256 tokens x 768 hidden x 1024 vocab' <<<"$out" ||

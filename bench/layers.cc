@@ -661,12 +661,12 @@ bool RunBandwidthRows(Device gpu, bool json) {
   // GPT-2 124M's shapes: the QKV projection's bias (2304), the MLP's bias
   // and GELU (3072), the residual add (768), the head split (one of Q, K, V
   // of [tokens, 3, 12, 64] heads first), the bias and norm gradients (the
-  // sharded norm's NormParamGrad alone; the unsharded norm's backward, dx
-  // with dgamma and dbeta in one pass).
+  // sharded norm's NormParamGrad alone; the unsharded norms' backward, dx
+  // with dgamma and dbeta in one pass, and RMSNorm's at LLaMA 1B's 2048).
   for (Row row : {Row{"bias_add", 2304}, Row{"bias_gelu", 3072}, Row{"add (residual)", 768},
                   Row{"head_split", 768}, Row{"bias_grad", 768}, Row{"bias_grad", 3072},
                   Row{"bias_gelu_backward", 3072}, Row{"norm_param_grad (layer norm)", 768},
-                  Row{"layer_norm_backward", 768}}) {
+                  Row{"layer_norm_backward", 768}, Row{"rms_norm_backward", 2048}}) {
     auto make = [&](const Shape& shape, uint64_t seed) { return Tensor::RandomNormal(shape, seed, DType::kBF16, gpu); };
     absl::StatusOr<Tensor> dy = make({rows, row.n}, 1), x = make({rows, row.n}, 2), b = make({row.n}, 3);
     absl::StatusOr<Tensor> mean = Tensor::RandomNormal({rows}, 4, DType::kF32, gpu);
@@ -706,6 +706,10 @@ bool RunBandwidthRows(Device gpu, bool json) {
       // dy, x read, dx written; mean, rstd; gamma read, dgamma and dbeta written in the same pass.
       bytes = elems * 2 * 3 + rows * 4.0 * 2 + row.n * 2.0 * 3;
       t = time([&]() -> absl::Status { return ops::LayerNormBackward(*dy, *x, *b, *mean, *rstd).status(); });
+    } else if (name == "rms_norm_backward") {
+      // LLaMA 1B's width: dy, x read, dx written; rstd; gamma read, dgamma written in the same pass.
+      bytes = elems * 2 * 3 + rows * 4.0 + row.n * 2.0 * 2;
+      t = time([&]() -> absl::Status { return ops::RmsNormBackward(*dy, *x, *b, *rstd).status(); });
     } else {
       bytes = elems * 2 * 2 + rows * 4.0 * 2 + row.n * 4.0 * 2;  // dy, x; mean, rstd; dgamma, dbeta (f32)
       t = time([&]() -> absl::Status { return ops::NormParamGrad(*dy, *x, *mean, *rstd, /*beta=*/true).status(); });
