@@ -332,17 +332,37 @@ NcclCommunicator::~NcclCommunicator() {
     comm_ = nullptr;
     if (error_.ok()) error_ = absl::FailedPreconditionError("nccl: the communicator was destroyed");
   }
-  // After an abort the handle is gone; otherwise finish outstanding work
-  // (finalize is non-blocking here) and destroy it.
+  // After an abort the handle is gone. Otherwise outstanding work may
+  // finish (finalize is non-blocking here) and the handle is destroyed, but
+  // only if it finished cleanly: work that reports an asynchronous error (a
+  // lost peer) or is still running at the deadline waits on the device for
+  // peers that may never come, and only an abort ends it. (Destroying it
+  // would leave the kernels, and here the stream, waiting for good; that is
+  // how a rank that failed on its own, before its job's abort reached it,
+  // once kept its worker busy forever.)
   if (comm != nullptr) {
-    ncclResult_t r = ncclCommFinalize(comm);
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    while ((r == ncclSuccess || r == ncclInProgress) && absl::Now() < deadline) {
-      ncclResult_t state = ncclSuccess;
-      if (ncclCommGetAsyncError(comm, &state) != ncclSuccess || state != ncclInProgress) break;
-      absl::SleepFor(absl::Milliseconds(1));
+    const ncclResult_t r = ncclCommFinalize(comm);
+    bool finished = false;
+    if (r == ncclSuccess || r == ncclInProgress) {
+      const absl::Time deadline = absl::Now() + std::min(options_.timeout, absl::Seconds(30));
+      for (;;) {
+        ncclResult_t state = ncclInternalError;
+        if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;
+        if (state != ncclInProgress) {
+          finished = state == ncclSuccess;
+          break;
+        }
+        // The deadline, or the job's abort (which no longer reaches a
+        // communicator its process group is destroying).
+        if (absl::Now() >= deadline || (options_.abort_signal != nullptr && options_.abort_signal->fired())) break;
+        absl::SleepFor(absl::Milliseconds(1));
+      }
     }
-    ncclCommDestroy(comm);
+    if (finished) {
+      ncclCommDestroy(comm);
+    } else {
+      ncclCommAbort(comm);
+    }
   }
   {
     absl::MutexLock lock(&mu_);

@@ -61,7 +61,10 @@ absl::Status NcclStatus(ncclResult_t r, const char* call, const char* file, int 
 // the rank, op, group and sequence number. No lock is held across a wait:
 // enqueues are ordered by `enqueue_mu_`, which Abort never takes, and the
 // NCCL handle is guarded by `mu_` only for the length of one non-blocking
-// call, so Abort always gets through.
+// call, so Abort always gets through. The destructor lets outstanding work
+// finish (up to the timeout, at most 30 s) and destroys the handle; it
+// aborts one whose work reports an error or is still running then, so a
+// collective that waits for a lost peer never outlives its communicator.
 class NcclCommunicator final : public Communicator {
  public:
   struct Options {

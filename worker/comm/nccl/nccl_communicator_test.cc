@@ -3,7 +3,9 @@
 // need one device per rank (the emulation has 4). Failure handling: a rank
 // that never enters a collective fails its peers with DEADLINE_EXCEEDED
 // within the timeout + 2 s, naming rank, op, group and sequence number; a
-// peer that never splits; SendRecv exchanges; AsyncError racing Abort.
+// peer that never splits; SendRecv exchanges; AsyncError racing Abort; a
+// communicator destroyed with a collective still waiting is aborted, never
+// left waiting.
 #include "worker/comm/nccl/nccl_communicator.h"
 
 #include <atomic>
@@ -11,7 +13,12 @@
 #include <thread>
 #include <vector>
 
+#if defined(COLOD_CUDA_EMULATION)
+#include <nccl_emu.h>
+#endif
+
 #include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/tensor_ops.h"
@@ -324,6 +331,115 @@ TEST_F(NcclRanks, APeerThatNeverSplitsFailsTheSplitAndAbortsTheParent) {
     EXPECT_FALSE(comm.AsyncError().ok());  // the parent is aborted
   });
 }
+
+// Destroys `comm` (device `device`) and waits for the device on a thread of
+// its own; false if they did not return within `limit` (the thread is then
+// left waiting, holding the communicator).
+bool DestroyAndSyncWithin(std::unique_ptr<NcclCommunicator> comm, int device, absl::Duration limit) {
+  auto done = std::make_shared<absl::Notification>();
+  std::thread([c = std::move(comm), device, done]() mutable {
+    c.reset();
+    cudaSetDevice(device);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    done->Notify();
+  }).detach();
+  return done->WaitForNotificationWithTimeout(limit);
+}
+
+// Two ranks after a collective together: rank 1 enqueues collective #2,
+// which rank 0 never enters, makes the device wait for it, and is destroyed
+// at once (no Abort: a rank that failed on its own and unwinds), with
+// `signal` (if any) as its abort signal, fired `fire_after` into the
+// destruction. Expects the destructor to return and the device to be idle
+// within `limit`.
+void DestroyWhileACollectiveWaits(absl::Duration timeout, std::shared_ptr<AbortSignal> signal,
+                                  absl::Duration fire_after, absl::Duration limit) {
+  InMemoryStore store;
+  absl::Notification rank1_done;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      NcclCommunicator::Options o;
+      o.device = r;
+      o.timeout = timeout;
+      if (r == 1) o.abort_signal = signal;
+      auto comm = NcclCommunicator::Create(store, r, 2, o);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      float* x = DeviceFloats({1.0f});
+      ASSERT_TRUE((*comm)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());  // #1: both
+      if (r == 0) {
+        // Never enters #2; destroyed (cleanly: nothing outstanding) once rank 1 was.
+        rank1_done.WaitForNotificationWithTimeout(kWait);
+        EXPECT_TRUE(DestroyAndSyncWithin(std::move(*comm), r, absl::Seconds(10)));
+        cudaFree(x);
+        return;
+      }
+      // #2, waited on the device (a Work waited on the host would abort it
+      // at the timeout itself).
+      ASSERT_TRUE((*comm)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait).ok());
+      const absl::Time start = absl::Now();
+      std::thread firer;
+      if (signal != nullptr) {
+        firer = std::thread([&] {
+          absl::SleepFor(fire_after);
+          signal->Abort(absl::CancelledError("the job was aborted"));
+        });
+      }
+      EXPECT_TRUE(DestroyAndSyncWithin(std::move(*comm), r, limit))
+          << "the destructor or the device still waits for collective #2 after "
+          << absl::FormatDuration(absl::Now() - start);
+      if (firer.joinable()) firer.join();
+      rank1_done.Notify();
+      cudaFree(x);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// The destructor gives outstanding work the timeout to finish, then aborts
+// it. Destroying the handle instead left the collective waiting on the
+// device, and the destructor with it.
+TEST_F(NcclRanks, ACommunicatorDestroyedWithACollectiveWaitingOnAPeerAbortsItAtTheTimeout) {
+  const absl::Duration timeout = absl::Seconds(2);
+  DestroyWhileACollectiveWaits(timeout, nullptr, absl::ZeroDuration(), timeout + absl::Seconds(3));
+}
+
+// The job's abort signal, fired while the destructor waits (its process
+// group no longer reaches the communicator), ends the wait at once.
+TEST_F(NcclRanks, TheJobsAbortEndsTheWaitOfACommunicatorBeingDestroyed) {
+  DestroyWhileACollectiveWaits(absl::Seconds(60), std::make_shared<AbortSignal>(), absl::Milliseconds(300),
+                               absl::Seconds(3));
+}
+
+#if defined(COLOD_CUDA_EMULATION)
+// The lost peer of a worker whose clique's process died, as the emulation
+// reports it (ncclRemoteError from ncclCommGetAsyncError, the collective
+// waiting until aborted): a communicator destroyed then is aborted at once,
+// without waiting for its timeout.
+TEST_F(NcclRanks, ACommunicatorDestroyedAfterAnAsyncErrorAbortsItAtOnce) {
+  colod_nccl_emu::SetFault({colod_nccl_emu::FaultKind::kError, /*rank=*/1, /*op=*/2, /*comm_size=*/2});
+  InMemoryStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      NcclCommunicator::Options o;
+      o.device = r;
+      o.timeout = absl::Seconds(20);
+      auto comm = NcclCommunicator::Create(store, r, 2, o);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      float* x = DeviceFloats({1.0f});
+      ASSERT_TRUE((*comm)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());  // #1: both
+      // #2 on rank 1 only: it reports the error and waits until aborted.
+      // Destroyed at once, so the watchdog cannot abort it first.
+      if (r == 1) ASSERT_TRUE((*comm)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait).ok());
+      EXPECT_TRUE(DestroyAndSyncWithin(std::move(*comm), r, absl::Seconds(5))) << "rank " << r;
+      cudaFree(x);
+    });
+  }
+  for (auto& t : threads) t.join();
+  colod_nccl_emu::SetFault({});
+}
+#endif
 
 TEST_F(NcclRanks, AbortAndAsyncErrorRaceSafely) {
   OnRanks(3, absl::Seconds(20), [&](int r, NcclCommunicator& comm) {
