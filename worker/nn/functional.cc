@@ -464,19 +464,13 @@ absl::StatusOr<Variable> FusedAttention(const Variable& q, const Variable& k, co
                                         bool causal, const ScoreBias& bias = {}, const PackedQkv* packed = nullptr) {
   const DType dtype = q.value().dtype();
   const Device dev = q.value().device();
-  // The kernels read f32, bf16 and f16 operands as they are, and views in
-  // place (the slices of packed q, k and v; ops::FusedAttention): those are
-  // kept for the backward as they are. A view the kernels would copy (a
-  // transposed or odd-strided one; k and v unless both read in place, laid
-  // out alike) is kept as its contiguous copy, made once here, not again by
-  // the forward and the backward.
-  const Tensor qf = ops::AttentionReadsInPlace(q.value()) ? q.value() : q.value().Contiguous();
-  const bool kv_in_place = ops::AttentionReadsInPlace(k.value()) && ops::AttentionReadsInPlace(v.value()) &&
-                           k.value().dtype() == dtype && v.value().dtype() == dtype &&
-                           k.value().strides()[1] == v.value().strides()[1] &&
-                           k.value().strides()[2] == v.value().strides()[2];
-  const Tensor kf = kv_in_place ? k.value() : k.value().Contiguous();
-  const Tensor vf = kv_in_place ? v.value() : v.value().Contiguous();
+  // What the kernels read (ops::AttentionInputs): views in place (the
+  // slices of packed q, k and v), else contiguous copies, made once here and
+  // kept for the backward, which copies nothing again.
+  ASSIGN_OR_RETURN(const ops::AttentionQkv in, ops::AttentionInputs(q.value(), k.value(), v.value()));
+  const Tensor& qf = in.q;
+  const Tensor& kf = in.k;
+  const Tensor& vf = in.v;
   ops::AttentionExtras extras;
   if (!bias.slopes.empty()) {
     ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({static_cast<int64_t>(bias.slopes.size())}, bias.slopes));

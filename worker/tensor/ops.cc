@@ -1053,6 +1053,17 @@ absl::Status AttentionOperands(const Tensor& q, const Tensor& k, const Tensor& v
   return absl::OkStatus();
 }
 
+}  // namespace
+
+absl::StatusOr<AttentionQkv> AttentionInputs(const Tensor& q, const Tensor& k, const Tensor& v) {
+  AttentionQkv in;
+  kernels::AttentionLayout layout;
+  RETURN_IF_ERROR(AttentionOperands(q, k, v, "fused_attention", in.q, in.k, in.v, layout));
+  return in;
+}
+
+namespace {
+
 // Where the backward's kernels can write a gradient into `place`
 // (AttentionGradPlaces) as they go, if they can: rows they write (HeadRowsOf)
 // that do not overlap. INVALID_ARGUMENT unless `place` has `shape` and

@@ -290,6 +290,15 @@ absl::StatusOr<AttentionForward> FusedAttention(const Tensor& q, const Tensor& k
 // (kernels::HeadRows; the tensor-core kernels stage rows 16 bytes at a time).
 // A slice of GPT-2's or BLOOM's packed q, k and v is; a transposed view is not.
 bool AttentionReadsInPlace(const Tensor& t);
+// q, k and v as FusedAttention and its backward give them to the kernels:
+// each as it is where the kernels read it in place (AttentionReadsInPlace;
+// k and v only together, laid out alike, in q's dtype), else a contiguous
+// copy in q's dtype. What an attention node keeps for its backward, which
+// then copies nothing again. INVALID_ARGUMENT as FusedAttention.
+struct AttentionQkv {
+  Tensor q, k, v;
+};
+absl::StatusOr<AttentionQkv> AttentionInputs(const Tensor& q, const Tensor& k, const Tensor& v);
 // The gradients (shaped like q, k and v, in the forward's dtype) from dout [B, S, Hq, D] and
 // the forward of the same q, k, v and extras, and the learned bias's (f32
 // [Hq, S, S]: the scores' gradients summed over the batch) where it has one.
