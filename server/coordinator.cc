@@ -72,6 +72,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
     return absl::InvalidArgumentError("--upload-quota must be >= 0 and --max-uploads >= 1");
   }
   if (options.upload_grace <= absl::ZeroDuration()) return absl::InvalidArgumentError("upload grace: must be > 0");
+  if (options.stop_grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--stop-grace: must be >= 0 (0 waits for every rank's end)");
+  }
   if (options.job_retention < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--job-retention: must be >= 0 (0 keeps every job)");
   }
@@ -123,6 +126,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   Scheduler::Options so;
   so.period = options.schedule_period;
   so.hang_threshold = options.hang_threshold;
+  so.stop_grace = options.stop_grace;
   so.clock = options.clock;
   so.auth_token = options.auth_token;
   ASSIGN_OR_RETURN(so.credentials, MakeChannelCredentials(options.tls));

@@ -66,6 +66,8 @@ class Coordinator {
     absl::Duration schedule_period = absl::Milliseconds(200);
     // Scheduler::Options::hang_threshold.
     absl::Duration hang_threshold = absl::Seconds(30);
+    // Scheduler::Options::stop_grace.
+    absl::Duration stop_grace = absl::Minutes(2);
     // Ended jobs older than this are deleted (JobManager::Expire), checked
     // about once a minute; zero keeps them all.
     absl::Duration job_retention = absl::Hours(7 * 24);

@@ -471,6 +471,12 @@ TEST(CoordinatorStart, RefusesASharedDataDirAndBadOptions) {
   bad_lease.lease_duration = absl::Seconds(1);
   bad_lease.heartbeat_interval = absl::Seconds(2);
   EXPECT_EQ(Coordinator::Start(bad_lease).status().code(), absl::StatusCode::kInvalidArgument);
+  Coordinator::Options bad_grace;
+  bad_grace.data_dir = testing::TempPath("bad_grace");
+  bad_grace.stop_grace = absl::Seconds(-1);
+  const absl::Status grace = Coordinator::Start(bad_grace).status();
+  EXPECT_EQ(grace.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(grace.message().find("--stop-grace"), absl::string_view::npos) << grace;
 }
 
 }  // namespace

@@ -26,6 +26,10 @@ ABSL_FLAG(absl::Duration, hang_threshold, absl::Seconds(30),
           "Ranks that wait in a collective this long are reported: a job event and the job's 'stalled' field "
           "name the group, the collective and the ranks that have not entered it. Keep it below the workers' "
           "--comm-timeout; 0 turns it off.");
+ABSL_FLAG(absl::Duration, stop_grace, absl::Minutes(2),
+          "A job's ranks are aborted when it ends or restarts, and it is released (or placed again) once they "
+          "ended; a rank still running this long after its abort, its worker heartbeating, is given up on "
+          "(logged) and its worker gets no other rank until it reports idle. 0 waits for every rank.");
 ABSL_FLAG(absl::Duration, job_retention, absl::Hours(7 * 24),
           "Jobs that ended longer ago than this are forgotten: their records, events and request ids "
           "(coloctl delete JOB does it at once). 0 keeps every job.");
@@ -77,6 +81,7 @@ int main(int argc, char** argv) {
   options.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.lease_duration = absl::GetFlag(FLAGS_lease_duration);
   options.hang_threshold = absl::GetFlag(FLAGS_hang_threshold);
+  options.stop_grace = absl::GetFlag(FLAGS_stop_grace);
   options.job_retention = absl::GetFlag(FLAGS_job_retention);
   options.max_watch_streams = absl::GetFlag(FLAGS_max_watch_streams);
   options.max_uploads = absl::GetFlag(FLAGS_max_uploads);

@@ -131,6 +131,7 @@ void Scheduler::Tick() {
         }
       }
     }
+    GiveUpOnStuckRanksLocked();
     ReleaseLocked();
     if (options_.hang_threshold > absl::ZeroDuration()) ReportHangsLocked(workers);
   }
@@ -527,9 +528,26 @@ bool Scheduler::TransitionLocked(Placed& p, PlacementState next) {
 
 void Scheduler::StopRanksLocked(Placed& p, PlacementState next, const std::string& reason, int except_rank) {
   if (!TransitionLocked(p, next)) return;
+  p.stopped_at = std::min(p.stopped_at, clock_->Now());  // a cancel after the end keeps the first
   store_->CancelScope(p.scope);  // ranks blocked in this generation's rendezvous are free at once
   supervisor_.StopRanks(p.job_id, p.generation, p.mesh, p.ended, except_rank, reason);
   wake_ = true;
+}
+
+void Scheduler::GiveUpOnStuckRanksLocked() {
+  if (options_.stop_grace <= absl::ZeroDuration()) return;
+  const absl::Time now = clock_->Now();
+  for (auto& [id, p] : placed_) {
+    if (!p.stopping() || now - p.stopped_at < options_.stop_grace) continue;
+    for (const v1::RankAssignment& a : p.mesh.ranks()) {
+      if (!p.ended.insert(a.rank()).second) continue;
+      p.gave_up = true;
+      COLOD_LOG(WARNING) << "job " << p.job_id << " generation " << p.generation << ": " << RankName(p.mesh, a.rank())
+                         << " has not reported its end " << absl::FormatDuration(options_.stop_grace)
+                         << " after its abort (--stop-grace): given up on; its worker gets no other rank until it "
+                            "reports idle";
+    }
+  }
 }
 
 void Scheduler::ReleaseLocked() {
@@ -537,6 +555,9 @@ void Scheduler::ReleaseLocked() {
     Placed& p = it->second;
     if (p.stopping() && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
       store_->DeleteScope(p.scope);
+      // A rank given up on may still run: its sets and waits fail CANCELLED
+      // rather than find the scope open again (one name kept a time).
+      if (p.gave_up) store_->CancelScope(p.scope);
       supervisor_.ForgetPlacement(p.job_id);
       if (p.state == PlacementState::kRequeueing) {
         COLOD_LOG(WARNING) << "job " << p.job_id << ": " << p.requeue_reason;

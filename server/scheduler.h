@@ -90,6 +90,16 @@ class Scheduler {
     // from the workers' heartbeats): once per group and collective, as a job
     // event. Zero: never.
     absl::Duration hang_threshold = absl::Seconds(30);
+    // A stopping placement (its job ended, or restarts) waits for its
+    // ranks' ends; a rank that has not ended this long after its abort, its
+    // worker still heartbeating, is given up on (logged, naming it): the
+    // placement is released without it, so the job ends or is placed again.
+    // Its worker, still busy with the rank, gets no other until it reports
+    // idle; its generation's rendezvous scope stays cancelled. A safety net:
+    // an abort ends a healthy rank within seconds (an NCCL communicator being
+    // destroyed waits at most 30 s, and not at all once the job's abort
+    // reached its worker). Zero: never.
+    absl::Duration stop_grace = absl::Minutes(2);
   };
 
   // The pointed-to objects must outlive the scheduler.
@@ -148,6 +158,9 @@ class Scheduler {
     std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)
     std::set<int> ended;          // ranks that reported their end (or were lost)
     PlacementState state = PlacementState::kRunning;  // changed by TransitionLocked only
+    // Some rank was given up on (Options::stop_grace): its generation's
+    // rendezvous scope stays cancelled once released.
+    bool gave_up = false;
     // Whether the placement is over (its ranks are being stopped): ending,
     // requeueing or restarting.
     bool stopping() const { return state != PlacementState::kRunning && state != PlacementState::kProbing; }
@@ -161,6 +174,8 @@ class Scheduler {
     std::string requeue_reason;
     // The failed rank's error code (for IsRetryableRankError).
     absl::StatusCode failure_code = absl::StatusCode::kUnknown;
+    // When the placement began stopping (its ranks' aborts; Options::stop_grace).
+    absl::Time stopped_at = absl::InfiniteFuture();
   };
   void Loop();
   void Tick();
@@ -192,6 +207,9 @@ class Scheduler {
   // Drops placements whose every rank ended, releasing their workers (and
   // putting a job placed again back in the queue).
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts as ended the ranks of stopping placements that did not end
+  // within Options::stop_grace of their abort.
+  void GiveUpOnStuckRanksLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records, as job events, the hangs of running placements not reported
   // before (RankSupervisor::NewHangs over `workers`' last heartbeats).
   void ReportHangsLocked(const std::vector<v1::Worker>& workers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

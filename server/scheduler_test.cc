@@ -153,6 +153,25 @@ class SchedulerTest : public ::testing::Test {
     registry_.Sweep();
   }
 
+  // On 3 workers with `stop_grace`: a tp=2 job that may restart once runs,
+  // its rank 1 fails; it is RESTARTING and rank 0's abort went out.
+  void RestartingJob(absl::Duration stop_grace, std::string* id) {
+    Scheduler::Options o;
+    o.stop_grace = stop_grace;
+    Start(3, o);
+    v1::JobSpec spec = TrainSpec(2, 1);
+    spec.mutable_restart()->set_max_restarts(1);
+    auto job = jobs_->Submit(spec, "");
+    ASSERT_TRUE(job.ok()) << job.status();
+    *id = job->job_id();
+    scheduler_->TickForTest();
+    Training(*id);
+    Ended(*id, 1, absl::StatusCode::kUnavailable, "connection reset");
+    scheduler_->TickForTest();  // sends rank 0's abort
+    ASSERT_EQ(Job(*id).state(), v1::JOB_STATE_RESTARTING);
+    ASSERT_EQ(fake_->aborted.size(), 1u);
+  }
+
   FakeClock clock_;
   WorkerRegistry registry_;
   std::unique_ptr<JobManager> jobs_;
@@ -278,6 +297,69 @@ TEST_F(SchedulerTest, ALostWorkerRestartsTheJobWhichWaitsForWorkersUpToItsDeadli
   EXPECT_TRUE(absl::StartsWith(j.reason(), "no 4 workers of one device kind came free within 1m to restart it; "
                                            "attempt 1: rank 3 "))
       << j.reason();
+}
+
+// A rank that never ends after its abort, its worker heartbeating busy with
+// it (a rank stuck in its own end): the restart waits for it only
+// Options::stop_grace, then places the job again on the workers that are
+// free, never on the stuck one; the stuck worker's stale rank is aborted
+// once more.
+TEST_F(SchedulerTest, ARankThatNeverEndsAfterItsAbortIsGivenUpOnAfterTheStopGrace) {
+  std::string id;
+  ASSERT_NO_FATAL_FAILURE(RestartingJob(absl::Minutes(1), &id));
+  const v1::MeshSpec first = Job(id).mesh();
+  int stuck = -1;
+  for (int w = 0; w < 3; ++w) stuck = first.ranks(0).worker_id() == ids_[w] ? w : stuck;
+  ASSERT_GE(stuck, 0);
+  v1::WorkerStatus busy;
+  busy.set_state(v1::WORKER_STATE_BUSY);
+  busy.set_job_id(id);
+  busy.set_generation(1);
+  busy.set_rank(0);
+  auto pass = [&](absl::Duration d) {  // every worker heartbeats; the stuck one busy
+    for (absl::Duration left = d; left > absl::ZeroDuration(); left -= absl::Seconds(1)) {
+      clock_.Advance(std::min(left, absl::Seconds(1)));
+      for (int w = 0; w < 3; ++w) w == stuck ? Beat(w, busy) : Beat(w);
+    }
+    registry_.Sweep();
+    scheduler_->TickForTest();
+  };
+  pass(absl::Seconds(59));
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(fake_->assigned.size(), 2u);  // still waiting for rank 0
+  pass(absl::Seconds(2));
+  const v1::Job j = Job(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(j.generation(), 2);
+  ASSERT_EQ(fake_->assigned.size(), 4u);
+  for (size_t i = 2; i < 4; ++i) {
+    EXPECT_EQ(fake_->assigned[i].request.generation(), 2);
+    EXPECT_NE(fake_->assigned[i].address, first.ranks(0).worker_address());
+  }
+  // The stuck worker, still running generation 1, is told to stop again
+  // (at the next tick: the one that gave up placed generation 2 after its
+  // look at stale ranks).
+  scheduler_->TickForTest();
+  ASSERT_EQ(fake_->aborted.size(), 2u);
+  EXPECT_EQ(fake_->aborted[1].address, first.ranks(0).worker_address());
+  EXPECT_EQ(fake_->aborted[1].request.generation(), 1);
+  // Generation 1's rendezvous scope stays aborted (its data dropped): the
+  // stuck rank, if it comes back, finds it closed rather than open again.
+  EXPECT_EQ(store_.Set(id + "/gen-1", "late", "x").code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(store_.Set(id + "/gen-2", "k", "x").ok());
+}
+
+// With stop_grace zero the restart waits for every rank's end, however long.
+TEST_F(SchedulerTest, AZeroStopGraceWaitsForEveryRank) {
+  std::string id;
+  ASSERT_NO_FATAL_FAILURE(RestartingJob(absl::ZeroDuration(), &id));
+  Pass(absl::Hours(1));
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(fake_->assigned.size(), 2u);
+  Ended(id, 0, absl::StatusCode::kAborted, "aborted");
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(id).generation(), 2);
 }
 
 TEST_F(SchedulerTest, ARefusedAssignmentPlacesTheJobAgainWithoutTheRefusingWorkerUntilItsCoolOff) {

@@ -431,7 +431,9 @@ TEST_F(NcclRanks, ACommunicatorDestroyedAfterAnAsyncErrorAbortsItAtOnce) {
       ASSERT_TRUE((*comm)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());  // #1: both
       // #2 on rank 1 only: it reports the error and waits until aborted.
       // Destroyed at once, so the watchdog cannot abort it first.
-      if (r == 1) ASSERT_TRUE((*comm)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait).ok());
+      // (Its submission may already see the error and abort the
+      // communicator; the destruction must be prompt either way.)
+      if (r == 1) (void)(*comm)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait);
       EXPECT_TRUE(DestroyAndSyncWithin(std::move(*comm), r, absl::Seconds(5))) << "rank " << r;
       cudaFree(x);
     });
