@@ -104,23 +104,36 @@ TEST_F(NcclGpu, APeerThatNeverJoinsIsDeadlineExceeded) {
   EXPECT_EQ(waiting.status().code(), absl::StatusCode::kDeadlineExceeded) << waiting.status();
 }
 
-// Runs body(rank, comm) on `n` threads, rank r on device r, with a world
-// communicator of `timeout`.
-void OnRanks(int n, absl::Duration timeout,
-             const std::function<void(int, NcclCommunicator&)>& body) {
+// Runs body(rank, comm) on `n` threads, rank r on device r, each owning a
+// world communicator made with options(r) (its device set to r); the body
+// may destroy it.
+void OnOwnedRanks(int n, const std::function<NcclCommunicator::Options(int)>& options,
+                  const std::function<void(int, std::unique_ptr<NcclCommunicator>&)>& body) {
   InMemoryStore store;
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
-      NcclCommunicator::Options o;
+      NcclCommunicator::Options o = options(r);
       o.device = r;
-      o.timeout = timeout;
       auto comm = NcclCommunicator::Create(store, r, n, o);
       ASSERT_TRUE(comm.ok()) << comm.status();
-      body(r, **comm);
+      body(r, *comm);
     });
   }
   for (auto& t : threads) t.join();
+}
+
+// OnOwnedRanks with communicators of `timeout`, which outlive the body.
+void OnRanks(int n, absl::Duration timeout,
+             const std::function<void(int, NcclCommunicator&)>& body) {
+  OnOwnedRanks(
+      n,
+      [&](int) {
+        NcclCommunicator::Options o;
+        o.timeout = timeout;
+        return o;
+      },
+      [&](int r, std::unique_ptr<NcclCommunicator>& comm) { body(r, *comm); });
 }
 
 float* DeviceFloats(const std::vector<float>& host) {
@@ -354,46 +367,41 @@ bool DestroyAndSyncWithin(std::unique_ptr<NcclCommunicator> comm, int device, ab
 // within `limit`.
 void DestroyWhileACollectiveWaits(absl::Duration timeout, std::shared_ptr<AbortSignal> signal,
                                   absl::Duration fire_after, absl::Duration limit) {
-  InMemoryStore store;
   absl::Notification rank1_done;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      NcclCommunicator::Options o;
-      o.device = r;
-      o.timeout = timeout;
-      if (r == 1) o.abort_signal = signal;
-      auto comm = NcclCommunicator::Create(store, r, 2, o);
-      ASSERT_TRUE(comm.ok()) << comm.status();
-      float* x = DeviceFloats({1.0f});
-      ASSERT_TRUE((*comm)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());  // #1: both
-      if (r == 0) {
-        // Never enters #2; destroyed (cleanly: nothing outstanding) once rank 1 was.
-        rank1_done.WaitForNotificationWithTimeout(kWait);
-        EXPECT_TRUE(DestroyAndSyncWithin(std::move(*comm), r, absl::Seconds(10)));
-        cudaFree(x);
-        return;
-      }
-      // #2, waited on the device (a Work waited on the host would abort it
-      // at the timeout itself).
-      ASSERT_TRUE((*comm)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait).ok());
-      const absl::Time start = absl::Now();
-      std::thread firer;
-      if (signal != nullptr) {
-        firer = std::thread([&] {
-          absl::SleepFor(fire_after);
-          signal->Abort(absl::CancelledError("the job was aborted"));
-        });
-      }
-      EXPECT_TRUE(DestroyAndSyncWithin(std::move(*comm), r, limit))
-          << "the destructor or the device still waits for collective #2 after "
-          << absl::FormatDuration(absl::Now() - start);
-      if (firer.joinable()) firer.join();
-      rank1_done.Notify();
+  auto options = [&](int r) {
+    NcclCommunicator::Options o;
+    o.timeout = timeout;
+    if (r == 1) o.abort_signal = signal;
+    return o;
+  };
+  OnOwnedRanks(2, options, [&](int r, std::unique_ptr<NcclCommunicator>& comm) {
+    float* x = DeviceFloats({1.0f});
+    ASSERT_TRUE(comm->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());  // #1: both
+    if (r == 0) {
+      // Never enters #2; destroyed (cleanly: nothing outstanding) once rank 1 was.
+      rank1_done.WaitForNotificationWithTimeout(kWait);
+      EXPECT_TRUE(DestroyAndSyncWithin(std::move(comm), r, absl::Seconds(10)));
       cudaFree(x);
-    });
-  }
-  for (auto& t : threads) t.join();
+      return;
+    }
+    // #2, waited on the device (a Work waited on the host would abort it
+    // at the timeout itself).
+    ASSERT_TRUE(comm->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait).ok());
+    const absl::Time start = absl::Now();
+    std::thread firer;
+    if (signal != nullptr) {
+      firer = std::thread([&] {
+        absl::SleepFor(fire_after);
+        signal->Abort(absl::CancelledError("the job was aborted"));
+      });
+    }
+    EXPECT_TRUE(DestroyAndSyncWithin(std::move(comm), r, limit))
+        << "the destructor or the device still waits for collective #2 after "
+        << absl::FormatDuration(absl::Now() - start);
+    if (firer.joinable()) firer.join();
+    rank1_done.Notify();
+    cudaFree(x);
+  });
 }
 
 // The destructor gives outstanding work the timeout to finish, then aborts
@@ -418,27 +426,22 @@ TEST_F(NcclRanks, TheJobsAbortEndsTheWaitOfACommunicatorBeingDestroyed) {
 // without waiting for its timeout.
 TEST_F(NcclRanks, ACommunicatorDestroyedAfterAnAsyncErrorAbortsItAtOnce) {
   colod_nccl_emu::SetFault({colod_nccl_emu::FaultKind::kError, /*rank=*/1, /*op=*/2, /*comm_size=*/2});
-  InMemoryStore store;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      NcclCommunicator::Options o;
-      o.device = r;
-      o.timeout = absl::Seconds(20);
-      auto comm = NcclCommunicator::Create(store, r, 2, o);
-      ASSERT_TRUE(comm.ok()) << comm.status();
-      float* x = DeviceFloats({1.0f});
-      ASSERT_TRUE((*comm)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());  // #1: both
-      // #2 on rank 1 only: it reports the error and waits until aborted.
-      // Destroyed at once, so the watchdog cannot abort it first.
-      // (Its submission may already see the error and abort the
-      // communicator; the destruction must be prompt either way.)
-      if (r == 1) (void)(*comm)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait);
-      EXPECT_TRUE(DestroyAndSyncWithin(std::move(*comm), r, absl::Seconds(5))) << "rank " << r;
-      cudaFree(x);
-    });
-  }
-  for (auto& t : threads) t.join();
+  auto options = [](int) {
+    NcclCommunicator::Options o;
+    o.timeout = absl::Seconds(20);
+    return o;
+  };
+  OnOwnedRanks(2, options, [&](int r, std::unique_ptr<NcclCommunicator>& comm) {
+    float* x = DeviceFloats({1.0f});
+    ASSERT_TRUE(comm->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());  // #1: both
+    // #2 on rank 1 only: it reports the error and waits until aborted.
+    // Destroyed at once, so the watchdog cannot abort it first.
+    // (Its submission may already see the error and abort the
+    // communicator; the destruction must be prompt either way.)
+    if (r == 1) (void)comm->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->WaitOnDevice(kWait);
+    EXPECT_TRUE(DestroyAndSyncWithin(std::move(comm), r, absl::Seconds(5))) << "rank " << r;
+    cudaFree(x);
+  });
   colod_nccl_emu::SetFault({});
 }
 #endif
@@ -484,28 +487,23 @@ TEST_F(NcclRanks, AnAbortEndsInitPromptly) {
 
 TEST_F(NcclRanks, AnAbortEndsASplitInProgressPromptly) {
   auto signal = std::make_shared<AbortSignal>();
-  InMemoryStore store;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      NcclCommunicator::Options o;
-      o.device = r;
-      o.timeout = absl::Seconds(60);
-      o.abort_signal = signal;
-      auto comm = NcclCommunicator::Create(store, r, 2, o);
-      ASSERT_TRUE(comm.ok()) << comm.status();
-      if (r == 1) {
-        absl::SleepFor(absl::Milliseconds(300));  // never splits
-        signal->Abort(absl::CancelledError("job cancelled during a split"));
-        return;
-      }
-      const absl::Time start = absl::Now();
-      auto sub = (*comm)->Split(0, 0, "tp");
-      EXPECT_EQ(sub.status().code(), absl::StatusCode::kCancelled) << sub.status();
-      EXPECT_LT(absl::Now() - start, absl::Seconds(2));
-    });
-  }
-  for (auto& t : threads) t.join();
+  auto options = [&](int) {
+    NcclCommunicator::Options o;
+    o.timeout = absl::Seconds(60);
+    o.abort_signal = signal;
+    return o;
+  };
+  OnOwnedRanks(2, options, [&](int r, std::unique_ptr<NcclCommunicator>& comm) {
+    if (r == 1) {
+    absl::SleepFor(absl::Milliseconds(300));  // never splits
+    signal->Abort(absl::CancelledError("job cancelled during a split"));
+    return;
+    }
+    const absl::Time start = absl::Now();
+    auto sub = comm->Split(0, 0, "tp");
+    EXPECT_EQ(sub.status().code(), absl::StatusCode::kCancelled) << sub.status();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  });
 }
 
 }  // namespace
