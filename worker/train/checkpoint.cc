@@ -25,6 +25,11 @@
 namespace colod::train {
 
 std::string StepDir(const std::string& dir, int64_t step) { return absl::StrFormat("%s/step-%06d", dir, step); }
+
+std::string StepTmpDir(const std::string& dir, int64_t step, int64_t generation) {
+  return absl::StrFormat("%s.gen-%d.tmp", StepDir(dir, step), generation);
+}
+
 namespace {
 
 using Json = nlohmann::json;
@@ -87,24 +92,81 @@ absl::Status Validate(const std::string& step_dir) {
   return absl::OkStatus();
 }
 
+// The generation whose save a DIR entry is the temporary directory of:
+// step-N.gen-G.tmp gives G, step-N.tmp (colod before 2026-12) -1; nullopt
+// for any other name.
+std::optional<int64_t> TmpGeneration(const std::string& name) {
+  if (!absl::StartsWith(name, "step-") || !absl::EndsWith(name, ".tmp")) return std::nullopt;
+  const std::string stem = name.substr(0, name.size() - 4);
+  const size_t gen = stem.rfind(".gen-");
+  if (gen == std::string::npos) return -1;
+  int64_t g = 0;
+  if (!absl::SimpleAtoi(stem.substr(gen + 5), &g) || g < 0) return std::nullopt;
+  return g;
+}
+
+// Removes the temporary directories under `dir` of saves by `generation`
+// or an earlier one: crashed or abandoned attempts. A later generation's is
+// left alone (this rank is then the stale one).
+void RemoveStaleTmpDirs(const std::string& dir, int64_t generation) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::optional<int64_t> g = TmpGeneration(entry.path().filename().string());
+    if (!g.has_value() || *g > generation) continue;
+    std::error_code rm;
+    fs::remove_all(entry.path(), rm);
+    if (rm) COLOD_LOG(WARNING) << "cannot remove " << entry.path().string() << ": " << rm.message();
+  }
+}
+
+// Renames `tmp` to `final_dir`, replacing a directory there (moved aside
+// first, removed after; moved back if the rename fails), so that at no
+// moment is neither whole in place.
+absl::Status ReplaceDir(const std::string& dir, const std::string& tmp, const std::string& final_dir,
+                        int64_t generation) {
+  std::error_code ec;
+  std::string aside;
+  if (fs::exists(final_dir, ec)) {
+    aside = absl::StrFormat("%s/.trash-%s.gen-%d", dir, fs::path(final_dir).filename().string(), generation);
+    fs::remove_all(aside, ec);
+    fs::rename(final_dir, aside, ec);
+    if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot move ", final_dir, " aside: ", ec.message()));
+  }
+  fs::rename(tmp, final_dir, ec);
+  if (ec) {
+    const absl::Status failed =
+        absl::FailedPreconditionError(absl::StrCat("cannot rename ", tmp, " to ", final_dir, ": ", ec.message()));
+    if (!aside.empty()) {
+      std::error_code back;
+      fs::rename(aside, final_dir, back);
+      if (back) COLOD_LOG(WARNING) << "cannot move " << aside << " back to " << final_dir << ": " << back.message();
+    }
+    return failed;
+  }
+  if (!aside.empty()) fs::remove_all(aside, ec);  // a leftover is removed by the next prune
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer& optimizer, const std::string& dir,
-                                    int64_t step, uint64_t seed, std::optional<double> eval_loss) {
-  return SaveTrainingCheckpoint(std::vector<shardformer::ShardedModel*>{&model}, optimizer, dir, step, seed, eval_loss);
+                                    int64_t step, uint64_t seed, std::optional<double> eval_loss, int64_t generation) {
+  return SaveTrainingCheckpoint(std::vector<shardformer::ShardedModel*>{&model}, optimizer, dir, step, seed, eval_loss,
+                                generation);
 }
 
 absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*>& chunks, Optimizer& optimizer,
                                     const std::string& dir, int64_t step, uint64_t seed,
-                                    std::optional<double> eval_loss) {
+                                    std::optional<double> eval_loss, int64_t generation) {
   if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
+  if (generation < 0) return absl::InvalidArgumentError(absl::StrCat("checkpoint generation ", generation));
   shardformer::ShardedModel& model = *chunks.front();
   ProcessGroup* pg = model.process_group();
   const int rank = pg->rank(), world = pg->mesh().world_size();
-  const std::string final_dir = StepDir(dir, step), tmp = final_dir + ".tmp";
+  const std::string final_dir = StepDir(dir, step), tmp = StepTmpDir(dir, step, generation);
   std::error_code ec;
   if (rank == 0) {
-    fs::remove_all(tmp, ec);  // a crashed attempt's leftovers
+    RemoveStaleTmpDirs(dir, generation);  // crashed or abandoned attempts, this one's included
     fs::create_directories(tmp, ec);
     if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", tmp, ": ", ec.message()));
   }
@@ -130,9 +192,7 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
               {"layout", LayoutJson(model.shard_config().layout)}};
     if (eval_loss.has_value() && std::isfinite(*eval_loss)) j["eval_loss"] = *eval_loss;
     RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(tmp, "/", kState), j.dump(1)));
-    fs::remove_all(final_dir, ec);
-    fs::rename(tmp, final_dir, ec);
-    if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot rename ", tmp, ": ", ec.message()));
+    RETURN_IF_ERROR(ReplaceDir(dir, tmp, final_dir, generation));
   }
   return pg->Barrier();
 }

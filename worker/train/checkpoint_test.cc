@@ -171,5 +171,58 @@ TEST(Retention, SettingsThatCannotWorkAreRefused) {
   EXPECT_NE(s.message().find("eval_every"), std::string::npos) << s;
 }
 
+// Each generation of a job writes its checkpoints through a temporary
+// directory of its own (step-N.gen-G.tmp): what a stale earlier generation
+// left or still writes is never renamed in with this generation's files. A
+// save removes the temporary directories of its own and earlier
+// generations, never a later one's, and replaces a checkpoint of the same
+// step left by an earlier run whole, with nothing left aside.
+TEST(Checkpoints, AGenerationWritesOnlyThroughItsOwnTemporaryDirectory) {
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("ck_gen_gpt2"), testing::TinyByteLevel());
+  ASSERT_TRUE(model.ok()) << model.status();
+  TrainOptions o = testing::SmallRun(model->dir, 1, 2, 3);
+  o.seq_len = 16;
+  o.save_dir = TempPath("ck_gen");
+  o.save_every = 1;
+  o.generation = 2;
+  EXPECT_EQ(StepTmpDir(o.save_dir, 3, 2), o.save_dir + "/step-000003.gen-2.tmp");
+  const auto stale_file = [&](const std::string& d) {
+    fs::create_directories(d);
+    std::ofstream(d + "/optim-rank-00001-of-00002.safetensors") << "a stale rank's file";
+  };
+  stale_file(StepTmpDir(o.save_dir, 2, 1));  // generation 1's, given up on mid-save
+  stale_file(o.save_dir + "/step-000001.tmp");  // colod before 2026-12
+  stale_file(StepTmpDir(o.save_dir, 3, 7));  // a later generation's: this run is the stale one there
+  stale_file(StepDir(o.save_dir, 3));  // an earlier run's step 3, replaced
+  std::vector<std::string> mid_run;  // what step 2's save saw when step 1 had been reported
+  const absl::Status s = Train(o, [&](const StepStats& st) {
+    if (st.step == 1) {
+      stale_file(StepTmpDir(o.save_dir, 2, 1));  // generation 1 writes on
+      mid_run.push_back(st.checkpoint);
+    }
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_EQ(mid_run, (std::vector<std::string>{StepDir(o.save_dir, 1)}));
+  EXPECT_EQ(Entries(o.save_dir),
+            (std::set<std::string>{"step-000001", "step-000002", "step-000003", "step-000003.gen-7.tmp"}));
+  for (int64_t step = 1; step <= 3; ++step) {
+    // Every file is this run's: the optimizer state of rank 1 reads as a
+    // safetensors file, and the checkpoint validates as a whole.
+    std::ifstream f(StepDir(o.save_dir, step) + "/optim-rank-00001-of-00002.safetensors");
+    std::string head(19, '\0');
+    f.read(head.data(), head.size());
+    EXPECT_NE(head, "a stale rank's file") << "step " << step;
+  }
+  auto latest = LatestCheckpoint(o.save_dir);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, StepDir(o.save_dir, 3));
+  auto state = ReadTrainState(*latest);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->step, 3);
+
+  o.generation = -1;
+  EXPECT_EQ(Train(o, [](const StepStats&) {}).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace colod::train
