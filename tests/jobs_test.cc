@@ -1075,6 +1075,18 @@ TEST_F(JobsTest, ACoordinatorKilledWhileRanksTrainLeavesNoHoleInTheHistory) {
     EXPECT_EQ(losses[i + 1], want[i]) << "step " << i + 1;
   }
   EXPECT_EQ(done->step(), 40);
+  // The last checkpoint is the last generation's, written through its own
+  // temporary directory (the worker passes the job and generation down),
+  // and no temporary directory is left.
+  std::ifstream state_file(TempPath("ck-hole") + "/step-000040/train_state.json");
+  const nlohmann::json state = nlohmann::json::parse(state_file, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(state.is_object()) << Logs();
+  EXPECT_EQ(state.value("job", ""), job->job_id());
+  EXPECT_EQ(state.value("generation", int64_t{0}), done->generation());
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(TempPath("ck-hole"), ec)) {
+    EXPECT_FALSE(absl::EndsWith(entry.path().filename().string(), ".tmp")) << entry.path();
+  }
 }
 
 TEST_F(JobsTest, ACoordinatorKilledMidJobResumesItByItself) {

@@ -236,6 +236,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   if (training) {
     ASSIGN_OR_RETURN(train::TrainOptions options,
                      train::TrainOptionsFromSpec(req.spec(), dir + "/model", options_.cuda));
+    options.job = req.job_id();
     options.generation = req.generation();
     ASSIGN_OR_RETURN(run, train::PrepareTrain(options));
     options.shard.device = shard.device;

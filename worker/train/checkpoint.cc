@@ -1,7 +1,12 @@
 #include "worker/train/checkpoint.h"
 
+#include <fcntl.h>
+#include <stdio.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -10,6 +15,8 @@
 #include <sstream>
 #include <set>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -26,8 +33,24 @@ namespace colod::train {
 
 std::string StepDir(const std::string& dir, int64_t step) { return absl::StrFormat("%s/step-%06d", dir, step); }
 
-std::string StepTmpDir(const std::string& dir, int64_t step, int64_t generation) {
-  return absl::StrFormat("%s.gen-%d.tmp", StepDir(dir, step), generation);
+std::string CheckpointWriter::Tag() const {
+  return absl::StrCat(job.empty() ? "" : job + ".", "gen-", generation);
+}
+
+absl::Status CheckpointWriter::Check() const {
+  if (generation < 0) return absl::InvalidArgumentError(absl::StrCat("checkpoint generation ", generation, " < 0"));
+  if (job.size() > 128 || !std::all_of(job.begin(), job.end(), [](char c) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_';
+      })) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint job '", absl::CHexEscape(job.substr(0, 128)),
+                     "': at most 128 letters, digits, '-' and '_' (it names a directory)"));
+  }
+  return absl::OkStatus();
+}
+
+std::string StepTmpDir(const std::string& dir, int64_t step, const CheckpointWriter& writer) {
+  return absl::StrCat(StepDir(dir, step), ".", writer.Tag(), ".tmp");
 }
 
 namespace {
@@ -92,81 +115,130 @@ absl::Status Validate(const std::string& step_dir) {
   return absl::OkStatus();
 }
 
-// The generation whose save a DIR entry is the temporary directory of:
-// step-N.gen-G.tmp gives G, step-N.tmp (colod before 2026-12) -1; nullopt
-// for any other name.
-std::optional<int64_t> TmpGeneration(const std::string& name) {
-  if (!absl::StartsWith(name, "step-") || !absl::EndsWith(name, ".tmp")) return std::nullopt;
+// The names of `dir`'s entries; NOT_FOUND where it cannot be listed
+// (never throws: a read error midway ends the listing there).
+absl::StatusOr<std::vector<std::string>> EntryNames(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec), end;
+  if (ec) return absl::NotFoundError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
+  for (; !ec && it != end; it.increment(ec)) out.push_back(it->path().filename().string());
+  return out;
+}
+
+bool IsDirectory(const std::string& path) {
+  std::error_code ec;
+  return fs::is_directory(path, ec);
+}
+
+// The writer whose save a DIR entry is the temporary directory of:
+// step-NNNNNN.[JOB.]gen-G.tmp; step-N.tmp (colod before 2026-12) gives
+// generation -1. nullopt for any other name.
+std::optional<CheckpointWriter> TmpWriter(const std::string& name) {
+  constexpr size_t kStep = sizeof("step-000000") - 1;  // StepDir's six digits at least
+  if (!absl::StartsWith(name, "step-") || !absl::EndsWith(name, ".tmp") || name.size() < kStep + 4) {
+    return std::nullopt;
+  }
   const std::string stem = name.substr(0, name.size() - 4);
   const size_t gen = stem.rfind(".gen-");
-  if (gen == std::string::npos) return -1;
-  int64_t g = 0;
-  if (!absl::SimpleAtoi(stem.substr(gen + 5), &g) || g < 0) return std::nullopt;
-  return g;
+  if (gen == std::string::npos) return CheckpointWriter{.generation = -1};
+  CheckpointWriter w;
+  if (!absl::SimpleAtoi(stem.substr(gen + 5), &w.generation) || w.generation < 0) return std::nullopt;
+  const size_t step_end = stem.find('.');  // after step-NNNNNN
+  if (step_end < gen) w.job = stem.substr(step_end + 1, gen - step_end - 1);
+  return w;
 }
 
-// Removes the temporary directories under `dir` of saves by `generation`
-// or an earlier one: crashed or abandoned attempts. A later generation's is
-// left alone (this rank is then the stale one).
-void RemoveStaleTmpDirs(const std::string& dir, int64_t generation) {
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::optional<int64_t> g = TmpGeneration(entry.path().filename().string());
-    if (!g.has_value() || *g > generation) continue;
+// Removes the temporary directories under `dir` that are not `writer`'s
+// job's later generations' (this rank would then be the stale one): crashed
+// or abandoned saves of this job's earlier generations, its own, other
+// jobs' and runs' (a directory holds one job's checkpoints at a time).
+void RemoveStaleTmpDirs(const std::string& dir, const CheckpointWriter& writer) {
+  for (const std::string& name : EntryNames(dir).value_or(std::vector<std::string>{})) {
+    const std::optional<CheckpointWriter> w = TmpWriter(name);
+    if (!w.has_value() || (w->job == writer.job && w->generation > writer.generation)) continue;
     std::error_code rm;
-    fs::remove_all(entry.path(), rm);
-    if (rm) COLOD_LOG(WARNING) << "cannot remove " << entry.path().string() << ": " << rm.message();
+    fs::remove_all(absl::StrCat(dir, "/", name), rm);
+    if (rm) COLOD_LOG(WARNING) << "cannot remove " << dir << "/" << name << ": " << rm.message();
   }
 }
 
-// Renames `tmp` to `final_dir`, replacing a directory there (moved aside
-// first, removed after; moved back if the rename fails), so that at no
-// moment is neither whole in place.
-absl::Status ReplaceDir(const std::string& dir, const std::string& tmp, const std::string& final_dir,
-                        int64_t generation) {
+// Moves `tmp` (complete) to `final_dir`. A directory there is replaced:
+// exchanged with tmp in one atomic rename (renameat2's RENAME_EXCHANGE) and
+// then removed, so that some whole checkpoint of the step is in place at
+// every moment; where the file system cannot exchange, moved aside first,
+// removed after, and moved back if the rename fails. ABORTED, leaving it
+// and removing tmp, where the checkpoint in place is a later generation's
+// of the same job: this rank is a stale one the coordinator gave up on.
+absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, const std::string& final_dir,
+                               const CheckpointWriter& writer) {
   std::error_code ec;
-  std::string aside;
-  if (fs::exists(final_dir, ec)) {
-    aside = absl::StrFormat("%s/.trash-%s.gen-%d", dir, fs::path(final_dir).filename().string(), generation);
-    fs::remove_all(aside, ec);
-    fs::rename(final_dir, aside, ec);
-    if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot move ", final_dir, " aside: ", ec.message()));
+  if (!fs::exists(final_dir, ec)) {
+    fs::rename(tmp, final_dir, ec);
+    if (ec) {
+      return absl::FailedPreconditionError(absl::StrCat("cannot rename ", tmp, " to ", final_dir, ": ", ec.message()));
+    }
+    return absl::OkStatus();
   }
+  if (absl::StatusOr<Json> there = ReadJson(absl::StrCat(final_dir, "/", kState)); there.ok()) {
+    const Json& t = *there;
+    const std::string job = t.contains("job") && t["job"].is_string() ? t["job"].get<std::string>() : "";
+    const int64_t generation =
+        t.contains("generation") && t["generation"].is_number_integer() ? t["generation"].get<int64_t>() : 0;
+    if (job == writer.job && generation > writer.generation) {
+      fs::remove_all(tmp, ec);
+      return absl::AbortedError(absl::StrCat(final_dir, " was written by generation ", generation, " of ",
+                                             job.empty() ? "the run" : job, ", later than this one's ",
+                                             writer.generation, ": left in place"));
+    }
+  }
+  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(tmp, ec);  // the old checkpoint; a leftover goes with the next save's stale directories
+    return absl::OkStatus();
+  }
+  if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot exchange ", tmp, " and ", final_dir, ": ", std::strerror(errno)));
+  }
+  const std::string aside =
+      absl::StrCat(dir, "/.trash-", fs::path(final_dir).filename().string(), ".", writer.Tag());
+  fs::remove_all(aside, ec);
+  fs::rename(final_dir, aside, ec);
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot move ", final_dir, " aside: ", ec.message()));
   fs::rename(tmp, final_dir, ec);
   if (ec) {
     const absl::Status failed =
         absl::FailedPreconditionError(absl::StrCat("cannot rename ", tmp, " to ", final_dir, ": ", ec.message()));
-    if (!aside.empty()) {
-      std::error_code back;
-      fs::rename(aside, final_dir, back);
-      if (back) COLOD_LOG(WARNING) << "cannot move " << aside << " back to " << final_dir << ": " << back.message();
-    }
+    std::error_code back;
+    fs::rename(aside, final_dir, back);
+    if (back) COLOD_LOG(WARNING) << "cannot move " << aside << " back to " << final_dir << ": " << back.message();
     return failed;
   }
-  if (!aside.empty()) fs::remove_all(aside, ec);  // a leftover is removed by the next prune
+  fs::remove_all(aside, ec);  // a leftover is removed by the next prune
   return absl::OkStatus();
 }
 
 }  // namespace
 
 absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer& optimizer, const std::string& dir,
-                                    int64_t step, uint64_t seed, std::optional<double> eval_loss, int64_t generation) {
+                                    int64_t step, uint64_t seed, std::optional<double> eval_loss,
+                                    const CheckpointWriter& writer) {
   return SaveTrainingCheckpoint(std::vector<shardformer::ShardedModel*>{&model}, optimizer, dir, step, seed, eval_loss,
-                                generation);
+                                writer);
 }
 
 absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*>& chunks, Optimizer& optimizer,
                                     const std::string& dir, int64_t step, uint64_t seed,
-                                    std::optional<double> eval_loss, int64_t generation) {
+                                    std::optional<double> eval_loss, const CheckpointWriter& writer) {
   if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
-  if (generation < 0) return absl::InvalidArgumentError(absl::StrCat("checkpoint generation ", generation));
+  RETURN_IF_ERROR(writer.Check());
   shardformer::ShardedModel& model = *chunks.front();
   ProcessGroup* pg = model.process_group();
   const int rank = pg->rank(), world = pg->mesh().world_size();
-  const std::string final_dir = StepDir(dir, step), tmp = StepTmpDir(dir, step, generation);
+  const std::string final_dir = StepDir(dir, step), tmp = StepTmpDir(dir, step, writer);
   std::error_code ec;
   if (rank == 0) {
-    RemoveStaleTmpDirs(dir, generation);  // crashed or abandoned attempts, this one's included
+    fs::remove_all(tmp, ec);  // a crashed attempt's leftovers
     fs::create_directories(tmp, ec);
     if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", tmp, ": ", ec.message()));
   }
@@ -191,20 +263,27 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
               {"model_type", model.config().model_type},
               {"layout", LayoutJson(model.shard_config().layout)}};
     if (eval_loss.has_value() && std::isfinite(*eval_loss)) j["eval_loss"] = *eval_loss;
+    if (!writer.job.empty()) j["job"] = writer.job;
+    if (writer.generation > 0) j["generation"] = writer.generation;
     RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(tmp, "/", kState), j.dump(1)));
-    RETURN_IF_ERROR(ReplaceDir(dir, tmp, final_dir, generation));
+    // Every rank's files are there and read (ranks of another colod version
+    // would write elsewhere): retention trusts train_state.json alone.
+    RETURN_IF_ERROR(Validate(tmp));
+    RETURN_IF_ERROR(InstallCheckpoint(dir, tmp, final_dir, writer));
   }
-  return pg->Barrier();
+  RETURN_IF_ERROR(pg->Barrier());
+  // The others' leftovers go once this checkpoint is in place, while the
+  // ranks train on (what could be gigabytes holds up no barrier).
+  if (rank == 0) RemoveStaleTmpDirs(dir, writer);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& dir, std::vector<std::string>* skipped) {
   std::vector<CheckpointInfo> out;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    std::error_code type;
-    if (!entry.is_directory(type) || !absl::StartsWith(name, "step-") || absl::EndsWith(name, ".tmp")) continue;
+  ASSIGN_OR_RETURN(const std::vector<std::string> names, EntryNames(dir));
+  for (const std::string& name : names) {
     const std::string path = dir + "/" + name;
+    if (!absl::StartsWith(name, "step-") || absl::EndsWith(name, ".tmp") || !IsDirectory(path)) continue;
     absl::StatusOr<Json> state = ReadJson(path + "/" + kState);
     absl::StatusOr<int64_t> step =
         state.ok() ? IntField(*state, "step", path + "/" + kState) : absl::StatusOr<int64_t>(state.status());
@@ -229,18 +308,16 @@ absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& d
     }
     out.push_back(std::move(c));
   }
-  if (ec) return absl::NotFoundError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
   std::sort(out.begin(), out.end(), [](const CheckpointInfo& a, const CheckpointInfo& b) { return a.step < b.step; });
   return out;
 }
 
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
                                                              const std::string& must_keep) {
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {  // removals a crash interrupted
-    if (absl::StartsWith(entry.path().filename().string(), ".trash-step-")) {
+  for (const std::string& name : EntryNames(dir).value_or(std::vector<std::string>{})) {
+    if (absl::StartsWith(name, ".trash-step-")) {  // removals a crash interrupted
       std::error_code rm;
-      fs::remove_all(entry.path(), rm);
+      fs::remove_all(absl::StrCat(dir, "/", name), rm);
     }
   }
   ASSIGN_OR_RETURN(std::vector<CheckpointInfo> all, ListCheckpoints(dir));
@@ -279,14 +356,12 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
 
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped) {
   std::vector<std::string> steps;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (entry.is_directory() && absl::StartsWith(name, "step-") && !absl::EndsWith(name, ".tmp")) {
+  ASSIGN_OR_RETURN(const std::vector<std::string> names, EntryNames(dir));
+  for (const std::string& name : names) {
+    if (absl::StartsWith(name, "step-") && !absl::EndsWith(name, ".tmp") && IsDirectory(dir + "/" + name)) {
       steps.push_back(name);
     }
   }
-  if (ec) return absl::NotFoundError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
   std::sort(steps.rbegin(), steps.rend());  // zero-padded: newest first
   for (const std::string& s : steps) {
     const absl::Status valid = Validate(dir + "/" + s);

@@ -6,16 +6,18 @@
 // ZeRO the parts of parameters the rank updates, "<param>.exp_avg@<offset>",
 // 1-D runs of the flattened local shard: Optimizer::State) and
 // train_state.json (the step, the optimizer's step count, the sampler's
-// seed, the layout). Ranks write into step-000005.gen-G.tmp, G the job's
-// generation (0 outside a coordinator's job); after a barrier rank 0
-// writes train_state.json and renames the directory into place, so a crash
-// mid-write leaves the .tmp directory behind and the previous checkpoint
-// whole. A generation writes only its own temporary directory: a rank of an
-// earlier generation that the coordinator gave up on (its --stop-grace) and
-// that still writes never writes into a later generation's checkpoint. Rank
-// 0 removes the temporary directories of its own and earlier generations
-// (and those named step-N.tmp, of colod before 2026-12) when it starts a
-// save, and never a later generation's.
+// seed, the layout, and the job and generation that wrote it). Ranks write
+// into step-000005.[JOB.]gen-G.tmp (StepTmpDir: the coordinator's job and
+// generation; gen-0 for a run outside a coordinator); after a barrier rank
+// 0 writes train_state.json, checks every rank's files, and moves the
+// directory into place, so a crash mid-write leaves the .tmp directory
+// behind and the previous checkpoint whole. A generation writes only its own
+// temporary directory, so a rank of an earlier generation that the
+// coordinator gave up on (its --stop-grace) and that still writes never
+// writes into a later generation's checkpoint, and it never replaces a
+// later generation's checkpoint of the same step. Once a save is in place
+// rank 0 removes the other temporary directories but those of its job's
+// later generations: a directory holds one job's checkpoints at a time.
 // Resuming picks the newest checkpoint whose files all open and validate
 // (a truncated file is detected by the safetensors header checks) and needs
 // the layout it was written with but for data_parallel_size: each rank puts
@@ -43,24 +45,39 @@ namespace colod::train {
 // The checkpoint directory of `step` under `dir`: DIR/step-NNNNNN.
 std::string StepDir(const std::string& dir, int64_t step);
 
-// The temporary directory generation `generation` writes StepDir(dir,
-// step) through: DIR/step-NNNNNN.gen-G.tmp.
-std::string StepTmpDir(const std::string& dir, int64_t step, int64_t generation);
+// Who writes a checkpoint: the coordinator's job and generation
+// (TrainOptions::job, generation), or no job and generation 0 for a run
+// outside a coordinator.
+struct CheckpointWriter {
+  std::string job;  // letters, digits, '-' and '_', at most 128 (it names a directory)
+  int64_t generation = 0;
+
+  // "JOB.gen-G", or "gen-G" without a job.
+  std::string Tag() const;
+  // INVALID_ARGUMENT for a job name or a generation that cannot be.
+  absl::Status Check() const;
+};
+
+// The temporary directory `writer` writes StepDir(dir, step) through:
+// DIR/step-NNNNNN.JOB.gen-G.tmp.
+std::string StepTmpDir(const std::string& dir, int64_t step, const CheckpointWriter& writer);
 
 // After `step` (1-based) optimizer steps, into StepDir(dir, step), with
 // the held-out evaluation's loss of that step if one ran (retention keeps
-// the best by it), through StepTmpDir(dir, step, generation). An existing
-// StepDir(dir, step) (a run resumed from before it) is replaced: moved
-// aside, the new one renamed into place, the old one removed; moved back
-// if the rename fails.
+// the best by it), through StepTmpDir(dir, step, writer). An existing
+// StepDir(dir, step) (a run resumed from before it) is replaced by an
+// atomic exchange and then removed (where the file system cannot exchange:
+// moved aside, the new one renamed in, moved back if that fails); ABORTED,
+// leaving it, where it is a later generation's of the same job.
 absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer& optimizer, const std::string& dir,
                                     int64_t step, uint64_t seed, std::optional<double> eval_loss = std::nullopt,
-                                    int64_t generation = 0);
+                                    const CheckpointWriter& writer = {});
 // The same of every model chunk a rank holds (interleaved 1F1B), chunk 0
 // first, whose parameters `optimizer` takes together.
 absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*>& chunks, Optimizer& optimizer,
                                     const std::string& dir, int64_t step, uint64_t seed,
-                                    std::optional<double> eval_loss = std::nullopt, int64_t generation = 0);
+                                    std::optional<double> eval_loss = std::nullopt,
+                                    const CheckpointWriter& writer = {});
 
 // The newest complete checkpoint directory under `dir` (DIR/step-NNNNNN),
 // skipping damaged ones; `skipped` (if given) gets the ones passed over and

@@ -172,11 +172,12 @@ TEST(Retention, SettingsThatCannotWorkAreRefused) {
 }
 
 // Each generation of a job writes its checkpoints through a temporary
-// directory of its own (step-N.gen-G.tmp): what a stale earlier generation
-// left or still writes is never renamed in with this generation's files. A
-// save removes the temporary directories of its own and earlier
-// generations, never a later one's, and replaces a checkpoint of the same
-// step left by an earlier run whole, with nothing left aside.
+// directory of its own (step-N.JOB.gen-G.tmp), so what a stale earlier
+// generation writes is never renamed in with this generation's files; once
+// a save is in place the other temporary directories go, but those of the
+// job's later generations. A checkpoint of the same step already in place
+// is replaced whole, unless a later generation of the same job wrote it:
+// then the save is ABORTED and the checkpoint left as it is.
 TEST(Checkpoints, AGenerationWritesOnlyThroughItsOwnTemporaryDirectory) {
   auto model = shardformer::testing::WriteTinyGpt2(TempPath("ck_gen_gpt2"), testing::TinyByteLevel());
   ASSERT_TRUE(model.ok()) << model.status();
@@ -184,44 +185,62 @@ TEST(Checkpoints, AGenerationWritesOnlyThroughItsOwnTemporaryDirectory) {
   o.seq_len = 16;
   o.save_dir = TempPath("ck_gen");
   o.save_every = 1;
+  o.job = "job-000007";
   o.generation = 2;
-  EXPECT_EQ(StepTmpDir(o.save_dir, 3, 2), o.save_dir + "/step-000003.gen-2.tmp");
-  const auto stale_file = [&](const std::string& d) {
+  const CheckpointWriter me{.job = o.job, .generation = 2};
+  EXPECT_EQ(StepTmpDir(o.save_dir, 3, me), o.save_dir + "/step-000003.job-000007.gen-2.tmp");
+  EXPECT_EQ(StepTmpDir(o.save_dir, 3, {}), o.save_dir + "/step-000003.gen-0.tmp");
+  const auto stale_dir = [&](const std::string& d, const std::string& state) {
     fs::create_directories(d);
-    std::ofstream(d + "/optim-rank-00001-of-00002.safetensors") << "a stale rank's file";
+    std::ofstream(d + "/stale-rank-file") << "a stale rank's file";
+    if (!state.empty()) std::ofstream(d + "/train_state.json") << state;
   };
-  stale_file(StepTmpDir(o.save_dir, 2, 1));  // generation 1's, given up on mid-save
-  stale_file(o.save_dir + "/step-000001.tmp");  // colod before 2026-12
-  stale_file(StepTmpDir(o.save_dir, 3, 7));  // a later generation's: this run is the stale one there
-  stale_file(StepDir(o.save_dir, 3));  // an earlier run's step 3, replaced
-  std::vector<std::string> mid_run;  // what step 2's save saw when step 1 had been reported
-  const absl::Status s = Train(o, [&](const StepStats& st) {
-    if (st.step == 1) {
-      stale_file(StepTmpDir(o.save_dir, 2, 1));  // generation 1 writes on
-      mid_run.push_back(st.checkpoint);
-    }
-  });
-  ASSERT_TRUE(s.ok()) << s;
-  ASSERT_EQ(mid_run, (std::vector<std::string>{StepDir(o.save_dir, 1)}));
-  EXPECT_EQ(Entries(o.save_dir),
-            (std::set<std::string>{"step-000001", "step-000002", "step-000003", "step-000003.gen-7.tmp"}));
+  stale_dir(StepTmpDir(o.save_dir, 2, {.job = o.job, .generation = 1}), "");  // given up on mid-save
+  stale_dir(StepTmpDir(o.save_dir, 2, {.job = "job-000003", .generation = 9}), "");  // another job's
+  stale_dir(o.save_dir + "/step-000001.tmp", "");  // colod before 2026-12
+  stale_dir(StepTmpDir(o.save_dir, 3, {.job = o.job, .generation = 7}), "");  // later: this run is the stale one there
+  stale_dir(StepDir(o.save_dir, 3), R"({"step": 3, "job": "job-000007", "generation": 1})");  // earlier: replaced
+  ASSERT_TRUE(testing::Losses(o).size() == 3u);
+  const std::string later = "step-000003.job-000007.gen-7.tmp";
+  EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000002", "step-000003", later}));
   for (int64_t step = 1; step <= 3; ++step) {
-    // Every file is this run's: the optimizer state of rank 1 reads as a
-    // safetensors file, and the checkpoint validates as a whole.
-    std::ifstream f(StepDir(o.save_dir, step) + "/optim-rank-00001-of-00002.safetensors");
-    std::string head(19, '\0');
-    f.read(head.data(), head.size());
-    EXPECT_NE(head, "a stale rank's file") << "step " << step;
+    EXPECT_FALSE(fs::exists(StepDir(o.save_dir, step) + "/stale-rank-file")) << "step " << step;
   }
   auto latest = LatestCheckpoint(o.save_dir);
   ASSERT_TRUE(latest.ok()) << latest.status();
   EXPECT_EQ(*latest, StepDir(o.save_dir, 3));
-  auto state = ReadTrainState(*latest);
-  ASSERT_TRUE(state.ok()) << state.status();
-  EXPECT_EQ(state->step, 3);
+  std::ifstream state_file(*latest + "/train_state.json");
+  const std::string state((std::istreambuf_iterator<char>(state_file)), std::istreambuf_iterator<char>());
+  EXPECT_NE(state.find("\"job\": \"job-000007\""), std::string::npos) << state;
+  EXPECT_NE(state.find("\"generation\": 2"), std::string::npos) << state;
 
-  o.generation = -1;
-  EXPECT_EQ(Train(o, [](const StepStats&) {}).code(), absl::StatusCode::kInvalidArgument);
+  // An earlier generation of the job, still running, never replaces what a
+  // later one saved: its first save is refused and nothing changes.
+  TrainOptions stale = o;
+  stale.generation = 1;
+  const std::set<std::string> before = Entries(o.save_dir);
+  const absl::Status refused = Train(stale, [](const StepStats&) {});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
+  EXPECT_NE(refused.message().find("generation 2"), std::string::npos) << refused;
+  EXPECT_EQ(Entries(o.save_dir), before);
+  // Another job's run (a directory reused) replaces it, and takes the
+  // temporary directories the last job left.
+  TrainOptions other = o;
+  other.job = "job-000008";
+  other.generation = 1;
+  other.steps = 1;
+  ASSERT_TRUE(testing::Losses(other).size() == 1u);
+  EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000002", "step-000003"}));
+  auto first = ReadTrainState(StepDir(o.save_dir, 1));
+  ASSERT_TRUE(first.ok()) << first.status();
+
+  for (const auto& [job, generation] :
+       std::vector<std::pair<std::string, int64_t>>{{"../x", 1}, {"a b", 1}, {std::string(129, 'j'), 1}, {"", -1}}) {
+    TrainOptions bad = o;
+    bad.job = job;
+    bad.generation = generation;
+    EXPECT_EQ(Train(bad, [](const StepStats&) {}).code(), absl::StatusCode::kInvalidArgument) << job;
+  }
 }
 
 }  // namespace

@@ -219,7 +219,7 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
                                       "or eval_split");
   }
   if (o.keep_last < 0) return absl::InvalidArgumentError(absl::StrCat("keep_last ", o.keep_last, " must be >= 0"));
-  if (o.generation < 0) return absl::InvalidArgumentError(absl::StrCat("generation ", o.generation, " must be >= 0"));
+  RETURN_IF_ERROR((CheckpointWriter{.job = o.job, .generation = o.generation}.Check()));
   if ((o.keep_last > 0 || o.keep_best) && (o.save_dir.empty() || o.save_every < 1)) {
     return absl::InvalidArgumentError("keep_last and keep_best prune checkpoints: they need checkpoint_dir and "
                                       "checkpoint_every");
@@ -647,7 +647,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     if (saves_after(step + 1)) {
       const absl::Status saved = SaveTrainingCheckpoint(
           chunks, optimizer, o.save_dir, step + 1, run.seed,
-          s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt, o.generation);
+          s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt,
+          CheckpointWriter{.job = o.job, .generation = o.generation});
       if (!saved.ok()) {
         // The step trained, and its checkpoint may be whole on disk all the
         // same (rank 0 renames it into place before the save's last barrier,

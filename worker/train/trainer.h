@@ -70,10 +70,11 @@ struct TrainOptions {
   int64_t keep_last = 0;
   bool keep_best = false;
   std::string resume_dir;     // if set, continue from its newest complete checkpoint
-  // The coordinator's generation of the job (the worker daemon sets it; 0
-  // elsewhere): checkpoints are written through a temporary directory of
-  // the generation's own (StepTmpDir), so that a rank of an earlier
-  // generation still running never writes into this one's.
+  // The coordinator's job and its generation (the worker daemon sets them;
+  // none and 0 elsewhere): checkpoints are written through a temporary
+  // directory of the generation's own (StepTmpDir), so that a rank of an
+  // earlier generation still running never writes into this one's.
+  std::string job;
   int64_t generation = 0;
   int64_t stop_after = 0;     // if > 0, stop after this step (as an interruption would)
   bool cuda = false;          // one rank per CUDA device over NCCL (else host tensors over Gloo)
