@@ -163,6 +163,26 @@ __device__ __forceinline__ int64_t GroupColumn() {
   return (blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns) * kP;
 }
 
+// Whether this block is the last of `count` to reach the counter: its
+// writes before and the others' after are visible (fences). Every thread of
+// the block calls it; `flag` is in shared memory.
+__device__ bool LastToFinish(unsigned* counter, int64_t count, unsigned* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1u) == static_cast<unsigned>(count - 1) ? 1u : 0u;
+  __syncthreads();
+  const bool last = *flag != 0;
+  if (last) __threadfence();
+  return last;
+}
+
+// A column reduction's shared memory: the lanes' sums, and LastToFinish's
+// flag.
+struct ColumnShared {
+  double sums[kThreads];
+  unsigned flag;
+};
+
 // Adds the lanes' partials of this thread's column: lane 0 returns the total.
 __device__ double SumOverLanes(double v, double* shared) {
   const int col = threadIdx.x % kColumns, lane = threadIdx.x / kColumns;
@@ -194,7 +214,7 @@ __device__ void SumGroupOverLanes(double (&v)[kV][kP], double* shared) {
 // true with the totals in v (lane 0's); the others return false. Every
 // thread of the block calls it (it holds barriers).
 template <int kV, int kP>
-__device__ bool CombineChunks(double (&v)[kV][kP], double* shared, const ColumnScratch& scratch, int64_t j,
+__device__ bool CombineChunks(double (&v)[kV][kP], ColumnShared& shared, const ColumnScratch& scratch, int64_t j,
                               int64_t n) {
   if (gridDim.y == 1) return true;
   const int lane = threadIdx.x / kColumns;
@@ -206,14 +226,8 @@ __device__ bool CombineChunks(double (&v)[kV][kP], double* shared, const ColumnS
       for (int e = 0; e < kP; ++e) scratch.partials[(k * chunks + blockIdx.y) * n + j + e] = v[k][e];
     }
   }
-  __threadfence();  // the partials before the count, for the block that reads them
-  __syncthreads();
-  if (threadIdx.x == 0) shared[0] = atomicAdd(&scratch.done[blockIdx.x], 1u) == chunks - 1 ? 1.0 : 0.0;
-  __syncthreads();
-  const bool last = shared[0] != 0.0;
-  __syncthreads();
-  if (!last) return false;
-  __threadfence();
+  // The partials before the count, for the block that reads them.
+  if (!LastToFinish(&scratch.done[blockIdx.x], chunks, &shared.flag)) return false;
   const volatile double* partials = scratch.partials;  // written by other blocks: not from a stale cache
 #pragma unroll
   for (int k = 0; k < kV; ++k) {
@@ -223,7 +237,7 @@ __device__ bool CombineChunks(double (&v)[kV][kP], double* shared, const ColumnS
       if (j < n) {
         for (int64_t c = lane; c < chunks; c += kRowLanes) t += partials[(k * chunks + c) * n + j + e];
       }
-      v[k][e] = SumOverLanes(t, shared);
+      v[k][e] = SumOverLanes(t, shared.sums);
     }
   }
   return true;
@@ -232,7 +246,7 @@ __device__ bool CombineChunks(double (&v)[kV][kP], double* shared, const ColumnS
 template <typename T, int kP>
 __global__ void ColumnSumKernel(In<T> dy, Out<T> db, int64_t rows, int64_t n, int64_t chunk_rows,
                                 ColumnScratch scratch) {
-  __shared__ double shared[kThreads];
+  __shared__ ColumnShared shared;
   const int64_t j = GroupColumn<kP>();
   int64_t r0, r1;
   ChunkRows(rows, chunk_rows, r0, r1);
@@ -245,7 +259,7 @@ __global__ void ColumnSumKernel(In<T> dy, Out<T> db, int64_t rows, int64_t n, in
       for (int e = 0; e < kP; ++e) s[0][e] += v[e];
     }
   }
-  SumGroupOverLanes(s, shared);
+  SumGroupOverLanes(s, shared.sums);
   if (!CombineChunks(s, shared, scratch, j, n)) return;
   if (j < n && threadIdx.x < kColumns) {
 #pragma unroll
@@ -270,7 +284,7 @@ __global__ void GeluBackwardKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, int64_
 template <typename T, int kP>
 __global__ void GeluBackwardBiasKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, Out<T> db, int64_t rows, int64_t n,
                                        bool tanh_approx, int64_t chunk_rows, ColumnScratch scratch) {
-  __shared__ double shared[kThreads];
+  __shared__ ColumnShared shared;
   const int64_t j = GroupColumn<kP>();
   int64_t r0, r1;
   ChunkRows(rows, chunk_rows, r0, r1);
@@ -290,7 +304,7 @@ __global__ void GeluBackwardBiasKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, Ou
       for (int e = 0; e < kP; ++e) s[0][e] += g[e];
     }
   }
-  SumGroupOverLanes(s, shared);
+  SumGroupOverLanes(s, shared.sums);
   if (!CombineChunks(s, shared, scratch, j, n)) return;
   if (j < n && threadIdx.x < kColumns) {
 #pragma unroll
@@ -589,19 +603,6 @@ struct FoldedNormScratch {
   int64_t group = 1;             // blocks a group
 };
 
-// Whether this block is the last of `count` to reach the counter: its
-// writes before and the others' after are visible (fences). Every thread of
-// the block calls it; `flag` is in shared memory.
-__device__ bool LastToFinish(unsigned* counter, int64_t count, unsigned* flag) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1u) == static_cast<unsigned>(count - 1) ? 1u : 0u;
-  __syncthreads();
-  const bool last = *flag != 0;
-  if (last) __threadfence();
-  return last;
-}
-
 template <typename T, bool kLayer, int kLanePacks>
 __global__ void __launch_bounds__(kThreads, 2)
     NormBackwardFoldedKernel(const T* dy, const T* x, const T* g, const float* mean, const float* rstd, const T* acc,
@@ -721,7 +722,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 template <typename T, typename G, int kP>
 __global__ void NormParamGradKernel(In<T> dy, In<T> x, const float* mean, const float* rstd, Out<G> dg, Out<G> db,
                                     int64_t rows, int64_t n, int64_t chunk_rows, ColumnScratch scratch) {
-  __shared__ double shared[kThreads];
+  __shared__ ColumnShared shared;
   const int64_t j = GroupColumn<kP>();
   int64_t r0, r1;
   ChunkRows(rows, chunk_rows, r0, r1);
@@ -740,7 +741,7 @@ __global__ void NormParamGradKernel(In<T> dy, In<T> x, const float* mean, const 
       }
     }
   }
-  SumGroupOverLanes(s, shared);
+  SumGroupOverLanes(s, shared.sums);
   if (!CombineChunks(s, shared, scratch, j, n)) return;
   if (j < n && threadIdx.x < kColumns) {
 #pragma unroll
