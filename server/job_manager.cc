@@ -269,7 +269,7 @@ void JobManager::UpdateWallTimeLocked(Entry& e) {
 }
 
 absl::Status JobManager::ChangeJob(absl::string_view job_id, absl::FunctionRef<absl::StatusOr<bool>(Entry&)> change,
-                                   v1::Job* out) {
+                                   v1::Job* out, bool must_record) {
   std::optional<RecordWrite> w;
   {
     absl::MutexLock lock(&mu_);
@@ -278,6 +278,7 @@ absl::Status JobManager::ChangeJob(absl::string_view job_id, absl::FunctionRef<a
     if (record) w = TakeRecordLocked(*e);
     if (out != nullptr) *out = e->job;
   }
+  if (must_record) return WriteRecord(w);
   WriteOrDefer(std::move(w));
   return absl::OkStatus();
 }
@@ -285,13 +286,15 @@ absl::Status JobManager::ChangeJob(absl::string_view job_id, absl::FunctionRef<a
 absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1::MeshSpec& mesh,
                                              double peak_flops) {
   v1::Job job;
-  RETURN_IF_ERROR(ChangeJob(
+  v1::JobState before = v1::JOB_STATE_UNSPECIFIED;  // set once the change is made
+  const absl::Status recorded = ChangeJob(
       job_id,
       [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
         if (e.job.state() != v1::JOB_STATE_PENDING && e.job.state() != v1::JOB_STATE_RESTARTING) {
           return absl::FailedPreconditionError(
               absl::StrCat("job '", job_id, "' is ", JobStateName(e.job.state()), ", not pending or restarting"));
         }
+        before = e.job.state();
         *e.job.mutable_mesh() = mesh;
         e.attempt_peak_flops = peak_flops > 0 && std::isfinite(peak_flops) ? peak_flops : 0;
         e.job.set_generation(e.job.generation() + 1);
@@ -309,8 +312,20 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
                                 absl::StrCat("ranks assigned to ", mesh.world_size(), " workers; connecting"));
         return true;
       },
-      &job));
-  return job;
+      &job, /*must_record=*/true);
+  if (recorded.ok()) return job;
+  if (before == v1::JOB_STATE_UNSPECIFIED) return recorded;  // not changed
+  // Not on disk: the generation is not handed out (spent: the next attempt
+  // takes the one after it), and the job waits in its state for a record
+  // that can be written.
+  const std::string why = absl::StrCat("generation ", job.generation(), " of the job cannot be recorded (",
+                                       recorded.message(), "): it is placed once its record can be written");
+  (void)ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
+    if (e.job.state() != v1::JOB_STATE_SCHEDULED || e.job.generation() != job.generation()) return false;
+    AppendStateChangeLocked(e, before, why);
+    return true;
+  });
+  return absl::UnavailableError(why);
 }
 
 absl::StatusOr<v1::Job> JobManager::SetState(absl::string_view job_id, v1::JobState state,

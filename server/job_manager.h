@@ -93,7 +93,12 @@ class JobManager {
   };
   // PENDING or RESTARTING -> SCHEDULED with the mesh (ranks assigned) and a
   // new generation. FAILED_PRECONDITION unless the job is PENDING or
-  // RESTARTING. `peak_flops`: the attempt's devices' dense peak
+  // RESTARTING. The new generation is on disk before it is handed out: where
+  // the record cannot be written (a full disk) the job goes back to its state
+  // with the reason, the generation spent, and the call fails UNAVAILABLE.
+  // So a coordinator that restarts never places a job again under a
+  // generation a rank of it may still run (the same rendezvous scope, the
+  // same checkpoint directory names). `peak_flops`: the attempt's devices' dense peak
   // (spec/plan.h's PeakFlopsOf; 0 unknown), which the run summary's MFU
   // divides by from the attempt's next step on.
   absl::StatusOr<v1::Job> Schedule(absl::string_view job_id, const v1::MeshSpec& mesh, double peak_flops = 0);
@@ -199,9 +204,11 @@ class JobManager {
   // Applies `change` to the job under mu_ (NOT_FOUND for an unknown id; the
   // change's own error leaves nothing written); when it returns true, takes
   // the job's record and writes it once mu_ is released. `out`, if given,
-  // gets the job as changed.
+  // gets the job as changed. With `must_record` the record is written now,
+  // outside any DeferredWrites, and a failed write is returned (the change
+  // stands in memory all the same); otherwise a failure is logged only.
   absl::Status ChangeJob(absl::string_view job_id, absl::FunctionRef<absl::StatusOr<bool>(Entry&)> change,
-                         v1::Job* out = nullptr) ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
+                         v1::Job* out = nullptr, bool must_record = false) ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
   // The job's record to write (nullopt without a state directory); cheap,
   // under mu_. The caller writes it with WriteRecord once mu_ is released.
   std::optional<RecordWrite> TakeRecordLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

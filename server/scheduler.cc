@@ -149,9 +149,13 @@ void Scheduler::ScheduleQueued() {
     absl::MutexLock lock(&mu_);
     // A restarting job waits until its previous placement's ranks all ended.
     std::vector<v1::Job> ready;
+    for (auto it = unrecorded_until_.begin(); it != unrecorded_until_.end();) {
+      it = it->second <= now ? unrecorded_until_.erase(it) : std::next(it);
+    }
     for (v1::Job& j : pending) {
       if (placed_.count(j.job_id())) continue;
       pending_ids.insert(j.job_id());
+      if (unrecorded_until_.count(j.job_id())) continue;  // it says why; tried again after the cool-off
       if (j.state() == v1::JOB_STATE_RESTARTING) restart_since_.try_emplace(j.job_id(), now);
       ready.push_back(std::move(j));
     }
@@ -233,7 +237,14 @@ void Scheduler::ScheduleQueued() {
     waiting_.erase(job.job_id());
     const v1::MeshSpec& placed = *decision->placed;
     absl::StatusOr<v1::Job> scheduled = jobs_->Schedule(job.job_id(), placed, PlacedPeakFlops(job.spec(), placed, live));
-    if (!scheduled.ok()) continue;  // cancelled meanwhile
+    if (!scheduled.ok()) {  // cancelled meanwhile, or its record cannot be written (it waits, and says why)
+      if (absl::IsUnavailable(scheduled.status())) {
+        COLOD_LOG(WARNING) << "job " << job.job_id() << ": " << scheduled.status().message();
+        absl::MutexLock lock(&mu_);
+        unrecorded_until_[job.job_id()] = now + options_.refusal_cooloff;
+      }
+      continue;
+    }
     for (const v1::RankAssignment& a : placed.ranks()) taken.insert(a.worker_id());
     {
       absl::MutexLock lock(&mu_);

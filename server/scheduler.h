@@ -83,7 +83,9 @@ class Scheduler {
     // A worker that says the job cannot run (INVALID_ARGUMENT,
     // UNIMPLEMENTED) refuses for the job's reasons: after max_placements
     // such placements the job fails listing them. Other refusals (no answer,
-    // busy, unauthenticated) are the cluster's and never fail the job.
+    // busy, unauthenticated) are the cluster's and never fail the job. A job
+    // whose new generation cannot be recorded (a full disk under the data
+    // dir) waits as long before it is placed again.
     absl::Duration refusal_cooloff = absl::Seconds(30);
     int max_placements = 3;
     // Ranks that wait in a collective this long are reported (FindHangs,
@@ -245,6 +247,9 @@ class Scheduler {
   std::map<std::string, Placed> placed_ ABSL_GUARDED_BY(mu_);
   // Workers that refused an assignment: no other until then.
   std::map<std::string, absl::Time> refused_until_ ABSL_GUARDED_BY(mu_);
+  // Jobs whose new generation could not be recorded (JobManager::Schedule's
+  // UNAVAILABLE): not placed again until then (refusal_cooloff).
+  std::map<std::string, absl::Time> unrecorded_until_ ABSL_GUARDED_BY(mu_);
   // RESTARTING jobs whose ranks all ended: since when each waits for workers.
   std::map<std::string, absl::Time> restart_since_ ABSL_GUARDED_BY(mu_);
   // Per job placed again after refusals: the refusals so far.

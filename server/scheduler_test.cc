@@ -3,7 +3,8 @@
 // RUNNING, SUCCEEDED; restarts after a retryable rank failure (resuming from
 // the checkpoint) until they are spent; errors of the job itself; a lost
 // worker and the wait for workers; refused assignments and their cool-off;
-// hang reports; job records written outside the scheduler's lock.
+// hang reports; job records written outside the scheduler's lock, and a
+// generation handed out only once it is recorded.
 #include "server/scheduler.h"
 
 #include <atomic>
@@ -19,6 +20,7 @@
 #include "common/proto_time.h"
 #include "gtest/gtest.h"
 #include "spec/job_validation.h"
+#include "tests/testing/full_disk.h"
 
 namespace colod {
 namespace {
@@ -575,6 +577,58 @@ TEST_F(SchedulerTest, ARecordBeingWrittenHoldsUpNoOtherReport) {
   EXPECT_TRUE(got_through) << "job " << b << "'s report waited for job " << a << "'s record";
   EXPECT_EQ(Job(a).state(), v1::JOB_STATE_RUNNING);
   jobs_->SetBeforeWriteForTest(nullptr);
+}
+
+// A job's new generation is on disk before a rank gets it. Where the
+// record cannot be written (a full disk), the job is not placed: it stays
+// PENDING and says why, the generation is spent, and it is not tried again
+// before the cool-off. Once the record can be written it is placed under
+// the next generation, which a reopened JobManager reads back; so a
+// restarted coordinator never hands out again a generation that ranks may
+// still run (their rendezvous scope, their checkpoints' names).
+TEST_F(SchedulerTest, AGenerationIsHandedOutOnlyOnceItIsRecorded) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/scheduler-unrecorded";
+  std::filesystem::remove_all(dir);
+  auto opened = JobManager::Open(dir, &clock_);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  jobs_ = std::move(*opened);
+  Start(2);
+  const std::string id = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
+  {
+    testing::FullDisk disk(16);
+    scheduler_->TickForTest();
+  }
+  v1::Job j = Job(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_PENDING);
+  EXPECT_NE(j.reason().find("generation 1 of the job cannot be recorded"), std::string::npos) << j.reason();
+  EXPECT_TRUE(fake_->assigned.empty());
+  const auto pass = [&](int seconds) {  // the workers beat on
+    for (int i = 0; i < seconds; ++i) {
+      clock_.Advance(absl::Seconds(1));
+      Beat(0);
+      Beat(1);
+    }
+  };
+  pass(10);
+  scheduler_->TickForTest();  // within the cool-off: not tried
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_PENDING);
+  EXPECT_TRUE(fake_->assigned.empty());
+  pass(21);
+  scheduler_->TickForTest();
+  j = Job(id);
+  ASSERT_EQ(j.state(), v1::JOB_STATE_SCHEDULED) << j.reason();
+  EXPECT_EQ(j.generation(), 2);
+  ASSERT_EQ(fake_->assigned.size(), 2u);
+  for (const auto& c : fake_->assigned) {
+    EXPECT_EQ(c.request.generation(), 2);
+    EXPECT_EQ(c.request.rendezvous_scope(), id + "/gen-2");
+  }
+  auto reopened = JobManager::Open(dir, &clock_);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  auto read_back = (*reopened)->Get(id);
+  ASSERT_TRUE(read_back.ok()) << read_back.status();
+  EXPECT_EQ(read_back->generation(), 2);  // a restarted coordinator places it again under 3
+  EXPECT_EQ(read_back->state(), v1::JOB_STATE_RESTARTING);
 }
 
 }  // namespace
