@@ -287,6 +287,8 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
                                              double peak_flops) {
   v1::Job job;
   v1::JobState before = v1::JOB_STATE_UNSPECIFIED;  // set once the change is made
+  v1::Job placement_before;                           // what the change sets, as it was
+  std::optional<double> peak_before;
   const absl::Status recorded = ChangeJob(
       job_id,
       [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
@@ -295,6 +297,11 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
               absl::StrCat("job '", job_id, "' is ", JobStateName(e.job.state()), ", not pending or restarting"));
         }
         before = e.job.state();
+        *placement_before.mutable_mesh() = e.job.mesh();
+        *placement_before.mutable_rank0_workers() = e.job.rank0_workers();
+        placement_before.set_rank0_first_generation(e.job.rank0_first_generation());
+        placement_before.set_stalled(e.job.stalled());
+        peak_before = e.attempt_peak_flops;
         *e.job.mutable_mesh() = mesh;
         e.attempt_peak_flops = peak_flops > 0 && std::isfinite(peak_flops) ? peak_flops : 0;
         e.job.set_generation(e.job.generation() + 1);
@@ -316,12 +323,17 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
   if (recorded.ok()) return job;
   if (before == v1::JOB_STATE_UNSPECIFIED) return recorded;  // not changed
   // Not on disk: the generation is not handed out (spent: the next attempt
-  // takes the one after it), and the job waits in its state for a record
-  // that can be written.
-  const std::string why = absl::StrCat("generation ", job.generation(), " of the job cannot be recorded (",
-                                       recorded.message(), "): it is placed once its record can be written");
+  // takes the one after it), the placement is undone, and the job waits in
+  // its state for a record that can be written.
+  const std::string why = absl::StrCat("its new generation cannot be recorded (", recorded.message(),
+                                       "): it is placed once its record can be written");
   (void)ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
     if (e.job.state() != v1::JOB_STATE_SCHEDULED || e.job.generation() != job.generation()) return false;
+    *e.job.mutable_mesh() = placement_before.mesh();
+    *e.job.mutable_rank0_workers() = placement_before.rank0_workers();
+    e.job.set_rank0_first_generation(placement_before.rank0_first_generation());
+    e.job.set_stalled(placement_before.stalled());
+    e.attempt_peak_flops = peak_before;
     AppendStateChangeLocked(e, before, why);
     return true;
   });

@@ -149,19 +149,20 @@ void Scheduler::ScheduleQueued() {
     absl::MutexLock lock(&mu_);
     // A restarting job waits until its previous placement's ranks all ended.
     std::vector<v1::Job> ready;
-    for (auto it = unrecorded_until_.begin(); it != unrecorded_until_.end();) {
-      it = it->second <= now ? unrecorded_until_.erase(it) : std::next(it);
-    }
     for (v1::Job& j : pending) {
       if (placed_.count(j.job_id())) continue;
       pending_ids.insert(j.job_id());
-      if (unrecorded_until_.count(j.job_id())) continue;  // it says why; tried again after the cool-off
+      auto unrecorded = unrecorded_.find(j.job_id());
+      if (unrecorded != unrecorded_.end() && unrecorded->second.until > now) continue;  // it says why
       if (j.state() == v1::JOB_STATE_RESTARTING) restart_since_.try_emplace(j.job_id(), now);
       ready.push_back(std::move(j));
     }
     pending = std::move(ready);
     for (auto it = restart_since_.begin(); it != restart_since_.end();) {  // placed, or cancelled
       it = pending_ids.count(it->first) ? std::next(it) : restart_since_.erase(it);
+    }
+    for (auto it = unrecorded_.begin(); it != unrecorded_.end();) {  // placed, or cancelled
+      it = pending_ids.count(it->first) ? std::next(it) : unrecorded_.erase(it);
     }
     for (const auto& [id, p] : placed_) {
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
@@ -241,7 +242,10 @@ void Scheduler::ScheduleQueued() {
       if (absl::IsUnavailable(scheduled.status())) {
         COLOD_LOG(WARNING) << "job " << job.job_id() << ": " << scheduled.status().message();
         absl::MutexLock lock(&mu_);
-        unrecorded_until_[job.job_id()] = now + options_.refusal_cooloff;
+        Unrecorded& u = unrecorded_[job.job_id()];
+        u.until = now + options_.refusal_cooloff * (1 << std::min(u.failures, 4));
+        ++u.failures;
+        restart_since_.erase(job.job_id());  // its wait for workers counts from the next try
       }
       continue;
     }
@@ -249,6 +253,7 @@ void Scheduler::ScheduleQueued() {
     {
       absl::MutexLock lock(&mu_);
       restart_since_.erase(job.job_id());
+      unrecorded_.erase(job.job_id());
       Placed& p = placed_[job.job_id()];
       p.job_id = job.job_id();
       p.generation = scheduled->generation();

@@ -85,7 +85,8 @@ class Scheduler {
     // such placements the job fails listing them. Other refusals (no answer,
     // busy, unauthenticated) are the cluster's and never fail the job. A job
     // whose new generation cannot be recorded (a full disk under the data
-    // dir) waits as long before it is placed again.
+    // dir) waits as long before it is placed again, twice as long after
+    // each failure in a row (up to 16 times).
     absl::Duration refusal_cooloff = absl::Seconds(30);
     int max_placements = 3;
     // Ranks that wait in a collective this long are reported (FindHangs,
@@ -248,8 +249,13 @@ class Scheduler {
   // Workers that refused an assignment: no other until then.
   std::map<std::string, absl::Time> refused_until_ ABSL_GUARDED_BY(mu_);
   // Jobs whose new generation could not be recorded (JobManager::Schedule's
-  // UNAVAILABLE): not placed again until then (refusal_cooloff).
-  std::map<std::string, absl::Time> unrecorded_until_ ABSL_GUARDED_BY(mu_);
+  // UNAVAILABLE): not placed again until `until`, refusal_cooloff doubled
+  // at each failure in a row up to 16 times it; kept while the job waits.
+  struct Unrecorded {
+    absl::Time until;
+    int failures = 0;
+  };
+  std::map<std::string, Unrecorded> unrecorded_ ABSL_GUARDED_BY(mu_);
   // RESTARTING jobs whose ranks all ended: since when each waits for workers.
   std::map<std::string, absl::Time> restart_since_ ABSL_GUARDED_BY(mu_);
   // Per job placed again after refusals: the refusals so far.

@@ -580,9 +580,10 @@ TEST_F(SchedulerTest, ARecordBeingWrittenHoldsUpNoOtherReport) {
 }
 
 // A job's new generation is on disk before a rank gets it. Where the
-// record cannot be written (a full disk), the job is not placed: it stays
-// PENDING and says why, the generation is spent, and it is not tried again
-// before the cool-off. Once the record can be written it is placed under
+// record cannot be written (a full disk), the job is not placed: it goes
+// back to PENDING and says why, the placement undone and the generation
+// spent, and it is not tried again before the cool-off, which doubles at
+// each failure in a row. Once the record can be written it is placed under
 // the next generation, which a reopened JobManager reads back; so a
 // restarted coordinator never hands out again a generation that ranks may
 // still run (their rendezvous scope, their checkpoints' names).
@@ -594,14 +595,6 @@ TEST_F(SchedulerTest, AGenerationIsHandedOutOnlyOnceItIsRecorded) {
   jobs_ = std::move(*opened);
   Start(2);
   const std::string id = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
-  {
-    testing::FullDisk disk(16);
-    scheduler_->TickForTest();
-  }
-  v1::Job j = Job(id);
-  EXPECT_EQ(j.state(), v1::JOB_STATE_PENDING);
-  EXPECT_NE(j.reason().find("generation 1 of the job cannot be recorded"), std::string::npos) << j.reason();
-  EXPECT_TRUE(fake_->assigned.empty());
   const auto pass = [&](int seconds) {  // the workers beat on
     for (int i = 0; i < seconds; ++i) {
       clock_.Advance(absl::Seconds(1));
@@ -609,25 +602,46 @@ TEST_F(SchedulerTest, AGenerationIsHandedOutOnlyOnceItIsRecorded) {
       Beat(1);
     }
   };
-  pass(10);
+  const auto full_disk_tick = [&] {
+    testing::FullDisk disk(16);
+    scheduler_->TickForTest();
+  };
+  full_disk_tick();
+  v1::Job j = Job(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_PENDING);
+  EXPECT_NE(j.reason().find("its new generation cannot be recorded"), std::string::npos) << j.reason();
+  EXPECT_EQ(j.generation(), 1);  // spent
+  EXPECT_EQ(j.mesh().ranks_size(), 0);  // undone
+  EXPECT_TRUE(j.rank0_workers().empty());
+  EXPECT_TRUE(fake_->assigned.empty());
+  pass(29);
   scheduler_->TickForTest();  // within the cool-off: not tried
   EXPECT_EQ(Job(id).state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(Job(id).generation(), 1);
+  pass(2);
+  full_disk_tick();  // tried again: fails again, and waits twice as long
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(Job(id).generation(), 2);
+  pass(59);
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(id).generation(), 2);
   EXPECT_TRUE(fake_->assigned.empty());
-  pass(21);
+  pass(2);
   scheduler_->TickForTest();
   j = Job(id);
   ASSERT_EQ(j.state(), v1::JOB_STATE_SCHEDULED) << j.reason();
-  EXPECT_EQ(j.generation(), 2);
+  EXPECT_EQ(j.generation(), 3);
   ASSERT_EQ(fake_->assigned.size(), 2u);
   for (const auto& c : fake_->assigned) {
-    EXPECT_EQ(c.request.generation(), 2);
-    EXPECT_EQ(c.request.rendezvous_scope(), id + "/gen-2");
+    EXPECT_EQ(c.request.generation(), 3);
+    EXPECT_EQ(c.request.rendezvous_scope(), id + "/gen-3");
   }
+  EXPECT_EQ(j.rank0_workers().size(), 1u);
   auto reopened = JobManager::Open(dir, &clock_);
   ASSERT_TRUE(reopened.ok()) << reopened.status();
   auto read_back = (*reopened)->Get(id);
   ASSERT_TRUE(read_back.ok()) << read_back.status();
-  EXPECT_EQ(read_back->generation(), 2);  // a restarted coordinator places it again under 3
+  EXPECT_EQ(read_back->generation(), 3);  // a restarted coordinator places it again under 4
   EXPECT_EQ(read_back->state(), v1::JOB_STATE_RESTARTING);
 }
 

@@ -115,14 +115,15 @@ absl::Status Validate(const std::string& step_dir) {
   return absl::OkStatus();
 }
 
-// The names of `dir`'s entries; NOT_FOUND where it cannot be listed
-// (never throws: a read error midway ends the listing there).
+// The names of `dir`'s entries; NOT_FOUND where it cannot be listed,
+// UNAVAILABLE where reading it fails midway (never throws).
 absl::StatusOr<std::vector<std::string>> EntryNames(const std::string& dir) {
   std::vector<std::string> out;
   std::error_code ec;
   fs::directory_iterator it(dir, ec), end;
   if (ec) return absl::NotFoundError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
   for (; !ec && it != end; it.increment(ec)) out.push_back(it->path().filename().string());
+  if (ec) return absl::UnavailableError(absl::StrCat("listing ", dir, " failed midway: ", ec.message()));
   return out;
 }
 
@@ -169,7 +170,9 @@ void RemoveStaleTmpDirs(const std::string& dir, const CheckpointWriter& writer) 
 // every moment; where the file system cannot exchange, moved aside first,
 // removed after, and moved back if the rename fails. ABORTED, leaving it
 // and removing tmp, where the checkpoint in place is a later generation's
-// of the same job: this rank is a stale one the coordinator gave up on.
+// of the same job (this rank is a stale one the coordinator gave up on),
+// read before the exchange and again after it (one put in place meanwhile
+// is exchanged back).
 absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, const std::string& final_dir,
                                const CheckpointWriter& writer) {
   std::error_code ec;
@@ -180,19 +183,31 @@ absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, c
     }
     return absl::OkStatus();
   }
-  if (absl::StatusOr<Json> there = ReadJson(absl::StrCat(final_dir, "/", kState)); there.ok()) {
+  const auto later = [&](const std::string& checkpoint) -> std::optional<int64_t> {
+    absl::StatusOr<Json> there = ReadJson(absl::StrCat(checkpoint, "/", kState));
+    if (!there.ok()) return std::nullopt;
     const Json& t = *there;
     const std::string job = t.contains("job") && t["job"].is_string() ? t["job"].get<std::string>() : "";
     const int64_t generation =
         t.contains("generation") && t["generation"].is_number_integer() ? t["generation"].get<int64_t>() : 0;
-    if (job == writer.job && generation > writer.generation) {
-      fs::remove_all(tmp, ec);
-      return absl::AbortedError(absl::StrCat(final_dir, " was written by generation ", generation, " of ",
-                                             job.empty() ? "the run" : job, ", later than this one's ",
-                                             writer.generation, ": left in place"));
-    }
-  }
+    if (job == writer.job && generation > writer.generation) return generation;
+    return std::nullopt;
+  };
+  const auto refuse = [&](int64_t generation) {
+    fs::remove_all(tmp, ec);
+    return absl::AbortedError(absl::StrCat(final_dir, " was written by generation ", generation, " of ",
+                                           writer.job.empty() ? "the run" : writer.job, ", later than this one's ",
+                                           writer.generation, ": left in place"));
+  };
+  if (const std::optional<int64_t> g = later(final_dir)) return refuse(*g);
   if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+    // What went out: a later generation's put in place since it was read
+    // above goes back.
+    if (const std::optional<int64_t> g = later(tmp)) {
+      if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) return refuse(*g);
+      COLOD_LOG(WARNING) << "cannot put generation " << *g << "'s " << final_dir << " back from " << tmp << ": "
+                         << std::strerror(errno);
+    }
     fs::remove_all(tmp, ec);  // the old checkpoint; a leftover goes with the next save's stale directories
     return absl::OkStatus();
   }
@@ -238,7 +253,9 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
   const std::string final_dir = StepDir(dir, step), tmp = StepTmpDir(dir, step, writer);
   std::error_code ec;
   if (rank == 0) {
-    fs::remove_all(tmp, ec);  // a crashed attempt's leftovers
+    // Crashed or abandoned attempts, this one's included, before this
+    // checkpoint takes room of its own.
+    RemoveStaleTmpDirs(dir, writer);
     fs::create_directories(tmp, ec);
     if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", tmp, ": ", ec.message()));
   }
@@ -268,12 +285,16 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
     RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(tmp, "/", kState), j.dump(1)));
     // Every rank's files are there and read (ranks of another colod version
     // would write elsewhere): retention trusts train_state.json alone.
-    RETURN_IF_ERROR(Validate(tmp));
+    if (const absl::Status whole = Validate(tmp); !whole.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint ", tmp, " is incomplete after every rank wrote its part (do all workers run the "
+                       "same colod version?): ",
+                       whole.message()));
+    }
     RETURN_IF_ERROR(InstallCheckpoint(dir, tmp, final_dir, writer));
   }
   RETURN_IF_ERROR(pg->Barrier());
-  // The others' leftovers go once this checkpoint is in place, while the
-  // ranks train on (what could be gigabytes holds up no barrier).
+  // What a stale rank of an earlier generation made again meanwhile.
   if (rank == 0) RemoveStaleTmpDirs(dir, writer);
   return absl::OkStatus();
 }

@@ -15,9 +15,11 @@
 // temporary directory, so a rank of an earlier generation that the
 // coordinator gave up on (its --stop-grace) and that still writes never
 // writes into a later generation's checkpoint, and it never replaces a
-// later generation's checkpoint of the same step. Once a save is in place
-// rank 0 removes the other temporary directories but those of its job's
-// later generations: a directory holds one job's checkpoints at a time.
+// later generation's checkpoint of the same step. Rank 0 removes the other
+// temporary directories but those of its job's later generations when a
+// save starts and again when it ends: a directory holds one job's
+// checkpoints at a time, and job ids are one coordinator's (job-NNNNNN,
+// counted in its data dir).
 // Resuming picks the newest checkpoint whose files all open and validate
 // (a truncated file is detected by the safetensors header checks) and needs
 // the layout it was written with but for data_parallel_size: each rank puts
@@ -59,7 +61,7 @@ struct CheckpointWriter {
 };
 
 // The temporary directory `writer` writes StepDir(dir, step) through:
-// DIR/step-NNNNNN.JOB.gen-G.tmp.
+// DIR/step-NNNNNN.[JOB.]gen-G.tmp.
 std::string StepTmpDir(const std::string& dir, int64_t step, const CheckpointWriter& writer);
 
 // After `step` (1-based) optimizer steps, into StepDir(dir, step), with
@@ -81,7 +83,8 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
 
 // The newest complete checkpoint directory under `dir` (DIR/step-NNNNNN),
 // skipping damaged ones; `skipped` (if given) gets the ones passed over and
-// why. NOT_FOUND when none is complete.
+// why. NOT_FOUND when none is complete or `dir` cannot be listed,
+// UNAVAILABLE when reading it fails midway.
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr);
 
 // A complete checkpoint of a run's directory, as retention and `coloctl
@@ -96,7 +99,8 @@ struct CheckpointInfo {
 // The checkpoints under `dir` whose train_state.json reads (rank 0 writes it
 // last, before the directory is renamed into place), oldest first; a
 // directory being written (.tmp) or whose state does not read is left out
-// (`skipped` gets it and why). NOT_FOUND when `dir` cannot be listed.
+// (`skipped` gets it and why). NOT_FOUND when `dir` cannot be listed,
+// UNAVAILABLE when reading it fails midway.
 absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& dir,
                                                             std::vector<std::string>* skipped = nullptr);
 
