@@ -529,39 +529,6 @@ absl::Status Dropout(int, const float* x, float* y, int64_t n, float p, uint64_t
   return absl::OkStatus();
 }
 
-namespace {
-
-absl::Status EmbeddingF32(const float* table, const int64_t* ids, float* out, int64_t count, int64_t rows, int64_t h,
-                          int64_t row_offset) {
-  for (int64_t i = 0; i < count; ++i) {
-    if (ids[i] < row_offset || ids[i] >= row_offset + rows) {  // masked: another shard's row
-      std::fill(out + i * h, out + (i + 1) * h, 0.0f);
-    } else {
-      const int64_t local = ids[i] - row_offset;
-      std::copy(table + local * h, table + (local + 1) * h, out + i * h);
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status EmbeddingBackwardF32(const float* dy, const std::vector<int64_t>& seg_rows,
-                                  const std::vector<int64_t>& seg_starts, const std::vector<int64_t>& tokens,
-                                  float* dtable, int64_t rows, int64_t h) {
-  std::fill(dtable, dtable + rows * h, 0.0f);
-  std::vector<double> acc(h);
-  for (size_t s = 0; s < seg_rows.size(); ++s) {
-    std::fill(acc.begin(), acc.end(), 0.0);
-    for (int64_t t = seg_starts[s]; t < seg_starts[s + 1]; ++t) {
-      const float* row = dy + tokens[t] * h;
-      for (int64_t j = 0; j < h; ++j) acc[j] += row[j];
-    }
-    for (int64_t j = 0; j < h; ++j) dtable[seg_rows[s] * h + j] = static_cast<float>(acc[j]);
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 absl::Status CrossEntropy(int, const float* logits, const int64_t* labels, float* loss, int64_t n, int64_t v,
                           float smoothing, int64_t ignore_index) {
   for (int64_t r = 0; r < n; ++r) {
@@ -1107,23 +1074,41 @@ absl::Status NormParamGrad(int, ElemType type, const void* dy, const void* x, co
   return absl::OkStatus();
 }
 
+// The embeddings work in the table's type, as the CUDA twin does: rows are
+// copied as they are (another shard's row is zeros), and each gradient row
+// is its tokens' rows summed in double, rounded to f32 and then to the type;
+// the rest of the table's gradient is zeros. Nothing of the table is
+// widened.
 absl::Status Embedding(int, ElemType type, const void* table, const int64_t* ids, void* out, int64_t count,
                        int64_t rows, int64_t h, int64_t row_offset) {
   if (absl::Status st = CheckFloatType(type, "Embedding"); !st.ok()) return st;
-  F32In ft(table, rows * h, type);
-  F32Out fo(out, count * h, type);
-  return Typed({&fo}, [&] { return EmbeddingF32(ft.get(), ids, fo.get(), count, rows, h, row_offset); });
+  const size_t row_bytes = static_cast<size_t>(h) * ElemBytes(type);
+  const char* from = static_cast<const char*>(table);
+  char* to = static_cast<char*>(out);
+  for (int64_t i = 0; i < count; ++i) {
+    if (ids[i] < row_offset || ids[i] >= row_offset + rows) {  // masked: another shard's row
+      std::memset(to + i * row_bytes, 0, row_bytes);         // +0 in every float type
+    } else {
+      std::memcpy(to + i * row_bytes, from + (ids[i] - row_offset) * row_bytes, row_bytes);
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status EmbeddingBackward(int, ElemType type, const void* dy, const std::vector<int64_t>& seg_rows,
                                const std::vector<int64_t>& seg_starts, const std::vector<int64_t>& tokens,
                                void* dtable, int64_t rows, int64_t h) {
   if (absl::Status st = CheckFloatType(type, "EmbeddingBackward"); !st.ok()) return st;
-  int64_t tokens_in = 0;  // the rows of dy read: up to the largest token index
-  for (int64_t t : tokens) tokens_in = std::max(tokens_in, t + 1);
-  F32In fd(dy, tokens_in * h, type);
-  F32Out fo(dtable, rows * h, type);
-  return Typed({&fo}, [&] { return EmbeddingBackwardF32(fd.get(), seg_rows, seg_starts, tokens, fo.get(), rows, h); });
+  std::memset(dtable, 0, static_cast<size_t>(rows * h) * ElemBytes(type));
+  std::vector<double> acc(h);
+  for (size_t s = 0; s < seg_rows.size(); ++s) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t t = seg_starts[s]; t < seg_starts[s + 1]; ++t) {
+      for (int64_t j = 0; j < h; ++j) acc[j] += LoadF(dy, tokens[t] * h + j, type);
+    }
+    for (int64_t j = 0; j < h; ++j) StoreF(dtable, seg_rows[s] * h + j, type, static_cast<float>(acc[j]));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status FlashAttention(int dev, ElemType type, const void* q, const void* k, const void* v, void* out,

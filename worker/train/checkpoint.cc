@@ -334,9 +334,13 @@ absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& d
 }
 
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
-                                                             const std::string& must_keep) {
+                                                             const std::string& must_keep,
+                                                             const CheckpointWriter& writer) {
+  constexpr absl::string_view kTrash = ".trash-";
   for (const std::string& name : EntryNames(dir).value_or(std::vector<std::string>{})) {
     if (absl::StartsWith(name, ".trash-step-")) {  // removals a crash interrupted
+      const std::optional<CheckpointWriter> w = TmpWriter(absl::StrCat(name.substr(kTrash.size()), ".tmp"));
+      if (w.has_value() && w->job == writer.job && w->generation > writer.generation) continue;
       std::error_code rm;
       fs::remove_all(absl::StrCat(dir, "/", name), rm);
     }

@@ -120,9 +120,12 @@ struct Retention {
 // leaves the checkpoint in place (kept, and logged), with the rest done.
 // `must_keep` (a path as ListCheckpoints gives it) is kept whatever the
 // rest: the checkpoint just written, even where the directory holds a
-// higher-numbered one (an earlier run's).
+// higher-numbered one (an earlier run's). The leftovers of `writer`'s
+// job's later generations (a checkpoint moved aside mid-replace where the
+// file system cannot exchange, .trash-step-N.JOB.gen-G) are left alone.
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
-                                                             const std::string& must_keep = "");
+                                                             const std::string& must_keep = "",
+                                                             const CheckpointWriter& writer = {});
 
 struct Resumed {
   int64_t step = 0;  // steps done; training continues with step + 1

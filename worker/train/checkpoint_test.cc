@@ -200,9 +200,14 @@ TEST(Checkpoints, AGenerationWritesOnlyThroughItsOwnTemporaryDirectory) {
   stale_dir(o.save_dir + "/step-000001.tmp", "");  // colod before 2026-12
   stale_dir(StepTmpDir(o.save_dir, 3, {.job = o.job, .generation = 7}), "");  // later: this run is the stale one there
   stale_dir(StepDir(o.save_dir, 3), R"({"step": 3, "job": "job-000007", "generation": 1})");  // earlier: replaced
+  // Checkpoints moved aside mid-replace (a file system that cannot
+  // exchange): an earlier generation's leftover goes, a later one's stays.
+  stale_dir(o.save_dir + "/.trash-step-000009.job-000007.gen-1", "");
+  stale_dir(o.save_dir + "/.trash-step-000009.job-000007.gen-7", "");
   ASSERT_TRUE(testing::Losses(o).size() == 3u);
-  const std::string later = "step-000003.job-000007.gen-7.tmp";
-  EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000002", "step-000003", later}));
+  const std::string later = "step-000003.job-000007.gen-7.tmp", later_aside = ".trash-step-000009.job-000007.gen-7";
+  EXPECT_EQ(Entries(o.save_dir),
+            (std::set<std::string>{"step-000001", "step-000002", "step-000003", later, later_aside}));
   for (int64_t step = 1; step <= 3; ++step) {
     EXPECT_FALSE(fs::exists(StepDir(o.save_dir, step) + "/stale-rank-file")) << "step " << step;
   }

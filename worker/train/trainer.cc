@@ -660,7 +660,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       s.checkpoint = StepDir(o.save_dir, step + 1);
       if (rank == 0) {  // the checkpoint is complete on every rank (the save's last barrier)
         absl::StatusOr<std::vector<CheckpointInfo>> kept = PruneCheckpoints(
-            o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best}, s.checkpoint);
+            o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best}, s.checkpoint,
+            CheckpointWriter{.job = o.job, .generation = o.generation});
         if (kept.ok()) {
           s.checkpoints = *std::move(kept);
           // The report carries the newest kMaxReportedCheckpoints.
