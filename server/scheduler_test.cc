@@ -110,6 +110,16 @@ class SchedulerTest : public ::testing::Test {
 
   v1::Job Job(const std::string& id) { return *jobs_->Get(id); }
 
+  // Jobs recorded in TEST_TMPDIR/NAME, empty at first: returns the path.
+  std::string RecordJobsIn(const std::string& name) {
+    const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/" + name;
+    std::filesystem::remove_all(dir);
+    auto opened = JobManager::Open(dir, &clock_);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    if (opened.ok()) jobs_ = std::move(*opened);
+    return dir;
+  }
+
   // Rank `rank` of the job's current placement reports.
   absl::StatusOr<bool> Report(const std::string& id, int rank, v1::ReportProgressRequest r) {
     const v1::Job j = Job(id);
@@ -544,11 +554,7 @@ TEST_F(SchedulerTest, ReportsAHangAgainWhenARankFallsSilent) {
 // disk, here the write hook), another job's report gets through the
 // scheduler: it does not wait for that write.
 TEST_F(SchedulerTest, ARecordBeingWrittenHoldsUpNoOtherReport) {
-  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/scheduler-records";
-  std::filesystem::remove_all(dir);
-  auto opened = JobManager::Open(dir, &clock_);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  jobs_ = std::move(*opened);
+  RecordJobsIn("scheduler-records");
   Start(4);
   const std::string a = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
   const std::string b = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
@@ -588,11 +594,7 @@ TEST_F(SchedulerTest, ARecordBeingWrittenHoldsUpNoOtherReport) {
 // restarted coordinator never hands out again a generation that ranks may
 // still run (their rendezvous scope, their checkpoints' names).
 TEST_F(SchedulerTest, AGenerationIsHandedOutOnlyOnceItIsRecorded) {
-  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/scheduler-unrecorded";
-  std::filesystem::remove_all(dir);
-  auto opened = JobManager::Open(dir, &clock_);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  jobs_ = std::move(*opened);
+  const std::string dir = RecordJobsIn("scheduler-unrecorded");
   Start(2);
   const std::string id = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
   const auto pass = [&](int seconds) {  // the workers beat on
