@@ -93,16 +93,17 @@ class JobManager {
   };
   // PENDING or RESTARTING -> SCHEDULED with the mesh (ranks assigned) and a
   // new generation. FAILED_PRECONDITION unless the job is PENDING or
-  // RESTARTING. The new generation is on disk before it is handed out: where
-  // the record cannot be written (a full disk) the placement is undone and
-  // the job goes back to its state with the reason (two events: SCHEDULED
-  // and back), the generation spent, and the call fails UNAVAILABLE. Not
-  // under a caller's lock: it writes the record before it returns.
-  // So a coordinator that restarts never places a job again under a
-  // generation a rank of it may still run (the same rendezvous scope, the
-  // same checkpoint directory names). `peak_flops`: the attempt's devices' dense peak
+  // RESTARTING. `peak_flops`: the attempt's devices' dense peak
   // (spec/plan.h's PeakFlopsOf; 0 unknown), which the run summary's MFU
   // divides by from the attempt's next step on.
+  // The new generation is on disk before it is handed out, so a coordinator
+  // that restarts never places a job again under a generation a rank of it
+  // may still run (the same rendezvous scope, the same checkpoint directory
+  // names): where the record cannot be written (a full disk) the placement
+  // is undone and the job goes back to its state with the reason (two
+  // events: SCHEDULED and back), the generation spent, and the call fails
+  // UNAVAILABLE. Not under a caller's lock: it writes the record before it
+  // returns.
   absl::StatusOr<v1::Job> Schedule(absl::string_view job_id, const v1::MeshSpec& mesh, double peak_flops = 0);
   // Moves a job that has not ended to `state` (RUNNING or a final state; or
   // PENDING again, with a new reason, while it waits).

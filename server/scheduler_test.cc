@@ -597,13 +597,6 @@ TEST_F(SchedulerTest, AGenerationIsHandedOutOnlyOnceItIsRecorded) {
   const std::string dir = RecordJobsIn("scheduler-unrecorded");
   Start(2);
   const std::string id = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
-  const auto pass = [&](int seconds) {  // the workers beat on
-    for (int i = 0; i < seconds; ++i) {
-      clock_.Advance(absl::Seconds(1));
-      Beat(0);
-      Beat(1);
-    }
-  };
   const auto full_disk_tick = [&] {
     testing::FullDisk disk(16);
     scheduler_->TickForTest();
@@ -616,19 +609,19 @@ TEST_F(SchedulerTest, AGenerationIsHandedOutOnlyOnceItIsRecorded) {
   EXPECT_EQ(j.mesh().ranks_size(), 0);  // undone
   EXPECT_TRUE(j.rank0_workers().empty());
   EXPECT_TRUE(fake_->assigned.empty());
-  pass(29);
+  Pass(absl::Seconds(29));
   scheduler_->TickForTest();  // within the cool-off: not tried
   EXPECT_EQ(Job(id).state(), v1::JOB_STATE_PENDING);
   EXPECT_EQ(Job(id).generation(), 1);
-  pass(2);
+  Pass(absl::Seconds(2));
   full_disk_tick();  // tried again: fails again, and waits twice as long
   EXPECT_EQ(Job(id).state(), v1::JOB_STATE_PENDING);
   EXPECT_EQ(Job(id).generation(), 2);
-  pass(59);
+  Pass(absl::Seconds(59));
   scheduler_->TickForTest();
   EXPECT_EQ(Job(id).generation(), 2);
   EXPECT_TRUE(fake_->assigned.empty());
-  pass(2);
+  Pass(absl::Seconds(2));
   scheduler_->TickForTest();
   j = Job(id);
   ASSERT_EQ(j.state(), v1::JOB_STATE_SCHEDULED) << j.reason();
