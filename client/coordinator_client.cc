@@ -1,13 +1,12 @@
 #include "client/coordinator_client.h"
 
 #include <algorithm>
-#include <filesystem>
 #include <fstream>
-
-#include "common/auth.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/auth.h"
 #include "common/grpc_status.h"
 #include "common/model_layout.h"
 #include "common/net.h"
@@ -254,19 +253,16 @@ absl::Status CoordinatorClient::DeleteTensor(const std::string& job_id, const st
 }
 
 absl::StatusOr<v1::UploadModelResponse> CoordinatorClient::UploadModel(const std::string& dir, absl::Duration timeout) {
-  namespace fs = std::filesystem;
   std::vector<std::string> files;
   bool weights = false;
-  std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
+  ASSIGN_OR_RETURN(const std::vector<std::string> names, ListDirectory(dir));
+  for (const std::string& name : names) {
     const bool tensors = absl::EndsWith(name, ".safetensors");
-    if (e.is_regular_file() && (IsWeightsFile(name) || IsTokenizerFile(name) || name == "config.json")) {
+    if (IsRegularFile(dir + "/" + name) && (IsWeightsFile(name) || IsTokenizerFile(name) || name == "config.json")) {
       files.push_back(name);
       weights = weights || tensors;
     }
   }
-  if (ec) return absl::NotFoundError(absl::StrCat("cannot list '", dir, "': ", ec.message()));
   if (!weights) return absl::NotFoundError(absl::StrCat("'", dir, "' holds no .safetensors file"));
   std::sort(files.begin(), files.end());
   grpc::ClientContext ctx;
@@ -290,6 +286,13 @@ absl::StatusOr<v1::UploadModelResponse> CoordinatorClient::UploadModel(const std
       sent = writer->Write(req);
     } while (in && sent);
     if (!sent) break;  // the stream broke: Finish says why
+    if (in.bad()) {
+      // Nothing of a part is stored: the call ends cancelled, the coordinator
+      // drops what it received.
+      ctx.TryCancel();
+      (void)writer->Finish();
+      return absl::DataLossError(absl::StrCat("reading '", dir, "/", f, "' failed midway"));
+    }
   }
   writer->WritesDone();
   RETURN_IF_ERROR(Annotate(writer->Finish(), address_, "UploadModel"));

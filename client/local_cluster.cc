@@ -79,9 +79,15 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
   } else {
     std::error_code ec;
     std::filesystem::create_directories(c->data_dir_, ec);
+    if (ec) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--data-dir: cannot create '", c->data_dir_, "': ", ec.message()));
+    }
   }
   const std::string ready = c->data_dir_ + "/coordinator.ready";
-  std::filesystem::remove(ready);
+  std::error_code stale;
+  std::filesystem::remove(ready, stale);
+  if (stale) return absl::FailedPreconditionError(absl::StrCat("cannot remove '", ready, "': ", stale.message()));
   auto fail = [&c](absl::Status s) {
     c->temporary_ = false;  // keep the logs
     c->Stop();

@@ -1,5 +1,6 @@
 #include "common/atomic_file.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8,8 +9,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 
@@ -69,11 +68,56 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 }
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
+  // Not blocked in open by a FIFO without a writer; a pipe with one (a
+  // shell's <(...)) is read to its end, blocking again.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot read '", path, "': ", std::strerror(errno)));
+  struct stat info;
+  int err = ::fstat(fd, &info) != 0                                    ? errno
+            : S_ISDIR(info.st_mode)                                    ? EISDIR
+            : !S_ISREG(info.st_mode) && !S_ISFIFO(info.st_mode)        ? ENODEV  // /dev/zero would never end
+            : ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK) ? errno
+                                                                       : 0;
+  if (err != 0) {
+    ::close(fd);
+    return FileError("cannot read", path, err);
+  }
+  std::string out;
+  char buffer[1 << 16];
+  absl::Status s;
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n > 0) {
+      out.append(buffer, static_cast<size_t>(n));
+    } else if (n == 0) {
+      break;
+    } else if (errno != EINTR) {
+      s = Errno("cannot read", path);  // EIO midway
+      break;
+    }
+  }
+  ::close(fd);
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return absl::NotFoundError(absl::StrCat("cannot list '", dir, "': ", std::strerror(errno)));
+  std::vector<std::string> names;
+  for (;;) {
+    errno = 0;
+    const struct dirent* e = ::readdir(d);
+    if (e == nullptr) break;
+    const absl::string_view name = e->d_name;
+    if (name != "." && name != "..") names.emplace_back(name);
+  }
+  const int err = errno;
+  ::closedir(d);
+  if (err != 0) {
+    return absl::UnavailableError(absl::StrCat("listing '", dir, "' failed midway: ", std::strerror(err)));
+  }
+  return names;
 }
 
 bool IsRegularFile(const std::string& path) {

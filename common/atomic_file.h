@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -28,8 +29,19 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 // FAILED_PRECONDITION.
 absl::Status FileError(absl::string_view what, absl::string_view path, int err);
 
-// The whole content of `path`; NOT_FOUND naming it when it cannot be read.
+// The whole content of `path`, a regular file or a pipe (a shell's <(...)):
+// NOT_FOUND naming it when it cannot be opened; FileError's status for a
+// directory or a device, or when reading fails midway (never a shorter
+// content). A FIFO without a writer reads as empty rather than blocking.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+
+// The names of `dir`'s entries, "." and ".." left out, in no particular
+// order: NOT_FOUND naming it when it cannot be opened (missing, not a
+// directory, no permission), UNAVAILABLE when reading it fails midway (never
+// a shorter list: a caller that prunes or resumes from it would act on a part
+// without a word). Never throws, as a range-for over
+// std::filesystem::directory_iterator does.
+absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& dir);
 
 // Whether `path` names a regular file (following links).
 bool IsRegularFile(const std::string& path);

@@ -30,7 +30,8 @@ absl::StatusOr<std::string> FindBinary(const std::string& name, const std::vecto
   for (const auto& t : tried) {
     std::error_code ec;
     if (std::filesystem::is_regular_file(t, ec) && ::access(t.c_str(), X_OK) == 0) {
-      return std::filesystem::weakly_canonical(t).string();
+      const std::filesystem::path canonical = std::filesystem::weakly_canonical(t, ec);
+      return ec ? t.string() : canonical.string();
     }
   }
   return absl::NotFoundError(absl::StrCat("cannot find ", name, " next to ", self.empty() ? "this program" : self,

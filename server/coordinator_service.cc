@@ -1,15 +1,14 @@
 #include "server/coordinator_service.h"
 
-#include <random>
-
 #include <algorithm>
-#include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/atomic_file.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/proto_time.h"
@@ -256,9 +255,10 @@ grpc::Status CoordinatorServiceImpl::DownloadModel(grpc::ServerContext* ctx, con
     if (uploads_ == nullptr) return absl::UnimplementedError("this coordinator stores no uploads");
     ASSIGN_OR_RETURN(std::string dir, uploads_->Path(req->upload_id()));
     constexpr size_t kChunk = 1 << 20;
-    std::error_code ec;
-    std::vector<std::string> files;
-    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) files.push_back(e.path().filename().string());
+    // A listing or a read that fails sends an error, never a part of the model.
+    absl::StatusOr<std::vector<std::string>> listed = ListDirectory(dir);
+    if (!listed.ok()) return absl::InternalError(listed.status().message());
+    std::vector<std::string> files = *std::move(listed);
     std::sort(files.begin(), files.end());
     std::string buffer(kChunk, '\0');
     for (const std::string& f : files) {
@@ -274,6 +274,7 @@ grpc::Status CoordinatorServiceImpl::DownloadModel(grpc::ServerContext* ctx, con
         offset += in.gcount();
         if (!writer->Write(chunk)) return absl::CancelledError("the client went away");
       } while (in && !ctx->IsCancelled());
+      if (in.bad()) return absl::InternalError(absl::StrCat("reading ", dir, "/", f, " failed midway"));
     }
     return absl::OkStatus();
   });

@@ -71,38 +71,44 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
     return absl::FailedPreconditionError(absl::StrCat("cannot create '", state_dir, "': ", ec.message()));
   }
   auto m = std::make_unique<JobManager>(clock);
-  std::vector<std::string> files;
-  for (const fs::directory_entry& f : fs::directory_iterator(state_dir, ec)) {
-    const std::string name = f.path().filename().string();
-    if (absl::StartsWith(name, "job-") && absl::EndsWith(name, ".pb")) files.push_back(f.path().string());
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(state_dir);
+  if (!names.ok()) return absl::FailedPreconditionError(names.status().message());
+  // Every file is read before the lock is taken (none is held across a read).
+  struct File {
+    std::string name, path;
+    absl::StatusOr<std::string> bytes;
+  };
+  std::vector<File> files;
+  for (const std::string& name : *names) {
+    if (!absl::StartsWith(name, "job-") || !absl::EndsWith(name, ".pb")) continue;
+    const std::string path = state_dir + "/" + name;
+    files.push_back(File{name, path, ReadFileToString(path)});
+    RETURN_IF_ERROR(files.back().bytes.status());
   }
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot list '", state_dir, "': ", ec.message()));
+  const absl::StatusOr<std::string> next_id = ReadFileToString(state_dir + "/" + kNextIdFile);
+  std::vector<std::string> damaged;  // set aside once the lock is released
   std::vector<std::optional<RecordWrite>> writes;  // written once the lock is released
   {
     absl::MutexLock lock(&m->mu_);
     // The next id, written when a job is deleted: a deleted job's id is never
     // handed out again, even when its record was the newest.
-    if (absl::StatusOr<std::string> next = ReadFileToString(state_dir + "/" + kNextIdFile); next.ok()) {
+    if (next_id.ok()) {
       int64_t n = 0;
-      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(*next), &n)) m->next_id_ = std::max(m->next_id_, n);
+      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(*next_id), &n)) m->next_id_ = std::max(m->next_id_, n);
     }
-    for (const std::string& path : files) {
+    for (File& f : files) {
       // job-NNNNNN.pb: its number is taken even if the record is damaged.
-      const std::string name = fs::path(path).filename().string();
+      const std::string& name = f.name;
       int64_t n = 0;
       if (absl::SimpleAtoi(absl::string_view(name).substr(4, name.size() - 4 - 3), &n)) {
         m->next_id_ = std::max(m->next_id_, n + 1);
       }
-      ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
       v1::JobRecord record;
-      if (!record.ParseFromString(bytes) || record.job().job_id().empty() ||
+      if (!record.ParseFromString(*f.bytes) || record.job().job_id().empty() ||
           absl::StrCat(record.job().job_id(), ".pb") != name) {
         // One bad file must not keep the coordinator (and every other job)
         // down: it is kept for a human to look at, out of the way.
-        fs::rename(path, path + ".damaged", ec);
-        COLOD_LOG(ERROR) << "job record '" << path << "' is damaged; set aside as " << path << ".damaged"
-                         << (ec ? absl::StrCat(" failed: ", ec.message()) : "");
-        ec.clear();
+        damaged.push_back(f.path);
         continue;
       }
       Entry e;
@@ -142,6 +148,11 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
       }
       writes.push_back(m->TakeRecordLocked(e));
     }
+  }
+  for (const std::string& path : damaged) {
+    fs::rename(path, path + ".damaged", ec);
+    COLOD_LOG(ERROR) << "job record '" << path << "' is damaged; set aside as " << path << ".damaged"
+                     << (ec ? absl::StrCat(" failed: ", ec.message()) : "");
   }
   for (const auto& w : writes) (void)m->WriteRecord(w);
   return m;

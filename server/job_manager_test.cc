@@ -442,7 +442,9 @@ TEST(JobManager, EndedJobsAreDeletedAndExpireWithoutReusingTheirIds) {
     auto waited = (*jobs)->WaitForEvents(a->job_id(), 3, absl::Seconds(10));
     deleter.join();
     // The job had ended: the wait returned at once, or found it gone.
-    if (!waited.ok()) EXPECT_EQ(waited.status().code(), absl::StatusCode::kNotFound);
+    if (!waited.ok()) {
+      EXPECT_EQ(waited.status().code(), absl::StatusCode::kNotFound);
+    }
     EXPECT_EQ((*jobs)->Get(a->job_id()).status().code(), absl::StatusCode::kNotFound);
     EXPECT_FALSE(std::filesystem::exists(dir + "/" + a->job_id() + ".pb"));
     // Its request id is free again: a new job.

@@ -26,11 +26,15 @@ bool IsUploadId(absl::string_view name) {
   return absl::StartsWith(name, "upload-") && absl::SimpleAtoi(name.substr(7), &n) && n > 0;
 }
 
-int64_t DirectoryBytes(const fs::path& dir) {
+// The bytes of `dir`'s regular files; what cannot be listed or sized counts 0.
+int64_t DirectoryBytes(const std::string& dir) {
   int64_t bytes = 0;
-  std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    if (e.is_regular_file(ec)) bytes += static_cast<int64_t>(e.file_size(ec));
+  for (const std::string& name : ListDirectory(dir).value_or(std::vector<std::string>{})) {
+    std::error_code ec;
+    const std::string path = dir + "/" + name;
+    if (!fs::is_regular_file(path, ec)) continue;
+    const uintmax_t size = fs::file_size(path, ec);
+    if (!ec) bytes += static_cast<int64_t>(size);
   }
   return bytes;
 }
@@ -57,21 +61,24 @@ absl::StatusOr<std::unique_ptr<UploadStore>> UploadStore::Open(const std::string
   if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
   int64_t next = 1;
   std::vector<std::string> ids;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(dir);
+  if (!names.ok()) return absl::FailedPreconditionError(names.status().message());
+  for (const std::string& name : *names) {
+    const std::string path = dir + "/" + name;
     if (absl::EndsWith(name, ".tmp")) {
-      fs::remove_all(e.path(), ec);  // an interrupted upload
+      fs::remove_all(path, ec);  // an interrupted upload
+      if (ec) COLOD_LOG(WARNING) << "cannot remove the interrupted upload " << path << ": " << ec.message();
       continue;
     }
     int64_t n = 0;
     if (absl::StartsWith(name, "upload-") && absl::SimpleAtoi(name.substr(7), &n)) next = std::max(next, n + 1);
-    if (IsUploadId(name) && e.is_directory(ec)) ids.push_back(name);
+    if (IsUploadId(name) && fs::is_directory(path, ec)) ids.push_back(name);
   }
   std::unique_ptr<UploadStore> store(new UploadStore(dir, next, limits, clock));
   absl::MutexLock lock(&store->mu_);
   for (const std::string& id : ids) {
     Stored s;
-    s.bytes = DirectoryBytes(fs::path(dir) / id);
+    s.bytes = DirectoryBytes(absl::StrCat(dir, "/", id));
     s.last_used = clock->Now();  // a full grace period from this start
     if (absl::StatusOr<std::string> sha = ReadFileToString(absl::StrCat(dir, "/", id, ".sha256")); sha.ok()) {
       s.sha256 = std::string(absl::StripAsciiWhitespace(*sha));

@@ -38,12 +38,15 @@ absl::Status ModelCache::Materialize(const v1::ModelSpec& model, const std::stri
   }
   std::vector<fs::path> files;
   if (fs::is_directory(weights, ec)) {
+    absl::StatusOr<std::vector<std::string>> names = ListDirectory(weights.string());
+    if (!names.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("spec.model.weights_path: ", names.status().message()));
+    }
     bool tensors = false;
-    for (const fs::directory_entry& e : fs::directory_iterator(weights, ec)) {
-      const std::string name = e.path().filename().string();
+    for (const std::string& name : *names) {
       tensors = tensors || IsWeightsFile(name);
       // The tokenizer comes along: text data is encoded with it.
-      if (IsWeightsFile(name) || IsTokenizerFile(name)) files.push_back(e.path());
+      if (IsWeightsFile(name) || IsTokenizerFile(name)) files.push_back(weights / name);
     }
     if (!tensors) {
       return absl::NotFoundError(absl::StrCat("spec.model.weights_path: '", weights_path,
@@ -139,12 +142,13 @@ void ModelCache::Prune(const std::string& keep) {
   const fs::file_time_type cutoff =
       fs::file_time_type::clock::now() - absl::ToChronoSeconds(options_.cache_ttl);
   std::vector<fs::path> stale;
-  for (const fs::directory_entry& e : fs::directory_iterator(uploads, ec)) {
-    const std::string name = e.path().filename().string();
+  // Nothing to prune where the listing fails (none made yet, most often).
+  for (const std::string& name : ListDirectory(uploads.string()).value_or(std::vector<std::string>{})) {
     if (name == keep) continue;
     // One rank (and so one download) runs at a time: any .tmp is a leftover.
     std::error_code time_ec;
-    if (absl::EndsWith(name, ".tmp") || e.last_write_time(time_ec) < cutoff) stale.push_back(e.path());
+    const fs::file_time_type used = fs::last_write_time(uploads / name, time_ec);
+    if (absl::EndsWith(name, ".tmp") || (!time_ec && used < cutoff)) stale.push_back(uploads / name);
   }
   for (const fs::path& p : stale) {
     fs::remove_all(p, ec);

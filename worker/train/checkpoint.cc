@@ -115,18 +115,6 @@ absl::Status Validate(const std::string& step_dir) {
   return absl::OkStatus();
 }
 
-// The names of `dir`'s entries; NOT_FOUND where it cannot be listed,
-// UNAVAILABLE where reading it fails midway (never throws).
-absl::StatusOr<std::vector<std::string>> EntryNames(const std::string& dir) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  fs::directory_iterator it(dir, ec), end;
-  if (ec) return absl::NotFoundError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
-  for (; !ec && it != end; it.increment(ec)) out.push_back(it->path().filename().string());
-  if (ec) return absl::UnavailableError(absl::StrCat("listing ", dir, " failed midway: ", ec.message()));
-  return out;
-}
-
 bool IsDirectory(const std::string& path) {
   std::error_code ec;
   return fs::is_directory(path, ec);
@@ -155,7 +143,7 @@ std::optional<CheckpointWriter> TmpWriter(const std::string& name) {
 // or abandoned saves of this job's earlier generations, its own, other
 // jobs' and runs' (a directory holds one job's checkpoints at a time).
 void RemoveStaleTmpDirs(const std::string& dir, const CheckpointWriter& writer) {
-  for (const std::string& name : EntryNames(dir).value_or(std::vector<std::string>{})) {
+  for (const std::string& name : ListDirectory(dir).value_or(std::vector<std::string>{})) {
     const std::optional<CheckpointWriter> w = TmpWriter(name);
     if (!w.has_value() || (w->job == writer.job && w->generation > writer.generation)) continue;
     std::error_code rm;
@@ -172,7 +160,7 @@ void RemoveStaleTmpDirs(const std::string& dir, const CheckpointWriter& writer) 
 // and removing tmp, where the checkpoint in place is a later generation's
 // of the same job (this rank is a stale one the coordinator gave up on),
 // read before the exchange and again after it (one put in place meanwhile
-// is exchanged back).
+// is exchanged back; where that fails, ABORTED leaving both).
 absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, const std::string& final_dir,
                                const CheckpointWriter& writer) {
   std::error_code ec;
@@ -205,8 +193,11 @@ absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, c
     // above goes back.
     if (const std::optional<int64_t> g = later(tmp)) {
       if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) return refuse(*g);
-      COLOD_LOG(WARNING) << "cannot put generation " << *g << "'s " << final_dir << " back from " << tmp << ": "
-                         << std::strerror(errno);
+      // Neither is removed: a whole checkpoint of the step stays in place
+      // (this one), and the later generation's stays in tmp for a human.
+      return absl::AbortedError(absl::StrCat("generation ", *g, "'s checkpoint went in while generation ",
+                                             writer.generation, "'s replaced ", final_dir,
+                                             ", and cannot be put back from ", tmp, ": ", std::strerror(errno)));
     }
     fs::remove_all(tmp, ec);  // the old checkpoint; a leftover goes with the next save's stale directories
     return absl::OkStatus();
@@ -301,7 +292,7 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
 
 absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& dir, std::vector<std::string>* skipped) {
   std::vector<CheckpointInfo> out;
-  ASSIGN_OR_RETURN(const std::vector<std::string> names, EntryNames(dir));
+  ASSIGN_OR_RETURN(const std::vector<std::string> names, ListDirectory(dir));
   for (const std::string& name : names) {
     const std::string path = dir + "/" + name;
     if (!absl::StartsWith(name, "step-") || absl::EndsWith(name, ".tmp") || !IsDirectory(path)) continue;
@@ -337,7 +328,7 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
                                                              const std::string& must_keep,
                                                              const CheckpointWriter& writer) {
   constexpr absl::string_view kTrash = ".trash-";
-  for (const std::string& name : EntryNames(dir).value_or(std::vector<std::string>{})) {
+  for (const std::string& name : ListDirectory(dir).value_or(std::vector<std::string>{})) {
     if (absl::StartsWith(name, ".trash-step-")) {  // removals a crash interrupted
       const std::optional<CheckpointWriter> w = TmpWriter(absl::StrCat(name.substr(kTrash.size()), ".tmp"));
       if (w.has_value() && w->job == writer.job && w->generation > writer.generation) continue;
@@ -381,7 +372,7 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
 
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped) {
   std::vector<std::string> steps;
-  ASSIGN_OR_RETURN(const std::vector<std::string> names, EntryNames(dir));
+  ASSIGN_OR_RETURN(const std::vector<std::string> names, ListDirectory(dir));
   for (const std::string& name : names) {
     if (absl::StartsWith(name, "step-") && !absl::EndsWith(name, ".tmp") && IsDirectory(dir + "/" + name)) {
       steps.push_back(name);

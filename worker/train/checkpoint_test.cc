@@ -4,6 +4,9 @@
 // and a full disk during a save loses no checkpoint.
 #include "worker/train/checkpoint.h"
 
+#include <fcntl.h>
+#include <stdio.h>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 #include "tests/testing/full_disk.h"
+#include "tests/testing/no_rename_exchange.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/shardformer/testing.h"
 #include "worker/train/train_testing.h"
@@ -29,6 +33,20 @@ std::set<std::string> Entries(const std::string& dir) {
   std::set<std::string> out;
   for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
   return out;
+}
+
+// Two dp ranks of generation 2 of job-000007 training a tiny GPT-2 for
+// `steps` steps, saving at each into a fresh TempPath(name).
+absl::StatusOr<TrainOptions> GenerationRun(const std::string& name, int64_t steps) {
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath(name + "_gpt2"), testing::TinyByteLevel());
+  if (!model.ok()) return model.status();
+  TrainOptions o = testing::SmallRun(model->dir, 1, 2, steps);
+  o.seq_len = 16;
+  o.save_dir = TempPath(name);
+  o.save_every = 1;
+  o.job = "job-000007";
+  o.generation = 2;
+  return o;
 }
 
 // DIR/step-NNNNNN as a save leaves it, as far as retention reads it: its
@@ -179,14 +197,9 @@ TEST(Retention, SettingsThatCannotWorkAreRefused) {
 // is replaced whole, unless a later generation of the same job wrote it:
 // then the save is ABORTED and the checkpoint left as it is.
 TEST(Checkpoints, AGenerationWritesOnlyThroughItsOwnTemporaryDirectory) {
-  auto model = shardformer::testing::WriteTinyGpt2(TempPath("ck_gen_gpt2"), testing::TinyByteLevel());
-  ASSERT_TRUE(model.ok()) << model.status();
-  TrainOptions o = testing::SmallRun(model->dir, 1, 2, 3);
-  o.seq_len = 16;
-  o.save_dir = TempPath("ck_gen");
-  o.save_every = 1;
-  o.job = "job-000007";
-  o.generation = 2;
+  auto run = GenerationRun("ck_gen", 3);
+  ASSERT_TRUE(run.ok()) << run.status();
+  const TrainOptions& o = *run;
   const CheckpointWriter me{.job = o.job, .generation = 2};
   EXPECT_EQ(StepTmpDir(o.save_dir, 3, me), o.save_dir + "/step-000003.job-000007.gen-2.tmp");
   EXPECT_EQ(StepTmpDir(o.save_dir, 3, {}), o.save_dir + "/step-000003.gen-0.tmp");
@@ -246,6 +259,68 @@ TEST(Checkpoints, AGenerationWritesOnlyThroughItsOwnTemporaryDirectory) {
     bad.generation = generation;
     EXPECT_EQ(Train(bad, [](const StepStats&) {}).code(), absl::StatusCode::kInvalidArgument) << job;
   }
+}
+
+// Where the file system cannot exchange two directories in one rename, the
+// checkpoint in place is moved aside, the new one renamed in, and the old
+// one removed; the same generations are refused and kept as with the
+// exchange.
+TEST(Checkpoints, AFileSystemThatCannotExchangeGetsTheOldCheckpointMovedAside) {
+  auto run = GenerationRun("ck_aside", 2);
+  ASSERT_TRUE(run.ok()) << run.status();
+  const TrainOptions& o = *run;
+  for (int64_t step = 1; step <= 2; ++step) {  // an earlier generation's, replaced
+    fs::create_directories(StepDir(o.save_dir, step));
+    std::ofstream(StepDir(o.save_dir, step) + "/stale-rank-file") << "generation 1's";
+    std::ofstream(StepDir(o.save_dir, step) + "/train_state.json")
+        << R"({"step": )" << step << R"(, "job": "job-000007", "generation": 1})";
+  }
+  // Leftovers of interrupted replacements: an earlier generation's goes, a
+  // later one's stays.
+  fs::create_directories(o.save_dir + "/.trash-step-000001.job-000007.gen-1");
+  fs::create_directories(o.save_dir + "/.trash-step-000009.job-000007.gen-7");
+  fs::create_directories(o.save_dir + "/a");
+  fs::create_directories(o.save_dir + "/b");
+
+  int exchange_errno = 0;
+  std::vector<StepStats> steps;
+  absl::Status trained, stale;
+  const absl::Status filtered = colod::testing::WithoutRenameExchange([&] {
+    // The fault is there: the exchange the save would use fails as on vfat.
+    if (::renameat2(AT_FDCWD, (o.save_dir + "/a").c_str(), AT_FDCWD, (o.save_dir + "/b").c_str(),
+                    RENAME_EXCHANGE) != 0) {
+      exchange_errno = errno;
+    }
+    trained = Train(o, [&](const StepStats& st) { steps.push_back(st); });
+    TrainOptions earlier = o;
+    earlier.generation = 1;
+    stale = Train(earlier, [](const StepStats&) {});
+  });
+  ASSERT_TRUE(filtered.ok()) << filtered;
+  ASSERT_EQ(exchange_errno, EINVAL) << "the filter did not take";
+  ASSERT_TRUE(trained.ok()) << trained;
+  EXPECT_EQ(steps.size(), 2u);
+  // Off that thread the exchange works: the fault was the thread's alone.
+  EXPECT_EQ(::renameat2(AT_FDCWD, (o.save_dir + "/a").c_str(), AT_FDCWD, (o.save_dir + "/b").c_str(),
+                        RENAME_EXCHANGE),
+            0)
+      << std::strerror(errno);
+  fs::remove(o.save_dir + "/a");
+  fs::remove(o.save_dir + "/b");
+
+  EXPECT_EQ(Entries(o.save_dir),
+            (std::set<std::string>{"step-000001", "step-000002", ".trash-step-000009.job-000007.gen-7"}));
+  for (int64_t step = 1; step <= 2; ++step) {
+    EXPECT_FALSE(fs::exists(StepDir(o.save_dir, step) + "/stale-rank-file")) << "step " << step;
+    auto state = ReadTrainState(StepDir(o.save_dir, step));
+    ASSERT_TRUE(state.ok()) << state.status();
+    std::ifstream in(StepDir(o.save_dir, step) + "/train_state.json");
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("\"generation\": 2"), std::string::npos) << text;
+  }
+  // The earlier generation, still running, replaced nothing.
+  EXPECT_EQ(stale.code(), absl::StatusCode::kAborted) << stale;
+  EXPECT_FALSE(fs::exists(StepDir(o.save_dir, 1) + "/stale-rank-file"));
 }
 
 }  // namespace

@@ -1,0 +1,97 @@
+#include "common/atomic_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace colod {
+namespace {
+
+// A fresh directory under the test's temporary directory.
+std::string FreshDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name, ".", ::getpid());
+  EXPECT_EQ(::mkdir(dir.c_str(), 0755), 0) << dir;
+  return dir;
+}
+
+TEST(ListDirectory, NamesEveryEntryButDotAndDotDot) {
+  const std::string dir = FreshDir("list");
+  ASSERT_TRUE(WriteFileAtomically(dir + "/a.json", "{}").ok());
+  ASSERT_TRUE(WriteFileAtomically(dir + "/.hidden", "x").ok());
+  ASSERT_EQ(::mkdir((dir + "/sub").c_str(), 0755), 0);
+  ASSERT_EQ(::symlink("/nonexistent", (dir + "/dangling").c_str()), 0);
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(dir);
+  ASSERT_TRUE(names.ok()) << names.status();
+  std::sort(names->begin(), names->end());
+  EXPECT_EQ(*names, (std::vector<std::string>{".hidden", "a.json", "dangling", "sub"}));
+
+  const std::string empty = FreshDir("empty");
+  names = ListDirectory(empty);
+  ASSERT_TRUE(names.ok()) << names.status();
+  EXPECT_TRUE(names->empty());
+}
+
+TEST(ListDirectory, IsNotFoundNamingWhatCannotBeListed) {
+  const std::string dir = FreshDir("unlistable");
+  ASSERT_TRUE(WriteFileAtomically(dir + "/file", "x").ok());
+  for (const std::string& path : {dir + "/missing", dir + "/file"}) {
+    const absl::StatusOr<std::vector<std::string>> names = ListDirectory(path);
+    EXPECT_EQ(names.status().code(), absl::StatusCode::kNotFound) << path;
+    EXPECT_NE(names.status().message().find(path), absl::string_view::npos) << names.status();
+  }
+}
+
+TEST(ReadFileToString, ReadsWholeFilesLargerThanItsBuffer) {
+  const std::string dir = FreshDir("read");
+  std::string big(3 * 65536 + 17, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 131 % 251);
+  ASSERT_TRUE(WriteFileAtomically(dir + "/big", big).ok());
+  const absl::StatusOr<std::string> read = ReadFileToString(dir + "/big");
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, big);
+  ASSERT_TRUE(WriteFileAtomically(dir + "/empty", "").ok());
+  EXPECT_EQ(ReadFileToString(dir + "/empty").value_or("not read"), "");
+}
+
+TEST(ReadFileToString, RefusesWhatIsNotAFileRatherThanReadingItAsEmptyOrForever) {
+  const std::string dir = FreshDir("notfile");
+  const absl::StatusOr<std::string> missing = ReadFileToString(dir + "/missing");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  // A directory opens, but has no content: an error, not "".
+  const absl::StatusOr<std::string> directory = ReadFileToString(dir);
+  EXPECT_EQ(directory.status().code(), absl::StatusCode::kFailedPrecondition) << directory.status();
+  EXPECT_NE(directory.status().message().find(dir), absl::string_view::npos) << directory.status();
+  // A device that never ends (a config.json linked to it would fill memory).
+  const absl::StatusOr<std::string> zero = ReadFileToString("/dev/zero");
+  EXPECT_EQ(zero.status().code(), absl::StatusCode::kFailedPrecondition) << zero.status();
+}
+
+TEST(ReadFileToString, ReadsAPipeToItsEndAndAWriterlessFifoAsEmpty) {
+  // A shell's <(...): a pipe whose writer has written and closed.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  ASSERT_EQ(::write(fds[1], "from a pipe", 11), 11);
+  ASSERT_EQ(::close(fds[1]), 0);
+  const absl::StatusOr<std::string> piped = ReadFileToString(absl::StrCat("/proc/self/fd/", fds[0]));
+  ::close(fds[0]);
+  ASSERT_TRUE(piped.ok()) << piped.status();
+  EXPECT_EQ(*piped, "from a pipe");
+  // A named FIFO nobody writes to: read at once, not a reader blocked in open.
+  const std::string fifo = FreshDir("fifo") + "/f";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  const absl::StatusOr<std::string> none = ReadFileToString(fifo);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(*none, "");
+}
+
+}  // namespace
+}  // namespace colod
