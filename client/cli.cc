@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,7 @@
 #include "client/format.h"
 #include "common/find_binary.h"
 #include "common/flags.h"
+#include "common/json.h"
 #include "common/security_flags.h"
 #include "nlohmann/json.hpp"
 
@@ -148,7 +150,10 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
       tokens_per_second += p.tokens_per_second();
       if (on_step) return true;
       const int width = 30;
-      const int filled = steps > 0 ? static_cast<int>(width * p.step() / steps) : width;
+      // The step comes from a worker's report: held to the bar.
+      const int filled =
+          steps > 0 ? static_cast<int>(width * (static_cast<double>(std::clamp<int64_t>(p.step(), 0, steps)) / steps))
+                    : width;
       std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
       std::printf("%s[%s] step %lld/%lld  loss %.4f  tokens/s %.0f%s", tty ? "\r" : "", bar.c_str(),
                   static_cast<long long>(p.step()), static_cast<long long>(steps), p.loss(), p.tokens_per_second(),
@@ -208,7 +213,7 @@ void PrintStep(const v1::StepProgress& p, int64_t steps, bool json) {
       if (p.eval().has_accuracy()) line["eval_accuracy"] = p.eval().accuracy();
     }
     if (!p.checkpoint().empty()) line["checkpoint"] = p.checkpoint();
-    std::printf("%s\n", line.dump().c_str());
+    std::printf("%s\n", JsonText(line).c_str());
   } else {
     if (trained) {
       std::printf("step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f\n",
@@ -229,7 +234,7 @@ int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::
     nlohmann::json out = {{"loss", result.loss()}, {"tokens", result.tokens()}, {"shape", s}};
     if (images && result.tokens() == 0) out["loss"] = nlohmann::json();  // no labels, no loss
     out["logits"] = logits_path.empty() ? nlohmann::json() : nlohmann::json(logits_path);
-    std::printf("%s\n", out.dump().c_str());
+    std::printf("%s\n", JsonText(out).c_str());
     return 0;
   }
   if (!images) {
@@ -320,7 +325,13 @@ int CommandLineMain(int argc, char** argv, const std::string& intro, const std::
   }
   const Command* command = FindCommand(groups, args[0]);
   if (command == nullptr) return Usage(absl::StrCat("unknown command '", args[0], "'"));
-  return Dispatch(*command, args);
+  try {
+    return Dispatch(*command, args);
+  } catch (const std::exception& e) {
+    // A backstop: commands return statuses, but a library may throw; an error
+    // line and status 1 rather than an abort and a core.
+    return Fail(absl::InternalError(absl::StrCat(args[0], " threw: ", e.what())));
+  }
 }
 
 }  // namespace colod::cli

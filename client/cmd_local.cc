@@ -14,6 +14,7 @@
 #include "client/job_flags.h"
 #include "common/auth.h"
 #include "common/grpc_server.h"
+#include "common/json.h"
 #include "common/security_flags.h"
 #include "common/version.h"
 #include "nlohmann/json.hpp"
@@ -78,7 +79,7 @@ int RunHealth(const std::vector<std::string>& operands) {
   const ServingStatus status = checked.ok() ? *checked : ServingStatus::kServiceUnknown;
   const std::string name(ServingStatusName(status));
   if (JsonOutput()) {
-    std::printf("%s\n", nlohmann::json{{"address", address}, {"service", service}, {"status", name}}.dump().c_str());
+    std::printf("%s\n", JsonText({{"address", address}, {"service", service}, {"status", name}}).c_str());
   } else {
     std::printf("%s\n", name.c_str());
   }

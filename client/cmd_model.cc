@@ -17,6 +17,7 @@
 #include "client/commands.h"
 #include "client/format.h"
 #include "client/job_flags.h"
+#include "common/json.h"
 #include "common/limits.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -204,7 +205,7 @@ int RunPlan(const std::vector<std::string>&) {
         j["layout"] = LayoutName(l.shard);
         fits.push_back(std::move(j));
       }
-      std::printf("%s\n", nlohmann::json({{"fits", fits}, {"refused", search->refused}}).dump(2).c_str());
+      std::printf("%s\n", JsonText({{"fits", fits}, {"refused", search->refused}}, 2).c_str());
       return 0;
     }
     std::vector<std::vector<std::string>> rows;
@@ -225,7 +226,7 @@ int RunPlan(const std::vector<std::string>&) {
   if (json) {
     nlohmann::json j = PlanJson(*plan);
     j["layout"] = LayoutName(spec.shard());
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", JsonText(j, 2).c_str());
     return 0;
   }
   const v1::TrainConfig& t = spec.train();

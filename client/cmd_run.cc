@@ -13,6 +13,7 @@
 #include "client/in_process_commands.h"
 #include "client/job_flags.h"
 #include "colod/v1/job.pb.h"
+#include "common/json.h"
 #include "nlohmann/json.hpp"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/init_model.h"
@@ -167,7 +168,7 @@ int RunTokenize(const std::vector<std::string>&) {
                         {"dtype", (*writer)->dtype_name()},
                         {"tokenizer", (*tokenizer)->kind()},
                         {"vocab_size", (*tokenizer)->vocab_size()}};
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", JsonText(j).c_str());
   } else {
     std::printf("wrote %s.bin and %s.idx: %lld documents, %lld tokens (%s), %s tokenizer of %s\n", out.c_str(),
                 out.c_str(), static_cast<long long>((*writer)->documents()),

@@ -16,6 +16,7 @@
 #include "client/commands.h"
 #include "client/format.h"
 #include "client/job_flags.h"
+#include "common/json.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "common/atomic_file.h"
@@ -130,7 +131,7 @@ int TensorDemo(CoordinatorClient& c, bool json) {
     layout = c.SetDistSpec(id, "t1", *spec);
     if (!layout.ok()) return layout.status();
     RETURN_IF_ERROR(show("t1.set_dist_spec(ShardSpec([0], [tp]))", *layout));
-    if (json) std::printf("%s\n", nlohmann::json{{"job_id", id}, {"stages", stages}}.dump().c_str());
+    if (json) std::printf("%s\n", JsonText({{"job_id", id}, {"stages", stages}}).c_str());
     return absl::OkStatus();
   };
   const absl::Status s = run();

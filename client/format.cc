@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -293,11 +294,22 @@ std::string Sparkline(const std::vector<double>& values, size_t width) {
     for (size_t i = lo; i < hi; ++i) buckets[b] += values[i];
     buckets[b] /= static_cast<double>(hi - lo);
   }
-  const auto [min_it, max_it] = std::minmax_element(buckets.begin(), buckets.end());
-  const double lo = *min_it, span = *max_it - *min_it;
+  // A diverged run's NaN or infinite loss is a '!', and scales nothing.
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  for (double v : buckets) {
+    if (!std::isfinite(v)) continue;
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  const double half_span = hi * 0.5 - lo * 0.5;  // halves: finite for any finite hi and lo
   std::string out;
   for (double v : buckets) {
-    const int level = span > 0 ? static_cast<int>((v - lo) / span * 7.0 + 0.5) : 0;
+    if (!std::isfinite(v)) {
+      out += "!";
+      continue;
+    }
+    const int level =
+        half_span > 0 ? std::clamp(static_cast<int>((v * 0.5 - lo * 0.5) / half_span * 7.0 + 0.5), 0, 7) : 0;
     out += kBlocks[level];
   }
   return out;

@@ -1,6 +1,7 @@
 #include "client/format.h"
 
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -52,6 +53,14 @@ TEST(Sparkline, MapsTheRangeOntoEightLevelsAndAveragesLongSeries) {
   // 4 values into 2 buckets: means 1.5 and 3.5, the low and the high end.
   EXPECT_EQ(Sparkline({1, 2, 3, 4}, 2), "\u2581\u2588");
   EXPECT_EQ(Sparkline({}, 10), "");
+}
+
+TEST(Sparkline, ADivergedRunsNonFiniteLossesAreMarkedAndScaleNothing) {
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(Sparkline({1, 8, nan, inf}, 60), "\u2581\u2588!!");
+  EXPECT_EQ(Sparkline({nan, nan}, 60), "!!");
+  EXPECT_EQ(Sparkline({-inf, 2, 3}, 60), "!\u2581\u2588");
+  EXPECT_EQ(Sparkline({-1e308, 1e308}, 60), "\u2581\u2588");  // a span past the largest double
 }
 
 TEST(RenderRunCurves, ALateStepTakesItsPlaceByStep) {

@@ -10,18 +10,36 @@
 namespace colod {
 namespace {
 
+// Bounds on a job file's YAML as it is walked: aliases are references, so
+// a few lines that nest them (a "billion laughs") or alias a node inside
+// itself would walk forever or without end of memory.
+constexpr int kMaxYamlDepth = 64;
+constexpr int64_t kMaxYamlNodes = 100000;
+
 // YAML to JSON: mappings, sequences, and scalars as strings except true and
 // false (proto3 JSON takes numbers as strings for every numeric field).
-nlohmann::json ToJson(const YAML::Node& node) {
+absl::StatusOr<nlohmann::json> ToJson(const YAML::Node& node, int depth, int64_t& nodes_left) {
+  if (depth > kMaxYamlDepth) return absl::InvalidArgumentError(absl::StrCat("nested over ", kMaxYamlDepth, " deep"));
+  if (--nodes_left < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("over ", kMaxYamlNodes, " values (aliases count each time)"));
+  }
   switch (node.Type()) {
     case YAML::NodeType::Map: {
       nlohmann::json out = nlohmann::json::object();
-      for (const auto& kv : node) out[kv.first.as<std::string>()] = ToJson(kv.second);
+      for (const auto& kv : node) {
+        absl::StatusOr<nlohmann::json> value = ToJson(kv.second, depth + 1, nodes_left);
+        if (!value.ok()) return value.status();
+        out[kv.first.as<std::string>()] = *std::move(value);
+      }
       return out;
     }
     case YAML::NodeType::Sequence: {
       nlohmann::json out = nlohmann::json::array();
-      for (const auto& item : node) out.push_back(ToJson(item));
+      for (const auto& item : node) {
+        absl::StatusOr<nlohmann::json> value = ToJson(item, depth + 1, nodes_left);
+        if (!value.ok()) return value.status();
+        out.push_back(*std::move(value));
+      }
       return out;
     }
     case YAML::NodeType::Scalar: {
@@ -40,7 +58,10 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text, bool yaml, con
   std::string json = text;
   if (yaml) {
     try {
-      json = ToJson(YAML::Load(text)).dump();
+      int64_t nodes_left = kMaxYamlNodes;
+      absl::StatusOr<nlohmann::json> j = ToJson(YAML::Load(text), 0, nodes_left);
+      if (!j.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", j.status().message()));
+      json = j->dump();
     } catch (const YAML::Exception& e) {
       return absl::InvalidArgumentError(absl::StrCat(what, ": not YAML: ", e.what()));
     } catch (const nlohmann::json::exception& e) {  // a string that is not UTF-8 (found by job_file_fuzz)

@@ -1,5 +1,8 @@
 #include "client/job_file.h"
 
+#include <string>
+
+#include "absl/strings/str_cat.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
 
@@ -59,6 +62,29 @@ TEST(JobFile, MistakesNameTheFileAndTheProblem) {
   auto type = ParseJobSpec(R"({"train": {"steps": "many"}})", false, "job.json");
   EXPECT_EQ(type.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ReadJobFile("/nonexistent/job.yaml").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Aliases are references: ten lines that nest them would expand to 10^9
+// values, and a node aliased inside itself has no end. Both are refused
+// after a bounded walk.
+TEST(JobFile, AliasBombsAndSelfReferencesAreRefused) {
+  std::string bomb = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n";
+  for (int i = 1; i < 10; ++i) {
+    bomb += absl::StrCat("a", i, ": &a", i, " [");
+    for (int k = 0; k < 10; ++k) absl::StrAppend(&bomb, k > 0 ? ", " : "", "*a", i - 1);
+    bomb += "]\n";
+  }
+  auto laughs = ParseJobSpec(bomb, true, "job.yaml");
+  EXPECT_EQ(laughs.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(laughs.status().message().find("aliases count each time"), absl::string_view::npos) << laughs.status();
+  auto deep = ParseJobSpec(std::string(200, '[') + std::string(200, ']'), true, "job.yaml");
+  EXPECT_EQ(deep.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(deep.status().message().find("nested over 64 deep"), absl::string_view::npos) << deep.status();
+  // A node aliased inside itself: refused whether YAML takes it or not.
+  EXPECT_EQ(ParseJobSpec("a: &a [x, *a]\n", true, "job.yaml").status().code(), absl::StatusCode::kInvalidArgument);
+  // Aliases within the bounds are what YAML users write: accepted.
+  auto fine = ParseJobSpec("labels: &l {team: \"42\"}\nname: tiny\n", true, "job.yaml");
+  EXPECT_TRUE(fine.ok()) << fine.status();
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <system_error>
 
@@ -199,24 +200,29 @@ void Coordinator::SweepLoop() {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
     if (stopping_) break;
     mu_.Unlock();
-    for (const std::string& id : workers_->Sweep()) {
-      COLOD_LOG(WARNING) << "worker " << id << " lost: no heartbeat within "
-                         << absl::FormatDuration(options_.lease_duration);
-    }
-    if (absl::Now() >= next_expiry) {
-      next_expiry = absl::Now() + expire_period;
-      // Uploads no job names (after their grace), then old ended jobs.
-      for (const std::string& id : uploads_->CollectGarbage(jobs_->UploadIdsInUse(), options_.upload_grace)) {
-        COLOD_LOG(INFO) << "upload " << id << " removed: no job names it";
+    try {
+      for (const std::string& id : workers_->Sweep()) {
+        COLOD_LOG(WARNING) << "worker " << id << " lost: no heartbeat within "
+                           << absl::FormatDuration(options_.lease_duration);
       }
-      const std::vector<std::string> expired = jobs_->Expire(options_.job_retention);  // 0: none
-      if (!expired.empty()) {
-        COLOD_LOG(INFO) << expired.size() << " jobs that ended over "
-                        << absl::FormatDuration(options_.job_retention) << " ago deleted (" << expired.front()
-                        << (expired.size() > 1 ? absl::StrCat(" ... ", expired.back()) : "") << ")";
+      if (absl::Now() >= next_expiry) {
+        next_expiry = absl::Now() + expire_period;
+        // Uploads no job names (after their grace), then old ended jobs.
+        for (const std::string& id : uploads_->CollectGarbage(jobs_->UploadIdsInUse(), options_.upload_grace)) {
+          COLOD_LOG(INFO) << "upload " << id << " removed: no job names it";
+        }
+        const std::vector<std::string> expired = jobs_->Expire(options_.job_retention);  // 0: none
+        if (!expired.empty()) {
+          COLOD_LOG(INFO) << expired.size() << " jobs that ended over "
+                          << absl::FormatDuration(options_.job_retention) << " ago deleted (" << expired.front()
+                          << (expired.size() > 1 ? absl::StrCat(" ... ", expired.back()) : "") << ")";
+        }
       }
+      UpdateGauges();
+    } catch (const std::exception& e) {
+      // A backstop (colod's code returns statuses): the next sweep tries again.
+      COLOD_LOG(ERROR) << "a sweep threw: " << e.what();
     }
-    UpdateGauges();
     mu_.Lock();
   }
 }

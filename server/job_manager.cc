@@ -405,6 +405,14 @@ absl::Status JobManager::AddLateStep(absl::string_view job_id, int64_t generatio
 absl::StatusOr<bool> JobManager::AddStepLocked(Entry& e, const v1::StepProgress& step) {
   RETURN_IF_ERROR(CheckNotEndedLocked(e));
   const bool trained = IsTrainedStep(step);
+  // A trained step is one of the job's (watchers draw it against the steps,
+  // and each is remembered); an evaluation-only report names the step of
+  // the checkpoint it evaluated, any.
+  const int64_t steps = e.job.spec().train().steps();
+  if (step.step() < 0 || (trained && steps > 0 && step.step() > steps)) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", step.step(), " is outside job '", e.job.job_id(),
+                                                   "''s steps 0 to ", steps));
+  }
   // What a report says about now (the kept checkpoints, the last ones)
   // is taken from the newest step only: a late report of an earlier
   // step must not roll it back.

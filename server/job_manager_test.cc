@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <string>
 #include <thread>
@@ -753,6 +754,10 @@ TEST(JobManager, EachStepIsRecordedOnce) {
   ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec(), /*peak_flops=*/2e12).ok());  // other devices
   for (int64_t n : {5, 6, 7}) ASSERT_TRUE((*jobs)->AddStep(id, step(n, 0)).ok());  // the restart re-runs them
   ASSERT_TRUE((*jobs)->AddStep(id, step(8, 2.0)).ok());
+  // Steps the job does not have (of 10): refused, not remembered.
+  for (int64_t n : {int64_t{11}, int64_t{-1}, std::numeric_limits<int64_t>::max()}) {
+    EXPECT_EQ((*jobs)->AddStep(id, step(n, 1.0)).code(), absl::StatusCode::kInvalidArgument) << n;
+  }
   EXPECT_EQ(steps_of(**jobs), (std::vector<int64_t>{1, 2, 3, 5, 6, 4, 7, 8}));
   EXPECT_EQ((*jobs)->Get(id)->loss(), 2.0);
   // The run's summary counts each step once: 8 steps of 1000 tokens and

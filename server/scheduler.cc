@@ -1,6 +1,9 @@
 #include "server/scheduler.h"
 
 #include <algorithm>
+#include <exception>
+#include <system_error>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -81,12 +84,19 @@ void Scheduler::StartAssign(const std::string& job_id) {
     absl::MutexLock lock(&mu_);
     ++assigning_;
   }
-  std::thread([this, job_id] {
+  const auto assign = [this, job_id] {
     Assign(job_id);
     absl::MutexLock lock(&mu_);
     --assigning_;
     wake_ = true;
-  }).detach();  // Stop waits for assigning_ to drop to zero
+  };
+  try {
+    std::thread(assign).detach();  // Stop waits for assigning_ to drop to zero
+  } catch (const std::system_error& e) {
+    // No thread to be had: this one assigns (every call within rpc_timeout).
+    COLOD_LOG(WARNING) << "job " << job_id << ": assigning on the scheduler's thread (" << e.what() << ")";
+    assign();
+  }
 }
 
 void Scheduler::Wake() {
@@ -102,7 +112,13 @@ void Scheduler::Loop() {
     if (stopping_) break;
     wake_ = false;
     mu_.Unlock();
-    Tick();
+    try {
+      Tick();
+    } catch (const std::exception& e) {
+      // A backstop (colod's code returns statuses): the coordinator and its
+      // other jobs live on, and the next tick tries again.
+      COLOD_LOG(ERROR) << "a scheduler tick threw: " << e.what();
+    }
     mu_.Lock();
   }
 }

@@ -1,12 +1,13 @@
 #include "server/tensor_proxy.h"
 
-#include <thread>
+#include <functional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
 #include "grpcpp/create_channel.h"
+#include "server/worker_client.h"
 #include "server/rpc_metrics.h"
 
 namespace colod {
@@ -77,25 +78,21 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     if (only_rank < 0 || r == only_rank) ranks.push_back(r);
   }
   std::vector<Resp> responses(ranks.size());
-  std::vector<grpc::Status> statuses(ranks.size());
+  std::vector<absl::Status> statuses;
   {
-    absl::MutexLock order(&JobMutex(job_id));  // every rank sees this job's calls in one order
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      threads.emplace_back([&, i] {
-        grpc::ClientContext c;
-        c.set_deadline(absl::ToChronoTime(deadline));
-        AddAuthToken(c, options_.auth_token);
-        Stub& stub = StubFor(mesh.ranks(ranks[i]).worker_address());
-        statuses[i] = (stub.*call)(&c, req, &responses[i]);
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    // Every rank sees this job's calls in one order: the calls of one fan-out
+    // run at once (asynchronously, on no thread of their own), and the next
+    // fan-out of the job starts once they all ended (each within `deadline`).
+    absl::MutexLock order(&JobMutex(job_id));
+    const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
+      (StubFor(mesh.ranks(ranks[i]).worker_address()).async()->*call)(c, &req, &responses[i], std::move(done));
+    };
+    statuses = RunAsyncCalls(ranks.size(), deadline, options_.auth_token, start);
   }
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (statuses[i].ok()) continue;
     const v1::RankAssignment& a = mesh.ranks(ranks[i]);
-    const absl::Status s = FromGrpcStatus(statuses[i]);
+    const absl::Status& s = statuses[i];
     return absl::Status(s.code(), absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ",
                                                a.worker_address(), "): ", s.message()));
   }
@@ -105,38 +102,38 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
 
 grpc::Status TensorProxy::CreateTensor(grpc::ServerContext* ctx, const v1::CreateTensorRequest* req,
                                        v1::CreateTensorResponse* resp) {
-  return FanOut(ctx, "CreateTensor", req->job_id(), *req, resp, &Stub::CreateTensor);
+  return FanOut(ctx, "CreateTensor", req->job_id(), *req, resp, &Stub::async::CreateTensor);
 }
 
 grpc::Status TensorProxy::SetDistSpec(grpc::ServerContext* ctx, const v1::SetDistSpecRequest* req,
                                       v1::SetDistSpecResponse* resp) {
-  return FanOut(ctx, "SetDistSpec", req->job_id(), *req, resp, &Stub::SetDistSpec);
+  return FanOut(ctx, "SetDistSpec", req->job_id(), *req, resp, &Stub::async::SetDistSpec);
 }
 
 grpc::Status TensorProxy::GetShard(grpc::ServerContext* ctx, const v1::GetShardRequest* req,
                                    v1::GetShardResponse* resp) {
   if (req->rank() < 0) return ToGrpcStatus(absl::InvalidArgumentError("rank: must be >= 0"));
-  return FanOut(ctx, "GetShard", req->job_id(), *req, resp, &Stub::GetShard, req->rank());
+  return FanOut(ctx, "GetShard", req->job_id(), *req, resp, &Stub::async::GetShard, req->rank());
 }
 
 grpc::Status TensorProxy::GetGlobal(grpc::ServerContext* ctx, const v1::GetGlobalRequest* req,
                                     v1::GetGlobalResponse* resp) {
-  return FanOut(ctx, "GetGlobal", req->job_id(), *req, resp, &Stub::GetGlobal);
+  return FanOut(ctx, "GetGlobal", req->job_id(), *req, resp, &Stub::async::GetGlobal);
 }
 
 grpc::Status TensorProxy::DescribeTensor(grpc::ServerContext* ctx, const v1::DescribeTensorRequest* req,
                                          v1::DescribeTensorResponse* resp) {
-  return FanOut(ctx, "DescribeTensor", req->job_id(), *req, resp, &Stub::DescribeTensor, 0);
+  return FanOut(ctx, "DescribeTensor", req->job_id(), *req, resp, &Stub::async::DescribeTensor, 0);
 }
 
 grpc::Status TensorProxy::ListTensors(grpc::ServerContext* ctx, const v1::ListTensorsRequest* req,
                                       v1::ListTensorsResponse* resp) {
-  return FanOut(ctx, "ListTensors", req->job_id(), *req, resp, &Stub::ListTensors, 0);
+  return FanOut(ctx, "ListTensors", req->job_id(), *req, resp, &Stub::async::ListTensors, 0);
 }
 
 grpc::Status TensorProxy::DeleteTensor(grpc::ServerContext* ctx, const v1::DeleteTensorRequest* req,
                                        v1::DeleteTensorResponse* resp) {
-  return FanOut(ctx, "DeleteTensor", req->job_id(), *req, resp, &Stub::DeleteTensor);
+  return FanOut(ctx, "DeleteTensor", req->job_id(), *req, resp, &Stub::async::DeleteTensor);
 }
 
 }  // namespace colod

@@ -7,6 +7,7 @@
 #ifndef COLOD_SERVER_TENSOR_PROXY_H_
 #define COLOD_SERVER_TENSOR_PROXY_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -47,7 +48,7 @@ class TensorProxy final : public v1::TensorService::Service {
  private:
   using Stub = v1::TensorService::Stub;
   template <typename Req, typename Resp>
-  using Call = grpc::Status (Stub::*)(grpc::ClientContext*, const Req&, Resp*);
+  using Call = void (Stub::async::*)(grpc::ClientContext*, const Req*, Resp*, std::function<void(grpc::Status)>);
 
   // The job, which must be a RUNNING TENSOR job: NOT_FOUND, or
   // FAILED_PRECONDITION naming its kind or state.

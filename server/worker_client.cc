@@ -9,23 +9,19 @@
 #include "grpcpp/create_channel.h"
 
 namespace colod {
-namespace {
-
-// Runs `n` asynchronous calls; start(i, ctx, done) must start call i on
-// `ctx` and arrange for done(status) once it ends. Returns when all ended.
-std::vector<absl::Status> RunAll(
-    size_t n, absl::Duration deadline, const std::string& token,
+std::vector<absl::Status> RunAsyncCalls(
+    size_t n, absl::Time deadline, const std::string& auth_token,
     const std::function<void(size_t, grpc::ClientContext*, std::function<void(grpc::Status)>)>& start) {
   std::vector<absl::Status> out(n);
   if (n == 0) return out;
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts(n);
   absl::Mutex mu;
   size_t left = n;
-  const auto when = absl::ToChronoTime(absl::Now() + deadline);
+  const auto when = absl::ToChronoTime(deadline);
   for (size_t i = 0; i < n; ++i) {
     contexts[i] = std::make_unique<grpc::ClientContext>();
     contexts[i]->set_deadline(when);
-    AddAuthToken(*contexts[i], token);
+    AddAuthToken(*contexts[i], auth_token);
     start(i, contexts[i].get(), [&, i](grpc::Status s) {
       absl::MutexLock lock(&mu);
       out[i] = FromGrpcStatus(s);
@@ -36,8 +32,6 @@ std::vector<absl::Status> RunAll(
   mu.Await(absl::Condition(+[](size_t* l) { return *l == 0; }, &left));
   return out;
 }
-
-}  // namespace
 
 GrpcWorkerClient::GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token)
     : credentials_(credentials ? std::move(credentials) : grpc::InsecureChannelCredentials()),
@@ -55,25 +49,28 @@ v1::WorkerService::Stub& GrpcWorkerClient::StubFor(const std::string& address) {
 std::vector<absl::Status> GrpcWorkerClient::Assign(const std::vector<Call<v1::AssignJobRequest>>& calls,
                                                    absl::Duration deadline) {
   std::vector<v1::AssignJobResponse> responses(calls.size());
-  return RunAll(calls.size(), deadline, auth_token_, [&](size_t i, grpc::ClientContext* ctx, auto done) {
+  const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
     StubFor(calls[i].address).async()->AssignJob(ctx, &calls[i].request, &responses[i], std::move(done));
-  });
+  };
+  return RunAsyncCalls(calls.size(), absl::Now() + deadline, auth_token_, start);
 }
 
 std::vector<absl::Status> GrpcWorkerClient::Abort(const std::vector<Call<v1::AbortJobRequest>>& calls,
                                                   absl::Duration deadline) {
   std::vector<v1::AbortJobResponse> responses(calls.size());
-  return RunAll(calls.size(), deadline, auth_token_, [&](size_t i, grpc::ClientContext* ctx, auto done) {
+  const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
     StubFor(calls[i].address).async()->AbortJob(ctx, &calls[i].request, &responses[i], std::move(done));
-  });
+  };
+  return RunAsyncCalls(calls.size(), absl::Now() + deadline, auth_token_, start);
 }
 
 std::vector<absl::Status> GrpcWorkerClient::Probe(const std::vector<std::string>& addresses, absl::Duration deadline) {
   const v1::GetStatusRequest request;
   std::vector<v1::GetStatusResponse> responses(addresses.size());
-  return RunAll(addresses.size(), deadline, auth_token_, [&](size_t i, grpc::ClientContext* ctx, auto done) {
+  const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
     StubFor(addresses[i]).async()->GetStatus(ctx, &request, &responses[i], std::move(done));
-  });
+  };
+  return RunAsyncCalls(addresses.size(), absl::Now() + deadline, auth_token_, start);
 }
 
 }  // namespace colod

@@ -6,6 +6,7 @@
 #ifndef COLOD_SERVER_WORKER_CLIENT_H_
 #define COLOD_SERVER_WORKER_CLIENT_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -19,6 +20,15 @@
 #include "grpcpp/security/credentials.h"
 
 namespace colod {
+
+// Runs `n` asynchronous gRPC calls at once, on no thread of their own:
+// start(i, ctx, done) starts call i on `ctx` (its deadline and auth token
+// set) through a stub's async() interface, which calls done(status) once it
+// ends. Returns when every call ended, with their statuses in order. Thread-
+// safe; the caller's thread waits.
+std::vector<absl::Status> RunAsyncCalls(
+    size_t n, absl::Time deadline, const std::string& auth_token,
+    const std::function<void(size_t, grpc::ClientContext*, std::function<void(grpc::Status)>)>& start);
 
 // Implementations are thread-safe. Each method returns once every call of
 // the batch ended (answered, failed or past `deadline`), with their statuses

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/int_math.h"
+#include "common/json.h"
 #include "common/limits.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
@@ -32,7 +33,7 @@ absl::StatusOr<ModelConfig> ValidateModel(const v1::ModelSpec& model, const v1::
   if (model.config_json().empty()) {
     return Invalid(path, "config_json", "required: the content of the model's config.json");
   }
-  nlohmann::json config = nlohmann::json::parse(model.config_json(), nullptr, /*allow_exceptions=*/false);
+  nlohmann::json config = ParseJson(model.config_json());
   if (config.is_discarded()) return Invalid(path, "config_json", "is not valid JSON");
   if (!config.is_object()) return Invalid(path, "config_json", "must be a JSON object");
   auto it = config.find("model_type");

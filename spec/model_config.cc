@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
+#include "common/json.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "spec/mesh.h"
@@ -259,7 +260,7 @@ constexpr ConfigParser kConfigParsers[] = {
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& what) {
-  Json j = Json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  Json j = ParseJson(json_text);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(what, ": not a JSON object"));
   if (!j.contains("model_type") || !j["model_type"].is_string()) return Field(what, "model_type", "is missing");
   ModelConfig c;

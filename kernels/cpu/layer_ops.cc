@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -42,7 +43,12 @@ void ParallelFor(int64_t n, Fn fn) {
   const int64_t chunk = (n + threads - 1) / threads;
   for (int t = 1; t < threads; ++t) {
     const int64_t b = t * chunk, e = std::min(n, b + chunk);
-    if (b < e) pool.emplace_back([=] { fn(b, e); });
+    if (b >= e) continue;
+    try {
+      pool.emplace_back([=] { fn(b, e); });
+    } catch (const std::system_error&) {
+      fn(b, e);  // no thread to be had: this one does the chunk
+    }
   }
   fn(int64_t{0}, std::min(n, chunk));
   for (auto& th : pool) th.join();

@@ -1,6 +1,7 @@
 #include "worker/colo/rank_group.h"
 
 #include <optional>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -75,21 +76,29 @@ absl::Status RunLocalRanks(const DeviceMesh& mesh, const std::function<absl::Sta
   }
   absl::Mutex mu;
   std::optional<absl::Status> first;  // the first failure, prefixed with its rank
+  const auto fail = [&](int r, const absl::Status& s) {
+    const absl::Status cause(s.code(), absl::StrCat("rank ", r, ": ", s.message()));
+    {
+      absl::MutexLock lock(&mu);
+      if (first.has_value()) return;  // most likely a consequence of the first
+      first = cause;
+    }
+    // Outside the lock (an abort never waits).
+    for (auto& g : groups) g->Abort(absl::AbortedError(absl::StrCat("rank ", r, " failed: ", s.message())));
+  };
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      absl::Status s = options.cuda ? groups[r]->InitAxes() : absl::OkStatus();
-      if (s.ok()) s = body(r, *groups[r]);
-      if (s.ok()) return;
-      const absl::Status cause(s.code(), absl::StrCat("rank ", r, ": ", s.message()));
-      {
-        absl::MutexLock lock(&mu);
-        if (first.has_value()) return;  // most likely a consequence of the first
-        first = cause;
-      }
-      // Outside the lock (an abort never waits).
-      for (auto& g : groups) g->Abort(absl::AbortedError(absl::StrCat("rank ", r, " failed: ", s.message())));
-    });
+    try {
+      threads.emplace_back([&, r] {
+        absl::Status s = options.cuda ? groups[r]->InitAxes() : absl::OkStatus();
+        if (s.ok()) s = body(r, *groups[r]);
+        if (!s.ok()) fail(r, s);
+      });
+    } catch (const std::system_error& e) {
+      // The ranks started wait for this one: aborted, and joined below.
+      fail(r, absl::ResourceExhaustedError(absl::StrCat("cannot start its thread: ", e.what())));
+      break;
+    }
   }
   for (auto& t : threads) t.join();
   absl::MutexLock lock(&mu);

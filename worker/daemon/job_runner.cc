@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 
+#include <exception>
 #include <filesystem>
 #include <system_error>
 
@@ -109,8 +110,14 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   ProgressReporter::Options reporting{options_.coordinator, options_.auth_token, options_.rpc_timeout,
                                       options_.worker_id};
   auto active = std::make_shared<Active>(req, std::move(reporting));
+  // The thread first: a worker that cannot start one stays idle, not busy
+  // with a rank that never runs. Run takes mu_ before it touches active_.
+  try {
+    thread_ = std::thread([this, active] { Run(active); });
+  } catch (const std::system_error& e) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot start the rank's thread: ", e.what()));
+  }
   active_ = active;
-  thread_ = std::thread([this, active] { Run(active); });
   return absl::OkStatus();
 }
 
@@ -178,7 +185,14 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
     const int replica_ranks = mesh.ok() ? mesh->AxisSize("tp").value_or(1) : 1;
     active->metrics = options_.metrics->StartRank(req.job_id(), req.rank(), KindName(req.spec().kind()), replica_ranks);
   }
-  absl::Status s = RunRank(*active);
+  absl::Status s;
+  try {
+    s = RunRank(*active);
+  } catch (const std::exception& e) {
+    // A backstop: colod's code returns statuses, but a library may throw
+    // (no thread or memory to be had); the rank fails, the worker lives on.
+    s = absl::InternalError(absl::StrCat("the rank threw: ", e.what()));
+  }
   // Every communicator is gone with RunRank's process group: the rank's
   // series end here, before the coordinator hears of the end.
   active->metrics.reset();

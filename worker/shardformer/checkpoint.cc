@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
+#include "common/json.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/shardformer/safetensors.h"
@@ -179,7 +180,7 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, con
     ASSIGN_OR_RETURN(Json index, IndexOf(model));
     for (int s = 1; s < stages; ++s) {
       ASSIGN_OR_RETURN(std::string text, ReadFileToString(part(s)));
-      const Json fragment = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+      const Json fragment = ParseJson(text);
       if (fragment.is_discarded() || !fragment.contains("tensors") || !fragment["tensors"].is_object()) {
         return absl::InternalError(absl::StrCat(part(s), " is not a stage's index"));
       }

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
+#include "common/json.h"
 #include "common/limits.h"
 #include "common/status_macros.h"
 #include "kernels/types.h"
@@ -144,7 +145,7 @@ absl::StatusOr<CheckpointTensor> ParseTensor(const Reader& r, const Json& t, con
 
 absl::StatusOr<CheckpointIndex> ParseCheckpointIndex(absl::string_view text, absl::string_view where) {
   const Reader r(where);
-  const Json j = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  const Json j = ParseJson(text);
   if (j.is_discarded() || !j.is_object()) return r.Error("not a JSON object");
   const absl::StatusOr<std::string> format = r.String(j, "format", "the index");
   if (!format.ok() || *format != kCheckpointFormat) return r.Error(absl::StrCat("not a ", kCheckpointFormat, " index"));
@@ -174,7 +175,7 @@ absl::StatusOr<CheckpointIndex> ReadCheckpointIndex(const std::string& dir) {
 
 absl::StatusOr<std::map<std::string, std::string>> ParseWeightMap(absl::string_view text, absl::string_view where) {
   const Reader r(where);
-  const Json j = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  const Json j = ParseJson(text);
   if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
     return r.Error("not a JSON object with a weight_map object");
   }

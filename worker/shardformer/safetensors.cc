@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/int_math.h"
+#include "common/json.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -101,7 +102,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     return Invalid(path, absl::StrCat("the header length ", n, " does not fit the file of ", size, " bytes"));
   }
   f->data_start_ = 8 + static_cast<int64_t>(n);
-  nlohmann::json header = nlohmann::json::parse(f->map_ + 8, f->map_ + 8 + n, nullptr, /*allow_exceptions=*/false);
+  nlohmann::json header = ParseJson(absl::string_view(f->map_ + 8, n));
   if (header.is_discarded() || !header.is_object()) return Invalid(path, "the header is not a JSON object");
   const int64_t buffer = static_cast<int64_t>(size) - f->data_start_;
   std::vector<std::pair<int64_t, int64_t>> ranges;

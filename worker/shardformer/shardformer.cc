@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
+#include "common/json.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/colo/tensor_collectives.h"
@@ -479,7 +480,7 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Optimize(std::unique_
 absl::StatusOr<ModelConfig> LoadConfig(const std::string& dir) {
   const std::string path = dir + "/config.json";
   ASSIGN_OR_RETURN(const std::string text, ReadConfigJson(dir));
-  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json j = ParseJson(text);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
   if (!j.contains("model_type") || !j["model_type"].is_string()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": model_type is missing"));

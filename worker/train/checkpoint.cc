@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
+#include "common/json.h"
 #include "common/limits.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -90,7 +91,7 @@ absl::StatusOr<int64_t> IntField(const Json& j, const char* name, const std::str
 
 absl::StatusOr<Json> ReadJson(const std::string& path) {
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
-  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  Json j = ParseJson(text);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
   return j;
 }

@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
+#include "common/json.h"
 #include "common/little_endian.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -290,7 +291,7 @@ absl::Status ForEachTextDocument(const std::string& path, DataFormat format, boo
     ++line_no;
     if (absl::StripAsciiWhitespace(line).empty()) continue;
     const std::string where = absl::StrCat(path, ":", line_no);
-    Json j = Json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
+    Json j = ParseJson(line);
     if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": not a JSON object"));
     auto it = j.find("text");
     if (it == j.end() || !it->is_string()) {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/atomic_file.h"
+#include "common/json.h"
 #include "common/model_layout.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -40,7 +41,7 @@ absl::StatusOr<std::string> ReadTokenizerFile(const std::string& path) {
 
 absl::StatusOr<Json> ReadJson(const std::string& path) {
   ASSIGN_OR_RETURN(std::string text, ReadTokenizerFile(path));
-  Json j = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  Json j = ParseJson(text);
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
   }
@@ -169,20 +170,38 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerJson(const std::string& 
   };
   const Json* model = field(j, "model");
   if (model == nullptr || !model->is_object()) return Unsupported(path, "no model");
+  // Input is read by its type, never by json::value() or get() on a value
+  // of another type (they throw), and described without dumping it.
   const Json* type = field(*model, "type");
-  if (type == nullptr || *type != "BPE") {
-    return Unsupported(path, absl::StrCat("model.type is ", type == nullptr ? "missing" : type->dump()));
+  if (type == nullptr || !type->is_string() || *type != "BPE") {
+    return Unsupported(path, absl::StrCat("model.type is ", type == nullptr ? "missing" : DescribeJson(*type)));
   }
-  if (const Json* n = field(j, "normalizer")) return Unsupported(path, absl::StrCat("a normalizer (", n->dump(128).substr(0, 80), ")"));
+  if (const Json* n = field(j, "normalizer")) {
+    const Json* kind = n->is_object() ? field(*n, "type") : nullptr;
+    return Unsupported(path, absl::StrCat("a normalizer (", DescribeJson(kind != nullptr ? *kind : *n), ")"));
+  }
   const Json* pre = field(j, "pre_tokenizer");
-  if (pre == nullptr || !pre->is_object() || pre->value("type", "") != "ByteLevel") {
-    return Unsupported(path, absl::StrCat("pre_tokenizer ", pre == nullptr ? "none" : pre->dump().substr(0, 120)));
+  const Json* pre_type = pre != nullptr && pre->is_object() ? field(*pre, "type") : nullptr;
+  if (pre_type == nullptr || !pre_type->is_string() || *pre_type != "ByteLevel") {
+    return Unsupported(path, absl::StrCat("pre_tokenizer ", pre == nullptr        ? "none"
+                                                            : pre_type != nullptr ? DescribeJson(*pre_type)
+                                                                                  : DescribeJson(*pre)));
   }
-  if (!pre->value("use_regex", true)) return Unsupported(path, "a ByteLevel pre-tokenizer without its regex");
+  const auto flag = [&](const char* key, bool fallback) -> absl::StatusOr<bool> {
+    const Json* v = field(*pre, key);
+    if (v == nullptr) return fallback;
+    if (!v->is_boolean()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": pre_tokenizer.", key, " must be true or false, not ", DescribeJson(*v)));
+    }
+    return v->get<bool>();
+  };
+  ASSIGN_OR_RETURN(const bool use_regex, flag("use_regex", true));
+  if (!use_regex) return Unsupported(path, "a ByteLevel pre-tokenizer without its regex");
   for (const char* key : {"dropout", "continuing_subword_prefix", "end_of_word_suffix"}) {
     const Json* v = field(*model, key);
     if (v != nullptr && !(v->is_string() && v->get<std::string>().empty())) {
-      return Unsupported(path, absl::StrCat("model.", key, " ", v->dump()));
+      return Unsupported(path, absl::StrCat("model.", key, " ", DescribeJson(*v)));
     }
   }
   if (const Json* v = field(*model, "byte_fallback"); v != nullptr && *v == true) {
@@ -209,7 +228,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerJson(const std::string& 
     }
   }
   ByteLevelBpe::Options o;
-  o.add_prefix_space = pre->value("add_prefix_space", false);
+  ASSIGN_OR_RETURN(o.add_prefix_space, flag("add_prefix_space", false));
   if (const Json* v = field(*model, "ignore_merges"); v != nullptr && v->is_boolean()) o.ignore_merges = v->get<bool>();
   if (const Json* added = field(j, "added_tokens")) {
     if (!added->is_array()) return absl::InvalidArgumentError(absl::StrCat(path, ": added_tokens must be an array"));

@@ -99,5 +99,37 @@ TEST(LoadTokenizer, RefusesWhatItDoesNotImplementNamingIt) {
   EXPECT_NE(LoadTokenizer(dir).status().message().find("add_bos_token"), std::string::npos);
 }
 
+// Fields of the wrong type are refused naming them, never thrown on (which
+// would end the worker daemon the job runs on), and deep nesting is refused
+// before anything recurses over it.
+TEST(LoadTokenizer, RefusesFieldsOfTheWrongTypeAndDeepNestingWithoutThrowing) {
+  const std::string dir = Dir("hostile");
+  auto expect_refused = [&](const std::string& text, const std::string& what) {
+    Write(dir + "/tokenizer.json", text);
+    const absl::Status s = LoadTokenizer(dir).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(s.message().find(what), std::string::npos) << s;
+  };
+  const auto with = [](const Json& pre_tokenizer, const Json& normalizer = nullptr) {
+    Json j = {{"model", {{"type", "BPE"}, {"vocab", SmallVocab()}}}, {"pre_tokenizer", pre_tokenizer}};
+    if (!normalizer.is_null()) j["normalizer"] = normalizer;
+    return j.dump();
+  };
+  expect_refused(R"({"model": {"type": 1}})", "model.type is 1");
+  expect_refused(R"({"model": {"type": ["BPE"]}})", "model.type is an array of 1");
+  expect_refused(with({{"type", 1}}), "pre_tokenizer 1");
+  expect_refused(with({{"type", "ByteLevel"}, {"use_regex", "yes"}}), "pre_tokenizer.use_regex must be true or false, not \"yes\"");
+  expect_refused(with({{"type", "ByteLevel"}, {"add_prefix_space", 3}}), "pre_tokenizer.add_prefix_space must be true or false, not 3");
+  expect_refused(with({{"type", "ByteLevel"}}, Json::array({1, 2})), "a normalizer (an array of 2)");
+  // A normalizer nested 10,000 deep (dump(128) of it was ~6 GB) and a file
+  // nested a million deep: refused as not JSON, nothing recursed over.
+  std::string deep = std::string(10000, '[') + std::string(10000, ']');
+  expect_refused(R"({"model": {"type": "BPE"}, "normalizer": )" + deep + "}", "is not a JSON object");
+  expect_refused(std::string(1000000, '['), "is not a JSON object");
+  // A string longer than a message: cut.
+  Write(dir + "/tokenizer.json", R"({"model": {"type": ")" + std::string(100000, 'W') + R"("}})");
+  EXPECT_LT(LoadTokenizer(dir).status().message().size(), 1000u);
+}
+
 }  // namespace
 }  // namespace colod::train
