@@ -2,11 +2,8 @@
 
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -115,14 +112,10 @@ absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& wha
 }
 
 absl::StatusOr<Tensor> ReadNpy(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no such file: ", path));
-    return absl::FailedPreconditionError(absl::StrCat("cannot read ", path, ": ", std::strerror(errno)));
-  }
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  return ParseNpy(buf.str(), path);
+  // One copy of the bytes, a read error an error (not a shorter array), a
+  // device or a directory refused.
+  ASSIGN_OR_RETURN(const std::string bytes, ReadFileToString(path));
+  return ParseNpy(bytes, path);
 }
 
 absl::StatusOr<std::string> SerializeNpy(const Tensor& t) {

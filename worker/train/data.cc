@@ -6,14 +6,17 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <optional>
-#include <utility>
 #include <fstream>
+#include <limits>
+#include <optional>
 #include <sstream>
+#include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
@@ -302,6 +305,41 @@ absl::Status ForEachTextDocument(const std::string& path, DataFormat format, boo
   return absl::OkStatus();
 }
 
+namespace {
+
+// What the kernel says could be allocated now without swapping
+// (/proc/meminfo's MemAvailable); the physical memory where it cannot be read.
+int64_t AvailableMemoryBytes() {
+  if (absl::StatusOr<std::string> info = ReadFileToString("/proc/meminfo"); info.ok()) {
+    for (absl::string_view line : absl::StrSplit(*info, '\n')) {
+      if (!absl::ConsumePrefix(&line, "MemAvailable:")) continue;
+      int64_t kib = 0;
+      if (absl::SimpleAtoi(absl::StripSuffix(absl::StripAsciiWhitespace(line), " kB"), &kib)) return kib << 10;
+    }
+  }
+  return static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
+}
+
+// A corpus held in memory as 8-byte tokens (.npy, text, jsonl) must fit
+// there: one that would not is refused before it is read, naming the way
+// that maps tokens from disk instead (a worker that ran out would be killed
+// mid-job, and every job on it with it).
+absl::Status FitsInMemory(const std::string& path, int64_t file_bytes, int64_t bytes_per_token) {
+  const int64_t tokens = file_bytes / bytes_per_token;
+  const std::optional<int64_t> token_bytes = CheckedMul(tokens, 8);
+  const std::optional<int64_t> sum = token_bytes.has_value() ? CheckedAdd(file_bytes, *token_bytes) : std::nullopt;
+  const int64_t need = sum.value_or(std::numeric_limits<int64_t>::max());
+  const int64_t available = AvailableMemoryBytes();
+  if (need <= available) return absl::OkStatus();
+  constexpr double kGiB = 1 << 30;
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "%s (%.1f GiB) would take about %.1f GiB of memory as a token array, and %.1f GiB is available: tokenize it "
+      "once (coloctl tokenize --model DIR --input %s --out PREFIX) and train from PREFIX, which is read from disk",
+      path, file_bytes / kGiB, need / kGiB, available / kGiB, path));
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string& path, DataFormat format,
                                                                const Tokenizer* tokenizer) {
   format = ResolveDataFormat(path, format);
@@ -325,6 +363,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
   }
   ASSIGN_OR_RETURN(const int64_t bytes, RegularFileSize(path));
   if (format == DataFormat::kNpy) {
+    RETURN_IF_ERROR(FitsInMemory(path, bytes, /*bytes_per_token=*/2));  // <u2 at the narrowest
     ASSIGN_OR_RETURN(Tensor t, ReadNpy(path));
     if (!IsInteger(t.dtype())) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": token arrays must hold integers, not ",
@@ -336,6 +375,8 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     return c;
   }
   if (IsTextFormat(format)) {
+    // A byte a token without a tokenizer; BPE's average 3 to 4 bytes, 2 at worst in practice.
+    RETURN_IF_ERROR(FitsInMemory(path, bytes, tokenizer == nullptr ? 1 : 2));
     RETURN_IF_ERROR(ForEachTextDocument(
         path, format, /*paragraphs=*/tokenizer != nullptr,
         [&](absl::string_view doc, const std::string& where) -> absl::Status {

@@ -1,7 +1,9 @@
 // Token corpora in each format and the sampler's batches.
 #include "worker/train/data.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
@@ -187,6 +189,26 @@ TEST(TokenCorpus, OnlyNonEmptyRegularFiles) {
       EXPECT_NE(s.message().find(c.says), absl::string_view::npos) << s;
       EXPECT_LT(absl::Now() - start, absl::Seconds(2));
     }
+  }
+}
+
+// A corpus held in memory that would not fit there is refused before a
+// byte of it is read (sparse files: their size costs no disk), naming the
+// Megatron dataset that is read from disk instead.
+TEST(TokenCorpus, ACorpusLargerThanTheMemoryIsRefusedBeforeItIsRead) {
+  const int64_t physical = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
+  for (const char* name : {"huge.txt", "huge.jsonl", "huge.npy"}) {
+    const std::string path = TempPath(name);
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ASSERT_GE(fd, 0) << std::strerror(errno);
+    ASSERT_EQ(::ftruncate(fd, physical / 4 + 1), 0) << std::strerror(errno);  // 2 bytes a token x 8, or more
+    ::close(fd);
+    const absl::Time start = absl::Now();
+    const absl::Status s = TokenCorpus::Open(path, DataFormat::kAuto).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << name << ": " << s;
+    EXPECT_NE(s.message().find("coloctl tokenize"), absl::string_view::npos) << s;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << name << ": read before it was refused?";
+    ::unlink(path.c_str());
   }
 }
 
