@@ -71,18 +71,27 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   // Not blocked in open by a FIFO without a writer; a pipe with one (a
   // shell's <(...)) is read to its end, blocking again.
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot read '", path, "': ", std::strerror(errno)));
+  if (fd < 0) {
+    if (errno == ENOENT || errno == ENOTDIR) {
+      return absl::NotFoundError(absl::StrCat("cannot read '", path, "': ", std::strerror(errno)));
+    }
+    return Errno("cannot read", path);  // there, but not ours to read (EACCES, ...)
+  }
   struct stat info;
   int err = ::fstat(fd, &info) != 0                                    ? errno
             : S_ISDIR(info.st_mode)                                    ? EISDIR
-            : !S_ISREG(info.st_mode) && !S_ISFIFO(info.st_mode)        ? ENODEV  // /dev/zero would never end
             : ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK) ? errno
                                                                        : 0;
+  if (err == 0 && !S_ISREG(info.st_mode) && !S_ISFIFO(info.st_mode)) {
+    ::close(fd);  // a device (/dev/zero would never end) or a terminal
+    return absl::FailedPreconditionError(absl::StrCat("cannot read '", path, "': not a file or a pipe"));
+  }
   if (err != 0) {
     ::close(fd);
     return FileError("cannot read", path, err);
   }
   std::string out;
+  if (S_ISREG(info.st_mode) && info.st_size > 0) out.reserve(static_cast<size_t>(info.st_size));
   char buffer[1 << 16];
   absl::Status s;
   for (;;) {

@@ -30,9 +30,10 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 absl::Status FileError(absl::string_view what, absl::string_view path, int err);
 
 // The whole content of `path`, a regular file or a pipe (a shell's <(...)):
-// NOT_FOUND naming it when it cannot be opened; FileError's status for a
-// directory or a device, or when reading fails midway (never a shorter
-// content). A FIFO without a writer reads as empty rather than blocking.
+// NOT_FOUND naming it when it does not exist; FAILED_PRECONDITION (FileError's
+// status) when it cannot be opened, is a directory or a device, or reading
+// fails midway (never a shorter content). A FIFO without a writer reads as
+// empty rather than blocking.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 
 // The names of `dir`'s entries, "." and ".." left out, in no particular

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cerrno>
 #include <exception>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -96,12 +97,16 @@ MetricsServer::~MetricsServer() {
   std::atomic<bool> stopped{false};
   std::thread knocker;
   if (server_ != nullptr && port_ > 0) {
-    knocker = std::thread([this, &stopped] {
-      for (int i = 0; i < 300 && !stopped.load(); ++i) {
-        Knock(host_, port_);
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-    });
+    try {
+      knocker = std::thread([this, &stopped] {
+        for (int i = 0; i < 300 && !stopped.load(); ++i) {
+          Knock(host_, port_);
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      });
+    } catch (const std::system_error&) {
+      // No thread to be had (a destructor must not throw): the stop takes its 2 s.
+    }
   }
   server_.reset();  // joins civetweb's threads before the handler goes
   stopped = true;

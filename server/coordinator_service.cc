@@ -256,9 +256,8 @@ grpc::Status CoordinatorServiceImpl::DownloadModel(grpc::ServerContext* ctx, con
     ASSIGN_OR_RETURN(std::string dir, uploads_->Path(req->upload_id()));
     constexpr size_t kChunk = 1 << 20;
     // A listing or a read that fails sends an error, never a part of the model.
-    absl::StatusOr<std::vector<std::string>> listed = ListDirectory(dir);
-    if (!listed.ok()) return absl::InternalError(listed.status().message());
-    std::vector<std::string> files = *std::move(listed);
+    // NOT_FOUND where the upload was collected since Path(), UNAVAILABLE midway.
+    ASSIGN_OR_RETURN(std::vector<std::string> files, ListDirectory(dir));
     std::sort(files.begin(), files.end());
     std::string buffer(kChunk, '\0');
     for (const std::string& f : files) {

@@ -1,11 +1,11 @@
 #include "server/job_manager.h"
 
-#include <cmath>
-#include <limits>
-
 #include <algorithm>
-
+#include <cmath>
 #include <filesystem>
+#include <iterator>
+#include <limits>
+#include <optional>
 #include <system_error>
 
 #include "absl/strings/ascii.h"
@@ -73,25 +73,39 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
   auto m = std::make_unique<JobManager>(clock);
   absl::StatusOr<std::vector<std::string>> names = ListDirectory(state_dir);
   if (!names.ok()) return absl::FailedPreconditionError(names.status().message());
-  // Every file is read before the lock is taken (none is held across a read).
+  // Every file is read and parsed before the lock is taken (none is held
+  // across a read), one at a time.
   struct File {
     std::string name, path;
-    absl::StatusOr<std::string> bytes;
+    std::optional<v1::JobRecord> record;  // nullopt: damaged, set aside
   };
   std::vector<File> files;
   for (const std::string& name : *names) {
     if (!absl::StartsWith(name, "job-") || !absl::EndsWith(name, ".pb")) continue;
-    const std::string path = state_dir + "/" + name;
-    files.push_back(File{name, path, ReadFileToString(path)});
-    RETURN_IF_ERROR(files.back().bytes.status());
+    File f{name, state_dir + "/" + name, std::nullopt};
+    // One bad file must not keep the coordinator (and every other job) down:
+    // a record that does not parse, or a directory or a device of its name,
+    // is kept for a human to look at, out of the way. A read error fails.
+    if (IsRegularFile(f.path)) {
+      ASSIGN_OR_RETURN(const std::string bytes, ReadFileToString(f.path));
+      v1::JobRecord record;
+      if (record.ParseFromString(bytes) && !record.job().job_id().empty() &&
+          absl::StrCat(record.job().job_id(), ".pb") == name) {
+        f.record = std::move(record);
+      }
+    }
+    files.push_back(std::move(f));
   }
-  const absl::StatusOr<std::string> next_id = ReadFileToString(state_dir + "/" + kNextIdFile);
+  // The next id, written when a job is deleted: a deleted job's id is never
+  // handed out again, even when its record was the newest. One that exists
+  // but cannot be read fails.
+  const std::string next_id_path = state_dir + "/" + kNextIdFile;
+  const absl::StatusOr<std::string> next_id = ReadFileToString(next_id_path);
+  if (!next_id.ok() && !absl::IsNotFound(next_id.status())) return next_id.status();
   std::vector<std::string> damaged;  // set aside once the lock is released
   std::vector<std::optional<RecordWrite>> writes;  // written once the lock is released
   {
     absl::MutexLock lock(&m->mu_);
-    // The next id, written when a job is deleted: a deleted job's id is never
-    // handed out again, even when its record was the newest.
     if (next_id.ok()) {
       int64_t n = 0;
       if (absl::SimpleAtoi(absl::StripAsciiWhitespace(*next_id), &n)) m->next_id_ = std::max(m->next_id_, n);
@@ -103,14 +117,11 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
       if (absl::SimpleAtoi(absl::string_view(name).substr(4, name.size() - 4 - 3), &n)) {
         m->next_id_ = std::max(m->next_id_, n + 1);
       }
-      v1::JobRecord record;
-      if (!record.ParseFromString(*f.bytes) || record.job().job_id().empty() ||
-          absl::StrCat(record.job().job_id(), ".pb") != name) {
-        // One bad file must not keep the coordinator (and every other job)
-        // down: it is kept for a human to look at, out of the way.
+      if (!f.record.has_value()) {
         damaged.push_back(f.path);
         continue;
       }
+      v1::JobRecord& record = *f.record;
       Entry e;
       e.job = std::move(*record.mutable_job());
       // A record written before jobs stored their memory floor gets it now,
@@ -119,11 +130,13 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
         const v1::MemoryFloor floor = JobMemoryFloor(e.job.spec());
         if (floor.total_bytes() > 0) *e.job.mutable_memory_floor() = floor;
       }
-      e.events.assign(record.events().begin(), record.events().end());
+      e.events.assign(std::make_move_iterator(record.mutable_events()->begin()),
+                      std::make_move_iterator(record.mutable_events()->end()));
       for (const v1::JobEvent& ev : e.events) {
         if (ev.has_step() && IsTrainedStep(ev.step())) e.trained_steps.insert(ev.step().step());
       }
       e.request_id = record.request_id();
+      f.record.reset();  // what was not moved into the entry
       if (!e.request_id.empty()) m->job_by_request_id_[e.request_id] = e.job.job_id();
       m->jobs_.emplace(e.job.job_id(), std::move(e));
     }

@@ -945,6 +945,18 @@ TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckp
   auto d = (*reopened)->Submit(TrainSpec(), "");
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(d->job_id(), "job-000010");
+  reopened->reset();
+  // So is a directory of a record's name; a next-id that is there but
+  // cannot be read fails the start (ids of deleted jobs could come back).
+  std::filesystem::create_directory(dir + "/job-000011.pb");
+  auto with_dir = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(with_dir.ok()) << with_dir.status();
+  EXPECT_EQ((*with_dir)->List({}).size(), 5u);
+  EXPECT_TRUE(std::filesystem::is_directory(dir + "/job-000011.pb.damaged"));
+  with_dir->reset();
+  std::filesystem::remove(dir + "/next-id");
+  std::filesystem::create_directory(dir + "/next-id");
+  EXPECT_EQ(JobManager::Open(dir, &clock).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(ValidateJobSpec, RestartPolicy) {

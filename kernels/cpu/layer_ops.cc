@@ -40,6 +40,7 @@ void ParallelFor(int64_t n, Fn fn) {
     return;
   }
   std::vector<std::thread> pool;
+  pool.reserve(threads);  // no reallocation (bad_alloc) with threads started
   const int64_t chunk = (n + threads - 1) / threads;
   for (int t = 1; t < threads; ++t) {
     const int64_t b = t * chunk, e = std::min(n, b + chunk);

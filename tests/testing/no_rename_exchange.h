@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -23,16 +24,17 @@ namespace colod::testing {
 // fails EINVAL, as it does on a file system that cannot exchange (vfat,
 // older NFS and overlayfs). The kernel does it: a seccomp filter of that
 // thread, which the threads it starts inherit (a test's ranks); the rest of
-// the process is untouched, and the filter ends with the thread. Plain
-// renames pass. An error where the filter cannot be installed (a kernel
-// without seccomp filters), and `fn` does not run.
+// the process is untouched. The filter ends with the thread and with those
+// it started (one that outlives it, a pool started lazily by `fn`, keeps it).
+// Plain renames pass. UNIMPLEMENTED or FAILED_PRECONDITION where the filter
+// cannot be installed (another architecture, a kernel without seccomp
+// filters), and `fn` does not run.
 inline absl::Status WithoutRenameExchange(const std::function<void()>& fn) {
+#if defined(__x86_64__) || defined(__aarch64__)
 #if defined(__x86_64__)
   constexpr uint32_t kArch = AUDIT_ARCH_X86_64;
-#elif defined(__aarch64__)
-  constexpr uint32_t kArch = AUDIT_ARCH_AARCH64;
 #else
-  return absl::UnimplementedError("WithoutRenameExchange knows x86-64 and aarch64 only");
+  constexpr uint32_t kArch = AUDIT_ARCH_AARCH64;
 #endif
   sock_filter filter[] = {
       BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
@@ -59,6 +61,9 @@ inline absl::Status WithoutRenameExchange(const std::function<void()>& fn) {
   });
   t.join();
   return installed;
+#else
+  return absl::UnimplementedError("WithoutRenameExchange knows x86-64 and aarch64 only");
+#endif
 }
 
 }  // namespace colod::testing

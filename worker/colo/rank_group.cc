@@ -87,6 +87,7 @@ absl::Status RunLocalRanks(const DeviceMesh& mesh, const std::function<absl::Sta
     for (auto& g : groups) g->Abort(absl::AbortedError(absl::StrCat("rank ", r, " failed: ", s.message())));
   };
   std::vector<std::thread> threads;
+  threads.reserve(n);  // no reallocation (bad_alloc) with threads started
   for (int r = 0; r < n; ++r) {
     try {
       threads.emplace_back([&, r] {

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -51,8 +52,18 @@ absl::StatusOr<std::string> DictValue(absl::string_view dict, absl::string_view 
 
 }  // namespace
 
-absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& what) {
-  if (bytes.size() < 10 || bytes.compare(0, 6, kMagic, 6) != 0) return Bad(what, "no \\x93NUMPY magic");
+namespace {
+
+// A .npy file's header, from the first bytes of the file (at least up to
+// the end of the header).
+struct Header {
+  std::string descr, shape_text;
+  Shape shape;
+  size_t data_offset = 0;  // where the array starts
+};
+
+absl::StatusOr<Header> ParseHeader(absl::string_view bytes, const std::string& what) {
+  if (bytes.size() < 10 || bytes.substr(0, 6) != absl::string_view(kMagic, 6)) return Bad(what, "no \\x93NUMPY magic");
   const int major = static_cast<unsigned char>(bytes[6]);
   size_t header_len = 0, offset = 0;
   if (major == 1) {
@@ -67,19 +78,59 @@ absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& wha
   }
   if (offset + header_len > bytes.size()) return Bad(what, "the header runs past the end of the file");
   const absl::string_view dict(bytes.data() + offset, header_len);
-  ASSIGN_OR_RETURN(std::string descr, DictValue(dict, "descr", what));
+  Header h;
+  h.data_offset = offset + header_len;
+  ASSIGN_OR_RETURN(h.descr, DictValue(dict, "descr", what));
   ASSIGN_OR_RETURN(std::string fortran, DictValue(dict, "fortran_order", what));
-  ASSIGN_OR_RETURN(std::string shape_text, DictValue(dict, "shape", what));
+  ASSIGN_OR_RETURN(h.shape_text, DictValue(dict, "shape", what));
   if (fortran != "False") return Bad(what, "fortran_order arrays are not supported; save in C order");
-  Shape shape;
-  for (absl::string_view part : absl::StrSplit(shape_text, ',', absl::SkipWhitespace())) {
+  for (absl::string_view part : absl::StrSplit(h.shape_text, ',', absl::SkipWhitespace())) {
     int64_t d = 0;
     if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &d) || d < 0) {
-      return Bad(what, absl::StrCat("the shape (", shape_text, ") is not a tuple of sizes"));
+      return Bad(what, absl::StrCat("the shape (", h.shape_text, ") is not a tuple of sizes"));
     }
-    shape.push_back(d);
+    h.shape.push_back(d);
   }
-  const absl::string_view data(bytes.data() + offset + header_len, bytes.size() - offset - header_len);
+  return h;
+}
+
+// The bytes an element of `descr` takes in the file; 0 for a dtype colod
+// does not read.
+int64_t ElementBytes(absl::string_view descr) {
+  if (descr == "<f4" || descr == "<i4" || descr == "<u4") return 4;
+  if (descr == "<f2" || descr == "<u2") return 2;
+  if (descr == "<i8") return 8;
+  return 0;
+}
+
+}  // namespace
+
+absl::StatusOr<NpyInfo> ReadNpyInfo(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  // The header: a version-1 header's length is at most 65535 bytes, and a
+  // longer one (versions 2 and 3) is refused here.
+  std::string prefix(10 + 65535, '\0');
+  in.read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
+  if (in.bad()) return absl::FailedPreconditionError(absl::StrCat("reading ", path, " failed"));
+  prefix.resize(static_cast<size_t>(in.gcount()));
+  ASSIGN_OR_RETURN(const Header h, ParseHeader(prefix, path));
+  NpyInfo info;
+  info.descr = h.descr;
+  info.element_bytes = ElementBytes(h.descr);
+  const std::optional<int64_t> elements = CheckedProduct(h.shape);
+  if (!elements.has_value()) return Bad(path, absl::StrCat("the shape (", h.shape_text, ") is too large"));
+  info.elements = *elements;
+  info.integer = h.descr == "<i8" || h.descr == "<i4" || h.descr == "<u2" || h.descr == "<u4";
+  return info;
+}
+
+absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& what) {
+  ASSIGN_OR_RETURN(const Header h, ParseHeader(bytes, what));
+  const std::string& descr = h.descr;
+  const std::string& shape_text = h.shape_text;
+  const Shape& shape = h.shape;
+  const absl::string_view data(bytes.data() + h.data_offset, bytes.size() - h.data_offset);
   const std::optional<int64_t> elements = CheckedProduct(shape);
   if (!elements.has_value()) return Bad(what, absl::StrCat("the shape (", shape_text, ") is too large"));
   const int64_t n = *elements;

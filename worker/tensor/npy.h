@@ -19,6 +19,16 @@ namespace colod {
 // problem, for anything that is not a supported .npy array.
 absl::StatusOr<Tensor> ReadNpy(const std::string& path);
 absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& what = "npy");
+// What a .npy file's header says, read without its array: for a reader that
+// must know the array's size before it reads it (a corpus that must fit in
+// memory). The same errors as ReadNpy for the header.
+struct NpyInfo {
+  std::string descr;          // "<u2", "<f4", ...
+  int64_t element_bytes = 0;  // in the file; 0 for a dtype ReadNpy refuses
+  int64_t elements = 0;
+  bool integer = false;       // read as i64 (u2, u4) or i32/i64
+};
+absl::StatusOr<NpyInfo> ReadNpyInfo(const std::string& path);
 // f32, f16, i64 or i32 host tensors; the file appears atomically.
 absl::Status WriteNpy(const std::string& path, const Tensor& t);
 absl::StatusOr<std::string> SerializeNpy(const Tensor& t);

@@ -195,10 +195,18 @@ absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, c
     if (const std::optional<int64_t> g = later(tmp)) {
       if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) return refuse(*g);
       // Neither is removed: a whole checkpoint of the step stays in place
-      // (this one), and the later generation's stays in tmp for a human.
+      // (this one), and the later generation's goes where no cleanup or
+      // listing looks (tmp's name is this generation's: the later one's next
+      // save would remove it), for a human.
+      const std::string back_error = std::strerror(errno);
+      const std::string conflict =
+          absl::StrCat(dir, "/.conflict-", fs::path(final_dir).filename().string(), ".",
+                       CheckpointWriter{.job = writer.job, .generation = *g}.Tag());
+      fs::rename(tmp, conflict, ec);
       return absl::AbortedError(absl::StrCat("generation ", *g, "'s checkpoint went in while generation ",
                                              writer.generation, "'s replaced ", final_dir,
-                                             ", and cannot be put back from ", tmp, ": ", std::strerror(errno)));
+                                             ", and cannot be put back (", back_error, "): it is in ",
+                                             ec ? tmp : conflict));
     }
     fs::remove_all(tmp, ec);  // the old checkpoint; a leftover goes with the next save's stale directories
     return absl::OkStatus();

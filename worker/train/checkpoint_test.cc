@@ -296,6 +296,9 @@ TEST(Checkpoints, AFileSystemThatCannotExchangeGetsTheOldCheckpointMovedAside) {
     earlier.generation = 1;
     stale = Train(earlier, [](const StepStats&) {});
   });
+  if (absl::IsUnimplemented(filtered) || absl::IsFailedPrecondition(filtered)) {
+    GTEST_SKIP() << "no file system without RENAME_EXCHANGE can be made here: " << filtered;
+  }
   ASSERT_TRUE(filtered.ok()) << filtered;
   ASSERT_EQ(exchange_errno, EINVAL) << "the filter did not take";
   ASSERT_TRUE(trained.ok()) << trained;

@@ -239,35 +239,16 @@ DataFormat ResolveDataFormat(const std::string& path, DataFormat format) {
              : DataFormat::kText;
 }
 
-void TokenCorpus::AddDocument(const std::vector<int64_t>& ids) {
-  if (!owned_.empty()) documents_.push_back(static_cast<int64_t>(owned_.size()));
+void TokenCorpus::AddDocument(std::vector<int64_t> ids) {
+  if (owned_.empty()) {
+    owned_ = std::move(ids);  // the first (a whole file's, without a tokenizer): not copied
+    return;
+  }
+  documents_.push_back(static_cast<int64_t>(owned_.size()));
   owned_.insert(owned_.end(), ids.begin(), ids.end());
 }
 
 namespace {
-
-// The documents of a text file: paragraphs, each up to a blank line (one
-// of only white space), without the line breaks that separate them.
-std::vector<absl::string_view> Paragraphs(absl::string_view text) {
-  std::vector<absl::string_view> out;
-  size_t start = absl::string_view::npos, end = 0;  // the paragraph so far: [start, end)
-  size_t pos = 0;
-  while (pos <= text.size()) {
-    size_t nl = text.find('\n', pos);
-    if (nl == absl::string_view::npos) nl = text.size();
-    const absl::string_view line = text.substr(pos, nl - pos);
-    if (absl::StripAsciiWhitespace(line).empty()) {
-      if (start != absl::string_view::npos) out.push_back(text.substr(start, end - start));
-      start = absl::string_view::npos;
-    } else {
-      if (start == absl::string_view::npos) start = pos;
-      end = nl;
-    }
-    pos = nl + 1;
-  }
-  if (start != absl::string_view::npos) out.push_back(text.substr(start, end - start));
-  return out;
-}
 
 // Byte-level tokens of a document: its bytes, then <|endoftext|>.
 std::vector<int64_t> ByteTokens(absl::string_view text) {
@@ -280,19 +261,53 @@ std::vector<int64_t> ByteTokens(absl::string_view text) {
 
 }  // namespace
 
+namespace {
+
+// Calls fn(line, line_number) for each line of `path` (without its '\n'; the
+// last one also where no '\n' ends it), reading it a block at a time: a
+// file larger than the memory is walked in the memory of its longest line.
+// A read error midway is an error, never a shorter walk.
+absl::Status ForEachLine(const std::string& path,
+                         const std::function<absl::Status(absl::string_view, int64_t)>& fn) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  std::string line;
+  int64_t line_no = 0;
+  while (std::getline(in, line)) RETURN_IF_ERROR(fn(line, ++line_no));
+  if (in.bad()) return absl::FailedPreconditionError(absl::StrCat("reading ", path, " failed midway"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ForEachTextDocument(const std::string& path, DataFormat format, bool paragraphs,
                                  const std::function<absl::Status(absl::string_view, const std::string&)>& fn) {
   RETURN_IF_ERROR(RegularFileSize(path).status());
-  ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path));
-  if (format != DataFormat::kJsonl) {
-    if (!paragraphs) return fn(text, path);
-    for (absl::string_view p : Paragraphs(text)) RETURN_IF_ERROR(fn(p, path));
-    return absl::OkStatus();
+  if (format != DataFormat::kJsonl && !paragraphs) {
+    ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path));
+    return fn(text, path);
   }
-  int64_t line_no = 0;
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    ++line_no;
-    if (absl::StripAsciiWhitespace(line).empty()) continue;
+  if (format != DataFormat::kJsonl) {
+    // Paragraphs: the lines up to a blank one (of only white space), joined
+    // by the line breaks between them.
+    std::string paragraph;
+    bool open = false;
+    RETURN_IF_ERROR(ForEachLine(path, [&](absl::string_view line, int64_t) -> absl::Status {
+      if (absl::StripAsciiWhitespace(line).empty()) {
+        if (open) RETURN_IF_ERROR(fn(paragraph, path));
+        paragraph.clear();
+        open = false;
+        return absl::OkStatus();
+      }
+      if (open) paragraph += '\n';
+      paragraph.append(line.data(), line.size());
+      open = true;
+      return absl::OkStatus();
+    }));
+    return open ? fn(paragraph, path) : absl::OkStatus();
+  }
+  return ForEachLine(path, [&](absl::string_view line, int64_t line_no) -> absl::Status {
+    if (absl::StripAsciiWhitespace(line).empty()) return absl::OkStatus();
     const std::string where = absl::StrCat(path, ":", line_no);
     Json j = ParseJson(line);
     if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": not a JSON object"));
@@ -300,9 +315,8 @@ absl::Status ForEachTextDocument(const std::string& path, DataFormat format, boo
     if (it == j.end() || !it->is_string()) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": no string \"text\""));
     }
-    RETURN_IF_ERROR(fn(it->get_ref<const std::string&>(), where));
-  }
-  return absl::OkStatus();
+    return fn(it->get_ref<const std::string&>(), where);
+  });
 }
 
 namespace {
@@ -321,21 +335,26 @@ int64_t AvailableMemoryBytes() {
 }
 
 // A corpus held in memory as 8-byte tokens (.npy, text, jsonl) must fit
-// there: one that would not is refused before it is read, naming the way
-// that maps tokens from disk instead (a worker that ran out would be killed
-// mid-job, and every job on it with it).
-absl::Status FitsInMemory(const std::string& path, int64_t file_bytes, int64_t bytes_per_token) {
-  const int64_t tokens = file_bytes / bytes_per_token;
-  const std::optional<int64_t> token_bytes = CheckedMul(tokens, 8);
-  const std::optional<int64_t> sum = token_bytes.has_value() ? CheckedAdd(file_bytes, *token_bytes) : std::nullopt;
-  const int64_t need = sum.value_or(std::numeric_limits<int64_t>::max());
+// there with what reading it holds at its peak (`need`, nullopt past int64):
+// one that would not is refused before it is read, naming the way that maps
+// tokens from disk instead (a worker that ran out would be killed mid-job,
+// and every job on it with it).
+absl::Status FitsInMemory(const std::string& path, int64_t file_bytes, std::optional<int64_t> need) {
   const int64_t available = AvailableMemoryBytes();
-  if (need <= available) return absl::OkStatus();
+  if (need.has_value() && *need <= available) return absl::OkStatus();
   constexpr double kGiB = 1 << 30;
   return absl::ResourceExhaustedError(absl::StrFormat(
-      "%s (%.1f GiB) would take about %.1f GiB of memory as a token array, and %.1f GiB is available: tokenize it "
-      "once (coloctl tokenize --model DIR --input %s --out PREFIX) and train from PREFIX, which is read from disk",
-      path, file_bytes / kGiB, need / kGiB, available / kGiB, path));
+      "%s (%.1f GiB) would take %s of memory as a token array, and %.1f GiB is available: tokenize it once "
+      "(coloctl tokenize --model DIR --input %s --out PREFIX) and train from PREFIX, which is read from disk",
+      path, file_bytes / kGiB,
+      need.has_value() ? absl::StrFormat("about %.1f GiB", *need / kGiB) : std::string("more than 8 EiB"),
+      available / kGiB, path));
+}
+
+// a * b + c, nullopt past int64 (for sizes of files, which are non-negative).
+std::optional<int64_t> MulAdd(int64_t a, int64_t b, int64_t c) {
+  const std::optional<int64_t> ab = CheckedMul(a, b);
+  return ab.has_value() ? CheckedAdd(*ab, c) : std::nullopt;
 }
 
 }  // namespace
@@ -363,20 +382,38 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
   }
   ASSIGN_OR_RETURN(const int64_t bytes, RegularFileSize(path));
   if (format == DataFormat::kNpy) {
-    RETURN_IF_ERROR(FitsInMemory(path, bytes, /*bytes_per_token=*/2));  // <u2 at the narrowest
-    ASSIGN_OR_RETURN(Tensor t, ReadNpy(path));
-    if (!IsInteger(t.dtype())) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": token arrays must hold integers, not ",
-                                                     DTypeName(t.dtype())));
+    ASSIGN_OR_RETURN(const NpyInfo info, ReadNpyInfo(path));
+    if (!info.integer) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": token arrays must hold integers (<i8, <i4, <u2, <u4), not '", info.descr, "'"));
     }
+    // At the peak: the file's bytes and the array parsed from them (u2 and u4
+    // widened to i64 and copied into a tensor), or that tensor and the
+    // tokens taken from it.
+    const int64_t tokens = std::min(info.elements, bytes / info.element_bytes);
+    const bool widened = info.descr == "<u2" || info.descr == "<u4";
+    const std::optional<int64_t> tensor = CheckedMul(tokens, widened ? 8 : info.element_bytes);
+    const std::optional<int64_t> parsed =
+        tensor.has_value() ? MulAdd(tokens, widened ? 8 : 0, bytes + *tensor) : std::nullopt;
+    const std::optional<int64_t> taken = tensor.has_value() ? MulAdd(tokens, 8, *tensor) : std::nullopt;
+    RETURN_IF_ERROR(FitsInMemory(path, bytes, parsed.has_value() && taken.has_value()
+                                                  ? std::optional<int64_t>(std::max(*parsed, *taken))
+                                                  : std::nullopt));
+    ASSIGN_OR_RETURN(Tensor t, ReadNpy(path));
     c->owned_ = t.ToInt64s();
     c->size_ = static_cast<int64_t>(c->owned_.size());
     if (c->size_ == 0) return absl::InvalidArgumentError(absl::StrCat(path, ": the array holds no tokens"));
     return c;
   }
   if (IsTextFormat(format)) {
-    // A byte a token without a tokenizer; BPE's average 3 to 4 bytes, 2 at worst in practice.
-    RETURN_IF_ERROR(FitsInMemory(path, bytes, tokenizer == nullptr ? 1 : 2));
+    // A byte a token without a tokenizer, BPE's 3 to 4 (2 at worst in
+    // practice). Text without a tokenizer is one document of the whole file:
+    // the file and its tokens, moved in. Otherwise documents are read a line
+    // at a time, and the tokens grow by doubling: twice their bytes as they
+    // are copied.
+    const bool whole = format != DataFormat::kJsonl && tokenizer == nullptr;
+    RETURN_IF_ERROR(FitsInMemory(path, bytes,
+                                 whole ? MulAdd(bytes, 8, bytes) : MulAdd(bytes / (tokenizer == nullptr ? 1 : 2), 16, 0)));
     RETURN_IF_ERROR(ForEachTextDocument(
         path, format, /*paragraphs=*/tokenizer != nullptr,
         [&](absl::string_view doc, const std::string& where) -> absl::Status {
@@ -389,7 +426,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
             return absl::Status(ids.status().code(), absl::StrCat(where, ": the ", tokenizer->kind(),
                                                                   " tokenizer: ", ids.status().message()));
           }
-          c->AddDocument(*ids);
+          c->AddDocument(*std::move(ids));
           return absl::OkStatus();
         }));
     c->size_ = static_cast<int64_t>(c->owned_.size());

@@ -75,7 +75,9 @@ std::vector<std::string> DataFiles(const std::string& path);
 // where it is (the path, or PATH:LINE for jsonl): jsonl's "text"s; text's
 // paragraphs when `paragraphs`, else the whole file. INVALID_ARGUMENT
 // naming the line for a jsonl line that is not an object with a string
-// "text"; `fn`'s error ends the walk.
+// "text"; `fn`'s error ends the walk. The file is read a line at a time (a
+// file larger than the memory is walked in the memory of its longest
+// document), but for text without `paragraphs`.
 absl::Status ForEachTextDocument(const std::string& path, DataFormat format, bool paragraphs,
                                  const std::function<absl::Status(absl::string_view doc, const std::string& where)>& fn);
 
@@ -117,7 +119,7 @@ class TokenCorpus {
   int width_ = 2;           // bytes per mapped token
   bool signed_ = false;     // mapped tokens are two's complement
   // Appends a document's tokens and where it starts.
-  void AddDocument(const std::vector<int64_t>& ids);
+  void AddDocument(std::vector<int64_t> ids);
   std::vector<int64_t> owned_;  // .npy and text
   std::vector<int64_t> documents_{0};
 };

@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
+#include "common/npy_header.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/tensor/npy.h"
@@ -197,11 +198,20 @@ TEST(TokenCorpus, OnlyNonEmptyRegularFiles) {
 // Megatron dataset that is read from disk instead.
 TEST(TokenCorpus, ACorpusLargerThanTheMemoryIsRefusedBeforeItIsRead) {
   const int64_t physical = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
+  // An eighth of the memory as text is 8 bytes a token or more; as <u2
+  // tokens (a header, then the sparse array) 4 times that.
+  const int64_t tokens = physical / 8 + 1;
   for (const char* name : {"huge.txt", "huge.jsonl", "huge.npy"}) {
     const std::string path = TempPath(name);
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     ASSERT_GE(fd, 0) << std::strerror(errno);
-    ASSERT_EQ(::ftruncate(fd, physical / 4 + 1), 0) << std::strerror(errno);  // 2 bytes a token x 8, or more
+    int64_t size = tokens;
+    if (absl::EndsWith(name, ".npy")) {
+      const std::string header = NpyHeader("<u2", {tokens});
+      ASSERT_EQ(::write(fd, header.data(), header.size()), static_cast<ssize_t>(header.size()));
+      size = static_cast<int64_t>(header.size()) + 2 * tokens;
+    }
+    ASSERT_EQ(::ftruncate(fd, size), 0) << std::strerror(errno);
     ::close(fd);
     const absl::Time start = absl::Now();
     const absl::Status s = TokenCorpus::Open(path, DataFormat::kAuto).status();
@@ -246,6 +256,12 @@ TEST(TokenCorpus, TextWithATokenizerIsOneDocumentPerParagraph) {
   EXPECT_EQ((*c)->size(), 15);  // 14 bytes
   EXPECT_EQ(Tokens(**c).back(), kEndOfText);
   EXPECT_EQ((*c)->documents(), std::vector<int64_t>{0});
+  // CRLF lines (a line of only "\r" is blank; the others keep theirs) and a
+  // last paragraph without a line break.
+  std::ofstream(path, std::ios::binary) << "x\r\ny\r\n\r\nz";
+  c = TokenCorpus::Open(path, DataFormat::kText, &tok);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(Tokens(**c), (std::vector<int64_t>{300, 'x', '\r', '\n', 'y', '\r', 301, 300, 'z', 301}));
   // Only blank lines: no document.
   std::ofstream(path, std::ios::binary) << "\n \n";
   EXPECT_EQ(TokenCorpus::Open(path, DataFormat::kText, &tok).status().code(), absl::StatusCode::kInvalidArgument);
