@@ -1,10 +1,6 @@
 #include "kernels/device.h"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -156,37 +152,6 @@ absl::StatusOr<int> NcclVersion() {
 #else
   return absl::UnimplementedError("this colod build has no CUDA/NCCL support");
 #endif
-}
-
-namespace {
-
-// The memory limit of this process' cgroup (v2 memory.max, or v1
-// memory.limit_in_bytes), or 0 when there is none: a container's limit,
-// which /proc and sysconf do not show.
-int64_t CgroupMemoryLimit() {
-  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
-    std::FILE* f = std::fopen(path, "r");
-    if (f == nullptr) continue;
-    char buf[64] = {0};
-    const bool read = std::fgets(buf, sizeof(buf), f) != nullptr;
-    std::fclose(f);
-    if (!read) continue;
-    char* end = nullptr;
-    const long long v = std::strtoll(buf, &end, 10);
-    if (end != buf && v > 0) return static_cast<int64_t>(v);  // "max" (no limit) does not parse
-  }
-  return 0;
-}
-
-}  // namespace
-
-int64_t HostMemoryBytes() {
-  long pages = ::sysconf(_SC_PHYS_PAGES);
-  long page_size = ::sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page_size <= 0) return 0;
-  const int64_t physical = static_cast<int64_t>(pages) * page_size;
-  const int64_t limit = CgroupMemoryLimit();
-  return limit > 0 && limit < physical ? limit : physical;  // v1's "no limit" is a huge number
 }
 
 }  // namespace colod::kernels

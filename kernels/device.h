@@ -66,10 +66,6 @@ struct DevicePeakFlops {
 // then not computed rather than computed against a guess.
 DevicePeakFlops KnownCudaPeak(const std::string& name);
 
-// Memory of this host in bytes for CPU workers: the physical memory
-// (sysconf), or the cgroup's limit (a container's) when that is lower.
-int64_t HostMemoryBytes();
-
 }  // namespace colod::kernels
 
 #endif  // COLOD_KERNELS_DEVICE_H_

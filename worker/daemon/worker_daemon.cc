@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
 #include "common/grpc_status.h"
+#include "common/host_memory.h"
 #include "common/logging.h"
 #include "common/net.h"
 #include "common/proto_time.h"
@@ -58,7 +59,7 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
   } else {
     info.set_device_kind(v1::DEVICE_KIND_CPU);
     info.set_device_name("cpu");
-    info.set_memory_bytes(kernels::HostMemoryBytes());
+    info.set_memory_bytes(HostMemoryBytes());
   }
   if (o.memory_limit_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--memory-limit: must be >= 0, got ", o.memory_limit_bytes));

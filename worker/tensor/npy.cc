@@ -1,7 +1,9 @@
 #include "worker/tensor/npy.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -9,10 +11,12 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/atomic_file.h"
+#include "common/host_memory.h"
 #include "common/int_math.h"
 #include "common/little_endian.h"
 #include "common/npy_header.h"
@@ -162,9 +166,32 @@ absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& wha
   return Bad(what, absl::StrCat("dtype '", descr, "' is not one of <f4, <f2, <i8, <i4, <u2, <u4"));
 }
 
+std::optional<int64_t> NpyReadPeakBytes(const NpyInfo& info, int64_t file_bytes) {
+  if (info.element_bytes <= 0) return file_bytes;  // refused after the header
+  const bool widened = info.descr == "<u2" || info.descr == "<u4";
+  const int64_t elements = std::min(info.elements, file_bytes / info.element_bytes);
+  const std::optional<int64_t> tensor = CheckedMul(elements, widened ? 8 : info.element_bytes);
+  const std::optional<int64_t> vector = CheckedMul(elements, widened ? 8 : 0);
+  if (!tensor.has_value() || !vector.has_value()) return std::nullopt;
+  const std::optional<int64_t> both = CheckedAdd(*tensor, *vector);
+  return both.has_value() ? CheckedAdd(file_bytes, *both) : std::nullopt;
+}
+
 absl::StatusOr<Tensor> ReadNpy(const std::string& path) {
   // One copy of the bytes, a read error an error (not a shorter array), a
-  // device or a directory refused.
+  // device or a directory refused; none that would not fit.
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+    ASSIGN_OR_RETURN(const NpyInfo info, ReadNpyInfo(path));
+    const std::optional<int64_t> peak = NpyReadPeakBytes(info, st.st_size);
+    const int64_t available = AvailableHostMemoryBytes();
+    if (!peak.has_value() || *peak > available) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%s: reading its %s array of %d elements takes %s of memory, and %.1f GiB is available", path, info.descr,
+          info.elements, peak.has_value() ? absl::StrFormat("%.1f GiB", *peak / double{1 << 30}) : "over 8 EiB",
+          available / double{1 << 30}));
+    }
+  }
   ASSIGN_OR_RETURN(const std::string bytes, ReadFileToString(path));
   return ParseNpy(bytes, path);
 }

@@ -8,6 +8,8 @@
 #ifndef COLOD_WORKER_TENSOR_NPY_H_
 #define COLOD_WORKER_TENSOR_NPY_H_
 
+#include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -16,7 +18,9 @@
 namespace colod {
 
 // NOT_FOUND for a missing file; INVALID_ARGUMENT, naming the file and the
-// problem, for anything that is not a supported .npy array.
+// problem, for anything that is not a supported .npy array;
+// RESOURCE_EXHAUSTED, before it is read, for one that would not fit in the
+// memory available (NpyReadPeakBytes).
 absl::StatusOr<Tensor> ReadNpy(const std::string& path);
 absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& what = "npy");
 // What a .npy file's header says, read without its array: for a reader that
@@ -29,6 +33,10 @@ struct NpyInfo {
   bool integer = false;       // read as i64 (u2, u4) or i32/i64
 };
 absl::StatusOr<NpyInfo> ReadNpyInfo(const std::string& path);
+// The most host memory ReadNpy holds at once for that file of `file_bytes`:
+// the file's bytes and the tensor parsed from them (u2 and u4 widened to
+// i64, through a vector); nullopt past int64.
+std::optional<int64_t> NpyReadPeakBytes(const NpyInfo& info, int64_t file_bytes);
 // f32, f16, i64 or i32 host tensors; the file appears atomically.
 absl::Status WriteNpy(const std::string& path, const Tensor& t);
 absl::StatusOr<std::string> SerializeNpy(const Tensor& t);

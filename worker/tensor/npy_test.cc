@@ -2,9 +2,17 @@
 // description), and the writer's output read back.
 #include "worker/tensor/npy.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 namespace colod {
@@ -88,6 +96,36 @@ TEST(Npy, ShapesWhoseSizesOverflowAreRefused) {
   auto empty = ParseNpy(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (0, 16), }", ""));
   ASSERT_TRUE(empty.ok()) << empty.status();
   EXPECT_EQ(empty->numel(), 0);
+}
+
+// An array that would not fit in the memory available is refused from its
+// header, before it is read: a sparse file whose size costs no disk. A
+// small one of the same kinds reads.
+TEST(Npy, AnArrayLargerThanTheMemoryIsRefusedBeforeItIsRead) {
+  const int64_t physical = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGE_SIZE);
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/huge.npy");
+  for (const char* descr : {"<f4", "<u2"}) {
+    const int64_t elements = physical / 4;  // as <f4, the file and its tensor; <u2 widened, 9 bytes an element more
+    const std::string npy =
+        Npy(absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (", elements, ",), }"), "");
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ASSERT_GE(fd, 0) << std::strerror(errno);
+    ASSERT_EQ(::write(fd, npy.data(), npy.size()), static_cast<ssize_t>(npy.size()));
+    const int64_t width = descr[2] == 'f' ? 4 : 2;
+    ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(npy.size() + elements * width)), 0) << std::strerror(errno);
+    ::close(fd);
+    const absl::Time start = absl::Now();
+    const absl::StatusOr<Tensor> t = ReadNpy(path);
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kResourceExhausted) << descr << ": " << t.status();
+    EXPECT_NE(t.status().message().find("GiB is available"), absl::string_view::npos) << t.status();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << descr << ": read before it was refused?";
+  }
+  ::unlink(path.c_str());
+  ASSERT_TRUE(WriteNpy(path, *Tensor::FromInt64s({3}, {1, 2, 3})).ok());
+  const absl::StatusOr<Tensor> small = ReadNpy(path);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(small->ToInt64s(), (std::vector<int64_t>{1, 2, 3}));
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/atomic_file.h"
+#include "common/host_memory.h"
 #include "common/int_math.h"
 #include "common/json.h"
 #include "common/little_endian.h"
@@ -321,26 +322,13 @@ absl::Status ForEachTextDocument(const std::string& path, DataFormat format, boo
 
 namespace {
 
-// What the kernel says could be allocated now without swapping
-// (/proc/meminfo's MemAvailable); the physical memory where it cannot be read.
-int64_t AvailableMemoryBytes() {
-  if (absl::StatusOr<std::string> info = ReadFileToString("/proc/meminfo"); info.ok()) {
-    for (absl::string_view line : absl::StrSplit(*info, '\n')) {
-      if (!absl::ConsumePrefix(&line, "MemAvailable:")) continue;
-      int64_t kib = 0;
-      if (absl::SimpleAtoi(absl::StripSuffix(absl::StripAsciiWhitespace(line), " kB"), &kib)) return kib << 10;
-    }
-  }
-  return static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
-}
-
 // A corpus held in memory as 8-byte tokens (.npy, text, jsonl) must fit
 // there with what reading it holds at its peak (`need`, nullopt past int64):
 // one that would not is refused before it is read, naming the way that maps
 // tokens from disk instead (a worker that ran out would be killed mid-job,
 // and every job on it with it).
 absl::Status FitsInMemory(const std::string& path, int64_t file_bytes, std::optional<int64_t> need) {
-  const int64_t available = AvailableMemoryBytes();
+  const int64_t available = AvailableHostMemoryBytes();
   if (need.has_value() && *need <= available) return absl::OkStatus();
   constexpr double kGiB = 1 << 30;
   return absl::ResourceExhaustedError(absl::StrFormat(
@@ -387,17 +375,14 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
       return absl::InvalidArgumentError(
           absl::StrCat(path, ": token arrays must hold integers (<i8, <i4, <u2, <u4), not '", info.descr, "'"));
     }
-    // At the peak: the file's bytes and the array parsed from them (u2 and u4
-    // widened to i64 and copied into a tensor), or that tensor and the
+    // At the peak: what ReadNpy holds, or the tensor it returns and the
     // tokens taken from it.
     const int64_t tokens = std::min(info.elements, bytes / info.element_bytes);
     const bool widened = info.descr == "<u2" || info.descr == "<u4";
-    const std::optional<int64_t> tensor = CheckedMul(tokens, widened ? 8 : info.element_bytes);
-    const std::optional<int64_t> parsed =
-        tensor.has_value() ? MulAdd(tokens, widened ? 8 : 0, bytes + *tensor) : std::nullopt;
-    const std::optional<int64_t> taken = tensor.has_value() ? MulAdd(tokens, 8, *tensor) : std::nullopt;
-    RETURN_IF_ERROR(FitsInMemory(path, bytes, parsed.has_value() && taken.has_value()
-                                                  ? std::optional<int64_t>(std::max(*parsed, *taken))
+    const std::optional<int64_t> read = NpyReadPeakBytes(info, bytes);
+    const std::optional<int64_t> taken = MulAdd(tokens, 8 + (widened ? 8 : info.element_bytes), 0);
+    RETURN_IF_ERROR(FitsInMemory(path, bytes, read.has_value() && taken.has_value()
+                                                  ? std::optional<int64_t>(std::max(*read, *taken))
                                                   : std::nullopt));
     ASSIGN_OR_RETURN(Tensor t, ReadNpy(path));
     c->owned_ = t.ToInt64s();
