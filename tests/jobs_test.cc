@@ -979,6 +979,30 @@ TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
     EXPECT_TRUE(std::filesystem::exists(
         absl::StrCat(TempPath(absl::StrCat("work", i)), "/uploads/", uploaded->upload_id(), "/model.safetensors")));
   }
+  // A model whose tokenizer.json has a field of the wrong type (json's
+  // value() threw on it in the rank's thread, and every worker the job was
+  // placed on ended): the job fails naming it, and the workers live on to
+  // run the jobs below.
+  const std::string hostile = TempPath("gpt2-hostile-tokenizer");
+  std::filesystem::create_directories(hostile);
+  for (const char* f : {"config.json", "model.safetensors"}) {
+    std::filesystem::copy_file(TempPath(absl::StrCat("gpt2/", f)), absl::StrCat(hostile, "/", f),
+                               std::filesystem::copy_options::overwrite_existing);
+  }
+  std::ofstream(hostile + "/tokenizer.json") << R"({"model": {"type": "BPE"}, "pre_tokenizer": {"type": 1}})";
+  train::TrainOptions hostile_options = Options(2);
+  hostile_options.model_dir = hostile;
+  auto refused = client_->SubmitJob(Spec(hostile_options));
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  Watch(refused->job_id());
+  auto failed = client_->GetJob(refused->job_id());
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED) << Logs();
+  EXPECT_TRUE(absl::StrContains(failed->reason(), "pre_tokenizer")) << failed->reason();
+  auto workers = client_->ListWorkers(/*include_lost=*/false);
+  ASSERT_TRUE(workers.ok());
+  EXPECT_EQ(workers->size(), 4u) << Logs();
+
   // coloctl submit uploads by default.
   auto run = RunCommand({Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "submit", "--model",
                          TempPath("gpt2"), "--data", kGpl, "--tp", "2", "--dp", "2", "--steps", "2", "--batch-size",
