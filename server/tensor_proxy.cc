@@ -43,11 +43,17 @@ TensorProxy::Stub& TensorProxy::StubFor(const std::string& address) {
   return *it->second;
 }
 
-absl::Mutex& TensorProxy::JobMutex(const std::string& job_id) {
+void TensorProxy::AwaitTurn(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
-  std::unique_ptr<absl::Mutex>& m = job_mu_[job_id];
-  if (!m) m = std::make_unique<absl::Mutex>();
-  return *m;
+  JobQueue& q = queues_[job_id];  // map nodes stay put, and are never erased
+  const int64_t ticket = q.next_ticket++;
+  const auto my_turn = [&q, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return q.serving == ticket; };
+  mu_.Await(absl::Condition(&my_turn));  // mu_ is released while it waits
+}
+
+void TensorProxy::EndTurn(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  ++queues_[job_id].serving;
 }
 
 template <typename Req, typename Resp>
@@ -78,17 +84,16 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     if (only_rank < 0 || r == only_rank) ranks.push_back(r);
   }
   std::vector<Resp> responses(ranks.size());
-  std::vector<absl::Status> statuses;
-  {
-    // Every rank sees this job's calls in one order: the calls of one fan-out
-    // run at once (asynchronously, on no thread of their own), and the next
-    // fan-out of the job starts once they all ended (each within `deadline`).
-    absl::MutexLock order(&JobMutex(job_id));
-    const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
-      (StubFor(mesh.ranks(ranks[i]).worker_address()).async()->*call)(c, &req, &responses[i], std::move(done));
-    };
-    statuses = RunAsyncCalls(ranks.size(), deadline, options_.auth_token, start);
-  }
+  // Every rank sees this job's calls in one order: the calls of one fan-out
+  // run at once (asynchronously, on no thread of their own), and the job's
+  // next fan-out, in the order they arrived, starts once they all ended
+  // (each within `deadline`). No lock is held meanwhile.
+  AwaitTurn(job_id);
+  const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
+    (StubFor(mesh.ranks(ranks[i]).worker_address()).async()->*call)(c, &req, &responses[i], std::move(done));
+  };
+  const std::vector<absl::Status> statuses = RunAsyncCalls(ranks.size(), deadline, options_.auth_token, start);
+  EndTurn(job_id);
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (statuses[i].ok()) continue;
     const v1::RankAssignment& a = mesh.ranks(ranks[i]);

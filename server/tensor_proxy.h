@@ -62,7 +62,11 @@ class TensorProxy final : public v1::TensorService::Service {
   absl::Status FanOutToRanks(grpc::ServerContext* ctx, const std::string& job_id, const Req& req, Resp* resp,
                             Call<Req, Resp> call, int only_rank);
   Stub& StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Mutex& JobMutex(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // A job's fan-outs run one at a time, in the order they arrive (a ticket
+  // each): AwaitTurn returns when this call's turn has come, EndTurn hands
+  // it to the next. Neither holds a lock after it returns.
+  void AwaitTurn(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  void EndTurn(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   JobManager* const jobs_;
   prometheus::Family<prometheus::Histogram>* const rpc_duration_;
@@ -70,7 +74,11 @@ class TensorProxy final : public v1::TensorService::Service {
   const TokenAuth auth_;
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Stub>> stubs_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::unique_ptr<absl::Mutex>> job_mu_ ABSL_GUARDED_BY(mu_);
+  struct JobQueue {
+    int64_t next_ticket = 0;  // the next arriving call's
+    int64_t serving = 0;      // the ticket whose fan-out may run
+  };
+  std::map<std::string, JobQueue> queues_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace colod

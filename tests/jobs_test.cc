@@ -7,13 +7,15 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <cmath>
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -455,6 +457,28 @@ TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
   auto global = client_->GetGlobal(job->job_id(), "x");
   ASSERT_TRUE(global.ok()) << global.status();
   EXPECT_EQ(floats(*global), values);
+  {
+    // Calls from many clients at once: each redistribution and gather is a
+    // collective of every rank, so every rank must see the job's calls in one
+    // order (the proxy's turns), or they would wait on each other's. The
+    // value is the same whatever the layout.
+    v1::DistSpec one;
+    *one.add_placements() = create.dist_spec().placements(0);
+    std::vector<std::thread> clients;
+    std::atomic<int> good{0};
+    for (int c = 0; c < 8; ++c) {
+      clients.emplace_back([&, c] {
+        for (int round = 0; round < 3; ++round) {
+          if (!client_->SetDistSpec(job->job_id(), "x", (c + round) % 2 == 0 ? two : one).ok()) return;
+          auto got = client_->GetGlobal(job->job_id(), "x");
+          if (!got.ok() || floats(*got) != values) return;
+        }
+        ++good;
+      });
+    }
+    for (std::thread& t : clients) t.join();
+    EXPECT_EQ(good.load(), 8) << Logs();
+  }
   EXPECT_EQ(client_->GetGlobal(job->job_id(), "missing").status().code(), absl::StatusCode::kNotFound);
   auto listed = client_->ListTensors(job->job_id());
   ASSERT_TRUE(listed.ok());
