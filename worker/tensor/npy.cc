@@ -122,6 +122,8 @@ absl::StatusOr<NpyInfo> ReadNpyInfo(const std::string& path) {
   NpyInfo info;
   info.descr = h.descr;
   info.element_bytes = ElementBytes(h.descr);
+  info.widened = h.descr == "<u2" || h.descr == "<u4";
+  info.tensor_element_bytes = info.widened ? 8 : info.element_bytes;
   const std::optional<int64_t> elements = CheckedProduct(h.shape);
   if (!elements.has_value()) return Bad(path, absl::StrCat("the shape (", h.shape_text, ") is too large"));
   info.elements = *elements;
@@ -168,10 +170,9 @@ absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& wha
 
 std::optional<int64_t> NpyReadPeakBytes(const NpyInfo& info, int64_t file_bytes) {
   if (info.element_bytes <= 0) return file_bytes;  // refused after the header
-  const bool widened = info.descr == "<u2" || info.descr == "<u4";
   const int64_t elements = std::min(info.elements, file_bytes / info.element_bytes);
-  const std::optional<int64_t> tensor = CheckedMul(elements, widened ? 8 : info.element_bytes);
-  const std::optional<int64_t> vector = CheckedMul(elements, widened ? 8 : 0);
+  const std::optional<int64_t> tensor = CheckedMul(elements, info.tensor_element_bytes);
+  const std::optional<int64_t> vector = CheckedMul(elements, info.widened ? 8 : 0);
   if (!tensor.has_value() || !vector.has_value()) return std::nullopt;
   const std::optional<int64_t> both = CheckedAdd(*tensor, *vector);
   return both.has_value() ? CheckedAdd(file_bytes, *both) : std::nullopt;

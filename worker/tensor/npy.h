@@ -27,10 +27,12 @@ absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& wha
 // must know the array's size before it reads it (a corpus that must fit in
 // memory). The same errors as ReadNpy for the header.
 struct NpyInfo {
-  std::string descr;          // "<u2", "<f4", ...
-  int64_t element_bytes = 0;  // in the file; 0 for a dtype ReadNpy refuses
+  std::string descr;                 // "<u2", "<f4", ...
+  int64_t element_bytes = 0;         // in the file; 0 for a dtype ReadNpy refuses
+  bool widened = false;              // u2 and u4: read into i64, through a vector
+  int64_t tensor_element_bytes = 0;  // in the tensor ReadNpy returns (8 where widened)
   int64_t elements = 0;
-  bool integer = false;       // read as i64 (u2, u4) or i32/i64
+  bool integer = false;              // read as i64 (u2, u4) or i32/i64
 };
 absl::StatusOr<NpyInfo> ReadNpyInfo(const std::string& path);
 // The most host memory ReadNpy holds at once for that file of `file_bytes`:

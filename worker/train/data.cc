@@ -260,10 +260,6 @@ std::vector<int64_t> ByteTokens(absl::string_view text) {
   return ids;
 }
 
-}  // namespace
-
-namespace {
-
 // Calls fn(line, line_number) for each line of `path` (without its '\n'; the
 // last one also where no '\n' ends it), reading it a block at a time: a
 // file larger than the memory is walked in the memory of its longest line.
@@ -378,9 +374,8 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     // At the peak: what ReadNpy holds, or the tensor it returns and the
     // tokens taken from it.
     const int64_t tokens = std::min(info.elements, bytes / info.element_bytes);
-    const bool widened = info.descr == "<u2" || info.descr == "<u4";
     const std::optional<int64_t> read = NpyReadPeakBytes(info, bytes);
-    const std::optional<int64_t> taken = MulAdd(tokens, 8 + (widened ? 8 : info.element_bytes), 0);
+    const std::optional<int64_t> taken = MulAdd(tokens, 8 + info.tensor_element_bytes, 0);
     RETURN_IF_ERROR(FitsInMemory(path, bytes, read.has_value() && taken.has_value()
                                                   ? std::optional<int64_t>(std::max(*read, *taken))
                                                   : std::nullopt));
