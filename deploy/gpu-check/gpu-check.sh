@@ -19,7 +19,11 @@
 # COLOD_CUDA_HOME or /opt/nvidia; "none" skips it), COLOD_GPU_CHECK_SANITIZER (memcheck,
 # racecheck, synccheck or initcheck: each test under compute-sanitizer with
 # that tool, its findings failing the test; CUDA API errors are not reported,
-# since NCCL probes kernels this device has no image of).
+# since NCCL probes kernels this device has no image of), COLOD_GPU_CHECK_TESTS (an
+# extended regex: only the tests whose path, worker/nn/cuda_attention_test say,
+# matches it run; "none" runs none; the report names those left out),
+# COLOD_GPU_CHECK_TRAIN_MODEL and COLOD_GPU_CHECK_TRAIN_LAYOUT (bench:train's
+# --model and --layout: only those rows, "gpt2-124m" and "tp=1 dp=1" say).
 set -uo pipefail
 root=$(cd "$(dirname "$0")" && pwd)
 out=$(mkdir -p "${1:-$root/out}" && cd "${1:-$root/out}" && pwd)
@@ -80,11 +84,32 @@ if [[ -n ${COLOD_GPU_CHECK_SANITIZER:-} ]]; then
   echo "Tests under compute-sanitizer --tool $COLOD_GPU_CHECK_SANITIZER." >>"$report"
 fi
 
+# The tests COLOD_GPU_CHECK_TESTS selects (default: every one), and those it
+# leaves out.
+tests=() left_out=()
+filter=${COLOD_GPU_CHECK_TESTS:-}
+if [[ -n $filter && $filter != none ]]; then
+  grep -qE -- "$filter" <<<"" 2>/dev/null; (($? == 2)) && die "COLOD_GPU_CHECK_TESTS: '$filter' is not an extended regex"
+fi
+for t in $(cat "$root/tests.txt"); do
+  if [[ -z $filter ]] || { [[ $filter != none ]] && grep -qE -- "$filter" <<<"$t"; }; then
+    tests+=("$t")
+  else
+    left_out+=("$t")
+  fi
+done
+if [[ -n $filter ]]; then
+  echo "Tests selected by COLOD_GPU_CHECK_TESTS='$filter': ${#tests[@]} of $((${#tests[@]} + ${#left_out[@]}))." >>"$report"
+fi
+train_args=()
+[[ -n ${COLOD_GPU_CHECK_TRAIN_MODEL:-} ]] && train_args+=(--model "$COLOD_GPU_CHECK_TRAIN_MODEL")
+[[ -n ${COLOD_GPU_CHECK_TRAIN_LAYOUT:-} ]] && train_args+=(--layout "$COLOD_GPU_CHECK_TRAIN_LAYOUT")
+
 # The tests: each binary as Bazel would run it (in its runfiles root, with
 # TEST_SRCDIR, a TEST_TMPDIR of its own and its BUILD env), its cases counted
 # from gtest's XML.
 cases=0 skipped=0 failed_bins=0 lines=()
-for t in $(cat "$root/tests.txt"); do
+for t in "${tests[@]}"; do
   name=${t//\//_}
   tmp=$(mktemp -d)
   rm -f "$out/$name.xml"  # gtest writes it at exit: a crash must not leave the last run's
@@ -115,7 +140,7 @@ done
   echo "## Tests ($cases cases, $skipped skipped; $failed_bins of ${#lines[@]} binaries failed)"
   echo '```'
   printf '%s\n' "${lines[@]}"
-  for t in $(cat "$root/tests.txt"); do  # the failures' own lines
+  for t in "${tests[@]}"; do  # the failures' own lines
     grep -h -E '^\[  FAILED  \]|Failure|error:|^========= (ERROR|RACECHECK) SUMMARY: [1-9]' "$out/${t//\//_}.log" 2>/dev/null | head -20
   done
   echo '```'
@@ -124,7 +149,7 @@ done
 for bench in ${COLOD_GPU_CHECK_BENCH-layers collectives train}; do
   args=()
   # GPT-2 124M and LLaMA 1B in bf16: tp=1 and 2, and tp=2, dp=2, pp=2 a process per GPU
-  [[ $bench == train ]] && args=(--rows gpu)
+  [[ $bench == train ]] && args=(--rows gpu "${train_args[@]}")
   [[ $bench == layers ]] && args=(--cpu_rows=false --hidden 4096 --tokens 8192)  # the MLP block in bf16
   log "gpu-check: bench/$bench ${args[*]}"
   timeout -k 10 "${COLOD_GPU_CHECK_BENCH_TIMEOUT:-1200}" "$root/opt/colod/bench/$bench" "${args[@]}" \
@@ -181,7 +206,11 @@ fi
   echo
   echo "## Not run on this machine ($(nvidia-smi -L | grep -c '^GPU ') GPU(s))"
   echo '```'
-  for t in $(cat "$root/tests.txt"); do
+  for t in "${left_out[@]}"; do
+    echo "//${t%/*}:${t##*/} (left out by COLOD_GPU_CHECK_TESTS)"
+  done
+  [[ " ${COLOD_GPU_CHECK_BENCH-layers collectives train} " == *" train "* ]] && ((${#train_args[@]} > 0)) && echo "bench: bench:train's rows other than ${train_args[*]} (COLOD_GPU_CHECK_TRAIN_MODEL, _LAYOUT)"
+  for t in "${tests[@]}"; do
     x=$out/${t//\//_}.xml
     [[ -f $x ]] || continue
     grep -o '<testcase name="[^"]*"[^>]*result="skipped"[^>]*classname="[^"]*"' "$x" |
