@@ -10,6 +10,7 @@
 #include <exception>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -252,6 +253,42 @@ int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::
   return 0;
 }
 
+std::string WrapUsage(const Command& command) {
+  const absl::string_view usage = command.usage;
+  // The first line's name and operands, where they end before the column.
+  const std::string name =
+      absl::StrCat("  ", command.name, command.operands != nullptr && command.operands[0] != '\0' ? " " : "",
+                   command.operands != nullptr ? command.operands : "");
+  constexpr size_t kColumn = 14;  // where the descriptions start
+  constexpr int kWidth = 88;      // --help's columns (common/flags.cc)
+  std::string out, paragraph, head;
+  const auto flush = [&] {
+    if (paragraph.empty()) return;
+    std::string wrapped = WrapText(paragraph, kColumn, kWidth);
+    if (!head.empty()) wrapped.replace(0, kColumn, head);
+    out += wrapped;
+    paragraph.clear();
+    head.clear();
+  };
+  std::vector<absl::string_view> lines = absl::StrSplit(usage, '\n');
+  if (!lines.empty() && lines.back().empty()) lines.pop_back();  // after the last '\n'
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const absl::string_view line = lines[i];
+    const bool at_column = line.size() > kColumn && line[kColumn] != ' ' && line[kColumn - 1] == ' ';
+    if (at_column && i == 0 && name.size() < kColumn && absl::StartsWith(line, name)) {  // "  name OPERANDS text"
+      head = std::string(line.substr(0, kColumn));
+      paragraph = std::string(line.substr(kColumn));
+    } else if (at_column && line.find_first_not_of(' ') == kColumn) {  // the text, continued
+      absl::StrAppend(&paragraph, paragraph.empty() ? "" : " ", line.substr(kColumn));
+    } else {  // a table, an example or a name wider than the column: as written
+      flush();
+      absl::StrAppend(&out, line, "\n");
+    }
+  }
+  flush();
+  return out;
+}
+
 namespace {
 
 // The command line CommandLineMain was given, for RunInProcess.
@@ -264,7 +301,7 @@ std::string HelpText(const std::string& intro, const std::string& epilogue, cons
   std::string out = intro;
   for (const CommandGroup& group : groups) {
     absl::StrAppend(&out, "\n", group.heading, "\n");
-    for (const Command& command : group.commands) out += command.usage;
+    for (const Command& command : group.commands) out += WrapUsage(command);
   }
   absl::StrAppend(&out, "\n", epilogue);
   return out;

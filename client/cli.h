@@ -44,11 +44,18 @@ struct Command {
   int (*run)(const std::vector<std::string>& operands);
 };
 
+// A command's usage as --help prints it: the description (the lines that
+// start at its column, 14) rewrapped to 88 columns at that column; lines
+// indented otherwise (tables, examples) and a first line whose name and
+// operands pass the column stay as written. Every line ends in '\n'.
+std::string WrapUsage(const Command& command);
+
 // Commands under one --help heading; a file per group (cmd_*.cc).
 struct CommandGroup {
   const char* heading;  // ends in ':'
   absl::Span<const Command> commands;
 };
+
 
 // "coloctl: error: CODE: message" on stderr; returns 1.
 int Fail(const absl::Status& status);

@@ -380,8 +380,8 @@ constexpr Command kCommands[] = {
 }  // namespace
 
 CommandGroup ModelCommands() {
-  return {"Model commands (forward and train --device cuda, init-model, tokenize and consolidate compute in\n"
-          "this process: coloctl runs coloctl-run, installed beside it, for them):",
+  return {"Model commands (forward and train --device cuda, init-model, tokenize and consolidate\n"
+          "compute in this process: coloctl runs coloctl-run, installed beside it, for them):",
           kCommands};
 }
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/commands.h"
 #include "client/in_process_commands.h"
 #include "gtest/gtest.h"
@@ -42,6 +43,45 @@ TEST(Commands, EveryCommandHasAUniqueNameAUsageEntryAndARun) {
                                "train", "init-model", "tokenize", "consolidate", "local", "health", "version"}) {
     EXPECT_EQ(names.count(expected), 1u) << expected;
   }
+}
+
+// --help's descriptions fit 88 columns, rewrapped without losing or
+// reordering a word; a first line whose name and operands pass the
+// description column and the tensor command's table stay as written.
+TEST(Commands, UsagesWrapToTheHelpWidthKeepingEveryWord) {
+  const auto words = [](absl::string_view text) {
+    return std::vector<std::string>(absl::StrSplit(text, absl::ByAnyChar(" \n"), absl::SkipEmpty()));
+  };
+  for (const CommandGroup& group : AllGroups()) {
+    for (const Command& c : group.commands) {
+      const std::string wrapped = WrapUsage(c);
+      EXPECT_EQ(words(wrapped), words(c.usage)) << c.name;
+      EXPECT_TRUE(absl::StartsWith(wrapped, absl::StrCat("  ", c.name, " "))) << wrapped;
+      EXPECT_TRUE(absl::EndsWith(wrapped, "\n")) << c.name;
+      for (absl::string_view line : absl::StrSplit(wrapped, '\n')) {
+        // The table's rows are indented past the column, as written.
+        if (line.size() > 88) {
+          EXPECT_TRUE(absl::StrContains(c.usage, line)) << c.name << ": a rewrapped line of " << line.size()
+                                                        << " columns: " << line;
+        }
+      }
+    }
+  }
+  // A description of three ragged lines: one paragraph at the column.
+  const Command ragged{"cmd", "JOB",
+                       "  cmd JOB     one two\n"
+                       "              three four five six seven eight nine ten eleven twelve thirteen fourteen "
+                       "fifteen sixteen\n"
+                       "              end.\n"
+                       "                table row   stays\n",
+                       nullptr};
+  EXPECT_EQ(WrapUsage(ragged),
+            "  cmd JOB     one two three four five six seven eight nine ten eleven twelve thirteen\n"
+            "              fourteen fifteen sixteen end.\n"
+            "                table row   stays\n");
+  // A name and operands past the column: that line as written, the text below rewrapped.
+  const Command wide{"checkpoints", "JOB", "  checkpoints JOB\n              a\n              b.\n", nullptr};
+  EXPECT_EQ(WrapUsage(wide), "  checkpoints JOB\n              a b.\n");
 }
 
 // coloctl hands exactly the commands coloctl-run runs over to it: each of

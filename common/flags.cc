@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/version.h"
 
 namespace colod {
@@ -32,6 +33,8 @@ std::string DashedName(absl::string_view name) {
   return out;
 }
 
+constexpr int kHelpWidth = 88;  // --help's columns
+
 void PrintHelp(absl::string_view usage) {
   std::string out(usage);
   if (!out.empty() && out.back() != '\n') out.push_back('\n');
@@ -46,7 +49,7 @@ void PrintHelp(absl::string_view usage) {
     absl::StrAppend(&out, "  --", DashedName(f->Name()));
     std::string def = f->DefaultValue();
     if (!def.empty()) absl::StrAppend(&out, " (default: ", def, ")");
-    absl::StrAppend(&out, "\n      ", f->Help(), "\n");
+    absl::StrAppend(&out, "\n", WrapText(f->Help(), 6, kHelpWidth));
   }
   absl::StrAppend(&out, "  --help, -h\n      Show this help and exit.\n");
   absl::StrAppend(&out, "  --version\n      Print the colod version and exit.\n");
@@ -54,6 +57,23 @@ void PrintHelp(absl::string_view usage) {
 }
 
 }  // namespace
+
+std::string WrapText(absl::string_view text, int indent, int width) {
+  const std::string pad(static_cast<size_t>(std::max(indent, 0)), ' ');
+  std::string out;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    std::string current;
+    for (absl::string_view word : absl::StrSplit(line, ' ', absl::SkipEmpty())) {
+      if (!current.empty() && current.size() + 1 + word.size() > static_cast<size_t>(width)) {
+        absl::StrAppend(&out, current, "\n");
+        current.clear();
+      }
+      absl::StrAppend(&current, current.empty() ? pad : " ", word);
+    }
+    absl::StrAppend(&out, current, "\n");
+  }
+  return out;
+}
 
 std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage,
                                     const std::set<std::string>& repeatable) {

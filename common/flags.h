@@ -20,6 +20,13 @@ namespace colod {
 std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage,
                                     const std::set<std::string>& repeatable = {});
 
+// `text` wrapped into lines of at most `width` columns, each starting with
+// `indent` spaces and ending in '\n'. Lines break at spaces (a run of spaces
+// is one); a word wider than the room stays whole, on a line of its own; a
+// '\n' in `text` ends a line (an empty line stays, without the indent).
+// --help's flag entries and coloctl's command descriptions go through it.
+std::string WrapText(absl::string_view text, int indent, int width);
+
 // A byte size as flags spell it: a whole number of bytes, or one with a
 // unit (KiB, MiB, GiB, TiB; KB, MB, GB, TB in powers of 1000), e.g. "8GiB",
 // "512MiB", "1.5GB". INVALID_ARGUMENT for anything else, a negative size or

@@ -12,6 +12,18 @@ ABSL_FLAG(int, test_count, 0, "test: a plain flag");
 namespace colod {
 namespace {
 
+TEST(WrapText, LinesFitTheWidthAtTheIndentKeepingEveryWord) {
+  EXPECT_EQ(WrapText("aa bb  cc dd", 2, 8), "  aa bb\n  cc dd\n");
+  // A word wider than the room stays whole, on its own line.
+  EXPECT_EQ(WrapText("a verylongword b", 2, 8), "  a\n  verylongword\n  b\n");
+  // A newline ends a line; an empty line stays empty.
+  EXPECT_EQ(WrapText("a\n\nb c", 1, 80), " a\n\n b c\n");
+  EXPECT_EQ(WrapText("", 6, 80), "\n");
+  // Exactly the width fits.
+  EXPECT_EQ(WrapText("abc def", 0, 7), "abc def\n");
+  EXPECT_EQ(WrapText("abc defg", 0, 7), "abc\ndefg\n");
+}
+
 TEST(ParseByteSize, UnitsAndErrors) {
   EXPECT_EQ(*ParseByteSize("0"), 0);
   EXPECT_EQ(*ParseByteSize("4096"), 4096);
