@@ -229,16 +229,32 @@ __device__ bool CombineChunks(double (&v)[kV][kP], ColumnShared& shared, const C
   // The partials before the count, for the block that reads them.
   if (!LastToFinish(&scratch.done[blockIdx.x], chunks, &shared.flag)) return false;
   const volatile double* partials = scratch.partials;  // written by other blocks: not from a stale cache
+  // Each chunk's kV x kP partials of this thread's columns are loaded
+  // together (kP adjacent doubles each) before any is added, so that they
+  // are in flight at once: one memory latency a chunk, where a pass per
+  // column and sum took one per chunk, column and sum (kV x kP times as
+  // many, and this tail runs alone). Each total still adds its chunks in
+  // the same order.
+  double t[kV][kP] = {};
+  if (j < n) {
+    for (int64_t c = lane; c < chunks; c += kRowLanes) {
+      double p[kV][kP];
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+#pragma unroll
+        for (int e = 0; e < kP; ++e) p[k][e] = partials[(k * chunks + c) * n + j + e];
+      }
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+#pragma unroll
+        for (int e = 0; e < kP; ++e) t[k][e] += p[k][e];
+      }
+    }
+  }
 #pragma unroll
   for (int k = 0; k < kV; ++k) {
 #pragma unroll
-    for (int e = 0; e < kP; ++e) {
-      double t = 0;
-      if (j < n) {
-        for (int64_t c = lane; c < chunks; c += kRowLanes) t += partials[(k * chunks + c) * n + j + e];
-      }
-      v[k][e] = SumOverLanes(t, shared.sums);
-    }
+    for (int e = 0; e < kP; ++e) v[k][e] = SumOverLanes(t[k][e], shared.sums);
   }
   return true;
 }
@@ -282,7 +298,7 @@ __global__ void GeluBackwardKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, int64_
 // The backward with the bias gradient: dx as above and db = its column sums,
 // in ColumnSumKernel's layout (the f32 values are summed, in double).
 template <typename T, int kP>
-__global__ void GeluBackwardBiasKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, Out<T> db, int64_t rows, int64_t n,
+__global__ void __launch_bounds__(kThreads, 4) GeluBackwardBiasKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, Out<T> db, int64_t rows, int64_t n,
                                        bool tanh_approx, int64_t chunk_rows, ColumnScratch scratch) {
   __shared__ ColumnShared shared;
   const int64_t j = GroupColumn<kP>();
