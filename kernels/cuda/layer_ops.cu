@@ -163,6 +163,26 @@ __device__ __forceinline__ int64_t GroupColumn() {
   return (blockIdx.x * static_cast<int64_t>(kColumns) + threadIdx.x % kColumns) * kP;
 }
 
+// p[0] + p[stride] + ... + p[(count - 1) stride], added in that order in
+// double (the bits of a plain loop), loaded 4 at a time before they are
+// added so that 4 loads are in flight where one was: the combining tails
+// of the reductions below run alone, one block, at the memory's latency.
+template <typename V>
+__device__ __forceinline__ double SumInOrder(const volatile V* p, int64_t stride, int64_t count) {
+  constexpr int kBatch = 4;
+  double t = 0;
+  int64_t i = 0;
+  for (; i + kBatch <= count; i += kBatch) {
+    V v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) v[k] = p[(i + k) * stride];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) t += v[k];
+  }
+  for (; i < count; ++i) t += p[i * stride];
+  return t;
+}
+
 // Whether this block is the last of `count` to reach the counter: its
 // writes before and the others' after are visible (fences). Every thread of
 // the block calls it; `flag` is in shared memory.
@@ -720,17 +740,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (!LastToFinish(&scratch.done[group], members, flag)) return;
   const volatile float* parts = scratch.partials;  // written by other blocks: not from a stale cache
   for (int64_t c = threadIdx.x; c < cols; c += kThreads) {
-    double t = 0;
-    for (int64_t b = first; b < first + members; ++b) t += parts[b * cols + c];
-    scratch.group_sums[group * cols + c] = t;
+    scratch.group_sums[group * cols + c] = SumInOrder(parts + first * cols + c, cols, members);
   }
   if (!LastToFinish(&scratch.done[groups], groups, flag)) return;
   const volatile double* sums = scratch.group_sums;
-  for (int64_t c = threadIdx.x; c < cols; c += kThreads) {
-    double t = 0;
-    for (int64_t q = 0; q < groups; ++q) t += sums[q * cols + c];
-    put(c, t);
-  }
+  for (int64_t c = threadIdx.x; c < cols; c += kThreads) put(c, SumInOrder(sums + c, cols, groups));
 }
 
 // dgamma[j] = sum_r dy * xhat, dbeta[j] = sum_r dy (xhat from mean/rstd, or
