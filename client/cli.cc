@@ -260,11 +260,10 @@ std::string WrapUsage(const Command& command) {
       absl::StrCat("  ", command.name, command.operands != nullptr && command.operands[0] != '\0' ? " " : "",
                    command.operands != nullptr ? command.operands : "");
   constexpr size_t kColumn = 14;  // where the descriptions start
-  constexpr int kWidth = 88;      // --help's columns (common/flags.cc)
   std::string out, paragraph, head;
   const auto flush = [&] {
     if (paragraph.empty()) return;
-    std::string wrapped = WrapText(paragraph, kColumn, kWidth);
+    std::string wrapped = WrapText(paragraph, kColumn, kHelpWidth);
     if (!head.empty()) wrapped.replace(0, kColumn, head);
     out += wrapped;
     paragraph.clear();

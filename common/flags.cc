@@ -33,8 +33,6 @@ std::string DashedName(absl::string_view name) {
   return out;
 }
 
-constexpr int kHelpWidth = 88;  // --help's columns
-
 void PrintHelp(absl::string_view usage) {
   std::string out(usage);
   if (!out.empty() && out.back() != '\n') out.push_back('\n');

@@ -26,6 +26,8 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
 // '\n' in `text` ends a line (an empty line stays, without the indent).
 // --help's flag entries and coloctl's command descriptions go through it.
 std::string WrapText(absl::string_view text, int indent, int width);
+// The columns --help is wrapped to.
+inline constexpr int kHelpWidth = 88;
 
 // A byte size as flags spell it: a whole number of bytes, or one with a
 // unit (KiB, MiB, GiB, TiB; KB, MB, GB, TB in powers of 1000), e.g. "8GiB",

@@ -26,24 +26,28 @@ int64_t FirstNumber(std::initializer_list<const char*> paths) {
   return 0;
 }
 
-int64_t CgroupLimit() {
-  return FirstNumber({"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"});
-}
-
 int64_t PhysicalBytes() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page_size = ::sysconf(_SC_PAGE_SIZE);
   return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : 0;
 }
 
+// The cgroup's memory limit where it is below `physical`; 0 otherwise (none,
+// or v1's "no limit", a huge number).
+int64_t CgroupLimitBelow(int64_t physical) {
+  const int64_t limit = FirstNumber({"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"});
+  return limit > 0 && limit < physical ? limit : 0;
+}
+
 }  // namespace
 
 int64_t HostMemoryBytes() {
-  const int64_t physical = PhysicalBytes(), limit = CgroupLimit();
-  return limit > 0 && limit < physical ? limit : physical;  // v1's "no limit" is a huge number
+  const int64_t physical = PhysicalBytes(), limit = CgroupLimitBelow(physical);
+  return limit > 0 ? limit : physical;
 }
 
 int64_t AvailableHostMemoryBytes() {
-  int64_t available = PhysicalBytes();
+  const int64_t physical = PhysicalBytes();
+  int64_t available = physical;
   if (const absl::StatusOr<std::string> info = ReadFileToString("/proc/meminfo"); info.ok()) {
     for (absl::string_view line : absl::StrSplit(*info, '\n')) {
       if (!absl::ConsumePrefix(&line, "MemAvailable:")) continue;
@@ -51,7 +55,7 @@ int64_t AvailableHostMemoryBytes() {
       if (absl::SimpleAtoi(absl::StripSuffix(absl::StripAsciiWhitespace(line), " kB"), &kib)) available = kib << 10;
     }
   }
-  if (const int64_t limit = CgroupLimit(); limit > 0 && limit < PhysicalBytes()) {
+  if (const int64_t limit = CgroupLimitBelow(physical); limit > 0) {
     const int64_t used = FirstNumber({"/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"});
     available = std::min(available, std::max<int64_t>(0, limit - used));
   }

@@ -318,8 +318,9 @@ __global__ void GeluBackwardKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, int64_
 // The backward with the bias gradient: dx as above and db = its column sums,
 // in ColumnSumKernel's layout (the f32 values are summed, in double).
 template <typename T, int kP>
-__global__ void __launch_bounds__(kThreads, 4) GeluBackwardBiasKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, Out<T> db, int64_t rows, int64_t n,
-                                       bool tanh_approx, int64_t chunk_rows, ColumnScratch scratch) {
+__global__ void __launch_bounds__(kThreads, 4)
+    GeluBackwardBiasKernel(In<T> dy, In<T> x, In<T> b, Out<T> dx, Out<T> db, int64_t rows, int64_t n,
+                           bool tanh_approx, int64_t chunk_rows, ColumnScratch scratch) {
   __shared__ ColumnShared shared;
   const int64_t j = GroupColumn<kP>();
   int64_t r0, r1;

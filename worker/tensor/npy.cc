@@ -149,23 +149,20 @@ absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& wha
     }
     return absl::OkStatus();
   };
+  const size_t es = static_cast<size_t>(ElementBytes(descr));
+  if (es == 0) return Bad(what, absl::StrCat("dtype '", descr, "' is not one of <f4, <f2, <i8, <i4, <u2, <u4"));
+  RETURN_IF_ERROR(expect(es));
   if (descr == "<f4" || descr == "<f2" || descr == "<i8" || descr == "<i4") {
     const DType t = descr == "<f4" ? DType::kF32 : descr == "<f2" ? DType::kF16 : descr == "<i8" ? DType::kI64 : DType::kI32;
-    RETURN_IF_ERROR(expect(SizeOf(t)));
     return Tensor::FromBytes(shape, t, data);
   }
-  if (descr == "<u2" || descr == "<u4") {
-    const size_t es = descr == "<u2" ? 2 : 4;
-    RETURN_IF_ERROR(expect(es));
-    std::vector<int64_t> v(n);
-    for (int64_t i = 0; i < n; ++i) {
-      uint32_t x = 0;
-      std::memcpy(&x, data.data() + i * es, es);
-      v[i] = x;
-    }
-    return Tensor::FromInt64s(shape, v);
+  std::vector<int64_t> v(n);  // <u2, <u4: widened to i64
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t x = 0;
+    std::memcpy(&x, data.data() + i * es, es);
+    v[i] = x;
   }
-  return Bad(what, absl::StrCat("dtype '", descr, "' is not one of <f4, <f2, <i8, <i4, <u2, <u4"));
+  return Tensor::FromInt64s(shape, v);
 }
 
 std::optional<int64_t> NpyReadPeakBytes(const NpyInfo& info, int64_t file_bytes) {

@@ -375,7 +375,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     // tokens taken from it.
     const int64_t tokens = std::min(info.elements, bytes / info.element_bytes);
     const std::optional<int64_t> read = NpyReadPeakBytes(info, bytes);
-    const std::optional<int64_t> taken = MulAdd(tokens, 8 + info.tensor_element_bytes, 0);
+    const std::optional<int64_t> taken = CheckedMul(tokens, 8 + info.tensor_element_bytes);
     RETURN_IF_ERROR(FitsInMemory(path, bytes, read.has_value() && taken.has_value()
                                                   ? std::optional<int64_t>(std::max(*read, *taken))
                                                   : std::nullopt));
@@ -393,7 +393,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     // are copied.
     const bool whole = format != DataFormat::kJsonl && tokenizer == nullptr;
     RETURN_IF_ERROR(FitsInMemory(path, bytes,
-                                 whole ? MulAdd(bytes, 8, bytes) : MulAdd(bytes / (tokenizer == nullptr ? 1 : 2), 16, 0)));
+                                 whole ? MulAdd(bytes, 8, bytes) : CheckedMul(bytes / (tokenizer == nullptr ? 1 : 2), 16)));
     RETURN_IF_ERROR(ForEachTextDocument(
         path, format, /*paragraphs=*/tokenizer != nullptr,
         [&](absl::string_view doc, const std::string& where) -> absl::Status {
