@@ -44,6 +44,15 @@ def cuda_compatible():
         "//conditions:default": [] if CUDA_ENABLED else _INCOMPATIBLE,
     })
 
+def cuda_toolkit_compatible():
+    """target_compatible_with for targets that need the real toolkit (neither the
+    emulation nor a CPU-only build): cuDNN's."""
+    return select({
+        _EMU: _INCOMPATIBLE,
+        _NONE: _INCOMPATIBLE,
+        "//conditions:default": [] if CUDA_ENABLED else _INCOMPATIBLE,
+    })
+
 def if_cuda(if_true, if_false = []):
     """`if_true` where the build has CUDA (the toolkit or the emulation), else `if_false`."""
     return select({

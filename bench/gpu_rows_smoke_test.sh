@@ -34,6 +34,9 @@ for shape in "16 +128" "32 +64"; do  # the attention rows: batch, seq, heads, di
     <<<"$out" || fail "bench:layers printed no deterministic attention row of heads and dim $shape" "$out"
   grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \(one row tile a warp: COLOD_ATTENTION_ROW_TILES=1\)$" \
     <<<"$out" || fail "bench:layers printed no attention row of one row tile a warp, heads and dim $shape" "$out"
+  # cuDNN's: served on a GPU with cuDNN, colod's kernels where it is not (the emulation).
+  grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \((cuDNN's fused attention: COLOD_ATTENTION=cudnn|COLOD_ATTENTION=cudnn, cuDNN unavailable: colod's kernels ran)\)$" \
+    <<<"$out" || fail "bench:layers printed no cuDNN attention row of heads and dim $shape" "$out"
 done
 grep -qE '^GPU \(cuda:0\) memory-bound kernels, bf16, 64 tokens \(copy bandwidth [0-9]+ GB/s' <<<"$out" ||
   fail "bench:layers printed no memory-bound table" "$out"

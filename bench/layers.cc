@@ -36,6 +36,7 @@
 #include "bench/self_ranks.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/layer_ops.h"
+#include "kernels/cuda/cudnn_attention.h"
 #include "kernels/device.h"
 #include "common/rendezvous_store.h"
 #include "worker/colo/process_group.h"
@@ -513,6 +514,15 @@ bool RunCpuTables(int64_t t, int64_t h, double flops, bool json) {
   return true;
 }
 
+// Calls cuDNN's attention served (none in a build without CUDA).
+int64_t CudnnCalls() {
+#ifdef COLOD_WITH_CUDA
+  return kernels::cuda::CudnnAttentionCalls();
+#else
+  return 0;
+#endif
+}
+
 // The fused attention alone on `gpu`, bf16, causal, at --attention_seq
 // (2048: issue 44's shapes, 16 heads of 128 and 32 heads of 64, batch
 // --attention_batch, 4): forward, and
@@ -525,6 +535,7 @@ bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
     int64_t b, s, heads, d;
     bool one_row_tile = false;  // COLOD_ATTENTION_ROW_TILES=1: the kernels' 64-row blocks at head dim 64
     bool deterministic = false;  // COLOD_DETERMINISTIC=1: the two-kernel backward without atomics
+    bool cudnn = false;          // COLOD_ATTENTION=cudnn: cuDNN's fused attention (kernels/cuda/cudnn_attention.h)
   };
   const int steps = std::max(1, absl::GetFlag(FLAGS_steps));
   if (!json) {
@@ -536,16 +547,24 @@ bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
   // Each head dim with the one-pass backward (the default), with the
   // deterministic two kernels, and with the forward's 64-row blocks (one row
   // tile of 16 a warp, where the default takes two), to compare them on this
-  // GPU. The rows set the switches themselves; the table ends with
-  // them unset.
+  // GPU, and cuDNN's fused attention in its place. The rows set the
+  // switches themselves; the table ends with them unset.
   struct UnsetAtExit {
     ~UnsetAtExit() {
       unsetenv("COLOD_ATTENTION_ROW_TILES");
       unsetenv("COLOD_DETERMINISTIC");
+      unsetenv("COLOD_ATTENTION");
     }
   } unset_at_exit;
   for (Shape sh : {Shape{b, s, 16, 128}, Shape{b, s, 16, 128, false, true}, Shape{b, s, 16, 128, true},
-                   Shape{b, s, 32, 64}, Shape{b, s, 32, 64, false, true}, Shape{b, s, 32, 64, true}}) {
+                   Shape{b, s, 16, 128, false, false, true}, Shape{b, s, 32, 64}, Shape{b, s, 32, 64, false, true},
+                   Shape{b, s, 32, 64, true}, Shape{b, s, 32, 64, false, false, true}}) {
+    if (sh.cudnn) {
+      setenv("COLOD_ATTENTION", "cudnn", 1);
+    } else {
+      unsetenv("COLOD_ATTENTION");
+    }
+    const int64_t cudnn_calls = CudnnCalls();
     if (sh.one_row_tile) {
       setenv("COLOD_ATTENTION_ROW_TILES", "1", 1);
     } else {
@@ -592,23 +611,30 @@ bool RunAttentionRows(Device gpu, double gpu_peak, bool json) {
     }
     std::sort(fwd.begin(), fwd.end());
     std::sort(both.begin(), both.end());
+    // Whether cuDNN ran every call of a cuDNN row (else it said why on
+    // stderr, and colod's kernels ran).
+    const bool cudnn_ran = CudnnCalls() - cudnn_calls == 3 * (steps + 1);
     const double tf = fwd[fwd.size() / 2], tb = std::max(1e-9, both[both.size() / 2] - tf);
     const double fwd_tflops = fwd_flops / tf / 1e12, bwd_tflops = 2.5 * fwd_flops / tb / 1e12;
     if (json) {
       std::printf("{\"bench\":\"attention\",\"dtype\":\"bf16\",\"device\":\"cuda:0\",\"causal\":true,"
                   "\"batch\":%lld,\"seq\":%lld,\"heads\":%lld,\"head_dim\":%lld,\"forward_seconds\":%.6f,"
                   "\"forward_tflops\":%.3f,\"backward_seconds\":%.6f,\"backward_tflops\":%.3f,"
-                  "\"row_tiles_a_warp\":%d,\"deterministic_backward\":%s,\"cublas_bf16_peak_tflops\":%.3f}\n",
+                  "\"row_tiles_a_warp\":%d,\"deterministic_backward\":%s,\"kernels\":\"%s\","
+                  "\"cublas_bf16_peak_tflops\":%.3f}\n",
                   static_cast<long long>(sh.b), static_cast<long long>(sh.s), static_cast<long long>(sh.heads),
                   static_cast<long long>(sh.d), tf, fwd_tflops, tb, bwd_tflops, (sh.d == 64 || sh.d == 128) && !sh.one_row_tile ? 2 : 1,
-                  sh.deterministic ? "true" : "false", gpu_peak);
+                  sh.deterministic ? "true" : "false",
+                  !sh.cudnn ? "colod" : cudnn_ran ? "cudnn" : "colod (cuDNN unavailable)", gpu_peak);
     } else {
       std::printf("%6lld %6lld %6lld %5lld  %9.3f %9.1f  %9.3f %9.1f%s\n", static_cast<long long>(sh.b),
                   static_cast<long long>(sh.s), static_cast<long long>(sh.heads), static_cast<long long>(sh.d),
                   tf * 1e3, fwd_tflops, tb * 1e3, bwd_tflops,
                   sh.one_row_tile   ? "  (one row tile a warp: COLOD_ATTENTION_ROW_TILES=1)"
                   : sh.deterministic ? "  (two backward kernels, no atomics: COLOD_DETERMINISTIC=1)"
-                                     : "");
+                  : !sh.cudnn        ? ""
+                  : cudnn_ran        ? "  (cuDNN's fused attention: COLOD_ATTENTION=cudnn)"
+                                     : "  (COLOD_ATTENTION=cudnn, cuDNN unavailable: colod's kernels ran)");
     }
     std::fflush(stdout);
   }

@@ -79,6 +79,7 @@
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/layer_ops.h"
+#include "kernels/cuda/cudnn_attention.h"
 #include "kernels/device.h"
 #include "spec/mesh.h"
 #include "worker/colo/rank_group.h"
@@ -578,6 +579,15 @@ int Main(int argc, char** argv) {
     std::fflush(stdout);
   }
   if (gpus == 0 && which != "cpu" && !json) std::printf("no CUDA device: the GPU rows are skipped\n");
+#ifdef COLOD_WITH_CUDA
+  // Which attention kernels the in-process rows ran (a process row's ranks
+  // say so on their own stderr where cuDNN could not serve).
+  if (kernels::cuda::CudnnAttentionRequested() && !json) {
+    std::printf("COLOD_ATTENTION=cudnn: cuDNN's fused attention served %lld calls of this process's rows%s\n",
+                static_cast<long long>(kernels::cuda::CudnnAttentionCalls()),
+                kernels::cuda::CudnnAttentionCalls() == 0 ? " (none: colod's kernels ran; the reason is above)" : "");
+  }
+#endif
   return failed == 0 ? 0 : 1;
 }
 

@@ -10,7 +10,8 @@
 # Environment: COLOD_CUDA_HOME (where cuBLAS and NCCL are looked for first;
 # default /usr/local/cuda), COLOD_GPU_CHECK_TEST_TIMEOUT (seconds per test
 # binary, default 600), COLOD_GPU_CHECK_BENCH (benchmarks to run, default
-# "layers collectives train"; empty for none), COLOD_GPU_CHECK_BENCH_TIMEOUT
+# "layers collectives train train-cudnn", the last bench:train's rows with
+# COLOD_ATTENTION=cudnn; empty for none), COLOD_GPU_CHECK_BENCH_TIMEOUT
 # (seconds per benchmark, default 1200), COLOD_GPU_CHECK_PYTORCH (the python3
 # that runs bench/pytorch_gpt2.py's GPU rows beside bench:train's, default
 # python3 where it imports torch with CUDA; "none" skips them; rows from
@@ -53,6 +54,17 @@ for l in libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
   [[ -n $d ]] || die "$l is not on this machine (set COLOD_CUDA_HOME to the CUDA toolkit)"
   [[ :$libpath: == *":$d:"* ]] || libpath=$libpath:$d
 done
+# cuDNN (COLOD_ATTENTION=cudnn: its fused attention, loaded at run time) and
+# NVRTC, which compiles its attention kernels, where the machine has them (a
+# PyTorch wheel's copies will do). Without them the cuDNN tests fail saying
+# so and the cuDNN rows run colod's kernels.
+cudnn_dirs=""
+for l in libcudnn.so.9 libnvrtc.so.13; do
+  d=$(find_lib "$l") || true
+  [[ -n $d ]] || continue
+  cudnn_dirs="$cudnn_dirs $d/$l"
+  [[ :$libpath: == *":$d:"* ]] || libpath=$libpath:$d
+done
 export LD_LIBRARY_PATH=$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 missing=$(for f in $(cat "$root/tests.txt") client/coloctl client/coloctl-run worker/daemon/colod-worker; do ldd "$root/colod/$f"; done | grep 'not found' | sort -u)
 [[ -z $missing ]] || die "libraries the binaries need are missing: $missing"
@@ -73,7 +85,8 @@ PY
   nvidia-smi --query-gpu=index,name,memory.total,driver_version,compute_cap --format=csv
   echo '```'
   echo "Built with CUDA $(cat "$root/CUDA_VERSION"); on this machine cuBLAS and NCCL from" \
-    "$(echo "$libpath" | cut -d: -f2- | sed 's/:/, /g'), NCCL $(nccl_version libnccl.so.2)"
+    "$(echo "$libpath" | cut -d: -f2- | sed 's/:/, /g'), NCCL $(nccl_version libnccl.so.2);" \
+    "cuDNN and NVRTC:${cudnn_dirs:- not found (the cuDNN tests fail; the cuDNN rows run colod kernels)}"
 } >"$report"
 
 sanitizer=()
@@ -146,14 +159,16 @@ done
   echo '```'
 } >>"$report"
 
-for bench in ${COLOD_GPU_CHECK_BENCH-layers collectives train}; do
-  args=()
+for bench in ${COLOD_GPU_CHECK_BENCH-layers collectives train train-cudnn}; do
+  args=() binary=$bench attention=""
   # GPT-2 124M and LLaMA 1B in bf16: tp=1 and 2, and tp=2, dp=2, pp=2 a process per GPU
   [[ $bench == train ]] && args=(--rows gpu "${train_args[@]}")
+  # The same rows with cuDNN's fused attention (COLOD_ATTENTION=cudnn)
+  [[ $bench == train-cudnn ]] && { binary=train attention=cudnn args=(--rows gpu "${train_args[@]}"); }
   [[ $bench == layers ]] && args=(--cpu_rows=false --hidden 4096 --tokens 8192)  # the MLP block in bf16
-  log "gpu-check: bench/$bench ${args[*]}"
-  timeout -k 10 "${COLOD_GPU_CHECK_BENCH_TIMEOUT:-1200}" "$root/opt/colod/bench/$bench" "${args[@]}" \
-    >"$out/bench-$bench.txt" 2>&1 || echo "(exit $?)" >>"$out/bench-$bench.txt"
+  log "gpu-check: bench/$binary ${args[*]}${attention:+ (COLOD_ATTENTION=$attention)}"
+  COLOD_ATTENTION=$attention timeout -k 10 "${COLOD_GPU_CHECK_BENCH_TIMEOUT:-1200}" "$root/opt/colod/bench/$binary" \
+    "${args[@]}" >"$out/bench-$bench.txt" 2>&1 || echo "(exit $?)" >>"$out/bench-$bench.txt"
   { echo; echo "## bench:$bench"; echo '```'; tail -40 "$out/bench-$bench.txt"; echo '```'; } >>"$report"
 done
 # PyTorch's side of bench:train's GPT-2 124M row, on the same GPU in the same
@@ -209,7 +224,7 @@ fi
   for t in "${left_out[@]}"; do
     echo "//${t%/*}:${t##*/} (left out by COLOD_GPU_CHECK_TESTS)"
   done
-  [[ " ${COLOD_GPU_CHECK_BENCH-layers collectives train} " == *" train "* ]] && ((${#train_args[@]} > 0)) && echo "bench: bench:train's rows other than ${train_args[*]} (COLOD_GPU_CHECK_TRAIN_MODEL, _LAYOUT)"
+  [[ " ${COLOD_GPU_CHECK_BENCH-layers collectives train train-cudnn} " == *" train "* ]] && ((${#train_args[@]} > 0)) && echo "bench: bench:train's rows other than ${train_args[*]} (COLOD_GPU_CHECK_TRAIN_MODEL, _LAYOUT)"
   for t in "${tests[@]}"; do
     x=$out/${t//\//_}.xml
     [[ -f $x ]] || continue

@@ -43,6 +43,7 @@ done
 cat >"$bundle/opt/colod/bench/train" <<EOF
 #!/bin/bash
 printf '<%s>' "\$@" >"$work/train-args"
+printf '[%s]' "\${COLOD_ATTENTION:-}" >>"$work/train-attention"
 echo "gpt2-124m  cuda  tp=1 dp=1  bf16  row"
 EOF
 chmod +x "$bundle/opt/colod/bench/train"
@@ -60,7 +61,7 @@ chmod +x "$work/bin/nvidia-smi"
 check() {
   local out=$1
   shift
-  rm -f "$work/ran" "$work/train-args"
+  rm -f "$work/ran" "$work/train-args" "$work/train-attention"
   set +e
   env PATH="$work/bin:$PATH" COLOD_CUDA_HOME="$work/cuda" COLOD_GPU_CHECK_PYTORCH=none COLOD_GPU_CHECK_PROFILE=none \
     "$@" "$bundle/gpu-check.sh" "$out" >"$work/stdout" 2>"$work/stderr"
@@ -119,6 +120,13 @@ grep -q '^gpt2-124m  cuda  tp=1 dp=1  bf16  row$' "$work/none/report.md" ||
 # Without the settings bench:train gets its default rows.
 check "$work/train" COLOD_GPU_CHECK_BENCH=train COLOD_GPU_CHECK_TESTS=none
 [[ $(cat "$work/train-args") == '<--rows><gpu>' ]] || fail "bench:train's default arguments: $(cat "$work/train-args")"
+
+# train-cudnn: bench:train's rows again, with cuDNN's attention asked for.
+check "$work/cudnn" COLOD_GPU_CHECK_BENCH='train train-cudnn' COLOD_GPU_CHECK_TESTS=none
+((rc == 0)) || fail "train-cudnn: exit $rc" "$work/stderr"
+[[ $(cat "$work/train-attention") == '[][cudnn]' ]] ||
+  fail "bench:train ran with COLOD_ATTENTION $(cat "$work/train-attention"), not unset then cudnn"
+grep -q '^## bench:train-cudnn$' "$work/cudnn/report.md" || fail "the report has no train-cudnn table" "$work/cudnn/report.md"
 
 # A regex grep cannot read is refused before anything runs.
 check "$work/bad" COLOD_GPU_CHECK_TESTS='(' COLOD_GPU_CHECK_BENCH=

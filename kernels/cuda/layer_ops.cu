@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/elements.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/activation.h"
@@ -3260,6 +3261,22 @@ static bool RowsInPacks(const AttentionLayout& layout) {
   return true;
 }
 
+// The call as cuDNN's attention takes it (cudnn_attention.h), where the
+// environment asks for cuDNN (COLOD_ATTENTION=cudnn) and its graphs express
+// the call with every pointer 16-byte aligned; nullopt otherwise.
+static std::optional<CudnnAttentionShape> CudnnShapeFor(ElemType type, int64_t b, int64_t s, int64_t hq, int64_t hkv,
+                                                        int64_t d, bool causal, bool deterministic,
+                                                        const AttentionBias& extra, const AttentionLayout& layout,
+                                                        std::initializer_list<const void*> pointers) {
+  if (!CudnnAttentionRequested()) return std::nullopt;
+  const CudnnAttentionShape shape{type, b, s, hq, hkv, d, causal, deterministic, layout};
+  if (!CudnnAttentionServes(shape, extra).ok()) return std::nullopt;
+  for (const void* p : pointers) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return std::nullopt;
+  }
+  return shape;
+}
+
 absl::Status FlashAttention(int device, ElemType type, const void* q, const void* k, const void* v, void* out,
                             float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
                             bool causal, AttentionBias extra, AttentionLayout layout) {
@@ -3268,6 +3285,13 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
   if (!StridesPositive(layout)) return absl::InvalidArgumentError("FlashAttention: a stride below 1");
   if (b * s == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
+  if (const std::optional<CudnnAttentionShape> shape =
+          CudnnShapeFor(type, b, s, hq, hkv, d, causal, false, extra, layout, {q, k, v, out, lse})) {
+    // UNAVAILABLE (no library, no plan for the shape; said once on stderr):
+    // colod's kernels below.
+    const absl::Status st = CudnnAttentionForward(device, stream, *shape, q, k, v, out, lse, scale);
+    if (!absl::IsUnavailable(st)) return st;
+  }
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (type != ElemType::kF32 && MmaHeadDim(d) && aligned(q) && aligned(k) && aligned(v) && aligned(out) &&
       RowsInPacks(layout)) {
@@ -3352,6 +3376,13 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
   if (!StridesPositive(layout)) return absl::InvalidArgumentError("FlashAttentionBackward: a stride below 1");
   if (b * s == 0) return absl::OkStatus();
   COLOD_CUDA_BEGIN(stream, device);
+  if (const std::optional<CudnnAttentionShape> shape =
+          CudnnShapeFor(type, b, s, hq, hkv, d, causal, DeterministicRequested(), extra, layout,
+                        {q, k, v, out, dout, lse, dq, dk, dv})) {
+    const absl::Status st =
+        CudnnAttentionBackward(device, stream, *shape, q, k, v, out, dout, lse, dq, dk, dv, scale);
+    if (!absl::IsUnavailable(st)) return st;
+  }
   const dim3 kv_grid(grid->x, static_cast<unsigned>(hkv), grid->z);
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (type != ElemType::kF32 && MmaHeadDim(d) && aligned(q) && aligned(k) && aligned(v) && aligned(out) &&

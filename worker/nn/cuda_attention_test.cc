@@ -23,6 +23,7 @@
 #endif
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/cudnn_attention.h"
 #include "kernels/device.h"
 #include "worker/nn/functional.h"
 #include "worker/tensor/ops.h"
@@ -360,6 +361,45 @@ TEST(CudaAttentionTensorCores, OnePassBackwardWithoutItsBufferRunsTheTwoKernels)
   }
 }
 #endif
+
+// COLOD_ATTENTION=cudnn: cuDNN's fused attention serves the forward and
+// the backward where it can be had, a GPU with libcudnn.so.9 (then both are
+// counted, and a missing library is a failure saying why); under the
+// emulation, which has no cuDNN, colod's kernels run instead. Either way
+// out and the gradients are the per-head reference's within bf16's
+// rounding (P and dS rounded before their products, as the tensor-core
+// kernels do); ALiBi is not cuDNN's, so it always runs on colod's kernels.
+TEST(CudaAttentionCudnn, RequestedCudnnMatchesTheReferenceOrColodsKernelsRunInstead) {
+  if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  struct Restore {
+    ~Restore() { unsetenv("COLOD_ATTENTION"); }
+  } restore;
+  setenv("COLOD_ATTENTION", "cudnn", 1);
+  const double ulp = 1.0 / 128;
+  for (const Case& c : {Case{2, 100, 4, 2, 64, true}, Case{1, 70, 4, 4, 128, false}}) {
+    SCOPED_TRACE(::testing::PrintToString(c));
+    const auto [q, k, v, r] = RandomInputs(c, 31, DType::kBF16);
+    auto wide = [](const Tensor& x) { return *x.ToDType(DType::kF32); };
+    const Result want = RunAttention(c, Device::Cpu(), AttentionImpl::kPerHead, wide(q), wide(k), wide(v), wide(r));
+    const int64_t calls = kernels::cuda::CudnnAttentionCalls();
+    const Result got = RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r);
+#ifdef COLOD_CUDA_EMULATION
+    EXPECT_EQ(kernels::cuda::CudnnAttentionCalls(), calls) << "the emulation has no cuDNN";
+#else
+    EXPECT_EQ(kernels::cuda::CudnnAttentionCalls(), calls + 2) << "cuDNN did not serve the forward and backward "
+                                                                   "(its reason is on stderr)";
+#endif
+    ExpectNearOfLargest(got.out, want.out, 2 * ulp, "out");
+    ExpectNearOfLargest(got.dq, want.dq, 4 * ulp, "dq");
+    ExpectNearOfLargest(got.dk, want.dk, 4 * ulp, "dk");
+    ExpectNearOfLargest(got.dv, want.dv, 4 * ulp, "dv");
+  }
+  const Case c{1, 40, 2, 2, 64, true};
+  const auto [q, k, v, r] = RandomInputs(c, 41, DType::kBF16);
+  const int64_t calls = kernels::cuda::CudnnAttentionCalls();
+  RunAttention(c, Device::Cuda(0), AttentionImpl::kAuto, q, k, v, r, {0.5f, 0.25f});
+  EXPECT_EQ(kernels::cuda::CudnnAttentionCalls(), calls) << "ALiBi runs on colod's kernels";
+}
 
 // BLOOM's ALiBi on the fused kernels (the slopes passed to them): f32 on the
 // scalar kernels, bf16 on the tensor-core ones (head dims 64 and 128), a
