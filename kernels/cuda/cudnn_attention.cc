@@ -10,6 +10,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <type_traits>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -42,7 +43,9 @@ bool CudnnAttentionRequested() {
 }
 
 absl::Status CudnnAttentionServes(const CudnnAttentionShape& shape, const AttentionBias& extra) {
-  auto refuse = [](absl::string_view why) { return absl::InvalidArgumentError(absl::StrCat("cuDNN attention: ", why)); };
+  auto refuse = [](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("cuDNN attention: ", why));
+  };
   if (extra.alibi != nullptr || extra.bias != nullptr || extra.dbias != nullptr) {
     return refuse("ALiBi and additive score biases run on colod's kernels");
   }
@@ -301,8 +304,8 @@ class Graph {
   // for a deviceless plan).
   cudnnBackendDescriptor_t OperationGraph(cudnnHandle_t handle) {
     cudnnBackendDescriptor_t g = New(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "operation graph");
-    Set(g, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(ops_.size()),
-        ops_.data(), "the graph's ops");
+    Set(g, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(ops_.size()), ops_.data(),
+        "the graph's ops");
     if (handle != nullptr) Set(g, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle, "graph handle");
     Finalize(g, "the operation graph");
     return g;
@@ -330,8 +333,8 @@ enum Uid : int64_t {
   kDq,
   kDk,
   kDv,
-  kRowSums,   // the backward's rowsum(dO O), f32 scratch
-  kDqAccum,   // the backward's f32 dQ accumulator (scratch), unless deterministic
+  kRowSums,  // the backward's rowsum(dO O), f32 scratch
+  kDqAccum,  // the backward's f32 dQ accumulator (scratch), unless deterministic
 };
 
 cudnnDataType_t CudnnType(ElemType t) { return t == ElemType::kF16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16; }
@@ -438,8 +441,7 @@ void BuildBackward(Graph& g, const CudnnAttentionShape& a) {
     if (a.hq == a.hkv) {
       g.Matmul(lhs, rhs, out);
     } else {
-      cudnnBackendDescriptor_t full =
-          g.Tensor({a.b, a.hq, a.s, a.d}, {a.hq * a.s * a.d, a.s * a.d, a.d, 1}, io, 0);
+      cudnnBackendDescriptor_t full = g.Tensor({a.b, a.hq, a.s, a.d}, {a.hq * a.s * a.d, a.s * a.d, a.d, 1}, io, 0);
       g.Matmul(lhs, rhs, full);
       g.Reduction(CUDNN_REDUCE_TENSOR_ADD, full, out);
     }
@@ -510,9 +512,9 @@ std::vector<cudnnBackendDescriptor_t> Configs(Graph& g, cudnnBackendDescriptor_t
   g.Finalize(heur, "the heuristics");
   int64_t count = 0;
   if (g.status().ok()) {
-    g.Check(g.api().GetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
-                                 nullptr),
-            "the heuristics' count");
+    g.Check(
+        g.api().GetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr),
+        "the heuristics' count");
   }
   std::vector<cudnnBackendDescriptor_t> configs;
   for (int64_t i = 0; i < count && g.status().ok(); ++i) {
@@ -556,9 +558,9 @@ absl::StatusOr<std::shared_ptr<Plan>> BuildPlan(const Api& api, cudnnHandle_t ha
       absl::StrAppend(&refusals, refusals.empty() ? "" : "; ", Describe(api, st, "a config"));
       continue;
     }
-    g.Check(api.GetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, nullptr,
-                             &out->workspace),
-            "the plan's workspace");
+    g.Check(
+        api.GetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, nullptr, &out->workspace),
+        "the plan's workspace");
     if (!g.status().ok()) return absl::UnavailableError(std::string(g.status().message()));
     out->plan = plan;
     out->engine = EngineJson(g, plan);
@@ -607,11 +609,11 @@ class Plans {
   // shape cuDNN refused stays refused (its status is cached too).
   absl::StatusOr<std::shared_ptr<Plan>> Find(const Api& api, int device, Device& dev, const CudnnAttentionShape& a,
                                              bool backward) {
-    const std::string key = absl::StrCat(
-        device, backward ? "b" : "f", static_cast<int>(a.type), "/", a.b, "/", a.s, "/", a.hq, "/", a.hkv, "/", a.d,
-        a.causal ? "c" : "", a.deterministic ? "d" : "", "/", a.layout.q.token, ",", a.layout.q.head, ",",
-        a.layout.kv.token, ",", a.layout.kv.head, ",", a.layout.dq.token, ",", a.layout.dq.head, ",",
-        a.layout.dkv.token, ",", a.layout.dkv.head);
+    const std::string key =
+        absl::StrCat(device, backward ? "b" : "f", static_cast<int>(a.type), "/", a.b, "/", a.s, "/", a.hq, "/", a.hkv,
+                     "/", a.d, a.causal ? "c" : "", a.deterministic ? "d" : "", "/", a.layout.q.token, ",",
+                     a.layout.q.head, ",", a.layout.kv.token, ",", a.layout.kv.head, ",", a.layout.dq.token, ",",
+                     a.layout.dq.head, ",", a.layout.dkv.token, ",", a.layout.dkv.head);
     {
       absl::MutexLock lock(&mu_);
       auto it = plans_.find(key);
@@ -687,14 +689,15 @@ absl::Status Run(int device, cudaStream_t stream, const CudnnAttentionShape& sha
     void* workspace = p.workspace > 0 ? base : nullptr;
     pack_owner.Set(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, static_cast<int64_t>(uids.size()),
                    uids.data(), "the pack's uids");
-    pack_owner.Set(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR,
-                   static_cast<int64_t>(data.size()), data.data(), "the pack's pointers");
+    pack_owner.Set(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, static_cast<int64_t>(data.size()),
+                   data.data(), "the pack's pointers");
     pack_owner.Set(pack, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace, "the workspace");
     pack_owner.Finalize(pack, "the variant pack");
     if (!pack_owner.status().ok()) return pack_owner.status();
     absl::MutexLock lock(&(*dev)->mu);
     const cudnnStatus_t set = (*api)->SetStream((*dev)->handle, stream);
-    if (set != CUDNN_STATUS_SUCCESS) return absl::InternalError(Describe(**api, set, "cuDNN attention: cudnnSetStream"));
+    if (set != CUDNN_STATUS_SUCCESS)
+      return absl::InternalError(Describe(**api, set, "cuDNN attention: cudnnSetStream"));
     const cudnnStatus_t ran = (*api)->Execute((*dev)->handle, p.plan, pack);
     if (ran != CUDNN_STATUS_SUCCESS) {
       return absl::InternalError(
@@ -716,15 +719,11 @@ absl::Status Run(int device, cudaStream_t stream, const CudnnAttentionShape& sha
 absl::Status CudnnAttentionForward(int device, CUstream_st* stream, const CudnnAttentionShape& shape, const void* q,
                                    const void* k, const void* v, void* out, float* lse, float scale) {
   float scale_value = scale, neg_inf = -INFINITY;
-  return Run(device, stream, shape, /*backward=*/false,
-             {{kQ, const_cast<void*>(q)},
-              {kK, const_cast<void*>(k)},
-              {kV, const_cast<void*>(v)},
-              {kO, out},
-              {kStats, lse},
-              {kScale, &scale_value},
-              {kNegInf, &neg_inf}},
-             {});
+  std::vector<std::pair<int64_t, void*>> ptrs = {
+      {kQ, const_cast<void*>(q)}, {kK, const_cast<void*>(k)}, {kV, const_cast<void*>(v)}, {kO, out}, {kStats, lse},
+      {kScale, &scale_value}};
+  if (shape.causal) ptrs.emplace_back(kNegInf, &neg_inf);  // the pack names the graph's tensors only
+  return Run(device, stream, shape, /*backward=*/false, std::move(ptrs), {});
 }
 
 absl::Status CudnnAttentionBackward(int device, CUstream_st* stream, const CudnnAttentionShape& shape, const void* q,
@@ -734,20 +733,19 @@ absl::Status CudnnAttentionBackward(int device, CUstream_st* stream, const Cudnn
   const int64_t rows = shape.b * shape.hq * shape.s;  // CudnnAttentionServes checked rows d 4 fits
   std::vector<std::pair<int64_t, int64_t>> scratch = {{kRowSums, rows * 4}};
   if (!shape.deterministic) scratch.emplace_back(kDqAccum, rows * shape.d * 4);
-  return Run(device, stream, shape, /*backward=*/true,
-             {{kQ, const_cast<void*>(q)},
-              {kK, const_cast<void*>(k)},
-              {kV, const_cast<void*>(v)},
-              {kO, const_cast<void*>(out)},
-              {kDo, const_cast<void*>(dout)},
-              {kStats, const_cast<float*>(lse)},
-              {kDq, dq},
-              {kDk, dk},
-              {kDv, dv},
-              {kScale, &scale_value},
-              {kNegInf, &neg_inf},
-              {kOne, &one}},
-             scratch);
+  std::vector<std::pair<int64_t, void*>> ptrs = {{kQ, const_cast<void*>(q)},
+                                                 {kK, const_cast<void*>(k)},
+                                                 {kV, const_cast<void*>(v)},
+                                                 {kO, const_cast<void*>(out)},
+                                                 {kDo, const_cast<void*>(dout)},
+                                                 {kStats, const_cast<float*>(lse)},
+                                                 {kDq, dq},
+                                                 {kDk, dk},
+                                                 {kDv, dv},
+                                                 {kScale, &scale_value},
+                                                 {kOne, &one}};
+  if (shape.causal) ptrs.emplace_back(kNegInf, &neg_inf);
+  return Run(device, stream, shape, /*backward=*/true, std::move(ptrs), scratch);
 }
 
 absl::StatusOr<CudnnDevicelessPlan> CudnnAttentionDeviceless(const std::string& device_json,

@@ -66,8 +66,8 @@ TEST(CudnnAttentionDeviceless, EveryFamilyShapeCompilesForAnH100ForwardAndBackwa
       EXPECT_GT(plan->configs, 0) << c.name << (backward ? " backward" : " forward")
                                   << ": cuDNN has no engine config for the graph on sm_90";
       EXPECT_TRUE(plan->compiled) << c.name;
-      std::cerr << c.name << (backward ? " backward: " : " forward: ") << plan->engines << " engines, "
-                << plan->configs << " configs; " << plan->engine << "\n";
+      std::cerr << c.name << (backward ? " backward: " : " forward: ") << plan->engines << " engines, " << plan->configs
+                << " configs; " << plan->engine << "\n";
     }
   }
 }
@@ -207,12 +207,12 @@ TEST_P(CudnnAttentionOnAGpu, ValuesAndGradientsMatchTheCpuTwin) {
   for (void* p : std::initializer_list<void*>{dq_d, dk_d, dv_d, out_d, q_d, k_d, v_d, dout_d, lse_d}) cudaFree(p);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, CudnnAttentionOnAGpu,
-    ::testing::Values(Case{"causal_gqa_d64", Shape(ElemType::kBF16, 2, 200, 4, 2, 64, true, ContiguousAttention(4, 2, 64))},
-                      Case{"bidirectional_d128",
-                           Shape(ElemType::kBF16, 1, 130, 2, 2, 128, false, ContiguousAttention(2, 2, 128))}),
-    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Shapes, CudnnAttentionOnAGpu,
+                         ::testing::Values(Case{"causal_gqa_d64", Shape(ElemType::kBF16, 2, 200, 4, 2, 64, true,
+                                                                        ContiguousAttention(4, 2, 64))},
+                                           Case{"bidirectional_d128", Shape(ElemType::kBF16, 1, 130, 2, 2, 128, false,
+                                                                            ContiguousAttention(2, 2, 128))}),
+                         [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace colod::kernels::cuda
