@@ -142,7 +142,7 @@ absl::StatusOr<const Api*> Load(const std::string& path) {
   std::string which;
   auto sym = [&](auto& fn, const char* name) {
     fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-    if (fn == nullptr) {
+    if (fn == nullptr && !missing) {  // the first one missing
       missing = true;
       which = name;
     }

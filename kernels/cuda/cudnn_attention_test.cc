@@ -9,6 +9,7 @@
 #include <iostream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -123,6 +124,32 @@ TEST(CudnnAttentionServes, RefusesWhatItsGraphsDoNotExpress) {
   a.b = 1;
   a.s = int64_t{1} << 31;
   refused(a, {}, "the scores' extent overflows");
+}
+
+// A library that is missing, or is not cuDNN, leaves the call UNAVAILABLE
+// (the caller's cue to run its own kernels) saying why, before anything
+// touches a device; the next call with cuDNN back works.
+TEST(CudnnAttentionLibrary, AMissingOrForeignLibraryIsUnavailableNamingIt) {
+  struct Restore {
+    ~Restore() { unsetenv("COLOD_CUDNN_LIBRARY"); }
+  } restore;
+  const CudnnAttentionShape a = FamilyCases().front().shape;
+  for (const auto& [library, says] : {std::pair<const char*, const char*>{"/nonexistent/libcudnn.so.9", "cannot load"},
+                                      {"libz.so.1", "has no cudnnGetVersion"}}) {
+    setenv("COLOD_CUDNN_LIBRARY", library, 1);
+    const absl::Status fwd = CudnnAttentionForward(0, nullptr, a, nullptr, nullptr, nullptr, nullptr, nullptr, 1.0f);
+    EXPECT_EQ(fwd.code(), absl::StatusCode::kUnavailable) << fwd;
+    EXPECT_TRUE(absl::StrContains(fwd.message(), says)) << fwd;
+    EXPECT_TRUE(absl::StrContains(fwd.message(), library)) << fwd;
+    const absl::Status bwd = CudnnAttentionBackward(0, nullptr, a, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                    nullptr, nullptr, nullptr, nullptr, 1.0f);
+    EXPECT_EQ(bwd.code(), absl::StatusCode::kUnavailable) << bwd;
+    absl::StatusOr<CudnnDevicelessPlan> plan = CudnnAttentionDeviceless(CudnnH100DeviceJson(), a, false);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition) << plan.status();
+  }
+  unsetenv("COLOD_CUDNN_LIBRARY");
+  LoadADriver();
+  EXPECT_TRUE(CudnnAttentionDeviceless(CudnnH100DeviceJson(), a, false).ok());
 }
 
 // On a GPU: cuDNN's values and gradients against the CPU twin's, from the
