@@ -69,8 +69,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   if (options.max_store_waits < 1 || options.store_quota_bytes < 1) {
     return absl::InvalidArgumentError("--max-store-waits and --store-quota must be >= 1");
   }
-  if (options.upload_quota_bytes < 0 || options.max_uploads < 1) {
-    return absl::InvalidArgumentError("--upload-quota must be >= 0 and --max-uploads >= 1");
+  if (options.upload_quota_bytes < 0 || options.max_uploads < 1 || options.max_concurrent_uploads < 1) {
+    return absl::InvalidArgumentError(
+        "--upload-quota must be >= 0, and --max-uploads and --max-concurrent-uploads >= 1");
   }
   if (options.upload_grace <= absl::ZeroDuration()) return absl::InvalidArgumentError("upload grace: must be > 0");
   if (options.stop_grace < absl::ZeroDuration()) {
@@ -135,6 +136,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   UploadStore::Limits upload_limits;
   upload_limits.quota_bytes = options.upload_quota_bytes;
   upload_limits.max_uploads = options.max_uploads;
+  upload_limits.max_concurrent_uploads = options.max_concurrent_uploads;
   ASSIGN_OR_RETURN(c->uploads_, UploadStore::Open(options.data_dir + "/uploads", upload_limits, options.clock));
   c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),
                                                           c->registry_.get(), TokenAuth(options.auth_token),

@@ -81,6 +81,8 @@ class Coordinator {
     // Uploads (UploadStore::Limits): bytes of all, and how many.
     int64_t upload_quota_bytes = int64_t{256} << 30;
     int max_uploads = 1000;
+    // Uploads in progress at once (each a stream holding a server thread).
+    int max_concurrent_uploads = 16;
     // An upload no job names is removed this long after it was made or last
     // named.
     absl::Duration upload_grace = absl::Hours(1);

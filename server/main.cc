@@ -45,6 +45,9 @@ ABSL_FLAG(std::string, upload_quota, "256GiB",
           "Bytes of all uploaded models together (UploadModel past it is RESOURCE_EXHAUSTED); identical uploads "
           "are stored once, and an upload no job names is removed an hour after it was made or last named.");
 ABSL_FLAG(int, max_uploads, 1000, "Uploaded models stored at once.");
+ABSL_FLAG(int, max_concurrent_uploads, 16,
+          "UploadModel streams in progress at once (each holds a server thread while it lasts); more are refused "
+          "RESOURCE_EXHAUSTED.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -85,6 +88,7 @@ int main(int argc, char** argv) {
   options.job_retention = absl::GetFlag(FLAGS_job_retention);
   options.max_watch_streams = absl::GetFlag(FLAGS_max_watch_streams);
   options.max_uploads = absl::GetFlag(FLAGS_max_uploads);
+  options.max_concurrent_uploads = absl::GetFlag(FLAGS_max_concurrent_uploads);
   options.max_store_waits = absl::GetFlag(FLAGS_max_store_waits);
   // A byte-size flag's value (e.g. 256GiB); false, having said why, if it is not one.
   auto byte_size = [](const char* flag, const std::string& value, int64_t* out) {

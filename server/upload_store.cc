@@ -94,6 +94,10 @@ UploadStore::~UploadStore() = default;
 
 absl::StatusOr<std::unique_ptr<UploadStore::Writer>> UploadStore::Begin() {
   absl::MutexLock lock(&mu_);
+  if (writers_ >= limits_.max_concurrent_uploads) {
+    return absl::ResourceExhaustedError(absl::StrCat(writers_, " uploads are in progress, the coordinator's ",
+                                                     "--max-concurrent-uploads: retry when one has ended"));
+  }
   if (static_cast<int>(stored_.size()) + writers_ >= limits_.max_uploads) {
     return absl::ResourceExhaustedError(absl::StrCat(
         stored_.size(), " uploads are stored and ", writers_, " in progress, the coordinator's --max-uploads ",

@@ -30,6 +30,9 @@ struct UploadLimits {
   int64_t quota_bytes = int64_t{256} << 30;
   // Uploads stored and in progress.
   int max_uploads = 1000;
+  // Uploads in progress at once: each is a client stream holding one of the
+  // coordinator's server threads while it lasts.
+  int max_concurrent_uploads = 16;
 };
 
 // Thread-safe; uploads proceed concurrently.
@@ -68,7 +71,8 @@ class UploadStore {
     struct Hash;
     std::unique_ptr<Hash> hash_;  // over what came so far
   };
-  // RESOURCE_EXHAUSTED when max_uploads are stored or in progress.
+  // RESOURCE_EXHAUSTED when max_uploads are stored or in progress, or
+  // max_concurrent_uploads are in progress.
   absl::StatusOr<std::unique_ptr<Writer>> Begin();
 
   bool Exists(const std::string& upload_id) const;

@@ -162,6 +162,31 @@ TEST(UploadStore, QuotasRefuseAndReleaseBytesAndCount) {
   EXPECT_EQ(c->Add(Chunk("n.safetensors", 2, "z")).code(), absl::StatusCode::kResourceExhausted);
 }
 
+// Uploads in progress at once are bounded apart from the stored count:
+// each is a stream holding a server thread. An ended one (finished or
+// abandoned) frees its place.
+TEST(UploadStore, UploadsInProgressAtOnceAreBounded) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-concurrent";
+  std::filesystem::remove_all(dir);
+  UploadLimits limits;
+  limits.max_concurrent_uploads = 2;
+  auto store = UploadStore::Open(dir, limits);
+  ASSERT_TRUE(store.ok());
+  auto a = Begin(**store);
+  auto b = Begin(**store);
+  const absl::StatusOr<std::unique_ptr<UploadStore::Writer>> third = (*store)->Begin();
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(third.status().message().find("--max-concurrent-uploads"), std::string::npos) << third.status();
+  b.reset();  // abandoned
+  auto c = Begin(**store);
+  ASSERT_TRUE(a->Add(Chunk("m.safetensors", 0, "1234")).ok());
+  ASSERT_TRUE(a->Finish().ok());
+  a.reset();
+  auto d = Begin(**store);  // a finished: its place is free, its upload stored
+  EXPECT_EQ((*store)->Begin().status().code(), absl::StatusCode::kResourceExhausted);  // c and d
+  EXPECT_EQ((*store)->bytes(), 4);
+}
+
 TEST(UploadStore, UploadsNoJobNamesAreCollectedAfterTheirGrace) {
   const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-gc";
   std::filesystem::remove_all(dir);
