@@ -231,6 +231,23 @@ TEST_P(CudnnAttentionOnAGpu, ValuesAndGradientsMatchTheCpuTwin) {
   EXPECT_LT(RelativeError(ToHost(dq_d, qn).data(), dq_ref.data(), qn, a.type), 3e-2) << "dq";
   EXPECT_LT(RelativeError(ToHost(dk_d, kvn).data(), dk_ref.data(), kvn, a.type), 3e-2) << "dk";
   EXPECT_LT(RelativeError(ToHost(dv_d, kvn).data(), dv_ref.data(), kvn, a.type), 3e-2) << "dv";
+  // Deterministic on request (COLOD_DETERMINISTIC=1's graph: dQ without
+  // atomics): two runs give the same bits, and the same values as above.
+  CudnnAttentionShape det = a;
+  det.deterministic = true;
+  std::vector<std::vector<uint16_t>> runs;
+  for (int run = 0; run < 2; ++run) {
+    const absl::Status st =
+        CudnnAttentionBackward(0, nullptr, det, q_d, k_d, v_d, out_d, dout_d, lse_d, dq_d, dk_d, dv_d, scale);
+    ASSERT_TRUE(st.ok()) << st;
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    runs.push_back(ToHost(dq_d, qn));
+    const std::vector<uint16_t> dk = ToHost(dk_d, kvn), dv = ToHost(dv_d, kvn);
+    runs.back().insert(runs.back().end(), dk.begin(), dk.end());
+    runs.back().insert(runs.back().end(), dv.begin(), dv.end());
+  }
+  EXPECT_EQ(runs[0], runs[1]) << "the deterministic backward's dq, dk and dv differ between runs";
+  EXPECT_LT(RelativeError(runs[0].data(), dq_ref.data(), qn, a.type), 3e-2) << "deterministic dq";
   for (void* p : std::initializer_list<void*>{dq_d, dk_d, dv_d, out_d, q_d, k_d, v_d, dout_d, lse_d}) cudaFree(p);
 }
 
