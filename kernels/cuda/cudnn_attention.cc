@@ -636,13 +636,14 @@ class Plans {
   std::map<std::string, absl::StatusOr<std::shared_ptr<Plan>>> plans_ ABSL_GUARDED_BY(mu_);
 };
 
-// Says once per reason (on stderr) why the cuDNN path was not taken.
+// Says once per reason (on stderr, the first 64 reasons) why the cuDNN
+// path was not taken.
 absl::Status Unavailable(const absl::Status& why) {
   static absl::Mutex mu(absl::kConstInit);
   static auto* said = new std::set<std::string>();
   absl::Status out = absl::UnavailableError(why.message());
   absl::MutexLock lock(&mu);
-  if (said->insert(std::string(why.message())).second) {
+  if (said->size() < 64 && said->insert(std::string(why.message())).second) {  // a bounded set of reasons
     std::fprintf(stderr, "colod: COLOD_ATTENTION=cudnn: %s; colod's attention kernels run instead\n",
                  std::string(why.message()).c_str());
   }
@@ -671,7 +672,12 @@ absl::Status Run(int device, cudaStream_t stream, const CudnnAttentionShape& sha
     bytes += round(n);
   }
   void* base = nullptr;
-  if (bytes > 0) COLOD_RETURN_IF_CUDA(cudaMallocAsync(&base, static_cast<size_t>(bytes), stream));
+  if (bytes > 0 && cudaMallocAsync(&base, static_cast<size_t>(bytes), stream) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: the failed allocation only
+    // colod's kernels need less (the deterministic two need none).
+    return Unavailable(absl::InternalError(absl::StrCat("cuDNN attention: no ", bytes, " bytes of scratch for the ",
+                                                        Direction(backward), " on device ", device)));
+  }
   auto run = [&]() -> absl::Status {
     for (size_t i = 0; i < scratch.size(); ++i) {
       void* at = static_cast<char*>(base) + offsets[i];

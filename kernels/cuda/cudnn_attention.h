@@ -56,11 +56,11 @@ bool CudnnAttentionRequested();
 absl::Status CudnnAttentionServes(const CudnnAttentionShape& shape, const AttentionBias& extra);
 
 // Enqueue the forward (out and lse) or the backward (dq, dk, dv) on
-// `stream` of `device`. UNAVAILABLE where cuDNN cannot be loaded or has no
-// plan for the shape (the message says why); the caller then runs its own
-// kernels. Scratch memory (the plan's workspace, the backward's dQ
-// accumulator and row sums) comes from the stream's pool and is given back
-// in stream order.
+// `stream` of `device`. UNAVAILABLE where cuDNN cannot be loaded, has no
+// plan for the shape, or its scratch cannot be allocated (the message says
+// why, and so does stderr once); the caller then runs its own kernels.
+// Scratch memory (the plan's workspace, the backward's dQ accumulator and
+// row sums) comes from the stream's pool and is given back in stream order.
 absl::Status CudnnAttentionForward(int device, CUstream_st* stream, const CudnnAttentionShape& shape, const void* q,
                                    const void* k, const void* v, void* out, float* lse, float scale);
 absl::Status CudnnAttentionBackward(int device, CUstream_st* stream, const CudnnAttentionShape& shape, const void* q,

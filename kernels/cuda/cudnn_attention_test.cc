@@ -141,8 +141,8 @@ TEST(CudnnAttentionLibrary, AMissingOrForeignLibraryIsUnavailableNamingIt) {
     EXPECT_EQ(fwd.code(), absl::StatusCode::kUnavailable) << fwd;
     EXPECT_TRUE(absl::StrContains(fwd.message(), says)) << fwd;
     EXPECT_TRUE(absl::StrContains(fwd.message(), library)) << fwd;
-    const absl::Status bwd = CudnnAttentionBackward(0, nullptr, a, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                                    nullptr, nullptr, nullptr, nullptr, 1.0f);
+    const absl::Status bwd = CudnnAttentionBackward(0, nullptr, a, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                    nullptr, nullptr, nullptr, 1.0f);
     EXPECT_EQ(bwd.code(), absl::StatusCode::kUnavailable) << bwd;
     absl::StatusOr<CudnnDevicelessPlan> plan = CudnnAttentionDeviceless(CudnnH100DeviceJson(), a, false);
     EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition) << plan.status();
