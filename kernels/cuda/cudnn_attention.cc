@@ -257,14 +257,13 @@ class Graph {
     Set(pw, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &precision, "pointwise precision");
     if (axis >= 0) Set(pw, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis, "pointwise axis");
     Finalize(pw, "a pointwise descriptor");
-    cudnnBackendDescriptor_t op = New(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "pointwise op");
-    SetDesc(op, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw, "pointwise op");
-    SetDesc(op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x, "pointwise x");
-    if (b != nullptr) SetDesc(op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b, "pointwise b");
-    if (t != nullptr) SetDesc(op, CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t, "pointwise t");
-    SetDesc(op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y, "pointwise y");
-    Finalize(op, "a pointwise op");
-    ops_.push_back(op);
+    Operation(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR,
+              {{CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw},
+               {CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x},
+               {CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b},
+               {CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t},
+               {CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y}},
+              "a pointwise op");
   }
   void Reduction(cudnnReduceTensorOp_t mode, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
     cudnnBackendDescriptor_t r = New(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, "reduction");
@@ -272,32 +271,27 @@ class Graph {
     Set(r, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode, "reduction mode");
     Set(r, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32, "reduction type");
     Finalize(r, "a reduction descriptor");
-    cudnnBackendDescriptor_t op = New(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, "reduction op");
-    SetDesc(op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x, "reduction x");
-    SetDesc(op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y, "reduction y");
-    SetDesc(op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, r, "reduction op");
-    Finalize(op, "a reduction op");
-    ops_.push_back(op);
+    Operation(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR,
+              {{CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x},
+               {CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y},
+               {CUDNN_ATTR_OPERATION_REDUCTION_DESC, r}},
+              "a reduction op");
   }
   void Matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
     cudnnBackendDescriptor_t m = New(CUDNN_BACKEND_MATMUL_DESCRIPTOR, "matmul");
     const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
     Set(m, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32, "matmul type");
     Finalize(m, "a matmul descriptor");
-    cudnnBackendDescriptor_t op = New(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul op");
-    SetDesc(op, CUDNN_ATTR_OPERATION_MATMUL_ADESC, a, "matmul a");
-    SetDesc(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b, "matmul b");
-    SetDesc(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c, "matmul c");
-    SetDesc(op, CUDNN_ATTR_OPERATION_MATMUL_DESC, m, "matmul op");
-    Finalize(op, "a matmul op");
-    ops_.push_back(op);
+    Operation(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR,
+              {{CUDNN_ATTR_OPERATION_MATMUL_ADESC, a},
+               {CUDNN_ATTR_OPERATION_MATMUL_BDESC, b},
+               {CUDNN_ATTR_OPERATION_MATMUL_CDESC, c},
+               {CUDNN_ATTR_OPERATION_MATMUL_DESC, m}},
+              "a matmul op");
   }
   void Reshape(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
-    cudnnBackendDescriptor_t op = New(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, "reshape op");
-    SetDesc(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x, "reshape x");
-    SetDesc(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y, "reshape y");
-    Finalize(op, "a reshape op");
-    ops_.push_back(op);
+    Operation(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR,
+              {{CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x}, {CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y}}, "a reshape op");
   }
 
   // The operation graph of every op so far (for `handle`'s device, or none
@@ -312,6 +306,19 @@ class Graph {
   }
 
  private:
+  // An operation of `type` whose descriptor attributes are `operands` (a
+  // null one left out), finalized and added to the graph's ops.
+  void Operation(cudnnBackendDescriptorType_t type,
+                 std::initializer_list<std::pair<cudnnBackendAttributeName_t, cudnnBackendDescriptor_t>> operands,
+                 absl::string_view what) {
+    cudnnBackendDescriptor_t op = New(type, what);
+    for (const auto& [name, operand] : operands) {
+      if (operand != nullptr) SetDesc(op, name, operand, what);
+    }
+    Finalize(op, what);
+    if (op != nullptr) ops_.push_back(op);
+  }
+
   const Api& api_;
   absl::Status status_;
   std::vector<cudnnBackendDescriptor_t> owned_;
