@@ -356,30 +356,57 @@ std::vector<int64_t> TransposedStrides(const CudnnAttentionShape& a, HeadRows ro
   return {a.s * rows.token, rows.head, 1, rows.token};
 }
 
-// S = Q K^T scale, masked (causal: key j > query i hidden by generated
-// indices), into `s_out` (f32, virtual).
-cudnnBackendDescriptor_t Scores(Graph& g, const CudnnAttentionShape& a, cudnnBackendDescriptor_t q,
-                                cudnnBackendDescriptor_t kt, cudnnBackendDescriptor_t scale,
-                                cudnnBackendDescriptor_t stats_or_null) {
-  const std::vector<int64_t> dims = {a.b, a.hq, a.s, a.s}, strides = {a.hq * a.s * a.s, a.s * a.s, a.s, 1};
-  cudnnBackendDescriptor_t product = g.Tensor(dims, strides, CUDNN_DATA_FLOAT, 0);
-  g.Matmul(q, kt, product);
-  cudnnBackendDescriptor_t scaled = g.Tensor(dims, strides, CUDNN_DATA_FLOAT, 0);
-  g.Pointwise(CUDNN_POINTWISE_MUL, product, scale, nullptr, scaled);
-  cudnnBackendDescriptor_t out = scaled;
+// The shapes the graphs of `a` use besides the operands': the [b, hq, s,
+// s] scores (never in memory: virtual), their [b, hq, s_kv, s_q]
+// transposes, the [b, hq, s, 1] row statistics, and [b, hq, s, d] heads
+// each contiguous (the f32 accumulators and products).
+struct Views {
+  explicit Views(const CudnnAttentionShape& a)
+      : scores{a.b, a.hq, a.s, a.s},
+        score_strides{a.hq * a.s * a.s, a.s * a.s, a.s, 1},
+        transposed_strides{a.hq * a.s * a.s, a.s * a.s, 1, a.s},
+        rows{a.b, a.hq, a.s, 1},
+        row_strides{a.hq * a.s, a.s, 1, 1},
+        heads{a.b, a.hq, a.s, a.d},
+        head_strides{a.hq * a.s * a.d, a.s * a.d, a.d, 1} {}
+  std::vector<int64_t> scores, score_strides, transposed_strides, rows, row_strides, heads, head_strides;
+};
+
+// What both graphs read or write: Q, K^T, O ([b, s, hq, d] contiguous) and
+// the row statistics lse.
+struct Operands {
+  cudnnBackendDescriptor_t q, kt, o, stats;
+};
+Operands CommonOperands(Graph& g, const CudnnAttentionShape& a, const Views& views) {
+  const cudnnDataType_t io = CudnnType(a.type);
+  return {g.Tensor(views.heads, RowStrides(a, a.layout.q), io, kQ),
+          g.Tensor({a.b, a.hkv, a.d, a.s}, TransposedStrides(a, a.layout.kv), io, kK),
+          g.Tensor(views.heads, RowStrides(a, ContiguousHeadRows(a.hq, a.d)), io, kO),
+          g.Tensor(views.rows, views.row_strides, CUDNN_DATA_FLOAT, kStats)};
+}
+
+// S = Q K^T scale (minus lse in the backward: `stats_or_null`), masked
+// (causal: key j > query i hidden by generated indices); f32, virtual.
+cudnnBackendDescriptor_t Scores(Graph& g, const CudnnAttentionShape& a, const Views& views, const Operands& in,
+                                cudnnBackendDescriptor_t scale, cudnnBackendDescriptor_t stats_or_null) {
+  auto scores = [&](cudnnDataType_t type) { return g.Tensor(views.scores, views.score_strides, type, 0); };
+  cudnnBackendDescriptor_t product = scores(CUDNN_DATA_FLOAT);
+  g.Matmul(in.q, in.kt, product);
+  cudnnBackendDescriptor_t out = scores(CUDNN_DATA_FLOAT);
+  g.Pointwise(CUDNN_POINTWISE_MUL, product, scale, nullptr, out);
   if (stats_or_null != nullptr) {  // the backward: S - lse, before the mask (cuDNN's frontend's order)
-    cudnnBackendDescriptor_t shifted = g.Tensor(dims, strides, CUDNN_DATA_FLOAT, 0);
+    cudnnBackendDescriptor_t shifted = scores(CUDNN_DATA_FLOAT);
     g.Pointwise(CUDNN_POINTWISE_SUB, out, stats_or_null, nullptr, shifted);
     out = shifted;
   }
   if (a.causal) {
-    cudnnBackendDescriptor_t row = g.Tensor(dims, strides, CUDNN_DATA_INT32, 0);
+    cudnnBackendDescriptor_t row = scores(CUDNN_DATA_INT32);
     g.Pointwise(CUDNN_POINTWISE_GEN_INDEX, out, nullptr, nullptr, row, CUDNN_DATA_FLOAT, 2);
-    cudnnBackendDescriptor_t col = g.Tensor(dims, strides, CUDNN_DATA_INT32, 0);
+    cudnnBackendDescriptor_t col = scores(CUDNN_DATA_INT32);
     g.Pointwise(CUDNN_POINTWISE_GEN_INDEX, out, nullptr, nullptr, col, CUDNN_DATA_FLOAT, 3);
-    cudnnBackendDescriptor_t keep = g.Tensor(dims, strides, CUDNN_DATA_BOOLEAN, 0);
+    cudnnBackendDescriptor_t keep = scores(CUDNN_DATA_BOOLEAN);
     g.Pointwise(CUDNN_POINTWISE_CMP_GE, row, col, nullptr, keep, CUDNN_DATA_BOOLEAN);
-    cudnnBackendDescriptor_t masked = g.Tensor(dims, strides, CUDNN_DATA_FLOAT, 0);
+    cudnnBackendDescriptor_t masked = scores(CUDNN_DATA_FLOAT);
     g.Pointwise(CUDNN_POINTWISE_BINARY_SELECT, out, g.Scalar(kNegInf), keep, masked);
     out = masked;
   }
@@ -388,58 +415,51 @@ cudnnBackendDescriptor_t Scores(Graph& g, const CudnnAttentionShape& a, cudnnBac
 
 void BuildForward(Graph& g, const CudnnAttentionShape& a) {
   const cudnnDataType_t io = CudnnType(a.type);
-  const HeadRows out_rows = ContiguousHeadRows(a.hq, a.d);
-  cudnnBackendDescriptor_t q = g.Tensor({a.b, a.hq, a.s, a.d}, RowStrides(a, a.layout.q), io, kQ);
-  cudnnBackendDescriptor_t kt = g.Tensor({a.b, a.hkv, a.d, a.s}, TransposedStrides(a, a.layout.kv), io, kK);
+  const Views views(a);
+  const Operands in = CommonOperands(g, a, views);
   cudnnBackendDescriptor_t v = g.Tensor({a.b, a.hkv, a.s, a.d}, RowStrides(a, a.layout.kv), io, kV);
-  cudnnBackendDescriptor_t o = g.Tensor({a.b, a.hq, a.s, a.d}, RowStrides(a, out_rows), io, kO);
-  const std::vector<int64_t> row_dims = {a.b, a.hq, a.s, 1}, row_strides = {a.hq * a.s, a.s, 1, 1};
-  cudnnBackendDescriptor_t stats = g.Tensor(row_dims, row_strides, CUDNN_DATA_FLOAT, kStats);
-  cudnnBackendDescriptor_t s = Scores(g, a, q, kt, g.Scalar(kScale), nullptr);
-  const std::vector<int64_t> dims = {a.b, a.hq, a.s, a.s}, strides = {a.hq * a.s * a.s, a.s * a.s, a.s, 1};
+  cudnnBackendDescriptor_t s = Scores(g, a, views, in, g.Scalar(kScale), nullptr);
+  auto scores = [&](cudnnDataType_t type) { return g.Tensor(views.scores, views.score_strides, type, 0); };
+  auto rows = [&] { return g.Tensor(views.rows, views.row_strides, CUDNN_DATA_FLOAT, 0); };
   // The softmax and its statistics: max, exp(S - max), the sum, lse = max + log sum.
-  cudnnBackendDescriptor_t mx = g.Tensor(row_dims, row_strides, CUDNN_DATA_FLOAT, 0);
+  cudnnBackendDescriptor_t mx = rows();
   g.Reduction(CUDNN_REDUCE_TENSOR_MAX, s, mx);
-  cudnnBackendDescriptor_t centered = g.Tensor(dims, strides, CUDNN_DATA_FLOAT, 0);
+  cudnnBackendDescriptor_t centered = scores(CUDNN_DATA_FLOAT);
   g.Pointwise(CUDNN_POINTWISE_SUB, s, mx, nullptr, centered);
-  cudnnBackendDescriptor_t e = g.Tensor(dims, strides, CUDNN_DATA_FLOAT, 0);
+  cudnnBackendDescriptor_t e = scores(CUDNN_DATA_FLOAT);
   g.Pointwise(CUDNN_POINTWISE_EXP, centered, nullptr, nullptr, e);
-  cudnnBackendDescriptor_t sum = g.Tensor(row_dims, row_strides, CUDNN_DATA_FLOAT, 0);
+  cudnnBackendDescriptor_t sum = rows();
   g.Reduction(CUDNN_REDUCE_TENSOR_ADD, e, sum);
-  cudnnBackendDescriptor_t log_sum = g.Tensor(row_dims, row_strides, CUDNN_DATA_FLOAT, 0);
+  cudnnBackendDescriptor_t log_sum = rows();
   g.Pointwise(CUDNN_POINTWISE_LOG, sum, nullptr, nullptr, log_sum);
-  g.Pointwise(CUDNN_POINTWISE_ADD, mx, log_sum, nullptr, stats);
-  cudnnBackendDescriptor_t p = g.Tensor(dims, strides, io, 0);
+  g.Pointwise(CUDNN_POINTWISE_ADD, mx, log_sum, nullptr, in.stats);
+  cudnnBackendDescriptor_t p = scores(io);
   g.Pointwise(CUDNN_POINTWISE_DIV, e, sum, nullptr, p);
-  g.Matmul(p, v, o);
+  g.Matmul(p, v, in.o);
 }
 
 void BuildBackward(Graph& g, const CudnnAttentionShape& a) {
   const cudnnDataType_t io = CudnnType(a.type);
-  const HeadRows out_rows = ContiguousHeadRows(a.hq, a.d);
-  cudnnBackendDescriptor_t q = g.Tensor({a.b, a.hq, a.s, a.d}, RowStrides(a, a.layout.q), io, kQ);
-  cudnnBackendDescriptor_t kt = g.Tensor({a.b, a.hkv, a.d, a.s}, TransposedStrides(a, a.layout.kv), io, kK);
+  const Views views(a);
+  const Operands in = CommonOperands(g, a, views);
   cudnnBackendDescriptor_t vt = g.Tensor({a.b, a.hkv, a.d, a.s}, TransposedStrides(a, a.layout.kv), io, kV);
-  cudnnBackendDescriptor_t o = g.Tensor({a.b, a.hq, a.s, a.d}, RowStrides(a, out_rows), io, kO);
-  cudnnBackendDescriptor_t dout = g.Tensor({a.b, a.hq, a.s, a.d}, RowStrides(a, out_rows), io, kDo);
-  const std::vector<int64_t> row_dims = {a.b, a.hq, a.s, 1}, row_strides = {a.hq * a.s, a.s, 1, 1};
-  cudnnBackendDescriptor_t stats = g.Tensor(row_dims, row_strides, CUDNN_DATA_FLOAT, kStats);
+  cudnnBackendDescriptor_t dout = g.Tensor(views.heads, RowStrides(a, ContiguousHeadRows(a.hq, a.d)), io, kDo);
   cudnnBackendDescriptor_t scale = g.Scalar(kScale);
-  const std::vector<int64_t> dims = {a.b, a.hq, a.s, a.s}, strides = {a.hq * a.s * a.s, a.s * a.s, a.s, 1};
-  const std::vector<int64_t> t_strides = {a.hq * a.s * a.s, a.s * a.s, 1, a.s};  // [b, hq, s_kv, s_q] views
+  auto scores = [&](cudnnDataType_t type) { return g.Tensor(views.scores, views.score_strides, type, 0); };
+  auto transposed = [&] { return g.Tensor(views.scores, views.transposed_strides, io, 0); };  // [b, hq, s_kv, s_q]
 
   // delta = rowsum(dO * O), to scratch (kRowSums).
   cudnnBackendDescriptor_t prod =
-      g.Tensor({a.b, a.hq, a.s, a.d}, {a.hq * a.s * a.d, a.s * a.d, a.hq * a.d, 1}, CUDNN_DATA_FLOAT, 0);
-  g.Pointwise(CUDNN_POINTWISE_MUL, dout, o, nullptr, prod);
-  cudnnBackendDescriptor_t delta_sum = g.Tensor(row_dims, row_strides, CUDNN_DATA_FLOAT, 0);
+      g.Tensor(views.heads, {a.hq * a.s * a.d, a.s * a.d, a.hq * a.d, 1}, CUDNN_DATA_FLOAT, 0);
+  g.Pointwise(CUDNN_POINTWISE_MUL, dout, in.o, nullptr, prod);
+  cudnnBackendDescriptor_t delta_sum = g.Tensor(views.rows, views.row_strides, CUDNN_DATA_FLOAT, 0);
   g.Reduction(CUDNN_REDUCE_TENSOR_ADD, prod, delta_sum);
-  cudnnBackendDescriptor_t delta = g.Tensor(row_dims, row_strides, CUDNN_DATA_FLOAT, kRowSums);
+  cudnnBackendDescriptor_t delta = g.Tensor(views.rows, views.row_strides, CUDNN_DATA_FLOAT, kRowSums);
   g.Pointwise(CUDNN_POINTWISE_MUL, delta_sum, g.Scalar(kOne), nullptr, delta);
 
   // P = exp(S - lse), recomputed.
-  cudnnBackendDescriptor_t s = Scores(g, a, q, kt, scale, stats);
-  cudnnBackendDescriptor_t p = g.Tensor(dims, strides, CUDNN_DATA_FLOAT, 0);
+  cudnnBackendDescriptor_t s = Scores(g, a, views, in, scale, in.stats);
+  cudnnBackendDescriptor_t p = scores(CUDNN_DATA_FLOAT);
   g.Pointwise(CUDNN_POINTWISE_EXP, s, nullptr, nullptr, p);
 
   // dV = P^T dO (over the hq / hkv query heads of each kv head).
@@ -448,39 +468,38 @@ void BuildBackward(Graph& g, const CudnnAttentionShape& a) {
     if (a.hq == a.hkv) {
       g.Matmul(lhs, rhs, out);
     } else {
-      cudnnBackendDescriptor_t full = g.Tensor({a.b, a.hq, a.s, a.d}, {a.hq * a.s * a.d, a.s * a.d, a.d, 1}, io, 0);
+      cudnnBackendDescriptor_t full = g.Tensor(views.heads, views.head_strides, io, 0);
       g.Matmul(lhs, rhs, full);
       g.Reduction(CUDNN_REDUCE_TENSOR_ADD, full, out);
     }
   };
-  cudnnBackendDescriptor_t pt = g.Tensor({a.b, a.hq, a.s, a.s}, t_strides, io, 0);
+  cudnnBackendDescriptor_t pt = transposed();
   g.Reshape(p, pt);
   into_kv_heads(pt, dout, kDv);
 
   // dS = P (dP - delta) scale, dP = dO V^T.
-  cudnnBackendDescriptor_t dp = g.Tensor(dims, strides, CUDNN_DATA_FLOAT, 0);
+  cudnnBackendDescriptor_t dp = scores(CUDNN_DATA_FLOAT);
   g.Matmul(dout, vt, dp);
-  cudnnBackendDescriptor_t dp_centered = g.Tensor(dims, strides, CUDNN_DATA_FLOAT, 0);
+  cudnnBackendDescriptor_t dp_centered = scores(CUDNN_DATA_FLOAT);
   g.Pointwise(CUDNN_POINTWISE_SUB, dp, delta, nullptr, dp_centered);
-  cudnnBackendDescriptor_t ds_unscaled = g.Tensor(dims, strides, CUDNN_DATA_FLOAT, 0);
+  cudnnBackendDescriptor_t ds_unscaled = scores(CUDNN_DATA_FLOAT);
   g.Pointwise(CUDNN_POINTWISE_MUL, dp_centered, p, nullptr, ds_unscaled);
-  cudnnBackendDescriptor_t ds = g.Tensor(dims, strides, CUDNN_DATA_FLOAT, 0);
+  cudnnBackendDescriptor_t ds = scores(CUDNN_DATA_FLOAT);
   g.Pointwise(CUDNN_POINTWISE_MUL, ds_unscaled, scale, nullptr, ds);
 
   // dK = dS^T Q.
-  cudnnBackendDescriptor_t dst = g.Tensor({a.b, a.hq, a.s, a.s}, t_strides, io, 0);
+  cudnnBackendDescriptor_t dst = transposed();
   g.Reshape(ds, dst);
-  into_kv_heads(dst, q, kDk);
+  into_kv_heads(dst, in.q, kDk);
 
   // dQ = dS K: through an f32 accumulator, or straight (deterministic).
   cudnnBackendDescriptor_t k = g.Tensor({a.b, a.hkv, a.s, a.d}, RowStrides(a, a.layout.kv), CUDNN_DATA_FLOAT, 0);
-  g.Reshape(kt, k);
-  cudnnBackendDescriptor_t dq = g.Tensor({a.b, a.hq, a.s, a.d}, RowStrides(a, a.layout.dq), io, kDq);
+  g.Reshape(in.kt, k);
+  cudnnBackendDescriptor_t dq = g.Tensor(views.heads, RowStrides(a, a.layout.dq), io, kDq);
   if (a.deterministic) {
     g.Matmul(ds, k, dq);
   } else {
-    cudnnBackendDescriptor_t acc =
-        g.Tensor({a.b, a.hq, a.s, a.d}, {a.hq * a.s * a.d, a.s * a.d, a.d, 1}, CUDNN_DATA_FLOAT, kDqAccum);
+    cudnnBackendDescriptor_t acc = g.Tensor(views.heads, views.head_strides, CUDNN_DATA_FLOAT, kDqAccum);
     g.Matmul(ds, k, acc);
     g.Pointwise(CUDNN_POINTWISE_IDENTITY, acc, nullptr, nullptr, dq);
   }
