@@ -110,16 +110,21 @@ unsigned ColumnBlocks(int64_t groups) {
   return static_cast<unsigned>(b < 1 ? 1 : b);
 }
 
+// Whether every pointer is 16-byte aligned (a null one is): what loads and
+// stores in 16-byte packs, cp.async's and cuDNN's tensors need.
+bool AllAligned16(std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
 // Whether a row kernel (a column reduction, a norm) over rows of n elements
 // of T runs in 16-byte packs: n a multiple of kPack<T> and every operand
 // (null ones aside) 16-byte aligned.
 template <typename T>
 bool Packable(int64_t n, std::initializer_list<const void*> operands) {
-  if (n <= 0 || n % kPack<T> != 0) return false;
-  for (const void* p : operands) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  }
-  return true;
+  return n > 0 && n % kPack<T> == 0 && AllAligned16(operands);
 }
 
 // kP elements of T at base[i], i the first of kP adjacent columns: one
@@ -995,7 +1000,7 @@ __device__ __forceinline__ void ForRealColumns(const T* z, int64_t r, int64_t wi
 
 template <typename T>
 bool PackedLogits(const void* z, int64_t width) {
-  return width % kPack<T> == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0;
+  return width % kPack<T> == 0 && AllAligned16({z});
 }
 
 // A block a row: the row's max, then against it the sums, where a kernel
@@ -3231,7 +3236,7 @@ absl::Status VocabShardBackward(int device, ElemType type, const void* z, const 
   COLOD_CUDA_BEGIN(stream, device);
   return ByFloatType(type, "VocabShardBackward", [&](auto t) {
     using T = decltype(t);
-    const bool packed = PackedLogits<T>(z, width) && reinterpret_cast<uintptr_t>(dz) % 16 == 0;
+    const bool packed = PackedLogits<T>(z, width) && AllAligned16({dz});
     if (dz_type == ElemType::kF32) {
       Launch(VocabShardBackwardKernel<T, float>, RowBlocks(rows), kThreads, stream, static_cast<const T*>(z), labels,
              lse, dloss, rows, width, real, start, vocab, smoothing, ignore_index, packed, static_cast<float*>(dz));
@@ -3270,10 +3275,7 @@ static std::optional<CudnnAttentionShape> CudnnShapeFor(ElemType type, int64_t b
                                                         std::initializer_list<const void*> pointers) {
   if (!CudnnAttentionRequested()) return std::nullopt;
   const CudnnAttentionShape shape{type, b, s, hq, hkv, d, causal, deterministic, layout};
-  if (!CudnnAttentionServes(shape, extra).ok()) return std::nullopt;
-  for (const void* p : pointers) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return std::nullopt;
-  }
+  if (!CudnnAttentionServes(shape, extra).ok() || !AllAligned16(pointers)) return std::nullopt;
   return shape;
 }
 
@@ -3292,9 +3294,7 @@ absl::Status FlashAttention(int device, ElemType type, const void* q, const void
     const absl::Status st = CudnnAttentionForward(device, stream, *shape, q, k, v, out, lse, scale);
     if (!absl::IsUnavailable(st)) return st;
   }
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (type != ElemType::kF32 && MmaHeadDim(d) && aligned(q) && aligned(k) && aligned(v) && aligned(out) &&
-      RowsInPacks(layout)) {
+  if (type != ElemType::kF32 && MmaHeadDim(d) && AllAligned16({q, k, v, out}) && RowsInPacks(layout)) {
     return ByFloatType(type, "FlashAttention", [&](auto t) {
       using T = decltype(t);
       if constexpr (std::is_same_v<T, float>) {
@@ -3384,9 +3384,8 @@ absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, co
     if (!absl::IsUnavailable(st)) return st;
   }
   const dim3 kv_grid(grid->x, static_cast<unsigned>(hkv), grid->z);
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (type != ElemType::kF32 && MmaHeadDim(d) && aligned(q) && aligned(k) && aligned(v) && aligned(out) &&
-      aligned(dout) && aligned(dq) && aligned(dk) && aligned(dv) && RowsInPacks(layout)) {
+  if (type != ElemType::kF32 && MmaHeadDim(d) && AllAligned16({q, k, v, out, dout, dq, dk, dv}) &&
+      RowsInPacks(layout)) {
     return ByFloatType(type, "FlashAttentionBackward", [&](auto t) {
       using T = decltype(t);
       if constexpr (std::is_same_v<T, float>) {
