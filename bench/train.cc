@@ -583,9 +583,9 @@ int Main(int argc, char** argv) {
   // Which attention kernels the in-process rows ran (a process row's ranks
   // say so on their own stderr where cuDNN could not serve).
   if (kernels::cuda::CudnnAttentionRequested() && !json) {
+    const int64_t served = kernels::cuda::CudnnAttentionCalls();
     std::printf("COLOD_ATTENTION=cudnn: cuDNN's fused attention served %lld calls of this process's rows%s\n",
-                static_cast<long long>(kernels::cuda::CudnnAttentionCalls()),
-                kernels::cuda::CudnnAttentionCalls() == 0 ? " (none: colod's kernels ran; the reason is above)" : "");
+                static_cast<long long>(served), served == 0 ? " (none: colod's kernels ran; the reason is above)" : "");
   }
 #endif
   return failed == 0 ? 0 : 1;

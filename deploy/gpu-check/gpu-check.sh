@@ -159,7 +159,8 @@ done
   echo '```'
 } >>"$report"
 
-for bench in ${COLOD_GPU_CHECK_BENCH-layers collectives train train-cudnn}; do
+benches=${COLOD_GPU_CHECK_BENCH-layers collectives train train-cudnn}
+for bench in $benches; do
   args=() binary=$bench attention=""
   # GPT-2 124M and LLaMA 1B in bf16: tp=1 and 2, and tp=2, dp=2, pp=2 a process per GPU
   [[ $bench == train ]] && args=(--rows gpu "${train_args[@]}")
@@ -224,7 +225,7 @@ fi
   for t in "${left_out[@]}"; do
     echo "//${t%/*}:${t##*/} (left out by COLOD_GPU_CHECK_TESTS)"
   done
-  [[ " ${COLOD_GPU_CHECK_BENCH-layers collectives train train-cudnn} " == *" train "* ]] && ((${#train_args[@]} > 0)) && echo "bench: bench:train's rows other than ${train_args[*]} (COLOD_GPU_CHECK_TRAIN_MODEL, _LAYOUT)"
+  [[ " $benches " == *" train "* ]] && ((${#train_args[@]} > 0)) && echo "bench: bench:train's rows other than ${train_args[*]} (COLOD_GPU_CHECK_TRAIN_MODEL, _LAYOUT)"
   for t in "${tests[@]}"; do
     x=$out/${t//\//_}.xml
     [[ -f $x ]] || continue
