@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 
@@ -15,7 +16,9 @@ namespace colod {
 
 absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
                                                   const std::vector<grpc::Service*>& services,
-                                                  std::shared_ptr<grpc::ServerCredentials> credentials) {
+                                                  std::shared_ptr<grpc::ServerCredentials> credentials,
+                                                  int max_threads) {
+  if (max_threads < 0) return absl::InvalidArgumentError("the server's thread bound must be >= 0");
   ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(listen, "--listen", /*allow_zero_port=*/true));
   // Both are process-wide switches that must be set before a builder is made.
   grpc::EnableDefaultHealthCheckService(true);
@@ -26,6 +29,13 @@ absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
   builder.AddListeningPort(hp.ToString(), credentials != nullptr ? credentials : grpc::InsecureServerCredentials(),
                            &port);
   for (grpc::Service* service : services) builder.RegisterService(service);
+  if (max_threads > 0) {
+    // The sync server asks the quota for a thread before it starts one, and
+    // answers RESOURCE_EXHAUSTED where the quota has none.
+    grpc::ResourceQuota quota("colod-server");
+    quota.SetMaxThreads(max_threads);
+    builder.SetResourceQuota(quota);
+  }
   StartedGrpcServer out;
   out.server = builder.BuildAndStart();
   if (out.server == nullptr || port == 0) {

@@ -28,9 +28,13 @@ struct StartedGrpcServer {
 // The overall health ("") is SERVING; each named service starts NOT_SERVING
 // until the caller marks it ready with SetServing. Insecure transport.
 // `credentials` null means plaintext (MakeServerCredentials builds TLS ones).
+// `max_threads` > 0 bounds the threads that run calls (and poll for them) at
+// once: a call that finds none free is refused RESOURCE_EXHAUSTED ("Server
+// Threadpool Exhausted") instead of starting another thread; 0: unbounded.
 absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
                                                   const std::vector<grpc::Service*>& services,
-                                                  std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
+                                                  std::shared_ptr<grpc::ServerCredentials> credentials = nullptr,
+                                                  int max_threads = 0);
 
 // Sets the health status of `service` (a full name like "colod.v1.WorkerService").
 void SetServing(grpc::Server& server, absl::string_view service, bool serving);

@@ -4,10 +4,12 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <system_error>
 
 #include "absl/random/random.h"
@@ -55,6 +57,13 @@ absl::StatusOr<int> LockDataDir(const std::string& dir) {
 
 Coordinator::Coordinator(Options options) : options_(std::move(options)) {}
 
+int Coordinator::ServerThreadsFor(const Options& options) {
+  if (options.max_server_threads > 0) return options.max_server_threads;
+  const int64_t sum = int64_t{options.max_store_waits} + options.max_watch_streams + options.max_concurrent_uploads +
+                      options.max_concurrent_downloads + kServerThreadsForShortCalls;
+  return static_cast<int>(std::min<int64_t>(sum, std::numeric_limits<int>::max()));
+}
+
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options) {
   if (options.heartbeat_interval <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--heartbeat-interval: must be > 0");
@@ -69,9 +78,23 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   if (options.max_store_waits < 1 || options.store_quota_bytes < 1) {
     return absl::InvalidArgumentError("--max-store-waits and --store-quota must be >= 1");
   }
-  if (options.upload_quota_bytes < 0 || options.max_uploads < 1 || options.max_concurrent_uploads < 1) {
+  if (options.upload_quota_bytes < 0 || options.max_uploads < 1 || options.max_concurrent_uploads < 1 ||
+      options.max_concurrent_downloads < 1) {
     return absl::InvalidArgumentError(
-        "--upload-quota must be >= 0, and --max-uploads and --max-concurrent-uploads >= 1");
+        "--upload-quota must be >= 0, and --max-uploads, --max-concurrent-uploads and --max-concurrent-downloads "
+        ">= 1");
+  }
+  if (options.max_server_threads < 0) {
+    return absl::InvalidArgumentError("--max-server-threads: must be >= 0 (0: the long calls' bounds and 512)");
+  }
+  const int server_threads = ServerThreadsFor(options);
+  Options derived = options;
+  derived.max_server_threads = 0;
+  if (server_threads < ServerThreadsFor(derived)) {
+    COLOD_LOG(WARNING) << "--max-server-threads=" << server_threads << " is below the " << ServerThreadsFor(derived)
+                       << " that the long calls' bounds (store waits, watches, uploads, downloads) and "
+                       << kServerThreadsForShortCalls
+                       << " more need: heartbeats and job calls may be refused while the long calls hold the rest";
   }
   if (options.upload_grace <= absl::ZeroDuration()) return absl::InvalidArgumentError("upload grace: must be > 0");
   if (options.stop_grace < absl::ZeroDuration()) {
@@ -137,6 +160,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   upload_limits.quota_bytes = options.upload_quota_bytes;
   upload_limits.max_uploads = options.max_uploads;
   upload_limits.max_concurrent_uploads = options.max_concurrent_uploads;
+  upload_limits.max_concurrent_downloads = options.max_concurrent_downloads;
   ASSIGN_OR_RETURN(c->uploads_, UploadStore::Open(options.data_dir + "/uploads", upload_limits, options.clock));
   c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),
                                                           c->registry_.get(), TokenAuth(options.auth_token),
@@ -151,7 +175,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   to.credentials = so.credentials;
   c->tensors_ = std::make_unique<TensorProxy>(c->jobs_.get(), c->registry_.get(), to);
   WarnIfOpenWithoutAuth("colod-coordinator", options.listen, !options.auth_token.empty());
-  ASSIGN_OR_RETURN(c->grpc_, StartGrpcServer(options.listen, {c->service_.get(), c->tensors_.get()}, credentials));
+  ASSIGN_OR_RETURN(c->grpc_,
+                   StartGrpcServer(options.listen, {c->service_.get(), c->tensors_.get()}, credentials, server_threads));
   SetServing(*c->grpc_.server, kServiceName, true);
   c->sweeper_ = std::thread([raw = c.get()] { raw->SweepLoop(); });
   c->scheduler_->Start();

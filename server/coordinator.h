@@ -83,10 +83,25 @@ class Coordinator {
     int max_uploads = 1000;
     // Uploads in progress at once (each a stream holding a server thread).
     int max_concurrent_uploads = 16;
+    // Downloads in progress at once (DownloadModel streams; workers retry
+    // on RESOURCE_EXHAUSTED).
+    int max_concurrent_downloads = 64;
+    // Threads the gRPC server may run calls on at once; a call past them is
+    // RESOURCE_EXHAUSTED. 0: ServerThreadsFor(options), enough for every
+    // bounded long call above and kServerThreadsForShortCalls more.
+    int max_server_threads = 0;
     // An upload no job names is removed this long after it was made or last
     // named.
     absl::Duration upload_grace = absl::Hours(1);
   };
+
+  // Threads the default --max-server-threads leaves to short calls
+  // (heartbeats, job calls, the store's sets) beyond the long ones' bounds.
+  static constexpr int kServerThreadsForShortCalls = 512;
+  // max_server_threads, or where it is 0 the sum of the long calls' bounds
+  // (store waits, watch streams, uploads, downloads) and
+  // kServerThreadsForShortCalls, at most INT_MAX.
+  static int ServerThreadsFor(const Options& options);
 
   // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION if the data dir is
   // locked by another coordinator, UNAVAILABLE if an address cannot be bound.

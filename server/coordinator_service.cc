@@ -253,10 +253,13 @@ grpc::Status CoordinatorServiceImpl::DownloadModel(grpc::ServerContext* ctx, con
                                                    grpc::ServerWriter<v1::ModelChunk>* writer) {
   return Instrument(ctx, "DownloadModel", [&]() -> absl::Status {
     if (uploads_ == nullptr) return absl::UnimplementedError("this coordinator stores no uploads");
-    ASSIGN_OR_RETURN(std::string dir, uploads_->Path(req->upload_id()));
+    // Holds one of --max-concurrent-downloads, and keeps the upload from
+    // being collected, until the stream ends.
+    ASSIGN_OR_RETURN(const std::unique_ptr<UploadStore::Reading> reading, uploads_->BeginReading(req->upload_id()));
+    const std::string& dir = reading->path();
     constexpr size_t kChunk = 1 << 20;
-    // A listing or a read that fails sends an error, never a part of the model.
-    // NOT_FOUND where the upload was collected since Path(), UNAVAILABLE midway.
+    // A listing or a read that fails sends an error, never a part of the model
+    // (UNAVAILABLE midway).
     ASSIGN_OR_RETURN(std::vector<std::string> files, ListDirectory(dir));
     std::sort(files.begin(), files.end());
     std::string buffer(kChunk, '\0');

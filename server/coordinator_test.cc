@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
@@ -342,6 +343,67 @@ TEST(CoordinatorStart, WatchStreamsAreBounded) {
   o.max_watch_streams = 0;
   o.data_dir = testing::TempPath("coord-watches-0");
   EXPECT_EQ(Coordinator::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The server's threads are bounded: with every thread held by a rendezvous
+// wait, the next call is refused RESOURCE_EXHAUSTED at once (no thread is
+// started for it), and once the waits end, calls run again.
+TEST(CoordinatorStart, ServerThreadsAreBounded) {
+  Coordinator::Options o;
+  o.data_dir = testing::TempPath("coord-threads");
+  o.max_server_threads = 8;
+  EXPECT_EQ(Coordinator::ServerThreadsFor(o), 8);
+  auto c = Coordinator::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto client = CoordinatorClient::Create((*c)->address());
+  ASSERT_TRUE(client.ok());
+  auto& stub = (*client)->stub();
+  // More waits than threads: some hold the threads, the rest are refused.
+  constexpr int kWaits = 16;
+  std::vector<grpc::Status> waits(kWaits);
+  std::vector<std::thread> waiters;
+  for (int i = 0; i < kWaits; ++i) {
+    waiters.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      v1::KvWaitRequest req;
+      req.set_scope("job-1/gen-1");
+      req.add_keys("never-set");
+      req.mutable_timeout()->set_seconds(3);
+      v1::KvWaitResponse resp;
+      waits[i] = stub.KvWait(&ctx, req, &resp);
+    });
+  }
+  for (auto& t : waiters) t.join();
+  int waited = 0, refused = 0;
+  for (const grpc::Status& s : waits) {
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) ++waited;
+    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++refused;
+      EXPECT_NE(s.error_message().find("Threadpool Exhausted"), std::string::npos) << s.error_message();
+    }
+  }
+  EXPECT_EQ(waited + refused, kWaits);
+  EXPECT_GE(waited, 1);
+  EXPECT_LT(waited, 8) << "more calls ran at once than the server has threads";
+  EXPECT_GE(refused, kWaits - 8);
+  // The waits ended: a call runs.
+  auto listed = (*client)->ListWorkers(false);
+  EXPECT_TRUE(listed.ok()) << listed.status();
+
+  // The default: every long call's bound and room for short calls.
+  Coordinator::Options d;
+  EXPECT_EQ(Coordinator::ServerThreadsFor(d), d.max_store_waits + d.max_watch_streams + d.max_concurrent_uploads +
+                                                  d.max_concurrent_downloads +
+                                                  Coordinator::kServerThreadsForShortCalls);
+  d.max_store_waits = std::numeric_limits<int>::max();
+  EXPECT_EQ(Coordinator::ServerThreadsFor(d), std::numeric_limits<int>::max());
+  d.data_dir = testing::TempPath("coord-threads-bad");
+  d.max_server_threads = -1;
+  EXPECT_EQ(Coordinator::Start(d).status().code(), absl::StatusCode::kInvalidArgument);
+  d.max_server_threads = 0;
+  d.max_store_waits = 8192;
+  d.max_concurrent_downloads = 0;
+  EXPECT_EQ(Coordinator::Start(d).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(CoordinatorTest, RendezvousStoreOverGrpc) {

@@ -48,6 +48,13 @@ ABSL_FLAG(int, max_uploads, 1000, "Uploaded models stored at once.");
 ABSL_FLAG(int, max_concurrent_uploads, 16,
           "UploadModel streams in progress at once (each holds a server thread while it lasts); more are refused "
           "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int, max_concurrent_downloads, 64,
+          "DownloadModel streams in progress at once (workers fetching a job's uploaded model, each holding a server "
+          "thread); more are refused RESOURCE_EXHAUSTED, and workers retry until their download deadline.");
+ABSL_FLAG(int, max_server_threads, 0,
+          "Threads the gRPC server runs calls on at once; a call past them is refused RESOURCE_EXHAUSTED. 0: the "
+          "sum of --max-store-waits, --max-watch-streams, --max-concurrent-uploads and --max-concurrent-downloads, "
+          "and 512 for short calls (heartbeats, job calls).");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -90,6 +97,8 @@ int main(int argc, char** argv) {
   options.max_uploads = absl::GetFlag(FLAGS_max_uploads);
   options.max_concurrent_uploads = absl::GetFlag(FLAGS_max_concurrent_uploads);
   options.max_store_waits = absl::GetFlag(FLAGS_max_store_waits);
+  options.max_concurrent_downloads = absl::GetFlag(FLAGS_max_concurrent_downloads);
+  options.max_server_threads = absl::GetFlag(FLAGS_max_server_threads);
   // A byte-size flag's value (e.g. 256GiB); false, having said why, if it is not one.
   auto byte_size = [](const char* flag, const std::string& value, int64_t* out) {
     absl::StatusOr<int64_t> bytes = colod::ParseByteSize(value);

@@ -244,6 +244,30 @@ absl::StatusOr<v1::UploadModelResponse> UploadStore::Writer::Finish() {
   return resp;
 }
 
+absl::StatusOr<std::unique_ptr<UploadStore::Reading>> UploadStore::BeginReading(const std::string& upload_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = IsUploadId(upload_id) ? stored_.find(upload_id) : stored_.end();
+  if (it == stored_.end()) return absl::NotFoundError(absl::StrCat("no upload '", upload_id, "'"));
+  if (readers_ >= limits_.max_concurrent_downloads) {
+    return absl::ResourceExhaustedError(absl::StrCat(readers_, " downloads are in progress, the coordinator's ",
+                                                     "--max-concurrent-downloads: retry when one has ended"));
+  }
+  ++readers_;
+  ++it->second.readers;
+  it->second.last_used = clock_->Now();
+  return std::unique_ptr<Reading>(new Reading(this, upload_id, dir_ + "/" + upload_id));
+}
+
+UploadStore::Reading::~Reading() {
+  absl::MutexLock lock(&store_->mu_);
+  --store_->readers_;
+  auto it = store_->stored_.find(id_);
+  if (it != store_->stored_.end()) {
+    --it->second.readers;
+    it->second.last_used = store_->clock_->Now();  // the grace starts again when the download ends
+  }
+}
+
 bool UploadStore::Exists(const std::string& upload_id) const { return Path(upload_id).ok(); }
 
 absl::StatusOr<std::string> UploadStore::Path(const std::string& upload_id) const {
@@ -261,7 +285,7 @@ std::vector<std::string> UploadStore::CollectGarbage(const std::set<std::string>
     absl::MutexLock lock(&mu_);
     const absl::Time now = clock_->Now();
     for (auto it = stored_.begin(); it != stored_.end();) {
-      if (in_use.count(it->first)) {
+      if (in_use.count(it->first) || it->second.readers > 0) {
         it->second.last_used = now;
         ++it;
         continue;

@@ -33,6 +33,9 @@ struct UploadLimits {
   // Uploads in progress at once: each is a client stream holding one of the
   // coordinator's server threads while it lasts.
   int max_concurrent_uploads = 16;
+  // Downloads in progress at once (DownloadModel: workers fetching a job's
+  // model), each a server stream holding a thread while it lasts.
+  int max_concurrent_downloads = 64;
 };
 
 // Thread-safe; uploads proceed concurrently.
@@ -75,12 +78,35 @@ class UploadStore {
   // max_concurrent_uploads are in progress.
   absl::StatusOr<std::unique_ptr<Writer>> Begin();
 
+  // One download in progress: it holds one of max_concurrent_downloads and
+  // keeps its upload from being collected until it is destroyed. A Reading
+  // must not outlive its store.
+  class Reading {
+   public:
+    ~Reading();
+    Reading(const Reading&) = delete;
+    Reading& operator=(const Reading&) = delete;
+    // The upload's directory.
+    const std::string& path() const { return path_; }
+
+   private:
+    friend class UploadStore;
+    Reading(UploadStore* store, std::string id, std::string path)
+        : store_(store), id_(std::move(id)), path_(std::move(path)) {}
+    UploadStore* const store_;
+    const std::string id_, path_;
+  };
+  // NOT_FOUND for an unknown or malformed id; RESOURCE_EXHAUSTED when
+  // max_concurrent_downloads are in progress (the caller retries later).
+  absl::StatusOr<std::unique_ptr<Reading>> BeginReading(const std::string& upload_id);
+
   bool Exists(const std::string& upload_id) const;
   // The upload's directory; NOT_FOUND for an unknown or malformed id.
   absl::StatusOr<std::string> Path(const std::string& upload_id) const;
 
-  // Removes the uploads that no id in `in_use` names and that were made, or
-  // last seen in use, longer than `grace` ago; returns their ids.
+  // Removes the uploads that no id in `in_use` names, that no download is
+  // reading, and that were made, or last seen in use, longer than `grace`
+  // ago; returns their ids.
   std::vector<std::string> CollectGarbage(const std::set<std::string>& in_use, absl::Duration grace);
 
   // Bytes of the stored uploads and of those in progress.
@@ -91,6 +117,7 @@ class UploadStore {
     int64_t bytes = 0;
     std::string sha256;
     absl::Time last_used;
+    int readers = 0;  // downloads in progress
   };
   UploadStore(std::string dir, int64_t next, Limits limits, Clock* clock)
       : dir_(std::move(dir)), limits_(limits), clock_(clock), next_(next) {}
@@ -109,6 +136,7 @@ class UploadStore {
   int64_t stored_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of uploads in progress
   int writers_ ABSL_GUARDED_BY(mu_) = 0;
+  int readers_ ABSL_GUARDED_BY(mu_) = 0;  // downloads in progress, of every upload
 };
 
 }  // namespace colod

@@ -221,5 +221,49 @@ TEST(UploadStore, UploadsNoJobNamesAreCollectedAfterTheirGrace) {
   EXPECT_FALSE(again->deduplicated());
 }
 
+// Downloads in progress at once are bounded (each is a stream holding a
+// server thread), and an upload being downloaded is never collected: its
+// grace starts again when the download ends.
+TEST(UploadStore, DownloadsInProgressAreBoundedAndKeepTheirUpload) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-readers";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  UploadLimits limits;
+  limits.max_concurrent_downloads = 2;
+  auto store = UploadStore::Open(dir, limits, &clock);
+  ASSERT_TRUE(store.ok());
+  auto w = Begin(**store);
+  ASSERT_TRUE(w->Add(Chunk("m.safetensors", 0, "abc")).ok());
+  const std::string id = w->Finish()->upload_id();
+  w.reset();
+
+  auto a = (*store)->BeginReading(id);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ((*a)->path(), dir + "/" + id);
+  EXPECT_EQ(Read((*a)->path() + "/m.safetensors"), "abc");
+  auto b = (*store)->BeginReading(id);
+  ASSERT_TRUE(b.ok()) << b.status();
+  const absl::StatusOr<std::unique_ptr<UploadStore::Reading>> third = (*store)->BeginReading(id);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(third.status().message().find("--max-concurrent-downloads"), std::string::npos) << third.status();
+  for (const char* bad : {"upload-999999", "../uploads", ""}) {
+    EXPECT_EQ((*store)->BeginReading(bad).status().code(), absl::StatusCode::kNotFound) << bad;
+  }
+
+  // Long past its grace and named by no job, it stays while read.
+  clock.Advance(absl::Hours(3));
+  EXPECT_TRUE((*store)->CollectGarbage({}, absl::Hours(1)).empty());
+  a->reset();
+  auto c = (*store)->BeginReading(id);  // a's place is free
+  ASSERT_TRUE(c.ok()) << c.status();
+  b->reset();
+  c->reset();
+  clock.Advance(absl::Minutes(59));
+  EXPECT_TRUE((*store)->CollectGarbage({}, absl::Hours(1)).empty()) << "the grace did not start at the end";
+  clock.Advance(absl::Minutes(2));
+  EXPECT_EQ((*store)->CollectGarbage({}, absl::Hours(1)), std::vector<std::string>{id});
+  EXPECT_EQ((*store)->BeginReading(id).status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace colod

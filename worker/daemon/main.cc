@@ -57,6 +57,9 @@ ABSL_FLAG(int, blas_threads, 0,
           "Threads a CPU rank's GEMMs (OpenBLAS) and large elementwise loops use. 0: $OPENBLAS_NUM_THREADS when "
           "set (the Kubernetes CPU overlay sets it to the CPU limit), else 1, a core per worker. More threads than "
           "the worker's cores make OpenBLAS's helpers spin against each other.");
+ABSL_FLAG(int, max_server_threads, 256,
+          "Threads the gRPC server runs calls on at once (the coordinator's job and tensor calls); a call past "
+          "them is refused RESOURCE_EXHAUSTED.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -99,6 +102,7 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   options.allow_paths = absl::GetFlag(FLAGS_allow_path);
   options.upload_cache_ttl = absl::GetFlag(FLAGS_upload_cache_ttl);
+  options.max_server_threads = absl::GetFlag(FLAGS_max_server_threads);
   int blas_threads = absl::GetFlag(FLAGS_blas_threads);
   if (blas_threads == 0) {
     const char* env = std::getenv("OPENBLAS_NUM_THREADS");

@@ -1,13 +1,16 @@
 #include "worker/daemon/model_cache.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <system_error>
 #include <vector>
 
+#include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
 #include "common/auth.h"
@@ -20,6 +23,14 @@ namespace colod {
 namespace {
 
 namespace fs = std::filesystem;
+
+// The coordinator's refusal of a download it has no room for now: its
+// --max-concurrent-downloads, or its server's thread bound.
+bool IsBusyRefusal(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kResourceExhausted &&
+         (absl::StrContains(s.message(), "--max-concurrent-downloads") ||
+          absl::StrContains(s.message(), "Threadpool Exhausted"));
+}
 
 }  // namespace
 
@@ -90,11 +101,53 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
       if (!keep) fs::remove_all(tmp, ec);
     }
   } remove_tmp{tmp};
+  const absl::Time deadline = absl::Now() + options_.download_timeout;
+  absl::Duration backoff = options_.busy_backoff;
+  absl::BitGen bits;
+  for (int refusals = 0;; ++refusals) {
+    bool received = false;
+    const absl::Status s = DownloadInto(model.upload_id(), tmp, deadline, abort, received);
+    // A coordinator at its bound of downloads (or of server threads)
+    // refuses before it sends anything: wait and ask again.
+    if (s.ok() || received || !IsBusyRefusal(s)) {
+      RETURN_IF_ERROR(s);
+      break;
+    }
+    const auto stayed_busy = [&] {
+      return absl::DeadlineExceededError(
+          absl::StrCat("downloading upload '", model.upload_id(), "': the coordinator stayed busy for ",
+                       absl::FormatDuration(options_.download_timeout), " (", s.message(), ")"));
+    };
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return stayed_busy();
+    if (refusals == 0) {
+      COLOD_LOG(INFO) << "the coordinator is busy (" << s.message() << "); asking again for upload "
+                      << model.upload_id() << " until the download deadline";
+    }
+    // Up to half again at random, so that workers refused together spread out.
+    const absl::Duration wait = std::min(left, backoff * (1 + absl::Uniform(bits, 0.0, 0.5)));
+    absl::Notification woken;
+    {
+      const std::unique_ptr<AbortSignal::Registration> wake = abort.OnAbort([&woken] { woken.Notify(); });
+      woken.WaitForNotificationWithTimeout(wait);
+    }
+    RETURN_IF_ERROR(abort.Check());
+    if (wait == left) return stayed_busy();  // no time left to ask again
+    backoff = std::min(backoff * 2, options_.max_busy_backoff);
+  }
+  fs::rename(tmp, dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot rename '", tmp, "': ", ec.message()));
+  remove_tmp.keep = true;
+  return dir;
+}
+
+absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::string& tmp, absl::Time deadline,
+                                      AbortSignal& abort, bool& received) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.download_timeout));
+  ctx.set_deadline(absl::ToChronoTime(deadline));
   AddAuthToken(ctx, options_.auth_token);
   v1::DownloadModelRequest req;
-  req.set_upload_id(model.upload_id());
+  req.set_upload_id(upload_id);
   std::unique_ptr<grpc::ClientReaderInterface<v1::ModelChunk>> reader = options_.coordinator->DownloadModel(&ctx, req);
   // From here on an abort cancels the call: Read returns false at once.
   const std::unique_ptr<AbortSignal::Registration> cancel = abort.OnAbort([&ctx] { ctx.TryCancel(); });
@@ -103,6 +156,7 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
   std::string file;
   absl::Status failed;
   while (reader->Read(&chunk)) {
+    received = true;
     if (!IsPlainFileName(chunk.file())) {
       failed = absl::InternalError(absl::StrCat("the coordinator sent a bad file name '", chunk.file(), "'"));
       ctx.TryCancel();
@@ -128,12 +182,9 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
   RETURN_IF_ERROR(failed);
   if (!s.ok()) {
     return absl::Status(FromGrpcStatus(s).code(),
-                        absl::StrCat("downloading upload '", model.upload_id(), "': ", s.error_message()));
+                        absl::StrCat("downloading upload '", upload_id, "': ", s.error_message()));
   }
-  fs::rename(tmp, dir, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot rename '", tmp, "': ", ec.message()));
-  remove_tmp.keep = true;
-  return dir;
+  return absl::OkStatus();
 }
 
 void ModelCache::Prune(const std::string& keep) {

@@ -30,11 +30,17 @@ class ModelCache {
     // The coordinator (DownloadModel); required for uploads.
     std::shared_ptr<v1::CoordinatorService::StubInterface> coordinator;
     std::string auth_token;
-    // Deadline of one download.
+    // Deadline of one download, the waits for a busy coordinator included.
     absl::Duration download_timeout = absl::Minutes(30);
     // A downloaded upload no rank used this long is removed (its use time
     // is its directory's mtime, set at each use).
     absl::Duration cache_ttl = absl::Hours(1);
+    // A coordinator that refuses a download for want of room (its
+    // --max-concurrent-downloads or server threads) is asked again after
+    // this, doubling up to max_busy_backoff, each wait up to half again at
+    // random.
+    absl::Duration busy_backoff = absl::Milliseconds(250);
+    absl::Duration max_busy_backoff = absl::Seconds(8);
   };
 
   explicit ModelCache(Options options);
@@ -49,7 +55,8 @@ class ModelCache {
   // Where the model's weights are on this worker: the spec's weights_path,
   // or its upload's directory (downloaded unless it is already here). A
   // disk too full for the download is RESOURCE_EXHAUSTED, and leaves
-  // nothing behind.
+  // nothing behind. A busy coordinator is asked again until the download's
+  // deadline (DEADLINE_EXCEEDED after it).
   absl::StatusOr<std::string> Weights(const v1::ModelSpec& model, AbortSignal& abort);
 
   // Removes downloaded uploads unused for cache_ttl, except `keep`, and
@@ -58,6 +65,11 @@ class ModelCache {
   void Prune(const std::string& keep);
 
  private:
+  // One DownloadModel call writing into `tmp`; `received` says whether any
+  // chunk came (a refusal sends none).
+  absl::Status DownloadInto(const std::string& upload_id, const std::string& tmp, absl::Time deadline,
+                            AbortSignal& abort, bool& received);
+
   const Options options_;
 };
 

@@ -29,12 +29,18 @@ class FakeDownloads final : public v1::CoordinatorService::Service {
   enum class Mode { kTwoFiles, kEndless, kBadName };
   std::atomic<Mode> mode{Mode::kTwoFiles};
   std::atomic<int> calls{0};
+  // The first this many calls are refused with `refusal`, as a coordinator
+  // at its bound refuses them.
+  std::atomic<int> refuse_calls{0};
+  grpc::Status refusal{grpc::StatusCode::RESOURCE_EXHAUSTED,
+                       "64 downloads are in progress, the coordinator's --max-concurrent-downloads: retry when one "
+                       "has ended"};
   std::atomic<bool> saw_cancel{false};
   absl::Notification streaming;  // the endless stream has sent its first chunk
 
   grpc::Status DownloadModel(grpc::ServerContext* ctx, const v1::DownloadModelRequest* req,
                              grpc::ServerWriter<v1::ModelChunk>* out) override {
-    ++calls;
+    if (++calls <= refuse_calls.load()) return refusal;
     v1::ModelChunk c;
     switch (mode.load()) {
       case Mode::kTwoFiles:
@@ -84,6 +90,9 @@ class ModelCacheTest : public ::testing::Test {
     o.coordinator = v1::CoordinatorService::NewStub(
         grpc::CreateChannel(started->address, grpc::InsecureChannelCredentials()));
     o.download_timeout = absl::Seconds(60);
+    o.busy_backoff = absl::Milliseconds(20);
+    o.max_busy_backoff = absl::Milliseconds(80);
+    options_ = o;
     cache_ = std::make_unique<ModelCache>(o);
   }
   void TearDown() override { StopGrpcServer(*server_, absl::Seconds(1)); }
@@ -97,6 +106,7 @@ class ModelCacheTest : public ::testing::Test {
   FakeDownloads service_;
   std::unique_ptr<grpc::Server> server_;
   std::string work_;
+  ModelCache::Options options_;
   std::unique_ptr<ModelCache> cache_;
 };
 
@@ -252,6 +262,69 @@ TEST_F(ModelCacheTest, AFileNameThatLeavesTheDirectoryIsRefused) {
   EXPECT_FALSE(fs::exists(work_ + "/uploads/escaped.safetensors"));
   EXPECT_FALSE(fs::exists(work_ + "/uploads/evil"));
   EXPECT_FALSE(fs::exists(work_ + "/uploads/evil.tmp"));
+}
+
+// A coordinator at its bound of downloads (or of server threads) refuses
+// before it sends anything: the worker asks again, backing off, until the
+// download's deadline, and an abort ends the wait. Other refusals are final.
+TEST_F(ModelCacheTest, ABusyCoordinatorIsAskedAgainUntilTheDeadline) {
+  v1::ModelSpec spec;
+  spec.set_config_json("{}");
+  spec.set_upload_id("busy");
+  AbortSignal abort;
+  service_.refuse_calls = 4;
+  ASSERT_TRUE(cache_->Weights(spec, abort).ok());
+  EXPECT_EQ(service_.calls.load(), 5);
+  EXPECT_EQ(Read(work_ + "/uploads/busy/model-00001.safetensors"), "first part");
+
+  // gRPC's own refusal when the server's threads are all in use.
+  service_.calls = 0;
+  service_.refuse_calls = 2;
+  service_.refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "Server Threadpool Exhausted");
+  spec.set_upload_id("threads");
+  ASSERT_TRUE(cache_->Weights(spec, abort).ok());
+  EXPECT_EQ(service_.calls.load(), 3);
+
+  // Busy past the deadline: DEADLINE_EXCEEDED naming the refusal, nothing left behind.
+  ModelCache::Options o = options_;
+  o.download_timeout = absl::Milliseconds(600);
+  ModelCache short_deadline(o);
+  service_.calls = 0;
+  service_.refuse_calls = 1 << 30;
+  spec.set_upload_id("never");
+  absl::Time start = absl::Now();
+  absl::StatusOr<std::string> got = short_deadline.Weights(spec, abort);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << got.status();
+  EXPECT_NE(got.status().message().find("Threadpool Exhausted"), std::string::npos) << got.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_GE(service_.calls.load(), 3) << "it did not ask again";
+  EXPECT_LE(service_.calls.load(), 30) << "it did not back off";
+  EXPECT_FALSE(fs::exists(work_ + "/uploads/never.tmp"));
+
+  // An abort ends the wait between two asks.
+  service_.calls = 0;
+  std::thread stopper([&] {
+    for (int i = 0; i < 300 && service_.calls.load() < 1; ++i) absl::SleepFor(absl::Milliseconds(10));
+    absl::SleepFor(absl::Milliseconds(100));  // into the wait
+    abort.Abort(absl::CancelledError("the job was cancelled"));
+  });
+  o.download_timeout = absl::Minutes(5);
+  o.busy_backoff = o.max_busy_backoff = absl::Seconds(30);
+  ModelCache slow_asks(o);
+  start = absl::Now();
+  got = slow_asks.Weights(spec, abort);
+  stopper.join();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kCancelled) << got.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "the abort did not end the wait";
+  EXPECT_EQ(service_.calls.load(), 1);
+
+  // A refusal that waiting cannot mend (the store's quota) is final.
+  AbortSignal fresh;
+  service_.calls = 0;
+  service_.refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "the upload quota is spent");
+  got = cache_->Weights(spec, fresh);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted) << got.status();
+  EXPECT_EQ(service_.calls.load(), 1);
 }
 
 }  // namespace

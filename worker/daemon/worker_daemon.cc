@@ -87,6 +87,9 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
     peak.set_f16(known.f16);
     peak.set_source(known.source);
   }
+  if (o.max_server_threads < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-server-threads: must be >= 1, got ", o.max_server_threads));
+  }
   if (o.upload_cache_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--upload-cache-ttl: must be >= 0");
   }
@@ -161,7 +164,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
                                                     w->runner_.get(), TokenAuth(options.auth_token));
   w->tensor_service_ = std::make_unique<WorkerTensorService>(w->runner_.get(), TokenAuth(options.auth_token));
   ASSIGN_OR_RETURN(w->grpc_, StartGrpcServer(options.listen, {w->service_.get(), w->tensor_service_.get()},
-                                             server_credentials));
+                                             server_credentials, options.max_server_threads));
 
   advertise.port = w->grpc_.port;
   HostPort metrics_advertise = advertise;

@@ -71,6 +71,9 @@ class WorkerDaemon {
     absl::Duration upload_cache_ttl = absl::Hours(1);
     // How long an ended rank's series stay on /metrics (WorkerMetrics).
     absl::Duration metrics_linger = absl::Minutes(1);
+    // Threads the gRPC server runs calls on at once (the coordinator's job
+    // and tensor calls); a call past them is RESOURCE_EXHAUSTED. >= 1.
+    int max_server_threads = 256;
   };
 
   // INVALID_ARGUMENT for bad options (addresses, device), UNAVAILABLE if an
