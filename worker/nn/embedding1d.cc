@@ -11,7 +11,7 @@ absl::Status CheckIds(const Tensor& ids, int64_t vocab_size) {
   if (!IsInteger(ids.dtype())) {
     return absl::InvalidArgumentError(absl::StrCat("ids must be i32 or i64, got ", DTypeName(ids.dtype())));
   }
-  const std::vector<int64_t> v = ids.ToInt64s();
+  ASSIGN_OR_RETURN(const std::vector<int64_t> v, ids.ReadInt64s());
   for (size_t i = 0; i < v.size(); ++i) {
     if (v[i] < 0 || v[i] >= vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat("token id ", v[i], " at position ", i,

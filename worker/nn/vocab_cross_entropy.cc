@@ -24,7 +24,7 @@ absl::StatusOr<Tensor> CheckedLabels(const Tensor& labels, int64_t rows, int64_t
     return absl::InvalidArgumentError(absl::StrCat("labels ", DTypeName(labels.dtype()), ShapeToString(labels.shape()),
                                                    " must be ", rows, " integers, one per row of the logits"));
   }
-  const std::vector<int64_t> lab = labels.ToInt64s();
+  ASSIGN_OR_RETURN(const std::vector<int64_t> lab, labels.ReadInt64s());
   for (int64_t r = 0; r < rows; ++r) {
     if (lab[r] != ignore_index && (lab[r] < 0 || lab[r] >= vocab_size)) {
       return absl::InvalidArgumentError(absl::StrCat("label ", lab[r], " at row ", r,

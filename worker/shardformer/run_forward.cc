@@ -43,7 +43,7 @@ absl::Status CheckImages(const ForwardRequest& request, const ModelConfig& confi
     return absl::InvalidArgumentError(absl::StrCat("the labels must be integers [", pixels.shape()[0], "], got ",
                                                    DTypeName(labels.dtype()), " ", ShapeToString(labels.shape())));
   }
-  const std::vector<int64_t> v = labels.ToInt64s();
+  ASSIGN_OR_RETURN(const std::vector<int64_t> v, labels.ReadInt64s());
   for (size_t i = 0; i < v.size(); ++i) {
     if (v[i] != -100 && (v[i] < 0 || v[i] >= config.vocab_size)) {
       return absl::InvalidArgumentError(absl::StrCat("label ", v[i], " of image ", i, " is outside the model's ",

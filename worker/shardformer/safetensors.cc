@@ -215,7 +215,7 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<std::pa
     if (name.empty() || name == "__metadata__" || !names.insert(name).second) {
       return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor name '", name, "' is empty, reserved or repeated"));
     }
-    std::string bytes = t.ToBytes();
+    ASSIGN_OR_RETURN(std::string bytes, t.ReadBytes());
     header[name] = {{"dtype", SafetensorsDTypeName(t.dtype())},
                     {"shape", t.shape()},
                     {"data_offsets", {at, at + static_cast<int64_t>(bytes.size())}}};

@@ -217,7 +217,7 @@ absl::StatusOr<Tensor> ShardedModel::NextTokenLabels(const Tensor& ids) {
         absl::StrCat("token ids must be integers [batch, seq], got ", ShapeToString(ids.shape())));
   }
   const int64_t batch = ids.shape()[0], seq = ids.shape()[1];
-  const std::vector<int64_t> all = ids.ToInt64s();
+  ASSIGN_OR_RETURN(const std::vector<int64_t> all, ids.ReadInt64s());
   std::vector<int64_t> next(all.size(), -100);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t s = 0; s + 1 < seq; ++s) next[b * seq + s] = all[b * seq + s + 1];
@@ -264,7 +264,8 @@ absl::StatusOr<LmLoss> ShardedModel::ForwardTokenLoss(const std::function<absl::
   ASSIGN_OR_RETURN(Tensor mine, labels.ContiguousAs(DType::kI64));
   ASSIGN_OR_RETURN(mine, mine.Reshape({rows}));
   int64_t count = 0;
-  for (int64_t l : mine.ToInt64s()) count += l != -100;
+  ASSIGN_OR_RETURN(const std::vector<int64_t> mine_labels, mine.ReadInt64s());
+  for (int64_t l : mine_labels) count += l != -100;
   ASSIGN_OR_RETURN(Variable flat, nn::Reshape(hidden.variable(), {rows, hs[2]}));
   int64_t chunk_rows = fused_head_rows_;
   if (chunk_rows == kFusedHeadByBytes) {  // the rows whose logits fit the budget
@@ -328,7 +329,8 @@ absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const T
   // Counted (and, by the vocab-parallel loss, checked) where the labels are,
   // on the host for the trainer's batches: no device round trip.
   int64_t count = 0;
-  for (int64_t l : mine.ToInt64s()) count += l != -100;
+  ASSIGN_OR_RETURN(const std::vector<int64_t> mine_labels, mine.ReadInt64s());
+  for (int64_t l : mine_labels) count += l != -100;
   Variable per_row;
   if (vocab_split) {
     ASSIGN_OR_RETURN(per_row, nn::VocabParallelCrossEntropy(logits, mine, vocab));
@@ -380,7 +382,7 @@ absl::StatusOr<LmLoss> ShardedModel::MeanOfSum(const Variable& sum, int64_t coun
     ASSIGN_OR_RETURN(out.loss, Scale(sum, static_cast<float>(1.0 / static_cast<double>(denominator))));
     return out;
   }
-  const std::vector<float> totals = both.ToFloats();
+  ASSIGN_OR_RETURN(const std::vector<float> totals, both.ReadFloats());
   for (Communicator* comm : comms) RETURN_IF_ERROR(comm->AsyncError());  // the sums above may have failed
   LmLoss out;
   out.tokens = static_cast<int64_t>(totals[1]);

@@ -132,6 +132,29 @@ TEST_F(CudaLayerOps, HalfEmbeddingsCopyRowsAndRoundEachGradientOnce) {
   }
 }
 
+#ifdef COLOD_CUDA_EMULATION
+// A device whose context a fault broke: reading a tensor back is the
+// copy's error, returned (ReadFloats, ReadInt64s, ReadBytes), where the
+// readers of tests and tools end the process. Nothing else here crashes.
+TEST_F(CudaLayerOps, AReadFromAFaultedDeviceReturnsCudasError) {
+  const Tensor f = Dev(*Tensor::FromFloats({3}, {1, 2, 3}));
+  const Tensor i = Dev(*Tensor::FromInt64s({2}, {7, 8}));
+  ASSERT_EQ(*f.ReadFloats(), (std::vector<float>{1, 2, 3}));
+  ASSERT_EQ(*i.ReadInt64s(), (std::vector<int64_t>{7, 8}));
+  colod_cuda_emu::FaultDeviceAtLaunch(0, 0);
+  const absl::StatusOr<std::vector<float>> floats = f.ReadFloats();
+  const absl::StatusOr<std::vector<int64_t>> ints = i.ReadInt64s();
+  const absl::StatusOr<std::string> bytes = f.ReadBytes();
+  const absl::StatusOr<Tensor> sum = Add(f, f);
+  colod_cuda_emu::ClearDeviceFaults();
+  for (const absl::Status& s : {floats.status(), ints.status(), bytes.status(), sum.status()}) {
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("illegal memory access"), std::string::npos) << s;
+  }
+  EXPECT_EQ(*f.ReadFloats(), (std::vector<float>{1, 2, 3}));
+}
+#endif
+
 // GEMMs from several threads share the device's one cuBLAS handle (a
 // handle per thread leaked one, with its workspace, per job thread).
 TEST_F(CudaLayerOps, OneCublasHandlePerDeviceWhateverTheThreads) {

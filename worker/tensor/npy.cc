@@ -204,7 +204,8 @@ absl::StatusOr<std::string> SerializeNpy(const Tensor& t) {
     case DType::kBF16: return absl::InvalidArgumentError(".npy has no bf16; convert to f32 first");
   }
   std::string out = NpyHeader(descr, t.shape());
-  out += t.ToBytes();
+  ASSIGN_OR_RETURN(const std::string bytes, t.ReadBytes());
+  out += bytes;
   return out;
 }
 

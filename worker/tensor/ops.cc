@@ -750,7 +750,7 @@ absl::StatusOr<Tensor> Embedding(const Tensor& table, const Tensor& ids, int64_t
   ASSIGN_OR_RETURN(Tensor id64, AsI64(ids, "embedding"));
   const int64_t rows = table.shape()[0], h = table.shape()[1];
   if (!mask_out_of_range) {
-    const std::vector<int64_t> idv = id64.ToInt64s();  // free for host ids
+    ASSIGN_OR_RETURN(const std::vector<int64_t> idv, id64.ReadInt64s());  // free for host ids
     for (size_t i = 0; i < idv.size(); ++i) {
       if (idv[i] < row_offset || idv[i] - row_offset >= rows) {
         return absl::InvalidArgumentError(absl::StrCat("embedding: id ", idv[i], " at position ", i,
@@ -796,7 +796,7 @@ absl::StatusOr<Tensor> EmbeddingBackward(const Tensor& dy, const Tensor& ids, in
   // The tokens grouped by their row (a counting sort), in token order within
   // a row: both twins sum each row's tokens in that order, without atomics.
   if (rows == 0 || h == 0) return out;
-  const std::vector<int64_t> idv = ids.ToInt64s();
+  ASSIGN_OR_RETURN(const std::vector<int64_t> idv, ids.ReadInt64s());
   const auto in_shard = [&](int64_t id) { return id >= row_offset && id < row_offset + rows; };
   std::vector<int64_t> start(rows + 1, 0);
   for (int64_t id : idv) {
@@ -837,7 +837,7 @@ absl::StatusOr<CeInputs> CheckCe(const Tensor& logits, const Tensor& labels, int
   if (labels.device().is_cuda()) RETURN_IF_ERROR(SameDevice(op, logits.device(), {&labels}));
   ASSIGN_OR_RETURN(Tensor l64, AsI64(labels, op));
   const int64_t v = logits.shape()[1];
-  const std::vector<int64_t> lab = l64.ToInt64s();  // free for host labels
+  ASSIGN_OR_RETURN(const std::vector<int64_t> lab, l64.ReadInt64s());  // free for host labels
   for (size_t i = 0; i < lab.size(); ++i) {
     if (lab[i] != ignore_index && (lab[i] < 0 || lab[i] >= v)) {
       return absl::InvalidArgumentError(

@@ -134,9 +134,9 @@ absl::StatusOr<Tensor> FromHostValues(const Shape& shape, const void* values, si
 
 // The elements as a host vector of T (f32 or i64), converted like ToDType.
 template <typename T>
-std::vector<T> ToHostValues(const Tensor& t, DType as, const char* what) {
-  const Tensor host = OrDie(t.To(Device::Cpu()), what);
-  const Tensor h = OrDie(host.ContiguousAs(as), what);
+absl::StatusOr<std::vector<T>> HostValues(const Tensor& t, DType as) {
+  ASSIGN_OR_RETURN(const Tensor host, t.To(Device::Cpu()));
+  ASSIGN_OR_RETURN(const Tensor h, host.ContiguousAs(as));
   const T* p = h.data<T>();
   return std::vector<T>(p, p + h.numel());
 }
@@ -383,16 +383,21 @@ absl::Status Tensor::CopyFrom(const Tensor& src) {
   return CopyOnDevice(storage_->kernels(), s, *this);
 }
 
-std::vector<float> Tensor::ToFloats() const { return ToHostValues<float>(*this, DType::kF32, "Tensor::ToFloats"); }
+absl::StatusOr<std::vector<float>> Tensor::ReadFloats() const { return HostValues<float>(*this, DType::kF32); }
 
-std::vector<int64_t> Tensor::ToInt64s() const {
-  return ToHostValues<int64_t>(*this, DType::kI64, "Tensor::ToInt64s");
-}
+absl::StatusOr<std::vector<int64_t>> Tensor::ReadInt64s() const { return HostValues<int64_t>(*this, DType::kI64); }
 
-std::string Tensor::ToBytes() const {
-  Tensor c = OrDie(To(Device::Cpu()), "Tensor::ToBytes").Contiguous();
+absl::StatusOr<std::string> Tensor::ReadBytes() const {
+  ASSIGN_OR_RETURN(const Tensor host, To(Device::Cpu()));
+  const Tensor c = host.Contiguous();
   return std::string(c.base() + c.offset_ * SizeOf(dtype_), nbytes());
 }
+
+std::vector<float> Tensor::ToFloats() const { return OrDie(ReadFloats(), "Tensor::ToFloats"); }
+
+std::vector<int64_t> Tensor::ToInt64s() const { return OrDie(ReadInt64s(), "Tensor::ToInt64s"); }
+
+std::string Tensor::ToBytes() const { return OrDie(ReadBytes(), "Tensor::ToBytes"); }
 
 absl::StatusOr<PendingRead> Tensor::StartRead() const {
   if (static_cast<uint64_t>(numel()) > kernels::kMaxStartedRead / sizeof(float)) {

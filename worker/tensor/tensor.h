@@ -144,11 +144,17 @@ class Tensor {
   // Concatenation along d; shapes must agree elsewhere and dtypes match.
   static absl::StatusOr<Tensor> Cat(const std::vector<Tensor>& parts, int64_t d);
 
-  // Element values as float / int64 (row-major), any dtype and device. For
-  // tests and I/O.
+  // Element values as float / int64 (row-major), any dtype and device,
+  // converted as ToDType converts. A device tensor's copy can fail (an
+  // earlier kernel's fault shows at this read): the error is returned.
+  absl::StatusOr<std::vector<float>> ReadFloats() const;
+  absl::StatusOr<std::vector<int64_t>> ReadInt64s() const;
+  // Row-major bytes of a contiguous copy, the copy's error returned.
+  absl::StatusOr<std::string> ReadBytes() const;
+  // The same, ending the process where the copy fails: for tests and tools,
+  // never on a daemon's path.
   std::vector<float> ToFloats() const;
   std::vector<int64_t> ToInt64s() const;
-  // Row-major bytes of a contiguous copy.
   std::string ToBytes() const;
   // Starts reading the values as f32 (converted on the device first where
   // they are not): PendingRead. At most kernels::kMaxStartedRead bytes

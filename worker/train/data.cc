@@ -380,7 +380,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
                                                   ? std::optional<int64_t>(std::max(*read, *taken))
                                                   : std::nullopt));
     ASSIGN_OR_RETURN(Tensor t, ReadNpy(path));
-    c->owned_ = t.ToInt64s();
+    ASSIGN_OR_RETURN(c->owned_, t.ReadInt64s());
     c->size_ = static_cast<int64_t>(c->owned_.size());
     if (c->size_ == 0) return absl::InvalidArgumentError(absl::StrCat(path, ": the array holds no tokens"));
     return c;

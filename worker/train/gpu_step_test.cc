@@ -182,6 +182,45 @@ TEST(GpuStep, TheHostEnqueuesTheNextStepBeforeItReadsOne) {
   }
 }
 
+// A device fault in the middle of a run (an illegal address: the device's
+// context is broken for good) fails the run with CUDA's error, at the next
+// call that touches the device, and ends neither the process nor in a hang.
+TEST(GpuStep, ADeviceFaultFailsTheRunWithCudasError) {
+#ifndef COLOD_CUDA_EMULATION
+  GTEST_SKIP() << "the fault is the emulation's (FaultDeviceAtLaunch); a GPU has none to inject";
+#else
+  shardformer::testing::TinyOptions tiny;
+  tiny.vocab = kByteVocab;
+  tiny.positions = 32;
+  tiny.layers = 2;
+  auto model = shardformer::testing::WriteTinyGpt2(colod::testing::TempPath("gpu_step_fault"), tiny);
+  ASSERT_TRUE(model.ok()) << model.status();
+  TrainOptions o;
+  o.model_dir = model->dir;
+  o.data_path = "/usr/share/common-licenses/GPL-3";
+  o.steps = 6;
+  o.batch_size = 4;
+  o.seq_len = 32;
+  o.cuda = true;
+  o.seed = 7;
+  o.clip_norm = 1.0;
+  o.shard.layout.set_tensor_parallel_size(1);
+  o.shard.layout.set_data_parallel_size(1);
+  int reported = 0;
+  const absl::Status s = Train(o, [&](const StepStats&) {
+    // Mid-step: the next step's launches are under way (the host is a step ahead).
+    if (++reported == 2) colod_cuda_emu::FaultDeviceAtLaunch(0, 30);
+  });
+  const bool faulted = colod_cuda_emu::DeviceFaulted(0);
+  colod_cuda_emu::ClearDeviceFaults();
+  EXPECT_TRUE(faulted);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("illegal memory access"), std::string::npos) << s;
+  EXPECT_GE(reported, 2);
+  EXPECT_LT(reported, 6) << "steps after the fault were reported";
+#endif
+}
+
 // Kernel launches per rank and step grow with the layers by a bounded
 // amount: rank 0's launches in a warm step of a 2-layer and a 4-layer GPT-2
 // (tp=2 dp=2) give the launches per transformer layer and the rest

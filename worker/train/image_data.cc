@@ -26,7 +26,7 @@ absl::StatusOr<std::unique_ptr<ImageDataset>> ImageDataset::Open(const std::stri
   std::unique_ptr<ImageDataset> d(new ImageDataset());
   d->size_ = images.shape()[0];
   ASSIGN_OR_RETURN(d->images_, images.ContiguousAs(DType::kF32));
-  d->labels_ = labels.ToInt64s();
+  ASSIGN_OR_RETURN(d->labels_, labels.ReadInt64s());
   for (size_t i = 0; i < d->labels_.size(); ++i) {
     const int64_t l = d->labels_[i];
     if (l != -100 && (l < 0 || l >= num_labels)) {

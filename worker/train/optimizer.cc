@@ -101,7 +101,7 @@ absl::Status Optimizer::Step(double lr, double grad_scale) { return Step(lr, gra
 
 absl::Status Optimizer::Step(double lr, const Tensor& grad_scale_at) {
   if (options_.kind != OptimizerOptions::Kind::kAdamW) {  // SGD scales on the host: read it
-    const std::vector<float> scale = grad_scale_at.ToFloats();
+    ASSIGN_OR_RETURN(const std::vector<float> scale, grad_scale_at.ReadFloats());
     if (scale.size() != 1) return absl::InvalidArgumentError("the gradients' scale must be one number");
     return Step(lr, scale[0], std::nullopt);
   }
@@ -275,7 +275,7 @@ absl::StatusOr<double> NormOf(const std::vector<const NamedParam*>& params, cons
                               const std::vector<bool>& whole, bool over_dp, const Device& device, ProcessGroup* pg,
                               const NormOrder* order = nullptr) {
   ASSIGN_OR_RETURN(Squares sq, SquaresOf(params, grads, whole, over_dp, device, pg, order));
-  const std::vector<float> squares = sq.squares.ToFloats();
+  ASSIGN_OR_RETURN(const std::vector<float> squares, sq.squares.ReadFloats());
   for (Communicator* comm : sq.comms) RETURN_IF_ERROR(comm->AsyncError());  // the all-reduces above may have failed
   double sum = 0;
   for (float s : squares) sum += s;  // in slot order (GradNormClip's sum)
@@ -372,7 +372,7 @@ absl::StatusOr<NormOrder> NormOrder::Create(const std::vector<NamedParam>& param
   ASSIGN_OR_RETURN(count, count.To(device));
   ASSIGN_OR_RETURN(Tensor counts, Tensor::Empty({n}, DType::kI64, device));
   RETURN_IF_ERROR(comm->AllGather(count.raw_data(), counts.raw_data(), 1, DType::kI64)->WaitOnDevice(timeout));
-  const std::vector<int64_t> each = counts.ToInt64s();
+  ASSIGN_OR_RETURN(const std::vector<int64_t> each, counts.ReadInt64s());
   int64_t most = 0;
   for (int64_t c : each) most = std::max(most, c);
   std::vector<int64_t> padded = mine;
@@ -383,7 +383,7 @@ absl::StatusOr<NormOrder> NormOrder::Create(const std::vector<NamedParam>& param
   if (most > 0) {
     RETURN_IF_ERROR(comm->AllGather(hashes.raw_data(), all.raw_data(), most, DType::kI64)->WaitOnDevice(timeout));
   }
-  const std::vector<int64_t> gathered = all.ToInt64s();
+  ASSIGN_OR_RETURN(const std::vector<int64_t> gathered, all.ReadInt64s());
   std::vector<int64_t> sorted;
   for (int s = 0; s < n; ++s) {
     for (int64_t i = 0; i < each[s]; ++i) sorted.push_back(gathered[static_cast<size_t>(s * most + i)]);

@@ -348,9 +348,9 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
   return result;
 }
 
-int64_t CorrectRows(const Tensor& logits, const Tensor& labels) {
-  const std::vector<float> z = logits.ToFloats();
-  const std::vector<int64_t> want = labels.ToInt64s();
+absl::StatusOr<int64_t> CorrectRows(const Tensor& logits, const Tensor& labels) {
+  ASSIGN_OR_RETURN(const std::vector<float> z, logits.ReadFloats());
+  ASSIGN_OR_RETURN(const std::vector<int64_t> want, labels.ReadInt64s());
   const int64_t rows = static_cast<int64_t>(want.size()), classes = rows > 0 ? logits.numel() / rows : 0;
   int64_t correct = 0;
   for (int64_t r = 0; r < rows; ++r) {
@@ -369,7 +369,8 @@ absl::StatusOr<shardformer::LmLoss> ForwardLoss(shardformer::ShardedModel& model
   ASSIGN_OR_RETURN(shardformer::LmLoss l, model.ClassificationLoss(logits, labels, denominator));
   if (correct != nullptr) {
     ASSIGN_OR_RETURN(Tensor full, model.GatherLogits(logits));
-    *correct += CorrectRows(full, labels);
+    ASSIGN_OR_RETURN(const int64_t right, CorrectRows(full, labels));
+    *correct += right;
   }
   return l;
 }
@@ -383,7 +384,7 @@ absl::StatusOr<std::vector<double>> SumOver(ProcessGroup& pg, const std::string&
   ASSIGN_OR_RETURN(Tensor host, Tensor::FromFloats({n}, f));
   ASSIGN_OR_RETURN(Tensor total, host.To(device));
   RETURN_IF_ERROR(comm->AllReduce(total.raw_data(), n, DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg.timeout()));
-  const std::vector<float> sums = total.ToFloats();
+  ASSIGN_OR_RETURN(const std::vector<float> sums, total.ReadFloats());
   return std::vector<double>(sums.begin(), sums.end());
 }
 

@@ -58,8 +58,9 @@ struct PipelineStepResult {
 };
 
 // The rows of `logits` ([rows, 1, labels], whole) whose largest logit is
-// their label's (`labels` [rows]; -100 is no label).
-int64_t CorrectRows(const Tensor& logits, const Tensor& labels);
+// their label's (`labels` [rows]; -100 is no label). The read's error where
+// the logits cannot be copied to the host.
+absl::StatusOr<int64_t> CorrectRows(const Tensor& logits, const Tensor& labels);
 
 // `forward`'s output (logits, or the LM head's input where the head is
 // fused) and its loss against `labels`, divided by `denominator`: an image

@@ -19,7 +19,7 @@ absl::StatusOr<std::vector<int64_t>> ReadIds(const std::string& path, const std:
                                                    ShapeToString(t.shape())));
   }
   *len = t.shape()[1];
-  return t.ToInt64s();
+  return t.ReadInt64s();
 }
 
 }  // namespace
@@ -30,7 +30,7 @@ absl::StatusOr<Tensor> ShiftRight(const Tensor& targets, int64_t decoder_start, 
                                                    DTypeName(targets.dtype()), " ", ShapeToString(targets.shape())));
   }
   const int64_t batch = targets.shape()[0], len = targets.shape()[1];
-  const std::vector<int64_t> t = targets.ToInt64s();
+  ASSIGN_OR_RETURN(const std::vector<int64_t> t, targets.ReadInt64s());
   std::vector<int64_t> out(t.size());
   for (int64_t b = 0; b < batch; ++b) {
     out[b * len] = decoder_start;

@@ -210,6 +210,8 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
   const float a_scale = *static_cast<const float*>(alpha), b_scale = *static_cast<const float*>(beta);
   std::shared_ptr<colod_cuda_emu::Stream> s = colod_cuda_emu::Resolve(handle->stream);
   if (s == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  // A broken context fails cuBLAS's launch.
+  if (colod_cuda_emu::StickyError(colod_cuda_emu::DeviceOf(*s)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
   const bool tf32 = computeType == CUBLAS_COMPUTE_32F_FAST_TF32 && Atype == CUDA_R_32F;
   colod_cuda_emu::Enqueue(s, [=] {
     if (Atype == CUDA_R_32F && Ctype == CUDA_R_32F && !tf32) {
@@ -543,6 +545,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
   const float a_scale = *static_cast<const float*>(alpha), b_scale = *static_cast<const float*>(beta);
   std::shared_ptr<colod_cuda_emu::Stream> s = colod_cuda_emu::Resolve(stream);
   if (s == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  // A broken context fails cuBLAS's launch.
+  if (colod_cuda_emu::StickyError(colod_cuda_emu::DeviceOf(*s)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
   const bool tf32 = desc.compute == CUBLAS_COMPUTE_32F_FAST_TF32 && p.ab == CUDA_R_32F;
   colod_cuda_emu::Enqueue(s, [=] {
     const int64_t a_rows = static_cast<int64_t>(la.rows), a_cols = static_cast<int64_t>(la.cols);

@@ -494,6 +494,59 @@ TEST(CudaEmuMemory, CopiesAndFreesAreChecked) {
   cudaGetLastError();
 }
 
+// A device fault breaks its device's context for good, as an illegal
+// address does on a GPU: the faulting launch succeeds (the fault is
+// asynchronous), every later call on the device fails with it and reading
+// the error does not clear it; another device runs on.
+TEST(CudaEmuMemory, AFaultedDeviceFailsEveryCallUntilTheFaultsAreCleared) {
+  constexpr int kDevice = 1;  // faulted only within this test
+  ASSERT_EQ(cudaSetDevice(kDevice), cudaSuccess);
+  int* d = DeviceAlloc<int>(64);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  colod_cuda_emu::FaultDeviceAtLaunch(kDevice, 2);
+  EXPECT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, stream, d, 64), cudaSuccess);
+  EXPECT_FALSE(colod_cuda_emu::DeviceFaulted(kDevice));
+  EXPECT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, stream, d, 64), cudaSuccess) << "the fault is asynchronous";
+  EXPECT_TRUE(colod_cuda_emu::DeviceFaulted(kDevice));
+  EXPECT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, stream, d, 64), cudaErrorIllegalAddress);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaErrorIllegalAddress);
+  int h[64] = {};
+  EXPECT_EQ(cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost), cudaErrorIllegalAddress);
+  EXPECT_EQ(cudaMemsetAsync(d, 0, sizeof h, stream), cudaErrorIllegalAddress);
+  void* more = nullptr;
+  EXPECT_EQ(cudaMallocAsync(&more, 64, stream), cudaErrorIllegalAddress);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaErrorIllegalAddress);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorIllegalAddress);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorIllegalAddress) << "reading the error cleared it";
+  cudaEvent_t event = nullptr;
+  ASSERT_EQ(cudaEventCreate(&event), cudaSuccess);
+  EXPECT_EQ(cudaEventRecord(event, stream), cudaErrorIllegalAddress);
+  // Another device is untouched (the thread's last error, read here, was
+  // the failed calls' on the faulted device; not sticky on this one).
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorIllegalAddress);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  int* other = DeviceAlloc<int>(64);
+  EXPECT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, cudaStreamLegacy, other, 64), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(h, other, sizeof h, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(h[63], 63);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  cudaFree(other);
+  // Cleared (a test's mend: no context on a GPU recovers), the device runs again.
+  colod_cuda_emu::ClearDeviceFaults();
+  ASSERT_EQ(cudaSetDevice(kDevice), cudaSuccess);
+  EXPECT_FALSE(colod_cuda_emu::DeviceFaulted(kDevice));
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, stream, d, 64), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(h[63], 63);
+  cudaEventDestroy(event);
+  cudaStreamDestroy(stream);
+  cudaFree(d);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+}
+
 // Device 3 alone is used here, so other tests' pools do not interfere.
 TEST(CudaEmuMemory, ThePoolKeepsFreedBlocksUpToItsReleaseThreshold) {
   ASSERT_EQ(cudaSetDevice(3), cudaSuccess);

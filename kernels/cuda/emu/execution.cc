@@ -648,7 +648,12 @@ cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t 
     SetLastError(cudaErrorInvalidResourceHandle);
     return cudaErrorInvalidResourceHandle;
   }
+  if (cudaError_t e = StickyError(DeviceOf(*s))) {
+    SetLastError(e);
+    return e;
+  }
   CountKernelLaunch();
+  NoteLaunch(DeviceOf(*s));  // the launch that faults returns success: the fault is asynchronous
   Enqueue(s, [grid, block, shared_bytes, thread = std::move(thread)] {
     // 16-byte aligned, as `extern __shared__ __align__(16)` is; garbage
     // (NaNs) at first, as on a GPU.

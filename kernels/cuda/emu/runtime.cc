@@ -604,6 +604,47 @@ bool TakeAsyncAllocationFailure(size_t size) {
 void FailNextAsyncAllocation(size_t min_bytes) { fail_async_allocation.store(min_bytes); }
 bool AsyncAllocationFailureArmed() { return fail_async_allocation.load() != 0; }
 
+namespace {
+constexpr int kFaultDevices = 64;
+// Launches left before the armed fault (the launch that takes it to 0
+// faults); 0: none armed.
+std::atomic<uint64_t> launches_to_fault[kFaultDevices];
+std::atomic<bool> faulted[kFaultDevices];
+bool FaultableDevice(int device) { return device >= 0 && device < kFaultDevices; }
+}  // namespace
+
+void FaultDeviceAtLaunch(int device, uint64_t launch) {
+  if (!FaultableDevice(device)) Fatal("FaultDeviceAtLaunch: no such device");
+  if (launch == 0) {
+    faulted[device].store(true);
+  } else {
+    launches_to_fault[device].store(launch);
+  }
+}
+
+void ClearDeviceFaults() {
+  last_error = cudaSuccess;  // the calling thread's, which the failed calls set
+  for (int d = 0; d < kFaultDevices; ++d) {
+    launches_to_fault[d].store(0);
+    faulted[d].store(false);
+  }
+}
+
+bool DeviceFaulted(int device) { return FaultableDevice(device) && faulted[device].load(); }
+
+cudaError_t StickyError(int device) { return DeviceFaulted(device) ? cudaErrorIllegalAddress : cudaSuccess; }
+
+void NoteLaunch(int device) {
+  if (!FaultableDevice(device)) return;
+  uint64_t left = launches_to_fault[device].load();
+  while (left != 0) {
+    if (launches_to_fault[device].compare_exchange_weak(left, left - 1)) {
+      if (left == 1) faulted[device].store(true);
+      return;
+    }
+  }
+}
+
 Counters GetCounters() {
   Counters c;
   c.device_allocations = device_allocations.load();
@@ -724,12 +765,17 @@ const char* cudaGetErrorString(cudaError_t e) {
 }
 
 cudaError_t cudaGetLastError() {
+  // A broken context's error is sticky: reading it does not clear it.
+  if (cudaError_t sticky = colod_cuda_emu::StickyError(colod_cuda_emu::current_device)) return sticky;
   const cudaError_t e = colod_cuda_emu::last_error;
   colod_cuda_emu::last_error = cudaSuccess;
   return e;
 }
 
-cudaError_t cudaPeekAtLastError() { return colod_cuda_emu::last_error; }
+cudaError_t cudaPeekAtLastError() {
+  if (cudaError_t sticky = colod_cuda_emu::StickyError(colod_cuda_emu::current_device)) return sticky;
+  return colod_cuda_emu::last_error;
+}
 
 cudaError_t cudaDriverGetVersion(int* version) {
   if (version == nullptr) return Fail(cudaErrorInvalidValue);
@@ -780,11 +826,12 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 cudaError_t cudaDeviceSynchronize() {
   colod_cuda_emu::CountHostSynchronization();
   colod_cuda_emu::SynchronizeDevice(colod_cuda_emu::current_device);
-  return cudaSuccess;
+  return Fail(colod_cuda_emu::StickyError(colod_cuda_emu::current_device));
 }
 
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   if (free_bytes == nullptr || total_bytes == nullptr) return Fail(cudaErrorInvalidValue);
+  if (cudaError_t e = colod_cuda_emu::StickyError(colod_cuda_emu::current_device)) return Fail(e);
   Registry& r = Registry::Get();
   *total_bytes = r.capacity();
   *free_bytes = r.capacity() - r.Used(colod_cuda_emu::current_device);
@@ -793,6 +840,7 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
 
 cudaError_t cudaMalloc(void** ptr, size_t size) {
   if (ptr == nullptr) return Fail(cudaErrorInvalidValue);
+  if (cudaError_t e = colod_cuda_emu::StickyError(colod_cuda_emu::current_device)) return Fail(e);
   return Fail(Registry::Get().Allocate(colod_cuda_emu::current_device, size, ptr));
 }
 
@@ -820,6 +868,7 @@ cudaError_t cudaFree(void* ptr) {
   // cudaFree synchronizes the device before it frees.
   auto range = Registry::Get().RangeOf(ptr, 1);
   if (!range.has_value() || range->base != ptr) return Fail(cudaErrorInvalidValue);
+  if (cudaError_t e = colod_cuda_emu::StickyError(range->device)) return Fail(e);
   colod_cuda_emu::CountHostSynchronization();
   colod_cuda_emu::SynchronizeDevice(range->device);
   return Fail(Registry::Get().Release(ptr));
@@ -857,6 +906,7 @@ cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream) {
   if (ptr == nullptr) return Fail(cudaErrorInvalidValue);
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  if (cudaError_t e = colod_cuda_emu::StickyError(s->device())) return Fail(e);
   if (colod_cuda_emu::TakeAsyncAllocationFailure(size)) return Fail(cudaErrorMemoryAllocation);
   // Usable in stream order from here: allocating now is at least as early.
   return Fail(Registry::Get().AllocateFromPool(s->device(), size, s.get(), ptr));
@@ -866,6 +916,7 @@ cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream) {
   if (ptr == nullptr) return cudaSuccess;
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  if (cudaError_t e = colod_cuda_emu::StickyError(s->device())) return Fail(e);
   if (!Registry::Get().Owns(ptr)) return Fail(cudaErrorInvalidValue);
   // A pool block: reusable in this stream's order now, by others once the
   // stream has reached the free.
@@ -891,6 +942,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
   if (count == 0) return cudaSuccess;
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  if (cudaError_t e = colod_cuda_emu::StickyError(s->device())) return Fail(e);
   const bool src_pinned = !src_dev && colod_cuda_emu::PinnedRanges::Get().Contains(src, count);
   const bool dst_pinned = !dst_dev && colod_cuda_emu::PinnedRanges::Get().Contains(dst, count);
   if (!src_dev && dst_dev && !src_pinned) {
@@ -927,6 +979,7 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t str
   if (!Registry::Get().RangeOf(ptr, count).has_value()) return Fail(cudaErrorInvalidValue);
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  if (cudaError_t e = colod_cuda_emu::StickyError(s->device())) return Fail(e);
   colod_cuda_emu::Enqueue(s, [ptr, value, count] { memset(ptr, value, count); });
   return cudaSuccess;
 }
@@ -965,13 +1018,14 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   colod_cuda_emu::CountHostSynchronization();
   s->Synchronize();
-  return cudaSuccess;
+  return Fail(colod_cuda_emu::StickyError(s->device()));
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   colod_cuda_emu::CountStreamQuery();
+  if (cudaError_t e = colod_cuda_emu::StickyError(s->device())) return Fail(e);
   return s->Done(s->Submitted()) ? cudaSuccess : cudaErrorNotReady;
 }
 
@@ -1003,6 +1057,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  if (cudaError_t sticky = colod_cuda_emu::StickyError(s->device())) return Fail(sticky);
   uint64_t gen;
   {
     std::lock_guard<std::mutex> l(e->mu);
@@ -1020,6 +1075,7 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
   std::shared_ptr<CUevent_st> e = colod_cuda_emu::FindEvent(event);
   if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   colod_cuda_emu::CountStreamQuery();
+  if (cudaError_t sticky = colod_cuda_emu::StickyError(colod_cuda_emu::current_device)) return Fail(sticky);
   std::lock_guard<std::mutex> l(e->mu);
   return e->completed >= e->recorded ? cudaSuccess : cudaErrorNotReady;
 }
@@ -1031,7 +1087,8 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   std::unique_lock<std::mutex> l(e->mu);
   const uint64_t want = e->recorded;
   e->cv.wait(l, [&] { return e->completed >= want; });
-  return cudaSuccess;
+  l.unlock();
+  return Fail(colod_cuda_emu::StickyError(colod_cuda_emu::current_device));
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
@@ -1040,6 +1097,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  if (cudaError_t sticky = colod_cuda_emu::StickyError(s->device())) return Fail(sticky);
   uint64_t want;
   {
     std::lock_guard<std::mutex> l(e->mu);

@@ -48,6 +48,12 @@ std::optional<DeviceRange> FindDeviceRange(const void* p, size_t size);
 // Reports a bug the hardware would turn into a fault or a hang, and aborts.
 [[noreturn]] void Fatal(const std::string& what);
 
+// cudaErrorIllegalAddress where `device`'s context is broken
+// (FaultDeviceAtLaunch), else cudaSuccess.
+cudaError_t StickyError(int device);
+// Counts a launch on `device` towards an armed fault.
+void NoteLaunch(int device);
+
 // The counters of cuda_emu.h.
 void CountHostSynchronization();
 void CountKernelLaunch();

@@ -49,6 +49,20 @@ Counters GetThreadCounters();
 void FailNextAsyncAllocation(size_t min_bytes);
 bool AsyncAllocationFailureArmed();
 
+// A test's device fault: the `launch`-th kernel launched on `device` from now
+// (any thread; 1 is the next, 0 faults the device at once) breaks its
+// context, as a kernel's illegal address does on a GPU. That launch itself
+// returns success (the fault is asynchronous); from then on every kernel
+// launch, copy, set, allocation, free, synchronization, query and event call
+// on the device, cuBLAS's calls on its streams, and cudaGetLastError and
+// cudaPeekAtLastError on a thread whose current device it is, return
+// cudaErrorIllegalAddress, and nothing the program does clears it (only a
+// new process would). ClearDeviceFaults() disarms and mends every device,
+// for the next test, and clears the calling thread's last error.
+void FaultDeviceAtLaunch(int device, uint64_t launch);
+void ClearDeviceFaults();
+bool DeviceFaulted(int device);
+
 }  // namespace colod_cuda_emu
 
 #endif  // COLOD_KERNELS_CUDA_EMU_CUDA_EMU_H_
