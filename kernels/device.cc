@@ -141,6 +141,33 @@ absl::Status CudaSynchronize(int ordinal) {
 #endif
 }
 
+absl::Status CudaDeviceUsable(int ordinal) {
+#ifdef COLOD_WITH_CUDA
+  // A broken context fails every call; these wait for nothing (a fresh
+  // non-blocking stream has no work to wait for).
+  size_t free_bytes = 0, total_bytes = 0;
+  cudaStream_t probe = nullptr;
+  cudaError_t err = cudaSetDevice(ordinal);
+  if (err == cudaSuccess) err = cudaMemGetInfo(&free_bytes, &total_bytes);
+  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&probe, cudaStreamNonBlocking);
+  if (err == cudaSuccess) {
+    err = cudaStreamQuery(probe);
+    if (err == cudaErrorNotReady) err = cudaSuccess;
+    const cudaError_t destroyed = cudaStreamDestroy(probe);
+    if (err == cudaSuccess) err = destroyed;
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InternalError(absl::StrCat("CUDA device ", ordinal, " is unusable: ", cudaGetErrorName(err), " (",
+                                            cudaGetErrorString(err), ")"));
+  }
+  return absl::OkStatus();
+#else
+  (void)ordinal;
+  return absl::UnimplementedError("this colod build has no CUDA support");
+#endif
+}
+
 absl::StatusOr<int> NcclVersion() {
 #ifdef COLOD_WITH_CUDA
   int version = 0;

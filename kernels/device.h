@@ -46,6 +46,12 @@ absl::Status ResetCudaPoolPeak(int ordinal);
 // UNIMPLEMENTED without CUDA.
 absl::Status CudaSynchronize(int ordinal);
 
+// OK where CUDA device `ordinal` still takes work; INTERNAL naming CUDA's
+// error where its context is broken (a kernel's illegal address, an Xid):
+// such a device fails every call until the process ends. Does not wait for
+// the device's work. UNIMPLEMENTED without CUDA.
+absl::Status CudaDeviceUsable(int ordinal);
+
 // NCCL's runtime version code (e.g. 22703 for 2.27.3); UNIMPLEMENTED without CUDA.
 absl::StatusOr<int> NcclVersion();
 

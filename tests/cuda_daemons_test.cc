@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -201,6 +202,56 @@ TEST_F(CudaJobsTest, ADaemonKilledMidJobRestartsItWithTheUninterruptedLosses) {
       << done->attempt_failures(0);
   for (const v1::RankAssignment& a : done->mesh().ranks()) EXPECT_NE(a.worker_address(), workers_[victim].grpc);
   ASSERT_NO_FATAL_FAILURE(ExpectLastLosses(events, want));
+}
+
+// A CUDA daemon whose device faults mid-job (an illegal address: its
+// context is broken for good; the emulation injects it at the daemon's
+// 400th kernel launch) fails its rank naming CUDA's error and the broken
+// device, takes no other rank, deregisters and exits 70 for its supervisor
+// to restart it; the job restarts on a healthy daemon in its place and
+// succeeds. Before, the daemon stayed up, took the restarted job's ranks and
+// failed each the same way.
+TEST_F(CudaJobsTest, ADaemonWhoseDeviceFaultsLeavesAndTheJobRestartsWithoutIt) {
+#ifndef COLOD_CUDA_EMULATION
+  GTEST_SKIP() << "the fault is the emulation's (COLOD_CUDA_EMU_FAULT_AT_LAUNCH); a GPU has none to inject";
+#else
+  workers_[3].process->Signal(SIGTERM);
+  ASSERT_TRUE(workers_[3].process->Wait(absl::Seconds(30)).has_value());
+  const auto start_worker = [&](const std::string& name) {
+    return testing::StartDaemon("worker/daemon/colod-worker", name,
+                                {"--coordinator", coordinator_.grpc, "--device", "cuda", "--device-ordinal", "3",
+                                 "--work-dir", TempPath("work-" + name), "--comm-timeout", "30s"});
+  };
+  // The child takes the environment at its start; the variable goes at once.
+  setenv("COLOD_CUDA_EMU_FAULT_AT_LAUNCH", "3:400", 1);
+  workers_[3] = start_worker("faulty");
+  unsetenv("COLOD_CUDA_EMU_FAULT_AT_LAUNCH");
+  ASSERT_FALSE(workers_[3].grpc.empty()) << testing::ReadFile(workers_[3].log);
+  ASSERT_TRUE(testing::WaitForWorkers(*client_, 4).ok()) << Logs();
+  train::TrainOptions o = Options(60);
+  o.cuda = true;
+  v1::JobSpec spec = Spec(o);
+  spec.mutable_restart()->set_max_restarts(2);
+  auto job = client_->SubmitJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::optional<int> code = workers_[3].process->Wait(absl::Seconds(180));
+  ASSERT_TRUE(code.has_value()) << "the faulty daemon is still up\n" << Logs();
+  EXPECT_EQ(*code, 70) << Logs();
+  const std::string log = testing::ReadFile(workers_[3].log);
+  EXPECT_TRUE(absl::StrContains(log, "CUDA device 3 is unusable: cudaErrorIllegalAddress")) << log;
+  const std::string faulty = workers_[3].grpc;
+  workers_.push_back(start_worker("healthy"));
+  ASSERT_FALSE(workers_.back().grpc.empty()) << testing::ReadFile(workers_.back().log);
+  Watch(job->job_id());
+  auto done = client_->GetJob(job->job_id());
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
+  ASSERT_GE(done->attempt_failures_size(), 1);
+  EXPECT_TRUE(absl::StrContains(done->attempt_failures(0), "illegal memory access") &&
+              absl::StrContains(done->attempt_failures(0), "CUDA device 3 is unusable"))
+      << done->attempt_failures(0);
+  for (const v1::RankAssignment& a : done->mesh().ranks()) EXPECT_NE(a.worker_address(), faulty);
+#endif
 }
 
 class CudaJobsHangTest : public CudaJobsTest {

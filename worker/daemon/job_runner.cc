@@ -12,6 +12,7 @@
 #include "common/atomic_file.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "kernels/device.h"
 #include "spec/job_validation.h"
 #include "spec/mesh.h"
 #include "worker/colo/rank_group.h"
@@ -98,6 +99,10 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
         absl::StrCat("rank: ", req.rank(), " is outside the mesh of ", mesh.world_size(), " ranks"));
   }
   absl::MutexLock lock(&mu_);
+  if (!device_lost_.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("this worker takes no rank: ", device_lost_.message(), "; it is restarting"));
+  }
   if (active_) {
     const v1::AssignJobRequest& now = active_->request;
     if (now.job_id() == req.job_id() && now.generation() == req.generation() && now.rank() == req.rank()) {
@@ -201,6 +206,17 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
     s = absl::AbortedError(active->stop_reason);
   }
   if (!s.ok()) DumpFlightRecorder(*active);
+  // A rank that failed may have broken the device for good (an illegal
+  // address, an Xid): the job then hears so, and this worker takes no
+  // other rank (it restarts: a new process gets a new context).
+  absl::Status device = absl::OkStatus();
+  if (!s.ok() && options_.cuda) {
+    device = kernels::CudaDeviceUsable(options_.device_ordinal);
+    if (!device.ok()) {
+      s = absl::Status(s.code(), absl::StrCat(s.message(), " (", device.message(),
+                                              ": the worker stops taking ranks and restarts)"));
+    }
+  }
   active->reporter.End(s, active->forward);
   if (s.ok()) {
     COLOD_LOG(INFO) << "job " << req.job_id() << ": rank " << req.rank() << " finished";
@@ -211,9 +227,16 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   // back to the system, not only to the allocator's arenas (a failed rank
   // would otherwise leave the worker tens or hundreds of MiB larger).
   ::malloc_trim(0);
-  absl::MutexLock lock(&mu_);
-  if (!s.ok()) last_error_ = absl::StrCat(req.job_id(), " rank ", req.rank(), ": ", s.ToString());
-  active_.reset();
+  {
+    absl::MutexLock lock(&mu_);
+    if (!s.ok()) last_error_ = absl::StrCat(req.job_id(), " rank ", req.rank(), ": ", s.ToString());
+    if (!device.ok()) device_lost_ = device;
+    active_.reset();
+  }
+  if (!device.ok()) {
+    COLOD_LOG(ERROR) << device.message() << ": this worker takes no other rank";
+    if (options_.on_device_lost) options_.on_device_lost(device);
+  }
 }
 
 absl::Status JobRunner::RunRank(Active& active) {

@@ -69,6 +69,11 @@ class JobRunner {
     // The paths a job may name; a rank whose spec names another fails
     // PERMISSION_DENIED before it opens anything.
     PathPolicy paths;
+    // Called once, on the rank's thread after its end is reported, where a
+    // rank failed and the CUDA device turns out broken (CudaDeviceUsable:
+    // a broken context fails every call until the process ends). The
+    // runner takes no rank after it.
+    std::function<void(const absl::Status&)> on_device_lost;
   };
 
   explicit JobRunner(Options options);
@@ -77,7 +82,8 @@ class JobRunner {
 
   // Starts the rank. INVALID_ARGUMENT for a request that does not describe
   // a rank of a TRAIN, FORWARD or TENSOR job (missing mesh, rank out of range, ...),
-  // FAILED_PRECONDITION while another job's rank runs; a repeated
+  // FAILED_PRECONDITION while another job's rank runs, or once the device
+  // is lost (Options::on_device_lost); a repeated
   // assignment of the rank that runs is OK (the coordinator retried).
   absl::Status Assign(const v1::AssignJobRequest& request);
   // Stops the job's rank: NOT_FOUND unless it runs that job, ABORTED for an
@@ -135,6 +141,7 @@ class JobRunner {
   std::shared_ptr<Active> active_ ABSL_GUARDED_BY(mu_);
   std::thread thread_ ABSL_GUARDED_BY(mu_);
   std::string last_error_ ABSL_GUARDED_BY(mu_);
+  absl::Status device_lost_ ABSL_GUARDED_BY(mu_);  // OK while the device is usable
 };
 
 }  // namespace colod

@@ -147,6 +147,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   auto& daemon = **worker;
-  return colod::ServeUntilSignal("worker", absl::GetFlag(FLAGS_ready_file), daemon.address(),
-                                 daemon.metrics_address(), [&daemon] { daemon.Shutdown(); });
+  const int code = colod::ServeUntilSignal("worker", absl::GetFlag(FLAGS_ready_file), daemon.address(),
+                                           daemon.metrics_address(), [&daemon] { daemon.Shutdown(); });
+  if (const absl::Status lost = daemon.device_lost(); !lost.ok()) {
+    COLOD_LOG(ERROR) << "exiting " << colod::WorkerDaemon::kExitDeviceLost << " for a restart: " << lost.message();
+    return colod::WorkerDaemon::kExitDeviceLost;
+  }
+  return code;
 }

@@ -1,6 +1,8 @@
 #include "worker/daemon/worker_daemon.h"
 
+#include <signal.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -158,6 +160,18 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     ro.memory_bytes = w->info_.memory_bytes();
     ro.paths = paths;
     ro.upload_cache_ttl = options.upload_cache_ttl;
+    ro.on_device_lost = [raw](const absl::Status& why) {
+      {
+        absl::MutexLock lock(&raw->mu_);
+        raw->device_lost_ = why;
+      }
+      if (raw->options_.on_device_lost) {
+        raw->options_.on_device_lost(why);
+      } else {
+        // main's sigwait takes it (every thread blocks it) and shuts down.
+        kill(getpid(), SIGTERM);
+      }
+    };
     w->runner_ = std::make_unique<JobRunner>(ro);
   }
   w->service_ = std::make_unique<WorkerServiceImpl>([raw] { return raw->Info(); }, [raw] { return raw->Status(); },
@@ -202,6 +216,11 @@ v1::WorkerStatus WorkerDaemon::Status() const {
   v1::WorkerStatus s;
   s.set_state(v1::WORKER_STATE_IDLE);
   return s;
+}
+
+absl::Status WorkerDaemon::device_lost() const {
+  absl::MutexLock lock(&mu_);
+  return device_lost_;
 }
 
 std::string WorkerDaemon::worker_id() const {

@@ -3,6 +3,7 @@
 #ifndef COLOD_WORKER_DAEMON_WORKER_DAEMON_H_
 #define COLOD_WORKER_DAEMON_WORKER_DAEMON_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -74,7 +75,16 @@ class WorkerDaemon {
     // Threads the gRPC server runs calls on at once (the coordinator's job
     // and tensor calls); a call past them is RESOURCE_EXHAUSTED. >= 1.
     int max_server_threads = 256;
+    // Called once where a rank's failure left the CUDA device broken (the
+    // worker takes no rank after it; device_lost() says why). Null: the
+    // process sends itself SIGTERM, so that main shuts the daemon down
+    // (deregistering) and exits kExitDeviceLost for its supervisor to
+    // restart it with a new CUDA context.
+    std::function<void(const absl::Status&)> on_device_lost;
   };
+
+  // main's exit code after a lost device (sysexits' EX_SOFTWARE).
+  static constexpr int kExitDeviceLost = 70;
 
   // INVALID_ARGUMENT for bad options (addresses, device), UNAVAILABLE if an
   // address cannot be bound. Returns once serving; registration proceeds in
@@ -96,6 +106,8 @@ class WorkerDaemon {
   int64_t heartbeats_acked() const;
   // IDLE, or BUSY with the rank it runs.
   v1::WorkerStatus status() const { return Status(); }
+  // OK, or why the CUDA device was found broken after a rank failed.
+  absl::Status device_lost() const;
 
  private:
   explicit WorkerDaemon(Options options);
@@ -129,6 +141,7 @@ class WorkerDaemon {
   bool serving_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status device_lost_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace colod

@@ -635,6 +635,20 @@ bool DeviceFaulted(int device) { return FaultableDevice(device) && faulted[devic
 cudaError_t StickyError(int device) { return DeviceFaulted(device) ? cudaErrorIllegalAddress : cudaSuccess; }
 
 void NoteLaunch(int device) {
+  // A fault a test arms in a process it starts (a worker daemon):
+  // COLOD_CUDA_EMU_FAULT_AT_LAUNCH=DEVICE:N, counted from the first launch.
+  static const bool from_env = [] {
+    const char* v = getenv("COLOD_CUDA_EMU_FAULT_AT_LAUNCH");
+    int fault_device = -1;
+    unsigned long long launch = 0;
+    if (v == nullptr) return false;
+    if (sscanf(v, "%d:%llu", &fault_device, &launch) != 2 || !FaultableDevice(fault_device)) {
+      Fatal(std::string("COLOD_CUDA_EMU_FAULT_AT_LAUNCH: '") + v + "' is not DEVICE:N");
+    }
+    FaultDeviceAtLaunch(fault_device, launch);
+    return true;
+  }();
+  (void)from_env;
   if (!FaultableDevice(device)) return;
   uint64_t left = launches_to_fault[device].load();
   while (left != 0) {

@@ -58,7 +58,9 @@ bool AsyncAllocationFailureArmed();
 // cudaPeekAtLastError on a thread whose current device it is, return
 // cudaErrorIllegalAddress, and nothing the program does clears it (only a
 // new process would). ClearDeviceFaults() disarms and mends every device,
-// for the next test, and clears the calling thread's last error.
+// for the next test, and clears the calling thread's last error. A process
+// started with COLOD_CUDA_EMU_FAULT_AT_LAUNCH=DEVICE:N arms
+// FaultDeviceAtLaunch(DEVICE, N) at its first kernel launch.
 void FaultDeviceAtLaunch(int device, uint64_t launch);
 void ClearDeviceFaults();
 bool DeviceFaulted(int device);
