@@ -240,6 +240,17 @@ TEST_F(CudaJobsTest, ADaemonWhoseDeviceFaultsLeavesAndTheJobRestartsWithoutIt) {
   const std::string log = testing::ReadFile(workers_[3].log);
   EXPECT_TRUE(absl::StrContains(log, "CUDA device 3 is unusable: cudaErrorIllegalAddress")) << log;
   const std::string faulty = workers_[3].grpc;
+  // It left saying why.
+  auto listed = client_->ListWorkers(/*include_lost=*/true);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  int left = 0;
+  for (const v1::Worker& w : *listed) {
+    if (w.info().address() != faulty) continue;
+    ++left;
+    EXPECT_EQ(w.state(), v1::WORKER_STATE_LOST);
+    EXPECT_TRUE(absl::StrContains(w.lost_reason(), "CUDA device 3 is unusable")) << w.lost_reason();
+  }
+  EXPECT_EQ(left, 1);
   workers_.push_back(start_worker("healthy"));
   ASSERT_FALSE(workers_.back().grpc.empty()) << testing::ReadFile(workers_.back().log);
   Watch(job->job_id());

@@ -277,7 +277,9 @@ absl::Status WorkerDaemon::DeregisterOnce(const std::string& id) {
   AddAuthToken(ctx, options_.auth_token);
   v1::DeregisterWorkerRequest req;
   req.set_worker_id(id);
-  req.set_reason("the worker is shutting down");
+  const absl::Status lost = device_lost();
+  req.set_reason(lost.ok() ? std::string("the worker is shutting down")
+                           : absl::StrCat(lost.message(), "; the worker restarts"));
   v1::DeregisterWorkerResponse resp;
   return FromGrpcStatus(coordinator_->DeregisterWorker(&ctx, req, &resp));
 }
