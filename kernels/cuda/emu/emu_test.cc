@@ -504,6 +504,10 @@ TEST(CudaEmuMemory, AFaultedDeviceFailsEveryCallUntilTheFaultsAreCleared) {
   int* d = DeviceAlloc<int>(64);
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  ncclComm_t comm = nullptr;
+  ASSERT_EQ(ncclCommInitRank(&comm, 1, id, 0), ncclSuccess);
   colod_cuda_emu::FaultDeviceAtLaunch(kDevice, 2);
   EXPECT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, stream, d, 64), cudaSuccess);
   EXPECT_FALSE(colod_cuda_emu::DeviceFaulted(kDevice));
@@ -522,6 +526,9 @@ TEST(CudaEmuMemory, AFaultedDeviceFailsEveryCallUntilTheFaultsAreCleared) {
   cudaEvent_t event = nullptr;
   ASSERT_EQ(cudaEventCreate(&event), cudaSuccess);
   EXPECT_EQ(cudaEventRecord(event, stream), cudaErrorIllegalAddress);
+  // NCCL's kernel launch fails too.
+  EXPECT_EQ(ncclAllReduce(d, d, 64, ncclInt32, ncclSum, comm, stream), ncclUnhandledCudaError);
+  EXPECT_EQ(ncclSend(d, 64, ncclInt32, 0, comm, stream), ncclUnhandledCudaError);
   // Another device is untouched (the thread's last error, read here, was
   // the failed calls' on the faulted device; not sticky on this one).
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
@@ -541,6 +548,9 @@ TEST(CudaEmuMemory, AFaultedDeviceFailsEveryCallUntilTheFaultsAreCleared) {
   EXPECT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, stream, d, 64), cudaSuccess);
   EXPECT_EQ(cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(h[63], 63);
+  EXPECT_EQ(ncclAllReduce(d, d, 64, ncclInt32, ncclSum, comm, stream), ncclSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(ncclCommDestroy(comm), ncclSuccess);
   cudaEventDestroy(event);
   cudaStreamDestroy(stream);
   cudaFree(d);

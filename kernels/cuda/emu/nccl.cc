@@ -776,6 +776,8 @@ ncclResult_t Collective(const char* name, const void* send, void* recv, size_t c
   if ((op == "Broadcast" || op == "Reduce") && (root < 0 || root >= n)) return ncclInvalidArgument;
   auto s = colod_cuda_emu::Resolve(stream);
   if (s == nullptr) return ncclInvalidArgument;
+  // A broken context fails NCCL's kernel launch.
+  if (colod_cuda_emu::StickyError(colod_cuda_emu::DeviceOf(*s)) != cudaSuccess) return ncclUnhandledCudaError;
   CheckNotInProgress(*st, name);
   uint64_t seq;
   long opno;
@@ -817,6 +819,8 @@ ncclResult_t PointToPoint(bool is_send, void* buf, size_t count, ncclDataType_t 
   if (!CheckBuffer(buf, count * es, st->device)) return ncclInvalidArgument;
   auto s = colod_cuda_emu::Resolve(stream);
   if (s == nullptr) return ncclInvalidArgument;
+  // A broken context fails NCCL's kernel launch.
+  if (colod_cuda_emu::StickyError(colod_cuda_emu::DeviceOf(*s)) != cudaSuccess) return ncclUnhandledCudaError;
   CheckNotInProgress(*st, name);
   uint64_t seq;
   long opno;

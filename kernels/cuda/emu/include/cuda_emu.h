@@ -54,7 +54,8 @@ bool AsyncAllocationFailureArmed();
 // context, as a kernel's illegal address does on a GPU. That launch itself
 // returns success (the fault is asynchronous); from then on every kernel
 // launch, copy, set, allocation, free, synchronization, query and event call
-// on the device, cuBLAS's calls on its streams, and cudaGetLastError and
+// on the device, cuBLAS's calls on its streams (NCCL's collectives and
+// sends fail ncclUnhandledCudaError), and cudaGetLastError and
 // cudaPeekAtLastError on a thread whose current device it is, return
 // cudaErrorIllegalAddress, and nothing the program does clears it (only a
 // new process would). ClearDeviceFaults() disarms and mends every device,
