@@ -20,6 +20,7 @@
 #include <cudnn.h>
 #include <dlfcn.h>
 
+#include <array>
 #include <map>
 #include <memory>
 #include <set>
@@ -635,11 +636,24 @@ class Plans {
   // shape cuDNN refused stays refused (its status is cached too).
   absl::StatusOr<std::shared_ptr<Plan>> Find(const Api& api, int device, Device& dev, const CudnnAttentionShape& a,
                                              bool backward) {
-    const std::string key =
-        absl::StrCat(device, backward ? "b" : "f", static_cast<int>(a.type), "/", a.b, "/", a.s, "/", a.hq, "/", a.hkv,
-                     "/", a.d, a.causal ? "c" : "", a.deterministic ? "d" : "", "/", a.layout.q.token, ",",
-                     a.layout.q.head, ",", a.layout.kv.token, ",", a.layout.kv.head, ",", a.layout.dq.token, ",",
-                     a.layout.dq.head, ",", a.layout.dkv.token, ",", a.layout.dkv.head);
+    const PlanKey key = {device,
+                         backward,
+                         static_cast<int64_t>(a.type),
+                         a.b,
+                         a.s,
+                         a.hq,
+                         a.hkv,
+                         a.d,
+                         a.causal,
+                         a.deterministic,
+                         a.layout.q.token,
+                         a.layout.q.head,
+                         a.layout.kv.token,
+                         a.layout.kv.head,
+                         a.layout.dq.token,
+                         a.layout.dq.head,
+                         a.layout.dkv.token,
+                         a.layout.dkv.head};
     {
       absl::MutexLock lock(&mu_);
       auto it = plans_.find(key);
@@ -657,9 +671,13 @@ class Plans {
 
  private:
   static constexpr size_t kMaxPlans = 256;
+  // Device, direction, type, b, s, hq, hkv, d, causal, deterministic and the
+  // layout's eight strides: compared as numbers, not spelled as a string at
+  // each call.
+  using PlanKey = std::array<int64_t, 18>;
   absl::Mutex mu_;
   std::map<int, std::unique_ptr<Device>> devices_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, absl::StatusOr<std::shared_ptr<Plan>>> plans_ ABSL_GUARDED_BY(mu_);
+  std::map<PlanKey, absl::StatusOr<std::shared_ptr<Plan>>> plans_ ABSL_GUARDED_BY(mu_);
 };
 
 // Says once per reason (on stderr, the first 64 reasons) why the cuDNN
