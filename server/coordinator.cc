@@ -84,8 +84,10 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
         "--upload-quota must be >= 0, and --max-uploads, --max-concurrent-uploads and --max-concurrent-downloads "
         ">= 1");
   }
-  if (options.max_server_threads < 0) {
-    return absl::InvalidArgumentError("--max-server-threads: must be >= 0 (0: the long calls' bounds and 512)");
+  if (options.max_server_threads < 0 || options.max_server_threads == 1) {
+    // One thread polls for calls and hands each to another: with one, every call but health checks is refused.
+    return absl::InvalidArgumentError(
+        "--max-server-threads: must be 0 (the long calls' bounds and 512) or at least 2 (one thread polls for calls)");
   }
   const int server_threads = ServerThreadsFor(options);
   Options derived = options;

@@ -88,7 +88,8 @@ class Coordinator {
     int max_concurrent_downloads = 64;
     // Threads the gRPC server may run calls on at once; a call past them is
     // RESOURCE_EXHAUSTED. 0: ServerThreadsFor(options), enough for every
-    // bounded long call above and kServerThreadsForShortCalls more.
+    // bounded long call above and kServerThreadsForShortCalls more; else at
+    // least 2 (one polls for calls).
     int max_server_threads = 0;
     // An upload no job names is removed this long after it was made or last
     // named.

@@ -398,8 +398,10 @@ TEST(CoordinatorStart, ServerThreadsAreBounded) {
   d.max_store_waits = std::numeric_limits<int>::max();
   EXPECT_EQ(Coordinator::ServerThreadsFor(d), std::numeric_limits<int>::max());
   d.data_dir = testing::TempPath("coord-threads-bad");
-  d.max_server_threads = -1;
-  EXPECT_EQ(Coordinator::Start(d).status().code(), absl::StatusCode::kInvalidArgument);
+  for (int bad : {-1, 1}) {
+    d.max_server_threads = bad;
+    EXPECT_EQ(Coordinator::Start(d).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
   d.max_server_threads = 0;
   d.max_store_waits = 8192;
   d.max_concurrent_downloads = 0;

@@ -54,7 +54,7 @@ ABSL_FLAG(int, max_concurrent_downloads, 64,
 ABSL_FLAG(int, max_server_threads, 0,
           "Threads the gRPC server runs calls on at once; a call past them is refused RESOURCE_EXHAUSTED. 0: the "
           "sum of --max-store-waits, --max-watch-streams, --max-concurrent-uploads and --max-concurrent-downloads, "
-          "and 512 for short calls (heartbeats, job calls).");
+          "and 512 for short calls (heartbeats, job calls). Else at least 2: one thread polls for calls.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");

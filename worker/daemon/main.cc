@@ -59,7 +59,7 @@ ABSL_FLAG(int, blas_threads, 0,
           "the worker's cores make OpenBLAS's helpers spin against each other.");
 ABSL_FLAG(int, max_server_threads, 256,
           "Threads the gRPC server runs calls on at once (the coordinator's job and tensor calls); a call past "
-          "them is refused RESOURCE_EXHAUSTED.");
+          "them is refused RESOURCE_EXHAUSTED. At least 2: one thread polls for calls.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");

@@ -89,8 +89,10 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
     peak.set_f16(known.f16);
     peak.set_source(known.source);
   }
-  if (o.max_server_threads < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--max-server-threads: must be >= 1, got ", o.max_server_threads));
+  if (o.max_server_threads < 2) {
+    // One thread polls for calls and hands each to another: with one, every call but health checks is refused.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-server-threads: must be at least 2 (one thread polls for calls), got ", o.max_server_threads));
   }
   if (o.upload_cache_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--upload-cache-ttl: must be >= 0");

@@ -73,7 +73,8 @@ class WorkerDaemon {
     // How long an ended rank's series stay on /metrics (WorkerMetrics).
     absl::Duration metrics_linger = absl::Minutes(1);
     // Threads the gRPC server runs calls on at once (the coordinator's job
-    // and tensor calls); a call past them is RESOURCE_EXHAUSTED. >= 1.
+    // and tensor calls); a call past them is RESOURCE_EXHAUSTED. >= 2 (one
+    // polls for calls).
     int max_server_threads = 256;
     // Called once where a rank's failure left the CUDA device broken (the
     // worker takes no rank after it; device_lost() says why). Null: the
