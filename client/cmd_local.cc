@@ -98,7 +98,9 @@ constexpr Command kCommands[] = {
      "              loopback: CPU ones, or with --device cuda one per CUDA device (worker i\n"
      "              on device i, over NCCL between the processes). Prints the coordinator's address once every worker has\n"
      "              registered, stays in the foreground, and stops everything on Ctrl-C or\n"
-     "              SIGTERM. --data-dir keeps the coordinator's state and the worker logs.\n",
+     "              SIGTERM. --data-dir keeps the coordinator's state and the worker logs.\n"
+     "              A CUDA worker whose device faulted (it exits 70) is started again, up\n"
+     "              to 3 times; a worker that exits otherwise is said on stderr.\n",
      RunLocal},
     {"health", "ADDR",
      "  health ADDR Check the gRPC health (grpc.health.v1) of the daemon at HOST:PORT within\n"

@@ -6,25 +6,28 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <algorithm>
 #include <fstream>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/coordinator_client.h"
+#include "common/exit_codes.h"
 #include "common/find_binary.h"
 #include "common/status_macros.h"
 
 namespace colod {
 namespace {
 
-// Starts `argv` with stderr to `log` and stdout to /dev/null, dying with this
-// process.
-absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log) {
+// Starts `argv` with stderr to `log` (appended to where `append`, else
+// truncated) and stdout to /dev/null, dying with this process.
+absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log, bool append = false) {
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -35,7 +38,7 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
     // this process may have held a lock), and no stdio: freopen would flush
     // the parent's buffered stdout a second time, from the child.
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-    const int err = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const int err = ::open(log.c_str(), O_WRONLY | O_CREAT | (append ? O_APPEND : O_TRUNC) | O_CLOEXEC, 0644);
     const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
     if (err < 0 || null < 0 || ::dup2(err, STDERR_FILENO) < 0 || ::dup2(null, STDOUT_FILENO) < 0) ::_exit(126);
     // The daemons wait for SIGTERM; the signal mask of a coloctl that blocked
@@ -69,8 +72,10 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
   if (options.coordinator_binary.empty() || options.worker_binary.empty()) {
     return absl::InvalidArgumentError("the daemon binaries are required");
   }
+  if (options.max_worker_restarts < 0) return absl::InvalidArgumentError("max_worker_restarts must be >= 0");
   std::unique_ptr<LocalCluster> c(new LocalCluster());
   c->data_dir_ = options.data_dir;
+  c->max_worker_restarts_ = options.max_worker_restarts;
   if (c->data_dir_.empty()) {
     char tmpl[] = "/tmp/colod-local-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) return absl::InternalError("cannot create a temporary directory");
@@ -97,12 +102,18 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
                             options.listen, "--metrics-listen", options.metrics_listen, "--ready-file", ready},
                            c->data_dir_ + "/coordinator.log");
   if (!coordinator.ok()) return fail(coordinator.status());
-  c->pids_.push_back(*coordinator);
+  {
+    absl::MutexLock lock(&c->mu_);
+    c->coordinator_pid_ = *coordinator;
+  }
   const absl::Time deadline = absl::Now() + options.ready_timeout;
   while ((c->address_ = ReadyValue(ready, "grpc")).empty()) {
     int status = 0;
     if (::waitpid(*coordinator, &status, WNOHANG) == *coordinator) {
-      c->pids_.clear();
+      {
+        absl::MutexLock lock(&c->mu_);
+        c->coordinator_pid_ = -1;  // reaped
+      }
       return fail(absl::UnavailableError("the coordinator exited at start (is --listen in use?)"));
     }
     if (absl::Now() > deadline) return fail(absl::DeadlineExceededError("the coordinator did not start"));
@@ -112,12 +123,18 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
   for (int i = 0; i < options.workers; ++i) {
     // The machine's cores shared among the workers: a rank's GEMMs on its own.
     const int blas_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / options.workers);
-    auto pid = Spawn({options.worker_binary, "--coordinator", c->address_, "--listen", "127.0.0.1:0",
-                      "--metrics-listen", "127.0.0.1:0", "--device", options.device, "--device-ordinal", absl::StrCat(i),
-                      "--blas-threads", absl::StrCat(blas_threads)},
-                     absl::StrCat(c->data_dir_, "/worker-", i, ".log"));
+    Child w;
+    // clang-format off
+    w.argv = {options.worker_binary, "--coordinator", c->address_, "--listen", "127.0.0.1:0",
+              "--metrics-listen", "127.0.0.1:0", "--device", options.device,
+              "--device-ordinal", absl::StrCat(i), "--blas-threads", absl::StrCat(blas_threads)};
+    // clang-format on
+    w.log = absl::StrCat(c->data_dir_, "/worker-", i, ".log");
+    auto pid = Spawn(w.argv, w.log);
     if (!pid.ok()) return fail(pid.status());
-    c->pids_.push_back(*pid);
+    w.pid = *pid;
+    absl::MutexLock lock(&c->mu_);
+    c->workers_.push_back(std::move(w));
   }
   while (true) {
     auto workers = c->workers();
@@ -128,7 +145,81 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
+  try {
+    c->supervisor_ = std::thread([raw = c.get()] { raw->Supervise(); });
+  } catch (const std::system_error& e) {
+    return fail(absl::ResourceExhaustedError(absl::StrCat("cannot start the workers' supervisor: ", e.what())));
+  }
   return c;
+}
+
+void LocalCluster::Supervise() {
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopped_), absl::Milliseconds(200))) return;
+    }
+    size_t n = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      n = workers_.size();
+    }
+    for (size_t i = 0; i < n; ++i) {
+      pid_t pid = -1;
+      {
+        absl::MutexLock lock(&mu_);
+        pid = workers_[i].pid;
+      }
+      int status = 0;
+      if (pid < 0 || ::waitpid(pid, &status, WNOHANG) != pid) continue;
+      const bool asks = WIFEXITED(status) && WEXITSTATUS(status) == kExitDeviceLost;
+      std::vector<std::string> argv;
+      std::string log;
+      int restarts = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        Child& w = workers_[i];
+        w.pid = -1;
+        log = w.log;
+        if (asks && w.restarts < max_worker_restarts_) {
+          argv = w.argv;
+          restarts = ++w.restarts;
+          ++restarts_;
+        }
+      }
+      if (argv.empty()) {
+        const std::string how = WIFEXITED(status) ? absl::StrCat("exited ", WEXITSTATUS(status))
+                                                  : absl::StrCat("was killed by signal ", WTERMSIG(status));
+        std::fprintf(stderr, "coloctl local: worker %zu %s%s; it stays down (its log: %s)\n", i, how.c_str(),
+                     asks ? ", its device lost once too often" : "", log.c_str());
+        continue;
+      }
+      std::fprintf(stderr,
+                   "coloctl local: worker %zu lost its CUDA device (exit %d); starting it again (%d of %d; its "
+                   "log: %s)\n",
+                   i, kExitDeviceLost, restarts, max_worker_restarts_, log.c_str());
+      const absl::StatusOr<pid_t> again = Spawn(argv, log, /*append=*/true);
+      if (!again.ok()) {
+        std::fprintf(stderr, "coloctl local: worker %zu cannot be started again: %s\n", i,
+                     std::string(again.status().message()).c_str());
+        continue;
+      }
+      absl::MutexLock lock(&mu_);
+      workers_[i].pid = *again;  // Stop, after it joined this thread, ends it
+    }
+  }
+}
+
+std::vector<pid_t> LocalCluster::pids() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<pid_t> out = {coordinator_pid_};
+  for (const Child& w : workers_) out.push_back(w.pid);
+  return out;
+}
+
+int LocalCluster::restarts() const {
+  absl::MutexLock lock(&mu_);
+  return restarts_;
 }
 
 absl::StatusOr<std::vector<v1::Worker>> LocalCluster::workers() const {
@@ -143,6 +234,17 @@ void LocalCluster::Stop() {
     absl::MutexLock lock(&mu_);
     if (stopped_) return;
     stopped_ = true;
+  }
+  // No restart after this: what the supervisor started is stopped below.
+  if (supervisor_.joinable() && supervisor_.get_id() != std::this_thread::get_id()) supervisor_.join();
+  std::vector<pid_t> workers;
+  pid_t coordinator = -1;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Child& w : workers_) {
+      if (w.pid > 0) workers.push_back(w.pid);
+    }
+    coordinator = coordinator_pid_;
   }
   // The workers together first (their last calls reach a live coordinator),
   // then the coordinator; SIGKILL whatever is still running after 10 s.
@@ -161,8 +263,8 @@ void LocalCluster::Stop() {
       }
     }
   };
-  if (pids_.size() > 1) stop(std::vector<pid_t>(pids_.begin() + 1, pids_.end()));
-  if (!pids_.empty()) stop({pids_[0]});
+  if (!workers.empty()) stop(workers);
+  if (coordinator > 0) stop({coordinator});
   if (temporary_) {
     std::error_code ec;
     std::filesystem::remove_all(data_dir_, ec);

@@ -1,9 +1,11 @@
 // An embedded colod cluster on this machine (`coloctl local`): the
 // colod-coordinator and N colod-worker daemons (CPU ones, or one per CUDA
 // device) as child processes on loopback. The children die with this process (PR_SET_PDEATHSIG), so a
-// killed coloctl leaves no daemons behind.
+// killed coloctl leaves no daemons behind. A worker that exits asking for a
+// restart (kExitDeviceLost: its CUDA device faulted) is started again, as
+// Kubernetes would; one that exits otherwise is said on stderr and left.
 //
-// Thread-safety: Stop() may be called from any thread, more than once.
+// Thread-safe: Stop() may be called from any thread, more than once.
 #ifndef COLOD_CLIENT_LOCAL_CLUSTER_H_
 #define COLOD_CLIENT_LOCAL_CLUSTER_H_
 
@@ -11,6 +13,7 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -36,6 +39,9 @@ class LocalCluster {
     std::string coordinator_binary;
     std::string worker_binary;
     absl::Duration ready_timeout = absl::Seconds(60);
+    // Restarts of one worker after it exited kExitDeviceLost; past them it
+    // stays down.
+    int max_worker_restarts = 3;
   };
 
   // Starts everything and waits until every worker registered.
@@ -48,23 +54,40 @@ class LocalCluster {
   const std::string& address() const { return address_; }
   const std::string& metrics_address() const { return metrics_address_; }
   const std::string& data_dir() const { return data_dir_; }
-  // The coordinator's pid first, then the workers'.
-  const std::vector<pid_t>& pids() const { return pids_; }
+  // The coordinator's pid first, then the workers' (a restarted worker's
+  // new one; -1 for one that is down).
+  std::vector<pid_t> pids() const;
+  // Worker restarts so far (after kExitDeviceLost).
+  int restarts() const;
   // The registered workers, sorted by id.
   absl::StatusOr<std::vector<v1::Worker>> workers() const;
 
-  // SIGTERM to the workers, then the coordinator (SIGKILL after 10 s),
-  // reaps them and removes a temporary data dir.
+  // Ends the supervision, then SIGTERM to the workers, then the coordinator
+  // (SIGKILL after 10 s), reaps them and removes a temporary data dir.
   void Stop();
 
  private:
+  struct Child {
+    std::vector<std::string> argv;
+    std::string log;
+    pid_t pid = -1;  // -1: down (reaped)
+    int restarts = 0;
+  };
   LocalCluster() = default;
+  // Every 200 ms until Stop: reaps the workers that exited and starts again
+  // those that asked for it.
+  void Supervise();
+
   std::string address_, metrics_address_;
-  std::vector<pid_t> pids_;
   std::string data_dir_;
   bool temporary_ = false;
-  absl::Mutex mu_;
+  int max_worker_restarts_ = 3;
+  mutable absl::Mutex mu_;
+  pid_t coordinator_pid_ ABSL_GUARDED_BY(mu_) = -1;
+  std::vector<Child> workers_ ABSL_GUARDED_BY(mu_);
+  int restarts_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread supervisor_;  // started by Start, joined by Stop
 };
 
 // `name` (colod-coordinator, colod-worker) next to `self` (the running

@@ -156,6 +156,11 @@ absl::Status CudaDeviceUsable(int ordinal) {
     const cudaError_t destroyed = cudaStreamDestroy(probe);
     if (err == cudaSuccess) err = destroyed;
   }
+  // A full device is a usable one (the error is not sticky).
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return absl::OkStatus();
+  }
   if (err != cudaSuccess) {
     cudaGetLastError();
     return absl::InternalError(absl::StrCat("CUDA device ", ordinal, " is unusable: ", cudaGetErrorName(err), " (",

@@ -6,7 +6,9 @@
 #include <cuda_runtime.h>  // COLOD_CUDA_EMULATION under --config=cuda-emu
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <optional>
 #include <sstream>
 
@@ -156,6 +158,45 @@ TEST(CudaLocalCluster, ItsCudaWorkersTrainWithTheCpuLosses) {
   EXPECT_EQ(*code, 0) << testing::ReadFile(TempPath("local.err"));
 }
 
+// `coloctl local --device cuda` starts again a worker whose device faulted
+// and that exited 70 for it, as Kubernetes would; the job it failed
+// restarts on the new process (a sound context) and succeeds.
+TEST(CudaLocalCluster, AWorkerWhoseDeviceFaultsIsStartedAgainAndItsJobSucceeds) {
+#ifndef COLOD_CUDA_EMULATION
+  GTEST_SKIP() << "the fault is the emulation's (COLOD_CUDA_EMU_FAULT_AT_LAUNCH); a GPU has none to inject";
+#else
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  o.positions = 32;
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2_local_fault"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::string once = TempPath("local-fault-once");
+  std::remove(once.c_str());
+  // Worker 1 serves device 1: its first process faults at its 300th launch there.
+  testing::Subprocess local({"/usr/bin/env", "COLOD_CUDA_EMU_FAULT_AT_LAUNCH=1:300", "COLOD_CUDA_EMU_FAULT_ONCE=" + once,
+                             Runfile("client/coloctl"), "local", "--workers", "2", "--device", "cuda", "--listen",
+                             "127.0.0.1:0", "--data-dir", TempPath("local-fault")},
+                            TempPath("local-fault.out"), TempPath("local-fault.err"));
+  const std::string address = testing::LocalClusterAddress(TempPath("local-fault.out"));
+  ASSERT_FALSE(address.empty()) << testing::ReadFile(TempPath("local-fault.err"));
+  const auto run = testing::RunColoctl({"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
+                                        "--steps", "12", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3",
+                                        "--seed", "5", "--tp", "2", "--precision", "fp32", "--output", "json",
+                                        "--coordinator", address});
+  const std::string err = testing::ReadFile(TempPath("local-fault.err"));
+  const std::string worker1 = testing::ReadFile(TempPath("local-fault/worker-1.log"));
+  EXPECT_EQ(run.code, 0) << run.err << "\n" << err << "\n" << worker1;
+  EXPECT_TRUE(absl::StrContains(err, "worker 1 lost its CUDA device (exit 70); starting it again (1 of 3")) << err;
+  EXPECT_TRUE(absl::StrContains(worker1, "CUDA device 1 is unusable: cudaErrorIllegalAddress")) << worker1;
+  EXPECT_TRUE(std::filesystem::exists(once));
+  EXPECT_GE(testing::JsonLosses(run.out).size(), 12u) << run.out;
+  local.Signal(SIGTERM);
+  const auto code = local.Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 0) << testing::ReadFile(TempPath("local-fault.err"));
+#endif
+}
+
 // The cluster fixture (tests/jobs_fixture.h) with four CUDA workers, each a
 // process serving its device ordinal.
 class CudaJobsTest : public testing::JobsTest {
@@ -217,15 +258,13 @@ TEST_F(CudaJobsTest, ADaemonWhoseDeviceFaultsLeavesAndTheJobRestartsWithoutIt) {
 #else
   workers_[3].process->Signal(SIGTERM);
   ASSERT_TRUE(workers_[3].process->Wait(absl::Seconds(30)).has_value());
-  const auto start_worker = [&](const std::string& name) {
+  const auto start_worker = [&](const std::string& name, const std::vector<std::string>& env) {
     return testing::StartDaemon("worker/daemon/colod-worker", name,
                                 {"--coordinator", coordinator_.grpc, "--device", "cuda", "--device-ordinal", "3",
-                                 "--work-dir", TempPath("work-" + name), "--comm-timeout", "30s"});
+                                 "--work-dir", TempPath("work-" + name), "--comm-timeout", "30s"},
+                                env);
   };
-  // The child takes the environment at its start; the variable goes at once.
-  setenv("COLOD_CUDA_EMU_FAULT_AT_LAUNCH", "3:400", 1);
-  workers_[3] = start_worker("faulty");
-  unsetenv("COLOD_CUDA_EMU_FAULT_AT_LAUNCH");
+  workers_[3] = start_worker("faulty", {"COLOD_CUDA_EMU_FAULT_AT_LAUNCH=3:400"});
   ASSERT_FALSE(workers_[3].grpc.empty()) << testing::ReadFile(workers_[3].log);
   ASSERT_TRUE(testing::WaitForWorkers(*client_, 4).ok()) << Logs();
   train::TrainOptions o = Options(60);
@@ -251,7 +290,7 @@ TEST_F(CudaJobsTest, ADaemonWhoseDeviceFaultsLeavesAndTheJobRestartsWithoutIt) {
     EXPECT_TRUE(absl::StrContains(w.lost_reason(), "CUDA device 3 is unusable")) << w.lost_reason();
   }
   EXPECT_EQ(left, 1);
-  workers_.push_back(start_worker("healthy"));
+  workers_.push_back(start_worker("healthy", {}));
   ASSERT_FALSE(workers_.back().grpc.empty()) << testing::ReadFile(workers_.back().log);
   Watch(job->job_id());
   auto done = client_->GetJob(job->job_id());

@@ -103,13 +103,19 @@ std::optional<std::string> ReadyValue(const std::string& path, const std::string
   return std::nullopt;
 }
 
-Daemon StartDaemon(const std::string& binary, const std::string& name, std::vector<std::string> flags) {
+Daemon StartDaemon(const std::string& binary, const std::string& name, std::vector<std::string> flags,
+                   const std::vector<std::string>& env) {
   Daemon d;
   const std::string ready = TempPath(name + ".ready");
   d.log = TempPath(name + ".log");
   std::remove(ready.c_str());  // a restart must not read the last run's ports
-  std::vector<std::string> argv = {Runfile(binary), "--listen", "127.0.0.1:0", "--metrics-listen",
-                                   "127.0.0.1:0", "--ready-file", ready};
+  std::vector<std::string> argv;
+  if (!env.empty()) {  // env execs the daemon: the pid is the daemon's
+    argv.push_back("/usr/bin/env");
+    argv.insert(argv.end(), env.begin(), env.end());
+  }
+  argv.insert(argv.end(), {Runfile(binary), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                           "--ready-file", ready});
   argv.insert(argv.end(), flags.begin(), flags.end());
   d.process = std::make_unique<Subprocess>(argv, "", d.log);
   d.grpc = ReadyValue(ready, "grpc", absl::Seconds(30)).value_or("");

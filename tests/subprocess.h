@@ -78,7 +78,10 @@ struct Daemon {
 // Starts `binary` (a runfile, e.g. "server/colod-coordinator") with
 // --listen/--metrics-listen 127.0.0.1:0 and a ready file under the test's
 // temp dir named after `name`, plus `flags`; waits up to 30 s for it.
-Daemon StartDaemon(const std::string& binary, const std::string& name, std::vector<std::string> flags);
+// `env` (NAME=VALUE) is added to its environment only (through env(1): the
+// test's own is never changed while its threads run).
+Daemon StartDaemon(const std::string& binary, const std::string& name, std::vector<std::string> flags,
+                   const std::vector<std::string>& env = {});
 
 // A coordinator for cluster tests: data under the test's temp dir ("data"),
 // heartbeats every 200 ms and a 1.5 s lease (a lost worker shows fast),

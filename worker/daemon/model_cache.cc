@@ -102,22 +102,26 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
     }
   } remove_tmp{tmp};
   const absl::Time deadline = absl::Now() + options_.download_timeout;
-  absl::Duration backoff = options_.busy_backoff;
+  absl::Duration backoff = std::max(options_.busy_backoff, absl::Milliseconds(1));  // never a spin
   absl::BitGen bits;
+  absl::Status busy;  // the coordinator's last refusal for want of room
+  const auto stayed_busy = [&] {
+    return absl::DeadlineExceededError(
+        absl::StrCat("downloading upload '", model.upload_id(), "': the coordinator stayed busy for ",
+                     absl::FormatDuration(options_.download_timeout), " (", busy.message(), ")"));
+  };
   for (int refusals = 0;; ++refusals) {
     bool received = false;
     const absl::Status s = DownloadInto(model.upload_id(), tmp, deadline, abort, received);
+    // The deadline passing during a last ask that got nothing: it was the wait.
+    if (!busy.ok() && !received && absl::IsDeadlineExceeded(s)) return stayed_busy();
     // A coordinator at its bound of downloads (or of server threads)
     // refuses before it sends anything: wait and ask again.
     if (s.ok() || received || !IsBusyRefusal(s)) {
       RETURN_IF_ERROR(s);
       break;
     }
-    const auto stayed_busy = [&] {
-      return absl::DeadlineExceededError(
-          absl::StrCat("downloading upload '", model.upload_id(), "': the coordinator stayed busy for ",
-                       absl::FormatDuration(options_.download_timeout), " (", s.message(), ")"));
-    };
+    busy = s;
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) return stayed_busy();
     if (refusals == 0) {

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "common/auth.h"
+#include "common/exit_codes.h"
 #include "common/grpc_server.h"
 #include "common/metrics.h"
 #include "worker/daemon/job_runner.h"
@@ -80,12 +81,13 @@ class WorkerDaemon {
     // worker takes no rank after it; device_lost() says why). Null: the
     // process sends itself SIGTERM, so that main shuts the daemon down
     // (deregistering) and exits kExitDeviceLost for its supervisor to
-    // restart it with a new CUDA context.
+    // restart it with a new CUDA context. It runs on the rank's thread,
+    // which Shutdown joins: it must not call Shutdown itself.
     std::function<void(const absl::Status&)> on_device_lost;
   };
 
-  // main's exit code after a lost device (sysexits' EX_SOFTWARE).
-  static constexpr int kExitDeviceLost = 70;
+  // main's exit code after a lost device (common/exit_codes.h).
+  static constexpr int kExitDeviceLost = colod::kExitDeviceLost;
 
   // INVALID_ARGUMENT for bad options (addresses, device), UNAVAILABLE if an
   // address cannot be bound. Returns once serving; registration proceeds in

@@ -500,6 +500,12 @@ TEST(CudaEmuMemory, CopiesAndFreesAreChecked) {
 // the error does not clear it; another device runs on.
 TEST(CudaEmuMemory, AFaultedDeviceFailsEveryCallUntilTheFaultsAreCleared) {
   constexpr int kDevice = 1;  // faulted only within this test
+  struct Mend {  // whatever fails here, the next test's devices are sound
+    ~Mend() {
+      colod_cuda_emu::ClearDeviceFaults();
+      cudaSetDevice(0);
+    }
+  } mend;
   ASSERT_EQ(cudaSetDevice(kDevice), cudaSuccess);
   int* d = DeviceAlloc<int>(64);
   cudaStream_t stream = nullptr;

@@ -11,8 +11,11 @@
 
 #include <cuda_emu.h>
 
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -634,21 +637,46 @@ bool DeviceFaulted(int device) { return FaultableDevice(device) && faulted[devic
 
 cudaError_t StickyError(int device) { return DeviceFaulted(device) ? cudaErrorIllegalAddress : cudaSuccess; }
 
-void NoteLaunch(int device) {
-  // A fault a test arms in a process it starts (a worker daemon):
-  // COLOD_CUDA_EMU_FAULT_AT_LAUNCH=DEVICE:N, counted from the first launch.
-  static const bool from_env = [] {
+namespace {
+// A fault a test arms in a process it starts (a worker daemon):
+// COLOD_CUDA_EMU_FAULT_AT_LAUNCH=DEVICE:N, counted from the process's first
+// launch on DEVICE; with COLOD_CUDA_EMU_FAULT_ONCE=PATH only in the first
+// process to launch on DEVICE and create PATH (a restarted daemon's new
+// context is sound).
+struct EnvFault {
+  int device = -1;
+  unsigned long long launch = 0;
+  std::string once;
+};
+const EnvFault& FaultFromEnv() {
+  static const EnvFault fault = [] {
+    EnvFault f;
     const char* v = getenv("COLOD_CUDA_EMU_FAULT_AT_LAUNCH");
-    int fault_device = -1;
-    unsigned long long launch = 0;
-    if (v == nullptr) return false;
-    if (sscanf(v, "%d:%llu", &fault_device, &launch) != 2 || !FaultableDevice(fault_device)) {
+    if (v == nullptr) return f;
+    int used = 0;
+    if (sscanf(v, "%d:%llu%n", &f.device, &f.launch, &used) != 2 || v[used] != '\0' || strchr(v, '-') != nullptr ||
+        !FaultableDevice(f.device)) {
       Fatal(std::string("COLOD_CUDA_EMU_FAULT_AT_LAUNCH: '") + v + "' is not DEVICE:N");
     }
-    FaultDeviceAtLaunch(fault_device, launch);
-    return true;
+    if (const char* once = getenv("COLOD_CUDA_EMU_FAULT_ONCE")) f.once = once;
+    return f;
   }();
-  (void)from_env;
+  return fault;
+}
+std::atomic<bool> env_fault_decided{false};
+}  // namespace
+
+void NoteLaunch(int device) {
+  const EnvFault& env = FaultFromEnv();
+  if (device == env.device && !env_fault_decided.exchange(true)) {
+    bool arm = true;
+    if (!env.once.empty()) {
+      const int fd = open(env.once.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      arm = fd >= 0;  // else another process faulted already
+      if (fd >= 0) close(fd);
+    }
+    if (arm) FaultDeviceAtLaunch(device, env.launch);  // this launch is the first counted
+  }
   if (!FaultableDevice(device)) return;
   uint64_t left = launches_to_fault[device].load();
   while (left != 0) {
@@ -1008,6 +1036,7 @@ cudaError_t cudaMemset(void* ptr, int value, size_t count) {
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
   if (stream == nullptr || (flags & ~1u) != 0) return Fail(cudaErrorInvalidValue);
+  if (cudaError_t e = colod_cuda_emu::StickyError(colod_cuda_emu::current_device)) return Fail(e);
   auto s = Registry::Get().NewStream(colod_cuda_emu::current_device, (flags & cudaStreamNonBlocking) == 0, false);
   *stream = reinterpret_cast<cudaStream_t>(s.get());
   return cudaSuccess;

@@ -53,15 +53,20 @@ bool AsyncAllocationFailureArmed();
 // (any thread; 1 is the next, 0 faults the device at once) breaks its
 // context, as a kernel's illegal address does on a GPU. That launch itself
 // returns success (the fault is asynchronous); from then on every kernel
-// launch, copy, set, allocation, free, synchronization, query and event call
-// on the device, cuBLAS's calls on its streams (NCCL's collectives and
+// launch, copy, set, allocation, free, synchronization, stream creation and
+// query, and event record and wait on the device's streams (an event query
+// or synchronization: on the calling thread's current device), cuBLAS's
+// calls on its streams (NCCL's collectives and
 // sends fail ncclUnhandledCudaError), and cudaGetLastError and
 // cudaPeekAtLastError on a thread whose current device it is, return
 // cudaErrorIllegalAddress, and nothing the program does clears it (only a
 // new process would). ClearDeviceFaults() disarms and mends every device,
 // for the next test, and clears the calling thread's last error. A process
 // started with COLOD_CUDA_EMU_FAULT_AT_LAUNCH=DEVICE:N arms
-// FaultDeviceAtLaunch(DEVICE, N) at its first kernel launch.
+// FaultDeviceAtLaunch(DEVICE, N) at its first kernel launch on DEVICE (with
+// COLOD_CUDA_EMU_FAULT_ONCE=PATH too, only the first process that gets
+// there and creates PATH does: a daemon restarted after the fault runs
+// sound).
 void FaultDeviceAtLaunch(int device, uint64_t launch);
 void ClearDeviceFaults();
 bool DeviceFaulted(int device);
