@@ -23,11 +23,13 @@ absl::StatusOr<ColoTensor> ColoTensor::FromGlobal(const Tensor& global, DistSpec
       ASSIGN_OR_RETURN(local, Tensor::Zeros(local.shape(), local.dtype(), local.device()));
     }
   }
-  return ColoTensor(Variable(local.Clone(), requires_grad), global.shape(), std::move(norm), pg);
+  ASSIGN_OR_RETURN(Tensor copy, local.TryClone());
+  return ColoTensor(Variable(std::move(copy), requires_grad), global.shape(), std::move(norm), pg);
 }
 
 absl::StatusOr<ColoTensor> ColoTensor::FromLocal(const Tensor& local, DistSpec spec, ProcessGroup* pg) {
-  return FromLocal(Variable(local.Contiguous()), std::move(spec), pg);
+  ASSIGN_OR_RETURN(Tensor dense, local.TryContiguous());
+  return FromLocal(Variable(std::move(dense)), std::move(spec), pg);
 }
 
 absl::StatusOr<ColoTensor> ColoTensor::FromLocal(const Variable& local, DistSpec spec, ProcessGroup* pg) {

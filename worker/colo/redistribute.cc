@@ -111,11 +111,11 @@ absl::StatusOr<Tensor> Convert(const Tensor& local, const Placement& from, const
   RETURN_IF_ERROR(CheckBackend(local, comm));
   if (from.kind == K::kReplicate && to.kind == K::kShard) {
     ASSIGN_OR_RETURN(Tensor block, ShardBlock(local, to, local_rank));
-    return block.Contiguous();
+    return block.TryContiguous();
   }
   if (from.kind == K::kShard && to.kind == K::kReplicate) return GatherShards(local, from, comm, timeout);
   if (from.kind == K::kPartial && to.kind == K::kReplicate) {
-    Tensor out = local.Clone();
+    ASSIGN_OR_RETURN(Tensor out, local.TryClone());
     RETURN_IF_ERROR(comm.AllReduce(out.raw_data(), out.numel(), out.dtype(), from.op)->WaitOnDevice(timeout));
     return out;
   }
@@ -132,7 +132,7 @@ absl::StatusOr<Tensor> Convert(const Tensor& local, const Placement& from, const
     // A sum of the group's operands must equal the value: rank 0 keeps it.
     // Avg, max and min of identical copies are the value itself.
     if (to.op == ReduceOp::kSum && local_rank != 0) return Tensor::Zeros(local.shape(), local.dtype(), local.device());
-    return local.Clone();
+    return local.TryClone();
   }
   if (AllToAllable(from, to)) return AllToAllShards(local, from, to, comm, timeout);
   return absl::InternalError(absl::StrCat("no direct conversion ", from.ToString(), " -> ", to.ToString()));

@@ -7,7 +7,7 @@ namespace colod {
 
 absl::StatusOr<std::vector<Tensor>> AllGatherPieces(const Tensor& t, Communicator& comm, absl::Duration timeout) {
   const int n = comm.size();
-  const Tensor in = t.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor in, t.TryContiguous());
   ASSIGN_OR_RETURN(Tensor flat, Tensor::Empty({n * in.numel()}, in.dtype(), in.device()));
   RETURN_IF_ERROR(comm.AllGather(in.raw_data(), flat.raw_data(), in.numel(), in.dtype())->WaitOnDevice(timeout));
   std::vector<Tensor> pieces;
@@ -69,7 +69,7 @@ absl::Status AllReduceInPlace(Tensor& t, ReduceOp op, Communicator& comm, absl::
 absl::StatusOr<Tensor> BroadcastFrom(const Tensor& t, int root, Communicator& comm, absl::Duration timeout) {
   // The root sends a copy of its data; elsewhere `t` only gives the shape.
   ASSIGN_OR_RETURN(Tensor buf,
-                   comm.rank() == root ? t.Clone() : Tensor::Empty(t.shape(), t.dtype(), t.device()));
+                   comm.rank() == root ? t.TryClone() : Tensor::Empty(t.shape(), t.dtype(), t.device()));
   RETURN_IF_ERROR(comm.Broadcast(buf.raw_data(), buf.numel(), buf.dtype(), root)->WaitOnDevice(timeout));
   return buf;
 }

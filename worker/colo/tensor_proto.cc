@@ -166,7 +166,7 @@ absl::StatusOr<Tensor> TensorFromProto(const v1::TensorValue& value, const std::
 
 absl::StatusOr<v1::TensorValue> TensorToProto(const Tensor& t) {
   ASSIGN_OR_RETURN(Tensor host, t.To(Device::Cpu()));
-  host = host.Contiguous();
+  ASSIGN_OR_RETURN(host, host.TryContiguous());
   v1::TensorValue out;
   out.set_dtype(DTypeToProto(host.dtype()));
   for (int64_t d : host.shape()) out.add_shape(d);

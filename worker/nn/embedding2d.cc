@@ -51,7 +51,8 @@ absl::StatusOr<ColoTensor> Embedding2D::Forward(const Tensor& ids) const {
   }
   ASSIGN_OR_RETURN(Tensor mine, ids.Chunk(0, g.q * g.depth, dep * g.q + i));
   ASSIGN_OR_RETURN(Variable table, SumGradOverReplicas(weight_.variable(), g, pg_->timeout()));
-  ASSIGN_OR_RETURN(Variable out, Embedding(table, mine.Contiguous()));
+  ASSIGN_OR_RETURN(Tensor dense, mine.TryContiguous());
+  ASSIGN_OR_RETURN(Variable out, Embedding(table, dense));
   return ColoTensor::FromLocal(out, Activation2D(out.value().dim(), g.q, g.depth), pg_);
 }
 

@@ -54,7 +54,8 @@ absl::StatusOr<ColoTensor> Embedding3D::Forward(const Tensor& ids) const {
   ASSIGN_OR_RETURN(int k, pg_->LocalRank(kStreamK));
   ASSIGN_OR_RETURN(Tensor mine, ids.Chunk(0, blocks, r * q_ + k));
   ASSIGN_OR_RETURN(Variable table, Table());
-  ASSIGN_OR_RETURN(Variable out, Embedding(table, mine.Contiguous()));
+  ASSIGN_OR_RETURN(Tensor dense, mine.TryContiguous());
+  ASSIGN_OR_RETURN(Variable out, Embedding(table, dense));
   return ColoTensor::FromLocal(out, Activation3D(out.value().dim(), q_, kStreamK, kStreamC), pg_);
 }
 

@@ -152,7 +152,7 @@ absl::StatusOr<Variable> GatheredLinear(const Variable& x, const Variable& w, co
     return BiasEpilogue(z, b, epilogue);
   }
   ASSIGN_OR_RETURN(const int64_t d, x.value().NormalizeDim(dim));
-  const Tensor shard = x.value().Contiguous();  // what the node keeps
+  ASSIGN_OR_RETURN(const Tensor shard, x.value().TryContiguous());  // what the node keeps
   Tensor y;
   {
     ASSIGN_OR_RETURN(Tensor gathered, AllGatherDim(shard, d, *comm, timeout));  // freed after the GEMM
@@ -214,7 +214,8 @@ absl::StatusOr<Variable> Narrow(const Variable& x, int64_t dim, int64_t start, i
   const Shape shape = xv.shape();
   const DType dtype = xv.dtype();
   const Device device = xv.device();
-  return RecordOp("narrow", {x}, view.Contiguous(),
+  ASSIGN_OR_RETURN(Tensor dense, view.TryContiguous());
+  return RecordOp("narrow", {x}, std::move(dense),
                   [shape, dtype, device, dim, start, length](const Tensor& dy) -> absl::StatusOr<Grads> {
                     ASSIGN_OR_RETURN(Tensor dx, Tensor::Zeros(shape, dtype, device));
                     ASSIGN_OR_RETURN(Tensor place, dx.Narrow(dim, start, length));
@@ -254,7 +255,8 @@ absl::StatusOr<Variable> Cat(const std::vector<Variable>& parts, int64_t dim) {
     int64_t start = 0;
     for (int64_t s : sizes) {
       ASSIGN_OR_RETURN(Tensor piece, dy.Narrow(dim, start, s));
-      g.push_back(piece.Contiguous());
+      ASSIGN_OR_RETURN(Tensor dense, piece.TryContiguous());
+      g.push_back(std::move(dense));
       start += s;
     }
     return g;
@@ -421,7 +423,7 @@ namespace {
 // [B, S, H, D] -> [B, H, S, D], contiguous, so that each (b, h) is an [S, D] matrix.
 absl::StatusOr<Tensor> HeadsFirst(const Tensor& t) {
   ASSIGN_OR_RETURN(Tensor v, t.Transpose(1, 2));
-  return v.Contiguous();
+  return v.TryContiguous();
 }
 
 absl::StatusOr<Tensor> HeadMatrix(const Tensor& heads_first, int64_t b, int64_t h) {
@@ -705,11 +707,11 @@ absl::StatusOr<Tensor> ImagePatches(const Tensor& images, int64_t patch) {
   }
   const int64_t b = s[0], c = s[1], hp = s[2] / patch, wp = s[3] / patch;
   // [B, C, Hp, P, Wp, P] -> [B, Hp, Wp, C, P, P], as views, then one copy.
-  ASSIGN_OR_RETURN(Tensor t, images.Contiguous().Reshape({b, c, hp, patch, wp, patch}));
+  ASSIGN_OR_RETURN(Tensor t, images.Reshape({b, c, hp, patch, wp, patch}));  // a copy if strided
   ASSIGN_OR_RETURN(t, t.Transpose(1, 2));  // [B, Hp, C, P, Wp, P]
   ASSIGN_OR_RETURN(t, t.Transpose(2, 4));  // [B, Hp, Wp, P, C, P]
   ASSIGN_OR_RETURN(t, t.Transpose(3, 4));  // [B, Hp, Wp, C, P, P]
-  return t.Contiguous().Reshape({b, hp * wp, c * patch * patch});
+  return t.Reshape({b, hp * wp, c * patch * patch});  // a contiguous copy
 }
 
 std::vector<int64_t> RelativePositionBuckets(int64_t q_len, int64_t k_len, bool bidirectional, int64_t num_buckets,
@@ -860,7 +862,7 @@ absl::StatusOr<Variable> ShardedNorm(const Variable& x, const Variable& gamma, c
                                      float eps, Communicator* hidden, const std::vector<Communicator*>& replicas,
                                      absl::Duration timeout) {
   const bool rms = !beta.has_value();
-  const Tensor xv = x.value().Contiguous();
+  ASSIGN_OR_RETURN(const Tensor xv, x.value().TryContiguous());
   if (xv.dim() == 0 || gamma.value().shape() != Shape{xv.shape().back()} ||
       (!rms && beta->value().shape() != gamma.value().shape())) {
     return absl::InvalidArgumentError(absl::StrCat("sharded norm: gamma ", ShapeToString(gamma.value().shape()),
@@ -966,7 +968,7 @@ absl::StatusOr<Variable> SumPartialAddBias(const Variable& x, const std::optiona
 absl::StatusOr<Variable> ReduceGradient(const Variable& x, Communicator* comm, absl::Duration timeout) {
   return RecordOp("reduce_gradient", {x}, x.value(), [comm, timeout](const Tensor& dy) -> absl::StatusOr<Grads> {
     if (comm->size() == 1) return Grads{dy};
-    Tensor g = dy.Clone();
+    ASSIGN_OR_RETURN(Tensor g, dy.TryClone());
     RETURN_IF_ERROR(AllReduceInPlace(g, ReduceOp::kSum, *comm, timeout));
     return Grads{g};
   });

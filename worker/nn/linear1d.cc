@@ -39,7 +39,7 @@ absl::StatusOr<Tensor> Conv1DToLinear(const Tensor& conv1d_weight) {
                                                    ShapeToString(conv1d_weight.shape())));
   }
   ASSIGN_OR_RETURN(Tensor t, conv1d_weight.Transpose(0, 1));
-  return t.Contiguous();
+  return t.TryContiguous();
 }
 
 absl::StatusOr<ParamSpecs> Linear1DCol::Specs(ProcessGroup* pg, const Options& options) {

@@ -62,7 +62,7 @@ absl::StatusOr<Variable> Summa(const Variable& x, const Variable& a, Communicato
                                absl::Duration timeout) {
   const int q = row->size();
   ASSIGN_OR_RETURN(Tensor xm, Rows(x.value()));
-  const Tensor am = a.value().Contiguous();
+  ASSIGN_OR_RETURN(const Tensor am, a.value().TryContiguous());
   if (am.dim() != 2 || xm.shape()[1] != am.shape()[0]) {
     return absl::InvalidArgumentError(absl::StrCat("SUMMA: blocks ", ShapeToString(x.value().shape()), " and ",
                                                    ShapeToString(am.shape()), " do not multiply"));

@@ -33,7 +33,7 @@ absl::StatusOr<Roles> GetRoles(ProcessGroup* pg, const std::string& k, const std
 // at = A^T's block [out/q^2, in/q] -> y [.., rows/q^2, out/q], on the tape.
 absl::StatusOr<Variable> Matmul3D(const Variable& x, const Variable& at, const Roles& g, absl::Duration timeout) {
   ASSIGN_OR_RETURN(Tensor xm, Rows(x.value()));
-  const Tensor am = at.value().Contiguous();
+  ASSIGN_OR_RETURN(const Tensor am, at.value().TryContiguous());
   ASSIGN_OR_RETURN(Tensor xg, AllGatherDim(xm, 0, *g.k, timeout));  // X_RC
   ASSIGN_OR_RETURN(Tensor ag, AllGatherDim(am, 0, *g.r, timeout));  // A_CK^T [out/q, in/q]
   ASSIGN_OR_RETURN(Tensor partial, ops::MatMul(xg, ag, false, /*trans_b=*/true));
@@ -103,7 +103,7 @@ absl::StatusOr<Linear3D> Linear3D::FromGlobal(const Tensor& weight, const std::o
   const int64_t in = weight.shape()[0], out = weight.shape()[1];
   ASSIGN_OR_RETURN(ParamSpecs specs, Specs(pg, options));
   ASSIGN_OR_RETURN(Tensor at, weight.Transpose(0, 1));
-  ASSIGN_OR_RETURN(Tensor view, at.Contiguous().Reshape({q, out / q, in}));
+  ASSIGN_OR_RETURN(Tensor view, at.Reshape({q, out / q, in}));  // a copy if strided
   ASSIGN_OR_RETURN(ColoParameter w, ColoParameter::Create(view, specs.weight, pg, "weight", kCompute));
   std::optional<ColoParameter> b;
   if (bias.has_value()) {

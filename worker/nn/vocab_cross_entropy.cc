@@ -95,8 +95,8 @@ absl::StatusOr<FusedHead> PrepareFusedHead(const Variable& hidden, const ColoTen
   ASSIGN_OR_RETURN(f.comm, pg->Comm("tp"));
   f.start = k * local_v;
   f.real = std::clamp<int64_t>(vocab_size - f.start, 0, local_v);
-  const Tensor h = hidden.value().Contiguous();
-  f.w = weight.local().Contiguous();
+  ASSIGN_OR_RETURN(const Tensor h, hidden.value().TryContiguous());
+  ASSIGN_OR_RETURN(f.w, weight.local().TryContiguous());
   // On a CUDA device a shard whose rows (the logits' width) are not a
   // multiple of 8 computes padded with zero rows to a multiple of 64, as
   // NativeLinear does (cuBLAS's align1 kernels, docs/GPU.md): the extra
@@ -112,7 +112,9 @@ absl::StatusOr<FusedHead> PrepareFusedHead(const Variable& hidden, const ColoTen
     const int64_t n = std::min(chunk_rows, f.rows - r0);
     ASSIGN_OR_RETURN(Tensor hc, h.Narrow(0, r0, n));
     ASSIGN_OR_RETURN(Tensor lc, lab64.Narrow(0, r0, n));
-    f.chunks.push_back({hc.Contiguous(), lc.Contiguous()});
+    ASSIGN_OR_RETURN(Tensor h_chunk, hc.TryContiguous());
+    ASSIGN_OR_RETURN(Tensor labels_chunk, lc.TryContiguous());
+    f.chunks.push_back({std::move(h_chunk), std::move(labels_chunk)});
   }
   return f;
 }
@@ -137,7 +139,7 @@ absl::StatusOr<Variable> VocabParallelCrossEntropy(const ColoTensor& logits, con
   ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("tp"));
   const int64_t start = k * local_v;
   const int64_t real = std::clamp<int64_t>(vocab_size - start, 0, local_v);  // real columns held here
-  ASSIGN_OR_RETURN(Tensor z, logits.local().Contiguous().Reshape({rows, local_v}));
+  ASSIGN_OR_RETURN(Tensor z, logits.local().Reshape({rows, local_v}));  // a copy if strided
   ASSIGN_OR_RETURN(auto forward, ops::VocabShardCrossEntropy(z, lab64, real, start, vocab_size, label_smoothing,
                                                         ignore_index, p, TpAllGather(comm, pg->timeout())));
   Tensor loss = forward.loss;
@@ -203,7 +205,8 @@ absl::StatusOr<Variable> VocabParallelLinearCrossEntropy(const Variable& hidden,
           // f.z is in the head's dtype: the kernels read it as it is.
           f.lse = (*saved)[i];
           ASSIGN_OR_RETURN(Tensor dl, dloss.Narrow(0, r0, n));
-          ASSIGN_OR_RETURN(Tensor dz, ops::VocabShardCrossEntropyBackward(dl.Contiguous(), f, c.labels, real, start,
+          ASSIGN_OR_RETURN(dl, dl.TryContiguous());
+          ASSIGN_OR_RETURN(Tensor dz, ops::VocabShardCrossEntropyBackward(dl, f, c.labels, real, start,
                                                                      vocab_size, label_smoothing, ignore_index,
                                                                      dtype));
           f.z = Tensor();  // the logits' memory back before the GEMMs that follow

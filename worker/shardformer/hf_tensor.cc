@@ -37,7 +37,7 @@ HfReader MemoryReader(const Tensor& t) {
     for (size_t d = 0; d < starts.size(); ++d) {
       ASSIGN_OR_RETURN(v, v.Narrow(static_cast<int64_t>(d), starts[d], lengths[d]));
     }
-    return v.Contiguous();
+    return v.TryContiguous();
   };
 }
 
@@ -93,7 +93,7 @@ absl::StatusOr<Tensor> ReadLayerBlock(const HfTensor& hf, const Shape& layer_sha
     } else if (hf.transpose) {
       ASSIGN_OR_RETURN(Tensor t, hf_read({starts[nd - 1], f0}, {lengths[nd - 1], len}));
       ASSIGN_OR_RETURN(t, t.Transpose(0, 1));
-      piece = t.Contiguous();
+      ASSIGN_OR_RETURN(piece, t.TryContiguous());
     } else {
       const int64_t valid = hf.valid_rows < 0 ? f0 + len : std::min(f0 + len, hf.valid_rows);
       padding = valid <= f0;
@@ -131,14 +131,14 @@ absl::StatusOr<ColoParameter> LoadParameter(const HfTensor& hf, const Shape& lay
 }
 
 absl::StatusOr<Tensor> LayerToHf(const HfTensor& hf, const Tensor& layer_global) {
-  Tensor t = layer_global.Contiguous();
+  ASSIGN_OR_RETURN(Tensor t, layer_global.TryContiguous());
   if (hf.shape.size() > 2) return t;  // held as stored (ReadLayerBlock)
   if (hf.shape.size() == 1) {
     ASSIGN_OR_RETURN(t, t.Reshape({t.numel()}));
     if (hf.valid_rows >= 0) {
       ASSIGN_OR_RETURN(t, t.Narrow(0, 0, hf.valid_rows));
     }
-    return t.Contiguous();
+    return t.TryContiguous();
   }
   const int64_t last = t.shape().back();
   ASSIGN_OR_RETURN(t, t.Reshape({t.numel() / last, last}));
@@ -148,7 +148,7 @@ absl::StatusOr<Tensor> LayerToHf(const HfTensor& hf, const Tensor& layer_global)
   if (hf.transpose) {
     ASSIGN_OR_RETURN(t, t.Transpose(0, 1));
   }
-  return t.Contiguous();
+  return t.TryContiguous();
 }
 
 absl::Status PlaceInHf(const HfTensor& hf, const Tensor& slice, Tensor& full) {

@@ -106,12 +106,12 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
   ASSIGN_OR_RETURN(std::unique_ptr<ShardedModel> model, ShardFormer(shard, &pg).Load(request.model_dir));
   ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
   ASSIGN_OR_RETURN(Tensor mine, input.Narrow(0, replica * rows, rows));
-  mine = mine.Contiguous();
+  ASSIGN_OR_RETURN(mine, mine.TryContiguous());
   const bool images = model->config().takes_images();
   std::optional<Tensor> decoder;
   if (request.decoder_input.has_value()) {
     ASSIGN_OR_RETURN(Tensor dec, request.decoder_input->Narrow(0, replica * rows, rows));
-    decoder = dec.Contiguous();
+    ASSIGN_OR_RETURN(decoder, dec.TryContiguous());
   }
   ASSIGN_OR_RETURN(ColoTensor logits, decoder.has_value() ? model->Forward(mine, *decoder) : model->Forward(mine));
   LmLoss loss;
@@ -121,7 +121,8 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
     ASSIGN_OR_RETURN(loss, model->NextTokenLoss(logits, mine));
   } else if (request.labels.has_value()) {
     ASSIGN_OR_RETURN(Tensor labels, request.labels->Narrow(0, replica * rows, rows));
-    ASSIGN_OR_RETURN(loss, model->ClassificationLoss(logits, labels.Contiguous()));
+    ASSIGN_OR_RETURN(const Tensor dense, labels.TryContiguous());
+    ASSIGN_OR_RETURN(loss, model->ClassificationLoss(logits, dense));
   }
   ForwardResult result;
   ASSIGN_OR_RETURN(Tensor full, model->GatherLogits(logits));  // this replica's rows, every tp rank

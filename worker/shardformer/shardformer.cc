@@ -197,7 +197,7 @@ absl::StatusOr<LmLoss> ShardedModel::ClassificationLoss(const ColoTensor& logits
   if (labels.dim() != 1) {
     return absl::InvalidArgumentError(absl::StrCat("labels must be [batch], got ", ShapeToString(labels.shape())));
   }
-  ASSIGN_OR_RETURN(Tensor column, labels.Contiguous().Reshape({labels.shape()[0], 1}));
+  ASSIGN_OR_RETURN(Tensor column, labels.Reshape({labels.shape()[0], 1}));  // a copy if strided
   return TokenLoss(logits, column, denominator);
 }
 
@@ -325,7 +325,7 @@ absl::StatusOr<LmLoss> ShardedModel::TokenLoss(const ColoTensor& logits, const T
   for (int d = 0; d < 2; ++d) {
     ASSIGN_OR_RETURN(mine, mine.Narrow(d, block.starts[d], block.lengths[d]));
   }
-  ASSIGN_OR_RETURN(mine, mine.Contiguous().Reshape({block.lengths[0] * block.lengths[1]}));
+  ASSIGN_OR_RETURN(mine, mine.Reshape({block.lengths[0] * block.lengths[1]}));  // a copy if strided
   // Counted (and, by the vocab-parallel loss, checked) where the labels are,
   // on the host for the trainer's batches: no device round trip.
   int64_t count = 0;

@@ -171,7 +171,7 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
     }
   }
   std::set<Variable::Impl*> taken;  // whose gradient came through their op's offer
-  grads[AutogradAccess::impl(root).get()] = grad.Clone();
+  ASSIGN_OR_RETURN(grads[AutogradAccess::impl(root).get()], grad.TryClone());
   auto finish_leaf = [&](Variable::Impl* v) -> absl::Status {
     auto it = grads.find(v);
     if (it != grads.end()) {
@@ -187,7 +187,7 @@ absl::Status Backward(const Variable& root, const Tensor& grad) {
         // was a copy of every parameter's gradient each step.
         v->grad = std::move(it->second);
       } else {  // it may be another leaf's too, or a view of a larger tensor
-        v->grad = it->second.Contiguous().Clone();
+        ASSIGN_OR_RETURN(v->grad, it->second.TryClone());  // contiguous
       }
       grads.erase(it);
     }

@@ -135,10 +135,14 @@ TEST_F(CudaLayerOps, HalfEmbeddingsCopyRowsAndRoundEachGradientOnce) {
 #ifdef COLOD_CUDA_EMULATION
 // A device whose context a fault broke: reading a tensor back is the
 // copy's error, returned (ReadFloats, ReadInt64s, ReadBytes), where the
-// readers of tests and tools end the process. Nothing else here crashes.
+// readers of tests and tools end the process; so is the copy a strided
+// view needs (TryContiguous, and the ops and reads that take one).
 TEST_F(CudaLayerOps, AReadFromAFaultedDeviceReturnsCudasError) {
   const Tensor f = Dev(*Tensor::FromFloats({3}, {1, 2, 3}));
   const Tensor i = Dev(*Tensor::FromInt64s({2}, {7, 8}));
+  // A strided view: reading or using it takes a copy on the device first.
+  const Tensor t = *Dev(*Tensor::FromFloats({2, 3}, {1, 2, 3, 4, 5, 6})).Transpose(0, 1);
+  ASSERT_FALSE(t.is_contiguous());
   ASSERT_EQ(*f.ReadFloats(), (std::vector<float>{1, 2, 3}));
   ASSERT_EQ(*i.ReadInt64s(), (std::vector<int64_t>{7, 8}));
   colod_cuda_emu::FaultDeviceAtLaunch(0, 0);
@@ -146,12 +150,18 @@ TEST_F(CudaLayerOps, AReadFromAFaultedDeviceReturnsCudasError) {
   const absl::StatusOr<std::vector<int64_t>> ints = i.ReadInt64s();
   const absl::StatusOr<std::string> bytes = f.ReadBytes();
   const absl::StatusOr<Tensor> sum = Add(f, f);
+  const absl::StatusOr<std::vector<float>> strided = t.ReadFloats();
+  const absl::StatusOr<Tensor> dense = t.TryContiguous();
+  const absl::StatusOr<Tensor> strided_sum = Add(t, t);
+  const absl::StatusOr<Tensor> reshaped = t.Reshape({6});
   colod_cuda_emu::ClearDeviceFaults();
-  for (const absl::Status& s : {floats.status(), ints.status(), bytes.status(), sum.status()}) {
+  for (const absl::Status& s : {floats.status(), ints.status(), bytes.status(), sum.status(), strided.status(),
+                                dense.status(), strided_sum.status(), reshaped.status()}) {
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message().find("illegal memory access"), std::string::npos) << s;
   }
   EXPECT_EQ(*f.ReadFloats(), (std::vector<float>{1, 2, 3}));
+  EXPECT_EQ(*t.ReadFloats(), (std::vector<float>{1, 4, 2, 5, 3, 6}));
 }
 #endif
 

@@ -90,7 +90,7 @@ absl::StatusOr<Tensor> Elementwise(const Tensor& x, const char* op, Call call) {
   const Device dev = x.device();
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
   ASSIGN_OR_RETURN(DType type, KernelType(x, op));
-  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor cx, x.TryContiguous());
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), type, dev));
   RETURN_IF_ERROR(call(*k, dev.index, Elem(type), cx.raw_data(), out.raw_data(), cx.numel()));
   return out;
@@ -112,7 +112,7 @@ absl::StatusOr<Tensor> ElementwiseBackward(const Tensor& dy, const Tensor& x, co
   RETURN_IF_ERROR(SameShapes(dy, x, op));
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, dev, {&dy}));
   ASSIGN_OR_RETURN(DType type, KernelType(x, op));
-  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor cx, x.TryContiguous());
   ASSIGN_OR_RETURN(Tensor cd, AsFloat(dy, type, op));
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), type, dev));
   RETURN_IF_ERROR(call(*k, dev.index, Elem(type), cd.raw_data(), cx.raw_data(), out.raw_data(), cx.numel()));
@@ -137,8 +137,8 @@ absl::StatusOr<Tensor> MatMulImpl(const Tensor& a, const Tensor& b, bool trans_a
   // computed in f32.
   const bool same = a.dtype() == b.dtype() && IsFloat(a.dtype());
   const DType type = same ? a.dtype() : DType::kF32;
-  ASSIGN_OR_RETURN(Tensor fa, same ? a.Contiguous() : AsF32(a, "matmul"));
-  ASSIGN_OR_RETURN(Tensor fb, same ? b.Contiguous() : AsF32(b, "matmul"));
+  ASSIGN_OR_RETURN(Tensor fa, same ? a.TryContiguous() : AsF32(a, "matmul"));
+  ASSIGN_OR_RETURN(Tensor fb, same ? b.TryContiguous() : AsF32(b, "matmul"));
   const int64_t a_rows = fa.numel() / std::max<int64_t>(LastDim(fa), 1), a_cols = LastDim(fa);
   const int64_t m = trans_a ? a_cols : a_rows, kk = trans_a ? a_rows : a_cols;
   const int64_t kb = trans_b ? b.shape()[1] : b.shape()[0], n = trans_b ? b.shape()[0] : b.shape()[1];
@@ -215,7 +215,8 @@ absl::StatusOr<BiasGeluProduct> MatMulBiasGelu(const Tensor& a, const Tensor& b,
   Shape out_shape = a.shape();
   out_shape.back() = n;
   const DType type = a.dtype();
-  const Tensor fa = a.Contiguous(), fb = b.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor fa, a.TryContiguous());
+  ASSIGN_OR_RETURN(const Tensor fb, b.TryContiguous());
   ASSIGN_OR_RETURN(Tensor cb, AsFloat(bias, type, "matmul_bias_gelu"));
   ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(out_shape, type, dev));
   ASSIGN_OR_RETURN(Tensor pre, Tensor::Empty(out_shape, type, dev));
@@ -240,7 +241,9 @@ absl::StatusOr<Tensor> MatMulGeluBackward(const Tensor& dy, const Tensor& w, con
   const int64_t kk = w.shape()[1];
   const int64_t m = n == 0 ? pre.numel() / std::max<int64_t>(kk, 1) : dy.numel() / n;
   const DType type = dy.dtype();
-  const Tensor fd = dy.Contiguous(), fw = w.Contiguous(), fp = pre.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor fd, dy.TryContiguous());
+  ASSIGN_OR_RETURN(const Tensor fw, w.TryContiguous());
+  ASSIGN_OR_RETURN(const Tensor fp, pre.TryContiguous());
   ASSIGN_OR_RETURN(Tensor dx, Tensor::Empty(pre.shape(), type, dev));
   RETURN_IF_ERROR(k->GemmDGelu(dev.index, Elem(type), false, false, m, kk, n, fd.raw_data(), fw.raw_data(),
                                fp.raw_data(), dx.raw_data()));
@@ -271,7 +274,8 @@ absl::StatusOr<LinearGrads> LinearWeightGrads(const Tensor& dy, const Tensor& x)
     return LinearGrads{std::move(dw), std::move(db)};
   }
   const DType type = dy.dtype();
-  const Tensor cd = dy2.Contiguous(), cx = x2.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor cd, dy2.TryContiguous());
+  ASSIGN_OR_RETURN(const Tensor cx, x2.TryContiguous());
   ASSIGN_OR_RETURN(Tensor dw, Tensor::Empty({m, n}, type, dev));
   ASSIGN_OR_RETURN(Tensor db, Tensor::Empty({m}, type, dev));
   RETURN_IF_ERROR(k->GemmBiasGrad(dev.index, Elem(type), m, n, rows, cd.raw_data(), cx.raw_data(), dw.raw_data(),
@@ -294,7 +298,8 @@ absl::Status MatMulF32Into(const Tensor& a, const Tensor& b, bool trans_a, bool 
                                                    DTypeName(c.dtype()), ShapeToString(c.shape())));
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("matmul into f32", a.device(), {&b, &c}));
-  const Tensor fa = a.Contiguous(), fb = b.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor fa, a.TryContiguous());
+  ASSIGN_OR_RETURN(const Tensor fb, b.TryContiguous());
   return k->GemmF32Out(a.device().index, Elem(a.dtype()), trans_a, trans_b, m, n, kk, fa.raw_data(), fb.raw_data(),
                        c.data<float>(), accumulate);
 }
@@ -321,7 +326,7 @@ absl::StatusOr<Tensor> WithBias(const Tensor& x, const Tensor& bias, const char*
     return absl::InvalidArgumentError(absl::StrCat(op, ": x must be contiguous to be written in place, got a view of ",
                                                    ShapeToString(x.shape())));
   }
-  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor cx, x.TryContiguous());
   ASSIGN_OR_RETURN(Tensor cb, AsFloat(bias, type, op));
   Tensor out = cx;
   if (!in_place) {
@@ -354,7 +359,7 @@ absl::StatusOr<Tensor> BiasGrad(const Tensor& dy) {
   if (dy.dim() == 0) return absl::InvalidArgumentError("bias_grad: dy must have a last dim");
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(dev));
   ASSIGN_OR_RETURN(DType type, KernelType(dy, "bias_grad"));
-  const Tensor c = dy.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor c, dy.TryContiguous());
   const int64_t n = LastDim(c), rows = n == 0 ? 0 : c.numel() / n;
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({n}, type, dev));
   RETURN_IF_ERROR(k->BiasGrad(dev.index, Elem(type), c.raw_data(), out.raw_data(), rows, n));
@@ -392,7 +397,7 @@ absl::StatusOr<BiasGeluGrads> BiasGeluBackward(const Tensor& dy, const Tensor& x
   const Device dev = x.device();
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("bias_gelu_backward", dev, {&dy, &bias}));
   ASSIGN_OR_RETURN(DType type, KernelType(x, "bias_gelu_backward"));
-  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor cx, x.TryContiguous());
   ASSIGN_OR_RETURN(Tensor cd, AsFloat(dy, type, "bias_gelu_backward"));
   ASSIGN_OR_RETURN(Tensor cb, AsFloat(bias, type, "bias_gelu_backward"));
   const int64_t n = LastDim(cx), rows = n == 0 ? 0 : cx.numel() / n;
@@ -447,7 +452,7 @@ absl::StatusOr<LayerNormResult> LayerNorm(const Tensor& x, const Tensor& gamma, 
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("layer_norm", dev, {&gamma, &beta}));
   ASSIGN_OR_RETURN(DType type, KernelType(x, "layer_norm"));
-  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor cx, x.TryContiguous());
   ASSIGN_OR_RETURN(Tensor cg, AsFloat(gamma, type, "layer_norm"));
   ASSIGN_OR_RETURN(Tensor cb, AsFloat(beta, type, "layer_norm"));
   const int64_t rows = n == 0 ? 0 : cx.numel() / n;
@@ -492,7 +497,7 @@ absl::StatusOr<LayerNormGrads> LayerNormBackward(const Tensor& dy, const Tensor&
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("layer_norm_backward", dev, {&dy, &gamma, &mean, &rstd}));
   ASSIGN_OR_RETURN(DType type, KernelType(x, "layer_norm_backward"));
-  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor cx, x.TryContiguous());
   ASSIGN_OR_RETURN(Tensor cd, AsFloat(dy, type, "layer_norm_backward"));
   ASSIGN_OR_RETURN(Tensor cg, AsFloat(gamma, type, "layer_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fm, AsF32(mean, "layer_norm_backward"));
@@ -517,7 +522,7 @@ absl::StatusOr<RmsNormResult> RmsNorm(const Tensor& x, const Tensor& gamma, floa
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("rms_norm", dev, {&gamma}));
   ASSIGN_OR_RETURN(DType type, KernelType(x, "rms_norm"));
-  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor cx, x.TryContiguous());
   ASSIGN_OR_RETURN(Tensor cg, AsFloat(gamma, type, "rms_norm"));
   const int64_t rows = n == 0 ? 0 : cx.numel() / n;
   ASSIGN_OR_RETURN(Tensor y, Tensor::Empty(x.shape(), type, dev));
@@ -538,7 +543,7 @@ absl::StatusOr<RmsNormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, 
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels("rms_norm_backward", dev, {&dy, &gamma, &rstd}));
   ASSIGN_OR_RETURN(DType type, KernelType(x, "rms_norm_backward"));
-  const Tensor cx = x.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor cx, x.TryContiguous());
   ASSIGN_OR_RETURN(Tensor cd, AsFloat(dy, type, "rms_norm_backward"));
   ASSIGN_OR_RETURN(Tensor cg, AsFloat(gamma, type, "rms_norm_backward"));
   ASSIGN_OR_RETURN(Tensor fr, AsF32(rstd, "rms_norm_backward"));
@@ -568,7 +573,8 @@ absl::StatusOr<NormRows> NormPiece(const Tensor& x, const char* op, std::initial
                                    const std::optional<Tensor>& center) {
   if (x.dim() == 0) return absl::InvalidArgumentError(absl::StrCat(op, ": the input needs a last dim"));
   ASSIGN_OR_RETURN(DType type, KernelType(x, op));
-  NormRows p{x.Contiguous(), 0, LastDim(x), type, {}, std::nullopt};
+  ASSIGN_OR_RETURN(Tensor dense, x.TryContiguous());
+  NormRows p{std::move(dense), 0, LastDim(x), type, {}, std::nullopt};
   p.rows = p.n == 0 ? 0 : x.numel() / p.n;
   auto check = [&](const Tensor& t) -> absl::StatusOr<Tensor> {
     if (t.dtype() != DType::kF32 || t.numel() != p.rows || !(t.device() == x.device())) {
@@ -576,7 +582,7 @@ absl::StatusOr<NormRows> NormPiece(const Tensor& x, const char* op, std::initial
                                                      x.device().ToString(), ", got ", DTypeName(t.dtype()),
                                                      ShapeToString(t.shape())));
     }
-    return t.Contiguous();
+    return t.TryContiguous();
   };
   for (const Tensor* t : stats) {
     ASSIGN_OR_RETURN(Tensor c, check(*t));
@@ -650,7 +656,7 @@ absl::StatusOr<Tensor> NormBackwardApply(const Tensor& dy, const Tensor& x, cons
   RETURN_IF_ERROR(SameShapes(dy, x, op));
   ASSIGN_OR_RETURN(NormRows p, NormPiece(x, op, {&rstd}, mean));
   const Tensor& rs = p.stats[0];
-  const Tensor su = sums.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor su, sums.TryContiguous());
   if (gamma.shape() != Shape{p.n} || su.dtype() != DType::kF32 || su.numel() != 2 * p.rows || h < p.n) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": gamma must be [", p.n, "], sums f32 [2, ", p.rows,
                                                    "] and h >= ", p.n));
@@ -908,7 +914,7 @@ absl::StatusOr<VocabShardForward> VocabShardCrossEntropy(
   VocabShardForward out;
   ASSIGN_OR_RETURN(const DType type, KernelType(z, op));
   ASSIGN_OR_RETURN(out.z, AsFloat(z, type, op));  // the logits as they are (contiguous), no f32 copy
-  const Tensor lab = labels.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor lab, labels.TryContiguous());
   // This shard's (max, sums against it), then every shard's in one
   // all-gather: one collective where a max then a sum would take two.
   ASSIGN_OR_RETURN(Tensor mine, Tensor::Empty({4, rows}, DType::kF32, dev));
@@ -940,7 +946,7 @@ absl::StatusOr<Tensor> VocabShardCrossEntropyBackward(const Tensor& dloss, const
   const Device dev = forward.z.device();
   ASSIGN_OR_RETURN(const DeviceKernels* k, Kernels(op, dev, {&dloss, &forward.lse}));
   ASSIGN_OR_RETURN(Tensor dl, AsF32(dloss, op));
-  const Tensor lab = labels.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor lab, labels.TryContiguous());
   // dz in the logits' type where that is what is asked for, else in f32
   // and converted: each value rounded once either way.
   const DType z_type = forward.z.dtype();
@@ -1146,7 +1152,8 @@ absl::StatusOr<AttentionGrads> FusedAttentionBackward(const Tensor& dout, const 
   ASSIGN_OR_RETURN(const DeviceKernels* kern, Kernels(op, dev, {&dout, &forward.out, &forward.lse}));
   const DType type = qf.dtype();
   ASSIGN_OR_RETURN(Tensor dof, AsFloat(dout, type, op));
-  const Tensor out = forward.out.Contiguous(), lse = forward.lse.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor out, forward.out.TryContiguous());
+  ASSIGN_OR_RETURN(const Tensor lse, forward.lse.TryContiguous());
   AttentionGrads g;
   ASSIGN_OR_RETURN(Tensor delta, Tensor::Empty({b, hq, s}, DType::kF32, dev));
   // The gradients' places: the caller's (laid out as it chose: the kernels
@@ -1272,7 +1279,7 @@ absl::StatusOr<Tensor> GradNormClip(const Tensor& squares, double max_norm) {
     return absl::InvalidArgumentError(absl::StrCat("grad norm: the squares must be f32 [n], got ",
                                                    DTypeName(squares.dtype()), ShapeToString(squares.shape())));
   }
-  const Tensor in = squares.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor in, squares.TryContiguous());
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({2}, DType::kF32, in.device()));
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(in.device()));
   RETURN_IF_ERROR(k->GradNormClip(in.device().index, in.data<float>(), in.numel(), max_norm, out.data<float>()));

@@ -294,13 +294,20 @@ absl::StatusOr<Tensor> Tensor::Select(int64_t d, int64_t index) const {
   return Tensor(storage_, dtype_, std::move(shape), std::move(strides), offset);
 }
 
-Tensor Tensor::Clone() const {
-  Tensor out = OrDie(Empty(shape_, dtype_, device()), "Tensor::Clone");
-  OrDie(CopyOnDevice(storage_->kernels(), *this, out), "Tensor::Clone");
+absl::StatusOr<Tensor> Tensor::TryClone() const {
+  ASSIGN_OR_RETURN(Tensor out, Empty(shape_, dtype_, device()));
+  RETURN_IF_ERROR(CopyOnDevice(storage_->kernels(), *this, out));
   return out;
 }
 
-Tensor Tensor::Contiguous() const { return is_contiguous() ? *this : Clone(); }
+absl::StatusOr<Tensor> Tensor::TryContiguous() const {
+  if (is_contiguous()) return *this;
+  return TryClone();
+}
+
+Tensor Tensor::Clone() const { return OrDie(TryClone(), "Tensor::Clone"); }
+
+Tensor Tensor::Contiguous() const { return OrDie(TryContiguous(), "Tensor::Contiguous"); }
 
 absl::StatusOr<Tensor> Tensor::Reshape(const Shape& shape) const {
   RETURN_IF_ERROR(ValidateShape(shape));
@@ -308,25 +315,25 @@ absl::StatusOr<Tensor> Tensor::Reshape(const Shape& shape) const {
     return absl::InvalidArgumentError(absl::StrCat("cannot reshape ", ShapeToString(shape_), " (", numel(),
                                                    " elements) to ", ShapeToString(shape)));
   }
-  Tensor c = Contiguous();
+  ASSIGN_OR_RETURN(Tensor c, TryContiguous());
   return Tensor(c.storage_, dtype_, shape, RowMajorStrides(shape), c.offset_);
 }
 
 absl::StatusOr<Tensor> Tensor::ToDType(DType dtype) const {
-  if (dtype == dtype_) return Clone();
+  if (dtype == dtype_) return TryClone();
   ASSIGN_OR_RETURN(Tensor out, Empty(shape_, dtype, device()));
   RETURN_IF_ERROR(CopyOnDevice(storage_->kernels(), *this, out));
   return out;
 }
 
 absl::StatusOr<Tensor> Tensor::ContiguousAs(DType dtype) const {
-  if (dtype == dtype_) return Contiguous();
+  if (dtype == dtype_) return TryContiguous();
   return ToDType(dtype);
 }
 
 absl::StatusOr<Tensor> Tensor::To(Device device) const {
   if (device == this->device()) return *this;
-  const Tensor c = Contiguous();
+  ASSIGN_OR_RETURN(const Tensor c, TryContiguous());
   ASSIGN_OR_RETURN(Tensor out, Empty(shape_, dtype_, device));
   // The device side's copy: CUDA's tells host from device pointers (unified
   // addressing). Between two CPUs there is nothing to move.
@@ -378,7 +385,7 @@ absl::Status Tensor::CopyFrom(const Tensor& src) {
   if (src.device() != device()) {
     ASSIGN_OR_RETURN(s, src.To(device()));
   } else if (src.SharesStorageWith(*this)) {
-    s = src.Clone();
+    ASSIGN_OR_RETURN(s, src.TryClone());
   }
   return CopyOnDevice(storage_->kernels(), s, *this);
 }
@@ -389,7 +396,7 @@ absl::StatusOr<std::vector<int64_t>> Tensor::ReadInt64s() const { return HostVal
 
 absl::StatusOr<std::string> Tensor::ReadBytes() const {
   ASSIGN_OR_RETURN(const Tensor host, To(Device::Cpu()));
-  const Tensor c = host.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor c, host.TryContiguous());
   return std::string(c.base() + c.offset_ * SizeOf(dtype_), nbytes());
 }
 
@@ -462,7 +469,8 @@ absl::Status SameShape(const Tensor& a, const Tensor& b, absl::string_view op) {
 
 absl::StatusOr<Tensor> Binary(const Tensor& a, const Tensor& b, absl::string_view name, kernels::BinaryOp op) {
   RETURN_IF_ERROR(SameShape(a, b, name));
-  const Tensor ca = a.Contiguous(), cb = b.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor ca, a.TryContiguous());
+  ASSIGN_OR_RETURN(const Tensor cb, b.TryContiguous());
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), a.dtype(), a.device()));
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
   RETURN_IF_ERROR(k->Binary(a.device().index, op, Elem(a.dtype()), ca.raw_data(), cb.raw_data(), out.raw_data(),
@@ -478,7 +486,7 @@ absl::StatusOr<Tensor> Mul(const Tensor& a, const Tensor& b) { return Binary(a, 
 
 absl::StatusOr<Tensor> Scale(const Tensor& a, float s) {
   if (!IsFloat(a.dtype())) return absl::InvalidArgumentError("scale: float dtypes only");
-  const Tensor ca = a.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor ca, a.TryContiguous());
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), a.dtype(), a.device()));
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
   RETURN_IF_ERROR(k->Scale(a.device().index, Elem(a.dtype()), ca.raw_data(), s, out.raw_data(), out.numel()));
@@ -492,7 +500,8 @@ absl::StatusOr<Tensor> ScaleBy(const Tensor& a, const Tensor& s, DType dtype) {
                                                    ", got ", DTypeName(s.dtype()), ShapeToString(s.shape()), " on ",
                                                    s.device().ToString()));
   }
-  const Tensor ca = a.Contiguous(), cs = s.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor ca, a.TryContiguous());
+  ASSIGN_OR_RETURN(const Tensor cs, s.TryContiguous());
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(a.shape(), dtype, a.device()));
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
   RETURN_IF_ERROR(k->ScaleBy(a.device().index, Elem(a.dtype()), ca.raw_data(), static_cast<const float*>(cs.raw_data()),
@@ -508,7 +517,7 @@ absl::Status AddInPlace(Tensor& a, const Tensor& b) {
     return a.CopyFrom(sum);
   }
   // Elementwise, so the kernel may write where it reads: one pass, no temporary.
-  const Tensor cb = b.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor cb, b.TryContiguous());
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
   return k->Binary(a.device().index, kernels::BinaryOp::kAdd, Elem(a.dtype()), a.raw_data(), cb.raw_data(),
                    a.raw_data(), a.numel());
@@ -526,7 +535,8 @@ absl::Status AddSumOfSquares(const std::vector<Tensor>& parts, Tensor& acc) {
       return absl::InvalidArgumentError(absl::StrCat("sum of squares: a tensor on ", a.device().ToString(),
                                                      " and the accumulator on ", acc.device().ToString()));
     }
-    held.push_back(a.Contiguous());
+    ASSIGN_OR_RETURN(Tensor dense, a.TryContiguous());
+    held.push_back(std::move(dense));
     refs.push_back({held.back().raw_data(), a.numel(), Elem(a.dtype())});
   }
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(acc.device()));
@@ -536,7 +546,7 @@ absl::Status AddSumOfSquares(const std::vector<Tensor>& parts, Tensor& acc) {
 absl::StatusOr<Tensor> SumToTensor(const Tensor& a) {
   if (!IsFloat(a.dtype())) return absl::InvalidArgumentError("sum: float dtypes only");
   ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros({}, DType::kF32, a.device()));
-  const Tensor ca = a.Contiguous();
+  ASSIGN_OR_RETURN(const Tensor ca, a.TryContiguous());
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(a.device()));
   RETURN_IF_ERROR(k->AccumulateSum(a.device().index, {{ca.raw_data(), ca.numel(), Elem(a.dtype())}},
                                    /*square=*/false, static_cast<float*>(out.raw_data())));

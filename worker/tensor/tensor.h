@@ -131,8 +131,15 @@ class Tensor {
   absl::StatusOr<Tensor> Select(int64_t d, int64_t index) const;
 
   // Copies.
-  Tensor Contiguous() const;  // a handle to this tensor if already contiguous
-  Tensor Clone() const;       // always a fresh copy
+  // A handle to this tensor if already contiguous, else a contiguous copy;
+  // the copy's error (a device fault, no memory) returned.
+  absl::StatusOr<Tensor> TryContiguous() const;
+  // Always a fresh copy, its error returned.
+  absl::StatusOr<Tensor> TryClone() const;
+  // The same, ending the process where the copy fails: for tests, tools and
+  // host tensors, never for device tensors on a daemon's path.
+  Tensor Contiguous() const;
+  Tensor Clone() const;
   // Same elements, new shape; the copy is made only if not contiguous.
   absl::StatusOr<Tensor> Reshape(const Shape& shape) const;
   absl::StatusOr<Tensor> ToDType(DType dtype) const;

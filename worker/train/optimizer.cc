@@ -60,7 +60,7 @@ absl::StatusOr<Optimizer> Optimizer::Create(std::vector<NamedParam> params, Opti
     Tensor master;
     if (t.dtype() != DType::kF32) {
       ASSIGN_OR_RETURN(master, held.ToDType(DType::kF32));
-      master = master.Contiguous().Clone();
+      ASSIGN_OR_RETURN(master, master.TryClone());
     }
     o.master_.push_back(master);
     ASSIGN_OR_RETURN(Tensor m, Tensor::Zeros(held.shape(), DType::kF32, t.device()));

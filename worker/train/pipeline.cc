@@ -265,18 +265,20 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
             return model.root().Forward(*in, context);
           }
           ASSIGN_OR_RETURN(Tensor ids, inputs.Narrow(0, i * rows, rows));
-          if (pairs) return model.Forward(ids.Contiguous(), *decoder_ids);
-          return model.Forward(ids.Contiguous());
+          ASSIGN_OR_RETURN(ids, ids.TryContiguous());
+          if (pairs) return model.Forward(ids, *decoder_ids);
+          return model.Forward(ids);
         };
         if (stage.last()) {  // the LM head fused with the loss where the model allows
           ASSIGN_OR_RETURN(Tensor want, labels.Narrow(0, i * rows, rows));
-          ASSIGN_OR_RETURN(shardformer::LmLoss l, ForwardLoss(model, forward, want.Contiguous(), step_labels,
+          ASSIGN_OR_RETURN(want, want.TryContiguous());
+          ASSIGN_OR_RETURN(shardformer::LmLoss l, ForwardLoss(model, forward, want, step_labels,
                                                               images && !train ? &correct : nullptr));
           loss += l.value;
           f.loss = l.loss;
         } else {
           ASSIGN_OR_RETURN(ColoTensor out, forward());
-          Tensor o = out.local().Contiguous();
+          ASSIGN_OR_RETURN(Tensor o, out.local().TryContiguous());
           sends.push_back({send_fwd->Send(o.raw_data(), o.numel(), o.dtype(), next, tag(stage.index, i)), o});
           f.output = out;
         }
@@ -436,7 +438,7 @@ absl::Status SumTiedGradients(const std::vector<shardformer::ShardedModel*>& chu
     if (t.mine.count(owner) > 0) {
       // The sum in stage order, whichever ranks hold the copies: the same
       // bits for any placement of the stages.
-      Tensor sum = t.mine[owner].Contiguous();
+      ASSIGN_OR_RETURN(Tensor sum, t.mine[owner].TryContiguous());
       for (size_t k = 1; k < t.stages.size(); ++k) {
         const int s = t.stages[k];
         Tensor theirs;
@@ -462,7 +464,7 @@ absl::Status SumTiedGradients(const std::vector<shardformer::ShardedModel*>& chu
       continue;
     }
     for (auto& [s, g] : t.mine) {  // in stage order, as the owner receives them
-      Tensor mine = g.Contiguous();
+      ASSIGN_OR_RETURN(Tensor mine, g.TryContiguous());
       sends.push_back(
           {gather->Send(mine.raw_data(), mine.numel(), mine.dtype(), rank_of(owner), static_cast<uint32_t>(s)), mine});
     }

@@ -369,12 +369,16 @@ absl::StatusOr<shardformer::LmLoss> MicroBatchLoss(shardformer::ShardedModel& mo
     ASSIGN_OR_RETURN(dec, batch.decoder_inputs.Narrow(0, first, rows));
   }
   auto forward = [&]() -> absl::StatusOr<ColoTensor> {
-    return data.pairs() ? model.Forward(in.Contiguous(), dec.Contiguous()) : model.Forward(in.Contiguous());
+    ASSIGN_OR_RETURN(const Tensor ids, in.TryContiguous());
+    if (!data.pairs()) return model.Forward(ids);
+    ASSIGN_OR_RETURN(const Tensor decoder_ids, dec.TryContiguous());
+    return model.Forward(ids, decoder_ids);
   };
   // The model's own setting again afterwards, whatever the forward returns.
   const bool was_deferred = model.loss_read_deferred();
   model.set_loss_read_deferred(defer_read);
-  absl::StatusOr<shardformer::LmLoss> loss = ForwardLoss(model, forward, want.Contiguous(), denominator, correct);
+  ASSIGN_OR_RETURN(const Tensor want_dense, want.TryContiguous());
+  absl::StatusOr<shardformer::LmLoss> loss = ForwardLoss(model, forward, want_dense, denominator, correct);
   model.set_loss_read_deferred(was_deferred);
   return loss;
 }
