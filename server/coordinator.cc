@@ -99,6 +99,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
                        << " more need: heartbeats and job calls may be refused while the long calls hold the rest";
   }
   if (options.upload_grace <= absl::ZeroDuration()) return absl::InvalidArgumentError("upload grace: must be > 0");
+  if (options.stream_stall_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--stream-stall-timeout: must be >= 0 (0: never)");
+  }
   if (options.stop_grace < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--stop-grace: must be >= 0 (0 waits for every rank's end)");
   }
@@ -164,10 +167,11 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   upload_limits.max_concurrent_uploads = options.max_concurrent_uploads;
   upload_limits.max_concurrent_downloads = options.max_concurrent_downloads;
   ASSIGN_OR_RETURN(c->uploads_, UploadStore::Open(options.data_dir + "/uploads", upload_limits, options.clock));
+  c->stalls_ = std::make_unique<StallWatchdog>(options.stream_stall_timeout);
   c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),
                                                           c->registry_.get(), TokenAuth(options.auth_token),
                                                           c->scheduler_.get(), c->uploads_.get(),
-                                                          options.max_watch_streams);
+                                                          options.max_watch_streams, c->stalls_.get());
   c->UpdateGauges();
 
   ASSIGN_OR_RETURN(c->metrics_, MetricsServer::Start(options.metrics_listen, c->registry_));

@@ -23,6 +23,7 @@
 #include "server/job_manager.h"
 #include "common/rendezvous_store.h"
 #include "server/scheduler.h"
+#include "server/stall_watchdog.h"
 #include "server/tensor_proxy.h"
 #include "server/worker_registry.h"
 
@@ -91,6 +92,10 @@ class Coordinator {
     // bounded long call above and kServerThreadsForShortCalls more; else at
     // least 2 (one polls for calls).
     int max_server_threads = 0;
+    // An UploadModel or DownloadModel stream that moves no chunk this long
+    // (its client stopped sending or reading) is cancelled, freeing its
+    // place and thread; zero: never.
+    absl::Duration stream_stall_timeout = absl::Minutes(2);
     // An upload no job names is removed this long after it was made or last
     // named.
     absl::Duration upload_grace = absl::Hours(1);
@@ -118,6 +123,8 @@ class Coordinator {
   const std::string& metrics_address() const { return metrics_->address(); }
 
   WorkerRegistry& workers() { return *workers_; }
+  // Transfer streams cancelled for a stall (--stream-stall-timeout) so far.
+  int64_t stalled_streams() const { return stalls_->cancelled(); }
   JobManager& jobs() { return *jobs_; }
 
  private:
@@ -133,6 +140,7 @@ class Coordinator {
   std::unique_ptr<RendezvousStore> store_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<UploadStore> uploads_;
+  std::unique_ptr<StallWatchdog> stalls_;  // outlives the service's handlers
   std::unique_ptr<CoordinatorServiceImpl> service_;
   std::unique_ptr<TensorProxy> tensors_;
   prometheus::Family<prometheus::Gauge>* workers_gauge_ = nullptr;

@@ -41,7 +41,8 @@ std::string NewIncarnation() {
 CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs,
                                                RendezvousStore* store,
                                                prometheus::Registry* metrics, TokenAuth auth,
-                                               Scheduler* scheduler, UploadStore* uploads, int max_watches)
+                                               Scheduler* scheduler, UploadStore* uploads, int max_watches,
+                                               StallWatchdog* stalls)
     : workers_(workers),
       jobs_(jobs),
       store_(store),
@@ -50,7 +51,8 @@ CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManag
       scheduler_(scheduler),
       uploads_(uploads),
       incarnation_(NewIncarnation()),
-      max_watches_(max_watches) {}
+      max_watches_(max_watches),
+      stalls_(stalls) {}
 
 template <typename Fn>
 grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const char* method, Fn&& fn) {
@@ -241,8 +243,16 @@ grpc::Status CoordinatorServiceImpl::UploadModel(grpc::ServerContext* ctx,
   return Instrument(ctx, "UploadModel", [&]() -> absl::Status {
     if (uploads_ == nullptr) return absl::UnimplementedError("this coordinator stores no uploads");
     ASSIGN_OR_RETURN(std::unique_ptr<UploadStore::Writer> writer, uploads_->Begin());
+    const std::unique_ptr<StallWatchdog::Watch> watch =
+        stalls_ != nullptr ? stalls_->Start(ctx, absl::StrCat("UploadModel from ", ctx->peer())) : nullptr;
     v1::UploadModelRequest req;
-    while (reader->Read(&req)) RETURN_IF_ERROR(writer->Add(req.chunk()));
+    while (reader->Read(&req)) {
+      if (watch != nullptr) watch->Progress();
+      RETURN_IF_ERROR(writer->Add(req.chunk()));
+    }
+    if (watch != nullptr && watch->stalled()) {
+      return absl::DeadlineExceededError("no chunk came for --stream-stall-timeout: the upload was cancelled");
+    }
     if (ctx->IsCancelled()) return absl::CancelledError("the upload was cancelled");
     ASSIGN_OR_RETURN(*resp, writer->Finish());
     return absl::OkStatus();
@@ -262,6 +272,8 @@ grpc::Status CoordinatorServiceImpl::DownloadModel(grpc::ServerContext* ctx, con
     // (UNAVAILABLE midway).
     ASSIGN_OR_RETURN(std::vector<std::string> files, ListDirectory(dir));
     std::sort(files.begin(), files.end());
+    const std::string what = absl::StrCat("DownloadModel of ", req->upload_id(), " to ", ctx->peer());
+    const std::unique_ptr<StallWatchdog::Watch> watch = stalls_ != nullptr ? stalls_->Start(ctx, what) : nullptr;
     std::string buffer(kChunk, '\0');
     for (const std::string& f : files) {
       std::ifstream in(dir + "/" + f, std::ios::binary);
@@ -274,7 +286,13 @@ grpc::Status CoordinatorServiceImpl::DownloadModel(grpc::ServerContext* ctx, con
         chunk.set_offset(offset);
         chunk.set_data(buffer.data(), static_cast<size_t>(in.gcount()));
         offset += in.gcount();
-        if (!writer->Write(chunk)) return absl::CancelledError("the client went away");
+        if (!writer->Write(chunk)) {
+          if (watch != nullptr && watch->stalled()) {
+            return absl::DeadlineExceededError("the client read nothing for --stream-stall-timeout: cancelled");
+          }
+          return absl::CancelledError("the client went away");
+        }
+        if (watch != nullptr) watch->Progress();
       } while (in && !ctx->IsCancelled());
       if (in.bad()) return absl::InternalError(absl::StrCat("reading ", dir, "/", f, " failed midway"));
     }

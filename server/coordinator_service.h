@@ -13,6 +13,7 @@
 #include "server/job_manager.h"
 #include "common/rendezvous_store.h"
 #include "server/scheduler.h"
+#include "server/stall_watchdog.h"
 #include "server/upload_store.h"
 #include "server/worker_registry.h"
 
@@ -26,10 +27,12 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   // `scheduler` may be null (no job runs: jobs stay PENDING), and so may
   // `uploads` (UploadModel is then UNIMPLEMENTED).
   // At most `max_watches` WatchJob streams run at once (each holds a server
-  // thread); more are RESOURCE_EXHAUSTED.
+  // thread); more are RESOURCE_EXHAUSTED. `stalls`, where not null, cancels
+  // the upload and download streams that stop moving.
   CoordinatorServiceImpl(WorkerRegistry* workers, JobManager* jobs, RendezvousStore* store,
                          prometheus::Registry* metrics, TokenAuth auth = TokenAuth(),
-                         Scheduler* scheduler = nullptr, UploadStore* uploads = nullptr, int max_watches = 256);
+                         Scheduler* scheduler = nullptr, UploadStore* uploads = nullptr, int max_watches = 256,
+                         StallWatchdog* stalls = nullptr);
 
   grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest*,
                               v1::RegisterWorkerResponse*) override;
@@ -79,6 +82,7 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   // ReportProgressResponse.coordinator_incarnation: random per process.
   const std::string incarnation_;
   const int max_watches_;
+  StallWatchdog* const stalls_;  // may be null
   std::atomic<int> watches_{0};  // WatchJob streams running
 };
 

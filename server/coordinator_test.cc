@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <set>
@@ -406,6 +408,88 @@ TEST(CoordinatorStart, ServerThreadsAreBounded) {
   d.max_store_waits = 8192;
   d.max_concurrent_downloads = 0;
   EXPECT_EQ(Coordinator::Start(d).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A transfer stream that stops moving (a client that reads nothing of its
+// download, or sends nothing more of its upload) is cancelled after
+// --stream-stall-timeout, and its place is free again; one that moves is
+// never cut.
+TEST(CoordinatorStart, StalledTransfersAreCancelledAndFreeTheirPlace) {
+  Coordinator::Options o;
+  o.data_dir = testing::TempPath("coord-stalls");
+  o.stream_stall_timeout = absl::Seconds(1);
+  o.max_concurrent_downloads = 1;
+  o.max_concurrent_uploads = 1;
+  auto c = Coordinator::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto client = CoordinatorClient::Create((*c)->address());
+  ASSERT_TRUE(client.ok());
+  // A model larger than the stream's flow-control windows: a reader that
+  // reads nothing holds the server's Write.
+  const std::string dir = testing::TempPath("stall-model");
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream out(dir + "/model.safetensors", std::ios::binary);
+    const std::string mib(1 << 20, 'x');
+    for (int i = 0; i < 48; ++i) out << mib;
+  }
+  auto uploaded = (*client)->UploadModel(dir, absl::Seconds(60));
+  ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+  auto& stub = (*client)->stub();
+  v1::DownloadModelRequest req;
+  req.set_upload_id(uploaded->upload_id());
+  grpc::ClientContext stalled;
+  std::unique_ptr<grpc::ClientReaderInterface<v1::ModelChunk>> idle = stub.DownloadModel(&stalled, req);
+  idle->WaitForInitialMetadata();  // sent with its first chunk: the server runs it, and holds its place
+  const absl::Time start = absl::Now();
+  // Its place is taken until the watchdog cancels it: a whole download then gets it.
+  int64_t got = -1;
+  for (int attempt = 0; attempt < 100 && got < 0; ++attempt) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    auto reader = stub.DownloadModel(&ctx, req);
+    v1::ModelChunk chunk;
+    int64_t bytes = 0;
+    while (reader->Read(&chunk)) bytes += static_cast<int64_t>(chunk.data().size());
+    const grpc::Status s = reader->Finish();
+    if (s.ok()) {
+      got = bytes;
+    } else {
+      ASSERT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  }
+  EXPECT_EQ(got, int64_t{48} << 20) << "the stalled download's place never came free";
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(500)) << "cancelled before it stalled";
+  EXPECT_LT(absl::Now() - start, absl::Seconds(8));
+  stalled.TryCancel();
+  (void)idle->Finish();
+
+  // An upload that sends one chunk and then nothing.
+  grpc::ClientContext upload_ctx;
+  v1::UploadModelResponse upload_resp;
+  auto writer = stub.UploadModel(&upload_ctx, &upload_resp);
+  v1::UploadModelRequest chunk;
+  chunk.mutable_chunk()->set_file("model.safetensors");
+  chunk.mutable_chunk()->set_data("first");
+  ASSERT_TRUE(writer->Write(chunk));
+  bool uploaded_again = false;
+  for (int attempt = 0; attempt < 100 && !uploaded_again; ++attempt) {
+    auto again = (*client)->UploadModel(dir, absl::Seconds(30));
+    uploaded_again = again.ok();
+    if (!uploaded_again) {
+      ASSERT_EQ(again.status().code(), absl::StatusCode::kResourceExhausted) << again.status();
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  }
+  EXPECT_TRUE(uploaded_again) << "the stalled upload's place never came free";
+  const grpc::Status ended = writer->Finish();
+  EXPECT_FALSE(ended.ok());
+  EXPECT_GE((*c)->stalled_streams(), 2);
+
+  o.data_dir = testing::TempPath("coord-stalls-bad");
+  o.stream_stall_timeout = absl::Seconds(-1);
+  EXPECT_EQ(Coordinator::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(CoordinatorTest, RendezvousStoreOverGrpc) {

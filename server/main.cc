@@ -51,6 +51,9 @@ ABSL_FLAG(int, max_concurrent_uploads, 16,
 ABSL_FLAG(int, max_concurrent_downloads, 64,
           "DownloadModel streams in progress at once (workers fetching a job's uploaded model, each holding a server "
           "thread); more are refused RESOURCE_EXHAUSTED, and workers retry until their download deadline.");
+ABSL_FLAG(absl::Duration, stream_stall_timeout, absl::Minutes(2),
+          "An UploadModel or DownloadModel stream that moves no chunk this long (its client stopped sending or "
+          "reading) is cancelled, freeing its place and server thread. 0: never.");
 ABSL_FLAG(int, max_server_threads, 0,
           "Threads the gRPC server runs calls on at once; a call past them is refused RESOURCE_EXHAUSTED. 0: the "
           "sum of --max-store-waits, --max-watch-streams, --max-concurrent-uploads and --max-concurrent-downloads, "
@@ -99,6 +102,7 @@ int main(int argc, char** argv) {
   options.max_store_waits = absl::GetFlag(FLAGS_max_store_waits);
   options.max_concurrent_downloads = absl::GetFlag(FLAGS_max_concurrent_downloads);
   options.max_server_threads = absl::GetFlag(FLAGS_max_server_threads);
+  options.stream_stall_timeout = absl::GetFlag(FLAGS_stream_stall_timeout);
   // A byte-size flag's value (e.g. 256GiB); false, having said why, if it is not one.
   auto byte_size = [](const char* flag, const std::string& value, int64_t* out) {
     absl::StatusOr<int64_t> bytes = colod::ParseByteSize(value);
