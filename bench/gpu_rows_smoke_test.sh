@@ -18,7 +18,7 @@ if grep -q '^no CUDA device' <<<"$out"; then
   echo "SKIP: no CUDA device"
   exit 0
 fi
-out=$("$layers" --cpu_rows=false --hidden 64 --tokens 64 --seq 32 --steps 1 --attention_seq 80 --attention_batch 1 \
+out=$("$layers" --cpu_rows=false --hidden 64 --tokens 64 --seq 32 --steps 1 --attention_seq 24 --attention_batch 1 \
   --bandwidth_rows 64 --lm_head_rows 256 --lm_head_vocab 1024 --lm_head_chunk 64 2>&1) ||
   fail "bench:layers exited $?" "$out"
 for block in mlp_block gpt2_block; do
@@ -28,14 +28,14 @@ for block in mlp_block gpt2_block; do
     <<<"$out" || fail "bench:layers printed no GPU $block row with the bias apart" "$out"
 done
 for shape in "16 +128" "32 +64"; do  # the attention rows: batch, seq, heads, dim, then forward and backward
-  grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$" <<<"$out" ||
+  grep -qE "^ +1 +24 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$" <<<"$out" ||
     fail "bench:layers printed no attention row of heads and dim $shape" "$out"
-  grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \(two backward kernels, no atomics: COLOD_DETERMINISTIC=1\)$" \
+  grep -qE "^ +1 +24 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \(two backward kernels, no atomics: COLOD_DETERMINISTIC=1\)$" \
     <<<"$out" || fail "bench:layers printed no deterministic attention row of heads and dim $shape" "$out"
-  grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \(one row tile a warp: COLOD_ATTENTION_ROW_TILES=1\)$" \
+  grep -qE "^ +1 +24 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \(one row tile a warp: COLOD_ATTENTION_ROW_TILES=1\)$" \
     <<<"$out" || fail "bench:layers printed no attention row of one row tile a warp, heads and dim $shape" "$out"
   # cuDNN's: served on a GPU with cuDNN, colod's kernels where it is not (the emulation).
-  grep -qE "^ +1 +80 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \((cuDNN's fused attention: COLOD_ATTENTION=cudnn|COLOD_ATTENTION=cudnn, cuDNN unavailable: colod's kernels ran)\)$" \
+  grep -qE "^ +1 +24 +$shape +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+  \((cuDNN's fused attention: COLOD_ATTENTION=cudnn|COLOD_ATTENTION=cudnn, cuDNN unavailable: colod's kernels ran)\)$" \
     <<<"$out" || fail "bench:layers printed no cuDNN attention row of heads and dim $shape" "$out"
 done
 grep -qE '^GPU \(cuda:0\) memory-bound kernels, bf16, 64 tokens \(copy bandwidth [0-9]+ GB/s' <<<"$out" ||

@@ -35,7 +35,8 @@
 //   llama-1b    hidden 2048, 16 layers, 32 heads over 8 kv heads, MLP 5632,
 //               vocab 32000 (787M parameters by the PARAMS column), seq 2048,
 //               batch 4: tp=1, tp=2, and tp=2 in processes
-// --rows smoke: tiny GPT-2 and LLaMA on the GPU path (seq 32, 2 steps), to
+// --rows smoke: tiny GPT-2 and LLaMA (2 layers of hidden 128) on the GPU
+// path (seq 32, 2 steps), to
 // check the GPU rows run at all, e.g. under --config=cuda-emu, whose devices
 // would take hours over the real rows and time nothing; with tiny GPT-2's
 // tp=2, dp=2 and pp=2 rows in processes.
@@ -172,14 +173,17 @@ std::vector<Row> Rows(const std::string& which) {
     }
   }
   if (which == "smoke") {
+    // Smaller than the CPU rows' gpt2-tiny (2 layers of hidden 128): the
+    // emulation runs each kernel on the CPU, and the rows time nothing there.
+    const ModelShape tiny_gpt2{"gpt2", 256, 128, 2, 4, 4, 512};
     const ModelShape tiny_llama{"llama", 256, 128, 2, 4, 2, 256};
-    for (int tp : {1, 2}) rows.push_back({"gpt2-tiny", tiny, true, tp, 1, 32, 4, 2});
-    rows.push_back({"gpt2-tiny", tiny, true, 1, 1, 32, 4, 2, 1, 1, false, 1, true});
-    rows.push_back({"gpt2-tiny", tiny, true, 1, 1, 32, 4, 2, 1, 1, false, 1, false, true});
+    for (int tp : {1, 2}) rows.push_back({"gpt2-tiny", tiny_gpt2, true, tp, 1, 32, 4, 2});
+    rows.push_back({"gpt2-tiny", tiny_gpt2, true, 1, 1, 32, 4, 2, 1, 1, false, 1, true});
+    rows.push_back({"gpt2-tiny", tiny_gpt2, true, 1, 1, 32, 4, 2, 1, 1, false, 1, false, true});
     for (int tp : {1, 2}) rows.push_back({"llama-tiny", tiny_llama, true, tp, 1, 32, 4, 2});
-    rows.push_back({"gpt2-tiny", tiny, true, 2, 1, 32, 4, 2, 1, 1, true});
-    rows.push_back({"gpt2-tiny", tiny, true, 1, 2, 32, 4, 2, 1, 1, true});
-    rows.push_back({"gpt2-tiny", tiny, true, 1, 1, 32, 4, 2, 2, 2, true});
+    rows.push_back({"gpt2-tiny", tiny_gpt2, true, 2, 1, 32, 4, 2, 1, 1, true});
+    rows.push_back({"gpt2-tiny", tiny_gpt2, true, 1, 2, 32, 4, 2, 1, 1, true});
+    rows.push_back({"gpt2-tiny", tiny_gpt2, true, 1, 1, 32, 4, 2, 2, 2, true});
     return rows;
   }
   if (which != "cpu") {

@@ -43,7 +43,7 @@ TrainOptions TwoStages(TrainOptions run, int tp, int dp, int micro,
 // or none (AdamW's first steps, about lr times the gradient's sign, amplify
 // f32 rounding; under SGD 2D and 1D tp 2 stay within 1e-5 of it).
 void ExpectStagesTrainAsOneRank(const TrainOptions& run, const std::string& what, bool two_d_alone = false,
-                                double grad_rel = 1e-3) {
+                                double grad_rel = 1e-3, bool on_cuda = true) {
   const std::vector<StepStats> want = Losses(run);
   ASSERT_EQ(want.size(), 4u) << what;
   auto staged = [&](int tp, int dp, int micro, v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D) {
@@ -59,7 +59,7 @@ void ExpectStagesTrainAsOneRank(const TrainOptions& run, const std::string& what
   } else {
     ExpectSameLosses(Losses(two_d), want, 1e-4, what + " 2d tp4 x pp2", 0, grad_rel);
   }
-  if (kernels::CudaDeviceCount() >= 2) {  // the emulation's 4 devices in CI; skipped only in the no-GPU default pass
+  if (on_cuda && kernels::CudaDeviceCount() >= 2) {  // the emulation's 4 devices in CI; skipped only in the no-GPU default pass
     TrainOptions t = staged(1, 1, 2);
     t.cuda = true;
     ExpectSameLosses(Losses(t), want, 1e-4, what + " pp=2 on CUDA", 0, grad_rel);
@@ -127,10 +127,13 @@ TEST(PipelineFamilies, VitWithItsClassifierOnTheLastStage) {
 // embedding on the first stage, the first decoder stage and, tied to the
 // head (v1.0), the last; each stack's position bias table mirrored on the
 // stack's later stages, their gradients summed. At pp=2 (a stage a stack),
-// tp2 x pp2 x dp2 and on CUDA ranks, at pp=4 (two stages a stack: both
-// tables mirrored, the shared embedding on three stages) and on uneven
-// stages, v1.0 and flan-t5 train with the unsharded run's losses; in 2D
-// (tp4) under two stages, with 2D's own (ExpectStagesTrainAsOneRank).
+// tp2 x pp2 x dp2 and at pp=4 (two stages a stack: both tables mirrored,
+// the shared embedding on three stages, flan-t5's untied head alone on the
+// last), v1.0 and flan-t5 train with the unsharded run's losses; in 2D
+// (tp4) under two stages, with 2D's own (ExpectStagesTrainAsOneRank). On
+// CUDA ranks, on uneven stages and with a held-out evaluation, v1.0 alone:
+// what differs there is the same code for both (flan-t5's gated MLP and
+// untied head are held on CUDA by cuda_families_test).
 // T5's gradient norm is chaotic under Adam (ExpectSameLosses): measured
 // against the unsharded run, 1e-8 relative at step 1, up to 1e-5 at step 2,
 // 1e-4 at step 3 and 1e-3 at step 4, where the OpenBLAS kernel differs
@@ -148,12 +151,13 @@ TEST(PipelineFamilies, T5EncoderAndDecoderStages) {
     const testing::PairSet pairs = testing::WritePairs(flan ? "pp_flan_t5" : "pp_t5", t5->config.vocab_size);
     const TrainOptions run =
         testing::OnExamples(testing::SmallRun(t5->dir, 1, 1, 4), pairs.inputs_path, pairs.targets_path);
-    ExpectStagesTrainAsOneRank(run, what, /*two_d_alone=*/true, kT5GradRel);
+    ExpectStagesTrainAsOneRank(run, what, /*two_d_alone=*/true, kT5GradRel, /*on_cuda=*/!flan);
     const std::vector<StepStats> want = Losses(run);
     TrainOptions four = run;
     four.shard.layout.set_pipeline_parallel_size(4);  // stages of 2, 1 | 2, 1 layers
     four.micro_batches = 4;
     ExpectSameLosses(Losses(four), want, 1e-4, what + " pp=4", 0, kT5GradRel);
+    if (flan) continue;
     TrainOptions uneven = run;
     uneven.shard.layout.set_pipeline_parallel_size(3);
     for (int n : {3, 1, 2}) uneven.shard.layout.add_pipeline_stage_layers(n);
