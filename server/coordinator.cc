@@ -58,7 +58,10 @@ absl::StatusOr<int> LockDataDir(const std::string& dir) {
 Coordinator::Coordinator(Options options) : options_(std::move(options)) {}
 
 int Coordinator::ServerThreadsFor(const Options& options) {
-  if (options.max_server_threads > 0) return options.max_server_threads;
+  return options.max_server_threads > 0 ? options.max_server_threads : DerivedServerThreads(options);
+}
+
+int Coordinator::DerivedServerThreads(const Options& options) {
   const int64_t sum = int64_t{options.max_store_waits} + options.max_watch_streams + options.max_concurrent_uploads +
                       options.max_concurrent_downloads + kServerThreadsForShortCalls;
   return static_cast<int>(std::min<int64_t>(sum, std::numeric_limits<int>::max()));
@@ -90,10 +93,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
         "--max-server-threads: must be 0 (the long calls' bounds and 512) or at least 2 (one thread polls for calls)");
   }
   const int server_threads = ServerThreadsFor(options);
-  Options derived = options;
-  derived.max_server_threads = 0;
-  if (server_threads < ServerThreadsFor(derived)) {
-    COLOD_LOG(WARNING) << "--max-server-threads=" << server_threads << " is below the " << ServerThreadsFor(derived)
+  if (const int derived = DerivedServerThreads(options); server_threads < derived) {
+    COLOD_LOG(WARNING) << "--max-server-threads=" << server_threads << " is below the " << derived
                        << " that the long calls' bounds (store waits, watches, uploads, downloads) and "
                        << kServerThreadsForShortCalls
                        << " more need: heartbeats and job calls may be refused while the long calls hold the rest";

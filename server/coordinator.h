@@ -129,6 +129,9 @@ class Coordinator {
 
  private:
   explicit Coordinator(Options options);
+  // The long calls' bounds plus kServerThreadsForShortCalls, at most INT_MAX
+  // (what max_server_threads = 0 means).
+  static int DerivedServerThreads(const Options& options);
   void SweepLoop();
   void UpdateGauges();
 

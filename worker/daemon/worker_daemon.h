@@ -144,6 +144,8 @@ class WorkerDaemon {
   bool serving_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  // The runner's on_device_lost reason, kept here because Shutdown frees the
+  // runner (whose own copy refuses ranks) before main reads it for the exit code.
   absl::Status device_lost_ ABSL_GUARDED_BY(mu_);
 };
 

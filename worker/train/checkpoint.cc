@@ -11,6 +11,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <set>
@@ -153,6 +154,30 @@ void RemoveStaleTmpDirs(const std::string& dir, const CheckpointWriter& writer) 
   }
 }
 
+std::mutex exchange_hook_mu;
+std::function<int(int)>& ExchangeHook() {
+  static auto* hook = new std::function<int(int)>();  // guarded by exchange_hook_mu; never destroyed
+  return *hook;
+}
+
+// renameat2(a, b, RENAME_EXCHANGE), the n-th of an install, after the
+// testing hook (internal::SetCheckpointExchangeHookForTesting), which may
+// fail it with an errno of its own.
+int Exchange(int n, const std::string& a, const std::string& b) {
+  std::function<int(int)> hook;
+  {
+    std::lock_guard<std::mutex> lock(exchange_hook_mu);
+    hook = ExchangeHook();
+  }
+  if (hook) {
+    if (const int injected = hook(n); injected != 0) {
+      errno = injected;
+      return -1;
+    }
+  }
+  return ::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE);
+}
+
 // Moves `tmp` (complete) to `final_dir`. A directory there is replaced:
 // exchanged with tmp in one atomic rename (renameat2's RENAME_EXCHANGE) and
 // then removed, so that some whole checkpoint of the step is in place at
@@ -189,11 +214,11 @@ absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, c
                                            writer.generation, ": left in place"));
   };
   if (const std::optional<int64_t> g = later(final_dir)) return refuse(*g);
-  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+  if (Exchange(1, tmp, final_dir) == 0) {
     // What went out: a later generation's put in place since it was read
     // above goes back.
     if (const std::optional<int64_t> g = later(tmp)) {
-      if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) return refuse(*g);
+      if (Exchange(2, tmp, final_dir) == 0) return refuse(*g);
       // Neither is removed: a whole checkpoint of the step stays in place
       // (this one), and the later generation's goes where no cleanup or
       // listing looks (tmp's name is this generation's: the later one's next
@@ -234,6 +259,13 @@ absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, c
 }
 
 }  // namespace
+
+namespace internal {
+void SetCheckpointExchangeHookForTesting(std::function<int(int exchange)> hook) {
+  std::lock_guard<std::mutex> lock(exchange_hook_mu);
+  ExchangeHook() = std::move(hook);
+}
+}  // namespace internal
 
 absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer& optimizer, const std::string& dir,
                                     int64_t step, uint64_t seed, std::optional<double> eval_loss,

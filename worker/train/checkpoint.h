@@ -34,6 +34,7 @@
 #ifndef COLOD_WORKER_TRAIN_CHECKPOINT_H_
 #define COLOD_WORKER_TRAIN_CHECKPOINT_H_
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -143,6 +144,17 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
 absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
                                                   const std::vector<shardformer::ShardedModel*>& chunks,
                                                   Optimizer& optimizer);
+
+namespace internal {
+// Testing only, a fault-injection seam for the race a save can lose: where
+// rank 0 exchanges its checkpoint with the one in place (renameat2's
+// RENAME_EXCHANGE), hook(1) runs just before that exchange and hook(2)
+// before a later generation's checkpoint, found exchanged out, is put back;
+// a non-zero return fails that exchange with it as errno. An empty function
+// (the default) removes the hook. Thread-safe; the hook runs on the saving
+// thread, without the seam's lock held.
+void SetCheckpointExchangeHookForTesting(std::function<int(int exchange)> hook);
+}  // namespace internal
 
 }  // namespace colod::train
 

@@ -458,6 +458,28 @@ TEST(CudaEmuStreams, StreamWaitEventOrdersTwoStreams) {
   cudaFree(d);
 }
 
+// An event belongs to the device current at its creation: CUDA records it
+// only on that device's streams, and any device's stream may wait for it.
+TEST(CudaEmuStreams, AnEventIsRecordedOnlyOnItsOwnDevicesStreams) {
+  ASSERT_EQ(cudaSetDevice(2), cudaSuccess);
+  cudaEvent_t event = nullptr;
+  ASSERT_EQ(cudaEventCreate(&event), cudaSuccess);
+  cudaStream_t on2 = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&on2), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cudaStream_t on0 = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&on0), cudaSuccess);
+  EXPECT_EQ(cudaEventRecord(event, on0), cudaErrorInvalidResourceHandle);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidResourceHandle);
+  EXPECT_EQ(cudaEventRecord(event, on2), cudaSuccess);
+  EXPECT_EQ(cudaStreamWaitEvent(on0, event, 0), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(on0), cudaSuccess);
+  EXPECT_EQ(cudaEventQuery(event), cudaSuccess);
+  EXPECT_EQ(cudaEventDestroy(event), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(on0), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(on2), cudaSuccess);
+}
+
 TEST(CudaEmuStreams, TheLegacyStreamWaitsForBlockingStreams) {
   std::atomic<int> flag{0};
   int* d = DeviceAlloc<int>(1);
@@ -514,11 +536,15 @@ TEST(CudaEmuMemory, AFaultedDeviceFailsEveryCallUntilTheFaultsAreCleared) {
   ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
   ncclComm_t comm = nullptr;
   ASSERT_EQ(ncclCommInitRank(&comm, 1, id, 0), ncclSuccess);
+  // A group's kernels launch at its end: one the fault breaks meanwhile fails there.
+  ASSERT_EQ(ncclGroupStart(), ncclSuccess);
+  ASSERT_EQ(ncclAllReduce(d, d, 64, ncclInt32, ncclSum, comm, stream), ncclSuccess);
   colod_cuda_emu::FaultDeviceAtLaunch(kDevice, 2);
   EXPECT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, stream, d, 64), cudaSuccess);
   EXPECT_FALSE(colod_cuda_emu::DeviceFaulted(kDevice));
   EXPECT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, stream, d, 64), cudaSuccess) << "the fault is asynchronous";
   EXPECT_TRUE(colod_cuda_emu::DeviceFaulted(kDevice));
+  EXPECT_EQ(ncclGroupEnd(), ncclUnhandledCudaError);
   EXPECT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, stream, d, 64), cudaErrorIllegalAddress);
   EXPECT_EQ(cudaStreamSynchronize(stream), cudaErrorIllegalAddress);
   int h[64] = {};
@@ -540,6 +566,10 @@ TEST(CudaEmuMemory, AFaultedDeviceFailsEveryCallUntilTheFaultsAreCleared) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   EXPECT_EQ(cudaGetLastError(), cudaErrorIllegalAddress);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  // The faulted device's event fails wherever it is asked from.
+  EXPECT_EQ(cudaEventQuery(event), cudaErrorIllegalAddress);
+  EXPECT_EQ(cudaEventSynchronize(event), cudaErrorIllegalAddress);
+  cudaGetLastError();
   int* other = DeviceAlloc<int>(64);
   EXPECT_EQ(Launch(WriteIndex, dim3(1), dim3(64), 0, cudaStreamLegacy, other, 64), cudaSuccess);
   EXPECT_EQ(cudaMemcpy(h, other, sizeof h, cudaMemcpyDeviceToHost), cudaSuccess);

@@ -509,6 +509,14 @@ ncclResult_t Launch(std::vector<GroupOp> ops) {
       return ncclInvalidUsage;  // NCCL: blocking and non-blocking communicators in one group
     }
   }
+  // A group's kernels launch at ncclGroupEnd: a context that broke since
+  // its calls fails that launch, and none of its ops runs.
+  for (const GroupOp& op : ops) {
+    if (colod_cuda_emu::StickyError(colod_cuda_emu::DeviceOf(*op.stream)) != cudaSuccess) {
+      for (const GroupOp& o : ops) o.st->pending--;  // never run
+      return ncclUnhandledCudaError;
+    }
+  }
   if (needs.empty()) {
     EnqueueOps(std::move(ops));
     return ncclSuccess;

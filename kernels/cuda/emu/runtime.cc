@@ -741,6 +741,7 @@ using colod_cuda_emu::Resolve;
 using colod_cuda_emu::Stream;
 
 struct CUevent_st {
+  int device = 0;  // current at creation, as CUDA ties an event to it
   std::mutex mu;
   std::condition_variable cv;
   uint64_t recorded = 0;   // generation of the last cudaEventRecord
@@ -1075,6 +1076,7 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
   if (event == nullptr || (flags & ~7u) != 0) return Fail(cudaErrorInvalidValue);
   auto e = std::make_shared<CUevent_st>();
+  e->device = colod_cuda_emu::current_device;
   std::lock_guard<std::mutex> l(colod_cuda_emu::events_mu);
   colod_cuda_emu::Events()[e.get()] = e;
   *event = e.get();
@@ -1101,6 +1103,8 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   auto s = Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   if (cudaError_t sticky = colod_cuda_emu::StickyError(s->device())) return Fail(sticky);
+  // CUDA records an event only on a stream of the device it was created on.
+  if (s->device() != e->device) return Fail(cudaErrorInvalidResourceHandle);
   uint64_t gen;
   {
     std::lock_guard<std::mutex> l(e->mu);
@@ -1118,7 +1122,7 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
   std::shared_ptr<CUevent_st> e = colod_cuda_emu::FindEvent(event);
   if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   colod_cuda_emu::CountStreamQuery();
-  if (cudaError_t sticky = colod_cuda_emu::StickyError(colod_cuda_emu::current_device)) return Fail(sticky);
+  if (cudaError_t sticky = colod_cuda_emu::StickyError(e->device)) return Fail(sticky);
   std::lock_guard<std::mutex> l(e->mu);
   return e->completed >= e->recorded ? cudaSuccess : cudaErrorNotReady;
 }
@@ -1131,7 +1135,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   const uint64_t want = e->recorded;
   e->cv.wait(l, [&] { return e->completed >= want; });
   l.unlock();
-  return Fail(colod_cuda_emu::StickyError(colod_cuda_emu::current_device));
+  return Fail(colod_cuda_emu::StickyError(e->device));
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
