@@ -125,6 +125,8 @@ class Coordinator {
   WorkerRegistry& workers() { return *workers_; }
   // Transfer streams cancelled for a stall (--stream-stall-timeout) so far.
   int64_t stalled_streams() const { return stalls_->cancelled(); }
+  // Transfer streams under the stall watch now (each holds its place).
+  int64_t watched_streams() const { return stalls_->watched(); }
   JobManager& jobs() { return *jobs_; }
 
  private:

@@ -473,6 +473,11 @@ TEST(CoordinatorStart, StalledTransfersAreCancelledAndFreeTheirPlace) {
   chunk.mutable_chunk()->set_file("model.safetensors");
   chunk.mutable_chunk()->set_data("first");
   ASSERT_TRUE(writer->Write(chunk));
+  // The server took its place (the watch starts once the place is held):
+  // before, a busy machine could run the upload below first, and this one
+  // was then refused, not stalled.
+  for (int i = 0; i < 1000 && (*c)->watched_streams() < 1; ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_EQ((*c)->watched_streams(), 1);
   bool uploaded_again = false;
   for (int attempt = 0; attempt < 100 && !uploaded_again; ++attempt) {
     auto again = (*client)->UploadModel(dir, absl::Seconds(30));

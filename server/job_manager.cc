@@ -6,6 +6,7 @@
 #include <iterator>
 #include <limits>
 #include <optional>
+#include <random>
 #include <system_error>
 
 #include "absl/strings/ascii.h"
@@ -23,6 +24,12 @@
 
 namespace colod {
 namespace {
+
+// Job.uid: 64 random bits, hex.
+std::string NewJobUid() {
+  std::random_device rd;
+  return absl::StrCat(absl::Hex(rd(), absl::kZeroPad8), absl::Hex(rd(), absl::kZeroPad8));
+}
 
 // A trained step's report, not an eval_only run's (an evaluation without a
 // step_duration).
@@ -531,6 +538,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
       submitting_.insert(request);
     }
     e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
+    e.job.set_uid(NewJobUid());
     *e.job.mutable_spec() = spec;
     if (floor->total_bytes() > 0) *e.job.mutable_memory_floor() = *floor;
     *e.job.mutable_create_time() = ToProtoTimestamp(clock_->Now());

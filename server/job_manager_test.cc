@@ -320,7 +320,20 @@ TEST(JobManager, SubmitGetListCancel) {
   auto b_again = jobs.Submit(TrainSpec(), "req-1");
   ASSERT_TRUE(b.ok() && b_again.ok());
   EXPECT_EQ(b->job_id(), b_again->job_id());  // idempotent retry
+  EXPECT_EQ(b->uid(), b_again->uid());
   EXPECT_EQ(jobs.List({}).size(), 2u);
+  // Each job draws a uid of 16 hex digits, its identity beyond this
+  // manager's numbering (a second manager numbers from 1 again).
+  JobManager other(&clock);
+  auto a2 = other.Submit(TrainSpec(), "");
+  ASSERT_TRUE(a2.ok()) << a2.status();
+  EXPECT_EQ(a2->job_id(), a->job_id());
+  for (const v1::Job* j : {&*a, &*b, &*a2}) {
+    EXPECT_EQ(j->uid().size(), 16u) << j->uid();
+    EXPECT_EQ(j->uid().find_first_not_of("0123456789abcdef"), std::string::npos) << j->uid();
+  }
+  EXPECT_NE(a->uid(), b->uid());
+  EXPECT_NE(a->uid(), a2->uid());
 
   auto cancelled = jobs.Cancel(a->job_id(), "");
   ASSERT_TRUE(cancelled.ok());
@@ -857,6 +870,7 @@ TEST(JobManager, ALateStepOfAGenerationPlacedBeforeTheRecordNamedWorkersIsTruste
 TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckpoint) {
   const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-reopen";
   FakeClock clock;
+  std::string r_uid;
   {
     auto jobs = JobManager::Open(dir, &clock);
     ASSERT_TRUE(jobs.ok()) << jobs.status();
@@ -866,6 +880,7 @@ TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckp
     auto b = (*jobs)->Submit(no_restarts, "");  // runs, checkpoints, then the coordinator dies
     auto r = (*jobs)->Submit(TrainSpec(), "");  // the same with the default policy, restarted once before
     ASSERT_TRUE(a.ok() && b.ok() && r.ok());
+    r_uid = r->uid();
     v1::MeshSpec mesh;
     mesh.set_world_size(4);
     ASSERT_TRUE((*jobs)->Schedule(r->job_id(), mesh).ok());
@@ -910,6 +925,7 @@ TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckp
   EXPECT_EQ(all[1].step(), 5);
   EXPECT_EQ(all[1].generation(), 1);
   EXPECT_EQ(all[2].state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(all[2].uid(), r_uid);  // recorded: its checkpoints stay its own
   EXPECT_EQ(all[2].reason(), "the coordinator restarted while the job ran; placing it again");
   EXPECT_EQ(all[2].restarts(), 1);
   EXPECT_EQ(all[2].generation(), 2);

@@ -272,12 +272,15 @@ void Scheduler::ScheduleQueued() {
       unrecorded_.erase(job.job_id());
       Placed& p = placed_[job.job_id()];
       p.job_id = job.job_id();
+      p.uid = scheduled->uid();
       p.generation = scheduled->generation();
       p.spec = scheduled->spec();
       p.memory_floor = scheduled->memory_floor();
       // Placed again after it wrote a checkpoint: every rank resumes from the
-      // newest complete one in its checkpoint directory.
-      if (ResumesFromCheckpoint(*scheduled)) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
+      // newest complete one of this job's in its checkpoint directory (a
+      // later step of another job's there is passed over).
+      p.resume_own = ResumesFromCheckpoint(*scheduled);
+      if (p.resume_own) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
       p.mesh = placed;
       p.scope = absl::StrFormat("%s/gen-%d", job.job_id(), p.generation);
     }
@@ -295,6 +298,8 @@ void Scheduler::Assign(const std::string& job_id) {
     v1::AssignJobRequest req;
     req.set_job_id(job_id);
     req.set_generation(it->second.generation);
+    req.set_job_uid(it->second.uid);
+    req.set_resume_own_checkpoints(it->second.resume_own);
     *req.mutable_spec() = it->second.spec;
     *req.mutable_mesh() = it->second.mesh;
     req.set_rendezvous_scope(it->second.scope);

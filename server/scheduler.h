@@ -153,8 +153,12 @@ class Scheduler {
   };
   struct Placed {
     std::string job_id;
+    std::string uid;  // Job.uid, sent with each assignment
     int64_t generation = 0;
     v1::JobSpec spec;
+    // Placed again after it wrote a checkpoint: its ranks resume from their
+    // job's own newest (AssignJobRequest.resume_own_checkpoints).
+    bool resume_own = false;
     v1::MemoryFloor memory_floor;  // the job's, sent with each assignment
     v1::MeshSpec mesh;
     std::string scope;            // rendezvous scope of this generation

@@ -209,6 +209,10 @@ TEST_F(SchedulerTest, PlacesRunsAndSucceeds) {
     EXPECT_EQ(c.request.generation(), 1);
     EXPECT_EQ(c.request.rendezvous_scope(), job->job_id() + "/gen-1");
     EXPECT_TRUE(c.request.spec().train().resume_from().empty());  // nothing to resume from yet
+    EXPECT_FALSE(c.request.resume_own_checkpoints());
+    // The job's uid, which checkpoints record with its id.
+    EXPECT_EQ(c.request.job_uid(), j.uid());
+    EXPECT_EQ(j.uid().size(), 16u);
     addresses.insert(c.address);
   }
   EXPECT_EQ(addresses.size(), 4u);
@@ -251,8 +255,11 @@ TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestarts
   EXPECT_EQ(j.generation(), 2);
   ASSERT_EQ(fake_->assigned.size(), 4u);
   EXPECT_EQ(fake_->assigned[2].request.generation(), 2);
-  EXPECT_EQ(fake_->assigned[2].request.spec().train().resume_from(), "/ck");  // every rank resumes
-  EXPECT_EQ(fake_->assigned[3].request.spec().train().resume_from(), "/ck");
+  for (size_t i : {2, 3}) {  // every rank resumes, from the job's own checkpoints
+    EXPECT_EQ(fake_->assigned[i].request.spec().train().resume_from(), "/ck");
+    EXPECT_TRUE(fake_->assigned[i].request.resume_own_checkpoints());
+    EXPECT_EQ(fake_->assigned[i].request.job_uid(), j.uid());
+  }
   // The second failure spends the restarts.
   Training(job->job_id());
   Ended(job->job_id(), 0, absl::StatusCode::kDeadlineExceeded, "collective timed out");

@@ -57,6 +57,11 @@ int64_t StallWatchdog::cancelled() const {
   return cancelled_;
 }
 
+int64_t StallWatchdog::watched() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(entries_.size());
+}
+
 void StallWatchdog::Loop() {
   for (;;) {
     std::vector<std::string> said;

@@ -52,6 +52,8 @@ class StallWatchdog {
 
   // Streams cancelled for a stall so far.
   int64_t cancelled() const;
+  // Streams under watch now.
+  int64_t watched() const;
 
  private:
   struct Entry {

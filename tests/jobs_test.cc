@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <string>
@@ -641,7 +642,10 @@ TEST_F(JobsTest, AWorkerKilledMidRunRestartsTheJobWhichSucceedsWithTheUninterrup
 // An interleaved pipeline (pp2 x dp2, two virtual stages a rank) on the
 // daemons: a worker SIGKILLed mid-run restarts the job from its checkpoint
 // of every rank's chunks, and it succeeds with the uninterrupted in-process
-// run's losses, bit for bit.
+// run's losses, bit for bit. The checkpoint directory is reused: the
+// in-process run left its checkpoints of every 4th step to the last there,
+// and the restart takes the job's own newest (step 4), not that run's step
+// 24 (AssignJobRequest.resume_own_checkpoints, the job's uid).
 TEST_F(JobsTest, AnInterleavedJobKilledMidRunRestartsWithTheUninterruptedLosses) {
   shardformer::testing::TinyOptions tiny;
   tiny.vocab = 257;
@@ -656,7 +660,11 @@ TEST_F(JobsTest, AnInterleavedJobKilledMidRunRestartsWithTheUninterruptedLosses)
   o.shard.layout.set_virtual_stages(2);
   o.micro_batches = 2;
   std::vector<double> want;
-  ASSERT_TRUE(train::Train(o, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
+  train::TrainOptions earlier = o;
+  earlier.save_dir = TempPath("ck-interleaved");
+  earlier.save_every = 4;
+  ASSERT_TRUE(train::Train(earlier, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
+  ASSERT_TRUE(std::filesystem::exists(TempPath("ck-interleaved") + "/step-000024"));
   v1::JobSpec spec = Spec(o);
   spec.mutable_train()->set_checkpoint_every(4);
   spec.mutable_train()->set_checkpoint_dir(TempPath("ck-interleaved"));
@@ -679,6 +687,12 @@ TEST_F(JobsTest, AnInterleavedJobKilledMidRunRestartsWithTheUninterruptedLosses)
   }
   EXPECT_TRUE(restarting) << "no RESTARTING event resumes from the checkpoints";
   ASSERT_NO_FATAL_FAILURE(ExpectLastLosses(events, want));
+  // Every checkpoint is the job's now, recording its id and uid.
+  std::ifstream state_file(TempPath("ck-interleaved") + "/step-000024/train_state.json");
+  const std::string state((std::istreambuf_iterator<char>(state_file)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(absl::StrContains(state, absl::StrCat("\"job\": \"", done->job_id(), "_", done->uid(), "\"")))
+      << state;
+  EXPECT_EQ(done->uid().size(), 16u);
 }
 
 // A job whose restarts are spent fails, listing every attempt's failure.
@@ -1129,7 +1143,7 @@ TEST_F(JobsTest, ACoordinatorKilledWhileRanksTrainLeavesNoHoleInTheHistory) {
   std::ifstream state_file(TempPath("ck-hole") + "/step-000040/train_state.json");
   const nlohmann::json state = nlohmann::json::parse(state_file, nullptr, /*allow_exceptions=*/false);
   ASSERT_TRUE(state.is_object()) << Logs();
-  EXPECT_EQ(state.value("job", ""), job->job_id());
+  EXPECT_EQ(state.value("job", ""), absl::StrCat(job->job_id(), "_", job->uid()));
   EXPECT_EQ(state.value("generation", int64_t{0}), done->generation());
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(TempPath("ck-hole"), ec)) {

@@ -273,8 +273,11 @@ absl::Status JobRunner::RunRank(Active& active) {
   if (training) {
     ASSIGN_OR_RETURN(train::TrainOptions options,
                      train::TrainOptionsFromSpec(req.spec(), dir + "/model", options_.cuda));
-    options.job = req.job_id();
+    // The writer checkpoints record: the job id with its uid, unique beyond
+    // this coordinator's numbering (v1::Job.uid).
+    options.job = req.job_uid().empty() ? req.job_id() : absl::StrCat(req.job_id(), "_", req.job_uid());
     options.generation = req.generation();
+    options.resume_own = req.resume_own_checkpoints();
     ASSIGN_OR_RETURN(run, train::PrepareTrain(options));
     options.shard.device = shard.device;
     shard = options.shard;

@@ -97,6 +97,11 @@ absl::StatusOr<Json> ReadJson(const std::string& path) {
   return j;
 }
 
+// The job a checkpoint's train_state.json names as its writer (none: "").
+std::string WriterJob(const Json& state) {
+  return state.contains("job") && state["job"].is_string() ? state["job"].get<std::string>() : "";
+}
+
 // Every file of a step directory opens and validates.
 absl::Status Validate(const std::string& step_dir) {
   ASSIGN_OR_RETURN(Json state, ReadJson(step_dir + "/" + kState));
@@ -201,7 +206,7 @@ absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, c
     absl::StatusOr<Json> there = ReadJson(absl::StrCat(checkpoint, "/", kState));
     if (!there.ok()) return std::nullopt;
     const Json& t = *there;
-    const std::string job = t.contains("job") && t["job"].is_string() ? t["job"].get<std::string>() : "";
+    const std::string job = WriterJob(t);
     const int64_t generation =
         t.contains("generation") && t["generation"].is_number_integer() ? t["generation"].get<int64_t>() : 0;
     if (job == writer.job && generation > writer.generation) return generation;
@@ -411,7 +416,8 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
   return out;
 }
 
-absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped) {
+absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped,
+                                             const std::optional<std::string>& writer_job) {
   std::vector<std::string> steps;
   ASSIGN_OR_RETURN(const std::vector<std::string> names, ListDirectory(dir));
   for (const std::string& name : names) {
@@ -420,10 +426,24 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector
     }
   }
   std::sort(steps.rbegin(), steps.rend());  // zero-padded: newest first
+  int64_t others = 0;  // another writer's, complete or not
   for (const std::string& s : steps) {
+    if (writer_job.has_value()) {
+      // A state that does not read is Validate's to report.
+      const absl::StatusOr<Json> state = ReadJson(absl::StrCat(dir, "/", s, "/", kState));
+      if (state.ok() && WriterJob(*state) != *writer_job) {
+        ++others;
+        continue;
+      }
+    }
     const absl::Status valid = Validate(dir + "/" + s);
     if (valid.ok()) return dir + "/" + s;
     if (skipped != nullptr) skipped->push_back(absl::StrCat(s, ": ", valid.message()));
+  }
+  if (writer_job.has_value()) {
+    return absl::NotFoundError(absl::StrCat("no complete checkpoint of ",
+                                            writer_job->empty() ? "this run" : *writer_job, " in ", dir,
+                                            others > 0 ? absl::StrCat(" (", others, " of other jobs passed over)") : ""));
   }
   return absl::NotFoundError(absl::StrCat("no complete checkpoint in ", dir));
 }

@@ -84,9 +84,14 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
 
 // The newest complete checkpoint directory under `dir` (DIR/step-NNNNNN),
 // skipping damaged ones; `skipped` (if given) gets the ones passed over and
-// why. NOT_FOUND when none is complete or `dir` cannot be listed,
+// why. With `writer_job`, only the checkpoints that job wrote count (its
+// train_state.json's "job", CheckpointWriter::job, of any generation):
+// a job restarted by the coordinator resumes from its own newest, never
+// from a later step another job left in the same directory. NOT_FOUND when
+// none is complete (or none is the job's) or `dir` cannot be listed,
 // UNAVAILABLE when reading it fails midway.
-absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr);
+absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr,
+                                             const std::optional<std::string>& writer_job = std::nullopt);
 
 // A complete checkpoint of a run's directory, as retention and `coloctl
 // checkpoints` see it.

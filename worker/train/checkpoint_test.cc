@@ -320,6 +320,70 @@ TEST(Checkpoints, ALaterGenerationsCheckpointThatWentInMidSaveIsPutBackOrKeptAsi
   }
 }
 
+// A job the coordinator restarts resumes from the newest checkpoint it
+// wrote itself (TrainOptions::resume_own), not from a later step another
+// job left in the same directory: another coordinator's job of the same
+// id (a uid apart), or an earlier run's. The filter passes over the other
+// writers' checkpoints, complete or not, and still skips its own damaged
+// ones; a user's resume of the directory takes the newest of any writer.
+TEST(Checkpoints, ARestartResumesFromItsOwnJobsNewestCheckpoint) {
+  auto run = GenerationRun("ck_own", 3);
+  ASSERT_TRUE(run.ok()) << run.status();
+  TrainOptions o = *run;
+  o.job = "job-000007_00000000000000aa";
+  o.steps = 5;
+  const std::vector<StepStats> want = testing::Losses(o);  // uninterrupted, 5 steps saved
+  ASSERT_EQ(want.size(), 5u);
+  // Another job's checkpoints of later steps: a copy of step 5 as step 9,
+  // written by another coordinator's job-000007, and a damaged step 8 of
+  // a run outside a coordinator.
+  const auto plant = [&](int64_t step, const std::string& writer) {
+    const std::string to = StepDir(o.save_dir, step);
+    fs::copy(StepDir(o.save_dir, 5), to, fs::copy_options::recursive);
+    std::ofstream(to + "/train_state.json", std::ios::trunc)
+        << "{\"step\": " << step << ", \"world_size\": 2, \"seed\": 5" << writer << "}";
+  };
+  plant(9, R"(, "job": "job-000007_00000000000000bb", "generation": 4)");
+  plant(8, "");
+  fs::resize_file(StepDir(o.save_dir, 8) + "/rank-00001-of-00002.safetensors", 10);
+  // Its own step 5 cut short: it falls back to its step 4.
+  const std::string own5 = StepDir(o.save_dir, 5) + "/rank-00000-of-00002.safetensors";
+  fs::resize_file(own5, fs::file_size(own5) - 100);
+
+  std::vector<std::string> skipped;
+  auto any = LatestCheckpoint(o.save_dir, &skipped);
+  ASSERT_TRUE(any.ok()) << any.status();
+  EXPECT_EQ(*any, StepDir(o.save_dir, 9));
+  skipped.clear();
+  auto own = LatestCheckpoint(o.save_dir, &skipped, o.job);
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ(*own, StepDir(o.save_dir, 4));
+  ASSERT_EQ(skipped.size(), 1u);  // its own damaged one; the others' are not its concern
+  EXPECT_NE(skipped[0].find("step-000005"), std::string::npos) << skipped[0];
+  auto none = LatestCheckpoint(o.save_dir, nullptr, std::string("job-000007"));
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kNotFound) << none.status();
+  EXPECT_NE(none.status().message().find("no complete checkpoint of job-000007 in"), std::string::npos)
+      << none.status();
+  EXPECT_NE(none.status().message().find("7 of other jobs passed over"), std::string::npos) << none.status();
+
+  // Generation 3 resumes from step 4 and trains step 5 as the
+  // uninterrupted run did.
+  TrainOptions restarted = o;
+  restarted.generation = 3;
+  restarted.resume_dir = o.save_dir;
+  restarted.resume_own = true;
+  restarted.save_dir.clear();
+  const std::vector<StepStats> rest = testing::Losses(restarted);
+  ASSERT_EQ(rest.size(), 1u);
+  EXPECT_EQ(rest[0].step, 5);
+  EXPECT_EQ(rest[0].loss, want[4].loss);
+  // Another job restarted with its own checkpoints gone is NOT_FOUND,
+  // never another writer's.
+  TrainOptions stranger = restarted;
+  stranger.job = "job-000007_00000000000000cc";
+  EXPECT_EQ(Train(stranger, nullptr).code(), absl::StatusCode::kNotFound);
+}
+
 // Where the file system cannot exchange two directories in one rename, the
 // checkpoint in place is moved aside, the new one renamed in, and the old
 // one removed; the same generations are refused and kept as with the

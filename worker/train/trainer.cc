@@ -271,7 +271,8 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   run->seed = o.seed;
   if (!o.resume_dir.empty()) {
     std::vector<std::string> skipped;
-    ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &skipped));
+    ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &skipped,
+                                                   o.resume_own ? std::optional<std::string>(o.job) : std::nullopt));
     for (const std::string& s : skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
     ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
     run->seed = state.seed;  // the sampler continues the stream it was on
