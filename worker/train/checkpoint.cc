@@ -148,7 +148,7 @@ std::optional<CheckpointWriter> TmpWriter(const std::string& name) {
 // Removes the temporary directories under `dir` that are not `writer`'s
 // job's later generations' (this rank would then be the stale one): crashed
 // or abandoned saves of this job's earlier generations, its own, other
-// jobs' and runs' (a directory holds one job's checkpoints at a time).
+// jobs' and runs' (one job writes a directory at a time).
 void RemoveStaleTmpDirs(const std::string& dir, const CheckpointWriter& writer) {
   for (const std::string& name : ListDirectory(dir).value_or(std::vector<std::string>{})) {
     const std::optional<CheckpointWriter> w = TmpWriter(name);
@@ -352,6 +352,7 @@ absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& d
     CheckpointInfo c;
     c.path = path;
     c.step = *step;
+    c.job = WriterJob(*state);
     if (state->contains("eval_loss") && (*state)["eval_loss"].is_number()) {
       c.eval_loss = (*state)["eval_loss"].get<double>();
     }
@@ -382,7 +383,11 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
       fs::remove_all(absl::StrCat(dir, "/", name), rm);
     }
   }
-  ASSIGN_OR_RETURN(std::vector<CheckpointInfo> all, ListCheckpoints(dir));
+  ASSIGN_OR_RETURN(std::vector<CheckpointInfo> listed, ListCheckpoints(dir));
+  std::vector<CheckpointInfo> all;  // the writer's own: the others' are not this run's to remove
+  for (CheckpointInfo& c : listed) {
+    if (c.job == writer.job) all.push_back(std::move(c));
+  }
   if (keep.keep_last <= 0 && !keep.keep_best) return all;
   const int64_t n = static_cast<int64_t>(all.size());
   std::vector<bool> kept(all.size(), keep.keep_last <= 0);

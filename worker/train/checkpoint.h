@@ -18,16 +18,19 @@
 // later generation's checkpoint of the same step. Rank 0 removes the other
 // temporary directories but those of its job's later generations when a
 // save starts and again when it ends: a directory holds one job's
-// checkpoints at a time, and job ids are one coordinator's (job-NNNNNN,
-// counted in its data dir).
+// temporary directories at a time. The job is the coordinator's job id and
+// its uid (job-NNNNNN_UID: ids are counted in one coordinator's data dir).
 // Resuming picks the newest checkpoint whose files all open and validate
 // (a truncated file is detected by the safetensors header checks) and needs
 // the layout it was written with but for data_parallel_size: each rank puts
 // its optimizer state together from the pieces the ranks with its tp and pp
 // coordinates wrote, so a run resumes at another dp size and with or
 // without ZeRO (consolidate the checkpoint to change the rest).
-// Retention (PruneCheckpoints) keeps the newest K and the best by eval loss
-// (train_state.json's eval_loss) and removes the rest, after each save.
+// A job the coordinator restarts resumes from its own newest
+// (LatestCheckpoint's writer_job). Retention (PruneCheckpoints) keeps the
+// newest K of the run's own checkpoints and its best by eval loss
+// (train_state.json's eval_loss) and removes the rest of its own, after
+// each save; what other runs left in the directory is never removed.
 //
 // Thread-safety: free functions; SaveTrainingCheckpoint and
 // RestoreTrainingCheckpoint are collective.
@@ -100,6 +103,7 @@ struct CheckpointInfo {
   int64_t step = 0;
   std::optional<double> eval_loss;  // the held-out evaluation of its step, if one ran
   int64_t bytes = 0;                // its files' sizes
+  std::string job;                  // its writer (CheckpointWriter::job; "" outside a coordinator)
 };
 
 // The checkpoints under `dir` whose train_state.json reads (rank 0 writes it
@@ -116,17 +120,21 @@ struct Retention {
   bool keep_best = false;  // and the one of lowest eval loss (the earliest of equals)
 };
 
-// Removes the checkpoints under `dir` that `keep` does not keep, and the
-// leftovers of removals a crash interrupted; returns those kept, oldest
-// first. The newest is always kept (a restart resumes from it), and nothing
-// being written (.tmp) or unreadable is touched. A removal first renames
+// Removes `writer`'s checkpoints under `dir` (those its job wrote, of any
+// generation) that `keep` does not keep, and the leftovers of removals a
+// crash interrupted; returns its checkpoints kept, oldest first. Other
+// writers' checkpoints (a run the directory held before, another job) are
+// neither counted nor removed nor returned. Its newest is always kept (a
+// restart resumes from it), and nothing being written (.tmp) or unreadable
+// is touched. A removal first renames
 // the directory out of the checkpoints' names (DIR/.trash-step-NNNNNN,
 // atomic, needing no space), so a crash or a failing removal never leaves
 // a half-deleted checkpoint for a resume to pick; a removal that fails
 // leaves the checkpoint in place (kept, and logged), with the rest done.
 // `must_keep` (a path as ListCheckpoints gives it) is kept whatever the
 // rest: the checkpoint just written, even where the directory holds a
-// higher-numbered one (an earlier run's). The leftovers of `writer`'s
+// higher-numbered one of the same writer (an earlier run outside a
+// coordinator). The leftovers of `writer`'s
 // job's later generations (a checkpoint moved aside mid-replace where the
 // file system cannot exchange, .trash-step-N.JOB.gen-G) are left alone.
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,

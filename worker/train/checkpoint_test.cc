@@ -52,11 +52,13 @@ absl::StatusOr<TrainOptions> GenerationRun(const std::string& name, int64_t step
 
 // DIR/step-NNNNNN as a save leaves it, as far as retention reads it: its
 // state (with the eval loss, if any) and `bytes` bytes of files.
-void FakeCheckpoint(const std::string& dir, int64_t step, std::optional<double> eval_loss, int64_t bytes) {
+void FakeCheckpoint(const std::string& dir, int64_t step, std::optional<double> eval_loss, int64_t bytes,
+                    const std::string& job = "") {
   const std::string path = StepDir(dir, step);
   fs::create_directories(path);
   std::ofstream(path + "/train_state.json")
-      << "{\"step\": " << step << (eval_loss ? absl::StrFormat(", \"eval_loss\": %.17g", *eval_loss) : "") << "}";
+      << "{\"step\": " << step << (eval_loss ? absl::StrFormat(", \"eval_loss\": %.17g", *eval_loss) : "")
+      << (job.empty() ? "" : absl::StrFormat(", \"job\": \"%s\"", job)) << "}";
   std::ofstream(path + "/rank-00000-of-00001.safetensors") << std::string(bytes, 'x');
 }
 
@@ -105,6 +107,30 @@ TEST(Retention, KeepsTheNewestAndTheBestAndTouchesNothingElse) {
   auto after = PruneCheckpoints(reused, Retention{.keep_last = 1}, StepDir(reused, 3));
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(Entries(reused), (std::set<std::string>{"step-000003", "step-000010"}));
+
+  // Another writer's checkpoints (another job's, a run the directory held
+  // before) are neither counted nor removed nor reported: a job keeps the
+  // newest K of its own, of any generation, and its own best.
+  const std::string shared = TempPath("retention_shared");
+  const std::string me = "job-000002_00000000000000aa", other = "job-000002_00000000000000bb";
+  FakeCheckpoint(shared, 1, 1.0, 10, other);  // the best of all, not this job's
+  FakeCheckpoint(shared, 2, 3.0, 10, me);
+  FakeCheckpoint(shared, 3, 2.0, 10, me);  // its best
+  FakeCheckpoint(shared, 4, 2.5, 10, me);
+  FakeCheckpoint(shared, 8, 2.7, 10, other);
+  FakeCheckpoint(shared, 9, std::nullopt, 10);  // outside a coordinator
+  FakeCheckpoint(shared, 5, 2.6, 10, me);  // just written
+  auto own = PruneCheckpoints(shared, Retention{.keep_last = 1, .keep_best = true}, StepDir(shared, 5),
+                              CheckpointWriter{.job = me, .generation = 3});
+  ASSERT_TRUE(own.ok()) << own.status();
+  std::vector<int64_t> own_steps;
+  for (const CheckpointInfo& c : *own) {
+    own_steps.push_back(c.step);
+    EXPECT_EQ(c.job, me);
+  }
+  EXPECT_EQ(own_steps, (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(Entries(shared),
+            (std::set<std::string>{"step-000001", "step-000003", "step-000005", "step-000008", "step-000009"}));
 }
 
 // A run that evaluates and saves every step keeps the newest 2 and its
