@@ -25,6 +25,15 @@
 namespace colod {
 namespace {
 
+// A TRAIN spec's checkpoint directory as jobs are compared by it (lexically
+// normal, no trailing separator), or "" where it saves none.
+std::string CheckpointDirKey(const v1::JobSpec& spec) {
+  if (spec.kind() != v1::JOB_KIND_TRAIN || spec.train().checkpoint_dir().empty()) return "";
+  std::string key = std::filesystem::path(spec.train().checkpoint_dir()).lexically_normal().string();
+  while (key.size() > 1 && key.back() == '/') key.pop_back();
+  return key;
+}
+
 // Job.uid: 64 random bits, hex.
 std::string NewJobUid() {
   std::random_device rd;
@@ -524,6 +533,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   RETURN_IF_ERROR(ValidateJobSpec(spec));
   if (!floor.has_value()) floor = JobMemoryFloor(spec);
   const std::string request(request_id);
+  const std::string dir = CheckpointDirKey(spec);
   Entry e;
   std::optional<RecordWrite> w;
   {
@@ -536,6 +546,22 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
       auto it = job_by_request_id_.find(request);
       if (it != job_by_request_id_.end()) return jobs_.at(it->second).job;
       submitting_.insert(request);
+    }
+    if (!dir.empty()) {
+      std::string holder;
+      for (const auto& [id, other] : jobs_) {
+        if (!IsFinal(other.job.state()) && CheckpointDirKey(other.job.spec()) == dir) holder = id;
+      }
+      if (!holder.empty() || submitting_dirs_.contains(dir)) {
+        if (!request.empty()) submitting_.erase(request);
+        return absl::FailedPreconditionError(absl::StrCat(
+            "spec.train.checkpoint_dir: ", spec.train().checkpoint_dir(), " is ",
+            holder.empty() ? "being submitted by another job"
+                           : absl::StrCat("the checkpoint directory of ", holder, " (",
+                                          JobStateName(jobs_.at(holder).job.state()), ")"),
+            ": one job saves into a directory at a time (resume from it once that job ended, or save elsewhere)"));
+      }
+      submitting_dirs_.insert(dir);
     }
     e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
     e.job.set_uid(NewJobUid());
@@ -552,6 +578,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   const absl::Status s = WriteRecord(w);
   absl::MutexLock lock(&mu_);
   if (!request.empty()) submitting_.erase(request);
+  if (!dir.empty()) submitting_dirs_.erase(dir);
   if (!s.ok()) {
     // Not accepted: nothing of it stays (its id is not reused either).
     return absl::Status(s.code(), absl::StrCat("the job cannot be recorded: ", s.message()));

@@ -358,6 +358,47 @@ TEST(JobManager, SubmitGetListCancel) {
   EXPECT_EQ(jobs.List({}).size(), 2u);  // nothing half-created
 }
 
+// Two jobs saving into one checkpoint directory remove each other's saves
+// in progress: a job whose checkpoint_dir is that of a job not yet ended
+// (compared as a normal path) is refused naming that job, as is one
+// submitted while another of the directory writes its record; once the
+// holder ended, the directory is free (a next run resumes from it).
+TEST(JobManager, OneActiveJobSavesIntoACheckpointDirectory) {
+  FakeClock clock;
+  JobManager jobs(&clock);
+  v1::JobSpec saving = TrainSpec();
+  saving.mutable_train()->set_checkpoint_every(5);
+  saving.mutable_train()->set_checkpoint_dir("/data/ck");
+  auto a = jobs.Submit(saving, "");
+  ASSERT_TRUE(a.ok()) << a.status();
+  for (const std::string dir : {"/data/ck", "/data/ck/", "/data/./x/../ck"}) {
+    v1::JobSpec again = saving;
+    again.mutable_train()->set_checkpoint_dir(dir);
+    auto refused = jobs.Submit(again, "");
+    ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << dir;
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "spec.train.checkpoint_dir: " + dir + " is the "
+                                  "checkpoint directory of " + a->job_id() + " (pending)"))
+        << refused.status();
+  }
+  // Another directory and a job that saves nothing are not refused; a new
+  // request for the directory is.
+  v1::JobSpec elsewhere = saving;
+  elsewhere.mutable_train()->set_checkpoint_dir("/data/ck2");
+  EXPECT_TRUE(jobs.Submit(elsewhere, "").ok());
+  EXPECT_TRUE(jobs.Submit(TrainSpec(), "").ok());
+  EXPECT_EQ(jobs.Submit(saving, "req-a").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(jobs.List({}).size(), 3u);
+  ASSERT_TRUE(jobs.SetState(a->job_id(), v1::JOB_STATE_SUCCEEDED, "done").ok());
+  v1::JobSpec next = saving;
+  next.mutable_train()->set_resume_from("/data/ck");
+  auto b = jobs.Submit(next, "req-b");
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto b_again = jobs.Submit(next, "req-b");  // the same request: its job, not a refusal
+  ASSERT_TRUE(b_again.ok()) << b_again.status();
+  EXPECT_EQ(b_again->job_id(), b->job_id());
+  EXPECT_EQ(jobs.Submit(saving, "").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 // A job stores the memory floor it was submitted with, computed once: the
 // GPT-2 closed form's parameters (V*E + P*E + L*(12E^2 + 13E) + 2E =
 // 120,640 for the tiny config), and bytes that add up. A floor the caller

@@ -68,7 +68,9 @@ v1::JobSpec TrainSpec(int tp, int dp) {
   t->set_learning_rate(1e-3);
   t->set_data_path("/data/corpus.bin");
   t->set_checkpoint_every(2);
-  t->set_checkpoint_dir("/ck");
+  // A directory of its own: a job saving into another active job's is refused.
+  static std::atomic<int> dirs{0};
+  t->set_checkpoint_dir(absl::StrCat("/ck/", ++dirs));
   return s;
 }
 
@@ -256,7 +258,7 @@ TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestarts
   ASSERT_EQ(fake_->assigned.size(), 4u);
   EXPECT_EQ(fake_->assigned[2].request.generation(), 2);
   for (size_t i : {2, 3}) {  // every rank resumes, from the job's own checkpoints
-    EXPECT_EQ(fake_->assigned[i].request.spec().train().resume_from(), "/ck");
+    EXPECT_EQ(fake_->assigned[i].request.spec().train().resume_from(), spec.train().checkpoint_dir());
     EXPECT_TRUE(fake_->assigned[i].request.resume_own_checkpoints());
     EXPECT_EQ(fake_->assigned[i].request.job_uid(), j.uid());
   }
