@@ -25,13 +25,20 @@
 namespace colod {
 namespace {
 
-// A TRAIN spec's checkpoint directory as jobs are compared by it (lexically
-// normal, no trailing separator), or "" where it saves none.
-std::string CheckpointDirKey(const v1::JobSpec& spec) {
-  if (spec.kind() != v1::JOB_KIND_TRAIN || spec.train().checkpoint_dir().empty()) return "";
-  std::string key = std::filesystem::path(spec.train().checkpoint_dir()).lexically_normal().string();
-  while (key.size() > 1 && key.back() == '/') key.pop_back();
-  return key;
+// The directories a TRAIN spec writes, which one job at a time may: its
+// checkpoint_dir and final_dir, each as "FIELD DIR" with DIR lexically
+// normal and without a trailing separator (the keys jobs are compared by).
+std::vector<std::string> OutputDirKeys(const v1::JobSpec& spec) {
+  std::vector<std::string> keys;
+  if (spec.kind() != v1::JOB_KIND_TRAIN) return keys;
+  for (const auto& [field, dir] : {std::pair<const char*, const std::string&>{"checkpoint_dir", spec.train().checkpoint_dir()},
+                                   std::pair<const char*, const std::string&>{"final_dir", spec.train().final_dir()}}) {
+    if (dir.empty()) continue;
+    std::string key = std::filesystem::path(dir).lexically_normal().string();
+    while (key.size() > 1 && key.back() == '/') key.pop_back();
+    keys.push_back(absl::StrCat(field, " ", key));
+  }
+  return keys;
 }
 
 // Job.uid: 64 random bits, hex.
@@ -533,7 +540,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   RETURN_IF_ERROR(ValidateJobSpec(spec));
   if (!floor.has_value()) floor = JobMemoryFloor(spec);
   const std::string request(request_id);
-  const std::string dir = CheckpointDirKey(spec);
+  const std::vector<std::string> dirs = OutputDirKeys(spec);
   Entry e;
   std::optional<RecordWrite> w;
   {
@@ -547,22 +554,25 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
       if (it != job_by_request_id_.end()) return jobs_.at(it->second).job;
       submitting_.insert(request);
     }
-    if (!dir.empty()) {
+    for (const std::string& dir : dirs) {
       std::string holder;
       for (const auto& [id, other] : jobs_) {
-        if (!IsFinal(other.job.state()) && CheckpointDirKey(other.job.spec()) == dir) holder = id;
+        if (IsFinal(other.job.state())) continue;
+        for (const std::string& theirs : OutputDirKeys(other.job.spec())) {
+          if (theirs == dir) holder = id;
+        }
       }
-      if (!holder.empty() || submitting_dirs_.contains(dir)) {
-        if (!request.empty()) submitting_.erase(request);
-        return absl::FailedPreconditionError(absl::StrCat(
-            "spec.train.checkpoint_dir: ", spec.train().checkpoint_dir(), " is ",
-            holder.empty() ? "being submitted by another job"
-                           : absl::StrCat("the checkpoint directory of ", holder, " (",
-                                          JobStateName(jobs_.at(holder).job.state()), ")"),
-            ": one job saves into a directory at a time (resume from it once that job ended, or save elsewhere)"));
-      }
-      submitting_dirs_.insert(dir);
+      if (holder.empty() && !submitting_dirs_.contains(dir)) continue;
+      if (!request.empty()) submitting_.erase(request);
+      const std::string field = dir.substr(0, dir.find(' '));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "spec.train.", field, ": ", field == "final_dir" ? spec.train().final_dir() : spec.train().checkpoint_dir(),
+          " is the ", field, " of ",
+          holder.empty() ? "a job being submitted"
+                         : absl::StrCat(holder, " (", JobStateName(jobs_.at(holder).job.state()), ")"),
+          ": one job at a time writes a directory (use another, or submit once that job ended)"));
     }
+    for (const std::string& dir : dirs) submitting_dirs_.insert(dir);
     e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
     e.job.set_uid(NewJobUid());
     *e.job.mutable_spec() = spec;
@@ -578,7 +588,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   const absl::Status s = WriteRecord(w);
   absl::MutexLock lock(&mu_);
   if (!request.empty()) submitting_.erase(request);
-  if (!dir.empty()) submitting_dirs_.erase(dir);
+  for (const std::string& dir : dirs) submitting_dirs_.erase(dir);
   if (!s.ok()) {
     // Not accepted: nothing of it stays (its id is not reused either).
     return absl::Status(s.code(), absl::StrCat("the job cannot be recorded: ", s.message()));

@@ -56,10 +56,11 @@ class JobManager {
   // (`floor`, else JobMemoryFloor(spec): computed once, here, and stored with
   // the job). With a non-empty request_id, a repeated submit returns the
   // first job instead of a new one.
-  // A TRAIN job whose checkpoint_dir is that of a job not yet ended is
-  // FAILED_PRECONDITION naming that job: two jobs saving into one directory
-  // remove each other's saves in progress (a directory is written by one job
-  // at a time; its next run may resume from it once it ended).
+  // A TRAIN job whose checkpoint_dir or final_dir is that of a job not yet
+  // ended is FAILED_PRECONDITION naming that job: two jobs saving into one
+  // checkpoint directory remove each other's saves in progress, and two
+  // writing one final directory mix their rank files (a next run may
+  // resume from or overwrite it once the job ended).
   // A job whose record cannot be written is not added: the error
   // (RESOURCE_EXHAUSTED for a full disk, atomic_file.h's FileError) is
   // returned and nothing of it remains, so an accepted job survives a
@@ -248,7 +249,7 @@ class JobManager {
   // Request ids whose submit is writing its first record: a repeated submit
   // waits for it instead of adding a second job.
   absl::flat_hash_set<std::string> submitting_ ABSL_GUARDED_BY(mu_);
-  // The checkpoint directories (CheckpointDirKey) of submits writing their
+  // The output directories (OutputDirKeys) of submits writing their
   // record: a concurrent submit of the same directory is refused as one of
   // a job already added would be.
   absl::flat_hash_set<std::string> submitting_dirs_ ABSL_GUARDED_BY(mu_);

@@ -359,10 +359,10 @@ TEST(JobManager, SubmitGetListCancel) {
 }
 
 // Two jobs saving into one checkpoint directory remove each other's saves
-// in progress: a job whose checkpoint_dir is that of a job not yet ended
-// (compared as a normal path) is refused naming that job, as is one
-// submitted while another of the directory writes its record; once the
-// holder ended, the directory is free (a next run resumes from it).
+// in progress: a job whose checkpoint_dir (or final_dir) is that of a job
+// not yet ended (compared as a normal path) is refused naming that job;
+// once the holder ended, the directory is free (a next run resumes from
+// it).
 TEST(JobManager, OneActiveJobSavesIntoACheckpointDirectory) {
   FakeClock clock;
   JobManager jobs(&clock);
@@ -376,10 +376,24 @@ TEST(JobManager, OneActiveJobSavesIntoACheckpointDirectory) {
     again.mutable_train()->set_checkpoint_dir(dir);
     auto refused = jobs.Submit(again, "");
     ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << dir;
-    EXPECT_TRUE(absl::StrContains(refused.status().message(), "spec.train.checkpoint_dir: " + dir + " is the "
-                                  "checkpoint directory of " + a->job_id() + " (pending)"))
+    EXPECT_TRUE(absl::StrContains(refused.status().message(),
+                                  "spec.train.checkpoint_dir: " + dir + " is the checkpoint_dir of " + a->job_id() +
+                                      " (pending)"))
         << refused.status();
   }
+  // So does a final directory (two jobs would mix their rank files there).
+  v1::JobSpec finishing = TrainSpec();
+  finishing.mutable_train()->set_final_dir("/data/out");
+  auto f = jobs.Submit(finishing, "");
+  ASSERT_TRUE(f.ok()) << f.status();
+  finishing.mutable_train()->set_final_dir("/data/out/");
+  auto refused = jobs.Submit(finishing, "");
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(),
+                                "spec.train.final_dir: /data/out/ is the final_dir of " + f->job_id()))
+      << refused.status();
+  ASSERT_TRUE(jobs.Cancel(f->job_id(), "").ok());
+  EXPECT_TRUE(jobs.Submit(finishing, "").ok());
   // Another directory and a job that saves nothing are not refused; a new
   // request for the directory is.
   v1::JobSpec elsewhere = saving;
@@ -387,7 +401,7 @@ TEST(JobManager, OneActiveJobSavesIntoACheckpointDirectory) {
   EXPECT_TRUE(jobs.Submit(elsewhere, "").ok());
   EXPECT_TRUE(jobs.Submit(TrainSpec(), "").ok());
   EXPECT_EQ(jobs.Submit(saving, "req-a").status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(jobs.List({}).size(), 3u);
+  EXPECT_EQ(jobs.List({}).size(), 5u);
   ASSERT_TRUE(jobs.SetState(a->job_id(), v1::JOB_STATE_SUCCEEDED, "done").ok());
   v1::JobSpec next = saving;
   next.mutable_train()->set_resume_from("/data/ck");
