@@ -30,9 +30,12 @@ namespace {
 // normal and without a trailing separator (the keys jobs are compared by).
 std::vector<std::string> OutputDirKeys(const v1::JobSpec& spec) {
   std::vector<std::string> keys;
-  if (spec.kind() != v1::JOB_KIND_TRAIN) return keys;
-  for (const auto& [field, dir] : {std::pair<const char*, const std::string&>{"checkpoint_dir", spec.train().checkpoint_dir()},
-                                   std::pair<const char*, const std::string&>{"final_dir", spec.train().final_dir()}}) {
+  if (spec.kind() != v1::JOB_KIND_TRAIN || spec.train().eval_only()) return keys;  // an evaluation writes nothing
+  // A checkpoint_dir without checkpoint_every is never written.
+  const bool saves = spec.train().checkpoint_every() > 0;
+  for (const auto& [field, dir] :
+       {std::pair<const char*, std::string>{"checkpoint_dir", saves ? spec.train().checkpoint_dir() : ""},
+        std::pair<const char*, std::string>{"final_dir", spec.train().final_dir()}}) {
     if (dir.empty()) continue;
     std::string key = std::filesystem::path(dir).lexically_normal().string();
     while (key.size() > 1 && key.back() == '/') key.pop_back();
@@ -173,7 +176,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
       if (RestartLimitsOf(e.job.spec()).max_restarts > 0) {
         absl::StrAppend(&reason, "; placing it again");
         if (ResumesFromCheckpoint(e.job)) {
-          absl::StrAppend(&reason, " from the newest checkpoint in ", e.job.spec().train().checkpoint_dir());
+          absl::StrAppend(&reason, " from its newest checkpoint in ", e.job.spec().train().checkpoint_dir());
         }
         m->AppendStateChangeLocked(e, v1::JOB_STATE_RESTARTING, reason);
       } else {
@@ -541,6 +544,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   if (!floor.has_value()) floor = JobMemoryFloor(spec);
   const std::string request(request_id);
   const std::vector<std::string> dirs = OutputDirKeys(spec);
+  const std::string uid = NewJobUid();  // before the lock: it may read the kernel's entropy
   Entry e;
   std::optional<RecordWrite> w;
   {
@@ -555,6 +559,12 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
       submitting_.insert(request);
     }
     for (const std::string& dir : dirs) {
+      if (submitting_dirs_.contains(dir)) {
+        // Its record is being written, and may yet fail: not known to be taken.
+        if (!request.empty()) submitting_.erase(request);
+        return absl::UnavailableError(absl::StrCat("spec.train: ", dir.substr(dir.find(' ') + 1),
+                                                   " is named by a job being submitted; try again"));
+      }
       std::string holder;
       for (const auto& [id, other] : jobs_) {
         if (IsFinal(other.job.state())) continue;
@@ -562,19 +572,17 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
           if (theirs == dir) holder = id;
         }
       }
-      if (holder.empty() && !submitting_dirs_.contains(dir)) continue;
+      if (holder.empty()) continue;
       if (!request.empty()) submitting_.erase(request);
       const std::string field = dir.substr(0, dir.find(' '));
       return absl::FailedPreconditionError(absl::StrCat(
           "spec.train.", field, ": ", field == "final_dir" ? spec.train().final_dir() : spec.train().checkpoint_dir(),
-          " is the ", field, " of ",
-          holder.empty() ? "a job being submitted"
-                         : absl::StrCat(holder, " (", JobStateName(jobs_.at(holder).job.state()), ")"),
-          ": one job at a time writes a directory (use another, or submit once that job ended)"));
+          " is the ", field, " of ", holder, " (", JobStateName(jobs_.at(holder).job.state()),
+          "): one job at a time writes a directory (use another, or submit once that job ended)"));
     }
     for (const std::string& dir : dirs) submitting_dirs_.insert(dir);
     e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
-    e.job.set_uid(NewJobUid());
+    e.job.set_uid(uid);
     *e.job.mutable_spec() = spec;
     if (floor->total_bytes() > 0) *e.job.mutable_memory_floor() = *floor;
     *e.job.mutable_create_time() = ToProtoTimestamp(clock_->Now());

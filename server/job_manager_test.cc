@@ -13,6 +13,7 @@
 #include "common/atomic_file.h"
 #include "common/proto_time.h"
 #include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "spec/job_validation.h"
@@ -411,6 +412,39 @@ TEST(JobManager, OneActiveJobSavesIntoACheckpointDirectory) {
   ASSERT_TRUE(b_again.ok()) << b_again.status();
   EXPECT_EQ(b_again->job_id(), b->job_id());
   EXPECT_EQ(jobs.Submit(saving, "").status().code(), absl::StatusCode::kFailedPrecondition);
+
+  // A submit of the directory still writing its record (which may yet
+  // fail): another is UNAVAILABLE, to try again; then refused as above.
+  auto recorded = JobManager::Open(std::string(std::getenv("TEST_TMPDIR")) + "/jobs-dirs", &clock);
+  ASSERT_TRUE(recorded.ok()) << recorded.status();
+  absl::Notification writing, release;
+  (*recorded)->SetBeforeWriteForTest([&](const std::string&) {
+    if (!writing.HasBeenNotified()) {
+      writing.Notify();
+      release.WaitForNotification();
+    }
+  });
+  absl::StatusOr<v1::Job> first;
+  std::thread submitter([&] { first = (*recorded)->Submit(saving, ""); });
+  writing.WaitForNotification();
+  auto meanwhile = (*recorded)->Submit(saving, "");
+  EXPECT_EQ(meanwhile.status().code(), absl::StatusCode::kUnavailable) << meanwhile.status();
+  EXPECT_TRUE(absl::StrContains(meanwhile.status().message(), "/data/ck is named by a job being submitted"))
+      << meanwhile.status();
+  release.Notify();
+  submitter.join();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ((*recorded)->Submit(saving, "").status().code(), absl::StatusCode::kFailedPrecondition);
+  // Jobs that write nothing there take no directory: an evaluation, and
+  // checkpoint_dir without checkpoint_every.
+  v1::JobSpec evaluating = saving;
+  evaluating.mutable_train()->set_eval_only(true);
+  evaluating.mutable_train()->set_eval_split(0.1);
+  evaluating.mutable_train()->set_checkpoint_every(0);
+  EXPECT_TRUE((*recorded)->Submit(evaluating, "").ok());
+  v1::JobSpec unsaved = saving;
+  unsaved.mutable_train()->set_checkpoint_every(0);
+  EXPECT_TRUE((*recorded)->Submit(unsaved, "").ok());
 }
 
 // A job stores the memory floor it was submitted with, computed once: the

@@ -505,7 +505,7 @@ void Scheduler::FailLocked(Placed& p, const std::string& reason, bool retryable,
     std::string why = absl::StrCat(reason, "; restarting (restart ", job->restarts() + 1, " of ",
                                    limits.max_restarts, ")");
     if (ResumesFromCheckpoint(*job)) {
-      absl::StrAppend(&why, " from the newest checkpoint in ", job->spec().train().checkpoint_dir());
+      absl::StrAppend(&why, " from its newest checkpoint in ", job->spec().train().checkpoint_dir());
     } else if (job->spec().kind() == v1::JOB_KIND_TRAIN) {
       absl::StrAppend(&why, " from step 0 (no checkpoint yet)");
     }

@@ -243,7 +243,7 @@ TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestarts
   v1::Job j = Job(job->job_id());
   EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING);
   EXPECT_TRUE(absl::StartsWith(j.reason(), "rank 1 (worker " + j.mesh().ranks(1).worker_id())) << j.reason();
-  EXPECT_TRUE(absl::StrContains(j.reason(), "restarting (restart 1 of 1) from the newest checkpoint in /ck"))
+  EXPECT_TRUE(absl::StrContains(j.reason(), "restarting (restart 1 of 1) from its newest checkpoint in /ck"))
       << j.reason();
   EXPECT_EQ(j.restarts(), 1);
   scheduler_->TickForTest();  // sends the abort

@@ -611,7 +611,7 @@ TEST_F(JobsTest, AWorkerKilledMidRunRestartsTheJobWhichSucceedsWithTheUninterrup
     if (e.has_state_change() && e.state_change().state() == v1::JOB_STATE_RESTARTING &&
         absl::StrContains(e.state_change().reason(), absl::StrCat("rank 1 (worker ", mesh.ranks(1).worker_id())) &&
         absl::StrContains(e.state_change().reason(), "restart 1 of 3") &&
-        absl::StrContains(e.state_change().reason(), "from the newest checkpoint in " + TempPath("ck-restart"))) {
+        absl::StrContains(e.state_change().reason(), "from its newest checkpoint in " + TempPath("ck-restart"))) {
       restarting = true;
     }
   }
@@ -683,7 +683,7 @@ TEST_F(JobsTest, AnInterleavedJobKilledMidRunRestartsWithTheUninterruptedLosses)
   for (const v1::JobEvent& e : events) {
     restarting = restarting || (e.has_state_change() && e.state_change().state() == v1::JOB_STATE_RESTARTING &&
                                 absl::StrContains(e.state_change().reason(),
-                                                  "from the newest checkpoint in " + TempPath("ck-interleaved")));
+                                                  "from its newest checkpoint in " + TempPath("ck-interleaved")));
   }
   EXPECT_TRUE(restarting) << "no RESTARTING event resumes from the checkpoints";
   ASSERT_NO_FATAL_FAILURE(ExpectLastLosses(events, want));

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <system_error>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -85,6 +86,12 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
                                                    v1::JobKind_Name(req.spec().kind())));
   }
   if (req.rendezvous_scope().empty()) return absl::InvalidArgumentError("rendezvous_scope: required");
+  // Job.uid: lowercase hex (it joins the job id in the checkpoints' writer,
+  // and a '_' in it could make two jobs' writers one).
+  if (req.job_uid().size() > 32 || req.job_uid().find_first_not_of("0123456789abcdef") != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("job_uid: at most 32 lowercase hex digits, not '",
+                                                   absl::CHexEscape(req.job_uid().substr(0, 40)), "'"));
+  }
   // The mesh is the one the coordinator sends; it must be the shard
   // config's.
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromProto(req.mesh()));
@@ -277,7 +284,10 @@ absl::Status JobRunner::RunRank(Active& active) {
     // this coordinator's numbering (v1::Job.uid).
     options.job = req.job_uid().empty() ? req.job_id() : absl::StrCat(req.job_id(), "_", req.job_uid());
     options.generation = req.generation();
-    options.resume_own = req.resume_own_checkpoints();
+    // A restart resumes from the job's own checkpoints: this writer's, or
+    // the bare id's that a worker from before the uid wrote (a rolling
+    // upgrade).
+    if (req.resume_own_checkpoints()) options.resume_writers = std::vector<std::string>{options.job, req.job_id()};
     ASSIGN_OR_RETURN(run, train::PrepareTrain(options));
     options.shard.device = shard.device;
     shard = options.shard;

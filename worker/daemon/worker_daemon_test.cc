@@ -228,6 +228,13 @@ TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
   JobRunner::Options ro = RunnerOptions(*coordinator, "runner-memory");
   ro.memory_bytes = int64_t{64} << 20;
   JobRunner runner(ro);
+  // A job uid that is not lowercase hex (it joins the job id in the
+  // checkpoints' writer) is refused at once.
+  for (const std::string& uid : std::vector<std::string>{"0123_abc", "ABCDEF", "../x", std::string(33, 'a')}) {
+    v1::AssignJobRequest bad = RankZero("job-424241", MidSizeTrainSpec());
+    bad.set_job_uid(uid);
+    EXPECT_EQ(runner.Assign(bad).code(), absl::StatusCode::kInvalidArgument) << uid;
+  }
   ASSERT_TRUE(runner.Assign(RankZero("job-424242", MidSizeTrainSpec())).ok());
   ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
   const std::string error = runner.Status().last_error();

@@ -4,6 +4,7 @@
 #include <stdio.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -18,6 +19,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -145,14 +147,26 @@ std::optional<CheckpointWriter> TmpWriter(const std::string& name) {
   return w;
 }
 
+// How long another writer's temporary directory is left alone after its
+// last change (a file renamed into it): a save in progress, not a crashed
+// one, of a job whose ranks still run after the coordinator ended it (one
+// it gave up on), which the coordinator lets another job's directory be.
+constexpr auto kOtherWritersTmpGrace = std::chrono::hours(1);
+
 // Removes the temporary directories under `dir` that are not `writer`'s
 // job's later generations' (this rank would then be the stale one): crashed
-// or abandoned saves of this job's earlier generations, its own, other
-// jobs' and runs' (one job writes a directory at a time).
+// or abandoned saves of this job's earlier generations, its own, and other
+// jobs' and runs' unchanged for kOtherWritersTmpGrace (one job writes a
+// directory at a time).
 void RemoveStaleTmpDirs(const std::string& dir, const CheckpointWriter& writer) {
   for (const std::string& name : ListDirectory(dir).value_or(std::vector<std::string>{})) {
     const std::optional<CheckpointWriter> w = TmpWriter(name);
     if (!w.has_value() || (w->job == writer.job && w->generation > writer.generation)) continue;
+    if (w->job != writer.job) {
+      std::error_code age;
+      const fs::file_time_type changed = fs::last_write_time(absl::StrCat(dir, "/", name), age);
+      if (age || fs::file_time_type::clock::now() - changed < kOtherWritersTmpGrace) continue;
+    }
     std::error_code rm;
     fs::remove_all(absl::StrCat(dir, "/", name), rm);
     if (rm) COLOD_LOG(WARNING) << "cannot remove " << dir << "/" << name << ": " << rm.message();
@@ -373,7 +387,8 @@ absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& d
 
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
                                                              const std::string& must_keep,
-                                                             const CheckpointWriter& writer) {
+                                                             const CheckpointWriter& writer,
+                                                             const std::vector<std::string>& also_own) {
   constexpr absl::string_view kTrash = ".trash-";
   for (const std::string& name : ListDirectory(dir).value_or(std::vector<std::string>{})) {
     if (absl::StartsWith(name, ".trash-step-")) {  // removals a crash interrupted
@@ -386,7 +401,9 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
   ASSIGN_OR_RETURN(std::vector<CheckpointInfo> listed, ListCheckpoints(dir));
   std::vector<CheckpointInfo> all;  // the writer's own: the others' are not this run's to remove
   for (CheckpointInfo& c : listed) {
-    if (c.job == writer.job) all.push_back(std::move(c));
+    if (c.job == writer.job || std::find(also_own.begin(), also_own.end(), c.job) != also_own.end()) {
+      all.push_back(std::move(c));
+    }
   }
   if (keep.keep_last <= 0 && !keep.keep_best) return all;
   const int64_t n = static_cast<int64_t>(all.size());
@@ -422,7 +439,7 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
 }
 
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped,
-                                             const std::optional<std::string>& writer_job) {
+                                             const std::optional<std::vector<std::string>>& writers) {
   std::vector<std::string> steps;
   ASSIGN_OR_RETURN(const std::vector<std::string> names, ListDirectory(dir));
   for (const std::string& name : names) {
@@ -433,10 +450,10 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector
   std::sort(steps.rbegin(), steps.rend());  // zero-padded: newest first
   int64_t others = 0;  // another writer's, complete or not
   for (const std::string& s : steps) {
-    if (writer_job.has_value()) {
+    if (writers.has_value()) {
       // A state that does not read is Validate's to report.
       const absl::StatusOr<Json> state = ReadJson(absl::StrCat(dir, "/", s, "/", kState));
-      if (state.ok() && WriterJob(*state) != *writer_job) {
+      if (state.ok() && std::find(writers->begin(), writers->end(), WriterJob(*state)) == writers->end()) {
         ++others;
         continue;
       }
@@ -445,10 +462,12 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector
     if (valid.ok()) return dir + "/" + s;
     if (skipped != nullptr) skipped->push_back(absl::StrCat(s, ": ", valid.message()));
   }
-  if (writer_job.has_value()) {
-    return absl::NotFoundError(absl::StrCat("no complete checkpoint of ",
-                                            writer_job->empty() ? "this run" : *writer_job, " in ", dir,
-                                            others > 0 ? absl::StrCat(" (", others, " of other jobs passed over)") : ""));
+  if (writers.has_value()) {
+    std::vector<std::string> named;
+    for (const std::string& w : *writers) named.push_back(w.empty() ? "a run outside a coordinator" : w);
+    return absl::NotFoundError(absl::StrCat(
+        "no complete checkpoint of ", named.empty() ? "no writer" : absl::StrJoin(named, " or "), " in ", dir,
+        others > 0 ? absl::StrCat(" (", others, " checkpoints of other writers passed over)") : ""));
   }
   return absl::NotFoundError(absl::StrCat("no complete checkpoint in ", dir));
 }
@@ -462,6 +481,7 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": seed is not an unsigned integer"));
   }
   r.seed = state["seed"].get<uint64_t>();
+  r.job = WriterJob(state);
   return r;
 }
 

@@ -27,7 +27,7 @@
 // coordinates wrote, so a run resumes at another dp size and with or
 // without ZeRO (consolidate the checkpoint to change the rest).
 // A job the coordinator restarts resumes from its own newest
-// (LatestCheckpoint's writer_job). Retention (PruneCheckpoints) keeps the
+// (LatestCheckpoint's writers). Retention (PruneCheckpoints) keeps the
 // newest K of the run's own checkpoints and its best by eval loss
 // (train_state.json's eval_loss) and removes the rest of its own, after
 // each save; what other runs left in the directory is never removed.
@@ -87,14 +87,14 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
 
 // The newest complete checkpoint directory under `dir` (DIR/step-NNNNNN),
 // skipping damaged ones; `skipped` (if given) gets the ones passed over and
-// why. With `writer_job`, only the checkpoints that job wrote count (its
-// train_state.json's "job", CheckpointWriter::job, of any generation):
-// a job restarted by the coordinator resumes from its own newest, never
-// from a later step another job left in the same directory. NOT_FOUND when
-// none is complete (or none is the job's) or `dir` cannot be listed,
-// UNAVAILABLE when reading it fails midway.
+// why. With `writers`, only the checkpoints one of them wrote count (their
+// train_state.json's "job", CheckpointWriter::job, of any generation): a
+// job restarted by the coordinator resumes from its own newest, never from
+// a later step another run left in the same directory. NOT_FOUND when none
+// is complete (or none is theirs) or `dir` cannot be listed, UNAVAILABLE
+// when reading it fails midway.
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr,
-                                             const std::optional<std::string>& writer_job = std::nullopt);
+                                             const std::optional<std::vector<std::string>>& writers = std::nullopt);
 
 // A complete checkpoint of a run's directory, as retention and `coloctl
 // checkpoints` see it.
@@ -124,7 +124,10 @@ struct Retention {
 // generation) that `keep` does not keep, and the leftovers of removals a
 // crash interrupted; returns its checkpoints kept, oldest first. Other
 // writers' checkpoints (a run the directory held before, another job) are
-// neither counted nor removed nor returned. Its newest is always kept (a
+// neither counted nor removed nor returned, but those of the writers in
+// `also_own`, which count as its own: the run it resumed from, whose
+// checkpoints in a directory a run continues in are the same run's
+// (--resume D --save D). Its newest is always kept (a
 // restart resumes from it), and nothing being written (.tmp) or unreadable
 // is touched. A removal first renames
 // the directory out of the checkpoints' names (DIR/.trash-step-NNNNNN,
@@ -139,13 +142,15 @@ struct Retention {
 // file system cannot exchange, .trash-step-N.JOB.gen-G) are left alone.
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
                                                              const std::string& must_keep = "",
-                                                             const CheckpointWriter& writer = {});
+                                                             const CheckpointWriter& writer = {},
+                                                             const std::vector<std::string>& also_own = {});
 
 struct Resumed {
   int64_t step = 0;  // steps done; training continues with step + 1
   uint64_t seed = 0;
+  std::string job;  // its writer (CheckpointWriter::job; "" outside a coordinator)
 };
-// The step and seed a checkpoint records.
+// The step, seed and writer a checkpoint records.
 absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint);
 // Loads the parameters and optimizer state of `checkpoint` (a step
 // directory) into this rank's model and optimizer. FAILED_PRECONDITION when

@@ -8,6 +8,7 @@
 #include <stdio.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -131,6 +132,16 @@ TEST(Retention, KeepsTheNewestAndTheBestAndTouchesNothingElse) {
   EXPECT_EQ(own_steps, (std::vector<int64_t>{3, 5}));
   EXPECT_EQ(Entries(shared),
             (std::set<std::string>{"step-000001", "step-000003", "step-000005", "step-000008", "step-000009"}));
+  // A run continued from another writer's checkpoint (--resume D --save D)
+  // counts that writer's as its own: the newest (8) and the best (1) of
+  // both, and the one just written.
+  auto lineage = PruneCheckpoints(shared, Retention{.keep_last = 1, .keep_best = true}, StepDir(shared, 5),
+                                  CheckpointWriter{.job = me, .generation = 3}, {other});
+  ASSERT_TRUE(lineage.ok()) << lineage.status();
+  std::vector<int64_t> lineage_steps;
+  for (const CheckpointInfo& c : *lineage) lineage_steps.push_back(c.step);
+  EXPECT_EQ(lineage_steps, (std::vector<int64_t>{1, 5, 8}));
+  EXPECT_EQ(Entries(shared), (std::set<std::string>{"step-000001", "step-000005", "step-000008", "step-000009"}));
 }
 
 // A run that evaluates and saves every step keeps the newest 2 and its
@@ -235,9 +246,19 @@ TEST(Checkpoints, AGenerationWritesOnlyThroughItsOwnTemporaryDirectory) {
     std::ofstream(d + "/stale-rank-file") << "a stale rank's file";
     if (!state.empty()) std::ofstream(d + "/train_state.json") << state;
   };
+  // Another writer's temporary directory unchanged for two hours: crashed.
+  const auto aged = [](const std::string& d) {
+    fs::last_write_time(d, fs::file_time_type::clock::now() - std::chrono::hours(2));
+  };
   stale_dir(StepTmpDir(o.save_dir, 2, {.job = o.job, .generation = 1}), "");  // given up on mid-save
   stale_dir(StepTmpDir(o.save_dir, 2, {.job = "job-000003", .generation = 9}), "");  // another job's
+  aged(StepTmpDir(o.save_dir, 2, {.job = "job-000003", .generation = 9}));
   stale_dir(o.save_dir + "/step-000001.tmp", "");  // colod before 2026-12
+  aged(o.save_dir + "/step-000001.tmp");
+  // Another job's save in progress (a rank the coordinator gave up on still
+  // writing): left alone.
+  const std::string writing = StepTmpDir(o.save_dir, 4, {.job = "job-000004", .generation = 1});
+  stale_dir(writing, "");
   stale_dir(StepTmpDir(o.save_dir, 3, {.job = o.job, .generation = 7}), "");  // later: this run is the stale one there
   stale_dir(StepDir(o.save_dir, 3), R"({"step": 3, "job": "job-000007", "generation": 1})");  // earlier: replaced
   // Checkpoints moved aside mid-replace (a file system that cannot
@@ -246,8 +267,9 @@ TEST(Checkpoints, AGenerationWritesOnlyThroughItsOwnTemporaryDirectory) {
   stale_dir(o.save_dir + "/.trash-step-000009.job-000007.gen-7", "");
   ASSERT_TRUE(testing::Losses(o).size() == 3u);
   const std::string later = "step-000003.job-000007.gen-7.tmp", later_aside = ".trash-step-000009.job-000007.gen-7";
-  EXPECT_EQ(Entries(o.save_dir),
-            (std::set<std::string>{"step-000001", "step-000002", "step-000003", later, later_aside}));
+  EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000002", "step-000003", later,
+                                                         later_aside, fs::path(writing).filename().string()}));
+  fs::remove_all(writing);
   for (int64_t step = 1; step <= 3; ++step) {
     EXPECT_FALSE(fs::exists(StepDir(o.save_dir, step) + "/stale-rank-file")) << "step " << step;
   }
@@ -274,6 +296,7 @@ TEST(Checkpoints, AGenerationWritesOnlyThroughItsOwnTemporaryDirectory) {
   other.job = "job-000008";
   other.generation = 1;
   other.steps = 1;
+  aged(o.save_dir + "/" + later);
   ASSERT_TRUE(testing::Losses(other).size() == 1u);
   EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000002", "step-000003"}));
   auto first = ReadTrainState(StepDir(o.save_dir, 1));
@@ -347,7 +370,7 @@ TEST(Checkpoints, ALaterGenerationsCheckpointThatWentInMidSaveIsPutBackOrKeptAsi
 }
 
 // A job the coordinator restarts resumes from the newest checkpoint it
-// wrote itself (TrainOptions::resume_own), not from a later step another
+// wrote itself (TrainOptions::resume_writers), not from a later step another
 // job left in the same directory: another coordinator's job of the same
 // id (a uid apart), or an earlier run's. The filter passes over the other
 // writers' checkpoints, complete or not, and still skips its own damaged
@@ -381,23 +404,29 @@ TEST(Checkpoints, ARestartResumesFromItsOwnJobsNewestCheckpoint) {
   ASSERT_TRUE(any.ok()) << any.status();
   EXPECT_EQ(*any, StepDir(o.save_dir, 9));
   skipped.clear();
-  auto own = LatestCheckpoint(o.save_dir, &skipped, o.job);
+  auto own = LatestCheckpoint(o.save_dir, &skipped, std::vector<std::string>{o.job});
   ASSERT_TRUE(own.ok()) << own.status();
   EXPECT_EQ(*own, StepDir(o.save_dir, 4));
   ASSERT_EQ(skipped.size(), 1u);  // its own damaged one; the others' are not its concern
   EXPECT_NE(skipped[0].find("step-000005"), std::string::npos) << skipped[0];
-  auto none = LatestCheckpoint(o.save_dir, nullptr, std::string("job-000007"));
+  auto none = LatestCheckpoint(o.save_dir, nullptr, std::vector<std::string>{"job-000007"});
   EXPECT_EQ(none.status().code(), absl::StatusCode::kNotFound) << none.status();
   EXPECT_NE(none.status().message().find("no complete checkpoint of job-000007 in"), std::string::npos)
       << none.status();
-  EXPECT_NE(none.status().message().find("7 of other jobs passed over"), std::string::npos) << none.status();
+  EXPECT_NE(none.status().message().find("7 checkpoints of other writers passed over"), std::string::npos)
+      << none.status();
+  // A second writer counts as the first (the bare id workers before the
+  // uid recorded): the other coordinator's job's step 9 is then the newest.
+  auto either = LatestCheckpoint(o.save_dir, nullptr, std::vector<std::string>{o.job, "job-000007_00000000000000bb"});
+  ASSERT_TRUE(either.ok()) << either.status();
+  EXPECT_EQ(*either, StepDir(o.save_dir, 9));
 
   // Generation 3 resumes from step 4 and trains step 5 as the
   // uninterrupted run did.
   TrainOptions restarted = o;
   restarted.generation = 3;
   restarted.resume_dir = o.save_dir;
-  restarted.resume_own = true;
+  restarted.resume_writers = std::vector<std::string>{o.job, "job-000007"};
   restarted.save_dir.clear();
   const std::vector<StepStats> rest = testing::Losses(restarted);
   ASSERT_EQ(rest.size(), 1u);
@@ -407,6 +436,7 @@ TEST(Checkpoints, ARestartResumesFromItsOwnJobsNewestCheckpoint) {
   // never another writer's.
   TrainOptions stranger = restarted;
   stranger.job = "job-000007_00000000000000cc";
+  stranger.resume_writers = std::vector<std::string>{stranger.job, "job-000007"};
   EXPECT_EQ(Train(stranger, nullptr).code(), absl::StatusCode::kNotFound);
 }
 

@@ -186,6 +186,7 @@ struct EvalPlan {
 struct PreparedTrain {
   TrainOptions options;
   std::string resume;  // the checkpoint to resume from, if any
+  std::string resumed_writer;  // its writer, whose checkpoints retention counts as this run's
   uint64_t seed = 0;
   std::unique_ptr<TrainData> data;
   std::optional<EvalPlan> eval;
@@ -271,11 +272,11 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   run->seed = o.seed;
   if (!o.resume_dir.empty()) {
     std::vector<std::string> skipped;
-    ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &skipped,
-                                                   o.resume_own ? std::optional<std::string>(o.job) : std::nullopt));
+    ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &skipped, o.resume_writers));
     for (const std::string& s : skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
     ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
     run->seed = state.seed;  // the sampler continues the stream it was on
+    run->resumed_writer = state.job;
   }
   const int64_t rows = o.batch_size / dp;
   if (rows * dp != o.batch_size || rows % o.micro_batches != 0) {
@@ -664,9 +665,13 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       }
       s.checkpoint = StepDir(o.save_dir, step + 1);
       if (rank == 0) {  // the checkpoint is complete on every rank (the save's last barrier)
+        // The run it resumed from is the same run continued: its
+        // checkpoints here count as this one's (a restart's are its own).
+        std::vector<std::string> also_own;
+        if (!run.resume.empty()) also_own.push_back(run.resumed_writer);
         absl::StatusOr<std::vector<CheckpointInfo>> kept = PruneCheckpoints(
             o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best}, s.checkpoint,
-            CheckpointWriter{.job = o.job, .generation = o.generation});
+            CheckpointWriter{.job = o.job, .generation = o.generation}, also_own);
         if (kept.ok()) {
           s.checkpoints = *std::move(kept);
           // The report carries the newest kMaxReportedCheckpoints.

@@ -76,11 +76,13 @@ struct TrainOptions {
   // earlier generation still running never writes into this one's.
   std::string job;
   int64_t generation = 0;
-  // Resume only from a checkpoint `job` wrote (LatestCheckpoint's
-  // writer_job): the worker daemon sets it where the coordinator restarts a
-  // job from its own checkpoints (AssignJobRequest.resume_own_checkpoints),
-  // so that a later step another job left in resume_dir is never taken.
-  bool resume_own = false;
+  // If set, resume only from a checkpoint one of these wrote
+  // (LatestCheckpoint's writers): the worker daemon sets it where the
+  // coordinator restarts a job from its own checkpoints
+  // (AssignJobRequest.resume_own_checkpoints), so that a later step another
+  // job left in resume_dir is never taken: `job`, and the bare job id that
+  // workers before the job uid recorded.
+  std::optional<std::vector<std::string>> resume_writers;
   int64_t stop_after = 0;     // if > 0, stop after this step (as an interruption would)
   bool cuda = false;          // one rank per CUDA device over NCCL (else host tensors over Gloo)
   bool allow_tf32 = false;    // CUDA: f32 GEMMs may round their operands to TF32 (ops::SetAllowTf32)
