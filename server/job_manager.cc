@@ -558,27 +558,30 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
       if (it != job_by_request_id_.end()) return jobs_.at(it->second).job;
       submitting_.insert(request);
     }
+    // One job at a time writes a directory (OutputDirKeys).
+    absl::Status taken;
     for (const std::string& dir : dirs) {
       if (submitting_dirs_.contains(dir)) {
         // Its record is being written, and may yet fail: not known to be taken.
-        if (!request.empty()) submitting_.erase(request);
-        return absl::UnavailableError(absl::StrCat("spec.train: ", dir.substr(dir.find(' ') + 1),
-                                                   " is named by a job being submitted; try again"));
+        taken = absl::UnavailableError(absl::StrCat("spec.train: ", dir.substr(dir.find(' ') + 1),
+                                                    " is named by a job being submitted; try again"));
       }
-      std::string holder;
-      for (const auto& [id, other] : jobs_) {
-        if (IsFinal(other.job.state())) continue;
-        for (const std::string& theirs : OutputDirKeys(other.job.spec())) {
-          if (theirs == dir) holder = id;
-        }
+    }
+    for (auto it = jobs_.begin(); taken.ok() && !dirs.empty() && it != jobs_.end(); ++it) {
+      if (IsFinal(it->second.job.state())) continue;
+      for (const std::string& theirs : OutputDirKeys(it->second.job.spec())) {
+        if (std::find(dirs.begin(), dirs.end(), theirs) == dirs.end()) continue;
+        const std::string field = theirs.substr(0, theirs.find(' '));
+        taken = absl::FailedPreconditionError(absl::StrCat(
+            "spec.train.", field, ": ", field == "final_dir" ? spec.train().final_dir() : spec.train().checkpoint_dir(),
+            " is the ", field, " of ", it->first, " (", JobStateName(it->second.job.state()),
+            "): one job at a time writes a directory (use another, or submit once that job ended)"));
+        break;
       }
-      if (holder.empty()) continue;
+    }
+    if (!taken.ok()) {
       if (!request.empty()) submitting_.erase(request);
-      const std::string field = dir.substr(0, dir.find(' '));
-      return absl::FailedPreconditionError(absl::StrCat(
-          "spec.train.", field, ": ", field == "final_dir" ? spec.train().final_dir() : spec.train().checkpoint_dir(),
-          " is the ", field, " of ", holder, " (", JobStateName(jobs_.at(holder).job.state()),
-          "): one job at a time writes a directory (use another, or submit once that job ended)"));
+      return taken;
     }
     for (const std::string& dir : dirs) submitting_dirs_.insert(dir);
     e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));

@@ -4,8 +4,8 @@
 #include <stdio.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -19,10 +19,10 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
 #include "common/json.h"
@@ -104,9 +104,9 @@ std::string WriterJob(const Json& state) {
   return state.contains("job") && state["job"].is_string() ? state["job"].get<std::string>() : "";
 }
 
-// Every file of a step directory opens and validates.
-absl::Status Validate(const std::string& step_dir) {
-  ASSIGN_OR_RETURN(Json state, ReadJson(step_dir + "/" + kState));
+// Every file of a step directory whose train_state.json reads as `state`
+// opens and validates.
+absl::Status ValidateFiles(const std::string& step_dir, const Json& state) {
   RETURN_IF_ERROR(shardformer::ReadCheckpointIndex(step_dir).status());
   const std::string where = absl::StrCat(step_dir, "/", kState);
   RETURN_IF_ERROR(IntField(state, "step", where).status());
@@ -122,6 +122,12 @@ absl::Status Validate(const std::string& step_dir) {
     }
   }
   return absl::OkStatus();
+}
+
+// Every file of a step directory opens and validates.
+absl::Status Validate(const std::string& step_dir) {
+  ASSIGN_OR_RETURN(const Json state, ReadJson(step_dir + "/" + kState));
+  return ValidateFiles(step_dir, state);
 }
 
 bool IsDirectory(const std::string& path) {
@@ -450,16 +456,15 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector
   std::sort(steps.rbegin(), steps.rend());  // zero-padded: newest first
   int64_t others = 0;  // another writer's, complete or not
   for (const std::string& s : steps) {
-    if (writers.has_value()) {
-      // A state that does not read is Validate's to report.
-      const absl::StatusOr<Json> state = ReadJson(absl::StrCat(dir, "/", s, "/", kState));
-      if (state.ok() && std::find(writers->begin(), writers->end(), WriterJob(*state)) == writers->end()) {
-        ++others;
-        continue;
-      }
+    const std::string step_dir = dir + "/" + s;
+    const absl::StatusOr<Json> state = ReadJson(step_dir + "/" + kState);
+    if (state.ok() && writers.has_value() &&
+        std::find(writers->begin(), writers->end(), WriterJob(*state)) == writers->end()) {
+      ++others;
+      continue;
     }
-    const absl::Status valid = Validate(dir + "/" + s);
-    if (valid.ok()) return dir + "/" + s;
+    const absl::Status valid = state.ok() ? ValidateFiles(step_dir, *state) : state.status();
+    if (valid.ok()) return step_dir;
     if (skipped != nullptr) skipped->push_back(absl::StrCat(s, ": ", valid.message()));
   }
   if (writers.has_value()) {
