@@ -565,6 +565,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
         // Its record is being written, and may yet fail: not known to be taken.
         taken = absl::UnavailableError(absl::StrCat("spec.train: ", dir.substr(dir.find(' ') + 1),
                                                     " is named by a job being submitted; try again"));
+        break;
       }
     }
     for (auto it = jobs_.begin(); taken.ok() && !dirs.empty() && it != jobs_.end(); ++it) {
