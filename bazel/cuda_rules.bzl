@@ -21,13 +21,9 @@ of compiling the tree once each. A header that other targets include must
 not include CUDA's.
 """
 
-load("@local_cuda//:defs.bzl", "CUDA_ENABLED", "NVCC")
-
-# Ampere and Hopper; compute_90 PTX rides along for newer GPUs.
-CUDA_GENCODE = [
-    "-gencode=arch=compute_80,code=sm_80",
-    "-gencode=arch=compute_90,code=[sm_90,compute_90]",
-]
+# CUDA_GENCODE: the GPU architectures of $COLOD_CUDA_ARCHS (bazel/cuda.bzl;
+# by default sm_80 and sm_90, with compute_90 PTX for newer GPUs).
+load("@local_cuda//:defs.bzl", "CUDA_ENABLED", "CUDA_GENCODE", "NVCC")
 
 # A constraint no platform has: a target that requires it is incompatible.
 _INCOMPATIBLE = ["//bazel:cuda_present"]

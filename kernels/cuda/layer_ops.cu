@@ -2350,7 +2350,7 @@ absl::StatusOr<dim3> AttnGrid(int64_t b, int64_t s, int64_t hq, int64_t hkv, int
 // compute stream, and destroyed at exit. `mu` serializes the enqueues on a
 // handle (a cuBLAS handle is not thread-safe); the GEMMs run in stream order.
 // A std::mutex, as everywhere in kernels/cuda: ThreadSanitizer (the
-// emulation's thread mode) sees pthread locks, not Debian's uninstrumented
+// emulation under --config=cuda-emu-tsan) sees pthread locks, not Debian's uninstrumented
 // absl::Mutex, and reported the map read after another thread's insert.
 struct CublasHandles {
   std::mutex mu;

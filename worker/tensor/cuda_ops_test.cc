@@ -51,9 +51,8 @@ void ExpectNear(const Tensor& gpu, const Tensor& cpu, double tol, const std::str
   for (size_t i = 0; i < g.size(); ++i) ASSERT_NEAR(g[i], c[i], tol * (1 + std::fabs(c[i]))) << what << " at " << i;
 }
 
-#if defined(COLOD_CUDA_EMULATION) && !defined(COLOD_CUDA_EMU_THREADS)
-// (The thread mode's __shared__ is plain static storage, and ThreadSanitizer
-// keeps its own per-thread state in TLS.)
+#if defined(COLOD_CUDA_EMULATION) && !defined(COLOD_CUDA_EMU_TSAN)
+// (ThreadSanitizer keeps its own per-thread state in TLS.)
 // The emulation's __shared__ arrays are static thread-local storage, which
 // glibc places in every thread's stack: past about 1 MiB, threads with
 // small stacks (civetweb's, serving a daemon's /metrics) fail to start. The
@@ -610,8 +609,8 @@ TEST_F(CudaLayerOps, NormBackwardsFoldTheResidualGradientWithTheAddsBits) {
 // launch. Rows go to blocks of 32: one block (8 rows), 2 blocks in one group
 // (40), 3 blocks in groups of 2 (70), 10 in groups of 4 (300), the last
 // group part full; past 32768 rows
-// a block takes rows / 1024 (33000: 1000 blocks of 33 in 32 groups; not in
-// the thread mode). Widths of 1, 2, 3 (GPT-2's 768 in bf16), 4, 8 (LLaMA
+// a block takes rows / 1024 (33000: 1000 blocks of 33 in 32 groups; not
+// under TSan). Widths of 1, 2, 3 (GPT-2's 768 in bf16), 4, 8 (LLaMA
 // 1B's 2048 in bf16, RMSNorm; 768 in f32) and 16 (2048 in f32, RMSNorm)
 // packs a lane; LayerNorm at 2048 is too wide and runs the row kernel and
 // NormParamGrad's (2 launches). dx, dgamma and dbeta equal the CPU's and
@@ -627,7 +626,7 @@ TEST_F(CudaLayerOps, NormBackwardsGiveTheParameterGradientsInTheSamePass) {
                              Case{DType::kBF16, 40, 2048, 2, 1}, Case{DType::kF16, 8, 136, 1, 1},
                              Case{DType::kF32, 40, 200, 1, 1},   Case{DType::kF32, 8, 512, 1, 1},
                              Case{DType::kF32, 40, 768, 1, 1},   Case{DType::kF32, 8, 2048, 2, 1}};
-#ifndef COLOD_CUDA_EMU_THREADS  // 1000 blocks of 256 host threads would be slow there
+#ifndef COLOD_CUDA_EMU_TSAN  // 1000 blocks of 256 threads, each warp exchange checked byte by byte: minutes there
   cases.push_back(Case{DType::kF32, 33000, 8, 1, 1});
 #endif
   for (const Case& c : cases) {
@@ -684,8 +683,8 @@ TEST_F(CudaLayerOps, NormBackwardsGiveTheParameterGradientsInTheSamePass) {
 // kernels split them into chunks and add the chunks' sums in a second level
 // (300 rows: 3 chunks of 100; 520: 5 of 104; the chunks are at least 128
 // rows, so small shapes keep one level): equal to the CPU's sums, and
-// bitwise the same on a second run. Small, for the emulation's thread mode
-// under TSan, where each block is 256 host threads.
+// bitwise the same on a second run. Small, for the emulation under TSan,
+// where every access to memory is checked.
 TEST_F(CudaLayerOps, ColumnReductionsInTwoLevelsMatchTheCpuAndRepeat) {
   for (const Shape& shape : {Shape{300, 70}, Shape{520, 33}}) {
     SCOPED_TRACE(ShapeToString(shape));
@@ -706,7 +705,7 @@ TEST_F(CudaLayerOps, ColumnReductionsInTwoLevelsMatchTheCpuAndRepeat) {
     twice([&] { return BiasGeluBackward(ddy, dx, db, GeluApprox::kTanh)->db; }, "bias_gelu db");
     // The norms' parameter gradients (LayerNormBackward's and
     // RmsNormBackward's second kernel) from the CPU's row statistics: no
-    // row kernel, whose one block per row is slow on the thread mode.
+    // row kernel, whose one block per row is slow under TSan.
     const LayerNormResult ln = *LayerNorm(x, g, b, 1e-5f);
     const Tensor mean = Dev(ln.mean), rstd = Dev(ln.rstd);
     const NormParamGrads pg = *NormParamGrad(ddy, dx, mean, rstd, /*beta=*/true);

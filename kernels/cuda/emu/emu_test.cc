@@ -56,6 +56,23 @@ __global__ void Rotate(int* out) {
   out[t] = s[(t + 1) % blockDim.x];
 }
 
+// After a first barrier each warp writes its half again and reads the other
+// half before the second barrier: the read needs a barrier after the
+// other warp's write. The fiber mode runs the last warp first after the
+// first barrier, so it reads before the first warp writes; under
+// ThreadSanitizer that write still races with the read, although the last
+// warp had arrived at the second barrier when the first warp moved.
+[[maybe_unused]] __global__ void ReadBeforeTheSecondBarrier(int* out) {
+  __shared__ int s[64];
+  const int t = threadIdx.x;
+  s[t] = 0;
+  __syncthreads();
+  s[t] = t + 1;
+  const int other = s[(t + 32) % 64];
+  __syncthreads();
+  out[t] = other;
+}
+
 // Each warp writes its slots after a barrier, then reads the other warp's
 // without one: a race, whose outcome on a GPU depends on how far apart the
 // warps run.
@@ -208,11 +225,12 @@ TEST(CudaEmuKernelsDeathTest, ADivergentBarrierIsReported) {
       "divergent barrier");
 }
 
-#ifndef COLOD_CUDA_EMU_THREADS
+#ifndef COLOD_CUDA_EMU_TSAN
 // The fiber mode runs a warp on to its next __syncthreads before the next
 // warp moves: one warp reads the other's slots before they were written,
 // where warps in lock step would both read the other's writes (a race the
-// fiber mode makes show; the thread mode leaves it to TSan).
+// fiber mode makes show; under ThreadSanitizer it is a reported race, the
+// test below).
 TEST(CudaEmuKernels, WarpsRunApartUntilABlockBarrier) {
   int* d = DeviceAlloc<int>(64);
   ASSERT_EQ(cudaMemset(d, 0xff, 64 * sizeof(int)), cudaSuccess);
@@ -229,10 +247,11 @@ TEST(CudaEmuKernels, WarpsRunApartUntilABlockBarrier) {
 }
 #endif
 
-#if defined(__SANITIZE_THREAD__) && defined(COLOD_CUDA_EMU_THREADS)
-// Under --config=cuda-emu-tsan a block's threads are host threads, so the
-// dropped __syncthreads is a data race ThreadSanitizer reports (the
-// configuration sets halt_on_error).
+#ifdef COLOD_CUDA_EMU_TSAN
+// Under --config=cuda-emu-tsan each of a block's threads is a thread of its
+// own to ThreadSanitizer, ordered by barriers only, so the dropped
+// __syncthreads is a data race it reports (the configuration sets
+// halt_on_error).
 TEST(CudaEmuKernelsDeathTest, AMissingBarrierIsADataRaceUnderThreadSanitizer) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_DEATH(
@@ -240,6 +259,21 @@ TEST(CudaEmuKernelsDeathTest, AMissingBarrierIsADataRaceUnderThreadSanitizer) {
         int* d = nullptr;
         cudaMalloc(reinterpret_cast<void**>(&d), 128 * sizeof(int));
         for (int i = 0; i < 20; ++i) Launch(RotateWithoutBarrier, dim3(1), dim3(128), 0, cudaStreamPerThread, d);
+        cudaStreamSynchronize(cudaStreamPerThread);
+      },
+      "ThreadSanitizer: data race");
+}
+
+// Each barrier's happens-before edges are its own (execution.cc's barrier
+// parity): a warp that passed the next barrier first does not order what it
+// did after this one before the other warps' accesses.
+TEST(CudaEmuKernelsDeathTest, AReadBeforeTheSecondBarrierIsADataRaceUnderThreadSanitizer) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        int* d = nullptr;
+        cudaMalloc(reinterpret_cast<void**>(&d), 64 * sizeof(int));
+        Launch(ReadBeforeTheSecondBarrier, dim3(1), dim3(64), 0, cudaStreamPerThread, d);
         cudaStreamSynchronize(cudaStreamPerThread);
       },
       "ThreadSanitizer: data race");
@@ -290,7 +324,8 @@ TEST(CudaEmuKernelsDeathTest, AWarpSplitBetweenABarrierAndAShuffleIsReported) {
       "divergent warp");
 }
 
-#ifndef COLOD_CUDA_EMU_THREADS
+// (Under ThreadSanitizer every thread has a fiber, so the shuffle runs.)
+#ifndef COLOD_CUDA_EMU_TSAN
 TEST(CudaEmuKernelsDeathTest, AShuffleAfterThreadZeroReturnedWithoutOneIsRefusedInFiberMode) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_DEATH(
@@ -303,7 +338,7 @@ TEST(CudaEmuKernelsDeathTest, AShuffleAfterThreadZeroReturnedWithoutOneIsRefused
       "thread 0 of its block returned without one");
 }
 #else
-TEST(CudaEmuKernels, InThreadModeOneWarpMayShuffleWhileAnotherReturned) {
+TEST(CudaEmuKernels, UnderThreadSanitizerOneWarpMayShuffleWhileAnotherReturned) {
   int* d = DeviceAlloc<int>(64);
   ASSERT_EQ(Launch(SecondWarpShufflesAlone, dim3(1), dim3(64), 0, cudaStreamPerThread, d), cudaSuccess);
   std::vector<int> h(64);

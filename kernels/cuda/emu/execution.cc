@@ -33,39 +33,29 @@
 // skips the warp-level operations the others perform would need thread 0 to
 // reach one; none of colod's does).
 //
-// The thread mode (COLOD_CUDA_EMU_THREADS, set by --config=cuda-emu-tsan) runs
-// a block's threads as real host threads instead, so ThreadSanitizer checks
-// the kernels' shared-memory protocol: a missing __syncthreads is a data race
-// it reports. A pool of worker threads, worker t playing CUDA thread t, runs
-// one grid at a time process-wide (__shared__ is then plain static storage,
-// which one block at a time may use); a block ends when all its threads have
-// returned, and __syncthreads is a generation-counted barrier. A thread that
-// returns while others wait at a barrier, or reaches one after another
-// returned, is the divergent barrier, reported and aborted as above. A
-// warp-level operation is a generation-counted barrier of the warp's lanes
-// with the same double-buffered slots; each thread's state (running, at the
-// block barrier, at a warp-level operation, returned) lets whichever lane
-// comes second report a warp divided between them.
+// Under ThreadSanitizer (--config=cuda-emu-tsan) every thread of a block
+// gets a fiber (no plain calls), and each fiber is a thread of its own to
+// TSan, ordered by nothing but what orders a block's threads on a GPU (the
+// Scheduler's comment), so a missing __syncthreads is a data race it reports.
 //
 // Thread-safety: LaunchGrid may be called from any thread. Fibers and their
-// stacks belong to the host thread that runs them (thread_local); the thread
-// mode's pool state is guarded by its mutex.
+// stacks belong to the host thread that runs them (thread_local).
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
 
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kernels/cuda/emu/runtime_internal.h"
 
-#ifndef COLOD_CUDA_EMU_THREADS
+#ifdef COLOD_CUDA_EMU_TSAN
+#include <sanitizer/tsan_interface.h>
+#endif
 
 // Switching fibers. On x86-64 a hand-written switch saves the callee-saved
 // registers, MXCSR and the x87 control word on the old stack and restores
@@ -106,7 +96,6 @@ colod_emu_switch:
 )");
 #define COLOD_EMU_ASM_SWITCH 1
 #endif
-#endif  // !COLOD_CUDA_EMU_THREADS
 
 namespace colod_cuda_emu {
 
@@ -146,13 +135,48 @@ void CopyLanes(const unsigned char (*slot)[kWarpSlotBytes], int lanes, size_t by
 
 }  // namespace
 
-#ifndef COLOD_CUDA_EMU_THREADS
-
 thread_local const ThreadContext* current_thread = nullptr;
 
 namespace {
 
 constexpr size_t kStackBytes = 256 << 10;
+
+// Under ThreadSanitizer (--config=cuda-emu-tsan) every fiber is a thread of
+// its own to TSan (its fiber API), and nothing but what orders a block's
+// threads on a GPU orders them here: a __syncthreads, a warp-level operation
+// among its warp's lanes, the end of the block before the next one. A
+// fiber's switch back to the scheduler orders nothing
+// (__tsan_switch_to_fiber_no_sync), and the scheduler's switch to a fiber
+// passes on only the scheduler's own history, which holds no fiber's of the
+// running block: it takes the fibers' histories at the block's end only
+// (block_end). So two threads' accesses with no barrier between them are a
+// race TSan reports, whatever order the scheduler ran them in. The
+// scheduler's bookkeeping that fibers write and it reads, or the reverse
+// (the fiber states, running, the warps' parity and byte count,
+// current_thread), is accessed with relaxed atomics (Relaxed, SetRelaxed):
+// never reported, and ordering nothing. Without TSan these are plain
+// accesses and TsanRelease and TsanAcquire do nothing.
+#ifdef COLOD_CUDA_EMU_TSAN
+constexpr bool kTsan = true;
+void TsanRelease(void* sync) { __tsan_release(sync); }
+void TsanAcquire(void* sync) { __tsan_acquire(sync); }
+#else
+constexpr bool kTsan = false;
+void TsanRelease(void*) {}
+void TsanAcquire(void*) {}
+#endif
+
+template <typename T>
+T Relaxed(const T& v) {
+  return __atomic_load_n(&v, __ATOMIC_RELAXED);
+}
+
+template <typename T>
+void SetRelaxed(T& v, T x) {
+  __atomic_store_n(&v, x, __ATOMIC_RELAXED);
+}
+
+void SetCurrentThread(const ThreadContext* t) { SetRelaxed(current_thread, t); }
 
 struct Fiber {
 #ifdef COLOD_EMU_ASM_SWITCH
@@ -161,16 +185,19 @@ struct Fiber {
   ucontext_t context;
 #endif
   void* stack = nullptr;  // kStackBytes plus a guard page below
+  void* tsan = nullptr;   // its TSan fiber (under TSan)
+  // The states the scheduler reads: Relaxed and SetRelaxed only.
   bool done = false;
   bool at_barrier = false;  // waits at __syncthreads
   bool at_warp = false;     // waits at a warp-level operation
+  unsigned barriers = 0;    // the __syncthreads it passed in this block (its own)
 };
 
 // A warp's exchange slots, double-buffered by parity (WarpExchange).
 struct WarpSlots {
   unsigned char slot[2][32][kWarpSlotBytes];
-  int parity = 0;
-  size_t bytes = 0;  // what the lanes waiting now put
+  int parity = 0;    // Relaxed and SetRelaxed only
+  size_t bytes = 0;  // what the lanes waiting now put; Relaxed and SetRelaxed only
 };
 
 // The host thread's block scheduler.
@@ -185,13 +212,29 @@ struct Scheduler {
   std::vector<WarpSlots> warps;
   const std::function<void()>* body = nullptr;
   unsigned char* dynamic_shared = nullptr;  // the grid's dynamic shared memory
-  int running = -1;    // the fiber running now, or -1
+  int running = -1;     // the fiber running now, or -1; Relaxed and SetRelaxed only
   bool direct = false;  // threads run as plain calls: a barrier is divergence
   size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  // Under TSan: the host thread's own TSan context, and what orders a
+  // block's threads (__syncthreads by its parity, as the warps' slots; the
+  // block's end for the scheduler).
+  void* tsan_main = nullptr;
+  char barrier_sync[2] = {};
+  char block_end = 0;
+
+  Scheduler() {
+    fibers.reserve(1024);  // a block's most threads: a suspended fiber's Fiber never moves
+#ifdef COLOD_CUDA_EMU_TSAN
+    tsan_main = __tsan_get_current_fiber();
+#endif
+  }
 
   ~Scheduler() {
     for (Fiber& f : fibers) {
       if (f.stack != nullptr) munmap(f.stack, kStackBytes + page);
+#ifdef COLOD_CUDA_EMU_TSAN
+      if (f.tsan != nullptr) __tsan_destroy_fiber(f.tsan);
+#endif
     }
   }
 
@@ -202,6 +245,9 @@ struct Scheduler {
                      -1, 0);
       if (f.stack == MAP_FAILED) Fatal("cannot map a fiber stack");
       mprotect(f.stack, page, PROT_NONE);  // overflow faults instead of corrupting
+#ifdef COLOD_CUDA_EMU_TSAN
+      f.tsan = __tsan_create_fiber(0);
+#endif
       fibers.push_back(f);
     }
   }
@@ -211,9 +257,10 @@ struct Scheduler {
   // Prepares fiber i to run the kernel body from its start.
   void Start(int i) {
     Fiber& f = fibers[i];
-    f.done = false;
-    f.at_barrier = false;
-    f.at_warp = false;
+    SetRelaxed(f.done, false);
+    SetRelaxed(f.at_barrier, false);
+    SetRelaxed(f.at_warp, false);
+    f.barriers = 0;
 #ifdef COLOD_EMU_ASM_SWITCH
     // The frame colod_emu_switch pops: MXCSR and x87 control word, r15, r14,
     // r13, r12, rbx, rbp, then the return address (Entry), above which a
@@ -241,18 +288,24 @@ struct Scheduler {
 
   // Runs fiber i until it reaches a barrier or ends.
   void Resume(int i) {
-    running = i;
-    current_thread = &contexts[i];
+    SetRelaxed(running, i);
+    SetCurrentThread(&contexts[i]);
+#ifdef COLOD_CUDA_EMU_TSAN
+    __tsan_switch_to_fiber(fibers[i].tsan, 0);  // passes on the scheduler's history only
+#endif
 #ifdef COLOD_EMU_ASM_SWITCH
     colod_emu_switch(&main_sp, fibers[i].sp);
 #else
     swapcontext(&main, &fibers[i].context);
 #endif
-    running = -1;
+    SetRelaxed(running, -1);
   }
 
   // From fiber i back to the scheduler.
   void Yield(int i) {
+#ifdef COLOD_CUDA_EMU_TSAN
+    __tsan_switch_to_fiber(tsan_main, __tsan_switch_to_fiber_no_sync);
+#endif
 #ifdef COLOD_EMU_ASM_SWITCH
     colod_emu_switch(&fibers[i].sp, main_sp);
 #else
@@ -268,16 +321,16 @@ struct Scheduler {
     for (;;) {
       int at_warp = 0, done = 0, at_barrier = 0;
       for (int i = first; i < end; ++i) {
-        at_warp += fibers[i].at_warp;
-        done += fibers[i].done;
-        at_barrier += fibers[i].at_barrier;
+        at_warp += Relaxed(fibers[i].at_warp);
+        done += Relaxed(fibers[i].done);
+        at_barrier += Relaxed(fibers[i].at_barrier);
       }
       if (at_warp == 0) return;
       if (at_warp != end - first) Fatal(WarpDivergence(w, at_warp, done, at_barrier, block_idx));
-      warps[w].parity ^= 1;
-      warps[w].bytes = 0;
+      SetRelaxed(warps[w].parity, Relaxed(warps[w].parity) ^ 1);
+      SetRelaxed(warps[w].bytes, size_t{0});
       for (int i = first; i < end; ++i) {
-        fibers[i].at_warp = false;
+        SetRelaxed(fibers[i].at_warp, false);
         Resume(i);
       }
     }
@@ -293,11 +346,12 @@ struct Scheduler {
     }
     const int nwarps = (n + 31) / 32;
     if (static_cast<int>(warps.size()) < nwarps) warps.resize(nwarps);
-    for (int w = 0; w < nwarps; ++w) warps[w].bytes = 0;
+    for (int w = 0; w < nwarps; ++w) SetRelaxed(warps[w].bytes, size_t{0});
     EnsureFibers(1);
     Start(0);
     Resume(0);
-    if (fibers[0].done) {
+    // Under TSan every thread gets a fiber, so that each is a thread of its own to it.
+    if (Relaxed(fibers[0].done) && !kTsan) {
       // No barrier on thread 0's path: none on any thread's.
       direct = true;
       for (int i = 1; i < n; ++i) {
@@ -324,7 +378,7 @@ struct Scheduler {
     }
     for (int round = 1;; ++round) {
       int done = 0, waiting = 0;
-      for (int i = 0; i < n; ++i) (fibers[i].done ? done : waiting) += 1;
+      for (int i = 0; i < n; ++i) (Relaxed(fibers[i].done) ? done : waiting) += 1;
       if (waiting == 0) break;
       if (done > 0) {
         Fatal("__syncthreads reached by " + std::to_string(waiting) + " of the block's " + std::to_string(n) +
@@ -338,13 +392,14 @@ struct Scheduler {
       for (int k = 0; k < nwarps; ++k) {
         const int w = round % 2 == 1 ? nwarps - 1 - k : k;
         for (int i = 32 * w; i < 32 * w + 32 && i < n; ++i) {
-          fibers[i].at_barrier = false;
+          SetRelaxed(fibers[i].at_barrier, false);
           Resume(i);
         }
         RunWarp(w, n, block_idx);
       }
     }
-    current_thread = nullptr;
+    TsanAcquire(&block_end);  // what every thread of the block did
+    SetCurrentThread(nullptr);
   }
 };
 
@@ -353,259 +408,68 @@ thread_local Scheduler scheduler;
 void Scheduler::Entry() {
   Scheduler& s = scheduler;
   (*s.body)();
-  const int i = s.running;
-  s.fibers[i].done = true;
+  const int i = Relaxed(s.running);
+  SetRelaxed(s.fibers[i].done, true);
+  TsanRelease(&s.block_end);  // after its last write here: the scheduler may free the fibers after the block
 #ifdef COLOD_EMU_ASM_SWITCH
   s.Yield(i);  // never resumed
   Fatal("a finished fiber was resumed");
+#else
+#ifdef COLOD_CUDA_EMU_TSAN
+  __tsan_switch_to_fiber(s.tsan_main, __tsan_switch_to_fiber_no_sync);
 #endif
   // ucontext: uc_link returns to `main`.
+#endif
 }
 
 }  // namespace
 
 void SyncThreads() {
   Scheduler& s = scheduler;
-  if (current_thread == nullptr) Fatal("__syncthreads called outside a kernel");
+  if (CurrentThread() == nullptr) Fatal("__syncthreads called outside a kernel");
   if (s.direct) {
     Fatal("__syncthreads reached by a thread although thread 0 of its block returned without one: a divergent "
           "barrier, which hangs or corrupts a GPU");
   }
-  const int i = s.running;
-  s.fibers[i].at_barrier = true;
-  s.Yield(i);
-  current_thread = &s.contexts[i];
+  const int i = Relaxed(s.running);
+  // By the barrier's parity: a thread resumed before another arrives at the
+  // next barrier, so the next one's releases must not reach this one's
+  // acquires.
+  char* sync = &s.barrier_sync[s.fibers[i].barriers++ % 2];
+  TsanRelease(sync);
+  SetRelaxed(s.fibers[i].at_barrier, true);
+  s.Yield(i);  // the scheduler sets current_thread again when it resumes this fiber
+  TsanAcquire(sync);
 }
 
 void WarpExchange(const void* mine, size_t bytes, unsigned mask, void* all) {
   Scheduler& s = scheduler;
-  if (current_thread == nullptr) Fatal("a warp-level operation called outside a kernel");
-  const ThreadContext& t = *current_thread;
+  if (CurrentThread() == nullptr) Fatal("a warp-level operation called outside a kernel");
+  const ThreadContext& t = *CurrentThread();
   const int n = static_cast<int>(t.block_dim.x * t.block_dim.y * t.block_dim.z);
   if (s.direct) {
     Fatal("a warp-level operation (__shfl_sync, __ballot_sync, __syncwarp, mma.sync, ldmatrix) reached by a "
           "thread although thread 0 of its block returned without one: a divergent warp if they share one; "
           "otherwise thread 0 must reach one for the emulation to run the block's threads as fibers");
   }
-  const int i = s.running;
+  const int i = Relaxed(s.running);
   const int w = i / 32, lane = i % 32;
   CheckWarpArguments(bytes, mask, n - 32 * w < 32 ? n - 32 * w : 32);
   WarpSlots& slots = s.warps[w];
-  if (slots.bytes != 0 && slots.bytes != bytes) {
+  const size_t waiting = Relaxed(slots.bytes);
+  if (waiting != 0 && waiting != bytes) {
     Fatal("lanes of warp " + std::to_string(w) + " wait at different warp-level operations (" +
-          std::to_string(slots.bytes) + " and " + std::to_string(bytes) + " bytes)");
+          std::to_string(waiting) + " and " + std::to_string(bytes) + " bytes)");
   }
-  slots.bytes = bytes;
-  const int parity = slots.parity;
+  SetRelaxed(slots.bytes, bytes);
+  const int parity = Relaxed(slots.parity);
   memcpy(slots.slot[parity][lane], mine, bytes);
-  s.fibers[i].at_warp = true;
-  s.Yield(i);
-  current_thread = &s.contexts[i];
+  TsanRelease(&slots.slot[parity]);
+  SetRelaxed(s.fibers[i].at_warp, true);
+  s.Yield(i);  // the scheduler sets current_thread again when it resumes this fiber
+  TsanAcquire(&slots.slot[parity]);
   CopyLanes(slots.slot[parity], n - 32 * w < 32 ? n - 32 * w : 32, bytes, all);
 }
-
-#endif  // !COLOD_CUDA_EMU_THREADS
-
-#ifdef COLOD_CUDA_EMU_THREADS
-thread_local const ThreadContext* current_thread = nullptr;
-
-namespace {
-
-std::string Divergence(int waiting, int returned, int n, uint3 b) {
-  return "__syncthreads reached by " + std::to_string(waiting) + " of the block's " + std::to_string(n) +
-         " threads while " + std::to_string(returned) +
-         " had returned: a divergent barrier, which hangs or corrupts a GPU (block " + std::to_string(b.x) + "," +
-         std::to_string(b.y) + "," + std::to_string(b.z) + ")";
-}
-
-// The pool of host threads that play a block's CUDA threads, one grid at a
-// time. Thread-safe; lives for the process (its workers never exit).
-class BlockThreads {
- public:
-  static BlockThreads& Get() {
-    static BlockThreads* pool = new BlockThreads;  // never destroyed: workers outlive main
-    return *pool;
-  }
-
-  // Runs `body` as every thread of every block of the grid; returns when all
-  // have returned.
-  void Run(dim3 grid, dim3 block, unsigned char* dynamic_shared, const std::function<void()>& body) {
-    std::lock_guard<std::mutex> one_grid(grid_mu_);
-    const int n = static_cast<int>(block.x * block.y * block.z);
-    std::unique_lock<std::mutex> lock(mu_);
-    while (static_cast<int>(workers_.size()) < n) {
-      const int t = static_cast<int>(workers_.size());
-      workers_.emplace_back([this, t] { Work(t); });
-    }
-    body_ = &body;
-    dynamic_shared_ = dynamic_shared;
-    grid_ = grid;
-    block_ = block;
-    n_ = n;
-    state_.assign(n, kRunning);
-    warps_.resize((n + 31) / 32);
-    for (Warp& w : warps_) w.arrived = 0;
-    blocks_ = uint64_t{grid.x} * grid.y * grid.z;
-    block_index_ = 0;
-    arrived_ = returned_ = 0;
-    ++grid_generation_;
-    cv_.notify_all();
-    cv_.wait(lock, [&] { return done_generation_ == grid_generation_; });
-    body_ = nullptr;
-  }
-
-  // __syncthreads from a CUDA thread of the running block.
-  void Barrier() {
-    const int t = Linear(*current_thread);
-    std::unique_lock<std::mutex> lock(mu_);
-    if (returned_ > 0) Fatal(Divergence(arrived_ + 1, returned_, n_, current_thread->block_idx));
-    CheckWarpUndivided(t, kAtBarrier, current_thread->block_idx);
-    if (++arrived_ == n_) {
-      arrived_ = 0;
-      ++phase_;
-      for (State& st : state_) st = kRunning;
-      cv_.notify_all();
-      return;
-    }
-    state_[t] = kAtBarrier;
-    const uint64_t phase = phase_;
-    cv_.wait(lock, [&] { return phase_ != phase; });
-  }
-
-  // A warp-level operation from a CUDA thread of the running block.
-  void Exchange(const void* mine, size_t bytes, unsigned mask, void* all) {
-    const int t = Linear(*current_thread);
-    const int w = t / 32, lane = t % 32;
-    std::unique_lock<std::mutex> lock(mu_);
-    const int lanes = n_ - 32 * w < 32 ? n_ - 32 * w : 32;
-    CheckWarpArguments(bytes, mask, lanes);
-    CheckWarpUndivided(t, kAtWarp, current_thread->block_idx);
-    Warp& warp = warps_[w];
-    if (warp.arrived > 0 && warp.bytes != bytes) {
-      Fatal("lanes of warp " + std::to_string(w) + " wait at different warp-level operations (" +
-            std::to_string(warp.bytes) + " and " + std::to_string(bytes) + " bytes)");
-    }
-    warp.bytes = bytes;
-    const int parity = warp.parity;
-    memcpy(warp.slot[parity][lane], mine, bytes);
-    if (++warp.arrived == lanes) {
-      warp.arrived = 0;
-      warp.parity ^= 1;
-      ++warp.phase;
-      for (int i = 32 * w; i < 32 * w + lanes; ++i) state_[i] = kRunning;
-      cv_.notify_all();
-    } else {
-      state_[t] = kAtWarp;
-      const uint64_t phase = warp.phase;
-      cv_.wait(lock, [&] { return warp.phase != phase; });
-    }
-    CopyLanes(warp.slot[parity], lanes, bytes, all);
-  }
-
- private:
-  void Work(int t) {
-    ThreadContext context{};
-    uint64_t seen = 0;
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      cv_.wait(lock, [&] { return grid_generation_ != seen && t < n_ && done_generation_ != grid_generation_; });
-      seen = grid_generation_;
-      const dim3 grid = grid_, block = block_;
-      // A thread still waking from the last block end of this grid when the
-      // next grid starts must not take that grid's blocks here: it rejoins
-      // through the wait above, with the new grid's shape.
-      for (uint64_t b = block_index_; grid_generation_ == seen && b < blocks_; b = block_index_) {
-        const unsigned x = static_cast<unsigned>(b % grid.x), y = static_cast<unsigned>((b / grid.x) % grid.y),
-                       z = static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y));
-        const unsigned u = static_cast<unsigned>(t);
-        context = ThreadContext{uint3{u % block.x, (u / block.x) % block.y, u / (block.x * block.y)},
-                                uint3{x, y, z}, block, grid, dynamic_shared_};
-        const std::function<void()>* body = body_;
-        lock.unlock();
-        current_thread = &context;
-        (*body)();
-        current_thread = nullptr;
-        lock.lock();
-        // This thread has returned from block b.
-        if (arrived_ > 0) Fatal(Divergence(arrived_, returned_ + 1, n_, context.block_idx));
-        CheckWarpUndivided(t, kReturned, context.block_idx);
-        state_[t] = kReturned;
-        if (++returned_ == n_) {
-          returned_ = 0;
-          for (State& st : state_) st = kRunning;
-          ++block_index_;
-          ++phase_;
-          if (block_index_ == blocks_) done_generation_ = grid_generation_;
-          cv_.notify_all();
-        } else {
-          const uint64_t phase = phase_;
-          cv_.wait(lock, [&] { return phase_ != phase; });
-        }
-      }
-    }
-  }
-
-  enum State { kRunning, kAtBarrier, kAtWarp, kReturned };
-
-  // A warp's exchange slots, double-buffered by parity, and its barrier.
-  struct Warp {
-    unsigned char slot[2][32][kWarpSlotBytes];
-    int parity = 0;
-    int arrived = 0;
-    size_t bytes = 0;
-    uint64_t phase = 0;
-  };
-
-  static int Linear(const ThreadContext& c) {
-    return static_cast<int>(c.thread_idx.x + c.block_dim.x * (c.thread_idx.y + c.block_dim.y * c.thread_idx.z));
-  }
-
-  // Thread t enters `next` (the block barrier, a warp-level operation, or its
-  // return): reports a lane of its warp already in a different one of them
-  // where one of the two is a warp-level operation (a hang on a GPU).
-  void CheckWarpUndivided(int t, State next, uint3 block) {
-    const int first = t / 32 * 32, end = first + 32 < n_ ? first + 32 : n_;
-    int at_warp = next == kAtWarp, returned = next == kReturned, at_barrier = next == kAtBarrier;
-    bool divided = false;
-    for (int i = first; i < end; ++i) {
-      if (i == t || state_[i] == kRunning) continue;
-      at_warp += state_[i] == kAtWarp;
-      returned += state_[i] == kReturned;
-      at_barrier += state_[i] == kAtBarrier;
-      divided = divided || (state_[i] != next && (state_[i] == kAtWarp || next == kAtWarp));
-    }
-    if (divided) Fatal(WarpDivergence(t / 32, at_warp, returned, at_barrier, block));
-  }
-
-  std::mutex grid_mu_;  // one grid at a time: __shared__ is process-wide static storage
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::thread> workers_;           // guarded by mu_
-  const std::function<void()>* body_ = nullptr;  // guarded by mu_, set while a grid runs
-  unsigned char* dynamic_shared_ = nullptr;      // guarded by mu_, the running grid's
-  dim3 grid_, block_;                          // guarded by mu_
-  int n_ = 0;                                  // threads per block; guarded by mu_
-  uint64_t blocks_ = 0, block_index_ = 0;      // guarded by mu_
-  int arrived_ = 0;                            // at the barrier now; guarded by mu_
-  int returned_ = 0;                           // returned from the block; guarded by mu_
-  uint64_t phase_ = 0;                         // barrier and block-end generations; guarded by mu_
-  uint64_t grid_generation_ = 0, done_generation_ = 0;  // guarded by mu_
-  std::vector<State> state_;                   // each thread of the block; guarded by mu_
-  std::vector<Warp> warps_;                    // guarded by mu_
-};
-
-}  // namespace
-
-void SyncThreads() {
-  if (current_thread == nullptr) Fatal("__syncthreads called outside a kernel");
-  BlockThreads::Get().Barrier();
-}
-
-void WarpExchange(const void* mine, size_t bytes, unsigned mask, void* all) {
-  if (current_thread == nullptr) Fatal("a warp-level operation called outside a kernel");
-  BlockThreads::Get().Exchange(mine, bytes, mask, all);
-}
-#endif  // COLOD_CUDA_EMU_THREADS
 
 namespace {
 
@@ -660,9 +524,6 @@ cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t 
     std::vector<Pack16> dynamic((shared_bytes + 15) / 16);
     if (!dynamic.empty()) memset(dynamic.data(), 0xff, dynamic.size() * sizeof(Pack16));
     unsigned char* shared = dynamic.empty() ? nullptr : reinterpret_cast<unsigned char*>(dynamic.data());
-#ifdef COLOD_CUDA_EMU_THREADS
-    BlockThreads::Get().Run(grid, block, shared, thread);
-#else
     Scheduler& sched = scheduler;
     sched.body = &thread;
     sched.dynamic_shared = shared;
@@ -673,7 +534,6 @@ cudaError_t LaunchGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t 
     }
     sched.body = nullptr;
     sched.dynamic_shared = nullptr;
-#endif
   });
   return cudaSuccess;
 }

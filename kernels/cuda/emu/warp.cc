@@ -89,7 +89,7 @@ void LdMatrix(int matrices, bool trans, unsigned* r, const void* row) {
 }
 
 void CpAsync(void* dst, const void* src, int bytes, int src_bytes) {
-  if (current_thread == nullptr) Fatal("cp.async called outside a kernel");
+  if (CurrentThread() == nullptr) Fatal("cp.async called outside a kernel");
   if (bytes != 4 && bytes != 8 && bytes != 16) Fatal("cp.async of " + std::to_string(bytes) + " bytes");
   if (src_bytes < 0 || src_bytes > bytes) {
     Fatal("cp.async reading " + std::to_string(src_bytes) + " of " + std::to_string(bytes) + " bytes");
@@ -101,20 +101,20 @@ void CpAsync(void* dst, const void* src, int bytes, int src_bytes) {
   // copy's for sure: NaN bytes there make a read before the wait, or a copy
   // over a tile another warp still reads, show in the results.
   memset(dst, 0xff, static_cast<size_t>(bytes));
-  current_thread->async_open.push_back(AsyncCopy{dst, src, bytes, src_bytes});
+  CurrentThread()->async_open.push_back(AsyncCopy{dst, src, bytes, src_bytes});
   CountAsyncCopy();
 }
 
 void CpAsyncCommit() {
-  if (current_thread == nullptr) Fatal("cp.async.commit_group called outside a kernel");
-  current_thread->async_groups.push_back(std::move(current_thread->async_open));
-  current_thread->async_open.clear();
+  if (CurrentThread() == nullptr) Fatal("cp.async.commit_group called outside a kernel");
+  CurrentThread()->async_groups.push_back(std::move(CurrentThread()->async_open));
+  CurrentThread()->async_open.clear();
 }
 
 void CpAsyncWait(int groups) {
-  if (current_thread == nullptr) Fatal("cp.async.wait_group called outside a kernel");
+  if (CurrentThread() == nullptr) Fatal("cp.async.wait_group called outside a kernel");
   if (groups < 0) Fatal("cp.async.wait_group " + std::to_string(groups));
-  std::vector<std::vector<AsyncCopy>>& pending = current_thread->async_groups;
+  std::vector<std::vector<AsyncCopy>>& pending = CurrentThread()->async_groups;
   if (pending.size() <= static_cast<size_t>(groups)) return;
   const size_t land = pending.size() - static_cast<size_t>(groups);
   for (size_t g = 0; g < land; ++g) {

@@ -6,8 +6,8 @@
 // What it models:
 //   - the execution model: kernels launched through colod's launch helper
 //     (kernels/cuda/launch.h) run every thread of every block; a block's
-//     threads are fibers on one host thread (or, in the thread mode of
-//     --config=cuda-emu-tsan, host threads that ThreadSanitizer watches), so
+//     threads are fibers on one host thread (under --config=cuda-emu-tsan
+//     each a thread of its own to ThreadSanitizer), so
 //     `__syncthreads` is a real barrier and `__shared__` storage is shared by
 //     a block's threads only;
 //   - streams and events: each stream is a host thread executing its work in
@@ -45,15 +45,16 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#ifdef COLOD_CUDA_EMU_THREADS
-// The thread mode (--config=cuda-emu-tsan): a block's threads are host
-// threads, and one block runs at a time in the process, so plain static
-// storage is the block's.
-#define __shared__ static
-#else
+// ThreadSanitizer's build (gcc's __SANITIZE_THREAD__, clang's feature).
+#if defined(__SANITIZE_THREAD__)
+#define COLOD_CUDA_EMU_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define COLOD_CUDA_EMU_TSAN 1
+#endif
+#endif
 // Per block: a block's threads run on one host thread, one block at a time.
 #define __shared__ static thread_local
-#endif
 
 struct uint3 {
   unsigned x, y, z;
@@ -213,7 +214,21 @@ struct ThreadContext {
 };
 
 // The CUDA thread the calling host code runs as (set while a kernel runs).
+// Read it through CurrentThread().
 extern thread_local const ThreadContext* current_thread;
+
+// current_thread. Under ThreadSanitizer a relaxed atomic load: the fiber
+// mode's scheduler sets it for each fiber it resumes, and TSan sees each
+// fiber as a thread of its own (execution.cc), so a plain read would be a
+// race with the scheduler's next write; a relaxed one is neither reported
+// nor orders anything.
+inline const ThreadContext* CurrentThread() {
+#ifdef COLOD_CUDA_EMU_TSAN
+  return __atomic_load_n(&current_thread, __ATOMIC_RELAXED);
+#else
+  return current_thread;
+#endif
+}
 
 // __syncthreads: every thread of the block waits here until all have arrived.
 void SyncThreads();
@@ -242,14 +257,14 @@ cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shar
 // nvcc): the launch's shared_bytes, 16-byte aligned, filled with 0xff bytes
 // (NaN as f32, bf16 and f16) when the grid starts, since a GPU leaves it
 // uninitialized.
-inline unsigned char* DynamicShared() { return current_thread->dynamic_shared; }
+inline unsigned char* DynamicShared() { return CurrentThread()->dynamic_shared; }
 
 }  // namespace colod_cuda_emu
 
-#define threadIdx (::colod_cuda_emu::current_thread->thread_idx)
-#define blockIdx (::colod_cuda_emu::current_thread->block_idx)
-#define blockDim (::colod_cuda_emu::current_thread->block_dim)
-#define gridDim (::colod_cuda_emu::current_thread->grid_dim)
+#define threadIdx (::colod_cuda_emu::CurrentThread()->thread_idx)
+#define blockIdx (::colod_cuda_emu::CurrentThread()->block_idx)
+#define blockDim (::colod_cuda_emu::CurrentThread()->block_dim)
+#define gridDim (::colod_cuda_emu::CurrentThread()->grid_dim)
 
 inline void __syncthreads() { ::colod_cuda_emu::SyncThreads(); }
 
@@ -344,7 +359,7 @@ void WarpExchange(const void* mine, size_t bytes, unsigned mask, void* all);
 
 // The calling thread's lane: its linear index in the block, modulo 32.
 inline int LaneId() {
-  const ThreadContext& c = *current_thread;
+  const ThreadContext& c = *CurrentThread();
   return static_cast<int>((c.thread_idx.x + c.block_dim.x * (c.thread_idx.y + c.block_dim.y * c.thread_idx.z)) %
                           32);
 }
