@@ -66,7 +66,13 @@ def _cxx_headers(rctx, root):
     host compiler's -M), or None where that fails: then the whole tree."""
     cc = rctx.os.environ.get("CC") or "gcc"
     rctx.file("cxx_includes_probe.cc", "".join(["#include <%s>\n" % h for h in _CXX_INCLUDES]))
-    result = rctx.execute([cc, "-M", "-x", "c++", "-std=c++17", "-isystem", root + "/include", "cxx_includes_probe.cc"])
+    probe = [cc, "-M", "-x", "c++", "-std=c++17", "-isystem", root + "/include", "cxx_includes_probe.cc"]
+
+    # The paths as included, not shortened to their real ones (gcc's default
+    # for system headers), as Bazel's own compiles do; clang has no such flag.
+    result = rctx.execute(probe[:1] + ["-fno-canonical-system-headers"] + probe[1:])
+    if result.return_code != 0:
+        result = rctx.execute(probe)
     rctx.delete("cxx_includes_probe.cc")
     if result.return_code != 0:
         print("colod: listing the CUDA headers with %s -M failed (%s); every toolkit header is an input of the CUDA targets' dependents" % (cc, result.stderr.strip()[:300]))
@@ -81,6 +87,7 @@ def _cxx_headers(rctx, root):
             headers[path[len(prefix) + 1:]] = True
     for h in _CXX_INCLUDES:
         if h not in headers:
+            print("colod: %s is not under %s/include; every toolkit header is an input of the CUDA targets' dependents" % (h, root))
             return None
     return sorted(headers.keys())
 
@@ -125,7 +132,9 @@ def _cuda_configure_impl(rctx):
                 sonames[name] = so
 
     enabled = not missing
-    caps, gencode = _gencode(rctx.os.environ.get("COLOD_CUDA_ARCHS") or _DEFAULT_ARCHS)
+    caps, gencode = [], []
+    if enabled:  # a CPU-only build ignores COLOD_CUDA_ARCHS
+        caps, gencode = _gencode(rctx.os.environ.get("COLOD_CUDA_ARCHS") or _DEFAULT_ARCHS)
     build = ['package(default_visibility = ["//visibility:public"])', ""]
     linkopts = {}
     if enabled:

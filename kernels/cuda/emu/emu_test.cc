@@ -48,12 +48,13 @@ __global__ void Rotate(int* out) {
   out[blockIdx.x * blockDim.x + t] = s[(t + 1) % blockDim.x] + static_cast<int>(blockIdx.x);
 }
 
-// Rotate without its barrier: thread t reads the slot thread t + 1 writes.
+// Rotate without its barrier: thread t reads the slot thread t + 1 writes
+// (the last thread reads none, so only threads run one after the other race).
 [[maybe_unused]] __global__ void RotateWithoutBarrier(int* out) {
-  __shared__ int s[128];
+  __shared__ int s[1024];
   const int t = threadIdx.x;
   s[t] = t * t;
-  out[t] = s[(t + 1) % blockDim.x];
+  out[t] = t + 1 < static_cast<int>(blockDim.x) ? s[t + 1] : 0;
 }
 
 // After a first barrier each warp writes its half again and reads the other
@@ -252,16 +253,21 @@ TEST(CudaEmuKernels, WarpsRunApartUntilABlockBarrier) {
 // own to ThreadSanitizer, ordered by barriers only, so the dropped
 // __syncthreads is a data race it reports (the configuration sets
 // halt_on_error).
+// In blocks of 256 and 1,024 threads too: more fibers than the stream's
+// host thread and the test's together, each still a thread of its own.
 TEST(CudaEmuKernelsDeathTest, AMissingBarrierIsADataRaceUnderThreadSanitizer) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_DEATH(
-      {
-        int* d = nullptr;
-        cudaMalloc(reinterpret_cast<void**>(&d), 128 * sizeof(int));
-        for (int i = 0; i < 20; ++i) Launch(RotateWithoutBarrier, dim3(1), dim3(128), 0, cudaStreamPerThread, d);
-        cudaStreamSynchronize(cudaStreamPerThread);
-      },
-      "ThreadSanitizer: data race");
+  for (const unsigned threads : {128u, 256u, 1024u}) {
+    SCOPED_TRACE(threads);
+    EXPECT_DEATH(
+        {
+          int* d = nullptr;
+          cudaMalloc(reinterpret_cast<void**>(&d), threads * sizeof(int));
+          Launch(RotateWithoutBarrier, dim3(1), dim3(threads), 0, cudaStreamPerThread, d);
+          cudaStreamSynchronize(cudaStreamPerThread);
+        },
+        "ThreadSanitizer: data race");
+  }
 }
 
 // Each barrier's happens-before edges are its own (execution.cc's barrier

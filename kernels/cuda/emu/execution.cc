@@ -142,20 +142,25 @@ namespace {
 constexpr size_t kStackBytes = 256 << 10;
 
 // Under ThreadSanitizer (--config=cuda-emu-tsan) every fiber is a thread of
-// its own to TSan (its fiber API), and nothing but what orders a block's
-// threads on a GPU orders them here: a __syncthreads, a warp-level operation
-// among its warp's lanes, the end of the block before the next one. A
-// fiber's switch back to the scheduler orders nothing
-// (__tsan_switch_to_fiber_no_sync), and the scheduler's switch to a fiber
-// passes on only the scheduler's own history, which holds no fiber's of the
-// running block: it takes the fibers' histories at the block's end only
-// (block_end). So two threads' accesses with no barrier between them are a
-// race TSan reports, whatever order the scheduler ran them in. The
-// scheduler's bookkeeping that fibers write and it reads, or the reverse
-// (the fiber states, running, the warps' parity and byte count,
-// current_thread), is accessed with relaxed atomics (Relaxed, SetRelaxed):
-// never reported, and ordering nothing. Without TSan these are plain
-// accesses and TsanRelease and TsanAcquire do nothing.
+// its own to TSan (its fiber API), ordered only by a __syncthreads among the
+// block's threads, a warp-level operation among its warp's lanes, and the
+// end of a block before the next one. A fiber's switch back to the
+// scheduler orders nothing (__tsan_switch_to_fiber_no_sync), and the
+// scheduler's switch to a fiber passes on only the scheduler's own history,
+// which holds no fiber's of the running block: it takes the fibers'
+// histories at the block's end only (block_end). So two threads' accesses
+// with no barrier between them are a race TSan reports, whatever order the
+// scheduler ran them in. Two orderings are stronger than a GPU's, so what
+// only they order is not reported: every warp-level operation orders its
+// lanes' memory (on a GPU __syncwarp does, a shuffle orders only the values
+// it moves), and a grid's blocks, which run one after another here, are
+// ordered (on a GPU they are not: two blocks writing one place without
+// atomics is a race TSan does not see here). The scheduler's bookkeeping
+// that fibers write and it reads, or the reverse (the fiber states,
+// running, the warps' parity and byte count, current_thread), is accessed
+// with relaxed atomics (Relaxed, SetRelaxed): never reported, and ordering
+// nothing. Without TSan those compile to plain loads and stores, and
+// TsanRelease and TsanAcquire do nothing.
 #ifdef COLOD_CUDA_EMU_TSAN
 constexpr bool kTsan = true;
 void TsanRelease(void* sync) { __tsan_release(sync); }
@@ -191,6 +196,7 @@ struct Fiber {
   bool at_barrier = false;  // waits at __syncthreads
   bool at_warp = false;     // waits at a warp-level operation
   unsigned barriers = 0;    // the __syncthreads it passed in this block (its own)
+  bool started = false;     // has its Entry frame: after a block it waits in Entry's loop
 };
 
 // A warp's exchange slots, double-buffered by parity (WarpExchange).
@@ -254,13 +260,20 @@ struct Scheduler {
 
   static void Entry();
 
-  // Prepares fiber i to run the kernel body from its start.
+  // Prepares fiber i to run the kernel body from its start: a new fiber gets
+  // a frame that enters Entry; one that ran a block before waits at the end
+  // of Entry's loop, which runs the body again when resumed. (A fiber never
+  // leaves Entry: ThreadSanitizer's shadow call stack of each fiber stays
+  // balanced, where a frame rebuilt for every block left Entry's entries on
+  // it, about 2 a block.)
   void Start(int i) {
     Fiber& f = fibers[i];
     SetRelaxed(f.done, false);
     SetRelaxed(f.at_barrier, false);
     SetRelaxed(f.at_warp, false);
     f.barriers = 0;
+    if (f.started) return;
+    f.started = true;
 #ifdef COLOD_EMU_ASM_SWITCH
     // The frame colod_emu_switch pops: MXCSR and x87 control word, r15, r14,
     // r13, r12, rbx, rbp, then the return address (Entry), above which a
@@ -281,7 +294,7 @@ struct Scheduler {
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = static_cast<char*>(f.stack) + page;
     f.context.uc_stack.ss_size = kStackBytes;
-    f.context.uc_link = &main;
+    f.context.uc_link = nullptr;  // Entry never returns
     makecontext(&f.context, &Scheduler::Entry, 0);
 #endif
   }
@@ -405,21 +418,18 @@ struct Scheduler {
 
 thread_local Scheduler scheduler;
 
+// A fiber's life: the body as one CUDA thread of a block, then, resumed by
+// a later block's Start, as that block's thread (i is read again: the
+// fiber plays the same index, but `running` is the scheduler's).
 void Scheduler::Entry() {
   Scheduler& s = scheduler;
-  (*s.body)();
-  const int i = Relaxed(s.running);
-  SetRelaxed(s.fibers[i].done, true);
-  TsanRelease(&s.block_end);  // after its last write here: the scheduler may free the fibers after the block
-#ifdef COLOD_EMU_ASM_SWITCH
-  s.Yield(i);  // never resumed
-  Fatal("a finished fiber was resumed");
-#else
-#ifdef COLOD_CUDA_EMU_TSAN
-  __tsan_switch_to_fiber(s.tsan_main, __tsan_switch_to_fiber_no_sync);
-#endif
-  // ucontext: uc_link returns to `main`.
-#endif
+  for (;;) {
+    (*s.body)();
+    const int i = Relaxed(s.running);
+    SetRelaxed(s.fibers[i].done, true);
+    TsanRelease(&s.block_end);  // after its last write here: the scheduler may free the fibers after the block
+    s.Yield(i);
+  }
 }
 
 }  // namespace
