@@ -2,7 +2,12 @@
 #ifndef COLOD_COMMON_GRPC_STATUS_H_
 #define COLOD_COMMON_GRPC_STATUS_H_
 
+#include <optional>
+
 #include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/server_context.h"
 #include "grpcpp/support/status.h"
 
 namespace colod {
@@ -10,6 +15,19 @@ namespace colod {
 // Maps the canonical code one to one and keeps the message.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// A refusal for want of room now (RESOURCE_EXHAUSTED: a bound of concurrent
+// calls reached) that asking again later mends says so in its trailing
+// metadata, `colod-retry-after-ms: N`, the wait the server suggests: a
+// client tells it from a final refusal (a quota spent) by this, never by
+// the message's text.
+inline constexpr char kRetryAfterMetadata[] = "colod-retry-after-ms";
+// Marks the call's refusal as one to ask again after `wait` (at least 1 ms).
+void SetRetryAfter(grpc::ServerContext& ctx, absl::Duration wait);
+// The wait a finished call's refusal suggests (SetRetryAfter), or nullopt
+// where the server marked none (or sent one that does not parse). Only
+// after the call has finished (Finish, or a unary call's return).
+std::optional<absl::Duration> RetryAfter(const grpc::ClientContext& ctx);
 
 }  // namespace colod
 

@@ -22,6 +22,9 @@ namespace {
 // ListJobs pages.
 constexpr int kDefaultJobsPage = 100;
 constexpr int kMaxJobsPage = 1000;
+// The wait a DownloadModel refused at --max-concurrent-downloads suggests
+// (SetRetryAfter): a download takes seconds at least.
+constexpr absl::Duration kDownloadRetryAfter = absl::Seconds(1);
 
 absl::Status RequireId(absl::string_view field, absl::string_view value) {
   if (value.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));
@@ -265,7 +268,11 @@ grpc::Status CoordinatorServiceImpl::DownloadModel(grpc::ServerContext* ctx, con
     if (uploads_ == nullptr) return absl::UnimplementedError("this coordinator stores no uploads");
     // Holds one of --max-concurrent-downloads, and keeps the upload from
     // being collected, until the stream ends.
-    ASSIGN_OR_RETURN(const std::unique_ptr<UploadStore::Reading> reading, uploads_->BeginReading(req->upload_id()));
+    absl::StatusOr<std::unique_ptr<UploadStore::Reading>> began = uploads_->BeginReading(req->upload_id());
+    // At the bound the refusal is one to ask again after: marked so.
+    if (absl::IsResourceExhausted(began.status())) SetRetryAfter(*ctx, kDownloadRetryAfter);
+    RETURN_IF_ERROR(began.status());
+    const std::unique_ptr<UploadStore::Reading> reading = *std::move(began);
     const std::string& dir = reading->path();
     constexpr size_t kChunk = 1 << 20;
     // A listing or a read that fails sends an error, never a part of the model

@@ -16,6 +16,7 @@
 
 #include "absl/strings/match.h"
 #include "client/coordinator_client.h"
+#include "common/grpc_status.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/grpc_probe.h"
@@ -456,6 +457,8 @@ TEST(CoordinatorStart, StalledTransfersAreCancelledAndFreeTheirPlace) {
       got = bytes;
     } else {
       ASSERT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+      // Marked as a refusal to ask again after (what workers go by).
+      EXPECT_EQ(RetryAfter(ctx), absl::Seconds(1));
       absl::SleepFor(absl::Milliseconds(100));
     }
   }

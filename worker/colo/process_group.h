@@ -82,6 +82,10 @@ class ProcessGroup {
   // `reason`. Never waits for a communicator to be made: for stopping a rank
   // from another thread; the group is unusable afterwards.
   void Abort(const absl::Status& reason);
+  // OK, or the reason of the first Abort: a rank checks it before what a
+  // collective does not fence, such as putting a checkpoint in place (a
+  // rank the coordinator gave up on may still be running). Never blocks.
+  absl::Status Aborted() const { return abort_signal_->Check(); }
 
  private:
   ProcessGroup(DeviceMesh mesh, int rank, CommFactory factory, absl::Duration timeout,

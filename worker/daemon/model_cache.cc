@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <system_error>
 #include <vector>
 
@@ -24,12 +25,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The coordinator's refusal of a download it has no room for now: its
-// --max-concurrent-downloads, or its server's thread bound.
-bool IsBusyRefusal(const absl::Status& s) {
-  return s.code() == absl::StatusCode::kResourceExhausted &&
-         (absl::StrContains(s.message(), "--max-concurrent-downloads") ||
-          absl::StrContains(s.message(), "Threadpool Exhausted"));
+// gRPC's own refusal of a call that finds no server thread (its resource
+// quota: the coordinator's --max-server-threads), which carries no metadata
+// of ours: the sync server's fixed text.
+bool IsThreadpoolRefusal(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kResourceExhausted && absl::StrContains(s.message(), "Threadpool Exhausted");
 }
 
 }  // namespace
@@ -112,12 +112,15 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
   };
   for (int refusals = 0;; ++refusals) {
     bool received = false;
-    const absl::Status s = DownloadInto(model.upload_id(), tmp, deadline, abort, received);
+    std::optional<absl::Duration> retry_after;
+    const absl::Status s = DownloadInto(model.upload_id(), tmp, deadline, abort, received, retry_after);
     // The deadline passing during a last ask that got nothing: it was the wait.
     if (!busy.ok() && !received && absl::IsDeadlineExceeded(s)) return stayed_busy();
-    // A coordinator at its bound of downloads (or of server threads)
-    // refuses before it sends anything: wait and ask again.
-    if (s.ok() || received || !IsBusyRefusal(s)) {
+    // A coordinator at its bound of downloads (its refusal says when to ask
+    // again) or of server threads refuses before it sends anything: wait
+    // and ask again.
+    const bool busy_refusal = absl::IsResourceExhausted(s) && (retry_after.has_value() || IsThreadpoolRefusal(s));
+    if (s.ok() || received || !busy_refusal) {
       RETURN_IF_ERROR(s);
       break;
     }
@@ -128,8 +131,10 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
       COLOD_LOG(INFO) << "the coordinator is busy (" << s.message() << "); asking again for upload "
                       << model.upload_id() << " until the download deadline";
     }
-    // Up to half again at random, so that workers refused together spread out.
-    const absl::Duration wait = std::min(left, backoff * (1 + absl::Uniform(bits, 0.0, 0.5)));
+    // Up to half again at random, so that workers refused together spread
+    // out; never sooner than the coordinator asked.
+    const absl::Duration wait = std::min(
+        left, std::max(backoff, retry_after.value_or(absl::ZeroDuration())) * (1 + absl::Uniform(bits, 0.0, 0.5)));
     absl::Notification woken;
     {
       const std::unique_ptr<AbortSignal::Registration> wake = abort.OnAbort([&woken] { woken.Notify(); });
@@ -146,7 +151,7 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
 }
 
 absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::string& tmp, absl::Time deadline,
-                                      AbortSignal& abort, bool& received) {
+                                      AbortSignal& abort, bool& received, std::optional<absl::Duration>& retry_after) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(deadline));
   AddAuthToken(ctx, options_.auth_token);
@@ -182,6 +187,7 @@ absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::s
   }
   out.close();
   const grpc::Status s = reader->Finish();  // after a cancel, returns at once
+  if (!s.ok()) retry_after = RetryAfter(ctx);
   RETURN_IF_ERROR(abort.Check());
   RETURN_IF_ERROR(failed);
   if (!s.ok()) {

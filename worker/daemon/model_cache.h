@@ -8,6 +8,7 @@
 #define COLOD_WORKER_DAEMON_MODEL_CACHE_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -36,9 +37,12 @@ class ModelCache {
     // is its directory's mtime, set at each use).
     absl::Duration cache_ttl = absl::Hours(1);
     // A coordinator that refuses a download for want of room (its
-    // --max-concurrent-downloads or server threads) is asked again after
-    // this, doubling up to max_busy_backoff, each wait up to half again at
-    // random.
+    // --max-concurrent-downloads, a refusal marked to ask again:
+    // common/grpc_status.h's RetryAfter; or gRPC's own refusal when its
+    // server threads are all in use) is asked again after this, doubling up
+    // to max_busy_backoff, or after the wait the refusal suggests where that
+    // is longer, each wait up to half again at random. Any other refusal
+    // (RESOURCE_EXHAUSTED included: the store's quota) is final.
     absl::Duration busy_backoff = absl::Milliseconds(250);
     absl::Duration max_busy_backoff = absl::Seconds(8);
   };
@@ -66,9 +70,10 @@ class ModelCache {
 
  private:
   // One DownloadModel call writing into `tmp`; `received` says whether any
-  // chunk came (a refusal sends none).
+  // chunk came (a refusal sends none), `retry_after` the wait a refusal
+  // marked as one to ask again after suggests.
   absl::Status DownloadInto(const std::string& upload_id, const std::string& tmp, absl::Time deadline,
-                            AbortSignal& abort, bool& received);
+                            AbortSignal& abort, bool& received, std::optional<absl::Duration>& retry_after);
 
   const Options options_;
 };

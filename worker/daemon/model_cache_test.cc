@@ -12,6 +12,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/grpc_server.h"
+#include "common/grpc_status.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "tests/testing/full_disk.h"
@@ -30,17 +31,22 @@ class FakeDownloads final : public v1::CoordinatorService::Service {
   std::atomic<Mode> mode{Mode::kTwoFiles};
   std::atomic<int> calls{0};
   // The first this many calls are refused with `refusal`, as a coordinator
-  // at its bound refuses them.
+  // at its bound refuses them: marked to ask again after `retry_after_ms`
+  // (SetRetryAfter) unless it is zero.
   std::atomic<int> refuse_calls{0};
   grpc::Status refusal{grpc::StatusCode::RESOURCE_EXHAUSTED,
                        "64 downloads are in progress, the coordinator's --max-concurrent-downloads: retry when one "
                        "has ended"};
+  std::atomic<int> retry_after_ms{1};
   std::atomic<bool> saw_cancel{false};
   absl::Notification streaming;  // the endless stream has sent its first chunk
 
   grpc::Status DownloadModel(grpc::ServerContext* ctx, const v1::DownloadModelRequest* req,
                              grpc::ServerWriter<v1::ModelChunk>* out) override {
-    if (++calls <= refuse_calls.load()) return refusal;
+    if (++calls <= refuse_calls.load()) {
+      if (retry_after_ms.load() > 0) SetRetryAfter(*ctx, absl::Milliseconds(retry_after_ms.load()));
+      return refusal;
+    }
     v1::ModelChunk c;
     switch (mode.load()) {
       case Mode::kTwoFiles:
@@ -265,8 +271,9 @@ TEST_F(ModelCacheTest, AFileNameThatLeavesTheDirectoryIsRefused) {
 }
 
 // A coordinator at its bound of downloads (or of server threads) refuses
-// before it sends anything: the worker asks again, backing off, until the
-// download's deadline, and an abort ends the wait. Other refusals are final.
+// before it sends anything: the worker asks again, backing off (never
+// sooner than the refusal asks), until the download's deadline, and an
+// abort ends the wait. Other refusals are final, whatever their text.
 TEST_F(ModelCacheTest, ABusyCoordinatorIsAskedAgainUntilTheDeadline) {
   v1::ModelSpec spec;
   spec.set_config_json("{}");
@@ -277,7 +284,29 @@ TEST_F(ModelCacheTest, ABusyCoordinatorIsAskedAgainUntilTheDeadline) {
   EXPECT_EQ(service_.calls.load(), 5);
   EXPECT_EQ(Read(work_ + "/uploads/busy/model-00001.safetensors"), "first part");
 
-  // gRPC's own refusal when the server's threads are all in use.
+  // A refusal that asks for a longer wait than the worker's backoff (20 ms,
+  // 40 ms) gets it.
+  service_.calls = 0;
+  service_.refuse_calls = 2;
+  service_.retry_after_ms = 300;
+  spec.set_upload_id("patient");
+  absl::Time start = absl::Now();
+  ASSERT_TRUE(cache_->Weights(spec, abort).ok());
+  EXPECT_EQ(service_.calls.load(), 3);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(600));
+
+  // The bound's text without the mark is a final refusal: the worker goes
+  // by the mark, never by the message.
+  service_.calls = 0;
+  service_.refuse_calls = 1;
+  service_.retry_after_ms = 0;
+  spec.set_upload_id("unmarked");
+  absl::StatusOr<std::string> got = cache_->Weights(spec, abort);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted) << got.status();
+  EXPECT_EQ(service_.calls.load(), 1);
+
+  // gRPC's own refusal when the server's threads are all in use (it can
+  // carry no mark of ours).
   service_.calls = 0;
   service_.refuse_calls = 2;
   service_.refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "Server Threadpool Exhausted");
@@ -292,8 +321,8 @@ TEST_F(ModelCacheTest, ABusyCoordinatorIsAskedAgainUntilTheDeadline) {
   service_.calls = 0;
   service_.refuse_calls = 1 << 30;
   spec.set_upload_id("never");
-  absl::Time start = absl::Now();
-  absl::StatusOr<std::string> got = short_deadline.Weights(spec, abort);
+  start = absl::Now();
+  got = short_deadline.Weights(spec, abort);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << got.status();
   EXPECT_NE(got.status().message().find("Threadpool Exhausted"), std::string::npos) << got.status();
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
@@ -321,6 +350,7 @@ TEST_F(ModelCacheTest, ABusyCoordinatorIsAskedAgainUntilTheDeadline) {
   // A refusal that waiting cannot mend (the store's quota) is final.
   AbortSignal fresh;
   service_.calls = 0;
+  service_.refuse_calls = 1 << 30;
   service_.refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "the upload quota is spent");
   got = cache_->Weights(spec, fresh);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted) << got.status();

@@ -283,12 +283,30 @@ absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, c
   return absl::OkStatus();
 }
 
+// internal::SetCheckpointBeforeInstallHookForTesting's hook, run by rank 0
+// once its checkpoint is whole and before it checks for an abort: a no-op
+// but in tests.
+std::mutex install_hook_mu;
+std::function<void(ProcessGroup&)>& InstallHook() {
+  static auto* hook = new std::function<void(ProcessGroup&)>();  // guarded by install_hook_mu; never destroyed
+  return *hook;
+}
+std::function<void(ProcessGroup&)> BeforeInstallHook() {
+  std::lock_guard<std::mutex> lock(install_hook_mu);
+  if (!InstallHook()) return [](ProcessGroup&) {};
+  return InstallHook();
+}
+
 }  // namespace
 
 namespace internal {
 void SetCheckpointExchangeHookForTesting(std::function<int(int exchange)> hook) {
   std::lock_guard<std::mutex> lock(exchange_hook_mu);
   ExchangeHook() = std::move(hook);
+}
+void SetCheckpointBeforeInstallHookForTesting(std::function<void(ProcessGroup&)> hook) {
+  std::lock_guard<std::mutex> lock(install_hook_mu);
+  InstallHook() = std::move(hook);
 }
 }  // namespace internal
 
@@ -348,11 +366,22 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
                        "same colod version?): ",
                        whole.message()));
     }
+    // A rank aborted since the barrier (the coordinator gave up on it, and
+    // another job or generation may own the directory now) puts nothing in
+    // place: it could replace the newer run's checkpoint of this step. The
+    // barriers fence the rest of the save; this closes the window of the
+    // state write and the checks, which read every file.
+    BeforeInstallHook()(*pg);
+    if (const absl::Status aborted = pg->Aborted(); !aborted.ok()) {
+      fs::remove_all(tmp, ec);
+      return absl::Status(aborted.code(), absl::StrCat("checkpoint of step ", step, " not put in place (", tmp,
+                                                       " removed): the rank was aborted: ", aborted.message()));
+    }
     RETURN_IF_ERROR(InstallCheckpoint(dir, tmp, final_dir, writer));
   }
   RETURN_IF_ERROR(pg->Barrier());
   // What a stale rank of an earlier generation made again meanwhile.
-  if (rank == 0) RemoveStaleTmpDirs(dir, writer);
+  if (rank == 0 && pg->Aborted().ok()) RemoveStaleTmpDirs(dir, writer);
   return absl::OkStatus();
 }
 

@@ -15,7 +15,12 @@
 // temporary directory, so a rank of an earlier generation that the
 // coordinator gave up on (its --stop-grace) and that still writes never
 // writes into a later generation's checkpoint, and it never replaces a
-// later generation's checkpoint of the same step. Rank 0 removes the other
+// later generation's checkpoint of the same step. A rank aborted before it
+// puts its checkpoint in place (ProcessGroup::Aborted: a rank the
+// coordinator gave up on, whose job another job or generation may have
+// taken over) removes its temporary directory instead, and prunes nothing,
+// so it never replaces a newer run's checkpoint of the same step, whoever
+// that run is. Rank 0 removes the other
 // temporary directories but those of its job's later generations when a
 // save starts and again when it ends: a directory holds one job's
 // temporary directories at a time. The job is the coordinator's job id and
@@ -172,6 +177,11 @@ namespace internal {
 // (the default) removes the hook. Thread-safe; the hook runs on the saving
 // thread, without the seam's lock held.
 void SetCheckpointExchangeHookForTesting(std::function<int(int exchange)> hook);
+// Testing only: hook(pg) runs on rank 0 once its checkpoint is whole (every
+// rank wrote its part, the state is written and checked), just before it
+// checks that `pg` was not aborted and puts the checkpoint in place. An
+// empty function removes it. Thread-safe, as the exchange's.
+void SetCheckpointBeforeInstallHookForTesting(std::function<void(ProcessGroup&)> hook);
 }  // namespace internal
 
 }  // namespace colod::train

@@ -369,6 +369,42 @@ TEST(Checkpoints, ALaterGenerationsCheckpointThatWentInMidSaveIsPutBackOrKeptAsi
   }
 }
 
+// A rank the coordinator gave up on (aborted, and still running) while it
+// checked its whole checkpoint: another job may own the directory by then,
+// with a checkpoint of the same step. The rank puts nothing in place: the
+// newer job's checkpoint stays, and the rank's temporary directory goes.
+// The seam aborts the rank's group just before the check; the save of the
+// step before it, un-aborted, went in.
+TEST(Checkpoints, ARankAbortedBeforeItsCheckpointGoesInReplacesNothing) {
+  struct Unhook {
+    ~Unhook() { internal::SetCheckpointBeforeInstallHookForTesting({}); }
+  } unhook;
+  auto run = GenerationRun("ck_aborted", 2);
+  ASSERT_TRUE(run.ok()) << run.status();
+  TrainOptions o = *run;
+  o.shard.layout.set_data_parallel_size(1);  // one rank: its error is the run's
+  // The newer job's checkpoint of step 2, already in place.
+  FakeCheckpoint(o.save_dir, 2, std::nullopt, 10, "job-000008_00000000000000ee");
+  std::ofstream(StepDir(o.save_dir, 2) + "/newer-job-file") << "kept";
+  int installs = 0;
+  internal::SetCheckpointBeforeInstallHookForTesting([&](ProcessGroup& pg) {
+    if (++installs == 2) pg.Abort(absl::AbortedError("given up on by the coordinator"));
+  });
+  const absl::Status saved = Train(o, [](const StepStats&) {});
+  internal::SetCheckpointBeforeInstallHookForTesting({});
+  EXPECT_EQ(installs, 2);
+  EXPECT_EQ(saved.code(), absl::StatusCode::kAborted) << saved;
+  EXPECT_NE(saved.message().find("checkpoint of step 2 not put in place"), std::string::npos) << saved;
+  EXPECT_NE(saved.message().find("given up on by the coordinator"), std::string::npos) << saved;
+  EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000002"}));
+  EXPECT_TRUE(fs::exists(StepDir(o.save_dir, 2) + "/newer-job-file"));
+  auto listed = ListCheckpoints(o.save_dir);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 2u);
+  EXPECT_EQ((*listed)[0].job, o.job);
+  EXPECT_EQ((*listed)[1].job, "job-000008_00000000000000ee");
+}
+
 // A job the coordinator restarts resumes from the newest checkpoint it
 // wrote itself (TrainOptions::resume_writers), not from a later step another
 // job left in the same directory: another coordinator's job of the same

@@ -664,7 +664,10 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
         return saved;
       }
       s.checkpoint = StepDir(o.save_dir, step + 1);
-      if (rank == 0) {  // the checkpoint is complete on every rank (the save's last barrier)
+      // The checkpoint is complete on every rank (the save's last barrier);
+      // a rank aborted since then removes nothing (another job or generation
+      // may own the directory now).
+      if (rank == 0 && pg.Aborted().ok()) {
         // The run it resumed from is the same run continued: its
         // checkpoints here count as this one's (a restart's are its own).
         std::vector<std::string> also_own;
