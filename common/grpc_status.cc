@@ -8,6 +8,12 @@
 #include "absl/strings/string_view.h"
 
 namespace colod {
+namespace {
+
+// The longest wait a refusal may suggest: a day.
+constexpr int64_t kMaxRetryAfterMs = 86'400'000;
+
+}  // namespace
 
 // absl::StatusCode and grpc::StatusCode share the canonical numbering (0..16).
 grpc::Status ToGrpcStatus(const absl::Status& status) {
@@ -21,7 +27,8 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 }
 
 void SetRetryAfter(grpc::ServerContext& ctx, absl::Duration wait) {
-  const int64_t ms = std::max<int64_t>(1, absl::ToInt64Milliseconds(wait));
+  // RetryAfter's range: 1 ms to a day.
+  const int64_t ms = std::clamp<int64_t>(absl::ToInt64Milliseconds(wait), 1, kMaxRetryAfterMs);
   ctx.AddTrailingMetadata(kRetryAfterMetadata, std::to_string(ms));
 }
 
@@ -30,9 +37,8 @@ std::optional<absl::Duration> RetryAfter(const grpc::ClientContext& ctx) {
   const auto it = trailers.find(kRetryAfterMetadata);
   if (it == trailers.end()) return std::nullopt;
   int64_t ms = 0;
-  // A day at most: a wait the server could mean.
   if (!absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &ms) || ms < 1 ||
-      ms > int64_t{86'400'000}) {
+      ms > kMaxRetryAfterMs) {
     return std::nullopt;
   }
   return absl::Milliseconds(ms);

@@ -22,7 +22,8 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 // client tells it from a final refusal (a quota spent) by this, never by
 // the message's text.
 inline constexpr char kRetryAfterMetadata[] = "colod-retry-after-ms";
-// Marks the call's refusal as one to ask again after `wait` (at least 1 ms).
+// Marks the call's refusal as one to ask again after `wait`, clamped to
+// 1 ms to a day.
 void SetRetryAfter(grpc::ServerContext& ctx, absl::Duration wait);
 // The wait a finished call's refusal suggests (SetRetryAfter), or nullopt
 // where the server marked none (or sent one that does not parse). Only

@@ -20,6 +20,10 @@
 #include <string>
 #include <vector>
 
+#ifdef COLOD_CUDA_EMULATION
+#include <cuda_emu.h>
+#endif
+
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/layer_ops.h"
@@ -38,8 +42,10 @@ struct Shape {
 };
 
 std::string Name(const Shape& a) {
-  return absl::StrCat(a.type == ElemType::kF32 ? "f32" : a.type == ElemType::kBF16 ? "bf16" : "f16", "_b", a.b,
-                      "_s", a.s, "_h", a.hq, "x", a.hkv, "_d", a.d, a.causal ? "_causal" : "");
+  return absl::StrCat(a.type == ElemType::kF32    ? "f32"
+                      : a.type == ElemType::kBF16 ? "bf16"
+                                                  : "f16",
+                      "_b", a.b, "_s", a.s, "_h", a.hq, "x", a.hkv, "_d", a.d, a.causal ? "_causal" : "");
 }
 
 size_t Bytes(ElemType t) { return t == ElemType::kF32 ? 4 : 2; }
@@ -110,6 +116,10 @@ struct Results {
 };
 
 class CudaAttentionKernels : public ::testing::TestWithParam<Shape> {
+ public:
+  // One forward and backward on device 0 (OnDevice).
+  Results Run() const { return OnDevice(); }
+
  protected:
   void SetUp() override {
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
@@ -144,8 +154,8 @@ class CudaAttentionKernels : public ::testing::TestWithParam<Shape> {
                                     a.hq, a.hkv, a.d, scale_, a.causal, {}, Layout())
                     .ok());
     EXPECT_TRUE(cpu::FlashAttentionBackward(0, a.type, q_.data(), k_.data(), v_.data(), r.out.data(), dout_.data(),
-                                            r.lse.data(), delta.data(), r.dq.data(), r.dk.data(), r.dv.data(), a.b,
-                                            a.s, a.hq, a.hkv, a.d, scale_, a.causal, {}, Layout())
+                                            r.lse.data(), delta.data(), r.dq.data(), r.dk.data(), r.dv.data(), a.b, a.s,
+                                            a.hq, a.hkv, a.d, scale_, a.causal, {}, Layout())
                     .ok());
     return r;
   }
@@ -168,8 +178,8 @@ class CudaAttentionKernels : public ::testing::TestWithParam<Shape> {
                                             a.d, scale_, a.causal, {}, Layout());
     EXPECT_TRUE(fwd.ok()) << fwd;
     const absl::Status bwd = FlashAttentionBackward(0, a.type, q, k, v, out, dout, static_cast<const float*>(lse),
-                                                    static_cast<float*>(delta), dq, dk, dv, a.b, a.s, a.hq, a.hkv,
-                                                    a.d, scale_, a.causal, {}, Layout());
+                                                    static_cast<float*>(delta), dq, dk, dv, a.b, a.s, a.hq, a.hkv, a.d,
+                                                    scale_, a.causal, {}, Layout());
     EXPECT_TRUE(bwd.ok()) << bwd;
     const absl::Status synced = Synchronize(0);
     EXPECT_TRUE(synced.ok()) << synced;
@@ -207,18 +217,43 @@ class CudaAttentionKernels : public ::testing::TestWithParam<Shape> {
   std::vector<uint8_t> q_, k_, v_, dout_;
 };
 
+// Whether the shape takes the tensor-core kernels: bf16 and f16 at head
+// dims 64, 80, 96 and 128 (the cases' buffers are 16-byte aligned).
+bool TensorCores(const Shape& a) {
+  return a.type != ElemType::kF32 && (a.d == 64 || a.d == 80 || a.d == 96 || a.d == 128);
+}
+
+// Runs OnDevice and, under the emulation, checks that the tensor-core
+// shapes multiplied on mma.sync and the others did not.
+Results OnDeviceCountingMmas(const CudaAttentionKernels& t, const Shape& a) {
+#ifdef COLOD_CUDA_EMULATION
+  const uint64_t before = colod_cuda_emu::GetCounters().warp_mmas;
+#endif
+  Results r = t.Run();
+#ifdef COLOD_CUDA_EMULATION
+  const uint64_t mmas = colod_cuda_emu::GetCounters().warp_mmas - before;
+  if (TensorCores(a)) {
+    EXPECT_GT(mmas, 0u) << "the tensor-core kernels did not run";
+  } else {
+    EXPECT_EQ(mmas, 0u) << "the scalar kernels multiplied on mma.sync";
+  }
+#endif
+  return r;
+}
+
 // The default kernels: the forward at two row tiles a warp where the head
 // dim takes them (64, 128), the one-pass backward on tensor cores.
 TEST_P(CudaAttentionKernels, DefaultKernelsMatchTheCpuTwin) {
-  ScopedEnv tiles("COLOD_ATTENTION_ROW_TILES", nullptr), det("COLOD_DETERMINISTIC", nullptr);
-  ExpectNear(OnDevice(), Reference(), "default");
+  ScopedEnv tiles("COLOD_ATTENTION_ROW_TILES", nullptr), det("COLOD_DETERMINISTIC", nullptr),
+      cudnn("COLOD_ATTENTION", nullptr);
+  ExpectNear(OnDeviceCountingMmas(*this, GetParam()), Reference(), "default");
 }
 
 // COLOD_DETERMINISTIC=1's two-kernel backward and the forward's 64-row
 // blocks (their bitwise repetition: worker/nn's cuda_attention_test).
 TEST_P(CudaAttentionKernels, DeterministicKernelsMatchTheCpuTwin) {
-  ScopedEnv tiles("COLOD_ATTENTION_ROW_TILES", "1"), det("COLOD_DETERMINISTIC", "1");
-  ExpectNear(OnDevice(), Reference(), "deterministic");
+  ScopedEnv tiles("COLOD_ATTENTION_ROW_TILES", "1"), det("COLOD_DETERMINISTIC", "1"), cudnn("COLOD_ATTENTION", nullptr);
+  ExpectNear(OnDeviceCountingMmas(*this, GetParam()), Reference(), "deterministic");
 }
 
 // Lengths off every tile (the tensor-core kernels' 64 and 128 rows, their
@@ -226,14 +261,12 @@ TEST_P(CudaAttentionKernels, DeterministicKernelsMatchTheCpuTwin) {
 // heads a kv head), causal and bidirectional, every tensor-core head dim,
 // f16 beside bf16, and the scalar kernels in f32. Small: the TSan pass runs
 // each CUDA thread as a fiber.
-INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttentionKernels,
-                         ::testing::Values(Shape{ElemType::kBF16, 1, 80, 2, 1, 64, true},
-                                           Shape{ElemType::kBF16, 1, 72, 1, 1, 128, false},
-                                           Shape{ElemType::kBF16, 1, 40, 2, 1, 128, true},
-                                           Shape{ElemType::kF16, 1, 70, 2, 2, 80, true},
-                                           Shape{ElemType::kBF16, 1, 50, 2, 2, 96, false},
-                                           Shape{ElemType::kF32, 1, 45, 2, 1, 32, true}),
-                         [](const ::testing::TestParamInfo<Shape>& info) { return Name(info.param); });
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaAttentionKernels,
+    ::testing::Values(Shape{ElemType::kBF16, 1, 80, 2, 1, 64, true}, Shape{ElemType::kBF16, 1, 72, 1, 1, 128, false},
+                      Shape{ElemType::kBF16, 1, 40, 2, 1, 128, true}, Shape{ElemType::kF16, 1, 70, 2, 2, 80, true},
+                      Shape{ElemType::kBF16, 1, 50, 2, 2, 96, false}, Shape{ElemType::kF32, 1, 45, 2, 1, 32, true}),
+    [](const ::testing::TestParamInfo<Shape>& info) { return Name(info.param); });
 
 }  // namespace
 }  // namespace colod::kernels::cuda

@@ -25,11 +25,16 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// gRPC's own refusal of a call that finds no server thread (its resource
-// quota: the coordinator's --max-server-threads), which carries no metadata
-// of ours: the sync server's fixed text.
-bool IsThreadpoolRefusal(const absl::Status& s) {
-  return s.code() == absl::StatusCode::kResourceExhausted && absl::StrContains(s.message(), "Threadpool Exhausted");
+// A refusal for want of room that carries no mark of ours (RetryAfter):
+// gRPC's own when a call finds no server thread (its resource quota: the
+// coordinator's --max-server-threads), the sync server's fixed text; and a
+// coordinator's from before the mark (2026-12), at its
+// --max-concurrent-downloads, by that text (mixed versions during an
+// upgrade, workers first).
+bool IsUnmarkedBusyRefusal(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kResourceExhausted &&
+         (absl::StrContains(s.message(), "Threadpool Exhausted") ||
+          absl::StrContains(s.message(), "--max-concurrent-downloads"));
 }
 
 }  // namespace
@@ -119,7 +124,7 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
     // A coordinator at its bound of downloads (its refusal says when to ask
     // again) or of server threads refuses before it sends anything: wait
     // and ask again.
-    const bool busy_refusal = absl::IsResourceExhausted(s) && (retry_after.has_value() || IsThreadpoolRefusal(s));
+    const bool busy_refusal = absl::IsResourceExhausted(s) && (retry_after.has_value() || IsUnmarkedBusyRefusal(s));
     if (s.ok() || received || !busy_refusal) {
       RETURN_IF_ERROR(s);
       break;

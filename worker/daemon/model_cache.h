@@ -38,8 +38,9 @@ class ModelCache {
     absl::Duration cache_ttl = absl::Hours(1);
     // A coordinator that refuses a download for want of room (its
     // --max-concurrent-downloads, a refusal marked to ask again:
-    // common/grpc_status.h's RetryAfter; or gRPC's own refusal when its
-    // server threads are all in use) is asked again after this, doubling up
+    // common/grpc_status.h's RetryAfter, or by its text from a coordinator
+    // before the mark; or gRPC's own refusal when its server threads are all
+    // in use) is asked again after this, doubling up
     // to max_busy_backoff, or after the wait the refusal suggests where that
     // is longer, each wait up to half again at random. Any other refusal
     // (RESOURCE_EXHAUSTED included: the store's quota) is final.

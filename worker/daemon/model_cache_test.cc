@@ -295,24 +295,27 @@ TEST_F(ModelCacheTest, ABusyCoordinatorIsAskedAgainUntilTheDeadline) {
   EXPECT_EQ(service_.calls.load(), 3);
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(600));
 
-  // The bound's text without the mark is a final refusal: the worker goes
-  // by the mark, never by the message.
-  service_.calls = 0;
-  service_.refuse_calls = 1;
-  service_.retry_after_ms = 0;
-  spec.set_upload_id("unmarked");
-  absl::StatusOr<std::string> got = cache_->Weights(spec, abort);
-  EXPECT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted) << got.status();
-  EXPECT_EQ(service_.calls.load(), 1);
-
+  // Two refusals with `text`, marked to ask again after `mark_ms` (0: not
+  // marked), then the upload: asked three times.
+  const auto asked_again = [&](const std::string& upload, const std::string& text, int mark_ms) {
+    SCOPED_TRACE(upload);
+    service_.calls = 0;
+    service_.refuse_calls = 2;
+    service_.retry_after_ms = mark_ms;
+    service_.refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, text);
+    spec.set_upload_id(upload);
+    ASSERT_TRUE(cache_->Weights(spec, abort).ok());
+    EXPECT_EQ(service_.calls.load(), 3);
+  };
+  // The mark, whatever the text, is what the worker goes by...
+  asked_again("marked", "busy", 1);
+  // ... and a coordinator from before the mark is known by its text, as is
   // gRPC's own refusal when the server's threads are all in use (it can
   // carry no mark of ours).
-  service_.calls = 0;
-  service_.refuse_calls = 2;
-  service_.refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "Server Threadpool Exhausted");
-  spec.set_upload_id("threads");
-  ASSERT_TRUE(cache_->Weights(spec, abort).ok());
-  EXPECT_EQ(service_.calls.load(), 3);
+  asked_again("old-coordinator",
+              "64 downloads are in progress, the coordinator's --max-concurrent-downloads: retry when one has ended",
+              0);
+  asked_again("threads", "Server Threadpool Exhausted", 0);
 
   // Busy past the deadline: DEADLINE_EXCEEDED naming the refusal, nothing left behind.
   ModelCache::Options o = options_;
@@ -322,7 +325,7 @@ TEST_F(ModelCacheTest, ABusyCoordinatorIsAskedAgainUntilTheDeadline) {
   service_.refuse_calls = 1 << 30;
   spec.set_upload_id("never");
   start = absl::Now();
-  got = short_deadline.Weights(spec, abort);
+  absl::StatusOr<std::string> got = short_deadline.Weights(spec, abort);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << got.status();
   EXPECT_NE(got.status().message().find("Threadpool Exhausted"), std::string::npos) << got.status();
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));

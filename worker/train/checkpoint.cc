@@ -208,12 +208,17 @@ int Exchange(int n, const std::string& a, const std::string& b) {
 // then removed, so that some whole checkpoint of the step is in place at
 // every moment; where the file system cannot exchange, moved aside first,
 // removed after, and moved back if the rename fails. ABORTED, leaving it
-// and removing tmp, where the checkpoint in place is a later generation's
-// of the same job (this rank is a stale one the coordinator gave up on),
-// read before the exchange and again after it (one put in place meanwhile
-// is exchanged back; where that fails, ABORTED leaving both).
+// and removing tmp, where the checkpoint in place is one this rank must not
+// replace: a later generation's of the same job (this rank is a stale one
+// the coordinator gave up on), or, once `aborted` says this rank was
+// aborted, another job's (the coordinator may have given up on this rank,
+// and the directory's next job saved there). Read before the exchange and
+// again after it: one put in place meanwhile, or an abort meanwhile,
+// exchanges it back (where that fails, ABORTED leaving both). Where nothing
+// is in place the checkpoint goes in, aborted or not: it replaces nothing,
+// and a restart of its own job resumes from it.
 absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, const std::string& final_dir,
-                               const CheckpointWriter& writer) {
+                               const CheckpointWriter& writer, const std::function<absl::Status()>& aborted) {
   std::error_code ec;
   if (!fs::exists(final_dir, ec)) {
     fs::rename(tmp, final_dir, ec);
@@ -222,41 +227,52 @@ absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, c
     }
     return absl::OkStatus();
   }
-  const auto later = [&](const std::string& checkpoint) -> std::optional<int64_t> {
+  struct Keep {
+    CheckpointWriter owner;  // who wrote the checkpoint that stays
+    std::string why;
+  };
+  // Why the checkpoint at `checkpoint` must stay, if it must.
+  const auto keep = [&](const std::string& checkpoint) -> std::optional<Keep> {
     absl::StatusOr<Json> there = ReadJson(absl::StrCat(checkpoint, "/", kState));
     if (!there.ok()) return std::nullopt;
     const Json& t = *there;
-    const std::string job = WriterJob(t);
-    const int64_t generation =
-        t.contains("generation") && t["generation"].is_number_integer() ? t["generation"].get<int64_t>() : 0;
-    if (job == writer.job && generation > writer.generation) return generation;
-    return std::nullopt;
+    CheckpointWriter owner;
+    owner.job = WriterJob(t);
+    if (t.contains("generation") && t["generation"].is_number_integer()) {
+      owner.generation = t["generation"].get<int64_t>();
+    }
+    if (owner.job == writer.job) {
+      if (owner.generation <= writer.generation) return std::nullopt;
+      return Keep{owner, absl::StrCat("was written by generation ", owner.generation, " of ",
+                                      writer.job.empty() ? "the run" : writer.job, ", later than this one's ",
+                                      writer.generation)};
+    }
+    const absl::Status stop = aborted();
+    if (stop.ok()) return std::nullopt;
+    return Keep{owner, absl::StrCat("was written by ", owner.job.empty() ? "a run outside a coordinator" : owner.job,
+                                    ", and this rank was aborted (", stop.message(), ")")};
   };
-  const auto refuse = [&](int64_t generation) {
+  const auto refuse = [&](const Keep& k) {
     fs::remove_all(tmp, ec);
-    return absl::AbortedError(absl::StrCat(final_dir, " was written by generation ", generation, " of ",
-                                           writer.job.empty() ? "the run" : writer.job, ", later than this one's ",
-                                           writer.generation, ": left in place"));
+    return absl::AbortedError(absl::StrCat(final_dir, " ", k.why, ": left in place"));
   };
-  if (const std::optional<int64_t> g = later(final_dir)) return refuse(*g);
+  if (const std::optional<Keep> k = keep(final_dir)) return refuse(*k);
   if (Exchange(1, tmp, final_dir) == 0) {
-    // What went out: a later generation's put in place since it was read
-    // above goes back.
-    if (const std::optional<int64_t> g = later(tmp)) {
-      if (Exchange(2, tmp, final_dir) == 0) return refuse(*g);
+    // What went out: one that must stay, put in place (or made so by an
+    // abort) since it was read above, goes back.
+    if (const std::optional<Keep> k = keep(tmp)) {
+      if (Exchange(2, tmp, final_dir) == 0) return refuse(*k);
       // Neither is removed: a whole checkpoint of the step stays in place
-      // (this one), and the later generation's goes where no cleanup or
-      // listing looks (tmp's name is this generation's: the later one's next
-      // save would remove it), for a human.
+      // (this one), and the other goes where no cleanup or listing looks
+      // (tmp's name is this writer's: its next save would remove it), for
+      // a human.
       const std::string back_error = std::strerror(errno);
       const std::string conflict =
-          absl::StrCat(dir, "/.conflict-", fs::path(final_dir).filename().string(), ".",
-                       CheckpointWriter{.job = writer.job, .generation = *g}.Tag());
+          absl::StrCat(dir, "/.conflict-", fs::path(final_dir).filename().string(), ".", k->owner.Tag());
       fs::rename(tmp, conflict, ec);
-      return absl::AbortedError(absl::StrCat("generation ", *g, "'s checkpoint went in while generation ",
-                                             writer.generation, "'s replaced ", final_dir,
-                                             ", and cannot be put back (", back_error, "): it is in ",
-                                             ec ? tmp : conflict));
+      return absl::AbortedError(absl::StrCat(
+          "the checkpoint of ", final_dir, " that ", k->why, " went out when generation ", writer.generation,
+          "'s replaced it, and cannot be put back (", back_error, "): it is in ", ec ? tmp : conflict));
     }
     fs::remove_all(tmp, ec);  // the old checkpoint; a leftover goes with the next save's stale directories
     return absl::OkStatus();
@@ -328,6 +344,9 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
   const std::string final_dir = StepDir(dir, step), tmp = StepTmpDir(dir, step, writer);
   std::error_code ec;
   if (rank == 0) {
+    // An aborted rank (given up on, perhaps: another job may own the
+    // directory now) starts no save and removes nothing.
+    RETURN_IF_ERROR(pg->Aborted());
     // Crashed or abandoned attempts, this one's included, before this
     // checkpoint takes room of its own.
     RemoveStaleTmpDirs(dir, writer);
@@ -366,18 +385,13 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
                        "same colod version?): ",
                        whole.message()));
     }
-    // A rank aborted since the barrier (the coordinator gave up on it, and
-    // another job or generation may own the directory now) puts nothing in
-    // place: it could replace the newer run's checkpoint of this step. The
-    // barriers fence the rest of the save; this closes the window of the
-    // state write and the checks, which read every file.
+    // A rank aborted since the barrier (the coordinator may have given up
+    // on it, and the directory's next job saved there) replaces no other
+    // job's checkpoint of the step: InstallCheckpoint asks. The barriers
+    // fence the rest of the save; this covers the state write and the
+    // checks, which read every file, and the install itself.
     BeforeInstallHook()(*pg);
-    if (const absl::Status aborted = pg->Aborted(); !aborted.ok()) {
-      fs::remove_all(tmp, ec);
-      return absl::Status(aborted.code(), absl::StrCat("checkpoint of step ", step, " not put in place (", tmp,
-                                                       " removed): the rank was aborted: ", aborted.message()));
-    }
-    RETURN_IF_ERROR(InstallCheckpoint(dir, tmp, final_dir, writer));
+    RETURN_IF_ERROR(InstallCheckpoint(dir, tmp, final_dir, writer, [pg] { return pg->Aborted(); }));
   }
   RETURN_IF_ERROR(pg->Barrier());
   // What a stale rank of an earlier generation made again meanwhile.

@@ -15,12 +15,13 @@
 // temporary directory, so a rank of an earlier generation that the
 // coordinator gave up on (its --stop-grace) and that still writes never
 // writes into a later generation's checkpoint, and it never replaces a
-// later generation's checkpoint of the same step. A rank aborted before it
-// puts its checkpoint in place (ProcessGroup::Aborted: a rank the
-// coordinator gave up on, whose job another job or generation may have
-// taken over) removes its temporary directory instead, and prunes nothing,
-// so it never replaces a newer run's checkpoint of the same step, whoever
-// that run is. Rank 0 removes the other
+// later generation's checkpoint of the same step. Nor does a rank aborted
+// by the time it puts its checkpoint in place (ProcessGroup::Aborted: the
+// coordinator may have given up on it, and the directory's next job saved
+// there) replace another job's checkpoint of the step: it removes its
+// temporary directory instead (its whole checkpoint still goes in where
+// nothing is in place, or its own job's is: a restart resumes from it),
+// and an aborted rank starts no save and prunes nothing. Rank 0 removes the other
 // temporary directories but those of its job's later generations when a
 // save starts and again when it ends: a directory holds one job's
 // temporary directories at a time. The job is the coordinator's job id and
@@ -48,6 +49,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "worker/colo/process_group.h"
 #include "worker/shardformer/shardformer.h"
 #include "worker/train/optimizer.h"
 
@@ -79,7 +81,8 @@ std::string StepTmpDir(const std::string& dir, int64_t step, const CheckpointWri
 // StepDir(dir, step) (a run resumed from before it) is replaced by an
 // atomic exchange and then removed (where the file system cannot exchange:
 // moved aside, the new one renamed in, moved back if that fails); ABORTED,
-// leaving it, where it is a later generation's of the same job.
+// leaving it, where it is a later generation's of the same job, or another
+// job's and the rank was aborted (ProcessGroup::Aborted).
 absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer& optimizer, const std::string& dir,
                                     int64_t step, uint64_t seed, std::optional<double> eval_loss = std::nullopt,
                                     const CheckpointWriter& writer = {});
@@ -179,8 +182,8 @@ namespace internal {
 void SetCheckpointExchangeHookForTesting(std::function<int(int exchange)> hook);
 // Testing only: hook(pg) runs on rank 0 once its checkpoint is whole (every
 // rank wrote its part, the state is written and checked), just before it
-// checks that `pg` was not aborted and puts the checkpoint in place. An
-// empty function removes it. Thread-safe, as the exchange's.
+// puts the checkpoint in place (which then asks whether `pg` was aborted).
+// An empty function removes it. Thread-safe, as the exchange's.
 void SetCheckpointBeforeInstallHookForTesting(std::function<void(ProcessGroup&)> hook);
 }  // namespace internal
 

@@ -370,39 +370,76 @@ TEST(Checkpoints, ALaterGenerationsCheckpointThatWentInMidSaveIsPutBackOrKeptAsi
 }
 
 // A rank the coordinator gave up on (aborted, and still running) while it
-// checked its whole checkpoint: another job may own the directory by then,
-// with a checkpoint of the same step. The rank puts nothing in place: the
-// newer job's checkpoint stays, and the rank's temporary directory goes.
-// The seam aborts the rank's group just before the check; the save of the
-// step before it, un-aborted, went in.
-TEST(Checkpoints, ARankAbortedBeforeItsCheckpointGoesInReplacesNothing) {
+// wrote or checked its checkpoint: the directory's next job may have saved
+// the same step by then. The rank replaces no other job's checkpoint: the
+// newer job's stays and the rank's temporary directory goes, whether the
+// abort came before the install (the seam before it) or during it (the
+// exchange's seam: what went out is put back). Where nothing is in place
+// its whole checkpoint goes in all the same (a restart of its own job
+// resumes from it). The save of the step before, un-aborted, went in.
+TEST(Checkpoints, ARankAbortedBeforeItsCheckpointGoesInReplacesNoOtherJobs) {
   struct Unhook {
-    ~Unhook() { internal::SetCheckpointBeforeInstallHookForTesting({}); }
+    ~Unhook() {
+      internal::SetCheckpointBeforeInstallHookForTesting({});
+      internal::SetCheckpointExchangeHookForTesting({});
+    }
   } unhook;
-  auto run = GenerationRun("ck_aborted", 2);
+  const std::string newer = "job-000008_00000000000000ee";
+  for (const bool during : {false, true}) {
+    SCOPED_TRACE(during ? "aborted during the exchange" : "aborted before the install");
+    auto run = GenerationRun(during ? "ck_aborted_during" : "ck_aborted_before", 2);
+    ASSERT_TRUE(run.ok()) << run.status();
+    TrainOptions o = *run;
+    o.shard.layout.set_data_parallel_size(1);  // one rank: its error is the run's
+    // The newer job's checkpoint of step 2, already in place.
+    FakeCheckpoint(o.save_dir, 2, std::nullopt, 10, newer);
+    std::ofstream(StepDir(o.save_dir, 2) + "/newer-job-file") << "kept";
+    int installs = 0;
+    ProcessGroup* group = nullptr;
+    std::vector<int> exchanges;
+    internal::SetCheckpointBeforeInstallHookForTesting([&](ProcessGroup& pg) {
+      group = &pg;
+      if (++installs == 2 && !during) pg.Abort(absl::AbortedError("given up on by the coordinator"));
+    });
+    internal::SetCheckpointExchangeHookForTesting([&](int n) {
+      exchanges.push_back(n);
+      if (n == 1 && during) group->Abort(absl::AbortedError("given up on by the coordinator"));
+      return 0;
+    });
+    const absl::Status saved = Train(o, [](const StepStats&) {});
+    internal::SetCheckpointBeforeInstallHookForTesting({});
+    internal::SetCheckpointExchangeHookForTesting({});
+    EXPECT_EQ(installs, 2);
+    EXPECT_EQ(exchanges, (during ? std::vector<int>{1, 2} : std::vector<int>{}));
+    EXPECT_EQ(saved.code(), absl::StatusCode::kAborted) << saved;
+    EXPECT_NE(saved.message().find("was written by " + newer +
+                                   ", and this rank was aborted (given up on by the coordinator): left in place"),
+              std::string::npos)
+        << saved;
+    EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000002"}));
+    EXPECT_TRUE(fs::exists(StepDir(o.save_dir, 2) + "/newer-job-file"));
+    auto listed = ListCheckpoints(o.save_dir);
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    ASSERT_EQ(listed->size(), 2u);
+    EXPECT_EQ((*listed)[0].job, o.job);
+    EXPECT_EQ((*listed)[1].job, newer);
+  }
+
+  // Nothing in place: the aborted rank's whole checkpoint goes in, and the
+  // next save, which it does not start, fails with the abort.
+  auto run = GenerationRun("ck_aborted_nothing_there", 2);
   ASSERT_TRUE(run.ok()) << run.status();
   TrainOptions o = *run;
-  o.shard.layout.set_data_parallel_size(1);  // one rank: its error is the run's
-  // The newer job's checkpoint of step 2, already in place.
-  FakeCheckpoint(o.save_dir, 2, std::nullopt, 10, "job-000008_00000000000000ee");
-  std::ofstream(StepDir(o.save_dir, 2) + "/newer-job-file") << "kept";
-  int installs = 0;
-  internal::SetCheckpointBeforeInstallHookForTesting([&](ProcessGroup& pg) {
-    if (++installs == 2) pg.Abort(absl::AbortedError("given up on by the coordinator"));
-  });
+  o.shard.layout.set_data_parallel_size(1);
+  internal::SetCheckpointBeforeInstallHookForTesting(
+      [](ProcessGroup& pg) { pg.Abort(absl::AbortedError("given up on by the coordinator")); });
   const absl::Status saved = Train(o, [](const StepStats&) {});
   internal::SetCheckpointBeforeInstallHookForTesting({});
-  EXPECT_EQ(installs, 2);
   EXPECT_EQ(saved.code(), absl::StatusCode::kAborted) << saved;
-  EXPECT_NE(saved.message().find("checkpoint of step 2 not put in place"), std::string::npos) << saved;
-  EXPECT_NE(saved.message().find("given up on by the coordinator"), std::string::npos) << saved;
-  EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000002"}));
-  EXPECT_TRUE(fs::exists(StepDir(o.save_dir, 2) + "/newer-job-file"));
-  auto listed = ListCheckpoints(o.save_dir);
-  ASSERT_TRUE(listed.ok()) << listed.status();
-  ASSERT_EQ(listed->size(), 2u);
-  EXPECT_EQ((*listed)[0].job, o.job);
-  EXPECT_EQ((*listed)[1].job, "job-000008_00000000000000ee");
+  EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001"}));
+  auto state = ReadTrainState(StepDir(o.save_dir, 1));
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->job, o.job);
 }
 
 // A job the coordinator restarts resumes from the newest checkpoint it
