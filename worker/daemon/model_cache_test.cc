@@ -32,7 +32,8 @@ class FakeDownloads final : public v1::CoordinatorService::Service {
   std::atomic<int> calls{0};
   // The first this many calls are refused with `refusal`, as a coordinator
   // at its bound refuses them: marked to ask again after `retry_after_ms`
-  // (SetRetryAfter) unless it is zero.
+  // (SetRetryAfter) unless it is zero; below zero, a mark that does not
+  // parse.
   std::atomic<int> refuse_calls{0};
   grpc::Status refusal{grpc::StatusCode::RESOURCE_EXHAUSTED,
                        "64 downloads are in progress, the coordinator's --max-concurrent-downloads: retry when one "
@@ -45,6 +46,7 @@ class FakeDownloads final : public v1::CoordinatorService::Service {
                              grpc::ServerWriter<v1::ModelChunk>* out) override {
     if (++calls <= refuse_calls.load()) {
       if (retry_after_ms.load() > 0) SetRetryAfter(*ctx, absl::Milliseconds(retry_after_ms.load()));
+      if (retry_after_ms.load() < 0) ctx->AddTrailingMetadata(kRetryAfterMetadata, "soon");  // malformed
       return refusal;
     }
     v1::ModelChunk c;
@@ -316,6 +318,15 @@ TEST_F(ModelCacheTest, ABusyCoordinatorIsAskedAgainUntilTheDeadline) {
               "64 downloads are in progress, the coordinator's --max-concurrent-downloads: retry when one has ended",
               0);
   asked_again("threads", "Server Threadpool Exhausted", 0);
+  // A mark that does not parse is none: final.
+  service_.calls = 0;
+  service_.retry_after_ms = -1;
+  service_.refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "busy");
+  spec.set_upload_id("malformed");
+  EXPECT_EQ(cache_->Weights(spec, abort).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(service_.calls.load(), 1);
+  service_.retry_after_ms = 0;
+  service_.refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "Server Threadpool Exhausted");
 
   // Busy past the deadline: DEADLINE_EXCEEDED naming the refusal, nothing left behind.
   ModelCache::Options o = options_;
