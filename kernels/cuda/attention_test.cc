@@ -115,11 +115,13 @@ struct Results {
   std::vector<float> lse;
 };
 
-class CudaAttentionKernels : public ::testing::TestWithParam<Shape> {
- public:
-  // One forward and backward on device 0 (OnDevice).
-  Results Run() const { return OnDevice(); }
+// Whether the shape takes the tensor-core kernels: bf16 and f16 at head
+// dims 64, 80, 96 and 128 (the cases' buffers are 16-byte aligned).
+bool TensorCores(const Shape& a) {
+  return a.type != ElemType::kF32 && (a.d == 64 || a.d == 80 || a.d == 96 || a.d == 128);
+}
 
+class CudaAttentionKernels : public ::testing::TestWithParam<Shape> {
  protected:
   void SetUp() override {
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
@@ -160,8 +162,13 @@ class CudaAttentionKernels : public ::testing::TestWithParam<Shape> {
     return r;
   }
 
+  // Under the emulation it also checks that the tensor-core shapes
+  // multiplied on mma.sync and the others did not.
   Results OnDevice() const {
     const Shape& a = GetParam();
+#ifdef COLOD_CUDA_EMULATION
+    const uint64_t mmas_before = colod_cuda_emu::GetCounters().warp_mmas;
+#endif
     const size_t qb = qn_ * Bytes(a.type), kvb = kvn_ * Bytes(a.type), lb = rows_ * sizeof(float);
     void* q = ToDevice(q_.data(), qb);
     void* k = ToDevice(k_.data(), kvb);
@@ -192,6 +199,14 @@ class CudaAttentionKernels : public ::testing::TestWithParam<Shape> {
     r.lse.resize(rows_);
     std::copy(l.begin(), l.end(), reinterpret_cast<uint8_t*>(r.lse.data()));
     for (void* p : {q, k, v, dout, out, dq, dk, dv, lse, delta}) EXPECT_EQ(cudaFree(p), cudaSuccess);
+#ifdef COLOD_CUDA_EMULATION
+    const uint64_t mmas = colod_cuda_emu::GetCounters().warp_mmas - mmas_before;
+    if (TensorCores(a)) {
+      EXPECT_GT(mmas, 0u) << "the tensor-core kernels did not run";
+    } else {
+      EXPECT_EQ(mmas, 0u) << "the scalar kernels multiplied on mma.sync";
+    }
+#endif
     return r;
   }
 
@@ -217,43 +232,19 @@ class CudaAttentionKernels : public ::testing::TestWithParam<Shape> {
   std::vector<uint8_t> q_, k_, v_, dout_;
 };
 
-// Whether the shape takes the tensor-core kernels: bf16 and f16 at head
-// dims 64, 80, 96 and 128 (the cases' buffers are 16-byte aligned).
-bool TensorCores(const Shape& a) {
-  return a.type != ElemType::kF32 && (a.d == 64 || a.d == 80 || a.d == 96 || a.d == 128);
-}
-
-// Runs OnDevice and, under the emulation, checks that the tensor-core
-// shapes multiplied on mma.sync and the others did not.
-Results OnDeviceCountingMmas(const CudaAttentionKernels& t, const Shape& a) {
-#ifdef COLOD_CUDA_EMULATION
-  const uint64_t before = colod_cuda_emu::GetCounters().warp_mmas;
-#endif
-  Results r = t.Run();
-#ifdef COLOD_CUDA_EMULATION
-  const uint64_t mmas = colod_cuda_emu::GetCounters().warp_mmas - before;
-  if (TensorCores(a)) {
-    EXPECT_GT(mmas, 0u) << "the tensor-core kernels did not run";
-  } else {
-    EXPECT_EQ(mmas, 0u) << "the scalar kernels multiplied on mma.sync";
-  }
-#endif
-  return r;
-}
-
 // The default kernels: the forward at two row tiles a warp where the head
 // dim takes them (64, 128), the one-pass backward on tensor cores.
 TEST_P(CudaAttentionKernels, DefaultKernelsMatchTheCpuTwin) {
   ScopedEnv tiles("COLOD_ATTENTION_ROW_TILES", nullptr), det("COLOD_DETERMINISTIC", nullptr),
       cudnn("COLOD_ATTENTION", nullptr);
-  ExpectNear(OnDeviceCountingMmas(*this, GetParam()), Reference(), "default");
+  ExpectNear(OnDevice(), Reference(), "default");
 }
 
 // COLOD_DETERMINISTIC=1's two-kernel backward and the forward's 64-row
 // blocks (their bitwise repetition: worker/nn's cuda_attention_test).
 TEST_P(CudaAttentionKernels, DeterministicKernelsMatchTheCpuTwin) {
   ScopedEnv tiles("COLOD_ATTENTION_ROW_TILES", "1"), det("COLOD_DETERMINISTIC", "1"), cudnn("COLOD_ATTENTION", nullptr);
-  ExpectNear(OnDeviceCountingMmas(*this, GetParam()), Reference(), "deterministic");
+  ExpectNear(OnDevice(), Reference(), "deterministic");
 }
 
 // Lengths off every tile (the tensor-core kernels' 64 and 128 rows, their

@@ -11,6 +11,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
@@ -25,16 +26,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A refusal for want of room that carries no mark of ours (RetryAfter):
-// gRPC's own when a call finds no server thread (its resource quota: the
-// coordinator's --max-server-threads), the sync server's fixed text; and a
-// coordinator's from before the mark (2026-12), at its
-// --max-concurrent-downloads, by that text (mixed versions during an
-// upgrade, workers first).
-bool IsUnmarkedBusyRefusal(const absl::Status& s) {
-  return s.code() == absl::StatusCode::kResourceExhausted &&
-         (absl::StrContains(s.message(), "Threadpool Exhausted") ||
-          absl::StrContains(s.message(), "--max-concurrent-downloads"));
+// The text of a RESOURCE_EXHAUSTED refusal for want of room that carries no
+// mark of ours (RetryAfter): gRPC's own when a call finds no server thread
+// (its resource quota: the coordinator's --max-server-threads), the sync
+// server's fixed text; and a coordinator's from before the mark (2026-12),
+// at its --max-concurrent-downloads (mixed versions during an upgrade,
+// workers first).
+bool IsUnmarkedBusyText(absl::string_view message) {
+  return absl::StrContains(message, "Threadpool Exhausted") || absl::StrContains(message, "--max-concurrent-downloads");
 }
 
 }  // namespace
@@ -124,7 +123,8 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
     // A coordinator at its bound of downloads (its refusal says when to ask
     // again) or of server threads refuses before it sends anything: wait
     // and ask again.
-    const bool busy_refusal = absl::IsResourceExhausted(s) && (retry_after.has_value() || IsUnmarkedBusyRefusal(s));
+    const bool busy_refusal =
+        absl::IsResourceExhausted(s) && (retry_after.has_value() || IsUnmarkedBusyText(s.message()));
     if (s.ok() || received || !busy_refusal) {
       RETURN_IF_ERROR(s);
       break;

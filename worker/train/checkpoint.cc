@@ -179,22 +179,41 @@ void RemoveStaleTmpDirs(const std::string& dir, const CheckpointWriter& writer) 
   }
 }
 
-std::mutex exchange_hook_mu;
-std::function<int(int)>& ExchangeHook() {
-  static auto* hook = new std::function<int(int)>();  // guarded by exchange_hook_mu; never destroyed
-  return *hook;
+// A fault-injection seam of the internal:: testing hooks: a function tests
+// set and the saving thread copies (empty but in tests), run without the
+// lock. Thread-safe; never destroyed (a static of each hook).
+template <typename Fn>
+class TestingSeam {
+ public:
+  Fn Get() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return fn_;
+  }
+  void Set(Fn fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fn_ = std::move(fn);
+  }
+
+ private:
+  std::mutex mu_;
+  Fn fn_;  // guarded by mu_
+};
+
+TestingSeam<std::function<int(int)>>& ExchangeSeam() {
+  static auto* seam = new TestingSeam<std::function<int(int)>>();
+  return *seam;
+}
+// Run by rank 0 once its checkpoint is whole, before it puts it in place.
+TestingSeam<std::function<void(ProcessGroup&)>>& BeforeInstallSeam() {
+  static auto* seam = new TestingSeam<std::function<void(ProcessGroup&)>>();
+  return *seam;
 }
 
 // renameat2(a, b, RENAME_EXCHANGE), the n-th of an install, after the
 // testing hook (internal::SetCheckpointExchangeHookForTesting), which may
 // fail it with an errno of its own.
 int Exchange(int n, const std::string& a, const std::string& b) {
-  std::function<int(int)> hook;
-  {
-    std::lock_guard<std::mutex> lock(exchange_hook_mu);
-    hook = ExchangeHook();
-  }
-  if (hook) {
+  if (const std::function<int(int)> hook = ExchangeSeam().Get()) {
     if (const int injected = hook(n); injected != 0) {
       errno = injected;
       return -1;
@@ -210,15 +229,15 @@ int Exchange(int n, const std::string& a, const std::string& b) {
 // removed after, and moved back if the rename fails. ABORTED, leaving it
 // and removing tmp, where the checkpoint in place is one this rank must not
 // replace: a later generation's of the same job (this rank is a stale one
-// the coordinator gave up on), or, once `aborted` says this rank was
-// aborted, another job's (the coordinator may have given up on this rank,
+// the coordinator gave up on), or, once `pg` says this rank was aborted
+// (ProcessGroup::Aborted), another job's (the coordinator may have given up on this rank,
 // and the directory's next job saved there). Read before the exchange and
 // again after it: one put in place meanwhile, or an abort meanwhile,
 // exchanges it back (where that fails, ABORTED leaving both). Where nothing
 // is in place the checkpoint goes in, aborted or not: it replaces nothing,
 // and a restart of its own job resumes from it.
 absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, const std::string& final_dir,
-                               const CheckpointWriter& writer, const std::function<absl::Status()>& aborted) {
+                               const CheckpointWriter& writer, const ProcessGroup& pg) {
   std::error_code ec;
   if (!fs::exists(final_dir, ec)) {
     fs::rename(tmp, final_dir, ec);
@@ -247,7 +266,7 @@ absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, c
                                       writer.job.empty() ? "the run" : writer.job, ", later than this one's ",
                                       writer.generation)};
     }
-    const absl::Status stop = aborted();
+    const absl::Status stop = pg.Aborted();
     if (stop.ok()) return std::nullopt;
     return Keep{owner, absl::StrCat("was written by ", owner.job.empty() ? "a run outside a coordinator" : owner.job,
                                     ", and this rank was aborted (", stop.message(), ")")};
@@ -299,30 +318,12 @@ absl::Status InstallCheckpoint(const std::string& dir, const std::string& tmp, c
   return absl::OkStatus();
 }
 
-// internal::SetCheckpointBeforeInstallHookForTesting's hook, run by rank 0
-// once its checkpoint is whole and before it checks for an abort: a no-op
-// but in tests.
-std::mutex install_hook_mu;
-std::function<void(ProcessGroup&)>& InstallHook() {
-  static auto* hook = new std::function<void(ProcessGroup&)>();  // guarded by install_hook_mu; never destroyed
-  return *hook;
-}
-std::function<void(ProcessGroup&)> BeforeInstallHook() {
-  std::lock_guard<std::mutex> lock(install_hook_mu);
-  if (!InstallHook()) return [](ProcessGroup&) {};
-  return InstallHook();
-}
-
 }  // namespace
 
 namespace internal {
-void SetCheckpointExchangeHookForTesting(std::function<int(int exchange)> hook) {
-  std::lock_guard<std::mutex> lock(exchange_hook_mu);
-  ExchangeHook() = std::move(hook);
-}
+void SetCheckpointExchangeHookForTesting(std::function<int(int exchange)> hook) { ExchangeSeam().Set(std::move(hook)); }
 void SetCheckpointBeforeInstallHookForTesting(std::function<void(ProcessGroup&)> hook) {
-  std::lock_guard<std::mutex> lock(install_hook_mu);
-  InstallHook() = std::move(hook);
+  BeforeInstallSeam().Set(std::move(hook));
 }
 }  // namespace internal
 
@@ -390,8 +391,8 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
     // job's checkpoint of the step: InstallCheckpoint asks. The barriers
     // fence the rest of the save; this covers the state write and the
     // checks, which read every file, and the install itself.
-    BeforeInstallHook()(*pg);
-    RETURN_IF_ERROR(InstallCheckpoint(dir, tmp, final_dir, writer, [pg] { return pg->Aborted(); }));
+    if (const std::function<void(ProcessGroup&)> hook = BeforeInstallSeam().Get()) hook(*pg);
+    RETURN_IF_ERROR(InstallCheckpoint(dir, tmp, final_dir, writer, *pg));
   }
   RETURN_IF_ERROR(pg->Barrier());
   // What a stale rank of an earlier generation made again meanwhile.
