@@ -24,6 +24,7 @@ not include CUDA's.
 # CUDA_GENCODE: the GPU architectures of $COLOD_CUDA_ARCHS (bazel/cuda.bzl;
 # by default sm_80 and sm_90, with compute_90 PTX for newer GPUs).
 load("@local_cuda//:defs.bzl", "CUDA_ENABLED", "CUDA_GENCODE", "NVCC")
+load("//bazel:cc.bzl", "cc_library", "cc_test")
 
 # A constraint no platform has: a target that requires it is incompatible.
 _INCOMPATIBLE = ["//bazel:cuda_present"]
@@ -161,7 +162,7 @@ def cuda_library(name, srcs = [], hdrs = [], deps = [], copts = [], cc_srcs = []
         cmd = " && ".join(["cp $(location %s) $(location %s)" % (s, s + ".cc") for s in srcs]),
         tags = ["manual"],
     )
-    native.cc_library(
+    cc_library(
         name = name,
         srcs = select({
             _EMU: [":" + name + "_emu_srcs"] + cc_srcs,
@@ -184,7 +185,7 @@ def cuda_cc_library(name, srcs = [], deps = [], copts = [], **kwargs):
     sources may include CUDA headers; where the build has no CUDA it has only its
     headers. Its public headers are included with the CUDA include path only by
     targets that add it themselves."""
-    native.cc_library(
+    cc_library(
         name = name,
         srcs = if_cuda(srcs),
         deps = deps + cuda_private_deps(),
@@ -196,7 +197,7 @@ def cuda_cc_test(name, deps = [], copts = [], tags = [], **kwargs):
     """A cc_test that needs CUDA to build (it skips at run time without a GPU; under
     --config=cuda-emu it runs on the emulation). Tagged "gpu": ./dev gpu-check runs
     every test so tagged on the real devices. Its sources may include CUDA headers."""
-    native.cc_test(
+    cc_test(
         name = name,
         deps = deps + cuda_private_deps(),
         copts = copts + cuda_private_copts(),

@@ -6,6 +6,8 @@ the corpus through the same entry point, so the seeds (and every crash found
 and added to them) stay regression tests everywhere.
 """
 
+load("//bazel:cc.bzl", "cc_binary")
+
 def colod_fuzz_test(name, srcs, deps, corpus, seconds = 30, **kwargs):
     """A fuzz target NAME (LLVMFuzzerTestOneInput in `srcs`) and its test.
 
@@ -17,7 +19,7 @@ def colod_fuzz_test(name, srcs, deps, corpus, seconds = 30, **kwargs):
       seconds: how long the test fuzzes under --config=fuzz.
       **kwargs: passed to the test (size, tags, ...).
     """
-    native.cc_binary(
+    cc_binary(
         name = name + "_bin",
         testonly = True,
         srcs = srcs,

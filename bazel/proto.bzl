@@ -6,6 +6,8 @@ root is the package directory: proto/colod/v1/job.proto is imported as
 "colod/v1/job.proto" and its C++ header is included as "colod/v1/job.pb.h".
 """
 
+load("//bazel:cc.bzl", "cc_library")
+
 def _gen_impl(ctx):
     pkg = ctx.label.package
     hdrs = []
@@ -54,7 +56,7 @@ def cc_grpc_library(name, srcs, deps = [], **kwargs):
     _cc_grpc_gen(name = name + "_gen", srcs = srcs)
     native.filegroup(name = name + "_hdrs", srcs = [":" + name + "_gen"], output_group = "hdrs")
     native.filegroup(name = name + "_srcs", srcs = [":" + name + "_gen"], output_group = "srcs")
-    native.cc_library(
+    cc_library(
         name = name,
         srcs = [":" + name + "_srcs"],
         hdrs = [":" + name + "_hdrs"],

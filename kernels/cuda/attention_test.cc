@@ -116,8 +116,9 @@ struct Results {
 };
 
 // Whether the shape takes the tensor-core kernels: bf16 and f16 at head
-// dims 64, 80, 96 and 128 (the cases' buffers are 16-byte aligned).
-bool TensorCores(const Shape& a) {
+// dims 64, 80, 96 and 128 (the cases' buffers are 16-byte aligned). Asked
+// only under the emulation, which counts the mma.sync it runs.
+[[maybe_unused]] bool TensorCores(const Shape& a) {
   return a.type != ElemType::kF32 && (a.d == 64 || a.d == 80 || a.d == 96 || a.d == 128);
 }
 

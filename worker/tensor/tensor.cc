@@ -53,12 +53,6 @@ T OrDie(absl::StatusOr<T> v, const char* what) {
   }
   return *std::move(v);
 }
-void OrDie(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    COLOD_LOG(ERROR) << what << ": " << s;
-    std::abort();
-  }
-}
 
 std::vector<int64_t> RowMajorStrides(const Shape& shape) {
   std::vector<int64_t> s(shape.size());

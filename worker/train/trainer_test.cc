@@ -387,7 +387,7 @@ TEST(Trainer, AStopReportsTheStepEnqueuedAheadOfIt) {
   TrainOptions t = Options(model, 1, 1);
   t.steps = 6;
   const std::vector<StepStats> whole = Losses(t);
-  for (const auto [cuda, read_each_step] : {std::pair{false, false}, std::pair{true, false}, std::pair{true, true}}) {
+  for (const auto& [cuda, read_each_step] : {std::pair{false, false}, std::pair{true, false}, std::pair{true, true}}) {
     if (cuda && kernels::CudaDeviceCount() < 1) continue;
     t.cuda = cuda;
     t.read_each_step = read_each_step;
