@@ -89,7 +89,15 @@ them, like the toolkit's, which have no headers in the graph either.""",
 
 def _cuda_objects_impl(ctx):
     cc_infos = [d[CcInfo] for d in ctx.attr.deps if CcInfo in d]
-    headers = depset(ctx.files.hdrs, transitive = [c.compilation_context.headers for c in cc_infos])
+
+    # Not the precompiled headers of the C++ compiles (bazel/cc.bzl): nvcc
+    # reads none, and as inputs they would rerun nvcc whenever they change.
+    headers = depset(ctx.files.hdrs + [
+        h
+        for c in cc_infos
+        for h in c.compilation_context.headers.to_list()
+        if h.owner == None or h.owner.package != "bazel/pch"
+    ])
     include_flags = ["-I.", "-I" + ctx.bin_dir.path]
     for c in cc_infos:
         cc = c.compilation_context
