@@ -25,8 +25,8 @@ Where no variant fits a compile, gcc reads `<set>_pch.h` as text, and the
 text is an `#error` that says why: a compile that silently parsed the
 headers again would cost what the precompiled header saves, and no log
 check sees the compiles Bazel has cached. A target whose own copts set `-O`
-or `-f` flags gets no precompiled header (kernels/cpu's `-O3`), and
-`pch = False` does the same by hand; both tag it `no_pch`, and `./dev
+or `-f` flags gets no precompiled header (kernels/cpu's `-O3`), nor does
+one with a C source, and `pch = False` does the same by hand; both tag it `no_pch`, and `./dev
 deps-check` finds any other C++ target with sources that has none (a BUILD
 file that loads the native rules).
 
@@ -156,6 +156,10 @@ def _with_pch(kind, srcs, copts, deps, tags, pch):
     # select() of copts holds only include paths, warnings and -include here
     # (bazel/cuda_rules.bzl).
     if type(copts) == type([]) and [c for c in copts if c.startswith("-O") or c.startswith("-f")]:
+        pch = False
+
+    # A C source cannot include the C++ headers.
+    if type(srcs) == type([]) and [s for s in srcs if type(s) == type("") and s.endswith(".c")]:
         pch = False
     if not pch:
         return copts, deps, tags + ["no_pch"]
