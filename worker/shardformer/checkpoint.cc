@@ -209,9 +209,11 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
     }
     return f.get();
   };
-  // Every block as stored before any allocation: the index's shapes are
-  // then backed by the rank files' bytes, and the checkpoint tensors they
-  // fill can be no larger than they are.
+  // Every block as stored before any allocation: each block of a tensor in
+  // a file of its own (a file holds one tensor of a name), so the index's
+  // shapes, which its blocks tile (ParseCheckpointIndex), are backed by the
+  // rank files' bytes, and the checkpoint tensors they fill can be no larger
+  // than they are.
   int64_t parameter_elements = 0, hf_elements = 0;
   std::map<std::string, Shape> hf_shapes;
   for (const auto& [name, t] : index.tensors) {
@@ -222,7 +224,11 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
     } else if (known->second != t.hf.shape) {
       return Damaged(dir, absl::StrCat(name, " and another parameter give ", t.hf.name, " two shapes"));
     }
+    std::set<std::string> block_files;
     for (const CheckpointBlock& b : t.blocks) {
+      if (!block_files.insert(b.file).second) {
+        return Damaged(dir, absl::StrCat("two blocks of ", name, " name ", b.file, ", which holds one ", name));
+      }
       ASSIGN_OR_RETURN(SafetensorsFile * f, file(b.file));
       if (!f->Has(name)) return Damaged(dir, absl::StrCat(b.file, " lacks ", name));
       ASSIGN_OR_RETURN(TensorInfo info, f->Info(name));

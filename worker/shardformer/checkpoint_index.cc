@@ -1,6 +1,9 @@
 #include "worker/shardformer/checkpoint_index.h"
 
+#include <algorithm>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
@@ -93,6 +96,47 @@ absl::StatusOr<HfTensor> ParseHf(const Reader& r, const Json& h, const std::stri
   return hf;
 }
 
+// The blocks tile the tensor, as the blocks of a distributed spec do:
+// along each dim their intervals partition [0, size), and no two blocks are
+// the same cell of the grid those partitions make. With ParseTensor's
+// element count, every element then lies in exactly one block. Overlapping
+// blocks whose sizes add up to the tensor's (two halves of the same rows, a
+// gap elsewhere) would leave a part of the tensor unwritten, zeros a
+// consolidation would pass on as weights.
+absl::Status CheckTiling(const Reader& r, const CheckpointTensor& t, const std::string& of) {
+  const size_t n = t.blocks.size(), dims = t.global_shape.size();
+  std::vector<std::vector<size_t>> cells(n, std::vector<size_t>(dims));
+  for (size_t d = 0; d < dims; ++d) {
+    std::vector<std::pair<int64_t, int64_t>> intervals;  // (start, length)
+    intervals.reserve(n);
+    for (const CheckpointBlock& b : t.blocks) intervals.emplace_back(b.starts[d], b.lengths[d]);
+    std::sort(intervals.begin(), intervals.end());
+    intervals.erase(std::unique(intervals.begin(), intervals.end()), intervals.end());
+    int64_t at = 0;
+    for (const auto& [start, length] : intervals) {
+      if (start != at) {
+        return r.Error(absl::StrCat("the blocks of ", of, " do not tile its shape ", ShapeToString(t.global_shape),
+                                    ": along dim ", d, " one starts at ", start, " where ",
+                                    start < at ? "another runs to " : "the ones before end at ", at));
+      }
+      at = start + length;  // inside the shape (ParseTensor)
+    }
+    if (at != t.global_shape[d]) {
+      return r.Error(absl::StrCat("the blocks of ", of, " do not tile its shape ", ShapeToString(t.global_shape),
+                                  ": along dim ", d, " they end at ", at));
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const std::pair<int64_t, int64_t> mine(t.blocks[i].starts[d], t.blocks[i].lengths[d]);
+      cells[i][d] = static_cast<size_t>(std::lower_bound(intervals.begin(), intervals.end(), mine) - intervals.begin());
+    }
+  }
+  std::sort(cells.begin(), cells.end());
+  if (std::adjacent_find(cells.begin(), cells.end()) != cells.end()) {
+    return r.Error(absl::StrCat("two blocks of ", of, " hold the same part of it"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CheckpointTensor> ParseTensor(const Reader& r, const Json& t, const std::string& name) {
   const std::string of = absl::StrCat("tensor ", name);
   CheckpointTensor out;
@@ -138,6 +182,7 @@ absl::StatusOr<CheckpointTensor> ParseTensor(const Reader& r, const Json& t, con
   if (covered != elements) {
     return r.Error(absl::StrCat("the blocks of ", of, " hold ", covered, " of its ", elements, " elements"));
   }
+  RETURN_IF_ERROR(CheckTiling(r, out, of));
   return out;
 }
 

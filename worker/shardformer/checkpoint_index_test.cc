@@ -94,6 +94,31 @@ TEST(ParseCheckpointIndex, BlocksHoldExactlyTheTensor) {
   j = Good();
   Tensor0(j)["blocks"] = Json::array();
   ExpectRefused(j, "is not a list of 1 to 65536 blocks");
+  // Blocks whose sizes add up to the tensor's but overlap: rows 6 and 7
+  // would be in no block, and consolidated as zeros.
+  j = Good();
+  Tensor0(j)["blocks"][1]["starts"] = {2, 0};
+  ExpectRefused(j, "do not tile its shape [8, 4]: along dim 0 one starts at 2 where another runs to 4");
+  // A gap, then a block past it.
+  j = Good();
+  Tensor0(j)["blocks"][0]["lengths"] = {2, 4};
+  Tensor0(j)["blocks"].push_back(
+      Json::parse(R"({"file": "rank-00001-of-00002.safetensors", "starts": [6, 0], "lengths": [2, 4]})"));
+  ExpectRefused(j, "along dim 0 one starts at 4 where the ones before end at 2");
+  // A 2 x 2 grid of [4, 2] blocks with one cell twice and another in none:
+  // the dims are partitioned, the cells are not.
+  j = Good();
+  Tensor0(j)["blocks"] = Json::parse(R"([
+    {"file": "rank-00000-of-00002.safetensors", "starts": [0, 0], "lengths": [4, 2]},
+    {"file": "rank-00001-of-00002.safetensors", "starts": [0, 0], "lengths": [4, 2]},
+    {"file": "rank-00000-of-00002.safetensors", "starts": [0, 2], "lengths": [4, 2]},
+    {"file": "rank-00001-of-00002.safetensors", "starts": [4, 2], "lengths": [4, 2]}])");
+  ExpectRefused(j, "two blocks of tensor h.0.mlp.c_fc.weight hold the same part of it");
+  // The same grid whole is a tiling, in any order.
+  Tensor0(j)["blocks"][1]["starts"] = {4, 0};
+  std::swap(Tensor0(j)["blocks"][0], Tensor0(j)["blocks"][3]);
+  auto grid = ParseCheckpointIndex(j.dump(), "x");
+  EXPECT_TRUE(grid.ok()) << grid.status();
 }
 
 TEST(ParseCheckpointIndex, WrongTypesAndValuesAreErrorsNotExceptions) {

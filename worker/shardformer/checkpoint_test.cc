@@ -8,6 +8,7 @@
 #include <fstream>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/temp_dir.h"
@@ -348,6 +349,27 @@ TEST(Checkpoint, AHostileIndexIsRefusedBeforeItIsActedOn) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("more than the"), std::string::npos) << s;
   EXPECT_FALSE(std::filesystem::exists(TempPath("ck5_out") + "/model.safetensors"));
+  // A tensor twice the size of a rank's block, both its halves that one
+  // block: the blocks tile the shape, but one file's bytes would back both
+  // (65536 such blocks would make a 2 MB file a 256 GiB tensor).
+  bad = good;
+  std::string split;  // a tensor the two ranks hold halves of
+  for (const auto& [n, t] : good["tensors"].items()) {
+    if (t["blocks"].size() == 2) split = n;
+  }
+  ASSERT_FALSE(split.empty());
+  nlohmann::json twice = bad["tensors"][split]["blocks"][0];
+  twice["starts"] = std::vector<int64_t>(twice["lengths"].size(), 0);
+  const int64_t rows = twice["lengths"][0].get<int64_t>();
+  bad["tensors"][split]["global_shape"] = twice["lengths"];
+  bad["tensors"][split]["global_shape"][0] = 2 * rows;
+  bad["tensors"][split]["blocks"] = {twice, twice};
+  bad["tensors"][split]["blocks"][1]["starts"][0] = rows;
+  s = consolidate_with(bad);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find(absl::StrCat("two blocks of ", split, " name rank-00000-of-00002.safetensors")),
+            std::string::npos)
+      << s;
   // The index put back: it consolidates.
   EXPECT_TRUE(consolidate_with(good).ok());
   ExpectSameTensors(TempPath("ck5_out"), *model);

@@ -1,6 +1,8 @@
 #include "worker/shardformer/hf_tensor.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 
 namespace colod::shardformer {
@@ -140,8 +142,14 @@ absl::StatusOr<Tensor> LayerToHf(const HfTensor& hf, const Tensor& layer_global)
     }
     return t.TryContiguous();
   }
+  if (t.shape().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(hf.name, ": a scalar cannot be the [rows, columns] tensor ",
+                                                   ShapeToString(hf.shape)));
+  }
+  // Rows from the leading dims, not numel / last: a dim may be 0.
   const int64_t last = t.shape().back();
-  ASSIGN_OR_RETURN(t, t.Reshape({t.numel() / last, last}));
+  const int64_t rows = *CheckedProduct(absl::MakeConstSpan(t.shape()).first(t.shape().size() - 1));
+  ASSIGN_OR_RETURN(t, t.Reshape({rows, last}));
   if (hf.valid_rows >= 0) {
     ASSIGN_OR_RETURN(t, t.Narrow(0, 0, hf.valid_rows));
   }
@@ -153,6 +161,10 @@ absl::StatusOr<Tensor> LayerToHf(const HfTensor& hf, const Tensor& layer_global)
 
 absl::Status PlaceInHf(const HfTensor& hf, const Tensor& slice, Tensor& full) {
   Tensor dest = full;
+  if (hf.narrow_dim >= static_cast<int64_t>(slice.shape().size())) {
+    return absl::InvalidArgumentError(absl::StrCat(hf.name, ": a ", ShapeToString(slice.shape()),
+                                                   " slice has no dim ", hf.narrow_dim, " to narrow"));
+  }
   if (hf.narrow_dim >= 0) {
     ASSIGN_OR_RETURN(dest, full.Narrow(hf.narrow_dim, hf.narrow_start, slice.shape()[hf.narrow_dim]));
   }

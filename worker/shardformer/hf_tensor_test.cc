@@ -62,5 +62,25 @@ TEST(HfTensor, BlocksMatchTheWholeLayerTensorAndConvertBack) {
   EXPECT_EQ(f[(2 * 4 + 1) * 6 + 5], w[5 * 12 + 2 * 4 + 1]);
 }
 
+// A checkpoint index is input (coloctl consolidate): shapes it pairs that
+// no layer makes are errors, never a division by zero or a read past a
+// shape. An empty tensor converts as any other.
+TEST(HfTensor, ShapesNoLayerMakesAreErrorsNotCrashes) {
+  auto empty = LayerToHf({"w", {0, 4}, true}, *Tensor::Zeros({4, 0}, DType::kF32));
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ(empty->shape(), (Shape{0, 4}));
+  auto scalar = LayerToHf({"w", {2, 2}}, *Tensor::Zeros({}, DType::kF32));
+  EXPECT_EQ(scalar.status().code(), absl::StatusCode::kInvalidArgument) << scalar.status();
+  EXPECT_NE(scalar.status().message().find("a scalar cannot be the [rows, columns] tensor [2, 2]"), std::string::npos);
+  // A narrow along a dim the slice does not have ([2, 2, 2] is held as stored).
+  Tensor full = *Tensor::Zeros({2, 2, 2}, DType::kF32);
+  const HfTensor three = {"w", {2, 2, 2}, false, 2, 0};
+  auto held = LayerToHf(three, *Tensor::Zeros({8}, DType::kF32));
+  ASSERT_TRUE(held.ok());
+  const absl::Status placed = PlaceInHf(three, *held, full);
+  EXPECT_EQ(placed.code(), absl::StatusCode::kInvalidArgument) << placed;
+  EXPECT_NE(placed.message().find("a [8] slice has no dim 2 to narrow"), std::string::npos) << placed;
+}
+
 }  // namespace
 }  // namespace colod::shardformer

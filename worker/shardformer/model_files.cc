@@ -1,9 +1,11 @@
 #include "worker/shardformer/model_files.h"
 
-#include <fstream>
-#include <sstream>
+#include <sys/stat.h>
+
+#include <cerrno>
 
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
 #include "common/status_macros.h"
 #include "worker/colo/redistribute.h"
 #include "worker/shardformer/checkpoint_index.h"
@@ -13,8 +15,16 @@ namespace colod::shardformer {
 absl::StatusOr<std::unique_ptr<ModelFiles>> ModelFiles::Open(const std::string& dir) {
   std::unique_ptr<ModelFiles> m(new ModelFiles(dir));
   const std::string single = dir + "/model.safetensors", index = absl::StrCat(dir, "/", kWeightMapIndex);
-  std::ifstream in(index);
-  if (!in) {
+  // The index where there is one (not a FIFO or a device, which could
+  // block the rank where no abort reaches it); else the single file. An
+  // index there but unreadable is that error, not "neither".
+  struct stat st;
+  const bool has_index = ::stat(index.c_str(), &st) == 0;
+  if (!has_index && errno != ENOENT && errno != ENOTDIR) return FileError("cannot read", index, errno);
+  if (has_index && !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(index, " is not a regular file"));
+  }
+  if (!has_index) {
     auto f = SafetensorsFile::Open(single);
     if (absl::IsNotFound(f.status())) {
       return absl::NotFoundError(absl::StrCat(dir, " has neither model.safetensors nor model.safetensors.index.json"));
@@ -24,9 +34,8 @@ absl::StatusOr<std::unique_ptr<ModelFiles>> ModelFiles::Open(const std::string& 
     m->files_["model.safetensors"] = *std::move(f);
     return m;
   }
-  std::stringstream text;
-  text << in.rdbuf();
-  ASSIGN_OR_RETURN(const auto weight_map, ParseWeightMap(text.str(), index));
+  ASSIGN_OR_RETURN(const std::string text, ReadFileToString(index));
+  ASSIGN_OR_RETURN(const auto weight_map, ParseWeightMap(text, index));
   for (const auto& [tensor, file] : weight_map) {
     if (!m->files_.count(file)) {
       auto f = SafetensorsFile::Open(dir + "/" + file);

@@ -63,5 +63,32 @@ TEST(ModelFiles, SingleFileMissingDirectoryAndBrokenIndex) {
   EXPECT_NE(bad.status().message().find("has no tensor v"), absl::string_view::npos) << bad.status();
 }
 
+// A FIFO where a weights file or the index should be is refused at once: it
+// blocked the rank in open() (no writer), where no abort reaches it, and the
+// worker stayed busy with the job until it was restarted.
+TEST(ModelFiles, AFifoInPlaceOfAFileIsRefusedNotWaitedOn) {
+  const std::string single = Dir("fifo_single");
+  ASSERT_EQ(::mkfifo((single + "/model.safetensors").c_str(), 0600), 0);
+  auto m = ModelFiles::Open(single);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_NE(m.status().message().find("not a regular file"), absl::string_view::npos) << m.status();
+
+  const std::string index = Dir("fifo_index");
+  ASSERT_EQ(::mkfifo((index + "/model.safetensors.index.json").c_str(), 0600), 0);
+  m = ModelFiles::Open(index);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_NE(m.status().message().find("model.safetensors.index.json is not a regular file"), absl::string_view::npos)
+      << m.status();
+
+  const std::string shard = Dir("fifo_shard");
+  ASSERT_EQ(::mkfifo((shard + "/part.safetensors").c_str(), 0600), 0);
+  std::ofstream(shard + "/model.safetensors.index.json") << R"({"weight_map":{"w":"part.safetensors"}})";
+  m = ModelFiles::Open(shard);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_NE(m.status().message().find("part.safetensors: not a valid safetensors file: not a regular file"),
+            absl::string_view::npos)
+      << m.status();
+}
+
 }  // namespace
 }  // namespace colod::shardformer

@@ -78,13 +78,19 @@ const char* SafetensorsDTypeName(DType dtype) {
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO without a writer would block the rank in open,
+  // where no abort reaches it; it is refused below instead.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return Errno("cannot open", path);
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     absl::Status s = Errno("cannot stat", path);
     ::close(fd);
     return s;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Invalid(path, S_ISDIR(st.st_mode) ? "a directory, not a file" : "not a regular file (a FIFO or a device)");
   }
   const size_t size = static_cast<size_t>(st.st_size);
   if (size < 8) {

@@ -310,7 +310,7 @@ absl::StatusOr<std::vector<int64_t>> ByteLevelBpe::Encode(absl::string_view text
       return;
     }
     const size_t from = out.size();
-    EncodeWord(word, scratch, out);
+    for (size_t at = 0; at < word.size(); at += kMaxWordBytes) EncodeWord(word.substr(at, kMaxWordBytes), scratch, out);
     if (word.size() <= 64 && seen.size() < (size_t{1} << 20)) seen.emplace(word, std::make_pair(from, out.size() - from));
   });
   return out;

@@ -17,7 +17,12 @@
 // Create checks that every byte's symbol and every merge's result are in the
 // vocabulary (as Hugging Face's BPE does), so Encode cannot fail on any
 // input. Merging runs on a heap of candidate pairs: O(n log n) in a word's
-// length, so a megabyte without a space is not quadratic.
+// length, so a megabyte without a space is not quadratic. A word longer
+// than kMaxWordBytes (a data file of one endless run of letters) is merged
+// in pieces of that many bytes, no pair merged across a piece's end: the
+// merge state is about 40 bytes a byte of the word, so a gigabyte word
+// would have taken 40 GB (and past 2 GiB overflowed its int positions).
+// Hugging Face merges such a word whole; no text a model learns from has one.
 //
 // Thread-safety: immutable after Create; Encode and Decode are const.
 #ifndef COLOD_WORKER_TRAIN_BYTE_LEVEL_BPE_H_
@@ -58,6 +63,8 @@ class ByteLevelBpe final : public Tokenizer {
   static absl::StatusOr<std::unique_ptr<ByteLevelBpe>> Create(
       const absl::flat_hash_map<std::string, int64_t>& vocab,
       const std::vector<std::pair<std::string, std::string>>& merges, Options options);
+
+  static constexpr size_t kMaxWordBytes = size_t{1} << 20;
 
   std::string kind() const override { return "byte-level BPE"; }
   int64_t vocab_size() const override { return static_cast<int64_t>(symbols_.size()); }

@@ -128,6 +128,18 @@ TEST(ByteLevelBpe, AnyBytesRoundTrip) {
   auto ids = (*bpe)->Encode(long_word);
   ASSERT_TRUE(ids.ok());
   EXPECT_EQ(ids->size(), size_t{2} << 20);
+  // Past kMaxWordBytes a word merges in pieces: "b" and 2^20 "a"s is "b",
+  // 2^19 - 1 "aa"s and an "a" from the first piece, the last "a" alone in
+  // the second; merged whole it would end in 2^19 "aa"s.
+  const std::string odd = "b" + std::string(ByteLevelBpe::kMaxWordBytes, 'a');
+  ids = (*bpe)->Encode(odd);
+  ASSERT_TRUE(ids.ok());
+  ASSERT_EQ(ids->size(), ByteLevelBpe::kMaxWordBytes / 2 + 2);
+  EXPECT_EQ((*ids)[0], 'b');
+  EXPECT_EQ(ids->end()[-3], (*ids)[1]);  // "aa"
+  EXPECT_EQ(ids->end()[-2], 'a');
+  EXPECT_EQ(ids->end()[-1], 'a');
+  EXPECT_EQ(*(*bpe)->Decode(*ids), odd);
 }
 
 TEST(ByteLevelBpe, AddPrefixSpaceAndIgnoreMerges) {
