@@ -2,10 +2,12 @@
 // (ParseCheckpointIndex) and model.safetensors.index.json (ParseWeightMap).
 // Errors, never a crash; and what they accept keeps its promises: every file
 // named is a plain name, every block lies inside its tensor, and the blocks
-// hold exactly the tensor's elements.
+// tile it: each element in exactly one block (counted element by element
+// where the tensor is small enough).
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "common/atomic_file.h"
 #include "common/int_math.h"
@@ -28,6 +30,22 @@ void CheckIndex(const colod::shardformer::CheckpointIndex& index) {
       covered += *colod::CheckedProduct(b.lengths);
     }
     if (covered != *elements) std::abort();
+    if (*elements <= (1 << 16)) {  // each element once, marked block by block
+      std::vector<uint8_t> hits(static_cast<size_t>(*elements), 0);
+      const size_t dims = t.global_shape.size();
+      for (const colod::shardformer::CheckpointBlock& b : t.blocks) {
+        if (*colod::CheckedProduct(b.lengths) == 0) continue;
+        std::vector<int64_t> at(dims, 0);  // an index into the block
+        for (;;) {
+          int64_t flat = 0;
+          for (size_t d = 0; d < dims; ++d) flat = flat * t.global_shape[d] + b.starts[d] + at[d];
+          if (++hits[static_cast<size_t>(flat)] != 1) std::abort();
+          size_t d = dims;
+          while (d > 0 && ++at[d - 1] == b.lengths[d - 1]) at[--d] = 0;
+          if (d == 0) break;
+        }
+      }
+    }
     if (t.hf.narrow_dim < -1 || t.hf.narrow_dim >= static_cast<int64_t>(t.hf.shape.size())) std::abort();
   }
 }
