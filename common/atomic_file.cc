@@ -110,6 +110,39 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   return out;
 }
 
+absl::Status SyncDirectory(const std::string& dir) {
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) return Errno("cannot open", dir);
+  absl::Status s;
+  if (::fsync(dfd) != 0) s = Errno("cannot fsync", dir);
+  ::close(dfd);
+  return s;
+}
+
+absl::Status SyncFilesAndDirectory(const std::string& dir) {
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(dir);
+  if (!names.ok()) return names.status();
+  for (const std::string& name : *names) {
+    const std::string path = absl::StrCat(dir, "/", name);
+    // O_NOFOLLOW and O_NONBLOCK: a link or a FIFO is not ours to wait on.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+      if (errno == ELOOP) continue;  // a symbolic link
+      return Errno("cannot open", path);
+    }
+    struct stat info;
+    absl::Status s;
+    if (::fstat(fd, &info) != 0) {
+      s = Errno("cannot stat", path);
+    } else if (S_ISREG(info.st_mode) && ::fsync(fd) != 0) {
+      s = Errno("cannot fsync", path);
+    }
+    ::close(fd);
+    if (!s.ok()) return s;
+  }
+  return SyncDirectory(dir);
+}
+
 absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& dir) {
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) return absl::NotFoundError(absl::StrCat("cannot list '", dir, "': ", std::strerror(errno)));

@@ -44,6 +44,14 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 // std::filesystem::directory_iterator does.
 absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& dir);
 
+// Makes a directory written file by file durable before it is renamed into
+// place: fsyncs each regular file directly in `dir` (not links, not
+// subdirectories), then `dir` itself. FileError's status naming the file
+// that failed (EIO: a write-back the page cache lost).
+absl::Status SyncFilesAndDirectory(const std::string& dir);
+// fsync of the directory `dir`: a rename into it is durable once it returns.
+absl::Status SyncDirectory(const std::string& dir);
+
 // Whether `path` names a regular file (following links).
 bool IsRegularFile(const std::string& path);
 

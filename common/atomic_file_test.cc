@@ -93,5 +93,23 @@ TEST(ReadFileToString, ReadsAPipeToItsEndAndAWriterlessFifoAsEmpty) {
   EXPECT_EQ(*none, "");
 }
 
+// A downloaded directory made durable before its rename: its files are
+// synced, and what is not a file (a FIFO, a link to one, a subdirectory) is
+// passed over, never opened to wait on. A directory not there is an error.
+TEST(SyncFilesAndDirectory, SyncsTheFilesAndPassesOverTheRest) {
+  const std::string dir = FreshDir("sync");
+  ASSERT_TRUE(WriteFileAtomically(dir + "/model.safetensors", "weights").ok());
+  ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0644), 0);
+  ASSERT_EQ(::symlink((dir + "/fifo").c_str(), (dir + "/link").c_str()), 0);
+  ASSERT_EQ(::mkdir((dir + "/sub").c_str(), 0755), 0);
+  EXPECT_TRUE(SyncFilesAndDirectory(dir).ok());
+  EXPECT_TRUE(SyncDirectory(dir).ok());
+  const absl::Status missing = SyncFilesAndDirectory(dir + "/nowhere");
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
+  EXPECT_NE(missing.message().find("nowhere"), std::string::npos) << missing;
+  const absl::Status not_dir = SyncDirectory(dir + "/model.safetensors");
+  EXPECT_EQ(not_dir.code(), absl::StatusCode::kFailedPrecondition) << not_dir;
+}
+
 }  // namespace
 }  // namespace colod

@@ -149,9 +149,15 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
     if (wait == left) return stayed_busy();  // no time left to ask again
     backoff = std::min(backoff * 2, options_.max_busy_backoff);
   }
+  // Durable before it is in place: a later job trusts any directory there,
+  // and a power loss must not leave it holding cut files.
+  RETURN_IF_ERROR(SyncFilesAndDirectory(tmp));
   fs::rename(tmp, dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot rename '", tmp, "': ", ec.message()));
   remove_tmp.keep = true;
+  if (const absl::Status synced = SyncDirectory(fs::path(dir).parent_path().string()); !synced.ok()) {
+    COLOD_LOG(WARNING) << "upload " << model.upload_id() << " is in place, but not yet durable: " << synced.message();
+  }
   return dir;
 }
 
