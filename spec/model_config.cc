@@ -626,8 +626,8 @@ absl::Status CheckShardable(const ModelConfig& config, const v1::ShardConfig& sh
 
 absl::StatusOr<std::string> ReadConfigJson(const std::string& dir) {
   auto text = ReadFileToString(dir + "/config.json");
-  if (!text.ok()) return absl::NotFoundError(absl::StrCat("no config.json in ", dir));
-  return text;
+  if (absl::IsNotFound(text.status())) return absl::NotFoundError(absl::StrCat("no config.json in ", dir));
+  return text;  // or why the one there cannot be read (no permission, a directory, EIO)
 }
 
 absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& dir) {

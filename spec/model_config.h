@@ -86,7 +86,8 @@ inline constexpr int64_t kMaxPositions = int64_t{1} << 40;
 // heads, heads not divisible by the kv heads), more than kMaxLayers layers,
 // or a model whose parameter count overflows int64.
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& what = "config.json");
-// DIR/config.json's text; NOT_FOUND "no config.json in DIR" without it.
+// DIR/config.json's text; NOT_FOUND "no config.json in DIR" without it,
+// ReadFileToString's error where one is there but cannot be read.
 absl::StatusOr<std::string> ReadConfigJson(const std::string& dir);
 // DIR/config.json parsed by ParseModelConfig: the built-in families, as the
 // coordinator and `coloctl plan` know them. The worker reads it with

@@ -2,6 +2,8 @@
 #include "spec/model_config.h"
 #include "spec/plan.h"
 
+#include <filesystem>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -260,6 +262,21 @@ TEST(ModelConfig, TheMemoryFloorPerRank) {
   spec.set_kind(v1::JOB_KIND_FORWARD);
   spec.mutable_shard()->set_tensor_parallel_size(3);
   EXPECT_GE(MemoryFloorPerRank(*llama, spec)->param_bytes, (p + 2) / 3 * 4);
+}
+
+// Without config.json, NOT_FOUND saying so; with one that cannot be read
+// (here a directory in its place), why, not "no config.json".
+TEST(ModelConfig, AConfigThatCannotBeReadIsNotCalledMissing) {
+  const std::string dir = ::colod::testing::TempPath("config_unreadable");
+  std::filesystem::create_directories(dir);
+  auto missing = ReadModelConfig(dir);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+  EXPECT_EQ(missing.status().message(), absl::StrCat("no config.json in ", dir));
+  std::filesystem::create_directories(dir + "/config.json");
+  auto unreadable = ReadModelConfig(dir);
+  EXPECT_EQ(unreadable.status().code(), absl::StatusCode::kFailedPrecondition) << unreadable.status();
+  EXPECT_TRUE(absl::StrContains(unreadable.status().message(), "cannot read '" + dir + "/config.json'"))
+      << unreadable.status();
 }
 
 TEST(ModelConfig, ErrorsNameTheField) {
