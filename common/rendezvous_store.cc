@@ -1,5 +1,7 @@
 #include "common/rendezvous_store.h"
 
+#include <set>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
@@ -25,14 +27,15 @@ absl::Status RendezvousStore::ValidateTimeout(absl::Duration timeout) {
 
 namespace {
 
-// The bookkeeping of a barrier entry, and of each rank that arrived.
+// The bookkeeping of a barrier entry besides kEntryOverheadBytes, and of
+// each rank that arrived.
 constexpr int64_t kBarrierOverheadBytes = 128;
 constexpr int64_t kArrivalBytes = 48;
 // Ranks a timed-out barrier names, at most.
 constexpr int kMissingShown = 32;
 
 int64_t EntryBytes(absl::string_view scope, absl::string_view key, size_t value) {
-  return static_cast<int64_t>(scope.size() + key.size() + value);
+  return RendezvousStore::kEntryOverheadBytes + static_cast<int64_t>(scope.size() + key.size() + value);
 }
 
 }  // namespace
@@ -102,11 +105,21 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
                                                                const std::vector<std::string>& keys,
                                                                absl::Duration timeout) {
   if (keys.empty()) return absl::InvalidArgumentError("keys: at least one key is required");
+  if (keys.size() > kMaxWaitKeys) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("keys: ", keys.size(), " is over the limit of ", kMaxWaitKeys, " in one wait"));
+  }
   for (const std::string& k : keys) RETURN_IF_ERROR(ValidateScopeKey(scope, k));
+  {
+    std::set<absl::string_view> seen;
+    for (const std::string& k : keys) {
+      if (!seen.insert(k).second) return absl::InvalidArgumentError(absl::StrCat("keys: '", k, "' is named twice"));
+    }
+  }
   RETURN_IF_ERROR(ValidateTimeout(timeout));
   const std::string s(scope);
   auto all_set = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (closed_ || cancelled_.count(s)) return true;
+    if (closed_ || cancelled_.count(s) || ended_.count(s)) return true;
     for (const std::string& k : keys) {
       if (kv_.find({s, k}) == kv_.end()) return false;
     }
@@ -120,21 +133,34 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
     --waiters_;
   }
   RETURN_IF_ERROR(OpenLocked(scope));
-  std::vector<std::string> values;
-  std::vector<std::string> missing;
+  std::vector<const std::string*> found;
+  std::vector<absl::string_view> missing;
+  int64_t reply_bytes = 0;
   for (const std::string& k : keys) {
     auto it = kv_.find({s, k});
     if (it == kv_.end()) {
       missing.push_back(k);
     } else {
-      values.push_back(it->second);
+      found.push_back(&it->second);
+      reply_bytes += static_cast<int64_t>(it->second.size());
     }
   }
   if (!missing.empty()) {
-    return absl::DeadlineExceededError(absl::StrCat("after ", absl::FormatDuration(timeout),
-                                                    " still missing in scope '", scope,
-                                                    "': ", absl::StrJoin(missing, ", ")));
+    constexpr size_t kMissingKeysShown = 32;
+    const size_t more = missing.size() > kMissingKeysShown ? missing.size() - kMissingKeysShown : 0;
+    missing.resize(missing.size() - more);
+    return absl::DeadlineExceededError(absl::StrCat(
+        "after ", absl::FormatDuration(timeout), " still missing in scope '", scope, "': ",
+        absl::StrJoin(missing, ", "), more > 0 ? absl::StrCat(" and ", more, " more") : ""));
   }
+  if (reply_bytes > kMaxWaitReplyBytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("the values of these ", keys.size(), " keys total ", reply_bytes,
+                                                     " bytes, over the limit of ", kMaxWaitReplyBytes,
+                                                     " in one reply; wait for fewer keys at once"));
+  }
+  std::vector<std::string> values;
+  values.reserve(found.size());
+  for (const std::string* v : found) values.push_back(*v);
   return values;
 }
 
@@ -216,6 +242,9 @@ absl::Status RendezvousStore::OpenLocked(absl::string_view scope) const {
   if (cancelled_.count(std::string(scope))) {
     return absl::CancelledError(absl::StrCat("scope '", scope, "' was aborted (the job generation stopped)"));
   }
+  if (ended_.count(std::string(scope))) {
+    return absl::CancelledError(absl::StrCat("scope '", scope, "' ended (its job generation is over)"));
+  }
   return absl::OkStatus();
 }
 
@@ -228,6 +257,13 @@ void RendezvousStore::DeleteScope(absl::string_view scope) {
   absl::MutexLock lock(&mu_);
   const std::string s(scope);
   cancelled_.erase(s);
+  if (ended_.insert(s).second) {
+    ended_order_.push_back(s);
+    if (ended_order_.size() > kMaxEndedScopes) {
+      ended_.erase(ended_order_.front());
+      ended_order_.pop_front();
+    }
+  }
   for (auto it = kv_.lower_bound({s, ""}); it != kv_.end() && it->first.first == s;) {
     bytes_ -= EntryBytes(it->first.first, it->first.second, it->second.size());
     it = kv_.erase(it);

@@ -3,6 +3,7 @@
 #ifndef COLOD_COMMON_RENDEZVOUS_STORE_H_
 #define COLOD_COMMON_RENDEZVOUS_STORE_H_
 
+#include <deque>
 #include <map>
 #include <set>
 #include <string>
@@ -37,6 +38,14 @@ class RendezvousStore {
   static constexpr size_t kMaxKeyBytes = 1024;
   static constexpr size_t kMaxValueBytes = 4 << 20;
   static constexpr absl::Duration kMaxTimeout = absl::Minutes(30);
+  // Keys one Wait may name, and the bytes of the values it may return (a
+  // reply past gRPC's default 4 MiB message could not be received anyway).
+  static constexpr size_t kMaxWaitKeys = 4096;
+  static constexpr int64_t kMaxWaitReplyBytes = 4 << 20;
+  // What the store counts for each key or barrier besides its bytes: the
+  // map's node, the strings' headers.
+  static constexpr int64_t kEntryOverheadBytes = 128;
+  static constexpr size_t kMaxEndedScopes = 65536;
 
   explicit RendezvousStore(RendezvousStoreLimits limits = {}) : limits_(limits) {}
 
@@ -44,7 +53,9 @@ class RendezvousStore {
   // NOT_FOUND if unset.
   absl::StatusOr<std::string> Get(absl::string_view scope, absl::string_view key);
   // The values of `keys` once all are set. DEADLINE_EXCEEDED after `timeout`
-  // naming the missing keys; CANCELLED after Close().
+  // naming the missing keys; CANCELLED after Close(). INVALID_ARGUMENT for
+  // no keys, more than kMaxWaitKeys or a key named twice;
+  // RESOURCE_EXHAUSTED when the values total over kMaxWaitReplyBytes.
   absl::StatusOr<std::vector<std::string>> Wait(absl::string_view scope,
                                                 const std::vector<std::string>& keys,
                                                 absl::Duration timeout);
@@ -55,12 +66,16 @@ class RendezvousStore {
   // caller's.
   absl::Status Barrier(absl::string_view scope, absl::string_view name, int rank, int world_size,
                        absl::Duration timeout);
-  // Drops every key and barrier of `scope` (a job generation that ended).
+  // Drops every key and barrier of `scope` (a job generation that ended)
+  // and closes it: later sets, waits and barriers in it fail CANCELLED, so
+  // that a rank that outlived its generation (its worker was lost but still
+  // runs) cannot fill it again. The newest kMaxEndedScopes closed scopes are
+  // remembered; an older one is forgotten (it is open again).
   void DeleteScope(absl::string_view scope);
   // The generation of `scope` was aborted: its waiters wake with CANCELLED
   // (so a rank blocked in its rendezvous is free at once, not at its
   // timeout), and later sets, waits and barriers in it fail CANCELLED, until
-  // DeleteScope.
+  // DeleteScope (which keeps it closed).
   void CancelScope(absl::string_view scope);
   // Wakes every waiter with CANCELLED; later waits fail at once.
   void Close();
@@ -98,6 +113,10 @@ class RendezvousStore {
   std::map<std::pair<std::string, std::string>, BarrierState> barriers_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> cancelled_ ABSL_GUARDED_BY(mu_);  // scopes
+  // Scopes DeleteScope closed, and the order they were closed in (the
+  // oldest is forgotten past kMaxEndedScopes).
+  std::set<std::string> ended_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
   int waiters_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of kv_ and barriers_ (BarrierBytes)
 };

@@ -1,7 +1,10 @@
 #include "common/rendezvous_store.h"
 
 #include <thread>
+#include <string>
 #include <vector>
+
+#include "absl/strings/str_cat.h"
 
 #include "gtest/gtest.h"
 
@@ -87,7 +90,7 @@ TEST(RendezvousStore, CloseWakesWaiters) {
 
 // An aborted generation's scope wakes its key waiters and barrier waiters
 // with CANCELLED at once and refuses later use; other scopes go on; after
-// DeleteScope the name is usable again.
+// DeleteScope it stays closed.
 TEST(RendezvousStore, CancelScopeWakesItsWaitersOnly) {
   RendezvousStore s;
   ASSERT_TRUE(s.Set("other", "k", "v").ok());
@@ -110,7 +113,7 @@ TEST(RendezvousStore, CancelScopeWakesItsWaitersOnly) {
   EXPECT_EQ(*s.Get("other", "k"), "v");
   EXPECT_EQ((*s.Wait("other", {"k"}, absl::Seconds(1)))[0], "v");
   s.DeleteScope("job/gen-1");
-  EXPECT_TRUE(s.Set("job/gen-1", "k", "v").ok());
+  EXPECT_EQ(s.Set("job/gen-1", "k", "v").code(), absl::StatusCode::kCancelled);
 }
 
 // Each blocked Wait or Barrier holds a server thread: past max_waiters a
@@ -154,7 +157,8 @@ TEST(RendezvousStore, HeldBytesAreBoundedAndGivenBack) {
   RendezvousStore s(limits);
   ASSERT_TRUE(s.Set("job/1", "a", std::string(6000, 'x')).ok());
   const int64_t after_a = s.bytes();
-  EXPECT_EQ(after_a, 6000 + 5 + 1);
+  const int64_t overhead = RendezvousStore::kEntryOverheadBytes;
+  EXPECT_EQ(after_a, overhead + 6000 + 5 + 1);
   const absl::Status full = s.Set("job/1", "b", std::string(6000, 'y'));
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
   EXPECT_NE(full.message().find("--store-quota"), absl::string_view::npos) << full;
@@ -164,9 +168,56 @@ TEST(RendezvousStore, HeldBytesAreBoundedAndGivenBack) {
   ASSERT_TRUE(s.Barrier("job/1", "init", 0, 1, absl::Seconds(1)).ok());
   EXPECT_GT(s.bytes(), 7000 + 10);
   s.DeleteScope("job/1");
-  EXPECT_EQ(s.bytes(), 6000 + 5 + 1);
+  EXPECT_EQ(s.bytes(), overhead + 6000 + 5 + 1);
   s.DeleteScope("job/2");
   EXPECT_EQ(s.bytes(), 0);
+}
+
+// Each key counts its bookkeeping too, so that a flood of one-byte keys
+// meets the quota long before it has taken the machine's memory.
+TEST(RendezvousStore, TinyKeysCountTheirBookkeeping) {
+  RendezvousStoreLimits limits;
+  limits.max_bytes = 100 * (RendezvousStore::kEntryOverheadBytes + 8);
+  RendezvousStore s(limits);
+  int stored = 0;
+  absl::Status st;
+  for (int i = 0; i < 10000 && (st = s.Set("s", std::to_string(i), "")).ok(); ++i) ++stored;
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_GE(stored, 100);
+  EXPECT_LE(stored, 110);
+}
+
+// One wait names a bounded number of distinct keys, and its reply is
+// bounded: asking for the same 4 MiB value many times would otherwise copy
+// it that many times while holding the store's lock.
+TEST(RendezvousStore, AWaitIsBoundedInKeysAndReplyBytes) {
+  RendezvousStore s;
+  ASSERT_TRUE(s.Set("sc", "big", std::string(RendezvousStore::kMaxValueBytes, 'x')).ok());
+  ASSERT_TRUE(s.Set("sc", "big2", std::string(RendezvousStore::kMaxValueBytes, 'y')).ok());
+  ASSERT_TRUE(s.Set("sc", "small", "1").ok());
+  const absl::Duration t = absl::Seconds(1);
+  absl::StatusOr<std::vector<std::string>> r = s.Wait("sc", {"big", "small", "big"}, t);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("'big' is named twice"), absl::string_view::npos) << r.status();
+  std::vector<std::string> many;
+  for (size_t i = 0; i <= RendezvousStore::kMaxWaitKeys; ++i) many.push_back(std::to_string(i));
+  r = s.Wait("sc", many, t);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  r = s.Wait("sc", {"big", "small"}, t);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_NE(r.status().message().find("wait for fewer keys"), absl::string_view::npos) << r.status();
+  r = s.Wait("sc", {"big"}, t);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)[0], std::string(RendezvousStore::kMaxValueBytes, 'x'));
+  r = s.Wait("sc", {"small", "big2"}, t);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  // A timeout over many missing keys names a few and counts the rest.
+  many.resize(RendezvousStore::kMaxWaitKeys);
+  r = s.Wait("sc", many, absl::Milliseconds(10));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_NE(r.status().message().find(absl::StrCat("and ", RendezvousStore::kMaxWaitKeys - 32, " more")),
+            absl::string_view::npos)
+      << r.status();
 }
 
 // A world_size past kMaxWorldSize is refused (a timed-out barrier of 2^31
@@ -194,8 +245,33 @@ TEST(RendezvousStore, DeleteScopeWakesBarrierWaitersAndLeavesNothing) {
   EXPECT_EQ(st.code(), absl::StatusCode::kCancelled) << st;
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   EXPECT_EQ(s.bytes(), 0);
-  // The name is fresh again.
-  EXPECT_TRUE(s.Barrier("job/3", "init", 0, 1, absl::Seconds(1)).ok());
+  // The scope stays closed.
+  const absl::Status again = s.Barrier("job/3", "init", 0, 1, absl::Seconds(1));
+  EXPECT_EQ(again.code(), absl::StatusCode::kCancelled) << again;
+}
+
+// A deleted scope stays closed: a rank that outlived its generation (its
+// worker was counted lost, its job went on without it) cannot set keys
+// there again, which nobody would delete. Cancelled scopes end closed too.
+// Only the newest kMaxEndedScopes are remembered.
+TEST(RendezvousStore, ADeletedScopeStaysClosedToLateRanks) {
+  RendezvousStore s;
+  ASSERT_TRUE(s.Set("job-1/gen-1", "addr/0", "a").ok());
+  s.DeleteScope("job-1/gen-1");
+  const absl::Status late = s.Set("job-1/gen-1", "addr/0", "a");
+  EXPECT_EQ(late.code(), absl::StatusCode::kCancelled) << late;
+  EXPECT_NE(late.message().find("ended"), absl::string_view::npos) << late;
+  EXPECT_EQ(s.Wait("job-1/gen-1", {"addr/0"}, absl::Seconds(5)).status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(s.bytes(), 0);
+  s.CancelScope("job-1/gen-2");
+  s.DeleteScope("job-1/gen-2");
+  EXPECT_EQ(s.Set("job-1/gen-2", "k", "v").code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(s.Set("job-1/gen-3", "k", "v").ok());
+  for (size_t i = 0; i < RendezvousStore::kMaxEndedScopes - 2; ++i) s.DeleteScope(absl::StrCat("other/", i));
+  EXPECT_EQ(s.Set("job-1/gen-1", "k", "v").code(), absl::StatusCode::kCancelled);  // still remembered
+  s.DeleteScope("one-more");
+  EXPECT_TRUE(s.Set("job-1/gen-1", "k", "v").ok());  // forgotten: the oldest
+  EXPECT_EQ(s.Set("job-1/gen-2", "k", "v").code(), absl::StatusCode::kCancelled);
 }
 
 }  // namespace

@@ -270,6 +270,16 @@ void Scheduler::ScheduleQueued() {
       absl::MutexLock lock(&mu_);
       restart_since_.erase(job.job_id());
       unrecorded_.erase(job.job_id());
+      // Cancel takes mu_: one that came between Schedule and here found no
+      // placement to stop, so none may begin now (its ranks could never be
+      // stopped). One after this finds the placement and aborts it.
+      absl::StatusOr<v1::Job> still = jobs_->Get(job.job_id());
+      if (!still.ok() || still->state() != v1::JOB_STATE_SCHEDULED || still->generation() != scheduled->generation()) {
+        COLOD_LOG(INFO) << "job " << job.job_id() << " ended while it was being placed ("
+                        << (still.ok() ? JobStateName(still->state()) : still.status().ToString())
+                        << "); no rank is assigned";
+        continue;
+      }
       Placed& p = placed_[job.job_id()];
       p.job_id = job.job_id();
       p.uid = scheduled->uid();
@@ -432,7 +442,9 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
           TransitionLocked(p, PlacementState::kProbing);
           wake_ = true;
         }
-      } else if (!p.stopping() && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
+      } else if (p.state == PlacementState::kRunning && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
+        // (Not while kProbing: a rank failed, and the job fails or restarts
+        // once its peers were probed, however the others ended.)
         EndLocked(p, v1::JOB_STATE_SUCCEEDED, absl::StrCat("all ", p.mesh.world_size(), " ranks finished"), -1);
       }
       break;
@@ -578,7 +590,6 @@ void Scheduler::GiveUpOnStuckRanksLocked() {
     if (!p.stopping() || now - p.stopped_at < options_.stop_grace) continue;
     for (const v1::RankAssignment& a : p.mesh.ranks()) {
       if (!p.ended.insert(a.rank()).second) continue;
-      p.gave_up = true;
       COLOD_LOG(WARNING) << "job " << p.job_id << " generation " << p.generation << ": " << RankName(p.mesh, a.rank())
                          << " has not reported its end " << absl::FormatDuration(options_.stop_grace)
                          << " after its abort (--stop-grace): given up on; its worker gets no other rank until it "
@@ -591,10 +602,9 @@ void Scheduler::ReleaseLocked() {
   for (auto it = placed_.begin(); it != placed_.end();) {
     Placed& p = it->second;
     if (p.stopping() && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
+      // Closed for good: a rank given up on, or one of a worker counted lost,
+      // may still run, and its sets and waits fail CANCELLED.
       store_->DeleteScope(p.scope);
-      // A rank given up on may still run: its sets and waits fail CANCELLED
-      // rather than find the scope open again (one name kept a time).
-      if (p.gave_up) store_->CancelScope(p.scope);
       supervisor_.ForgetPlacement(p.job_id);
       if (p.state == PlacementState::kRequeueing) {
         COLOD_LOG(WARNING) << "job " << p.job_id << ": " << p.requeue_reason;

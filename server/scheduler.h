@@ -98,7 +98,7 @@ class Scheduler {
     // worker still heartbeating, is given up on (logged, naming it): the
     // placement is released without it, so the job ends or is placed again.
     // Its worker, still busy with the rank, gets no other until it reports
-    // idle; its generation's rendezvous scope stays cancelled. A safety net:
+    // idle; its generation's rendezvous scope is closed to it. A safety net:
     // an abort ends a healthy rank within seconds (an NCCL communicator being
     // destroyed waits at most 30 s, and not at all once the job's abort
     // reached its worker). Zero: never.
@@ -165,9 +165,6 @@ class Scheduler {
     std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)
     std::set<int> ended;          // ranks that reported their end (or were lost)
     PlacementState state = PlacementState::kRunning;  // changed by TransitionLocked only
-    // Some rank was given up on (Options::stop_grace): its generation's
-    // rendezvous scope stays cancelled once released.
-    bool gave_up = false;
     // Whether the placement is over (its ranks are being stopped): ending,
     // requeueing or restarting.
     bool stopping() const { return state != PlacementState::kRunning && state != PlacementState::kProbing; }

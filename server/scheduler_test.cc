@@ -90,7 +90,8 @@ class SchedulerTest : public ::testing::Test {
   void Start(int workers, Scheduler::Options o = Scheduler::Options(), std::vector<int64_t> memory = {}) {
     o.worker_client = fake_;
     o.clock = &clock_;
-    o.probe_timeout = absl::ZeroDuration();  // fail at once, unprobed
+    // Fail at once, unprobed, unless the test asks for probes.
+    if (o.probe_timeout == Scheduler::Options().probe_timeout) o.probe_timeout = absl::ZeroDuration();
     if (o.hang_threshold == Scheduler::Options().hang_threshold) o.hang_threshold = absl::ZeroDuration();
     scheduler_ = std::make_unique<Scheduler>(jobs_.get(), &registry_, &store_, o);
     for (int i = 0; i < workers; ++i) {
@@ -311,6 +312,9 @@ TEST_F(SchedulerTest, ALostWorkerRestartsTheJobWhichWaitsForWorkersUpToItsDeadli
   EXPECT_TRUE(absl::StrContains(j.reason(), "restarting (restart 1 of 3): waiting for workers: needs 4 workers of one device kind; "
                                             "3 registered (3 cpu, 0 cuda), 3 idle"))
       << j.reason();
+  // Generation 1 ended without the lost rank's end: if it still runs, its
+  // rendezvous scope is closed to it (nothing it sets would ever be dropped).
+  EXPECT_EQ(store_.Set(job->job_id() + "/gen-1", "late", "x").code(), absl::StatusCode::kCancelled);
   Pass(absl::Seconds(61), lost);
   scheduler_->TickForTest();
   j = Job(job->job_id());
@@ -592,6 +596,58 @@ TEST_F(SchedulerTest, ARecordBeingWrittenHoldsUpNoOtherReport) {
   EXPECT_TRUE(got_through) << "job " << b << "'s report waited for job " << a << "'s record";
   EXPECT_EQ(Job(a).state(), v1::JOB_STATE_RUNNING);
   jobs_->SetBeforeWriteForTest(nullptr);
+}
+
+// A cancel that comes while the job is being placed (between its new
+// generation's record and its placement) finds no placement to stop: no
+// rank may be assigned after it, or nothing would ever stop it.
+TEST_F(SchedulerTest, ACancelWhileTheJobIsBeingPlacedAssignsNoRank) {
+  RecordJobsIn("scheduler-cancel-placing");
+  Start(2);
+  const std::string id = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
+  bool cancelled = false;
+  jobs_->SetBeforeWriteForTest([&](const std::string& job) {
+    if (job != id || cancelled) return;
+    cancelled = true;  // the first write: Schedule's, on the scheduler's thread, no lock held
+    absl::StatusOr<v1::Job> c = scheduler_->Cancel(id, "not wanted");
+    EXPECT_TRUE(c.ok()) << c.status();
+  });
+  scheduler_->TickForTest();
+  jobs_->SetBeforeWriteForTest(nullptr);
+  ASSERT_TRUE(cancelled);
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_TRUE(fake_->assigned.empty());
+  scheduler_->TickForTest();
+  EXPECT_TRUE(fake_->assigned.empty());
+  // The workers are free for the next job.
+  const std::string next = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(next).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(fake_->assigned.size(), 2u);
+}
+
+// A rank failed and, before its peers were probed, the others finished
+// (their last steps needed no collective): the job fails, as it does
+// unprobed, and never counts as succeeded.
+TEST_F(SchedulerTest, ARankFailureIsNotForgottenWhenThePeersFinishBeforeTheProbe) {
+  Scheduler::Options o;
+  o.probe_timeout = absl::Seconds(1);
+  Start(2, o);
+  const std::string id = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
+  scheduler_->TickForTest();
+  Training(id);
+  Ended(id, 1, absl::StatusCode::kResourceExhausted, "disk full: cannot write the final checkpoint");
+  Ended(id, 0, absl::StatusCode::kOk);
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING);  // not SUCCEEDED: the probe decides
+  scheduler_->TickForTest();  // probes (nobody left to ask) and fails it
+  const v1::Job j = Job(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(j.reason(), "cannot write the final checkpoint")) << j.reason();
+  EXPECT_TRUE(fake_->aborted.empty());  // every rank had ended
+  // Its workers are free again.
+  const std::string next = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(next).state(), v1::JOB_STATE_SCHEDULED);
 }
 
 // A job's new generation is on disk before a rank gets it. Where the
