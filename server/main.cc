@@ -42,7 +42,8 @@ ABSL_FLAG(std::string, store_quota, "1GiB",
           "Bytes the rendezvous store holds (keys, values, barriers); a KvSet past it is RESOURCE_EXHAUSTED. A "
           "job generation's keys are dropped when it ends.");
 ABSL_FLAG(std::string, upload_quota, "256GiB",
-          "Bytes of all uploaded models together (UploadModel past it is RESOURCE_EXHAUSTED); identical uploads "
+          "Bytes of all uploaded models together, 4 KiB a file besides its bytes (UploadModel past it is "
+          "RESOURCE_EXHAUSTED); identical uploads "
           "are stored once, and an upload no job names is removed an hour after it was made or last named.");
 ABSL_FLAG(int, max_uploads, 1000, "Uploaded models stored at once.");
 ABSL_FLAG(int, max_concurrent_uploads, 16,

@@ -26,7 +26,8 @@ bool IsUploadId(absl::string_view name) {
   return absl::StartsWith(name, "upload-") && absl::SimpleAtoi(name.substr(7), &n) && n > 0;
 }
 
-// The bytes of `dir`'s regular files; what cannot be listed or sized counts 0.
+// The bytes of `dir`'s regular files, and kFileBytes each (as an upload
+// counts them); what cannot be listed or sized counts 0.
 int64_t DirectoryBytes(const std::string& dir) {
   int64_t bytes = 0;
   for (const std::string& name : ListDirectory(dir).value_or(std::vector<std::string>{})) {
@@ -34,7 +35,7 @@ int64_t DirectoryBytes(const std::string& dir) {
     const std::string path = dir + "/" + name;
     if (!fs::is_regular_file(path, ec)) continue;
     const uintmax_t size = fs::file_size(path, ec);
-    if (!ec) bytes += static_cast<int64_t>(size);
+    if (!ec) bytes += UploadStore::Writer::kFileBytes + static_cast<int64_t>(size);
   }
   return bytes;
 }
@@ -139,7 +140,7 @@ UploadStore::Writer::~Writer() {
   out_.close();
   std::error_code ec;
   fs::remove_all(tmp_, ec);
-  store_->Release(bytes_, /*writer_done=*/true);
+  store_->Release(reserved_, /*writer_done=*/true);
 }
 
 namespace {
@@ -157,15 +158,21 @@ absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
     return absl::InvalidArgumentError(absl::StrCat("chunk.file: '", chunk.file(), "' is not a file name"));
   }
   if (chunk.file() != file_) {
-    for (const std::string& f : files_) {
-      if (f == chunk.file()) {
-        return absl::InvalidArgumentError(absl::StrCat("chunk.file: '", f, "' came again after another file"));
-      }
+    if (seen_.count(chunk.file())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk.file: '", chunk.file(), "' came again after another file"));
+    }
+    if (files_.size() >= static_cast<size_t>(kMaxFiles)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk.file: '", chunk.file(), "' would be file ", files_.size() + 1,
+                       " of the upload; an upload holds at most ", kMaxFiles));
     }
     if (chunk.offset() != 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("chunk.offset: the first chunk of '", chunk.file(), "' starts at ", chunk.offset(), ", not 0"));
     }
+    if (absl::Status s = store_->Reserve(kFileBytes); !s.ok()) return s;
+    reserved_ += kFileBytes;
     out_.close();
     if (!file_.empty()) hash_->Update(SizeBytes(offset_));  // the previous file's end
     std::error_code ec;
@@ -176,6 +183,7 @@ absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
     file_ = chunk.file();
     offset_ = 0;
     files_.push_back(file_);
+    seen_.insert(file_);
     hash_->Update(file_);
     hash_->Update(absl::string_view("\0", 1));
   }
@@ -185,7 +193,8 @@ absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
   }
   const int64_t n = static_cast<int64_t>(chunk.data().size());
   if (absl::Status s = store_->Reserve(n); !s.ok()) return s;
-  bytes_ += n;  // reserved: released by Finish or the destructor
+  reserved_ += n;  // released by Finish or the destructor
+  bytes_ += n;
   errno = 0;
   out_.write(chunk.data().data(), static_cast<std::streamsize>(n));
   if (out_) out_.flush();  // a full disk shows here, with its errno
@@ -216,7 +225,7 @@ absl::StatusOr<v1::UploadModelResponse> UploadStore::Writer::Finish() {
       s.last_used = store_->clock_->Now();
       resp.set_upload_id(same->second);
       resp.set_deduplicated(true);
-      store_->reserved_bytes_ -= bytes_;
+      store_->reserved_bytes_ -= reserved_;
       --store_->writers_;
       finished_ = true;
     }
@@ -232,12 +241,12 @@ absl::StatusOr<v1::UploadModelResponse> UploadStore::Writer::Finish() {
   }
   absl::MutexLock lock(&store_->mu_);
   Stored& s = store_->stored_[id_];
-  s.bytes = bytes_;
+  s.bytes = reserved_;  // the files' bookkeeping too
   s.sha256 = sha;
   s.last_used = store_->clock_->Now();
   store_->by_sha_[sha] = id_;
-  store_->reserved_bytes_ -= bytes_;
-  store_->stored_bytes_ += bytes_;
+  store_->reserved_bytes_ -= reserved_;
+  store_->stored_bytes_ += reserved_;
   --store_->writers_;
   finished_ = true;
   resp.set_upload_id(id_);

@@ -53,8 +53,12 @@ class UploadStore {
   class Writer {
    public:
     ~Writer();  // an unfinished upload is removed
-    // INVALID_ARGUMENT for a bad file name or a chunk out of order;
-    // RESOURCE_EXHAUSTED once the store's quota is spent.
+    // INVALID_ARGUMENT for a bad file name, a chunk out of order, or a file
+    // past kMaxFiles; RESOURCE_EXHAUSTED once the store's quota is spent.
+    // Each file counts kFileBytes against the quota besides its bytes (so
+    // that empty files are not free).
+    static constexpr int kMaxFiles = 4096;
+    static constexpr int64_t kFileBytes = 4096;
     absl::Status Add(const v1::ModelChunk& chunk);
     // Publishes the upload, or returns the stored one with the same content
     // (deduplicated). INVALID_ARGUMENT if no file came.
@@ -68,8 +72,10 @@ class UploadStore {
     std::string file_;  // the file being written
     int64_t offset_ = 0;
     std::ofstream out_;
-    std::vector<std::string> files_;
-    int64_t bytes_ = 0;
+    std::vector<std::string> files_;  // in the order they came
+    std::set<std::string> seen_;      // files_, to look up
+    int64_t bytes_ = 0;               // of the files' contents
+    int64_t reserved_ = 0;            // bytes_ and kFileBytes a file, reserved
     bool finished_ = false;
     struct Hash;
     std::unique_ptr<Hash> hash_;  // over what came so far

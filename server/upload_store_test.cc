@@ -12,6 +12,9 @@
 namespace colod {
 namespace {
 
+// What each file counts against the quota besides its bytes.
+constexpr int64_t kFile = UploadStore::Writer::kFileBytes;
+
 v1::ModelChunk Chunk(const std::string& file, int64_t offset, const std::string& data) {
   v1::ModelChunk c;
   c.set_file(file);
@@ -126,7 +129,7 @@ TEST(UploadStore, IdenticalUploadsAreStoredOnce) {
       EXPECT_EQ(again.upload_id(), first.upload_id());
       EXPECT_EQ(again.sha256(), first.sha256());
     }
-    EXPECT_EQ((*store)->bytes(), 9);  // one copy
+    EXPECT_EQ((*store)->bytes(), 9 + 2 * kFile);  // one copy (of two files)
     EXPECT_FALSE(upload(**store, "model.safetensors", "weightz").deduplicated());
     EXPECT_FALSE(upload(**store, "other.safetensors", "weights").deduplicated());
     int dirs = 0;
@@ -135,7 +138,7 @@ TEST(UploadStore, IdenticalUploadsAreStoredOnce) {
   }
   auto reopened = UploadStore::Open(dir);
   ASSERT_TRUE(reopened.ok());
-  EXPECT_EQ((*reopened)->bytes(), 27);
+  EXPECT_EQ((*reopened)->bytes(), 27 + 6 * kFile);
   EXPECT_EQ(upload(**reopened, "model.safetensors", "weights").upload_id(), "upload-000001");
 }
 
@@ -143,7 +146,7 @@ TEST(UploadStore, QuotasRefuseAndReleaseBytesAndCount) {
   const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-quota";
   std::filesystem::remove_all(dir);
   UploadLimits limits;
-  limits.quota_bytes = 10;
+  limits.quota_bytes = 10 + 2 * kFile;
   limits.max_uploads = 2;
   auto store = UploadStore::Open(dir, limits);
   ASSERT_TRUE(store.ok());
@@ -156,10 +159,51 @@ TEST(UploadStore, QuotasRefuseAndReleaseBytesAndCount) {
   EXPECT_EQ((*store)->Begin().status().code(), absl::StatusCode::kResourceExhausted);  // 2 in progress
   b.reset();  // abandoned: its count and bytes come back
   ASSERT_TRUE(a->Finish().ok());
-  EXPECT_EQ((*store)->bytes(), 8);
+  EXPECT_EQ((*store)->bytes(), 8 + kFile);
   auto c = Begin(**store);
   EXPECT_TRUE(c->Add(Chunk("n.safetensors", 0, "xy")).ok());
   EXPECT_EQ(c->Add(Chunk("n.safetensors", 2, "z")).code(), absl::StatusCode::kResourceExhausted);
+}
+
+// Empty files are not free: each counts kFileBytes against the quota, and
+// an upload holds at most kMaxFiles (a million empty files would otherwise
+// take the coordinator's inodes for nothing).
+TEST(UploadStore, FilesAreBoundedAndCountedEvenWhenEmpty) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-files";
+  std::filesystem::remove_all(dir);
+  UploadLimits limits;
+  limits.quota_bytes = 100 * kFile;
+  auto store = UploadStore::Open(dir, limits);
+  ASSERT_TRUE(store.ok());
+  auto w = Begin(**store);
+  absl::Status st;
+  int files = 0;
+  while (files < 1000 && (st = w->Add(Chunk("e" + std::to_string(files) + ".safetensors", 0, ""))).ok()) ++files;
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_EQ(files, 100);
+  w.reset();
+  EXPECT_EQ((*store)->bytes(), 0);
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
+
+  auto roomy = UploadStore::Open(dir + "-roomy");
+  ASSERT_TRUE(roomy.ok());
+  auto many = Begin(**roomy);
+  for (int i = 0; i < UploadStore::Writer::kMaxFiles; ++i) {
+    ASSERT_TRUE(many->Add(Chunk("f" + std::to_string(i), 0, i == 0 ? "x" : "")).ok()) << i;
+  }
+  st = many->Add(Chunk("one-more", 0, ""));
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("at most 4096"), std::string::npos) << st;
+  auto done = many->Finish();
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->files_size(), UploadStore::Writer::kMaxFiles);
+  EXPECT_EQ(done->bytes(), 1);
+  EXPECT_EQ((*roomy)->bytes(), 1 + UploadStore::Writer::kMaxFiles * kFile);
+  // Reopened, it counts them the same.
+  many.reset();
+  auto reopened = UploadStore::Open(dir + "-roomy");
+  ASSERT_TRUE(reopened.ok());
+  EXPECT_EQ((*reopened)->bytes(), 1 + UploadStore::Writer::kMaxFiles * kFile);
 }
 
 // Uploads in progress at once are bounded apart from the stored count:
@@ -184,7 +228,7 @@ TEST(UploadStore, UploadsInProgressAtOnceAreBounded) {
   a.reset();
   auto d = Begin(**store);  // a finished: its place is free, its upload stored
   EXPECT_EQ((*store)->Begin().status().code(), absl::StatusCode::kResourceExhausted);  // c and d
-  EXPECT_EQ((*store)->bytes(), 4);
+  EXPECT_EQ((*store)->bytes(), 4 + kFile);
 }
 
 TEST(UploadStore, UploadsNoJobNamesAreCollectedAfterTheirGrace) {
@@ -207,7 +251,7 @@ TEST(UploadStore, UploadsNoJobNamesAreCollectedAfterTheirGrace) {
   EXPECT_FALSE((*store)->Exists(ids[1]));
   EXPECT_FALSE(std::filesystem::exists(dir + "/" + ids[1]));
   EXPECT_FALSE(std::filesystem::exists(dir + "/" + ids[1] + ".sha256"));
-  EXPECT_EQ((*store)->bytes(), 3);
+  EXPECT_EQ((*store)->bytes(), 3 + kFile);
   clock.Advance(absl::Minutes(59));
   EXPECT_TRUE((*store)->CollectGarbage({}, absl::Hours(1)).empty());
   clock.Advance(absl::Minutes(2));
