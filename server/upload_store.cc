@@ -277,7 +277,13 @@ UploadStore::Reading::~Reading() {
   }
 }
 
-bool UploadStore::Exists(const std::string& upload_id) const { return Path(upload_id).ok(); }
+bool UploadStore::Exists(const std::string& upload_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = IsUploadId(upload_id) ? stored_.find(upload_id) : stored_.end();
+  if (it == stored_.end()) return false;
+  it->second.last_used = clock_->Now();
+  return true;
+}
 
 absl::StatusOr<std::string> UploadStore::Path(const std::string& upload_id) const {
   std::error_code ec;

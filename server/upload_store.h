@@ -106,7 +106,11 @@ class UploadStore {
   // max_concurrent_downloads are in progress (the caller retries later).
   absl::StatusOr<std::unique_ptr<Reading>> BeginReading(const std::string& upload_id);
 
-  bool Exists(const std::string& upload_id) const;
+  // Whether the upload is stored (published, not collected); one that is
+  // counts as used now, so a job about to name it (a submit that asked)
+  // keeps it a full grace period even if CollectGarbage's `in_use` was
+  // taken before the job was.
+  bool Exists(const std::string& upload_id);
   // The upload's directory; NOT_FOUND for an unknown or malformed id.
   absl::StatusOr<std::string> Path(const std::string& upload_id) const;
 

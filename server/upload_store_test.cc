@@ -255,8 +255,20 @@ TEST(UploadStore, UploadsNoJobNamesAreCollectedAfterTheirGrace) {
   clock.Advance(absl::Minutes(59));
   EXPECT_TRUE((*store)->CollectGarbage({}, absl::Hours(1)).empty());
   clock.Advance(absl::Minutes(2));
+  // ids[2] was collected; a submit that asks for it is told so.
+  EXPECT_FALSE((*store)->Exists(ids[2]));
   EXPECT_EQ((*store)->CollectGarbage({}, absl::Hours(1)), std::vector<std::string>{ids[0]});
   EXPECT_EQ((*store)->bytes(), 0);
+  // An upload a submit found (Exists) is used then: a collection whose
+  // `in_use` was taken before that job was recorded keeps it.
+  auto fresh = Begin(**store);
+  ASSERT_TRUE(fresh->Add(Chunk("m.safetensors", 0, "ddd")).ok());
+  const std::string kept = fresh->Finish()->upload_id();
+  clock.Advance(absl::Minutes(61));
+  EXPECT_TRUE((*store)->Exists(kept));
+  EXPECT_TRUE((*store)->CollectGarbage({}, absl::Hours(1)).empty());
+  clock.Advance(absl::Minutes(61));
+  EXPECT_EQ((*store)->CollectGarbage({}, absl::Hours(1)), std::vector<std::string>{kept});
   // Collected content uploads anew.
   auto w = Begin(**store);
   ASSERT_TRUE(w->Add(Chunk("m.safetensors", 0, "bbb")).ok());
