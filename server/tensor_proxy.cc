@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "server/worker_client.h"
 #include "server/rpc_metrics.h"
@@ -43,17 +44,38 @@ TensorProxy::Stub& TensorProxy::StubFor(const std::string& address) {
   return *it->second;
 }
 
-void TensorProxy::AwaitTurn(const std::string& job_id) {
+absl::Status TensorProxy::AwaitTurn(const std::string& job_id, grpc::ServerContext* ctx, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   JobQueue& q = queues_[job_id];  // map nodes stay put, and are never erased
   const int64_t ticket = q.next_ticket++;
   const auto my_turn = [&q, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return q.serving == ticket; };
-  mu_.Await(absl::Condition(&my_turn));  // mu_ is released while it waits
+  // mu_ is released while it waits; the caller's going away wakes nobody,
+  // so it is looked at every slice.
+  constexpr absl::Duration kSlice = absl::Milliseconds(100);
+  while (!mu_.AwaitWithTimeout(absl::Condition(&my_turn), kSlice)) {
+    absl::Status gone;  // (a passed deadline cancels the call too: it is looked at first)
+    if (absl::Now() >= deadline) {
+      gone = absl::DeadlineExceededError("the deadline passed while the call waited for the job's earlier tensor "
+                                         "calls");
+    } else if (ctx->IsCancelled()) {
+      gone = absl::CancelledError("the call was cancelled while it waited for the job's earlier tensor calls");
+    } else {
+      continue;
+    }
+    q.abandoned.insert(ticket);
+    return gone;
+  }
+  return absl::OkStatus();
+}
+
+void TensorProxy::AdvanceLocked(JobQueue& q) {
+  ++q.serving;
+  while (q.abandoned.erase(q.serving) > 0) ++q.serving;
 }
 
 void TensorProxy::EndTurn(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
-  ++queues_[job_id].serving;
+  AdvanceLocked(queues_[job_id]);
 }
 
 template <typename Req, typename Resp>
@@ -88,7 +110,7 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
   // run at once (asynchronously, on no thread of their own), and the job's
   // next fan-out, in the order they arrived, starts once they all ended
   // (each within `deadline`). No lock is held meanwhile.
-  AwaitTurn(job_id);
+  RETURN_IF_ERROR(AwaitTurn(job_id, ctx, deadline));
   const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
     (StubFor(mesh.ranks(ranks[i]).worker_address()).async()->*call)(c, &req, &responses[i], std::move(done));
   };

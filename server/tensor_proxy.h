@@ -10,10 +10,13 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "colod/v1/tensor.grpc.pb.h"
 #include "common/auth.h"
 #include "grpcpp/security/credentials.h"
@@ -64,8 +67,12 @@ class TensorProxy final : public v1::TensorService::Service {
   Stub& StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
   // A job's fan-outs run one at a time, in the order they arrive (a ticket
   // each): AwaitTurn returns when this call's turn has come, EndTurn hands
-  // it to the next. Neither holds a lock after it returns.
-  void AwaitTurn(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // it to the next. Neither holds a lock after it returns. A caller that
+  // goes away (cancelled, or past `deadline`) while it waits gives up its
+  // turn (CANCELLED / DEADLINE_EXCEEDED; no EndTurn then): the calls after
+  // it need not wait for it.
+  absl::Status AwaitTurn(const std::string& job_id, grpc::ServerContext* ctx, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void EndTurn(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   JobManager* const jobs_;
@@ -77,7 +84,10 @@ class TensorProxy final : public v1::TensorService::Service {
   struct JobQueue {
     int64_t next_ticket = 0;  // the next arriving call's
     int64_t serving = 0;      // the ticket whose fan-out may run
+    std::set<int64_t> abandoned;  // tickets whose callers went away before their turn
   };
+  // Hands the turn on past `q`'s abandoned tickets.
+  static void AdvanceLocked(JobQueue& q);
   std::map<std::string, JobQueue> queues_ ABSL_GUARDED_BY(mu_);
 };
 

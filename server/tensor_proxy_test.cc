@@ -1,0 +1,154 @@
+#include "server/tensor_proxy.h"
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "colod/v1/tensor.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "prometheus/registry.h"
+#include "server/job_manager.h"
+
+namespace colod {
+namespace {
+
+// One rank's worker: CreateTensor records the name and, for "slow", holds
+// the call until `release`.
+class SlowWorker final : public v1::TensorService::Service {
+ public:
+  grpc::Status CreateTensor(grpc::ServerContext*, const v1::CreateTensorRequest* req,
+                            v1::CreateTensorResponse*) override {
+    {
+      absl::MutexLock lock(&mu);
+      names.push_back(req->name());
+    }
+    if (req->name() == "slow") release.WaitForNotification();
+    return grpc::Status::OK;
+  }
+  std::vector<std::string> Names() {
+    absl::MutexLock lock(&mu);
+    return names;
+  }
+
+  absl::Mutex mu;
+  std::vector<std::string> names ABSL_GUARDED_BY(mu);
+  absl::Notification release;
+};
+
+// A gRPC server on a loopback port for `service`.
+std::unique_ptr<grpc::Server> Serve(grpc::Service* service, std::string* address) {
+  int port = 0;
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  *address = "127.0.0.1:" + std::to_string(port);
+  return server;
+}
+
+// The proxy's CreateTensor calls of `method` that ended with `code` so far.
+double Ended(prometheus::Registry& registry, const std::string& code) {
+  for (const prometheus::MetricFamily& f : registry.Collect()) {
+    if (f.name != "colod_rpc_duration_seconds") continue;
+    for (const prometheus::ClientMetric& m : f.metric) {
+      bool method = false, with_code = false;
+      for (const prometheus::ClientMetric::Label& l : m.label) {
+        method |= l.name == "method" && l.value == "CreateTensor";
+        with_code |= l.name == "code" && l.value == code;
+      }
+      if (method && with_code) return static_cast<double>(m.histogram.sample_count);
+    }
+  }
+  return 0;
+}
+
+// Calls on one job are served one at a time, in the order they came. A
+// caller that goes away while it waits for its turn (cancelled, or its
+// deadline passed) is answered at once, frees its server thread, and is
+// never sent to the ranks; the calls behind it do not wait for it.
+TEST(TensorProxy, ACallerThatGoesAwayWhileQueuedGivesUpItsTurn) {
+  SlowWorker worker;
+  std::string worker_address;
+  std::unique_ptr<grpc::Server> worker_server = Serve(&worker, &worker_address);
+
+  JobManager jobs;
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TENSOR);
+  spec.mutable_shard()->set_tensor_parallel_size(1);
+  spec.mutable_shard()->set_data_parallel_size(1);
+  absl::StatusOr<v1::Job> job = jobs.Submit(spec, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::MeshSpec mesh;
+  v1::RankAssignment& a = *mesh.add_ranks();
+  a.set_rank(0);
+  a.set_worker_id("worker-1");
+  a.set_worker_address(worker_address);
+  ASSERT_TRUE(jobs.Schedule(job->job_id(), mesh).ok());
+  ASSERT_TRUE(jobs.SetState(job->job_id(), v1::JOB_STATE_RUNNING, "serving").ok());
+
+  prometheus::Registry registry;
+  TensorProxy proxy(&jobs, &registry, TensorProxy::Options());
+  std::string proxy_address;
+  std::unique_ptr<grpc::Server> proxy_server = Serve(&proxy, &proxy_address);
+  auto stub = v1::TensorService::NewStub(grpc::CreateChannel(proxy_address, grpc::InsecureChannelCredentials()));
+  const auto create = [&](const std::string& name, grpc::ClientContext* ctx) {
+    v1::CreateTensorRequest req;
+    req.set_job_id(job->job_id());
+    req.set_name(name);
+    v1::CreateTensorResponse resp;
+    return stub->CreateTensor(ctx, req, &resp);
+  };
+
+  grpc::Status slow;
+  std::thread first([&] {
+    grpc::ClientContext ctx;
+    slow = create("slow", &ctx);
+  });
+  for (int i = 0; i < 1000 && worker.Names().empty(); ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(worker.Names(), std::vector<std::string>{"slow"});
+
+  // Queued behind it: one is cancelled, one runs out of time.
+  grpc::ClientContext cancelled_ctx;
+  grpc::Status cancelled;
+  std::thread second([&] { cancelled = create("cancelled", &cancelled_ctx); });
+  absl::SleepFor(absl::Milliseconds(200));
+  cancelled_ctx.TryCancel();
+  second.join();
+  EXPECT_EQ(cancelled.error_code(), grpc::StatusCode::CANCELLED);
+  grpc::ClientContext late_ctx;
+  late_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  EXPECT_EQ(create("late", &late_ctx).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The proxy answered both (its handlers ended) while "slow" still runs.
+  for (int i = 0; i < 200 && Ended(registry, "CANCELLED") + Ended(registry, "DEADLINE_EXCEEDED") < 2; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(Ended(registry, "CANCELLED"), 1);
+  EXPECT_EQ(Ended(registry, "DEADLINE_EXCEEDED"), 1);
+  EXPECT_EQ(Ended(registry, "OK"), 0);
+
+  // A call behind the two that gave up runs as soon as "slow" ends.
+  grpc::Status next;
+  std::thread third([&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    next = create("next", &ctx);
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  worker.release.Notify();
+  first.join();
+  third.join();
+  EXPECT_TRUE(slow.ok()) << slow.error_message();
+  EXPECT_TRUE(next.ok()) << next.error_message();
+  EXPECT_EQ(worker.Names(), (std::vector<std::string>{"slow", "next"}));
+
+  proxy_server->Shutdown();
+  worker_server->Shutdown();
+}
+
+}  // namespace
+}  // namespace colod
