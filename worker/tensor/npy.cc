@@ -80,6 +80,13 @@ absl::StatusOr<Header> ParseHeader(absl::string_view bytes, const std::string& w
   } else {
     return Bad(what, absl::StrCat("format version ", major, " is not 1, 2 or 3"));
   }
+  // numpy writes versions 2 and 3 only for headers past 65535 bytes (many
+  // fields of a structured dtype): none colod reads.
+  constexpr size_t kMaxHeaderBytes = 65535;
+  if (header_len > kMaxHeaderBytes) {
+    return Bad(what, absl::StrCat("its header is ", header_len, " bytes; colod reads headers of at most ",
+                                  kMaxHeaderBytes, " (plain arrays of one dtype)"));
+  }
   if (offset + header_len > bytes.size()) return Bad(what, "the header runs past the end of the file");
   const absl::string_view dict(bytes.data() + offset, header_len);
   Header h;
@@ -112,9 +119,9 @@ int64_t ElementBytes(absl::string_view descr) {
 absl::StatusOr<NpyInfo> ReadNpyInfo(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  // The header: a version-1 header's length is at most 65535 bytes, and a
-  // longer one (versions 2 and 3) is refused here.
-  std::string prefix(10 + 65535, '\0');
+  // The header: at most 65535 bytes (ParseHeader refuses longer ones),
+  // after 10 or 12 bytes of magic, version and length.
+  std::string prefix(12 + 65535, '\0');
   in.read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
   if (in.bad()) return absl::FailedPreconditionError(absl::StrCat("reading ", path, " failed"));
   prefix.resize(static_cast<size_t>(in.gcount()));

@@ -76,6 +76,26 @@ TEST(Npy, RejectsWhatItCannotRead) {
   auto short_data = ParseNpy(Npy("{'descr': '<i8', 'fortran_order': False, 'shape': (2, 2), }", Bytes<int64_t>({1})));
   EXPECT_NE(short_data.status().message().find("needs 32 bytes"), absl::string_view::npos) << short_data.status();
   EXPECT_EQ(ReadNpy("/nonexistent/ids.npy").status().code(), absl::StatusCode::kNotFound);
+  // A version-2 header past 64 KiB (numpy's only reason for version 2) is
+  // named as such, from bytes and from a file, not as a truncated file.
+  std::string v2("\x93NUMPY\x02\x00", 8);
+  const uint32_t len = 70000;
+  for (int i = 0; i < 4; ++i) v2.push_back(static_cast<char>((len >> (8 * i)) & 0xff));
+  v2 += "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }";
+  v2.resize(12 + len + 4, ' ');
+  auto big = ParseNpy(v2);
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kInvalidArgument) << big.status();
+  EXPECT_NE(big.status().message().find("header is 70000 bytes"), absl::string_view::npos) << big.status();
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/v2.npy");
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  ASSERT_EQ(::write(fd, v2.data(), v2.size()), static_cast<ssize_t>(v2.size()));
+  ::close(fd);
+  auto info = ReadNpyInfo(path);
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kInvalidArgument) << info.status();
+  EXPECT_NE(info.status().message().find("header is 70000 bytes"), absl::string_view::npos) << info.status();
+  ::unlink(path.c_str());
 }
 
 // The crafted header: (2^62, 16) elements wrap to 0 in plain int64
