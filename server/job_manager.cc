@@ -1,6 +1,11 @@
 #include "server/job_manager.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <filesystem>
 #include <iterator>
@@ -15,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
+#include "common/little_endian.h"
 #include "common/logging.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
@@ -66,7 +72,88 @@ double TrainFlopsPerTokenOf(const v1::JobSpec& spec) {
 // In the state directory: the next job id, written when a job is deleted.
 constexpr char kNextIdFile[] = "next-id";
 
+std::string SnapshotPath(absl::string_view dir, absl::string_view job_id) { return absl::StrCat(dir, "/", job_id, ".pb"); }
+std::string LogPath(absl::string_view dir, absl::string_view job_id) { return absl::StrCat(dir, "/", job_id, ".log"); }
+
+// Appends `entry` to the log at `path` as one entry (its 4-byte
+// little-endian length, then it) and syncs it. On a failure the file is cut
+// back to where it was, so that no part of an entry stays; `*torn` says
+// whether that failed too.
+absl::Status AppendLogEntry(const std::string& path, absl::string_view entry, bool* torn) {
+  *torn = false;
+  if (entry.size() > UINT32_MAX) return absl::InvalidArgumentError("a job record entry over 4 GiB");
+  std::string buf(4, '\0');
+  for (int i = 0; i < 4; ++i) buf[i] = static_cast<char>((entry.size() >> (8 * i)) & 0xff);
+  buf.append(entry.data(), entry.size());
+  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return FileError("cannot open", path, errno);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return FileError("cannot stat", path, err);
+  }
+  int err = 0;
+  for (size_t done = 0; done < buf.size();) {
+    const ssize_t n = ::write(fd, buf.data() + done, buf.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : EIO;
+      break;
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (err == 0 && ::fdatasync(fd) != 0) err = errno;
+  if (err != 0) {
+    if (::ftruncate(fd, st.st_size) != 0 || ::fdatasync(fd) != 0) *torn = true;
+    ::close(fd);
+    return FileError("cannot append to", path, err);
+  }
+  if (::close(fd) != 0) return FileError("cannot close", path, errno);
+  if (st.st_size == 0) {  // a new file: its name must be durable too
+    if (absl::Status s = SyncDirectory(std::filesystem::path(path).parent_path().string()); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::StatusOr<v1::JobRecord> JobManager::ReadRecord(const std::string& state_dir, const std::string& job_id,
+                                                     std::string* log_tail) {
+  if (log_tail != nullptr) log_tail->clear();
+  const std::string pb = SnapshotPath(state_dir, job_id);
+  if (!IsRegularFile(pb)) return absl::NotFoundError(absl::StrCat("no record file ", pb));
+  ASSIGN_OR_RETURN(const std::string bytes, ReadFileToString(pb));
+  v1::JobRecord record;
+  if (!record.ParseFromString(bytes) || record.job().job_id() != job_id) {
+    return absl::InvalidArgumentError(absl::StrCat(pb, " is not a record of job ", job_id));
+  }
+  const std::string log = LogPath(state_dir, job_id);
+  if (!IsRegularFile(log)) return record;
+  ASSIGN_OR_RETURN(const std::string entries, ReadFileToString(log));
+  // Entries in order; a torn one (a crash mid-append) or one that does not
+  // follow (damaged) ends what is taken. One no newer than the snapshot is
+  // passed over.
+  size_t at = 0;
+  while (entries.size() - at >= 4) {
+    const uint64_t n = LoadLittleEndian(reinterpret_cast<const unsigned char*>(entries.data() + at), 4);
+    if (n > entries.size() - at - 4 || n > static_cast<uint64_t>(std::numeric_limits<int>::max())) break;
+    v1::JobRecord entry;
+    if (!entry.ParseFromArray(entries.data() + at + 4, static_cast<int>(n)) || entry.job().job_id() != job_id ||
+        !entry.request_id().empty()) {
+      break;
+    }
+    if (entry.record_seq() > record.record_seq()) {
+      if (entry.events_size() > 0 && entry.events(0).sequence() != record.events_size() + 1) break;
+      *record.mutable_job() = std::move(*entry.mutable_job());
+      for (v1::JobEvent& ev : *entry.mutable_events()) *record.add_events() = std::move(ev);
+      record.set_record_seq(entry.record_seq());
+    }
+    at += 4 + n;
+  }
+  if (log_tail != nullptr) *log_tail = entries.substr(at);
+  return record;
+}
 
 std::string JobStateName(v1::JobState state) {
   std::string name = v1::JobState_Name(state);
@@ -104,21 +191,37 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
   struct File {
     std::string name, path;
     std::optional<v1::JobRecord> record;  // nullopt: damaged, set aside
+    OnDisk on_disk;                       // of the record read
+    bool had_log = false;                 // its log is folded into a new snapshot
   };
   std::vector<File> files;
+  const std::set<std::string> present(names->begin(), names->end());
   for (const std::string& name : *names) {
+    if (absl::StartsWith(name, "job-") && absl::EndsWith(name, ".log") &&
+        !present.count(absl::StrCat(name.substr(0, name.size() - 4), ".pb"))) {
+      // A log without its snapshot: left by a delete cut short. Nothing reads it.
+      fs::remove(state_dir + "/" + name, ec);
+      continue;
+    }
     if (!absl::StartsWith(name, "job-") || !absl::EndsWith(name, ".pb")) continue;
     File f{name, state_dir + "/" + name, std::nullopt};
     // One bad file must not keep the coordinator (and every other job) down:
     // a record that does not parse, or a directory or a device of its name,
     // is kept for a human to look at, out of the way. A read error fails.
-    if (IsRegularFile(f.path)) {
-      ASSIGN_OR_RETURN(const std::string bytes, ReadFileToString(f.path));
-      v1::JobRecord record;
-      if (record.ParseFromString(bytes) && !record.job().job_id().empty() &&
-          absl::StrCat(record.job().job_id(), ".pb") == name) {
-        f.record = std::move(record);
+    const std::string id = name.substr(0, name.size() - 3);
+    std::string tail;
+    absl::StatusOr<v1::JobRecord> record = ReadRecord(state_dir, id, &tail);
+    if (record.ok()) {
+      f.on_disk.seq = record->record_seq();
+      f.on_disk.events = static_cast<size_t>(record->events_size());
+      f.had_log = present.count(id + ".log") > 0;
+      if (!tail.empty()) {
+        COLOD_LOG(WARNING) << "job record log " << LogPath(state_dir, id) << " ends in " << tail.size()
+                           << " bytes that are not a whole entry (a write cut short); the record is taken up to there";
       }
+      f.record = *std::move(record);
+    } else if (!absl::IsNotFound(record.status()) && !absl::IsInvalidArgument(record.status())) {
+      return record.status();
     }
     files.push_back(std::move(f));
   }
@@ -130,6 +233,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
   if (!next_id.ok() && !absl::IsNotFound(next_id.status())) return next_id.status();
   std::vector<std::string> damaged;  // set aside once the lock is released
   std::vector<std::optional<RecordWrite>> writes;  // written once the lock is released
+  std::set<std::string> rewrite;                   // jobs whose record is written again (a log folded in)
   {
     absl::MutexLock lock(&m->mu_);
     if (next_id.ok()) {
@@ -150,6 +254,8 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
       v1::JobRecord& record = *f.record;
       Entry e;
       e.job = std::move(*record.mutable_job());
+      e.record_seq = record.record_seq();
+      if (f.had_log) rewrite.insert(e.job.job_id());
       // A record written before jobs stored their memory floor gets it now,
       // once (the scheduler places jobs by it).
       if (!e.job.has_memory_floor() && e.job.spec().kind() != v1::JOB_KIND_TENSOR) {
@@ -185,13 +291,28 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
         }
         m->AppendStateChangeLocked(e, v1::JOB_STATE_FAILED, reason);
       }
-      writes.push_back(m->TakeRecordLocked(e));
+      rewrite.insert(id);
+    }
+    // Whole records: a log is folded into its snapshot (and so no entry is
+    // ever appended after a torn one).
+    for (const std::string& id : rewrite) writes.push_back(m->TakeWholeRecordLocked(m->jobs_.at(id)));
+  }
+  {
+    absl::MutexLock io(&m->io_mu_);
+    for (const File& f : files) {
+      if (!f.record.has_value()) continue;
+      OnDisk& d = m->on_disk_[f.name.substr(0, f.name.size() - 3)];
+      d = f.on_disk;
+      d.snapshot_bytes = static_cast<int64_t>(fs::file_size(f.path, ec));
+      if (ec) d.snapshot_bytes = 0;
     }
   }
   for (const std::string& path : damaged) {
     fs::rename(path, path + ".damaged", ec);
     COLOD_LOG(ERROR) << "job record '" << path << "' is damaged; set aside as " << path << ".damaged"
                      << (ec ? absl::StrCat(" failed: ", ec.message()) : "");
+    const std::string log = path.substr(0, path.size() - 3) + ".log";
+    if (fs::exists(log, ec)) fs::rename(log, log + ".damaged", ec);
   }
   for (const auto& w : writes) (void)m->WriteRecord(w);
   return m;
@@ -200,14 +321,22 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
 std::optional<JobManager::RecordWrite> JobManager::TakeRecordLocked(Entry& e) {
   e.persisted = clock_->Now();
   if (state_dir_.empty()) return std::nullopt;
+  RecordWrite w;
+  w.job_id = e.job.job_id();
+  w.seq = ++e.record_seq;
+  return w;
+}
+
+std::optional<JobManager::RecordWrite> JobManager::TakeWholeRecordLocked(Entry& e) {
+  std::optional<RecordWrite> w = TakeRecordLocked(e);
+  if (!w.has_value()) return w;
   v1::JobRecord record;
   *record.mutable_job() = e.job;
   for (const v1::JobEvent& ev : e.events) *record.add_events() = ev;
   record.set_request_id(e.request_id);
-  RecordWrite w;
-  w.job_id = e.job.job_id();
-  w.seq = ++e.record_seq;
-  w.bytes = record.SerializeAsString();
+  record.set_record_seq(w->seq);
+  w->whole = record.SerializeAsString();
+  w->events = e.events.size();
   return w;
 }
 
@@ -254,23 +383,81 @@ void JobManager::SetBeforeWriteForTest(std::function<void(const std::string& job
   before_write_ = std::move(hook);
 }
 
+int64_t JobManager::RecordBytesWritten() {
+  absl::MutexLock io(&io_mu_);
+  return record_bytes_written_;
+}
+
 absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
   if (!w.has_value()) return absl::OkStatus();
   if (before_write_) before_write_(w->job_id);
   absl::MutexLock io(&io_mu_);
-  auto written = written_seq_.find(w->job_id);
-  if (written != written_seq_.end() && written->second >= w->seq) return absl::OkStatus();  // a newer one is there
-  if (w->only_if_known) {
+  auto known = on_disk_.find(w->job_id);
+  if (known != on_disk_.end() && known->second.seq >= w->seq) return absl::OkStatus();  // a newer one is there
+  const OnDisk* d = known == on_disk_.end() ? nullptr : &known->second;
+  bool whole = !w->whole.empty();
+  std::string taken;  // what this write takes, unless it is w->whole
+  int64_t seq = w->seq;
+  size_t events = w->events;
+  if (whole ? w->only_if_known : true) {
     absl::MutexLock lock(&mu_);  // brief: io_mu_ is held, so no delete removes files meanwhile
-    if (jobs_.count(w->job_id) == 0) return absl::OkStatus();  // deleted since: its file stays removed
+    auto it = jobs_.find(w->job_id);
+    if (it == jobs_.end()) return absl::OkStatus();  // deleted since: its files stay removed
+    if (!whole) {
+      // Every change so far, numbered as the newest (later takes of it are
+      // then skipped): the job and the events the disk lacks, or all of it
+      // once the log outgrew the snapshot.
+      const Entry& e = it->second;
+      whole = d == nullptr || d->torn || d->events > e.events.size() ||
+              (d->log_bytes > kMinLogBytes && d->log_bytes > d->snapshot_bytes);
+      v1::JobRecord record;
+      *record.mutable_job() = e.job;
+      for (size_t i = whole ? 0 : d->events; i < e.events.size(); ++i) *record.add_events() = e.events[i];
+      if (whole) record.set_request_id(e.request_id);
+      seq = e.record_seq;
+      record.set_record_seq(seq);
+      events = e.events.size();
+      taken = record.SerializeAsString();
+    }
   }
-  const std::string path = absl::StrCat(state_dir_, "/", w->job_id, ".pb");
-  absl::Status s = WriteFileAtomically(path, w->bytes);
+  const absl::string_view bytes = w->whole.empty() ? absl::string_view(taken) : absl::string_view(w->whole);
+  if (whole) {
+    absl::Status s = WriteFileAtomically(SnapshotPath(state_dir_, w->job_id), bytes);
+    if (!s.ok()) {
+      COLOD_LOG(ERROR) << "cannot record job " << w->job_id << ": " << s;
+      return s;
+    }
+    record_bytes_written_ += static_cast<int64_t>(bytes.size());
+    OnDisk& now = on_disk_[w->job_id];
+    now.seq = seq;
+    now.events = events;
+    now.snapshot_bytes = static_cast<int64_t>(bytes.size());
+    // The log's entries are all in the snapshot now (and numbered below
+    // it, should its removal fail: they are passed over when read).
+    std::error_code ec;
+    std::filesystem::remove(LogPath(state_dir_, w->job_id), ec);
+    if (ec) {
+      COLOD_LOG(ERROR) << "cannot remove the log of job " << w->job_id << " (its next write is a snapshot again): "
+                       << ec.message();
+      now.torn = true;
+    } else {
+      now.log_bytes = 0;
+      now.torn = false;
+    }
+    return absl::OkStatus();
+  }
+  bool torn = false;
+  absl::Status s = AppendLogEntry(LogPath(state_dir_, w->job_id), bytes, &torn);
+  OnDisk& now = on_disk_[w->job_id];
   if (!s.ok()) {
+    now.torn = torn;
     COLOD_LOG(ERROR) << "cannot record job " << w->job_id << ": " << s;
     return s;
   }
-  written_seq_[w->job_id] = w->seq;
+  record_bytes_written_ += 4 + static_cast<int64_t>(bytes.size());
+  now.seq = seq;
+  now.events = events;
+  now.log_bytes += 4 + static_cast<int64_t>(bytes.size());
   return absl::OkStatus();
 }
 
@@ -592,7 +779,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
     *e.job.mutable_create_time() = ToProtoTimestamp(clock_->Now());
     e.request_id = request;
     AppendStateChangeLocked(e, v1::JOB_STATE_PENDING, "waiting for workers");
-    w = TakeRecordLocked(e);
+    w = TakeWholeRecordLocked(e);
     if (w.has_value()) w->only_if_known = false;  // added only once it is written
   }
   // The record is written before the job is added, so no other call sees a
@@ -698,10 +885,12 @@ void JobManager::RemoveRecords(const std::vector<std::string>& job_ids, int64_t 
     }
   }
   for (const std::string& job_id : job_ids) {
-    written_seq_.erase(job_id);
+    on_disk_.erase(job_id);
     std::error_code ec;
-    std::filesystem::remove(absl::StrCat(state_dir_, "/", job_id, ".pb"), ec);
+    std::filesystem::remove(SnapshotPath(state_dir_, job_id), ec);
     if (ec) COLOD_LOG(ERROR) << "cannot remove the record of job " << job_id << ": " << ec.message();
+    std::filesystem::remove(LogPath(state_dir_, job_id), ec);  // (a log left alone is removed by Open)
+    if (ec) COLOD_LOG(ERROR) << "cannot remove the record log of job " << job_id << ": " << ec.message();
   }
 }
 

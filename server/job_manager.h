@@ -175,6 +175,19 @@ class JobManager {
   // Called with the job id before each record write, on the writing thread
   // (tests: what locks that thread holds then).
   void SetBeforeWriteForTest(std::function<void(const std::string& job_id)> hook);
+  // Bytes written to job records (snapshots and log entries) since Open.
+  int64_t RecordBytesWritten();
+  // A job's log (WriteRecord) is folded into a new snapshot once it holds
+  // more than this and more than the snapshot.
+  static constexpr int64_t kMinLogBytes = 1 << 20;
+
+  // The record of job `job_id` in `state_dir` as Open reads it (its
+  // snapshot and log), without writing anything. NOT_FOUND without a
+  // snapshot; INVALID_ARGUMENT for one that does not parse. `log_tail`, if
+  // given, gets what of the log was not taken (a torn or damaged entry and
+  // what follows it), empty if none.
+  static absl::StatusOr<v1::JobRecord> ReadRecord(const std::string& state_dir, const std::string& job_id,
+                                                  std::string* log_tail = nullptr);
 
  private:
   struct Entry {
@@ -182,7 +195,7 @@ class JobManager {
     std::string request_id;  // of the submit that created it; may be empty
     std::vector<v1::JobEvent> events;
     absl::Time persisted = absl::InfinitePast();  // when its record was last taken for writing
-    int64_t record_seq = 0;                       // how many records of it were taken
+    int64_t record_seq = 0;                       // the newest record's number (JobRecord.record_seq)
     std::set<int64_t> trained_steps;              // the steps its events record
     // The latest attempt's devices' peak (Schedule), once scheduled since
     // this coordinator started; before that the summary's stored one holds.
@@ -190,16 +203,33 @@ class JobManager {
     // The model's FLOPs a token (0: not known), computed at its first step.
     std::optional<double> flops_per_token;
   };
-  // A job's record as it stood under mu_, to be written after mu_ is
-  // released (file writes and fsyncs never hold mu_).
+  // That a job's record must be written, once mu_ is released (file
+  // writes and fsyncs never hold mu_). Most carry no bytes: WriteRecord
+  // takes what changed since the last write when it writes (the log entry
+  // of a long job's step is the step, not its history).
   struct RecordWrite {
     std::string job_id;
     int64_t seq = 0;  // the entry's record_seq when it was taken
-    std::string bytes;
+    // A whole record (a JobRecord) to write as the snapshot, holding
+    // `events` events: a submit's first record (the job is not known yet)
+    // and Open's. Empty: the change is taken at write time.
+    std::string whole;
+    size_t events = 0;
     // Skip it if the job is gone by then (deleted); false for a submit's
     // first record, written before the job is added.
     bool only_if_known = true;
   };
+  // What of a job is on disk (WriteRecord's, under io_mu_).
+  struct OnDisk {
+    int64_t seq = 0;             // the newest record_seq written
+    size_t events = 0;           // events written (snapshot and log)
+    int64_t snapshot_bytes = 0;  // of JOB.pb
+    int64_t log_bytes = 0;       // of JOB.log
+    // An append failed and may have left part of an entry: the next write
+    // is a snapshot (nothing is appended after a torn entry).
+    bool torn = false;
+  };
+
   void AppendStateChangeLocked(Entry& e, v1::JobState state, absl::string_view reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::JobEvent& NewEventLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -217,15 +247,21 @@ class JobManager {
   // stands in memory all the same); otherwise a failure is logged only.
   absl::Status ChangeJob(absl::string_view job_id, absl::FunctionRef<absl::StatusOr<bool>(Entry&)> change,
                          v1::Job* out = nullptr, bool must_record = false) ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
-  // The job's record to write (nullopt without a state directory); cheap,
-  // under mu_. The caller writes it with WriteRecord once mu_ is released.
+  // That the job's record must be written (nullopt without a state
+  // directory); cheap, under mu_. The caller writes it with WriteRecord once
+  // mu_ is released.
   std::optional<RecordWrite> TakeRecordLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same with the whole record serialized (RecordWrite::whole).
+  std::optional<RecordWrite> TakeWholeRecordLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes a taken record to the state directory, never under mu_. Writes
   // are serialized (io_mu_): a record older than one of the same job already
-  // written, or of a job deleted meanwhile, is skipped, so the file always
-  // holds the newest record taken. A failure is logged and returned: a change
-  // to a known job goes on with its record stale; a new job is not accepted
-  // (Submit).
+  // written, or of a job deleted meanwhile, is skipped. Otherwise what
+  // changed since the last write is appended to JOB.log (taken under mu_,
+  // briefly: the job and the new events), or, once the log outgrew
+  // the snapshot, the whole record replaces JOB.pb and the log is removed;
+  // so a job's writes cost in all a few times its record, however long its
+  // history. A failure is logged and returned: a change to a known job goes
+  // on with its record stale; a new job is not accepted (Submit).
   absl::Status WriteRecord(const std::optional<RecordWrite>& w) ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
   // Forgets the job in memory; its files go in RemoveRecords (after mu_).
   void DeleteLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -257,8 +293,10 @@ class JobManager {
   // The state directory's writer lock, taken before mu_ where both are held
   // (WriteRecord checks under mu_ that a job still exists).
   absl::Mutex io_mu_ ABSL_ACQUIRED_BEFORE(mu_);
-  // Per known job, the seq of its newest record on disk.
-  absl::flat_hash_map<std::string, int64_t> written_seq_ ABSL_GUARDED_BY(io_mu_);
+  // Per known job, what of it is on disk.
+  absl::flat_hash_map<std::string, OnDisk> on_disk_ ABSL_GUARDED_BY(io_mu_);
+  // Bytes written to records (snapshots and log entries) since Open.
+  int64_t record_bytes_written_ ABSL_GUARDED_BY(io_mu_) = 0;
   int64_t next_id_written_ ABSL_GUARDED_BY(io_mu_) = 0;
 };
 

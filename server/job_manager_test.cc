@@ -1,5 +1,6 @@
 #include "server/job_manager.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <cstdlib>
@@ -659,12 +660,10 @@ TEST(JobManager, ConcurrentChangesLeaveTheNewestRecordOnDisk) {
   }
 }
 
-// The state in the job's record file in `dir`.
+// The state in the job's record files in `dir`.
 v1::JobState StateOnDisk(const std::string& dir, const std::string& id) {
-  std::ifstream in(dir + "/" + id + ".pb", std::ios::binary);
-  v1::JobRecord record;
-  if (!in || !record.ParseFromIstream(&in)) return v1::JOB_STATE_UNSPECIFIED;
-  return record.job().state();
+  absl::StatusOr<v1::JobRecord> record = JobManager::ReadRecord(dir, id);
+  return record.ok() ? record->job().state() : v1::JOB_STATE_UNSPECIFIED;
 }
 
 // Changes made inside a DeferredWrites scope are visible at once and on disk
@@ -954,6 +953,138 @@ TEST(JobManager, ALateStepOfAGenerationPlacedBeforeTheRecordNamedWorkersIsTruste
   EXPECT_EQ(j.rank0_workers_size(), static_cast<int>(JobManager::kMaxRank0Workers));
   EXPECT_EQ(j.rank0_workers().count(2), 0u);  // the oldest went
   EXPECT_EQ(j.rank0_workers().count(j.generation()), 1u);
+}
+
+// A trained step of `n` (as rank 0 reports it).
+v1::StepProgress TrainedStep(int64_t n) {
+  v1::StepProgress p;
+  p.set_step(n);
+  p.set_loss(1.0 / static_cast<double>(n));
+  p.mutable_step_duration()->set_nanos(1000);
+  p.set_tokens(1000);
+  return p;
+}
+
+// A long job's record is written as it grows, not again whole at each
+// step: what each step writes is about the job and the step (a log entry),
+// however long the history, so a run of N steps costs O(N) in bytes, not
+// O(N^2) (before, every second's write was the whole history). The history
+// reopens whole.
+TEST(JobManager, ALongHistoryIsWrittenAsItGrowsNotWholeEachTime) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-long";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  constexpr int kSteps = 1500;
+  std::string id;
+  int64_t written = 0, job_bytes = 0;
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    v1::JobSpec spec = TrainSpec();
+    spec.mutable_train()->set_steps(kSteps);
+    id = (*jobs)->Submit(spec, "")->job_id();
+    ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
+    ASSERT_TRUE((*jobs)->SetState(id, v1::JOB_STATE_RUNNING, "go").ok());
+    const int64_t before = (*jobs)->RecordBytesWritten();
+    for (int n = 1; n <= kSteps; ++n) {
+      clock.Advance(absl::Seconds(2));  // every step is written (at most one a second is)
+      ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(n)).ok());
+    }
+    written = (*jobs)->RecordBytesWritten() - before;
+    job_bytes = static_cast<int64_t>((*jobs)->Get(id)->ByteSizeLong());
+    // The log is folded into the snapshot once it outgrows it.
+    const int64_t log = static_cast<int64_t>(std::filesystem::file_size(dir + "/" + id + ".log"));
+    const int64_t snapshot = static_cast<int64_t>(std::filesystem::file_size(dir + "/" + id + ".pb"));
+    EXPECT_LE(log, std::max<int64_t>(JobManager::kMinLogBytes, snapshot) + 2 * job_bytes + 1024);
+  }
+  // Each step's entry is the job and one event; the snapshots add a
+  // constant factor. The whole history each time would be ~kSteps/2 events
+  // a step (about 50 KB).
+  EXPECT_LT(written / kSteps, 4 * (job_bytes + 200)) << written << " bytes for " << kSteps << " steps";
+  auto reopened = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  EXPECT_EQ((*reopened)->Get(id)->step(), kSteps);
+  auto events = (*reopened)->WaitForEvents(id, 1, absl::ZeroDuration());
+  ASSERT_TRUE(events.ok());
+  int steps = 0;
+  for (size_t i = 0; i < events->events.size(); ++i) {
+    EXPECT_EQ(events->events[i].sequence(), static_cast<int64_t>(i) + 1);
+    steps += events->events[i].has_step();
+  }
+  EXPECT_EQ(steps, kSteps);
+  // Open folded the log into a new snapshot.
+  EXPECT_FALSE(std::filesystem::exists(dir + "/" + id + ".log"));
+}
+
+// What a crash can leave in a job's log: an entry cut short at its end is
+// not taken (the record is what was whole before it); entries older than
+// the snapshot (a crash between a snapshot's rename and the log's removal)
+// are passed over rather than rolling the job back; a log whose snapshot
+// is gone (a delete cut short) is removed. A failed append (a full disk)
+// loses nothing: the next write takes every change since.
+TEST(JobManager, ALogCutShortOrOlderThanItsSnapshotIsReadBackSafely) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-log-crash";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  std::string id;
+  const std::string saved = dir + "-saved.log";
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    id = (*jobs)->Submit(TrainSpec(), "")->job_id();
+    ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
+    ASSERT_TRUE((*jobs)->SetState(id, v1::JOB_STATE_RUNNING, "go").ok());
+    for (int n = 1; n <= 3; ++n) {
+      clock.Advance(absl::Seconds(2));
+      ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(n)).ok());
+    }
+    std::filesystem::copy_file(dir + "/" + id + ".log", saved);
+    {
+      testing::FullDisk disk(16);  // the log is longer: the append fails
+      clock.Advance(absl::Seconds(2));
+      ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(4)).ok());  // logged; the change stands in memory
+    }
+    EXPECT_EQ(JobManager::ReadRecord(dir, id)->job().step(), 3);
+    clock.Advance(absl::Seconds(2));
+    ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(5)).ok());  // writes steps 4 and 5
+    EXPECT_EQ(JobManager::ReadRecord(dir, id)->job().step(), 5);
+  }
+  const std::string log = dir + "/" + id + ".log";
+  {
+    std::ofstream out(log, std::ios::binary | std::ios::app);
+    out << std::string("\x40\x00\x00\x00partial", 11);  // an entry of 64 bytes, 7 of them written
+  }
+  std::string tail;
+  absl::StatusOr<v1::JobRecord> read = JobManager::ReadRecord(dir, id, &tail);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->job().step(), 5);
+  EXPECT_EQ(tail.size(), 11u);
+  int64_t events = read->events_size();
+  {
+    auto jobs = JobManager::Open(dir, &clock);  // folds the log in: the snapshot is newer than `saved`'s entries
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    EXPECT_EQ((*jobs)->Get(id)->step(), 5);
+    events = (*jobs)->WaitForEvents(id, 1, absl::ZeroDuration())->events.size();
+  }
+  EXPECT_FALSE(std::filesystem::exists(log));
+  std::filesystem::copy_file(saved, log);  // older entries beside a newer snapshot
+  read = JobManager::ReadRecord(dir, id, &tail);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->job().step(), 5);  // not rolled back to step 3
+  EXPECT_EQ(read->events_size(), events);
+  EXPECT_TRUE(tail.empty());
+  // A log alone is removed; a snapshot that does not parse is set aside with its log.
+  std::ofstream(dir + "/job-000077.log") << "orphan";
+  std::ofstream(dir + "/job-000078.pb") << "not a record";
+  std::ofstream(dir + "/job-000078.log") << "its log";
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    EXPECT_EQ((*jobs)->Get(id)->step(), 5);
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir + "/job-000077.log"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/job-000078.pb.damaged"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/job-000078.log.damaged"));
 }
 
 TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckpoint) {
