@@ -276,6 +276,7 @@ void Coordinator::Shutdown() {
   scheduler_->Stop();
   store_->Close();  // wakes KvWait/Barrier handlers
   StopGrpcServer(*grpc_.server, absl::Seconds(2));
+  jobs_->Flush();  // the steps of the last second: a clean stop loses none
   metrics_.reset();
   if (lock_fd_ >= 0) {
     ::flock(lock_fd_, LOCK_UN);

@@ -318,8 +318,20 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
   return m;
 }
 
+void JobManager::Flush() {
+  std::vector<std::optional<RecordWrite>> writes;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, e] : jobs_) {
+      if (e.unwritten) writes.push_back(TakeRecordLocked(e));
+    }
+  }
+  for (const auto& w : writes) (void)WriteRecord(w);  // logged
+}
+
 std::optional<JobManager::RecordWrite> JobManager::TakeRecordLocked(Entry& e) {
   e.persisted = clock_->Now();
+  e.unwritten = false;
   if (state_dir_.empty()) return std::nullopt;
   RecordWrite w;
   w.job_id = e.job.job_id();
@@ -511,8 +523,13 @@ absl::Status JobManager::ChangeJob(absl::string_view job_id, absl::FunctionRef<a
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(Entry * e, FindLocked(job_id));
+    const size_t events = e->events.size();
     ASSIGN_OR_RETURN(const bool record, change(*e));
-    if (record) w = TakeRecordLocked(*e);
+    if (record) {
+      w = TakeRecordLocked(*e);
+    } else if (e->events.size() != events) {
+      e->unwritten = true;  // a step of the last second: the next write, or Flush, takes it
+    }
     if (out != nullptr) *out = e->job;
   }
   if (must_record) return WriteRecord(w);

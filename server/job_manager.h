@@ -175,6 +175,9 @@ class JobManager {
   // Called with the job id before each record write, on the writing thread
   // (tests: what locks that thread holds then).
   void SetBeforeWriteForTest(std::function<void(const std::string& job_id)> hook);
+  // Writes every change not written yet (the steps of the last second:
+  // AddStep writes at most once a second), before the coordinator stops.
+  void Flush() ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
   // Bytes written to job records (snapshots and log entries) since Open.
   int64_t RecordBytesWritten();
   // A job's log (WriteRecord) is folded into a new snapshot once it holds
@@ -196,6 +199,7 @@ class JobManager {
     std::vector<v1::JobEvent> events;
     absl::Time persisted = absl::InfinitePast();  // when its record was last taken for writing
     int64_t record_seq = 0;                       // the newest record's number (JobRecord.record_seq)
+    bool unwritten = false;                       // changed since its record was last taken (Flush)
     std::set<int64_t> trained_steps;              // the steps its events record
     // The latest attempt's devices' peak (Schedule), once scheduled since
     // this coordinator started; before that the summary's stored one holds.

@@ -1016,6 +1016,36 @@ TEST(JobManager, ALongHistoryIsWrittenAsItGrowsNotWholeEachTime) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/" + id + ".log"));
 }
 
+// Steps are written at most once a second; Flush (the coordinator's
+// clean stop) writes the ones of the last second, so a restart after a
+// clean stop has every step watchers saw, and nothing else is written.
+TEST(JobManager, FlushWritesTheStepsOfTheLastSecond) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-flush";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  auto jobs = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  const std::string id = (*jobs)->Submit(TrainSpec(), "")->job_id();
+  const std::string idle = (*jobs)->Submit(TrainSpec(), "")->job_id();
+  ASSERT_TRUE((*jobs)->SetState(id, v1::JOB_STATE_RUNNING, "go").ok());
+  ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(1)).ok());
+  ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(2)).ok());
+  EXPECT_EQ(JobManager::ReadRecord(dir, id)->job().step(), 0);  // within the second: not yet
+  std::map<std::string, int> writes;
+  (*jobs)->SetBeforeWriteForTest([&](const std::string& job) { ++writes[job]; });
+  (*jobs)->Flush();
+  absl::StatusOr<v1::JobRecord> record = JobManager::ReadRecord(dir, id);
+  ASSERT_TRUE(record.ok()) << record.status();
+  EXPECT_EQ(record->job().step(), 2);
+  int steps = 0;
+  for (const v1::JobEvent& e : record->events()) steps += e.has_step();
+  EXPECT_EQ(steps, 2);
+  EXPECT_EQ(writes, (std::map<std::string, int>{{id, 1}}));  // not `idle`'s: nothing new
+  (*jobs)->Flush();  // nothing new at all
+  EXPECT_EQ(writes, (std::map<std::string, int>{{id, 1}}));
+  (*jobs)->SetBeforeWriteForTest(nullptr);
+}
+
 // What a crash can leave in a job's log: an entry cut short at its end is
 // not taken (the record is what was whole before it); entries older than
 // the snapshot (a crash between a snapshot's rename and the log's removal)
