@@ -1,5 +1,6 @@
 #include "worker/comm/coordinator_store.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/auth.h"
 #include "common/grpc_status.h"
@@ -50,6 +51,10 @@ absl::StatusOr<std::vector<std::string>> CoordinatorStore::Wait(const std::vecto
   *req.mutable_timeout() = ToProtoDuration(timeout);
   v1::KvWaitResponse resp;
   RETURN_IF_ERROR(FromGrpcStatus(stub_->KvWait(&ctx, req, &resp)));
+  if (static_cast<size_t>(resp.values_size()) != keys.size()) {
+    return absl::DataLossError(absl::StrCat("the coordinator answered a wait for ", keys.size(), " keys with ",
+                                            resp.values_size(), " values"));
+  }
   return std::vector<std::string>(resp.values().begin(), resp.values().end());
 }
 

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <system_error>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -80,6 +82,17 @@ JobRunner::~JobRunner() {
 
 absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   if (req.job_id().empty()) return absl::InvalidArgumentError("job_id: required");
+  // It names the rank's directory (WORK_DIR/JOB-gen-G-rank-R, removed
+  // whole) and its flight recorder's dump: a plain name, never a path
+  // ("../..", or a NUL that would cut the path short).
+  constexpr size_t kMaxJobIdBytes = 128;
+  if (req.job_id().size() > kMaxJobIdBytes || !absl::c_all_of(req.job_id(), [](char c) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_';
+      })) {
+    return absl::InvalidArgumentError(absl::StrCat("job_id: at most ", kMaxJobIdBytes,
+                                                   " letters, digits, '-' and '_', not '",
+                                                   absl::CHexEscape(req.job_id().substr(0, 40)), "'"));
+  }
   if (req.spec().kind() != v1::JOB_KIND_TRAIN && req.spec().kind() != v1::JOB_KIND_FORWARD &&
       req.spec().kind() != v1::JOB_KIND_TENSOR) {
     return absl::InvalidArgumentError(absl::StrCat("spec.kind: this worker runs TRAIN, FORWARD and TENSOR jobs, not ",

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "client/coordinator_client.h"
 #include "grpcpp/create_channel.h"
@@ -235,6 +236,17 @@ TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
     bad.set_job_uid(uid);
     EXPECT_EQ(runner.Assign(bad).code(), absl::StatusCode::kInvalidArgument) << uid;
   }
+  // A job id names the rank's directory, which is removed whole: a path,
+  // or a NUL that would cut the path short, is refused, and nothing outside
+  // the work directory is touched.
+  const std::string outside = testing::TempPath("outside-the-work-dir");
+  std::filesystem::create_directories(outside);
+  for (const std::string& id : std::vector<std::string>{std::string("../outside-the-work-dir\0", 24), "job/1",
+                                                        "../x", "job.1", std::string(129, 'a')}) {
+    EXPECT_EQ(runner.Assign(RankZero(id, MidSizeTrainSpec())).code(), absl::StatusCode::kInvalidArgument)
+        << absl::CHexEscape(id);
+  }
+  EXPECT_TRUE(std::filesystem::exists(outside));
   ASSERT_TRUE(runner.Assign(RankZero("job-424242", MidSizeTrainSpec())).ok());
   ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
   const std::string error = runner.Status().last_error();

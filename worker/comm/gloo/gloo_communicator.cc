@@ -95,6 +95,10 @@ class StoreAdapter final : public gloo::rendezvous::Store {
     const absl::Time deadline = absl::Now() + timeout;
     for (;;) {
       const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) {  // a slice's RPC overran the deadline: no wait of 0 or less is asked
+        return absl::DeadlineExceededError(
+            absl::StrCat("the rendezvous keys did not arrive within ", absl::FormatDuration(timeout)));
+      }
       absl::StatusOr<std::vector<std::string>> got = store_.Wait(keys, std::min(left, kSlice));
       if (got.ok() || !absl::IsDeadlineExceeded(got.status()) || left <= kSlice) return got;
       absl::MutexLock lock(&r_->mu);

@@ -247,6 +247,11 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(Store
     for (;;) {
       if (options.abort_signal != nullptr) RETURN_IF_ERROR(options.abort_signal->Check());
       const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) {  // a slice's RPC overran the deadline: no wait of 0 or less is asked
+        got = absl::DeadlineExceededError(absl::StrCat("nccl: rank 0's unique id did not arrive within ",
+                                                       absl::FormatDuration(options.timeout)));
+        break;
+      }
       got = store.Wait({key}, std::min(left, absl::Milliseconds(500)));
       if (got.ok() || got.status().code() != absl::StatusCode::kDeadlineExceeded || left <= absl::Milliseconds(500)) {
         break;
