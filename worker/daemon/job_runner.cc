@@ -80,6 +80,16 @@ JobRunner::~JobRunner() {
   if (t.joinable()) t.join();
 }
 
+void JobRunner::Close(const std::string& reason) {
+  std::shared_ptr<Active> active;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_.empty()) closed_ = reason.empty() ? "the worker is shutting down" : reason;
+    active = active_;
+  }
+  if (active) Stop(*active, reason);
+}
+
 absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   if (req.job_id().empty()) return absl::InvalidArgumentError("job_id: required");
   // It names the rank's directory (WORK_DIR/JOB-gen-G-rank-R, removed
@@ -119,6 +129,7 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
         absl::StrCat("rank: ", req.rank(), " is outside the mesh of ", mesh.world_size(), " ranks"));
   }
   absl::MutexLock lock(&mu_);
+  if (!closed_.empty()) return absl::UnavailableError(absl::StrCat("this worker takes no rank: ", closed_));
   if (!device_lost_.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("this worker takes no rank: ", device_lost_.message(), "; it is restarting"));

@@ -89,6 +89,11 @@ class JobRunner {
   // Stops the job's rank: NOT_FOUND unless it runs that job, ABORTED for an
   // older generation than the one that runs.
   absl::Status Abort(const v1::AbortJobRequest& request);
+  // Aborts the running rank (without waiting for it) and refuses later
+  // assignments (UNAVAILABLE): a worker that shuts down does this before its
+  // server drains, so that no handler stays in one of the rank's collectives
+  // (a TENSOR job's) until the communicator's timeout.
+  void Close(const std::string& reason);
   // IDLE, or BUSY with the job, rank and generation and the rank's
   // collectives per group (its flight recorder's progress); last_error is
   // the error of the last rank that failed.
@@ -139,6 +144,7 @@ class JobRunner {
   ModelCache models_;  // used by the rank's thread only
   mutable absl::Mutex mu_;
   std::shared_ptr<Active> active_ ABSL_GUARDED_BY(mu_);
+  std::string closed_ ABSL_GUARDED_BY(mu_);  // Close's reason; empty while open
   std::thread thread_ ABSL_GUARDED_BY(mu_);
   std::string last_error_ ABSL_GUARDED_BY(mu_);
   absl::Status device_lost_ ABSL_GUARDED_BY(mu_);  // OK while the device is usable

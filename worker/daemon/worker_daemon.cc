@@ -345,8 +345,12 @@ void WorkerDaemon::Shutdown() {
       COLOD_LOG(WARNING) << "could not deregister from " << options_.coordinator << ": " << s;
     }
   }
+  // A running rank is aborted before the server drains: a tensor call in one
+  // of its collectives (a peer SIGSTOPped) would hold the drain until the
+  // communicator's timeout.
+  if (runner_) runner_->Close("the worker is shutting down");
   StopGrpcServer(*grpc_.server, absl::Seconds(2));
-  runner_.reset();  // aborts a running rank and waits for it
+  runner_.reset();  // waits for the rank
   metrics_.reset();
   if (own_work_dir_) {
     std::error_code ec;

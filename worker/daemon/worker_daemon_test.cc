@@ -256,6 +256,31 @@ TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
   EXPECT_TRUE(absl::StrContains(error, "this worker has 0.06 GiB")) << error;
 }
 
+// A worker that shuts down closes its runner before its server drains: the
+// running rank (here a TENSOR job's, which serves until stopped) is aborted
+// at once, and no assignment is taken after it.
+TEST(WorkerDaemon, AClosedRunnerAbortsItsRankAndTakesNoOther) {
+  Coordinator::Options o;
+  o.data_dir = testing::TempPath("close-coordinator");
+  auto coordinator = Coordinator::Start(o);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  JobRunner runner(RunnerOptions(**coordinator, "runner-close"));
+  v1::JobSpec tensor;
+  tensor.set_kind(v1::JOB_KIND_TENSOR);
+  tensor.mutable_shard()->set_tensor_parallel_size(1);
+  tensor.mutable_shard()->set_data_parallel_size(1);
+  ASSERT_TRUE(runner.Assign(RankZero("job-000001", tensor)).ok());
+  EXPECT_FALSE(runner.WaitIdle(absl::Milliseconds(500)));  // it serves
+  const absl::Time start = absl::Now();
+  runner.Close("the worker is shutting down");
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_TRUE(absl::StrContains(runner.Status().last_error(), "the worker is shutting down"))
+      << runner.Status().last_error();
+  const absl::Status again = runner.Assign(RankZero("job-000002", tensor));
+  EXPECT_EQ(again.code(), absl::StatusCode::kUnavailable) << again;
+}
+
 // The worker admits a rank by the memory floor the coordinator sends (computed
 // once, at submit), not by recomputing it: a floor above the worker's memory
 // refuses a model that would fit, naming the floor sent.
