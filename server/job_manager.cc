@@ -72,7 +72,9 @@ double TrainFlopsPerTokenOf(const v1::JobSpec& spec) {
 // In the state directory: the next job id, written when a job is deleted.
 constexpr char kNextIdFile[] = "next-id";
 
-std::string SnapshotPath(absl::string_view dir, absl::string_view job_id) { return absl::StrCat(dir, "/", job_id, ".pb"); }
+std::string SnapshotPath(absl::string_view dir, absl::string_view job_id) {
+  return absl::StrCat(dir, "/", job_id, ".pb");
+}
 std::string LogPath(absl::string_view dir, absl::string_view job_id) { return absl::StrCat(dir, "/", job_id, ".log"); }
 
 // Appends `entry` to the log at `path` as one entry (its 4-byte

@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
+#include "common/host_memory.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
@@ -426,7 +427,10 @@ absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shard
 }
 
 absl::Status JobRunner::ServeTensors(Active& active, ProcessGroup& pg) {
-  auto host = std::make_shared<TensorHost>(&pg, options_.cuda ? Device::Cuda(options_.device_ordinal) : Device::Cpu());
+  // The worker's memory, or else the host's memory available now.
+  const int64_t budget = options_.memory_bytes > 0 ? options_.memory_bytes : AvailableHostMemoryBytes();
+  auto host = std::make_shared<TensorHost>(
+      &pg, options_.cuda ? Device::Cuda(options_.device_ordinal) : Device::Cpu(), budget);
   {
     absl::MutexLock lock(&active.mu);
     active.tensors = host;

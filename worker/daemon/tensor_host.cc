@@ -1,6 +1,7 @@
 #include "worker/daemon/tensor_host.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 #include "worker/colo/tensor_proto.h"
 #include "worker/tensor/autograd.h"
@@ -25,6 +26,41 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
   if (req.name().empty()) return absl::InvalidArgumentError("name: required");
   ASSIGN_OR_RETURN(DistSpec spec, DistSpecFromProto(req.dist_spec()));
   ASSIGN_OR_RETURN(ComputePattern pattern, ComputePatternFromProto(req.compute_pattern()));
+  // The bytes it will take, reserved before anything is allocated.
+  int64_t bytes = 0;
+  if (req.init_case() == v1::CreateTensorRequest::kValue) {
+    bytes = static_cast<int64_t>(req.value().data().size());  // already here; the tensor is its size
+  } else if (req.init_case() == v1::CreateTensorRequest::kRandom) {
+    const v1::RandomInit& r = req.random();
+    const v1::DType wire = r.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : r.dtype();
+    ASSIGN_OR_RETURN(DType dtype, DTypeFromProto(wire, "random.dtype"));
+    const Shape shape(r.shape().begin(), r.shape().end());
+    for (int64_t d : shape) {
+      if (d < 1) return absl::InvalidArgumentError(absl::StrCat("random.shape: sizes must be >= 1, got ", d));
+    }
+    const std::optional<int64_t> checked = CheckedBytes(shape, static_cast<int64_t>(SizeOf(dtype)));
+    if (!checked.has_value()) return absl::InvalidArgumentError("random.shape: its bytes overflow int64");
+    bytes = *checked;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return absl::UnavailableError("the job's rank has stopped");
+    if (bytes > budget_bytes_ - held_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "tensor '", req.name(), "' would take ", bytes, " bytes; this rank's tensors hold ", held_bytes_,
+          " of the ", budget_bytes_, " it may use (the worker's memory): delete some first"));
+    }
+    held_bytes_ += bytes;
+  }
+  struct Reservation {  // given back unless the tensor is stored
+    TensorHost* host;
+    int64_t bytes;
+    ~Reservation() {
+      if (bytes == 0) return;
+      absl::MutexLock lock(&host->mu_);
+      host->held_bytes_ -= bytes;
+    }
+  } reservation{this, bytes};
   Tensor global;
   switch (req.init_case()) {
     case v1::CreateTensorRequest::kValue: {
@@ -36,9 +72,6 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
       const v1::DType wire = r.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : r.dtype();
       ASSIGN_OR_RETURN(DType dtype, DTypeFromProto(wire, "random.dtype"));
       const Shape shape(r.shape().begin(), r.shape().end());
-      for (int64_t d : shape) {
-        if (d < 1) return absl::InvalidArgumentError(absl::StrCat("random.shape: sizes must be >= 1, got ", d));
-      }
       if (r.distribution() == v1::RandomInit::DISTRIBUTION_UNIFORM) {
         ASSIGN_OR_RETURN(global, Tensor::RandomUniform(shape, r.seed(), dtype));
       } else {
@@ -59,7 +92,8 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
   absl::StatusOr<ColoTensor> t = ColoTensor::FromGlobal(global, spec, pg_);
   if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("dist_spec: ", t.status().message()));
   t->set_compute_spec({pattern});
-  Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t), next_id_++}).first->second;
+  Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t), next_id_++, bytes}).first->second;
+  reservation.bytes = 0;  // held by the entry now
   return LayoutLocked(req.name(), e);
 }
 
@@ -131,13 +165,17 @@ void TensorHost::Close() {
   absl::MutexLock order(&collective_mu_);  // the collective in progress ends first
   absl::MutexLock lock(&mu_);
   closed_ = true;
+  for (const auto& [name, e] : tensors_) held_bytes_ -= e.bytes;
   tensors_.clear();
 }
 
 absl::Status TensorHost::Delete(const std::string& name) {
   absl::MutexLock lock(&mu_);
   if (closed_) return absl::UnavailableError("the job's rank has stopped");
-  if (tensors_.erase(name) == 0) return absl::NotFoundError(absl::StrCat("no tensor '", name, "'"));
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) return absl::NotFoundError(absl::StrCat("no tensor '", name, "'"));
+  held_bytes_ -= it->second.bytes;
+  tensors_.erase(it);
   return absl::OkStatus();
 }
 

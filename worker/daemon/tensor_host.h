@@ -32,12 +32,16 @@ namespace colod {
 class TensorHost {
  public:
   // `pg` is the rank's process group and must outlive the host; tensors
-  // live on `device`.
-  TensorHost(ProcessGroup* pg, Device device) : pg_(pg), device_(device) {}
+  // live on `device`. The tensors held together may take `budget_bytes`
+  // (each counted at its global size, which every rank materializes once).
+  TensorHost(ProcessGroup* pg, Device device, int64_t budget_bytes)
+      : pg_(pg), device_(device), budget_bytes_(budget_bytes) {}
 
   // ALREADY_EXISTS for a taken name; INVALID_ARGUMENT naming the field for a
   // missing name or init, a bad dtype, a value whose bytes do not match its
-  // shape, or a spec that does not fit the mesh or the shape.
+  // shape, or a spec that does not fit the mesh or the shape;
+  // RESOURCE_EXHAUSTED, before anything is allocated, for one that would
+  // pass the budget.
   absl::StatusOr<v1::TensorLayout> Create(const v1::CreateTensorRequest& request);
   // Collective. NOT_FOUND for an unknown name.
   absl::StatusOr<v1::TensorLayout> SetDistSpec(const v1::SetDistSpecRequest& request)
@@ -58,6 +62,7 @@ class TensorHost {
   struct Entry {
     ColoTensor tensor;  // its ComputeSpec carries the request's compute_pattern
     uint64_t id = 0;    // which Create made it
+    int64_t bytes = 0;  // its global size, counted against the budget
   };
   absl::StatusOr<Entry*> FindLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A copy of the named tensor's entry (a handle), taken under the map's lock.
@@ -72,6 +77,8 @@ class TensorHost {
   absl::Mutex mu_;
   std::map<std::string, Entry> tensors_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  const int64_t budget_bytes_;
+  int64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the tensors, and of Creates in progress
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -16,11 +16,41 @@
 namespace colod {
 namespace {
 
+// The tensors a rank holds are bounded by its budget (the worker's memory),
+// each counted at its global size: one that would pass it is refused
+// before anything is allocated (a shape of 2^40 floats is not tried), a
+// delete gives its bytes back.
+TEST(TensorHost, TensorsAreBoundedByTheBudgetBeforeAnythingIsAllocated) {
+  testing::RunMesh(testing::TpDpMesh(1), [&](int, ProcessGroup& pg) {
+    TensorHost host(&pg, Device::Cpu(), 1000);
+    const auto random = [](const std::string& name, std::vector<int64_t> shape) {
+      v1::CreateTensorRequest r;
+      r.set_name(name);
+      for (int64_t d : shape) r.mutable_random()->add_shape(d);
+      return r;
+    };
+    ASSERT_TRUE(host.Create(random("a", {10, 20})).ok());  // 800 bytes
+    const absl::StatusOr<v1::TensorLayout> over = host.Create(random("b", {10, 6}));  // 240 more
+    EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+    EXPECT_NE(over.status().message().find("hold 800 of the 1000"), std::string::npos) << over.status();
+    const absl::StatusOr<v1::TensorLayout> huge = host.Create(random("h", {1 << 20, 1 << 20}));
+    EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+    EXPECT_EQ(host.Create(random("o", {int64_t{1} << 40, int64_t{1} << 40})).status().code(),
+              absl::StatusCode::kInvalidArgument);  // its bytes overflow
+    ASSERT_TRUE(host.Create(random("c", {10, 5})).ok());  // 200: exactly the budget
+    ASSERT_TRUE(host.Delete("a").ok());
+    EXPECT_TRUE(host.Create(random("b", {10, 6})).ok());
+    EXPECT_EQ(host.Create(random("b", {1})).status().code(), absl::StatusCode::kAlreadyExists);
+    // 560: the rest, so the refused "b" gave its reservation back.
+    EXPECT_TRUE(host.Create(random("d", {10, 14})).ok());
+  });
+}
+
 TEST(TensorHost, ItsCallsDoNotWaitForACollectiveInProgressAndTheCollectivesGiveTheWhole) {
   auto want = Tensor::RandomNormal({4, 6}, /*seed=*/7);
   ASSERT_TRUE(want.ok()) << want.status();
   testing::RunMesh(testing::TpDpMesh(2), [&](int rank, ProcessGroup& pg) {
-    TensorHost host(&pg, Device::Cpu());
+    TensorHost host(&pg, Device::Cpu(), int64_t{1} << 30);
     v1::CreateTensorRequest create;
     create.set_name("w");
     create.mutable_random()->set_seed(7);
