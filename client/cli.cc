@@ -105,7 +105,10 @@ int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const
   const std::string explicit_address = ExplicitCoordinator();
   if (!explicit_address.empty()) return fn(explicit_address);
   auto cluster = StartLocalCluster(workers, "127.0.0.1:0", "");
-  if (!cluster.ok()) return Fail(cluster.status());
+  if (!cluster.ok()) {
+    if (absl::IsInvalidArgument(cluster.status())) return Usage(std::string(cluster.status().message()));
+    return Fail(cluster.status());
+  }
   const int code = fn((*cluster)->address());
   (*cluster)->Stop();
   return code;

@@ -50,8 +50,11 @@ int SubmitWith(CoordinatorClient& client, bool json) {
   const std::string kind = absl::GetFlag(FLAGS_kind);
   if (kind != "train" && kind != "tensor") return Usage(absl::StrCat("--kind: '", kind, "' is not one of train, tensor"));
   if (kind == "tensor") {
-    auto job = SubmitTensorJob(client, absl::GetFlag(FLAGS_name));
-    if (!job.ok()) return Fail(job.status());
+    auto job = SubmitTensorJob(client, absl::GetFlag(FLAGS_name), absl::GetFlag(FLAGS_request_id));
+    if (!job.ok()) {
+      if (absl::IsInvalidArgument(job.status())) return Usage(absl::StrCat("submit: ", job.status().message()));
+      return Fail(job.status());
+    }
     if (json) return PrintJson(*job);
     std::printf("%s\n", job->job_id().c_str());
     return 0;

@@ -33,7 +33,9 @@ namespace {
 int RunLocal(const std::vector<std::string>&) {
   BlockShutdownSignals();       // before any thread starts; the children unblock
   ::signal(SIGPIPE, SIG_IGN);  // a closed stdout must not skip the cleanup
-  if (absl::GetFlag(FLAGS_workers) < 1) return Usage("local: --workers must be at least 1");
+  if (absl::GetFlag(FLAGS_workers) < 1 || absl::GetFlag(FLAGS_workers) > LocalCluster::kMaxWorkers) {
+    return Usage(absl::StrCat("local: --workers must be 1 to ", LocalCluster::kMaxWorkers));
+  }
   const absl::StatusOr<bool> cuda = CudaFromFlags();
   if (!cuda.ok()) return Usage(absl::StrCat("local: ", cuda.status().message()));
   auto cluster = StartLocalCluster(absl::GetFlag(FLAGS_workers), absl::GetFlag(FLAGS_listen),

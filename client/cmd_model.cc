@@ -289,8 +289,9 @@ constexpr Command kCommands[] = {
     {"train", "",
      "  train       Train a model directory as a job on the daemons and print one line per\n"
      "              step: on --coordinator (or $COLOD_COORDINATOR) when given, else on an\n"
-     "              embedded cluster of tp * dp CPU workers started for the run (--device\n"
-     "              cuda runs rank r on local GPU r in this process instead). One line per\n"
+     "              embedded cluster of tp * pp * dp CPU workers (at most 256) started for\n"
+     "              the run (--device cuda runs rank r on local GPU r in this process\n"
+     "              instead). One line per\n"
      "              step (--output json: one JSON object per line with step, loss, lr,\n"
      "              grad_norm, tokens_per_second and the bytes of parameters, gradients and\n"
      "              optimizer state on rank 0). --model DIR --data FILE [--steps N]\n"

@@ -19,7 +19,8 @@ constexpr char kIntro[] =
 
 constexpr char kEpilogue[] =
     "Exit status: 0 on success, 1 when the command fails (the status code, e.g. the\n"
-    "coordinator's gRPC code, and the message are printed), 2 for a usage error.\n"
+    "coordinator's gRPC code, and the message are printed), 2 for a usage error; a\n"
+    "flag that is unknown or whose value does not parse exits 1 (\"ERROR: ...\").\n"
     "\n"
     "Examples:\n"
     "  coloctl --coordinator 127.0.0.1:7070 workers\n"

@@ -376,12 +376,13 @@ absl::StatusOr<ForwardFiles> ForwardFilesFromFlags() {
   return f;
 }
 
-absl::StatusOr<v1::Job> SubmitTensorJob(CoordinatorClient& client, const std::string& name) {
+absl::StatusOr<v1::Job> SubmitTensorJob(CoordinatorClient& client, const std::string& name,
+                                        const std::string& request_id) {
   v1::JobSpec spec;
   spec.set_kind(v1::JOB_KIND_TENSOR);
   spec.set_name(name);
   ASSIGN_OR_RETURN(*spec.mutable_shard(), ShardFromFlags());
-  return client.SubmitJob(spec);
+  return client.SubmitJob(spec, request_id);
 }
 
 std::string Absolute(const std::string& path) {

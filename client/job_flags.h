@@ -62,7 +62,8 @@ struct ForwardFiles {
 absl::StatusOr<ForwardFiles> ForwardFilesFromFlags();
 
 // Submits a TENSOR job named `name` on the layout of the flags.
-absl::StatusOr<v1::Job> SubmitTensorJob(CoordinatorClient& client, const std::string& name);
+absl::StatusOr<v1::Job> SubmitTensorJob(CoordinatorClient& client, const std::string& name,
+                                        const std::string& request_id = "");
 
 // `path` made absolute and normal: paths the workers open must not depend on
 // coloctl's working directory.

@@ -69,6 +69,10 @@ absl::StatusOr<std::string> FindDaemonBinary(const std::string& self, const std:
 
 absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options options) {
   if (options.workers < 1) return absl::InvalidArgumentError("a local cluster needs at least 1 worker");
+  if (options.workers > kMaxWorkers) {
+    return absl::InvalidArgumentError(absl::StrCat("a local cluster runs at most ", kMaxWorkers, " workers, not ",
+                                                   options.workers, ": run a larger layout on a cluster (--coordinator)"));
+  }
   if (options.coordinator_binary.empty() || options.worker_binary.empty()) {
     return absl::InvalidArgumentError("the daemon binaries are required");
   }

@@ -25,8 +25,11 @@ namespace colod {
 
 class LocalCluster {
  public:
+  // Workers one machine's cluster runs at most: each is a process with its
+  // threads and its model's memory (a larger layout belongs on a cluster).
+  static constexpr int kMaxWorkers = 256;
   struct Options {
-    int workers = 2;
+    int workers = 2;  // 1 to kMaxWorkers
     // "cpu", or "cuda": worker i serves CUDA device i (one process per
     // device, as on a GPU node).
     std::string device = "cpu";

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -1065,6 +1066,20 @@ TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
   ASSERT_TRUE(jobs.ok());
   EXPECT_EQ(jobs->back().spec().name(), "from-yaml");
   EXPECT_EQ(jobs->back().state(), v1::JOB_STATE_SUCCEEDED);
+
+  // A TENSOR job submitted again with the same --request-id is the same job
+  // (a retried submit must not hold a second set of workers).
+  std::vector<std::string> tensor_ids;
+  for (int i = 0; i < 2; ++i) {
+    auto t = RunCommand({Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "submit", "--kind", "tensor",
+                         "--tp", "2", "--dp", "2", "--request-id", "tensor-once"},
+                        TempPath(""), absl::Seconds(60));
+    EXPECT_EQ(t.code, 0) << t.err << t.out;
+    tensor_ids.push_back(std::string(absl::StripAsciiWhitespace(t.out)));
+  }
+  EXPECT_EQ(tensor_ids[0], tensor_ids[1]);
+  EXPECT_TRUE(absl::StartsWith(tensor_ids[0], "job-")) << tensor_ids[0];
+  EXPECT_TRUE(client_->CancelJob(tensor_ids[0]).ok());
 }
 
 // The coordinator SIGKILLed mid-job and started again on its data dir: the
