@@ -17,6 +17,7 @@
 #include "client/commands.h"
 #include "client/format.h"
 #include "client/job_flags.h"
+#include "common/flags.h"
 #include "common/json.h"
 #include "common/limits.h"
 #include "common/status_macros.h"
@@ -125,25 +126,16 @@ int RunTrain(const std::vector<std::string>&) {
 int RunInProcessCommand(const std::vector<std::string>&) { return RunInProcess(); }
 
 // "80GiB", "24GB", "512MiB", "1073741824": bytes (GiB and GB alike are 2^30).
+// --memory-per-rank as the worker's --memory-limit reads it (ParseByteSize:
+// GB is 10^9, GiB 2^30), so that a layout plan says fits is one the workers
+// admit; a positive size.
 absl::StatusOr<int64_t> ParseBytes(const std::string& text) {
-  static const std::pair<const char*, int> kUnits[] = {{"TiB", 40}, {"TB", 40}, {"GiB", 30}, {"GB", 30}, {"G", 30},
-                                                       {"MiB", 20}, {"MB", 20}, {"M", 20},   {"KiB", 10}, {"KB", 10},
-                                                       {"K", 10},   {"B", 0}};
-  std::string number = text;
-  int shift = 0;
-  for (const auto& [unit, bits] : kUnits) {
-    if (absl::EndsWith(text, unit)) {
-      number = text.substr(0, text.size() - std::strlen(unit));
-      shift = bits;
-      break;
-    }
-  }
-  double value = 0;
-  if (!absl::SimpleAtod(number, &value) || !(value > 0) || value * std::ldexp(1.0, shift) >= 9.0e18) {
+  absl::StatusOr<int64_t> bytes = ParseByteSize(text);
+  if (!bytes.ok() || *bytes <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--memory-per-rank: '", text, "' is not a positive size (bytes, or 80GiB, 24GB, 512MiB)"));
   }
-  return static_cast<int64_t>(value * std::ldexp(1.0, shift));
+  return *bytes;
 }
 
 std::string Bytes(int64_t n) { return HumanBytes(n); }
