@@ -143,6 +143,23 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
   while (true) {
     auto workers = c->workers();
     if (workers.ok() && static_cast<int>(workers->size()) >= options.workers) break;
+    // A worker that exited will never register: say so now, with its log,
+    // not at the deadline (no such device, a build without CUDA, ...).
+    std::string dead;
+    {
+      absl::MutexLock lock(&c->mu_);
+      for (size_t i = 0; i < c->workers_.size() && dead.empty(); ++i) {
+        Child& w = c->workers_[i];
+        int status = 0;
+        if (w.pid <= 0 || ::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
+        w.pid = -1;  // reaped
+        dead = absl::StrCat("local worker ", i, " ",
+                            WIFEXITED(status) ? absl::StrCat("exited with status ", WEXITSTATUS(status))
+                                              : absl::StrCat("was killed by signal ", WTERMSIG(status)),
+                            " before it registered (see ", w.log, ")");
+      }
+    }
+    if (!dead.empty()) return fail(absl::UnavailableError(dead));  // (fail stops the cluster, which takes mu_)
     if (absl::Now() > deadline) {
       return fail(absl::DeadlineExceededError(absl::StrCat("the local workers did not register within ",
                                                            absl::FormatDuration(options.ready_timeout))));

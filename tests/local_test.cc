@@ -5,9 +5,11 @@
 
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "client/local_cluster.h"
 #include "nlohmann/json.hpp"
 #include "tests/subprocess.h"
 #include "tests/testing/temp_dir.h"
@@ -47,6 +49,23 @@ TEST(Local, AnnouncesServesAndStopsItsCluster) {
   EXPECT_EQ(*code, 0) << testing::ReadFile(TempPath("local.err"));
   EXPECT_FALSE(Reachable(address));
   for (const std::string& w : workers) EXPECT_FALSE(Reachable(w)) << w;
+}
+
+// A worker that exits before it registers (no such device, a build without
+// CUDA) fails the cluster at once, naming it and its log, instead of at the
+// registration deadline (60 s) with "did not register".
+TEST(Local, AWorkerThatExitsAtStartFailsTheClusterAtOnce) {
+  LocalCluster::Options o;
+  o.workers = 2;
+  o.coordinator_binary = Runfile("server/colod-coordinator");
+  o.worker_binary = "/bin/false";
+  o.data_dir = TempPath("dead-worker");
+  const absl::Time start = absl::Now();
+  const absl::StatusOr<std::unique_ptr<LocalCluster>> c = LocalCluster::Start(o);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable) << c.status();
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "exited with status 1 before it registered")) << c.status();
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "worker-0.log")) << c.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
 }
 
 TEST(Local, ItsDaemonsDieWithAKilledColoctl) {
