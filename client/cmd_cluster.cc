@@ -25,6 +25,9 @@ ABSL_FLAG(bool, upload, true,
           "submit: stream the model directory's files to the coordinator (the workers download them); "
           "--upload=false sends only its path, for workers that share this file system.");
 ABSL_FLAG(bool, watch, false, "submit: follow the job to its end, as `coloctl watch`.");
+ABSL_FLAG(absl::Duration, upload_timeout, absl::Hours(24),
+          "submit: give up streaming the model's files to the coordinator after this long (a deadline of its "
+          "own: --timeout bounds each short call, --watch-timeout the watch).");
 ABSL_FLAG(std::string, state, "", "jobs: only jobs in these states, comma-separated (pending,running,...).");
 ABSL_FLAG(std::string, reason, "", "cancel: why (recorded on the job).");
 ABSL_FLAG(std::string, kind, "train", "submit: train (a model and data) or tensor (a mesh hosting ColoTensors).");
@@ -68,7 +71,7 @@ int SubmitWith(CoordinatorClient& client, bool json) {
   }
   if (absl::GetFlag(FLAGS_job_file).empty() && absl::GetFlag(FLAGS_upload)) {
     // The workers may not see this machine's files: send them along.
-    auto uploaded = client.UploadModel(spec->model().weights_path(), absl::GetFlag(FLAGS_watch_timeout));
+    auto uploaded = client.UploadModel(spec->model().weights_path(), absl::GetFlag(FLAGS_upload_timeout));
     if (!uploaded.ok()) return Fail(uploaded.status());
     if (!json) {
       std::fprintf(stderr, "coloctl: uploaded %d files (%lld bytes) of %s as %s%s\n", uploaded->files_size(),
@@ -238,7 +241,8 @@ constexpr Command kCommands[] = {
 
 CommandGroup ClusterCommands() {
   return {"Cluster commands (talk to --coordinator, or $COLOD_COORDINATOR, or 127.0.0.1:7070;\n"
-          "every call has the --timeout deadline):",
+          "every call has the --timeout deadline, but a watch's --watch-timeout and a submit's\n"
+          "upload's --upload-timeout):",
           kCommands};
 }
 
