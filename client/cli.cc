@@ -1,5 +1,6 @@
 #include "client/cli.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,9 +9,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -18,6 +21,7 @@
 #include "client/format.h"
 #include "common/find_binary.h"
 #include "common/flags.h"
+#include "common/grpc_server.h"
 #include "common/json.h"
 #include "common/security_flags.h"
 #include "nlohmann/json.hpp"
@@ -104,12 +108,36 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> StartLocalCluster(int workers, con
 int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const std::string& address)>& fn) {
   const std::string explicit_address = ExplicitCoordinator();
   if (!explicit_address.empty()) return fn(explicit_address);
+  // Ctrl-C or SIGTERM stops the cluster (its daemons, and its temporary
+  // directory with their state and logs), then exits 128 + the signal. The
+  // signals are blocked before the cluster's threads start, and taken by a
+  // thread of their own.
+  BlockShutdownSignals();
   auto cluster = StartLocalCluster(workers, "127.0.0.1:0", "");
   if (!cluster.ok()) {
     if (absl::IsInvalidArgument(cluster.status())) return Usage(std::string(cluster.status().message()));
     return Fail(cluster.status());
   }
+  absl::Notification done;
+  std::thread stopper([&] {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    const timespec slice{0, 200 * 1000 * 1000};
+    while (!done.HasBeenNotified()) {
+      const int sig = ::sigtimedwait(&set, nullptr, &slice);
+      if (sig <= 0) continue;
+      std::fprintf(stderr, "coloctl: %s: stopping the embedded cluster\n", ::strsignal(sig));
+      (*cluster)->Stop();
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(128 + sig);  // the command's own thread may be in a call to the cluster it just lost
+    }
+  });
   const int code = fn((*cluster)->address());
+  done.Notify();
+  stopper.join();
   (*cluster)->Stop();
   return code;
 }

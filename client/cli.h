@@ -90,7 +90,9 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> StartLocalCluster(int workers, con
 // Runs `fn` with the address of ExplicitCoordinator() when one is given, else
 // with that of an embedded cluster of `workers` CPU workers on loopback,
 // started for the call and stopped after it (as on a real cluster, through
-// the daemons). Returns fn's exit code, or 1 when the cluster cannot start.
+// the daemons). Returns fn's exit code, or 1 when the cluster cannot start
+// (2 when it may not: more than LocalCluster::kMaxWorkers). SIGINT or SIGTERM
+// meanwhile stops the cluster and exits 128 + the signal.
 int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const std::string& address)>& fn);
 
 // Follows a job to its end. Table mode draws a progress bar (step, loss,

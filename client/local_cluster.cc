@@ -8,6 +8,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <algorithm>
 #include <fstream>
@@ -81,8 +83,11 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
   c->data_dir_ = options.data_dir;
   c->max_worker_restarts_ = options.max_worker_restarts;
   if (c->data_dir_.empty()) {
-    char tmpl[] = "/tmp/colod-local-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) return absl::InternalError("cannot create a temporary directory");
+    const char* tmpdir = std::getenv("TMPDIR");
+    std::string tmpl = absl::StrCat(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp", "/colod-local-XXXXXX");
+    if (::mkdtemp(tmpl.data()) == nullptr) {
+      return absl::InternalError(absl::StrCat("cannot create a temporary directory ", tmpl, ": ", std::strerror(errno)));
+    }
     c->data_dir_ = tmpl;
     c->temporary_ = true;
   } else {

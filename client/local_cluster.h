@@ -36,7 +36,7 @@ class LocalCluster {
     std::string listen = "127.0.0.1:0";  // the coordinator's gRPC address
     std::string metrics_listen = "127.0.0.1:0";
     // Coordinator state and worker logs; empty: a fresh directory under
-    // /tmp, removed by Stop.
+    // $TMPDIR (else /tmp), removed by Stop.
     std::string data_dir;
     // The daemon binaries; FindDaemonBinary looks next to coloctl.
     std::string coordinator_binary;

@@ -4,10 +4,12 @@
 // and 3D); the other families at their layouts, LLaMA in 3D.
 #include <signal.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -183,6 +185,40 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
 // OPT (opt-350m's shape) trains with the same losses at 1D with sequence
 // parallelism and in 3D (its projections lone Linear3Ds) as unsharded, and
 // its loss falls.
+// Ctrl-C on a run on an embedded cluster stops the cluster: its daemons and
+// its temporary directory (their state and logs) are gone, and coloctl
+// exits 128 + SIGINT.
+TEST(Train, AnInterruptedRunStopsItsEmbeddedCluster) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  o.positions = 32;
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2-interrupted"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::string tmp = TempPath("interrupted-tmp");
+  std::filesystem::create_directories(tmp);
+  ::setenv("TMPDIR", tmp.c_str(), 1);  // where the embedded cluster's directory goes
+  testing::Subprocess run({Runfile("client/coloctl"), "train", "--model", model->dir, "--data",
+                           "/usr/share/common-licenses/GPL-3", "--steps", "100000", "--batch-size", "2", "--seq-len",
+                           "16", "--output", "json"},
+                          TempPath("interrupted.out"), TempPath("interrupted.err"));
+  ::unsetenv("TMPDIR");
+  for (int i = 0; i < 1200 && ReadFile(TempPath("interrupted.out")).empty(); ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_FALSE(ReadFile(TempPath("interrupted.out")).empty()) << ReadFile(TempPath("interrupted.err"));
+  int dirs = 0;
+  for (const auto& e : std::filesystem::directory_iterator(tmp)) {
+    dirs += absl::StartsWith(e.path().filename().string(), "colod-local-");
+  }
+  EXPECT_EQ(dirs, 1);
+  run.Signal(SIGINT);
+  const std::optional<int> code = run.Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 128 + SIGINT) << ReadFile(TempPath("interrupted.err"));
+  EXPECT_TRUE(absl::StrContains(ReadFile(TempPath("interrupted.err")), "stopping the embedded cluster"));
+  EXPECT_TRUE(std::filesystem::is_empty(tmp)) << "the embedded cluster's directory was left behind";
+}
+
 TEST(Train, OptTrainsAlikeAtEveryLayout) {
   shardformer::testing::TinyOptions o;
   o.vocab = 257;
