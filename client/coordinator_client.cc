@@ -41,6 +41,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(con
   if (options.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("timeout: must be > 0");
   }
+  if (options.watch_reconnect_limit <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("watch_reconnect_limit: must be > 0");
+  }
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, MakeChannelCredentials(options.tls));
   std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(address, credentials);
   return std::unique_ptr<CoordinatorClient>(new CoordinatorClient(
@@ -159,6 +162,7 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
                                          const std::function<bool(const v1::JobEvent&)>& on_event) {
   const absl::Time deadline = absl::Now() + timeout;
   int64_t next = std::max<int64_t>(from_sequence, 1);
+  absl::Time unreachable_since = absl::InfiniteFuture();  // of the UNAVAILABLE answers in a row
   while (true) {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline));
@@ -169,6 +173,7 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
     std::unique_ptr<grpc::ClientReader<v1::JobEvent>> reader = stub_->WatchJob(&ctx, req);
     v1::JobEvent ev;
     while (reader->Read(&ev)) {
+      unreachable_since = absl::InfiniteFuture();
       next = ev.sequence() + 1;
       if (!on_event(ev)) {
         ctx.TryCancel();
@@ -178,10 +183,21 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
     }
     const grpc::Status s = reader->Finish();
     if (s.ok()) return absl::OkStatus();
-    // A coordinator that restarted or a connection that broke: resume.
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE && absl::Now() + absl::Milliseconds(500) < deadline) {
-      absl::SleepFor(absl::Milliseconds(500));
-      continue;
+    // A coordinator that restarted or a connection that broke: resume, but
+    // not for ever.
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      const absl::Time now = absl::Now();
+      unreachable_since = std::min(unreachable_since, now);
+      if (now - unreachable_since >= options_.watch_reconnect_limit) {
+        return Annotate(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                     absl::StrCat("unreachable for ", absl::FormatDuration(now - unreachable_since),
+                                                  " while watching (the last error: ", s.error_message(), ")")),
+                        address_, "WatchJob");
+      }
+      if (now + absl::Milliseconds(500) < deadline) {
+        absl::SleepFor(absl::Milliseconds(500));
+        continue;
+      }
     }
     return Annotate(s, address_, "WatchJob");
   }

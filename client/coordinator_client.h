@@ -25,6 +25,11 @@ class CoordinatorClient {
     std::string auth_token;
     // TLS to the coordinator (its CA, and our cert + key for mutual TLS).
     TlsFiles tls;
+    // A watch whose coordinator stays unreachable (UNAVAILABLE) this long in
+    // a row gives up, UNAVAILABLE, whatever its own deadline: a restart or a
+    // rescheduled pod is back well within it, a coordinator gone for good is
+    // not waited for (a day, by default). Must be > 0.
+    absl::Duration watch_reconnect_limit = absl::Minutes(10);
   };
 
   // `address` is HOST:PORT; INVALID_ARGUMENT if malformed. Connects lazily:
@@ -57,7 +62,8 @@ class CoordinatorClient {
   // job ends (OK), `on_event` returns false (CANCELLED), or `timeout` passes
   // (DEADLINE_EXCEEDED: a watch is long, so it has its own deadline). A
   // dropped connection is resumed from the next sequence while the deadline
-  // allows, so no event is lost or repeated.
+  // allows, so no event is lost or repeated, unless the coordinator stays
+  // unreachable for Options::watch_reconnect_limit (UNAVAILABLE).
   absl::Status WatchJob(const std::string& job_id, int64_t from_sequence, absl::Duration timeout,
                         const std::function<bool(const v1::JobEvent&)>& on_event);
 

@@ -500,6 +500,22 @@ TEST(CoordinatorStart, StalledTransfersAreCancelledAndFreeTheirPlace) {
   EXPECT_EQ(Coordinator::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A watch whose coordinator is gone for good gives up after the client's
+// watch_reconnect_limit, UNAVAILABLE, not at its own (long) deadline.
+TEST(CoordinatorClientWatch, AnUnreachableCoordinatorEndsTheWatchAfterTheReconnectLimit) {
+  CoordinatorClient::Options o;
+  o.watch_reconnect_limit = absl::Seconds(1);
+  auto client = CoordinatorClient::Create("127.0.0.1:1", o);  // nothing listens there
+  ASSERT_TRUE(client.ok()) << client.status();
+  const absl::Time start = absl::Now();
+  const absl::Status s = (*client)->WatchJob("job-000001", 1, absl::Hours(1), [](const v1::JobEvent&) { return true; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("unreachable for"), absl::string_view::npos) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  o.watch_reconnect_limit = absl::ZeroDuration();
+  EXPECT_EQ(CoordinatorClient::Create("127.0.0.1:1", o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(CoordinatorTest, RendezvousStoreOverGrpc) {
   auto& stub = client_->stub();
   std::thread setter([&] {
