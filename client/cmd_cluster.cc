@@ -105,7 +105,7 @@ absl::StatusOr<std::vector<v1::JobState>> StatesFromFlag() {
     if (!v1::JobState_Parse(absl::StrCat("JOB_STATE_", absl::AsciiStrToUpper(name)), &s) ||
         s == v1::JOB_STATE_UNSPECIFIED) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "--state: '", name, "' is not one of pending, scheduled, running, succeeded, failed, cancelled"));
+          "--state: '", name, "' is not one of pending, scheduled, running, restarting, succeeded, failed, cancelled"));
     }
     states.push_back(s);
   }

@@ -123,6 +123,12 @@ absl::StatusOr<std::vector<v1::Job>> CoordinatorClient::ListJobs(const std::vect
     v1::ListJobsResponse resp;
     RETURN_IF_ERROR(Annotate(stub_->ListJobs(&ctx, req, &resp), address_, "ListJobs"));
     jobs.insert(jobs.end(), resp.jobs().begin(), resp.jobs().end());
+    // A token that does not move on (a broken server) would page for ever.
+    if (!resp.next_page_token().empty() && resp.next_page_token() == req.page_token()) {
+      return absl::DataLossError(
+          absl::StrCat("ListJobs on ", address_, ": the coordinator sent page token '", resp.next_page_token(),
+                       "' again"));
+    }
     req.set_page_token(resp.next_page_token());
   } while (!req.page_token().empty());
   return jobs;
