@@ -21,13 +21,7 @@ ABSL_FLAG(bool, all, false, "workers: also list workers whose lease expired (los
 ABSL_FLAG(std::string, job_file, "",
           "submit: a colod.v1.JobSpec as JSON, or YAML (.yaml/.yml), instead of --model and the train flags.");
 ABSL_FLAG(std::string, request_id, "", "submit: idempotency key; a retried submit with it returns the first job.");
-ABSL_FLAG(bool, upload, true,
-          "submit: stream the model directory's files to the coordinator (the workers download them); "
-          "--upload=false sends only its path, for workers that share this file system.");
 ABSL_FLAG(bool, watch, false, "submit: follow the job to its end, as `coloctl watch`.");
-ABSL_FLAG(absl::Duration, upload_timeout, absl::Hours(24),
-          "submit: give up streaming the model's files to the coordinator after this long (a deadline of its "
-          "own: --timeout bounds each short call, --watch-timeout the watch).");
 ABSL_FLAG(std::string, state, "", "jobs: only jobs in these states, comma-separated (pending,running,...).");
 ABSL_FLAG(std::string, reason, "", "cancel: why (recorded on the job).");
 ABSL_FLAG(std::string, kind, "train", "submit: train (a model and data) or tensor (a mesh hosting ColoTensors).");
@@ -69,17 +63,8 @@ int SubmitWith(CoordinatorClient& client, bool json) {
     if (absl::IsInvalidArgument(spec.status())) return Usage(absl::StrCat("submit: ", spec.status().message()));
     return Fail(spec.status());
   }
-  if (absl::GetFlag(FLAGS_job_file).empty() && absl::GetFlag(FLAGS_upload)) {
-    // The workers may not see this machine's files: send them along.
-    auto uploaded = client.UploadModel(spec->model().weights_path(), absl::GetFlag(FLAGS_upload_timeout));
-    if (!uploaded.ok()) return Fail(uploaded.status());
-    if (!json) {
-      std::fprintf(stderr, "coloctl: uploaded %d files (%lld bytes) of %s as %s%s\n", uploaded->files_size(),
-                   static_cast<long long>(uploaded->bytes()), spec->model().weights_path().c_str(),
-                   uploaded->upload_id().c_str(), uploaded->deduplicated() ? " (stored already: no new copy)" : "");
-    }
-    spec->mutable_model()->clear_weights_path();
-    spec->mutable_model()->set_upload_id(uploaded->upload_id());
+  if (absl::GetFlag(FLAGS_job_file).empty()) {
+    if (absl::Status s = UploadModelIfAsked(client, *spec, json); !s.ok()) return Fail(s);
   }
   auto job = client.SubmitJob(*spec, absl::GetFlag(FLAGS_request_id));
   if (!job.ok()) return Fail(job.status());

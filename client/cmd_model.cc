@@ -44,9 +44,12 @@ int WorkersFor(const v1::ShardConfig& layout) {
 
 // A FORWARD job on the cluster at `address`, followed to its end: the
 // pass's result, or the job's failure.
-absl::StatusOr<v1::ForwardResult> ForwardOnCluster(const std::string& address, const v1::JobSpec& spec) {
+absl::StatusOr<v1::ForwardResult> ForwardOnCluster(const std::string& address, v1::JobSpec spec) {
   auto client = MakeClient(address);
   if (!client.ok()) return client.status();
+  // On --coordinator's cluster the workers may not see this machine's files
+  // (an embedded cluster's do).
+  if (!ExplicitCoordinator().empty()) RETURN_IF_ERROR(UploadModelIfAsked(**client, spec, JsonOutput()));
   auto job = (*client)->SubmitJob(spec);
   if (!job.ok()) return job.status();
   RETURN_IF_ERROR((*client)->WatchJob(job->job_id(), 1, absl::GetFlag(FLAGS_watch_timeout),
@@ -90,9 +93,14 @@ int RunForward(const std::vector<std::string>&) {
 
 // coloctl train against a cluster: submit, then print the steps as the
 // local run does.
-int TrainOnCluster(const v1::JobSpec& spec, bool json, const std::string& address) {
+int TrainOnCluster(v1::JobSpec spec, bool json, const std::string& address) {
   auto client = MakeClient(address);
   if (!client.ok()) return Usage(std::string(client.status().message()));
+  // On --coordinator's cluster the workers may not see this machine's files
+  // (an embedded cluster's do).
+  if (!ExplicitCoordinator().empty()) {
+    if (absl::Status s = UploadModelIfAsked(**client, spec, json); !s.ok()) return Fail(s);
+  }
   auto job = (*client)->SubmitJob(spec);
   if (!job.ok()) return Fail(job.status());
   if (!ExplicitCoordinator().empty()) {

@@ -1,10 +1,12 @@
 #include "client/job_flags.h"
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <limits>
 
 #include "absl/flags/flag.h"
+#include "absl/time/time.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -16,6 +18,13 @@
 ABSL_FLAG(std::string, model, "",
           "forward, train, submit, plan, tokenize: the model directory (config.json + model.safetensors or an "
           "index; plan needs only config.json).");
+ABSL_FLAG(bool, upload, true,
+          "submit, and train and forward on --coordinator: stream the model directory's files to the coordinator "
+          "(the workers download them); --upload=false sends only its path, for workers that share this file "
+          "system.");
+ABSL_FLAG(absl::Duration, upload_timeout, absl::Hours(24),
+          "submit, train, forward: give up streaming the model's files to the coordinator after this long (a "
+          "deadline of its own: --timeout bounds each short call, --watch-timeout the watch).");
 ABSL_FLAG(int32_t, tp, 1, "forward, train, submit, plan, tensor: tensor-parallel size.");
 ABSL_FLAG(int32_t, dp, 1, "forward, train, submit, plan, tensor: data-parallel size (splits the batch).");
 ABSL_FLAG(std::string, mode, "1d",
@@ -383,6 +392,21 @@ absl::StatusOr<v1::Job> SubmitTensorJob(CoordinatorClient& client, const std::st
   spec.set_name(name);
   ASSIGN_OR_RETURN(*spec.mutable_shard(), ShardFromFlags());
   return client.SubmitJob(spec, request_id);
+}
+
+absl::Status UploadModelIfAsked(CoordinatorClient& client, v1::JobSpec& spec, bool json) {
+  if (!absl::GetFlag(FLAGS_upload) || spec.model().weights_path().empty()) return absl::OkStatus();
+  // The workers may not see this machine's files: send them along.
+  ASSIGN_OR_RETURN(const v1::UploadModelResponse uploaded,
+                   client.UploadModel(spec.model().weights_path(), absl::GetFlag(FLAGS_upload_timeout)));
+  if (!json) {
+    std::fprintf(stderr, "coloctl: uploaded %d files (%lld bytes) of %s as %s%s\n", uploaded.files_size(),
+                 static_cast<long long>(uploaded.bytes()), spec.model().weights_path().c_str(),
+                 uploaded.upload_id().c_str(), uploaded.deduplicated() ? " (stored already: no new copy)" : "");
+  }
+  spec.mutable_model()->clear_weights_path();
+  spec.mutable_model()->set_upload_id(uploaded.upload_id());
+  return absl::OkStatus();
 }
 
 std::string Absolute(const std::string& path) {

@@ -61,6 +61,12 @@ struct ForwardFiles {
 };
 absl::StatusOr<ForwardFiles> ForwardFilesFromFlags();
 
+// With --upload (the default), streams the directory spec.model.weights_path
+// names to the coordinator (--upload-timeout) and names the upload in its
+// place (said on stderr unless `json`): the workers of a remote cluster may
+// not see this machine's files. Nothing without a weights_path.
+absl::Status UploadModelIfAsked(CoordinatorClient& client, v1::JobSpec& spec, bool json);
+
 // Submits a TENSOR job named `name` on the layout of the flags.
 absl::StatusOr<v1::Job> SubmitTensorJob(CoordinatorClient& client, const std::string& name,
                                         const std::string& request_id = "");
