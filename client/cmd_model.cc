@@ -66,6 +66,11 @@ absl::StatusOr<v1::ForwardResult> ForwardOnCluster(const std::string& address, v
 int RunForward(const std::vector<std::string>&) {
   auto cuda = CudaFromFlags();
   if (!cuda.ok()) return Usage(std::string(cuda.status().message()));
+  if (*cuda && !ExplicitCoordinator().empty()) {  // as train: the workers' devices decide there
+    return Usage("forward: --device: on a cluster (--coordinator, or $COLOD_COORDINATOR) the workers' devices decide "
+                 "(CUDA workers run CUDA ranks); drop --device, or unset $COLOD_COORDINATOR to run on this machine's "
+                 "GPUs");
+  }
   if (*cuda) return RunInProcess();  // rank r on local GPU r, in coloctl-run's process
   auto files = ForwardFilesFromFlags();
   if (!files.ok()) return Usage(std::string(files.status().message()));
@@ -189,7 +194,10 @@ int RunPlan(const std::vector<std::string>&) {
   const std::string memory_flag = absl::GetFlag(FLAGS_memory_per_rank);
   const bool json = JsonOutput();
   if (world != 0 || !memory_flag.empty()) {
-    if (world < 1) return Usage("plan: --memory-per-rank goes with --world N (N >= 1)");
+    if (world < 1) {
+      return Usage(world == 0 ? "plan: --memory-per-rank goes with --world N (N >= 1)"
+                              : absl::StrCat("plan: --world ", world, " is not a number of ranks (N >= 1)"));
+    }
     int64_t memory = 0;
     if (!memory_flag.empty()) {
       auto parsed = ParseBytes(memory_flag);

@@ -342,7 +342,8 @@ absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags() {
   ASSIGN_OR_RETURN(v1::JobSpec spec, TrainSpecFromFlags());
   if (*CudaFromFlags()) {
     return absl::InvalidArgumentError(
-        "--device: on a cluster the workers' devices decide (CUDA workers run CUDA ranks); drop --device");
+        "--device: on a cluster (--coordinator, or $COLOD_COORDINATOR) the workers' devices decide (CUDA workers "
+        "run CUDA ranks); drop --device, or unset $COLOD_COORDINATOR to run on this machine's GPUs");
   }
   if (absl::Status set = SetModelFromDir(absl::GetFlag(FLAGS_model), spec); !set.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--model: ", set.message()));
