@@ -27,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "common/rendezvous_store.h"
 #include "worker/comm/store.h"
+#include "worker/comm/store_testing.h"
 
 namespace colod {
 namespace {
@@ -602,29 +603,11 @@ TEST(Gloo, AnAbortSignalEndsARendezvousInProgress) {
   EXPECT_EQ(aborted, 1) << "rank 0 never was the listening side";
 }
 
-// A store whose waits overrun their timeout, as over a coordinator that
-// stalls; a wait of no time it refuses, as the coordinator does.
-class OverrunningStore final : public Store {
- public:
-  explicit OverrunningStore(absl::Duration overrun) : overrun_(overrun) {}
-  absl::Status Set(absl::string_view key, std::string value) override { return inner_.Set(key, std::move(value)); }
-  absl::StatusOr<std::string> Get(absl::string_view key) override { return inner_.Get(key); }
-  absl::StatusOr<std::vector<std::string>> Wait(const std::vector<std::string>&, absl::Duration timeout) override {
-    if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("timeout: must be in (0, 30m]");
-    absl::SleepFor(overrun_);
-    return absl::DeadlineExceededError("still missing");
-  }
-
- private:
-  const absl::Duration overrun_;
-  InMemoryStore inner_;
-};
-
 // A rendezvous wait whose slice ran past the deadline ends as a timeout,
 // never with a wait of a negative time (which the store refuses
 // INVALID_ARGUMENT).
 TEST(Gloo, AStallingStoreTimesOutAndIsNeverAskedForANegativeWait) {
-  OverrunningStore store(absl::Milliseconds(500));
+  testing::OverrunningStore store(absl::Milliseconds(500));
   GlooCommunicator::Options o;
   o.timeout = absl::Milliseconds(400);
   const absl::Status s = GlooCommunicator::Create(store, 1, 2, o).status();

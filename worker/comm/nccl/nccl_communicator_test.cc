@@ -27,6 +27,7 @@
 #include "worker/comm/flight_recorder.h"
 #include "worker/comm/instrumented_communicator.h"
 #include "worker/comm/store.h"
+#include "worker/comm/store_testing.h"
 
 namespace colod {
 namespace {
@@ -104,30 +105,12 @@ TEST_F(NcclGpu, APeerThatNeverJoinsIsDeadlineExceeded) {
   EXPECT_EQ(waiting.status().code(), absl::StatusCode::kDeadlineExceeded) << waiting.status();
 }
 
-// A store whose waits overrun their timeout, as over a coordinator that
-// stalls; a wait of no time it refuses, as the coordinator does.
-class OverrunningStore final : public Store {
- public:
-  explicit OverrunningStore(absl::Duration overrun) : overrun_(overrun) {}
-  absl::Status Set(absl::string_view key, std::string value) override { return inner_.Set(key, std::move(value)); }
-  absl::StatusOr<std::string> Get(absl::string_view key) override { return inner_.Get(key); }
-  absl::StatusOr<std::vector<std::string>> Wait(const std::vector<std::string>&, absl::Duration timeout) override {
-    if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("timeout: must be in (0, 30m]");
-    absl::SleepFor(overrun_);
-    return absl::DeadlineExceededError("still missing");
-  }
-
- private:
-  const absl::Duration overrun_;
-  InMemoryStore inner_;
-};
-
 // A wait for rank 0's id whose slice ran past the deadline ends
 // DEADLINE_EXCEEDED (a restart may mend it), never with a wait of a
 // negative time, which the store refuses INVALID_ARGUMENT and the
 // coordinator takes for the job's own error (never restarted).
 TEST_F(NcclGpu, AStallingStoreIsDeadlineExceededNotInvalidArgument) {
-  OverrunningStore store(absl::Milliseconds(1100));
+  testing::OverrunningStore store(absl::Milliseconds(1100));
   NcclCommunicator::Options o;
   o.timeout = absl::Seconds(1);
   const absl::Status s = NcclCommunicator::Create(store, 1, 2, o).status();
