@@ -80,7 +80,7 @@ std::string LogPath(absl::string_view dir, absl::string_view job_id) { return ab
 // Appends `entry` to the log at `path` as one entry (its 4-byte
 // little-endian length, then it) and syncs it. On a failure the file is cut
 // back to where it was, so that no part of an entry stays; `*torn` says
-// whether that failed too.
+// whether something of it may have stayed.
 absl::Status AppendLogEntry(const std::string& path, absl::string_view entry, bool* torn) {
   *torn = false;
   if (entry.size() > UINT32_MAX) return absl::InvalidArgumentError("a job record entry over 4 GiB");
@@ -111,9 +111,18 @@ absl::Status AppendLogEntry(const std::string& path, absl::string_view entry, bo
     ::close(fd);
     return FileError("cannot append to", path, err);
   }
-  if (::close(fd) != 0) return FileError("cannot close", path, errno);
+  // From here on the entry is in the file: a failure leaves it there
+  // (`*torn`: the next write replaces the log, so that it is not appended
+  // again after itself).
+  if (::close(fd) != 0) {
+    *torn = true;
+    return FileError("cannot close", path, errno);
+  }
   if (st.st_size == 0) {  // a new file: its name must be durable too
-    if (absl::Status s = SyncDirectory(std::filesystem::path(path).parent_path().string()); !s.ok()) return s;
+    if (absl::Status s = SyncDirectory(std::filesystem::path(path).parent_path().string()); !s.ok()) {
+      *torn = true;
+      return s;
+    }
   }
   return absl::OkStatus();
 }

@@ -229,8 +229,9 @@ class JobManager {
     size_t events = 0;           // events written (snapshot and log)
     int64_t snapshot_bytes = 0;  // of JOB.pb
     int64_t log_bytes = 0;       // of JOB.log
-    // An append failed and may have left part of an entry: the next write
-    // is a snapshot (nothing is appended after a torn entry).
+    // An append failed and may have left part or all of its entry: the
+    // next write is a snapshot (nothing is appended after a torn entry, nor
+    // an entry's events again).
     bool torn = false;
   };
 
