@@ -122,6 +122,14 @@ void ProgressReporter::Flush(bool* down, bool wait, bool until_closing, absl::Ti
       return;
     }
     if (!undelivered_.empty() && undelivered_.front().step().step() == step) undelivered_.pop_front();
+    if (sent.ok() && sent->refused && !resent_on_refusal_) {
+      // The first refusal may come from a coordinator that restarted (it
+      // records the step late and answers that the job no longer runs,
+      // without an incarnation): the steps the one before took last may not
+      // have reached its disk. Sent again, once; it keeps each step once.
+      resent_on_refusal_ = true;
+      RequeueRecentLocked();
+    }
     if (sent.ok() && !sent->incarnation.empty()) {
       if (!incarnation_.empty() && sent->incarnation != incarnation_) {
         // Another coordinator process than the last answer's: the one
@@ -194,7 +202,7 @@ absl::StatusOr<ProgressReporter::Answer> ProgressReporter::Send(v1::ReportProgre
     // The job is gone or moved on: nothing to tell, and nothing to run for.
     if (s.error_code() == grpc::StatusCode::ABORTED || s.error_code() == grpc::StatusCode::NOT_FOUND ||
         s.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
-      return Answer{true, ""};
+      return Answer{true, "", /*refused=*/true};
     }
     last = FromGrpcStatus(s);
     COLOD_LOG(WARNING) << "job " << job_id_ << ": progress report failed: " << last;

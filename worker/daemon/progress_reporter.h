@@ -92,6 +92,10 @@ class ProgressReporter {
   struct Answer {
     bool stop = false;
     std::string incarnation;  // the coordinator's, empty from an older one
+    // ABORTED, NOT_FOUND or PERMISSION_DENIED: the job no longer runs there
+    // (or the coordinator restarted and does not run it): no incarnation
+    // tells which.
+    bool refused = false;
   };
   absl::StatusOr<Answer> Send(v1::ReportProgressRequest report, bool wait = false) const;
   // Sends the kept steps in order until the queue is empty, one fails
@@ -116,6 +120,7 @@ class ProgressReporter {
   mutable bool closing_ ABSL_GUARDED_BY(mu_) = false;  // SendLoop ends
   mutable int64_t delivered_ ABSL_GUARDED_BY(mu_) = 0;
   mutable std::string incarnation_ ABSL_GUARDED_BY(mu_);  // of the last answer to a step
+  mutable bool resent_on_refusal_ ABSL_GUARDED_BY(mu_) = false;  // the recent steps went again after a refusal
   mutable absl::Mutex join_mu_;  // serializes StopSender's join
   mutable std::thread sender_ ABSL_GUARDED_BY(join_mu_);
 

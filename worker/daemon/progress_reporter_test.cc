@@ -23,7 +23,9 @@ namespace {
 class FakeReports final : public v1::CoordinatorService::Service {
  public:
   // kHang: no answer until the answer changes (a SIGSTOPped coordinator).
-  enum class Answer { kOk, kUnavailable, kRefuse, kHang, kStop };
+  // kStale: recorded, then ABORTED (a coordinator that does not run the
+  // job: one that restarted records a late step so).
+  enum class Answer { kOk, kUnavailable, kRefuse, kHang, kStop, kStale };
   void Set(Answer a) {
     absl::MutexLock lock(&mu_);
     answer_ = a;
@@ -53,6 +55,7 @@ class FakeReports final : public v1::CoordinatorService::Service {
     if (req->worker_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "worker_id: required");
     accepted_.push_back(req->has_step() ? req->step().step() : -1);  // -1: the result
     workers_.push_back(req->worker_id());
+    if (answer_ == Answer::kStale) return grpc::Status(grpc::StatusCode::ABORTED, "the job no longer runs");
     resp->set_stop(answer_ == Answer::kStop);
     resp->set_coordinator_incarnation(incarnation_);
     return grpc::Status::OK;
@@ -176,6 +179,25 @@ TEST_F(ProgressReporterTest, ACoordinatorRestartedBetweenReportsGetsTheLastSteps
   Step(4);
   WaitDelivered(6);
   EXPECT_EQ(service_.Accepted().back(), 4) << "the same incarnation again: nothing resent";
+}
+
+// A coordinator killed right after it took steps 1 and 2 (not yet on its
+// disk) and started again before the rank's next report: that report is
+// answered ABORTED (the restarted coordinator does not run the job; it
+// records the step late), with no incarnation to show the restart. The
+// steps before it are sent again, once: a second refusal resends nothing.
+TEST_F(ProgressReporterTest, AFirstRefusalSendsTheLastStepsAgainOnce) {
+  Step(1);
+  Step(2);
+  WaitDelivered(2);
+  service_.Set(FakeReports::Answer::kStale);
+  Step(3);
+  WaitDelivered(5);
+  EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{1, 2, 3, 1, 2}));
+  Step(4);
+  WaitDelivered(6);
+  EXPECT_EQ(service_.Accepted().back(), 4) << "refused again: nothing resent";
+  EXPECT_EQ(service_.Accepted().size(), 6u);
 }
 
 // "Stop" in an answer reaches the steps after it.
