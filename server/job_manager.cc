@@ -350,15 +350,19 @@ std::optional<JobManager::RecordWrite> JobManager::TakeRecordLocked(Entry& e) {
   return w;
 }
 
+std::string JobManager::SerializeRecord(const Entry& e, int64_t seq, std::optional<size_t> log_from_event) {
+  v1::JobRecord record;
+  *record.mutable_job() = e.job;
+  for (size_t i = log_from_event.value_or(0); i < e.events.size(); ++i) *record.add_events() = e.events[i];
+  if (!log_from_event.has_value()) record.set_request_id(e.request_id);  // a snapshot's; a log entry has none
+  record.set_record_seq(seq);
+  return record.SerializeAsString();
+}
+
 std::optional<JobManager::RecordWrite> JobManager::TakeWholeRecordLocked(Entry& e) {
   std::optional<RecordWrite> w = TakeRecordLocked(e);
   if (!w.has_value()) return w;
-  v1::JobRecord record;
-  *record.mutable_job() = e.job;
-  for (const v1::JobEvent& ev : e.events) *record.add_events() = ev;
-  record.set_request_id(e.request_id);
-  record.set_record_seq(w->seq);
-  w->whole = record.SerializeAsString();
+  w->whole = SerializeRecord(e, w->seq, std::nullopt);
   w->events = e.events.size();
   return w;
 }
@@ -433,14 +437,9 @@ absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
       const Entry& e = it->second;
       whole = d == nullptr || d->torn || d->events > e.events.size() ||
               (d->log_bytes > kMinLogBytes && d->log_bytes > d->snapshot_bytes);
-      v1::JobRecord record;
-      *record.mutable_job() = e.job;
-      for (size_t i = whole ? 0 : d->events; i < e.events.size(); ++i) *record.add_events() = e.events[i];
-      if (whole) record.set_request_id(e.request_id);
       seq = e.record_seq;
-      record.set_record_seq(seq);
       events = e.events.size();
-      taken = record.SerializeAsString();
+      taken = SerializeRecord(e, seq, whole ? std::nullopt : std::optional<size_t>(d->events));
     }
   }
   const absl::string_view bytes = w->whole.empty() ? absl::string_view(taken) : absl::string_view(w->whole);

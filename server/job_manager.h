@@ -256,6 +256,10 @@ class JobManager {
   // directory); cheap, under mu_. The caller writes it with WriteRecord once
   // mu_ is released.
   std::optional<RecordWrite> TakeRecordLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A JobRecord of `e` numbered `seq`: a snapshot (the job, every event and
+  // the request id), or with `log_from_event` a log entry (the job and the
+  // events from that one on).
+  static std::string SerializeRecord(const Entry& e, int64_t seq, std::optional<size_t> log_from_event);
   // The same with the whole record serialized (RecordWrite::whole).
   std::optional<RecordWrite> TakeWholeRecordLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes a taken record to the state directory, never under mu_. Writes

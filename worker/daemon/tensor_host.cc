@@ -28,17 +28,19 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
   ASSIGN_OR_RETURN(ComputePattern pattern, ComputePatternFromProto(req.compute_pattern()));
   // The bytes it will take, reserved before anything is allocated.
   int64_t bytes = 0;
+  DType random_dtype = DType::kF32;
+  Shape random_shape;
   if (req.init_case() == v1::CreateTensorRequest::kValue) {
     bytes = static_cast<int64_t>(req.value().data().size());  // already here; the tensor is its size
   } else if (req.init_case() == v1::CreateTensorRequest::kRandom) {
     const v1::RandomInit& r = req.random();
     const v1::DType wire = r.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : r.dtype();
-    ASSIGN_OR_RETURN(DType dtype, DTypeFromProto(wire, "random.dtype"));
-    const Shape shape(r.shape().begin(), r.shape().end());
-    for (int64_t d : shape) {
+    ASSIGN_OR_RETURN(random_dtype, DTypeFromProto(wire, "random.dtype"));
+    random_shape.assign(r.shape().begin(), r.shape().end());
+    for (int64_t d : random_shape) {
       if (d < 1) return absl::InvalidArgumentError(absl::StrCat("random.shape: sizes must be >= 1, got ", d));
     }
-    const std::optional<int64_t> checked = CheckedBytes(shape, static_cast<int64_t>(SizeOf(dtype)));
+    const std::optional<int64_t> checked = CheckedBytes(random_shape, static_cast<int64_t>(SizeOf(random_dtype)));
     if (!checked.has_value()) return absl::InvalidArgumentError("random.shape: its bytes overflow int64");
     bytes = *checked;
   }
@@ -69,13 +71,10 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
     }
     case v1::CreateTensorRequest::kRandom: {
       const v1::RandomInit& r = req.random();
-      const v1::DType wire = r.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : r.dtype();
-      ASSIGN_OR_RETURN(DType dtype, DTypeFromProto(wire, "random.dtype"));
-      const Shape shape(r.shape().begin(), r.shape().end());
       if (r.distribution() == v1::RandomInit::DISTRIBUTION_UNIFORM) {
-        ASSIGN_OR_RETURN(global, Tensor::RandomUniform(shape, r.seed(), dtype));
+        ASSIGN_OR_RETURN(global, Tensor::RandomUniform(random_shape, r.seed(), random_dtype));
       } else {
-        ASSIGN_OR_RETURN(global, Tensor::RandomNormal(shape, r.seed(), dtype));
+        ASSIGN_OR_RETURN(global, Tensor::RandomNormal(random_shape, r.seed(), random_dtype));
       }
       break;
     }
