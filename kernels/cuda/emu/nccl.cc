@@ -88,6 +88,10 @@ std::chrono::seconds HangLimit() {
 // SetConnectEndPause's pause, in milliseconds.
 std::atomic<int> connect_end_pause_ms{0};
 
+// SetAbortPause's pause, in milliseconds, and AbortsBegun's count.
+std::atomic<int> abort_pause_ms{0};
+std::atomic<long> aborts_begun{0};
+
 std::mutex fault_mu;
 Fault& CurrentFault() {
   static Fault* f = [] {
@@ -1196,6 +1200,10 @@ void SetFault(const Fault& fault) {
 
 void SetConnectEndPause(int ms) { connect_end_pause_ms = ms > 0 ? ms : 0; }
 
+void SetAbortPause(int ms) { abort_pause_ms = ms > 0 ? ms : 0; }
+
+long AbortsBegun() { return aborts_begun.load(); }
+
 }  // namespace colod_nccl_emu
 
 using colod_nccl_emu::Clique;
@@ -1375,6 +1383,10 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
   std::shared_ptr<RankState> st = colod_nccl_emu::Live(comm, "ncclCommAbort");
   if (st == nullptr) return ncclInvalidArgument;
+  colod_nccl_emu::aborts_begun.fetch_add(1);
+  if (const int pause = colod_nccl_emu::abort_pause_ms.load(); pause > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(pause));
+  }
   st->aborted = true;
   {
     std::lock_guard<std::mutex> l(st->clique->mu);

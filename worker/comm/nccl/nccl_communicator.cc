@@ -5,6 +5,7 @@
 #include <set>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -54,8 +55,11 @@ absl::Status NcclStatus(ncclResult_t r, const char* call, const char* file, int 
 
 // The process's watchdog: a thread that visits every live communicator
 // every 100 ms (CheckHealth). Communicators register in their constructor's
-// caller and unregister in their destructor, under `mu`, so the watchdog
-// never visits a destroyed one.
+// caller and unregister in their destructor. The watchdog holds its lock
+// only to pick the next communicator: a visit may abort one, and an abort
+// may take seconds, which no other communicator's creation or destruction
+// waits for. Remove waits only while its own communicator is visited, so
+// the watchdog never visits a destroyed one.
 namespace {
 
 class Watchdog {
@@ -75,19 +79,35 @@ class Watchdog {
   void Remove(NcclCommunicator* c) {
     absl::MutexLock lock(&mu_);
     comms_.erase(c);
+    auto not_visited = [this, c]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return visiting_ != c; };
+    mu_.Await(absl::Condition(&not_visited));
   }
 
  private:
   void Run() {
+    std::vector<NcclCommunicator*> round;
     for (;;) {
       absl::SleepFor(absl::Milliseconds(100));
-      absl::MutexLock lock(&mu_);  // CheckHealth holds no lock across a wait; Abort is prompt
-      for (NcclCommunicator* c : comms_) c->CheckHealth(absl::Now());
+      {
+        absl::MutexLock lock(&mu_);
+        round.assign(comms_.begin(), comms_.end());
+      }
+      for (NcclCommunicator* c : round) {
+        {
+          absl::MutexLock lock(&mu_);
+          if (comms_.count(c) == 0) continue;  // destroyed since the round began
+          visiting_ = c;
+        }
+        c->CheckHealth(absl::Now());  // may abort `c`, which may take long
+        absl::MutexLock lock(&mu_);
+        visiting_ = nullptr;
+      }
     }
   }
   absl::Mutex mu_;
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   std::set<NcclCommunicator*> comms_ ABSL_GUARDED_BY(mu_);
+  NcclCommunicator* visiting_ ABSL_GUARDED_BY(mu_) = nullptr;  // whose CheckHealth runs
 };
 
 }  // namespace

@@ -459,6 +459,45 @@ TEST_F(NcclRanks, ACommunicatorDestroyedAfterAnAsyncErrorAbortsItAtOnce) {
 }
 #endif
 
+#if defined(COLOD_CUDA_EMULATION)
+// The watchdog aborts a communicator whose job's signal fired, and an abort
+// may take seconds. It used to do so under the lock that every
+// communicator's creation and destruction takes, so one slow abort held up
+// every other group of the process.
+TEST_F(NcclGpu, ASlowAbortByTheWatchdogHoldsUpNoOtherCommunicator) {
+  colod_nccl_emu::SetAbortPause(2000);
+  const long begun = colod_nccl_emu::AbortsBegun();
+  InMemoryStore store;
+  NcclCommunicator::Options o;
+  o.abort_signal = std::make_shared<AbortSignal>();
+  auto aborted = NcclCommunicator::Create(store, 0, 1, o);
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  o.abort_signal->Abort(absl::CancelledError("job cancelled"));
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (colod_nccl_emu::AbortsBegun() == begun && absl::Now() < until) absl::SleepFor(absl::Milliseconds(2));
+  ASSERT_GT(colod_nccl_emu::AbortsBegun(), begun) << "the watchdog never aborted the communicator";
+
+  // While the abort runs, another communicator is made, used and destroyed.
+  const absl::Time start = absl::Now();
+  {
+    InMemoryStore other_store;
+    auto other = NcclCommunicator::Create(other_store, 0, 1, {});
+    ASSERT_TRUE(other.ok()) << other.status();
+    float* x = nullptr;
+    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&x), sizeof(float)), cudaSuccess);
+    EXPECT_TRUE((*other)->AllReduce(x, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());
+    other->reset();
+    cudaFree(x);
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  colod_nccl_emu::SetAbortPause(0);
+
+  // The aborted one's destructor waits for the watchdog's visit to end.
+  EXPECT_EQ((*aborted)->AsyncError().code(), absl::StatusCode::kCancelled);
+  aborted->reset();
+}
+#endif
+
 TEST_F(NcclRanks, AbortAndAsyncErrorRaceSafely) {
   OnRanks(3, absl::Seconds(20), [&](int r, NcclCommunicator& comm) {
     std::atomic<bool> stop{false};

@@ -30,6 +30,15 @@ void SetFault(const Fault& fault);
 // default) pauses nothing.
 void SetConnectEndPause(int ms);
 
+// Makes every ncclCommAbort that starts after the call take at least `ms`
+// before it aborts anything, as a real abort may while NCCL's network
+// threads stop, for a test that nothing else waits on a slow abort. 0 (the
+// default) pauses nothing.
+void SetAbortPause(int ms);
+
+// How many calls of ncclCommAbort this process has begun.
+long AbortsBegun();
+
 }  // namespace colod_nccl_emu
 
 #endif  // COLOD_KERNELS_CUDA_EMU_NCCL_EMU_H_
