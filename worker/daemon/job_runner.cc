@@ -436,12 +436,29 @@ absl::Status JobRunner::ServeTensors(Active& active, ProcessGroup& pg) {
     active.tensors = host;
   }
   if (active.reporter.Phase(v1::RANK_PHASE_SERVING, "hosting ColoTensors")) active.stop = true;
-  while (!active.stop) absl::SleepFor(absl::Milliseconds(20));
+  // Serves until stopped, or until a collective broke the group (a lost
+  // peer, a timeout): its errors are sticky, so every later redistribution
+  // or gather would fail, and the ranks may disagree on the layout of the
+  // tensor it was redistributing. The rank fails, and with it the job,
+  // which its restart policy may start again.
+  absl::Status broken;
+  while (!active.stop) {
+    if (absl::Status s = pg.AsyncError(); !s.ok() && !active.stop) {
+      broken = s;
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   {
     absl::MutexLock lock(&active.mu);
     active.tensors.reset();
   }
   host->Close();  // waits for a call in progress: the group must outlive it
+  if (!broken.ok()) {
+    return absl::Status(broken.code(), absl::StrCat("the rank's process group failed, so its tensors can no longer "
+                                                    "be redistributed or gathered: ",
+                                                    broken.message()));
+  }
   return absl::OkStatus();
 }
 

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -279,6 +280,67 @@ TEST(WorkerDaemon, AClosedRunnerAbortsItsRankAndTakesNoOther) {
       << runner.Status().last_error();
   const absl::Status again = runner.Assign(RankZero("job-000002", tensor));
   EXPECT_EQ(again.code(), absl::StatusCode::kUnavailable) << again;
+}
+
+// A TENSOR job's rank whose group broke (here its peer went away in a
+// gather) ends with the group's error, so that the job fails (and its
+// restart policy may start it again), rather than serving a group whose
+// every collective call would fail.
+TEST(WorkerDaemon, ATensorRankWhoseGroupBrokeFailsInsteadOfServing) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-tensor-broken");
+  ASSERT_NE(coordinator, nullptr);
+  v1::JobSpec tensor;
+  tensor.set_kind(v1::JOB_KIND_TENSOR);
+  tensor.mutable_shard()->set_tensor_parallel_size(2);
+  tensor.mutable_shard()->set_data_parallel_size(1);
+  std::vector<std::unique_ptr<JobRunner>> runners;
+  for (int rank = 0; rank < 2; ++rank) {
+    JobRunner::Options ro = RunnerOptions(*coordinator, absl::StrCat("runner-tensor-broken-", rank));
+    ro.comm_timeout = absl::Seconds(5);
+    runners.push_back(std::make_unique<JobRunner>(ro));
+    v1::AssignJobRequest assign = RankZero("job-000007", tensor);
+    assign.set_rank(rank);
+    ASSERT_TRUE(runners.back()->Assign(assign).ok());
+  }
+  std::vector<std::shared_ptr<TensorHost>> hosts(2);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  for (int rank = 0; rank < 2; ++rank) {
+    absl::StatusOr<std::shared_ptr<TensorHost>> host;
+    while (!(host = runners[rank]->Tensors("job-000007")).ok() && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ASSERT_TRUE(host.ok()) << "rank " << rank << ": " << host.status();
+    hosts[rank] = *host;
+  }
+  v1::CreateTensorRequest create;
+  create.set_name("x");
+  create.mutable_value()->set_dtype(v1::DTYPE_F32);
+  create.mutable_value()->add_shape(2);
+  create.mutable_value()->add_shape(4);
+  const std::vector<float> values = {1, 2, 3, 4, 5, 6, 7, 8};
+  create.mutable_value()->set_data(values.data(), values.size() * sizeof(float));
+  auto* placement = create.mutable_dist_spec()->add_placements();
+  placement->set_axis("tp");
+  placement->mutable_placement()->mutable_shard()->add_dims(1);
+  placement->mutable_placement()->mutable_shard()->add_num_partitions(2);
+  for (auto& host : hosts) ASSERT_TRUE(host->Create(create).ok());
+  {
+    // Both ranks gather: the group works.
+    std::thread peer([&] { EXPECT_TRUE(hosts[1]->GetGlobal("x").ok()); });
+    auto global = hosts[0]->GetGlobal("x");
+    peer.join();
+    ASSERT_TRUE(global.ok()) << global.status();
+  }
+  // Rank 1's worker goes away; rank 0's next gather cannot complete.
+  hosts[1].reset();
+  runners[1]->Close("the worker is shutting down");
+  ASSERT_TRUE(runners[1]->WaitIdle(absl::Seconds(30)));
+  EXPECT_FALSE(hosts[0]->GetGlobal("x").ok());
+  hosts[0].reset();
+  ASSERT_TRUE(runners[0]->WaitIdle(absl::Seconds(30))) << "rank 0 still serves a broken group";
+  const std::string error = runners[0]->Status().last_error();
+  EXPECT_TRUE(absl::StrContains(error, "the rank's process group failed")) << error;
+  EXPECT_EQ(runners[0]->Tensors("job-000007").status().code(), absl::StatusCode::kNotFound);
 }
 
 // The worker admits a rank by the memory floor the coordinator sends (computed
