@@ -120,14 +120,9 @@ int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const
   }
   absl::Notification done;
   std::thread stopper([&] {
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    const timespec slice{0, 200 * 1000 * 1000};
     while (!done.HasBeenNotified()) {
-      const int sig = ::sigtimedwait(&set, nullptr, &slice);
-      if (sig <= 0) continue;
+      const int sig = WaitForShutdownSignalFor(absl::Milliseconds(200));
+      if (sig == 0) continue;
       std::fprintf(stderr, "coloctl: %s: stopping the embedded cluster\n", ::strsignal(sig));
       (*cluster)->Stop();
       std::fflush(stdout);

@@ -2,6 +2,8 @@
 
 #include <signal.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/net.h"
@@ -83,6 +85,13 @@ int WaitForShutdownSignal() {
   while (sigwait(&set, &sig) != 0) {
   }
   return sig;
+}
+
+int WaitForShutdownSignalFor(absl::Duration timeout) {
+  const sigset_t set = ShutdownSignals();
+  const timespec slice = absl::ToTimespec(std::max(timeout, absl::ZeroDuration()));
+  const int sig = ::sigtimedwait(&set, nullptr, &slice);
+  return sig > 0 ? sig : 0;
 }
 
 }  // namespace colod

@@ -50,6 +50,10 @@ void BlockShutdownSignals();
 // Waits for SIGTERM or SIGINT (blocked beforehand) and returns its number.
 int WaitForShutdownSignal();
 
+// The same for at most `timeout`: the signal's number, or 0 if none came
+// (or the wait was interrupted).
+int WaitForShutdownSignalFor(absl::Duration timeout);
+
 }  // namespace colod
 
 #endif  // COLOD_COMMON_GRPC_SERVER_H_
