@@ -82,13 +82,14 @@ JobRunner::~JobRunner() {
 }
 
 void JobRunner::Close(const std::string& reason) {
+  const std::string why = reason.empty() ? "the worker is shutting down" : reason;
   std::shared_ptr<Active> active;
   {
     absl::MutexLock lock(&mu_);
-    if (closed_.empty()) closed_ = reason.empty() ? "the worker is shutting down" : reason;
+    if (closed_.empty()) closed_ = why;
     active = active_;
   }
-  if (active) Stop(*active, reason);
+  if (active) Stop(*active, why);
 }
 
 absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {

@@ -92,7 +92,8 @@ class JobRunner {
   // Aborts the running rank (without waiting for it) and refuses later
   // assignments (UNAVAILABLE): a worker that shuts down does this before its
   // server drains, so that no handler stays in one of the rank's collectives
-  // (a TENSOR job's) until the communicator's timeout.
+  // (a TENSOR job's) until the communicator's timeout. An empty reason is
+  // "the worker is shutting down".
   void Close(const std::string& reason);
   // IDLE, or BUSY with the job, rank and generation and the rank's
   // collectives per group (its flight recorder's progress); last_error is
