@@ -11,8 +11,16 @@
 //              target: p99 under 5 ms
 //   floor      the same for GetJob of an unknown job: a unary call that does
 //              almost no work, the transport's floor on this machine
+//   history    a TRAIN job's record of --history_steps steps (rank 0's
+//              reports, every field a worker fills): the coordinator's memory
+//              and disk per step, AddStep's cost, and how long a restarted
+//              coordinator takes to read the history back and a watcher to
+//              get it from the start
+#include <unistd.h>
+
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -27,12 +35,14 @@
 #include "client/coordinator_client.h"
 #include "common/flags.h"
 #include "server/coordinator.h"
+#include "server/job_manager.h"
 #include "server/placement.h"
 
 ABSL_FLAG(bool, json, false, "Print one JSON object per row instead of a table.");
 ABSL_FLAG(double, seconds, 3, "Duration of each steady-rate latency run.");
 ABSL_FLAG(int, workers, 1000, "Simulated workers that register.");
 ABSL_FLAG(int, rate, 2000, "Calls per second of the latency runs.");
+ABSL_FLAG(int64_t, history_steps, 1000000, "Steps of the job whose history the history rows measure (0: none).");
 
 namespace colod {
 namespace {
@@ -80,6 +90,110 @@ std::vector<double> SteadyRate(const std::string& address, int rate, double seco
   for (auto& th : pool) th.join();
   std::sort(all.begin(), all.end());
   return all;
+}
+
+// The process's resident bytes.
+int64_t RssBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+
+// What rank 0 reports for step `n` (worker/daemon/progress_reporter.cc):
+// every field it fills each step, an eval every 500 steps and a checkpoint
+// every 1,000.
+v1::StepProgress ReportedStep(int64_t n) {
+  v1::StepProgress p;
+  p.set_step(n);
+  p.set_loss(3.0 + 1.0 / static_cast<double>(n));
+  p.set_learning_rate(6e-4);
+  p.set_grad_norm(0.8);
+  p.set_tokens_per_second(65000.5);
+  p.mutable_step_duration()->set_nanos(499000000);
+  p.set_param_bytes(int64_t{497} << 20);
+  p.set_grad_bytes(int64_t{497} << 20);
+  p.set_optimizer_bytes(int64_t{994} << 20);
+  p.set_tokens(8192);
+  if (n % 500 == 0) {
+    p.mutable_eval()->set_step(n);
+    p.mutable_eval()->set_loss(3.1);
+    p.mutable_eval()->set_tokens(65536);
+  }
+  if (n % 1000 == 0) {
+    p.set_checkpoint(absl::StrCat("/ckpt/gpt2/step-", n));
+    auto* c = p.add_checkpoints();
+    c->set_step(n);
+    c->set_path(p.checkpoint());
+  }
+  return p;
+}
+
+// The history rows: a job of `steps` steps recorded in `dir`.
+bool HistoryRows(const std::string& dir, int64_t steps, std::vector<Row>& rows) {
+  std::string id;
+  int64_t grew = 0;
+  double add_us = 0;
+  {
+    auto jobs = JobManager::Open(dir);
+    if (!jobs.ok()) return false;
+    v1::JobSpec spec;
+    spec.set_kind(v1::JOB_KIND_TRAIN);
+    spec.mutable_model()->set_config_json(
+        R"({"model_type": "gpt2", "vocab_size": 257, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64})");
+    spec.mutable_model()->set_weights_path("/models/gpt2-tiny");
+    spec.mutable_shard()->set_tensor_parallel_size(1);
+    spec.mutable_shard()->set_data_parallel_size(1);
+    spec.mutable_train()->set_steps(steps);
+    spec.mutable_train()->set_batch_size(8);
+    spec.mutable_train()->set_seq_len(32);
+    spec.mutable_train()->set_learning_rate(6e-4);
+    spec.mutable_train()->set_data_path("/usr/share/common-licenses/GPL-3");
+    auto job = (*jobs)->Submit(spec, "");
+    if (!job.ok()) {
+      std::fprintf(stderr, "submit: %s\n", job.status().ToString().c_str());
+      return false;
+    }
+    id = job->job_id();
+    if (!(*jobs)->Schedule(id, v1::MeshSpec()).ok() || !(*jobs)->SetState(id, v1::JOB_STATE_RUNNING, "").ok()) {
+      return false;
+    }
+    const int64_t before = RssBytes();
+    const absl::Time start = absl::Now();
+    for (int64_t n = 1; n <= steps; ++n) {
+      if (absl::Status s = (*jobs)->AddStep(id, ReportedStep(n)); !s.ok()) {
+        std::fprintf(stderr, "step %lld: %s\n", static_cast<long long>(n), s.ToString().c_str());
+        return false;
+      }
+    }
+    add_us = absl::ToDoubleMicroseconds(absl::Now() - start) / static_cast<double>(steps);
+    grew = RssBytes() - before;
+    (*jobs)->Flush();
+  }
+  int64_t disk = 0;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    if (f.is_regular_file()) disk += static_cast<int64_t>(f.file_size());
+  }
+  const int64_t before_open = RssBytes();
+  const absl::Time open_start = absl::Now();
+  auto reopened = JobManager::Open(dir);
+  if (!reopened.ok()) return false;
+  const double open_s = absl::ToDoubleSeconds(absl::Now() - open_start);
+  const int64_t reopened_grew = RssBytes() - before_open;
+  const absl::Time watch_start = absl::Now();
+  auto events = (*reopened)->WaitForEvents(id, 1, absl::ZeroDuration());
+  if (!events.ok()) return false;
+  const double watch_s = absl::ToDoubleSeconds(absl::Now() - watch_start);
+  const double per = static_cast<double>(steps);
+  rows.push_back({absl::StrFormat("history of %lld steps: memory while recorded", static_cast<long long>(steps)),
+                  absl::StrFormat("%.1f MiB (%.0f B/step)", grew / 1048576.0, grew / per), "-", true});
+  rows.push_back({"history: on disk, memory after a restart",
+                  absl::StrFormat("%.1f MiB, %.1f MiB", disk / 1048576.0, reopened_grew / 1048576.0), "-", true});
+  rows.push_back({"history: AddStep, a restart's Open, a watch from 1",
+                  absl::StrFormat("%.2f us, %.2f s, %.2f s (%zu events)", add_us, open_s, watch_s,
+                                  events->events.size()),
+                  "-", true});
+  return true;
 }
 
 double Quantile(const std::vector<double>& sorted, double q) {
@@ -161,6 +275,13 @@ int Run() {
   (*coordinator)->Shutdown();
   std::error_code ec;
   std::filesystem::remove_all(o.data_dir, ec);
+
+  // 4. A long job's history.
+  if (const int64_t steps = absl::GetFlag(FLAGS_history_steps); steps > 0) {
+    const std::string dir = o.data_dir + "-history";
+    if (!HistoryRows(dir, steps, rows)) rows.push_back({"history", "failed", "-", false});
+    std::filesystem::remove_all(dir, ec);
+  }
 
   if (absl::GetFlag(FLAGS_json)) {
     for (const Row& r : rows) {

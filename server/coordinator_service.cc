@@ -22,6 +22,9 @@ namespace {
 // ListJobs pages.
 constexpr int kDefaultJobsPage = 100;
 constexpr int kMaxJobsPage = 1000;
+// The events a watch copies out of the job manager at a time (under its
+// lock): a long run's history holds one a step.
+constexpr size_t kWatchBatch = 1024;
 // The wait a DownloadModel refused at --max-concurrent-downloads suggests
 // (SetRetryAfter): a download takes seconds at least.
 constexpr absl::Duration kDownloadRetryAfter = absl::Seconds(1);
@@ -214,7 +217,7 @@ grpc::Status CoordinatorServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1
     // ends the stream promptly.
     while (!ctx->IsCancelled()) {
       ASSIGN_OR_RETURN(JobManager::Events batch,
-                       jobs_->WaitForEvents(req->job_id(), next, absl::Milliseconds(250)));
+                       jobs_->WaitForEvents(req->job_id(), next, absl::Milliseconds(250), kWatchBatch));
       for (const v1::JobEvent& ev : batch.events) {
         if (!writer->Write(ev)) return absl::CancelledError("client went away");
         next = ev.sequence() + 1;

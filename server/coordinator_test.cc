@@ -188,6 +188,44 @@ TEST_F(CoordinatorTest, JobsAreValidatedAndWatchable) {
   EXPECT_EQ(missing->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+// A long history is streamed in batches (the service copies at most
+// kWatchBatch events at a time out of the job manager): every event comes,
+// in order, and the stream ends after the last.
+TEST_F(CoordinatorTest, ALongHistoryIsWatchedWholeInBatches) {
+  v1::JobSpec spec = testing::TinyTrainSpec(1, 1);
+  spec.mutable_train()->set_steps(2600);
+  auto job = coordinator_->jobs().Submit(spec, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  for (int n = 1; n <= 2600; ++n) {
+    v1::StepProgress step;
+    step.set_step(n);
+    step.set_loss(1.0 / n);
+    step.mutable_step_duration()->set_nanos(1000);
+    ASSERT_TRUE(coordinator_->jobs().AddStep(job->job_id(), step).ok());
+  }
+  ASSERT_TRUE(client_->CancelJob(job->job_id(), "test").ok());
+  const int64_t last = static_cast<int64_t>(
+      coordinator_->jobs().WaitForEvents(job->job_id(), 1, absl::ZeroDuration())->events.size());
+  ASSERT_GT(last, 2600);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  v1::WatchJobRequest req;
+  req.set_job_id(job->job_id());
+  req.set_from_sequence(5);
+  auto reader = client_->stub().WatchJob(&ctx, req);
+  int64_t next = 5;
+  int steps = 0;
+  v1::JobEvent ev;
+  while (reader->Read(&ev)) {
+    ASSERT_EQ(ev.sequence(), next++);
+    steps += ev.has_step();
+  }
+  const grpc::Status st = reader->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(next, last + 1);
+  EXPECT_GE(steps, 2600 - 4);
+}
+
 // The hostile configs: a billion layers is refused outright; a
 // model no registered worker has the memory for is refused at submit with
 // the need and the capacity, and accepted while no worker is registered.

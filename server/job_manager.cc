@@ -483,6 +483,30 @@ absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
   return absl::OkStatus();
 }
 
+bool JobManager::StepSet::insert(int64_t step) {
+  auto next = runs_.upper_bound(step);  // the first run that starts after `step`
+  if (next != runs_.begin()) {
+    auto prev = std::prev(next);
+    if (step <= prev->second) return false;  // inside it
+    if (prev->second == step - 1) {          // extends it (step > prev->second: no overflow), may join the next
+      prev->second = step;
+      if (next != runs_.end() && next->first - 1 == step) {  // (next->first > step: no overflow)
+        prev->second = next->second;
+        runs_.erase(next);
+      }
+      return true;
+    }
+  }
+  if (next != runs_.end() && next->first - 1 == step) {  // extends the next one down
+    const int64_t last = next->second;
+    runs_.erase(next);
+    runs_.emplace(step, last);
+    return true;
+  }
+  runs_.emplace(step, step);
+  return true;
+}
+
 v1::JobEvent& JobManager::NewEventLocked(Entry& e) {
   v1::JobEvent& ev = e.events.emplace_back();
   ev.set_job_id(e.job.job_id());
@@ -511,19 +535,26 @@ void JobManager::AppendStateChangeLocked(Entry& e, v1::JobState state, absl::str
   v1::JobEvent& ev = NewEventLocked(e);
   ev.mutable_state_change()->set_state(state);
   ev.mutable_state_change()->set_reason(std::string(reason));
+  if (state == v1::JOB_STATE_RUNNING && e.first_running_known && !e.first_running.has_value()) {
+    e.first_running = FromProtoTimestamp(ev.time());
+  }
   if (e.job.has_summary()) UpdateWallTimeLocked(e);
 }
 
 void JobManager::UpdateWallTimeLocked(Entry& e) {
   // From the first RUNNING (the history's first; a record kept only
-  // without it starts at the job's creation) to now.
-  absl::Time start = FromProtoTimestamp(e.job.create_time());
-  for (const v1::JobEvent& ev : e.events) {
-    if (ev.has_state_change() && ev.state_change().state() == v1::JOB_STATE_RUNNING) {
-      start = FromProtoTimestamp(ev.time());
-      break;
+  // without it starts at the job's creation) to now. Looked up once: a
+  // step's update must not walk a long history.
+  if (!e.first_running_known) {
+    e.first_running_known = true;
+    for (const v1::JobEvent& ev : e.events) {
+      if (ev.has_state_change() && ev.state_change().state() == v1::JOB_STATE_RUNNING) {
+        e.first_running = FromProtoTimestamp(ev.time());
+        break;
+      }
     }
   }
+  const absl::Time start = e.first_running.value_or(FromProtoTimestamp(e.job.create_time()));
   *e.job.mutable_summary()->mutable_wall_time() = ToProtoDuration(std::max(absl::ZeroDuration(), clock_->Now() - start));
 }
 
@@ -671,7 +702,7 @@ absl::StatusOr<bool> JobManager::AddStepLocked(Entry& e, const v1::StepProgress&
   // step must not roll it back.
   const bool newest = step.step() >= e.job.step();
   if (newest && step.checkpoints_size() > 0) *e.job.mutable_checkpoints() = step.checkpoints();
-  if (trained && !e.trained_steps.insert(step.step()).second) {
+  if (trained && !e.trained_steps.insert(step.step())) {
     return newest && step.checkpoints_size() > 0;  // recorded once; what a re-run's save kept is news
   }
   if (!trained && e.job.has_last_eval() && e.job.last_eval().step() == step.eval().step() &&
@@ -925,9 +956,8 @@ absl::StatusOr<v1::Job> JobManager::Cancel(absl::string_view job_id, absl::strin
   return SetState(job_id, v1::JOB_STATE_CANCELLED, reason.empty() ? "cancelled by client" : reason);
 }
 
-absl::StatusOr<JobManager::Events> JobManager::WaitForEvents(absl::string_view job_id,
-                                                             int64_t from_sequence,
-                                                             absl::Duration timeout) {
+absl::StatusOr<JobManager::Events> JobManager::WaitForEvents(absl::string_view job_id, int64_t from_sequence,
+                                                             absl::Duration timeout, size_t max_events) {
   const int64_t from = std::max<int64_t>(from_sequence, 1);
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(FindLocked(job_id).status());
@@ -943,10 +973,10 @@ absl::StatusOr<JobManager::Events> JobManager::WaitForEvents(absl::string_view j
   ASSIGN_OR_RETURN(const Entry* found, FindLocked(job_id));  // NOT_FOUND once deleted
   const Entry& e = *found;
   Events out;
-  for (int64_t seq = from; seq <= static_cast<int64_t>(e.events.size()); ++seq) {
-    out.events.push_back(e.events[seq - 1]);
-  }
-  out.finished = IsFinal(e.job.state());
+  const int64_t last = static_cast<int64_t>(e.events.size());
+  int64_t seq = from;
+  for (; seq <= last && out.events.size() < max_events; ++seq) out.events.push_back(e.events[seq - 1]);
+  out.finished = IsFinal(e.job.state()) && seq > last;
   return out;
 }
 

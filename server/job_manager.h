@@ -26,10 +26,12 @@ namespace colod {
 // Holds every job and its event history. Jobs are validated on submit and
 // then wait in PENDING until the scheduler (server/scheduler.h) assigns ranks.
 //
-// With a state directory every change of a job is written there (one
-// JobRecord file per job, replaced atomically) before the call returns —
-// step events at most once a second unless they name a checkpoint — so a
-// restarted coordinator knows its jobs, their events and last checkpoints.
+// With a state directory every change of a job is written there before the
+// call returns — step events at most once a second unless they name a
+// checkpoint — so a restarted coordinator knows its jobs, their events and
+// last checkpoints. A job's record is a snapshot (JOB.pb, replaced
+// atomically) and a log of what changed since (JOB.log), folded into a new
+// snapshot once it outgrows it (ReadRecord).
 // Jobs that were SCHEDULED, RUNNING or RESTARTING when the coordinator
 // stopped are RESTARTING on restart (their ranks' communicators died with
 // it), to be placed again from their newest checkpoint, unless their restart
@@ -144,10 +146,13 @@ class JobManager {
   // Appends a rank's phase change; FAILED_PRECONDITION once the job ended.
   absl::Status AddRankStatus(absl::string_view job_id, const v1::RankStatus& status);
 
-  // Events with sequence >= from_sequence. Waits up to `timeout` for at least
-  // one if there are none yet. NOT_FOUND for an unknown id.
-  absl::StatusOr<Events> WaitForEvents(absl::string_view job_id, int64_t from_sequence,
-                                       absl::Duration timeout);
+  // Events with sequence >= from_sequence, at most `max_events` of them
+  // (a watcher's batch: they are copied under the jobs' lock, and a long
+  // run's history holds an event a step). Waits up to `timeout` for at
+  // least one if there are none yet. NOT_FOUND for an unknown id.
+  static constexpr size_t kAllEvents = ~size_t{0};
+  absl::StatusOr<Events> WaitForEvents(absl::string_view job_id, int64_t from_sequence, absl::Duration timeout,
+                                       size_t max_events = kAllEvents);
 
   // The upload ids the jobs' specs name (every job still known, ended ones
   // included: a restart may need its model).
@@ -193,6 +198,16 @@ class JobManager {
                                                   std::string* log_tail = nullptr);
 
  private:
+  // A set of steps kept as runs of consecutive ones: a run's steps cost
+  // one node, not one each.
+  class StepSet {
+   public:
+    // False if `step` was in the set already.
+    bool insert(int64_t step);
+
+   private:
+    std::map<int64_t, int64_t> runs_;  // first -> last, disjoint and not adjacent
+  };
   struct Entry {
     v1::Job job;
     std::string request_id;  // of the submit that created it; may be empty
@@ -200,7 +215,10 @@ class JobManager {
     absl::Time persisted = absl::InfinitePast();  // when its record was last taken for writing
     int64_t record_seq = 0;                       // the newest record's number (JobRecord.record_seq)
     bool unwritten = false;                       // changed since its record was last taken (Flush)
-    std::set<int64_t> trained_steps;              // the steps its events record
+    StepSet trained_steps;                        // the steps its events record
+    // When it first ran (its history's first RUNNING), once looked up.
+    std::optional<absl::Time> first_running;
+    bool first_running_known = false;
     // The latest attempt's devices' peak (Schedule), once scheduled since
     // this coordinator started; before that the summary's stored one holds.
     std::optional<double> attempt_peak_flops;

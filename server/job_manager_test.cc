@@ -8,6 +8,8 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <numeric>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -1014,6 +1016,64 @@ TEST(JobManager, ALongHistoryIsWrittenAsItGrowsNotWholeEachTime) {
   EXPECT_EQ(steps, kSteps);
   // Open folded the log into a new snapshot.
   EXPECT_FALSE(std::filesystem::exists(dir + "/" + id + ".log"));
+}
+
+// A watcher's batch: at most max_events events at a time, in order, and
+// `finished` only with the batch that reaches the ended job's last event.
+TEST(JobManager, WaitForEventsHandsOutAtMostItsBatch) {
+  JobManager jobs;
+  auto a = jobs.Submit(TrainSpec(), "");
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(jobs.Schedule(a->job_id(), v1::MeshSpec()).ok());
+  ASSERT_TRUE(jobs.SetState(a->job_id(), v1::JOB_STATE_RUNNING, "go").ok());
+  for (int n = 1; n <= 6; ++n) ASSERT_TRUE(jobs.AddStep(a->job_id(), TrainedStep(n)).ok());
+  ASSERT_TRUE(jobs.Cancel(a->job_id(), "operator").ok());  // 10 events in all
+  int64_t next = 1;
+  int batches = 0;
+  for (bool finished = false; !finished; ++batches) {
+    ASSERT_LT(batches, 10);
+    auto got = jobs.WaitForEvents(a->job_id(), next, absl::ZeroDuration(), 3);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_FALSE(got->events.empty());
+    EXPECT_LE(got->events.size(), 3u);
+    for (const v1::JobEvent& e : got->events) EXPECT_EQ(e.sequence(), next++);
+    finished = got->finished;
+    EXPECT_EQ(finished, next == 11) << "after event " << next - 1;
+  }
+  EXPECT_EQ(batches, 4);
+}
+
+// Each trained step is recorded once, whatever order its reports come in
+// and however often (a resumed run's re-run steps, late reports of an
+// earlier attempt): the history holds each step once, and the summary
+// counts it once.
+TEST(JobManager, EachTrainedStepIsRecordedOnceInWhateverOrderItComes) {
+  JobManager jobs;
+  v1::JobSpec spec = TrainSpec();
+  spec.mutable_train()->set_steps(300);
+  auto a = jobs.Submit(spec, "");
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(jobs.Schedule(a->job_id(), v1::MeshSpec()).ok());
+  ASSERT_TRUE(jobs.SetState(a->job_id(), v1::JOB_STATE_RUNNING, "go").ok());
+  std::vector<int64_t> reports;
+  for (int64_t n = 1; n <= 300; n += 3) reports.push_back(n);  // runs with holes, filled later in any order
+  for (int64_t n = 300; n >= 1; --n) reports.push_back(n);
+  std::mt19937 rng(7);
+  for (int i = 0; i < 200; ++i) reports.push_back(1 + static_cast<int64_t>(rng() % 300));
+  std::shuffle(reports.begin() + 100, reports.end(), rng);
+  for (int64_t n : reports) ASSERT_TRUE(jobs.AddStep(a->job_id(), TrainedStep(n)).ok()) << n;
+  auto events = jobs.WaitForEvents(a->job_id(), 1, absl::ZeroDuration());
+  ASSERT_TRUE(events.ok());
+  std::vector<int64_t> steps;
+  for (const v1::JobEvent& e : events->events) {
+    if (e.has_step()) steps.push_back(e.step().step());
+  }
+  std::sort(steps.begin(), steps.end());
+  std::vector<int64_t> want(300);
+  std::iota(want.begin(), want.end(), 1);
+  EXPECT_EQ(steps, want);
+  EXPECT_EQ(jobs.Get(a->job_id())->summary().steps(), 300);
+  EXPECT_EQ(jobs.Get(a->job_id())->step(), 300);
 }
 
 // Steps are written at most once a second; Flush (the coordinator's
