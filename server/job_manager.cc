@@ -24,6 +24,8 @@
 #include "common/logging.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/wire_format_lite.h"
 #include "spec/job_validation.h"
 #include "spec/model_config.h"
 #include "spec/plan.h"
@@ -129,15 +131,72 @@ absl::Status AppendLogEntry(const std::string& path, absl::string_view entry, bo
 
 }  // namespace
 
-absl::StatusOr<v1::JobRecord> JobManager::ReadRecord(const std::string& state_dir, const std::string& job_id,
-                                                     std::string* log_tail) {
+namespace {
+
+// Splits a serialized JobRecord into the record without its events (`head`)
+// and its events' bytes (views into `bytes`), without building the events:
+// a long history parsed whole took about four times its size in memory.
+// False for bytes that are not a JobRecord.
+bool SplitRecord(absl::string_view bytes, v1::JobRecord* head, std::vector<absl::string_view>* events) {
+  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) return false;
+  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
+                                            static_cast<int>(bytes.size()));
+  in.SetTotalBytesLimit(std::numeric_limits<int>::max());
+  std::string rest;  // every other field, as it is
+  while (static_cast<size_t>(in.CurrentPosition()) < bytes.size()) {
+    const size_t start = static_cast<size_t>(in.CurrentPosition());
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) return false;  // bytes that are no tag (a varint cut short, or 0)
+    const uint32_t field = tag >> 3, type = tag & 7;
+    if (field == static_cast<uint32_t>(v1::JobRecord::kEventsFieldNumber) && type == 2) {  // length-delimited
+      uint32_t n = 0;
+      if (!in.ReadVarint32(&n)) return false;
+      const size_t at = static_cast<size_t>(in.CurrentPosition());
+      if (n > bytes.size() - at || !in.Skip(static_cast<int>(n))) return false;
+      events->push_back(bytes.substr(at, n));
+      continue;
+    }
+    // Anything else (the job, the request id, unknown fields) as the
+    // message parser would take it.
+    if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) return false;
+    rest.append(bytes.data() + start, static_cast<size_t>(in.CurrentPosition()) - start);
+  }
+  return head->ParseFromString(rest);
+}
+
+// Parses every event of `views`; false if one is not a JobEvent.
+bool ParseEvents(const std::vector<absl::string_view>& views, std::vector<v1::JobEvent>* out) {
+  out->resize(views.size());
+  for (size_t i = 0; i < views.size(); ++i) {
+    if (!(*out)[i].ParseFromArray(views[i].data(), static_cast<int>(views[i].size()))) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<JobManager::StoredRecord> JobManager::ReadStoredRecord(const std::string& state_dir,
+                                                                      const std::string& job_id,
+                                                                      std::string* log_tail) {
   if (log_tail != nullptr) log_tail->clear();
   const std::string pb = SnapshotPath(state_dir, job_id);
   if (!IsRegularFile(pb)) return absl::NotFoundError(absl::StrCat("no record file ", pb));
-  ASSIGN_OR_RETURN(const std::string bytes, ReadFileToString(pb));
-  v1::JobRecord record;
-  if (!record.ParseFromString(bytes) || record.job().job_id() != job_id) {
-    return absl::InvalidArgumentError(absl::StrCat(pb, " is not a record of job ", job_id));
+  StoredRecord record;
+  {
+    ASSIGN_OR_RETURN(const std::string bytes, ReadFileToString(pb));
+    std::vector<absl::string_view> views;
+    if (!SplitRecord(bytes, &record.head, &views) || record.head.job().job_id() != job_id) {
+      return absl::InvalidArgumentError(absl::StrCat(pb, " is not a record of job ", job_id));
+    }
+    // One event at a time: a long history is never held parsed whole.
+    v1::JobEvent ev;
+    for (absl::string_view view : views) {
+      if (!ev.ParseFromArray(view.data(), static_cast<int>(view.size()))) {
+        return absl::InvalidArgumentError(absl::StrCat(pb, " is not a record of job ", job_id));
+      }
+      if (ev.has_step() && IsTrainedStep(ev.step())) record.trained_steps.insert(ev.step().step());
+      record.events.AppendSerialized(view);
+    }
   }
   const std::string log = LogPath(state_dir, job_id);
   if (!IsRegularFile(log)) return record;
@@ -150,19 +209,34 @@ absl::StatusOr<v1::JobRecord> JobManager::ReadRecord(const std::string& state_di
     const uint64_t n = LoadLittleEndian(reinterpret_cast<const unsigned char*>(entries.data() + at), 4);
     if (n > entries.size() - at - 4 || n > static_cast<uint64_t>(std::numeric_limits<int>::max())) break;
     v1::JobRecord entry;
-    if (!entry.ParseFromArray(entries.data() + at + 4, static_cast<int>(n)) || entry.job().job_id() != job_id ||
-        !entry.request_id().empty()) {
+    std::vector<absl::string_view> views;
+    std::vector<v1::JobEvent> events;
+    if (!SplitRecord(absl::string_view(entries).substr(at + 4, n), &entry, &views) || !ParseEvents(views, &events) ||
+        entry.job().job_id() != job_id || !entry.request_id().empty()) {
       break;
     }
-    if (entry.record_seq() > record.record_seq()) {
-      if (entry.events_size() > 0 && entry.events(0).sequence() != record.events_size() + 1) break;
-      *record.mutable_job() = std::move(*entry.mutable_job());
-      for (v1::JobEvent& ev : *entry.mutable_events()) *record.add_events() = std::move(ev);
-      record.set_record_seq(entry.record_seq());
+    if (entry.record_seq() > record.head.record_seq()) {
+      if (!events.empty() && events[0].sequence() != static_cast<int64_t>(record.events.size()) + 1) break;
+      *record.head.mutable_job() = std::move(*entry.mutable_job());
+      for (size_t i = 0; i < views.size(); ++i) {
+        if (events[i].has_step() && IsTrainedStep(events[i].step())) {
+          record.trained_steps.insert(events[i].step().step());
+        }
+        record.events.AppendSerialized(views[i]);
+      }
+      record.head.set_record_seq(entry.record_seq());
     }
     at += 4 + n;
   }
   if (log_tail != nullptr) *log_tail = entries.substr(at);
+  return record;
+}
+
+absl::StatusOr<v1::JobRecord> JobManager::ReadRecord(const std::string& state_dir, const std::string& job_id,
+                                                     std::string* log_tail) {
+  ASSIGN_OR_RETURN(StoredRecord stored, ReadStoredRecord(state_dir, job_id, log_tail));
+  v1::JobRecord record = std::move(stored.head);
+  for (size_t i = 0; i < stored.events.size(); ++i) *record.add_events() = stored.events.Get(i);
   return record;
 }
 
@@ -201,7 +275,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
   // across a read), one at a time.
   struct File {
     std::string name, path;
-    std::optional<v1::JobRecord> record;  // nullopt: damaged, set aside
+    std::optional<StoredRecord> record;   // nullopt: damaged, set aside
     OnDisk on_disk;                       // of the record read
     bool had_log = false;                 // its log is folded into a new snapshot
   };
@@ -221,10 +295,10 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
     // is kept for a human to look at, out of the way. A read error fails.
     const std::string id = name.substr(0, name.size() - 3);
     std::string tail;
-    absl::StatusOr<v1::JobRecord> record = ReadRecord(state_dir, id, &tail);
+    absl::StatusOr<StoredRecord> record = ReadStoredRecord(state_dir, id, &tail);
     if (record.ok()) {
-      f.on_disk.seq = record->record_seq();
-      f.on_disk.events = static_cast<size_t>(record->events_size());
+      f.on_disk.seq = record->head.record_seq();
+      f.on_disk.events = record->events.size();
       f.had_log = present.count(id + ".log") > 0;
       if (!tail.empty()) {
         COLOD_LOG(WARNING) << "job record log " << LogPath(state_dir, id) << " ends in " << tail.size()
@@ -262,10 +336,10 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
         damaged.push_back(f.path);
         continue;
       }
-      v1::JobRecord& record = *f.record;
+      StoredRecord& record = *f.record;
       Entry e;
-      e.job = std::move(*record.mutable_job());
-      e.record_seq = record.record_seq();
+      e.job = std::move(*record.head.mutable_job());
+      e.record_seq = record.head.record_seq();
       if (f.had_log) rewrite.insert(e.job.job_id());
       // A record written before jobs stored their memory floor gets it now,
       // once (the scheduler places jobs by it).
@@ -273,12 +347,9 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
         const v1::MemoryFloor floor = JobMemoryFloor(e.job.spec());
         if (floor.total_bytes() > 0) *e.job.mutable_memory_floor() = floor;
       }
-      e.events.assign(std::make_move_iterator(record.mutable_events()->begin()),
-                      std::make_move_iterator(record.mutable_events()->end()));
-      for (const v1::JobEvent& ev : e.events) {
-        if (ev.has_step() && IsTrainedStep(ev.step())) e.trained_steps.insert(ev.step().step());
-      }
-      e.request_id = record.request_id();
+      e.events = std::move(record.events);
+      e.trained_steps = std::move(record.trained_steps);
+      e.request_id = record.head.request_id();
       f.record.reset();  // what was not moved into the entry
       if (!e.request_id.empty()) m->job_by_request_id_[e.request_id] = e.job.job_id();
       m->jobs_.emplace(e.job.job_id(), std::move(e));
@@ -353,10 +424,12 @@ std::optional<JobManager::RecordWrite> JobManager::TakeRecordLocked(Entry& e) {
 std::string JobManager::SerializeRecord(const Entry& e, int64_t seq, std::optional<size_t> log_from_event) {
   v1::JobRecord record;
   *record.mutable_job() = e.job;
-  for (size_t i = log_from_event.value_or(0); i < e.events.size(); ++i) *record.add_events() = e.events[i];
   if (!log_from_event.has_value()) record.set_request_id(e.request_id);  // a snapshot's; a log entry has none
   record.set_record_seq(seq);
-  return record.SerializeAsString();
+  std::string bytes = record.SerializeAsString();
+  // The events as they are kept: the record's `events` field (2).
+  e.events.AppendAsField(v1::JobRecord::kEventsFieldNumber, log_from_event.value_or(0), &bytes);
+  return bytes;
 }
 
 std::optional<JobManager::RecordWrite> JobManager::TakeWholeRecordLocked(Entry& e) {
@@ -507,10 +580,12 @@ bool JobManager::StepSet::insert(int64_t step) {
   return true;
 }
 
-v1::JobEvent& JobManager::NewEventLocked(Entry& e) {
-  v1::JobEvent& ev = e.events.emplace_back();
+void JobManager::AppendEventLocked(Entry& e, const v1::JobEvent& ev) { e.events.Append(ev); }
+
+v1::JobEvent JobManager::NewEventLocked(const Entry& e) {
+  v1::JobEvent ev;
   ev.set_job_id(e.job.job_id());
-  ev.set_sequence(static_cast<int64_t>(e.events.size()));
+  ev.set_sequence(static_cast<int64_t>(e.events.size()) + 1);
   *ev.mutable_time() = ToProtoTimestamp(clock_->Now());
   return ev;
 }
@@ -532,9 +607,10 @@ void JobManager::AppendStateChangeLocked(Entry& e, v1::JobState state, absl::str
   e.job.set_state(state);
   e.job.set_reason(std::string(reason));
   *e.job.mutable_update_time() = ToProtoTimestamp(clock_->Now());
-  v1::JobEvent& ev = NewEventLocked(e);
+  v1::JobEvent ev = NewEventLocked(e);
   ev.mutable_state_change()->set_state(state);
   ev.mutable_state_change()->set_reason(std::string(reason));
+  AppendEventLocked(e, ev);
   if (state == v1::JOB_STATE_RUNNING && e.first_running_known && !e.first_running.has_value()) {
     e.first_running = FromProtoTimestamp(ev.time());
   }
@@ -547,7 +623,8 @@ void JobManager::UpdateWallTimeLocked(Entry& e) {
   // step's update must not walk a long history.
   if (!e.first_running_known) {
     e.first_running_known = true;
-    for (const v1::JobEvent& ev : e.events) {
+    for (size_t i = 0; i < e.events.size(); ++i) {
+      const v1::JobEvent ev = e.events.Get(i);
       if (ev.has_state_change() && ev.state_change().state() == v1::JOB_STATE_RUNNING) {
         e.first_running = FromProtoTimestamp(ev.time());
         break;
@@ -745,8 +822,10 @@ absl::StatusOr<bool> JobManager::AddStepLocked(Entry& e, const v1::StepProgress&
   }
   const absl::Time now = clock_->Now();
   *e.job.mutable_update_time() = ToProtoTimestamp(now);
-  v1::StepProgress& recorded = *NewEventLocked(e).mutable_step() = step;
-  recorded.clear_checkpoints();  // the job keeps the newest list; the history need not repeat it
+  v1::JobEvent ev = NewEventLocked(e);
+  *ev.mutable_step() = step;
+  ev.mutable_step()->clear_checkpoints();  // the job keeps the newest list; the history need not repeat it
+  AppendEventLocked(e, ev);
   // A record holds the whole history, so writing it on every step of a
   // long job would cost O(steps^2): steps are written at most once a second
   // (and whenever one names a checkpoint); every state change writes at once.
@@ -765,7 +844,9 @@ absl::Status JobManager::AddHang(absl::string_view job_id, const v1::HangReport&
     RETURN_IF_ERROR(CheckNotEndedLocked(e));
     ++hangs_;
     e.job.set_stalled(hang.message());
-    *NewEventLocked(e).mutable_hang() = hang;
+    v1::JobEvent ev = NewEventLocked(e);
+    *ev.mutable_hang() = hang;
+    AppendEventLocked(e, ev);
     return true;
   });
 }
@@ -778,7 +859,9 @@ int64_t JobManager::HangCount() {
 absl::Status JobManager::AddRankStatus(absl::string_view job_id, const v1::RankStatus& status) {
   return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
     RETURN_IF_ERROR(CheckNotEndedLocked(e));
-    *NewEventLocked(e).mutable_rank_status() = status;
+    v1::JobEvent ev = NewEventLocked(e);
+    *ev.mutable_rank_status() = status;
+    AppendEventLocked(e, ev);
     return true;
   });
 }
@@ -959,24 +1042,32 @@ absl::StatusOr<v1::Job> JobManager::Cancel(absl::string_view job_id, absl::strin
 absl::StatusOr<JobManager::Events> JobManager::WaitForEvents(absl::string_view job_id, int64_t from_sequence,
                                                              absl::Duration timeout, size_t max_events) {
   const int64_t from = std::max<int64_t>(from_sequence, 1);
-  absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(FindLocked(job_id).status());
-  // Looked up on every evaluation: an ended job may be deleted meanwhile,
-  // and the condition must never touch a gone entry.
-  const std::string id(job_id);
-  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = jobs_.find(id);
-    return it == jobs_.end() || static_cast<int64_t>(it->second.events.size()) >= from ||
-           IsFinal(it->second.job.state());
-  };
-  mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
-  ASSIGN_OR_RETURN(const Entry* found, FindLocked(job_id));  // NOT_FOUND once deleted
-  const Entry& e = *found;
+  std::vector<std::string> taken;  // copied under the lock, parsed after it
   Events out;
-  const int64_t last = static_cast<int64_t>(e.events.size());
-  int64_t seq = from;
-  for (; seq <= last && out.events.size() < max_events; ++seq) out.events.push_back(e.events[seq - 1]);
-  out.finished = IsFinal(e.job.state()) && seq > last;
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(FindLocked(job_id).status());
+    // Looked up on every evaluation: an ended job may be deleted meanwhile,
+    // and the condition must never touch a gone entry.
+    const std::string id(job_id);
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = jobs_.find(id);
+      return it == jobs_.end() || static_cast<int64_t>(it->second.events.size()) >= from ||
+             IsFinal(it->second.job.state());
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+    ASSIGN_OR_RETURN(const Entry* found, FindLocked(job_id));  // NOT_FOUND once deleted
+    const Entry& e = *found;
+    const int64_t last = static_cast<int64_t>(e.events.size());
+    int64_t seq = from;
+    for (; seq <= last && taken.size() < max_events; ++seq) taken.emplace_back(e.events.Bytes(seq - 1));
+    out.finished = IsFinal(e.job.state()) && seq > last;
+  }
+  out.events.resize(taken.size());
+  for (size_t i = 0; i < taken.size(); ++i) {
+    // Bytes the job manager serialized itself: they parse.
+    (void)out.events[i].ParseFromString(taken[i]);
+  }
   return out;
 }
 

@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "colod/v1/job.pb.h"
 #include "common/clock.h"
+#include "server/event_log.h"
 
 namespace colod {
 
@@ -208,10 +209,19 @@ class JobManager {
    private:
     std::map<int64_t, int64_t> runs_;  // first -> last, disjoint and not adjacent
   };
+  // A record as read back: the JobRecord without its events, which are
+  // kept serialized as they were read.
+  struct StoredRecord {
+    v1::JobRecord head;
+    EventLog events;
+    StepSet trained_steps;  // the steps the events record
+  };
+  static absl::StatusOr<StoredRecord> ReadStoredRecord(const std::string& state_dir, const std::string& job_id,
+                                                       std::string* log_tail);
   struct Entry {
     v1::Job job;
     std::string request_id;  // of the submit that created it; may be empty
-    std::vector<v1::JobEvent> events;
+    EventLog events;
     absl::Time persisted = absl::InfinitePast();  // when its record was last taken for writing
     int64_t record_seq = 0;                       // the newest record's number (JobRecord.record_seq)
     bool unwritten = false;                       // changed since its record was last taken (Flush)
@@ -255,7 +265,10 @@ class JobManager {
 
   void AppendStateChangeLocked(Entry& e, v1::JobState state, absl::string_view reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::JobEvent& NewEventLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new event of `e` (its job id, the next sequence, now), to fill and
+  // then append (AppendEventLocked).
+  v1::JobEvent NewEventLocked(const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AppendEventLocked(Entry& e, const v1::JobEvent& ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The summary's wall time: the first RUNNING event to now.
   void UpdateWallTimeLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // AddStep's change of the entry (whether to write the record now).
