@@ -222,7 +222,9 @@ void Coordinator::UpdateGauges() {
 }
 
 void Coordinator::SweepLoop() {
-  const absl::Duration period = std::min(options_.heartbeat_interval, absl::Seconds(1));
+  // Often enough that a job's last step waits little past
+  // JobManager::kStepWriteInterval to be written (FlushStale).
+  const absl::Duration period = std::min(options_.heartbeat_interval, absl::Milliseconds(250));
   // Expiring ended jobs and collecting uploads walk every job: at most once
   // a minute, or a tenth of the retention or upload grace when shorter.
   const absl::Duration retention =
@@ -252,6 +254,7 @@ void Coordinator::SweepLoop() {
                           << (expired.size() > 1 ? absl::StrCat(" ... ", expired.back()) : "") << ")";
         }
       }
+      jobs_->FlushStale();  // a job's last steps, which watchers see once written
       UpdateGauges();
     } catch (const std::exception& e) {
       // A backstop (colod's code returns statuses): the next sweep tries again.

@@ -348,6 +348,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
         if (floor.total_bytes() > 0) *e.job.mutable_memory_floor() = floor;
       }
       e.events = std::move(record.events);
+      e.published = e.events.size();  // read back: on disk
       e.trained_steps = std::move(record.trained_steps);
       e.request_id = record.head.request_id();
       f.record.reset();  // what was not moved into the entry
@@ -406,6 +407,18 @@ void JobManager::Flush() {
     absl::MutexLock lock(&mu_);
     for (auto& [id, e] : jobs_) {
       if (e.unwritten) writes.push_back(TakeRecordLocked(e));
+    }
+  }
+  for (const auto& w : writes) (void)WriteRecord(w);  // logged
+}
+
+void JobManager::FlushStale() {
+  std::vector<std::optional<RecordWrite>> writes;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = clock_->Now();
+    for (auto& [id, e] : jobs_) {
+      if (e.unwritten && now - e.persisted >= kStepWriteInterval) writes.push_back(TakeRecordLocked(e));
     }
   }
   for (const auto& w : writes) (void)WriteRecord(w);  // logged
@@ -491,17 +504,24 @@ int64_t JobManager::RecordBytesWritten() {
 absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
   if (!w.has_value()) return absl::OkStatus();
   if (before_write_) before_write_(w->job_id);
+  size_t events = 0;  // the events this write takes: watchers may see them once it ended
+  const absl::Status s = WriteRecordEvents(*w, &events);
+  Publish(w->job_id, events);
+  return s;
+}
+
+absl::Status JobManager::WriteRecordEvents(const RecordWrite& w, size_t* taken_events) {
   absl::MutexLock io(&io_mu_);
-  auto known = on_disk_.find(w->job_id);
-  if (known != on_disk_.end() && known->second.seq >= w->seq) return absl::OkStatus();  // a newer one is there
+  auto known = on_disk_.find(w.job_id);
+  if (known != on_disk_.end() && known->second.seq >= w.seq) return absl::OkStatus();  // a newer one is there
   const OnDisk* d = known == on_disk_.end() ? nullptr : &known->second;
-  bool whole = !w->whole.empty();
-  std::string taken;  // what this write takes, unless it is w->whole
-  int64_t seq = w->seq;
-  size_t events = w->events;
-  if (whole ? w->only_if_known : true) {
+  bool whole = !w.whole.empty();
+  std::string taken;  // what this write takes, unless it is w.whole
+  int64_t seq = w.seq;
+  size_t events = w.events;
+  if (whole ? w.only_if_known : true) {
     absl::MutexLock lock(&mu_);  // brief: io_mu_ is held, so no delete removes files meanwhile
-    auto it = jobs_.find(w->job_id);
+    auto it = jobs_.find(w.job_id);
     if (it == jobs_.end()) return absl::OkStatus();  // deleted since: its files stay removed
     if (!whole) {
       // Every change so far, numbered as the newest (later takes of it are
@@ -515,24 +535,25 @@ absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
       taken = SerializeRecord(e, seq, whole ? std::nullopt : std::optional<size_t>(d->events));
     }
   }
-  const absl::string_view bytes = w->whole.empty() ? absl::string_view(taken) : absl::string_view(w->whole);
+  *taken_events = events;
+  const absl::string_view bytes = w.whole.empty() ? absl::string_view(taken) : absl::string_view(w.whole);
   if (whole) {
-    absl::Status s = WriteFileAtomically(SnapshotPath(state_dir_, w->job_id), bytes);
+    absl::Status s = WriteFileAtomically(SnapshotPath(state_dir_, w.job_id), bytes);
     if (!s.ok()) {
-      COLOD_LOG(ERROR) << "cannot record job " << w->job_id << ": " << s;
+      COLOD_LOG(ERROR) << "cannot record job " << w.job_id << ": " << s;
       return s;
     }
     record_bytes_written_ += static_cast<int64_t>(bytes.size());
-    OnDisk& now = on_disk_[w->job_id];
+    OnDisk& now = on_disk_[w.job_id];
     now.seq = seq;
     now.events = events;
     now.snapshot_bytes = static_cast<int64_t>(bytes.size());
     // The log's entries are all in the snapshot now (and numbered below
     // it, should its removal fail: they are passed over when read).
     std::error_code ec;
-    std::filesystem::remove(LogPath(state_dir_, w->job_id), ec);
+    std::filesystem::remove(LogPath(state_dir_, w.job_id), ec);
     if (ec) {
-      COLOD_LOG(ERROR) << "cannot remove the log of job " << w->job_id << " (its next write is a snapshot again): "
+      COLOD_LOG(ERROR) << "cannot remove the log of job " << w.job_id << " (its next write is a snapshot again): "
                        << ec.message();
       now.torn = true;
     } else {
@@ -542,11 +563,11 @@ absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
     return absl::OkStatus();
   }
   bool torn = false;
-  absl::Status s = AppendLogEntry(LogPath(state_dir_, w->job_id), bytes, &torn);
-  OnDisk& now = on_disk_[w->job_id];
+  absl::Status s = AppendLogEntry(LogPath(state_dir_, w.job_id), bytes, &torn);
+  OnDisk& now = on_disk_[w.job_id];
   if (!s.ok()) {
     now.torn = torn;
-    COLOD_LOG(ERROR) << "cannot record job " << w->job_id << ": " << s;
+    COLOD_LOG(ERROR) << "cannot record job " << w.job_id << ": " << s;
     return s;
   }
   record_bytes_written_ += 4 + static_cast<int64_t>(bytes.size());
@@ -580,7 +601,18 @@ bool JobManager::StepSet::insert(int64_t step) {
   return true;
 }
 
-void JobManager::AppendEventLocked(Entry& e, const v1::JobEvent& ev) { e.events.Append(ev); }
+void JobManager::AppendEventLocked(Entry& e, const v1::JobEvent& ev) {
+  e.events.Append(ev);
+  if (state_dir_.empty()) e.published = e.events.size();  // nothing to write: nothing a crash takes back
+}
+
+void JobManager::Publish(const std::string& job_id, size_t events) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return;
+  Entry& e = it->second;
+  e.published = std::max(e.published, std::min(events, e.events.size()));
+}
 
 v1::JobEvent JobManager::NewEventLocked(const Entry& e) {
   v1::JobEvent ev;
@@ -935,6 +967,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   }
   const std::string id = e.job.job_id();
   if (!request.empty()) job_by_request_id_[request] = id;
+  e.published = e.events.size();  // written
   return jobs_.emplace(id, std::move(e)).first->second.job;
 }
 
@@ -1052,16 +1085,18 @@ absl::StatusOr<JobManager::Events> JobManager::WaitForEvents(absl::string_view j
     const std::string id(job_id);
     auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       auto it = jobs_.find(id);
-      return it == jobs_.end() || static_cast<int64_t>(it->second.events.size()) >= from ||
-             IsFinal(it->second.job.state());
+      if (it == jobs_.end()) return true;
+      const Entry& e = it->second;
+      return static_cast<int64_t>(e.published) >= from ||
+             (IsFinal(e.job.state()) && e.published == e.events.size());
     };
     mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
     ASSIGN_OR_RETURN(const Entry* found, FindLocked(job_id));  // NOT_FOUND once deleted
     const Entry& e = *found;
-    const int64_t last = static_cast<int64_t>(e.events.size());
+    const int64_t last = static_cast<int64_t>(e.published);
     int64_t seq = from;
     for (; seq <= last && taken.size() < max_events; ++seq) taken.emplace_back(e.events.Bytes(seq - 1));
-    out.finished = IsFinal(e.job.state()) && seq > last;
+    out.finished = IsFinal(e.job.state()) && e.published == e.events.size() && seq > last;
   }
   out.events.resize(taken.size());
   for (size_t i = 0; i < taken.size(); ++i) {

@@ -32,7 +32,8 @@ namespace colod {
 // checkpoint — so a restarted coordinator knows its jobs, their events and
 // last checkpoints. A job's record is a snapshot (JOB.pb, replaced
 // atomically) and a log of what changed since (JOB.log), folded into a new
-// snapshot once it outgrows it (ReadRecord).
+// snapshot once it outgrows it (ReadRecord). Watchers see an event once it
+// is written (WaitForEvents).
 // Jobs that were SCHEDULED, RUNNING or RESTARTING when the coordinator
 // stopped are RESTARTING on restart (their ranks' communicators died with
 // it), to be placed again from their newest checkpoint, unless their restart
@@ -147,7 +148,13 @@ class JobManager {
   // Appends a rank's phase change; FAILED_PRECONDITION once the job ended.
   absl::Status AddRankStatus(absl::string_view job_id, const v1::RankStatus& status);
 
-  // Events with sequence >= from_sequence, at most `max_events` of them
+  // Events with sequence >= from_sequence, at most `max_events` of them.
+  // With a state directory, only events already written there (a step
+  // waits up to kStepWriteInterval, until FlushStale): a watcher never sees
+  // an event that a crash of the coordinator could take back, whose
+  // sequence number would then be handed out again. (A write that fails
+  // publishes its events all the same: a full disk must not stall every
+  // watch.)
   // (a watcher's batch: they are copied under the jobs' lock, and a long
   // run's history holds an event a step). Waits up to `timeout` for at
   // least one if there are none yet. NOT_FOUND for an unknown id.
@@ -184,6 +191,12 @@ class JobManager {
   // Writes every change not written yet (the steps of the last second:
   // AddStep writes at most once a second), before the coordinator stops.
   void Flush() ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
+  // Writes the changes that have waited kStepWriteInterval or longer: the
+  // last steps of a job that reports no more for now, which watchers see
+  // only once written. The coordinator calls it several times a second.
+  void FlushStale() ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
+  // How long a step may wait to be written (AddStep).
+  static constexpr absl::Duration kStepWriteInterval = absl::Seconds(1);
   // Bytes written to job records (snapshots and log entries) since Open.
   int64_t RecordBytesWritten();
   // A job's log (WriteRecord) is folded into a new snapshot once it holds
@@ -225,6 +238,7 @@ class JobManager {
     absl::Time persisted = absl::InfinitePast();  // when its record was last taken for writing
     int64_t record_seq = 0;                       // the newest record's number (JobRecord.record_seq)
     bool unwritten = false;                       // changed since its record was last taken (Flush)
+    size_t published = 0;                         // events watchers may see: written (WaitForEvents)
     StepSet trained_steps;                        // the steps its events record
     // When it first ran (its history's first RUNNING), once looked up.
     std::optional<absl::Time> first_running;
@@ -269,6 +283,8 @@ class JobManager {
   // then append (AppendEventLocked).
   v1::JobEvent NewEventLocked(const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AppendEventLocked(Entry& e, const v1::JobEvent& ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Lets watchers see the first `events` events of `job_id` (written).
+  void Publish(const std::string& job_id, size_t events) ABSL_LOCKS_EXCLUDED(mu_);
   // The summary's wall time: the first RUNNING event to now.
   void UpdateWallTimeLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // AddStep's change of the entry (whether to write the record now).
@@ -301,8 +317,12 @@ class JobManager {
   // the snapshot, the whole record replaces JOB.pb and the log is removed;
   // so a job's writes cost in all a few times its record, however long its
   // history. A failure is logged and returned: a change to a known job goes
-  // on with its record stale; a new job is not accepted (Submit).
+  // on with its record stale; a new job is not accepted (Submit). Then the
+  // events the write took are published to watchers, written or not.
   absl::Status WriteRecord(const std::optional<RecordWrite>& w) ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
+  // WriteRecord's write; `taken_events` gets how many events it took (0
+  // for a write skipped).
+  absl::Status WriteRecordEvents(const RecordWrite& w, size_t* taken_events) ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
   // Forgets the job in memory; its files go in RemoveRecords (after mu_).
   void DeleteLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes deleted jobs' records and records the next id (so a deleted

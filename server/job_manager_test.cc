@@ -811,6 +811,7 @@ TEST(JobManager, EachStepIsRecordedOnce) {
   std::string id;
   auto steps_of = [&](JobManager& jobs) {
     std::vector<int64_t> out;
+    jobs.Flush();  // watchers see the steps of the last second once written
     auto events = jobs.WaitForEvents(id, 1, absl::ZeroDuration());
     EXPECT_TRUE(events.ok());
     for (const v1::JobEvent& e : events->events) {
@@ -1016,6 +1017,74 @@ TEST(JobManager, ALongHistoryIsWrittenAsItGrowsNotWholeEachTime) {
   EXPECT_EQ(steps, kSteps);
   // Open folded the log into a new snapshot.
   EXPECT_FALSE(std::filesystem::exists(dir + "/" + id + ".log"));
+}
+
+// A watcher sees only events written to the data dir: a step of the last
+// second waits for its write (the next change past the second, FlushStale,
+// or Flush). So a coordinator killed before the write (here: a manager
+// dropped without Flush) takes back nothing a watcher saw, and the
+// sequence numbers it hands out next were never seen with other events.
+TEST(JobManager, AWatcherSeesOnlyWhatACrashCannotTakeBack) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-published";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  std::string id;
+  std::vector<v1::JobEvent> seen;
+  auto watch = [&](JobManager& jobs) {
+    auto got = jobs.WaitForEvents(id, static_cast<int64_t>(seen.size()) + 1, absl::ZeroDuration());
+    ASSERT_TRUE(got.ok()) << got.status();
+    seen.insert(seen.end(), got->events.begin(), got->events.end());
+  };
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    id = (*jobs)->Submit(TrainSpec(), "")->job_id();
+    ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
+    ASSERT_TRUE((*jobs)->SetState(id, v1::JOB_STATE_RUNNING, "go").ok());
+    watch(**jobs);
+    ASSERT_EQ(seen.size(), 3u);  // PENDING, SCHEDULED, RUNNING: state changes are written at once
+    clock.Advance(absl::Seconds(2));
+    ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(1)).ok());  // written: a second since the last write
+    ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(2)).ok());  // within the second: waits
+    watch(**jobs);
+    ASSERT_EQ(seen.size(), 4u);
+    EXPECT_EQ(seen.back().step().step(), 1);
+    (*jobs)->FlushStale();  // not a second yet
+    watch(**jobs);
+    EXPECT_EQ(seen.size(), 4u);
+    clock.Advance(JobManager::kStepWriteInterval);
+    (*jobs)->FlushStale();
+    watch(**jobs);
+    ASSERT_EQ(seen.size(), 5u);
+    EXPECT_EQ(seen.back().step().step(), 2);
+    // A waiting watcher wakes once the step is written.
+    ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(3)).ok());
+    std::thread writer([&] {
+      absl::SleepFor(absl::Milliseconds(50));
+      clock.Advance(JobManager::kStepWriteInterval);
+      (*jobs)->FlushStale();
+    });
+    auto woke = (*jobs)->WaitForEvents(id, 6, absl::Seconds(30));
+    writer.join();
+    ASSERT_TRUE(woke.ok());
+    ASSERT_EQ(woke->events.size(), 1u);
+    seen.push_back(woke->events[0]);
+    EXPECT_EQ(seen.back().step().step(), 3);
+    ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(4)).ok());  // never written: the "crash" takes it
+    watch(**jobs);
+    EXPECT_EQ(seen.size(), 6u);
+  }
+  auto reopened = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  auto after = (*reopened)->WaitForEvents(id, 1, absl::ZeroDuration());
+  ASSERT_TRUE(after.ok());
+  // Every event seen is there under its sequence number; the next ones
+  // (the restart's) follow them.
+  ASSERT_GT(after->events.size(), seen.size());
+  for (size_t i = 0; i < seen.size(); ++i) {
+    EXPECT_EQ(after->events[i].SerializeAsString(), seen[i].SerializeAsString()) << "sequence " << i + 1;
+  }
+  EXPECT_EQ(after->events[seen.size()].state_change().state(), v1::JOB_STATE_RESTARTING);
 }
 
 // A watcher's batch: at most max_events events at a time, in order, and

@@ -312,8 +312,7 @@ class JobWatch:
     Attributes: next_sequence (the next event's sequence), reconnects (how
     many times it resumed), final_event (the state change to a final state,
     once yielded). A watch that ends without a final_event started past the
-    job's last event, or the coordinator's history is shorter than what was
-    already seen (docs/API.md, "Watching a job"): ask GetJob for the state.
+    job's last event: ask GetJob for the state.
     """
 
     def __init__(self, client, job_id, from_sequence=1, call_timeout=60.0, total_timeout=None):
