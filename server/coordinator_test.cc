@@ -253,7 +253,7 @@ TEST_F(CoordinatorTest, SubmitRefusesModelsNoWorkerCanHold) {
     ASSERT_TRUE(client_->RegisterWorker(info).ok());
   }
   auto refused = client_->SubmitJob(spec);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(refused.status().message(),
                                 "spec.model: this job needs at least 11.68 GiB per rank (1557611200 parameters, 779894400 "
                                 "on the fullest rank: 1.45 GiB of parameters, 1.45 GiB of gradients, 8.72 GiB of optimizer "

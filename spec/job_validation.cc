@@ -281,7 +281,8 @@ absl::Status CheckMemoryFits(const v1::MemoryFloor& stored, const std::vector<v1
     largest = std::max(largest, w.info().memory_bytes());
   }
   if (floor.total_bytes <= largest) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
+  // The spec is valid; the cluster, as registered now, cannot run it.
+  return absl::FailedPreconditionError(absl::StrCat(
       "spec.model: this job needs ", DescribeMemoryFloor(floor),
       ", and the largest of the ", workers.size(), " registered workers has ", GiB(largest),
       ": raise tensor_parallel_size or add larger workers"));

@@ -72,9 +72,9 @@ int64_t RankMemoryFloorBytes(const v1::JobSpec& spec);
 RankMemoryFloor MemoryFloorFromProto(const v1::MemoryFloor& floor);
 v1::MemoryFloor MemoryFloorToProto(const RankMemoryFloor& floor);
 
-// INVALID_ARGUMENT when workers are registered and none has the memory one
-// rank of a job with `floor` needs, with the need and the largest worker's
-// memory. OK with none registered: the workers check again before they
+// FAILED_PRECONDITION when workers are registered and none has the memory
+// one rank of a job with `floor` needs, with the need and the largest
+// worker's memory: the spec is valid, the cluster cannot run it as it is. OK with none registered: the workers check again before they
 // allocate.
 absl::Status CheckMemoryFits(const v1::MemoryFloor& floor, const std::vector<v1::Worker>& workers);
 

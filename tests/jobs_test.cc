@@ -961,7 +961,7 @@ TEST_F(JobsSmallWorkersTest, ZeroAndRecomputationAdmitAModelTheWorkersWereTooSma
   o.shard.layout.set_data_parallel_size(4);
   o.batch_size = 4;
   auto refused = client_->SubmitJob(Spec(o));
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "the largest of the 4 registered workers has"))
       << refused.status();
   o.zero_stage = 2;

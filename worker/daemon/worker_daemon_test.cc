@@ -222,7 +222,7 @@ TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
   auto client = CoordinatorClient::Create(coordinator->address());
   ASSERT_TRUE(client.ok()) << client.status();
   auto refused = (*client)->SubmitJob(MidSizeTrainSpec());
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "the largest of the 1 registered workers has 0.06 GiB"))
       << refused.status();
 
