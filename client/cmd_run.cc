@@ -15,6 +15,7 @@
 #include "colod/v1/job.pb.h"
 #include "common/json.h"
 #include "nlohmann/json.hpp"
+#include "spec/job_validation.h"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/init_model.h"
 #include "worker/shardformer/run_forward.h"
@@ -91,6 +92,17 @@ int RunTrainOnGpus(const std::vector<std::string>&) {
   }
   auto spec = TrainSpecFromFlags();
   if (!spec.ok()) return Usage(absl::StrCat("train: ", spec.status().message()));
+  {
+    // What a coordinator refuses is refused here too (a NaN learning rate,
+    // a min_learning_rate above it, --save-every without --save, ...).
+    v1::JobSpec checked = *spec;
+    if (absl::Status set = SetModelFromDir(absl::GetFlag(FLAGS_model), checked); !set.ok()) {
+      return Usage(absl::StrCat("train: --model: ", set.message()));
+    }
+    if (absl::Status valid = ValidateJobSpec(checked); !valid.ok()) {
+      return Usage(absl::StrCat("train: ", valid.message()));
+    }
+  }
   auto options = train::TrainOptionsFromSpec(*spec, absl::GetFlag(FLAGS_model), /*cuda=*/true);
   if (!options.ok()) return Usage(absl::StrCat("train: ", options.status().message()));
   options->comm_timeout = *CommTimeoutFromFlags();

@@ -161,6 +161,17 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s.mutable_train()->set_batch_size(1 << 20);
   s.mutable_train()->set_grad_accum(1 << 12);  // 2^32 sequences a step
   ExpectInvalid(s, "spec.train.grad_accum");
+  // Every micro-batch's loss is read at the step's end: at most 8,192 a step.
+  s = TrainSpec();
+  s.mutable_train()->set_batch_size(16384);  // 8,192 rows a replica (dp = 2)
+  s.mutable_train()->set_micro_batches(8192);
+  ASSERT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+  s.mutable_train()->set_grad_accum(2);
+  ExpectInvalid(s, "spec.train.grad_accum: grad_accum 2 x micro_batches 8192 is 16384 micro-batches a step");
+  s.mutable_train()->set_grad_accum(1);
+  s.mutable_train()->set_batch_size(32768);
+  s.mutable_train()->set_micro_batches(16384);
+  ExpectInvalid(s, "spec.train.micro_batches");
 
   s = TrainSpec();
   s.mutable_train()->clear_data_path();

@@ -114,6 +114,13 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
     return Invalid(path, "grad_accum",
                    absl::StrCat(t.grad_accum(), " passes of batch_size ", t.batch_size(), " are too many sequences a step"));
   }
+  if (const int64_t per_step = int64_t{std::max(1, t.grad_accum())} * std::max(1, t.micro_batches());
+      per_step > kMaxMicroBatchesPerStep) {
+    return Invalid(path, t.grad_accum() > 1 ? "grad_accum" : "micro_batches",
+                   absl::StrCat("grad_accum ", std::max(1, t.grad_accum()), " x micro_batches ",
+                                std::max(1, t.micro_batches()), " is ", per_step, " micro-batches a step; at most ",
+                                kMaxMicroBatchesPerStep));
+  }
   if (!t.eval_data_path().empty() && t.eval_split() != 0) {
     return Invalid(path, "eval_split", "and eval_data_path: hold out a part of data_path or evaluate on "
                                       "eval_data_path, not both");

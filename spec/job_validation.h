@@ -35,6 +35,9 @@ absl::Status CheckDataFormat(const std::string& format);
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 // The most passes a training step accumulates (TrainConfig.grad_accum).
 inline constexpr int kMaxGradAccum = 65536;
+// The most micro-batches one training step runs: grad_accum passes of
+// micro_batches each (a step reads their losses at once, after its update).
+inline constexpr int64_t kMaxMicroBatchesPerStep = 8192;
 // The most batches one held-out evaluation reads (TrainConfig.eval_steps).
 inline constexpr int64_t kMaxEvalSteps = 1000000;
 

@@ -8,6 +8,9 @@
 
 #include <cstdlib>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -125,6 +128,26 @@ TEST_F(GpuCli, Bf16IsTheGpuDefaultAndTf32IsAnOption) {
                             "--precision", "fp64"});
   EXPECT_EQ(bad.code, 2) << bad.err;
   EXPECT_NE(bad.err.find("auto, fp32, bf16, fp16"), std::string::npos) << bad.err;
+}
+
+// A run on this machine's GPUs refuses what a coordinator refuses, before
+// it starts a rank: it trained on with a NaN learning rate, or one that rose
+// to a min_learning_rate above it.
+TEST_F(GpuCli, ATrainRunRefusesTheSpecACoordinatorRefuses) {
+  auto model = ByteLevelModel("Gpt2", "gpt2_refused");
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (const auto& [flags, field] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--lr", "nan"}, "spec.train.learning_rate"},
+           {{"--lr", "1e-3", "--min-lr", "5"}, "spec.train.min_learning_rate"},
+           {{"--batch-size", "16384", "--micro-batches", "16384"}, "spec.train.micro_batches"}}) {
+    std::vector<std::string> args = {"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
+                                     "--steps", "2", "--seq-len", "32", "--device", "cuda"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const auto r = Coloctl(args);
+    EXPECT_EQ(r.code, 2) << absl::StrJoin(flags, " ") << ": " << r.err;
+    EXPECT_NE(r.err.find(field), std::string::npos) << absl::StrJoin(flags, " ") << ": " << r.err;
+    EXPECT_EQ(r.out.find("step 1"), std::string::npos) << r.out;
+  }
 }
 
 TEST_F(GpuCli, ForwardMatchesTheUnshardedReference) {

@@ -4,6 +4,7 @@
 
 #include <exception>
 #include <filesystem>
+#include <new>
 #include <system_error>
 
 #include "absl/algorithm/container.h"
@@ -226,6 +227,10 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   absl::Status s;
   try {
     s = RunRank(*active);
+  } catch (const std::bad_alloc& e) {
+    // The host's memory (or the worker's limit on it) is what the rank
+    // needs more of: RESOURCE_EXHAUSTED, which no restart retries.
+    s = absl::ResourceExhaustedError(absl::StrCat("the rank ran out of host memory (", e.what(), ")"));
   } catch (const std::exception& e) {
     // A backstop: colod's code returns statuses, but a library may throw
     // (no thread or memory to be had); the rank fails, the worker lives on.

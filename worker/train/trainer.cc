@@ -14,6 +14,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
+#include "kernels/types.h"
 #include "spec/job_validation.h"
 #include "worker/tensor/ops.h"
 #include "worker/shardformer/run_forward.h"
@@ -104,8 +105,16 @@ class ExampleData final : public TrainData {
     const std::vector<int64_t> all = sampler_.Starts(step);
     b.step_labels = set_->Labelled(all);
     if (b.step_labels == 0 && !eval_) {
-      return absl::InvalidArgumentError(absl::StrCat("step ", step + 1, " drew ", all.size(),
-                                                     " images and every one is labelled -100"));
+      // Nothing of the step counts (images only: a target that is all -100
+      // is refused when the pairs are read). The loss, a sum over no
+      // labels, is divided by 1: the step reports 0 and its gradients are
+      // 0, and the optimizer steps as on any other (its moments, the weight
+      // decay and the schedule go on), so a resumed run stays the same.
+      if (first == 0) {
+        COLOD_LOG(WARNING) << "step " << step + 1 << " drew " << all.size()
+                           << " images and every one is labelled -100: its loss and gradients are 0";
+      }
+      b.step_labels = 1;
     }
     if (first < 0 || count < 0 || first > rows - count || (replica + 1) * rows > static_cast<int64_t>(all.size())) {
       return absl::InternalError(absl::StrCat("rows [", first, ", ", first + count, ") of replica ", replica,
@@ -275,6 +284,11 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &skipped, o.resume_writers));
     for (const std::string& s : skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
     ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
+    if (state.step > o.steps) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint to resume from, ", run->resume, ", is after step ", state.step,
+          ", past the run's last step ", o.steps, ": raise steps, or resume from an earlier checkpoint"));
+    }
     run->seed = state.seed;  // the sampler continues the stream it was on
     run->resumed_writer = state.job;
   }
@@ -506,6 +520,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     first = r.step;
   }
   if (hooks.on_start) hooks.on_start();
+  // A time-boxed run resumed at or past its stop (a restart after the
+  // stop's checkpoint) has nothing left to do.
+  if (o.stop_after > 0 && first >= o.stop_after && !o.eval_only) return absl::OkStatus();
   if (o.eval_only) {
     StepStats s;
     s.rank = rank;
@@ -574,6 +591,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     e.lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
     RETURN_IF_ERROR(optimizer.Step(e.lr, clip.scale));  // clipping as the update reads
     RETURN_IF_ERROR(sync->GatherParams());  // ZeRO: every replica gets the weights the others updated
+    static_assert((2 + kMaxMicroBatchesPerStep) * sizeof(float) <= kernels::kMaxStartedRead,
+                  "a step's losses are read at once");
     std::vector<Tensor> read = {clip.norm_and_scale};
     read.insert(read.end(), loss_sums.begin(), loss_sums.end());
     ASSIGN_OR_RETURN(const Tensor all, Tensor::Cat(read, 0));

@@ -130,6 +130,43 @@ TEST(Trainer, AnImageClassifierTrainsOnItsImagesAndLabels) {
   EXPECT_EQ(Train(lm, [](const StepStats&) {}).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Images labelled -100 are left out of the loss; a step that drew only such
+// images trains on nothing: its loss and gradient norm are 0 (the sum over
+// no labels divided by 1, not by 0), and the steps around it train.
+TEST(Trainer, AStepThatDrewOnlyUnlabelledImagesTrainsOnNothing) {
+  shardformer::testing::TinyOptions tiny;
+  auto vit = shardformer::testing::WriteTinyVit(TempPath("train_vit_unlabelled"), tiny);
+  ASSERT_TRUE(vit.ok()) << vit.status();
+  const testing::ImageSet set = testing::WriteImages("train_vit_unlabelled", tiny);
+  std::vector<int64_t> labels = set.labels.ToInt64s();
+  for (size_t i = 4; i < labels.size(); ++i) labels[i] = -100;  // 4 of the 24 labelled
+  const std::string labels_path = TempPath("unlabelled_labels.npy");
+  ASSERT_TRUE(WriteNpy(labels_path, *Tensor::FromInt64s({24}, labels)).ok());
+  TrainOptions o = ExampleOptions(vit->dir, set.images_path, labels_path);
+  o.batch_size = 1;
+  o.steps = 12;
+  const std::vector<StepStats> got = Losses(o);
+  ASSERT_EQ(got.size(), 12u);
+  auto sampler = BatchSampler::ForExamples(24, 1, 1, o.seed);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  int empty = 0, trained = 0;
+  for (int64_t s = 0; s < 12; ++s) {
+    const int64_t drawn = sampler->Starts(s)[0];
+    if (labels[drawn] == -100) {
+      ++empty;
+      EXPECT_EQ(got[s].loss, 0) << "step " << s + 1;
+      EXPECT_EQ(got[s].grad_norm, 0) << "step " << s + 1;
+    } else {
+      ++trained;
+      EXPECT_GT(got[s].loss, 0) << "step " << s + 1;
+      EXPECT_TRUE(std::isfinite(got[s].loss)) << "step " << s + 1;
+      EXPECT_GT(got[s].grad_norm, 0) << "step " << s + 1;
+    }
+  }
+  ASSERT_GT(empty, 0) << "no step drew an unlabelled image: the test proves nothing";
+  ASSERT_GT(trained, 0) << "no step drew a labelled image: the test proves nothing";
+}
+
 // A T5 (flan-t5's shape) on 24 (input, target) pairs whose targets end at
 // different lengths (-100 after): step 1's loss is the unsharded
 // reference's on the pairs the sampler drew, with the decoder input built
@@ -595,6 +632,26 @@ TEST(Trainer, AnInterruptedRunResumesWithTheSameLossesBitwise) {
     EXPECT_EQ(rest[i].loss, want[i + 5].loss) << "step " << i + 6;
     EXPECT_EQ(rest[i].lr, want[i + 5].lr);
   }
+  // Resumed at its last step (a restart after the last checkpoint): nothing
+  // to train, the final model is written. Past it: refused, not "done".
+  TrainOptions at_end = resumed;
+  at_end.save_dir.clear();
+  at_end.final_dir = TempPath("ck_at_end_final");
+  EXPECT_TRUE(Losses(at_end).empty());
+  EXPECT_TRUE(std::filesystem::exists(TempPath("ck_at_end_final") + "/config.json"));
+  TrainOptions past = at_end;
+  past.steps = 8;
+  past.final_dir = TempPath("ck_past_final");
+  const absl::Status refused = Train(past, nullptr);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("is after step 10, past the run's last step 8"), std::string::npos) << refused;
+  EXPECT_FALSE(std::filesystem::exists(TempPath("ck_past_final")));
+  // A time-boxed run resumed at its stop trains no further.
+  TrainOptions boxed = at_end;
+  boxed.steps = 12;
+  boxed.stop_after = 10;
+  boxed.final_dir.clear();
+  EXPECT_TRUE(Losses(boxed).empty());
   // A checkpoint cut short mid-write, and a crashed attempt's temporary
   // directory: the previous complete one is used.
   const std::string damaged = TempPath("ck_full") + "/step-000010/rank-00001-of-00004.safetensors";
