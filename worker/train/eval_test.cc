@@ -97,6 +97,39 @@ TEST(Eval, TheHeldOutLossIsTheUnshardedReferencesOnTheTrailingWindows) {
   }
 }
 
+// The default evaluation reads the held-out windows once, even where they
+// do not fill its last batch: batches of 8 over W windows (W not a multiple
+// of 8) give the loss and the labelled positions of batches of 1, which
+// never wrap.
+TEST(Eval, TheDefaultEvaluationCountsEachHeldOutWindowOnce) {
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("eval_once"), TinyByteLevel());
+  ASSERT_TRUE(model.ok()) << model.status();
+  TrainOptions o = testing::SmallRun(model->dir, 1, 1, 1);
+  o.seq_len = 16;
+  o.eval_split = 0.03;
+  TrainOptions ones = o;
+  ones.batch_size = 1;
+  const EvalStats exact = EvalOnly(ones);
+  const int64_t windows = exact.tokens / 16;
+  ASSERT_EQ(exact.tokens, windows * 16);
+  ASSERT_LT(windows, 100) << "batches of 1 read them all (at most 100 by default)";
+  ASSERT_NE(windows % 8, 0) << "the last batch of 8 must wrap for the test to prove anything";
+  for (const auto& [what, layout] : std::vector<std::pair<std::string, TrainOptions>>{
+           {"one replica", o}, {"tp2 x dp2, 2 micro-batches", [&] {
+              TrainOptions m = WithLayout(o, 2, 1, 2);
+              m.micro_batches = 2;
+              return m;
+            }()}}) {
+    const EvalStats e = EvalOnly(layout);
+    EXPECT_EQ(e.tokens, exact.tokens) << what;
+    EXPECT_NEAR(e.loss, exact.loss, 1e-6 * exact.loss) << what;
+  }
+  // eval_steps asks for batches: they wrap, every row counted.
+  TrainOptions asked = o;
+  asked.eval_steps = (windows + 7) / 8;
+  EXPECT_EQ(EvalOnly(asked).tokens, asked.eval_steps * 8 * 16);
+}
+
 // A run that evaluates every 2 of its 3 steps at tp2 x dp2: evaluations
 // after steps 2 and 3, the last equal to a tp=1 (and pp2 x dp2, and, where
 // the emulation's devices are, an NCCL tp2 x dp2) evaluation of the model it
@@ -144,9 +177,9 @@ TEST(Eval, EvaluatingLeavesTrainingAsItIsAndEveryLayoutAgrees) {
 }
 
 // A ViT on 24 labelled images with a quarter held out: the evaluation
-// reads images 18-23 and wraps to 18, 19 (one batch of 8, the default:
-// the held-out images once); its loss and accuracy are the reference's on
-// them, at tp2 x dp2 too (the replicas' correct counts added up), and at
+// reads images 18-23 once (one batch of 8, the default: the held-out images
+// once; the batch's last 2 rows wrap to 18 and 19, left out); its loss and
+// accuracy are the reference's on the 6, at tp2 x dp2 too (the replicas' correct counts added up), and at
 // tp2 x pp2 x dp2 (the last stage's counts, its logits gathered over tp,
 // on every stage).
 TEST(Eval, AnImageClassifierReportsItsAccuracy) {
@@ -158,30 +191,33 @@ TEST(Eval, AnImageClassifierReportsItsAccuracy) {
   const Tensor& labels = set.labels;
   TrainOptions o = testing::OnExamples(testing::SmallRun(vit->dir, 1, 1, 1), set.images_path, set.labels_path);
   o.eval_split = 0.25;
-  const std::vector<int64_t> rows = {18, 19, 20, 21, 22, 23, 18, 19};
+  // The 6 held-out images once: the batch of 8 wraps to images 18 and 19
+  // again, which are left out of the loss and the accuracy.
+  const std::vector<int64_t> rows = {18, 19, 20, 21, 22, 23};
+  const int64_t n = static_cast<int64_t>(rows.size());
   const std::vector<int64_t> all = labels.ToInt64s();
-  Tensor batch = *Tensor::Empty({8, 3, 8, 8}, DType::kF32);
+  Tensor batch = *Tensor::Empty({n, 3, 8, 8}, DType::kF32);
   std::vector<int64_t> want;
-  for (int64_t r = 0; r < 8; ++r) {
+  for (int64_t r = 0; r < n; ++r) {
     ASSERT_TRUE(batch.Narrow(0, r, 1)->CopyFrom(*images.Narrow(0, rows[r], 1)).ok());
     want.push_back(all[rows[r]]);
   }
-  auto ref = shardformer::testing::ReferenceVit(*vit, batch, *Tensor::FromInt64s({8}, want));
+  auto ref = shardformer::testing::ReferenceVit(*vit, batch, *Tensor::FromInt64s({n}, want));
   ASSERT_TRUE(ref.ok()) << ref.status();
   const std::vector<float> z = ref->logits.ToFloats();
-  const int64_t classes = static_cast<int64_t>(z.size()) / 8;
+  const int64_t classes = static_cast<int64_t>(z.size()) / n;
   int correct = 0;
-  for (int64_t r = 0; r < 8; ++r) {
+  for (int64_t r = 0; r < n; ++r) {
     correct += std::max_element(z.begin() + r * classes, z.begin() + (r + 1) * classes) - (z.begin() + r * classes) ==
                want[r];
   }
   for (const auto& [what, layout] : std::vector<std::pair<std::string, TrainOptions>>{
            {"unsharded", o}, {"tp2 x dp2", WithLayout(o, 2, 1, 2)}, {"tp2 x pp2 x dp2", WithLayout(o, 2, 2, 2)}}) {
     const EvalStats e = EvalOnly(layout);
-    EXPECT_EQ(e.tokens, 8) << what;
+    EXPECT_EQ(e.tokens, n) << what;
     EXPECT_NEAR(e.loss, ref->loss, 1e-5 * ref->loss) << what;
     ASSERT_TRUE(e.accuracy.has_value()) << what;
-    EXPECT_DOUBLE_EQ(*e.accuracy, correct / 8.0) << what;
+    EXPECT_DOUBLE_EQ(*e.accuracy, correct / static_cast<double>(n)) << what;
     EXPECT_FALSE(e.perplexity.has_value()) << what;
   }
 }

@@ -69,18 +69,48 @@ class TrainData {
   virtual int64_t windows() const = 0;
 };
 
+// An evaluation that reads its held-out rows once (TrainConfig.eval_steps
+// 0) still runs whole batches: the last one's rows past the held-out data
+// (the sequential sampler wraps to the first rows) are left out of the loss,
+// labels -100. `once`: the rows read once (global row k·B + r of batch k);
+// no limit where it is kNoLimit.
+constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();
+
+// How many of batch `step`'s `batch` rows lie within `once` rows.
+int64_t RowsWithin(int64_t once, int64_t step, int64_t batch) {
+  if (once == kNoLimit) return batch;
+  const std::optional<int64_t> before = CheckedMul(step, batch);
+  if (!before.has_value() || *before >= once) return 0;
+  return std::min(batch, once - *before);
+}
+
+// `labels`' rows from `from` on (of its first dimension) set to -100.
+absl::StatusOr<Tensor> IgnoreRowsFrom(const Tensor& labels, int64_t from) {
+  const int64_t rows = labels.shape().empty() ? 0 : labels.shape()[0];
+  if (from >= rows) return labels;
+  std::vector<int64_t> values = labels.ToInt64s();
+  const int64_t per_row = rows > 0 ? static_cast<int64_t>(values.size()) / rows : 0;
+  std::fill(values.begin() + std::max<int64_t>(from, 0) * per_row, values.end(), int64_t{-100});
+  return Tensor::FromInt64s(labels.shape(), values);
+}
+
 class CorpusData final : public TrainData {
  public:
-  CorpusData(std::shared_ptr<const TokenCorpus> corpus, BatchSampler sampler)
-      : corpus_(std::move(corpus)), sampler_(std::move(sampler)) {}
-  absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t, int64_t first, int64_t count) const override {
+  CorpusData(std::shared_ptr<const TokenCorpus> corpus, BatchSampler sampler, int64_t once)
+      : corpus_(std::move(corpus)), sampler_(std::move(sampler)), once_(once) {}
+  absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows, int64_t first,
+                                  int64_t count) const override {
     StepBatch b;
     b.step_labels = Labelled(step);
     RETURN_IF_ERROR(sampler_.Batch(*corpus_, step, replica, &b.inputs, &b.labels, first, count));
+    if (once_ != kNoLimit) {
+      const int64_t within = RowsWithin(once_, step, sampler_.global_batch());
+      ASSIGN_OR_RETURN(b.labels, IgnoreRowsFrom(b.labels, within - replica * rows - first));
+    }
     return b;
   }
-  int64_t Labelled(int64_t) const override {  // every token has its next
-    return sampler_.global_batch() * sampler_.seq_len();
+  int64_t Labelled(int64_t step) const override {  // every token has its next
+    return RowsWithin(once_, step, sampler_.global_batch()) * sampler_.seq_len();
   }
   int64_t TokensPerRow() const override { return sampler_.seq_len(); }
   int64_t windows() const override { return sampler_.windows(); }
@@ -88,6 +118,7 @@ class CorpusData final : public TrainData {
  private:
   std::shared_ptr<const TokenCorpus> corpus_;
   BatchSampler sampler_;
+  int64_t once_;
 };
 
 // Images with labels, or (input, target) pairs: whole examples, some of
@@ -97,13 +128,16 @@ class ExampleData final : public TrainData {
  public:
   // `eval`: a batch whose every label is -100 is no error (the evaluation's
   // other batches may have some).
-  ExampleData(std::shared_ptr<const Dataset> set, BatchSampler sampler, bool eval)
-      : set_(std::move(set)), sampler_(std::move(sampler)), eval_(eval) {}
+  ExampleData(std::shared_ptr<const Dataset> set, BatchSampler sampler, bool eval, int64_t once)
+      : set_(std::move(set)), sampler_(std::move(sampler)), eval_(eval), once_(once) {}
   absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows, int64_t first,
                                   int64_t count) const override {
     StepBatch b;
     const std::vector<int64_t> all = sampler_.Starts(step);
-    b.step_labels = set_->Labelled(all);
+    const int64_t within = RowsWithin(once_, step, static_cast<int64_t>(all.size()));
+    b.step_labels = set_->Labelled(within == static_cast<int64_t>(all.size())
+                                       ? all
+                                       : std::vector<int64_t>(all.begin(), all.begin() + within));
     if (b.step_labels == 0 && !eval_) {
       // Nothing of the step counts (images only: a target that is all -100
       // is refused when the pairs are read). The loss, a sum over no
@@ -126,9 +160,16 @@ class ExampleData final : public TrainData {
     } else {
       RETURN_IF_ERROR(set_->Batch(mine, &b.inputs, &b.labels));
     }
+    if (once_ != kNoLimit) {
+      ASSIGN_OR_RETURN(b.labels, IgnoreRowsFrom(b.labels, within - replica * rows - first));
+    }
     return b;
   }
-  int64_t Labelled(int64_t step) const override { return set_->Labelled(sampler_.Starts(step)); }
+  int64_t Labelled(int64_t step) const override {
+    std::vector<int64_t> all = sampler_.Starts(step);
+    all.resize(static_cast<size_t>(RowsWithin(once_, step, static_cast<int64_t>(all.size()))));
+    return set_->Labelled(all);
+  }
   int64_t TokensPerRow() const override {
     if constexpr (std::is_same_v<Dataset, Seq2SeqDataset>) {
       return set_->input_len() + set_->target_len();
@@ -144,6 +185,7 @@ class ExampleData final : public TrainData {
   std::shared_ptr<const Dataset> set_;
   BatchSampler sampler_;
   bool eval_;
+  int64_t once_;
 };
 
 // A dataset opened, before its samplers: a token corpus, images or pairs.
@@ -171,16 +213,21 @@ absl::StatusOr<Source> OpenSource(const ModelConfig& config, const std::string& 
   return s;
 }
 
-// A sampler of `s` over `range` as a TrainData (`eval`: an evaluation's).
+// A sampler of `s` over `range` as a TrainData (`eval`: an evaluation's;
+// `once`: one that reads the held-out rows once, the rows past them in its
+// last batch left out).
 absl::StatusOr<std::unique_ptr<TrainData>> SampleSource(const Source& s, int64_t seq_len, int64_t batch, int dp,
-                                                        uint64_t seed, SampleRange range, bool eval) {
+                                                        uint64_t seed, SampleRange range, bool eval,
+                                                        bool once = false) {
   if (s.corpus) {
     ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(s.corpus->size(), seq_len, batch, dp, seed, range));
-    return std::make_unique<CorpusData>(s.corpus, std::move(sampler));
+    const int64_t limit = once ? sampler.windows() : kNoLimit;
+    return std::make_unique<CorpusData>(s.corpus, std::move(sampler), limit);
   }
   ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(s.size(), batch, dp, seed, range));
-  if (s.images) return std::make_unique<ExampleData<ImageDataset>>(s.images, std::move(sampler), eval);
-  return std::make_unique<ExampleData<Seq2SeqDataset>>(s.pairs, std::move(sampler), eval);
+  const int64_t limit = once ? sampler.windows() : kNoLimit;
+  if (s.images) return std::make_unique<ExampleData<ImageDataset>>(s.images, std::move(sampler), eval, limit);
+  return std::make_unique<ExampleData<Seq2SeqDataset>>(s.pairs, std::move(sampler), eval, limit);
 }
 
 // What a run evaluates on, and how much.
@@ -347,7 +394,8 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   if (!evaluates) return std::shared_ptr<const PreparedTrain>(std::move(run));
   EvalPlan eval;
   absl::StatusOr<std::unique_ptr<TrainData>> sampled =
-      SampleSource(held, o.seq_len, o.batch_size, dp, /*seed=*/0, eval_range, /*eval=*/true);
+      SampleSource(held, o.seq_len, o.batch_size, dp, /*seed=*/0, eval_range, /*eval=*/true,
+                   /*once=*/o.eval_steps == 0);
   if (!sampled.ok()) {
     return absl::Status(sampled.status().code(), absl::StrCat("the held-out data: ", sampled.status().message()));
   }
