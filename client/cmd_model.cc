@@ -340,7 +340,8 @@ constexpr Command kCommands[] = {
      "              trains on (input, target) pairs: --data INPUTS.npy (token ids [N, input_len])\n"
      "              and --labels TARGETS.npy (token ids [N, target_len], -100 after a target's\n"
      "              end); the decoder reads the targets shifted right after the config's\n"
-     "              decoder_start_token_id, and --seq-len is unused.\n",
+     "              decoder_start_token_id; --seq-len must be at least input_len and\n"
+     "              target_len (memory admission and plan count both at it).\n",
      RunTrain},
     {"plan", "",
      "  plan        Dry-run a training job's layout without running it: per rank, the bytes\n"

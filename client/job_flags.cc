@@ -79,7 +79,7 @@ ABSL_FLAG(int64_t, grad_accum, 1,
           "train: gradient accumulation: this many passes of --batch-size sequences before each optimizer step, "
           "as one step on batch-size x grad-accum sequences (dp gradients reduced once a step).");
 ABSL_FLAG(double, lr, 1e-3, "train: peak learning rate.");
-ABSL_FLAG(double, min_lr, -1, "train: the cosine schedule's floor (default lr / 10).");
+ABSL_FLAG(double, min_lr, -1, "train: the cosine schedule's floor, >= 0 (-1, the default: lr / 10).");
 ABSL_FLAG(int64_t, warmup_steps, 0, "train: linear warm-up steps.");
 ABSL_FLAG(std::string, optimizer, "adamw", "train: adamw or sgd.");
 ABSL_FLAG(double, weight_decay, 0.0, "train: AdamW's decoupled weight decay (SGD: L2 on the gradient).");
@@ -254,7 +254,11 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
   t.set_grad_accum(static_cast<int32_t>(grad_accum));
   const double lr = absl::GetFlag(FLAGS_lr);
   t.set_learning_rate(lr);
-  t.set_min_learning_rate(absl::GetFlag(FLAGS_min_lr) < 0 ? lr / 10 : absl::GetFlag(FLAGS_min_lr));
+  const double min_lr = absl::GetFlag(FLAGS_min_lr);
+  if (min_lr != -1 && !(min_lr >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("--min-lr: ", min_lr, " is not >= 0 (or -1: lr / 10)"));
+  }
+  t.set_min_learning_rate(min_lr == -1 ? lr / 10 : min_lr);
   t.set_warmup_steps(absl::GetFlag(FLAGS_warmup_steps));
   t.set_grad_clip_norm(absl::GetFlag(FLAGS_clip_norm));
   t.set_seed(absl::GetFlag(FLAGS_seed));

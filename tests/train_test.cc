@@ -176,6 +176,10 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   EXPECT_NE(t.out.find("step 2/2  loss "), std::string::npos) << t.out;
   EXPECT_EQ(Coloctl({"train", "--model", model->dir}).code, 2);
   EXPECT_EQ(Coloctl({"train", "--model", model->dir, "--data", "x", "--optimizer", "lion"}).code, 2);
+  // --min-lr: -1 is the default's lr / 10; any other negative is refused, not taken for it.
+  const auto floor = Coloctl({"train", "--model", model->dir, "--data", "x", "--min-lr", "-0.5"});
+  EXPECT_EQ(floor.code, 2) << floor.err;
+  EXPECT_NE(floor.err.find("--min-lr: -0.5 is not >= 0 (or -1: lr / 10)"), std::string::npos) << floor.err;
   const auto bad = Coloctl({"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
                             "--dp", "3", "--batch-size", "4", "--seq-len", "32"});
   EXPECT_EQ(bad.code, 1);

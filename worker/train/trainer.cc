@@ -368,6 +368,18 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     }
   }
   ASSIGN_OR_RETURN(const Source train, OpenSource(config, o.data_path, o.labels_path, format, tokenizer.get()));
+  // An encoder-decoder's pairs bring their own lengths; seq_len bounds them,
+  // since the memory admission and the planner count both at seq_len.
+  auto within_seq_len = [&](const Source& s, const std::string& what) -> absl::Status {
+    if (!s.pairs || (s.pairs->input_len() <= o.seq_len && s.pairs->target_len() <= o.seq_len)) {
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": the inputs are ", s.pairs->input_len(), " tokens and the targets ", s.pairs->target_len(),
+        ", over seq_len ", o.seq_len, ", which the memory admission and the plan count them at: set seq_len to ",
+        std::max(s.pairs->input_len(), s.pairs->target_len()), " or more"));
+  };
+  RETURN_IF_ERROR(within_seq_len(train, "data_path"));
   SampleRange train_range;
   Source held = train;  // what the evaluation reads
   SampleRange eval_range{.sequential = true};
@@ -388,6 +400,7 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
       return absl::Status(opened.status().code(), absl::StrCat("eval_data_path: ", opened.status().message()));
     }
     held = *std::move(opened);
+    RETURN_IF_ERROR(within_seq_len(held, "eval_data_path"));
   }
   ASSIGN_OR_RETURN(run->data, SampleSource(train, o.seq_len, run->step_batch, dp, run->seed, train_range,
                                            /*eval=*/false));

@@ -209,6 +209,15 @@ TEST(Trainer, AnEncoderDecoderTrainsOnInputTargetPairs) {
   TrainOptions accumulated = o;
   accumulated.micro_batches = 4;
   ExpectSameLosses(Losses(accumulated), base, 1e-4, "4 micro-batches");
+  // seq_len bounds the pairs' lengths, which admission counts at seq_len.
+  TrainOptions short_seq = o;
+  short_seq.seq_len = se - 1;
+  const absl::Status too_long = Train(short_seq, nullptr);
+  EXPECT_EQ(too_long.code(), absl::StatusCode::kInvalidArgument) << too_long;
+  EXPECT_NE(too_long.message().find(absl::StrCat("the inputs are ", se, " tokens and the targets ", sd, ", over seq_len ",
+                                                 se - 1)),
+            std::string::npos)
+      << too_long;
   TrainOptions sharded = o;
   sharded.shard.layout.set_tensor_parallel_size(2);
   sharded.shard.layout.set_data_parallel_size(2);
