@@ -528,20 +528,26 @@ int64_t BatchSampler::windows() const {
   return seq_len_ == 0 ? corpus_tokens_ : (corpus_tokens_ - 1) / seq_len_;
 }
 
-std::vector<int64_t> BatchSampler::Starts(int64_t step) const {
-  std::vector<int64_t> starts(global_batch_);
+std::vector<int64_t> BatchSampler::Starts(int64_t step) const { return Starts(step, 0, global_batch_); }
+
+std::vector<int64_t> BatchSampler::Starts(int64_t step, int64_t first, int64_t count) const {
+  first = std::clamp<int64_t>(first, 0, global_batch_);
+  count = std::clamp<int64_t>(count, 0, global_batch_ - first);
+  std::vector<int64_t> starts(static_cast<size_t>(count));
   if (sequential_) {
     const int64_t stride = std::max<int64_t>(seq_len_, 1);
     const uint64_t period = static_cast<uint64_t>(windows());
-    for (int64_t r = 0; r < global_batch_; ++r) {
+    for (int64_t i = 0; i < count; ++i) {
+      const uint64_t r = static_cast<uint64_t>(first + i);
       const uint64_t w = (static_cast<uint64_t>(step) * static_cast<uint64_t>(global_batch_) + r) % period;
-      starts[r] = begin_ + static_cast<int64_t>(w) * stride;
+      starts[i] = begin_ + static_cast<int64_t>(w) * stride;
     }
     return starts;
   }
   const uint64_t windows = static_cast<uint64_t>(corpus_tokens_ - seq_len_);  // last start: n - (seq_len + 1)
-  for (int64_t r = 0; r < global_batch_; ++r) {
-    starts[r] = begin_ + static_cast<int64_t>(Mix(Mix(seed_ ^ Mix(static_cast<uint64_t>(step))) + r) % windows);
+  const uint64_t mixed = Mix(seed_ ^ Mix(static_cast<uint64_t>(step)));
+  for (int64_t i = 0; i < count; ++i) {
+    starts[i] = begin_ + static_cast<int64_t>(Mix(mixed + static_cast<uint64_t>(first + i)) % windows);
   }
   return starts;
 }
@@ -550,15 +556,19 @@ absl::Status BatchSampler::Batch(const TokenCorpus& corpus, int64_t step, int re
                                  Tensor* labels, int64_t first, int64_t count) const {
   const int64_t replica_rows = global_batch_ / dp_;
   if (count < 0) count = replica_rows - first;
+  if (replica < 0 || replica >= dp_) {
+    return absl::InvalidArgumentError(absl::StrCat("replica ", replica, " of ", dp_));
+  }
   if (first < 0 || count < 0 || first > replica_rows - count) {
     return absl::InvalidArgumentError(absl::StrCat("rows [", first, ", ", first + count, ") of a replica's ",
                                                    replica_rows));
   }
   const int64_t rows = count;
-  const std::vector<int64_t> starts = Starts(step);
+  // Only this pass's rows of the step (a step may hold 2^31 of them).
+  const std::vector<int64_t> starts = Starts(step, replica * replica_rows + first, rows);
   std::vector<int64_t> in(rows * seq_len_), out(rows * seq_len_);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t s = starts[replica * replica_rows + first + r];
+    const int64_t s = starts[r];
     for (int64_t j = 0; j < seq_len_; ++j) {
       in[r * seq_len_ + j] = corpus.token(s + j);
       out[r * seq_len_ + j] = corpus.token(s + j + 1);

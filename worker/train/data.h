@@ -160,6 +160,9 @@ class BatchSampler {
                                                   SampleRange range = {});
   // The corpus offsets of the global batch of `step` (0-based).
   std::vector<int64_t> Starts(int64_t step) const;
+  // Rows [first, first + count) of Starts(step) (clamped to the batch),
+  // computed alone: each row's start depends on (seed, step, row) only.
+  std::vector<int64_t> Starts(int64_t step, int64_t first, int64_t count) const;
   // The distinct windows (examples) of the range: a sequential sampler's
   // period.
   int64_t windows() const;

@@ -330,6 +330,27 @@ TEST(BatchSampler, SeededDisjointReplicasAndNextTokenLabels) {
     EXPECT_EQ(s->Batch(**corpus, 3, 1, &part, &part_out, first, count).code(), absl::StatusCode::kInvalidArgument)
         << first << " + " << count;
   }
+  EXPECT_EQ(s->Batch(**corpus, 3, 2, &part, &part_out).code(), absl::StatusCode::kInvalidArgument);  // no replica 2
+  EXPECT_EQ(s->Batch(**corpus, 3, -1, &part, &part_out).code(), absl::StatusCode::kInvalidArgument);
+  // A pass's rows alone (a pass reads only them): the same as the whole
+  // step's, seeded and sequential, and clamped to the batch.
+  auto seq = BatchSampler::Create(1000, 16, 8, 2, 0, SampleRange{.begin = 500, .sequential = true});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  for (const BatchSampler* sampler : {&*s, &*seq}) {
+    for (int64_t step : {0, 3, 1000}) {
+      const std::vector<int64_t> whole = sampler->Starts(step);
+      for (int64_t first = 0; first <= 8; ++first) {
+        for (int64_t count = 0; first + count <= 8; ++count) {
+          EXPECT_EQ(sampler->Starts(step, first, count),
+                    std::vector<int64_t>(whole.begin() + first, whole.begin() + first + count))
+              << "step " << step << " rows " << first << " + " << count;
+        }
+      }
+      EXPECT_EQ(sampler->Starts(step, 6, 5), std::vector<int64_t>(whole.begin() + 6, whole.end()));
+      EXPECT_TRUE(sampler->Starts(step, 9, 2).empty());
+      EXPECT_TRUE(sampler->Starts(step, 2, -1).empty());
+    }
+  }
   EXPECT_EQ(BatchSampler::Create(1000, 16, 7, 2, 1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(BatchSampler::Create(10, 16, 8, 1, 1).status().code(), absl::StatusCode::kInvalidArgument);
 }
