@@ -16,6 +16,7 @@
 #include <optional>
 #include <sstream>
 #include <set>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
@@ -24,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "common/atomic_file.h"
 #include "common/json.h"
 #include "common/limits.h"
@@ -84,12 +86,46 @@ Json LayoutJson(const v1::ShardConfig& l) {
 }
 
 // An integer field of `j` (read from `where`); INVALID_ARGUMENT for a
-// missing one or another type (a damaged file, never an exception).
+// missing one, another type or one past int64 (a damaged file, never an
+// exception or a value wrapped negative).
 absl::StatusOr<int64_t> IntField(const Json& j, const char* name, const std::string& where) {
-  if (!j.contains(name) || !j[name].is_number_integer()) {
+  if (!j.contains(name) || !j[name].is_number_integer() ||
+      (j[name].is_number_unsigned() && j[name].get<uint64_t>() > uint64_t{std::numeric_limits<int64_t>::max()})) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", name, " is not an integer"));
   }
   return j[name].get<int64_t>();
+}
+
+// IntField, >= 0.
+absl::StatusOr<int64_t> CountField(const Json& j, const char* name, const std::string& where) {
+  ASSIGN_OR_RETURN(const int64_t v, IntField(j, name, where));
+  if (v < 0) return absl::InvalidArgumentError(absl::StrCat(where, ": ", name, " ", v, " is negative"));
+  return v;
+}
+
+// The step a DIR entry named step-N (StepDir's name: "step-", then digits,
+// nothing else) is the checkpoint of; nullopt for any other name (a copy
+// named step-000040-best, a temporary directory, a user's file).
+std::optional<int64_t> StepOfName(absl::string_view name) {
+  if (!absl::ConsumePrefix(&name, "step-") || name.empty() || name.size() > 18) return std::nullopt;
+  int64_t step = 0;
+  for (const char c : name) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return std::nullopt;
+    step = step * 10 + (c - '0');
+  }
+  return step;
+}
+
+// The checkpoint's step: its state file's, which must be its name's (a
+// copy renamed to another step is no checkpoint of that step).
+absl::StatusOr<int64_t> CheckedStep(const std::string& step_dir, const Json& state) {
+  const std::string where = absl::StrCat(step_dir, "/", kState);
+  ASSIGN_OR_RETURN(const int64_t step, CountField(state, "step", where));
+  const std::optional<int64_t> named = StepOfName(fs::path(step_dir).filename().string());
+  if (named.has_value() && *named != step) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": step ", step, " is not the directory's ", *named));
+  }
+  return step;
 }
 
 absl::StatusOr<Json> ReadJson(const std::string& path) {
@@ -109,10 +145,23 @@ std::string WriterJob(const Json& state) {
 absl::Status ValidateFiles(const std::string& step_dir, const Json& state) {
   RETURN_IF_ERROR(shardformer::ReadCheckpointIndex(step_dir).status());
   const std::string where = absl::StrCat(step_dir, "/", kState);
-  RETURN_IF_ERROR(IntField(state, "step", where).status());
+  RETURN_IF_ERROR(CheckedStep(step_dir, state).status());
   ASSIGN_OR_RETURN(const int64_t world, IntField(state, "world_size", where));
   if (world < 1 || world > kMaxWorldSize) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": world_size ", world));
+  }
+  // Every field a resume reads, so that a damaged one is skipped for an
+  // older checkpoint rather than failing the job when it is restored.
+  RETURN_IF_ERROR(CountField(state, "optimizer_steps", where).status());
+  if (!state.contains("seed") || !state["seed"].is_number_unsigned()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": seed is not an unsigned integer"));
+  }
+  if (!state.contains("layout") || !state["layout"].is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": layout is not an object"));
+  }
+  ASSIGN_OR_RETURN(const int64_t saved_dp, IntField(state["layout"], "data_parallel_size", where + ": layout"));
+  if (saved_dp < 1 || saved_dp > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": layout.data_parallel_size ", saved_dp));
   }
   for (int r = 0; r < world; ++r) {
     for (const std::string& name :
@@ -144,6 +193,7 @@ std::optional<CheckpointWriter> TmpWriter(const std::string& name) {
     return std::nullopt;
   }
   const std::string stem = name.substr(0, name.size() - 4);
+  if (!StepOfName(stem.substr(0, stem.find('.'))).has_value()) return std::nullopt;  // not step-N...: a user's
   const size_t gen = stem.rfind(".gen-");
   if (gen == std::string::npos) return CheckpointWriter{.generation = -1};
   CheckpointWriter w;
@@ -393,6 +443,9 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
     // checks, which read every file, and the install itself.
     if (const std::function<void(ProcessGroup&)> hook = BeforeInstallSeam().Get()) hook(*pg);
     RETURN_IF_ERROR(InstallCheckpoint(dir, tmp, final_dir, writer, *pg));
+    // The checkpoint's name on disk before it is reported or an older one
+    // is pruned: a power loss must not keep the removals and lose it.
+    RETURN_IF_ERROR(SyncDirectory(dir));
   }
   RETURN_IF_ERROR(pg->Barrier());
   // What a stale rank of an earlier generation made again meanwhile.
@@ -405,10 +458,9 @@ absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& d
   ASSIGN_OR_RETURN(const std::vector<std::string> names, ListDirectory(dir));
   for (const std::string& name : names) {
     const std::string path = dir + "/" + name;
-    if (!absl::StartsWith(name, "step-") || absl::EndsWith(name, ".tmp") || !IsDirectory(path)) continue;
+    if (!StepOfName(name).has_value() || !IsDirectory(path)) continue;
     absl::StatusOr<Json> state = ReadJson(path + "/" + kState);
-    absl::StatusOr<int64_t> step =
-        state.ok() ? IntField(*state, "step", path + "/" + kState) : absl::StatusOr<int64_t>(state.status());
+    absl::StatusOr<int64_t> step = state.ok() ? CheckedStep(path, *state) : absl::StatusOr<int64_t>(state.status());
     if (!step.ok()) {
       if (skipped != nullptr) skipped->push_back(absl::StrCat(name, ": ", step.status().message()));
       continue;
@@ -490,16 +542,17 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
 
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped,
                                              const std::optional<std::vector<std::string>>& writers) {
-  std::vector<std::string> steps;
+  std::vector<std::pair<int64_t, std::string>> numbered;
   ASSIGN_OR_RETURN(const std::vector<std::string> names, ListDirectory(dir));
   for (const std::string& name : names) {
-    if (absl::StartsWith(name, "step-") && !absl::EndsWith(name, ".tmp") && IsDirectory(dir + "/" + name)) {
-      steps.push_back(name);
-    }
+    const std::optional<int64_t> step = StepOfName(name);
+    if (step.has_value() && IsDirectory(dir + "/" + name)) numbered.emplace_back(*step, name);
   }
-  std::sort(steps.rbegin(), steps.rend());  // zero-padded: newest first
+  // Newest first, by number: step-1000000 is newer than step-999999, which
+  // sorts after it as text.
+  std::sort(numbered.rbegin(), numbered.rend());
   int64_t others = 0;  // another writer's, complete or not
-  for (const std::string& s : steps) {
+  for (const auto& [number, s] : numbered) {
     const std::string step_dir = dir + "/" + s;
     const absl::StatusOr<Json> state = ReadJson(step_dir + "/" + kState);
     if (state.ok() && writers.has_value() &&
@@ -525,7 +578,7 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(Json state, ReadJson(checkpoint + "/" + kState));
   const std::string where = absl::StrCat(checkpoint, "/", kState);
   Resumed r;
-  ASSIGN_OR_RETURN(r.step, IntField(state, "step", where));
+  ASSIGN_OR_RETURN(r.step, CheckedStep(checkpoint, state));
   if (!state.contains("seed") || !state["seed"].is_number_unsigned()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": seed is not an unsigned integer"));
   }
@@ -677,7 +730,7 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
                                                      reached, " (of [", begin, ", ", end, "))"));
     }
   }
-  ASSIGN_OR_RETURN(const int64_t optimizer_steps, IntField(state, "optimizer_steps", where));
+  ASSIGN_OR_RETURN(const int64_t optimizer_steps, CountField(state, "optimizer_steps", where));
   optimizer.set_steps(optimizer_steps);
   return ReadTrainState(checkpoint);
 }

@@ -12,12 +12,16 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/testing/full_disk.h"
 #include "tests/testing/no_rename_exchange.h"
 #include "tests/testing/temp_dir.h"
@@ -448,6 +452,73 @@ TEST(Checkpoints, ARankAbortedBeforeItsCheckpointGoesInReplacesNoOtherJobs) {
 // id (a uid apart), or an earlier run's. The filter passes over the other
 // writers' checkpoints, complete or not, and still skips its own damaged
 // ones; a user's resume of the directory takes the newest of any writer.
+// Only step-N directories whose state says step N are checkpoints: a copy
+// a user keeps (step-000002-keep, step-000002.best) is never counted,
+// pruned or resumed from, nor is one renamed to another step. Resuming
+// picks the newest by number (step-1000000 after step-999999, which sorts
+// after it as text) and skips a state whose step is negative or past
+// int64, or whose seed, optimizer_steps or layout a restore could not read.
+TEST(Checkpoints, OnlyAStepDirectoryOfItsOwnStepIsACheckpoint) {
+  auto run = GenerationRun("ck_names", 2);
+  ASSERT_TRUE(run.ok()) << run.status();
+  TrainOptions o = *run;
+  o.job.clear();
+  o.generation = 0;
+  ASSERT_EQ(testing::Losses(o).size(), 2u);
+  const std::string dir = o.save_dir;
+  const auto plant = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    fs::copy(StepDir(dir, 2), dir + "/" + name, fs::copy_options::recursive);
+    std::ifstream in(dir + "/" + name + "/train_state.json");
+    nlohmann::json state = nlohmann::json::parse(in);
+    edit(state);
+    std::ofstream(dir + "/" + name + "/train_state.json", std::ios::trunc) << state.dump();
+  };
+  plant("step-000002-keep", [](nlohmann::json&) {});
+  plant("step-000002.best", [](nlohmann::json&) {});
+  plant("step-000003", [](nlohmann::json&) {});  // says step 2
+  auto kept = PruneCheckpoints(dir, Retention{.keep_last = 1});
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  ASSERT_EQ(kept->size(), 1u);
+  EXPECT_EQ(kept->at(0).path, StepDir(dir, 2));
+  EXPECT_EQ(Entries(dir), (std::set<std::string>{"step-000002", "step-000002-keep", "step-000002.best",
+                                                 "step-000003"}));
+  std::vector<std::string> skipped;
+  auto latest = LatestCheckpoint(dir, &skipped);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, StepDir(dir, 2));
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_NE(skipped[0].find("step 2 is not the directory's 3"), std::string::npos) << skipped[0];
+
+  plant("step-999999", [](nlohmann::json& s) { s["step"] = 999999; });
+  plant("step-1000000", [](nlohmann::json& s) { s["step"] = 1000000; });
+  plant("step-1000001", [](nlohmann::json& s) { s["step"] = -3; });
+  plant("step-1000002", [](nlohmann::json& s) { s["step"] = std::numeric_limits<uint64_t>::max(); });
+  plant("step-1000003", [](nlohmann::json& s) {
+    s["step"] = 1000003;
+    s["seed"] = "1";
+  });
+  plant("step-1000004", [](nlohmann::json& s) {
+    s["step"] = 1000004;
+    s["optimizer_steps"] = -1;
+  });
+  plant("step-1000005", [](nlohmann::json& s) {
+    s["step"] = 1000005;
+    s.erase("layout");
+  });
+  skipped.clear();
+  latest = LatestCheckpoint(dir, &skipped);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, dir + "/step-1000000");
+  ASSERT_EQ(skipped.size(), 5u) << absl::StrJoin(skipped, "\n");
+  for (const std::string& why : {"step -3 is negative", "step is not an integer", "seed is not an unsigned integer",
+                                 "optimizer_steps -1 is negative", "layout is not an object"}) {
+    EXPECT_NE(absl::StrJoin(skipped, "\n").find(why), std::string::npos) << why << " in " << absl::StrJoin(skipped, "\n");
+  }
+  auto resumed = ReadTrainState(*latest);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ(resumed->step, 1000000);
+}
+
 TEST(Checkpoints, ARestartResumesFromItsOwnJobsNewestCheckpoint) {
   auto run = GenerationRun("ck_own", 3);
   ASSERT_TRUE(run.ok()) << run.status();
@@ -462,11 +533,17 @@ TEST(Checkpoints, ARestartResumesFromItsOwnJobsNewestCheckpoint) {
   const auto plant = [&](int64_t step, const std::string& writer) {
     const std::string to = StepDir(o.save_dir, step);
     fs::copy(StepDir(o.save_dir, 5), to, fs::copy_options::recursive);
-    std::ofstream(to + "/train_state.json", std::ios::trunc)
-        << "{\"step\": " << step << ", \"world_size\": 2, \"seed\": 5" << writer << "}";
+    std::ifstream in(to + "/train_state.json");
+    nlohmann::json state = nlohmann::json::parse(in);  // step 5's, as its writer wrote it
+    in.close();
+    state["step"] = step;
+    state.erase("job");
+    state.erase("generation");
+    state.update(nlohmann::json::parse(writer));
+    std::ofstream(to + "/train_state.json", std::ios::trunc) << state.dump();
   };
-  plant(9, R"(, "job": "job-000007_00000000000000bb", "generation": 4)");
-  plant(8, "");
+  plant(9, R"({"job": "job-000007_00000000000000bb", "generation": 4})");
+  plant(8, "{}");
   fs::resize_file(StepDir(o.save_dir, 8) + "/rank-00001-of-00002.safetensors", 10);
   // Its own step 5 cut short: it falls back to its step 4.
   const std::string own5 = StepDir(o.save_dir, 5) + "/rank-00000-of-00002.safetensors";

@@ -803,7 +803,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       continue;
     }
     RETURN_IF_ERROR(finish(*e));
-    if (done == o.stop_after) return absl::OkStatus();
+    if (o.stop_after > 0 && done == o.stop_after) return absl::OkStatus();
   }
   if (o.final_dir.empty()) return absl::OkStatus();
   const std::string sharded = o.final_dir + "/.sharded";
