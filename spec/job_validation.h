@@ -77,8 +77,8 @@ v1::MemoryFloor MemoryFloorToProto(const RankMemoryFloor& floor);
 
 // FAILED_PRECONDITION when workers are registered and none has the memory
 // one rank of a job with `floor` needs, with the need and the largest
-// worker's memory: the spec is valid, the cluster cannot run it as it is. OK with none registered: the workers check again before they
-// allocate.
+// worker's memory: the spec is valid, the cluster cannot run it as it is.
+// OK with none registered: the workers check again before they allocate.
 absl::Status CheckMemoryFits(const v1::MemoryFloor& floor, const std::vector<v1::Worker>& workers);
 
 // Checks the tp/dp/mode/depth combination of a ShardConfig (also used by the

@@ -128,6 +128,26 @@ absl::StatusOr<int64_t> CheckedStep(const std::string& step_dir, const Json& sta
   return step;
 }
 
+// The seed a checkpoint's sampler was on.
+absl::StatusOr<uint64_t> SeedField(const Json& state, const std::string& where) {
+  if (!state.contains("seed") || !state["seed"].is_number_unsigned()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": seed is not an unsigned integer"));
+  }
+  return state["seed"].get<uint64_t>();
+}
+
+// The data_parallel_size of the layout a checkpoint was written at.
+absl::StatusOr<int32_t> SavedDataParallelSize(const Json& state, const std::string& where) {
+  if (!state.contains("layout") || !state["layout"].is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": layout is not an object"));
+  }
+  const absl::StatusOr<int64_t> dp = IntField(state["layout"], "data_parallel_size", where + ": layout");
+  if (!dp.ok() || *dp < 1 || *dp > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": layout.data_parallel_size is not a valid size"));
+  }
+  return static_cast<int32_t>(*dp);
+}
+
 absl::StatusOr<Json> ReadJson(const std::string& path) {
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   Json j = ParseJson(text);
@@ -153,16 +173,8 @@ absl::Status ValidateFiles(const std::string& step_dir, const Json& state) {
   // Every field a resume reads, so that a damaged one is skipped for an
   // older checkpoint rather than failing the job when it is restored.
   RETURN_IF_ERROR(CountField(state, "optimizer_steps", where).status());
-  if (!state.contains("seed") || !state["seed"].is_number_unsigned()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": seed is not an unsigned integer"));
-  }
-  if (!state.contains("layout") || !state["layout"].is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": layout is not an object"));
-  }
-  ASSIGN_OR_RETURN(const int64_t saved_dp, IntField(state["layout"], "data_parallel_size", where + ": layout"));
-  if (saved_dp < 1 || saved_dp > kMaxWorldSize) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": layout.data_parallel_size ", saved_dp));
-  }
+  RETURN_IF_ERROR(SeedField(state, where).status());
+  RETURN_IF_ERROR(SavedDataParallelSize(state, where).status());
   for (int r = 0; r < world; ++r) {
     for (const std::string& name :
          {absl::StrFormat("rank-%05d-of-%05d.safetensors", r, world), OptimFile(r, world)}) {
@@ -579,10 +591,7 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
   const std::string where = absl::StrCat(checkpoint, "/", kState);
   Resumed r;
   ASSIGN_OR_RETURN(r.step, CheckedStep(checkpoint, state));
-  if (!state.contains("seed") || !state["seed"].is_number_unsigned()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": seed is not an unsigned integer"));
-  }
-  r.seed = state["seed"].get<uint64_t>();
+  ASSIGN_OR_RETURN(r.seed, SeedField(state, where));
   r.job = WriterJob(state);
   return r;
 }
@@ -638,14 +647,11 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
   // Any data_parallel_size resumes (ZeRO's partitions are resharded below);
   // the rest of the layout must be the one written.
   const v1::ShardConfig& layout = model.shard_config().layout;
-  Json saved = state.contains("layout") && state["layout"].is_object() ? state["layout"] : Json::object();
+  ASSIGN_OR_RETURN(const int32_t saved_dp, SavedDataParallelSize(state, where));
+  Json saved = state["layout"];
   Json now = LayoutJson(layout);
-  if (!saved.contains("data_parallel_size") || !saved["data_parallel_size"].is_number_integer() ||
-      saved["data_parallel_size"].get<int64_t>() < 1 || saved["data_parallel_size"].get<int64_t>() > kMaxWorldSize) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": layout.data_parallel_size is not a valid size"));
-  }
   v1::ShardConfig saved_layout = layout;
-  saved_layout.set_data_parallel_size(saved["data_parallel_size"].get<int32_t>());
+  saved_layout.set_data_parallel_size(saved_dp);
   saved.erase("data_parallel_size");
   now.erase("data_parallel_size");
   if (saved != now) {

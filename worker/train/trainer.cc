@@ -135,9 +135,7 @@ class ExampleData final : public TrainData {
     StepBatch b;
     const std::vector<int64_t> all = sampler_.Starts(step);
     const int64_t within = RowsWithin(once_, step, static_cast<int64_t>(all.size()));
-    b.step_labels = set_->Labelled(within == static_cast<int64_t>(all.size())
-                                       ? all
-                                       : std::vector<int64_t>(all.begin(), all.begin() + within));
+    b.step_labels = LabelledWithin(all, within);
     if (b.step_labels == 0 && !eval_) {
       // Nothing of the step counts (images only: a target that is all -100
       // is refused when the pairs are read). The loss, a sum over no
@@ -166,9 +164,8 @@ class ExampleData final : public TrainData {
     return b;
   }
   int64_t Labelled(int64_t step) const override {
-    std::vector<int64_t> all = sampler_.Starts(step);
-    all.resize(static_cast<size_t>(RowsWithin(once_, step, static_cast<int64_t>(all.size()))));
-    return set_->Labelled(all);
+    const std::vector<int64_t> all = sampler_.Starts(step);
+    return LabelledWithin(all, RowsWithin(once_, step, static_cast<int64_t>(all.size())));
   }
   int64_t TokensPerRow() const override {
     if constexpr (std::is_same_v<Dataset, Seq2SeqDataset>) {
@@ -182,6 +179,13 @@ class ExampleData final : public TrainData {
   int64_t windows() const override { return sampler_.windows(); }
 
  private:
+  // The labelled positions of a step's examples `all`, of which the first
+  // `within` count.
+  int64_t LabelledWithin(const std::vector<int64_t>& all, int64_t within) const {
+    if (within == static_cast<int64_t>(all.size())) return set_->Labelled(all);
+    return set_->Labelled(std::vector<int64_t>(all.begin(), all.begin() + within));
+  }
+
   std::shared_ptr<const Dataset> set_;
   BatchSampler sampler_;
   bool eval_;
