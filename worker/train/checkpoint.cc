@@ -499,15 +499,71 @@ absl::StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& d
   return out;
 }
 
+namespace {
+
+constexpr absl::string_view kTrash = ".trash-";
+
+// The writer of DIR/NAME where NAME is a checkpoint a save moved aside
+// (.trash-step-N.[JOB.]gen-G); nullopt for any other name, a prune's
+// removal (.trash-step-N) included.
+std::optional<CheckpointWriter> MovedAsideBy(const std::string& name) {
+  if (!absl::StartsWith(name, ".trash-step-")) return std::nullopt;
+  std::optional<CheckpointWriter> w = TmpWriter(absl::StrCat(name.substr(kTrash.size()), ".tmp"));
+  if (!w.has_value() || w->generation < 0) return std::nullopt;
+  return w;
+}
+
+// Whether `w`'s leftovers are `writer`'s to touch: a later generation of
+// its job may be saving now.
+bool LaterGenerationOf(const CheckpointWriter& writer, const CheckpointWriter& w) {
+  return w.job == writer.job && w.generation > writer.generation;
+}
+
+}  // namespace
+
+void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter& writer) {
+  for (const std::string& name : ListDirectory(dir).value_or(std::vector<std::string>{})) {
+    const std::optional<CheckpointWriter> w = MovedAsideBy(name);
+    if (!w.has_value() || LaterGenerationOf(writer, *w)) continue;
+    const std::string step_name = name.substr(kTrash.size(), name.find('.', kTrash.size()) - kTrash.size());
+    const std::string from = absl::StrCat(dir, "/", name), to = absl::StrCat(dir, "/", step_name);
+    // The replacement went in (or the name cannot be looked up).
+    std::error_code lookup;
+    if (fs::symlink_status(to, lookup).type() != fs::file_type::not_found) continue;
+    // Only a whole checkpoint of its step: not a replaced one's leftover,
+    // half removed.
+    const absl::StatusOr<Json> state = ReadJson(absl::StrCat(from, "/", kState));
+    if (!state.ok() || !ValidateFiles(from, *state).ok()) continue;
+    const absl::StatusOr<int64_t> step = CheckedStep(from, *state);
+    if (!step.ok() || *step != StepOfName(step_name)) continue;
+    // rename(2) onto a name that appeared meanwhile (another rank restoring
+    // it) fails, or finds the directory gone: either way step N is there.
+    std::error_code mv;
+    fs::rename(from, to, mv);
+    if (mv) {
+      if (mv != std::errc::no_such_file_or_directory && mv != std::errc::directory_not_empty &&
+          mv != std::errc::file_exists) {
+        COLOD_LOG(WARNING) << "cannot put back the checkpoint " << from << " (moved aside by a save that never "
+                           << "replaced it) as " << to << ": " << mv.message();
+      }
+      continue;
+    }
+    COLOD_LOG(WARNING) << "put back " << to << ": a save by " << w->Tag() << " moved it aside to replace it and "
+                       << "never did (its process ended between the two renames)";
+  }
+}
+
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
                                                              const std::string& must_keep,
                                                              const CheckpointWriter& writer,
                                                              const std::vector<std::string>& also_own) {
-  constexpr absl::string_view kTrash = ".trash-";
+  // A moved-aside checkpoint whose step has no other is the only copy of
+  // it: put back, not removed below.
+  RestoreMovedAsideCheckpoints(dir, writer);
   for (const std::string& name : ListDirectory(dir).value_or(std::vector<std::string>{})) {
-    if (absl::StartsWith(name, ".trash-step-")) {  // removals a crash interrupted
-      const std::optional<CheckpointWriter> w = TmpWriter(absl::StrCat(name.substr(kTrash.size()), ".tmp"));
-      if (w.has_value() && w->job == writer.job && w->generation > writer.generation) continue;
+    if (absl::StartsWith(name, ".trash-step-")) {  // removals a crash interrupted, and replaced checkpoints
+      const std::optional<CheckpointWriter> w = MovedAsideBy(name);
+      if (w.has_value() && LaterGenerationOf(writer, *w)) continue;
       std::error_code rm;
       fs::remove_all(absl::StrCat(dir, "/", name), rm);
     }

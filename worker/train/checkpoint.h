@@ -128,6 +128,17 @@ struct Retention {
   bool keep_best = false;  // and the one of lowest eval loss (the earliest of equals)
 };
 
+// Puts back as DIR/step-N each checkpoint a save moved aside to replace it
+// (DIR/.trash-step-N.[JOB.]gen-G, where the file system cannot exchange)
+// when no DIR/step-N is there and it is a whole checkpoint of step N: the
+// save's process ended between its two renames, and the moved-aside copy
+// is the only one of step N. Those of
+// `writer`'s job's later generations are left alone (that save may be
+// running). A resume calls it before it looks for the newest checkpoint,
+// and PruneCheckpoints before it removes leftovers. Never fails: what
+// cannot be put back (a read-only directory) is logged and left.
+void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter& writer);
+
 // Removes `writer`'s checkpoints under `dir` (those its job wrote, of any
 // generation) that `keep` does not keep, and the leftovers of removals a
 // crash interrupted; returns its checkpoints kept, oldest first. Other
@@ -147,7 +158,9 @@ struct Retention {
 // higher-numbered one of the same writer (an earlier run outside a
 // coordinator). The leftovers of `writer`'s
 // job's later generations (a checkpoint moved aside mid-replace where the
-// file system cannot exchange, .trash-step-N.JOB.gen-G) are left alone.
+// file system cannot exchange, .trash-step-N.JOB.gen-G) are left alone;
+// the others' are put back where their step has no checkpoint
+// (RestoreMovedAsideCheckpoints), and removed where it has.
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
                                                              const std::string& must_keep = "",
                                                              const CheckpointWriter& writer = {},

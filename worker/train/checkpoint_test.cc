@@ -656,5 +656,62 @@ TEST(Checkpoints, AFileSystemThatCannotExchangeGetsTheOldCheckpointMovedAside) {
   EXPECT_FALSE(fs::exists(StepDir(o.save_dir, 1) + "/stale-rank-file"));
 }
 
+// A save on a file system that cannot exchange moves the old checkpoint of
+// its step aside, then renames the new one in. A process that died between
+// the two left the step's only copy aside: the restart resumes from it and
+// keeps it, and another job's prune puts back its own the same way. A later
+// generation's (whose save may be running) stays where it is.
+TEST(Checkpoints, ACheckpointMovedAsideByASaveThatDiedIsPutBackNotRemoved) {
+  auto run = GenerationRun("ck_aside_died", 4);
+  ASSERT_TRUE(run.ok()) << run.status();
+  const TrainOptions& o = *run;
+  const std::vector<StepStats> want = testing::Losses(o);  // uninterrupted, every step saved
+  ASSERT_EQ(want.size(), 4u);
+  // Generation 2 died replacing step 3, before step 4 was saved: step 3 is
+  // aside, its replacement half written. Generation 4 is replacing step 2.
+  fs::remove_all(StepDir(o.save_dir, 4));
+  fs::rename(StepDir(o.save_dir, 3), o.save_dir + "/.trash-step-000003.job-000007.gen-2");
+  fs::create_directories(StepTmpDir(o.save_dir, 3, CheckpointWriter{.job = o.job, .generation = 2}));
+  fs::rename(StepDir(o.save_dir, 2), o.save_dir + "/.trash-step-000002.job-000007.gen-4");
+
+  TrainOptions restarted = o;
+  restarted.generation = 3;
+  restarted.resume_dir = o.save_dir;
+  restarted.resume_writers = std::vector<std::string>{o.job};
+  std::vector<StepStats> rest;
+  const absl::Status trained = Train(restarted, [&](const StepStats& s) { rest.push_back(s); });
+  ASSERT_TRUE(trained.ok()) << trained;
+  ASSERT_EQ(rest.size(), 1u) << "it resumed from " << (rest.empty() ? "" : rest[0].resumed_from);
+  EXPECT_EQ(rest[0].resumed_from, StepDir(o.save_dir, 3));
+  EXPECT_EQ(rest[0].step, 4);
+  EXPECT_EQ(rest[0].loss, want[3].loss);
+  EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000003", "step-000004",
+                                                         ".trash-step-000002.job-000007.gen-4"}));
+  auto state = ReadTrainState(StepDir(o.save_dir, 3));
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->step, 3);
+
+  // Another job's prune puts back any writer's whole checkpoint aside
+  // whose step has none (generation 4's too: it is not that job's), and
+  // removes leftovers: a copy whose step is there, a prune's removal, a
+  // half-removed one, one of another step.
+  const std::string half = o.save_dir + "/.trash-step-000004.job-000007.gen-1";
+  fs::copy(StepDir(o.save_dir, 4), half, fs::copy_options::recursive);
+  ASSERT_TRUE(fs::remove(half + "/rank-00001-of-00002.safetensors"));
+  fs::rename(StepDir(o.save_dir, 4), o.save_dir + "/.trash-step-000004.job-000007.gen-3");
+  fs::copy(StepDir(o.save_dir, 3), o.save_dir + "/.trash-step-000003.job-000007.gen-3", fs::copy_options::recursive);
+  fs::copy(StepDir(o.save_dir, 1), o.save_dir + "/.trash-step-000001", fs::copy_options::recursive);
+  fs::copy(StepDir(o.save_dir, 1), o.save_dir + "/.trash-step-000005.job-000007.gen-1", fs::copy_options::recursive);
+  auto kept = PruneCheckpoints(o.save_dir, Retention{.keep_last = 1}, "", CheckpointWriter{.job = "job-000009"});
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_TRUE(kept->empty());  // none is its own
+  EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000002", "step-000003", "step-000004"}));
+  auto listed = ListCheckpoints(o.save_dir);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 4u);
+  for (int64_t step = 1; step <= 4; ++step) EXPECT_EQ((*listed)[step - 1].step, step);
+  EXPECT_TRUE(fs::exists(StepDir(o.save_dir, 4) + "/rank-00001-of-00002.safetensors"));
+}
+
 }  // namespace
 }  // namespace colod::train

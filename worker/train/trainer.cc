@@ -332,6 +332,8 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   run->seed = o.seed;
   if (!o.resume_dir.empty()) {
     std::vector<std::string> skipped;
+    // A save that died mid-replace may have left its step's only copy aside.
+    RestoreMovedAsideCheckpoints(o.resume_dir, CheckpointWriter{.job = o.job, .generation = o.generation});
     ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &skipped, o.resume_writers));
     for (const std::string& s : skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
     ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
