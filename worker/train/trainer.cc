@@ -32,14 +32,10 @@ using shardformer::NamedParam;
 
 namespace {
 
-// One step's rows on one replica.
+// Rows of one step on one replica: a pipeline's pass, or one micro-batch.
 struct StepBatch {
   Tensor inputs, labels;
   Tensor decoder_inputs;  // an encoder-decoder's (TrainData::pairs())
-  // The labelled positions of the whole step's batch (every replica): each
-  // micro-batch's loss is divided by them, so the step's loss is its mean
-  // however the labels fall across replicas and micro-batches.
-  int64_t step_labels = 0;
 };
 
 // What a run trains on, as a step reads it: a token corpus (next-token
@@ -51,11 +47,14 @@ class TrainData {
  public:
   virtual ~TrainData() = default;
   // Rows [first, first + count) of replica `replica`'s `rows` of step
-  // `step` (one accumulation pass: a step's passes are loaded one at a
-  // time); step_labels counts the whole step's.
+  // `step`, computed alone (a micro-batch, or a pipeline's pass: a step is
+  // loaded a part at a time, its host memory that part's).
   virtual absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows, int64_t first,
                                           int64_t count) const = 0;
-  // The labelled positions of step `step`'s batch (every replica).
+  // The labelled positions of step `step`'s batch (every replica): each
+  // micro-batch's loss is divided by them (TrainStepLabels), so the step's
+  // loss is its mean however the labels fall across replicas and
+  // micro-batches.
   virtual int64_t Labelled(int64_t step) const = 0;
   // What one row counts for tokens/s: a sequence's tokens, a pair's input
   // and target tokens, an image (1).
@@ -101,7 +100,6 @@ class CorpusData final : public TrainData {
   absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows, int64_t first,
                                   int64_t count) const override {
     StepBatch b;
-    b.step_labels = Labelled(step);
     RETURN_IF_ERROR(sampler_.Batch(*corpus_, step, replica, &b.inputs, &b.labels, first, count));
     if (once_ != kNoLimit) {
       const int64_t within = RowsWithin(once_, step, sampler_.global_batch());
@@ -126,39 +124,25 @@ class CorpusData final : public TrainData {
 template <typename Dataset>
 class ExampleData final : public TrainData {
  public:
-  // `eval`: a batch whose every label is -100 is no error (the evaluation's
-  // other batches may have some).
-  ExampleData(std::shared_ptr<const Dataset> set, BatchSampler sampler, bool eval, int64_t once)
-      : set_(std::move(set)), sampler_(std::move(sampler)), eval_(eval), once_(once) {}
+  ExampleData(std::shared_ptr<const Dataset> set, BatchSampler sampler, int64_t once)
+      : set_(std::move(set)), sampler_(std::move(sampler)), once_(once) {}
   absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows, int64_t first,
                                   int64_t count) const override {
     StepBatch b;
-    const std::vector<int64_t> all = sampler_.Starts(step);
-    const int64_t within = RowsWithin(once_, step, static_cast<int64_t>(all.size()));
-    b.step_labels = LabelledWithin(all, within);
-    if (b.step_labels == 0 && !eval_) {
-      // Nothing of the step counts (images only: a target that is all -100
-      // is refused when the pairs are read). The loss, a sum over no
-      // labels, is divided by 1: the step reports 0 and its gradients are
-      // 0, and the optimizer steps as on any other (its moments, the weight
-      // decay and the schedule go on), so a resumed run stays the same.
-      if (first == 0) {
-        COLOD_LOG(WARNING) << "step " << step + 1 << " drew " << all.size()
-                           << " images and every one is labelled -100: its loss and gradients are 0";
-      }
-      b.step_labels = 1;
-    }
-    if (first < 0 || count < 0 || first > rows - count || (replica + 1) * rows > static_cast<int64_t>(all.size())) {
+    const int64_t global = sampler_.global_batch();
+    if (replica < 0 || first < 0 || count < 0 || first > rows - count || rows > global ||
+        replica >= global / std::max<int64_t>(rows, 1)) {
       return absl::InternalError(absl::StrCat("rows [", first, ", ", first + count, ") of replica ", replica,
-                                              "'s ", rows, " of a step of ", all.size()));
+                                              "'s ", rows, " of a step of ", global));
     }
-    const std::vector<int64_t> mine(all.begin() + replica * rows + first, all.begin() + replica * rows + first + count);
+    const std::vector<int64_t> mine = sampler_.Starts(step, replica * rows + first, count);
     if constexpr (std::is_same_v<Dataset, Seq2SeqDataset>) {
       RETURN_IF_ERROR(set_->Batch(mine, &b.inputs, &b.decoder_inputs, &b.labels));
     } else {
       RETURN_IF_ERROR(set_->Batch(mine, &b.inputs, &b.labels));
     }
     if (once_ != kNoLimit) {
+      const int64_t within = RowsWithin(once_, step, global);
       ASSIGN_OR_RETURN(b.labels, IgnoreRowsFrom(b.labels, within - replica * rows - first));
     }
     return b;
@@ -188,7 +172,6 @@ class ExampleData final : public TrainData {
 
   std::shared_ptr<const Dataset> set_;
   BatchSampler sampler_;
-  bool eval_;
   int64_t once_;
 };
 
@@ -217,12 +200,11 @@ absl::StatusOr<Source> OpenSource(const ModelConfig& config, const std::string& 
   return s;
 }
 
-// A sampler of `s` over `range` as a TrainData (`eval`: an evaluation's;
-// `once`: one that reads the held-out rows once, the rows past them in its
-// last batch left out).
+// A sampler of `s` over `range` as a TrainData (`once`: an evaluation's
+// that reads the held-out rows once, the rows past them in its last batch
+// left out).
 absl::StatusOr<std::unique_ptr<TrainData>> SampleSource(const Source& s, int64_t seq_len, int64_t batch, int dp,
-                                                        uint64_t seed, SampleRange range, bool eval,
-                                                        bool once = false) {
+                                                        uint64_t seed, SampleRange range, bool once = false) {
   if (s.corpus) {
     ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(s.corpus->size(), seq_len, batch, dp, seed, range));
     const int64_t limit = once ? sampler.windows() : kNoLimit;
@@ -230,8 +212,22 @@ absl::StatusOr<std::unique_ptr<TrainData>> SampleSource(const Source& s, int64_t
   }
   ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(s.size(), batch, dp, seed, range));
   const int64_t limit = once ? sampler.windows() : kNoLimit;
-  if (s.images) return std::make_unique<ExampleData<ImageDataset>>(s.images, std::move(sampler), eval, limit);
-  return std::make_unique<ExampleData<Seq2SeqDataset>>(s.pairs, std::move(sampler), eval, limit);
+  if (s.images) return std::make_unique<ExampleData<ImageDataset>>(s.images, std::move(sampler), limit);
+  return std::make_unique<ExampleData<Seq2SeqDataset>>(s.pairs, std::move(sampler), limit);
+}
+
+// What a training step's losses are divided by: its labelled positions
+// (TrainData::Labelled). A step that drew only examples labelled -100
+// (images: a target that is all -100 is refused when the pairs are read)
+// counts nothing: its loss, a sum over no labels, is divided by 1, so the
+// step reports 0 and its gradients are 0, and the optimizer steps as on any
+// other (its moments, the weight decay and the schedule go on), so that a
+// resumed run stays the same.
+int64_t TrainStepLabels(const TrainData& data, int64_t step) {
+  const int64_t labelled = data.Labelled(step);
+  if (labelled > 0) return labelled;
+  COLOD_LOG(WARNING) << "every example step " << step + 1 << " drew is labelled -100: its loss and gradients are 0";
+  return 1;
 }
 
 // What a run evaluates on, and how much.
@@ -408,13 +404,11 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     held = *std::move(opened);
     RETURN_IF_ERROR(within_seq_len(held, "eval_data_path"));
   }
-  ASSIGN_OR_RETURN(run->data, SampleSource(train, o.seq_len, run->step_batch, dp, run->seed, train_range,
-                                           /*eval=*/false));
+  ASSIGN_OR_RETURN(run->data, SampleSource(train, o.seq_len, run->step_batch, dp, run->seed, train_range));
   if (!evaluates) return std::shared_ptr<const PreparedTrain>(std::move(run));
   EvalPlan eval;
   absl::StatusOr<std::unique_ptr<TrainData>> sampled =
-      SampleSource(held, o.seq_len, o.batch_size, dp, /*seed=*/0, eval_range, /*eval=*/true,
-                   /*once=*/o.eval_steps == 0);
+      SampleSource(held, o.seq_len, o.batch_size, dp, /*seed=*/0, eval_range, /*once=*/o.eval_steps == 0);
   if (!sampled.ok()) {
     return absl::Status(sampled.status().code(), absl::StrCat("the held-out data: ", sampled.status().message()));
   }
@@ -487,8 +481,8 @@ absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, const std::vector<s
     if (hooks.stop && hooks.stop()) {
       return absl::CancelledError(absl::StrCat("stopped during the evaluation after step ", step));
     }
-    ASSIGN_OR_RETURN(const StepBatch batch, data.Batch(k, replica, rows, 0, rows));
     if (model.shard_config().pp() > 1) {
+      ASSIGN_OR_RETURN(const StepBatch batch, data.Batch(k, replica, rows, 0, rows));
       ASSIGN_OR_RETURN(PipelineStepResult r, RunPipelineStep(chunks, pg, sync, batch.inputs, batch.labels,
                                                              o.micro_batches, eval.labels, /*reduce=*/false,
                                                              /*train=*/false,
@@ -497,8 +491,9 @@ absl::StatusOr<EvalStats> Evaluate(const PreparedTrain& run, const std::vector<s
       correct += r.correct;  // the last stage's count, on every stage
     } else {
       for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
+        ASSIGN_OR_RETURN(const StepBatch batch, data.Batch(k, replica, rows, mb * micro_rows, micro_rows));
         ASSIGN_OR_RETURN(const shardformer::LmLoss l,
-                         MicroBatchLoss(model, data, batch, mb * micro_rows, micro_rows, eval.labels, &correct));
+                         MicroBatchLoss(model, data, batch, 0, micro_rows, eval.labels, &correct));
         loss += l.value;
       }
     }
@@ -617,16 +612,15 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     // The micro-batches' loss sums left on the device, read with the norm
     // after the update is enqueued.
     std::vector<Tensor> loss_sums;
+    const int64_t step_labels = TrainStepLabels(*run.data, step);
+    const int64_t replica_rows = pass_rows * o.grad_accum;
     for (int64_t pass = 0; pass < o.grad_accum; ++pass) {
       const bool last_pass = pass + 1 == o.grad_accum;
-      ASSIGN_OR_RETURN(const StepBatch batch,
-                       run.data->Batch(step, replica, pass_rows * o.grad_accum, pass * pass_rows, pass_rows));
-      const Tensor& inputs = batch.inputs;
-      const Tensor& labels = batch.labels;
-      const int64_t step_labels = batch.step_labels;
-      if (shard.pp() > 1) {
+      if (shard.pp() > 1) {  // the schedule takes the pass's micro-batches together
+        ASSIGN_OR_RETURN(const StepBatch batch,
+                         run.data->Batch(step, replica, replica_rows, pass * pass_rows, pass_rows));
         ASSIGN_OR_RETURN(PipelineStepResult r,
-                         RunPipelineStep(chunks, pg, *sync, inputs, labels, o.micro_batches, step_labels,
+                         RunPipelineStep(chunks, pg, *sync, batch.inputs, batch.labels, o.micro_batches, step_labels,
                                          /*reduce=*/last_pass, /*train=*/true,
                                          run.data->pairs() ? &batch.decoder_inputs : nullptr));
         e.loss += r.loss;
@@ -636,8 +630,10 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       }
       for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
         sync->set_enabled(last_pass && mb + 1 == o.micro_batches);  // accumulate, then reduce once
+        ASSIGN_OR_RETURN(const StepBatch batch, run.data->Batch(step, replica, replica_rows,
+                                                                pass * pass_rows + mb * micro_rows, micro_rows));
         ASSIGN_OR_RETURN(const shardformer::LmLoss l,
-                         MicroBatchLoss(*model, *run.data, batch, mb * micro_rows, micro_rows, step_labels,
+                         MicroBatchLoss(*model, *run.data, batch, 0, micro_rows, step_labels,
                                         /*correct=*/nullptr, /*defer_read=*/true));
         RETURN_IF_ERROR(Backward(l.loss));
         if (l.sum_on_device.has_value()) {
