@@ -39,13 +39,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(con
                                                                             Options options) {
   RETURN_IF_ERROR(ParseHostPort(address, "coordinator address", /*allow_zero_port=*/false).status());
   if (options.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("timeout: must be > 0");
+    return absl::InvalidArgumentError("timeout (the deadline of each call, --timeout): must be > 0");
   }
   if (options.watch_reconnect_limit <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("watch_reconnect_limit: must be > 0");
   }
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, MakeChannelCredentials(options.tls));
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(address, credentials);
+  if (options.keepalive.time < kMinKeepaliveTime || options.keepalive.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("keepalive: time must be >= ", absl::FormatDuration(kMinKeepaliveTime),
+                                                   " and timeout > 0"));
+  }
+  std::shared_ptr<grpc::Channel> channel = CreateKeepaliveChannel(address, credentials, options.keepalive);
   return std::unique_ptr<CoordinatorClient>(new CoordinatorClient(
       address, options, v1::CoordinatorService::NewStub(channel), v1::TensorService::NewStub(channel)));
 }

@@ -7,11 +7,12 @@
 #include <string>
 #include <vector>
 
-#include "common/auth.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/tensor.grpc.pb.h"
+#include "common/auth.h"
+#include "common/grpc_server.h"
 
 namespace colod {
 
@@ -30,6 +31,9 @@ class CoordinatorClient {
     // rescheduled pod is back well within it, a coordinator gone for good is
     // not waited for (a day, by default). Must be > 0.
     absl::Duration watch_reconnect_limit = absl::Minutes(10);
+    // A stopped or cut-off coordinator ends a watch or an upload this soon
+    // (UNAVAILABLE; a watch then reconnects within watch_reconnect_limit).
+    Keepalive keepalive;
   };
 
   // `address` is HOST:PORT; INVALID_ARGUMENT if malformed. Connects lazily:

@@ -3,11 +3,13 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/net.h"
 #include "common/status_macros.h"
+#include "grpcpp/create_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/resource_quota.h"
@@ -31,6 +33,9 @@ absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
   builder.AddListeningPort(hp.ToString(), credentials != nullptr ? credentials : grpc::InsecureServerCredentials(),
                            &port);
   for (grpc::Service* service : services) builder.RegisterService(service);
+  // The pings of CreateKeepaliveChannel's clients (one a second at most).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             static_cast<int>(absl::ToInt64Milliseconds(kMinKeepaliveTime)));
   if (max_threads > 0) {
     // The sync server asks the quota for a thread before it starts one, and
     // answers RESOURCE_EXHAUSTED where the quota has none.
@@ -48,6 +53,23 @@ absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
   hp.port = port;
   out.address = hp.ToString();
   return out;
+}
+
+std::shared_ptr<grpc::Channel> CreateKeepaliveChannel(const std::string& address,
+                                                      std::shared_ptr<grpc::ChannelCredentials> credentials,
+                                                      const Keepalive& keepalive) {
+  grpc::ChannelArguments args;
+  const auto ms = [](absl::Duration d) {
+    return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, std::numeric_limits<int>::max()));
+  };
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, ms(std::max(keepalive.time, kMinKeepaliveTime)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms(keepalive.timeout));
+  // Pings only while a call is open, and however long it reads nothing (a
+  // watch of a queued job): gRPC's default stops after two without data.
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  return grpc::CreateCustomChannel(address, credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(),
+                                   args);
 }
 
 void SetServing(grpc::Server& server, absl::string_view service, bool serving) {

@@ -10,6 +10,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/impl/codegen/service_type.h"
@@ -35,6 +37,26 @@ absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
                                                   const std::vector<grpc::Service*>& services,
                                                   std::shared_ptr<grpc::ServerCredentials> credentials = nullptr,
                                                   int max_threads = 0);
+
+// The keepalive of the project's channels: while a call is open, a channel
+// that read nothing for `time` pings its peer, and closes the connection
+// (its calls end UNAVAILABLE) when no answer comes within `timeout`. A peer
+// stopped (SIGSTOP) or cut off without a reset then ends a watch stream or a
+// long upload in `time` + `timeout`, rather than at the call's deadline (a
+// day, for a watch). Servers started by StartGrpcServer accept a ping a
+// second (gRPC's default refuses more than one in 5 minutes without data,
+// and ends the connection); `time` must be at least 1 s.
+struct Keepalive {
+  absl::Duration time = absl::Seconds(20);
+  absl::Duration timeout = absl::Seconds(10);
+};
+inline constexpr absl::Duration kMinKeepaliveTime = absl::Seconds(1);
+
+// A channel to `address` with `credentials` (null: plaintext) and
+// `keepalive`. Connects lazily.
+std::shared_ptr<grpc::Channel> CreateKeepaliveChannel(const std::string& address,
+                                                      std::shared_ptr<grpc::ChannelCredentials> credentials,
+                                                      const Keepalive& keepalive = {});
 
 // Sets the health status of `service` (a full name like "colod.v1.WorkerService").
 void SetServing(grpc::Server& server, absl::string_view service, bool serving);

@@ -5,11 +5,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/grpc_server.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
-#include "server/worker_client.h"
 #include "server/rpc_metrics.h"
+#include "server/worker_client.h"
 
 namespace colod {
 
@@ -39,7 +40,7 @@ TensorProxy::Stub& TensorProxy::StubFor(const std::string& address) {
   auto it = stubs_.find(address);
   if (it == stubs_.end()) {
     auto creds = options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials();
-    it = stubs_.emplace(address, v1::TensorService::NewStub(grpc::CreateChannel(address, creds))).first;
+    it = stubs_.emplace(address, v1::TensorService::NewStub(CreateKeepaliveChannel(address, creds))).first;
   }
   return *it->second;
 }

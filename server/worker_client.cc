@@ -5,6 +5,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/auth.h"
+#include "common/grpc_server.h"
 #include "common/grpc_status.h"
 #include "grpcpp/create_channel.h"
 
@@ -41,7 +42,7 @@ v1::WorkerService::Stub& GrpcWorkerClient::StubFor(const std::string& address) {
   absl::MutexLock lock(&mu_);
   auto it = stubs_.find(address);
   if (it == stubs_.end()) {
-    it = stubs_.emplace(address, v1::WorkerService::NewStub(grpc::CreateChannel(address, credentials_))).first;
+    it = stubs_.emplace(address, v1::WorkerService::NewStub(CreateKeepaliveChannel(address, credentials_))).first;
   }
   return *it->second;
 }

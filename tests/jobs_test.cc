@@ -1166,6 +1166,39 @@ TEST_F(JobsTest, ACoordinatorKilledWhileRanksTrainLeavesNoHoleInTheHistory) {
   }
 }
 
+// A coordinator that stops answering (SIGSTOP: its connections stay open,
+// nothing resets them) ends a watch in about the keepalive's time and one
+// reconnect, UNAVAILABLE: never at the watch's own deadline (a day, from
+// coloctl), as it did before the channels pinged.
+TEST_F(JobsTest, AWatchOfACoordinatorThatStopsAnsweringEndsUnavailable) {
+  auto job = client_->SubmitJob(Spec(Options(100000)));
+  ASSERT_TRUE(job.ok()) << job.status();
+  CoordinatorClient::Options options;
+  options.keepalive = Keepalive{.time = absl::Seconds(1), .timeout = absl::Seconds(1)};
+  options.watch_reconnect_limit = absl::Seconds(2);
+  auto watcher = CoordinatorClient::Create(coordinator_.grpc, options);
+  ASSERT_TRUE(watcher.ok()) << watcher.status();
+  bool stopped = false;
+  absl::Time since;
+  const absl::Status watched = (*watcher)->WatchJob(job->job_id(), 1, absl::Minutes(3), [&](const v1::JobEvent& e) {
+    if (!stopped && e.has_step()) {
+      coordinator_.process->Signal(SIGSTOP);
+      stopped = true;
+      since = absl::Now();
+    }
+    return true;
+  });
+  const absl::Duration took = absl::Now() - since;
+  if (stopped) coordinator_.process->Signal(SIGCONT);
+  ASSERT_TRUE(stopped) << watched << "\n" << Logs();
+  EXPECT_EQ(watched.code(), absl::StatusCode::kUnavailable) << watched;
+  EXPECT_NE(watched.message().find("while watching"), std::string::npos) << watched;
+  EXPECT_LT(took, absl::Seconds(60)) << watched;
+  // Back, it answers on the same channel kind.
+  EXPECT_TRUE(client_->CancelJob(job->job_id()).ok());
+  (*watcher).reset();
+}
+
 TEST_F(JobsTest, ACoordinatorKilledMidJobResumesItByItself) {
   train::TrainOptions o = Options(60);
   std::vector<double> want;

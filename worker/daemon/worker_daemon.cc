@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
+#include "common/grpc_server.h"
 #include "common/grpc_status.h"
 #include "common/host_memory.h"
 #include "common/logging.h"
@@ -136,7 +137,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     advertise.host = LocalHostName();
   }
   if (!options.coordinator.empty()) {
-    w->coordinator_ = v1::CoordinatorService::NewStub(grpc::CreateChannel(options.coordinator, channel_credentials));
+    w->coordinator_ = v1::CoordinatorService::NewStub(CreateKeepaliveChannel(options.coordinator, channel_credentials));
     w->work_dir_ = options.work_dir;
     if (w->work_dir_.empty()) {
       const char* tmp = std::getenv("TMPDIR");
