@@ -20,6 +20,19 @@
 namespace colod {
 namespace {
 
+// What a rank's status or failure message keeps (the job's history and its
+// reason hold it): a worker's errors are far shorter; the rest is cut.
+constexpr size_t kMaxReportedMessageBytes = 16 << 10;
+
+// `text`'s first `max` bytes at most, cut before a UTF-8 sequence rather
+// than in one (a proto3 string must stay UTF-8), with "..." where cut.
+std::string Utf8Prefix(const std::string& text, size_t max) {
+  if (text.size() <= max) return text;
+  size_t cut = max - 3;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return absl::StrCat(text.substr(0, cut), "...");
+}
+
 // "attempt 1: ...; attempt 2: ..." from the job's recorded failures and
 // the last one.
 std::string Attempts(const v1::Job& job, const std::string& last) {
@@ -403,9 +416,16 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
   switch (report.report_case()) {
     case v1::ReportProgressRequest::kStatus: {
       v1::RankStatus status = report.status();
+      if (status.phase() == v1::RANK_PHASE_UNSPECIFIED || !v1::RankPhase_IsValid(status.phase())) {
+        return absl::InvalidArgumentError(absl::StrCat("rank status of job '", report.job_id(), "' with phase ",
+                                                       static_cast<int>(status.phase())));
+      }
       status.set_rank(rank);
       status.set_worker_id(report.worker_id());
-      if (!p.stopping()) (void)jobs_->AddRankStatus(p.job_id, status);
+      status.set_message(Utf8Prefix(status.message(), kMaxReportedMessageBytes));
+      // A phase is recorded once a rank and generation: a report sent again
+      // (or a worker that sends the same phase in a loop) adds nothing.
+      if (!p.stopping() && p.phases.emplace(rank, status.phase()).second) (void)jobs_->AddRankStatus(p.job_id, status);
       if (status.phase() == v1::RANK_PHASE_TRAINING || status.phase() == v1::RANK_PHASE_SERVING ||
           status.phase() == v1::RANK_PHASE_RUNNING) {
         p.training.insert(rank);
@@ -431,7 +451,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       const v1::RankResult& r = report.result();
       if (!p.stopping() && r.code() == 0 && r.has_forward()) (void)jobs_->SetForwardResult(p.job_id, r.forward());
       if (!p.stopping() && r.code() != 0) {
-        const absl::Status s(static_cast<absl::StatusCode>(r.code()), r.message());
+        const absl::Status s(static_cast<absl::StatusCode>(r.code()), Utf8Prefix(r.message(), kMaxReportedMessageBytes));
         const std::string reason = absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString());
         if (options_.probe_timeout <= absl::ZeroDuration()) {
           FailLocked(p, reason, IsRetryableRankError(s.code()), rank);

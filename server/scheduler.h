@@ -164,6 +164,9 @@ class Scheduler {
     std::string scope;            // rendezvous scope of this generation
     std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)
     std::set<int> ended;          // ranks that reported their end (or were lost)
+    // (rank, phase) of the statuses the job's history recorded: each once,
+    // so that a rank's reports add at most one event a phase.
+    std::set<std::pair<int, int>> phases;
     PlacementState state = PlacementState::kRunning;  // changed by TransitionLocked only
     // Whether the placement is over (its ranks are being stopped): ending,
     // requeueing or restarting.

@@ -227,6 +227,56 @@ TEST_F(SchedulerTest, PlacesRunsAndSucceeds) {
   EXPECT_TRUE(fake_->aborted.empty());
 }
 
+// A rank's status reports add one event a phase (a report sent again, or a
+// worker reporting in a loop, adds nothing), a phase that is none is
+// refused, and a message is cut to 16 KiB at a UTF-8 boundary, as is a
+// failure's that becomes the job's reason.
+TEST_F(SchedulerTest, ARanksStatusesAddOneEventAPhaseAndLongMessagesAreCut) {
+  Start(2);
+  auto job = jobs_->Submit(TrainSpec(1, 2), "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  scheduler_->TickForTest();
+  const std::string id = job->job_id();
+  const auto statuses = [&] {
+    std::vector<v1::RankStatus> out;
+    for (const v1::JobEvent& e : Events(id)) {
+      if (e.has_rank_status()) out.push_back(e.rank_status());
+    }
+    return out;
+  };
+  // 3 bytes a character: 16 KiB is no whole number of them.
+  std::string long_message;
+  for (int i = 0; i < 100000; ++i) long_message += "\xe2\x82\xac";
+  for (int i = 0; i < 50; ++i) {
+    v1::ReportProgressRequest req;
+    req.mutable_status()->set_phase(v1::RANK_PHASE_LOADING);
+    req.mutable_status()->set_message(i == 0 ? long_message : absl::StrCat("again ", i));
+    ASSERT_TRUE(Report(id, 0, req).ok());
+  }
+  std::vector<v1::RankStatus> recorded = statuses();
+  ASSERT_EQ(recorded.size(), 1u);
+  const std::string& kept = recorded[0].message();
+  EXPECT_LE(kept.size(), 16u << 10);
+  EXPECT_GE(kept.size(), (16u << 10) - 6);
+  EXPECT_TRUE(absl::EndsWith(kept, "...")) << kept.size();
+  EXPECT_TRUE(absl::StartsWith(long_message, kept.substr(0, kept.size() - 3)));
+  EXPECT_EQ((kept.size() - 3) % 3, 0u) << "cut inside a character";
+  for (const int phase : {0, 42, -1}) {
+    v1::ReportProgressRequest req;
+    req.mutable_status()->set_phase(static_cast<v1::RankPhase>(phase));
+    EXPECT_EQ(Report(id, 0, req).status().code(), absl::StatusCode::kInvalidArgument) << phase;
+  }
+  Training(id);
+  Training(id);
+  recorded = statuses();
+  ASSERT_EQ(recorded.size(), 3u);  // rank 0 loading; each rank training once
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING);
+  Ended(id, 1, absl::StatusCode::kInvalidArgument, long_message);
+  const v1::Job failed = Job(id);
+  EXPECT_LT(failed.reason().size(), (16u << 10) + 1024) << failed.reason().substr(0, 200);
+  EXPECT_NE(failed.reason().find("..."), std::string::npos);
+}
+
 TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestartsAreSpent) {
   Start(2);
   v1::JobSpec spec = TrainSpec(2, 1);
