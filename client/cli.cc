@@ -27,7 +27,8 @@
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, coordinator, "",
-          "Coordinator HOST:PORT. Default: $COLOD_COORDINATOR, else 127.0.0.1:7070.");
+          "Coordinator HOST:PORT (an empty one is a usage error). Default: $COLOD_COORDINATOR, else "
+          "127.0.0.1:7070.");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10), "Deadline of each call, e.g. 10s.");
 ABSL_FLAG(std::string, output, "table", "Output format: table or json.");
 ABSL_FLAG(absl::Duration, watch_timeout, absl::Hours(24), "watch, submit --watch, train: give up after this long.");

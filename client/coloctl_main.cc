@@ -35,6 +35,17 @@ constexpr char kEpilogue[] =
     "      --lr 3e-4 --optimizer adamw --tp 2 --dp 2 --mode 1d --output json\n";
 
 int Main(int argc, char** argv) {
+  // An empty --coordinator (a script's "$COORD" unset) names no
+  // coordinator: refused, never taken as unset (which trains on an embedded
+  // cluster of this machine, or calls 127.0.0.1:7070).
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--") break;
+    if (a == "--coordinator=" || (a == "--coordinator" && i + 1 < argc && argv[i + 1][0] == '\0')) {
+      return Usage("--coordinator is empty: give HOST:PORT, or leave the flag out (then $COLOD_COORDINATOR, else "
+                   "127.0.0.1:7070; train and forward run on an embedded cluster)");
+    }
+  }
   // In --help's order.
   return CommandLineMain(argc, argv, kIntro, kEpilogue,
                          {LocalCommands(), ModelCommands(), ClusterCommands(), TensorCommands()});

@@ -107,7 +107,13 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
     if (start == std::string::npos || start >= end) continue;
     std::replace(a.begin() + start, a.begin() + end, '-', '_');
     const std::string name = a.substr(start, end - start);
-    if (repeatable.count(name) == 0) continue;
+    if (repeatable.count(name) == 0) {
+      // "--flag VALUE": the value stays as it is, even where it starts with
+      // '-' (--reason -oom-retry); a bool flag takes none.
+      const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+      if (end == a.size() && flag != nullptr && !flag->IsOfType<bool>()) ++i;
+      continue;
+    }
     if (end < a.size()) {
       repeated[name].push_back(a.substr(end + 1));
       storage.erase(storage.begin() + static_cast<std::ptrdiff_t>(i--));

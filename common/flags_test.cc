@@ -8,6 +8,8 @@
 
 ABSL_FLAG(std::vector<std::string>, test_roots, {}, "test: a repeatable list flag");
 ABSL_FLAG(int, test_count, 0, "test: a plain flag");
+ABSL_FLAG(std::string, test_reason, "", "test: a string flag");
+ABSL_FLAG(bool, test_switch, false, "test: a bool flag");
 
 namespace colod {
 namespace {
@@ -38,15 +40,22 @@ TEST(ParseByteSize, UnitsAndErrors) {
   EXPECT_EQ(ParseByteSize("99999999TiB").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST(ParseFlags, RepeatableFlagsCollectEveryValue) {
-  std::vector<std::string> args = {"prog",         "--test-roots=/a", "--test-count", "3", "--test-roots",
-                                   "/b,/c",        "pos",             "--",           "--test-roots=/not-a-flag"};
+// Repeatable flags collect every value; a value after its flag stays as
+// written, dashes and all (once rewritten as a flag's name: -oom_retry-1);
+// a bool flag takes no value, so what follows it is the next argument.
+// (ParseFlags runs once a process.)
+TEST(ParseFlags, RepeatableFlagsCollectEveryValueAndValuesStayAsWritten) {
+  std::vector<std::string> args = {"prog",          "--test-roots=/a", "--test-count", "-3",
+                                   "--test-roots",  "/b,/c",          "--test-reason", "-oom-retry-1",
+                                   "--test-switch", "pos",            "--",            "--test-roots=/not-a-flag"};
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   const std::vector<std::string> positional =
       ParseFlags(static_cast<int>(argv.size()), argv.data(), "usage", {"test_roots"});
   EXPECT_EQ(absl::GetFlag(FLAGS_test_roots), (std::vector<std::string>{"/a", "/b", "/c"}));
-  EXPECT_EQ(absl::GetFlag(FLAGS_test_count), 3);
+  EXPECT_EQ(absl::GetFlag(FLAGS_test_count), -3);
+  EXPECT_EQ(absl::GetFlag(FLAGS_test_reason), "-oom-retry-1");
+  EXPECT_TRUE(absl::GetFlag(FLAGS_test_switch));
   EXPECT_EQ(positional, (std::vector<std::string>{"pos", "--test-roots=/not-a-flag"}));
 }
 

@@ -84,5 +84,20 @@ TEST(Local, ItsDaemonsDieWithAKilledColoctl) {
   EXPECT_EQ(RunCommand({Runfile("client/coloctl"), "local", "--workers", "0"}, std::getenv("TEST_TMPDIR")).code, 2);
 }
 
+// An empty --coordinator (a script's unset "$COORD") is a usage error: no
+// embedded cluster starts, and no call goes to the default address.
+TEST(Local, AnEmptyCoordinatorIsAUsageErrorNotTheEmbeddedCluster) {
+  for (const std::vector<std::string>& flag :
+       std::vector<std::vector<std::string>>{{"--coordinator", ""}, {"--coordinator="}}) {
+    std::vector<std::string> argv = {Runfile("client/coloctl")};
+    argv.insert(argv.end(), flag.begin(), flag.end());
+    for (const char* a : {"train", "--model", "/nonexistent", "--data", "/nonexistent"}) argv.push_back(a);
+    const auto r = RunCommand(argv, std::getenv("TEST_TMPDIR"), absl::Seconds(30));
+    EXPECT_EQ(r.code, 2) << r.out << r.err;
+    EXPECT_NE(r.err.find("--coordinator is empty"), std::string::npos) << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;  // no cluster announced, nothing trained
+  }
+}
+
 }  // namespace
 }  // namespace colod
