@@ -364,6 +364,9 @@ absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags() {
   const absl::Duration wait = absl::GetFlag(FLAGS_restart_wait);
   if (wait < absl::ZeroDuration()) return absl::InvalidArgumentError("--restart-wait must be >= 0");
   if (wait > absl::ZeroDuration()) *spec.mutable_restart()->mutable_worker_wait() = ToProtoDuration(wait);
+  // What the coordinator would refuse (--tp 0, --steps -5, --lr nan, ...)
+  // is a usage error here, before the model is uploaded.
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
   return spec;
 }
 

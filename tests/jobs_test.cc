@@ -1050,6 +1050,17 @@ TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
   EXPECT_EQ(run.code, 0) << run.err << run.out;
   EXPECT_TRUE(absl::StrContains(run.err, "uploaded 2 files")) << run.err;
   EXPECT_TRUE(absl::StrContains(run.out, "succeeded")) << run.out;
+  // A spec the coordinator would refuse is a usage error before anything
+  // is uploaded.
+  for (const std::vector<std::string>& bad :
+       std::vector<std::vector<std::string>>{{"--steps", "-5"}, {"--lr", "nan"}, {"--tp", "0"}}) {
+    std::vector<std::string> argv = {Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "submit",
+                                     "--model", TempPath("gpt2"), "--data", kGpl, "--batch-size", "4"};
+    argv.insert(argv.end(), bad.begin(), bad.end());
+    auto refused = RunCommand(argv, TempPath(""), absl::Seconds(60));
+    EXPECT_EQ(refused.code, 2) << bad[0] << ": " << refused.err << refused.out;
+    EXPECT_FALSE(absl::StrContains(refused.err, "uploaded")) << refused.err;
+  }
 
   // A YAML job file, sent as it is (the workers read the weights' path).
   std::ofstream(TempPath("job.yaml")) << "name: from-yaml\nkind: JOB_KIND_TRAIN\nmodel:\n  weightsPath: "
