@@ -5,10 +5,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -117,6 +120,29 @@ absl::Status SyncDirectory(const std::string& dir) {
   if (::fsync(dfd) != 0) s = Errno("cannot fsync", dir);
   ::close(dfd);
   return s;
+}
+
+size_t RemoveOldestFiles(const std::string& dir, size_t keep) {
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(dir);
+  if (!names.ok()) return 0;
+  std::vector<std::pair<struct timespec, std::string>> files;
+  for (const std::string& name : *names) {
+    struct stat st;
+    const std::string path = absl::StrCat(dir, "/", name);
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    files.emplace_back(st.st_mtim, name);
+  }
+  if (files.size() <= keep) return 0;
+  std::sort(files.begin(), files.end(), [](const auto& a, const auto& b) {
+    if (a.first.tv_sec != b.first.tv_sec) return a.first.tv_sec < b.first.tv_sec;
+    if (a.first.tv_nsec != b.first.tv_nsec) return a.first.tv_nsec < b.first.tv_nsec;
+    return a.second < b.second;
+  });
+  size_t removed = 0;
+  for (size_t i = 0; i + keep < files.size(); ++i) {
+    if (::unlink(absl::StrCat(dir, "/", files[i].second).c_str()) == 0) ++removed;
+  }
+  return removed;
 }
 
 absl::Status SyncFilesAndDirectory(const std::string& dir) {

@@ -52,6 +52,13 @@ absl::Status SyncFilesAndDirectory(const std::string& dir);
 // fsync of the directory `dir`: a rename into it is durable once it returns.
 absl::Status SyncDirectory(const std::string& dir);
 
+// Removes the oldest regular files directly in `dir` (by modification
+// time, then name) so that at most `keep` remain: a folder of dumps or
+// reports a daemon writes for every failure, bounded. Links,
+// subdirectories and what cannot be read are left alone; returns how many
+// it removed.
+size_t RemoveOldestFiles(const std::string& dir, size_t keep);
+
 // Whether `path` names a regular file (following links).
 bool IsRegularFile(const std::string& path);
 

@@ -96,6 +96,25 @@ TEST(ReadFileToString, ReadsAPipeToItsEndAndAWriterlessFifoAsEmpty) {
 // A downloaded directory made durable before its rename: its files are
 // synced, and what is not a file (a FIFO, a link to one, a subdirectory) is
 // passed over, never opened to wait on. A directory not there is an error.
+TEST(RemoveOldestFiles, KeepsTheNewestFilesAndTouchesNothingElse) {
+  const std::string dir = FreshDir("oldest");
+  for (int i = 0; i < 6; ++i) {
+    const std::string path = absl::StrCat(dir, "/dump-", i);
+    ASSERT_TRUE(WriteFileAtomically(path, "x").ok());
+    const struct timespec times[2] = {{1000 + i, 0}, {1000 + i, 0}};  // dump-0 the oldest
+    ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0);
+  }
+  ASSERT_EQ(::mkdir((dir + "/sub").c_str(), 0755), 0);
+  ASSERT_EQ(::symlink("dump-0", (dir + "/link").c_str()), 0);
+  EXPECT_EQ(RemoveOldestFiles(dir, 10), 0u);
+  EXPECT_EQ(RemoveOldestFiles(dir, 2), 4u);
+  auto names = ListDirectory(dir);
+  ASSERT_TRUE(names.ok()) << names.status();
+  std::sort(names->begin(), names->end());
+  EXPECT_EQ(*names, (std::vector<std::string>{"dump-4", "dump-5", "link", "sub"}));
+  EXPECT_EQ(RemoveOldestFiles(dir + "/missing", 0), 0u);
+}
+
 TEST(SyncFilesAndDirectory, SyncsTheFilesAndPassesOverTheRest) {
   const std::string dir = FreshDir("sync");
   ASSERT_TRUE(WriteFileAtomically(dir + "/model.safetensors", "weights").ok());

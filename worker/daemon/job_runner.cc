@@ -383,6 +383,8 @@ void JobRunner::DumpFlightRecorder(const Active& active) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   const absl::Status s = WriteFileAtomically(path, active.recorder->ToJson());
+  // Every failed, cancelled or restarted rank dumps: the newest are kept.
+  RemoveOldestFiles(dir, kMaxFlightRecorderDumps);
   if (s.ok()) {
     COLOD_LOG(INFO) << "job " << req.job_id() << ": rank " << req.rank() << "'s last collectives are in " << path;
   } else {

@@ -140,6 +140,8 @@ class JobRunner {
   // Writes the rank's flight recorder to WORK_DIR/flight-recorder/
   // JOB-gen-G-rank-R.json (kept after the rank's own dir is removed).
   void DumpFlightRecorder(const Active& active);
+  // The dumps WORK_DIR/flight-recorder keeps, the newest (about 0.5 MB each).
+  static constexpr size_t kMaxFlightRecorderDumps = 256;
 
   const Options options_;
   ModelCache models_;  // used by the rank's thread only
