@@ -24,6 +24,9 @@ namespace {
 // reason hold it): a worker's errors are far shorter; the rest is cut.
 constexpr size_t kMaxReportedMessageBytes = 16 << 10;
 
+// How often a waiting job's history records a new reason at most.
+constexpr absl::Duration kWaitingReasonInterval = absl::Seconds(30);
+
 // `text`'s first `max` bytes at most, cut before a UTF-8 sequence rather
 // than in one (a proto3 string must stay UTF-8), with "..." where cut.
 std::string Utf8Prefix(const std::string& text, size_t max) {
@@ -256,11 +259,17 @@ void Scheduler::ScheduleQueued() {
                                                 "): ", why)
                                  : absl::StrCat("restarting: ", why);
       }
-      if (waiting_[job.job_id()] != why) {
+      // PENDING (or RESTARTING) says why. Each new reason is an event of the
+      // job's history, and one that follows the cluster (how many workers
+      // are free) changes with every job that starts or ends: recorded at
+      // most every kWaitingReasonInterval, the newest then.
+      Waiting& w = waiting_[job.job_id()];
+      if (w.why != why && now - w.recorded >= kWaitingReasonInterval) {
         COLOD_LOG(INFO) << "job " << job.job_id() << " " << why;
-        (void)jobs_->SetState(job.job_id(), job.state(), why);  // PENDING (or RESTARTING) says why
+        (void)jobs_->SetState(job.job_id(), job.state(), why);
+        w.why = why;
+        w.recorded = now;
       }
-      waiting_[job.job_id()] = why;
       if (decision->fits_cluster) return;  // it holds the queue
       continue;
     }

@@ -268,9 +268,13 @@ class Scheduler {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int assigning_ ABSL_GUARDED_BY(mu_) = 0;  // Assign threads running
   std::thread thread_;
-  // Why each waiting job waits (logged when it changes); the scheduler
-  // thread's alone.
-  std::map<std::string, std::string> waiting_;
+  // Why each waiting job waits, as its history last recorded it, and when;
+  // the scheduler thread's alone.
+  struct Waiting {
+    std::string why;
+    absl::Time recorded = absl::InfinitePast();
+  };
+  std::map<std::string, Waiting> waiting_;
 };
 
 }  // namespace colod

@@ -277,6 +277,41 @@ TEST_F(SchedulerTest, ARanksStatusesAddOneEventAPhaseAndLongMessagesAreCut) {
   EXPECT_NE(failed.reason().find("..."), std::string::npos);
 }
 
+// A waiting job's reason follows the cluster (how many workers are idle),
+// and each recorded reason is an event of its history: a new one is
+// recorded at most every 30 s, the newest then, however often the cluster
+// changes.
+TEST_F(SchedulerTest, AWaitingJobsReasonIsRecordedAtMostEveryThirtySeconds) {
+  Start(1);
+  auto job = jobs_->Submit(TrainSpec(2, 1), "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  const auto events = [&] { return Events(id).size(); };
+  scheduler_->TickForTest();
+  EXPECT_NE(Job(id).reason().find("1 idle"), std::string::npos) << Job(id).reason();
+  const size_t first = events();
+  v1::WorkerStatus busy;
+  busy.set_state(v1::WORKER_STATE_BUSY);
+  for (int i = 0; i < 20; ++i) {  // 20 s of a worker going busy and idle again
+    clock_.Advance(absl::Milliseconds(500));
+    Beat(0, busy);
+    scheduler_->TickForTest();
+    clock_.Advance(absl::Milliseconds(500));
+    Beat(0);
+    scheduler_->TickForTest();
+  }
+  EXPECT_EQ(events(), first);
+  EXPECT_NE(Job(id).reason().find("1 idle"), std::string::npos) << Job(id).reason();
+  for (int i = 0; i < 10; ++i) {  // 30 s since the last recorded reason
+    clock_.Advance(absl::Seconds(1));
+    Beat(0, busy);
+  }
+  scheduler_->TickForTest();
+  EXPECT_EQ(events(), first + 1);
+  EXPECT_NE(Job(id).reason().find("0 idle"), std::string::npos) << Job(id).reason();
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_PENDING);
+}
+
 TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestartsAreSpent) {
   Start(2);
   v1::JobSpec spec = TrainSpec(2, 1);
