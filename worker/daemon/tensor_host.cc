@@ -1,5 +1,7 @@
 #include "worker/daemon/tensor_host.h"
 
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
@@ -24,6 +26,10 @@ absl::StatusOr<v1::TensorLayout> TensorHost::LayoutLocked(const std::string& nam
 
 absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorRequest& req) {
   if (req.name().empty()) return absl::InvalidArgumentError("name: required");
+  if (req.name().size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("name: ", req.name().size(), " bytes, more than the ", kMaxNameBytes, " a tensor name may have"));
+  }
   ASSIGN_OR_RETURN(DistSpec spec, DistSpecFromProto(req.dist_spec()));
   ASSIGN_OR_RETURN(ComputePattern pattern, ComputePatternFromProto(req.compute_pattern()));
   // The bytes it will take, reserved before anything is allocated.
@@ -44,6 +50,9 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
     if (!checked.has_value()) return absl::InvalidArgumentError("random.shape: its bytes overflow int64");
     bytes = *checked;
   }
+  // With its bookkeeping (a size near 2^63 fits no budget: kept there).
+  bytes = bytes > std::numeric_limits<int64_t>::max() - Cost(0, req.name()) ? std::numeric_limits<int64_t>::max()
+                                                                             : Cost(bytes, req.name());
   {
     absl::MutexLock lock(&mu_);
     if (closed_) return absl::UnavailableError("the job's rank has stopped");

@@ -33,12 +33,24 @@ class TensorHost {
  public:
   // `pg` is the rank's process group and must outlive the host; tensors
   // live on `device`. The tensors held together may take `budget_bytes`
-  // (each counted at its global size, which every rank materializes once).
+  // (each counted at its global size, which every rank materializes once,
+  // plus Cost's bookkeeping).
   TensorHost(ProcessGroup* pg, Device device, int64_t budget_bytes)
       : pg_(pg), device_(device), budget_bytes_(budget_bytes) {}
 
+  // A tensor name's bytes at most.
+  static constexpr size_t kMaxNameBytes = 256;
+  // What a tensor of `data_bytes` named `name` counts against the budget:
+  // its data, its name and kPerTensorBytes of bookkeeping (the map's node,
+  // the ColoTensor and its specs), so that empty or tiny tensors are not
+  // free.
+  static constexpr int64_t kPerTensorBytes = 1024;
+  static int64_t Cost(int64_t data_bytes, const std::string& name) {
+    return data_bytes + kPerTensorBytes + static_cast<int64_t>(name.size());
+  }
+
   // ALREADY_EXISTS for a taken name; INVALID_ARGUMENT naming the field for a
-  // missing name or init, a bad dtype, a value whose bytes do not match its
+  // missing name or one over kMaxNameBytes, a missing init, a bad dtype, a value whose bytes do not match its
   // shape, or a spec that does not fit the mesh or the shape;
   // RESOURCE_EXHAUSTED, before anything is allocated, for one that would
   // pass the budget.

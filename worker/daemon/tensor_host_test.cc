@@ -17,12 +17,14 @@ namespace colod {
 namespace {
 
 // The tensors a rank holds are bounded by its budget (the worker's memory),
-// each counted at its global size: one that would pass it is refused
+// each counted at its global size and its bookkeeping (TensorHost::Cost:
+// an empty or tiny tensor is not free): one that would pass it is refused
 // before anything is allocated (a shape of 2^40 floats is not tried), a
-// delete gives its bytes back.
+// delete gives its bytes back. A name is at most 256 bytes.
 TEST(TensorHost, TensorsAreBoundedByTheBudgetBeforeAnythingIsAllocated) {
+  const auto cost = [](int64_t data) { return TensorHost::Cost(data, "x"); };  // one-letter names
   testing::RunMesh(testing::TpDpMesh(1), [&](int, ProcessGroup& pg) {
-    TensorHost host(&pg, Device::Cpu(), 1000);
+    TensorHost host(&pg, Device::Cpu(), cost(800) + cost(200));
     const auto random = [](const std::string& name, std::vector<int64_t> shape) {
       v1::CreateTensorRequest r;
       r.set_name(name);
@@ -32,17 +34,32 @@ TEST(TensorHost, TensorsAreBoundedByTheBudgetBeforeAnythingIsAllocated) {
     ASSERT_TRUE(host.Create(random("a", {10, 20})).ok());  // 800 bytes
     const absl::StatusOr<v1::TensorLayout> over = host.Create(random("b", {10, 6}));  // 240 more
     EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
-    EXPECT_NE(over.status().message().find("hold 800 of the 1000"), std::string::npos) << over.status();
+    EXPECT_NE(over.status().message().find(absl::StrCat("hold ", cost(800), " of the ", cost(800) + cost(200))),
+              std::string::npos)
+        << over.status();
     const absl::StatusOr<v1::TensorLayout> huge = host.Create(random("h", {1 << 20, 1 << 20}));
     EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
     EXPECT_EQ(host.Create(random("o", {int64_t{1} << 40, int64_t{1} << 40})).status().code(),
               absl::StatusCode::kInvalidArgument);  // its bytes overflow
+    // Bytes just below 2^63: with the bookkeeping past int64, still refused.
+    EXPECT_EQ(host.Create(random("m", {(int64_t{1} << 61) - 1})).status().code(), absl::StatusCode::kResourceExhausted);
     ASSERT_TRUE(host.Create(random("c", {10, 5})).ok());  // 200: exactly the budget
     ASSERT_TRUE(host.Delete("a").ok());
+    EXPECT_EQ(host.Create(random("c", {1})).status().code(), absl::StatusCode::kAlreadyExists);
     EXPECT_TRUE(host.Create(random("b", {10, 6})).ok());
-    EXPECT_EQ(host.Create(random("b", {1})).status().code(), absl::StatusCode::kAlreadyExists);
-    // 560: the rest, so the refused "b" gave its reservation back.
-    EXPECT_TRUE(host.Create(random("d", {10, 14})).ok());
+    // What is held is exactly c and b: the refused ones gave their
+    // reservations back.
+    const absl::StatusOr<v1::TensorLayout> full = host.Create(random("d", {1}));
+    EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();
+    EXPECT_NE(full.status().message().find(absl::StrCat("hold ", cost(200) + cost(240), " of")), std::string::npos)
+        << full.status();
+    ASSERT_TRUE(host.Delete("b").ok());
+    // 800 bytes free: one tiny tensor fits, a second is refused for its
+    // bookkeeping alone.
+    ASSERT_LT(800, 2 * TensorHost::kPerTensorBytes);
+    EXPECT_TRUE(host.Create(random("e", {1})).ok());
+    EXPECT_EQ(host.Create(random("f", {1})).status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_EQ(host.Create(random(std::string(257, 'n'), {1})).status().code(), absl::StatusCode::kInvalidArgument);
   });
 }
 
