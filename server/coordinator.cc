@@ -109,6 +109,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   if (options.job_retention < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--job-retention: must be >= 0 (0 keeps every job)");
   }
+  if (options.max_active_jobs < 1) return absl::InvalidArgumentError("--max-active-jobs: must be >= 1");
   std::unique_ptr<Coordinator> c(new Coordinator(options));
   ASSIGN_OR_RETURN(c->lock_fd_, LockDataDir(options.data_dir));
 
@@ -150,6 +151,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   wo.id_prefix = absl::StrFormat("worker-%06x-", absl::Uniform<uint32_t>(bits, 0, 1u << 24));
   c->workers_ = std::make_unique<WorkerRegistry>(wo);
   ASSIGN_OR_RETURN(c->jobs_, JobManager::Open(options.data_dir + "/jobs", options.clock));
+  c->jobs_->SetMaxActiveJobs(options.max_active_jobs);
   RendezvousStoreLimits store_limits;
   store_limits.max_waiters = options.max_store_waits;
   store_limits.max_bytes = options.store_quota_bytes;

@@ -72,6 +72,8 @@ class Coordinator {
     // Ended jobs older than this are deleted (JobManager::Expire), checked
     // about once a minute; zero keeps them all.
     absl::Duration job_retention = absl::Hours(7 * 24);
+    // Jobs not ended at once (JobManager::SetMaxActiveJobs); >= 1.
+    int64_t max_active_jobs = JobManager::kDefaultMaxActiveJobs;
     // WatchJob streams at once (each holds a server thread); more are
     // RESOURCE_EXHAUSTED.
     int max_watch_streams = 256;

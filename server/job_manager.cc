@@ -944,6 +944,14 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
       if (!request.empty()) submitting_.erase(request);
       return taken;
     }
+    int64_t active = 0;
+    for (const auto& [id, other] : jobs_) active += IsFinal(other.job.state()) ? 0 : 1;
+    if (active >= max_active_jobs_) {
+      if (!request.empty()) submitting_.erase(request);
+      return absl::ResourceExhaustedError(
+          absl::StrCat(active, " jobs have not ended, all the coordinator takes at once (--max-active-jobs ",
+                       max_active_jobs_, "): submit again once some ended, or cancel some"));
+    }
     for (const std::string& dir : dirs) submitting_dirs_.insert(dir);
     e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
     e.job.set_uid(uid);
@@ -969,6 +977,11 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   if (!request.empty()) job_by_request_id_[request] = id;
   e.published = e.events.size();  // written
   return jobs_.emplace(id, std::move(e)).first->second.job;
+}
+
+void JobManager::SetMaxActiveJobs(int64_t n) {
+  absl::MutexLock lock(&mu_);
+  max_active_jobs_ = n;
 }
 
 absl::StatusOr<v1::Job> JobManager::Get(absl::string_view job_id) {

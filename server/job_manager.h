@@ -56,6 +56,11 @@ class JobManager {
   static absl::StatusOr<std::unique_ptr<JobManager>> Open(const std::string& state_dir,
                                                           Clock* clock = Clock::Real());
 
+  // Jobs not ended (PENDING to RUNNING, RESTARTING) at once; Submit past it
+  // is RESOURCE_EXHAUSTED. Jobs a restart loads count, and are kept.
+  static constexpr int64_t kDefaultMaxActiveJobs = 10000;
+  void SetMaxActiveJobs(int64_t n) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Validates (ValidateJobSpec) and adds a PENDING job with its memory floor
   // (`floor`, else JobMemoryFloor(spec): computed once, here, and stored with
   // the job). With a non-empty request_id, a repeated submit returns the
@@ -65,6 +70,8 @@ class JobManager {
   // checkpoint directory remove each other's saves in progress, and two
   // writing one final directory mix their rank files (a next run may
   // resume from or overwrite it once the job ended).
+  // RESOURCE_EXHAUSTED where SetMaxActiveJobs jobs have not ended: each
+  // waiting job is copied and placed on every scheduler tick.
   // A job whose record cannot be written is not added: the error
   // (RESOURCE_EXHAUSTED for a full disk, atomic_file.h's FileError) is
   // returned and nothing of it remains, so an accepted job survives a
@@ -338,6 +345,7 @@ class JobManager {
   std::function<void(const std::string&)> before_write_;  // set before any write
   absl::Mutex mu_;
   std::map<std::string, Entry> jobs_ ABSL_GUARDED_BY(mu_);
+  int64_t max_active_jobs_ ABSL_GUARDED_BY(mu_) = kDefaultMaxActiveJobs;
   absl::flat_hash_map<std::string, std::string> job_by_request_id_ ABSL_GUARDED_BY(mu_);
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<std::string, int64_t> finished_ ABSL_GUARDED_BY(mu_);

@@ -378,6 +378,28 @@ TEST(JobManager, SubmitGetListCancel) {
 // not yet ended (compared as a normal path) is refused naming that job;
 // once the holder ended, the directory is free (a next run resumes from
 // it).
+// Jobs not ended are bounded (--max-active-jobs): a submit past it is
+// RESOURCE_EXHAUSTED, and one that ended makes room; a repeated request id
+// still returns its job.
+TEST(JobManager, JobsNotEndedAreBounded) {
+  FakeClock clock;
+  JobManager jobs(&clock);
+  jobs.SetMaxActiveJobs(2);
+  auto a = jobs.Submit(TrainSpec(), "req-a");
+  auto b = jobs.Submit(TrainSpec(), "");
+  ASSERT_TRUE(a.ok() && b.ok());
+  const absl::StatusOr<v1::Job> over = jobs.Submit(TrainSpec(), "req-c");
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_NE(over.status().message().find("2 jobs have not ended"), std::string::npos) << over.status();
+  auto again = jobs.Submit(TrainSpec(), "req-a");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->job_id(), a->job_id());
+  ASSERT_TRUE(jobs.Cancel(b->job_id(), "room").ok());
+  auto c = jobs.Submit(TrainSpec(), "req-c");  // the refused request id is free again
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(jobs.List({}).size(), 3u);
+}
+
 TEST(JobManager, OneActiveJobSavesIntoACheckpointDirectory) {
   FakeClock clock;
   JobManager jobs(&clock);

@@ -33,6 +33,9 @@ ABSL_FLAG(absl::Duration, stop_grace, absl::Minutes(2),
 ABSL_FLAG(absl::Duration, job_retention, absl::Hours(7 * 24),
           "Jobs that ended longer ago than this are forgotten: their records, events and request ids "
           "(coloctl delete JOB does it at once). 0 keeps every job.");
+ABSL_FLAG(int64_t, max_active_jobs, colod::JobManager::kDefaultMaxActiveJobs,
+          "Jobs not ended (queued, placed, running, restarting) at once; a submit past it is refused "
+          "RESOURCE_EXHAUSTED (every queued job is looked at on each scheduling pass).");
 ABSL_FLAG(int, max_watch_streams, 256,
           "WatchJob streams served at once (each holds a server thread); more are refused RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int, max_store_waits, 8192,
@@ -97,6 +100,7 @@ int main(int argc, char** argv) {
   options.hang_threshold = absl::GetFlag(FLAGS_hang_threshold);
   options.stop_grace = absl::GetFlag(FLAGS_stop_grace);
   options.job_retention = absl::GetFlag(FLAGS_job_retention);
+  options.max_active_jobs = absl::GetFlag(FLAGS_max_active_jobs);
   options.max_watch_streams = absl::GetFlag(FLAGS_max_watch_streams);
   options.max_uploads = absl::GetFlag(FLAGS_max_uploads);
   options.max_concurrent_uploads = absl::GetFlag(FLAGS_max_concurrent_uploads);
