@@ -72,6 +72,9 @@ std::string CoordinatorAddress() {
 }
 
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> MakeClient(const std::string& address) {
+  if (absl::GetFlag(FLAGS_watch_timeout) <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--watch-timeout: must be > 0");
+  }
   CoordinatorClient::Options options;
   options.timeout = absl::GetFlag(FLAGS_timeout);
   auto security = SecurityFromFlags(/*token_from_env=*/true);

@@ -367,6 +367,9 @@ absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags() {
   // What the coordinator would refuse (--tp 0, --steps -5, --lr nan, ...)
   // is a usage error here, before the model is uploaded.
   RETURN_IF_ERROR(ValidateJobSpec(spec));
+  if (absl::GetFlag(FLAGS_upload_timeout) <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--upload-timeout: must be > 0");
+  }
   return spec;
 }
 

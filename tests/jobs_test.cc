@@ -1053,7 +1053,8 @@ TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
   // A spec the coordinator would refuse is a usage error before anything
   // is uploaded.
   for (const std::vector<std::string>& bad :
-       std::vector<std::vector<std::string>>{{"--steps", "-5"}, {"--lr", "nan"}, {"--tp", "0"}}) {
+       std::vector<std::vector<std::string>>{{"--steps", "-5"}, {"--lr", "nan"}, {"--tp", "0"}, {"--upload-timeout=0s"},
+                                             {"--watch-timeout=-1s"}}) {
     std::vector<std::string> argv = {Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "submit",
                                      "--model", TempPath("gpt2"), "--data", kGpl, "--batch-size", "4"};
     argv.insert(argv.end(), bad.begin(), bad.end());
