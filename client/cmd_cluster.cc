@@ -128,9 +128,10 @@ int RunCheckpoints(const std::vector<std::string>& operands) {
     auto job = client.GetJob(operands[0]);
     if (!job.ok()) return Fail(job.status());
     if (JsonOutput()) {
-      v1::Job only;  // the checkpoints alone, as the Job's JSON holds them
-      *only.mutable_checkpoints() = job->checkpoints();
-      return PrintJson(only);
+      absl::StatusOr<std::string> out = RenderCheckpointsJson(*job, /*pretty=*/true);
+      if (!out.ok()) return Fail(out.status());
+      std::fputs(out->c_str(), stdout);
+      return 0;
     }
     if (job->checkpoints_size() == 0) {
       std::printf("%s has reported no checkpoint%s\n", job->job_id().c_str(),

@@ -150,6 +150,18 @@ std::string HumanBytes(int64_t n) {
   return absl::StrCat(n, " B");
 }
 
+absl::StatusOr<std::string> RenderCheckpointsJson(const v1::Job& job, bool pretty) {
+  std::vector<std::string> items;
+  for (const v1::CheckpointInfo& c : job.checkpoints()) {
+    ASSIGN_OR_RETURN(std::string one, RenderJson(c, /*pretty=*/false));
+    while (!one.empty() && one.back() == '\n') one.pop_back();
+    items.push_back(std::move(one));
+  }
+  if (!pretty) return absl::StrCat("{\"checkpoints\":[", absl::StrJoin(items, ","), "]}\n");
+  if (items.empty()) return std::string("{\n \"checkpoints\": []\n}\n");
+  return absl::StrCat("{\n \"checkpoints\": [\n  ", absl::StrJoin(items, ",\n  "), "\n ]\n}\n");
+}
+
 std::string RenderCheckpoints(const v1::Job& j) {
   std::vector<std::vector<std::string>> rows;
   const int n = j.checkpoints_size();

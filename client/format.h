@@ -45,6 +45,9 @@ std::string HumanBytes(int64_t n);
 // The checkpoints a job keeps (Job.checkpoints), oldest first, one row
 // each: step, eval loss, size, path, and which is the best and the latest.
 std::string RenderCheckpoints(const v1::Job& job);
+// The same as JSON: {"checkpoints": [CheckpointInfo, ...]} (proto3 JSON
+// names), pretty or on one line, and nothing else of the job.
+absl::StatusOr<std::string> RenderCheckpointsJson(const v1::Job& job, bool pretty);
 // The rank grid of the ColoTensor document's figure (a row per dp replica,
 // a column per tp rank, each cell the rank and its worker), then every
 // group per axis.

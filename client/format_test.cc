@@ -47,6 +47,27 @@ TEST(RenderJson, UsesProto3JsonNames) {
   EXPECT_NE(json->find("\"state\":\"WORKER_STATE_LOST\""), std::string::npos) << *json;
 }
 
+// `checkpoints --output json` is the checkpoints alone, not a Job of
+// empty fields around them.
+TEST(RenderCheckpointsJson, IsTheCheckpointsAlone) {
+  v1::Job job;
+  job.set_job_id("job-000001");
+  job.set_state(v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(*RenderCheckpointsJson(job, false), "{\"checkpoints\":[]}\n");
+  v1::CheckpointInfo* c = job.add_checkpoints();
+  c->set_path("/ck/step-000002");
+  c->set_step(2);
+  c->set_eval_loss(1.5);
+  c->set_bytes(4096);
+  job.add_checkpoints()->set_step(4);
+  EXPECT_EQ(*RenderCheckpointsJson(job, false),
+            "{\"checkpoints\":[{\"path\":\"/ck/step-000002\",\"step\":\"2\",\"bytes\":\"4096\",\"evalLoss\":1.5},"
+            "{\"path\":\"\",\"step\":\"4\",\"bytes\":\"0\"}]}\n");
+  const std::string pretty = *RenderCheckpointsJson(job, true);
+  EXPECT_EQ(pretty.find("jobId"), std::string::npos) << pretty;
+  EXPECT_NE(pretty.find("\"checkpoints\": [\n  {\"path\":\"/ck/step-000002\""), std::string::npos) << pretty;
+}
+
 TEST(Sparkline, MapsTheRangeOntoEightLevelsAndAveragesLongSeries) {
   EXPECT_EQ(Sparkline({1, 2, 3, 4, 5, 6, 7, 8}, 60), "\u2581\u2582\u2583\u2584\u2585\u2586\u2587\u2588");
   EXPECT_EQ(Sparkline({5, 5, 5}, 60), "\u2581\u2581\u2581");
