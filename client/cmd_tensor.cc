@@ -16,6 +16,7 @@
 #include "client/commands.h"
 #include "client/format.h"
 #include "client/job_flags.h"
+#include "common/int_math.h"
 #include "common/json.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -58,6 +59,9 @@ absl::StatusOr<std::vector<int64_t>> ParseShape(const std::string& text) {
     shape.push_back(v);
   }
   if (shape.empty()) return absl::InvalidArgumentError("--shape is required, e.g. --shape 2,3,2");
+  if (!CheckedBytes(shape, sizeof(float)).has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("--shape: ", text, " floats take more than 2^63 bytes"));
+  }
   return shape;
 }
 
@@ -192,6 +196,12 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
   }
   if (sub != "create" && sub != "reshard") return Usage(absl::StrCat("tensor: unknown subcommand '", sub, "'"));
   if (int u = need(3, "JOB NAME")) return u;
+  std::vector<int64_t> shape;  // create's, checked before any call
+  if (sub == "create") {
+    absl::StatusOr<std::vector<int64_t>> parsed = ParseShape(absl::GetFlag(FLAGS_shape));
+    if (!parsed.ok()) return Usage(std::string(parsed.status().message()));
+    shape = *std::move(parsed);
+  }
   auto mesh = c.GetMesh(operands[1]);
   if (!mesh.ok()) return Fail(mesh.status());
   auto spec = ParseDistSpecText(absl::GetFlag(FLAGS_spec), *mesh);
@@ -200,13 +210,11 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
   if (sub == "reshard") {
     layout = c.SetDistSpec(operands[1], operands[2], *spec);
   } else {
-    auto shape = ParseShape(absl::GetFlag(FLAGS_shape));
-    if (!shape.ok()) return Usage(std::string(shape.status().message()));
     v1::CreateTensorRequest req;
     req.set_job_id(operands[1]);
     req.set_name(operands[2]);
     req.mutable_random()->set_seed(absl::GetFlag(FLAGS_seed));
-    for (int64_t d : *shape) req.mutable_random()->add_shape(d);
+    for (int64_t d : shape) req.mutable_random()->add_shape(d);
     req.mutable_random()->set_dtype(v1::DTYPE_F32);
     *req.mutable_dist_spec() = *spec;
     layout = c.CreateTensor(req);

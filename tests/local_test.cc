@@ -99,5 +99,18 @@ TEST(Local, AnEmptyCoordinatorIsAUsageErrorNotTheEmbeddedCluster) {
   }
 }
 
+// tensor create checks its --shape before any call: a missing or
+// overflowing one is a usage error (2) even where no coordinator answers.
+TEST(Local, TensorCreateChecksItsShapeBeforeAnyCall) {
+  for (const std::string& shape : {"", "--shape=4611686018427387904,4", "--shape=2,0"}) {
+    std::vector<std::string> argv = {Runfile("client/coloctl"), "--coordinator", "127.0.0.1:1", "--timeout", "2s",
+                                     "tensor", "create", "job-000001", "t"};
+    if (!shape.empty()) argv.push_back(shape);
+    const auto r = RunCommand(argv, std::getenv("TEST_TMPDIR"), absl::Seconds(30));
+    EXPECT_EQ(r.code, 2) << shape << ": " << r.err;
+    EXPECT_NE(r.err.find("--shape"), std::string::npos) << r.err;
+  }
+}
+
 }  // namespace
 }  // namespace colod
