@@ -182,7 +182,7 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   EXPECT_NE(floor.err.find("--min-lr: -0.5 is not >= 0 (or -1: lr / 10)"), std::string::npos) << floor.err;
   const auto bad = Coloctl({"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3",
                             "--dp", "3", "--batch-size", "4", "--seq-len", "32"});
-  EXPECT_EQ(bad.code, 1);
+  EXPECT_EQ(bad.code, 2) << bad.err;  // refused as the coordinator would, before anything starts
   EXPECT_NE(bad.err.find("data_parallel_size 3"), std::string::npos) << bad.err;
 }
 
@@ -320,7 +320,7 @@ TEST(Train, AnImageClassifierTrainsOnImagesAndLabels) {
   std::vector<std::string> no_labels = {"train", "--model", vit->dir, "--data", TempPath("images.npy"),
                                         "--steps", "1", "--batch-size", "4"};
   const auto r = Coloctl(no_labels);
-  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.code, 2) << r.err;  // a usage error: refused before any cluster starts
   EXPECT_NE(r.err.find("spec.train.labels_path: required for an image classifier"), std::string::npos) << r.err;
 }
 
@@ -363,7 +363,7 @@ TEST(Train, AnEncoderDecoderTrainsOnInputTargetPairs) {
   EXPECT_NE(Lines(before.out)[0]["loss"], Lines(after.out)[0]["loss"]);
   const auto r = Coloctl({"train", "--model", t5->dir, "--data", TempPath("t5_in.npy"), "--steps", "1",
                           "--batch-size", "4"});
-  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.code, 2) << r.err;  // a usage error: refused before any cluster starts
   EXPECT_NE(r.err.find("spec.train.labels_path: required for an encoder-decoder"), std::string::npos) << r.err;
 }
 
