@@ -28,12 +28,16 @@
 
 ABSL_FLAG(std::string, coordinator, "",
           "Coordinator HOST:PORT (an empty one is a usage error). Default: $COLOD_COORDINATOR, else "
-          "127.0.0.1:7070.");
-ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10), "Deadline of each call, e.g. 10s.");
+          "127.0.0.1:7070; forward and train without either run on an embedded cluster of their own.");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10),
+          "Deadline of each call, e.g. 10s. A tensor call, which the coordinator runs on every rank after the "
+          "job's calls before it, gets at least 60s.");
 ABSL_FLAG(std::string, output, "table", "Output format: table or json.");
-ABSL_FLAG(absl::Duration, watch_timeout, absl::Hours(24), "watch, submit --watch, train: give up after this long.");
+ABSL_FLAG(absl::Duration, watch_timeout, absl::Hours(24),
+          "watch, submit --watch, train, forward: give up after this long.");
 ABSL_FLAG(std::string, out, "",
-          "consolidate, init-model: the Hugging Face directory to write; tokenize: the dataset's PREFIX.");
+          "consolidate, init-model: the Hugging Face directory to write; tokenize: the dataset's PREFIX; "
+          "tensor get: a .npy file for the value.");
 
 namespace colod::cli {
 
@@ -77,6 +81,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> MakeClient(const std::string&
   }
   CoordinatorClient::Options options;
   options.timeout = absl::GetFlag(FLAGS_timeout);
+  options.tensor_timeout = std::max(options.timeout, options.tensor_timeout);
   auto security = SecurityFromFlags(/*token_from_env=*/true);
   if (!security.ok()) return security.status();
   options.tls = security->tls;

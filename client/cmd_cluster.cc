@@ -1,5 +1,5 @@
 // Commands that talk to a coordinator about its workers and jobs: workers,
-// submit, jobs, status, watch, cancel, mesh.
+// submit, jobs, status, checkpoints, watch, cancel, delete, mesh.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -16,6 +16,8 @@
 #include "client/job_file.h"
 #include "client/job_flags.h"
 #include "colod/v1/coordinator.pb.h"
+#include "common/json.h"
+#include "nlohmann/json.hpp"
 
 ABSL_FLAG(bool, all, false, "workers: also list workers whose lease expired (lost).");
 ABSL_FLAG(std::string, job_file, "",
@@ -164,6 +166,10 @@ int RunCancel(const std::vector<std::string>& operands) {
 int RunDelete(const std::vector<std::string>& operands) {
   return WithCoordinator([&](CoordinatorClient& client) {
     if (absl::Status s = client.DeleteJob(operands[0]); !s.ok()) return Fail(s);
+    if (JsonOutput()) {
+      std::printf("%s\n", JsonText({{"job_id", operands[0]}, {"deleted", true}}).c_str());
+      return 0;
+    }
     std::printf("%s deleted\n", operands[0].c_str());
     return 0;
   });
@@ -197,7 +203,8 @@ constexpr Command kCommands[] = {
      "              --max-restarts, default 3; 0 never) from its newest checkpoint (--save\n"
      "              DIR --save-every K), waiting up to --restart-wait (5m) for workers.\n",
      RunSubmit},
-    {"jobs", "", "  jobs        List jobs: id, name, state, layout, step, loss, reason. --state running,...\n",
+    {"jobs", "", "  jobs        List jobs: id, name, kind, state, layout, step, loss, updated, reason.\n"
+     "              --state running,... only those.\n",
      RunJobs},
     {"status", "JOB", "  status JOB  One job in detail (--output json: the Job).\n", RunStatus},
     {"checkpoints", "JOB",
@@ -215,7 +222,8 @@ constexpr Command kCommands[] = {
      RunCancel},
     {"delete", "JOB",
      "  delete JOB  Forget a job that ended: its record, events and request id (the coordinator's\n"
-     "              --job-retention does this by itself after a while). Cancel a running job first.\n",
+     "              --job-retention does this by itself after a while). Cancel a running job first.\n"
+     "              --output json: {\"job_id\": JOB, \"deleted\": true}.\n",
      RunDelete},
     {"mesh", "JOB",
      "  mesh JOB    The job's rank grid (a row per dp replica, a column per tp rank, each\n"

@@ -89,6 +89,10 @@ int RunHealth(const std::vector<std::string>& operands) {
 }
 
 int RunVersion(const std::vector<std::string>&) {
+  if (JsonOutput()) {
+    std::printf("%s\n", JsonText({{"version", kVersion}}).c_str());
+    return 0;
+  }
   std::printf("colod %s\n", kVersion);
   return 0;
 }
@@ -113,7 +117,7 @@ constexpr Command kCommands[] = {
      "              coordinator and no token; a TLS daemon needs --tls-ca (and --tls-cert\n"
      "              --tls-key for mutual TLS).\n",
      RunHealth},
-    {"version", "", "  version     Print the colod version.\n", RunVersion},
+    {"version", "", "  version     Print the colod version (--output json: {\"version\": ...}).\n", RunVersion},
 };
 
 }  // namespace

@@ -138,7 +138,7 @@ int RunTrain(const std::vector<std::string>&) {
 // init-model, tokenize, consolidate: coloctl-run's.
 int RunInProcessCommand(const std::vector<std::string>&) { return RunInProcess(); }
 
-// "80GiB", "24GB", "512MiB", "1073741824": bytes (GiB and GB alike are 2^30).
+// "80GiB", "24GB", "512MiB", "1073741824": bytes.
 // --memory-per-rank as the worker's --memory-limit reads it (ParseByteSize:
 // GB is 10^9, GiB 2^30), so that a layout plan says fits is one the workers
 // admit; a positive size.

@@ -7,7 +7,7 @@
 
 namespace colod::cli {
 
-// cmd_cluster.cc: workers, submit, jobs, status, watch, cancel, mesh.
+// cmd_cluster.cc: workers, submit, jobs, status, checkpoints, watch, cancel, delete, mesh.
 CommandGroup ClusterCommands();
 // cmd_tensor.cc: tensor demo/create/reshard/get/list/delete.
 CommandGroup TensorCommands();

@@ -41,6 +41,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(con
   if (options.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("timeout (the deadline of each call, --timeout): must be > 0");
   }
+  if (options.tensor_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("tensor_timeout (the deadline of each tensor call): must be > 0");
+  }
   if (options.watch_reconnect_limit <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("watch_reconnect_limit: must be > 0");
   }
@@ -56,6 +59,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(con
 
 void CoordinatorClient::SetDeadline(grpc::ClientContext& ctx) const {
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  AddAuthToken(ctx, options_.auth_token);
+}
+
+void CoordinatorClient::SetTensorDeadline(grpc::ClientContext& ctx) const {
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.tensor_timeout));
   AddAuthToken(ctx, options_.auth_token);
 }
 
@@ -215,7 +223,7 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
 
 absl::StatusOr<v1::TensorLayout> CoordinatorClient::CreateTensor(const v1::CreateTensorRequest& req) {
   grpc::ClientContext ctx;
-  SetDeadline(ctx);
+  SetTensorDeadline(ctx);
   v1::CreateTensorResponse resp;
   RETURN_IF_ERROR(Annotate(tensors_->CreateTensor(&ctx, req, &resp), address_, "CreateTensor"));
   return resp.layout();
@@ -224,7 +232,7 @@ absl::StatusOr<v1::TensorLayout> CoordinatorClient::CreateTensor(const v1::Creat
 absl::StatusOr<v1::TensorLayout> CoordinatorClient::SetDistSpec(const std::string& job_id, const std::string& name,
                                                                 const v1::DistSpec& spec) {
   grpc::ClientContext ctx;
-  SetDeadline(ctx);
+  SetTensorDeadline(ctx);
   v1::SetDistSpecRequest req;
   req.set_job_id(job_id);
   req.set_name(name);
@@ -237,7 +245,7 @@ absl::StatusOr<v1::TensorLayout> CoordinatorClient::SetDistSpec(const std::strin
 absl::StatusOr<v1::GetShardResponse> CoordinatorClient::GetShard(const std::string& job_id, const std::string& name,
                                                                  int rank) {
   grpc::ClientContext ctx;
-  SetDeadline(ctx);
+  SetTensorDeadline(ctx);
   v1::GetShardRequest req;
   req.set_job_id(job_id);
   req.set_name(name);
@@ -249,7 +257,7 @@ absl::StatusOr<v1::GetShardResponse> CoordinatorClient::GetShard(const std::stri
 
 absl::StatusOr<v1::TensorValue> CoordinatorClient::GetGlobal(const std::string& job_id, const std::string& name) {
   grpc::ClientContext ctx;
-  SetDeadline(ctx);
+  SetTensorDeadline(ctx);
   v1::GetGlobalRequest req;
   req.set_job_id(job_id);
   req.set_name(name);
@@ -260,7 +268,7 @@ absl::StatusOr<v1::TensorValue> CoordinatorClient::GetGlobal(const std::string& 
 
 absl::StatusOr<std::vector<v1::TensorLayout>> CoordinatorClient::ListTensors(const std::string& job_id) {
   grpc::ClientContext ctx;
-  SetDeadline(ctx);
+  SetTensorDeadline(ctx);
   v1::ListTensorsRequest req;
   req.set_job_id(job_id);
   v1::ListTensorsResponse resp;
@@ -270,7 +278,7 @@ absl::StatusOr<std::vector<v1::TensorLayout>> CoordinatorClient::ListTensors(con
 
 absl::Status CoordinatorClient::DeleteTensor(const std::string& job_id, const std::string& name) {
   grpc::ClientContext ctx;
-  SetDeadline(ctx);
+  SetTensorDeadline(ctx);
   v1::DeleteTensorRequest req;
   req.set_job_id(job_id);
   req.set_name(name);

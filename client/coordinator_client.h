@@ -20,8 +20,13 @@ namespace colod {
 class CoordinatorClient {
  public:
   struct Options {
-    // Deadline of each call.
+    // Deadline of each call, but TensorService's.
     absl::Duration timeout = absl::Seconds(10);
+    // Deadline of each TensorService call. The coordinator runs one on every
+    // rank of the job, with its own limit of 60 s, after the calls queued
+    // before it on the same job (docs/API.md): a shorter deadline ends a call
+    // that would have been answered.
+    absl::Duration tensor_timeout = absl::Seconds(60);
     // Bearer token sent with every call (--auth-token-file); empty: none.
     std::string auth_token;
     // TLS to the coordinator (its CA, and our cert + key for mutual TLS).
@@ -94,6 +99,7 @@ class CoordinatorClient {
   CoordinatorClient(std::string address, Options options, std::unique_ptr<v1::CoordinatorService::Stub> stub,
                     std::unique_ptr<v1::TensorService::Stub> tensors);
   void SetDeadline(grpc::ClientContext& ctx) const;
+  void SetTensorDeadline(grpc::ClientContext& ctx) const;
 
   const std::string address_;
   const Options options_;

@@ -68,8 +68,8 @@ ABSL_FLAG(bool, eval_only, false,
           "train: evaluate the model (or --resume's newest checkpoint) on the held-out data once and train "
           "nothing.");
 ABSL_FLAG(std::string, data_format, "auto",
-          "train: auto, uint16, uint32, npy, text, jsonl or megatron (PREFIX.bin + PREFIX.idx, Megatron-LM's indexed "
-          "dataset; auto picks it for a .bin with an .idx beside it).");
+          "train, tokenize: auto, uint16, uint32, npy, text, jsonl or megatron (PREFIX.bin + PREFIX.idx, "
+          "Megatron-LM's indexed dataset; auto picks it for a .bin with an .idx beside it).");
 ABSL_FLAG(int64_t, steps, 10, "train: optimizer steps.");
 ABSL_FLAG(int64_t, batch_size, 8, "train: sequences per step over all dp replicas (per pass with --grad-accum: a step reads batch-size x grad-accum).");
 ABSL_FLAG(int64_t, seq_len, 64, "train: tokens per sequence.");
@@ -85,7 +85,9 @@ ABSL_FLAG(std::string, optimizer, "adamw", "train: adamw or sgd.");
 ABSL_FLAG(double, weight_decay, 0.0, "train: AdamW's decoupled weight decay (SGD: L2 on the gradient).");
 ABSL_FLAG(double, momentum, 0.9, "train: SGD momentum.");
 ABSL_FLAG(double, clip_norm, 1.0, "train: clip the global gradient norm to this (0: no clipping).");
-ABSL_FLAG(uint64_t, seed, 1, "train: the data sampler's seed.");
+ABSL_FLAG(uint64_t, seed, 1,
+          "train: the data sampler's seed; init-model: the weights'; tensor create, tensor demo: the N(0,1) "
+          "values'.");
 ABSL_FLAG(std::string, precision, "auto",
           "train: auto (fp32 on CPUs, bf16 on CUDA devices), fp32, or bf16 / fp16 mixed precision (parameters "
           "and compute in 16 bits, f32 master weights and optimizer state).");
@@ -113,15 +115,18 @@ ABSL_FLAG(std::string, resume, "", "train: continue from the newest complete che
 ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run to --resume later).");
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
 ABSL_FLAG(std::string, device, "cpu",
-          "forward, train: cpu (ranks as threads over Gloo) or cuda (rank r on CUDA device r, over NCCL). "
+          "forward, train: cpu (a job on CPU worker daemons: --coordinator's, or an embedded cluster of worker "
+          "processes over Gloo) or cuda (rank r on this machine's CUDA device r, over NCCL; not with --coordinator, "
+          "whose workers' devices decide). "
           "plan: the workers the job is planned for (cuda: the fused attention). "
           "local: the workers' device (cuda: worker i on CUDA device i, a process each).");
 ABSL_FLAG(std::string, name, "", "submit, train: the job's name (default: the model directory's name).");
 ABSL_FLAG(int32_t, max_restarts, -1,
-          "submit: restarts after a failure (a lost worker, a failed rank) before the job fails; each restart "
-          "resumes from the newest checkpoint (set --save-every). Default (-1): the coordinator's default, 3.");
+          "submit, train on a cluster: restarts after a failure (a lost worker, a failed rank) before the job "
+          "fails; each restart resumes from the newest checkpoint (set --save-every). Default (-1): the "
+          "coordinator's default, 3.");
 ABSL_FLAG(absl::Duration, restart_wait, absl::ZeroDuration(),
-          "submit: how long a restarting job waits for enough workers before it fails (0: 5m).");
+          "submit, train on a cluster: how long a restarting job waits for enough workers before it fails (0: 5m).");
 ABSL_FLAG(absl::Duration, comm_timeout, absl::Seconds(60),
           "forward, train with --device cuda: how long a rendezvous or collective may take; a rank that stops "
           "taking part fails the run with DEADLINE_EXCEEDED after it.");

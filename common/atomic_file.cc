@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +11,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -19,6 +22,10 @@ namespace colod {
 absl::Status FileError(absl::string_view what, absl::string_view path, int err) {
   const std::string message = absl::StrCat(what, " '", path, "': ", std::strerror(err));
   if (err == ENOSPC || err == EDQUOT || err == EFBIG) return absl::ResourceExhaustedError(message);
+  if (err == EIO || err == ESTALE || err == EMFILE || err == ENFILE || err == ENOMEM || err == EINTR ||
+      err == EAGAIN) {
+    return absl::UnavailableError(message);
+  }
   return absl::FailedPreconditionError(message);
 }
 
@@ -171,7 +178,13 @@ absl::Status SyncFilesAndDirectory(const std::string& dir) {
 
 absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& dir) {
   DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return absl::NotFoundError(absl::StrCat("cannot list '", dir, "': ", std::strerror(errno)));
+  if (d == nullptr) {
+    const int err = errno;
+    if (err == ENOENT || err == ENOTDIR || err == EACCES || err == EPERM) {
+      return absl::NotFoundError(absl::StrCat("cannot list '", dir, "': ", std::strerror(err)));
+    }
+    return FileError("cannot list", dir, err);  // of the moment (EMFILE, EIO, ...): UNAVAILABLE
+  }
   std::vector<std::string> names;
   for (;;) {
     errno = 0;
@@ -186,6 +199,28 @@ absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& dir) {
     return absl::UnavailableError(absl::StrCat("listing '", dir, "' failed midway: ", std::strerror(err)));
   }
   return names;
+}
+
+absl::StatusOr<int> LockDirectory(const std::string& dir, absl::string_view flag, absl::string_view holder) {
+  if (dir.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": required"));
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::FailedPreconditionError(absl::StrCat(flag, ": cannot create '", dir, "': ", ec.message()));
+  const std::string lock_path = dir + "/LOCK";
+  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(flag, ": cannot open '", lock_path, "': ", std::strerror(errno)));
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    return absl::FailedPreconditionError(
+        absl::StrCat(flag, ": '", dir, "' is in use by another ", holder, " (", lock_path, " is locked)"));
+  }
+  const std::string pid = absl::StrCat(::getpid(), "\n");
+  if (::ftruncate(fd, 0) != 0 || ::write(fd, pid.data(), pid.size()) < 0) {
+    // Only a note for whoever looks: the lock is what counts.
+  }
+  return fd;
 }
 
 bool IsRegularFile(const std::string& path) {

@@ -25,8 +25,10 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 
 // A failed file operation as a status naming it, the path and errno's text:
 // RESOURCE_EXHAUSTED when the disk, a quota or the file size limit is full
-// (ENOSPC, EDQUOT, EFBIG), which may pass once space is freed; otherwise
-// FAILED_PRECONDITION.
+// (ENOSPC, EDQUOT, EFBIG), which may pass once space is freed; UNAVAILABLE
+// for an error of the moment that a retry may not meet (EIO, ESTALE: an NFS
+// handle gone stale, EMFILE, ENFILE, ENOMEM, EINTR, EAGAIN), which the
+// coordinator restarts a job after; otherwise FAILED_PRECONDITION.
 absl::Status FileError(absl::string_view what, absl::string_view path, int err);
 
 // The whole content of `path`, a regular file or a pipe (a shell's <(...)):
@@ -58,6 +60,13 @@ absl::Status SyncDirectory(const std::string& dir);
 // subdirectories and what cannot be read are left alone; returns how many
 // it removed.
 size_t RemoveOldestFiles(const std::string& dir, size_t keep);
+
+// Creates `dir` and takes an exclusive flock on DIR/LOCK (writing this
+// process's id in it), so that no second daemon shares the directory: the
+// returned descriptor holds the lock until it is closed (or the process
+// ends). FAILED_PRECONDITION naming `flag` (--data-dir) and saying that
+// another `holder` (coordinator) has it when the lock is taken.
+absl::StatusOr<int> LockDirectory(const std::string& dir, absl::string_view flag, absl::string_view holder);
 
 // Whether `path` names a regular file (following links).
 bool IsRegularFile(const std::string& path);

@@ -33,6 +33,10 @@ absl::StatusOr<StartedGrpcServer> StartGrpcServer(absl::string_view listen,
   builder.AddListeningPort(hp.ToString(), credentials != nullptr ? credentials : grpc::InsecureServerCredentials(),
                            &port);
   for (grpc::Service* service : services) builder.RegisterService(service);
+  // A port another server holds is refused, not shared: gRPC sets
+  // SO_REUSEPORT by default, so a second daemon on the same --listen would
+  // start and take half of the first one's connections.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // The pings of CreateKeepaliveChannel's clients (one a second at most).
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                              static_cast<int>(absl::ToInt64Milliseconds(kMinKeepaliveTime)));

@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/string_view.h"
+#include "common/text.h"
 
 namespace colod {
 namespace {
@@ -15,10 +16,22 @@ constexpr int64_t kMaxRetryAfterMs = 86'400'000;
 
 }  // namespace
 
+std::string StatusMessageForTheWire(absl::string_view message) {
+  // Printable ASCII travels as itself, every other byte as %XX.
+  const auto cost = [](char c) { return c >= 0x20 && c <= 0x7E && c != '%' ? 1 : 3; };
+  size_t encoded = 0;
+  for (char c : message) encoded += cost(c);
+  if (encoded <= kMaxEncodedStatusMessage) return std::string(message);
+  const std::string valid = ValidUtf8(message);
+  size_t keep = 0, used = 0;
+  while (keep < valid.size() && used + cost(valid[keep]) <= kMaxEncodedStatusMessage - 3) used += cost(valid[keep++]);
+  return Utf8Prefix(valid, keep + 3);  // "..." marks the cut
+}
+
 // absl::StatusCode and grpc::StatusCode share the canonical numbering (0..16).
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), StatusMessageForTheWire(status.message()));
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {

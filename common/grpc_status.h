@@ -2,7 +2,9 @@
 #ifndef COLOD_COMMON_GRPC_STATUS_H_
 #define COLOD_COMMON_GRPC_STATUS_H_
 
+#include <cstddef>
 #include <optional>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -12,7 +14,17 @@
 
 namespace colod {
 
-// Maps the canonical code one to one and keeps the message.
+// A status message travels in the call's trailers as grpc-message,
+// percent-encoded; trailers past the peer's limit (8 KiB by default in
+// gRPC 1.51) are dropped, and the caller sees RESOURCE_EXHAUSTED instead of
+// the real error. Encoded, a message keeps at most this many bytes.
+inline constexpr size_t kMaxEncodedStatusMessage = 4096;
+// `message` as the wire can carry it: whole when its encoding fits
+// kMaxEncodedStatusMessage, else valid UTF-8 cut to fit, ending "...".
+std::string StatusMessageForTheWire(absl::string_view message);
+
+// Maps the canonical code one to one and keeps the message
+// (StatusMessageForTheWire).
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 

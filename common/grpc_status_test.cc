@@ -18,5 +18,25 @@ TEST(GrpcStatus, RoundTripsEveryCanonicalCode) {
   EXPECT_EQ(ToGrpcStatus(absl::NotFoundError("job-1")).error_message(), "job-1");
 }
 
+TEST(GrpcStatus, AMessageIsCutToWhatTheTrailersCarry) {
+  const std::string fits(kMaxEncodedStatusMessage, 'a');
+  EXPECT_EQ(StatusMessageForTheWire(fits), fits);
+  const std::string longer = fits + "b";
+  const std::string cut = StatusMessageForTheWire(longer);
+  EXPECT_EQ(cut.size(), kMaxEncodedStatusMessage);
+  EXPECT_EQ(cut.substr(cut.size() - 3), "...");
+  // Bytes past printable ASCII take three each on the wire (%XX): a third
+  // of them fit, whole characters only, and what is not UTF-8 is replaced.
+  std::string accents;
+  for (int i = 0; i < 2000; ++i) accents += "\xC3\xA9";  // 4000 bytes, 12000 encoded
+  const std::string e = StatusMessageForTheWire(accents + "\xFF");
+  EXPECT_LE(e.size() * 3, kMaxEncodedStatusMessage + 6);
+  EXPECT_GT(e.size() * 3, kMaxEncodedStatusMessage - 12);
+  EXPECT_EQ(e.substr(e.size() - 3), "...");
+  EXPECT_EQ(e.substr(0, e.size() - 3), accents.substr(0, e.size() - 3));
+  EXPECT_EQ((e.size() - 3) % 2, 0u);  // not inside a character
+  EXPECT_EQ(ToGrpcStatus(absl::NotFoundError(longer)).error_message(), cut);
+}
+
 }  // namespace
 }  // namespace colod

@@ -4,10 +4,23 @@
 #ifndef COLOD_COMMON_LIMITS_H_
 #define COLOD_COMMON_LIMITS_H_
 
+#include <cstddef>
+
 namespace colod {
 
 // Ranks of one job (tp * dp), of one barrier, of one checkpoint.
 inline constexpr int kMaxWorldSize = 65536;
+
+// Labels of a job (JobSpec.labels) or a worker (WorkerInfo.labels): at
+// most this many, each key 1 to kMaxLabelKeyBytes bytes and each value at
+// most kMaxLabelValueBytes.
+inline constexpr int kMaxLabels = 64;
+inline constexpr size_t kMaxLabelKeyBytes = 128;
+inline constexpr size_t kMaxLabelValueBytes = 1024;
+
+// Each text a worker registers with the coordinator (WorkerInfo: address,
+// metrics address, host, device name, version, peak source), in bytes.
+inline constexpr size_t kMaxWorkerText = 512;
 
 }  // namespace colod
 

@@ -15,6 +15,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/atomic_file.h"
 #include "common/logging.h"
 #include "common/net.h"
 #include "common/status_macros.h"
@@ -25,33 +26,6 @@ namespace colod {
 namespace {
 
 constexpr char kServiceName[] = "colod.v1.CoordinatorService";
-
-// Creates `dir` and takes an exclusive flock on dir/LOCK; returns the fd.
-absl::StatusOr<int> LockDataDir(const std::string& dir) {
-  if (dir.empty()) return absl::InvalidArgumentError("--data-dir: required");
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("--data-dir: cannot create '", dir, "': ", ec.message()));
-  }
-  const std::string lock_path = dir + "/LOCK";
-  int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("--data-dir: cannot open '", lock_path, "': ", std::strerror(errno)));
-  }
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    ::close(fd);
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--data-dir: '", dir, "' is in use by another coordinator (", lock_path, " is locked)"));
-  }
-  std::string pid = absl::StrCat(::getpid(), "\n");
-  if (::ftruncate(fd, 0) != 0 || ::write(fd, pid.data(), pid.size()) < 0) {
-    COLOD_LOG(WARNING) << "cannot record the pid in " << lock_path;
-  }
-  return fd;
-}
 
 }  // namespace
 
@@ -111,7 +85,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   }
   if (options.max_active_jobs < 1) return absl::InvalidArgumentError("--max-active-jobs: must be >= 1");
   std::unique_ptr<Coordinator> c(new Coordinator(options));
-  ASSIGN_OR_RETURN(c->lock_fd_, LockDataDir(options.data_dir));
+  ASSIGN_OR_RETURN(c->lock_fd_, LockDirectory(options.data_dir, "--data-dir", "coordinator"));
 
   c->registry_ = std::make_shared<prometheus::Registry>();
   AddBuildInfo(*c->registry_, "coordinator");
@@ -125,7 +99,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
                         .Register(*c->registry_);
   c->heartbeat_age_ = &prometheus::BuildGauge()
                            .Name("colod_worker_heartbeat_age_seconds")
-                           .Help("Seconds since each registered worker's last heartbeat (updated every second).")
+                           .Help("Seconds since each registered worker's last heartbeat (updated every --heartbeat-interval, at least 4 times a second).")
                            .Register(*c->registry_);
   c->hangs_ = &prometheus::BuildCounter()
                     .Name("colod_collective_hangs_total")

@@ -554,6 +554,39 @@ TEST(CoordinatorClientWatch, AnUnreachableCoordinatorEndsTheWatchAfterTheReconne
   EXPECT_EQ(CoordinatorClient::Create("127.0.0.1:1", o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// An error echoing a huge input (a 100 KB job id) would not fit the call's
+// trailers, and the client would get RESOURCE_EXHAUSTED instead of the
+// error: it arrives as itself, its message cut.
+TEST_F(CoordinatorTest, AnErrorEchoingAHugeInputArrivesAsItself) {
+  const std::string id = "job-" + std::string(100000, '7');
+  const absl::Status s = client_->GetJob(id).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s.message().substr(0, 200);
+  EXPECT_NE(s.message().find("no job 'job-7777"), absl::string_view::npos) << s.message().substr(0, 200);
+  EXPECT_LT(s.message().size(), 5000u);
+}
+
+// Tensor calls have their own deadline (tensor_timeout, 60 s by default):
+// the coordinator runs each on every rank after the job's queued calls, so
+// the control calls' short deadline would end calls that would be answered.
+TEST_F(CoordinatorTest, TensorCallsTakeTheirOwnDeadline) {
+  CoordinatorClient::Options o;
+  o.timeout = absl::Nanoseconds(1);  // past before any call leaves
+  auto client = CoordinatorClient::Create(coordinator_->address(), o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_EQ((*client)->GetJob("job-000042").status().code(), absl::StatusCode::kDeadlineExceeded);
+  // Answered, under the 60 s deadline: no such job.
+  EXPECT_EQ((*client)->ListTensors("job-000042").status().code(), absl::StatusCode::kNotFound);
+  o.timeout = absl::Seconds(10);
+  o.tensor_timeout = absl::Nanoseconds(1);
+  client = CoordinatorClient::Create(coordinator_->address(), o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_EQ((*client)->ListTensors("job-000042").status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*client)->GetJob("job-000042").status().code(), absl::StatusCode::kNotFound);
+  o.tensor_timeout = absl::ZeroDuration();
+  EXPECT_EQ(CoordinatorClient::Create(coordinator_->address(), o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(CoordinatorTest, RendezvousStoreOverGrpc) {
   auto& stub = client_->stub();
   std::thread setter([&] {

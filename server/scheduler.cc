@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/proto_time.h"
+#include "common/text.h"
 #include "spec/job_validation.h"
 #include "server/placement.h"
 #include "spec/mesh.h"
@@ -20,21 +21,9 @@
 namespace colod {
 namespace {
 
-// What a rank's status or failure message keeps (the job's history and its
-// reason hold it): a worker's errors are far shorter; the rest is cut.
-constexpr size_t kMaxReportedMessageBytes = 16 << 10;
-
 // How often a waiting job's history records a new reason at most.
 constexpr absl::Duration kWaitingReasonInterval = absl::Seconds(30);
 
-// `text`'s first `max` bytes at most, cut before a UTF-8 sequence rather
-// than in one (a proto3 string must stay UTF-8), with "..." where cut.
-std::string Utf8Prefix(const std::string& text, size_t max) {
-  if (text.size() <= max) return text;
-  size_t cut = max - 3;
-  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
-  return absl::StrCat(text.substr(0, cut), "...");
-}
 
 // "attempt 1: ...; attempt 2: ..." from the job's recorded failures and
 // the last one.

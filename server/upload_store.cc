@@ -6,12 +6,14 @@
 #include <filesystem>
 #include <system_error>
 
+#include "absl/random/random.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "common/atomic_file.h"
 #include "common/logging.h"
 
@@ -21,10 +23,28 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool IsUploadId(absl::string_view name) {
+// The counter of an upload id, "upload-NNNNNN-" and 16 lowercase hex
+// digits (or "upload-NNNNNN", as ids were made before), or 0 where `name`
+// is not one.
+int64_t UploadCounter(absl::string_view name) {
+  if (!absl::ConsumePrefix(&name, "upload-")) return 0;
+  const size_t dash = name.find('-');
+  if (dash != absl::string_view::npos) {
+    const absl::string_view random = name.substr(dash + 1);
+    if (random.size() != 16) return 0;
+    for (char c : random) {
+      if (!absl::ascii_isdigit(c) && !(c >= 'a' && c <= 'f')) return 0;
+    }
+    name = name.substr(0, dash);
+  }
   int64_t n = 0;
-  return absl::StartsWith(name, "upload-") && absl::SimpleAtoi(name.substr(7), &n) && n > 0;
+  for (char c : name) {
+    if (!absl::ascii_isdigit(c)) return 0;
+  }
+  return absl::SimpleAtoi(name, &n) && n > 0 ? n : 0;
 }
+
+bool IsUploadId(absl::string_view name) { return UploadCounter(name) > 0; }
 
 // The bytes of `dir`'s regular files, and kFileBytes each (as an upload
 // counts them); what cannot be listed or sized counts 0.
@@ -71,9 +91,9 @@ absl::StatusOr<std::unique_ptr<UploadStore>> UploadStore::Open(const std::string
       if (ec) COLOD_LOG(WARNING) << "cannot remove the interrupted upload " << path << ": " << ec.message();
       continue;
     }
-    int64_t n = 0;
-    if (absl::StartsWith(name, "upload-") && absl::SimpleAtoi(name.substr(7), &n)) next = std::max(next, n + 1);
-    if (IsUploadId(name) && fs::is_directory(path, ec)) ids.push_back(name);
+    const int64_t n = UploadCounter(name);
+    if (n > 0) next = std::max(next, n + 1);
+    if (n > 0 && fs::is_directory(path, ec)) ids.push_back(name);
   }
   std::unique_ptr<UploadStore> store(new UploadStore(dir, next, limits, clock));
   absl::MutexLock lock(&store->mu_);
@@ -105,7 +125,7 @@ absl::StatusOr<std::unique_ptr<UploadStore::Writer>> UploadStore::Begin() {
         limits_.max_uploads, ": uploads no job names go an hour after they were made"));
   }
   ++writers_;
-  const std::string id = absl::StrFormat("upload-%06d", next_++);
+  const std::string id = absl::StrFormat("upload-%06d-%016x", next_++, absl::Uniform<uint64_t>(bits_));
   return std::unique_ptr<Writer>(new Writer(this, id, dir_ + "/" + id + ".tmp", dir_ + "/" + id));
 }
 

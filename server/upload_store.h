@@ -1,5 +1,9 @@
 // Models uploaded through the coordinator (UploadModel), kept in its data
-// directory as DIR/uploads/upload-NNNNNN/<files>. An upload is written into
+// directory as DIR/uploads/ID/<files>. An id is upload-NNNNNN-RRRRRRRRRRRRRRRR:
+// a counter and 64 random bits, so that no id names two contents, even
+// after the upload was collected and the coordinator restarted (its counter
+// starts after the uploads it still has), or on a coordinator with a new
+// data directory: a worker caches a download by its id (ModelCache). An upload is written into
 // a .tmp directory and renamed when complete, so a broken stream leaves
 // nothing that a job could name. Uploads are deduplicated by content
 // (SHA-256 over each file's name, size and bytes: DIR/uploads/upload-N.sha256
@@ -17,6 +21,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/random/random.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -141,6 +146,7 @@ class UploadStore {
   Clock* const clock_;
   mutable absl::Mutex mu_;
   int64_t next_ ABSL_GUARDED_BY(mu_);
+  absl::BitGen bits_ ABSL_GUARDED_BY(mu_);  // the ids' random part
   std::map<std::string, Stored> stored_ ABSL_GUARDED_BY(mu_);        // by upload id
   std::map<std::string, std::string> by_sha_ ABSL_GUARDED_BY(mu_);  // sha256 -> upload id
   int64_t stored_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -3,8 +3,12 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
+#include <set>
 #include <sstream>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "common/clock.h"
 #include "tests/testing/full_disk.h"
@@ -44,13 +48,13 @@ TEST(UploadStore, WritesFilesFromOrderedChunksAndPublishesWhole) {
   ASSERT_TRUE(w->Add(Chunk("config.json", 0, "{}")).ok());
   ASSERT_TRUE(w->Add(Chunk("model.safetensors", 0, "abc")).ok());
   ASSERT_TRUE(w->Add(Chunk("model.safetensors", 3, "def")).ok());
-  EXPECT_FALSE((*store)->Exists("upload-000001"));  // not before Finish
   auto done = w->Finish();
   ASSERT_TRUE(done.ok()) << done.status();
-  EXPECT_EQ(done->upload_id(), "upload-000001");
+  const std::string first = done->upload_id();
+  EXPECT_TRUE(std::regex_match(first, std::regex("upload-000001-[0-9a-f]{16}"))) << first;
   EXPECT_EQ(done->bytes(), 8);
-  EXPECT_TRUE((*store)->Exists("upload-000001"));
-  EXPECT_EQ(Read(dir + "/upload-000001/model.safetensors"), "abcdef");
+  EXPECT_TRUE((*store)->Exists(first));
+  EXPECT_EQ(Read(dir + "/" + first + "/model.safetensors"), "abcdef");
 
   // Out of order, a path, a file again: refused; the broken upload leaves nothing.
   auto bad = Begin(**store);
@@ -61,18 +65,64 @@ TEST(UploadStore, WritesFilesFromOrderedChunksAndPublishesWhole) {
   ASSERT_TRUE(bad->Add(Chunk("b.safetensors", 0, "y")).ok());
   EXPECT_EQ(bad->Add(Chunk("a.safetensors", 0, "z")).code(), absl::StatusCode::kInvalidArgument);
   bad.reset();
-  EXPECT_FALSE((*store)->Exists("upload-000002"));
-  EXPECT_FALSE(std::filesystem::exists(dir + "/upload-000002.tmp"));
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    EXPECT_TRUE(name == first || name == first + ".sha256") << name;
+  }
   EXPECT_EQ(Begin(**store)->Finish().status().code(), absl::StatusCode::kInvalidArgument);  // no files
 
   // Reopened, it knows its uploads and numbers on after them.
   auto again = UploadStore::Open(dir);
   ASSERT_TRUE(again.ok());
-  EXPECT_TRUE((*again)->Exists("upload-000001"));
+  EXPECT_TRUE((*again)->Exists(first));
+  EXPECT_FALSE((*again)->Exists("upload-000001"));
   EXPECT_EQ((*again)->Path("../etc").status().code(), absl::StatusCode::kNotFound);
   auto next = Begin(**again);
   ASSERT_TRUE(next->Add(Chunk("model.safetensors", 0, "q")).ok());
-  EXPECT_EQ(next->Finish()->upload_id(), "upload-000002");  // failed uploads left no id behind
+  const std::string second = next->Finish()->upload_id();
+  EXPECT_TRUE(absl::StartsWith(second, "upload-000002-")) << second;  // failed uploads left no id behind
+}
+
+// A worker keeps a download by its upload's id: an id must never name two
+// contents. A collected upload's counter comes again after a restart, and
+// a coordinator with a new data directory counts from 1; the ids differ
+// all the same. Ids made before the random part are still read.
+TEST(UploadStore, NoIdNamesTwoContentsAfterACollectionRestartOrNewDataDirectory) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-never-reused";
+  FakeClock clock;
+  std::set<std::string> ids;
+  for (int restart = 0; restart < 3; ++restart) {
+    auto store = UploadStore::Open(dir, UploadLimits(), &clock);
+    ASSERT_TRUE(store.ok()) << store.status();
+    auto w = Begin(**store);
+    ASSERT_TRUE(w->Add(Chunk("model.safetensors", 0, absl::StrCat("weights of run ", restart))).ok());
+    auto done = w->Finish();
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_TRUE(absl::StartsWith(done->upload_id(), "upload-000001-")) << done->upload_id();
+    EXPECT_TRUE(ids.insert(done->upload_id()).second) << done->upload_id();
+    clock.Advance(absl::Hours(2));
+    EXPECT_EQ((*store)->CollectGarbage({}, absl::Hours(1)), std::vector<std::string>{done->upload_id()});
+  }
+  std::filesystem::remove_all(dir);
+  auto fresh = UploadStore::Open(dir, UploadLimits(), &clock);
+  ASSERT_TRUE(fresh.ok());
+  auto w = Begin(**fresh);
+  ASSERT_TRUE(w->Add(Chunk("model.safetensors", 0, "a new data directory's")).ok());
+  EXPECT_TRUE(ids.insert(w->Finish()->upload_id()).second);
+
+  // An upload stored under an id of the earlier form is found, and counted.
+  std::filesystem::create_directories(dir + "/upload-000041");
+  std::ofstream(dir + "/upload-000041/model.safetensors") << "old";
+  auto reopened = UploadStore::Open(dir, UploadLimits(), &clock);
+  ASSERT_TRUE(reopened.ok());
+  EXPECT_TRUE((*reopened)->Exists("upload-000041"));
+  auto after = Begin(**reopened);
+  ASSERT_TRUE(after->Add(Chunk("model.safetensors", 0, "newer")).ok());
+  EXPECT_TRUE(absl::StartsWith(after->Finish()->upload_id(), "upload-000042-"));
+  for (const char* bad : {"upload-000041-", "upload-000041-0123456789ABCDEF", "upload-000041-0123456789abcde",
+                          "upload-0-0123456789abcdef", "upload--1", "upload-000041.sha256"}) {
+    EXPECT_FALSE((*reopened)->Exists(bad)) << bad;
+  }
 }
 
 // A disk that fills during an upload: the chunk that does not fit is
@@ -139,7 +189,7 @@ TEST(UploadStore, IdenticalUploadsAreStoredOnce) {
   auto reopened = UploadStore::Open(dir);
   ASSERT_TRUE(reopened.ok());
   EXPECT_EQ((*reopened)->bytes(), 27 + 6 * kFile);
-  EXPECT_EQ(upload(**reopened, "model.safetensors", "weights").upload_id(), "upload-000001");
+  EXPECT_TRUE(absl::StartsWith(upload(**reopened, "model.safetensors", "weights").upload_id(), "upload-000001-"));
 }
 
 TEST(UploadStore, QuotasRefuseAndReleaseBytesAndCount) {

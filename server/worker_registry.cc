@@ -16,6 +16,19 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
     return absl::InvalidArgumentError(
         "worker.worker_id: must be empty; the coordinator assigns worker ids");
   }
+  // What the registry keeps of a worker is bounded, so that every
+  // ListWorkers answer, heartbeat and placement stays small however many
+  // workers register (a host name is at most 253 bytes).
+  const std::pair<const char*, const std::string*> texts[] = {
+      {"address", &info.address()}, {"metrics_address", &info.metrics_address()},
+      {"host", &info.host()},       {"device_name", &info.device_name()},
+      {"version", &info.version()}, {"peak.source", &info.peak().source()}};
+  for (const auto& [name, text] : texts) {
+    if (text->size() > kMaxWorkerText) {
+      return absl::InvalidArgumentError(absl::StrCat("worker.", name, ": ", text->size(), " bytes, more than ",
+                                                     kMaxWorkerText));
+    }
+  }
   RETURN_IF_ERROR(ParseHostPort(info.address(), "worker.address", /*allow_zero_port=*/false).status());
   if (!info.metrics_address().empty()) {
     RETURN_IF_ERROR(
@@ -27,6 +40,17 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   }
   if (info.memory_bytes() < 0) {
     return absl::InvalidArgumentError("worker.memory_bytes: must be >= 0");
+  }
+  if (info.labels_size() > kMaxLabels) {
+    return absl::InvalidArgumentError(absl::StrCat("worker.labels: ", info.labels_size(), " labels, more than ",
+                                                   kMaxLabels));
+  }
+  for (const auto& [key, value] : info.labels()) {
+    if (key.empty() || key.size() > kMaxLabelKeyBytes || value.size() > kMaxLabelValueBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("worker.labels: keys take 1 to ", kMaxLabelKeyBytes,
+                                                     " bytes and values at most ", kMaxLabelValueBytes, "; '",
+                                                     key.substr(0, 64), "' does not fit"));
+    }
   }
   // A device's peak, 0 (unknown) or up to 1e18 FLOP/s (a thousand times
   // the largest GPU's): what a job's MFU divides by.

@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "colod/v1/worker.pb.h"
 #include "common/clock.h"
+#include "common/limits.h"
 
 namespace colod {
 
@@ -45,7 +46,7 @@ class WorkerRegistry {
   };
 
   // Validates `info` (address HOST:PORT with port 1..65535, device_ordinal >= 0,
-  // worker_id empty) and adds the worker. A registration with the address of a
+  // worker_id empty, the bounds of common/limits.h) and adds the worker. A registration with the address of a
   // known worker replaces it (the daemon restarted). INVALID_ARGUMENT naming
   // the field otherwise.
   absl::StatusOr<Registration> Register(const v1::WorkerInfo& info,

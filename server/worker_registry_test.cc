@@ -61,12 +61,45 @@ TEST_F(WorkerRegistryTest, RejectsMalformedRegistrationsNamingTheField) {
   v1::WorkerInfo metrics = Info("h:1");
   metrics.set_metrics_address("h:");
   cases.push_back({metrics, "worker.metrics_address"});
+  const std::string long_text(kMaxWorkerText + 1, 'x');
+  v1::WorkerInfo long_host = Info("h:1");
+  long_host.set_host(long_text);
+  cases.push_back({long_host, "worker.host"});
+  cases.push_back({Info(long_text + ":1"), "worker.address"});
+  v1::WorkerInfo long_name = Info("h:1");
+  long_name.set_device_name(long_text);
+  cases.push_back({long_name, "worker.device_name"});
+  v1::WorkerInfo long_version = Info("h:1");
+  long_version.set_version(long_text);
+  cases.push_back({long_version, "worker.version"});
+  v1::WorkerInfo long_source = Info("h:1");
+  long_source.mutable_peak()->set_source(long_text);
+  cases.push_back({long_source, "worker.peak.source"});
+  v1::WorkerInfo long_label = Info("h:1");
+  (*long_label.mutable_labels())["zone"] = std::string(kMaxLabelValueBytes + 1, 'v');
+  cases.push_back({long_label, "worker.labels"});
+  v1::WorkerInfo empty_key = Info("h:1");
+  (*empty_key.mutable_labels())[""] = "a";
+  cases.push_back({empty_key, "worker.labels"});
+  v1::WorkerInfo many_labels = Info("h:1");
+  for (int i = 0; i <= kMaxLabels; ++i) (*many_labels.mutable_labels())["k" + std::to_string(i)] = "v";
+  cases.push_back({many_labels, "worker.labels"});
   for (const Case& c : cases) {
     auto r = registry_.Register(c.info);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.info.ShortDebugString();
     EXPECT_NE(r.status().message().find(c.field), absl::string_view::npos) << r.status();
   }
   EXPECT_TRUE(registry_.List(true).empty());
+  // At the bounds, accepted.
+  v1::WorkerInfo full = Info("h:1");
+  const std::string at_bound(kMaxWorkerText, 'y');
+  full.set_host(at_bound);
+  full.set_device_name(at_bound);
+  for (int i = 0; i < kMaxLabels; ++i) {
+    (*full.mutable_labels())[std::to_string(i) + std::string(kMaxLabelKeyBytes - 2, 'k')] =
+        std::string(kMaxLabelValueBytes, 'v');
+  }
+  EXPECT_TRUE(registry_.Register(full).ok());
 }
 
 TEST_F(WorkerRegistryTest, LeaseExpiryMarksLostAndForcesReRegistration) {

@@ -348,8 +348,8 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   if (spec.name().size() > kMaxJobNameBytes) {
     return Invalid("spec", "name", absl::StrCat(spec.name().size(), " bytes; at most ", kMaxJobNameBytes));
   }
-  if (spec.labels_size() > kMaxJobLabels) {
-    return Invalid("spec", "labels", absl::StrCat(spec.labels_size(), " labels; at most ", kMaxJobLabels));
+  if (spec.labels_size() > kMaxLabels) {
+    return Invalid("spec", "labels", absl::StrCat(spec.labels_size(), " labels; at most ", kMaxLabels));
   }
   for (const auto& [key, value] : spec.labels()) {
     if (key.empty() || key.size() > kMaxLabelKeyBytes || value.size() > kMaxLabelValueBytes) {

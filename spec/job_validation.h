@@ -16,9 +16,7 @@ namespace colod {
 
 // Bounds on what every ListJobs lists with each job.
 inline constexpr size_t kMaxJobNameBytes = 256;
-inline constexpr int kMaxJobLabels = 64;
-inline constexpr size_t kMaxLabelKeyBytes = 128;
-inline constexpr size_t kMaxLabelValueBytes = 1024;
+// Labels: kMaxLabels, kMaxLabelKeyBytes and kMaxLabelValueBytes (common/limits.h).
 // A SubmitJob's request_id.
 inline constexpr size_t kMaxRequestIdBytes = 256;
 

@@ -8,7 +8,9 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -104,6 +106,29 @@ TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
   }
   EXPECT_EQ(json_addresses, addresses);
 
+  // A job's life through coloctl: submitted, cancelled, deleted (JSON).
+  const std::vector<std::string> base = {Runfile(kColoctl), "--coordinator", coordinator.grpc};
+  auto with = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), base.begin(), base.end());
+    return RunCommand(args, TempPath(""));
+  };
+  auto submitted = with({"submit", "--kind", "tensor", "--tp", "2", "--dp", "1"});
+  ASSERT_EQ(submitted.code, 0) << submitted.err;
+  const std::string job_id(absl::StripAsciiWhitespace(submitted.out));
+  auto running_delete = with({"delete", job_id, "--output", "json"});
+  EXPECT_EQ(running_delete.code, 1) << running_delete.out;  // not ended: FAILED_PRECONDITION
+  EXPECT_TRUE(running_delete.out.empty()) << running_delete.out;
+  auto cancelled = with({"cancel", job_id, "--output", "json"});
+  ASSERT_EQ(cancelled.code, 0) << cancelled.err;
+  EXPECT_EQ(nlohmann::json::parse(cancelled.out, nullptr, false)["state"], "JOB_STATE_CANCELLED") << cancelled.out;
+  auto deleted = with({"delete", job_id, "--output", "json"});
+  ASSERT_EQ(deleted.code, 0) << deleted.err;
+  EXPECT_EQ(nlohmann::json::parse(deleted.out, nullptr, false), (nlohmann::json{{"job_id", job_id}, {"deleted", true}}))
+      << deleted.out;
+  auto gone = with({"status", job_id});
+  EXPECT_EQ(gone.code, 1);
+  EXPECT_TRUE(absl::StrContains(gone.err, job_id)) << gone.err;
+
   // A stopped worker exits 0 on SIGTERM, and the coordinator on SIGINT.
   w1.process->Signal(SIGTERM);
   EXPECT_EQ(w1.process->Wait(absl::Seconds(20)), 0) << testing::ReadFile(w1.log);
@@ -125,6 +150,12 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
     EXPECT_EQ(version.code, 0);
     EXPECT_TRUE(absl::StartsWith(version.out, "colod ")) << version.out;
   }
+  auto plain = RunCommand({Runfile(kColoctl), "version"}, TempPath(""));
+  auto as_json = RunCommand({Runfile(kColoctl), "version", "--output", "json"}, TempPath(""));
+  ASSERT_EQ(as_json.code, 0) << as_json.err;
+  const nlohmann::json version = nlohmann::json::parse(as_json.out, nullptr, false);
+  ASSERT_TRUE(version.contains("version")) << as_json.out;
+  EXPECT_EQ(plain.out, absl::StrCat("colod ", version["version"].get<std::string>(), "\n"));
   auto coord_help = RunCommand({Runfile(kCoordinator), "--help"}, TempPath(""));
   for (const char* flag : {"--listen", "--metrics-listen", "--data-dir"}) {
     EXPECT_TRUE(absl::StrContains(coord_help.out, flag)) << flag;
@@ -143,6 +174,17 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
     EXPECT_NE(bad_peak.code, 0) << peak;
     EXPECT_TRUE(absl::StrContains(bad_peak.err, "--peak-tflops: must be 0 (the datasheet's) or in [1e-6, 1e6] TFLOP/s"))
         << bad_peak.err;
+  }
+
+  // Labels the coordinator would refuse at every registration are refused at start.
+  std::string many;
+  for (int i = 0; i <= 64; ++i) absl::StrAppend(&many, many.empty() ? "" : ",", "k", i, "=v");
+  for (const std::string& labels : {many, "zone=" + std::string(1025, 'a'), std::string(129, 'k') + "=v"}) {
+    auto bad_labels = RunCommand({Runfile(kWorker), "--labels", labels, "--listen", "127.0.0.1:0",
+                                  "--metrics-listen", "127.0.0.1:0", "--device", "cpu"},
+                                 TempPath(""));
+    EXPECT_EQ(bad_labels.code, 2) << labels.size();
+    EXPECT_TRUE(absl::StrContains(bad_labels.err, "--labels: ")) << bad_labels.err;
   }
 
   auto no_dir = RunCommand({Runfile(kCoordinator), "--listen", "127.0.0.1:0", "--metrics-listen",

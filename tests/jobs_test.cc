@@ -1164,14 +1164,18 @@ TEST_F(JobsTest, ACoordinatorKilledWhileRanksTrainLeavesNoHoleInTheHistory) {
     EXPECT_EQ(losses[i + 1], want[i]) << "step " << i + 1;
   }
   EXPECT_EQ(done->step(), 40);
-  // The last checkpoint is the last generation's, written through its own
+  // The last checkpoint is this job's, written through its generation's
   // temporary directory (the worker passes the job and generation down),
-  // and no temporary directory is left.
+  // and no temporary directory is left. Which generation wrote it depends
+  // on the machine: unheard, the first generation's ranks may train to the
+  // end before the coordinator is back (the next then resumes at step 40
+  // and trains nothing); otherwise the last one does.
   std::ifstream state_file(TempPath("ck-hole") + "/step-000040/train_state.json");
   const nlohmann::json state = nlohmann::json::parse(state_file, nullptr, /*allow_exceptions=*/false);
   ASSERT_TRUE(state.is_object()) << Logs();
   EXPECT_EQ(state.value("job", ""), absl::StrCat(job->job_id(), "_", job->uid()));
-  EXPECT_EQ(state.value("generation", int64_t{0}), done->generation());
+  EXPECT_GE(state.value("generation", int64_t{0}), 1);
+  EXPECT_LE(state.value("generation", int64_t{0}), done->generation());
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(TempPath("ck-hole"), ec)) {
     EXPECT_FALSE(absl::EndsWith(entry.path().filename().string(), ".tmp")) << entry.path();

@@ -192,6 +192,12 @@ absl::StatusOr<DistSpec> NormalizeSpec(const DistSpec& spec, const DeviceMesh& m
         if (p.num_partitions[i] < 1) {
           return absl::InvalidArgumentError(absl::StrCat("shard on axis ", axis, ": num_partitions must be >= 1"));
         }
+        // Never past the axis size: a product that wrapped could match it.
+        if (p.num_partitions[i] > *size / product) {
+          return absl::InvalidArgumentError(absl::StrCat("shard on axis ", axis,
+                                                         ": num_partitions multiply to more than the axis's ", *size,
+                                                         " ranks"));
+        }
         product *= p.num_partitions[i];
       }
       if (product != *size) {

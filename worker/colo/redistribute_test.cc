@@ -103,6 +103,13 @@ TEST(NormalizeSpec, RejectsOverlappingAxesAndRepeatedDims) {
   auto twice = NormalizeSpec(DistSpec().Set("tp", Placement::Shard({0, -2}, {2, 2})), mesh, 2);
   EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(twice.status().message().find("dim 0 is listed twice"), absl::string_view::npos) << twice.status();
+  // Partition counts whose product wraps int64 to the axis size (4): 4 * 5 *
+  // 5581 * 8681 * 49477 * 384773 is 2^64 + 4.
+  auto wrapped = NormalizeSpec(
+      DistSpec().Set("tp", Placement::Shard({0, 1, 2, 3, 4, 5}, {4, 5, 5581, 8681, 49477, 384773})), mesh, 6);
+  EXPECT_EQ(wrapped.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(wrapped.status().message().find("multiply to more than the axis's 4 ranks"), absl::string_view::npos)
+      << wrapped.status();
   auto ok = NormalizeSpec(DistSpec().Set("tp_col", Placement::Shard({-1}, {2})), mesh, 2);
   ASSERT_TRUE(ok.ok());
   EXPECT_EQ(ok->Get("tp_col").dims, (std::vector<int64_t>{1}));

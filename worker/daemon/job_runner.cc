@@ -15,8 +15,10 @@
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
 #include "common/host_memory.h"
+#include "common/int_math.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "common/text.h"
 #include "kernels/device.h"
 #include "spec/job_validation.h"
 #include "spec/mesh.h"
@@ -61,6 +63,31 @@ absl::Status AdmitModel(const v1::AssignJobRequest& req, int64_t memory_bytes) {
   return absl::ResourceExhaustedError(absl::StrCat(
       "the model needs ", DescribeMemoryFloor(floor),
       "; this worker has ", GiB(memory_bytes)));
+}
+
+// A forward's logits, [batch, seq, vocab] in f32 (an image classifier's
+// [batch, labels]), are gathered whole on every rank and copied to the
+// host: with the model, within the worker's memory, or the rank would fail
+// at an allocation (or a CPU worker be killed for it) after minutes of work.
+// The input's size is known only here, once it is read.
+absl::Status AdmitForwardLogits(const v1::AssignJobRequest& req, const shardformer::ForwardRequest& forward,
+                                const ModelConfig& config, int64_t memory_bytes) {
+  if (memory_bytes <= 0) return absl::OkStatus();
+  Shape logits = {forward.input.shape()[0]};
+  if (!config.takes_images()) {
+    logits.push_back(forward.decoder_input.has_value() ? forward.decoder_input->shape()[1] : forward.input.shape()[1]);
+  }
+  logits.push_back(config.vocab_size);
+  const std::optional<int64_t> one = CheckedBytes(logits, static_cast<int64_t>(sizeof(float)));
+  const RankMemoryFloor floor =
+      MemoryFloorFromProto(req.has_memory_floor() ? req.memory_floor() : JobMemoryFloor(req.spec()));
+  const std::optional<int64_t> two = one.has_value() ? CheckedMul(*one, 2) : std::nullopt;
+  const std::optional<int64_t> need = two.has_value() ? CheckedAdd(*two, floor.total_bytes) : std::nullopt;
+  if (need.has_value() && *need <= memory_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the forward's logits ", ShapeToString(logits), " take ", one.has_value() ? GiB(*one) : "over 8 EiB",
+      " (twice: gathered on every rank and copied to the host), with the model's ", GiB(floor.total_bytes),
+      "; this worker has ", GiB(memory_bytes), ": split the input into smaller batches"));
 }
 
 }  // namespace
@@ -148,13 +175,15 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   if (thread_.joinable()) thread_.join();  // the previous rank's thread has ended (active_ is cleared last)
   ProgressReporter::Options reporting{options_.coordinator, options_.auth_token, options_.rpc_timeout,
                                       options_.worker_id};
-  auto active = std::make_shared<Active>(req, std::move(reporting));
-  // The thread first: a worker that cannot start one stays idle, not busy
-  // with a rank that never runs. Run takes mu_ before it touches active_.
+  std::shared_ptr<Active> active;
+  // The threads first (the reporter's, then the rank's): a worker that
+  // cannot start them stays idle, not busy with a rank that never runs. Run
+  // takes mu_ before it touches active_.
   try {
+    active = std::make_shared<Active>(req, std::move(reporting));
     thread_ = std::thread([this, active] { Run(active); });
   } catch (const std::system_error& e) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot start the rank's thread: ", e.what()));
+    return absl::ResourceExhaustedError(absl::StrCat("cannot start the rank's threads: ", e.what()));
   }
   active_ = active;
   return absl::OkStatus();
@@ -267,7 +296,12 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   ::malloc_trim(0);
   {
     absl::MutexLock lock(&mu_);
-    if (!s.ok()) last_error_ = absl::StrCat(req.job_id(), " rank ", req.rank(), ": ", s.ToString());
+    // Sent in every heartbeat: valid UTF-8 (an error may quote a file's
+    // bytes; a message that is not would fail every heartbeat) and bounded.
+    if (!s.ok()) {
+      last_error_ = Utf8Prefix(absl::StrCat(req.job_id(), " rank ", req.rank(), ": ", s.ToString()),
+                               kMaxReportedMessageBytes);
+    }
     if (!device.ok()) device_lost_ = device;
     active_.reset();
   }
@@ -306,7 +340,7 @@ absl::Status JobRunner::RunRank(Active& active) {
     if (reporter.Phase(v1::RANK_PHASE_LOADING, "opening the model and the data")) {
       return absl::AbortedError("the job no longer runs");
     }
-    RETURN_IF_ERROR(models_.Materialize(req.spec().model(), dir + "/model", *active.abort));
+    RETURN_IF_ERROR(models_.Materialize(req.spec().model(), dir + "/model", *active.abort, options_.paths));
   }
   if (training) {
     ASSIGN_OR_RETURN(train::TrainOptions options,
@@ -319,6 +353,8 @@ absl::Status JobRunner::RunRank(Active& active) {
     // the bare id's that a worker from before the uid wrote (a rolling
     // upgrade).
     if (req.resume_own_checkpoints()) options.resume_writers = std::vector<std::string>{options.job, req.job_id()};
+    // An abort or a shutdown ends the tokenizing of a large text corpus.
+    options.stopped = [&active] { return active.stop.load() || active.abort->fired(); };
     ASSIGN_OR_RETURN(run, train::PrepareTrain(options));
     options.shard.device = shard.device;
     shard = options.shard;
@@ -418,7 +454,8 @@ absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shard
     }
     request.decoder_input = *decoder;
   }
-  RETURN_IF_ERROR(shardformer::CheckForward(request).status());
+  ASSIGN_OR_RETURN(const ModelConfig config, shardformer::CheckForward(request));
+  RETURN_IF_ERROR(AdmitForwardLogits(active.request, request, config, options_.memory_bytes));
   if (active.reporter.Phase(v1::RANK_PHASE_RUNNING, "forward pass")) return absl::AbortedError("the job no longer runs");
   ASSIGN_OR_RETURN(shardformer::ForwardResult out, shardformer::ForwardRank(request, pg, shard));
   if (pg.rank() != 0) return absl::OkStatus();

@@ -10,6 +10,7 @@
 #include "common/security_flags.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "common/serve.h"
 #include "kernels/cpu/layer_ops.h"
@@ -29,12 +30,13 @@ ABSL_FLAG(std::string, device, "auto",
           "auto (CUDA when built with CUDA and the GPU exists, else CPU), cpu, or cuda.");
 ABSL_FLAG(int, device_ordinal, 0, "GPU index this worker uses (one worker per GPU).");
 ABSL_FLAG(std::string, labels, "",
-          "Labels registered with the worker and listed by the coordinator, e.g. zone=a,rack=r12.");
+          "Labels registered with the worker and listed by the coordinator, e.g. zone=a,rack=r12 (at most 64; "
+          "keys up to 128 bytes, values up to 1024).");
 ABSL_FLAG(std::string, work_dir, "",
           "Scratch directory for job ranks (each gets a subdirectory, removed when it ends). Default: a "
           "fresh directory under $TMPDIR (or /tmp), removed at exit.");
 ABSL_FLAG(absl::Duration, comm_timeout, absl::Minutes(2),
-          "How long a job rank waits for its peers to connect and for each collective before it fails.");
+          "How long a job rank waits for its peers to connect and for each collective before it fails (1s to 24h).");
 ABSL_FLAG(absl::Duration, metrics_linger, absl::Minutes(1),
           "How long a job rank's metrics (step times, tokens, loss, collectives) stay on /metrics after the "
           "rank ended, so that a scrape sees its final values; then they are removed.");
@@ -44,7 +46,7 @@ ABSL_FLAG(std::vector<std::string>, allow_path, {},
           "allows every path this worker's user can open (logged at start).");
 ABSL_FLAG(std::string, memory_limit, "",
           "Memory a job rank may use, e.g. 8GiB or 512MiB; reported to the coordinator, which places no rank "
-          "here whose model needs more (parameters, gradients, optimizer state), and checked again before a rank "
+          "here whose model needs more (parameters, gradients, optimizer state, and a training rank's activations), and checked again before a rank "
           "allocates. Default: the GPU's memory, or the host's (its cgroup's limit in a container).");
 ABSL_FLAG(double, peak_tflops, 0,
           "The device's dense peak in TFLOP/s for the dtype its jobs train in, for the jobs' MFU (coloctl "
@@ -130,7 +132,16 @@ int main(int argc, char** argv) {
       COLOD_LOG(ERROR) << "--labels: '" << pair << "' is not KEY=VALUE";
       return 2;
     }
+    if (eq > colod::kMaxLabelKeyBytes || pair.size() - eq - 1 > colod::kMaxLabelValueBytes) {
+      COLOD_LOG(ERROR) << "--labels: keys take 1 to " << colod::kMaxLabelKeyBytes << " bytes and values at most "
+                       << colod::kMaxLabelValueBytes;
+      return 2;
+    }
     options.labels[std::string(pair.substr(0, eq))] = std::string(pair.substr(eq + 1));
+  }
+  if (options.labels.size() > static_cast<size_t>(colod::kMaxLabels)) {
+    COLOD_LOG(ERROR) << "--labels: " << options.labels.size() << " labels, more than " << colod::kMaxLabels;
+    return 2;
   }
   options.comm_timeout = absl::GetFlag(FLAGS_comm_timeout);
   options.metrics_linger = absl::GetFlag(FLAGS_metrics_linger);

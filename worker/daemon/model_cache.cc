@@ -40,7 +40,8 @@ bool IsUnmarkedBusyText(absl::string_view message) {
 
 ModelCache::ModelCache(Options options) : options_(std::move(options)) {}
 
-absl::Status ModelCache::Materialize(const v1::ModelSpec& model, const std::string& dir, AbortSignal& abort) {
+absl::Status ModelCache::Materialize(const v1::ModelSpec& model, const std::string& dir, AbortSignal& abort,
+                                     const PathPolicy& paths) {
   ASSIGN_OR_RETURN(const std::string weights_path, Weights(model, abort));
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -68,6 +69,9 @@ absl::Status ModelCache::Materialize(const v1::ModelSpec& model, const std::stri
                                               "' holds no .safetensors file"));
     }
   }
+  if (model.upload_id().empty()) {  // a download is this worker's own
+    for (const fs::path& f : files) RETURN_IF_ERROR(paths.Check("spec.model.weights_path", f.string()));
+  }
   if (files.empty()) {
     fs::create_symlink(weights, fs::path(dir) / "model.safetensors", ec);
   } else {
@@ -89,6 +93,7 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
   std::error_code ec;
   if (fs::is_directory(dir, ec)) {
     fs::last_write_time(dir, fs::file_time_type::clock::now(), ec);  // used now: Prune keeps it
+    Prune(model.upload_id());  // a worker whose jobs all hit its cache still lets go of what none uses
     return dir;
   }
   RETURN_IF_ERROR(abort.Check());

@@ -17,6 +17,7 @@
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/job.pb.h"
 #include "worker/comm/abort_signal.h"
+#include "worker/daemon/path_policy.h"
 
 namespace colod {
 
@@ -54,8 +55,11 @@ class ModelCache {
   // file becomes DIR/model.safetensors; a directory's *.safetensors, index
   // and tokenizer files are linked by name). NOT_FOUND for weights that are not on this
   // worker or a directory without safetensors. A download in progress ends
-  // when `abort` fires, with the abort's reason.
-  absl::Status Materialize(const v1::ModelSpec& model, const std::string& dir, AbortSignal& abort);
+  // when `abort` fires, with the abort's reason. Each file linked from a
+  // weights directory must pass `paths` as it resolves (a link in an
+  // allowed directory may point anywhere): PERMISSION_DENIED naming it.
+  absl::Status Materialize(const v1::ModelSpec& model, const std::string& dir, AbortSignal& abort,
+                           const PathPolicy& paths = PathPolicy());
 
   // Where the model's weights are on this worker: the spec's weights_path,
   // or its upload's directory (downloaded unless it is already here). A

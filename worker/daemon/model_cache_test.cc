@@ -158,6 +158,20 @@ TEST_F(ModelCacheTest, ADirectorysTokenizerComesWithItsWeights) {
   }
   EXPECT_FALSE(fs::exists(work_ + "/job/model/README.md"));
   EXPECT_EQ(Read(work_ + "/job/model/config.json"), spec.config_json());  // the spec's, not the directory's
+  // Under --allow-path, a file of an allowed directory that links outside
+  // it is refused, naming it: the worker would read it for the job.
+  const std::string outside = work_ + "/outside";
+  fs::create_directories(outside);
+  std::ofstream(outside + "/secret") << "not the job's";
+  fs::remove(dir + "/merges.txt");
+  fs::create_symlink(outside + "/secret", dir + "/merges.txt");
+  auto policy = PathPolicy::Create({dir});
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  const absl::Status linked_out = cache_->Materialize(spec, work_ + "/job-linked/model", abort, *policy);
+  EXPECT_EQ(linked_out.code(), absl::StatusCode::kPermissionDenied) << linked_out;
+  EXPECT_NE(linked_out.message().find("merges.txt"), std::string::npos) << linked_out;
+  fs::remove(dir + "/merges.txt");
+  EXPECT_TRUE(cache_->Materialize(spec, work_ + "/job-inside/model", abort, *policy).ok());
   // A tokenizer is no model.
   fs::remove(dir + "/model.safetensors");
   EXPECT_EQ(cache_->Materialize(spec, work_ + "/job2/model", abort).code(), absl::StatusCode::kNotFound);
@@ -180,9 +194,9 @@ TEST_F(ModelCacheTest, DownloadsAnUploadOnceAndLinksEveryShard) {
   EXPECT_EQ(cache_->Weights(spec, abort).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// Downloads unused for the TTL go before the next download; one used
-// recently (a cache hit refreshes it) stays, and so does the one being
-// fetched; a download a crash left half done goes.
+// Downloads unused for the TTL go at the next use of the cache, a hit or a
+// download; one used recently (a cache hit refreshes it) stays, and so does
+// the one being fetched; a download a crash left half done goes.
 TEST_F(ModelCacheTest, UploadsUnusedForTheTtlAreRemovedBeforeTheNextDownload) {
   const fs::path uploads = fs::path(work_) / "uploads";
   for (const char* id : {"old", "recent", "hit"}) {
@@ -197,14 +211,20 @@ TEST_F(ModelCacheTest, UploadsUnusedForTheTtlAreRemovedBeforeTheNextDownload) {
   v1::ModelSpec spec;
   spec.set_config_json("{}");
   AbortSignal abort;
-  spec.set_upload_id("hit");  // already here: used, not downloaded, nothing pruned
+  // Already here: used, not downloaded; what no rank used for the TTL goes
+  // all the same (a worker whose every job hits its cache lets go too).
+  spec.set_upload_id("hit");
   ASSERT_TRUE(cache_->Weights(spec, abort).ok());
-  EXPECT_TRUE(fs::exists(uploads / "old"));
+  EXPECT_EQ(service_.calls.load(), 0);
+  EXPECT_FALSE(fs::exists(uploads / "old"));
+  EXPECT_FALSE(fs::exists(uploads / "crashed.tmp"));
+  EXPECT_TRUE(fs::exists(uploads / "recent"));
+  fs::create_directories(uploads / "older");
+  fs::last_write_time(uploads / "older", now - std::chrono::hours(2));
   spec.set_upload_id("new");
   ASSERT_TRUE(cache_->Weights(spec, abort).ok());
   EXPECT_EQ(service_.calls.load(), 1);
-  EXPECT_FALSE(fs::exists(uploads / "old"));
-  EXPECT_FALSE(fs::exists(uploads / "crashed.tmp"));
+  EXPECT_FALSE(fs::exists(uploads / "older"));
   EXPECT_TRUE(fs::exists(uploads / "recent"));
   EXPECT_TRUE(fs::exists(uploads / "hit")) << "a cache hit did not count as a use";
   EXPECT_EQ(Read((uploads / "new" / "model-00002.safetensors").string()), "second");

@@ -8,6 +8,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/proto_time.h"
+#include "common/text.h"
 #include "worker/train/job_options.h"
 
 namespace colod {
@@ -68,7 +69,7 @@ void ProgressReporter::SendLoop() const {
 bool ProgressReporter::Phase(v1::RankPhase phase, const std::string& message) const {
   v1::ReportProgressRequest r;
   r.mutable_status()->set_phase(phase);
-  r.mutable_status()->set_message(message);
+  r.mutable_status()->set_message(Utf8Prefix(message, kMaxReportedMessageBytes));
   absl::StatusOr<Answer> answer = Send(std::move(r));
   return answer.ok() && answer->stop;
 }
@@ -173,7 +174,10 @@ void ProgressReporter::End(const absl::Status& status, const std::optional<v1::F
   }
   v1::ReportProgressRequest r;
   r.mutable_result()->set_code(static_cast<int>(status.code()));
-  r.mutable_result()->set_message(std::string(status.message()));
+  // An error may quote a file's bytes: sent valid UTF-8 (or the report
+  // would not parse, and the coordinator would never hear of the end) and
+  // bounded.
+  r.mutable_result()->set_message(Utf8Prefix(status.message(), kMaxReportedMessageBytes));
   if (status.ok() && forward.has_value()) *r.mutable_result()->mutable_forward() = *forward;
   (void)Send(std::move(r));
 }

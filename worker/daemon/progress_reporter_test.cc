@@ -12,6 +12,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_server.h"
+#include "common/text.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 
@@ -43,6 +44,11 @@ class FakeReports final : public v1::CoordinatorService::Service {
     absl::MutexLock lock(&mu_);
     return workers_;
   }
+  // The messages of the statuses and results it accepted.
+  std::vector<std::string> Messages() {
+    absl::MutexLock lock(&mu_);
+    return messages_;
+  }
 
   grpc::Status ReportProgress(grpc::ServerContext*, const v1::ReportProgressRequest* req,
                               v1::ReportProgressResponse* resp) override {
@@ -53,6 +59,11 @@ class FakeReports final : public v1::CoordinatorService::Service {
     if (answer_ == Answer::kRefuse) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "refused");
     // As the coordinator's validation does.
     if (req->worker_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "worker_id: required");
+    if (req->has_status()) {
+      messages_.push_back(req->status().message());
+      return grpc::Status::OK;
+    }
+    if (req->has_result()) messages_.push_back(req->result().message());
     accepted_.push_back(req->has_step() ? req->step().step() : -1);  // -1: the result
     workers_.push_back(req->worker_id());
     if (answer_ == Answer::kStale) return grpc::Status(grpc::StatusCode::ABORTED, "the job no longer runs");
@@ -66,6 +77,7 @@ class FakeReports final : public v1::CoordinatorService::Service {
   Answer answer_ ABSL_GUARDED_BY(mu_) = Answer::kOk;
   std::vector<int64_t> accepted_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> workers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> messages_ ABSL_GUARDED_BY(mu_);
   std::string incarnation_ ABSL_GUARDED_BY(mu_) = "first";
 };
 
@@ -216,6 +228,24 @@ TEST_F(ProgressReporterTest, EndSendsWhatIsKeptBeforeTheResult) {
   reporter_->End(absl::OkStatus(), std::nullopt);
   EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{1, 2, -1}));
   EXPECT_EQ(reporter_->undelivered(), 0u);
+}
+
+// An error may quote a file's bytes, any bytes, at any length: a status or
+// result whose message is not UTF-8 would not parse at the coordinator (a
+// proto3 string), which would never hear of the rank's end. They arrive
+// valid and cut to kMaxReportedMessageBytes.
+TEST_F(ProgressReporterTest, MessagesArriveAsValidUtf8AndBounded) {
+  const std::string bad = "npy header: descr '<\xff\xfe' is not supported: \xC3(";
+  reporter_->Phase(v1::RANK_PHASE_LOADING, bad);
+  reporter_->End(absl::InvalidArgumentError(bad + std::string(100000, 'x')), std::nullopt);
+  const std::vector<std::string> got = service_.Messages();
+  ASSERT_EQ(got.size(), 2u);
+  const std::string fffd = "\xEF\xBF\xBD";
+  EXPECT_EQ(got[0], "npy header: descr '<" + fffd + fffd + "' is not supported: " + fffd + "(");
+  EXPECT_EQ(got[1].size(), kMaxReportedMessageBytes);
+  EXPECT_EQ(got[1].substr(0, got[0].size()), got[0]);
+  EXPECT_EQ(got[1].substr(got[1].size() - 3), "...");
+  EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{-1}));
 }
 
 // A coordinator that restarted has forgotten the worker, which registers

@@ -1,6 +1,8 @@
 #include "worker/daemon/tensor_host.h"
 
 #include <limits>
+#include <optional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/int_math.h"
@@ -90,16 +92,44 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
     default:
       return absl::InvalidArgumentError("init: one of value or random is required");
   }
-  absl::MutexLock lock(&mu_);
-  if (closed_) return absl::UnavailableError("the job's rank has stopped");
-  if (tensors_.count(req.name())) {
-    return absl::AlreadyExistsError(absl::StrCat("tensor '", req.name(), "' exists"));
+  // The copy to the device and the shard are made without a lock (the
+  // other calls, collectives included, go on meanwhile), counted in
+  // creating_: Close waits for them, so the process group outlives them.
+  const auto taken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+    if (closed_) return absl::UnavailableError("the job's rank has stopped");
+    if (tensors_.count(req.name())) return absl::AlreadyExistsError(absl::StrCat("tensor '", req.name(), "' exists"));
+    return absl::OkStatus();
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(taken());
+    ++creating_;
   }
+  struct Creating {
+    explicit Creating(TensorHost* h) : host(h) {}
+    Creating(const Creating&) = delete;
+    Creating& operator=(const Creating&) = delete;
+    ~Creating() {
+      absl::MutexLock lock(&host->mu_);
+      --host->creating_;
+    }
+    TensorHost* const host;
+  };
+  std::optional<Creating> creating(std::in_place, this);
   ASSIGN_OR_RETURN(global, global.To(device_));
   NoGradScope no_grad;
   absl::StatusOr<ColoTensor> t = ColoTensor::FromGlobal(global, spec, pg_);
-  if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("dist_spec: ", t.status().message()));
+  if (!t.ok()) {
+    // A spec that does not fit the tensor is the caller's; anything else
+    // (the device out of memory) keeps its code.
+    if (!absl::IsInvalidArgument(t.status())) return t.status();
+    return absl::InvalidArgumentError(absl::StrCat("dist_spec: ", t.status().message()));
+  }
   t->set_compute_spec({pattern});
+  global = Tensor();  // the whole value goes before the map's lock is taken
+  creating.reset();
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(taken());  // a Create of the same name may have come first
   Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t), next_id_++, bytes}).first->second;
   reservation.bytes = 0;  // held by the entry now
   return LayoutLocked(req.name(), e);
@@ -173,6 +203,9 @@ void TensorHost::Close() {
   absl::MutexLock order(&collective_mu_);  // the collective in progress ends first
   absl::MutexLock lock(&mu_);
   closed_ = true;
+  // And the Creates making their shards (a copy, no collective).
+  mu_.Await(absl::Condition(
+      +[](int* creating) { return *creating == 0; }, &creating_));
   for (const auto& [name, e] : tensors_) held_bytes_ -= e.bytes;
   tensors_.clear();
 }

@@ -54,7 +54,7 @@ class TensorHost {
   // shape, or a spec that does not fit the mesh or the shape;
   // RESOURCE_EXHAUSTED, before anything is allocated, for one that would
   // pass the budget.
-  absl::StatusOr<v1::TensorLayout> Create(const v1::CreateTensorRequest& request);
+  absl::StatusOr<v1::TensorLayout> Create(const v1::CreateTensorRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
   // Collective. NOT_FOUND for an unknown name.
   absl::StatusOr<v1::TensorLayout> SetDistSpec(const v1::SetDistSpecRequest& request)
       ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
@@ -89,6 +89,7 @@ class TensorHost {
   absl::Mutex mu_;
   std::map<std::string, Entry> tensors_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  int creating_ ABSL_GUARDED_BY(mu_) = 0;  // Creates making a shard without the lock
   const int64_t budget_bytes_;
   int64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the tensors, and of Creates in progress
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;

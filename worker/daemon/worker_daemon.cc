@@ -11,6 +11,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
 #include "common/auth.h"
 #include "common/grpc_server.h"
 #include "common/grpc_status.h"
@@ -95,6 +96,12 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
     return absl::InvalidArgumentError(absl::StrCat(
         "--max-server-threads: must be at least 2 (one thread polls for calls), got ", o.max_server_threads));
   }
+  // Every job's rendezvous and collectives wait this long at most: 0 would
+  // fail them all, and Gloo's clock arithmetic overflows far past a day.
+  if (o.comm_timeout < absl::Seconds(1) || o.comm_timeout > absl::Hours(24)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--comm-timeout: must be in [1s, 24h], got ", absl::FormatDuration(o.comm_timeout)));
+  }
   if (o.upload_cache_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--upload-cache-ttl: must be >= 0");
   }
@@ -149,6 +156,9 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
       w->work_dir_ = pattern;
       w->own_work_dir_ = true;
     }
+    // One worker a work directory: its rank directories, download cache and
+    // their leftovers (any .tmp) are this worker's alone.
+    ASSIGN_OR_RETURN(w->work_dir_lock_, LockDirectory(w->work_dir_, "--work-dir", "worker"));
     JobRunner::Options ro;
     ro.work_dir = w->work_dir_;
     ro.host = advertise.host;
@@ -353,14 +363,27 @@ void WorkerDaemon::Shutdown() {
   StopGrpcServer(*grpc_.server, absl::Seconds(2));
   runner_.reset();  // waits for the rank
   metrics_.reset();
+  ReleaseWorkDir();
+}
+
+void WorkerDaemon::ReleaseWorkDir() {
   if (own_work_dir_) {
     std::error_code ec;
     std::filesystem::remove_all(work_dir_, ec);
+    own_work_dir_ = false;
+  }
+  if (work_dir_lock_ >= 0) {
+    ::close(work_dir_lock_);
+    work_dir_lock_ = -1;
   }
 }
 
 WorkerDaemon::~WorkerDaemon() {
-  if (grpc_.server != nullptr) Shutdown();
+  if (grpc_.server != nullptr) {
+    Shutdown();
+  } else {
+    ReleaseWorkDir();  // a start that failed (its port taken) leaves no directory behind
+  }
 }
 
 }  // namespace colod

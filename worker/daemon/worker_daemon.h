@@ -120,6 +120,8 @@ class WorkerDaemon {
   // Tells the coordinator this worker (id) leaves; Shutdown's last word.
   absl::Status DeregisterOnce(const std::string& id);
   v1::WorkerInfo Info() const;
+  // Removes the work directory this worker made and lets go of its lock.
+  void ReleaseWorkDir();
   v1::WorkerStatus Status() const;
 
   const Options options_;
@@ -129,6 +131,7 @@ class WorkerDaemon {
   std::unique_ptr<JobRunner> runner_;  // null when standalone
   std::string work_dir_;
   bool own_work_dir_ = false;
+  int work_dir_lock_ = -1;  // LockDirectory's flock on WORK_DIR/LOCK
   std::unique_ptr<WorkerServiceImpl> service_;
   std::unique_ptr<WorkerTensorService> tensor_service_;
   std::unique_ptr<MetricsServer> metrics_;

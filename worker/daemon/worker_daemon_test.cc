@@ -20,6 +20,8 @@
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/job_specs.h"
 #include "tests/testing/prometheus_text.h"
+#include "worker/shardformer/testing.h"
+#include "worker/tensor/npy.h"
 
 namespace colod {
 namespace {
@@ -168,12 +170,53 @@ TEST(WorkerDaemon, RejectsBadOptions) {
   o.coordinator = "nowhere";
   EXPECT_EQ(WorkerDaemon::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
   o.coordinator = "";
+  for (absl::Duration bad : {absl::ZeroDuration(), absl::Milliseconds(999), absl::Hours(25), absl::InfiniteDuration()}) {
+    o.comm_timeout = bad;
+    const absl::Status comm = WorkerDaemon::Start(o).status();
+    EXPECT_EQ(comm.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(comm.message().find("--comm-timeout"), std::string::npos) << comm;
+  }
+  o.comm_timeout = absl::Minutes(2);
   for (int bad : {0, 1}) {
     o.max_server_threads = bad;
     const absl::Status threads = WorkerDaemon::Start(o).status();
     EXPECT_EQ(threads.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(threads.message().find("--max-server-threads"), std::string::npos) << threads;
   }
+}
+
+// A work directory is one worker's: a second worker given it is refused (its
+// cache's leftovers would be the first's downloads in progress). A start
+// that fails leaves no work directory of its own behind.
+TEST(WorkerDaemon, AWorkDirectoryIsOneWorkersAndAFailedStartLeavesNone) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-work-dir");
+  ASSERT_NE(coordinator, nullptr);
+  WorkerDaemon::Options o = FastRetryOptions(coordinator->address());
+  o.work_dir = testing::TempPath("shared-work-dir");
+  auto first = WorkerDaemon::Start(o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const absl::Status second = WorkerDaemon::Start(o).status();
+  EXPECT_EQ(second.code(), absl::StatusCode::kFailedPrecondition) << second;
+  EXPECT_NE(second.message().find("--work-dir: '" + o.work_dir + "' is in use by another worker"), std::string::npos)
+      << second;
+  first->reset();  // stopped: the directory is free again
+  auto third = WorkerDaemon::Start(o);
+  EXPECT_TRUE(third.ok()) << third.status();
+  third->reset();
+
+  // Its port taken: the start fails after it made a work directory under
+  // TMPDIR, which goes with it.
+  const std::string tmp = testing::TempPath("own-work-dirs");
+  std::filesystem::create_directories(tmp);
+  ASSERT_EQ(::setenv("TMPDIR", tmp.c_str(), 1), 0);
+  auto holder = WorkerDaemon::Start(FastRetryOptions(coordinator->address()));
+  ASSERT_TRUE(holder.ok()) << holder.status();
+  WorkerDaemon::Options taken = FastRetryOptions(coordinator->address());
+  taken.listen = (*holder)->address();
+  EXPECT_FALSE(WorkerDaemon::Start(taken).ok());
+  holder->reset();
+  ::unsetenv("TMPDIR");
+  EXPECT_TRUE(std::filesystem::is_empty(tmp));
 }
 
 // A GPT-2 with 9,799,168 parameters: 149.5 MiB a rank with AdamW at tp 1.
@@ -204,6 +247,49 @@ JobRunner::Options RunnerOptions(const Coordinator& coordinator, const std::stri
   ro.coordinator = v1::CoordinatorService::NewStub(
       grpc::CreateChannel(coordinator.address(), grpc::InsecureChannelCredentials()));
   return ro;
+}
+
+// A forward's logits are gathered whole on every rank: an input whose
+// logits do not fit the worker's memory is refused once it is read, naming
+// the sizes, before any of it is computed (a CPU worker would otherwise be
+// killed by the kernel for it).
+TEST(WorkerDaemon, AForwardWhoseLogitsDoNotFitIsRefusedBeforeItRuns) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-forward-memory");
+  ASSERT_NE(coordinator, nullptr);
+  auto model = shardformer::testing::WriteTinyGpt2(testing::TempPath("forward-memory-model"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  std::ifstream config_file(model->dir + "/config.json");
+  const std::string config((std::istreambuf_iterator<char>(config_file)), std::istreambuf_iterator<char>());
+  const int64_t vocab = model->config.vocab_size;
+  auto ids = Tensor::FromInt64s({2048, 16}, std::vector<int64_t>(2048 * 16, 1));
+  ASSERT_TRUE(ids.ok());
+  const std::string input = testing::TempPath("forward-memory-ids.npy");
+  ASSERT_TRUE(WriteNpy(input, *ids).ok());
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_FORWARD);
+  spec.mutable_model()->set_config_json(config);
+  spec.mutable_model()->set_weights_path(model->dir);
+  spec.mutable_shard()->set_tensor_parallel_size(1);
+  spec.mutable_shard()->set_data_parallel_size(1);
+  spec.mutable_forward()->set_input_path(input);
+  JobRunner::Options ro = RunnerOptions(*coordinator, "runner-forward-memory");
+  const int64_t logits = 2048 * 16 * vocab * 4;
+  ro.memory_bytes = logits;  // room for one copy, not two
+  JobRunner runner(ro);
+  ASSERT_TRUE(runner.Assign(RankZero("job-525252", spec)).ok());
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(60)));
+  const std::string error = runner.Status().last_error();
+  EXPECT_TRUE(absl::StrContains(error, absl::StrCat("RESOURCE_EXHAUSTED: the forward's logits [2048, 16, ", vocab,
+                                                    "] take")))
+      << error;
+  EXPECT_TRUE(absl::StrContains(error, "split the input into smaller batches")) << error;
+  // With room for both copies and the model, it runs.
+  ro.memory_bytes = 3 * logits + (int64_t{64} << 20);
+  ro.work_dir = testing::TempPath("runner-forward-memory-2");
+  JobRunner roomy(ro);
+  ASSERT_TRUE(roomy.Assign(RankZero("job-525253", spec)).ok());
+  ASSERT_TRUE(roomy.WaitIdle(absl::Seconds(60)));
+  EXPECT_EQ(roomy.Status().last_error(), "");
 }
 
 TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
@@ -255,6 +341,61 @@ TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
                                        "parameters"))
       << error;
   EXPECT_TRUE(absl::StrContains(error, "this worker has 0.06 GiB")) << error;
+}
+
+// A rank's error may quote a file's bytes: here a token .npy whose dtype
+// is not UTF-8. The worker sends its last error in every heartbeat; sent
+// as it was, no heartbeat would parse at the coordinator again and the
+// worker would be lost for good. It is sent valid and bounded, and the
+// worker heartbeats on.
+TEST(WorkerDaemon, ARankErrorQuotingBytesThatAreNotUtf8KeepsTheWorkerHeartbeating) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-bad-bytes");
+  ASSERT_NE(coordinator, nullptr);
+  auto worker = WorkerDaemon::Start(FastRetryOptions(coordinator->address()));
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  ASSERT_TRUE((*worker)->WaitRegistered(absl::Seconds(20)));
+  auto model = shardformer::testing::WriteTinyGpt2(testing::TempPath("bad-bytes-model"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::string header = "{'descr': '<\xff\xfe', 'fortran_order': False, 'shape': (64,), }";
+  std::string npy = std::string("\x93NUMPY\x01\x00", 8) + std::string(1, static_cast<char>(header.size())) +
+                    std::string(1, '\0') + header;
+  npy += std::string(64 * 2, '\0');
+  const std::string data = testing::TempPath("bad-bytes.npy");
+  std::ofstream(data, std::ios::binary) << npy;
+  std::ifstream config_file(model->dir + "/config.json");
+  const std::string config((std::istreambuf_iterator<char>(config_file)), std::istreambuf_iterator<char>());
+  v1::JobSpec spec = testing::TinyTrainSpec(1, 1, config);
+  spec.mutable_model()->set_weights_path(model->dir);
+  spec.mutable_train()->set_data_path(data);
+  spec.mutable_train()->set_data_format("npy");
+  spec.mutable_restart()->set_max_restarts(0);
+  auto client = CoordinatorClient::Create(coordinator->address());
+  ASSERT_TRUE(client.ok());
+  auto job = (*client)->SubmitJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string fffd = "\xEF\xBF\xBD";
+  std::string last_error;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline && !absl::StrContains(last_error, "token arrays must hold integers")) {
+    absl::SleepFor(absl::Milliseconds(20));
+    const std::vector<v1::Worker> listed = coordinator->workers().List(false);
+    if (listed.size() == 1) last_error = listed[0].status().last_error();
+  }
+  // As the coordinator received it, in a heartbeat, and in the rank's
+  // result: the job failed with it.
+  EXPECT_TRUE(absl::StrContains(last_error, "not '<" + fffd + fffd + "'")) << absl::CHexEscape(last_error);
+  auto ended = (*client)->GetJob(job->job_id());
+  while (absl::Now() < deadline && ended.ok() && ended->state() != v1::JOB_STATE_FAILED) {
+    absl::SleepFor(absl::Milliseconds(20));
+    ended = (*client)->GetJob(job->job_id());
+  }
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_EQ(ended->state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(ended->reason(), "not '<" + fffd + fffd + "'")) << absl::CHexEscape(ended->reason());
+  const int64_t acked = (*worker)->heartbeats_acked();
+  while (absl::Now() < deadline && (*worker)->heartbeats_acked() < acked + 3) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_GE((*worker)->heartbeats_acked(), acked + 3);
+  EXPECT_EQ(coordinator->workers().List(false).size(), 1u);
 }
 
 // A worker that shuts down closes its runner before its server drains: the

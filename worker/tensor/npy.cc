@@ -184,9 +184,15 @@ std::optional<int64_t> NpyReadPeakBytes(const NpyInfo& info, int64_t file_bytes)
 
 absl::StatusOr<Tensor> ReadNpy(const std::string& path) {
   // One copy of the bytes, a read error an error (not a shorter array), a
-  // device or a directory refused; none that would not fit.
+  // device, a FIFO (whose writer could hold the rank in a read no abort
+  // ends) or a directory refused; none that would not fit.
   struct stat st;
-  if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+  if (::stat(path.c_str(), &st) != 0) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": ", S_ISDIR(st.st_mode) ? "a directory" : "not a regular file (a FIFO or a device)", ", not a .npy file"));
+  }
+  {
     ASSIGN_OR_RETURN(const NpyInfo info, ReadNpyInfo(path));
     const std::optional<int64_t> peak = NpyReadPeakBytes(info, st.st_size);
     const int64_t available = AvailableHostMemoryBytes();

@@ -3,6 +3,7 @@
 #include "worker/tensor/npy.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -96,6 +97,21 @@ TEST(Npy, RejectsWhatItCannotRead) {
   EXPECT_EQ(info.status().code(), absl::StatusCode::kInvalidArgument) << info.status();
   EXPECT_NE(info.status().message().find("header is 70000 bytes"), absl::string_view::npos) << info.status();
   ::unlink(path.c_str());
+  // A FIFO whose writer stays and writes nothing would hold a read that no
+  // abort ends; a directory: refused at once, named.
+  const std::string fifo = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/input-fifo.npy");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  const int writer = ::open(fifo.c_str(), O_RDWR | O_NONBLOCK);  // a writer that stays
+  ASSERT_GE(writer, 0) << std::strerror(errno);
+  const absl::Time start = absl::Now();
+  auto from_fifo = ReadNpy(fifo);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(from_fifo.status().code(), absl::StatusCode::kInvalidArgument) << from_fifo.status();
+  EXPECT_NE(from_fifo.status().message().find("not a regular file"), absl::string_view::npos) << from_fifo.status();
+  ::close(writer);
+  ::unlink(fifo.c_str());
+  auto from_dir = ReadNpy(tmp != nullptr ? tmp : "/tmp");
+  EXPECT_EQ(from_dir.status().code(), absl::StatusCode::kInvalidArgument) << from_dir.status();
 }
 
 // The crafted header: (2^62, 16) elements wrap to 0 in plain int64

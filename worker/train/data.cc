@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -62,23 +64,32 @@ absl::StatusOr<int64_t> RegularFileSize(const std::string& path) {
   return static_cast<int64_t>(info.st_size);
 }
 
+// An open descriptor of `path`, a non-empty regular file, and its size
+// (checked on the descriptor: a file replaced by a FIFO after the stat
+// does not block the open).
+absl::StatusOr<std::pair<int, int64_t>> OpenRegularFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size == 0) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a non-empty regular file"));
+  }
+  return std::make_pair(fd, static_cast<int64_t>(st.st_size));
+}
+
 // A read-only map of a whole file, unmapped when it goes.
 class MappedFile {
  public:
   static absl::StatusOr<MappedFile> Open(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // replaced by a FIFO meanwhile: no wait
-    if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
-    struct stat st;
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size == 0) {
-      ::close(fd);
-      return absl::InvalidArgumentError(absl::StrCat(path, " is not a non-empty regular file"));
-    }
-    void* map = ::mmap(nullptr, st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    ASSIGN_OR_RETURN(const auto opened, OpenRegularFile(path));
+    const auto [fd, size] = opened;
+    void* map = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0);
     ::close(fd);
     if (map == MAP_FAILED) return absl::InternalError(absl::StrCat("cannot map ", path, ": ", std::strerror(errno)));
     MappedFile f;
     f.data_ = static_cast<const unsigned char*>(map);
-    f.size_ = static_cast<int64_t>(st.st_size);
+    f.size_ = size;
     return f;
   }
   MappedFile() = default;
@@ -197,18 +208,20 @@ absl::StatusOr<DataFormat> ParseDataFormat(const std::string& name) {
 }
 
 TokenCorpus::~TokenCorpus() {
-  if (map_ != nullptr) ::munmap(const_cast<void*>(map_), map_bytes_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
-absl::Status TokenCorpus::MapTokens(const std::string& path, int64_t offset, int64_t tokens) {
-  ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open(path));
-  if (offset < 0 || tokens < 1 || offset > f.size() || tokens > (f.size() - offset) / width_) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", f.size(), " bytes do not hold ", tokens, " ",
+absl::Status TokenCorpus::OpenTokens(const std::string& path, int64_t offset, int64_t tokens) {
+  ASSIGN_OR_RETURN(const auto opened, OpenRegularFile(path));
+  const auto [fd, bytes] = opened;
+  if (offset < 0 || tokens < 1 || offset > bytes || tokens > (bytes - offset) / width_) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", bytes, " bytes do not hold ", tokens, " ",
                                                    width_ * 8, "-bit tokens from byte ", offset));
   }
-  map_bytes_ = static_cast<size_t>(f.size());
-  map_ = f.Release();
-  map_offset_ = offset;
+  path_ = path;
+  fd_ = fd;
+  file_offset_ = offset;
   size_ = tokens;
   return absl::OkStatus();
 }
@@ -344,7 +357,8 @@ std::optional<int64_t> MulAdd(int64_t a, int64_t b, int64_t c) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string& path, DataFormat format,
-                                                               const Tokenizer* tokenizer) {
+                                                               const Tokenizer* tokenizer,
+                                                               const std::function<bool()>& stopped) {
   format = ResolveDataFormat(path, format);
   const std::string prefix = MegatronPrefix(path);
   std::unique_ptr<TokenCorpus> c(new TokenCorpus());
@@ -360,7 +374,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     }
     c->width_ = index.width;
     c->signed_ = index.is_signed;
-    RETURN_IF_ERROR(c->MapTokens(bin_path, index.first_byte, index.tokens));
+    RETURN_IF_ERROR(c->OpenTokens(bin_path, index.first_byte, index.tokens));
     c->documents_ = std::move(index.documents);
     return c;
   }
@@ -397,6 +411,9 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     RETURN_IF_ERROR(ForEachTextDocument(
         path, format, /*paragraphs=*/tokenizer != nullptr,
         [&](absl::string_view doc, const std::string& where) -> absl::Status {
+          if (stopped && stopped()) {
+            return absl::CancelledError(absl::StrCat(path, ": stopped while its text was read, at ", where));
+          }
           if (tokenizer == nullptr) {
             c->AddDocument(ByteTokens(doc));
             return absl::OkStatus();
@@ -418,24 +435,46 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", bytes, " bytes is not a whole number of ",
                                                    c->width_ * 8, "-bit tokens"));
   }
-  RETURN_IF_ERROR(c->MapTokens(path, 0, bytes / c->width_));
+  RETURN_IF_ERROR(c->OpenTokens(path, 0, bytes / c->width_));
   return c;
 }
 
-int64_t TokenCorpus::token(int64_t i) const {
-  if (map_ == nullptr) return owned_[i];
+absl::Status TokenCorpus::Read(int64_t start, int64_t n, int64_t* out) const {
+  if (start < 0 || n < 0 || start > size_ || n > size_ - start) {
+    return absl::OutOfRangeError(absl::StrCat("tokens [", start, ", ", start + n, ") outside the corpus of ",
+                                              size_));
+  }
+  if (fd_ < 0) {
+    std::copy(owned_.begin() + start, owned_.begin() + start + n, out);
+    return absl::OkStatus();
+  }
+  // Fits: start + n <= size_, whose bytes Open checked against the file's.
+  std::vector<unsigned char> bytes(static_cast<size_t>(n * width_));
+  const int64_t from = file_offset_ + start * width_;
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t got = ::pread(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(from + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return FileError("cannot read", path_, errno);
+    if (got == 0) {
+      return absl::DataLossError(absl::StrCat(path_, " ends at byte ", from + static_cast<int64_t>(done),
+                                              ", before the tokens it held when the job opened it: the file "
+                                              "changed while in use"));
+    }
+    done += static_cast<size_t>(got);
+  }
   // Little-endian on disk; read byte by byte so the host order does not matter.
-  const auto* p = static_cast<const unsigned char*>(map_) + map_offset_ + i * width_;
-  return signed_ ? LoadLittleEndianSigned(p, width_) : static_cast<int64_t>(LoadLittleEndian(p, width_));
+  for (int64_t i = 0; i < n; ++i) {
+    const unsigned char* p = bytes.data() + i * width_;
+    out[i] = signed_ ? LoadLittleEndianSigned(p, width_) : static_cast<int64_t>(LoadLittleEndian(p, width_));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Tensor> TokenCorpus::Window(int64_t start, int64_t length) const {
-  if (start < 0 || length < 0 || start > size_ || length > size_ - start) {
-    return absl::OutOfRangeError(absl::StrCat("tokens [", start, ", ", start + length, ") outside the corpus of ",
-                                              size_));
-  }
-  std::vector<int64_t> v(length);
-  for (int64_t i = 0; i < length; ++i) v[i] = token(start + i);
+  if (length < 0) return absl::OutOfRangeError(absl::StrCat("a window of ", length, " tokens"));
+  std::vector<int64_t> v(static_cast<size_t>(std::min(length, size_)));
+  RETURN_IF_ERROR(Read(start, length, v.data()));
   return Tensor::FromInt64s({length}, v);
 }
 
@@ -566,13 +605,11 @@ absl::Status BatchSampler::Batch(const TokenCorpus& corpus, int64_t step, int re
   const int64_t rows = count;
   // Only this pass's rows of the step (a step may hold 2^31 of them).
   const std::vector<int64_t> starts = Starts(step, replica * replica_rows + first, rows);
-  std::vector<int64_t> in(rows * seq_len_), out(rows * seq_len_);
+  std::vector<int64_t> in(rows * seq_len_), out(rows * seq_len_), window(seq_len_ + 1);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t s = starts[r];
-    for (int64_t j = 0; j < seq_len_; ++j) {
-      in[r * seq_len_ + j] = corpus.token(s + j);
-      out[r * seq_len_ + j] = corpus.token(s + j + 1);
-    }
+    RETURN_IF_ERROR(corpus.Read(starts[r], seq_len_ + 1, window.data()));
+    std::copy(window.begin(), window.end() - 1, in.begin() + r * seq_len_);
+    std::copy(window.begin() + 1, window.end(), out.begin() + r * seq_len_);
   }
   ASSIGN_OR_RETURN(*inputs, Tensor::FromInt64s({rows, seq_len_}, in));
   ASSIGN_OR_RETURN(*labels, Tensor::FromInt64s({rows, seq_len_}, out));

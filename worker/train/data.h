@@ -34,6 +34,11 @@
 // global batch splits over dp: replica d takes rows [d*B/dp, (d+1)*B/dp);
 // the tp ranks of a replica take the same rows.
 //
+// A .bin (raw or Megatron's) is read with pread at each use, not mapped: a
+// file truncated or rewritten while a job trains on it (or an I/O error of
+// network storage) is then an error of the step that reads it, where a map
+// would have killed the whole worker with SIGBUS.
+//
 // Thread-safety: TokenCorpus is immutable after Open (concurrent reads are
 // fine); BatchSampler is a value type.
 #ifndef COLOD_WORKER_TRAIN_DATA_H_
@@ -90,15 +95,22 @@ class TokenCorpus {
   // (every count and offset is checked against the files' sizes before
   // use), a jsonl line that is not an object with a string "text" (naming
   // the line), text with no document, or text the tokenizer refuses.
+  // `stopped` (may be empty) is polled between text documents: true ends
+  // the read, CANCELLED.
   static absl::StatusOr<std::unique_ptr<TokenCorpus>> Open(const std::string& path,
                                                            DataFormat format = DataFormat::kAuto,
-                                                           const Tokenizer* tokenizer = nullptr);
+                                                           const Tokenizer* tokenizer = nullptr,
+                                                           const std::function<bool()>& stopped = {});
   ~TokenCorpus();
   TokenCorpus(const TokenCorpus&) = delete;
   TokenCorpus& operator=(const TokenCorpus&) = delete;
 
   int64_t size() const { return size_; }
-  int64_t token(int64_t i) const;
+  // Tokens [start, start + n) into out[0, n): OUT_OF_RANGE past the corpus;
+  // for a .bin, DATA_LOSS where the file is shorter than it was at Open
+  // (changed while in use) and UNAVAILABLE for a read error of the moment
+  // (EIO, ESTALE), naming the file.
+  absl::Status Read(int64_t start, int64_t n, int64_t* out) const;
   DataFormat format() const { return format_; }
   // Tokens [start, start + length) as int64 [length].
   absl::StatusOr<Tensor> Window(int64_t start, int64_t length) const;
@@ -110,14 +122,15 @@ class TokenCorpus {
 
  private:
   TokenCorpus() = default;
-  absl::Status MapTokens(const std::string& path, int64_t offset, int64_t tokens);
+  // Opens the .bin `path` holding `tokens` tokens from byte `offset`.
+  absl::Status OpenTokens(const std::string& path, int64_t offset, int64_t tokens);
   DataFormat format_ = DataFormat::kText;
   int64_t size_ = 0;
-  const void* map_ = nullptr;  // mmap of a .bin
-  size_t map_bytes_ = 0;
-  int64_t map_offset_ = 0;  // bytes before the first token
-  int width_ = 2;           // bytes per mapped token
-  bool signed_ = false;     // mapped tokens are two's complement
+  std::string path_;         // of a .bin
+  int fd_ = -1;              // of a .bin, read with pread
+  int64_t file_offset_ = 0;  // bytes before the first token
+  int width_ = 2;            // bytes per token in the file
+  bool signed_ = false;      // the file's tokens are two's complement
   // Appends a document's tokens and where it starts.
   void AddDocument(std::vector<int64_t> ids);
   std::vector<int64_t> owned_;  // .npy and text

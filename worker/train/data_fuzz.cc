@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "worker/train/data.h"
 
@@ -48,8 +49,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const int64_t limit = format == DataFormat::kU16 ? (int64_t{1} << 16) : format == DataFormat::kU32 ? (int64_t{1} << 32)
                         : colod::train::IsTextFormat(format) ? 257 : INT64_MAX;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = (*corpus)->token(i);
+  std::vector<int64_t> tokens(static_cast<size_t>(n));
+  if (!(*corpus)->Read(0, n, tokens.data()).ok()) std::abort();
+  for (const int64_t t : tokens) {
     if (format != DataFormat::kNpy && format != DataFormat::kMegatron && (t < 0 || t >= limit)) std::abort();
   }
   auto window = (*corpus)->Window(0, n);

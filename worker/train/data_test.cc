@@ -295,6 +295,52 @@ TEST(TokenCorpus, JsonLinesAreDocuments) {
   }
 }
 
+// A .bin cut short while a job trains on it (rewritten in place, or the
+// storage failing) is an error of the read, naming the file; a map of it
+// would have ended the worker with SIGBUS.
+TEST(TokenCorpus, ABinCutShortWhileInUseIsAnErrorOfTheRead) {
+  const std::string path = TempPath("cut-short.bin");
+  {
+    std::ofstream out(path, std::ios::binary);
+    for (uint16_t t = 0; t < 4096; ++t) out.write(reinterpret_cast<const char*>(&t), 2);
+  }
+  auto c = TokenCorpus::Open(path, DataFormat::kU16);
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::vector<int64_t> got(8);
+  ASSERT_TRUE((*c)->Read(4000, 8, got.data()).ok());
+  EXPECT_EQ(got, (std::vector<int64_t>{4000, 4001, 4002, 4003, 4004, 4005, 4006, 4007}));
+  ASSERT_EQ(::truncate(path.c_str(), 1024), 0) << std::strerror(errno);
+  const absl::Status cut = (*c)->Read(4000, 8, got.data());
+  EXPECT_EQ(cut.code(), absl::StatusCode::kDataLoss) << cut;
+  EXPECT_NE(cut.message().find(path), std::string::npos) << cut;
+  auto sampler = BatchSampler::Create((*c)->size(), 16, 4, 1, 7);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  Tensor inputs, labels;
+  EXPECT_EQ(sampler->Batch(**c, 1, 0, &inputs, &labels).code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE((*c)->Read(0, 8, got.data()).ok());  // what is left still reads
+  EXPECT_EQ((*c)->Read(4090, 8, got.data()).code(), absl::StatusCode::kOutOfRange);
+}
+
+// A stop (a worker's abort or shutdown) ends the read of a text corpus
+// between documents: the documents after it are not tokenized.
+TEST(TokenCorpus, AStopEndsTheReadBetweenDocuments) {
+  const std::string path = TempPath("many-docs.jsonl");
+  {
+    std::ofstream out(path, std::ios::binary);
+    for (int i = 0; i < 1000; ++i) out << "{\"text\": \"document " << i << "\"}\n";
+  }
+  ByteTokenizer tok;
+  int polls = 0;
+  const absl::Status s =
+      TokenCorpus::Open(path, DataFormat::kJsonl, &tok, [&] { return ++polls > 10; }).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_NE(s.message().find(path + ":11"), std::string::npos) << s;  // where it stopped
+  EXPECT_EQ(polls, 11);
+  auto whole = TokenCorpus::Open(path, DataFormat::kJsonl, &tok, [] { return false; });
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ((*whole)->documents().size(), 1000u);
+}
+
 TEST(BatchSampler, SeededDisjointReplicasAndNextTokenLabels) {
   std::vector<int64_t> tokens(1000);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>(i);

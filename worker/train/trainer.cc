@@ -186,7 +186,7 @@ struct Source {
 // `data` (and its `labels`) as the model reads it; `tokenizer` (may be
 // null) encodes text.
 absl::StatusOr<Source> OpenSource(const ModelConfig& config, const std::string& data, const std::string& labels,
-                                  DataFormat format, const Tokenizer* tokenizer) {
+                                  DataFormat format, const Tokenizer* tokenizer, const std::function<bool()>& stopped) {
   Source s;
   if (config.takes_images()) {
     ASSIGN_OR_RETURN(s.images, ImageDataset::Open(data, labels, config.num_channels, config.image_size,
@@ -195,7 +195,7 @@ absl::StatusOr<Source> OpenSource(const ModelConfig& config, const std::string& 
     ASSIGN_OR_RETURN(s.pairs, Seq2SeqDataset::Open(data, labels, config.vocab_size, config.decoder_start_token_id,
                                                    config.pad_token_id));
   } else {
-    ASSIGN_OR_RETURN(s.corpus, TokenCorpus::Open(data, format, tokenizer));
+    ASSIGN_OR_RETURN(s.corpus, TokenCorpus::Open(data, format, tokenizer, stopped));
   }
   return s;
 }
@@ -369,7 +369,7 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
           "vocab_size of at least ", kByteVocab, ", not ", config.vocab_size));
     }
   }
-  ASSIGN_OR_RETURN(const Source train, OpenSource(config, o.data_path, o.labels_path, format, tokenizer.get()));
+  ASSIGN_OR_RETURN(const Source train, OpenSource(config, o.data_path, o.labels_path, format, tokenizer.get(), o.stopped));
   // An encoder-decoder's pairs bring their own lengths; seq_len bounds them,
   // since the memory admission and the planner count both at seq_len.
   auto within_seq_len = [&](const Source& s, const std::string& what) -> absl::Status {
@@ -397,7 +397,7 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   } else if (!o.eval_data_path.empty()) {
     absl::StatusOr<Source> opened =
         OpenSource(config, o.eval_data_path, o.eval_labels_path, ResolveDataFormat(o.eval_data_path, o.data_format),
-                   tokenizer.get());
+                   tokenizer.get(), o.stopped);
     if (!opened.ok()) {
       return absl::Status(opened.status().code(), absl::StrCat("eval_data_path: ", opened.status().message()));
     }

@@ -32,6 +32,10 @@ struct TrainOptions {
   // (T5) the inputs .npy, with the targets in labels_path (seq2seq_data.h).
   std::string data_path;
   DataFormat data_format = DataFormat::kAuto;
+  // Polled between documents while PrepareTrain tokenizes text data (a
+  // multi-GB corpus takes minutes): true ends it, CANCELLED. A worker passes
+  // its rank's stop, so that an abort or a shutdown need not wait for it.
+  std::function<bool()> stopped;
   std::string labels_path;
   int64_t steps = 10;
   int64_t batch_size = 8;     // sequences (images) per pass (a step without grad_accum), over all dp replicas

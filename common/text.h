@@ -1,0 +1,29 @@
+// Text from input (a file's bytes quoted in an error, a peer's message) made
+// fit to travel in a proto3 `string` field, which must be valid UTF-8: a
+// message that is not does not parse, and gRPC refuses the whole call.
+#ifndef COLOD_COMMON_TEXT_H_
+#define COLOD_COMMON_TEXT_H_
+
+#include <cstddef>
+#include <string>
+
+#include "absl/strings/string_view.h"
+
+namespace colod {
+
+// A status or failure message a rank or worker reports to the coordinator,
+// and what the coordinator keeps of one, in bytes.
+inline constexpr size_t kMaxReportedMessageBytes = 16 << 10;
+
+// `text` with each byte that does not belong to a well-formed UTF-8
+// sequence (a stray continuation byte, a truncated or overlong sequence, a
+// surrogate, a code point past U+10FFFF) replaced by U+FFFD.
+std::string ValidUtf8(absl::string_view text);
+
+// ValidUtf8(text), cut to at most `max` bytes (max >= 3) at a character's
+// start, "..." ending what was cut.
+std::string Utf8Prefix(absl::string_view text, size_t max);
+
+}  // namespace colod
+
+#endif  // COLOD_COMMON_TEXT_H_
