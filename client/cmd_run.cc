@@ -58,16 +58,17 @@ int RunForwardOnGpus(const std::vector<std::string>&) {
   auto timeout = CommTimeoutFromFlags();
   if (!timeout.ok()) return Usage(std::string(timeout.status().message()));
   request.comm_timeout = *timeout;
-  auto read = ReadNpy(files->input);
+  // A command line may name a pipe (a shell's <(...)).
+  auto read = ReadNpy(files->input, NpySource::kRegularFileOrPipe);
   if (!read.ok()) return Fail(read.status());
   request.input = *read;
   if (!files->labels.empty()) {
-    auto labels = ReadNpy(files->labels);
+    auto labels = ReadNpy(files->labels, NpySource::kRegularFileOrPipe);
     if (!labels.ok()) return Fail(labels.status());
     request.labels = *labels;
   }
   if (!files->decoder_input.empty()) {
-    auto decoder = ReadNpy(files->decoder_input);
+    auto decoder = ReadNpy(files->decoder_input, NpySource::kRegularFileOrPipe);
     if (!decoder.ok()) return Fail(decoder.status());
     request.decoder_input = *decoder;
   }

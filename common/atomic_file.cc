@@ -207,12 +207,19 @@ absl::StatusOr<int> LockDirectory(const std::string& dir, absl::string_view flag
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::FailedPreconditionError(absl::StrCat(flag, ": cannot create '", dir, "': ", ec.message()));
   const std::string lock_path = dir + "/LOCK";
-  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return absl::FailedPreconditionError(absl::StrCat(flag, ": cannot open '", lock_path, "': ", std::strerror(errno)));
+  // Not through a link (a LOCK planted in a shared directory would have us
+  // truncate what it points to), and a regular file.
+  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) return FileError(absl::StrCat(flag, ": cannot open"), lock_path, errno);
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(flag, ": '", lock_path, "' is not a regular file"));
   }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
     ::close(fd);
+    if (err != EWOULDBLOCK) return FileError(absl::StrCat(flag, ": cannot lock"), lock_path, err);  // ENOLCK: NFS
     return absl::FailedPreconditionError(
         absl::StrCat(flag, ": '", dir, "' is in use by another ", holder, " (", lock_path, " is locked)"));
   }

@@ -25,7 +25,8 @@ std::string StatusMessageForTheWire(absl::string_view message) {
   const std::string valid = ValidUtf8(message);
   size_t keep = 0, used = 0;
   while (keep < valid.size() && used + cost(valid[keep]) <= kMaxEncodedStatusMessage - 3) used += cost(valid[keep++]);
-  return Utf8Prefix(valid, keep + 3);  // "..." marks the cut
+  while (keep > 0 && (static_cast<unsigned char>(valid[keep]) & 0xC0) == 0x80) --keep;  // a character's start
+  return valid.substr(0, keep) + "...";  // cut: `valid` costs more than the bound
 }
 
 // absl::StatusCode and grpc::StatusCode share the canonical numbering (0..16).

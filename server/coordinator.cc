@@ -13,6 +13,7 @@
 #include <system_error>
 
 #include "absl/random/random.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
@@ -175,6 +176,9 @@ void Coordinator::UpdateGauges() {
   const absl::Time now = options_.clock->Now();
   std::map<std::string, prometheus::Gauge*> ages;
   for (const v1::Worker& w : workers_->List(/*include_lost=*/true)) {
+    // A worker that left cleanly sends no more heartbeats by design: its
+    // age would page ColodWorkerHeartbeatLate for as long as it is listed.
+    if (absl::StartsWith(w.lost_reason(), WorkerRegistry::kLeftPrefix)) continue;
     const absl::Time last = absl::FromUnixSeconds(w.last_heartbeat_time().seconds()) +
                             absl::Nanoseconds(w.last_heartbeat_time().nanos());
     prometheus::Gauge* g = &heartbeat_age_->Add({{"worker", w.info().worker_id()}});

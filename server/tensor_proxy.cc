@@ -55,7 +55,11 @@ absl::Status TensorProxy::AwaitTurn(const std::string& job_id, grpc::ServerConte
   constexpr absl::Duration kSlice = absl::Milliseconds(100);
   while (!mu_.AwaitWithTimeout(absl::Condition(&my_turn), kSlice)) {
     absl::Status gone;  // (a passed deadline cancels the call too: it is looked at first)
-    if (absl::Now() >= deadline) {
+    // The caller's side reaches the deadline first (ours, from its
+    // grpc-timeout, starts when the call arrives) and cancels the call: a
+    // cancel this close to the deadline is the deadline's.
+    constexpr absl::Duration kCallerAhead = absl::Milliseconds(100);
+    if (absl::Now() >= deadline || (ctx->IsCancelled() && absl::Now() + kCallerAhead >= deadline)) {
       gone = absl::DeadlineExceededError("the deadline passed while the call waited for the job's earlier tensor "
                                          "calls");
     } else if (ctx->IsCancelled()) {

@@ -6,6 +6,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -110,19 +111,24 @@ TEST(UploadStore, NoIdNamesTwoContentsAfterACollectionRestartOrNewDataDirectory)
   ASSERT_TRUE(w->Add(Chunk("model.safetensors", 0, "a new data directory's")).ok());
   EXPECT_TRUE(ids.insert(w->Finish()->upload_id()).second);
 
-  // An upload stored under an id of the earlier form is found, and counted.
+  // An upload stored under an id of the earlier form is found, and counted;
+  // directories whose names are no id (larger numbers) are neither.
   std::filesystem::create_directories(dir + "/upload-000041");
   std::ofstream(dir + "/upload-000041/model.safetensors") << "old";
+  const std::vector<std::string> bad = {"upload-000091-", "upload-000092-0123456789ABCDEF",
+                                        "upload-000093-0123456789abcde", "upload-000094-0123456789abcdef0",
+                                        "upload-0-0123456789abcdef",     "upload-000095x", "upload--96"};
+  for (const std::string& name : bad) {
+    std::filesystem::create_directories(dir + "/" + name);
+    std::ofstream(dir + "/" + name + "/model.safetensors") << "not an upload";
+  }
   auto reopened = UploadStore::Open(dir, UploadLimits(), &clock);
   ASSERT_TRUE(reopened.ok());
   EXPECT_TRUE((*reopened)->Exists("upload-000041"));
+  for (const std::string& name : bad) EXPECT_FALSE((*reopened)->Exists(name)) << name;
   auto after = Begin(**reopened);
   ASSERT_TRUE(after->Add(Chunk("model.safetensors", 0, "newer")).ok());
   EXPECT_TRUE(absl::StartsWith(after->Finish()->upload_id(), "upload-000042-"));
-  for (const char* bad : {"upload-000041-", "upload-000041-0123456789ABCDEF", "upload-000041-0123456789abcde",
-                          "upload-0-0123456789abcdef", "upload--1", "upload-000041.sha256"}) {
-    EXPECT_FALSE((*reopened)->Exists(bad)) << bad;
-  }
 }
 
 // A disk that fills during an upload: the chunk that does not fit is

@@ -119,7 +119,8 @@ absl::Status WorkerRegistry::Deregister(absl::string_view worker_id, absl::strin
   if (it == workers_.end()) return absl::NotFoundError(absl::StrCat("unknown worker '", worker_id, "'"));
   if (!it->second.lost) {
     it->second.lost = true;
-    it->second.lost_reason = absl::StrCat("left: ", reason.empty() ? "deregistered" : reason);
+    it->second.left = true;
+    it->second.lost_reason = absl::StrCat(kLeftPrefix, reason.empty() ? "deregistered" : reason);
   }
   return absl::OkStatus();
 }
@@ -169,9 +170,11 @@ std::vector<std::string> WorkerRegistry::SweepLocked(absl::Time now) {
 std::map<std::string, int> WorkerRegistry::CountByState() {
   absl::MutexLock lock(&mu_);
   SweepLocked(options_.clock->Now());
-  std::map<std::string, int> counts = {{"idle", 0}, {"busy", 0}, {"lost", 0}};
+  std::map<std::string, int> counts = {{"idle", 0}, {"busy", 0}, {"lost", 0}, {"left", 0}};
   for (const auto& [id, e] : workers_) {
-    if (e.lost) {
+    if (e.left) {
+      ++counts["left"];
+    } else if (e.lost) {
       ++counts["lost"];
     } else if (e.status.state() == v1::WORKER_STATE_BUSY) {
       ++counts["busy"];

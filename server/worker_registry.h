@@ -72,14 +72,20 @@ class WorkerRegistry {
   // List and Heartbeat also apply expiry, so callers never see a stale state.
   std::vector<std::string> Sweep();
 
-  // Number of workers per state, e.g. {"idle": 2, "busy": 0, "lost": 1}.
+  // Number of workers per state: idle, busy, lost (no heartbeat within the
+  // lease) and left (deregistered: a clean stop, which pages no one), e.g.
+  // {"idle": 2, "busy": 0, "lost": 1, "left": 0}.
   std::map<std::string, int> CountByState();
+
+  // How the lost reason of a worker that left (DeregisterWorker) starts.
+  static constexpr char kLeftPrefix[] = "left: ";
 
  private:
   struct Entry {
     v1::WorkerInfo info;
     v1::WorkerStatus status;
     bool lost = false;
+    bool left = false;        // lost by its own DeregisterWorker (a clean stop)
     std::string lost_reason;  // once lost
     absl::Time register_time;
     absl::Time last_heartbeat;

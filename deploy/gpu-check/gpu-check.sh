@@ -175,7 +175,8 @@ done
 # PyTorch's side of bench:train's GPT-2 124M row, on the same GPU in the same
 # run: the strongest common recipe, eager and compiled (bench/pytorch_gpt2.py).
 py=${COLOD_GPU_CHECK_PYTORCH:-python3}
-if [[ -n ${COLOD_GPU_CHECK_BENCH-train} && $py != none ]]; then
+# Only with bench:train's rows to stand beside.
+if [[ " $benches " == *" train "* && $py != none ]]; then
   if "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
     log "gpu-check: bench/pytorch_gpt2.py --device cuda"
     timeout -k 10 "${COLOD_GPU_CHECK_BENCH_TIMEOUT:-1200}" "$py" "$root/bench/pytorch_gpt2.py" --device cuda \
@@ -190,7 +191,7 @@ fi
 # One GPT-2 124M step's timeline (bench:train's tp=1 row in bf16, traced by
 # Nsight Systems): how long the GPU was busy and idle between the step's
 # reads, the longest gaps and the kernels by time (step_profile.py).
-if [[ -n ${COLOD_GPU_CHECK_BENCH-train} && ${COLOD_GPU_CHECK_PROFILE:-} != none ]]; then
+if [[ " $benches " == *" train "* && ${COLOD_GPU_CHECK_PROFILE:-} != none ]]; then
   nsys=${COLOD_GPU_CHECK_PROFILE:-$(command -v nsys || ls "$cuda"/bin/nsys /opt/nvidia/nsight-systems*/*/bin/nsys 2>/dev/null | head -1)}
   if [[ -n $nsys && -x $nsys ]]; then
     log "gpu-check: $nsys profile bench/train, GPT-2 124M at tp=1"

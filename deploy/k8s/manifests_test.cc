@@ -1272,12 +1272,22 @@ TEST(Components, SharedStorageAndPodMonitor) {
   ASSERT_EQ(cms.size(), 1u);
   auto spec = ParseJobSpec(Str(Get(cms[0], {"data", "job.yaml"})), true);
   ASSERT_TRUE(spec.ok()) << spec.status();
-  for (const std::string& path :
-       {spec->model().weights_path(), spec->train().checkpoint_dir(), spec->train().final_dir()}) {
+  // And under the workers' --allow-path roots, or the job fails
+  // PERMISSION_DENIED (its data included).
+  std::vector<std::string> roots;
+  for (const auto& [name, value] : workers[0].parsed.flags) {
+    if (name != "allow-path") continue;
+    for (absl::string_view root : absl::StrSplit(value, ',')) roots.emplace_back(root);
+  }
+  for (const std::string& path : {spec->model().weights_path(), spec->train().data_path(),
+                                  spec->train().checkpoint_dir(), spec->train().final_dir()}) {
     if (path.empty()) continue;
     const auto v = workers[0].VolumeFor(path);
     ASSERT_TRUE(v.has_value()) << path << " is on no worker volume";
     EXPECT_EQ(Str(Get(v->first, {"persistentVolumeClaim", "claimName"})), "colod-shared") << path;
+    EXPECT_TRUE(std::any_of(roots.begin(), roots.end(), [&](const std::string& root) {
+      return path == root || absl::StartsWith(path, root + "/");
+    })) << path << " is under no --allow-path root of the workers (" << absl::StrJoin(roots, ", ") << ")";
   }
 }
 

@@ -69,7 +69,10 @@ absl::Status AdmitModel(const v1::AssignJobRequest& req, int64_t memory_bytes) {
 // [batch, labels]), are gathered whole on every rank and copied to the
 // host: with the model, within the worker's memory, or the rank would fail
 // at an allocation (or a CPU worker be killed for it) after minutes of work.
-// The input's size is known only here, once it is read.
+// The input's size is known only here, once it is read. An estimate that
+// refuses what cannot fit: two whole copies and the model's floor against
+// the worker's one budget (on a GPU the host copy is in host memory; the
+// replica's own rows and the tp shards come on top).
 absl::Status AdmitForwardLogits(const v1::AssignJobRequest& req, const shardformer::ForwardRequest& forward,
                                 const ModelConfig& config, int64_t memory_bytes) {
   if (memory_bytes <= 0) return absl::OkStatus();

@@ -46,8 +46,10 @@ ABSL_FLAG(std::vector<std::string>, allow_path, {},
           "allows every path this worker's user can open (logged at start).");
 ABSL_FLAG(std::string, memory_limit, "",
           "Memory a job rank may use, e.g. 8GiB or 512MiB; reported to the coordinator, which places no rank "
-          "here whose model needs more (parameters, gradients, optimizer state, and a training rank's activations), and checked again before a rank "
-          "allocates. Default: the GPU's memory, or the host's (its cgroup's limit in a container).");
+          "here whose model needs more (parameters, gradients, optimizer state, and a training rank's "
+          "activations), and checked again before a rank "
+          "allocates. Default: the GPU's memory, or the host's (its cgroup's limit in a container), less a "
+          "tenth (at least 1 GiB) for the process itself: the CUDA context, NCCL's and gRPC's buffers.");
 ABSL_FLAG(double, peak_tflops, 0,
           "The device's dense peak in TFLOP/s for the dtype its jobs train in, for the jobs' MFU (coloctl "
           "status). Default: a GPU's datasheet figures where its name is known (A100, A10, L4, L40(S), "

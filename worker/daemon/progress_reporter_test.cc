@@ -59,12 +59,9 @@ class FakeReports final : public v1::CoordinatorService::Service {
     if (answer_ == Answer::kRefuse) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "refused");
     // As the coordinator's validation does.
     if (req->worker_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "worker_id: required");
-    if (req->has_status()) {
-      messages_.push_back(req->status().message());
-      return grpc::Status::OK;
-    }
+    if (req->has_status()) messages_.push_back(req->status().message());
     if (req->has_result()) messages_.push_back(req->result().message());
-    accepted_.push_back(req->has_step() ? req->step().step() : -1);  // -1: the result
+    if (!req->has_status()) accepted_.push_back(req->has_step() ? req->step().step() : -1);  // -1: the result
     workers_.push_back(req->worker_id());
     if (answer_ == Answer::kStale) return grpc::Status(grpc::StatusCode::ABORTED, "the job no longer runs");
     resp->set_stop(answer_ == Answer::kStop);

@@ -7,7 +7,9 @@
 
 #include <atomic>
 #include <thread>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "worker/colo/tensor_proto.h"
@@ -60,6 +62,59 @@ TEST(TensorHost, TensorsAreBoundedByTheBudgetBeforeAnythingIsAllocated) {
     EXPECT_TRUE(host.Create(random("e", {1})).ok());
     EXPECT_EQ(host.Create(random("f", {1})).status().code(), absl::StatusCode::kResourceExhausted);
     EXPECT_EQ(host.Create(random(std::string(257, 'n'), {1})).status().code(), absl::StatusCode::kInvalidArgument);
+  });
+}
+
+// Create makes its shard without the map's lock: of creates of one name at
+// once, one makes it and the rest are ALREADY_EXISTS, their reservations
+// given back; Close waits for the creates in flight, and none comes after.
+TEST(TensorHost, CreatesAtOnceMakeANameOnceAndCloseWaitsForThem) {
+  testing::RunMesh(testing::TpDpMesh(1), [&](int, ProcessGroup& pg) {
+    const int64_t one = TensorHost::Cost(256 * 256 * 4, "same");
+    TensorHost host(&pg, Device::Cpu(), 2 * one);
+    v1::CreateTensorRequest same;
+    same.set_name("same");
+    same.mutable_random()->add_shape(256);
+    same.mutable_random()->add_shape(256);
+    std::vector<absl::Status> got(8);
+    {
+      std::vector<std::thread> threads;
+      for (size_t i = 0; i < got.size(); ++i) threads.emplace_back([&, i] { got[i] = host.Create(same).status(); });
+      for (std::thread& t : threads) t.join();
+    }
+    int made = 0;
+    for (const absl::Status& s : got) {
+      made += s.ok();
+      if (!s.ok()) {
+        EXPECT_TRUE(s.code() == absl::StatusCode::kAlreadyExists || s.code() == absl::StatusCode::kResourceExhausted)
+            << s;  // a reservation of a losing create may still be held when another asks
+      }
+    }
+    EXPECT_EQ(made, 1);
+    EXPECT_EQ(host.List().size(), 1u);
+    v1::CreateTensorRequest other = same;
+    other.set_name("samf");
+    EXPECT_TRUE(host.Create(other).ok()) << "a losing create kept its reservation";  // exactly the budget left
+    ASSERT_TRUE(host.Delete("samf").ok());
+
+    std::vector<std::thread> creates;
+    std::atomic<int> unavailable{0}, ok{0};
+    for (int i = 0; i < 4; ++i) {
+      creates.emplace_back([&, i] {
+        v1::CreateTensorRequest r = same;
+        r.set_name(absl::StrCat("late", i));
+        const absl::Status s = host.Create(r).status();
+        (s.ok() ? ok : unavailable) += 1;
+        EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kUnavailable ||
+                    s.code() == absl::StatusCode::kResourceExhausted)
+            << s;
+      });
+    }
+    host.Close();
+    EXPECT_TRUE(host.List().empty());  // what went in before Close went with it
+    for (std::thread& t : creates) t.join();
+    EXPECT_TRUE(host.List().empty()) << "a create went in after Close";
+    EXPECT_EQ(host.Create(other).status().code(), absl::StatusCode::kUnavailable);
   });
 }
 

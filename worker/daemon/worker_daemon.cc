@@ -16,6 +16,7 @@
 #include "common/grpc_server.h"
 #include "common/grpc_status.h"
 #include "common/host_memory.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "common/net.h"
 #include "common/proto_time.h"
@@ -59,11 +60,11 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
     ASSIGN_OR_RETURN(kernels::CudaDeviceInfo dev, kernels::GetCudaDeviceInfo(o.device_ordinal));
     info.set_device_kind(v1::DEVICE_KIND_CUDA);
     info.set_device_name(dev.name);
-    info.set_memory_bytes(dev.memory_bytes);
+    info.set_memory_bytes(WorkerDaemon::DefaultRankMemory(dev.memory_bytes));
   } else {
     info.set_device_kind(v1::DEVICE_KIND_CPU);
     info.set_device_name("cpu");
-    info.set_memory_bytes(HostMemoryBytes());
+    info.set_memory_bytes(WorkerDaemon::DefaultRankMemory(HostMemoryBytes()));
   }
   if (o.memory_limit_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--memory-limit: must be >= 0, got ", o.memory_limit_bytes));
@@ -112,6 +113,12 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
 
 WorkerDaemon::WorkerDaemon(Options options) : options_(std::move(options)) {}
 
+int64_t WorkerDaemon::DefaultRankMemory(int64_t device_bytes) {
+  constexpr int64_t kGiB = int64_t{1} << 30;
+  if (device_bytes < 2 * kGiB) return device_bytes / 2;
+  return device_bytes - std::max(kGiB, device_bytes / 10);
+}
+
 absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options options) {
   ASSIGN_OR_RETURN(HostPort listen, ParseHostPort(options.listen, "--listen", true));
   ASSIGN_OR_RETURN(PathPolicy paths, PathPolicy::Create(options.allow_paths));
@@ -138,6 +145,12 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
                    MakeChannelCredentials(options.tls));
 
   HostPort advertise = listen;
+  // The coordinator refuses a registration whose address is longer: the
+  // worker would retry it for good.
+  if (options.advertise_host.size() + 6 > kMaxWorkerText) {
+    return absl::InvalidArgumentError(absl::StrCat("--advertise-host: ", options.advertise_host.size(),
+                                                   " bytes; a host name has at most 253"));
+  }
   if (!options.advertise_host.empty()) {
     advertise.host = options.advertise_host;
   } else if (IsWildcard(listen.host)) {

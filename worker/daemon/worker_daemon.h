@@ -61,7 +61,8 @@ class WorkerDaemon {
     // The memory this worker offers a rank, reported at registration: the
     // coordinator places no rank here whose model needs more at least, and
     // the rank itself refuses one (RESOURCE_EXHAUSTED) before it allocates.
-    // 0: the GPU's memory, or the host's (its cgroup's limit in a container).
+    // 0: DefaultRankMemory of the GPU's memory, or of the host's (its
+    // cgroup's limit in a container).
     int64_t memory_limit_bytes = 0;
     // The device's dense peak in TFLOP/s for whatever dtype its jobs train
     // in, reported at registration for the jobs' MFU (RunSummary.mfu);
@@ -112,9 +113,18 @@ class WorkerDaemon {
   // OK, or why the CUDA device was found broken after a rank failed.
   absl::Status device_lost() const;
 
+  // What a worker offers a rank of `device_bytes` (a GPU's, or the host's
+  // or its cgroup's) without --memory-limit: less a tenth, at least 1 GiB
+  // (half of a device under 2 GiB), for what no plan counts: the process
+  // itself, the CUDA context, NCCL's, cuBLAS's and gRPC's buffers, the data
+  // in flight. Placing ranks up to the whole limit got them killed for
+  // memory at its edge.
+  static int64_t DefaultRankMemory(int64_t device_bytes);
+
  private:
   explicit WorkerDaemon(Options options);
   void CoordinatorLoop();
+
   absl::Status RegisterOnce();
   absl::Status HeartbeatOnce();
   // Tells the coordinator this worker (id) leaves; Shutdown's last word.

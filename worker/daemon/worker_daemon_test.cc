@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/escaping.h"
@@ -19,6 +20,7 @@
 #include "server/coordinator.h"
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/job_specs.h"
+#include "common/host_memory.h"
 #include "tests/testing/prometheus_text.h"
 #include "worker/shardformer/testing.h"
 #include "worker/tensor/npy.h"
@@ -71,7 +73,13 @@ TEST(WorkerDaemon, RegistersHeartbeatsAndBecomesServing) {
   EXPECT_EQ(workers[0].info().worker_id(), (*worker)->worker_id());
   EXPECT_EQ(workers[0].info().address(), (*worker)->address());
   EXPECT_EQ(workers[0].info().device_kind(), v1::DEVICE_KIND_CPU);
-  EXPECT_GT(workers[0].info().memory_bytes(), 0);
+  // Without --memory-limit: the host's (or cgroup's) less a tenth, at least 1 GiB.
+  EXPECT_EQ(workers[0].info().memory_bytes(), WorkerDaemon::DefaultRankMemory(HostMemoryBytes()));
+  constexpr int64_t kGiB = int64_t{1} << 30;
+  EXPECT_EQ(WorkerDaemon::DefaultRankMemory(80 * kGiB), 72 * kGiB);
+  EXPECT_EQ(WorkerDaemon::DefaultRankMemory(4 * kGiB), 3 * kGiB);
+  EXPECT_EQ(WorkerDaemon::DefaultRankMemory(2 * kGiB), kGiB);
+  EXPECT_EQ(WorkerDaemon::DefaultRankMemory(kGiB), kGiB / 2);
 
   auto services = testing::ListServicesByReflection((*worker)->address());
   ASSERT_TRUE(services.ok()) << services.status();
@@ -177,6 +185,9 @@ TEST(WorkerDaemon, RejectsBadOptions) {
     EXPECT_NE(comm.message().find("--comm-timeout"), std::string::npos) << comm;
   }
   o.comm_timeout = absl::Minutes(2);
+  o.advertise_host = std::string(600, 'h');
+  EXPECT_EQ(WorkerDaemon::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.advertise_host = "";
   for (int bad : {0, 1}) {
     o.max_server_threads = bad;
     const absl::Status threads = WorkerDaemon::Start(o).status();
@@ -208,14 +219,19 @@ TEST(WorkerDaemon, AWorkDirectoryIsOneWorkersAndAFailedStartLeavesNone) {
   // TMPDIR, which goes with it.
   const std::string tmp = testing::TempPath("own-work-dirs");
   std::filesystem::create_directories(tmp);
+  struct RestoreTmpdir {  // whatever way the test ends
+    std::optional<std::string> was;
+    ~RestoreTmpdir() { was.has_value() ? ::setenv("TMPDIR", was->c_str(), 1) : ::unsetenv("TMPDIR"); }
+  } restore{std::getenv("TMPDIR") != nullptr ? std::optional<std::string>(std::getenv("TMPDIR")) : std::nullopt};
   ASSERT_EQ(::setenv("TMPDIR", tmp.c_str(), 1), 0);
   auto holder = WorkerDaemon::Start(FastRetryOptions(coordinator->address()));
   ASSERT_TRUE(holder.ok()) << holder.status();
   WorkerDaemon::Options taken = FastRetryOptions(coordinator->address());
   taken.listen = (*holder)->address();
-  EXPECT_FALSE(WorkerDaemon::Start(taken).ok());
+  const absl::Status refused = WorkerDaemon::Start(taken).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;  // after it made its work directory
+  EXPECT_NE(refused.message().find("cannot listen on"), std::string::npos) << refused;
   holder->reset();
-  ::unsetenv("TMPDIR");
   EXPECT_TRUE(std::filesystem::is_empty(tmp));
 }
 

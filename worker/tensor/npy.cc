@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -182,17 +183,24 @@ std::optional<int64_t> NpyReadPeakBytes(const NpyInfo& info, int64_t file_bytes)
   return both.has_value() ? CheckedAdd(file_bytes, *both) : std::nullopt;
 }
 
-absl::StatusOr<Tensor> ReadNpy(const std::string& path) {
+absl::StatusOr<Tensor> ReadNpy(const std::string& path, NpySource source) {
   // One copy of the bytes, a read error an error (not a shorter array), a
   // device, a FIFO (whose writer could hold the rank in a read no abort
   // ends) or a directory refused; none that would not fit.
   struct stat st;
-  if (::stat(path.c_str(), &st) != 0) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  if (!S_ISREG(st.st_mode)) {
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT || err == ENOTDIR) {
+      return absl::NotFoundError(absl::StrCat("cannot read ", path, ": ", std::strerror(err)));
+    }
+    return FileError("cannot read", path, err);
+  }
+  const bool pipe = S_ISFIFO(st.st_mode) && source == NpySource::kRegularFileOrPipe;
+  if (!S_ISREG(st.st_mode) && !pipe) {
     return absl::InvalidArgumentError(absl::StrCat(
         path, ": ", S_ISDIR(st.st_mode) ? "a directory" : "not a regular file (a FIFO or a device)", ", not a .npy file"));
   }
-  {
+  if (!pipe) {
     ASSIGN_OR_RETURN(const NpyInfo info, ReadNpyInfo(path));
     const std::optional<int64_t> peak = NpyReadPeakBytes(info, st.st_size);
     const int64_t available = AvailableHostMemoryBytes();

@@ -17,11 +17,17 @@
 
 namespace colod {
 
+// Which files ReadNpy reads. A worker reads regular files only: a FIFO
+// whose writer never writes would hold its rank in a read no abort ends. A
+// command line may name a pipe too (a shell's <(...)).
+enum class NpySource { kRegularFile, kRegularFileOrPipe };
+
 // NOT_FOUND for a missing file; INVALID_ARGUMENT, naming the file and the
-// problem, for anything that is not a supported .npy array;
-// RESOURCE_EXHAUSTED, before it is read, for one that would not fit in the
-// memory available (NpyReadPeakBytes).
-absl::StatusOr<Tensor> ReadNpy(const std::string& path);
+// problem, for anything that is not a supported .npy array, or not a file
+// `source` allows; RESOURCE_EXHAUSTED, before it is read, for one that would
+// not fit in the memory available (NpyReadPeakBytes); FileError's status
+// for a file that cannot be read (UNAVAILABLE for EIO, ESTALE).
+absl::StatusOr<Tensor> ReadNpy(const std::string& path, NpySource source = NpySource::kRegularFile);
 absl::StatusOr<Tensor> ParseNpy(const std::string& bytes, const std::string& what = "npy");
 // What a .npy file's header says, read without its array: for a reader that
 // must know the array's size before it reads it (a corpus that must fit in

@@ -75,6 +75,10 @@ absl::StatusOr<std::pair<int, int64_t>> OpenRegularFile(const std::string& path)
     ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat(path, " is not a non-empty regular file"));
   }
+  // Reads block again: a network file system may answer a non-blocking one
+  // EAGAIN.
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
   return std::make_pair(fd, static_cast<int64_t>(st.st_size));
 }
 
