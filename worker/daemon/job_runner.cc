@@ -55,10 +55,15 @@ std::string KindName(v1::JobKind kind) {
 // (computed once, at submit), or from an older coordinator that sends none,
 // the spec's. A family this config parser does not know (a user policy's)
 // is checked by its own loader instead.
+// The rank's memory floor: the coordinator's, or from the spec (an older
+// coordinator sends none).
+RankMemoryFloor RankFloor(const v1::AssignJobRequest& req) {
+  return MemoryFloorFromProto(req.has_memory_floor() ? req.memory_floor() : JobMemoryFloor(req.spec()));
+}
+
 absl::Status AdmitModel(const v1::AssignJobRequest& req, int64_t memory_bytes) {
   if (memory_bytes <= 0) return absl::OkStatus();
-  const RankMemoryFloor floor =
-      MemoryFloorFromProto(req.has_memory_floor() ? req.memory_floor() : JobMemoryFloor(req.spec()));
+  const RankMemoryFloor floor = RankFloor(req);
   if (floor.total_bytes <= memory_bytes) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
       "the model needs ", DescribeMemoryFloor(floor),
@@ -82,8 +87,7 @@ absl::Status AdmitForwardLogits(const v1::AssignJobRequest& req, const shardform
   }
   logits.push_back(config.vocab_size);
   const std::optional<int64_t> one = CheckedBytes(logits, static_cast<int64_t>(sizeof(float)));
-  const RankMemoryFloor floor =
-      MemoryFloorFromProto(req.has_memory_floor() ? req.memory_floor() : JobMemoryFloor(req.spec()));
+  const RankMemoryFloor floor = RankFloor(req);
   const std::optional<int64_t> two = one.has_value() ? CheckedMul(*one, 2) : std::nullopt;
   const std::optional<int64_t> need = two.has_value() ? CheckedAdd(*two, floor.total_bytes) : std::nullopt;
   if (need.has_value() && *need <= memory_bytes) return absl::OkStatus();

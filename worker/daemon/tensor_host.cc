@@ -4,6 +4,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
@@ -105,17 +106,10 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
     RETURN_IF_ERROR(taken());
     ++creating_;
   }
-  struct Creating {
-    explicit Creating(TensorHost* h) : host(h) {}
-    Creating(const Creating&) = delete;
-    Creating& operator=(const Creating&) = delete;
-    ~Creating() {
-      absl::MutexLock lock(&host->mu_);
-      --host->creating_;
-    }
-    TensorHost* const host;
-  };
-  std::optional<Creating> creating(std::in_place, this);
+  auto creating = absl::MakeCleanup([this] {
+    absl::MutexLock lock(&mu_);
+    --creating_;
+  });
   ASSIGN_OR_RETURN(global, global.To(device_));
   NoGradScope no_grad;
   absl::StatusOr<ColoTensor> t = ColoTensor::FromGlobal(global, spec, pg_);
@@ -127,7 +121,7 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
   }
   t->set_compute_spec({pattern});
   global = Tensor();  // the whole value goes before the map's lock is taken
-  creating.reset();
+  std::move(creating).Invoke();
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(taken());  // a Create of the same name may have come first
   Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t), next_id_++, bytes}).first->second;
