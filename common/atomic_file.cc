@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -118,6 +119,81 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   ::close(fd);
   if (!s.ok()) return s;
   return out;
+}
+
+namespace {
+
+const char* FileKind(mode_t mode) {
+  return S_ISDIR(mode)    ? "a directory"
+         : S_ISFIFO(mode) ? "a FIFO"
+         : S_ISCHR(mode)  ? "a character device"
+         : S_ISBLK(mode)  ? "a block device"
+         : S_ISSOCK(mode) ? "a socket"
+                          : "not a regular file";
+}
+
+}  // namespace
+
+absl::StatusOr<RegularFileReader> RegularFileReader::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    if (errno == ENOENT || errno == ENOTDIR) {
+      return absl::NotFoundError(absl::StrCat("cannot open '", path, "': ", std::strerror(errno)));
+    }
+    return Errno("cannot open", path);
+  }
+  struct stat info;
+  if (::fstat(fd, &info) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return FileError("cannot stat", path, err);
+  }
+  if (!S_ISREG(info.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, " is ", FileKind(info.st_mode), ", not a regular file"));
+  }
+  // Reads block again: a network file system may answer a non-blocking one
+  // EAGAIN.
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  return RegularFileReader(path, fd, static_cast<int64_t>(info.st_size));
+}
+
+RegularFileReader::RegularFileReader(RegularFileReader&& other) noexcept
+    : path_(std::move(other.path_)), fd_(std::exchange(other.fd_, -1)), size_(other.size_) {}
+
+RegularFileReader& RegularFileReader::operator=(RegularFileReader&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    path_ = std::move(other.path_);
+    fd_ = std::exchange(other.fd_, -1);
+    size_ = other.size_;
+  }
+  return *this;
+}
+
+RegularFileReader::~RegularFileReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::Status RegularFileReader::ReadAt(int64_t offset, void* dst, size_t n) const {
+  if (offset < 0 || n > static_cast<uint64_t>(INT64_MAX - offset)) {
+    return absl::InvalidArgumentError(absl::StrCat("a read of ", n, " bytes at offset ", offset, " of ", path_));
+  }
+  char* out = static_cast<char*>(dst);
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd_, out + done, n - done, static_cast<off_t>(offset + static_cast<int64_t>(done)));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return Errno("cannot read", path_);
+    if (got == 0) {
+      return absl::DataLossError(absl::StrCat(path_, " ends at byte ", offset + static_cast<int64_t>(done),
+                                              ", before the ", n, " bytes from byte ", offset,
+                                              " that were asked for: the file changed while in use"));
+    }
+    done += static_cast<size_t>(got);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SyncDirectory(const std::string& dir) {

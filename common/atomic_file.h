@@ -1,8 +1,10 @@
 #ifndef COLOD_COMMON_ATOMIC_FILE_H_
 #define COLOD_COMMON_ATOMIC_FILE_H_
 
+#include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,6 +39,40 @@ absl::Status FileError(absl::string_view what, absl::string_view path, int err);
 // fails midway (never a shorter content). A FIFO without a writer reads as
 // empty rather than blocking.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+
+// A regular file open for reads at given offsets, closed when it goes. The
+// way a daemon reads large inputs (weights, token files) rather than mapping
+// them: a file cut short while in use is then an error, DATA_LOSS, where a
+// map's page beyond the new end kills the whole daemon with SIGBUS.
+// Thread-safety: ReadAt may run concurrently (pread); moving is not.
+class RegularFileReader {
+ public:
+  // Never blocks in open (a FIFO without a writer would, where no abort
+  // reaches it). NOT_FOUND naming `path` when it does not exist;
+  // INVALID_ARGUMENT "PATH is a directory (a FIFO, a character device, ...),
+  // not a regular file"; FileError's status for anything else (EACCES).
+  static absl::StatusOr<RegularFileReader> Open(const std::string& path);
+  RegularFileReader(RegularFileReader&& other) noexcept;
+  RegularFileReader& operator=(RegularFileReader&& other) noexcept;
+  RegularFileReader(const RegularFileReader&) = delete;
+  RegularFileReader& operator=(const RegularFileReader&) = delete;
+  ~RegularFileReader();
+
+  const std::string& path() const { return path_; }
+  // The size when it was opened.
+  int64_t size() const { return size_; }
+  // Exactly `n` bytes from `offset` into `dst`: DATA_LOSS naming the path and
+  // the byte where the file ended before them (it shrank since Open), or
+  // FileError's status ("cannot read", EIO: UNAVAILABLE). INVALID_ARGUMENT
+  // for a negative offset or one that overflows with `n`.
+  absl::Status ReadAt(int64_t offset, void* dst, size_t n) const;
+
+ private:
+  RegularFileReader(std::string path, int fd, int64_t size) : path_(std::move(path)), fd_(fd), size_(size) {}
+  std::string path_;
+  int fd_ = -1;
+  int64_t size_ = 0;
+};
 
 // The names of `dir`'s entries, "." and ".." left out, in no particular
 // order: NOT_FOUND naming it when it cannot be opened (missing, not a

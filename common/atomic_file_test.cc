@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -91,6 +93,47 @@ TEST(ReadFileToString, ReadsAPipeToItsEndAndAWriterlessFifoAsEmpty) {
   const absl::StatusOr<std::string> none = ReadFileToString(fifo);
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_EQ(*none, "");
+}
+
+TEST(RegularFileReader, ReadsRangesAndIsDataLossWhereTheFileWasCutShort) {
+  const std::string path = FreshDir("reader") + "/f";
+  std::string bytes(100000, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 7 + i / 256);
+  ASSERT_TRUE(WriteFileAtomically(path, bytes).ok());
+  absl::StatusOr<RegularFileReader> f = RegularFileReader::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->size(), 100000);
+  EXPECT_EQ(f->path(), path);
+  std::string got(30000, '\0');
+  ASSERT_TRUE(f->ReadAt(70000, got.data(), got.size()).ok());
+  EXPECT_EQ(got, bytes.substr(70000));
+  ASSERT_TRUE(f->ReadAt(5, got.data(), 0).ok());
+  // Moved, it still reads; the moved-from one is closed without a word.
+  RegularFileReader moved = *std::move(f);
+  ASSERT_EQ(::truncate(path.c_str(), 50000), 0);
+  const absl::Status cut = moved.ReadAt(40000, got.data(), 20000);
+  EXPECT_EQ(cut.code(), absl::StatusCode::kDataLoss) << cut;
+  EXPECT_NE(cut.message().find(absl::StrCat(path, " ends at byte 50000")), absl::string_view::npos) << cut;
+  EXPECT_EQ(moved.ReadAt(-1, got.data(), 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(moved.ReadAt(INT64_MAX, got.data(), 2).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(RegularFileReader, RefusesWhatIsNotARegularFileWithoutBlocking) {
+  const std::string dir = FreshDir("reader_refuses");
+  EXPECT_EQ(RegularFileReader::Open(dir + "/missing").status().code(), absl::StatusCode::kNotFound);
+  const std::string fifo = dir + "/fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  const struct {
+    std::string path;
+    const char* says;
+  } cases[] = {{dir, "is a directory, not a regular file"},
+               {fifo, "is a FIFO, not a regular file"},
+               {"/dev/zero", "is a character device, not a regular file"}};
+  for (const auto& c : cases) {
+    const absl::Status s = RegularFileReader::Open(c.path).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(c.path + " " + c.says), absl::string_view::npos) << s;
+  }
 }
 
 // A downloaded directory made durable before its rename: its files are

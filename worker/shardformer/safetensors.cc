@@ -1,7 +1,6 @@
 #include "worker/shardformer/safetensors.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -13,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/atomic_file.h"
 #include "common/int_math.h"
 #include "common/json.h"
 #include "common/status_macros.h"
@@ -35,24 +35,70 @@ absl::Status Errno(const std::string& what, const std::string& path) {
   return absl::InternalError(msg);
 }
 
-// Copies the block [starts, starts + lengths) of a row-major array with
-// element size `es` and shape `shape` from `src` to the contiguous `dst`.
-void CopyBlock(const char* src, const Shape& shape, size_t es, const std::vector<int64_t>& starts,
-               const std::vector<int64_t>& lengths, size_t d, char*& dst) {
-  int64_t stride = static_cast<int64_t>(es);  // bytes per step of dim d
-  for (size_t k = d + 1; k < shape.size(); ++k) stride *= shape[k];
-  // From the first dim on which the block is the whole dim onwards, the rows are contiguous.
-  bool rest_whole = true;
-  for (size_t k = d + 1; k < shape.size(); ++k) rest_whole = rest_whole && starts[k] == 0 && lengths[k] == shape[k];
-  if (d + 1 == shape.size() || rest_whole) {
-    const size_t bytes = static_cast<size_t>(lengths[d] * stride);
-    std::memcpy(dst, src + starts[d] * stride, bytes);
-    dst += bytes;
-    return;
+// Reads from the file runs of at most this many bytes apart together, with
+// one read into a buffer of this size; a run of a slice this long or longer
+// is read straight into the tensor.
+constexpr int64_t kGatherBytes = int64_t{8} << 20;
+
+// Reads the block [starts, starts + lengths) of the row-major array of
+// element size `es` and shape `shape` that starts at byte `base` of `file`
+// into the contiguous `dst`. The block is a sequence of equal runs, one for
+// each index of the dims before the first one from which on it is whole, in
+// increasing file order: long runs are read one by one, short ones a
+// buffer's worth at a time.
+absl::Status ReadBlock(const RegularFileReader& file, int64_t base, const Shape& shape, int64_t es,
+                       const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths, char* dst) {
+  const size_t nd = shape.size();
+  std::vector<int64_t> stride(nd + 1, es);  // bytes per step of dim d; stride[nd] = es
+  for (size_t d = nd; d-- > 0;) stride[d] = d + 1 < nd ? stride[d + 1] * shape[d + 1] : es;
+  // Dims [c, nd) are read as one run: the block is whole on every dim after c.
+  size_t c = nd == 0 ? 0 : nd - 1;
+  while (c > 0 && starts[c] == 0 && lengths[c] == shape[c]) --c;
+  const int64_t run = nd == 0 ? es : lengths[c] * stride[c];
+  int64_t runs = 1;
+  for (size_t d = 0; d < c; ++d) runs *= lengths[d];
+  std::vector<int64_t> index(c, 0);  // of the next run, within the block
+  auto offset_of = [&]() {
+    int64_t at = base + (nd == 0 ? 0 : starts[c] * stride[c]);
+    for (size_t d = 0; d < c; ++d) at += (starts[d] + index[d]) * stride[d];
+    return at;
+  };
+  auto advance = [&]() {
+    for (size_t d = c; d-- > 0;) {
+      if (++index[d] < lengths[d]) return;
+      index[d] = 0;
+    }
+  };
+  std::string buffer;
+  int64_t r = 0;
+  while (r < runs) {
+    const int64_t first = offset_of();
+    if (run >= kGatherBytes / 4) {
+      RETURN_IF_ERROR(file.ReadAt(first, dst, static_cast<size_t>(run)));
+      dst += run;
+      advance();
+      ++r;
+      continue;
+    }
+    // The runs that end within a buffer from `first`, read with one call.
+    std::vector<int64_t> offsets;
+    int64_t end = first;
+    while (r < runs) {
+      const int64_t at = offset_of();
+      if (at + run - first > kGatherBytes) break;
+      offsets.push_back(at);
+      end = at + run;
+      advance();
+      ++r;
+    }
+    buffer.resize(static_cast<size_t>(end - first));
+    RETURN_IF_ERROR(file.ReadAt(first, buffer.data(), buffer.size()));
+    for (const int64_t at : offsets) {
+      std::memcpy(dst, buffer.data() + (at - first), static_cast<size_t>(run));
+      dst += run;
+    }
   }
-  for (int64_t i = 0; i < lengths[d]; ++i) {
-    CopyBlock(src + (starts[d] + i) * stride, shape, es, starts, lengths, d + 1, dst);
-  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -78,39 +124,23 @@ const char* SafetensorsDTypeName(DType dtype) {
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  // O_NONBLOCK: a FIFO without a writer would block the rank in open,
-  // where no abort reaches it; it is refused below instead.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) return Errno("cannot open", path);
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    absl::Status s = Errno("cannot stat", path);
-    ::close(fd);
-    return s;
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return Invalid(path, S_ISDIR(st.st_mode) ? "a directory, not a file" : "not a regular file (a FIFO or a device)");
-  }
-  const size_t size = static_cast<size_t>(st.st_size);
+  ASSIGN_OR_RETURN(RegularFileReader file, RegularFileReader::Open(path));
+  const int64_t size = file.size();
   if (size < 8) {
-    ::close(fd);
     return Invalid(path, absl::StrCat("the file has ", size, " bytes, fewer than the 8-byte header length"));
   }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (map == MAP_FAILED) return Errno("cannot map", path);
-  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile(path, static_cast<const char*>(map), size));
-
   uint64_t n = 0;
-  std::memcpy(&n, f->map_, 8);  // little-endian, as the format and x86/arm64 are
-  if (n > static_cast<uint64_t>(kMaxHeaderBytes) || n > size - 8) {
+  RETURN_IF_ERROR(file.ReadAt(0, &n, 8));  // little-endian, as the format and x86/arm64 are
+  if (n > static_cast<uint64_t>(kMaxHeaderBytes) || n > static_cast<uint64_t>(size - 8)) {
     return Invalid(path, absl::StrCat("the header length ", n, " does not fit the file of ", size, " bytes"));
   }
+  std::string json(static_cast<size_t>(n), '\0');
+  RETURN_IF_ERROR(file.ReadAt(8, json.data(), json.size()));
+  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile(std::move(file)));
   f->data_start_ = 8 + static_cast<int64_t>(n);
-  nlohmann::json header = ParseJson(absl::string_view(f->map_ + 8, n));
+  nlohmann::json header = ParseJson(json);
   if (header.is_discarded() || !header.is_object()) return Invalid(path, "the header is not a JSON object");
-  const int64_t buffer = static_cast<int64_t>(size) - f->data_start_;
+  const int64_t buffer = size - f->data_start_;
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& name = it.key();
@@ -172,8 +202,6 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   return f;
 }
 
-SafetensorsFile::~SafetensorsFile() { ::munmap(const_cast<char*>(map_), size_); }
-
 absl::StatusOr<TensorInfo> SafetensorsFile::Info(const std::string& name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) return absl::NotFoundError(absl::StrCat(path_, " has no tensor ", name));
@@ -200,13 +228,8 @@ absl::StatusOr<Tensor> SafetensorsFile::ReadSlice(const std::string& name, const
   }
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(Shape(lengths.begin(), lengths.end()), info.dtype));
   if (out.numel() == 0) return out;
-  char* dst = static_cast<char*>(out.raw_data());
-  const char* src = map_ + data_start_ + info.begin;
-  if (info.shape.empty()) {
-    std::memcpy(dst, src, SizeOf(info.dtype));
-  } else {
-    CopyBlock(src, info.shape, SizeOf(info.dtype), starts, lengths, 0, dst);
-  }
+  RETURN_IF_ERROR(ReadBlock(file_, data_start_ + info.begin, info.shape, static_cast<int64_t>(SizeOf(info.dtype)),
+                            starts, lengths, static_cast<char*>(out.raw_data())));
   return out;
 }
 

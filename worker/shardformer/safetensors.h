@@ -4,14 +4,17 @@
 // [begin, end)} relative to the buffer, plus an optional "__metadata__"
 // object of strings.
 //
-// SafetensorsFile memory-maps a file and validates its header strictly
+// SafetensorsFile opens a file and validates its header strictly
 // before anything is read: the length fits the file, the JSON is an object
 // of well-formed entries, every dtype is one colod reads (F32, F16, BF16,
 // I64, I32), dtype size x shape = the entry's byte length, and the offsets
 // tile the buffer exactly (in bounds, no overlap, no hole, as the format
 // requires). Any violation is INVALID_ARGUMENT naming the file, the tensor
-// and the rule. Reads copy only the bytes asked for, so a rank that loads
-// its shard of a tensor touches only that shard's pages.
+// and the rule. Reads are positioned reads of the open file, not a
+// map: a file cut short while a rank reads it is DATA_LOSS rather than a
+// SIGBUS that kills the daemon. A rank that loads its shard of a tensor
+// reads only that shard's bytes (and the gaps between its runs where they
+// are short: 8 MiB at a time).
 //
 // Thread-safety: a SafetensorsFile is immutable after Open; reads may run
 // concurrently.
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/atomic_file.h"
 #include "worker/tensor/tensor.h"
 
 namespace colod::shardformer {
@@ -46,7 +50,6 @@ class SafetensorsFile {
   // NOT_FOUND when the file does not exist; INVALID_ARGUMENT when it is not
   // a valid safetensors file.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
-  ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 
@@ -65,10 +68,9 @@ class SafetensorsFile {
                                    const std::vector<int64_t>& lengths) const;
 
  private:
-  SafetensorsFile(std::string path, const char* map, size_t size) : path_(std::move(path)), map_(map), size_(size) {}
+  explicit SafetensorsFile(RegularFileReader file) : path_(file.path()), file_(std::move(file)) {}
   const std::string path_;
-  const char* const map_;
-  const size_t size_;
+  RegularFileReader file_;
   int64_t data_start_ = 0;
   std::map<std::string, TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;

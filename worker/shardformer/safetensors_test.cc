@@ -2,6 +2,8 @@
 // from the writer, and every header rule the reader enforces.
 #include "worker/shardformer/safetensors.h"
 
+#include <unistd.h>
+
 #include <cstring>
 #include <fstream>
 
@@ -76,6 +78,53 @@ TEST(Safetensors, WriterRoundTripsEveryDTypeAndSlicesReadOnlyTheirBlock) {
   EXPECT_EQ((*f)->ReadSlice("a", {4, 0, 0}, {2, 10, 3})->ToFloats(), a.Narrow(0, 4, 2)->ToFloats());
   EXPECT_EQ((*f)->ReadSlice("a", {0, 0, 0}, {7, 1, 1}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(WriteSafetensors(path, {{"a", a}, {"a", a}}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Slices whose runs are long enough to be read one by one (2 MiB and more),
+// and short runs read together a buffer at a time, across several buffers:
+// each equals the slice of the whole tensor.
+TEST(Safetensors, SlicesOfLargeTensorsEqualTheSliceOfTheWhole) {
+  const Tensor wide = *Tensor::RandomNormal({3, 700000}, 4);  // 2.8 MB rows
+  const Tensor tall = *Tensor::RandomNormal({4096, 1024}, 5);  // 16 MiB, rows of 4 KiB
+  const std::string path = TempPath("large.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {{"wide", wide}, {"tall", tall}}).ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const struct {
+    const char* name;
+    const Tensor& whole;
+    std::vector<int64_t> starts, lengths;
+  } cases[] = {
+      {"wide", wide, {0, 100}, {3, 600000}},   // three runs of 2.4 MB
+      {"wide", wide, {1, 0}, {2, 700000}},     // one run
+      {"tall", tall, {0, 512}, {4096, 512}},   // 4096 runs of 2 KiB over 16 MiB
+      {"tall", tall, {7, 1000}, {4001, 3}},    // runs of 12 bytes
+      {"tall", tall, {4095, 1023}, {1, 1}},    // the last element
+  };
+  for (const auto& c : cases) {
+    auto got = (*f)->ReadSlice(c.name, c.starts, c.lengths);
+    ASSERT_TRUE(got.ok()) << got.status();
+    const Tensor want = *c.whole.Narrow(0, c.starts[0], c.lengths[0])->Narrow(1, c.starts[1], c.lengths[1]);
+    EXPECT_EQ(got->ToFloats(), want.ToFloats()) << c.name << " from " << c.starts[0] << "," << c.starts[1];
+  }
+}
+
+// A file cut short while it is open (a user's weights rewritten in place) is
+// DATA_LOSS naming it when a rank reads past the new end. Mapped, the read
+// was a SIGBUS that killed the worker daemon and every job on it.
+TEST(Safetensors, AFileCutShortWhileOpenIsDataLossNotACrash) {
+  const Tensor a = *Tensor::RandomNormal({64, 64}, 6);
+  const Tensor b = *Tensor::RandomNormal({64, 64}, 7);
+  const std::string path = TempPath("shrinking.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {{"a", a}, {"b", b}}).ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_EQ(::truncate(path.c_str(), 4096), 0);
+  auto got = (*f)->Read("b");
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << got.status();
+  EXPECT_NE(got.status().message().find(path), absl::string_view::npos) << got.status();
+  EXPECT_NE(got.status().message().find("changed while in use"), absl::string_view::npos) << got.status();
+  EXPECT_EQ((*f)->ReadSlice("a", {60, 0}, {4, 64}).status().code(), absl::StatusCode::kDataLoss);
 }
 
 TEST(Safetensors, MalformedFilesAreInvalidArgumentNamingTheRule) {

@@ -1,7 +1,6 @@
 #include "worker/train/data.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -64,53 +63,6 @@ absl::StatusOr<int64_t> RegularFileSize(const std::string& path) {
   return static_cast<int64_t>(info.st_size);
 }
 
-// An open descriptor of `path`, a non-empty regular file, and its size
-// (checked on the descriptor: a file replaced by a FIFO after the stat
-// does not block the open).
-absl::StatusOr<std::pair<int, int64_t>> OpenRegularFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
-  struct stat st;
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size == 0) {
-    ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, " is not a non-empty regular file"));
-  }
-  // Reads block again: a network file system may answer a non-blocking one
-  // EAGAIN.
-  const int flags = ::fcntl(fd, F_GETFL);
-  if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
-  return std::make_pair(fd, static_cast<int64_t>(st.st_size));
-}
-
-// A read-only map of a whole file, unmapped when it goes.
-class MappedFile {
- public:
-  static absl::StatusOr<MappedFile> Open(const std::string& path) {
-    ASSIGN_OR_RETURN(const auto opened, OpenRegularFile(path));
-    const auto [fd, size] = opened;
-    void* map = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0);
-    ::close(fd);
-    if (map == MAP_FAILED) return absl::InternalError(absl::StrCat("cannot map ", path, ": ", std::strerror(errno)));
-    MappedFile f;
-    f.data_ = static_cast<const unsigned char*>(map);
-    f.size_ = size;
-    return f;
-  }
-  MappedFile() = default;
-  MappedFile(MappedFile&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-  MappedFile& operator=(MappedFile&&) = delete;
-  ~MappedFile() {
-    if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), static_cast<size_t>(size_));
-  }
-  // Releases the map to the caller.
-  const unsigned char* Release() { return std::exchange(data_, nullptr); }
-  const unsigned char* data() const { return data_; }
-  int64_t size() const { return size_; }
-
- private:
-  const unsigned char* data_ = nullptr;
-  int64_t size_ = 0;
-};
 
 // Little-endian integers of a buffer whose size was checked.
 uint64_t U64At(const unsigned char* p) { return LoadLittleEndian(p, 8); }
@@ -211,20 +163,16 @@ absl::StatusOr<DataFormat> ParseDataFormat(const std::string& name) {
   return absl::InvalidArgumentError(absl::StrCat("data format ", CheckDataFormat(name).message()));
 }
 
-TokenCorpus::~TokenCorpus() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
 absl::Status TokenCorpus::OpenTokens(const std::string& path, int64_t offset, int64_t tokens) {
-  ASSIGN_OR_RETURN(const auto opened, OpenRegularFile(path));
-  const auto [fd, bytes] = opened;
+  // The size checked on the descriptor: a file replaced by a FIFO after
+  // RegularFileSize's stat does not block the open.
+  ASSIGN_OR_RETURN(RegularFileReader bin, RegularFileReader::Open(path));
+  const int64_t bytes = bin.size();
   if (offset < 0 || tokens < 1 || offset > bytes || tokens > (bytes - offset) / width_) {
-    ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", bytes, " bytes do not hold ", tokens, " ",
                                                    width_ * 8, "-bit tokens from byte ", offset));
   }
-  path_ = path;
-  fd_ = fd;
+  bin_.emplace(std::move(bin));
   file_offset_ = offset;
   size_ = tokens;
   return absl::OkStatus();
@@ -373,8 +321,17 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     ASSIGN_OR_RETURN(const int64_t bin_bytes, RegularFileSize(bin_path));
     MegatronIndex index;
     {
-      ASSIGN_OR_RETURN(MappedFile idx, MappedFile::Open(idx_path));
-      ASSIGN_OR_RETURN(index, ParseMegatronIndex(idx.data(), idx.size(), bin_bytes, idx_path));
+      ASSIGN_OR_RETURN(const RegularFileReader idx, RegularFileReader::Open(idx_path));
+      // Read whole, then parsed into document offsets of fewer bytes.
+      const int64_t available = AvailableHostMemoryBytes();
+      if (idx.size() > available / 2) {
+        return absl::ResourceExhaustedError(absl::StrCat(idx_path, " has ", idx.size(), " bytes; reading it and its ",
+                                                         "documents takes up to twice that, more than the ", available,
+                                                         " bytes of memory available"));
+      }
+      std::vector<unsigned char> bytes(static_cast<size_t>(idx.size()));
+      RETURN_IF_ERROR(idx.ReadAt(0, bytes.data(), bytes.size()));
+      ASSIGN_OR_RETURN(index, ParseMegatronIndex(bytes.data(), idx.size(), bin_bytes, idx_path));
     }
     c->width_ = index.width;
     c->signed_ = index.is_signed;
@@ -448,25 +405,13 @@ absl::Status TokenCorpus::Read(int64_t start, int64_t n, int64_t* out) const {
     return absl::OutOfRangeError(absl::StrCat("tokens [", start, ", ", start + n, ") outside the corpus of ",
                                               size_));
   }
-  if (fd_ < 0) {
+  if (!bin_.has_value()) {
     std::copy(owned_.begin() + start, owned_.begin() + start + n, out);
     return absl::OkStatus();
   }
   // Fits: start + n <= size_, whose bytes Open checked against the file's.
   std::vector<unsigned char> bytes(static_cast<size_t>(n * width_));
-  const int64_t from = file_offset_ + start * width_;
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t got = ::pread(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(from + done));
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) return FileError("cannot read", path_, errno);
-    if (got == 0) {
-      return absl::DataLossError(absl::StrCat(path_, " ends at byte ", from + static_cast<int64_t>(done),
-                                              ", before the tokens it held when the job opened it: the file "
-                                              "changed while in use"));
-    }
-    done += static_cast<size_t>(got);
-  }
+  RETURN_IF_ERROR(bin_->ReadAt(file_offset_ + start * width_, bytes.data(), bytes.size()));
   // Little-endian on disk; read byte by byte so the host order does not matter.
   for (int64_t i = 0; i < n; ++i) {
     const unsigned char* p = bytes.data() + i * width_;

@@ -3,7 +3,8 @@
 //
 // Corpora come as
 //   .bin   a flat little-endian array of uint16 tokens (nanoGPT's layout), or
-//          uint32 with DataFormat::kU32; memory-mapped, not read into memory
+//          uint32 with DataFormat::kU32; read from disk at each use, not
+//          into memory
 //   .npy   an integer array (int64, int32, uint16, uint32), flattened
 //   text   anything else: UTF-8 text. With a tokenizer (the model
 //          directory's own, tokenizer.h; the trainer passes it when the
@@ -23,10 +24,11 @@
 //          then each sequence's length (i32), its byte offset in the .bin
 //          (i64), and the documents as sequence-index boundaries (i64,
 //          0 ... sequence count); all little-endian. The corpus is every
-//          sequence in order (memory-mapped), and documents() keeps where
-//          each document starts. As in Megatron's GPT dataset, windows run
-//          across documents (its preprocessing appends an end-of-document
-//          token to each).
+//          sequence in order (read from the .bin as a .bin is; the .idx is
+//          read whole at Open), and documents() keeps where each document
+//          starts. As in Megatron's GPT dataset, windows run across
+//          documents (its preprocessing appends an end-of-document token to
+//          each).
 //
 // BatchSampler draws each step's global batch of windows of seq_len + 1
 // tokens at offsets that depend only on (seed, step, row), so a run that
@@ -47,10 +49,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/atomic_file.h"
 #include "worker/tensor/tensor.h"
 #include "worker/train/tokenizer.h"
 
@@ -101,7 +105,6 @@ class TokenCorpus {
                                                            DataFormat format = DataFormat::kAuto,
                                                            const Tokenizer* tokenizer = nullptr,
                                                            const std::function<bool()>& stopped = {});
-  ~TokenCorpus();
   TokenCorpus(const TokenCorpus&) = delete;
   TokenCorpus& operator=(const TokenCorpus&) = delete;
 
@@ -126,8 +129,7 @@ class TokenCorpus {
   absl::Status OpenTokens(const std::string& path, int64_t offset, int64_t tokens);
   DataFormat format_ = DataFormat::kText;
   int64_t size_ = 0;
-  std::string path_;         // of a .bin
-  int fd_ = -1;              // of a .bin, read with pread
+  std::optional<RegularFileReader> bin_;  // of a .bin, read with pread
   int64_t file_offset_ = 0;  // bytes before the first token
   int width_ = 2;            // bytes per token in the file
   bool signed_ = false;      // the file's tokens are two's complement
