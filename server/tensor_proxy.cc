@@ -18,7 +18,8 @@ TensorProxy::TensorProxy(JobManager* jobs, prometheus::Registry* metrics, Option
     : jobs_(jobs),
       rpc_duration_(&RpcDurationFamily(*metrics)),
       options_(std::move(options)),
-      auth_(options_.auth_token) {}
+      auth_(options_.auth_token),
+      stubs_(options_.credentials) {}
 
 absl::StatusOr<v1::Job> TensorProxy::RunningTensorJob(const std::string& job_id) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
@@ -35,19 +36,10 @@ absl::StatusOr<v1::Job> TensorProxy::RunningTensorJob(const std::string& job_id)
   return job;
 }
 
-TensorProxy::Stub& TensorProxy::StubFor(const std::string& address) {
-  absl::MutexLock lock(&mu_);  // stubs are never removed, so the reference stays valid
-  auto it = stubs_.find(address);
-  if (it == stubs_.end()) {
-    auto creds = options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials();
-    it = stubs_.emplace(address, v1::TensorService::NewStub(CreateKeepaliveChannel(address, creds))).first;
-  }
-  return *it->second;
-}
-
 absl::Status TensorProxy::AwaitTurn(const std::string& job_id, grpc::ServerContext* ctx, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  JobQueue& q = queues_[job_id];  // map nodes stay put, and are never erased
+  // Map nodes stay put; a job's is erased only once no call waits on it.
+  JobQueue& q = queues_[job_id];
   const int64_t ticket = q.next_ticket++;
   const auto my_turn = [&q, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return q.serving == ticket; };
   // mu_ is released while it waits; the caller's going away wakes nobody,
@@ -78,9 +70,20 @@ void TensorProxy::AdvanceLocked(JobQueue& q) {
   while (q.abandoned.erase(q.serving) > 0) ++q.serving;
 }
 
+size_t TensorProxy::QueuedJobs() const {
+  absl::MutexLock lock(&mu_);
+  return queues_.size();
+}
+
 void TensorProxy::EndTurn(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
-  AdvanceLocked(queues_[job_id]);
+  auto it = queues_.find(job_id);
+  if (it == queues_.end()) return;  // (never: this call's turn keeps it)
+  AdvanceLocked(it->second);
+  // Every ticket given out was served or abandoned: no call waits, nor holds
+  // a reference to the queue (a waiter's ticket is never passed before its
+  // own EndTurn or abandonment).
+  if (it->second.serving == it->second.next_ticket) queues_.erase(it);
 }
 
 template <typename Req, typename Resp>
@@ -111,13 +114,15 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     if (only_rank < 0 || r == only_rank) ranks.push_back(r);
   }
   std::vector<Resp> responses(ranks.size());
+  std::vector<std::shared_ptr<Stub>> stubs(ranks.size());  // held until every call ended
   // Every rank sees this job's calls in one order: the calls of one fan-out
   // run at once (asynchronously, on no thread of their own), and the job's
   // next fan-out, in the order they arrived, starts once they all ended
   // (each within `deadline`). No lock is held meanwhile.
   RETURN_IF_ERROR(AwaitTurn(job_id, ctx, deadline));
   const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
-    (StubFor(mesh.ranks(ranks[i]).worker_address()).async()->*call)(c, &req, &responses[i], std::move(done));
+    stubs[i] = stubs_.Get(mesh.ranks(ranks[i]).worker_address());
+    (stubs[i]->async()->*call)(c, &req, &responses[i], std::move(done));
   };
   const std::vector<absl::Status> statuses = RunAsyncCalls(ranks.size(), deadline, options_.auth_token, start);
   EndTurn(job_id);

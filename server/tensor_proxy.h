@@ -23,6 +23,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "server/job_manager.h"
+#include "server/stub_cache.h"
 
 namespace colod {
 
@@ -48,6 +49,10 @@ class TensorProxy final : public v1::TensorService::Service {
   grpc::Status ListTensors(grpc::ServerContext*, const v1::ListTensorsRequest*, v1::ListTensorsResponse*) override;
   grpc::Status DeleteTensor(grpc::ServerContext*, const v1::DeleteTensorRequest*, v1::DeleteTensorResponse*) override;
 
+  // How many jobs have a tensor call waiting or running: what the proxy
+  // holds for them, nothing once their calls ended.
+  size_t QueuedJobs() const ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   using Stub = v1::TensorService::Stub;
   template <typename Req, typename Resp>
@@ -64,7 +69,6 @@ class TensorProxy final : public v1::TensorService::Service {
   template <typename Req, typename Resp>
   absl::Status FanOutToRanks(grpc::ServerContext* ctx, const std::string& job_id, const Req& req, Resp* resp,
                             Call<Req, Resp> call, int only_rank);
-  Stub& StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
   // A job's fan-outs run one at a time, in the order they arrive (a ticket
   // each): AwaitTurn returns when this call's turn has come, EndTurn hands
   // it to the next. Neither holds a lock after it returns. A caller that
@@ -79,8 +83,8 @@ class TensorProxy final : public v1::TensorService::Service {
   prometheus::Family<prometheus::Histogram>* const rpc_duration_;
   const Options options_;
   const TokenAuth auth_;
-  absl::Mutex mu_;
-  std::map<std::string, std::unique_ptr<Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  StubCache<v1::TensorService> stubs_;
+  mutable absl::Mutex mu_;
   struct JobQueue {
     int64_t next_ticket = 0;  // the next arriving call's
     int64_t serving = 0;      // the ticket whose fan-out may run
@@ -88,6 +92,7 @@ class TensorProxy final : public v1::TensorService::Service {
   };
   // Hands the turn on past `q`'s abandoned tickets.
   static void AdvanceLocked(JobQueue& q);
+  // A job's queue while it has a call waiting or running; erased once idle.
   std::map<std::string, JobQueue> queues_ ABSL_GUARDED_BY(mu_);
 };
 

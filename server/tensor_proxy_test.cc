@@ -145,6 +145,14 @@ TEST(TensorProxy, ACallerThatGoesAwayWhileQueuedGivesUpItsTurn) {
   EXPECT_TRUE(slow.ok()) << slow.error_message();
   EXPECT_TRUE(next.ok()) << next.error_message();
   EXPECT_EQ(worker.Names(), (std::vector<std::string>{"slow", "next"}));
+  // Nothing is kept for the job once its calls ended, and a later call
+  // starts a queue afresh.
+  EXPECT_EQ(proxy.QueuedJobs(), 0u);
+  grpc::ClientContext after_ctx;
+  after_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  const grpc::Status after = create("after", &after_ctx);
+  EXPECT_TRUE(after.ok()) << after.error_message();
+  EXPECT_EQ(proxy.QueuedJobs(), 0u);
 
   proxy_server->Shutdown();
   worker_server->Shutdown();

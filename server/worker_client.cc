@@ -35,23 +35,14 @@ std::vector<absl::Status> RunAsyncCalls(
 }
 
 GrpcWorkerClient::GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token)
-    : credentials_(credentials ? std::move(credentials) : grpc::InsecureChannelCredentials()),
-      auth_token_(std::move(auth_token)) {}
-
-v1::WorkerService::Stub& GrpcWorkerClient::StubFor(const std::string& address) {
-  absl::MutexLock lock(&mu_);
-  auto it = stubs_.find(address);
-  if (it == stubs_.end()) {
-    it = stubs_.emplace(address, v1::WorkerService::NewStub(CreateKeepaliveChannel(address, credentials_))).first;
-  }
-  return *it->second;
-}
+    : auth_token_(std::move(auth_token)), stubs_(std::move(credentials)) {}
 
 std::vector<absl::Status> GrpcWorkerClient::Assign(const std::vector<Call<v1::AssignJobRequest>>& calls,
                                                    absl::Duration deadline) {
   std::vector<v1::AssignJobResponse> responses(calls.size());
+  std::vector<std::shared_ptr<v1::WorkerService::Stub>> stubs(calls.size());  // held until every call ended
   const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
-    StubFor(calls[i].address).async()->AssignJob(ctx, &calls[i].request, &responses[i], std::move(done));
+    (stubs[i] = stubs_.Get(calls[i].address))->async()->AssignJob(ctx, &calls[i].request, &responses[i], std::move(done));
   };
   return RunAsyncCalls(calls.size(), absl::Now() + deadline, auth_token_, start);
 }
@@ -59,8 +50,9 @@ std::vector<absl::Status> GrpcWorkerClient::Assign(const std::vector<Call<v1::As
 std::vector<absl::Status> GrpcWorkerClient::Abort(const std::vector<Call<v1::AbortJobRequest>>& calls,
                                                   absl::Duration deadline) {
   std::vector<v1::AbortJobResponse> responses(calls.size());
+  std::vector<std::shared_ptr<v1::WorkerService::Stub>> stubs(calls.size());
   const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
-    StubFor(calls[i].address).async()->AbortJob(ctx, &calls[i].request, &responses[i], std::move(done));
+    (stubs[i] = stubs_.Get(calls[i].address))->async()->AbortJob(ctx, &calls[i].request, &responses[i], std::move(done));
   };
   return RunAsyncCalls(calls.size(), absl::Now() + deadline, auth_token_, start);
 }
@@ -68,8 +60,9 @@ std::vector<absl::Status> GrpcWorkerClient::Abort(const std::vector<Call<v1::Abo
 std::vector<absl::Status> GrpcWorkerClient::Probe(const std::vector<std::string>& addresses, absl::Duration deadline) {
   const v1::GetStatusRequest request;
   std::vector<v1::GetStatusResponse> responses(addresses.size());
+  std::vector<std::shared_ptr<v1::WorkerService::Stub>> stubs(addresses.size());
   const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
-    StubFor(addresses[i]).async()->GetStatus(ctx, &request, &responses[i], std::move(done));
+    (stubs[i] = stubs_.Get(addresses[i]))->async()->GetStatus(ctx, &request, &responses[i], std::move(done));
   };
   return RunAsyncCalls(addresses.size(), absl::Now() + deadline, auth_token_, start);
 }

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "colod/v1/worker.grpc.pb.h"
 #include "grpcpp/security/credentials.h"
+#include "server/stub_cache.h"
 
 namespace colod {
 
@@ -50,8 +51,9 @@ class WorkerClient {
   virtual std::vector<absl::Status> Probe(const std::vector<std::string>& addresses, absl::Duration deadline) = 0;
 };
 
-// Over gRPC's callback API, with a cached channel per address (TLS or
-// plaintext) and the bearer token on every call.
+// Over gRPC's callback API, with a channel per address (TLS or plaintext;
+// StubCache's, closed after 10 minutes unused) and the bearer token on every
+// call.
 class GrpcWorkerClient final : public WorkerClient {
  public:
   GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token);
@@ -63,13 +65,8 @@ class GrpcWorkerClient final : public WorkerClient {
   std::vector<absl::Status> Probe(const std::vector<std::string>& addresses, absl::Duration deadline) override;
 
  private:
-  // Stubs are never removed, so the reference stays valid.
-  v1::WorkerService::Stub& StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
-
-  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   const std::string auth_token_;
-  absl::Mutex mu_;
-  std::map<std::string, std::unique_ptr<v1::WorkerService::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  StubCache<v1::WorkerService> stubs_;
 };
 
 }  // namespace colod

@@ -1,0 +1,88 @@
+// Stubs of one gRPC service by worker address, as the coordinator's
+// scheduler and tensor proxy call the workers.
+#ifndef COLOD_SERVER_STUB_CACHE_H_
+#define COLOD_SERVER_STUB_CACHE_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "common/grpc_server.h"
+#include "grpcpp/security/credentials.h"
+
+namespace colod {
+
+// A stub for each address, on a keepalive channel (TLS or plaintext, which
+// connects lazily) made when the address is first asked for. A stub not
+// asked for during `idle` is dropped, closing its channel, by a later
+// lookup: a coordinator up for months, with workers coming and going (a
+// Kubernetes pod has a new address after each restart), keeps only the
+// channels of the workers it talks to. A caller holds the returned stub for
+// as long as its calls on it run.
+//
+// Thread-safe. Dropped channels are closed after the lock is released; a
+// new one is made under it, which connects nothing (it is lazy).
+template <typename Service>
+class StubCache {
+ public:
+  using Stub = typename Service::Stub;
+  static constexpr absl::Duration kDefaultIdle = absl::Minutes(10);
+
+  // `credentials` null: plaintext. `clock` must outlive the cache.
+  explicit StubCache(std::shared_ptr<grpc::ChannelCredentials> credentials, absl::Duration idle = kDefaultIdle,
+                     const Clock* clock = Clock::Real())
+      : credentials_(credentials ? std::move(credentials) : grpc::InsecureChannelCredentials()),
+        idle_(idle),
+        clock_(clock) {}
+
+  std::shared_ptr<Stub> Get(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_) {
+    const absl::Time now = clock_->Now();
+    std::vector<std::shared_ptr<Stub>> dropped;  // closed after the lock is released
+    absl::MutexLock lock(&mu_);
+    // A sweep at most every idle / 4: lookups stay O(log n) however many
+    // addresses there are.
+    if (now - last_sweep_ >= idle_ / 4) {
+      last_sweep_ = now;
+      for (auto it = entries_.begin(); it != entries_.end();) {
+        if (now - it->second.last_used < idle_) {
+          ++it;
+          continue;
+        }
+        dropped.push_back(std::move(it->second.stub));
+        it = entries_.erase(it);
+      }
+    }
+    Entry& e = entries_[address];
+    if (e.stub == nullptr) e.stub = Service::NewStub(CreateKeepaliveChannel(address, credentials_));
+    e.last_used = now;
+    return e.stub;
+  }
+
+  // How many addresses have a stub.
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return entries_.size();
+  }
+
+ private:
+  struct Entry {
+    std::shared_ptr<Stub> stub;
+    absl::Time last_used;
+  };
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  const absl::Duration idle_;
+  const Clock* const clock_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+};
+
+}  // namespace colod
+
+#endif  // COLOD_SERVER_STUB_CACHE_H_
