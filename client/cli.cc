@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/format.h"
+#include "common/atomic_file.h"
 #include "common/find_binary.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
@@ -388,6 +389,7 @@ int RunInProcess() {
 int CommandLineMain(int argc, char** argv, const std::string& intro, const std::string& epilogue,
                     const std::vector<CommandGroup>& groups) {
   CommandLine().assign(argv, argv + argc);
+  RaiseOpenFileLimit();  // coloctl consolidate and local open a file or a socket per rank
   const std::vector<std::string> args = ParseFlags(argc, argv, HelpText(intro, epilogue, groups));
   if (args.empty()) return Usage("missing COMMAND");
   const std::string output = absl::GetFlag(FLAGS_output);

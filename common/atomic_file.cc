@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -194,6 +195,20 @@ absl::Status RegularFileReader::ReadAt(int64_t offset, void* dst, size_t n) cons
     done += static_cast<size_t>(got);
   }
   return absl::OkStatus();
+}
+
+uint64_t RaiseOpenFileLimit() {
+  static const uint64_t limit = [] {
+    struct rlimit r;
+    if (::getrlimit(RLIMIT_NOFILE, &r) != 0) return uint64_t{0};
+    if (r.rlim_cur < r.rlim_max) {
+      const rlim_t was = r.rlim_cur;
+      r.rlim_cur = r.rlim_max;
+      if (::setrlimit(RLIMIT_NOFILE, &r) != 0) r.rlim_cur = was;
+    }
+    return static_cast<uint64_t>(r.rlim_cur);
+  }();
+  return limit;
 }
 
 absl::Status SyncDirectory(const std::string& dir) {

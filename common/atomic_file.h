@@ -74,6 +74,14 @@ class RegularFileReader {
   int64_t size_ = 0;
 };
 
+// Raises this process's soft limit of open files to its hard limit, once,
+// as servers do: a coordinator serves a connection for each worker and
+// client, and consolidating or resuming a checkpoint holds a file of each
+// rank open (RegularFileReader): more than the usual soft limit of 1024 at
+// a thousand ranks. Returns the soft limit now (0 if it cannot be read).
+// Thread-safe.
+uint64_t RaiseOpenFileLimit();
+
 // The names of `dir`'s entries, "." and ".." left out, in no particular
 // order: NOT_FOUND naming it when it cannot be opened (missing, not a
 // directory, no permission), UNAVAILABLE when reading it fails midway (never

@@ -1,6 +1,7 @@
 #include "common/atomic_file.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -134,6 +135,17 @@ TEST(RegularFileReader, RefusesWhatIsNotARegularFileWithoutBlocking) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find(c.path + " " + c.says), absl::string_view::npos) << s;
   }
+}
+
+TEST(RaiseOpenFileLimit, RaisesTheSoftLimitToTheHardOne) {
+  struct rlimit r;
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &r), 0);
+  const rlim_t hard = r.rlim_max;
+  r.rlim_cur = std::min<rlim_t>(hard, 256);  // lowering needs no privilege
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &r), 0);
+  EXPECT_EQ(RaiseOpenFileLimit(), static_cast<uint64_t>(hard));
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &r), 0);
+  EXPECT_EQ(r.rlim_cur, hard);
 }
 
 // A downloaded directory made durable before its rename: its files are

@@ -3,6 +3,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/time/time.h"
+#include "common/atomic_file.h"
 #include "common/security_flags.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
@@ -86,6 +87,7 @@ constexpr char kUsage[] =
 
 int main(int argc, char** argv) {
   colod::BlockShutdownSignals();
+  colod::RaiseOpenFileLimit();
   std::vector<std::string> args = colod::ParseFlags(argc, argv, kUsage);
   if (!args.empty()) {
     COLOD_LOG(ERROR) << "unexpected argument '" << args[0] << "' (see --help)";

@@ -1,20 +1,43 @@
 #include "server/stub_cache.h"
 
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
 #include "colod/v1/worker.grpc.pb.h"
 #include "common/clock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 
 namespace colod {
 namespace {
 
+// Answers GetStatus with its worker id.
+class StatusWorker final : public v1::WorkerService::Service {
+ public:
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*, v1::GetStatusResponse* resp) override {
+    resp->mutable_info()->set_worker_id("w");
+    return grpc::Status::OK;
+  }
+};
+
 // A coordinator that outlives its workers' addresses (pods restarted with new
 // ones) keeps a channel only for those asked for in the last `idle`; a stub
-// still held by a call in flight stays usable after it is dropped.
+// still held by a caller goes on working after the cache dropped it.
 TEST(StubCache, DropsTheStubsOfAddressesNotAskedForDuringIdle) {
+  StatusWorker worker;
+  int port = 0;
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(&worker);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  const std::string live = absl::StrCat("127.0.0.1:", port);
+
   FakeClock clock;
   StubCache<v1::WorkerService> cache(nullptr, absl::Minutes(10), &clock);
-  const std::shared_ptr<v1::WorkerService::Stub> a = cache.Get("127.0.0.1:1");
-  EXPECT_EQ(cache.Get("127.0.0.1:1"), a) << "one stub per address";
+  const std::shared_ptr<v1::WorkerService::Stub> a = cache.Get(live);
+  EXPECT_EQ(cache.Get(live), a) << "one stub per address";
   cache.Get("127.0.0.1:2");
   EXPECT_EQ(cache.size(), 2u);
   clock.Advance(absl::Minutes(6));
@@ -22,13 +45,20 @@ TEST(StubCache, DropsTheStubsOfAddressesNotAskedForDuringIdle) {
   EXPECT_EQ(cache.size(), 2u) << "nothing is idle for 10 minutes yet";
   clock.Advance(absl::Minutes(6));
   cache.Get("127.0.0.1:3");
-  EXPECT_EQ(cache.size(), 2u) << ":1 was not asked for in 12 minutes; :2 was 6 minutes ago";
-  const std::shared_ptr<v1::WorkerService::Stub> again = cache.Get("127.0.0.1:1");
-  EXPECT_NE(again, a) << "a dropped address gets a new channel";
-  EXPECT_NE(a->async(), nullptr) << "the caller's stub stays alive";
+  EXPECT_EQ(cache.size(), 2u) << "the live address was not asked for in 12 minutes; :2 was 6 minutes ago";
+  EXPECT_NE(cache.Get(live), a) << "a dropped address gets a new channel";
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::GetStatusResponse resp;
+  const grpc::Status s = a->GetStatus(&ctx, v1::GetStatusRequest(), &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.info().worker_id(), "w");
+
   clock.Advance(absl::Hours(1));
   cache.Get("127.0.0.1:4");
   EXPECT_EQ(cache.size(), 1u);
+  server->Shutdown();
 }
 
 }  // namespace

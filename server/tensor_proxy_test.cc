@@ -152,6 +152,7 @@ TEST(TensorProxy, ACallerThatGoesAwayWhileQueuedGivesUpItsTurn) {
   after_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   const grpc::Status after = create("after", &after_ctx);
   EXPECT_TRUE(after.ok()) << after.error_message();
+  EXPECT_EQ(worker.Names(), (std::vector<std::string>{"slow", "next", "after"}));
   EXPECT_EQ(proxy.QueuedJobs(), 0u);
 
   proxy_server->Shutdown();

@@ -52,8 +52,8 @@ class WorkerClient {
 };
 
 // Over gRPC's callback API, with a channel per address (TLS or plaintext;
-// StubCache's, closed after 10 minutes unused) and the bearer token on every
-// call.
+// StubCache's: one unused for 10 minutes is closed by a later call) and the
+// bearer token on every call.
 class GrpcWorkerClient final : public WorkerClient {
  public:
   GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token);

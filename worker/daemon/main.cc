@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "common/atomic_file.h"
 #include "common/security_flags.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
@@ -93,6 +94,7 @@ constexpr char kUsage[] =
 int main(int argc, char** argv) {
   colod::kernels::cpu::PreferAvx512Blas(argv);
   colod::BlockShutdownSignals();
+  colod::RaiseOpenFileLimit();
   std::vector<std::string> args = colod::ParseFlags(argc, argv, kUsage, {"allow_path"});
   if (!args.empty()) {
     COLOD_LOG(ERROR) << "unexpected argument '" << args[0] << "' (see --help)";

@@ -35,23 +35,26 @@ absl::Status Errno(const std::string& what, const std::string& path) {
   return absl::InternalError(msg);
 }
 
-// Reads from the file runs of at most this many bytes apart together, with
-// one read into a buffer of this size; a run of a slice this long or longer
-// is read straight into the tensor.
+// A slice is read as runs (below). A run of kDirectBytes or more is read
+// straight into the tensor; shorter ones are read together, with one read
+// into a buffer of up to kGatherBytes, where the gap from one to the next is
+// at most kMaxGapBytes (reading a gap costs less than another read call
+// there; a wider one is skipped).
 constexpr int64_t kGatherBytes = int64_t{8} << 20;
+constexpr int64_t kDirectBytes = int64_t{2} << 20;
+constexpr int64_t kMaxGapBytes = int64_t{16} << 10;
 
 // Reads the block [starts, starts + lengths) of the row-major array of
 // element size `es` and shape `shape` that starts at byte `base` of `file`
-// into the contiguous `dst`. The block is a sequence of equal runs, one for
-// each index of the dims before the first one from which on it is whole, in
-// increasing file order: long runs are read one by one, short ones a
-// buffer's worth at a time.
+// into the contiguous `dst`. With c the last dim on which the block is not
+// the whole dim (0 when it is whole on all), the block is a sequence of
+// equal runs of lengths[c] x the bytes of a step of dim c, one for each
+// index of dims [0, c), in increasing file order.
 absl::Status ReadBlock(const RegularFileReader& file, int64_t base, const Shape& shape, int64_t es,
                        const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths, char* dst) {
   const size_t nd = shape.size();
   std::vector<int64_t> stride(nd + 1, es);  // bytes per step of dim d; stride[nd] = es
   for (size_t d = nd; d-- > 0;) stride[d] = d + 1 < nd ? stride[d + 1] * shape[d + 1] : es;
-  // Dims [c, nd) are read as one run: the block is whole on every dim after c.
   size_t c = nd == 0 ? 0 : nd - 1;
   while (c > 0 && starts[c] == 0 && lengths[c] == shape[c]) --c;
   const int64_t run = nd == 0 ? es : lengths[c] * stride[c];
@@ -73,19 +76,20 @@ absl::Status ReadBlock(const RegularFileReader& file, int64_t base, const Shape&
   int64_t r = 0;
   while (r < runs) {
     const int64_t first = offset_of();
-    if (run >= kGatherBytes / 4) {
+    if (run >= kDirectBytes) {
       RETURN_IF_ERROR(file.ReadAt(first, dst, static_cast<size_t>(run)));
       dst += run;
       advance();
       ++r;
       continue;
     }
-    // The runs that end within a buffer from `first`, read with one call.
+    // The runs that end within a buffer from `first`, each close to the
+    // one before, read with one call.
     std::vector<int64_t> offsets;
     int64_t end = first;
     while (r < runs) {
       const int64_t at = offset_of();
-      if (at + run - first > kGatherBytes) break;
+      if (at + run - first > kGatherBytes || (!offsets.empty() && at - end > kMaxGapBytes)) break;
       offsets.push_back(at);
       end = at + run;
       advance();

@@ -13,8 +13,8 @@
 // and the rule. Reads are positioned reads of the open file, not a
 // map: a file cut short while a rank reads it is DATA_LOSS rather than a
 // SIGBUS that kills the daemon. A rank that loads its shard of a tensor
-// reads only that shard's bytes (and the gaps between its runs where they
-// are short: 8 MiB at a time).
+// reads only that shard's bytes, and the gaps of up to 16 KiB between its
+// rows (read together, up to 8 MiB a call).
 //
 // Thread-safety: a SafetensorsFile is immutable after Open; reads may run
 // concurrently.
@@ -48,7 +48,10 @@ const char* SafetensorsDTypeName(DType dtype);
 class SafetensorsFile {
  public:
   // NOT_FOUND when the file does not exist; INVALID_ARGUMENT when it is not
-  // a valid safetensors file.
+  // a regular file or not a valid safetensors file; DATA_LOSS when it was
+  // cut short while read; FileError's status (common/atomic_file.h) for
+  // another error of the file system (EACCES: FAILED_PRECONDITION, EIO:
+  // UNAVAILABLE).
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -62,8 +65,11 @@ class SafetensorsFile {
 
   // The whole tensor, as a host tensor.
   absl::StatusOr<Tensor> Read(const std::string& name) const;
-  // The block [starts[d], starts[d] + lengths[d]) of every dim, copying only
-  // those bytes. INVALID_ARGUMENT for a range outside the shape.
+  // The block [starts[d], starts[d] + lengths[d]) of every dim (reading its
+  // bytes and short gaps between them, above). INVALID_ARGUMENT for a range
+  // outside the shape. Read and ReadSlice are DATA_LOSS naming the file
+  // where it was cut short since Open, and UNAVAILABLE for a read error of
+  // the moment (EIO).
   absl::StatusOr<Tensor> ReadSlice(const std::string& name, const std::vector<int64_t>& starts,
                                    const std::vector<int64_t>& lengths) const;
 

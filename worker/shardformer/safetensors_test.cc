@@ -57,8 +57,10 @@ TEST(Safetensors, WriterRoundTripsEveryDTypeAndSlicesReadOnlyTheirBlock) {
   const Tensor h = *Tensor::RandomNormal({5, 4}, 2, DType::kBF16);
   const Tensor g = *Tensor::RandomNormal({7}, 3, DType::kF16);
   const Tensor i = *Tensor::FromInt64s({3}, {1, -5, 1LL << 40});
+  const Tensor scalar = *Tensor::FromFloats({}, {2.5f});
   const std::string path = TempPath("round.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, {{"a", a}, {"h", h}, {"g", g}, {"i", i}}, {{"k", "v"}}).ok());
+  ASSERT_TRUE(
+      WriteSafetensors(path, {{"a", a}, {"h", h}, {"g", g}, {"i", i}, {"scalar", scalar}}, {{"k", "v"}}).ok());
   std::ifstream in(path, std::ios::binary);
   uint64_t n = 0;
   in.read(reinterpret_cast<char*>(&n), 8);
@@ -70,12 +72,20 @@ TEST(Safetensors, WriterRoundTripsEveryDTypeAndSlicesReadOnlyTheirBlock) {
   EXPECT_EQ((*f)->Read("h")->dtype(), DType::kBF16);
   EXPECT_EQ((*f)->Read("g")->ToBytes(), g.ToBytes());
   EXPECT_EQ((*f)->Read("i")->ToInt64s(), i.ToInt64s());
+  EXPECT_EQ((*f)->Read("scalar")->shape(), Shape{});
+  EXPECT_EQ((*f)->Read("scalar")->ToFloats(), std::vector<float>{2.5f});
   EXPECT_EQ((*f)->metadata().at("k"), "v");
   // A block in the middle of every dim, and a row block (one contiguous run).
   auto block = (*f)->ReadSlice("a", {2, 3, 1}, {3, 4, 2});
   ASSERT_TRUE(block.ok()) << block.status();
   EXPECT_EQ(block->ToFloats(), a.Narrow(0, 2, 3)->Narrow(1, 3, 4)->Narrow(2, 1, 2)->ToFloats());
   EXPECT_EQ((*f)->ReadSlice("a", {4, 0, 0}, {2, 10, 3})->ToFloats(), a.Narrow(0, 4, 2)->ToFloats());
+  // Whole on the last dim, part of the middle one: a run of 5 x 3 elements
+  // for each of 4 indices of the first.
+  EXPECT_EQ((*f)->ReadSlice("a", {1, 2, 0}, {4, 5, 3})->ToFloats(),
+            a.Narrow(0, 1, 4)->Narrow(1, 2, 5)->ToFloats());
+  EXPECT_EQ((*f)->ReadSlice("a", {6, 0, 0}, {0, 10, 3})->shape(), (Shape{0, 10, 3}));  // empty, at the end
+  EXPECT_EQ((*f)->ReadSlice("g", {2}, {5})->ToBytes(), g.Narrow(0, 2, 5)->Contiguous().ToBytes());
   EXPECT_EQ((*f)->ReadSlice("a", {0, 0, 0}, {7, 1, 1}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(WriteSafetensors(path, {{"a", a}, {"a", a}}).code(), absl::StatusCode::kInvalidArgument);
 }
@@ -86,8 +96,9 @@ TEST(Safetensors, WriterRoundTripsEveryDTypeAndSlicesReadOnlyTheirBlock) {
 TEST(Safetensors, SlicesOfLargeTensorsEqualTheSliceOfTheWhole) {
   const Tensor wide = *Tensor::RandomNormal({3, 700000}, 4);  // 2.8 MB rows
   const Tensor tall = *Tensor::RandomNormal({4096, 1024}, 5);  // 16 MiB, rows of 4 KiB
+  const Tensor spread = *Tensor::RandomNormal({64, 8192}, 6);  // rows of 32 KiB
   const std::string path = TempPath("large.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, {{"wide", wide}, {"tall", tall}}).ok());
+  ASSERT_TRUE(WriteSafetensors(path, {{"wide", wide}, {"tall", tall}, {"spread", spread}}).ok());
   auto f = SafetensorsFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status();
   const struct {
@@ -100,6 +111,8 @@ TEST(Safetensors, SlicesOfLargeTensorsEqualTheSliceOfTheWhole) {
       {"tall", tall, {0, 512}, {4096, 512}},   // 4096 runs of 2 KiB over 16 MiB
       {"tall", tall, {7, 1000}, {4001, 3}},    // runs of 12 bytes
       {"tall", tall, {4095, 1023}, {1, 1}},    // the last element
+      {"spread", spread, {3, 5}, {60, 4}},     // runs 32 KiB apart: read one by one
+      {"spread", spread, {0, 8000}, {64, 192}},
   };
   for (const auto& c : cases) {
     auto got = (*f)->ReadSlice(c.name, c.starts, c.lengths);

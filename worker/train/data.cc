@@ -66,8 +66,6 @@ absl::StatusOr<int64_t> RegularFileSize(const std::string& path) {
 
 // Little-endian integers of a buffer whose size was checked.
 uint64_t U64At(const unsigned char* p) { return LoadLittleEndian(p, 8); }
-int64_t I64At(const unsigned char* p) { return LoadLittleEndianSigned(p, 8); }
-int64_t I32At(const unsigned char* p) { return LoadLittleEndianSigned(p, 4); }
 
 constexpr char kMegatronMagic[] = "MMIDIDX\0\0";  // 9 bytes
 constexpr int64_t kMegatronHeaderBytes = 9 + 8 + 1 + 8 + 8;
@@ -81,17 +79,56 @@ struct MegatronIndex {
   std::vector<int64_t> documents;  // token offsets of the documents' starts
 };
 
-absl::StatusOr<MegatronIndex> ParseMegatronIndex(const unsigned char* idx, int64_t idx_bytes, int64_t bin_bytes,
-                                                 const std::string& where) {
+// `count` little-endian signed integers of `width` bytes from byte `at` of
+// `file` (in bounds: checked by the caller), read in order a window at a
+// time, so that an index of any size is parsed in a few MiB of memory.
+class IndexStream {
+ public:
+  IndexStream(const RegularFileReader& file, int64_t at, int64_t count, int width)
+      : file_(file), at_(at), left_(count), width_(width) {}
+  absl::StatusOr<int64_t> Next() {
+    if (pos_ == buffer_.size()) {
+      const int64_t items = std::min<int64_t>(left_, kWindowBytes / width_);
+      buffer_.resize(static_cast<size_t>(items * width_));
+      RETURN_IF_ERROR(file_.ReadAt(at_, buffer_.data(), buffer_.size()));
+      at_ += items * width_;
+      left_ -= items;
+      pos_ = 0;
+    }
+    const int64_t v = LoadLittleEndianSigned(buffer_.data() + pos_, width_);
+    pos_ += static_cast<size_t>(width_);
+    return v;
+  }
+
+ private:
+  static constexpr int64_t kWindowBytes = int64_t{1} << 20;
+  const RegularFileReader& file_;
+  int64_t at_;
+  int64_t left_;  // items not yet read into the buffer
+  const int width_;
+  std::vector<unsigned char> buffer_;
+  size_t pos_ = 0;
+};
+
+// The .idx's header, then its sequence lengths and pointers (which must
+// tile the .bin from the first pointer on), then its document boundaries,
+// each read in order: the documents' token offsets are the running sums of
+// the lengths up to each boundary.
+absl::StatusOr<MegatronIndex> ParseMegatronIndex(const RegularFileReader& idx, int64_t bin_bytes) {
+  const std::string& where = idx.path();
+  const int64_t idx_bytes = idx.size();
   auto bad = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", what));
   };
-  if (idx_bytes < kMegatronHeaderBytes || std::memcmp(idx, kMegatronMagic, 9) != 0) {
-    return bad("not a Megatron index (no MMIDIDX header)");
+  unsigned char header[kMegatronHeaderBytes];
+  if (idx_bytes < kMegatronHeaderBytes) return bad("not a Megatron index (no MMIDIDX header)");
+  RETURN_IF_ERROR(idx.ReadAt(0, header, sizeof(header)));
+  if (std::memcmp(header, kMegatronMagic, 9) != 0) return bad("not a Megatron index (no MMIDIDX header)");
+  if (U64At(header + 9) != 1) {
+    return bad(absl::StrCat("index version ", U64At(header + 9), "; only version 1 is known"));
   }
-  if (U64At(idx + 9) != 1) return bad(absl::StrCat("index version ", U64At(idx + 9), "; only version 1 is known"));
   MegatronIndex out;
-  switch (idx[17]) {
+  switch (header[17]) {
     case 1: out.width = 1; break;                          // uint8
     case 2: out.width = 1, out.is_signed = true; break;    // int8
     case 3: out.width = 2, out.is_signed = true; break;    // int16
@@ -99,10 +136,10 @@ absl::StatusOr<MegatronIndex> ParseMegatronIndex(const unsigned char* idx, int64
     case 5: out.width = 8, out.is_signed = true; break;    // int64
     case 8: out.width = 2; break;                          // uint16
     default:
-      return bad(absl::StrCat("token dtype code ", static_cast<int>(idx[17]),
+      return bad(absl::StrCat("token dtype code ", static_cast<int>(header[17]),
                               " is not an integer type (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16)"));
   }
-  const uint64_t sequences = U64At(idx + 18), docs = U64At(idx + 26);
+  const uint64_t sequences = U64At(header + 18), docs = U64At(header + 26);
   // Each count fits easily once it is below the file's size.
   if (sequences > static_cast<uint64_t>(idx_bytes) || docs > static_cast<uint64_t>(idx_bytes)) {
     return bad("its counts are larger than the file");
@@ -113,15 +150,14 @@ absl::StatusOr<MegatronIndex> ParseMegatronIndex(const unsigned char* idx, int64
   if (!need.has_value() || *need > idx_bytes) {
     return bad(absl::StrCat(idx_bytes, " bytes cannot hold ", n, " sequences and ", d, " document boundaries"));
   }
-  const unsigned char* lengths = idx + kMegatronHeaderBytes;
-  const unsigned char* pointers = lengths + 4 * n;
-  const unsigned char* bounds = pointers + 8 * n;
+  const int64_t lengths = kMegatronHeaderBytes, pointers = lengths + 4 * n, bounds = pointers + 8 * n;
   if (n == 0) return bad("it holds no sequence");
-  out.first_byte = I64At(pointers);
-  int64_t expected = out.first_byte;
+  IndexStream length(idx, lengths, n, 4), pointer(idx, pointers, n, 8);
+  int64_t expected = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t len = I32At(lengths + 4 * i);
-    const int64_t at = I64At(pointers + 8 * i);
+    ASSIGN_OR_RETURN(const int64_t len, length.Next());
+    ASSIGN_OR_RETURN(const int64_t at, pointer.Next());
+    if (i == 0) out.first_byte = expected = at;
     if (len < 0) return bad(absl::StrCat("sequence ", i, " has length ", len));
     if (at != expected) {
       return bad(absl::StrCat("sequence ", i, " starts at byte ", at, ", not right after the one before (", expected,
@@ -136,14 +172,29 @@ absl::StatusOr<MegatronIndex> ParseMegatronIndex(const unsigned char* idx, int64
     out.tokens += len;
   }
   if (out.tokens == 0) return bad("its sequences hold no tokens");
-  if (d < 1 || I64At(bounds) != 0 || I64At(bounds + 8 * (d - 1)) != n) {
+  unsigned char last[8];
+  if (d >= 1) RETURN_IF_ERROR(idx.ReadAt(bounds + 8 * (d - 1), last, 8));
+  IndexStream bound(idx, bounds, d, 8);
+  int64_t from = 0;
+  if (d >= 1) {
+    ASSIGN_OR_RETURN(from, bound.Next());
+  }
+  if (d < 1 || from != 0 || LoadLittleEndianSigned(last, 8) != n) {
     return bad(absl::StrCat("its document boundaries do not run from sequence 0 to ", n));
   }
+  // Sequence `next` starts at token `start` (the lengths' running sum):
+  // boundaries only grow, so one pass over the lengths serves them all.
+  IndexStream again(idx, lengths, n, 4);
+  int64_t next = 0, start = 0;
   for (int64_t j = 0; j + 1 < d; ++j) {
-    const int64_t from = I64At(bounds + 8 * j), to = I64At(bounds + 8 * (j + 1));
+    ASSIGN_OR_RETURN(const int64_t to, bound.Next());
     if (from < 0 || to < from || to > n) return bad(absl::StrCat("document ", j, " spans sequences ", from, "..", to));
-    // An empty last document starts at the end.
-    out.documents.push_back(from == n ? out.tokens : (I64At(pointers + 8 * from) - out.first_byte) / out.width);
+    for (; next < from; ++next) {
+      ASSIGN_OR_RETURN(const int64_t len, again.Next());
+      start += len;
+    }
+    out.documents.push_back(start);  // an empty last document (from == n) starts at the end
+    from = to;
   }
   return out;  // d >= 2 here: bounds run from 0 to n >= 1
 }
@@ -285,7 +336,7 @@ namespace {
 
 // A corpus held in memory as 8-byte tokens (.npy, text, jsonl) must fit
 // there with what reading it holds at its peak (`need`, nullopt past int64):
-// one that would not is refused before it is read, naming the way that maps
+// one that would not is refused before it is read, naming the way that reads
 // tokens from disk instead (a worker that ran out would be killed mid-job,
 // and every job on it with it).
 absl::Status FitsInMemory(const std::string& path, int64_t file_bytes, std::optional<int64_t> need) {
@@ -319,20 +370,8 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
     RETURN_IF_ERROR(RegularFileSize(idx_path).status());
     ASSIGN_OR_RETURN(const int64_t bin_bytes, RegularFileSize(bin_path));
-    MegatronIndex index;
-    {
-      ASSIGN_OR_RETURN(const RegularFileReader idx, RegularFileReader::Open(idx_path));
-      // Read whole, then parsed into document offsets of fewer bytes.
-      const int64_t available = AvailableHostMemoryBytes();
-      if (idx.size() > available / 2) {
-        return absl::ResourceExhaustedError(absl::StrCat(idx_path, " has ", idx.size(), " bytes; reading it and its ",
-                                                         "documents takes up to twice that, more than the ", available,
-                                                         " bytes of memory available"));
-      }
-      std::vector<unsigned char> bytes(static_cast<size_t>(idx.size()));
-      RETURN_IF_ERROR(idx.ReadAt(0, bytes.data(), bytes.size()));
-      ASSIGN_OR_RETURN(index, ParseMegatronIndex(bytes.data(), idx.size(), bin_bytes, idx_path));
-    }
+    ASSIGN_OR_RETURN(const RegularFileReader idx, RegularFileReader::Open(idx_path));
+    ASSIGN_OR_RETURN(MegatronIndex index, ParseMegatronIndex(idx, bin_bytes));
     c->width_ = index.width;
     c->signed_ = index.is_signed;
     RETURN_IF_ERROR(c->OpenTokens(bin_path, index.first_byte, index.tokens));

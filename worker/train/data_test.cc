@@ -118,6 +118,44 @@ TEST(TokenCorpus, MegatronIndexedDatasetsReadInOrderWithTheirDocuments) {
   }
 }
 
+// An index of more sequences and documents than one read window holds (1
+// MiB: 87,381 sequences' lengths and pointers, 131,072 boundaries) is read
+// in pieces, in order; its documents are where each one's first sequence
+// starts, empty ones included.
+TEST(TokenCorpus, AMegatronIndexLargerThanAReadWindowGivesEveryDocument) {
+  Megatron m;
+  std::vector<int64_t> tokens, want = {0};
+  m.doc_bounds = {0};
+  for (int64_t i = 0; i < 200000; ++i) {
+    const int64_t len = 1 + i % 3;
+    m.sequences.push_back(std::vector<int64_t>(len, i % 50000));
+    tokens.insert(tokens.end(), len, i % 50000);
+    // Documents of 1, 2 or 3 sequences, and an empty one now and then.
+    if (i % 7 == 0 || i % 5 == 1) {
+      m.doc_bounds.push_back(i + 1);
+      want.push_back(static_cast<int64_t>(tokens.size()));
+    }
+    if (i % 101 == 0) {
+      m.doc_bounds.push_back(i + 1);
+      want.push_back(static_cast<int64_t>(tokens.size()));
+    }
+  }
+  if (m.doc_bounds.back() != 200000) {
+    m.doc_bounds.push_back(200000);
+  } else {
+    want.pop_back();  // the last boundary is the end, not a document
+  }
+  const std::string prefix = TempPath("megatron_large");
+  WriteMegatron(prefix, m);
+  auto c = TokenCorpus::Open(prefix, DataFormat::kMegatron);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)->size(), static_cast<int64_t>(tokens.size()));
+  EXPECT_EQ((*c)->documents(), want);
+  std::vector<int64_t> tail(1000);
+  ASSERT_TRUE((*c)->Read((*c)->size() - 1000, 1000, tail.data()).ok());
+  EXPECT_EQ(tail, std::vector<int64_t>(tokens.end() - 1000, tokens.end()));
+}
+
 // An index that does not describe its .bin is refused naming the .idx,
 // before any token is read; so is a float dataset.
 TEST(TokenCorpus, ADamagedMegatronIndexIsRefused) {
