@@ -1,6 +1,9 @@
 #include "client/cli.h"
 
+#include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -60,6 +63,54 @@ int PrintJson(const google::protobuf::Message& message) {
   return 0;
 }
 
+absl::Status WriteOutputFile(const std::string& path, absl::string_view bytes) {
+  struct stat target;
+  if (::stat(path.c_str(), &target) != 0) {
+    struct stat link;
+    if (errno == ENOENT && ::lstat(path.c_str(), &link) == 0) {
+      return absl::FailedPreconditionError(absl::StrCat("cannot write '", path, "': a link to nothing"));
+    }
+    return WriteFileAtomically(path, bytes);  // a new file (or its error, named)
+  }
+  if (S_ISDIR(target.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot write '", path, "': a directory, not a file"));
+  }
+  if (S_ISREG(target.st_mode)) {
+    char* real = ::realpath(path.c_str(), nullptr);  // a link's file is replaced, not the link
+    if (real == nullptr) return FileError("cannot resolve", path, errno);
+    const std::string resolved(real);
+    std::free(real);
+    return WriteFileAtomically(resolved, bytes);
+  }
+  if (!S_ISFIFO(target.st_mode) && !S_ISCHR(target.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot write '", path, "': a socket or a block device, not a file, a pipe or a terminal"));
+  }
+  // In place. O_NONBLOCK: a FIFO without a reader is ENXIO, not a wait
+  // without end; writes block again after.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    if (errno == ENXIO) {
+      return absl::FailedPreconditionError(absl::StrCat("cannot write '", path, "': a FIFO nothing reads from"));
+    }
+    return FileError("cannot open", path, errno);
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  absl::Status s;
+  while (!bytes.empty()) {
+    const ssize_t w = ::write(fd, bytes.data(), bytes.size());
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      s = FileError("cannot write", path, errno);  // EPIPE: the reader went away
+      break;
+    }
+    bytes.remove_prefix(static_cast<size_t>(w));
+  }
+  ::close(fd);
+  return s;
+}
+
 bool JsonOutput() { return absl::GetFlag(FLAGS_output) == "json"; }
 
 std::string ExplicitCoordinator() {
@@ -97,8 +148,15 @@ int WithCoordinator(const std::function<int(CoordinatorClient&)>& fn) {
 }
 
 absl::StatusOr<std::unique_ptr<LocalCluster>> StartLocalCluster(int workers, const std::string& listen,
-                                                                const std::string& data_dir, const std::string& device) {
+                                                                const std::string& data_dir, const std::string& device,
+                                                                int* interrupted) {
   LocalCluster::Options options;
+  if (interrupted != nullptr) {
+    options.cancelled = [interrupted] {
+      *interrupted = WaitForShutdownSignalFor(absl::ZeroDuration());
+      return *interrupted != 0;
+    };
+  }
   options.workers = workers;
   options.device = device;
   options.listen = listen;
@@ -115,23 +173,37 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> StartLocalCluster(int workers, con
   return LocalCluster::Start(options);
 }
 
+bool StdoutReaderGone() {
+  pollfd p{STDOUT_FILENO, 0, 0};  // no event asked for: POLLERR comes regardless
+  return ::poll(&p, 1, 0) == 1 && (p.revents & POLLERR) != 0;
+}
+
 int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const std::string& address)>& fn) {
   const std::string explicit_address = ExplicitCoordinator();
   if (!explicit_address.empty()) return fn(explicit_address);
-  // Ctrl-C or SIGTERM stops the cluster (its daemons, and its temporary
-  // directory with their state and logs), then exits 128 + the signal. The
-  // signals are blocked before the cluster's threads start, and taken by a
-  // thread of their own.
+  // Ctrl-C, SIGTERM or SIGHUP stops the cluster (its daemons, and its
+  // temporary directory with their state and logs), then exits 128 + the
+  // signal. The signals are blocked before the cluster's threads start, and
+  // taken while it starts, then by a thread of their own. A closed stdout
+  // pipe does the same (SIGPIPE is ignored, so that it cannot end the
+  // process before the cleanup; the thread sees the pipe's end).
   BlockShutdownSignals();
-  auto cluster = StartLocalCluster(workers, "127.0.0.1:0", "");
+  ::signal(SIGPIPE, SIG_IGN);
+  int interrupted = 0;
+  auto cluster = StartLocalCluster(workers, "127.0.0.1:0", "", "cpu", &interrupted);
   if (!cluster.ok()) {
+    if (interrupted != 0) {
+      std::fprintf(stderr, "coloctl: %s: the embedded cluster's start was stopped\n", ::strsignal(interrupted));
+      return 128 + interrupted;
+    }
     if (absl::IsInvalidArgument(cluster.status())) return Usage(std::string(cluster.status().message()));
     return Fail(cluster.status());
   }
   absl::Notification done;
   std::thread stopper([&] {
     while (!done.HasBeenNotified()) {
-      const int sig = WaitForShutdownSignalFor(absl::Milliseconds(200));
+      int sig = WaitForShutdownSignalFor(absl::Milliseconds(200));
+      if (sig == 0 && StdoutReaderGone()) sig = SIGPIPE;
       if (sig == 0) continue;
       std::fprintf(stderr, "coloctl: %s: stopping the embedded cluster\n", ::strsignal(sig));
       (*cluster)->Stop();

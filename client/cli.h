@@ -64,6 +64,12 @@ int Fail(const absl::Status& status);
 int Usage(const std::string& why);
 // `message` as pretty proto3 JSON on stdout; returns 0 (1 if it cannot be rendered).
 int PrintJson(const google::protobuf::Message& message);
+// Writes a command's output file (--out, --logits): a regular file, or a
+// new one, atomically (WriteFileAtomically); a link to a file replaces the
+// file it names; a FIFO or a character device (/dev/stdout, a shell's
+// >(...)) is written in place, FAILED_PRECONDITION at once when a FIFO has
+// no reader. A directory, or a link to nothing, is FAILED_PRECONDITION.
+absl::Status WriteOutputFile(const std::string& path, absl::string_view bytes);
 // --output json (main rejects anything but table and json before a command runs).
 bool JsonOutput();
 
@@ -83,16 +89,24 @@ int WithCoordinator(const std::function<int(CoordinatorClient&)>& fn);
 
 // A coordinator and `workers` workers of `device` ("cpu", or "cuda": worker
 // i on CUDA device i) as children of this process (found next to this
-// coloctl), every worker registered.
+// coloctl), every worker registered. With `interrupted`, the shutdown
+// signals (blocked by the caller: BlockShutdownSignals) are looked for while
+// it starts: one stops what was started, is stored there, and the start is
+// CANCELLED.
 absl::StatusOr<std::unique_ptr<LocalCluster>> StartLocalCluster(int workers, const std::string& listen,
                                                                 const std::string& data_dir,
-                                                                const std::string& device = "cpu");
+                                                                const std::string& device = "cpu",
+                                                                int* interrupted = nullptr);
+// True when this process's stdout is a pipe whose reader went away (the
+// head of `coloctl train | head -1`), as poll(2) says without a write.
+bool StdoutReaderGone();
 // Runs `fn` with the address of ExplicitCoordinator() when one is given, else
 // with that of an embedded cluster of `workers` CPU workers on loopback,
 // started for the call and stopped after it (as on a real cluster, through
 // the daemons). Returns fn's exit code, or 1 when the cluster cannot start
-// (2 when it may not: more than LocalCluster::kMaxWorkers). SIGINT or SIGTERM
-// meanwhile stops the cluster and exits 128 + the signal.
+// (2 when it may not: more than LocalCluster::kMaxWorkers). SIGINT, SIGTERM
+// or SIGHUP, while it starts or runs, stops the cluster and exits 128 + the
+// signal; so does a stdout pipe whose reader went away (141, SIGPIPE's).
 int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const std::string& address)>& fn);
 
 // Follows a job to its end. Table mode draws a progress bar (step, loss,

@@ -3,6 +3,7 @@
 // and version.
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -38,8 +39,13 @@ int RunLocal(const std::vector<std::string>&) {
   }
   const absl::StatusOr<bool> cuda = CudaFromFlags();
   if (!cuda.ok()) return Usage(absl::StrCat("local: ", cuda.status().message()));
+  int interrupted = 0;
   auto cluster = StartLocalCluster(absl::GetFlag(FLAGS_workers), absl::GetFlag(FLAGS_listen),
-                                   absl::GetFlag(FLAGS_data_dir), *cuda ? "cuda" : "cpu");
+                                   absl::GetFlag(FLAGS_data_dir), *cuda ? "cuda" : "cpu", &interrupted);
+  if (!cluster.ok() && interrupted != 0) {
+    std::fprintf(stderr, "coloctl: %s: the local cluster's start was stopped\n", ::strsignal(interrupted));
+    return 0;
+  }
   if (!cluster.ok()) return Fail(cluster.status());
   std::printf("coordinator %s (metrics http://%s/metrics), data dir %s\n", (*cluster)->address().c_str(),
               (*cluster)->metrics_address().c_str(), (*cluster)->data_dir().c_str());
@@ -54,7 +60,7 @@ int RunLocal(const std::vector<std::string>&) {
               workers.size(), (*cluster)->address().c_str());
   std::fflush(stdout);
   const int sig = WaitForShutdownSignal();
-  std::fprintf(stderr, "coloctl: signal %d: stopping the local cluster\n", sig);
+  std::fprintf(stderr, "coloctl: %s: stopping the local cluster\n", ::strsignal(sig));
   (*cluster)->Stop();
   return 0;
 }
@@ -103,8 +109,9 @@ constexpr Command kCommands[] = {
      "              (127.0.0.1:7070) and --workers N workers as child processes on\n"
      "              loopback: CPU ones, or with --device cuda one per CUDA device (worker i\n"
      "              on device i, over NCCL between the processes). Prints the coordinator's address once every worker has\n"
-     "              registered, stays in the foreground, and stops everything on Ctrl-C or\n"
-     "              SIGTERM. --data-dir keeps the coordinator's state and the worker logs.\n"
+     "              registered, stays in the foreground, and stops everything on Ctrl-C,\n"
+     "              SIGTERM or SIGHUP. --data-dir keeps the coordinator's state, the worker\n"
+     "              logs and their scratch directories (worker-I.work).\n"
      "              A CUDA worker whose device faulted (it exits 70) is started again, up\n"
      "              to 3 times; a worker that exits otherwise is said on stderr.\n",
      RunLocal},

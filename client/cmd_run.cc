@@ -75,7 +75,8 @@ int RunForwardOnGpus(const std::vector<std::string>&) {
   auto run = shardformer::RunForward(request);
   if (!run.ok()) return Fail(run.status());
   if (!files->logits.empty()) {
-    const absl::Status written = WriteNpy(files->logits, run->logits);
+    absl::StatusOr<std::string> npy = SerializeNpy(run->logits);
+    const absl::Status written = npy.ok() ? WriteOutputFile(files->logits, *npy) : npy.status();
     if (!written.ok()) return Fail(written);
   }
   v1::ForwardResult result;

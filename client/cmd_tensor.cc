@@ -1,26 +1,31 @@
 // `coloctl tensor ...`: the ColoTensors of a TENSOR job, through the
 // coordinator's TensorService.
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/cli.h"
 #include "client/commands.h"
 #include "client/format.h"
 #include "client/job_flags.h"
+#include "common/atomic_file.h"
+#include "common/grpc_server.h"
 #include "common/int_math.h"
 #include "common/json.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "common/atomic_file.h"
 
 ABSL_FLAG(std::string, spec, "R",
           "tensor create/reshard: placements AXIS=R|S(DIM)|S(D1,D2|N1,N2)|P joined by ';', e.g. 'tp=S(-1)'.");
@@ -89,9 +94,30 @@ absl::Status WaitRunning(CoordinatorClient& client, const std::string& job_id, a
 // workers; a random [2, 3, 2] tensor sharded on its last dim over tp, made
 // replicated, then resharded on dim 0; every rank's shape at each stage.
 int TensorDemo(CoordinatorClient& c, bool json) {
+  // A TENSOR job runs (and holds its workers) until cancelled: Ctrl-C,
+  // SIGTERM or SIGHUP cancels it before coloctl exits 128 + the signal. The
+  // signals are blocked from before the client exists (RunTensor), and taken
+  // by a thread of their own once the job does.
   auto job = SubmitTensorJob(c, "colotensor-example");
   if (!job.ok()) return Fail(job.status());
   const std::string id = job->job_id();
+  absl::Notification done;
+  std::thread canceller([&] {
+    while (!done.HasBeenNotified()) {
+      const int sig = WaitForShutdownSignalFor(absl::Milliseconds(200));
+      if (sig == 0) continue;
+      std::fprintf(stderr, "coloctl: %s: cancelling %s\n", ::strsignal(sig), id.c_str());
+      const absl::Status s = c.CancelJob(id, absl::StrCat("tensor demo interrupted (", ::strsignal(sig), ")")).status();
+      if (!s.ok()) std::fprintf(stderr, "coloctl: could not cancel %s: %s\n", id.c_str(), s.ToString().c_str());
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(128 + sig);  // the demo's own calls may still be waiting on the job
+    }
+  });
+  absl::Cleanup join = [&] {
+    done.Notify();
+    canceller.join();
+  };
   auto run = [&]() -> absl::Status {
     RETURN_IF_ERROR(WaitRunning(c, id, absl::GetFlag(FLAGS_timeout) * 6));
     auto mesh = c.GetMesh(id);
@@ -139,6 +165,7 @@ int TensorDemo(CoordinatorClient& c, bool json) {
     return absl::OkStatus();
   };
   const absl::Status s = run();
+  std::move(join).Invoke();  // no signal's cancel from here on: this one follows
   auto cancelled = c.CancelJob(id, "tensor demo finished");  // a TENSOR job runs until cancelled
   if (!s.ok()) return Fail(s);
   if (!cancelled.ok()) return Fail(cancelled.status());
@@ -187,7 +214,7 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
     if (!absl::GetFlag(FLAGS_out).empty()) {
       auto npy = TensorValueNpy(*value);
       if (!npy.ok()) return Fail(npy.status());
-      const absl::Status s = WriteFileAtomically(absl::GetFlag(FLAGS_out), *npy);
+      const absl::Status s = WriteOutputFile(absl::GetFlag(FLAGS_out), *npy);
       return s.ok() ? 0 : Fail(s);
     }
     if (json) return PrintJson(*value);
@@ -226,6 +253,9 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
 }
 
 int RunTensor(const std::vector<std::string>& operands) {
+  // The demo's signals are blocked before the client's threads start, so
+  // that none of them takes one (and ends the process without the cancel).
+  if (!operands.empty() && operands[0] == "demo") BlockShutdownSignals();
   return WithCoordinator([&](CoordinatorClient& c) { return TensorWith(c, operands, JsonOutput()); });
 }
 
@@ -235,9 +265,12 @@ constexpr Command kCommands[] = {
      "                tensor demo                the ColoTensor document's example: a [2,3,2]\n"
      "                                           tensor sharded on its last dim over tp, made\n"
      "                                           replicated, resharded on dim 0; each rank's shape\n"
+     "                                           (its own TENSOR job, cancelled at the end or on\n"
+     "                                           Ctrl-C)\n"
      "                tensor create JOB NAME --shape 2,3,2 [--seed S] [--spec 'tp=S(-1)']\n"
      "                tensor reshard JOB NAME --spec 'tp=S(0)'   (R: replicated)\n"
-     "                tensor get JOB NAME [--rank R] [--out FILE.npy]\n"
+     "                tensor get JOB NAME [--rank R] [--out FILE.npy]   (a FIFO or /dev/stdout\n"
+     "                                           is written in place; a link, its file replaced)\n"
      "                tensor list JOB | tensor delete JOB NAME\n",
      RunTensor},
 };

@@ -2,8 +2,11 @@
 // tables (cmd_*.cc); CommandLineMain (cli.h) builds --help from them and
 // dispatches. coloctl talks gRPC; what computes in-process is coloctl-run's
 // (coloctl_run_main.cc).
+#include <cstdlib>
 #include <string>
 #include <vector>
+
+#include "absl/strings/match.h"
 
 #include "client/cli.h"
 #include "client/commands.h"
@@ -37,14 +40,25 @@ constexpr char kEpilogue[] =
 int Main(int argc, char** argv) {
   // An empty --coordinator (a script's "$COORD" unset) names no
   // coordinator: refused, never taken as unset (which trains on an embedded
-  // cluster of this machine, or calls 127.0.0.1:7070).
+  // cluster of this machine, or calls 127.0.0.1:7070). So is an empty
+  // $COLOD_COORDINATOR when the flag is not given. (The flag's forms:
+  // --coordinator[=V] and -coordinator[=V].)
+  bool given = false;
   for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
+    std::string a = argv[i];
     if (a == "--") break;
-    if (a == "--coordinator=" || (a == "--coordinator" && i + 1 < argc && argv[i + 1][0] == '\0')) {
+    if (absl::StartsWith(a, "--")) a.erase(0, 1);
+    if (a != "-coordinator" && !absl::StartsWith(a, "-coordinator=")) continue;
+    given = true;
+    if (a == "-coordinator=" || (a == "-coordinator" && i + 1 < argc && argv[i + 1][0] == '\0')) {
       return Usage("--coordinator is empty: give HOST:PORT, or leave the flag out (then $COLOD_COORDINATOR, else "
                    "127.0.0.1:7070; train and forward run on an embedded cluster)");
     }
+  }
+  const char* env = std::getenv("COLOD_COORDINATOR");
+  if (!given && env != nullptr && *env == '\0') {
+    return Usage("$COLOD_COORDINATOR is set but empty: give HOST:PORT, or unset it (then 127.0.0.1:7070; train and "
+                 "forward run on an embedded cluster)");
   }
   // In --help's order.
   return CommandLineMain(argc, argv, kIntro, kEpilogue,

@@ -47,6 +47,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(con
   if (options.watch_reconnect_limit <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("watch_reconnect_limit: must be > 0");
   }
+  if (absl::Status s = CheckAuthToken(options.auth_token); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("auth_token (--auth-token-file): ", s.message()));
+  }
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, MakeChannelCredentials(options.tls));
   if (options.keepalive.time < kMinKeepaliveTime || options.keepalive.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("keepalive: time must be >= ", absl::FormatDuration(kMinKeepaliveTime),

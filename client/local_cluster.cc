@@ -107,6 +107,11 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
     c->Stop();
     return absl::Status(s.code(), absl::StrCat(s.message(), "; logs in ", c->data_dir_));
   };
+  auto cancelled = [&options] { return options.cancelled && options.cancelled(); };
+  auto cancel = [&c] {
+    c->Stop();  // a temporary data dir goes with it
+    return absl::CancelledError("the local cluster's start was cancelled");
+  };
   auto coordinator = Spawn({options.coordinator_binary, "--data-dir", c->data_dir_ + "/coordinator", "--listen",
                             options.listen, "--metrics-listen", options.metrics_listen, "--ready-file", ready},
                            c->data_dir_ + "/coordinator.log");
@@ -126,6 +131,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
       return fail(absl::UnavailableError("the coordinator exited at start (is --listen in use?)"));
     }
     if (absl::Now() > deadline) return fail(absl::DeadlineExceededError("the coordinator did not start"));
+    if (cancelled()) return cancel();
     absl::SleepFor(absl::Milliseconds(10));
   }
   c->metrics_address_ = ReadyValue(ready, "metrics");
@@ -136,7 +142,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
     // clang-format off
     w.argv = {options.worker_binary, "--coordinator", c->address_, "--listen", "127.0.0.1:0",
               "--metrics-listen", "127.0.0.1:0", "--device", options.device,
-              "--device-ordinal", absl::StrCat(i), "--blas-threads", absl::StrCat(blas_threads)};
+              "--device-ordinal", absl::StrCat(i), "--blas-threads", absl::StrCat(blas_threads),
+              "--work-dir", absl::StrCat(c->data_dir_, "/worker-", i, ".work")};
     // clang-format on
     w.log = absl::StrCat(c->data_dir_, "/worker-", i, ".log");
     auto pid = Spawn(w.argv, w.log);
@@ -169,6 +176,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
       return fail(absl::DeadlineExceededError(absl::StrCat("the local workers did not register within ",
                                                            absl::FormatDuration(options.ready_timeout))));
     }
+    if (cancelled()) return cancel();
     absl::SleepFor(absl::Milliseconds(20));
   }
   try {

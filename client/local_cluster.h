@@ -11,6 +11,7 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -45,12 +46,18 @@ class LocalCluster {
     // Restarts of one worker after it exited kExitDeviceLost; past them it
     // stays down.
     int max_worker_restarts = 3;
+    // Polled while Start waits for the daemons (every 10 to 20 ms): true
+    // stops what was started (a temporary data dir removed) and Start
+    // returns CANCELLED. A caller's Ctrl-C while a large cluster starts.
+    std::function<bool()> cancelled;
   };
 
   // Starts everything and waits until every worker registered.
   // INVALID_ARGUMENT for bad options; UNAVAILABLE if an address cannot be
   // bound; DEADLINE_EXCEEDED (cluster stopped) if the workers do not register
-  // in time, naming the worker logs.
+  // in time, naming the worker logs; CANCELLED when `cancelled` said so. Each
+  // worker's scratch directory (--work-dir) is DATA_DIR/worker-I.work, so
+  // that nothing is left outside the data dir.
   static absl::StatusOr<std::unique_ptr<LocalCluster>> Start(Options options);
   ~LocalCluster();
 

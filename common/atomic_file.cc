@@ -35,6 +35,16 @@ namespace {
 
 absl::Status Errno(const std::string& what, const std::string& path) { return FileError(what, path, errno); }
 
+const char* FileKind(mode_t mode) {
+  return S_ISDIR(mode)    ? "a directory"
+         : S_ISFIFO(mode) ? "a FIFO"
+         : S_ISCHR(mode)  ? "a character device"
+         : S_ISBLK(mode)  ? "a block device"
+         : S_ISSOCK(mode) ? "a socket"
+         : S_ISLNK(mode)  ? "a symbolic link"
+                          : "not a regular file";
+}
+
 }  // namespace
 
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
@@ -43,6 +53,13 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
                                  const std::function<absl::Status()>& before_rename) {
+  // The rename would replace a link, a FIFO or a device with a file (and
+  // fail on a directory): refused, so that nothing but a file is replaced.
+  struct stat existing;
+  if (::lstat(path.c_str(), &existing) == 0 && !S_ISREG(existing.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot write '", path, "': it is ", FileKind(existing.st_mode),
+                                                      ", not a file that a new one may replace"));
+  }
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -121,19 +138,6 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   if (!s.ok()) return s;
   return out;
 }
-
-namespace {
-
-const char* FileKind(mode_t mode) {
-  return S_ISDIR(mode)    ? "a directory"
-         : S_ISFIFO(mode) ? "a FIFO"
-         : S_ISCHR(mode)  ? "a character device"
-         : S_ISBLK(mode)  ? "a block device"
-         : S_ISSOCK(mode) ? "a socket"
-                          : "not a regular file";
-}
-
-}  // namespace
 
 absl::StatusOr<RegularFileReader> RegularFileReader::Open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);

@@ -16,6 +16,9 @@ namespace colod {
 // new one, never a part, even across a crash: a unique temporary name in the
 // same directory, fsync, rename over `path`, fsync of the directory. On
 // failure the temporary file is removed and the status is FileError's.
+// FAILED_PRECONDITION, before anything is written, when `path` is there
+// but not a regular file (a symbolic link, a FIFO, a device, a directory),
+// which the rename would replace.
 // Thread-safe.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
 // The same, with `before_rename` run once the temporary file is whole and

@@ -96,6 +96,28 @@ TEST(ReadFileToString, ReadsAPipeToItsEndAndAWriterlessFifoAsEmpty) {
   EXPECT_EQ(*none, "");
 }
 
+// The rename would put a file where a link, a FIFO or a directory was:
+// refused before a byte is written, and what was there stays.
+TEST(WriteFileAtomically, ReplacesOnlyARegularFile) {
+  const std::string dir = FreshDir("replaces");
+  ASSERT_TRUE(WriteFileAtomically(dir + "/target", "kept").ok());
+  ASSERT_EQ(::symlink((dir + "/target").c_str(), (dir + "/link").c_str()), 0);
+  ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0644), 0);
+  ASSERT_EQ(::mkdir((dir + "/sub").c_str(), 0755), 0);
+  for (const char* name : {"link", "fifo", "sub"}) {
+    const std::string path = absl::StrCat(dir, "/", name);
+    const absl::Status s = WriteFileAtomically(path, "new");
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << name << ": " << s;
+    EXPECT_NE(s.message().find("not a file that a new one may replace"), absl::string_view::npos) << s;
+  }
+  struct stat st;
+  ASSERT_EQ(::lstat((dir + "/link").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode));
+  EXPECT_EQ(ReadFileToString(dir + "/target").value_or("?"), "kept");
+  ASSERT_EQ(::lstat((dir + "/fifo").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+}
+
 TEST(RegularFileReader, ReadsRangesAndIsDataLossWhereTheFileWasCutShort) {
   const std::string path = FreshDir("reader") + "/f";
   std::string bytes(100000, '\0');

@@ -5,6 +5,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
 #include "common/status_macros.h"
 
@@ -15,7 +16,22 @@ absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
   if (!text.ok()) return absl::NotFoundError(absl::StrCat("--auth-token-file: ", text.status().message()));
   std::string token(absl::StripAsciiWhitespace(*text));
   if (token.empty()) return absl::InvalidArgumentError(absl::StrCat("--auth-token-file: '", path, "' is empty"));
+  if (absl::Status s = CheckAuthToken(token); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--auth-token-file: '", path, "': ", s.message()));
+  }
   return token;
+}
+
+absl::Status CheckAuthToken(absl::string_view token) {
+  for (size_t i = 0; i < token.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(token[i]);
+    if (c >= 0x21 && c <= 0x7e) continue;
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the token holds byte 0x%02x at offset %d, which is not visible ASCII: a bearer token is one word of "
+        "printable characters (no space, line break or non-ASCII byte)",
+        c, i));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status TokenAuth::Check(const grpc::ServerContext& ctx) const {
@@ -38,9 +54,16 @@ void AddAuthToken(grpc::ClientContext& ctx, const std::string& token) {
 
 namespace {
 
+// A PEM file's text: NOT_FOUND when it cannot be read, INVALID_ARGUMENT
+// when it holds no PEM block (an empty --tls-ca would otherwise make gRPC
+// trust the system's CAs instead, without a word).
 absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
   auto text = ReadFileToString(path);
   if (!text.ok()) return absl::NotFoundError(absl::StrCat(flag, ": ", text.status().message()));
+  if (text->find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": '", path, "' holds no PEM block (-----BEGIN ...-----)", text->empty() ? ": it is empty" : ""));
+  }
   return text;
 }
 

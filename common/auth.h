@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
@@ -18,8 +19,14 @@
 namespace colod {
 
 // The token in `path` (surrounding whitespace trimmed). NOT_FOUND for a
-// missing file, INVALID_ARGUMENT for an empty one.
+// missing file, INVALID_ARGUMENT for an empty one or one CheckAuthToken
+// refuses.
 absl::StatusOr<std::string> ReadAuthToken(const std::string& path);
+// OK when `token` can travel in the authorization header: visible ASCII
+// only (0x21 to 0x7e; RFC 6750's tokens are a part of it). INVALID_ARGUMENT
+// naming the first other byte and where it is: a space, a line break or a
+// byte of UTF-8 (which gRPC would abort the process on, sending it).
+absl::Status CheckAuthToken(absl::string_view token);
 
 class TokenAuth {
  public:
@@ -46,7 +53,8 @@ struct TlsFiles {
   bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
 };
 // INVALID_ARGUMENT naming the flag for a cert without a key (or the other
-// way round); NOT_FOUND for a file that cannot be read.
+// way round) or a file that holds no PEM block; NOT_FOUND for a file that
+// cannot be read.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& tls);
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsFiles& tls);
 

@@ -96,6 +96,7 @@ sigset_t ShutdownSignals() {
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGHUP);  // the terminal went away
   return set;
 }
 }  // namespace

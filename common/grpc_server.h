@@ -65,11 +65,11 @@ void SetServing(grpc::Server& server, absl::string_view service, bool serving);
 // up to `grace` to finish and are cancelled after it. Returns once stopped.
 void StopGrpcServer(grpc::Server& server, absl::Duration grace);
 
-// Blocks SIGTERM and SIGINT in the calling thread and every thread it starts
+// Blocks SIGTERM, SIGINT and SIGHUP in the calling thread and every thread it starts
 // afterwards. Call first thing in main, then WaitForShutdownSignal().
 void BlockShutdownSignals();
 
-// Waits for SIGTERM or SIGINT (blocked beforehand) and returns its number.
+// Waits for SIGTERM, SIGINT or SIGHUP (blocked beforehand) and returns its number.
 int WaitForShutdownSignal();
 
 // The same for at most `timeout`: the signal's number, or 0 if none came

@@ -10,7 +10,7 @@ namespace colod {
 
 // The tail of every daemon's main(), once the daemon serves: writes
 // `grpc=...` and `metrics=...` to `ready_file` (unless empty), waits for
-// SIGTERM or SIGINT (BlockShutdownSignals() must have run first), calls
+// SIGTERM, SIGINT or SIGHUP (BlockShutdownSignals() must have run first), calls
 // `shutdown`, and returns the exit code: 0, or 1 if the ready file could not
 // be written (the daemon is shut down then too).
 int ServeUntilSignal(absl::string_view name, const std::string& ready_file, const std::string& grpc,

@@ -75,7 +75,7 @@ constexpr char kUsage[] =
     "Registers worker daemons and watches their heartbeats, validates and queues jobs,\n"
     "builds process-group meshes, and serves the rendezvous store that Gloo and NCCL\n"
     "use to connect. Serves grpc.health.v1 and server reflection on --listen and\n"
-    "Prometheus metrics on --metrics-listen. Stops cleanly on SIGTERM or SIGINT.\n"
+    "Prometheus metrics on --metrics-listen. Stops cleanly on SIGTERM, SIGINT or SIGHUP.\n"
     "\n"
     "Usage:\n"
     "  colod-coordinator --data-dir DIR [--listen HOST:PORT] [--metrics-listen HOST:PORT]\n"

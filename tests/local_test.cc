@@ -3,12 +3,17 @@
 // SIGTERM, and gone with coloctl even when coloctl is killed.
 #include <signal.h>
 
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "client/coordinator_client.h"
 #include "client/local_cluster.h"
 #include "nlohmann/json.hpp"
 #include "tests/subprocess.h"
@@ -88,17 +93,121 @@ TEST(Local, ItsDaemonsDieWithAKilledColoctl) {
   EXPECT_EQ(RunCommand({Runfile("client/coloctl"), "local", "--workers", "0"}, std::getenv("TEST_TMPDIR")).code, 2);
 }
 
+// The names in `dir` that an embedded cluster leaves when it is not cleaned
+// up: its data dir (colod-local-*) and its workers' scratch dirs.
+std::vector<std::string> Leftovers(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (absl::StartsWith(name, "colod-")) out.push_back(name);
+  }
+  return out;
+}
+
+std::string FreshDir(const std::string& name) {
+  const std::string dir = TempPath(name);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// `coloctl train ... | head -c 1`: once the reader of its stdout goes away,
+// coloctl stops its embedded cluster and exits 141 (SIGPIPE's), leaving
+// nothing in $TMPDIR; killed by SIGPIPE, it left the cluster's data dir and
+// the workers' scratch dirs behind.
+TEST(Local, AClosedStdoutStopsTheEmbeddedClusterAndLeavesNothing) {
+  const std::string coloctl = Runfile("client/coloctl");
+  const std::string tmp = FreshDir("pipe-tmp");
+  auto init = RunCommand({coloctl, "init-model", "--out", TempPath("pipe-model"), "--positions", "32"},
+                         std::getenv("TEST_TMPDIR"));
+  ASSERT_EQ(init.code, 0) << init.err;
+  const std::string script = absl::StrCat(
+      "TMPDIR=", tmp, " ", coloctl, " train --workers 2 --model ", TempPath("pipe-model"),
+      " --data /usr/share/common-licenses/GPL-3 --steps 100000 --batch-size 2 --seq-len 16 | head -c 1 >/dev/null; "
+      "exit ${PIPESTATUS[0]}");
+  const absl::Time start = absl::Now();
+  const auto r = RunCommand({"/bin/bash", "-c", script}, std::getenv("TEST_TMPDIR"), absl::Seconds(120));
+  EXPECT_EQ(r.code, 141) << r.err;
+  EXPECT_NE(r.err.find("stopping the embedded cluster"), std::string::npos) << r.err;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(60)) << "it trained on instead of stopping";
+  EXPECT_EQ(Leftovers(tmp), std::vector<std::string>{});
+}
+
+// Ctrl-C (here SIGHUP) while a cluster starts stops it there and then: the
+// start is CANCELLED, what it started is stopped and its temporary data
+// dir, with the workers' scratch dirs in it, removed.
+TEST(Local, AStartCancelledMidwayLeavesNothing) {
+  const std::string tmp = FreshDir("cancel-tmp");
+  ASSERT_EQ(::setenv("TMPDIR", tmp.c_str(), 1), 0);
+  LocalCluster::Options o;
+  o.workers = 2;
+  o.coordinator_binary = Runfile("server/colod-coordinator");
+  o.worker_binary = Runfile("worker/daemon/colod-worker");
+  int polls = 0;
+  o.cancelled = [&polls] { return ++polls >= 5; };
+  const absl::StatusOr<std::unique_ptr<LocalCluster>> c = LocalCluster::Start(o);
+  ::unsetenv("TMPDIR");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kCancelled) << c.status();
+  EXPECT_EQ(polls, 5);
+  EXPECT_EQ(Leftovers(tmp), std::vector<std::string>{});
+
+  // coloctl local, stopped by SIGHUP (its terminal closed), removes its data
+  // dir, the workers' scratch dirs included.
+  Subprocess local({"/usr/bin/env", "TMPDIR=" + tmp, Runfile("client/coloctl"), "local", "--workers", "1",
+                    "--listen", "127.0.0.1:0"},
+                   TempPath("hup.out"), TempPath("hup.err"));
+  ASSERT_FALSE(testing::LocalClusterAddress(TempPath("hup.out")).empty()) << testing::ReadFile(TempPath("hup.err"));
+  const std::vector<std::string> running = Leftovers(tmp);
+  ASSERT_EQ(running.size(), 1u) << "the data dir only";
+  EXPECT_TRUE(std::filesystem::is_directory(absl::StrCat(tmp, "/", running[0], "/worker-0.work")));
+  local.Signal(SIGHUP);
+  const auto code = local.Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 0) << testing::ReadFile(TempPath("hup.err"));
+  EXPECT_EQ(Leftovers(tmp), std::vector<std::string>{});
+}
+
+// `coloctl tensor demo` interrupted (Ctrl-C) while its TENSOR job waits
+// for workers: the job, which would run and hold its workers until
+// cancelled, is cancelled before coloctl exits 130.
+TEST(Local, AnInterruptedTensorDemoCancelsItsJob) {
+  testing::Daemon coordinator =
+      testing::StartDaemon("server/colod-coordinator", "demo-coordinator", {"--data-dir", TempPath("demo-data")});
+  ASSERT_FALSE(coordinator.grpc.empty());
+  Subprocess demo({Runfile("client/coloctl"), "--coordinator", coordinator.grpc, "tensor", "demo", "--tp", "2"},
+                  TempPath("demo.out"), TempPath("demo.err"));
+  auto client = CoordinatorClient::Create(coordinator.grpc, CoordinatorClient::Options());
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::vector<v1::Job> jobs;
+  for (int i = 0; i < 300 && jobs.empty(); ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+    jobs = (*client)->ListJobs().value_or(std::vector<v1::Job>{});
+  }
+  ASSERT_EQ(jobs.size(), 1u) << testing::ReadFile(TempPath("demo.err"));
+  EXPECT_EQ(jobs[0].state(), v1::JOB_STATE_PENDING) << "no worker: it waits";
+  demo.Signal(SIGINT);
+  const auto code = demo.Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 130) << testing::ReadFile(TempPath("demo.err"));
+  const absl::StatusOr<v1::Job> job = (*client)->GetJob(jobs[0].job_id());
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_NE(job->reason().find("tensor demo interrupted"), std::string::npos) << job->reason();
+}
+
 // An empty --coordinator (a script's unset "$COORD") is a usage error: no
 // embedded cluster starts, and no call goes to the default address.
 TEST(Local, AnEmptyCoordinatorIsAUsageErrorNotTheEmbeddedCluster) {
-  for (const std::vector<std::string>& flag :
-       std::vector<std::vector<std::string>>{{"--coordinator", ""}, {"--coordinator="}}) {
-    std::vector<std::string> argv = {Runfile("client/coloctl")};
-    argv.insert(argv.end(), flag.begin(), flag.end());
+  for (const std::vector<std::string>& flag : std::vector<std::vector<std::string>>{
+           {"--coordinator", ""}, {"--coordinator="}, {"-coordinator="}, {"-coordinator", ""}, {"env"}}) {
+    // (env: $COLOD_COORDINATOR set to nothing, and no flag)
+    std::vector<std::string> argv = {"/usr/bin/env", "COLOD_COORDINATOR=", Runfile("client/coloctl")};
+    if (flag[0] != "env") argv.insert(argv.end(), flag.begin(), flag.end());
     for (const char* a : {"train", "--model", "/nonexistent", "--data", "/nonexistent"}) argv.push_back(a);
     const auto r = RunCommand(argv, std::getenv("TEST_TMPDIR"), absl::Seconds(30));
     EXPECT_EQ(r.code, 2) << r.out << r.err;
-    EXPECT_NE(r.err.find("--coordinator is empty"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(flag[0] == "env" ? "$COLOD_COORDINATOR is set but empty" : "--coordinator is empty"),
+              std::string::npos)
+        << r.err;
     EXPECT_TRUE(r.out.empty()) << r.out;  // no cluster announced, nothing trained
   }
 }

@@ -81,7 +81,7 @@ constexpr char kUsage[] =
     "its communicators through the coordinator's rendezvous store, loads its shard of the\n"
     "model, trains, reports progress, and goes back to idle; AbortJob stops it.\n"
     "Computes with CUDA + NCCL on a GPU, OpenBLAS + Gloo on a CPU.\n"
-    "Stops cleanly on SIGTERM or SIGINT.\n"
+    "Stops cleanly on SIGTERM, SIGINT or SIGHUP.\n"
     "\n"
     "Usage:\n"
     "  colod-worker --coordinator HOST:PORT [--listen HOST:PORT] [--metrics-listen HOST:PORT]\n"

@@ -1,0 +1,69 @@
+#include "client/cli.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/atomic_file.h"
+#include "gtest/gtest.h"
+
+namespace colod::cli {
+namespace {
+
+std::string FreshDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name, ".", ::getpid());
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// --out and --logits: a file is written whole or not at all; a link to one
+// replaces the file it names and stays a link; a FIFO or a device is
+// written in place (a pipe's reader gets the bytes), never replaced by a
+// file; a FIFO nothing reads, a directory or a link to nothing is refused
+// at once.
+TEST(WriteOutputFile, WritesFilesLinksAndPipesAsTheyAre) {
+  const std::string dir = FreshDir("out");
+  ASSERT_TRUE(WriteOutputFile(dir + "/new.npy", "first").ok());
+  EXPECT_EQ(ReadFileToString(dir + "/new.npy").value_or("?"), "first");
+  ASSERT_TRUE(WriteOutputFile(dir + "/new.npy", "second").ok());
+  EXPECT_EQ(ReadFileToString(dir + "/new.npy").value_or("?"), "second");
+
+  std::filesystem::create_symlink(dir + "/new.npy", dir + "/link.npy");
+  ASSERT_TRUE(WriteOutputFile(dir + "/link.npy", "through the link").ok());
+  EXPECT_TRUE(std::filesystem::is_symlink(dir + "/link.npy"));
+  EXPECT_EQ(ReadFileToString(dir + "/new.npy").value_or("?"), "through the link");
+
+  const std::string fifo = dir + "/fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const absl::Time start = absl::Now();
+  const absl::Status unread = WriteOutputFile(fifo, "nobody reads");
+  EXPECT_EQ(unread.code(), absl::StatusCode::kFailedPrecondition) << unread;
+  EXPECT_NE(unread.message().find("a FIFO nothing reads from"), absl::string_view::npos) << unread;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  const int reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+  ASSERT_GE(reader, 0);
+  ASSERT_TRUE(WriteOutputFile(fifo, "into the pipe").ok());
+  char got[32] = {};
+  EXPECT_EQ(::read(reader, got, sizeof(got)), 13);
+  EXPECT_EQ(std::string(got), "into the pipe");
+  ::close(reader);
+  struct stat st;
+  ASSERT_EQ(::lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode)) << "the FIFO stays a FIFO";
+  ASSERT_TRUE(WriteOutputFile("/dev/null", "discarded").ok());
+
+  std::filesystem::create_symlink(dir + "/nothing", dir + "/dangling");
+  EXPECT_EQ(WriteOutputFile(dir + "/dangling", "x").code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(WriteOutputFile(dir, "x").code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(std::filesystem::exists(dir + "/nothing"));
+}
+
+}  // namespace
+}  // namespace colod::cli
