@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "absl/strings/str_cat.h"
@@ -28,6 +29,7 @@
 #include "common/grpc_server.h"
 #include "common/json.h"
 #include "common/security_flags.h"
+#include "common/text.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, coordinator, "",
@@ -426,6 +428,13 @@ const Command* FindCommand(const std::vector<CommandGroup>& groups, const std::s
 // Checks the operands the command declares, then runs it.
 int Dispatch(const Command& command, const std::vector<std::string>& args) {
   const std::vector<std::string> operands(args.begin() + 1, args.end());
+  // Operands name jobs, tensors and workers, which travel as protobuf
+  // strings: UTF-8 only.
+  for (size_t i = 0; i < operands.size(); ++i) {
+    if (!IsValidUtf8(operands[i])) {
+      return Usage(absl::StrCat(command.name, ": argument ", i + 1, " is not valid UTF-8"));
+    }
+  }
   if (command.operands != nullptr) {
     const std::vector<std::string> wanted = absl::StrSplit(command.operands, ' ', absl::SkipEmpty());
     if (operands.size() < wanted.size()) {
@@ -440,6 +449,45 @@ int Dispatch(const Command& command, const std::vector<std::string>& args) {
 
 }  // namespace
 
+std::set<std::string> GivenFlags() {
+  std::set<std::string> out;
+  const std::vector<std::string>& line = CommandLine();
+  for (size_t i = 1; i < line.size(); ++i) {
+    const std::string& a = line[i];
+    if (a == "--") break;
+    if (a.size() < 2 || a[0] != '-') continue;
+    const size_t start = a.find_first_not_of('-');
+    const size_t end = std::min(a.find('='), a.size());
+    if (start == std::string::npos || start >= end) continue;
+    std::string name = a.substr(start, end - start);
+    std::replace(name.begin(), name.end(), '-', '_');
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr && absl::StartsWith(name, "no")) {
+      const absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
+      if (negated != nullptr && negated->IsOfType<bool>()) {
+        flag = negated;
+        name = name.substr(2);
+      }
+    }
+    if (flag == nullptr) continue;
+    out.insert(name);
+    if (end == a.size() && !flag->IsOfType<bool>()) ++i;  // "--flag VALUE"
+  }
+  return out;
+}
+
+std::string FlagsOf(const std::set<std::string>& given, absl::string_view file, const std::set<std::string>& kept) {
+  std::vector<std::string> out;
+  for (const std::string& name : given) {
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr || kept.count(name) > 0 || !absl::EndsWith(flag->Filename(), file)) continue;
+    std::string shown = name;
+    std::replace(shown.begin(), shown.end(), '_', '-');
+    out.push_back("--" + shown);
+  }
+  return absl::StrJoin(out, ", ");
+}
+
 int RunInProcess() {
   const std::vector<std::string>& line = CommandLine();
   auto binary = FindBinary(kRunBinary, {});
@@ -448,9 +496,34 @@ int RunInProcess() {
         "this command runs the model in this process, which is ", kRunBinary, "'s work, and ", kRunBinary,
         " is not installed beside coloctl or on $PATH (", binary.status().message(), ")")));
   }
+  // coloctl's flags that it does not define (--watch, --kind: every
+  // command takes coloctl's flags) are let through, as coloctl lets them
+  // through to any command.
+  std::vector<std::string> names;
+  for (const auto& [name, flag] : absl::GetAllFlags()) names.emplace_back(name);
+  std::sort(names.begin(), names.end());
+  const std::string undefok = absl::StrCat("--undefok=", absl::StrJoin(names, ","));
+  // "--flag VALUE" becomes "--flag=VALUE": for a flag coloctl-run does not
+  // define, Abseil there cannot know that it takes a value.
+  std::vector<std::string> args;
+  for (size_t i = 1; i < line.size(); ++i) {
+    const std::string& a = line[i];
+    args.push_back(a);
+    if (a == "--") {
+      args.insert(args.end(), line.begin() + static_cast<std::ptrdiff_t>(i) + 1, line.end());
+      break;
+    }
+    const size_t start = a.find_first_not_of('-');
+    if (a.size() < 2 || a[0] != '-' || start == std::string::npos || a.find('=') != std::string::npos) continue;
+    std::string name = a.substr(start);
+    std::replace(name.begin(), name.end(), '-', '_');
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag != nullptr && !flag->IsOfType<bool>() && i + 1 < line.size()) args.back() += "=" + line[++i];
+  }
   std::vector<char*> argv;
   argv.push_back(const_cast<char*>(kRunBinary));
-  for (size_t i = 1; i < line.size(); ++i) argv.push_back(const_cast<char*>(line[i].c_str()));
+  argv.push_back(const_cast<char*>(undefok.c_str()));
+  for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   std::fflush(stdout);
   std::fflush(stderr);

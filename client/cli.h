@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -136,6 +137,13 @@ inline constexpr char kRunBinary[] = "coloctl-run";
 // Replaces this process with kRunBinary (beside this program, else on $PATH)
 // on the same command line. Returns only when it cannot: 1, saying why.
 int RunInProcess();
+// The flags given on this command line (before any "--"), by their Abseil
+// names (--job-file: "job_file"; --nowatch: "watch").
+std::set<std::string> GivenFlags();
+// Those of `given` that are defined in `file` (a source path as compiled,
+// "client/job_flags.cc") and not in `kept`, as "--job-file, --steps" for a
+// message; empty when there are none.
+std::string FlagsOf(const std::set<std::string>& given, absl::string_view file, const std::set<std::string>& kept);
 
 // main() of coloctl and of coloctl-run: parses the flags (--help prints
 // `intro`, every group's usages and `epilogue`), checks --output and the

@@ -1,6 +1,7 @@
 // Commands that talk to a coordinator about its workers and jobs: workers,
 // submit, jobs, status, checkpoints, watch, cancel, delete, mesh.
 #include <cstdio>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -48,7 +49,19 @@ int RunWorkers(const std::vector<std::string>&) {
 int SubmitWith(CoordinatorClient& client, bool json) {
   const std::string kind = absl::GetFlag(FLAGS_kind);
   if (kind != "train" && kind != "tensor") return Usage(absl::StrCat("--kind: '", kind, "' is not one of train, tensor"));
+  // A flag this submit would not read is refused, not ignored.
+  const std::set<std::string> given = GivenFlags();
   if (kind == "tensor") {
+    std::string ignored = FlagsOf(given, "client/job_flags.cc",
+                                  {"tp", "dp", "mode", "depth", "sequence_parallel", "pp", "pp_layers",
+                                   "virtual_stages", "name"});
+    for (const char* f : {"job_file", "watch"}) {
+      if (given.count(f) > 0) ignored = absl::StrCat(ignored, ignored.empty() ? "" : ", ", FlagsOf({f}, "", {}));
+    }
+    if (!ignored.empty()) {
+      return Usage(absl::StrCat("submit --kind tensor: ", ignored, " do not apply: a TENSOR job hosts ColoTensors ",
+                                "(coloctl tensor ...) on its layout (--tp, --dp, --mode, --depth, --pp, --name)"));
+    }
     auto job = SubmitTensorJob(client, absl::GetFlag(FLAGS_name), absl::GetFlag(FLAGS_request_id));
     if (!job.ok()) {
       if (absl::IsInvalidArgument(job.status())) return Usage(absl::StrCat("submit: ", job.status().message()));
@@ -57,6 +70,12 @@ int SubmitWith(CoordinatorClient& client, bool json) {
     if (json) return PrintJson(*job);
     std::printf("%s\n", job->job_id().c_str());
     return 0;
+  }
+  if (!absl::GetFlag(FLAGS_job_file).empty()) {
+    if (const std::string ignored = FlagsOf(given, "client/job_flags.cc", {}); !ignored.empty()) {
+      return Usage(absl::StrCat("submit --job-file: ", ignored,
+                                " do not apply: the job file is the whole spec (edit it, or leave --job-file out)"));
+    }
   }
   absl::StatusOr<v1::JobSpec> spec = absl::GetFlag(FLAGS_job_file).empty()
                                          ? TrainJobSpecFromFlags()

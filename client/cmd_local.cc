@@ -46,6 +46,9 @@ int RunLocal(const std::vector<std::string>&) {
     std::fprintf(stderr, "coloctl: %s: the local cluster's start was stopped\n", ::strsignal(interrupted));
     return 0;
   }
+  if (!cluster.ok() && absl::IsInvalidArgument(cluster.status())) {
+    return Usage(absl::StrCat("local: ", cluster.status().message()));
+  }
   if (!cluster.ok()) return Fail(cluster.status());
   std::printf("coordinator %s (metrics http://%s/metrics), data dir %s\n", (*cluster)->address().c_str(),
               (*cluster)->metrics_address().c_str(), (*cluster)->data_dir().c_str());

@@ -367,7 +367,8 @@ constexpr Command kCommands[] = {
     {"init-model", "",
      "  init-model  Write a new GPT-2 (config.json + model.safetensors, GPT-2's published\n"
      "              initialization, seeded) to --out DIR: [--vocab-size 257] [--hidden-size 64]\n"
-     "              [--layers 2] [--heads 4] [--positions 64] [--seed S].\n",
+     "              [--layers 2] [--heads 4] [--positions 64] [--seed S]. A DIR that\n"
+     "              already holds a model is refused, not written over.\n",
      RunInProcessCommand},
     {"tokenize", "",
      "  tokenize    Encode text with a model directory's own tokenizer (tokenizer.model or\n"

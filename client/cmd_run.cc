@@ -3,8 +3,12 @@
 // machine's GPUs (--device cuda), init-model, tokenize and consolidate.
 // coloctl hands their command lines to it (cli.h: RunInProcess), so their
 // usage is coloctl's (cmd_model.cc); this file holds what they run.
+#include <unistd.h>
+
+#include <cstdint>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -123,6 +127,21 @@ int RunInitModel(const std::vector<std::string>&) {
   if (absl::GetFlag(FLAGS_model_type) != "gpt2") {
     return Usage(
         absl::StrCat("init-model: --model-type '", absl::GetFlag(FLAGS_model_type), "' is not supported (gpt2)"));
+  }
+  // A model there (or the shards of one) is not written over: the new
+  // weights beside an old index would load as neither.
+  for (const char* name : {"config.json", "model.safetensors", "model.safetensors.index.json"}) {
+    const std::string path = absl::StrCat(out, "/", name);
+    if (::access(path.c_str(), F_OK) == 0) {
+      return Usage(absl::StrCat("init-model: --out ", out, " already holds a model (", name,
+                                "): give a new or empty directory"));
+    }
+  }
+  for (const auto& [flag, value] : std::vector<std::pair<const char*, int64_t>>{
+           {"--vocab-size", absl::GetFlag(FLAGS_vocab_size)}, {"--hidden-size", absl::GetFlag(FLAGS_hidden_size)},
+           {"--layers", absl::GetFlag(FLAGS_layers)}, {"--heads", absl::GetFlag(FLAGS_heads)},
+           {"--positions", absl::GetFlag(FLAGS_positions)}}) {
+    if (value < 1) return Usage(absl::StrCat("init-model: ", flag, " must be >= 1, got ", value));
   }
   shardformer::Gpt2Shape shape;
   shape.vocab_size = absl::GetFlag(FLAGS_vocab_size);

@@ -22,6 +22,12 @@ namespace {
 absl::Status Annotate(const grpc::Status& s, const std::string& address, absl::string_view rpc) {
   absl::Status st = FromGrpcStatus(s);
   if (st.ok()) return st;
+  // gRPC's word for a request protobuf would not serialize: a string field
+  // that is not UTF-8 (an argument or a path with other bytes).
+  if (st.code() == absl::StatusCode::kInternal && st.message().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(rpc, ": the request could not be encoded: one of its texts (a name, ",
+                                                   "an id, a path, a reason) is not valid UTF-8"));
+  }
   if (st.code() == absl::StatusCode::kUnavailable || st.code() == absl::StatusCode::kDeadlineExceeded) {
     return absl::Status(st.code(), absl::StrCat(rpc, " to coordinator ", address, ": ", st.message()));
   }

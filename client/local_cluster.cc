@@ -22,6 +22,7 @@
 #include "client/coordinator_client.h"
 #include "common/exit_codes.h"
 #include "common/find_binary.h"
+#include "common/net.h"
 #include "common/status_macros.h"
 
 namespace colod {
@@ -79,6 +80,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
     return absl::InvalidArgumentError("the daemon binaries are required");
   }
   if (options.max_worker_restarts < 0) return absl::InvalidArgumentError("max_worker_restarts must be >= 0");
+  RETURN_IF_ERROR(ParseHostPort(options.listen, "--listen", /*allow_zero_port=*/true).status());
+  RETURN_IF_ERROR(ParseHostPort(options.metrics_listen, "--metrics-listen", /*allow_zero_port=*/true).status());
   std::unique_ptr<LocalCluster> c(new LocalCluster());
   c->data_dir_ = options.data_dir;
   c->max_worker_restarts_ = options.max_worker_restarts;

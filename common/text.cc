@@ -52,6 +52,8 @@ std::string ValidUtf8(absl::string_view text) {
   return out;
 }
 
+bool IsValidUtf8(absl::string_view text) { return ValidUtf8(text) == text; }
+
 std::string Utf8Prefix(absl::string_view text, size_t max) {
   std::string out = ValidUtf8(text);
   if (out.size() <= max) return out;

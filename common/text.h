@@ -19,6 +19,8 @@ inline constexpr size_t kMaxReportedMessageBytes = 16 << 10;
 // sequence (a stray continuation byte, a truncated or overlong sequence, a
 // surrogate, a code point past U+10FFFF) replaced by U+FFFD.
 std::string ValidUtf8(absl::string_view text);
+// Whether `text` is well-formed UTF-8 (ValidUtf8 would leave it as it is).
+bool IsValidUtf8(absl::string_view text);
 
 // ValidUtf8(text), cut to at most `max` bytes (max >= 3) at a character's
 // start, "..." ending what was cut.

@@ -35,6 +35,10 @@ TEST(Text, ValidTextIsKeptAsItIs) {
   ASSERT_TRUE(WellFormed(text));
   EXPECT_EQ(ValidUtf8(text), text);
   EXPECT_EQ(Utf8Prefix(text, 1000), text);
+  EXPECT_TRUE(IsValidUtf8(text));
+  EXPECT_TRUE(IsValidUtf8("\xEF\xBF\xBD"));  // U+FFFD itself
+  EXPECT_FALSE(IsValidUtf8("job-\xFF"));
+  EXPECT_FALSE(IsValidUtf8("\xC3"));
 }
 
 TEST(Text, EachBadByteBecomesOneReplacementCharacter) {

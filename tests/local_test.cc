@@ -212,6 +212,44 @@ TEST(Local, AnEmptyCoordinatorIsAUsageErrorNotTheEmbeddedCluster) {
   }
 }
 
+// What a command would ignore or could not send is refused as a usage
+// error (2) before anything is done: flags a submit does not read, an
+// operand that is not UTF-8, a model directory init-model would write
+// over, an address that is not HOST:PORT; coloctl's own flags on a
+// command coloctl-run carries out are let through, as on every command.
+TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
+  const std::string coloctl = Runfile("client/coloctl");
+  const auto run = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), coloctl);
+    return RunCommand(args, std::getenv("TEST_TMPDIR"), absl::Seconds(30));
+  };
+  const std::string nowhere = "127.0.0.1:1";
+  auto r = run({"--coordinator", nowhere, "submit", "--kind", "tensor", "--steps", "5", "--model", "/m", "--watch"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--model, --steps, --watch do not apply"), std::string::npos) << r.err;
+  r = run({"--coordinator", nowhere, "submit", "--job-file", "/nonexistent.json", "--tp", "2", "--name", "x"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("submit --job-file: --name, --tp do not apply"), std::string::npos) << r.err;
+  r = run({"--coordinator", nowhere, "status", "job-\xff"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("status: argument 1 is not valid UTF-8"), std::string::npos) << r.err;
+  r = run({"local", "--listen", "bogus"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--listen: 'bogus' is not HOST:PORT"), std::string::npos) << r.err;
+
+  const std::string model = TempPath("refused-model");
+  r = run({"init-model", "--out", model, "--positions", "32", "--watch", "--kind", "train"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string before = testing::ReadFile(model + "/model.safetensors");
+  r = run({"init-model", "--out", model, "--seed", "9"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("already holds a model (config.json)"), std::string::npos) << r.err;
+  EXPECT_EQ(testing::ReadFile(model + "/model.safetensors"), before) << "written over";
+  r = run({"init-model", "--out", TempPath("negative-model"), "--vocab-size", "-5"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--vocab-size must be >= 1, got -5"), std::string::npos) << r.err;
+}
+
 // tensor create checks its --shape before any call: a missing or
 // overflowing one is a usage error (2) even where no coordinator answers.
 TEST(Local, TensorCreateChecksItsShapeBeforeAnyCall) {
