@@ -22,6 +22,7 @@
 #include "common/limits.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "spec/job_validation.h"
 #include "spec/model_config.h"
 #include "spec/plan.h"
 
@@ -79,12 +80,19 @@ int RunForward(const std::vector<std::string>&) {
   // A FORWARD job on the daemons: --coordinator's, or an embedded cluster.
   v1::JobSpec spec;
   spec.set_kind(v1::JOB_KIND_FORWARD);
-  if (absl::Status set = SetModelFromDir(files->model, spec); !set.ok()) return Fail(set);
+  if (absl::Status set = SetModelFromDir(files->model, spec); !set.ok()) {
+    return Usage(absl::StrCat("forward: --model: ", set.message()));
+  }
   *spec.mutable_shard() = *shard;
   spec.mutable_forward()->set_input_path(Absolute(files->input));
   if (!files->logits.empty()) spec.mutable_forward()->set_logits_path(Absolute(files->logits));
   if (!files->labels.empty()) spec.mutable_forward()->set_labels_path(Absolute(files->labels));
   if (!files->decoder_input.empty()) spec.mutable_forward()->set_decoder_input_path(Absolute(files->decoder_input));
+  // What the coordinator would refuse (--tp 0, a layout the model cannot
+  // take) is a usage error here, before a cluster starts for it.
+  if (absl::Status valid = ValidateJobSpec(spec); !valid.ok()) {
+    return Usage(absl::StrCat("forward: ", valid.message()));
+  }
   v1::ForwardResult result;
   const int code = RunOnCoordinatorOrEmbeddedCluster(WorkersFor(spec.shard()), [&](const std::string& address) {
     auto run = ForwardOnCluster(address, spec);

@@ -22,8 +22,10 @@ constexpr char kIntro[] =
 
 constexpr char kEpilogue[] =
     "Exit status: 0 on success, 1 when the command fails (the status code, e.g. the\n"
-    "coordinator's gRPC code, and the message are printed), 2 for a usage error; a\n"
-    "flag that is unknown or whose value does not parse exits 1 (\"ERROR: ...\").\n"
+    "coordinator's gRPC code, and the message are printed), 2 for a usage error (a\n"
+    "spec or a model directory that would be refused counts: it is checked before a\n"
+    "cluster starts or a call is made); a flag that is unknown or whose value does\n"
+    "not parse exits 1 (\"ERROR: ...\"); 128 + N when signal N (Ctrl-C: 130) stopped it.\n"
     "\n"
     "Examples:\n"
     "  coloctl --coordinator 127.0.0.1:7070 workers\n"

@@ -217,7 +217,7 @@ TEST_F(Forward, VitClassifiesImagesAsItsUnshardedReference) {
            {{"--pixel-values", TempPath("small.npy")}, 1, "float pixel values [batch, 3, 8, 8]"},
            {{"--input", TempPath("ids.npy")}, 1, "float pixel values [batch, 3, 8, 8]"},
            {{"--input", TempPath("ids.npy"), "--pixel-values", TempPath("pixels.npy")}, 2, "not both"},
-           {{"--pixel-values", TempPath("pixels.npy"), "--tp", "2", "--sequence-parallel"}, 1,
+           {{"--pixel-values", TempPath("pixels.npy"), "--tp", "2", "--sequence-parallel"}, 2,
             "the vit policy has no sequence_parallel: its sequence"},
        }) {
     std::vector<std::string> args = {"forward", "--model", vit->dir};
@@ -305,19 +305,22 @@ TEST_F(Forward, MistakesAreReportedWithWhatIsWrong) {
   std::ofstream(TempPath("mamba") + "/config.json") << R"({"model_type": "mamba", "vocab_size": 50})";
   ASSERT_TRUE(WriteNpy(TempPath("floats.npy"), *Tensor::Zeros({2, 3}, DType::kF32)).ok());
   ASSERT_TRUE(WriteNpy(TempPath("big.npy"), *Tensor::FromInt64s({1, 3}, std::vector<int64_t>{1, 2, 999})).ok());
+  // What the spec or the model directory says is wrong is a usage error (2)
+  // before any cluster starts, as in train; what only the ranks see (the
+  // input's values) fails the job (1).
   const std::vector<Bad> cases = {
       {{"forward", "--input", TempPath("ids.npy")}, 2, "--model is required"},
       {{"forward", "--model", model_.dir}, 2, "--input (or --pixel-values for an image classifier) is required"},
       {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--mode", "4d"}, 2, "'4d'"},
-      {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--tp", "3"}, 1, "attention heads"},
+      {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--tp", "3"}, 2, "attention heads"},
       {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--dp", "3"}, 1, "data_parallel_size 3"},
       {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--tp", "8", "--mode", "3d",
         "--sequence-parallel"},
-       1,
+       2,
        "1d only"},
-      {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--pp", "2"}, 1, "applies to TRAIN jobs"},
-      {{"forward", "--model", TempPath("mamba"), "--input", TempPath("ids.npy")}, 1, "mamba"},
-      {{"forward", "--model", TempPath("nowhere"), "--input", TempPath("ids.npy")}, 1, "NOT_FOUND"},
+      {{"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--pp", "2"}, 2, "applies to TRAIN jobs"},
+      {{"forward", "--model", TempPath("mamba"), "--input", TempPath("ids.npy")}, 2, "mamba"},
+      {{"forward", "--model", TempPath("nowhere"), "--input", TempPath("ids.npy")}, 2, "nowhere/config.json"},
       {{"forward", "--model", model_.dir, "--input", TempPath("floats.npy")}, 1, "integer token ids"},
       {{"forward", "--model", model_.dir, "--input", TempPath("big.npy")}, 1, "999"},
   };
