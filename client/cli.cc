@@ -38,7 +38,11 @@ ABSL_FLAG(std::string, coordinator, "",
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10),
           "Deadline of each call, e.g. 10s. A tensor call, which the coordinator runs on every rank after the "
           "job's calls before it, gets at least 60s.");
-ABSL_FLAG(std::string, output, "table", "Output format: table or json.");
+ABSL_FLAG(std::string, output, "table",
+          "Output format: table or json. In json, colod's protobuf messages (jobs, workers, meshes, events, "
+          "tensor layouts) are proto3 JSON, with its lowerCamelCase names (jobId), as grpcurl prints them; "
+          "coloctl's own summaries (train and forward results, plan, tokenize, delete, health, version) use "
+          "snake_case names. init-model and consolidate print text only.");
 ABSL_FLAG(absl::Duration, watch_timeout, absl::Hours(24),
           "watch, submit --watch, train, forward: give up after this long.");
 ABSL_FLAG(std::string, out, "",
