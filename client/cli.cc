@@ -81,28 +81,40 @@ absl::Status WriteOutputFile(const std::string& path, absl::string_view bytes) {
   if (S_ISDIR(target.st_mode)) {
     return absl::FailedPreconditionError(absl::StrCat("cannot write '", path, "': a directory, not a file"));
   }
-  if (S_ISREG(target.st_mode)) {
+  // /dev/stdout (or stderr) redirected to a file: written through the
+  // descriptor, after what it holds, not by replacing the file.
+  int fd = -1;
+  for (const int std_fd : {STDOUT_FILENO, STDERR_FILENO}) {
+    struct stat open_file;
+    if (::fstat(std_fd, &open_file) == 0 && open_file.st_dev == target.st_dev && open_file.st_ino == target.st_ino) {
+      fd = std_fd;
+    }
+  }
+  if (S_ISREG(target.st_mode) && fd < 0) {
     char* real = ::realpath(path.c_str(), nullptr);  // a link's file is replaced, not the link
     if (real == nullptr) return FileError("cannot resolve", path, errno);
     const std::string resolved(real);
     std::free(real);
     return WriteFileAtomically(resolved, bytes);
   }
-  if (!S_ISFIFO(target.st_mode) && !S_ISCHR(target.st_mode)) {
+  if (fd < 0 && !S_ISFIFO(target.st_mode) && !S_ISCHR(target.st_mode)) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot write '", path, "': a socket or a block device, not a file, a pipe or a terminal"));
   }
   // In place. O_NONBLOCK: a FIFO without a reader is ENXIO, not a wait
   // without end; writes block again after.
-  const int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
-  if (fd < 0) {
-    if (errno == ENXIO) {
-      return absl::FailedPreconditionError(absl::StrCat("cannot write '", path, "': a FIFO nothing reads from"));
+  const bool own = fd < 0;
+  if (own) {
+    fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) {
+      if (errno == ENXIO) {
+        return absl::FailedPreconditionError(absl::StrCat("cannot write '", path, "': a FIFO nothing reads from"));
+      }
+      return FileError("cannot open", path, errno);
     }
-    return FileError("cannot open", path, errno);
+    const int flags = ::fcntl(fd, F_GETFL);
+    if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
   }
-  const int flags = ::fcntl(fd, F_GETFL);
-  if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
   absl::Status s;
   while (!bytes.empty()) {
     const ssize_t w = ::write(fd, bytes.data(), bytes.size());
@@ -113,7 +125,7 @@ absl::Status WriteOutputFile(const std::string& path, absl::string_view bytes) {
     }
     bytes.remove_prefix(static_cast<size_t>(w));
   }
-  ::close(fd);
+  if (own) ::close(fd);
   return s;
 }
 
@@ -187,6 +199,13 @@ bool StdoutReaderGone() {
 int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const std::string& address)>& fn) {
   const std::string explicit_address = ExplicitCoordinator();
   if (!explicit_address.empty()) return fn(explicit_address);
+  // A script's COLOD_COORDINATOR="$COORD" with $COORD unset: not this
+  // machine's embedded cluster in place of the cluster meant.
+  const char* env = std::getenv("COLOD_COORDINATOR");
+  if (env != nullptr && *env == '\0') {
+    return Usage("$COLOD_COORDINATOR is set but empty: give HOST:PORT, or unset it to run on an embedded cluster of "
+                 "this machine");
+  }
   // Ctrl-C, SIGTERM or SIGHUP stops the cluster (its daemons, and its
   // temporary directory with their state and logs), then exits 128 + the
   // signal. The signals are blocked before the cluster's threads start, and

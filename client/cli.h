@@ -69,7 +69,9 @@ int PrintJson(const google::protobuf::Message& message);
 // new one, atomically (WriteFileAtomically); a link to a file replaces the
 // file it names; a FIFO or a character device (/dev/stdout, a shell's
 // >(...)) is written in place, FAILED_PRECONDITION at once when a FIFO has
-// no reader. A directory, or a link to nothing, is FAILED_PRECONDITION.
+// no reader; this process's stdout or stderr (/dev/stdout redirected to a
+// file) is written through its descriptor. A directory, or a link to
+// nothing, is FAILED_PRECONDITION.
 absl::Status WriteOutputFile(const std::string& path, absl::string_view bytes);
 // --output json (main rejects anything but table and json before a command runs).
 bool JsonOutput();

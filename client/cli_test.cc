@@ -4,12 +4,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/coordinator_client.h"
 #include "common/atomic_file.h"
 #include "gtest/gtest.h"
 
@@ -59,10 +61,36 @@ TEST(WriteOutputFile, WritesFilesLinksAndPipesAsTheyAre) {
   EXPECT_TRUE(S_ISFIFO(st.st_mode)) << "the FIFO stays a FIFO";
   ASSERT_TRUE(WriteOutputFile("/dev/null", "discarded").ok());
 
+  // coloctl ... --out /dev/stdout >> log: the bytes go after what the log
+  // holds, through the descriptor; the log is not replaced.
+  const std::string log = dir + "/stdout.log";
+  ASSERT_TRUE(WriteFileAtomically(log, "HEADER\n").ok());
+  std::fflush(stdout);
+  const int saved = ::dup(STDOUT_FILENO);
+  const int appended = ::open(log.c_str(), O_WRONLY | O_APPEND);
+  ASSERT_GE(appended, 0);
+  ASSERT_EQ(::dup2(appended, STDOUT_FILENO), STDOUT_FILENO);
+  const absl::Status to_stdout = WriteOutputFile("/dev/stdout", "npy bytes");
+  ::dup2(saved, STDOUT_FILENO);
+  ::close(saved);
+  ::close(appended);
+  EXPECT_TRUE(to_stdout.ok()) << to_stdout;
+  EXPECT_EQ(ReadFileToString(log).value_or("?"), "HEADER\nnpy bytes");
+
   std::filesystem::create_symlink(dir + "/nothing", dir + "/dangling");
   EXPECT_EQ(WriteOutputFile(dir + "/dangling", "x").code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(WriteOutputFile(dir, "x").code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_FALSE(std::filesystem::exists(dir + "/nothing"));
+}
+
+// A token that a header cannot carry is refused when the client is made,
+// not by gRPC aborting the process at the first call.
+TEST(CoordinatorClient, RefusesATokenAHeaderCannotCarry) {
+  CoordinatorClient::Options o;
+  o.auth_token = "line\nbreak";
+  const auto c = CoordinatorClient::Create("127.0.0.1:1", o);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_NE(c.status().message().find("byte 0x0a at offset 4"), absl::string_view::npos) << c.status();
 }
 
 }  // namespace

@@ -55,9 +55,8 @@ int SubmitWith(CoordinatorClient& client, bool json) {
     std::string ignored = FlagsOf(given, "client/job_flags.cc",
                                   {"tp", "dp", "mode", "depth", "sequence_parallel", "pp", "pp_layers",
                                    "virtual_stages", "name"});
-    for (const char* f : {"job_file", "watch"}) {
-      if (given.count(f) > 0) ignored = absl::StrCat(ignored, ignored.empty() ? "" : ", ", FlagsOf({f}, "", {}));
-    }
+    if (given.count("job_file") > 0) ignored = absl::StrCat(ignored, ignored.empty() ? "" : ", ", "--job-file");
+    if (absl::GetFlag(FLAGS_watch)) ignored = absl::StrCat(ignored, ignored.empty() ? "" : ", ", "--watch");
     if (!ignored.empty()) {
       return Usage(absl::StrCat("submit --kind tensor: ", ignored, " do not apply: a TENSOR job hosts ColoTensors ",
                                 "(coloctl tensor ...) on its layout (--tp, --dp, --mode, --depth, --pp, --name)"));

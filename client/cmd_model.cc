@@ -3,8 +3,11 @@
 // and the commands coloctl-run computes in its own process (forward and
 // train --device cuda, init-model, tokenize, consolidate), whose usage is
 // here and whose code is in cmd_run.cc.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -85,7 +88,27 @@ int RunForward(const std::vector<std::string>&) {
   }
   *spec.mutable_shard() = *shard;
   spec.mutable_forward()->set_input_path(Absolute(files->input));
-  if (!files->logits.empty()) spec.mutable_forward()->set_logits_path(Absolute(files->logits));
+  if (!files->logits.empty()) {
+    // The worker writes a file there (atomically): a link's file, resolved
+    // here, or a new file; not a FIFO or a device (coloctl's own writes,
+    // --device cuda, take those).
+    std::string logits = Absolute(files->logits);
+    struct stat st;
+    if (::stat(logits.c_str(), &st) == 0) {
+      if (!S_ISREG(st.st_mode)) {
+        return Usage(absl::StrCat("forward: --logits ", files->logits, " is not a file: a FORWARD job's worker "
+                                  "writes the logits as a file (give a file path, or --device cuda)"));
+      }
+      char* real = ::realpath(logits.c_str(), nullptr);
+      if (real != nullptr) {
+        logits = real;
+        std::free(real);
+      }
+    } else if (struct stat link; ::lstat(logits.c_str(), &link) == 0) {
+      return Usage(absl::StrCat("forward: --logits ", files->logits, " is a link to nothing"));
+    }
+    spec.mutable_forward()->set_logits_path(logits);
+  }
   if (!files->labels.empty()) spec.mutable_forward()->set_labels_path(Absolute(files->labels));
   if (!files->decoder_input.empty()) spec.mutable_forward()->set_decoder_input_path(Absolute(files->decoder_input));
   // What the coordinator would refuse (--tp 0, a layout the model cannot

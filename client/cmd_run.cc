@@ -3,6 +3,7 @@
 // machine's GPUs (--device cuda), init-model, tokenize and consolidate.
 // coloctl hands their command lines to it (cli.h: RunInProcess), so their
 // usage is coloctl's (cmd_model.cc); this file holds what they run.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -132,7 +133,8 @@ int RunInitModel(const std::vector<std::string>&) {
   // weights beside an old index would load as neither.
   for (const char* name : {"config.json", "model.safetensors", "model.safetensors.index.json"}) {
     const std::string path = absl::StrCat(out, "/", name);
-    if (::access(path.c_str(), F_OK) == 0) {
+    struct stat st;
+    if (::lstat(path.c_str(), &st) == 0) {  // a link, even to nothing, counts
       return Usage(absl::StrCat("init-model: --out ", out, " already holds a model (", name,
                                 "): give a new or empty directory"));
     }

@@ -25,7 +25,8 @@ constexpr char kEpilogue[] =
     "coordinator's gRPC code, and the message are printed), 2 for a usage error (a\n"
     "spec or a model directory that would be refused counts: it is checked before a\n"
     "cluster starts or a call is made); a flag that is unknown or whose value does\n"
-    "not parse exits 1 (\"ERROR: ...\"); 128 + N when signal N (Ctrl-C: 130) stopped it.\n"
+    "not parse exits 1 (\"ERROR: ...\"); 128 + N when signal N (Ctrl-C: 130) stopped it\n"
+    "(but local, which runs until a signal stops it: 0).\n"
     "\n"
     "Examples:\n"
     "  coloctl --coordinator 127.0.0.1:7070 workers\n"
@@ -42,26 +43,21 @@ constexpr char kEpilogue[] =
 int Main(int argc, char** argv) {
   // An empty --coordinator (a script's "$COORD" unset) names no
   // coordinator: refused, never taken as unset (which trains on an embedded
-  // cluster of this machine, or calls 127.0.0.1:7070). So is an empty
-  // $COLOD_COORDINATOR when the flag is not given. (The flag's forms:
-  // --coordinator[=V] and -coordinator[=V].)
-  bool given = false;
+  // cluster of this machine, or calls 127.0.0.1:7070). (The flag's forms:
+  // --coordinator[=V] and -coordinator[=V]; an empty $COLOD_COORDINATOR is
+  // refused where it would start an embedded cluster:
+  // RunOnCoordinatorOrEmbeddedCluster.)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--") break;
     if (absl::StartsWith(a, "--")) a.erase(0, 1);
     if (a != "-coordinator" && !absl::StartsWith(a, "-coordinator=")) continue;
-    given = true;
     if (a == "-coordinator=" || (a == "-coordinator" && i + 1 < argc && argv[i + 1][0] == '\0')) {
       return Usage("--coordinator is empty: give HOST:PORT, or leave the flag out (then $COLOD_COORDINATOR, else "
                    "127.0.0.1:7070; train and forward run on an embedded cluster)");
     }
   }
-  const char* env = std::getenv("COLOD_COORDINATOR");
-  if (!given && env != nullptr && *env == '\0') {
-    return Usage("$COLOD_COORDINATOR is set but empty: give HOST:PORT, or unset it (then 127.0.0.1:7070; train and "
-                 "forward run on an embedded cluster)");
-  }
+
   // In --help's order.
   return CommandLineMain(argc, argv, kIntro, kEpilogue,
                          {LocalCommands(), ModelCommands(), ClusterCommands(), TensorCommands()});

@@ -125,6 +125,9 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
   }
   const absl::Time deadline = absl::Now() + options.ready_timeout;
   while ((c->address_ = ReadyValue(ready, "grpc")).empty()) {
+    // Before the daemons' deaths: Ctrl-C reaches them too (the terminal's
+    // process group), and one that died of it is the cancel, not a failure.
+    if (cancelled()) return cancel();
     int status = 0;
     if (::waitpid(*coordinator, &status, WNOHANG) == *coordinator) {
       {
@@ -134,7 +137,6 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
       return fail(absl::UnavailableError("the coordinator exited at start (is --listen in use?)"));
     }
     if (absl::Now() > deadline) return fail(absl::DeadlineExceededError("the coordinator did not start"));
-    if (cancelled()) return cancel();
     absl::SleepFor(absl::Milliseconds(10));
   }
   c->metrics_address_ = ReadyValue(ready, "metrics");
@@ -158,6 +160,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
   while (true) {
     auto workers = c->workers();
     if (workers.ok() && static_cast<int>(workers->size()) >= options.workers) break;
+    if (cancelled()) return cancel();  // first, as above
     // A worker that exited will never register: say so now, with its log,
     // not at the deadline (no such device, a build without CUDA, ...).
     std::string dead;
@@ -179,7 +182,6 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
       return fail(absl::DeadlineExceededError(absl::StrCat("the local workers did not register within ",
                                                            absl::FormatDuration(options.ready_timeout))));
     }
-    if (cancelled()) return cancel();
     absl::SleepFor(absl::Milliseconds(20));
   }
   try {

@@ -47,12 +47,7 @@ const char* FileKind(mode_t mode) {
 
 }  // namespace
 
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
-  return WriteFileAtomically(path, contents, [] { return absl::OkStatus(); });
-}
-
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
-                                 const std::function<absl::Status()>& before_rename) {
+absl::Status CheckReplaceable(const std::string& path) {
   // The rename would replace a link, a FIFO or a device with a file (and
   // fail on a directory): refused, so that nothing but a file is replaced.
   struct stat existing;
@@ -60,6 +55,16 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
     return absl::FailedPreconditionError(absl::StrCat("cannot write '", path, "': it is ", FileKind(existing.st_mode),
                                                       ", not a file that a new one may replace"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
+  return WriteFileAtomically(path, contents, [] { return absl::OkStatus(); });
+}
+
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
+                                 const std::function<absl::Status()>& before_rename) {
+  if (absl::Status s = CheckReplaceable(path); !s.ok()) return s;
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

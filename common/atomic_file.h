@@ -27,6 +27,11 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 // write (a full disk) can fail between the two renames.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
                                  const std::function<absl::Status()>& before_rename);
+// OK when `path` is absent or a regular file, which WriteFileAtomically may
+// replace; otherwise its FAILED_PRECONDITION. A writer of several files
+// checks every destination with it before it writes any, so that a refusal
+// never leaves half a model or a dataset.
+absl::Status CheckReplaceable(const std::string& path);
 
 // A failed file operation as a status naming it, the path and errno's text:
 // RESOURCE_EXHAUSTED when the disk, a quota or the file size limit is full

@@ -25,10 +25,10 @@ absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
 absl::Status CheckAuthToken(absl::string_view token) {
   for (size_t i = 0; i < token.size(); ++i) {
     const unsigned char c = static_cast<unsigned char>(token[i]);
-    if (c >= 0x21 && c <= 0x7e) continue;
+    if (c >= 0x20 && c <= 0x7e) continue;
     return absl::InvalidArgumentError(absl::StrFormat(
-        "the token holds byte 0x%02x at offset %d, which is not visible ASCII: a bearer token is one word of "
-        "printable characters (no space, line break or non-ASCII byte)",
+        "the token holds byte 0x%02x at offset %d, which is not printable ASCII: a bearer token is one line of "
+        "printable characters (no line break, tab, control or non-ASCII byte)",
         c, i));
   }
   return absl::OkStatus();

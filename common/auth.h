@@ -22,9 +22,9 @@ namespace colod {
 // missing file, INVALID_ARGUMENT for an empty one or one CheckAuthToken
 // refuses.
 absl::StatusOr<std::string> ReadAuthToken(const std::string& path);
-// OK when `token` can travel in the authorization header: visible ASCII
-// only (0x21 to 0x7e; RFC 6750's tokens are a part of it). INVALID_ARGUMENT
-// naming the first other byte and where it is: a space, a line break or a
+// OK when `token` can travel in the authorization header: printable ASCII
+// only (0x20 to 0x7e; RFC 6750's tokens are a part of it). INVALID_ARGUMENT
+// naming the first other byte and where it is: a line break, a tab or a
 // byte of UTF-8 (which gRPC would abort the process on, sending it).
 absl::Status CheckAuthToken(absl::string_view token);
 

@@ -24,12 +24,13 @@ std::string Write(const std::string& name, const std::string& text) {
 // byte: gRPC aborted the whole process when it was sent.
 TEST(ReadAuthToken, TrimsTheEndsAndRefusesWhatCannotTravelInAHeader) {
   EXPECT_EQ(ReadAuthToken(Write("good", "  s3cret-token_+/=\n")).value_or("?"), "s3cret-token_+/=");
+  EXPECT_EQ(ReadAuthToken(Write("words", "correct horse battery\n")).value_or("?"), "correct horse battery");
   const struct {
     const char* name;
     std::string text;
     const char* says;
   } cases[] = {{"two_lines", "abc\ndef\n", "byte 0x0a at offset 3"},
-               {"space", "abc def", "byte 0x20 at offset 3"},
+               {"tab", "abc\tdef", "byte 0x09 at offset 3"},
                {"utf8", "t\xc3\xb6ken", "byte 0xc3 at offset 1"},
                {"nul", std::string("ab\0c", 4), "byte 0x00 at offset 2"}};
   for (const auto& c : cases) {
@@ -58,6 +59,15 @@ TEST(MakeChannelCredentials, RefusesAFileWithNoPemBlock) {
     EXPECT_NE(creds.status().message().find("--tls-ca: '" + tls.ca + "' holds no PEM block"), absl::string_view::npos)
         << creds.status();
   }
+  // A server's files likewise.
+  TlsFiles server;
+  server.cert = Write("cert", "");
+  server.key = Write("key", "-----BEGIN PRIVATE KEY-----\n");
+  const auto served = MakeServerCredentials(server);
+  EXPECT_EQ(served.status().code(), absl::StatusCode::kInvalidArgument) << served.status();
+  EXPECT_NE(served.status().message().find("--tls-cert: '" + server.cert + "' holds no PEM block"),
+            absl::string_view::npos)
+      << served.status();
 }
 
 }  // namespace

@@ -96,7 +96,13 @@ sigset_t ShutdownSignals() {
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGHUP);  // the terminal went away
+  // The terminal went away; unless the process was started to outlive it
+  // (nohup: SIGHUP ignored from the start, as looked at on the first call).
+  static const bool hup_ignored = [] {
+    struct sigaction current {};
+    return ::sigaction(SIGHUP, nullptr, &current) == 0 && current.sa_handler == SIG_IGN;
+  }();
+  if (!hup_ignored) sigaddset(&set, SIGHUP);
   return set;
 }
 }  // namespace

@@ -65,8 +65,10 @@ void SetServing(grpc::Server& server, absl::string_view service, bool serving);
 // up to `grace` to finish and are cancelled after it. Returns once stopped.
 void StopGrpcServer(grpc::Server& server, absl::Duration grace);
 
-// Blocks SIGTERM, SIGINT and SIGHUP in the calling thread and every thread it starts
-// afterwards. Call first thing in main, then WaitForShutdownSignal().
+// Blocks SIGTERM, SIGINT and SIGHUP in the calling thread and every thread it
+// starts afterwards (SIGHUP only when it was not ignored when the process
+// started: under nohup it stays ignored). Call first thing in main, then
+// WaitForShutdownSignal().
 void BlockShutdownSignals();
 
 // Waits for SIGTERM, SIGINT or SIGHUP (blocked beforehand) and returns its number.

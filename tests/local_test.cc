@@ -132,6 +132,32 @@ TEST(Local, AClosedStdoutStopsTheEmbeddedClusterAndLeavesNothing) {
   EXPECT_EQ(Leftovers(tmp), std::vector<std::string>{});
 }
 
+// Ctrl-C while `coloctl train`'s embedded cluster of 12 workers starts: the
+// start stops there (it does not wait for the workers), and coloctl exits
+// 130 with nothing left in $TMPDIR.
+TEST(Local, CtrlCWhileTheEmbeddedClusterStartsStopsItThere) {
+  const std::string coloctl = Runfile("client/coloctl");
+  const std::string tmp = FreshDir("start-tmp");
+  auto init = RunCommand({coloctl, "init-model", "--out", TempPath("start-model"), "--positions", "32"},
+                         std::getenv("TEST_TMPDIR"));
+  ASSERT_EQ(init.code, 0) << init.err;
+  Subprocess train({"/usr/bin/env", "TMPDIR=" + tmp, coloctl, "train", "--model", TempPath("start-model"), "--data",
+                    "/usr/share/common-licenses/GPL-3", "--tp", "2", "--dp", "6", "--batch-size", "12", "--seq-len",
+                    "16", "--steps", "100000"},
+                   TempPath("start.out"), TempPath("start.err"));
+  // Once the cluster's data dir is there, its start is under way.
+  for (int i = 0; i < 1000 && Leftovers(tmp).empty(); ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_FALSE(Leftovers(tmp).empty()) << testing::ReadFile(TempPath("start.err"));
+  train.Signal(SIGINT);
+  const auto code = train.Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 130) << testing::ReadFile(TempPath("start.err"));
+  const std::string err = testing::ReadFile(TempPath("start.err"));
+  EXPECT_NE(err.find("the embedded cluster's start was stopped"), std::string::npos) << err;
+  EXPECT_EQ(testing::ReadFile(TempPath("start.out")), "") << "no step trained";
+  EXPECT_EQ(Leftovers(tmp), std::vector<std::string>{});
+}
+
 // Ctrl-C (here SIGHUP) while a cluster starts stops it there and then: the
 // start is CANCELLED, what it started is stopped and its temporary data
 // dir, with the workers' scratch dirs in it, removed.
@@ -197,12 +223,18 @@ TEST(Local, AnInterruptedTensorDemoCancelsItsJob) {
 // An empty --coordinator (a script's unset "$COORD") is a usage error: no
 // embedded cluster starts, and no call goes to the default address.
 TEST(Local, AnEmptyCoordinatorIsAUsageErrorNotTheEmbeddedCluster) {
+  const auto init = RunCommand({Runfile("client/coloctl"), "init-model", "--out", TempPath("empty-coord-model")},
+                               std::getenv("TEST_TMPDIR"));
+  ASSERT_EQ(init.code, 0) << init.err;
   for (const std::vector<std::string>& flag : std::vector<std::vector<std::string>>{
            {"--coordinator", ""}, {"--coordinator="}, {"-coordinator="}, {"-coordinator", ""}, {"env"}}) {
     // (env: $COLOD_COORDINATOR set to nothing, and no flag)
     std::vector<std::string> argv = {"/usr/bin/env", "COLOD_COORDINATOR=", Runfile("client/coloctl")};
     if (flag[0] != "env") argv.insert(argv.end(), flag.begin(), flag.end());
-    for (const char* a : {"train", "--model", "/nonexistent", "--data", "/nonexistent"}) argv.push_back(a);
+    for (const std::string& a : {std::string("train"), std::string("--model"), TempPath("empty-coord-model"),
+                                 std::string("--data"), std::string("/usr/share/common-licenses/GPL-3")}) {
+      argv.push_back(a);
+    }
     const auto r = RunCommand(argv, std::getenv("TEST_TMPDIR"), absl::Seconds(30));
     EXPECT_EQ(r.code, 2) << r.out << r.err;
     EXPECT_NE(r.err.find(flag[0] == "env" ? "$COLOD_COORDINATOR is set but empty" : "--coordinator is empty"),
@@ -210,6 +242,11 @@ TEST(Local, AnEmptyCoordinatorIsAUsageErrorNotTheEmbeddedCluster) {
         << r.err;
     EXPECT_TRUE(r.out.empty()) << r.out;  // no cluster announced, nothing trained
   }
+  // Where no embedded cluster would start, an empty $COLOD_COORDINATOR is
+  // as good as unset.
+  const auto version =
+      RunCommand({"/usr/bin/env", "COLOD_COORDINATOR=", Runfile("client/coloctl"), "version"}, std::getenv("TEST_TMPDIR"));
+  EXPECT_EQ(version.code, 0) << version.err;
 }
 
 // What a command would ignore or could not send is refused as a usage
@@ -227,6 +264,10 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
   auto r = run({"--coordinator", nowhere, "submit", "--kind", "tensor", "--steps", "5", "--model", "/m", "--watch"});
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("--model, --steps, --watch do not apply"), std::string::npos) << r.err;
+  // --nowatch (or --watch=false) says what a tensor submit does anyway.
+  r = run({"--coordinator", nowhere, "--timeout", "1s", "submit", "--kind", "tensor", "--nowatch", "--tp", "2"});
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_NE(r.err.find("UNAVAILABLE"), std::string::npos) << r.err;
   r = run({"--coordinator", nowhere, "submit", "--job-file", "/nonexistent.json", "--tp", "2", "--name", "x"});
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("submit --job-file: --name, --tp do not apply"), std::string::npos) << r.err;
@@ -245,6 +286,12 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("already holds a model (config.json)"), std::string::npos) << r.err;
   EXPECT_EQ(testing::ReadFile(model + "/model.safetensors"), before) << "written over";
+  // A config.json that is a link, even to nothing, is a model there.
+  std::filesystem::create_directories(TempPath("linked-model"));
+  std::filesystem::create_symlink(TempPath("nothing.json"), TempPath("linked-model") + "/config.json");
+  r = run({"init-model", "--out", TempPath("linked-model")});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(TempPath("linked-model") + "/model.safetensors"));
   r = run({"init-model", "--out", TempPath("negative-model"), "--vocab-size", "-5"});
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("--vocab-size must be >= 1, got -5"), std::string::npos) << r.err;

@@ -197,6 +197,9 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, con
 }
 
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir) {
+  // Both destinations before anything is read or written: never new weights
+  // beside an old config.
+  for (const char* name : {"/model.safetensors", "/config.json"}) RETURN_IF_ERROR(CheckReplaceable(out_dir + name));
   ASSIGN_OR_RETURN(const CheckpointIndex index, ReadCheckpointIndex(dir));
   ASSIGN_OR_RETURN(std::string config, ReadFileToString(dir + "/config.json"));
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files;

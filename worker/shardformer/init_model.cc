@@ -52,6 +52,7 @@ class Tensors {
 }  // namespace
 
 absl::Status WriteInitializedGpt2(const std::string& dir, const Gpt2Shape& s, uint64_t seed) {
+  for (const char* name : {"/model.safetensors", "/config.json"}) RETURN_IF_ERROR(CheckReplaceable(dir + name));
   const nlohmann::json config = {{"model_type", "gpt2"},
                                  {"architectures", {"GPT2LMHeadModel"}},
                                  {"vocab_size", s.vocab_size},

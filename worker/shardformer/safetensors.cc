@@ -255,6 +255,7 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<std::pa
     at += static_cast<int64_t>(bytes.size());
     payloads.push_back(std::move(bytes));
   }
+  RETURN_IF_ERROR(CheckReplaceable(path));  // as WriteFileAtomically: a file, or nothing
   std::string json = header.dump();
   json.append((8 - json.size() % 8) % 8, ' ');
   const uint64_t n = json.size();

@@ -32,6 +32,8 @@ absl::StatusOr<std::unique_ptr<MegatronWriter>> MegatronWriter::Create(const std
   if (vocab_size < 1 || vocab_size > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("a vocabulary of ", vocab_size, " ids does not fit int32 tokens"));
   }
+  // Both destinations before a token is written (Finish renames them).
+  for (const char* ext : {".bin", ".idx"}) RETURN_IF_ERROR(CheckReplaceable(prefix + ext));
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = absl::StrCat(prefix, ".bin.tmp.", ::getpid(), ".", counter++);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
