@@ -18,6 +18,12 @@ inline constexpr int kMaxLabels = 64;
 inline constexpr size_t kMaxLabelKeyBytes = 128;
 inline constexpr size_t kMaxLabelValueBytes = 1024;
 
+// A job spec's paths (PATH_MAX: no longer one opens) and its model's
+// config.json (Hugging Face's are a few KiB, tens with a label map): every
+// job's spec is listed with it, and a ListJobs reply must fit in 4 MiB.
+inline constexpr size_t kMaxPathBytes = 4096;
+inline constexpr size_t kMaxConfigJsonBytes = size_t{1} << 20;
+
 // Each text a worker registers with the coordinator (WorkerInfo: address,
 // metrics address, host, device name, version, peak source), in bytes.
 inline constexpr size_t kMaxWorkerText = 512;

@@ -242,6 +242,13 @@ TEST_F(CoordinatorTest, SubmitRefusesModelsNoWorkerCanHold) {
   auto deep = client_->SubmitJob(spec);
   EXPECT_EQ(deep.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(deep.status().message(), "at most 4096")) << deep.status();
+  // One whose memory per rank passes int64 is refused, not admitted with no
+  // floor (it was, on any worker).
+  spec.mutable_model()->set_config_json(
+      R"({"model_type": "gpt2", "vocab_size": 50, "n_embd": 8388608, "n_layer": 4096, "n_head": 4, "n_positions": 16})");
+  auto huge = client_->SubmitJob(spec);
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(huge.status().message(), "cannot be computed")) << huge.status();
 
   // GPT-2 XL's shape: 1,557,611,200 parameters, 16 bytes each with AdamW,
   // half of them per rank at tp 2: 11.60 GiB.
@@ -287,6 +294,22 @@ TEST_F(CoordinatorTest, ListJobsPagesSummariesAndNamesAreBounded) {
   (*huge.mutable_labels())["k"] = std::string(1025, 'v');
   EXPECT_EQ(client_->SubmitJob(huge).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client_->SubmitJob(tensor, std::string(257, 'r')).status().code(), absl::StatusCode::kInvalidArgument);
+  // So are paths (two 3 MB data paths did the same) and config.json.
+  v1::JobSpec long_path = testing::TinyTrainSpec();
+  long_path.mutable_train()->set_data_path("/" + std::string(3 << 20, 'p'));
+  refused = client_->SubmitJob(long_path);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "spec.train.data_path: 3145729 bytes; a path takes at most 4096"))
+      << refused.status();
+  long_path = testing::TinyTrainSpec();
+  long_path.mutable_forward()->set_logits_path(std::string(4097, 'p'));
+  EXPECT_EQ(client_->SubmitJob(long_path).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::JobSpec big_config = testing::TinyTrainSpec();
+  big_config.mutable_model()->set_config_json(std::string((1 << 20) + 1, ' '));
+  refused = client_->SubmitJob(big_config);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "spec.model.config_json: 1048577 bytes; at most 1048576"))
+      << refused.status();
 
   const v1::JobSpec train = testing::TinyTrainSpec();
   ASSERT_TRUE(client_->SubmitJob(train).ok());

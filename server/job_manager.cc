@@ -31,6 +31,12 @@
 #include "spec/plan.h"
 
 namespace colod {
+
+namespace {
+// Job numbers stay below this (2^62): a next id read from the data dir at or
+// past it is not taken, and none is handed out past it.
+constexpr int64_t kMaxJobNumber = int64_t{1} << 62;
+}  // namespace
 namespace {
 
 // The directories a TRAIN spec writes, which one job at a time may: its
@@ -323,13 +329,18 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
     absl::MutexLock lock(&m->mu_);
     if (next_id.ok()) {
       int64_t n = 0;
-      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(*next_id), &n)) m->next_id_ = std::max(m->next_id_, n);
+      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(*next_id), &n) && n > 0 && n <= kMaxJobNumber) {
+        m->next_id_ = std::max(m->next_id_, n);
+      }
     }
     for (File& f : files) {
       // job-NNNNNN.pb: its number is taken even if the record is damaged.
       const std::string& name = f.name;
       int64_t n = 0;
-      if (absl::SimpleAtoi(absl::string_view(name).substr(4, name.size() - 4 - 3), &n)) {
+      // (A number past any a coordinator hands out, 2^62, from a planted
+      // file is not taken: the next ones would overflow.)
+      if (absl::SimpleAtoi(absl::string_view(name).substr(4, name.size() - 4 - 3), &n) && n >= 0 &&
+          n < kMaxJobNumber) {
         m->next_id_ = std::max(m->next_id_, n + 1);
       }
       if (!f.record.has_value()) {
@@ -951,6 +962,11 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
       return absl::ResourceExhaustedError(
           absl::StrCat(active, " jobs have not ended, all the coordinator takes at once (--max-active-jobs ",
                        max_active_jobs_, "): submit again once some ended, or cancel some"));
+    }
+    if (next_id_ >= kMaxJobNumber) {
+      if (!request.empty()) submitting_.erase(request);
+      return absl::ResourceExhaustedError(absl::StrCat("job numbers are exhausted (", next_id_,
+                                                       "): the data dir's next-id was tampered with"));
     }
     for (const std::string& dir : dirs) submitting_dirs_.insert(dir);
     e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));

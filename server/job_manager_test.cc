@@ -528,6 +528,29 @@ TEST(JobManager, AJobStoresItsMemoryFloorComputedOnceAtSubmit) {
   EXPECT_EQ(listed[2].memory_floor().total_bytes(), RankMemoryFloorBytes(TrainSpec()));
 }
 
+// A record file planted with a number near INT64_MAX (or a next-id
+// like it) does not make the next ids overflow into negative numbers: it is
+// not taken, and the ids go on from the real ones.
+TEST(JobManager, JobNumbersNearTheirLimitAreNotTaken) {
+  FakeClock clock;
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/job-numbers";
+  std::filesystem::remove_all(dir);
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    ASSERT_EQ((*jobs)->Submit(TrainSpec(), "")->job_id(), "job-000001");
+  }
+  ASSERT_TRUE(WriteFileAtomically(dir + "/job-9223372036854775806.pb", "").ok());
+  ASSERT_TRUE(WriteFileAtomically(dir + "/next-id", "9223372036854775807\n").ok());
+  auto reopened = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  for (const char* want : {"job-000002", "job-000003"}) {
+    auto job = (*reopened)->Submit(TrainSpec(), "");
+    ASSERT_TRUE(job.ok()) << job.status();
+    EXPECT_EQ(job->job_id(), want);
+  }
+}
+
 // A job whose record cannot be written (a full disk) is refused
 // RESOURCE_EXHAUSTED and leaves nothing: not listed, its request id free,
 // not there after a reopen. Accepted jobs are durable.

@@ -254,6 +254,10 @@ absl::StatusOr<v1::UploadModelResponse> UploadStore::Writer::Finish() {
     fs::remove_all(tmp_, ec);
     return resp;
   }
+  // Durable before it is published: a crash after the rename (and the job
+  // record naming it) must not leave an upload of empty or cut files that
+  // its recorded hash then deduplicates onto.
+  if (absl::Status s = SyncFilesAndDirectory(tmp_); !s.ok()) return s;
   fs::rename(tmp_, final_, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot publish the upload: ", ec.message()));
   if (absl::Status s = WriteFileAtomically(final_ + ".sha256", sha + "\n"); !s.ok()) {

@@ -2,11 +2,39 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/limits.h"
 #include "common/net.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
+#include "common/text.h"
 
 namespace colod {
+
+namespace {
+
+// What a heartbeat's status may hold, whatever the worker sends: every
+// worker's status is listed in one ListWorkers reply (4 MiB), and a 3 MiB
+// last_error from one broke it for everyone. A rank has a few groups (its
+// mesh axes and sub-meshes); their names are a few bytes.
+constexpr int kMaxCollectiveGroups = 64;
+
+v1::WorkerStatus Bounded(const v1::WorkerStatus& status) {
+  v1::WorkerStatus out = status;
+  if (out.last_error().size() > kMaxReportedMessageBytes) {
+    out.set_last_error(Utf8Prefix(out.last_error(), kMaxReportedMessageBytes));
+  }
+  if (out.job_id().size() > kMaxWorkerText) out.set_job_id(Utf8Prefix(out.job_id(), kMaxWorkerText));
+  if (out.collectives_size() > kMaxCollectiveGroups) {
+    out.mutable_collectives()->DeleteSubrange(kMaxCollectiveGroups, out.collectives_size() - kMaxCollectiveGroups);
+  }
+  for (v1::CollectiveProgress& c : *out.mutable_collectives()) {
+    if (c.group().size() > kMaxWorkerText) c.set_group(Utf8Prefix(c.group(), kMaxWorkerText));
+    if (c.pending_op().size() > kMaxWorkerText) c.set_pending_op(Utf8Prefix(c.pending_op(), kMaxWorkerText));
+  }
+  return out;
+}
+
+}  // namespace
 
 WorkerRegistry::WorkerRegistry(Options options) : options_(options) {}
 
@@ -80,7 +108,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   if (e.info.host().empty()) {
     e.info.set_host(ParseHostPort(info.address(), "", false)->host);
   }
-  e.status = status;
+  e.status = Bounded(status);
   if (e.status.state() == v1::WORKER_STATE_UNSPECIFIED) e.status.set_state(v1::WORKER_STATE_IDLE);
   e.register_time = now;
   e.last_heartbeat = now;
@@ -104,7 +132,7 @@ absl::StatusOr<absl::Time> WorkerRegistry::Heartbeat(absl::string_view worker_id
                                             "' lost its lease: register again"));
   }
   it->second.last_heartbeat = now;
-  it->second.status = status;
+  it->second.status = Bounded(status);
   if (it->second.status.state() == v1::WORKER_STATE_UNSPECIFIED ||
       it->second.status.state() == v1::WORKER_STATE_LOST) {
     it->second.status.set_state(v1::WORKER_STATE_IDLE);

@@ -2,6 +2,8 @@
 
 #include <map>
 
+#include "common/limits.h"
+#include "common/text.h"
 #include "gtest/gtest.h"
 
 namespace colod {
@@ -102,6 +104,33 @@ TEST_F(WorkerRegistryTest, RejectsMalformedRegistrationsNamingTheField) {
         std::string(kMaxLabelValueBytes, 'v');
   }
   EXPECT_TRUE(registry_.Register(full).ok());
+}
+
+// A worker's status is bounded as it is kept, whatever it sends: three
+// heartbeats with a 3 MiB last_error made ListWorkers too large for anyone.
+TEST_F(WorkerRegistryTest, AHeartbeatsStatusIsBoundedAsItIsKept) {
+  auto a = registry_.Register(Info("h:1"));
+  ASSERT_TRUE(a.ok());
+  v1::WorkerStatus status;
+  status.set_state(v1::WORKER_STATE_BUSY);
+  status.set_last_error(std::string(3 << 20, 'e'));
+  status.set_job_id(std::string(100000, 'j'));
+  for (int i = 0; i < 1000; ++i) {
+    v1::CollectiveProgress* c = status.add_collectives();
+    c->set_group(std::string(2000, 'g'));
+    c->set_pending_op("all_reduce");
+  }
+  ASSERT_TRUE(registry_.Heartbeat(a->worker_id, status).ok());
+  const std::vector<v1::Worker> listed = registry_.List(false);
+  ASSERT_EQ(listed.size(), 1u);
+  const v1::WorkerStatus& kept = listed[0].status();
+  EXPECT_LE(kept.last_error().size(), kMaxReportedMessageBytes);
+  EXPECT_EQ(kept.last_error().substr(0, 100), std::string(100, 'e'));
+  EXPECT_LE(kept.job_id().size(), kMaxWorkerText);
+  EXPECT_EQ(kept.collectives_size(), 64);
+  EXPECT_LE(kept.collectives(0).group().size(), kMaxWorkerText);
+  EXPECT_EQ(kept.collectives(0).pending_op(), "all_reduce");
+  EXPECT_LT(listed[0].ByteSizeLong(), size_t{64} << 10);
 }
 
 TEST_F(WorkerRegistryTest, LeaseExpiryMarksLostAndForcesReRegistration) {

@@ -5,6 +5,8 @@
 #include <iterator>
 #include <limits>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -342,6 +344,19 @@ absl::Status CheckDataFormat(const std::string& format) {
       absl::StrCat("'", format, "' is not one of ", absl::StrJoin(std::begin(kDataFormats), std::end(kDataFormats), ", ")));
 }
 
+namespace {
+
+// A model whose memory per rank overflows int64 (hidden sizes and layers
+// far past any real model's) is refused: a floor that cannot be computed
+// would admit it anywhere.
+absl::Status CheckMemoryFloorComputes(const ModelConfig& config, const v1::JobSpec& spec) {
+  const absl::StatusOr<RankMemoryFloor> floor = MemoryFloorPerRank(config, spec);
+  if (floor.ok()) return absl::OkStatus();
+  return Invalid("spec.model", "config_json", absl::StrCat("its memory per rank cannot be computed: ", floor.status().message()));
+}
+
+}  // namespace
+
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   // Names and labels are listed with every job: bounded, so that no job can
   // make ListJobs too large for anyone.
@@ -357,6 +372,30 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
                      absl::StrCat("keys take 1 to ", kMaxLabelKeyBytes, " bytes and values at most ",
                                   kMaxLabelValueBytes, "; '", key.substr(0, 64), "' does not fit"));
     }
+  }
+  const v1::TrainConfig& t = spec.train();
+  const v1::ForwardConfig& f = spec.forward();
+  for (const auto& [where, field, value] : std::vector<std::tuple<const char*, const char*, const std::string*>>{
+           {"spec.model", "weights_path", &spec.model().weights_path()},
+           {"spec.model", "upload_id", &spec.model().upload_id()},
+           {"spec.train", "data_path", &t.data_path()},
+           {"spec.train", "checkpoint_dir", &t.checkpoint_dir()},
+           {"spec.train", "resume_from", &t.resume_from()},
+           {"spec.train", "final_dir", &t.final_dir()},
+           {"spec.train", "labels_path", &t.labels_path()},
+           {"spec.train", "eval_data_path", &t.eval_data_path()},
+           {"spec.train", "eval_labels_path", &t.eval_labels_path()},
+           {"spec.forward", "input_path", &f.input_path()},
+           {"spec.forward", "logits_path", &f.logits_path()},
+           {"spec.forward", "labels_path", &f.labels_path()},
+           {"spec.forward", "decoder_input_path", &f.decoder_input_path()}}) {
+    if (value->size() > kMaxPathBytes) {
+      return Invalid(where, field, absl::StrCat(value->size(), " bytes; a path takes at most ", kMaxPathBytes));
+    }
+  }
+  if (spec.model().config_json().size() > kMaxConfigJsonBytes) {
+    return Invalid("spec.model", "config_json",
+                   absl::StrCat(spec.model().config_json().size(), " bytes; at most ", kMaxConfigJsonBytes));
   }
   RETURN_IF_ERROR(ValidateShardConfig(spec.shard(), "spec.shard"));
   RETURN_IF_ERROR(ValidateRestartPolicy(spec));
@@ -407,16 +446,19 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
       if (spec.shard().inference_only()) {
         return Invalid("spec", "shard.inference_only", "must be false for TRAIN jobs");
       }
+      RETURN_IF_ERROR(CheckMemoryFloorComputes(config, spec));
       break;
     }
-    case v1::JOB_KIND_FORWARD:
-      RETURN_IF_ERROR(ValidateModel(spec.model(), spec.shard(), "spec.model").status());
+    case v1::JOB_KIND_FORWARD: {
+      ASSIGN_OR_RETURN(ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));
+      RETURN_IF_ERROR(CheckMemoryFloorComputes(config, spec));
       if (spec.forward().input_path().empty()) {
         return Invalid("spec.forward", "input_path",
                        "required for FORWARD jobs: token ids [batch, seq] (an image classifier's pixel values "
                        "[batch, channels, height, width]) as .npy");
       }
       break;
+    }
     case v1::JOB_KIND_TENSOR:
       break;
     default:
