@@ -101,9 +101,21 @@ absl::StatusOr<std::string> RendezvousStore::Get(absl::string_view scope, absl::
   return it->second;
 }
 
+RendezvousStore::Awaited RendezvousStore::AwaitLocked(const absl::Condition& cond, absl::Duration timeout,
+                                                      const std::function<bool()>& gone) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return cond.Eval() ? Awaited::kMet : Awaited::kTimedOut;
+    if (mu_.AwaitWithTimeout(cond, gone ? std::min(left, kGoneSlice) : left)) return Awaited::kMet;
+    if (gone && gone()) return Awaited::kGone;
+  }
+}
+
 absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view scope,
                                                                const std::vector<std::string>& keys,
-                                                               absl::Duration timeout) {
+                                                               absl::Duration timeout,
+                                                               const std::function<bool()>& gone) {
   if (keys.empty()) return absl::InvalidArgumentError("keys: at least one key is required");
   if (keys.size() > kMaxWaitKeys) {
     return absl::InvalidArgumentError(
@@ -118,10 +130,16 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
   }
   RETURN_IF_ERROR(ValidateTimeout(timeout));
   const std::string s(scope);
+  // Evaluated each time the store's mutex is released, for every waiter:
+  // the keys before `next` are set (a key is never unset but by its scope's
+  // end, which ends the wait), so each evaluation looks up one key, not all.
+  size_t next = 0;
+  std::pair<std::string, std::string> probe{s, ""};
   auto all_set = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (closed_ || cancelled_.count(s) || ended_.count(s)) return true;
-    for (const std::string& k : keys) {
-      if (kv_.find({s, k}) == kv_.end()) return false;
+    for (; next < keys.size(); ++next) {
+      probe.second = keys[next];
+      if (kv_.find(probe) == kv_.end()) return false;
     }
     return true;
   };
@@ -129,8 +147,11 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
   if (!all_set()) {
     RETURN_IF_ERROR(WaiterSlotLocked());
     ++waiters_;
-    mu_.AwaitWithTimeout(absl::Condition(&all_set), timeout);
+    const Awaited awaited = AwaitLocked(absl::Condition(&all_set), timeout, gone);
     --waiters_;
+    if (awaited == Awaited::kGone) {
+      return absl::CancelledError(absl::StrCat("the wait in scope '", scope, "' was given up: its caller went away"));
+    }
   }
   RETURN_IF_ERROR(OpenLocked(scope));
   std::vector<const std::string*> found;
@@ -165,7 +186,7 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
 }
 
 absl::Status RendezvousStore::Barrier(absl::string_view scope, absl::string_view name, int rank,
-                                      int world_size, absl::Duration timeout) {
+                                      int world_size, absl::Duration timeout, const std::function<bool()>& gone) {
   RETURN_IF_ERROR(ValidateScopeKey(scope, name));
   if (world_size < 1 || world_size > kMaxWorldSize) {
     return absl::InvalidArgumentError(absl::StrCat("world_size: ", world_size, " is outside [1, ", kMaxWorldSize, "]"));
@@ -209,7 +230,7 @@ absl::Status RendezvousStore::Barrier(absl::string_view scope, absl::string_view
   };
   ++b.waiters;
   ++waiters_;
-  mu_.AwaitWithTimeout(absl::Condition(&done), timeout);
+  const Awaited awaited = AwaitLocked(absl::Condition(&done), timeout, gone);
   --waiters_;
   --b.waiters;
   if (b.deleted) {
@@ -221,6 +242,10 @@ absl::Status RendezvousStore::Barrier(absl::string_view scope, absl::string_view
   }
   if (b.released) return absl::OkStatus();
   RETURN_IF_ERROR(OpenLocked(scope));
+  if (awaited == Awaited::kGone) {
+    return absl::CancelledError(
+        absl::StrCat("barrier '", name, "' in scope '", scope, "' was given up: its caller went away"));
+  }
   std::vector<int> missing;
   int more = 0;
   for (int r = 0; r < b.world_size; ++r) {

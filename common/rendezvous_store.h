@@ -4,6 +4,7 @@
 #define COLOD_COMMON_RENDEZVOUS_STORE_H_
 
 #include <deque>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -52,20 +53,25 @@ class RendezvousStore {
   absl::Status Set(absl::string_view scope, absl::string_view key, std::string value);
   // NOT_FOUND if unset.
   absl::StatusOr<std::string> Get(absl::string_view scope, absl::string_view key);
+  // Wait and Barrier look at `gone` (a gRPC caller that went away: its
+  // call was cancelled) every kGoneSlice while they block, and return
+  // CANCELLED once it says so, giving their thread and waiter slot back.
+  static constexpr absl::Duration kGoneSlice = absl::Milliseconds(200);
   // The values of `keys` once all are set. DEADLINE_EXCEEDED after `timeout`
   // naming the missing keys; CANCELLED after Close(). INVALID_ARGUMENT for
   // no keys, more than kMaxWaitKeys or a key named twice;
   // RESOURCE_EXHAUSTED when the values total over kMaxWaitReplyBytes.
   absl::StatusOr<std::vector<std::string>> Wait(absl::string_view scope,
                                                 const std::vector<std::string>& keys,
-                                                absl::Duration timeout);
+                                                absl::Duration timeout,
+                                                const std::function<bool()>& gone = {});
   // Returns once `world_size` distinct ranks entered barrier `name` of
   // `scope`. A barrier name is single-use: once released, later arrivals
   // return at once. INVALID_ARGUMENT for a rank outside [0, world_size), a
   // world_size outside [1, kMaxWorldSize] or one that differs from the first
   // caller's.
   absl::Status Barrier(absl::string_view scope, absl::string_view name, int rank, int world_size,
-                       absl::Duration timeout);
+                       absl::Duration timeout, const std::function<bool()>& gone = {});
   // Drops every key and barrier of `scope` (a job generation that ended)
   // and closes it: later sets, waits and barriers in it fail CANCELLED, so
   // that a rank that outlived its generation (its worker was lost but still
@@ -96,6 +102,10 @@ class RendezvousStore {
     bool deleted = false;
   };
   static absl::Status ValidateScopeKey(absl::string_view scope, absl::string_view key);
+  // Waits for `cond` up to `timeout`, looking at `gone` every kGoneSlice.
+  enum class Awaited { kMet, kTimedOut, kGone };
+  Awaited AwaitLocked(const absl::Condition& cond, absl::Duration timeout, const std::function<bool()>& gone)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status ValidateTimeout(absl::Duration timeout);
   // CANCELLED once closed or once `scope` was cancelled.
   absl::Status OpenLocked(absl::string_view scope) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

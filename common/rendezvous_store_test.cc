@@ -1,5 +1,6 @@
 #include "common/rendezvous_store.h"
 
+#include <atomic>
 #include <thread>
 #include <string>
 #include <vector>
@@ -36,6 +37,52 @@ TEST(RendezvousStore, WaitReturnsOnceAnotherThreadSetsEveryKey) {
   setter.join();
   ASSERT_TRUE(values.ok()) << values.status();
   EXPECT_EQ(*values, (std::vector<std::string>{"1", "2"}));
+}
+
+// Keys set in any order, one at a time, while the wait looks up only the
+// first still missing: every value arrives, in the order asked for.
+TEST(RendezvousStore, AWaitForManyKeysSetInAnyOrderGetsThemAll) {
+  RendezvousStore s;
+  std::vector<std::string> keys;
+  for (int i = 0; i < 2000; ++i) keys.push_back(absl::StrCat("k", i));
+  std::thread setter([&] {
+    for (int i = 1999; i >= 0; i -= 2) ASSERT_TRUE(s.Set("sc", keys[i], absl::StrCat("v", i)).ok());
+    for (int i = 0; i < 2000; i += 2) ASSERT_TRUE(s.Set("sc", keys[i], absl::StrCat("v", i)).ok());
+  });
+  auto values = s.Wait("sc", keys, absl::Seconds(60));
+  setter.join();
+  ASSERT_TRUE(values.ok()) << values.status();
+  ASSERT_EQ(values->size(), 2000u);
+  for (int i = 0; i < 2000; ++i) EXPECT_EQ((*values)[i], absl::StrCat("v", i));
+}
+
+// A caller that goes away (its gRPC call cancelled) gives its thread and
+// its waiter slot back within a slice, not at its timeout (up to 30 min).
+TEST(RendezvousStore, ACallerThatWentAwayStopsWaiting) {
+  RendezvousStore s;
+  std::atomic<bool> gone{false};
+  const auto is_gone = [&] { return gone.load(); };
+  std::thread stop([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    gone = true;
+  });
+  const absl::Time start = absl::Now();
+  auto waited = s.Wait("sc", {"never"}, absl::Minutes(30), is_gone);
+  const absl::Status barrier = s.Barrier("sc", "b", 0, 2, absl::Minutes(30), is_gone);
+  stop.join();
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kCancelled) << waited.status();
+  EXPECT_NE(waited.status().message().find("its caller went away"), absl::string_view::npos) << waited.status();
+  EXPECT_EQ(barrier.code(), absl::StatusCode::kCancelled) << barrier;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  EXPECT_EQ(s.waiters(), 0);
+  // A caller still there waits on, and gets what it waited for.
+  std::thread setter([&] {
+    absl::SleepFor(absl::Milliseconds(450));
+    ASSERT_TRUE(s.Set("sc", "late", "1").ok());
+  });
+  auto late = s.Wait("sc", {"late"}, absl::Seconds(30), [] { return false; });
+  setter.join();
+  EXPECT_TRUE(late.ok()) << late.status();
 }
 
 TEST(RendezvousStore, WaitTimesOutNamingTheMissingKeys) {

@@ -342,7 +342,8 @@ grpc::Status CoordinatorServiceImpl::KvWait(grpc::ServerContext* ctx, const v1::
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
     ASSIGN_OR_RETURN(std::vector<std::string> values,
-                     store_->Wait(req->scope(), keys, FromProtoDuration(req->timeout())));
+                     store_->Wait(req->scope(), keys, FromProtoDuration(req->timeout()),
+                                  [ctx] { return ctx->IsCancelled(); }));
     for (std::string& v : values) resp->add_values(std::move(v));
     return absl::OkStatus();
   });
@@ -353,7 +354,7 @@ grpc::Status CoordinatorServiceImpl::Barrier(grpc::ServerContext* ctx, const v1:
   return Instrument(ctx, "Barrier", [&]() -> absl::Status {
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
     return store_->Barrier(req->scope(), req->name(), req->rank(), req->world_size(),
-                           FromProtoDuration(req->timeout()));
+                           FromProtoDuration(req->timeout()), [ctx] { return ctx->IsCancelled(); });
   });
 }
 
