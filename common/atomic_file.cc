@@ -47,6 +47,18 @@ const char* FileKind(mode_t mode) {
 
 }  // namespace
 
+bool IsAtomicWriteLeftover(absl::string_view name) {
+  const size_t tmp = name.rfind(".tmp.");
+  if (tmp == absl::string_view::npos || tmp == 0) return false;
+  const absl::string_view rest = name.substr(tmp + 5);  // PID.N
+  const size_t dot = rest.find('.');
+  if (dot == absl::string_view::npos || dot == 0 || dot + 1 == rest.size()) return false;
+  for (size_t i = 0; i < rest.size(); ++i) {
+    if (i != dot && (rest[i] < '0' || rest[i] > '9')) return false;
+  }
+  return true;
+}
+
 absl::Status CheckReplaceable(const std::string& path) {
   // The rename would replace a link, a FIFO or a device with a file (and
   // fail on a directory): refused, so that nothing but a file is replaced.

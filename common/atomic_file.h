@@ -27,6 +27,10 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 // write (a full disk) can fail between the two renames.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
                                  const std::function<absl::Status()>& before_rename);
+// Whether `name` (a directory entry) is a temporary file WriteFileAtomically
+// leaves behind when its process dies mid-write: NAME.tmp.PID.N. A daemon
+// that owns its directory (its lock held) removes them at start.
+bool IsAtomicWriteLeftover(absl::string_view name);
 // OK when `path` is absent or a regular file, which WriteFileAtomically may
 // replace; otherwise its FAILED_PRECONDITION. A writer of several files
 // checks every destination with it before it writes any, so that a refusal

@@ -118,6 +118,18 @@ TEST(WriteFileAtomically, ReplacesOnlyARegularFile) {
   EXPECT_TRUE(S_ISFIFO(st.st_mode));
 }
 
+TEST(IsAtomicWriteLeftover, NamesWhatWriteFileAtomicallyLeavesOnly) {
+  const std::string dir = FreshDir("leftover");
+  // What a write cut short leaves: the temporary name, there after a crash.
+  for (const char* name : {"job-000001.pb.tmp.4242.0", "next-id.tmp.1.17", "upload-000003.sha256.tmp.99.2"}) {
+    EXPECT_TRUE(IsAtomicWriteLeftover(name)) << name;
+  }
+  for (const char* name : {"job-000001.pb", "upload-000003.tmp", "a.tmp.", "a.tmp.12", "a.tmp.12.", "a.tmp.x.1",
+                           ".tmp.1.2", "a.tmp.1.2x"}) {
+    EXPECT_FALSE(IsAtomicWriteLeftover(name)) << name;
+  }
+}
+
 TEST(RegularFileReader, ReadsRangesAndIsDataLossWhereTheFileWasCutShort) {
   const std::string path = FreshDir("reader") + "/f";
   std::string bytes(100000, '\0');

@@ -288,6 +288,12 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
   std::vector<File> files;
   const std::set<std::string> present(names->begin(), names->end());
   for (const std::string& name : *names) {
+    if (IsAtomicWriteLeftover(name) && IsRegularFile(state_dir + "/" + name)) {
+      // A snapshot written when the last coordinator died: its record is
+      // the one before (the rename never happened).
+      fs::remove(state_dir + "/" + name, ec);
+      continue;
+    }
     if (absl::StartsWith(name, "job-") && absl::EndsWith(name, ".log") &&
         !present.count(absl::StrCat(name.substr(0, name.size() - 4), ".pb"))) {
       // A log without its snapshot: left by a delete cut short. Nothing reads it.

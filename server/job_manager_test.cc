@@ -542,8 +542,12 @@ TEST(JobManager, JobNumbersNearTheirLimitAreNotTaken) {
   }
   ASSERT_TRUE(WriteFileAtomically(dir + "/job-9223372036854775806.pb", "").ok());
   ASSERT_TRUE(WriteFileAtomically(dir + "/next-id", "9223372036854775807\n").ok());
+  // And a snapshot's temporary file, as a coordinator killed mid-write
+  // leaves it: removed at start.
+  ASSERT_TRUE(WriteFileAtomically(dir + "/job-000001.pb.tmp.4242.0", "half a record").ok());
   auto reopened = JobManager::Open(dir, &clock);
   ASSERT_TRUE(reopened.ok()) << reopened.status();
+  EXPECT_FALSE(std::filesystem::exists(dir + "/job-000001.pb.tmp.4242.0"));
   for (const char* want : {"job-000002", "job-000003"}) {
     auto job = (*reopened)->Submit(TrainSpec(), "");
     ASSERT_TRUE(job.ok()) << job.status();

@@ -86,6 +86,10 @@ absl::StatusOr<std::unique_ptr<UploadStore>> UploadStore::Open(const std::string
   if (!names.ok()) return absl::FailedPreconditionError(names.status().message());
   for (const std::string& name : *names) {
     const std::string path = dir + "/" + name;
+    if (IsAtomicWriteLeftover(name) && IsRegularFile(path)) {
+      fs::remove(path, ec);  // a .sha256 whose write was cut short
+      continue;
+    }
     if (absl::EndsWith(name, ".tmp")) {
       fs::remove_all(path, ec);  // an interrupted upload
       if (ec) COLOD_LOG(WARNING) << "cannot remove the interrupted upload " << path << ": " << ec.message();
