@@ -206,12 +206,12 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
   auto bad_output = RunCommand({Runfile(kColoctl), "workers", "--output", "yaml"}, TempPath(""));
   EXPECT_EQ(bad_output.code, 2);
   // A layout far past one machine is a usage error before any process starts
-  // (65,536 ranks would have meant as many worker processes).
+  // (512 ranks would have meant as many worker processes).
   std::filesystem::create_directories(TempPath("wide-model"));
   std::ofstream(TempPath("wide-model/config.json"))
       << R"({"model_type": "gpt2", "vocab_size": 257, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64})";
   auto too_wide = RunCommand({Runfile(kColoctl), "forward", "--model", TempPath("wide-model"), "--input",
-                              TempPath("ids.npy"), "--tp", "256", "--dp", "256"},
+                              TempPath("ids.npy"), "--tp", "4", "--dp", "128"},
                              TempPath(""), absl::Seconds(30));
   EXPECT_EQ(too_wide.code, 2) << too_wide.err;
   EXPECT_TRUE(absl::StrContains(too_wide.err, "at most 256 workers")) << too_wide.err;
