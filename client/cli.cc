@@ -101,30 +101,19 @@ absl::Status WriteOutputFile(const std::string& path, absl::string_view bytes) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot write '", path, "': a socket or a block device, not a file, a pipe or a terminal"));
   }
-  // In place. O_NONBLOCK: a FIFO without a reader is ENXIO, not a wait
-  // without end; writes block again after.
+  // In place, opened without waiting: a FIFO without a reader is ENXIO, not
+  // a wait without end.
   const bool own = fd < 0;
   if (own) {
-    fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    fd = OpenWithoutWaiting(path, O_WRONLY | O_NOCTTY);
     if (fd < 0) {
       if (errno == ENXIO) {
         return absl::FailedPreconditionError(absl::StrCat("cannot write '", path, "': a FIFO nothing reads from"));
       }
       return FileError("cannot open", path, errno);
     }
-    const int flags = ::fcntl(fd, F_GETFL);
-    if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
   }
-  absl::Status s;
-  while (!bytes.empty()) {
-    const ssize_t w = ::write(fd, bytes.data(), bytes.size());
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      s = FileError("cannot write", path, errno);  // EPIPE: the reader went away
-      break;
-    }
-    bytes.remove_prefix(static_cast<size_t>(w));
-  }
+  const absl::Status s = WriteAll(fd, bytes, path);  // EPIPE: the reader went away
   if (own) ::close(fd);
   return s;
 }
@@ -474,27 +463,8 @@ int Dispatch(const Command& command, const std::vector<std::string>& args) {
 
 std::set<std::string> GivenFlags() {
   std::set<std::string> out;
-  const std::vector<std::string>& line = CommandLine();
-  for (size_t i = 1; i < line.size(); ++i) {
-    const std::string& a = line[i];
-    if (a == "--") break;
-    if (a.size() < 2 || a[0] != '-') continue;
-    const size_t start = a.find_first_not_of('-');
-    const size_t end = std::min(a.find('='), a.size());
-    if (start == std::string::npos || start >= end) continue;
-    std::string name = a.substr(start, end - start);
-    std::replace(name.begin(), name.end(), '-', '_');
-    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-    if (flag == nullptr && absl::StartsWith(name, "no")) {
-      const absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
-      if (negated != nullptr && negated->IsOfType<bool>()) {
-        flag = negated;
-        name = name.substr(2);
-      }
-    }
-    if (flag == nullptr) continue;
-    out.insert(name);
-    if (end == a.size() && !flag->IsOfType<bool>()) ++i;  // "--flag VALUE"
+  for (const FlagArg& f : ScanFlags(CommandLine())) {
+    if (f.flag != nullptr) out.insert(std::string(f.flag->Name()));
   }
   return out;
 }
@@ -528,20 +498,12 @@ int RunInProcess() {
   const std::string undefok = absl::StrCat("--undefok=", absl::StrJoin(names, ","));
   // "--flag VALUE" becomes "--flag=VALUE": for a flag coloctl-run does not
   // define, Abseil there cannot know that it takes a value.
-  std::vector<std::string> args;
-  for (size_t i = 1; i < line.size(); ++i) {
-    const std::string& a = line[i];
-    args.push_back(a);
-    if (a == "--") {
-      args.insert(args.end(), line.begin() + static_cast<std::ptrdiff_t>(i) + 1, line.end());
-      break;
-    }
-    const size_t start = a.find_first_not_of('-');
-    if (a.size() < 2 || a[0] != '-' || start == std::string::npos || a.find('=') != std::string::npos) continue;
-    std::string name = a.substr(start);
-    std::replace(name.begin(), name.end(), '-', '_');
-    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-    if (flag != nullptr && !flag->IsOfType<bool>() && i + 1 < line.size()) args.back() += "=" + line[++i];
+  std::vector<std::string> args(line.begin() + 1, line.end());
+  const std::vector<FlagArg> flags = ScanFlags(line);
+  for (auto f = flags.rbegin(); f != flags.rend(); ++f) {
+    if (!f->value_next) continue;
+    args[f->index - 1] += "=" + *f->value;
+    args.erase(args.begin() + static_cast<std::ptrdiff_t>(f->index));
   }
   std::vector<char*> argv;
   argv.push_back(const_cast<char*>(kRunBinary));

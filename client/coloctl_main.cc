@@ -10,6 +10,7 @@
 
 #include "client/cli.h"
 #include "client/commands.h"
+#include "common/flags.h"
 
 namespace colod::cli {
 namespace {
@@ -47,12 +48,8 @@ int Main(int argc, char** argv) {
   // --coordinator[=V] and -coordinator[=V]; an empty $COLOD_COORDINATOR is
   // refused where it would start an embedded cluster:
   // RunOnCoordinatorOrEmbeddedCluster.)
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--") break;
-    if (absl::StartsWith(a, "--")) a.erase(0, 1);
-    if (a != "-coordinator" && !absl::StartsWith(a, "-coordinator=")) continue;
-    if (a == "-coordinator=" || (a == "-coordinator" && i + 1 < argc && argv[i + 1][0] == '\0')) {
+  for (const FlagArg& f : ScanFlags(std::vector<std::string>(argv, argv + argc))) {
+    if (f.name == "coordinator" && f.value.has_value() && f.value->empty()) {
       return Usage("--coordinator is empty: give HOST:PORT, or leave the flag out (then $COLOD_COORDINATOR, else "
                    "127.0.0.1:7070; train and forward run on an embedded cluster)");
     }

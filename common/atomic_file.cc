@@ -35,6 +35,8 @@ namespace {
 
 absl::Status Errno(const std::string& what, const std::string& path) { return FileError(what, path, errno); }
 
+}  // namespace
+
 const char* FileKind(mode_t mode) {
   return S_ISDIR(mode)    ? "a directory"
          : S_ISFIFO(mode) ? "a FIFO"
@@ -44,8 +46,6 @@ const char* FileKind(mode_t mode) {
          : S_ISLNK(mode)  ? "a symbolic link"
                           : "not a regular file";
 }
-
-}  // namespace
 
 bool IsAtomicWriteLeftover(absl::string_view name) {
   const size_t tmp = name.rfind(".tmp.");
@@ -74,7 +74,35 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
   return WriteFileAtomically(path, contents, [] { return absl::OkStatus(); });
 }
 
+int OpenWithoutWaiting(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return -1;
+  const int now = ::fcntl(fd, F_GETFL);
+  if (now < 0 || ::fcntl(fd, F_SETFL, now & ~O_NONBLOCK) != 0) {
+    const int err = errno;
+    ::close(fd);
+    errno = err;
+    return -1;
+  }
+  return fd;
+}
+
+absl::Status WriteAll(int fd, absl::string_view bytes, absl::string_view path) {
+  while (!bytes.empty()) {
+    const ssize_t w = ::write(fd, bytes.data(), bytes.size());
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return FileError("cannot write", path, w < 0 ? errno : EIO);
+    bytes.remove_prefix(static_cast<size_t>(w));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
+                                 const std::function<absl::Status()>& before_rename) {
+  return WriteFileAtomically(path, absl::MakeConstSpan(&contents, 1), before_rename);
+}
+
+absl::Status WriteFileAtomically(const std::string& path, absl::Span<const absl::string_view> pieces,
                                  const std::function<absl::Status()>& before_rename) {
   if (absl::Status s = CheckReplaceable(path); !s.ok()) return s;
   static std::atomic<uint64_t> counter{0};
@@ -82,17 +110,8 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Errno("cannot create", tmp);
   absl::Status s;
-  const char* p = contents.data();
-  size_t left = contents.size();
-  while (s.ok() && left > 0) {
-    const ssize_t w = ::write(fd, p, left);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      s = Errno("cannot write", tmp);
-      break;
-    }
-    p += w;
-    left -= static_cast<size_t>(w);
+  for (const absl::string_view piece : pieces) {
+    if (s.ok()) s = WriteAll(fd, piece, tmp);
   }
   if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", tmp);
   if (::close(fd) != 0 && s.ok()) s = Errno("cannot close", tmp);
@@ -116,7 +135,7 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   // Not blocked in open by a FIFO without a writer; a pipe with one (a
   // shell's <(...)) is read to its end, blocking again.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  const int fd = OpenWithoutWaiting(path, O_RDONLY);
   if (fd < 0) {
     if (errno == ENOENT || errno == ENOTDIR) {
       return absl::NotFoundError(absl::StrCat("cannot read '", path, "': ", std::strerror(errno)));
@@ -124,10 +143,7 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
     return Errno("cannot read", path);  // there, but not ours to read (EACCES, ...)
   }
   struct stat info;
-  int err = ::fstat(fd, &info) != 0                                    ? errno
-            : S_ISDIR(info.st_mode)                                    ? EISDIR
-            : ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK) ? errno
-                                                                       : 0;
+  const int err = ::fstat(fd, &info) != 0 ? errno : S_ISDIR(info.st_mode) ? EISDIR : 0;
   if (err == 0 && !S_ISREG(info.st_mode) && !S_ISFIFO(info.st_mode)) {
     ::close(fd);  // a device (/dev/zero would never end) or a terminal
     return absl::FailedPreconditionError(absl::StrCat("cannot read '", path, "': not a file or a pipe"));
@@ -157,7 +173,7 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
 }
 
 absl::StatusOr<RegularFileReader> RegularFileReader::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  const int fd = OpenWithoutWaiting(path, O_RDONLY);
   if (fd < 0) {
     if (errno == ENOENT || errno == ENOTDIR) {
       return absl::NotFoundError(absl::StrCat("cannot open '", path, "': ", std::strerror(errno)));
@@ -174,10 +190,6 @@ absl::StatusOr<RegularFileReader> RegularFileReader::Open(const std::string& pat
     ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat(path, " is ", FileKind(info.st_mode), ", not a regular file"));
   }
-  // Reads block again: a network file system may answer a non-blocking one
-  // EAGAIN.
-  const int flags = ::fcntl(fd, F_GETFL);
-  if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
   return RegularFileReader(path, fd, static_cast<int64_t>(info.st_size));
 }
 

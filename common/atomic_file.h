@@ -1,6 +1,8 @@
 #ifndef COLOD_COMMON_ATOMIC_FILE_H_
 #define COLOD_COMMON_ATOMIC_FILE_H_
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -9,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 namespace colod {
 
@@ -27,6 +30,20 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 // write (a full disk) can fail between the two renames.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
                                  const std::function<absl::Status()>& before_rename);
+// The same for contents in pieces, written one after the other (a header
+// and large payloads, never copied into one buffer).
+absl::Status WriteFileAtomically(const std::string& path, absl::Span<const absl::string_view> pieces,
+                                 const std::function<absl::Status()>& before_rename);
+// open(path, flags | O_CLOEXEC) that never waits for a FIFO's other end
+// (opened O_NONBLOCK: a FIFO without a writer opens for reading, one without
+// a reader fails ENXIO for writing), then blocking again for what follows:
+// a network file system may answer a non-blocking read EAGAIN. -1 with
+// errno set on failure.
+int OpenWithoutWaiting(const std::string& path, int flags);
+// Writes all of `bytes` to `fd`, retrying short writes and EINTR:
+// FileError("cannot write", path, errno) when a write fails (EIO for one
+// that writes nothing).
+absl::Status WriteAll(int fd, absl::string_view bytes, absl::string_view path);
 // Whether `name` (a directory entry) is a temporary file WriteFileAtomically
 // leaves behind when its process dies mid-write: NAME.tmp.PID.N. A daemon
 // that owns its directory (its lock held) removes them at start.
@@ -44,6 +61,11 @@ absl::Status CheckReplaceable(const std::string& path);
 // handle gone stale, EMFILE, ENFILE, ENOMEM, EINTR, EAGAIN), which the
 // coordinator restarts a job after; otherwise FAILED_PRECONDITION.
 absl::Status FileError(absl::string_view what, absl::string_view path, int err);
+
+// What a file that is not a regular one is, for messages: "a directory",
+// "a FIFO", "a character device", "a block device", "a socket", "a symbolic
+// link" (of an lstat), else "not a regular file".
+const char* FileKind(mode_t mode);
 
 // The whole content of `path`, a regular file or a pipe (a shell's <(...)):
 // NOT_FOUND naming it when it does not exist; FAILED_PRECONDITION (FileError's

@@ -73,6 +73,36 @@ std::string WrapText(absl::string_view text, int indent, int width) {
   return out;
 }
 
+std::vector<FlagArg> ScanFlags(const std::vector<std::string>& args) {
+  std::vector<FlagArg> out;
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--") break;
+    if (a.size() < 2 || a[0] != '-') continue;
+    const size_t start = a.find_first_not_of('-');
+    const size_t end = std::min(a.find('='), a.size());
+    if (start == std::string::npos || start >= end) continue;
+    FlagArg f;
+    f.index = i;
+    f.name = a.substr(start, end - start);
+    std::replace(f.name.begin(), f.name.end(), '-', '_');
+    f.flag = absl::FindCommandLineFlag(f.name);
+    if (f.flag == nullptr && absl::StartsWith(f.name, "no")) {
+      const absl::CommandLineFlag* negated = absl::FindCommandLineFlag(f.name.substr(2));
+      if (negated != nullptr && negated->IsOfType<bool>()) f.flag = negated;
+    }
+    if (end < a.size()) {
+      f.value = a.substr(end + 1);
+    } else if (f.flag != nullptr && !f.flag->IsOfType<bool>() && i + 1 < args.size()) {
+      f.value = args[i + 1];
+      f.value_next = true;
+    }
+    out.push_back(std::move(f));
+    if (out.back().value_next) ++i;
+  }
+  return out;
+}
+
 std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage,
                                     const std::set<std::string>& repeatable) {
   absl::FlagsUsageConfig config;
@@ -94,38 +124,33 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
     }
   }
   // Rewrite --data-dir[=x] to --data_dir[=x] for Abseil; positional arguments
-  // and everything after "--" stay as they are.
-  std::vector<std::string> storage(argv, argv + argc);
-  // Values of each repeatable flag, joined with commas into one occurrence.
+  // and everything after "--" stay as they are. Values of each repeatable
+  // flag are joined with commas into one occurrence.
+  const std::vector<std::string> given(argv, argv + argc);
+  std::vector<bool> dropped(given.size(), false);
+  std::vector<std::string> storage = given;
   std::map<std::string, std::vector<std::string>> repeated;
-  for (size_t i = 1; i < storage.size(); ++i) {
-    std::string& a = storage[i];
-    if (a == "--") break;
-    if (a.size() < 2 || a[0] != '-') continue;
-    size_t start = a.find_first_not_of('-');
-    size_t end = std::min(a.find('='), a.size());
-    if (start == std::string::npos || start >= end) continue;
-    std::replace(a.begin() + start, a.begin() + end, '-', '_');
-    const std::string name = a.substr(start, end - start);
-    if (repeatable.count(name) == 0) {
-      // "--flag VALUE": the value stays as it is, even where it starts with
-      // '-' (--reason -oom-retry); a bool flag takes none.
-      const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-      if (end == a.size() && flag != nullptr && !flag->IsOfType<bool>()) ++i;
-      continue;
-    }
-    if (end < a.size()) {
-      repeated[name].push_back(a.substr(end + 1));
-      storage.erase(storage.begin() + static_cast<std::ptrdiff_t>(i--));
-    } else if (i + 1 < storage.size()) {
-      repeated[name].push_back(storage[i + 1]);
-      storage.erase(storage.begin() + static_cast<std::ptrdiff_t>(i), storage.begin() + static_cast<std::ptrdiff_t>(i + 2));
-      --i;
-    }
+  for (const FlagArg& f : ScanFlags(given)) {
+    std::string& a = storage[f.index];
+    const size_t start = a.find_first_not_of('-');
+    std::replace(a.begin() + static_cast<std::ptrdiff_t>(start),
+                 a.begin() + static_cast<std::ptrdiff_t>(start + f.name.size()), '-', '_');
+    if (repeatable.count(f.name) == 0 || !f.value.has_value()) continue;
+    repeated[f.name].push_back(*f.value);
+    dropped[f.index] = true;
+    if (f.value_next) dropped[f.index + 1] = true;
   }
-  auto flags_end = std::find(storage.begin() + 1, storage.end(), std::string("--"));  // before any "--"
+  size_t kept = 0;
+  for (size_t i = 0; i < storage.size(); ++i) {
+    if (dropped[i]) continue;
+    if (kept != i) storage[kept] = std::move(storage[i]);
+    ++kept;
+  }
+  storage.resize(kept);
+  // First, so before any "--" (which may also be a flag's value).
+  auto at = storage.begin() + 1;
   for (const auto& [name, values] : repeated) {
-    flags_end = storage.insert(flags_end, absl::StrCat("--", name, "=", absl::StrJoin(values, ","))) + 1;
+    at = storage.insert(at, absl::StrCat("--", name, "=", absl::StrJoin(values, ","))) + 1;
   }
   std::vector<char*> normalized;
   for (std::string& a : storage) normalized.push_back(a.data());

@@ -2,10 +2,13 @@
 #ifndef COLOD_COMMON_FLAGS_H_
 #define COLOD_COMMON_FLAGS_H_
 
+#include <cstddef>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -19,6 +22,29 @@ namespace colod {
 // given several times: their values are joined with commas.
 std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage,
                                     const std::set<std::string>& repeatable = {});
+
+// A flag on a command line, as Abseil reads it.
+struct FlagArg {
+  size_t index = 0;  // its place in the command line
+  // Its name as Abseil spells it: the leading dashes dropped, the name's
+  // '-' made '_' ("data_dir"; "nowatch" for --nowatch).
+  std::string name;
+  // The flag of this binary that it sets (--noNAME sets the bool flag
+  // NAME), or null.
+  const absl::CommandLineFlag* flag = nullptr;
+  // "--flag=VALUE" or "--flag VALUE"; none for a bool given alone, or a
+  // flag whose value is missing.
+  std::optional<std::string> value;
+  bool value_next = false;  // the value is the next argument, args[index + 1]
+};
+
+// The flags of `args` (args[0], the program, excluded) before any "--":
+// the arguments that start with '-' and go on to a name ("-", "---" and
+// "--=x" do not; they are positional, as to Abseil). A flag of this binary
+// that takes a value and is given without "=VALUE" takes the next argument
+// as its value, whatever that starts with, as Abseil does: that argument is
+// then no flag.
+std::vector<FlagArg> ScanFlags(const std::vector<std::string>& args);
 
 // `text` wrapped into lines of at most `width` columns, each starting with
 // `indent` spaces and ending in '\n'. Lines break at spaces (a run of spaces

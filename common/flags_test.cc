@@ -40,6 +40,45 @@ TEST(ParseByteSize, UnitsAndErrors) {
   EXPECT_EQ(ParseByteSize("99999999TiB").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// What Abseil would read: a value-taking flag of this binary given alone
+// takes the next argument whatever it starts with ("--" too); a bool takes
+// none; --noNAME sets the bool NAME; an unknown flag is listed without a
+// flag (and takes no next argument); "-", "---" and "--=x" are no flags;
+// nothing after "--" is.
+TEST(ScanFlags, FindsEachFlagItsValueAndWhereItStands) {
+  const std::vector<std::string> args = {"prog", "--test-count", "--test-switch", "-test_reason=a=b", "--notest-switch",
+                                         "pos", "--unknown", "x", "-", "---", "--=x", "--", "--test-count=9"};
+  const std::vector<FlagArg> flags = ScanFlags(args);
+  ASSERT_EQ(flags.size(), 4u);
+  EXPECT_EQ(flags[0].index, 1u);
+  EXPECT_EQ(flags[0].name, "test_count");
+  ASSERT_NE(flags[0].flag, nullptr);
+  EXPECT_EQ(flags[0].flag->Name(), "test_count");
+  EXPECT_EQ(flags[0].value, "--test-switch");
+  EXPECT_TRUE(flags[0].value_next);
+  EXPECT_EQ(flags[1].index, 3u);
+  EXPECT_EQ(flags[1].name, "test_reason");
+  EXPECT_EQ(flags[1].value, "a=b");
+  EXPECT_FALSE(flags[1].value_next);
+  EXPECT_EQ(flags[2].index, 4u);
+  EXPECT_EQ(flags[2].name, "notest_switch");
+  ASSERT_NE(flags[2].flag, nullptr);
+  EXPECT_EQ(flags[2].flag->Name(), "test_switch");
+  EXPECT_FALSE(flags[2].value.has_value());
+  EXPECT_EQ(flags[3].index, 6u);
+  EXPECT_EQ(flags[3].flag, nullptr);
+  EXPECT_FALSE(flags[3].value.has_value());
+
+  const std::vector<FlagArg> tail = ScanFlags({"prog", "--test-reason", "--", "--test-switch", "--test-count"});
+  ASSERT_EQ(tail.size(), 3u);
+  EXPECT_EQ(tail[0].value, "--");
+  EXPECT_EQ(tail[1].index, 3u);
+  // A value-taking flag at the end has none.
+  EXPECT_EQ(tail[2].index, 4u);
+  EXPECT_FALSE(tail[2].value.has_value());
+  EXPECT_FALSE(tail[2].value_next);
+}
+
 // Repeatable flags collect every value; a value after its flag stays as
 // written, dashes and all (once rewritten as a flag's name: -oom_retry-1);
 // a bool flag takes no value, so what follows it is the next argument.

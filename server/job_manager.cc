@@ -103,21 +103,12 @@ absl::Status AppendLogEntry(const std::string& path, absl::string_view entry, bo
     ::close(fd);
     return FileError("cannot stat", path, err);
   }
-  int err = 0;
-  for (size_t done = 0; done < buf.size();) {
-    const ssize_t n = ::write(fd, buf.data() + done, buf.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      err = n < 0 ? errno : EIO;
-      break;
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (err == 0 && ::fdatasync(fd) != 0) err = errno;
-  if (err != 0) {
+  absl::Status s = WriteAll(fd, buf, path);
+  if (s.ok() && ::fdatasync(fd) != 0) s = FileError("cannot sync", path, errno);
+  if (!s.ok()) {
     if (::ftruncate(fd, st.st_size) != 0 || ::fdatasync(fd) != 0) *torn = true;
     ::close(fd);
-    return FileError("cannot append to", path, err);
+    return s;
   }
   // From here on the entry is in the file: a failure leaves it there
   // (`*torn`: the next write replaces the log, so that it is not appended

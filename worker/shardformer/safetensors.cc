@@ -27,14 +27,6 @@ absl::Status Invalid(const std::string& path, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(path, ": not a valid safetensors file: ", what));
 }
 
-absl::Status Errno(const std::string& what, const std::string& path) {
-  const int e = errno;
-  const std::string msg = absl::StrCat(what, " ", path, ": ", std::strerror(e));
-  if (e == ENOENT) return absl::NotFoundError(msg);
-  if (e == EACCES) return absl::PermissionDeniedError(msg);
-  return absl::InternalError(msg);
-}
-
 // A slice is read as runs (below). A run of kDirectBytes or more is read
 // straight into the tensor; shorter ones are read together, with one read
 // into a buffer of up to kGatherBytes, where the gap from one to the next is
@@ -255,35 +247,13 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<std::pa
     at += static_cast<int64_t>(bytes.size());
     payloads.push_back(std::move(bytes));
   }
-  RETURN_IF_ERROR(CheckReplaceable(path));  // as WriteFileAtomically: a file, or nothing
   std::string json = header.dump();
   json.append((8 - json.size() % 8) % 8, ' ');
-  const uint64_t n = json.size();
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Errno("cannot create", tmp);
-  auto write_all = [&](const char* p, size_t len) -> absl::Status {
-    while (len > 0) {
-      const ssize_t w = ::write(fd, p, len);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        return Errno("cannot write", tmp);
-      }
-      p += w;
-      len -= static_cast<size_t>(w);
-    }
-    return absl::OkStatus();
-  };
-  absl::Status s = write_all(reinterpret_cast<const char*>(&n), 8);
-  if (s.ok()) s = write_all(json.data(), json.size());
-  for (const std::string& p : payloads) {
-    if (s.ok()) s = write_all(p.data(), p.size());
-  }
-  if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", tmp);
-  ::close(fd);
-  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) s = Errno("cannot rename to", path);
-  if (!s.ok()) ::unlink(tmp.c_str());
-  return s;
+  char size[8];  // the header's size, little-endian
+  for (int i = 0; i < 8; ++i) size[i] = static_cast<char>((uint64_t{json.size()} >> (8 * i)) & 0xff);
+  std::vector<absl::string_view> pieces = {absl::string_view(size, 8), json};
+  pieces.insert(pieces.end(), payloads.begin(), payloads.end());
+  return WriteFileAtomically(path, pieces, [] { return absl::OkStatus(); });
 }
 
 }  // namespace colod::shardformer

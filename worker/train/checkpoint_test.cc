@@ -511,7 +511,7 @@ TEST(Checkpoints, OnlyAStepDirectoryOfItsOwnStepIsACheckpoint) {
   EXPECT_EQ(*latest, dir + "/step-1000000");
   ASSERT_EQ(skipped.size(), 5u) << absl::StrJoin(skipped, "\n");
   const std::string reasons = absl::StrJoin(skipped, "\n");
-  for (const std::string& why : {"step -3 is negative", "step is not an integer", "seed is not an unsigned integer",
+  for (const char* why : {"step -3 is negative", "step is not an integer", "seed is not an unsigned integer",
                                  "optimizer_steps -1 is negative", "layout is not an object"}) {
     EXPECT_NE(reasons.find(why), std::string::npos) << why << " in " << reasons;
   }

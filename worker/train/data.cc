@@ -51,13 +51,7 @@ absl::StatusOr<int64_t> RegularFileSize(const std::string& path) {
     return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
   }
   if (!S_ISREG(info.st_mode)) {
-    const char* kind = S_ISDIR(info.st_mode)    ? "a directory"
-                       : S_ISFIFO(info.st_mode) ? "a FIFO"
-                       : S_ISCHR(info.st_mode)  ? "a character device"
-                       : S_ISBLK(info.st_mode)  ? "a block device"
-                       : S_ISSOCK(info.st_mode) ? "a socket"
-                                                : "not a regular file";
-    return absl::InvalidArgumentError(absl::StrCat(path, " is ", kind, "; training data must be a regular file"));
+    return absl::InvalidArgumentError(absl::StrCat(path, " is ", FileKind(info.st_mode), "; training data must be a regular file"));
   }
   if (info.st_size == 0) return absl::InvalidArgumentError(absl::StrCat(path, " is empty"));
   return static_cast<int64_t>(info.st_size);

@@ -47,15 +47,7 @@ MegatronWriter::~MegatronWriter() {
 }
 
 absl::Status MegatronWriter::Flush() {
-  const char* p = buffer_.data();
-  size_t left = buffer_.size();
-  while (left > 0) {
-    const ssize_t w = ::write(fd_, p, left);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return FileError("cannot write", tmp_, errno);
-    p += w;
-    left -= static_cast<size_t>(w);
-  }
+  RETURN_IF_ERROR(WriteAll(fd_, buffer_, tmp_));
   buffer_.clear();
   return absl::OkStatus();
 }
