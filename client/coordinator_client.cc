@@ -34,6 +34,32 @@ absl::Status Annotate(const grpc::Status& s, const std::string& address, absl::s
   return st;
 }
 
+// What a page of a List RPC holds.
+const google::protobuf::RepeatedPtrField<v1::Worker>& Items(const v1::ListWorkersResponse& r) { return r.workers(); }
+const google::protobuf::RepeatedPtrField<v1::Job>& Items(const v1::ListJobsResponse& r) { return r.jobs(); }
+
+// Calls a paged List RPC for every page, each call with its own deadline,
+// and appends each page's items to `out`. A token that does not move on (a
+// broken server) would page for ever: DATA_LOSS.
+template <typename Request, typename Response, typename Item, typename Call>
+absl::Status AllPages(Request req, const char* rpc, const std::string& address, const Call& call,
+                      std::vector<Item>* out, const std::function<void(grpc::ClientContext&)>& set_deadline) {
+  do {
+    grpc::ClientContext ctx;
+    set_deadline(ctx);
+    Response resp;
+    RETURN_IF_ERROR(Annotate(call(&ctx, req, &resp), address, rpc));
+    const auto& items = Items(resp);
+    out->insert(out->end(), items.begin(), items.end());
+    if (!resp.next_page_token().empty() && resp.next_page_token() == req.page_token()) {
+      return absl::DataLossError(absl::StrCat(rpc, " on ", address, ": the coordinator sent page token '",
+                                              resp.next_page_token(), "' again"));
+    }
+    req.set_page_token(resp.next_page_token());
+  } while (!req.page_token().empty());
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 CoordinatorClient::CoordinatorClient(std::string address, Options options,
@@ -77,13 +103,17 @@ void CoordinatorClient::SetTensorDeadline(grpc::ClientContext& ctx) const {
 }
 
 absl::StatusOr<std::vector<v1::Worker>> CoordinatorClient::ListWorkers(bool include_lost) {
-  grpc::ClientContext ctx;
-  SetDeadline(ctx);
   v1::ListWorkersRequest req;
   req.set_include_lost(include_lost);
-  v1::ListWorkersResponse resp;
-  RETURN_IF_ERROR(Annotate(stub_->ListWorkers(&ctx, req, &resp), address_, "ListWorkers"));
-  return std::vector<v1::Worker>(resp.workers().begin(), resp.workers().end());
+  std::vector<v1::Worker> workers;
+  const absl::Status listed = AllPages<v1::ListWorkersRequest, v1::ListWorkersResponse>(
+      req, "ListWorkers", address_,
+      [this](grpc::ClientContext* ctx, const v1::ListWorkersRequest& r, v1::ListWorkersResponse* resp) {
+        return stub_->ListWorkers(ctx, r, resp);
+      },
+      &workers, [this](grpc::ClientContext& ctx) { SetDeadline(ctx); });
+  if (!listed.ok()) return listed;
+  return workers;
 }
 
 absl::StatusOr<v1::RegisterWorkerResponse> CoordinatorClient::RegisterWorker(const v1::WorkerInfo& info,
@@ -138,20 +168,13 @@ absl::StatusOr<std::vector<v1::Job>> CoordinatorClient::ListJobs(const std::vect
   for (v1::JobState s : states) req.add_states(s);
   req.set_view(view);
   std::vector<v1::Job> jobs;
-  do {  // every page, each call with its own deadline
-    grpc::ClientContext ctx;
-    SetDeadline(ctx);
-    v1::ListJobsResponse resp;
-    RETURN_IF_ERROR(Annotate(stub_->ListJobs(&ctx, req, &resp), address_, "ListJobs"));
-    jobs.insert(jobs.end(), resp.jobs().begin(), resp.jobs().end());
-    // A token that does not move on (a broken server) would page for ever.
-    if (!resp.next_page_token().empty() && resp.next_page_token() == req.page_token()) {
-      return absl::DataLossError(
-          absl::StrCat("ListJobs on ", address_, ": the coordinator sent page token '", resp.next_page_token(),
-                       "' again"));
-    }
-    req.set_page_token(resp.next_page_token());
-  } while (!req.page_token().empty());
+  const absl::Status listed = AllPages<v1::ListJobsRequest, v1::ListJobsResponse>(
+      req, "ListJobs", address_,
+      [this](grpc::ClientContext* ctx, const v1::ListJobsRequest& r, v1::ListJobsResponse* resp) {
+        return stub_->ListJobs(ctx, r, resp);
+      },
+      &jobs, [this](grpc::ClientContext& ctx) { SetDeadline(ctx); });
+  if (!listed.ok()) return listed;
   return jobs;
 }
 

@@ -144,6 +144,7 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
     return true;
   };
   absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(OpenLocked(scope));  // (and again below, for a scope that closed while waited on)
   if (!all_set()) {
     RETURN_IF_ERROR(WaiterSlotLocked());
     ++waiters_;
@@ -270,7 +271,17 @@ absl::Status RendezvousStore::OpenLocked(absl::string_view scope) const {
   if (ended_.count(std::string(scope))) {
     return absl::CancelledError(absl::StrCat("scope '", scope, "' ended (its job generation is over)"));
   }
+  if (limits_.placed_scopes_only && opened_.count(std::string(scope)) == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("scope '", scope, "' is no placed job generation's (JOB/gen-N, from the job's AssignJob until "
+                     "its generation ends): the store takes nothing for it"));
+  }
   return absl::OkStatus();
+}
+
+void RendezvousStore::OpenScope(absl::string_view scope) {
+  absl::MutexLock lock(&mu_);
+  opened_.insert(std::string(scope));
 }
 
 void RendezvousStore::CancelScope(absl::string_view scope) {
@@ -282,6 +293,7 @@ void RendezvousStore::DeleteScope(absl::string_view scope) {
   absl::MutexLock lock(&mu_);
   const std::string s(scope);
   cancelled_.erase(s);
+  opened_.erase(s);
   if (ended_.insert(s).second) {
     ended_order_.push_back(s);
     if (ended_order_.size() > kMaxEndedScopes) {

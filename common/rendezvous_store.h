@@ -29,6 +29,12 @@ struct RendezvousStoreLimits {
   // Bytes of keys, values and barrier state together; a Set past it is
   // RESOURCE_EXHAUSTED (a job's scope is deleted when its generation ends).
   int64_t max_bytes = int64_t{1} << 30;
+  // Whether only the scopes opened with OpenScope take sets, waits and
+  // barriers (the coordinator's store: a job generation's scope, from
+  // its placement until it ends), so that no client can fill the store
+  // under a scope of its own that no job's end deletes; the others are
+  // FAILED_PRECONDITION. Off, any scope is open until it is deleted.
+  bool placed_scopes_only = false;
 };
 
 // Thread-safe. Waits block the calling thread (one gRPC handler thread each)
@@ -72,11 +78,15 @@ class RendezvousStore {
   // caller's.
   absl::Status Barrier(absl::string_view scope, absl::string_view name, int rank, int world_size,
                        absl::Duration timeout, const std::function<bool()>& gone = {});
+  // `scope` (a job generation that was placed) takes sets, waits and
+  // barriers until DeleteScope: what placed_scopes_only asks for.
+  void OpenScope(absl::string_view scope);
   // Drops every key and barrier of `scope` (a job generation that ended)
   // and closes it: later sets, waits and barriers in it fail CANCELLED, so
   // that a rank that outlived its generation (its worker was lost but still
   // runs) cannot fill it again. The newest kMaxEndedScopes closed scopes are
-  // remembered; an older one is forgotten (it is open again).
+  // remembered; an older one is forgotten (open again, unless
+  // placed_scopes_only).
   void DeleteScope(absl::string_view scope);
   // The generation of `scope` was aborted: its waiters wake with CANCELLED
   // (so a rank blocked in its rendezvous is free at once, not at its
@@ -107,7 +117,8 @@ class RendezvousStore {
   Awaited AwaitLocked(const absl::Condition& cond, absl::Duration timeout, const std::function<bool()>& gone)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status ValidateTimeout(absl::Duration timeout);
-  // CANCELLED once closed or once `scope` was cancelled.
+  // CANCELLED once closed or once `scope` was cancelled or deleted;
+  // FAILED_PRECONDITION for one never opened where placed_scopes_only.
   absl::Status OpenLocked(absl::string_view scope) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when no more callers may block.
   absl::Status WaiterSlotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -123,6 +134,7 @@ class RendezvousStore {
   std::map<std::pair<std::string, std::string>, BarrierState> barriers_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> cancelled_ ABSL_GUARDED_BY(mu_);  // scopes
+  std::set<std::string> opened_ ABSL_GUARDED_BY(mu_);     // OpenScope's, until DeleteScope
   // Scopes DeleteScope closed, and the order they were closed in (the
   // oldest is forgotten past kMaxEndedScopes).
   std::set<std::string> ended_ ABSL_GUARDED_BY(mu_);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 #include "gtest/gtest.h"
 
@@ -319,6 +320,39 @@ TEST(RendezvousStore, ADeletedScopeStaysClosedToLateRanks) {
   s.DeleteScope("one-more");
   EXPECT_TRUE(s.Set("job-1/gen-1", "k", "v").ok());  // forgotten: the oldest
   EXPECT_EQ(s.Set("job-1/gen-2", "k", "v").code(), absl::StatusCode::kCancelled);
+}
+
+// Placed scopes only (the coordinator's store): a scope never opened takes
+// no set, wait or barrier, and says so at once; an opened one does until it
+// is deleted, when its waiters wake CANCELLED; a deleted one forgotten
+// (past kMaxEndedScopes) is not open again.
+TEST(RendezvousStore, PlacedScopesOnlyRefusesAScopeNeverOpened) {
+  RendezvousStoreLimits limits;
+  limits.placed_scopes_only = true;
+  RendezvousStore s(limits);
+  const absl::Time start = absl::Now();
+  const absl::Status set = s.Set("mine", "k", std::string(1 << 20, 'x'));
+  EXPECT_EQ(set.code(), absl::StatusCode::kFailedPrecondition) << set;
+  EXPECT_NE(set.message().find("no placed job generation"), absl::string_view::npos) << set;
+  EXPECT_EQ(s.Wait("mine", {"k"}, absl::Seconds(20)).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.Barrier("mine", "b", 0, 2, absl::Seconds(20)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(s.bytes(), 0);
+  EXPECT_EQ(s.waiters(), 0);
+
+  s.OpenScope("job-1/gen-1");
+  ASSERT_TRUE(s.Set("job-1/gen-1", "addr/0", "a").ok());
+  EXPECT_EQ(*s.Get("job-1/gen-1", "addr/0"), "a");
+  absl::Status waited;
+  std::thread waiter([&] { waited = s.Wait("job-1/gen-1", {"addr/1"}, absl::Seconds(20)).status(); });
+  for (int i = 0; i < 10000 && s.waiters() == 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(s.waiters(), 1);
+  s.DeleteScope("job-1/gen-1");
+  waiter.join();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kCancelled) << waited;
+  EXPECT_EQ(s.bytes(), 0);
+  for (size_t i = 0; i < RendezvousStore::kMaxEndedScopes; ++i) s.DeleteScope(absl::StrCat("other/", i));
+  EXPECT_EQ(s.Set("job-1/gen-1", "k", "v").code(), absl::StatusCode::kFailedPrecondition);  // forgotten, not open
 }
 
 }  // namespace

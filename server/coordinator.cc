@@ -53,6 +53,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
         absl::FormatDuration(options.heartbeat_interval), ")"));
   }
   if (options.max_watch_streams < 1) return absl::InvalidArgumentError("--max-watch-streams: must be >= 1");
+  if (options.max_workers < 1) return absl::InvalidArgumentError("--max-workers: must be >= 1");
   if (options.max_store_waits < 1 || options.store_quota_bytes < 1) {
     return absl::InvalidArgumentError("--max-store-waits and --store-quota must be >= 1");
   }
@@ -118,6 +119,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   WorkerRegistry::Options wo;
   wo.heartbeat_interval = options.heartbeat_interval;
   wo.lease_duration = options.lease_duration;
+  wo.max_workers = options.max_workers;
   wo.clock = options.clock;
   // Ids unique to this start: after a restart, a worker still heartbeating
   // with its old id must be told NOT_FOUND (and register again), never be
@@ -130,6 +132,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   RendezvousStoreLimits store_limits;
   store_limits.max_waiters = options.max_store_waits;
   store_limits.max_bytes = options.store_quota_bytes;
+  store_limits.placed_scopes_only = !options.store_any_scope;
   c->store_ = std::make_unique<RendezvousStore>(store_limits);
   Scheduler::Options so;
   so.period = options.schedule_period;

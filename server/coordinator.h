@@ -57,6 +57,8 @@ class Coordinator {
     std::string data_dir;
     absl::Duration heartbeat_interval = absl::Seconds(2);
     absl::Duration lease_duration = absl::Seconds(10);
+    // WorkerRegistry::Options::max_workers.
+    int max_workers = WorkerRegistry::kDefaultMaxWorkers;
     Clock* clock = Clock::Real();
     // Bearer token every CoordinatorService call must carry; empty: none.
     std::string auth_token;
@@ -81,6 +83,10 @@ class Coordinator {
     // at once (more than the largest job's ranks), and bytes held.
     int max_store_waits = 8192;
     int64_t store_quota_bytes = int64_t{1} << 30;
+    // Whether the store takes any scope. Off (the daemon), only a placed job
+    // generation's (RendezvousStoreLimits::placed_scopes_only); on for
+    // tests of the store alone, with no job.
+    bool store_any_scope = false;
     // Uploads (UploadStore::Limits): bytes of all, and how many.
     int64_t upload_quota_bytes = int64_t{256} << 30;
     int max_uploads = 1000;

@@ -22,6 +22,21 @@ namespace {
 // ListJobs pages.
 constexpr int kDefaultJobsPage = 100;
 constexpr int kMaxJobsPage = 1000;
+// ListWorkers pages: workers, and bytes (a page ends after the worker that
+// reaches them).
+constexpr int kMaxWorkersPage = 1000;
+constexpr size_t kWorkersPageBytes = size_t{1} << 20;
+
+// The key after which a page starts: "" for the first page, else what
+// `token` ("after:KEY", from a next_page_token of `rpc`) names.
+absl::StatusOr<std::string> PageAfter(const std::string& token, absl::string_view rpc) {
+  if (token.empty()) return std::string();
+  constexpr absl::string_view kAfter = "after:";
+  if (!absl::StartsWith(token, kAfter) || token.size() > 256) {
+    return absl::InvalidArgumentError(absl::StrCat("page_token: not a token from ", rpc, "' next_page_token"));
+  }
+  return token.substr(kAfter.size());
+}
 // The events a watch copies out of the job manager at a time (under its
 // lock): a long run's history holds one a step.
 constexpr size_t kWatchBatch = 1024;
@@ -111,7 +126,18 @@ grpc::Status CoordinatorServiceImpl::ListWorkers(grpc::ServerContext* ctx,
                                                  const v1::ListWorkersRequest* req,
                                                  v1::ListWorkersResponse* resp) {
   return Instrument(ctx, "ListWorkers", [&]() -> absl::Status {
-    for (v1::Worker& w : workers_->List(req->include_lost())) *resp->add_workers() = std::move(w);
+    if (req->page_size() < 0) return absl::InvalidArgumentError("page_size: must be >= 0");
+    const int limit = req->page_size() == 0 ? kMaxWorkersPage : std::min(req->page_size(), kMaxWorkersPage);
+    ASSIGN_OR_RETURN(const std::string after, PageAfter(req->page_token(), "ListWorkers"));
+    std::vector<v1::Worker> workers = workers_->List(req->include_lost());  // sorted by id
+    auto it = std::upper_bound(workers.begin(), workers.end(), after,
+                               [](const std::string& a, const v1::Worker& w) { return a < w.info().worker_id(); });
+    size_t bytes = 0;
+    for (; it != workers.end() && resp->workers_size() < limit && bytes < kWorkersPageBytes; ++it) {
+      bytes += it->ByteSizeLong();
+      *resp->add_workers() = std::move(*it);
+    }
+    if (it != workers.end()) resp->set_next_page_token(absl::StrCat("after:", resp->workers().rbegin()->info().worker_id()));
     return absl::OkStatus();
   });
 }
@@ -155,14 +181,7 @@ grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1
     for (int s : req->states()) states.push_back(static_cast<v1::JobState>(s));
     if (req->page_size() < 0) return absl::InvalidArgumentError("page_size: must be >= 0");
     const int limit = req->page_size() == 0 ? kDefaultJobsPage : std::min(req->page_size(), kMaxJobsPage);
-    std::string after;
-    if (!req->page_token().empty()) {
-      constexpr absl::string_view kAfter = "after:";
-      if (!absl::StartsWith(req->page_token(), kAfter) || req->page_token().size() > 256) {
-        return absl::InvalidArgumentError("page_token: not a token from ListJobs' next_page_token");
-      }
-      after = req->page_token().substr(kAfter.size());
-    }
+    ASSIGN_OR_RETURN(const std::string after, PageAfter(req->page_token(), "ListJobs"));
     const bool full = req->view() == v1::JOB_VIEW_FULL;
     JobManager::Page page = jobs_->ListPage(states, after, limit, [full](v1::Job& j) {
       if (full) return;

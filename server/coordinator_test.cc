@@ -21,6 +21,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/limits.h"
 #include "client/coordinator_client.h"
 #include "common/grpc_status.h"
 #include "gtest/gtest.h"
@@ -43,6 +44,7 @@ class CoordinatorTest : public ::testing::Test {
         std::string("coord-") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
     o.heartbeat_interval = absl::Milliseconds(100);
     o.lease_duration = absl::Seconds(30);
+    o.store_any_scope = store_any_scope_;
     auto c = Coordinator::Start(o);
     ASSERT_TRUE(c.ok()) << c.status();
     coordinator_ = std::move(*c);
@@ -51,8 +53,15 @@ class CoordinatorTest : public ::testing::Test {
     client_ = std::move(*client);
   }
 
+  bool store_any_scope_ = false;
   std::unique_ptr<Coordinator> coordinator_;
   std::unique_ptr<CoordinatorClient> client_;
+};
+
+// The rendezvous store alone, with no job: it takes any scope.
+class AnyScopeCoordinatorTest : public CoordinatorTest {
+ protected:
+  AnyScopeCoordinatorTest() { store_any_scope_ = true; }
 };
 
 TEST_F(CoordinatorTest, BindsPortZeroAndServesHealthAndReflection) {
@@ -91,6 +100,63 @@ TEST_F(CoordinatorTest, RegistersHeartbeatsAndListsWorkers) {
             absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->Heartbeat("", v1::WorkerStatus()).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// ListWorkers pages by count (page_size, at most 1000) and by bytes (1 MiB):
+// 80 workers with the largest labels a worker may have (64 of 1 KiB, about
+// 66 KiB a worker; 5.2 MiB together, past gRPC's 4 MiB message, which an
+// unpaged answer failed on) are listed whole by the client, each once, in
+// order; a page holds at most page_size and ends past 1 MiB.
+TEST_F(CoordinatorTest, ListWorkersPagesByCountAndBytes) {
+  constexpr int kWorkers = 80;
+  for (int i = 0; i < kWorkers; ++i) {
+    v1::WorkerInfo info;
+    info.set_address(absl::StrCat("127.0.0.1:", 20000 + i));
+    info.set_device_kind(v1::DEVICE_KIND_CPU);
+    for (int l = 0; l < kMaxLabels; ++l) {
+      (*info.mutable_labels())[absl::StrCat("label-", l)] = std::string(kMaxLabelValueBytes, 'v');
+    }
+    ASSERT_TRUE(client_->RegisterWorker(info).ok());
+  }
+  auto all = client_->ListWorkers(false);
+  ASSERT_TRUE(all.ok()) << all.status();
+  ASSERT_EQ(all->size(), static_cast<size_t>(kWorkers));
+  for (size_t i = 1; i < all->size(); ++i) EXPECT_LT((*all)[i - 1].info().worker_id(), (*all)[i].info().worker_id());
+
+  auto& stub = client_->stub();
+  auto page = [&](int size, const std::string& token, v1::ListWorkersResponse* resp) {
+    grpc::ClientContext ctx;
+    v1::ListWorkersRequest req;
+    req.set_page_size(size);
+    req.set_page_token(token);
+    return stub.ListWorkers(&ctx, req, resp);
+  };
+  std::vector<std::string> ids;
+  std::string token;
+  int pages = 0;
+  do {
+    v1::ListWorkersResponse resp;
+    ASSERT_TRUE(page(0, token, &resp).ok());
+    ASSERT_GT(resp.workers_size(), 0);
+    const size_t worker_bytes = resp.workers(0).ByteSizeLong();
+    EXPECT_LE(resp.ByteSizeLong(), (size_t{1} << 20) + 2 * worker_bytes);
+    for (const v1::Worker& w : resp.workers()) ids.push_back(w.info().worker_id());
+    token = resp.next_page_token();
+    ++pages;
+  } while (!token.empty() && pages < 100);
+  size_t bytes = 0;
+  for (const v1::Worker& w : *all) bytes += w.ByteSizeLong();
+  EXPECT_GT(bytes, size_t{4} << 20);
+  EXPECT_GE(pages, static_cast<int>(bytes >> 20));
+  ASSERT_EQ(ids.size(), static_cast<size_t>(kWorkers));
+  for (int i = 0; i < kWorkers; ++i) EXPECT_EQ(ids[i], (*all)[i].info().worker_id());
+
+  v1::ListWorkersResponse resp;
+  ASSERT_TRUE(page(7, "", &resp).ok());
+  EXPECT_EQ(resp.workers_size(), 7);
+  EXPECT_EQ(resp.next_page_token(), "after:" + (*all)[6].info().worker_id());
+  EXPECT_EQ(page(-1, "", &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(page(0, "job-000001", &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 TEST_F(CoordinatorTest, MalformedRegisterWorkerIsInvalidArgument) {
@@ -422,6 +488,7 @@ TEST(CoordinatorStart, ServerThreadsAreBounded) {
   Coordinator::Options o;
   o.data_dir = testing::TempPath("coord-threads");
   o.max_server_threads = 8;
+  o.store_any_scope = true;  // waits with no job
   EXPECT_EQ(Coordinator::ServerThreadsFor(o), 8);
   auto c = Coordinator::Start(o);
   ASSERT_TRUE(c.ok()) << c.status();
@@ -627,7 +694,31 @@ TEST(CoordinatorClientDeadlines, TensorCallsTakeTheirOwnDeadline) {
   EXPECT_EQ(CoordinatorClient::Create(address, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(CoordinatorTest, RendezvousStoreOverGrpc) {
+// The daemon's store takes nothing for a scope no placed job generation
+// has (a client's own, or a generation not placed): FAILED_PRECONDITION.
+TEST_F(CoordinatorTest, TheStoreTakesOnlyAPlacedGenerationsScope) {
+  auto& stub = client_->stub();
+  grpc::ClientContext ctx;
+  v1::KvSetRequest set;
+  set.set_scope("job-000001/gen-1");
+  set.set_key("k");
+  set.set_value(std::string(1 << 20, 'x'));
+  v1::KvSetResponse set_resp;
+  const grpc::Status s = stub.KvSet(&ctx, set, &set_resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_NE(s.error_message().find("no placed job generation"), std::string::npos) << s.error_message();
+  grpc::ClientContext ctx2;
+  v1::KvWaitRequest wait;
+  wait.set_scope("mine");
+  wait.add_keys("k");
+  wait.mutable_timeout()->set_seconds(20);
+  v1::KvWaitResponse wait_resp;
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(stub.KvWait(&ctx2, wait, &wait_resp).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "a wait on a scope no job has holds a thread";
+}
+
+TEST_F(AnyScopeCoordinatorTest, RendezvousStoreOverGrpc) {
   auto& stub = client_->stub();
   std::thread setter([&] {
     absl::SleepFor(absl::Milliseconds(50));

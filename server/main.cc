@@ -23,6 +23,9 @@ ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(2),
           "How often workers are told to heartbeat, e.g. 2s or 500ms.");
 ABSL_FLAG(absl::Duration, lease_duration, absl::Seconds(10),
           "A worker without a heartbeat for this long is marked lost.");
+ABSL_FLAG(int, max_workers, colod::WorkerRegistry::kDefaultMaxWorkers,
+          "Workers registered at once, lost ones included (they are listed for 10 minutes): a registration past "
+          "it forgets the worker lost longest, and is refused RESOURCE_EXHAUSTED where none is lost.");
 ABSL_FLAG(absl::Duration, hang_threshold, absl::Seconds(30),
           "Ranks that wait in a collective this long are reported: a job event and the job's 'stalled' field "
           "name the group, the collective and the ranks that have not entered it. Keep it below the workers' "
@@ -99,6 +102,7 @@ int main(int argc, char** argv) {
   options.data_dir = absl::GetFlag(FLAGS_data_dir);
   options.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.lease_duration = absl::GetFlag(FLAGS_lease_duration);
+  options.max_workers = absl::GetFlag(FLAGS_max_workers);
   options.hang_threshold = absl::GetFlag(FLAGS_hang_threshold);
   options.stop_grace = absl::GetFlag(FLAGS_stop_grace);
   options.job_retention = absl::GetFlag(FLAGS_job_retention);

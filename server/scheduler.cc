@@ -304,6 +304,7 @@ void Scheduler::ScheduleQueued() {
       if (p.resume_own) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
       p.mesh = placed;
       p.scope = absl::StrFormat("%s/gen-%d", job.job_id(), p.generation);
+      store_->OpenScope(p.scope);  // before any rank is assigned; ReleaseLocked deletes it
     }
     COLOD_LOG(INFO) << "job " << job.job_id() << ": " << placed.world_size() << " ranks placed";
     StartAssign(job.job_id());

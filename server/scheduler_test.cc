@@ -190,7 +190,11 @@ class SchedulerTest : public ::testing::Test {
   FakeClock clock_;
   WorkerRegistry registry_;
   std::unique_ptr<JobManager> jobs_;
-  RendezvousStore store_;
+  RendezvousStore store_{[] {
+    RendezvousStoreLimits l;
+    l.placed_scopes_only = true;  // as the coordinator runs it
+    return l;
+  }()};
   std::shared_ptr<FakeWorkers> fake_ = std::make_shared<FakeWorkers>();
   std::unique_ptr<Scheduler> scheduler_;
   std::vector<std::string> ids_;
@@ -200,11 +204,22 @@ TEST_F(SchedulerTest, PlacesRunsAndSucceeds) {
   Start(4);
   auto job = jobs_->Submit(TrainSpec(2, 2), "");
   ASSERT_TRUE(job.ok()) << job.status();
+  // The store takes nothing for a generation not placed (nor for a scope
+  // no job has), so no client fills it under a scope no job's end deletes.
+  const std::string scope = job->job_id() + "/gen-1";
+  EXPECT_EQ(store_.Set(scope, "early", "x").code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store_.Set("mine/gen-1", "k", std::string(1000, 'x')).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store_.Barrier(scope, "b", 0, 2, absl::Milliseconds(10)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store_.Wait(scope, {"k"}, absl::Seconds(10)).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store_.bytes(), 0);
   scheduler_->TickForTest();
   v1::Job j = Job(job->job_id());
   EXPECT_EQ(j.state(), v1::JOB_STATE_SCHEDULED);
   EXPECT_EQ(j.generation(), 1);
   ASSERT_EQ(fake_->assigned.size(), 4u);  // every rank, at once
+  // Placed: its ranks' rendezvous is taken.
+  EXPECT_TRUE(store_.Set(scope, "k", "x").ok());
+  EXPECT_EQ(*store_.Wait(scope, {"k"}, absl::Seconds(10)), std::vector<std::string>{"x"});
   std::set<std::string> addresses;
   for (size_t r = 0; r < 4; ++r) {
     const auto& c = fake_->assigned[r];
@@ -225,6 +240,9 @@ TEST_F(SchedulerTest, PlacesRunsAndSucceeds) {
   EXPECT_EQ(States(job->job_id()), (std::vector<v1::JobState>{v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED,
                                                              v1::JOB_STATE_RUNNING, v1::JOB_STATE_SUCCEEDED}));
   EXPECT_TRUE(fake_->aborted.empty());
+  // Ended: its keys are dropped and its scope closed.
+  EXPECT_EQ(store_.Set(scope, "late", "x").code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(store_.bytes(), 0);
 }
 
 // A rank's status reports add one event a phase (a report sent again, or a

@@ -95,12 +95,29 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
 
   absl::MutexLock lock(&mu_);
   const absl::Time now = options_.clock->Now();
+  SweepLocked(now);
   for (auto it = workers_.begin(); it != workers_.end();) {
     if (it->second.info.address() == info.address()) {
       it = workers_.erase(it);
     } else {
       ++it;
     }
+  }
+  if (workers_.size() >= static_cast<size_t>(options_.max_workers)) {
+    // Room is made by forgetting the worker lost longest, as the sweep
+    // would later; live ones are never dropped.
+    auto oldest = workers_.end();
+    for (auto it = workers_.begin(); it != workers_.end(); ++it) {
+      if (it->second.lost && (oldest == workers_.end() || it->second.last_heartbeat < oldest->second.last_heartbeat)) {
+        oldest = it;
+      }
+    }
+    if (oldest == workers_.end()) {
+      return absl::ResourceExhaustedError(absl::StrCat(workers_.size(), " workers are registered, none of them lost: "
+                                                       "the coordinator's --max-workers (", options_.max_workers,
+                                                       ")"));
+    }
+    workers_.erase(oldest);
   }
   Entry e;
   e.info = info;

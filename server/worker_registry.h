@@ -35,7 +35,13 @@ class WorkerRegistry {
     // random part in it per start, so that a worker registered with an
     // earlier coordinator cannot heartbeat under a new worker's id.
     std::string id_prefix = "worker-";
+    // Workers held at once, LOST ones included. A registration past it
+    // makes room by forgetting the worker lost longest, and is
+    // RESOURCE_EXHAUSTED where none is lost; a worker registering again
+    // under its address replaces itself.
+    int max_workers = kDefaultMaxWorkers;
   };
+  static constexpr int kDefaultMaxWorkers = 16384;
 
   explicit WorkerRegistry(Options options);
 
@@ -48,7 +54,7 @@ class WorkerRegistry {
   // Validates `info` (address HOST:PORT with port 1..65535, device_ordinal >= 0,
   // worker_id empty, the bounds of common/limits.h) and adds the worker. A registration with the address of a
   // known worker replaces it (the daemon restarted). INVALID_ARGUMENT naming
-  // the field otherwise.
+  // the field otherwise; RESOURCE_EXHAUSTED past max_workers.
   absl::StatusOr<Registration> Register(const v1::WorkerInfo& info,
                                         const v1::WorkerStatus& status = v1::WorkerStatus());
 

@@ -205,6 +205,37 @@ TEST_F(WorkerRegistryTest, ReRegistrationFromTheSameAddressReplacesTheOldEntry) 
             absl::StatusCode::kNotFound);
 }
 
+// The registry holds max_workers at most: past it, a registration forgets
+// the worker lost longest, and is RESOURCE_EXHAUSTED where every worker is
+// live; a worker registering again under its own address always may.
+TEST_F(WorkerRegistryTest, WorkersAreBoundedAndTheLongestLostMakesRoom) {
+  WorkerRegistry::Options o = Opts(&clock_);
+  o.max_workers = 3;
+  WorkerRegistry r(o);
+  auto a = r.Register(Info("h:1"));
+  clock_.Advance(absl::Seconds(1));
+  auto b = r.Register(Info("h:2"));
+  auto c = r.Register(Info("h:3"));
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  const auto full = r.Register(Info("h:4"));
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();
+  EXPECT_NE(full.status().message().find("--max-workers (3)"), std::string::npos) << full.status();
+  EXPECT_TRUE(r.Register(Info("h:3")).ok());  // itself again: replaced, not one more
+  ASSERT_EQ(r.List(true).size(), 3u);
+  // a and b are lost (a longer ago), the new h:3 is not: h:4 takes a's room.
+  clock_.Advance(absl::Seconds(5));
+  ASSERT_TRUE(r.Heartbeat(r.List(false).back().info().worker_id(), v1::WorkerStatus()).ok());
+  clock_.Advance(absl::Seconds(1));
+  r.Sweep();
+  ASSERT_EQ(r.CountByState()["lost"], 2);
+  ASSERT_TRUE(r.Register(Info("h:4")).ok());
+  std::vector<std::string> addresses;
+  for (const v1::Worker& w : r.List(true)) addresses.push_back(w.info().address());
+  EXPECT_EQ(addresses, (std::vector<std::string>{"h:2", "h:3", "h:4"}));
+  ASSERT_TRUE(r.Register(Info("h:5")).ok());  // b's room
+  EXPECT_EQ(r.Register(Info("h:6")).status().code(), absl::StatusCode::kResourceExhausted);
+}
+
 TEST_F(WorkerRegistryTest, HeartbeatStatusIsReported) {
   auto a = registry_.Register(Info("h:1"));
   ASSERT_TRUE(a.ok());

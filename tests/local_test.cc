@@ -300,7 +300,7 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
 // tensor create checks its --shape before any call: a missing or
 // overflowing one is a usage error (2) even where no coordinator answers.
 TEST(Local, TensorCreateChecksItsShapeBeforeAnyCall) {
-  for (const std::string& shape : {"", "--shape=4611686018427387904,4", "--shape=2,0"}) {
+  for (const std::string& shape : std::vector<std::string>{"", "--shape=4611686018427387904,4", "--shape=2,0"}) {
     std::vector<std::string> argv = {Runfile("client/coloctl"), "--coordinator", "127.0.0.1:1", "--timeout", "2s",
                                      "tensor", "create", "job-000001", "t"};
     if (!shape.empty()) argv.push_back(shape);

@@ -36,6 +36,7 @@ std::unique_ptr<Coordinator> StartCoordinator(const std::string& listen, const s
   o.data_dir = testing::TempPath(dir);
   o.heartbeat_interval = absl::Milliseconds(50);
   o.lease_duration = absl::Seconds(30);
+  o.store_any_scope = true;  // tests assign ranks to the worker themselves: no generation is placed
   auto c = Coordinator::Start(o);
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? std::move(*c) : nullptr;
@@ -420,6 +421,7 @@ TEST(WorkerDaemon, ARankErrorQuotingBytesThatAreNotUtf8KeepsTheWorkerHeartbeatin
 TEST(WorkerDaemon, AClosedRunnerAbortsItsRankAndTakesNoOther) {
   Coordinator::Options o;
   o.data_dir = testing::TempPath("close-coordinator");
+  o.store_any_scope = true;  // the test assigns the ranks itself
   auto coordinator = Coordinator::Start(o);
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();
   JobRunner runner(RunnerOptions(**coordinator, "runner-close"));
