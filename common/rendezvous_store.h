@@ -43,12 +43,14 @@ class RendezvousStore {
  public:
   // Limits that keep a misbehaving client from exhausting the coordinator.
   static constexpr size_t kMaxKeyBytes = 1024;
-  static constexpr size_t kMaxValueBytes = 4 << 20;
+  // A value, and the values one Wait returns together, fit one gRPC message
+  // of the default 4 MiB with room for the rest of it (scope, key, and each
+  // value's framing: a KvSet or KvWait at the bounds goes through; a larger
+  // message could not be received anyway).
+  static constexpr size_t kMaxValueBytes = (4 << 20) - (64 << 10);
   static constexpr absl::Duration kMaxTimeout = absl::Minutes(30);
-  // Keys one Wait may name, and the bytes of the values it may return (a
-  // reply past gRPC's default 4 MiB message could not be received anyway).
   static constexpr size_t kMaxWaitKeys = 4096;
-  static constexpr int64_t kMaxWaitReplyBytes = 4 << 20;
+  static constexpr int64_t kMaxWaitReplyBytes = kMaxValueBytes;
   // What the store counts for each key or barrier besides its bytes: the
   // map's node, the strings' headers.
   static constexpr int64_t kEntryOverheadBytes = 128;

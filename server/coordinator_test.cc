@@ -22,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/limits.h"
+#include "common/rendezvous_store.h"
 #include "client/coordinator_client.h"
 #include "common/grpc_status.h"
 #include "gtest/gtest.h"
@@ -772,6 +773,36 @@ TEST_F(AnyScopeCoordinatorTest, RendezvousStoreOverGrpc) {
   }
   for (auto& t : ranks) t.join();
   EXPECT_TRUE(barrier[0].ok() && barrier[1].ok());
+
+  // A value at the store's bound, under the longest scope and key, goes
+  // through gRPC's default 4 MiB message both ways; one byte more is refused
+  // by the store, saying so.
+  const std::string scope(RendezvousStore::kMaxKeyBytes, 's'), key(RendezvousStore::kMaxKeyBytes, 'k');
+  const std::string value(RendezvousStore::kMaxValueBytes, 'v');
+  {
+    grpc::ClientContext c;
+    v1::KvSetRequest set;
+    set.set_scope(scope);
+    set.set_key(key);
+    set.set_value(value);
+    v1::KvSetResponse sr;
+    const grpc::Status s = stub.KvSet(&c, set, &sr);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    grpc::ClientContext c2;
+    set.mutable_value()->push_back('v');
+    const grpc::Status over = stub.KvSet(&c2, set, &sr);
+    EXPECT_EQ(over.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << over.error_message();
+  }
+  grpc::ClientContext c3;
+  v1::KvWaitRequest wait;
+  wait.set_scope(scope);
+  wait.add_keys(key);
+  wait.mutable_timeout()->set_seconds(5);
+  v1::KvWaitResponse waited;
+  const grpc::Status w = stub.KvWait(&c3, wait, &waited);
+  ASSERT_TRUE(w.ok()) << w.error_message();
+  ASSERT_EQ(waited.values_size(), 1);
+  EXPECT_TRUE(waited.values(0) == value);
 }
 
 TEST_F(CoordinatorTest, ServesParseableMetrics) {

@@ -193,8 +193,19 @@ class ColodClient:
             time.sleep(0.2)
 
     def list_workers(self, include_lost=False):
-        return self._call("ListWorkers", coordinator_pb2.ListWorkersRequest(include_lost=include_lost),
-                          _RETRY_TRANSIENT).workers
+        """Every registered worker, sorted by id (following the pages)."""
+        workers, token = [], ""
+        while True:
+            resp = self._call("ListWorkers",
+                              coordinator_pb2.ListWorkersRequest(include_lost=include_lost, page_token=token),
+                              _RETRY_TRANSIENT)
+            workers.extend(resp.workers)
+            if resp.next_page_token and resp.next_page_token == token:
+                raise ColodError("ListWorkers", grpc.StatusCode.DATA_LOSS,
+                                 f"the coordinator sent page token '{token}' again")
+            token = resp.next_page_token
+            if not token:
+                return workers
 
     # Jobs.
 
@@ -219,6 +230,9 @@ class ColodClient:
             resp = self._call("ListJobs", coordinator_pb2.ListJobsRequest(states=states, view=view, page_token=token),
                               _RETRY_TRANSIENT)
             jobs.extend(resp.jobs)
+            if resp.next_page_token and resp.next_page_token == token:
+                raise ColodError("ListJobs", grpc.StatusCode.DATA_LOSS,
+                                 f"the coordinator sent page token '{token}' again")
             token = resp.next_page_token
             if not token:
                 return jobs

@@ -104,6 +104,21 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             yield event(seq, final=seq == self.events)
             sent += 1
 
+    def ListWorkers(self, request, context):
+        """Workers worker-0 .. worker-4 in pages of two, as the coordinator
+        pages them ("after:ID")."""
+        self._enter("ListWorkers", context)
+        ids = [f"worker-{i}" for i in range(5)]
+        after = request.page_token[len("after:"):] if request.page_token else ""
+        rest = [i for i in ids if i > after]
+        page = rest[:2]
+        resp = coordinator_pb2.ListWorkersResponse()
+        for i in page:
+            resp.workers.add().info.worker_id = i
+        if len(rest) > 2:
+            resp.next_page_token = "after:" + page[-1]
+        return resp
+
     def UploadModel(self, request_iterator, context):
         self._enter("UploadModel", context)
         for req in request_iterator:
@@ -226,6 +241,12 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(self.fake.chunks, [("config.json", 0, 10), ("empty.safetensors", 0, 0),
                                             ("model.safetensors", 0, 1000), ("model.safetensors", 1000, 1000),
                                             ("model.safetensors", 2000, 500)])
+
+    def test_list_workers_follows_every_page(self):
+        self.fake.unavailable["ListWorkers"] = 1  # a page retried
+        workers = self.client.list_workers()
+        self.assertEqual([w.info.worker_id for w in workers], [f"worker-{i}" for i in range(5)])
+        self.assertEqual(self.fake.calls["ListWorkers"], 4)
 
     def test_expected_groups(self):
         self.assertEqual(cc.expected_groups(2, 2),
