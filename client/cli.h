@@ -2,8 +2,8 @@
 // entry, exit codes and error lines, the coordinator's address, clients with
 // TLS and the bearer token, embedded clusters, and following a job.
 //
-// Exit codes: 0 success, 1 the command failed (Fail), 2 a usage error (Usage);
-// a flag Abseil cannot parse (unknown, or a bad value) exits 1 in ParseFlags.
+// Exit codes: 0 success, 1 the command failed (Fail), 2 a usage error (Usage,
+// and ParseFlags' for a flag that is unknown or does not parse).
 #ifndef COLOD_CLIENT_CLI_H_
 #define COLOD_CLIENT_CLI_H_
 

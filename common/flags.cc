@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <filesystem>
+#include <functional>
 #include <map>
 
 #include "absl/flags/parse.h"
@@ -103,6 +105,45 @@ std::vector<FlagArg> ScanFlags(const std::vector<std::string>& args) {
   return out;
 }
 
+absl::Status CheckFlags(const std::vector<std::string>& args) {
+  const std::vector<FlagArg> flags = ScanFlags(args);
+  std::set<std::string, std::less<>> undefok;
+  for (const FlagArg& f : flags) {
+    if (f.name != "undefok" || !f.value.has_value()) continue;
+    for (absl::string_view name : absl::StrSplit(*f.value, ',', absl::SkipEmpty())) {
+      std::string n(name);
+      std::replace(n.begin(), n.end(), '-', '_');
+      undefok.insert(std::move(n));
+    }
+  }
+  for (const FlagArg& f : flags) {
+    const std::string shown = absl::StrCat("--", DashedName(f.name));
+    if (f.flag == nullptr) {
+      if (undefok.count(f.name) > 0 || (absl::StartsWith(f.name, "no") && undefok.count(f.name.substr(2)) > 0)) {
+        continue;
+      }
+      return absl::InvalidArgumentError(absl::StrCat(shown, ": no such flag"));
+    }
+    if (f.name != f.flag->Name()) {  // --noNAME of a bool
+      if (f.value.has_value()) return absl::InvalidArgumentError(absl::StrCat(shown, ": takes no value"));
+      continue;
+    }
+    if (!f.value.has_value()) {
+      if (f.flag->IsOfType<bool>()) continue;
+      return absl::InvalidArgumentError(absl::StrCat(shown, ": missing its value"));
+    }
+    // Parsed into the flag, then set back: no value changes here.
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(f.flag->Name());
+    const std::string before = flag->CurrentValue();
+    std::string error;
+    const bool parsed = flag->ParseFrom(*f.value, &error);
+    std::string ignored;
+    (void)flag->ParseFrom(before, &ignored);
+    if (!parsed) return absl::InvalidArgumentError(absl::StrCat(shown, ": ", error));
+  }
+  return absl::OkStatus();
+}
+
 std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage,
                                     const std::set<std::string>& repeatable) {
   absl::FlagsUsageConfig config;
@@ -152,9 +193,18 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   for (const auto& [name, values] : repeated) {
     at = storage.insert(at, absl::StrCat("--", name, "=", absl::StrJoin(values, ","))) + 1;
   }
+  // A flag Abseil would refuse (exiting 1) is a usage error, as the
+  // binaries' others are.
+  if (const absl::Status checked = CheckFlags(storage); !checked.ok()) {
+    const std::string program = given.empty() ? "colod" : std::filesystem::path(given[0]).filename().string();
+    std::fprintf(stderr, "%s: %s\nRun '%s --help' for usage.\n", program.c_str(),
+                 std::string(checked.message()).c_str(), program.c_str());
+    std::exit(2);
+  }
   std::vector<char*> normalized;
   for (std::string& a : storage) normalized.push_back(a.data());
-  // Exits 1 with "ERROR: ..." on an unknown or malformed flag.
+  // (Exits 1 with "ERROR: ..." on what CheckFlags passed and Abseil does not:
+  // a --flagfile's contents.)
   std::vector<char*> positional =
       absl::ParseCommandLine(static_cast<int>(normalized.size()), normalized.data());
   std::vector<std::string> out;

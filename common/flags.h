@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/flags/commandlineflag.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -16,8 +17,8 @@ namespace colod {
 
 // Parses argv with Abseil flags. --help / -h prints `usage` followed by the
 // binary's own flags (not Abseil's internal ones) and exits 0; --version
-// prints the colod version and exits 0; an unknown or malformed flag prints
-// an error and exits 1. Returns the positional arguments, argv[0] excluded.
+// prints the colod version and exits 0; an unknown or malformed flag
+// (CheckFlags) prints why and exits 2, a usage error. Returns the positional arguments, argv[0] excluded.
 // Flags named in `repeatable` (Abseil's names, with '_'; list-valued) may be
 // given several times: their values are joined with commas.
 std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage,
@@ -45,6 +46,13 @@ struct FlagArg {
 // as its value, whatever that starts with, as Abseil does: that argument is
 // then no flag.
 std::vector<FlagArg> ScanFlags(const std::vector<std::string>& args);
+
+// Whether Abseil would parse the flags of `args` (args[0], the program,
+// excluded; names spelt as Abseil spells them, with '_'): INVALID_ARGUMENT
+// naming the first flag that is unknown to this binary (and not in a given
+// --undefok), that misses its value, or whose value does not parse
+// (Abseil's reason). No flag's value changes.
+absl::Status CheckFlags(const std::vector<std::string>& args);
 
 // `text` wrapped into lines of at most `width` columns, each starting with
 // `indent` spaces and ending in '\n'. Lines break at spaces (a run of spaces

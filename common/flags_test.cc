@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 
 ABSL_FLAG(std::vector<std::string>, test_roots, {}, "test: a repeatable list flag");
@@ -77,6 +78,24 @@ TEST(ScanFlags, FindsEachFlagItsValueAndWhereItStands) {
   EXPECT_EQ(tail[2].index, 4u);
   EXPECT_FALSE(tail[2].value.has_value());
   EXPECT_FALSE(tail[2].value_next);
+}
+
+// What Abseil would refuse is found first, named, and changes no flag.
+TEST(CheckFlags, NamesAnUnknownFlagAMissingValueAndAValueThatDoesNotParse) {
+  const int count = absl::GetFlag(FLAGS_test_count);
+  EXPECT_TRUE(CheckFlags({"prog", "--test-count", "7", "--test_switch", "--notest-switch", "pos", "--", "--x"}).ok());
+  EXPECT_EQ(absl::GetFlag(FLAGS_test_count), count);  // checked, not set
+  const absl::Status unknown = CheckFlags({"prog", "--test-count=1", "--bogus-flag=1"});
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(unknown.message(), "--bogus-flag: no such flag");
+  EXPECT_TRUE(CheckFlags({"prog", "--undefok=bogus-flag,other", "--bogus-flag=1", "--nobogus_flag"}).ok());
+  EXPECT_EQ(CheckFlags({"prog", "--test-count"}).message(), "--test-count: missing its value");
+  const absl::Status bad = CheckFlags({"prog", "--test-count=seven"});
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(bad.message(), "--test-count: ")) << bad;
+  EXPECT_EQ(absl::GetFlag(FLAGS_test_count), count);
+  EXPECT_EQ(CheckFlags({"prog", "--test-switch=maybe"}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckFlags({"prog", "--notest-switch=1"}).message(), "--notest-switch: takes no value");
 }
 
 // Repeatable flags collect every value; a value after its flag stays as

@@ -198,8 +198,18 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
   EXPECT_EQ(bad_listen.code, 1);
   EXPECT_TRUE(absl::StrContains(bad_listen.err, "--listen")) << bad_listen.err;
 
+  // A flag that is unknown or does not parse is a usage error, on every binary.
   auto unknown_flag = RunCommand({Runfile(kColoctl), "--bogus", "workers"}, TempPath(""));
-  EXPECT_NE(unknown_flag.code, 0);
+  EXPECT_EQ(unknown_flag.code, 2);
+  EXPECT_TRUE(absl::StrContains(unknown_flag.err, "coloctl: --bogus: no such flag")) << unknown_flag.err;
+  auto bad_value = RunCommand({Runfile(kColoctl), "--timeout", "soon", "workers"}, TempPath(""));
+  EXPECT_EQ(bad_value.code, 2);
+  EXPECT_TRUE(absl::StrContains(bad_value.err, "--timeout: ")) << bad_value.err;
+  for (const std::string& daemon : {kCoordinator, kWorker}) {
+    auto bad = RunCommand({Runfile(daemon), "--lease-duration=x", "--comm-timeout=x"}, TempPath(""));
+    EXPECT_EQ(bad.code, 2) << daemon;
+    EXPECT_TRUE(absl::StrContains(bad.err, "Run '")) << bad.err;
+  }
   auto unknown_cmd = RunCommand({Runfile(kColoctl), "frobnicate"}, TempPath(""));
   EXPECT_EQ(unknown_cmd.code, 2);
   EXPECT_TRUE(absl::StrContains(unknown_cmd.err, "unknown command")) << unknown_cmd.err;
