@@ -192,20 +192,23 @@ class ColodClient:
                                  f"{self.address} not serving after {total_timeout:g}s: {last}")
             time.sleep(0.2)
 
+    def _all_pages(self, method, request, field):
+        """The items (`field` of each response) of every page of a paged
+        List call, `request` sent again with each next_page_token."""
+        items = []
+        while True:
+            resp = self._call(method, request, _RETRY_TRANSIENT)
+            items.extend(getattr(resp, field))
+            if resp.next_page_token and resp.next_page_token == request.page_token:
+                raise ColodError(method, grpc.StatusCode.DATA_LOSS,
+                                 f"the coordinator sent page token '{request.page_token}' again")
+            if not resp.next_page_token:
+                return items
+            request.page_token = resp.next_page_token
+
     def list_workers(self, include_lost=False):
         """Every registered worker, sorted by id (following the pages)."""
-        workers, token = [], ""
-        while True:
-            resp = self._call("ListWorkers",
-                              coordinator_pb2.ListWorkersRequest(include_lost=include_lost, page_token=token),
-                              _RETRY_TRANSIENT)
-            workers.extend(resp.workers)
-            if resp.next_page_token and resp.next_page_token == token:
-                raise ColodError("ListWorkers", grpc.StatusCode.DATA_LOSS,
-                                 f"the coordinator sent page token '{token}' again")
-            token = resp.next_page_token
-            if not token:
-                return workers
+        return self._all_pages("ListWorkers", coordinator_pb2.ListWorkersRequest(include_lost=include_lost), "workers")
 
     # Jobs.
 
@@ -225,17 +228,7 @@ class ColodClient:
         """Every job in submission order (following the pages); summaries
         (no model config, mesh groups and ranks) unless `full`."""
         view = coordinator_pb2.JOB_VIEW_FULL if full else coordinator_pb2.JOB_VIEW_SUMMARY
-        jobs, token = [], ""
-        while True:
-            resp = self._call("ListJobs", coordinator_pb2.ListJobsRequest(states=states, view=view, page_token=token),
-                              _RETRY_TRANSIENT)
-            jobs.extend(resp.jobs)
-            if resp.next_page_token and resp.next_page_token == token:
-                raise ColodError("ListJobs", grpc.StatusCode.DATA_LOSS,
-                                 f"the coordinator sent page token '{token}' again")
-            token = resp.next_page_token
-            if not token:
-                return jobs
+        return self._all_pages("ListJobs", coordinator_pb2.ListJobsRequest(states=states, view=view), "jobs")
 
     def delete_job(self, job_id):
         """Forgets an ended job (FAILED_PRECONDITION while it runs)."""
