@@ -129,15 +129,9 @@ grpc::Status CoordinatorServiceImpl::ListWorkers(grpc::ServerContext* ctx,
     if (req->page_size() < 0) return absl::InvalidArgumentError("page_size: must be >= 0");
     const int limit = req->page_size() == 0 ? kMaxWorkersPage : std::min(req->page_size(), kMaxWorkersPage);
     ASSIGN_OR_RETURN(const std::string after, PageAfter(req->page_token(), "ListWorkers"));
-    std::vector<v1::Worker> workers = workers_->List(req->include_lost());  // sorted by id
-    auto it = std::upper_bound(workers.begin(), workers.end(), after,
-                               [](const std::string& a, const v1::Worker& w) { return a < w.info().worker_id(); });
-    size_t bytes = 0;
-    for (; it != workers.end() && resp->workers_size() < limit && bytes < kWorkersPageBytes; ++it) {
-      bytes += it->ByteSizeLong();
-      *resp->add_workers() = std::move(*it);
-    }
-    if (it != workers.end()) resp->set_next_page_token(absl::StrCat("after:", resp->workers().rbegin()->info().worker_id()));
+    WorkerRegistry::Page page = workers_->ListPage(req->include_lost(), after, limit, kWorkersPageBytes);
+    for (v1::Worker& w : page.workers) *resp->add_workers() = std::move(w);
+    if (page.more) resp->set_next_page_token(absl::StrCat("after:", resp->workers().rbegin()->info().worker_id()));
     return absl::OkStatus();
   });
 }

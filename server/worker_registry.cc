@@ -188,6 +188,24 @@ std::vector<v1::Worker> WorkerRegistry::List(bool include_lost) {
   return out;
 }
 
+WorkerRegistry::Page WorkerRegistry::ListPage(bool include_lost, absl::string_view after, int limit,
+                                              size_t max_bytes) {
+  absl::MutexLock lock(&mu_);
+  SweepLocked(options_.clock->Now());
+  Page page;
+  size_t bytes = 0;
+  for (auto it = workers_.upper_bound(std::string(after)); it != workers_.end(); ++it) {
+    if (it->second.lost && !include_lost) continue;
+    if (static_cast<int>(page.workers.size()) >= limit || bytes >= max_bytes) {
+      page.more = true;
+      break;
+    }
+    page.workers.push_back(ToProto(it->second));
+    bytes += page.workers.back().ByteSizeLong();
+  }
+  return page;
+}
+
 std::vector<std::string> WorkerRegistry::Sweep() {
   absl::MutexLock lock(&mu_);
   return SweepLocked(options_.clock->Now());

@@ -72,6 +72,14 @@ class WorkerRegistry {
 
   // Workers sorted by id; LOST ones only if include_lost.
   std::vector<v1::Worker> List(bool include_lost);
+  // A page of List: the workers with ids after `after` ("" for the first
+  // page), at most `limit`, ending after the one that brings the page to
+  // `max_bytes` (their serialized size) or more; `more` when others follow.
+  struct Page {
+    std::vector<v1::Worker> workers;
+    bool more = false;
+  };
+  Page ListPage(bool include_lost, absl::string_view after, int limit, size_t max_bytes);
 
   // Marks expired leases LOST and forgets long-lost workers. Returns the ids
   // that became LOST in this call. Called periodically by the coordinator;

@@ -2,6 +2,7 @@
 
 #include <map>
 
+#include "absl/strings/str_cat.h"
 #include "common/limits.h"
 #include "common/text.h"
 #include "gtest/gtest.h"
@@ -234,6 +235,32 @@ TEST_F(WorkerRegistryTest, WorkersAreBoundedAndTheLongestLostMakesRoom) {
   EXPECT_EQ(addresses, (std::vector<std::string>{"h:2", "h:3", "h:4"}));
   ASSERT_TRUE(r.Register(Info("h:5")).ok());  // b's room
   EXPECT_EQ(r.Register(Info("h:6")).status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+// Pages follow List's order from after the given id, skip lost workers
+// unless asked, end at the count or once past the bytes, and say whether
+// more follow.
+TEST_F(WorkerRegistryTest, PagesFollowListsOrderAndEndAtTheCountOrTheBytes) {
+  for (int i = 1; i <= 5; ++i) ASSERT_TRUE(registry_.Register(Info(absl::StrCat("h:", i))).ok());
+  const std::vector<v1::Worker> all = registry_.List(true);
+  ASSERT_TRUE(registry_.Deregister(all[1].info().worker_id(), "gone").ok());
+  auto ids = [](const WorkerRegistry::Page& p) {
+    std::vector<std::string> out;
+    for (const v1::Worker& w : p.workers) out.push_back(w.info().worker_id());
+    return out;
+  };
+  WorkerRegistry::Page p = registry_.ListPage(false, "", 2, size_t{1} << 20);
+  EXPECT_EQ(ids(p), (std::vector<std::string>{all[0].info().worker_id(), all[2].info().worker_id()}));
+  EXPECT_TRUE(p.more);
+  p = registry_.ListPage(false, all[2].info().worker_id(), 2, size_t{1} << 20);
+  EXPECT_EQ(ids(p), (std::vector<std::string>{all[3].info().worker_id(), all[4].info().worker_id()}));
+  EXPECT_FALSE(p.more);
+  p = registry_.ListPage(true, all[0].info().worker_id(), 1000, 1);  // one a page: the first passes the bytes
+  EXPECT_EQ(ids(p), std::vector<std::string>{all[1].info().worker_id()});
+  EXPECT_TRUE(p.more);
+  p = registry_.ListPage(true, all[4].info().worker_id(), 1000, 1);
+  EXPECT_TRUE(p.workers.empty());
+  EXPECT_FALSE(p.more);
 }
 
 TEST_F(WorkerRegistryTest, HeartbeatStatusIsReported) {
