@@ -491,20 +491,28 @@ int RunInProcess() {
   }
   // coloctl's flags that it does not define (--watch, --kind: every
   // command takes coloctl's flags) are let through, as coloctl lets them
-  // through to any command.
+  // through to any command, with those of the user's own --undefok (Abseil
+  // keeps one --undefok, the last).
   std::vector<std::string> names;
   for (const auto& [name, flag] : absl::GetAllFlags()) names.emplace_back(name);
-  std::sort(names.begin(), names.end());
-  const std::string undefok = absl::StrCat("--undefok=", absl::StrJoin(names, ","));
   // "--flag VALUE" becomes "--flag=VALUE": for a flag coloctl-run does not
   // define, Abseil there cannot know that it takes a value.
   std::vector<std::string> args(line.begin() + 1, line.end());
   const std::vector<FlagArg> flags = ScanFlags(line);
   for (auto f = flags.rbegin(); f != flags.rend(); ++f) {
+    if (f->flag != nullptr && f->flag->Name() == "undefok" && f->value.has_value()) {
+      for (absl::string_view n : absl::StrSplit(*f->value, ',', absl::SkipEmpty())) names.emplace_back(n);
+      args.erase(args.begin() + static_cast<std::ptrdiff_t>(f->index - 1),
+                 args.begin() + static_cast<std::ptrdiff_t>(f->index + (f->value_next ? 1 : 0)));
+      continue;
+    }
     if (!f->value_next) continue;
     args[f->index - 1] += "=" + *f->value;
     args.erase(args.begin() + static_cast<std::ptrdiff_t>(f->index));
   }
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  const std::string undefok = absl::StrCat("--undefok=", absl::StrJoin(names, ","));
   std::vector<char*> argv;
   argv.push_back(const_cast<char*>(kRunBinary));
   argv.push_back(const_cast<char*>(undefok.c_str()));

@@ -79,23 +79,23 @@ std::vector<FlagArg> ScanFlags(const std::vector<std::string>& args) {
   std::vector<FlagArg> out;
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& a = args[i];
-    if (a == "--") break;
-    if (a.size() < 2 || a[0] != '-') continue;
-    const size_t start = a.find_first_not_of('-');
+    if (a.size() < 2 || a[0] != '-') continue;  // positional, "-" too
+    const size_t start = a[1] == '-' ? 2 : 1;   // Abseil drops at most two dashes
     const size_t end = std::min(a.find('='), a.size());
-    if (start == std::string::npos || start >= end) continue;
+    if (start >= end) break;  // "--", "--=x", "-=x": the end of flags
     FlagArg f;
     f.index = i;
+    f.spelled = a.substr(0, end);
     f.name = a.substr(start, end - start);
     std::replace(f.name.begin(), f.name.end(), '-', '_');
     f.flag = absl::FindCommandLineFlag(f.name);
-    if (f.flag == nullptr && absl::StartsWith(f.name, "no")) {
-      const absl::CommandLineFlag* negated = absl::FindCommandLineFlag(f.name.substr(2));
-      if (negated != nullptr && negated->IsOfType<bool>()) f.flag = negated;
+    if (f.flag == nullptr && absl::StartsWith(f.name, "no")) {  // as Abseil's LocateFlag
+      f.flag = absl::FindCommandLineFlag(f.name.substr(2));
+      f.negated = f.flag != nullptr;
     }
     if (end < a.size()) {
       f.value = a.substr(end + 1);
-    } else if (f.flag != nullptr && !f.flag->IsOfType<bool>() && i + 1 < args.size()) {
+    } else if (f.flag != nullptr && !f.negated && !f.flag->IsOfType<bool>() && i + 1 < args.size()) {
       f.value = args[i + 1];
       f.value_next = true;
     }
@@ -105,32 +105,55 @@ std::vector<FlagArg> ScanFlags(const std::vector<std::string>& args) {
   return out;
 }
 
+namespace {
+
+// Flags Abseil's parser handles itself (usage flags are not in its
+// registry in every release): CheckFlags leaves them to it.
+bool IsAbseilsOwn(absl::string_view name) {
+  static const auto* const kOwn = new std::set<std::string, std::less<>>{
+      "help",    "helpfull",        "helpshort", "helppackage", "helpon",     "helpmatch",
+      "version", "only_check_args", "flagfile",  "fromenv",     "tryfromenv", "undefok"};
+  return kOwn->count(name) > 0;
+}
+
+// The names an --undefok value lists, spelt as Abseil's names ('_').
+std::set<std::string> UndefokNames(absl::string_view value) {
+  std::set<std::string> out;
+  for (absl::string_view name : absl::StrSplit(value, ',', absl::SkipEmpty())) {
+    std::string n(name);
+    std::replace(n.begin(), n.end(), '-', '_');
+    out.insert(std::move(n));
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::Status CheckFlags(const std::vector<std::string>& args) {
   const std::vector<FlagArg> flags = ScanFlags(args);
-  std::set<std::string, std::less<>> undefok;
+  std::set<std::string> undefok;  // Abseil's --undefok is its last occurrence
   for (const FlagArg& f : flags) {
-    if (f.name != "undefok" || !f.value.has_value()) continue;
-    for (absl::string_view name : absl::StrSplit(*f.value, ',', absl::SkipEmpty())) {
-      std::string n(name);
-      std::replace(n.begin(), n.end(), '-', '_');
-      undefok.insert(std::move(n));
-    }
+    if (f.name == "undefok" && f.value.has_value()) undefok = UndefokNames(*f.value);
   }
   for (const FlagArg& f : flags) {
-    const std::string shown = absl::StrCat("--", DashedName(f.name));
+    if (IsAbseilsOwn(f.name)) continue;
     if (f.flag == nullptr) {
       if (undefok.count(f.name) > 0 || (absl::StartsWith(f.name, "no") && undefok.count(f.name.substr(2)) > 0)) {
         continue;
       }
-      return absl::InvalidArgumentError(absl::StrCat(shown, ": no such flag"));
+      return absl::InvalidArgumentError(absl::StrCat(f.spelled, ": no such flag"));
     }
-    if (f.name != f.flag->Name()) {  // --noNAME of a bool
-      if (f.value.has_value()) return absl::InvalidArgumentError(absl::StrCat(shown, ": takes no value"));
+    if (f.negated) {
+      if (!f.flag->IsOfType<bool>()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(f.spelled, ": --", DashedName(f.flag->Name()), " takes a value, it has no --no form"));
+      }
+      if (f.value.has_value()) return absl::InvalidArgumentError(absl::StrCat(f.spelled, ": takes no value"));
       continue;
     }
     if (!f.value.has_value()) {
       if (f.flag->IsOfType<bool>()) continue;
-      return absl::InvalidArgumentError(absl::StrCat(shown, ": missing its value"));
+      return absl::InvalidArgumentError(absl::StrCat(f.spelled, ": missing its value"));
     }
     // Parsed into the flag, then set back: no value changes here.
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(f.flag->Name());
@@ -139,7 +162,7 @@ absl::Status CheckFlags(const std::vector<std::string>& args) {
     const bool parsed = flag->ParseFrom(*f.value, &error);
     std::string ignored;
     (void)flag->ParseFrom(before, &ignored);
-    if (!parsed) return absl::InvalidArgumentError(absl::StrCat(shown, ": ", error));
+    if (!parsed) return absl::InvalidArgumentError(absl::StrCat(f.spelled, ": ", error));
   }
   return absl::OkStatus();
 }
@@ -164,38 +187,44 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
       std::exit(0);
     }
   }
-  // Rewrite --data-dir[=x] to --data_dir[=x] for Abseil; positional arguments
-  // and everything after "--" stay as they are. Values of each repeatable
-  // flag are joined with commas into one occurrence.
+  // Rewrite --data-dir[=x] to --data_dir[=x] for Abseil (and the names an
+  // --undefok lists); positional arguments and everything after the end of
+  // flags stay as they are. The values of each repeatable flag are joined
+  // with commas into one occurrence, where its last one stood.
   const std::vector<std::string> given(argv, argv + argc);
+  std::vector<std::string> rewritten = given;
   std::vector<bool> dropped(given.size(), false);
-  std::vector<std::string> storage = given;
   std::map<std::string, std::vector<std::string>> repeated;
+  std::map<size_t, std::string> joined_at;  // index of a repeatable flag's last occurrence -> its name
   for (const FlagArg& f : ScanFlags(given)) {
-    std::string& a = storage[f.index];
-    const size_t start = a.find_first_not_of('-');
+    std::string& a = rewritten[f.index];
+    const size_t start = a[1] == '-' ? 2 : 1;
     std::replace(a.begin() + static_cast<std::ptrdiff_t>(start),
                  a.begin() + static_cast<std::ptrdiff_t>(start + f.name.size()), '-', '_');
+    if (f.name == "undefok" && f.value.has_value()) {
+      std::string& v = rewritten[f.value_next ? f.index + 1 : f.index];
+      std::replace(v.end() - static_cast<std::ptrdiff_t>(f.value->size()), v.end(), '-', '_');
+    }
     if (repeatable.count(f.name) == 0 || !f.value.has_value()) continue;
     repeated[f.name].push_back(*f.value);
     dropped[f.index] = true;
     if (f.value_next) dropped[f.index + 1] = true;
+    joined_at[f.index] = f.name;  // a later one moves it
+    for (auto it = joined_at.begin(); it != joined_at.end();) {
+      it = it->second == f.name && it->first != f.index ? joined_at.erase(it) : std::next(it);
+    }
   }
-  size_t kept = 0;
-  for (size_t i = 0; i < storage.size(); ++i) {
-    if (dropped[i]) continue;
-    if (kept != i) storage[kept] = std::move(storage[i]);
-    ++kept;
-  }
-  storage.resize(kept);
-  // First, so before any "--" (which may also be a flag's value).
-  auto at = storage.begin() + 1;
-  for (const auto& [name, values] : repeated) {
-    at = storage.insert(at, absl::StrCat("--", name, "=", absl::StrJoin(values, ","))) + 1;
+  std::vector<std::string> storage;
+  for (size_t i = 0; i < rewritten.size(); ++i) {
+    if (auto it = joined_at.find(i); it != joined_at.end()) {
+      storage.push_back(absl::StrCat("--", it->second, "=", absl::StrJoin(repeated[it->second], ",")));
+    } else if (!dropped[i]) {
+      storage.push_back(std::move(rewritten[i]));
+    }
   }
   // A flag Abseil would refuse (exiting 1) is a usage error, as the
   // binaries' others are.
-  if (const absl::Status checked = CheckFlags(storage); !checked.ok()) {
+  if (const absl::Status checked = CheckFlags(given); !checked.ok()) {  // named as the user spelt them
     const std::string program = given.empty() ? "colod" : std::filesystem::path(given[0]).filename().string();
     std::fprintf(stderr, "%s: %s\nRun '%s --help' for usage.\n", program.c_str(),
                  std::string(checked.message()).c_str(), program.c_str());

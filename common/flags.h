@@ -26,32 +26,36 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
 
 // A flag on a command line, as Abseil reads it.
 struct FlagArg {
-  size_t index = 0;  // its place in the command line
-  // Its name as Abseil spells it: the leading dashes dropped, the name's
-  // '-' made '_' ("data_dir"; "nowatch" for --nowatch).
+  size_t index = 0;     // its place in the command line
+  std::string spelled;  // as written, up to any '=' ("--data-dir", "-nowatch")
+  // Its name as Abseil spells it: one or two leading dashes dropped, the
+  // name's '-' made '_' ("data_dir"; "nowatch" for --nowatch).
   std::string name;
-  // The flag of this binary that it sets (--noNAME sets the bool flag
-  // NAME), or null.
+  // The flag of this binary that it names, or null. --noNAME, where no
+  // flag is called that, names NAME (negated).
   const absl::CommandLineFlag* flag = nullptr;
-  // "--flag=VALUE" or "--flag VALUE"; none for a bool given alone, or a
-  // flag whose value is missing.
+  bool negated = false;
+  // "--flag=VALUE" or "--flag VALUE"; none for a bool given alone, a
+  // negation, or a flag whose value is missing.
   std::optional<std::string> value;
   bool value_next = false;  // the value is the next argument, args[index + 1]
 };
 
-// The flags of `args` (args[0], the program, excluded) before any "--":
-// the arguments that start with '-' and go on to a name ("-", "---" and
-// "--=x" do not; they are positional, as to Abseil). A flag of this binary
-// that takes a value and is given without "=VALUE" takes the next argument
-// as its value, whatever that starts with, as Abseil does: that argument is
-// then no flag.
+// The flags of `args` (args[0], the program, excluded) up to the end of
+// flags, "--" (and "--=x" or "-=x", which Abseil takes for it): the
+// arguments that start with '-' and go on ("-" is positional). A flag of
+// this binary that takes a value and is given without "=VALUE" takes the
+// next argument as its value, whatever that starts with, as Abseil does:
+// that argument is then no flag.
 std::vector<FlagArg> ScanFlags(const std::vector<std::string>& args);
 
 // Whether Abseil would parse the flags of `args` (args[0], the program,
-// excluded; names spelt as Abseil spells them, with '_'): INVALID_ARGUMENT
-// naming the first flag that is unknown to this binary (and not in a given
-// --undefok), that misses its value, or whose value does not parse
-// (Abseil's reason). No flag's value changes.
+// excluded; names as Abseil spells them, with '_'): INVALID_ARGUMENT naming
+// the first flag that is unknown to this binary (and not named by the last
+// --undefok), that misses its value, negates a flag that is no bool or
+// gives a negation a value, or whose value does not parse (Abseil's
+// reason). Abseil's own flags (the --help family, --flagfile, --fromenv,
+// --tryfromenv, --undefok) are left to it. No flag's value changes.
 absl::Status CheckFlags(const std::vector<std::string>& args);
 
 // `text` wrapped into lines of at most `width` columns, each starting with

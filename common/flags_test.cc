@@ -44,11 +44,11 @@ TEST(ParseByteSize, UnitsAndErrors) {
 // What Abseil would read: a value-taking flag of this binary given alone
 // takes the next argument whatever it starts with ("--" too); a bool takes
 // none; --noNAME sets the bool NAME; an unknown flag is listed without a
-// flag (and takes no next argument); "-", "---" and "--=x" are no flags;
-// nothing after "--" is.
+// flag (and takes no next argument); "-" is no flag; "--=x" ends the flags
+// as "--" does.
 TEST(ScanFlags, FindsEachFlagItsValueAndWhereItStands) {
   const std::vector<std::string> args = {"prog", "--test-count", "--test-switch", "-test_reason=a=b", "--notest-switch",
-                                         "pos", "--unknown", "x", "-", "---", "--=x", "--", "--test-count=9"};
+                                         "pos", "--unknown", "x", "-", "--=x", "--test-count=9"};
   const std::vector<FlagArg> flags = ScanFlags(args);
   ASSERT_EQ(flags.size(), 4u);
   EXPECT_EQ(flags[0].index, 1u);
@@ -65,6 +65,7 @@ TEST(ScanFlags, FindsEachFlagItsValueAndWhereItStands) {
   EXPECT_EQ(flags[2].name, "notest_switch");
   ASSERT_NE(flags[2].flag, nullptr);
   EXPECT_EQ(flags[2].flag->Name(), "test_switch");
+  EXPECT_TRUE(flags[2].negated);
   EXPECT_FALSE(flags[2].value.has_value());
   EXPECT_EQ(flags[3].index, 6u);
   EXPECT_EQ(flags[3].flag, nullptr);
@@ -78,6 +79,11 @@ TEST(ScanFlags, FindsEachFlagItsValueAndWhereItStands) {
   EXPECT_EQ(tail[2].index, 4u);
   EXPECT_FALSE(tail[2].value.has_value());
   EXPECT_FALSE(tail[2].value_next);
+  // Abseil drops two dashes at most: "---x" names "-x"; "-=x" ends the flags.
+  const std::vector<FlagArg> dashes = ScanFlags({"prog", "---test-count", "-=x", "--test-switch"});
+  ASSERT_EQ(dashes.size(), 1u);
+  EXPECT_EQ(dashes[0].spelled, "---test-count");
+  EXPECT_EQ(dashes[0].flag, nullptr);
 }
 
 // What Abseil would refuse is found first, named, and changes no flag.
@@ -96,16 +102,26 @@ TEST(CheckFlags, NamesAnUnknownFlagAMissingValueAndAValueThatDoesNotParse) {
   EXPECT_EQ(absl::GetFlag(FLAGS_test_count), count);
   EXPECT_EQ(CheckFlags({"prog", "--test-switch=maybe"}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CheckFlags({"prog", "--notest-switch=1"}).message(), "--notest-switch: takes no value");
+  EXPECT_EQ(CheckFlags({"prog", "--notest-count"}).code(), absl::StatusCode::kInvalidArgument);  // no bool
+  EXPECT_EQ(CheckFlags({"prog", "---test-count=1"}).message(), "---test-count: no such flag");
+  EXPECT_TRUE(CheckFlags({"prog", "--=x", "--bogus"}).ok());  // past the end of flags
+  // Only the last --undefok counts, as with Abseil.
+  EXPECT_TRUE(CheckFlags({"prog", "--undefok=a", "--undefok", "bogus", "--bogus"}).ok());
+  EXPECT_FALSE(CheckFlags({"prog", "--undefok=bogus", "--undefok=a", "--bogus"}).ok());
+  // Abseil's own flags are left to it.
+  EXPECT_TRUE(CheckFlags({"prog", "--helpshort", "--help=coord", "--flagfile=/dev/null", "--only_check_args"}).ok());
 }
 
 // Repeatable flags collect every value; a value after its flag stays as
 // written, dashes and all (once rewritten as a flag's name: -oom_retry-1);
-// a bool flag takes no value, so what follows it is the next argument.
-// (ParseFlags runs once a process.)
+// a bool flag takes no value, so what follows it is the next argument; an
+// --undefok's names are spelt as the flags are, dashes and all. (ParseFlags
+// runs once a process.)
 TEST(ParseFlags, RepeatableFlagsCollectEveryValueAndValuesStayAsWritten) {
   std::vector<std::string> args = {"prog",          "--test-roots=/a", "--test-count", "-3",
                                    "--test-roots",  "/b,/c",          "--test-reason", "-oom-retry-1",
-                                   "--test-switch", "pos",            "--",            "--test-roots=/not-a-flag"};
+                                   "--test-switch", "pos",            "--undefok=not-here,x",
+                                   "--not-here=1",  "--",              "--test-roots=/not-a-flag"};
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   const std::vector<std::string> positional =
