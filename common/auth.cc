@@ -1,5 +1,6 @@
 #include "common/auth.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -7,6 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
+#include "grpcpp/security/tls_certificate_provider.h"
+#include "grpcpp/security/tls_certificate_verifier.h"
+#include "grpcpp/security/tls_credentials_options.h"
 #include "common/status_macros.h"
 
 namespace colod {
@@ -76,12 +80,26 @@ absl::Status CheckPair(const TlsFiles& tls) {
 
 }  // namespace
 
+namespace {
+
+// The files, read again every tls.refresh (at least a second), where they
+// are to be.
+std::shared_ptr<grpc::experimental::CertificateProviderInterface> Watcher(const TlsFiles& tls) {
+  const int64_t seconds = std::clamp<int64_t>(absl::ToInt64Seconds(tls.refresh), 1, int64_t{1} << 30);
+  return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(tls.key, tls.cert, tls.ca,
+                                                                             static_cast<unsigned int>(seconds));
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& tls) {
   if (!tls.enabled()) return grpc::InsecureServerCredentials();
   RETURN_IF_ERROR(CheckPair(tls));
   if (tls.cert.empty()) return absl::InvalidArgumentError("a TLS server needs --tls-cert and --tls-key");
-  grpc::SslServerCredentialsOptions o(tls.ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
-                                                     : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  const grpc_ssl_client_certificate_request_type request =
+      tls.ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                     : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  grpc::SslServerCredentialsOptions o(request);
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
   ASSIGN_OR_RETURN(pair.private_key, ReadPem(tls.key, "--tls-key"));
   ASSIGN_OR_RETURN(pair.cert_chain, ReadPem(tls.cert, "--tls-cert"));
@@ -89,7 +107,12 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(c
   if (!tls.ca.empty()) {
     ASSIGN_OR_RETURN(o.pem_root_certs, ReadPem(tls.ca, "--tls-ca"));
   }
-  return grpc::SslServerCredentials(o);
+  if (tls.ca.empty() || tls.refresh <= absl::ZeroDuration()) return grpc::SslServerCredentials(o);
+  grpc::experimental::TlsServerCredentialsOptions watched(Watcher(tls));
+  watched.watch_identity_key_cert_pairs();
+  watched.watch_root_certs();
+  watched.set_cert_request_type(request);
+  return grpc::experimental::TlsServerCredentials(watched);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsFiles& tls) {
@@ -103,7 +126,16 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     ASSIGN_OR_RETURN(o.pem_private_key, ReadPem(tls.key, "--tls-key"));
     ASSIGN_OR_RETURN(o.pem_cert_chain, ReadPem(tls.cert, "--tls-cert"));
   }
-  return grpc::SslCredentials(o);
+  if (tls.ca.empty() || tls.refresh <= absl::ZeroDuration()) return grpc::SslCredentials(o);
+  grpc::experimental::TlsChannelCredentialsOptions watched;
+  watched.set_certificate_provider(Watcher(tls));
+  watched.watch_root_certs();
+  if (!tls.cert.empty()) watched.watch_identity_key_cert_pairs();
+  watched.set_verify_server_certs(true);
+  // The server's certificate must name the address dialled, as with
+  // SslCredentials.
+  watched.set_certificate_verifier(std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
+  return grpc::experimental::TlsCredentials(watched);
 }
 
 }  // namespace colod

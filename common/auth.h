@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
@@ -50,11 +51,18 @@ void AddAuthToken(grpc::ClientContext& ctx, const std::string& token);
 // cert + key when given.
 struct TlsFiles {
   std::string cert, key, ca;
+  // How often the files are read again (a renewed certificate, a rotated
+  // CA), with --tls-ca given: a server then presents the new certificate and
+  // trusts the new CA from the next handshake on, and a channel does as a
+  // client. Zero reads them once, here (so does a client without a CA,
+  // which trusts the system's).
+  absl::Duration refresh = absl::ZeroDuration();
   bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
 };
 // INVALID_ARGUMENT naming the flag for a cert without a key (or the other
 // way round) or a file that holds no PEM block; NOT_FOUND for a file that
-// cannot be read.
+// cannot be read. (The files are checked here, also where they are read
+// again later: a later read that fails keeps the last good ones.)
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& tls);
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsFiles& tls);
 
