@@ -75,6 +75,7 @@ absl::Status CheckPair(const TlsFiles& tls) {
   if (tls.cert.empty() != tls.key.empty()) {
     return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
   }
+  if (tls.refresh < absl::ZeroDuration()) return absl::InvalidArgumentError("--tls-refresh-interval: must be >= 0");
   return absl::OkStatus();
 }
 
@@ -112,7 +113,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(c
   watched.watch_identity_key_cert_pairs();
   watched.watch_root_certs();
   watched.set_cert_request_type(request);
-  return grpc::experimental::TlsServerCredentials(watched);
+  std::shared_ptr<grpc::ServerCredentials> out = grpc::experimental::TlsServerCredentials(watched);
+  if (out == nullptr) return absl::InternalError("gRPC made no TLS server credentials of the files");
+  return out;
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsFiles& tls) {
@@ -135,7 +138,9 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   // The server's certificate must name the address dialled, as with
   // SslCredentials.
   watched.set_certificate_verifier(std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
-  return grpc::experimental::TlsCredentials(watched);
+  std::shared_ptr<grpc::ChannelCredentials> out = grpc::experimental::TlsCredentials(watched);
+  if (out == nullptr) return absl::InternalError("gRPC made no TLS channel credentials of the files");
+  return out;
 }
 
 }  // namespace colod

@@ -54,15 +54,27 @@ struct TlsFiles {
   // How often the files are read again (a renewed certificate, a rotated
   // CA), with --tls-ca given: a server then presents the new certificate and
   // trusts the new CA from the next handshake on, and a channel does as a
-  // client. Zero reads them once, here (so does a client without a CA,
-  // which trusts the system's).
+  // client; connections already up stay. Zero reads them once, here (so
+  // does a client without a CA, which trusts the system's). The files must
+  // be replaced at once (the kubelet swaps a directory behind a symbolic
+  // link): an unreadable or empty file keeps the last good ones, but a key
+  // that does not match its certificate, or a file that does not parse,
+  // fails every new handshake until it is fixed (gRPC's
+  // FileWatcherCertificateProvider).
   absl::Duration refresh = absl::ZeroDuration();
   bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
 };
+// The help of the daemons' --tls-refresh-interval (TlsFiles::refresh).
+inline constexpr char kTlsRefreshIntervalHelp[] =
+    "With --tls-ca: how often the TLS files are read again, so that a renewed certificate or a rotated "
+    "CA (a Kubernetes Secret updated in place) is served and trusted from the next connection on, with no "
+    "restart. Replace the files at once (as the kubelet does): an unreadable or empty file keeps the last "
+    "good ones, but a key that does not match its certificate fails new connections until fixed. 0 reads "
+    "them once, at start.";
 // INVALID_ARGUMENT naming the flag for a cert without a key (or the other
 // way round) or a file that holds no PEM block; NOT_FOUND for a file that
-// cannot be read. (The files are checked here, also where they are read
-// again later: a later read that fails keeps the last good ones.)
+// cannot be read. (The files are checked here; a later read is as `refresh`
+// says.)
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& tls);
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsFiles& tls);
 

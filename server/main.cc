@@ -4,6 +4,7 @@
 #include "absl/flags/flag.h"
 #include "absl/time/time.h"
 #include "common/atomic_file.h"
+#include "common/auth.h"
 #include "common/security_flags.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
@@ -23,10 +24,7 @@ ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(2),
           "How often workers are told to heartbeat, e.g. 2s or 500ms.");
 ABSL_FLAG(absl::Duration, lease_duration, absl::Seconds(10),
           "A worker without a heartbeat for this long is marked lost.");
-ABSL_FLAG(absl::Duration, tls_refresh_interval, absl::Minutes(1),
-          "With --tls-ca: how often the TLS files are read again, so that a renewed certificate or a rotated "
-          "CA (a Kubernetes Secret updated in place) is served and trusted from the next connection on, with no "
-          "restart; a read that fails keeps the last good files. 0 reads them once, at start.");
+ABSL_FLAG(absl::Duration, tls_refresh_interval, absl::Minutes(1), colod::kTlsRefreshIntervalHelp);
 ABSL_FLAG(int, max_workers, colod::WorkerRegistry::kDefaultMaxWorkers,
           "Workers registered at once, lost ones included (they are listed for 10 minutes): a registration past "
           "it forgets the worker lost longest, and is refused RESOURCE_EXHAUSTED where none is lost.");
@@ -138,11 +136,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.tls = security->tls;
-  options.tls.refresh = absl::GetFlag(FLAGS_tls_refresh_interval);
-  if (options.tls.refresh < absl::ZeroDuration()) {
-    COLOD_LOG(ERROR) << "--tls-refresh-interval: must be >= 0";
-    return 2;
-  }
+  options.tls.refresh = absl::GetFlag(FLAGS_tls_refresh_interval);  // checked by MakeServerCredentials
   options.auth_token = security->auth_token;
   auto coordinator = colod::Coordinator::Start(options);
   if (!coordinator.ok()) {

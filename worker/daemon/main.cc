@@ -8,6 +8,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/atomic_file.h"
+#include "common/auth.h"
 #include "common/security_flags.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
@@ -36,10 +37,7 @@ ABSL_FLAG(std::string, labels, "",
 ABSL_FLAG(std::string, work_dir, "",
           "Scratch directory for job ranks (each gets a subdirectory, removed when it ends). Default: a "
           "fresh directory under $TMPDIR (or /tmp), removed at exit.");
-ABSL_FLAG(absl::Duration, tls_refresh_interval, absl::Minutes(1),
-          "With --tls-ca: how often the TLS files are read again, so that a renewed certificate or a rotated "
-          "CA (a Kubernetes Secret updated in place) is served and trusted from the next connection on, with no "
-          "restart; a read that fails keeps the last good files. 0 reads them once, at start.");
+ABSL_FLAG(absl::Duration, tls_refresh_interval, absl::Minutes(1), colod::kTlsRefreshIntervalHelp);
 ABSL_FLAG(absl::Duration, comm_timeout, absl::Minutes(2),
           "How long a job rank waits for its peers to connect and for each collective before it fails (1s to 24h).");
 ABSL_FLAG(absl::Duration, metrics_linger, absl::Minutes(1),
@@ -159,11 +157,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.tls = security->tls;
-  options.tls.refresh = absl::GetFlag(FLAGS_tls_refresh_interval);
-  if (options.tls.refresh < absl::ZeroDuration()) {
-    COLOD_LOG(ERROR) << "--tls-refresh-interval: must be >= 0";
-    return 2;
-  }
+  options.tls.refresh = absl::GetFlag(FLAGS_tls_refresh_interval);  // checked by MakeServerCredentials
   options.auth_token = security->auth_token;
   auto worker = colod::WorkerDaemon::Start(options);
   if (!worker.ok()) {
