@@ -79,10 +79,6 @@ absl::Status CheckPair(const TlsFiles& tls) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-namespace {
-
 // The files, read again every tls.refresh (at least a second), where they
 // are to be.
 std::shared_ptr<grpc::experimental::CertificateProviderInterface> Watcher(const TlsFiles& tls) {

@@ -194,8 +194,11 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   const std::vector<std::string> given(argv, argv + argc);
   std::vector<std::string> rewritten = given;
   std::vector<bool> dropped(given.size(), false);
-  std::map<std::string, std::vector<std::string>> repeated;
-  std::map<size_t, std::string> joined_at;  // index of a repeatable flag's last occurrence -> its name
+  struct Repeated {
+    std::vector<std::string> values;
+    size_t last = 0;  // where its last occurrence stands
+  };
+  std::map<std::string, Repeated> repeated;
   for (const FlagArg& f : ScanFlags(given)) {
     std::string& a = rewritten[f.index];
     const size_t start = a[1] == '-' ? 2 : 1;
@@ -206,21 +209,19 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
       std::replace(v.end() - static_cast<std::ptrdiff_t>(f.value->size()), v.end(), '-', '_');
     }
     if (repeatable.count(f.name) == 0 || !f.value.has_value()) continue;
-    repeated[f.name].push_back(*f.value);
+    Repeated& r = repeated[f.name];
+    r.values.push_back(*f.value);
+    r.last = f.index;
     dropped[f.index] = true;
     if (f.value_next) dropped[f.index + 1] = true;
-    joined_at[f.index] = f.name;  // a later one moves it
-    for (auto it = joined_at.begin(); it != joined_at.end();) {
-      it = it->second == f.name && it->first != f.index ? joined_at.erase(it) : std::next(it);
-    }
+  }
+  for (const auto& [name, r] : repeated) {
+    rewritten[r.last] = absl::StrCat("--", name, "=", absl::StrJoin(r.values, ","));
+    dropped[r.last] = false;
   }
   std::vector<std::string> storage;
   for (size_t i = 0; i < rewritten.size(); ++i) {
-    if (auto it = joined_at.find(i); it != joined_at.end()) {
-      storage.push_back(absl::StrCat("--", it->second, "=", absl::StrJoin(repeated[it->second], ",")));
-    } else if (!dropped[i]) {
-      storage.push_back(std::move(rewritten[i]));
-    }
+    if (!dropped[i]) storage.push_back(std::move(rewritten[i]));
   }
   // A flag Abseil would refuse (exiting 1) is a usage error, as the
   // binaries' others are.
