@@ -63,6 +63,7 @@ int RunForwardOnGpus(const std::vector<std::string>&) {
   auto timeout = CommTimeoutFromFlags();
   if (!timeout.ok()) return Usage(std::string(timeout.status().message()));
   request.comm_timeout = *timeout;
+  request.gather_logits = !files->logits.empty();
   // A command line may name a pipe (a shell's <(...)).
   auto read = ReadNpy(files->input, NpySource::kRegularFileOrPipe);
   if (!read.ok()) return Fail(read.status());
@@ -87,7 +88,7 @@ int RunForwardOnGpus(const std::vector<std::string>&) {
   v1::ForwardResult result;
   result.set_loss(run->loss);
   result.set_tokens(run->tokens);
-  for (int64_t d : run->logits.shape()) result.add_logits_shape(d);
+  for (int64_t d : run->logits_shape) result.add_logits_shape(d);
   return PrintForwardResult(result, files->images, files->logits, JsonOutput());
 }
 

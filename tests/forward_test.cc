@@ -88,6 +88,26 @@ TEST_F(Forward, LogitsAndLossMatchTheUnshardedModelAtEveryLayout) {
   EXPECT_NE(r.out.find("l.npy"), std::string::npos) << r.out;
 }
 
+// Without --logits the ranks gather none (each keeps its replica's rows):
+// the loss and the logits' shape are those of the gathered run.
+TEST_F(Forward, TheLossAloneNeedsNoLogitsGathered) {
+  for (const std::vector<std::string>& layout : std::vector<std::vector<std::string>>{
+           {"--tp", "2", "--dp", "2", "--mode", "1d"}, {"--tp", "4", "--dp", "1", "--mode", "2d"}}) {
+    const std::string what = absl::StrJoin(layout, " ");
+    std::vector<std::string> args = {"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--output",
+                                     "json"};
+    args.insert(args.end(), layout.begin(), layout.end());
+    const auto r = Coloctl(args);
+    ASSERT_EQ(r.code, 0) << what << ": " << r.err;
+    const nlohmann::json out = nlohmann::json::parse(r.out, nullptr, false);
+    ASSERT_TRUE(out.is_object()) << r.out;
+    EXPECT_NEAR(out["loss"].get<double>(), ref_.loss, 1e-5 * ref_.loss) << what;
+    EXPECT_EQ(out["tokens"].get<int64_t>(), 4 * 7) << what;
+    EXPECT_EQ(out["shape"], nlohmann::json::array({4, 8, model_.config.vocab_size})) << what;
+    EXPECT_TRUE(out["logits"].is_null()) << r.out;
+  }
+}
+
 // An opt-350m-shaped OPT directory (post-norm, project_in/out) through the
 // same command, at 1D with sequence parallelism, in 2D and in 3D.
 TEST_F(Forward, OptMatchesItsUnshardedReference) {

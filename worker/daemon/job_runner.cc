@@ -71,30 +71,37 @@ absl::Status AdmitModel(const v1::AssignJobRequest& req, int64_t memory_bytes) {
 }
 
 // A forward's logits, [batch, seq, vocab] in f32 (an image classifier's
-// [batch, labels]), are gathered whole on every rank and copied to the
-// host: with the model, within the worker's memory, or the rank would fail
-// at an allocation (or a CPU worker be killed for it) after minutes of work.
-// The input's size is known only here, once it is read. An estimate that
-// refuses what cannot fit: two whole copies and the model's floor against
-// the worker's one budget (on a GPU the host copy is in host memory; the
+// [batch, labels]), are gathered whole on every rank and copied to the host
+// when they are written (logits_path); otherwise each rank holds only its
+// replica's rows. With the model, they must fit the worker's memory, or the
+// rank would fail at an allocation (or a CPU worker be killed for it) after
+// minutes of work. The input's size is known only here, once it is read. An
+// estimate that refuses what cannot fit: two copies of what the rank holds
+// (the gathered logits and their host copy; or its rows' logits and the
+// loss's softmax of them) and the model's floor against the worker's one
+// budget (on a GPU the host copy is in host memory; when gathered, the
 // replica's own rows and the tp shards come on top).
 absl::Status AdmitForwardLogits(const v1::AssignJobRequest& req, const shardformer::ForwardRequest& forward,
                                 const ModelConfig& config, int64_t memory_bytes) {
   if (memory_bytes <= 0) return absl::OkStatus();
-  Shape logits = {forward.input.shape()[0]};
-  if (!config.takes_images()) {
-    logits.push_back(forward.decoder_input.has_value() ? forward.decoder_input->shape()[1] : forward.input.shape()[1]);
-  }
-  logits.push_back(config.vocab_size);
-  const std::optional<int64_t> one = CheckedBytes(logits, static_cast<int64_t>(sizeof(float)));
+  const Shape logits = shardformer::ForwardLogitsShape(forward, config);
+  Shape held = logits;
+  const int dp = std::max(1, forward.shard.layout.data_parallel_size());
+  if (!forward.gather_logits) held[0] /= dp;  // CheckForward: dp divides the batch
+  const std::optional<int64_t> one = CheckedBytes(held, static_cast<int64_t>(sizeof(float)));
   const RankMemoryFloor floor = RankFloor(req);
   const std::optional<int64_t> two = one.has_value() ? CheckedMul(*one, 2) : std::nullopt;
   const std::optional<int64_t> need = two.has_value() ? CheckedAdd(*two, floor.total_bytes) : std::nullopt;
   if (need.has_value() && *need <= memory_bytes) return absl::OkStatus();
+  const std::string size = one.has_value() ? GiB(*one) : "over 8 EiB";
   return absl::ResourceExhaustedError(absl::StrCat(
-      "the forward's logits ", ShapeToString(logits), " take ", one.has_value() ? GiB(*one) : "over 8 EiB",
-      " (twice: gathered on every rank and copied to the host), with the model's ", GiB(floor.total_bytes),
-      "; this worker has ", GiB(memory_bytes), ": split the input into smaller batches"));
+      "the forward's logits ", ShapeToString(logits), " take ",
+      forward.gather_logits ? absl::StrCat(size, " (twice: gathered on every rank to be written, and copied to "
+                                           "the host)")
+                            : absl::StrCat(size, " of a rank's ", held[0], " sequences (twice: and the loss's "
+                                           "softmax)"),
+      ", with the model's ", GiB(floor.total_bytes), "; this worker has ", GiB(memory_bytes),
+      ": split the input into smaller batches"));
 }
 
 }  // namespace
@@ -446,6 +453,7 @@ absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shard
     return absl::Status(input.status().code(), absl::StrCat("spec.forward.input_path: ", input.status().message()));
   }
   request.input = *input;
+  request.gather_logits = !f.logits_path().empty();  // else rank 0 reports the loss and the shape only
   if (!f.labels_path().empty()) {
     absl::StatusOr<Tensor> labels = ReadNpy(f.labels_path());
     if (!labels.ok()) {
@@ -469,7 +477,7 @@ absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shard
   v1::ForwardResult result;
   result.set_loss(out.loss);
   result.set_tokens(out.tokens);
-  for (int64_t d : out.logits.shape()) result.add_logits_shape(d);
+  for (int64_t d : out.logits_shape) result.add_logits_shape(d);
   if (!f.logits_path().empty()) {
     RETURN_IF_ERROR(WriteNpy(f.logits_path(), out.logits));
     result.set_logits_path(f.logits_path());

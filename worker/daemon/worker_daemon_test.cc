@@ -1,6 +1,7 @@
 // A worker daemon against a real coordinator over loopback gRPC.
 #include "worker/daemon/worker_daemon.h"
 
+#include <malloc.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -309,6 +310,53 @@ TEST(WorkerDaemon, AForwardWhoseLogitsDoNotFitIsRefusedBeforeItRuns) {
   EXPECT_EQ(roomy.Status().last_error(), "");
 }
 
+// Without a logits_path nothing is gathered: a rank holds its replica's
+// rows only, so at dp=2 a worker with room for half the logits twice runs
+// the pass that it refuses when the logits are to be written.
+TEST(WorkerDaemon, AForwardWithoutLogitsPathHoldsOnlyItsReplicasLogits) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-forward-dp");
+  ASSERT_NE(coordinator, nullptr);
+  auto model = shardformer::testing::WriteTinyGpt2(testing::TempPath("forward-dp-model"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  std::ifstream config_file(model->dir + "/config.json");
+  const std::string config((std::istreambuf_iterator<char>(config_file)), std::istreambuf_iterator<char>());
+  auto ids = Tensor::FromInt64s({512, 16}, std::vector<int64_t>(512 * 16, 1));
+  ASSERT_TRUE(ids.ok());
+  const std::string input = testing::TempPath("forward-dp-ids.npy");
+  ASSERT_TRUE(WriteNpy(input, *ids).ok());
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_FORWARD);
+  spec.mutable_model()->set_config_json(config);
+  spec.mutable_model()->set_weights_path(model->dir);
+  spec.mutable_shard()->set_tensor_parallel_size(1);
+  spec.mutable_shard()->set_data_parallel_size(2);
+  spec.mutable_forward()->set_input_path(input);
+  const int64_t logits = int64_t{512} * 16 * model->config.vocab_size * 4;
+  // Two copies of half the logits, and the model: not two whole copies.
+  const int64_t memory = logits + RankMemoryFloorBytes(spec);
+  // Both ranks of job `id` on runners of `memory` bytes; rank 0's error.
+  const auto run = [&](const std::string& id, const v1::JobSpec& job) {
+    std::vector<std::unique_ptr<JobRunner>> runners;
+    for (int rank = 0; rank < 2; ++rank) {
+      JobRunner::Options ro = RunnerOptions(*coordinator, absl::StrCat("runner-forward-dp-", id, "-", rank));
+      ro.memory_bytes = memory;
+      runners.push_back(std::make_unique<JobRunner>(ro));
+      v1::AssignJobRequest assign = RankZero(id, job);
+      assign.set_rank(rank);
+      EXPECT_TRUE(runners.back()->Assign(assign).ok());
+    }
+    for (auto& r : runners) EXPECT_TRUE(r->WaitIdle(absl::Seconds(60)));
+    return runners[0]->Status().last_error();
+  };
+  EXPECT_EQ(run("job-626261", spec), "");
+  spec.mutable_forward()->set_logits_path(testing::TempPath("forward-dp-logits.npy"));
+  const std::string refused = run("job-626262", spec);
+  EXPECT_TRUE(absl::StrContains(refused, absl::StrCat("RESOURCE_EXHAUSTED: the forward's logits [512, 16, ",
+                                                      model->config.vocab_size, "] take")))
+      << refused;
+  EXPECT_TRUE(absl::StrContains(refused, "gathered on every rank")) << refused;
+}
+
 TEST(WorkerDaemon, AMemoryLimitIsReportedAndNoRankNeedingMoreRuns) {
   auto coordinator = StartCoordinator("127.0.0.1:0", "c-memory");
   ASSERT_NE(coordinator, nullptr);
@@ -577,6 +625,9 @@ TEST(WorkerDaemon, AFailedRankGivesItsMemoryBack) {
   spec.mutable_model()->set_config_json(
       R"({"model_type": "gpt2", "vocab_size": 257, "n_embd": 16, "n_layer": 4096, "n_head": 4, "n_positions": 64})");
   spec.mutable_model()->set_weights_path(dir + "/model.safetensors");
+  // Memory earlier tests freed goes back to the system first: else the
+  // rank's allocations could reuse it and leave no peak to measure.
+  ::malloc_trim(0);
   // The peak is the kernel's high-water mark, reset here ("5" to
   // clear_refs), so that no sampling can miss it.
   std::ofstream("/proc/self/clear_refs") << "5";

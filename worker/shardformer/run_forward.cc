@@ -98,6 +98,15 @@ absl::StatusOr<ModelConfig> CheckForward(const ForwardRequest& request) {
   return config;
 }
 
+Shape ForwardLogitsShape(const ForwardRequest& request, const ModelConfig& config) {
+  Shape shape = {request.input.shape()[0]};
+  if (!config.takes_images()) {
+    shape.push_back(request.decoder_input.has_value() ? request.decoder_input->shape()[1] : request.input.shape()[1]);
+  }
+  shape.push_back(config.vocab_size);
+  return shape;
+}
+
 absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, ProcessGroup& pg, const ShardConfig& shard) {
   NoGradScope no_grad;  // a forward pass: no tape, no gradients
   const Tensor& input = request.input;
@@ -125,14 +134,16 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
     ASSIGN_OR_RETURN(loss, model->ClassificationLoss(logits, dense));
   }
   ForwardResult result;
-  ASSIGN_OR_RETURN(Tensor full, model->GatherLogits(logits));  // this replica's rows, every tp rank
-  // Back on the rank's device for the dp gather: an NCCL group moves device memory only.
-  ASSIGN_OR_RETURN(full, full.To(logits.local().device()));
-  ASSIGN_OR_RETURN(Communicator * dp_comm, pg.Comm("dp"));
-  ASSIGN_OR_RETURN(result.logits, AllGatherDim(full, 0, *dp_comm, pg.timeout()));  // replicas in order
-  ASSIGN_OR_RETURN(result.logits, result.logits.To(Device::Cpu()));
-  if (images) {  // [batch, 1, labels]: one prediction an image
-    ASSIGN_OR_RETURN(result.logits, result.logits.Reshape({input.shape()[0], model->config().vocab_size}));
+  result.logits_shape = ForwardLogitsShape(request, model->config());
+  if (request.gather_logits) {
+    ASSIGN_OR_RETURN(Tensor full, model->GatherLogits(logits));  // this replica's rows, every tp rank
+    // Back on the rank's device for the dp gather: an NCCL group moves device memory only.
+    ASSIGN_OR_RETURN(full, full.To(logits.local().device()));
+    ASSIGN_OR_RETURN(Communicator * dp_comm, pg.Comm("dp"));
+    ASSIGN_OR_RETURN(result.logits, AllGatherDim(full, 0, *dp_comm, pg.timeout()));  // replicas in order
+    ASSIGN_OR_RETURN(result.logits, result.logits.To(Device::Cpu()));
+    // An image classifier's [batch, 1, labels]: one prediction an image.
+    ASSIGN_OR_RETURN(result.logits, result.logits.Reshape(result.logits_shape));
   }
   result.loss = loss.value;
   result.tokens = loss.tokens;

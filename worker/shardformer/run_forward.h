@@ -42,12 +42,19 @@ struct ForwardRequest {
   ShardConfig shard;
   bool cuda = false;  // one rank per CUDA device, over NCCL
   absl::Duration comm_timeout = absl::Seconds(60);  // per rendezvous and collective
+  // Whether the logits are wanted (ForwardResult::logits). Without them
+  // the ranks gather nothing: each keeps only its part of the batch's
+  // logits, and the result holds the loss and the logits' shape.
+  bool gather_logits = true;
 };
 
 struct ForwardResult {
   // f32 [batch, seq, vocab_size] (an encoder-decoder's decoder seq),
   // vocabulary padding removed; an image classifier's [batch, num_labels].
+  // Empty unless ForwardRequest::gather_logits.
   Tensor logits;
+  // Their shape (ForwardLogitsShape), gathered or not.
+  Shape logits_shape;
   // Mean next-token cross-entropy, or an image classifier's cross-entropy
   // against its labels (0 without them).
   double loss = 0;
@@ -67,9 +74,13 @@ absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request);
 // model's config.
 absl::StatusOr<ModelConfig> CheckForward(const ForwardRequest& request);
 
+// The shape of the batch's logits (ForwardResult::logits) for a request
+// CheckForward accepted with `config`.
+Shape ForwardLogitsShape(const ForwardRequest& request, const ModelConfig& config);
+
 // One rank's part of RunForward (every rank of the mesh runs it): the
-// logits of every sequence of the batch, gathered over tp and dp, on every
-// rank, with the batch's loss.
+// batch's loss, and with gather_logits the logits of every sequence of the
+// batch, gathered over tp and dp, on every rank.
 absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, ProcessGroup& pg, const ShardConfig& shard);
 
 }  // namespace colod::shardformer
