@@ -27,6 +27,7 @@
 #include "common/find_binary.h"
 #include "common/flags.h"
 #include "common/grpc_server.h"
+#include "common/grpc_status.h"
 #include "common/json.h"
 #include "common/security_flags.h"
 #include "common/text.h"
@@ -54,7 +55,7 @@ namespace colod::cli {
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "coloctl: error: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
                std::string(status.message()).c_str());
-  return 1;
+  return IsUnreachable(status) ? kExitUnreachable : 1;
 }
 
 int Usage(const std::string& why) {

@@ -59,7 +59,13 @@ struct CommandGroup {
 };
 
 
-// "coloctl: error: CODE: message" on stderr; returns 1.
+// coloctl's exit status when it could not reach the coordinator (or the
+// daemon `health` probes), or got no answer in time: a status that
+// IsUnreachable (common/grpc_status.h). sysexits' EX_UNAVAILABLE; a retry
+// may succeed, where exit 1 is the coordinator's own answer (NOT_FOUND, a
+// refused spec, a failed job).
+inline constexpr int kExitUnreachable = 69;
+// "coloctl: error: CODE: message" on stderr; returns 1, or kExitUnreachable.
 int Fail(const absl::Status& status);
 // "coloctl: why" and a pointer to --help on stderr; returns 2.
 int Usage(const std::string& why);

@@ -121,7 +121,8 @@ constexpr Command kCommands[] = {
     {"health", "ADDR",
      "  health ADDR Check the gRPC health (grpc.health.v1) of the daemon at HOST:PORT within\n"
      "              --timeout and print SERVING, NOT_SERVING or SERVICE_UNKNOWN (--output\n"
-     "              json: address, service, status); exits 0 only when SERVING. --service\n"
+     "              json: address, service, status); exits 0 only when SERVING, 69 when\n"
+     "              the daemon cannot be reached or does not answer in time. --service\n"
      "              NAME: colod.v1.CoordinatorService or colod.v1.WorkerService (SERVING once\n"
      "              the daemon is ready for work); default \"\", the whole server. Needs no\n"
      "              coordinator and no token; a TLS daemon needs --tls-ca (and --tls-cert\n"

@@ -29,7 +29,7 @@ absl::Status Annotate(const grpc::Status& s, const std::string& address, absl::s
                                                    "an id, a path, a reason) is not valid UTF-8"));
   }
   if (st.code() == absl::StatusCode::kUnavailable || st.code() == absl::StatusCode::kDeadlineExceeded) {
-    return absl::Status(st.code(), absl::StrCat(rpc, " to coordinator ", address, ": ", st.message()));
+    return MarkUnreachable(absl::Status(st.code(), absl::StrCat(rpc, " to coordinator ", address, ": ", st.message())));
   }
   return st;
 }

@@ -51,7 +51,7 @@ absl::StatusOr<ServingStatus> CheckHealth(const std::string& address, const std:
     absl::Status st = FromGrpcStatus(status);
     // "connection refused" or a deadline alone would not say where.
     if (st.code() == absl::StatusCode::kUnavailable || st.code() == absl::StatusCode::kDeadlineExceeded) {
-      return absl::Status(st.code(), absl::StrCat("health check of ", address, ": ", st.message()));
+      return MarkUnreachable(absl::Status(st.code(), absl::StrCat("health check of ", address, ": ", st.message())));
     }
     return st;
   }

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/string_view.h"
 #include "common/text.h"
@@ -13,6 +14,9 @@ namespace {
 
 // The longest wait a refusal may suggest: a day.
 constexpr int64_t kMaxRetryAfterMs = 86'400'000;
+
+// MarkUnreachable's payload (its type URL; the value is empty).
+constexpr char kUnreachablePayload[] = "type.colod.dev/unreachable";
 
 }  // namespace
 
@@ -57,5 +61,14 @@ std::optional<absl::Duration> RetryAfter(const grpc::ClientContext& ctx) {
   }
   return absl::Milliseconds(ms);
 }
+
+absl::Status MarkUnreachable(absl::Status status) {
+  if (status.code() == absl::StatusCode::kUnavailable || status.code() == absl::StatusCode::kDeadlineExceeded) {
+    status.SetPayload(kUnreachablePayload, absl::Cord());
+  }
+  return status;
+}
+
+bool IsUnreachable(const absl::Status& status) { return status.GetPayload(kUnreachablePayload).has_value(); }
 
 }  // namespace colod

@@ -42,6 +42,16 @@ void SetRetryAfter(grpc::ServerContext& ctx, absl::Duration wait);
 // after the call has finished (Finish, or a unary call's return).
 std::optional<absl::Duration> RetryAfter(const grpc::ClientContext& ctx);
 
+// A client's call that failed UNAVAILABLE or DEADLINE_EXCEEDED: its server
+// could not be reached (refused, a TLS handshake refused, no route), did not
+// answer in time, or cannot serve now. Asking again later may succeed, where
+// every other failure is the server's answer. MarkUnreachable adds a payload
+// that says so, kept while the status is passed on unchanged, so that what
+// reports it (coloctl's exit status) need not read the code or the message;
+// any other status is returned as it is.
+absl::Status MarkUnreachable(absl::Status status);
+bool IsUnreachable(const absl::Status& status);
+
 }  // namespace colod
 
 #endif  // COLOD_COMMON_GRPC_STATUS_H_

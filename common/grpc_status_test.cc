@@ -47,5 +47,25 @@ TEST(GrpcStatus, AMessageIsCutToWhatTheTrailersCarry) {
   EXPECT_EQ(ToGrpcStatus(absl::NotFoundError(longer)).error_message(), cut);
 }
 
+TEST(GrpcStatus, UnreachableIsMarkedOnlyForUnavailableAndDeadlineExceeded) {
+  const absl::Status down = MarkUnreachable(absl::UnavailableError("connection refused"));
+  EXPECT_TRUE(IsUnreachable(down));
+  EXPECT_EQ(down.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(down.message(), "connection refused");
+  EXPECT_TRUE(IsUnreachable(MarkUnreachable(absl::DeadlineExceededError("no answer"))));
+  // The coordinator's own answers stay what they are.
+  for (const absl::Status& answer : {absl::NotFoundError("job-000001"), absl::InvalidArgumentError("spec"),
+                                     absl::ResourceExhaustedError("quota"), absl::OkStatus()}) {
+    const absl::Status marked = MarkUnreachable(answer);
+    EXPECT_FALSE(IsUnreachable(marked)) << answer;
+    EXPECT_EQ(marked, answer);
+  }
+  // Not marked unless said: the code alone does not make it.
+  EXPECT_FALSE(IsUnreachable(absl::UnavailableError("a job's own failure")));
+  // Kept when the status is passed on (copied, returned).
+  const absl::Status copy = down;
+  EXPECT_TRUE(IsUnreachable(copy));
+}
+
 }  // namespace
 }  // namespace colod

@@ -126,8 +126,17 @@ TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
   EXPECT_EQ(nlohmann::json::parse(deleted.out, nullptr, false), (nlohmann::json{{"job_id", job_id}, {"deleted", true}}))
       << deleted.out;
   auto gone = with({"status", job_id});
-  EXPECT_EQ(gone.code, 1);
+  EXPECT_EQ(gone.code, 1);  // the coordinator's answer: NOT_FOUND
+  EXPECT_TRUE(absl::StrContains(gone.err, "NOT_FOUND")) << gone.err;
   EXPECT_TRUE(absl::StrContains(gone.err, job_id)) << gone.err;
+  // A coordinator that does not answer in time (stopped) is another exit
+  // status, one a script may retry on: 69.
+  coordinator.process->Signal(SIGSTOP);
+  auto stopped = with({"--timeout", "1s", "status", job_id});
+  coordinator.process->Signal(SIGCONT);
+  EXPECT_EQ(stopped.code, 69) << stopped.err;
+  EXPECT_TRUE(absl::StrContains(stopped.err, "DEADLINE_EXCEEDED")) << stopped.err;
+  EXPECT_EQ(with({"status", job_id}).code, 1);  // answering again
 
   // A stopped worker exits 0 on SIGTERM, and the coordinator on SIGINT.
   w1.process->Signal(SIGTERM);
@@ -228,11 +237,11 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
   auto too_many = RunCommand({Runfile(kColoctl), "local", "--workers", "257"}, TempPath(""), absl::Seconds(30));
   EXPECT_EQ(too_many.code, 2) << too_many.err;
 
-  // Nothing listens on port 1: a clear UNAVAILABLE naming the address, exit 1.
+  // Nothing listens on port 1: a clear UNAVAILABLE naming the address, exit 69.
   auto down = RunCommand({Runfile(kColoctl), "--coordinator", "127.0.0.1:1", "--timeout", "2s",
                           "workers"},
                          TempPath(""));
-  EXPECT_EQ(down.code, 1);
+  EXPECT_EQ(down.code, 69);
   EXPECT_TRUE(absl::StrContains(down.err, "UNAVAILABLE")) << down.err;
   EXPECT_TRUE(absl::StrContains(down.err, "127.0.0.1:1")) << down.err;
 }

@@ -266,7 +266,7 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
   EXPECT_NE(r.err.find("--model, --steps, --watch do not apply"), std::string::npos) << r.err;
   // --nowatch (or --watch=false) says what a tensor submit does anyway.
   r = run({"--coordinator", nowhere, "--timeout", "1s", "submit", "--kind", "tensor", "--nowatch", "--tp", "2"});
-  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_EQ(r.code, 69) << r.err;  // unreachable
   EXPECT_NE(r.err.find("UNAVAILABLE"), std::string::npos) << r.err;
   r = run({"--coordinator", nowhere, "submit", "--job-file", "/nonexistent.json", "--tp", "2", "--name", "x"});
   EXPECT_EQ(r.code, 2) << r.err;

@@ -152,7 +152,8 @@ TEST(Tls, MutualTlsBetweenCoordinatorWorkerAndColoctl) {
   const auto healthy = RunCommand(health, std::getenv("TEST_TMPDIR"));
   EXPECT_EQ(healthy.code, 0) << healthy.err;
   EXPECT_EQ(healthy.out, "SERVING\n");
-  EXPECT_EQ(RunCommand({coloctl, "health", worker, "--timeout", "3s"}, std::getenv("TEST_TMPDIR")).code, 1);
+  // Plaintext to a TLS daemon: no handshake, unreachable.
+  EXPECT_EQ(RunCommand({coloctl, "health", worker, "--timeout", "3s"}, std::getenv("TEST_TMPDIR")).code, 69);
   // A job over mutual TLS: the coordinator calls the worker as a client with
   // the same certificate, the worker reaches the rendezvous store and reports.
   auto init = RunCommand({coloctl, "init-model", "--out", TempPath("tiny"), "--positions", "32"},
@@ -168,12 +169,12 @@ TEST(Tls, MutualTlsBetweenCoordinatorWorkerAndColoctl) {
   // Plaintext, or TLS without a client certificate, does not get in.
   auto plain = RunCommand({coloctl, "--coordinator", coordinator, "--timeout", "3s", "workers"},
                           std::getenv("TEST_TMPDIR"));
-  EXPECT_EQ(plain.code, 1);
+  EXPECT_EQ(plain.code, 69);
   EXPECT_NE(plain.err.find("UNAVAILABLE"), std::string::npos) << plain.err;
   auto no_cert = RunCommand({coloctl, "--coordinator", coordinator, "--timeout", "3s", "--tls-ca",
                              TempPath("daemons/ca.pem"), "workers"},
                             std::getenv("TEST_TMPDIR"));
-  EXPECT_EQ(no_cert.code, 1) << no_cert.out;
+  EXPECT_EQ(no_cert.code, 69) << no_cert.out;
   // A certificate without its key is a usage error.
   EXPECT_EQ(RunCommand({coloctl, "--coordinator", coordinator, "--tls-cert", TempPath("daemons/node.pem"), "workers"},
                        std::getenv("TEST_TMPDIR"))
