@@ -335,9 +335,14 @@ void WorkerDaemon::CoordinatorLoop() {
       backoff = options_.initial_backoff;
       wait = heartbeat_interval_;
     } else if (registered && s.code() == absl::StatusCode::kNotFound) {
-      // The coordinator forgot us (restart or lost lease): register afresh.
+      // The coordinator forgot us (restart or lost lease): register afresh,
+      // not ready for work until it takes us again (a readiness probe).
       COLOD_LOG(WARNING) << "coordinator: " << s.message();
       worker_id_.clear();
+      serving_ = false;
+      mu_.Unlock();
+      SetServing(*grpc_.server, kServiceName, false);
+      mu_.Lock();
       wait = absl::ZeroDuration();
     } else {
       // Log the first failure and then every tenth, so a down coordinator

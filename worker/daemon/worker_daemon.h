@@ -153,7 +153,8 @@ class WorkerDaemon {
   std::string worker_id_ ABSL_GUARDED_BY(mu_);
   absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(2);
   int64_t heartbeats_acked_ ABSL_GUARDED_BY(mu_) = 0;
-  // Set once the health status says SERVING (after the first registration).
+  // Set while the health status says SERVING: registered (cleared when the
+  // coordinator forgets this worker, until it registers again).
   bool serving_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;

@@ -117,6 +117,53 @@ TEST(WorkerDaemon, ReRegistersWhenTheCoordinatorForgetsIt) {
   EXPECT_EQ(workers[0].info().address(), (*worker)->address());
 }
 
+// Forgotten, a worker is not ready for work until the coordinator takes it
+// again: here one whose registry is full (--max-workers 1) of another.
+TEST(WorkerDaemon, IsNotServingWhileItRegistersAgain) {
+  Coordinator::Options o;
+  o.listen = "127.0.0.1:0";
+  o.data_dir = testing::TempPath("c-again");
+  // Heartbeats a second apart: the other worker below registers well
+  // before this one's next heartbeat finds itself forgotten.
+  o.heartbeat_interval = absl::Seconds(1);
+  auto coordinator = Coordinator::Start(o);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  const std::string address = (*coordinator)->address();
+  auto worker = WorkerDaemon::Start(FastRetryOptions(address));
+  ASSERT_TRUE(worker.ok());
+  ASSERT_TRUE((*worker)->WaitRegistered(absl::Seconds(20)));
+  EXPECT_EQ(*testing::HealthCheck((*worker)->address(), "colod.v1.WorkerService"), ServingStatus::kServing);
+
+  (*coordinator)->Shutdown();
+  coordinator->reset();
+  o.listen = address;
+  o.data_dir = testing::TempPath("c-again-b");
+  o.max_workers = 1;
+  auto restarted = Coordinator::Start(o);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  // Another worker takes the one place before our worker's next heartbeat.
+  v1::WorkerInfo info;
+  info.set_address("127.0.0.1:1");
+  info.set_device_kind(v1::DEVICE_KIND_CPU);
+  auto other = (*restarted)->workers().Register(info);
+  ASSERT_TRUE(other.ok()) << other.status();
+  // Forgotten (NOT_FOUND), refused (RESOURCE_EXHAUSTED): NOT_SERVING.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  absl::StatusOr<ServingStatus> health;
+  do {
+    health = testing::HealthCheck((*worker)->address(), "colod.v1.WorkerService");
+    if (health.ok() && *health == ServingStatus::kNotServing) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  } while (absl::Now() < deadline);
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, ServingStatus::kNotServing);
+  EXPECT_EQ((*worker)->worker_id(), "");
+  // The place freed, it registers and serves again.
+  ASSERT_TRUE((*restarted)->workers().Deregister(other->worker_id, "test").ok());
+  ASSERT_TRUE((*worker)->WaitRegistered(absl::Seconds(30)));
+  EXPECT_EQ(*testing::HealthCheck((*worker)->address(), "colod.v1.WorkerService"), ServingStatus::kServing);
+}
+
 TEST(WorkerDaemon, WaitsNotServingUntilACoordinatorAppears) {
   // Reserve a port by starting and stopping a coordinator, then point the
   // worker at it before anything listens there.
