@@ -161,6 +161,14 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   to.auth_token = options.auth_token;
   to.credentials = so.credentials;
   c->tensors_ = std::make_unique<TensorProxy>(c->jobs_.get(), c->registry_.get(), to);
+  // A worker registered anew at an address (a daemon restarted on its
+  // port) is called on a new connection: the old one may still be backing
+  // off from the dead daemon's refusals, and the first assignment, placed at
+  // once, would fail and hold the job in the placement cooloff.
+  c->service_->SetOnRegister([scheduler = c->scheduler_.get(), tensors = c->tensors_.get()](const std::string& a) {
+    scheduler->ForgetConnection(a);
+    tensors->ForgetConnection(a);
+  });
   WarnIfOpenWithoutAuth("colod-coordinator", options.listen, !options.auth_token.empty());
   ASSIGN_OR_RETURN(c->grpc_,
                    StartGrpcServer(options.listen, {c->service_.get(), c->tensors_.get()}, credentials, server_threads));

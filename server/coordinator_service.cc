@@ -93,6 +93,7 @@ grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,
     resp->set_worker_id(reg.worker_id);
     *resp->mutable_heartbeat_interval() = ToProtoDuration(reg.heartbeat_interval);
     *resp->mutable_lease_duration() = ToProtoDuration(reg.lease_duration);
+    if (on_register_) on_register_(req->worker().address());
     if (scheduler_ != nullptr) scheduler_->Wake();
     return absl::OkStatus();
   });

@@ -5,6 +5,8 @@
 #define COLOD_SERVER_COORDINATOR_SERVICE_H_
 
 #include <atomic>
+#include <functional>
+#include <string>
 
 #include "common/auth.h"
 #include "colod/v1/coordinator.grpc.pb.h"
@@ -33,6 +35,13 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
                          prometheus::Registry* metrics, TokenAuth auth = TokenAuth(),
                          Scheduler* scheduler = nullptr, UploadStore* uploads = nullptr, int max_watches = 256,
                          StallWatchdog* stalls = nullptr);
+
+  // Called with the address of each worker registered, before the
+  // scheduler is woken for it (the coordinator drops its old connections
+  // there). Set before the service serves.
+  void SetOnRegister(std::function<void(const std::string& address)> on_register) {
+    on_register_ = std::move(on_register);
+  }
 
   grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest*,
                               v1::RegisterWorkerResponse*) override;
@@ -79,6 +88,7 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   const TokenAuth auth_;
   Scheduler* const scheduler_;
   UploadStore* const uploads_;
+  std::function<void(const std::string& address)> on_register_;  // SetOnRegister's
   // ReportProgressResponse.coordinator_incarnation: random per process.
   const std::string incarnation_;
   const int max_watches_;

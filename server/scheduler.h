@@ -119,6 +119,9 @@ class Scheduler {
   void TickForTest();
   // Looks at the queue now (after a submit or a registration).
   void Wake();
+  // A worker registered at `address` anew: the next call there connects
+  // afresh (WorkerClient::Forget).
+  void ForgetConnection(const std::string& address) { client_->Forget(address); }
 
   // A worker's report about its rank. Returns whether the rank should stop
   // (the job no longer runs). NOT_FOUND for an unknown job, ABORTED for a

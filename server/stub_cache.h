@@ -64,6 +64,21 @@ class StubCache {
     return e.stub;
   }
 
+  // Drops the stub of `address`, if any: the next Get makes a new channel.
+  // For a daemon registered there anew (restarted on its port): the old
+  // channel may still be backing off from the refusals of the daemon that
+  // died (gRPC waits a second or more before it connects again), and calls
+  // on it would fail at once for that long. Calls in flight on the old stub
+  // go on (their holders keep it).
+  void Forget(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_) {
+    std::shared_ptr<Stub> dropped;  // closed after the lock is released
+    absl::MutexLock lock(&mu_);
+    const auto it = entries_.find(address);
+    if (it == entries_.end()) return;
+    dropped = std::move(it->second.stub);
+    entries_.erase(it);
+  }
+
   // How many addresses have a stub.
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);

@@ -61,5 +61,49 @@ TEST(StubCache, DropsTheStubsOfAddressesNotAskedForDuringIdle) {
   server->Shutdown();
 }
 
+// A daemon restarted on its port: the old channel, refused while it was
+// down, backs off before it connects again and fails calls at once
+// meanwhile; a forgotten address gets a new channel, which reaches the new
+// daemon on the first call.
+TEST(StubCache, AForgottenAddressReachesADaemonRestartedThereAtOnce) {
+  StatusWorker worker;
+  int port = 0;
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(&worker);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  const std::string address = absl::StrCat("127.0.0.1:", port);
+  StubCache<v1::WorkerService> cache(nullptr);
+  // A call that fails fast (no wait for ready), as the scheduler's are.
+  const auto status = [&](const std::shared_ptr<v1::WorkerService::Stub>& stub) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::GetStatusResponse resp;
+    return stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp);
+  };
+  const std::shared_ptr<v1::WorkerService::Stub> old = cache.Get(address);
+  ASSERT_TRUE(status(old).ok());
+  server->Shutdown();
+  server.reset();
+  EXPECT_EQ(status(old).error_code(), grpc::StatusCode::UNAVAILABLE);  // refused: the channel backs off
+
+  grpc::ServerBuilder again;
+  int same = 0;
+  again.AddListeningPort(address, grpc::InsecureServerCredentials(), &same);
+  again.RegisterService(&worker);
+  server = again.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  ASSERT_EQ(same, port);
+  cache.Forget(address);
+  cache.Forget("127.0.0.1:9");  // never asked for: nothing to drop
+  const std::shared_ptr<v1::WorkerService::Stub> fresh = cache.Get(address);
+  EXPECT_NE(fresh, old);
+  const grpc::Status reached = status(fresh);
+  EXPECT_TRUE(reached.ok()) << reached.error_message();
+  EXPECT_EQ(cache.size(), 1u);
+  server->Shutdown();
+}
+
 }  // namespace
 }  // namespace colod

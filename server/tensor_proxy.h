@@ -53,6 +53,10 @@ class TensorProxy final : public v1::TensorService::Service {
   // holds for them, nothing once their calls ended.
   size_t QueuedJobs() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A worker registered at `address` anew: the next call there connects
+  // afresh (StubCache::Forget).
+  void ForgetConnection(const std::string& address) { stubs_.Forget(address); }
+
  private:
   using Stub = v1::TensorService::Stub;
   template <typename Req, typename Resp>

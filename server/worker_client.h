@@ -49,6 +49,9 @@ class WorkerClient {
                                           absl::Duration deadline) = 0;
   // GetStatus of each address: OK when the worker answers.
   virtual std::vector<absl::Status> Probe(const std::vector<std::string>& addresses, absl::Duration deadline) = 0;
+  // A worker registered at `address` anew (a restarted daemon): the next
+  // call there connects afresh (StubCache::Forget).
+  virtual void Forget(const std::string& address) {}
 };
 
 // Over gRPC's callback API, with a channel per address (TLS or plaintext;
@@ -63,6 +66,7 @@ class GrpcWorkerClient final : public WorkerClient {
   std::vector<absl::Status> Abort(const std::vector<Call<v1::AbortJobRequest>>& calls,
                                   absl::Duration deadline) override;
   std::vector<absl::Status> Probe(const std::vector<std::string>& addresses, absl::Duration deadline) override;
+  void Forget(const std::string& address) override { stubs_.Forget(address); }
 
  private:
   const std::string auth_token_;
