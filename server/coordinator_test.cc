@@ -354,6 +354,23 @@ TEST_F(CoordinatorTest, ListJobsPagesSummariesAndNamesAreBounded) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "spec.name: 2500000 bytes; at most 256"))
       << refused.status();
+  // A name is one line of printable text: a newline or a tab would break
+  // `coloctl jobs`' table. Any other UTF-8 is a name.
+  for (const std::string bad : {std::string("a\nb"), std::string("a\tb"), std::string("\x1b[31mred"),
+                                std::string("del\x7f")}) {
+    huge = tensor;
+    huge.set_name(bad);
+    refused = client_->SubmitJob(huge);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "spec.name: holds the control character 0x"))
+        << refused.status();
+  }
+  huge = tensor;
+  huge.set_name("r\xC3\xA9sum\xC3\xA9 \xE2\x80\x94 run 2");
+  auto unicode = client_->SubmitJob(huge);
+  ASSERT_TRUE(unicode.ok()) << unicode.status();
+  ASSERT_TRUE(client_->CancelJob(unicode->job_id()).ok());
+  ASSERT_TRUE(client_->DeleteJob(unicode->job_id()).ok());  // the pages below count the jobs
   huge = tensor;
   for (int i = 0; i < 65; ++i) (*huge.mutable_labels())[absl::StrCat("k", i)] = "v";
   EXPECT_EQ(client_->SubmitJob(huge).status().code(), absl::StatusCode::kInvalidArgument);

@@ -130,6 +130,45 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s.mutable_shard()->set_data_parallel_size(4);
   ExpectInvalid(s, "spec.train.batch_size");
 
+  // A micro-batch a replica must split into the layout's batch blocks: q
+  // in 2d, q * depth in 2.5d, q * q in 3d (dp = 2 here).
+  struct Blocks {
+    v1::TensorParallelMode mode;
+    int tp, depth, batch, micro_batches;
+    bool ok;
+  };
+  for (const Blocks b : {Blocks{v1::TENSOR_PARALLEL_MODE_2D, 4, 0, 6, 1, false},   // 3 rows, 2 blocks
+                         Blocks{v1::TENSOR_PARALLEL_MODE_2D, 4, 0, 8, 1, true},
+                         Blocks{v1::TENSOR_PARALLEL_MODE_2D, 4, 0, 8, 4, false},   // 1 row a micro-batch
+                         Blocks{v1::TENSOR_PARALLEL_MODE_2D, 4, 0, 8, 2, true},
+                         Blocks{v1::TENSOR_PARALLEL_MODE_2P5D, 8, 2, 4, 1, false},  // 2 rows, 4 blocks
+                         Blocks{v1::TENSOR_PARALLEL_MODE_2P5D, 8, 2, 8, 1, true},
+                         Blocks{v1::TENSOR_PARALLEL_MODE_3D, 8, 0, 4, 1, false},   // 2 rows, 4 blocks
+                         Blocks{v1::TENSOR_PARALLEL_MODE_3D, 8, 0, 8, 1, true}}) {
+    s = TrainSpec();
+    s.mutable_shard()->set_tensor_parallel_mode(b.mode);
+    s.mutable_shard()->set_tensor_parallel_size(b.tp);
+    s.mutable_shard()->set_depth(b.depth);
+    s.mutable_train()->set_batch_size(b.batch);
+    s.mutable_train()->set_micro_batches(b.micro_batches);
+    const absl::Status v = ValidateJobSpec(s);
+    EXPECT_EQ(v.ok(), b.ok) << b.mode << " tp " << b.tp << " batch " << b.batch << ": " << v;
+    if (!b.ok) EXPECT_TRUE(absl::StrContains(v.message(), "spec.train.batch_size: ")) << v;
+  }
+  s = TrainSpec();
+  s.mutable_shard()->set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
+  s.mutable_shard()->set_tensor_parallel_size(4);
+  s.mutable_train()->set_batch_size(6);
+  ExpectInvalid(s, "spec.train.batch_size: 6 makes micro-batches of 3 sequences a replica (over data_parallel_size "
+                   "2), which 2d tp 4 splits into 2 blocks: make them a multiple of 2");
+  // Sequence parallelism splits each sequence over tp.
+  s = TrainSpec();
+  s.mutable_shard()->set_sequence_parallel(true);
+  s.mutable_train()->set_seq_len(31);
+  ExpectInvalid(s, "spec.train.seq_len: 31 is not divisible by tensor_parallel_size 2");
+  s.mutable_train()->set_seq_len(32);
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+
   s = TrainSpec();
   s.mutable_train()->set_learning_rate(0);
   ExpectInvalid(s, "spec.train.learning_rate");

@@ -57,6 +57,39 @@ absl::StatusOr<ModelConfig> ValidateModel(const v1::ModelSpec& model, const v1::
   return parsed;
 }
 
+// "1d", "2d", "2.5d" or "3d".
+std::string ModeName(const v1::ShardConfig& s) {
+  switch (s.tensor_parallel_mode()) {
+    case v1::TENSOR_PARALLEL_MODE_2D:
+      return "2d";
+    case v1::TENSOR_PARALLEL_MODE_2P5D:
+      return "2.5d";
+    case v1::TENSOR_PARALLEL_MODE_3D:
+      return "3d";
+    default:
+      return "1d";
+  }
+}
+
+// The blocks a valid layout (ValidateShardConfig) splits a micro-batch's
+// sequences into: q in 2d (tp = q * q), q * depth in 2.5d (tp = depth * q *
+// q), q * q in 3d (tp = q * q * q); 1 in 1d.
+int BatchBlocks(const v1::ShardConfig& s) {
+  const int tp = std::max(1, s.tensor_parallel_size());
+  switch (s.tensor_parallel_mode()) {
+    case v1::TENSOR_PARALLEL_MODE_2D:
+      return IntegerRoot(tp, 2);
+    case v1::TENSOR_PARALLEL_MODE_2P5D:
+      return s.depth() >= 1 && tp % s.depth() == 0 ? IntegerRoot(tp / s.depth(), 2) * s.depth() : 1;
+    case v1::TENSOR_PARALLEL_MODE_3D: {
+      const int q = IntegerRoot(tp, 3);
+      return q * q;
+    }
+    default:
+      return 1;
+  }
+}
+
 absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shard,
                            absl::string_view path) {
   if (t.steps() < 1) return Invalid(path, "steps", absl::StrCat("must be >= 1, got ", t.steps()));
@@ -85,6 +118,20 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
     return Invalid(path, "micro_batches",
                    absl::StrCat("the per-rank batch ", t.batch_size() / dp,
                                 " is not divisible by micro_batches ", t.micro_batches()));
+  }
+  // Each micro-batch's sequences split into the layout's batch blocks (q in
+  // 2d, q * depth in 2.5d, q * q in 3d: its layers' row blocks): refused
+  // here, not by a rank's embedding once the job runs.
+  if (const int blocks = BatchBlocks(shard); blocks > 1) {
+    const int64_t rows = t.batch_size() / dp / std::max(1, t.micro_batches());
+    if (rows % blocks != 0) {
+      return Invalid(path, "batch_size",
+                     absl::StrCat(t.batch_size(), " makes micro-batches of ", rows, " sequences a replica (over ",
+                                  "data_parallel_size ", dp, t.micro_batches() > 1 ? absl::StrCat(
+                                      " and ", t.micro_batches(), " micro_batches") : "",
+                                  "), which ", ModeName(shard), " tp ", shard.tensor_parallel_size(),
+                                  " splits into ", blocks, " blocks: make them a multiple of ", blocks));
+    }
   }
   if (t.data_path().empty()) return Invalid(path, "data_path", "required for TRAIN jobs");
   if (absl::Status grouped = CheckInterleavedMicroBatches(shard, t.micro_batches()); !grouped.ok()) {
@@ -363,6 +410,15 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   if (spec.name().size() > kMaxJobNameBytes) {
     return Invalid("spec", "name", absl::StrCat(spec.name().size(), " bytes; at most ", kMaxJobNameBytes));
   }
+  // One line of a table or a log: no control characters (a newline or a
+  // tab would break `coloctl jobs`' columns, an escape a terminal).
+  for (const char c : spec.name()) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7F) {
+      return Invalid("spec", "name", absl::StrCat("holds the control character 0x", absl::Hex(u, absl::kZeroPad2),
+                                                  "; a name is one line of printable text"));
+    }
+  }
   if (spec.labels_size() > kMaxLabels) {
     return Invalid("spec", "labels", absl::StrCat(spec.labels_size(), " labels; at most ", kMaxLabels));
   }
@@ -407,6 +463,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
       ASSIGN_OR_RETURN(ModelConfig config, ValidateModel(spec.model(), spec.shard(), "spec.model"));
       RETURN_IF_ERROR(ValidateTrain(spec.train(), spec.shard(), "spec.train"));
       const bool examples = config.takes_images() || config.is_encoder_decoder();  // rows drawn whole
+      const int tp = spec.shard().tensor_parallel_size();
+      if (!examples && spec.shard().sequence_parallel() && tp > 1 && spec.train().seq_len() % tp != 0) {
+        return Invalid("spec.train", "seq_len",
+                       absl::StrCat(spec.train().seq_len(), " is not divisible by tensor_parallel_size ", tp,
+                                    ": sequence parallelism splits each sequence over tp"));
+      }
       if (config.takes_images() && spec.train().labels_path().empty()) {
         return Invalid("spec.train", "labels_path",
                        absl::StrCat("required for an image classifier (", config.model_type,
