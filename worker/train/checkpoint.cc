@@ -18,6 +18,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -416,6 +417,18 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
     fs::create_directories(tmp, ec);
     if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", tmp, ": ", ec.message()));
   }
+  // A save that fails before its checkpoint is put in place (a full disk,
+  // a peer lost) removes its temporary directory, on whichever rank fails
+  // (the others' writes there fail too, and the save with them): it is this
+  // writer's alone, and left, it would hold its room for an hour
+  // (kOtherWritersTmpGrace) against another job's saves. From the install
+  // on it may hold another job's checkpoint, for a human (InstallCheckpoint).
+  bool remove_tmp = true;
+  absl::Cleanup failed = [&] {
+    if (!remove_tmp) return;
+    std::error_code rm;
+    fs::remove_all(tmp, rm);
+  };
   RETURN_IF_ERROR(pg->Barrier());
   RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, tmp));
   std::vector<std::pair<std::string, Tensor>> state;
@@ -428,6 +441,10 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
     state.emplace_back(t.name, host.Contiguous());  // on the host: fails only without host memory
   }
   RETURN_IF_ERROR(shardformer::WriteSafetensors(absl::StrCat(tmp, "/", OptimFile(rank, world)), state));
+  // Past here only rank 0 writes there, and puts it in place once every
+  // rank passed this barrier: another rank whose barrier fails then must
+  // not remove what rank 0 may be renaming.
+  if (rank != 0) remove_tmp = false;
   RETURN_IF_ERROR(pg->Barrier());
   if (rank == 0) {
     Json j = {{"step", step},
@@ -454,6 +471,7 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
     // fence the rest of the save; this covers the state write and the
     // checks, which read every file, and the install itself.
     if (const std::function<void(ProcessGroup&)> hook = BeforeInstallSeam().Get()) hook(*pg);
+    remove_tmp = false;
     RETURN_IF_ERROR(InstallCheckpoint(dir, tmp, final_dir, writer, *pg));
     // The checkpoint's name on disk before it is reported or an older one
     // is pruned: a power loss must not keep the removals and lose it.

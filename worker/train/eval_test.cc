@@ -146,6 +146,8 @@ TEST(Eval, EvaluatingLeavesTrainingAsItIsAndEveryLayoutAgrees) {
   evaluated.eval_every = 2;
   evaluated.eval_steps = 3;
   evaluated.final_dir = TempPath("eval_train_final");
+  evaluated.save_dir = TempPath("eval_train_ck");
+  evaluated.save_every = 3;
   const std::vector<StepStats> a = Losses(plain), b = Losses(evaluated);
   ASSERT_EQ(a.size(), 3u);
   ASSERT_EQ(b.size(), 3u);
@@ -169,6 +171,16 @@ TEST(Eval, EvaluatingLeavesTrainingAsItIsAndEveryLayoutAgrees) {
   TrainOptions pp = WithLayout(of_final, 1, 2, 2);
   pp.micro_batches = 2;
   EXPECT_NEAR(EvalOnly(pp).loss, want, 1e-5 * want) << "pp2 x dp2";
+  // The step-3 checkpoint evaluated where it was written (resumed): the
+  // same loss, whatever the run's steps (an evaluation trains none).
+  TrainOptions of_checkpoint = plain;
+  of_checkpoint.eval_data_path = evaluated.eval_data_path;
+  of_checkpoint.eval_steps = 3;
+  of_checkpoint.resume_dir = evaluated.save_dir;
+  of_checkpoint.steps = 1;
+  const EvalStats resumed = EvalOnly(of_checkpoint);
+  EXPECT_EQ(resumed.step, 3);
+  EXPECT_NEAR(resumed.loss, want, 1e-5 * want) << "resumed from step 3 with steps 1";
   if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices (the emulation has them)";
   TrainOptions nccl = WithLayout(of_final, 2, 1, 2);
   nccl.cuda = true;

@@ -333,7 +333,7 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &skipped, o.resume_writers));
     for (const std::string& s : skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
     ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
-    if (state.step > o.steps) {
+    if (!o.eval_only && state.step > o.steps) {  // an evaluation trains no step: steps does not matter
       return absl::FailedPreconditionError(absl::StrCat(
           "the checkpoint to resume from, ", run->resume, ", is after step ", state.step,
           ", past the run's last step ", o.steps, ": raise steps, or resume from an earlier checkpoint"));
