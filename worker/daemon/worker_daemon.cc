@@ -171,7 +171,10 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     }
     // One worker a work directory: its rank directories, download cache and
     // their leftovers (any .tmp) are this worker's alone.
+    std::error_code exists;
+    const bool existed = w->own_work_dir_ || std::filesystem::exists(w->work_dir_, exists) || exists;
     ASSIGN_OR_RETURN(w->work_dir_lock_, LockDirectory(w->work_dir_, "--work-dir", "worker"));
+    w->made_work_dir_ = !existed;
     JobRunner::Options ro;
     ro.work_dir = w->work_dir_;
     ro.host = advertise.host;
@@ -400,7 +403,10 @@ WorkerDaemon::~WorkerDaemon() {
   if (grpc_.server != nullptr) {
     Shutdown();
   } else {
-    ReleaseWorkDir();  // a start that failed (its port taken) leaves no directory behind
+    // A start that failed (its port taken) leaves no directory behind: its
+    // own temporary one, or a --work-dir it made (one that was there stays).
+    if (made_work_dir_) own_work_dir_ = true;
+    ReleaseWorkDir();
   }
 }
 

@@ -280,6 +280,14 @@ TEST(WorkerDaemon, AWorkDirectoryIsOneWorkersAndAFailedStartLeavesNone) {
   const absl::Status refused = WorkerDaemon::Start(taken).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;  // after it made its work directory
   EXPECT_NE(refused.message().find("cannot listen on"), std::string::npos) << refused;
+  // A --work-dir it made goes too; one that was there stays, as it was.
+  taken.work_dir = testing::TempPath("made-work-dir");
+  EXPECT_EQ(WorkerDaemon::Start(taken).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(std::filesystem::exists(taken.work_dir));
+  taken.work_dir = testing::TempPath("kept-work-dir");
+  std::filesystem::create_directories(taken.work_dir + "/cache");
+  EXPECT_EQ(WorkerDaemon::Start(taken).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(std::filesystem::exists(taken.work_dir + "/cache"));
   holder->reset();
   EXPECT_TRUE(std::filesystem::is_empty(tmp));
 }
