@@ -16,6 +16,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "absl/strings/str_cat.h"
@@ -529,7 +530,57 @@ int CommandLineMain(int argc, char** argv, const std::string& intro, const std::
                     const std::vector<CommandGroup>& groups) {
   CommandLine().assign(argv, argv + argc);
   RaiseOpenFileLimit();  // coloctl consolidate and local open a file or a socket per rank
-  const std::vector<std::string> args = ParseFlags(argc, argv, HelpText(intro, epilogue, groups));
+  const std::string help = HelpText(intro, epilogue, groups);
+  // `COMMAND --help` and `help COMMAND`: that command's part of the help.
+  const std::vector<std::string> all(argv, argv + argc);
+  const std::vector<FlagArg> flags = ScanFlags(all);
+  std::vector<bool> taken(all.size(), false);
+  bool asked = false;
+  for (const FlagArg& f : flags) {
+    taken[f.index] = true;
+    if (f.value_next && f.index + 1 < taken.size()) taken[f.index + 1] = true;
+    asked = asked || f.name == "help" || f.name == "h" || f.name == "helpfull";
+  }
+  const size_t end = flags.empty() ? 1 : flags.back().index + 1 + (flags.back().value_next ? 1 : 0);
+  std::vector<std::string> positional;
+  for (size_t i = 1; i < all.size(); ++i) {
+    if (all[i] == "--" && i >= end) {  // the end of the flags: the rest is operands
+      positional.insert(positional.end(), all.begin() + i + 1, all.end());
+      break;
+    }
+    if (!taken[i]) positional.push_back(all[i]);
+  }
+  const bool help_command = !positional.empty() && positional[0] == "help";
+  if (asked || help_command) {
+    const size_t at = help_command ? 1 : 0;
+    if (positional.size() > at) {
+      const Command* command = FindCommand(groups, positional[at]);
+      if (command == nullptr) return Usage(absl::StrCat("help: unknown command '", positional[at], "'"));
+      const std::string program = all[0].substr(all[0].rfind('/') + 1);
+      // Its flags: those whose help names it ("train, submit: ..."), and
+      // those that name no command (--coordinator, --timeout, --output).
+      const auto applies = [&](const absl::CommandLineFlag& flag) {
+        const std::string text = flag.Help();
+        const size_t colon = text.find(':');
+        bool names_commands = false;
+        for (absl::string_view item : absl::StrSplit(text.substr(0, colon == std::string::npos ? 0 : colon), ',')) {
+          const std::string word(absl::StripAsciiWhitespace(item).substr(0, absl::StripAsciiWhitespace(item).find(' ')));
+          if (word == command->name) return true;
+          names_commands = names_commands || FindCommand(groups, word) != nullptr;
+        }
+        return !names_commands;
+      };
+      PrintHelp(absl::StrCat("Usage: ", program, " [flags] ", command->name, "\n\n", WrapUsage(*command), "\n",
+                             "Run '", program, " --help' for every command and the exit statuses."),
+                applies);
+      return 0;
+    }
+    if (help_command) {  // `help` alone: the whole help, as --help
+      PrintHelp(help);
+      return 0;
+    }
+  }
+  const std::vector<std::string> args = ParseFlags(argc, argv, help);
   if (args.empty()) return Usage("missing COMMAND");
   const std::string output = absl::GetFlag(FLAGS_output);
   if (output != "table" && output != "json") {

@@ -410,7 +410,9 @@ constexpr Command kCommands[] = {
      "              [--data-format auto|text|jsonl]. Text's documents are its paragraphs\n"
      "              (up to a blank line); a .jsonl's are each line's \"text\" (the input of\n"
      "              Megatron's preprocess_data.py). `train --data PREFIX` reads the result,\n"
-     "              and `train --data FILE` tokenizes the same way on the fly.\n",
+     "              and `train --data FILE` tokenizes the same way on the fly. A model\n"
+     "              without a tokenizer (init-model's) has nothing to tokenize with: train\n"
+     "              --data FILE reads text as bytes for it.\n",
      RunInProcessCommand},
     {"consolidate", "",
      "  consolidate Assemble a sharded checkpoint (one file per rank + colod_checkpoint.json)\n"

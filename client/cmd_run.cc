@@ -25,6 +25,7 @@
 #include "worker/shardformer/init_model.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/tensor/npy.h"
+#include "worker/train/checkpoint.h"
 #include "worker/train/data.h"
 #include "worker/train/job_options.h"
 #include "worker/train/megatron_writer.h"
@@ -146,6 +147,10 @@ int RunInitModel(const std::vector<std::string>&) {
            {"--positions", absl::GetFlag(FLAGS_positions)}}) {
     if (value < 1) return Usage(absl::StrCat("init-model: ", flag, " must be >= 1, got ", value));
   }
+  if (absl::GetFlag(FLAGS_hidden_size) % absl::GetFlag(FLAGS_heads) != 0) {
+    return Usage(absl::StrCat("init-model: --hidden-size ", absl::GetFlag(FLAGS_hidden_size),
+                              " is not divisible by --heads ", absl::GetFlag(FLAGS_heads)));
+  }
   shardformer::Gpt2Shape shape;
   shape.vocab_size = absl::GetFlag(FLAGS_vocab_size);
   shape.hidden_size = absl::GetFlag(FLAGS_hidden_size);
@@ -165,6 +170,15 @@ int RunConsolidate(const std::vector<std::string>&) {
   const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint), out = absl::GetFlag(FLAGS_out);
   if (checkpoint.empty()) return Usage("consolidate: --checkpoint is required");
   if (out.empty()) return Usage("consolidate: --out is required");
+  // `train --save`'s directory (what --resume takes) holds checkpoints, one
+  // a step: name the one to consolidate.
+  if (struct stat st; ::stat((checkpoint + "/colod_checkpoint.json").c_str(), &st) != 0) {
+    if (absl::StatusOr<std::string> newest = train::LatestCheckpoint(checkpoint); newest.ok()) {
+      return Usage(absl::StrCat("consolidate: --checkpoint ", checkpoint, " holds training checkpoints, one a step: "
+                                "give one of them, e.g. its newest, --checkpoint ", *newest,
+                                " (coloctl checkpoints JOB lists a job's)"));
+    }
+  }
   const absl::Status s = shardformer::ConsolidateCheckpoint(checkpoint, out);
   if (!s.ok()) return Fail(s);
   std::printf("wrote %s/model.safetensors and %s/config.json\n", out.c_str(), out.c_str());
@@ -184,6 +198,10 @@ int RunTokenize(const std::vector<std::string>&) {
     return Usage(absl::StrCat("tokenize: ", input, " is not text or jsonl (--data-format text or jsonl)"));
   }
   auto tokenizer = train::LoadTokenizer(model);
+  if (absl::IsNotFound(tokenizer.status())) {
+    return Fail(absl::NotFoundError(absl::StrCat(tokenizer.status().message(), ": nothing to tokenize with (train "
+                                                 "--data FILE reads text as bytes for a model without one)")));
+  }
   if (!tokenizer.ok()) return Fail(tokenizer.status());
   auto writer = train::MegatronWriter::Create(out, (*tokenizer)->vocab_size());
   if (!writer.ok()) return Fail(writer.status());

@@ -183,8 +183,23 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
     if (int u = need(1, "no arguments")) return u;
     return TensorDemo(c, json);
   }
+  if (sub != "list" && sub != "delete" && sub != "get" && sub != "create" && sub != "reshard") {
+    return Usage(absl::StrCat("tensor: unknown subcommand '", sub, "'"));
+  }
+  if (int u = need(sub == "list" ? 2 : 3, sub == "list" ? "JOB" : "JOB NAME")) return u;
+  std::vector<int64_t> shape;  // create's, checked before any call
+  if (sub == "create") {
+    absl::StatusOr<std::vector<int64_t>> parsed = ParseShape(absl::GetFlag(FLAGS_shape));
+    if (!parsed.ok()) return Usage(std::string(parsed.status().message()));
+    shape = *std::move(parsed);
+  }
+  // A TENSOR job just submitted waits for its workers (`J=$(coloctl submit
+  // --kind tensor)` then `coloctl tensor create $J ...`): up to --timeout
+  // for it to run.
+  if (const absl::Status running = WaitRunning(c, operands[1], absl::GetFlag(FLAGS_timeout)); !running.ok()) {
+    return Fail(running);
+  }
   if (sub == "list") {
-    if (int u = need(2, "JOB")) return u;
     auto list = c.ListTensors(operands[1]);
     if (!list.ok()) return Fail(list.status());
     if (json) {
@@ -196,12 +211,10 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
     return 0;
   }
   if (sub == "delete") {
-    if (int u = need(3, "JOB NAME")) return u;
     const absl::Status s = c.DeleteTensor(operands[1], operands[2]);
     return s.ok() ? 0 : Fail(s);
   }
   if (sub == "get") {
-    if (int u = need(3, "JOB NAME")) return u;
     absl::StatusOr<v1::TensorValue> value;
     if (absl::GetFlag(FLAGS_rank) >= 0) {
       auto shard = c.GetShard(operands[1], operands[2], absl::GetFlag(FLAGS_rank));
@@ -220,14 +233,6 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
     if (json) return PrintJson(*value);
     std::printf("[%s] %s\n", absl::StrJoin(value->shape(), ", ").c_str(), FormatValues(*value).c_str());
     return 0;
-  }
-  if (sub != "create" && sub != "reshard") return Usage(absl::StrCat("tensor: unknown subcommand '", sub, "'"));
-  if (int u = need(3, "JOB NAME")) return u;
-  std::vector<int64_t> shape;  // create's, checked before any call
-  if (sub == "create") {
-    absl::StatusOr<std::vector<int64_t>> parsed = ParseShape(absl::GetFlag(FLAGS_shape));
-    if (!parsed.ok()) return Usage(std::string(parsed.status().message()));
-    shape = *std::move(parsed);
   }
   auto mesh = c.GetMesh(operands[1]);
   if (!mesh.ok()) return Fail(mesh.status());
@@ -271,7 +276,8 @@ constexpr Command kCommands[] = {
      "                tensor reshard JOB NAME --spec 'tp=S(0)'   (R: replicated)\n"
      "                tensor get JOB NAME [--rank R] [--out FILE.npy]   (a FIFO or /dev/stdout\n"
      "                                           is written in place; a link, its file replaced)\n"
-     "                tensor list JOB | tensor delete JOB NAME\n",
+     "                tensor list JOB | tensor delete JOB NAME\n"
+     "              Each waits up to --timeout for a job just submitted to run.\n",
      RunTensor},
 };
 

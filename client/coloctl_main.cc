@@ -19,7 +19,8 @@ constexpr char kIntro[] =
     "coloctl: drive a colod cluster.\n"
     "\n"
     "Usage:\n"
-    "  coloctl [flags] COMMAND\n";
+    "  coloctl [flags] COMMAND\n"
+    "  coloctl help COMMAND    (or COMMAND --help): one command and its flags\n";
 
 constexpr char kEpilogue[] =
     "Exit status: 0 on success, 1 when the command fails (the status code, e.g. the\n"

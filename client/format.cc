@@ -242,10 +242,20 @@ std::string RenderJob(const v1::Job& j, absl::Time now) {
       }
     }
   }
-  absl::StrAppend(&out, "weights:    ", j.spec().model().weights_path(), "\n");
+  // An uploaded model (submit's default) has no path of its own: its upload.
+  absl::StrAppend(&out, "weights:    ",
+                  j.spec().model().upload_id().empty() ? j.spec().model().weights_path()
+                                                       : absl::StrCat("upload ", j.spec().model().upload_id()),
+                  "\n");
   if (!j.last_checkpoint().empty()) absl::StrAppend(&out, "checkpoint: ", j.last_checkpoint(), "\n");
   absl::StrAppend(&out, "generation: ", j.generation(), "\n");
-  if (!j.stalled().empty()) absl::StrAppend(&out, "stalled:    ", j.stalled(), "\n");
+  if (!j.stalled().empty()) {
+    // Its durations are as of the report; once the job ended it is history.
+    const bool ended = j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
+                       j.state() == v1::JOB_STATE_CANCELLED;
+    absl::StrAppend(&out, ended ? "last hang:  " : "stalled:    ", j.stalled(),
+                    j.has_stalled_time() ? absl::StrCat(" (reported ", Age(j.stalled_time(), now), ")") : "", "\n");
+  }
   if (j.restarts() > 0) {
     absl::StrAppend(&out, "restarts:   ", j.restarts(), "\n");
     for (int i = 0; i < j.attempt_failures_size(); ++i) {

@@ -188,6 +188,28 @@ TEST(RenderJob, ShowsRestartsAndEveryAttempt) {
   EXPECT_EQ(RenderJob(j, absl::Now()).find("stalled:"), std::string::npos);
   j.set_stalled("collective #41 (all_reduce) of group tp/2_3 pending for 7s on ranks 2; not entered by rank 3");
   EXPECT_NE(RenderJob(j, absl::Now()).find("stalled:    collective #41 (all_reduce) of group tp/2_3"), std::string::npos);
+  // Its durations are as of the report, which says when it came; once the
+  // job ended it is its last hang, not a stall.
+  const absl::Time now = absl::FromUnixSeconds(1'800'000'100);
+  j.mutable_stalled_time()->set_seconds(1'800'000'090);
+  EXPECT_NE(RenderJob(j, now).find("not entered by rank 3 (reported 10.0s ago)\n"), std::string::npos)
+      << RenderJob(j, now);
+  j.set_state(v1::JOB_STATE_FAILED);
+  EXPECT_NE(RenderJob(j, now).find("last hang:  collective #41"), std::string::npos) << RenderJob(j, now);
+  EXPECT_EQ(RenderJob(j, now).find("stalled:"), std::string::npos);
+}
+
+// The model's weights: a path every worker reads, or an upload (submit's
+// default), which has no path.
+TEST(RenderJob, NamesTheWeightsPathOrTheUpload) {
+  v1::Job j;
+  j.set_job_id("job-000009");
+  j.mutable_spec()->mutable_model()->set_weights_path("/models/gpt2");
+  EXPECT_NE(RenderJob(j, absl::Now()).find("weights:    /models/gpt2\n"), std::string::npos) << RenderJob(j, absl::Now());
+  j.mutable_spec()->mutable_model()->clear_weights_path();
+  j.mutable_spec()->mutable_model()->set_upload_id("upload-1f2e");
+  EXPECT_NE(RenderJob(j, absl::Now()).find("weights:    upload upload-1f2e\n"), std::string::npos)
+      << RenderJob(j, absl::Now());
 }
 
 TEST(Format, CheckpointsListTheBestAndTheLatest) {

@@ -105,7 +105,8 @@ ABSL_FLAG(int32_t, zero, 0,
           "are the plain run's; checkpoints resume at any --dp and --zero.");
 ABSL_FLAG(std::string, save, "", "train: write a training checkpoint here every --save-every steps and at the end.");
 ABSL_FLAG(int64_t, save_every, 0, "train: steps between checkpoints (with --save).");
-ABSL_FLAG(int64_t, keep_last, -1,
+// A string, so that leaving it out (keep all) is told from any number given.
+ABSL_FLAG(std::string, keep_last, "",
           "train, submit: keep the newest K checkpoints of --save (K >= 1) and remove older ones after each save "
           "(default: keep all).");
 ABSL_FLAG(bool, keep_best, false,
@@ -326,12 +327,14 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
     return absl::InvalidArgumentError(
         "--eval-every, --eval-steps, --eval-only and --eval-labels need held-out data: --eval-split or --eval-data");
   }
-  const int64_t keep_last = absl::GetFlag(FLAGS_keep_last);
-  if (keep_last == 0 || keep_last < -1 || keep_last > std::numeric_limits<int32_t>::max()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--keep-last: ", keep_last, " must be >= 1 (the checkpoints to keep; leave it out to keep all)"));
+  const std::string keep_text = absl::GetFlag(FLAGS_keep_last);
+  int32_t keep_last = 0;  // all
+  if (!keep_text.empty() && (!absl::SimpleAtoi(keep_text, &keep_last) || keep_last < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("--keep-last: '", keep_text, "' is not a count of checkpoints in [1, ",
+                                                   std::numeric_limits<int32_t>::max(),
+                                                   "] (leave it out to keep all)"));
   }
-  t.set_keep_last(keep_last < 0 ? 0 : static_cast<int32_t>(keep_last));
+  t.set_keep_last(keep_last);
   t.set_keep_best(absl::GetFlag(FLAGS_keep_best));
   if ((t.keep_last() > 0 || t.keep_best()) && t.checkpoint_dir().empty()) {
     return absl::InvalidArgumentError("--keep-last and --keep-best prune the checkpoints of --save: give --save DIR");

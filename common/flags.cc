@@ -35,12 +35,14 @@ std::string DashedName(absl::string_view name) {
   return out;
 }
 
-void PrintHelp(absl::string_view usage) {
+}  // namespace
+
+void PrintHelp(absl::string_view usage, const std::function<bool(const absl::CommandLineFlag&)>& only) {
   std::string out(usage);
   if (!out.empty() && out.back() != '\n') out.push_back('\n');
   std::vector<absl::CommandLineFlag*> flags;
   for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (IsOwnFlag(flag->Filename())) flags.push_back(flag);
+    if (IsOwnFlag(flag->Filename()) && (only == nullptr || only(*flag))) flags.push_back(flag);
   }
   std::sort(flags.begin(), flags.end(),
             [](auto* a, auto* b) { return a->Name() < b->Name(); });
@@ -55,8 +57,6 @@ void PrintHelp(absl::string_view usage) {
   absl::StrAppend(&out, "  --version\n      Print the colod version and exit.\n");
   std::fputs(out.c_str(), stdout);
 }
-
-}  // namespace
 
 std::string WrapText(absl::string_view text, int indent, int width) {
   const std::string pad(static_cast<size_t>(std::max(indent, 0)), ' ');

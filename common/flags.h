@@ -3,6 +3,7 @@
 #define COLOD_COMMON_FLAGS_H_
 
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <set>
 #include <string>
@@ -23,6 +24,10 @@ namespace colod {
 // given several times: their values are joined with commas.
 std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage,
                                     const std::set<std::string>& repeatable = {});
+
+// What --help prints: `usage`, then the binary's own flags (not Abseil's),
+// with their defaults and help; only those `only` accepts, where given.
+void PrintHelp(absl::string_view usage, const std::function<bool(const absl::CommandLineFlag&)>& only = nullptr);
 
 // A flag on a command line, as Abseil reads it.
 struct FlagArg {

@@ -713,6 +713,7 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
         *placement_before.mutable_rank0_workers() = e.job.rank0_workers();
         placement_before.set_rank0_first_generation(e.job.rank0_first_generation());
         placement_before.set_stalled(e.job.stalled());
+        *placement_before.mutable_stalled_time() = e.job.stalled_time();
         peak_before = e.attempt_peak_flops;
         *e.job.mutable_mesh() = mesh;
         e.attempt_peak_flops = peak_flops > 0 && std::isfinite(peak_flops) ? peak_flops : 0;
@@ -727,6 +728,7 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
           }
         }
         e.job.clear_stalled();  // a new attempt
+        e.job.clear_stalled_time();
         AppendStateChangeLocked(e, v1::JOB_STATE_SCHEDULED,
                                 absl::StrCat("ranks assigned to ", mesh.world_size(), " workers; connecting"));
         return true;
@@ -745,6 +747,7 @@ absl::StatusOr<v1::Job> JobManager::Schedule(absl::string_view job_id, const v1:
     *e.job.mutable_rank0_workers() = placement_before.rank0_workers();
     e.job.set_rank0_first_generation(placement_before.rank0_first_generation());
     e.job.set_stalled(placement_before.stalled());
+    *e.job.mutable_stalled_time() = placement_before.stalled_time();
     e.attempt_peak_flops = peak_before;
     AppendStateChangeLocked(e, before, why);
     return true;
@@ -885,6 +888,7 @@ absl::Status JobManager::AddHang(absl::string_view job_id, const v1::HangReport&
     ++hangs_;
     e.job.set_stalled(hang.message());
     v1::JobEvent ev = NewEventLocked(e);
+    *e.job.mutable_stalled_time() = ev.time();
     *ev.mutable_hang() = hang;
     AppendEventLocked(e, ev);
     return true;

@@ -115,12 +115,21 @@ TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
   auto submitted = with({"submit", "--kind", "tensor", "--tp", "2", "--dp", "1"});
   ASSERT_EQ(submitted.code, 0) << submitted.err;
   const std::string job_id(absl::StripAsciiWhitespace(submitted.out));
+  // Its tensors at once: the command waits for the job's ranks to run.
+  auto created = with({"tensor", "create", job_id, "t", "--shape", "2,4", "--spec", "tp=S(-1)"});
+  EXPECT_EQ(created.code, 0) << created.err;
+  auto listed = with({"tensor", "list", job_id});
+  EXPECT_EQ(listed.code, 0) << listed.err;
+  EXPECT_TRUE(absl::StrContains(listed.out, "t")) << listed.out;
   auto running_delete = with({"delete", job_id, "--output", "json"});
   EXPECT_EQ(running_delete.code, 1) << running_delete.out;  // not ended: FAILED_PRECONDITION
   EXPECT_TRUE(running_delete.out.empty()) << running_delete.out;
   auto cancelled = with({"cancel", job_id, "--output", "json"});
   ASSERT_EQ(cancelled.code, 0) << cancelled.err;
   EXPECT_EQ(nlohmann::json::parse(cancelled.out, nullptr, false)["state"], "JOB_STATE_CANCELLED") << cancelled.out;
+  auto ended = with({"tensor", "list", job_id});
+  EXPECT_EQ(ended.code, 1) << ended.err;
+  EXPECT_TRUE(absl::StrContains(ended.err, "cancelled")) << ended.err;
   auto deleted = with({"delete", job_id, "--output", "json"});
   ASSERT_EQ(deleted.code, 0) << deleted.err;
   EXPECT_EQ(nlohmann::json::parse(deleted.out, nullptr, false), (nlohmann::json{{"job_id", job_id}, {"deleted", true}}))
@@ -159,6 +168,29 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
     EXPECT_EQ(version.code, 0);
     EXPECT_TRUE(absl::StartsWith(version.out, "colod ")) << version.out;
   }
+  // One command's help: its part of the usage and the flags it takes (those
+  // whose help names it, and the global ones), as `help CMD` or `CMD --help`.
+  const auto whole = RunCommand({Runfile(kColoctl), "--help"}, TempPath(""));
+  for (const std::vector<std::string>& asked :
+       {std::vector<std::string>{"help", "train"}, std::vector<std::string>{"train", "--help"},
+        std::vector<std::string>{"--coordinator", "h:1", "train", "--steps", "3", "-h"}}) {
+    std::vector<std::string> argv = {Runfile(kColoctl)};
+    argv.insert(argv.end(), asked.begin(), asked.end());
+    const auto one = RunCommand(argv, TempPath(""));
+    EXPECT_EQ(one.code, 0) << one.err;
+    EXPECT_TRUE(absl::StartsWith(one.out, "Usage: coloctl [flags] train\n")) << one.out;
+    EXPECT_TRUE(absl::StrContains(one.out, "--steps")) << one.out;        // train's
+    EXPECT_TRUE(absl::StrContains(one.out, "--coordinator")) << one.out;  // global
+    EXPECT_FALSE(absl::StrContains(one.out, "--vocab-size")) << one.out;  // init-model's
+    EXPECT_FALSE(absl::StrContains(one.out, "tensor demo")) << one.out;   // another command's usage
+    EXPECT_LT(one.out.size(), whole.out.size() / 2);
+  }
+  const auto all_help = RunCommand({Runfile(kColoctl), "help"}, TempPath(""));
+  EXPECT_EQ(all_help.code, 0);
+  EXPECT_EQ(all_help.out, whole.out);
+  const auto no_such = RunCommand({Runfile(kColoctl), "help", "trian"}, TempPath(""));
+  EXPECT_EQ(no_such.code, 2);
+  EXPECT_TRUE(absl::StrContains(no_such.err, "help: unknown command 'trian'")) << no_such.err;
   auto plain = RunCommand({Runfile(kColoctl), "version"}, TempPath(""));
   auto as_json = RunCommand({Runfile(kColoctl), "version", "--output", "json"}, TempPath(""));
   ASSERT_EQ(as_json.code, 0) << as_json.err;

@@ -295,6 +295,10 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
   r = run({"init-model", "--out", TempPath("negative-model"), "--vocab-size", "-5"});
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("--vocab-size must be >= 1, got -5"), std::string::npos) << r.err;
+  r = run({"init-model", "--out", TempPath("odd-heads-model"), "--heads", "3"});
+  EXPECT_EQ(r.code, 2) << r.err;  // a shape that cannot be: usage, before anything is written
+  EXPECT_NE(r.err.find("--hidden-size 64 is not divisible by --heads 3"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(TempPath("odd-heads-model")));
 }
 
 // tensor create checks its --shape before any call: a missing or

@@ -166,6 +166,13 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
     EXPECT_EQ(lr[i]["step"], i + 3);
     EXPECT_EQ(lr[i]["loss"], la[i + 2]["loss"]);
   }
+  // The --save directory is not a checkpoint: consolidate names its newest.
+  const auto whole_dir = Coloctl({"consolidate", "--checkpoint", TempPath("ck"), "--out", TempPath("ck_hf")});
+  EXPECT_EQ(whole_dir.code, 2) << whole_dir.err;
+  EXPECT_NE(whole_dir.err.find("holds training checkpoints, one a step: give one of them, e.g. its newest, "
+                               "--checkpoint " + TempPath("ck") + "/step-000002"),
+            std::string::npos)
+      << whole_dir.err;
 
   // Text output, and usage errors.
   std::vector<std::string> text = common;
@@ -177,6 +184,14 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   EXPECT_EQ(Coloctl({"train", "--model", model->dir}).code, 2);
   EXPECT_EQ(Coloctl({"train", "--model", model->dir, "--data", "x", "--optimizer", "lion"}).code, 2);
   // --min-lr: -1 is the default's lr / 10; any other negative is refused, not taken for it.
+  // --keep-last: a count of checkpoints; -1 is not "all" (leaving it out is).
+  for (const std::string keep : {"-1", "0", "x"}) {
+    const auto kept = Coloctl({"train", "--model", model->dir, "--data", "x", "--save", TempPath("k"), "--save-every",
+                               "1", "--keep-last", keep});
+    EXPECT_EQ(kept.code, 2) << kept.err;
+    EXPECT_NE(kept.err.find("--keep-last: '" + keep + "' is not a count of checkpoints"), std::string::npos)
+        << kept.err;
+  }
   const auto floor = Coloctl({"train", "--model", model->dir, "--data", "x", "--min-lr", "-0.5"});
   EXPECT_EQ(floor.code, 2) << floor.err;
   EXPECT_NE(floor.err.find("--min-lr: -0.5 is not >= 0 (or -1: lr / 10)"), std::string::npos) << floor.err;
