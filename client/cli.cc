@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <set>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -557,21 +558,42 @@ int CommandLineMain(int argc, char** argv, const std::string& intro, const std::
       const Command* command = FindCommand(groups, positional[at]);
       if (command == nullptr) return Usage(absl::StrCat("help: unknown command '", positional[at], "'"));
       const std::string program = all[0].substr(all[0].rfind('/') + 1);
-      // Its flags: those whose help names it ("train, submit: ..."), and
-      // those that name no command (--coordinator, --timeout, --output).
+      // Its flags: those its usage names (--steps), and those whose help
+      // names it at the head of a part ("train, submit: ...; init-model:
+      // ..."); submit takes train's ("the train flags above"). The global
+      // ones (--coordinator, --timeout, --output, TLS) are --help's.
+      const std::string usage = WrapUsage(*command);
+      std::set<std::string> named;  // "steps" for --steps
+      for (size_t at = usage.find("--"); at != std::string::npos; at = usage.find("--", at + 2)) {
+        size_t stop = at + 2;
+        while (stop < usage.size() && (absl::ascii_isalnum(usage[stop]) || usage[stop] == '-')) ++stop;
+        std::string name = usage.substr(at + 2, stop - at - 2);
+        std::replace(name.begin(), name.end(), '-', '_');
+        if (!name.empty()) named.insert(name);
+      }
+      std::set<std::string> heads = {command->name};
+      if (absl::StrContains(usage, "the train flags")) heads.insert("train");
+      const auto is_word = [](char c) { return absl::ascii_isalnum(c) || c == '-' || c == '_'; };
       const auto applies = [&](const absl::CommandLineFlag& flag) {
+        if (named.count(std::string(flag.Name()))) return true;
         const std::string text = flag.Help();
-        const size_t colon = text.find(':');
-        bool names_commands = false;
-        for (absl::string_view item : absl::StrSplit(text.substr(0, colon == std::string::npos ? 0 : colon), ',')) {
-          const std::string word(absl::StripAsciiWhitespace(item).substr(0, absl::StripAsciiWhitespace(item).find(' ')));
-          if (word == command->name) return true;
-          names_commands = names_commands || FindCommand(groups, word) != nullptr;
+        for (absl::string_view part : absl::StrSplit(text, ';')) {
+          const size_t colon = part.find(':');
+          if (colon == absl::string_view::npos) continue;
+          const absl::string_view head = part.substr(0, colon);
+          for (const std::string& h : heads) {
+            for (size_t at = head.find(h); at != absl::string_view::npos; at = head.find(h, at + 1)) {
+              const bool starts = at == 0 || !is_word(head[at - 1]);
+              const bool ends = at + h.size() == head.size() || !is_word(head[at + h.size()]);
+              if (starts && ends) return true;
+            }
+          }
         }
-        return !names_commands;
+        return false;
       };
-      PrintHelp(absl::StrCat("Usage: ", program, " [flags] ", command->name, "\n\n", WrapUsage(*command), "\n",
-                             "Run '", program, " --help' for every command and the exit statuses."),
+      PrintHelp(absl::StrCat("Usage: ", program, " [flags] ", command->name, "\n\n", usage, "\n",
+                             "The global flags (--coordinator, --timeout, --output, --auth-token-file, --tls-*)\n"
+                             "and every command and exit status: ", program, " --help."),
                 applies);
       return 0;
     }

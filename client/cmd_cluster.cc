@@ -234,7 +234,9 @@ constexpr Command kCommands[] = {
     {"watch", "JOB",
      "  watch JOB   Follow a job to its end: state changes and a progress bar with step,\n"
      "              loss and tokens/s, then the loss curve; --output json prints every event\n"
-     "              as one JSON line. Exits 0 when the job succeeded, 1 otherwise.\n",
+     "              as one JSON line. Exits 0 when the job succeeded, 1 otherwise (it\n"
+     "              failed, was cancelled, or did not end within --watch-timeout), 69 when\n"
+     "              the coordinator stays unreachable.\n",
      RunWatch},
     {"cancel", "JOB", "  cancel JOB  Cancel a job [--reason TEXT]; its ranks are aborted and the workers freed.\n",
      RunCancel},

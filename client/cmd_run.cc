@@ -198,7 +198,7 @@ int RunTokenize(const std::vector<std::string>&) {
     return Usage(absl::StrCat("tokenize: ", input, " is not text or jsonl (--data-format text or jsonl)"));
   }
   auto tokenizer = train::LoadTokenizer(model);
-  if (absl::IsNotFound(tokenizer.status())) {
+  if (struct stat st; absl::IsNotFound(tokenizer.status()) && ::stat(model.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
     return Fail(absl::NotFoundError(absl::StrCat(tokenizer.status().message(), ": nothing to tokenize with (train "
                                                  "--data FILE reads text as bytes for a model without one)")));
   }

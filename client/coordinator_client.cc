@@ -19,7 +19,8 @@ namespace {
 
 // Prefixes the coordinator's address to transport errors so that "connection
 // refused" says which address was refused.
-absl::Status Annotate(const grpc::Status& s, const std::string& address, absl::string_view rpc) {
+absl::Status Annotate(const grpc::Status& s, const grpc::ClientContext& ctx, const std::string& address,
+                      absl::string_view rpc) {
   absl::Status st = FromGrpcStatus(s);
   if (st.ok()) return st;
   // gRPC's word for a request protobuf would not serialize: a string field
@@ -29,7 +30,10 @@ absl::Status Annotate(const grpc::Status& s, const std::string& address, absl::s
                                                    "an id, a path, a reason) is not valid UTF-8"));
   }
   if (st.code() == absl::StatusCode::kUnavailable || st.code() == absl::StatusCode::kDeadlineExceeded) {
-    return MarkUnreachable(absl::Status(st.code(), absl::StrCat(rpc, " to coordinator ", address, ": ", st.message())));
+    // Unreachable unless the coordinator answered so (it passes a worker's on).
+    return FromClientCall(grpc::Status(s.error_code(), absl::StrCat(rpc, " to coordinator ", address, ": ",
+                                                                    st.message())),
+                          ctx);
   }
   return st;
 }
@@ -48,7 +52,7 @@ absl::Status AllPages(Request req, const char* rpc, const std::string& address, 
     grpc::ClientContext ctx;
     set_deadline(ctx);
     Response resp;
-    RETURN_IF_ERROR(Annotate(call(&ctx, req, &resp), address, rpc));
+    RETURN_IF_ERROR(Annotate(call(&ctx, req, &resp), ctx, address, rpc));
     const auto& items = Items(resp);
     out->insert(out->end(), items.begin(), items.end());
     if (!resp.next_page_token().empty() && resp.next_page_token() == req.page_token()) {
@@ -124,7 +128,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> CoordinatorClient::RegisterWorker(con
   *req.mutable_worker() = info;
   *req.mutable_status() = status;
   v1::RegisterWorkerResponse resp;
-  RETURN_IF_ERROR(Annotate(stub_->RegisterWorker(&ctx, req, &resp), address_, "RegisterWorker"));
+  RETURN_IF_ERROR(Annotate(stub_->RegisterWorker(&ctx, req, &resp), ctx, address_, "RegisterWorker"));
   return resp;
 }
 
@@ -136,7 +140,7 @@ absl::StatusOr<v1::HeartbeatResponse> CoordinatorClient::Heartbeat(const std::st
   req.set_worker_id(worker_id);
   *req.mutable_status() = status;
   v1::HeartbeatResponse resp;
-  RETURN_IF_ERROR(Annotate(stub_->Heartbeat(&ctx, req, &resp), address_, "Heartbeat"));
+  RETURN_IF_ERROR(Annotate(stub_->Heartbeat(&ctx, req, &resp), ctx, address_, "Heartbeat"));
   return resp;
 }
 
@@ -148,7 +152,7 @@ absl::StatusOr<v1::Job> CoordinatorClient::SubmitJob(const v1::JobSpec& spec,
   *req.mutable_spec() = spec;
   req.set_request_id(request_id);
   v1::SubmitJobResponse resp;
-  RETURN_IF_ERROR(Annotate(stub_->SubmitJob(&ctx, req, &resp), address_, "SubmitJob"));
+  RETURN_IF_ERROR(Annotate(stub_->SubmitJob(&ctx, req, &resp), ctx, address_, "SubmitJob"));
   return resp.job();
 }
 
@@ -158,7 +162,7 @@ absl::StatusOr<v1::Job> CoordinatorClient::GetJob(const std::string& job_id) {
   v1::GetJobRequest req;
   req.set_job_id(job_id);
   v1::GetJobResponse resp;
-  RETURN_IF_ERROR(Annotate(stub_->GetJob(&ctx, req, &resp), address_, "GetJob"));
+  RETURN_IF_ERROR(Annotate(stub_->GetJob(&ctx, req, &resp), ctx, address_, "GetJob"));
   return resp.job();
 }
 
@@ -185,7 +189,7 @@ absl::StatusOr<v1::Job> CoordinatorClient::CancelJob(const std::string& job_id, 
   req.set_job_id(job_id);
   req.set_reason(reason);
   v1::CancelJobResponse resp;
-  RETURN_IF_ERROR(Annotate(stub_->CancelJob(&ctx, req, &resp), address_, "CancelJob"));
+  RETURN_IF_ERROR(Annotate(stub_->CancelJob(&ctx, req, &resp), ctx, address_, "CancelJob"));
   return resp.job();
 }
 
@@ -195,7 +199,7 @@ absl::Status CoordinatorClient::DeleteJob(const std::string& job_id) {
   v1::DeleteJobRequest req;
   req.set_job_id(job_id);
   v1::DeleteJobResponse resp;
-  return Annotate(stub_->DeleteJob(&ctx, req, &resp), address_, "DeleteJob");
+  return Annotate(stub_->DeleteJob(&ctx, req, &resp), ctx, address_, "DeleteJob");
 }
 
 absl::StatusOr<v1::MeshSpec> CoordinatorClient::GetMesh(const std::string& job_id) {
@@ -204,7 +208,7 @@ absl::StatusOr<v1::MeshSpec> CoordinatorClient::GetMesh(const std::string& job_i
   v1::GetMeshRequest req;
   req.set_job_id(job_id);
   v1::GetMeshResponse resp;
-  RETURN_IF_ERROR(Annotate(stub_->GetMesh(&ctx, req, &resp), address_, "GetMesh"));
+  RETURN_IF_ERROR(Annotate(stub_->GetMesh(&ctx, req, &resp), ctx, address_, "GetMesh"));
   return resp.mesh();
 }
 
@@ -242,14 +246,21 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
         return Annotate(grpc::Status(grpc::StatusCode::UNAVAILABLE,
                                      absl::StrCat("unreachable for ", absl::FormatDuration(now - unreachable_since),
                                                   " while watching (the last error: ", s.error_message(), ")")),
-                        address_, "WatchJob");
+                        ctx, address_, "WatchJob");
       }
       if (now + absl::Milliseconds(500) < deadline) {
         absl::SleepFor(absl::Milliseconds(500));
         continue;
       }
     }
-    return Annotate(s, address_, "WatchJob");
+    // The watch's own timeout: the job did not end within it, an answer of
+    // sorts (exit 1), not an unreachable coordinator.
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("WatchJob to coordinator ", address_, ": the job did not end within the watch's ",
+                       absl::FormatDuration(timeout)));
+    }
+    return Annotate(s, ctx, address_, "WatchJob");
   }
 }
 
@@ -257,7 +268,7 @@ absl::StatusOr<v1::TensorLayout> CoordinatorClient::CreateTensor(const v1::Creat
   grpc::ClientContext ctx;
   SetTensorDeadline(ctx);
   v1::CreateTensorResponse resp;
-  RETURN_IF_ERROR(Annotate(tensors_->CreateTensor(&ctx, req, &resp), address_, "CreateTensor"));
+  RETURN_IF_ERROR(Annotate(tensors_->CreateTensor(&ctx, req, &resp), ctx, address_, "CreateTensor"));
   return resp.layout();
 }
 
@@ -270,7 +281,7 @@ absl::StatusOr<v1::TensorLayout> CoordinatorClient::SetDistSpec(const std::strin
   req.set_name(name);
   *req.mutable_dist_spec() = spec;
   v1::SetDistSpecResponse resp;
-  RETURN_IF_ERROR(Annotate(tensors_->SetDistSpec(&ctx, req, &resp), address_, "SetDistSpec"));
+  RETURN_IF_ERROR(Annotate(tensors_->SetDistSpec(&ctx, req, &resp), ctx, address_, "SetDistSpec"));
   return resp.layout();
 }
 
@@ -283,7 +294,7 @@ absl::StatusOr<v1::GetShardResponse> CoordinatorClient::GetShard(const std::stri
   req.set_name(name);
   req.set_rank(rank);
   v1::GetShardResponse resp;
-  RETURN_IF_ERROR(Annotate(tensors_->GetShard(&ctx, req, &resp), address_, "GetShard"));
+  RETURN_IF_ERROR(Annotate(tensors_->GetShard(&ctx, req, &resp), ctx, address_, "GetShard"));
   return resp;
 }
 
@@ -294,7 +305,7 @@ absl::StatusOr<v1::TensorValue> CoordinatorClient::GetGlobal(const std::string& 
   req.set_job_id(job_id);
   req.set_name(name);
   v1::GetGlobalResponse resp;
-  RETURN_IF_ERROR(Annotate(tensors_->GetGlobal(&ctx, req, &resp), address_, "GetGlobal"));
+  RETURN_IF_ERROR(Annotate(tensors_->GetGlobal(&ctx, req, &resp), ctx, address_, "GetGlobal"));
   return resp.value();
 }
 
@@ -304,7 +315,7 @@ absl::StatusOr<std::vector<v1::TensorLayout>> CoordinatorClient::ListTensors(con
   v1::ListTensorsRequest req;
   req.set_job_id(job_id);
   v1::ListTensorsResponse resp;
-  RETURN_IF_ERROR(Annotate(tensors_->ListTensors(&ctx, req, &resp), address_, "ListTensors"));
+  RETURN_IF_ERROR(Annotate(tensors_->ListTensors(&ctx, req, &resp), ctx, address_, "ListTensors"));
   return std::vector<v1::TensorLayout>(resp.tensors().begin(), resp.tensors().end());
 }
 
@@ -315,7 +326,7 @@ absl::Status CoordinatorClient::DeleteTensor(const std::string& job_id, const st
   req.set_job_id(job_id);
   req.set_name(name);
   v1::DeleteTensorResponse resp;
-  return Annotate(tensors_->DeleteTensor(&ctx, req, &resp), address_, "DeleteTensor");
+  return Annotate(tensors_->DeleteTensor(&ctx, req, &resp), ctx, address_, "DeleteTensor");
 }
 
 absl::StatusOr<v1::UploadModelResponse> CoordinatorClient::UploadModel(const std::string& dir, absl::Duration timeout) {
@@ -361,7 +372,7 @@ absl::StatusOr<v1::UploadModelResponse> CoordinatorClient::UploadModel(const std
     }
   }
   writer->WritesDone();
-  RETURN_IF_ERROR(Annotate(writer->Finish(), address_, "UploadModel"));
+  RETURN_IF_ERROR(Annotate(writer->Finish(), ctx, address_, "UploadModel"));
   return resp;
 }
 

@@ -71,4 +71,12 @@ absl::Status MarkUnreachable(absl::Status status) {
 
 bool IsUnreachable(const absl::Status& status) { return status.GetPayload(kUnreachablePayload).has_value(); }
 
+void MarkAnswered(grpc::ServerContext& ctx) { ctx.AddTrailingMetadata(kAnsweredMetadata, "1"); }
+
+absl::Status FromClientCall(const grpc::Status& status, const grpc::ClientContext& ctx) {
+  absl::Status st = FromGrpcStatus(status);
+  if (st.ok() || ctx.GetServerTrailingMetadata().count(kAnsweredMetadata) > 0) return st;
+  return MarkUnreachable(std::move(st));
+}
+
 }  // namespace colod

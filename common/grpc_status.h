@@ -42,15 +42,24 @@ void SetRetryAfter(grpc::ServerContext& ctx, absl::Duration wait);
 // after the call has finished (Finish, or a unary call's return).
 std::optional<absl::Duration> RetryAfter(const grpc::ClientContext& ctx);
 
-// A client's call that failed UNAVAILABLE or DEADLINE_EXCEEDED: its server
-// could not be reached (refused, a TLS handshake refused, no route), did not
-// answer in time, or cannot serve now. Asking again later may succeed, where
-// every other failure is the server's answer. MarkUnreachable adds a payload
-// that says so, kept while the status is passed on unchanged, so that what
-// reports it (coloctl's exit status) need not read the code or the message;
-// any other status is returned as it is.
+// A client's call that failed UNAVAILABLE or DEADLINE_EXCEEDED without an
+// answer from its server: the server could not be reached (refused, no
+// route, a TLS handshake that failed) or did not answer in time.
+// MarkUnreachable adds a payload that says so, kept while the status is
+// passed on unchanged, so that what reports it (coloctl's exit status) need
+// not read the code or the message; any other status is returned as it is.
 absl::Status MarkUnreachable(absl::Status status);
 bool IsUnreachable(const absl::Status& status);
+
+// colod's servers mark every answer of theirs in its trailing metadata
+// (MarkAnswered), so that a client tells an UNAVAILABLE or a
+// DEADLINE_EXCEEDED its server answered (the coordinator passing on a
+// worker's, a store wait that timed out) from a server it never reached.
+inline constexpr char kAnsweredMetadata[] = "colod-answered";
+void MarkAnswered(grpc::ServerContext& ctx);
+// FromGrpcStatus of a finished call, MarkUnreachable'd unless its server
+// marked the answer.
+absl::Status FromClientCall(const grpc::Status& status, const grpc::ClientContext& ctx);
 
 }  // namespace colod
 

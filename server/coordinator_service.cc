@@ -81,6 +81,7 @@ grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const 
   absl::Status status = auth_.Check(*ctx);
   if (status.ok()) status = fn();
   ObserveRpc(*rpc_duration_, method, status, absl::Now() - start);
+  MarkAnswered(*ctx);
   return ToGrpcStatus(status);
 }
 
@@ -89,11 +90,13 @@ grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,
                                                     v1::RegisterWorkerResponse* resp) {
   return Instrument(ctx, "RegisterWorker", [&]() -> absl::Status {
     if (!req->has_worker()) return absl::InvalidArgumentError("worker: required");
+    // The old connection goes before the worker can be placed: a tick
+    // between the two would assign it on the connection still backing off.
+    if (on_register_) on_register_(req->worker().address());
     ASSIGN_OR_RETURN(WorkerRegistry::Registration reg, workers_->Register(req->worker(), req->status()));
     resp->set_worker_id(reg.worker_id);
     *resp->mutable_heartbeat_interval() = ToProtoDuration(reg.heartbeat_interval);
     *resp->mutable_lease_duration() = ToProtoDuration(reg.lease_duration);
-    if (on_register_) on_register_(req->worker().address());
     if (scheduler_ != nullptr) scheduler_->Wake();
     return absl::OkStatus();
   });

@@ -36,9 +36,9 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
                          Scheduler* scheduler = nullptr, UploadStore* uploads = nullptr, int max_watches = 256,
                          StallWatchdog* stalls = nullptr);
 
-  // Called with the address of each worker registered, before the
-  // scheduler is woken for it (the coordinator drops its old connections
-  // there). Set before the service serves.
+  // Called with the address of each worker that registers, before it is
+  // registered (the coordinator drops its old connections there, before
+  // the scheduler can place anything on it). Set before the service serves.
   void SetOnRegister(std::function<void(const std::string& address)> on_register) {
     on_register_ = std::move(on_register);
   }

@@ -25,6 +25,8 @@
 #include "common/rendezvous_store.h"
 #include "client/coordinator_client.h"
 #include "common/grpc_status.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/grpc_probe.h"
@@ -356,7 +358,7 @@ TEST_F(CoordinatorTest, ListJobsPagesSummariesAndNamesAreBounded) {
       << refused.status();
   // A name is one line of printable text: a newline or a tab would break
   // `coloctl jobs`' table. Any other UTF-8 is a name.
-  for (const std::string bad : {std::string("a\nb"), std::string("a\tb"), std::string("\x1b[31mred"),
+  for (const std::string& bad : {std::string("a\nb"), std::string("a\tb"), std::string("\x1b[31mred"),
                                 std::string("del\x7f")}) {
     huge = tensor;
     huge.set_name(bad);
@@ -734,6 +736,30 @@ TEST_F(CoordinatorTest, TheStoreTakesOnlyAPlacedGenerationsScope) {
   const absl::Time start = absl::Now();
   EXPECT_EQ(stub.KvWait(&ctx2, wait, &wait_resp).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "a wait on a scope no job has holds a thread";
+}
+
+// A DEADLINE_EXCEEDED (or UNAVAILABLE) the coordinator answers is its
+// answer, marked in the trailers (MarkAnswered): a client tells it from a
+// coordinator it never reached (coloctl: exit 1, not 69).
+TEST_F(AnyScopeCoordinatorTest, ItsOwnTimeoutsAreAnswersNotAnUnreachableCoordinator) {
+  grpc::ClientContext ctx;
+  v1::KvWaitRequest wait;
+  wait.set_scope("job-1/gen-1");
+  wait.add_keys("never-set");
+  wait.mutable_timeout()->set_nanos(50'000'000);
+  v1::KvWaitResponse resp;
+  const grpc::Status answered = client_->stub().KvWait(&ctx, wait, &resp);
+  ASSERT_EQ(answered.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << answered.error_message();
+  const absl::Status status = FromClientCall(answered, ctx);
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(IsUnreachable(status)) << status;
+  // Nothing listens on port 1: no answer, unreachable.
+  auto nowhere = v1::CoordinatorService::NewStub(grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
+  grpc::ClientContext refused_ctx;
+  refused_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  const grpc::Status refused = nowhere->KvWait(&refused_ctx, wait, &resp);
+  ASSERT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(IsUnreachable(FromClientCall(refused, refused_ctx)));
 }
 
 TEST_F(AnyScopeCoordinatorTest, RendezvousStoreOverGrpc) {

@@ -93,6 +93,7 @@ grpc::Status TensorProxy::FanOut(grpc::ServerContext* ctx, const char* method, c
   absl::Status status = auth_.Check(*ctx);
   if (status.ok()) status = FanOutToRanks(ctx, job_id, req, resp, call, only_rank);
   ObserveRpc(*rpc_duration_, method, status, absl::Now() - start);
+  MarkAnswered(*ctx);  // a worker's UNAVAILABLE passed on is the coordinator's answer
   return ToGrpcStatus(status);
 }
 

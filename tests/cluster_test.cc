@@ -121,6 +121,11 @@ TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
   auto listed = with({"tensor", "list", job_id});
   EXPECT_EQ(listed.code, 0) << listed.err;
   EXPECT_TRUE(absl::StrContains(listed.out, "t")) << listed.out;
+  // A TENSOR job runs until cancelled: a watch gives up at its timeout,
+  // the coordinator having answered all along (1, not 69).
+  auto watched = with({"watch", job_id, "--watch-timeout", "1s"});
+  EXPECT_EQ(watched.code, 1) << watched.err;
+  EXPECT_TRUE(absl::StrContains(watched.err, "the job did not end within the watch's 1s")) << watched.err;
   auto running_delete = with({"delete", job_id, "--output", "json"});
   EXPECT_EQ(running_delete.code, 1) << running_delete.out;  // not ended: FAILED_PRECONDITION
   EXPECT_TRUE(running_delete.out.empty()) << running_delete.out;
@@ -180,10 +185,20 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
     EXPECT_EQ(one.code, 0) << one.err;
     EXPECT_TRUE(absl::StartsWith(one.out, "Usage: coloctl [flags] train\n")) << one.out;
     EXPECT_TRUE(absl::StrContains(one.out, "--steps")) << one.out;        // train's
-    EXPECT_TRUE(absl::StrContains(one.out, "--coordinator")) << one.out;  // global
+    EXPECT_TRUE(absl::StrContains(one.out, "\n  --coordinator")) << one.out;  // its usage names it
     EXPECT_FALSE(absl::StrContains(one.out, "--vocab-size")) << one.out;  // init-model's
     EXPECT_FALSE(absl::StrContains(one.out, "tensor demo")) << one.out;   // another command's usage
     EXPECT_LT(one.out.size(), whole.out.size() / 2);
+  }
+  // init-model: its flags (--seed's help names it after train's) and not the
+  // coordinator's; submit takes train's flags.
+  const auto init = RunCommand({Runfile(kColoctl), "help", "init-model"}, TempPath(""));
+  EXPECT_TRUE(absl::StrContains(init.out, "--seed")) << init.out;
+  EXPECT_TRUE(absl::StrContains(init.out, "--heads")) << init.out;
+  EXPECT_FALSE(absl::StrContains(init.out, "\n  --coordinator")) << init.out;
+  const auto submit = RunCommand({Runfile(kColoctl), "help", "submit"}, TempPath(""));
+  for (const char* flag : {"--steps", "--batch-size", "--save-every", "--job-file", "--upload"}) {
+    EXPECT_TRUE(absl::StrContains(submit.out, flag)) << flag << "\n" << submit.out;
   }
   const auto all_help = RunCommand({Runfile(kColoctl), "help"}, TempPath(""));
   EXPECT_EQ(all_help.code, 0);

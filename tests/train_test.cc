@@ -185,11 +185,11 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   EXPECT_EQ(Coloctl({"train", "--model", model->dir, "--data", "x", "--optimizer", "lion"}).code, 2);
   // --min-lr: -1 is the default's lr / 10; any other negative is refused, not taken for it.
   // --keep-last: a count of checkpoints; -1 is not "all" (leaving it out is).
-  for (const std::string keep : {"-1", "0", "x"}) {
+  for (const char* keep : {"-1", "0", "x"}) {
     const auto kept = Coloctl({"train", "--model", model->dir, "--data", "x", "--save", TempPath("k"), "--save-every",
                                "1", "--keep-last", keep});
     EXPECT_EQ(kept.code, 2) << kept.err;
-    EXPECT_NE(kept.err.find("--keep-last: '" + keep + "' is not a count of checkpoints"), std::string::npos)
+    EXPECT_NE(kept.err.find("--keep-last: '" + std::string(keep) + "' is not a count of checkpoints"), std::string::npos)
         << kept.err;
   }
   const auto floor = Coloctl({"train", "--model", model->dir, "--data", "x", "--min-lr", "-0.5"});

@@ -141,7 +141,9 @@ class WorkerDaemon {
   std::unique_ptr<JobRunner> runner_;  // null when standalone
   std::string work_dir_;
   bool own_work_dir_ = false;   // made by mkdtemp: removed at shutdown
-  bool made_work_dir_ = false;  // a --work-dir that did not exist: removed only if the start fails
+  // The outermost directory of --work-dir that did not exist (its parents
+  // too, where they did not): removed only if the start fails.
+  std::string made_work_dir_;
   int work_dir_lock_ = -1;  // LockDirectory's flock on WORK_DIR/LOCK
   std::unique_ptr<WorkerServiceImpl> service_;
   std::unique_ptr<WorkerTensorService> tensor_service_;

@@ -281,9 +281,9 @@ TEST(WorkerDaemon, AWorkDirectoryIsOneWorkersAndAFailedStartLeavesNone) {
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;  // after it made its work directory
   EXPECT_NE(refused.message().find("cannot listen on"), std::string::npos) << refused;
   // A --work-dir it made goes too; one that was there stays, as it was.
-  taken.work_dir = testing::TempPath("made-work-dir");
+  taken.work_dir = testing::TempPath("made-work-dir/a/b");
   EXPECT_EQ(WorkerDaemon::Start(taken).status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_FALSE(std::filesystem::exists(taken.work_dir));
+  EXPECT_FALSE(std::filesystem::exists(testing::TempPath("made-work-dir")));
   taken.work_dir = testing::TempPath("kept-work-dir");
   std::filesystem::create_directories(taken.work_dir + "/cache");
   EXPECT_EQ(WorkerDaemon::Start(taken).status().code(), absl::StatusCode::kUnavailable);
