@@ -21,16 +21,22 @@ class StatusWorker final : public v1::WorkerService::Service {
   }
 };
 
+// A server of `worker` on `address` ("127.0.0.1:0": a free port), and the
+// port it took.
+std::unique_ptr<grpc::Server> Serve(StatusWorker& worker, const std::string& address, int* port) {
+  grpc::ServerBuilder b;
+  b.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
+  b.RegisterService(&worker);
+  return b.BuildAndStart();
+}
+
 // A coordinator that outlives its workers' addresses (pods restarted with new
 // ones) keeps a channel only for those asked for in the last `idle`; a stub
 // still held by a caller goes on working after the cache dropped it.
 TEST(StubCache, DropsTheStubsOfAddressesNotAskedForDuringIdle) {
   StatusWorker worker;
   int port = 0;
-  grpc::ServerBuilder b;
-  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  b.RegisterService(&worker);
-  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = Serve(worker, "127.0.0.1:0", &port);
   ASSERT_NE(server, nullptr);
   const std::string live = absl::StrCat("127.0.0.1:", port);
 
@@ -68,10 +74,7 @@ TEST(StubCache, DropsTheStubsOfAddressesNotAskedForDuringIdle) {
 TEST(StubCache, AForgottenAddressReachesADaemonRestartedThereAtOnce) {
   StatusWorker worker;
   int port = 0;
-  grpc::ServerBuilder b;
-  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  b.RegisterService(&worker);
-  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = Serve(worker, "127.0.0.1:0", &port);
   ASSERT_NE(server, nullptr);
   const std::string address = absl::StrCat("127.0.0.1:", port);
   StubCache<v1::WorkerService> cache(nullptr);
@@ -88,11 +91,8 @@ TEST(StubCache, AForgottenAddressReachesADaemonRestartedThereAtOnce) {
   server.reset();
   EXPECT_EQ(status(old).error_code(), grpc::StatusCode::UNAVAILABLE);  // refused: the channel backs off
 
-  grpc::ServerBuilder again;
   int same = 0;
-  again.AddListeningPort(address, grpc::InsecureServerCredentials(), &same);
-  again.RegisterService(&worker);
-  server = again.BuildAndStart();
+  server = Serve(worker, address, &same);
   ASSERT_NE(server, nullptr);
   ASSERT_EQ(same, port);
   cache.Forget(address);

@@ -322,6 +322,29 @@ JobRunner::Options RunnerOptions(const Coordinator& coordinator, const std::stri
   return ro;
 }
 
+// A FORWARD job of a tiny GPT-2 written under TEST_TMPDIR/`name`-model on
+// `batch` sequences of 16 ids (the input in `name`-ids.npy) at tp 1 and
+// `dp`; its model's config in `config`.
+absl::StatusOr<v1::JobSpec> TinyForwardSpec(const std::string& name, int64_t batch, int dp, ModelConfig* config) {
+  auto model = shardformer::testing::WriteTinyGpt2(testing::TempPath(name + "-model"));
+  if (!model.ok()) return model.status();
+  *config = model->config;
+  std::ifstream config_file(model->dir + "/config.json");
+  const std::string json((std::istreambuf_iterator<char>(config_file)), std::istreambuf_iterator<char>());
+  auto ids = Tensor::FromInt64s({batch, 16}, std::vector<int64_t>(batch * 16, 1));
+  if (!ids.ok()) return ids.status();
+  const std::string input = testing::TempPath(name + "-ids.npy");
+  if (absl::Status s = WriteNpy(input, *ids); !s.ok()) return s;
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_FORWARD);
+  spec.mutable_model()->set_config_json(json);
+  spec.mutable_model()->set_weights_path(model->dir);
+  spec.mutable_shard()->set_tensor_parallel_size(1);
+  spec.mutable_shard()->set_data_parallel_size(dp);
+  spec.mutable_forward()->set_input_path(input);
+  return spec;
+}
+
 // A forward's logits are gathered whole on every rank: an input whose
 // logits do not fit the worker's memory is refused once it is read, naming
 // the sizes, before any of it is computed (a CPU worker would otherwise be
@@ -329,22 +352,11 @@ JobRunner::Options RunnerOptions(const Coordinator& coordinator, const std::stri
 TEST(WorkerDaemon, AForwardWhoseLogitsDoNotFitIsRefusedBeforeItRuns) {
   auto coordinator = StartCoordinator("127.0.0.1:0", "c-forward-memory");
   ASSERT_NE(coordinator, nullptr);
-  auto model = shardformer::testing::WriteTinyGpt2(testing::TempPath("forward-memory-model"));
-  ASSERT_TRUE(model.ok()) << model.status();
-  std::ifstream config_file(model->dir + "/config.json");
-  const std::string config((std::istreambuf_iterator<char>(config_file)), std::istreambuf_iterator<char>());
-  const int64_t vocab = model->config.vocab_size;
-  auto ids = Tensor::FromInt64s({2048, 16}, std::vector<int64_t>(2048 * 16, 1));
-  ASSERT_TRUE(ids.ok());
-  const std::string input = testing::TempPath("forward-memory-ids.npy");
-  ASSERT_TRUE(WriteNpy(input, *ids).ok());
-  v1::JobSpec spec;
-  spec.set_kind(v1::JOB_KIND_FORWARD);
-  spec.mutable_model()->set_config_json(config);
-  spec.mutable_model()->set_weights_path(model->dir);
-  spec.mutable_shard()->set_tensor_parallel_size(1);
-  spec.mutable_shard()->set_data_parallel_size(1);
-  spec.mutable_forward()->set_input_path(input);
+  ModelConfig config;
+  absl::StatusOr<v1::JobSpec> made = TinyForwardSpec("forward-memory", 2048, 1, &config);
+  ASSERT_TRUE(made.ok()) << made.status();
+  const v1::JobSpec& spec = *made;
+  const int64_t vocab = config.vocab_size;
   JobRunner::Options ro = RunnerOptions(*coordinator, "runner-forward-memory");
   const int64_t logits = 2048 * 16 * vocab * 4;
   ro.memory_bytes = logits;  // room for one copy, not two
@@ -371,22 +383,11 @@ TEST(WorkerDaemon, AForwardWhoseLogitsDoNotFitIsRefusedBeforeItRuns) {
 TEST(WorkerDaemon, AForwardWithoutLogitsPathHoldsOnlyItsReplicasLogits) {
   auto coordinator = StartCoordinator("127.0.0.1:0", "c-forward-dp");
   ASSERT_NE(coordinator, nullptr);
-  auto model = shardformer::testing::WriteTinyGpt2(testing::TempPath("forward-dp-model"));
-  ASSERT_TRUE(model.ok()) << model.status();
-  std::ifstream config_file(model->dir + "/config.json");
-  const std::string config((std::istreambuf_iterator<char>(config_file)), std::istreambuf_iterator<char>());
-  auto ids = Tensor::FromInt64s({512, 16}, std::vector<int64_t>(512 * 16, 1));
-  ASSERT_TRUE(ids.ok());
-  const std::string input = testing::TempPath("forward-dp-ids.npy");
-  ASSERT_TRUE(WriteNpy(input, *ids).ok());
-  v1::JobSpec spec;
-  spec.set_kind(v1::JOB_KIND_FORWARD);
-  spec.mutable_model()->set_config_json(config);
-  spec.mutable_model()->set_weights_path(model->dir);
-  spec.mutable_shard()->set_tensor_parallel_size(1);
-  spec.mutable_shard()->set_data_parallel_size(2);
-  spec.mutable_forward()->set_input_path(input);
-  const int64_t logits = int64_t{512} * 16 * model->config.vocab_size * 4;
+  ModelConfig config;
+  absl::StatusOr<v1::JobSpec> made = TinyForwardSpec("forward-dp", 512, 2, &config);
+  ASSERT_TRUE(made.ok()) << made.status();
+  v1::JobSpec spec = *made;
+  const int64_t logits = int64_t{512} * 16 * config.vocab_size * 4;
   // Two copies of half the logits, and the model: not two whole copies.
   const int64_t memory = logits + RankMemoryFloorBytes(spec);
   // Both ranks of job `id` on runners of `memory` bytes; rank 0's error.
@@ -407,7 +408,7 @@ TEST(WorkerDaemon, AForwardWithoutLogitsPathHoldsOnlyItsReplicasLogits) {
   spec.mutable_forward()->set_logits_path(testing::TempPath("forward-dp-logits.npy"));
   const std::string refused = run("job-626262", spec);
   EXPECT_TRUE(absl::StrContains(refused, absl::StrCat("RESOURCE_EXHAUSTED: the forward's logits [512, 16, ",
-                                                      model->config.vocab_size, "] take")))
+                                                      config.vocab_size, "] take")))
       << refused;
   EXPECT_TRUE(absl::StrContains(refused, "gathered on every rank")) << refused;
 }
