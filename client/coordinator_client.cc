@@ -31,9 +31,8 @@ absl::Status Annotate(const grpc::Status& s, const grpc::ClientContext& ctx, con
   }
   if (st.code() == absl::StatusCode::kUnavailable || st.code() == absl::StatusCode::kDeadlineExceeded) {
     // Unreachable unless the coordinator answered so (it passes a worker's on).
-    return FromClientCall(grpc::Status(s.error_code(), absl::StrCat(rpc, " to coordinator ", address, ": ",
-                                                                    st.message())),
-                          ctx);
+    return MarkUnreachableUnlessAnswered(
+        absl::Status(st.code(), absl::StrCat(rpc, " to coordinator ", address, ": ", st.message())), ctx);
   }
   return st;
 }
@@ -243,10 +242,10 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
       const absl::Time now = absl::Now();
       unreachable_since = std::min(unreachable_since, now);
       if (now - unreachable_since >= options_.watch_reconnect_limit) {
-        return Annotate(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                     absl::StrCat("unreachable for ", absl::FormatDuration(now - unreachable_since),
-                                                  " while watching (the last error: ", s.error_message(), ")")),
-                        ctx, address_, "WatchJob");
+        return MarkUnreachable(absl::UnavailableError(
+            absl::StrCat("WatchJob to coordinator ", address_, ": unreachable for ",
+                         absl::FormatDuration(now - unreachable_since), " while watching (the last error: ",
+                         s.error_message(), ")")));
       }
       if (now + absl::Milliseconds(500) < deadline) {
         absl::SleepFor(absl::Milliseconds(500));

@@ -325,9 +325,19 @@ absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& dir) {
   return names;
 }
 
-absl::StatusOr<int> LockDirectory(const std::string& dir, absl::string_view flag, absl::string_view holder) {
+absl::StatusOr<int> LockDirectory(const std::string& dir, absl::string_view flag, absl::string_view holder,
+                                  std::string* made) {
   if (dir.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": required"));
   std::error_code ec;
+  if (made != nullptr) {  // the outermost of `dir` and its parents that is missing
+    made->clear();
+    for (std::filesystem::path p = std::filesystem::absolute(dir, ec).lexically_normal();
+         !ec && p.has_relative_path() && !std::filesystem::exists(p, ec) && !ec; p = p.parent_path()) {
+      *made = p.string();
+    }
+    if (ec) made->clear();  // cannot tell: nothing to remove
+    ec.clear();
+  }
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::FailedPreconditionError(absl::StrCat(flag, ": cannot create '", dir, "': ", ec.message()));
   const std::string lock_path = dir + "/LOCK";

@@ -143,8 +143,12 @@ size_t RemoveOldestFiles(const std::string& dir, size_t keep);
 // process's id in it), so that no second daemon shares the directory: the
 // returned descriptor holds the lock until it is closed (or the process
 // ends). FAILED_PRECONDITION naming `flag` (--data-dir) and saying that
-// another `holder` (coordinator) has it when the lock is taken.
-absl::StatusOr<int> LockDirectory(const std::string& dir, absl::string_view flag, absl::string_view holder);
+// another `holder` (coordinator) has it when the lock is taken. `made`, if
+// given, gets the outermost directory this call created (`dir` or a parent
+// of it; empty when `dir` was there), for a caller whose start fails after
+// it to remove.
+absl::StatusOr<int> LockDirectory(const std::string& dir, absl::string_view flag, absl::string_view holder,
+                                  std::string* made = nullptr);
 
 // Whether `path` names a regular file (following links).
 bool IsRegularFile(const std::string& path);

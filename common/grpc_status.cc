@@ -73,10 +73,9 @@ bool IsUnreachable(const absl::Status& status) { return status.GetPayload(kUnrea
 
 void MarkAnswered(grpc::ServerContext& ctx) { ctx.AddTrailingMetadata(kAnsweredMetadata, "1"); }
 
-absl::Status FromClientCall(const grpc::Status& status, const grpc::ClientContext& ctx) {
-  absl::Status st = FromGrpcStatus(status);
-  if (st.ok() || ctx.GetServerTrailingMetadata().count(kAnsweredMetadata) > 0) return st;
-  return MarkUnreachable(std::move(st));
+absl::Status MarkUnreachableUnlessAnswered(absl::Status status, const grpc::ClientContext& ctx) {
+  if (ctx.GetServerTrailingMetadata().count(kAnsweredMetadata) > 0) return status;
+  return MarkUnreachable(std::move(status));
 }
 
 }  // namespace colod

@@ -57,9 +57,9 @@ bool IsUnreachable(const absl::Status& status);
 // worker's, a store wait that timed out) from a server it never reached.
 inline constexpr char kAnsweredMetadata[] = "colod-answered";
 void MarkAnswered(grpc::ServerContext& ctx);
-// FromGrpcStatus of a finished call, MarkUnreachable'd unless its server
+// `status` of a finished call `ctx`, MarkUnreachable'd unless its server
 // marked the answer.
-absl::Status FromClientCall(const grpc::Status& status, const grpc::ClientContext& ctx);
+absl::Status MarkUnreachableUnlessAnswered(absl::Status status, const grpc::ClientContext& ctx);
 
 }  // namespace colod
 

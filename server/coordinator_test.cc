@@ -750,7 +750,7 @@ TEST_F(AnyScopeCoordinatorTest, ItsOwnTimeoutsAreAnswersNotAnUnreachableCoordina
   v1::KvWaitResponse resp;
   const grpc::Status answered = client_->stub().KvWait(&ctx, wait, &resp);
   ASSERT_EQ(answered.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << answered.error_message();
-  const absl::Status status = FromClientCall(answered, ctx);
+  const absl::Status status = MarkUnreachableUnlessAnswered(FromGrpcStatus(answered), ctx);
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_FALSE(IsUnreachable(status)) << status;
   // Nothing listens on port 1: no answer, unreachable.
@@ -759,7 +759,7 @@ TEST_F(AnyScopeCoordinatorTest, ItsOwnTimeoutsAreAnswersNotAnUnreachableCoordina
   refused_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   const grpc::Status refused = nowhere->KvWait(&refused_ctx, wait, &resp);
   ASSERT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_TRUE(IsUnreachable(FromClientCall(refused, refused_ctx)));
+  EXPECT_TRUE(IsUnreachable(MarkUnreachableUnlessAnswered(FromGrpcStatus(refused), refused_ctx)));
 }
 
 TEST_F(AnyScopeCoordinatorTest, RendezvousStoreOverGrpc) {

@@ -171,19 +171,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     }
     // One worker a work directory: its rank directories, download cache and
     // their leftovers (any .tmp) are this worker's alone.
-    // The outermost directory the lock's creation will make, if any.
-    std::filesystem::path made;
-    if (!w->own_work_dir_) {
-      std::error_code exists;
-      for (std::filesystem::path p = std::filesystem::absolute(w->work_dir_, exists).lexically_normal();
-           !exists && !p.empty() && !std::filesystem::exists(p, exists) && !exists; p = p.parent_path()) {
-        made = p;
-        if (p == p.parent_path()) break;
-      }
-      if (exists) made.clear();  // cannot tell: remove nothing
-    }
-    ASSIGN_OR_RETURN(w->work_dir_lock_, LockDirectory(w->work_dir_, "--work-dir", "worker"));
-    w->made_work_dir_ = made.string();
+    ASSIGN_OR_RETURN(w->work_dir_lock_, LockDirectory(w->work_dir_, "--work-dir", "worker", &w->made_work_dir_));
     JobRunner::Options ro;
     ro.work_dir = w->work_dir_;
     ro.host = advertise.host;
