@@ -857,9 +857,10 @@ absl::StatusOr<bool> JobManager::AddStepLocked(Entry& e, const v1::StepProgress&
   if (newest && !step.checkpoint().empty()) e.job.set_last_checkpoint(step.checkpoint());
   if (step.has_eval()) {
     if (newest) *e.job.mutable_last_eval() = step.eval();
-    // The lowest loss, the earliest of equals; a NaN never becomes the best.
-    if (!e.job.has_best_eval() || step.eval().loss() < e.job.best_eval().loss() ||
-        std::isnan(e.job.best_eval().loss())) {
+    // The lowest loss, the earliest of equals; a loss that is not finite
+    // (a diverged run's) never becomes the best.
+    if (std::isfinite(step.eval().loss()) &&
+        (!e.job.has_best_eval() || step.eval().loss() < e.job.best_eval().loss())) {
       *e.job.mutable_best_eval() = step.eval();
     }
   }

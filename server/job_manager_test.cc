@@ -153,7 +153,9 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
     s.mutable_train()->set_micro_batches(b.micro_batches);
     const absl::Status v = ValidateJobSpec(s);
     EXPECT_EQ(v.ok(), b.ok) << b.mode << " tp " << b.tp << " batch " << b.batch << ": " << v;
-    if (!b.ok) EXPECT_TRUE(absl::StrContains(v.message(), "spec.train.batch_size: ")) << v;
+    if (!b.ok) {
+      EXPECT_TRUE(absl::StrContains(v.message(), "spec.train.batch_size: ")) << v;
+    }
   }
   s = TrainSpec();
   s.mutable_shard()->set_tensor_parallel_mode(v1::TENSOR_PARALLEL_MODE_2D);
@@ -835,7 +837,7 @@ TEST(JobManager, WaitForEventsDeliversInOrderAndFinishes) {
 }
 
 // Evaluations: the job keeps the newest and the lowest (the earliest of
-// equals; never a NaN over a number), across a reopen; an eval_only run's
+// equals; never a loss that is not finite), across a reopen; an eval_only run's
 // report (an evaluation without step_duration) leaves the trained step and
 // loss alone.
 TEST(JobManager, AJobKeepsItsLastAndBestEvaluation) {
@@ -861,8 +863,15 @@ TEST(JobManager, AJobKeepsItsLastAndBestEvaluation) {
     ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
     ASSERT_TRUE((*jobs)->SetState(id, v1::JOB_STATE_RUNNING, "training").ok());
     for (const auto& [step, eval] : std::vector<std::pair<int64_t, double>>{
-             {2, std::nan("")}, {4, 3.0}, {6, 2.5}, {8, 2.5}, {10, 2.75}}) {
+             {2, std::nan("")}, {3, std::numeric_limits<double>::infinity()}, {4, 3.0}, {6, 2.5}, {8, 2.5},
+             {10, 2.75}}) {
       ASSERT_TRUE((*jobs)->AddStep(id, report(step, 4.0 - step / 10.0, eval, true)).ok());
+      if (step == 3) {  // a loss that is not finite is never the best, even the only one
+        auto so_far = (*jobs)->Get(id);
+        ASSERT_TRUE(so_far.ok());
+        EXPECT_FALSE(so_far->has_best_eval()) << so_far->best_eval().loss();
+        EXPECT_EQ(so_far->last_eval().step(), 3);
+      }
     }
     auto got = (*jobs)->Get(id);
     ASSERT_TRUE(got.ok());

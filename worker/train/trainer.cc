@@ -525,6 +525,34 @@ bool EvaluatesAfter(const PreparedTrain& run, int64_t step) {
   return step == run.options.steps || (every > 0 && step % every == 0);
 }
 
+// What a run ends with where training diverged: FAILED_PRECONDITION (a
+// restart from the same checkpoint with the same settings would diverge
+// again, so the coordinator does not retry it), naming the step and what to
+// change.
+std::string DivergedAdvice(int64_t step) {
+  return absl::StrCat("; nothing of step ", step, " or later was saved. Resume from an earlier checkpoint with a lower ",
+                      "learning rate (lr), a longer warm-up (warmup_steps) or gradient clipping (clip_norm)");
+}
+
+absl::Status FiniteStep(const StepStats& s) {
+  if (std::isfinite(s.loss) && std::isfinite(s.grad_norm)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("training diverged at step ", s.step, ": its loss is ", s.loss,
+                                                    " and its gradient norm ", s.grad_norm, DivergedAdvice(s.step)));
+}
+
+// `training`: the evaluation of a step this run trained (else an eval_only
+// run's, of the model or checkpoint it loaded).
+absl::Status FiniteEval(const EvalStats& e, bool training) {
+  if (std::isfinite(e.loss)) return absl::OkStatus();
+  if (!training) {
+    return absl::FailedPreconditionError(absl::StrCat("the evaluation gave a loss of ", e.loss,
+                                                      ": the weights evaluated (after step ", e.step,
+                                                      ") are not finite, or make the logits overflow"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat("training diverged: the evaluation after step ", e.step,
+                                                    " gave a loss of ", e.loss, DivergedAdvice(e.step)));
+}
+
 // A training step enqueued on the device, its one read still to come
 // (RunTrainSteps' finish).
 struct EnqueuedStep {
@@ -592,6 +620,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.trained = false;
     ASSIGN_OR_RETURN(s.eval, Evaluate(run, chunks, pg, *sync, replica, first, hooks));
     s.resumed_from = run.resume;
+    RETURN_IF_ERROR(FiniteEval(*s.eval, /*training=*/false));
     if (hooks.on_step) hooks.on_step(s);
     return absl::OkStatus();
   }
@@ -729,8 +758,15 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       s.pool_reserved_bytes = e.pool->reserved;
       s.pool_used_bytes = e.pool->used;
     }
+    // A step whose loss or norm is not finite ends the run before its
+    // evaluation and checkpoint (its update spread the NaN to every weight).
+    // Both are the same on every rank (summed over the mesh), so every rank
+    // stops here, with the same error. The step is not reported (a peer's
+    // failure may abort this rank first): the error names it and its values.
+    RETURN_IF_ERROR(FiniteStep(s));
     if (EvaluatesAfter(run, step + 1)) {
       ASSIGN_OR_RETURN(s.eval, Evaluate(run, chunks, pg, *sync, replica, step + 1, hooks));
+      RETURN_IF_ERROR(FiniteEval(*s.eval, /*training=*/true));
     }
     if (saves_after(step + 1)) {
       const absl::Status saved = SaveTrainingCheckpoint(

@@ -168,6 +168,9 @@ struct StepStats {
 // without a complete checkpoint; then the errors of loading and of the ranks.
 // Resuming continues with the checkpoint's seed and the step after its own,
 // and reports exactly the losses the uninterrupted run would have.
+// A run that diverges ends with FAILED_PRECONDITION at the first step whose
+// loss or gradient norm (or whose evaluation's loss) is not finite, naming
+// it and its values: that step is not reported, evaluated or saved.
 absl::Status Train(const TrainOptions& options, const std::function<void(const StepStats&)>& on_step);
 
 // A run validated and opened once (options, model config, corpus, sampler,

@@ -772,6 +772,53 @@ TEST(Trainer, OnGpusTheRunMatchesTheCpuRun) {
   ExpectSameLosses(Losses(stages), cpu, 1e-4, "pp=2 on 2 GPUs");
 }
 
+// A learning rate of 1e30 sends the weights to 1e30 after the first step
+// and the activations past f32's range at the next: the run ends with
+// FAILED_PRECONDITION at its first step whose loss or gradient norm is not
+// finite, on every rank together (tp2 x dp2, in well under the collectives'
+// timeout), and on a CUDA device, whose steps are read a step late. The
+// error names that step; it and the steps after it are neither reported,
+// checkpointed nor saved as the final model, while each step before it was
+// reported, finite, with its checkpoint.
+TEST(Trainer, ADivergingRunEndsAtItsFirstStepThatIsNotFiniteAndSavesNothingOfIt) {
+  const std::string model = TinyModel("train_diverge");
+  for (const bool cuda : {false, true}) {
+    if (cuda && kernels::CudaDeviceCount() < 1) continue;
+    const std::string name = cuda ? "diverge_gpu" : "diverge_cpu";
+    TrainOptions o = cuda ? Options(model, 1, 1) : Options(model, 2, 2);
+    o.cuda = cuda;
+    o.steps = 6;
+    o.lr = 1e30;
+    o.warmup_steps = 0;
+    o.clip_norm = 0;
+    o.save_dir = TempPath(name + "_ck");
+    o.save_every = 1;
+    o.final_dir = TempPath(name + "_final");
+    o.comm_timeout = absl::Seconds(60);
+    std::vector<StepStats> steps;
+    const absl::Time start = absl::Now();
+    const absl::Status s = Train(o, [&](const StepStats& st) { steps.push_back(st); });
+    EXPECT_LT(absl::Now() - start, absl::Seconds(45)) << name << ": a rank waited for the others";
+    ASSERT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << name << ": " << s;
+    const int64_t diverged = static_cast<int64_t>(steps.size()) + 1;
+    EXPECT_NE(s.message().find(absl::StrCat("training diverged at step ", diverged, ": its loss is ")),
+              std::string::npos) << name << ": " << s.message();
+    EXPECT_NE(s.message().find("lower learning rate"), std::string::npos) << s.message();
+    EXPECT_GE(diverged, 2) << name << ": the first step trains the initial weights";
+    EXPECT_LT(diverged, o.steps) << name;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      EXPECT_EQ(steps[i].step, static_cast<int64_t>(i) + 1) << name;
+      EXPECT_TRUE(std::isfinite(steps[i].loss) && std::isfinite(steps[i].grad_norm)) << name << " step " << i + 1;
+      EXPECT_EQ(steps[i].checkpoint, StepDir(o.save_dir, steps[i].step)) << name;
+    }
+    EXPECT_FALSE(std::filesystem::exists(StepDir(o.save_dir, diverged))) << name;
+    EXPECT_FALSE(std::filesystem::exists(o.final_dir)) << name;
+    absl::StatusOr<std::string> newest = LatestCheckpoint(o.save_dir);
+    ASSERT_TRUE(newest.ok()) << newest.status();
+    EXPECT_EQ(*newest, StepDir(o.save_dir, diverged - 1)) << name;
+  }
+}
+
 TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
   const std::string model = TinyModel("train_bad");
   TrainOptions o = Options(model, 1, 2);
