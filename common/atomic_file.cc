@@ -5,6 +5,7 @@
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <system_error>
 #include <utility>
 #include <vector>
@@ -298,6 +300,23 @@ absl::Status SyncFilesAndDirectory(const std::string& dir) {
     if (!s.ok()) return s;
   }
   return SyncDirectory(dir);
+}
+
+absl::StatusOr<DiskSpace> FreeDiskSpace(const std::string& dir) {
+  struct statvfs st {};
+  if (::statvfs(dir.c_str(), &st) != 0) return Errno("cannot examine the file system of", dir);
+  DiskSpace d;
+  // Saturated: a file system reporting more than 2^63 bytes has room.
+  const unsigned __int128 bytes = static_cast<unsigned __int128>(st.f_bavail) * st.f_frsize;
+  d.free_bytes = bytes > static_cast<unsigned __int128>(std::numeric_limits<int64_t>::max())
+                     ? std::numeric_limits<int64_t>::max()
+                     : static_cast<int64_t>(bytes);
+  if (st.f_files > 0) {
+    d.free_inodes = st.f_favail > static_cast<fsfilcnt_t>(std::numeric_limits<int64_t>::max())
+                        ? std::numeric_limits<int64_t>::max()
+                        : static_cast<int64_t>(st.f_favail);
+  }
+  return d;
 }
 
 absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& dir) {

@@ -150,6 +150,16 @@ size_t RemoveOldestFiles(const std::string& dir, size_t keep);
 absl::StatusOr<int> LockDirectory(const std::string& dir, absl::string_view flag, absl::string_view holder,
                                   std::string* made = nullptr);
 
+// Room left for an unprivileged process on the file system holding `dir`
+// (statvfs's f_bavail blocks, f_favail inodes); free_inodes is -1 where the
+// file system counts none (btrfs, some network ones). FileError's status
+// where `dir` cannot be examined.
+struct DiskSpace {
+  int64_t free_bytes = 0;
+  int64_t free_inodes = -1;
+};
+absl::StatusOr<DiskSpace> FreeDiskSpace(const std::string& dir);
+
 // Whether `path` names a regular file (following links).
 bool IsRegularFile(const std::string& path);
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -202,6 +203,22 @@ TEST(RemoveOldestFiles, KeepsTheNewestFilesAndTouchesNothingElse) {
   std::sort(names->begin(), names->end());
   EXPECT_EQ(*names, (std::vector<std::string>{"dump-4", "dump-5", "link", "sub"}));
   EXPECT_EQ(RemoveOldestFiles(dir + "/missing", 0), 0u);
+}
+
+// The room std::filesystem::space reports (its own statvfs), within what
+// the tests running beside this one may write meanwhile; a directory that
+// is not there is an error naming it.
+TEST(FreeDiskSpace, IsTheRoomTheFileSystemReports) {
+  const std::string dir = std::getenv("TEST_TMPDIR");
+  absl::StatusOr<DiskSpace> got = FreeDiskSpace(dir);
+  ASSERT_TRUE(got.ok()) << got.status();
+  const std::filesystem::space_info want = std::filesystem::space(dir);
+  EXPECT_GT(got->free_bytes, 0);
+  EXPECT_NEAR(static_cast<double>(got->free_bytes), static_cast<double>(want.available), 256.0 * (1 << 20));
+  EXPECT_NE(got->free_inodes, 0);
+  absl::StatusOr<DiskSpace> missing = FreeDiskSpace(dir + "/no-such-dir");
+  EXPECT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("no-such-dir"), std::string::npos) << missing.status();
 }
 
 TEST(SyncFilesAndDirectory, SyncsTheFilesAndPassesOverTheRest) {

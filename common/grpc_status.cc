@@ -17,6 +17,8 @@ constexpr int64_t kMaxRetryAfterMs = 86'400'000;
 
 // MarkUnreachable's payload (its type URL; the value is empty).
 constexpr char kUnreachablePayload[] = "type.colod.dev/unreachable";
+// MarkWorkerFault's.
+constexpr char kWorkerFaultPayload[] = "type.colod.dev/worker-fault";
 
 }  // namespace
 
@@ -70,6 +72,13 @@ absl::Status MarkUnreachable(absl::Status status) {
 }
 
 bool IsUnreachable(const absl::Status& status) { return status.GetPayload(kUnreachablePayload).has_value(); }
+
+absl::Status MarkWorkerFault(absl::Status status) {
+  if (!status.ok()) status.SetPayload(kWorkerFaultPayload, absl::Cord());
+  return status;
+}
+
+bool IsWorkerFault(const absl::Status& status) { return status.GetPayload(kWorkerFaultPayload).has_value(); }
 
 void MarkAnswered(grpc::ServerContext& ctx) { ctx.AddTrailingMetadata(kAnsweredMetadata, "1"); }
 

@@ -51,6 +51,14 @@ std::optional<absl::Duration> RetryAfter(const grpc::ClientContext& ctx);
 absl::Status MarkUnreachable(absl::Status status);
 bool IsUnreachable(const absl::Status& status);
 
+// A rank's failure whose cause is the worker's own (its --work-dir full, its
+// device lost), not the job's: another worker may well run the rank.
+// MarkWorkerFault adds a payload that says so (kept while the status is
+// passed on unchanged); the worker reports it (RankResult.worker_fault), and
+// the coordinator restarts the job without that worker for a while.
+absl::Status MarkWorkerFault(absl::Status status);
+bool IsWorkerFault(const absl::Status& status);
+
 // colod's servers mark every answer of theirs in its trailing metadata
 // (MarkAnswered), so that a client tells an UNAVAILABLE or a
 // DEADLINE_EXCEEDED its server answered (the coordinator passing on a

@@ -67,5 +67,20 @@ TEST(GrpcStatus, UnreachableIsMarkedOnlyForUnavailableAndDeadlineExceeded) {
   EXPECT_TRUE(IsUnreachable(copy));
 }
 
+TEST(GrpcStatus, AWorkersFaultIsMarkedOnAnErrorAndKeptWithIt) {
+  const absl::Status full = MarkWorkerFault(absl::ResourceExhaustedError("No space left on device"));
+  EXPECT_TRUE(IsWorkerFault(full));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(full.message(), "No space left on device");
+  const absl::Status copy = full;
+  EXPECT_TRUE(IsWorkerFault(copy));
+  EXPECT_FALSE(IsWorkerFault(absl::ResourceExhaustedError("No space left on device")));
+  EXPECT_FALSE(IsUnreachable(full));
+  EXPECT_FALSE(IsWorkerFault(MarkUnreachable(absl::UnavailableError("down"))));
+  // OK carries no payload.
+  EXPECT_TRUE(MarkWorkerFault(absl::OkStatus()).ok());
+  EXPECT_FALSE(IsWorkerFault(MarkWorkerFault(absl::OkStatus())));
+}
+
 }  // namespace
 }  // namespace colod

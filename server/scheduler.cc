@@ -451,13 +451,19 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       if (!p.stopping() && r.code() == 0 && r.has_forward()) (void)jobs_->SetForwardResult(p.job_id, r.forward());
       if (!p.stopping() && r.code() != 0) {
         const absl::Status s(static_cast<absl::StatusCode>(r.code()), Utf8Prefix(r.message(), kMaxReportedMessageBytes));
-        const std::string reason = absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString());
+        std::string reason = absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString());
+        if (r.worker_fault()) {  // its disk or its device: it sits out, and the job may run elsewhere
+          refused_until_[p.mesh.ranks(rank).worker_id()] = clock_->Now() + options_.refusal_cooloff;
+          absl::StrAppend(&reason, " (the worker's own fault: it is given no job for ",
+                          absl::FormatDuration(options_.refusal_cooloff), ")");
+        }
         if (options_.probe_timeout <= absl::ZeroDuration()) {
-          FailLocked(p, reason, IsRetryableRankError(s.code()), rank);
+          FailLocked(p, reason, r.worker_fault() || IsRetryableRankError(s.code()), rank);
         } else if (p.state == PlacementState::kRunning) {  // the first failure; the scheduler thread probes the peers
           p.failed_rank = rank;
           p.failure = reason;
           p.failure_code = s.code();
+          p.failure_worker_fault = r.worker_fault();
           TransitionLocked(p, PlacementState::kProbing);
           wake_ = true;
         }
@@ -507,7 +513,8 @@ void Scheduler::ProbeFailedJobs() {
         it->second.generation != probe.generation) {
       continue;
     }
-    FailLocked(it->second, verdict.reason, verdict.retryable, it->second.failed_rank);
+    FailLocked(it->second, verdict.reason, verdict.retryable || it->second.failure_worker_fault,
+               it->second.failed_rank);
     ReleaseLocked();
   }
 }

@@ -87,6 +87,9 @@ class Scheduler {
     // whose new generation cannot be recorded (a full disk under the data
     // dir) waits as long before it is placed again, twice as long after
     // each failure in a row (up to 16 times).
+    // A worker whose rank failed by its own fault (RankResult.worker_fault:
+    // its disk, its device) sits out as long; the job restarts, whatever
+    // the failure's code, within its max_restarts.
     absl::Duration refusal_cooloff = absl::Seconds(30);
     int max_placements = 3;
     // Ranks that wait in a collective this long are reported (FindHangs,
@@ -182,8 +185,11 @@ class Scheduler {
     // started rank ended (back to PENDING with this reason after a refusal;
     // a restart stays RESTARTING).
     std::string requeue_reason;
-    // The failed rank's error code (for IsRetryableRankError).
+    // The failed rank's error code (for IsRetryableRankError), and whether
+    // its worker said the fault was its own (RankResult.worker_fault: the
+    // job restarts whatever the code).
     absl::StatusCode failure_code = absl::StatusCode::kUnknown;
+    bool failure_worker_fault = false;
     // When the placement began stopping (its ranks' aborts; Options::stop_grace).
     absl::Time stopped_at = absl::InfiniteFuture();
   };

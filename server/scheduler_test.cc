@@ -168,6 +168,18 @@ class SchedulerTest : public ::testing::Test {
     registry_.Sweep();
   }
 
+  // 31 s pass (a refusal's cool-off and a second); then a job of 3 ranks, on
+  // every worker of a 3-worker cluster, is placed at the next tick.
+  void ExpectAJobOfThreeWorkersIsPlacedAfterTheCoolOff() {
+    Pass(absl::Seconds(31));
+    v1::JobSpec wide = TrainSpec(1, 3);
+    wide.mutable_train()->set_batch_size(3);
+    auto next = jobs_->Submit(wide, "");
+    ASSERT_TRUE(next.ok()) << next.status();
+    scheduler_->TickForTest();
+    EXPECT_EQ(Job(next->job_id()).state(), v1::JOB_STATE_SCHEDULED);
+  }
+
   // On 3 workers with `stop_grace`: a tp=2 job that may restart once runs,
   // its rank 1 fails; it is RESTARTING and rank 0's abort went out.
   void RestartingJob(absl::Duration stop_grace, std::string* id) {
@@ -389,6 +401,46 @@ TEST_F(SchedulerTest, AnErrorOfTheJobItselfIsNotRetried) {
   EXPECT_EQ(j.restarts(), 0);
 }
 
+// A rank that failed by its worker's own fault (its --work-dir full: the
+// code is RESOURCE_EXHAUSTED, which by itself is the job's and not
+// retried) restarts the job on the other workers; its worker is given no
+// job for the refusal cool-off, then takes jobs again. With the same code
+// unmarked, the job fails (AnErrorOfTheJobItselfIsNotRetried).
+TEST_F(SchedulerTest, AWorkersOwnFaultRestartsTheJobWithoutThatWorkerForTheCoolOff) {
+  Start(3);
+  auto job = jobs_->Submit(TrainSpec(2, 1), "");  // the default policy: 3 restarts
+  ASSERT_TRUE(job.ok());
+  const std::string id = job->job_id();
+  scheduler_->TickForTest();
+  Training(id);
+  const std::string faulty = Job(id).mesh().ranks(1).worker_address();
+  {
+    v1::ReportProgressRequest req;
+    req.mutable_result()->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+    req.mutable_result()->set_message("cannot write '/work/uploads/u.tmp/model.safetensors': No space left on device");
+    req.mutable_result()->set_worker_fault(true);
+    ASSERT_TRUE(Report(id, 1, req).ok());
+  }
+  v1::Job j = Job(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING) << j.reason();
+  EXPECT_EQ(j.restarts(), 1);
+  EXPECT_TRUE(absl::StrContains(j.reason(), "No space left on device (the worker's own fault: it is given no job "
+                                            "for 30s); restarting (restart 1 of 3)"))
+      << j.reason();
+  scheduler_->TickForTest();  // sends rank 0's abort
+  Ended(id, 0, absl::StatusCode::kAborted, "aborted");
+  scheduler_->TickForTest();
+  j = Job(id);
+  ASSERT_EQ(j.state(), v1::JOB_STATE_SCHEDULED) << j.reason();
+  EXPECT_EQ(j.generation(), 2);
+  for (const v1::RankAssignment& a : j.mesh().ranks()) EXPECT_NE(a.worker_address(), faulty);
+  Training(id);
+  for (int r = 0; r < 2; ++r) Ended(id, r, absl::StatusCode::kOk);
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_SUCCEEDED);
+  // After the cool-off it takes jobs again.
+  ExpectAJobOfThreeWorkersIsPlacedAfterTheCoolOff();
+}
+
 TEST_F(SchedulerTest, ALostWorkerRestartsTheJobWhichWaitsForWorkersUpToItsDeadline) {
   Start(4);
   v1::JobSpec spec = TrainSpec(2, 2);
@@ -517,13 +569,7 @@ TEST_F(SchedulerTest, ARefusedAssignmentPlacesTheJobAgainWithoutTheRefusingWorke
   Training(job->job_id());
   for (int r = 0; r < 2; ++r) Ended(job->job_id(), r, absl::StatusCode::kOk);
   // After its 30 s cool-off the worker takes jobs again.
-  Pass(absl::Seconds(31));
-  v1::JobSpec wide = TrainSpec(1, 3);
-  wide.mutable_train()->set_batch_size(3);
-  auto next = jobs_->Submit(wide, "");
-  ASSERT_TRUE(next.ok()) << next.status();
-  scheduler_->TickForTest();
-  EXPECT_EQ(Job(next->job_id()).state(), v1::JOB_STATE_SCHEDULED);
+  ExpectAJobOfThreeWorkersIsPlacedAfterTheCoolOff();
 }
 
 // Refusals of the cluster's (no answer) never fail the job, however many;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
+#include "common/grpc_status.h"
 #include "common/host_memory.h"
 #include "common/int_math.h"
 #include "common/logging.h"
@@ -172,6 +173,7 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank: ", req.rank(), " is outside the mesh of ", mesh.world_size(), " ranks"));
   }
+  if (req.spec().kind() != v1::JOB_KIND_TENSOR) RETURN_IF_ERROR(CheckWorkDirRoom());  // a file system call: unlocked
   absl::MutexLock lock(&mu_);
   if (!closed_.empty()) return absl::UnavailableError(absl::StrCat("this worker takes no rank: ", closed_));
   if (!device_lost_.ok()) {
@@ -200,6 +202,27 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot start the rank's threads: ", e.what()));
   }
   active_ = active;
+  return absl::OkStatus();
+}
+
+namespace {
+
+std::string MiB(int64_t bytes) { return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20)); }
+
+}  // namespace
+
+absl::Status JobRunner::CheckWorkDirRoom() const {
+  if (options_.min_free_work_dir_bytes <= 0) return absl::OkStatus();
+  absl::StatusOr<DiskSpace> room = FreeDiskSpace(options_.work_dir);
+  if (!room.ok()) {
+    return absl::UnavailableError(absl::StrCat("this worker takes no rank: ", room.status().message()));
+  }
+  if (room->free_bytes < options_.min_free_work_dir_bytes || room->free_inodes == 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this worker takes no rank that loads a model: its --work-dir '", options_.work_dir, "' has ",
+        room->free_inodes == 0 ? "no free inode" : absl::StrCat(MiB(room->free_bytes), " free"), ", under the ",
+        MiB(options_.min_free_work_dir_bytes), " of --min-free-work-dir"));
+  }
   return absl::OkStatus();
 }
 
@@ -294,8 +317,8 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   if (!s.ok() && options_.cuda) {
     device = kernels::CudaDeviceUsable(options_.device_ordinal);
     if (!device.ok()) {
-      s = absl::Status(s.code(), absl::StrCat(s.message(), " (", device.message(),
-                                              ": the worker stops taking ranks and restarts)"));
+      s = MarkWorkerFault(absl::Status(s.code(), absl::StrCat(s.message(), " (", device.message(),
+                                                              ": the worker stops taking ranks and restarts)")));
     }
   }
   active->reporter.End(s, active->forward);

@@ -69,6 +69,12 @@ class JobRunner {
     // The paths a job may name; a rank whose spec names another fails
     // PERMISSION_DENIED before it opens anything.
     PathPolicy paths;
+    // A TRAIN or FORWARD rank (which writes its model's files under
+    // work_dir, and downloads an upload there) is refused RESOURCE_EXHAUSTED
+    // at Assign while work_dir's file system has less room than this, or no
+    // free inode: the coordinator then places the job on other workers, not
+    // counting it against the job. 0: unchecked.
+    int64_t min_free_work_dir_bytes = 0;
     // Called once, on the rank's thread after its end is reported, where a
     // rank failed and the CUDA device turns out broken (CudaDeviceUsable:
     // a broken context fails every call until the process ends). The
@@ -140,6 +146,8 @@ class JobRunner {
   // Writes the rank's flight recorder to WORK_DIR/flight-recorder/
   // JOB-gen-G-rank-R.json (kept after the rank's own dir is removed).
   void DumpFlightRecorder(const Active& active);
+  // Options::min_free_work_dir_bytes' check (RESOURCE_EXHAUSTED).
+  absl::Status CheckWorkDirRoom() const;
   // The dumps WORK_DIR/flight-recorder keeps, the newest (about 0.5 MB each).
   static constexpr size_t kMaxFlightRecorderDumps = 256;
 

@@ -60,6 +60,11 @@ ABSL_FLAG(double, peak_tflops, 0,
 ABSL_FLAG(absl::Duration, upload_cache_ttl, absl::Hours(1),
           "Uploaded models this worker downloaded (WORK_DIR/uploads) and no rank used for this long are "
           "removed before the next download.");
+ABSL_FLAG(std::string, min_free_work_dir, "64MiB",
+          "A rank that loads a model (TRAIN, FORWARD) is refused while the file system of --work-dir has less "
+          "room than this, or no free inode: the coordinator places the job on other workers and tries this one "
+          "again later. A rank that fills the disk all the same fails as the worker's fault, and the job restarts "
+          "elsewhere. 0 turns the check off.");
 ABSL_FLAG(int, blas_threads, 0,
           "Threads a CPU rank's GEMMs (OpenBLAS) and large elementwise loops use. 0: $OPENBLAS_NUM_THREADS when "
           "set (the Kubernetes CPU overlay sets it to the CPU limit), else 1, a core per worker. More threads than "
@@ -129,6 +134,14 @@ int main(int argc, char** argv) {
       return 2;
     }
     options.memory_limit_bytes = *bytes;
+  }
+  {
+    absl::StatusOr<int64_t> bytes = colod::ParseByteSize(absl::GetFlag(FLAGS_min_free_work_dir));
+    if (!bytes.ok()) {
+      COLOD_LOG(ERROR) << "--min-free-work-dir: " << bytes.status().message();
+      return 2;
+    }
+    options.min_free_work_dir_bytes = *bytes;
   }
   options.peak_tflops = absl::GetFlag(FLAGS_peak_tflops);
   options.device_ordinal = absl::GetFlag(FLAGS_device_ordinal);

@@ -36,6 +36,10 @@ bool IsUnmarkedBusyText(absl::string_view message) {
   return absl::StrContains(message, "Threadpool Exhausted") || absl::StrContains(message, "--max-concurrent-downloads");
 }
 
+// An error of writing into the worker's own --work-dir: a full disk there
+// (RESOURCE_EXHAUSTED, FileError's) is the worker's fault, not the job's.
+absl::Status OwnDisk(absl::Status s) { return absl::IsResourceExhausted(s) ? MarkWorkerFault(std::move(s)) : s; }
+
 }  // namespace
 
 ModelCache::ModelCache(Options options) : options_(std::move(options)) {}
@@ -45,8 +49,8 @@ absl::Status ModelCache::Materialize(const v1::ModelSpec& model, const std::stri
   ASSIGN_OR_RETURN(const std::string weights_path, Weights(model, abort));
   std::error_code ec;
   fs::create_directories(dir, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
-  RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", model.config_json()));
+  if (ec) return OwnDisk(FileError("cannot create", dir, ec.value()));
+  RETURN_IF_ERROR(OwnDisk(WriteFileAtomically(dir + "/config.json", model.config_json())));
   const fs::path weights = fs::absolute(weights_path, ec);
   if (ec || !fs::exists(weights, ec)) {
     return absl::NotFoundError(
@@ -80,7 +84,7 @@ absl::Status ModelCache::Materialize(const v1::ModelSpec& model, const std::stri
       if (ec) break;
     }
   }
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot link the weights into '", dir, "': ", ec.message()));
+  if (ec) return OwnDisk(FileError("cannot link the weights into", dir, ec.value()));
   return absl::OkStatus();
 }
 
@@ -101,7 +105,7 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
   const std::string tmp = dir + ".tmp";
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
+  if (ec) return OwnDisk(FileError("cannot create", tmp, ec.value()));
   struct RemoveTmp {
     const std::string& tmp;
     bool keep = false;
@@ -156,7 +160,7 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
   }
   // Durable before it is in place: a later job trusts any directory there,
   // and a power loss must not leave it holding cut files.
-  RETURN_IF_ERROR(SyncFilesAndDirectory(tmp));
+  RETURN_IF_ERROR(OwnDisk(SyncFilesAndDirectory(tmp)));
   fs::rename(tmp, dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot rename '", tmp, "': ", ec.message()));
   remove_tmp.keep = true;
@@ -196,7 +200,7 @@ absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::s
     out.write(chunk.data().data(), static_cast<std::streamsize>(chunk.data().size()));
     if (out) out.flush();  // a full disk shows here, not at a close whose error is lost
     if (!out) {
-      failed = FileError("cannot write", tmp + "/" + file, errno != 0 ? errno : EIO);
+      failed = OwnDisk(FileError("cannot write", tmp + "/" + file, errno != 0 ? errno : EIO));
       ctx.TryCancel();
       break;
     }

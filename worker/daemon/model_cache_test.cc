@@ -230,8 +230,9 @@ TEST_F(ModelCacheTest, UploadsUnusedForTheTtlAreRemovedBeforeTheNextDownload) {
   EXPECT_EQ(Read((uploads / "new" / "model-00002.safetensors").string()), "second");
 }
 
-// A disk too full for a download is RESOURCE_EXHAUSTED, leaves no partial
-// download, and the next attempt with room succeeds.
+// A disk too full for a download is RESOURCE_EXHAUSTED, marked as the
+// worker's fault, leaves no partial download, and the next attempt with
+// room succeeds.
 TEST_F(ModelCacheTest, AFullDiskFailsTheDownloadCleanly) {
   v1::ModelSpec spec;
   spec.set_config_json("{}");
@@ -245,6 +246,7 @@ TEST_F(ModelCacheTest, AFullDiskFailsTheDownloadCleanly) {
   }
   EXPECT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted) << got.status();
   EXPECT_NE(got.status().message().find("File too large"), std::string::npos) << got.status();
+  EXPECT_TRUE(IsWorkerFault(got.status())) << "the worker's own disk, not the job's";
   EXPECT_FALSE(fs::exists(work_ + "/uploads/big"));
   EXPECT_FALSE(fs::exists(work_ + "/uploads/big.tmp"));
   service_.mode = FakeDownloads::Mode::kTwoFiles;

@@ -178,6 +178,7 @@ void ProgressReporter::End(const absl::Status& status, const std::optional<v1::F
   // would not parse, and the coordinator would never hear of the end) and
   // bounded.
   r.mutable_result()->set_message(Utf8Prefix(status.message(), kMaxReportedMessageBytes));
+  r.mutable_result()->set_worker_fault(IsWorkerFault(status));
   if (status.ok() && forward.has_value()) *r.mutable_result()->mutable_forward() = *forward;
   (void)Send(std::move(r));
 }

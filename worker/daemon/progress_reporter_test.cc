@@ -12,6 +12,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_server.h"
+#include "common/grpc_status.h"
 #include "common/text.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
@@ -49,6 +50,11 @@ class FakeReports final : public v1::CoordinatorService::Service {
     absl::MutexLock lock(&mu_);
     return messages_;
   }
+  // The results it accepted.
+  std::vector<v1::RankResult> Results() {
+    absl::MutexLock lock(&mu_);
+    return results_;
+  }
 
   grpc::Status ReportProgress(grpc::ServerContext*, const v1::ReportProgressRequest* req,
                               v1::ReportProgressResponse* resp) override {
@@ -61,6 +67,7 @@ class FakeReports final : public v1::CoordinatorService::Service {
     if (req->worker_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "worker_id: required");
     if (req->has_status()) messages_.push_back(req->status().message());
     if (req->has_result()) messages_.push_back(req->result().message());
+    if (req->has_result()) results_.push_back(req->result());
     if (!req->has_status()) accepted_.push_back(req->has_step() ? req->step().step() : -1);  // -1: the result
     workers_.push_back(req->worker_id());
     if (answer_ == Answer::kStale) return grpc::Status(grpc::StatusCode::ABORTED, "the job no longer runs");
@@ -75,6 +82,7 @@ class FakeReports final : public v1::CoordinatorService::Service {
   std::vector<int64_t> accepted_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> workers_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> messages_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::RankResult> results_ ABSL_GUARDED_BY(mu_);
   std::string incarnation_ ABSL_GUARDED_BY(mu_) = "first";
 };
 
@@ -225,6 +233,18 @@ TEST_F(ProgressReporterTest, EndSendsWhatIsKeptBeforeTheResult) {
   reporter_->End(absl::OkStatus(), std::nullopt);
   EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{1, 2, -1}));
   EXPECT_EQ(reporter_->undelivered(), 0u);
+}
+
+// A failure marked as the worker's own (its disk, its device) says so in
+// the result; any other does not.
+TEST_F(ProgressReporterTest, TheResultSaysWhetherTheFaultIsTheWorkers) {
+  reporter_->End(MarkWorkerFault(absl::ResourceExhaustedError("No space left on device")), std::nullopt);
+  reporter_->End(absl::ResourceExhaustedError("the rank ran out of host memory"), std::nullopt);
+  const std::vector<v1::RankResult> got = service_.Results();
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  EXPECT_TRUE(got[0].worker_fault());
+  EXPECT_FALSE(got[1].worker_fault());
 }
 
 // An error may quote a file's bytes, any bytes, at any length: a status or

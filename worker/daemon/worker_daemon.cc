@@ -186,6 +186,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     ro.memory_bytes = w->info_.memory_bytes();
     ro.paths = paths;
     ro.upload_cache_ttl = options.upload_cache_ttl;
+    ro.min_free_work_dir_bytes = options.min_free_work_dir_bytes;
     ro.on_device_lost = [raw](const absl::Status& why) {
       {
         absl::MutexLock lock(&raw->mu_);

@@ -72,6 +72,9 @@ class WorkerDaemon {
     std::vector<std::string> allow_paths;
     // Uploaded models downloaded here and unused this long are removed.
     absl::Duration upload_cache_ttl = absl::Hours(1);
+    // JobRunner::Options::min_free_work_dir_bytes: a rank that loads a model
+    // is refused while the work directory has less room. 0: unchecked.
+    int64_t min_free_work_dir_bytes = 0;
     // How long an ended rank's series stay on /metrics (WorkerMetrics).
     absl::Duration metrics_linger = absl::Minutes(1);
     // Threads the gRPC server runs calls on at once (the coordinator's job

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <thread>
 
@@ -21,6 +22,7 @@
 #include "server/coordinator.h"
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/job_specs.h"
+#include "common/atomic_file.h"
 #include "common/host_memory.h"
 #include "tests/testing/prometheus_text.h"
 #include "worker/shardformer/testing.h"
@@ -725,6 +727,42 @@ TEST(WorkerDaemon, ARankNamingAPathOutsideTheAllowedOnesIsRefused) {
   EXPECT_TRUE(absl::StrContains(error, "PERMISSION_DENIED: spec.train.data_path: '/etc/shadow' is outside the paths "
                                        "this worker allows (--allow-path "))
       << error;
+}
+
+// A worker whose --work-dir has less room than --min-free-work-dir refuses
+// a rank that loads a model (RESOURCE_EXHAUSTED, which the coordinator
+// takes as the cluster's refusal), and takes it once the bound is under
+// the room the file system reports; a TENSOR rank writes nothing there and
+// is not refused.
+TEST(WorkerDaemon, AWorkDirWithTooLittleRoomRefusesRanksThatLoadAModel) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-room");
+  ASSERT_NE(coordinator, nullptr);
+  JobRunner::Options ro = RunnerOptions(*coordinator, "runner-room");
+  std::filesystem::create_directories(ro.work_dir);
+  absl::StatusOr<DiskSpace> room = FreeDiskSpace(ro.work_dir);
+  ASSERT_TRUE(room.ok()) << room.status();
+  ASSERT_LT(room->free_bytes, std::numeric_limits<int64_t>::max() / 2);
+  ro.min_free_work_dir_bytes = room->free_bytes * 2;  // more than there is
+  {
+    JobRunner runner(ro);
+    const absl::Status refused = runner.Assign(RankZero("job-515151", MidSizeTrainSpec()));
+    EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+    EXPECT_TRUE(absl::StrContains(refused.message(), "its --work-dir '" + ro.work_dir + "' has ")) << refused;
+    EXPECT_TRUE(absl::StrContains(refused.message(), "of --min-free-work-dir")) << refused;
+    EXPECT_EQ(runner.Status().state(), v1::WORKER_STATE_IDLE);
+    v1::JobSpec tensor;
+    tensor.set_kind(v1::JOB_KIND_TENSOR);
+    tensor.mutable_shard()->set_tensor_parallel_size(1);
+    tensor.mutable_shard()->set_data_parallel_size(1);
+    EXPECT_TRUE(runner.Assign(RankZero("job-515152", tensor)).ok());
+    runner.Close("");
+    ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
+  }
+  ro.min_free_work_dir_bytes = 1 << 20;  // far less than there is
+  JobRunner runner(ro);
+  EXPECT_TRUE(runner.Assign(RankZero("job-515153", MidSizeTrainSpec())).ok());
+  runner.Close("");
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(60)));
 }
 
 }  // namespace
