@@ -87,7 +87,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   }
   if (options.max_active_jobs < 1) return absl::InvalidArgumentError("--max-active-jobs: must be >= 1");
   std::unique_ptr<Coordinator> c(new Coordinator(options));
-  ASSIGN_OR_RETURN(c->lock_fd_, LockDirectory(options.data_dir, "--data-dir", "coordinator"));
+  ASSIGN_OR_RETURN(c->lock_fd_, LockDirectory(options.data_dir, "--data-dir", "coordinator", &c->made_data_dir_));
 
   c->registry_ = std::make_shared<prometheus::Registry>();
   AddBuildInfo(*c->registry_, "coordinator");
@@ -283,8 +283,14 @@ Coordinator::~Coordinator() {
   bool started = grpc_.server != nullptr;
   if (started) {
     Shutdown();
-  } else if (lock_fd_ >= 0) {
-    ::close(lock_fd_);
+  } else {
+    if (lock_fd_ >= 0) ::close(lock_fd_);
+    // A start that failed (its port taken) leaves no directory it made:
+    // nothing was accepted into it. One that was there stays.
+    if (!made_data_dir_.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(made_data_dir_, ec);
+    }
   }
 }
 

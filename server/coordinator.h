@@ -147,6 +147,9 @@ class Coordinator {
 
   const Options options_;
   int lock_fd_ = -1;
+  // The outermost directory LockDirectory made for --data-dir (empty: it
+  // was there), removed where the start fails.
+  std::string made_data_dir_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<WorkerRegistry> workers_;
   std::unique_ptr<JobManager> jobs_;

@@ -918,6 +918,7 @@ TEST_F(CoordinatorTest, ServesParseableMetrics) {
   EXPECT_TRUE(saw_age) << "no colod_worker_heartbeat_age_seconds series";
 }
 
+// A failed start leaves no --data-dir it made behind.
 TEST(CoordinatorStart, RefusesASharedDataDirAndBadOptions) {
   Coordinator::Options o;
   o.data_dir = testing::TempPath("shared");
@@ -947,6 +948,19 @@ TEST(CoordinatorStart, RefusesASharedDataDirAndBadOptions) {
   const absl::Status grace = Coordinator::Start(bad_grace).status();
   EXPECT_EQ(grace.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(grace.message().find("--stop-grace"), absl::string_view::npos) << grace;
+
+  // Its port taken: the start fails after it made --data-dir (and a parent
+  // of it), which go with it; a --data-dir that was there stays, as it was.
+  Coordinator::Options taken;
+  taken.listen = (*third)->address();
+  taken.data_dir = testing::TempPath("made-data-dir/a");
+  const absl::Status refused = Coordinator::Start(taken).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_FALSE(std::filesystem::exists(testing::TempPath("made-data-dir")));
+  taken.data_dir = testing::TempPath("kept-data-dir");
+  std::filesystem::create_directories(taken.data_dir + "/notes");
+  EXPECT_EQ(Coordinator::Start(taken).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(std::filesystem::exists(taken.data_dir + "/notes"));
 }
 
 }  // namespace
