@@ -417,7 +417,8 @@ constexpr Command kCommands[] = {
     {"consolidate", "",
      "  consolidate Assemble a sharded checkpoint (one file per rank + colod_checkpoint.json)\n"
      "              into a Hugging Face directory (config.json + model.safetensors) that\n"
-     "              loads at any layout: --checkpoint DIR --out DIR.\n",
+     "              loads at any layout: --checkpoint DIR --out DIR. An --out that already\n"
+     "              holds a model is refused, not written over.\n",
      RunInProcessCommand},
 };
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -124,6 +125,21 @@ int RunTrainOnGpus(const std::vector<std::string>&) {
   return 0;
 }
 
+// A model in `out` (or the shards of one) is not written over: new weights
+// beside an old index would load as neither. Usage's exit status naming
+// the file found there, or nullopt.
+std::optional<int> RefuseAModelThere(absl::string_view command, const std::string& out) {
+  for (const char* name : {"config.json", "model.safetensors", "model.safetensors.index.json"}) {
+    const std::string path = absl::StrCat(out, "/", name);
+    struct stat st;
+    if (::lstat(path.c_str(), &st) == 0) {  // a link, even to nothing, counts
+      return Usage(absl::StrCat(command, ": --out ", out, " already holds a model (", name,
+                                "): give a new or empty directory"));
+    }
+  }
+  return std::nullopt;
+}
+
 int RunInitModel(const std::vector<std::string>&) {
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) return Usage("init-model: --out is required");
@@ -131,16 +147,7 @@ int RunInitModel(const std::vector<std::string>&) {
     return Usage(
         absl::StrCat("init-model: --model-type '", absl::GetFlag(FLAGS_model_type), "' is not supported (gpt2)"));
   }
-  // A model there (or the shards of one) is not written over: the new
-  // weights beside an old index would load as neither.
-  for (const char* name : {"config.json", "model.safetensors", "model.safetensors.index.json"}) {
-    const std::string path = absl::StrCat(out, "/", name);
-    struct stat st;
-    if (::lstat(path.c_str(), &st) == 0) {  // a link, even to nothing, counts
-      return Usage(absl::StrCat("init-model: --out ", out, " already holds a model (", name,
-                                "): give a new or empty directory"));
-    }
-  }
+  if (std::optional<int> refused = RefuseAModelThere("init-model", out)) return *refused;
   for (const auto& [flag, value] : std::vector<std::pair<const char*, int64_t>>{
            {"--vocab-size", absl::GetFlag(FLAGS_vocab_size)}, {"--hidden-size", absl::GetFlag(FLAGS_hidden_size)},
            {"--layers", absl::GetFlag(FLAGS_layers)}, {"--heads", absl::GetFlag(FLAGS_heads)},
@@ -179,6 +186,7 @@ int RunConsolidate(const std::vector<std::string>&) {
                                 " (coloctl checkpoints JOB lists a job's)"));
     }
   }
+  if (std::optional<int> refused = RefuseAModelThere("consolidate", out)) return *refused;
   const absl::Status s = shardformer::ConsolidateCheckpoint(checkpoint, out);
   if (!s.ok()) return Fail(s);
   std::printf("wrote %s/model.safetensors and %s/config.json\n", out.c_str(), out.c_str());

@@ -310,6 +310,13 @@ TEST_F(Forward, ACheckpointSavedAtTp2ConsolidatesAndRunsAt2d) {
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.err.find("NOT_FOUND"), std::string::npos) << r.err;
   EXPECT_EQ(Coloctl({"consolidate", "--out", TempPath("hf2")}).code, 2);
+  // A model there is not written over.
+  const std::string before = ::colod::testing::ReadFile(TempPath("hf") + "/model.safetensors");
+  r = Coloctl({"consolidate", "--checkpoint", TempPath("sharded"), "--out", TempPath("hf")});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("consolidate: --out " + TempPath("hf") + " already holds a model (config.json)"),
+            std::string::npos) << r.err;
+  EXPECT_EQ(::colod::testing::ReadFile(TempPath("hf") + "/model.safetensors"), before);
 }
 
 TEST_F(Forward, MistakesAreReportedWithWhatIsWrong) {
