@@ -372,10 +372,19 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   ASSIGN_OR_RETURN(const Source train, OpenSource(config, o.data_path, o.labels_path, format, tokenizer.get(), o.stopped));
   // An encoder-decoder's pairs bring their own lengths; seq_len bounds them,
   // since the memory admission and the planner count both at seq_len.
+  // Sequence parallelism splits both sequences over tp (the coordinator
+  // cannot check that at submit: the lengths are the data's).
+  const int tp = o.shard.layout.tensor_parallel_size();
   auto within_seq_len = [&](const Source& s, const std::string& what) -> absl::Status {
-    if (!s.pairs || (s.pairs->input_len() <= o.seq_len && s.pairs->target_len() <= o.seq_len)) {
-      return absl::OkStatus();
+    if (!s.pairs) return absl::OkStatus();
+    if (o.shard.layout.sequence_parallel() && tp > 1 &&
+        (s.pairs->input_len() % tp != 0 || s.pairs->target_len() % tp != 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": the inputs are ", s.pairs->input_len(), " tokens and the targets ", s.pairs->target_len(),
+          "; sequence parallelism splits each over tensor_parallel_size ", tp,
+          ", which must divide both: pad them (targets with -100) or turn sequence_parallel off"));
     }
+    if (s.pairs->input_len() <= o.seq_len && s.pairs->target_len() <= o.seq_len) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": the inputs are ", s.pairs->input_len(), " tokens and the targets ", s.pairs->target_len(),
         ", over seq_len ", o.seq_len, ", which the memory admission and the plan count them at: set seq_len to ",

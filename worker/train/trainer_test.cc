@@ -223,6 +223,20 @@ TEST(Trainer, AnEncoderDecoderTrainsOnInputTargetPairs) {
   sharded.shard.layout.set_data_parallel_size(2);
   sharded.micro_batches = 2;
   ExpectSameLosses(Losses(sharded), base, 1e-4, "tp2 x dp2, 2 micro-batches");
+  // Sequence parallelism splits the inputs (10 tokens) and the targets (6)
+  // over tp: at tp 2 the losses are the same; at tp 4, which divides
+  // neither, the run is refused before any rank starts, naming both.
+  TrainOptions sp = sharded;
+  sp.shard.layout.set_sequence_parallel(true);
+  ExpectSameLosses(Losses(sp), base, 1e-4, "sequence parallel, tp2 x dp2");
+  sp.shard.layout.set_tensor_parallel_size(4);
+  sp.shard.layout.set_data_parallel_size(1);
+  const absl::Status unsplit = Train(sp, nullptr);
+  EXPECT_EQ(unsplit.code(), absl::StatusCode::kInvalidArgument) << unsplit;
+  EXPECT_NE(unsplit.message().find(absl::StrCat("data_path: the inputs are ", se, " tokens and the targets ", sd,
+                                                "; sequence parallelism splits each over tensor_parallel_size 4")),
+            std::string::npos)
+      << unsplit;
   // Pairs need their targets; targets for another count of inputs are refused.
   TrainOptions no_targets = o;
   no_targets.labels_path.clear();
