@@ -15,6 +15,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/algorithm/container.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/ascii.h"
@@ -581,6 +582,9 @@ int CommandLineMain(int argc, char** argv, const std::string& intro, const std::
           const size_t colon = part.find(':');
           if (colon == absl::string_view::npos) continue;
           const absl::string_view head = part.substr(0, colon);
+          // A list of commands ("train, submit", "forward and train"), not
+          // a sentence that happens to name one before a colon.
+          if (!absl::c_all_of(head, [&](char c) { return is_word(c) || c == ',' || c == ' '; })) continue;
           for (const std::string& h : heads) {
             for (size_t at = head.find(h); at != absl::string_view::npos; at = head.find(h, at + 1)) {
               const bool starts = at == 0 || !is_word(head[at - 1]);

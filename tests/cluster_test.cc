@@ -200,6 +200,13 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
   for (const char* flag : {"--steps", "--batch-size", "--save-every", "--job-file", "--upload"}) {
     EXPECT_TRUE(absl::StrContains(submit.out, flag)) << flag << "\n" << submit.out;
   }
+  // A flag whose help mentions a command in passing ("health and reflection
+  // stay open"), not as the head of its part, is not that command's.
+  const auto health = RunCommand({Runfile(kColoctl), "help", "health"}, TempPath(""));
+  EXPECT_TRUE(absl::StrContains(health.out, "Usage: coloctl [flags] health\n")) << health.out;
+  EXPECT_FALSE(absl::StrContains(health.out, "\n  --auth-token-file")) << health.out;
+  const auto workers = RunCommand({Runfile(kColoctl), "help", "workers"}, TempPath(""));
+  EXPECT_FALSE(absl::StrContains(workers.out, "\n  --device")) << workers.out;  // "...). plan: the workers"
   const auto all_help = RunCommand({Runfile(kColoctl), "help"}, TempPath(""));
   EXPECT_EQ(all_help.code, 0);
   EXPECT_EQ(all_help.out, whole.out);
