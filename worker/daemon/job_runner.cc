@@ -10,8 +10,10 @@
 #include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
 #include "common/grpc_status.h"
@@ -207,9 +209,25 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
 
 namespace {
 
+// `s` with `scratch` (the rank's copy of its model: links and config.json
+// under the work dir, removed when the rank ends) in its message replaced
+// by what the job's spec named: the user's weights_path, or the upload.
+absl::Status NameTheModel(const absl::Status& s, const std::string& scratch, const v1::ModelSpec& model) {
+  if (s.ok() || !absl::StrContains(s.message(), scratch)) return s;
+  const std::string named = model.upload_id().empty() ? model.weights_path()
+                                                      : absl::StrCat("the uploaded model (", model.upload_id(), ")");
+  absl::Status out(s.code(), absl::StrReplaceAll(s.message(), {{scratch, named}}));
+  s.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
 std::string MiB(int64_t bytes) { return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20)); }
 
 }  // namespace
+
+std::string JobRunner::RankDir(const v1::AssignJobRequest& req) const {
+  return absl::StrFormat("%s/%s-gen-%d-rank-%d", options_.work_dir, req.job_id(), req.generation(), req.rank());
+}
 
 absl::Status JobRunner::CheckWorkDirRoom() const {
   if (options_.min_free_work_dir_bytes <= 0) return absl::OkStatus();
@@ -292,7 +310,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   }
   absl::Status s;
   try {
-    s = RunRank(*active);
+    s = NameTheModel(RunRank(*active), RankDir(req) + "/model", req.spec().model());
   } catch (const std::bad_alloc& e) {
     // The host's memory (or the worker's limit on it) is what the rank
     // needs more of: RESOURCE_EXHAUSTED, which no restart retries.
@@ -351,8 +369,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
 absl::Status JobRunner::RunRank(Active& active) {
   const v1::AssignJobRequest& req = active.request;
   const ProgressReporter& reporter = active.reporter;
-  const std::string dir = absl::StrFormat("%s/%s-gen-%d-rank-%d", options_.work_dir, req.job_id(), req.generation(),
-                                          req.rank());
+  const std::string dir = RankDir(req);
   struct Cleanup {
     std::string dir;
     ~Cleanup() {

@@ -146,6 +146,9 @@ class JobRunner {
   // Writes the rank's flight recorder to WORK_DIR/flight-recorder/
   // JOB-gen-G-rank-R.json (kept after the rank's own dir is removed).
   void DumpFlightRecorder(const Active& active);
+  // WORK_DIR/JOB-gen-G-rank-R: the rank's scratch directory (its model's
+  // config.json and links under model/), removed when it ends.
+  std::string RankDir(const v1::AssignJobRequest& req) const;
   // Options::min_free_work_dir_bytes' check (RESOURCE_EXHAUSTED).
   absl::Status CheckWorkDirRoom() const;
   // The dumps WORK_DIR/flight-recorder keeps, the newest (about 0.5 MB each).

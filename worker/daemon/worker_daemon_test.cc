@@ -729,6 +729,28 @@ TEST(WorkerDaemon, ARankNamingAPathOutsideTheAllowedOnesIsRefused) {
       << error;
 }
 
+// An error about the job's model names the model the spec named (its
+// weights_path), not the rank's scratch copy of it under the work dir,
+// which is gone once the rank ended: here a 50-token GPT-2 without a
+// tokenizer asked to train on text.
+TEST(WorkerDaemon, AnErrorAboutTheModelNamesTheSpecsModelNotTheScratchCopy) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-model-name");
+  ASSERT_NE(coordinator, nullptr);
+  auto model = shardformer::testing::WriteTinyGpt2(testing::TempPath("named-model"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  std::ifstream config_file(model->dir + "/config.json");
+  const std::string config((std::istreambuf_iterator<char>(config_file)), std::istreambuf_iterator<char>());
+  v1::JobSpec spec = testing::TinyTrainSpec(1, 1, config);
+  spec.mutable_model()->set_weights_path(model->dir);
+  JobRunner::Options ro = RunnerOptions(*coordinator, "runner-model-name");
+  JobRunner runner(ro);
+  ASSERT_TRUE(runner.Assign(RankZero("job-535353", spec)).ok());
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(60)));
+  const std::string error = runner.Status().last_error();
+  EXPECT_TRUE(absl::StrContains(error, " is text and " + model->dir + " has no tokenizer")) << error;
+  EXPECT_FALSE(absl::StrContains(error, ro.work_dir)) << error;
+}
+
 // A worker whose --work-dir has less room than --min-free-work-dir refuses
 // a rank that loads a model (RESOURCE_EXHAUSTED, which the coordinator
 // takes as the cluster's refusal), and takes it once the bound is under
