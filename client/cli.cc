@@ -246,8 +246,24 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
   bool bar_open = false;
   std::vector<StepPoint> losses, evals;
   double tokens_per_second = 0;
+  bool resume_said = false;  // a rank 0 that resumed said so: its first step need not again
   const absl::Status s = client.WatchJob(job_id, 1, absl::GetFlag(FLAGS_watch_timeout), [&](const v1::JobEvent& ev) {
-    if (on_step && ev.has_step()) on_step(ev.step());
+    // Said once it is known, not only with the first step: a run resumed at
+    // its last step reports none.
+    if (ev.has_rank_status() && ev.rank_status().rank() == 0 && !ev.rank_status().resumed_from().empty()) {
+      std::fprintf(stderr, "coloctl: resuming from %s (step %lld)\n", ev.rank_status().resumed_from().c_str(),
+                   static_cast<long long>(ev.rank_status().resumed_step()));
+      resume_said = true;
+    }
+    if (on_step && ev.has_step()) {
+      if (resume_said && !ev.step().resumed_from().empty()) {
+        v1::StepProgress quiet = ev.step();
+        quiet.clear_resumed_from();
+        on_step(quiet);
+      } else {
+        on_step(ev.step());
+      }
+    }
     if (json) {
       if (!on_step) {
         auto line = RenderJson(ev, /*pretty=*/false);

@@ -911,6 +911,17 @@ absl::Status JobManager::AddRankStatus(absl::string_view job_id, const v1::RankS
   });
 }
 
+absl::Status JobManager::NoteResumed(absl::string_view job_id, int64_t step, const std::string& checkpoint) {
+  return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
+    RETURN_IF_ERROR(CheckNotEndedLocked(e));
+    if (step <= e.job.step()) return false;
+    e.job.set_step(step);
+    if (!checkpoint.empty()) e.job.set_last_checkpoint(checkpoint);
+    *e.job.mutable_update_time() = ToProtoTimestamp(clock_->Now());
+    return true;
+  });
+}
+
 absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string_view request_id,
                                            std::optional<v1::MemoryFloor> floor) {
   RETURN_IF_ERROR(ValidateJobSpec(spec));

@@ -154,6 +154,12 @@ class JobManager {
   int64_t HangCount();
   // Appends a rank's phase change; FAILED_PRECONDITION once the job ended.
   absl::Status AddRankStatus(absl::string_view job_id, const v1::RankStatus& status);
+  // Rank 0 of a TRAIN job resumed from `checkpoint`, written after `step`:
+  // where the record is behind it (its steps were not written: a full data
+  // dir, then a crash), the job's step and last checkpoint become those
+  // (its loss stays the last one recorded). Nothing otherwise.
+  // FAILED_PRECONDITION once the job ended.
+  absl::Status NoteResumed(absl::string_view job_id, int64_t step, const std::string& checkpoint);
 
   // Events with sequence >= from_sequence, at most `max_events` of them.
   // With a state directory, only events already written there (a step

@@ -422,9 +422,14 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       status.set_rank(rank);
       status.set_worker_id(report.worker_id());
       status.set_message(Utf8Prefix(status.message(), kMaxReportedMessageBytes));
+      status.set_resumed_from(Utf8Prefix(status.resumed_from(), kMaxReportedMessageBytes));
       // A phase is recorded once a rank and generation: a report sent again
       // (or a worker that sends the same phase in a loop) adds nothing.
       if (!p.stopping() && p.phases.emplace(rank, status.phase()).second) (void)jobs_->AddRankStatus(p.job_id, status);
+      // Where rank 0 resumed: the job's step, should its record lag behind.
+      if (!p.stopping() && rank == 0 && status.phase() == v1::RANK_PHASE_TRAINING && status.resumed_step() > 0) {
+        (void)jobs_->NoteResumed(p.job_id, status.resumed_step(), status.resumed_from());
+      }
       if (status.phase() == v1::RANK_PHASE_TRAINING || status.phase() == v1::RANK_PHASE_SERVING ||
           status.phase() == v1::RANK_PHASE_RUNNING) {
         p.training.insert(rank);

@@ -389,6 +389,52 @@ TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestarts
   EXPECT_TRUE(absl::StrContains(j.reason(), "collective timed out")) << j.reason();
 }
 
+// Rank 0 of a run that resumed says from where: where the job's record is
+// behind it (steps a coordinator could not write, then lost in a crash),
+// the job's step and last checkpoint follow, so that a run resumed at its
+// last step ends showing it; a rank other than 0, or an earlier step,
+// changes nothing.
+TEST_F(SchedulerTest, TheStepRankZeroResumedFromIsTheJobsWhereTheRecordIsBehind) {
+  Start(2);
+  auto job = jobs_->Submit(TrainSpec(2, 1), "");
+  ASSERT_TRUE(job.ok());
+  const std::string id = job->job_id();
+  scheduler_->TickForTest();
+  v1::ReportProgressRequest step;
+  step.mutable_step()->set_step(4);
+  step.mutable_step()->set_loss(2.5);
+  step.mutable_step()->mutable_step_duration()->set_nanos(1000);
+  step.mutable_step()->set_checkpoint("/ck/step-000004");
+  ASSERT_TRUE(Report(id, 0, step).ok());
+  ASSERT_EQ(Job(id).step(), 4);
+  const auto resumed = [&](int rank, int64_t at) {
+    v1::ReportProgressRequest req;
+    req.mutable_status()->set_phase(v1::RANK_PHASE_TRAINING);
+    req.mutable_status()->set_resumed_step(at);
+    req.mutable_status()->set_resumed_from(absl::StrCat("/ck/step-00000", at));
+    ASSERT_TRUE(Report(id, rank, req).ok());
+  };
+  resumed(1, 9);  // not rank 0's
+  EXPECT_EQ(Job(id).step(), 4);
+  resumed(0, 3);  // behind the record
+  EXPECT_EQ(Job(id).step(), 4);
+  EXPECT_EQ(Job(id).last_checkpoint(), "/ck/step-000004");
+  // A new generation's rank 0 (the phase is recorded once a generation).
+  Ended(id, 1, absl::StatusCode::kUnavailable, "connection reset");
+  scheduler_->TickForTest();
+  Ended(id, 0, absl::StatusCode::kAborted, "aborted");
+  scheduler_->TickForTest();
+  ASSERT_EQ(Job(id).generation(), 2);
+  resumed(0, 8);
+  const v1::Job j = Job(id);
+  EXPECT_EQ(j.step(), 8);
+  EXPECT_EQ(j.last_checkpoint(), "/ck/step-000008");
+  EXPECT_EQ(j.loss(), 2.5);  // the last recorded
+  bool saw = false;
+  for (const v1::JobEvent& e : Events(id)) saw = saw || (e.has_rank_status() && e.rank_status().resumed_step() == 8);
+  EXPECT_TRUE(saw) << "the history shows where it resumed";
+}
+
 TEST_F(SchedulerTest, AnErrorOfTheJobItselfIsNotRetried) {
   Start(2);
   auto job = jobs_->Submit(TrainSpec(2, 1), "");  // the default policy: 3 restarts

@@ -166,6 +166,14 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
     EXPECT_EQ(lr[i]["step"], i + 3);
     EXPECT_EQ(lr[i]["loss"], la[i + 2]["loss"]);
   }
+  // Resumed at its last step (--steps 2, the step-2 checkpoint): nothing to
+  // train; it says where it resumed all the same, and succeeds.
+  std::vector<std::string> done = resume;
+  done[6] = "2";  // --steps 2
+  const auto d = Coloctl(done);
+  ASSERT_EQ(d.code, 0) << d.err;
+  EXPECT_TRUE(Lines(d.out).empty()) << d.out;
+  EXPECT_NE(d.err.find("resuming from " + TempPath("ck") + "/step-000002 (step 2)"), std::string::npos) << d.err;
   // The --save directory is not a checkpoint: consolidate names its newest.
   const auto whole_dir = Coloctl({"consolidate", "--checkpoint", TempPath("ck"), "--out", TempPath("ck_hf")});
   EXPECT_EQ(whole_dir.code, 2) << whole_dir.err;

@@ -450,9 +450,11 @@ absl::Status JobRunner::RunRank(Active& active) {
 
   train::RankHooks hooks;
   hooks.stop = [&active] { return active.stop.load(); };
-  hooks.on_start = [&] {
+  hooks.on_start = [&](const train::RankStart& start) {
     if (metrics != nullptr) metrics->TrainingStarted();
-    if (reporter.Phase(v1::RANK_PHASE_TRAINING)) active.stop = true;
+    const std::string message =
+        start.checkpoint.empty() ? "" : absl::StrCat("resumed from ", start.checkpoint, " (step ", start.step, ")");
+    if (reporter.Phase(v1::RANK_PHASE_TRAINING, message, start.step, start.checkpoint)) active.stop = true;
   };
   hooks.on_step = [&](const train::StepStats& st) {
     if (metrics != nullptr && st.trained) {

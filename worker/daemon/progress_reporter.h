@@ -70,7 +70,8 @@ class ProgressReporter {
   // Phase returns true when the coordinator says the job no longer runs (or
   // that this rank is not one of it): the rank should stop. Best effort:
   // a report that fails twice (five times for the end) is given up, logged.
-  bool Phase(v1::RankPhase phase, const std::string& message = "") const;
+  bool Phase(v1::RankPhase phase, const std::string& message = "", int64_t resumed_step = 0,
+             const std::string& resumed_from = "") const;
   // Queues the step for the sending thread and returns at once: true when
   // an answer to an earlier report said stop (as soon as it came).
   bool Step(const train::StepStats& step) const;

@@ -618,7 +618,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     ASSIGN_OR_RETURN(Resumed r, RestoreTrainingCheckpoint(run.resume, chunks, optimizer));
     first = r.step;
   }
-  if (hooks.on_start) hooks.on_start();
+  if (hooks.on_start) hooks.on_start(RankStart{.step = first, .checkpoint = run.resume});
   // A time-boxed run resumed at or past its stop (a restart after the
   // stop's checkpoint) has nothing left to do.
   if (o.stop_after > 0 && first >= o.stop_after && !o.eval_only) return absl::OkStatus();

@@ -180,10 +180,17 @@ absl::Status Train(const TrainOptions& options, const std::function<void(const S
 struct PreparedTrain;
 absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOptions& options);
 
+// Where a rank starts: the checkpoint it resumed from (step 0 and empty
+// where it starts from the model).
+struct RankStart {
+  int64_t step = 0;
+  std::string checkpoint;
+};
+
 struct RankHooks {
   // Called on this rank once the model (and any checkpoint) is loaded,
-  // before the first step.
-  std::function<void()> on_start;
+  // before the first step (also where the checkpoint leaves no step to run).
+  std::function<void(const RankStart&)> on_start;
   // Called on this rank after each step, in step order; on a CUDA device
   // once the next step is enqueued, except after the run's last step and
   // where it evaluates, saves or stops.
