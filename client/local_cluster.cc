@@ -115,9 +115,13 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
     c->Stop();  // a temporary data dir goes with it
     return absl::CancelledError("the local cluster's start was cancelled");
   };
-  auto coordinator = Spawn({options.coordinator_binary, "--data-dir", c->data_dir_ + "/coordinator", "--listen",
-                            options.listen, "--metrics-listen", options.metrics_listen, "--ready-file", ready},
-                           c->data_dir_ + "/coordinator.log");
+  std::vector<std::string> coordinator_argv = {options.coordinator_binary, "--data-dir", c->data_dir_ + "/coordinator",
+                                               "--listen", options.listen, "--metrics-listen", options.metrics_listen,
+                                               "--ready-file", ready};
+  // A temporary data dir, removed when the cluster stops, keeps no room for
+  // records no restart will read.
+  if (c->temporary_) coordinator_argv.push_back("--data-dir-reserve=0");
+  auto coordinator = Spawn(coordinator_argv, c->data_dir_ + "/coordinator.log");
   if (!coordinator.ok()) return fail(coordinator.status());
   {
     absl::MutexLock lock(&c->mu_);

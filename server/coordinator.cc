@@ -88,6 +88,12 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   if (options.max_active_jobs < 1) return absl::InvalidArgumentError("--max-active-jobs: must be >= 1");
   std::unique_ptr<Coordinator> c(new Coordinator(options));
   ASSIGN_OR_RETURN(c->lock_fd_, LockDirectory(options.data_dir, "--data-dir", "coordinator", &c->made_data_dir_));
+  if (options.data_dir_reserve_bytes > 0) {
+    ASSIGN_OR_RETURN(c->reserve_, DiskReserve::Create(options.data_dir + "/disk-reserve", options.data_dir_reserve_bytes));
+  } else {
+    std::error_code ec;
+    std::filesystem::remove(options.data_dir + "/disk-reserve", ec);  // an earlier start's, now not wanted
+  }
 
   c->registry_ = std::make_shared<prometheus::Registry>();
   AddBuildInfo(*c->registry_, "coordinator");
@@ -110,6 +116,15 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
                           "it).")
                     .Register(*c->registry_)
                     .Add({});
+  if (c->reserve_ != nullptr) {  // no series without a reserve: 0 means a full disk
+    c->reserve_gauge_ = &prometheus::BuildGauge()
+                             .Name("colod_data_dir_reserve_bytes")
+                             .Help("Room the coordinator holds on its --data-dir for the job records "
+                                   "(--data-dir-reserve); 0 while it is given up to a full disk, when no new job is "
+                                   "accepted. Absent with --data-dir-reserve 0.")
+                             .Register(*c->registry_)
+                             .Add({});
+  }
   c->jobs_finished_ = &prometheus::BuildCounter()
                            .Name("colod_jobs_finished_total")
                            .Help("Jobs that ended since the coordinator started, by final state (succeeded, failed, "
@@ -129,6 +144,19 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   c->workers_ = std::make_unique<WorkerRegistry>(wo);
   ASSIGN_OR_RETURN(c->jobs_, JobManager::Open(options.data_dir + "/jobs", options.clock));
   c->jobs_->SetMaxActiveJobs(options.max_active_jobs);
+  if (c->reserve_ != nullptr) {
+    DiskReserve* reserve = c->reserve_.get();
+    JobManager::RoomHooks room;
+    room.make_room = [reserve] { return reserve->Release(); };
+    room.admit = [reserve]() -> absl::Status {
+      if (reserve->held()) return absl::OkStatus();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the coordinator's --data-dir is full: the room it keeps for the running jobs' records (",
+          reserve->bytes() >> 20, " MiB, --data-dir-reserve) is not free, so it takes no new job until there is "
+          "room again"));
+    };
+    c->jobs_->SetRoomHooks(std::move(room));
+  }
   RendezvousStoreLimits store_limits;
   store_limits.max_waiters = options.max_store_waits;
   store_limits.max_bytes = options.store_quota_bytes;
@@ -181,6 +209,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
 }
 
 void Coordinator::UpdateGauges() {
+  if (reserve_gauge_ != nullptr) reserve_gauge_->Set(reserve_->held() ? static_cast<double>(reserve_->bytes()) : 0);
   for (const auto& [state, n] : workers_->CountByState()) {
     workers_gauge_->Add({{"state", state}}).Set(n);
   }
@@ -222,6 +251,7 @@ void Coordinator::SweepLoop() {
       options_.job_retention > absl::ZeroDuration() ? options_.job_retention : absl::InfiniteDuration();
   const absl::Duration expire_period = std::min({absl::Minutes(1), retention / 10, options_.upload_grace / 10});
   absl::Time next_expiry = absl::Now();
+  absl::Time next_refill = absl::Now();  // a reserve given up is taken back at most every 10 s
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
@@ -246,6 +276,13 @@ void Coordinator::SweepLoop() {
         }
       }
       jobs_->FlushStale();  // a job's last steps, which watchers see once written
+      if (reserve_ != nullptr && !reserve_->held() && absl::Now() >= next_refill) {
+        next_refill = absl::Now() + absl::Seconds(10);
+        if (reserve_->Refill()) {
+          COLOD_LOG(INFO) << "the data dir has room again: its " << (reserve_->bytes() >> 20)
+                          << " MiB reserve is held again, and new jobs are accepted";
+        }
+      }
       UpdateGauges();
     } catch (const std::exception& e) {
       // A backstop (colod's code returns statuses): the next sweep tries again.

@@ -20,6 +20,7 @@
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "server/coordinator_service.h"
+#include "server/disk_reserve.h"
 #include "server/job_manager.h"
 #include "common/rendezvous_store.h"
 #include "server/scheduler.h"
@@ -87,6 +88,11 @@ class Coordinator {
     // generation's (RendezvousStoreLimits::placed_scopes_only); on for
     // tests of the store alone, with no job.
     bool store_any_scope = false;
+    // Room kept on the data dir for the job records (DiskReserve, as
+    // DATA_DIR/disk-reserve), given up when a record cannot be written for
+    // want of room; no new job is accepted until it is taken back. 0: none
+    // (the daemon's --data-dir-reserve is 64MiB by default).
+    int64_t data_dir_reserve_bytes = 0;
     // Uploads (UploadStore::Limits): bytes of all, and how many.
     int64_t upload_quota_bytes = int64_t{256} << 30;
     int max_uploads = 1000;
@@ -150,6 +156,8 @@ class Coordinator {
   // The outermost directory LockDirectory made for --data-dir (empty: it
   // was there), removed where the start fails.
   std::string made_data_dir_;
+  std::unique_ptr<DiskReserve> reserve_;  // null: no reserve
+  prometheus::Gauge* reserve_gauge_ = nullptr;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<WorkerRegistry> workers_;
   std::unique_ptr<JobManager> jobs_;

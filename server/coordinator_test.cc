@@ -949,6 +949,29 @@ TEST(CoordinatorStart, RefusesASharedDataDirAndBadOptions) {
   EXPECT_EQ(grace.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(grace.message().find("--stop-grace"), absl::string_view::npos) << grace;
 
+  // --data-dir-reserve: the file, held (the gauge says so), and removed by
+  // a start that keeps none.
+  Coordinator::Options reserved;
+  reserved.data_dir = testing::TempPath("reserved");
+  reserved.data_dir_reserve_bytes = 1 << 20;
+  {
+    auto c = Coordinator::Start(reserved);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(std::filesystem::file_size(reserved.data_dir + "/disk-reserve"), 1u << 20);
+    const absl::StatusOr<std::string> metrics = testing::HttpGet((*c)->metrics_address(), "/metrics");
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    EXPECT_NE(metrics->find("colod_data_dir_reserve_bytes 1048576"), std::string::npos) << *metrics;
+  }
+  reserved.data_dir_reserve_bytes = 0;
+  {
+    auto c = Coordinator::Start(reserved);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_FALSE(std::filesystem::exists(reserved.data_dir + "/disk-reserve"));
+    const absl::StatusOr<std::string> metrics = testing::HttpGet((*c)->metrics_address(), "/metrics");
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    EXPECT_EQ(metrics->find("colod_data_dir_reserve_bytes"), std::string::npos) << "no reserve, no series";
+  }
+
   // Its port taken: the start fails after it made --data-dir (and a parent
   // of it), which go with it; a --data-dir that was there stays, as it was.
   Coordinator::Options taken;

@@ -509,11 +509,18 @@ int64_t JobManager::RecordBytesWritten() {
   return record_bytes_written_;
 }
 
+void JobManager::SetRoomHooks(RoomHooks hooks) { room_ = std::move(hooks); }
+
 absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
   if (!w.has_value()) return absl::OkStatus();
   if (before_write_) before_write_(w->job_id);
   size_t events = 0;  // the events this write takes: watchers may see them once it ended
-  const absl::Status s = WriteRecordEvents(*w, &events);
+  absl::Status s = WriteRecordEvents(*w, &events);
+  if (absl::IsResourceExhausted(s) && w->only_if_known && room_.make_room && room_.make_room()) {
+    COLOD_LOG(ERROR) << "the data dir is full: its reserve was given up to record job " << w->job_id
+                     << "; no new job is accepted until it is taken back (there is room for it again)";
+    s = WriteRecordEvents(*w, &events);
+  }
   Publish(w->job_id, events);
   return s;
 }
@@ -967,6 +974,12 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
     if (!taken.ok()) {
       if (!request.empty()) submitting_.erase(request);
       return taken;
+    }
+    if (room_.admit) {
+      if (absl::Status room = room_.admit(); !room.ok()) {
+        if (!request.empty()) submitting_.erase(request);
+        return room;
+      }
     }
     int64_t active = 0;
     for (const auto& [id, other] : jobs_) active += IsFinal(other.job.state()) ? 0 : 1;

@@ -61,6 +61,19 @@ class JobManager {
   static constexpr int64_t kDefaultMaxActiveJobs = 10000;
   void SetMaxActiveJobs(int64_t n) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A full data dir. Where a job's record cannot be written for want of
+  // room (RESOURCE_EXHAUSTED), `make_room` is asked to free some (the
+  // coordinator removes its DiskReserve), and where it did, the write is
+  // tried again at once: what watchers are sent is then on disk. A submit's
+  // first record never asks (a new job must not take the room kept for the
+  // running ones' histories). While `admit` returns an error, Submit
+  // refuses new jobs with it. Set before any write; either may be empty.
+  struct RoomHooks {
+    std::function<bool()> make_room;
+    std::function<absl::Status()> admit;
+  };
+  void SetRoomHooks(RoomHooks hooks);
+
   // Validates (ValidateJobSpec) and adds a PENDING job with its memory floor
   // (`floor`, else JobMemoryFloor(spec): computed once, here, and stored with
   // the job). With a non-empty request_id, a repeated submit returns the
@@ -349,6 +362,7 @@ class JobManager {
   Clock* const clock_;
   std::string state_dir_;  // empty: in memory only
   std::function<void(const std::string&)> before_write_;  // set before any write
+  RoomHooks room_;  // set before any write
   absl::Mutex mu_;
   std::map<std::string, Entry> jobs_ ABSL_GUARDED_BY(mu_);
   int64_t max_active_jobs_ ABSL_GUARDED_BY(mu_) = kDefaultMaxActiveJobs;

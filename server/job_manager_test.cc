@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -1352,6 +1353,58 @@ TEST(JobManager, ALogCutShortOrOlderThanItsSnapshotIsReadBackSafely) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/job-000077.log"));
   EXPECT_TRUE(std::filesystem::exists(dir + "/job-000078.pb.damaged"));
   EXPECT_TRUE(std::filesystem::exists(dir + "/job-000078.log.damaged"));
+}
+
+// A record that cannot be written for want of room asks for room (the
+// coordinator gives up its reserve): the write, tried again, puts on disk
+// what watchers are sent, so a crash then takes nothing back. Meanwhile no
+// new job is admitted; a submit's own first record never asks for room.
+TEST(JobManager, AFullDiskAsksForRoomSoThatWhatWatchersSeeIsOnDisk) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-room";
+  FakeClock clock;
+  auto jobs = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  std::optional<testing::FullDisk> disk;
+  int asked = 0;
+  bool admitting = true;
+  JobManager::RoomHooks room;
+  room.make_room = [&] {  // the reserve's file removed: the disk has room again
+    ++asked;
+    const bool made = disk.has_value();
+    disk.reset();
+    return made;
+  };
+  room.admit = [&]() -> absl::Status {
+    return admitting ? absl::OkStatus() : absl::ResourceExhaustedError("the data dir is full");
+  };
+  (*jobs)->SetRoomHooks(room);
+  const std::string id = (*jobs)->Submit(TrainSpec(), "")->job_id();
+  ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
+  ASSERT_TRUE((*jobs)->SetState(id, v1::JOB_STATE_RUNNING, "go").ok());
+  clock.Advance(absl::Seconds(2));
+  ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(1)).ok());
+  disk.emplace(16);  // no record grows now
+  clock.Advance(absl::Seconds(2));
+  ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(2)).ok());
+  EXPECT_EQ(asked, 1);
+  EXPECT_FALSE(disk.has_value());
+  EXPECT_EQ(JobManager::ReadRecord(dir, id)->job().step(), 2) << "the step watchers are sent is on disk";
+  absl::StatusOr<JobManager::Events> seen = (*jobs)->WaitForEvents(id, 1, absl::ZeroDuration());
+  ASSERT_TRUE(seen.ok()) << seen.status();
+  EXPECT_EQ(static_cast<int64_t>(seen->events.size()), JobManager::ReadRecord(dir, id)->events_size());
+  // While the room is short, no new job.
+  admitting = false;
+  const absl::StatusOr<v1::Job> refused = (*jobs)->Submit(TrainSpec(), "");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_EQ(refused.status().message(), "the data dir is full");
+  // A submit whose record cannot be written does not take the room.
+  admitting = true;
+  {
+    testing::FullDisk full(16);
+    const absl::StatusOr<v1::Job> unrecorded = (*jobs)->Submit(TrainSpec(), "");
+    EXPECT_EQ(unrecorded.status().code(), absl::StatusCode::kResourceExhausted) << unrecorded.status();
+  }
+  EXPECT_EQ(asked, 1);
 }
 
 TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckpoint) {

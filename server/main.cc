@@ -54,6 +54,11 @@ ABSL_FLAG(std::string, upload_quota, "256GiB",
           "Bytes of all uploaded models together, 4 KiB a file besides its bytes (UploadModel past it is "
           "RESOURCE_EXHAUSTED); identical uploads "
           "are stored once, and an upload no job names is removed an hour after it was made or last named.");
+ABSL_FLAG(std::string, data_dir_reserve, "64MiB",
+          "Room kept on --data-dir for the job records (the file DATA_DIR/disk-reserve): given up when a record "
+          "cannot be written for want of room, so that no job event a watcher saw is lost in a crash; no new job "
+          "is accepted until the file system has room for it twice over and it is taken back "
+          "(colod_data_dir_reserve_bytes is 0 meanwhile). 0: none.");
 ABSL_FLAG(int, max_uploads, 1000, "Uploaded models stored at once.");
 ABSL_FLAG(int, max_concurrent_uploads, 16,
           "UploadModel streams in progress at once (each holds a server thread while it lasts); more are refused "
@@ -127,7 +132,8 @@ int main(int argc, char** argv) {
     return true;
   };
   if (!byte_size("--store-quota", absl::GetFlag(FLAGS_store_quota), &options.store_quota_bytes) ||
-      !byte_size("--upload-quota", absl::GetFlag(FLAGS_upload_quota), &options.upload_quota_bytes)) {
+      !byte_size("--upload-quota", absl::GetFlag(FLAGS_upload_quota), &options.upload_quota_bytes) ||
+      !byte_size("--data-dir-reserve", absl::GetFlag(FLAGS_data_dir_reserve), &options.data_dir_reserve_bytes)) {
     return 2;
   }
   auto security = colod::SecurityFromFlags();

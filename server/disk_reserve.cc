@@ -1,0 +1,112 @@
+#include "server/disk_reserve.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <system_error>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+
+namespace colod {
+
+absl::StatusOr<std::unique_ptr<DiskReserve>> DiskReserve::Create(std::string path, int64_t bytes) {
+  if (bytes <= 0) return absl::InvalidArgumentError(absl::StrCat("a disk reserve of ", bytes, " bytes"));
+  std::unique_ptr<DiskReserve> r(new DiskReserve(std::move(path), bytes));
+  // Never tried where it cannot fit (an allocation that fails may fill the
+  // disk on its way, and a file system without fallocate writes zeros):
+  // the room free, and what an earlier run's reserve holds already.
+  struct stat st {};
+  const int64_t had = ::stat(r->path_.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_blocks) * 512 : 0;
+  absl::Status s = absl::OkStatus();
+  if (absl::StatusOr<int64_t> free = r->FreeBytes(); !free.ok()) {
+    s = free.status();
+  } else if (*free <= bytes - had) {
+    s = absl::ResourceExhaustedError(absl::StrCat(*free, " bytes are free"));
+  } else {
+    s = r->Allocate();
+  }
+  if (!s.ok()) {
+    COLOD_LOG(WARNING) << "no " << bytes << "-byte reserve for the data dir's records (" << s.message()
+                       << "): a full disk may lose the newest job events; it is taken once there is room";
+    std::error_code ec;
+    std::filesystem::remove(r->path_, ec);
+    return r;
+  }
+  absl::MutexLock lock(&r->mu_);
+  r->held_ = true;
+  return r;
+}
+
+absl::StatusOr<int64_t> DiskReserve::FreeBytes() const {
+  const std::string dir = std::filesystem::path(path_).parent_path().string();
+  ASSIGN_OR_RETURN(const DiskSpace room, FreeDiskSpace(dir.empty() ? "." : dir));
+  return room.free_bytes;
+}
+
+absl::Status DiskReserve::Allocate() {
+  const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) return FileError("cannot create", path_, errno);
+  // posix_fallocate returns the error (it does not set errno); it writes
+  // zeros where the file system cannot allocate.
+  int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes_));
+  // An earlier run's larger reserve gives back the rest.
+  if (err == 0 && ::ftruncate(fd, static_cast<off_t>(bytes_)) != 0) err = errno;
+  const int synced = err == 0 ? ::fsync(fd) : 0;
+  const int sync_err = errno;
+  ::close(fd);
+  if (err != 0) return FileError("cannot allocate", path_, err);
+  if (synced != 0) return FileError("cannot sync", path_, sync_err);
+  return absl::OkStatus();
+}
+
+bool DiskReserve::Release() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!held_) return false;
+    held_ = false;
+  }
+  std::error_code ec;
+  const bool removed = std::filesystem::remove(path_, ec);
+  if (ec || !removed) {
+    COLOD_LOG(ERROR) << "cannot remove the data dir's reserve " << path_ << ": "
+                     << (ec ? ec.message() : "it is gone");
+    return false;
+  }
+  return true;
+}
+
+bool DiskReserve::Refill() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (held_ || refilling_) return held_;
+    refilling_ = true;
+  }
+  absl::StatusOr<int64_t> free = FreeBytes();
+  bool taken = false;
+  if (free.ok() && *free / 2 >= bytes_) {
+    const absl::Status s = Allocate();
+    taken = s.ok();
+    if (!taken) {
+      std::error_code ec;
+      std::filesystem::remove(path_, ec);  // none half-made
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  refilling_ = false;
+  held_ = taken;
+  return held_;
+}
+
+bool DiskReserve::held() const {
+  absl::MutexLock lock(&mu_);
+  return held_;
+}
+
+}  // namespace colod
