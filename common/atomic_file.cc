@@ -307,10 +307,13 @@ absl::StatusOr<DiskSpace> FreeDiskSpace(const std::string& dir) {
   if (::statvfs(dir.c_str(), &st) != 0) return Errno("cannot examine the file system of", dir);
   DiskSpace d;
   // Saturated: a file system reporting more than 2^63 bytes has room.
-  const unsigned __int128 bytes = static_cast<unsigned __int128>(st.f_bavail) * st.f_frsize;
-  d.free_bytes = bytes > static_cast<unsigned __int128>(std::numeric_limits<int64_t>::max())
-                     ? std::numeric_limits<int64_t>::max()
-                     : static_cast<int64_t>(bytes);
+  const auto bytes = [&st](uint64_t blocks) {
+    const unsigned __int128 b = static_cast<unsigned __int128>(blocks) * st.f_frsize;
+    return b > static_cast<unsigned __int128>(std::numeric_limits<int64_t>::max()) ? std::numeric_limits<int64_t>::max()
+                                                                                   : static_cast<int64_t>(b);
+  };
+  d.free_bytes = bytes(st.f_bavail);
+  d.total_bytes = bytes(st.f_blocks);
   if (st.f_files > 0) {
     d.free_inodes = st.f_favail > static_cast<fsfilcnt_t>(std::numeric_limits<int64_t>::max())
                         ? std::numeric_limits<int64_t>::max()
@@ -348,13 +351,17 @@ absl::StatusOr<int> LockDirectory(const std::string& dir, absl::string_view flag
                                   std::string* made) {
   if (dir.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": required"));
   std::error_code ec;
-  if (made != nullptr) {  // the outermost of `dir` and its parents that is missing
+  // The outermost of `dir` and its parents that is missing; handed to the
+  // caller only once the lock is ours (where it is another's, a directory
+  // this call found missing may be that other daemon's by now).
+  std::string outermost;
+  if (made != nullptr) {
     made->clear();
     for (std::filesystem::path p = std::filesystem::absolute(dir, ec).lexically_normal();
          !ec && p.has_relative_path() && !std::filesystem::exists(p, ec) && !ec; p = p.parent_path()) {
-      *made = p.string();
+      outermost = p.string();
     }
-    if (ec) made->clear();  // cannot tell: nothing to remove
+    if (ec) outermost.clear();  // cannot tell: nothing to remove
     ec.clear();
   }
   std::filesystem::create_directories(dir, ec);
@@ -380,6 +387,7 @@ absl::StatusOr<int> LockDirectory(const std::string& dir, absl::string_view flag
   if (::ftruncate(fd, 0) != 0 || ::write(fd, pid.data(), pid.size()) < 0) {
     // Only a note for whoever looks: the lock is what counts.
   }
+  if (made != nullptr) *made = std::move(outermost);
   return fd;
 }
 

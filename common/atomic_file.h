@@ -145,17 +145,19 @@ size_t RemoveOldestFiles(const std::string& dir, size_t keep);
 // ends). FAILED_PRECONDITION naming `flag` (--data-dir) and saying that
 // another `holder` (coordinator) has it when the lock is taken. `made`, if
 // given, gets the outermost directory this call created (`dir` or a parent
-// of it; empty when `dir` was there), for a caller whose start fails after
-// it to remove.
+// of it; empty when `dir` was there, or when the call fails: a directory
+// another daemon locked is never the caller's to remove), for a caller whose
+// start fails after it to remove.
 absl::StatusOr<int> LockDirectory(const std::string& dir, absl::string_view flag, absl::string_view holder,
                                   std::string* made = nullptr);
 
 // Room left for an unprivileged process on the file system holding `dir`
-// (statvfs's f_bavail blocks, f_favail inodes); free_inodes is -1 where the
-// file system counts none (btrfs, some network ones). FileError's status
-// where `dir` cannot be examined.
+// (statvfs's f_bavail blocks, f_favail inodes), and its size (f_blocks);
+// free_inodes is -1 where the file system counts none (btrfs, some network
+// ones). FileError's status where `dir` cannot be examined.
 struct DiskSpace {
   int64_t free_bytes = 0;
+  int64_t total_bytes = 0;
   int64_t free_inodes = -1;
 };
 absl::StatusOr<DiskSpace> FreeDiskSpace(const std::string& dir);

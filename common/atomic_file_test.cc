@@ -216,9 +216,33 @@ TEST(FreeDiskSpace, IsTheRoomTheFileSystemReports) {
   EXPECT_GT(got->free_bytes, 0);
   EXPECT_NEAR(static_cast<double>(got->free_bytes), static_cast<double>(want.available), 256.0 * (1 << 20));
   EXPECT_NE(got->free_inodes, 0);
+  EXPECT_EQ(got->total_bytes, static_cast<int64_t>(want.capacity));
+  EXPECT_LE(got->free_bytes, got->total_bytes);
   absl::StatusOr<DiskSpace> missing = FreeDiskSpace(dir + "/no-such-dir");
   EXPECT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("no-such-dir"), std::string::npos) << missing.status();
+}
+
+// The directories a lock made are the caller's to remove only where the
+// lock is its own: a second daemon refused the lock is told it made none,
+// even of a directory it found missing when it started.
+TEST(LockDirectory, NamesWhatItMadeOnlyToTheHolderOfTheLock) {
+  const std::string root = std::string(std::getenv("TEST_TMPDIR")) + "/lock-made";
+  const std::string dir = root + "/a/b";
+  std::string made = "stale";
+  absl::StatusOr<int> first = LockDirectory(dir, "--data-dir", "coordinator", &made);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(made, root);
+  std::string second_made = "stale";
+  absl::StatusOr<int> second = LockDirectory(dir, "--data-dir", "coordinator", &second_made);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+  EXPECT_TRUE(second_made.empty()) << second_made;
+  ::close(*first);
+  std::string again = "stale";
+  absl::StatusOr<int> third = LockDirectory(dir, "--data-dir", "coordinator", &again);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_TRUE(again.empty()) << "it was there: " << again;
+  ::close(*third);
 }
 
 TEST(SyncFilesAndDirectory, SyncsTheFilesAndPassesOverTheRest) {

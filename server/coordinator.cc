@@ -144,18 +144,29 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   c->workers_ = std::make_unique<WorkerRegistry>(wo);
   ASSIGN_OR_RETURN(c->jobs_, JobManager::Open(options.data_dir + "/jobs", options.clock));
   c->jobs_->SetMaxActiveJobs(options.max_active_jobs);
+  std::function<absl::Status()> pending_upload_admit;  // the uploads' (made below)
   if (c->reserve_ != nullptr) {
     DiskReserve* reserve = c->reserve_.get();
     JobManager::RoomHooks room;
-    room.make_room = [reserve] { return reserve->Release(); };
+    // Any write that fails while the reserve is not held is tried again:
+    // another write may have just given it up, or a refill be under way.
+    room.make_room = [reserve] {
+      if (reserve->Release()) {
+        COLOD_LOG(ERROR) << "the data dir is full: its " << (reserve->bytes() >> 20) << " MiB reserve was given up "
+                         << "to the job records; no new job or upload is accepted until it is taken back";
+        return true;
+      }
+      return !reserve->held();
+    };
     room.admit = [reserve]() -> absl::Status {
       if (reserve->held()) return absl::OkStatus();
       return absl::ResourceExhaustedError(absl::StrCat(
           "the coordinator's --data-dir is full: the room it keeps for the running jobs' records (",
-          reserve->bytes() >> 20, " MiB, --data-dir-reserve) is not free, so it takes no new job until there is "
-          "room again"));
+          reserve->bytes() >> 20, " MiB, --data-dir-reserve) is not free, so it takes no new job or upload until ",
+          "there is room again"));
     };
-    c->jobs_->SetRoomHooks(std::move(room));
+    c->jobs_->SetRoomHooks(room);
+    pending_upload_admit = room.admit;
   }
   RendezvousStoreLimits store_limits;
   store_limits.max_waiters = options.max_store_waits;
@@ -176,6 +187,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   upload_limits.max_concurrent_uploads = options.max_concurrent_uploads;
   upload_limits.max_concurrent_downloads = options.max_concurrent_downloads;
   ASSIGN_OR_RETURN(c->uploads_, UploadStore::Open(options.data_dir + "/uploads", upload_limits, options.clock));
+  if (pending_upload_admit) c->uploads_->SetAdmit(std::move(pending_upload_admit));
   c->stalls_ = std::make_unique<StallWatchdog>(options.stream_stall_timeout);
   c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),
                                                           c->registry_.get(), TokenAuth(options.auth_token),

@@ -19,6 +19,14 @@ namespace colod {
 absl::StatusOr<std::unique_ptr<DiskReserve>> DiskReserve::Create(std::string path, int64_t bytes) {
   if (bytes <= 0) return absl::InvalidArgumentError(absl::StrCat("a disk reserve of ", bytes, " bytes"));
   std::unique_ptr<DiskReserve> r(new DiskReserve(std::move(path), bytes));
+  // Refill takes it back only with twice its size free: more than half the
+  // file system would never be taken back, and no job accepted after.
+  const std::string dir = std::filesystem::path(r->path_).parent_path().string();
+  ASSIGN_OR_RETURN(const DiskSpace fs, FreeDiskSpace(dir.empty() ? "." : dir));
+  if (bytes > fs.total_bytes / 2) {
+    return absl::InvalidArgumentError(absl::StrCat("a reserve of ", bytes, " bytes is more than half of the ",
+                                                   fs.total_bytes, "-byte file system of '", dir, "'"));
+  }
   // Never tried where it cannot fit (an allocation that fails may fill the
   // disk on its way, and a file system without fallocate writes zeros):
   // the room free, and what an earlier run's reserve holds already.
@@ -34,7 +42,7 @@ absl::StatusOr<std::unique_ptr<DiskReserve>> DiskReserve::Create(std::string pat
   }
   if (!s.ok()) {
     COLOD_LOG(WARNING) << "no " << bytes << "-byte reserve for the data dir's records (" << s.message()
-                       << "): a full disk may lose the newest job events; it is taken once there is room";
+                       << "): no new job or upload is accepted until the file system has room for it twice over";
     std::error_code ec;
     std::filesystem::remove(r->path_, ec);
     return r;

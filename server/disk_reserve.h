@@ -25,8 +25,9 @@ class DiskReserve {
  public:
   // The reserve `path` of `bytes` (> 0), taken now where the file system
   // has room for it (a file already there, from an earlier run, is kept and
-  // grown to `bytes`); else released, with a warning, until Refill finds
-  // room. INVALID_ARGUMENT for bytes <= 0.
+  // cut or grown to `bytes`); else released, with a warning, until Refill
+  // finds room. INVALID_ARGUMENT for bytes <= 0 or more than half the file
+  // system (Refill could never take it back).
   static absl::StatusOr<std::unique_ptr<DiskReserve>> Create(std::string path, int64_t bytes);
 
   // Removes the reserve's file: true where it was held (room was made).

@@ -8,11 +8,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <limits>
 #include <string>
 
 #include "common/atomic_file.h"
 #include "gtest/gtest.h"
+#include "tests/testing/full_disk.h"
 
 namespace colod {
 namespace {
@@ -51,20 +51,31 @@ TEST(DiskReserve, HoldsAnAllocatedFileThatReleaseRemovesAndRefillTakesBack) {
   EXPECT_EQ(DiskReserve::Create(path, 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// More than the file system has: not held and no file left (a start goes
-// on without it), and Refill does not take it while there is no room.
-TEST(DiskReserve, MoreThanTheDiskHasIsNotHeldAndLeavesNoFile) {
-  const std::string path = Path("too-big-reserve");
+// More than half the file system can never be taken back: refused. One
+// the disk has no room for (a full disk, made with RLIMIT_FSIZE): not held
+// and no file left (a start goes on without it), not taken back while
+// there is no room, and taken back once there is.
+TEST(DiskReserve, MoreThanTheDiskCanHoldIsRefusedAndOneWithoutRoomIsNotHeld) {
+  const std::string path = Path("full-disk-reserve");
   absl::StatusOr<DiskSpace> room = FreeDiskSpace(std::getenv("TEST_TMPDIR"));
   ASSERT_TRUE(room.ok()) << room.status();
-  ASSERT_LT(room->free_bytes, std::numeric_limits<int64_t>::max() / 4);
-  absl::StatusOr<std::unique_ptr<DiskReserve>> r = DiskReserve::Create(path, room->free_bytes * 2);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_FALSE((*r)->held());
+  EXPECT_EQ(DiskReserve::Create(path, room->total_bytes / 2 + 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(std::filesystem::exists(path));
-  EXPECT_FALSE((*r)->Refill());
-  EXPECT_FALSE(std::filesystem::exists(path));
-  EXPECT_FALSE((*r)->Release());
+  std::unique_ptr<DiskReserve> r;
+  {
+    testing::FullDisk full(4096);
+    absl::StatusOr<std::unique_ptr<DiskReserve>> made = DiskReserve::Create(path, 1 << 20);
+    ASSERT_TRUE(made.ok()) << made.status();
+    r = *std::move(made);
+    EXPECT_FALSE(r->held());
+    EXPECT_FALSE(std::filesystem::exists(path));
+    EXPECT_FALSE(r->Refill());
+    EXPECT_FALSE(std::filesystem::exists(path));
+    EXPECT_FALSE(r->Release());
+  }
+  EXPECT_TRUE(r->Refill());
+  EXPECT_GE(Allocated(path), 1 << 20);
 }
 
 }  // namespace

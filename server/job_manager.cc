@@ -517,9 +517,8 @@ absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
   size_t events = 0;  // the events this write takes: watchers may see them once it ended
   absl::Status s = WriteRecordEvents(*w, &events);
   if (absl::IsResourceExhausted(s) && w->only_if_known && room_.make_room && room_.make_room()) {
-    COLOD_LOG(ERROR) << "the data dir is full: its reserve was given up to record job " << w->job_id
-                     << "; no new job is accepted until it is taken back (there is room for it again)";
     s = WriteRecordEvents(*w, &events);
+    if (s.ok()) COLOD_LOG(INFO) << "job " << w->job_id << " recorded in the room made for it";
   }
   Publish(w->job_id, events);
   return s;

@@ -57,8 +57,8 @@ ABSL_FLAG(std::string, upload_quota, "256GiB",
 ABSL_FLAG(std::string, data_dir_reserve, "64MiB",
           "Room kept on --data-dir for the job records (the file DATA_DIR/disk-reserve): given up when a record "
           "cannot be written for want of room, so that no job event a watcher saw is lost in a crash; no new job "
-          "is accepted until the file system has room for it twice over and it is taken back "
-          "(colod_data_dir_reserve_bytes is 0 meanwhile). 0: none.");
+          "or upload is accepted until the file system has room for it twice over and it is taken back "
+          "(colod_data_dir_reserve_bytes is 0 meanwhile). At most half the file system. 0: none.");
 ABSL_FLAG(int, max_uploads, 1000, "Uploaded models stored at once.");
 ABSL_FLAG(int, max_concurrent_uploads, 16,
           "UploadModel streams in progress at once (each holds a server thread while it lasts); more are refused "

@@ -426,8 +426,12 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       // A phase is recorded once a rank and generation: a report sent again
       // (or a worker that sends the same phase in a loop) adds nothing.
       if (!p.stopping() && p.phases.emplace(rank, status.phase()).second) (void)jobs_->AddRankStatus(p.job_id, status);
-      // Where rank 0 resumed: the job's step, should its record lag behind.
-      if (!p.stopping() && rank == 0 && status.phase() == v1::RANK_PHASE_TRAINING && status.resumed_step() > 0) {
+      // Where rank 0 of a restart resumed from the job's own checkpoints:
+      // the job's step, should its record lag behind (not a user's
+      // resume_from, which is no checkpoint of this job, nor an eval_only
+      // run's, which trains nothing).
+      if (!p.stopping() && p.resume_own && !p.spec.train().eval_only() && rank == 0 &&
+          status.phase() == v1::RANK_PHASE_TRAINING && status.resumed_step() > 0) {
         (void)jobs_->NoteResumed(p.job_id, status.resumed_step(), status.resumed_from());
       }
       if (status.phase() == v1::RANK_PHASE_TRAINING || status.phase() == v1::RANK_PHASE_SERVING ||
@@ -453,12 +457,17 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
     case v1::ReportProgressRequest::kResult: {
       p.ended.insert(rank);
       const v1::RankResult& r = report.result();
+      // Its disk or its device: the worker sits out, and the job (if it
+      // restarts) runs elsewhere; so too where another rank's failure came
+      // first and the placement is already stopping.
+      if (r.code() != 0 && r.worker_fault()) {
+        refused_until_[p.mesh.ranks(rank).worker_id()] = clock_->Now() + options_.refusal_cooloff;
+      }
       if (!p.stopping() && r.code() == 0 && r.has_forward()) (void)jobs_->SetForwardResult(p.job_id, r.forward());
       if (!p.stopping() && r.code() != 0) {
         const absl::Status s(static_cast<absl::StatusCode>(r.code()), Utf8Prefix(r.message(), kMaxReportedMessageBytes));
         std::string reason = absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString());
-        if (r.worker_fault()) {  // its disk or its device: it sits out, and the job may run elsewhere
-          refused_until_[p.mesh.ranks(rank).worker_id()] = clock_->Now() + options_.refusal_cooloff;
+        if (r.worker_fault()) {
           absl::StrAppend(&reason, " (the worker's own fault: it is given no job for ",
                           absl::FormatDuration(options_.refusal_cooloff), ")");
         }

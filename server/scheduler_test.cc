@@ -168,6 +168,50 @@ class SchedulerTest : public ::testing::Test {
     registry_.Sweep();
   }
 
+  // On 3 workers: a tp=2 job's rank 1 fails RESOURCE_EXHAUSTED as its
+  // worker's fault; the job restarts and runs on the other two, and the
+  // worker takes jobs again after the cool-off.
+  void WorkerFaultRestartsTheJobElsewhere(Scheduler::Options o) {
+    const bool probed = o.probe_timeout > absl::ZeroDuration();
+    Start(3, o);
+    auto job = jobs_->Submit(TrainSpec(2, 1), "");  // the default policy: 3 restarts
+    ASSERT_TRUE(job.ok());
+    const std::string id = job->job_id();
+    scheduler_->TickForTest();
+    Training(id);
+    const std::string faulty = Job(id).mesh().ranks(1).worker_address();
+    {
+      v1::ReportProgressRequest req;
+      req.mutable_result()->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+      req.mutable_result()->set_message("cannot write '/work/uploads/u.tmp/model.safetensors': No space left on device");
+      req.mutable_result()->set_worker_fault(true);
+      ASSERT_TRUE(Report(id, 1, req).ok());
+    }
+    if (probed) {
+      EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING);  // the probe decides
+      scheduler_->TickForTest();  // probes rank 0's worker (alive): the failure is rank 1's
+    }
+    v1::Job j = Job(id);
+    EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING) << j.reason();
+    EXPECT_EQ(j.restarts(), 1);
+    EXPECT_TRUE(absl::StrContains(j.reason(), "No space left on device (the worker's own fault: it is given no "
+                                              "job for 30s)"))
+        << j.reason();
+    EXPECT_TRUE(absl::StrContains(j.reason(), "restarting (restart 1 of 3)")) << j.reason();
+    scheduler_->TickForTest();  // sends rank 0's abort
+    Ended(id, 0, absl::StatusCode::kAborted, "aborted");
+    scheduler_->TickForTest();
+    j = Job(id);
+    ASSERT_EQ(j.state(), v1::JOB_STATE_SCHEDULED) << j.reason();
+    EXPECT_EQ(j.generation(), 2);
+    for (const v1::RankAssignment& a : j.mesh().ranks()) EXPECT_NE(a.worker_address(), faulty);
+    Training(id);
+    for (int r = 0; r < 2; ++r) Ended(id, r, absl::StatusCode::kOk);
+    EXPECT_EQ(Job(id).state(), v1::JOB_STATE_SUCCEEDED);
+    // After the cool-off it takes jobs again.
+    ExpectAJobOfThreeWorkersIsPlacedAfterTheCoolOff();
+  }
+
   // 31 s pass (a refusal's cool-off and a second); then a job of 3 ranks, on
   // every worker of a 3-worker cluster, is placed at the next tick.
   void ExpectAJobOfThreeWorkersIsPlacedAfterTheCoolOff() {
@@ -389,11 +433,12 @@ TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestarts
   EXPECT_TRUE(absl::StrContains(j.reason(), "collective timed out")) << j.reason();
 }
 
-// Rank 0 of a run that resumed says from where: where the job's record is
-// behind it (steps a coordinator could not write, then lost in a crash),
-// the job's step and last checkpoint follow, so that a run resumed at its
-// last step ends showing it; a rank other than 0, or an earlier step,
-// changes nothing.
+// Rank 0 of a restart that resumed from the job's own checkpoints says
+// from where: where the job's record is behind it (steps a coordinator
+// could not write, then lost in a crash), the job's step and last
+// checkpoint follow, so that a run resumed at its last step ends showing
+// it; a rank other than 0, an earlier step, or the first generation's
+// resume (a user's resume_from, another run's checkpoint) changes nothing.
 TEST_F(SchedulerTest, TheStepRankZeroResumedFromIsTheJobsWhereTheRecordIsBehind) {
   Start(2);
   auto job = jobs_->Submit(TrainSpec(2, 1), "");
@@ -414,24 +459,28 @@ TEST_F(SchedulerTest, TheStepRankZeroResumedFromIsTheJobsWhereTheRecordIsBehind)
     req.mutable_status()->set_resumed_from(absl::StrCat("/ck/step-00000", at));
     ASSERT_TRUE(Report(id, rank, req).ok());
   };
-  resumed(1, 9);  // not rank 0's
-  EXPECT_EQ(Job(id).step(), 4);
-  resumed(0, 3);  // behind the record
+  resumed(0, 9);  // the first generation's: a user's resume_from, no checkpoint of this job
   EXPECT_EQ(Job(id).step(), 4);
   EXPECT_EQ(Job(id).last_checkpoint(), "/ck/step-000004");
-  // A new generation's rank 0 (the phase is recorded once a generation).
+  // A restart, from the job's own checkpoints.
   Ended(id, 1, absl::StatusCode::kUnavailable, "connection reset");
   scheduler_->TickForTest();
   Ended(id, 0, absl::StatusCode::kAborted, "aborted");
   scheduler_->TickForTest();
   ASSERT_EQ(Job(id).generation(), 2);
+  ASSERT_TRUE(fake_->assigned.back().request.resume_own_checkpoints());
+  resumed(1, 9);  // not rank 0's
+  EXPECT_EQ(Job(id).step(), 4);
+  resumed(0, 3);  // behind the record
+  EXPECT_EQ(Job(id).step(), 4);
+  EXPECT_EQ(Job(id).last_checkpoint(), "/ck/step-000004");
   resumed(0, 8);
   const v1::Job j = Job(id);
   EXPECT_EQ(j.step(), 8);
   EXPECT_EQ(j.last_checkpoint(), "/ck/step-000008");
   EXPECT_EQ(j.loss(), 2.5);  // the last recorded
   bool saw = false;
-  for (const v1::JobEvent& e : Events(id)) saw = saw || (e.has_rank_status() && e.rank_status().resumed_step() == 8);
+  for (const v1::JobEvent& e : Events(id)) saw = saw || (e.has_rank_status() && e.rank_status().resumed_step() == 9);
   EXPECT_TRUE(saw) << "the history shows where it resumed";
 }
 
@@ -451,40 +500,18 @@ TEST_F(SchedulerTest, AnErrorOfTheJobItselfIsNotRetried) {
 // code is RESOURCE_EXHAUSTED, which by itself is the job's and not
 // retried) restarts the job on the other workers; its worker is given no
 // job for the refusal cool-off, then takes jobs again. With the same code
-// unmarked, the job fails (AnErrorOfTheJobItselfIsNotRetried).
+// unmarked, the job fails (AnErrorOfTheJobItselfIsNotRetried). Failed at
+// once, and (as the daemon runs) after its peers were probed.
 TEST_F(SchedulerTest, AWorkersOwnFaultRestartsTheJobWithoutThatWorkerForTheCoolOff) {
-  Start(3);
-  auto job = jobs_->Submit(TrainSpec(2, 1), "");  // the default policy: 3 restarts
-  ASSERT_TRUE(job.ok());
-  const std::string id = job->job_id();
-  scheduler_->TickForTest();
-  Training(id);
-  const std::string faulty = Job(id).mesh().ranks(1).worker_address();
-  {
-    v1::ReportProgressRequest req;
-    req.mutable_result()->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
-    req.mutable_result()->set_message("cannot write '/work/uploads/u.tmp/model.safetensors': No space left on device");
-    req.mutable_result()->set_worker_fault(true);
-    ASSERT_TRUE(Report(id, 1, req).ok());
-  }
-  v1::Job j = Job(id);
-  EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING) << j.reason();
-  EXPECT_EQ(j.restarts(), 1);
-  EXPECT_TRUE(absl::StrContains(j.reason(), "No space left on device (the worker's own fault: it is given no job "
-                                            "for 30s); restarting (restart 1 of 3)"))
-      << j.reason();
-  scheduler_->TickForTest();  // sends rank 0's abort
-  Ended(id, 0, absl::StatusCode::kAborted, "aborted");
-  scheduler_->TickForTest();
-  j = Job(id);
-  ASSERT_EQ(j.state(), v1::JOB_STATE_SCHEDULED) << j.reason();
-  EXPECT_EQ(j.generation(), 2);
-  for (const v1::RankAssignment& a : j.mesh().ranks()) EXPECT_NE(a.worker_address(), faulty);
-  Training(id);
-  for (int r = 0; r < 2; ++r) Ended(id, r, absl::StatusCode::kOk);
-  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_SUCCEEDED);
-  // After the cool-off it takes jobs again.
-  ExpectAJobOfThreeWorkersIsPlacedAfterTheCoolOff();
+  Scheduler::Options o;
+  o.probe_timeout = absl::ZeroDuration();  // failed at once
+  WorkerFaultRestartsTheJobElsewhere(o);
+}
+
+TEST_F(SchedulerTest, AWorkersOwnFaultRestartsTheJobElsewhereAfterTheProbe) {
+  Scheduler::Options o;
+  o.probe_timeout = absl::Seconds(1);
+  WorkerFaultRestartsTheJobElsewhere(o);
 }
 
 TEST_F(SchedulerTest, ALostWorkerRestartsTheJobWhichWaitsForWorkersUpToItsDeadline) {

@@ -16,6 +16,7 @@
 #include "absl/strings/strip.h"
 #include "common/atomic_file.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 
 namespace colod {
 
@@ -118,6 +119,7 @@ absl::StatusOr<std::unique_ptr<UploadStore>> UploadStore::Open(const std::string
 UploadStore::~UploadStore() = default;
 
 absl::StatusOr<std::unique_ptr<UploadStore::Writer>> UploadStore::Begin() {
+  if (admit_) RETURN_IF_ERROR(admit_());
   absl::MutexLock lock(&mu_);
   if (writers_ >= limits_.max_concurrent_uploads) {
     return absl::ResourceExhaustedError(absl::StrCat(writers_, " uploads are in progress, the coordinator's ",
@@ -178,6 +180,7 @@ std::string SizeBytes(int64_t n) {
 }  // namespace
 
 absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
+  if (store_->admit_) RETURN_IF_ERROR(store_->admit_());
   if (!IsPlainFileName(chunk.file())) {
     return absl::InvalidArgumentError(absl::StrCat("chunk.file: '", chunk.file(), "' is not a file name"));
   }

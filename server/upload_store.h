@@ -14,10 +14,12 @@
 
 #include <cstdint>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -86,8 +88,13 @@ class UploadStore {
     std::unique_ptr<Hash> hash_;  // over what came so far
   };
   // RESOURCE_EXHAUSTED when max_uploads are stored or in progress, or
-  // max_concurrent_uploads are in progress.
+  // max_concurrent_uploads are in progress; or admit's error (below).
   absl::StatusOr<std::unique_ptr<Writer>> Begin();
+
+  // While it returns an error, Begin refuses uploads and Writer::Add their
+  // chunks with it (the coordinator's data dir is full: the room it keeps
+  // for the job records must not go to an upload). Set before any upload.
+  void SetAdmit(std::function<absl::Status()> admit) { admit_ = std::move(admit); }
 
   // One download in progress: it holds one of max_concurrent_downloads and
   // keeps its upload from being collected until it is destroyed. A Reading
@@ -143,6 +150,7 @@ class UploadStore {
 
   const std::string dir_;
   const Limits limits_;
+  std::function<absl::Status()> admit_;  // set before any upload
   Clock* const clock_;
   mutable absl::Mutex mu_;
   int64_t next_ ABSL_GUARDED_BY(mu_);

@@ -158,6 +158,33 @@ TEST(UploadStore, AFullDiskFailsTheUploadAndLeavesNothing) {
   EXPECT_EQ(Read(dir + "/" + done->upload_id() + "/model.safetensors"), "fits");
 }
 
+// While the coordinator's data dir is full (its admit says so), no upload
+// starts and one in progress fails at its next chunk, leaving nothing; once
+// it admits again, uploads go on.
+TEST(UploadStore, NoUploadTakesTheRoomKeptForTheJobRecords) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-admit";
+  std::filesystem::remove_all(dir);
+  auto store = UploadStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  bool full = false;
+  (*store)->SetAdmit([&full]() -> absl::Status {
+    return full ? absl::ResourceExhaustedError("the data dir is full") : absl::OkStatus();
+  });
+  auto w = Begin(**store);
+  ASSERT_TRUE(w->Add(Chunk("model.safetensors", 0, "abc")).ok());
+  full = true;
+  const absl::Status refused = w->Add(Chunk("model.safetensors", 3, "def"));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_EQ(refused.message(), "the data dir is full");
+  w.reset();
+  EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the abandoned upload left files";
+  EXPECT_EQ((*store)->Begin().status().code(), absl::StatusCode::kResourceExhausted);
+  full = false;
+  auto again = Begin(**store);
+  ASSERT_TRUE(again->Add(Chunk("model.safetensors", 0, "fits")).ok());
+  EXPECT_TRUE(again->Finish().ok());
+}
+
 // The probe: 81 submits of one model stored 81 copies. The same
 // files are stored once (SHA-256 over names, sizes and bytes), across a
 // reopen too; different files or names are not the same upload.

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <new>
 #include <system_error>
+#include <utility>
+#include <vector>
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
@@ -175,7 +177,9 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank: ", req.rank(), " is outside the mesh of ", mesh.world_size(), " ranks"));
   }
-  if (req.spec().kind() != v1::JOB_KIND_TENSOR) RETURN_IF_ERROR(CheckWorkDirRoom());  // a file system call: unlocked
+  // A file system call: made unlocked, and said once the rank is known to
+  // be a new one (the same assignment again is its running rank's).
+  const absl::Status room = req.spec().kind() != v1::JOB_KIND_TENSOR ? CheckWorkDirRoom() : absl::OkStatus();
   absl::MutexLock lock(&mu_);
   if (!closed_.empty()) return absl::UnavailableError(absl::StrCat("this worker takes no rank: ", closed_));
   if (!device_lost_.ok()) {
@@ -190,6 +194,7 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
     return absl::FailedPreconditionError(absl::StrCat("this worker runs rank ", now.rank(), " of job '",
                                                       now.job_id(), "' (generation ", now.generation(), ")"));
   }
+  RETURN_IF_ERROR(room);
   if (thread_.joinable()) thread_.join();  // the previous rank's thread has ended (active_ is cleared last)
   ProgressReporter::Options reporting{options_.coordinator, options_.auth_token, options_.rpc_timeout,
                                       options_.worker_id};
@@ -211,12 +216,20 @@ namespace {
 
 // `s` with `scratch` (the rank's copy of its model: links and config.json
 // under the work dir, removed when the rank ends) in its message replaced
-// by what the job's spec named: the user's weights_path, or the upload.
+// by what the job's spec named: its config_json, its weights_path (the
+// file, where it names one), or the upload. Not an error of the worker's
+// own (its disk), which is about the scratch copy itself.
 absl::Status NameTheModel(const absl::Status& s, const std::string& scratch, const v1::ModelSpec& model) {
-  if (s.ok() || !absl::StrContains(s.message(), scratch)) return s;
+  if (s.ok() || IsWorkerFault(s) || !absl::StrContains(s.message(), scratch)) return s;
   const std::string named = model.upload_id().empty() ? model.weights_path()
                                                       : absl::StrCat("the uploaded model (", model.upload_id(), ")");
-  absl::Status out(s.code(), absl::StrReplaceAll(s.message(), {{scratch, named}}));
+  std::vector<std::pair<std::string, std::string>> names = {{scratch + "/config.json", "spec.model.config_json"}};
+  std::error_code ec;
+  if (model.upload_id().empty() && std::filesystem::is_regular_file(model.weights_path(), ec)) {
+    names.emplace_back(scratch + "/model.safetensors", model.weights_path());  // the one file, linked under that name
+  }
+  names.emplace_back(scratch, named);  // the longer names first: StrReplaceAll takes the longest match
+  absl::Status out(s.code(), absl::StrReplaceAll(s.message(), names));
   s.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
   return out;
 }
