@@ -202,6 +202,10 @@ void Scheduler::ScheduleQueued() {
       const bool live = placed_.count(it->first) || pending_ids.count(it->first);
       it = live ? std::next(it) : refusals_.erase(it);
     }
+    for (auto it = faulted_workers_.begin(); it != faulted_workers_.end();) {  // cancelled while waiting to restart
+      const bool live = placed_.count(it->first) || pending_ids.count(it->first);
+      it = live ? std::next(it) : faulted_workers_.erase(it);
+    }
   }
   for (auto it = waiting_.begin(); it != waiting_.end();) {  // cancelled while waiting
     it = pending_ids.count(it->first) ? std::next(it) : waiting_.erase(it);
@@ -460,8 +464,15 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
       // Its disk or its device: the worker sits out, and the job (if it
       // restarts) runs elsewhere; so too where another rank's failure came
       // first and the placement is already stopping.
+      // A second worker failing so in one job makes it the job's (an upload
+      // larger than the workers' disks), which no restart mends: it is not
+      // passed from worker to worker up to max_restarts.
+      bool worker_fault = false;
       if (r.code() != 0 && r.worker_fault()) {
         refused_until_[p.mesh.ranks(rank).worker_id()] = clock_->Now() + options_.refusal_cooloff;
+        std::set<std::string>& faulted = faulted_workers_[p.job_id];
+        faulted.insert(p.mesh.ranks(rank).worker_id());
+        worker_fault = faulted.size() < 2;
       }
       if (!p.stopping() && r.code() == 0 && r.has_forward()) (void)jobs_->SetForwardResult(p.job_id, r.forward());
       if (!p.stopping() && r.code() != 0) {
@@ -469,15 +480,16 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
         std::string reason = absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString());
         if (r.worker_fault()) {
           absl::StrAppend(&reason, " (the worker's own fault: it is given no job for ",
-                          absl::FormatDuration(options_.refusal_cooloff), ")");
+                          absl::FormatDuration(options_.refusal_cooloff),
+                          worker_fault ? ")" : "; the second worker to fail so in this job, taken as the job's own)");
         }
         if (options_.probe_timeout <= absl::ZeroDuration()) {
-          FailLocked(p, reason, r.worker_fault() || IsRetryableRankError(s.code()), rank);
+          FailLocked(p, reason, worker_fault || IsRetryableRankError(s.code()), rank);
         } else if (p.state == PlacementState::kRunning) {  // the first failure; the scheduler thread probes the peers
           p.failed_rank = rank;
           p.failure = reason;
           p.failure_code = s.code();
-          p.failure_worker_fault = r.worker_fault();
+          p.failure_worker_fault = worker_fault;
           TransitionLocked(p, PlacementState::kProbing);
           wake_ = true;
         }
@@ -653,7 +665,11 @@ void Scheduler::ReleaseLocked() {
         // Done, or restarting (it stays RESTARTING; ScheduleQueued places it
         // again and times its wait for workers from now).
         refusals_.erase(p.job_id);
-        if (p.state == PlacementState::kRestarting) restart_since_[p.job_id] = clock_->Now();
+        if (p.state == PlacementState::kRestarting) {
+          restart_since_[p.job_id] = clock_->Now();
+        } else {
+          faulted_workers_.erase(p.job_id);
+        }
       }
       it = placed_.erase(it);
       wake_ = true;  // workers came free

@@ -273,6 +273,9 @@ class Scheduler {
   std::map<std::string, absl::Time> restart_since_ ABSL_GUARDED_BY(mu_);
   // Per job placed again after refusals: the refusals so far.
   std::map<std::string, std::vector<std::string>> refusals_ ABSL_GUARDED_BY(mu_);
+  // Per job: the workers whose own fault (RankResult.worker_fault) failed a
+  // rank of it, over its restarts.
+  std::map<std::string, std::set<std::string>> faulted_workers_ ABSL_GUARDED_BY(mu_);
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int assigning_ ABSL_GUARDED_BY(mu_) = 0;  // Assign threads running

@@ -508,6 +508,52 @@ TEST_F(SchedulerTest, AWorkersOwnFaultRestartsTheJobWithoutThatWorkerForTheCoolO
   WorkerFaultRestartsTheJobElsewhere(o);
 }
 
+// A second worker failing by its own fault in one job (an upload larger
+// than every worker's disk) makes it the job's: it fails, not passed from
+// worker to worker up to its max_restarts; both workers sit out.
+TEST_F(SchedulerTest, ASecondWorkerFaultInAJobIsTakenAsTheJobsOwn) {
+  Scheduler::Options o;
+  o.probe_timeout = absl::ZeroDuration();
+  Start(4, o);
+  auto job = jobs_->Submit(TrainSpec(2, 1), "");  // the default policy: 3 restarts
+  ASSERT_TRUE(job.ok());
+  const std::string id = job->job_id();
+  const auto disk_full = [&](int rank) {
+    v1::ReportProgressRequest req;
+    req.mutable_result()->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+    req.mutable_result()->set_message("No space left on device");
+    req.mutable_result()->set_worker_fault(true);
+    ASSERT_TRUE(Report(id, rank, req).ok());
+  };
+  scheduler_->TickForTest();
+  Training(id);
+  const std::string first = Job(id).mesh().ranks(1).worker_address();
+  disk_full(1);
+  ASSERT_EQ(Job(id).state(), v1::JOB_STATE_RESTARTING);
+  scheduler_->TickForTest();
+  Ended(id, 0, absl::StatusCode::kAborted, "aborted");
+  scheduler_->TickForTest();
+  ASSERT_EQ(Job(id).generation(), 2);
+  Training(id);
+  const std::string second = Job(id).mesh().ranks(0).worker_address();
+  ASSERT_NE(second, first);
+  disk_full(0);
+  const v1::Job j = Job(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED) << j.reason();
+  EXPECT_TRUE(absl::StrContains(j.reason(), "the second worker to fail so in this job, taken as the job's own"))
+      << j.reason();
+  EXPECT_EQ(j.restarts(), 1);
+  // Both sit out: a job of 3 ranks does not fit on the 2 workers left.
+  scheduler_->TickForTest();
+  Ended(id, 1, absl::StatusCode::kAborted, "aborted");
+  v1::JobSpec wide = TrainSpec(1, 3);
+  wide.mutable_train()->set_batch_size(3);
+  auto next = jobs_->Submit(wide, "");
+  ASSERT_TRUE(next.ok()) << next.status();
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(next->job_id()).state(), v1::JOB_STATE_PENDING);
+}
+
 TEST_F(SchedulerTest, AWorkersOwnFaultRestartsTheJobElsewhereAfterTheProbe) {
   Scheduler::Options o;
   o.probe_timeout = absl::Seconds(1);
