@@ -164,6 +164,7 @@ void Scheduler::Tick() {
 void Scheduler::ScheduleQueued() {
   std::vector<v1::Job> pending = jobs_->List({v1::JOB_STATE_PENDING, v1::JOB_STATE_RESTARTING});
   std::set<std::string> held;  // running a rank, or sitting out a refusal
+  std::set<std::string> sitting_out;  // of those, sitting out a refusal or a fault of their own
   std::set<std::string> pending_ids;
   const absl::Time now = clock_->Now();
   {
@@ -195,6 +196,7 @@ void Scheduler::ScheduleQueued() {
         it = refused_until_.erase(it);
       } else {
         held.insert(it->first);
+        sitting_out.insert(it->first);
         ++it;
       }
     }
@@ -231,6 +233,14 @@ void Scheduler::ScheduleQueued() {
     if (!decision->placed.has_value()) {
       const int world = mesh->world_size();
       std::string why = decision->waiting;
+      // The registered workers that are not idle only because they sit out.
+      int out = 0;
+      for (const v1::Worker& w : live) out += sitting_out.count(w.info().worker_id()) ? 1 : 0;
+      if (out > 0) {
+        absl::StrAppend(&why, "; ", out, " of the workers not idle sit", out == 1 ? "s" : "",
+                        " out a refusal or a fault of ", out == 1 ? "its" : "their", " own (",
+                        absl::FormatDuration(options_.refusal_cooloff), ")");
+      }
       if (job.state() == v1::JOB_STATE_RESTARTING) {
         const RestartLimits limits = RestartLimitsOf(job.spec());
         absl::Time since = now;

@@ -552,6 +552,9 @@ TEST_F(SchedulerTest, ASecondWorkerFaultInAJobIsTakenAsTheJobsOwn) {
   ASSERT_TRUE(next.ok()) << next.status();
   scheduler_->TickForTest();
   EXPECT_EQ(Job(next->job_id()).state(), v1::JOB_STATE_PENDING);
+  EXPECT_TRUE(absl::StrContains(Job(next->job_id()).reason(),
+                                "2 idle; 2 of the workers not idle sit out a refusal or a fault of their own (30s)"))
+      << Job(next->job_id()).reason();
 }
 
 TEST_F(SchedulerTest, AWorkersOwnFaultRestartsTheJobElsewhereAfterTheProbe) {
