@@ -144,7 +144,27 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   c->workers_ = std::make_unique<WorkerRegistry>(wo);
   ASSIGN_OR_RETURN(c->jobs_, JobManager::Open(options.data_dir + "/jobs", options.clock));
   c->jobs_->SetMaxActiveJobs(options.max_active_jobs);
-  std::function<absl::Status()> pending_upload_admit;  // the uploads' (made below)
+  RendezvousStoreLimits store_limits;
+  store_limits.max_waiters = options.max_store_waits;
+  store_limits.max_bytes = options.store_quota_bytes;
+  store_limits.placed_scopes_only = !options.store_any_scope;
+  c->store_ = std::make_unique<RendezvousStore>(store_limits);
+  Scheduler::Options so;
+  so.period = options.schedule_period;
+  so.hang_threshold = options.hang_threshold;
+  so.stop_grace = options.stop_grace;
+  so.clock = options.clock;
+  so.auth_token = options.auth_token;
+  ASSIGN_OR_RETURN(so.credentials, MakeChannelCredentials(options.tls));
+  c->scheduler_ = std::make_unique<Scheduler>(c->jobs_.get(), c->workers_.get(), c->store_.get(), so);
+  UploadStore::Limits upload_limits;
+  upload_limits.quota_bytes = options.upload_quota_bytes;
+  upload_limits.max_uploads = options.max_uploads;
+  upload_limits.max_concurrent_uploads = options.max_concurrent_uploads;
+  upload_limits.max_concurrent_downloads = options.max_concurrent_downloads;
+  ASSIGN_OR_RETURN(c->uploads_, UploadStore::Open(options.data_dir + "/uploads", upload_limits, options.clock));
+  // The room kept for the job records: before the first write of a running
+  // job's record or of an upload (the scheduler starts below).
   if (c->reserve_ != nullptr) {
     DiskReserve* reserve = c->reserve_.get();
     JobManager::RoomHooks room;
@@ -166,28 +186,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
           "there is room again"));
     };
     c->jobs_->SetRoomHooks(room);
-    pending_upload_admit = room.admit;
+    c->uploads_->SetAdmit(room.admit);
   }
-  RendezvousStoreLimits store_limits;
-  store_limits.max_waiters = options.max_store_waits;
-  store_limits.max_bytes = options.store_quota_bytes;
-  store_limits.placed_scopes_only = !options.store_any_scope;
-  c->store_ = std::make_unique<RendezvousStore>(store_limits);
-  Scheduler::Options so;
-  so.period = options.schedule_period;
-  so.hang_threshold = options.hang_threshold;
-  so.stop_grace = options.stop_grace;
-  so.clock = options.clock;
-  so.auth_token = options.auth_token;
-  ASSIGN_OR_RETURN(so.credentials, MakeChannelCredentials(options.tls));
-  c->scheduler_ = std::make_unique<Scheduler>(c->jobs_.get(), c->workers_.get(), c->store_.get(), so);
-  UploadStore::Limits upload_limits;
-  upload_limits.quota_bytes = options.upload_quota_bytes;
-  upload_limits.max_uploads = options.max_uploads;
-  upload_limits.max_concurrent_uploads = options.max_concurrent_uploads;
-  upload_limits.max_concurrent_downloads = options.max_concurrent_downloads;
-  ASSIGN_OR_RETURN(c->uploads_, UploadStore::Open(options.data_dir + "/uploads", upload_limits, options.clock));
-  if (pending_upload_admit) c->uploads_->SetAdmit(std::move(pending_upload_admit));
   c->stalls_ = std::make_unique<StallWatchdog>(options.stream_stall_timeout);
   c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),
                                                           c->registry_.get(), TokenAuth(options.auth_token),

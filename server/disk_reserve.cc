@@ -21,25 +21,19 @@ absl::StatusOr<std::unique_ptr<DiskReserve>> DiskReserve::Create(std::string pat
   std::unique_ptr<DiskReserve> r(new DiskReserve(std::move(path), bytes));
   // Refill takes it back only with twice its size free: more than half the
   // file system would never be taken back, and no job accepted after.
-  const std::string dir = std::filesystem::path(r->path_).parent_path().string();
-  ASSIGN_OR_RETURN(const DiskSpace fs, FreeDiskSpace(dir.empty() ? "." : dir));
+  ASSIGN_OR_RETURN(const DiskSpace fs, r->Space());
   if (bytes > fs.total_bytes / 2) {
     return absl::InvalidArgumentError(absl::StrCat("a reserve of ", bytes, " bytes is more than half of the ",
-                                                   fs.total_bytes, "-byte file system of '", dir, "'"));
+                                                   fs.total_bytes, "-byte file system of '", r->path_, "'"));
   }
   // Never tried where it cannot fit (an allocation that fails may fill the
   // disk on its way, and a file system without fallocate writes zeros):
   // the room free, and what an earlier run's reserve holds already.
   struct stat st {};
   const int64_t had = ::stat(r->path_.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_blocks) * 512 : 0;
-  absl::Status s = absl::OkStatus();
-  if (absl::StatusOr<int64_t> free = r->FreeBytes(); !free.ok()) {
-    s = free.status();
-  } else if (*free <= bytes - had) {
-    s = absl::ResourceExhaustedError(absl::StrCat(*free, " bytes are free"));
-  } else {
-    s = r->Allocate();
-  }
+  const absl::Status s = fs.free_bytes <= bytes - had
+                             ? absl::ResourceExhaustedError(absl::StrCat(fs.free_bytes, " bytes are free"))
+                             : r->Allocate();
   if (!s.ok()) {
     COLOD_LOG(WARNING) << "no " << bytes << "-byte reserve for the data dir's records (" << s.message()
                        << "): no new job or upload is accepted until the file system has room for it twice over";
@@ -52,10 +46,9 @@ absl::StatusOr<std::unique_ptr<DiskReserve>> DiskReserve::Create(std::string pat
   return r;
 }
 
-absl::StatusOr<int64_t> DiskReserve::FreeBytes() const {
+absl::StatusOr<DiskSpace> DiskReserve::Space() const {
   const std::string dir = std::filesystem::path(path_).parent_path().string();
-  ASSIGN_OR_RETURN(const DiskSpace room, FreeDiskSpace(dir.empty() ? "." : dir));
-  return room.free_bytes;
+  return FreeDiskSpace(dir.empty() ? "." : dir);
 }
 
 absl::Status DiskReserve::Allocate() {
@@ -96,9 +89,9 @@ bool DiskReserve::Refill() {
     if (held_ || refilling_) return held_;
     refilling_ = true;
   }
-  absl::StatusOr<int64_t> free = FreeBytes();
+  absl::StatusOr<DiskSpace> room = Space();
   bool taken = false;
-  if (free.ok() && *free / 2 >= bytes_) {
+  if (room.ok() && room->free_bytes / 2 >= bytes_) {
     const absl::Status s = Allocate();
     taken = s.ok();
     if (!taken) {

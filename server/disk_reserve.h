@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/atomic_file.h"
 
 namespace colod {
 
@@ -43,8 +44,8 @@ class DiskReserve {
   DiskReserve(std::string path, int64_t bytes) : path_(std::move(path)), bytes_(bytes) {}
   // Allocates the file (fallocate; the whole of it or nothing).
   absl::Status Allocate();
-  // The room free on the file system of path_'s directory.
-  absl::StatusOr<int64_t> FreeBytes() const;
+  // The file system of path_'s directory: its room and its size.
+  absl::StatusOr<DiskSpace> Space() const;
 
   const std::string path_;
   const int64_t bytes_;

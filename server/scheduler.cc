@@ -200,14 +200,15 @@ void Scheduler::ScheduleQueued() {
         ++it;
       }
     }
-    for (auto it = refusals_.begin(); it != refusals_.end();) {  // jobs cancelled while queued again
-      const bool live = placed_.count(it->first) || pending_ids.count(it->first);
-      it = live ? std::next(it) : refusals_.erase(it);
-    }
-    for (auto it = faulted_workers_.begin(); it != faulted_workers_.end();) {  // cancelled while waiting to restart
-      const bool live = placed_.count(it->first) || pending_ids.count(it->first);
-      it = live ? std::next(it) : faulted_workers_.erase(it);
-    }
+    // What is kept per job of jobs cancelled while queued again.
+    const auto forget_gone = [&](auto& per_job) {
+      for (auto it = per_job.begin(); it != per_job.end();) {
+        const bool live = placed_.count(it->first) || pending_ids.count(it->first);
+        it = live ? std::next(it) : per_job.erase(it);
+      }
+    };
+    forget_gone(refusals_);
+    forget_gone(faulted_workers_);
   }
   for (auto it = waiting_.begin(); it != waiting_.end();) {  // cancelled while waiting
     it = pending_ids.count(it->first) ? std::next(it) : waiting_.erase(it);
