@@ -65,10 +65,12 @@ absl::Status AllPages(Request req, const char* rpc, const std::string& address, 
 
 }  // namespace
 
-CoordinatorClient::CoordinatorClient(std::string address, Options options,
-                                     std::unique_ptr<v1::CoordinatorService::Stub> stub,
-                                     std::unique_ptr<v1::TensorService::Stub> tensors)
-    : address_(std::move(address)), options_(options), stub_(std::move(stub)), tensors_(std::move(tensors)) {}
+CoordinatorClient::CoordinatorClient(std::string address, Options options, std::shared_ptr<grpc::Channel> channel)
+    : address_(std::move(address)),
+      options_(options),
+      channel_(std::move(channel)),
+      stub_(v1::CoordinatorService::NewStub(channel_)),
+      tensors_(v1::TensorService::NewStub(channel_)) {}
 
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(const std::string& address,
                                                                             Options options) {
@@ -91,8 +93,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(con
                                                    " and timeout > 0"));
   }
   std::shared_ptr<grpc::Channel> channel = CreateKeepaliveChannel(address, credentials, options.keepalive);
-  return std::unique_ptr<CoordinatorClient>(new CoordinatorClient(
-      address, options, v1::CoordinatorService::NewStub(channel), v1::TensorService::NewStub(channel)));
+  return std::unique_ptr<CoordinatorClient>(new CoordinatorClient(address, options, std::move(channel)));
 }
 
 void CoordinatorClient::SetDeadline(grpc::ClientContext& ctx) const {
@@ -216,7 +217,30 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
   const absl::Time deadline = absl::Now() + timeout;
   int64_t next = std::max<int64_t>(from_sequence, 1);
   absl::Time unreachable_since = absl::InfiniteFuture();  // of the UNAVAILABLE answers in a row
+  const auto unreachable = [&](absl::string_view last_error) {
+    const absl::Duration for_ = absl::Now() - unreachable_since;
+    return MarkUnreachable(absl::UnavailableError(absl::StrCat("WatchJob to coordinator ", address_,
+                                                               ": unreachable for ", absl::FormatDuration(for_),
+                                                               " while watching (the last error: ", last_error, ")")));
+  };
+  // The watch's own timeout: the job did not end within it, an answer of
+  // sorts (exit 1), not an unreachable coordinator.
+  const auto timed_out = [&] {
+    return absl::DeadlineExceededError(absl::StrCat("WatchJob to coordinator ", address_,
+                                                    ": the job did not end within the watch's ",
+                                                    absl::FormatDuration(timeout)));
+  };
   while (true) {
+    // The channel must connect within the limit (at once where it is
+    // connected). A stream opened without waiting for it would wait as long
+    // as gRPC's connect timeout (20 s) where the coordinator's host accepts
+    // the connection but its process does not answer (stopped), past the
+    // limit.
+    const absl::Time since = std::min(unreachable_since, absl::Now());
+    if (!channel_->WaitForConnected(absl::ToChronoTime(std::min(deadline, since + options_.watch_reconnect_limit)))) {
+      unreachable_since = since;
+      return absl::Now() < deadline ? unreachable("no connection within the limit") : timed_out();
+    }
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline));
     AddAuthToken(ctx, options_.auth_token);
@@ -241,24 +265,13 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
     if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
       const absl::Time now = absl::Now();
       unreachable_since = std::min(unreachable_since, now);
-      if (now - unreachable_since >= options_.watch_reconnect_limit) {
-        return MarkUnreachable(absl::UnavailableError(
-            absl::StrCat("WatchJob to coordinator ", address_, ": unreachable for ",
-                         absl::FormatDuration(now - unreachable_since), " while watching (the last error: ",
-                         s.error_message(), ")")));
-      }
+      if (now - unreachable_since >= options_.watch_reconnect_limit) return unreachable(s.error_message());
       if (now + absl::Milliseconds(500) < deadline) {
         absl::SleepFor(absl::Milliseconds(500));
         continue;
       }
     }
-    // The watch's own timeout: the job did not end within it, an answer of
-    // sorts (exit 1), not an unreachable coordinator.
-    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("WatchJob to coordinator ", address_, ": the job did not end within the watch's ",
-                       absl::FormatDuration(timeout)));
-    }
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && absl::Now() >= deadline) return timed_out();
     return Annotate(s, ctx, address_, "WatchJob");
   }
 }

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "grpcpp/channel.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/tensor.grpc.pb.h"
 #include "common/auth.h"
@@ -96,13 +97,13 @@ class CoordinatorClient {
   v1::CoordinatorService::Stub& stub() { return *stub_; }
 
  private:
-  CoordinatorClient(std::string address, Options options, std::unique_ptr<v1::CoordinatorService::Stub> stub,
-                    std::unique_ptr<v1::TensorService::Stub> tensors);
+  CoordinatorClient(std::string address, Options options, std::shared_ptr<grpc::Channel> channel);
   void SetDeadline(grpc::ClientContext& ctx) const;
   void SetTensorDeadline(grpc::ClientContext& ctx) const;
 
   const std::string address_;
   const Options options_;
+  const std::shared_ptr<grpc::Channel> channel_;
   const std::unique_ptr<v1::CoordinatorService::Stub> stub_;
   const std::unique_ptr<v1::TensorService::Stub> tensors_;
 };

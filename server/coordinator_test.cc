@@ -670,6 +670,37 @@ TEST(CoordinatorClientWatch, AnUnreachableCoordinatorEndsTheWatchAfterTheReconne
   EXPECT_EQ(CoordinatorClient::Create("127.0.0.1:1", o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Nor where the coordinator's host accepts the connection and its process
+// answers nothing (SIGSTOPped): within the limit, not gRPC's 20 s connect
+// timeout.
+TEST(CoordinatorClientWatch, ACoordinatorThatAcceptsAndNeverAnswersEndsTheWatchAfterTheReconnectLimit) {
+  const int silent = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(silent, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(silent, 16), 0);  // the kernel completes the handshakes; nobody speaks
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(silent, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  CoordinatorClient::Options o;
+  o.watch_reconnect_limit = absl::Seconds(1);
+  auto client = CoordinatorClient::Create(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)), o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const absl::Time start = absl::Now();
+  const absl::Status s = (*client)->WatchJob("job-000001", 1, absl::Hours(1), [](const v1::JobEvent&) { return true; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_TRUE(IsUnreachable(s)) << s;
+  EXPECT_NE(s.message().find("unreachable for"), absl::string_view::npos) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(8));
+  // A watch whose own deadline comes first ends as that: DEADLINE_EXCEEDED.
+  const absl::Status short_watch =
+      (*client)->WatchJob("job-000001", 1, absl::Milliseconds(300), [](const v1::JobEvent&) { return true; });
+  EXPECT_EQ(short_watch.code(), absl::StatusCode::kDeadlineExceeded) << short_watch;
+  EXPECT_FALSE(IsUnreachable(short_watch)) << short_watch;
+  ::close(silent);
+}
+
 // An error echoing a huge input (a 100 KB job id) would not fit the call's
 // trailers, and the client would get RESOURCE_EXHAUSTED instead of the
 // error: it arrives as itself, its message cut.
