@@ -128,7 +128,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   c->jobs_finished_ = &prometheus::BuildCounter()
                            .Name("colod_jobs_finished_total")
                            .Help("Jobs that ended since the coordinator started, by final state (succeeded, failed, "
-                                 "cancelled); jobs failed because it restarted while they ran count as failed.")
+                                 "cancelled); a job that spent its max_restarts (on lost workers, refusals or "
+                                 "coordinator restarts) counts as failed.")
                            .Register(*c->registry_);
 
   WorkerRegistry::Options wo;
