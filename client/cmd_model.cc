@@ -145,8 +145,14 @@ int TrainOnCluster(v1::JobSpec spec, bool json, const std::string& address) {
   auto ended = WatchToEnd(**client, job->job_id(), json,
                           [&](const v1::StepProgress& p) { PrintStep(p, spec.train().steps(), json); });
   if (!ended.ok()) return Fail(ended.status());
-  if (ended->state() == v1::JOB_STATE_SUCCEEDED && !spec.train().final_dir().empty() && !json) {
-    std::printf("wrote the trained model to %s\n", spec.train().final_dir().c_str());
+  const v1::TrainConfig& t = spec.train();
+  if (ended->state() == v1::JOB_STATE_SUCCEEDED && !t.final_dir().empty() && !json) {
+    if (t.stop_after() > 0 && t.stop_after() < t.steps()) {
+      std::printf("stopped after step %lld (--stop-after): no model written to %s; --resume finishes the run\n",
+                  static_cast<long long>(t.stop_after()), t.final_dir().c_str());
+    } else {
+      std::printf("wrote the trained model to %s\n", t.final_dir().c_str());
+    }
   }
   return ExitForJob(*ended);
 }

@@ -20,6 +20,7 @@
 #include "client/job_flags.h"
 #include "colod/v1/job.pb.h"
 #include "common/json.h"
+#include "common/model_layout.h"
 #include "nlohmann/json.hpp"
 #include "spec/job_validation.h"
 #include "worker/shardformer/checkpoint.h"
@@ -121,7 +122,14 @@ int RunTrainOnGpus(const std::vector<std::string>&) {
   const absl::Status s = train::Train(
       o, [&](const train::StepStats& st) { PrintStep(train::StepProgressOf(st), o.steps, json); });
   if (!s.ok()) return Fail(s);
-  if (!o.final_dir.empty() && !json) std::printf("wrote the trained model to %s\n", o.final_dir.c_str());
+  if (!o.final_dir.empty() && !json) {
+    if (o.stop_after > 0 && o.stop_after < o.steps) {
+      std::printf("stopped after step %lld (--stop-after): no model written to %s; --resume finishes the run\n",
+                  static_cast<long long>(o.stop_after), o.final_dir.c_str());
+    } else {
+      std::printf("wrote the trained model to %s\n", o.final_dir.c_str());
+    }
+  }
   return 0;
 }
 
@@ -129,13 +137,9 @@ int RunTrainOnGpus(const std::vector<std::string>&) {
 // beside an old index would load as neither. Usage's exit status naming
 // the file found there, or nullopt.
 std::optional<int> RefuseAModelThere(absl::string_view command, const std::string& out) {
-  for (const char* name : {"config.json", "model.safetensors", "model.safetensors.index.json"}) {
-    const std::string path = absl::StrCat(out, "/", name);
-    struct stat st;
-    if (::lstat(path.c_str(), &st) == 0) {  // a link, even to nothing, counts
-      return Usage(absl::StrCat(command, ": --out ", out, " already holds a model (", name,
-                                "): give a new or empty directory"));
-    }
+  if (const std::optional<std::string> name = ModelFileIn(out)) {
+    return Usage(absl::StrCat(command, ": --out ", out, " already holds a model (", *name,
+                              "): give a new or empty directory"));
   }
   return std::nullopt;
 }

@@ -257,6 +257,8 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s.mutable_train()->set_eval_steps(3);
   s.mutable_train()->set_eval_only(true);
   EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+  s.mutable_train()->set_final_dir("/models/out");  // an evaluation writes no model
+  ExpectInvalid(s, "spec.train.final_dir");
 
   // Retention: keep_last >= 0 with checkpoints to prune; keep_best with an
   // evaluation at every checkpoint.

@@ -151,6 +151,9 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
     return Invalid(path, "min_learning_rate", "must be in [0, learning_rate]");
   }
   if (t.stop_after() < 0) return Invalid(path, "stop_after", "must be >= 0");
+  if (t.eval_only() && !t.final_dir().empty()) {
+    return Invalid(path, "final_dir", "an eval_only run trains nothing and writes no model: leave it empty");
+  }
   if (t.bucket_bytes() < 0) return Invalid(path, "bucket_bytes", "must be >= 0 (0: 25 MiB)");
   if (t.zero_stage() < 0 || t.zero_stage() > 2) {
     return Invalid(path, "zero_stage", absl::StrCat("must be 0, 1 or 2, got ", t.zero_stage()));

@@ -1,7 +1,11 @@
 #include "worker/train/trainer.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <optional>
@@ -10,8 +14,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/atomic_file.h"
 #include "common/int_math.h"
 #include "common/logging.h"
+#include "common/model_layout.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
 #include "kernels/types.h"
@@ -250,6 +256,43 @@ struct PreparedTrain {
   int64_t step_batch = 0;  // sequences an optimizer step reads: batch_size * grad_accum
 };
 
+namespace {
+
+// A run's final_dir holds no model, or the one this job wrote (a restart
+// after the write: kFinalWriterFile names the job), and can be written:
+// FAILED_PRECONDITION otherwise, before the first step rather than after
+// the last.
+absl::Status CheckFinalDir(const TrainOptions& o) {
+  if (o.final_dir.empty()) return absl::OkStatus();
+  if (const std::optional<std::string> found = ModelFileIn(o.final_dir)) {
+    const absl::StatusOr<std::string> writer = ReadFileToString(absl::StrCat(o.final_dir, "/", kFinalWriterFile));
+    if (o.job.empty() || !writer.ok() || *writer != o.job) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "final_dir ", o.final_dir, " already holds a model (", *found, "): give a new or empty directory (new ",
+          "weights beside another model's files would load as neither)"));
+    }
+  }
+  // The directory, or the nearest one above it that exists (it is made at
+  // the end).
+  std::filesystem::path dir = std::filesystem::path(o.final_dir).lexically_normal();
+  std::error_code ec;
+  while (!std::filesystem::exists(dir, ec) && dir.has_relative_path() && dir.has_parent_path() && !ec) {
+    dir = dir.parent_path();
+  }
+  if (dir.empty()) dir = ".";
+  if (!ec && std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("final_dir ", o.final_dir, ": ", dir.string(), " is not a directory"));
+  }
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("final_dir ", o.final_dir, ": ", dir.string(), " cannot be written: ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOptions& o) {
   if (o.steps < 1 || o.micro_batches < 1) return absl::InvalidArgumentError("steps and micro_batches must be >= 1");
   if (o.grad_accum < 1 || o.grad_accum > kMaxGradAccum) {
@@ -287,6 +330,10 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
         "divides checkpoint_every (", o.save_every, "), so that every checkpoint is evaluated; eval_every is ",
         o.eval_every));
   }
+  if (o.eval_only && !o.final_dir.empty()) {
+    return absl::InvalidArgumentError("final_dir: an eval_only run trains nothing and writes no model");
+  }
+  RETURN_IF_ERROR(CheckFinalDir(o));
   if (o.eval_every < 0 || o.eval_steps < 0 || o.eval_steps > kMaxEvalSteps) {
     return absl::InvalidArgumentError(absl::StrCat("eval_every ", o.eval_every, " must be >= 0 and eval_steps ",
                                                    o.eval_steps, " in [0, ", kMaxEvalSteps, "]"));
@@ -619,9 +666,11 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     first = r.step;
   }
   if (hooks.on_start) hooks.on_start(RankStart{.step = first, .checkpoint = run.resume});
-  // A time-boxed run resumed at or past its stop (a restart after the
-  // stop's checkpoint) has nothing left to do.
-  if (o.stop_after > 0 && first >= o.stop_after && !o.eval_only) return absl::OkStatus();
+  // A time-boxed run (one that stops before its last step, writing no
+  // final model) resumed at or past its stop (a restart after the stop's
+  // checkpoint) has nothing left to do.
+  const bool time_boxed = o.stop_after > 0 && o.stop_after < o.steps;
+  if (time_boxed && first >= o.stop_after && !o.eval_only) return absl::OkStatus();
   if (o.eval_only) {
     StepStats s;
     s.rank = rank;
@@ -850,12 +899,21 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       continue;
     }
     RETURN_IF_ERROR(finish(*e));
-    if (o.stop_after > 0 && done == o.stop_after) return absl::OkStatus();
+    if (time_boxed && done == o.stop_after) return absl::OkStatus();
   }
   if (o.final_dir.empty()) return absl::OkStatus();
   const std::string sharded = o.final_dir + "/.sharded";
   RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, sharded));
   if (rank != 0) return absl::OkStatus();
+  // Checked again: a model may have come there during the run. The
+  // trained weights stay in `sharded` then (a checkpoint to consolidate).
+  if (const absl::Status free = CheckFinalDir(o); !free.ok()) {
+    return absl::Status(free.code(), absl::StrCat(free.message(), "; the trained weights are in ", sharded,
+                                                  " (coloctl consolidate --checkpoint ", sharded, " --out DIR)"));
+  }
+  if (!o.job.empty()) {  // before the model: a restart after a partial write may write it again
+    RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(o.final_dir, "/", kFinalWriterFile), o.job));
+  }
   RETURN_IF_ERROR(shardformer::ConsolidateCheckpoint(sharded, o.final_dir));
   std::error_code ec;
   std::filesystem::remove_all(sharded, ec);

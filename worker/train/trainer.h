@@ -65,7 +65,12 @@ struct TrainOptions {
   int64_t eval_every = 0;  // 0: after the last step only
   int64_t eval_steps = 0;  // batches of batch_size rows; 0: the held-out data once, at most kDefaultEvalStepsMax
   bool eval_only = false;  // evaluate the model (or resume_dir's checkpoint) once, train nothing
-  std::string final_dir;      // if set, the trained model as a Hugging Face directory
+  // If set, the trained model as a Hugging Face directory, after the last
+  // step (not by a time-boxed run, stop_after < steps). It must hold no
+  // model when the run starts, or the one this job wrote (its
+  // kFinalWriterFile names the job: a restart after the write), and be
+  // writable (checked before the first step).
+  std::string final_dir;
   std::string save_dir;       // if set, a training checkpoint every `save_every` steps
   int64_t save_every = 0;     //   (and after the last step)
   // Retention after each checkpoint (PruneCheckpoints): the newest
@@ -87,7 +92,9 @@ struct TrainOptions {
   // job left in resume_dir is never taken: `job`, and the bare job id that
   // workers before the job uid recorded.
   std::optional<std::vector<std::string>> resume_writers;
-  int64_t stop_after = 0;     // if > 0, stop after this step (as an interruption would)
+  // If > 0 and < steps, stop after this step (as an interruption would),
+  // writing no final model; at or past steps, the run is whole.
+  int64_t stop_after = 0;
   bool cuda = false;          // one rank per CUDA device over NCCL (else host tensors over Gloo)
   bool allow_tf32 = false;    // CUDA: f32 GEMMs may round their operands to TF32 (ops::SetAllowTf32)
   // CUDA: read each step as it ends, not once the next step is enqueued (the
@@ -112,6 +119,10 @@ struct EvalStats {
   int64_t tokens = 0;                // labelled positions read
   double seconds = 0;
 };
+
+// The file in a run's final_dir naming the job that writes it (TrainOptions::
+// final_dir): a restart of the job may write the model there again.
+inline constexpr char kFinalWriterFile[] = ".colod-final-writer";
 
 // What each step reports. Train() reports rank 0's; RunTrainRank reports
 // every rank's own (the loss is the global batch's on every rank).

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "common/atomic_file.h"
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "tests/testing/temp_dir.h"
@@ -831,6 +832,65 @@ TEST(Trainer, ADivergingRunEndsAtItsFirstStepThatIsNotFiniteAndSavesNothingOfIt)
     ASSERT_TRUE(newest.ok()) << newest.status();
     EXPECT_EQ(*newest, StepDir(o.save_dir, diverged - 1)) << name;
   }
+}
+
+// A run writes its final model only where no other model is: its own
+// model directory, another run's final model or a path under a file are
+// refused before the first step; a restart of the job that wrote one
+// writes it again. A time-boxed run whose stop is its last step is whole
+// and writes it; an evaluation writes none.
+TEST(Trainer, AFinalModelIsWrittenOnlyWhereNoOtherModelIs) {
+  const std::string model = TinyModel("train_final");
+  TrainOptions o = Options(model, 1, 1);
+  o.steps = 2;
+  o.job = "job-000042";
+  o.generation = 1;
+  auto refused_before_training = [&](const TrainOptions& t, absl::string_view why) {
+    int reported = 0;
+    const absl::Status s = Train(t, [&](const StepStats&) { ++reported; });
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find(why), std::string::npos) << s;
+    EXPECT_EQ(reported, 0) << s;
+  };
+  o.final_dir = model;  // the model it trains
+  refused_before_training(o, "already holds a model (config.json)");
+  std::ofstream(TempPath("train_final_a_file")) << "x";
+  o.final_dir = TempPath("train_final_a_file") + "/final";
+  refused_before_training(o, "is not a directory");
+  // Whole at its stop: written, with the job that wrote it.
+  o.final_dir = TempPath("train_final_out");
+  o.stop_after = o.steps;
+  ASSERT_EQ(Losses(o).size(), 2u);
+  ASSERT_TRUE(std::filesystem::exists(o.final_dir + "/model.safetensors"));
+  auto writer = ReadFileToString(absl::StrCat(o.final_dir, "/", kFinalWriterFile));
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  EXPECT_EQ(*writer, "job-000042");
+  // The same job again (a restart after the write): written over.
+  o.generation = 2;
+  EXPECT_EQ(Losses(o).size(), 2u);
+  // Another job, or a run outside a coordinator: refused, the model left.
+  TrainOptions other = o;
+  other.job = "job-000043";
+  refused_before_training(other, "already holds a model");
+  other.job.clear();
+  refused_before_training(other, "already holds a model");
+  // Another model's index beside: refused (the index would be loaded).
+  std::filesystem::create_directories(TempPath("train_final_index"));
+  std::ofstream(TempPath("train_final_index") + "/model.safetensors.index.json") << "{}";
+  other.final_dir = TempPath("train_final_index");
+  refused_before_training(other, "(model.safetensors.index.json)");
+  // Time-boxed (stopping before the last step): no model written.
+  TrainOptions boxed = Options(model, 1, 1);
+  boxed.steps = 3;
+  boxed.stop_after = 2;
+  boxed.final_dir = TempPath("train_final_boxed");
+  EXPECT_EQ(Losses(boxed).size(), 2u);
+  EXPECT_FALSE(std::filesystem::exists(boxed.final_dir + "/model.safetensors"));
+  TrainOptions eval = Options(model, 1, 1);
+  eval.eval_split = 0.1;
+  eval.eval_only = true;
+  eval.final_dir = TempPath("train_final_eval");
+  EXPECT_EQ(Train(eval, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
