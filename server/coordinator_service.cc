@@ -206,6 +206,8 @@ grpc::Status CoordinatorServiceImpl::CancelJob(grpc::ServerContext* ctx, const v
                                                v1::CancelJobResponse* resp) {
   return Instrument(ctx, "CancelJob", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
+    // Recorded in the job's history, which every full read of the job carries.
+    if (req->reason().size() > 1024) return absl::InvalidArgumentError("reason: longer than 1024 bytes");
     if (scheduler_ != nullptr) {
       ASSIGN_OR_RETURN(*resp->mutable_job(), scheduler_->Cancel(req->job_id(), req->reason()));
     } else {

@@ -371,7 +371,11 @@ TEST_F(CoordinatorTest, ListJobsPagesSummariesAndNamesAreBounded) {
   huge.set_name("r\xC3\xA9sum\xC3\xA9 \xE2\x80\x94 run 2");
   auto unicode = client_->SubmitJob(huge);
   ASSERT_TRUE(unicode.ok()) << unicode.status();
-  ASSERT_TRUE(client_->CancelJob(unicode->job_id()).ok());
+  // A cancel's reason goes into the job's history, which ListJobs' full
+  // view carries: two 3 MiB reasons made every listing too large to send.
+  EXPECT_EQ(client_->CancelJob(unicode->job_id(), std::string(1025, 'r')).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(client_->CancelJob(unicode->job_id(), std::string(1024, 'r')).ok());
   ASSERT_TRUE(client_->DeleteJob(unicode->job_id()).ok());  // the pages below count the jobs
   huge = tensor;
   for (int i = 0; i < 65; ++i) (*huge.mutable_labels())[absl::StrCat("k", i)] = "v";

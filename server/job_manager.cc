@@ -64,9 +64,6 @@ std::string NewJobUid() {
   return absl::StrCat(absl::Hex(rd(), absl::kZeroPad8), absl::Hex(rd(), absl::kZeroPad8));
 }
 
-// A trained step's report, not an eval_only run's (an evaluation without a
-// step_duration).
-bool IsTrainedStep(const v1::StepProgress& step) { return !step.has_eval() || step.has_step_duration(); }
 
 // The run summary's model FLOPs per token (spec/plan.h); 0 where not
 // known (a config that does not parse, an encoder-decoder).
@@ -127,6 +124,8 @@ absl::Status AppendLogEntry(const std::string& path, absl::string_view entry, bo
 }
 
 }  // namespace
+
+bool IsTrainedStep(const v1::StepProgress& step) { return !step.has_eval() || step.has_step_duration(); }
 
 namespace {
 

@@ -1,6 +1,7 @@
 #include "server/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <exception>
 #include <system_error>
 #include <thread>
@@ -9,8 +10,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "common/proto_time.h"
+#include "common/status_macros.h"
 #include "common/text.h"
 #include "spec/job_validation.h"
 #include "server/placement.h"
@@ -32,6 +35,40 @@ std::string Attempts(const v1::Job& job, const std::string& last) {
   for (const std::string& f : job.attempt_failures()) all.push_back(absl::StrCat("attempt ", all.size() + 1, ": ", f));
   all.push_back(absl::StrCat("attempt ", all.size() + 1, ": ", last));
   return absl::StrJoin(all, "; ");
+}
+
+// A step report a rank can send: paths a file system takes, at most as many
+// kept checkpoints as a rank reports (the worker's kMaxReportedCheckpoints)
+// and 512 KiB of their paths (each job keeps its newest step's list, which
+// every full read of the job carries), a trained step's loss finite (a
+// diverged step fails the rank instead). INVALID_ARGUMENT otherwise.
+absl::Status CheckStepReport(const v1::StepProgress& s) {
+  constexpr int kMaxCheckpoints = 1000;
+  constexpr size_t kMaxCheckpointPathBytes = 512 << 10;
+  for (const auto& [field, value] : {std::pair<const char*, const std::string*>{"checkpoint", &s.checkpoint()},
+                                     {"resumed_from", &s.resumed_from()}}) {
+    if (value->size() > kMaxPathBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("step.", field, ": longer than ", kMaxPathBytes, " bytes"));
+    }
+  }
+  if (s.checkpoints_size() > kMaxCheckpoints) {
+    return absl::InvalidArgumentError(absl::StrCat("step.checkpoints: more than ", kMaxCheckpoints));
+  }
+  size_t bytes = 0;
+  for (const v1::CheckpointInfo& c : s.checkpoints()) {
+    if (c.path().size() > kMaxPathBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("step.checkpoints.path: longer than ", kMaxPathBytes, " bytes"));
+    }
+    bytes += c.path().size();
+  }
+  if (bytes > kMaxCheckpointPathBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step.checkpoints: their paths hold more than ", kMaxCheckpointPathBytes, " bytes"));
+  }
+  if (IsTrainedStep(s) && !std::isfinite(s.loss())) {
+    return absl::InvalidArgumentError(absl::StrCat("step.loss: ", s.loss(), " is not finite"));
+  }
+  return absl::OkStatus();
 }
 
 // The placed ranks' devices' peak for the run summary's MFU (0 unknown).
@@ -407,6 +444,7 @@ void Scheduler::RecordLateStep(const v1::ReportProgressRequest& report, int64_t 
 }
 
 absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) {
+  if (report.has_step()) RETURN_IF_ERROR(CheckStepReport(report.step()));
   JobsLock lock(this);  // records written once mu_ is released, before this returns
   auto it = placed_.find(report.job_id());
   if (it == placed_.end()) {

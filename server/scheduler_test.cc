@@ -9,6 +9,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
 #include <cstdlib>
 #include <filesystem>
 #include <future>
@@ -344,6 +347,36 @@ TEST_F(SchedulerTest, ARanksStatusesAddOneEventAPhaseAndLongMessagesAreCut) {
   Training(id);
   recorded = statuses();
   ASSERT_EQ(recorded.size(), 3u);  // rank 0 loading; each rank training once
+  // Step reports a rank never sends, which each full read of the job would
+  // carry (a 3 MB checkpoint list broke ListJobs), are refused, recording
+  // nothing; one within the bounds is recorded.
+  const auto step_report = [](const std::function<void(v1::StepProgress&)>& change) {
+    v1::ReportProgressRequest req;
+    v1::StepProgress& st = *req.mutable_step();
+    st.set_step(1);
+    st.set_loss(2.5);
+    *st.mutable_step_duration() = ToProtoDuration(absl::Milliseconds(5));
+    change(st);
+    return req;
+  };
+  const std::string path(4097, 'p');
+  for (const auto& bad : std::vector<std::function<void(v1::StepProgress&)>>{
+           [&](v1::StepProgress& st) { st.set_checkpoint(path); },
+           [&](v1::StepProgress& st) { st.set_resumed_from(path); },
+           [&](v1::StepProgress& st) { st.add_checkpoints()->set_path(path); },
+           [&](v1::StepProgress& st) {
+             for (int i = 0; i < 1001; ++i) st.add_checkpoints()->set_path("/ck/step-1");
+           },
+           [&](v1::StepProgress& st) {
+             for (int i = 0; i < 200; ++i) st.add_checkpoints()->set_path(std::string(4000, 'c'));
+           },
+           [&](v1::StepProgress& st) { st.set_loss(std::nan("")); },
+           [&](v1::StepProgress& st) { st.set_loss(std::numeric_limits<double>::infinity()); }}) {
+    EXPECT_EQ(Report(id, 0, step_report(bad)).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(Job(id).step(), 0);
+  ASSERT_TRUE(Report(id, 0, step_report([](v1::StepProgress& st) { st.add_checkpoints()->set_path("/ck/a"); })).ok());
+  EXPECT_EQ(Job(id).step(), 1);
   EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING);
   Ended(id, 1, absl::StatusCode::kInvalidArgument, long_message);
   const v1::Job failed = Job(id);
