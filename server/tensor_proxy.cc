@@ -107,9 +107,11 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     return absl::InvalidArgumentError(
         absl::StrCat("rank: ", only_rank, " is outside the job's ", mesh.ranks_size(), " ranks"));
   }
-  absl::Time deadline = absl::Now() + options_.rpc_timeout;
+  // The turn is awaited within the client's deadline; once it is taken the
+  // calls go to every rank within the coordinator's own: a client that
+  // gives up (a short deadline, a cancel) must not cut a call off after it
+  // reached some ranks and before others, whose tensors would then differ.
   const absl::Time client = absl::FromChrono(ctx->deadline());
-  if (client < deadline) deadline = client;
   std::vector<int> ranks;
   for (int r = 0; r < mesh.ranks_size(); ++r) {
     if (only_rank < 0 || r == only_rank) ranks.push_back(r);
@@ -120,7 +122,8 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
   // run at once (asynchronously, on no thread of their own), and the job's
   // next fan-out, in the order they arrived, starts once they all ended
   // (each within `deadline`). No lock is held meanwhile.
-  RETURN_IF_ERROR(AwaitTurn(job_id, ctx, deadline));
+  RETURN_IF_ERROR(AwaitTurn(job_id, ctx, std::min(client, absl::Now() + options_.rpc_timeout)));
+  const absl::Time deadline = absl::Now() + options_.rpc_timeout;
   const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
     stubs[i] = stubs_.Get(mesh.ranks(ranks[i]).worker_address());
     (stubs[i]->async()->*call)(c, &req, &responses[i], std::move(done));

@@ -159,5 +159,53 @@ TEST(TensorProxy, ACallerThatGoesAwayWhileQueuedGivesUpItsTurn) {
   worker_server->Shutdown();
 }
 
+// Once a call's turn comes it goes to every rank within the coordinator's
+// own deadline, however soon the client's passes: before, a client with a
+// deadline of a millisecond reached some ranks and not others, whose
+// tensors then differed (a later gather aborted a worker).
+TEST(TensorProxy, ACallWhoseTurnCameReachesEveryRankWhateverTheClientsDeadline) {
+  SlowWorker workers[2];
+  std::string addresses[2];
+  std::unique_ptr<grpc::Server> servers[2] = {Serve(&workers[0], &addresses[0]), Serve(&workers[1], &addresses[1])};
+  JobManager jobs;
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TENSOR);
+  spec.mutable_shard()->set_tensor_parallel_size(2);
+  spec.mutable_shard()->set_data_parallel_size(1);
+  absl::StatusOr<v1::Job> job = jobs.Submit(spec, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::MeshSpec mesh;
+  for (int r = 0; r < 2; ++r) {
+    v1::RankAssignment& a = *mesh.add_ranks();
+    a.set_rank(r);
+    a.set_worker_id(absl::StrCat("worker-", r));
+    a.set_worker_address(addresses[r]);
+  }
+  ASSERT_TRUE(jobs.Schedule(job->job_id(), mesh).ok());
+  ASSERT_TRUE(jobs.SetState(job->job_id(), v1::JOB_STATE_RUNNING, "serving").ok());
+  prometheus::Registry registry;
+  TensorProxy proxy(&jobs, &registry, TensorProxy::Options());
+  std::string proxy_address;
+  std::unique_ptr<grpc::Server> proxy_server = Serve(&proxy, &proxy_address);
+  auto stub = v1::TensorService::NewStub(grpc::CreateChannel(proxy_address, grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 40; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::microseconds(200 + 100 * i));
+    v1::CreateTensorRequest req;
+    req.set_job_id(job->job_id());
+    req.set_name(absl::StrCat("t", i));
+    v1::CreateTensorResponse resp;
+    (void)stub->CreateTensor(&ctx, req, &resp);
+  }
+  // Every call the proxy served has ended (its answer may have come too
+  // late for the client): both ranks saw the same calls.
+  for (int i = 0; i < 500 && proxy.QueuedJobs() > 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(workers[0].Names(), workers[1].Names());
+  EXPECT_FALSE(workers[0].Names().empty());
+  proxy_server->Shutdown();
+  for (auto& s : servers) s->Shutdown();
+}
+
 }  // namespace
 }  // namespace colod

@@ -1,5 +1,6 @@
 #include "worker/daemon/tensor_host.h"
 
+#include <algorithm>
 #include <limits>
 #include <optional>
 #include <utility>
@@ -8,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
+#include "worker/colo/tensor_collectives.h"
 #include "worker/colo/tensor_proto.h"
 #include "worker/tensor/autograd.h"
 
@@ -129,6 +131,61 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
   return LayoutLocked(req.name(), e);
 }
 
+namespace {
+
+// FNV-1a, 64 bits: the same on every rank and process (absl::Hash is
+// seeded per process).
+uint64_t Fingerprint(absl::string_view text) {
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::string& name,
+                                          const absl::StatusOr<Entry>& found) {
+  std::string what = absl::StrCat(call, "|", name, "|");
+  if (found.ok()) {
+    const ColoTensor& t = found->tensor;
+    absl::StrAppend(&what, DTypeName(t.local().dtype()), "|", ShapeToString(t.global_shape()), "|",
+                    t.spec().ToString());
+  } else {
+    absl::StrAppend(&what, "absent");
+  }
+  const uint64_t mine = Fingerprint(what);
+  // Four 16-bit pieces (exact in f32), then the disagreement seen so far.
+  std::vector<float> values = {static_cast<float>(mine & 0xffff), static_cast<float>((mine >> 16) & 0xffff),
+                               static_cast<float>((mine >> 32) & 0xffff), static_cast<float>(mine >> 48), 0};
+  for (int round = 0; round < 2; ++round) {
+    for (const MeshAxis& axis : pg_->mesh().axes()) {
+      if (axis.size < 2) continue;
+      ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm(axis.name));
+      ASSIGN_OR_RETURN(Tensor here, Tensor::FromFloats({static_cast<int64_t>(values.size())}, values));
+      ASSIGN_OR_RETURN(here, here.To(device_));
+      ASSIGN_OR_RETURN(std::vector<Tensor> pieces, AllGatherPieces(here, *comm, pg_->timeout()));
+      for (const Tensor& piece : pieces) {
+        ASSIGN_OR_RETURN(Tensor host, piece.To(Device::Cpu()));
+        const std::vector<float> theirs = host.ToFloats();
+        if (theirs.size() != values.size()) return absl::InternalError("a fingerprint of another size");
+        if (!std::equal(values.begin(), values.begin() + 4, theirs.begin())) values[4] = 1;
+        values[4] = std::max(values[4], theirs[4]);
+      }
+    }
+  }
+  if (values[4] == 0) return found.ok() ? absl::OkStatus() : found.status();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the job's ranks do not all hold tensor '", name, "' alike (this rank: ",
+      found.ok() ? absl::StrCat(ShapeToString(found->tensor.global_shape()), " ", found->tensor.spec().ToString())
+                 : "none",
+      "), or were not all asked the same: its calls reached some ranks and not others (an earlier call cut "
+      "short, or a worker called directly), or a create was refused on some; ", call,
+      " did not run. Delete the tensor and create it again"));
+}
+
 absl::StatusOr<TensorHost::Entry> TensorHost::Snapshot(const std::string& name) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * e, FindLocked(name));
@@ -138,7 +195,9 @@ absl::StatusOr<TensorHost::Entry> TensorHost::Snapshot(const std::string& name) 
 absl::StatusOr<v1::TensorLayout> TensorHost::SetDistSpec(const v1::SetDistSpecRequest& req) {
   ASSIGN_OR_RETURN(DistSpec spec, DistSpecFromProto(req.dist_spec()));
   absl::MutexLock order(&collective_mu_);
-  ASSIGN_OR_RETURN(Entry current, Snapshot(req.name()));
+  const absl::StatusOr<Entry> found = Snapshot(req.name());
+  RETURN_IF_ERROR(AgreeOnEveryRank(absl::StrCat("SetDistSpec to ", spec.ToString()), req.name(), found));
+  const Entry& current = *found;
   NoGradScope no_grad;
   ASSIGN_OR_RETURN(ColoTensor next, current.tensor.Redistribute(spec));  // the collective, without the map's lock
   absl::MutexLock lock(&mu_);
@@ -172,9 +231,10 @@ absl::StatusOr<v1::GetShardResponse> TensorHost::GetShard(const v1::GetShardRequ
 
 absl::StatusOr<v1::TensorValue> TensorHost::GetGlobal(const std::string& name) {
   absl::MutexLock order(&collective_mu_);
-  ASSIGN_OR_RETURN(Entry current, Snapshot(name));
+  const absl::StatusOr<Entry> found = Snapshot(name);
+  RETURN_IF_ERROR(AgreeOnEveryRank("GetGlobal", name, found));
   NoGradScope no_grad;
-  ASSIGN_OR_RETURN(ColoTensor whole, current.tensor.ToReplicate());
+  ASSIGN_OR_RETURN(ColoTensor whole, found->tensor.ToReplicate());
   return TensorToProto(whole.local());
 }
 

@@ -55,12 +55,16 @@ class TensorHost {
   // RESOURCE_EXHAUSTED, before anything is allocated, for one that would
   // pass the budget.
   absl::StatusOr<v1::TensorLayout> Create(const v1::CreateTensorRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
-  // Collective. NOT_FOUND for an unknown name.
+  // Collective. NOT_FOUND for an unknown name. Before the collective every
+  // rank checks that all the mesh's ranks hold the tensor alike and were
+  // asked the same (AgreeOnEveryRank): FAILED_PRECONDITION on every rank
+  // where they do not.
   absl::StatusOr<v1::TensorLayout> SetDistSpec(const v1::SetDistSpecRequest& request)
       ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
   // This rank's shard. INVALID_ARGUMENT unless request.rank is this rank.
   absl::StatusOr<v1::GetShardResponse> GetShard(const v1::GetShardRequest& request);
-  // The whole value (gathered and reduced). Collective.
+  // The whole value (gathered and reduced). Collective, checked as
+  // SetDistSpec's.
   absl::StatusOr<v1::TensorValue> GetGlobal(const std::string& name) ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
   absl::StatusOr<v1::TensorLayout> Describe(const std::string& name);
   std::vector<v1::TensorLayout> List();
@@ -81,6 +85,19 @@ class TensorHost {
   absl::StatusOr<Entry> Snapshot(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::TensorLayout> LayoutLocked(const std::string& name, const Entry& e)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Before a collective of the tensor call `call` on `name` (its entry, or
+  // `found`'s error where this rank has none): whether every rank of the
+  // mesh holds the same tensor (shape, dtype, spec) and runs the same call,
+  // by a fingerprint of them gathered along each axis, and a second pass
+  // that spreads any disagreement, so every rank returns the same answer.
+  // Otherwise the ranks' pieces would not match (a Gloo size mismatch
+  // aborts the process) or a rank would wait alone for its timeout: where
+  // the coordinator's calls reached some ranks and not others, a Create one
+  // rank refused (its budget), or a client called a worker directly. OK, or
+  // FAILED_PRECONDITION on every rank naming how many disagree; `found`'s
+  // error where every rank lacks the tensor.
+  absl::Status AgreeOnEveryRank(const std::string& call, const std::string& name,
+                                const absl::StatusOr<Entry>& found) ABSL_EXCLUSIVE_LOCKS_REQUIRED(collective_mu_);
 
   ProcessGroup* const pg_;
   const Device device_;

@@ -206,5 +206,52 @@ TEST(TensorHost, ItsCallsDoNotWaitForACollectiveInProgressAndTheCollectivesGiveT
   });
 }
 
+// Ranks that do not hold a tensor alike (a call of the coordinator's that
+// reached one rank and not the other, a create one rank refused, a client
+// calling a worker directly) refuse its collectives on every rank, with
+// the same answer, before any data moves: before, a gather of two sizes
+// aborted the worker (a Gloo size mismatch) or left a rank waiting alone.
+// Where no rank holds it, NOT_FOUND; held alike again, it is gathered.
+TEST(TensorHost, RanksThatDoNotHoldATensorAlikeRefuseItsCollectivesOnEveryRank) {
+  testing::RunMesh(testing::TpDpMesh(2), [&](int rank, ProcessGroup& pg) {
+    TensorHost host(&pg, Device::Cpu(), int64_t{1} << 30);
+    const auto create = [&](int64_t rows) {
+      v1::CreateTensorRequest c;
+      c.set_name("x");
+      c.mutable_random()->set_seed(3);
+      c.mutable_random()->add_shape(rows);
+      c.mutable_random()->add_shape(4);
+      *c.mutable_dist_spec() = DistSpecToProto(DistSpec().Set("tp", Placement::Shard({0}, {2})));
+      return host.Create(c);
+    };
+    const auto refused = [&](absl::string_view what) {
+      const absl::StatusOr<v1::TensorValue> whole = host.GetGlobal("x");
+      EXPECT_EQ(whole.status().code(), absl::StatusCode::kFailedPrecondition) << what << ": " << whole.status();
+      EXPECT_NE(whole.status().message().find("do not all hold tensor 'x' alike"), std::string::npos)
+          << whole.status();
+      v1::SetDistSpecRequest replicate;
+      replicate.set_name("x");
+      *replicate.mutable_dist_spec() = DistSpecToProto(DistSpec::Replicate());
+      const absl::StatusOr<v1::TensorLayout> set = host.SetDistSpec(replicate);
+      EXPECT_EQ(set.status().code(), absl::StatusCode::kFailedPrecondition) << what << ": " << set.status();
+    };
+    ASSERT_TRUE(create(rank == 0 ? 4 : 64).ok());  // two shapes: [2, 4] and [32, 4] shards
+    refused("two shapes");
+    ASSERT_TRUE(host.Delete("x").ok());
+    if (rank == 0) ASSERT_TRUE(create(4).ok());  // on one rank only
+    refused("one rank");
+    if (rank == 0) ASSERT_TRUE(host.Delete("x").ok());
+    EXPECT_EQ(host.GetGlobal("x").status().code(), absl::StatusCode::kNotFound);  // on none
+    ASSERT_TRUE(create(4).ok());
+    const absl::StatusOr<v1::TensorValue> whole = host.GetGlobal("x");
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    auto want = Tensor::RandomNormal({4, 4}, /*seed=*/3);
+    ASSERT_TRUE(want.ok());
+    auto got = TensorFromProto(*whole);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->ToFloats(), want->ToFloats());
+  });
+}
+
 }  // namespace
 }  // namespace colod
