@@ -5,6 +5,8 @@
 #include <initializer_list>
 #include <optional>
 #include <sstream>
+#include <string>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -628,6 +630,47 @@ absl::StatusOr<std::string> ReadConfigJson(const std::string& dir) {
   auto text = ReadFileToString(dir + "/config.json");
   if (absl::IsNotFound(text.status())) return absl::NotFoundError(absl::StrCat("no config.json in ", dir));
   return text;  // or why the one there cannot be read (no permission, a directory, EIO)
+}
+
+std::vector<std::string> ArchitectureDifferences(const ModelConfig& a, const ModelConfig& b) {
+  std::vector<std::string> out;
+  const auto text = [](const auto& v) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, bool>) {
+      return std::string(v ? "true" : "false");
+    } else {
+      return absl::StrCat(v);
+    }
+  };
+  const auto differ = [&](const char* field, const auto& x, const auto& y) {
+    if (x != y) out.push_back(absl::StrCat(field, " ", text(x), ", not ", text(y)));
+  };
+  differ("model_type", a.model_type, b.model_type);
+  differ("vocab_size", a.vocab_size, b.vocab_size);
+  differ("hidden_size", a.hidden_size, b.hidden_size);
+  differ("num_layers", a.num_layers, b.num_layers);
+  differ("num_heads", a.num_heads, b.num_heads);
+  differ("num_kv_heads", a.num_kv_heads, b.num_kv_heads);
+  differ("intermediate_size", a.intermediate_size, b.intermediate_size);
+  differ("max_positions", a.max_positions, b.max_positions);
+  differ("norm_eps", a.norm_eps, b.norm_eps);
+  differ("rope_theta", a.rope_theta, b.rope_theta);
+  differ("activation", a.activation, b.activation);
+  differ("tie_word_embeddings", a.tie_word_embeddings, b.tie_word_embeddings);
+  differ("type_vocab_size", a.type_vocab_size, b.type_vocab_size);
+  differ("norm_before", a.norm_before, b.norm_before);
+  differ("final_norm", a.final_norm, b.final_norm);
+  differ("linear_bias", a.linear_bias, b.linear_bias);
+  differ("embed_dim", a.embed_dim, b.embed_dim);
+  differ("position_offset", a.position_offset, b.position_offset);
+  differ("residual_post_norm", a.residual_post_norm, b.residual_post_norm);
+  differ("image_size", a.image_size, b.image_size);
+  differ("patch_size", a.patch_size, b.patch_size);
+  differ("num_channels", a.num_channels, b.num_channels);
+  differ("kv_dim", a.kv_dim, b.kv_dim);
+  differ("num_decoder_layers", a.num_decoder_layers, b.num_decoder_layers);
+  differ("relative_buckets", a.relative_buckets, b.relative_buckets);
+  differ("relative_max_distance", a.relative_max_distance, b.relative_max_distance);
+  return out;
 }
 
 absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& dir) {

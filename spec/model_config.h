@@ -80,6 +80,12 @@ inline constexpr int64_t kMaxLayers = 4096;
 // that the table's rows (positions + offset) count without overflow.
 inline constexpr int64_t kMaxPositions = int64_t{1} << 40;
 
+// The fields in which two configs describe models of different parameters
+// or computations ("hidden_size 32, not 64": `a`'s, then `b`'s), empty for
+// the same model. The text (`json`) and what changes no parameter nor the
+// forward pass's shape (the pad and decoder-start ids) are not compared.
+std::vector<std::string> ArchitectureDifferences(const ModelConfig& a, const ModelConfig& b);
+
 // Parses config.json text. INVALID_ARGUMENT naming the field for a missing or
 // mistyped required field, an unknown model_type (naming it and the known
 // ones), sizes that do not fit together (hidden_size not divisible by the

@@ -389,6 +389,26 @@ TEST(ModelConfig, ShardabilityNamesTheNumbers) {
       << bad;
 }
 
+// Two configs of one model have no differences; each field that changes
+// the parameters or the computation is named, with both values.
+TEST(ModelConfig, ArchitectureDifferencesNameEachFieldThatDiffers) {
+  ModelConfig a;
+  a.model_type = "gpt2";
+  a.hidden_size = 64;
+  a.num_layers = 2;
+  a.tie_word_embeddings = true;
+  a.json = "{}";
+  ModelConfig b = a;
+  b.json = "{ }";  // the text is not compared
+  EXPECT_TRUE(ArchitectureDifferences(a, b).empty());
+  b.num_layers = 1;
+  b.tie_word_embeddings = false;
+  b.activation = "gelu";
+  EXPECT_EQ(ArchitectureDifferences(a, b),
+            (std::vector<std::string>{"num_layers 2, not 1", "activation , not gelu",
+                                      "tie_word_embeddings true, not false"}));
+}
+
 }  // namespace
 // An encoder-decoder's stages: the encoder's layers, then the decoder's,
 // never one stage across both; by default the stages split between the

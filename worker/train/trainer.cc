@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
@@ -380,6 +381,20 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &skipped, o.resume_writers));
     for (const std::string& s : skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
     ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
+    // The checkpoint's model must be this one: loading another's would
+    // take what fits and drop the rest (a layer fewer), or fail on a shape.
+    // (A checkpoint without its config, of an older colod, is not checked.)
+    if (absl::StatusOr<ModelConfig> saved = shardformer::LoadConfig(run->resume); saved.ok()) {
+      const std::vector<std::string> differ = ArchitectureDifferences(*saved, config);
+      if (!differ.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the checkpoint to resume from, ", run->resume, ", is of another model than ", o.model_dir, ": ",
+            absl::StrJoin(differ, "; "), " (the checkpoint's, then the model's). Resume with the model it was "
+            "trained from, or start from it with `coloctl consolidate --checkpoint ", run->resume, " --out DIR`"));
+      }
+    } else if (!absl::IsNotFound(saved.status())) {
+      return saved.status();
+    }
     if (!o.eval_only && state.step > o.steps) {  // an evaluation trains no step: steps does not matter
       return absl::FailedPreconditionError(absl::StrCat(
           "the checkpoint to resume from, ", run->resume, ", is after step ", state.step,

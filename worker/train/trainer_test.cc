@@ -708,6 +708,21 @@ TEST(Trainer, AnInterruptedRunResumesWithTheSameLossesBitwise) {
   EXPECT_EQ(Train(other, nullptr).code(), absl::StatusCode::kFailedPrecondition);
   other.resume_dir = TempPath("ck_none");
   EXPECT_EQ(Train(other, nullptr).code(), absl::StatusCode::kNotFound);
+  // Nor another model: a layer fewer (before, it resumed, dropping the
+  // checkpoint's second layer without a word).
+  const std::string shallow = TempPath("train_resume_shallow");
+  std::filesystem::copy(model, shallow, std::filesystem::copy_options::recursive);
+  auto config = ReadFileToString(shallow + "/config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  const size_t at = config->find("\"n_layer\": 2");
+  ASSERT_NE(at, std::string::npos) << *config;
+  std::ofstream(shallow + "/config.json", std::ios::trunc) << config->replace(at, 12, "\"n_layer\": 1");
+  TrainOptions another = again;
+  another.model_dir = shallow;
+  const absl::Status refused_model = Train(another, nullptr);
+  EXPECT_EQ(refused_model.code(), absl::StatusCode::kFailedPrecondition) << refused_model;
+  EXPECT_NE(refused_model.message().find("is of another model than"), std::string::npos) << refused_model;
+  EXPECT_NE(refused_model.message().find("num_layers 2, not 1"), std::string::npos) << refused_model;
 }
 
 TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
