@@ -468,6 +468,11 @@ absl::Status JobRunner::RunRank(Active& active) {
     const std::string message =
         start.checkpoint.empty() ? "" : absl::StrCat("resumed from ", start.checkpoint, " (step ", start.step, ")");
     if (reporter.Phase(v1::RANK_PHASE_TRAINING, message, start.step, start.checkpoint)) active.stop = true;
+    // Its step's report may have died with the worker that wrote it (no
+    // metric: this worker did not train it).
+    if (req.rank() == 0 && start.checkpoint_step.has_value() && reporter.Step(*start.checkpoint_step)) {
+      active.stop = true;
+    }
   };
   hooks.on_step = [&](const train::StepStats& st) {
     if (metrics != nullptr && st.trained) {

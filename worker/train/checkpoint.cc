@@ -399,7 +399,8 @@ absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer&
 
 absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*>& chunks, Optimizer& optimizer,
                                     const std::string& dir, int64_t step, uint64_t seed,
-                                    std::optional<double> eval_loss, const CheckpointWriter& writer) {
+                                    std::optional<double> eval_loss, const CheckpointWriter& writer,
+                                    const std::string& report) {
   if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
   RETURN_IF_ERROR(writer.Check());
   shardformer::ShardedModel& model = *chunks.front();
@@ -456,7 +457,10 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
     if (eval_loss.has_value() && std::isfinite(*eval_loss)) j["eval_loss"] = *eval_loss;
     if (!writer.job.empty()) j["job"] = writer.job;
     if (writer.generation > 0) j["generation"] = writer.generation;
-    RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(tmp, "/", kState), j.dump(1)));
+    if (!report.empty()) {
+      if (Json r = ParseJson(report); r.is_object()) j["report"] = std::move(r);
+    }
+    RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(tmp, "/", kState), JsonText(j, 1)));
     // Every rank's files are there and read (ranks of another colod version
     // would write elsewhere): retention trusts train_state.json alone.
     if (const absl::Status whole = Validate(tmp); !whole.ok()) {
@@ -667,6 +671,7 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(r.step, CheckedStep(checkpoint, state));
   ASSIGN_OR_RETURN(r.seed, SeedField(state, where));
   r.job = WriterJob(state);
+  if (state.contains("report") && state["report"].is_object()) r.report = JsonText(state["report"]);
   return r;
 }
 

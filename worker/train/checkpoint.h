@@ -87,11 +87,14 @@ absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer&
                                     int64_t step, uint64_t seed, std::optional<double> eval_loss = std::nullopt,
                                     const CheckpointWriter& writer = {});
 // The same of every model chunk a rank holds (interleaved 1F1B), chunk 0
-// first, whose parameters `optimizer` takes together.
+// first, whose parameters `optimizer` takes together. `report` (a JSON
+// object's text, if given): what rank 0 reported of the step, kept in
+// train_state.json so that a restart can report it again
+// (Resumed::report).
 absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*>& chunks, Optimizer& optimizer,
                                     const std::string& dir, int64_t step, uint64_t seed,
                                     std::optional<double> eval_loss = std::nullopt,
-                                    const CheckpointWriter& writer = {});
+                                    const CheckpointWriter& writer = {}, const std::string& report = "");
 
 // The newest complete checkpoint directory under `dir` (DIR/step-NNNNNN),
 // skipping damaged ones; `skipped` (if given) gets the ones passed over and
@@ -170,6 +173,7 @@ struct Resumed {
   int64_t step = 0;  // steps done; training continues with step + 1
   uint64_t seed = 0;
   std::string job;  // its writer (CheckpointWriter::job; "" outside a coordinator)
+  std::string report;  // SaveTrainingCheckpoint's report (a JSON object's text), or ""
 };
 // The step, seed and writer a checkpoint records.
 absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint);

@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
+#include "common/json.h"
 #include "common/logging.h"
 #include "common/model_layout.h"
 #include "common/status_macros.h"
@@ -596,6 +597,69 @@ bool EvaluatesAfter(const PreparedTrain& run, int64_t step) {
   return step == run.options.steps || (every > 0 && step % every == 0);
 }
 
+// What rank 0 reported of a step, kept in its checkpoint (StepFromReport
+// reads it back): the figures a report carries, not the device's pool.
+std::string StepReportJson(const StepStats& s) {
+  nlohmann::json j = {{"loss", s.loss},
+                      {"lr", s.lr},
+                      {"grad_norm", s.grad_norm},
+                      {"tokens_per_second", s.tokens_per_second},
+                      {"seconds", s.seconds},
+                      {"rank_tokens", s.rank_tokens},
+                      {"step_tokens", s.step_tokens},
+                      {"param_bytes", s.param_bytes},
+                      {"grad_bytes", s.grad_bytes},
+                      {"optimizer_bytes", s.optimizer_bytes},
+                      {"pipeline_wait_seconds", s.pipeline_wait_seconds},
+                      {"pipeline_span_seconds", s.pipeline_span_seconds}};
+  if (s.eval.has_value()) {
+    nlohmann::json e = {{"step", s.eval->step}, {"loss", s.eval->loss}, {"tokens", s.eval->tokens},
+                        {"seconds", s.eval->seconds}};
+    if (s.eval->perplexity.has_value() && std::isfinite(*s.eval->perplexity)) e["perplexity"] = *s.eval->perplexity;
+    if (s.eval->accuracy.has_value()) e["accuracy"] = *s.eval->accuracy;
+    j["eval"] = std::move(e);
+  }
+  return JsonText(j);
+}
+
+// The step `step` as StepReportJson kept it, written to `checkpoint`;
+// nullopt where the report does not read as one (a field missing or of
+// another type: nothing is reported rather than a wrong figure).
+std::optional<StepStats> StepFromReport(const std::string& text, int64_t step, const std::string& checkpoint) {
+  const nlohmann::json j = ParseJson(text);
+  if (!j.is_object()) return std::nullopt;
+  const auto number = [](const nlohmann::json& o, const char* key, auto* out) {
+    if (!o.contains(key) || !o[key].is_number()) return false;
+    *out = o[key].get<std::decay_t<decltype(*out)>>();
+    return true;
+  };
+  StepStats s;
+  s.step = step;
+  s.checkpoint = checkpoint;
+  if (!number(j, "loss", &s.loss) || !number(j, "lr", &s.lr) || !number(j, "grad_norm", &s.grad_norm) ||
+      !number(j, "tokens_per_second", &s.tokens_per_second) || !number(j, "seconds", &s.seconds) ||
+      !number(j, "rank_tokens", &s.rank_tokens) || !number(j, "step_tokens", &s.step_tokens) ||
+      !number(j, "param_bytes", &s.param_bytes) || !number(j, "grad_bytes", &s.grad_bytes) ||
+      !number(j, "optimizer_bytes", &s.optimizer_bytes) ||
+      !number(j, "pipeline_wait_seconds", &s.pipeline_wait_seconds) ||
+      !number(j, "pipeline_span_seconds", &s.pipeline_span_seconds) || !std::isfinite(s.loss)) {
+    return std::nullopt;
+  }
+  if (j.contains("eval")) {
+    const nlohmann::json& e = j["eval"];
+    EvalStats eval;
+    if (!e.is_object() || !number(e, "step", &eval.step) || !number(e, "loss", &eval.loss) ||
+        !number(e, "tokens", &eval.tokens) || !number(e, "seconds", &eval.seconds)) {
+      return std::nullopt;
+    }
+    double v = 0;
+    if (number(e, "perplexity", &v)) eval.perplexity = v;
+    if (number(e, "accuracy", &v)) eval.accuracy = v;
+    s.eval = eval;
+  }
+  return s;
+}
+
 // What a run ends with where training diverged: FAILED_PRECONDITION (a
 // restart from the same checkpoint with the same settings would diverge
 // again, so the coordinator does not retry it), naming the step and what to
@@ -676,11 +740,18 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   ASSIGN_OR_RETURN(const NormOrder norm_order, NormOrder::Create(params, &pg, shard.device));
   ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
   int64_t first = 0;
+  RankStart start;
   if (!run.resume.empty()) {
     ASSIGN_OR_RETURN(Resumed r, RestoreTrainingCheckpoint(run.resume, chunks, optimizer));
     first = r.step;
+    if (rank == 0 && !o.job.empty() && r.job == o.job && !o.eval_only && !r.report.empty()) {
+      start.checkpoint_step = StepFromReport(r.report, r.step, run.resume);
+      if (start.checkpoint_step.has_value()) start.checkpoint_step->rank = rank;
+    }
   }
-  if (hooks.on_start) hooks.on_start(RankStart{.step = first, .checkpoint = run.resume});
+  start.step = first;
+  start.checkpoint = run.resume;
+  if (hooks.on_start) hooks.on_start(start);
   // A time-boxed run (one that stops before its last step, writing no
   // final model) resumed at or past its stop (a restart after the stop's
   // checkpoint) has nothing left to do.
@@ -845,7 +916,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       const absl::Status saved = SaveTrainingCheckpoint(
           chunks, optimizer, o.save_dir, step + 1, run.seed,
           s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt,
-          CheckpointWriter{.job = o.job, .generation = o.generation});
+          CheckpointWriter{.job = o.job, .generation = o.generation}, rank == 0 ? StepReportJson(s) : "");
       if (!saved.ok()) {
         // The step trained, and its checkpoint may be whole on disk all the
         // same (rank 0 renames it into place before the save's last barrier,

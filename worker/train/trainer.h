@@ -196,6 +196,12 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
 struct RankStart {
   int64_t step = 0;
   std::string checkpoint;
+  // Rank 0, where the checkpoint is this job's own (a restart): the step it
+  // was written after, as rank 0 reported it then. The report may have died
+  // with the worker that wrote the checkpoint (the checkpoint is put in
+  // place before the step is reported), and the restart begins after that
+  // step, so it is reported again (the coordinator records each step once).
+  std::optional<StepStats> checkpoint_step;
 };
 
 struct RankHooks {

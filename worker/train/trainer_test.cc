@@ -908,6 +908,67 @@ TEST(Trainer, AFinalModelIsWrittenOnlyWhereNoOtherModelIs) {
   EXPECT_EQ(Train(eval, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A checkpoint keeps rank 0's report of its step, and a restart of the job
+// that wrote it hands that report to its start (RankStart::checkpoint_step),
+// to be reported again: the report may have died with the worker that
+// wrote the checkpoint, and the restart begins after the step. A run
+// resuming another job's checkpoint gets none (that step is not its own).
+TEST(Trainer, ARestartHandsOnTheReportOfItsCheckpointsStep) {
+  const std::string model = TinyModel("train_report");
+  TrainOptions o = Options(model, 1, 1);
+  o.steps = 4;
+  o.save_dir = TempPath("ck_report");
+  o.save_every = 2;
+  o.eval_split = 0.1;
+  o.eval_every = 2;
+  o.job = "job-000042";
+  o.generation = 1;
+  const std::vector<StepStats> steps = Losses(o);
+  ASSERT_EQ(steps.size(), 4u);
+  ASSERT_TRUE(steps[1].eval.has_value());
+  std::filesystem::remove_all(StepDir(o.save_dir, 4));  // the restart resumes after step 2
+  const auto started = [](const TrainOptions& t) {
+    std::optional<RankStart> got;
+    auto run = PrepareTrain(t);
+    EXPECT_TRUE(run.ok()) << run.status();
+    if (!run.ok()) return got;
+    RankHooks hooks;
+    hooks.on_start = [&](const RankStart& s) { got = s; };
+    const absl::Status ran = shardformer::RunOnLocalRanks(
+        t.shard, t.cuda,
+        [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
+          return RunTrainRank(**run, rank, pg, shard, hooks);
+        },
+        t.comm_timeout);
+    EXPECT_TRUE(ran.ok()) << ran;
+    return got;
+  };
+  TrainOptions restart = o;
+  restart.generation = 2;
+  restart.resume_dir = o.save_dir;
+  const std::optional<RankStart> again = started(restart);
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->step, 2);
+  ASSERT_TRUE(again->checkpoint_step.has_value());
+  const StepStats& s = *again->checkpoint_step;
+  EXPECT_EQ(s.step, 2);
+  EXPECT_EQ(s.loss, steps[1].loss);
+  EXPECT_EQ(s.lr, steps[1].lr);
+  EXPECT_EQ(s.grad_norm, steps[1].grad_norm);
+  EXPECT_EQ(s.step_tokens, steps[1].step_tokens);
+  EXPECT_EQ(s.checkpoint, StepDir(o.save_dir, 2));
+  ASSERT_TRUE(s.eval.has_value());
+  EXPECT_EQ(s.eval->loss, steps[1].eval->loss);
+  EXPECT_EQ(s.eval->tokens, steps[1].eval->tokens);
+  std::filesystem::remove_all(StepDir(o.save_dir, 4));
+  TrainOptions other = restart;
+  other.job = "job-000043";
+  const std::optional<RankStart> theirs = started(other);
+  ASSERT_TRUE(theirs.has_value());
+  EXPECT_EQ(theirs->step, 2);
+  EXPECT_FALSE(theirs->checkpoint_step.has_value());
+}
+
 TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
   const std::string model = TinyModel("train_bad");
   TrainOptions o = Options(model, 1, 2);
