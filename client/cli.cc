@@ -253,6 +253,10 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
     if (ev.has_rank_status() && ev.rank_status().rank() == 0 && !ev.rank_status().resumed_from().empty()) {
       std::fprintf(stderr, "coloctl: resuming from %s (step %lld)\n", ev.rank_status().resumed_from().c_str(),
                    static_cast<long long>(ev.rank_status().resumed_step()));
+      const std::string& message = ev.rank_status().message();
+      if (const size_t at = message.find(kPassedOverDamaged); at != std::string::npos) {
+        std::fprintf(stderr, "coloctl: %s\n", message.substr(at).c_str());
+      }
       resume_said = true;
     }
     if (on_step && ev.has_step()) {

@@ -112,7 +112,9 @@ ABSL_FLAG(std::string, keep_last, "",
 ABSL_FLAG(bool, keep_best, false,
           "train, submit: also keep the checkpoint of the lowest held-out loss (needs --eval-every dividing "
           "--save-every).");
-ABSL_FLAG(std::string, resume, "", "train: continue from the newest complete checkpoint in this directory.");
+ABSL_FLAG(std::string, resume, "",
+          "train: continue from the newest complete checkpoint in this directory (a --save directory), or from "
+          "this checkpoint (DIR/step-N, e.g. the best one `coloctl checkpoints` lists).");
 ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run to --resume later).");
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
 ABSL_FLAG(std::string, device, "cpu",

@@ -14,6 +14,10 @@ namespace colod {
 // A status or failure message a rank or worker reports to the coordinator,
 // and what the coordinator keeps of one, in bytes.
 inline constexpr size_t kMaxReportedMessageBytes = 16 << 10;
+// In rank 0's TRAINING status message, before the newer checkpoints a
+// resume passed over as damaged (each "step-N: why", "; " between): coloctl
+// shows them where the worker's log is out of the user's sight.
+inline constexpr char kPassedOverDamaged[] = "passed over damaged checkpoints: ";
 
 // `text` with each byte that does not belong to a well-formed UTF-8
 // sequence (a stray continuation byte, a truncated or overlong sequence, a

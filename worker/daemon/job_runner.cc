@@ -14,6 +14,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
@@ -465,8 +466,11 @@ absl::Status JobRunner::RunRank(Active& active) {
   hooks.stop = [&active] { return active.stop.load(); };
   hooks.on_start = [&](const train::RankStart& start) {
     if (metrics != nullptr) metrics->TrainingStarted();
-    const std::string message =
+    std::string message =
         start.checkpoint.empty() ? "" : absl::StrCat("resumed from ", start.checkpoint, " (step ", start.step, ")");
+    if (!start.skipped.empty()) {
+      absl::StrAppend(&message, "; ", kPassedOverDamaged, absl::StrJoin(start.skipped, "; "));
+    }
     if (reporter.Phase(v1::RANK_PHASE_TRAINING, message, start.step, start.checkpoint)) active.stop = true;
     // Its step's report may have died with the worker that wrote it (no
     // metric: this worker did not train it).

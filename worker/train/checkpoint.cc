@@ -632,6 +632,18 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
 
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped,
                                              const std::optional<std::vector<std::string>>& writers) {
+  // A checkpoint itself (DIR/step-N, e.g. the best one to go on from): it,
+  // if complete and one of `writers`'.
+  if (IsRegularFile(absl::StrCat(dir, "/", kState))) {
+    ASSIGN_OR_RETURN(const Json state, ReadJson(absl::StrCat(dir, "/", kState)));
+    if (writers.has_value() && std::find(writers->begin(), writers->end(), WriterJob(state)) == writers->end()) {
+      return absl::NotFoundError(absl::StrCat(dir, " is another writer's checkpoint (", WriterJob(state), ")"));
+    }
+    if (const absl::Status valid = ValidateFiles(dir, state); !valid.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", dir, " is damaged: ", valid.message()));
+    }
+    return dir;
+  }
   std::vector<std::pair<int64_t, std::string>> numbered;
   ASSIGN_OR_RETURN(const std::vector<std::string> names, ListDirectory(dir));
   for (const std::string& name : names) {

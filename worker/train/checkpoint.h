@@ -97,6 +97,7 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
                                     const CheckpointWriter& writer = {}, const std::string& report = "");
 
 // The newest complete checkpoint directory under `dir` (DIR/step-NNNNNN),
+// or `dir` itself where it is one (FAILED_PRECONDITION where it is damaged),
 // skipping damaged ones; `skipped` (if given) gets the ones passed over and
 // why. With `writers`, only the checkpoints one of them wrote count (their
 // train_state.json's "job", CheckpointWriter::job, of any generation): a

@@ -251,6 +251,7 @@ struct PreparedTrain {
   TrainOptions options;
   std::string resume;  // the checkpoint to resume from, if any
   std::string resumed_writer;  // its writer, whose checkpoints retention counts as this run's
+  std::vector<std::string> skipped;  // newer checkpoints passed over as damaged, and why
   uint64_t seed = 0;
   std::unique_ptr<TrainData> data;
   std::optional<EvalPlan> eval;
@@ -376,11 +377,10 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   run->options = o;
   run->seed = o.seed;
   if (!o.resume_dir.empty()) {
-    std::vector<std::string> skipped;
     // A save that died mid-replace may have left its step's only copy aside.
     RestoreMovedAsideCheckpoints(o.resume_dir, CheckpointWriter{.job = o.job, .generation = o.generation});
-    ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &skipped, o.resume_writers));
-    for (const std::string& s : skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
+    ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &run->skipped, o.resume_writers));
+    for (const std::string& s : run->skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
     ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
     // The checkpoint's model must be this one: loading another's would
     // take what fits and drop the rest (a layer fewer), or fail on a shape.
@@ -751,6 +751,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   }
   start.step = first;
   start.checkpoint = run.resume;
+  if (rank == 0) start.skipped = run.skipped;
   if (hooks.on_start) hooks.on_start(start);
   // A time-boxed run (one that stops before its last step, writing no
   // final model) resumed at or past its stop (a restart after the stop's

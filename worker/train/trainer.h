@@ -78,7 +78,7 @@ struct TrainOptions {
   // needs eval_every > 0 dividing save_every).
   int64_t keep_last = 0;
   bool keep_best = false;
-  std::string resume_dir;     // if set, continue from its newest complete checkpoint
+  std::string resume_dir;     // if set, continue from its newest complete checkpoint, or from it if it is one
   // The coordinator's job and its generation (the worker daemon sets them;
   // none and 0 elsewhere): checkpoints are written through a temporary
   // directory of the generation's own (StepTmpDir), so that a rank of an
@@ -202,6 +202,8 @@ struct RankStart {
   // place before the step is reported), and the restart begins after that
   // step, so it is reported again (the coordinator records each step once).
   std::optional<StepStats> checkpoint_step;
+  // Rank 0: newer checkpoints passed over as damaged ("step-000010: why").
+  std::vector<std::string> skipped;
 };
 
 struct RankHooks {

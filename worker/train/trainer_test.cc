@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "tests/testing/temp_dir.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "spec/model_config.h"
@@ -702,6 +703,17 @@ TEST(Trainer, AnInterruptedRunResumesWithTheSameLossesBitwise) {
   const std::vector<StepStats> redo = Losses(again);
   ASSERT_EQ(redo.size(), 5u);
   for (size_t i = 0; i < redo.size(); ++i) EXPECT_EQ(redo[i].loss, want[i + 5].loss) << "step " << i + 6;
+  // A checkpoint named itself is the one resumed from; a damaged one named
+  // so is an error, not another checkpoint.
+  TrainOptions chosen = again;
+  chosen.resume_dir = TempPath("ck_full") + "/step-000005";
+  const std::vector<StepStats> from_five = Losses(chosen);
+  ASSERT_EQ(from_five.size(), 5u);
+  EXPECT_EQ(from_five[0].loss, want[5].loss);
+  chosen.resume_dir = TempPath("ck_full") + "/step-000010";
+  const absl::Status damaged_named = Train(chosen, nullptr);
+  EXPECT_EQ(damaged_named.code(), absl::StatusCode::kFailedPrecondition) << damaged_named;
+  EXPECT_NE(damaged_named.message().find("is damaged"), std::string::npos) << damaged_named;
   // Another layout cannot resume it; no checkpoint at all is NOT_FOUND.
   TrainOptions other = again;
   other.shard.layout.set_tensor_parallel_size(1);
@@ -960,13 +972,19 @@ TEST(Trainer, ARestartHandsOnTheReportOfItsCheckpointsStep) {
   ASSERT_TRUE(s.eval.has_value());
   EXPECT_EQ(s.eval->loss, steps[1].eval->loss);
   EXPECT_EQ(s.eval->tokens, steps[1].eval->tokens);
+  EXPECT_TRUE(again->skipped.empty());
   std::filesystem::remove_all(StepDir(o.save_dir, 4));
+  // A newer checkpoint that does not read is passed over, and named.
+  std::filesystem::create_directories(StepDir(o.save_dir, 8));
+  std::ofstream(StepDir(o.save_dir, 8) + "/train_state.json") << "{";
   TrainOptions other = restart;
   other.job = "job-000043";
   const std::optional<RankStart> theirs = started(other);
   ASSERT_TRUE(theirs.has_value());
   EXPECT_EQ(theirs->step, 2);
   EXPECT_FALSE(theirs->checkpoint_step.has_value());
+  ASSERT_EQ(theirs->skipped.size(), 1u);
+  EXPECT_TRUE(absl::StartsWith(theirs->skipped[0], "step-000008: ")) << theirs->skipped[0];
 }
 
 TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
