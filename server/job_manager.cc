@@ -39,24 +39,40 @@ constexpr int64_t kMaxJobNumber = int64_t{1} << 62;
 }  // namespace
 namespace {
 
-// The directories a TRAIN spec writes, which one job at a time may: its
-// checkpoint_dir and final_dir, each as "FIELD DIR" with DIR lexically
-// normal and without a trailing separator (the keys jobs are compared by).
+// The directories a TRAIN spec writes, which one job at a time may (as a
+// checkpoint_dir or a final_dir alike): each as "FIELD DIR" with DIR
+// lexically normal and without a trailing separator, and, for an absolute
+// DIR whose links the coordinator can resolve (a shared file system, an
+// embedded cluster), as "FIELD DIR" again with DIR resolved, so that a
+// link to another job's directory is that directory. Jobs are compared by
+// the DIR parts. Reads the file system: never called under mu_.
 std::vector<std::string> OutputDirKeys(const v1::JobSpec& spec) {
   std::vector<std::string> keys;
   if (spec.kind() != v1::JOB_KIND_TRAIN || spec.train().eval_only()) return keys;  // an evaluation writes nothing
   // A checkpoint_dir without checkpoint_every is never written.
   const bool saves = spec.train().checkpoint_every() > 0;
+  const auto trimmed = [](std::string key) {
+    while (key.size() > 1 && key.back() == '/') key.pop_back();
+    return key;
+  };
   for (const auto& [field, dir] :
        {std::pair<const char*, std::string>{"checkpoint_dir", saves ? spec.train().checkpoint_dir() : ""},
         std::pair<const char*, std::string>{"final_dir", spec.train().final_dir()}}) {
     if (dir.empty()) continue;
-    std::string key = std::filesystem::path(dir).lexically_normal().string();
-    while (key.size() > 1 && key.back() == '/') key.pop_back();
+    const std::string key = trimmed(std::filesystem::path(dir).lexically_normal().string());
     keys.push_back(absl::StrCat(field, " ", key));
+    if (!std::filesystem::path(dir).is_absolute()) continue;
+    std::error_code ec;
+    const std::filesystem::path resolved = std::filesystem::weakly_canonical(dir, ec);
+    if (ec || resolved.empty()) continue;
+    const std::string real = trimmed(resolved.string());
+    if (real != key) keys.push_back(absl::StrCat(field, " ", real));
   }
   return keys;
 }
+
+// The DIR of an OutputDirKeys key.
+absl::string_view KeyDir(absl::string_view key) { return key.substr(key.find(' ') + 1); }
 
 // Job.uid: 64 random bits, hex.
 std::string NewJobUid() {
@@ -360,6 +376,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
       e.request_id = record.head.request_id();
       f.record.reset();  // what was not moved into the entry
       if (!e.request_id.empty()) m->job_by_request_id_[e.request_id] = e.job.job_id();
+      if (!IsFinal(e.job.state())) e.output_dirs = OutputDirKeys(e.job.spec());
       m->jobs_.emplace(e.job.job_id(), std::move(e));
     }
     m->state_dir_ = state_dir;
@@ -950,21 +967,24 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
     // One job at a time writes a directory (OutputDirKeys).
     absl::Status taken;
     for (const std::string& dir : dirs) {
-      if (submitting_dirs_.contains(dir)) {
+      if (submitting_dirs_.contains(std::string(KeyDir(dir)))) {
         // Its record is being written, and may yet fail: not known to be taken.
-        taken = absl::UnavailableError(absl::StrCat("spec.train: ", dir.substr(dir.find(' ') + 1),
+        taken = absl::UnavailableError(absl::StrCat("spec.train: ", KeyDir(dir),
                                                     " is named by a job being submitted; try again"));
         break;
       }
     }
     for (auto it = jobs_.begin(); taken.ok() && !dirs.empty() && it != jobs_.end(); ++it) {
       if (IsFinal(it->second.job.state())) continue;
-      for (const std::string& theirs : OutputDirKeys(it->second.job.spec())) {
-        if (std::find(dirs.begin(), dirs.end(), theirs) == dirs.end()) continue;
-        const std::string field = theirs.substr(0, theirs.find(' '));
+      for (const std::string& theirs : it->second.output_dirs) {
+        const auto mine = std::find_if(dirs.begin(), dirs.end(),
+                                       [&](const std::string& d) { return KeyDir(d) == KeyDir(theirs); });
+        if (mine == dirs.end()) continue;
+        const std::string field = mine->substr(0, mine->find(' '));
+        const std::string their_field = theirs.substr(0, theirs.find(' '));
         taken = absl::FailedPreconditionError(absl::StrCat(
             "spec.train.", field, ": ", field == "final_dir" ? spec.train().final_dir() : spec.train().checkpoint_dir(),
-            " is the ", field, " of ", it->first, " (", JobStateName(it->second.job.state()),
+            " is the ", their_field, " of ", it->first, " (", JobStateName(it->second.job.state()),
             "): one job at a time writes a directory (use another, or submit once that job ended)"));
         break;
       }
@@ -992,7 +1012,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
       return absl::ResourceExhaustedError(absl::StrCat("job numbers are exhausted (", next_id_,
                                                        "): the data dir's next-id was tampered with"));
     }
-    for (const std::string& dir : dirs) submitting_dirs_.insert(dir);
+    for (const std::string& dir : dirs) submitting_dirs_.insert(std::string(KeyDir(dir)));
     e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
     e.job.set_uid(uid);
     *e.job.mutable_spec() = spec;
@@ -1008,7 +1028,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   const absl::Status s = WriteRecord(w);
   absl::MutexLock lock(&mu_);
   if (!request.empty()) submitting_.erase(request);
-  for (const std::string& dir : dirs) submitting_dirs_.erase(dir);
+  for (const std::string& dir : dirs) submitting_dirs_.erase(std::string(KeyDir(dir)));
   if (!s.ok()) {
     // Not accepted: nothing of it stays (its id is not reused either).
     return absl::Status(s.code(), absl::StrCat("the job cannot be recorded: ", s.message()));
@@ -1016,6 +1036,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   const std::string id = e.job.job_id();
   if (!request.empty()) job_by_request_id_[request] = id;
   e.published = e.events.size();  // written
+  e.output_dirs = dirs;
   return jobs_.emplace(id, std::move(e)).first->second.job;
 }
 

@@ -278,6 +278,9 @@ class JobManager {
     std::optional<double> attempt_peak_flops;
     // The model's FLOPs a token (0: not known), computed at its first step.
     std::optional<double> flops_per_token;
+    // The directories it writes (OutputDirKeys, made outside mu_ when it
+    // was submitted or read back): one job at a time may.
+    std::vector<std::string> output_dirs;
   };
   // That a job's record must be written, once mu_ is released (file
   // writes and fsyncs never hold mu_). Most carry no bytes: WriteRecord

@@ -525,6 +525,30 @@ TEST(JobManager, OneActiveJobSavesIntoACheckpointDirectory) {
   v1::JobSpec unsaved = saving;
   unsaved.mutable_train()->set_checkpoint_every(0);
   EXPECT_TRUE((*recorded)->Submit(unsaved, "").ok());
+
+  // A directory is one whatever names it: another job's checkpoint_dir as
+  // a final_dir, and through a link the coordinator can resolve (before,
+  // a link let a second job replace the first's checkpoints).
+  const std::string real = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-real-ck";
+  std::filesystem::create_directories(real);
+  std::filesystem::create_directory_symlink(real, real + "-link");
+  v1::JobSpec owner = saving;
+  owner.mutable_train()->set_checkpoint_dir(real);
+  auto o = jobs.Submit(owner, "");
+  ASSERT_TRUE(o.ok()) << o.status();
+  v1::JobSpec linked = saving;
+  linked.mutable_train()->set_checkpoint_dir(real + "-link");
+  auto through_link = jobs.Submit(linked, "");
+  EXPECT_EQ(through_link.status().code(), absl::StatusCode::kFailedPrecondition) << through_link.status();
+  EXPECT_TRUE(absl::StrContains(through_link.status().message(), " is the checkpoint_dir of " + o->job_id()))
+      << through_link.status();
+  v1::JobSpec as_final = TrainSpec();
+  as_final.mutable_train()->set_final_dir(real);
+  auto final_there = jobs.Submit(as_final, "");
+  EXPECT_EQ(final_there.status().code(), absl::StatusCode::kFailedPrecondition) << final_there.status();
+  EXPECT_TRUE(absl::StrContains(final_there.status().message(),
+                                "spec.train.final_dir: " + real + " is the checkpoint_dir of " + o->job_id()))
+      << final_there.status();
 }
 
 // A job stores the memory floor it was submitted with, computed once: the
