@@ -40,6 +40,12 @@ class TensorHost {
 
   // A tensor name's bytes at most.
   static constexpr size_t kMaxNameBytes = 256;
+  // The most bytes of values GetGlobal and GetShard answer with: gRPC's
+  // 4 MiB message limit on the coordinator's hop to the workers, less room
+  // for the rest of the answer. A larger value is refused before it is
+  // gathered or copied (RESOURCE_EXHAUSTED), not after every rank gathered
+  // it whole and the message failed.
+  static constexpr int64_t kMaxValueBytes = (int64_t{4} << 20) - (int64_t{64} << 10);
   // What a tensor of `data_bytes` named `name` counts against the budget:
   // its data, its name and kPerTensorBytes of bookkeeping (the map's node,
   // the ColoTensor and its specs), so that empty or tiny tensors are not

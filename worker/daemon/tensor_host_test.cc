@@ -253,5 +253,38 @@ TEST(TensorHost, RanksThatDoNotHoldATensorAlikeRefuseItsCollectivesOnEveryRank) 
   });
 }
 
+// A value over what an answer carries (gRPC's 4 MiB) is refused before it
+// is gathered or copied, on every rank: before, every rank gathered it
+// whole (three times its size at the peak) and the answer then failed.
+TEST(TensorHost, ValuesOverAnAnswersSizeAreRefusedBeforeTheyAreGathered) {
+  testing::RunMesh(testing::TpDpMesh(2), [&](int rank, ProcessGroup& pg) {
+    TensorHost host(&pg, Device::Cpu(), int64_t{1} << 30);
+    const auto create = [&](const std::string& name, int64_t rows) {
+      v1::CreateTensorRequest c;
+      c.set_name(name);
+      c.mutable_random()->add_shape(rows);
+      c.mutable_random()->add_shape(1024);
+      *c.mutable_dist_spec() = DistSpecToProto(DistSpec().Set("tp", Placement::Shard({0}, {2})));
+      return host.Create(c);
+    };
+    // 1100 x 1024 floats: 4.3 MiB whole, 2.15 MiB a shard.
+    ASSERT_TRUE(create("big", 1100).ok());
+    const absl::StatusOr<v1::TensorValue> whole = host.GetGlobal("big");
+    EXPECT_EQ(whole.status().code(), absl::StatusCode::kResourceExhausted) << whole.status();
+    EXPECT_NE(whole.status().message().find("read it a shard at a time"), std::string::npos) << whole.status();
+    v1::GetShardRequest shard;
+    shard.set_name("big");
+    shard.set_rank(rank);
+    EXPECT_TRUE(host.GetShard(shard).ok());
+    // 2200 x 1024: 4.3 MiB a shard.
+    ASSERT_TRUE(create("bigger", 2200).ok());
+    shard.set_name("bigger");
+    EXPECT_EQ(host.GetShard(shard).status().code(), absl::StatusCode::kResourceExhausted);
+    // One within it is gathered.
+    ASSERT_TRUE(create("fits", 1000).ok());
+    EXPECT_TRUE(host.GetGlobal("fits").ok());
+  });
+}
+
 }  // namespace
 }  // namespace colod
