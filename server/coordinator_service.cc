@@ -232,13 +232,26 @@ grpc::Status CoordinatorServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1
       ~Release() { n.fetch_sub(1); }
     } release{watches_};
     int64_t next = std::max<int64_t>(req->from_sequence(), 1);
+    // A client that stops reading blocks a Write (flow control) and would
+    // hold this thread and its watch slot for ever: the stall watchdog ends
+    // it. Waiting for events is no stall.
+    const std::unique_ptr<StallWatchdog::Watch> watch =
+        stalls_ != nullptr ? stalls_->Start(ctx, absl::StrCat("WatchJob of ", req->job_id(), " to ", ctx->peer()))
+                           : nullptr;
     // Poll in short waits so that a cancelled client or a server shutdown
     // ends the stream promptly.
     while (!ctx->IsCancelled()) {
       ASSIGN_OR_RETURN(JobManager::Events batch,
                        jobs_->WaitForEvents(req->job_id(), next, absl::Milliseconds(250), kWatchBatch));
+      if (watch != nullptr) watch->Progress();
       for (const v1::JobEvent& ev : batch.events) {
-        if (!writer->Write(ev)) return absl::CancelledError("client went away");
+        if (!writer->Write(ev)) {
+          if (watch != nullptr && watch->stalled()) {
+            return absl::DeadlineExceededError("the client read nothing for --stream-stall-timeout: cancelled");
+          }
+          return absl::CancelledError("client went away");
+        }
+        if (watch != nullptr) watch->Progress();
         next = ev.sequence() + 1;
       }
       if (batch.finished) return absl::OkStatus();

@@ -569,6 +569,65 @@ TEST(CoordinatorStart, ServerThreadsAreBounded) {
   EXPECT_EQ(Coordinator::Start(d).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A watch whose client reads nothing (its Write held by flow control) is
+// cancelled after --stream-stall-timeout, freeing its thread and watch slot
+// (before, it held them until the client went away); a watch that waits for
+// events, its client reading, is never cut.
+TEST(CoordinatorStart, AWatchWhoseClientReadsNothingIsCancelledAndAWaitingOneIsNot) {
+  Coordinator::Options o;
+  o.data_dir = testing::TempPath("coord-watch-stall");
+  o.stream_stall_timeout = absl::Seconds(1);
+  auto c = Coordinator::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  v1::JobSpec spec = testing::TinyTrainSpec(1, 1);
+  spec.mutable_train()->set_steps(3000);
+  auto busy = (*c)->jobs().Submit(spec, "");
+  ASSERT_TRUE(busy.ok()) << busy.status();
+  for (int n = 1; n <= 3000; ++n) {
+    v1::StepProgress step;
+    step.set_step(n);
+    step.set_loss(1.0 / n);
+    step.mutable_step_duration()->set_nanos(1000);
+    ASSERT_TRUE((*c)->jobs().AddStep(busy->job_id(), step).ok());
+  }
+  auto quiet = (*c)->jobs().Submit(testing::TinyTrainSpec(1, 1), "");
+  ASSERT_TRUE(quiet.ok()) << quiet.status();
+  // A small stream window: a client that reads nothing holds the server's
+  // Write after a few events.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  auto stub = v1::CoordinatorService::NewStub(
+      grpc::CreateCustomChannel((*c)->address(), grpc::InsecureChannelCredentials(), args));
+  (*c)->jobs().Flush();  // the steps written: watchers are sent them
+  grpc::ClientContext idle_ctx;
+  v1::WatchJobRequest req;
+  req.set_job_id(busy->job_id());
+  req.set_from_sequence(1);
+  auto idle = stub->WatchJob(&idle_ctx, req);
+  idle->WaitForInitialMetadata();
+  // The waiting watch, of a job with nothing more to say for now.
+  grpc::ClientContext waiting_ctx;
+  waiting_ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  req.set_job_id(quiet->job_id());
+  auto waiting = stub->WatchJob(&waiting_ctx, req);
+  v1::JobEvent ev;
+  ASSERT_TRUE(waiting->Read(&ev));  // its PENDING
+  for (int i = 0; i < 1000 && (*c)->stalled_streams() < 1; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ((*c)->stalled_streams(), 1);
+  absl::SleepFor(absl::Seconds(2));  // twice the timeout, waiting
+  EXPECT_EQ((*c)->stalled_streams(), 1) << "a watch waiting for events was cut";
+  ASSERT_TRUE((*c)->jobs().Cancel(quiet->job_id(), "done").ok());
+  bool cancelled = false;
+  while (waiting->Read(&ev)) {
+    cancelled |= ev.has_state_change() && ev.state_change().state() == v1::JOB_STATE_CANCELLED;
+  }
+  EXPECT_TRUE(cancelled);
+  EXPECT_TRUE(waiting->Finish().ok());
+  idle_ctx.TryCancel();
+  (void)idle->Finish();
+}
+
 // A transfer stream that stops moving (a client that reads nothing of its
 // download, or sends nothing more of its upload) is cancelled after
 // --stream-stall-timeout, and its place is free again; one that moves is

@@ -68,7 +68,8 @@ ABSL_FLAG(int, max_concurrent_downloads, 64,
           "thread); more are refused RESOURCE_EXHAUSTED, and workers retry until their download deadline.");
 ABSL_FLAG(absl::Duration, stream_stall_timeout, absl::Minutes(2),
           "An UploadModel or DownloadModel stream that moves no chunk this long (its client stopped sending or "
-          "reading) is cancelled, freeing its place and server thread. 0: never.");
+          "reading), or a WatchJob stream whose client reads no event this long, is cancelled, freeing its place "
+          "and server thread. 0: never.");
 ABSL_FLAG(int, max_server_threads, 0,
           "Threads the gRPC server runs calls on at once; a call past them is refused RESOURCE_EXHAUSTED. 0: the "
           "sum of --max-store-waits, --max-watch-streams, --max-concurrent-uploads and --max-concurrent-downloads, "
