@@ -26,6 +26,16 @@ inline absl::Duration FromProtoDuration(const google::protobuf::Duration& d) {
   return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
 }
 
+// Whether `d` is a Duration as google/protobuf/duration.proto defines one:
+// seconds within +-10,000 years, nanos within +-999,999,999 and of the
+// seconds' sign.
+inline bool IsValidProtoDuration(const google::protobuf::Duration& d) {
+  constexpr int64_t kMaxSeconds = 315576000000;
+  if (d.seconds() < -kMaxSeconds || d.seconds() > kMaxSeconds) return false;
+  if (d.nanos() < -999999999 || d.nanos() > 999999999) return false;
+  return !((d.seconds() > 0 && d.nanos() < 0) || (d.seconds() < 0 && d.nanos() > 0));
+}
+
 }  // namespace colod
 
 #endif  // COLOD_COMMON_PROTO_TIME_H_

@@ -176,7 +176,13 @@ grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1
                                               v1::ListJobsResponse* resp) {
   return Instrument(ctx, "ListJobs", [&]() -> absl::Status {
     std::vector<v1::JobState> states;
-    for (int s : req->states()) states.push_back(static_cast<v1::JobState>(s));
+    for (int s : req->states()) {
+      if (!v1::JobState_IsValid(s)) return absl::InvalidArgumentError(absl::StrCat("states: unknown value ", s));
+      states.push_back(static_cast<v1::JobState>(s));
+    }
+    if (!v1::JobView_IsValid(req->view())) {
+      return absl::InvalidArgumentError(absl::StrCat("view: unknown value ", static_cast<int>(req->view())));
+    }
     if (req->page_size() < 0) return absl::InvalidArgumentError("page_size: must be >= 0");
     const int limit = req->page_size() == 0 ? kDefaultJobsPage : std::min(req->page_size(), kMaxJobsPage);
     ASSIGN_OR_RETURN(const std::string after, PageAfter(req->page_token(), "ListJobs"));
@@ -372,6 +378,7 @@ grpc::Status CoordinatorServiceImpl::KvWait(grpc::ServerContext* ctx, const v1::
                                             v1::KvWaitResponse* resp) {
   return Instrument(ctx, "KvWait", [&]() -> absl::Status {
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
+    if (!IsValidProtoDuration(req->timeout())) return absl::InvalidArgumentError("timeout: not a valid Duration");
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
     ASSIGN_OR_RETURN(std::vector<std::string> values,
                      store_->Wait(req->scope(), keys, FromProtoDuration(req->timeout()),
@@ -385,6 +392,7 @@ grpc::Status CoordinatorServiceImpl::Barrier(grpc::ServerContext* ctx, const v1:
                                              v1::BarrierResponse*) {
   return Instrument(ctx, "Barrier", [&]() -> absl::Status {
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
+    if (!IsValidProtoDuration(req->timeout())) return absl::InvalidArgumentError("timeout: not a valid Duration");
     return store_->Barrier(req->scope(), req->name(), req->rank(), req->world_size(),
                            FromProtoDuration(req->timeout()), [ctx] { return ctx->IsCancelled(); });
   });

@@ -448,6 +448,16 @@ TEST_F(CoordinatorTest, ListJobsPagesSummariesAndNamesAreBounded) {
     v1::ListJobsResponse resp;
     EXPECT_EQ(client_->stub().ListJobs(&ctx, req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   }
+  // Values the enums do not have are refused, not taken as none (an empty
+  // list) or as the summary.
+  for (int bad : {0, 1}) {
+    grpc::ClientContext ctx;
+    v1::ListJobsRequest req;
+    if (bad == 0) req.add_states(static_cast<v1::JobState>(99));
+    if (bad == 1) req.set_view(static_cast<v1::JobView>(99));
+    v1::ListJobsResponse resp;
+    EXPECT_EQ(client_->stub().ListJobs(&ctx, req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad;
+  }
   // DeleteJob forgets an ended job, and only an ended one.
   const std::string first = ids.front();
   EXPECT_EQ(client_->DeleteJob(first).code(), absl::StatusCode::kFailedPrecondition);
@@ -830,6 +840,10 @@ TEST_F(CoordinatorTest, TheStoreTakesOnlyAPlacedGenerationsScope) {
   const absl::Time start = absl::Now();
   EXPECT_EQ(stub.KvWait(&ctx2, wait, &wait_resp).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "a wait on a scope no job has holds a thread";
+  // A Duration protobuf does not define (nanos of the other sign).
+  grpc::ClientContext ctx3;
+  wait.mutable_timeout()->set_nanos(-1);
+  EXPECT_EQ(stub.KvWait(&ctx3, wait, &wait_resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 // A DEADLINE_EXCEEDED (or UNAVAILABLE) the coordinator answers is its

@@ -113,6 +113,10 @@ absl::StatusOr<DistSpec> DistSpecFromProto(const v1::DistSpec& proto, const std:
         break;
       }
       case v1::Placement::kPartial:
+        if (!v1::ReduceOp_IsValid(p.partial().op())) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ".placement.partial.op: unknown value ", static_cast<int>(p.partial().op())));
+        }
         spec.Set(ap.axis(), Placement::Partial(ReduceOpFromProto(p.partial().op())));
         break;
       default:

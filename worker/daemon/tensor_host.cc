@@ -45,6 +45,10 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
     bytes = static_cast<int64_t>(req.value().data().size());  // already here; the tensor is its size
   } else if (req.init_case() == v1::CreateTensorRequest::kRandom) {
     const v1::RandomInit& r = req.random();
+    if (!v1::RandomInit::Distribution_IsValid(r.distribution())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("random.distribution: unknown value ", static_cast<int>(r.distribution())));
+    }
     const v1::DType wire = r.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : r.dtype();
     ASSIGN_OR_RETURN(random_dtype, DTypeFromProto(wire, "random.dtype"));
     random_shape.assign(r.shape().begin(), r.shape().end());

@@ -62,6 +62,19 @@ TEST(TensorHost, TensorsAreBoundedByTheBudgetBeforeAnythingIsAllocated) {
     EXPECT_TRUE(host.Create(random("e", {1})).ok());
     EXPECT_EQ(host.Create(random("f", {1})).status().code(), absl::StatusCode::kResourceExhausted);
     EXPECT_EQ(host.Create(random(std::string(257, 'n'), {1})).status().code(), absl::StatusCode::kInvalidArgument);
+    // Enum values the protos do not have are refused, not taken as the
+    // default (a normal distribution, a sum).
+    ASSERT_TRUE(host.Delete("e").ok());
+    v1::CreateTensorRequest odd = random("u", {1});
+    odd.mutable_random()->set_distribution(static_cast<v1::RandomInit::Distribution>(99));
+    EXPECT_EQ(host.Create(odd).status().code(), absl::StatusCode::kInvalidArgument);
+    odd = random("u", {1});
+    v1::AxisPlacement* partial = odd.mutable_dist_spec()->add_placements();
+    partial->set_axis("tp");
+    partial->mutable_placement()->mutable_partial()->set_op(static_cast<v1::ReduceOp>(99));
+    const absl::StatusOr<v1::TensorLayout> bad_op = host.Create(odd);
+    EXPECT_EQ(bad_op.status().code(), absl::StatusCode::kInvalidArgument) << bad_op.status();
+    EXPECT_NE(bad_op.status().message().find("partial.op: unknown value 99"), std::string::npos) << bad_op.status();
   });
 }
 
