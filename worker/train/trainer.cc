@@ -597,6 +597,20 @@ bool EvaluatesAfter(const PreparedTrain& run, int64_t step) {
   return step == run.options.steps || (every > 0 && step % every == 0);
 }
 
+// Evaluate, its input errors naming the held-out data (a token id outside
+// the vocabulary said only its position).
+absl::StatusOr<EvalStats> EvaluateNamed(const PreparedTrain& run,
+                                        const std::vector<shardformer::ShardedModel*>& chunks, ProcessGroup& pg,
+                                        GradSync& sync, int replica, int64_t step, const RankHooks& hooks) {
+  absl::StatusOr<EvalStats> e = Evaluate(run, chunks, pg, sync, replica, step, hooks);
+  if (e.ok() || !absl::IsInvalidArgument(e.status())) return e;
+  const TrainOptions& o = run.options;
+  const std::string source = !o.eval_data_path.empty()
+                                 ? absl::StrCat("eval_data_path ", o.eval_data_path)
+                                 : absl::StrCat("the held-out ", o.eval_split, " of data_path ", o.data_path);
+  return absl::InvalidArgumentError(absl::StrCat("evaluating on ", source, ": ", e.status().message()));
+}
+
 // What rank 0 reported of a step, kept in its checkpoint (StepFromReport
 // reads it back): the figures a report carries, not the device's pool.
 std::string StepReportJson(const StepStats& s) {
@@ -763,7 +777,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.rank = rank;
     s.step = first;
     s.trained = false;
-    ASSIGN_OR_RETURN(s.eval, Evaluate(run, chunks, pg, *sync, replica, first, hooks));
+    ASSIGN_OR_RETURN(s.eval, EvaluateNamed(run, chunks, pg, *sync, replica, first, hooks));
     s.resumed_from = run.resume;
     RETURN_IF_ERROR(FiniteEval(*s.eval, /*training=*/false));
     if (hooks.on_step) hooks.on_step(s);
@@ -910,7 +924,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     // failure may abort this rank first): the error names it and its values.
     RETURN_IF_ERROR(FiniteStep(s));
     if (EvaluatesAfter(run, step + 1)) {
-      ASSIGN_OR_RETURN(s.eval, Evaluate(run, chunks, pg, *sync, replica, step + 1, hooks));
+      ASSIGN_OR_RETURN(s.eval, EvaluateNamed(run, chunks, pg, *sync, replica, step + 1, hooks));
       RETURN_IF_ERROR(FiniteEval(*s.eval, /*training=*/true));
     }
     if (saves_after(step + 1)) {

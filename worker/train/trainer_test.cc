@@ -1001,6 +1001,19 @@ TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
   o = Options(model, 1, 1);
   o.data_path = TempPath("no_such_corpus.bin");
   EXPECT_EQ(Train(o, nullptr).code(), absl::StatusCode::kNotFound);
+  // Held-out tokens outside the vocabulary: the error names the file.
+  {
+    std::ofstream out(TempPath("oov_eval.bin"), std::ios::binary);
+    const uint16_t id = 65000;
+    for (int i = 0; i < 4096; ++i) out.write(reinterpret_cast<const char*>(&id), sizeof(id));
+  }
+  o = Options(model, 1, 1);
+  o.steps = 1;
+  o.eval_data_path = TempPath("oov_eval.bin");
+  const absl::Status oov = Train(o, nullptr);
+  EXPECT_EQ(oov.code(), absl::StatusCode::kInvalidArgument) << oov;
+  EXPECT_NE(oov.message().find("evaluating on eval_data_path " + TempPath("oov_eval.bin") + ": "), std::string::npos)
+      << oov;
   if (kernels::CudaDeviceCount() < 2) {  // two ranks, one per device
     o = Options(model, 2, 1);
     o.cuda = true;
