@@ -322,13 +322,22 @@ absl::StatusOr<v1::TensorValue> CoordinatorClient::GetGlobal(const std::string& 
 }
 
 absl::StatusOr<std::vector<v1::TensorLayout>> CoordinatorClient::ListTensors(const std::string& job_id) {
-  grpc::ClientContext ctx;
-  SetTensorDeadline(ctx);
+  std::vector<v1::TensorLayout> all;
   v1::ListTensorsRequest req;
   req.set_job_id(job_id);
-  v1::ListTensorsResponse resp;
-  RETURN_IF_ERROR(Annotate(tensors_->ListTensors(&ctx, req, &resp), ctx, address_, "ListTensors"));
-  return std::vector<v1::TensorLayout>(resp.tensors().begin(), resp.tensors().end());
+  do {
+    grpc::ClientContext ctx;
+    SetTensorDeadline(ctx);
+    v1::ListTensorsResponse resp;
+    RETURN_IF_ERROR(Annotate(tensors_->ListTensors(&ctx, req, &resp), ctx, address_, "ListTensors"));
+    // A page that names no tensor after the token would never end.
+    if (!resp.next_page_token().empty() && resp.next_page_token() <= req.page_token()) {
+      return absl::InternalError("ListTensors: a page token that does not advance");
+    }
+    all.insert(all.end(), resp.tensors().begin(), resp.tensors().end());
+    req.set_page_token(resp.next_page_token());
+  } while (!req.page_token().empty());
+  return all;
 }
 
 absl::Status CoordinatorClient::DeleteTensor(const std::string& job_id, const std::string& name) {

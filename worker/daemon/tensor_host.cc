@@ -264,11 +264,21 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Describe(const std::string& name) {
   return LayoutLocked(name, *e);
 }
 
-std::vector<v1::TensorLayout> TensorHost::List() {
+std::vector<v1::TensorLayout> TensorHost::List(const std::string& after, std::string* next) {
   absl::MutexLock lock(&mu_);
   std::vector<v1::TensorLayout> out;
-  for (const auto& [name, e] : tensors_) {
-    if (auto layout = LayoutLocked(name, e); layout.ok()) out.push_back(*std::move(layout));
+  size_t bytes = 0;
+  if (next != nullptr) next->clear();
+  for (auto it = after.empty() ? tensors_.begin() : tensors_.upper_bound(after); it != tensors_.end(); ++it) {
+    absl::StatusOr<v1::TensorLayout> layout = LayoutLocked(it->first, it->second);
+    if (!layout.ok()) continue;
+    const size_t size = layout->ByteSizeLong() + 6;  // and its field's tag and length
+    if (!out.empty() && bytes + size > kMaxListBytes) {
+      if (next != nullptr) *next = out.back().name();
+      break;
+    }
+    bytes += size;
+    out.push_back(*std::move(layout));
   }
   return out;
 }

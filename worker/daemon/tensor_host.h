@@ -73,7 +73,11 @@ class TensorHost {
   // SetDistSpec's.
   absl::StatusOr<v1::TensorValue> GetGlobal(const std::string& name) ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
   absl::StatusOr<v1::TensorLayout> Describe(const std::string& name);
-  std::vector<v1::TensorLayout> List();
+  // The layouts of the tensors named after `after` (all: ""), in name
+  // order, as many as kMaxListBytes of them holds (one at least);
+  // `*next` gets the last one's name where more follow, else "".
+  static constexpr size_t kMaxListBytes = size_t{1} << 20;
+  std::vector<v1::TensorLayout> List(const std::string& after = "", std::string* next = nullptr);
   absl::Status Delete(const std::string& name);
   // Waits for the collective call in progress (an aborted group ends it),
   // drops every tensor, and makes later calls UNAVAILABLE: the process

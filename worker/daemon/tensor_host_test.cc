@@ -5,6 +5,7 @@
 // tensor, and a tensor deleted and made again meanwhile is not overwritten.
 #include "worker/daemon/tensor_host.h"
 
+#include <algorithm>
 #include <atomic>
 #include <thread>
 #include <vector>
@@ -296,6 +297,40 @@ TEST(TensorHost, ValuesOverAnAnswersSizeAreRefusedBeforeTheyAreGathered) {
     // One within it is gathered.
     ASSERT_TRUE(create("fits", 1000).ok());
     EXPECT_TRUE(host.GetGlobal("fits").ok());
+  });
+}
+
+// A listing comes in pages of at most 1 MiB of layouts, in name order:
+// before, 11,600 tensors with long names made every ListTensors too large
+// to send. Each page goes on after the last name of the one before.
+TEST(TensorHost, ListingsComeInPagesThatHoldEveryTensorOnce) {
+  testing::RunMesh(testing::TpDpMesh(1), [&](int, ProcessGroup& pg) {
+    TensorHost host(&pg, Device::Cpu(), int64_t{1} << 30);
+    constexpr int kTensors = 6000;
+    for (int i = 0; i < kTensors; ++i) {
+      v1::CreateTensorRequest c;
+      c.set_name(absl::StrCat(std::string(200, 'n'), i));
+      c.mutable_random()->add_shape(1);
+      ASSERT_TRUE(host.Create(c).ok());
+    }
+    std::vector<std::string> seen;
+    std::string after;
+    int pages = 0;
+    do {
+      std::string next;
+      const std::vector<v1::TensorLayout> page = host.List(after, &next);
+      ++pages;
+      v1::ListTensorsResponse resp;
+      for (const v1::TensorLayout& l : page) *resp.add_tensors() = l;
+      EXPECT_LE(resp.ByteSizeLong(), TensorHost::kMaxListBytes);
+      for (const v1::TensorLayout& l : page) seen.push_back(l.name());
+      if (!next.empty()) EXPECT_EQ(next, page.back().name());
+      after = next;
+    } while (!after.empty() && pages < 100);
+    EXPECT_GT(pages, 1);
+    ASSERT_EQ(seen.size(), static_cast<size_t>(kTensors));
+    EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
+    EXPECT_EQ(std::adjacent_find(seen.begin(), seen.end()), seen.end());
   });
 }
 

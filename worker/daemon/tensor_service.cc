@@ -58,7 +58,12 @@ grpc::Status WorkerTensorService::DescribeTensor(grpc::ServerContext* ctx, const
 grpc::Status WorkerTensorService::ListTensors(grpc::ServerContext* ctx, const v1::ListTensorsRequest* req,
                                               v1::ListTensorsResponse* resp) {
   return With(ctx, req->job_id(), [&](TensorHost& h) -> absl::Status {
-    for (v1::TensorLayout& l : h.List()) *resp->add_tensors() = std::move(l);
+    if (req->page_token().size() > TensorHost::kMaxNameBytes) {
+      return absl::InvalidArgumentError("page_token: longer than a tensor name");
+    }
+    for (v1::TensorLayout& l : h.List(req->page_token(), resp->mutable_next_page_token())) {
+      *resp->add_tensors() = std::move(l);
+    }
     return absl::OkStatus();
   });
 }
