@@ -727,6 +727,28 @@ TEST(CoordinatorStart, StalledTransfersAreCancelledAndFreeTheirPlace) {
   EXPECT_EQ(Coordinator::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A loopback port whose kernel completes connections and where nobody
+// speaks (a SIGSTOPped daemon): its address, and the socket to close.
+struct SilentPort {
+  int fd = -1;
+  std::string address;
+  ~SilentPort() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+void ListenSilently(SilentPort* port) {
+  port->fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(port->fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(port->fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(port->fd, 16), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(port->fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  port->address = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+}
+
 // A watch whose coordinator is gone for good gives up after the client's
 // watch_reconnect_limit, UNAVAILABLE, not at its own (long) deadline.
 TEST(CoordinatorClientWatch, AnUnreachableCoordinatorEndsTheWatchAfterTheReconnectLimit) {
@@ -747,18 +769,11 @@ TEST(CoordinatorClientWatch, AnUnreachableCoordinatorEndsTheWatchAfterTheReconne
 // answers nothing (SIGSTOPped): within the limit, not gRPC's 20 s connect
 // timeout.
 TEST(CoordinatorClientWatch, ACoordinatorThatAcceptsAndNeverAnswersEndsTheWatchAfterTheReconnectLimit) {
-  const int silent = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ASSERT_GE(silent, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(silent, 16), 0);  // the kernel completes the handshakes; nobody speaks
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(::getsockname(silent, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  SilentPort silent;
+  ASSERT_NO_FATAL_FAILURE(ListenSilently(&silent));
   CoordinatorClient::Options o;
   o.watch_reconnect_limit = absl::Seconds(1);
-  auto client = CoordinatorClient::Create(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)), o);
+  auto client = CoordinatorClient::Create(silent.address, o);
   ASSERT_TRUE(client.ok()) << client.status();
   const absl::Time start = absl::Now();
   const absl::Status s = (*client)->WatchJob("job-000001", 1, absl::Hours(1), [](const v1::JobEvent&) { return true; });
@@ -771,7 +786,6 @@ TEST(CoordinatorClientWatch, ACoordinatorThatAcceptsAndNeverAnswersEndsTheWatchA
       (*client)->WatchJob("job-000001", 1, absl::Milliseconds(300), [](const v1::JobEvent&) { return true; });
   EXPECT_EQ(short_watch.code(), absl::StatusCode::kDeadlineExceeded) << short_watch;
   EXPECT_FALSE(IsUnreachable(short_watch)) << short_watch;
-  ::close(silent);
 }
 
 // An error echoing a huge input (a 100 KB job id) would not fit the call's
@@ -791,16 +805,9 @@ TEST_F(CoordinatorTest, AnErrorEchoingAHugeInputArrivesAsItself) {
 // Against a peer that accepts connections and never answers, each call ends
 // at its own deadline.
 TEST(CoordinatorClientDeadlines, TensorCallsTakeTheirOwnDeadline) {
-  const int silent = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ASSERT_GE(silent, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(silent, 16), 0);  // the kernel completes the handshakes; nobody speaks
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(::getsockname(silent, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  const std::string address = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  SilentPort silent;
+  ASSERT_NO_FATAL_FAILURE(ListenSilently(&silent));
+  const std::string& address = silent.address;
   CoordinatorClient::Options o;
   o.timeout = absl::Milliseconds(200);
   o.tensor_timeout = absl::Seconds(2);
@@ -813,7 +820,6 @@ TEST(CoordinatorClientDeadlines, TensorCallsTakeTheirOwnDeadline) {
   EXPECT_EQ((*client)->ListTensors("job-000042").status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(1900)) << "the tensor call had the control calls' deadline";
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
-  ::close(silent);
   o.tensor_timeout = absl::ZeroDuration();
   EXPECT_EQ(CoordinatorClient::Create(address, o).status().code(), absl::StatusCode::kInvalidArgument);
 }

@@ -51,6 +51,25 @@ std::unique_ptr<grpc::Server> Serve(grpc::Service* service, std::string* address
   return server;
 }
 
+// A RUNNING TENSOR job in `jobs` with a tp rank on each of `addresses`.
+void RunTensorJob(JobManager& jobs, const std::vector<std::string>& addresses, absl::StatusOr<v1::Job>* job) {
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TENSOR);
+  spec.mutable_shard()->set_tensor_parallel_size(static_cast<int>(addresses.size()));
+  spec.mutable_shard()->set_data_parallel_size(1);
+  *job = jobs.Submit(spec, "");
+  ASSERT_TRUE(job->ok()) << job->status();
+  v1::MeshSpec mesh;
+  for (size_t r = 0; r < addresses.size(); ++r) {
+    v1::RankAssignment& a = *mesh.add_ranks();
+    a.set_rank(static_cast<int>(r));
+    a.set_worker_id(absl::StrCat("worker-", r));
+    a.set_worker_address(addresses[r]);
+  }
+  ASSERT_TRUE(jobs.Schedule((*job)->job_id(), mesh).ok());
+  ASSERT_TRUE(jobs.SetState((*job)->job_id(), v1::JOB_STATE_RUNNING, "serving").ok());
+}
+
 // The proxy's CreateTensor calls of `method` that ended with `code` so far.
 double Ended(prometheus::Registry& registry, const std::string& code) {
   for (const prometheus::MetricFamily& f : registry.Collect()) {
@@ -77,19 +96,8 @@ TEST(TensorProxy, ACallerThatGoesAwayWhileQueuedGivesUpItsTurn) {
   std::unique_ptr<grpc::Server> worker_server = Serve(&worker, &worker_address);
 
   JobManager jobs;
-  v1::JobSpec spec;
-  spec.set_kind(v1::JOB_KIND_TENSOR);
-  spec.mutable_shard()->set_tensor_parallel_size(1);
-  spec.mutable_shard()->set_data_parallel_size(1);
-  absl::StatusOr<v1::Job> job = jobs.Submit(spec, "");
-  ASSERT_TRUE(job.ok()) << job.status();
-  v1::MeshSpec mesh;
-  v1::RankAssignment& a = *mesh.add_ranks();
-  a.set_rank(0);
-  a.set_worker_id("worker-1");
-  a.set_worker_address(worker_address);
-  ASSERT_TRUE(jobs.Schedule(job->job_id(), mesh).ok());
-  ASSERT_TRUE(jobs.SetState(job->job_id(), v1::JOB_STATE_RUNNING, "serving").ok());
+  absl::StatusOr<v1::Job> job;
+  ASSERT_NO_FATAL_FAILURE(RunTensorJob(jobs, {worker_address}, &job));
 
   prometheus::Registry registry;
   TensorProxy proxy(&jobs, &registry, TensorProxy::Options());
@@ -168,21 +176,8 @@ TEST(TensorProxy, ACallWhoseTurnCameReachesEveryRankWhateverTheClientsDeadline) 
   std::string addresses[2];
   std::unique_ptr<grpc::Server> servers[2] = {Serve(&workers[0], &addresses[0]), Serve(&workers[1], &addresses[1])};
   JobManager jobs;
-  v1::JobSpec spec;
-  spec.set_kind(v1::JOB_KIND_TENSOR);
-  spec.mutable_shard()->set_tensor_parallel_size(2);
-  spec.mutable_shard()->set_data_parallel_size(1);
-  absl::StatusOr<v1::Job> job = jobs.Submit(spec, "");
-  ASSERT_TRUE(job.ok()) << job.status();
-  v1::MeshSpec mesh;
-  for (int r = 0; r < 2; ++r) {
-    v1::RankAssignment& a = *mesh.add_ranks();
-    a.set_rank(r);
-    a.set_worker_id(absl::StrCat("worker-", r));
-    a.set_worker_address(addresses[r]);
-  }
-  ASSERT_TRUE(jobs.Schedule(job->job_id(), mesh).ok());
-  ASSERT_TRUE(jobs.SetState(job->job_id(), v1::JOB_STATE_RUNNING, "serving").ok());
+  absl::StatusOr<v1::Job> job;
+  ASSERT_NO_FATAL_FAILURE(RunTensorJob(jobs, {addresses[0], addresses[1]}, &job));
   prometheus::Registry registry;
   TensorProxy proxy(&jobs, &registry, TensorProxy::Options());
   std::string proxy_address;
