@@ -230,6 +230,7 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
                                                     ": the job did not end within the watch's ",
                                                     absl::FormatDuration(timeout)));
   };
+  bool reached = false;  // the coordinator answered at least once
   while (true) {
     // The channel must connect within the limit (at once where it is
     // connected). A stream opened without waiting for it would wait as long
@@ -239,8 +240,24 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
     const absl::Time since = std::min(unreachable_since, absl::Now());
     if (!channel_->WaitForConnected(absl::ToChronoTime(std::min(deadline, since + options_.watch_reconnect_limit)))) {
       unreachable_since = since;
-      return absl::Now() < deadline ? unreachable("no connection within the limit") : timed_out();
+      // The job's own timeout only where the coordinator was reached: one
+      // never reached is unreachable (exit 69), whatever the timeout.
+      if (reached && absl::Now() >= deadline) return timed_out();
+      // Why: a call that fails at once where the channel knows (refused, a
+      // TLS handshake, a name that does not resolve); else it connects no
+      // further within its short deadline (a process that answers nothing).
+      grpc::ClientContext probe;
+      probe.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(200)));
+      AddAuthToken(probe, options_.auth_token);
+      v1::GetJobRequest get;
+      get.set_job_id(job_id);
+      v1::GetJobResponse got;
+      const grpc::Status why = stub_->GetJob(&probe, get, &got);
+      return unreachable(why.error_code() == grpc::StatusCode::UNAVAILABLE
+                             ? why.error_message()
+                             : "no connection within the limit (the host accepts connections; nothing answers)");
     }
+    reached = true;  // connected: the coordinator's process answered
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline));
     AddAuthToken(ctx, options_.auth_token);
@@ -261,8 +278,11 @@ absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from
     const grpc::Status s = reader->Finish();
     if (s.ok()) return absl::OkStatus();
     // A coordinator that restarted or a connection that broke: resume, but
-    // not for ever.
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    // not for ever. So too a stream the coordinator cancelled (this side
+    // never cancels one it goes on reading): it ends a watch whose reader
+    // fell behind for --stream-stall-timeout (a paged `coloctl watch |
+    // less`), which goes on from its next event.
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE || s.error_code() == grpc::StatusCode::CANCELLED) {
       const absl::Time now = absl::Now();
       unreachable_since = std::min(unreachable_since, now);
       if (now - unreachable_since >= options_.watch_reconnect_limit) return unreachable(s.error_message());

@@ -24,6 +24,13 @@ inline constexpr size_t kMaxLabelValueBytes = 1024;
 inline constexpr size_t kMaxPathBytes = 4096;
 inline constexpr size_t kMaxConfigJsonBytes = size_t{1} << 20;
 
+// The kept checkpoints a step reports (the newest; StepProgress.checkpoints),
+// at most this many and this many bytes of their paths: each job keeps its
+// newest step's list, which every full read of the job carries. The
+// worker trims its report to them; the coordinator refuses one past them.
+inline constexpr size_t kMaxReportedCheckpoints = 1000;
+inline constexpr size_t kMaxReportedCheckpointPathBytes = size_t{512} << 10;
+
 // Each text a worker registers with the coordinator (WorkerInfo: address,
 // metrics address, host, device name, version, peak source), in bytes.
 inline constexpr size_t kMaxWorkerText = 512;

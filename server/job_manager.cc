@@ -290,6 +290,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
     std::optional<StoredRecord> record;   // nullopt: damaged, set aside
     OnDisk on_disk;                       // of the record read
     bool had_log = false;                 // its log is folded into a new snapshot
+    std::vector<std::string> output_dirs;  // OutputDirKeys of a job not ended (reads the file system)
   };
   std::vector<File> files;
   const std::set<std::string> present(names->begin(), names->end());
@@ -322,6 +323,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
         COLOD_LOG(WARNING) << "job record log " << LogPath(state_dir, id) << " ends in " << tail.size()
                            << " bytes that are not a whole entry (a write cut short); the record is taken up to there";
       }
+      if (!IsFinal(record->head.job().state())) f.output_dirs = OutputDirKeys(record->head.job().spec());
       f.record = *std::move(record);
     } else if (!absl::IsNotFound(record.status()) && !absl::IsInvalidArgument(record.status())) {
       return record.status();
@@ -376,7 +378,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
       e.request_id = record.head.request_id();
       f.record.reset();  // what was not moved into the entry
       if (!e.request_id.empty()) m->job_by_request_id_[e.request_id] = e.job.job_id();
-      if (!IsFinal(e.job.state())) e.output_dirs = OutputDirKeys(e.job.spec());
+      e.output_dirs = std::move(f.output_dirs);
       m->jobs_.emplace(e.job.job_id(), std::move(e));
     }
     m->state_dir_ = state_dir;

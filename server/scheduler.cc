@@ -37,22 +37,20 @@ std::string Attempts(const v1::Job& job, const std::string& last) {
   return absl::StrJoin(all, "; ");
 }
 
-// A step report a rank can send: paths a file system takes, at most as many
-// kept checkpoints as a rank reports (the worker's kMaxReportedCheckpoints)
-// and 512 KiB of their paths (each job keeps its newest step's list, which
-// every full read of the job carries), a trained step's loss finite (a
-// diverged step fails the rank instead). INVALID_ARGUMENT otherwise.
+// A step report a rank can send: paths a file system takes, at most
+// kMaxReportedCheckpoints kept checkpoints and kMaxReportedCheckpointPathBytes
+// of their paths (the worker trims its report to them), a trained step's
+// loss finite (a diverged step fails the rank instead). INVALID_ARGUMENT
+// otherwise.
 absl::Status CheckStepReport(const v1::StepProgress& s) {
-  constexpr int kMaxCheckpoints = 1000;
-  constexpr size_t kMaxCheckpointPathBytes = 512 << 10;
   for (const auto& [field, value] : {std::pair<const char*, const std::string*>{"checkpoint", &s.checkpoint()},
                                      {"resumed_from", &s.resumed_from()}}) {
     if (value->size() > kMaxPathBytes) {
       return absl::InvalidArgumentError(absl::StrCat("step.", field, ": longer than ", kMaxPathBytes, " bytes"));
     }
   }
-  if (s.checkpoints_size() > kMaxCheckpoints) {
-    return absl::InvalidArgumentError(absl::StrCat("step.checkpoints: more than ", kMaxCheckpoints));
+  if (static_cast<size_t>(s.checkpoints_size()) > kMaxReportedCheckpoints) {
+    return absl::InvalidArgumentError(absl::StrCat("step.checkpoints: more than ", kMaxReportedCheckpoints));
   }
   size_t bytes = 0;
   for (const v1::CheckpointInfo& c : s.checkpoints()) {
@@ -61,9 +59,9 @@ absl::Status CheckStepReport(const v1::StepProgress& s) {
     }
     bytes += c.path().size();
   }
-  if (bytes > kMaxCheckpointPathBytes) {
+  if (bytes > kMaxReportedCheckpointPathBytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat("step.checkpoints: their paths hold more than ", kMaxCheckpointPathBytes, " bytes"));
+        absl::StrCat("step.checkpoints: their paths hold more than ", kMaxReportedCheckpointPathBytes, " bytes"));
   }
   if (IsTrainedStep(s) && !std::isfinite(s.loss())) {
     return absl::InvalidArgumentError(absl::StrCat("step.loss: ", s.loss(), " is not finite"));

@@ -651,10 +651,9 @@ std::vector<std::string> ArchitectureDifferences(const ModelConfig& a, const Mod
   differ("num_heads", a.num_heads, b.num_heads);
   differ("num_kv_heads", a.num_kv_heads, b.num_kv_heads);
   differ("intermediate_size", a.intermediate_size, b.intermediate_size);
-  differ("max_positions", a.max_positions, b.max_positions);
-  differ("norm_eps", a.norm_eps, b.norm_eps);
-  differ("rope_theta", a.rope_theta, b.rope_theta);
-  differ("activation", a.activation, b.activation);
+  // Learned positions are a table of them; rotary ones are none (a longer
+  // context with RoPE is the same parameters).
+  if (!a.rotary() || !b.rotary()) differ("max_positions", a.max_positions, b.max_positions);
   differ("tie_word_embeddings", a.tie_word_embeddings, b.tie_word_embeddings);
   differ("type_vocab_size", a.type_vocab_size, b.type_vocab_size);
   differ("norm_before", a.norm_before, b.norm_before);
@@ -669,7 +668,6 @@ std::vector<std::string> ArchitectureDifferences(const ModelConfig& a, const Mod
   differ("kv_dim", a.kv_dim, b.kv_dim);
   differ("num_decoder_layers", a.num_decoder_layers, b.num_decoder_layers);
   differ("relative_buckets", a.relative_buckets, b.relative_buckets);
-  differ("relative_max_distance", a.relative_max_distance, b.relative_max_distance);
   return out;
 }
 

@@ -81,9 +81,11 @@ inline constexpr int64_t kMaxLayers = 4096;
 inline constexpr int64_t kMaxPositions = int64_t{1} << 40;
 
 // The fields in which two configs describe models of different parameters
-// or computations ("hidden_size 32, not 64": `a`'s, then `b`'s), empty for
-// the same model. The text (`json`) and what changes no parameter nor the
-// forward pass's shape (the pad and decoder-start ids) are not compared.
+// (their number, shapes or roles: "hidden_size 32, not 64", `a`'s, then
+// `b`'s), empty where the parameters are the same. What only changes the
+// computation over them (norm_eps, rope_theta, the activation, a rotary
+// model's max_positions, T5's relative_max_distance and token ids: a run
+// may go on with another) and the text (`json`) are not compared.
 std::vector<std::string> ArchitectureDifferences(const ModelConfig& a, const ModelConfig& b);
 
 // Parses config.json text. INVALID_ARGUMENT naming the field for a missing or

@@ -401,12 +401,21 @@ TEST(ModelConfig, ArchitectureDifferencesNameEachFieldThatDiffers) {
   ModelConfig b = a;
   b.json = "{ }";  // the text is not compared
   EXPECT_TRUE(ArchitectureDifferences(a, b).empty());
+  b.activation = "gelu";  // the computation, not the parameters
+  b.norm_eps = 1e-6;
+  EXPECT_TRUE(ArchitectureDifferences(a, b).empty());
   b.num_layers = 1;
   b.tie_word_embeddings = false;
-  b.activation = "gelu";
+  b.max_positions = 2048;  // a table of positions: parameters
   EXPECT_EQ(ArchitectureDifferences(a, b),
-            (std::vector<std::string>{"num_layers 2, not 1", "activation , not gelu",
+            (std::vector<std::string>{"num_layers 2, not 1", "max_positions 0, not 2048",
                                       "tie_word_embeddings true, not false"}));
+  ModelConfig llama = a;
+  llama.model_type = "llama";
+  ModelConfig longer = llama;
+  longer.max_positions = 8192;  // rotary: no table
+  longer.rope_theta = 500000;
+  EXPECT_TRUE(ArchitectureDifferences(llama, longer).empty());
 }
 
 }  // namespace

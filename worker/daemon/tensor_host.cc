@@ -164,20 +164,22 @@ absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::st
   // Four 16-bit pieces (exact in f32), then the disagreement seen so far.
   std::vector<float> values = {static_cast<float>(mine & 0xffff), static_cast<float>((mine >> 16) & 0xffff),
                                static_cast<float>((mine >> 32) & 0xffff), static_cast<float>(mine >> 48), 0};
-  for (int round = 0; round < 2; ++round) {
-    for (const MeshAxis& axis : pg_->mesh().axes()) {
-      if (axis.size < 2) continue;
-      ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm(axis.name));
-      ASSIGN_OR_RETURN(Tensor here, Tensor::FromFloats({static_cast<int64_t>(values.size())}, values));
-      ASSIGN_OR_RETURN(here, here.To(device_));
-      ASSIGN_OR_RETURN(std::vector<Tensor> pieces, AllGatherPieces(here, *comm, pg_->timeout()));
-      for (const Tensor& piece : pieces) {
-        ASSIGN_OR_RETURN(Tensor host, piece.To(Device::Cpu()));
-        const std::vector<float> theirs = host.ToFloats();
-        if (theirs.size() != values.size()) return absl::InternalError("a fingerprint of another size");
-        if (!std::equal(values.begin(), values.begin() + 4, theirs.begin())) values[4] = 1;
-        values[4] = std::max(values[4], theirs[4]);
-      }
+  // One pass over the axes tells every rank: after axis k, a rank's flag is
+  // whether the ranks of its slice over axes 1..k differ (its group along
+  // k holds one rank of each slice over 1..k-1: a flag there, or two
+  // fingerprints that differ, where each of those slices agrees within).
+  for (const MeshAxis& axis : pg_->mesh().axes()) {
+    if (axis.size < 2) continue;
+    ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm(axis.name));
+    ASSIGN_OR_RETURN(Tensor here, Tensor::FromFloats({static_cast<int64_t>(values.size())}, values));
+    ASSIGN_OR_RETURN(here, here.To(device_));
+    ASSIGN_OR_RETURN(std::vector<Tensor> pieces, AllGatherPieces(here, *comm, pg_->timeout()));
+    for (const Tensor& piece : pieces) {
+      ASSIGN_OR_RETURN(Tensor host, piece.To(Device::Cpu()));
+      const std::vector<float> theirs = host.ToFloats();
+      if (theirs.size() != values.size()) return absl::InternalError("a fingerprint of another size");
+      if (!std::equal(values.begin(), values.begin() + 4, theirs.begin())) values[4] = 1;
+      values[4] = std::max(values[4], theirs[4]);
     }
   }
   if (values[4] == 0) return found.ok() ? absl::OkStatus() : found.status();

@@ -75,8 +75,10 @@ class TensorHost {
   absl::StatusOr<v1::TensorLayout> Describe(const std::string& name);
   // The layouts of the tensors named after `after` (all: ""), in name
   // order, as many as kMaxListBytes of them holds (one at least);
-  // `*next` gets the last one's name where more follow, else "".
-  static constexpr size_t kMaxListBytes = size_t{1} << 20;
+  // `*next` gets the last one's name where more follow, else "". Near the
+  // 4 MiB a message may hold: a client that does not follow pages sees
+  // every listing that could be sent before pages came.
+  static constexpr size_t kMaxListBytes = (size_t{7} << 20) / 2;
   std::vector<v1::TensorLayout> List(const std::string& after = "", std::string* next = nullptr);
   absl::Status Delete(const std::string& name);
   // Waits for the collective call in progress (an aborted group ends it),
@@ -98,8 +100,8 @@ class TensorHost {
   // Before a collective of the tensor call `call` on `name` (its entry, or
   // `found`'s error where this rank has none): whether every rank of the
   // mesh holds the same tensor (shape, dtype, spec) and runs the same call,
-  // by a fingerprint of them gathered along each axis, and a second pass
-  // that spreads any disagreement, so every rank returns the same answer.
+  // by a fingerprint of them and a flag of any difference seen, gathered
+  // along each axis in turn, so every rank returns the same answer.
   // Otherwise the ranks' pieces would not match (a Gloo size mismatch
   // aborts the process) or a rank would wait alone for its timeout: where
   // the coordinator's calls reached some ranks and not others, a Create one

@@ -227,44 +227,54 @@ TEST(TensorHost, ItsCallsDoNotWaitForACollectiveInProgressAndTheCollectivesGiveT
 // aborted the worker (a Gloo size mismatch) or left a rank waiting alone.
 // Where no rank holds it, NOT_FOUND; held alike again, it is gathered.
 TEST(TensorHost, RanksThatDoNotHoldATensorAlikeRefuseItsCollectivesOnEveryRank) {
-  testing::RunMesh(testing::TpDpMesh(2), [&](int rank, ProcessGroup& pg) {
-    TensorHost host(&pg, Device::Cpu(), int64_t{1} << 30);
-    const auto create = [&](int64_t rows) {
-      v1::CreateTensorRequest c;
-      c.set_name("x");
-      c.mutable_random()->set_seed(3);
-      c.mutable_random()->add_shape(rows);
-      c.mutable_random()->add_shape(4);
-      *c.mutable_dist_spec() = DistSpecToProto(DistSpec().Set("tp", Placement::Shard({0}, {2})));
-      return host.Create(c);
-    };
-    const auto refused = [&](absl::string_view what) {
+  // One axis, and two (the disagreement spread from the first axis's groups
+  // to the second's).
+  for (const DeviceMesh& mesh : {testing::TpDpMesh(2), testing::TpDpMesh(2, 2)}) {
+    const int world = mesh.world_size();
+    testing::RunMesh(mesh, [&](int rank, ProcessGroup& pg) {
+      TensorHost host(&pg, Device::Cpu(), int64_t{1} << 30);
+      const auto create = [&](int64_t rows) {
+        v1::CreateTensorRequest c;
+        c.set_name("x");
+        c.mutable_random()->set_seed(3);
+        c.mutable_random()->add_shape(rows);
+        c.mutable_random()->add_shape(4);
+        *c.mutable_dist_spec() = DistSpecToProto(DistSpec().Set("tp", Placement::Shard({0}, {2})));
+        return host.Create(c);
+      };
+      const auto refused = [&](absl::string_view what) {
+        const absl::StatusOr<v1::TensorValue> whole = host.GetGlobal("x");
+        EXPECT_EQ(whole.status().code(), absl::StatusCode::kFailedPrecondition) << what << ": " << whole.status();
+        EXPECT_NE(whole.status().message().find("do not all hold tensor 'x' alike"), std::string::npos)
+            << whole.status();
+        v1::SetDistSpecRequest replicate;
+        replicate.set_name("x");
+        *replicate.mutable_dist_spec() = DistSpecToProto(DistSpec::Replicate());
+        const absl::StatusOr<v1::TensorLayout> set = host.SetDistSpec(replicate);
+        EXPECT_EQ(set.status().code(), absl::StatusCode::kFailedPrecondition) << what << ": " << set.status();
+      };
+      ASSERT_TRUE(create(rank == world - 1 ? 64 : 4).ok());  // the last rank's [32, 4] shard, the others' [2, 4]
+      refused("one shape apart");
+      ASSERT_TRUE(host.Delete("x").ok());
+      if (world == 4) {  // each tp slice alike within, the two slices apart
+        ASSERT_TRUE(create(rank % 2 == 0 ? 4 : 8).ok());
+        refused("two slices");
+        ASSERT_TRUE(host.Delete("x").ok());
+      }
+      if (rank == 0) ASSERT_TRUE(create(4).ok());  // on one rank only
+      refused("one rank");
+      if (rank == 0) ASSERT_TRUE(host.Delete("x").ok());
+      EXPECT_EQ(host.GetGlobal("x").status().code(), absl::StatusCode::kNotFound);  // on none
+      ASSERT_TRUE(create(4).ok());
       const absl::StatusOr<v1::TensorValue> whole = host.GetGlobal("x");
-      EXPECT_EQ(whole.status().code(), absl::StatusCode::kFailedPrecondition) << what << ": " << whole.status();
-      EXPECT_NE(whole.status().message().find("do not all hold tensor 'x' alike"), std::string::npos)
-          << whole.status();
-      v1::SetDistSpecRequest replicate;
-      replicate.set_name("x");
-      *replicate.mutable_dist_spec() = DistSpecToProto(DistSpec::Replicate());
-      const absl::StatusOr<v1::TensorLayout> set = host.SetDistSpec(replicate);
-      EXPECT_EQ(set.status().code(), absl::StatusCode::kFailedPrecondition) << what << ": " << set.status();
-    };
-    ASSERT_TRUE(create(rank == 0 ? 4 : 64).ok());  // two shapes: [2, 4] and [32, 4] shards
-    refused("two shapes");
-    ASSERT_TRUE(host.Delete("x").ok());
-    if (rank == 0) ASSERT_TRUE(create(4).ok());  // on one rank only
-    refused("one rank");
-    if (rank == 0) ASSERT_TRUE(host.Delete("x").ok());
-    EXPECT_EQ(host.GetGlobal("x").status().code(), absl::StatusCode::kNotFound);  // on none
-    ASSERT_TRUE(create(4).ok());
-    const absl::StatusOr<v1::TensorValue> whole = host.GetGlobal("x");
-    ASSERT_TRUE(whole.ok()) << whole.status();
-    auto want = Tensor::RandomNormal({4, 4}, /*seed=*/3);
-    ASSERT_TRUE(want.ok());
-    auto got = TensorFromProto(*whole);
-    ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(got->ToFloats(), want->ToFloats());
-  });
+      ASSERT_TRUE(whole.ok()) << whole.status();
+      auto want = Tensor::RandomNormal({4, 4}, /*seed=*/3);
+      ASSERT_TRUE(want.ok());
+      auto got = TensorFromProto(*whole);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->ToFloats(), want->ToFloats());
+    });
+  }
 }
 
 // A value over what an answer carries (gRPC's 4 MiB) is refused before it
@@ -300,16 +310,16 @@ TEST(TensorHost, ValuesOverAnAnswersSizeAreRefusedBeforeTheyAreGathered) {
   });
 }
 
-// A listing comes in pages of at most 1 MiB of layouts, in name order:
+// A listing comes in pages of at most 3.5 MiB of layouts, in name order:
 // before, 11,600 tensors with long names made every ListTensors too large
 // to send. Each page goes on after the last name of the one before.
 TEST(TensorHost, ListingsComeInPagesThatHoldEveryTensorOnce) {
   testing::RunMesh(testing::TpDpMesh(1), [&](int, ProcessGroup& pg) {
     TensorHost host(&pg, Device::Cpu(), int64_t{1} << 30);
-    constexpr int kTensors = 6000;
+    constexpr int kTensors = 16000;
     for (int i = 0; i < kTensors; ++i) {
       v1::CreateTensorRequest c;
-      c.set_name(absl::StrCat(std::string(200, 'n'), i));
+      c.set_name(absl::StrCat(std::string(240, 'n'), i));
       c.mutable_random()->add_shape(1);
       ASSERT_TRUE(host.Create(c).ok());
     }

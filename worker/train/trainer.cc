@@ -252,6 +252,7 @@ struct PreparedTrain {
   std::string resume;  // the checkpoint to resume from, if any
   std::string resumed_writer;  // its writer, whose checkpoints retention counts as this run's
   std::vector<std::string> skipped;  // newer checkpoints passed over as damaged, and why
+  bool resumed_named = false;  // resume_dir is the checkpoint itself (DIR/step-N), not a directory of them
   uint64_t seed = 0;
   std::unique_ptr<TrainData> data;
   std::optional<EvalPlan> eval;
@@ -276,13 +277,11 @@ absl::Status CheckFinalDir(const TrainOptions& o) {
     }
   }
   // The directory, or the nearest one above it that exists (it is made at
-  // the end).
-  std::filesystem::path dir = std::filesystem::path(o.final_dir).lexically_normal();
+  // the end); a relative one from the working directory.
   std::error_code ec;
-  while (!std::filesystem::exists(dir, ec) && dir.has_relative_path() && dir.has_parent_path() && !ec) {
-    dir = dir.parent_path();
-  }
-  if (dir.empty()) dir = ".";
+  std::filesystem::path dir = std::filesystem::absolute(o.final_dir, ec).lexically_normal();
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("final_dir ", o.final_dir, ": ", ec.message()));
+  while (!std::filesystem::exists(dir, ec) && dir.has_relative_path() && !ec) dir = dir.parent_path();
   if (!ec && std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec)) {
     return absl::FailedPreconditionError(
         absl::StrCat("final_dir ", o.final_dir, ": ", dir.string(), " is not a directory"));
@@ -380,6 +379,7 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     // A save that died mid-replace may have left its step's only copy aside.
     RestoreMovedAsideCheckpoints(o.resume_dir, CheckpointWriter{.job = o.job, .generation = o.generation});
     ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &run->skipped, o.resume_writers));
+    run->resumed_named = run->resume == o.resume_dir;
     for (const std::string& s : run->skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
     ASSIGN_OR_RETURN(Resumed state, ReadTrainState(run->resume));
     // The checkpoint's model must be this one: loading another's would
@@ -947,17 +947,27 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       if (rank == 0 && pg.Aborted().ok()) {
         // The run it resumed from is the same run continued: its
         // checkpoints here count as this one's (a restart's are its own).
+        // (Not where the user named one checkpoint: the run it came from may
+        // have newer ones there, which are not this run's to prune.)
         std::vector<std::string> also_own;
-        if (!run.resume.empty()) also_own.push_back(run.resumed_writer);
+        if (!run.resume.empty() && !run.resumed_named) also_own.push_back(run.resumed_writer);
         absl::StatusOr<std::vector<CheckpointInfo>> kept = PruneCheckpoints(
             o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best}, s.checkpoint,
             CheckpointWriter{.job = o.job, .generation = o.generation}, also_own);
         if (kept.ok()) {
           s.checkpoints = *std::move(kept);
-          // The report carries the newest kMaxReportedCheckpoints.
+          // The report carries the newest kMaxReportedCheckpoints, their
+          // paths within kMaxReportedCheckpointPathBytes (the coordinator
+          // refuses a report past either).
           if (s.checkpoints.size() > kMaxReportedCheckpoints) {
             s.checkpoints.erase(s.checkpoints.begin(), s.checkpoints.end() - kMaxReportedCheckpoints);
           }
+          size_t path_bytes = 0, keep = 0;
+          for (auto it = s.checkpoints.rbegin(); it != s.checkpoints.rend(); ++it, ++keep) {
+            if (path_bytes + it->path.size() > kMaxReportedCheckpointPathBytes) break;
+            path_bytes += it->path.size();
+          }
+          s.checkpoints.erase(s.checkpoints.begin(), s.checkpoints.end() - keep);
         } else {  // the run goes on: nothing was removed that a resume needs
           COLOD_LOG(WARNING) << "checkpoint retention in " << o.save_dir << ": " << kept.status();
         }

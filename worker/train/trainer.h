@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/limits.h"
 #include "absl/status/status.h"
 #include "worker/shardformer/shard_config.h"
 #include "worker/train/checkpoint.h"
@@ -106,8 +107,6 @@ struct TrainOptions {
 };
 
 inline constexpr int64_t kDefaultEvalStepsMax = 100;
-// The most checkpoints a step reports as kept (the newest).
-inline constexpr size_t kMaxReportedCheckpoints = 1000;
 
 // A held-out evaluation: the mean cross-entropy over every labelled
 // position of its batches (all dp replicas), with no gradient.

@@ -5,8 +5,11 @@
 // deterministic.
 #include "worker/train/trainer.h"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -906,6 +909,23 @@ TEST(Trainer, AFinalModelIsWrittenOnlyWhereNoOtherModelIs) {
   std::ofstream(TempPath("train_final_index") + "/model.safetensors.index.json") << "{}";
   other.final_dir = TempPath("train_final_index");
   refused_before_training(other, "(model.safetensors.index.json)");
+  // A relative directory that does not exist yet is made where the run
+  // runs (it was refused: the nearest existing directory above "out" was
+  // looked for among its parents, which it has none of).
+  {
+    char* was = ::getcwd(nullptr, 0);
+    ASSERT_NE(was, nullptr);
+    std::filesystem::create_directories(TempPath("train_final_cwd"));
+    ASSERT_EQ(::chdir(TempPath("train_final_cwd").c_str()), 0);
+    TrainOptions relative = Options(model, 1, 1);
+    relative.steps = 1;
+    relative.final_dir = "out/model";
+    const absl::Status written = Train(relative, nullptr);
+    EXPECT_EQ(::chdir(was), 0);
+    std::free(was);
+    EXPECT_TRUE(written.ok()) << written;
+    EXPECT_TRUE(std::filesystem::exists(TempPath("train_final_cwd") + "/out/model/model.safetensors"));
+  }
   // Time-boxed (stopping before the last step): no model written.
   TrainOptions boxed = Options(model, 1, 1);
   boxed.steps = 3;
@@ -985,6 +1005,30 @@ TEST(Trainer, ARestartHandsOnTheReportOfItsCheckpointsStep) {
   EXPECT_FALSE(theirs->checkpoint_step.has_value());
   ASSERT_EQ(theirs->skipped.size(), 1u);
   EXPECT_TRUE(absl::StartsWith(theirs->skipped[0], "step-000008: ")) << theirs->skipped[0];
+}
+
+// A run resumed from a checkpoint it names, saving into the same
+// directory, prunes only its own checkpoints: the run it came from keeps
+// its others there, the chosen one included (retention counted them as
+// this run's and removed the chosen one).
+TEST(Trainer, ResumingANamedCheckpointPrunesNoneOfItsRunsOthers) {
+  const std::string model = TinyModel("train_named");
+  TrainOptions first = Options(model, 1, 1);
+  first.steps = 6;
+  first.save_dir = TempPath("ck_named");
+  first.save_every = 2;
+  first.job = "job-000001";
+  first.generation = 1;
+  ASSERT_EQ(Losses(first).size(), 6u);
+  TrainOptions again = first;
+  again.job = "job-000002";  // another job (runs outside a coordinator are one writer)
+  again.resume_dir = StepDir(first.save_dir, 2);
+  again.keep_last = 1;
+  const std::vector<StepStats> steps = Losses(again);
+  ASSERT_EQ(steps.size(), 4u);
+  EXPECT_TRUE(std::filesystem::exists(StepDir(first.save_dir, 2))) << "the chosen checkpoint was pruned";
+  EXPECT_FALSE(std::filesystem::exists(StepDir(first.save_dir, 4)));  // its own, pruned
+  EXPECT_TRUE(std::filesystem::exists(StepDir(first.save_dir, 6)));
 }
 
 TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
