@@ -339,6 +339,15 @@ int ExitForJob(const v1::Job& job) {
   return 1;
 }
 
+void PrintFinalModel(const std::string& final_dir, int64_t steps, int64_t stop_after) {
+  if (stop_after > 0 && stop_after < steps) {
+    std::printf("stopped after step %lld (--stop-after): no model written to %s; --resume finishes the run\n",
+                static_cast<long long>(stop_after), final_dir.c_str());
+  } else {
+    std::printf("wrote the trained model to %s\n", final_dir.c_str());
+  }
+}
+
 void PrintStep(const v1::StepProgress& p, int64_t steps, bool json) {
   if (!p.resumed_from().empty()) std::fprintf(stderr, "coloctl: resuming from %s\n", p.resumed_from().c_str());
   const bool trained = !p.has_eval() || p.has_step_duration();  // not an eval_only run's report

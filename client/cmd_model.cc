@@ -147,12 +147,7 @@ int TrainOnCluster(v1::JobSpec spec, bool json, const std::string& address) {
   if (!ended.ok()) return Fail(ended.status());
   const v1::TrainConfig& t = spec.train();
   if (ended->state() == v1::JOB_STATE_SUCCEEDED && !t.final_dir().empty() && !json) {
-    if (t.stop_after() > 0 && t.stop_after() < t.steps()) {
-      std::printf("stopped after step %lld (--stop-after): no model written to %s; --resume finishes the run\n",
-                  static_cast<long long>(t.stop_after()), t.final_dir().c_str());
-    } else {
-      std::printf("wrote the trained model to %s\n", t.final_dir().c_str());
-    }
+    PrintFinalModel(t.final_dir(), t.steps(), t.stop_after());
   }
   return ExitForJob(*ended);
 }

@@ -122,14 +122,7 @@ int RunTrainOnGpus(const std::vector<std::string>&) {
   const absl::Status s = train::Train(
       o, [&](const train::StepStats& st) { PrintStep(train::StepProgressOf(st), o.steps, json); });
   if (!s.ok()) return Fail(s);
-  if (!o.final_dir.empty() && !json) {
-    if (o.stop_after > 0 && o.stop_after < o.steps) {
-      std::printf("stopped after step %lld (--stop-after): no model written to %s; --resume finishes the run\n",
-                  static_cast<long long>(o.stop_after), o.final_dir.c_str());
-    } else {
-      std::printf("wrote the trained model to %s\n", o.final_dir.c_str());
-    }
-  }
+  if (!o.final_dir.empty() && !json) PrintFinalModel(o.final_dir, o.steps, o.stop_after);
   return 0;
 }
 

@@ -27,6 +27,13 @@ constexpr int kMaxJobsPage = 1000;
 constexpr int kMaxWorkersPage = 1000;
 constexpr size_t kWorkersPageBytes = size_t{1} << 20;
 
+// A CancelJob's or DeregisterWorker's reason, recorded in a job's history
+// (which every full read of the job carries): at most 1024 bytes.
+absl::Status CheckReason(const std::string& reason) {
+  if (reason.size() > 1024) return absl::InvalidArgumentError("reason: longer than 1024 bytes");
+  return absl::OkStatus();
+}
+
 // The key after which a page starts: "" for the first page, else what
 // `token` ("after:KEY", from a next_page_token of `rpc`) names.
 absl::StatusOr<std::string> PageAfter(const std::string& token, absl::string_view rpc) {
@@ -117,7 +124,7 @@ grpc::Status CoordinatorServiceImpl::DeregisterWorker(grpc::ServerContext* ctx,
                                                       v1::DeregisterWorkerResponse*) {
   return Instrument(ctx, "DeregisterWorker", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
-    if (req->reason().size() > 1024) return absl::InvalidArgumentError("reason: longer than 1024 bytes");
+    RETURN_IF_ERROR(CheckReason(req->reason()));
     RETURN_IF_ERROR(workers_->Deregister(req->worker_id(), req->reason()));
     COLOD_LOG(INFO) << "worker " << req->worker_id() << " left"
                     << (req->reason().empty() ? "" : absl::StrCat(": ", req->reason()));
@@ -212,8 +219,7 @@ grpc::Status CoordinatorServiceImpl::CancelJob(grpc::ServerContext* ctx, const v
                                                v1::CancelJobResponse* resp) {
   return Instrument(ctx, "CancelJob", [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
-    // Recorded in the job's history, which every full read of the job carries.
-    if (req->reason().size() > 1024) return absl::InvalidArgumentError("reason: longer than 1024 bytes");
+    RETURN_IF_ERROR(CheckReason(req->reason()));
     if (scheduler_ != nullptr) {
       ASSIGN_OR_RETURN(*resp->mutable_job(), scheduler_->Cancel(req->job_id(), req->reason()));
     } else {

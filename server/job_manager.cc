@@ -80,7 +80,6 @@ std::string NewJobUid() {
   return absl::StrCat(absl::Hex(rd(), absl::kZeroPad8), absl::Hex(rd(), absl::kZeroPad8));
 }
 
-
 // The run summary's model FLOPs per token (spec/plan.h); 0 where not
 // known (a config that does not parse, an encoder-decoder).
 double TrainFlopsPerTokenOf(const v1::JobSpec& spec) {

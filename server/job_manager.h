@@ -24,6 +24,10 @@
 
 namespace colod {
 
+// A trained step's report, not an eval_only run's (an evaluation without a
+// step_duration).
+bool IsTrainedStep(const v1::StepProgress& step);
+
 // Holds every job and its event history. Jobs are validated on submit and
 // then wait in PENDING until the scheduler (server/scheduler.h) assigns ranks.
 //
@@ -45,10 +49,6 @@ namespace colod {
 // are written after the jobs' lock is released (a slow or full disk delays
 // the call that changed a job, not the others' reads and changes), one
 // writer at a time; a job's file always ends as its newest record.
-// A trained step's report, not an eval_only run's (an evaluation without a
-// step_duration).
-bool IsTrainedStep(const v1::StepProgress& step);
-
 class JobManager {
  public:
   explicit JobManager(Clock* clock = Clock::Real());

@@ -148,6 +148,16 @@ uint64_t Fingerprint(absl::string_view text) {
   return h;
 }
 
+// RESOURCE_EXHAUSTED where a value of `shape` and `dtype` is over
+// kMaxValueBytes, the message `what` N bytes, then `remedy`.
+absl::Status AnswerFits(const Shape& shape, DType dtype, absl::string_view what, absl::string_view remedy) {
+  const std::optional<int64_t> bytes = CheckedBytes(shape, static_cast<int64_t>(SizeOf(dtype)));
+  if (bytes.has_value() && *bytes <= TensorHost::kMaxValueBytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(what, bytes.value_or(-1), " bytes, over the ",
+                                                   TensorHost::kMaxValueBytes,
+                                                   " an answer carries (gRPC's 4 MiB messages): ", remedy));
+}
+
 }  // namespace
 
 absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::string& name,
@@ -228,13 +238,9 @@ absl::StatusOr<v1::GetShardResponse> TensorHost::GetShard(const v1::GetShardRequ
     ASSIGN_OR_RETURN(v1::TensorLayout layout, LayoutLocked(req.name(), *e));
     *resp.mutable_layout() = layout.shards(pg_->rank());
     local = e->tensor.local();
-    const std::optional<int64_t> bytes = CheckedBytes(local.shape(), static_cast<int64_t>(SizeOf(local.dtype())));
-    if (!bytes.has_value() || *bytes > kMaxValueBytes) {
-      return absl::ResourceExhaustedError(absl::StrCat("rank ", pg_->rank(), "'s shard of tensor '", req.name(),
-                                                       "' is ", bytes.value_or(-1), " bytes, over the ",
-                                                       kMaxValueBytes, " an answer carries (gRPC's 4 MiB messages): "
-                                                       "reshard it over more ranks"));
-    }
+    RETURN_IF_ERROR(AnswerFits(local.shape(), local.dtype(),
+                               absl::StrCat("rank ", pg_->rank(), "'s shard of tensor '", req.name(), "' is "),
+                               "reshard it over more ranks"));
   }
   // The copy to the host waits for the device (on CUDA behind a collective
   // in progress), without the map's lock.
@@ -247,14 +253,9 @@ absl::StatusOr<v1::TensorValue> TensorHost::GetGlobal(const std::string& name) {
   const absl::StatusOr<Entry> found = Snapshot(name);
   RETURN_IF_ERROR(AgreeOnEveryRank("GetGlobal", name, found));
   // Alike on every rank (agreed above): every rank refuses it.
-  const std::optional<int64_t> whole_bytes =
-      CheckedBytes(found->tensor.global_shape(), static_cast<int64_t>(SizeOf(found->tensor.local().dtype())));
-  if (!whole_bytes.has_value() || *whole_bytes > kMaxValueBytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "tensor '", name, "' is ", whole_bytes.value_or(-1), " bytes whole, over the ", kMaxValueBytes,
-        " an answer carries (gRPC's 4 MiB messages): read it a shard at a time (GetShard), or reshard it so "
-        "that the shards fit"));
-  }
+  RETURN_IF_ERROR(AnswerFits(found->tensor.global_shape(), found->tensor.local().dtype(),
+                             absl::StrCat("tensor '", name, "' whole is "),
+                             "read it a shard at a time (GetShard), or reshard it so that the shards fit"));
   NoGradScope no_grad;
   ASSIGN_OR_RETURN(ColoTensor whole, found->tensor.ToReplicate());
   return TensorToProto(whole.local());

@@ -106,7 +106,7 @@ class TensorHost {
   // aborts the process) or a rank would wait alone for its timeout: where
   // the coordinator's calls reached some ranks and not others, a Create one
   // rank refused (its budget), or a client called a worker directly. OK, or
-  // FAILED_PRECONDITION on every rank naming how many disagree; `found`'s
+  // FAILED_PRECONDITION on every rank naming this rank's tensor; `found`'s
   // error where every rank lacks the tensor.
   absl::Status AgreeOnEveryRank(const std::string& call, const std::string& name,
                                 const absl::StatusOr<Entry>& found) ABSL_EXCLUSIVE_LOCKS_REQUIRED(collective_mu_);
