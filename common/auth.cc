@@ -15,13 +15,13 @@
 
 namespace colod {
 
-absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
+absl::StatusOr<std::string> ReadAuthToken(const std::string& path, absl::string_view flag) {
   auto text = ReadFileToString(path);
-  if (!text.ok()) return absl::NotFoundError(absl::StrCat("--auth-token-file: ", text.status().message()));
+  if (!text.ok()) return absl::NotFoundError(absl::StrCat(flag, ": ", text.status().message()));
   std::string token(absl::StripAsciiWhitespace(*text));
-  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat("--auth-token-file: '", path, "' is empty"));
+  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' is empty"));
   if (absl::Status s = CheckAuthToken(token); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--auth-token-file: '", path, "': ", s.message()));
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "': ", s.message()));
   }
   return token;
 }
@@ -38,18 +38,42 @@ absl::Status CheckAuthToken(absl::string_view token) {
   return absl::OkStatus();
 }
 
-absl::Status TokenAuth::Check(const grpc::ServerContext& ctx) const {
-  if (token_.empty()) return absl::OkStatus();
+namespace {
+
+// Whether `header` is "Bearer " + `token`, in constant time in the token's
+// length: no early exit on the first mismatch.
+bool CarriesToken(absl::string_view header, const std::string& token) {
+  const std::string want = "Bearer " + token;
+  unsigned char diff = header.size() == want.size() ? 0 : 1;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff |= static_cast<unsigned char>(want[i] ^ (i < header.size() ? header[i] : 0));
+  }
+  return diff == 0;
+}
+
+}  // namespace
+
+absl::Status TokenAuth::Check(const grpc::ServerContext& ctx, CallerRole role) const {
+  const bool worker_call = role == CallerRole::kWorker && !worker_token_.empty();
+  const std::string& want = worker_call ? worker_token_ : token_;
+  if (want.empty()) return absl::OkStatus();
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
   if (it == md.end()) return absl::UnauthenticatedError("missing bearer token (authorization metadata)");
-  const std::string got(it->second.data(), it->second.size());
-  const std::string want = "Bearer " + token_;
-  // Constant time in the token's length: no early exit on the first mismatch.
-  unsigned char diff = got.size() == want.size() ? 0 : 1;
-  for (size_t i = 0; i < want.size(); ++i) diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got[i] : 0));
-  if (diff != 0) return absl::UnauthenticatedError("invalid bearer token");
-  return absl::OkStatus();
+  const absl::string_view got(it->second.data(), it->second.size());
+  if (CarriesToken(got, want)) return absl::OkStatus();
+  if (!worker_token_.empty()) {
+    // Both are compared, so the time says nothing of which one was close.
+    const bool other = CarriesToken(got, worker_call ? token_ : worker_token_);
+    if (other && !(worker_call ? token_ : worker_token_).empty()) {
+      return absl::PermissionDeniedError(
+          worker_call ? "this call is a worker's: the client token does not admit it (workers carry the "
+                        "coordinator's --worker-token-file)"
+                      : "this call is a client's: the worker token does not admit it (clients carry the "
+                        "coordinator's --auth-token-file)");
+    }
+  }
+  return absl::UnauthenticatedError("invalid bearer token");
 }
 
 void AddAuthToken(grpc::ClientContext& ctx, const std::string& token) {

@@ -3,6 +3,13 @@
 // with --auth-token-file; health checks and reflection stay open (they are
 // separate services), so probes work without the token.
 //
+// Calls have one of two roles. A client's (submitting, watching and
+// cancelling jobs, tensors, uploads) carries the client token; a worker's
+// (registering, heartbeats, progress reports, the rendezvous store, model
+// downloads), and the coordinator's calls to the workers, carry the worker
+// token where the coordinator has one (--worker-token-file), so that
+// holding the client token is not enough to pose as a worker or to drive one.
+//
 // Thread-safety: TokenAuth is immutable.
 #ifndef COLOD_COMMON_AUTH_H_
 #define COLOD_COMMON_AUTH_H_
@@ -21,24 +28,32 @@ namespace colod {
 
 // The token in `path` (surrounding whitespace trimmed). NOT_FOUND for a
 // missing file, INVALID_ARGUMENT for an empty one or one CheckAuthToken
-// refuses.
-absl::StatusOr<std::string> ReadAuthToken(const std::string& path);
+// refuses; each error names `flag`.
+absl::StatusOr<std::string> ReadAuthToken(const std::string& path, absl::string_view flag = "--auth-token-file");
 // OK when `token` can travel in the authorization header: printable ASCII
 // only (0x20 to 0x7e; RFC 6750's tokens are a part of it). INVALID_ARGUMENT
 // naming the first other byte and where it is: a line break, a tab or a
 // byte of UTF-8 (which gRPC would abort the process on, sending it).
 absl::Status CheckAuthToken(absl::string_view token);
 
+// Who may make a call: see the file comment.
+enum class CallerRole { kClient, kWorker };
+
 class TokenAuth {
  public:
-  // An empty token accepts every call.
-  explicit TokenAuth(std::string token = "") : token_(std::move(token)) {}
-  bool enabled() const { return !token_.empty(); }
-  // UNAUTHENTICATED unless the call carries the token (compared in constant time).
-  absl::Status Check(const grpc::ServerContext& ctx) const;
+  // `token` admits clients' calls, and workers' too where `worker_token` is
+  // empty (one token, every role). `worker_token` admits workers' calls,
+  // and only those. An empty token accepts every call of its role.
+  explicit TokenAuth(std::string token = "", std::string worker_token = "")
+      : token_(std::move(token)), worker_token_(std::move(worker_token)) {}
+  // OK when the call carries the token of `role` (compared in constant
+  // time). PERMISSION_DENIED when it carries the other role's token
+  // (authenticated, but not for this call); UNAUTHENTICATED otherwise.
+  absl::Status Check(const grpc::ServerContext& ctx, CallerRole role) const;
 
  private:
   std::string token_;
+  std::string worker_token_;  // empty: token_ plays both roles
 };
 
 // Adds the token (if any) to an outgoing call.

@@ -14,7 +14,8 @@ ABSL_FLAG(std::string, tls_ca, "",
           "a client verifies the server against it (and turns TLS on).");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding the bearer token every colod call carries (health and reflection stay open). "
-          "Empty: no authentication.");
+          "Empty: no authentication. A worker's is the workers' token: the coordinator's --worker-token-file where "
+          "it has one.");
 
 namespace colod {
 

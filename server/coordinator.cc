@@ -53,6 +53,14 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
         absl::FormatDuration(options.heartbeat_interval), ")"));
   }
   if (options.max_watch_streams < 1) return absl::InvalidArgumentError("--max-watch-streams: must be >= 1");
+  if (!options.worker_token.empty()) {
+    RETURN_IF_ERROR(CheckAuthToken(options.worker_token));
+    if (options.worker_token == options.auth_token) {
+      return absl::InvalidArgumentError(
+          "--worker-token-file holds the same token as --auth-token-file: the workers' token must differ from the "
+          "clients', or a client could call what only workers may");
+    }
+  }
   if (options.max_workers < 1) return absl::InvalidArgumentError("--max-workers: must be >= 1");
   if (options.max_store_waits < 1 || options.store_quota_bytes < 1) {
     return absl::InvalidArgumentError("--max-store-waits and --store-quota must be >= 1");
@@ -155,7 +163,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   so.hang_threshold = options.hang_threshold;
   so.stop_grace = options.stop_grace;
   so.clock = options.clock;
-  so.auth_token = options.auth_token;
+  // The workers hold the worker token where there is one.
+  const std::string& to_workers = options.worker_token.empty() ? options.auth_token : options.worker_token;
+  so.auth_token = to_workers;
   ASSIGN_OR_RETURN(so.credentials, MakeChannelCredentials(options.tls));
   c->scheduler_ = std::make_unique<Scheduler>(c->jobs_.get(), c->workers_.get(), c->store_.get(), so);
   UploadStore::Limits upload_limits;
@@ -191,7 +201,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   }
   c->stalls_ = std::make_unique<StallWatchdog>(options.stream_stall_timeout);
   c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),
-                                                          c->registry_.get(), TokenAuth(options.auth_token),
+                                                          c->registry_.get(),
+                                                          TokenAuth(options.auth_token, options.worker_token),
                                                           c->scheduler_.get(), c->uploads_.get(),
                                                           options.max_watch_streams, c->stalls_.get());
   c->UpdateGauges();
@@ -200,6 +211,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials, MakeServerCredentials(options.tls));
   TensorProxy::Options to;
   to.auth_token = options.auth_token;
+  to.worker_token = to_workers;
   to.credentials = so.credentials;
   c->tensors_ = std::make_unique<TensorProxy>(c->jobs_.get(), c->registry_.get(), to);
   // A worker registered anew at an address (a daemon restarted on its

@@ -61,8 +61,14 @@ class Coordinator {
     // WorkerRegistry::Options::max_workers.
     int max_workers = WorkerRegistry::kDefaultMaxWorkers;
     Clock* clock = Clock::Real();
-    // Bearer token every CoordinatorService call must carry; empty: none.
+    // Bearer token every client's call must carry (CoordinatorService's
+    // client calls, TensorService); empty: none.
     std::string auth_token;
+    // Bearer token of the workers: their calls (registration, heartbeats,
+    // progress, the store, downloads) must carry it, and the coordinator's
+    // calls to them carry it. Empty: `auth_token` plays both roles. Must
+    // differ from a non-empty `auth_token` (INVALID_ARGUMENT at Start).
+    std::string worker_token;
     // TLS (mutual with tls.ca) on the gRPC port, and for the calls to the
     // workers; empty: plaintext.
     TlsFiles tls;

@@ -83,9 +83,10 @@ CoordinatorServiceImpl::CoordinatorServiceImpl(WorkerRegistry* workers, JobManag
       stalls_(stalls) {}
 
 template <typename Fn>
-grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const char* method, Fn&& fn) {
+grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const char* method, CallerRole role,
+                                               Fn&& fn) {
   const absl::Time start = absl::Now();
-  absl::Status status = auth_.Check(*ctx);
+  absl::Status status = auth_.Check(*ctx, role);
   if (status.ok()) status = fn();
   ObserveRpc(*rpc_duration_, method, status, absl::Now() - start);
   MarkAnswered(*ctx);
@@ -95,7 +96,7 @@ grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const 
 grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,
                                                     const v1::RegisterWorkerRequest* req,
                                                     v1::RegisterWorkerResponse* resp) {
-  return Instrument(ctx, "RegisterWorker", [&]() -> absl::Status {
+  return Instrument(ctx, "RegisterWorker", CallerRole::kWorker, [&]() -> absl::Status {
     if (!req->has_worker()) return absl::InvalidArgumentError("worker: required");
     // The old connection goes before the worker can be placed: a tick
     // between the two would assign it on the connection still backing off.
@@ -111,7 +112,7 @@ grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,
 
 grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                                                v1::HeartbeatResponse* resp) {
-  return Instrument(ctx, "Heartbeat", [&]() -> absl::Status {
+  return Instrument(ctx, "Heartbeat", CallerRole::kWorker, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
     ASSIGN_OR_RETURN(absl::Time expiry, workers_->Heartbeat(req->worker_id(), req->status()));
     *resp->mutable_lease_expire_time() = ToProtoTimestamp(expiry);
@@ -122,7 +123,7 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext* ctx, const v
 grpc::Status CoordinatorServiceImpl::DeregisterWorker(grpc::ServerContext* ctx,
                                                       const v1::DeregisterWorkerRequest* req,
                                                       v1::DeregisterWorkerResponse*) {
-  return Instrument(ctx, "DeregisterWorker", [&]() -> absl::Status {
+  return Instrument(ctx, "DeregisterWorker", CallerRole::kWorker, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
     RETURN_IF_ERROR(CheckReason(req->reason()));
     RETURN_IF_ERROR(workers_->Deregister(req->worker_id(), req->reason()));
@@ -136,7 +137,7 @@ grpc::Status CoordinatorServiceImpl::DeregisterWorker(grpc::ServerContext* ctx,
 grpc::Status CoordinatorServiceImpl::ListWorkers(grpc::ServerContext* ctx,
                                                  const v1::ListWorkersRequest* req,
                                                  v1::ListWorkersResponse* resp) {
-  return Instrument(ctx, "ListWorkers", [&]() -> absl::Status {
+  return Instrument(ctx, "ListWorkers", CallerRole::kClient, [&]() -> absl::Status {
     if (req->page_size() < 0) return absl::InvalidArgumentError("page_size: must be >= 0");
     const int limit = req->page_size() == 0 ? kMaxWorkersPage : std::min(req->page_size(), kMaxWorkersPage);
     ASSIGN_OR_RETURN(const std::string after, PageAfter(req->page_token(), "ListWorkers"));
@@ -149,7 +150,7 @@ grpc::Status CoordinatorServiceImpl::ListWorkers(grpc::ServerContext* ctx,
 
 grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
                                                v1::SubmitJobResponse* resp) {
-  return Instrument(ctx, "SubmitJob", [&]() -> absl::Status {
+  return Instrument(ctx, "SubmitJob", CallerRole::kClient, [&]() -> absl::Status {
     if (!req->has_spec()) return absl::InvalidArgumentError("spec: required");
     const std::string& upload = req->spec().model().upload_id();
     if (!upload.empty() && (uploads_ == nullptr || !uploads_->Exists(upload))) {
@@ -172,7 +173,7 @@ grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v
 
 grpc::Status CoordinatorServiceImpl::GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
                                             v1::GetJobResponse* resp) {
-  return Instrument(ctx, "GetJob", [&]() -> absl::Status {
+  return Instrument(ctx, "GetJob", CallerRole::kClient, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Get(req->job_id()));
     return absl::OkStatus();
@@ -181,7 +182,7 @@ grpc::Status CoordinatorServiceImpl::GetJob(grpc::ServerContext* ctx, const v1::
 
 grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
                                               v1::ListJobsResponse* resp) {
-  return Instrument(ctx, "ListJobs", [&]() -> absl::Status {
+  return Instrument(ctx, "ListJobs", CallerRole::kClient, [&]() -> absl::Status {
     std::vector<v1::JobState> states;
     for (int s : req->states()) {
       if (!v1::JobState_IsValid(s)) return absl::InvalidArgumentError(absl::StrCat("states: unknown value ", s));
@@ -209,7 +210,7 @@ grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1
 
 grpc::Status CoordinatorServiceImpl::DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* req,
                                                v1::DeleteJobResponse*) {
-  return Instrument(ctx, "DeleteJob", [&]() -> absl::Status {
+  return Instrument(ctx, "DeleteJob", CallerRole::kClient, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     return jobs_->Delete(req->job_id());
   });
@@ -217,7 +218,7 @@ grpc::Status CoordinatorServiceImpl::DeleteJob(grpc::ServerContext* ctx, const v
 
 grpc::Status CoordinatorServiceImpl::CancelJob(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
                                                v1::CancelJobResponse* resp) {
-  return Instrument(ctx, "CancelJob", [&]() -> absl::Status {
+  return Instrument(ctx, "CancelJob", CallerRole::kClient, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     RETURN_IF_ERROR(CheckReason(req->reason()));
     if (scheduler_ != nullptr) {
@@ -231,7 +232,7 @@ grpc::Status CoordinatorServiceImpl::CancelJob(grpc::ServerContext* ctx, const v
 
 grpc::Status CoordinatorServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
                                               grpc::ServerWriter<v1::JobEvent>* writer) {
-  return Instrument(ctx, "WatchJob", [&]() -> absl::Status {
+  return Instrument(ctx, "WatchJob", CallerRole::kClient, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     if (watches_.fetch_add(1) >= max_watches_) {
       watches_.fetch_sub(1);
@@ -274,7 +275,7 @@ grpc::Status CoordinatorServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1
 
 grpc::Status CoordinatorServiceImpl::GetMesh(grpc::ServerContext* ctx, const v1::GetMeshRequest* req,
                                              v1::GetMeshResponse* resp) {
-  return Instrument(ctx, "GetMesh", [&]() -> absl::Status {
+  return Instrument(ctx, "GetMesh", CallerRole::kClient, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(req->job_id()));
     if (job.mesh().ranks_size() == 0) {
@@ -290,7 +291,7 @@ grpc::Status CoordinatorServiceImpl::GetMesh(grpc::ServerContext* ctx, const v1:
 grpc::Status CoordinatorServiceImpl::UploadModel(grpc::ServerContext* ctx,
                                                  grpc::ServerReader<v1::UploadModelRequest>* reader,
                                                  v1::UploadModelResponse* resp) {
-  return Instrument(ctx, "UploadModel", [&]() -> absl::Status {
+  return Instrument(ctx, "UploadModel", CallerRole::kClient, [&]() -> absl::Status {
     if (uploads_ == nullptr) return absl::UnimplementedError("this coordinator stores no uploads");
     ASSIGN_OR_RETURN(std::unique_ptr<UploadStore::Writer> writer, uploads_->Begin());
     const std::unique_ptr<StallWatchdog::Watch> watch =
@@ -311,7 +312,7 @@ grpc::Status CoordinatorServiceImpl::UploadModel(grpc::ServerContext* ctx,
 
 grpc::Status CoordinatorServiceImpl::DownloadModel(grpc::ServerContext* ctx, const v1::DownloadModelRequest* req,
                                                    grpc::ServerWriter<v1::ModelChunk>* writer) {
-  return Instrument(ctx, "DownloadModel", [&]() -> absl::Status {
+  return Instrument(ctx, "DownloadModel", CallerRole::kWorker, [&]() -> absl::Status {
     if (uploads_ == nullptr) return absl::UnimplementedError("this coordinator stores no uploads");
     // Holds one of --max-concurrent-downloads, and keeps the upload from
     // being collected, until the stream ends.
@@ -356,7 +357,7 @@ grpc::Status CoordinatorServiceImpl::DownloadModel(grpc::ServerContext* ctx, con
 
 grpc::Status CoordinatorServiceImpl::ReportProgress(grpc::ServerContext* ctx, const v1::ReportProgressRequest* req,
                                                     v1::ReportProgressResponse* resp) {
-  return Instrument(ctx, "ReportProgress", [&]() -> absl::Status {
+  return Instrument(ctx, "ReportProgress", CallerRole::kWorker, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
     if (scheduler_ == nullptr) return absl::FailedPreconditionError("this coordinator runs no jobs");
@@ -369,12 +370,13 @@ grpc::Status CoordinatorServiceImpl::ReportProgress(grpc::ServerContext* ctx, co
 
 grpc::Status CoordinatorServiceImpl::KvSet(grpc::ServerContext* ctx, const v1::KvSetRequest* req,
                                            v1::KvSetResponse*) {
-  return Instrument(ctx, "KvSet", [&] { return store_->Set(req->scope(), req->key(), req->value()); });
+  return Instrument(ctx, "KvSet", CallerRole::kWorker,
+                    [&] { return store_->Set(req->scope(), req->key(), req->value()); });
 }
 
 grpc::Status CoordinatorServiceImpl::KvGet(grpc::ServerContext* ctx, const v1::KvGetRequest* req,
                                            v1::KvGetResponse* resp) {
-  return Instrument(ctx, "KvGet", [&]() -> absl::Status {
+  return Instrument(ctx, "KvGet", CallerRole::kWorker, [&]() -> absl::Status {
     ASSIGN_OR_RETURN(*resp->mutable_value(), store_->Get(req->scope(), req->key()));
     return absl::OkStatus();
   });
@@ -382,7 +384,7 @@ grpc::Status CoordinatorServiceImpl::KvGet(grpc::ServerContext* ctx, const v1::K
 
 grpc::Status CoordinatorServiceImpl::KvWait(grpc::ServerContext* ctx, const v1::KvWaitRequest* req,
                                             v1::KvWaitResponse* resp) {
-  return Instrument(ctx, "KvWait", [&]() -> absl::Status {
+  return Instrument(ctx, "KvWait", CallerRole::kWorker, [&]() -> absl::Status {
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
     if (!IsValidProtoDuration(req->timeout())) return absl::InvalidArgumentError("timeout: not a valid Duration");
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
@@ -396,7 +398,7 @@ grpc::Status CoordinatorServiceImpl::KvWait(grpc::ServerContext* ctx, const v1::
 
 grpc::Status CoordinatorServiceImpl::Barrier(grpc::ServerContext* ctx, const v1::BarrierRequest* req,
                                              v1::BarrierResponse*) {
-  return Instrument(ctx, "Barrier", [&]() -> absl::Status {
+  return Instrument(ctx, "Barrier", CallerRole::kWorker, [&]() -> absl::Status {
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
     if (!IsValidProtoDuration(req->timeout())) return absl::InvalidArgumentError("timeout: not a valid Duration");
     return store_->Barrier(req->scope(), req->name(), req->rank(), req->world_size(),

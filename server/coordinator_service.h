@@ -25,7 +25,10 @@ namespace colod {
 // is thread-safe. The pointed-to objects must outlive the service.
 class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
  public:
-  // Every call is checked against `auth` first (UNAUTHENTICATED).
+  // Every call is checked against `auth` first, as a worker's (RegisterWorker,
+  // Heartbeat, DeregisterWorker, ReportProgress, DownloadModel, the store's
+  // Kv* and Barrier) or a client's (the others): UNAUTHENTICATED, or
+  // PERMISSION_DENIED for the other role's token.
   // `scheduler` may be null (no job runs: jobs stay PENDING), and so may
   // `uploads` (UploadModel is then UNIMPLEMENTED).
   // At most `max_watches` WatchJob streams run at once (each holds a server
@@ -76,10 +79,10 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
                        v1::BarrierResponse*) override;
 
  private:
-  // Checks the token, runs `fn`, converts its status and records
+  // Checks the token of `role`, runs `fn`, converts its status and records
   // colod_rpc_duration_seconds.
   template <typename Fn>
-  grpc::Status Instrument(grpc::ServerContext* ctx, const char* method, Fn&& fn);
+  grpc::Status Instrument(grpc::ServerContext* ctx, const char* method, CallerRole role, Fn&& fn);
 
   WorkerRegistry* const workers_;
   JobManager* const jobs_;

@@ -74,6 +74,12 @@ ABSL_FLAG(int, max_server_threads, 0,
           "Threads the gRPC server runs calls on at once; a call past them is refused RESOURCE_EXHAUSTED. 0: the "
           "sum of --max-store-waits, --max-watch-streams, --max-concurrent-uploads and --max-concurrent-downloads, "
           "and 512 for short calls (heartbeats, job calls). Else at least 2: one thread polls for calls.");
+ABSL_FLAG(std::string, worker_token_file, "",
+          "File holding the workers' bearer token: the calls only workers make (registration, heartbeats, "
+          "progress reports, the rendezvous store, model downloads) must carry it, the coordinator's calls to "
+          "the workers carry it, and the workers take it as their --auth-token-file. It must differ from "
+          "--auth-token-file, which then admits the clients' calls only. Empty: --auth-token-file's token plays "
+          "both roles.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");
@@ -145,6 +151,14 @@ int main(int argc, char** argv) {
   options.tls = security->tls;
   options.tls.refresh = absl::GetFlag(FLAGS_tls_refresh_interval);  // checked by MakeServerCredentials
   options.auth_token = security->auth_token;
+  if (const std::string path = absl::GetFlag(FLAGS_worker_token_file); !path.empty()) {
+    auto token = colod::ReadAuthToken(path, "--worker-token-file");
+    if (!token.ok()) {
+      COLOD_LOG(ERROR) << token.status().message();
+      return 2;
+    }
+    options.worker_token = *std::move(token);
+  }
   auto coordinator = colod::Coordinator::Start(options);
   if (!coordinator.ok()) {
     COLOD_LOG(ERROR) << "cannot start: " << coordinator.status().message();

@@ -90,7 +90,7 @@ template <typename Req, typename Resp>
 grpc::Status TensorProxy::FanOut(grpc::ServerContext* ctx, const char* method, const std::string& job_id,
                                  const Req& req, Resp* resp, Call<Req, Resp> call, int only_rank) {
   const absl::Time start = absl::Now();
-  absl::Status status = auth_.Check(*ctx);
+  absl::Status status = auth_.Check(*ctx, CallerRole::kClient);
   if (status.ok()) status = FanOutToRanks(ctx, job_id, req, resp, call, only_rank);
   ObserveRpc(*rpc_duration_, method, status, absl::Now() - start);
   MarkAnswered(*ctx);  // a worker's UNAVAILABLE passed on is the coordinator's answer
@@ -128,7 +128,7 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     stubs[i] = stubs_.Get(mesh.ranks(ranks[i]).worker_address());
     (stubs[i]->async()->*call)(c, &req, &responses[i], std::move(done));
   };
-  const std::vector<absl::Status> statuses = RunAsyncCalls(ranks.size(), deadline, options_.auth_token, start);
+  const std::vector<absl::Status> statuses = RunAsyncCalls(ranks.size(), deadline, options_.worker_token, start);
   EndTurn(job_id);
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (statuses[i].ok()) continue;

@@ -31,8 +31,10 @@ namespace colod {
 class TensorProxy final : public v1::TensorService::Service {
  public:
   struct Options {
-    // Checked on every call (UNAUTHENTICATED), and sent to the workers.
+    // Checked on every call, a client's (TokenAuth).
     std::string auth_token;
+    // Sent to the workers.
+    std::string worker_token;
     std::shared_ptr<grpc::ChannelCredentials> credentials;  // to the workers
     // Deadline of each call to a worker, unless the client's is sooner.
     absl::Duration rpc_timeout = absl::Seconds(60);

@@ -2,11 +2,14 @@
 // worker started with --auth-token-file; coloctl with the token works, without
 // it or with another one the call is UNAUTHENTICATED; health checks and
 // reflection stay open; a worker holding the wrong token never registers.
+// With --worker-token-file, the clients' token no longer admits the calls
+// only workers make, nor the worker token the clients'.
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
+#include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/worker.grpc.pb.h"
 #include "common/auth.h"
 #include "grpcpp/create_channel.h"
@@ -31,6 +34,23 @@ absl::StatusOr<size_t> Workers(const std::string& address, const std::string& to
   auto list = (*c)->ListWorkers(false);
   if (!list.ok()) return list.status();
   return list->size();
+}
+
+// Trains a tiny model (written to the temp dir's `model`) on `worker`
+// through coloctl with the token in `token_file`: the upload and its
+// download, AssignJob, the rendezvous store, progress reports.
+void TrainATinyModel(const testing::Daemon& coordinator, const testing::Daemon& worker,
+                     const std::string& token_file, const std::string& model) {
+  const std::string coloctl = Runfile("client/coloctl");
+  auto r = RunCommand({coloctl, "init-model", "--out", TempPath(model), "--positions", "32"},
+                      std::getenv("TEST_TMPDIR"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", token_file, "submit", "--model",
+                  TempPath(model), "--data", "/usr/share/common-licenses/GPL-3", "--steps", "2", "--batch-size", "2",
+                  "--seq-len", "16", "--watch"},
+                 std::getenv("TEST_TMPDIR"), absl::Seconds(120));
+  EXPECT_EQ(r.code, 0) << r.err << r.out << testing::ReadFile(worker.log) << testing::ReadFile(coordinator.log);
+  EXPECT_NE(r.out.find("succeeded"), std::string::npos) << r.out;
 }
 
 TEST(Auth, EveryColodCallNeedsTheTokenAndHealthStaysOpen) {
@@ -86,18 +106,127 @@ TEST(Auth, EveryColodCallNeedsTheTokenAndHealthStaysOpen) {
   EXPECT_EQ(r.code, 0) << r.err;
   // A job runs through every authenticated path: the upload and its
   // download, AssignJob, the rendezvous store, progress reports.
-  r = RunCommand({coloctl, "init-model", "--out", TempPath("tiny"), "--positions", "32"}, std::getenv("TEST_TMPDIR"));
-  ASSERT_EQ(r.code, 0) << r.err;
-  r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", TempPath("token"), "submit",
-                  "--model", TempPath("tiny"), "--data", "/usr/share/common-licenses/GPL-3", "--steps", "2",
-                  "--batch-size", "2", "--seq-len", "16", "--watch"},
-                 std::getenv("TEST_TMPDIR"), absl::Seconds(120));
-  EXPECT_EQ(r.code, 0) << r.err << r.out << testing::ReadFile(good.log) << testing::ReadFile(coordinator.log);
-  EXPECT_NE(r.out.find("succeeded"), std::string::npos) << r.out;
+  TrainATinyModel(coordinator, good, TempPath("token"), "tiny");
   // A token file that does not exist is a usage error.
   r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", TempPath("nope"), "workers"},
                  std::getenv("TEST_TMPDIR"));
   EXPECT_EQ(r.code, 2);
+}
+
+TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
+  std::ofstream(TempPath("roles-clients")) << "client-token\n";
+  std::ofstream(TempPath("roles-workers")) << "worker-token\n";
+  const std::string coloctl = Runfile("client/coloctl");
+  // The same token in both roles would separate nothing: refused at start.
+  auto same = RunCommand({Runfile("server/colod-coordinator"), "--listen", "127.0.0.1:0", "--metrics-listen",
+                          "127.0.0.1:0", "--data-dir", TempPath("roles-same"), "--auth-token-file",
+                          TempPath("roles-clients"), "--worker-token-file", TempPath("roles-clients")},
+                         std::getenv("TEST_TMPDIR"), absl::Seconds(30));
+  EXPECT_NE(same.code, 0);
+  EXPECT_NE(same.err.find("--worker-token-file holds the same token as --auth-token-file"), std::string::npos)
+      << same.err;
+  auto missing = RunCommand({Runfile("server/colod-coordinator"), "--data-dir", TempPath("roles-missing"),
+                             "--worker-token-file", TempPath("roles-nope")},
+                            std::getenv("TEST_TMPDIR"), absl::Seconds(30));
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_NE(missing.err.find("--worker-token-file: "), std::string::npos) << missing.err;
+
+  testing::Daemon coordinator = testing::StartDaemon(
+      "server/colod-coordinator", "roles-coordinator",
+      {"--data-dir", TempPath("roles-data"), "--auth-token-file", TempPath("roles-clients"), "--worker-token-file",
+       TempPath("roles-workers")});
+  ASSERT_FALSE(coordinator.grpc.empty());
+  testing::Daemon worker = testing::StartDaemon(
+      "worker/daemon/colod-worker", "roles-worker",
+      {"--coordinator", coordinator.grpc, "--device", "cpu", "--work-dir", TempPath("roles-work0"),
+       "--auth-token-file", TempPath("roles-workers")});
+  // A worker given the clients' token is refused as one.
+  testing::Daemon poser = testing::StartDaemon(
+      "worker/daemon/colod-worker", "roles-poser",
+      {"--coordinator", coordinator.grpc, "--device", "cpu", "--device-ordinal", "1", "--work-dir",
+       TempPath("roles-work1"), "--auth-token-file", TempPath("roles-clients")});
+  ASSERT_FALSE(worker.grpc.empty());
+  size_t n = 0;
+  for (int i = 0; i < 200 && n < 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(25));
+    n = Workers(coordinator.grpc, "client-token").value_or(0);
+  }
+  EXPECT_EQ(n, 1u);
+  // Listing is a client's call: the worker token does not admit it.
+  EXPECT_EQ(Workers(coordinator.grpc, "worker-token").status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Workers(coordinator.grpc, "guess").status().code(), absl::StatusCode::kUnauthenticated);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline && testing::ReadFile(poser.log).find("PERMISSION_DENIED") == std::string::npos) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_NE(testing::ReadFile(poser.log).find("this call is a worker's"), std::string::npos)
+      << testing::ReadFile(poser.log);
+  EXPECT_EQ(Workers(coordinator.grpc, "client-token").value_or(0), 1u);
+
+  // What only workers call, with the clients' token: PERMISSION_DENIED, and
+  // nothing changes (a live worker's registration is not replaced).
+  auto channel = grpc::CreateChannel(coordinator.grpc, grpc::InsecureChannelCredentials());
+  auto coord = v1::CoordinatorService::NewStub(channel);
+  auto call = [](auto&& rpc, const std::string& token) {
+    grpc::ClientContext ctx;
+    AddAuthToken(ctx, token);
+    return rpc(&ctx).error_code();
+  };
+  v1::RegisterWorkerRequest reg;
+  reg.mutable_worker()->set_address(worker.grpc);
+  v1::RegisterWorkerResponse reg_resp;
+  EXPECT_EQ(call([&](grpc::ClientContext* c) { return coord->RegisterWorker(c, reg, &reg_resp); }, "client-token"),
+            grpc::StatusCode::PERMISSION_DENIED);
+  v1::ReportProgressRequest progress;
+  progress.set_job_id("job-x");
+  v1::ReportProgressResponse progress_resp;
+  EXPECT_EQ(
+      call([&](grpc::ClientContext* c) { return coord->ReportProgress(c, progress, &progress_resp); }, "client-token"),
+      grpc::StatusCode::PERMISSION_DENIED);
+  v1::KvSetRequest kv;
+  kv.set_scope("s");
+  kv.set_key("k");
+  v1::KvSetResponse kv_resp;
+  EXPECT_EQ(call([&](grpc::ClientContext* c) { return coord->KvSet(c, kv, &kv_resp); }, "client-token"),
+            grpc::StatusCode::PERMISSION_DENIED);
+  v1::DeregisterWorkerRequest dereg;
+  dereg.set_worker_id("w");
+  v1::DeregisterWorkerResponse dereg_resp;
+  EXPECT_EQ(
+      call([&](grpc::ClientContext* c) { return coord->DeregisterWorker(c, dereg, &dereg_resp); }, "client-token"),
+      grpc::StatusCode::PERMISSION_DENIED);
+  // The worker answers the workers' token only: the clients' cannot drive it.
+  auto stub = v1::WorkerService::NewStub(grpc::CreateChannel(worker.grpc, grpc::InsecureChannelCredentials()));
+  v1::GetStatusResponse status;
+  EXPECT_EQ(call([&](grpc::ClientContext* c) { return stub->GetStatus(c, v1::GetStatusRequest(), &status); },
+                 "client-token"),
+            grpc::StatusCode::UNAUTHENTICATED);
+  v1::AbortJobRequest abort;
+  abort.set_job_id("job-x");
+  v1::AbortJobResponse abort_resp;
+  EXPECT_EQ(call([&](grpc::ClientContext* c) { return stub->AbortJob(c, abort, &abort_resp); }, "client-token"),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(call([&](grpc::ClientContext* c) { return stub->GetStatus(c, v1::GetStatusRequest(), &status); },
+                 "worker-token"),
+            grpc::StatusCode::OK);
+  EXPECT_EQ(Workers(coordinator.grpc, "client-token").value_or(0), 1u);
+
+  // Jobs run with each token in its role: the coordinator's calls to the
+  // worker (AssignJob, the tensor calls it passes on) carry the workers'
+  // token, the worker's to the coordinator (the model's download, the
+  // store, progress) too; coloctl carries the clients'.
+  auto r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", TempPath("roles-clients"),
+                       "--tp", "1", "--dp", "1", "tensor", "demo"},
+                      std::getenv("TEST_TMPDIR"), absl::Seconds(120));
+  EXPECT_EQ(r.code, 0) << r.err << r.out << testing::ReadFile(worker.log) << testing::ReadFile(coordinator.log);
+  EXPECT_NE(r.out.find("rank 0: shape [2, 3, 2]"), std::string::npos) << r.out;
+  TrainATinyModel(coordinator, worker, TempPath("roles-clients"), "roles-tiny");
+  // coloctl with the workers' token is refused, saying why.
+  r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", TempPath("roles-workers"), "jobs"},
+                 std::getenv("TEST_TMPDIR"));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("PERMISSION_DENIED"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("this call is a client's"), std::string::npos) << r.err;
 }
 
 }  // namespace

@@ -812,7 +812,7 @@ TEST(Manifests, VariablesVolumesAndConfigMapsResolve) {
         if (!absl::EndsWith(flag, "-file") && !absl::StartsWith(flag, "tls-")) continue;
         const auto v = k.VolumeFor(value);
         ASSERT_TRUE(v.has_value()) << k.where << ": --" << flag << "=" << value << " is on no mounted volume";
-        if (flag == "auth-token-file" || absl::StartsWith(flag, "tls-")) {
+        if (absl::EndsWith(flag, "token-file") || absl::StartsWith(flag, "tls-")) {
           EXPECT_TRUE(v->first["secret"].IsDefined()) << k.where << ": --" << flag << " must come from a Secret";
         }
       }
@@ -1101,17 +1101,39 @@ TEST(Manifests, WorkersRegisterWithTheCoordinatorAndAreReachable) {
   EXPECT_GT(seen, 0);
 }
 
-TEST(Manifests, EveryColodContainerAuthenticates) {
+// Every container authenticates, each with its role's token: the workers
+// with the workers' (the coordinator's --worker-token-file) and no Secret
+// that holds the clients' token, clients (the submit Job) with the clients'.
+TEST(Manifests, EveryColodContainerAuthenticatesWithItsRolesToken) {
   REQUIRE_SETUP();
+  int workers = 0, coordinators = 0;
   for (const Render* r : Rendered(s)) {
     for (const Container& k : Containers(s, *r)) {
       const auto token = k.parsed.Flag("auth-token-file");
       ASSERT_TRUE(token.has_value()) << k.where << ": no --auth-token-file";
       const auto v = k.VolumeFor(*token);
       ASSERT_TRUE(v.has_value()) << k.where;
-      EXPECT_EQ(Str(Get(v->first, {"secret", "secretName"})), "colod-auth") << k.where;
+      const std::string secret = Str(Get(v->first, {"secret", "secretName"}));
+      EXPECT_EQ(secret, k.binary == kWorker ? "colod-worker-auth" : "colod-auth") << k.where;
+      if (k.binary == kWorker) {
+        ++workers;
+        for (const YAML::Node& vol : k.pod["volumes"]) {
+          EXPECT_NE(Str(Get(vol, {"secret", "secretName"})), "colod-auth")
+              << k.where << ": a worker pod mounts the clients' token";
+        }
+      }
+      const auto worker_token = k.parsed.Flag("worker-token-file");
+      EXPECT_EQ(worker_token.has_value(), k.binary == kCoordinator) << k.where;
+      if (k.binary == kCoordinator && worker_token.has_value()) {
+        ++coordinators;
+        const auto w = k.VolumeFor(*worker_token);
+        ASSERT_TRUE(w.has_value()) << k.where;
+        EXPECT_EQ(Str(Get(w->first, {"secret", "secretName"})), "colod-worker-auth") << k.where;
+      }
     }
   }
+  EXPECT_GT(workers, 0);
+  EXPECT_GT(coordinators, 0);
 }
 
 TEST(Manifests, CpuAndGpuOverlaysChooseTheirDevice) {

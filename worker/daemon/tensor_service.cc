@@ -7,7 +7,7 @@ namespace colod {
 
 template <typename Fn>
 grpc::Status WorkerTensorService::With(grpc::ServerContext* ctx, const std::string& job_id, Fn&& fn) {
-  if (absl::Status a = auth_.Check(*ctx); !a.ok()) return ToGrpcStatus(a);
+  if (absl::Status a = auth_.Check(*ctx, CallerRole::kWorker); !a.ok()) return ToGrpcStatus(a);
   if (job_id.empty()) return ToGrpcStatus(absl::InvalidArgumentError("job_id: required"));
   if (runner_ == nullptr) return ToGrpcStatus(absl::NotFoundError("this worker runs standalone: no jobs"));
   absl::StatusOr<std::shared_ptr<TensorHost>> host = runner_->Tensors(job_id);

@@ -12,7 +12,7 @@ WorkerServiceImpl::WorkerServiceImpl(std::function<v1::WorkerInfo()> info_fn,
 
 grpc::Status WorkerServiceImpl::AssignJob(grpc::ServerContext* ctx, const v1::AssignJobRequest* req,
                                           v1::AssignJobResponse*) {
-  if (absl::Status a = auth_.Check(*ctx); !a.ok()) return ToGrpcStatus(a);
+  if (absl::Status a = auth_.Check(*ctx, CallerRole::kWorker); !a.ok()) return ToGrpcStatus(a);
   if (req->job_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required");
   if (runner_ == nullptr) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
@@ -23,7 +23,7 @@ grpc::Status WorkerServiceImpl::AssignJob(grpc::ServerContext* ctx, const v1::As
 
 grpc::Status WorkerServiceImpl::AbortJob(grpc::ServerContext* ctx, const v1::AbortJobRequest* req,
                                          v1::AbortJobResponse*) {
-  if (absl::Status a = auth_.Check(*ctx); !a.ok()) return ToGrpcStatus(a);
+  if (absl::Status a = auth_.Check(*ctx, CallerRole::kWorker); !a.ok()) return ToGrpcStatus(a);
   if (req->job_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required");
   if (runner_ == nullptr) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND,
@@ -34,7 +34,7 @@ grpc::Status WorkerServiceImpl::AbortJob(grpc::ServerContext* ctx, const v1::Abo
 
 grpc::Status WorkerServiceImpl::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
                                           v1::GetStatusResponse* resp) {
-  if (absl::Status a = auth_.Check(*ctx); !a.ok()) return ToGrpcStatus(a);
+  if (absl::Status a = auth_.Check(*ctx, CallerRole::kWorker); !a.ok()) return ToGrpcStatus(a);
   *resp->mutable_info() = info_fn_();
   *resp->mutable_status() = status_fn_();
   return grpc::Status::OK;
