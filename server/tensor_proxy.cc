@@ -134,8 +134,25 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     if (statuses[i].ok()) continue;
     const v1::RankAssignment& a = mesh.ranks(ranks[i]);
     const absl::Status& s = statuses[i];
-    return absl::Status(s.code(), absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ",
-                                               a.worker_address(), "): ", s.message()));
+    const std::string where =
+        absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ", a.worker_address(), "): ", s.message());
+    // A job cancelled or placed again while the call ran aborts its ranks
+    // (ABORTED, UNAVAILABLE, CANCELLED from the workers): the answer is the
+    // job's state, as for a call that came after it.
+    absl::StatusOr<v1::Job> now = jobs_->Get(job_id);
+    if (!now.ok()) {
+      return absl::Status(now.status().code(), absl::StrCat(now.status().message(), "; the call met ", where));
+    }
+    if (now->state() != v1::JOB_STATE_RUNNING) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' is ", JobStateName(now->state()),
+                                                        ", no longer running: its ranks stopped while the call ran (",
+                                                        where, ")"));
+    }
+    if (now->generation() != job->generation()) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' was placed again while the call ran: ",
+                                                        "its new ranks hold none of its tensors (", where, ")"));
+    }
+    return absl::Status(s.code(), where);
   }
   *resp = std::move(responses[0]);
   return absl::OkStatus();

@@ -17,8 +17,9 @@
 namespace colod {
 namespace {
 
-// One rank's worker: CreateTensor records the name and, for "slow", holds
-// the call until `release`.
+// One rank's worker: CreateTensor records the name and, for "slow",
+// "aborted" and "refused", holds the call until `release`; the last two
+// then fail.
 class SlowWorker final : public v1::TensorService::Service {
  public:
   grpc::Status CreateTensor(grpc::ServerContext*, const v1::CreateTensorRequest* req,
@@ -28,6 +29,13 @@ class SlowWorker final : public v1::TensorService::Service {
       names.push_back(req->name());
     }
     if (req->name() == "slow") release.WaitForNotification();
+    if (req->name() == "aborted" || req->name() == "refused") {
+      release.WaitForNotification();
+      // What a rank answers once its job was aborted under the call, and
+      // an error of its own.
+      return req->name() == "aborted" ? grpc::Status(grpc::StatusCode::ABORTED, "the rank was aborted")
+                                      : grpc::Status(grpc::StatusCode::ALREADY_EXISTS, "tensor 'refused' exists");
+    }
     return grpc::Status::OK;
   }
   std::vector<std::string> Names() {
@@ -200,6 +208,62 @@ TEST(TensorProxy, ACallWhoseTurnCameReachesEveryRankWhateverTheClientsDeadline) 
   EXPECT_FALSE(workers[0].Names().empty());
   proxy_server->Shutdown();
   for (auto& s : servers) s->Shutdown();
+}
+
+// A call whose job is cancelled while it runs on the ranks answers what a
+// call after the cancel gets, FAILED_PRECONDITION naming the job's state
+// (the ranks' ABORTED or UNAVAILABLE is what the cancel did to them, and
+// API.md keeps those codes for other things); a rank's own error while the
+// job runs is passed on as it is, naming the rank.
+TEST(TensorProxy, ACallWhoseJobIsCancelledUnderItAnswersTheJobsState) {
+  SlowWorker worker;
+  std::string worker_address;
+  std::unique_ptr<grpc::Server> worker_server = Serve(&worker, &worker_address);
+  JobManager jobs;
+  absl::StatusOr<v1::Job> job;
+  ASSERT_NO_FATAL_FAILURE(RunTensorJob(jobs, {worker_address}, &job));
+  prometheus::Registry registry;
+  TensorProxy proxy(&jobs, &registry, TensorProxy::Options());
+  std::string proxy_address;
+  std::unique_ptr<grpc::Server> proxy_server = Serve(&proxy, &proxy_address);
+  auto stub = v1::TensorService::NewStub(grpc::CreateChannel(proxy_address, grpc::InsecureChannelCredentials()));
+  const auto create = [&](const std::string& name) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::CreateTensorRequest req;
+    req.set_job_id(job->job_id());
+    req.set_name(name);
+    v1::CreateTensorResponse resp;
+    return stub->CreateTensor(&ctx, req, &resp);
+  };
+  worker.release.Notify();
+  const grpc::Status refused = create("refused");
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_NE(refused.error_message().find("rank 0 (worker worker-0 at " + worker_address + "): tensor 'refused'"),
+            std::string::npos)
+      << refused.error_message();
+
+  SlowWorker held;
+  std::string held_address;
+  std::unique_ptr<grpc::Server> held_server = Serve(&held, &held_address);
+  absl::StatusOr<v1::Job> cancelled_job;
+  ASSERT_NO_FATAL_FAILURE(RunTensorJob(jobs, {held_address}, &cancelled_job));
+  job = cancelled_job;
+  grpc::Status aborted;
+  std::thread call([&] { aborted = create("aborted"); });
+  for (int i = 0; i < 1000 && held.Names().empty(); ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(held.Names(), std::vector<std::string>{"aborted"});
+  ASSERT_TRUE(jobs.Cancel(job->job_id(), "done with it").ok());
+  held.release.Notify();
+  call.join();
+  EXPECT_EQ(aborted.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << aborted.error_message();
+  EXPECT_NE(aborted.error_message().find("is cancelled, no longer running: its ranks stopped while the call ran "
+                                         "(rank 0 (worker worker-0 at " + held_address + "): the rank was aborted)"),
+            std::string::npos)
+      << aborted.error_message();
+  proxy_server->Shutdown();
+  worker_server->Shutdown();
+  held_server->Shutdown();
 }
 
 }  // namespace
