@@ -593,17 +593,35 @@ int CommandLineMain(int argc, char** argv, const std::string& intro, const std::
       // ..."); submit takes train's ("the train flags above"). The global
       // ones (--coordinator, --timeout, --output, TLS) are --help's.
       const std::string usage = WrapUsage(*command);
+      const auto is_word = [](char c) { return absl::ascii_isalnum(c) || c == '-' || c == '_'; };
       std::set<std::string> named;  // "steps" for --steps
       for (size_t at = usage.find("--"); at != std::string::npos; at = usage.find("--", at + 2)) {
         size_t stop = at + 2;
         while (stop < usage.size() && (absl::ascii_isalnum(usage[stop]) || usage[stop] == '-')) ++stop;
         std::string name = usage.substr(at + 2, stop - at - 2);
         std::replace(name.begin(), name.end(), '-', '_');
+        // Not another command's flag that the usage cites ("`train --data
+        // PREFIX` reads the result", "coloctl submit --kind tensor").
+        size_t word_end = at;
+        while (word_end > 0 && usage[word_end - 1] == ' ') --word_end;
+        size_t word_start = word_end;
+        while (word_start > 0 && is_word(usage[word_start - 1])) --word_start;
+        const std::string before = usage.substr(word_start, word_end - word_start);
+        if (before != command->name && FindCommand(groups, before) != nullptr) continue;
         if (!name.empty()) named.insert(name);
       }
-      std::set<std::string> heads = {command->name};
-      if (absl::StrContains(usage, "the train flags")) heads.insert("train");
-      const auto is_word = [](char c) { return absl::ascii_isalnum(c) || c == '-' || c == '_'; };
+      // A flag's help heads its parts with the commands it applies to
+      // ("train, submit: ...; init-model: ..."). An item may qualify its
+      // command ("train with --device cuda", "train on a cluster"): that
+      // applies to the command itself, not to submit, which takes train's
+      // unqualified flags ("the train flags above").
+      const bool takes_train_flags = absl::StrContains(usage, "the train flags");
+      const std::string own = command->name;
+      const auto names_command = [&](absl::string_view item) {
+        item = absl::StripAsciiWhitespace(item);
+        if (item == own || absl::StartsWith(item, own + " ")) return true;
+        return takes_train_flags && item == "train";
+      };
       const auto applies = [&](const absl::CommandLineFlag& flag) {
         if (named.count(std::string(flag.Name()))) return true;
         const std::string text = flag.Help();
@@ -614,11 +632,9 @@ int CommandLineMain(int argc, char** argv, const std::string& intro, const std::
           // A list of commands ("train, submit", "forward and train"), not
           // a sentence that happens to name one before a colon.
           if (!absl::c_all_of(head, [&](char c) { return is_word(c) || c == ',' || c == ' '; })) continue;
-          for (const std::string& h : heads) {
-            for (size_t at = head.find(h); at != absl::string_view::npos; at = head.find(h, at + 1)) {
-              const bool starts = at == 0 || !is_word(head[at - 1]);
-              const bool ends = at + h.size() == head.size() || !is_word(head[at + h.size()]);
-              if (starts && ends) return true;
+          for (absl::string_view listed : absl::StrSplit(head, ',')) {
+            for (absl::string_view item : absl::StrSplit(listed, " and ")) {
+              if (names_command(item)) return true;
             }
           }
         }

@@ -76,6 +76,9 @@ int SubmitWith(CoordinatorClient& client, bool json) {
                                 " do not apply: the job file is the whole spec (edit it, or leave --job-file out)"));
     }
   }
+  if (absl::Status s = RefuseCommTimeoutOnWorkers(given); !s.ok()) {
+    return Usage(absl::StrCat("submit: ", s.message()));
+  }
   absl::StatusOr<v1::JobSpec> spec = absl::GetFlag(FLAGS_job_file).empty()
                                          ? TrainJobSpecFromFlags()
                                          : ReadJobFile(absl::GetFlag(FLAGS_job_file));

@@ -76,6 +76,9 @@ int RunForward(const std::vector<std::string>&) {
                  "GPUs");
   }
   if (*cuda) return RunInProcess();  // rank r on local GPU r, in coloctl-run's process
+  if (absl::Status s = RefuseCommTimeoutOnWorkers(GivenFlags()); !s.ok()) {
+    return Usage(absl::StrCat("forward: ", s.message()));
+  }
   auto files = ForwardFilesFromFlags();
   if (!files.ok()) return Usage(std::string(files.status().message()));
   auto shard = ShardFromFlags();
@@ -160,6 +163,9 @@ int RunTrain(const std::vector<std::string>&) {
   // cluster the workers' devices decide (TrainJobSpecFromFlags rejects
   // --device cuda there).
   if (*cuda && ExplicitCoordinator().empty()) return RunInProcess();
+  if (absl::Status s = RefuseCommTimeoutOnWorkers(GivenFlags()); !s.ok()) {
+    return Usage(absl::StrCat("train: ", s.message()));
+  }
   // The job, from the flags once, before any embedded cluster starts.
   auto spec = TrainJobSpecFromFlags();
   if (!spec.ok()) return Usage(absl::StrCat("train: ", spec.status().message()));

@@ -118,10 +118,10 @@ ABSL_FLAG(std::string, resume, "",
 ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run to --resume later).");
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
 ABSL_FLAG(std::string, device, "cpu",
-          "forward, train: cpu (a job on CPU worker daemons: --coordinator's, or an embedded cluster of worker "
-          "processes over Gloo) or cuda (rank r on this machine's CUDA device r, over NCCL; not with --coordinator, "
-          "whose workers' devices decide). "
-          "plan: the workers the job is planned for (cuda: the fused attention). "
+          "forward, train without --coordinator: cpu (an embedded cluster of worker processes over Gloo) or cuda "
+          "(rank r on this machine's CUDA device r, over NCCL); on a cluster (--coordinator) the workers' devices "
+          "decide, and cuda is refused; "
+          "plan: the workers the job is planned for (cuda: the fused attention); "
           "local: the workers' device (cuda: worker i on CUDA device i, a process each).");
 ABSL_FLAG(std::string, name, "", "submit, train: the job's name (default: the model directory's name).");
 ABSL_FLAG(int32_t, max_restarts, -1,
@@ -132,7 +132,8 @@ ABSL_FLAG(absl::Duration, restart_wait, absl::ZeroDuration(),
           "submit, train on a cluster: how long a restarting job waits for enough workers before it fails (0: 5m).");
 ABSL_FLAG(absl::Duration, comm_timeout, absl::Seconds(60),
           "forward, train with --device cuda: how long a rendezvous or collective may take; a rank that stops "
-          "taking part fails the run with DEADLINE_EXCEEDED after it.");
+          "taking part fails the run with DEADLINE_EXCEEDED after it. On a cluster (--coordinator) each worker's "
+          "own --comm-timeout decides, and this one is refused.");
 
 // The flags of the commands that coloctl-run runs in its process: coloctl
 // knows them too, so that it parses such a command line before it hands it
@@ -350,6 +351,13 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
     return absl::InvalidArgumentError("--save needs --save-every K (K >= 1)");
   }
   return spec;
+}
+
+absl::Status RefuseCommTimeoutOnWorkers(const std::set<std::string>& given) {
+  if (given.count("comm_timeout") == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      "--comm-timeout applies to a run on this machine's GPUs (--device cuda) only: on worker daemons each worker's "
+      "own --comm-timeout decides; drop it");
 }
 
 absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags() {

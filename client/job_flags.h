@@ -6,6 +6,7 @@
 #ifndef COLOD_CLIENT_JOB_FLAGS_H_
 #define COLOD_CLIENT_JOB_FLAGS_H_
 
+#include <set>
 #include <string>
 
 #include "absl/flags/declare.h"
@@ -52,6 +53,11 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data = true);
 // and the restart policy (--max-restarts, --restart-wait). Refuses --device
 // cuda: on a cluster the workers' devices decide.
 absl::StatusOr<v1::JobSpec> TrainJobSpecFromFlags();
+// For a run on worker daemons (a cluster's, or an embedded one): INVALID_ARGUMENT
+// where `given` (the flags on the command line, GivenFlags) holds
+// --comm-timeout, which only a run on this machine's GPUs reads: each
+// worker's own --comm-timeout decides there, and the flag would be ignored.
+absl::Status RefuseCommTimeoutOnWorkers(const std::set<std::string>& given);
 // forward's files: --model, and --input (token ids) or --pixel-values
 // (images, with optional --labels), --decoder-input, --logits. A usage
 // error (INVALID_ARGUMENT "forward: ...") for a missing or wrong combination.

@@ -200,6 +200,24 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
   for (const char* flag : {"--steps", "--batch-size", "--save-every", "--job-file", "--upload"}) {
     EXPECT_TRUE(absl::StrContains(submit.out, flag)) << flag << "\n" << submit.out;
   }
+  // Not train's flags that only a run on this machine reads ("train with
+  // --device cuda", "train without --coordinator"), which submit refuses;
+  // train itself and forward list them.
+  EXPECT_FALSE(absl::StrContains(submit.out, "\n  --comm-timeout")) << submit.out;
+  EXPECT_FALSE(absl::StrContains(submit.out, "\n  --device")) << submit.out;
+  for (const char* command : {"train", "forward"}) {
+    const auto own = RunCommand({Runfile(kColoctl), "help", command}, TempPath(""));
+    EXPECT_TRUE(absl::StrContains(own.out, "\n  --comm-timeout")) << own.out;
+    EXPECT_TRUE(absl::StrContains(own.out, "\n  --device")) << own.out;
+  }
+  // Nor another command's flag that a usage cites: tokenize's names
+  // "`train --data PREFIX`", tensor's "coloctl submit --kind tensor".
+  const auto tokenize = RunCommand({Runfile(kColoctl), "help", "tokenize"}, TempPath(""));
+  EXPECT_TRUE(absl::StrContains(tokenize.out, "\n  --data-format")) << tokenize.out;
+  EXPECT_FALSE(absl::StrContains(tokenize.out, "\n  --data\n")) << tokenize.out;
+  const auto tensor = RunCommand({Runfile(kColoctl), "help", "tensor"}, TempPath(""));
+  EXPECT_TRUE(absl::StrContains(tensor.out, "\n  --tp")) << tensor.out;
+  EXPECT_FALSE(absl::StrContains(tensor.out, "\n  --kind")) << tensor.out;
   // A flag whose help mentions a command in passing ("health and reflection
   // stay open"), not as the head of its part, is not that command's.
   const auto health = RunCommand({Runfile(kColoctl), "help", "health"}, TempPath(""));

@@ -271,6 +271,21 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
   r = run({"--coordinator", nowhere, "submit", "--job-file", "/nonexistent.json", "--tp", "2", "--name", "x"});
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("submit --job-file: --name, --tp do not apply"), std::string::npos) << r.err;
+  // --comm-timeout is read by a run on this machine's GPUs alone: on worker
+  // daemons each worker's own decides.
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--coordinator", nowhere, "submit", "--model", "/m", "--data", "/d"},
+        std::vector<std::string>{"--coordinator", nowhere, "train", "--model", "/m", "--data", "/d"},
+        std::vector<std::string>{"train", "--model", "/m", "--data", "/d"},
+        std::vector<std::string>{"forward", "--model", "/m", "--input", "/i.npy"}}) {
+    std::vector<std::string> with = args;
+    with.insert(with.end(), {"--comm-timeout", "5s"});
+    r = run(with);
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_NE(r.err.find(": --comm-timeout applies to a run on this machine's GPUs (--device cuda) only"),
+              std::string::npos)
+        << r.err;
+  }
   r = run({"--coordinator", nowhere, "status", "job-\xff"});
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("status: argument 1 is not valid UTF-8"), std::string::npos) << r.err;
