@@ -354,7 +354,8 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
 }
 
 absl::Status RefuseCommTimeoutOnWorkers(const std::set<std::string>& given) {
-  if (given.count("comm_timeout") == 0) return absl::OkStatus();
+  // With --device cuda on a cluster, that flag's own error says what to do.
+  if (given.count("comm_timeout") == 0 || CudaFromFlags().value_or(false)) return absl::OkStatus();
   return absl::InvalidArgumentError(
       "--comm-timeout applies to a run on this machine's GPUs (--device cuda) only: on worker daemons each worker's "
       "own --comm-timeout decides; drop it");

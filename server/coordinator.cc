@@ -211,7 +211,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials, MakeServerCredentials(options.tls));
   TensorProxy::Options to;
   to.auth_token = options.auth_token;
-  to.worker_token = to_workers;
+  to.worker_token = options.worker_token;
   to.credentials = so.credentials;
   c->tensors_ = std::make_unique<TensorProxy>(c->jobs_.get(), c->registry_.get(), to);
   // A worker registered anew at an address (a daemon restarted on its

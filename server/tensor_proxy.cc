@@ -18,7 +18,7 @@ TensorProxy::TensorProxy(JobManager* jobs, prometheus::Registry* metrics, Option
     : jobs_(jobs),
       rpc_duration_(&RpcDurationFamily(*metrics)),
       options_(std::move(options)),
-      auth_(options_.auth_token),
+      auth_(options_.auth_token, options_.worker_token),
       stubs_(options_.credentials) {}
 
 absl::StatusOr<v1::Job> TensorProxy::RunningTensorJob(const std::string& job_id) {
@@ -128,7 +128,10 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     stubs[i] = stubs_.Get(mesh.ranks(ranks[i]).worker_address());
     (stubs[i]->async()->*call)(c, &req, &responses[i], std::move(done));
   };
-  const std::vector<absl::Status> statuses = RunAsyncCalls(ranks.size(), deadline, options_.worker_token, start);
+  const std::vector<absl::Status> statuses = RunAsyncCalls(ranks.size(), deadline,
+                                                            options_.worker_token.empty() ? options_.auth_token
+                                                                                          : options_.worker_token,
+                                                            start);
   EndTurn(job_id);
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (statuses[i].ok()) continue;
@@ -138,7 +141,11 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
         absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ", a.worker_address(), "): ", s.message());
     // A job cancelled or placed again while the call ran aborts its ranks
     // (ABORTED, UNAVAILABLE, CANCELLED from the workers): the answer is the
-    // job's state, as for a call that came after it.
+    // job's state, as for a call that came after it. A rank's own error
+    // (the collective's, where the call broke the group) is passed on.
+    if (!absl::IsAborted(s) && !absl::IsUnavailable(s) && !absl::IsCancelled(s)) {
+      return absl::Status(s.code(), where);
+    }
     absl::StatusOr<v1::Job> now = jobs_->Get(job_id);
     if (!now.ok()) {
       return absl::Status(now.status().code(), absl::StrCat(now.status().message(), "; the call met ", where));

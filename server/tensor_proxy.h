@@ -31,9 +31,11 @@ namespace colod {
 class TensorProxy final : public v1::TensorService::Service {
  public:
   struct Options {
-    // Checked on every call, a client's (TokenAuth).
+    // Checked on every call, a client's (TokenAuth: the workers' token is
+    // PERMISSION_DENIED where it is a separate one).
     std::string auth_token;
-    // Sent to the workers.
+    // The workers' token (the coordinator's --worker-token-file), sent to
+    // the workers; empty: auth_token plays both roles, and is sent.
     std::string worker_token;
     std::shared_ptr<grpc::ChannelCredentials> credentials;  // to the workers
     // Deadline of each call to a worker, unless the client's is sooner.

@@ -1,5 +1,6 @@
 #include "server/tensor_proxy.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -210,60 +211,84 @@ TEST(TensorProxy, ACallWhoseTurnCameReachesEveryRankWhateverTheClientsDeadline) 
   for (auto& s : servers) s->Shutdown();
 }
 
-// A call whose job is cancelled while it runs on the ranks answers what a
-// call after the cancel gets, FAILED_PRECONDITION naming the job's state
-// (the ranks' ABORTED or UNAVAILABLE is what the cancel did to them, and
-// API.md keeps those codes for other things); a rank's own error while the
-// job runs is passed on as it is, naming the rank.
-TEST(TensorProxy, ACallWhoseJobIsCancelledUnderItAnswersTheJobsState) {
-  SlowWorker worker;
-  std::string worker_address;
-  std::unique_ptr<grpc::Server> worker_server = Serve(&worker, &worker_address);
+// A call whose job is cancelled, or placed again, while it runs on the
+// ranks answers what a call after that gets, FAILED_PRECONDITION naming the
+// job's state (the ranks' ABORTED is what the cancel did to them, and
+// API.md keeps that code for other things); a rank's own error is passed on
+// as it is, naming the rank, whatever became of the job.
+TEST(TensorProxy, ACallWhoseJobStopsUnderItAnswersTheJobsState) {
   JobManager jobs;
-  absl::StatusOr<v1::Job> job;
-  ASSERT_NO_FATAL_FAILURE(RunTensorJob(jobs, {worker_address}, &job));
   prometheus::Registry registry;
   TensorProxy proxy(&jobs, &registry, TensorProxy::Options());
   std::string proxy_address;
   std::unique_ptr<grpc::Server> proxy_server = Serve(&proxy, &proxy_address);
   auto stub = v1::TensorService::NewStub(grpc::CreateChannel(proxy_address, grpc::InsecureChannelCredentials()));
-  const auto create = [&](const std::string& name) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    v1::CreateTensorRequest req;
-    req.set_job_id(job->job_id());
-    req.set_name(name);
-    v1::CreateTensorResponse resp;
-    return stub->CreateTensor(&ctx, req, &resp);
+  // Runs CreateTensor `name` on a new job's one rank and, while the rank
+  // holds it, `meanwhile` on the job; the call's status.
+  const auto call_while = [&](const std::string& name, const std::function<void(const std::string&)>& meanwhile,
+                              std::string* rank_address) {
+    SlowWorker worker;
+    std::unique_ptr<grpc::Server> server = Serve(&worker, rank_address);
+    absl::StatusOr<v1::Job> job;
+    RunTensorJob(jobs, {*rank_address}, &job);
+    grpc::Status status(grpc::StatusCode::UNKNOWN, "not run");
+    if (!job.ok()) return status;
+    std::thread call([&] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      v1::CreateTensorRequest req;
+      req.set_job_id(job->job_id());
+      req.set_name(name);
+      v1::CreateTensorResponse resp;
+      status = stub->CreateTensor(&ctx, req, &resp);
+    });
+    for (int i = 0; i < 1000 && worker.Names().empty(); ++i) absl::SleepFor(absl::Milliseconds(5));
+    const bool reached = worker.Names() == std::vector<std::string>{name};
+    if (reached) meanwhile(job->job_id());
+    worker.release.Notify();
+    call.join();
+    server->Shutdown();
+    EXPECT_TRUE(reached);
+    return status;
   };
-  worker.release.Notify();
-  const grpc::Status refused = create("refused");
+  std::string rank;
+  const grpc::Status refused = call_while("refused", [](const std::string&) {}, &rank);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::ALREADY_EXISTS);
-  EXPECT_NE(refused.error_message().find("rank 0 (worker worker-0 at " + worker_address + "): tensor 'refused'"),
+  EXPECT_NE(refused.error_message().find("rank 0 (worker worker-0 at " + rank + "): tensor 'refused'"),
             std::string::npos)
       << refused.error_message();
 
-  SlowWorker held;
-  std::string held_address;
-  std::unique_ptr<grpc::Server> held_server = Serve(&held, &held_address);
-  absl::StatusOr<v1::Job> cancelled_job;
-  ASSERT_NO_FATAL_FAILURE(RunTensorJob(jobs, {held_address}, &cancelled_job));
-  job = cancelled_job;
-  grpc::Status aborted;
-  std::thread call([&] { aborted = create("aborted"); });
-  for (int i = 0; i < 1000 && held.Names().empty(); ++i) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_EQ(held.Names(), std::vector<std::string>{"aborted"});
-  ASSERT_TRUE(jobs.Cancel(job->job_id(), "done with it").ok());
-  held.release.Notify();
-  call.join();
-  EXPECT_EQ(aborted.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << aborted.error_message();
-  EXPECT_NE(aborted.error_message().find("is cancelled, no longer running: its ranks stopped while the call ran "
-                                         "(rank 0 (worker worker-0 at " + held_address + "): the rank was aborted)"),
+  const auto cancel = [&](const std::string& id) { EXPECT_TRUE(jobs.Cancel(id, "done with it").ok()); };
+  const grpc::Status cancelled = call_while("aborted", cancel, &rank);
+  EXPECT_EQ(cancelled.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << cancelled.error_message();
+  EXPECT_NE(cancelled.error_message().find("is cancelled, no longer running: its ranks stopped while the call ran "
+                                           "(rank 0 (worker worker-0 at " + rank + "): the rank was aborted)"),
             std::string::npos)
-      << aborted.error_message();
+      << cancelled.error_message();
+  // The rank's own error stays its own, though the job ended meanwhile.
+  const grpc::Status own = call_while("refused", cancel, &rank);
+  EXPECT_EQ(own.error_code(), grpc::StatusCode::ALREADY_EXISTS) << own.error_message();
+
+  // Placed again (a restart) and running anew: its new ranks hold nothing.
+  const grpc::Status moved = call_while(
+      "aborted",
+      [&](const std::string& id) {
+        EXPECT_TRUE(jobs.Restart(id, "a worker was lost", "restarting").ok());
+        v1::MeshSpec mesh;
+        v1::RankAssignment& a = *mesh.add_ranks();
+        a.set_rank(0);
+        a.set_worker_id("worker-9");
+        a.set_worker_address("127.0.0.1:9");
+        EXPECT_TRUE(jobs.Schedule(id, mesh).ok());
+        EXPECT_TRUE(jobs.SetState(id, v1::JOB_STATE_RUNNING, "serving").ok());
+      },
+      &rank);
+  EXPECT_EQ(moved.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << moved.error_message();
+  EXPECT_NE(moved.error_message().find("was placed again while the call ran: its new ranks hold none of its "
+                                       "tensors (rank 0 (worker worker-0 at " + rank + "): the rank was aborted)"),
+            std::string::npos)
+      << moved.error_message();
   proxy_server->Shutdown();
-  worker_server->Shutdown();
-  held_server->Shutdown();
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
 #include "colod/v1/coordinator.grpc.pb.h"
+#include "colod/v1/tensor.grpc.pb.h"
 #include "colod/v1/worker.grpc.pb.h"
 #include "common/auth.h"
 #include "grpcpp/create_channel.h"
@@ -195,6 +196,15 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
   EXPECT_EQ(
       call([&](grpc::ClientContext* c) { return coord->DeregisterWorker(c, dereg, &dereg_resp); }, "client-token"),
       grpc::StatusCode::PERMISSION_DENIED);
+  // And the other way round: the coordinator's tensor calls are a client's.
+  auto tensors = v1::TensorService::NewStub(channel);
+  v1::ListTensorsRequest list;
+  list.set_job_id("job-x");
+  v1::ListTensorsResponse list_resp;
+  EXPECT_EQ(call([&](grpc::ClientContext* c) { return tensors->ListTensors(c, list, &list_resp); }, "worker-token"),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(call([&](grpc::ClientContext* c) { return tensors->ListTensors(c, list, &list_resp); }, "client-token"),
+            grpc::StatusCode::NOT_FOUND);  // past the check: no such job
   // The worker answers the workers' token only: the clients' cannot drive it.
   auto stub = v1::WorkerService::NewStub(grpc::CreateChannel(worker.grpc, grpc::InsecureChannelCredentials()));
   v1::GetStatusResponse status;
