@@ -40,14 +40,14 @@ constexpr int64_t kMaxJobNumber = int64_t{1} << 62;
 namespace {
 
 // The directories a TRAIN spec writes, which one job at a time may (as a
-// checkpoint_dir or a final_dir alike): each as "FIELD DIR" with DIR
-// lexically normal and without a trailing separator, and, for an absolute
-// DIR whose links the coordinator can resolve (a shared file system, an
-// embedded cluster), as "FIELD DIR" again with DIR resolved, so that a
-// link to another job's directory is that directory. Jobs are compared by
-// the DIR parts. Reads the file system: never called under mu_.
-std::vector<std::string> OutputDirKeys(const v1::JobSpec& spec) {
-  std::vector<std::string> keys;
+// checkpoint_dir or a final_dir alike): each with its dir lexically normal
+// and without a trailing separator, and, for an absolute dir whose links
+// the coordinator can resolve (a shared file system, an embedded cluster),
+// again with the dir resolved, so that a link to another job's directory is
+// that directory. Jobs are compared by the dirs. Reads the file system:
+// never called under mu_.
+std::vector<JobManager::OutputDir> OutputDirKeys(const v1::JobSpec& spec) {
+  std::vector<JobManager::OutputDir> keys;
   if (spec.kind() != v1::JOB_KIND_TRAIN || spec.train().eval_only()) return keys;  // an evaluation writes nothing
   // A checkpoint_dir without checkpoint_every is never written.
   const bool saves = spec.train().checkpoint_every() > 0;
@@ -60,19 +60,16 @@ std::vector<std::string> OutputDirKeys(const v1::JobSpec& spec) {
         std::pair<const char*, std::string>{"final_dir", spec.train().final_dir()}}) {
     if (dir.empty()) continue;
     const std::string key = trimmed(std::filesystem::path(dir).lexically_normal().string());
-    keys.push_back(absl::StrCat(field, " ", key));
+    keys.push_back({field, key});
     if (!std::filesystem::path(dir).is_absolute()) continue;
     std::error_code ec;
     const std::filesystem::path resolved = std::filesystem::weakly_canonical(dir, ec);
     if (ec || resolved.empty()) continue;
     const std::string real = trimmed(resolved.string());
-    if (real != key) keys.push_back(absl::StrCat(field, " ", real));
+    if (real != key) keys.push_back({field, real});
   }
   return keys;
 }
-
-// The DIR of an OutputDirKeys key.
-absl::string_view KeyDir(absl::string_view key) { return key.substr(key.find(' ') + 1); }
 
 // Job.uid: 64 random bits, hex.
 std::string NewJobUid() {
@@ -289,7 +286,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& 
     std::optional<StoredRecord> record;   // nullopt: damaged, set aside
     OnDisk on_disk;                       // of the record read
     bool had_log = false;                 // its log is folded into a new snapshot
-    std::vector<std::string> output_dirs;  // OutputDirKeys of a job not ended (reads the file system)
+    std::vector<OutputDir> output_dirs;   // OutputDirKeys of a job not ended (reads the file system)
   };
   std::vector<File> files;
   const std::set<std::string> present(names->begin(), names->end());
@@ -950,7 +947,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   RETURN_IF_ERROR(ValidateJobSpec(spec));
   if (!floor.has_value()) floor = JobMemoryFloor(spec);
   const std::string request(request_id);
-  const std::vector<std::string> dirs = OutputDirKeys(spec);
+  const std::vector<OutputDir> dirs = OutputDirKeys(spec);
   const std::string uid = NewJobUid();  // before the lock: it may read the kernel's entropy
   Entry e;
   std::optional<RecordWrite> w;
@@ -967,25 +964,24 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
     }
     // One job at a time writes a directory (OutputDirKeys).
     absl::Status taken;
-    for (const std::string& dir : dirs) {
-      if (submitting_dirs_.contains(std::string(KeyDir(dir)))) {
+    for (const OutputDir& mine : dirs) {
+      if (submitting_dirs_.contains(mine.dir)) {
         // Its record is being written, and may yet fail: not known to be taken.
-        taken = absl::UnavailableError(absl::StrCat("spec.train: ", KeyDir(dir),
-                                                    " is named by a job being submitted; try again"));
+        taken = absl::UnavailableError(
+            absl::StrCat("spec.train: ", mine.dir, " is named by a job being submitted; try again"));
         break;
       }
     }
     for (auto it = jobs_.begin(); taken.ok() && !dirs.empty() && it != jobs_.end(); ++it) {
       if (IsFinal(it->second.job.state())) continue;
-      for (const std::string& theirs : it->second.output_dirs) {
-        const auto mine = std::find_if(dirs.begin(), dirs.end(),
-                                       [&](const std::string& d) { return KeyDir(d) == KeyDir(theirs); });
+      for (const OutputDir& theirs : it->second.output_dirs) {
+        const auto mine =
+            std::find_if(dirs.begin(), dirs.end(), [&](const OutputDir& d) { return d.dir == theirs.dir; });
         if (mine == dirs.end()) continue;
-        const std::string field = mine->substr(0, mine->find(' '));
-        const std::string their_field = theirs.substr(0, theirs.find(' '));
+        const std::string& field = mine->field;
         taken = absl::FailedPreconditionError(absl::StrCat(
             "spec.train.", field, ": ", field == "final_dir" ? spec.train().final_dir() : spec.train().checkpoint_dir(),
-            " is the ", their_field, " of ", it->first, " (", JobStateName(it->second.job.state()),
+            " is the ", theirs.field, " of ", it->first, " (", JobStateName(it->second.job.state()),
             "): one job at a time writes a directory (use another, or submit once that job ended)"));
         break;
       }
@@ -1013,7 +1009,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
       return absl::ResourceExhaustedError(absl::StrCat("job numbers are exhausted (", next_id_,
                                                        "): the data dir's next-id was tampered with"));
     }
-    for (const std::string& dir : dirs) submitting_dirs_.insert(std::string(KeyDir(dir)));
+    for (const OutputDir& dir : dirs) submitting_dirs_.insert(dir.dir);
     e.job.set_job_id(absl::StrFormat("job-%06d", next_id_++));
     e.job.set_uid(uid);
     *e.job.mutable_spec() = spec;
@@ -1029,7 +1025,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
   const absl::Status s = WriteRecord(w);
   absl::MutexLock lock(&mu_);
   if (!request.empty()) submitting_.erase(request);
-  for (const std::string& dir : dirs) submitting_dirs_.erase(std::string(KeyDir(dir)));
+  for (const OutputDir& dir : dirs) submitting_dirs_.erase(dir.dir);
   if (!s.ok()) {
     // Not accepted: nothing of it stays (its id is not reused either).
     return absl::Status(s.code(), absl::StrCat("the job cannot be recorded: ", s.message()));

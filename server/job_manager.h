@@ -241,6 +241,13 @@ class JobManager {
   static absl::StatusOr<v1::JobRecord> ReadRecord(const std::string& state_dir, const std::string& job_id,
                                                   std::string* log_tail = nullptr);
 
+  // A directory a TRAIN job writes: its `field` (checkpoint_dir or
+  // final_dir) and `dir`, normalized; one job at a time may write a dir.
+  struct OutputDir {
+    std::string field;
+    std::string dir;
+  };
+
  private:
   // A set of steps kept as runs of consecutive ones: a run's steps cost
   // one node, not one each.
@@ -280,7 +287,7 @@ class JobManager {
     std::optional<double> flops_per_token;
     // The directories it writes (OutputDirKeys, made outside mu_ when it
     // was submitted or read back): one job at a time may.
-    std::vector<std::string> output_dirs;
+    std::vector<OutputDir> output_dirs;
   };
   // That a job's record must be written, once mu_ is released (file
   // writes and fsyncs never hold mu_). Most carry no bytes: WriteRecord

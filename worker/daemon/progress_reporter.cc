@@ -77,9 +77,9 @@ bool ProgressReporter::Phase(v1::RankPhase phase, const std::string& message, in
   return answer.ok() && answer->stop;
 }
 
-bool ProgressReporter::Step(const train::StepStats& st) const {
+bool ProgressReporter::Step(v1::StepProgress step) const {
   v1::ReportProgressRequest r;
-  *r.mutable_step() = train::StepProgressOf(st);
+  *r.mutable_step() = std::move(step);
   absl::MutexLock lock(&mu_);
   undelivered_.push_back(std::move(r));
   if (undelivered_.size() > kMaxUndelivered) {
@@ -210,6 +210,13 @@ absl::StatusOr<ProgressReporter::Answer> ProgressReporter::Send(v1::ReportProgre
     // The job is gone or moved on: nothing to tell, and nothing to run for.
     if (s.error_code() == grpc::StatusCode::ABORTED || s.error_code() == grpc::StatusCode::NOT_FOUND ||
         s.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
+      // Said, as the rank stops for it: a rank the coordinator no longer
+      // gives this worker, or a token of the wrong role (a worker given the
+      // clients' token where the coordinator has --worker-token-file).
+      if (s.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
+        COLOD_LOG(WARNING) << "job " << job_id_ << ": the coordinator refused the rank's report, so the rank stops: "
+                           << FromGrpcStatus(s);
+      }
       return Answer{true, "", /*refused=*/true};
     }
     last = FromGrpcStatus(s);

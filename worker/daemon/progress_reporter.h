@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/worker.pb.h"
+#include "worker/train/job_options.h"
 #include "worker/train/trainer.h"
 
 namespace colod {
@@ -74,7 +75,8 @@ class ProgressReporter {
              const std::string& resumed_from = "") const;
   // Queues the step for the sending thread and returns at once: true when
   // an answer to an earlier report said stop (as soon as it came).
-  bool Step(const train::StepStats& step) const;
+  bool Step(const train::StepStats& step) const { return Step(train::StepProgressOf(step)); }
+  bool Step(v1::StepProgress step) const;
   // The rank's end: what is kept (for at most two RPC timeouts, each
   // report waiting for the channel), then its status and, for rank 0 of a
   // FORWARD job, the result.

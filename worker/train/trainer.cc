@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "google/protobuf/util/json_util.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
 #include "common/json.h"
@@ -30,6 +31,7 @@
 #include "worker/shardformer/shardformer.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/data_parallel.h"
+#include "worker/train/job_options.h"
 #include "worker/train/image_data.h"
 #include "worker/train/pipeline.h"
 #include "worker/train/seq2seq_data.h"
@@ -611,67 +613,32 @@ absl::StatusOr<EvalStats> EvaluateNamed(const PreparedTrain& run,
   return absl::InvalidArgumentError(absl::StrCat("evaluating on ", source, ": ", e.status().message()));
 }
 
-// What rank 0 reported of a step, kept in its checkpoint (StepFromReport
-// reads it back): the figures a report carries, not the device's pool.
+// What rank 0 reported of a step (StepProgressOf), kept in its checkpoint
+// as protobuf JSON (StepFromReport reads it back): the checkpoint's path
+// and the list of those kept are the resuming run's to say.
 std::string StepReportJson(const StepStats& s) {
-  nlohmann::json j = {{"loss", s.loss},
-                      {"lr", s.lr},
-                      {"grad_norm", s.grad_norm},
-                      {"tokens_per_second", s.tokens_per_second},
-                      {"seconds", s.seconds},
-                      {"rank_tokens", s.rank_tokens},
-                      {"step_tokens", s.step_tokens},
-                      {"param_bytes", s.param_bytes},
-                      {"grad_bytes", s.grad_bytes},
-                      {"optimizer_bytes", s.optimizer_bytes},
-                      {"pipeline_wait_seconds", s.pipeline_wait_seconds},
-                      {"pipeline_span_seconds", s.pipeline_span_seconds}};
-  if (s.eval.has_value()) {
-    nlohmann::json e = {{"step", s.eval->step}, {"loss", s.eval->loss}, {"tokens", s.eval->tokens},
-                        {"seconds", s.eval->seconds}};
-    if (s.eval->perplexity.has_value() && std::isfinite(*s.eval->perplexity)) e["perplexity"] = *s.eval->perplexity;
-    if (s.eval->accuracy.has_value()) e["accuracy"] = *s.eval->accuracy;
-    j["eval"] = std::move(e);
-  }
-  return JsonText(j);
+  v1::StepProgress p = StepProgressOf(s);
+  p.clear_checkpoints();
+  p.clear_checkpoint();
+  p.clear_resumed_from();
+  if (p.has_eval()) p.mutable_eval()->clear_checkpoint();
+  std::string text;
+  if (!google::protobuf::util::MessageToJsonString(p, &text).ok()) return "";
+  return text;
 }
 
-// The step `step` as StepReportJson kept it, written to `checkpoint`;
-// nullopt where the report does not read as one (a field missing or of
-// another type: nothing is reported rather than a wrong figure).
-std::optional<StepStats> StepFromReport(const std::string& text, int64_t step, const std::string& checkpoint) {
-  const nlohmann::json j = ParseJson(text);
-  if (!j.is_object()) return std::nullopt;
-  const auto number = [](const nlohmann::json& o, const char* key, auto* out) {
-    if (!o.contains(key) || !o[key].is_number()) return false;
-    *out = o[key].get<std::decay_t<decltype(*out)>>();
-    return true;
-  };
-  StepStats s;
-  s.step = step;
-  s.checkpoint = checkpoint;
-  if (!number(j, "loss", &s.loss) || !number(j, "lr", &s.lr) || !number(j, "grad_norm", &s.grad_norm) ||
-      !number(j, "tokens_per_second", &s.tokens_per_second) || !number(j, "seconds", &s.seconds) ||
-      !number(j, "rank_tokens", &s.rank_tokens) || !number(j, "step_tokens", &s.step_tokens) ||
-      !number(j, "param_bytes", &s.param_bytes) || !number(j, "grad_bytes", &s.grad_bytes) ||
-      !number(j, "optimizer_bytes", &s.optimizer_bytes) ||
-      !number(j, "pipeline_wait_seconds", &s.pipeline_wait_seconds) ||
-      !number(j, "pipeline_span_seconds", &s.pipeline_span_seconds) || !std::isfinite(s.loss)) {
-    return std::nullopt;
-  }
-  if (j.contains("eval")) {
-    const nlohmann::json& e = j["eval"];
-    EvalStats eval;
-    if (!e.is_object() || !number(e, "step", &eval.step) || !number(e, "loss", &eval.loss) ||
-        !number(e, "tokens", &eval.tokens) || !number(e, "seconds", &eval.seconds)) {
-      return std::nullopt;
-    }
-    double v = 0;
-    if (number(e, "perplexity", &v)) eval.perplexity = v;
-    if (number(e, "accuracy", &v)) eval.accuracy = v;
-    s.eval = eval;
-  }
-  return s;
+// The report of step `step` as StepReportJson kept it, written to
+// `checkpoint`; nullopt where it does not read as that step's (a report of
+// another step or none, a loss that is not finite: nothing is reported
+// rather than a wrong figure).
+std::optional<v1::StepProgress> StepFromReport(const std::string& text, int64_t step,
+                                               const std::string& checkpoint) {
+  v1::StepProgress p;
+  if (!google::protobuf::util::JsonStringToMessage(text, &p).ok()) return std::nullopt;
+  if (p.step() != step || !std::isfinite(p.loss())) return std::nullopt;
+  p.set_checkpoint(checkpoint);
+  if (p.has_eval()) p.mutable_eval()->set_checkpoint(checkpoint);
+  return p;
 }
 
 // What a run ends with where training diverged: FAILED_PRECONDITION (a
@@ -760,7 +727,6 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     first = r.step;
     if (rank == 0 && !o.job.empty() && r.job == o.job && !o.eval_only && !r.report.empty()) {
       start.checkpoint_step = StepFromReport(r.report, r.step, run.resume);
-      if (start.checkpoint_step.has_value()) start.checkpoint_step->rank = rank;
     }
   }
   start.step = first;

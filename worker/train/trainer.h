@@ -19,6 +19,7 @@
 
 #include "common/limits.h"
 #include "absl/status/status.h"
+#include "colod/v1/job.pb.h"
 #include "worker/shardformer/shard_config.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/data.h"
@@ -200,7 +201,7 @@ struct RankStart {
   // with the worker that wrote the checkpoint (the checkpoint is put in
   // place before the step is reported), and the restart begins after that
   // step, so it is reported again (the coordinator records each step once).
-  std::optional<StepStats> checkpoint_step;
+  std::optional<v1::StepProgress> checkpoint_step;
   // Rank 0: newer checkpoints passed over as damaged ("step-000010: why").
   std::vector<std::string> skipped;
 };

@@ -982,16 +982,21 @@ TEST(Trainer, ARestartHandsOnTheReportOfItsCheckpointsStep) {
   ASSERT_TRUE(again.has_value());
   EXPECT_EQ(again->step, 2);
   ASSERT_TRUE(again->checkpoint_step.has_value());
-  const StepStats& s = *again->checkpoint_step;
-  EXPECT_EQ(s.step, 2);
-  EXPECT_EQ(s.loss, steps[1].loss);
-  EXPECT_EQ(s.lr, steps[1].lr);
-  EXPECT_EQ(s.grad_norm, steps[1].grad_norm);
-  EXPECT_EQ(s.step_tokens, steps[1].step_tokens);
-  EXPECT_EQ(s.checkpoint, StepDir(o.save_dir, 2));
-  ASSERT_TRUE(s.eval.has_value());
-  EXPECT_EQ(s.eval->loss, steps[1].eval->loss);
-  EXPECT_EQ(s.eval->tokens, steps[1].eval->tokens);
+  // As rank 0 reported it then (StepProgressOf), in the checkpoint's name.
+  const v1::StepProgress& s = *again->checkpoint_step;
+  EXPECT_EQ(s.step(), 2);
+  EXPECT_EQ(s.loss(), steps[1].loss);
+  EXPECT_EQ(s.learning_rate(), steps[1].lr);
+  EXPECT_EQ(s.grad_norm(), steps[1].grad_norm);
+  EXPECT_EQ(s.tokens(), steps[1].step_tokens);
+  EXPECT_EQ(s.tokens_per_second(), steps[1].tokens_per_second);
+  EXPECT_EQ(s.param_bytes(), steps[1].param_bytes);
+  EXPECT_EQ(s.checkpoint(), StepDir(o.save_dir, 2));
+  EXPECT_EQ(s.checkpoints_size(), 0);
+  ASSERT_TRUE(s.has_eval());
+  EXPECT_EQ(s.eval().loss(), steps[1].eval->loss);
+  EXPECT_EQ(s.eval().tokens(), steps[1].eval->tokens);
+  EXPECT_EQ(s.eval().checkpoint(), StepDir(o.save_dir, 2));
   EXPECT_TRUE(again->skipped.empty());
   std::filesystem::remove_all(StepDir(o.save_dir, 4));
   // A newer checkpoint that does not read is passed over, and named.
