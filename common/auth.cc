@@ -59,7 +59,11 @@ absl::Status TokenAuth::Check(const grpc::ServerContext& ctx, CallerRole role) c
   if (want.empty()) return absl::OkStatus();
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
-  if (it == md.end()) return absl::UnauthenticatedError("missing bearer token (authorization metadata)");
+  if (it == md.end()) {
+    return absl::UnauthenticatedError(
+        "missing bearer token (authorization metadata): this daemon was started with a token, give the caller "
+        "its --auth-token-file");
+  }
   const absl::string_view got(it->second.data(), it->second.size());
   if (CarriesToken(got, want)) return absl::OkStatus();
   if (!worker_token_.empty()) {
@@ -73,7 +77,8 @@ absl::Status TokenAuth::Check(const grpc::ServerContext& ctx, CallerRole role) c
                         "coordinator's --auth-token-file)");
     }
   }
-  return absl::UnauthenticatedError("invalid bearer token");
+  return absl::UnauthenticatedError(
+      "invalid bearer token: the caller's --auth-token-file holds a token this daemon does not take");
 }
 
 void AddAuthToken(grpc::ClientContext& ctx, const std::string& token) {

@@ -13,9 +13,11 @@ ABSL_FLAG(std::string, tls_ca, "",
           "PEM CA that signs the cluster's certificates: a daemon requires peers to present one (mutual TLS); "
           "a client verifies the server against it (and turns TLS on).");
 ABSL_FLAG(std::string, auth_token_file, "",
-          "File holding the bearer token every colod call carries (health and reflection stay open). "
-          "Empty: no authentication. A worker's is the workers' token: the coordinator's --worker-token-file where "
-          "it has one.");
+          "File holding the bearer token of colod's calls (health and reflection stay open); empty: no "
+          "authentication. coloctl: the clients' token, the coordinator's --auth-token-file (or "
+          "$COLOD_AUTH_TOKEN_FILE). A worker: the workers' token, the coordinator's --worker-token-file where it "
+          "has one, else its --auth-token-file. The coordinator: the clients' token, and the workers' too "
+          "unless --worker-token-file is given.");
 
 namespace colod {
 

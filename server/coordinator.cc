@@ -55,6 +55,11 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   if (options.max_watch_streams < 1) return absl::InvalidArgumentError("--max-watch-streams: must be >= 1");
   if (!options.worker_token.empty()) {
     RETURN_IF_ERROR(CheckAuthToken(options.worker_token));
+    if (options.auth_token.empty()) {
+      return absl::InvalidArgumentError(
+          "--worker-token-file needs --auth-token-file: without a clients' token, anyone (the workers' token too) "
+          "could submit, cancel and read jobs");
+    }
     if (options.worker_token == options.auth_token) {
       return absl::InvalidArgumentError(
           "--worker-token-file holds the same token as --auth-token-file: the workers' token must differ from the "

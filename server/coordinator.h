@@ -66,8 +66,8 @@ class Coordinator {
     std::string auth_token;
     // Bearer token of the workers: their calls (registration, heartbeats,
     // progress, the store, downloads) must carry it, and the coordinator's
-    // calls to them carry it. Empty: `auth_token` plays both roles. Must
-    // differ from a non-empty `auth_token` (INVALID_ARGUMENT at Start).
+    // calls to them carry it. Empty: `auth_token` plays both roles. Needs
+    // an `auth_token`, and must differ from it (INVALID_ARGUMENT at Start).
     std::string worker_token;
     // TLS (mutual with tls.ca) on the gRPC port, and for the calls to the
     // workers; empty: plaintext.

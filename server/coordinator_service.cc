@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <fstream>
 #include <random>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -87,10 +88,29 @@ grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const 
                                                Fn&& fn) {
   const absl::Time start = absl::Now();
   absl::Status status = auth_.Check(*ctx, role);
+  if (!status.ok()) LogRefused(*ctx, method, status);
   if (status.ok()) status = fn();
   ObserveRpc(*rpc_duration_, method, status, absl::Now() - start);
   MarkAnswered(*ctx);
   return ToGrpcStatus(status);
+}
+
+void CoordinatorServiceImpl::LogRefused(const grpc::ServerContext& ctx, const char* method,
+                                        const absl::Status& status) {
+  const absl::Time now = absl::Now();
+  int64_t quiet = 0;
+  {
+    absl::MutexLock lock(&refused_mu_);
+    if (now < next_refusal_log_) {
+      ++refusals_not_logged_;
+      return;
+    }
+    next_refusal_log_ = now + absl::Seconds(10);
+    quiet = std::exchange(refusals_not_logged_, 0);
+  }
+  COLOD_LOG(WARNING) << "refused " << method << " from " << ctx.peer() << ": " << status
+                     << (quiet > 0 ? absl::StrCat(" (and ", quiet, " other calls refused so since the last such line)")
+                                   : "");
 }
 
 grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,

@@ -8,6 +8,8 @@
 #include <functional>
 #include <string>
 
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/auth.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "prometheus/histogram.h"
@@ -96,6 +98,13 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   const std::string incarnation_;
   const int max_watches_;
   StallWatchdog* const stalls_;  // may be null
+  // Calls refused for their token are logged at most once every 10 s (a
+  // worker with the wrong token retries without end), with a count of
+  // those not logged.
+  void LogRefused(const grpc::ServerContext& ctx, const char* method, const absl::Status& status);
+  absl::Mutex refused_mu_;
+  absl::Time next_refusal_log_ ABSL_GUARDED_BY(refused_mu_) = absl::InfinitePast();
+  int64_t refusals_not_logged_ ABSL_GUARDED_BY(refused_mu_) = 0;
   std::atomic<int> watches_{0};  // WatchJob streams running
 };
 

@@ -78,8 +78,8 @@ ABSL_FLAG(std::string, worker_token_file, "",
           "File holding the workers' bearer token: the calls only workers make (registration, heartbeats, "
           "progress reports, the rendezvous store, model downloads) must carry it, the coordinator's calls to "
           "the workers carry it, and the workers take it as their --auth-token-file. It must differ from "
-          "--auth-token-file, which then admits the clients' calls only. Empty: --auth-token-file's token plays "
-          "both roles.");
+          "--auth-token-file (which it needs), which then admits the clients' calls only. Empty: "
+          "--auth-token-file's token plays both roles.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once serving, write 'grpc=HOST:PORT' and 'metrics=HOST:PORT' lines to this "
           "file (atomically), for scripts that start the daemon with port 0.");

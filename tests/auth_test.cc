@@ -131,6 +131,13 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
                             std::getenv("TEST_TMPDIR"), absl::Seconds(30));
   EXPECT_EQ(missing.code, 2);
   EXPECT_NE(missing.err.find("--worker-token-file: "), std::string::npos) << missing.err;
+  // Without a clients' token anyone could call what clients may.
+  auto alone = RunCommand({Runfile("server/colod-coordinator"), "--listen", "127.0.0.1:0", "--metrics-listen",
+                           "127.0.0.1:0", "--data-dir", TempPath("roles-alone"), "--worker-token-file",
+                           TempPath("roles-workers")},
+                          std::getenv("TEST_TMPDIR"), absl::Seconds(30));
+  EXPECT_NE(alone.code, 0);
+  EXPECT_NE(alone.err.find("--worker-token-file needs --auth-token-file"), std::string::npos) << alone.err;
 
   testing::Daemon coordinator = testing::StartDaemon(
       "server/colod-coordinator", "roles-coordinator",
@@ -162,6 +169,9 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
   }
   EXPECT_NE(testing::ReadFile(poser.log).find("this call is a worker's"), std::string::npos)
       << testing::ReadFile(poser.log);
+  // The coordinator says so too (at most a line every 10 s).
+  EXPECT_NE(testing::ReadFile(coordinator.log).find("refused RegisterWorker from "), std::string::npos)
+      << testing::ReadFile(coordinator.log);
   EXPECT_EQ(Workers(coordinator.grpc, "client-token").value_or(0), 1u);
 
   // What only workers call, with the clients' token: PERMISSION_DENIED, and

@@ -40,6 +40,13 @@
 namespace colod {
 namespace {
 
+// What a rank ends with where a report's answer said the job no longer
+// runs: the coordinator's reason where it gave one.
+absl::Status NoLongerRuns(const ProgressReporter& reporter) {
+  const std::string why = reporter.StopReason();
+  return absl::AbortedError(why.empty() ? "the job no longer runs" : why);
+}
+
 namespace fs = std::filesystem;
 
 // The `kind` label of colod_rank_running.
@@ -338,8 +345,14 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   // series end here, before the coordinator hears of the end.
   active->metrics.reset();
   if (active->stop) {
-    absl::MutexLock lock(&active->mu);
-    s = absl::AbortedError(active->stop_reason);
+    std::string reason;
+    {
+      absl::MutexLock lock(&active->mu);
+      reason = active->stop_reason;
+    }
+    if (reason.empty()) reason = active->reporter.StopReason();
+    if (reason.empty()) reason = "the coordinator says the job no longer runs on this worker";
+    s = absl::AbortedError(reason);
   }
   if (!s.ok()) DumpFlightRecorder(*active);
   // A rank that failed may have broken the device for good (an illegal
@@ -406,7 +419,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   if (req.spec().kind() != v1::JOB_KIND_TENSOR) {  // TRAIN and FORWARD jobs load a model
     RETURN_IF_ERROR(AdmitModel(req, options_.memory_bytes));
     if (reporter.Phase(v1::RANK_PHASE_LOADING, "opening the model and the data")) {
-      return absl::AbortedError("the job no longer runs");
+      return NoLongerRuns(reporter);
     }
     RETURN_IF_ERROR(models_.Materialize(req.spec().model(), dir + "/model", *active.abort, options_.paths));
   }
@@ -430,7 +443,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromProto(req.mesh()));  // checked by Assign
 
   if (reporter.Phase(v1::RANK_PHASE_RENDEZVOUS, "connecting to the other ranks")) {
-    return absl::AbortedError("the job no longer runs");
+    return NoLongerRuns(reporter);
   }
   CoordinatorStore store(options_.coordinator, req.rendezvous_scope(), options_.rpc_timeout, options_.auth_token);
   // Outlives `pg` (Run ends it after this returns), so its observers outlive the communicators.
@@ -535,7 +548,7 @@ absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shard
   }
   ASSIGN_OR_RETURN(const ModelConfig config, shardformer::CheckForward(request));
   RETURN_IF_ERROR(AdmitForwardLogits(active.request, request, config, options_.memory_bytes));
-  if (active.reporter.Phase(v1::RANK_PHASE_RUNNING, "forward pass")) return absl::AbortedError("the job no longer runs");
+  if (active.reporter.Phase(v1::RANK_PHASE_RUNNING, "forward pass")) return NoLongerRuns(active.reporter);
   ASSIGN_OR_RETURN(shardformer::ForwardResult out, shardformer::ForwardRank(request, pg, shard));
   if (pg.rank() != 0) return absl::OkStatus();
   v1::ForwardResult result;

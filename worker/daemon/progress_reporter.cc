@@ -74,6 +74,10 @@ bool ProgressReporter::Phase(v1::RankPhase phase, const std::string& message, in
   r.mutable_status()->set_resumed_step(resumed_step);
   r.mutable_status()->set_resumed_from(Utf8Prefix(resumed_from, kMaxReportedMessageBytes));
   absl::StatusOr<Answer> answer = Send(std::move(r));
+  if (answer.ok() && !answer->denied.empty()) {
+    absl::MutexLock lock(&mu_);
+    DeniedLocked(answer->denied);
+  }
   return answer.ok() && answer->stop;
 }
 
@@ -151,7 +155,26 @@ void ProgressReporter::Flush(bool* down, bool wait, bool until_closing, absl::Ti
     // records a late step all the same; or an error, logged by Send). A
     // "stop" reaches the training thread's next Step at once.
     if (sent.ok() && sent->stop) stop_ = true;
+    if (sent.ok() && !sent->denied.empty()) {
+      DeniedLocked(sent->denied);
+      return;
+    }
   }
+}
+
+void ProgressReporter::DeniedLocked(const std::string& why) const {
+  stop_ = true;
+  if (stop_reason_.empty()) {  // said once
+    stop_reason_ = absl::StrCat("the coordinator takes no report of this rank (", why, ")");
+    COLOD_LOG(WARNING) << "job " << job_id_ << " rank " << rank_ << ": " << stop_reason_ << "; the rank stops, and "
+                       << "its " << undelivered_.size() << " steps not sent are dropped";
+  }
+  undelivered_.clear();
+}
+
+std::string ProgressReporter::StopReason() const {
+  absl::MutexLock lock(&mu_);
+  return stop_reason_;
 }
 
 size_t ProgressReporter::undelivered() const {
@@ -208,16 +231,16 @@ absl::StatusOr<ProgressReporter::Answer> ProgressReporter::Send(v1::ReportProgre
     const grpc::Status s = options_.coordinator->ReportProgress(&ctx, req, &resp);
     if (s.ok()) return Answer{resp.stop(), resp.coordinator_incarnation()};
     // The job is gone or moved on: nothing to tell, and nothing to run for.
-    if (s.error_code() == grpc::StatusCode::ABORTED || s.error_code() == grpc::StatusCode::NOT_FOUND ||
-        s.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
-      // Said, as the rank stops for it: a rank the coordinator no longer
-      // gives this worker, or a token of the wrong role (a worker given the
-      // clients' token where the coordinator has --worker-token-file).
-      if (s.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
-        COLOD_LOG(WARNING) << "job " << job_id_ << ": the coordinator refused the rank's report, so the rank stops: "
-                           << FromGrpcStatus(s);
-      }
+    if (s.error_code() == grpc::StatusCode::ABORTED || s.error_code() == grpc::StatusCode::NOT_FOUND) {
       return Answer{true, "", /*refused=*/true};
+    }
+    // A rank the coordinator no longer gives this worker, or a token it does
+    // not take from workers (the clients' where it has --worker-token-file,
+    // or another): no report of the rank will be heard, and a rank that
+    // trained on unheard could meet the job placed again elsewhere.
+    if (s.error_code() == grpc::StatusCode::PERMISSION_DENIED ||
+        s.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+      return Answer{true, "", /*refused=*/true, FromGrpcStatus(s).ToString()};
     }
     last = FromGrpcStatus(s);
     COLOD_LOG(WARNING) << "job " << job_id_ << ": progress report failed: " << last;

@@ -81,6 +81,10 @@ class ProgressReporter {
   // report waiting for the channel), then its status and, for rank 0 of a
   // FORWARD job, the result.
   void End(const absl::Status& status, const std::optional<v1::ForwardResult>& forward) const;
+  // Why an answer said stop, where the coordinator gave a reason (it took
+  // no report of this rank: not its worker's, or a token of the wrong
+  // role); empty otherwise.
+  std::string StopReason() const;
   // Steps not delivered yet (queued, or kept through an outage).
   size_t undelivered() const;
   // Steps delivered so far (each counted once, resends too); for tests.
@@ -99,7 +103,14 @@ class ProgressReporter {
     // (or the coordinator restarted and does not run it): no incarnation
     // tells which.
     bool refused = false;
+    // PERMISSION_DENIED or UNAUTHENTICATED, its message: the coordinator
+    // takes no report from this rank (it is not the rank's worker, or the
+    // worker's token is not the workers'), nor will it hear any later one.
+    std::string denied;
   };
+  // A denied answer: stop_ and stop_reason_ set, the queue dropped (no
+  // report of this rank will be taken), said once in the log.
+  void DeniedLocked(const std::string& why) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Answer> Send(v1::ReportProgressRequest report, bool wait = false) const;
   // Sends the kept steps in order until the queue is empty, one fails
   // (`*down` set; the recent ones are queued again), closing_ is set (when
@@ -120,6 +131,7 @@ class ProgressReporter {
   mutable std::deque<v1::ReportProgressRequest> undelivered_ ABSL_GUARDED_BY(mu_);
   mutable std::deque<v1::ReportProgressRequest> recent_ ABSL_GUARDED_BY(mu_);  // delivered, newest last
   mutable bool stop_ ABSL_GUARDED_BY(mu_) = false;     // an answer said stop
+  mutable std::string stop_reason_ ABSL_GUARDED_BY(mu_);  // StopReason
   mutable bool closing_ ABSL_GUARDED_BY(mu_) = false;  // SendLoop ends
   mutable int64_t delivered_ ABSL_GUARDED_BY(mu_) = 0;
   mutable std::string incarnation_ ABSL_GUARDED_BY(mu_);  // of the last answer to a step

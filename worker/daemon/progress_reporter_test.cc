@@ -27,7 +27,9 @@ class FakeReports final : public v1::CoordinatorService::Service {
   // kHang: no answer until the answer changes (a SIGSTOPped coordinator).
   // kStale: recorded, then ABORTED (a coordinator that does not run the
   // job: one that restarted records a late step so).
-  enum class Answer { kOk, kUnavailable, kRefuse, kHang, kStop, kStale };
+  // kDenied: UNAUTHENTICATED (a worker whose token the coordinator does
+  // not take).
+  enum class Answer { kOk, kUnavailable, kRefuse, kHang, kStop, kStale, kDenied };
   void Set(Answer a) {
     absl::MutexLock lock(&mu_);
     answer_ = a;
@@ -39,6 +41,11 @@ class FakeReports final : public v1::CoordinatorService::Service {
   std::vector<int64_t> Accepted() {
     absl::MutexLock lock(&mu_);
     return accepted_;
+  }
+  // Every report that reached it, answered or not.
+  int Calls() {
+    absl::MutexLock lock(&mu_);
+    return calls_;
   }
   // The worker ids of the reports it accepted.
   std::vector<std::string> Workers() {
@@ -59,10 +66,12 @@ class FakeReports final : public v1::CoordinatorService::Service {
   grpc::Status ReportProgress(grpc::ServerContext*, const v1::ReportProgressRequest* req,
                               v1::ReportProgressResponse* resp) override {
     absl::MutexLock lock(&mu_);
+    ++calls_;
     auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return answer_ != Answer::kHang; };
     mu_.AwaitWithTimeout(absl::Condition(&answered), absl::Seconds(30));
     if (answer_ == Answer::kUnavailable) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "away");
     if (answer_ == Answer::kRefuse) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "refused");
+    if (answer_ == Answer::kDenied) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid bearer token");
     // As the coordinator's validation does.
     if (req->worker_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "worker_id: required");
     if (req->has_status()) messages_.push_back(req->status().message());
@@ -84,6 +93,7 @@ class FakeReports final : public v1::CoordinatorService::Service {
   std::vector<std::string> messages_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::RankResult> results_ ABSL_GUARDED_BY(mu_);
   std::string incarnation_ ABSL_GUARDED_BY(mu_) = "first";
+  int calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class ProgressReporterTest : public ::testing::Test {
@@ -167,6 +177,30 @@ TEST_F(ProgressReporterTest, ARefusedReportIsDroppedNotKept) {
   EXPECT_FALSE(Step(2));
   WaitDelivered(2);
   EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{2}));
+}
+
+// A coordinator that takes no report from this worker (its token is not
+// the workers', after a coordinator's restart with another): the rank is
+// told to stop, with the reason, rather than train on unheard while the
+// job is placed again elsewhere; what is queued is dropped, not sent one by
+// one to the same refusal.
+TEST_F(ProgressReporterTest, ACoordinatorThatTakesNoReportStopsTheRankWithItsReason) {
+  service_.Set(FakeReports::Answer::kUnavailable);
+  for (int64_t n = 1; n <= 50; ++n) EXPECT_FALSE(Step(n));
+  WaitKept(50);
+  const int before = service_.Calls();
+  service_.Set(FakeReports::Answer::kDenied);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (reporter_->StopReason().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_NE(reporter_->StopReason().find("the coordinator takes no report of this rank (UNAUTHENTICATED: invalid "
+                                         "bearer token)"),
+            std::string::npos)
+      << reporter_->StopReason();
+  WaitKept(0);
+  EXPECT_TRUE(Step(51));  // stop
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_LE(service_.Calls() - before, 3);
+  EXPECT_TRUE(service_.Accepted().empty());
 }
 
 // A coordinator that takes reports and answers none (SIGSTOPped) costs the
