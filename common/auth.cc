@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
@@ -40,20 +41,30 @@ absl::Status CheckAuthToken(absl::string_view token) {
 
 namespace {
 
-// Whether `header` is "Bearer " + `token`, in constant time in the token's
-// length: no early exit on the first mismatch.
-bool CarriesToken(absl::string_view header, const std::string& token) {
-  const std::string want = "Bearer " + token;
-  unsigned char diff = header.size() == want.size() ? 0 : 1;
+// Whether `got` equals `want`, in constant time in `want`'s length: no
+// early exit on the first mismatch.
+bool ConstantTimeEqual(absl::string_view got, absl::string_view want) {
+  unsigned char diff = got.size() == want.size() ? 0 : 1;
   for (size_t i = 0; i < want.size(); ++i) {
-    diff |= static_cast<unsigned char>(want[i] ^ (i < header.size() ? header[i] : 0));
+    diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got[i] : 0));
   }
   return diff == 0;
+}
+
+// Whether `header` is "Bearer " + `token`.
+bool CarriesToken(absl::string_view header, const std::string& token) {
+  return ConstantTimeEqual(header, "Bearer " + token);
 }
 
 }  // namespace
 
 absl::Status TokenAuth::Check(const grpc::ServerContext& ctx, CallerRole role) const {
+  RETURN_IF_ERROR(CheckToken(ctx, role));
+  if (role == CallerRole::kWorker && key_ != nullptr) return key_->Check(ctx);
+  return absl::OkStatus();
+}
+
+absl::Status TokenAuth::CheckToken(const grpc::ServerContext& ctx, CallerRole role) const {
   const bool worker_call = role == CallerRole::kWorker && !worker_token_.empty();
   const std::string& want = worker_call ? worker_token_ : token_;
   if (want.empty()) return absl::OkStatus();
@@ -83,6 +94,41 @@ absl::Status TokenAuth::Check(const grpc::ServerContext& ctx, CallerRole role) c
 
 void AddAuthToken(grpc::ClientContext& ctx, const std::string& token) {
   if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+}
+
+std::string NewWorkerKey() {
+  std::random_device rd;
+  std::string out;
+  for (int i = 0; i < 4; ++i) absl::StrAppend(&out, absl::Hex(rd(), absl::kZeroPad8));
+  return out;
+}
+
+absl::Status CheckWorkerKey(absl::string_view key) {
+  if (key.empty()) return absl::OkStatus();
+  if (key.size() < 16 || key.size() > 256) {
+    return absl::InvalidArgumentError(absl::StrCat("worker_key: ", key.size(), " bytes, not 16 to 256"));
+  }
+  if (absl::Status s = CheckAuthToken(key); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("worker_key: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+bool CarriesWorkerKey(const grpc::ServerContext& ctx, absl::string_view key) {
+  const auto& md = ctx.client_metadata();
+  auto it = md.find(kWorkerKeyMetadata);
+  if (it == md.end()) return false;
+  return ConstantTimeEqual(absl::string_view(it->second.data(), it->second.size()), key);
+}
+
+void AddWorkerKey(grpc::ClientContext& ctx, const std::string& key) {
+  if (!key.empty()) ctx.AddMetadata(kWorkerKeyMetadata, key);
+}
+
+absl::Status WorkerKey::Check(const grpc::ServerContext& ctx) const {
+  if (!taken_.load() || CarriesWorkerKey(ctx, key_)) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      "this worker takes calls only from its coordinator: the call does not carry the worker's key (colod-worker-key)");
 }
 
 namespace {

@@ -14,6 +14,8 @@
 #ifndef COLOD_COMMON_AUTH_H_
 #define COLOD_COMMON_AUTH_H_
 
+#include <atomic>
+#include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -36,6 +38,37 @@ absl::StatusOr<std::string> ReadAuthToken(const std::string& path, absl::string_
 // byte of UTF-8 (which gRPC would abort the process on, sending it).
 absl::Status CheckAuthToken(absl::string_view token);
 
+// A worker's key (RegisterWorkerRequest.worker_key): a secret of one worker
+// process that ties calls to it, beside the workers' token, which all
+// workers share. Travels as the metadata kWorkerKeyMetadata.
+inline constexpr char kWorkerKeyMetadata[] = "colod-worker-key";
+// 32 random hex digits.
+std::string NewWorkerKey();
+// OK for an empty key or one of 16 to 256 printable ASCII bytes;
+// INVALID_ARGUMENT otherwise.
+absl::Status CheckWorkerKey(absl::string_view key);
+// Whether the call carries `key` (compared in constant time).
+bool CarriesWorkerKey(const grpc::ServerContext& ctx, absl::string_view key);
+// Adds `key` (if any) to an outgoing call.
+void AddWorkerKey(grpc::ClientContext& ctx, const std::string& key);
+
+// A worker process's key (NewWorkerKey), and whether the coordinator it
+// registered with took it (RegisterWorkerResponse.worker_key_taken): then
+// every call to the worker must carry it. Thread-safe.
+class WorkerKey {
+ public:
+  WorkerKey() : key_(NewWorkerKey()) {}
+  const std::string& key() const { return key_; }
+  void SetTaken(bool taken) { taken_.store(taken); }
+  // OK where the coordinator did not take the key (it sends none), or the
+  // call carries it; PERMISSION_DENIED otherwise.
+  absl::Status Check(const grpc::ServerContext& ctx) const;
+
+ private:
+  const std::string key_;
+  std::atomic<bool> taken_{false};
+};
+
 // Who may make a call: see the file comment.
 enum class CallerRole { kClient, kWorker };
 
@@ -44,16 +77,24 @@ class TokenAuth {
   // `token` admits clients' calls, and workers' too where `worker_token` is
   // empty (one token, every role). `worker_token` admits workers' calls,
   // and only those. An empty token accepts every call of its role.
-  explicit TokenAuth(std::string token = "", std::string worker_token = "")
-      : token_(std::move(token)), worker_token_(std::move(worker_token)) {}
+  // `key`, a worker's own (null elsewhere): its workers' calls must also
+  // carry it (WorkerKey::Check).
+  explicit TokenAuth(std::string token = "", std::string worker_token = "",
+                     std::shared_ptr<const WorkerKey> key = nullptr)
+      : token_(std::move(token)), worker_token_(std::move(worker_token)), key_(std::move(key)) {}
   // OK when the call carries the token of `role` (compared in constant
-  // time). PERMISSION_DENIED when it carries the other role's token
-  // (authenticated, but not for this call); UNAUTHENTICATED otherwise.
+  // time), and a worker's key where there is one. PERMISSION_DENIED when it
+  // carries the other role's token (authenticated, but not for this call)
+  // or not the key; UNAUTHENTICATED otherwise.
   absl::Status Check(const grpc::ServerContext& ctx, CallerRole role) const;
+  // The token alone, without the key: for a worker's reads (GetStatus,
+  // which probes and tests call).
+  absl::Status CheckToken(const grpc::ServerContext& ctx, CallerRole role) const;
 
  private:
   std::string token_;
   std::string worker_token_;  // empty: token_ plays both roles
+  std::shared_ptr<const WorkerKey> key_;
 };
 
 // Adds the token (if any) to an outgoing call.

@@ -171,6 +171,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   // The workers hold the worker token where there is one.
   const std::string& to_workers = options.worker_token.empty() ? options.auth_token : options.worker_token;
   so.auth_token = to_workers;
+  so.worker_key_at = [workers = c->workers_.get()](const std::string& a) { return workers->KeyAt(a); };
   ASSIGN_OR_RETURN(so.credentials, MakeChannelCredentials(options.tls));
   c->scheduler_ = std::make_unique<Scheduler>(c->jobs_.get(), c->workers_.get(), c->store_.get(), so);
   UploadStore::Limits upload_limits;
@@ -217,6 +218,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   TensorProxy::Options to;
   to.auth_token = options.auth_token;
   to.worker_token = options.worker_token;
+  to.worker_key_at = so.worker_key_at;
   to.credentials = so.credentials;
   c->tensors_ = std::make_unique<TensorProxy>(c->jobs_.get(), c->registry_.get(), to);
   // A worker registered anew at an address (a daemon restarted on its

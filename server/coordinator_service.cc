@@ -95,6 +95,13 @@ grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const 
   return ToGrpcStatus(status);
 }
 
+absl::Status CoordinatorServiceImpl::CheckCaller(const grpc::ServerContext& ctx, const std::string& worker_id) {
+  const std::string key = workers_->KeyOf(worker_id);
+  if (key.empty() || CarriesWorkerKey(ctx, key)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat("this call names worker ", worker_id,
+                                                  " without the key it registered with: only that worker may make it"));
+}
+
 void CoordinatorServiceImpl::LogRefused(const grpc::ServerContext& ctx, const char* method,
                                         const absl::Status& status) {
   const absl::Time now = absl::Now();
@@ -121,8 +128,10 @@ grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,
     // The old connection goes before the worker can be placed: a tick
     // between the two would assign it on the connection still backing off.
     if (on_register_) on_register_(req->worker().address());
-    ASSIGN_OR_RETURN(WorkerRegistry::Registration reg, workers_->Register(req->worker(), req->status()));
+    ASSIGN_OR_RETURN(WorkerRegistry::Registration reg,
+                     workers_->Register(req->worker(), req->status(), req->worker_key()));
     resp->set_worker_id(reg.worker_id);
+    resp->set_worker_key_taken(!req->worker_key().empty());
     *resp->mutable_heartbeat_interval() = ToProtoDuration(reg.heartbeat_interval);
     *resp->mutable_lease_duration() = ToProtoDuration(reg.lease_duration);
     if (scheduler_ != nullptr) scheduler_->Wake();
@@ -134,6 +143,7 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext* ctx, const v
                                                v1::HeartbeatResponse* resp) {
   return Instrument(ctx, "Heartbeat", CallerRole::kWorker, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
+    RETURN_IF_ERROR(CheckCaller(*ctx, req->worker_id()));
     ASSIGN_OR_RETURN(absl::Time expiry, workers_->Heartbeat(req->worker_id(), req->status()));
     *resp->mutable_lease_expire_time() = ToProtoTimestamp(expiry);
     return absl::OkStatus();
@@ -146,6 +156,7 @@ grpc::Status CoordinatorServiceImpl::DeregisterWorker(grpc::ServerContext* ctx,
   return Instrument(ctx, "DeregisterWorker", CallerRole::kWorker, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
     RETURN_IF_ERROR(CheckReason(req->reason()));
+    RETURN_IF_ERROR(CheckCaller(*ctx, req->worker_id()));
     RETURN_IF_ERROR(workers_->Deregister(req->worker_id(), req->reason()));
     COLOD_LOG(INFO) << "worker " << req->worker_id() << " left"
                     << (req->reason().empty() ? "" : absl::StrCat(": ", req->reason()));
@@ -380,6 +391,7 @@ grpc::Status CoordinatorServiceImpl::ReportProgress(grpc::ServerContext* ctx, co
   return Instrument(ctx, "ReportProgress", CallerRole::kWorker, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
+    RETURN_IF_ERROR(CheckCaller(*ctx, req->worker_id()));
     if (scheduler_ == nullptr) return absl::FailedPreconditionError("this coordinator runs no jobs");
     ASSIGN_OR_RETURN(bool stop, scheduler_->Report(*req));
     resp->set_stop(stop);

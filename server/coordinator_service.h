@@ -98,6 +98,10 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   const std::string incarnation_;
   const int max_watches_;
   StallWatchdog* const stalls_;  // may be null
+  // OK unless `worker_id` registered with a key (RegisterWorkerRequest.
+  // worker_key) that the call does not carry: PERMISSION_DENIED (the
+  // workers' token is every worker's; the key is one worker's).
+  absl::Status CheckCaller(const grpc::ServerContext& ctx, const std::string& worker_id);
   // Calls refused for their token are logged at most once every 10 s (a
   // worker with the wrong token retries without end), with a count of
   // those not logged.

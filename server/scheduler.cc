@@ -91,7 +91,8 @@ Scheduler::Scheduler(JobManager* jobs, WorkerRegistry* workers, RendezvousStore*
       clock_(options_.clock != nullptr ? options_.clock : Clock::Real()),
       client_(options_.worker_client != nullptr
                   ? options_.worker_client
-                  : std::make_shared<GrpcWorkerClient>(options_.credentials, options_.auth_token)),
+                  : std::make_shared<GrpcWorkerClient>(options_.credentials, options_.auth_token,
+                                                                      options_.worker_key_at)),
       supervisor_(client_, RankSupervisor::Options{std::min(options_.rpc_timeout, absl::Seconds(3)),
                                                    options_.probe_timeout, options_.hang_threshold}) {}
 

@@ -66,6 +66,8 @@ class Scheduler {
     std::string auth_token;
     // How to reach the workers (TLS or insecure).
     std::shared_ptr<grpc::ChannelCredentials> credentials;
+    // The key of the worker at an address, sent on each call to it.
+    WorkerKeyAt worker_key_at;
     // How calls reach the workers; null: a GrpcWorkerClient with the two
     // fields above. Tests give a fake.
     std::shared_ptr<WorkerClient> worker_client;

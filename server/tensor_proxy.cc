@@ -125,7 +125,9 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
   RETURN_IF_ERROR(AwaitTurn(job_id, ctx, std::min(client, absl::Now() + options_.rpc_timeout)));
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
   const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
-    stubs[i] = stubs_.Get(mesh.ranks(ranks[i]).worker_address());
+    const std::string& address = mesh.ranks(ranks[i]).worker_address();
+    if (options_.worker_key_at) AddWorkerKey(*c, options_.worker_key_at(address));
+    stubs[i] = stubs_.Get(address);
     (stubs[i]->async()->*call)(c, &req, &responses[i], std::move(done));
   };
   const std::vector<absl::Status> statuses = RunAsyncCalls(ranks.size(), deadline,

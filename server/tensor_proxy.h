@@ -24,6 +24,7 @@
 #include "prometheus/registry.h"
 #include "server/job_manager.h"
 #include "server/stub_cache.h"
+#include "server/worker_client.h"
 
 namespace colod {
 
@@ -38,6 +39,8 @@ class TensorProxy final : public v1::TensorService::Service {
     // the workers; empty: auth_token plays both roles, and is sent.
     std::string worker_token;
     std::shared_ptr<grpc::ChannelCredentials> credentials;  // to the workers
+    // The key of the worker at an address, sent on each call to it.
+    WorkerKeyAt worker_key_at;
     // Deadline of each call to a worker, unless the client's is sooner.
     absl::Duration rpc_timeout = absl::Seconds(60);
   };

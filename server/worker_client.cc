@@ -34,14 +34,20 @@ std::vector<absl::Status> RunAsyncCalls(
   return out;
 }
 
-GrpcWorkerClient::GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token)
-    : auth_token_(std::move(auth_token)), stubs_(std::move(credentials)) {}
+GrpcWorkerClient::GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token,
+                                   WorkerKeyAt key_at)
+    : auth_token_(std::move(auth_token)), key_at_(std::move(key_at)), stubs_(std::move(credentials)) {}
+
+void GrpcWorkerClient::AddKey(grpc::ClientContext* ctx, const std::string& address) const {
+  if (key_at_) AddWorkerKey(*ctx, key_at_(address));
+}
 
 std::vector<absl::Status> GrpcWorkerClient::Assign(const std::vector<Call<v1::AssignJobRequest>>& calls,
                                                    absl::Duration deadline) {
   std::vector<v1::AssignJobResponse> responses(calls.size());
   std::vector<std::shared_ptr<v1::WorkerService::Stub>> stubs(calls.size());  // held until every call ended
   const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
+    AddKey(ctx, calls[i].address);
     (stubs[i] = stubs_.Get(calls[i].address))->async()->AssignJob(ctx, &calls[i].request, &responses[i], std::move(done));
   };
   return RunAsyncCalls(calls.size(), absl::Now() + deadline, auth_token_, start);
@@ -52,6 +58,7 @@ std::vector<absl::Status> GrpcWorkerClient::Abort(const std::vector<Call<v1::Abo
   std::vector<v1::AbortJobResponse> responses(calls.size());
   std::vector<std::shared_ptr<v1::WorkerService::Stub>> stubs(calls.size());
   const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
+    AddKey(ctx, calls[i].address);
     (stubs[i] = stubs_.Get(calls[i].address))->async()->AbortJob(ctx, &calls[i].request, &responses[i], std::move(done));
   };
   return RunAsyncCalls(calls.size(), absl::Now() + deadline, auth_token_, start);
@@ -62,6 +69,7 @@ std::vector<absl::Status> GrpcWorkerClient::Probe(const std::vector<std::string>
   std::vector<v1::GetStatusResponse> responses(addresses.size());
   std::vector<std::shared_ptr<v1::WorkerService::Stub>> stubs(addresses.size());
   const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
+    AddKey(ctx, addresses[i]);
     (stubs[i] = stubs_.Get(addresses[i]))->async()->GetStatus(ctx, &request, &responses[i], std::move(done));
   };
   return RunAsyncCalls(addresses.size(), absl::Now() + deadline, auth_token_, start);

@@ -54,12 +54,17 @@ class WorkerClient {
   virtual void Forget(const std::string& address) {}
 };
 
+// The key of the worker at an address (WorkerRegistry::KeyAt; "" none).
+using WorkerKeyAt = std::function<std::string(const std::string& address)>;
+
 // Over gRPC's callback API, with a channel per address (TLS or plaintext;
-// StubCache's: one unused for 10 minutes is closed by a later call) and the
-// bearer token on every call.
+// StubCache's: one unused for 10 minutes is closed by a later call), the
+// bearer token on every call, and the key of the worker called (`key_at`,
+// where given).
 class GrpcWorkerClient final : public WorkerClient {
  public:
-  GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token);
+  GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token,
+                   WorkerKeyAt key_at = nullptr);
 
   std::vector<absl::Status> Assign(const std::vector<Call<v1::AssignJobRequest>>& calls,
                                    absl::Duration deadline) override;
@@ -69,7 +74,11 @@ class GrpcWorkerClient final : public WorkerClient {
   void Forget(const std::string& address) override { stubs_.Forget(address); }
 
  private:
+  // AddWorkerKey of the worker at `address`.
+  void AddKey(grpc::ClientContext* ctx, const std::string& address) const;
+
   const std::string auth_token_;
+  const WorkerKeyAt key_at_;
   StubCache<v1::WorkerService> stubs_;
 };
 

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/auth.h"
 #include "common/limits.h"
 #include "common/net.h"
 #include "common/proto_time.h"
@@ -39,7 +40,9 @@ v1::WorkerStatus Bounded(const v1::WorkerStatus& status) {
 WorkerRegistry::WorkerRegistry(Options options) : options_(options) {}
 
 absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::WorkerInfo& info,
-                                                                     const v1::WorkerStatus& status) {
+                                                                     const v1::WorkerStatus& status,
+                                                                     const std::string& key) {
+  RETURN_IF_ERROR(CheckWorkerKey(key));
   if (!info.worker_id().empty()) {
     return absl::InvalidArgumentError(
         "worker.worker_id: must be empty; the coordinator assigns worker ids");
@@ -98,7 +101,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   SweepLocked(now);
   for (auto it = workers_.begin(); it != workers_.end();) {
     if (it->second.info.address() == info.address()) {
-      it = workers_.erase(it);
+      it = EraseLocked(it);
     } else {
       ++it;
     }
@@ -117,7 +120,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
                                                        "the coordinator's --max-workers (", options_.max_workers,
                                                        ")"));
     }
-    workers_.erase(oldest);
+    EraseLocked(oldest);
   }
   Entry e;
   e.info = info;
@@ -129,9 +132,29 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   if (e.status.state() == v1::WORKER_STATE_UNSPECIFIED) e.status.set_state(v1::WORKER_STATE_IDLE);
   e.register_time = now;
   e.last_heartbeat = now;
+  e.key = key;
+  key_by_address_[e.info.address()] = key;
   Registration out{e.info.worker_id(), options_.heartbeat_interval, options_.lease_duration};
   workers_.emplace(e.info.worker_id(), std::move(e));
   return out;
+}
+
+std::string WorkerRegistry::KeyOf(absl::string_view worker_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(std::string(worker_id));
+  return it == workers_.end() ? "" : it->second.key;
+}
+
+std::string WorkerRegistry::KeyAt(absl::string_view address) {
+  absl::MutexLock lock(&mu_);
+  auto it = key_by_address_.find(address);
+  return it == key_by_address_.end() ? "" : it->second;
+}
+
+std::map<std::string, WorkerRegistry::Entry>::iterator WorkerRegistry::EraseLocked(
+    std::map<std::string, Entry>::iterator it) {
+  key_by_address_.erase(it->second.info.address());
+  return workers_.erase(it);
 }
 
 absl::StatusOr<absl::Time> WorkerRegistry::Heartbeat(absl::string_view worker_id,
@@ -144,7 +167,7 @@ absl::StatusOr<absl::Time> WorkerRegistry::Heartbeat(absl::string_view worker_id
     return absl::NotFoundError(absl::StrCat("unknown worker '", worker_id, "': register again"));
   }
   if (it->second.lost) {
-    workers_.erase(it);
+    EraseLocked(it);
     return absl::NotFoundError(absl::StrCat("worker '", worker_id,
                                             "' lost its lease: register again"));
   }
@@ -217,7 +240,7 @@ std::vector<std::string> WorkerRegistry::SweepLocked(absl::Time now) {
     Entry& e = it->second;
     const absl::Duration silent = now - e.last_heartbeat;
     if (e.lost && silent > options_.lease_duration + options_.forget_after) {
-      it = workers_.erase(it);
+      it = EraseLocked(it);
       continue;
     }
     if (!e.lost && silent > options_.lease_duration) {

@@ -55,8 +55,17 @@ class WorkerRegistry {
   // worker_id empty, the bounds of common/limits.h) and adds the worker. A registration with the address of a
   // known worker replaces it (the daemon restarted). INVALID_ARGUMENT naming
   // the field otherwise; RESOURCE_EXHAUSTED past max_workers.
+  // `key`: the worker's key (RegisterWorkerRequest.worker_key; "" none),
+  // INVALID_ARGUMENT where CheckWorkerKey refuses it; kept, never listed.
   absl::StatusOr<Registration> Register(const v1::WorkerInfo& info,
-                                        const v1::WorkerStatus& status = v1::WorkerStatus());
+                                        const v1::WorkerStatus& status = v1::WorkerStatus(),
+                                        const std::string& key = "");
+
+  // The key `worker_id` registered with; "" for none, or an unknown id.
+  std::string KeyOf(absl::string_view worker_id);
+  // The key of the worker registered at `address` (one at a time is); ""
+  // for none.
+  std::string KeyAt(absl::string_view address);
 
   // Renews the lease and records `status`; returns the new expiry. NOT_FOUND
   // for an unknown worker or one whose lease already expired.
@@ -103,6 +112,7 @@ class WorkerRegistry {
     std::string lost_reason;  // once lost
     absl::Time register_time;
     absl::Time last_heartbeat;
+    std::string key;  // Register's
   };
   std::vector<std::string> SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::Worker ToProto(const Entry& e) const;
@@ -111,6 +121,11 @@ class WorkerRegistry {
   absl::Mutex mu_;
   // Keyed by worker id; std::map keeps List() sorted.
   std::map<std::string, Entry> workers_ ABSL_GUARDED_BY(mu_);
+  // The key of the worker at each address (one at a time is), for KeyAt:
+  // erased with the worker (EraseLocked).
+  absl::flat_hash_map<std::string, std::string> key_by_address_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Entry>::iterator EraseLocked(std::map<std::string, Entry>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

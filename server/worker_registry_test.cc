@@ -46,6 +46,41 @@ TEST_F(WorkerRegistryTest, RegistersAndListsSortedWithLease) {
   EXPECT_EQ(list[0].state(), v1::WORKER_STATE_IDLE);
 }
 
+// A worker's key is kept by id and by address, never listed; a new
+// registration at the address replaces it, a forgotten worker takes it
+// along; a key that could not travel as metadata, or too short to guess, is
+// refused.
+TEST_F(WorkerRegistryTest, KeysAreKeptByIdAndAddressAndGoWithTheirWorker) {
+  const std::string key(32, 'k'), other(32, 'o');
+  auto a = registry_.Register(Info("10.0.0.1:7071"), v1::WorkerStatus(), key);
+  auto b = registry_.Register(Info("10.0.0.2:7071"));  // an older worker: no key
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(registry_.KeyOf(a->worker_id), key);
+  EXPECT_EQ(registry_.KeyAt("10.0.0.1:7071"), key);
+  EXPECT_EQ(registry_.KeyOf(b->worker_id), "");
+  EXPECT_EQ(registry_.KeyOf("worker-999999"), "");
+  for (const v1::Worker& w : registry_.List(true)) EXPECT_EQ(w.DebugString().find(key), std::string::npos);
+  // The daemon restarted at its address: its new key, under a new id.
+  auto again = registry_.Register(Info("10.0.0.1:7071"), v1::WorkerStatus(), other);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(registry_.KeyOf(a->worker_id), "");
+  EXPECT_EQ(registry_.KeyOf(again->worker_id), other);
+  EXPECT_EQ(registry_.KeyAt("10.0.0.1:7071"), other);
+  // Lost, then forgotten: the key goes with it.
+  clock_.Advance(absl::Seconds(6) + absl::Seconds(61));
+  registry_.Sweep();
+  clock_.Advance(absl::Seconds(1));
+  registry_.Sweep();
+  EXPECT_EQ(registry_.KeyOf(again->worker_id), "");
+  EXPECT_EQ(registry_.KeyAt("10.0.0.1:7071"), "");
+  EXPECT_EQ(registry_.Register(Info("10.0.0.3:7071"), v1::WorkerStatus(), "short").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry_.Register(Info("10.0.0.3:7071"), v1::WorkerStatus(), std::string(32, '\n')).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry_.Register(Info("10.0.0.3:7071"), v1::WorkerStatus(), std::string(257, 'k')).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(WorkerRegistryTest, RejectsMalformedRegistrationsNamingTheField) {
   struct Case {
     v1::WorkerInfo info;

@@ -178,11 +178,12 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
   // nothing changes (a live worker's registration is not replaced).
   auto channel = grpc::CreateChannel(coordinator.grpc, grpc::InsecureChannelCredentials());
   auto coord = v1::CoordinatorService::NewStub(channel);
-  auto call = [](auto&& rpc, const std::string& token) {
+  auto status_of = [](auto&& rpc, const std::string& token) {
     grpc::ClientContext ctx;
     AddAuthToken(ctx, token);
-    return rpc(&ctx).error_code();
+    return rpc(&ctx);
   };
+  auto call = [&](auto&& rpc, const std::string& token) { return status_of(rpc, token).error_code(); };
   v1::RegisterWorkerRequest reg;
   reg.mutable_worker()->set_address(worker.grpc);
   v1::RegisterWorkerResponse reg_resp;
@@ -228,7 +229,45 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
             grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(call([&](grpc::ClientContext* c) { return stub->GetStatus(c, v1::GetStatusRequest(), &status); },
                  "worker-token"),
-            grpc::StatusCode::OK);
+            grpc::StatusCode::OK);  // a read needs the token only
+  // Every worker holds the workers' token; each also holds a key of its
+  // own, which the coordinator took when it registered. Without it, the
+  // workers' token drives no worker and speaks for none.
+  const grpc::Status keyless =
+      status_of([&](grpc::ClientContext* c) { return stub->AbortJob(c, abort, &abort_resp); }, "worker-token");
+  EXPECT_EQ(keyless.error_code(), grpc::StatusCode::PERMISSION_DENIED) << keyless.error_message();
+  EXPECT_NE(keyless.error_message().find("does not carry the worker's key"), std::string::npos)
+      << keyless.error_message();
+  auto worker_tensors =
+      v1::TensorService::NewStub(grpc::CreateChannel(worker.grpc, grpc::InsecureChannelCredentials()));
+  EXPECT_EQ(call([&](grpc::ClientContext* c) { return worker_tensors->ListTensors(c, list, &list_resp); },
+                 "worker-token"),
+            grpc::StatusCode::PERMISSION_DENIED);
+  auto listed = CoordinatorClient::Create(coordinator.grpc, [] {
+    CoordinatorClient::Options o;
+    o.auth_token = "client-token";
+    return o;
+  }());
+  ASSERT_TRUE(listed.ok());
+  auto workers = (*listed)->ListWorkers(false);
+  ASSERT_TRUE(workers.ok() && workers->size() == 1u) << workers.status();
+  const std::string id = (*workers)[0].info().worker_id();
+  v1::HeartbeatRequest beat;
+  beat.set_worker_id(id);
+  v1::HeartbeatResponse beat_resp;
+  const grpc::Status forged =
+      status_of([&](grpc::ClientContext* c) { return coord->Heartbeat(c, beat, &beat_resp); }, "worker-token");
+  EXPECT_EQ(forged.error_code(), grpc::StatusCode::PERMISSION_DENIED) << forged.error_message();
+  EXPECT_NE(forged.error_message().find("without the key it registered with"), std::string::npos)
+      << forged.error_message();
+  dereg.set_worker_id(id);
+  EXPECT_EQ(
+      call([&](grpc::ClientContext* c) { return coord->DeregisterWorker(c, dereg, &dereg_resp); }, "worker-token"),
+      grpc::StatusCode::PERMISSION_DENIED);
+  progress.set_worker_id(id);
+  EXPECT_EQ(
+      call([&](grpc::ClientContext* c) { return coord->ReportProgress(c, progress, &progress_resp); }, "worker-token"),
+      grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(Workers(coordinator.grpc, "client-token").value_or(0), 1u);
 
   // Jobs run with each token in its role: the coordinator's calls to the

@@ -205,7 +205,7 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   RETURN_IF_ERROR(room);
   if (thread_.joinable()) thread_.join();  // the previous rank's thread has ended (active_ is cleared last)
   ProgressReporter::Options reporting{options_.coordinator, options_.auth_token, options_.rpc_timeout,
-                                      options_.worker_id};
+                                      options_.worker_id, options_.worker_key};
   std::shared_ptr<Active> active;
   // The threads first (the reporter's, then the rank's): a worker that
   // cannot start them stays idle, not busy with a rank that never runs. Run

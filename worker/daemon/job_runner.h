@@ -49,6 +49,8 @@ class JobRunner {
     // The coordinator (rendezvous store and ReportProgress); required.
     std::shared_ptr<v1::CoordinatorService::StubInterface> coordinator;
     std::string auth_token;
+    // This worker's key (WorkerKey), sent on its reports; "" none.
+    std::string worker_key;
     absl::Duration rpc_timeout = absl::Seconds(10);
     // Rendezvous and per-collective limit: a peer that vanished makes this
     // rank fail after at most this long.

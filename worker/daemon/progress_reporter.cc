@@ -226,6 +226,7 @@ absl::StatusOr<ProgressReporter::Answer> ProgressReporter::Send(v1::ReportProgre
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     AddAuthToken(ctx, options_.auth_token);
+    AddWorkerKey(ctx, options_.worker_key);
     ctx.set_wait_for_ready(wait);
     v1::ReportProgressResponse resp;
     const grpc::Status s = options_.coordinator->ReportProgress(&ctx, req, &resp);

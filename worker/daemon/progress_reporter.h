@@ -51,6 +51,9 @@ class ProgressReporter {
     // the coordinator placed the rank on, also while this worker registers
     // again under a new id); may be empty.
     std::function<std::string()> worker_id;
+    // This worker's key (WorkerKey), which the coordinator checks on a
+    // report naming it; "" none.
+    std::string worker_key;
   };
 
   // Reports for the rank `assignment` describes (job, generation, rank).

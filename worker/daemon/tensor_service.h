@@ -11,7 +11,8 @@
 namespace colod {
 
 // Thread-safe; `runner` must outlive it. Every call is checked against
-// `auth` first (UNAUTHENTICATED); NOT_FOUND unless the job runs here.
+// `auth` first (UNAUTHENTICATED; PERMISSION_DENIED without the worker's key
+// once its coordinator took it); NOT_FOUND unless the job runs here.
 class WorkerTensorService final : public v1::TensorService::Service {
  public:
   WorkerTensorService(JobRunner* runner, TokenAuth auth) : runner_(runner), auth_(std::move(auth)) {}

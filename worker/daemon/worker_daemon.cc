@@ -179,6 +179,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     ro.device_ordinal = options.device_ordinal;
     ro.coordinator = w->coordinator_;
     ro.auth_token = options.auth_token;
+    ro.worker_key = w->key_->key();
     ro.rpc_timeout = options.rpc_timeout;
     ro.comm_timeout = options.comm_timeout;
     ro.worker_id = [raw] { return raw->worker_id(); };
@@ -202,8 +203,9 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     w->runner_ = std::make_unique<JobRunner>(ro);
   }
   w->service_ = std::make_unique<WorkerServiceImpl>([raw] { return raw->Info(); }, [raw] { return raw->Status(); },
-                                                    w->runner_.get(), TokenAuth(options.auth_token));
-  w->tensor_service_ = std::make_unique<WorkerTensorService>(w->runner_.get(), TokenAuth(options.auth_token));
+                                                    w->runner_.get(), TokenAuth(options.auth_token, "", w->key_));
+  w->tensor_service_ =
+      std::make_unique<WorkerTensorService>(w->runner_.get(), TokenAuth(options.auth_token, "", w->key_));
   ASSIGN_OR_RETURN(w->grpc_, StartGrpcServer(options.listen, {w->service_.get(), w->tensor_service_.get()},
                                              server_credentials, options.max_server_threads));
 
@@ -275,8 +277,11 @@ absl::Status WorkerDaemon::RegisterOnce() {
   v1::RegisterWorkerRequest req;
   *req.mutable_worker() = info_;
   *req.mutable_status() = Status();  // BUSY if a rank outlived the coordinator it registered with
+  req.set_worker_key(key_->key());
   v1::RegisterWorkerResponse resp;
   RETURN_IF_ERROR(FromGrpcStatus(coordinator_->RegisterWorker(&ctx, req, &resp)));
+  // From now on only calls carrying the key, where the coordinator sends it.
+  key_->SetTaken(resp.worker_key_taken());
   absl::MutexLock lock(&mu_);
   worker_id_ = resp.worker_id();
   heartbeat_interval_ = std::max(FromProtoDuration(resp.heartbeat_interval()), absl::Milliseconds(10));
@@ -287,6 +292,7 @@ absl::Status WorkerDaemon::HeartbeatOnce() {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
   AddAuthToken(ctx, options_.auth_token);
+  AddWorkerKey(ctx, key_->key());
   v1::HeartbeatRequest req;
   req.set_worker_id(worker_id());
   *req.mutable_status() = Status();
@@ -302,6 +308,7 @@ absl::Status WorkerDaemon::DeregisterOnce(const std::string& id) {
   // Shutting down: a coordinator that does not answer soon expires the lease anyway.
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::min(options_.rpc_timeout, absl::Seconds(2))));
   AddAuthToken(ctx, options_.auth_token);
+  AddWorkerKey(ctx, key_->key());
   v1::DeregisterWorkerRequest req;
   req.set_worker_id(id);
   const absl::Status lost = device_lost();

@@ -148,6 +148,10 @@ class WorkerDaemon {
   // too, where they did not): removed only if the start fails.
   std::string made_work_dir_;
   int work_dir_lock_ = -1;  // LockDirectory's flock on WORK_DIR/LOCK
+  // This process's key: registered with the coordinator, carried by the
+  // calls naming this worker, and required of the calls to it once the
+  // coordinator took it.
+  const std::shared_ptr<WorkerKey> key_ = std::make_shared<WorkerKey>();
   std::unique_ptr<WorkerServiceImpl> service_;
   std::unique_ptr<WorkerTensorService> tensor_service_;
   std::unique_ptr<MetricsServer> metrics_;

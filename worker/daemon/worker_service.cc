@@ -34,7 +34,8 @@ grpc::Status WorkerServiceImpl::AbortJob(grpc::ServerContext* ctx, const v1::Abo
 
 grpc::Status WorkerServiceImpl::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
                                           v1::GetStatusResponse* resp) {
-  if (absl::Status a = auth_.Check(*ctx, CallerRole::kWorker); !a.ok()) return ToGrpcStatus(a);
+  // A read: the token, not the key (TokenAuth::CheckToken).
+  if (absl::Status a = auth_.CheckToken(*ctx, CallerRole::kWorker); !a.ok()) return ToGrpcStatus(a);
   *resp->mutable_info() = info_fn_();
   *resp->mutable_status() = status_fn_();
   return grpc::Status::OK;

@@ -16,7 +16,8 @@ namespace colod {
 // `status_fn`, which must itself be thread-safe.
 class WorkerServiceImpl final : public v1::WorkerService::Service {
  public:
-  // Every call is checked against `auth` first (UNAUTHENTICATED).
+  // Every call is checked against `auth` first (UNAUTHENTICATED; and
+  // PERMISSION_DENIED without the worker's key, GetStatus excepted).
   // `runner` runs assigned ranks; null for a standalone worker, which
   // refuses AssignJob with FAILED_PRECONDITION (no coordinator to rendezvous
   // through). It must outlive the service.
