@@ -95,11 +95,23 @@ grpc::Status CoordinatorServiceImpl::Instrument(grpc::ServerContext* ctx, const 
   return ToGrpcStatus(status);
 }
 
-absl::Status CoordinatorServiceImpl::CheckCaller(const grpc::ServerContext& ctx, const std::string& worker_id) {
+absl::Status CoordinatorServiceImpl::CheckCaller(const grpc::ServerContext& ctx, const char* method,
+                                                 const std::string& worker_id) {
   const std::string key = workers_->KeyOf(worker_id);
   if (key.empty() || CarriesWorkerKey(ctx, key)) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrCat("this call names worker ", worker_id,
-                                                  " without the key it registered with: only that worker may make it"));
+  absl::Status refused = absl::PermissionDeniedError(absl::StrCat(
+      "this call names worker ", worker_id, " without the key it registered with: only that worker may make it"));
+  LogRefused(ctx, method, refused);
+  return refused;
+}
+
+absl::Status CoordinatorServiceImpl::CheckScopeCaller(const grpc::ServerContext& ctx, const char* method,
+                                                      const std::string& scope) {
+  if (scheduler_ == nullptr) return absl::OkStatus();
+  absl::Status s =
+      scheduler_->CheckScopeCaller(scope, [&](absl::string_view key) { return CarriesWorkerKey(ctx, key); });
+  if (!s.ok()) LogRefused(ctx, method, s);
+  return s;
 }
 
 void CoordinatorServiceImpl::LogRefused(const grpc::ServerContext& ctx, const char* method,
@@ -125,6 +137,11 @@ grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,
                                                     v1::RegisterWorkerResponse* resp) {
   return Instrument(ctx, "RegisterWorker", CallerRole::kWorker, [&]() -> absl::Status {
     if (!req->has_worker()) return absl::InvalidArgumentError("worker: required");
+    // Refused before the live worker's connection is dropped below.
+    if (absl::Status taken = workers_->CheckAddress(req->worker().address(), req->worker_key()); !taken.ok()) {
+      LogRefused(*ctx, "RegisterWorker", taken);
+      return taken;
+    }
     // The old connection goes before the worker can be placed: a tick
     // between the two would assign it on the connection still backing off.
     if (on_register_) on_register_(req->worker().address());
@@ -143,7 +160,7 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext* ctx, const v
                                                v1::HeartbeatResponse* resp) {
   return Instrument(ctx, "Heartbeat", CallerRole::kWorker, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
-    RETURN_IF_ERROR(CheckCaller(*ctx, req->worker_id()));
+    RETURN_IF_ERROR(CheckCaller(*ctx, "Heartbeat", req->worker_id()));
     ASSIGN_OR_RETURN(absl::Time expiry, workers_->Heartbeat(req->worker_id(), req->status()));
     *resp->mutable_lease_expire_time() = ToProtoTimestamp(expiry);
     return absl::OkStatus();
@@ -156,7 +173,7 @@ grpc::Status CoordinatorServiceImpl::DeregisterWorker(grpc::ServerContext* ctx,
   return Instrument(ctx, "DeregisterWorker", CallerRole::kWorker, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
     RETURN_IF_ERROR(CheckReason(req->reason()));
-    RETURN_IF_ERROR(CheckCaller(*ctx, req->worker_id()));
+    RETURN_IF_ERROR(CheckCaller(*ctx, "DeregisterWorker", req->worker_id()));
     RETURN_IF_ERROR(workers_->Deregister(req->worker_id(), req->reason()));
     COLOD_LOG(INFO) << "worker " << req->worker_id() << " left"
                     << (req->reason().empty() ? "" : absl::StrCat(": ", req->reason()));
@@ -391,10 +408,13 @@ grpc::Status CoordinatorServiceImpl::ReportProgress(grpc::ServerContext* ctx, co
   return Instrument(ctx, "ReportProgress", CallerRole::kWorker, [&]() -> absl::Status {
     RETURN_IF_ERROR(RequireId("job_id", req->job_id()));
     RETURN_IF_ERROR(RequireId("worker_id", req->worker_id()));
-    RETURN_IF_ERROR(CheckCaller(*ctx, req->worker_id()));
+    RETURN_IF_ERROR(CheckCaller(*ctx, "ReportProgress", req->worker_id()));
     if (scheduler_ == nullptr) return absl::FailedPreconditionError("this coordinator runs no jobs");
-    ASSIGN_OR_RETURN(bool stop, scheduler_->Report(*req));
-    resp->set_stop(stop);
+    absl::StatusOr<bool> stop =
+        scheduler_->Report(*req, [&](absl::string_view key) { return CarriesWorkerKey(*ctx, key); });
+    if (absl::IsPermissionDenied(stop.status())) LogRefused(*ctx, "ReportProgress", stop.status());
+    if (!stop.ok()) return stop.status();
+    resp->set_stop(*stop);
     resp->set_coordinator_incarnation(incarnation_);
     return absl::OkStatus();
   });
@@ -402,13 +422,16 @@ grpc::Status CoordinatorServiceImpl::ReportProgress(grpc::ServerContext* ctx, co
 
 grpc::Status CoordinatorServiceImpl::KvSet(grpc::ServerContext* ctx, const v1::KvSetRequest* req,
                                            v1::KvSetResponse*) {
-  return Instrument(ctx, "KvSet", CallerRole::kWorker,
-                    [&] { return store_->Set(req->scope(), req->key(), req->value()); });
+  return Instrument(ctx, "KvSet", CallerRole::kWorker, [&]() -> absl::Status {
+    RETURN_IF_ERROR(CheckScopeCaller(*ctx, "KvSet", req->scope()));
+    return store_->Set(req->scope(), req->key(), req->value());
+  });
 }
 
 grpc::Status CoordinatorServiceImpl::KvGet(grpc::ServerContext* ctx, const v1::KvGetRequest* req,
                                            v1::KvGetResponse* resp) {
   return Instrument(ctx, "KvGet", CallerRole::kWorker, [&]() -> absl::Status {
+    RETURN_IF_ERROR(CheckScopeCaller(*ctx, "KvGet", req->scope()));
     ASSIGN_OR_RETURN(*resp->mutable_value(), store_->Get(req->scope(), req->key()));
     return absl::OkStatus();
   });
@@ -418,6 +441,7 @@ grpc::Status CoordinatorServiceImpl::KvWait(grpc::ServerContext* ctx, const v1::
                                             v1::KvWaitResponse* resp) {
   return Instrument(ctx, "KvWait", CallerRole::kWorker, [&]() -> absl::Status {
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
+    RETURN_IF_ERROR(CheckScopeCaller(*ctx, "KvWait", req->scope()));
     if (!IsValidProtoDuration(req->timeout())) return absl::InvalidArgumentError("timeout: not a valid Duration");
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
     ASSIGN_OR_RETURN(std::vector<std::string> values,
@@ -432,6 +456,7 @@ grpc::Status CoordinatorServiceImpl::Barrier(grpc::ServerContext* ctx, const v1:
                                              v1::BarrierResponse*) {
   return Instrument(ctx, "Barrier", CallerRole::kWorker, [&]() -> absl::Status {
     if (!req->has_timeout()) return absl::InvalidArgumentError("timeout: required");
+    RETURN_IF_ERROR(CheckScopeCaller(*ctx, "Barrier", req->scope()));
     if (!IsValidProtoDuration(req->timeout())) return absl::InvalidArgumentError("timeout: not a valid Duration");
     return store_->Barrier(req->scope(), req->name(), req->rank(), req->world_size(),
                            FromProtoDuration(req->timeout()), [ctx] { return ctx->IsCancelled(); });

@@ -100,11 +100,17 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   StallWatchdog* const stalls_;  // may be null
   // OK unless `worker_id` registered with a key (RegisterWorkerRequest.
   // worker_key) that the call does not carry: PERMISSION_DENIED (the
-  // workers' token is every worker's; the key is one worker's).
-  absl::Status CheckCaller(const grpc::ServerContext& ctx, const std::string& worker_id);
-  // Calls refused for their token are logged at most once every 10 s (a
-  // worker with the wrong token retries without end), with a count of
-  // those not logged.
+  // workers' token is every worker's; the key is one worker's), logged as
+  // LogRefused.
+  absl::Status CheckCaller(const grpc::ServerContext& ctx, const char* method, const std::string& worker_id);
+  // OK unless the store's `scope` belongs to a placement whose workers all
+  // hold keys and the call carries none of them (Scheduler::CheckScopeCaller),
+  // logged as LogRefused.
+  absl::Status CheckScopeCaller(const grpc::ServerContext& ctx, const char* method, const std::string& scope);
+  // Calls refused for their token or a worker's key, and registrations at a
+  // live worker's address, are logged at most once every 10 s (a worker
+  // with the wrong token retries without end), with a count of those not
+  // logged.
   void LogRefused(const grpc::ServerContext& ctx, const char* method, const absl::Status& status);
   absl::Mutex refused_mu_;
   absl::Time next_refusal_log_ ABSL_GUARDED_BY(refused_mu_) = absl::InfinitePast();

@@ -222,6 +222,9 @@ void Scheduler::ScheduleQueued() {
     for (auto it = unrecorded_.begin(); it != unrecorded_.end();) {  // placed, or cancelled
       it = pending_ids.count(it->first) ? std::next(it) : unrecorded_.erase(it);
     }
+    for (auto it = rank0_keys_.begin(); it != rank0_keys_.end();) {  // ended (cancelled while it waited)
+      it = pending_ids.count(it->first) || placed_.count(it->first) ? std::next(it) : rank0_keys_.erase(it);
+    }
     for (const auto& [id, p] : placed_) {
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
         if (!p.ended.count(a.rank())) held.insert(a.worker_id());
@@ -354,6 +357,8 @@ void Scheduler::ScheduleQueued() {
       p.resume_own = ResumesFromCheckpoint(*scheduled);
       if (p.resume_own) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
       p.mesh = placed;
+      p.keys.clear();
+      for (const v1::RankAssignment& a : placed.ranks()) p.keys.push_back(workers_->KeyOf(a.worker_id()));
       p.scope = absl::StrFormat("%s/gen-%d", job.job_id(), p.generation);
       store_->OpenScope(p.scope);  // before any rank is assigned; ReleaseLocked deletes it
     }
@@ -427,7 +432,7 @@ void Scheduler::Assign(const std::string& job_id) {
   ReleaseLocked();
 }
 
-void Scheduler::RecordLateStep(const v1::ReportProgressRequest& report, int64_t generation) {
+void Scheduler::RecordLateStep(const v1::ReportProgressRequest& report, int64_t generation, CarriesKey carries) {
   // `generation`: the first that is not past (the running one, or one past
   // the job's while none runs).
   // A step an earlier attempt ran and could not report then (its worker
@@ -438,24 +443,49 @@ void Scheduler::RecordLateStep(const v1::ReportProgressRequest& report, int64_t 
   if (!report.has_step() || report.rank() != 0 || report.generation() < 1 || report.generation() >= generation) {
     return;
   }
+  if (auto job = rank0_keys_.find(report.job_id()); job != rank0_keys_.end()) {
+    const auto key = job->second.find(report.generation());
+    if (key != job->second.end() && !key->second.empty() && !carries(key->second)) {
+      COLOD_LOG(WARNING) << "late step " << report.step().step() << " of job " << report.job_id() << " generation "
+                         << report.generation() << " refused: the report lacks the key of that generation's rank 0";
+      return;
+    }
+  }
   const absl::Status s = jobs_->AddLateStep(report.job_id(), report.generation(), report.worker_id(), report.step());
   if (absl::IsPermissionDenied(s)) COLOD_LOG(WARNING) << "late step " << report.step().step() << " refused: " << s;
 }
 
-absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) {
+absl::Status Scheduler::CheckScopeCaller(absl::string_view scope, CarriesKey carries) {
+  const std::string job_id(scope.substr(0, scope.find('/')));
+  absl::MutexLock lock(&mu_);
+  auto it = placed_.find(job_id);
+  if (it == placed_.end() || it->second.scope != scope) return absl::OkStatus();
+  const std::vector<std::string>& keys = it->second.keys;
+  // A worker without a key (an older one) cannot prove it is one of them.
+  if (keys.empty() || std::any_of(keys.begin(), keys.end(), [](const std::string& k) { return k.empty(); })) {
+    return absl::OkStatus();
+  }
+  if (std::any_of(keys.begin(), keys.end(), [&](const std::string& k) { return carries(k); })) {
+    return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat("this call to rendezvous scope '", scope,
+                                                  "' carries the key of none of the workers placed in it"));
+}
+
+absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, CarriesKey carries) {
   if (report.has_step()) RETURN_IF_ERROR(CheckStepReport(report.step()));
   JobsLock lock(this);  // records written once mu_ is released, before this returns
   auto it = placed_.find(report.job_id());
   if (it == placed_.end()) {
     absl::StatusOr<v1::Job> job = jobs_->Get(report.job_id());
     if (!job.ok()) return job.status();
-    RecordLateStep(report, job->generation() + 1);  // no generation runs: the job's own is past too
+    RecordLateStep(report, job->generation() + 1, carries);  // no generation runs: the job's own is past too
     return absl::AbortedError(absl::StrCat("job '", report.job_id(), "' generation ", report.generation(),
                                            " no longer runs (", JobStateName(job->state()), ")"));
   }
   Placed& p = it->second;
   if (report.generation() != p.generation) {
-    RecordLateStep(report, p.generation);
+    RecordLateStep(report, p.generation, carries);
     return absl::AbortedError(absl::StrCat("generation ", report.generation(), " of job '", report.job_id(),
                                            "' is stale; the job runs generation ", p.generation));
   }
@@ -463,6 +493,11 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report) 
   if (rank < 0 || rank >= p.mesh.ranks_size() || p.mesh.ranks(rank).worker_id() != report.worker_id()) {
     return absl::PermissionDeniedError(absl::StrCat("worker '", report.worker_id(), "' does not hold rank ", rank,
                                                     " of job '", report.job_id(), "'"));
+  }
+  if (static_cast<size_t>(rank) < p.keys.size() && !p.keys[rank].empty() && !carries(p.keys[rank])) {
+    return absl::PermissionDeniedError(absl::StrCat("this report for rank ", rank, " of job '", report.job_id(),
+                                                    "' lacks the key of worker '", report.worker_id(),
+                                                    "' that holds it: only that worker may report for it"));
   }
   switch (report.report_case()) {
     case v1::ReportProgressRequest::kStatus: {
@@ -718,6 +753,16 @@ void Scheduler::ReleaseLocked() {
         } else {
           faulted_workers_.erase(p.job_id);
         }
+      }
+      // Rank 0's key of this generation, for its late steps; the job's are
+      // dropped once it ended (its history is closed).
+      absl::StatusOr<v1::Job> job = jobs_->Get(p.job_id);
+      if (!job.ok() || JobManager::IsFinal(job->state())) {
+        rank0_keys_.erase(p.job_id);
+      } else if (!p.keys.empty()) {
+        std::map<int64_t, std::string>& keys = rank0_keys_[p.job_id];
+        keys[p.generation] = p.keys[0];
+        while (keys.size() > kKeptRank0Keys) keys.erase(keys.begin());
       }
       it = placed_.erase(it);
       wake_ = true;  // workers came free

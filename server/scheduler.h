@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -134,14 +135,27 @@ class Scheduler {
   // rank, INVALID_ARGUMENT for an empty report. A step of an earlier
   // generation (reported late: its worker kept it while the coordinator was
   // away) is still recorded if the history lacks it, and answered ABORTED.
-  absl::StatusOr<bool> Report(const v1::ReportProgressRequest& report);
+  // `carries(key)`: whether the call carries that worker key (common/auth.h).
+  // A report for a rank whose worker registered with a key must carry it,
+  // the key it had when the rank was placed (a worker that registered again
+  // since has another id and key): PERMISSION_DENIED otherwise, and a late
+  // step without it is not recorded.
+  using CarriesKey = absl::FunctionRef<bool(absl::string_view key)>;
+  absl::StatusOr<bool> Report(const v1::ReportProgressRequest& report, CarriesKey carries);
+  // Whether a call to the rendezvous store's `scope` may be served: OK
+  // unless a placement holds the scope, every worker of it registered with
+  // a key, and the call carries none of theirs (PERMISSION_DENIED: the
+  // workers' token is every worker's). A scope no placement holds is the
+  // store's to answer (closed, or never opened).
+  absl::Status CheckScopeCaller(absl::string_view scope, CarriesKey carries);
   // Cancels the job (JobManager::Cancel) and aborts its running ranks.
   absl::StatusOr<v1::Job> Cancel(absl::string_view job_id, absl::string_view reason);
 
  private:
   // Records the step of a report of a generation before `generation` (the
   // running one, or the job's + 1 while none runs).
-  void RecordLateStep(const v1::ReportProgressRequest& report, int64_t generation);
+  void RecordLateStep(const v1::ReportProgressRequest& report, int64_t generation, CarriesKey carries)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A job that holds workers.
   // Where one placement of a job is. Every change goes through
   // TransitionLocked, which holds the legal ones:
@@ -169,6 +183,8 @@ class Scheduler {
     bool resume_own = false;
     v1::MemoryFloor memory_floor;  // the job's, sent with each assignment
     v1::MeshSpec mesh;
+    // Each rank's worker's key when it was placed ("" none: an older worker).
+    std::vector<std::string> keys;
     std::string scope;            // rendezvous scope of this generation
     std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)
     std::set<int> ended;          // ranks that reported their end (or were lost)
@@ -271,6 +287,12 @@ class Scheduler {
     int failures = 0;
   };
   std::map<std::string, Unrecorded> unrecorded_ ABSL_GUARDED_BY(mu_);
+  // Per job not ended, the key of rank 0's worker of each of its last
+  // kKeptRank0Keys generations that ended (placements released): a late
+  // step of one must carry it. Lost with the coordinator (then a late step
+  // is checked against the worker id its record keeps, as before keys).
+  static constexpr size_t kKeptRank0Keys = 16;
+  std::map<std::string, std::map<int64_t, std::string>> rank0_keys_ ABSL_GUARDED_BY(mu_);
   // RESTARTING jobs whose ranks all ended: since when each waits for workers.
   std::map<std::string, absl::Time> restart_since_ ABSL_GUARDED_BY(mu_);
   // Per job placed again after refusals: the refusals so far.

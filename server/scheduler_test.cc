@@ -7,6 +7,7 @@
 // generation handed out only once it is recorded.
 #include "server/scheduler.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -16,6 +17,7 @@
 #include <filesystem>
 #include <future>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "absl/strings/match.h"
@@ -103,7 +105,7 @@ class SchedulerTest : public ::testing::Test {
       info.set_device_kind(v1::DEVICE_KIND_CPU);
       info.set_device_ordinal(0);
       if (i < static_cast<int>(memory.size())) info.set_memory_bytes(memory[i]);
-      auto r = registry_.Register(info);
+      auto r = registry_.Register(info, v1::WorkerStatus(), i < static_cast<int>(keys_.size()) ? keys_[i] : "");
       ASSERT_TRUE(r.ok()) << r.status();
       ids_.push_back(r->worker_id);
       Beat(i);
@@ -126,14 +128,24 @@ class SchedulerTest : public ::testing::Test {
     return dir;
   }
 
-  // Rank `rank` of the job's current placement reports.
-  absl::StatusOr<bool> Report(const std::string& id, int rank, v1::ReportProgressRequest r) {
+  // Rank `rank` of the job's current placement reports, with its worker's
+  // key (keys_), or `carried` where given.
+  absl::StatusOr<bool> Report(const std::string& id, int rank, v1::ReportProgressRequest r,
+                              std::optional<std::string> carried = std::nullopt) {
     const v1::Job j = Job(id);
     r.set_job_id(id);
     r.set_generation(j.generation());
     r.set_rank(rank);
     r.set_worker_id(j.mesh().ranks(rank).worker_id());
-    return scheduler_->Report(r);
+    if (!carried) carried = KeyOf(r.worker_id());
+    return scheduler_->Report(r, [&](absl::string_view key) { return key == *carried; });
+  }
+  // The key Start registered worker `id` with ("" none).
+  std::string KeyOf(const std::string& id) const {
+    for (size_t i = 0; i < ids_.size() && i < keys_.size(); ++i) {
+      if (ids_[i] == id) return keys_[i];
+    }
+    return "";
   }
   void Training(const std::string& id) {
     for (int r = 0; r < Job(id).mesh().world_size(); ++r) {
@@ -257,6 +269,7 @@ class SchedulerTest : public ::testing::Test {
   std::shared_ptr<FakeWorkers> fake_ = std::make_shared<FakeWorkers>();
   std::unique_ptr<Scheduler> scheduler_;
   std::vector<std::string> ids_;
+  std::vector<std::string> keys_;  // Start registers worker i with keys_[i], where given
 };
 
 TEST_F(SchedulerTest, PlacesRunsAndSucceeds) {
@@ -464,6 +477,85 @@ TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestarts
       << j.reason();
   EXPECT_TRUE(absl::StrContains(j.reason(), "connection reset; attempt 2: rank 0 ")) << j.reason();
   EXPECT_TRUE(absl::StrContains(j.reason(), "collective timed out")) << j.reason();
+}
+
+// Only the worker that holds a rank reports for it: a report carries the key
+// its worker registered with, the one it had when the rank was placed
+// (the workers' token is every worker's). Without it, PERMISSION_DENIED,
+// also once that worker registered again (another id, which the registry
+// would know no key of); a late step of an ended generation is recorded
+// only with the key of that generation's rank 0; the placement's
+// rendezvous scope takes calls carrying any of its workers' keys.
+TEST_F(SchedulerTest, OnlyTheWorkerThatHoldsARankReportsForIt) {
+  keys_ = {std::string(32, 'a'), std::string(32, 'b')};
+  Start(2);
+  v1::JobSpec spec = TrainSpec(2, 1);
+  spec.mutable_restart()->set_max_restarts(1);
+  auto job = jobs_->Submit(spec, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  scheduler_->TickForTest();
+  const v1::Job placed = Job(id);
+  const std::string worker0 = placed.mesh().ranks(0).worker_id();
+  const std::string key0 = KeyOf(worker0), key1 = KeyOf(placed.mesh().ranks(1).worker_id());
+  ASSERT_FALSE(key0.empty());
+  const auto carrying = [](const std::string& carried) {
+    return [carried](absl::string_view key) { return key == carried; };
+  };
+  // Its rendezvous scope takes calls from its workers only (any of them).
+  const std::string scope = id + "/gen-1";
+  const absl::Status stranger = scheduler_->CheckScopeCaller(scope, carrying(std::string(32, 'x')));
+  EXPECT_EQ(stranger.code(), absl::StatusCode::kPermissionDenied) << stranger;
+  EXPECT_TRUE(absl::StrContains(stranger.message(), "carries the key of none of the workers placed in it"))
+      << stranger;
+  EXPECT_TRUE(scheduler_->CheckScopeCaller(scope, carrying(key0)).ok());
+  EXPECT_TRUE(scheduler_->CheckScopeCaller(scope, carrying(key1)).ok());
+  EXPECT_TRUE(scheduler_->CheckScopeCaller(id + "/gen-7", carrying("")).ok());  // no placement's: the store's
+  v1::ReportProgressRequest training;
+  training.mutable_status()->set_phase(v1::RANK_PHASE_TRAINING);
+  for (const std::string& carried : {std::string(), key1}) {
+    const absl::StatusOr<bool> forged = Report(id, 0, training, carried);
+    EXPECT_EQ(forged.status().code(), absl::StatusCode::kPermissionDenied) << forged.status();
+    EXPECT_TRUE(absl::StrContains(forged.status().message(), "lacks the key of worker '" + worker0 + "'"))
+        << forged.status();
+  }
+  Training(id);
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING);
+  // Rank 0's daemon registers again (a reply it lost): a new id, the same
+  // key. The placement still names the old id, which the registry no
+  // longer has a key for; the rank's key is still asked for.
+  const size_t at = std::find(ids_.begin(), ids_.end(), worker0) - ids_.begin();
+  v1::WorkerInfo again;
+  again.set_address("10.0.0." + std::to_string(at + 1) + ":7071");
+  again.set_device_kind(v1::DEVICE_KIND_CPU);
+  ASSERT_TRUE(registry_.Register(again, v1::WorkerStatus(), key0).ok());
+  ASSERT_EQ(registry_.KeyOf(worker0), "");
+  v1::ReportProgressRequest step;
+  step.mutable_step()->set_step(2);
+  step.mutable_step()->set_loss(5.0);
+  step.mutable_step()->set_checkpoint("/ck/step-000002");
+  EXPECT_EQ(Report(id, 0, step, "").status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Job(id).step(), 0);
+  ASSERT_TRUE(Report(id, 0, step, key0).ok());
+  EXPECT_EQ(Job(id).step(), 2);
+  // Generation 1 ends (rank 1 failed) and the job is placed again; rank 0
+  // of generation 1 reports a step it kept: recorded only with its key.
+  // (Rank 0's worker registered again under another id: the tick counts
+  // the rank as ended with the id it had.)
+  Ended(id, 1, absl::StatusCode::kUnavailable, "connection reset");
+  scheduler_->TickForTest();
+  ASSERT_EQ(Job(id).generation(), 2);
+  v1::ReportProgressRequest late;
+  late.set_job_id(id);
+  late.set_generation(1);
+  late.set_rank(0);
+  late.set_worker_id(worker0);
+  late.mutable_step()->set_step(3);
+  late.mutable_step()->set_loss(4.5);
+  EXPECT_EQ(scheduler_->Report(late, carrying(key1)).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(Job(id).step(), 2);
+  EXPECT_EQ(scheduler_->Report(late, carrying(key0)).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(Job(id).step(), 3);
 }
 
 // Rank 0 of a restart that resumed from the job's own checkpoints says
@@ -890,7 +982,7 @@ TEST_F(SchedulerTest, ARecordBeingWrittenHoldsUpNoOtherReport) {
       r.set_rank(0);
       r.set_worker_id(jb.mesh().ranks(0).worker_id());
       r.mutable_status()->set_phase(v1::RANK_PHASE_TRAINING);
-      return scheduler_->Report(r);
+      return scheduler_->Report(r, [](absl::string_view) { return false; });  // keyless workers: none asked
     });
     got_through = other.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
     // (Otherwise the report waits for this write, and ends after it.)

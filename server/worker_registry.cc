@@ -1,5 +1,7 @@
 #include "server/worker_registry.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/auth.h"
@@ -99,6 +101,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   absl::MutexLock lock(&mu_);
   const absl::Time now = options_.clock->Now();
   SweepLocked(now);
+  RETURN_IF_ERROR(CheckAddressLocked(info.address(), key, now));
   for (auto it = workers_.begin(); it != workers_.end();) {
     if (it->second.info.address() == info.address()) {
       it = EraseLocked(it);
@@ -137,6 +140,25 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   Registration out{e.info.worker_id(), options_.heartbeat_interval, options_.lease_duration};
   workers_.emplace(e.info.worker_id(), std::move(e));
   return out;
+}
+
+absl::Status WorkerRegistry::CheckAddress(absl::string_view address, absl::string_view key) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = options_.clock->Now();
+  SweepLocked(now);
+  return CheckAddressLocked(address, key, now);
+}
+
+absl::Status WorkerRegistry::CheckAddressLocked(absl::string_view address, absl::string_view key, absl::Time now) {
+  for (const auto& [id, e] : workers_) {
+    if (e.info.address() != address || e.lost || e.key.empty() || e.key == key) continue;
+    const absl::Duration left = std::max(e.last_heartbeat + options_.lease_duration - now, absl::ZeroDuration());
+    return absl::AlreadyExistsError(absl::StrCat(
+        id, " is registered at ", address, " with another key and is live (its lease runs another ",
+        absl::FormatDuration(absl::Ceil(left, absl::Seconds(1))),
+        ", or until it deregisters): a worker restarted at this address registers once that lease ends"));
+  }
+  return absl::OkStatus();
 }
 
 std::string WorkerRegistry::KeyOf(absl::string_view worker_id) {

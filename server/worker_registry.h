@@ -53,13 +53,23 @@ class WorkerRegistry {
 
   // Validates `info` (address HOST:PORT with port 1..65535, device_ordinal >= 0,
   // worker_id empty, the bounds of common/limits.h) and adds the worker. A registration with the address of a
-  // known worker replaces it (the daemon restarted). INVALID_ARGUMENT naming
-  // the field otherwise; RESOURCE_EXHAUSTED past max_workers.
+  // known worker replaces it (the daemon restarted), except as CheckAddress
+  // says. INVALID_ARGUMENT naming the field otherwise; RESOURCE_EXHAUSTED
+  // past max_workers.
   // `key`: the worker's key (RegisterWorkerRequest.worker_key; "" none),
   // INVALID_ARGUMENT where CheckWorkerKey refuses it; kept, never listed.
   absl::StatusOr<Registration> Register(const v1::WorkerInfo& info,
                                         const v1::WorkerStatus& status = v1::WorkerStatus(),
                                         const std::string& key = "");
+
+  // OK where a worker registering at `address` with `key` may replace the
+  // one there: none is, it is lost, it registered with no key (an older
+  // worker: nothing to prove), or with this key (the same daemon again).
+  // ALREADY_EXISTS where a live worker there registered with another key:
+  // the workers' token alone must not take a live worker's place (its job
+  // would fail, and its calls carry the newcomer's key); a daemon restarted
+  // there registers once the old lease ends, saying when.
+  absl::Status CheckAddress(absl::string_view address, absl::string_view key);
 
   // The key `worker_id` registered with; "" for none, or an unknown id.
   std::string KeyOf(absl::string_view worker_id);
@@ -115,6 +125,8 @@ class WorkerRegistry {
     std::string key;  // Register's
   };
   std::vector<std::string> SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckAddressLocked(absl::string_view address, absl::string_view key, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::Worker ToProto(const Entry& e) const;
 
   const Options options_;

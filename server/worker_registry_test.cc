@@ -47,8 +47,9 @@ TEST_F(WorkerRegistryTest, RegistersAndListsSortedWithLease) {
 }
 
 // A worker's key is kept by id and by address, never listed; a new
-// registration at the address replaces it, a forgotten worker takes it
-// along; a key that could not travel as metadata, or too short to guess, is
+// registration at the address replaces it where it proves nothing else (the
+// same key, a lost worker, an older worker with none), a forgotten worker
+// takes it along; a key that could not travel as metadata, or too short to guess, is
 // refused.
 TEST_F(WorkerRegistryTest, KeysAreKeptByIdAndAddressAndGoWithTheirWorker) {
   const std::string key(32, 'k'), other(32, 'o');
@@ -60,10 +61,39 @@ TEST_F(WorkerRegistryTest, KeysAreKeptByIdAndAddressAndGoWithTheirWorker) {
   EXPECT_EQ(registry_.KeyOf(b->worker_id), "");
   EXPECT_EQ(registry_.KeyOf("worker-999999"), "");
   for (const v1::Worker& w : registry_.List(true)) EXPECT_EQ(w.DebugString().find(key), std::string::npos);
-  // The daemon restarted at its address: its new key, under a new id.
-  auto again = registry_.Register(Info("10.0.0.1:7071"), v1::WorkerStatus(), other);
-  ASSERT_TRUE(again.ok());
+  // Another key at the live worker's address is refused, saying when the
+  // address frees (the workers' token alone takes no live worker's place),
+  // and no key neither; the same key is the daemon again, under a new id.
+  clock_.Advance(absl::Seconds(2));
+  const absl::StatusOr<WorkerRegistry::Registration> taken =
+      registry_.Register(Info("10.0.0.1:7071"), v1::WorkerStatus(), other);
+  EXPECT_EQ(taken.status().code(), absl::StatusCode::kAlreadyExists) << taken.status();
+  EXPECT_NE(taken.status().message().find(a->worker_id + " is registered at 10.0.0.1:7071 with another key"),
+            std::string::npos)
+      << taken.status();
+  EXPECT_NE(taken.status().message().find("lease runs another 3s"), std::string::npos) << taken.status();
+  EXPECT_EQ(registry_.CheckAddress("10.0.0.1:7071", other).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(registry_.Register(Info("10.0.0.1:7071")).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(registry_.KeyOf(a->worker_id), key);
+  EXPECT_TRUE(registry_.CheckAddress("10.0.0.1:7071", key).ok());
+  auto same = registry_.Register(Info("10.0.0.1:7071"), v1::WorkerStatus(), key);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_NE(same->worker_id, a->worker_id);
   EXPECT_EQ(registry_.KeyOf(a->worker_id), "");
+  EXPECT_EQ(registry_.List(true).size(), 2u);
+  // An older worker (no key) proves nothing: a registration at its address
+  // replaces it, keyed or not.
+  const std::string third(32, 't');
+  auto over_b = registry_.Register(Info("10.0.0.2:7071"), v1::WorkerStatus(), third);
+  ASSERT_TRUE(over_b.ok()) << over_b.status();
+  EXPECT_EQ(registry_.KeyAt("10.0.0.2:7071"), third);
+  // Once the lease ends, a daemon restarted there takes the address with
+  // its new key.
+  clock_.Advance(absl::Seconds(6));
+  EXPECT_TRUE(registry_.CheckAddress("10.0.0.1:7071", other).ok());
+  auto again = registry_.Register(Info("10.0.0.1:7071"), v1::WorkerStatus(), other);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(registry_.KeyOf(same->worker_id), "");
   EXPECT_EQ(registry_.KeyOf(again->worker_id), other);
   EXPECT_EQ(registry_.KeyAt("10.0.0.1:7071"), other);
   // Lost, then forgotten: the key goes with it.

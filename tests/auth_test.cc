@@ -268,6 +268,21 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
   EXPECT_EQ(
       call([&](grpc::ClientContext* c) { return coord->ReportProgress(c, progress, &progress_resp); }, "worker-token"),
       grpc::StatusCode::PERMISSION_DENIED);
+  // Nor take its place: a registration at its address with another key, or
+  // none, is ALREADY_EXISTS while it lives, and it keeps its id (replaced,
+  // its job would fail and the coordinator send it the newcomer's key).
+  for (const std::string& key : {NewWorkerKey(), std::string()}) {
+    reg.set_worker_key(key);
+    const grpc::Status usurp =
+        status_of([&](grpc::ClientContext* c) { return coord->RegisterWorker(c, reg, &reg_resp); }, "worker-token");
+    EXPECT_EQ(usurp.error_code(), grpc::StatusCode::ALREADY_EXISTS) << usurp.error_message();
+    EXPECT_NE(usurp.error_message().find(id + " is registered at " + worker.grpc + " with another key"),
+              std::string::npos)
+        << usurp.error_message();
+  }
+  workers = (*listed)->ListWorkers(false);
+  ASSERT_TRUE(workers.ok() && workers->size() == 1u) << workers.status();
+  EXPECT_EQ((*workers)[0].info().worker_id(), id);
   EXPECT_EQ(Workers(coordinator.grpc, "client-token").value_or(0), 1u);
 
   // Jobs run with each token in its role: the coordinator's calls to the

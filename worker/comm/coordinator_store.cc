@@ -10,16 +10,19 @@
 namespace colod {
 
 CoordinatorStore::CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubInterface> stub,
-                                   std::string scope, absl::Duration rpc_timeout, std::string auth_token)
+                                   std::string scope, absl::Duration rpc_timeout, std::string auth_token,
+                                   std::string worker_key)
     : stub_(std::move(stub)),
       scope_(std::move(scope)),
       rpc_timeout_(rpc_timeout),
-      auth_token_(std::move(auth_token)) {}
+      auth_token_(std::move(auth_token)),
+      worker_key_(std::move(worker_key)) {}
 
 absl::Status CoordinatorStore::Set(absl::string_view key, std::string value) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
   AddAuthToken(ctx, auth_token_);
+  AddWorkerKey(ctx, worker_key_);
   v1::KvSetRequest req;
   req.set_scope(scope_);
   req.set_key(std::string(key));
@@ -32,6 +35,7 @@ absl::StatusOr<std::string> CoordinatorStore::Get(absl::string_view key) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
   AddAuthToken(ctx, auth_token_);
+  AddWorkerKey(ctx, worker_key_);
   v1::KvGetRequest req;
   req.set_scope(scope_);
   req.set_key(std::string(key));
@@ -45,6 +49,7 @@ absl::StatusOr<std::vector<std::string>> CoordinatorStore::Wait(const std::vecto
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout + rpc_timeout_));
   AddAuthToken(ctx, auth_token_);
+  AddWorkerKey(ctx, worker_key_);
   v1::KvWaitRequest req;
   req.set_scope(scope_);
   for (const std::string& k : keys) req.add_keys(k);

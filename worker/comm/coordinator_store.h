@@ -17,9 +17,12 @@ class CoordinatorStore final : public Store {
   // `scope` is the job generation's rendezvous scope (AssignJobRequest.
   // rendezvous_scope). Each Set/Get carries `rpc_timeout`; a Wait carries its
   // own timeout plus `rpc_timeout` of slack for the transport.
-  // `auth_token` (if not empty) is sent as the bearer token of every call.
+  // `auth_token` (if not empty) is sent as the bearer token of every call,
+  // `worker_key` (if not empty) as the worker's key (common/auth.h): the
+  // coordinator takes a placed job's scope only from its workers.
   CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubInterface> stub, std::string scope,
-                   absl::Duration rpc_timeout = absl::Seconds(10), std::string auth_token = "");
+                   absl::Duration rpc_timeout = absl::Seconds(10), std::string auth_token = "",
+                   std::string worker_key = "");
 
   absl::Status Set(absl::string_view key, std::string value) override;
   absl::StatusOr<std::string> Get(absl::string_view key) override;
@@ -31,6 +34,7 @@ class CoordinatorStore final : public Store {
   const std::string scope_;
   const absl::Duration rpc_timeout_;
   const std::string auth_token_;
+  const std::string worker_key_;
 };
 
 }  // namespace colod

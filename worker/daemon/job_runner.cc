@@ -445,7 +445,8 @@ absl::Status JobRunner::RunRank(Active& active) {
   if (reporter.Phase(v1::RANK_PHASE_RENDEZVOUS, "connecting to the other ranks")) {
     return NoLongerRuns(reporter);
   }
-  CoordinatorStore store(options_.coordinator, req.rendezvous_scope(), options_.rpc_timeout, options_.auth_token);
+  CoordinatorStore store(options_.coordinator, req.rendezvous_scope(), options_.rpc_timeout, options_.auth_token,
+                         options_.worker_key);
   // Outlives `pg` (Run ends it after this returns), so its observers outlive the communicators.
   WorkerMetrics::Rank* metrics = active.metrics.get();
   RankGroupOptions group;
