@@ -59,12 +59,18 @@ bool CarriesToken(absl::string_view header, const std::string& token) {
 }  // namespace
 
 absl::Status TokenAuth::Check(const grpc::ServerContext& ctx, CallerRole role) const {
-  RETURN_IF_ERROR(CheckToken(ctx, role));
+  RETURN_IF_ERROR(CheckBearer(ctx, role));
   if (role == CallerRole::kWorker && key_ != nullptr) return key_->Check(ctx);
   return absl::OkStatus();
 }
 
 absl::Status TokenAuth::CheckToken(const grpc::ServerContext& ctx, CallerRole role) const {
+  RETURN_IF_ERROR(CheckBearer(ctx, role));
+  if (role == CallerRole::kWorker && key_ != nullptr) return key_->CheckNotOther(ctx);
+  return absl::OkStatus();
+}
+
+absl::Status TokenAuth::CheckBearer(const grpc::ServerContext& ctx, CallerRole role) const {
   const bool worker_call = role == CallerRole::kWorker && !worker_token_.empty();
   const std::string& want = worker_call ? worker_token_ : token_;
   if (want.empty()) return absl::OkStatus();
@@ -125,7 +131,19 @@ void AddWorkerKey(grpc::ClientContext& ctx, const std::string& key) {
   if (!key.empty()) ctx.AddMetadata(kWorkerKeyMetadata, key);
 }
 
+absl::Status WorkerKey::CheckNotOther(const grpc::ServerContext& ctx) const {
+  const auto& md = ctx.client_metadata();
+  auto it = md.find(kWorkerKeyMetadata);
+  if (it == md.end() || ConstantTimeEqual(absl::string_view(it->second.data(), it->second.size()), key_)) {
+    return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(
+      "the call carries another worker process's key (colod-worker-key): it is meant for a worker that listened at "
+      "this address before (this daemon holds another key and registers as a worker of its own)");
+}
+
 absl::Status WorkerKey::Check(const grpc::ServerContext& ctx) const {
+  RETURN_IF_ERROR(CheckNotOther(ctx));
   if (!taken_.load() || CarriesWorkerKey(ctx, key_)) return absl::OkStatus();
   return absl::PermissionDeniedError(
       "this worker takes calls only from its coordinator: the call does not carry the worker's key (colod-worker-key)");

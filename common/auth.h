@@ -60,9 +60,16 @@ class WorkerKey {
   WorkerKey() : key_(NewWorkerKey()) {}
   const std::string& key() const { return key_; }
   void SetTaken(bool taken) { taken_.store(taken); }
-  // OK where the coordinator did not take the key (it sends none), or the
-  // call carries it; PERMISSION_DENIED otherwise.
+  // OK where the call carries this key, or none while the coordinator has
+  // not taken it (it sends none); PERMISSION_DENIED otherwise (CheckNotOther).
   absl::Status Check(const grpc::ServerContext& ctx) const;
+  // PERMISSION_DENIED for a call carrying another key, before registration
+  // too: the coordinator's calls for a worker process that listened at this
+  // address before (a daemon restarted on its port) carry that process's
+  // key, and this one must not run its ranks; and the coordinator proves a
+  // registration's key by calling the address with it (ProveWorkerKey). OK
+  // for a call carrying this key or none.
+  absl::Status CheckNotOther(const grpc::ServerContext& ctx) const;
 
  private:
   const std::string key_;
@@ -87,11 +94,15 @@ class TokenAuth {
   // carries the other role's token (authenticated, but not for this call)
   // or not the key; UNAUTHENTICATED otherwise.
   absl::Status Check(const grpc::ServerContext& ctx, CallerRole role) const;
-  // The token alone, without the key: for a worker's reads (GetStatus,
-  // which probes and tests call).
+  // The token, and no other worker's key (WorkerKey::CheckNotOther), but
+  // not this worker's: for a worker's reads (GetStatus, which probes and
+  // tests call, and the coordinator's proof of a registration's key).
   absl::Status CheckToken(const grpc::ServerContext& ctx, CallerRole role) const;
 
  private:
+  // The bearer token of `role` alone.
+  absl::Status CheckBearer(const grpc::ServerContext& ctx, CallerRole role) const;
+
   std::string token_;
   std::string worker_token_;  // empty: token_ plays both roles
   std::shared_ptr<const WorkerKey> key_;

@@ -22,11 +22,14 @@
 #include "common/status_macros.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
+#include "server/worker_client.h"
 
 namespace colod {
 namespace {
 
 constexpr char kServiceName[] = "colod.v1.CoordinatorService";
+// How long a registering worker has to answer the check of its key.
+constexpr absl::Duration kProveKeyDeadline = absl::Seconds(3);
 
 }  // namespace
 
@@ -225,6 +228,12 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   // port) is called on a new connection: the old one may still be backing
   // off from the dead daemon's refusals, and the first assignment, placed at
   // once, would fail and hold the job in the placement cooloff.
+  // A worker registering with a key proves it holds it where it listens:
+  // the workers' token alone cannot take a registered worker's address, and
+  // a daemon restarted on its port replaces its dead self at once.
+  c->service_->SetProveKey([credentials = so.credentials, to_workers](const std::string& a, const std::string& k) {
+    return ProveWorkerKey(credentials, to_workers, a, k, kProveKeyDeadline);
+  });
   c->service_->SetOnRegister([scheduler = c->scheduler_.get(), tensors = c->tensors_.get()](const std::string& a) {
     scheduler->ForgetConnection(a);
     tensors->ForgetConnection(a);

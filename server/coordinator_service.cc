@@ -12,6 +12,7 @@
 #include "common/atomic_file.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "common/net.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "spec/job_validation.h"
@@ -19,6 +20,12 @@
 
 namespace colod {
 namespace {
+
+// Whether a call carries a worker's key (Scheduler::CarriesKey).
+struct CallCarries {
+  const grpc::ServerContext& ctx;
+  bool operator()(absl::string_view key) const { return CarriesWorkerKey(ctx, key); }
+};
 
 // ListJobs pages.
 constexpr int kDefaultJobsPage = 100;
@@ -109,7 +116,7 @@ absl::Status CoordinatorServiceImpl::CheckScopeCaller(const grpc::ServerContext&
                                                       const std::string& scope) {
   if (scheduler_ == nullptr) return absl::OkStatus();
   absl::Status s =
-      scheduler_->CheckScopeCaller(scope, [&](absl::string_view key) { return CarriesWorkerKey(ctx, key); });
+      scheduler_->CheckScopeCaller(scope, CallCarries{ctx});
   if (!s.ok()) LogRefused(ctx, method, s);
   return s;
 }
@@ -137,16 +144,38 @@ grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,
                                                     v1::RegisterWorkerResponse* resp) {
   return Instrument(ctx, "RegisterWorker", CallerRole::kWorker, [&]() -> absl::Status {
     if (!req->has_worker()) return absl::InvalidArgumentError("worker: required");
+    const std::string& address = req->worker().address();
+    const std::string& key = req->worker_key();
     // Refused before the live worker's connection is dropped below.
-    if (absl::Status taken = workers_->CheckAddress(req->worker().address(), req->worker_key()); !taken.ok()) {
+    WorkerRegistry::AtAddress at = WorkerRegistry::AtAddress::kClaimed;
+    if (!key.empty() && prove_key_) {
+      // Checked before anything is sent there, or travels as metadata.
+      RETURN_IF_ERROR(CheckWorkerKey(key));
+      RETURN_IF_ERROR(ParseHostPort(address, "worker.address", /*allow_zero_port=*/false).status());
+      if (key_proofs_.fetch_add(1) >= kMaxKeyProofs) {
+        key_proofs_.fetch_sub(1);
+        return absl::UnavailableError(absl::StrCat("the coordinator is checking ", kMaxKeyProofs,
+                                                   " other registrations at their addresses: try again"));
+      }
+      absl::Status proven = prove_key_(address, key);
+      key_proofs_.fetch_sub(1);
+      if (!proven.ok()) {
+        LogRefused(*ctx, "RegisterWorker", proven);
+        return proven;
+      }
+      at = WorkerRegistry::AtAddress::kProven;
+    } else if (absl::Status taken = workers_->CheckAddress(address, key); !taken.ok()) {
       LogRefused(*ctx, "RegisterWorker", taken);
       return taken;
     }
     // The old connection goes before the worker can be placed: a tick
     // between the two would assign it on the connection still backing off.
-    if (on_register_) on_register_(req->worker().address());
-    ASSIGN_OR_RETURN(WorkerRegistry::Registration reg,
-                     workers_->Register(req->worker(), req->status(), req->worker_key()));
+    if (on_register_) on_register_(address);
+    ASSIGN_OR_RETURN(WorkerRegistry::Registration reg, workers_->Register(req->worker(), req->status(), key, at));
+    if (!reg.replaced.empty()) {
+      COLOD_LOG(WARNING) << "worker " << reg.replaced << " at " << address << " was replaced by " << reg.worker_id
+                         << ": the daemon listening there now holds another key (the worker process restarted)";
+    }
     resp->set_worker_id(reg.worker_id);
     resp->set_worker_key_taken(!req->worker_key().empty());
     *resp->mutable_heartbeat_interval() = ToProtoDuration(reg.heartbeat_interval);
@@ -411,7 +440,7 @@ grpc::Status CoordinatorServiceImpl::ReportProgress(grpc::ServerContext* ctx, co
     RETURN_IF_ERROR(CheckCaller(*ctx, "ReportProgress", req->worker_id()));
     if (scheduler_ == nullptr) return absl::FailedPreconditionError("this coordinator runs no jobs");
     absl::StatusOr<bool> stop =
-        scheduler_->Report(*req, [&](absl::string_view key) { return CarriesWorkerKey(*ctx, key); });
+        scheduler_->Report(*req, CallCarries{*ctx});
     if (absl::IsPermissionDenied(stop.status())) LogRefused(*ctx, "ReportProgress", stop.status());
     if (!stop.ok()) return stop.status();
     resp->set_stop(*stop);

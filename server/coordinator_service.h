@@ -48,6 +48,20 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
     on_register_ = std::move(on_register);
   }
 
+  // Checks that a worker registering with a key holds it at the address it
+  // registers (ProveWorkerKey: the daemon there answers a call carrying it);
+  // a failed check refuses the registration with its status. Where it
+  // passes, the worker replaces any other registered at that address
+  // (WorkerRegistry::AtAddress::kProven). Unset (tests): no check, and
+  // WorkerRegistry::CheckAddress's rule. At most kMaxKeyProofs run at once
+  // (each may wait for its deadline on an address that never answers, on a
+  // server thread): UNAVAILABLE past them, which a worker tries again. Set
+  // before the service serves.
+  static constexpr int kMaxKeyProofs = 16;
+  void SetProveKey(std::function<absl::Status(const std::string& address, const std::string& key)> prove_key) {
+    prove_key_ = std::move(prove_key);
+  }
+
   grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest*,
                               v1::RegisterWorkerResponse*) override;
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*,
@@ -94,6 +108,8 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   Scheduler* const scheduler_;
   UploadStore* const uploads_;
   std::function<void(const std::string& address)> on_register_;  // SetOnRegister's
+  std::function<absl::Status(const std::string&, const std::string&)> prove_key_;  // SetProveKey's
+  std::atomic<int> key_proofs_{0};  // running now
   // ReportProgressResponse.coordinator_incarnation: random per process.
   const std::string incarnation_;
   const int max_watches_;

@@ -21,6 +21,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/auth.h"
 #include "common/limits.h"
 #include "common/rendezvous_store.h"
 #include "client/coordinator_client.h"
@@ -749,6 +750,62 @@ void ListenSilently(SilentPort* port) {
   socklen_t len = sizeof(addr);
   ASSERT_EQ(::getsockname(port->fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   port->address = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+}
+
+// A registration with a key is checked at its address first: the daemon
+// there must answer a call carrying the key (a SIGSTOPped one, or a port
+// where nobody speaks, holds it for the check's 3 s deadline; a closed port
+// fails it at once), UNAVAILABLE otherwise, and nothing is registered. At
+// most kMaxKeyProofs checks run at once: past them a registration is
+// UNAVAILABLE at once (the worker tries again), so registrations to
+// addresses that never answer hold a few server threads, not all of them.
+TEST_F(CoordinatorTest, RegistrationsWithKeysAreCheckedAtTheirAddressesAFewAtATime) {
+  SilentPort silent;
+  ASSERT_NO_FATAL_FAILURE(ListenSilently(&silent));
+  auto register_at = [&](const std::string& address) {
+    v1::RegisterWorkerRequest req;
+    req.mutable_worker()->set_address(address);
+    req.set_worker_key(NewWorkerKey());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    v1::RegisterWorkerResponse resp;
+    return FromGrpcStatus(client_->stub().RegisterWorker(&ctx, req, &resp));
+  };
+  const int n = CoordinatorServiceImpl::kMaxKeyProofs;
+  std::vector<absl::Status> held(n);
+  std::vector<std::thread> threads;
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < n; ++i) threads.emplace_back([&, i] { held[i] = register_at(silent.address); });
+  absl::SleepFor(absl::Seconds(1));  // every check is under way (each waits 3 s)
+  const absl::Time extra_start = absl::Now();
+  const absl::Status extra = register_at(silent.address);
+  EXPECT_LT(absl::Now() - extra_start, absl::Seconds(1));
+  EXPECT_EQ(extra.code(), absl::StatusCode::kUnavailable) << extra;
+  EXPECT_NE(extra.message().find(absl::StrCat("checking ", n, " other registrations")), std::string::npos) << extra;
+  for (std::thread& t : threads) t.join();
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_GE(took, absl::Seconds(2.5));
+  EXPECT_LT(took, absl::Seconds(15));
+  for (const absl::Status& s : held) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_NE(s.message().find("the coordinator cannot reach " + silent.address), std::string::npos) << s;
+  }
+  // Nothing listens at a closed port: refused at once.
+  SilentPort closed;
+  ASSERT_NO_FATAL_FAILURE(ListenSilently(&closed));
+  ::close(std::exchange(closed.fd, -1));
+  const absl::Time closed_start = absl::Now();
+  const absl::Status refused = register_at(closed.address);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_LT(absl::Now() - closed_start, absl::Seconds(2.5));
+  // A key that could not travel as metadata is refused before any call.
+  v1::RegisterWorkerRequest bad;
+  bad.mutable_worker()->set_address(silent.address);
+  bad.set_worker_key(std::string(32, '\n'));
+  grpc::ClientContext ctx;
+  v1::RegisterWorkerResponse resp;
+  EXPECT_EQ(client_->stub().RegisterWorker(&ctx, bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(client_->ListWorkers(true)->empty());
 }
 
 // A watch whose coordinator is gone for good gives up after the client's

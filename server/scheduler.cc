@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
+#include <optional>
 #include <system_error>
 #include <thread>
 
@@ -10,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/auth.h"
 #include "common/limits.h"
 #include "common/logging.h"
 #include "common/proto_time.h"
@@ -222,9 +224,26 @@ void Scheduler::ScheduleQueued() {
     for (auto it = unrecorded_.begin(); it != unrecorded_.end();) {  // placed, or cancelled
       it = pending_ids.count(it->first) ? std::next(it) : unrecorded_.erase(it);
     }
-    for (auto it = rank0_keys_.begin(); it != rank0_keys_.end();) {  // ended (cancelled while it waited)
-      it = pending_ids.count(it->first) || placed_.count(it->first) ? std::next(it) : rank0_keys_.erase(it);
-    }
+    // What is kept per job of jobs that ended (cancelled while queued) goes.
+    // Neither pending nor placed is not enough: `pending` was listed before
+    // mu_ was taken, and a report may have released the job's placement
+    // since (it is RESTARTING now, and keeps them).
+    std::set<std::string> ended;
+    const auto forget_ended = [&](auto& per_job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (auto it = per_job.begin(); it != per_job.end();) {
+        const std::string& id = it->first;
+        bool gone = ended.count(id) > 0;
+        if (!gone && !placed_.count(id) && !pending_ids.count(id)) {
+          absl::StatusOr<v1::Job> job = jobs_->Get(id);
+          gone = !job.ok() || JobManager::IsFinal(job->state());
+          if (gone) ended.insert(id);
+        }
+        it = gone ? per_job.erase(it) : std::next(it);
+      }
+    };
+    forget_ended(rank0_keys_);
+    forget_ended(refusals_);
+    forget_ended(faulted_workers_);
     for (const auto& [id, p] : placed_) {
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
         if (!p.ended.count(a.rank())) held.insert(a.worker_id());
@@ -239,15 +258,6 @@ void Scheduler::ScheduleQueued() {
         ++it;
       }
     }
-    // What is kept per job of jobs cancelled while queued again.
-    const auto forget_gone = [&](auto& per_job) {
-      for (auto it = per_job.begin(); it != per_job.end();) {
-        const bool live = placed_.count(it->first) || pending_ids.count(it->first);
-        it = live ? std::next(it) : per_job.erase(it);
-      }
-    };
-    forget_gone(refusals_);
-    forget_gone(faulted_workers_);
   }
   for (auto it = waiting_.begin(); it != waiting_.end();) {  // cancelled while waiting
     it = pending_ids.count(it->first) ? std::next(it) : waiting_.erase(it);
@@ -331,6 +341,15 @@ void Scheduler::ScheduleQueued() {
       continue;
     }
     for (const v1::RankAssignment& a : placed.ranks()) taken.insert(a.worker_id());
+    // Each rank's worker's key, read before mu_ (the registry's lock). A
+    // worker gone since `live` was listed gets a key no process holds:
+    // nobody reports for its rank, and it leaves the scope closed to
+    // callers without a key (its assignment fails; the job is placed again).
+    auto keys = std::make_shared<std::vector<std::string>>();
+    for (const v1::RankAssignment& a : placed.ranks()) {
+      std::optional<std::string> key = workers_->FindKey(a.worker_id());
+      keys->push_back(key.has_value() ? *std::move(key) : NewWorkerKey());
+    }
     {
       absl::MutexLock lock(&mu_);
       restart_since_.erase(job.job_id());
@@ -357,8 +376,7 @@ void Scheduler::ScheduleQueued() {
       p.resume_own = ResumesFromCheckpoint(*scheduled);
       if (p.resume_own) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
       p.mesh = placed;
-      p.keys.clear();
-      for (const v1::RankAssignment& a : placed.ranks()) p.keys.push_back(workers_->KeyOf(a.worker_id()));
+      p.keys = std::move(keys);
       p.scope = absl::StrFormat("%s/gen-%d", job.job_id(), p.generation);
       store_->OpenScope(p.scope);  // before any rank is assigned; ReleaseLocked deletes it
     }
@@ -432,7 +450,8 @@ void Scheduler::Assign(const std::string& job_id) {
   ReleaseLocked();
 }
 
-void Scheduler::RecordLateStep(const v1::ReportProgressRequest& report, int64_t generation, CarriesKey carries) {
+absl::Status Scheduler::RecordLateStep(const v1::ReportProgressRequest& report, int64_t generation,
+                                       CarriesKey carries) {
   // `generation`: the first that is not past (the running one, or one past
   // the job's while none runs).
   // A step an earlier attempt ran and could not report then (its worker
@@ -441,26 +460,31 @@ void Scheduler::RecordLateStep(const v1::ReportProgressRequest& report, int64_t 
   // ended job's history is closed), and only from the worker that held rank
   // 0 of that generation.
   if (!report.has_step() || report.rank() != 0 || report.generation() < 1 || report.generation() >= generation) {
-    return;
+    return absl::OkStatus();
   }
   if (auto job = rank0_keys_.find(report.job_id()); job != rank0_keys_.end()) {
     const auto key = job->second.find(report.generation());
     if (key != job->second.end() && !key->second.empty() && !carries(key->second)) {
-      COLOD_LOG(WARNING) << "late step " << report.step().step() << " of job " << report.job_id() << " generation "
-                         << report.generation() << " refused: the report lacks the key of that generation's rank 0";
-      return;
+      return absl::PermissionDeniedError(absl::StrCat("late step ", report.step().step(), " of job '",
+                                                      report.job_id(), "' generation ", report.generation(),
+                                                      ": the report lacks the key of that generation's rank 0"));
     }
   }
   const absl::Status s = jobs_->AddLateStep(report.job_id(), report.generation(), report.worker_id(), report.step());
-  if (absl::IsPermissionDenied(s)) COLOD_LOG(WARNING) << "late step " << report.step().step() << " refused: " << s;
+  return absl::IsPermissionDenied(s) ? s : absl::OkStatus();
 }
 
 absl::Status Scheduler::CheckScopeCaller(absl::string_view scope, CarriesKey carries) {
   const std::string job_id(scope.substr(0, scope.find('/')));
-  absl::MutexLock lock(&mu_);
-  auto it = placed_.find(job_id);
-  if (it == placed_.end() || it->second.scope != scope) return absl::OkStatus();
-  const std::vector<std::string>& keys = it->second.keys;
+  std::shared_ptr<const std::vector<std::string>> placed_keys;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = placed_.find(job_id);
+    if (it == placed_.end() || it->second.scope != scope) return absl::OkStatus();
+    placed_keys = it->second.keys;
+  }
+  // Compared outside mu_: a rank's every store call compares the world's keys.
+  const std::vector<std::string>& keys = *placed_keys;
   // A worker without a key (an older one) cannot prove it is one of them.
   if (keys.empty() || std::any_of(keys.begin(), keys.end(), [](const std::string& k) { return k.empty(); })) {
     return absl::OkStatus();
@@ -479,13 +503,14 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
   if (it == placed_.end()) {
     absl::StatusOr<v1::Job> job = jobs_->Get(report.job_id());
     if (!job.ok()) return job.status();
-    RecordLateStep(report, job->generation() + 1, carries);  // no generation runs: the job's own is past too
+    // No generation runs: the job's own is past too.
+    RETURN_IF_ERROR(RecordLateStep(report, job->generation() + 1, carries));
     return absl::AbortedError(absl::StrCat("job '", report.job_id(), "' generation ", report.generation(),
                                            " no longer runs (", JobStateName(job->state()), ")"));
   }
   Placed& p = it->second;
   if (report.generation() != p.generation) {
-    RecordLateStep(report, p.generation, carries);
+    RETURN_IF_ERROR(RecordLateStep(report, p.generation, carries));
     return absl::AbortedError(absl::StrCat("generation ", report.generation(), " of job '", report.job_id(),
                                            "' is stale; the job runs generation ", p.generation));
   }
@@ -494,7 +519,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
     return absl::PermissionDeniedError(absl::StrCat("worker '", report.worker_id(), "' does not hold rank ", rank,
                                                     " of job '", report.job_id(), "'"));
   }
-  if (static_cast<size_t>(rank) < p.keys.size() && !p.keys[rank].empty() && !carries(p.keys[rank])) {
+  if (static_cast<size_t>(rank) < p.keys->size() && !(*p.keys)[rank].empty() && !carries((*p.keys)[rank])) {
     return absl::PermissionDeniedError(absl::StrCat("this report for rank ", rank, " of job '", report.job_id(),
                                                     "' lacks the key of worker '", report.worker_id(),
                                                     "' that holds it: only that worker may report for it"));
@@ -759,9 +784,9 @@ void Scheduler::ReleaseLocked() {
       absl::StatusOr<v1::Job> job = jobs_->Get(p.job_id);
       if (!job.ok() || JobManager::IsFinal(job->state())) {
         rank0_keys_.erase(p.job_id);
-      } else if (!p.keys.empty()) {
+      } else if (!p.keys->empty()) {
         std::map<int64_t, std::string>& keys = rank0_keys_[p.job_id];
-        keys[p.generation] = p.keys[0];
+        keys[p.generation] = p.keys->front();
         while (keys.size() > kKeptRank0Keys) keys.erase(keys.begin());
       }
       it = placed_.erase(it);

@@ -138,8 +138,10 @@ class Scheduler {
   // `carries(key)`: whether the call carries that worker key (common/auth.h).
   // A report for a rank whose worker registered with a key must carry it,
   // the key it had when the rank was placed (a worker that registered again
-  // since has another id and key): PERMISSION_DENIED otherwise, and a late
-  // step without it is not recorded.
+  // since has another id and key): PERMISSION_DENIED otherwise; a late step
+  // without the key of that generation's rank 0, or from a worker other
+  // than its own, is not recorded, and PERMISSION_DENIED (the service logs
+  // refusals, a line every 10 s at most).
   using CarriesKey = absl::FunctionRef<bool(absl::string_view key)>;
   absl::StatusOr<bool> Report(const v1::ReportProgressRequest& report, CarriesKey carries);
   // Whether a call to the rendezvous store's `scope` may be served: OK
@@ -153,8 +155,10 @@ class Scheduler {
 
  private:
   // Records the step of a report of a generation before `generation` (the
-  // running one, or the job's + 1 while none runs).
-  void RecordLateStep(const v1::ReportProgressRequest& report, int64_t generation, CarriesKey carries)
+  // running one, or the job's + 1 while none runs). PERMISSION_DENIED where
+  // it is refused for its key or worker; OK otherwise (recorded, kept
+  // already, or no step to record).
+  absl::Status RecordLateStep(const v1::ReportProgressRequest& report, int64_t generation, CarriesKey carries)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A job that holds workers.
   // Where one placement of a job is. Every change goes through
@@ -183,8 +187,10 @@ class Scheduler {
     bool resume_own = false;
     v1::MemoryFloor memory_floor;  // the job's, sent with each assignment
     v1::MeshSpec mesh;
-    // Each rank's worker's key when it was placed ("" none: an older worker).
-    std::vector<std::string> keys;
+    // Each rank's worker's key when it was placed ("" none: an older
+    // worker); never null. Shared, so that the store's calls compare them
+    // outside mu_ (CheckScopeCaller).
+    std::shared_ptr<const std::vector<std::string>> keys = std::make_shared<const std::vector<std::string>>();
     std::string scope;            // rendezvous scope of this generation
     std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)
     std::set<int> ended;          // ranks that reported their end (or were lost)

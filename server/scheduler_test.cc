@@ -539,7 +539,8 @@ TEST_F(SchedulerTest, OnlyTheWorkerThatHoldsARankReportsForIt) {
   ASSERT_TRUE(Report(id, 0, step, key0).ok());
   EXPECT_EQ(Job(id).step(), 2);
   // Generation 1 ends (rank 1 failed) and the job is placed again; rank 0
-  // of generation 1 reports a step it kept: recorded only with its key.
+  // of generation 1 reports a step it kept: recorded only with its key
+  // (PERMISSION_DENIED without it).
   // (Rank 0's worker registered again under another id: the tick counts
   // the rank as ended with the id it had.)
   Ended(id, 1, absl::StatusCode::kUnavailable, "connection reset");
@@ -552,7 +553,9 @@ TEST_F(SchedulerTest, OnlyTheWorkerThatHoldsARankReportsForIt) {
   late.set_worker_id(worker0);
   late.mutable_step()->set_step(3);
   late.mutable_step()->set_loss(4.5);
-  EXPECT_EQ(scheduler_->Report(late, carrying(key1)).status().code(), absl::StatusCode::kAborted);
+  const absl::Status refused = scheduler_->Report(late, carrying(key1)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;  // logged as a refusal
+  EXPECT_NE(refused.message().find("lacks the key of that generation's rank 0"), std::string::npos) << refused;
   EXPECT_EQ(Job(id).step(), 2);
   EXPECT_EQ(scheduler_->Report(late, carrying(key0)).status().code(), absl::StatusCode::kAborted);
   EXPECT_EQ(Job(id).step(), 3);

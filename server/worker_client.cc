@@ -2,6 +2,7 @@
 
 #include <functional>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/auth.h"
@@ -73,6 +74,41 @@ std::vector<absl::Status> GrpcWorkerClient::Probe(const std::vector<std::string>
     (stubs[i] = stubs_.Get(addresses[i]))->async()->GetStatus(ctx, &request, &responses[i], std::move(done));
   };
   return RunAsyncCalls(addresses.size(), absl::Now() + deadline, auth_token_, start);
+}
+
+absl::Status ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+                            const std::string& auth_token, const std::string& address, const std::string& key,
+                            absl::Duration deadline) {
+  grpc::ChannelArguments args;
+  // A subchannel of its own: the process-wide pool may hold one to the
+  // address still backing off from a daemon that died there.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto stub = v1::WorkerService::NewStub(grpc::CreateCustomChannel(
+      address, credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  // Fails fast (UNAVAILABLE) where the first connection attempt is refused;
+  // one that hangs is bounded by the deadline.
+  AddAuthToken(ctx, auth_token);
+  AddWorkerKey(ctx, key);
+  v1::GetStatusResponse resp;
+  const absl::Status s = FromGrpcStatus(stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp));
+  if (s.ok()) return s;
+  switch (s.code()) {
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnauthenticated:
+      return absl::PermissionDeniedError(absl::StrCat(
+          "the daemon at ", address, " does not hold the key this registration carries (", s.message(),
+          "): a worker registers from the daemon that listens at its address"));
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+      return absl::UnavailableError(absl::StrCat(
+          "the coordinator cannot reach ", address, ", the address this worker registers (", s.message(),
+          "): it calls its workers there (a worker's --advertise-host names the host it is reached at)"));
+    default:
+      return absl::FailedPreconditionError(
+          absl::StrCat("the daemon at ", address, " answered the check of its key with ", s.ToString()));
+  }
 }
 
 }  // namespace colod

@@ -54,6 +54,19 @@ class WorkerClient {
   virtual void Forget(const std::string& address) {}
 };
 
+// Whether the daemon at `address` holds `key`, the key a worker registers
+// with: a GetStatus carrying it and `auth_token`, on a connection of its own
+// (never one backing off from a daemon that listened there before), within
+// `deadline`. A daemon refuses a call carrying another process's key
+// (WorkerKey::CheckNotOther), so an answer proves that the registration
+// comes from the daemon listening at its address. OK then; PERMISSION_DENIED
+// when the daemon there refuses the key or the token; UNAVAILABLE when
+// nothing answers there in time; FAILED_PRECONDITION for any other answer.
+// Each names the address. `key` must pass CheckWorkerKey.
+absl::Status ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+                            const std::string& auth_token, const std::string& address, const std::string& key,
+                            absl::Duration deadline);
+
 // The key of the worker at an address (WorkerRegistry::KeyAt; "" none).
 using WorkerKeyAt = std::function<std::string(const std::string& address)>;
 

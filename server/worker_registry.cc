@@ -43,8 +43,11 @@ WorkerRegistry::WorkerRegistry(Options options) : options_(options) {}
 
 absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::WorkerInfo& info,
                                                                      const v1::WorkerStatus& status,
-                                                                     const std::string& key) {
+                                                                     const std::string& key, AtAddress at) {
   RETURN_IF_ERROR(CheckWorkerKey(key));
+  if (at == AtAddress::kProven && key.empty()) {
+    return absl::InvalidArgumentError("worker_key: a registration proven at its address has a key");
+  }
   if (!info.worker_id().empty()) {
     return absl::InvalidArgumentError(
         "worker.worker_id: must be empty; the coordinator assigns worker ids");
@@ -101,9 +104,11 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   absl::MutexLock lock(&mu_);
   const absl::Time now = options_.clock->Now();
   SweepLocked(now);
-  RETURN_IF_ERROR(CheckAddressLocked(info.address(), key, now));
+  if (at == AtAddress::kClaimed) RETURN_IF_ERROR(CheckAddressLocked(info.address(), key, now));
+  std::string replaced;
   for (auto it = workers_.begin(); it != workers_.end();) {
     if (it->second.info.address() == info.address()) {
+      if (!it->second.lost && it->second.key != key) replaced = it->first;
       it = EraseLocked(it);
     } else {
       ++it;
@@ -137,7 +142,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   e.last_heartbeat = now;
   e.key = key;
   key_by_address_[e.info.address()] = key;
-  Registration out{e.info.worker_id(), options_.heartbeat_interval, options_.lease_duration};
+  Registration out{e.info.worker_id(), options_.heartbeat_interval, options_.lease_duration, std::move(replaced)};
   workers_.emplace(e.info.worker_id(), std::move(e));
   return out;
 }
@@ -165,6 +170,13 @@ std::string WorkerRegistry::KeyOf(absl::string_view worker_id) {
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(std::string(worker_id));
   return it == workers_.end() ? "" : it->second.key;
+}
+
+std::optional<std::string> WorkerRegistry::FindKey(absl::string_view worker_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(std::string(worker_id));
+  if (it == workers_.end()) return std::nullopt;
+  return it->second.key;
 }
 
 std::string WorkerRegistry::KeyAt(absl::string_view address) {

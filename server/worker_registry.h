@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,18 +50,32 @@ class WorkerRegistry {
     std::string worker_id;
     absl::Duration heartbeat_interval;
     absl::Duration lease_duration;
+    // A live worker registered at the address before with another key,
+    // which this registration replaced (AtAddress::kProven); "" none.
+    std::string replaced;
+  };
+
+  // What a registration's claim to its address rests on.
+  enum class AtAddress {
+    // Nothing: a live worker there with another key stays (CheckAddress).
+    kClaimed,
+    // The daemon at the address answered a call carrying the registration's
+    // key (ProveWorkerKey): a worker process holds one key, so any worker
+    // registered there with another is gone, and is replaced at once.
+    kProven,
   };
 
   // Validates `info` (address HOST:PORT with port 1..65535, device_ordinal >= 0,
   // worker_id empty, the bounds of common/limits.h) and adds the worker. A registration with the address of a
   // known worker replaces it (the daemon restarted), except as CheckAddress
-  // says. INVALID_ARGUMENT naming the field otherwise; RESOURCE_EXHAUSTED
-  // past max_workers.
+  // says where `at` is kClaimed. INVALID_ARGUMENT naming the field
+  // otherwise; RESOURCE_EXHAUSTED past max_workers.
   // `key`: the worker's key (RegisterWorkerRequest.worker_key; "" none),
-  // INVALID_ARGUMENT where CheckWorkerKey refuses it; kept, never listed.
+  // INVALID_ARGUMENT where CheckWorkerKey refuses it, or where it is empty
+  // and `at` kProven; kept, never listed.
   absl::StatusOr<Registration> Register(const v1::WorkerInfo& info,
                                         const v1::WorkerStatus& status = v1::WorkerStatus(),
-                                        const std::string& key = "");
+                                        const std::string& key = "", AtAddress at = AtAddress::kClaimed);
 
   // OK where a worker registering at `address` with `key` may replace the
   // one there: none is, it is lost, it registered with no key (an older
@@ -73,6 +88,8 @@ class WorkerRegistry {
 
   // The key `worker_id` registered with; "" for none, or an unknown id.
   std::string KeyOf(absl::string_view worker_id);
+  // The same, but nullopt for an unknown id (forgotten, or replaced).
+  std::optional<std::string> FindKey(absl::string_view worker_id);
   // The key of the worker registered at `address` (one at a time is); ""
   // for none.
   std::string KeyAt(absl::string_view address);

@@ -48,8 +48,9 @@ TEST_F(WorkerRegistryTest, RegistersAndListsSortedWithLease) {
 
 // A worker's key is kept by id and by address, never listed; a new
 // registration at the address replaces it where it proves nothing else (the
-// same key, a lost worker, an older worker with none), a forgotten worker
-// takes it along; a key that could not travel as metadata, or too short to guess, is
+// same key, a lost worker, an older worker with none) and where the daemon
+// at the address proved it holds the new key, a forgotten worker takes it
+// along; a key that could not travel as metadata, or too short to guess, is
 // refused.
 TEST_F(WorkerRegistryTest, KeysAreKeptByIdAndAddressAndGoWithTheirWorker) {
   const std::string key(32, 'k'), other(32, 'o');
@@ -87,6 +88,24 @@ TEST_F(WorkerRegistryTest, KeysAreKeptByIdAndAddressAndGoWithTheirWorker) {
   auto over_b = registry_.Register(Info("10.0.0.2:7071"), v1::WorkerStatus(), third);
   ASSERT_TRUE(over_b.ok()) << over_b.status();
   EXPECT_EQ(registry_.KeyAt("10.0.0.2:7071"), third);
+  EXPECT_EQ(over_b->replaced, b->worker_id);
+  EXPECT_EQ(same->replaced, "");  // the same daemon again
+  // A registration proven at its address (the daemon there answered a call
+  // carrying its key) replaces a live worker there with another key at
+  // once, saying which: a process holds one key, so that one is gone. A
+  // proven registration has a key.
+  const std::string fourth(32, 'f');
+  auto proven =
+      registry_.Register(Info("10.0.0.2:7071"), v1::WorkerStatus(), fourth, WorkerRegistry::AtAddress::kProven);
+  ASSERT_TRUE(proven.ok()) << proven.status();
+  EXPECT_EQ(proven->replaced, over_b->worker_id);
+  EXPECT_EQ(registry_.KeyAt("10.0.0.2:7071"), fourth);
+  EXPECT_EQ(registry_.KeyOf(over_b->worker_id), "");
+  EXPECT_EQ(registry_.List(true).size(), 2u);
+  EXPECT_EQ(registry_.Register(Info("10.0.0.4:7071"), v1::WorkerStatus(), "", WorkerRegistry::AtAddress::kProven)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
   // Once the lease ends, a daemon restarted there takes the address with
   // its new key.
   clock_.Advance(absl::Seconds(6));

@@ -4,6 +4,7 @@
 // reflection stay open; a worker holding the wrong token never registers.
 // With --worker-token-file, the clients' token no longer admits the calls
 // only workers make, nor the worker token the clients'.
+#include <csignal>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
@@ -268,18 +269,50 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
   EXPECT_EQ(
       call([&](grpc::ClientContext* c) { return coord->ReportProgress(c, progress, &progress_resp); }, "worker-token"),
       grpc::StatusCode::PERMISSION_DENIED);
-  // Nor take its place: a registration at its address with another key, or
-  // none, is ALREADY_EXISTS while it lives, and it keeps its id (replaced,
-  // its job would fail and the coordinator send it the newcomer's key).
-  for (const std::string& key : {NewWorkerKey(), std::string()}) {
-    reg.set_worker_key(key);
-    const grpc::Status usurp =
-        status_of([&](grpc::ClientContext* c) { return coord->RegisterWorker(c, reg, &reg_resp); }, "worker-token");
-    EXPECT_EQ(usurp.error_code(), grpc::StatusCode::ALREADY_EXISTS) << usurp.error_message();
-    EXPECT_NE(usurp.error_message().find(id + " is registered at " + worker.grpc + " with another key"),
-              std::string::npos)
-        << usurp.error_message();
+  // A call carrying another key is refused too, the reads' included: the
+  // key of a worker that listened here before is not this daemon's.
+  const std::string other_key = NewWorkerKey();
+  auto with_key = [&](auto&& rpc, const std::string& key) {
+    grpc::ClientContext ctx;
+    AddAuthToken(ctx, "worker-token");
+    AddWorkerKey(ctx, key);
+    return rpc(&ctx);
+  };
+  for (const grpc::Status& s :
+       {with_key([&](grpc::ClientContext* c) { return stub->GetStatus(c, v1::GetStatusRequest(), &status); },
+                 other_key),
+        with_key([&](grpc::ClientContext* c) { return stub->AbortJob(c, abort, &abort_resp); }, other_key)}) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_NE(s.error_message().find("carries another worker process's key"), std::string::npos) << s.error_message();
   }
+  // Nor take its place: a registration at its address with another key is
+  // PERMISSION_DENIED (the coordinator calls the address with that key, and
+  // the daemon there refuses it), one with none ALREADY_EXISTS while it
+  // lives, and it keeps its id (replaced, its job would fail and the
+  // coordinator send the newcomer's key to it).
+  reg.set_worker_key(other_key);
+  const grpc::Status usurp =
+      status_of([&](grpc::ClientContext* c) { return coord->RegisterWorker(c, reg, &reg_resp); }, "worker-token");
+  EXPECT_EQ(usurp.error_code(), grpc::StatusCode::PERMISSION_DENIED) << usurp.error_message();
+  EXPECT_NE(usurp.error_message().find("the daemon at " + worker.grpc + " does not hold the key"), std::string::npos)
+      << usurp.error_message();
+  reg.set_worker_key("");
+  const grpc::Status keyless_usurp =
+      status_of([&](grpc::ClientContext* c) { return coord->RegisterWorker(c, reg, &reg_resp); }, "worker-token");
+  EXPECT_EQ(keyless_usurp.error_code(), grpc::StatusCode::ALREADY_EXISTS) << keyless_usurp.error_message();
+  EXPECT_NE(keyless_usurp.error_message().find(id + " is registered at " + worker.grpc + " with another key"),
+            std::string::npos)
+      << keyless_usurp.error_message();
+  // Nor register where no daemon answers with its key: nothing listens at
+  // this port (a dead worker's address; a registration is its daemon's).
+  v1::RegisterWorkerRequest nowhere = reg;
+  nowhere.mutable_worker()->set_address("127.0.0.1:1");
+  nowhere.set_worker_key(other_key);
+  const grpc::Status squat =
+      status_of([&](grpc::ClientContext* c) { return coord->RegisterWorker(c, nowhere, &reg_resp); }, "worker-token");
+  EXPECT_EQ(squat.error_code(), grpc::StatusCode::UNAVAILABLE) << squat.error_message();
+  EXPECT_NE(squat.error_message().find("the coordinator cannot reach 127.0.0.1:1"), std::string::npos)
+      << squat.error_message();
   workers = (*listed)->ListWorkers(false);
   ASSERT_TRUE(workers.ok() && workers->size() == 1u) << workers.status();
   EXPECT_EQ((*workers)[0].info().worker_id(), id);
@@ -301,6 +334,58 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.err.find("PERMISSION_DENIED"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("this call is a client's"), std::string::npos) << r.err;
+}
+
+// A worker daemon killed and started again on its port registers at once,
+// in the place of its dead self, rather than after the dead one's lease
+// (two minutes here): the daemon at the address answers the coordinator's
+// call carrying the new key. The coordinator's calls then reach the new
+// process with its key, and a job runs there.
+TEST(Auth, AWorkerRestartedOnItsPortReplacesItsDeadSelfAtOnce) {
+  testing::Daemon coordinator =
+      testing::StartDaemon("server/colod-coordinator", "restart-coordinator",
+                           {"--data-dir", TempPath("restart-data"), "--heartbeat-interval", "1s", "--lease-duration",
+                            "120s"});
+  ASSERT_FALSE(coordinator.grpc.empty());
+  auto client = CoordinatorClient::Create(coordinator.grpc, CoordinatorClient::Options());
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::vector<testing::Daemon> first;
+  first.push_back(testing::StartDaemon(
+      "worker/daemon/colod-worker", "restart-first",
+      {"--coordinator", coordinator.grpc, "--device", "cpu", "--work-dir", TempPath("restart-work0")}));
+  ASSERT_FALSE(first[0].grpc.empty());
+  ASSERT_TRUE(testing::WaitForWorkers(**client, 1).ok()) << testing::DaemonLogs(coordinator, first);
+  auto listed = (*client)->ListWorkers(false);
+  ASSERT_TRUE(listed.ok() && listed->size() == 1u) << listed.status();
+  const std::string dead_id = (*listed)[0].info().worker_id();
+  const std::string address = first[0].grpc;
+  first[0].process->Signal(SIGKILL);  // no deregistration: its lease runs on
+  ASSERT_TRUE(first[0].process->Wait(absl::Seconds(10)).has_value());
+
+  const absl::Time restarted = absl::Now();
+  testing::Daemon again = testing::StartDaemon(
+      "worker/daemon/colod-worker", "restart-again",
+      {"--coordinator", coordinator.grpc, "--device", "cpu", "--work-dir", TempPath("restart-work1"), "--listen",
+       address});
+  ASSERT_EQ(again.grpc, address) << testing::ReadFile(again.log);
+  std::string new_id;
+  for (int i = 0; i < 400 && new_id.empty(); ++i) {
+    listed = (*client)->ListWorkers(false);
+    if (listed.ok() && listed->size() == 1u && (*listed)[0].info().worker_id() != dead_id) {
+      new_id = (*listed)[0].info().worker_id();
+    } else {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  }
+  ASSERT_FALSE(new_id.empty()) << testing::ReadFile(again.log) << testing::ReadFile(coordinator.log);
+  EXPECT_LT(absl::Now() - restarted, absl::Seconds(30));  // the lease had 120 s to run
+  EXPECT_EQ((*listed)[0].info().address(), address);
+  const std::string log = testing::ReadFile(coordinator.log);
+  EXPECT_NE(log.find("worker " + dead_id + " at " + address + " was replaced by " + new_id), std::string::npos) << log;
+  auto r = testing::RunColoctl({"--coordinator", coordinator.grpc, "--tp", "1", "--dp", "1", "tensor", "demo"},
+                               absl::Seconds(120));
+  EXPECT_EQ(r.code, 0) << r.err << r.out << testing::ReadFile(again.log) << testing::ReadFile(coordinator.log);
+  EXPECT_NE(r.out.find("rank 0: shape [2, 3, 2]"), std::string::npos) << r.out;
 }
 
 }  // namespace

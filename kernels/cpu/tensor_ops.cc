@@ -5,11 +5,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/half.h"
 #include "kernels/philox.h"
 
@@ -126,7 +126,7 @@ namespace {
 
 // The CPU twin's started reads: their bytes, copied at StartRead.
 struct StartedReads {
-  std::mutex mu;
+  absl::Mutex mu;
   uint64_t next ABSL_GUARDED_BY(mu) = 1;
   std::map<uint64_t, std::string> bytes ABSL_GUARDED_BY(mu);
 };
@@ -144,7 +144,7 @@ absl::StatusOr<uint64_t> StartRead(int, const void* src, size_t nbytes) {
   }
   std::string copy(static_cast<const char*>(src), nbytes);
   StartedReads& r = Started();
-  std::lock_guard<std::mutex> lock(r.mu);
+  absl::MutexLock lock(&r.mu);
   const uint64_t ticket = r.next++;
   r.bytes.emplace(ticket, std::move(copy));
   return ticket;
@@ -154,7 +154,7 @@ absl::Status FinishRead(int, uint64_t ticket, void* dst, size_t nbytes) {
   std::string copy;
   {
     StartedReads& r = Started();
-    std::lock_guard<std::mutex> lock(r.mu);
+    absl::MutexLock lock(&r.mu);
     auto it = r.bytes.find(ticket);
     if (it == r.bytes.end()) return absl::InvalidArgumentError(absl::StrCat("FinishRead: no read ", ticket));
     copy = std::move(it->second);
@@ -170,7 +170,7 @@ absl::Status FinishRead(int, uint64_t ticket, void* dst, size_t nbytes) {
 
 void DropRead(int, uint64_t ticket) {
   StartedReads& r = Started();
-  std::lock_guard<std::mutex> lock(r.mu);
+  absl::MutexLock lock(&r.mu);
   r.bytes.erase(ticket);
 }
 
