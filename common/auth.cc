@@ -142,6 +142,10 @@ absl::Status WorkerKey::CheckNotOther(const grpc::ServerContext& ctx) const {
       "this address before (this daemon holds another key and registers as a worker of its own)");
 }
 
+bool TokenAuth::CarriesOwnKey(const grpc::ServerContext& ctx) const {
+  return key_ != nullptr && CarriesWorkerKey(ctx, key_->key());
+}
+
 absl::Status WorkerKey::Check(const grpc::ServerContext& ctx) const {
   RETURN_IF_ERROR(CheckNotOther(ctx));
   if (!taken_.load() || CarriesWorkerKey(ctx, key_)) return absl::OkStatus();

@@ -98,6 +98,9 @@ class TokenAuth {
   // not this worker's: for a worker's reads (GetStatus, which probes and
   // tests call, and the coordinator's proof of a registration's key).
   absl::Status CheckToken(const grpc::ServerContext& ctx, CallerRole role) const;
+  // Whether the call carries this worker's own key (compared in constant
+  // time); false where there is none: GetStatusResponse.worker_key_held.
+  bool CarriesOwnKey(const grpc::ServerContext& ctx) const;
 
  private:
   // The bearer token of `role` alone.

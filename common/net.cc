@@ -52,6 +52,8 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view text, absl::string_view
   return out;
 }
 
+std::string DialTarget(absl::string_view host_port) { return absl::StrCat("dns:///", host_port); }
+
 std::string LocalHostName() {
   char buf[256] = {0};
   if (::gethostname(buf, sizeof(buf) - 1) != 0 || buf[0] == '\0') return "localhost";

@@ -22,6 +22,13 @@ struct HostPort {
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view text, absl::string_view what,
                                        bool allow_zero_port);
 
+// The gRPC target that reaches `host_port` (a HOST:PORT that ParseHostPort
+// takes) by name or address literal: "dns:///HOST:PORT". Given as it is, a
+// host that reads as a gRPC scheme ("unix:9", "ipv4:7") would pick that
+// resolver: a worker registering at such an address would make the
+// coordinator dial a local socket.
+std::string DialTarget(absl::string_view host_port);
+
 // This machine's host name (gethostname), or "localhost" if it has none.
 std::string LocalHostName();
 

@@ -28,8 +28,6 @@ namespace colod {
 namespace {
 
 constexpr char kServiceName[] = "colod.v1.CoordinatorService";
-// How long a registering worker has to answer the check of its key.
-constexpr absl::Duration kProveKeyDeadline = absl::Seconds(3);
 
 }  // namespace
 
@@ -41,7 +39,7 @@ int Coordinator::ServerThreadsFor(const Options& options) {
 
 int Coordinator::DerivedServerThreads(const Options& options) {
   const int64_t sum = int64_t{options.max_store_waits} + options.max_watch_streams + options.max_concurrent_uploads +
-                      options.max_concurrent_downloads + kServerThreadsForShortCalls;
+                      options.max_concurrent_downloads + options.key_proofs.max + kServerThreadsForShortCalls;
   return static_cast<int>(std::min<int64_t>(sum, std::numeric_limits<int>::max()));
 }
 
@@ -70,6 +68,12 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
     }
   }
   if (options.max_workers < 1) return absl::InvalidArgumentError("--max-workers: must be >= 1");
+  if (const KeyProofGate::Options& k = options.key_proofs; k.max < 1 || k.max_per_peer < 1 ||
+                                                           k.deadline <= absl::ZeroDuration() ||
+                                                           k.unreachable_for < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "key_proofs: max and max_per_peer must be >= 1, deadline > 0, unreachable_for >= 0");
+  }
   if (options.max_store_waits < 1 || options.store_quota_bytes < 1) {
     return absl::InvalidArgumentError("--max-store-waits and --store-quota must be >= 1");
   }
@@ -87,7 +91,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   const int server_threads = ServerThreadsFor(options);
   if (const int derived = DerivedServerThreads(options); server_threads < derived) {
     COLOD_LOG(WARNING) << "--max-server-threads=" << server_threads << " is below the " << derived
-                       << " that the long calls' bounds (store waits, watches, uploads, downloads) and "
+                       << " that the long calls' bounds (store waits, watches, uploads, downloads, checks of "
+                        "registrations) and "
                        << kServerThreadsForShortCalls
                        << " more need: heartbeats and job calls may be refused while the long calls hold the rest";
   }
@@ -174,7 +179,6 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   // The workers hold the worker token where there is one.
   const std::string& to_workers = options.worker_token.empty() ? options.auth_token : options.worker_token;
   so.auth_token = to_workers;
-  so.worker_key_at = [workers = c->workers_.get()](const std::string& a) { return workers->KeyAt(a); };
   ASSIGN_OR_RETURN(so.credentials, MakeChannelCredentials(options.tls));
   c->scheduler_ = std::make_unique<Scheduler>(c->jobs_.get(), c->workers_.get(), c->store_.get(), so);
   UploadStore::Limits upload_limits;
@@ -221,19 +225,23 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   TensorProxy::Options to;
   to.auth_token = options.auth_token;
   to.worker_token = options.worker_token;
-  to.worker_key_at = so.worker_key_at;
+  to.worker_key_to_call = [workers = c->workers_.get()](const std::string& id) { return workers->KeyToCall(id); };
   to.credentials = so.credentials;
   c->tensors_ = std::make_unique<TensorProxy>(c->jobs_.get(), c->registry_.get(), to);
+  // A worker registering with a key proves it holds it where it listens:
+  // the workers' token alone cannot take a registered worker's address, and
+  // a daemon restarted on its port replaces its dead self at once.
+  KeyProofGate::Options proofs = options.key_proofs;
+  proofs.clock = options.clock;
+  c->service_->SetProveKey(
+      [credentials = so.credentials, to_workers](const std::string& a, const std::string& k, absl::Time deadline) {
+        return ProveWorkerKey(credentials, to_workers, a, k, deadline);
+      },
+      proofs);
   // A worker registered anew at an address (a daemon restarted on its
   // port) is called on a new connection: the old one may still be backing
   // off from the dead daemon's refusals, and the first assignment, placed at
   // once, would fail and hold the job in the placement cooloff.
-  // A worker registering with a key proves it holds it where it listens:
-  // the workers' token alone cannot take a registered worker's address, and
-  // a daemon restarted on its port replaces its dead self at once.
-  c->service_->SetProveKey([credentials = so.credentials, to_workers](const std::string& a, const std::string& k) {
-    return ProveWorkerKey(credentials, to_workers, a, k, kProveKeyDeadline);
-  });
   c->service_->SetOnRegister([scheduler = c->scheduler_.get(), tensors = c->tensors_.get()](const std::string& a) {
     scheduler->ForgetConnection(a);
     tensors->ForgetConnection(a);

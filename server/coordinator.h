@@ -22,6 +22,7 @@
 #include "server/coordinator_service.h"
 #include "server/disk_reserve.h"
 #include "server/job_manager.h"
+#include "server/key_proof_gate.h"
 #include "common/rendezvous_store.h"
 #include "server/scheduler.h"
 #include "server/stall_watchdog.h"
@@ -61,6 +62,9 @@ class Coordinator {
     // WorkerRegistry::Options::max_workers.
     int max_workers = WorkerRegistry::kDefaultMaxWorkers;
     Clock* clock = Clock::Real();
+    // The bounds of the checks of keyed registrations at their addresses
+    // (KeyProofGate; its clock is `clock`).
+    KeyProofGate::Options key_proofs;
     // Bearer token every client's call must carry (CoordinatorService's
     // client calls, TensorService); empty: none.
     std::string auth_token;
@@ -125,7 +129,8 @@ class Coordinator {
   // (heartbeats, job calls, the store's sets) beyond the long ones' bounds.
   static constexpr int kServerThreadsForShortCalls = 512;
   // max_server_threads, or where it is 0 the sum of the long calls' bounds
-  // (store waits, watch streams, uploads, downloads) and
+  // (store waits, watch streams, uploads, downloads, the checks of
+  // registrations at their addresses: KeyProofGate::Options::max) and
   // kServerThreadsForShortCalls, at most INT_MAX.
   static int ServerThreadsFor(const Options& options);
 

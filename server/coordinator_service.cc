@@ -5,6 +5,7 @@
 #include <random>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -121,6 +122,28 @@ absl::Status CoordinatorServiceImpl::CheckScopeCaller(const grpc::ServerContext&
   return s;
 }
 
+absl::StatusOr<bool> CoordinatorServiceImpl::ProveKey(const grpc::ServerContext& ctx, const std::string& address,
+                                                      const std::string& key) {
+  const std::string peer = PeerHost(ctx.peer());
+  if (absl::Status admitted = proof_gate_->Enter(peer, address); !admitted.ok()) {
+    LogRefused(ctx, "RegisterWorker", admitted);
+    return admitted;
+  }
+  bool unreachable = false;
+  const absl::Cleanup leave = [&] { proof_gate_->Leave(peer, address, unreachable); };
+  const absl::Time own = absl::Now() + proof_gate_->options().deadline;
+  const absl::Time caller = absl::FromChrono(ctx.deadline());
+  absl::StatusOr<bool> held = prove_key_(address, key, std::min(own, caller));
+  if (!held.ok()) {
+    // Remembered only where the check held its thread for its whole time:
+    // a refused connection costs nothing, and a caller's shorter deadline
+    // says nothing of the address.
+    unreachable = absl::IsUnavailable(held.status()) && caller >= own && absl::Now() >= own;
+    LogRefused(ctx, "RegisterWorker", held.status());
+  }
+  return held;
+}
+
 void CoordinatorServiceImpl::LogRefused(const grpc::ServerContext& ctx, const char* method,
                                         const absl::Status& status) {
   const absl::Time now = absl::Now();
@@ -146,27 +169,19 @@ grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx,
     if (!req->has_worker()) return absl::InvalidArgumentError("worker: required");
     const std::string& address = req->worker().address();
     const std::string& key = req->worker_key();
+    // All of it is checked before anything is sent to its address.
+    RETURN_IF_ERROR(WorkerRegistry::Validate(req->worker(), key));
     // Refused before the live worker's connection is dropped below.
     WorkerRegistry::AtAddress at = WorkerRegistry::AtAddress::kClaimed;
     if (!key.empty() && prove_key_) {
-      // Checked before anything is sent there, or travels as metadata.
-      RETURN_IF_ERROR(CheckWorkerKey(key));
-      RETURN_IF_ERROR(ParseHostPort(address, "worker.address", /*allow_zero_port=*/false).status());
-      if (key_proofs_.fetch_add(1) >= kMaxKeyProofs) {
-        key_proofs_.fetch_sub(1);
-        return absl::UnavailableError(absl::StrCat("the coordinator is checking ", kMaxKeyProofs,
-                                                   " other registrations at their addresses: try again"));
+      ASSIGN_OR_RETURN(const bool held, ProveKey(*ctx, address, key));
+      if (held) at = WorkerRegistry::AtAddress::kProven;
+    }
+    if (at == WorkerRegistry::AtAddress::kClaimed) {
+      if (absl::Status taken = workers_->CheckAddress(address, key); !taken.ok()) {
+        LogRefused(*ctx, "RegisterWorker", taken);
+        return taken;
       }
-      absl::Status proven = prove_key_(address, key);
-      key_proofs_.fetch_sub(1);
-      if (!proven.ok()) {
-        LogRefused(*ctx, "RegisterWorker", proven);
-        return proven;
-      }
-      at = WorkerRegistry::AtAddress::kProven;
-    } else if (absl::Status taken = workers_->CheckAddress(address, key); !taken.ok()) {
-      LogRefused(*ctx, "RegisterWorker", taken);
-      return taken;
     }
     // The old connection goes before the worker can be placed: a tick
     // between the two would assign it on the connection still backing off.

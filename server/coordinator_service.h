@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/synchronization/mutex.h"
@@ -15,6 +16,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "server/job_manager.h"
+#include "server/key_proof_gate.h"
 #include "common/rendezvous_store.h"
 #include "server/scheduler.h"
 #include "server/stall_watchdog.h"
@@ -48,18 +50,22 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
     on_register_ = std::move(on_register);
   }
 
-  // Checks that a worker registering with a key holds it at the address it
-  // registers (ProveWorkerKey: the daemon there answers a call carrying it);
-  // a failed check refuses the registration with its status. Where it
-  // passes, the worker replaces any other registered at that address
-  // (WorkerRegistry::AtAddress::kProven). Unset (tests): no check, and
-  // WorkerRegistry::CheckAddress's rule. At most kMaxKeyProofs run at once
-  // (each may wait for its deadline on an address that never answers, on a
-  // server thread): UNAVAILABLE past them, which a worker tries again. Set
-  // before the service serves.
-  static constexpr int kMaxKeyProofs = 16;
-  void SetProveKey(std::function<absl::Status(const std::string& address, const std::string& key)> prove_key) {
+  // Checks that a worker registering with a key holds it where it
+  // listens: prove_key(address, key, deadline) calls the address
+  // (ProveWorkerKey), true where the daemon there says it holds the key,
+  // false where it answers without saying (an older worker). A failed check
+  // refuses the registration with its status. Proven, the worker replaces
+  // any other registered at that address (WorkerRegistry::AtAddress::
+  // kProven); unproven (no key, an older worker, unset in tests), the
+  // address rule of WorkerRegistry::CheckAddress holds. Each check runs
+  // until `gate`'s deadline, or the caller's if sooner, on the call's
+  // server thread; `gate` bounds them (KeyProofGate: UNAVAILABLE past its
+  // bounds, which a worker tries again). Set before the service serves.
+  using KeyProver =
+      std::function<absl::StatusOr<bool>(const std::string& address, const std::string& key, absl::Time deadline)>;
+  void SetProveKey(KeyProver prove_key, KeyProofGate::Options gate = KeyProofGate::Options()) {
     prove_key_ = std::move(prove_key);
+    proof_gate_ = std::make_unique<KeyProofGate>(gate);
   }
 
   grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest*,
@@ -108,8 +114,8 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   Scheduler* const scheduler_;
   UploadStore* const uploads_;
   std::function<void(const std::string& address)> on_register_;  // SetOnRegister's
-  std::function<absl::Status(const std::string&, const std::string&)> prove_key_;  // SetProveKey's
-  std::atomic<int> key_proofs_{0};  // running now
+  KeyProver prove_key_;                       // SetProveKey's
+  std::unique_ptr<KeyProofGate> proof_gate_;  // SetProveKey's
   // ReportProgressResponse.coordinator_incarnation: random per process.
   const std::string incarnation_;
   const int max_watches_;
@@ -119,6 +125,9 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   // workers' token is every worker's; the key is one worker's), logged as
   // LogRefused.
   absl::Status CheckCaller(const grpc::ServerContext& ctx, const char* method, const std::string& worker_id);
+  // Whether the daemon at `address` holds `key` (SetProveKey's check,
+  // admitted by its gate, logged where refused).
+  absl::StatusOr<bool> ProveKey(const grpc::ServerContext& ctx, const std::string& address, const std::string& key);
   // OK unless the store's `scope` belongs to a placement whose workers all
   // hold keys and the call carries none of them (Scheduler::CheckScopeCaller),
   // logged as LogRefused.

@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -22,10 +23,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
+#include "server/key_proof_gate.h"
+#include "server/worker_client.h"
 #include "common/limits.h"
 #include "common/rendezvous_store.h"
 #include "client/coordinator_client.h"
+#include "common/grpc_server.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
@@ -51,6 +56,7 @@ class CoordinatorTest : public ::testing::Test {
     o.heartbeat_interval = absl::Milliseconds(100);
     o.lease_duration = absl::Seconds(30);
     o.store_any_scope = store_any_scope_;
+    o.key_proofs.deadline = key_proof_deadline_;
     auto c = Coordinator::Start(o);
     ASSERT_TRUE(c.ok()) << c.status();
     coordinator_ = std::move(*c);
@@ -60,6 +66,7 @@ class CoordinatorTest : public ::testing::Test {
   }
 
   bool store_any_scope_ = false;
+  absl::Duration key_proof_deadline_ = KeyProofGate::Options().deadline;
   std::unique_ptr<Coordinator> coordinator_;
   std::unique_ptr<CoordinatorClient> client_;
 };
@@ -567,7 +574,7 @@ TEST(CoordinatorStart, ServerThreadsAreBounded) {
   // The default: every long call's bound and room for short calls.
   Coordinator::Options d;
   EXPECT_EQ(Coordinator::ServerThreadsFor(d), d.max_store_waits + d.max_watch_streams + d.max_concurrent_uploads +
-                                                  d.max_concurrent_downloads +
+                                                  d.max_concurrent_downloads + d.key_proofs.max +
                                                   Coordinator::kServerThreadsForShortCalls);
   d.max_store_waits = std::numeric_limits<int>::max();
   EXPECT_EQ(Coordinator::ServerThreadsFor(d), std::numeric_limits<int>::max());
@@ -752,60 +759,212 @@ void ListenSilently(SilentPort* port) {
   port->address = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
 }
 
-// A registration with a key is checked at its address first: the daemon
-// there must answer a call carrying the key (a SIGSTOPped one, or a port
-// where nobody speaks, holds it for the check's 3 s deadline; a closed port
-// fails it at once), UNAVAILABLE otherwise, and nothing is registered. At
-// most kMaxKeyProofs checks run at once: past them a registration is
-// UNAVAILABLE at once (the worker tries again), so registrations to
-// addresses that never answer hold a few server threads, not all of them.
-TEST_F(CoordinatorTest, RegistrationsWithKeysAreCheckedAtTheirAddressesAFewAtATime) {
-  SilentPort silent;
-  ASSERT_NO_FATAL_FAILURE(ListenSilently(&silent));
-  auto register_at = [&](const std::string& address) {
+// Whether a connection waits to be accepted on `port` (a check of a
+// registration reached it), within `timeout`.
+bool ConnectionPending(const SilentPort& port, absl::Duration timeout) {
+  pollfd p{port.fd, POLLIN, 0};
+  return ::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout))) == 1;
+}
+
+// A registration with a key is checked at its address first, once the rest
+// of it is valid: the daemon there must say it holds the key (a SIGSTOPped
+// one, or a port where nobody speaks, holds the check until its deadline; a
+// closed port fails it at once), UNAVAILABLE otherwise, and nothing is
+// registered. Checks are bounded (KeyProofGate: 4 at once from one host,
+// one per address and host, an address where a check ran out its time
+// answered so for 15 s without a call), so
+// that registrations at addresses that never answer hold a few server
+// threads, not all of them, and refuse nobody else's for long.
+class SlowProofCoordinatorTest : public CoordinatorTest {
+ protected:
+  // Long enough that the calls made while the checks run surely come
+  // before their end, on a loaded machine too.
+  SlowProofCoordinatorTest() { key_proof_deadline_ = absl::Seconds(6); }
+};
+
+TEST_F(SlowProofCoordinatorTest, RegistrationsWithKeysAreCheckedAtTheirAddressesAFewAtATime) {
+  constexpr int kPerHost = 4;  // KeyProofGate::Options().max_per_peer
+  ASSERT_EQ(KeyProofGate::Options().max_per_peer, kPerHost);
+  std::vector<SilentPort> silent(kPerHost + 1);
+  for (SilentPort& p : silent) ASSERT_NO_FATAL_FAILURE(ListenSilently(&p));
+  auto register_at = [&](const std::string& address, std::string key = NewWorkerKey()) {
     v1::RegisterWorkerRequest req;
     req.mutable_worker()->set_address(address);
-    req.set_worker_key(NewWorkerKey());
+    req.set_worker_key(key);
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
     v1::RegisterWorkerResponse resp;
     return FromGrpcStatus(client_->stub().RegisterWorker(&ctx, req, &resp));
   };
-  const int n = CoordinatorServiceImpl::kMaxKeyProofs;
-  std::vector<absl::Status> held(n);
+  // A registration whose rest is invalid is refused before any call.
+  {
+    v1::RegisterWorkerRequest bad;
+    bad.mutable_worker()->set_address(silent[kPerHost].address);
+    bad.mutable_worker()->set_worker_id("worker-000001");
+    bad.set_worker_key(NewWorkerKey());
+    grpc::ClientContext ctx;
+    v1::RegisterWorkerResponse resp;
+    EXPECT_EQ(client_->stub().RegisterWorker(&ctx, bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    // A key that could not travel as metadata neither.
+    bad.mutable_worker()->clear_worker_id();
+    bad.set_worker_key(std::string(32, '\n'));
+    grpc::ClientContext ctx2;
+    EXPECT_EQ(client_->stub().RegisterWorker(&ctx2, bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_FALSE(ConnectionPending(silent[kPerHost], absl::ZeroDuration()));
+  }
+  std::vector<absl::Status> held(kPerHost);
   std::vector<std::thread> threads;
   const absl::Time start = absl::Now();
-  for (int i = 0; i < n; ++i) threads.emplace_back([&, i] { held[i] = register_at(silent.address); });
-  absl::SleepFor(absl::Seconds(1));  // every check is under way (each waits 3 s)
+  for (int i = 0; i < kPerHost; ++i) threads.emplace_back([&, i] { held[i] = register_at(silent[i].address); });
+  // Every check is under way once its connection reached its port.
+  for (int i = 0; i < kPerHost; ++i) ASSERT_TRUE(ConnectionPending(silent[i], absl::Seconds(10))) << i;
   const absl::Time extra_start = absl::Now();
-  const absl::Status extra = register_at(silent.address);
-  EXPECT_LT(absl::Now() - extra_start, absl::Seconds(1));
+  const absl::Status extra = register_at(silent[kPerHost].address);
   EXPECT_EQ(extra.code(), absl::StatusCode::kUnavailable) << extra;
-  EXPECT_NE(extra.message().find(absl::StrCat("checking ", n, " other registrations")), std::string::npos) << extra;
+  EXPECT_TRUE(
+      absl::StrContains(extra.message(), absl::StrCat("checking ", kPerHost, " other registrations from this host")))
+      << extra;
+  const absl::Status same = register_at(silent[0].address);
+  EXPECT_EQ(same.code(), absl::StatusCode::kUnavailable) << same;
+  EXPECT_TRUE(
+      absl::StrContains(same.message(), "checking another registration at " + silent[0].address + " from this host"))
+      << same;
+  EXPECT_LT(absl::Now() - extra_start, absl::Seconds(3));
+  EXPECT_FALSE(ConnectionPending(silent[kPerHost], absl::ZeroDuration()));
   for (std::thread& t : threads) t.join();
   const absl::Duration took = absl::Now() - start;
-  EXPECT_GE(took, absl::Seconds(2.5));
-  EXPECT_LT(took, absl::Seconds(15));
+  EXPECT_GE(took, absl::Seconds(5.5));
+  EXPECT_LT(took, absl::Seconds(20));
   for (const absl::Status& s : held) {
     EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
-    EXPECT_NE(s.message().find("the coordinator cannot reach " + silent.address), std::string::npos) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "the coordinator cannot reach 127.0.0.1:")) << s;
   }
-  // Nothing listens at a closed port: refused at once.
+  // An address where a check ran out its time is answered so at once for
+  // a while.
+  const absl::Time again_start = absl::Now();
+  const absl::Status again = register_at(silent[1].address);
+  EXPECT_EQ(again.code(), absl::StatusCode::kUnavailable) << again;
+  EXPECT_TRUE(absl::StrContains(again.message(), "could not reach " + silent[1].address)) << again;
+  EXPECT_LT(absl::Now() - again_start, absl::Seconds(3));
+  // Nothing listens at a closed port: refused at once, and not remembered
+  // (a daemon starting there registers as soon as it listens).
   SilentPort closed;
   ASSERT_NO_FATAL_FAILURE(ListenSilently(&closed));
   ::close(std::exchange(closed.fd, -1));
-  const absl::Time closed_start = absl::Now();
-  const absl::Status refused = register_at(closed.address);
-  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
-  EXPECT_LT(absl::Now() - closed_start, absl::Seconds(2.5));
-  // A key that could not travel as metadata is refused before any call.
-  v1::RegisterWorkerRequest bad;
-  bad.mutable_worker()->set_address(silent.address);
-  bad.set_worker_key(std::string(32, '\n'));
-  grpc::ClientContext ctx;
-  v1::RegisterWorkerResponse resp;
-  EXPECT_EQ(client_->stub().RegisterWorker(&ctx, bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  for (int i = 0; i < 2; ++i) {
+    const absl::Time closed_start = absl::Now();
+    const absl::Status refused = register_at(closed.address);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+    EXPECT_TRUE(absl::StrContains(refused.message(), "cannot reach " + closed.address)) << refused;
+    EXPECT_FALSE(absl::StrContains(refused.message(), "onnection refused")) << "gRPC's words stay in the log";
+    EXPECT_LT(absl::Now() - closed_start, absl::Seconds(5));
+  }
   EXPECT_TRUE(client_->ListWorkers(true)->empty());
+}
+
+// A daemon at a registration's address that answers GetStatus, saying or
+// not that the call carried its own key (GetStatusResponse.worker_key_held).
+class KeyHoldingWorker final : public v1::WorkerService::Service {
+ public:
+  explicit KeyHoldingWorker(bool says_held) : says_held_(says_held) {}
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*, v1::GetStatusResponse* resp) override {
+    resp->set_worker_key_held(says_held_);
+    return grpc::Status::OK;
+  }
+
+ private:
+  const bool says_held_;
+};
+
+// A daemon that records the worker key each call carries ("" none).
+class KeyRecordingWorker final : public v1::WorkerService::Service {
+ public:
+  grpc::Status AssignJob(grpc::ServerContext* ctx, const v1::AssignJobRequest*, v1::AssignJobResponse*) override {
+    return Record(*ctx, "assign");
+  }
+  grpc::Status AbortJob(grpc::ServerContext* ctx, const v1::AbortJobRequest*, v1::AbortJobResponse*) override {
+    return Record(*ctx, "abort");
+  }
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*, v1::GetStatusResponse*) override {
+    return Record(*ctx, "status");
+  }
+  std::vector<std::string> Seen() {
+    absl::MutexLock lock(&mu_);
+    return seen_;
+  }
+
+ private:
+  grpc::Status Record(const grpc::ServerContext& ctx, const char* method) {
+    const auto& md = ctx.client_metadata();
+    auto it = md.find("colod-worker-key");
+    absl::MutexLock lock(&mu_);
+    seen_.push_back(absl::StrCat(method, " ", it == md.end() ? "" : std::string(it->second.data(), it->second.size())));
+    return grpc::Status::OK;
+  }
+  absl::Mutex mu_;
+  std::vector<std::string> seen_ ABSL_GUARDED_BY(mu_);
+};
+
+// The coordinator's calls to its workers carry the key each call names
+// (WorkerClient::Call::key: the key of the worker it is meant for), none
+// where it names none, whoever is registered at the address now.
+TEST(GrpcWorkerClient, EachCallCarriesItsOwnKey) {
+  KeyRecordingWorker daemon;
+  absl::StatusOr<StartedGrpcServer> server = StartGrpcServer("127.0.0.1:0", {&daemon});
+  ASSERT_TRUE(server.ok()) << server.status();
+  GrpcWorkerClient client(nullptr, "");
+  const std::string a = server->address;
+  const std::string k1(32, '1'), k2(32, '2');
+  std::vector<absl::Status> answers = client.Assign({{a, k1, {}}, {a, k2, {}}}, absl::Seconds(10));
+  for (const absl::Status& s : answers) EXPECT_TRUE(s.ok()) << s;
+  answers = client.Abort({{a, "", {}}}, absl::Seconds(10));
+  EXPECT_TRUE(answers.at(0).ok()) << answers[0];
+  answers = client.Probe({{a, k2, {}}}, absl::Seconds(10));
+  EXPECT_TRUE(answers.at(0).ok()) << answers[0];
+  std::vector<std::string> seen = daemon.Seen();
+  std::sort(seen.begin(), seen.begin() + 2);  // the two assignments ran at once
+  EXPECT_EQ(seen, (std::vector<std::string>{"assign " + k1, "assign " + k2, "abort ", "status " + k2}));
+  server->server->Shutdown();
+}
+
+// Only a daemon that says it holds the key proves a registration: a worker
+// older than worker_key_held answers GetStatus whatever key the call
+// carries, so a registration at its address with another key keeps the
+// older rule (ALREADY_EXISTS while it is live) instead of replacing it.
+TEST_F(CoordinatorTest, OnlyADaemonSayingItHoldsTheKeyProvesARegistration) {
+  for (const bool says_held : {false, true}) {
+    KeyHoldingWorker daemon(says_held);
+    absl::StatusOr<StartedGrpcServer> server = StartGrpcServer("127.0.0.1:0", {&daemon});
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto register_with = [&](const std::string& key) -> absl::StatusOr<std::string> {
+      v1::RegisterWorkerRequest req;
+      req.mutable_worker()->set_address(server->address);
+      req.set_worker_key(key);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+      v1::RegisterWorkerResponse resp;
+      RETURN_IF_ERROR(FromGrpcStatus(client_->stub().RegisterWorker(&ctx, req, &resp)));
+      return resp.worker_id();
+    };
+    const absl::StatusOr<std::string> first = register_with(NewWorkerKey());
+    ASSERT_TRUE(first.ok()) << first.status();
+    const absl::StatusOr<std::string> second = register_with(NewWorkerKey());
+    if (says_held) {
+      ASSERT_TRUE(second.ok()) << second.status();  // proven: the first is gone
+      auto listed = client_->ListWorkers(false);
+      ASSERT_TRUE(listed.ok());
+      std::set<std::string> at_address;
+      for (const v1::Worker& w : *listed) {
+        if (w.info().address() == server->address) at_address.insert(w.info().worker_id());
+      }
+      EXPECT_EQ(at_address, std::set<std::string>{*second});
+    } else {
+      EXPECT_EQ(second.status().code(), absl::StatusCode::kAlreadyExists) << second.status();
+      EXPECT_TRUE(absl::StrContains(second.status().message(), *first + " is registered at " + server->address))
+          << second.status();
+    }
+    server->server->Shutdown();
+  }
 }
 
 // A watch whose coordinator is gone for good gives up after the client's

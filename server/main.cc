@@ -73,7 +73,7 @@ ABSL_FLAG(absl::Duration, stream_stall_timeout, absl::Minutes(2),
 ABSL_FLAG(int, max_server_threads, 0,
           "Threads the gRPC server runs calls on at once; a call past them is refused RESOURCE_EXHAUSTED. 0: the "
           "sum of --max-store-waits, --max-watch-streams, --max-concurrent-uploads and --max-concurrent-downloads, "
-          "and 512 for short calls (heartbeats, job calls). Else at least 2: one thread polls for calls.");
+          "16 for the checks of registrations at their addresses, and 512 for short calls (heartbeats, job calls). Else at least 2: one thread polls for calls.");
 ABSL_FLAG(std::string, worker_token_file, "",
           "File holding the workers' bearer token: the calls only workers make (registration, heartbeats, "
           "progress reports, the rendezvous store, model downloads) must carry it, the coordinator's calls to "

@@ -19,13 +19,22 @@ std::string RankName(const v1::MeshSpec& mesh, int rank) {
 RankSupervisor::RankSupervisor(std::shared_ptr<WorkerClient> client, Options options)
     : client_(std::move(client)), options_(options) {}
 
+namespace {
+// The key of rank `rank`'s worker in `keys` (by rank); "" past them.
+std::string RankKey(const std::vector<std::string>& keys, int rank) {
+  return rank >= 0 && static_cast<size_t>(rank) < keys.size() ? keys[rank] : "";
+}
+}  // namespace
+
 void RankSupervisor::StopRanks(const std::string& job_id, int64_t generation, const v1::MeshSpec& mesh,
-                               const std::set<int>& ended, int except_rank, const std::string& reason) {
+                               const std::vector<std::string>& keys, const std::set<int>& ended, int except_rank,
+                               const std::string& reason) {
   absl::MutexLock lock(&mu_);
   for (const v1::RankAssignment& a : mesh.ranks()) {
     if (ended.count(a.rank()) || a.rank() == except_rank) continue;
     WorkerClient::Call<v1::AbortJobRequest> call;
     call.address = a.worker_address();
+    call.key = RankKey(keys, a.rank());
     call.request.set_job_id(job_id);
     call.request.set_generation(generation);
     call.request.set_reason(reason);
@@ -34,7 +43,8 @@ void RankSupervisor::StopRanks(const std::string& job_id, int64_t generation, co
 }
 
 void RankSupervisor::StopStaleRanks(const std::vector<v1::Worker>& workers,
-                                    const std::function<bool(const std::string&, int64_t)>& runs) {
+                                    const std::function<bool(const std::string&, int64_t)>& runs,
+                                    const WorkerKeyToCall& key_to_call) {
   // Worker id -> the abort of its stale rank ("job/generation" its key).
   std::map<std::string, WorkerClient::Call<v1::AbortJobRequest>> stale;
   for (const v1::Worker& w : workers) {
@@ -42,6 +52,7 @@ void RankSupervisor::StopStaleRanks(const std::vector<v1::Worker>& workers,
     if (st.state() != v1::WORKER_STATE_BUSY || st.job_id().empty() || runs(st.job_id(), st.generation())) continue;
     WorkerClient::Call<v1::AbortJobRequest>& call = stale[w.info().worker_id()];
     call.address = w.info().address();
+    call.key = key_to_call(w.info().worker_id());
     call.request.set_job_id(st.job_id());
     call.request.set_generation(st.generation());
     call.request.set_reason("the coordinator does not run this job (it ended, or the coordinator restarted)");
@@ -75,8 +86,8 @@ void RankSupervisor::SendAborts() {
 }
 
 RankSupervisor::Probe RankSupervisor::PeersToProbe(const std::string& job_id, int64_t generation,
-                                                   const v1::MeshSpec& mesh, const std::set<int>& ended,
-                                                   int failed_rank, std::string failure,
+                                                   const v1::MeshSpec& mesh, const std::vector<std::string>& keys,
+                                                   const std::set<int>& ended, int failed_rank, std::string failure,
                                                    absl::StatusCode failure_code) {
   Probe probe;
   probe.job_id = job_id;
@@ -86,14 +97,17 @@ RankSupervisor::Probe RankSupervisor::PeersToProbe(const std::string& job_id, in
   for (const v1::RankAssignment& a : mesh.ranks()) {
     if (ended.count(a.rank()) || a.rank() == failed_rank) continue;
     probe.names.push_back(RankName(mesh, a.rank()));
-    probe.addresses.push_back(a.worker_address());
+    WorkerClient::Call<v1::GetStatusRequest> call;
+    call.address = a.worker_address();
+    call.key = RankKey(keys, a.rank());
+    probe.calls.push_back(std::move(call));
   }
   return probe;
 }
 
 RankSupervisor::Verdict RankSupervisor::ProbePeers(const Probe& probe) {
-  if (probe.addresses.empty()) return JudgeProbe(probe, {});
-  return JudgeProbe(probe, client_->Probe(probe.addresses, options_.probe_timeout));
+  if (probe.calls.empty()) return JudgeProbe(probe, {});
+  return JudgeProbe(probe, client_->Probe(probe.calls, options_.probe_timeout));
 }
 
 RankSupervisor::Verdict RankSupervisor::JudgeProbe(const Probe& probe, const std::vector<absl::Status>& answers) {

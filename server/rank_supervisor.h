@@ -66,7 +66,7 @@ class RankSupervisor {
     std::string job_id;
     int64_t generation = 0;
     std::vector<std::string> names;  // RankName of each
-    std::vector<std::string> addresses;
+    std::vector<WorkerClient::Call<v1::GetStatusRequest>> calls;  // GetStatus of each
     std::string failure;
     absl::StatusCode failure_code = absl::StatusCode::kUnknown;
   };
@@ -82,23 +82,29 @@ class RankSupervisor {
   RankSupervisor(std::shared_ptr<WorkerClient> client, Options options);
 
   // Queues an abort of the placement to each rank of `mesh` not in `ended`
-  // and not `except_rank` (-1: none).
-  void StopRanks(const std::string& job_id, int64_t generation, const v1::MeshSpec& mesh, const std::set<int>& ended,
-                 int except_rank, const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
+  // and not `except_rank` (-1: none). `keys`: each rank's worker's key, by
+  // rank (Scheduler's Placed::keys), carried by its call (WorkerClient::
+  // Call::key): a daemon restarted at a rank's address refuses it.
+  void StopRanks(const std::string& job_id, int64_t generation, const v1::MeshSpec& mesh,
+                 const std::vector<std::string>& keys, const std::set<int>& ended, int except_rank,
+                 const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
   // Queues an abort to each BUSY worker of `workers` whose job generation
   // `runs(job_id, generation)` denies, unless it was told already about that
   // generation (the record keeps only the workers still stale, so a worker
-  // that took the job up again is told again).
+  // that took the job up again is told again); each carries
+  // `key_to_call(worker_id)` (WorkerRegistry::KeyToCall).
   void StopStaleRanks(const std::vector<v1::Worker>& workers,
-                      const std::function<bool(const std::string& job_id, int64_t generation)>& runs)
+                      const std::function<bool(const std::string& job_id, int64_t generation)>& runs,
+                      const WorkerKeyToCall& key_to_call)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Sends every queued abort (all at once) and logs failures other than
   // NOT_FOUND (the rank already ended). Blocks up to abort_timeout.
   void SendAborts() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // `keys` as StopRanks's.
   static Probe PeersToProbe(const std::string& job_id, int64_t generation, const v1::MeshSpec& mesh,
-                            const std::set<int>& ended, int failed_rank, std::string failure,
-                            absl::StatusCode failure_code);
+                            const std::vector<std::string>& keys, const std::set<int>& ended, int failed_rank,
+                            std::string failure, absl::StatusCode failure_code);
   // Probes `probe`'s ranks (all at once; a dead worker refuses or does not
   // answer, a stopped one does not answer in time) and judges (JudgeProbe).
   // Blocks up to probe_timeout.

@@ -20,12 +20,12 @@ class FakeWorkers final : public WorkerClient {
     for (const auto& c : calls) aborted.push_back(c);
     return std::vector<absl::Status>(calls.size(), absl::NotFoundError("ended already"));
   }
-  std::vector<absl::Status> Probe(const std::vector<std::string>& addresses, absl::Duration) override {
+  std::vector<absl::Status> Probe(const std::vector<Call<v1::GetStatusRequest>>& calls, absl::Duration) override {
     absl::MutexLock lock(&mu);
     std::vector<absl::Status> out;
-    for (const std::string& a : addresses) {
-      probed.push_back(a);
-      auto it = answers.find(a);
+    for (const auto& c : calls) {
+      probed.push_back(c);
+      auto it = answers.find(c.address);
       out.push_back(it == answers.end() ? absl::OkStatus() : it->second);
     }
     return out;
@@ -33,7 +33,7 @@ class FakeWorkers final : public WorkerClient {
 
   absl::Mutex mu;
   std::vector<Call<v1::AbortJobRequest>> aborted;
-  std::vector<std::string> probed;
+  std::vector<Call<v1::GetStatusRequest>> probed;
   std::map<std::string, absl::Status> answers;
 };
 
@@ -50,9 +50,18 @@ v1::MeshSpec Mesh(int n) {
   return m;
 }
 
-std::vector<std::string> Addresses(const std::vector<WorkerClient::Call<v1::AbortJobRequest>>& calls) {
+// Each rank's worker's key, by rank ("key-r").
+std::vector<std::string> Keys(int n) {
   std::vector<std::string> out;
-  for (const auto& c : calls) out.push_back(c.address);
+  for (int r = 0; r < n; ++r) out.push_back("key-" + std::to_string(r));
+  return out;
+}
+
+// Each call's address, and the key it carries after a space.
+template <typename Request>
+std::vector<std::string> Addresses(const std::vector<WorkerClient::Call<Request>>& calls) {
+  std::vector<std::string> out;
+  for (const auto& c : calls) out.push_back(c.key.empty() ? c.address : c.address + " " + c.key);
   return out;
 }
 
@@ -68,14 +77,16 @@ TEST_F(RankSupervisorTest, StopsTheRanksThatHaveNotEndedOnceEach) {
     int except;
     std::vector<std::string> aborted;
   } cases[] = {
-      {{}, -1, {"host:7000", "host:7001", "host:7002", "host:7003"}},
-      {{1}, -1, {"host:7000", "host:7002", "host:7003"}},
-      {{1}, 3, {"host:7000", "host:7002"}},
+      {{}, -1, {"host:7000 key-0", "host:7001 key-1", "host:7002 key-2", "host:7003 key-3"}},
+      {{1}, -1, {"host:7000 key-0", "host:7002 key-2", "host:7003 key-3"}},
+      {{1}, 3, {"host:7000 key-0", "host:7002 key-2"}},
       {{0, 1, 2, 3}, -1, {}},
   };
   for (const auto& c : cases) {
     fake_->aborted.clear();
-    supervisor_.StopRanks("j", 4, Mesh(4), c.ended, c.except, "why");
+    // Each call carries its rank's worker's key (a daemon restarted at the
+    // address refuses it).
+    supervisor_.StopRanks("j", 4, Mesh(4), Keys(4), c.ended, c.except, "why");
     supervisor_.SendAborts();  // NOT_FOUND answers are fine
     EXPECT_EQ(Addresses(fake_->aborted), c.aborted);
     for (const auto& a : fake_->aborted) {
@@ -105,15 +116,17 @@ TEST_F(RankSupervisorTest, TellsAWorkerRunningAStaleRankToStopOncePerGeneration)
     std::vector<v1::Worker> workers;
     std::vector<std::string> told;
   } passes[] = {
-      {{Busy("w0", "a", 2), Busy("w1", "a", 1), Busy("w2", "b", 1), Busy("w3", "", 0)}, {"w1:7070", "w2:7070"}},
+      {{Busy("w0", "a", 2), Busy("w1", "a", 1), Busy("w2", "b", 1), Busy("w3", "", 0)},
+       {"w1:7070 key-of-w1", "w2:7070 key-of-w2"}},
       {{Busy("w0", "a", 2), Busy("w1", "a", 1), Busy("w2", "b", 1), Busy("w3", "", 0)}, {}},  // told already
-      {{Busy("w1", "a", 1), Busy("w2", "b", 3)}, {"w2:7070"}},                                // a new generation
-      {{Busy("w1", "", 0), Busy("w2", "b", 3)}, {}},  // w1 stopped
-      {{Busy("w1", "a", 1)}, {"w1:7070"}},            // and is stale again: told again
+      {{Busy("w1", "a", 1), Busy("w2", "b", 3)}, {"w2:7070 key-of-w2"}},                      // a new generation
+      {{Busy("w1", "", 0), Busy("w2", "b", 3)}, {}},                                          // w1 stopped
+      {{Busy("w1", "a", 1)}, {"w1:7070 key-of-w1"}},  // and is stale again: told again
   };
+  const auto key_to_call = [](const std::string& id) { return "key-of-" + id; };
   for (size_t i = 0; i < std::size(passes); ++i) {
     fake_->aborted.clear();
-    supervisor_.StopStaleRanks(passes[i].workers, runs);
+    supervisor_.StopStaleRanks(passes[i].workers, runs, key_to_call);
     supervisor_.SendAborts();
     EXPECT_EQ(Addresses(fake_->aborted), passes[i].told) << "pass " << i;
   }
@@ -125,12 +138,13 @@ TEST_F(RankSupervisorTest, TellsAWorkerRunningAStaleRankToStopOncePerGeneration)
 
 TEST_F(RankSupervisorTest, ProbesThePeersThatHaveNotEndedButTheFailedRank) {
   const RankSupervisor::Probe probe = RankSupervisor::PeersToProbe(
-      "j", 3, Mesh(4), /*ended=*/{2}, /*failed_rank=*/1, "rank 1: ABORTED: peer closed", absl::StatusCode::kAborted);
-  EXPECT_EQ(probe.addresses, (std::vector<std::string>{"host:7000", "host:7003"}));
+      "j", 3, Mesh(4), Keys(4), /*ended=*/{2}, /*failed_rank=*/1, "rank 1: ABORTED: peer closed",
+      absl::StatusCode::kAborted);
+  EXPECT_EQ(Addresses(probe.calls), (std::vector<std::string>{"host:7000 key-0", "host:7003 key-3"}));
   EXPECT_EQ(probe.names, (std::vector<std::string>{"rank 0 (worker w0 at host:7000)", "rank 3 (worker w3 at host:7003)"}));
   fake_->answers["host:7003"] = absl::DeadlineExceededError("no answer");
   const RankSupervisor::Verdict v = supervisor_.ProbePeers(probe);
-  EXPECT_EQ(fake_->probed, probe.addresses);
+  EXPECT_EQ(Addresses(fake_->probed), Addresses(probe.calls));
   EXPECT_EQ(v.reason,
             "rank 3 (worker w3 at host:7003) does not answer (DEADLINE_EXCEEDED: no answer); first failure reported: "
             "rank 1: ABORTED: peer closed");

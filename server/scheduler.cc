@@ -93,8 +93,7 @@ Scheduler::Scheduler(JobManager* jobs, WorkerRegistry* workers, RendezvousStore*
       clock_(options_.clock != nullptr ? options_.clock : Clock::Real()),
       client_(options_.worker_client != nullptr
                   ? options_.worker_client
-                  : std::make_shared<GrpcWorkerClient>(options_.credentials, options_.auth_token,
-                                                                      options_.worker_key_at)),
+                  : std::make_shared<GrpcWorkerClient>(options_.credentials, options_.auth_token)),
       supervisor_(client_, RankSupervisor::Options{std::min(options_.rpc_timeout, absl::Seconds(3)),
                                                    options_.probe_timeout, options_.hang_threshold}) {}
 
@@ -179,7 +178,7 @@ void Scheduler::Tick() {
       mu_.AssertHeld();
       auto it = placed_.find(job_id);
       return it != placed_.end() && it->second.generation == generation;
-    });
+    }, [this](const std::string& worker_id) { return workers_->KeyToCall(worker_id); });
     for (auto& [id, p] : placed_) {
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
         if (p.ended.count(a.rank()) || live.count(a.worker_id())) continue;
@@ -341,14 +340,22 @@ void Scheduler::ScheduleQueued() {
       continue;
     }
     for (const v1::RankAssignment& a : placed.ranks()) taken.insert(a.worker_id());
-    // Each rank's worker's key, read before mu_ (the registry's lock). A
-    // worker gone since `live` was listed gets a key no process holds:
-    // nobody reports for its rank, and it leaves the scope closed to
-    // callers without a key (its assignment fails; the job is placed again).
-    auto keys = std::make_shared<std::vector<std::string>>();
+    // Each rank's worker's key, read before mu_ (to keep it short), by rank:
+    // every call to the rank's worker carries it, its reports and the
+    // scope's calls must. A worker gone since `live` was listed gets a key
+    // no process holds (KeyToCall): its assignment is refused, even by a
+    // daemon restarted at its address, and the job is placed again.
+    // A rank the mesh does not hold (it never does) keeps a key no one
+    // holds too: an empty one would open the scope as an older worker's.
+    auto keys = std::make_shared<std::vector<std::string>>(placed.ranks_size());
+    std::vector<bool> named(placed.ranks_size());
     for (const v1::RankAssignment& a : placed.ranks()) {
-      std::optional<std::string> key = workers_->FindKey(a.worker_id());
-      keys->push_back(key.has_value() ? *std::move(key) : NewWorkerKey());
+      if (a.rank() < 0 || a.rank() >= placed.ranks_size() || named[a.rank()]) continue;
+      (*keys)[a.rank()] = workers_->KeyToCall(a.worker_id());
+      named[a.rank()] = true;
+    }
+    for (size_t r = 0; r < keys->size(); ++r) {
+      if (!named[r]) (*keys)[r] = NewWorkerKey();
     }
     {
       absl::MutexLock lock(&mu_);
@@ -400,9 +407,10 @@ void Scheduler::Assign(const std::string& job_id) {
     *req.mutable_mesh() = it->second.mesh;
     req.set_rendezvous_scope(it->second.scope);
     if (it->second.memory_floor.total_bytes() > 0) *req.mutable_memory_floor() = it->second.memory_floor;
+    const std::vector<std::string>& keys = *it->second.keys;
     for (const v1::RankAssignment& a : it->second.mesh.ranks()) {
       req.set_rank(a.rank());
-      calls.push_back({a.worker_address(), req});
+      calls.push_back({a.worker_address(), static_cast<size_t>(a.rank()) < keys.size() ? keys[a.rank()] : "", req});
     }
   }
   const std::vector<absl::Status> answers = client_->Assign(calls, options_.rpc_timeout);  // all at once
@@ -636,7 +644,8 @@ void Scheduler::ProbeFailedJobs() {
     for (auto& [id, p] : placed_) {
       if (p.state != PlacementState::kProbing) continue;
       probes.push_back(
-          RankSupervisor::PeersToProbe(id, p.generation, p.mesh, p.ended, p.failed_rank, p.failure, p.failure_code));
+          RankSupervisor::PeersToProbe(id, p.generation, p.mesh, *p.keys, p.ended, p.failed_rank, p.failure,
+                                       p.failure_code));
     }
   }
   for (const RankSupervisor::Probe& probe : probes) {
@@ -739,7 +748,7 @@ void Scheduler::StopRanksLocked(Placed& p, PlacementState next, const std::strin
   if (!TransitionLocked(p, next)) return;
   p.stopped_at = std::min(p.stopped_at, clock_->Now());  // a cancel after the end keeps the first
   store_->CancelScope(p.scope);  // ranks blocked in this generation's rendezvous are free at once
-  supervisor_.StopRanks(p.job_id, p.generation, p.mesh, p.ended, except_rank, reason);
+  supervisor_.StopRanks(p.job_id, p.generation, p.mesh, *p.keys, p.ended, except_rank, reason);
   wake_ = true;
 }
 

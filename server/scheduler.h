@@ -67,10 +67,9 @@ class Scheduler {
     std::string auth_token;
     // How to reach the workers (TLS or insecure).
     std::shared_ptr<grpc::ChannelCredentials> credentials;
-    // The key of the worker at an address, sent on each call to it.
-    WorkerKeyAt worker_key_at;
     // How calls reach the workers; null: a GrpcWorkerClient with the two
-    // fields above. Tests give a fake.
+    // fields above. Tests give a fake. Each call carries the key of the
+    // worker it is meant for (WorkerRegistry::KeyToCall).
     std::shared_ptr<WorkerClient> worker_client;
     // Time of cool-offs, restart waits and hang ages; must outlive the
     // scheduler.

@@ -47,8 +47,8 @@ class FakeWorkers final : public WorkerClient {
     for (const auto& c : calls) aborted.push_back(c);
     return std::vector<absl::Status>(calls.size());
   }
-  std::vector<absl::Status> Probe(const std::vector<std::string>& addresses, absl::Duration) override {
-    return std::vector<absl::Status>(addresses.size());
+  std::vector<absl::Status> Probe(const std::vector<Call<v1::GetStatusRequest>>& calls, absl::Duration) override {
+    return std::vector<absl::Status>(calls.size());
   }
 
   absl::Mutex mu_;
@@ -499,6 +499,16 @@ TEST_F(SchedulerTest, OnlyTheWorkerThatHoldsARankReportsForIt) {
   const std::string worker0 = placed.mesh().ranks(0).worker_id();
   const std::string key0 = KeyOf(worker0), key1 = KeyOf(placed.mesh().ranks(1).worker_id());
   ASSERT_FALSE(key0.empty());
+  // Each assignment carries its rank's worker's key: a daemon restarted at
+  // its address since refuses it.
+  {
+    absl::MutexLock lock(&fake_->mu_);
+    ASSERT_EQ(fake_->assigned.size(), 2u);
+    for (const auto& c : fake_->assigned) {
+      EXPECT_EQ(c.key, c.request.rank() == 0 ? key0 : key1) << c.address;
+      EXPECT_EQ(c.address, placed.mesh().ranks(c.request.rank()).worker_address());
+    }
+  }
   const auto carrying = [](const std::string& carried) {
     return [carried](absl::string_view key) { return key == carried; };
   };
@@ -546,6 +556,19 @@ TEST_F(SchedulerTest, OnlyTheWorkerThatHoldsARankReportsForIt) {
   Ended(id, 1, absl::StatusCode::kUnavailable, "connection reset");
   scheduler_->TickForTest();
   ASSERT_EQ(Job(id).generation(), 2);
+  // Generation 1's abort of rank 0 carries the key its worker held when the
+  // rank was placed (its new registration holds the same one).
+  {
+    absl::MutexLock lock(&fake_->mu_);
+    int aborts = 0;
+    for (const auto& c : fake_->aborted) {
+      if (c.request.generation() != 1) continue;
+      ++aborts;
+      EXPECT_EQ(c.address, placed.mesh().ranks(0).worker_address());
+      EXPECT_EQ(c.key, key0);
+    }
+    EXPECT_EQ(aborts, 1);
+  }
   v1::ReportProgressRequest late;
   late.set_job_id(id);
   late.set_generation(1);

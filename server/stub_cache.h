@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "common/grpc_server.h"
+#include "common/net.h"
 #include "grpcpp/security/credentials.h"
 
 namespace colod {
@@ -59,7 +60,7 @@ class StubCache {
       }
     }
     Entry& e = entries_[address];
-    if (e.stub == nullptr) e.stub = Service::NewStub(CreateKeepaliveChannel(address, credentials_));
+    if (e.stub == nullptr) e.stub = Service::NewStub(CreateKeepaliveChannel(DialTarget(address), credentials_));
     e.last_used = now;
     return e.stub;
   }

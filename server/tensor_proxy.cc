@@ -125,9 +125,9 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
   RETURN_IF_ERROR(AwaitTurn(job_id, ctx, std::min(client, absl::Now() + options_.rpc_timeout)));
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
   const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
-    const std::string& address = mesh.ranks(ranks[i]).worker_address();
-    if (options_.worker_key_at) AddWorkerKey(*c, options_.worker_key_at(address));
-    stubs[i] = stubs_.Get(address);
+    const v1::RankAssignment& a = mesh.ranks(ranks[i]);
+    if (options_.worker_key_to_call) AddWorkerKey(*c, options_.worker_key_to_call(a.worker_id()));
+    stubs[i] = stubs_.Get(a.worker_address());
     (stubs[i]->async()->*call)(c, &req, &responses[i], std::move(done));
   };
   const std::vector<absl::Status> statuses = RunAsyncCalls(ranks.size(), deadline,

@@ -39,8 +39,9 @@ class TensorProxy final : public v1::TensorService::Service {
     // the workers; empty: auth_token plays both roles, and is sent.
     std::string worker_token;
     std::shared_ptr<grpc::ChannelCredentials> credentials;  // to the workers
-    // The key of the worker at an address, sent on each call to it.
-    WorkerKeyAt worker_key_at;
+    // The key each call to a rank's worker carries, by its worker id
+    // (WorkerRegistry::KeyToCall); null: none.
+    WorkerKeyToCall worker_key_to_call;
     // Deadline of each call to a worker, unless the client's is sooner.
     absl::Duration rpc_timeout = absl::Seconds(60);
   };

@@ -2,12 +2,16 @@
 
 #include <functional>
 
+#include "absl/strings/cord.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/auth.h"
 #include "common/grpc_server.h"
 #include "common/grpc_status.h"
+#include "common/net.h"
+#include "common/text.h"
 #include "grpcpp/create_channel.h"
 
 namespace colod {
@@ -35,20 +39,15 @@ std::vector<absl::Status> RunAsyncCalls(
   return out;
 }
 
-GrpcWorkerClient::GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token,
-                                   WorkerKeyAt key_at)
-    : auth_token_(std::move(auth_token)), key_at_(std::move(key_at)), stubs_(std::move(credentials)) {}
-
-void GrpcWorkerClient::AddKey(grpc::ClientContext* ctx, const std::string& address) const {
-  if (key_at_) AddWorkerKey(*ctx, key_at_(address));
-}
+GrpcWorkerClient::GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token)
+    : auth_token_(std::move(auth_token)), stubs_(std::move(credentials)) {}
 
 std::vector<absl::Status> GrpcWorkerClient::Assign(const std::vector<Call<v1::AssignJobRequest>>& calls,
                                                    absl::Duration deadline) {
   std::vector<v1::AssignJobResponse> responses(calls.size());
   std::vector<std::shared_ptr<v1::WorkerService::Stub>> stubs(calls.size());  // held until every call ended
   const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
-    AddKey(ctx, calls[i].address);
+    AddWorkerKey(*ctx, calls[i].key);
     (stubs[i] = stubs_.Get(calls[i].address))->async()->AssignJob(ctx, &calls[i].request, &responses[i], std::move(done));
   };
   return RunAsyncCalls(calls.size(), absl::Now() + deadline, auth_token_, start);
@@ -59,56 +58,68 @@ std::vector<absl::Status> GrpcWorkerClient::Abort(const std::vector<Call<v1::Abo
   std::vector<v1::AbortJobResponse> responses(calls.size());
   std::vector<std::shared_ptr<v1::WorkerService::Stub>> stubs(calls.size());
   const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
-    AddKey(ctx, calls[i].address);
+    AddWorkerKey(*ctx, calls[i].key);
     (stubs[i] = stubs_.Get(calls[i].address))->async()->AbortJob(ctx, &calls[i].request, &responses[i], std::move(done));
   };
   return RunAsyncCalls(calls.size(), absl::Now() + deadline, auth_token_, start);
 }
 
-std::vector<absl::Status> GrpcWorkerClient::Probe(const std::vector<std::string>& addresses, absl::Duration deadline) {
-  const v1::GetStatusRequest request;
-  std::vector<v1::GetStatusResponse> responses(addresses.size());
-  std::vector<std::shared_ptr<v1::WorkerService::Stub>> stubs(addresses.size());
+std::vector<absl::Status> GrpcWorkerClient::Probe(const std::vector<Call<v1::GetStatusRequest>>& calls,
+                                                  absl::Duration deadline) {
+  std::vector<v1::GetStatusResponse> responses(calls.size());
+  std::vector<std::shared_ptr<v1::WorkerService::Stub>> stubs(calls.size());
   const auto start = [&](size_t i, grpc::ClientContext* ctx, auto done) {
-    AddKey(ctx, addresses[i]);
-    (stubs[i] = stubs_.Get(addresses[i]))->async()->GetStatus(ctx, &request, &responses[i], std::move(done));
+    AddWorkerKey(*ctx, calls[i].key);
+    stubs[i] = stubs_.Get(calls[i].address);
+    stubs[i]->async()->GetStatus(ctx, &calls[i].request, &responses[i], std::move(done));
   };
-  return RunAsyncCalls(addresses.size(), absl::Now() + deadline, auth_token_, start);
+  return RunAsyncCalls(calls.size(), absl::Now() + deadline, auth_token_, start);
 }
 
-absl::Status ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentials>& credentials,
-                            const std::string& auth_token, const std::string& address, const std::string& key,
-                            absl::Duration deadline) {
+absl::StatusOr<bool> ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+                                    const std::string& auth_token, const std::string& address,
+                                    const std::string& key, absl::Time deadline) {
   grpc::ChannelArguments args;
   // A subchannel of its own: the process-wide pool may hold one to the
   // address still backing off from a daemon that died there.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   auto stub = v1::WorkerService::NewStub(grpc::CreateCustomChannel(
-      address, credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(), args));
+      DialTarget(address), credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(), args));
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  ctx.set_deadline(absl::ToChronoTime(deadline));
   // Fails fast (UNAVAILABLE) where the first connection attempt is refused;
   // one that hangs is bounded by the deadline.
   AddAuthToken(ctx, auth_token);
   AddWorkerKey(ctx, key);
   v1::GetStatusResponse resp;
   const absl::Status s = FromGrpcStatus(stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp));
-  if (s.ok()) return s;
+  if (s.ok()) return resp.worker_key_held();
+  // Whatever answers there is not trusted: its words are not passed on to
+  // the caller, only kept (bounded, escaped) for the coordinator's log.
+  absl::Status out;
   switch (s.code()) {
     case absl::StatusCode::kPermissionDenied:
     case absl::StatusCode::kUnauthenticated:
-      return absl::PermissionDeniedError(absl::StrCat(
-          "the daemon at ", address, " does not hold the key this registration carries (", s.message(),
-          "): a worker registers from the daemon that listens at its address"));
+      out = absl::PermissionDeniedError(
+          absl::StrCat("the daemon at ", address, " does not hold the key this registration carries (it answered ",
+                       absl::StatusCodeToString(s.code()),
+                       "): a worker registers from the daemon that listens at its address, with its own key"));
+      break;
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kDeadlineExceeded:
-      return absl::UnavailableError(absl::StrCat(
-          "the coordinator cannot reach ", address, ", the address this worker registers (", s.message(),
+      out = absl::UnavailableError(absl::StrCat(
+          "the coordinator cannot reach ", address, ", the address this worker registers (",
+          absl::StatusCodeToString(s.code()),
           "): it calls its workers there (a worker's --advertise-host names the host it is reached at)"));
+      break;
     default:
-      return absl::FailedPreconditionError(
-          absl::StrCat("the daemon at ", address, " answered the check of its key with ", s.ToString()));
+      out = absl::FailedPreconditionError(absl::StrCat("the daemon at ", address,
+                                                       " answered the check of its key with ",
+                                                       absl::StatusCodeToString(s.code()),
+                                                       ": is a colod worker listening there?"));
   }
+  out.SetPayload(kProofAnswerPayload, absl::Cord(absl::CHexEscape(Utf8Prefix(s.message(), 512))));
+  return out;
 }
 
 }  // namespace colod

@@ -14,6 +14,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "colod/v1/worker.grpc.pb.h"
@@ -31,14 +32,22 @@ std::vector<absl::Status> RunAsyncCalls(
     size_t n, absl::Time deadline, const std::string& auth_token,
     const std::function<void(size_t, grpc::ClientContext*, std::function<void(grpc::Status)>)>& start);
 
+// The key a call meant for a worker carries (WorkerRegistry::KeyToCall).
+using WorkerKeyToCall = std::function<std::string(const std::string& worker_id)>;
+
 // Implementations are thread-safe. Each method returns once every call of
 // the batch ended (answered, failed or past `deadline`), with their statuses
 // in the order of the batch.
 class WorkerClient {
  public:
+  // A call to the worker at `address`, carrying `key` as its
+  // colod-worker-key ("" none): the key of the worker the call is meant for
+  // (WorkerRegistry::KeyToCall), so that another daemon listening there now
+  // (a worker restarted on its port) refuses it.
   template <typename Request>
   struct Call {
     std::string address;
+    std::string key;
     Request request;
   };
 
@@ -47,8 +56,9 @@ class WorkerClient {
                                            absl::Duration deadline) = 0;
   virtual std::vector<absl::Status> Abort(const std::vector<Call<v1::AbortJobRequest>>& calls,
                                           absl::Duration deadline) = 0;
-  // GetStatus of each address: OK when the worker answers.
-  virtual std::vector<absl::Status> Probe(const std::vector<std::string>& addresses, absl::Duration deadline) = 0;
+  // GetStatus of each worker: OK when it answers.
+  virtual std::vector<absl::Status> Probe(const std::vector<Call<v1::GetStatusRequest>>& calls,
+                                          absl::Duration deadline) = 0;
   // A worker registered at `address` anew (a restarted daemon): the next
   // call there connects afresh (StubCache::Forget).
   virtual void Forget(const std::string& address) {}
@@ -56,42 +66,40 @@ class WorkerClient {
 
 // Whether the daemon at `address` holds `key`, the key a worker registers
 // with: a GetStatus carrying it and `auth_token`, on a connection of its own
-// (never one backing off from a daemon that listened there before), within
-// `deadline`. A daemon refuses a call carrying another process's key
-// (WorkerKey::CheckNotOther), so an answer proves that the registration
-// comes from the daemon listening at its address. OK then; PERMISSION_DENIED
-// when the daemon there refuses the key or the token; UNAVAILABLE when
-// nothing answers there in time; FAILED_PRECONDITION for any other answer.
-// Each names the address. `key` must pass CheckWorkerKey.
-absl::Status ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentials>& credentials,
-                            const std::string& auth_token, const std::string& address, const std::string& key,
-                            absl::Duration deadline);
-
-// The key of the worker at an address (WorkerRegistry::KeyAt; "" none).
-using WorkerKeyAt = std::function<std::string(const std::string& address)>;
+// (never one backing off from a daemon that listened there before), until
+// `deadline`. true where the daemon says the call carried its own key
+// (GetStatusResponse.worker_key_held): the registration comes from the
+// daemon listening at its address. false where it answers without saying
+// so (a worker older than that field). PERMISSION_DENIED where the daemon
+// there refuses the key (WorkerKey::CheckNotOther) or the token;
+// UNAVAILABLE where nothing answers there in time; FAILED_PRECONDITION for
+// any other answer. Each names the address; what the daemon there said
+// (or gRPC's reason a connection failed) travels only in the payload
+// kProofAnswerPayload, escaped, which absl::Status's text shows in the
+// coordinator's log and ToGrpcStatus never sends. `key` must pass
+// CheckWorkerKey.
+inline constexpr char kProofAnswerPayload[] = "colod/proof-answer";
+absl::StatusOr<bool> ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+                                    const std::string& auth_token, const std::string& address,
+                                    const std::string& key, absl::Time deadline);
 
 // Over gRPC's callback API, with a channel per address (TLS or plaintext;
 // StubCache's: one unused for 10 minutes is closed by a later call), the
-// bearer token on every call, and the key of the worker called (`key_at`,
-// where given).
+// bearer token on every call, and each call's key.
 class GrpcWorkerClient final : public WorkerClient {
  public:
-  GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token,
-                   WorkerKeyAt key_at = nullptr);
+  GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token);
 
   std::vector<absl::Status> Assign(const std::vector<Call<v1::AssignJobRequest>>& calls,
                                    absl::Duration deadline) override;
   std::vector<absl::Status> Abort(const std::vector<Call<v1::AbortJobRequest>>& calls,
                                   absl::Duration deadline) override;
-  std::vector<absl::Status> Probe(const std::vector<std::string>& addresses, absl::Duration deadline) override;
+  std::vector<absl::Status> Probe(const std::vector<Call<v1::GetStatusRequest>>& calls,
+                                  absl::Duration deadline) override;
   void Forget(const std::string& address) override { stubs_.Forget(address); }
 
  private:
-  // AddWorkerKey of the worker at `address`.
-  void AddKey(grpc::ClientContext* ctx, const std::string& address) const;
-
   const std::string auth_token_;
-  const WorkerKeyAt key_at_;
   StubCache<v1::WorkerService> stubs_;
 };
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/auth.h"
@@ -37,17 +39,31 @@ v1::WorkerStatus Bounded(const v1::WorkerStatus& status) {
   return out;
 }
 
+// HOST:PORT whose host is a name (letters, digits, '.', '-', '_'), an IPv4
+// literal or a bracketed IPv6 one: the coordinator dials it, and compares
+// it as text (a host with '%', '/', '?', '@' or '#' would reach a place
+// other than it reads as, or one address under two spellings).
+absl::Status CheckWorkerAddress(const std::string& address, const char* field) {
+  ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address, field, /*allow_zero_port=*/false));
+  const bool v6 = absl::StartsWith(address, "[");
+  for (char c : hp.host) {
+    const bool ok = absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' ||
+                    (v6 ? c == ':' : c == '_');
+    if (!ok || (v6 && !absl::ascii_isxdigit(static_cast<unsigned char>(c)) && c != ':' && c != '.')) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": '", Utf8Prefix(address, 300), "': a host is a name (letters, digits, '.', '-', '_'), an IPv4 "
+          "address or a bracketed IPv6 one"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 WorkerRegistry::WorkerRegistry(Options options) : options_(options) {}
 
-absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::WorkerInfo& info,
-                                                                     const v1::WorkerStatus& status,
-                                                                     const std::string& key, AtAddress at) {
+absl::Status WorkerRegistry::Validate(const v1::WorkerInfo& info, const std::string& key) {
   RETURN_IF_ERROR(CheckWorkerKey(key));
-  if (at == AtAddress::kProven && key.empty()) {
-    return absl::InvalidArgumentError("worker_key: a registration proven at its address has a key");
-  }
   if (!info.worker_id().empty()) {
     return absl::InvalidArgumentError(
         "worker.worker_id: must be empty; the coordinator assigns worker ids");
@@ -65,10 +81,9 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
                                                      kMaxWorkerText));
     }
   }
-  RETURN_IF_ERROR(ParseHostPort(info.address(), "worker.address", /*allow_zero_port=*/false).status());
+  RETURN_IF_ERROR(CheckWorkerAddress(info.address(), "worker.address"));
   if (!info.metrics_address().empty()) {
-    RETURN_IF_ERROR(
-        ParseHostPort(info.metrics_address(), "worker.metrics_address", /*allow_zero_port=*/false).status());
+    RETURN_IF_ERROR(CheckWorkerAddress(info.metrics_address(), "worker.metrics_address"));
   }
   if (info.device_ordinal() < 0) {
     return absl::InvalidArgumentError(
@@ -100,7 +115,16 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
                                                      ": must be 0 (unknown) or in [1e6, 1e18] FLOP/s, got ", flops));
     }
   }
+  return absl::OkStatus();
+}
 
+absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::WorkerInfo& info,
+                                                                     const v1::WorkerStatus& status,
+                                                                     const std::string& key, AtAddress at) {
+  RETURN_IF_ERROR(Validate(info, key));
+  if (at == AtAddress::kProven && key.empty()) {
+    return absl::InvalidArgumentError("worker_key: a registration proven at its address has a key");
+  }
   absl::MutexLock lock(&mu_);
   const absl::Time now = options_.clock->Now();
   SweepLocked(now);
@@ -109,7 +133,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   for (auto it = workers_.begin(); it != workers_.end();) {
     if (it->second.info.address() == info.address()) {
       if (!it->second.lost && it->second.key != key) replaced = it->first;
-      it = EraseLocked(it);
+      it = workers_.erase(it);
     } else {
       ++it;
     }
@@ -128,7 +152,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
                                                        "the coordinator's --max-workers (", options_.max_workers,
                                                        ")"));
     }
-    EraseLocked(oldest);
+    workers_.erase(oldest);
   }
   Entry e;
   e.info = info;
@@ -141,7 +165,6 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   e.register_time = now;
   e.last_heartbeat = now;
   e.key = key;
-  key_by_address_[e.info.address()] = key;
   Registration out{e.info.worker_id(), options_.heartbeat_interval, options_.lease_duration, std::move(replaced)};
   workers_.emplace(e.info.worker_id(), std::move(e));
   return out;
@@ -172,23 +195,13 @@ std::string WorkerRegistry::KeyOf(absl::string_view worker_id) {
   return it == workers_.end() ? "" : it->second.key;
 }
 
-std::optional<std::string> WorkerRegistry::FindKey(absl::string_view worker_id) {
-  absl::MutexLock lock(&mu_);
-  auto it = workers_.find(std::string(worker_id));
-  if (it == workers_.end()) return std::nullopt;
-  return it->second.key;
-}
-
-std::string WorkerRegistry::KeyAt(absl::string_view address) {
-  absl::MutexLock lock(&mu_);
-  auto it = key_by_address_.find(address);
-  return it == key_by_address_.end() ? "" : it->second;
-}
-
-std::map<std::string, WorkerRegistry::Entry>::iterator WorkerRegistry::EraseLocked(
-    std::map<std::string, Entry>::iterator it) {
-  key_by_address_.erase(it->second.info.address());
-  return workers_.erase(it);
+std::string WorkerRegistry::KeyToCall(absl::string_view worker_id) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = workers_.find(std::string(worker_id));
+    if (it != workers_.end()) return it->second.key;
+  }
+  return NewWorkerKey();
 }
 
 absl::StatusOr<absl::Time> WorkerRegistry::Heartbeat(absl::string_view worker_id,
@@ -201,7 +214,7 @@ absl::StatusOr<absl::Time> WorkerRegistry::Heartbeat(absl::string_view worker_id
     return absl::NotFoundError(absl::StrCat("unknown worker '", worker_id, "': register again"));
   }
   if (it->second.lost) {
-    EraseLocked(it);
+    workers_.erase(it);
     return absl::NotFoundError(absl::StrCat("worker '", worker_id,
                                             "' lost its lease: register again"));
   }
@@ -274,7 +287,7 @@ std::vector<std::string> WorkerRegistry::SweepLocked(absl::Time now) {
     Entry& e = it->second;
     const absl::Duration silent = now - e.last_heartbeat;
     if (e.lost && silent > options_.lease_duration + options_.forget_after) {
-      it = EraseLocked(it);
+      it = workers_.erase(it);
       continue;
     }
     if (!e.lost && silent > options_.lease_duration) {

@@ -4,12 +4,10 @@
 
 #include <cstdint>
 #include <map>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -59,20 +57,27 @@ class WorkerRegistry {
   enum class AtAddress {
     // Nothing: a live worker there with another key stays (CheckAddress).
     kClaimed,
-    // The daemon at the address answered a call carrying the registration's
-    // key (ProveWorkerKey): a worker process holds one key, so any worker
+    // The daemon at the address said a call carrying the registration's
+    // key carried its own (ProveWorkerKey, GetStatusResponse.
+    // worker_key_held): a worker process holds one key, so any worker
     // registered there with another is gone, and is replaced at once.
     kProven,
   };
 
-  // Validates `info` (address HOST:PORT with port 1..65535, device_ordinal >= 0,
-  // worker_id empty, the bounds of common/limits.h) and adds the worker. A registration with the address of a
-  // known worker replaces it (the daemon restarted), except as CheckAddress
-  // says where `at` is kClaimed. INVALID_ARGUMENT naming the field
-  // otherwise; RESOURCE_EXHAUSTED past max_workers.
-  // `key`: the worker's key (RegisterWorkerRequest.worker_key; "" none),
-  // INVALID_ARGUMENT where CheckWorkerKey refuses it, or where it is empty
-  // and `at` kProven; kept, never listed.
+  // OK where Register would take `info` and `key` (address HOST:PORT with
+  // port 1..65535, device_ordinal >= 0, worker_id empty, the bounds of
+  // common/limits.h, a key CheckWorkerKey takes or none); INVALID_ARGUMENT
+  // naming the field otherwise. Checked before anything is sent to the
+  // address (ProveWorkerKey).
+  static absl::Status Validate(const v1::WorkerInfo& info, const std::string& key);
+
+  // Validates `info` and `key` (Validate) and adds the worker. A
+  // registration with the address of a known worker replaces it (the daemon
+  // restarted), except as CheckAddress says where `at` is kClaimed.
+  // INVALID_ARGUMENT naming the field otherwise; RESOURCE_EXHAUSTED past
+  // max_workers. `key`: the worker's key (RegisterWorkerRequest.worker_key;
+  // "" none), INVALID_ARGUMENT where it is empty and `at` kProven; kept,
+  // never listed.
   absl::StatusOr<Registration> Register(const v1::WorkerInfo& info,
                                         const v1::WorkerStatus& status = v1::WorkerStatus(),
                                         const std::string& key = "", AtAddress at = AtAddress::kClaimed);
@@ -82,17 +87,18 @@ class WorkerRegistry {
   // worker: nothing to prove), or with this key (the same daemon again).
   // ALREADY_EXISTS where a live worker there registered with another key:
   // the workers' token alone must not take a live worker's place (its job
-  // would fail, and its calls carry the newcomer's key); a daemon restarted
-  // there registers once the old lease ends, saying when.
+  // would fail); a daemon restarted there that proves nothing registers
+  // once the old lease ends, saying when.
   absl::Status CheckAddress(absl::string_view address, absl::string_view key);
 
   // The key `worker_id` registered with; "" for none, or an unknown id.
   std::string KeyOf(absl::string_view worker_id);
-  // The same, but nullopt for an unknown id (forgotten, or replaced).
-  std::optional<std::string> FindKey(absl::string_view worker_id);
-  // The key of the worker registered at `address` (one at a time is); ""
-  // for none.
-  std::string KeyAt(absl::string_view address);
+  // The key a call meant for `worker_id` carries (WorkerClient::Call::key):
+  // its key; "" for one registered without (an older worker); and for an
+  // unknown id (forgotten, or replaced by a worker restarted at its
+  // address) a fresh one no process holds, so that whatever listens at its
+  // address now refuses the call.
+  std::string KeyToCall(absl::string_view worker_id);
 
   // Renews the lease and records `status`; returns the new expiry. NOT_FOUND
   // for an unknown worker or one whose lease already expired.
@@ -150,11 +156,6 @@ class WorkerRegistry {
   absl::Mutex mu_;
   // Keyed by worker id; std::map keeps List() sorted.
   std::map<std::string, Entry> workers_ ABSL_GUARDED_BY(mu_);
-  // The key of the worker at each address (one at a time is), for KeyAt:
-  // erased with the worker (EraseLocked).
-  absl::flat_hash_map<std::string, std::string> key_by_address_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Entry>::iterator EraseLocked(std::map<std::string, Entry>::iterator it)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

@@ -3,6 +3,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "common/auth.h"
 #include "common/limits.h"
 #include "common/text.h"
 #include "gtest/gtest.h"
@@ -52,15 +53,21 @@ TEST_F(WorkerRegistryTest, RegistersAndListsSortedWithLease) {
 // at the address proved it holds the new key, a forgotten worker takes it
 // along; a key that could not travel as metadata, or too short to guess, is
 // refused.
-TEST_F(WorkerRegistryTest, KeysAreKeptByIdAndAddressAndGoWithTheirWorker) {
+TEST_F(WorkerRegistryTest, KeysAreKeptByIdAndGoWithTheirWorker) {
   const std::string key(32, 'k'), other(32, 'o');
   auto a = registry_.Register(Info("10.0.0.1:7071"), v1::WorkerStatus(), key);
   auto b = registry_.Register(Info("10.0.0.2:7071"));  // an older worker: no key
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(registry_.KeyOf(a->worker_id), key);
-  EXPECT_EQ(registry_.KeyAt("10.0.0.1:7071"), key);
+  EXPECT_EQ(registry_.KeyToCall(a->worker_id), key);
   EXPECT_EQ(registry_.KeyOf(b->worker_id), "");
+  EXPECT_EQ(registry_.KeyToCall(b->worker_id), "");  // an older worker: calls carry none
   EXPECT_EQ(registry_.KeyOf("worker-999999"), "");
+  // A call meant for an unknown worker carries a key nobody holds, a new one
+  // each time: whatever listens at its old address refuses it.
+  const std::string nobodys = registry_.KeyToCall("worker-999999");
+  EXPECT_TRUE(CheckWorkerKey(nobodys).ok()) << nobodys;
+  EXPECT_NE(nobodys, registry_.KeyToCall("worker-999999"));
   for (const v1::Worker& w : registry_.List(true)) EXPECT_EQ(w.DebugString().find(key), std::string::npos);
   // Another key at the live worker's address is refused, saying when the
   // address frees (the workers' token alone takes no live worker's place),
@@ -87,7 +94,8 @@ TEST_F(WorkerRegistryTest, KeysAreKeptByIdAndAddressAndGoWithTheirWorker) {
   const std::string third(32, 't');
   auto over_b = registry_.Register(Info("10.0.0.2:7071"), v1::WorkerStatus(), third);
   ASSERT_TRUE(over_b.ok()) << over_b.status();
-  EXPECT_EQ(registry_.KeyAt("10.0.0.2:7071"), third);
+  EXPECT_EQ(registry_.KeyToCall(over_b->worker_id), third);
+  EXPECT_NE(registry_.KeyToCall(b->worker_id), "");  // replaced: a key no process holds
   EXPECT_EQ(over_b->replaced, b->worker_id);
   EXPECT_EQ(same->replaced, "");  // the same daemon again
   // A registration proven at its address (the daemon there answered a call
@@ -99,8 +107,9 @@ TEST_F(WorkerRegistryTest, KeysAreKeptByIdAndAddressAndGoWithTheirWorker) {
       registry_.Register(Info("10.0.0.2:7071"), v1::WorkerStatus(), fourth, WorkerRegistry::AtAddress::kProven);
   ASSERT_TRUE(proven.ok()) << proven.status();
   EXPECT_EQ(proven->replaced, over_b->worker_id);
-  EXPECT_EQ(registry_.KeyAt("10.0.0.2:7071"), fourth);
+  EXPECT_EQ(registry_.KeyToCall(proven->worker_id), fourth);
   EXPECT_EQ(registry_.KeyOf(over_b->worker_id), "");
+  EXPECT_NE(registry_.KeyToCall(over_b->worker_id), third);
   EXPECT_EQ(registry_.List(true).size(), 2u);
   EXPECT_EQ(registry_.Register(Info("10.0.0.4:7071"), v1::WorkerStatus(), "", WorkerRegistry::AtAddress::kProven)
                 .status()
@@ -114,14 +123,14 @@ TEST_F(WorkerRegistryTest, KeysAreKeptByIdAndAddressAndGoWithTheirWorker) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(registry_.KeyOf(same->worker_id), "");
   EXPECT_EQ(registry_.KeyOf(again->worker_id), other);
-  EXPECT_EQ(registry_.KeyAt("10.0.0.1:7071"), other);
+  EXPECT_EQ(registry_.KeyToCall(again->worker_id), other);
   // Lost, then forgotten: the key goes with it.
   clock_.Advance(absl::Seconds(6) + absl::Seconds(61));
   registry_.Sweep();
   clock_.Advance(absl::Seconds(1));
   registry_.Sweep();
   EXPECT_EQ(registry_.KeyOf(again->worker_id), "");
-  EXPECT_EQ(registry_.KeyAt("10.0.0.1:7071"), "");
+  EXPECT_NE(registry_.KeyToCall(again->worker_id), other);
   EXPECT_EQ(registry_.Register(Info("10.0.0.3:7071"), v1::WorkerStatus(), "short").status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(registry_.Register(Info("10.0.0.3:7071"), v1::WorkerStatus(), std::string(32, '\n')).status().code(),
@@ -141,6 +150,15 @@ TEST_F(WorkerRegistryTest, RejectsMalformedRegistrationsNamingTheField) {
   cases.push_back({Info("host:0"), "worker.address"});
   cases.push_back({Info("host:70000"), "worker.address"});
   cases.push_back({Info("host:port"), "worker.address"});
+  // Hosts that would dial elsewhere than they read, or spell one address
+  // twice.
+  for (const char* bad : {"h?:7070", "h#x:7070", "%31%30.0.0.5:7070", "u@h:7070", "a/b:7070", "[::1%25lo]:7070",
+                          "[fe80::g]:7070", "h\x01:7070"}) {
+    cases.push_back({Info(bad), "worker.address"});
+  }
+  v1::WorkerInfo odd_metrics = Info("h:1");
+  odd_metrics.set_metrics_address("m?:9090");
+  cases.push_back({odd_metrics, "worker.metrics_address"});
   v1::WorkerInfo with_id = Info("h:1");
   with_id.set_worker_id("mine");
   cases.push_back({with_id, "worker.worker_id"});
@@ -189,6 +207,10 @@ TEST_F(WorkerRegistryTest, RejectsMalformedRegistrationsNamingTheField) {
         std::string(kMaxLabelValueBytes, 'v');
   }
   EXPECT_TRUE(registry_.Register(full).ok());
+  for (const char* good : {"worker-0.colod.svc.cluster.local:7070", "my_host:7070", "192.168.1.20:7070",
+                           "[2001:db8::7]:7070", "[::ffff:10.0.0.1]:7070"}) {
+    EXPECT_TRUE(registry_.Register(Info(good)).ok()) << good;
+  }
 }
 
 // A worker's status is bounded as it is kept, whatever it sends: three

@@ -285,6 +285,12 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
     EXPECT_NE(s.error_message().find("carries another worker process's key"), std::string::npos) << s.error_message();
   }
+  // A read carrying no key is answered, not saying the daemon holds one (a
+  // registration is proven only by a daemon that says so).
+  const grpc::Status read =
+      with_key([&](grpc::ClientContext* c) { return stub->GetStatus(c, v1::GetStatusRequest(), &status); }, "");
+  EXPECT_TRUE(read.ok()) << read.error_message();
+  EXPECT_FALSE(status.worker_key_held());
   // Nor take its place: a registration at its address with another key is
   // PERMISSION_DENIED (the coordinator calls the address with that key, and
   // the daemon there refuses it), one with none ALREADY_EXISTS while it

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/auth.h"
@@ -321,6 +322,7 @@ absl::Status WorkerDaemon::DeregisterOnce(const std::string& id) {
 void WorkerDaemon::CoordinatorLoop() {
   absl::Duration backoff = options_.initial_backoff;
   int failures = 0;
+  absl::BitGen jitter;
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
     const bool registered = !worker_id_.empty();
@@ -359,7 +361,9 @@ void WorkerDaemon::CoordinatorLoop() {
         COLOD_LOG(WARNING) << (registered ? "heartbeat" : "registration") << " to "
                            << options_.coordinator << " failed: " << s;
       }
-      wait = registered ? heartbeat_interval_ : backoff;
+      // Jittered: workers refused together (a coordinator restarting, its
+      // checks of registrations full) do not all come back together.
+      wait = registered ? heartbeat_interval_ : backoff * absl::Uniform(jitter, 0.5, 1.0);
       backoff = std::min(backoff * 2, options_.max_backoff);
     }
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), wait);

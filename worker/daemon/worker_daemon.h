@@ -43,7 +43,8 @@ class WorkerDaemon {
     int device_ordinal = 0;
     // Deadline of each call to the coordinator.
     absl::Duration rpc_timeout = absl::Seconds(5);
-    // Registration retries back off from this up to max_backoff.
+    // Registration retries back off from this up to max_backoff, each wait
+    // a random half to all of the current backoff.
     absl::Duration initial_backoff = absl::Milliseconds(100);
     absl::Duration max_backoff = absl::Seconds(5);
     // Bearer token for the coordinator's calls and required on this

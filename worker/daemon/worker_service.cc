@@ -34,10 +34,13 @@ grpc::Status WorkerServiceImpl::AbortJob(grpc::ServerContext* ctx, const v1::Abo
 
 grpc::Status WorkerServiceImpl::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
                                           v1::GetStatusResponse* resp) {
-  // A read: the token, not the key (TokenAuth::CheckToken).
+  // A read: the token and no other process's key, not this one's
+  // (TokenAuth::CheckToken); whether it carries this one's is the
+  // coordinator's proof of a registration (worker_key_held).
   if (absl::Status a = auth_.CheckToken(*ctx, CallerRole::kWorker); !a.ok()) return ToGrpcStatus(a);
   *resp->mutable_info() = info_fn_();
   *resp->mutable_status() = status_fn_();
+  resp->set_worker_key_held(auth_.CarriesOwnKey(*ctx));
   return grpc::Status::OK;
 }
 
