@@ -1113,6 +1113,55 @@ TEST_F(CoordinatorTest, TheStoreTakesOnlyAPlacedGenerationsScope) {
   EXPECT_EQ(stub.KvWait(&ctx3, wait, &wait_resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+// Over gRPC, end to end: a job placed on a worker that registered with a
+// key is assigned with that key, and its generation's rendezvous scope
+// takes the store's calls only with it (the workers' token is every
+// worker's; the scope is its placed workers').
+TEST_F(CoordinatorTest, APlacedScopeTakesOnlyItsWorkersKeys) {
+  KeyRecordingWorker daemon;
+  absl::StatusOr<StartedGrpcServer> server = StartGrpcServer("127.0.0.1:0", {&daemon});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string key = NewWorkerKey();
+  v1::RegisterWorkerRequest reg;
+  reg.mutable_worker()->set_address(server->address);
+  reg.mutable_worker()->set_device_kind(v1::DEVICE_KIND_CPU);
+  reg.set_worker_key(key);
+  v1::RegisterWorkerResponse reg_resp;
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status s = client_->stub().RegisterWorker(&ctx, reg, &reg_resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  absl::StatusOr<v1::Job> job = client_->SubmitJob(testing::TensorJobSpec());
+  ASSERT_TRUE(job.ok()) << job.status();
+  bool assigned = false;
+  for (int i = 0; i < 200 && !assigned; ++i) {
+    for (const std::string& seen : daemon.Seen()) assigned = assigned || seen == "assign " + key;
+    if (!assigned) absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(assigned) << "the assignment, with the worker's key";
+  const std::string scope = job->job_id() + "/gen-1";
+  auto set = [&](const std::string& carried) {
+    grpc::ClientContext ctx;
+    AddWorkerKey(ctx, carried);
+    v1::KvSetRequest req;
+    req.set_scope(scope);
+    req.set_key("rank0");
+    req.set_value("127.0.0.1:1");
+    v1::KvSetResponse resp;
+    return client_->stub().KvSet(&ctx, req, &resp);
+  };
+  for (const std::string& other : {std::string(), NewWorkerKey()}) {
+    const grpc::Status refused = set(other);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::PERMISSION_DENIED) << refused.error_message();
+    EXPECT_NE(refused.error_message().find("carries the key of none of the workers placed in it"), std::string::npos)
+        << refused.error_message();
+  }
+  const grpc::Status taken = set(key);
+  EXPECT_TRUE(taken.ok()) << taken.error_message();
+  server->server->Shutdown();
+}
+
 // A DEADLINE_EXCEEDED (or UNAVAILABLE) the coordinator answers is its
 // answer, marked in the trailers (MarkAnswered): a client tells it from a
 // coordinator it never reached (coloctl: exit 1, not 69).
