@@ -19,12 +19,9 @@ std::string RankName(const v1::MeshSpec& mesh, int rank) {
 RankSupervisor::RankSupervisor(std::shared_ptr<WorkerClient> client, Options options)
     : client_(std::move(client)), options_(options) {}
 
-namespace {
-// The key of rank `rank`'s worker in `keys` (by rank); "" past them.
 std::string RankKey(const std::vector<std::string>& keys, int rank) {
   return rank >= 0 && static_cast<size_t>(rank) < keys.size() ? keys[rank] : "";
 }
-}  // namespace
 
 void RankSupervisor::StopRanks(const std::string& job_id, int64_t generation, const v1::MeshSpec& mesh,
                                const std::vector<std::string>& keys, const std::set<int>& ended, int except_rank,

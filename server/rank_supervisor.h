@@ -47,6 +47,9 @@ namespace colod {
 
 // "rank 2 (worker w2 at host:port)": how job reasons and events name a rank.
 std::string RankName(const v1::MeshSpec& mesh, int rank);
+// The key a call to rank `rank`'s worker carries, from a placement's keys
+// by rank (Scheduler's Placed::keys); "" past them.
+std::string RankKey(const std::vector<std::string>& keys, int rank);
 
 class RankSupervisor {
  public:

@@ -345,17 +345,13 @@ void Scheduler::ScheduleQueued() {
     // scope's calls must. A worker gone since `live` was listed gets a key
     // no process holds (KeyToCall): its assignment is refused, even by a
     // daemon restarted at its address, and the job is placed again.
-    // A rank the mesh does not hold (it never does) keeps a key no one
-    // holds too: an empty one would open the scope as an older worker's.
-    auto keys = std::make_shared<std::vector<std::string>>(placed.ranks_size());
-    std::vector<bool> named(placed.ranks_size());
-    for (const v1::RankAssignment& a : placed.ranks()) {
-      if (a.rank() < 0 || a.rank() >= placed.ranks_size() || named[a.rank()]) continue;
-      (*keys)[a.rank()] = workers_->KeyToCall(a.worker_id());
-      named[a.rank()] = true;
-    }
-    for (size_t r = 0; r < keys->size(); ++r) {
-      if (!named[r]) (*keys)[r] = NewWorkerKey();
+    // Placement lists rank r r-th; an entry that is not (it never is)
+    // gets a key no one holds too: an empty one would open the scope as an
+    // older worker's.
+    auto keys = std::make_shared<std::vector<std::string>>();
+    for (int r = 0; r < placed.ranks_size(); ++r) {
+      const v1::RankAssignment& a = placed.ranks(r);
+      keys->push_back(a.rank() == r ? workers_->KeyToCall(a.worker_id()) : NewWorkerKey());
     }
     {
       absl::MutexLock lock(&mu_);
@@ -410,7 +406,7 @@ void Scheduler::Assign(const std::string& job_id) {
     const std::vector<std::string>& keys = *it->second.keys;
     for (const v1::RankAssignment& a : it->second.mesh.ranks()) {
       req.set_rank(a.rank());
-      calls.push_back({a.worker_address(), static_cast<size_t>(a.rank()) < keys.size() ? keys[a.rank()] : "", req});
+      calls.push_back({a.worker_address(), RankKey(keys, a.rank()), req});
     }
   }
   const std::vector<absl::Status> answers = client_->Assign(calls, options_.rpc_timeout);  // all at once
@@ -527,7 +523,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
     return absl::PermissionDeniedError(absl::StrCat("worker '", report.worker_id(), "' does not hold rank ", rank,
                                                     " of job '", report.job_id(), "'"));
   }
-  if (static_cast<size_t>(rank) < p.keys->size() && !(*p.keys)[rank].empty() && !carries((*p.keys)[rank])) {
+  if (const std::string key = RankKey(*p.keys, rank); !key.empty() && !carries(key)) {
     return absl::PermissionDeniedError(absl::StrCat("this report for rank ", rank, " of job '", report.job_id(),
                                                     "' lacks the key of worker '", report.worker_id(),
                                                     "' that holds it: only that worker may report for it"));

@@ -47,9 +47,10 @@ absl::Status CheckWorkerAddress(const std::string& address, const char* field) {
   ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address, field, /*allow_zero_port=*/false));
   const bool v6 = absl::StartsWith(address, "[");
   for (char c : hp.host) {
-    const bool ok = absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' ||
-                    (v6 ? c == ':' : c == '_');
-    if (!ok || (v6 && !absl::ascii_isxdigit(static_cast<unsigned char>(c)) && c != ':' && c != '.')) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    const bool ok = v6 ? absl::ascii_isxdigit(u) || c == ':' || c == '.'
+                       : absl::ascii_isalnum(u) || c == '.' || c == '-' || c == '_';
+    if (!ok) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ": '", Utf8Prefix(address, 300), "': a host is a name (letters, digits, '.', '-', '_'), an IPv4 "
           "address or a bracketed IPv6 one"));
