@@ -470,8 +470,40 @@ const Command* FindCommand(const std::vector<CommandGroup>& groups, const std::s
   return nullptr;
 }
 
-// Checks the operands the command declares, then runs it.
-int Dispatch(const Command& command, const std::vector<std::string>& args) {
+std::set<std::string> FlagNames(const Command& command) {
+  return absl::StrSplit(command.flags, ' ', absl::SkipEmpty());
+}
+
+// Every flag some command of `groups` reads: the flags that are not global.
+std::set<std::string> CommandsFlags(const std::vector<CommandGroup>& groups) {
+  std::set<std::string> out;
+  for (const CommandGroup& group : groups) {
+    for (const Command& c : group.commands) out.merge(FlagNames(c));
+  }
+  return out;
+}
+
+std::string Dashed(std::string name) {
+  std::replace(name.begin(), name.end(), '_', '-');
+  return "--" + name;
+}
+
+// Checks the flags and operands the command declares, then runs it.
+int Dispatch(const std::vector<CommandGroup>& groups, const Command& command, const std::vector<std::string>& args) {
+  // A flag some command reads, given to one that does not: refused, not
+  // ignored (`status JOB --steps 5` did nothing with --steps). The flags no
+  // command lists are everyone's (--coordinator, --timeout, TLS).
+  const std::set<std::string> anyones = CommandsFlags(groups), own = FlagNames(command);
+  std::vector<std::string> stray;
+  for (const std::string& name : GivenFlags()) {
+    if (anyones.count(name) > 0 && own.count(name) == 0) stray.push_back(Dashed(name));
+  }
+  if (!stray.empty()) {
+    return Usage(absl::StrCat(command.name, ": ", absl::StrJoin(stray, ", "),
+                              stray.size() == 1 ? " is not a flag of " : " are not flags of ", command.name,
+                              own.empty() ? ", which takes only the global flags"
+                                          : absl::StrCat(" (coloctl ", command.name, " --help lists its flags)")));
+  }
   const std::vector<std::string> operands(args.begin() + 1, args.end());
   // Operands name jobs, tensors and workers, which travel as protobuf
   // strings: UTF-8 only.
@@ -507,9 +539,7 @@ std::string FlagsOf(const std::set<std::string>& given, absl::string_view file, 
   for (const std::string& name : given) {
     const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     if (flag == nullptr || kept.count(name) > 0 || !absl::EndsWith(flag->Filename(), file)) continue;
-    std::string shown = name;
-    std::replace(shown.begin(), shown.end(), '_', '-');
-    out.push_back("--" + shown);
+    out.push_back(Dashed(name));
   }
   return absl::StrJoin(out, ", ");
 }
@@ -588,55 +618,19 @@ int CommandLineMain(int argc, char** argv, const std::string& intro, const std::
       const Command* command = FindCommand(groups, positional[at]);
       if (command == nullptr) return Usage(absl::StrCat("help: unknown command '", positional[at], "'"));
       const std::string program = all[0].substr(all[0].rfind('/') + 1);
-      // Its flags: those its usage names (--steps), and those whose help
-      // names it at the head of a part ("train, submit: ...; init-model:
-      // ..."); submit takes train's ("the train flags above"). The global
-      // ones (--coordinator, --timeout, --output, TLS) are --help's.
+      // Its flags: those it reads (the ones it accepts), and the global ones
+      // its usage names (train's --coordinator); the other global ones
+      // (--timeout, --output, TLS) are --help's.
       const std::string usage = WrapUsage(*command);
-      const auto is_word = [](char c) { return absl::ascii_isalnum(c) || c == '-' || c == '_'; };
-      std::set<std::string> named;  // "steps" for --steps
-      for (size_t at = usage.find("--"); at != std::string::npos; at = usage.find("--", at + 2)) {
-        size_t stop = at + 2;
-        while (stop < usage.size() && (absl::ascii_isalnum(usage[stop]) || usage[stop] == '-')) ++stop;
-        std::string name = usage.substr(at + 2, stop - at - 2);
-        std::replace(name.begin(), name.end(), '-', '_');
-        // Not another command's flag that the usage cites ("`train --data
-        // PREFIX` reads the result", "coloctl submit --kind tensor").
-        size_t word_end = at;
-        while (word_end > 0 && usage[word_end - 1] == ' ') --word_end;
-        size_t word_start = word_end;
-        while (word_start > 0 && is_word(usage[word_start - 1])) --word_start;
-        const std::string before = usage.substr(word_start, word_end - word_start);
-        if (before != command->name && FindCommand(groups, before) != nullptr) continue;
-        if (!name.empty()) named.insert(name);
-      }
-      // A flag's help heads its parts with the commands it applies to
-      // ("train, submit: ...; init-model: ..."). An item may qualify its
-      // command ("train with --device cuda", "train on a cluster"): that
-      // applies to the command itself, not to submit, which takes train's
-      // unqualified flags ("the train flags above").
-      const bool takes_train_flags = absl::StrContains(usage, "the train flags");
-      const std::string own = command->name;
-      const auto names_command = [&](absl::string_view item) {
-        item = absl::StripAsciiWhitespace(item);
-        if (item == own || absl::StartsWith(item, own + " ")) return true;
-        return takes_train_flags && item == "train";
-      };
+      const std::set<std::string> own = FlagNames(*command), anyones = CommandsFlags(groups);
       const auto applies = [&](const absl::CommandLineFlag& flag) {
-        if (named.count(std::string(flag.Name()))) return true;
-        const std::string text = flag.Help();
-        for (absl::string_view part : absl::StrSplit(text, ';')) {
-          const size_t colon = part.find(':');
-          if (colon == absl::string_view::npos) continue;
-          const absl::string_view head = part.substr(0, colon);
-          // A list of commands ("train, submit", "forward and train"), not
-          // a sentence that happens to name one before a colon.
-          if (!absl::c_all_of(head, [&](char c) { return is_word(c) || c == ',' || c == ' '; })) continue;
-          for (absl::string_view listed : absl::StrSplit(head, ',')) {
-            for (absl::string_view item : absl::StrSplit(listed, " and ")) {
-              if (names_command(item)) return true;
-            }
-          }
+        const std::string name(flag.Name());
+        if (own.count(name) > 0) return true;
+        if (anyones.count(name) > 0) return false;
+        const std::string named = Dashed(name);
+        for (size_t at = usage.find(named); at != std::string::npos; at = usage.find(named, at + 1)) {
+          const size_t end = at + named.size();
+          if (end == usage.size() || !(absl::ascii_isalnum(usage[end]) || usage[end] == '-')) return true;
         }
         return false;
       };
@@ -660,7 +654,7 @@ int CommandLineMain(int argc, char** argv, const std::string& intro, const std::
   const Command* command = FindCommand(groups, args[0]);
   if (command == nullptr) return Usage(absl::StrCat("unknown command '", args[0], "'"));
   try {
-    return Dispatch(*command, args);
+    return Dispatch(groups, *command, args);
   } catch (const std::exception& e) {
     // A backstop: commands return statuses, but a library may throw; an error
     // line and status 1 rather than an abort and a core.

@@ -31,14 +31,24 @@ ABSL_DECLARE_FLAG(std::string, out);
 
 namespace colod::cli {
 
-// One coloctl command. coloctl_main.cc builds --help from the entries and
-// checks `operands` before calling `run`, so a command never sees a missing or
-// stray operand unless it checks them itself.
+// One coloctl command. CommandLineMain builds --help from the entries and
+// checks `operands` and `flags` before calling `run`, so a command never
+// sees a missing or stray operand unless it checks them itself, nor a flag
+// it does not read.
 struct Command {
   const char* name;  // "status"
   // Space-separated operand names after the command ("JOB", "JOB NAME"); ""
   // for none; nullptr when `run` checks its operands itself (tensor).
   const char* operands;
+  // The flags it reads, space-separated by their Abseil names ("reason";
+  // "" for none), beyond the global ones (--coordinator, --timeout,
+  // --output, TLS and the token: flags no command lists). Another
+  // command's flag given to it is a usage error (exit 2) before `run`:
+  // `coloctl status JOB --steps 5` is refused, not silently ignored.
+  // `COMMAND --help` shows exactly these. A flag listed may still be
+  // refused in a combination the command cannot take (submit --job-file
+  // with the train flags).
+  const char* flags;
   // The command's --help entry, each line ending in '\n': "  status JOB  One job
   // in detail ..." (two spaces, the name, then the description column).
   const char* usage;

@@ -49,7 +49,8 @@ int RunWorkers(const std::vector<std::string>&) {
 int SubmitWith(CoordinatorClient& client, bool json) {
   const std::string kind = absl::GetFlag(FLAGS_kind);
   if (kind != "train" && kind != "tensor") return Usage(absl::StrCat("--kind: '", kind, "' is not one of train, tensor"));
-  // A flag this submit would not read is refused, not ignored.
+  // A flag this submit would not read is refused, not ignored (a flag
+  // submit never reads is refused before this, Command::flags).
   const std::set<std::string> given = GivenFlags();
   if (kind == "tensor") {
     std::string ignored = FlagsOf(given, "client/job_flags.cc",
@@ -75,9 +76,6 @@ int SubmitWith(CoordinatorClient& client, bool json) {
       return Usage(absl::StrCat("submit --job-file: ", ignored,
                                 " do not apply: the job file is the whole spec (edit it, or leave --job-file out)"));
     }
-  }
-  if (absl::Status s = RefuseCommTimeoutOnWorkers(given); !s.ok()) {
-    return Usage(absl::StrCat("submit: ", s.message()));
   }
   absl::StatusOr<v1::JobSpec> spec = absl::GetFlag(FLAGS_job_file).empty()
                                          ? TrainJobSpecFromFlags()
@@ -208,12 +206,12 @@ int RunMesh(const std::vector<std::string>& operands) {
 }
 
 constexpr Command kCommands[] = {
-    {"workers", "",
+    {"workers", "", "all",
      "  workers     List the workers registered with the coordinator: id, address, host,\n"
      "              device, state and heartbeat age. --all includes lost workers;\n"
      "              --output json prints the ListWorkersResponse as proto3 JSON.\n",
      RunWorkers},
-    {"submit", "",
+    {"submit", "", COLOD_TRAIN_JOB_FLAGS "kind request_id watch job_file",
      "  submit      Submit a TRAIN job: --model DIR --data FILE and the train flags above;\n"
      "              the model's files are streamed to the coordinator and the workers\n"
      "              download them (--upload=false: the workers read DIR themselves). --data\n"
@@ -224,31 +222,32 @@ constexpr Command kCommands[] = {
      "              --max-restarts, default 3; 0 never) from its newest checkpoint (--save\n"
      "              DIR --save-every K), waiting up to --restart-wait (5m) for workers.\n",
      RunSubmit},
-    {"jobs", "", "  jobs        List jobs: id, name, kind, state, layout, step, loss, updated, reason.\n"
+    {"jobs", "", "state",
+     "  jobs        List jobs: id, name, kind, state, layout, step, loss, updated, reason.\n"
      "              --state running,... only those.\n",
      RunJobs},
-    {"status", "JOB", "  status JOB  One job in detail (--output json: the Job).\n", RunStatus},
-    {"checkpoints", "JOB",
+    {"status", "JOB", "", "  status JOB  One job in detail (--output json: the Job).\n", RunStatus},
+    {"checkpoints", "JOB", "",
      "  checkpoints JOB\n"
      "              The training checkpoints a job keeps (after --keep-last/--keep-best), oldest\n"
      "              first: step, held-out loss, size, path; the best and the latest (where a\n"
      "              restart resumes) marked. --output json: {\"checkpoints\": [...]}.\n",
      RunCheckpoints},
-    {"watch", "JOB",
+    {"watch", "JOB", "watch_timeout",
      "  watch JOB   Follow a job to its end: state changes and a progress bar with step,\n"
      "              loss and tokens/s, then the loss curve; --output json prints every event\n"
      "              as one JSON line. Exits 0 when the job succeeded, 1 otherwise (it\n"
      "              failed, was cancelled, or did not end within --watch-timeout), 69 when\n"
      "              the coordinator stays unreachable.\n",
      RunWatch},
-    {"cancel", "JOB", "  cancel JOB  Cancel a job [--reason TEXT]; its ranks are aborted and the workers freed.\n",
-     RunCancel},
-    {"delete", "JOB",
+    {"cancel", "JOB", "reason",
+     "  cancel JOB  Cancel a job [--reason TEXT]; its ranks are aborted and the workers freed.\n", RunCancel},
+    {"delete", "JOB", "",
      "  delete JOB  Forget a job that ended: its record, events and request id (the coordinator's\n"
      "              --job-retention does this by itself after a while). Cancel a running job first.\n"
      "              --output json: {\"job_id\": JOB, \"deleted\": true}.\n",
      RunDelete},
-    {"mesh", "JOB",
+    {"mesh", "JOB", "",
      "  mesh JOB    The job's rank grid (a row per dp replica, a column per tp rank, each\n"
      "              cell the rank's worker) and every process group per axis.\n",
      RunMesh},

@@ -107,18 +107,19 @@ int RunVersion(const std::vector<std::string>&) {
 }
 
 constexpr Command kCommands[] = {
-    {"local", "",
+    {"local", "", "workers listen data_dir device",
      "  local       Run an embedded cluster on this machine: a coordinator on --listen\n"
      "              (127.0.0.1:7070) and --workers N workers as child processes on\n"
      "              loopback: CPU ones, or with --device cuda one per CUDA device (worker i\n"
-     "              on device i, over NCCL between the processes). Prints the coordinator's address once every worker has\n"
-     "              registered, stays in the foreground, and stops everything on Ctrl-C,\n"
+     "              on device i, over NCCL between the processes). Prints the coordinator's\n"
+     "              address once every worker has registered, stays in the foreground, and\n"
+     "              stops everything on Ctrl-C,\n"
      "              SIGTERM or SIGHUP. --data-dir keeps the coordinator's state, the worker\n"
      "              logs and their scratch directories (worker-I.work).\n"
      "              A CUDA worker whose device faulted (it exits 70) is started again, up\n"
      "              to 3 times; a worker that exits otherwise is said on stderr.\n",
      RunLocal},
-    {"health", "ADDR",
+    {"health", "ADDR", "service",
      "  health ADDR Check the gRPC health (grpc.health.v1) of the daemon at HOST:PORT within\n"
      "              --timeout and print SERVING, NOT_SERVING or SERVICE_UNKNOWN (--output\n"
      "              json: address, service, status); exits 0 only when SERVING, 69 when\n"
@@ -128,7 +129,7 @@ constexpr Command kCommands[] = {
      "              coordinator and no token; a TLS daemon needs --tls-ca (and --tls-cert\n"
      "              --tls-key for mutual TLS).\n",
      RunHealth},
-    {"version", "", "  version     Print the colod version (--output json: {\"version\": ...}).\n", RunVersion},
+    {"version", "", "", "  version     Print the colod version (--output json: {\"version\": ...}).\n", RunVersion},
 };
 
 }  // namespace

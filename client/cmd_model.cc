@@ -312,7 +312,7 @@ int RunPlan(const std::vector<std::string>&) {
 }
 
 constexpr Command kCommands[] = {
-    {"forward", "",
+    {"forward", "", COLOD_FORWARD_FLAGS,
      "  forward     Run one forward pass of a Hugging Face-style model directory as a\n"
      "              FORWARD job on tp * dp workers (--coordinator's, else an embedded cluster\n"
      "              started for the run; --device cuda: local GPUs in this process) and print\n"
@@ -332,7 +332,7 @@ constexpr Command kCommands[] = {
      "              default 60s): a rank that stops taking part in a collective fails the run\n"
      "              with DEADLINE_EXCEEDED after it, and coloctl exits 1.\n",
      RunForward},
-    {"train", "",
+    {"train", "", COLOD_TRAIN_FLAGS,
      "  train       Train a model directory as a job on the daemons and print one line per\n"
      "              step: on --coordinator (or $COLOD_COORDINATOR) when given, else on an\n"
      "              embedded cluster of tp * pp * dp CPU workers (at most 256) started for\n"
@@ -382,6 +382,8 @@ constexpr Command kCommands[] = {
      "              target_len (memory admission and plan count both at it).\n",
      RunTrain},
     {"plan", "",
+     "model world memory_per_rank device batch_size seq_len micro_batches grad_accum optimizer precision bucket_mb "
+     "recompute zero " COLOD_LAYOUT_FLAGS COLOD_PIPELINE_FLAGS,
      "  plan        Dry-run a training job's layout without running it: per rank, the bytes\n"
      "              of parameters, gradients, optimizer state and (an estimate) activations,\n"
      "              and per step each process group's collectives (calls, payload, bytes\n"
@@ -402,13 +404,13 @@ constexpr Command kCommands[] = {
      "              left out (exit 1 when none fits). The memory and communication match a real step (tested\n"
      "              within 5 %; the activation estimate at 80-100 % of a measured step).\n",
      RunPlan},
-    {"init-model", "",
+    {"init-model", "", COLOD_INIT_MODEL_FLAGS,
      "  init-model  Write a new GPT-2 (config.json + model.safetensors, GPT-2's published\n"
      "              initialization, seeded) to --out DIR: [--vocab-size 257] [--hidden-size 64]\n"
      "              [--layers 2] [--heads 4] [--positions 64] [--seed S]. A DIR that\n"
      "              already holds a model is refused, not written over.\n",
      RunInProcessCommand},
-    {"tokenize", "",
+    {"tokenize", "", COLOD_TOKENIZE_FLAGS,
      "  tokenize    Encode text with a model directory's own tokenizer (tokenizer.model or\n"
      "              spiece.model: SentencePiece; tokenizer.json or vocab.json + merges.txt:\n"
      "              byte-level BPE) into Megatron-LM's indexed dataset, PREFIX.bin +\n"
@@ -421,7 +423,7 @@ constexpr Command kCommands[] = {
      "              without a tokenizer (init-model's) has nothing to tokenize with: train\n"
      "              --data FILE reads text as bytes for it.\n",
      RunInProcessCommand},
-    {"consolidate", "",
+    {"consolidate", "", COLOD_CONSOLIDATE_FLAGS,
      "  consolidate Assemble a sharded checkpoint (one file per rank + colod_checkpoint.json)\n"
      "              into a Hugging Face directory (config.json + model.safetensors) that\n"
      "              loads at any layout: --checkpoint DIR --out DIR. An --out that already\n"

@@ -239,12 +239,15 @@ int RunTokenize(const std::vector<std::string>&) {
 
 // The usage of each is coloctl's (cmd_model.cc).
 constexpr Command kCommands[] = {
-    {"forward", "", "  forward     --device cuda: on this machine's GPUs, rank r on GPU r.\n", RunForwardOnGpus},
-    {"train", "", "  train       --device cuda: on this machine's GPUs, rank r on GPU r.\n", RunTrainOnGpus},
-    {"init-model", "", "  init-model  Write a new GPT-2 to --out DIR.\n", RunInitModel},
-    {"tokenize", "", "  tokenize    Encode text into a Megatron-LM indexed dataset.\n", RunTokenize},
-    {"consolidate", "", "  consolidate Assemble a sharded checkpoint into a Hugging Face directory.\n",
-     RunConsolidate},
+    {"forward", "", COLOD_FORWARD_FLAGS, "  forward     --device cuda: on this machine's GPUs, rank r on GPU r.\n",
+     RunForwardOnGpus},
+    {"train", "", COLOD_TRAIN_FLAGS, "  train       --device cuda: on this machine's GPUs, rank r on GPU r.\n",
+     RunTrainOnGpus},
+    {"init-model", "", COLOD_INIT_MODEL_FLAGS, "  init-model  Write a new GPT-2 to --out DIR.\n", RunInitModel},
+    {"tokenize", "", COLOD_TOKENIZE_FLAGS, "  tokenize    Encode text into a Megatron-LM indexed dataset.\n",
+     RunTokenize},
+    {"consolidate", "", COLOD_CONSOLIDATE_FLAGS,
+     "  consolidate Assemble a sharded checkpoint into a Hugging Face directory.\n", RunConsolidate},
 };
 
 }  // namespace

@@ -265,7 +265,7 @@ int RunTensor(const std::vector<std::string>& operands) {
 }
 
 constexpr Command kCommands[] = {
-    {"tensor", nullptr,
+    {"tensor", nullptr, "tp dp mode depth shape rank out spec seed",
      "  tensor ...  ColoTensors of a TENSOR job (coloctl submit --kind tensor --tp T --dp D):\n"
      "                tensor demo                the ColoTensor document's example: a [2,3,2]\n"
      "                                           tensor sharded on its last dim over tp, made\n"

@@ -25,7 +25,8 @@ constexpr char kIntro[] =
 constexpr char kEpilogue[] =
     "Exit status: 0 on success, 1 when the command fails (the status code, e.g. the\n"
     "coordinator's gRPC code, and the message are printed), 2 for a usage error (a\n"
-    "flag that is unknown, lacks its value or whose value does not parse; a spec or\n"
+    "flag that is unknown, lacks its value or whose value does not parse, or is\n"
+    "another command's (only the global flags go with every command); a spec or\n"
     "a model directory that would be refused: it is checked before a cluster starts\n"
     "or a call is made), 69 when the coordinator (health: the daemon) was not\n"
     "reached (refused, unresolvable, a TLS handshake that failed) or did not answer\n"

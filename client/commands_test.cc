@@ -1,13 +1,20 @@
 // coloctl's command tables: what --help and the dispatch in coloctl_main.cc
 // rely on.
+#include "client/commands.h"
+
+#include <algorithm>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "absl/algorithm/container.h"
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "client/commands.h"
+#include "absl/strings/strip.h"
 #include "client/in_process_commands.h"
 #include "gtest/gtest.h"
 
@@ -68,7 +75,7 @@ TEST(Commands, UsagesWrapToTheHelpWidthKeepingEveryWord) {
     }
   }
   // A description of three ragged lines: one paragraph at the column.
-  const Command ragged{"cmd", "JOB",
+  const Command ragged{"cmd", "JOB", "",
                        "  cmd JOB     one two\n"
                        "              three four five six seven eight nine ten eleven twelve thirteen fourteen "
                        "fifteen sixteen\n"
@@ -80,7 +87,7 @@ TEST(Commands, UsagesWrapToTheHelpWidthKeepingEveryWord) {
             "              fourteen fifteen sixteen end.\n"
             "                table row   stays\n");
   // A name and operands past the column: that line as written, the text below rewrapped.
-  const Command wide{"checkpoints", "JOB", "  checkpoints JOB\n              a\n              b.\n", nullptr};
+  const Command wide{"checkpoints", "JOB", "", "  checkpoints JOB\n              a\n              b.\n", nullptr};
   EXPECT_EQ(WrapUsage(wide), "  checkpoints JOB\n              a b.\n");
 }
 
@@ -97,6 +104,88 @@ TEST(Commands, EveryInProcessCommandIsAColoctlModelCommand) {
     in_process.insert(c.name);
   }
   EXPECT_EQ(in_process, (std::set<std::string>{"forward", "train", "init-model", "tokenize", "consolidate"}));
+}
+
+std::set<std::string> Listed(const Command& c) { return absl::StrSplit(c.flags, ' ', absl::SkipEmpty()); }
+
+// Whether a flag's help says it is `command`'s: the head of one of its
+// parts ("train, submit: ...; init-model: ...") names the command, alone
+// or qualified ("train with --device cuda"); submit, which takes "the
+// train flags", takes those named for train unqualified.
+bool HelpNames(const absl::CommandLineFlag& flag, const Command& command) {
+  const std::string own = command.name;
+  const bool takes_train_flags = absl::StrContains(command.usage, "the train flags");
+  const auto is_word = [](char c) { return absl::ascii_isalnum(c) || c == '-' || c == '_'; };
+  for (absl::string_view part : absl::StrSplit(flag.Help(), ';')) {
+    const size_t colon = part.find(':');
+    if (colon == absl::string_view::npos) continue;
+    const absl::string_view head = part.substr(0, colon);
+    // A list of commands, not a sentence that names one before a colon.
+    if (!absl::c_all_of(head, [&](char c) { return is_word(c) || c == ',' || c == ' '; })) continue;
+    for (absl::string_view listed : absl::StrSplit(head, ',')) {
+      for (absl::string_view item : absl::StrSplit(listed, " and ")) {
+        item = absl::StripAsciiWhitespace(item);
+        if (item == own || absl::StartsWith(item, own + " ")) return true;
+        if (takes_train_flags && item == "train") return true;
+      }
+    }
+  }
+  return false;
+}
+
+// Whether the command's usage names --flag (the flag's name with dashes).
+bool UsageNames(const absl::CommandLineFlag& flag, const Command& command) {
+  std::string dashed = absl::StrCat("--", flag.Name());
+  std::replace(dashed.begin(), dashed.end(), '_', '-');
+  const absl::string_view usage = command.usage;
+  for (size_t at = usage.find(dashed); at != absl::string_view::npos; at = usage.find(dashed, at + 1)) {
+    const size_t end = at + dashed.size();
+    if (end == usage.size() || !(absl::ascii_isalnum(usage[end]) || usage[end] == '-')) return true;
+  }
+  return false;
+}
+
+// What a command accepts (Command::flags; anything else of coloctl's is a
+// usage error) is what its documentation says it takes: every flag it
+// lists is one, named for it by the flag's help or by its usage, and
+// every flag whose help names it is listed. The flags no command lists,
+// which every command accepts, are the global ones. coloctl-run's commands
+// take what coloctl's of the same name take, which hand them over.
+TEST(Commands, EachCommandTakesTheFlagsItsHelpNamesAndNoOther) {
+  std::set<std::string> listed_by_any;
+  const std::vector<CommandGroup> groups = AllGroups();
+  for (const CommandGroup& group : groups) {
+    for (const Command& c : group.commands) {
+      ASSERT_NE(c.flags, nullptr) << c.name;
+      for (const std::string& name : Listed(c)) {
+        listed_by_any.insert(name);
+        const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+        ASSERT_NE(flag, nullptr) << c.name << " lists --" << name << ", which is no flag";
+        EXPECT_TRUE(HelpNames(*flag, c) || UsageNames(*flag, c))
+            << c.name << " takes --" << name << " but neither its usage nor the flag's help says so: " << flag->Help();
+      }
+      for (const auto& [name, flag] : absl::GetAllFlags()) {
+        if (!absl::StartsWith(flag->Filename(), "client/")) continue;
+        EXPECT_TRUE(!HelpNames(*flag, c) || Listed(c).count(std::string(name)) > 0)
+            << "--" << name << "'s help names " << c.name << ", which does not take it: " << flag->Help();
+      }
+    }
+  }
+  std::set<std::string> global;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    const std::string file = flag->Filename();
+    if ((absl::StartsWith(file, "client/") || absl::StartsWith(file, "common/")) &&
+        !listed_by_any.count(std::string(name))) {
+      global.insert(std::string(name));
+    }
+  }
+  EXPECT_EQ(global, (std::set<std::string>{"auth_token_file", "coordinator", "output", "timeout", "tls_ca", "tls_cert",
+                                           "tls_key"}));
+  for (const Command& in_process : InProcessCommands().commands) {
+    for (const Command& c : ModelCommands().commands) {
+      if (std::string(c.name) == in_process.name) EXPECT_EQ(Listed(in_process), Listed(c)) << c.name;
+    }
+  }
 }
 
 }  // namespace

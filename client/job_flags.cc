@@ -123,7 +123,7 @@ ABSL_FLAG(std::string, device, "cpu",
           "decide, and cuda is refused; "
           "plan: the workers the job is planned for (cuda: the fused attention); "
           "local: the workers' device (cuda: worker i on CUDA device i, a process each).");
-ABSL_FLAG(std::string, name, "", "submit, train: the job's name (default: the model directory's name).");
+ABSL_FLAG(std::string, name, "", "forward, submit, train: the job's name (default: the model directory's name).");
 ABSL_FLAG(int32_t, max_restarts, -1,
           "submit, train on a cluster: restarts after a failure (a lost worker, a failed rank) before the job "
           "fails; each restart resumes from the newest checkpoint (set --save-every). Default (-1): the "

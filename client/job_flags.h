@@ -32,6 +32,34 @@ ABSL_DECLARE_FLAG(int64_t, layers);
 ABSL_DECLARE_FLAG(int64_t, heads);
 ABSL_DECLARE_FLAG(int64_t, positions);
 
+// The flags of the commands that build jobs, for their Command::flags
+// (space-separated, each ending in a space, so that they concatenate).
+// The layout (ShardFromFlags) without the pipeline: forward's and plan's and
+// train's; TENSOR jobs take the first four.
+#define COLOD_LAYOUT_FLAGS "tp dp mode depth sequence_parallel "
+#define COLOD_PIPELINE_FLAGS "pp pp_layers virtual_stages "
+// TrainSpecFromFlags' own (with the layout and --model): what a run reads.
+#define COLOD_TRAIN_RUN_FLAGS                                                                                  \
+  "data labels data_format eval_data eval_labels eval_split eval_every eval_steps eval_only steps batch_size " \
+  "seq_len micro_batches grad_accum lr min_lr warmup_steps optimizer weight_decay momentum clip_norm seed "    \
+  "precision allow_tf32 bucket_mb recompute zero save save_every keep_last keep_best resume stop_after final "
+// A TRAIN job's (TrainJobSpecFromFlags', --upload's, and following it):
+// `submit` takes these and its own; `train` these and what a run on this
+// machine's GPUs reads (--device, --comm-timeout), which a job on workers
+// does not.
+#define COLOD_TRAIN_JOB_FLAGS                                                                                         \
+  "model name upload upload_timeout max_restarts restart_wait watch_timeout " COLOD_LAYOUT_FLAGS COLOD_PIPELINE_FLAGS \
+      COLOD_TRAIN_RUN_FLAGS
+#define COLOD_TRAIN_FLAGS COLOD_TRAIN_JOB_FLAGS "device comm_timeout "
+// `forward`'s: ForwardFilesFromFlags', the layout, and the job's.
+#define COLOD_FORWARD_FLAGS                                                                              \
+  "model input pixel_values labels decoder_input logits name device comm_timeout upload upload_timeout " \
+  "watch_timeout " COLOD_LAYOUT_FLAGS
+// The model tools' (coloctl-run's, which coloctl hands them to).
+#define COLOD_INIT_MODEL_FLAGS "out model_type vocab_size hidden_size layers heads positions seed "
+#define COLOD_TOKENIZE_FLAGS "model input out data_format "
+#define COLOD_CONSOLIDATE_FLAGS "checkpoint out "
+
 namespace colod::cli {
 
 // --tp, --dp, --pp, --pp-layers, --mode, --depth, --sequence-parallel.

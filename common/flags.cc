@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
 #include <iostream>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 
@@ -19,6 +21,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/status_macros.h"
 #include "common/version.h"
 
 namespace colod {
@@ -127,6 +131,59 @@ std::set<std::string> UndefokNames(absl::string_view value) {
   return out;
 }
 
+// The lines of the flagfile at `path` as Abseil reads them: leading blanks
+// dropped, empty lines and '#' comments skipped, each other line one
+// argument that must start with '-' and may not be "--".
+absl::StatusOr<std::vector<std::string>> ReadFlagfile(const std::string& path) {
+  constexpr size_t kMaxBytes = 1 << 20;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("--flagfile: cannot open '", path, "': ", std::strerror(errno)));
+  // Read to a bound (a device such as /dev/zero has no end, nor a line end).
+  std::string text(kMaxBytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (in.bad()) return absl::InvalidArgumentError(absl::StrCat("--flagfile: cannot read '", path, "'"));
+  text.resize(static_cast<size_t>(in.gcount()));
+  if (text.size() > kMaxBytes) return absl::InvalidArgumentError(absl::StrCat("--flagfile ", path, ": over 1 MiB"));
+  std::vector<std::string> out;
+  int number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++number;
+    const absl::string_view stripped = absl::StripLeadingAsciiWhitespace(line);
+    if (stripped.empty() || stripped[0] == '#') continue;
+    if (stripped[0] != '-' || stripped == "--") {
+      return absl::InvalidArgumentError(absl::StrCat("--flagfile ", path, ": line ", number, " is not a flag ",
+                                                     "(a flagfile holds a --flag=value a line, and # comments)"));
+    }
+    out.emplace_back(stripped);
+  }
+  return out;
+}
+
+// `args` with each --flagfile (a comma-separated list of files, before the
+// end of flags) replaced by its files' flags, theirs too, `depth` deep at
+// most: the flags are then checked, and their names rewritten, as the
+// command line's are.
+absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(const std::vector<std::string>& args, int depth = 4) {
+  std::vector<std::string> out(args.begin(), args.begin() + (args.empty() ? 0 : 1));
+  size_t next = 1;
+  for (const FlagArg& f : ScanFlags(args)) {
+    if (f.name != "flagfile") continue;
+    out.insert(out.end(), args.begin() + static_cast<std::ptrdiff_t>(next),
+               args.begin() + static_cast<std::ptrdiff_t>(f.index));
+    next = f.index + (f.value_next ? 2 : 1);
+    if (!f.value.has_value()) return absl::InvalidArgumentError(absl::StrCat(f.spelled, ": missing its value"));
+    if (depth == 0) return absl::InvalidArgumentError("--flagfile: nested more than 4 deep");
+    for (absl::string_view path : absl::StrSplit(*f.value, ',', absl::SkipEmpty())) {
+      ASSIGN_OR_RETURN(std::vector<std::string> lines, ReadFlagfile(std::string(path)));
+      lines.insert(lines.begin(), args.empty() ? std::string() : args[0]);
+      ASSIGN_OR_RETURN(std::vector<std::string> expanded, ExpandFlagfiles(lines, depth - 1));
+      out.insert(out.end(), expanded.begin() + 1, expanded.end());
+    }
+  }
+  out.insert(out.end(), args.begin() + static_cast<std::ptrdiff_t>(std::min(next, args.size())), args.end());
+  return out;
+}
+
 }  // namespace
 
 absl::Status CheckFlags(const std::vector<std::string>& args) {
@@ -191,7 +248,16 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   // --undefok lists); positional arguments and everything after the end of
   // flags stay as they are. The values of each repeatable flag are joined
   // with commas into one occurrence, where its last one stood.
-  const std::vector<std::string> given(argv, argv + argc);
+  // A --flagfile's flags in its place (Abseil would exit 1 on a file it
+  // cannot open and on what it holds; the names there are spelt as here).
+  absl::StatusOr<std::vector<std::string>> expanded = ExpandFlagfiles(std::vector<std::string>(argv, argv + argc));
+  const std::vector<std::string> given = expanded.ok() ? *std::move(expanded) : std::vector<std::string>(argv, argv + argc);
+  if (!expanded.ok()) {
+    const std::string program = argc == 0 ? "colod" : std::filesystem::path(argv[0]).filename().string();
+    std::fprintf(stderr, "%s: %s\nRun '%s --help' for usage.\n", program.c_str(),
+                 std::string(expanded.status().message()).c_str(), program.c_str());
+    std::exit(2);
+  }
   std::vector<std::string> rewritten = given;
   std::vector<bool> dropped(given.size(), false);
   struct Repeated {
@@ -233,8 +299,8 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   }
   std::vector<char*> normalized;
   for (std::string& a : storage) normalized.push_back(a.data());
-  // (Exits 1 with "ERROR: ..." on what CheckFlags passed and Abseil does not:
-  // a --flagfile's contents.)
+  // (Would exit 1 with "ERROR: ..." on what CheckFlags passed and Abseil
+  // does not: --fromenv's variables.)
   std::vector<char*> positional =
       absl::ParseCommandLine(static_cast<int>(normalized.size()), normalized.data());
   std::vector<std::string> out;

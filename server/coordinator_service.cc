@@ -406,6 +406,16 @@ grpc::Status CoordinatorServiceImpl::DownloadModel(grpc::ServerContext* ctx, con
                                                    grpc::ServerWriter<v1::ModelChunk>* writer) {
   return Instrument(ctx, "DownloadModel", CallerRole::kWorker, [&]() -> absl::Status {
     if (uploads_ == nullptr) return absl::UnimplementedError("this coordinator stores no uploads");
+    RETURN_IF_ERROR(RequireId("upload_id", req->upload_id()));
+    // Only for a worker placed in a job that uses the upload, checked before
+    // it takes a place.
+    if (scheduler_ != nullptr) {
+      absl::Status placed = scheduler_->CheckDownloadCaller(req->upload_id(), CallCarries{*ctx});
+      if (!placed.ok()) {
+        LogRefused(*ctx, "DownloadModel", placed);
+        return placed;
+      }
+    }
     // Holds one of --max-concurrent-downloads, and keeps the upload from
     // being collected, until the stream ends.
     absl::StatusOr<std::unique_ptr<UploadStore::Reading>> began = uploads_->BeginReading(req->upload_id());

@@ -648,6 +648,64 @@ TEST(CoordinatorStart, AWatchWhoseClientReadsNothingIsCancelledAndAWaitingOneIsN
   (void)idle->Finish();
 }
 
+class KeyRecordingWorker final : public v1::WorkerService::Service {
+ public:
+  grpc::Status AssignJob(grpc::ServerContext* ctx, const v1::AssignJobRequest*, v1::AssignJobResponse*) override {
+    return Record(*ctx, "assign");
+  }
+  grpc::Status AbortJob(grpc::ServerContext* ctx, const v1::AbortJobRequest*, v1::AbortJobResponse*) override {
+    return Record(*ctx, "abort");
+  }
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*, v1::GetStatusResponse*) override {
+    return Record(*ctx, "status");
+  }
+  std::vector<std::string> Seen() {
+    absl::MutexLock lock(&mu_);
+    return seen_;
+  }
+
+ private:
+  grpc::Status Record(const grpc::ServerContext& ctx, const char* method) {
+    const auto& md = ctx.client_metadata();
+    auto it = md.find("colod-worker-key");
+    absl::MutexLock lock(&mu_);
+    seen_.push_back(absl::StrCat(method, " ", it == md.end() ? "" : std::string(it->second.data(), it->second.size())));
+    return grpc::Status::OK;
+  }
+  absl::Mutex mu_;
+  std::vector<std::string> seen_ ABSL_GUARDED_BY(mu_);
+};
+
+// Registers the worker daemon served at `address` (`key`: its worker key;
+// "" an older worker's, none), whose downloads carry its key or not, and
+// places a one-rank TRAIN job of `upload_id`'s model on it: OK once its
+// assignment arrived there.
+absl::StatusOr<v1::Job> PlaceAJobOfTheUpload(CoordinatorClient& client, KeyRecordingWorker& daemon,
+                                             const std::string& address, const std::string& key,
+                                             bool downloads_carry_key, const std::string& upload_id) {
+  v1::RegisterWorkerRequest reg;
+  reg.mutable_worker()->set_address(address);
+  reg.mutable_worker()->set_device_kind(v1::DEVICE_KIND_CPU);
+  reg.mutable_worker()->set_downloads_carry_key(downloads_carry_key);
+  reg.set_worker_key(key);
+  v1::RegisterWorkerResponse reg_resp;
+  grpc::ClientContext ctx;
+  if (const grpc::Status s = client.stub().RegisterWorker(&ctx, reg, &reg_resp); !s.ok()) {
+    return FromGrpcStatus(s);
+  }
+  v1::JobSpec spec = testing::TinyTrainSpec();
+  spec.mutable_model()->clear_weights_path();
+  spec.mutable_model()->set_upload_id(upload_id);
+  ASSIGN_OR_RETURN(v1::Job job, client.SubmitJob(spec));
+  for (int i = 0; i < 200; ++i) {
+    for (const std::string& seen : daemon.Seen()) {
+      if (seen == "assign " + key) return job;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return absl::DeadlineExceededError("the job's assignment never came");
+}
+
 // A transfer stream that stops moving (a client that reads nothing of its
 // download, or sends nothing more of its upload) is cancelled after
 // --stream-stall-timeout, and its place is free again; one that moves is
@@ -658,6 +716,7 @@ TEST(CoordinatorStart, StalledTransfersAreCancelledAndFreeTheirPlace) {
   o.stream_stall_timeout = absl::Seconds(1);
   o.max_concurrent_downloads = 1;
   o.max_concurrent_uploads = 1;
+  o.lease_duration = absl::Minutes(1);  // the fake worker below never heartbeats
   auto c = Coordinator::Start(o);
   ASSERT_TRUE(c.ok()) << c.status();
   auto client = CoordinatorClient::Create((*c)->address());
@@ -673,6 +732,13 @@ TEST(CoordinatorStart, StalledTransfersAreCancelledAndFreeTheirPlace) {
   }
   auto uploaded = (*client)->UploadModel(dir, absl::Seconds(60));
   ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+  // Downloaded for a job that uses it, placed on an older worker (its
+  // downloads carry no key: any call with the token may make them).
+  KeyRecordingWorker daemon;
+  absl::StatusOr<StartedGrpcServer> server = StartGrpcServer("127.0.0.1:0", {&daemon});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto placed = PlaceAJobOfTheUpload(**client, daemon, server->address, "", false, uploaded->upload_id());
+  ASSERT_TRUE(placed.ok()) << placed.status();
   auto& stub = (*client)->stub();
   v1::DownloadModelRequest req;
   req.set_upload_id(uploaded->upload_id());
@@ -877,34 +943,6 @@ class KeyHoldingWorker final : public v1::WorkerService::Service {
 };
 
 // A daemon that records the worker key each call carries ("" none).
-class KeyRecordingWorker final : public v1::WorkerService::Service {
- public:
-  grpc::Status AssignJob(grpc::ServerContext* ctx, const v1::AssignJobRequest*, v1::AssignJobResponse*) override {
-    return Record(*ctx, "assign");
-  }
-  grpc::Status AbortJob(grpc::ServerContext* ctx, const v1::AbortJobRequest*, v1::AbortJobResponse*) override {
-    return Record(*ctx, "abort");
-  }
-  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*, v1::GetStatusResponse*) override {
-    return Record(*ctx, "status");
-  }
-  std::vector<std::string> Seen() {
-    absl::MutexLock lock(&mu_);
-    return seen_;
-  }
-
- private:
-  grpc::Status Record(const grpc::ServerContext& ctx, const char* method) {
-    const auto& md = ctx.client_metadata();
-    auto it = md.find("colod-worker-key");
-    absl::MutexLock lock(&mu_);
-    seen_.push_back(absl::StrCat(method, " ", it == md.end() ? "" : std::string(it->second.data(), it->second.size())));
-    return grpc::Status::OK;
-  }
-  absl::Mutex mu_;
-  std::vector<std::string> seen_ ABSL_GUARDED_BY(mu_);
-};
-
 // The coordinator's calls to its workers carry the key each call names
 // (WorkerClient::Call::key: the key of the worker it is meant for), none
 // where it names none, whoever is registered at the address now.
@@ -1159,6 +1197,52 @@ TEST_F(CoordinatorTest, APlacedScopeTakesOnlyItsWorkersKeys) {
   }
   const grpc::Status taken = set(key);
   EXPECT_TRUE(taken.ok()) << taken.error_message();
+  server->server->Shutdown();
+}
+
+// Over gRPC: an uploaded model goes only to the workers placed in a job
+// that uses it (their downloads carry their keys; the workers' token is
+// every worker's): refused before any job uses it, served with the placed
+// worker's key, refused with another worker's key or none.
+TEST_F(CoordinatorTest, AnUploadGoesOnlyToTheWorkersPlacedInAJobThatUsesIt) {
+  const std::string dir = testing::TempPath("placed-upload");
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/model.safetensors", std::ios::binary) << std::string(3000, 'w');
+  auto uploaded = client_->UploadModel(dir, absl::Seconds(60));
+  ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+  const auto download = [&](const std::string& key, int64_t* bytes) {
+    grpc::ClientContext ctx;
+    AddWorkerKey(ctx, key);
+    v1::DownloadModelRequest req;
+    req.set_upload_id(uploaded->upload_id());
+    auto reader = client_->stub().DownloadModel(&ctx, req);
+    v1::ModelChunk chunk;
+    *bytes = 0;
+    while (reader->Read(&chunk)) *bytes += static_cast<int64_t>(chunk.data().size());
+    return reader->Finish();
+  };
+  const std::string key = NewWorkerKey();
+  int64_t bytes = 0;
+  const grpc::Status early = download(key, &bytes);
+  EXPECT_EQ(early.error_code(), grpc::StatusCode::PERMISSION_DENIED) << early.error_message();
+  EXPECT_NE(early.error_message().find("no job placed now uses upload"), std::string::npos) << early.error_message();
+  EXPECT_EQ(bytes, 0);
+  KeyRecordingWorker daemon;
+  absl::StatusOr<StartedGrpcServer> server = StartGrpcServer("127.0.0.1:0", {&daemon});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto placed = PlaceAJobOfTheUpload(*client_, daemon, server->address, key, true, uploaded->upload_id());
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  const grpc::Status served = download(key, &bytes);
+  EXPECT_TRUE(served.ok()) << served.error_message();
+  EXPECT_EQ(bytes, 3000);
+  for (const std::string& other : {std::string(), NewWorkerKey()}) {
+    const grpc::Status refused = download(other, &bytes);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::PERMISSION_DENIED) << refused.error_message();
+    EXPECT_NE(refused.error_message().find("carries the key of none of the workers placed in the jobs that use it"),
+              std::string::npos)
+        << refused.error_message();
+    EXPECT_EQ(bytes, 0);
+  }
   server->server->Shutdown();
 }
 

@@ -349,9 +349,14 @@ void Scheduler::ScheduleQueued() {
     // gets a key no one holds too: an empty one would open the scope as an
     // older worker's.
     auto keys = std::make_shared<std::vector<std::string>>();
+    auto download_keys = std::make_shared<std::vector<std::string>>();
     for (int r = 0; r < placed.ranks_size(); ++r) {
       const v1::RankAssignment& a = placed.ranks(r);
       keys->push_back(a.rank() == r ? workers_->KeyToCall(a.worker_id()) : NewWorkerKey());
+      const auto worker = std::find_if(live.begin(), live.end(),
+                                       [&](const v1::Worker& w) { return w.info().worker_id() == a.worker_id(); });
+      const bool keyless_downloads = worker != live.end() && !worker->info().downloads_carry_key();
+      download_keys->push_back(keyless_downloads ? "" : keys->back());
     }
     {
       absl::MutexLock lock(&mu_);
@@ -380,6 +385,7 @@ void Scheduler::ScheduleQueued() {
       if (p.resume_own) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
       p.mesh = placed;
       p.keys = std::move(keys);
+      p.download_keys = std::move(download_keys);
       p.scope = absl::StrFormat("%s/gen-%d", job.job_id(), p.generation);
       store_->OpenScope(p.scope);  // before any rank is assigned; ReleaseLocked deletes it
     }
@@ -498,6 +504,32 @@ absl::Status Scheduler::CheckScopeCaller(absl::string_view scope, CarriesKey car
   }
   return absl::PermissionDeniedError(absl::StrCat("this call to rendezvous scope '", scope,
                                                   "' carries the key of none of the workers placed in it"));
+}
+
+absl::Status Scheduler::CheckDownloadCaller(absl::string_view upload_id, CarriesKey carries) {
+  std::vector<std::shared_ptr<const std::vector<std::string>>> users;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, p] : placed_) {
+      if (!upload_id.empty() && p.spec.model().upload_id() == upload_id) users.push_back(p.download_keys);
+    }
+  }
+  // Compared outside mu_, as the scopes' keys are.
+  for (const std::shared_ptr<const std::vector<std::string>>& keys : users) {
+    if (keys->empty() || std::any_of(keys->begin(), keys->end(), [](const std::string& k) { return k.empty(); })) {
+      return absl::OkStatus();
+    }
+    if (std::any_of(keys->begin(), keys->end(), [&](const std::string& k) { return carries(k); })) {
+      return absl::OkStatus();
+    }
+  }
+  if (users.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat("no job placed now uses upload '", upload_id,
+                                                    "': only the workers placed in one may download it"));
+  }
+  return absl::PermissionDeniedError(absl::StrCat("this download of upload '", upload_id,
+                                                  "' carries the key of none of the workers placed in the jobs "
+                                                  "that use it"));
 }
 
 absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, CarriesKey carries) {

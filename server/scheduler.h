@@ -149,6 +149,14 @@ class Scheduler {
   // workers' token is every worker's). A scope no placement holds is the
   // store's to answer (closed, or never opened).
   absl::Status CheckScopeCaller(absl::string_view scope, CarriesKey carries);
+  // Whether a download of `upload_id` (DownloadModel) may be served: OK
+  // where a placement whose spec's model is that upload has a rank whose
+  // worker's downloads carry no key (an older worker: it cannot prove it is
+  // one), or the call carries the key of one of its ranks' workers;
+  // PERMISSION_DENIED otherwise, where no placement uses the upload too
+  // (the workers' token is every worker's, and uploads are clients' models:
+  // a worker downloads one only to run a rank of a job that uses it).
+  absl::Status CheckDownloadCaller(absl::string_view upload_id, CarriesKey carries);
   // Cancels the job (JobManager::Cancel) and aborts its running ranks.
   absl::StatusOr<v1::Job> Cancel(absl::string_view job_id, absl::string_view reason);
 
@@ -190,6 +198,10 @@ class Scheduler {
     // worker); never null. Shared, so that the store's calls compare them
     // outside mu_ (CheckScopeCaller).
     std::shared_ptr<const std::vector<std::string>> keys = std::make_shared<const std::vector<std::string>>();
+    // The keys its downloads carry, by rank: `keys`, "" for a worker whose
+    // downloads carry none (WorkerInfo.downloads_carry_key false: an older
+    // one). Compared outside mu_ too (CheckDownloadCaller).
+    std::shared_ptr<const std::vector<std::string>> download_keys = std::make_shared<const std::vector<std::string>>();
     std::string scope;            // rendezvous scope of this generation
     std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)
     std::set<int> ended;          // ranks that reported their end (or were lost)

@@ -105,6 +105,7 @@ class SchedulerTest : public ::testing::Test {
       info.set_device_kind(v1::DEVICE_KIND_CPU);
       info.set_device_ordinal(0);
       if (i < static_cast<int>(memory.size())) info.set_memory_bytes(memory[i]);
+      info.set_downloads_carry_key(keyless_downloads_.count(i) == 0);
       auto r = registry_.Register(info, v1::WorkerStatus(), i < static_cast<int>(keys_.size()) ? keys_[i] : "");
       ASSERT_TRUE(r.ok()) << r.status();
       ids_.push_back(r->worker_id);
@@ -270,6 +271,7 @@ class SchedulerTest : public ::testing::Test {
   std::unique_ptr<Scheduler> scheduler_;
   std::vector<std::string> ids_;
   std::vector<std::string> keys_;  // Start registers worker i with keys_[i], where given
+  std::set<int> keyless_downloads_;  // workers Start registers as older ones, whose downloads carry no key
 };
 
 TEST_F(SchedulerTest, PlacesRunsAndSucceeds) {
@@ -477,6 +479,63 @@ TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestarts
       << j.reason();
   EXPECT_TRUE(absl::StrContains(j.reason(), "connection reset; attempt 2: rank 0 ")) << j.reason();
   EXPECT_TRUE(absl::StrContains(j.reason(), "collective timed out")) << j.reason();
+}
+
+// An uploaded model goes only to the workers placed in a job that uses it:
+// a download carrying the key of one of its ranks' workers is served; one
+// carrying another worker's key or none, or of an upload no placed job
+// uses, is PERMISSION_DENIED (the workers' token is every worker's). A job
+// with a rank on an older worker, whose downloads carry no key, serves its
+// upload to the token alone.
+TEST_F(SchedulerTest, AnUploadGoesOnlyToTheWorkersPlacedInAJobThatUsesIt) {
+  keys_ = {std::string(32, 'a'), std::string(32, 'b'), std::string(32, 'c'), std::string(32, 'd')};
+  keyless_downloads_ = {3};
+  Start(4);
+  const auto carrying = [](const std::string& carried) {
+    return [carried](absl::string_view key) { return key == carried; };
+  };
+  v1::JobSpec spec = TrainSpec(2, 1);
+  spec.mutable_model()->clear_weights_path();
+  spec.mutable_model()->set_upload_id("upload-000001");
+  auto job = jobs_->Submit(spec, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  const absl::Status unplaced = scheduler_->CheckDownloadCaller("upload-000001", carrying(keys_[0]));
+  EXPECT_EQ(unplaced.code(), absl::StatusCode::kPermissionDenied) << unplaced;
+  EXPECT_TRUE(absl::StrContains(unplaced.message(), "no job placed now uses upload 'upload-000001'")) << unplaced;
+  scheduler_->TickForTest();
+  const v1::MeshSpec mesh = Job(job->job_id()).mesh();
+  ASSERT_EQ(mesh.ranks_size(), 2);
+  std::set<std::string> placed;
+  for (const v1::RankAssignment& a : mesh.ranks()) {
+    placed.insert(KeyOf(a.worker_id()));
+    EXPECT_TRUE(scheduler_->CheckDownloadCaller("upload-000001", carrying(KeyOf(a.worker_id()))).ok());
+  }
+  ASSERT_EQ(placed.count(keys_[3]), 0u) << "placed on the older worker: the test means another";
+  for (const std::string& key : keys_) {
+    if (placed.count(key)) continue;
+    const absl::Status other = scheduler_->CheckDownloadCaller("upload-000001", carrying(key));
+    EXPECT_EQ(other.code(), absl::StatusCode::kPermissionDenied) << other;
+    EXPECT_TRUE(absl::StrContains(other.message(), "carries the key of none of the workers placed in the jobs"))
+        << other;
+  }
+  EXPECT_EQ(scheduler_->CheckDownloadCaller("upload-000001", carrying("")).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(scheduler_->CheckDownloadCaller("upload-000002", carrying(keys_[0])).code(),
+            absl::StatusCode::kPermissionDenied);
+  // A second job on the older worker and another: its upload goes to
+  // anyone with the token, the first job's still to its workers only.
+  v1::JobSpec second = TrainSpec(2, 1);  // a checkpoint directory of its own
+  second.mutable_model()->clear_weights_path();
+  second.mutable_model()->set_upload_id("upload-000002");
+  auto old_job = jobs_->Submit(second, "");
+  ASSERT_TRUE(old_job.ok()) << old_job.status();
+  scheduler_->TickForTest();
+  const v1::MeshSpec old_mesh = Job(old_job->job_id()).mesh();
+  ASSERT_EQ(old_mesh.ranks_size(), 2);
+  std::set<std::string> old_placed;
+  for (const v1::RankAssignment& a : old_mesh.ranks()) old_placed.insert(KeyOf(a.worker_id()));
+  ASSERT_EQ(old_placed.count(keys_[3]), 1u);
+  EXPECT_TRUE(scheduler_->CheckDownloadCaller("upload-000002", carrying("")).ok());
+  EXPECT_EQ(scheduler_->CheckDownloadCaller("upload-000001", carrying("")).code(), absl::StatusCode::kPermissionDenied);
 }
 
 // Only the worker that holds a rank reports for it: a report carries the key

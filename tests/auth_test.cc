@@ -334,6 +334,27 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
   EXPECT_EQ(r.code, 0) << r.err << r.out << testing::ReadFile(worker.log) << testing::ReadFile(coordinator.log);
   EXPECT_NE(r.out.find("rank 0: shape [2, 3, 2]"), std::string::npos) << r.out;
   TrainATinyModel(coordinator, worker, TempPath("roles-clients"), "roles-tiny");
+  // The worker downloaded the job's upload with its key; the workers'
+  // token alone downloads it no more than another key does, and once no
+  // placed job uses it, nobody does.
+  auto trained = (*listed)->ListJobs({v1::JOB_STATE_SUCCEEDED});
+  ASSERT_TRUE(trained.ok() && trained->size() == 1u) << trained.status();
+  const std::string upload = trained->front().spec().model().upload_id();
+  ASSERT_FALSE(upload.empty());
+  v1::DownloadModelRequest fetch;
+  fetch.set_upload_id(upload);
+  for (const std::string& key : {std::string(), other_key}) {
+    grpc::ClientContext ctx;
+    AddAuthToken(ctx, "worker-token");
+    AddWorkerKey(ctx, key);
+    auto reader = coord->DownloadModel(&ctx, fetch);
+    v1::ModelChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk)) << "a chunk of " << chunk.file();
+    const grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_NE(s.error_message().find("no job placed now uses upload '" + upload + "'"), std::string::npos)
+        << s.error_message();
+  }
   // coloctl with the workers' token is refused, saying why.
   r = RunCommand({coloctl, "--coordinator", coordinator.grpc, "--auth-token-file", TempPath("roles-workers"), "jobs"},
                  std::getenv("TEST_TMPDIR"));

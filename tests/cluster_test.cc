@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <utility>
 #include <memory>
 #include <set>
 #include <string>
@@ -291,6 +292,30 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
     EXPECT_EQ(bad.code, 2) << daemon;
     EXPECT_TRUE(absl::StrContains(bad.err, "Run '")) << bad.err;
   }
+  // So is one a --flagfile holds, and a flagfile that cannot be read or
+  // holds other lines; what it holds is read as the command line is (a
+  // comment, names with dashes, a flagfile of its own).
+  std::ofstream(TempPath("bogus.flags")) << "# a comment\n--bogus=1\n";
+  std::ofstream(TempPath("text.flags")) << "--output=json\nversion\n";
+  std::ofstream(TempPath("inner.flags")) << "  --output=json\n";
+  std::ofstream(TempPath("outer.flags")) << "# the output\n\n--flagfile=" << TempPath("inner.flags") << "\n";
+  std::ofstream(TempPath("self.flags")) << "--flagfile=" << TempPath("self.flags") << "\n";
+  for (const auto& [flagfile, says] : std::vector<std::pair<std::string, std::string>>{
+           {"/nonexistent.flags", "--flagfile: cannot open '/nonexistent.flags': No such file or directory"},
+           {TempPath("bogus.flags"), "--bogus: no such flag"},
+           {TempPath("text.flags"), "line 2 is not a flag"},
+           {TempPath("self.flags"), "--flagfile: nested more than 4 deep"},
+           {"/dev/zero", "over 1 MiB"}}) {
+    for (const std::string& bin : {kColoctl, kWorker}) {
+      const auto r = RunCommand({Runfile(bin), "--flagfile", flagfile, "version"}, TempPath(""));
+      EXPECT_EQ(r.code, 2) << bin << " " << flagfile << ": " << r.err;
+      EXPECT_TRUE(absl::StrContains(r.err, says)) << r.err;
+    }
+  }
+  const auto from_file = RunCommand({Runfile(kColoctl), "--flagfile=" + TempPath("outer.flags"), "version"},
+                                    TempPath(""));
+  EXPECT_EQ(from_file.code, 0) << from_file.err;
+  EXPECT_TRUE(absl::StartsWith(from_file.out, "{")) << from_file.out;  // --output=json, two files deep
   auto unknown_cmd = RunCommand({Runfile(kColoctl), "frobnicate"}, TempPath(""));
   EXPECT_EQ(unknown_cmd.code, 2);
   EXPECT_TRUE(absl::StrContains(unknown_cmd.err, "unknown command")) << unknown_cmd.err;

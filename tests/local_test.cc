@@ -121,7 +121,7 @@ TEST(Local, AClosedStdoutStopsTheEmbeddedClusterAndLeavesNothing) {
                          std::getenv("TEST_TMPDIR"));
   ASSERT_EQ(init.code, 0) << init.err;
   const std::string script = absl::StrCat(
-      "TMPDIR=", tmp, " ", coloctl, " train --workers 2 --model ", TempPath("pipe-model"),
+      "TMPDIR=", tmp, " ", coloctl, " train --model ", TempPath("pipe-model"),
       " --data /usr/share/common-licenses/GPL-3 --steps 100000 --batch-size 2 --seq-len 16 | head -c 1 >/dev/null; "
       "exit ${PIPESTATUS[0]}");
   const absl::Time start = absl::Now();
@@ -252,8 +252,9 @@ TEST(Local, AnEmptyCoordinatorIsAUsageErrorNotTheEmbeddedCluster) {
 // What a command would ignore or could not send is refused as a usage
 // error (2) before anything is done: flags a submit does not read, an
 // operand that is not UTF-8, a model directory init-model would write
-// over, an address that is not HOST:PORT; coloctl's own flags on a
-// command coloctl-run carries out are let through, as on every command.
+// over, an address that is not HOST:PORT, a flag of another command;
+// the global flags on a command coloctl-run carries out are let through,
+// as on every command.
 TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
   const std::string coloctl = Runfile("client/coloctl");
   const auto run = [&](std::vector<std::string> args) {
@@ -274,8 +275,7 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
   // --comm-timeout is read by a run on this machine's GPUs alone: on worker
   // daemons each worker's own decides.
   for (const std::vector<std::string>& args :
-       {std::vector<std::string>{"--coordinator", nowhere, "submit", "--model", "/m", "--data", "/d"},
-        std::vector<std::string>{"--coordinator", nowhere, "train", "--model", "/m", "--data", "/d"},
+       {std::vector<std::string>{"--coordinator", nowhere, "train", "--model", "/m", "--data", "/d"},
         std::vector<std::string>{"train", "--model", "/m", "--data", "/d"},
         std::vector<std::string>{"forward", "--model", "/m", "--input", "/i.npy"}}) {
     std::vector<std::string> with = args;
@@ -286,6 +286,26 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
               std::string::npos)
         << r.err;
   }
+  // A flag of another command is refused before anything is done (no
+  // call to the unreachable coordinator: exit 2, not 69), whichever
+  // command reads it; the global ones pass everywhere.
+  r = run({"--coordinator", nowhere, "submit", "--model", "/m", "--data", "/d", "--comm-timeout", "5s"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("submit: --comm-timeout is not a flag of submit (coloctl submit --help lists its flags)"),
+            std::string::npos)
+      << r.err;
+  r = run({"--coordinator", nowhere, "status", "job-000001", "--steps", "5"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("status: --steps is not a flag of status, which takes only the global flags"), std::string::npos)
+      << r.err;
+  r = run({"--coordinator", nowhere, "--timeout", "1s", "cancel", "job-000001", "--reason", "r", "--all", "--nowatch"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("cancel: --all, --watch are not flags of cancel"), std::string::npos) << r.err;
+  r = run({"--coordinator", nowhere, "--timeout", "1s", "cancel", "job-000001", "--reason", "r"});
+  EXPECT_EQ(r.code, 69) << r.err;  // its own flags and the global ones: it called
+  r = run({"plan", "--model", "/nonexistent", "--steps", "5", "--lr", "1"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("plan: --lr, --steps are not flags of plan"), std::string::npos) << r.err;
   r = run({"--coordinator", nowhere, "status", "job-\xff"});
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("status: argument 1 is not valid UTF-8"), std::string::npos) << r.err;
@@ -295,6 +315,11 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
 
   const std::string model = TempPath("refused-model");
   r = run({"init-model", "--out", model, "--positions", "32", "--watch", "--kind", "train"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("init-model: --kind, --watch are not flags of init-model"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(model));
+  // The global flags pass to the commands coloctl-run carries out.
+  r = run({"init-model", "--out", model, "--positions", "32", "--timeout", "5s"});
   ASSERT_EQ(r.code, 0) << r.err;
   const std::string before = testing::ReadFile(model + "/model.safetensors");
   r = run({"init-model", "--out", model, "--seed", "9"});

@@ -121,7 +121,7 @@ absl::Status AdmitForwardLogits(const v1::AssignJobRequest& req, const shardform
 
 JobRunner::JobRunner(Options options)
     : options_(std::move(options)),
-      models_(ModelCache::Options{options_.work_dir, options_.coordinator, options_.auth_token,
+      models_(ModelCache::Options{options_.work_dir, options_.coordinator, options_.auth_token, options_.worker_key,
                                   options_.download_timeout, options_.upload_cache_ttl}) {}
 
 JobRunner::~JobRunner() {

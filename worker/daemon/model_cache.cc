@@ -175,6 +175,7 @@ absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::s
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(deadline));
   AddAuthToken(ctx, options_.auth_token);
+  AddWorkerKey(ctx, options_.worker_key);
   v1::DownloadModelRequest req;
   req.set_upload_id(upload_id);
   std::unique_ptr<grpc::ClientReaderInterface<v1::ModelChunk>> reader = options_.coordinator->DownloadModel(&ctx, req);

@@ -32,6 +32,10 @@ class ModelCache {
     // The coordinator (DownloadModel); required for uploads.
     std::shared_ptr<v1::CoordinatorService::StubInterface> coordinator;
     std::string auth_token;
+    // The worker's key (common/auth.h), carried by each download: the
+    // coordinator serves an upload only to the workers placed in a job that
+    // uses it (WorkerInfo.downloads_carry_key). Empty: none.
+    std::string worker_key;
     // Deadline of one download, the waits for a busy coordinator included.
     absl::Duration download_timeout = absl::Minutes(30);
     // A downloaded upload no rank used this long is removed (its use time

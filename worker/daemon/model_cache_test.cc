@@ -9,6 +9,8 @@
 #include <fstream>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/grpc_server.h"
@@ -41,9 +43,20 @@ class FakeDownloads final : public v1::CoordinatorService::Service {
   std::atomic<int> retry_after_ms{1};
   std::atomic<bool> saw_cancel{false};
   absl::Notification streaming;  // the endless stream has sent its first chunk
+  // The worker key the last call carried ("" none).
+  std::string key() {
+    absl::MutexLock lock(&mu_);
+    return key_;
+  }
 
   grpc::Status DownloadModel(grpc::ServerContext* ctx, const v1::DownloadModelRequest* req,
                              grpc::ServerWriter<v1::ModelChunk>* out) override {
+    {
+      const auto& md = ctx->client_metadata();
+      const auto it = md.find("colod-worker-key");
+      absl::MutexLock lock(&mu_);
+      key_ = it == md.end() ? "" : std::string(it->second.data(), it->second.size());
+    }
     if (++calls <= refuse_calls.load()) {
       if (retry_after_ms.load() > 0) SetRetryAfter(*ctx, absl::Milliseconds(retry_after_ms.load()));
       if (retry_after_ms.load() < 0) ctx->AddTrailingMetadata(kRetryAfterMetadata, "soon");  // malformed
@@ -82,6 +95,10 @@ class FakeDownloads final : public v1::CoordinatorService::Service {
     }
     return grpc::Status::OK;
   }
+
+ private:
+  absl::Mutex mu_;
+  std::string key_ ABSL_GUARDED_BY(mu_);
 };
 
 class ModelCacheTest : public ::testing::Test {
@@ -97,6 +114,7 @@ class ModelCacheTest : public ::testing::Test {
     o.work_dir = work_;
     o.coordinator = v1::CoordinatorService::NewStub(
         grpc::CreateChannel(started->address, grpc::InsecureChannelCredentials()));
+    o.worker_key = std::string(32, 'k');
     o.download_timeout = absl::Seconds(60);
     o.busy_backoff = absl::Milliseconds(20);
     o.max_busy_backoff = absl::Milliseconds(80);
@@ -189,6 +207,9 @@ TEST_F(ModelCacheTest, DownloadsAnUploadOnceAndLinksEveryShard) {
   EXPECT_EQ(Read(work_ + "/b/model/model-00002.safetensors"), "second");
   EXPECT_EQ(service_.calls.load(), 1) << "the second job downloaded again";
   EXPECT_FALSE(fs::exists(work_ + "/uploads/u1.tmp"));
+  // It carried the worker's key: the coordinator serves an upload only to
+  // the workers placed in a job that uses it.
+  EXPECT_EQ(service_.key(), std::string(32, 'k'));
 
   spec.set_upload_id("../u1");
   EXPECT_EQ(cache_->Weights(spec, abort).status().code(), absl::StatusCode::kInvalidArgument);

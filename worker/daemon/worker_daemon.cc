@@ -217,6 +217,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
   w->info_.set_metrics_address(metrics_advertise.ToString());
   w->info_.set_host(LocalHostName());
   w->info_.set_version(kVersion);
+  w->info_.set_downloads_carry_key(true);  // ModelCache::Options::worker_key
   for (const auto& [k, v] : options.labels) (*w->info_.mutable_labels())[k] = v;
 
   if (options.coordinator.empty()) {
