@@ -589,12 +589,31 @@ int RunInProcess() {
 
 int CommandLineMain(int argc, char** argv, const std::string& intro, const std::string& epilogue,
                     const std::vector<CommandGroup>& groups) {
-  CommandLine().assign(argv, argv + argc);
+  // A --flagfile's flags in its place, for every check below as for the
+  // parse (and handed to coloctl-run as they are, not read again there).
+  absl::StatusOr<std::vector<std::string>> expanded = ExpandFlagfiles(std::vector<std::string>(argv, argv + argc));
+  if (!expanded.ok()) return Usage(std::string(expanded.status().message()));
+  CommandLine() = *std::move(expanded);
+  const std::vector<std::string> all = CommandLine();
+  std::vector<char*> all_argv;
+  for (const std::string& a : all) all_argv.push_back(const_cast<char*>(a.c_str()));
+  all_argv.push_back(nullptr);
   RaiseOpenFileLimit();  // coloctl consolidate and local open a file or a socket per rank
   const std::string help = HelpText(intro, epilogue, groups);
-  // `COMMAND --help` and `help COMMAND`: that command's part of the help.
-  const std::vector<std::string> all(argv, argv + argc);
   const std::vector<FlagArg> flags = ScanFlags(all);
+  // An empty --coordinator (a script's "$COORD" unset) names no
+  // coordinator: refused, never taken as unset (which trains on an
+  // embedded cluster of this machine, or calls 127.0.0.1:7070). (An empty
+  // $COLOD_COORDINATOR is refused where it would start an embedded
+  // cluster: RunOnCoordinatorOrEmbeddedCluster.)
+  for (const FlagArg& f : flags) {
+    if (f.name == "coordinator" && f.value.has_value() && f.value->empty()) {
+      return Usage(
+          "--coordinator is empty: give HOST:PORT, or leave the flag out (then $COLOD_COORDINATOR, else "
+          "127.0.0.1:7070; train and forward run on an embedded cluster)");
+    }
+  }
+  // `COMMAND --help` and `help COMMAND`: that command's part of the help.
   std::vector<bool> taken(all.size(), false);
   bool asked = false;
   for (const FlagArg& f : flags) {
@@ -645,7 +664,7 @@ int CommandLineMain(int argc, char** argv, const std::string& intro, const std::
       return 0;
     }
   }
-  const std::vector<std::string> args = ParseFlags(argc, argv, help);
+  const std::vector<std::string> args = ParseFlags(static_cast<int>(all.size()), all_argv.data(), help);
   if (args.empty()) return Usage("missing COMMAND");
   const std::string output = absl::GetFlag(FLAGS_output);
   if (output != "table" && output != "json") {

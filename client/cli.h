@@ -45,9 +45,12 @@ struct Command {
   // --output, TLS and the token: flags no command lists). Another
   // command's flag given to it is a usage error (exit 2) before `run`:
   // `coloctl status JOB --steps 5` is refused, not silently ignored.
-  // `COMMAND --help` shows exactly these. A flag listed may still be
-  // refused in a combination the command cannot take (submit --job-file
-  // with the train flags).
+  // `COMMAND --help` shows these, and the global flags its usage names. A
+  // flag listed is read in one of the command's ways to run, and may be
+  // refused in another (submit --job-file with the train flags, train
+  // --device cuda with --max-restarts), or ignored where it cannot matter
+  // (--upload on an embedded cluster, whose workers read the model where
+  // it is).
   const char* flags;
   // The command's --help entry, each line ending in '\n': "  status JOB  One job
   // in detail ..." (two spaces, the name, then the description column).

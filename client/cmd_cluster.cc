@@ -53,14 +53,13 @@ int SubmitWith(CoordinatorClient& client, bool json) {
   // submit never reads is refused before this, Command::flags).
   const std::set<std::string> given = GivenFlags();
   if (kind == "tensor") {
-    std::string ignored = FlagsOf(given, "client/job_flags.cc",
-                                  {"tp", "dp", "mode", "depth", "sequence_parallel", "pp", "pp_layers",
-                                   "virtual_stages", "name"});
+    // The layout `tensor` takes (a pipeline is a TRAIN job's), and a name.
+    std::string ignored = FlagsOf(given, "client/job_flags.cc", {"tp", "dp", "mode", "depth", "name"});
     if (given.count("job_file") > 0) ignored = absl::StrCat(ignored, ignored.empty() ? "" : ", ", "--job-file");
     if (absl::GetFlag(FLAGS_watch)) ignored = absl::StrCat(ignored, ignored.empty() ? "" : ", ", "--watch");
     if (!ignored.empty()) {
       return Usage(absl::StrCat("submit --kind tensor: ", ignored, " do not apply: a TENSOR job hosts ColoTensors ",
-                                "(coloctl tensor ...) on its layout (--tp, --dp, --mode, --depth, --pp, --name)"));
+                                "(coloctl tensor ...) on its layout (--tp, --dp, --mode, --depth) under --name"));
     }
     auto job = SubmitTensorJob(client, absl::GetFlag(FLAGS_name), absl::GetFlag(FLAGS_request_id));
     if (!job.ok()) {

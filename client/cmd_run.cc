@@ -9,12 +9,15 @@
 #include <cstdint>
 #include <cstdio>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "client/cli.h"
 #include "client/in_process_commands.h"
 #include "client/job_flags.h"
@@ -46,6 +49,18 @@ absl::Status CheckLocalGpus(const char* command, bool coordinator_allowed) {
                                                    " runs it on this machine's GPUs (--device cuda",
                                                    coordinator_allowed ? "" : ", no --coordinator", "); coloctl ",
                                                    command, " runs it on a cluster"));
+  }
+  // What only a job on workers reads: here nothing is uploaded, watched,
+  // named or restarted.
+  const std::set<std::string> given = GivenFlags();
+  std::vector<std::string> jobs;
+  for (const char* name : {"max_restarts", "name", "restart_wait", "upload", "upload_timeout", "watch_timeout"}) {
+    if (given.count(name) > 0) jobs.push_back(absl::StrReplaceAll(absl::StrCat("--", name), {{"_", "-"}}));
+  }
+  if (!jobs.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(command, " --device cuda: ", absl::StrJoin(jobs, ", "), jobs.size() == 1 ? " applies" : " apply",
+                     " to a job on worker daemons only; drop ", jobs.size() == 1 ? "it" : "them"));
   }
   return absl::OkStatus();
 }

@@ -2,15 +2,8 @@
 // tables (cmd_*.cc); CommandLineMain (cli.h) builds --help from them and
 // dispatches. coloctl talks gRPC; what computes in-process is coloctl-run's
 // (coloctl_run_main.cc).
-#include <cstdlib>
-#include <string>
-#include <vector>
-
-#include "absl/strings/match.h"
-
 #include "client/cli.h"
 #include "client/commands.h"
-#include "common/flags.h"
 
 namespace colod::cli {
 namespace {
@@ -47,19 +40,6 @@ constexpr char kEpilogue[] =
     "      --lr 3e-4 --optimizer adamw --tp 2 --dp 2 --mode 1d --output json\n";
 
 int Main(int argc, char** argv) {
-  // An empty --coordinator (a script's "$COORD" unset) names no
-  // coordinator: refused, never taken as unset (which trains on an embedded
-  // cluster of this machine, or calls 127.0.0.1:7070). (The flag's forms:
-  // --coordinator[=V] and -coordinator[=V]; an empty $COLOD_COORDINATOR is
-  // refused where it would start an embedded cluster:
-  // RunOnCoordinatorOrEmbeddedCluster.)
-  for (const FlagArg& f : ScanFlags(std::vector<std::string>(argv, argv + argc))) {
-    if (f.name == "coordinator" && f.value.has_value() && f.value->empty()) {
-      return Usage("--coordinator is empty: give HOST:PORT, or leave the flag out (then $COLOD_COORDINATOR, else "
-                   "127.0.0.1:7070; train and forward run on an embedded cluster)");
-    }
-  }
-
   // In --help's order.
   return CommandLineMain(argc, argv, kIntro, kEpilogue,
                          {LocalCommands(), ModelCommands(), ClusterCommands(), TensorCommands()});

@@ -150,7 +150,9 @@ absl::StatusOr<std::vector<std::string>> ReadFlagfile(const std::string& path) {
     ++number;
     const absl::string_view stripped = absl::StripLeadingAsciiWhitespace(line);
     if (stripped.empty() || stripped[0] == '#') continue;
-    if (stripped[0] != '-' || stripped == "--") {
+    // A flag with a name: not "-", nor the end of flags ("--", "--=x", "-=x").
+    const size_t start = stripped.size() > 1 && stripped[1] == '-' ? 2 : 1;
+    if (stripped[0] != '-' || start >= std::min(stripped.find('='), stripped.size())) {
       return absl::InvalidArgumentError(absl::StrCat("--flagfile ", path, ": line ", number, " is not a flag ",
                                                      "(a flagfile holds a --flag=value a line, and # comments)"));
     }
@@ -159,11 +161,10 @@ absl::StatusOr<std::vector<std::string>> ReadFlagfile(const std::string& path) {
   return out;
 }
 
-// `args` with each --flagfile (a comma-separated list of files, before the
-// end of flags) replaced by its files' flags, theirs too, `depth` deep at
-// most: the flags are then checked, and their names rewritten, as the
-// command line's are.
-absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(const std::vector<std::string>& args, int depth = 4) {
+// ExpandFlagfiles, `depth` more files deep at most, reading `files_left`
+// more files at most.
+absl::StatusOr<std::vector<std::string>> ExpandFlagfilesWithin(const std::vector<std::string>& args, int depth,
+                                                               int& files_left) {
   std::vector<std::string> out(args.begin(), args.begin() + (args.empty() ? 0 : 1));
   size_t next = 1;
   for (const FlagArg& f : ScanFlags(args)) {
@@ -174,9 +175,21 @@ absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(const std::vector<std::
     if (!f.value.has_value()) return absl::InvalidArgumentError(absl::StrCat(f.spelled, ": missing its value"));
     if (depth == 0) return absl::InvalidArgumentError("--flagfile: nested more than 4 deep");
     for (absl::string_view path : absl::StrSplit(*f.value, ',', absl::SkipEmpty())) {
+      if (--files_left < 0) return absl::InvalidArgumentError("--flagfile: more than 64 files");
       ASSIGN_OR_RETURN(std::vector<std::string> lines, ReadFlagfile(std::string(path)));
       lines.insert(lines.begin(), args.empty() ? std::string() : args[0]);
-      ASSIGN_OR_RETURN(std::vector<std::string> expanded, ExpandFlagfiles(lines, depth - 1));
+      // A file's last flag takes no value from what follows the file (as
+      // Abseil reads each file apart): `--work-dir` alone on the last line
+      // would take the command line's next flag as its value.
+      const std::vector<FlagArg> flags = ScanFlags(lines);
+      if (!flags.empty()) {
+        const FlagArg& last = flags.back();
+        if (last.flag != nullptr && !last.negated && !last.flag->IsOfType<bool>() && !last.value.has_value()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("--flagfile ", path, ": ", last.spelled, ": missing its value"));
+        }
+      }
+      ASSIGN_OR_RETURN(std::vector<std::string> expanded, ExpandFlagfilesWithin(lines, depth - 1, files_left));
       out.insert(out.end(), expanded.begin() + 1, expanded.end());
     }
   }
@@ -185,6 +198,11 @@ absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(const std::vector<std::
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(const std::vector<std::string>& args) {
+  int files_left = 64;
+  return ExpandFlagfilesWithin(args, 4, files_left);
+}
 
 absl::Status CheckFlags(const std::vector<std::string>& args) {
   const std::vector<FlagArg> flags = ScanFlags(args);

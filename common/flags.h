@@ -18,8 +18,10 @@ namespace colod {
 
 // Parses argv with Abseil flags. --help / -h prints `usage` followed by the
 // binary's own flags (not Abseil's internal ones) and exits 0; --version
-// prints the colod version and exits 0; an unknown or malformed flag
-// (CheckFlags) prints why and exits 2, a usage error. Returns the positional arguments, argv[0] excluded.
+// prints the colod version and exits 0; a --flagfile is read here
+// (ExpandFlagfiles), and a flagfile that cannot be read, or an unknown or
+// malformed flag, there or on the command line (CheckFlags), prints why and
+// exits 2, a usage error. Returns the positional arguments, argv[0] excluded.
 // Flags named in `repeatable` (Abseil's names, with '_'; list-valued) may be
 // given several times: their values are joined with commas.
 std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage,
@@ -54,13 +56,24 @@ struct FlagArg {
 // that argument is then no flag.
 std::vector<FlagArg> ScanFlags(const std::vector<std::string>& args);
 
+// `args` (args[0], the program, kept) with each --flagfile=FILE[,FILE...]
+// before the end of flags replaced by the flags its files hold, as Abseil
+// reads a flagfile (leading blanks dropped, empty lines and '#' comments
+// skipped, a flag a line; a file's last flag takes no value from what
+// follows it), theirs too: so the flags there are checked, spelt and
+// joined as the command line's are. INVALID_ARGUMENT naming the file for
+// one that cannot be read or is over 1 MiB, a line that is not a flag,
+// files nested more than 4 deep or more than 64 of them.
+absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(const std::vector<std::string>& args);
+
 // Whether Abseil would parse the flags of `args` (args[0], the program,
 // excluded; names as Abseil spells them, with '_'): INVALID_ARGUMENT naming
 // the first flag that is unknown to this binary (and not named by the last
 // --undefok), that misses its value, negates a flag that is no bool or
 // gives a negation a value, or whose value does not parse (Abseil's
 // reason). Abseil's own flags (the --help family, --flagfile, --fromenv,
-// --tryfromenv, --undefok) are left to it. No flag's value changes.
+// --tryfromenv, --undefok) are left to it (ParseFlags reads the flagfiles
+// before it: ExpandFlagfiles). No flag's value changes.
 absl::Status CheckFlags(const std::vector<std::string>& args);
 
 // `text` wrapped into lines of at most `width` columns, each starting with

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
+#include <map>
 #include <optional>
 #include <system_error>
 #include <thread>
@@ -17,8 +18,8 @@
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "common/text.h"
-#include "spec/job_validation.h"
 #include "server/placement.h"
+#include "spec/job_validation.h"
 #include "spec/mesh.h"
 #include "spec/model_config.h"
 #include "spec/plan.h"
@@ -263,6 +264,8 @@ void Scheduler::ScheduleQueued() {
   }
   if (pending.empty()) return;
   std::vector<v1::Worker> live = workers_->List(/*include_lost=*/false);
+  std::map<std::string, const v1::WorkerInfo*> live_info;  // by worker id
+  for (const v1::Worker& w : live) live_info.emplace(w.info().worker_id(), &w.info());
   std::set<std::string> taken;  // placed earlier in this pass
   for (const v1::Job& job : pending) {
     absl::StatusOr<DeviceMesh> mesh = DeviceMesh::FromShardConfig(job.spec().shard());
@@ -353,9 +356,8 @@ void Scheduler::ScheduleQueued() {
     for (int r = 0; r < placed.ranks_size(); ++r) {
       const v1::RankAssignment& a = placed.ranks(r);
       keys->push_back(a.rank() == r ? workers_->KeyToCall(a.worker_id()) : NewWorkerKey());
-      const auto worker = std::find_if(live.begin(), live.end(),
-                                       [&](const v1::Worker& w) { return w.info().worker_id() == a.worker_id(); });
-      const bool keyless_downloads = worker != live.end() && !worker->info().downloads_carry_key();
+      const auto info = live_info.find(a.worker_id());
+      const bool keyless_downloads = info != live_info.end() && !info->second->downloads_carry_key();
       download_keys->push_back(keyless_downloads ? "" : keys->back());
     }
     {

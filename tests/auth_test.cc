@@ -334,9 +334,9 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
   EXPECT_EQ(r.code, 0) << r.err << r.out << testing::ReadFile(worker.log) << testing::ReadFile(coordinator.log);
   EXPECT_NE(r.out.find("rank 0: shape [2, 3, 2]"), std::string::npos) << r.out;
   TrainATinyModel(coordinator, worker, TempPath("roles-clients"), "roles-tiny");
-  // The worker downloaded the job's upload with its key; the workers'
-  // token alone downloads it no more than another key does, and once no
-  // placed job uses it, nobody does.
+  // The worker downloaded the job's upload with its key; once no placed
+  // job uses it, a call with the workers' token is refused it, carrying no
+  // key or another (a placed job's is CoordinatorTest's).
   auto trained = (*listed)->ListJobs({v1::JOB_STATE_SUCCEEDED});
   ASSERT_TRUE(trained.ok() && trained->size() == 1u) << trained.status();
   const std::string upload = trained->front().spec().model().upload_id();

@@ -174,8 +174,9 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
     EXPECT_EQ(version.code, 0);
     EXPECT_TRUE(absl::StartsWith(version.out, "colod ")) << version.out;
   }
-  // One command's help: its part of the usage and the flags it takes (those
-  // whose help names it, and the global ones), as `help CMD` or `CMD --help`.
+  // One command's help: its part of the usage and the flags it takes (its
+  // Command::flags, and the global ones its usage names), as `help CMD` or
+  // `CMD --help`.
   const auto whole = RunCommand({Runfile(kColoctl), "--help"}, TempPath(""));
   for (const std::vector<std::string>& asked :
        {std::vector<std::string>{"help", "train"}, std::vector<std::string>{"train", "--help"},
@@ -300,12 +301,24 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
   std::ofstream(TempPath("inner.flags")) << "  --output=json\n";
   std::ofstream(TempPath("outer.flags")) << "# the output\n\n--flagfile=" << TempPath("inner.flags") << "\n";
   std::ofstream(TempPath("self.flags")) << "--flagfile=" << TempPath("self.flags") << "\n";
+  std::ofstream(TempPath("dash.flags")) << "-\n";
+  std::ofstream(TempPath("end.flags")) << "--=x\n";
+  // A value-taking flag alone on a file's last line takes nothing after the file.
+  std::ofstream(TempPath("last.flags")) << "--auth-token-file=\n--tls-ca\n";
+  std::ofstream(TempPath("empty.flags")) << "# nothing\n";
+  std::string wide = "--flagfile=";
+  for (int i = 0; i < 65; ++i) absl::StrAppend(&wide, i == 0 ? "" : ",", TempPath("empty.flags"));
+  std::ofstream(TempPath("wide.flags")) << wide << "\n";
   for (const auto& [flagfile, says] : std::vector<std::pair<std::string, std::string>>{
            {"/nonexistent.flags", "--flagfile: cannot open '/nonexistent.flags': No such file or directory"},
            {TempPath("bogus.flags"), "--bogus: no such flag"},
            {TempPath("text.flags"), "line 2 is not a flag"},
            {TempPath("self.flags"), "--flagfile: nested more than 4 deep"},
-           {"/dev/zero", "over 1 MiB"}}) {
+           {"/dev/zero", "over 1 MiB"},
+           {TempPath("dash.flags"), "line 1 is not a flag"},
+           {TempPath("end.flags"), "line 1 is not a flag"},
+           {TempPath("last.flags"), "last.flags: --tls-ca: missing its value"},
+           {TempPath("wide.flags"), "--flagfile: more than 64 files"}}) {
     for (const std::string& bin : {kColoctl, kWorker}) {
       const auto r = RunCommand({Runfile(bin), "--flagfile", flagfile, "version"}, TempPath(""));
       EXPECT_EQ(r.code, 2) << bin << " " << flagfile << ": " << r.err;
@@ -316,6 +329,17 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
                                     TempPath(""));
   EXPECT_EQ(from_file.code, 0) << from_file.err;
   EXPECT_TRUE(absl::StartsWith(from_file.out, "{")) << from_file.out;  // --output=json, two files deep
+  // coloctl checks a flagfile's flags as the command line's: another
+  // command's flag, an empty --coordinator.
+  std::ofstream(TempPath("steps.flags")) << "--steps=5\n";
+  std::ofstream(TempPath("nowhere.flags")) << "--coordinator=\n";
+  for (const auto& [flagfile, says] : std::vector<std::pair<std::string, std::string>>{
+           {TempPath("steps.flags"), "status: --steps is not a flag of status"},
+           {TempPath("nowhere.flags"), "--coordinator is empty"}}) {
+    const auto r = RunCommand({Runfile(kColoctl), "--flagfile", flagfile, "status", "job-000001"}, TempPath(""));
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_TRUE(absl::StrContains(r.err, says)) << r.err;
+  }
   auto unknown_cmd = RunCommand({Runfile(kColoctl), "frobnicate"}, TempPath(""));
   EXPECT_EQ(unknown_cmd.code, 2);
   EXPECT_TRUE(absl::StrContains(unknown_cmd.err, "unknown command")) << unknown_cmd.err;

@@ -303,6 +303,13 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
   EXPECT_NE(r.err.find("cancel: --all, --watch are not flags of cancel"), std::string::npos) << r.err;
   r = run({"--coordinator", nowhere, "--timeout", "1s", "cancel", "job-000001", "--reason", "r"});
   EXPECT_EQ(r.code, 69) << r.err;  // its own flags and the global ones: it called
+  // A run on this machine's GPUs is no job: what only a job reads is
+  // refused there too (coloctl-run's check, before any GPU is used).
+  r = run({"train", "--device", "cuda", "--model", "/m", "--data", "/d", "--max-restarts", "2", "--name", "n"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("train --device cuda: --max-restarts, --name apply to a job on worker daemons only"),
+            std::string::npos)
+      << r.err;
   r = run({"plan", "--model", "/nonexistent", "--steps", "5", "--lr", "1"});
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("plan: --lr, --steps are not flags of plan"), std::string::npos) << r.err;
