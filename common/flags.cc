@@ -250,14 +250,24 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   config.version_string = [] { return absl::StrCat("colod ", kVersion, "\n"); };
   absl::SetFlagsUsageConfig(config);
   absl::SetProgramUsageMessage(usage);
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--") == 0) break;
-    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0 ||
-        std::strcmp(argv[i], "-help") == 0 || std::strcmp(argv[i], "--helpfull") == 0) {
+  // A --flagfile's flags in its place (Abseil would exit 1 on a file it
+  // cannot open and on what it holds; the names there are spelt as here).
+  absl::StatusOr<std::vector<std::string>> expanded = ExpandFlagfiles(std::vector<std::string>(argv, argv + argc));
+  if (!expanded.ok()) {
+    const std::string program = argc == 0 ? "colod" : std::filesystem::path(argv[0]).filename().string();
+    std::fprintf(stderr, "%s: %s\nRun '%s --help' for usage.\n", program.c_str(),
+                 std::string(expanded.status().message()).c_str(), program.c_str());
+    std::exit(2);
+  }
+  const std::vector<std::string> given = *std::move(expanded);
+  for (size_t i = 1; i < given.size(); ++i) {
+    const std::string& a = given[i];
+    if (a == "--") break;
+    if (a == "--help" || a == "-h" || a == "-help" || a == "--helpfull") {
       PrintHelp(usage);
       std::exit(0);
     }
-    if (std::strcmp(argv[i], "--version") == 0 || std::strcmp(argv[i], "-version") == 0) {
+    if (a == "--version" || a == "-version") {
       std::printf("colod %s\n", kVersion);
       std::exit(0);
     }
@@ -266,16 +276,6 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   // --undefok lists); positional arguments and everything after the end of
   // flags stay as they are. The values of each repeatable flag are joined
   // with commas into one occurrence, where its last one stood.
-  // A --flagfile's flags in its place (Abseil would exit 1 on a file it
-  // cannot open and on what it holds; the names there are spelt as here).
-  absl::StatusOr<std::vector<std::string>> expanded = ExpandFlagfiles(std::vector<std::string>(argv, argv + argc));
-  const std::vector<std::string> given = expanded.ok() ? *std::move(expanded) : std::vector<std::string>(argv, argv + argc);
-  if (!expanded.ok()) {
-    const std::string program = argc == 0 ? "colod" : std::filesystem::path(argv[0]).filename().string();
-    std::fprintf(stderr, "%s: %s\nRun '%s --help' for usage.\n", program.c_str(),
-                 std::string(expanded.status().message()).c_str(), program.c_str());
-    std::exit(2);
-  }
   std::vector<std::string> rewritten = given;
   std::vector<bool> dropped(given.size(), false);
   struct Repeated {

@@ -329,6 +329,12 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
                                     TempPath(""));
   EXPECT_EQ(from_file.code, 0) << from_file.err;
   EXPECT_TRUE(absl::StartsWith(from_file.out, "{")) << from_file.out;  // --output=json, two files deep
+  std::ofstream(TempPath("version.flags")) << "--version\n";
+  for (const std::string& bin : {kCoordinator, kWorker}) {
+    const auto r = RunCommand({Runfile(bin), "--flagfile", TempPath("version.flags")}, TempPath(""));
+    EXPECT_EQ(r.code, 0) << bin << ": " << r.err;
+    EXPECT_TRUE(absl::StartsWith(r.out, "colod ")) << r.out;
+  }
   // coloctl checks a flagfile's flags as the command line's: another
   // command's flag, an empty --coordinator.
   std::ofstream(TempPath("steps.flags")) << "--steps=5\n";
