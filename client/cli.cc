@@ -483,11 +483,6 @@ std::set<std::string> CommandsFlags(const std::vector<CommandGroup>& groups) {
   return out;
 }
 
-std::string Dashed(std::string name) {
-  std::replace(name.begin(), name.end(), '_', '-');
-  return "--" + name;
-}
-
 // Checks the flags and operands the command declares, then runs it.
 int Dispatch(const std::vector<CommandGroup>& groups, const Command& command, const std::vector<std::string>& args) {
   // A flag some command reads, given to one that does not: refused, not
@@ -496,7 +491,7 @@ int Dispatch(const std::vector<CommandGroup>& groups, const Command& command, co
   const std::set<std::string> anyones = CommandsFlags(groups), own = FlagNames(command);
   std::vector<std::string> stray;
   for (const std::string& name : GivenFlags()) {
-    if (anyones.count(name) > 0 && own.count(name) == 0) stray.push_back(Dashed(name));
+    if (anyones.count(name) > 0 && own.count(name) == 0) stray.push_back("--" + DashedName(name));
   }
   if (!stray.empty()) {
     return Usage(absl::StrCat(command.name, ": ", absl::StrJoin(stray, ", "),
@@ -539,7 +534,7 @@ std::string FlagsOf(const std::set<std::string>& given, absl::string_view file, 
   for (const std::string& name : given) {
     const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     if (flag == nullptr || kept.count(name) > 0 || !absl::EndsWith(flag->Filename(), file)) continue;
-    out.push_back(Dashed(name));
+    out.push_back("--" + DashedName(name));
   }
   return absl::StrJoin(out, ", ");
 }
@@ -646,7 +641,7 @@ int CommandLineMain(int argc, char** argv, const std::string& intro, const std::
         const std::string name(flag.Name());
         if (own.count(name) > 0) return true;
         if (anyones.count(name) > 0) return false;
-        const std::string named = Dashed(name);
+        const std::string named = "--" + DashedName(name);
         for (size_t at = usage.find(named); at != std::string::npos; at = usage.find(named, at + 1)) {
           const size_t end = at + named.size();
           if (end == usage.size() || !(absl::ascii_isalnum(usage[end]) || usage[end] == '-')) return true;

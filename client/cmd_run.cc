@@ -17,11 +17,11 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_replace.h"
 #include "client/cli.h"
 #include "client/in_process_commands.h"
 #include "client/job_flags.h"
 #include "colod/v1/job.pb.h"
+#include "common/flags.h"
 #include "common/json.h"
 #include "common/model_layout.h"
 #include "nlohmann/json.hpp"
@@ -55,7 +55,7 @@ absl::Status CheckLocalGpus(const char* command, bool coordinator_allowed) {
   const std::set<std::string> given = GivenFlags();
   std::vector<std::string> jobs;
   for (const char* name : {"max_restarts", "name", "restart_wait", "upload", "upload_timeout", "watch_timeout"}) {
-    if (given.count(name) > 0) jobs.push_back(absl::StrReplaceAll(absl::StrCat("--", name), {{"_", "-"}}));
+    if (given.count(name) > 0) jobs.push_back("--" + DashedName(name));
   }
   if (!jobs.empty()) {
     return absl::InvalidArgumentError(

@@ -32,13 +32,6 @@ bool IsOwnFlag(absl::string_view filename) {
   return !absl::StartsWith(filename, "absl/") && !absl::StrContains(filename, "/absl/");
 }
 
-// Abseil flag names use '_'; colod's command lines use '-' (--data-dir). Both work.
-std::string DashedName(absl::string_view name) {
-  std::string out(name);
-  std::replace(out.begin(), out.end(), '_', '-');
-  return out;
-}
-
 }  // namespace
 
 void PrintHelp(absl::string_view usage, const std::function<bool(const absl::CommandLineFlag&)>& only) {
@@ -198,6 +191,12 @@ absl::StatusOr<std::vector<std::string>> ExpandFlagfilesWithin(const std::vector
 }
 
 }  // namespace
+
+std::string DashedName(absl::string_view name) {
+  std::string out(name);
+  std::replace(out.begin(), out.end(), '_', '-');
+  return out;
+}
 
 absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(const std::vector<std::string>& args) {
   int files_left = 64;

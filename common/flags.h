@@ -56,6 +56,10 @@ struct FlagArg {
 // that argument is then no flag.
 std::vector<FlagArg> ScanFlags(const std::vector<std::string>& args);
 
+// A flag's Abseil name as colod's command lines spell it: '_' made '-'
+// ("data_dir": "data-dir"); Abseil's spelling works too.
+std::string DashedName(absl::string_view name);
+
 // `args` (args[0], the program, kept) with each --flagfile=FILE[,FILE...]
 // before the end of flags replaced by the flags its files hold, as Abseil
 // reads a flagfile (leading blanks dropped, empty lines and '#' comments

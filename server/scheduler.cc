@@ -486,6 +486,21 @@ absl::Status Scheduler::RecordLateStep(const v1::ReportProgressRequest& report, 
   return absl::IsPermissionDenied(s) ? s : absl::OkStatus();
 }
 
+namespace {
+
+// Whether a call that carries what `carries` says may act as one of the
+// workers holding `keys` (a placement's, by rank): it carries one of them,
+// or one is empty (an older worker, which cannot prove it is one of them,
+// so none can be told apart).
+bool AdmitsCaller(const std::vector<std::string>& keys, Scheduler::CarriesKey carries) {
+  if (keys.empty() || std::any_of(keys.begin(), keys.end(), [](const std::string& k) { return k.empty(); })) {
+    return true;
+  }
+  return std::any_of(keys.begin(), keys.end(), [&](const std::string& k) { return carries(k); });
+}
+
+}  // namespace
+
 absl::Status Scheduler::CheckScopeCaller(absl::string_view scope, CarriesKey carries) {
   const std::string job_id(scope.substr(0, scope.find('/')));
   std::shared_ptr<const std::vector<std::string>> placed_keys;
@@ -496,14 +511,7 @@ absl::Status Scheduler::CheckScopeCaller(absl::string_view scope, CarriesKey car
     placed_keys = it->second.keys;
   }
   // Compared outside mu_: a rank's every store call compares the world's keys.
-  const std::vector<std::string>& keys = *placed_keys;
-  // A worker without a key (an older one) cannot prove it is one of them.
-  if (keys.empty() || std::any_of(keys.begin(), keys.end(), [](const std::string& k) { return k.empty(); })) {
-    return absl::OkStatus();
-  }
-  if (std::any_of(keys.begin(), keys.end(), [&](const std::string& k) { return carries(k); })) {
-    return absl::OkStatus();
-  }
+  if (AdmitsCaller(*placed_keys, carries)) return absl::OkStatus();
   return absl::PermissionDeniedError(absl::StrCat("this call to rendezvous scope '", scope,
                                                   "' carries the key of none of the workers placed in it"));
 }
@@ -518,12 +526,7 @@ absl::Status Scheduler::CheckDownloadCaller(absl::string_view upload_id, Carries
   }
   // Compared outside mu_, as the scopes' keys are.
   for (const std::shared_ptr<const std::vector<std::string>>& keys : users) {
-    if (keys->empty() || std::any_of(keys->begin(), keys->end(), [](const std::string& k) { return k.empty(); })) {
-      return absl::OkStatus();
-    }
-    if (std::any_of(keys->begin(), keys->end(), [&](const std::string& k) { return carries(k); })) {
-      return absl::OkStatus();
-    }
+    if (AdmitsCaller(*keys, carries)) return absl::OkStatus();
   }
   if (users.empty()) {
     return absl::PermissionDeniedError(absl::StrCat("no job placed now uses upload '", upload_id,
