@@ -215,7 +215,7 @@ void LocalCluster::Supervise() {
       }
       int status = 0;
       if (pid < 0 || ::waitpid(pid, &status, WNOHANG) != pid) continue;
-      const bool asks = WIFEXITED(status) && WEXITSTATUS(status) == kExitDeviceLost;
+      const bool asks = WIFEXITED(status) && AsksForRestart(WEXITSTATUS(status));
       std::vector<std::string> argv;
       std::string log;
       int restarts = 0;
@@ -234,13 +234,12 @@ void LocalCluster::Supervise() {
         const std::string how = WIFEXITED(status) ? absl::StrCat("exited ", WEXITSTATUS(status))
                                                   : absl::StrCat("was killed by signal ", WTERMSIG(status));
         std::fprintf(stderr, "coloctl local: worker %zu %s%s; it stays down (its log: %s)\n", i, how.c_str(),
-                     asks ? ", its device lost once too often" : "", log.c_str());
+                     asks ? ", asking for a restart once too often" : "", log.c_str());
         continue;
       }
-      std::fprintf(stderr,
-                   "coloctl local: worker %zu lost its CUDA device (exit %d); starting it again (%d of %d; its "
-                   "log: %s)\n",
-                   i, kExitDeviceLost, restarts, max_worker_restarts_, log.c_str());
+      std::fprintf(stderr, "coloctl local: worker %zu %s (exit %d); starting it again (%d of %d; its log: %s)\n", i,
+                   WEXITSTATUS(status) == kExitDeviceLost ? "lost its CUDA device" : "ended on an uncaught exception",
+                   WEXITSTATUS(status), restarts, max_worker_restarts_, log.c_str());
       const absl::StatusOr<pid_t> again = Spawn(argv, log, /*append=*/true);
       if (!again.ok()) {
         std::fprintf(stderr, "coloctl local: worker %zu cannot be started again: %s\n", i,

@@ -2,8 +2,9 @@
 // colod-coordinator and N colod-worker daemons (CPU ones, or one per CUDA
 // device) as child processes on loopback. The children die with this process (PR_SET_PDEATHSIG), so a
 // killed coloctl leaves no daemons behind. A worker that exits asking for a
-// restart (kExitDeviceLost: its CUDA device faulted) is started again, as
-// Kubernetes would; one that exits otherwise is said on stderr and left.
+// restart (AsksForRestart, common/exit_codes.h: its CUDA device faulted, or an
+// exception escaped every handler) is started again, as Kubernetes would; one
+// that exits otherwise is said on stderr and left.
 //
 // Thread-safe: Stop() may be called from any thread, more than once.
 #ifndef COLOD_CLIENT_LOCAL_CLUSTER_H_
@@ -43,8 +44,8 @@ class LocalCluster {
     std::string coordinator_binary;
     std::string worker_binary;
     absl::Duration ready_timeout = absl::Seconds(60);
-    // Restarts of one worker after it exited kExitDeviceLost; past them it
-    // stays down.
+    // Restarts of one worker after it exited asking for one
+    // (AsksForRestart); past them it stays down.
     int max_worker_restarts = 3;
     // Polled while Start waits for the daemons (every 10 to 20 ms): true
     // stops what was started (a temporary data dir removed) and Start
@@ -67,7 +68,7 @@ class LocalCluster {
   // The coordinator's pid first, then the workers' (a restarted worker's
   // new one; -1 for one that is down).
   std::vector<pid_t> pids() const;
-  // Worker restarts so far (after kExitDeviceLost).
+  // Worker restarts so far (after exits that asked for one).
   int restarts() const;
   // The registered workers, sorted by id.
   absl::StatusOr<std::vector<v1::Worker>> workers() const;

@@ -1,10 +1,71 @@
 #include "common/serve.h"
 
+#include <cxxabi.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <string>
+#include <typeinfo>
+
+#include "absl/strings/escaping.h"
+#include "common/exit_codes.h"
 #include "common/grpc_server.h"
 #include "common/logging.h"
 #include "common/ready_file.h"
 
 namespace colod {
+namespace {
+
+constexpr size_t kMaxTerminateMessage = 1024;
+
+// The daemon's name for the terminate handler's line: a copy that is never
+// freed, so that the handler may read it while static destructors run.
+std::atomic<const char*> daemon_name{"colod"};
+
+std::string Escaped(std::string s) {
+  if (s.size() > kMaxTerminateMessage) s = s.substr(0, kMaxTerminateMessage) + "...";
+  return absl::CHexEscape(s);
+}
+
+[[noreturn]] void OnTerminate() {
+  std::string what = "std::terminate was called with no exception in flight";
+  if (std::exception_ptr e = std::current_exception()) {
+    std::string type = "an unknown type";
+    if (const std::type_info* t = abi::__cxa_current_exception_type(); t != nullptr) {
+      int status = 0;
+      std::unique_ptr<char, void (*)(void*)> name(abi::__cxa_demangle(t->name(), nullptr, nullptr, &status), std::free);
+      type = status == 0 && name != nullptr ? name.get() : t->name();
+    }
+    std::string message;
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      message = x.what();
+    } catch (...) {
+      message = "(not a std::exception: no message)";
+    }
+    what = "an exception of type " + type + " escaped every handler: \"" + Escaped(message) + "\"";
+  }
+  char thread_name[32] = "";
+  pthread_getname_np(pthread_self(), thread_name, sizeof(thread_name));
+  COLOD_LOG(ERROR) << daemon_name.load() << " ends on thread " << ::syscall(SYS_gettid) << " ('"
+                   << absl::CHexEscape(thread_name) << "'): " << what << "; exiting " << kExitUncaughtException
+                   << " without a clean shutdown, for its supervisor to start a new process";
+  std::_Exit(kExitUncaughtException);
+}
+
+}  // namespace
+
+void ExitOnUncaughtExceptions(absl::string_view name) {
+  // Leaked on purpose: the handler may run while static destructors do.
+  daemon_name.store((new std::string(name))->c_str());
+  std::set_terminate(OnTerminate);
+}
 
 int ServeUntilSignal(absl::string_view name, const std::string& ready_file, const std::string& grpc,
                      const std::string& metrics, const std::function<void()>& shutdown) {

@@ -16,6 +16,16 @@ namespace colod {
 int ServeUntilSignal(absl::string_view name, const std::string& ready_file, const std::string& grpc,
                      const std::string& metrics, const std::function<void()>& shutdown);
 
+// The first call of every daemon's main(): an exception that escapes every
+// handler (one thrown on a library's own thread, as Gloo's event loop does
+// when a peer resets a connection mid-handshake) or any other std::terminate
+// ends the process with kExitUncaughtException (common/exit_codes.h) and one
+// log line naming `name`, the thread, the exception's type and its message
+// (escaped, at most 1 KiB), in place of the runtime's abort and core dump.
+// Nothing is shut down: the process's state is unknown, and its supervisor
+// starts a new one. Thread-safe; the last call's name wins.
+void ExitOnUncaughtExceptions(absl::string_view name);
+
 }  // namespace colod
 
 #endif  // COLOD_COMMON_SERVE_H_

@@ -98,11 +98,15 @@ constexpr char kUsage[] =
     "  colod-coordinator --data-dir DIR [--listen HOST:PORT] [--metrics-listen HOST:PORT]\n"
     "\n"
     "Example (loopback, free ports):\n"
-    "  colod-coordinator --data-dir /tmp/colod --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0\n";
+    "  colod-coordinator --data-dir /tmp/colod --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0\n"
+    "\n"
+    "Exit status: 0 after a clean stop, 1 when it cannot start or write --ready-file, 2 for a\n"
+    "usage error, 71 when an exception escaped every handler (logged; start it again).\n";
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  colod::ExitOnUncaughtExceptions("colod-coordinator");
   colod::BlockShutdownSignals();
   colod::RaiseOpenFileLimit();
   std::vector<std::string> args = colod::ParseFlags(argc, argv, kUsage);

@@ -3,6 +3,7 @@
 // SIGTERM, and gone with coloctl even when coloctl is killed.
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -10,15 +11,16 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "gtest/gtest.h"
 #include "client/coordinator_client.h"
 #include "client/local_cluster.h"
+#include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/subprocess.h"
-#include "tests/testing/temp_dir.h"
 #include "tests/testing/grpc_probe.h"
+#include "tests/testing/temp_dir.h"
 
 namespace colod {
 namespace {
@@ -75,6 +77,65 @@ TEST(Local, AWorkerThatExitsAtStartFailsTheClusterAtOnce) {
   EXPECT_TRUE(first || second) << c.status();
   EXPECT_TRUE(absl::StrContains(c.status().message(), first ? "worker-0.log" : "worker-1.log")) << c.status();
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+}
+
+// A worker that exits 71 (an exception escaped every handler: Gloo's own
+// thread throws when a peer resets a connection mid-handshake, and
+// ExitOnUncaughtExceptions ends the process so) is started again, as one
+// whose device faulted (70, tests/cuda_daemons_test.cc). Its first life here
+// is a real worker under a shell that, on SIGUSR1, kills it and exits 71.
+TEST(Local, AWorkerThatAnUncaughtExceptionEndedIsStartedAgain) {
+  const std::string once = TempPath("uncaught-once");
+  const std::string script = TempPath("uncaught-worker.sh");
+  {
+    std::ofstream f(script);
+    f << "#!/bin/sh\n"
+      << "if mkdir '" << once << "' 2>/dev/null; then\n"
+      << "  echo $$ > '" << once << "/pid'\n"
+      << "  '" << Runfile("worker/daemon/colod-worker") << "' \"$@\" & child=$!\n"
+      << "  trap 'kill -9 $child; wait $child; exit 71' USR1\n"
+      << "  wait $child\n"
+      << "  exit 1\n"
+      << "fi\n"
+      << "exec '" << Runfile("worker/daemon/colod-worker") << "' \"$@\"\n";
+  }
+  std::filesystem::permissions(script, std::filesystem::perms::owner_all);
+  LocalCluster::Options o;
+  o.workers = 2;
+  o.coordinator_binary = Runfile("server/colod-coordinator");
+  o.worker_binary = script;
+  o.data_dir = TempPath("uncaught");
+  absl::StatusOr<std::unique_ptr<LocalCluster>> c = LocalCluster::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  LocalCluster& cluster = **c;
+  const absl::StatusOr<std::vector<v1::Worker>> before = cluster.workers();
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_EQ(before->size(), 2u);
+  // Whichever worker made the marker first is the one that will exit 71.
+  int victim = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(testing::ReadFile(once + "/pid"), &victim));
+  const std::vector<pid_t> pids = cluster.pids();
+  const size_t index = std::find(pids.begin(), pids.end(), victim) - pids.begin();
+  ASSERT_TRUE(index == 1 || index == 2) << victim;
+  const pid_t first = pids[index];
+  const pid_t other = pids[3 - index];
+  ASSERT_EQ(::kill(first, SIGUSR1), 0);
+  bool again = false;
+  for (int i = 0; i < 300 && !again; ++i) {  // 30 s
+    absl::SleepFor(absl::Milliseconds(100));
+    const absl::StatusOr<std::vector<v1::Worker>> now = cluster.workers();
+    if (cluster.restarts() != 1 || !now.ok()) continue;
+    for (const v1::Worker& w : *now) {
+      again |=
+          w.info().address() != (*before)[0].info().address() && w.info().address() != (*before)[1].info().address();
+    }
+  }
+  EXPECT_TRUE(again) << "no new worker registered; restarts: " << cluster.restarts();
+  EXPECT_EQ(cluster.restarts(), 1);
+  EXPECT_NE(cluster.pids()[index], first);
+  EXPECT_GT(cluster.pids()[index], 0);
+  EXPECT_EQ(cluster.pids()[3 - index], other) << "the other worker is left alone";
+  cluster.Stop();
 }
 
 TEST(Local, ItsDaemonsDieWithAKilledColoctl) {

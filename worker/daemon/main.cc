@@ -95,11 +95,17 @@ constexpr char kUsage[] =
     "  colod-worker --coordinator HOST:PORT [--listen HOST:PORT] [--metrics-listen HOST:PORT]\n"
     "\n"
     "Example (loopback, free ports):\n"
-    "  colod-worker --coordinator 127.0.0.1:7070 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0\n";
+    "  colod-worker --coordinator 127.0.0.1:7070 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0\n"
+    "\n"
+    "Exit status: 0 after a clean stop, 1 when it cannot start or write --ready-file, 2 for a\n"
+    "usage error; 70 when its CUDA device faulted and 71 when an exception escaped every handler\n"
+    "(as Gloo's own thread can throw when a peer resets a connection mid-handshake): both logged,\n"
+    "and both ask its supervisor to start it again (coloctl local does, up to 3 times).\n";
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  colod::ExitOnUncaughtExceptions("colod-worker");
   colod::kernels::cpu::PreferAvx512Blas(argv);
   colod::BlockShutdownSignals();
   colod::RaiseOpenFileLimit();
