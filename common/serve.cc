@@ -33,6 +33,16 @@ std::string Escaped(std::string s) {
 }
 
 [[noreturn]] void OnTerminate() {
+  // One line for the process: a call on the same thread (the line below ran
+  // out of memory and threw) exits at once, and one on another thread waits
+  // for the first call's exit.
+  static std::atomic<bool> entered{false};
+  thread_local bool here = false;
+  if (here) std::_Exit(kExitUncaughtException);
+  here = true;
+  if (entered.exchange(true)) {
+    for (;;) ::pause();
+  }
   std::string what = "std::terminate was called with no exception in flight";
   if (std::exception_ptr e = std::current_exception()) {
     std::string type = "an unknown type";
