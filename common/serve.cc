@@ -17,6 +17,7 @@
 #include "common/grpc_server.h"
 #include "common/logging.h"
 #include "common/ready_file.h"
+#include "common/text.h"
 
 namespace colod {
 namespace {
@@ -26,11 +27,6 @@ constexpr size_t kMaxTerminateMessage = 1024;
 // The daemon's name for the terminate handler's line: a copy that is never
 // freed, so that the handler may read it while static destructors run.
 std::atomic<const char*> daemon_name{"colod"};
-
-std::string Escaped(std::string s) {
-  if (s.size() > kMaxTerminateMessage) s = s.substr(0, kMaxTerminateMessage) + "...";
-  return absl::CHexEscape(s);
-}
 
 [[noreturn]] void OnTerminate() {
   // One line for the process: a call on the same thread (the line below ran
@@ -59,7 +55,8 @@ std::string Escaped(std::string s) {
     } catch (...) {
       message = "(not a std::exception: no message)";
     }
-    what = "an exception of type " + type + " escaped every handler: \"" + Escaped(message) + "\"";
+    what = "an exception of type " + type + " escaped every handler: \"" +
+           absl::CHexEscape(Utf8Prefix(message, kMaxTerminateMessage)) + "\"";
   }
   char thread_name[32] = "";
   pthread_getname_np(pthread_self(), thread_name, sizeof(thread_name));
