@@ -234,8 +234,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   KeyProofGate::Options proofs = options.key_proofs;
   proofs.clock = options.clock;
   c->service_->SetProveKey(
-      [credentials = so.credentials, to_workers](const std::string& a, const std::string& k, absl::Time deadline) {
-        return ProveWorkerKey(credentials, to_workers, a, k, deadline);
+      [credentials = so.credentials, to_workers](const std::string& a, const std::string& k, absl::Time deadline,
+                                                 const grpc::ServerContext& caller) {
+        return ProveWorkerKey(credentials, to_workers, a, k, deadline, &caller);
       },
       proofs);
   // A worker registered anew at an address (a daemon restarted on its

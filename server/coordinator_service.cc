@@ -133,7 +133,7 @@ absl::StatusOr<bool> CoordinatorServiceImpl::ProveKey(const grpc::ServerContext&
   const absl::Cleanup leave = [&] { proof_gate_->Leave(peer, address, unreachable); };
   const absl::Time own = absl::Now() + proof_gate_->options().deadline;
   const absl::Time caller = absl::FromChrono(ctx.deadline());
-  absl::StatusOr<bool> held = prove_key_(address, key, std::min(own, caller));
+  absl::StatusOr<bool> held = prove_key_(address, key, std::min(own, caller), ctx);
   if (!held.ok()) {
     // Remembered only where the check held its thread for its whole time:
     // a refused connection costs nothing, and a caller's shorter deadline

@@ -59,10 +59,12 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   // kProven); unproven (no key, an older worker, unset in tests), the
   // address rule of WorkerRegistry::CheckAddress holds. Each check runs
   // until `gate`'s deadline, or the caller's if sooner, on the call's
-  // server thread; `gate` bounds them (KeyProofGate: UNAVAILABLE past its
-  // bounds, which a worker tries again). Set before the service serves.
-  using KeyProver =
-      std::function<absl::StatusOr<bool>(const std::string& address, const std::string& key, absl::Time deadline)>;
+  // server thread, and ends when the caller cancels (`caller`, the
+  // registration's call); `gate` bounds them (KeyProofGate: UNAVAILABLE
+  // past its bounds, which a worker tries again). Set before the service
+  // serves.
+  using KeyProver = std::function<absl::StatusOr<bool>(const std::string& address, const std::string& key,
+                                                       absl::Time deadline, const grpc::ServerContext& caller)>;
   void SetProveKey(KeyProver prove_key, KeyProofGate::Options gate = KeyProofGate::Options()) {
     prove_key_ = std::move(prove_key);
     proof_gate_ = std::make_unique<KeyProofGate>(gate);

@@ -928,6 +928,48 @@ TEST_F(SlowProofCoordinatorTest, RegistrationsWithKeysAreCheckedAtTheirAddresses
   EXPECT_TRUE(client_->ListWorkers(true)->empty());
 }
 
+// A check ends with its registration's call: a caller that gives up (a
+// worker stopped while it registers, or a caller cancelling on purpose)
+// frees the check's place at once, where it held it until the check's own
+// deadline (6 s here) before.
+TEST_F(SlowProofCoordinatorTest, ACheckEndsWhenItsCallerCancels) {
+  SilentPort silent;
+  ASSERT_NO_FATAL_FAILURE(ListenSilently(&silent));
+  auto request = [&] {
+    v1::RegisterWorkerRequest req;
+    req.mutable_worker()->set_address(silent.address);
+    req.set_worker_key(NewWorkerKey());
+    return req;
+  };
+  grpc::ClientContext first_ctx;
+  grpc::Status first;
+  std::thread caller([&] {
+    v1::RegisterWorkerResponse resp;
+    first = client_->stub().RegisterWorker(&first_ctx, request(), &resp);
+  });
+  ASSERT_TRUE(ConnectionPending(silent, absl::Seconds(10)));
+  const absl::Time cancelled = absl::Now();
+  first_ctx.TryCancel();
+  caller.join();
+  EXPECT_EQ(first.error_code(), grpc::StatusCode::CANCELLED) << first.error_message();
+  // The address is checked again (from this host, one check at a time)
+  // as soon as the cancelled check has left: this one runs to its
+  // caller's deadline, unanswered.
+  absl::Status again;
+  for (int i = 0; i < 200; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    v1::RegisterWorkerResponse resp;
+    again = FromGrpcStatus(client_->stub().RegisterWorker(&ctx, request(), &resp));
+    if (!absl::StrContains(again.message(), "checking another registration at")) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_LT(absl::Now() - cancelled, absl::Seconds(4)) << again;
+  EXPECT_FALSE(absl::StrContains(again.message(), "checking another registration at")) << again;
+  EXPECT_TRUE(absl::IsUnavailable(again) || absl::IsDeadlineExceeded(again)) << again;
+  EXPECT_TRUE(client_->ListWorkers(true)->empty());
+}
+
 // A daemon at a registration's address that answers GetStatus, saying or
 // not that the call carried its own key (GetStatusResponse.worker_key_held).
 class KeyHoldingWorker final : public v1::WorkerService::Service {

@@ -8,6 +8,7 @@
 #include <system_error>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -74,12 +75,14 @@ absl::Status CheckStepReport(const v1::StepProgress& s) {
 
 // The placed ranks' devices' peak for the run summary's MFU (0 unknown).
 double PlacedPeakFlops(const v1::JobSpec& spec, const v1::MeshSpec& placed, const std::vector<v1::Worker>& live) {
+  absl::flat_hash_map<absl::string_view, const v1::WorkerInfo*> by_id;
+  for (const v1::Worker& w : live) by_id.emplace(w.info().worker_id(), &w.info());
   std::vector<v1::WorkerInfo> devices;
+  devices.reserve(placed.ranks_size());
   for (const v1::RankAssignment& a : placed.ranks()) {
-    auto w = std::find_if(live.begin(), live.end(),
-                          [&](const v1::Worker& x) { return x.info().worker_id() == a.worker_id(); });
-    if (w == live.end()) return 0;
-    devices.push_back(w->info());
+    auto w = by_id.find(a.worker_id());
+    if (w == by_id.end()) return 0;
+    devices.push_back(*w->second);
   }
   return PeakFlopsOf(spec, devices);
 }

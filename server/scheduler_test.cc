@@ -11,11 +11,11 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <functional>
-#include <limits>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <future>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -26,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "spec/job_validation.h"
 #include "tests/testing/full_disk.h"
+#include "tests/testing/job_specs.h"
 
 namespace colod {
 namespace {
@@ -58,22 +59,17 @@ class FakeWorkers final : public WorkerClient {
   absl::Status refusal = absl::UnavailableError("stopped");
 };
 
+// testing::TinyTrainSpec, ten steps of 4 x 32 tokens with a checkpoint every
+// two, in a directory of its own (a job saving into another active job's is
+// refused).
 v1::JobSpec TrainSpec(int tp, int dp) {
-  v1::JobSpec s;
-  s.set_kind(v1::JOB_KIND_TRAIN);
-  s.mutable_model()->set_config_json(
-      R"({"model_type": "gpt2", "vocab_size": 257, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64})");
-  s.mutable_model()->set_weights_path("/models/gpt2-tiny");
-  s.mutable_shard()->set_tensor_parallel_size(tp);
-  s.mutable_shard()->set_data_parallel_size(dp);
+  v1::JobSpec s = testing::TinyTrainSpec(tp, dp);
   auto* t = s.mutable_train();
   t->set_steps(10);
   t->set_batch_size(4);
   t->set_seq_len(32);
-  t->set_learning_rate(1e-3);
   t->set_data_path("/data/corpus.bin");
   t->set_checkpoint_every(2);
-  // A directory of its own: a job saving into another active job's is refused.
   static std::atomic<int> dirs{0};
   t->set_checkpoint_dir(absl::StrCat("/ck/", ++dirs));
   return s;

@@ -77,15 +77,20 @@ std::vector<absl::Status> GrpcWorkerClient::Probe(const std::vector<Call<v1::Get
 }
 
 absl::StatusOr<bool> ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentials>& credentials,
-                                    const std::string& auth_token, const std::string& address,
-                                    const std::string& key, absl::Time deadline) {
+                                    const std::string& auth_token, const std::string& address, const std::string& key,
+                                    absl::Time deadline, const grpc::ServerContextBase* caller) {
   grpc::ChannelArguments args;
   // A subchannel of its own: the process-wide pool may hold one to the
   // address still backing off from a daemon that died there.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   auto stub = v1::WorkerService::NewStub(grpc::CreateCustomChannel(
       DialTarget(address), credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(), args));
-  grpc::ClientContext ctx;
+  // A child of the registration's call where there is one: gRPC cancels it
+  // with its parent, so a caller that gives up frees the check's place in
+  // the gate (KeyProofGate) at once.
+  std::unique_ptr<grpc::ClientContext> owned =
+      caller != nullptr ? grpc::ClientContext::FromServerContext(*caller) : std::make_unique<grpc::ClientContext>();
+  grpc::ClientContext& ctx = *owned;
   ctx.set_deadline(absl::ToChronoTime(deadline));
   // Fails fast (UNAVAILABLE) where the first connection attempt is refused;
   // one that hangs is bounded by the deadline.
@@ -105,6 +110,13 @@ absl::StatusOr<bool> ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentia
                        absl::StatusCodeToString(s.code()),
                        "): a worker registers from the daemon that listens at its address, with its own key"));
       break;
+    case absl::StatusCode::kCancelled:
+      if (caller != nullptr && caller->IsCancelled()) {
+        out = absl::CancelledError(absl::StrCat("the registration at ", address,
+                                                " was cancelled by its caller before the daemon there answered"));
+        break;
+      }
+      [[fallthrough]];
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kDeadlineExceeded:
       out = absl::UnavailableError(absl::StrCat(

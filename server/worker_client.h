@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "colod/v1/worker.grpc.pb.h"
 #include "grpcpp/security/credentials.h"
+#include "grpcpp/server_context.h"
 #include "server/stub_cache.h"
 
 namespace colod {
@@ -77,11 +78,13 @@ class WorkerClient {
 // (or gRPC's reason a connection failed) travels only in the payload
 // kProofAnswerPayload, escaped, which absl::Status's text shows in the
 // coordinator's log and ToGrpcStatus never sends. `key` must pass
-// CheckWorkerKey.
+// CheckWorkerKey. With `caller` (the registration's server call, or null)
+// the check ends, CANCELLED, as soon as that call is cancelled or its
+// client goes away, rather than at `deadline`.
 inline constexpr char kProofAnswerPayload[] = "colod/proof-answer";
 absl::StatusOr<bool> ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentials>& credentials,
-                                    const std::string& auth_token, const std::string& address,
-                                    const std::string& key, absl::Time deadline);
+                                    const std::string& auth_token, const std::string& address, const std::string& key,
+                                    absl::Time deadline, const grpc::ServerContextBase* caller = nullptr);
 
 // Over gRPC's callback API, with a channel per address (TLS or plaintext;
 // StubCache's: one unused for 10 minutes is closed by a later call), the

@@ -190,19 +190,18 @@ absl::Status WorkerRegistry::CheckAddressLocked(absl::string_view address, absl:
   return absl::OkStatus();
 }
 
-std::string WorkerRegistry::KeyOf(absl::string_view worker_id) {
+std::optional<std::string> WorkerRegistry::RegisteredKey(absl::string_view worker_id) {
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(std::string(worker_id));
-  return it == workers_.end() ? "" : it->second.key;
+  if (it == workers_.end()) return std::nullopt;
+  return it->second.key;
 }
 
+std::string WorkerRegistry::KeyOf(absl::string_view worker_id) { return RegisteredKey(worker_id).value_or(""); }
+
 std::string WorkerRegistry::KeyToCall(absl::string_view worker_id) {
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = workers_.find(std::string(worker_id));
-    if (it != workers_.end()) return it->second.key;
-  }
-  return NewWorkerKey();
+  std::optional<std::string> key = RegisteredKey(worker_id);
+  return key.has_value() ? *std::move(key) : NewWorkerKey();
 }
 
 absl::StatusOr<absl::Time> WorkerRegistry::Heartbeat(absl::string_view worker_id,

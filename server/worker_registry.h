@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -151,6 +152,8 @@ class WorkerRegistry {
   absl::Status CheckAddressLocked(absl::string_view address, absl::string_view key, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::Worker ToProto(const Entry& e) const;
+  // The key `worker_id` registered with ("" for none); nullopt for an unknown id.
+  std::optional<std::string> RegisteredKey(absl::string_view worker_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   const Options options_;
   absl::Mutex mu_;

@@ -7,8 +7,10 @@
 #
 #   ./gpu-check.sh [OUT_DIR]      (default: ./out; the report is OUT_DIR/report.md)
 #
-# Environment: COLOD_CUDA_HOME (where cuBLAS and NCCL are looked for first;
-# default /usr/local/cuda), COLOD_GPU_CHECK_TEST_TIMEOUT (seconds per test
+# Environment: COLOD_CUDA_HOME (where cuBLAS, NCCL, cuDNN and NVRTC are looked
+# for first; default /usr/local/cuda), COLOD_GPU_CHECK_LIB_SEARCH (the
+# directories searched for them after that and the system's library
+# directories; default "/usr /opt"), COLOD_GPU_CHECK_TEST_TIMEOUT (seconds per test
 # binary, default 600), COLOD_GPU_CHECK_BENCH (benchmarks to run, default
 # "layers collectives train train-cudnn", the last bench:train's rows with
 # COLOD_ATTENTION=cudnn; empty for none), COLOD_GPU_CHECK_BENCH_TIMEOUT
@@ -45,7 +47,8 @@ find_lib() {
   for d in "$cuda/lib64" "$cuda/lib" /usr/lib/x86_64-linux-gnu /usr/lib64; do
     [[ -e $d/$1 ]] && { echo "$d"; return; }
   done
-  d=$(find /usr /opt -name "$1" -print 2>/dev/null | head -1)
+  # shellcheck disable=SC2086 # a list of directories
+  d=$(find ${COLOD_GPU_CHECK_LIB_SEARCH:-/usr /opt} -name "$1" -print 2>/dev/null | head -1)
   [[ -n $d ]] && dirname "$d"
 }
 libpath=$root/lib

@@ -56,14 +56,17 @@ echo "0, NVIDIA H200, 143771 MiB, 580.0, 9.0"
 EOF
 chmod +x "$work/bin/nvidia-smi"
 
-# Runs gpu-check.sh with the fake GPU, no PyTorch and no profiler; $1 is the
-# output directory, the rest are VAR=value settings. Sets rc.
+# Runs gpu-check.sh with the fake GPU and CUDA libraries (none searched for
+# elsewhere: what this machine has is not the test's), no PyTorch and no
+# profiler; $1 is the output directory, the rest are VAR=value settings.
+# Sets rc.
 check() {
   local out=$1
   shift
   rm -f "$work/ran" "$work/train-args" "$work/train-attention"
   set +e
-  env PATH="$work/bin:$PATH" COLOD_CUDA_HOME="$work/cuda" COLOD_GPU_CHECK_PYTORCH=none COLOD_GPU_CHECK_PROFILE=none \
+  env PATH="$work/bin:$PATH" COLOD_CUDA_HOME="$work/cuda" COLOD_GPU_CHECK_LIB_SEARCH="$work/cuda" \
+    COLOD_GPU_CHECK_PYTORCH=none COLOD_GPU_CHECK_PROFILE=none \
     "$@" "$bundle/gpu-check.sh" "$out" >"$work/stdout" 2>"$work/stderr"
   rc=$?
   set -e
