@@ -103,6 +103,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   if (options.stop_grace < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--stop-grace: must be >= 0 (0 waits for every rank's end)");
   }
+  if (options.worker_rpc_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--worker-rpc-timeout: must be > 0");
+  }
   if (options.job_retention < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--job-retention: must be >= 0 (0 keeps every job)");
   }
@@ -175,6 +178,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   so.period = options.schedule_period;
   so.hang_threshold = options.hang_threshold;
   so.stop_grace = options.stop_grace;
+  so.rpc_timeout = options.worker_rpc_timeout;
   so.clock = options.clock;
   // The workers hold the worker token where there is one.
   const std::string& to_workers = options.worker_token.empty() ? options.auth_token : options.worker_token;

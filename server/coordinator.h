@@ -82,6 +82,9 @@ class Coordinator {
     absl::Duration hang_threshold = absl::Seconds(30);
     // Scheduler::Options::stop_grace.
     absl::Duration stop_grace = absl::Minutes(2);
+    // Scheduler::Options::rpc_timeout: the deadline of the coordinator's
+    // AssignJob calls to the workers (and, up to 3 s, AbortJob's); > 0.
+    absl::Duration worker_rpc_timeout = absl::Seconds(10);
     // Ended jobs older than this are deleted (JobManager::Expire), checked
     // about once a minute; zero keeps them all.
     absl::Duration job_retention = absl::Hours(7 * 24);

@@ -1498,6 +1498,12 @@ TEST(CoordinatorStart, RefusesASharedDataDirAndBadOptions) {
   const absl::Status grace = Coordinator::Start(bad_grace).status();
   EXPECT_EQ(grace.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(grace.message().find("--stop-grace"), absl::string_view::npos) << grace;
+  Coordinator::Options bad_rpc;
+  bad_rpc.data_dir = testing::TempPath("bad_rpc");
+  bad_rpc.worker_rpc_timeout = absl::ZeroDuration();
+  const absl::Status rpc = Coordinator::Start(bad_rpc).status();
+  EXPECT_EQ(rpc.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(rpc.message().find("--worker-rpc-timeout"), absl::string_view::npos) << rpc;
 
   // --data-dir-reserve: the file, held (the gauge says so), and removed by
   // a start that keeps none.

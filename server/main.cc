@@ -36,6 +36,11 @@ ABSL_FLAG(absl::Duration, stop_grace, absl::Minutes(2),
           "A job's ranks are aborted when it ends or restarts, and it is released (or placed again) once they "
           "ended; a rank still running this long after its abort, its worker heartbeating, is given up on "
           "(logged) and its worker gets no other rank until it reports idle. 0 waits for every rank.");
+ABSL_FLAG(absl::Duration, worker_rpc_timeout, absl::Seconds(10),
+          "Deadline of the coordinator's calls that start ranks on the workers (AssignJob; the calls that stop "
+          "them, AbortJob, get at most 3s of it). A worker that does not answer an assignment within it has "
+          "refused it: the job is placed again without that worker. Raise it where workers are far away or "
+          "heavily loaded.");
 ABSL_FLAG(absl::Duration, job_retention, absl::Hours(7 * 24),
           "Jobs that ended longer ago than this are forgotten: their records, events and request ids "
           "(coloctl delete JOB does it at once). 0 keeps every job.");
@@ -123,6 +128,7 @@ int main(int argc, char** argv) {
   options.max_workers = absl::GetFlag(FLAGS_max_workers);
   options.hang_threshold = absl::GetFlag(FLAGS_hang_threshold);
   options.stop_grace = absl::GetFlag(FLAGS_stop_grace);
+  options.worker_rpc_timeout = absl::GetFlag(FLAGS_worker_rpc_timeout);
   options.job_retention = absl::GetFlag(FLAGS_job_retention);
   options.max_active_jobs = absl::GetFlag(FLAGS_max_active_jobs);
   options.max_watch_streams = absl::GetFlag(FLAGS_max_watch_streams);

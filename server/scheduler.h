@@ -61,7 +61,7 @@ class Scheduler {
   struct Options {
     // How often queued jobs and leases are looked at (Wake() looks at once).
     absl::Duration period = absl::Milliseconds(200);
-    // Deadline of AssignJob and AbortJob calls.
+    // Deadline of AssignJob calls, and (at most 3 s of it) of AbortJob's.
     absl::Duration rpc_timeout = absl::Seconds(10);
     // Sent to the workers as the bearer token; empty: none.
     std::string auth_token;

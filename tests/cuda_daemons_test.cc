@@ -213,7 +213,7 @@ class CudaJobsTest : public testing::JobsTest {
 // losses of the uninterrupted run (ranks as threads on the devices of this
 // process), every step.
 TEST_F(CudaJobsTest, ADaemonKilledMidJobRestartsItWithTheUninterruptedLosses) {
-  train::TrainOptions o = Options(24);
+  train::TrainOptions o = Options(14);
   o.cuda = true;  // fp32 (the options' param dtype), as the job's spec says
   std::vector<double> want;
   ASSERT_TRUE(train::Train(o, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
@@ -267,7 +267,7 @@ TEST_F(CudaJobsTest, ADaemonWhoseDeviceFaultsLeavesAndTheJobRestartsWithoutIt) {
   workers_[3] = start_worker("faulty", {"COLOD_CUDA_EMU_FAULT_AT_LAUNCH=3:400"});
   ASSERT_FALSE(workers_[3].grpc.empty()) << testing::ReadFile(workers_[3].log);
   ASSERT_TRUE(testing::WaitForWorkers(*client_, 4).ok()) << Logs();
-  train::TrainOptions o = Options(60);
+  train::TrainOptions o = Options(16);  // the fault comes at step 9
   o.cuda = true;
   v1::JobSpec spec = Spec(o);
   spec.mutable_restart()->set_max_restarts(2);

@@ -583,7 +583,7 @@ TEST_F(JobsTest, AStoppedPeerFailsTheJobAndTheHealthyWorkersAreIdleWithinSeconds
 // ZeRO 2 (tp=2 x dp=2): the killed rank held half of its tp shard's
 // optimizer state and gradients, which the checkpoint's partitions restore.
 TEST_F(JobsTest, AWorkerKilledMidRunRestartsTheJobWhichSucceedsWithTheUninterruptedLosses) {
-  train::TrainOptions o = Options(60);
+  train::TrainOptions o = Options(30);
   o.zero_stage = 2;
   std::vector<double> want;
   ASSERT_TRUE(train::Train(o, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
@@ -633,10 +633,10 @@ TEST_F(JobsTest, AWorkerKilledMidRunRestartsTheJobWhichSucceedsWithTheUninterrup
   for (const auto& entry : std::filesystem::directory_iterator(TempPath("ck-restart"))) {
     left.insert(entry.path().filename().string());
   }
-  EXPECT_EQ(left, (std::set<std::string>{"step-000055", "step-000060"}));
+  EXPECT_EQ(left, (std::set<std::string>{"step-000025", "step-000030"}));
   ASSERT_EQ(done->checkpoints_size(), 2);
-  EXPECT_EQ(done->checkpoints(0).step(), 55);
-  EXPECT_EQ(done->checkpoints(1).path(), TempPath("ck-restart") + "/step-000060");
+  EXPECT_EQ(done->checkpoints(0).step(), 25);
+  EXPECT_EQ(done->checkpoints(1).path(), TempPath("ck-restart") + "/step-000030");
   EXPECT_GT(done->checkpoints(1).bytes(), 0);
 }
 
@@ -876,11 +876,11 @@ TEST_F(JobsTest, AWorkerThatStopsMidJobFailsItNamingTheWorker) {
   EXPECT_TRUE(AllIdle(absl::Seconds(45), leaving)) << Logs();
 }
 
-// A lease longer than the assignment deadline, so that a stopped worker is
-// found out by its assignment, not by its heartbeats.
+// A lease longer than the assignment deadline (--worker-rpc-timeout), so
+// that a stopped worker is found out by its assignment, not by its heartbeats.
 class JobsLongLeaseTest : public JobsTest {
  protected:
-  JobsLongLeaseTest() { coordinator_flags_ = {"--lease-duration", "30s"}; }
+  JobsLongLeaseTest() { coordinator_flags_ = {"--lease-duration", "30s", "--worker-rpc-timeout", "3s"}; }
 };
 
 // A worker that does not answer its assignment (SIGSTOPped: AssignJob runs
@@ -1230,7 +1230,7 @@ TEST_F(JobsTest, AWatchOfACoordinatorThatStopsAnsweringEndsUnavailable) {
 }
 
 TEST_F(JobsTest, ACoordinatorKilledMidJobResumesItByItself) {
-  train::TrainOptions o = Options(60);
+  train::TrainOptions o = Options(30);
   std::vector<double> want;
   ASSERT_TRUE(train::Train(o, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
   v1::JobSpec spec = Spec(o);
