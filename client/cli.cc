@@ -584,9 +584,10 @@ int RunInProcess() {
 
 int CommandLineMain(int argc, char** argv, const std::string& intro, const std::string& epilogue,
                     const std::vector<CommandGroup>& groups) {
-  // A --flagfile's flags in its place, for every check below as for the
-  // parse (and handed to coloctl-run as they are, not read again there).
-  absl::StatusOr<std::vector<std::string>> expanded = ExpandFlagfiles(std::vector<std::string>(argv, argv + argc));
+  // A --flagfile's or --fromenv's flags in its place, for every check below
+  // as for the parse (and handed to coloctl-run as they are, not read again
+  // there).
+  absl::StatusOr<std::vector<std::string>> expanded = ExpandFlagSources(std::vector<std::string>(argv, argv + argc));
   if (!expanded.ok()) return Usage(std::string(expanded.status().message()));
   CommandLine() = *std::move(expanded);
   const std::vector<std::string> all = CommandLine();

@@ -154,19 +154,53 @@ absl::StatusOr<std::vector<std::string>> ReadFlagfile(const std::string& path) {
   return out;
 }
 
-// ExpandFlagfiles, `depth` more files deep at most, reading `files_left`
-// more files at most.
-absl::StatusOr<std::vector<std::string>> ExpandFlagfilesWithin(const std::vector<std::string>& args, int depth,
-                                                               int& files_left) {
+// The flags that --fromenv=NAMES or --tryfromenv=NAMES (`f`) stand for,
+// after `program`: --NAME=VALUE for each name (spelt either way) whose
+// variable FLAGS_NAME (spelt with '_') is set, as Abseil reads them.
+// INVALID_ARGUMENT for a name of --fromenv whose variable is not set, and
+// for the names fromenv and tryfromenv.
+absl::StatusOr<std::vector<std::string>> FlagsFromEnv(const FlagArg& f, const std::string& program) {
+  std::vector<std::string> out = {program};
+  for (absl::string_view name : absl::StrSplit(*f.value, ',', absl::SkipEmpty())) {
+    std::string n(name);
+    std::replace(n.begin(), n.end(), '-', '_');
+    if (n == "fromenv" || n == "tryfromenv") {
+      return absl::InvalidArgumentError(absl::StrCat(f.spelled, ": cannot read --", name, " from the environment"));
+    }
+    const std::string variable = "FLAGS_" + n;
+    const char* value = std::getenv(variable.c_str());
+    if (value == nullptr) {
+      if (f.name == "fromenv") {
+        return absl::InvalidArgumentError(
+            absl::StrCat(f.spelled, ": ", variable, " is not set (--tryfromenv passes over an unset one)"));
+      }
+      continue;
+    }
+    out.push_back(absl::StrCat("--", n, "=", value));
+  }
+  return out;
+}
+
+// ExpandFlagSources, `depth` more sources deep at most, reading
+// `files_left` more files at most.
+absl::StatusOr<std::vector<std::string>> ExpandFlagSourcesWithin(const std::vector<std::string>& args, int depth,
+                                                                 int& files_left) {
   std::vector<std::string> out(args.begin(), args.begin() + (args.empty() ? 0 : 1));
   size_t next = 1;
   for (const FlagArg& f : ScanFlags(args)) {
-    if (f.name != "flagfile") continue;
+    const bool env = f.name == "fromenv" || f.name == "tryfromenv";
+    if (f.name != "flagfile" && !env) continue;
     out.insert(out.end(), args.begin() + static_cast<std::ptrdiff_t>(next),
                args.begin() + static_cast<std::ptrdiff_t>(f.index));
     next = f.index + (f.value_next ? 2 : 1);
     if (!f.value.has_value()) return absl::InvalidArgumentError(absl::StrCat(f.spelled, ": missing its value"));
-    if (depth == 0) return absl::InvalidArgumentError("--flagfile: nested more than 4 deep");
+    if (depth == 0) return absl::InvalidArgumentError(absl::StrCat("--", f.name, ": nested more than 4 deep"));
+    if (env) {  // in its place, as Abseil reads them (a --flagfile among them too)
+      ASSIGN_OR_RETURN(std::vector<std::string> flags, FlagsFromEnv(f, args.empty() ? std::string() : args[0]));
+      ASSIGN_OR_RETURN(std::vector<std::string> expanded, ExpandFlagSourcesWithin(flags, depth - 1, files_left));
+      out.insert(out.end(), expanded.begin() + 1, expanded.end());
+      continue;
+    }
     for (absl::string_view path : absl::StrSplit(*f.value, ',', absl::SkipEmpty())) {
       if (--files_left < 0) return absl::InvalidArgumentError("--flagfile: more than 64 files");
       ASSIGN_OR_RETURN(std::vector<std::string> lines, ReadFlagfile(std::string(path)));
@@ -182,7 +216,7 @@ absl::StatusOr<std::vector<std::string>> ExpandFlagfilesWithin(const std::vector
               absl::StrCat("--flagfile ", path, ": ", last.spelled, ": missing its value"));
         }
       }
-      ASSIGN_OR_RETURN(std::vector<std::string> expanded, ExpandFlagfilesWithin(lines, depth - 1, files_left));
+      ASSIGN_OR_RETURN(std::vector<std::string> expanded, ExpandFlagSourcesWithin(lines, depth - 1, files_left));
       out.insert(out.end(), expanded.begin() + 1, expanded.end());
     }
   }
@@ -198,9 +232,9 @@ std::string DashedName(absl::string_view name) {
   return out;
 }
 
-absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(const std::vector<std::string>& args) {
+absl::StatusOr<std::vector<std::string>> ExpandFlagSources(const std::vector<std::string>& args) {
   int files_left = 64;
-  return ExpandFlagfilesWithin(args, 4, files_left);
+  return ExpandFlagSourcesWithin(args, 4, files_left);
 }
 
 absl::Status CheckFlags(const std::vector<std::string>& args) {
@@ -249,9 +283,10 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   config.version_string = [] { return absl::StrCat("colod ", kVersion, "\n"); };
   absl::SetFlagsUsageConfig(config);
   absl::SetProgramUsageMessage(usage);
-  // A --flagfile's flags in its place (Abseil would exit 1 on a file it
-  // cannot open and on what it holds; the names there are spelt as here).
-  absl::StatusOr<std::vector<std::string>> expanded = ExpandFlagfiles(std::vector<std::string>(argv, argv + argc));
+  // A --flagfile's or --fromenv's flags in its place (Abseil would exit 1
+  // on a file it cannot open, an unset variable and on what they hold; the
+  // names there are spelt as here).
+  absl::StatusOr<std::vector<std::string>> expanded = ExpandFlagSources(std::vector<std::string>(argv, argv + argc));
   if (!expanded.ok()) {
     const std::string program = argc == 0 ? "colod" : std::filesystem::path(argv[0]).filename().string();
     std::fprintf(stderr, "%s: %s\nRun '%s --help' for usage.\n", program.c_str(),
@@ -316,8 +351,6 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   }
   std::vector<char*> normalized;
   for (std::string& a : storage) normalized.push_back(a.data());
-  // (Would exit 1 with "ERROR: ..." on what CheckFlags passed and Abseil
-  // does not: --fromenv's variables.)
   std::vector<char*> positional =
       absl::ParseCommandLine(static_cast<int>(normalized.size()), normalized.data());
   std::vector<std::string> out;

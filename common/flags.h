@@ -18,8 +18,9 @@ namespace colod {
 
 // Parses argv with Abseil flags. --help / -h prints `usage` followed by the
 // binary's own flags (not Abseil's internal ones) and exits 0; --version
-// prints the colod version and exits 0; a --flagfile is read here
-// (ExpandFlagfiles), and a flagfile that cannot be read, or an unknown or
+// prints the colod version and exits 0; a --flagfile and a --fromenv's
+// variables are read here (ExpandFlagSources), and a flagfile that cannot
+// be read, a variable of --fromenv that is not set, or an unknown or
 // malformed flag, there or on the command line (CheckFlags), prints why and
 // exits 2, a usage error. Returns the positional arguments, argv[0] excluded.
 // Flags named in `repeatable` (Abseil's names, with '_'; list-valued) may be
@@ -65,10 +66,14 @@ std::string DashedName(absl::string_view name);
 // reads a flagfile (leading blanks dropped, empty lines and '#' comments
 // skipped, a flag a line; a file's last flag takes no value from what
 // follows it), theirs too: so the flags there are checked, spelt and
-// joined as the command line's are. INVALID_ARGUMENT naming the file for
-// one that cannot be read or is over 1 MiB, a line that is not a flag,
-// files nested more than 4 deep or more than 64 of them.
-absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(const std::vector<std::string>& args);
+// joined as the command line's are; and each --fromenv=NAME[,NAME...] or
+// --tryfromenv by --NAME=VALUE for each variable FLAGS_NAME (the name with
+// '_') that is set, in its place, as Abseil reads them. INVALID_ARGUMENT
+// naming the file for one that cannot be read or is over 1 MiB, a line
+// that is not a flag, files (or environments) nested more than 4 deep or
+// more than 64 files; naming the variable for one of --fromenv that is not
+// set.
+absl::StatusOr<std::vector<std::string>> ExpandFlagSources(const std::vector<std::string>& args);
 
 // Whether Abseil would parse the flags of `args` (args[0], the program,
 // excluded; names as Abseil spells them, with '_'): INVALID_ARGUMENT naming
@@ -77,7 +82,7 @@ absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(const std::vector<std::
 // gives a negation a value, or whose value does not parse (Abseil's
 // reason). Abseil's own flags (the --help family, --flagfile, --fromenv,
 // --tryfromenv, --undefok) are left to it (ParseFlags reads the flagfiles
-// before it: ExpandFlagfiles). No flag's value changes.
+// and variables before it: ExpandFlagSources). No flag's value changes.
 absl::Status CheckFlags(const std::vector<std::string>& args);
 
 // `text` wrapped into lines of at most `width` columns, each starting with

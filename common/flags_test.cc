@@ -1,5 +1,6 @@
 #include "common/flags.h"
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -110,6 +111,34 @@ TEST(CheckFlags, NamesAnUnknownFlagAMissingValueAndAValueThatDoesNotParse) {
   EXPECT_FALSE(CheckFlags({"prog", "--undefok=bogus", "--undefok=a", "--bogus"}).ok());
   // Abseil's own flags are left to it.
   EXPECT_TRUE(CheckFlags({"prog", "--helpshort", "--help=coord", "--flagfile=/dev/null", "--only_check_args"}).ok());
+}
+
+// --fromenv and --tryfromenv stand for the flags their variables hold, in
+// their place (a --flagfile there is read too), checked as the command
+// line's; an unset variable of --fromenv is named, and so is a name that
+// would read the environment again.
+TEST(ExpandFlagSources, FromenvGivesItsVariablesFlagsInItsPlace) {
+  ASSERT_EQ(setenv("FLAGS_test_count", "7", 1), 0);
+  ASSERT_EQ(setenv("FLAGS_test_reason", "from the environment", 1), 0);
+  ASSERT_EQ(unsetenv("FLAGS_test_switch"), 0);
+  const auto expanded = ExpandFlagSources(
+      {"prog", "--x=1", "--fromenv=test-count,test_reason", "--tryfromenv", "test_switch,test-count", "pos"});
+  ASSERT_TRUE(expanded.ok()) << expanded.status();
+  EXPECT_EQ(*expanded, (std::vector<std::string>{"prog", "--x=1", "--test_count=7",
+                                                 "--test_reason=from the environment", "--test_count=7", "pos"}));
+  EXPECT_EQ(ExpandFlagSources({"prog", "--fromenv=test_switch"}).status().message(),
+            "--fromenv: FLAGS_test_switch is not set (--tryfromenv passes over an unset one)");
+  EXPECT_EQ(ExpandFlagSources({"prog", "--fromenv"}).status().message(), "--fromenv: missing its value");
+  EXPECT_EQ(ExpandFlagSources({"prog", "--tryfromenv=from-env,fromenv"}).status().message(),
+            "--tryfromenv: cannot read --fromenv from the environment");
+  ASSERT_EQ(setenv("FLAGS_test_count", "seven", 1), 0);
+  const auto bad = ExpandFlagSources({"prog", "--fromenv=test_count"});
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  EXPECT_TRUE(absl::StartsWith(CheckFlags(*bad).message(), "--test_count: ")) << CheckFlags(*bad);
+  ASSERT_EQ(setenv("FLAGS_flagfile", "/nonexistent.flags", 1), 0);
+  EXPECT_EQ(ExpandFlagSources({"prog", "--fromenv=flagfile"}).status().message(),
+            "--flagfile: cannot open '/nonexistent.flags': No such file or directory");
+  for (const char* name : {"FLAGS_test_count", "FLAGS_test_reason", "FLAGS_flagfile"}) unsetenv(name);
 }
 
 // Repeatable flags collect every value; a value after its flag stays as

@@ -346,6 +346,24 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
     EXPECT_EQ(r.code, 2) << r.err;
     EXPECT_TRUE(absl::StrContains(r.err, says)) << r.err;
   }
+  // --fromenv's flags are read and checked as the command line's: a value
+  // that does not parse and an unset variable are usage errors (Abseil
+  // exited 1 on both), and what they hold counts.
+  for (const std::string& bin : {kCoordinator, kWorker}) {
+    const auto bad =
+        RunCommand({"/usr/bin/env", "FLAGS_tls_refresh_interval=soon", Runfile(bin), "--fromenv=tls-refresh-interval"},
+                   TempPath(""));
+    EXPECT_EQ(bad.code, 2) << bin << ": " << bad.err;
+    EXPECT_TRUE(absl::StrContains(bad.err, "--tls_refresh_interval: ")) << bad.err;
+    const auto unset =
+        RunCommand({"/usr/bin/env", "-u", "FLAGS_data_dir", Runfile(bin), "--fromenv=data-dir"}, TempPath(""));
+    EXPECT_EQ(unset.code, 2) << bin << ": " << unset.err;
+    EXPECT_TRUE(absl::StrContains(unset.err, "--fromenv: FLAGS_data_dir is not set")) << unset.err;
+  }
+  const auto from_env =
+      RunCommand({"/usr/bin/env", "FLAGS_output=json", Runfile(kColoctl), "--fromenv=output", "version"}, TempPath(""));
+  EXPECT_EQ(from_env.code, 0) << from_env.err;
+  EXPECT_TRUE(absl::StartsWith(from_env.out, "{")) << from_env.out;
   auto unknown_cmd = RunCommand({Runfile(kColoctl), "frobnicate"}, TempPath(""));
   EXPECT_EQ(unknown_cmd.code, 2);
   EXPECT_TRUE(absl::StrContains(unknown_cmd.err, "unknown command")) << unknown_cmd.err;
