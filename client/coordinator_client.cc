@@ -84,7 +84,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(con
   if (options.watch_reconnect_limit <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("watch_reconnect_limit: must be > 0");
   }
-  if (absl::Status s = CheckAuthToken(options.auth_token); !s.ok()) {
+  if (absl::Status s = CheckAuthToken(options.auth_token.Sent()); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("auth_token (--auth-token-file): ", s.message()));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, MakeChannelCredentials(options.tls));

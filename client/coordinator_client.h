@@ -28,8 +28,9 @@ class CoordinatorClient {
     // before it on the same job (docs/API.md): a shorter deadline ends a call
     // that would have been answered.
     absl::Duration tensor_timeout = absl::Seconds(60);
-    // Bearer token sent with every call (--auth-token-file); empty: none.
-    std::string auth_token;
+    // Bearer token sent with every call (--auth-token-file: its first line;
+    // a string is one); empty: none.
+    AuthToken auth_token;
     // TLS to the coordinator (its CA, and our cert + key for mutual TLS).
     TlsFiles tls;
     // A watch whose coordinator stays unreachable (UNAVAILABLE) this long in

@@ -4,27 +4,48 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "common/atomic_file.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
 #include "grpcpp/security/tls_certificate_provider.h"
 #include "grpcpp/security/tls_certificate_verifier.h"
 #include "grpcpp/security/tls_credentials_options.h"
-#include "common/status_macros.h"
 
 namespace colod {
 
-absl::StatusOr<std::string> ReadAuthToken(const std::string& path, absl::string_view flag) {
+absl::StatusOr<std::vector<std::string>> ReadAuthTokens(const std::string& path, absl::string_view flag) {
+  constexpr size_t kMaxBytes = 64 << 10;
+  constexpr size_t kMaxTokens = 64;
   auto text = ReadFileToString(path);
   if (!text.ok()) return absl::NotFoundError(absl::StrCat(flag, ": ", text.status().message()));
-  std::string token(absl::StripAsciiWhitespace(*text));
-  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' is empty"));
-  if (absl::Status s = CheckAuthToken(token); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "': ", s.message()));
+  if (text->size() > kMaxBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": '", path, "' is over 64 KiB: a token file holds a token a line"));
   }
-  return token;
+  std::vector<std::string> tokens;
+  int line = 0;
+  for (absl::string_view l : absl::StrSplit(*text, '\n')) {
+    ++line;
+    const absl::string_view token = absl::StripAsciiWhitespace(l);
+    if (token.empty()) continue;
+    if (absl::Status s = CheckAuthToken(token); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' line ", line, ": ", s.message()));
+    }
+    if (tokens.size() == kMaxTokens) {
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' holds over 64 tokens"));
+    }
+    tokens.emplace_back(token);
+  }
+  if (tokens.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' holds no token"));
+  return tokens;
 }
 
 absl::Status CheckAuthToken(absl::string_view token) {
@@ -51,12 +72,107 @@ bool ConstantTimeEqual(absl::string_view got, absl::string_view want) {
   return diff == 0;
 }
 
-// Whether `header` is "Bearer " + `token`.
-bool CarriesToken(absl::string_view header, const std::string& token) {
-  return ConstantTimeEqual(header, "Bearer " + token);
+}  // namespace
+
+struct AuthToken::State {
+  ~State() {
+    {
+      absl::MutexLock lock(&mu);
+      stop = true;
+    }
+    if (reader.joinable()) reader.join();
+  }
+  // Reads the file again every `refresh` until `stop`.
+  void ReadAgain(const std::string& path, const std::string& flag, absl::Duration refresh);
+
+  mutable absl::Mutex mu;
+  std::vector<std::string> tokens ABSL_GUARDED_BY(mu);  // never empty
+  bool stop ABSL_GUARDED_BY(mu) = false;
+  std::thread reader;
+};
+
+void AuthToken::State::ReadAgain(const std::string& path, const std::string& flag, absl::Duration refresh) {
+  std::string said;  // the last failure logged, so that each is logged once
+  while (true) {
+    {
+      absl::MutexLock lock(&mu);
+      if (mu.AwaitWithTimeout(absl::Condition(&stop), refresh)) return;
+    }
+    absl::StatusOr<std::vector<std::string>> read = ReadAuthTokens(path, flag);  // no lock held
+    if (!read.ok()) {
+      if (read.status().message() != said) {
+        said = std::string(read.status().message());
+        COLOD_LOG(WARNING) << said << ": the tokens read before stay";
+      }
+      continue;
+    }
+    said.clear();
+    absl::MutexLock lock(&mu);
+    if (*read == tokens) continue;
+    const bool sent_changed = read->front() != tokens.front();
+    tokens = *std::move(read);
+    COLOD_LOG(INFO) << flag << ": read again, " << tokens.size() << (tokens.size() == 1 ? " token" : " tokens")
+                    << (sent_changed ? "; the token sent changed" : "; the token sent is the same");
+  }
 }
 
-}  // namespace
+AuthToken::AuthToken(std::string token) {
+  if (token.empty()) return;
+  state_ = std::make_shared<State>();
+  absl::MutexLock lock(&state_->mu);
+  state_->tokens.push_back(std::move(token));
+}
+
+absl::StatusOr<AuthToken> AuthToken::FromFile(const std::string& path, absl::string_view flag, absl::Duration refresh) {
+  if (refresh != absl::ZeroDuration() && refresh < absl::Milliseconds(10)) {
+    return absl::InvalidArgumentError(
+        "--auth-token-refresh-interval: must be 0 (the files are read once) or at least 10ms");
+  }
+  ASSIGN_OR_RETURN(std::vector<std::string> tokens, ReadAuthTokens(path, flag));
+  AuthToken out;
+  out.state_ = std::make_shared<State>();
+  {
+    absl::MutexLock lock(&out.state_->mu);
+    out.state_->tokens = std::move(tokens);
+  }
+  if (refresh > absl::ZeroDuration()) {
+    // The thread holds the state, not a handle: it ends with the last handle (~State).
+    out.state_->reader = std::thread(
+        [s = out.state_.get(), path, flag = std::string(flag), refresh] { s->ReadAgain(path, flag, refresh); });
+  }
+  return out;
+}
+
+std::string AuthToken::Sent() const {
+  if (state_ == nullptr) return "";
+  absl::MutexLock lock(&state_->mu);
+  return state_->tokens.front();
+}
+
+std::vector<std::string> AuthToken::All() const {
+  if (state_ == nullptr) return {};
+  absl::MutexLock lock(&state_->mu);
+  return state_->tokens;
+}
+
+bool AuthToken::CarriedBy(absl::string_view authorization) const {
+  if (state_ == nullptr) return false;
+  constexpr absl::string_view kBearer = "Bearer ";
+  const bool bearer = absl::StartsWith(authorization, kBearer);
+  const absl::string_view got = bearer ? authorization.substr(kBearer.size()) : authorization;
+  absl::MutexLock lock(&state_->mu);
+  bool any = false;
+  for (const std::string& token : state_->tokens) any |= ConstantTimeEqual(got, token);  // each, no early exit
+  return bearer && any;
+}
+
+bool AuthToken::SharesATokenWith(const AuthToken& other) const {
+  const std::vector<std::string> mine = All(), theirs = other.All();  // no two locks at once
+  for (const std::string& t : mine) {
+    if (std::find(theirs.begin(), theirs.end(), t) != theirs.end()) return true;
+  }
+  return false;
+}
 
 absl::Status TokenAuth::Check(const grpc::ServerContext& ctx, CallerRole role) const {
   RETURN_IF_ERROR(CheckBearer(ctx, role));
@@ -72,7 +188,7 @@ absl::Status TokenAuth::CheckToken(const grpc::ServerContext& ctx, CallerRole ro
 
 absl::Status TokenAuth::CheckBearer(const grpc::ServerContext& ctx, CallerRole role) const {
   const bool worker_call = role == CallerRole::kWorker && !worker_token_.empty();
-  const std::string& want = worker_call ? worker_token_ : token_;
+  const AuthToken& want = worker_call ? worker_token_ : token_;
   if (want.empty()) return absl::OkStatus();
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
@@ -82,24 +198,28 @@ absl::Status TokenAuth::CheckBearer(const grpc::ServerContext& ctx, CallerRole r
         "its --auth-token-file");
   }
   const absl::string_view got(it->second.data(), it->second.size());
-  if (CarriesToken(got, want)) return absl::OkStatus();
-  if (!worker_token_.empty()) {
-    // Both are compared, so the time says nothing of which one was close.
-    const bool other = CarriesToken(got, worker_call ? token_ : worker_token_);
-    if (other && !(worker_call ? token_ : worker_token_).empty()) {
-      return absl::PermissionDeniedError(
-          worker_call ? "this call is a worker's: the client token does not admit it (workers carry the "
-                        "coordinator's --worker-token-file)"
-                      : "this call is a client's: the worker token does not admit it (clients carry the "
-                        "coordinator's --auth-token-file)");
-    }
+  const bool mine = want.CarriedBy(got);
+  // Both roles' are compared, so the time says nothing of which one was close.
+  const bool other = !worker_token_.empty() && (worker_call ? token_ : worker_token_).CarriedBy(got);
+  if (mine && !other) return absl::OkStatus();
+  if (mine) {
+    return absl::PermissionDeniedError(
+        "the call's token is both the clients' and the workers' (a line of both the coordinator's "
+        "--auth-token-file and its --worker-token-file): it admits no call until one of the files drops it");
+  }
+  if (other) {
+    return absl::PermissionDeniedError(
+        worker_call ? "this call is a worker's: the client token does not admit it (workers carry the "
+                      "coordinator's --worker-token-file)"
+                    : "this call is a client's: the worker token does not admit it (clients carry the "
+                      "coordinator's --auth-token-file)");
   }
   return absl::UnauthenticatedError(
       "invalid bearer token: the caller's --auth-token-file holds a token this daemon does not take");
 }
 
-void AddAuthToken(grpc::ClientContext& ctx, const std::string& token) {
-  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+void AddAuthToken(grpc::ClientContext& ctx, const AuthToken& token) {
+  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token.Sent());
 }
 
 std::string NewWorkerKey() {

@@ -10,13 +10,19 @@
 // token where the coordinator has one (--worker-token-file), so that
 // holding the client token is not enough to pose as a worker or to drive one.
 //
-// Thread-safety: TokenAuth is immutable.
+// A token file holds one token or several, a line each: a process sends
+// the first and takes every one, so that a token is changed with no call
+// refused (AuthToken).
+//
+// Thread-safety: TokenAuth is immutable; AuthToken and WorkerKey are
+// thread-safe.
 #ifndef COLOD_COMMON_AUTH_H_
 #define COLOD_COMMON_AUTH_H_
 
 #include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -28,10 +34,13 @@
 
 namespace colod {
 
-// The token in `path` (surrounding whitespace trimmed). NOT_FOUND for a
-// missing file, INVALID_ARGUMENT for an empty one or one CheckAuthToken
-// refuses; each error names `flag`.
-absl::StatusOr<std::string> ReadAuthToken(const std::string& path, absl::string_view flag = "--auth-token-file");
+// The tokens in `path`: a token a line, each line's surrounding whitespace
+// trimmed and blank lines skipped, in the file's order. NOT_FOUND for a
+// missing file; INVALID_ARGUMENT for a file of no token, one over 64 KiB
+// or over 64 tokens, or a line that CheckAuthToken refuses (naming the
+// line, never its text); each error names `flag` and the file.
+absl::StatusOr<std::vector<std::string>> ReadAuthTokens(const std::string& path,
+                                                        absl::string_view flag = "--auth-token-file");
 // OK when `token` can travel in the authorization header: printable ASCII
 // only (0x20 to 0x7e; RFC 6750's tokens are a part of it). INVALID_ARGUMENT
 // naming the first other byte and where it is: a line break, a tab or a
@@ -76,6 +85,57 @@ class WorkerKey {
   std::atomic<bool> taken_{false};
 };
 
+// The bearer tokens of one role: none (no authentication), one, or
+// several from a token file (ReadAuthTokens). The first is the one sent
+// (Sent), and every one is taken (CarriedBy). A token is rotated with no
+// call refused in three steps, each once every daemon has read its file
+// again (--auth-token-refresh-interval, a minute): the new token added as
+// a second line, then moved first, then the old one dropped.
+//
+// AuthToken is a handle: its copies share the tokens, which FromFile's
+// thread replaces as the file changes; that thread ends with the last copy.
+// Thread-safe.
+class AuthToken {
+ public:
+  // No token: every call is taken, and none carries a token.
+  AuthToken() = default;
+  // The one token `token`, for good; none where it is empty. Implicit: a
+  // string is a token (clients' options, tests).
+  AuthToken(std::string token);                                    // NOLINT(google-explicit-constructor)
+  AuthToken(const char* token) : AuthToken(std::string(token)) {}  // NOLINT(google-explicit-constructor)
+  // The tokens of `path` (ReadAuthTokens, its errors naming `flag`), read
+  // again every `refresh` by a thread of its own: a read that fails (a file
+  // removed, emptied or garbled) keeps the tokens last read, and says why
+  // in the log once. Zero reads the file once, here; INVALID_ARGUMENT for
+  // another `refresh` under 10 ms.
+  static absl::StatusOr<AuthToken> FromFile(const std::string& path, absl::string_view flag,
+                                            absl::Duration refresh = absl::ZeroDuration());
+
+  // Whether there is no token.
+  bool empty() const { return state_ == nullptr; }
+  // The token sent ("" where there is none).
+  std::string Sent() const;
+  // Every token taken, the sent one first.
+  std::vector<std::string> All() const;
+  // Whether `authorization` is "Bearer " and one of the tokens, compared
+  // with each in constant time in the token's length.
+  bool CarriedBy(absl::string_view authorization) const;
+  // Whether a token is both this one's and `other`'s.
+  bool SharesATokenWith(const AuthToken& other) const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+// The help of the daemons' --auth-token-refresh-interval.
+inline constexpr char kAuthTokenRefreshIntervalHelp[] =
+    "How often the token files (--auth-token-file, the coordinator's --worker-token-file) are read again, so "
+    "that a token is rotated with no restart and no call refused: a file holds a token a line, the first is "
+    "sent and each is taken; add the new token as a second line everywhere, move it first once every daemon "
+    "has read it, then drop the old one. A file that cannot be read, or holds no good token, keeps the tokens "
+    "read last (logged). 0 reads them once, at start; another value must be at least 10ms.";
+
 // Who may make a call: see the file comment.
 enum class CallerRole { kClient, kWorker };
 
@@ -86,13 +146,13 @@ class TokenAuth {
   // and only those. An empty token accepts every call of its role.
   // `key`, a worker's own (null elsewhere): its workers' calls must also
   // carry it (WorkerKey::Check).
-  explicit TokenAuth(std::string token = "", std::string worker_token = "",
-                     std::shared_ptr<const WorkerKey> key = nullptr)
+  explicit TokenAuth(AuthToken token = {}, AuthToken worker_token = {}, std::shared_ptr<const WorkerKey> key = nullptr)
       : token_(std::move(token)), worker_token_(std::move(worker_token)), key_(std::move(key)) {}
-  // OK when the call carries the token of `role` (compared in constant
+  // OK when the call carries a token of `role` (compared in constant
   // time), and a worker's key where there is one. PERMISSION_DENIED when it
-  // carries the other role's token (authenticated, but not for this call)
-  // or not the key; UNAUTHENTICATED otherwise.
+  // carries the other role's token (authenticated, but not for this call),
+  // a token of both roles (a line of both files: it admits neither until
+  // one drops it) or not the key; UNAUTHENTICATED otherwise.
   absl::Status Check(const grpc::ServerContext& ctx, CallerRole role) const;
   // The token, and no other worker's key (WorkerKey::CheckNotOther), but
   // not this worker's: for a worker's reads (GetStatus, which probes and
@@ -106,13 +166,13 @@ class TokenAuth {
   // The bearer token of `role` alone.
   absl::Status CheckBearer(const grpc::ServerContext& ctx, CallerRole role) const;
 
-  std::string token_;
-  std::string worker_token_;  // empty: token_ plays both roles
+  AuthToken token_;
+  AuthToken worker_token_;  // empty: token_ plays both roles
   std::shared_ptr<const WorkerKey> key_;
 };
 
-// Adds the token (if any) to an outgoing call.
-void AddAuthToken(grpc::ClientContext& ctx, const std::string& token);
+// Adds the token sent (if any) to an outgoing call.
+void AddAuthToken(grpc::ClientContext& ctx, const AuthToken& token);
 
 // TLS files (PEM) of a daemon or client: --tls-cert, --tls-key, --tls-ca.
 // All empty: plaintext. cert + key: the server side of TLS. With ca too, a

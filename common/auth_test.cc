@@ -2,11 +2,15 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 namespace colod {
@@ -19,32 +23,121 @@ std::string Write(const std::string& name, const std::string& text) {
   return path;
 }
 
+using Tokens = std::vector<std::string>;
+
 // A token file as an editor leaves it (a line break at the end) reads as the
-// token; one that would not fit in a header value is refused naming the
-// byte: gRPC aborted the whole process when it was sent.
-TEST(ReadAuthToken, TrimsTheEndsAndRefusesWhatCannotTravelInAHeader) {
-  EXPECT_EQ(ReadAuthToken(Write("good", "  s3cret-token_+/=\n")).value_or("?"), "s3cret-token_+/=");
-  EXPECT_EQ(ReadAuthToken(Write("words", "correct horse battery\n")).value_or("?"), "correct horse battery");
+// token, and one of several lines as their tokens in order (blank lines and
+// the lines' ends dropped, a Windows editor's CR too); a token that would
+// not fit in a header value is refused naming its line and the byte (never
+// the text): gRPC aborted the whole process when it was sent.
+TEST(ReadAuthTokens, ATokenALineTrimmedAndRefusesWhatCannotTravelInAHeader) {
+  EXPECT_EQ(ReadAuthTokens(Write("good", "  s3cret-token_+/=\n")).value_or(Tokens{}), Tokens{"s3cret-token_+/="});
+  EXPECT_EQ(ReadAuthTokens(Write("words", "correct horse battery\n")).value_or(Tokens{}),
+            Tokens{"correct horse battery"});
+  EXPECT_EQ(ReadAuthTokens(Write("lines", "new-token\r\n\n  old-token \n")).value_or(Tokens{}),
+            (Tokens{"new-token", "old-token"}));
+  std::string many;
+  for (int i = 0; i < 65; ++i) absl::StrAppend(&many, "token-", i, "\n");
   const struct {
     const char* name;
     std::string text;
     const char* says;
-  } cases[] = {{"two_lines", "abc\ndef\n", "byte 0x0a at offset 3"},
-               {"tab", "abc\tdef", "byte 0x09 at offset 3"},
-               {"utf8", "t\xc3\xb6ken", "byte 0xc3 at offset 1"},
-               {"nul", std::string("ab\0c", 4), "byte 0x00 at offset 2"}};
+  } cases[] = {{"tab", "abc\tdef", "line 1: the token holds byte 0x09 at offset 3"},
+               {"utf8", "first\nt\xc3\xb6ken", "line 2: the token holds byte 0xc3 at offset 1"},
+               {"nul", std::string("ab\0c", 4), "byte 0x00 at offset 2"},
+               {"many", many, "holds over 64 tokens"},
+               {"huge", std::string(65 << 10, 'x'), "is over 64 KiB"}};
   for (const auto& c : cases) {
     const std::string path = Write(c.name, c.text);
-    const absl::StatusOr<std::string> token = ReadAuthToken(path);
+    const absl::StatusOr<Tokens> token = ReadAuthTokens(path);
     EXPECT_EQ(token.status().code(), absl::StatusCode::kInvalidArgument) << c.name;
     EXPECT_NE(token.status().message().find(c.says), absl::string_view::npos) << token.status();
     EXPECT_NE(token.status().message().find("--auth-token-file: '" + path + "'"), absl::string_view::npos)
         << token.status();
   }
-  const absl::Status empty = ReadAuthToken(Write("empty", " \n")).status();
+  const absl::Status empty = ReadAuthTokens(Write("empty", " \n\n")).status();
   EXPECT_EQ(empty.code(), absl::StatusCode::kInvalidArgument) << empty;
-  EXPECT_EQ(ReadAuthToken("/nonexistent/token").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(empty.message().find("holds no token"), absl::string_view::npos) << empty;
+  EXPECT_EQ(ReadAuthTokens("/nonexistent/token").status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(CheckAuthToken("").ok()) << "no token: no authentication";
+}
+
+// The first token is sent and every one is taken, exactly and only after
+// "Bearer "; no token sends nothing and takes nothing.
+TEST(AuthToken, SendsTheFirstAndTakesEach) {
+  const auto two = AuthToken::FromFile(Write("two", "new-token\nold-token\n"), "--auth-token-file");
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_EQ(two->Sent(), "new-token");
+  EXPECT_EQ(two->All(), (Tokens{"new-token", "old-token"}));
+  EXPECT_TRUE(two->CarriedBy("Bearer new-token"));
+  EXPECT_TRUE(two->CarriedBy("Bearer old-token"));
+  for (const char* header :
+       {"new-token", "Bearer new-toke", "Bearer new-token ", "bearer new-token", "Bearer ", "", "Bearer other-token"}) {
+    EXPECT_FALSE(two->CarriedBy(header)) << header;
+  }
+  const AuthToken none, empty(""), one("old-token");
+  EXPECT_TRUE(none.empty());
+  EXPECT_TRUE(empty.empty());
+  EXPECT_EQ(none.Sent(), "");
+  EXPECT_FALSE(none.CarriedBy("Bearer "));
+  EXPECT_TRUE(one.SharesATokenWith(*two));
+  EXPECT_TRUE(two->SharesATokenWith(one));
+  EXPECT_FALSE(AuthToken("third").SharesATokenWith(*two));
+  EXPECT_FALSE(none.SharesATokenWith(*two));
+}
+
+// Waits up to 10 s for `token` to send `want`.
+bool SendsWithin(const AuthToken& token, const std::string& want) {
+  for (int i = 0; i < 1000 && token.Sent() != want; ++i) absl::SleepFor(absl::Milliseconds(10));
+  return token.Sent() == want;
+}
+
+// Replaces `path` at once with `text`, as the kubelet swaps a Secret's files.
+void Replace(const std::string& path, const std::string& text) {
+  std::ofstream(path + ".new", std::ios::binary) << text;
+  ASSERT_EQ(std::rename((path + ".new").c_str(), path.c_str()), 0);
+}
+
+// With a refresh, a change of the file is taken, by every copy; a file
+// removed, emptied or garbled keeps the tokens read last; the reading
+// thread ends with the last copy.
+TEST(AuthToken, AFileReadAgainIsTakenAndABadReadKeepsTheLastTokens) {
+  const std::string path = Write("rotated", "old-token\n");
+  for (const absl::Duration refresh : {absl::Seconds(-1), absl::Milliseconds(9)}) {
+    EXPECT_EQ(AuthToken::FromFile(path, "--auth-token-file", refresh).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  std::optional<AuthToken> token;
+  {
+    auto read = AuthToken::FromFile(path, "--auth-token-file", absl::Milliseconds(20));
+    ASSERT_TRUE(read.ok()) << read.status();
+    token = *read;  // a copy; the first handle goes
+  }
+  EXPECT_EQ(token->Sent(), "old-token");
+  Replace(path, "old-token\nnew-token\n");
+  for (int i = 0; i < 1000 && !token->CarriedBy("Bearer new-token"); ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(token->CarriedBy("Bearer new-token"));
+  EXPECT_EQ(token->Sent(), "old-token");
+  Replace(path, "new-token\nold-token\n");
+  EXPECT_TRUE(SendsWithin(*token, "new-token"));
+  for (const std::string& bad : {std::string(" \n"), std::string("t\xc3\xb6ken\n")}) {
+    Replace(path, bad);
+    absl::SleepFor(absl::Milliseconds(200));
+    EXPECT_EQ(token->All(), (Tokens{"new-token", "old-token"})) << bad;
+  }
+  ASSERT_EQ(std::remove(path.c_str()), 0);
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(token->Sent(), "new-token");
+  Replace(path, "newest-token\n");
+  EXPECT_TRUE(SendsWithin(*token, "newest-token"));
+  EXPECT_FALSE(token->CarriedBy("Bearer old-token"));
+  token.reset();  // joins the reader; a hang here would time the test out
+  // Without a refresh, the file is read once.
+  auto once = AuthToken::FromFile(path, "--auth-token-file");
+  ASSERT_TRUE(once.ok());
+  Replace(path, "later-token\n");
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(once->Sent(), "newest-token");
 }
 
 // An empty or garbage --tls-ca is refused: gRPC takes an empty root list as

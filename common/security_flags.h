@@ -13,14 +13,16 @@ namespace colod {
 
 struct Security {
   TlsFiles tls;
-  std::string auth_token;  // empty: no authentication
+  AuthToken auth_token;  // empty: no authentication
 };
 
-// The flags' values, with the token read from its file. With
+// The flags' values, with the tokens read from their file, and read again
+// every `token_refresh` (AuthToken::FromFile; zero: once). With
 // `token_from_env`, an unset --auth-token-file falls back to
 // $COLOD_AUTH_TOKEN_FILE (coloctl). NOT_FOUND / INVALID_ARGUMENT naming the
-// flag for an unreadable or empty token file.
-absl::StatusOr<Security> SecurityFromFlags(bool token_from_env = false);
+// flag for an unreadable token file or one of no good token.
+absl::StatusOr<Security> SecurityFromFlags(bool token_from_env = false,
+                                           absl::Duration token_refresh = absl::ZeroDuration());
 
 }  // namespace colod
 

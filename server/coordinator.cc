@@ -55,15 +55,15 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   }
   if (options.max_watch_streams < 1) return absl::InvalidArgumentError("--max-watch-streams: must be >= 1");
   if (!options.worker_token.empty()) {
-    RETURN_IF_ERROR(CheckAuthToken(options.worker_token));
+    for (const std::string& token : options.worker_token.All()) RETURN_IF_ERROR(CheckAuthToken(token));
     if (options.auth_token.empty()) {
       return absl::InvalidArgumentError(
           "--worker-token-file needs --auth-token-file: without a clients' token, anyone (the workers' token too) "
           "could submit, cancel and read jobs");
     }
-    if (options.worker_token == options.auth_token) {
+    if (options.worker_token.SharesATokenWith(options.auth_token)) {
       return absl::InvalidArgumentError(
-          "--worker-token-file holds the same token as --auth-token-file: the workers' token must differ from the "
+          "--worker-token-file holds a token of --auth-token-file: the workers' tokens must differ from the "
           "clients', or a client could call what only workers may");
     }
   }
@@ -181,7 +181,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   so.rpc_timeout = options.worker_rpc_timeout;
   so.clock = options.clock;
   // The workers hold the worker token where there is one.
-  const std::string& to_workers = options.worker_token.empty() ? options.auth_token : options.worker_token;
+  const AuthToken& to_workers = options.worker_token.empty() ? options.auth_token : options.worker_token;
   so.auth_token = to_workers;
   ASSIGN_OR_RETURN(so.credentials, MakeChannelCredentials(options.tls));
   c->scheduler_ = std::make_unique<Scheduler>(c->jobs_.get(), c->workers_.get(), c->store_.get(), so);

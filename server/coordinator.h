@@ -67,12 +67,13 @@ class Coordinator {
     KeyProofGate::Options key_proofs;
     // Bearer token every client's call must carry (CoordinatorService's
     // client calls, TensorService); empty: none.
-    std::string auth_token;
+    AuthToken auth_token;
     // Bearer token of the workers: their calls (registration, heartbeats,
     // progress, the store, downloads) must carry it, and the coordinator's
     // calls to them carry it. Empty: `auth_token` plays both roles. Needs
-    // an `auth_token`, and must differ from it (INVALID_ARGUMENT at Start).
-    std::string worker_token;
+    // an `auth_token`, and no token of it (INVALID_ARGUMENT at Start; a
+    // token that comes to be in both later admits no call, TokenAuth).
+    AuthToken worker_token;
     // TLS (mutual with tls.ca) on the gRPC port, and for the calls to the
     // workers; empty: plaintext.
     TlsFiles tls;

@@ -25,6 +25,7 @@ ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(2),
 ABSL_FLAG(absl::Duration, lease_duration, absl::Seconds(10),
           "A worker without a heartbeat for this long is marked lost.");
 ABSL_FLAG(absl::Duration, tls_refresh_interval, absl::Minutes(1), colod::kTlsRefreshIntervalHelp);
+ABSL_FLAG(absl::Duration, auth_token_refresh_interval, absl::Minutes(1), colod::kAuthTokenRefreshIntervalHelp);
 ABSL_FLAG(int, max_workers, colod::WorkerRegistry::kDefaultMaxWorkers,
           "Workers registered at once, lost ones included (they are listed for 10 minutes): a registration past "
           "it forgets the worker lost longest, and is refused RESOURCE_EXHAUSTED where none is lost.");
@@ -153,7 +154,7 @@ int main(int argc, char** argv) {
       !byte_size("--data-dir-reserve", absl::GetFlag(FLAGS_data_dir_reserve), &options.data_dir_reserve_bytes)) {
     return 2;
   }
-  auto security = colod::SecurityFromFlags();
+  auto security = colod::SecurityFromFlags(/*token_from_env=*/false, absl::GetFlag(FLAGS_auth_token_refresh_interval));
   if (!security.ok()) {
     COLOD_LOG(ERROR) << security.status().message();
     return 2;
@@ -162,7 +163,8 @@ int main(int argc, char** argv) {
   options.tls.refresh = absl::GetFlag(FLAGS_tls_refresh_interval);  // checked by MakeServerCredentials
   options.auth_token = security->auth_token;
   if (const std::string path = absl::GetFlag(FLAGS_worker_token_file); !path.empty()) {
-    auto token = colod::ReadAuthToken(path, "--worker-token-file");
+    auto token =
+        colod::AuthToken::FromFile(path, "--worker-token-file", absl::GetFlag(FLAGS_auth_token_refresh_interval));
     if (!token.ok()) {
       COLOD_LOG(ERROR) << token.status().message();
       return 2;

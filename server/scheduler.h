@@ -37,11 +37,12 @@
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.pb.h"
 #include "colod/v1/worker.grpc.pb.h"
-#include "grpcpp/security/credentials.h"
+#include "common/auth.h"
 #include "common/clock.h"
+#include "common/rendezvous_store.h"
+#include "grpcpp/security/credentials.h"
 #include "server/job_manager.h"
 #include "server/rank_supervisor.h"
-#include "common/rendezvous_store.h"
 #include "server/worker_client.h"
 #include "server/worker_registry.h"
 
@@ -64,7 +65,7 @@ class Scheduler {
     // Deadline of AssignJob calls, and (at most 3 s of it) of AbortJob's.
     absl::Duration rpc_timeout = absl::Seconds(10);
     // Sent to the workers as the bearer token; empty: none.
-    std::string auth_token;
+    AuthToken auth_token;
     // How to reach the workers (TLS or insecure).
     std::shared_ptr<grpc::ChannelCredentials> credentials;
     // How calls reach the workers; null: a GrpcWorkerClient with the two

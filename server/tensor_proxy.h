@@ -34,10 +34,10 @@ class TensorProxy final : public v1::TensorService::Service {
   struct Options {
     // Checked on every call, a client's (TokenAuth: the workers' token is
     // PERMISSION_DENIED where it is a separate one).
-    std::string auth_token;
+    AuthToken auth_token;
     // The workers' token (the coordinator's --worker-token-file), sent to
     // the workers; empty: auth_token plays both roles, and is sent.
-    std::string worker_token;
+    AuthToken worker_token;
     std::shared_ptr<grpc::ChannelCredentials> credentials;  // to the workers
     // The key each call to a rank's worker carries, by its worker id
     // (WorkerRegistry::KeyToCall); null: none.

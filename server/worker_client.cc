@@ -16,7 +16,7 @@
 
 namespace colod {
 std::vector<absl::Status> RunAsyncCalls(
-    size_t n, absl::Time deadline, const std::string& auth_token,
+    size_t n, absl::Time deadline, const AuthToken& auth_token,
     const std::function<void(size_t, grpc::ClientContext*, std::function<void(grpc::Status)>)>& start) {
   std::vector<absl::Status> out(n);
   if (n == 0) return out;
@@ -39,7 +39,7 @@ std::vector<absl::Status> RunAsyncCalls(
   return out;
 }
 
-GrpcWorkerClient::GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token)
+GrpcWorkerClient::GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, AuthToken auth_token)
     : auth_token_(std::move(auth_token)), stubs_(std::move(credentials)) {}
 
 std::vector<absl::Status> GrpcWorkerClient::Assign(const std::vector<Call<v1::AssignJobRequest>>& calls,
@@ -77,7 +77,7 @@ std::vector<absl::Status> GrpcWorkerClient::Probe(const std::vector<Call<v1::Get
 }
 
 absl::StatusOr<bool> ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentials>& credentials,
-                                    const std::string& auth_token, const std::string& address, const std::string& key,
+                                    const AuthToken& auth_token, const std::string& address, const std::string& key,
                                     absl::Time deadline, const grpc::ServerContextBase* caller) {
   grpc::ChannelArguments args;
   // A subchannel of its own: the process-wide pool may hold one to the

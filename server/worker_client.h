@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "colod/v1/worker.grpc.pb.h"
+#include "common/auth.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/server_context.h"
 #include "server/stub_cache.h"
@@ -30,7 +31,7 @@ namespace colod {
 // ends. Returns when every call ended, with their statuses in order. Thread-
 // safe; the caller's thread waits.
 std::vector<absl::Status> RunAsyncCalls(
-    size_t n, absl::Time deadline, const std::string& auth_token,
+    size_t n, absl::Time deadline, const AuthToken& auth_token,
     const std::function<void(size_t, grpc::ClientContext*, std::function<void(grpc::Status)>)>& start);
 
 // The key a call meant for a worker carries (WorkerRegistry::KeyToCall).
@@ -83,7 +84,7 @@ class WorkerClient {
 // client goes away, rather than at `deadline`.
 inline constexpr char kProofAnswerPayload[] = "colod/proof-answer";
 absl::StatusOr<bool> ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentials>& credentials,
-                                    const std::string& auth_token, const std::string& address, const std::string& key,
+                                    const AuthToken& auth_token, const std::string& address, const std::string& key,
                                     absl::Time deadline, const grpc::ServerContextBase* caller = nullptr);
 
 // Over gRPC's callback API, with a channel per address (TLS or plaintext;
@@ -91,7 +92,7 @@ absl::StatusOr<bool> ProveWorkerKey(const std::shared_ptr<grpc::ChannelCredentia
 // bearer token on every call, and each call's key.
 class GrpcWorkerClient final : public WorkerClient {
  public:
-  GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, std::string auth_token);
+  GrpcWorkerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, AuthToken auth_token);
 
   std::vector<absl::Status> Assign(const std::vector<Call<v1::AssignJobRequest>>& calls,
                                    absl::Duration deadline) override;
@@ -102,7 +103,7 @@ class GrpcWorkerClient final : public WorkerClient {
   void Forget(const std::string& address) override { stubs_.Forget(address); }
 
  private:
-  const std::string auth_token_;
+  const AuthToken auth_token_;
   StubCache<v1::WorkerService> stubs_;
 };
 

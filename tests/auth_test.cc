@@ -4,7 +4,10 @@
 // reflection stay open; a worker holding the wrong token never registers.
 // With --worker-token-file, the clients' token no longer admits the calls
 // only workers make, nor the worker token the clients'.
+#include "common/auth.h"
+
 #include <csignal>
+#include <cstdio>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
@@ -13,12 +16,11 @@
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/tensor.grpc.pb.h"
 #include "colod/v1/worker.grpc.pb.h"
-#include "common/auth.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "tests/subprocess.h"
-#include "tests/testing/temp_dir.h"
 #include "tests/testing/grpc_probe.h"
+#include "tests/testing/temp_dir.h"
 
 namespace colod {
 namespace {
@@ -125,8 +127,7 @@ TEST(Auth, WorkersHoldATokenOfTheirOwnThatClientsCannotPoseWith) {
                           TempPath("roles-clients"), "--worker-token-file", TempPath("roles-clients")},
                          std::getenv("TEST_TMPDIR"), absl::Seconds(30));
   EXPECT_NE(same.code, 0);
-  EXPECT_NE(same.err.find("--worker-token-file holds the same token as --auth-token-file"), std::string::npos)
-      << same.err;
+  EXPECT_NE(same.err.find("--worker-token-file holds a token of --auth-token-file"), std::string::npos) << same.err;
   auto missing = RunCommand({Runfile("server/colod-coordinator"), "--data-dir", TempPath("roles-missing"),
                              "--worker-token-file", TempPath("roles-nope")},
                             std::getenv("TEST_TMPDIR"), absl::Seconds(30));
@@ -413,6 +414,98 @@ TEST(Auth, AWorkerRestartedOnItsPortReplacesItsDeadSelfAtOnce) {
                                absl::Seconds(120));
   EXPECT_EQ(r.code, 0) << r.err << r.out << testing::ReadFile(again.log) << testing::ReadFile(coordinator.log);
   EXPECT_NE(r.out.find("rank 0: shape [2, 3, 2]"), std::string::npos) << r.out;
+}
+
+// Replaces `path` at once with `text`, as the kubelet swaps a mounted
+// Secret's files.
+void Replace(const std::string& path, const std::string& text) {
+  std::ofstream(path + ".new") << text;
+  ASSERT_EQ(std::rename((path + ".new").c_str(), path.c_str()), 0);
+}
+
+// Whether `log` says `text` `times` times within 10 s.
+bool LogSays(const std::string& log, const std::string& text, int times) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (true) {
+    const std::string said = testing::ReadFile(log);
+    int n = 0;
+    for (size_t at = said.find(text); at != std::string::npos; at = said.find(text, at + 1)) ++n;
+    if (n >= times) return true;
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+// Tokens rotated while the daemons run, as docs/SECURITY.md says (each
+// daemon with a file of its own, as each pod mounts its Secret): the new
+// token added as a second line, then moved first, then the old one dropped;
+// the daemons read their files again every 100 ms. No call is refused on
+// the way (the worker heartbeats every 200 ms), and afterwards the old
+// token admits nothing and a job runs on the new ones. A token put in both
+// roles' files admits neither role.
+TEST(Auth, TokensRotatedWhileTheDaemonsRunRefuseNoCall) {
+  const std::string clients = TempPath("rot-clients"), coordinators = TempPath("rot-coordinator-workers"),
+                    workers = TempPath("rot-worker");
+  std::ofstream(clients) << "client-old\n";
+  std::ofstream(coordinators) << "worker-old\n";
+  std::ofstream(workers) << "worker-old\n";
+  testing::Daemon coordinator =
+      testing::StartDaemon("server/colod-coordinator", "rot-coordinator",
+                           {"--data-dir", TempPath("rot-data"), "--auth-token-file", clients, "--worker-token-file",
+                            coordinators, "--auth-token-refresh-interval", "100ms", "--heartbeat-interval", "200ms"});
+  ASSERT_FALSE(coordinator.grpc.empty());
+  testing::Daemon worker =
+      testing::StartDaemon("worker/daemon/colod-worker", "rot-worker",
+                           {"--coordinator", coordinator.grpc, "--device", "cpu", "--work-dir", TempPath("rot-work"),
+                            "--auth-token-file", workers, "--auth-token-refresh-interval", "100ms"});
+  ASSERT_FALSE(worker.grpc.empty());
+  size_t n = 0;
+  for (int i = 0; i < 400 && n < 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(25));
+    n = Workers(coordinator.grpc, "client-old").value_or(0);
+  }
+  ASSERT_EQ(n, 1u) << testing::ReadFile(coordinator.log);
+  // The workers' token: added, moved first, the old one dropped.
+  int step = 0;
+  for (const std::string& tokens : {"worker-old\nworker-new\n", "worker-new\nworker-old\n", "worker-new\n"}) {
+    ++step;
+    Replace(coordinators, tokens);
+    ASSERT_TRUE(LogSays(coordinator.log, "--worker-token-file: read again", step))
+        << testing::ReadFile(coordinator.log);
+    Replace(workers, tokens);
+    ASSERT_TRUE(LogSays(worker.log, "--auth-token-file: read again", step)) << testing::ReadFile(worker.log);
+    absl::SleepFor(absl::Milliseconds(500));  // heartbeats and the coordinator's probes, on every pair of files
+  }
+  // The clients' token likewise (the coordinator's file alone).
+  Replace(clients, "client-old\nclient-new\n");
+  ASSERT_TRUE(LogSays(coordinator.log, "--auth-token-file: read again", 1));
+  EXPECT_EQ(Workers(coordinator.grpc, "client-new").value_or(0), 1u);
+  EXPECT_EQ(Workers(coordinator.grpc, "client-old").value_or(0), 1u);
+  Replace(clients, "client-new\n");
+  ASSERT_TRUE(LogSays(coordinator.log, "--auth-token-file: read again", 2));
+  EXPECT_EQ(Workers(coordinator.grpc, "client-new").value_or(0), 1u);
+  // Nothing was refused on the way, either way.
+  EXPECT_EQ(testing::ReadFile(coordinator.log).find("refused "), std::string::npos)
+      << testing::ReadFile(coordinator.log);
+  EXPECT_EQ(testing::ReadFile(worker.log).find("heartbeat to"), std::string::npos) << testing::ReadFile(worker.log);
+  EXPECT_EQ(Workers(coordinator.grpc, "client-old").status().code(), absl::StatusCode::kUnauthenticated);
+  // The worker takes only the new workers' token now.
+  auto stub = v1::WorkerService::NewStub(grpc::CreateChannel(worker.grpc, grpc::InsecureChannelCredentials()));
+  v1::GetStatusResponse resp;
+  grpc::ClientContext old_token, new_token;
+  AddAuthToken(old_token, "worker-old");
+  EXPECT_EQ(stub->GetStatus(&old_token, v1::GetStatusRequest(), &resp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  AddAuthToken(new_token, "worker-new");
+  EXPECT_TRUE(stub->GetStatus(&new_token, v1::GetStatusRequest(), &resp).ok());
+  // A job runs on the new tokens (assignment, store, progress, download).
+  TrainATinyModel(coordinator, worker, clients, "rot-tiny");
+  // The workers' token put in the clients' file too: it admits neither.
+  Replace(clients, "client-new\nworker-new\n");
+  ASSERT_TRUE(LogSays(coordinator.log, "--auth-token-file: read again", 3));
+  const absl::Status both = Workers(coordinator.grpc, "worker-new").status();
+  EXPECT_EQ(both.code(), absl::StatusCode::kPermissionDenied) << both;
+  EXPECT_NE(both.message().find("both the clients' and the workers'"), absl::string_view::npos) << both;
+  EXPECT_TRUE(LogSays(coordinator.log, "both the clients' and the workers'", 1));  // logged
 }
 
 }  // namespace

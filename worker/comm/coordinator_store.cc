@@ -9,9 +9,8 @@
 
 namespace colod {
 
-CoordinatorStore::CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubInterface> stub,
-                                   std::string scope, absl::Duration rpc_timeout, std::string auth_token,
-                                   std::string worker_key)
+CoordinatorStore::CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubInterface> stub, std::string scope,
+                                   absl::Duration rpc_timeout, AuthToken auth_token, std::string worker_key)
     : stub_(std::move(stub)),
       scope_(std::move(scope)),
       rpc_timeout_(rpc_timeout),

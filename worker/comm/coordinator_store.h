@@ -7,6 +7,7 @@
 #include <string>
 
 #include "colod/v1/coordinator.grpc.pb.h"
+#include "common/auth.h"
 #include "worker/comm/store.h"
 
 namespace colod {
@@ -21,7 +22,7 @@ class CoordinatorStore final : public Store {
   // `worker_key` (if not empty) as the worker's key (common/auth.h): the
   // coordinator takes a placed job's scope only from its workers.
   CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubInterface> stub, std::string scope,
-                   absl::Duration rpc_timeout = absl::Seconds(10), std::string auth_token = "",
+                   absl::Duration rpc_timeout = absl::Seconds(10), AuthToken auth_token = {},
                    std::string worker_key = "");
 
   absl::Status Set(absl::string_view key, std::string value) override;
@@ -33,7 +34,7 @@ class CoordinatorStore final : public Store {
   const std::shared_ptr<v1::CoordinatorService::StubInterface> stub_;
   const std::string scope_;
   const absl::Duration rpc_timeout_;
-  const std::string auth_token_;
+  const AuthToken auth_token_;
   const std::string worker_key_;
 };
 

@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/worker.pb.h"
+#include "common/auth.h"
 #include "worker/colo/process_group.h"
 #include "worker/comm/flight_recorder.h"
 #include "worker/daemon/model_cache.h"
@@ -48,7 +49,7 @@ class JobRunner {
     int device_ordinal = 0;
     // The coordinator (rendezvous store and ReportProgress); required.
     std::shared_ptr<v1::CoordinatorService::StubInterface> coordinator;
-    std::string auth_token;
+    AuthToken auth_token;
     // This worker's key (WorkerKey), sent on its reports; "" none.
     std::string worker_key;
     absl::Duration rpc_timeout = absl::Seconds(10);

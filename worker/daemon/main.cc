@@ -38,6 +38,7 @@ ABSL_FLAG(std::string, work_dir, "",
           "Scratch directory for job ranks (each gets a subdirectory, removed when it ends). Default: a "
           "fresh directory under $TMPDIR (or /tmp), removed at exit.");
 ABSL_FLAG(absl::Duration, tls_refresh_interval, absl::Minutes(1), colod::kTlsRefreshIntervalHelp);
+ABSL_FLAG(absl::Duration, auth_token_refresh_interval, absl::Minutes(1), colod::kAuthTokenRefreshIntervalHelp);
 ABSL_FLAG(absl::Duration, comm_timeout, absl::Minutes(2),
           "How long a job rank waits for its peers to connect and for each collective before it fails (1s to 24h).");
 ABSL_FLAG(absl::Duration, metrics_linger, absl::Minutes(1),
@@ -171,7 +172,7 @@ int main(int argc, char** argv) {
   }
   options.comm_timeout = absl::GetFlag(FLAGS_comm_timeout);
   options.metrics_linger = absl::GetFlag(FLAGS_metrics_linger);
-  auto security = colod::SecurityFromFlags();
+  auto security = colod::SecurityFromFlags(/*token_from_env=*/false, absl::GetFlag(FLAGS_auth_token_refresh_interval));
   if (!security.ok()) {
     COLOD_LOG(ERROR) << security.status().message();
     return 2;

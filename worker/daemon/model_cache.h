@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/job.pb.h"
+#include "common/auth.h"
 #include "worker/comm/abort_signal.h"
 #include "worker/daemon/path_policy.h"
 
@@ -31,7 +32,7 @@ class ModelCache {
     std::string work_dir;
     // The coordinator (DownloadModel); required for uploads.
     std::shared_ptr<v1::CoordinatorService::StubInterface> coordinator;
-    std::string auth_token;
+    AuthToken auth_token;
     // The worker's key (common/auth.h), carried by each download: the
     // coordinator serves an upload only to the workers placed in a job that
     // uses it (WorkerInfo.downloads_carry_key). Empty: none.

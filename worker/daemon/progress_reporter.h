@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/worker.pb.h"
+#include "common/auth.h"
 #include "worker/train/job_options.h"
 #include "worker/train/trainer.h"
 
@@ -43,7 +44,7 @@ class ProgressReporter {
   struct Options {
     // The coordinator; required.
     std::shared_ptr<v1::CoordinatorService::StubInterface> coordinator;
-    std::string auth_token;
+    AuthToken auth_token;
     // Of each attempt.
     absl::Duration rpc_timeout = absl::Seconds(10);
     // This worker's id, for an assignment whose mesh does not name the

@@ -49,7 +49,7 @@ class WorkerDaemon {
     absl::Duration max_backoff = absl::Seconds(5);
     // Bearer token for the coordinator's calls and required on this
     // worker's WorkerService; empty: none.
-    std::string auth_token;
+    AuthToken auth_token;
     // TLS files for both this worker's port and its calls to the coordinator.
     TlsFiles tls;
     // Scratch space for job ranks. Empty: a fresh directory under $TMPDIR
