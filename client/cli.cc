@@ -145,7 +145,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> MakeClient(const std::string&
   CoordinatorClient::Options options;
   options.timeout = absl::GetFlag(FLAGS_timeout);
   options.tensor_timeout = std::max(options.timeout, options.tensor_timeout);
-  auto security = SecurityFromFlags(/*token_from_env=*/true);
+  // The token file is read again every minute, as the daemons read theirs:
+  // a long watch goes on through a rotation (docs/SECURITY.md).
+  auto security = SecurityFromFlags(/*token_from_env=*/true, absl::Minutes(1));
   if (!security.ok()) return security.status();
   options.tls = security->tls;
   options.auth_token = security->auth_token;

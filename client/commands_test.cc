@@ -197,7 +197,9 @@ TEST(Commands, EachCommandTakesTheFlagsItsHelpNamesAndNoOther) {
                                            "tls_key"}));
   for (const Command& in_process : InProcessCommands().commands) {
     for (const Command& c : ModelCommands().commands) {
-      if (std::string(c.name) == in_process.name) EXPECT_EQ(Listed(in_process), Listed(c)) << c.name;
+      if (std::string(c.name) == in_process.name) {
+        EXPECT_EQ(Listed(in_process), Listed(c)) << c.name;
+      }
     }
   }
 }

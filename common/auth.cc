@@ -1,7 +1,10 @@
 #include "common/auth.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -24,12 +27,17 @@ namespace colod {
 absl::StatusOr<std::vector<std::string>> ReadAuthTokens(const std::string& path, absl::string_view flag) {
   constexpr size_t kMaxBytes = 64 << 10;
   constexpr size_t kMaxTokens = 64;
-  auto text = ReadFileToString(path);
-  if (!text.ok()) return absl::NotFoundError(absl::StrCat(flag, ": ", text.status().message()));
-  if (text->size() > kMaxBytes) {
+  auto too_large = [&] {
     return absl::InvalidArgumentError(
         absl::StrCat(flag, ": '", path, "' is over 64 KiB: a token file holds a token a line"));
+  };
+  if (struct stat info;
+      ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode) && static_cast<uint64_t>(info.st_size) > kMaxBytes) {
+    return too_large();  // not read: a huge file would be read whole, every refresh
   }
+  auto text = ReadFileToString(path);
+  if (!text.ok()) return absl::NotFoundError(absl::StrCat(flag, ": ", text.status().message()));
+  if (text->size() > kMaxBytes) return too_large();
   std::vector<std::string> tokens;
   int line = 0;
   for (absl::string_view l : absl::StrSplit(*text, '\n')) {
@@ -74,7 +82,14 @@ bool ConstantTimeEqual(absl::string_view got, absl::string_view want) {
 
 }  // namespace
 
+absl::Status CheckTokenRefresh(absl::Duration refresh) {
+  if (refresh == absl::ZeroDuration() || refresh >= absl::Milliseconds(10)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      "--auth-token-refresh-interval: must be 0 (the files are read once) or at least 10ms");
+}
+
 struct AuthToken::State {
+  explicit State(std::string flag) : flag(std::move(flag)) {}
   ~State() {
     {
       absl::MutexLock lock(&mu);
@@ -82,65 +97,126 @@ struct AuthToken::State {
     }
     if (reader.joinable()) reader.join();
   }
+  std::vector<std::string> Tokens() const {
+    absl::MutexLock lock(&mu);
+    return tokens;
+  }
   // Reads the file again every `refresh` until `stop`.
-  void ReadAgain(const std::string& path, const std::string& flag, absl::Duration refresh);
+  void ReadAgain(const std::string& path, absl::Duration refresh);
+  // The tokens of a read of the file, checked against the other role's
+  // (KeepApartFrom): INVALID_ARGUMENT naming both flags for a shared one.
+  absl::StatusOr<std::vector<std::string>> Read(const std::string& path) const;
 
+  const std::string flag;  // names the file in messages
   mutable absl::Mutex mu;
   std::vector<std::string> tokens ABSL_GUARDED_BY(mu);  // never empty
   bool stop ABSL_GUARDED_BY(mu) = false;
+  int64_t reads ABSL_GUARDED_BY(mu) = 0;
+  // Weak: the two roles' states keep each other apart, and must not keep
+  // each other (and their threads) alive.
+  std::weak_ptr<const State> apart ABSL_GUARDED_BY(mu);
   std::thread reader;
 };
 
-void AuthToken::State::ReadAgain(const std::string& path, const std::string& flag, absl::Duration refresh) {
+absl::StatusOr<std::vector<std::string>> AuthToken::State::Read(const std::string& path) const {
+  struct stat info;
+  if (::stat(path.c_str(), &info) == 0 && !S_ISREG(info.st_mode)) {
+    // A FIFO whose writer holds it open would block the read, and ~State's join.
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' is no longer a regular file"));
+  }
+  ASSIGN_OR_RETURN(std::vector<std::string> read, ReadAuthTokens(path, flag));
+  std::shared_ptr<const State> other;
+  {
+    absl::MutexLock lock(&mu);
+    other = apart.lock();
+  }
+  if (other != nullptr) {
+    const std::vector<std::string> theirs = other->Tokens();
+    for (const std::string& t : read) {
+      if (std::find(theirs.begin(), theirs.end(), t) != theirs.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' holds a token of ", other->flag,
+                                                       ": one role's token may not admit the other's calls"));
+      }
+    }
+  }
+  return read;
+}
+
+void AuthToken::State::ReadAgain(const std::string& path, absl::Duration refresh) {
+  // A content that differs from the tokens is taken once two reads in a row
+  // agree, the second soon after the first: a read in the middle of a write
+  // that is not made at once (an editor's, a shell's >) would take a cut
+  // token and drop the lines after it.
+  const absl::Duration settle = std::min(refresh, absl::Milliseconds(200));
+  std::optional<std::vector<std::string>> pending;
   std::string said;  // the last failure logged, so that each is logged once
   while (true) {
     {
       absl::MutexLock lock(&mu);
-      if (mu.AwaitWithTimeout(absl::Condition(&stop), refresh)) return;
+      if (mu.AwaitWithTimeout(absl::Condition(&stop), pending.has_value() ? settle : refresh)) return;
     }
-    absl::StatusOr<std::vector<std::string>> read = ReadAuthTokens(path, flag);  // no lock held
-    if (!read.ok()) {
-      if (read.status().message() != said) {
-        said = std::string(read.status().message());
-        COLOD_LOG(WARNING) << said << ": the tokens read before stay";
+    absl::StatusOr<std::vector<std::string>> read = Read(path);  // no lock held
+    std::string changed;                                         // logged once the lock is released
+    {
+      absl::MutexLock lock(&mu);
+      ++reads;
+      if (!read.ok() || *read == tokens) {
+        pending.reset();
+      } else if (!pending.has_value() || *pending != *read) {
+        pending = *read;  // taken if the next read agrees
+      } else {
+        pending.reset();
+        const bool sent_changed = read->front() != tokens.front();
+        tokens = *read;
+        changed = absl::StrCat(flag, ": read again, ", tokens.size(), tokens.size() == 1 ? " token" : " tokens",
+                               sent_changed ? "; the token sent changed" : "; the token sent is the same");
       }
-      continue;
     }
-    said.clear();
-    absl::MutexLock lock(&mu);
-    if (*read == tokens) continue;
-    const bool sent_changed = read->front() != tokens.front();
-    tokens = *std::move(read);
-    COLOD_LOG(INFO) << flag << ": read again, " << tokens.size() << (tokens.size() == 1 ? " token" : " tokens")
-                    << (sent_changed ? "; the token sent changed" : "; the token sent is the same");
+    if (!changed.empty()) COLOD_LOG(INFO) << changed;
+    if (read.ok()) {
+      said.clear();
+    } else if (read.status().message() != said) {
+      said = std::string(read.status().message());
+      COLOD_LOG(WARNING) << said << ": the tokens read before stay";
+    }
   }
 }
 
 AuthToken::AuthToken(std::string token) {
   if (token.empty()) return;
-  state_ = std::make_shared<State>();
+  state_ = std::make_shared<State>("a token");
   absl::MutexLock lock(&state_->mu);
   state_->tokens.push_back(std::move(token));
 }
 
 absl::StatusOr<AuthToken> AuthToken::FromFile(const std::string& path, absl::string_view flag, absl::Duration refresh) {
-  if (refresh != absl::ZeroDuration() && refresh < absl::Milliseconds(10)) {
-    return absl::InvalidArgumentError(
-        "--auth-token-refresh-interval: must be 0 (the files are read once) or at least 10ms");
-  }
+  RETURN_IF_ERROR(CheckTokenRefresh(refresh));
   ASSIGN_OR_RETURN(std::vector<std::string> tokens, ReadAuthTokens(path, flag));
   AuthToken out;
-  out.state_ = std::make_shared<State>();
+  out.state_ = std::make_shared<State>(std::string(flag));
   {
     absl::MutexLock lock(&out.state_->mu);
     out.state_->tokens = std::move(tokens);
   }
-  if (refresh > absl::ZeroDuration()) {
-    // The thread holds the state, not a handle: it ends with the last handle (~State).
-    out.state_->reader = std::thread(
-        [s = out.state_.get(), path, flag = std::string(flag), refresh] { s->ReadAgain(path, flag, refresh); });
+  struct stat info;
+  if (refresh > absl::ZeroDuration() && ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode)) {
+    // The thread holds the state, not a handle: it ends with the last handle
+    // (~State). A pipe (a shell's <(...)) is read once.
+    out.state_->reader = std::thread([s = out.state_.get(), path, refresh] { s->ReadAgain(path, refresh); });
   }
   return out;
+}
+
+void AuthToken::KeepApartFrom(const AuthToken& other) {
+  if (state_ == nullptr || other.state_ == nullptr) return;
+  absl::MutexLock lock(&state_->mu);
+  state_->apart = other.state_;
+}
+
+int64_t AuthToken::reads() const {
+  if (state_ == nullptr) return 0;
+  absl::MutexLock lock(&state_->mu);
+  return state_->reads;
 }
 
 std::string AuthToken::Sent() const {
@@ -151,8 +227,7 @@ std::string AuthToken::Sent() const {
 
 std::vector<std::string> AuthToken::All() const {
   if (state_ == nullptr) return {};
-  absl::MutexLock lock(&state_->mu);
-  return state_->tokens;
+  return state_->Tokens();
 }
 
 bool AuthToken::CarriedBy(absl::string_view authorization) const {

@@ -104,10 +104,14 @@ class AuthToken {
   AuthToken(std::string token);                                    // NOLINT(google-explicit-constructor)
   AuthToken(const char* token) : AuthToken(std::string(token)) {}  // NOLINT(google-explicit-constructor)
   // The tokens of `path` (ReadAuthTokens, its errors naming `flag`), read
-  // again every `refresh` by a thread of its own: a read that fails (a file
-  // removed, emptied or garbled) keeps the tokens last read, and says why
-  // in the log once. Zero reads the file once, here; INVALID_ARGUMENT for
-  // another `refresh` under 10 ms.
+  // again every `refresh` by a thread of its own, where `path` is a regular
+  // file (a pipe is read once). A new content is taken once two reads in a
+  // row agree (the second within 200 ms): a read in the middle of a write
+  // would take a cut token. A read that fails (a file removed, emptied,
+  // garbled, or sharing a token with KeepApartFrom's) keeps the tokens read
+  // last, and says why in the log once. Zero reads the file once, here;
+  // INVALID_ARGUMENT for another `refresh` under 10 ms
+  // (CheckTokenRefresh).
   static absl::StatusOr<AuthToken> FromFile(const std::string& path, absl::string_view flag,
                                             absl::Duration refresh = absl::ZeroDuration());
 
@@ -122,19 +126,30 @@ class AuthToken {
   bool CarriedBy(absl::string_view authorization) const;
   // Whether a token is both this one's and `other`'s.
   bool SharesATokenWith(const AuthToken& other) const;
+  // From now on, a read of this one's file that holds a token of `other`
+  // is refused as a bad read: the coordinator keeps its clients' and its
+  // workers' tokens apart (Start refuses them shared). Held weakly.
+  void KeepApartFrom(const AuthToken& other);
+  // The times the file was read again so far (tests).
+  int64_t reads() const;
 
  private:
   struct State;
   std::shared_ptr<State> state_;
 };
 
+// OK for a refresh of 0 or at least 10 ms; INVALID_ARGUMENT naming
+// --auth-token-refresh-interval otherwise.
+absl::Status CheckTokenRefresh(absl::Duration refresh);
+
 // The help of the daemons' --auth-token-refresh-interval.
 inline constexpr char kAuthTokenRefreshIntervalHelp[] =
     "How often the token files (--auth-token-file, the coordinator's --worker-token-file) are read again, so "
     "that a token is rotated with no restart and no call refused: a file holds a token a line, the first is "
     "sent and each is taken; add the new token as a second line everywhere, move it first once every daemon "
-    "has read it, then drop the old one. A file that cannot be read, or holds no good token, keeps the tokens "
-    "read last (logged). 0 reads them once, at start; another value must be at least 10ms.";
+    "has read it, then drop the old one. Replace a file at once (a rename, as the kubelet does). A read that "
+    "fails (a file removed or emptied, a line that is not a good token) keeps the tokens read last (logged). 0 "
+    "reads them once, at start; another value must be at least 10ms.";
 
 // Who may make a call: see the file comment.
 enum class CallerRole { kClient, kWorker };

@@ -1,5 +1,6 @@
 #include "common/auth.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -120,18 +121,35 @@ TEST(AuthToken, AFileReadAgainIsTakenAndABadReadKeepsTheLastTokens) {
   EXPECT_EQ(token->Sent(), "old-token");
   Replace(path, "new-token\nold-token\n");
   EXPECT_TRUE(SendsWithin(*token, "new-token"));
+  // Each bad content is read at least twice (a read begun before the
+  // change may have read the file before it).
+  auto read_twice = [&] {
+    const int64_t before = token->reads();
+    for (int i = 0; i < 1000 && token->reads() < before + 3; ++i) absl::SleepFor(absl::Milliseconds(10));
+    return token->reads() >= before + 3;
+  };
   for (const std::string& bad : {std::string(" \n"), std::string("t\xc3\xb6ken\n")}) {
     Replace(path, bad);
-    absl::SleepFor(absl::Milliseconds(200));
+    ASSERT_TRUE(read_twice());
     EXPECT_EQ(token->All(), (Tokens{"new-token", "old-token"})) << bad;
   }
   ASSERT_EQ(std::remove(path.c_str()), 0);
-  absl::SleepFor(absl::Milliseconds(200));
+  ASSERT_TRUE(read_twice());
   EXPECT_EQ(token->Sent(), "new-token");
+  // A directory in its place is not read (nor a FIFO, which could block).
+  ASSERT_EQ(::mkdir(path.c_str(), 0700), 0);
+  ASSERT_TRUE(read_twice());
+  EXPECT_EQ(token->Sent(), "new-token");
+  ASSERT_EQ(::rmdir(path.c_str()), 0);
   Replace(path, "newest-token\n");
   EXPECT_TRUE(SendsWithin(*token, "newest-token"));
   EXPECT_FALSE(token->CarriedBy("Bearer old-token"));
   token.reset();  // joins the reader; a hang here would time the test out
+  // A file over 64 KiB is refused from its size, unread.
+  Replace(path, std::string(1 << 20, 'x'));
+  const auto huge = AuthToken::FromFile(path, "--auth-token-file");
+  EXPECT_NE(huge.status().message().find("is over 64 KiB"), absl::string_view::npos) << huge.status();
+  Replace(path, "newest-token\n");
   // Without a refresh, the file is read once.
   auto once = AuthToken::FromFile(path, "--auth-token-file");
   ASSERT_TRUE(once.ok());
@@ -161,6 +179,42 @@ TEST(MakeChannelCredentials, RefusesAFileWithNoPemBlock) {
   EXPECT_NE(served.status().message().find("--tls-cert: '" + server.cert + "' holds no PEM block"),
             absl::string_view::npos)
       << served.status();
+}
+
+// Two roles' tokens kept apart: a read of one's file that holds a token
+// of the other's is refused, and the tokens before stay; a pipe is read
+// once, whatever the refresh.
+TEST(AuthToken, ARefreshKeepsTwoRolesApart) {
+  const std::string clients_path = Write("apart-clients", "client-token\n");
+  const std::string workers_path = Write("apart-workers", "worker-token\n");
+  auto clients = AuthToken::FromFile(clients_path, "--auth-token-file", absl::Milliseconds(20));
+  auto workers = AuthToken::FromFile(workers_path, "--worker-token-file", absl::Milliseconds(20));
+  ASSERT_TRUE(clients.ok() && workers.ok());
+  clients->KeepApartFrom(*workers);
+  workers->KeepApartFrom(*clients);
+  Replace(workers_path, "worker-token\nclient-token\n");
+  const int64_t before = workers->reads();
+  for (int i = 0; i < 1000 && workers->reads() < before + 3; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(workers->All(), Tokens{"worker-token"});
+  Replace(workers_path, "worker-token\nworker-next\n");
+  for (int i = 0; i < 1000 && !workers->CarriedBy("Bearer worker-next"); ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(workers->All(), (Tokens{"worker-token", "worker-next"}));
+  // The other way round too.
+  Replace(clients_path, "worker-next\n");
+  const int64_t clients_before = clients->reads();
+  for (int i = 0; i < 1000 && clients->reads() < clients_before + 3; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(clients->Sent(), "client-token");
+  // A pipe: no reader at all.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  ASSERT_EQ(::write(fds[1], "piped-token\n", 12), 12);
+  ::close(fds[1]);
+  auto piped = AuthToken::FromFile(absl::StrCat("/proc/self/fd/", fds[0]), "--auth-token-file", absl::Milliseconds(20));
+  ::close(fds[0]);
+  ASSERT_TRUE(piped.ok()) << piped.status();
+  EXPECT_EQ(piped->Sent(), "piped-token");
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(piped->reads(), 0);
 }
 
 }  // namespace

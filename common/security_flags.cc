@@ -23,6 +23,7 @@ ABSL_FLAG(std::string, auth_token_file, "",
 namespace colod {
 
 absl::StatusOr<Security> SecurityFromFlags(bool token_from_env, absl::Duration token_refresh) {
+  RETURN_IF_ERROR(CheckTokenRefresh(token_refresh));
   Security s;
   s.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)};
   std::string token_file = absl::GetFlag(FLAGS_auth_token_file);

@@ -20,7 +20,8 @@ struct Security {
 // every `token_refresh` (AuthToken::FromFile; zero: once). With
 // `token_from_env`, an unset --auth-token-file falls back to
 // $COLOD_AUTH_TOKEN_FILE (coloctl). NOT_FOUND / INVALID_ARGUMENT naming the
-// flag for an unreadable token file or one of no good token.
+// flag for an unreadable token file or one of no good token, and for a
+// `token_refresh` CheckTokenRefresh refuses (with or without a file).
 absl::StatusOr<Security> SecurityFromFlags(bool token_from_env = false,
                                            absl::Duration token_refresh = absl::ZeroDuration());
 

@@ -66,6 +66,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
           "--worker-token-file holds a token of --auth-token-file: the workers' tokens must differ from the "
           "clients', or a client could call what only workers may");
     }
+    // So must the files read again later (a read that would share one is refused, the tokens before stay).
+    options.worker_token.KeepApartFrom(options.auth_token);
+    options.auth_token.KeepApartFrom(options.worker_token);
   }
   if (options.max_workers < 1) return absl::InvalidArgumentError("--max-workers: must be >= 1");
   if (const KeyProofGate::Options& k = options.key_proofs; k.max < 1 || k.max_per_peer < 1 ||
