@@ -15,6 +15,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/shardformer/safetensors.h"
+#include "worker/tensor/dtype.h"
 
 namespace colod::shardformer {
 namespace {
@@ -153,7 +154,18 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, con
       ASSIGN_OR_RETURN(bool owns, Owns(p.bound.param.spec(), mesh, rank));
       if (!owns) continue;
       ASSIGN_OR_RETURN(Tensor host, p.bound.param.local().To(Device::Cpu()));
-      mine.emplace_back(p.name, host.Contiguous());  // on the host: fails only without host memory
+      Tensor part = host.Contiguous();  // on the host: fails only without host memory
+      // Weights that are not finite (an update that overflowed: its step's
+      // loss and gradients were finite) are never saved: a restart would
+      // resume from them, and retention would drop the good checkpoints.
+      if (const int64_t at = FirstNonFinite(part.dtype(), part.raw_data(), part.numel()); at >= 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the weights are not finite (parameter ", p.name, ", element ", at,
+            " of this rank's part): training diverged, and nothing of this checkpoint is saved. Resume from an "
+            "earlier checkpoint with a lower learning rate (lr), a longer warm-up (warmup_steps) or gradient "
+            "clipping (clip_norm)"));
+      }
+      mine.emplace_back(p.name, std::move(part));
     }
   }
   RETURN_IF_ERROR(WriteSafetensors(absl::StrCat(dir, "/", RankFile(rank, world)), mine));

@@ -31,6 +31,11 @@ inline bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t
 // The integer types (i32, i64; a .npy's other integer types load as these).
 inline bool IsInteger(DType t) { return t == DType::kI32 || t == DType::kI64; }
 
+// The index of the first of the `n` elements of type `t` at `data` that is
+// not finite (an infinity or a NaN: its exponent bits all set), or -1 where
+// every one is, as for the integer types.
+int64_t FirstNonFinite(DType t, const void* data, int64_t n);
+
 // "f32", "bf16", "f16", "i32", "i64".
 absl::string_view DTypeName(DType t);
 // INVALID_ARGUMENT for an unknown name.

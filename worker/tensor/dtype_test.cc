@@ -1,7 +1,10 @@
 #include "worker/tensor/dtype.h"
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -47,6 +50,40 @@ TEST(DType, BF16RoundsToNearestEven) {
     if ((h & 0x7f80) == 0x7f80) continue;
     EXPECT_EQ(FloatToBF16(BF16ToFloat(static_cast<uint16_t>(h))), h);
   }
+}
+
+// FirstNonFinite agrees with std::isfinite on every bf16 and f16 value and
+// on f32 values across the whole range of bit patterns, and names the first
+// such element of an array; integers have none.
+TEST(DType, FirstNonFiniteAgreesWithIsfinite) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const uint16_t bits = static_cast<uint16_t>(h);
+    EXPECT_EQ(FirstNonFinite(DType::kBF16, &bits, 1), std::isfinite(BF16ToFloat(bits)) ? -1 : 0) << h;
+    EXPECT_EQ(FirstNonFinite(DType::kF16, &bits, 1), std::isfinite(F16ToFloat(bits)) ? -1 : 0) << h;
+  }
+  for (uint64_t b = 0; b <= 0xffffffffull; b += 65521) {  // a prime stride: every exponent, many mantissas
+    const uint32_t bits = static_cast<uint32_t>(b);
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    EXPECT_EQ(FirstNonFinite(DType::kF32, &bits, 1), std::isfinite(f) ? -1 : 0) << bits;
+  }
+  const float lim = std::numeric_limits<float>::max();
+  std::vector<float> v = {0.0f,
+                          -0.0f,
+                          lim,
+                          -lim,
+                          std::numeric_limits<float>::denorm_min(),
+                          1.0f,
+                          std::numeric_limits<float>::quiet_NaN(),
+                          2.0f,
+                          -std::numeric_limits<float>::infinity()};
+  EXPECT_EQ(FirstNonFinite(DType::kF32, v.data(), static_cast<int64_t>(v.size())), 6);
+  EXPECT_EQ(FirstNonFinite(DType::kF32, v.data(), 6), -1);
+  v[6] = 3.0f;
+  EXPECT_EQ(FirstNonFinite(DType::kF32, v.data(), static_cast<int64_t>(v.size())), 8);
+  const int64_t ints[] = {-1, 0x7ff0000000000000, 0x7f800000};
+  EXPECT_EQ(FirstNonFinite(DType::kI64, ints, 3), -1);
+  EXPECT_EQ(FirstNonFinite(DType::kI32, ints, 6), -1);
 }
 
 }  // namespace

@@ -448,6 +448,29 @@ TEST(Checkpoints, ARankAbortedBeforeItsCheckpointGoesInReplacesNoOtherJobs) {
   EXPECT_EQ(state->job, o.job);
 }
 
+// A step whose update leaves weights that are not finite (a learning rate
+// past float's range: the step's loss and gradient norm were finite, so the
+// step itself passed) saves no checkpoint: the run fails
+// FAILED_PRECONDITION (the coordinator does not restart it) naming a
+// parameter, and no checkpoint or temporary directory is left, where the
+// save wrote the overflowed weights for a restart to resume from.
+TEST(Checkpoints, WeightsThatAreNotFiniteAreNeverSaved) {
+  auto run = GenerationRun("ck_not_finite", 3);
+  ASSERT_TRUE(run.ok()) << run.status();
+  TrainOptions o = *run;
+  o.lr = 1e39;
+  o.warmup_steps = 0;
+  o.clip_norm = 0;
+  std::vector<StepStats> steps;
+  const absl::Status s = Train(o, [&](const StepStats& st) { steps.push_back(st); });
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("the weights are not finite (parameter "), absl::string_view::npos) << s;
+  ASSERT_EQ(steps.size(), 1u);  // the step trained and is reported; its checkpoint is not saved
+  EXPECT_TRUE(std::isfinite(steps[0].loss));
+  EXPECT_TRUE(std::isfinite(steps[0].grad_norm));
+  EXPECT_TRUE(!fs::exists(o.save_dir) || Entries(o.save_dir).empty());
+}
+
 // A job the coordinator restarts resumes from the newest checkpoint it
 // wrote itself (TrainOptions::resume_writers), not from a later step another
 // job left in the same directory: another coordinator's job of the same
