@@ -24,16 +24,33 @@
 
 namespace colod {
 
-absl::StatusOr<std::vector<std::string>> ReadAuthTokens(const std::string& path, absl::string_view flag) {
+namespace {
+
+// A token file's tokens, and whether it is a regular file (not a pipe).
+struct TokenFile {
+  std::vector<std::string> tokens;
+  bool regular = false;
+};
+
+// ReadAuthTokens, with one stat of the file: with `regular_only`, a file that
+// is not a regular one is refused unread (a FIFO whose writer holds it open
+// would block the read).
+absl::StatusOr<TokenFile> ReadTokenFile(const std::string& path, absl::string_view flag, bool regular_only) {
   constexpr size_t kMaxBytes = 64 << 10;
   constexpr size_t kMaxTokens = 64;
   auto too_large = [&] {
     return absl::InvalidArgumentError(
         absl::StrCat(flag, ": '", path, "' is over 64 KiB: a token file holds a token a line"));
   };
-  if (struct stat info;
-      ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode) && static_cast<uint64_t>(info.st_size) > kMaxBytes) {
-    return too_large();  // not read: a huge file would be read whole, every refresh
+  TokenFile out;
+  if (struct stat info; ::stat(path.c_str(), &info) == 0) {
+    out.regular = S_ISREG(info.st_mode);
+    if (!out.regular && regular_only) {
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' is no longer a regular file"));
+    }
+    if (out.regular && static_cast<uint64_t>(info.st_size) > kMaxBytes) {
+      return too_large();  // not read: a huge file would be read whole, every refresh
+    }
   }
   auto text = ReadFileToString(path);
   if (!text.ok()) return absl::NotFoundError(absl::StrCat(flag, ": ", text.status().message()));
@@ -53,7 +70,31 @@ absl::StatusOr<std::vector<std::string>> ReadAuthTokens(const std::string& path,
     tokens.emplace_back(token);
   }
   if (tokens.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' holds no token"));
-  return tokens;
+  out.tokens = std::move(tokens);
+  return out;
+}
+
+// Whether `got` equals `want`, in constant time in `want`'s length: no
+// early exit on the first mismatch.
+bool ConstantTimeEqual(absl::string_view got, absl::string_view want) {
+  unsigned char diff = got.size() == want.size() ? 0 : 1;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got[i] : 0));
+  }
+  return diff == 0;
+}
+
+// Whether a token of `a` is one of `b`'s.
+bool AnyShared(const std::vector<std::string>& a, const std::vector<std::string>& b) {
+  return std::any_of(a.begin(), a.end(),
+                     [&](const std::string& t) { return std::find(b.begin(), b.end(), t) != b.end(); });
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> ReadAuthTokens(const std::string& path, absl::string_view flag) {
+  ASSIGN_OR_RETURN(TokenFile file, ReadTokenFile(path, flag, /*regular_only=*/false));
+  return std::move(file.tokens);
 }
 
 absl::Status CheckAuthToken(absl::string_view token) {
@@ -67,20 +108,6 @@ absl::Status CheckAuthToken(absl::string_view token) {
   }
   return absl::OkStatus();
 }
-
-namespace {
-
-// Whether `got` equals `want`, in constant time in `want`'s length: no
-// early exit on the first mismatch.
-bool ConstantTimeEqual(absl::string_view got, absl::string_view want) {
-  unsigned char diff = got.size() == want.size() ? 0 : 1;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got[i] : 0));
-  }
-  return diff == 0;
-}
-
-}  // namespace
 
 absl::Status CheckTokenRefresh(absl::Duration refresh) {
   if (refresh == absl::ZeroDuration() || refresh >= absl::Milliseconds(10)) return absl::OkStatus();
@@ -119,27 +146,18 @@ struct AuthToken::State {
 };
 
 absl::StatusOr<std::vector<std::string>> AuthToken::State::Read(const std::string& path) const {
-  struct stat info;
-  if (::stat(path.c_str(), &info) == 0 && !S_ISREG(info.st_mode)) {
-    // A FIFO whose writer holds it open would block the read, and ~State's join.
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' is no longer a regular file"));
-  }
-  ASSIGN_OR_RETURN(std::vector<std::string> read, ReadAuthTokens(path, flag));
+  // A FIFO whose writer holds it open would block the read, and ~State's join.
+  ASSIGN_OR_RETURN(TokenFile read, ReadTokenFile(path, flag, /*regular_only=*/true));
   std::shared_ptr<const State> other;
   {
     absl::MutexLock lock(&mu);
     other = apart.lock();
   }
-  if (other != nullptr) {
-    const std::vector<std::string> theirs = other->Tokens();
-    for (const std::string& t : read) {
-      if (std::find(theirs.begin(), theirs.end(), t) != theirs.end()) {
-        return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' holds a token of ", other->flag,
-                                                       ": one role's token may not admit the other's calls"));
-      }
-    }
+  if (other != nullptr && AnyShared(read.tokens, other->Tokens())) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' holds a token of ", other->flag,
+                                                   ": one role's token may not admit the other's calls"));
   }
-  return read;
+  return std::move(read.tokens);
 }
 
 void AuthToken::State::ReadAgain(const std::string& path, absl::Duration refresh) {
@@ -191,15 +209,14 @@ AuthToken::AuthToken(std::string token) {
 
 absl::StatusOr<AuthToken> AuthToken::FromFile(const std::string& path, absl::string_view flag, absl::Duration refresh) {
   RETURN_IF_ERROR(CheckTokenRefresh(refresh));
-  ASSIGN_OR_RETURN(std::vector<std::string> tokens, ReadAuthTokens(path, flag));
+  ASSIGN_OR_RETURN(TokenFile file, ReadTokenFile(path, flag, /*regular_only=*/false));
   AuthToken out;
   out.state_ = std::make_shared<State>(std::string(flag));
   {
     absl::MutexLock lock(&out.state_->mu);
-    out.state_->tokens = std::move(tokens);
+    out.state_->tokens = std::move(file.tokens);
   }
-  struct stat info;
-  if (refresh > absl::ZeroDuration() && ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode)) {
+  if (refresh > absl::ZeroDuration() && file.regular) {
     // The thread holds the state, not a handle: it ends with the last handle
     // (~State). A pipe (a shell's <(...)) is read once.
     out.state_->reader = std::thread([s = out.state_.get(), path, refresh] { s->ReadAgain(path, refresh); });
@@ -242,11 +259,7 @@ bool AuthToken::CarriedBy(absl::string_view authorization) const {
 }
 
 bool AuthToken::SharesATokenWith(const AuthToken& other) const {
-  const std::vector<std::string> mine = All(), theirs = other.All();  // no two locks at once
-  for (const std::string& t : mine) {
-    if (std::find(theirs.begin(), theirs.end(), t) != theirs.end()) return true;
-  }
-  return false;
+  return AnyShared(All(), other.All());  // each copied under its own lock: no two locks at once
 }
 
 absl::Status TokenAuth::Check(const grpc::ServerContext& ctx, CallerRole role) const {
@@ -262,17 +275,22 @@ absl::Status TokenAuth::CheckToken(const grpc::ServerContext& ctx, CallerRole ro
 }
 
 absl::Status TokenAuth::CheckBearer(const grpc::ServerContext& ctx, CallerRole role) const {
+  const auto& md = ctx.client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) return CheckBearer(std::nullopt, role);
+  return CheckBearer(absl::string_view(it->second.data(), it->second.size()), role);
+}
+
+absl::Status TokenAuth::CheckBearer(std::optional<absl::string_view> authorization, CallerRole role) const {
   const bool worker_call = role == CallerRole::kWorker && !worker_token_.empty();
   const AuthToken& want = worker_call ? worker_token_ : token_;
   if (want.empty()) return absl::OkStatus();
-  const auto& md = ctx.client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) {
+  if (!authorization.has_value()) {
     return absl::UnauthenticatedError(
         "missing bearer token (authorization metadata): this daemon was started with a token, give the caller "
         "its --auth-token-file");
   }
-  const absl::string_view got(it->second.data(), it->second.size());
+  const absl::string_view got = *authorization;
   const bool mine = want.CarriedBy(got);
   // Both roles' are compared, so the time says nothing of which one was close.
   const bool other = !worker_token_.empty() && (worker_call ? token_ : worker_token_).CarriedBy(got);

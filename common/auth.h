@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -176,9 +177,11 @@ class TokenAuth {
   // Whether the call carries this worker's own key (compared in constant
   // time); false where there is none: GetStatusResponse.worker_key_held.
   bool CarriesOwnKey(const grpc::ServerContext& ctx) const;
+  // The bearer token of `role` alone, from the call's `authorization`
+  // metadata (nullopt: the call has none), as Check gives it.
+  absl::Status CheckBearer(std::optional<absl::string_view> authorization, CallerRole role) const;
 
  private:
-  // The bearer token of `role` alone.
   absl::Status CheckBearer(const grpc::ServerContext& ctx, CallerRole role) const;
 
   AuthToken token_;

@@ -217,5 +217,45 @@ TEST(AuthToken, ARefreshKeepsTwoRolesApart) {
   EXPECT_EQ(piped->reads(), 0);
 }
 
+// Each role's token admits that role's calls only; the other role's is
+// refused PERMISSION_DENIED (authenticated, not for this call), an unknown
+// one or none UNAUTHENTICATED; a token of both files (each role's own state
+// reads its file, and two reads at the same instant could each take it)
+// admits no call of either role. One token alone plays both roles.
+TEST(TokenAuth, EachRoleItsOwnTokenAndATokenOfBothAdmitsNeither) {
+  using C = absl::StatusCode;
+  const TokenAuth two(AuthToken("client-token"), AuthToken("worker-token"));
+  const auto code = [](const TokenAuth& auth, std::optional<absl::string_view> authorization, CallerRole role) {
+    return auth.CheckBearer(authorization, role).code();
+  };
+  EXPECT_EQ(code(two, "Bearer client-token", CallerRole::kClient), C::kOk);
+  EXPECT_EQ(code(two, "Bearer worker-token", CallerRole::kWorker), C::kOk);
+  EXPECT_EQ(code(two, "Bearer worker-token", CallerRole::kClient), C::kPermissionDenied);
+  EXPECT_EQ(code(two, "Bearer client-token", CallerRole::kWorker), C::kPermissionDenied);
+  EXPECT_EQ(code(two, "Bearer other-token", CallerRole::kClient), C::kUnauthenticated);
+  EXPECT_EQ(code(two, "client-token", CallerRole::kClient), C::kUnauthenticated) << "no Bearer";
+  EXPECT_EQ(code(two, std::nullopt, CallerRole::kWorker), C::kUnauthenticated);
+
+  const std::string clients_path = Write("both-clients", "client-token\nshared-token\n");
+  const std::string workers_path = Write("both-workers", "worker-token\nshared-token\n");
+  auto clients = AuthToken::FromFile(clients_path, "--auth-token-file", absl::ZeroDuration());
+  auto workers = AuthToken::FromFile(workers_path, "--worker-token-file", absl::ZeroDuration());
+  ASSERT_TRUE(clients.ok() && workers.ok());
+  ASSERT_TRUE(clients->SharesATokenWith(*workers));
+  const TokenAuth both(*clients, *workers);
+  for (CallerRole role : {CallerRole::kClient, CallerRole::kWorker}) {
+    const absl::Status s = both.CheckBearer("Bearer shared-token", role);
+    EXPECT_EQ(s.code(), C::kPermissionDenied) << s;
+    EXPECT_NE(s.message().find("both the clients' and the workers'"), absl::string_view::npos) << s;
+  }
+  EXPECT_EQ(code(both, "Bearer client-token", CallerRole::kClient), C::kOk) << "the others still admit";
+  EXPECT_EQ(code(both, "Bearer worker-token", CallerRole::kWorker), C::kOk);
+
+  const TokenAuth one(AuthToken("only-token"));
+  EXPECT_EQ(code(one, "Bearer only-token", CallerRole::kClient), C::kOk);
+  EXPECT_EQ(code(one, "Bearer only-token", CallerRole::kWorker), C::kOk);
+  EXPECT_EQ(code(TokenAuth(), std::nullopt, CallerRole::kWorker), C::kOk) << "no token: no authentication";
+}
+
 }  // namespace
 }  // namespace colod
