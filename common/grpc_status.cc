@@ -19,6 +19,8 @@ constexpr int64_t kMaxRetryAfterMs = 86'400'000;
 constexpr char kUnreachablePayload[] = "type.colod.dev/unreachable";
 // MarkWorkerFault's.
 constexpr char kWorkerFaultPayload[] = "type.colod.dev/worker-fault";
+// MarkDrained's.
+constexpr char kDrainedPayload[] = "type.colod.dev/drained";
 
 }  // namespace
 
@@ -79,6 +81,13 @@ absl::Status MarkWorkerFault(absl::Status status) {
 }
 
 bool IsWorkerFault(const absl::Status& status) { return status.GetPayload(kWorkerFaultPayload).has_value(); }
+
+absl::Status MarkDrained(absl::Status status) {
+  if (!status.ok()) status.SetPayload(kDrainedPayload, absl::Cord());
+  return status;
+}
+
+bool IsDrained(const absl::Status& status) { return status.GetPayload(kDrainedPayload).has_value(); }
 
 void MarkAnswered(grpc::ServerContext& ctx) { ctx.AddTrailingMetadata(kAnsweredMetadata, "1"); }
 

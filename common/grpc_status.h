@@ -59,6 +59,15 @@ bool IsUnreachable(const absl::Status& status);
 absl::Status MarkWorkerFault(absl::Status status);
 bool IsWorkerFault(const absl::Status& status);
 
+// A training rank that stopped because a worker of its job shuts down
+// (RankHooks::drain), after the step every rank agreed on and with that
+// step's checkpoint saved: not a failure of the job's or the worker's.
+// MarkDrained adds a payload that says so; the worker reports it
+// (RankResult.drained), and the coordinator places the job again, resuming
+// from that checkpoint, without counting it against the job.
+absl::Status MarkDrained(absl::Status status);
+bool IsDrained(const absl::Status& status);
+
 // colod's servers mark every answer of theirs in its trailing metadata
 // (MarkAnswered), so that a client tells an UNAVAILABLE or a
 // DEADLINE_EXCEEDED its server answered (the coordinator passing on a

@@ -82,5 +82,17 @@ TEST(GrpcStatus, AWorkersFaultIsMarkedOnAnErrorAndKeptWithIt) {
   EXPECT_FALSE(IsWorkerFault(MarkWorkerFault(absl::OkStatus())));
 }
 
+TEST(GrpcStatus, ADrainIsMarkedOnAnErrorAndKeptWithIt) {
+  const absl::Status drained = MarkDrained(absl::AbortedError("stopped after step 5"));
+  EXPECT_TRUE(IsDrained(drained));
+  EXPECT_EQ(drained.code(), absl::StatusCode::kAborted);
+  const absl::Status copy = drained;
+  EXPECT_TRUE(IsDrained(copy));
+  EXPECT_FALSE(IsWorkerFault(drained));
+  EXPECT_FALSE(IsDrained(MarkWorkerFault(absl::AbortedError("stopped after step 5"))));
+  EXPECT_FALSE(IsDrained(absl::AbortedError("stopped after step 5")));
+  EXPECT_FALSE(IsDrained(MarkDrained(absl::OkStatus())));
+}
+
 }  // namespace
 }  // namespace colod

@@ -356,12 +356,17 @@ void Scheduler::ScheduleQueued() {
     // older worker's.
     auto keys = std::make_shared<std::vector<std::string>>();
     auto download_keys = std::make_shared<std::vector<std::string>>();
+    // Drained where it saves checkpoints and every rank's worker takes part
+    // (an older worker would not join the agreement's collective).
+    bool drain = job.spec().kind() == v1::JOB_KIND_TRAIN && !job.spec().train().checkpoint_dir().empty() &&
+                 !job.spec().train().eval_only();
     for (int r = 0; r < placed.ranks_size(); ++r) {
       const v1::RankAssignment& a = placed.ranks(r);
       keys->push_back(a.rank() == r ? workers_->KeyToCall(a.worker_id()) : NewWorkerKey());
       const auto info = live_info.find(a.worker_id());
       const bool keyless_downloads = info != live_info.end() && !info->second->downloads_carry_key();
       download_keys->push_back(keyless_downloads ? "" : keys->back());
+      drain &= info != live_info.end() && info->second->drains();
     }
     {
       absl::MutexLock lock(&mu_);
@@ -388,6 +393,8 @@ void Scheduler::ScheduleQueued() {
       // later step of another job's there is passed over).
       p.resume_own = ResumesFromCheckpoint(*scheduled);
       if (p.resume_own) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
+      p.drain = drain;
+      p.placed_step = scheduled->step();
       p.mesh = placed;
       p.keys = std::move(keys);
       p.download_keys = std::move(download_keys);
@@ -410,6 +417,7 @@ void Scheduler::Assign(const std::string& job_id) {
     req.set_generation(it->second.generation);
     req.set_job_uid(it->second.uid);
     req.set_resume_own_checkpoints(it->second.resume_own);
+    req.set_drain(it->second.drain);
     *req.mutable_spec() = it->second.spec;
     *req.mutable_mesh() = it->second.mesh;
     req.set_rendezvous_scope(it->second.scope);
@@ -627,7 +635,24 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
         worker_fault = faulted.size() < 2;
       }
       if (!p.stopping() && r.code() == 0 && r.has_forward()) (void)jobs_->SetForwardResult(p.job_id, r.forward());
-      if (!p.stopping() && r.code() != 0) {
+      // A drain: every rank saves a checkpoint after the same step and
+      // stops on its own; the worker that shuts down sits out (it
+      // deregisters once its rank ended), and once every rank ended the job
+      // is placed again from that checkpoint, not counted against it
+      // (EndDrainLocked). Only where the placement drains (a worker may not
+      // claim it for another job's failure), and not once a rank failed.
+      const bool drained = r.code() != 0 && r.drained() && p.drain;
+      if (drained && r.worker_leaving()) {
+        refused_until_[p.mesh.ranks(rank).worker_id()] = clock_->Now() + options_.refusal_cooloff;
+      }
+      if (drained && p.state == PlacementState::kRunning) {
+        if (p.drain_reason.empty() || r.worker_leaving()) {  // the leaving worker's says most
+          p.drain_reason = absl::StrCat(RankName(p.mesh, rank), r.worker_leaving() ? " shuts down: " : ": ",
+                                        Utf8Prefix(r.message(), kMaxReportedMessageBytes));
+          p.drained_at = std::min(p.drained_at, clock_->Now());
+        }
+        if (static_cast<int>(p.ended.size()) == p.mesh.world_size()) EndDrainLocked(p, "");
+      } else if (!p.stopping() && r.code() != 0) {
         const absl::Status s(static_cast<absl::StatusCode>(r.code()), Utf8Prefix(r.message(), kMaxReportedMessageBytes));
         std::string reason = absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString());
         if (r.worker_fault()) {
@@ -648,7 +673,11 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
       } else if (p.state == PlacementState::kRunning && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
         // (Not while kProbing: a rank failed, and the job fails or restarts
         // once its peers were probed, however the others ended.)
-        EndLocked(p, v1::JOB_STATE_SUCCEEDED, absl::StrCat("all ", p.mesh.world_size(), " ranks finished"), -1);
+        if (!p.drain_reason.empty()) {  // the others drained: none finished the run
+          EndDrainLocked(p, "");
+        } else {
+          EndLocked(p, v1::JOB_STATE_SUCCEEDED, absl::StrCat("all ", p.mesh.world_size(), " ranks finished"), -1);
+        }
       }
       break;
     }
@@ -744,6 +773,20 @@ void Scheduler::FailLocked(Placed& p, const std::string& reason, bool retryable,
   EndLocked(p, v1::JOB_STATE_FAILED, why, except_rank);
 }
 
+void Scheduler::EndDrainLocked(Placed& p, const std::string& note) {
+  const absl::StatusOr<v1::Job> job = jobs_->Get(p.job_id);
+  if (job.ok() && job->step() > p.placed_step) {
+    p.requeue_reason = absl::StrCat(p.drain_reason, note,
+                                    "; placing the job again from that checkpoint (a drain, not counted against the "
+                                    "job)");
+    StopRanksLocked(p, PlacementState::kRequeueing, p.requeue_reason, -1);
+    return;
+  }
+  // No step reported since the placement: the drain saved nothing newer, and
+  // is a failure like any other (no worker requeues a job for ever uncounted).
+  FailLocked(p, absl::StrCat(p.drain_reason, note, " (a drain that saved no new step)"), /*retryable=*/true, -1);
+}
+
 void Scheduler::EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank) {
   (void)jobs_->SetState(p.job_id, state, reason);  // FAILED_PRECONDITION if it already ended
   // (A cancel while it was being placed again ends it: kEnding.)
@@ -792,6 +835,12 @@ void Scheduler::GiveUpOnStuckRanksLocked() {
   if (options_.stop_grace <= absl::ZeroDuration()) return;
   const absl::Time now = clock_->Now();
   for (auto& [id, p] : placed_) {
+    // A drain whose other ranks did not end on their own: aborted now.
+    if (p.state == PlacementState::kRunning && now - p.drained_at >= options_.stop_grace) {
+      EndDrainLocked(p, absl::StrCat("; the ranks that had not ended ", absl::FormatDuration(options_.stop_grace),
+                                     " later were stopped"));
+      continue;
+    }
     if (!p.stopping() || now - p.stopped_at < options_.stop_grace) continue;
     for (const v1::RankAssignment& a : p.mesh.ranks()) {
       if (!p.ended.insert(a.rank()).second) continue;

@@ -193,6 +193,13 @@ class Scheduler {
     // Placed again after it wrote a checkpoint: its ranks resume from their
     // job's own newest (AssignJobRequest.resume_own_checkpoints).
     bool resume_own = false;
+    // A TRAIN job with a checkpoint_dir on workers that all drain
+    // (WorkerInfo.drains): AssignJobRequest.drain.
+    bool drain = false;
+    // The job's step when placed: a drain claimed before a later step was
+    // reported saved nothing new, and is taken as a failure (so that no
+    // worker requeues a job for ever uncounted).
+    int64_t placed_step = 0;
     v1::MemoryFloor memory_floor;  // the job's, sent with each assignment
     v1::MeshSpec mesh;
     // Each rank's worker's key when it was placed ("" none: an older
@@ -228,6 +235,14 @@ class Scheduler {
     bool failure_worker_fault = false;
     // When the placement began stopping (its ranks' aborts; Options::stop_grace).
     absl::Time stopped_at = absl::InfiniteFuture();
+    // A drain (RankResult.drained), from the first rank that reported one:
+    // the others stop on their own after saving the same step, and the job
+    // is placed again once every rank ended (requeue_reason), or once
+    // Options::stop_grace passed (the rest aborted). Not aborted at once:
+    // an abort could end a rank in the save's last barrier, and its step
+    // go unreported.
+    std::string drain_reason;
+    absl::Time drained_at = absl::InfiniteFuture();
   };
   void Loop();
   void Tick();
@@ -248,6 +263,11 @@ class Scheduler {
   // and `retryable`, else ends it FAILED listing every attempt's failure.
   void FailLocked(Placed& p, const std::string& reason, bool retryable, int except_rank)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A drained placement whose ranks all ended, or whose drain outlasted
+  // Options::stop_grace (the rest are aborted; `note` says so): back to
+  // PENDING where a step was reported since it was placed, else a failure
+  // (FailLocked, retryable).
+  void EndDrainLocked(Placed& p, const std::string& note) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends this placement, moving it to `next` (kEnding, kRequeueing or
   // kRestarting): aborts to the ranks still running (not `except_rank`); the
   // job's state is the caller's.

@@ -102,6 +102,7 @@ class SchedulerTest : public ::testing::Test {
       info.set_device_ordinal(0);
       if (i < static_cast<int>(memory.size())) info.set_memory_bytes(memory[i]);
       info.set_downloads_carry_key(keyless_downloads_.count(i) == 0);
+      info.set_drains(no_drain_.count(i) == 0);
       auto r = registry_.Register(info, v1::WorkerStatus(), i < static_cast<int>(keys_.size()) ? keys_[i] : "");
       ASSERT_TRUE(r.ok()) << r.status();
       ids_.push_back(r->worker_id);
@@ -268,6 +269,7 @@ class SchedulerTest : public ::testing::Test {
   std::vector<std::string> ids_;
   std::vector<std::string> keys_;  // Start registers worker i with keys_[i], where given
   std::set<int> keyless_downloads_;  // workers Start registers as older ones, whose downloads carry no key
+  std::set<int> no_drain_;           // workers Start registers as older ones, which do not drain
 };
 
 TEST_F(SchedulerTest, PlacesRunsAndSucceeds) {
@@ -475,6 +477,154 @@ TEST_F(SchedulerTest, ARetryableFailureRestartsFromTheCheckpointUntilTheRestarts
       << j.reason();
   EXPECT_TRUE(absl::StrContains(j.reason(), "connection reset; attempt 2: rank 0 ")) << j.reason();
   EXPECT_TRUE(absl::StrContains(j.reason(), "collective timed out")) << j.reason();
+}
+
+// Rank `rank`'s drained end (RankResult.drained), its worker `leaving` or not.
+void DrainedEnd(v1::ReportProgressRequest* req, bool leaving) {
+  req->mutable_result()->set_code(static_cast<int>(absl::StatusCode::kAborted));
+  req->mutable_result()->set_message("stopped after step 4 for a drain (a worker of the job shuts down)");
+  req->mutable_result()->set_drained(true);
+  req->mutable_result()->set_worker_leaving(leaving);
+}
+
+// A job that saves checkpoints, on workers that all drain, is assigned with
+// drain set. A drain ends no rank: each stops on its own, and once all
+// ended (rank 1's worker the one leaving) the job is placed again from the
+// checkpoint rank 0 reported, its restarts not counted, not on the leaving
+// worker (it sits out the cool-off); a peer that does not end within the
+// stop grace is aborted then.
+TEST_F(SchedulerTest, ADrainedJobIsPlacedAgainFromItsCheckpointWithoutTheLeavingWorker) {
+  Start(3);
+  v1::JobSpec spec = TrainSpec(2, 1);
+  spec.mutable_restart()->set_max_restarts(1);
+  auto job = jobs_->Submit(spec, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  scheduler_->TickForTest();
+  ASSERT_EQ(fake_->assigned.size(), 2u);
+  for (const auto& c : fake_->assigned) EXPECT_TRUE(c.request.drain());
+  Training(id);
+  const std::string leaving = Job(id).mesh().ranks(1).worker_address();
+  v1::ReportProgressRequest step;
+  step.mutable_step()->set_step(4);
+  step.mutable_step()->set_checkpoint("/ck/step-000004");
+  ASSERT_TRUE(Report(id, 0, step).ok());
+  v1::ReportProgressRequest drained;
+  DrainedEnd(&drained, /*leaving=*/true);
+  ASSERT_TRUE(Report(id, 1, drained).ok());
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING) << "rank 0 still saves";
+  EXPECT_TRUE(fake_->aborted.empty()) << "no rank is aborted";
+  DrainedEnd(&drained, /*leaving=*/false);
+  ASSERT_TRUE(Report(id, 0, drained).ok());
+  scheduler_->TickForTest();
+  v1::Job j = Job(id);
+  ASSERT_EQ(j.state(), v1::JOB_STATE_SCHEDULED) << j.reason();
+  EXPECT_EQ(j.restarts(), 0) << "a drain is not counted against the job";
+  EXPECT_EQ(j.generation(), 2);
+  EXPECT_TRUE(fake_->aborted.empty());
+  const std::vector<v1::JobEvent> events = Events(id);
+  bool requeued = false;
+  for (const v1::JobEvent& e : events) {
+    if (!e.has_state_change() || e.state_change().state() != v1::JOB_STATE_PENDING) continue;
+    const std::string& why = e.state_change().reason();
+    requeued |= absl::StrContains(why, "rank 1 (worker ") &&
+                absl::StrContains(why, " shuts down: stopped after step 4") &&
+                absl::StrContains(why, "placing the job again from that checkpoint (a drain, not counted");
+  }
+  EXPECT_TRUE(requeued) << "the PENDING event names the leaving rank and the drain";
+  ASSERT_EQ(fake_->assigned.size(), 4u);
+  for (size_t i : {2, 3}) {
+    EXPECT_NE(fake_->assigned[i].address, leaving) << "the leaving worker sits out";
+    EXPECT_TRUE(fake_->assigned[i].request.resume_own_checkpoints());
+    EXPECT_EQ(fake_->assigned[i].request.spec().train().resume_from(), spec.train().checkpoint_dir());
+  }
+  // Rank 1 drains again after step 6; rank 0 never ends (its worker
+  // heartbeats busy with it): aborted after the stop grace.
+  Training(id);
+  step.mutable_step()->set_step(6);
+  step.mutable_step()->set_checkpoint("/ck/step-000006");
+  ASSERT_TRUE(Report(id, 0, step).ok());
+  DrainedEnd(&drained, /*leaving=*/true);
+  ASSERT_TRUE(Report(id, 1, drained).ok());
+  const v1::Job second = Job(id);
+  int stuck = -1;
+  for (int w = 0; w < 3; ++w) stuck = second.mesh().ranks(0).worker_id() == ids_[w] ? w : stuck;
+  ASSERT_GE(stuck, 0);
+  v1::WorkerStatus busy;
+  busy.set_state(v1::WORKER_STATE_BUSY);
+  busy.set_job_id(id);
+  busy.set_generation(2);
+  busy.set_rank(0);
+  for (absl::Duration left = Scheduler::Options().stop_grace; left > absl::ZeroDuration(); left -= absl::Seconds(1)) {
+    clock_.Advance(absl::Seconds(1));
+    for (int w = 0; w < 3; ++w) w == stuck ? Beat(w, busy) : Beat(w);
+  }
+  registry_.Sweep();
+  scheduler_->TickForTest();
+  ASSERT_EQ(fake_->aborted.size(), 1u);
+  EXPECT_EQ(fake_->aborted[0].request.generation(), 2);
+  Ended(id, 0, absl::StatusCode::kAborted, "aborted");
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(id).restarts(), 0);
+  bool stopped = false;
+  for (const v1::JobEvent& e : Events(id)) {
+    stopped |= e.has_state_change() && e.state_change().state() == v1::JOB_STATE_PENDING &&
+               absl::StrContains(e.state_change().reason(), "the ranks that had not ended 2m later were stopped");
+  }
+  EXPECT_TRUE(stopped);
+  // A drain claimed before any step of its placement was reported saved
+  // nothing newer: a failure, counted (no worker requeues a job for ever).
+  Pass(absl::Seconds(31));
+  scheduler_->TickForTest();
+  ASSERT_EQ(Job(id).state(), v1::JOB_STATE_SCHEDULED);
+  Training(id);
+  for (int r : {0, 1}) {
+    DrainedEnd(&drained, /*leaving=*/r == 1);
+    ASSERT_TRUE(Report(id, r, drained).ok());
+  }
+  const v1::Job failed = Job(id);
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_RESTARTING) << failed.reason();
+  EXPECT_EQ(failed.restarts(), 1);
+  EXPECT_TRUE(absl::StrContains(failed.reason(), "(a drain that saved no new step)")) << failed.reason();
+}
+
+// A job with a rank on an older worker (which would not join the drain's
+// collective) or with no checkpoint_dir is not drained, and a drained end
+// claimed there counts as the failure it is.
+TEST_F(SchedulerTest, AJobOnAWorkerThatDoesNotDrainIsNotDrained) {
+  no_drain_ = {1};
+  Start(2);
+  auto job = jobs_->Submit(TrainSpec(2, 1), "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  scheduler_->TickForTest();
+  ASSERT_EQ(fake_->assigned.size(), 2u);
+  for (const auto& c : fake_->assigned) EXPECT_FALSE(c.request.drain());
+  Training(id);
+  v1::ReportProgressRequest drained;
+  DrainedEnd(&drained, /*leaving=*/true);
+  ASSERT_TRUE(Report(id, 0, drained).ok());
+  const v1::Job j = Job(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING) << j.reason();
+  EXPECT_EQ(j.restarts(), 1);
+  // No checkpoint_dir: not drained either.
+  v1::JobSpec unsaved = TrainSpec(1, 1);
+  unsaved.mutable_train()->clear_checkpoint_dir();
+  unsaved.mutable_train()->set_checkpoint_every(0);
+  no_drain_.clear();
+  auto other = jobs_->Submit(unsaved, "");
+  ASSERT_TRUE(other.ok()) << other.status();
+  fake_->assigned.clear();
+  Pass(absl::Seconds(31));
+  scheduler_->TickForTest();
+  bool found = false;
+  for (const auto& c : fake_->assigned) {
+    if (c.request.job_id() != other->job_id()) continue;
+    found = true;
+    EXPECT_FALSE(c.request.drain());
+  }
+  EXPECT_TRUE(found);
 }
 
 // An uploaded model goes only to the workers placed in a job that uses it:

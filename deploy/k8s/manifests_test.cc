@@ -1069,6 +1069,12 @@ TEST(Manifests, WorkersRegisterWithTheCoordinatorAndAreReachable) {
       ASSERT_GT(comm_timeout, 0) << k.where << ": --comm-timeout does not parse";
       EXPECT_GE(k.pod["terminationGracePeriodSeconds"].as<double>(30), comm_timeout)
           << k.where << ": terminationGracePeriodSeconds must cover --comm-timeout";
+      // And a drain (a step and a checkpoint's save after SIGTERM), with
+      // half a minute for the save and the exit after it.
+      const double drain_timeout = DurationSeconds(k.parsed.Flag("drain-timeout").value_or("1m")).value_or(-1);
+      ASSERT_GE(drain_timeout, 0) << k.where << ": --drain-timeout does not parse";
+      EXPECT_GE(k.pod["terminationGracePeriodSeconds"].as<double>(30), drain_timeout + 30)
+          << k.where << ": terminationGracePeriodSeconds must cover --drain-timeout and 30 s more";
 
       // Scratch space on a volume.
       const std::string work_dir = k.parsed.Flag("work-dir").value_or("");

@@ -6,9 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/grpc_status.h"
+#include "common/rendezvous_store.h"
 #include "common/status_macros.h"
 #include "worker/comm/gloo/gloo_communicator.h"
-#include "common/rendezvous_store.h"
 #ifdef COLOD_WITH_CUDA
 #include "kernels/device.h"
 #include "worker/colo/nccl_process_group.h"
@@ -76,10 +77,17 @@ absl::Status RunLocalRanks(const DeviceMesh& mesh, const std::function<absl::Sta
   }
   absl::Mutex mu;
   std::optional<absl::Status> first;  // the first failure, prefixed with its rank
+  std::optional<absl::Status> drained;  // the first drained end (MarkDrained), likewise
   const auto fail = [&](int r, const absl::Status& s) {
     const absl::Status cause(s.code(), absl::StrCat("rank ", r, ": ", s.message()));
     {
       absl::MutexLock lock(&mu);
+      // A drain (train::RankHooks::drain) stops every rank on its own after
+      // the same step: no abort, which could end a peer still saving it.
+      if (IsDrained(s)) {
+        if (!drained.has_value()) drained = MarkDrained(cause);
+        return;
+      }
       if (first.has_value()) return;  // most likely a consequence of the first
       first = cause;
     }
@@ -103,7 +111,7 @@ absl::Status RunLocalRanks(const DeviceMesh& mesh, const std::function<absl::Sta
   }
   for (auto& t : threads) t.join();
   absl::MutexLock lock(&mu);
-  return first.value_or(absl::OkStatus());
+  return first.value_or(drained.value_or(absl::OkStatus()));
 }
 
 }  // namespace colod

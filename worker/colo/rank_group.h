@@ -68,8 +68,10 @@ struct LocalRanksOptions {
 // outlive every rank, and over NCCL every axis is made before `body` runs.
 // When a rank fails, every rank's group is aborted with its error, so the
 // others stop at their current or next collective instead of waiting out
-// the timeout. Returns OK, or the error of the rank that failed first,
-// prefixed with its number. Thread-safe.
+// the timeout; not for a drained end (IsDrained: every rank stops on its
+// own after the same step). Returns OK, or the error of the rank that
+// failed first, prefixed with its number (a drained one only where no rank
+// failed otherwise, still marked drained). Thread-safe.
 absl::Status RunLocalRanks(const DeviceMesh& mesh, const std::function<absl::Status(int rank, ProcessGroup& pg)>& body,
                            LocalRanksOptions options = {});
 

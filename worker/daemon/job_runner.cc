@@ -147,6 +147,14 @@ void JobRunner::Close(const std::string& reason) {
   if (active) Stop(*active, why);
 }
 
+bool JobRunner::Drain(const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  if (closed_.empty()) closed_ = reason.empty() ? "the worker is shutting down" : reason;
+  if (!active_ || active_->request.spec().kind() != v1::JOB_KIND_TRAIN || !active_->request.drain()) return false;
+  active_->drain = true;
+  return true;
+}
+
 absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   if (req.job_id().empty()) return absl::InvalidArgumentError("job_id: required");
   // It names the rank's directory (WORK_DIR/JOB-gen-G-rank-R, removed
@@ -344,7 +352,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   // Every communicator is gone with RunRank's process group: the rank's
   // series end here, before the coordinator hears of the end.
   active->metrics.reset();
-  if (active->stop) {
+  if (active->stop && !IsDrained(s)) {  // a drained rank saved its checkpoint and ended on its own
     std::string reason;
     {
       absl::MutexLock lock(&active->mu);
@@ -366,7 +374,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
                                                               ": the worker stops taking ranks and restarts)")));
     }
   }
-  active->reporter.End(s, active->forward);
+  active->reporter.End(s, active->forward, /*worker_leaving=*/active->drain.load());
   if (s.ok()) {
     COLOD_LOG(INFO) << "job " << req.job_id() << ": rank " << req.rank() << " finished";
   } else {
@@ -478,6 +486,7 @@ absl::Status JobRunner::RunRank(Active& active) {
 
   train::RankHooks hooks;
   hooks.stop = [&active] { return active.stop.load(); };
+  if (active.request.drain()) hooks.drain = [&active] { return active.drain.load(); };
   hooks.on_start = [&](const train::RankStart& start) {
     if (metrics != nullptr) metrics->TrainingStarted();
     std::string message =

@@ -104,6 +104,14 @@ class JobRunner {
   // (a TENSOR job's) until the communicator's timeout. An empty reason is
   // "the worker is shutting down".
   void Close(const std::string& reason);
+  // The start of a drain, as the worker begins to shut down: refuses later
+  // assignments (UNAVAILABLE, as Close does) and asks the running rank, where
+  // it is a TRAIN rank of a job that drains (AssignJobRequest.drain), to
+  // have every rank of its job save a checkpoint after the same step and
+  // stop (RankHooks::drain; its end is reported drained, this worker
+  // leaving). True where such a rank runs: wait for it (WaitIdle), then
+  // Close. False otherwise, and the rank (if any) runs on.
+  bool Drain(const std::string& reason);
   // IDLE, or BUSY with the job, rank and generation and the rank's
   // collectives per group (its flight recorder's progress); last_error is
   // the error of the last rank that failed.
@@ -124,6 +132,7 @@ class JobRunner {
     // made (the rank's process group shares it).
     const std::shared_ptr<AbortSignal> abort = std::make_shared<AbortSignal>();
     std::atomic<bool> stop{false};
+    std::atomic<bool> drain{false};  // Drain: this worker shuts down
     absl::Mutex mu;
     // Shared with Stop, which aborts it outside every lock.
     std::shared_ptr<ProcessGroup> pg ABSL_GUARDED_BY(mu);

@@ -41,6 +41,13 @@ ABSL_FLAG(absl::Duration, tls_refresh_interval, absl::Minutes(1), colod::kTlsRef
 ABSL_FLAG(absl::Duration, auth_token_refresh_interval, absl::Minutes(1), colod::kAuthTokenRefreshIntervalHelp);
 ABSL_FLAG(absl::Duration, comm_timeout, absl::Minutes(2),
           "How long a job rank waits for its peers to connect and for each collective before it fails (1s to 24h).");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Minutes(1),
+          "On SIGTERM, SIGINT or SIGHUP while a training rank runs whose job saves checkpoints "
+          "(checkpoint_dir): how long to wait for every rank of the job to save a checkpoint after the same step "
+          "and stop, so that the coordinator places the job again from it and no step is lost (a rolling update, "
+          "a preempted node). Heartbeats go on meanwhile; a second signal ends the wait. Give the container a "
+          "grace period longer than this plus a step and a checkpoint's save. 0: no drain, the rank stops at "
+          "once and its job restarts from its last checkpoint. 0 to 24h.");
 ABSL_FLAG(absl::Duration, metrics_linger, absl::Minutes(1),
           "How long a job rank's metrics (step times, tokens, loss, collectives) stay on /metrics after the "
           "rank ended, so that a scrape sees its final values; then they are removed.");
@@ -171,6 +178,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.comm_timeout = absl::GetFlag(FLAGS_comm_timeout);
+  options.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
   options.metrics_linger = absl::GetFlag(FLAGS_metrics_linger);
   auto security = colod::SecurityFromFlags(/*token_from_env=*/false, absl::GetFlag(FLAGS_auth_token_refresh_interval));
   if (!security.ok()) {
@@ -186,8 +194,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   auto& daemon = **worker;
-  const int code = colod::ServeUntilSignal("worker", absl::GetFlag(FLAGS_ready_file), daemon.address(),
-                                           daemon.metrics_address(), [&daemon] { daemon.Shutdown(); });
+  const int code = colod::ServeUntilSignal(
+      "worker", absl::GetFlag(FLAGS_ready_file), daemon.address(), daemon.metrics_address(), [&daemon] {
+        // A second signal ends a drain early.
+        daemon.Drain([] { return colod::WaitForShutdownSignalFor(absl::ZeroDuration()) > 0; });
+        daemon.Shutdown();
+      });
   if (const absl::Status lost = daemon.device_lost(); !lost.ok()) {
     COLOD_LOG(ERROR) << "exiting " << colod::WorkerDaemon::kExitDeviceLost << " for a restart: " << lost.message();
     return colod::WorkerDaemon::kExitDeviceLost;

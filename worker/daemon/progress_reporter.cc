@@ -187,7 +187,8 @@ int64_t ProgressReporter::delivered() const {
   return delivered_;
 }
 
-void ProgressReporter::End(const absl::Status& status, const std::optional<v1::ForwardResult>& forward) const {
+void ProgressReporter::End(const absl::Status& status, const std::optional<v1::ForwardResult>& forward,
+                           bool worker_leaving) const {
   // The sending thread stops (within one report's attempts, if it is sending);
   // then the rank's last chance to deliver what it kept: each waits for
   // the channel to the coordinator (which may be reconnecting after an
@@ -205,6 +206,10 @@ void ProgressReporter::End(const absl::Status& status, const std::optional<v1::F
   // bounded.
   r.mutable_result()->set_message(Utf8Prefix(status.message(), kMaxReportedMessageBytes));
   r.mutable_result()->set_worker_fault(IsWorkerFault(status));
+  if (IsDrained(status)) {
+    r.mutable_result()->set_drained(true);
+    r.mutable_result()->set_worker_leaving(worker_leaving);
+  }
   if (status.ok() && forward.has_value()) *r.mutable_result()->mutable_forward() = *forward;
   (void)Send(std::move(r));
 }

@@ -83,8 +83,10 @@ class ProgressReporter {
   bool Step(v1::StepProgress step) const;
   // The rank's end: what is kept (for at most two RPC timeouts, each
   // report waiting for the channel), then its status and, for rank 0 of a
-  // FORWARD job, the result.
-  void End(const absl::Status& status, const std::optional<v1::ForwardResult>& forward) const;
+  // FORWARD job, the result. `worker_leaving`: a drained rank
+  // (IsDrained) whose own worker shuts down (RankResult.worker_leaving).
+  void End(const absl::Status& status, const std::optional<v1::ForwardResult>& forward,
+           bool worker_leaving = false) const;
   // Why an answer said stop, where the coordinator gave a reason (it took
   // no report of this rank: not its worker's, or a token of the wrong
   // role); empty otherwise.

@@ -104,6 +104,10 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
     return absl::InvalidArgumentError(
         absl::StrCat("--comm-timeout: must be in [1s, 24h], got ", absl::FormatDuration(o.comm_timeout)));
   }
+  if (o.drain_timeout < absl::ZeroDuration() || o.drain_timeout > absl::Hours(24)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--drain-timeout: must be in [0, 24h], got ", absl::FormatDuration(o.drain_timeout)));
+  }
   if (o.upload_cache_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--upload-cache-ttl: must be >= 0");
   }
@@ -218,6 +222,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
   w->info_.set_host(LocalHostName());
   w->info_.set_version(kVersion);
   w->info_.set_downloads_carry_key(true);  // ModelCache::Options::worker_key
+  w->info_.set_drains(true);               // JobRunner::Drain, RankHooks::drain
   for (const auto& [k, v] : options.labels) (*w->info_.mutable_labels())[k] = v;
 
   if (options.coordinator.empty()) {
@@ -371,6 +376,27 @@ void WorkerDaemon::CoordinatorLoop() {
   }
 }
 
+void WorkerDaemon::Drain(const std::function<bool()>& interrupted) {
+  if (!runner_ || options_.drain_timeout <= absl::ZeroDuration() || worker_id().empty()) return;
+  if (!runner_->Drain("the worker is shutting down")) return;
+  COLOD_LOG(INFO) << "worker shutting down: draining its job (every rank saves a checkpoint after the same step and "
+                     "stops) for at most "
+                  << absl::FormatDuration(options_.drain_timeout);
+  const absl::Time deadline = absl::Now() + options_.drain_timeout;
+  while (!runner_->WaitIdle(std::min(absl::Milliseconds(100), deadline - absl::Now()))) {
+    if (absl::Now() >= deadline) {
+      COLOD_LOG(WARNING) << "the drain did not end within --drain-timeout ("
+                         << absl::FormatDuration(options_.drain_timeout) << "): the rank is stopped";
+      return;
+    }
+    if (interrupted && interrupted()) {
+      COLOD_LOG(WARNING) << "the drain was interrupted (a second signal): the rank is stopped";
+      return;
+    }
+  }
+  COLOD_LOG(INFO) << "drained: the job's rank here ended";
+}
+
 void WorkerDaemon::Shutdown() {
   {
     absl::MutexLock lock(&mu_);
@@ -387,7 +413,7 @@ void WorkerDaemon::Shutdown() {
       COLOD_LOG(WARNING) << "could not deregister from " << options_.coordinator << ": " << s;
     }
   }
-  // A running rank is aborted before the server drains: a tensor call in one
+  // A running rank is aborted before the server stops: a tensor call in one
   // of its collectives (a peer SIGSTOPped) would hold the drain until the
   // communicator's timeout.
   if (runner_) runner_->Close("the worker is shutting down");

@@ -89,6 +89,9 @@ class WorkerDaemon {
     // restart it with a new CUDA context. It runs on the rank's thread,
     // which Shutdown joins: it must not call Shutdown itself.
     std::function<void(const absl::Status&)> on_device_lost;
+    // Drain's limit: how long a worker that shuts down waits for its job to
+    // save a checkpoint and stop (JobRunner::Drain). 0: no drain.
+    absl::Duration drain_timeout = absl::Minutes(1);
   };
 
   // main's exit code after a lost device (common/exit_codes.h).
@@ -100,6 +103,16 @@ class WorkerDaemon {
   static absl::StatusOr<std::unique_ptr<WorkerDaemon>> Start(Options options);
   ~WorkerDaemon();
 
+  // The first half of a shutdown, before Shutdown: where a TRAIN rank of a
+  // job that drains runs here (JobRunner::Drain), waits up to
+  // Options::drain_timeout for every rank of the job to save a checkpoint
+  // after the same step and stop, heartbeating meanwhile, so that the
+  // coordinator places the job again from that checkpoint and loses no step
+  // (a worker that leaves without it restarts its job from the last
+  // periodic checkpoint). No rank is assigned here from its start.
+  // `interrupted`, polled every 100 ms, ends the wait early (main: a second
+  // signal). Returns at once where nothing drains.
+  void Drain(const std::function<bool()>& interrupted = nullptr);
   void Shutdown();
 
   int port() const { return grpc_.port; }

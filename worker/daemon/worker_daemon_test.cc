@@ -236,6 +236,18 @@ TEST(WorkerDaemon, RejectsBadOptions) {
     EXPECT_NE(comm.message().find("--comm-timeout"), std::string::npos) << comm;
   }
   o.comm_timeout = absl::Minutes(2);
+  for (absl::Duration bad : {absl::Seconds(-1), absl::Hours(25), absl::InfiniteDuration()}) {
+    o.drain_timeout = bad;
+    const absl::Status drain = WorkerDaemon::Start(o).status();
+    EXPECT_EQ(drain.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(drain.message().find("--drain-timeout"), std::string::npos) << drain;
+  }
+  o.drain_timeout = absl::ZeroDuration();  // no drain: allowed
+  {
+    auto started = WorkerDaemon::Start(o);
+    EXPECT_TRUE(started.ok()) << started.status();
+  }
+  o.drain_timeout = absl::Minutes(1);
   o.advertise_host = std::string(600, 'h');
   EXPECT_EQ(WorkerDaemon::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
   o.advertise_host = "";

@@ -15,24 +15,25 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "google/protobuf/util/json_util.h"
 #include "common/atomic_file.h"
+#include "common/grpc_status.h"
 #include "common/int_math.h"
 #include "common/json.h"
 #include "common/logging.h"
 #include "common/model_layout.h"
 #include "common/status_macros.h"
+#include "google/protobuf/util/json_util.h"
 #include "kernels/device.h"
 #include "kernels/types.h"
 #include "spec/job_validation.h"
-#include "worker/tensor/ops.h"
-#include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/checkpoint.h"
+#include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/shardformer.h"
+#include "worker/tensor/ops.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/data_parallel.h"
-#include "worker/train/job_options.h"
 #include "worker/train/image_data.h"
+#include "worker/train/job_options.h"
 #include "worker/train/pipeline.h"
 #include "worker/train/seq2seq_data.h"
 
@@ -682,6 +683,9 @@ struct EnqueuedStep {
   // their copy to the host, enqueued right after the step's work.
   std::optional<PendingRead> read;
   std::vector<int64_t> loss_denominators;  // one a loss sum
+  // The mesh's drain flag's place in the read (after the loss sums); -1
+  // where the run does not drain (RankHooks::drain).
+  int drain_index = -1;
   // Taken once the step is enqueued (the next step's changes them).
   int64_t dp_bucket_bytes = 0, dp_overlapped_bytes = 0;
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
@@ -753,6 +757,11 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   auto saves_after = [&](int64_t done) {
     return !o.save_dir.empty() && o.save_every > 0 && (done % o.save_every == 0 || done == o.steps);
   };
+  // Whether this run takes part in drains (RankHooks::drain), and whether
+  // one was agreed: set by the read of the first step whose flag was up, the
+  // same step on every rank.
+  const bool drains = hooks.drain != nullptr && !o.save_dir.empty();
+  bool draining = false;
   // Enqueues step `step` (0-based): its forwards, backwards, dp sync and
   // update, up to the tensor its one read takes.
   auto enqueue = [&](int64_t step) -> absl::StatusOr<EnqueuedStep> {
@@ -808,10 +817,15 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     e.lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
     RETURN_IF_ERROR(optimizer.Step(e.lr, clip.scale));  // clipping as the update reads
     RETURN_IF_ERROR(sync->GatherParams());  // ZeRO: every replica gets the weights the others updated
-    static_assert((2 + kMaxMicroBatchesPerStep) * sizeof(float) <= kernels::kMaxStartedRead,
+    static_assert((3 + kMaxMicroBatchesPerStep) * sizeof(float) <= kernels::kMaxStartedRead,
                   "a step's losses are read at once");
     std::vector<Tensor> read = {clip.norm_and_scale};
     read.insert(read.end(), loss_sums.begin(), loss_sums.end());
+    if (drains) {  // 1 once any rank's worker shuts down
+      ASSIGN_OR_RETURN(Tensor flag, AnyOverMesh(pg, hooks.drain(), shard.device));
+      e.drain_index = static_cast<int>(read.size()) + 1;  // after the norm's 2 elements and the loss sums
+      read.push_back(std::move(flag));
+    }
     ASSIGN_OR_RETURN(const Tensor all, Tensor::Cat(read, 0));
     // In stream order after the step's work, before the next step's: its
     // read waits for this step alone.
@@ -837,7 +851,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   // collective that failed is reported now. Its garbage may have reached the
   // weights in memory, but not a checkpoint or a report: the run ends here
   // and a restart loads the last checkpoint.
-  auto finish = [&](EnqueuedStep& e) -> absl::Status {
+  // `ahead`: the next step is enqueued already (a drain saves after it).
+  auto finish = [&](EnqueuedStep& e, bool ahead) -> absl::Status {
     const int64_t step = e.step;
     const absl::Time read_start = absl::Now();
     absl::StatusOr<std::vector<float>> read = e.read->Floats();
@@ -889,11 +904,12 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     // stops here, with the same error. The step is not reported (a peer's
     // failure may abort this rank first): the error names it and its values.
     RETURN_IF_ERROR(FiniteStep(s));
+    if (e.drain_index >= 0 && values[e.drain_index] > 0) draining = true;
     if (EvaluatesAfter(run, step + 1)) {
       ASSIGN_OR_RETURN(s.eval, EvaluateNamed(run, chunks, pg, *sync, replica, step + 1, hooks));
       RETURN_IF_ERROR(FiniteEval(*s.eval, /*training=*/true));
     }
-    if (saves_after(step + 1)) {
+    if (saves_after(step + 1) || (draining && !ahead && step + 1 < o.steps)) {
       const absl::Status saved = SaveTrainingCheckpoint(
           chunks, optimizer, o.save_dir, step + 1, run.seed,
           s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt,
@@ -953,7 +969,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   std::optional<EnqueuedStep> ahead;
   for (int64_t step = first; step < o.steps; ++step) {
     if (hooks.stop && hooks.stop()) {
-      if (ahead.has_value()) RETURN_IF_ERROR(finish(*ahead));
+      if (ahead.has_value()) RETURN_IF_ERROR(finish(*ahead, /*ahead=*/false));
       return absl::CancelledError(absl::StrCat("stopped before step ", step + 1));
     }
     absl::StatusOr<EnqueuedStep> e = enqueue(step);
@@ -961,7 +977,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       // Reported even where this step failed to enqueue (it trained), unless
       // a communicator failed before its read: the error is then sticky and
       // could be its own, so it is not reported (a restart redoes it).
-      const absl::Status previous = finish(*ahead);
+      const absl::Status previous = finish(*ahead, /*ahead=*/e.ok());
       ahead.reset();
       if (!previous.ok()) {
         if (!e.ok()) COLOD_LOG(WARNING) << "step " << step + 1 << " failed too: " << e.status();
@@ -970,13 +986,18 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     }
     if (!e.ok()) return e.status();
     const int64_t done = step + 1;
-    if (shard.device.is_cuda() && !o.read_each_step && shard.pp() == 1 && done < o.steps &&
-        done != o.stop_after && !EvaluatesAfter(run, done) && !saves_after(done)) {
+    if (shard.device.is_cuda() && !o.read_each_step && shard.pp() == 1 && done < o.steps && done != o.stop_after &&
+        !EvaluatesAfter(run, done) && !saves_after(done) && !draining) {
       ahead = *std::move(e);
       continue;
     }
-    RETURN_IF_ERROR(finish(*e));
+    RETURN_IF_ERROR(finish(*e, /*ahead=*/false));
     if (time_boxed && done == o.stop_after) return absl::OkStatus();
+    if (draining && done < o.steps) {
+      return MarkDrained(absl::AbortedError(
+          absl::StrCat("stopped after step ", done, " for a drain (a worker of the job shuts down); its checkpoint ",
+                       StepDir(o.save_dir, done), " was saved")));
+    }
   }
   if (o.final_dir.empty()) return absl::OkStatus();
   const std::string sharded = o.final_dir + "/.sharded";

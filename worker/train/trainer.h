@@ -219,6 +219,16 @@ struct RankHooks {
   // first) and stops with CANCELLED (its peers see their collectives fail
   // or time out, and are stopped by the same signal).
   std::function<bool()> stop;
+  // A drain (a worker of the job shuts down): set on every rank of the run
+  // or on none (AssignJobRequest.drain), and used only where the run saves
+  // checkpoints (save_dir). Polled as each step is enqueued; the step's read
+  // carries the largest answer of every rank of the mesh (one all-reduce of
+  // one element a mesh axis), so every rank learns of a drain at the same
+  // step. Each then finishes the step it has enqueued (the one the read
+  // found, or on a CUDA device the next, enqueued ahead of it), saves its
+  // checkpoint, reports it, and stops with MarkDrained(ABORTED) naming the
+  // step. A drain found at the run's last step changes nothing.
+  std::function<bool()> drain;
 };
 
 // One rank's training loop on `pg` (every rank of the mesh must run it).

@@ -14,25 +14,27 @@
 #include <fstream>
 #include <sstream>
 
-#include "common/atomic_file.h"
-#include "gtest/gtest.h"
-#include "kernels/device.h"
-#include "tests/testing/temp_dir.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/atomic_file.h"
+#include "common/grpc_status.h"
+#include "gtest/gtest.h"
+#include "kernels/device.h"
 #include "spec/model_config.h"
-#include "worker/shardformer/safetensors.h"
+#include "tests/testing/temp_dir.h"
 #include "worker/shardformer/run_forward.h"
+#include "worker/shardformer/safetensors.h"
 #include "worker/shardformer/shardformer.h"
 #include "worker/shardformer/testing.h"
+#include "worker/tensor/npy.h"
+#include "worker/train/checkpoint.h"
+#include "worker/train/data.h"
 #include "worker/train/job_options.h"
 #include "worker/train/megatron_testing.h"
 #include "worker/train/tokenizer_testing.h"
 #include "worker/train/train_testing.h"
-#include "worker/tensor/npy.h"
-#include "worker/train/checkpoint.h"
-#include "worker/train/data.h"
 
 namespace colod::train {
 namespace {
@@ -477,6 +479,88 @@ TEST(Trainer, AStopReportsTheStepEnqueuedAheadOfIt) {
       EXPECT_NEAR(reported[i].loss, whole[i].loss, 1e-4 * whole[i].loss) << "step " << i + 1;
     }
   }
+}
+
+// A drain (a worker of the job shuts down) asked of one rank of four (tp=2 x
+// dp=2) stops every rank after the same step, its checkpoint saved and
+// reported, with a MarkDrained ABORTED; resuming from that checkpoint gives
+// the uninterrupted run's losses bitwise. On the CPU the read of the step
+// enqueued after the drain was asked finds it (rank 3 asks once it
+// reported step 3: the ranks stop after step 4); on a CUDA device the host
+// runs a step ahead, so the ranks stop after the step enqueued ahead of
+// that read (step 6).
+TEST(Trainer, ADrainStopsEveryRankAfterTheSameStepWithItsCheckpoint) {
+  const std::string model = TinyModel("train_drain");
+  TrainOptions t = Options(model, 2, 2);
+  t.steps = 8;
+  t.save_every = 100;  // no checkpoint but the drain's before the last step
+  for (const bool cuda : {false, true}) {
+    if (cuda && kernels::CudaDeviceCount() < 4) continue;  // the default build's pass; the emulation has 4
+    t.cuda = cuda;
+    const std::string tag = cuda ? "cuda" : "cpu";
+    TrainOptions whole = t;
+    whole.save_dir = TempPath("drain_whole_" + tag);
+    const std::vector<StepStats> want = Losses(whole);
+    ASSERT_EQ(want.size(), 8u);
+    t.save_dir = TempPath("drain_" + tag);
+    auto prepared = PrepareTrain(t);
+    ASSERT_TRUE(prepared.ok()) << prepared.status();
+    absl::Mutex mu;
+    std::vector<std::vector<StepStats>> reported(4);
+    std::vector<absl::Status> ends(4);
+    std::atomic<int64_t> rank3_steps{0};
+    (void)shardformer::RunOnLocalRanks(
+        t.shard, cuda,
+        [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
+          RankHooks hooks;
+          hooks.on_step = [&, rank](const StepStats& st) {
+            absl::MutexLock lock(&mu);
+            reported[rank].push_back(st);
+            if (rank == 3) rank3_steps = st.step;
+          };
+          hooks.drain = [&, rank] { return rank == 3 && rank3_steps.load() >= 3; };
+          const absl::Status end = RunTrainRank(**prepared, rank, pg, shard, hooks);
+          absl::MutexLock lock(&mu);
+          ends[rank] = end;
+          return end;
+        },
+        t.comm_timeout);
+    const int64_t last = cuda ? 6 : 4;
+    const std::string dir = StepDir(t.save_dir, last);
+    for (int rank = 0; rank < 4; ++rank) {
+      EXPECT_TRUE(IsDrained(ends[rank])) << tag << " rank " << rank << ": " << ends[rank];
+      EXPECT_EQ(ends[rank].code(), absl::StatusCode::kAborted) << ends[rank];
+      EXPECT_NE(ends[rank].message().find(absl::StrCat("stopped after step ", last, " for a drain")), std::string::npos)
+          << ends[rank];
+      ASSERT_EQ(reported[rank].size(), static_cast<size_t>(last)) << tag << " rank " << rank;
+      EXPECT_EQ(reported[rank].back().checkpoint, dir) << "every rank reports the checkpoint";
+      for (int64_t i = 0; i < last; ++i) EXPECT_EQ(reported[rank][i].loss, want[i].loss) << "step " << i + 1;
+    }
+    EXPECT_TRUE(std::filesystem::exists(dir + "/rank-00003-of-00004.safetensors")) << dir;
+    EXPECT_EQ(std::distance(std::filesystem::directory_iterator(t.save_dir), std::filesystem::directory_iterator()), 1)
+        << "the drain's checkpoint alone";
+    TrainOptions resumed = t;
+    resumed.resume_dir = t.save_dir;
+    const std::vector<StepStats> rest = Losses(resumed);
+    ASSERT_EQ(rest.size(), static_cast<size_t>(8 - last)) << tag;
+    for (size_t i = 0; i < rest.size(); ++i) EXPECT_EQ(rest[i].loss, want[last + i].loss) << "step " << last + i + 1;
+  }
+  // A run that does not save checkpoints takes no part in drains: it
+  // trains on, whatever a rank answers.
+  TrainOptions unsaved = t;
+  unsaved.cuda = false;
+  unsaved.save_dir.clear();
+  auto prepared = PrepareTrain(unsaved);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  const absl::Status s = shardformer::RunOnLocalRanks(
+      unsaved.shard, false,
+      [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
+        RankHooks hooks;
+        hooks.drain = [] { return true; };
+        return RunTrainRank(**prepared, rank, pg, shard, hooks);
+      },
+      unsaved.comm_timeout);
+  EXPECT_TRUE(s.ok()) << s;
 }
 
 // Training on a Megatron-LM indexed dataset (uint16 tokens, one document
