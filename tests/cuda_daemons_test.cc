@@ -245,6 +245,22 @@ TEST_F(CudaJobsTest, ADaemonKilledMidJobRestartsItWithTheUninterruptedLosses) {
   ASSERT_NO_FATAL_FAILURE(ExpectLastLosses(events, want));
 }
 
+// A CUDA daemon stopped cleanly (SIGTERM) mid-job drains it as a CPU one
+// does (DrainMidRun): every rank, over NCCL with the host a step ahead,
+// saves a checkpoint after the same step; the job goes on from it on a new
+// daemon on the freed device, with the uninterrupted run's losses.
+TEST_F(CudaJobsTest, ADaemonStoppedMidJobDrainsItWithTheUninterruptedLosses) {
+  train::TrainOptions o = Options(14);
+  o.cuda = true;
+  ASSERT_NO_FATAL_FAILURE(DrainMidRun(o, [&](int leaving) {
+    workers_.push_back(
+        testing::StartDaemon("worker/daemon/colod-worker", "w4",
+                             {"--coordinator", coordinator_.grpc, "--device", "cuda", "--device-ordinal",
+                              absl::StrCat(leaving), "--work-dir", TempPath("work4"), "--comm-timeout", "30s"}));
+    ASSERT_FALSE(workers_.back().grpc.empty()) << testing::ReadFile(workers_.back().log);
+  }));
+}
+
 // A CUDA daemon whose device faults mid-job (an illegal address: its
 // context is broken for good; the emulation injects it at the daemon's
 // 400th kernel launch) fails its rank naming CUDA's error and the broken

@@ -6,12 +6,18 @@
 
 #include <signal.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
 #include "colod/v1/worker.grpc.pb.h"
@@ -208,6 +214,74 @@ class JobsTest : public ::testing::Test {
     std::vector<Daemon> joined = StartTestWorkers(coordinator_.grpc, 1, {}, /*first=*/4);
     ASSERT_EQ(joined.size(), 1u);
     workers_.push_back(std::move(joined[0]));
+  }
+
+  // A run of `o` (tp=2 x dp=2) on the workers, saving checkpoints only at
+  // its end: once it reported step 3, the worker of rank 1 is stopped
+  // cleanly (SIGTERM). It drains the job: it logs so and exits 0; the job
+  // goes back to PENDING naming that rank and the drain, and is placed again
+  // once `replace(leaving)` started a worker in its stead; every rank of
+  // generation 2 resumes from the drain's step, whose checkpoint is on disk;
+  // the job succeeds with the in-process run's losses, bit for bit, and no
+  // restart counted (it may restart none). Callers ASSERT_NO_FATAL_FAILURE it.
+  void DrainMidRun(const train::TrainOptions& o, const std::function<void(int leaving)>& replace) {
+    std::vector<double> want;
+    ASSERT_TRUE(train::Train(o, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
+    v1::JobSpec spec = Spec(o);
+    spec.mutable_train()->set_checkpoint_every(1000);  // none but the drain's before the last step
+    spec.mutable_train()->set_checkpoint_dir(TempPath("ck-drain"));
+    spec.mutable_restart()->set_max_restarts(0);
+    auto job = client_->SubmitJob(spec);
+    ASSERT_TRUE(job.ok()) << job.status();
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    absl::StatusOr<v1::Job> now = client_->GetJob(job->job_id());
+    while (absl::Now() < deadline && now.ok() && now->step() < 3 && !JobManager::IsFinal(now->state())) {
+      absl::SleepFor(absl::Milliseconds(5));
+      now = client_->GetJob(job->job_id());
+    }
+    ASSERT_TRUE(now.ok() && now->step() >= 3 && !JobManager::IsFinal(now->state())) << Logs();
+    const v1::MeshSpec mesh = now->mesh();
+    const int leaving = WorkerOf(mesh, 1);
+    ASSERT_GE(leaving, 0);
+    workers_[leaving].process->Signal(SIGTERM);
+    ASSERT_EQ(workers_[leaving].process->Wait(absl::Seconds(60)), 0) << Logs();
+    const std::string log = ReadFile(workers_[leaving].log);
+    EXPECT_TRUE(absl::StrContains(log, "draining its job")) << log;
+    EXPECT_TRUE(absl::StrContains(log, "drained: the job's rank here ended")) << log;
+    ASSERT_NO_FATAL_FAILURE(replace(leaving));
+    const std::vector<v1::JobEvent> events = Watch(job->job_id());
+    auto done = client_->GetJob(job->job_id());
+    ASSERT_TRUE(done.ok());
+    ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
+    EXPECT_EQ(done->restarts(), 0);
+    EXPECT_EQ(done->generation(), 2);
+    for (const v1::RankAssignment& a : done->mesh().ranks()) EXPECT_NE(a.worker_address(), workers_[leaving].grpc);
+    int64_t drained_at = -1;
+    for (const v1::JobEvent& e : events) {
+      if (!e.has_state_change() || e.state_change().state() != v1::JOB_STATE_PENDING) continue;
+      const std::string& why = e.state_change().reason();
+      if (!absl::StrContains(why, absl::StrCat("rank 1 (worker ", mesh.ranks(1).worker_id())) ||
+          !absl::StrContains(why, "(a drain, not counted against the job)")) {
+        continue;
+      }
+      const size_t at = why.find("stopped after step ");
+      ASSERT_NE(at, std::string::npos) << why;
+      drained_at = std::atoll(why.c_str() + at + std::strlen("stopped after step "));
+    }
+    ASSERT_GE(drained_at, 3) << "no PENDING event names the drain and the leaving rank";
+    EXPECT_LT(drained_at, o.steps);
+    // Every rank of generation 2 resumed from the drain's step: none trained one twice.
+    int resumed = 0;
+    for (const v1::JobEvent& e : events) {
+      if (e.has_rank_status() && e.rank_status().phase() == v1::RANK_PHASE_TRAINING &&
+          e.rank_status().resumed_step() > 0) {
+        EXPECT_EQ(e.rank_status().resumed_step(), drained_at) << e.rank_status().ShortDebugString();
+        ++resumed;
+      }
+    }
+    EXPECT_EQ(resumed, 4);
+    ASSERT_NO_FATAL_FAILURE(ExpectLastLosses(events, want));
+    EXPECT_TRUE(std::filesystem::exists(TempPath("ck-drain") + "/" + absl::StrFormat("step-%06d", drained_at)));
   }
 
   // Every step of `events` once, with rank 0's last reported loss `want`

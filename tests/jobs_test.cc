@@ -879,72 +879,15 @@ TEST_F(JobsTest, AWorkerThatStopsMidJobFailsItNamingTheWorker) {
 }
 
 // A worker stopped cleanly (SIGTERM) while its job saves checkpoints
-// drains it: every rank saves a checkpoint after the same step and stops,
-// the worker exits 0 once its rank ended, and the job, placed again from
-// that checkpoint on the workers left and a new one, succeeds with the
-// uninterrupted in-process run's losses, bit for bit. No restart is counted
-// (the job may restart none) and no step is trained twice.
+// drains it (DrainMidRun): the job goes on from the drain's checkpoint on a
+// new worker, with the uninterrupted run's losses, bit for bit, and no
+// restart counted.
 TEST_F(JobsTest, AWorkerStoppedMidRunDrainsItsJobWhichGoesOnFromTheDrainsCheckpoint) {
-  train::TrainOptions o = Options(30);
-  std::vector<double> want;
-  ASSERT_TRUE(train::Train(o, [&](const train::StepStats& s) { want.push_back(s.loss); }).ok());
-  v1::JobSpec spec = Spec(o);
-  spec.mutable_train()->set_checkpoint_every(1000);  // none but the drain's before the last step
-  spec.mutable_train()->set_checkpoint_dir(TempPath("ck-drain"));
-  spec.mutable_restart()->set_max_restarts(0);
-  auto job = client_->SubmitJob(spec);
-  ASSERT_TRUE(job.ok()) << job.status();
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  absl::StatusOr<v1::Job> now = client_->GetJob(job->job_id());
-  while (absl::Now() < deadline && now.ok() && now->step() < 3 && !JobManager::IsFinal(now->state())) {
-    absl::SleepFor(absl::Milliseconds(5));
-    now = client_->GetJob(job->job_id());
-  }
-  ASSERT_TRUE(now.ok() && now->step() >= 3 && !JobManager::IsFinal(now->state())) << Logs();
-  const v1::MeshSpec mesh = now->mesh();
-  const int leaving = WorkerOf(mesh, 1);
-  ASSERT_GE(leaving, 0);
-  workers_[leaving].process->Signal(SIGTERM);
-  ASSERT_EQ(workers_[leaving].process->Wait(absl::Seconds(60)), 0) << Logs();
-  const std::string log = ReadFile(workers_[leaving].log);
-  EXPECT_TRUE(absl::StrContains(log, "draining its job")) << log;
-  EXPECT_TRUE(absl::StrContains(log, "drained: the job's rank here ended")) << log;
-  std::vector<testing::Daemon> joined = testing::StartTestWorkers(coordinator_.grpc, 1, {}, /*first=*/4);
-  ASSERT_EQ(joined.size(), 1u);
-  workers_.push_back(std::move(joined[0]));
-  const std::vector<v1::JobEvent> events = Watch(job->job_id());
-  auto done = client_->GetJob(job->job_id());
-  ASSERT_TRUE(done.ok());
-  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << Logs();
-  EXPECT_EQ(done->restarts(), 0);
-  EXPECT_EQ(done->generation(), 2);
-  for (const v1::RankAssignment& a : done->mesh().ranks()) EXPECT_NE(a.worker_address(), workers_[leaving].grpc);
-  int64_t drained_at = -1;
-  for (const v1::JobEvent& e : events) {
-    if (!e.has_state_change() || e.state_change().state() != v1::JOB_STATE_PENDING) continue;
-    const std::string& why = e.state_change().reason();
-    if (!absl::StrContains(why, absl::StrCat("rank 1 (worker ", mesh.ranks(1).worker_id())) ||
-        !absl::StrContains(why, "(a drain, not counted against the job)")) {
-      continue;
-    }
-    const size_t at = why.find("stopped after step ");
-    ASSERT_NE(at, std::string::npos) << why;
-    drained_at = std::atoll(why.c_str() + at + std::strlen("stopped after step "));
-  }
-  ASSERT_GE(drained_at, 3) << "no PENDING event names the drain and the leaving rank";
-  EXPECT_LT(drained_at, 30);
-  // Every rank of the second generation resumed from the drain's step: none trained twice.
-  int resumed = 0;
-  for (const v1::JobEvent& e : events) {
-    if (e.has_rank_status() && e.rank_status().phase() == v1::RANK_PHASE_TRAINING &&
-        e.rank_status().resumed_step() > 0) {
-      EXPECT_EQ(e.rank_status().resumed_step(), drained_at) << e.rank_status().ShortDebugString();
-      ++resumed;
-    }
-  }
-  EXPECT_EQ(resumed, 4);
-  ASSERT_NO_FATAL_FAILURE(ExpectLastLosses(events, want));
-  EXPECT_TRUE(std::filesystem::exists(TempPath("ck-drain") + "/" + absl::StrFormat("step-%06d", drained_at)));
+  ASSERT_NO_FATAL_FAILURE(DrainMidRun(Options(30), [&](int) {
+    std::vector<testing::Daemon> joined = testing::StartTestWorkers(coordinator_.grpc, 1, {}, /*first=*/4);
+    ASSERT_EQ(joined.size(), 1u);
+    workers_.push_back(std::move(joined[0]));
+  }));
 }
 
 // A lease longer than the assignment deadline (--worker-rpc-timeout), so
