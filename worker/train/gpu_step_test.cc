@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "tests/testing/temp_dir.h"
+#include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/testing.h"
 #include "worker/train/trainer.h"
 
@@ -55,8 +56,12 @@ Sample Take(int devices) {
 // Trains a tiny GPT-2 of `layers` layers at tp=2 dp=2 on 4 devices for
 // `steps` steps; after[i] is sampled on rank 0's thread when it finished
 // step i + 1.
+// `drains`: as a worker daemon's rank of a job that saves checkpoints
+// (save_dir set, none saved but the last step's), taking part in drains
+// (RankHooks::drain), none asked.
 void TrainTiny(int64_t layers, int64_t steps, std::vector<Sample>& after, std::vector<StepStats>& stats,
-               DType dtype = DType::kF32, v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D) {
+               DType dtype = DType::kF32, v1::TensorParallelMode mode = v1::TENSOR_PARALLEL_MODE_1D,
+               bool drains = false) {
   shardformer::testing::TinyOptions tiny;
   tiny.vocab = kByteVocab;
   tiny.positions = 32;
@@ -79,10 +84,31 @@ void TrainTiny(int64_t layers, int64_t steps, std::vector<Sample>& after, std::v
   o.shard.layout.set_data_parallel_size(two_d ? 1 : 2);
   o.shard.layout.set_tensor_parallel_mode(mode);
   o.shard.param_dtype = dtype;
-  ASSERT_TRUE(Train(o, [&](const StepStats& st) {
-                after.push_back(Take(4));
-                stats.push_back(st);
-              }).ok());
+  if (!drains) {
+    ASSERT_TRUE(Train(o, [&](const StepStats& st) {
+                  after.push_back(Take(4));
+                  stats.push_back(st);
+                }).ok());
+  } else {
+    o.save_dir = colod::testing::TempPath("gpu_step_drains");
+    o.save_every = 1000;
+    auto run = PrepareTrain(o);
+    ASSERT_TRUE(run.ok()) << run.status();
+    RankHooks hooks;
+    hooks.on_step = [&](const StepStats& st) {
+      if (st.rank != 0) return;
+      after.push_back(Take(4));
+      stats.push_back(st);
+    };
+    hooks.drain = [] { return false; };
+    const absl::Status s = shardformer::RunOnLocalRanks(
+        o.shard, true,
+        [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
+          return RunTrainRank(**run, rank, pg, shard, hooks);
+        },
+        o.comm_timeout);
+    ASSERT_TRUE(s.ok()) << s;
+  }
   ASSERT_EQ(after.size(), static_cast<size_t>(steps));
 }
 
@@ -153,6 +179,24 @@ TEST(GpuStep, TwoDimensionalStepsReadOnlyTheLossAndTheNorm) {
     EXPECT_LE(after[i].rank0.host_synchronizations - after[i - 1].rank0.host_synchronizations,
               kMaxHostSyncsPerRankStep)
         << "rank 0's host synchronizations in 2d step " << i + 1;
+  }
+}
+
+// A rank that takes part in drains (a worker daemon's, of a job that saves
+// checkpoints) adds one all-reduce of one element a mesh axis to each step,
+// made and reduced on the devices: a warm step still synchronizes the host
+// once, uploads nothing from pageable memory and takes no device memory.
+TEST(GpuStep, ADrainsAgreementAddsNoHostSynchronization) {
+  if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices";
+  std::vector<Sample> after;
+  std::vector<StepStats> stats;
+  TrainTiny(/*layers=*/2, /*steps=*/7, after, stats, DType::kF32, v1::TENSOR_PARALLEL_MODE_1D, /*drains=*/true);
+  if (HasFatalFailure()) return;
+  for (size_t i = 3; i + 1 < after.size(); ++i) {  // steps 4 to 6: the last saves its checkpoint
+    EXPECT_EQ(after[i].rank0.device_allocations, after[i - 1].rank0.device_allocations) << "step " << i + 1;
+    EXPECT_LE(after[i].rank0.host_synchronizations - after[i - 1].rank0.host_synchronizations, kMaxHostSyncsPerRankStep)
+        << "rank 0's host synchronizations in step " << i + 1;
+    EXPECT_EQ(after[i].rank0.pageable_uploads, after[i - 1].rank0.pageable_uploads) << "step " << i + 1;
   }
 }
 
