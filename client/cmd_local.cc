@@ -115,7 +115,10 @@ constexpr Command kCommands[] = {
      "              address once every worker has registered, stays in the foreground, and\n"
      "              stops everything on Ctrl-C,\n"
      "              SIGTERM or SIGHUP. --data-dir keeps the coordinator's state, the worker\n"
-     "              logs and their scratch directories (worker-I.work).\n"
+     "              logs and their scratch directories (worker-I.work); with it, a running\n"
+     "              job that saves checkpoints is drained at the stop (a checkpoint after\n"
+     "              the same step on every rank, within 8 s) and goes on from it at the\n"
+     "              next start.\n"
      "              A CUDA worker whose device faulted (it exits 70) is started again, up\n"
      "              to 3 times; a worker that exits otherwise is said on stderr.\n",
      RunLocal},

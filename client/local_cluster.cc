@@ -152,7 +152,10 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
     w.argv = {options.worker_binary, "--coordinator", c->address_, "--listen", "127.0.0.1:0",
               "--metrics-listen", "127.0.0.1:0", "--device", options.device,
               "--device-ordinal", absl::StrCat(i), "--blas-threads", absl::StrCat(blas_threads),
-              "--work-dir", absl::StrCat(c->data_dir_, "/worker-", i, ".work")};
+              "--work-dir", absl::StrCat(c->data_dir_, "/worker-", i, ".work"),
+              // A drain (its job's checkpoint at a stop) within Stop's 10 s,
+              // and none where nothing of the cluster is kept.
+              "--drain-timeout", c->temporary_ ? "0" : "8s"};
     // clang-format on
     w.log = absl::StrCat(c->data_dir_, "/worker-", i, ".log");
     auto pid = Spawn(w.argv, w.log);

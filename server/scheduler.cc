@@ -394,7 +394,6 @@ void Scheduler::ScheduleQueued() {
       p.resume_own = ResumesFromCheckpoint(*scheduled);
       if (p.resume_own) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
       p.drain = drain;
-      p.placed_step = scheduled->step();
       p.mesh = placed;
       p.keys = std::move(keys);
       p.download_keys = std::move(download_keys);
@@ -598,6 +597,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
           status.phase() == v1::RANK_PHASE_TRAINING && status.resumed_step() > 0) {
         (void)jobs_->NoteResumed(p.job_id, status.resumed_step(), status.resumed_from());
       }
+      if (rank == 0 && status.phase() == v1::RANK_PHASE_TRAINING) p.resumed_step = status.resumed_step();
       if (status.phase() == v1::RANK_PHASE_TRAINING || status.phase() == v1::RANK_PHASE_SERVING ||
           status.phase() == v1::RANK_PHASE_RUNNING) {
         p.training.insert(rank);
@@ -617,6 +617,9 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
       // peer died) and the restart resume after it. Once, as every step;
       // nothing once the job ended.
       (void)jobs_->AddStep(p.job_id, report.step());
+      if (rank == 0 && !report.step().checkpoint().empty()) {
+        p.checkpointed_step = std::max(p.checkpointed_step, report.step().step());
+      }
       break;
     case v1::ReportProgressRequest::kResult: {
       p.ended.insert(rank);
@@ -774,17 +777,17 @@ void Scheduler::FailLocked(Placed& p, const std::string& reason, bool retryable,
 }
 
 void Scheduler::EndDrainLocked(Placed& p, const std::string& note) {
-  const absl::StatusOr<v1::Job> job = jobs_->Get(p.job_id);
-  if (job.ok() && job->step() > p.placed_step) {
+  if (p.checkpointed_step > p.resumed_step) {
     p.requeue_reason = absl::StrCat(p.drain_reason, note,
                                     "; placing the job again from that checkpoint (a drain, not counted against the "
                                     "job)");
     StopRanksLocked(p, PlacementState::kRequeueing, p.requeue_reason, -1);
     return;
   }
-  // No step reported since the placement: the drain saved nothing newer, and
-  // is a failure like any other (no worker requeues a job for ever uncounted).
-  FailLocked(p, absl::StrCat(p.drain_reason, note, " (a drain that saved no new step)"), /*retryable=*/true, -1);
+  // No checkpoint past the one the placement resumed from: the drain saved
+  // nothing newer, and is a failure like any other (no worker requeues a
+  // job for ever uncounted).
+  FailLocked(p, absl::StrCat(p.drain_reason, note, " (a drain that saved no new checkpoint)"), /*retryable=*/true, -1);
 }
 
 void Scheduler::EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank) {

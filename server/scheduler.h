@@ -196,10 +196,12 @@ class Scheduler {
     // A TRAIN job with a checkpoint_dir on workers that all drain
     // (WorkerInfo.drains): AssignJobRequest.drain.
     bool drain = false;
-    // The job's step when placed: a drain claimed before a later step was
-    // reported saved nothing new, and is taken as a failure (so that no
-    // worker requeues a job for ever uncounted).
-    int64_t placed_step = 0;
+    // The step rank 0 resumed from (its TRAINING status; 0: none), and the
+    // newest step this placement reported with a checkpoint: a drain that
+    // saved no checkpoint past the one it resumed from is taken as a
+    // failure (so that no worker requeues a job for ever uncounted).
+    int64_t resumed_step = 0;
+    int64_t checkpointed_step = 0;
     v1::MemoryFloor memory_floor;  // the job's, sent with each assignment
     v1::MeshSpec mesh;
     // Each rank's worker's key when it was placed ("" none: an older
@@ -265,8 +267,8 @@ class Scheduler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A drained placement whose ranks all ended, or whose drain outlasted
   // Options::stop_grace (the rest are aborted; `note` says so): back to
-  // PENDING where a step was reported since it was placed, else a failure
-  // (FailLocked, retryable).
+  // PENDING where it reported a checkpoint past the one it resumed from,
+  // else a failure (FailLocked, retryable).
   void EndDrainLocked(Placed& p, const std::string& note) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends this placement, moving it to `next` (kEnding, kRequeueing or
   // kRestarting): aborts to the ranks still running (not `except_rank`); the

@@ -21,6 +21,7 @@
 #include <set>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/proto_time.h"
 #include "gtest/gtest.h"
@@ -573,12 +574,37 @@ TEST_F(SchedulerTest, ADrainedJobIsPlacedAgainFromItsCheckpointWithoutTheLeaving
                absl::StrContains(e.state_change().reason(), "the ranks that had not ended 2m later were stopped");
   }
   EXPECT_TRUE(stopped);
-  // A drain claimed before any step of its placement was reported saved
-  // nothing newer: a failure, counted (no worker requeues a job for ever).
+  // A placement that resumed from an older checkpoint than the job's step
+  // (step 4, the job at 6: the newest was lost) drains with a checkpoint of
+  // step 5: progress, not counted.
   Pass(absl::Seconds(31));
   scheduler_->TickForTest();
   ASSERT_EQ(Job(id).state(), v1::JOB_STATE_SCHEDULED);
-  Training(id);
+  const auto resumed_at = [&](int64_t resumed) {
+    for (int r = 0; r < 2; ++r) {
+      v1::ReportProgressRequest req;
+      req.mutable_status()->set_phase(v1::RANK_PHASE_TRAINING);
+      req.mutable_status()->set_resumed_step(resumed);
+      req.mutable_status()->set_resumed_from(absl::StrFormat("/ck/step-%06d", resumed));
+      ASSERT_TRUE(Report(id, r, req).ok());
+    }
+  };
+  ASSERT_NO_FATAL_FAILURE(resumed_at(4));
+  step.mutable_step()->set_step(5);
+  step.mutable_step()->set_checkpoint("/ck/step-000005");
+  ASSERT_TRUE(Report(id, 0, step).ok());
+  for (int r : {0, 1}) {
+    DrainedEnd(&drained, /*leaving=*/r == 1);
+    ASSERT_TRUE(Report(id, r, drained).ok());
+  }
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_PENDING) << Job(id).reason();
+  EXPECT_EQ(Job(id).restarts(), 0);
+  // A drain that saved no checkpoint past the one its placement resumed
+  // from: a failure, counted (no worker requeues a job for ever).
+  Pass(absl::Seconds(31));
+  scheduler_->TickForTest();
+  ASSERT_EQ(Job(id).state(), v1::JOB_STATE_SCHEDULED);
+  ASSERT_NO_FATAL_FAILURE(resumed_at(5));
   for (int r : {0, 1}) {
     DrainedEnd(&drained, /*leaving=*/r == 1);
     ASSERT_TRUE(Report(id, r, drained).ok());
@@ -586,7 +612,7 @@ TEST_F(SchedulerTest, ADrainedJobIsPlacedAgainFromItsCheckpointWithoutTheLeaving
   const v1::Job failed = Job(id);
   EXPECT_EQ(failed.state(), v1::JOB_STATE_RESTARTING) << failed.reason();
   EXPECT_EQ(failed.restarts(), 1);
-  EXPECT_TRUE(absl::StrContains(failed.reason(), "(a drain that saved no new step)")) << failed.reason();
+  EXPECT_TRUE(absl::StrContains(failed.reason(), "(a drain that saved no new checkpoint)")) << failed.reason();
 }
 
 // A job with a rank on an older worker (which would not join the drain's

@@ -6,6 +6,7 @@
 
 #include <signal.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
 #include "colod/v1/worker.grpc.pb.h"
+#include "common/proto_time.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "server/job_manager.h"
@@ -243,8 +245,10 @@ class JobsTest : public ::testing::Test {
     const v1::MeshSpec mesh = now->mesh();
     const int leaving = WorkerOf(mesh, 1);
     ASSERT_GE(leaving, 0);
+    const absl::Time stopped = absl::Now();
     workers_[leaving].process->Signal(SIGTERM);
     ASSERT_EQ(workers_[leaving].process->Wait(absl::Seconds(60)), 0) << Logs();
+    const absl::Time exited = absl::Now();
     const std::string log = ReadFile(workers_[leaving].log);
     EXPECT_TRUE(absl::StrContains(log, "draining its job")) << log;
     EXPECT_TRUE(absl::StrContains(log, "drained: the job's rank here ended")) << log;
@@ -282,6 +286,17 @@ class JobsTest : public ::testing::Test {
     EXPECT_EQ(resumed, 4);
     ASSERT_NO_FATAL_FAILURE(ExpectLastLosses(events, want));
     EXPECT_TRUE(std::filesystem::exists(TempPath("ck-drain") + "/" + absl::StrFormat("step-%06d", drained_at)));
+    absl::Time pending = absl::InfinitePast(), running_again = absl::InfinitePast();
+    for (const v1::JobEvent& e : events) {
+      if (!e.has_state_change()) continue;
+      if (e.state_change().state() == v1::JOB_STATE_PENDING) pending = FromProtoTimestamp(e.time());
+      if (e.state_change().state() == v1::JOB_STATE_RUNNING) running_again = FromProtoTimestamp(e.time());
+    }
+    std::printf(
+        "worker SIGTERM: drained and exited after %.2f s, the job PENDING after %.2f s, RUNNING again %.2f s "
+        "after it exited (a replacement started meanwhile)\n",
+        absl::ToDoubleSeconds(exited - stopped), absl::ToDoubleSeconds(pending - stopped),
+        absl::ToDoubleSeconds(running_again - exited));
   }
 
   // Every step of `events` once, with rank 0's last reported loss `want`

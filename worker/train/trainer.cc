@@ -851,7 +851,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   // collective that failed is reported now. Its garbage may have reached the
   // weights in memory, but not a checkpoint or a report: the run ends here
   // and a restart loads the last checkpoint.
-  // `ahead`: the next step is enqueued already (a drain saves after it).
+  // `ahead`: the next step is enqueued already (a drain saves after it), or
+  // the run stops after this one (no drain's save).
   auto finish = [&](EnqueuedStep& e, bool ahead) -> absl::Status {
     const int64_t step = e.step;
     const absl::Time read_start = absl::Now();
@@ -969,7 +970,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   std::optional<EnqueuedStep> ahead;
   for (int64_t step = first; step < o.steps; ++step) {
     if (hooks.stop && hooks.stop()) {
-      if (ahead.has_value()) RETURN_IF_ERROR(finish(*ahead, /*ahead=*/false));
+      // (No drain's save: the run stops here, whatever its peers do.)
+      if (ahead.has_value()) RETURN_IF_ERROR(finish(*ahead, /*ahead=*/true));
       return absl::CancelledError(absl::StrCat("stopped before step ", step + 1));
     }
     absl::StatusOr<EnqueuedStep> e = enqueue(step);
@@ -1027,7 +1029,9 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
   // A pipelined run's error names the stage it came from.
   absl::StatusOr<int> stage = pg.LocalRank("pp");
   if (!stage.ok()) return s;
-  return absl::Status(s.code(), absl::StrCat("pipeline stage ", *stage, " of ", shard.pp(), ": ", s.message()));
+  absl::Status named(s.code(), absl::StrCat("pipeline stage ", *stage, " of ", shard.pp(), ": ", s.message()));
+  s.ForEachPayload([&named](absl::string_view url, const absl::Cord& payload) { named.SetPayload(url, payload); });
+  return named;  // still marked (MarkDrained)
 }
 
 absl::Status Train(const TrainOptions& o, const std::function<void(const StepStats&)>& on_step) {

@@ -545,6 +545,48 @@ TEST(Trainer, ADrainStopsEveryRankAfterTheSameStepWithItsCheckpoint) {
     ASSERT_EQ(rest.size(), static_cast<size_t>(8 - last)) << tag;
     for (size_t i = 0; i < rest.size(); ++i) EXPECT_EQ(rest[i].loss, want[last + i].loss) << "step " << last + i + 1;
   }
+  // Pipeline stages (pp=2 x tp=2): the stage names itself in the error,
+  // which stays marked drained; the ranks stop after step 4 (a pipelined
+  // CUDA step is read as it ends).
+  {
+    shardformer::testing::TinyOptions tiny;
+    tiny.vocab = kByteVocab;
+    tiny.positions = 32;
+    tiny.layers = 2;
+    auto gpt2 = shardformer::testing::WriteTinyGpt2(TempPath("train_drain_pp"), tiny);
+    ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+    TrainOptions pp = Options(gpt2->dir, 2, 1);
+    pp.shard.layout.set_pipeline_parallel_size(2);
+    pp.micro_batches = 2;
+    pp.steps = 8;
+    pp.save_every = 100;
+    pp.save_dir = TempPath("drain_pp");
+    auto prepared = PrepareTrain(pp);
+    ASSERT_TRUE(prepared.ok()) << prepared.status();
+    absl::Mutex mu;
+    std::vector<absl::Status> ends(4);
+    std::atomic<int64_t> last_steps{0};
+    (void)shardformer::RunOnLocalRanks(
+        pp.shard, false,
+        [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
+          RankHooks hooks;
+          hooks.on_step = [&, rank](const StepStats& st) {
+            if (rank == 3) last_steps = st.step;
+          };
+          hooks.drain = [&, rank] { return rank == 3 && last_steps.load() >= 3; };
+          const absl::Status end = RunTrainRank(**prepared, rank, pg, shard, hooks);
+          absl::MutexLock lock(&mu);
+          ends[rank] = end;
+          return end;
+        },
+        pp.comm_timeout);
+    for (int rank = 0; rank < 4; ++rank) {
+      EXPECT_TRUE(IsDrained(ends[rank])) << "pp rank " << rank << ": " << ends[rank];
+      EXPECT_NE(ends[rank].message().find("pipeline stage "), std::string::npos) << ends[rank];
+      EXPECT_NE(ends[rank].message().find("stopped after step 4 for a drain"), std::string::npos) << ends[rank];
+    }
+    EXPECT_TRUE(std::filesystem::exists(StepDir(pp.save_dir, 4))) << "the drain's checkpoint";
+  }
   // A run that does not save checkpoints takes no part in drains: it
   // trains on, whatever a rank answers.
   TrainOptions unsaved = t;
