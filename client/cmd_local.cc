@@ -117,7 +117,7 @@ constexpr Command kCommands[] = {
      "              SIGTERM or SIGHUP. --data-dir keeps the coordinator's state, the worker\n"
      "              logs and their scratch directories (worker-I.work); with it, a running\n"
      "              job that saves checkpoints is drained at the stop (a checkpoint after\n"
-     "              the same step on every rank, within 8 s) and goes on from it at the\n"
+     "              the same step on every rank, within 6 s) and goes on from it at the\n"
      "              next start.\n"
      "              A CUDA worker whose device faulted (it exits 70) is started again, up\n"
      "              to 3 times; a worker that exits otherwise is said on stderr.\n",

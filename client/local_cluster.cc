@@ -41,6 +41,10 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
     // this process may have held a lock), and no stdio: freopen would flush
     // the parent's buffered stdout a second time, from the child.
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    // A process group of its own: the terminal's Ctrl-C (or SIGHUP) reaches
+    // coloctl alone, which stops the workers first, with one SIGTERM each
+    // (a second signal would end a worker's drain), then the coordinator.
+    ::setpgid(0, 0);
     const int err = ::open(log.c_str(), O_WRONLY | O_CREAT | (append ? O_APPEND : O_TRUNC) | O_CLOEXEC, 0644);
     const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
     if (err < 0 || null < 0 || ::dup2(err, STDERR_FILENO) < 0 || ::dup2(null, STDOUT_FILENO) < 0) ::_exit(126);
@@ -129,8 +133,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
   }
   const absl::Time deadline = absl::Now() + options.ready_timeout;
   while ((c->address_ = ReadyValue(ready, "grpc")).empty()) {
-    // Before the daemons' deaths: Ctrl-C reaches them too (the terminal's
-    // process group), and one that died of it is the cancel, not a failure.
+    // Before the daemons' deaths: one that died of a signal sent to the
+    // whole tree is the cancel, not a failure.
     if (cancelled()) return cancel();
     int status = 0;
     if (::waitpid(*coordinator, &status, WNOHANG) == *coordinator) {
@@ -153,9 +157,10 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
               "--metrics-listen", "127.0.0.1:0", "--device", options.device,
               "--device-ordinal", absl::StrCat(i), "--blas-threads", absl::StrCat(blas_threads),
               "--work-dir", absl::StrCat(c->data_dir_, "/worker-", i, ".work"),
-              // A drain (its job's checkpoint at a stop) within Stop's 10 s,
-              // and none where nothing of the cluster is kept.
-              "--drain-timeout", c->temporary_ ? "0" : "8s"};
+              // A drain (its job's checkpoint at a stop) within Stop's 10 s
+              // with the worker's own shutdown after it, and none where
+              // nothing of the cluster is kept.
+              "--drain-timeout", c->temporary_ ? "0" : "6s"};
     // clang-format on
     w.log = absl::StrCat(c->data_dir_, "/worker-", i, ".log");
     auto pid = Spawn(w.argv, w.log);

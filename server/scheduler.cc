@@ -187,10 +187,17 @@ void Scheduler::Tick() {
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
         if (p.ended.count(a.rank()) || live.count(a.worker_id())) continue;
         p.ended.insert(a.rank());
-        if (!p.stopping()) {
-          FailLocked(p, absl::StrCat(RankName(p.mesh, a.rank()), " was lost: ", workers_->LostReason(a.worker_id())),
-                     /*retryable=*/true, a.rank());
+        if (p.stopping()) continue;
+        const std::string lost =
+            absl::StrCat(RankName(p.mesh, a.rank()), " was lost: ", workers_->LostReason(a.worker_id()));
+        if (p.state == PlacementState::kRunning && !p.drain_reason.empty()) {
+          // Its peers drained, so it had saved the drain's checkpoint with
+          // them (they passed the save's last barrier): its end was not
+          // delivered before its worker left. The drain's own check decides.
+          if (static_cast<int>(p.ended.size()) == p.mesh.world_size()) EndDrainLocked(p, absl::StrCat("; ", lost));
+          continue;
         }
+        FailLocked(p, lost, /*retryable=*/true, a.rank());
       }
     }
     GiveUpOnStuckRanksLocked();
@@ -597,7 +604,10 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
           status.phase() == v1::RANK_PHASE_TRAINING && status.resumed_step() > 0) {
         (void)jobs_->NoteResumed(p.job_id, status.resumed_step(), status.resumed_from());
       }
-      if (rank == 0 && status.phase() == v1::RANK_PHASE_TRAINING) p.resumed_step = status.resumed_step();
+      if (rank == 0 && status.phase() == v1::RANK_PHASE_TRAINING) {
+        p.resumed_step = status.resumed_step();
+        p.resumed_known = true;
+      }
       if (status.phase() == v1::RANK_PHASE_TRAINING || status.phase() == v1::RANK_PHASE_SERVING ||
           status.phase() == v1::RANK_PHASE_RUNNING) {
         p.training.insert(rank);
@@ -777,7 +787,10 @@ void Scheduler::FailLocked(Placed& p, const std::string& reason, bool retryable,
 }
 
 void Scheduler::EndDrainLocked(Placed& p, const std::string& note) {
-  if (p.checkpointed_step > p.resumed_step) {
+  // (Where rank 0's TRAINING status never came, its resumed step is not
+  // known: the step it reports again as it resumes could pass for the
+  // drain's.)
+  if (p.resumed_known && p.checkpointed_step > p.resumed_step) {
     p.requeue_reason = absl::StrCat(p.drain_reason, note,
                                     "; placing the job again from that checkpoint (a drain, not counted against the "
                                     "job)");

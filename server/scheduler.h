@@ -202,6 +202,7 @@ class Scheduler {
     // failure (so that no worker requeues a job for ever uncounted).
     int64_t resumed_step = 0;
     int64_t checkpointed_step = 0;
+    bool resumed_known = false;    // rank 0's TRAINING status came (resumed_step is its)
     v1::MemoryFloor memory_floor;  // the job's, sent with each assignment
     v1::MeshSpec mesh;
     // Each rank's worker's key when it was placed ("" none: an older

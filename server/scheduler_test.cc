@@ -615,6 +615,42 @@ TEST_F(SchedulerTest, ADrainedJobIsPlacedAgainFromItsCheckpointWithoutTheLeaving
   EXPECT_TRUE(absl::StrContains(failed.reason(), "(a drain that saved no new checkpoint)")) << failed.reason();
 }
 
+// A drain whose leaving worker's end was never delivered (the worker left
+// first): its peers drained, so its rank saved with them; the job is placed
+// again from the drain's checkpoint, not counted.
+TEST_F(SchedulerTest, ADrainWhoseLeavingRanksEndWasLostStillPlacesTheJobAgain) {
+  Start(3);
+  v1::JobSpec spec = TrainSpec(2, 1);
+  spec.mutable_restart()->set_max_restarts(0);
+  auto job = jobs_->Submit(spec, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  scheduler_->TickForTest();
+  Training(id);
+  v1::ReportProgressRequest step;
+  step.mutable_step()->set_step(4);
+  step.mutable_step()->set_checkpoint("/ck/step-000004");
+  ASSERT_TRUE(Report(id, 0, step).ok());
+  v1::ReportProgressRequest drained;
+  DrainedEnd(&drained, /*leaving=*/false);
+  ASSERT_TRUE(Report(id, 0, drained).ok());
+  int leaving = -1;
+  for (int w = 0; w < 3; ++w) leaving = Job(id).mesh().ranks(1).worker_id() == ids_[w] ? w : leaving;
+  ASSERT_GE(leaving, 0);
+  ASSERT_TRUE(registry_.Deregister(ids_[leaving], "the worker is shutting down").ok());
+  scheduler_->TickForTest();
+  const v1::Job j = Job(id);
+  EXPECT_EQ(j.restarts(), 0);
+  EXPECT_NE(j.state(), v1::JOB_STATE_FAILED) << j.reason();
+  bool requeued = false;
+  for (const v1::JobEvent& e : Events(id)) {
+    requeued |= e.has_state_change() && e.state_change().state() == v1::JOB_STATE_PENDING &&
+                absl::StrContains(e.state_change().reason(), "was lost: left: the worker is shutting down") &&
+                absl::StrContains(e.state_change().reason(), "(a drain, not counted against the job)");
+  }
+  EXPECT_TRUE(requeued);
+}
+
 // A job with a rank on an older worker (which would not join the drain's
 // collective) or with no checkpoint_dir is not drained, and a drained end
 // claimed there counts as the failure it is.

@@ -851,9 +851,11 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   // collective that failed is reported now. Its garbage may have reached the
   // weights in memory, but not a checkpoint or a report: the run ends here
   // and a restart loads the last checkpoint.
-  // `ahead`: the next step is enqueued already (a drain saves after it), or
-  // the run stops after this one (no drain's save).
-  auto finish = [&](EnqueuedStep& e, bool ahead) -> absl::Status {
+  // `drain_saves`: a drain agreed by this step's read (or an earlier one)
+  // saves after it: false where the next step is enqueued already (the
+  // drain saves after that one) or where the run ends after this one for
+  // another reason (a stop, a step that failed to enqueue).
+  auto finish = [&](EnqueuedStep& e, bool drain_saves) -> absl::Status {
     const int64_t step = e.step;
     const absl::Time read_start = absl::Now();
     absl::StatusOr<std::vector<float>> read = e.read->Floats();
@@ -910,7 +912,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       ASSIGN_OR_RETURN(s.eval, EvaluateNamed(run, chunks, pg, *sync, replica, step + 1, hooks));
       RETURN_IF_ERROR(FiniteEval(*s.eval, /*training=*/true));
     }
-    if (saves_after(step + 1) || (draining && !ahead && step + 1 < o.steps)) {
+    if (saves_after(step + 1) || (draining && drain_saves && step + 1 < o.steps)) {
       const absl::Status saved = SaveTrainingCheckpoint(
           chunks, optimizer, o.save_dir, step + 1, run.seed,
           s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt,
@@ -971,7 +973,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   for (int64_t step = first; step < o.steps; ++step) {
     if (hooks.stop && hooks.stop()) {
       // (No drain's save: the run stops here, whatever its peers do.)
-      if (ahead.has_value()) RETURN_IF_ERROR(finish(*ahead, /*ahead=*/true));
+      if (ahead.has_value()) RETURN_IF_ERROR(finish(*ahead, /*drain_saves=*/false));
       return absl::CancelledError(absl::StrCat("stopped before step ", step + 1));
     }
     absl::StatusOr<EnqueuedStep> e = enqueue(step);
@@ -979,7 +981,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       // Reported even where this step failed to enqueue (it trained), unless
       // a communicator failed before its read: the error is then sticky and
       // could be its own, so it is not reported (a restart redoes it).
-      const absl::Status previous = finish(*ahead, /*ahead=*/e.ok());
+      // (No drain's save where this step failed: the run ends here.)
+      const absl::Status previous = finish(*ahead, /*drain_saves=*/false);
       ahead.reset();
       if (!previous.ok()) {
         if (!e.ok()) COLOD_LOG(WARNING) << "step " << step + 1 << " failed too: " << e.status();
@@ -993,7 +996,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       ahead = *std::move(e);
       continue;
     }
-    RETURN_IF_ERROR(finish(*e, /*ahead=*/false));
+    RETURN_IF_ERROR(finish(*e, /*drain_saves=*/true));
     if (time_boxed && done == o.stop_after) return absl::OkStatus();
     if (draining && done < o.steps) {
       return MarkDrained(absl::AbortedError(
