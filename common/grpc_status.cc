@@ -89,6 +89,13 @@ absl::Status MarkDrained(absl::Status status) {
 
 bool IsDrained(const absl::Status& status) { return status.GetPayload(kDrainedPayload).has_value(); }
 
+absl::Status WithMessage(const absl::Status& status, absl::string_view message) {
+  if (status.ok()) return status;
+  absl::Status out(status.code(), message);
+  status.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
 void MarkAnswered(grpc::ServerContext& ctx) { ctx.AddTrailingMetadata(kAnsweredMetadata, "1"); }
 
 absl::Status MarkUnreachableUnlessAnswered(absl::Status status, const grpc::ClientContext& ctx) {

@@ -68,6 +68,11 @@ bool IsWorkerFault(const absl::Status& status);
 absl::Status MarkDrained(absl::Status status);
 bool IsDrained(const absl::Status& status);
 
+// `status` with its message replaced by `message`: its code and its
+// payloads (the marks above) are kept. For the one who words an error again
+// (names the stage or the file it came from) without unmarking it.
+absl::Status WithMessage(const absl::Status& status, absl::string_view message);
+
 // colod's servers mark every answer of theirs in its trailing metadata
 // (MarkAnswered), so that a client tells an UNAVAILABLE or a
 // DEADLINE_EXCEEDED its server answered (the coordinator passing on a

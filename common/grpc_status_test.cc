@@ -94,5 +94,20 @@ TEST(GrpcStatus, ADrainIsMarkedOnAnErrorAndKeptWithIt) {
   EXPECT_FALSE(IsDrained(MarkDrained(absl::OkStatus())));
 }
 
+TEST(GrpcStatus, WithMessageWordsAnErrorAgainKeepingItsCodeAndMarks) {
+  const absl::Status worded =
+      WithMessage(MarkWorkerFault(MarkDrained(absl::AbortedError("stopped"))), "stage 1: stopped");
+  EXPECT_EQ(worded.code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(worded.message(), "stage 1: stopped");
+  EXPECT_TRUE(IsDrained(worded));
+  EXPECT_TRUE(IsWorkerFault(worded));
+  const absl::Status plain = WithMessage(absl::NotFoundError("no such file"), "no model.safetensors");
+  EXPECT_EQ(plain.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(plain.message(), "no model.safetensors");
+  EXPECT_FALSE(IsDrained(plain));
+  EXPECT_FALSE(IsWorkerFault(plain));
+  EXPECT_TRUE(WithMessage(absl::OkStatus(), "a message").ok());  // an OK status has none
+}
+
 }  // namespace
 }  // namespace colod

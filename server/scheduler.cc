@@ -194,7 +194,7 @@ void Scheduler::Tick() {
           // Its peers drained, so it had saved the drain's checkpoint with
           // them (they passed the save's last barrier): its end was not
           // delivered before its worker left. The drain's own check decides.
-          if (static_cast<int>(p.ended.size()) == p.mesh.world_size()) EndDrainLocked(p, absl::StrCat("; ", lost));
+          if (p.AllEnded()) EndDrainLocked(p, absl::StrCat("; ", lost));
           continue;
         }
         FailLocked(p, lost, /*retryable=*/true, a.rank());
@@ -606,7 +606,6 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
       }
       if (rank == 0 && status.phase() == v1::RANK_PHASE_TRAINING) {
         p.resumed_step = status.resumed_step();
-        p.resumed_known = true;
       }
       if (status.phase() == v1::RANK_PHASE_TRAINING || status.phase() == v1::RANK_PHASE_SERVING ||
           status.phase() == v1::RANK_PHASE_RUNNING) {
@@ -664,7 +663,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
                                         Utf8Prefix(r.message(), kMaxReportedMessageBytes));
           p.drained_at = std::min(p.drained_at, clock_->Now());
         }
-        if (static_cast<int>(p.ended.size()) == p.mesh.world_size()) EndDrainLocked(p, "");
+        if (p.AllEnded()) EndDrainLocked(p, "");
       } else if (!p.stopping() && r.code() != 0) {
         const absl::Status s(static_cast<absl::StatusCode>(r.code()), Utf8Prefix(r.message(), kMaxReportedMessageBytes));
         std::string reason = absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString());
@@ -683,7 +682,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
           TransitionLocked(p, PlacementState::kProbing);
           wake_ = true;
         }
-      } else if (p.state == PlacementState::kRunning && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
+      } else if (p.state == PlacementState::kRunning && p.AllEnded()) {
         // (Not while kProbing: a rank failed, and the job fails or restarts
         // once its peers were probed, however the others ended.)
         if (!p.drain_reason.empty()) {  // the others drained: none finished the run
@@ -790,7 +789,7 @@ void Scheduler::EndDrainLocked(Placed& p, const std::string& note) {
   // (Where rank 0's TRAINING status never came, its resumed step is not
   // known: the step it reports again as it resumes could pass for the
   // drain's.)
-  if (p.resumed_known && p.checkpointed_step > p.resumed_step) {
+  if (p.resumed_step.has_value() && p.checkpointed_step > *p.resumed_step) {
     p.requeue_reason = absl::StrCat(p.drain_reason, note,
                                     "; placing the job again from that checkpoint (a drain, not counted against the "
                                     "job)");
@@ -871,7 +870,7 @@ void Scheduler::GiveUpOnStuckRanksLocked() {
 void Scheduler::ReleaseLocked() {
   for (auto it = placed_.begin(); it != placed_.end();) {
     Placed& p = it->second;
-    if (p.stopping() && static_cast<int>(p.ended.size()) == p.mesh.world_size()) {
+    if (p.stopping() && p.AllEnded()) {
       // Closed for good: a rank given up on, or one of a worker counted lost,
       // may still run, and its sets and waits fail CANCELLED.
       store_->DeleteScope(p.scope);

@@ -25,6 +25,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -196,13 +197,13 @@ class Scheduler {
     // A TRAIN job with a checkpoint_dir on workers that all drain
     // (WorkerInfo.drains): AssignJobRequest.drain.
     bool drain = false;
-    // The step rank 0 resumed from (its TRAINING status; 0: none), and the
-    // newest step this placement reported with a checkpoint: a drain that
-    // saved no checkpoint past the one it resumed from is taken as a
-    // failure (so that no worker requeues a job for ever uncounted).
-    int64_t resumed_step = 0;
+    // The step rank 0 resumed from (from its TRAINING status, 0 where it
+    // resumed from none; nullopt until that status came), and the newest
+    // step this placement reported with a checkpoint: a drain that saved no
+    // checkpoint past the one it resumed from is taken as a failure (so
+    // that no worker requeues a job for ever uncounted).
+    std::optional<int64_t> resumed_step;
     int64_t checkpointed_step = 0;
-    bool resumed_known = false;    // rank 0's TRAINING status came (resumed_step is its)
     v1::MemoryFloor memory_floor;  // the job's, sent with each assignment
     v1::MeshSpec mesh;
     // Each rank's worker's key when it was placed ("" none: an older
@@ -223,6 +224,8 @@ class Scheduler {
     // Whether the placement is over (its ranks are being stopped): ending,
     // requeueing or restarting.
     bool stopping() const { return state != PlacementState::kRunning && state != PlacementState::kProbing; }
+    // Whether every rank reported its end (or was lost).
+    bool AllEnded() const { return static_cast<int>(ended.size()) == mesh.world_size(); }
     // kProbing: the first rank failure, while its peers are probed
     // (ProbeFailedJobs); the job fails or restarts once they were.
     int failed_rank = -1;

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 #include <future>
+#include <initializer_list>
 #include <limits>
 #include <map>
 #include <optional>
@@ -162,6 +163,36 @@ class SchedulerTest : public ::testing::Test {
   std::vector<v1::JobEvent> Events(const std::string& id) {
     absl::StatusOr<JobManager::Events> got = jobs_->WaitForEvents(id, 1, absl::ZeroDuration());
     return got.ok() ? got->events : std::vector<v1::JobEvent>();
+  }
+  // Whether a PENDING event of the job's says each of `parts`.
+  bool RequeuedSaying(const std::string& id, std::initializer_list<absl::string_view> parts) {
+    for (const v1::JobEvent& e : Events(id)) {
+      if (!e.has_state_change() || e.state_change().state() != v1::JOB_STATE_PENDING) continue;
+      const std::string& why = e.state_change().reason();
+      if (std::all_of(parts.begin(), parts.end(),
+                      [&](absl::string_view part) { return absl::StrContains(why, part); })) {
+        return true;
+      }
+    }
+    return false;
+  }
+  // A tp=2 TRAIN job with `max_restarts`, placed and training: its id.
+  std::string PlaceTraining(int max_restarts) {
+    v1::JobSpec spec = TrainSpec(2, 1);
+    spec.mutable_restart()->set_max_restarts(max_restarts);
+    auto job = jobs_->Submit(spec, "");
+    EXPECT_TRUE(job.ok()) << job.status();
+    if (!job.ok()) return "";
+    scheduler_->TickForTest();
+    Training(job->job_id());
+    return job->job_id();
+  }
+  // Rank 0 reports step `step` with its checkpoint.
+  void Checkpointed(const std::string& id, int64_t step) {
+    v1::ReportProgressRequest req;
+    req.mutable_step()->set_step(step);
+    req.mutable_step()->set_checkpoint(absl::StrFormat("/ck/step-%06d", step));
+    ASSERT_TRUE(Report(id, 0, req).ok());
   }
   std::vector<v1::JobState> States(const std::string& id) {
     std::vector<v1::JobState> out;
@@ -496,20 +527,13 @@ void DrainedEnd(v1::ReportProgressRequest* req, bool leaving) {
 // stop grace is aborted then.
 TEST_F(SchedulerTest, ADrainedJobIsPlacedAgainFromItsCheckpointWithoutTheLeavingWorker) {
   Start(3);
-  v1::JobSpec spec = TrainSpec(2, 1);
-  spec.mutable_restart()->set_max_restarts(1);
-  auto job = jobs_->Submit(spec, "");
-  ASSERT_TRUE(job.ok()) << job.status();
-  const std::string id = job->job_id();
-  scheduler_->TickForTest();
+  const std::string id = PlaceTraining(/*max_restarts=*/1);
+  ASSERT_FALSE(id.empty());
+  const v1::JobSpec spec = Job(id).spec();
   ASSERT_EQ(fake_->assigned.size(), 2u);
   for (const auto& c : fake_->assigned) EXPECT_TRUE(c.request.drain());
-  Training(id);
   const std::string leaving = Job(id).mesh().ranks(1).worker_address();
-  v1::ReportProgressRequest step;
-  step.mutable_step()->set_step(4);
-  step.mutable_step()->set_checkpoint("/ck/step-000004");
-  ASSERT_TRUE(Report(id, 0, step).ok());
+  ASSERT_NO_FATAL_FAILURE(Checkpointed(id, 4));
   v1::ReportProgressRequest drained;
   DrainedEnd(&drained, /*leaving=*/true);
   ASSERT_TRUE(Report(id, 1, drained).ok());
@@ -524,16 +548,9 @@ TEST_F(SchedulerTest, ADrainedJobIsPlacedAgainFromItsCheckpointWithoutTheLeaving
   EXPECT_EQ(j.restarts(), 0) << "a drain is not counted against the job";
   EXPECT_EQ(j.generation(), 2);
   EXPECT_TRUE(fake_->aborted.empty());
-  const std::vector<v1::JobEvent> events = Events(id);
-  bool requeued = false;
-  for (const v1::JobEvent& e : events) {
-    if (!e.has_state_change() || e.state_change().state() != v1::JOB_STATE_PENDING) continue;
-    const std::string& why = e.state_change().reason();
-    requeued |= absl::StrContains(why, "rank 1 (worker ") &&
-                absl::StrContains(why, " shuts down: stopped after step 4") &&
-                absl::StrContains(why, "placing the job again from that checkpoint (a drain, not counted");
-  }
-  EXPECT_TRUE(requeued) << "the PENDING event names the leaving rank and the drain";
+  EXPECT_TRUE(RequeuedSaying(id, {"rank 1 (worker ", " shuts down: stopped after step 4",
+                                  "placing the job again from that checkpoint (a drain, not counted"}))
+      << "the PENDING event names the leaving rank and the drain";
   ASSERT_EQ(fake_->assigned.size(), 4u);
   for (size_t i : {2, 3}) {
     EXPECT_NE(fake_->assigned[i].address, leaving) << "the leaving worker sits out";
@@ -543,9 +560,7 @@ TEST_F(SchedulerTest, ADrainedJobIsPlacedAgainFromItsCheckpointWithoutTheLeaving
   // Rank 1 drains again after step 6; rank 0 never ends (its worker
   // heartbeats busy with it): aborted after the stop grace.
   Training(id);
-  step.mutable_step()->set_step(6);
-  step.mutable_step()->set_checkpoint("/ck/step-000006");
-  ASSERT_TRUE(Report(id, 0, step).ok());
+  ASSERT_NO_FATAL_FAILURE(Checkpointed(id, 6));
   DrainedEnd(&drained, /*leaving=*/true);
   ASSERT_TRUE(Report(id, 1, drained).ok());
   const v1::Job second = Job(id);
@@ -568,12 +583,7 @@ TEST_F(SchedulerTest, ADrainedJobIsPlacedAgainFromItsCheckpointWithoutTheLeaving
   Ended(id, 0, absl::StatusCode::kAborted, "aborted");
   scheduler_->TickForTest();
   EXPECT_EQ(Job(id).restarts(), 0);
-  bool stopped = false;
-  for (const v1::JobEvent& e : Events(id)) {
-    stopped |= e.has_state_change() && e.state_change().state() == v1::JOB_STATE_PENDING &&
-               absl::StrContains(e.state_change().reason(), "the ranks that had not ended 2m later were stopped");
-  }
-  EXPECT_TRUE(stopped);
+  EXPECT_TRUE(RequeuedSaying(id, {"the ranks that had not ended 2m later were stopped"}));
   // A placement that resumed from an older checkpoint than the job's step
   // (step 4, the job at 6: the newest was lost) drains with a checkpoint of
   // step 5: progress, not counted.
@@ -590,9 +600,7 @@ TEST_F(SchedulerTest, ADrainedJobIsPlacedAgainFromItsCheckpointWithoutTheLeaving
     }
   };
   ASSERT_NO_FATAL_FAILURE(resumed_at(4));
-  step.mutable_step()->set_step(5);
-  step.mutable_step()->set_checkpoint("/ck/step-000005");
-  ASSERT_TRUE(Report(id, 0, step).ok());
+  ASSERT_NO_FATAL_FAILURE(Checkpointed(id, 5));
   for (int r : {0, 1}) {
     DrainedEnd(&drained, /*leaving=*/r == 1);
     ASSERT_TRUE(Report(id, r, drained).ok());
@@ -620,17 +628,9 @@ TEST_F(SchedulerTest, ADrainedJobIsPlacedAgainFromItsCheckpointWithoutTheLeaving
 // again from the drain's checkpoint, not counted.
 TEST_F(SchedulerTest, ADrainWhoseLeavingRanksEndWasLostStillPlacesTheJobAgain) {
   Start(3);
-  v1::JobSpec spec = TrainSpec(2, 1);
-  spec.mutable_restart()->set_max_restarts(0);
-  auto job = jobs_->Submit(spec, "");
-  ASSERT_TRUE(job.ok()) << job.status();
-  const std::string id = job->job_id();
-  scheduler_->TickForTest();
-  Training(id);
-  v1::ReportProgressRequest step;
-  step.mutable_step()->set_step(4);
-  step.mutable_step()->set_checkpoint("/ck/step-000004");
-  ASSERT_TRUE(Report(id, 0, step).ok());
+  const std::string id = PlaceTraining(/*max_restarts=*/0);
+  ASSERT_FALSE(id.empty());
+  ASSERT_NO_FATAL_FAILURE(Checkpointed(id, 4));
   v1::ReportProgressRequest drained;
   DrainedEnd(&drained, /*leaving=*/false);
   ASSERT_TRUE(Report(id, 0, drained).ok());
@@ -642,13 +642,8 @@ TEST_F(SchedulerTest, ADrainWhoseLeavingRanksEndWasLostStillPlacesTheJobAgain) {
   const v1::Job j = Job(id);
   EXPECT_EQ(j.restarts(), 0);
   EXPECT_NE(j.state(), v1::JOB_STATE_FAILED) << j.reason();
-  bool requeued = false;
-  for (const v1::JobEvent& e : Events(id)) {
-    requeued |= e.has_state_change() && e.state_change().state() == v1::JOB_STATE_PENDING &&
-                absl::StrContains(e.state_change().reason(), "was lost: left: the worker is shutting down") &&
-                absl::StrContains(e.state_change().reason(), "(a drain, not counted against the job)");
-  }
-  EXPECT_TRUE(requeued);
+  EXPECT_TRUE(
+      RequeuedSaying(id, {"was lost: left: the worker is shutting down", "(a drain, not counted against the job)"}));
 }
 
 // A job with a rank on an older worker (which would not join the drain's

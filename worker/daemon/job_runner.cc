@@ -136,8 +136,13 @@ JobRunner::~JobRunner() {
   if (t.joinable()) t.join();
 }
 
+namespace {
+// Close's and Drain's reason where the caller gave none.
+std::string ClosedReason(const std::string& reason) { return reason.empty() ? "the worker is shutting down" : reason; }
+}  // namespace
+
 void JobRunner::Close(const std::string& reason) {
-  const std::string why = reason.empty() ? "the worker is shutting down" : reason;
+  const std::string why = ClosedReason(reason);
   std::shared_ptr<Active> active;
   {
     absl::MutexLock lock(&mu_);
@@ -149,7 +154,7 @@ void JobRunner::Close(const std::string& reason) {
 
 bool JobRunner::Drain(const std::string& reason) {
   absl::MutexLock lock(&mu_);
-  if (closed_.empty()) closed_ = reason.empty() ? "the worker is shutting down" : reason;
+  if (closed_.empty()) closed_ = ClosedReason(reason);
   if (!active_ || active_->request.spec().kind() != v1::JOB_KIND_TRAIN || !active_->request.drain()) return false;
   active_->drain = true;
   return true;
@@ -245,9 +250,7 @@ absl::Status NameTheModel(const absl::Status& s, const std::string& scratch, con
     names.emplace_back(scratch + "/model.safetensors", model.weights_path());  // the one file, linked under that name
   }
   names.emplace_back(scratch, named);  // the longer names first: StrReplaceAll takes the longest match
-  absl::Status out(s.code(), absl::StrReplaceAll(s.message(), names));
-  s.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
-  return out;
+  return WithMessage(s, absl::StrReplaceAll(s.message(), names));  // still marked
 }
 
 std::string MiB(int64_t bytes) { return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20)); }

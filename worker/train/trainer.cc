@@ -1032,9 +1032,8 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
   // A pipelined run's error names the stage it came from.
   absl::StatusOr<int> stage = pg.LocalRank("pp");
   if (!stage.ok()) return s;
-  absl::Status named(s.code(), absl::StrCat("pipeline stage ", *stage, " of ", shard.pp(), ": ", s.message()));
-  s.ForEachPayload([&named](absl::string_view url, const absl::Cord& payload) { named.SetPayload(url, payload); });
-  return named;  // still marked (MarkDrained)
+  return WithMessage(s, absl::StrCat("pipeline stage ", *stage, " of ", shard.pp(), ": ",
+                                     s.message()));  // still marked (MarkDrained)
 }
 
 absl::Status Train(const TrainOptions& o, const std::function<void(const StepStats&)>& on_step) {

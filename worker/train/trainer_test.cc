@@ -481,6 +481,35 @@ TEST(Trainer, AStopReportsTheStepEnqueuedAheadOfIt) {
   }
 }
 
+// Each of four ranks' end and the steps it reported, in a run of `run` on
+// local ranks in which rank 3 asks for a drain once it reported step 3.
+struct DrainedRun {
+  std::vector<absl::Status> ends = std::vector<absl::Status>(4);
+  std::vector<std::vector<StepStats>> reported = std::vector<std::vector<StepStats>>(4);
+};
+DrainedRun RunDrainedByRank3(const PreparedTrain& run, const TrainOptions& t) {
+  DrainedRun out;
+  absl::Mutex mu;
+  std::atomic<int64_t> rank3_steps{0};
+  (void)shardformer::RunOnLocalRanks(
+      t.shard, t.cuda,
+      [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
+        RankHooks hooks;
+        hooks.on_step = [&, rank](const StepStats& st) {
+          absl::MutexLock lock(&mu);
+          out.reported[rank].push_back(st);
+          if (rank == 3) rank3_steps = st.step;
+        };
+        hooks.drain = [&, rank] { return rank == 3 && rank3_steps.load() >= 3; };
+        const absl::Status end = RunTrainRank(run, rank, pg, shard, hooks);
+        absl::MutexLock lock(&mu);
+        out.ends[rank] = end;
+        return end;
+      },
+      t.comm_timeout);
+  return out;
+}
+
 // A drain (a worker of the job shuts down) asked of one rank of four (tp=2 x
 // dp=2) stops every rank after the same step, its checkpoint saved and
 // reported, with a MarkDrained ABORTED; resuming from that checkpoint gives
@@ -505,26 +534,9 @@ TEST(Trainer, ADrainStopsEveryRankAfterTheSameStepWithItsCheckpoint) {
     t.save_dir = TempPath("drain_" + tag);
     auto prepared = PrepareTrain(t);
     ASSERT_TRUE(prepared.ok()) << prepared.status();
-    absl::Mutex mu;
-    std::vector<std::vector<StepStats>> reported(4);
-    std::vector<absl::Status> ends(4);
-    std::atomic<int64_t> rank3_steps{0};
-    (void)shardformer::RunOnLocalRanks(
-        t.shard, cuda,
-        [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
-          RankHooks hooks;
-          hooks.on_step = [&, rank](const StepStats& st) {
-            absl::MutexLock lock(&mu);
-            reported[rank].push_back(st);
-            if (rank == 3) rank3_steps = st.step;
-          };
-          hooks.drain = [&, rank] { return rank == 3 && rank3_steps.load() >= 3; };
-          const absl::Status end = RunTrainRank(**prepared, rank, pg, shard, hooks);
-          absl::MutexLock lock(&mu);
-          ends[rank] = end;
-          return end;
-        },
-        t.comm_timeout);
+    const DrainedRun run = RunDrainedByRank3(**prepared, t);
+    const std::vector<absl::Status>& ends = run.ends;
+    const std::vector<std::vector<StepStats>>& reported = run.reported;
     const int64_t last = cuda ? 6 : 4;
     const std::string dir = StepDir(t.save_dir, last);
     for (int rank = 0; rank < 4; ++rank) {
@@ -563,23 +575,7 @@ TEST(Trainer, ADrainStopsEveryRankAfterTheSameStepWithItsCheckpoint) {
     pp.save_dir = TempPath("drain_pp");
     auto prepared = PrepareTrain(pp);
     ASSERT_TRUE(prepared.ok()) << prepared.status();
-    absl::Mutex mu;
-    std::vector<absl::Status> ends(4);
-    std::atomic<int64_t> last_steps{0};
-    (void)shardformer::RunOnLocalRanks(
-        pp.shard, false,
-        [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
-          RankHooks hooks;
-          hooks.on_step = [&, rank](const StepStats& st) {
-            if (rank == 3) last_steps = st.step;
-          };
-          hooks.drain = [&, rank] { return rank == 3 && last_steps.load() >= 3; };
-          const absl::Status end = RunTrainRank(**prepared, rank, pg, shard, hooks);
-          absl::MutexLock lock(&mu);
-          ends[rank] = end;
-          return end;
-        },
-        pp.comm_timeout);
+    const std::vector<absl::Status> ends = RunDrainedByRank3(**prepared, pp).ends;
     for (int rank = 0; rank < 4; ++rank) {
       EXPECT_TRUE(IsDrained(ends[rank])) << "pp rank " << rank << ": " << ends[rank];
       EXPECT_NE(ends[rank].message().find("pipeline stage "), std::string::npos) << ends[rank];
