@@ -1,9 +1,15 @@
 #include "common/grpc_server.h"
 
+#include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <limits>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -107,24 +113,80 @@ sigset_t ShutdownSignals() {
 }
 }  // namespace
 
+// The shutdown signals reach the waiters through a pipe: a handler writes
+// each one's number there, on whichever thread the kernel ran it. Blocking
+// them is not enough: threads a library started before main (OpenBLAS's
+// pool, at load) do not block them, and a signal that came while no thread
+// waited for it in sigwait went to one of those and ended the process (a
+// daemon's second SIGTERM during its drain or shutdown, exit 143).
+namespace {
+std::atomic<int> signal_pipe_write{-1};  // lock-free: read by the handler
+std::atomic<int> signal_pipe_read{-1};
+static_assert(std::atomic<int>::is_always_lock_free);
+
+void OnShutdownSignal(int sig) {
+  const int saved = errno;
+  const unsigned char number = static_cast<unsigned char>(sig);
+  const int fd = signal_pipe_write.load(std::memory_order_relaxed);
+  if (fd >= 0) (void)!::write(fd, &number, 1);  // non-blocking: a full pipe loses the signal, it holds 64 KiB
+  errno = saved;
+}
+}  // namespace
+
 void BlockShutdownSignals() {
-  sigset_t set = ShutdownSignals();
+  const sigset_t set = ShutdownSignals();
+  static std::once_flag once;
+  std::call_once(once, [&set] {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) return;  // left to sigwait, as without the pipe
+    signal_pipe_read.store(fds[0]);
+    signal_pipe_write.store(fds[1]);
+    struct sigaction action {};
+    action.sa_handler = OnShutdownSignal;
+    action.sa_mask = set;  // one handler at a time
+    action.sa_flags = SA_RESTART;
+    for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
+      if (sigismember(&set, sig) == 1) ::sigaction(sig, &action, nullptr);
+    }
+  });
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
 int WaitForShutdownSignal() {
-  sigset_t set = ShutdownSignals();
-  int sig = 0;
-  while (sigwait(&set, &sig) != 0) {
+  for (;;) {
+    if (const int sig = WaitForShutdownSignalFor(absl::InfiniteDuration()); sig != 0) return sig;
   }
-  return sig;
 }
 
 int WaitForShutdownSignalFor(absl::Duration timeout) {
   const sigset_t set = ShutdownSignals();
-  const timespec slice = absl::ToTimespec(std::max(timeout, absl::ZeroDuration()));
-  const int sig = ::sigtimedwait(&set, nullptr, &slice);
-  return sig > 0 ? sig : 0;
+  const int fd = signal_pipe_read.load();
+  if (fd < 0) {  // BlockShutdownSignals did not install the handler: blocked signals are pending
+    const timespec slice = absl::ToTimespec(std::clamp(timeout, absl::ZeroDuration(), absl::Hours(24)));
+    const int sig = ::sigtimedwait(&set, nullptr, &slice);
+    return sig > 0 ? sig : 0;
+  }
+  // The wait unblocks them (ppoll), so that one pending or sent to this
+  // thread runs the handler here: it is never left pending while a thread
+  // waits.
+  sigset_t unblocked;
+  pthread_sigmask(SIG_SETMASK, nullptr, &unblocked);
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
+    if (sigismember(&set, sig) == 1) sigdelset(&unblocked, sig);
+  }
+  const absl::Time deadline = timeout == absl::InfiniteDuration()
+                                  ? absl::InfiniteFuture()
+                                  : absl::Now() + std::max(timeout, absl::ZeroDuration());
+  for (bool last = false;;) {
+    unsigned char number = 0;
+    if (::read(fd, &number, 1) == 1) return number;
+    if (last) return 0;
+    const absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
+    last = left == absl::ZeroDuration();
+    const timespec slice = absl::ToTimespec(std::min(left, absl::Hours(24)));
+    pollfd readable{fd, POLLIN, 0};
+    (void)::ppoll(&readable, 1, &slice, &unblocked);  // EINTR: a handler ran, perhaps ours
+  }
 }
 
 }  // namespace colod

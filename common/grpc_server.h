@@ -65,17 +65,21 @@ void SetServing(grpc::Server& server, absl::string_view service, bool serving);
 // up to `grace` to finish and are cancelled after it. Returns once stopped.
 void StopGrpcServer(grpc::Server& server, absl::Duration grace);
 
-// Blocks SIGTERM, SIGINT and SIGHUP in the calling thread and every thread it
-// starts afterwards (SIGHUP only when it was not ignored when the process
-// started: under nohup it stays ignored). Call first thing in main, then
-// WaitForShutdownSignal().
+// Takes SIGTERM, SIGINT and SIGHUP (SIGHUP only when it was not ignored
+// when the process started: under nohup it stays ignored) from their default
+// action, which ends the process, for WaitForShutdownSignal: a handler
+// queues each one, on whichever thread it ran (threads a library started
+// before main do not block them), and they are blocked in the calling thread
+// and every thread it starts afterwards (no call of theirs sees EINTR).
+// Call first thing in main; a program's exec'd children get the default
+// actions back, and a blocked mask they must unblock.
 void BlockShutdownSignals();
 
-// Waits for SIGTERM, SIGINT or SIGHUP (blocked beforehand) and returns its number.
+// Waits for SIGTERM, SIGINT or SIGHUP (BlockShutdownSignals beforehand) and
+// returns its number. Each signal is returned once, to one waiter.
 int WaitForShutdownSignal();
 
-// The same for at most `timeout`: the signal's number, or 0 if none came
-// (or the wait was interrupted).
+// The same for at most `timeout`: the signal's number, or 0 if none came.
 int WaitForShutdownSignalFor(absl::Duration timeout);
 
 }  // namespace colod

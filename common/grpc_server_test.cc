@@ -1,5 +1,14 @@
 #include "common/grpc_server.h"
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 namespace colod {
@@ -21,6 +30,38 @@ TEST(GrpcServer, APortInUseIsRefusedNotShared) {
   auto third = StartGrpcServer(first->address, {});
   ASSERT_TRUE(third.ok()) << third.status();
   StopGrpcServer(*third->server, absl::Seconds(1));
+}
+
+// A shutdown signal that comes while no thread waits for one is kept for
+// the next wait, and each is taken once: it does not end the process where
+// a thread started before BlockShutdownSignals does not block it (as
+// OpenBLAS starts its pool at load, before main), the one thread the
+// kernel can give it to. In a child process (a death test), since the
+// handler stays installed.
+TEST(GrpcServerDeathTest, AShutdownSignalWhileNoThreadWaitsIsKeptForTheWait) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        std::atomic<bool> done{false};
+        std::thread early([&done] {
+          while (!done) absl::SleepFor(absl::Milliseconds(5));
+        });
+        BlockShutdownSignals();
+        ::kill(::getpid(), SIGTERM);
+        absl::SleepFor(absl::Milliseconds(200));  // delivered meanwhile, on `early`
+        ::kill(::getpid(), SIGINT);
+        absl::SleepFor(absl::Milliseconds(200));
+        const int first = WaitForShutdownSignalFor(absl::Seconds(5));
+        const int second = WaitForShutdownSignalFor(absl::Seconds(5));
+        const int none = WaitForShutdownSignalFor(absl::Milliseconds(50));
+        ::kill(::getpid(), SIGHUP);  // and one sent while this thread waits
+        const int waited = WaitForShutdownSignal();
+        done = true;
+        early.join();
+        std::fprintf(stderr, "took %d %d %d %d\n", first, second, none, waited);
+        std::_Exit(first == SIGTERM && second == SIGINT && none == 0 && waited == SIGHUP ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "took 15 2 0 1");
 }
 
 }  // namespace

@@ -890,6 +890,110 @@ TEST_F(JobsTest, AWorkerStoppedMidRunDrainsItsJobWhichGoesOnFromTheDrainsCheckpo
   }));
 }
 
+// Workers that drain for at most 6 s, and a lease long enough that a
+// SIGSTOPped worker is not found out by its heartbeats within a test.
+class JobsShortDrainTest : public JobsTest {
+ protected:
+  JobsShortDrainTest() {
+    coordinator_flags_ = {"--lease-duration", "30s"};
+    worker_flags_ = {"--drain-timeout", "6s"};
+  }
+
+  // Waits until `log` (a daemon's) says `what`, for at most 30 s.
+  static bool LogSays(const std::string& log, absl::string_view what) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline && !absl::StrContains(ReadFile(log), what)) absl::SleepFor(absl::Milliseconds(20));
+    return absl::StrContains(ReadFile(log), what);
+  }
+};
+
+// A drain that cannot end (the leaving rank's peer is SIGSTOPped: their
+// collectives wait on it) holds the worker's exit for --drain-timeout and no
+// longer, and a second signal ends it at once. Either way the worker exits 0
+// having left the registry, its job fails naming it (no drain was agreed:
+// nothing is placed again uncounted), and the stopped peer, continued, is
+// idle again. Two tp=2 jobs side by side, one for each path.
+TEST_F(JobsShortDrainTest, ADrainThatCannotEndLastsItsTimeoutOrEndsAtASecondSignal) {
+  train::TrainOptions o = Options(100000);
+  o.shard.layout.set_data_parallel_size(1);
+  struct Run {
+    std::string job_id;
+    int stopped = -1, leaving = -1;
+    std::string leaving_id;
+  };
+  std::vector<Run> runs(2);
+  for (int i = 0; i < 2; ++i) {
+    v1::JobSpec spec = Spec(o);
+    spec.mutable_train()->set_checkpoint_every(1000);
+    spec.mutable_train()->set_checkpoint_dir(TempPath(absl::StrCat("ck-short-drain-", i)));
+    spec.mutable_restart()->set_max_restarts(0);
+    auto job = client_->SubmitJob(spec);
+    ASSERT_TRUE(job.ok()) << job.status();
+    runs[i].job_id = job->job_id();
+  }
+  for (Run& run : runs) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    absl::StatusOr<v1::Job> now = client_->GetJob(run.job_id);
+    while (absl::Now() < deadline && now.ok() && now->step() < 2 && !JobManager::IsFinal(now->state())) {
+      absl::SleepFor(absl::Milliseconds(20));
+      now = client_->GetJob(run.job_id);
+    }
+    ASSERT_TRUE(now.ok() && now->step() >= 2 && !JobManager::IsFinal(now->state())) << Logs();
+    run.stopped = WorkerOf(now->mesh(), 0);
+    run.leaving = WorkerOf(now->mesh(), 1);
+    run.leaving_id = now->mesh().ranks(1).worker_id();
+    ASSERT_GE(run.stopped, 0);
+    ASSERT_GE(run.leaving, 0);
+  }
+  for (const Run& run : runs) workers_[run.stopped].process->Signal(SIGSTOP);
+  const absl::Time signalled = absl::Now();
+  for (const Run& run : runs) workers_[run.leaving].process->Signal(SIGTERM);
+  // The second job's leaving worker gets a second signal once it drains.
+  const Daemon& interrupted = workers_[runs[1].leaving];
+  ASSERT_TRUE(LogSays(interrupted.log, "draining its job")) << ReadFile(interrupted.log);
+  const absl::Time second = absl::Now();
+  interrupted.process->Signal(SIGTERM);
+  ASSERT_EQ(interrupted.process->Wait(absl::Seconds(30)), 0) << ReadFile(interrupted.log);
+  const absl::Duration after_second = absl::Now() - second;
+  const std::string interrupted_log = ReadFile(interrupted.log);
+  EXPECT_TRUE(absl::StrContains(interrupted_log, "the drain was interrupted (a second signal)")) << interrupted_log;
+  EXPECT_FALSE(absl::StrContains(interrupted_log, "did not end within")) << interrupted_log;
+  // The first job's leaving worker waits out its --drain-timeout, then
+  // stops its rank (no longer: not the 30 s --comm-timeout of the
+  // collective its rank waits in).
+  const Daemon& timed_out = workers_[runs[0].leaving];
+  ASSERT_EQ(timed_out.process->Wait(absl::Seconds(40)), 0) << ReadFile(timed_out.log);
+  const absl::Duration after_first = absl::Now() - signalled;
+  const std::string timed_out_log = ReadFile(timed_out.log);
+  EXPECT_TRUE(absl::StrContains(timed_out_log, "draining its job")) << timed_out_log;
+  EXPECT_TRUE(absl::StrContains(timed_out_log, "the drain did not end within --drain-timeout (6s)")) << timed_out_log;
+  EXPECT_GE(after_first, absl::Seconds(6));
+  EXPECT_LT(after_first, absl::Seconds(25)) << "the stuck rank is stopped at the drain's timeout";
+  EXPECT_LT(after_second, absl::Seconds(6)) << "a second signal does not wait for the drain's timeout";
+  std::printf(
+      "a drain that cannot end: the worker exited %.2f s after its signal; one signalled again exited %.2f s "
+      "after the second signal\n",
+      absl::ToDoubleSeconds(after_first), absl::ToDoubleSeconds(after_second));
+  for (const Run& run : runs) workers_[run.stopped].process->Signal(SIGCONT);
+  for (const Run& run : runs) {
+    Watch(run.job_id);
+    auto failed = client_->GetJob(run.job_id);
+    ASSERT_TRUE(failed.ok());
+    EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED) << failed->reason();
+    EXPECT_TRUE(absl::StrContains(failed->reason(), absl::StrCat("rank 1 (worker ", run.leaving_id)) &&
+                absl::StrContains(failed->reason(), "left: the worker is shutting down"))
+        << failed->reason();
+    EXPECT_EQ(failed->generation(), 1) << "not placed again for a drain";
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(45);
+  for (const Run& run : runs) {
+    while (absl::Now() < deadline && StatusOf(workers_[run.stopped].grpc).state() != v1::WORKER_STATE_IDLE) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    EXPECT_EQ(StatusOf(workers_[run.stopped].grpc).state(), v1::WORKER_STATE_IDLE) << Logs();
+  }
+}
+
 // A lease longer than the assignment deadline (--worker-rpc-timeout), so
 // that a stopped worker is found out by its assignment, not by its heartbeats.
 class JobsLongLeaseTest : public JobsTest {

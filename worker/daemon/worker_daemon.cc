@@ -201,7 +201,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
       if (raw->options_.on_device_lost) {
         raw->options_.on_device_lost(why);
       } else {
-        // main's sigwait takes it (every thread blocks it) and shuts down.
+        // main takes it (WaitForShutdownSignal) and shuts down.
         kill(getpid(), SIGTERM);
       }
     };
