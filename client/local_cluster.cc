@@ -1,17 +1,17 @@
 #include "client/local_cluster.h"
 
-#include <signal.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <algorithm>
 #include <fstream>
 #include <system_error>
 #include <thread>
@@ -22,6 +22,7 @@
 #include "client/coordinator_client.h"
 #include "common/exit_codes.h"
 #include "common/find_binary.h"
+#include "common/grpc_server.h"
 #include "common/net.h"
 #include "common/status_macros.h"
 
@@ -49,7 +50,8 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
     const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
     if (err < 0 || null < 0 || ::dup2(err, STDERR_FILENO) < 0 || ::dup2(null, STDOUT_FILENO) < 0) ::_exit(126);
     // The daemons wait for SIGTERM; the signal mask of a coloctl that blocked
-    // it would otherwise carry over.
+    // it would otherwise carry over (and its handler run until the exec).
+    DefaultShutdownSignalsInChild();
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);

@@ -152,6 +152,17 @@ void BlockShutdownSignals() {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
+void DefaultShutdownSignalsInChild() {
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
+    struct sigaction current {};
+    if (::sigaction(sig, nullptr, &current) == 0 && current.sa_handler == OnShutdownSignal) {
+      struct sigaction fallback {};
+      fallback.sa_handler = SIG_DFL;
+      ::sigaction(sig, &fallback, nullptr);
+    }
+  }
+}
+
 int WaitForShutdownSignal() {
   for (;;) {
     if (const int sig = WaitForShutdownSignalFor(absl::InfiniteDuration()); sig != 0) return sig;

@@ -75,6 +75,13 @@ void StopGrpcServer(grpc::Server& server, absl::Duration grace);
 // actions back, and a blocked mask they must unblock.
 void BlockShutdownSignals();
 
+// For a child between fork and exec, before it unblocks the signals: gives
+// them their default actions back (those BlockShutdownSignals handles; an
+// ignored SIGHUP stays ignored), so that none that comes before the exec
+// runs the parent's handler (which would queue it for the parent's wait).
+// Async-signal-safe.
+void DefaultShutdownSignalsInChild();
+
 // Waits for SIGTERM, SIGINT or SIGHUP (BlockShutdownSignals beforehand) and
 // returns its number. Each signal is returned once, to one waiter.
 int WaitForShutdownSignal();

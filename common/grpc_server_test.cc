@@ -1,6 +1,7 @@
 #include "common/grpc_server.h"
 
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -58,10 +59,27 @@ TEST(GrpcServerDeathTest, AShutdownSignalWhileNoThreadWaitsIsKeptForTheWait) {
         const int waited = WaitForShutdownSignal();
         done = true;
         early.join();
-        std::fprintf(stderr, "took %d %d %d %d\n", first, second, none, waited);
-        std::_Exit(first == SIGTERM && second == SIGINT && none == 0 && waited == SIGHUP ? 0 : 1);
+        // A child (fork, then exec) does not run the handler before its exec.
+        const pid_t child = ::fork();
+        if (child == 0) {
+          DefaultShutdownSignalsInChild();
+          sigset_t none;
+          sigemptyset(&none);
+          ::sigprocmask(SIG_SETMASK, &none, nullptr);
+          ::raise(SIGTERM);  // the default action: it ends the child
+          ::_exit(3);
+        }
+        int child_status = 0;
+        ::waitpid(child, &child_status, 0);
+        const bool child_killed = WIFSIGNALED(child_status) && WTERMSIG(child_status) == SIGTERM;
+        const int leaked = WaitForShutdownSignalFor(absl::Milliseconds(50));
+        std::fprintf(stderr, "took %d %d %d %d; child killed %d, leaked %d\n", first, second, none, waited,
+                     child_killed, leaked);
+        std::_Exit(first == SIGTERM && second == SIGINT && none == 0 && waited == SIGHUP && child_killed && leaked == 0
+                       ? 0
+                       : 1);
       },
-      ::testing::ExitedWithCode(0), "took 15 2 0 1");
+      ::testing::ExitedWithCode(0), "took 15 2 0 1; child killed 1, leaked 0");
 }
 
 }  // namespace

@@ -7,12 +7,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
 #include "client/local_cluster.h"
@@ -251,6 +253,113 @@ TEST(Local, AStartCancelledMidwayLeavesNothing) {
   ASSERT_TRUE(code.has_value());
   EXPECT_EQ(*code, 0) << testing::ReadFile(TempPath("hup.err"));
   EXPECT_EQ(Leftovers(tmp), std::vector<std::string>{});
+}
+
+// `coloctl local --data-dir` stopped by Ctrl-C (SIGINT, to coloctl alone:
+// its daemons run in a process group of their own) while a job that saves
+// checkpoints trains drains the job: its workers (one SIGTERM each) save a
+// checkpoint after the same step and the coordinator keeps the job PENDING.
+// The next `coloctl local` on that data dir places it again from that
+// checkpoint: it succeeds with no restart counted and no step trained twice.
+TEST(Local, CtrlCDrainsARunningJobThatTheNextStartGoesOnWith) {
+  const std::string coloctl = Runfile("client/coloctl");
+  const std::string data = TempPath("drain-data");
+  std::filesystem::remove_all(data);
+  auto init = RunCommand({coloctl, "init-model", "--out", TempPath("drain-model"), "--positions", "32"},
+                         std::getenv("TEST_TMPDIR"));
+  ASSERT_EQ(init.code, 0) << init.err;
+  auto start = [&](const std::string& name, std::string* address) {
+    auto local = std::make_unique<Subprocess>(
+        std::vector<std::string>{coloctl, "local", "--workers", "2", "--listen", "127.0.0.1:0", "--data-dir", data},
+        TempPath(name + ".out"), TempPath(name + ".err"));
+    *address = testing::LocalClusterAddress(TempPath(name + ".out"));
+    EXPECT_FALSE(address->empty()) << testing::ReadFile(TempPath(name + ".err"));
+    return local;
+  };
+  std::string address;
+  std::unique_ptr<Subprocess> local = start("drain-first", &address);
+  ASSERT_FALSE(address.empty());
+  const auto submitted = RunCommand({coloctl,          "--coordinator",
+                                     address,          "submit",
+                                     "--model",        TempPath("drain-model"),
+                                     "--data",         "/usr/share/common-licenses/GPL-3",
+                                     "--tp",           "2",
+                                     "--batch-size",   "4",
+                                     "--seq-len",      "16",
+                                     "--steps",        "120",
+                                     "--save",         TempPath("drain-ck"),
+                                     "--save-every",   "1000",
+                                     "--max-restarts", "0"},
+                                    std::getenv("TEST_TMPDIR"));
+  ASSERT_EQ(submitted.code, 0) << submitted.err;
+  const std::string job_id(absl::StripAsciiWhitespace(submitted.out));
+  auto client = CoordinatorClient::Create(address);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<v1::Job> job = (*client)->GetJob(job_id);
+  for (int i = 0; i < 12000 && job.ok() && job->step() < 3 && job->state() != v1::JOB_STATE_FAILED; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+    job = (*client)->GetJob(job_id);
+  }
+  ASSERT_TRUE(job.ok() && job->step() >= 3 && job->state() == v1::JOB_STATE_RUNNING)
+      << (job.ok() ? job->ShortDebugString() : job.status().ToString());
+  const int64_t at_interrupt = job->step();
+  const absl::Time interrupted = absl::Now();
+  local->Signal(SIGINT);
+  const auto code = local->Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 0) << testing::ReadFile(TempPath("drain-first.err"));
+  const absl::Duration stop = absl::Now() - interrupted;
+  EXPECT_LT(stop, absl::Seconds(10)) << "no daemon was killed at the stop's deadline";
+  int drained_logs = 0;
+  for (int w = 0; w < 2; ++w) {
+    const std::string log = testing::ReadFile(absl::StrCat(data, "/worker-", w, ".log"));
+    drained_logs += absl::StrContains(log, "drained: the job's rank here ended");
+    EXPECT_FALSE(absl::StrContains(log, "received signal 2")) << "the Ctrl-C reached coloctl alone:\n" << log;
+  }
+  EXPECT_GE(drained_logs, 1) << "the worker whose drain ended the job's ranks says so";
+
+  local = start("drain-second", &address);
+  ASSERT_FALSE(address.empty());
+  client = CoordinatorClient::Create(address);
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::vector<v1::JobEvent> events;
+  const absl::Status watched = (*client)->WatchJob(job_id, 1, absl::Seconds(120), [&](const v1::JobEvent& e) {
+    events.push_back(e);
+    return true;
+  });
+  ASSERT_TRUE(watched.ok()) << watched;
+  job = (*client)->GetJob(job_id);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << job->reason();
+  EXPECT_EQ(job->restarts(), 0);
+  EXPECT_EQ(job->generation(), 2);
+  int64_t drained_at = -1;
+  for (const v1::JobEvent& e : events) {
+    if (!e.has_state_change() || e.state_change().state() != v1::JOB_STATE_PENDING) continue;
+    const std::string& why = e.state_change().reason();
+    const size_t at = why.find("stopped after step ");
+    if (at == std::string::npos || !absl::StrContains(why, "(a drain, not counted against the job)")) continue;
+    ASSERT_TRUE(absl::SimpleAtoi(absl::string_view(why).substr(at + 19, why.find(' ', at + 19) - at - 19), &drained_at))
+        << why;
+  }
+  ASSERT_GE(drained_at, 3) << "no PENDING event names the drain";
+  int resumed = 0;
+  std::vector<int64_t> steps;
+  for (const v1::JobEvent& e : events) {
+    if (e.has_rank_status() && e.rank_status().phase() == v1::RANK_PHASE_TRAINING &&
+        e.rank_status().resumed_step() > 0) {
+      EXPECT_EQ(e.rank_status().resumed_step(), drained_at) << e.rank_status().ShortDebugString();
+      ++resumed;
+    }
+    if (e.has_step()) steps.push_back(e.step().step());
+  }
+  EXPECT_EQ(resumed, 2) << "both ranks of generation 2 resumed from the drain's checkpoint";
+  ASSERT_EQ(steps.size(), 120u) << "each step once";
+  for (size_t i = 0; i < steps.size(); ++i) EXPECT_EQ(steps[i], static_cast<int64_t>(i + 1));
+  std::printf("coloctl local: Ctrl-C at step %lld drained the job (stopped after step %lld) and stopped in %.2f s\n",
+              static_cast<long long>(at_interrupt), static_cast<long long>(drained_at), absl::ToDoubleSeconds(stop));
+  local->Signal(SIGTERM);
+  EXPECT_EQ(local->Wait(absl::Seconds(30)), 0);
 }
 
 // `coloctl tensor demo` interrupted (Ctrl-C) while its TENSOR job waits
