@@ -51,7 +51,7 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
     if (err < 0 || null < 0 || ::dup2(err, STDERR_FILENO) < 0 || ::dup2(null, STDOUT_FILENO) < 0) ::_exit(126);
     // The daemons wait for SIGTERM; the signal mask of a coloctl that blocked
     // it would otherwise carry over (and its handler run until the exec).
-    DefaultShutdownSignalsInChild();
+    RestoreShutdownSignalActionsInChild();
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -59,6 +59,24 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
     ::_exit(127);
   }
   return pid;
+}
+
+// SIGTERMs `pids` together and reaps them, SIGKILLing whatever still runs
+// after 10 s.
+void StopChildren(const std::vector<pid_t>& pids) {
+  for (pid_t pid : pids) ::kill(pid, SIGTERM);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  for (pid_t pid : pids) {
+    int status = 0;
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+      if (absl::Now() > deadline) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &status, 0);
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }
 }
 
 // KEY=VALUE of a ready file, once it exists.
@@ -233,6 +251,7 @@ void LocalCluster::Supervise() {
         absl::MutexLock lock(&mu_);
         Child& w = workers_[i];
         w.pid = -1;
+        if (stopped_) return;  // stopped by Stop: nothing to say, nothing to start again
         log = w.log;
         if (asks && w.restarts < max_worker_restarts_) {
           argv = w.argv;
@@ -256,8 +275,16 @@ void LocalCluster::Supervise() {
                      std::string(again.status().message()).c_str());
         continue;
       }
-      absl::MutexLock lock(&mu_);
-      workers_[i].pid = *again;  // Stop, after it joined this thread, ends it
+      bool stopping = false;
+      {
+        absl::MutexLock lock(&mu_);
+        stopping = stopped_;
+        if (!stopping) workers_[i].pid = *again;  // Stop ends it
+      }
+      if (stopping) {  // Stop's snapshot of the workers came before it
+        StopChildren({*again});
+        return;
+      }
     }
   }
 }
@@ -287,8 +314,6 @@ void LocalCluster::Stop() {
     if (stopped_) return;
     stopped_ = true;
   }
-  // No restart after this: what the supervisor started is stopped below.
-  if (supervisor_.joinable() && supervisor_.get_id() != std::this_thread::get_id()) supervisor_.join();
   std::vector<pid_t> workers;
   pid_t coordinator = -1;
   {
@@ -299,24 +324,16 @@ void LocalCluster::Stop() {
     coordinator = coordinator_pid_;
   }
   // The workers together first (their last calls reach a live coordinator),
-  // then the coordinator; SIGKILL whatever is still running after 10 s.
-  auto stop = [](const std::vector<pid_t>& pids) {
-    for (pid_t pid : pids) ::kill(pid, SIGTERM);
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    for (pid_t pid : pids) {
-      int status = 0;
-      while (::waitpid(pid, &status, WNOHANG) == 0) {
-        if (absl::Now() > deadline) {
-          ::kill(pid, SIGKILL);
-          ::waitpid(pid, &status, 0);
-          break;
-        }
-        absl::SleepFor(absl::Milliseconds(10));
-      }
-    }
-  };
-  if (!workers.empty()) stop(workers);
-  if (coordinator > 0) stop({coordinator});
+  // then the coordinator. The workers while the supervisor still runs: it
+  // forked those it started again, and a child's PR_SET_PDEATHSIG comes when
+  // the thread that forked it ends (prctl(2)), not the process: that SIGTERM
+  // and this one would be two (unless they merge, pending at once), and a
+  // worker's second signal ends its drain.
+  // Once stopped_ is set the supervisor starts none again, and stops one it
+  // started meanwhile itself.
+  if (!workers.empty()) StopChildren(workers);
+  if (supervisor_.joinable() && supervisor_.get_id() != std::this_thread::get_id()) supervisor_.join();
+  if (coordinator > 0) StopChildren({coordinator});
   if (temporary_) {
     std::error_code ec;
     std::filesystem::remove_all(data_dir_, ec);

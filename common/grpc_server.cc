@@ -8,11 +8,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstring>
 #include <limits>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/logging.h"
 #include "common/net.h"
 #include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
@@ -123,6 +125,10 @@ namespace {
 std::atomic<int> signal_pipe_write{-1};  // lock-free: read by the handler
 std::atomic<int> signal_pipe_read{-1};
 static_assert(std::atomic<int>::is_always_lock_free);
+// The actions the handler replaced (SIGTERM, SIGINT, SIGHUP), for a child
+// to get back before its exec. Written once, before the handler is installed.
+struct sigaction replaced_actions[3];
+constexpr int kHandledSignals[3] = {SIGTERM, SIGINT, SIGHUP};
 
 void OnShutdownSignal(int sig) {
   const int saved = errno;
@@ -138,27 +144,32 @@ void BlockShutdownSignals() {
   static std::once_flag once;
   std::call_once(once, [&set] {
     int fds[2];
-    if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) return;  // left to sigwait, as without the pipe
+    if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {
+      // Left to sigwait: a signal that comes while no thread waits may end
+      // the process (see above).
+      COLOD_LOG(ERROR) << "cannot make the shutdown signals' pipe (" << std::strerror(errno)
+                       << "): a signal while none is awaited may end the process";
+      return;
+    }
     signal_pipe_read.store(fds[0]);
     signal_pipe_write.store(fds[1]);
     struct sigaction action {};
     action.sa_handler = OnShutdownSignal;
     action.sa_mask = set;  // one handler at a time
     action.sa_flags = SA_RESTART;
-    for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
-      if (sigismember(&set, sig) == 1) ::sigaction(sig, &action, nullptr);
+    for (int i = 0; i < 3; ++i) {
+      const int sig = kHandledSignals[i];
+      if (sigismember(&set, sig) == 1) ::sigaction(sig, &action, &replaced_actions[i]);
     }
   });
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
-void DefaultShutdownSignalsInChild() {
-  for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
+void RestoreShutdownSignalActionsInChild() {
+  for (int i = 0; i < 3; ++i) {
     struct sigaction current {};
-    if (::sigaction(sig, nullptr, &current) == 0 && current.sa_handler == OnShutdownSignal) {
-      struct sigaction fallback {};
-      fallback.sa_handler = SIG_DFL;
-      ::sigaction(sig, &fallback, nullptr);
+    if (::sigaction(kHandledSignals[i], nullptr, &current) == 0 && current.sa_handler == OnShutdownSignal) {
+      ::sigaction(kHandledSignals[i], &replaced_actions[i], nullptr);
     }
   }
 }
@@ -173,6 +184,7 @@ int WaitForShutdownSignalFor(absl::Duration timeout) {
   const sigset_t set = ShutdownSignals();
   const int fd = signal_pipe_read.load();
   if (fd < 0) {  // BlockShutdownSignals did not install the handler: blocked signals are pending
+    // (0 too where another handler interrupted the wait.)
     const timespec slice = absl::ToTimespec(std::clamp(timeout, absl::ZeroDuration(), absl::Hours(24)));
     const int sig = ::sigtimedwait(&set, nullptr, &slice);
     return sig > 0 ? sig : 0;

@@ -66,27 +66,31 @@ void SetServing(grpc::Server& server, absl::string_view service, bool serving);
 void StopGrpcServer(grpc::Server& server, absl::Duration grace);
 
 // Takes SIGTERM, SIGINT and SIGHUP (SIGHUP only when it was not ignored
-// when the process started: under nohup it stays ignored) from their default
-// action, which ends the process, for WaitForShutdownSignal: a handler
-// queues each one, on whichever thread it ran (threads a library started
-// before main do not block them), and they are blocked in the calling thread
-// and every thread it starts afterwards (no call of theirs sees EINTR).
-// Call first thing in main; a program's exec'd children get the default
-// actions back, and a blocked mask they must unblock.
+// when the process started: under nohup it stays ignored; SIGTERM and
+// SIGINT even where ignored) for WaitForShutdownSignal: a handler queues
+// each one, on whichever thread it runs, and they are blocked in the calling
+// thread and every thread it starts afterwards, so that no call of theirs
+// is interrupted (EINTR). Threads started before the call, as libraries
+// start theirs before main (OpenBLAS's pool), do not block them: the
+// handler may run there, and a call of theirs that SA_RESTART does not
+// restart may see EINTR; before the handler, such a signal ended the
+// process. Call first thing in main; a child forked afterwards calls
+// RestoreShutdownSignalActionsInChild before it unblocks them.
 void BlockShutdownSignals();
 
-// For a child between fork and exec, before it unblocks the signals: gives
-// them their default actions back (those BlockShutdownSignals handles; an
-// ignored SIGHUP stays ignored), so that none that comes before the exec
-// runs the parent's handler (which would queue it for the parent's wait).
-// Async-signal-safe.
-void DefaultShutdownSignalsInChild();
+// For a child between fork and exec, before it unblocks the signals: the
+// actions BlockShutdownSignals replaced come back (an ignored signal stays
+// ignored), so that none that comes before the exec runs the parent's
+// handler (which would queue it for the parent's wait). Async-signal-safe.
+void RestoreShutdownSignalActionsInChild();
 
 // Waits for SIGTERM, SIGINT or SIGHUP (BlockShutdownSignals beforehand) and
 // returns its number. Each signal is returned once, to one waiter.
 int WaitForShutdownSignal();
 
-// The same for at most `timeout`: the signal's number, or 0 if none came.
+// The same for at most `timeout`: the signal's number, or 0 if none came
+// (without BlockShutdownSignals' handler, 0 too where another signal's
+// handler interrupted the wait).
 int WaitForShutdownSignalFor(absl::Duration timeout);
 
 }  // namespace colod
