@@ -10,6 +10,8 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <typeinfo>
 
 #include "absl/strings/escaping.h"
@@ -72,6 +74,19 @@ void ExitOnUncaughtExceptions(absl::string_view name) {
   // Leaked on purpose: the handler may run while static destructors do.
   daemon_name.store((new std::string(name))->c_str());
   std::set_terminate(OnTerminate);
+}
+
+void ExitOnNextShutdownSignal(absl::string_view name) {
+  try {
+    std::thread([name = std::string(name)] {
+      const int sig = WaitForShutdownSignal();
+      COLOD_LOG(WARNING) << "received signal " << sig << " during the shutdown: " << name
+                         << " exits now, without finishing it";
+      std::_Exit(128 + sig);
+    }).detach();
+  } catch (const std::system_error& e) {
+    COLOD_LOG(WARNING) << "a signal during the shutdown will not end " << name << " at once: " << e.what();
+  }
 }
 
 int ServeUntilSignal(absl::string_view name, const std::string& ready_file, const std::string& grpc,

@@ -16,6 +16,15 @@ namespace colod {
 int ServeUntilSignal(absl::string_view name, const std::string& ready_file, const std::string& grpc,
                      const std::string& metrics, const std::function<void()>& shutdown);
 
+// For a daemon's shutdown, once whatever takes the signals itself is done
+// (a worker's drain takes the second): a shutdown signal from now on ends
+// the process at once, exiting 128 + its number with one log line naming
+// `name`, without finishing the shutdown (a second Ctrl-C for one that
+// hangs, as at SIGKILL: what the daemons keep on disk is written whole or
+// not at all). Starts a thread that waits for it; where none can be
+// started, says so and returns.
+void ExitOnNextShutdownSignal(absl::string_view name);
+
 // The first call of every daemon's main(): an exception that escapes every
 // handler (one thrown on a library's own thread, as Gloo's event loop does
 // when a peer resets a connection mid-handshake) or any other std::terminate

@@ -1,13 +1,18 @@
 #include "common/serve.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <exception>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
+#include "absl/time/clock.h"
 #include "common/exit_codes.h"
+#include "common/grpc_server.h"
 #include "gtest/gtest.h"
 
 namespace colod {
@@ -77,6 +82,29 @@ TEST(ExitCodes, OnlyADeviceLostAndAnUncaughtExceptionAskForARestart) {
   EXPECT_TRUE(AsksForRestart(kExitDeviceLost));
   EXPECT_TRUE(AsksForRestart(kExitUncaughtException));
   for (int code : {0, 1, 2, 69, 72, 134, 137}) EXPECT_FALSE(AsksForRestart(code)) << code;
+}
+
+// A signal after the first ends a daemon whose shutdown hangs, at once and
+// saying so (once the shutdown armed it: a worker's drain takes the second).
+TEST(ExitOnNextShutdownSignalDeathTest, ASecondSignalEndsAShutdownThatHangs) {
+  const std::string style = GTEST_FLAG_GET(death_test_style);
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        BlockShutdownSignals();
+        std::thread([] {
+          ::kill(::getpid(), SIGTERM);
+          absl::SleepFor(absl::Milliseconds(300));  // the shutdown has begun
+          ::kill(::getpid(), SIGINT);
+        }).detach();
+        ServeUntilSignal("test daemon", "", "", "", [] {
+          ExitOnNextShutdownSignal("test daemon");
+          absl::SleepFor(absl::Seconds(60));  // a shutdown that hangs
+        });
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(128 + SIGINT), "received signal 2 during the shutdown: test daemon exits now");
+  GTEST_FLAG_SET(death_test_style, style);
 }
 
 }  // namespace

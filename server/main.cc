@@ -178,5 +178,8 @@ int main(int argc, char** argv) {
   }
   auto& daemon = **coordinator;
   return colod::ServeUntilSignal("coordinator", absl::GetFlag(FLAGS_ready_file), daemon.address(),
-                                 daemon.metrics_address(), [&daemon] { daemon.Shutdown(); });
+                                 daemon.metrics_address(), [&daemon] {
+                                   colod::ExitOnNextShutdownSignal("coordinator");  // a second signal
+                                   daemon.Shutdown();
+                                 });
 }

@@ -196,8 +196,9 @@ int main(int argc, char** argv) {
   auto& daemon = **worker;
   const int code = colod::ServeUntilSignal(
       "worker", absl::GetFlag(FLAGS_ready_file), daemon.address(), daemon.metrics_address(), [&daemon] {
-        // A second signal ends a drain early.
+        // A second signal ends a drain early; one after the drain, the process.
         daemon.Drain([] { return colod::WaitForShutdownSignalFor(absl::ZeroDuration()) > 0; });
+        colod::ExitOnNextShutdownSignal("worker");
         daemon.Shutdown();
       });
   if (const absl::Status lost = daemon.device_lost(); !lost.ok()) {

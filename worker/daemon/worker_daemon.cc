@@ -196,6 +196,9 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     ro.on_device_lost = [raw](const absl::Status& why) {
       {
         absl::MutexLock lock(&raw->mu_);
+        // Once: a second SIGTERM during the shutdown would end the process
+        // at once (ExitOnNextShutdownSignal), not with kExitDeviceLost.
+        if (!raw->device_lost_.ok()) return;
         raw->device_lost_ = why;
       }
       if (raw->options_.on_device_lost) {
