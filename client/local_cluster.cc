@@ -61,10 +61,8 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
   return pid;
 }
 
-// SIGTERMs `pids` together and reaps them, SIGKILLing whatever still runs
-// after 10 s.
-void StopChildren(const std::vector<pid_t>& pids) {
-  for (pid_t pid : pids) ::kill(pid, SIGTERM);
+// Reaps `pids` (SIGTERMed), SIGKILLing whatever still runs 10 s on.
+void ReapChildren(const std::vector<pid_t>& pids) {
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   for (pid_t pid : pids) {
     int status = 0;
@@ -77,6 +75,12 @@ void StopChildren(const std::vector<pid_t>& pids) {
       absl::SleepFor(absl::Milliseconds(10));
     }
   }
+}
+
+// SIGTERMs `pids` together and reaps them (ReapChildren).
+void StopChildren(const std::vector<pid_t>& pids) {
+  for (pid_t pid : pids) ::kill(pid, SIGTERM);
+  ReapChildren(pids);
 }
 
 // KEY=VALUE of a ready file, once it exists.
@@ -109,6 +113,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
   std::unique_ptr<LocalCluster> c(new LocalCluster());
   c->data_dir_ = options.data_dir;
   c->max_worker_restarts_ = options.max_worker_restarts;
+  c->stop_pause_ = options.stop_pause_for_test;
   if (c->data_dir_.empty()) {
     const char* tmpdir = std::getenv("TMPDIR");
     std::string tmpl = absl::StrCat(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp", "/colod-local-XXXXXX");
@@ -225,10 +230,19 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
 }
 
 void LocalCluster::Supervise() {
+  // Once stopped, this thread waits for Stop to have reaped the workers
+  // before it ends: a child's PR_SET_PDEATHSIG comes when the thread that
+  // forked it ends (prctl(2)), not the process, and this one forked those it
+  // started again. That SIGTERM beside the stop's would be a worker's second
+  // signal, which ends its drain (or, after it, the worker).
+  auto until_workers_stopped = [this] {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&workers_stopped_));
+  };
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
-      if (mu_.AwaitWithTimeout(absl::Condition(&stopped_), absl::Milliseconds(200))) return;
+      mu_.AwaitWithTimeout(absl::Condition(&stopped_), absl::Milliseconds(200));
     }
     size_t n = 0;
     {
@@ -236,22 +250,20 @@ void LocalCluster::Supervise() {
       n = workers_.size();
     }
     for (size_t i = 0; i < n; ++i) {
-      pid_t pid = -1;
-      {
-        absl::MutexLock lock(&mu_);
-        pid = workers_[i].pid;
-      }
       int status = 0;
-      if (pid < 0 || ::waitpid(pid, &status, WNOHANG) != pid) continue;
-      const bool asks = WIFEXITED(status) && AsksForRestart(WEXITSTATUS(status));
       std::vector<std::string> argv;
       std::string log;
       int restarts = 0;
+      bool asks = false;
       {
+        // Reaped under mu_, and never once stopped: Stop signals the pids it
+        // took under mu_, none of which can have been reaped (and reused).
         absl::MutexLock lock(&mu_);
+        if (stopped_) break;
         Child& w = workers_[i];
+        if (w.pid < 0 || ::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
         w.pid = -1;
-        if (stopped_) return;  // stopped by Stop: nothing to say, nothing to start again
+        asks = WIFEXITED(status) && AsksForRestart(WEXITSTATUS(status));
         log = w.log;
         if (asks && w.restarts < max_worker_restarts_) {
           argv = w.argv;
@@ -281,10 +293,16 @@ void LocalCluster::Supervise() {
         stopping = stopped_;
         if (!stopping) workers_[i].pid = *again;  // Stop ends it
       }
-      if (stopping) {  // Stop's snapshot of the workers came before it
-        StopChildren({*again});
-        return;
-      }
+      if (stopping) StopChildren({*again});  // Stop's signals came before it
+    }
+    bool stopping = false;
+    {
+      absl::MutexLock lock(&mu_);
+      stopping = stopped_;
+    }
+    if (stopping) {
+      until_workers_stopped();
+      return;
     }
   }
 }
@@ -309,29 +327,32 @@ absl::StatusOr<std::vector<v1::Worker>> LocalCluster::workers() const {
 LocalCluster::~LocalCluster() { Stop(); }
 
 void LocalCluster::Stop() {
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopped_) return;
-    stopped_ = true;
-  }
   std::vector<pid_t> workers;
   pid_t coordinator = -1;
   {
+    // The workers together first (their last calls reach a live
+    // coordinator), then the coordinator. The workers are signalled under
+    // mu_, with stopped_ set: the supervisor reaps none after it (a pid it
+    // reaped could have been reused), starts none again, and ends only once
+    // they were reaped (Supervise says why).
     absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
     for (const Child& w : workers_) {
       if (w.pid > 0) workers.push_back(w.pid);
     }
     coordinator = coordinator_pid_;
+    if (stop_pause_ > absl::ZeroDuration()) {  // (mu_ released meanwhile)
+      const bool never = false;
+      mu_.AwaitWithTimeout(absl::Condition(&never), stop_pause_);
+    }
+    for (pid_t pid : workers) ::kill(pid, SIGTERM);
   }
-  // The workers together first (their last calls reach a live coordinator),
-  // then the coordinator. The workers while the supervisor still runs: it
-  // forked those it started again, and a child's PR_SET_PDEATHSIG comes when
-  // the thread that forked it ends (prctl(2)), not the process: that SIGTERM
-  // and this one would be two (unless they merge, pending at once), and a
-  // worker's second signal ends its drain.
-  // Once stopped_ is set the supervisor starts none again, and stops one it
-  // started meanwhile itself.
-  if (!workers.empty()) StopChildren(workers);
+  ReapChildren(workers);
+  {
+    absl::MutexLock lock(&mu_);
+    workers_stopped_ = true;
+  }
   if (supervisor_.joinable() && supervisor_.get_id() != std::this_thread::get_id()) supervisor_.join();
   if (coordinator > 0) StopChildren({coordinator});
   if (temporary_) {

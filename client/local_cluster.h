@@ -51,6 +51,10 @@ class LocalCluster {
     // stops what was started (a temporary data dir removed) and Start
     // returns CANCELLED. A caller's Ctrl-C while a large cluster starts.
     std::function<bool()> cancelled;
+    // For tests: a pause in Stop after the supervision ended and before the
+    // workers are signalled (mu_ released meanwhile), so that a signal the
+    // end of the supervisor's thread would send arrives on its own.
+    absl::Duration stop_pause_for_test = absl::ZeroDuration();
   };
 
   // Starts everything and waits until every worker registered.
@@ -73,8 +77,10 @@ class LocalCluster {
   // The registered workers, sorted by id.
   absl::StatusOr<std::vector<v1::Worker>> workers() const;
 
-  // Ends the supervision, then SIGTERM to the workers, then the coordinator
-  // (SIGKILL after 10 s), reaps them and removes a temporary data dir.
+  // Ends the supervision (no worker is started again), SIGTERMs the
+  // workers, reaps them, then the coordinator (SIGKILL for one still running
+  // 10 s on), and removes a temporary data dir. The supervisor's thread ends
+  // after the workers were reaped (Supervise). Thread-safe; once.
   void Stop();
 
  private:
@@ -86,7 +92,7 @@ class LocalCluster {
   };
   LocalCluster() = default;
   // Every 200 ms until Stop: reaps the workers that exited and starts again
-  // those that asked for it.
+  // those that asked for it; then waits for Stop to have reaped the workers.
   void Supervise();
 
   std::string address_, metrics_address_;
@@ -98,6 +104,8 @@ class LocalCluster {
   std::vector<Child> workers_ ABSL_GUARDED_BY(mu_);
   int restarts_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  bool workers_stopped_ ABSL_GUARDED_BY(mu_) = false;  // Stop reaped the workers
+  absl::Duration stop_pause_ = absl::ZeroDuration();   // Options::stop_pause_for_test
   std::thread supervisor_;  // started by Start, joined by Stop
 };
 

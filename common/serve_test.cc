@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <exception>
 #include <stdexcept>
 #include <string>
@@ -92,13 +93,15 @@ TEST(ExitOnNextShutdownSignalDeathTest, ASecondSignalEndsAShutdownThatHangs) {
   EXPECT_EXIT(
       {
         BlockShutdownSignals();
+        static std::atomic<bool> armed{false};
         std::thread([] {
           ::kill(::getpid(), SIGTERM);
-          absl::SleepFor(absl::Milliseconds(300));  // the shutdown has begun
+          while (!armed) absl::SleepFor(absl::Milliseconds(5));  // the shutdown has begun
           ::kill(::getpid(), SIGINT);
         }).detach();
         ServeUntilSignal("test daemon", "", "", "", [] {
           ExitOnNextShutdownSignal("test daemon");
+          armed = true;
           absl::SleepFor(absl::Seconds(60));  // a shutdown that hangs
         });
         std::_Exit(0);

@@ -9,11 +9,13 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
@@ -154,11 +156,13 @@ TEST(Local, AWorkerThatAnUncaughtExceptionEndedIsStartedAgain) {
 }
 
 // A worker started again (by the supervisor's thread, after it exited 71)
-// drains its job at the stop as the others do. (Stop signals the workers
-// before that thread ends, whose end sends the children it forked their
-// PR_SET_PDEATHSIG: a SIGTERM beside the stop's, and a second signal ends a
-// drain. Here the two, sent microseconds apart, were found to merge into
-// one pending signal, so this test passes with either order.)
+// drains its job at the stop as the others do, with the one SIGTERM of the
+// stop: the supervisor's thread, whose end sends the children it forked
+// their PR_SET_PDEATHSIG (a SIGTERM beside the stop's; a second signal ends
+// a drain), ends only after the workers were reaped. Stop pauses 300 ms
+// after it ended the supervision: the worker's first signal must come after
+// that pause (with the supervisor ending first, its PR_SET_PDEATHSIG came at
+// once, and the stop's SIGTERM 300 ms later was a second).
 TEST(Local, AWorkerStartedAgainDrainsItsJobAtTheStop) {
   const std::string coloctl = Runfile("client/coloctl");
   const std::string once = TempPath("restarted-once");
@@ -172,6 +176,7 @@ TEST(Local, AWorkerStartedAgainDrainsItsJobAtTheStop) {
   o.coordinator_binary = Runfile("server/colod-coordinator");
   o.worker_binary = script;
   o.data_dir = TempPath("restarted");
+  o.stop_pause_for_test = absl::Milliseconds(300);
   std::filesystem::remove_all(o.data_dir);
   absl::StatusOr<std::unique_ptr<LocalCluster>> c = LocalCluster::Start(o);
   ASSERT_TRUE(c.ok()) << c.status();
@@ -220,8 +225,27 @@ TEST(Local, AWorkerStartedAgainDrainsItsJobAtTheStop) {
     job = (*client)->GetJob(job_id);
   }
   ASSERT_TRUE(job.ok() && job->step() >= 3) << (job.ok() ? job->ShortDebugString() : job.status().ToString());
-  cluster.Stop();
-  const std::string log = testing::ReadFile(absl::StrCat(o.data_dir, "/worker-", index - 1, ".log"));
+  const std::string log_path = absl::StrCat(o.data_dir, "/worker-", index - 1, ".log");
+  auto signals = [&log_path] {
+    return std::vector<std::string>(absl::StrSplit(testing::ReadFile(log_path), "received signal")).size() - 1;
+  };
+  const size_t before = signals();
+  const absl::Time called = absl::Now();
+  std::thread stopper([&cluster] { cluster.Stop(); });
+  absl::Time signalled = absl::InfiniteFuture();
+  for (int i = 0; i < 10000 && signalled == absl::InfiniteFuture(); ++i) {  // 20 s
+    if (signals() > before) {
+      signalled = absl::Now();
+    } else {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+  }
+  stopper.join();
+  const std::string log = testing::ReadFile(log_path);
+  EXPECT_GE(signalled - called, absl::Milliseconds(290))
+      << "the worker started again was signalled before the stop signalled the workers:\n"
+      << log;
+  EXPECT_EQ(signals(), before + 1) << log;
   EXPECT_TRUE(absl::StrContains(log, "drained: the job's rank here ended")) << log;
   EXPECT_FALSE(absl::StrContains(log, "the drain was interrupted")) << log;
 }

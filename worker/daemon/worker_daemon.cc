@@ -194,17 +194,20 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     ro.upload_cache_ttl = options.upload_cache_ttl;
     ro.min_free_work_dir_bytes = options.min_free_work_dir_bytes;
     ro.on_device_lost = [raw](const absl::Status& why) {
+      bool leaving = false;
       {
         absl::MutexLock lock(&raw->mu_);
-        // Once: a second SIGTERM during the shutdown would end the process
-        // at once (ExitOnNextShutdownSignal), not with kExitDeviceLost.
-        if (!raw->device_lost_.ok()) return;
         raw->device_lost_ = why;
+        leaving = raw->leaving_;
       }
       if (raw->options_.on_device_lost) {
         raw->options_.on_device_lost(why);
-      } else {
-        // main takes it (WaitForShutdownSignal) and shuts down.
+      } else if (!leaving) {
+        // main takes it (WaitForShutdownSignal) and shuts down. Not once the
+        // worker shuts down already (a rank stopped by the drain's timeout
+        // or by Shutdown finds its device lost): main exits kExitDeviceLost
+        // anyway, and a signal now would end the process at once
+        // (ExitOnNextShutdownSignal), without its cleanup, exiting 143.
         kill(getpid(), SIGTERM);
       }
     };
@@ -380,6 +383,10 @@ void WorkerDaemon::CoordinatorLoop() {
 }
 
 void WorkerDaemon::Drain(const std::function<bool()>& interrupted) {
+  {
+    absl::MutexLock lock(&mu_);
+    leaving_ = true;
+  }
   if (!runner_ || options_.drain_timeout <= absl::ZeroDuration() || worker_id().empty()) return;
   if (!runner_->Drain("the worker is shutting down")) return;
   COLOD_LOG(INFO) << "worker shutting down: draining its job (every rank saves a checkpoint after the same step and "
@@ -406,6 +413,7 @@ void WorkerDaemon::Shutdown() {
     if (stopped_) return;
     stopped_ = true;
     stopping_ = true;
+    leaving_ = true;
   }
   COLOD_LOG(INFO) << "worker shutting down";
   if (loop_.joinable()) loop_.join();

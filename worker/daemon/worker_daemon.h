@@ -185,6 +185,8 @@ class WorkerDaemon {
   // The runner's on_device_lost reason, kept here because Shutdown frees the
   // runner (whose own copy refuses ranks) before main reads it for the exit code.
   absl::Status device_lost_ ABSL_GUARDED_BY(mu_);
+  // Drain or Shutdown began: a lost device no longer signals main.
+  bool leaving_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace colod
