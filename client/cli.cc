@@ -225,8 +225,13 @@ int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const
       int sig = WaitForShutdownSignalFor(absl::Milliseconds(200));
       if (sig == 0 && StdoutReaderGone()) sig = SIGPIPE;
       if (sig == 0) continue;
-      std::fprintf(stderr, "coloctl: %s: stopping the embedded cluster\n", ::strsignal(sig));
-      (*cluster)->Stop();
+      std::fprintf(stderr, "coloctl: %s: stopping the embedded cluster%s\n", ::strsignal(sig),
+                   sig == SIGPIPE ? "" : " (again: at once)");
+      if (sig == SIGPIPE) {
+        (*cluster)->Stop();
+      } else {
+        (*cluster)->StopOnSignal();
+      }
       std::fflush(stdout);
       std::fflush(stderr);
       std::_Exit(128 + sig);  // the command's own thread may be in a call to the cluster it just lost

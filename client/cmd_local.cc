@@ -63,8 +63,8 @@ int RunLocal(const std::vector<std::string>&) {
               workers.size(), (*cluster)->address().c_str());
   std::fflush(stdout);
   const int sig = WaitForShutdownSignal();
-  std::fprintf(stderr, "coloctl: %s: stopping the local cluster\n", ::strsignal(sig));
-  (*cluster)->Stop();
+  std::fprintf(stderr, "coloctl: %s: stopping the local cluster (again: at once)\n", ::strsignal(sig));
+  (*cluster)->StopOnSignal();
   return 0;
 }
 
@@ -113,12 +113,12 @@ constexpr Command kCommands[] = {
      "              loopback: CPU ones, or with --device cuda one per CUDA device (worker i\n"
      "              on device i, over NCCL between the processes). Prints the coordinator's\n"
      "              address once every worker has registered, stays in the foreground, and\n"
-     "              stops everything on Ctrl-C,\n"
-     "              SIGTERM or SIGHUP. --data-dir keeps the coordinator's state, the worker\n"
-     "              logs and their scratch directories (worker-I.work); with it, a running\n"
-     "              job that saves checkpoints is drained at the stop (a checkpoint after\n"
-     "              the same step on every rank, within 6 s) and goes on from it at the\n"
-     "              next start.\n"
+     "              stops everything on Ctrl-C, SIGTERM or SIGHUP (a second one during the\n"
+     "              stop kills what still runs at once). --data-dir keeps the coordinator's\n"
+     "              state, the worker logs and their scratch directories (worker-I.work);\n"
+     "              with it, a running job that saves checkpoints is drained at the stop (a\n"
+     "              checkpoint after the same step on every rank, within 6 s) and goes on\n"
+     "              from it at the next start.\n"
      "              A CUDA worker whose device faulted (it exits 70) is started again, up\n"
      "              to 3 times; a worker that exits otherwise is said on stderr.\n",
      RunLocal},

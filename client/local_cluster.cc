@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -61,13 +62,15 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
   return pid;
 }
 
-// Reaps `pids` (SIGTERMed), SIGKILLing whatever still runs 10 s on.
-void ReapChildren(const std::vector<pid_t>& pids) {
+// Reaps `pids` (SIGTERMed), SIGKILLing whatever still runs 10 s on, or
+// once `hurry` is set (LocalCluster::Hurry). Only pids not yet reaped are
+// signalled: none can have been reused.
+void ReapChildren(const std::vector<pid_t>& pids, const std::atomic<bool>& hurry) {
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   for (pid_t pid : pids) {
     int status = 0;
     while (::waitpid(pid, &status, WNOHANG) == 0) {
-      if (absl::Now() > deadline) {
+      if (absl::Now() > deadline || hurry.load()) {
         ::kill(pid, SIGKILL);
         ::waitpid(pid, &status, 0);
         break;
@@ -78,9 +81,9 @@ void ReapChildren(const std::vector<pid_t>& pids) {
 }
 
 // SIGTERMs `pids` together and reaps them (ReapChildren).
-void StopChildren(const std::vector<pid_t>& pids) {
+void StopChildren(const std::vector<pid_t>& pids, const std::atomic<bool>& hurry) {
   for (pid_t pid : pids) ::kill(pid, SIGTERM);
-  ReapChildren(pids);
+  ReapChildren(pids, hurry);
 }
 
 // KEY=VALUE of a ready file, once it exists.
@@ -293,7 +296,7 @@ void LocalCluster::Supervise() {
         stopping = stopped_;
         if (!stopping) workers_[i].pid = *again;  // Stop ends it
       }
-      if (stopping) StopChildren({*again});  // Stop's signals came before it
+      if (stopping) StopChildren({*again}, hurry_);  // Stop's signals came before it
     }
     bool stopping = false;
     {
@@ -305,6 +308,30 @@ void LocalCluster::Supervise() {
       return;
     }
   }
+}
+
+void LocalCluster::Hurry() { hurry_ = true; }
+
+void LocalCluster::StopOnSignal() {
+  std::atomic<bool> done{false};
+  std::thread hurrier;
+  try {
+    hurrier = std::thread([this, &done] {
+      while (!done) {
+        if (const int sig = WaitForShutdownSignalFor(absl::Milliseconds(100)); sig != 0) {
+          std::fprintf(stderr, "coloctl: %s again: killing the daemons now (a worker's drain is lost)\n",
+                       ::strsignal(sig));
+          Hurry();
+          return;
+        }
+      }
+    });
+  } catch (const std::system_error&) {
+    // No thread: a further signal waits for the stop.
+  }
+  Stop();
+  done = true;
+  if (hurrier.joinable()) hurrier.join();
 }
 
 std::vector<pid_t> LocalCluster::pids() const {
@@ -348,13 +375,13 @@ void LocalCluster::Stop() {
     }
     for (pid_t pid : workers) ::kill(pid, SIGTERM);
   }
-  ReapChildren(workers);
+  ReapChildren(workers, hurry_);
   {
     absl::MutexLock lock(&mu_);
     workers_stopped_ = true;
   }
   if (supervisor_.joinable() && supervisor_.get_id() != std::this_thread::get_id()) supervisor_.join();
-  if (coordinator > 0) StopChildren({coordinator});
+  if (coordinator > 0) StopChildren({coordinator}, hurry_);
   if (temporary_) {
     std::error_code ec;
     std::filesystem::remove_all(data_dir_, ec);

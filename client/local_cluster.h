@@ -12,6 +12,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -82,6 +83,13 @@ class LocalCluster {
   // 10 s on), and removes a temporary data dir. The supervisor's thread ends
   // after the workers were reaped (Supervise). Thread-safe; once.
   void Stop();
+  // Makes a Stop that runs (or comes) SIGKILL the daemons still running now,
+  // not 10 s on: a worker's drain is lost. Thread-safe.
+  void Hurry();
+  // Stop, for a caller that took a shutdown signal (BlockShutdownSignals):
+  // a further one meanwhile (a second Ctrl-C) makes it Hurry, saying so on
+  // stderr.
+  void StopOnSignal();
 
  private:
   struct Child {
@@ -105,6 +113,7 @@ class LocalCluster {
   int restarts_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   bool workers_stopped_ ABSL_GUARDED_BY(mu_) = false;  // Stop reaped the workers
+  std::atomic<bool> hurry_{false};                     // Hurry
   absl::Duration stop_pause_ = absl::ZeroDuration();   // Options::stop_pause_for_test
   std::thread supervisor_;  // started by Start, joined by Stop
 };

@@ -250,6 +250,54 @@ TEST(Local, AWorkerStartedAgainDrainsItsJobAtTheStop) {
   EXPECT_FALSE(absl::StrContains(log, "the drain was interrupted")) << log;
 }
 
+// The pids of `parent`'s children named `comm` (/proc/PID/stat).
+std::vector<pid_t> ChildrenOf(pid_t parent, const std::string& comm) {
+  std::vector<pid_t> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    pid_t pid = 0;
+    if (!absl::SimpleAtoi(e.path().filename().string(), &pid)) continue;
+    const std::string stat = testing::ReadFile(e.path().string() + "/stat");
+    const size_t open = stat.find('('), close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos || close < open) continue;
+    const std::vector<std::string> rest = absl::StrSplit(stat.substr(close + 2), ' ');
+    pid_t ppid = 0;
+    if (stat.substr(open + 1, close - open - 1) == comm && rest.size() > 1 && absl::SimpleAtoi(rest[1], &ppid) &&
+        ppid == parent) {
+      out.push_back(pid);
+    }
+  }
+  return out;
+}
+
+// A second Ctrl-C while `coloctl local` stops (here its worker SIGSTOPped,
+// so that its stop would wait 10 s for it) ends the stop at once: the
+// daemons still running are SIGKILLed, and coloctl says so.
+TEST(Local, ASecondCtrlCStopsTheClusterAtOnce) {
+  Subprocess local({Runfile("client/coloctl"), "local", "--workers", "1", "--listen", "127.0.0.1:0", "--data-dir",
+                    TempPath("hurried-data")},
+                   TempPath("hurried.out"), TempPath("hurried.err"));
+  ASSERT_FALSE(testing::LocalClusterAddress(TempPath("hurried.out")).empty())
+      << testing::ReadFile(TempPath("hurried.err"));
+  const std::vector<pid_t> workers = ChildrenOf(local.pid(), "colod-worker");
+  ASSERT_EQ(workers.size(), 1u);
+  ASSERT_EQ(::kill(workers[0], SIGSTOP), 0);
+  local.Signal(SIGINT);
+  for (int i = 0; i < 1000 && !absl::StrContains(testing::ReadFile(TempPath("hurried.err")), "stopping"); ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // the stop waits for the stopped worker
+  const absl::Time again = absl::Now();
+  local.Signal(SIGINT);
+  const auto code = local.Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 0);
+  EXPECT_LT(absl::Now() - again, absl::Seconds(5)) << "not the 10 s the stop gives a worker";
+  const std::string err = testing::ReadFile(TempPath("hurried.err"));
+  EXPECT_TRUE(absl::StrContains(err, "Interrupt again: killing the daemons now")) << err;
+  EXPECT_TRUE(ChildrenOf(local.pid(), "colod-worker").empty());
+  EXPECT_NE(::kill(workers[0], 0), 0) << "the worker is gone";
+}
+
 TEST(Local, ItsDaemonsDieWithAKilledColoctl) {
   Subprocess local({Runfile("client/coloctl"), "local", "--workers", "2", "--listen", "127.0.0.1:0"},
                    TempPath("killed.out"), TempPath("killed.err"));
