@@ -240,7 +240,7 @@ int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const
   const int code = fn((*cluster)->address());
   done.Notify();
   stopper.join();
-  (*cluster)->Stop();
+  (*cluster)->StopOnSignal();
   return code;
 }
 

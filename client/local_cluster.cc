@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <system_error>
 #include <thread>
 
@@ -62,21 +63,29 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
   return pid;
 }
 
-// Reaps `pids` (SIGTERMed), SIGKILLing whatever still runs 10 s on, or
-// once `hurry` is set (LocalCluster::Hurry). Only pids not yet reaped are
-// signalled: none can have been reused.
+// Reaps `pids` (SIGTERMed), SIGKILLing together whatever still runs 10 s
+// on, or once `hurry` is set (LocalCluster::Hurry). Only pids not yet
+// reaped are signalled: none can have been reused.
 void ReapChildren(const std::vector<pid_t>& pids, const std::atomic<bool>& hurry) {
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  for (pid_t pid : pids) {
-    int status = 0;
-    while (::waitpid(pid, &status, WNOHANG) == 0) {
-      if (absl::Now() > deadline || hurry.load()) {
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, &status, 0);
-        break;
-      }
-      absl::SleepFor(absl::Milliseconds(10));
+  std::vector<pid_t> running = pids;
+  while (!running.empty()) {
+    std::vector<pid_t> still;
+    for (pid_t pid : running) {
+      int status = 0;
+      if (::waitpid(pid, &status, WNOHANG) == 0) still.push_back(pid);
     }
+    running = std::move(still);
+    if (running.empty()) return;
+    if (absl::Now() > deadline || hurry.load()) {
+      for (pid_t pid : running) ::kill(pid, SIGKILL);
+      for (pid_t pid : running) {
+        int status = 0;
+        ::waitpid(pid, &status, 0);
+      }
+      return;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
   }
 }
 
@@ -313,25 +322,32 @@ void LocalCluster::Supervise() {
 void LocalCluster::Hurry() { hurry_ = true; }
 
 void LocalCluster::StopOnSignal() {
-  std::atomic<bool> done{false};
+  // Shared with the helper, which may outlive an exception of Stop's.
+  auto done = std::make_shared<std::atomic<bool>>(false);
   std::thread hurrier;
   try {
-    hurrier = std::thread([this, &done] {
-      while (!done) {
-        if (const int sig = WaitForShutdownSignalFor(absl::Milliseconds(100)); sig != 0) {
-          std::fprintf(stderr, "coloctl: %s again: killing the daemons now (a worker's drain is lost)\n",
-                       ::strsignal(sig));
-          Hurry();
-          return;
-        }
+    hurrier = std::thread([this, done] {
+      while (!*done) {
+        const int sig = WaitForShutdownSignalFor(absl::Milliseconds(100));
+        if (sig == 0 || *done) continue;  // (one after the stop is left for the caller's wait: none)
+        std::fprintf(stderr, "coloctl: %s again: killing the daemons now (a worker's drain is lost)\n",
+                     ::strsignal(sig));
+        Hurry();
+        return;
       }
     });
   } catch (const std::system_error&) {
     // No thread: a further signal waits for the stop.
   }
+  struct Join {
+    std::thread& t;
+    std::atomic<bool>& done;
+    ~Join() {
+      done = true;
+      if (t.joinable()) t.join();
+    }
+  } join{hurrier, *done};
   Stop();
-  done = true;
-  if (hurrier.joinable()) hurrier.join();
 }
 
 std::vector<pid_t> LocalCluster::pids() const {
