@@ -136,16 +136,17 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) 
 }
 
 absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, const std::string& dir) {
+  ASSIGN_OR_RETURN(RankParts parts, TakeRankParts(chunks));
+  return SaveShardedCheckpoint(chunks, std::move(parts), dir);
+}
+
+absl::StatusOr<RankParts> TakeRankParts(const std::vector<ShardedModel*>& chunks) {
   if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
-  ShardedModel& model = *chunks.front();
-  ProcessGroup* pg = model.process_group();
+  ProcessGroup* pg = chunks.front()->process_group();
   const DeviceMesh& mesh = pg->mesh();
-  const int rank = pg->rank(), world = mesh.world_size();
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  const int rank = pg->rank();
   NoGradScope no_grad;
-  std::vector<std::pair<std::string, Tensor>> mine;
+  RankParts mine;
   std::set<std::string> names;
   for (ShardedModel* chunk : chunks) {
     for (const NamedParam& p : chunk->Parameters()) {
@@ -155,9 +156,6 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, con
       if (!owns) continue;
       ASSIGN_OR_RETURN(Tensor host, p.bound.param.local().To(Device::Cpu()));
       Tensor part = host.Contiguous();  // on the host: fails only without host memory
-      // Weights that are not finite (an update that overflowed: its step's
-      // loss and gradients were finite) are never saved: a restart would
-      // resume from them, and retention would drop the good checkpoints.
       if (const int64_t at = FirstNonFinite(part.dtype(), part.raw_data(), part.numel()); at >= 0) {
         return absl::FailedPreconditionError(absl::StrCat(
             "the weights are not finite (parameter ", p.name, ", element ", at,
@@ -165,10 +163,23 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, con
             "earlier checkpoint with a lower learning rate (lr), a longer warm-up (warmup_steps) or gradient "
             "clipping (clip_norm)"));
       }
-      mine.emplace_back(p.name, std::move(part));
+      mine.tensors.emplace_back(p.name, std::move(part));
     }
   }
-  RETURN_IF_ERROR(WriteSafetensors(absl::StrCat(dir, "/", RankFile(rank, world)), mine));
+  return mine;
+}
+
+absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, RankParts parts, const std::string& dir) {
+  if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
+  ShardedModel& model = *chunks.front();
+  ProcessGroup* pg = model.process_group();
+  const DeviceMesh& mesh = pg->mesh();
+  const int rank = pg->rank(), world = mesh.world_size();
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  NoGradScope no_grad;
+  RETURN_IF_ERROR(WriteSafetensors(absl::StrCat(dir, "/", RankFile(rank, world)), parts.tensors));
   RETURN_IF_ERROR(pg->Barrier());
   // Pipeline stages: each stage's first rank writes its stages' parts of
   // the index (one a virtual stage), which rank 0 joins.

@@ -24,9 +24,11 @@
 #define COLOD_WORKER_SHARDFORMER_CHECKPOINT_H_
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "worker/shardformer/checkpoint_index.h"
 #include "worker/shardformer/shardformer.h"
 
@@ -39,6 +41,23 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir);
 // stages: ShardFormer::LoadChunks), chunk 0 first: one rank file of all of
 // them, the index of every virtual stage.
 absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, const std::string& dir);
+
+// One rank's parts of the parameters it writes, copied to the host: what
+// SaveShardedCheckpoint writes into the rank's file.
+struct RankParts {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+};
+// Takes them from the chunks (not collective). FAILED_PRECONDITION naming
+// the first element that is not finite (an update that overflowed, its
+// step's loss and gradients finite): such weights are never saved, since a
+// restart would resume from them and retention would drop the good
+// checkpoints. A caller whose failure removes a directory its peers write
+// into (a training checkpoint) takes them before anything is created, so
+// that this cause, not a peer's write into the removed directory, is the
+// one that fails the save.
+absl::StatusOr<RankParts> TakeRankParts(const std::vector<ShardedModel*>& chunks);
+// SaveShardedCheckpoint of parts TakeRankParts took from the same chunks.
+absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, RankParts parts, const std::string& dir);
 
 // Assembles the sharded checkpoint in `dir` into `out_dir` (created if
 // needed): config.json and one model.safetensors with every tensor under its

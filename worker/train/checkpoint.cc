@@ -407,6 +407,11 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
   ProcessGroup* pg = model.process_group();
   const int rank = pg->rank(), world = pg->mesh().world_size();
   const std::string final_dir = StepDir(dir, step), tmp = StepTmpDir(dir, step, writer);
+  // Weights that are not finite fail the save here, before anything is
+  // created: a rank failing later removes the directory (below), and a
+  // peer's write into it would fail too, perhaps first, and be the error
+  // reported in place of this cause.
+  ASSIGN_OR_RETURN(shardformer::RankParts parts, shardformer::TakeRankParts(chunks));
   std::error_code ec;
   if (rank == 0) {
     // An aborted rank (given up on, perhaps: another job may own the
@@ -431,7 +436,7 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
     fs::remove_all(tmp, rm);
   };
   RETURN_IF_ERROR(pg->Barrier());
-  RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, tmp));
+  RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, std::move(parts), tmp));
   std::vector<std::pair<std::string, Tensor>> state;
   std::set<std::string> written;
   for (const Optimizer::StateTensor& t : optimizer.State()) {
