@@ -227,11 +227,7 @@ int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const
       if (sig == 0) continue;
       std::fprintf(stderr, "coloctl: %s: stopping the embedded cluster%s\n", ::strsignal(sig),
                    sig == SIGPIPE ? "" : " (again: at once)");
-      if (sig == SIGPIPE) {
-        (*cluster)->Stop();
-      } else {
-        (*cluster)->StopOnSignal();
-      }
+      (*cluster)->StopOnSignal();  // a signal during the stop (a first one after SIGPIPE) hurries it
       std::fflush(stdout);
       std::fflush(stderr);
       std::_Exit(128 + sig);  // the command's own thread may be in a call to the cluster it just lost

@@ -247,18 +247,14 @@ void LocalCluster::Supervise() {
   // forked it ends (prctl(2)), not the process, and this one forked those it
   // started again. That SIGTERM beside the stop's would be a worker's second
   // signal, which ends its drain (or, after it, the worker).
-  auto until_workers_stopped = [this] {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(&workers_stopped_));
-  };
   for (;;) {
-    {
-      absl::MutexLock lock(&mu_);
-      mu_.AwaitWithTimeout(absl::Condition(&stopped_), absl::Milliseconds(200));
-    }
     size_t n = 0;
     {
       absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopped_), absl::Milliseconds(200))) {
+        mu_.Await(absl::Condition(&workers_stopped_));
+        return;
+      }
       n = workers_.size();
     }
     for (size_t i = 0; i < n; ++i) {
@@ -306,15 +302,6 @@ void LocalCluster::Supervise() {
         if (!stopping) workers_[i].pid = *again;  // Stop ends it
       }
       if (stopping) StopChildren({*again}, hurry_);  // Stop's signals came before it
-    }
-    bool stopping = false;
-    {
-      absl::MutexLock lock(&mu_);
-      stopping = stopped_;
-    }
-    if (stopping) {
-      until_workers_stopped();
-      return;
     }
   }
 }

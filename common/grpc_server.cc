@@ -99,18 +99,23 @@ void StopGrpcServer(grpc::Server& server, absl::Duration grace) {
 }
 
 namespace {
+// The shutdown signals; what ShutdownSignals() takes of them.
+constexpr int kHandledSignals[] = {SIGTERM, SIGINT, SIGHUP};
+constexpr int kHandledCount = sizeof(kHandledSignals) / sizeof(kHandledSignals[0]);
+
 sigset_t ShutdownSignals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  // The terminal went away; unless the process was started to outlive it
-  // (nohup: SIGHUP ignored from the start, as looked at on the first call).
+  // SIGHUP: the terminal went away; unless the process was started to
+  // outlive it (nohup: SIGHUP ignored from the start, as looked at on the
+  // first call).
   static const bool hup_ignored = [] {
     struct sigaction current {};
     return ::sigaction(SIGHUP, nullptr, &current) == 0 && current.sa_handler == SIG_IGN;
   }();
-  if (!hup_ignored) sigaddset(&set, SIGHUP);
+  sigset_t set;
+  sigemptyset(&set);
+  for (const int sig : kHandledSignals) {
+    if (sig != SIGHUP || !hup_ignored) sigaddset(&set, sig);
+  }
   return set;
 }
 }  // namespace
@@ -125,10 +130,9 @@ namespace {
 std::atomic<int> signal_pipe_write{-1};  // lock-free: read by the handler
 std::atomic<int> signal_pipe_read{-1};
 static_assert(std::atomic<int>::is_always_lock_free);
-// The actions the handler replaced (SIGTERM, SIGINT, SIGHUP), for a child
-// to get back before its exec. Written once, before the handler is installed.
-struct sigaction replaced_actions[3];
-constexpr int kHandledSignals[3] = {SIGTERM, SIGINT, SIGHUP};
+// The actions the handler replaced (of kHandledSignals), for a child to
+// get back before its exec. Written once, before the handler is installed.
+struct sigaction replaced_actions[kHandledCount];
 
 void OnShutdownSignal(int sig) {
   const int saved = errno;
@@ -157,7 +161,7 @@ void BlockShutdownSignals() {
     action.sa_handler = OnShutdownSignal;
     action.sa_mask = set;  // one handler at a time
     action.sa_flags = SA_RESTART;
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < kHandledCount; ++i) {
       const int sig = kHandledSignals[i];
       if (sigismember(&set, sig) == 1) ::sigaction(sig, &action, &replaced_actions[i]);
     }
@@ -166,7 +170,7 @@ void BlockShutdownSignals() {
 }
 
 void RestoreShutdownSignalActionsInChild() {
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < kHandledCount; ++i) {
     struct sigaction current {};
     if (::sigaction(kHandledSignals[i], nullptr, &current) == 0 && current.sa_handler == OnShutdownSignal) {
       ::sigaction(kHandledSignals[i], &replaced_actions[i], nullptr);
@@ -194,7 +198,7 @@ int WaitForShutdownSignalFor(absl::Duration timeout) {
   // waits.
   sigset_t unblocked;
   pthread_sigmask(SIG_SETMASK, nullptr, &unblocked);
-  for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
+  for (const int sig : kHandledSignals) {
     if (sigismember(&set, sig) == 1) sigdelset(&unblocked, sig);
   }
   const absl::Time deadline = timeout == absl::InfiniteDuration()
