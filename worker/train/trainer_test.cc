@@ -43,8 +43,11 @@ using ::colod::testing::TempPath;
 
 using testing::kGplText;
 
-std::string TinyModel(const std::string& name) {
-  auto m = shardformer::testing::WriteTinyGpt2(TempPath(name), testing::TinyByteLevel());
+// A tiny byte-level GPT-2 (of `layers` layers; 0: TinyOptions' own).
+std::string TinyModel(const std::string& name, int layers = 0) {
+  shardformer::testing::TinyOptions tiny = testing::TinyByteLevel();
+  if (layers > 0) tiny.layers = layers;
+  auto m = shardformer::testing::WriteTinyGpt2(TempPath(name), tiny);
   EXPECT_TRUE(m.ok()) << m.status();
   return m->dir;
 }
@@ -482,12 +485,13 @@ TEST(Trainer, AStopReportsTheStepEnqueuedAheadOfIt) {
 }
 
 // Each of four ranks' end and the steps it reported, in a run of `run` on
-// local ranks in which rank 3 asks for a drain once it reported step 3.
+// local ranks in which rank 3 asks for a drain once it reported step
+// `after` (0: from its first poll, while the ranks load).
 struct DrainedRun {
   std::vector<absl::Status> ends = std::vector<absl::Status>(4);
   std::vector<std::vector<StepStats>> reported = std::vector<std::vector<StepStats>>(4);
 };
-DrainedRun RunDrainedByRank3(const PreparedTrain& run, const TrainOptions& t) {
+DrainedRun RunDrainedByRank3(const PreparedTrain& run, const TrainOptions& t, int64_t after = 3) {
   DrainedRun out;
   absl::Mutex mu;
   std::atomic<int64_t> rank3_steps{0};
@@ -500,7 +504,7 @@ DrainedRun RunDrainedByRank3(const PreparedTrain& run, const TrainOptions& t) {
           out.reported[rank].push_back(st);
           if (rank == 3) rank3_steps = st.step;
         };
-        hooks.drain = [&, rank] { return rank == 3 && rank3_steps.load() >= 3; };
+        hooks.drain = [&, rank] { return rank == 3 && rank3_steps.load() >= after; };
         const absl::Status end = RunTrainRank(run, rank, pg, shard, hooks);
         absl::MutexLock lock(&mu);
         out.ends[rank] = end;
@@ -561,13 +565,7 @@ TEST(Trainer, ADrainStopsEveryRankAfterTheSameStepWithItsCheckpoint) {
   // which stays marked drained; the ranks stop after step 4 (a pipelined
   // CUDA step is read as it ends).
   {
-    shardformer::testing::TinyOptions tiny;
-    tiny.vocab = kByteVocab;
-    tiny.positions = 32;
-    tiny.layers = 2;
-    auto gpt2 = shardformer::testing::WriteTinyGpt2(TempPath("train_drain_pp"), tiny);
-    ASSERT_TRUE(gpt2.ok()) << gpt2.status();
-    TrainOptions pp = Options(gpt2->dir, 2, 1);
+    TrainOptions pp = Options(TinyModel("train_drain_pp", 2), 2, 1);
     pp.shard.layout.set_pipeline_parallel_size(2);
     pp.micro_batches = 2;
     pp.steps = 8;
@@ -599,6 +597,62 @@ TEST(Trainer, ADrainStopsEveryRankAfterTheSameStepWithItsCheckpoint) {
       },
       unsaved.comm_timeout);
   EXPECT_TRUE(s.ok()) << s;
+}
+
+// A drain asked before the first step (the worker shuts down while the
+// job loads), and drains of runs that keep other state: ZeRO-2's sharded
+// optimizer state and gradients, a 2D mesh (tp=4 as 2 x 2), interleaved
+// pipeline chunks (pp=2 x 2 virtual stages x tp=2). Each stops every rank
+// after the same step with its checkpoint (after step 1 for the first: the
+// drain's answer rides on the first step's read), and resuming from it
+// gives the uninterrupted run's losses bitwise.
+TEST(Trainer, ADrainWhileTheRanksLoadOrOfZeroA2DMeshOrInterleavedChunksResumesBitwise) {
+  const std::string gpt2 = TinyModel("train_drain_more", 4);
+  struct Case {
+    std::string name;
+    TrainOptions options;
+    int64_t after;  // rank 3 asks once it reported this step
+    int64_t last;   // the step every rank stops after
+  };
+  std::vector<Case> cases;
+  cases.push_back({"loading", Options(gpt2, 2, 2), 0, 1});
+  cases.push_back({"zero2", Options(gpt2, 2, 2), 3, 4});
+  cases.back().options.zero_stage = 2;
+  cases.push_back({"2d", Options(gpt2, 4, 1, v1::TENSOR_PARALLEL_MODE_2D), 3, 4});
+  cases.push_back({"interleaved", Options(gpt2, 2, 1), 3, 4});
+  cases.back().options.shard.layout.set_pipeline_parallel_size(2);
+  cases.back().options.shard.layout.set_virtual_stages(2);
+  cases.back().options.micro_batches = 2;
+  for (Case& c : cases) {
+    TrainOptions& t = c.options;
+    t.steps = 6;
+    t.save_every = 100;  // no checkpoint but the drain's
+    TrainOptions whole = t;
+    whole.save_dir = TempPath("drain_more_whole_" + c.name);
+    const std::vector<StepStats> want = Losses(whole);
+    ASSERT_EQ(want.size(), 6u) << c.name;
+    t.save_dir = TempPath("drain_more_" + c.name);
+    auto prepared = PrepareTrain(t);
+    ASSERT_TRUE(prepared.ok()) << c.name << ": " << prepared.status();
+    const DrainedRun run = RunDrainedByRank3(**prepared, t, c.after);
+    for (int rank = 0; rank < 4; ++rank) {
+      EXPECT_TRUE(IsDrained(run.ends[rank])) << c.name << " rank " << rank << ": " << run.ends[rank];
+      EXPECT_NE(run.ends[rank].message().find(absl::StrCat("stopped after step ", c.last, " for a drain")),
+                std::string::npos)
+          << c.name << " rank " << rank << ": " << run.ends[rank];
+      EXPECT_EQ(run.reported[rank].size(), static_cast<size_t>(c.last)) << c.name << " rank " << rank;
+    }
+    EXPECT_EQ(std::distance(std::filesystem::directory_iterator(t.save_dir), std::filesystem::directory_iterator()), 1)
+        << c.name << ": the drain's checkpoint alone";
+    ASSERT_TRUE(std::filesystem::exists(StepDir(t.save_dir, c.last))) << c.name;
+    TrainOptions resumed = t;
+    resumed.resume_dir = t.save_dir;
+    const std::vector<StepStats> rest = Losses(resumed);
+    ASSERT_EQ(rest.size(), static_cast<size_t>(6 - c.last)) << c.name;
+    for (size_t i = 0; i < rest.size(); ++i) {
+      EXPECT_EQ(rest[i].loss, want[c.last + i].loss) << c.name << " step " << c.last + i + 1;
+    }
+  }
 }
 
 // Training on a Megatron-LM indexed dataset (uint16 tokens, one document
